@@ -1,0 +1,63 @@
+"""What `check` and `bench` need to know about one operator.
+
+Each operator registers one `OpSuite` in `forgekernel/bench/suites/<op>.py`. The generic
+harness (`forgekernel.bench.check`, `forgekernel.bench.harness`) drives it; nothing in the
+harness is operator-specific.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+Inputs = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One problem: a name for tables and a dict of parameters the suite understands."""
+
+    name: str
+    params: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class OpSuite:
+    """Everything the harness needs for one operator.
+
+    make_inputs(case, dtype, device, generator) -> Inputs: fresh random inputs (never zeros).
+    run_ours(inputs, out) -> Tensor | tuple: our kernel writing into `out` (pre-poisoned with
+        NaN by the harness) when `out` is not None; returns the output(s).
+    alloc_out(inputs) -> Tensor | tuple: empty output(s) of the right shape / dtype.
+    reference(inputs) -> Tensor | tuple: fp32 result (the spec, from forgekernel.reference).
+    low_precision(inputs) -> Tensor | tuple: the same math done by PyTorch in the input dtype;
+        our error must be <= 2x its error + atol (FlashAttention's criterion).
+    comparators: name -> callable(inputs) -> output, or None when unavailable in this process
+        (reported as missing, never faked). `available_comparators()` resolves them lazily.
+    flops(case) / bytes(case): work counts for TFLOP/s and GB/s.
+    kernel_sources: the files whose hash identifies the kernel measured (the ledger key).
+    """
+
+    name: str
+    kernel_sources: Sequence[Path]
+    dtypes: Sequence[torch.dtype]
+    check_cases: Sequence[Case]
+    bench_cases: Sequence[Case]
+    make_inputs: Callable[[Case, torch.dtype, torch.device, torch.Generator], Inputs]
+    alloc_out: Callable[[Inputs], Any]
+    run_ours: Callable[[Inputs, Any], Any]
+    reference: Callable[[Inputs], Any]
+    low_precision: Callable[[Inputs], Any]
+    comparators: Callable[[], dict[str, Callable[[Inputs], Any] | None]]
+    flops: Callable[[Case], float]
+    bytes: Callable[[Case, torch.dtype], float]
+    memory_bound: bool = False
+    atol: float = 1e-5
+    bench_dtypes: Sequence[torch.dtype] = field(default_factory=tuple)
+
+    def dtypes_for_bench(self) -> Sequence[torch.dtype]:
+        return self.bench_dtypes or self.dtypes

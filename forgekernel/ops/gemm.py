@@ -1,0 +1,128 @@
+"""`forgekernel.gemm`: C = A @ B^T on Hopper, fp16/bf16 in and out, fp32 accumulation.
+
+Eager calls go straight to the kernel; under `torch.compile` the same work runs through the
+custom ops `forgekernel::gemm` / `forgekernel::gemm_out`, whose fake implementations give the
+compiler shapes without running anything.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from forgekernel.kernels.gemm.dense.sm90 import SPEC, choose_config, params_for
+from forgekernel.ops._validate import (
+    as_tma_ready,
+    check_cuda,
+    check_multiple,
+    check_same_device,
+    check_same_dtype,
+    check_tensor,
+    tma_ready,
+)
+from forgekernel.runtime.cache import get_kernel
+
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def _validate(
+    a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None, b_layout: str
+) -> tuple[int, int, int]:
+    # Device checks come last so that every shape error is reported the same on any device.
+    check_tensor("a", a, ndim=2, cuda=False)
+    check_tensor("b", b, ndim=2, cuda=False)
+    check_same_dtype(a=a, b=b)
+    if b_layout not in ("nk", "kn"):
+        raise ValueError(f"b_layout must be 'nk' (B is (N, K)) or 'kn' (B is (K, N)), "
+                         f"got {b_layout!r}")
+    m, k = a.shape
+    n, kb = b.shape if b_layout == "nk" else (b.shape[1], b.shape[0])
+    if kb != k:
+        raise ValueError(
+            f"a is (M, K) = {tuple(a.shape)} and b ({b_layout}) is {tuple(b.shape)}: "
+            f"K mismatch ({k} vs {kb})"
+        )
+    check_multiple("K", k, 8, "rows of A and B must be 16-byte multiples for TMA")
+    check_multiple("N", n, 8, "rows of C must be 16-byte multiples for TMA")
+    if out is not None:
+        check_tensor("out", out, ndim=2, cuda=False)
+        check_same_dtype(a=a, out=out)
+        if tuple(out.shape) != (m, n):
+            raise ValueError(f"out must have shape {(m, n)}, got {tuple(out.shape)}")
+    check_cuda("a", a)
+    check_same_device(a=a, b=b, **({} if out is None else {"out": out}))
+    return m, n, k
+
+
+@functools.cache
+def _max_clusters(device_index: int, cluster_size: int) -> int:
+    # One CTA per SM (the pipeline takes nearly all shared memory).
+    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return sms // cluster_size
+
+
+def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b_kn: bool) -> None:
+    m, k = a.shape
+    n = out.shape[1]
+    if m == 0 or n == 0:
+        return
+    if k == 0:
+        out.zero_()
+        return
+    cfg = choose_config(m, n, k)
+    fn = get_kernel(SPEC, params_for(_DTYPE_NAMES[a.dtype], b_kn, cfg))
+    target = out if tma_ready(out) else torch.empty(m, n, dtype=out.dtype, device=out.device)
+    with torch.cuda.device(a.device):
+        fn(as_tma_ready(a), as_tma_ready(b), target,
+           _max_clusters(a.device.index, cfg.cluster_m * cfg.cluster_n))
+    if target is not out:
+        out.copy_(target)
+
+
+@torch.library.custom_op("forgekernel::gemm", mutates_args=())
+def _gemm_op(a: torch.Tensor, b: torch.Tensor, b_kn: bool) -> torch.Tensor:
+    n = b.shape[1] if b_kn else b.shape[0]
+    out = torch.empty(a.shape[0], n, dtype=a.dtype, device=a.device)
+    _launch(a, b, out, b_kn)
+    return out
+
+
+@_gemm_op.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, b_kn: bool) -> torch.Tensor:
+    n = b.shape[1] if b_kn else b.shape[0]
+    return a.new_empty(a.shape[0], n)
+
+
+@torch.library.custom_op("forgekernel::gemm_out", mutates_args=("out",))
+def _gemm_out_op(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b_kn: bool) -> None:
+    _launch(a, b, out, b_kn)
+
+
+@_gemm_out_op.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b_kn: bool) -> None:
+    return None
+
+
+def gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor | None = None,
+    b_layout: str = "nk",
+) -> torch.Tensor:
+    """C = A @ B^T with A (M, K) and B (N, K); `b_layout="kn"` takes B as (K, N) (C = A @ B).
+
+    fp16 or bf16 (A, B and C alike), fp32 accumulation. K and N must be multiples of 8.
+    Non-contiguous or misaligned inputs are copied; `out` may be any (M, N) view.
+    """
+    m, n, _ = _validate(a, b, out, b_layout)
+    b_kn = b_layout == "kn"
+    if torch.compiler.is_compiling():
+        if out is None:
+            return torch.ops.forgekernel.gemm(a, b, b_kn)
+        torch.ops.forgekernel.gemm_out(a, b, out, b_kn)
+        return out
+    if out is None:
+        out = torch.empty(m, n, dtype=a.dtype, device=a.device)
+    _launch(a, b, out, b_kn)
+    return out

@@ -1,0 +1,1 @@
+"""fp32 PyTorch references: the specification every kernel is checked against."""

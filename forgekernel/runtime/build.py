@@ -1,0 +1,33 @@
+"""`forgekernel build`: compile every kernel's standard configurations ahead of time (no GPU
+needed) and report each one's resources from the compiler's own output."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from forgekernel.runtime.cache import compile_to, user_cache_dir
+from forgekernel.runtime.resources import inspect_cubin
+from forgekernel.runtime.spec import all_specs
+
+
+def build_all(arch: str = "sm_90a", out_dir: Path | None = None) -> list[dict[str, Any]]:
+    """Compile all standard (spec, params) for `arch` into `out_dir` (default: user cache)."""
+    target = Path(out_dir) if out_dir else user_cache_dir(arch)
+    records = []
+    for spec in all_specs():
+        if spec.arch != arch:
+            continue
+        for params in spec.standard_params():
+            with tempfile.TemporaryDirectory(prefix="forgekernel-cubin-") as keep:
+                # A fresh folder per kernel: the DSL names dumps by signature, not config.
+                rec = compile_to(spec, params, target, keep_dir=Path(keep))
+                rec.update(inspect_cubin(rec.pop("cubin")))
+            rec["config"] = _short(rec["params"])
+            records.append(rec)
+    return records
+
+
+def _short(params: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in params.items())

@@ -1,0 +1,102 @@
+"""The one compile cache: memory, then prebuilt/disk directories, then compile (DSL needed).
+
+Key = kernel name, arch, the baked-in params (dtypes, static dims, config) and the hash of the
+kernel's sources; dynamic dims are `cute.sym_int()` and never enter the key. Several processes
+compiling the same key serialize on a lock file and the loser loads the winner's .so.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from forgekernel.runtime.arch import resolve_arch
+from forgekernel.runtime.hashing import key_hash
+from forgekernel.runtime.loader import load_function
+from forgekernel.runtime.spec import KernelSpec, Params
+
+_LOADED: dict[str, Any] = {}
+
+
+def artifact_stem(spec: KernelSpec, params: Params) -> str:
+    return f"{spec.name}-{key_hash(spec.name, spec.arch, params, spec.source_hash)}"
+
+
+def symbol_of(stem: str) -> str:
+    return "fk_" + stem.replace("-", "_")
+
+
+def user_cache_dir(arch: str) -> Path:
+    root = os.environ.get("FORGEKERNEL_CACHE_DIR") or Path.home() / ".cache" / "forgekernel"
+    return Path(root) / arch
+
+
+def search_dirs(arch: str) -> list[Path]:
+    """Prebuilt kernels first ($FORGEKERNEL_KERNEL_DIR, a bundle), then the user cache."""
+    env = os.environ.get("FORGEKERNEL_KERNEL_DIR", "")
+    dirs = [Path(d) for d in env.split(os.pathsep) if d]
+    return dirs + [user_cache_dir(arch)]
+
+
+def get_kernel(spec: KernelSpec, params: Params) -> Any:
+    """The loaded callable for (spec, params); compiles once, only when nothing prebuilt fits."""
+    stem = artifact_stem(spec, params)
+    fn = _LOADED.get(stem)
+    if fn is not None:
+        return fn
+    if resolve_arch(None) != spec.arch:
+        raise RuntimeError(f"{spec.name} is built for {spec.arch}, this device is not")
+    for d in search_dirs(spec.arch):
+        so = d / f"{stem}.so"
+        if so.is_file():
+            fn = _LOADED[stem] = load_function(so, symbol_of(stem))
+            return fn
+    print(
+        f"forgekernel: compiling {spec.name} {dict(params)} (one-time; "
+        "`forgekernel build` prebuilds the standard configurations)",
+        file=sys.stderr,
+    )
+    record = compile_to(spec, params, user_cache_dir(spec.arch))
+    fn = _LOADED[stem] = load_function(Path(record["path"]), symbol_of(stem))
+    return fn
+
+
+def compile_to(
+    spec: KernelSpec, params: Params, out_dir: Path, keep_dir: Path | None = None
+) -> dict[str, Any]:
+    """Compile and export one kernel to `out_dir/<stem>.so` (atomic, lock-serialized).
+    With `keep_dir`, the cubin is kept there and its path returned as record["cubin"]."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = artifact_stem(spec, params)
+    so = out_dir / f"{stem}.so"
+    record: dict[str, Any] = {"name": spec.name, "params": dict(params), "path": str(so)}
+    with open(out_dir / f"{stem}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if so.is_file():
+            record["compile_s"] = 0.0
+            return record
+        t0 = time.perf_counter()
+        keep = f"--keep-cubin --dump-dir {keep_dir}" if keep_dir else ""
+        compiled = spec.compile(params, keep)
+        record["compile_s"] = round(time.perf_counter() - t0, 2)
+        record["cubin"] = getattr(compiled.artifacts, "CUBIN", None)
+        _export(compiled, symbol_of(stem), so)
+    return record
+
+
+def _export(compiled: Any, symbol: str, so: Path) -> None:
+    import cutlass.cute as cute
+
+    with tempfile.TemporaryDirectory(dir=so.parent) as tmp:
+        obj = Path(tmp) / "kernel.o"
+        compiled.export_to_c(str(obj), function_name=symbol)
+        tmp_so = Path(tmp) / "kernel.so"
+        libs = cute.runtime.find_runtime_libraries(enable_tvm_ffi=True)
+        subprocess.run(["gcc", "-shared", "-o", str(tmp_so), str(obj), *libs], check=True)
+        os.replace(tmp_so, so)

@@ -1,0 +1,64 @@
+"""Read a kernel's resources off its cubin: registers, spills, and the instruction mix.
+
+Uses `cuobjdump` / `nvdisasm` from PATH or from the pip wheels nvidia-cuda-cuobjdump and
+nvidia-cuda-nvdisasm (the `dev` extra); without them only the cubin's presence is reported.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+_RES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+_OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def _tool_dirs() -> list[str]:
+    dirs = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p]
+    for entry in sys.path:
+        for cu in ("cu13", "cu12"):
+            dirs.append(str(Path(entry or ".") / "nvidia" / cu / "bin"))
+    return dirs
+
+
+def find_tool(name: str) -> str | None:
+    return shutil.which(name, path=os.pathsep.join(_tool_dirs()))
+
+
+def inspect_cubin(cubin: str | os.PathLike | None) -> dict[str, Any]:
+    """registers, stack/spill bytes, static smem, and SASS counts of HGMMA / TMA / local memory."""
+    out: dict[str, Any] = {"registers": None, "smem_bytes": None, "spill_bytes": None,
+                           "hgmma": None, "sass": {}}
+    cuobjdump = find_tool("cuobjdump")
+    if isinstance(cubin, bytes):  # some DSL paths hand back the image, not its file
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(cubin)
+        try:
+            return inspect_cubin(f.name)
+        finally:
+            os.unlink(f.name)
+    if cubin is None or not Path(cubin).is_file() or cuobjdump is None:
+        return out
+    res = subprocess.run([cuobjdump, "-res-usage", str(cubin)], capture_output=True, text=True)
+    m = _RES.search(res.stdout)
+    if m:
+        reg, stack, shared, local = map(int, m.groups())
+        out.update(registers=reg, smem_bytes=shared, spill_bytes=stack + local)
+    nvdisasm = find_tool("nvdisasm")
+    if nvdisasm is None:
+        return out
+    env = dict(os.environ, PATH=os.pathsep.join([str(Path(nvdisasm).parent), os.environ["PATH"]]))
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, env=env)
+    ops = Counter(_OPCODE.findall(sass.stdout))
+    keep = ("HGMMA", "QGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDL", "STL", "LDS", "STS", "STSM",
+            "SYNCS", "BAR", "MUFU", "FFMA")
+    out["sass"] = {k: v for k, v in ops.items() if k in keep}
+    out["hgmma"] = ops.get("HGMMA", 0) > 0
+    return out

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Copy what scripts/device_run.sh wrote under $OUT (fetched to DIR) into the repository.
+#   bash scripts/take_results.sh DIR
+set -euo pipefail
+src=${1:?folder the device run's \$OUT was fetched to}
+root=$(cd "$(dirname "$0")/.." && pwd)
+for f in "$src"/results/*/*.json; do
+  [ -e "$f" ] || continue
+  arch=$(basename "$(dirname "$f")")
+  mkdir -p "$root/benchmarks/results/$arch" && cp "$f" "$root/benchmarks/results/$arch/"
+done
+if ls "$src"/reports/* >/dev/null 2>&1; then
+  arch=$(ls "$src"/results 2>/dev/null | head -1); arch=${arch:-sm_90a}
+  mkdir -p "$root/benchmarks/reports/$arch" && cp "$src"/reports/* "$root/benchmarks/reports/$arch/"
+fi
+git -C "$root" status --short benchmarks

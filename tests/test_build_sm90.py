@@ -1,0 +1,51 @@
+"""Every kernel builds for sm_90a on a machine with no GPU, exports a loadable-shaped .so, and
+(when cuobjdump/nvdisasm are installed: the `dev` extra) uses HGMMA with no local memory."""
+
+import multiprocessing as mp
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+from forgekernel.runtime.build import build_all  # noqa: E402
+from forgekernel.runtime.cache import artifact_stem, compile_to  # noqa: E402
+from forgekernel.runtime.resources import find_tool  # noqa: E402
+from forgekernel.runtime.spec import all_specs  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    return build_all("sm_90a", tmp_path_factory.mktemp("kernels"))
+
+
+def test_every_standard_config_builds(records):
+    expected = sum(len(s.standard_params()) for s in all_specs())
+    assert len(records) == expected
+    for rec in records:
+        so = Path(rec["path"])
+        assert so.is_file() and so.read_bytes()[:4] == b"\x7fELF"
+
+
+@pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
+def test_sass_uses_hgmma_and_no_local_memory(records):
+    for rec in records:
+        assert rec["hgmma"], rec["config"]
+        assert rec["spill_bytes"] == 0, rec["config"]
+        assert rec["sass"].get("LDL", 0) == 0 and rec["sass"].get("STL", 0) == 0
+
+
+def _compile_one(out_dir: str) -> str:
+    spec = all_specs()[0]
+    return compile_to(spec, spec.standard_params()[0], Path(out_dir))["path"]
+
+
+def test_concurrent_compiles_of_one_key_agree(tmp_path):
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    with mp.get_context("spawn").Pool(2) as pool:
+        paths = pool.map(_compile_one, [str(tmp_path)] * 2)
+    spec = all_specs()[0]
+    stem = artifact_stem(spec, spec.standard_params()[0])
+    assert paths[0] == paths[1] == str(tmp_path / f"{stem}.so")
+    assert sorted(p.name for p in tmp_path.glob("*.so")) == [f"{stem}.so"]
