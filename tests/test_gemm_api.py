@@ -38,5 +38,6 @@ def test_reference_matches_float64(m, n, k):
     a, b = bf16(m, k), bf16(n, k)
     want = a.double() @ b.double().t()
     assert torch.allclose(gemm_ref(a, b).double(), want, rtol=1e-5, atol=1e-4)
-    assert torch.allclose(gemm_ref(a, b.t().contiguous(), "kn").double(), want, rtol=1e-5,
-                          atol=1e-4)
+    assert torch.allclose(
+        gemm_ref(a, b.t().contiguous(), "kn").double(), want, rtol=1e-5, atol=1e-4
+    )

@@ -12,14 +12,18 @@ from forgekernel.runtime.resources import inspect_cubin
 from forgekernel.runtime.spec import all_specs
 
 
-def build_all(arch: str = "sm_90a", out_dir: Path | None = None) -> list[dict[str, Any]]:
-    """Compile all standard (spec, params) for `arch` into `out_dir` (default: user cache)."""
+def build_all(
+    arch: str = "sm_90a", out_dir: Path | None = None, candidates: bool = False
+) -> list[dict[str, Any]]:
+    """Compile all standard (spec, params) for `arch` into `out_dir` (default: user cache);
+    with `candidates`, also the configurations a tuning sweep times."""
     target = Path(out_dir) if out_dir else user_cache_dir(arch)
     records = []
     for spec in all_specs():
         if spec.arch != arch:
             continue
-        for params in spec.standard_params():
+        extra = list(spec.candidate_params()) if candidates else []
+        for params in list(spec.standard_params()) + extra:
             with tempfile.TemporaryDirectory(prefix="forgekernel-cubin-") as keep:
                 # A fresh folder per kernel: the DSL names dumps by signature, not config.
                 rec = compile_to(spec, params, target, keep_dir=Path(keep))

@@ -21,6 +21,7 @@ PY_TAG = "3.12"  # the GPU host's python
 
 RUN_SH = """#!/usr/bin/env bash
 # Run ForgeKernel from this bundle: bash run.sh [forgekernel args...]  (default: check + bench)
+#   bash run.sh python SCRIPT [args...] runs a script with the bundle's packages and kernels.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 site=${FORGEKERNEL_SITE:-/tmp/forgekernel-site}
@@ -36,19 +37,21 @@ export FORGEKERNEL_RUNTIME_LIB="$site/libcute_dsl_runtime.so"
 export PYTHONUNBUFFERED=1
 if [ $# -eq 0 ]; then
   python3 -m forgekernel check && python3 -m forgekernel bench
+elif [ "$1" = python ]; then
+  shift; python3 "$@"
 else
   python3 -m forgekernel "$@"
 fi
 """
 
 
-def make_bundle(out: Path, arch: str = "sm_90a") -> Path:
+def make_bundle(out: Path, arch: str = "sm_90a", candidates: bool = False) -> Path:
     out = Path(out)
     if out.exists():
         shutil.rmtree(out)
     (out / "wheels").mkdir(parents=True)
     (out / "lib").mkdir()
-    records = build_all(arch, out / "kernels")
+    records = build_all(arch, out / "kernels", candidates=candidates)
     for lock in (out / "kernels").glob("*.lock"):
         lock.unlink()
     manifest = {

@@ -22,6 +22,7 @@ class KernelSpec:
     compile: (params, extra_options) -> a `cute.compile`d TVM-FFI function for `arch`; imports
         the DSL lazily; extra_options are DSL compile flags (e.g. --keep-cubin --dump-dir D).
     standard_params: the configurations `forgekernel build` compiles ahead of time.
+    candidate_params: further configurations for tuning sweeps (`build --candidates`).
     """
 
     name: str
@@ -29,6 +30,7 @@ class KernelSpec:
     directory: Path
     compile: Callable[[Params, str], Any]
     standard_params: Callable[[], Sequence[Params]]
+    candidate_params: Callable[[], Sequence[Params]] = tuple
 
     @property
     def sources(self) -> list[Path]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from forgekernel.kernels.gemm.dense.sm90.config import (
+    CANDIDATES,
     DTYPES,
     STANDARD_CONFIGS,
     GemmConfig,
@@ -29,12 +30,17 @@ def _standard_params() -> list[Params]:
     ]
 
 
+def _candidate_params() -> list[Params]:
+    return [params_for("bfloat16", False, cfg) for cfg in CANDIDATES]
+
+
 SPEC = KernelSpec(
     name="gemm_dense_sm90",
     arch="sm_90a",
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
+    candidate_params=_candidate_params,
 )
 
 __all__ = ["SPEC", "GemmConfig", "choose_config", "params_for"]

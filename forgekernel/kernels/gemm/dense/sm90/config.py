@@ -31,6 +31,16 @@ class GemmConfig:
 LARGE = GemmConfig()
 SMALL = GemmConfig(tile_n=128, cluster_m=1)
 STANDARD_CONFIGS = (LARGE, SMALL)
+# Built with `forgekernel build --candidates` and timed by scripts/gemm_sweep.py (bf16, "nk").
+CANDIDATES = (
+    GemmConfig(cluster_m=1),
+    GemmConfig(cluster_m=1, cluster_n=2),
+    GemmConfig(swizzle=8),
+    GemmConfig(swizzle=8, raster_along_m=False),
+    GemmConfig(tile_n=128),
+    GemmConfig(tile_n=192),
+    GemmConfig(tile_m=64, tile_n=256, cluster_m=1),
+)
 
 
 def params_for(dtype: str, b_kn: bool, cfg: GemmConfig) -> tuple:

@@ -378,7 +378,8 @@ class GemmSm90:
                 cute.arch.fence_proxy("async.shared", space="cta")
                 self.epi_barrier.arrive_and_wait()
                 if warp_idx == store_warp:
-                    cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, epi_grid.get_hier_coord(e))])
+                    gmem_crd = epi_grid.get_hier_coord(e)
+                    cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, gmem_crd)])
                     store_pipe.producer_commit()
                     store_pipe.producer_acquire()
                 self.epi_barrier.arrive_and_wait()

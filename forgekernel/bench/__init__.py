@@ -1,0 +1,1 @@
+"""Correctness checks, benchmarks, reports and the results ledger (no DSL import here)."""

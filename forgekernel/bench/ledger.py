@@ -1,0 +1,222 @@
+"""The results ledger: `<results_dir>/<arch>/<op>.json`, the GPU evidence behind every kernel.
+
+One file per operator and arch with two sections, "check" and "bench", each stamped with the
+source hash of the kernel it measured and the machine it ran on. Writing one section keeps the
+other only while its source hash is still current. The README results table is built from
+these files and nothing else.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from forgekernel.bench.suite import OpSuite
+from forgekernel.runtime.hashing import PACKAGE_ROOT, source_hash
+
+RESULTS_ENV = "FORGEKERNEL_RESULTS_DIR"
+KERNEL_DIR_ENV = "FORGEKERNEL_KERNEL_DIR"
+SECTIONS = ("check", "bench")
+README_BEGIN = "<!-- results:begin -->"
+README_END = "<!-- results:end -->"
+
+
+def repo_root() -> Path:
+    """The checkout holding the package, else (an installed package) the working directory."""
+    root = PACKAGE_ROOT.parent
+    return root if (root / "pyproject.toml").exists() else Path.cwd()
+
+
+def default_results_dir() -> Path:
+    env = os.environ.get(RESULTS_ENV)
+    return Path(env) if env else repo_root() / "benchmarks" / "results"
+
+
+def ledger_path(results_dir: Path, arch: str, op: str) -> Path:
+    return Path(results_dir) / arch / f"{op}.json"
+
+
+def dsl_version() -> str:
+    """Installed nvidia-cutlass-dsl, else the prebuilt bundle's manifest, else "unknown"."""
+    try:
+        return importlib.metadata.version("nvidia-cutlass-dsl")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    kernel_dir = os.environ.get(KERNEL_DIR_ENV)
+    if kernel_dir:
+        try:
+            manifest = json.loads((Path(kernel_dir) / "manifest.json").read_text())
+            return f"{manifest['dsl_version']} (bundle)"
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return "unknown"
+
+
+def driver_version() -> str:
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run(
+                [smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+                check=True,
+            )
+            return out.stdout.strip().splitlines()[0]
+        except (OSError, subprocess.SubprocessError, IndexError):
+            pass
+    get = getattr(torch._C, "_cuda_getDriverVersion", None)
+    if torch.cuda.is_available() and get is not None:
+        return f"cuda driver api {get()}"
+    return "unknown"
+
+
+def environment() -> dict[str, str]:
+    """Where and with what a result was produced."""
+    cuda = torch.cuda.is_available()
+    return {
+        "gpu": torch.cuda.get_device_name() if cuda else "none",
+        "driver": driver_version() if cuda else "none",
+        "cuda": torch.version.cuda or "none",
+        "torch": torch.__version__,
+        "dsl_version": dsl_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def load(path: Path) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def write_section(
+    suite: OpSuite,
+    section: str,
+    data: dict[str, Any],
+    *,
+    arch: str,
+    results_dir: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> Path:
+    """Record one section for `suite`, keeping the other section unless its source is stale."""
+    if section not in SECTIONS:
+        raise ValueError(f"section must be one of {SECTIONS}, got {section!r}")
+    path = ledger_path(results_dir or default_results_dir(), arch, suite.name)
+    current = source_hash(suite.kernel_sources)
+    env = env or environment()
+    old = load(path) or {}
+    doc: dict[str, Any] = {"op": suite.name, "arch": arch, "source_hash": current, **env}
+    for other in SECTIONS:
+        kept = old.get(other)
+        if other != section and isinstance(kept, dict) and kept.get("source_hash") == current:
+            doc[other] = kept
+    doc[section] = {"source_hash": current, **env, **data}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def ledger_status(
+    suite: OpSuite, results_dir: Path | None = None, arch: str | None = None
+) -> tuple[bool, str]:
+    """ok only when a ledger's check section passed on the current kernel sources."""
+    if not suite.kernel_sources:
+        return False, f"{suite.name}: the suite lists no kernel sources"
+    results_dir = Path(results_dir or default_results_dir())
+    current = source_hash(suite.kernel_sources)
+    if arch:
+        paths = [ledger_path(results_dir, arch, suite.name)]
+    else:
+        paths = sorted(results_dir.glob(f"*/{suite.name}.json"))
+    paths = [p for p in paths if p.exists()]
+    if not paths:
+        return False, (
+            f"{suite.name}: no ledger under {results_dir}; "
+            f"run `forgekernel check {suite.name}` on a GPU"
+        )
+    reasons = []
+    for p in paths:
+        check = (load(p) or {}).get("check")
+        if not isinstance(check, dict):
+            reasons.append(f"{p}: no check section")
+        elif check.get("source_hash") != current:
+            reasons.append(f"{p}: checked source {check.get('source_hash')}, current {current}")
+        elif check.get("passed") is not True:
+            reasons.append(f"{p}: check failed on source {current}")
+        else:
+            return True, f"{p}: check passed on {check.get('gpu')} {check.get('date')}"
+    return False, "; ".join(reasons)
+
+
+def _fmt_ratio(x: Any) -> str:
+    return f"{x:.3f}x" if isinstance(x, (int, float)) else "-"
+
+
+def _ledger_rows(doc: dict[str, Any]) -> list[list[str]]:
+    check, bench = doc.get("check") or {}, doc.get("bench") or {}
+    verdict = {True: "passed", False: "FAILED"}.get(check.get("passed"), "none")
+    medians, mins = bench.get("median_ratio") or {}, bench.get("min_ratio") or {}
+    gpu = bench.get("gpu") or check.get("gpu") or doc.get("gpu", "?")
+    date = (bench.get("date") or check.get("date") or doc.get("date", "?"))[:10]
+    head = [str(doc.get("op", "?")), str(gpu)]
+    tail = [verdict, date, str(doc.get("source_hash", "?"))]
+    if not medians:
+        return [head + ["-", "-", "-"] + tail]
+    return [head + [c, _fmt_ratio(m), _fmt_ratio(mins.get(c))] + tail for c, m in medians.items()]
+
+
+def readme_table(results_dir: Path | None = None) -> str:
+    """Markdown table of every ledger under `results_dir` (the only source of README figures)."""
+    results_dir = Path(results_dir or default_results_dir())
+    rows = []
+    for path in sorted(results_dir.glob("*/*.json")):
+        doc = load(path)
+        if doc and "op" in doc:
+            rows += _ledger_rows(doc)
+    if not rows:
+        return "_No GPU results recorded yet._\n"
+    headers = [
+        "operator",
+        "GPU",
+        "comparator",
+        "median ratio",
+        "min ratio",
+        "check",
+        "date",
+        "source hash",
+    ]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    lines.append("")
+    lines.append(
+        "ratio = comparator time / our time on the same GPU, same process (> 1: ours faster)."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def update_readme(readme: Path, results_dir: Path | None = None) -> bool:
+    """Rewrite the block between the results markers; True when the file changed."""
+    text = Path(readme).read_text()
+    pattern = re.compile(re.escape(README_BEGIN) + r".*?" + re.escape(README_END), re.S)
+    if not pattern.search(text):
+        raise ValueError(f"{readme} has no {README_BEGIN} ... {README_END} block")
+    block = f"{README_BEGIN}\n{readme_table(results_dir)}{README_END}"
+    new = pattern.sub(lambda _: block, text, count=1)
+    if new != text:
+        Path(readme).write_text(new)
+    return new != text

@@ -1,0 +1,30 @@
+"""The operator suites, one module per operator, each exposing `suite() -> OpSuite`.
+
+Modules are imported only when asked for, so listing suites needs neither the DSL nor a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+
+from forgekernel.bench.suite import OpSuite
+
+SUITE_MODULES = {
+    "gemm": "forgekernel.bench.suites.gemm",
+}
+
+
+def get_suite(name: str) -> OpSuite:
+    if name not in SUITE_MODULES:
+        raise ValueError(f"unknown operator {name!r}; known: {', '.join(SUITE_MODULES)}")
+    return importlib.import_module(SUITE_MODULES[name]).suite()
+
+
+def all_suites() -> dict[str, OpSuite]:
+    return {name: get_suite(name) for name in SUITE_MODULES}
+
+
+def select_suites(names: Iterable[str] = ()) -> list[OpSuite]:
+    """The named suites (all of them when none is named); unknown names raise ValueError."""
+    return [get_suite(n) for n in (list(names) or SUITE_MODULES)]

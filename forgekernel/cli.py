@@ -1,0 +1,220 @@
+"""`forgekernel` command line: check, bench, selftest, build, bundle, readme.
+
+Nothing here imports the DSL at import time: check and bench run on a GPU host that may only
+have prebuilt kernels, and build / bundle import the DSL when they run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+NO_GPU_CHECK = "no CUDA device: check needs a GPU"
+NO_GPU_BENCH = "no CUDA device: bench needs a GPU to time kernels; building them instead"
+NEED_DSL = "building kernels needs the CuTe DSL (pip install nvidia-cutlass-dsl)"
+
+
+class CliError(Exception):
+    """A usage problem reported as one line (exit 2), not a traceback."""
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _ledger():
+    from forgekernel.bench import ledger
+
+    return ledger
+
+
+def _arch(explicit: str | None) -> str:
+    from forgekernel.runtime.arch import resolve_arch
+
+    try:
+        return resolve_arch(explicit)
+    except RuntimeError as e:
+        raise CliError(str(e)) from e
+
+
+def _build_arch(explicit: str | None) -> str:
+    return _arch(explicit or os.environ.get("CUTE_DSL_ARCH") or "sm_90a")
+
+
+def _suites(ops: Sequence[str]) -> list:
+    from forgekernel.bench.suites import select_suites
+
+    try:
+        return select_suites(ops)
+    except ValueError as e:
+        raise CliError(str(e)) from e
+
+
+def resource_table(records: Sequence[dict[str, Any]]) -> str:
+    """One row per compiled kernel: its resources as the compiler left them."""
+    from forgekernel.bench.report import format_table
+
+    def cell(x: Any, fmt: str = "") -> str:
+        return "-" if x is None else format(x, fmt)
+
+    headers = ["name", "config", "regs", "smem B", "spill B", "hgmma", "compile s", "path"]
+    rows = [
+        [
+            r.get("name"),
+            r.get("config", ""),
+            cell(r.get("registers")),
+            cell(r.get("smem_bytes")),
+            cell(r.get("spill_bytes")),
+            cell(r.get("hgmma")),
+            cell(r.get("compile_s"), ".1f"),
+            r.get("path", ""),
+        ]
+        for r in records
+    ]
+    return format_table(headers, rows)
+
+
+def _build(arch: str, out_dir: Path | None, candidates: bool = False) -> int:
+    try:
+        from forgekernel.runtime.build import build_all
+
+        records = build_all(arch, out_dir=out_dir, candidates=candidates)
+    except ImportError as e:
+        print(f"{NEED_DSL}: {e}", file=sys.stderr)
+        return 1
+    print(resource_table(records))
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    if not _cuda_available():
+        print(NO_GPU_CHECK, file=sys.stderr)
+        return 2
+    from forgekernel.bench.check import run_check
+
+    suites, arch = _suites(args.ops), _arch(args.arch)
+    ok = run_check(suites, seed=args.seed, results_dir=args.results_dir, arch=arch)
+    return 0 if ok else 1
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if not _cuda_available():
+        print(NO_GPU_BENCH, file=sys.stderr)
+        _build(_build_arch(args.arch), None)
+        return 2
+    from forgekernel.bench.harness import run_bench
+
+    suites, arch = _suites(args.ops), _arch(args.arch)
+    report_dir = args.report_dir or _ledger().repo_root() / "benchmarks" / "reports" / arch
+    run_bench(
+        suites,
+        results_dir=args.results_dir,
+        report_dir=report_dir,
+        arch=arch,
+        warmup=args.warmup,
+        reps=args.reps,
+    )
+    return 0
+
+
+def cmd_selftest(args: argparse.Namespace) -> int:
+    if not _cuda_available():
+        print("no CUDA device: selftest needs a GPU", file=sys.stderr)
+        return 2
+    from forgekernel.bench.selftest import run_selftest
+
+    return 0 if run_selftest() else 1
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    return _build(_build_arch(args.arch), args.out, args.candidates)
+
+
+def cmd_bundle(args: argparse.Namespace) -> int:
+    try:
+        from forgekernel.runtime.bundle import make_bundle
+
+        path = make_bundle(Path(args.dir), _build_arch(args.arch), args.candidates)
+    except ImportError as e:
+        print(f"{NEED_DSL}: {e}", file=sys.stderr)
+        return 1
+    print(f"bundle: {path}")
+    return 0
+
+
+def cmd_readme(args: argparse.Namespace) -> int:
+    ledger = _ledger()
+    readme = args.readme or ledger.repo_root() / "README.md"
+    try:
+        changed = ledger.update_readme(readme, args.results_dir)
+    except (OSError, ValueError) as e:
+        print(f"readme: {e}", file=sys.stderr)
+        return 1
+    print(f"{readme}: {'updated' if changed else 'already up to date'}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="forgekernel", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, fn, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help)
+        p.set_defaults(fn=fn)
+        return p
+
+    results = {
+        "type": Path,
+        "default": None,
+        "help": "ledger root (default: $FORGEKERNEL_RESULTS_DIR or benchmarks/results)",
+    }
+    arch = {"default": None, "help": "target arch, e.g. sm_90a (default: the device's)"}
+    ops = {"nargs": "*", "metavar": "op", "help": "operators (default: all)"}
+
+    p = add("check", cmd_check, "correctness of every check case against the reference")
+    p.add_argument("ops", **ops)
+    p.add_argument("--results-dir", **results)
+    p.add_argument("--arch", **arch)
+    p.add_argument("--seed", type=int, default=None, help="input seed (default: from the clock)")
+
+    p = add("bench", cmd_bench, "time ours against the comparators, interleaved")
+    p.add_argument("ops", **ops)
+    p.add_argument(
+        "--report-dir", type=Path, default=None, help="default: benchmarks/reports/<arch>/"
+    )
+    p.add_argument("--results-dir", **results)
+    p.add_argument("--arch", **arch)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--reps", type=int, default=30, help="timed samples per candidate")
+
+    add("selftest", cmd_selftest, "launch semantics the timing relies on (stream, graph)")
+
+    p = add("build", cmd_build, "compile every standard kernel ahead of time (no GPU needed)")
+    p.add_argument("--arch", default=None, help="default: $CUTE_DSL_ARCH or sm_90a")
+    p.add_argument("--out", type=Path, default=None, help="default: the user kernel cache")
+    p.add_argument("--candidates", action="store_true", help="also the tuning candidates")
+
+    p = add("bundle", cmd_bundle, "prebuilt kernels for a GPU host without the DSL")
+    p.add_argument("dir", type=Path)
+    p.add_argument("--candidates", action="store_true", help="also the tuning candidates")
+    p.add_argument("--arch", default=None, help="default: $CUTE_DSL_ARCH or sm_90a")
+
+    p = add("readme", cmd_readme, "rewrite the README results block from the ledgers")
+    p.add_argument("--results-dir", **results)
+    p.add_argument("--readme", type=Path, default=None, help="default: <repo>/README.md")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except CliError as e:
+        print(f"forgekernel {args.command}: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,66 @@
+"""Fakes shared by the CPU tests: an OpSuite whose 'kernel' is plain torch on the CPU."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from forgekernel.bench.suite import Case, OpSuite
+
+CASES = (Case("1x8x8", {"m": 1, "n": 8, "k": 8}), Case("7x24x40", {"m": 7, "n": 24, "k": 40}))
+
+
+def _inputs(case, dtype, device, gen):
+    p = case.params
+    a = torch.randn(p["m"], p["k"], dtype=dtype, device=device, generator=gen)
+    b = torch.randn(p["n"], p["k"], dtype=dtype, device=device, generator=gen)
+    return {"a": a, "b": b}
+
+
+def _alloc(inputs):
+    return inputs["a"].new_empty(inputs["a"].shape[0], inputs["b"].shape[0])
+
+
+def good_kernel(inputs, out):
+    """Accumulate in fp32, round once: what a correct kernel does."""
+    return out.copy_(inputs["a"].float() @ inputs["b"].float().T)
+
+
+def make_suite(
+    sources: list[Path], name: str = "fake", run_ours: Callable = good_kernel, **kw
+) -> OpSuite:
+    return OpSuite(
+        name=name,
+        kernel_sources=sources,
+        dtypes=kw.pop("dtypes", (torch.bfloat16, torch.float16)),
+        check_cases=kw.pop("check_cases", CASES),
+        bench_cases=kw.pop("bench_cases", CASES),
+        make_inputs=_inputs,
+        alloc_out=_alloc,
+        run_ours=run_ours,
+        reference=lambda i: i["a"].float() @ i["b"].float().T,
+        low_precision=lambda i: i["a"] @ i["b"].T,
+        comparators=kw.pop("comparators", lambda: {}),
+        flops=lambda c: 2.0 * c.params["m"] * c.params["n"] * c.params["k"],
+        bytes=lambda c, d: 2.0 * (c.params["m"] + c.params["n"]) * c.params["k"],
+        **kw,
+    )
+
+
+@pytest.fixture
+def sources(tmp_path: Path) -> list[Path]:
+    """Two stand-in kernel source files."""
+    paths = [tmp_path / "src" / "kernel.py", tmp_path / "src" / "config.py"]
+    paths[0].parent.mkdir()
+    paths[0].write_text("KERNEL = 1\n")
+    paths[1].write_text("TILE = 128\n")
+    return paths
+
+
+@pytest.fixture
+def fake_suite() -> Callable[..., OpSuite]:
+    """Factory: fake_suite(sources, name=..., run_ours=..., **OpSuite fields)."""
+    return make_suite

@@ -1,0 +1,122 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from forgekernel import cli
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    monkeypatch.setattr(cli, "_cuda_available", lambda: False)
+
+
+def test_check_without_gpu_exits_2(no_gpu, capsys):
+    assert cli.main(["check"]) == 2
+    assert cli.NO_GPU_CHECK in capsys.readouterr().err
+    assert cli.main(["selftest"]) == 2
+    assert "selftest needs a GPU" in capsys.readouterr().err
+
+
+def test_python_m_forgekernel_without_gpu():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run(
+        [sys.executable, "-m", "forgekernel", "check", "gemm"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 2, p.stderr
+    assert "no CUDA device: check needs a GPU" in p.stderr
+
+
+RECORD = {
+    "name": "gemm_dense_sm90",
+    "config": "tile_m=128",
+    "registers": 168,
+    "smem_bytes": 227000,
+    "spill_bytes": 0,
+    "hgmma": True,
+    "compile_s": 3.21,
+    "path": "/tmp/k.so",
+}
+
+
+def test_bench_without_gpu_builds(no_gpu, monkeypatch, capsys):
+    import forgekernel.runtime.build as build
+
+    seen = {}
+
+    def fake_build_all(arch, out_dir=None):
+        seen.update(arch=arch, out_dir=out_dir)
+        return [RECORD]
+
+    monkeypatch.setattr(build, "build_all", fake_build_all)
+    monkeypatch.delenv("CUTE_DSL_ARCH", raising=False)
+    assert cli.main(["bench", "gemm"]) == 2
+    out, err = capsys.readouterr()
+    assert "no CUDA device" in err
+    assert seen == {"arch": "sm_90a", "out_dir": None}
+    header, _, row = out.splitlines()[:3]
+    assert header.split()[:4] == ["name", "config", "regs", "smem"]
+    assert row.split() == [
+        "gemm_dense_sm90",
+        "tile_m=128",
+        "168",
+        "227000",
+        "0",
+        "True",
+        "3.2",
+        "/tmp/k.so",
+    ]
+
+
+def test_build_without_dsl(monkeypatch, capsys):
+    import forgekernel.runtime.build as build
+
+    def no_dsl(arch, out_dir=None):
+        raise ImportError("No module named 'cutlass'")
+
+    monkeypatch.setattr(build, "build_all", no_dsl)
+    assert cli.main(["build", "--arch", "sm_90a", "--out", "x"]) == 1
+    assert cli.NEED_DSL in capsys.readouterr().err
+
+
+def test_bad_arch_is_one_line(capsys):
+    assert cli.main(["build", "--arch", "sm_80"]) == 2
+    assert "not supported" in capsys.readouterr().err
+
+
+def test_parsing():
+    p = cli.build_parser()
+    a = p.parse_args(["bench", "gemm", "attention", "--report-dir", "r", "--results-dir", "d"])
+    assert a.ops == ["gemm", "attention"] and a.report_dir == Path("r")
+    assert a.results_dir == Path("d") and a.fn is cli.cmd_bench and a.reps == 30
+    a = p.parse_args(["check", "--seed", "7", "--arch", "sm_90a"])
+    assert a.ops == [] and a.seed == 7 and a.arch == "sm_90a"
+    assert p.parse_args(["bundle", "out"]).dir == Path("out")
+    assert p.parse_args(["build"]).out is None
+    with pytest.raises(SystemExit):
+        p.parse_args([])
+
+
+def test_unknown_op(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_cuda_available", lambda: True)
+    assert cli.main(["check", "nope", "--arch", "sm_90a"]) == 2
+    assert "unknown operator 'nope'" in capsys.readouterr().err
+
+
+def test_readme(tmp_path, capsys):
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- results:begin -->\n<!-- results:end -->\n")
+    assert cli.main(["readme", "--readme", str(readme), "--results-dir", str(tmp_path)]) == 0
+    assert "No GPU results" in readme.read_text()
+    (tmp_path / "NOBLOCK.md").write_text("nothing")
+    assert cli.main(["readme", "--readme", str(tmp_path / "NOBLOCK.md")]) == 1

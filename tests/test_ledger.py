@@ -1,0 +1,109 @@
+from __future__ import annotations
+
+import json
+
+from forgekernel.bench import ledger
+from forgekernel.runtime.hashing import source_hash
+
+ENV = {
+    "gpu": "NVIDIA H200",
+    "driver": "580.1",
+    "cuda": "13.0",
+    "torch": "2.11",
+    "dsl_version": "4.8.1",
+    "date": "2026-11-30T00:00:00+00:00",
+}
+
+
+def _write(suite, section, data, results):
+    return ledger.write_section(suite, section, data, arch="sm_90a", results_dir=results, env=ENV)
+
+
+def test_round_trip(tmp_path, sources, fake_suite):
+    suite, results = fake_suite(sources), tmp_path / "results"
+    path = _write(suite, "check", {"passed": True, "cases": [{"case": "c"}]}, results)
+    _write(suite, "bench", {"cases": [], "median_ratio": {"cublas": 1.1}}, results)
+    assert path == results / "sm_90a" / "fake.json"
+    doc = json.loads(path.read_text())
+    assert doc["source_hash"] == source_hash(sources)
+    assert doc["check"]["passed"] and doc["check"]["cases"] == [{"case": "c"}]
+    assert doc["bench"]["median_ratio"] == {"cublas": 1.1}
+    assert doc["check"]["gpu"] == "NVIDIA H200"
+    ok, reason = ledger.ledger_status(suite, results)
+    assert ok, reason
+    assert ledger.ledger_status(suite, results, arch="sm_90a")[0]
+
+
+def test_changed_source_byte_is_not_ok(tmp_path, sources, fake_suite):
+    suite, results = fake_suite(sources), tmp_path / "results"
+    _write(suite, "check", {"passed": True, "cases": []}, results)
+    sources[1].write_text("TILE = 256\n")
+    ok, reason = ledger.ledger_status(suite, results)
+    assert not ok and "current" in reason
+
+
+def test_failed_or_missing_check_is_not_ok(tmp_path, sources, fake_suite):
+    suite, results = fake_suite(sources), tmp_path / "results"
+    assert not ledger.ledger_status(suite, results)[0]
+    _write(suite, "bench", {"cases": []}, results)
+    assert "no check section" in ledger.ledger_status(suite, results)[1]
+    _write(suite, "check", {"passed": False, "cases": []}, results)
+    assert "failed" in ledger.ledger_status(suite, results)[1]
+    assert not ledger.ledger_status(fake_suite([]), results)[0]
+
+
+def test_stale_section_dropped(tmp_path, sources, fake_suite):
+    suite, results = fake_suite(sources), tmp_path / "results"
+    _write(suite, "check", {"passed": True, "cases": []}, results)
+    sources[0].write_text("KERNEL = 2\n")
+    path = _write(suite, "bench", {"cases": [], "median_ratio": {"cublas": 0.9}}, results)
+    doc = json.loads(path.read_text())
+    assert "check" not in doc and doc["bench"]["source_hash"] == source_hash(sources)
+    # a current section is kept
+    _write(suite, "check", {"passed": True, "cases": []}, results)
+    assert "bench" in json.loads(path.read_text())
+
+
+def test_readme_table_only_from_ledgers(tmp_path, sources, fake_suite):
+    results = tmp_path / "results"
+    assert "No GPU results" in ledger.readme_table(results)
+    suite = fake_suite(sources, name="gemm")
+    _write(suite, "check", {"passed": True, "cases": []}, results)
+    data = {"cases": [], "median_ratio": {"cublas": 1.234}, "min_ratio": {"cublas": 0.987}}
+    _write(suite, "bench", data, results)
+    (results / "sm_90a" / "notes.txt").write_text("not a ledger")
+    table = ledger.readme_table(results)
+    rows = [line for line in table.splitlines() if line.startswith("| gemm")]
+    assert rows == [
+        f"| gemm | NVIDIA H200 | cublas | 1.234x | 0.987x | passed | 2026-11-30 "
+        f"| {source_hash(sources)} |"
+    ]
+
+
+def test_update_readme(tmp_path, sources, fake_suite):
+    results, readme = tmp_path / "results", tmp_path / "README.md"
+    readme.write_text("# x\n<!-- results:begin -->\nold\n<!-- results:end -->\ntail\n")
+    _write(fake_suite(sources, name="gemm"), "check", {"passed": True, "cases": []}, results)
+    assert ledger.update_readme(readme, results)
+    text = readme.read_text()
+    assert "old" not in text and "| gemm |" in text and text.endswith("tail\n")
+    assert not ledger.update_readme(readme, results)
+
+
+def test_dsl_version_from_bundle_manifest(tmp_path, monkeypatch):
+    def missing(name):
+        raise ledger.importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(ledger.importlib.metadata, "version", missing)
+    monkeypatch.delenv(ledger.KERNEL_DIR_ENV, raising=False)
+    assert ledger.dsl_version() == "unknown"
+    (tmp_path / "manifest.json").write_text(json.dumps({"dsl_version": "4.8.1"}))
+    monkeypatch.setenv(ledger.KERNEL_DIR_ENV, str(tmp_path))
+    assert ledger.dsl_version().startswith("4.8.1")
+
+
+def test_default_results_dir_env(tmp_path, monkeypatch):
+    monkeypatch.setenv(ledger.RESULTS_ENV, str(tmp_path))
+    assert ledger.default_results_dir() == tmp_path
+    monkeypatch.delenv(ledger.RESULTS_ENV)
+    assert ledger.default_results_dir().parts[-2:] == ("benchmarks", "results")
