@@ -2,7 +2,7 @@
 # Copy what scripts/device_run.sh wrote under $OUT (fetched to DIR) into the repository.
 #   bash scripts/take_results.sh DIR
 set -euo pipefail
-src=${1:?folder the device run's \$OUT was fetched to}
+src=${1:?usage: take_results.sh DIR (where the device run OUT was fetched)}
 root=$(cd "$(dirname "$0")/.." && pwd)
 for f in "$src"/results/*/*.json; do
   [ -e "$f" ] || continue

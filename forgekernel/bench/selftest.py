@@ -2,7 +2,8 @@
 
 Our kernels launch through TVM-FFI on torch's current stream; if they did not, a CUDA graph
 capture would miss them and event timings would measure nothing. Checked: a side stream, a
-captured graph replayed on fresh inputs, and the eager path, each against torch.
+captured graph replayed on fresh inputs, the eager path and torch.compile(fullgraph=True), each
+against torch.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ def run_selftest() -> bool:
     graph.replay()
     torch.cuda.synchronize()
     results["cuda_graph"] = _close(out, a @ b.t())
+
+    compiled = torch.compile(lambda x, y: forgekernel.gemm(x, y) * 2, fullgraph=True)
+    results["torch_compile"] = _close(compiled(a, b) / 2, a @ b.t())
 
     for name, ok in results.items():
         print(f"selftest {name:12s} {'PASS' if ok else 'FAIL'}")

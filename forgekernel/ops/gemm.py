@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 from forgekernel.kernels.gemm.dense.sm90 import SPEC, choose_config, params_for
 from forgekernel.ops._validate import (
@@ -104,6 +105,16 @@ def _(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b_kn: bool) -> None:
     return None
 
 
+def _traced(*tensors: torch.Tensor | None) -> bool:
+    """Under torch.compile, a dispatch mode (make_fx, export) or tensor subclasses (fake,
+    functional), go through the custom op; plain eager tensors skip the dispatcher."""
+    return (
+        torch.compiler.is_compiling()
+        or _current_dispatch_mode() is not None
+        or any(t is not None and type(t) is not torch.Tensor for t in tensors)
+    )
+
+
 def gemm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -117,7 +128,7 @@ def gemm(
     """
     m, n, _ = _validate(a, b, out, b_layout)
     b_kn = b_layout == "kn"
-    if torch.compiler.is_compiling():
+    if _traced(a, b, out):
         if out is None:
             return torch.ops.forgekernel.gemm(a, b, b_kn)
         torch.ops.forgekernel.gemm_out(a, b, out, b_kn)
