@@ -54,7 +54,7 @@ def test_bench_without_gpu_builds(no_gpu, monkeypatch, capsys):
 
     seen = {}
 
-    def fake_build_all(arch, out_dir=None):
+    def fake_build_all(arch, out_dir=None, candidates=False):
         seen.update(arch=arch, out_dir=out_dir)
         return [RECORD]
 
@@ -81,7 +81,7 @@ def test_bench_without_gpu_builds(no_gpu, monkeypatch, capsys):
 def test_build_without_dsl(monkeypatch, capsys):
     import forgekernel.runtime.build as build
 
-    def no_dsl(arch, out_dir=None):
+    def no_dsl(arch, out_dir=None, candidates=False):
         raise ImportError("No module named 'cutlass'")
 
     monkeypatch.setattr(build, "build_all", no_dsl)
