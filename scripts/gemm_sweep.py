@@ -14,15 +14,34 @@ import torch
 
 from forgekernel.bench.timing import median, rotation_sets, time_interleaved
 from forgekernel.kernels.gemm.dense.sm90 import SPEC
-from forgekernel.kernels.gemm.dense.sm90.config import CANDIDATES, STANDARD_CONFIGS, params_for
+from forgekernel.kernels.gemm.dense.sm90.config import (
+    CANDIDATES,
+    LARGE,
+    SMALL,
+    STANDARD_CONFIGS,
+    params_for,
+)
 from forgekernel.runtime.cache import get_kernel
 
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (8192, 28672, 8192), (8192, 8192, 28672),
-          (8192, 10240, 8192), (128, 8192, 8192), (1000, 3000, 4104)]
+          (8192, 10240, 8192), (64, 8192, 8192), (128, 8192, 8192), (256, 8192, 8192),
+          (1000, 3000, 4104)]
+
+
+def _fits(cfg, m: int) -> bool:
+    """Skinny tiles and split K only for skinny M; LARGE and SMALL everywhere."""
+    skinny = cfg.tile_m * cfg.tile_n < 128 * 128 or cfg.split_k > 1
+    return cfg in (LARGE, SMALL) or skinny == (m <= 256)
 
 
 def _call(fn, clusters, a, b, c):
     fn(a, b, c, clusters)
+
+
+def _call_split(fn, clusters, partials, a, b, c):
+    # what forgekernel.ops.gemm does for split K: fp32 partials, then their sum
+    fn(a, b, partials, clusters)
+    c.copy_(partials.sum(0))
 
 
 def main() -> None:
@@ -36,9 +55,15 @@ def main() -> None:
                  torch.empty(m, n, device="cuda", dtype=torch.bfloat16)) for _ in range(sets)]
         fns = {"cublas": lambda a, b, c: torch.matmul(a, b.t(), out=c)}
         for cfg in STANDARD_CONFIGS + CANDIDATES:
+            if not _fits(cfg, m):
+                continue
             fn = get_kernel(SPEC, params_for("bfloat16", False, cfg))
             cl = cfg.cluster_m * cfg.cluster_n
-            fns[str(cfg)] = functools.partial(_call, fn, sms // cl)
+            if cfg.split_k > 1:
+                partials = torch.empty(cfg.split_k, m, n, device="cuda", dtype=torch.float32)
+                fns[cfg.tag()] = functools.partial(_call_split, fn, sms // cl, partials)
+            else:
+                fns[cfg.tag()] = functools.partial(_call, fn, sms // cl)
         ref = args[0][0].float() @ args[0][1].float().t()
         samples = time_interleaved(fns, rotate=args, reps=15)
         base = median(samples["cublas"])
@@ -49,8 +74,8 @@ def main() -> None:
             ms = median(s)
             rows.append({"shape": f"{m}x{n}x{k}", "config": name, "ms": ms,
                          "tflops": 2 * m * n * k / ms / 1e9, "ratio": base / ms, "maxerr": err})
-            print(f"{m}x{n}x{k:<6} {rows[-1]['tflops']:7.1f} TF/s ratio {base / ms:5.3f} "
-                  f"err {err:8.3g} {name}", flush=True)
+            print(f"{m}x{n}x{k:<6} {rows[-1]['tflops']:6.1f} TF/s {ms * 1e3:8.1f} us "
+                  f"ratio {base / ms:5.3f} err {err:6.3g} {name}", flush=True)
     if out_path:
         with open(out_path, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

@@ -73,12 +73,19 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b_kn: bool) -> 
         return
     cfg = choose_config(m, n, k)
     fn = get_kernel(SPEC, params_for(_DTYPE_NAMES[a.dtype], b_kn, cfg))
-    target = out if tma_ready(out) else torch.empty(m, n, dtype=out.dtype, device=out.device)
+    clusters = _max_clusters(a.device.index, cfg.cluster_m * cfg.cluster_n)
+    a, b = as_tma_ready(a), as_tma_ready(b)
     with torch.cuda.device(a.device):
-        fn(as_tma_ready(a), as_tma_ready(b), target,
-           _max_clusters(a.device.index, cfg.cluster_m * cfg.cluster_n))
-    if target is not out:
-        out.copy_(target)
+        if cfg.split_k > 1:
+            partials = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=a.device)
+            fn(a, b, partials, clusters)
+            out.copy_(partials.sum(0))
+        elif tma_ready(out):
+            fn(a, b, out, clusters)
+        else:
+            target = torch.empty(m, n, dtype=out.dtype, device=out.device)
+            fn(a, b, target, clusters)
+            out.copy_(target)
 
 
 @torch.library.custom_op("forgekernel::gemm", mutates_args=())

@@ -44,6 +44,12 @@ EDGE_CASES = (
     _case(1000, 3000, 4104, "kn"),
     _case(255, 8, 4096),
     _case(64, 8200, 8),
+    # every configuration the chooser can pick, on ragged edges: split K (M <= 128), the wide
+    # 128x192 tile, the skinny 64x64 tile with an odd number of N tiles in a 1x2 cluster
+    _case(100, 264, 1000),
+    _case(97, 1000, 4104, "kn"),
+    _case(1000, 2000, 4104, "kn"),
+    _case(33, 328, 4096),
 )
 CHECK_CASES = _unique(BENCH_CASES + EDGE_CASES)
 

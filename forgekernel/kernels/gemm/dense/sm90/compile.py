@@ -26,8 +26,18 @@ def compile_gemm(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     k = cute.sym_int32(divisibility=8)
     a = _row_major(dtype, m, k)
     b = _row_major(dtype, k, n) if params["b_kn"] else _row_major(dtype, n, k)
-    c = _row_major(dtype, m, n)
-    gemm = GemmSm90(GemmConfig.from_params(params), b_kn=params["b_kn"])
+    cfg = GemmConfig.from_params(params)
+    if cfg.split_k > 1:
+        # fp32 workspace (S, M, N), compact.
+        c = make_fake_tensor(
+            cutlass.Float32,
+            (cfg.split_k, m, n),
+            stride=(cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1),
+            assumed_align=16,
+        )
+    else:
+        c = _row_major(dtype, m, n)
+    gemm = GemmSm90(cfg, b_kn=params["b_kn"])
     return cute.compile(
         gemm,
         a,

@@ -20,26 +20,52 @@ class GemmConfig:
     cluster_n: int = 1
     stages: int = 0  # 0: as many as fit in shared memory
     epi_stages: int = 4
+    epi_n: int = 32  # epilogue sub-tile = (tile_m, epi_n), staged through shared memory
+    split_k: int = 1  # > 1: each split writes an fp32 partial to a workspace the op then sums
     swizzle: int = 1  # raster group size, in clusters (L2 reuse)
     raster_along_m: bool = True
+
+    def tag(self) -> str:
+        """Short name for tables: 128x256_c2x1_s0_e4x32_w1m."""
+        return (
+            f"{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}_s{self.stages}"
+            f"_e{self.epi_stages}x{self.epi_n}_w{self.swizzle}{'m' if self.raster_along_m else 'n'}"
+            + (f"_k{self.split_k}" if self.split_k > 1 else "")
+        )
 
     @classmethod
     def from_params(cls, params: dict) -> GemmConfig:
         return cls(**{f.name: params[f.name] for f in fields(cls)})
 
 
+# Measured on the H200 (bf16, docs/gemm/NOTES.md): 128x256 cooperative with B multicast over a
+# 2x1 cluster is the best large-shape tile; 128x192 keeps 128 of 132 SMs busy where 128x256
+# leaves a quarter idle (1000x3000x4104: 0.99 vs 0.79 of cuBLAS); skinny M is bound by the
+# L2->SM traffic (about 6 TB/s), so it takes narrow N tiles with A multicast, or split K.
 LARGE = GemmConfig()
+WIDE = GemmConfig(tile_n=192)
 SMALL = GemmConfig(tile_n=128, cluster_m=1)
-STANDARD_CONFIGS = (LARGE, SMALL)
+SKINNY = GemmConfig(tile_m=64, tile_n=64, cluster_m=1, cluster_n=2)
+SPLIT = GemmConfig(tile_n=128, cluster_m=1, cluster_n=2, split_k=2, epi_stages=2)
+STANDARD_CONFIGS = (LARGE, WIDE, SMALL, SKINNY, SPLIT)
+# Tile efficiency relative to LARGE at full occupancy (8192^3 class shapes, H200).
+_EFFICIENCY = {LARGE: 1.0, WIDE: 0.965}
 # Built with `forgekernel build --candidates` and timed by scripts/gemm_sweep.py (bf16, "nk").
 CANDIDATES = (
     GemmConfig(cluster_m=1),
-    GemmConfig(cluster_m=1, cluster_n=2),
-    GemmConfig(swizzle=8),
-    GemmConfig(swizzle=8, raster_along_m=False),
-    GemmConfig(tile_n=128),
-    GemmConfig(tile_n=192),
-    GemmConfig(tile_m=64, tile_n=256, cluster_m=1),
+    GemmConfig(epi_n=64),
+    GemmConfig(epi_n=64, epi_stages=2),
+    GemmConfig(cluster_m=1, cluster_n=2, epi_n=64, epi_stages=2),
+    GemmConfig(tile_n=192, cluster_m=1),
+    GemmConfig(tile_n=192, cluster_m=1, cluster_n=2),
+    # skinny M: many narrow N tiles so that every SM streams B; A multicast along N
+    GemmConfig(tile_m=64, tile_n=64, cluster_m=1),
+    GemmConfig(tile_m=64, tile_n=128, cluster_m=1, cluster_n=2),
+    GemmConfig(tile_m=128, tile_n=64, cluster_m=1),
+    GemmConfig(tile_m=128, tile_n=64, cluster_m=1, cluster_n=2),
+    # M around 128: split K in two so that 128 CTAs stream B with 128-wide N tiles
+    GemmConfig(tile_n=128, cluster_m=1, split_k=2, epi_stages=2),
+    GemmConfig(tile_n=256, cluster_m=1, cluster_n=2, split_k=4, epi_stages=2),
 )
 
 
@@ -48,7 +74,26 @@ def params_for(dtype: str, b_kn: bool, cfg: GemmConfig) -> tuple:
     return tuple(sorted({"dtype": dtype, "b_kn": b_kn, **asdict(cfg)}.items()))
 
 
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def occupancy(cfg: GemmConfig, m: int, n: int, num_sms: int) -> float:
+    """Busy fraction of the SMs over the whole run: tiles over (waves x CTAs per wave)."""
+    cm, cn = cfg.cluster_m, cfg.cluster_n
+    clusters = _ceil(_ceil(m, cfg.tile_m), cm) * _ceil(_ceil(n, cfg.tile_n), cn)
+    per_wave = num_sms // (cm * cn)
+    tiles = _ceil(m, cfg.tile_m) * _ceil(n, cfg.tile_n)
+    return tiles / (_ceil(clusters, per_wave) * per_wave * cm * cn)
+
+
 def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> GemmConfig:
-    """Analytical default: the large tile unless it leaves most SMs idle."""
-    tiles_large = -(-m // LARGE.tile_m) * -(-n // LARGE.tile_n)
-    return LARGE if tiles_large >= num_sms // 2 else SMALL
+    """Analytical default (no tuning at call time): skinny M by M; otherwise the large tile
+    that keeps the most SMs busy, weighted by how fast each tile runs once they are."""
+    if m <= 64:
+        return SKINNY
+    if m <= 128 and _ceil(k, SPLIT.tile_k) >= 2 * SPLIT.split_k:
+        return SPLIT
+    if m <= 256:
+        return SMALL
+    return max(_EFFICIENCY, key=lambda c: _EFFICIENCY[c] * occupancy(c, m, n, num_sms))

@@ -43,10 +43,13 @@ class GemmSm90:
             raise ValueError(f"tile_n must be 64/128/192/256, got {config.tile_n}")
         if config.tile_k != 64:
             raise ValueError(f"tile_k must be 64, got {config.tile_k}")
+        if config.tile_n % config.epi_n or config.epi_n not in (32, 64):
+            raise ValueError(f"epi_n must be 32 or 64 and divide tile_n, got {config.epi_n}")
         if config.cluster_m * config.cluster_n > 4:
             raise ValueError("a cluster holds at most 4 CTAs here")
         self.cfg = config
         self.b_kn = b_kn
+        self.split_k = config.split_k
         self.acc_dtype = cutlass.Float32
         self.cluster_shape_mn = (config.cluster_m, config.cluster_n)
         # Two consumer warpgroups split M when the tile is tall enough (cooperative); a single
@@ -75,7 +78,7 @@ class GemmSm90:
         self.cta_layout_mnk = cute.make_layout((*self.cluster_shape_mn, 1))
         self.mcast_a = cfg.cluster_n  # CTAs sharing one A tile (same M row of the cluster)
         self.mcast_b = cfg.cluster_m
-        self.epi_tile = (min(128, cfg.tile_m), 32) if self.num_mma_wg == 2 else (64, 32)
+        self.epi_tile = (cfg.tile_m, cfg.epi_n)
 
         ab_bytes = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * self.a_dtype.width // 8
         epi_bytes = cfg.epi_stages * math.prod(self.epi_tile) * self.c_dtype.width // 8
@@ -117,6 +120,9 @@ class GemmSm90:
         if cutlass.const_expr(self.b_kn):
             # (K, N) row-major seen as (N, K) with unit stride along N.
             mB = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 0]))
+        if cutlass.const_expr(self.split_k > 1):
+            # fp32 workspace (S, M, N) seen as (M, N, S): split s writes its partial sum to [s].
+            mC = cute.make_tensor(mC.iterator, cute.select(mC.layout, mode=[1, 2, 0]))
         self.a_dtype = mA.element_type
         self.b_dtype = mB.element_type
         self.c_dtype = mC.element_type
@@ -148,9 +154,10 @@ class GemmSm90:
             self.epi_tile,
         )
 
-        tiles_mn = cute.ceil_div(mC.shape, (self.cfg.tile_m, self.cfg.tile_n))
+        tiles_m = cute.ceil_div(mC.shape[0], self.cfg.tile_m)
+        tiles_n = cute.ceil_div(mC.shape[1], self.cfg.tile_n)
         sched_params = utils.PersistentTileSchedulerParams(
-            (tiles_mn[0], tiles_mn[1], 1),
+            (tiles_m, tiles_n, self.split_k),
             (*self.cluster_shape_mn, 1),
             self.cfg.swizzle,
             self.cfg.raster_along_m,
@@ -241,7 +248,10 @@ class GemmSm90:
         # (bM, bK, tiles_m, tiles_k), (bN, bK, tiles_n, tiles_k), (bM, bN, tiles_m, tiles_n)
         gA = cute.local_tile(mA, (self.cfg.tile_m, self.cfg.tile_k), (None, None))
         gB = cute.local_tile(mB, (self.cfg.tile_n, self.cfg.tile_k), (None, None))
-        gC = cute.local_tile(mC, (self.cfg.tile_m, self.cfg.tile_n), (None, None))
+        if cutlass.const_expr(self.split_k > 1):
+            gC = cute.local_tile(mC, (self.cfg.tile_m, self.cfg.tile_n), (None, None, None))
+        else:
+            gC = cute.local_tile(mC, (self.cfg.tile_m, self.cfg.tile_n), (None, None))
         k_tiles = cute.size(gA, mode=[3])
 
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
@@ -283,7 +293,8 @@ class GemmSm90:
                     tile = work.tile_idx
                     tAgA_t = tAgA[(None, tile[0], None)]
                     tBgB_t = tBgB[(None, tile[1], None)]
-                    for kt in range(k_tiles):
+                    k_first, k_count = self._k_range(tile, k_tiles)
+                    for kt in range(k_first, k_first + k_count):
                         ab_pipe.producer_acquire(prod)
                         bar = ab_pipe.producer_get_barrier(prod)
                         cute.copy(
@@ -305,6 +316,20 @@ class GemmSm90:
                 tidx, warp_idx, tiled_mma, tCrA, tCrB, acc, ab_pipe, sC, gC,
                 tma_c, sched_params, k_tiles,
             )
+
+    @cute.jit
+    def _k_range(self, tile, k_tiles):
+        """First k-tile and count of this work unit: all of K, or split tile[2] of split_k.
+        The op layer only splits when every split gets at least one k-tile."""
+        k_first = cutlass.Int32(0)
+        k_count = k_tiles
+        if cutlass.const_expr(self.split_k > 1):
+            per_split = (k_tiles + self.split_k - 1) // self.split_k
+            k_first = tile[2] * per_split
+            k_count = k_tiles - k_first
+            if k_count > per_split:
+                k_count = per_split
+        return k_first, k_count
 
     @cute.jit
     def _consume(
@@ -345,7 +370,8 @@ class GemmSm90:
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
             cute.nvgpu.warpgroup.fence()
             # Keep one WGMMA batch in flight; free the stage behind it.
-            for kt in range(k_tiles):
+            _, k_count = self._k_range(tile, k_tiles)
+            for kt in range(k_count):
                 ab_pipe.consumer_wait(read)
                 for kb in cutlass.range_constexpr(k_blocks):
                     crd = (None, None, kb, read.index)
@@ -361,7 +387,11 @@ class GemmSm90:
             ab_pipe.consumer_release(release)  # the op layer never launches with K == 0
             release.advance()
 
-            gC_t = cute.zipped_divide(gC[(None, None, tile[0], tile[1])], self.epi_tile)
+            if cutlass.const_expr(self.split_k > 1):
+                gC_tile = gC[(None, None, tile[0], tile[1], tile[2])]
+            else:
+                gC_tile = gC[(None, None, tile[0], tile[1])]
+            gC_t = cute.zipped_divide(gC_tile, self.epi_tile)
             bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
                 tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_t
             )
