@@ -1,5 +1,5 @@
 """The torch-facing API."""
 
-from forgekernel.ops.gemm import gemm
+from forgekernel.ops.gemm import gemm, tune_gemm
 
-__all__ = ["gemm"]
+__all__ = ["gemm", "tune_gemm"]

@@ -7,12 +7,14 @@ compiler shapes without running anything.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
-from forgekernel.kernels.gemm.dense.sm90 import SPEC, choose_config, params_for
+from forgekernel.kernels.gemm.dense.sm90 import SPEC, GemmConfig, choose_config, params_for
+from forgekernel.kernels.gemm.dense.sm90.config import CANDIDATES, STANDARD_CONFIGS
 from forgekernel.ops._validate import (
     as_tma_ready,
     check_cuda,
@@ -22,6 +24,7 @@ from forgekernel.ops._validate import (
     check_tensor,
     tma_ready,
 )
+from forgekernel.runtime import tuning
 from forgekernel.runtime.cache import get_kernel
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -35,8 +38,9 @@ def _validate(
     check_tensor("b", b, ndim=2, cuda=False)
     check_same_dtype(a=a, b=b)
     if b_layout not in ("nk", "kn"):
-        raise ValueError(f"b_layout must be 'nk' (B is (N, K)) or 'kn' (B is (K, N)), "
-                         f"got {b_layout!r}")
+        raise ValueError(
+            f"b_layout must be 'nk' (B is (N, K)) or 'kn' (B is (K, N)), got {b_layout!r}"
+        )
     m, k = a.shape
     n, kb = b.shape if b_layout == "nk" else (b.shape[1], b.shape[0])
     if kb != k:
@@ -63,7 +67,23 @@ def _max_clusters(device_index: int, cluster_size: int) -> int:
     return sms // cluster_size
 
 
-def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b_kn: bool) -> None:
+def _tuning_key(dtype: torch.dtype, b_kn: bool, m: int, n: int, k: int) -> str:
+    return f"{_DTYPE_NAMES[dtype]},{'kn' if b_kn else 'nk'},{m},{n},{k}"
+
+
+def _config_for(dtype: torch.dtype, b_kn: bool, m: int, n: int, k: int) -> GemmConfig:
+    """A recorded tuning winner for exactly this problem, else the analytical default."""
+    tuned = tuning.load(SPEC.name).get(_tuning_key(dtype, b_kn, m, n, k))
+    return GemmConfig(**tuned["config"]) if tuned else choose_config(m, n, k)
+
+
+def _launch(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    b_kn: bool,
+    config: GemmConfig | None = None,
+) -> None:
     m, k = a.shape
     n = out.shape[1]
     if m == 0 or n == 0:
@@ -71,7 +91,9 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b_kn: bool) -> 
     if k == 0:
         out.zero_()
         return
-    cfg = choose_config(m, n, k)
+    cfg = config or _config_for(a.dtype, b_kn, m, n, k)
+    if cfg.split_k > 1 and -(-k // cfg.tile_k) < cfg.split_k:
+        raise ValueError(f"split_k = {cfg.split_k} needs K >= {cfg.split_k * cfg.tile_k}")
     fn = get_kernel(SPEC, params_for(_DTYPE_NAMES[a.dtype], b_kn, cfg))
     clusters = _max_clusters(a.device.index, cfg.cluster_m * cfg.cluster_n)
     a, b = as_tma_ready(a), as_tma_ready(b)
@@ -127,14 +149,22 @@ def gemm(
     b: torch.Tensor,
     out: torch.Tensor | None = None,
     b_layout: str = "nk",
+    config: GemmConfig | None = None,
 ) -> torch.Tensor:
     """C = A @ B^T with A (M, K) and B (N, K); `b_layout="kn"` takes B as (K, N) (C = A @ B).
 
     fp16 or bf16 (A, B and C alike), fp32 accumulation. K and N must be multiples of 8.
     Non-contiguous or misaligned inputs are copied; `out` may be any (M, N) view.
+    `config` forces a kernel configuration (eager calls only); by default a winner recorded by
+    `tune_gemm` for this exact problem is used, else the analytical choice.
     """
     m, n, _ = _validate(a, b, out, b_layout)
     b_kn = b_layout == "kn"
+    if config is not None:
+        if out is None:
+            out = torch.empty(m, n, dtype=a.dtype, device=a.device)
+        _launch(a, b, out, b_kn, config)
+        return out
     if _traced(a, b, out):
         if out is None:
             return torch.ops.forgekernel.gemm(a, b, b_kn)
@@ -144,3 +174,54 @@ def gemm(
         out = torch.empty(m, n, dtype=a.dtype, device=a.device)
     _launch(a, b, out, b_kn)
     return out
+
+
+def tune_gemm(
+    m: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype = torch.bfloat16,
+    b_layout: str = "nk",
+    configs: tuple[GemmConfig, ...] | None = None,
+    reps: int = 20,
+) -> GemmConfig:
+    """Opt-in autotune for one problem: time every configuration (standard and candidates by
+    default) interleaved on fresh random inputs, record the winner for later `gemm` calls,
+    and return it. Configurations that are not prebuilt compile first (needs the DSL)."""
+    from forgekernel.bench.timing import median, rotation_sets, time_interleaved
+
+    b_kn = b_layout == "kn"
+    configs = configs or STANDARD_CONFIGS + CANDIDATES
+    elems = m * k + n * k + m * n
+    sets = [
+        (
+            torch.randn(m, k, device="cuda", dtype=dtype),
+            torch.randn(*((k, n) if b_kn else (n, k)), device="cuda", dtype=dtype),
+            torch.empty(m, n, device="cuda", dtype=dtype),
+        )
+        for _ in range(rotation_sets(elems * torch.finfo(dtype).bits / 8))
+    ]
+    usable = [c for c in configs if c.split_k == 1 or -(-k // c.tile_k) >= c.split_k]
+    fns = {c: _tuning_call(c, b_kn) for c in usable}
+    samples = time_interleaved(fns, rotate=sets, reps=reps)
+    best = min(samples, key=lambda c: median(samples[c]))
+    tuning.record(
+        SPEC.name,
+        _tuning_key(dtype, b_kn, m, n, k),
+        {
+            "config": dataclasses.asdict(best),
+            "ms": median(samples[best]),
+            "default_ms": median(samples[choose_config(m, n, k)])
+            if choose_config(m, n, k) in samples
+            else None,
+            "source_hash": SPEC.source_hash,
+        },
+    )
+    return best
+
+
+def _tuning_call(cfg: GemmConfig, b_kn: bool):
+    def call(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
+        _launch(a, b, c, b_kn, cfg)
+
+    return call

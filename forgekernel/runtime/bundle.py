@@ -58,8 +58,10 @@ def make_bundle(out: Path, arch: str = "sm_90a", candidates: bool = False) -> Pa
         "arch": arch,
         "dsl_version": metadata.version("nvidia-cutlass-dsl"),
         "built": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "kernels": [{k: v for k, v in r.items() if k != "path"} | {"file": Path(r["path"]).name}
-                    for r in records],
+        "kernels": [
+            {k: v for k, v in r.items() if k != "path"} | {"file": Path(r["path"]).name}
+            for r in records
+        ],
     }
     (out / "kernels" / "manifest.json").write_text(json.dumps(manifest, indent=1, default=str))
     _pack_runtime(out / "lib")
@@ -87,8 +89,23 @@ def _wheels(dest: Path) -> None:
     _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(dest), str(REPO))
     tvm = metadata.version("apache-tvm-ffi")
     platforms = []
-    for p in ("manylinux_2_28_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
-              "manylinux2014_x86_64"):
+    for p in (
+        "manylinux_2_28_x86_64",
+        "manylinux_2_24_x86_64",
+        "manylinux_2_17_x86_64",
+        "manylinux2014_x86_64",
+    ):
         platforms += ["--platform", p]
-    _pip("download", "--no-deps", "--only-binary=:all:", "--python-version", PY_TAG,
-         "--implementation", "cp", *platforms, "-d", str(dest), f"apache-tvm-ffi=={tvm}")
+    _pip(
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        PY_TAG,
+        "--implementation",
+        "cp",
+        *platforms,
+        "-d",
+        str(dest),
+        f"apache-tvm-ffi=={tvm}",
+    )

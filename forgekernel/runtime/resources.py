@@ -34,8 +34,13 @@ def find_tool(name: str) -> str | None:
 
 def inspect_cubin(cubin: str | os.PathLike | None) -> dict[str, Any]:
     """registers, stack/spill bytes, static smem, and SASS counts of HGMMA / TMA / local memory."""
-    out: dict[str, Any] = {"registers": None, "smem_bytes": None, "spill_bytes": None,
-                           "hgmma": None, "sass": {}}
+    out: dict[str, Any] = {
+        "registers": None,
+        "smem_bytes": None,
+        "spill_bytes": None,
+        "hgmma": None,
+        "sass": {},
+    }
     cuobjdump = find_tool("cuobjdump")
     if isinstance(cubin, bytes):  # some DSL paths hand back the image, not its file
         with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
@@ -57,8 +62,22 @@ def inspect_cubin(cubin: str | os.PathLike | None) -> dict[str, Any]:
     env = dict(os.environ, PATH=os.pathsep.join([str(Path(nvdisasm).parent), os.environ["PATH"]]))
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, env=env)
     ops = Counter(_OPCODE.findall(sass.stdout))
-    keep = ("HGMMA", "QGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDL", "STL", "LDS", "STS", "STSM",
-            "SYNCS", "BAR", "MUFU", "FFMA")
+    keep = (
+        "HGMMA",
+        "QGMMA",
+        "HMMA",
+        "UTMALDG",
+        "UTMASTG",
+        "LDL",
+        "STL",
+        "LDS",
+        "STS",
+        "STSM",
+        "SYNCS",
+        "BAR",
+        "MUFU",
+        "FFMA",
+    )
     out["sass"] = {k: v for k, v in ops.items() if k in keep}
     out["hgmma"] = ops.get("HGMMA", 0) > 0
     return out

@@ -41,31 +41,29 @@ class GemmConfig:
 # Measured on the H200 (bf16, docs/gemm/NOTES.md): 128x256 cooperative with B multicast over a
 # 2x1 cluster is the best large-shape tile; 128x192 keeps 128 of 132 SMs busy where 128x256
 # leaves a quarter idle (1000x3000x4104: 0.99 vs 0.79 of cuBLAS); skinny M is bound by the
-# L2->SM traffic (about 6 TB/s), so it takes narrow N tiles with A multicast, or split K.
+# L2->SM traffic, so it takes narrow tiles that put 128 CTAs on the chip with one operand
+# multicast: M <= 64 64x64 with A shared by 2 CTAs (1.03-1.04 of cuBLAS at 64x8192x8192),
+# M <= 128 64x128 with B shared by the 2 row tiles (0.97 at 128x8192x8192; split K in two
+# measured 0.74: its GEMM alone 41 us, the torch sum of the partials another 10 us).
 LARGE = GemmConfig()
 WIDE = GemmConfig(tile_n=192)
 SMALL = GemmConfig(tile_n=128, cluster_m=1)
-SKINNY = GemmConfig(tile_m=64, tile_n=64, cluster_m=1, cluster_n=2)
-SPLIT = GemmConfig(tile_n=128, cluster_m=1, cluster_n=2, split_k=2, epi_stages=2)
-STANDARD_CONFIGS = (LARGE, WIDE, SMALL, SKINNY, SPLIT)
+SKINNY_64 = GemmConfig(tile_m=64, tile_n=64, cluster_m=1, cluster_n=2)
+SKINNY_128 = GemmConfig(tile_m=64, tile_n=128, cluster_m=2)
+STANDARD_CONFIGS = (LARGE, WIDE, SMALL, SKINNY_64, SKINNY_128)
 # Tile efficiency relative to LARGE at full occupancy (8192^3 class shapes, H200).
 _EFFICIENCY = {LARGE: 1.0, WIDE: 0.965}
-# Built with `forgekernel build --candidates` and timed by scripts/gemm_sweep.py (bf16, "nk").
+# Further configurations for tuning (`forgekernel build --candidates`, `forgekernel.tune_gemm`,
+# scripts/gemm_sweep.py); bf16 "nk" prebuilt, anything else compiles on first use.
 CANDIDATES = (
     GemmConfig(cluster_m=1),
     GemmConfig(epi_n=64),
-    GemmConfig(epi_n=64, epi_stages=2),
-    GemmConfig(cluster_m=1, cluster_n=2, epi_n=64, epi_stages=2),
-    GemmConfig(tile_n=192, cluster_m=1),
-    GemmConfig(tile_n=192, cluster_m=1, cluster_n=2),
-    # skinny M: many narrow N tiles so that every SM streams B; A multicast along N
     GemmConfig(tile_m=64, tile_n=64, cluster_m=1),
-    GemmConfig(tile_m=64, tile_n=128, cluster_m=1, cluster_n=2),
-    GemmConfig(tile_m=128, tile_n=64, cluster_m=1),
     GemmConfig(tile_m=128, tile_n=64, cluster_m=1, cluster_n=2),
-    # M around 128: split K in two so that 128 CTAs stream B with 128-wide N tiles
-    GemmConfig(tile_n=128, cluster_m=1, split_k=2, epi_stages=2),
-    GemmConfig(tile_n=256, cluster_m=1, cluster_n=2, split_k=4, epi_stages=2),
+    GemmConfig(tile_n=128, cluster_m=1, cluster_n=2, split_k=2, epi_stages=2),
+    GemmConfig(tile_n=128, cluster_m=2),
+    GemmConfig(tile_n=128, cluster_m=1, cluster_n=2),
+    GemmConfig(tile_m=64, tile_n=256, cluster_m=2),
 )
 
 
@@ -91,9 +89,9 @@ def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> G
     """Analytical default (no tuning at call time): skinny M by M; otherwise the large tile
     that keeps the most SMs busy, weighted by how fast each tile runs once they are."""
     if m <= 64:
-        return SKINNY
-    if m <= 128 and _ceil(k, SPLIT.tile_k) >= 2 * SPLIT.split_k:
-        return SPLIT
+        return SKINNY_64
+    if m <= 128:
+        return SKINNY_128
     if m <= 256:
         return SMALL
     return max(_EFFICIENCY, key=lambda c: _EFFICIENCY[c] * occupancy(c, m, n, num_sms))

@@ -162,9 +162,7 @@ class GemmSm90:
             self.cfg.swizzle,
             self.cfg.raster_along_m,
         )
-        grid = utils.StaticPersistentTileScheduler.get_grid_shape(
-            sched_params, max_active_clusters
-        )
+        grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, max_active_clusters)
 
         @cute.struct
         class SharedStorage:
@@ -181,9 +179,18 @@ class GemmSm90:
 
         self.shared_storage = SharedStorage
         self.kernel(
-            tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC,
-            self.tiled_mma, self.cta_layout_mnk,
-            self.sA_layout, self.sB_layout, self.sC_layout, sched_params,
+            tma_a,
+            tma_mA,
+            tma_b,
+            tma_mB,
+            tma_c,
+            tma_mC,
+            self.tiled_mma,
+            self.cta_layout_mnk,
+            self.sA_layout,
+            self.sB_layout,
+            self.sC_layout,
+            sched_params,
         ).launch(
             grid=grid,
             block=[self.threads_per_cta, 1, 1],
@@ -286,9 +293,7 @@ class GemmSm90:
                     sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
                 )
                 work = sched.initial_work_tile_info()
-                prod = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, self.stages
-                )
+                prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 while work.is_valid_tile:
                     tile = work.tile_idx
                     tAgA_t = tAgA[(None, tile[0], None)]
@@ -298,12 +303,18 @@ class GemmSm90:
                         ab_pipe.producer_acquire(prod)
                         bar = ab_pipe.producer_get_barrier(prod)
                         cute.copy(
-                            tma_a, tAgA_t[(None, kt)], tAsA[(None, prod.index)],
-                            tma_bar_ptr=bar, mcast_mask=a_mask,
+                            tma_a,
+                            tAgA_t[(None, kt)],
+                            tAsA[(None, prod.index)],
+                            tma_bar_ptr=bar,
+                            mcast_mask=a_mask,
                         )
                         cute.copy(
-                            tma_b, tBgB_t[(None, kt)], tBsB[(None, prod.index)],
-                            tma_bar_ptr=bar, mcast_mask=b_mask,
+                            tma_b,
+                            tBgB_t[(None, kt)],
+                            tBsB[(None, prod.index)],
+                            tma_bar_ptr=bar,
+                            mcast_mask=b_mask,
                         )
                         ab_pipe.producer_commit(prod)
                         prod.advance()
@@ -313,8 +324,18 @@ class GemmSm90:
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume(
-                tidx, warp_idx, tiled_mma, tCrA, tCrB, acc, ab_pipe, sC, gC,
-                tma_c, sched_params, k_tiles,
+                tidx,
+                warp_idx,
+                tiled_mma,
+                tCrA,
+                tCrB,
+                acc,
+                ab_pipe,
+                sC,
+                gC,
+                tma_c,
+                sched_params,
+                k_tiles,
             )
 
     @cute.jit
@@ -333,8 +354,19 @@ class GemmSm90:
 
     @cute.jit
     def _consume(
-        self, tidx, warp_idx, tiled_mma, tCrA, tCrB, acc, ab_pipe, sC, gC,
-        tma_c, sched_params, k_tiles,
+        self,
+        tidx,
+        warp_idx,
+        tiled_mma,
+        tCrA,
+        tCrB,
+        acc,
+        ab_pipe,
+        sC,
+        gC,
+        tma_c,
+        sched_params,
+        k_tiles,
     ):
         sched = utils.StaticPersistentTileScheduler.create(
             sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
