@@ -1,0 +1,43 @@
+"""Run each GEMM configuration on shapes that give every CTA one, or several, tiles, each in
+its own process (a fault must not hide the next result); prints OK / WRONG / CRASH per pair.
+    bash .bundle/run.sh python scripts/gemm_config_probe.py"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+CHILD = """
+import sys, torch, forgekernel
+from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
+cfg = GemmConfig(**eval(sys.argv[1])); m, n, k = map(int, sys.argv[2].split('x'))
+a = torch.randn(m, k, device='cuda', dtype=torch.bfloat16)
+b = torch.randn(n, k, device='cuda', dtype=torch.bfloat16)
+c = forgekernel.gemm(a, b, config=cfg); torch.cuda.synchronize()
+err = (c.float() - a.float() @ b.float().t()).abs().max().item()
+print('OK' if err < 4 else f'WRONG {err:.3g}')
+"""
+
+CONFIGS = [
+    dict(tile_m=64, tile_n=64, cluster_m=1, cluster_n=2),
+    dict(tile_m=64, tile_n=64, cluster_m=1),
+    dict(tile_m=64, tile_n=128, cluster_m=2),
+    dict(tile_m=64, tile_n=128, cluster_m=1),
+    dict(tile_m=64, tile_n=256, cluster_m=2),
+    dict(tile_n=128, cluster_m=2),
+    dict(tile_n=128, cluster_m=1),
+    dict(tile_n=128, pingpong=True),
+    dict(tile_n=128, cluster_m=1, pingpong=True),
+    dict(tile_m=64, tile_n=256, pingpong=True),
+    dict(),
+]
+SHAPES = ["128x8192x1024", "256x8192x1024", "128x65536x512", "1024x1024x1024"]
+
+for cfg in CONFIGS:
+    row = []
+    for shape in SHAPES:
+        p = subprocess.run([sys.executable, "-c", CHILD, repr(cfg), shape],
+                           capture_output=True, text=True, timeout=60)
+        out = p.stdout.strip().splitlines()
+        row.append(out[-1] if p.returncode == 0 and out else "CRASH")
+    print(f"{str(cfg):60s} " + " ".join(f"{s}:{r}" for s, r in zip(SHAPES, row)), flush=True)
