@@ -10,19 +10,21 @@ import sys
 CHILD = """
 import sys, torch, forgekernel
 from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
-cfg = GemmConfig(**eval(sys.argv[1])); m, n, k = map(int, sys.argv[2].split('x'))
-a = torch.randn(m, k, device='cuda', dtype=torch.bfloat16)
-b = torch.randn(n, k, device='cuda', dtype=torch.bfloat16)
-c = forgekernel.gemm(a, b, config=cfg); torch.cuda.synchronize()
-err = (c.float() - a.float() @ b.float().t()).abs().max().item()
-print('OK' if err < 4 else f'WRONG {err:.3g}')
+cfg = GemmConfig(**eval(sys.argv[1]))
+for shape in sys.argv[2:]:
+    m, n, k = map(int, shape.split('x'))
+    a = torch.randn(m, k, device='cuda', dtype=torch.bfloat16)
+    b = torch.randn(n, k, device='cuda', dtype=torch.bfloat16)
+    c = forgekernel.gemm(a, b, config=cfg); torch.cuda.synchronize()
+    err = (c.float() - a.float() @ b.float().t()).abs().max().item()
+    print(shape + ':' + ('OK' if err < 4 else f'WRONG({err:.3g})'), flush=True)
 """
 
 CONFIGS = [
     dict(tile_m=64, tile_n=64, cluster_m=1, cluster_n=2),
     dict(tile_m=64, tile_n=64, cluster_m=1),
     dict(tile_m=64, tile_n=128, cluster_m=2),
-    dict(tile_m=64, tile_n=128, cluster_m=1),
+    dict(tile_m=128, tile_n=64, cluster_m=1, cluster_n=2),
     dict(tile_m=64, tile_n=256, cluster_m=2),
     dict(tile_n=128, cluster_m=2),
     dict(tile_n=128, cluster_m=1),
@@ -34,10 +36,12 @@ CONFIGS = [
 SHAPES = ["128x8192x1024", "256x8192x1024", "128x65536x512", "1024x1024x1024"]
 
 for cfg in CONFIGS:
-    row = []
-    for shape in SHAPES:
-        p = subprocess.run([sys.executable, "-c", CHILD, repr(cfg), shape],
-                           capture_output=True, text=True, timeout=60)
-        out = p.stdout.strip().splitlines()
-        row.append(out[-1] if p.returncode == 0 and out else "CRASH")
-    print(f"{str(cfg):60s} " + " ".join(f"{s}:{r}" for s, r in zip(SHAPES, row)), flush=True)
+    p = subprocess.run(
+        [sys.executable, "-c", CHILD, repr(cfg), *SHAPES],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    done = p.stdout.split()
+    crash = [] if p.returncode == 0 else [f"{SHAPES[len(done)]}:CRASH"]
+    print(f"{str(cfg):60s} " + " ".join(done + crash), flush=True)
