@@ -22,6 +22,7 @@ class GemmConfig:
     epi_stages: int = 4
     epi_n: int = 32  # epilogue sub-tile = (tile_m, epi_n), staged through shared memory
     split_k: int = 1  # > 1: each split writes an fp32 partial to a workspace the op then sums
+    pingpong: bool = False  # consumer warpgroups alternate whole tiles (else: share each tile)
     swizzle: int = 1  # raster group size, in clusters (L2 reuse)
     raster_along_m: bool = True
 
@@ -31,6 +32,7 @@ class GemmConfig:
             f"{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}_s{self.stages}"
             f"_e{self.epi_stages}x{self.epi_n}_w{self.swizzle}{'m' if self.raster_along_m else 'n'}"
             + (f"_k{self.split_k}" if self.split_k > 1 else "")
+            + ("_pp" if self.pingpong else "")
         )
 
     @classmethod
@@ -58,6 +60,11 @@ _EFFICIENCY = {LARGE: 1.0, WIDE: 0.965}
 CANDIDATES = (
     GemmConfig(cluster_m=1),
     GemmConfig(epi_n=64),
+    # ping-pong: one tile per consumer warpgroup, epilogue of one under the other's mainloop
+    GemmConfig(tile_n=128, pingpong=True),
+    GemmConfig(tile_n=128, cluster_m=1, pingpong=True),
+    GemmConfig(tile_n=128, cluster_m=1, cluster_n=2, pingpong=True),
+    GemmConfig(tile_m=64, tile_n=256, pingpong=True),
     GemmConfig(tile_m=64, tile_n=64, cluster_m=1),
     GemmConfig(tile_m=128, tile_n=64, cluster_m=1, cluster_n=2),
     GemmConfig(tile_n=128, cluster_m=1, cluster_n=2, split_k=2, epi_stages=2),

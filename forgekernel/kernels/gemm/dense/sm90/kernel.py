@@ -52,15 +52,21 @@ class GemmSm90:
         self.split_k = config.split_k
         self.acc_dtype = cutlass.Float32
         self.cluster_shape_mn = (config.cluster_m, config.cluster_n)
-        # Two consumer warpgroups split M when the tile is tall enough (cooperative); a single
-        # one would hold a 128x256 fp32 accumulator in 256 registers/thread and spill.
-        self.atom_layout_mnk = (2, 1, 1) if config.tile_m == 128 else (1, 1, 1)
-        self.num_mma_wg = math.prod(self.atom_layout_mnk)
+        # Cooperative: two consumer warpgroups split M of one tile (a single one would hold a
+        # 128x256 fp32 accumulator in 256 registers/thread and spill). Ping-pong: each consumer
+        # warpgroup owns every other tile, so one's epilogue overlaps the other's mainloop.
+        self.pingpong = config.pingpong
+        if self.pingpong and config.tile_m * config.tile_n > 128 * 128:
+            raise ValueError("ping-pong holds one tile per warpgroup: tile_m * tile_n <= 16384")
+        cooperative = config.tile_m == 128 and not self.pingpong
+        self.atom_layout_mnk = (2, 1, 1) if cooperative else (1, 1, 1)
+        self.num_mma_wg = 2 if self.pingpong else math.prod(self.atom_layout_mnk)
+        self.groups = 2 if self.pingpong else 1  # consumer groups, each with its own tiles
         self.num_mma_threads = self.num_mma_wg * THREADS_PER_WG
+        self.group_threads = self.num_mma_threads // self.groups
         self.threads_per_cta = (1 + self.num_mma_wg) * THREADS_PER_WG
         self.producer_regs = 40
         self.consumer_regs = 232
-        self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
 
     # ---------------------------------------------------------------- host-side setup
     def _setup(self):
@@ -81,7 +87,9 @@ class GemmSm90:
         self.epi_tile = (cfg.tile_m, cfg.epi_n)
 
         ab_bytes = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * self.a_dtype.width // 8
-        epi_bytes = cfg.epi_stages * math.prod(self.epi_tile) * self.c_dtype.width // 8
+        epi_bytes = (
+            self.groups * cfg.epi_stages * math.prod(self.epi_tile) * self.c_dtype.width // 8
+        )
         fit = (SMEM_CAPACITY - 1024 - epi_bytes) // ab_bytes
         self.stages = cfg.stages or fit
         if self.stages > fit or self.stages < 2:
@@ -104,7 +112,7 @@ class GemmSm90:
             self.c_dtype,
         )
         self.sC_layout = cute.tile_to_shape(
-            c_atom, (*self.epi_tile, cfg.epi_stages), order=(0, 1, 2)
+            c_atom, (*self.epi_tile, cfg.epi_stages * self.groups), order=(0, 1, 2)
         )
 
     @cute.jit
@@ -236,7 +244,7 @@ class GemmSm90:
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
         # Each consumer warp releases a stage to every CTA that multicast into it.
-        consumer_arrivals = (self.mcast_a + self.mcast_b - 1) * self.num_mma_wg * 4
+        consumer_arrivals = (self.mcast_a + self.mcast_b - 1) * (self.group_threads // 32)
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_barriers.data_ptr(),
             num_stages=self.stages,
@@ -277,9 +285,7 @@ class GemmSm90:
         )
 
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
-        thr_mma = tiled_mma.get_slice(
-            cute.make_layout(self.num_mma_wg, stride=THREADS_PER_WG)(wg_idx - 1)
-        )
+        thr_mma = tiled_mma.get_slice(0 if self.pingpong else (wg_idx - 1) * THREADS_PER_WG)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape[:3], self.acc_dtype)
@@ -323,7 +329,7 @@ class GemmSm90:
                 ab_pipe.producer_tail(prod)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self._consume(
+            args = (
                 tidx,
                 warp_idx,
                 tiled_mma,
@@ -337,6 +343,13 @@ class GemmSm90:
                 sched_params,
                 k_tiles,
             )
+            if cutlass.const_expr(self.pingpong):
+                if wg_idx == 1:
+                    self._consume(*args, 0)
+                else:
+                    self._consume(*args, 1)
+            else:
+                self._consume(*args, 0)
 
     @cute.jit
     def _k_range(self, tile, k_tiles):
@@ -367,7 +380,12 @@ class GemmSm90:
         tma_c,
         sched_params,
         k_tiles,
+        group: cutlass.Constexpr[int],
     ):
+        """Consumer group `group`: all consumer warpgroups (cooperative) or one (ping-pong,
+        taking the CTA's tiles group, group + 2, ...); its own barrier and epilogue buffers."""
+        epi_barrier = pipeline.NamedBarrier(barrier_id=1 + group, num_threads=self.group_threads)
+        first_thread = THREADS_PER_WG * (1 + group)
         sched = utils.StaticPersistentTileScheduler.create(
             sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
         )
@@ -384,7 +402,7 @@ class GemmSm90:
             cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_major.is_m_major_c(), 4), self.c_dtype
         )
         r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma))
-        thr_r2s = r2s.get_slice(tidx - THREADS_PER_WG)
+        thr_r2s = r2s.get_slice(tidx - first_thread)
         tRS_sC = thr_r2s.partition_D(sC)
         tRS_acc = r2s.retile(acc)
         rC_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
@@ -393,58 +411,132 @@ class GemmSm90:
         frag = cute.size(tRS_rAcc)
         store_pipe = pipeline.PipelineTmaStore.create(
             num_stages=self.cfg.epi_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.group_threads),
         )
-        store_warp = 4  # first consumer warp issues the TMA stores
+        store_warp = first_thread // 32  # the group's first warp issues the TMA stores
+        tile_no = cutlass.Int32(0)  # this CTA's work units so far
+        my_tiles = cutlass.Int32(0)  # this group's share of them
 
         while work.is_valid_tile:
             tile = work.tile_idx
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-            cute.nvgpu.warpgroup.fence()
-            # Keep one WGMMA batch in flight; free the stage behind it.
             _, k_count = self._k_range(tile, k_tiles)
-            for kt in range(k_count):
-                ab_pipe.consumer_wait(read)
-                for kb in cutlass.range_constexpr(k_blocks):
-                    crd = (None, None, kb, read.index)
-                    cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
-                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                cute.nvgpu.warpgroup.commit_group()
+            mine = cutlass.Int32(1)
+            if cutlass.const_expr(self.groups > 1):
+                if tile_no % self.groups != group:
+                    mine = cutlass.Int32(0)
+            # Another group's tile: step over the stages it consumes.
+            for _ in range(k_count * (1 - mine)):
                 read.advance()
-                if kt > 0:
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    ab_pipe.consumer_release(release)
-                    release.advance()
-            cute.nvgpu.warpgroup.wait_group(0)
-            ab_pipe.consumer_release(release)  # the op layer never launches with K == 0
-            release.advance()
-
-            if cutlass.const_expr(self.split_k > 1):
-                gC_tile = gC[(None, None, tile[0], tile[1], tile[2])]
-            else:
-                gC_tile = gC[(None, None, tile[0], tile[1])]
-            gC_t = cute.zipped_divide(gC_tile, self.epi_tile)
-            bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
-                tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_t
-            )
-            epi_count = cute.size(gC_t, mode=[1])
-            epi_grid = cute.make_layout(gC_t.shape[1], stride=(gC_t.shape[1][1], 1))
-            done_before = sched.num_tiles_executed * epi_count
-            for e in cutlass.range_constexpr(epi_count):
-                for v in cutlass.range_constexpr(frag):
-                    tRS_rAcc[v] = tRS_acc[e * frag + v]
-                tRS_rC.store(tRS_rAcc.load().to(self.c_dtype))
-                buf = (done_before + e) % self.cfg.epi_stages
-                cute.copy(r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
-                # stmatrix writes are generic-proxy; the TMA store reads through the async proxy.
-                cute.arch.fence_proxy("async.shared", space="cta")
-                self.epi_barrier.arrive_and_wait()
-                if warp_idx == store_warp:
-                    gmem_crd = epi_grid.get_hier_coord(e)
-                    cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, gmem_crd)])
-                    store_pipe.producer_commit()
-                    store_pipe.producer_acquire()
-                self.epi_barrier.arrive_and_wait()
+                release.advance()
+            # A loop of one or zero trips (not an if) carries the pipeline states through.
+            for _ in range(mine):
+                read, release, tiled_mma = self._mma_and_store(
+                    tile,
+                    k_count,
+                    tiled_mma,
+                    tCrA,
+                    tCrB,
+                    acc,
+                    ab_pipe,
+                    read,
+                    release,
+                    k_blocks,
+                    gC,
+                    tma_c,
+                    sC,
+                    r2s,
+                    tRS_sC,
+                    tRS_acc,
+                    tRS_rAcc,
+                    tRS_rC,
+                    frag,
+                    store_pipe,
+                    epi_barrier,
+                    warp_idx,
+                    store_warp,
+                    my_tiles,
+                    group,
+                )
+                my_tiles += 1
+            tile_no += 1
             sched.advance_to_next_work()
             work = sched.get_current_work()
         store_pipe.producer_tail()
+
+    @cute.jit
+    def _mma_and_store(
+        self,
+        tile,
+        k_count,
+        tiled_mma,
+        tCrA,
+        tCrB,
+        acc,
+        ab_pipe,
+        read,
+        release,
+        k_blocks,
+        gC,
+        tma_c,
+        sC,
+        r2s,
+        tRS_sC,
+        tRS_acc,
+        tRS_rAcc,
+        tRS_rC,
+        frag,
+        store_pipe,
+        epi_barrier,
+        warp_idx,
+        store_warp,
+        my_tiles,
+        group: cutlass.Constexpr[int],
+    ):
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+        cute.nvgpu.warpgroup.fence()
+        # Keep one WGMMA batch in flight; free the stage behind it.
+        for kt in range(k_count):
+            ab_pipe.consumer_wait(read)
+            for kb in cutlass.range_constexpr(k_blocks):
+                crd = (None, None, kb, read.index)
+                cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            cute.nvgpu.warpgroup.commit_group()
+            read.advance()
+            if kt > 0:
+                cute.nvgpu.warpgroup.wait_group(1)
+                ab_pipe.consumer_release(release)
+                release.advance()
+        cute.nvgpu.warpgroup.wait_group(0)
+        ab_pipe.consumer_release(release)  # the op layer never launches with K == 0
+        release.advance()
+
+        if cutlass.const_expr(self.split_k > 1):
+            gC_tile = gC[(None, None, tile[0], tile[1], tile[2])]
+        else:
+            gC_tile = gC[(None, None, tile[0], tile[1])]
+        gC_t = cute.zipped_divide(gC_tile, self.epi_tile)
+        bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
+            tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_t
+        )
+        epi_count = cute.size(gC_t, mode=[1])
+        epi_grid = cute.make_layout(gC_t.shape[1], stride=(gC_t.shape[1][1], 1))
+        done_before = my_tiles * epi_count
+        for e in cutlass.range_constexpr(epi_count):
+            for v in cutlass.range_constexpr(frag):
+                tRS_rAcc[v] = tRS_acc[e * frag + v]
+            tRS_rC.store(tRS_rAcc.load().to(self.c_dtype))
+            buf = (done_before + e) % self.cfg.epi_stages + group * self.cfg.epi_stages
+            cute.copy(r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
+            # stmatrix writes are generic-proxy; the TMA store reads through the async proxy.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            epi_barrier.arrive_and_wait()
+            if warp_idx == store_warp:
+                gmem_crd = epi_grid.get_hier_coord(e)
+                cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, gmem_crd)])
+                store_pipe.producer_commit()
+                store_pipe.producer_acquire()
+            epi_barrier.arrive_and_wait()
+        # Pipeline states are rebound in the caller: attribute updates made inside a helper
+        # would not leave the caller's staged loop otherwise.
+        return read, release, tiled_mma
