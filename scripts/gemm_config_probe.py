@@ -4,6 +4,7 @@ its own process (a fault must not hide the next result); prints OK / WRONG / CRA
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -28,12 +29,14 @@ CONFIGS = [
     dict(tile_m=64, tile_n=256, cluster_m=2),
     dict(tile_n=128, cluster_m=2),
     dict(tile_n=128, cluster_m=1),
-    dict(tile_n=128, pingpong=True),
-    dict(tile_n=128, cluster_m=1, pingpong=True),
     dict(tile_m=64, tile_n=256, pingpong=True),
+    dict(tile_m=64, tile_n=256, cluster_m=1, pingpong=True),
+    dict(tile_m=64, tile_n=128, pingpong=True),
     dict(),
 ]
-SHAPES = ["128x8192x1024", "256x8192x1024", "128x65536x512", "1024x1024x1024"]
+SHAPES = ["128x8192x1024", "256x8192x1024", "128x65536x512", "1024x1024x1024", "1000x3000x4104"]
+if os.environ.get("PROBE_ONLY"):
+    CONFIGS = [c for c in CONFIGS if str(c).find(os.environ["PROBE_ONLY"]) >= 0]
 
 for cfg in CONFIGS:
     p = subprocess.run(

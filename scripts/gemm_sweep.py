@@ -78,6 +78,9 @@ def main() -> None:
         for cfg in STANDARD_CONFIGS + CANDIDATES:
             if not _fits(cfg, m):
                 continue
+            only = os.environ.get("SWEEP_ONLY")
+            if only and only not in cfg.tag() and cfg != LARGE:
+                continue
             fn = get_kernel(SPEC, params_for("bfloat16", False, cfg))
             cl = cfg.cluster_m * cfg.cluster_n
             if cfg.split_k > 1:

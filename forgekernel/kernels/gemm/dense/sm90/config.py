@@ -61,10 +61,9 @@ CANDIDATES = (
     GemmConfig(cluster_m=1),
     GemmConfig(epi_n=64),
     # ping-pong: one tile per consumer warpgroup, epilogue of one under the other's mainloop
-    GemmConfig(tile_n=128, pingpong=True),
-    GemmConfig(tile_n=128, cluster_m=1, pingpong=True),
-    GemmConfig(tile_n=128, cluster_m=1, cluster_n=2, pingpong=True),
     GemmConfig(tile_m=64, tile_n=256, pingpong=True),
+    GemmConfig(tile_m=64, tile_n=256, cluster_m=1, pingpong=True),
+    GemmConfig(tile_m=64, tile_n=128, pingpong=True),
     GemmConfig(tile_m=64, tile_n=64, cluster_m=1),
     GemmConfig(tile_m=128, tile_n=64, cluster_m=1, cluster_n=2),
     GemmConfig(tile_n=128, cluster_m=1, cluster_n=2, split_k=2, epi_stages=2),

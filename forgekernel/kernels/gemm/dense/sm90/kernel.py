@@ -56,8 +56,9 @@ class GemmSm90:
         # 128x256 fp32 accumulator in 256 registers/thread and spill). Ping-pong: each consumer
         # warpgroup owns every other tile, so one's epilogue overlaps the other's mainloop.
         self.pingpong = config.pingpong
-        if self.pingpong and config.tile_m * config.tile_n > 128 * 128:
-            raise ValueError("ping-pong holds one tile per warpgroup: tile_m * tile_n <= 16384")
+        if self.pingpong and config.tile_m != 64:
+            # 128-row tiles in one warpgroup gave wrong epilogues on the H200 (2026-11-30).
+            raise ValueError("ping-pong takes tile_m = 64 (one 64-row tile per warpgroup)")
         cooperative = config.tile_m == 128 and not self.pingpong
         self.atom_layout_mnk = (2, 1, 1) if cooperative else (1, 1, 1)
         self.num_mma_wg = 2 if self.pingpong else math.prod(self.atom_layout_mnk)
@@ -428,6 +429,10 @@ class GemmSm90:
             for _ in range(k_count * (1 - mine)):
                 read.advance()
                 release.advance()
+            # Advance now: whether a tile follows decides the mainloop hand-over (ping-pong).
+            sched.advance_to_next_work()
+            work = sched.get_current_work()
+            has_next = work.is_valid_tile
             # A loop of one or zero trips (not an if) carries the pipeline states through.
             for _ in range(mine):
                 read, release, tiled_mma = self._mma_and_store(
@@ -455,12 +460,12 @@ class GemmSm90:
                     warp_idx,
                     store_warp,
                     my_tiles,
+                    tile_no,
+                    has_next,
                     group,
                 )
                 my_tiles += 1
             tile_no += 1
-            sched.advance_to_next_work()
-            work = sched.get_current_work()
         store_pipe.producer_tail()
 
     @cute.jit
@@ -490,8 +495,18 @@ class GemmSm90:
         warp_idx,
         store_warp,
         my_tiles,
+        tile_no,
+        has_next,
         group: cutlass.Constexpr[int],
     ):
+        # Ping-pong: mainloops alternate strictly between the two warpgroups (tile t waits for
+        # the owner of t - 1 to have waited on all its stages), so a warpgroup that stepped over
+        # the other's stages never waits on a ring slot more than one phase ahead.
+        if cutlass.const_expr(self.pingpong):
+            if tile_no > 0:
+                pipeline.NamedBarrier(
+                    barrier_id=3 + group, num_threads=2 * THREADS_PER_WG
+                ).arrive_and_wait()
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
         cute.nvgpu.warpgroup.fence()
         # Keep one WGMMA batch in flight; free the stage behind it.
@@ -510,6 +525,9 @@ class GemmSm90:
         cute.nvgpu.warpgroup.wait_group(0)
         ab_pipe.consumer_release(release)  # the op layer never launches with K == 0
         release.advance()
+        if cutlass.const_expr(self.pingpong):
+            if has_next:
+                pipeline.NamedBarrier(barrier_id=4 - group, num_threads=2 * THREADS_PER_WG).arrive()
 
         if cutlass.const_expr(self.split_k > 1):
             gC_tile = gC[(None, None, tile[0], tile[1], tile[2])]
