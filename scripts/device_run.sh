@@ -21,3 +21,11 @@ if [ -n "${SWEEP:-}" ]; then
   timeout "${SWEEP_TIMEOUT:-200}" bash .bundle/run.sh python scripts/gemm_sweep.py \
     "$OUT/sweep.json" 2>&1 | tail -80
 fi
+if [ -n "${TUNE:-}" ]; then
+  # the opt-in autotune, end to end: times every prebuilt config and records the winner
+  FORGEKERNEL_TUNING_DIR=/tmp/forgekernel-tuning timeout 120 bash .bundle/run.sh python -c "
+import forgekernel, json, pathlib
+for shape in ((1000, 3000, 4104), (128, 8192, 8192)):
+    print('tune_gemm', shape, '->', forgekernel.tune_gemm(*shape).tag())
+print(pathlib.Path('/tmp/forgekernel-tuning/gemm_dense_sm90.json').read_text())"
+fi
