@@ -75,8 +75,8 @@ def test_readme_table_only_from_ledgers(tmp_path, sources, fake_suite):
     table = ledger.readme_table(results)
     rows = [line for line in table.splitlines() if line.startswith("| gemm")]
     assert rows == [
-        f"| gemm | NVIDIA H200 | cublas | 1.234x | 0.987x | passed | 2026-11-30 "
-        f"| {source_hash(sources)} |"
+        f"| gemm | NVIDIA H200 | cublas | +23.4% (1.234x) | -1.3% (0.987x) | passed | 2026-11-30 "
+        f"| {source_hash(sources)} | forgekernel/kernels/gemm/dense/sm90 |"
     ]
 
 

@@ -164,7 +164,20 @@ def ledger_status(
 
 
 def _fmt_ratio(x: Any) -> str:
-    return f"{x:.3f}x" if isinstance(x, (int, float)) else "-"
+    """The seed's form: +1.7% (1.017x); > 0 means ours is faster."""
+    return f"{(x - 1) * 100:+.1f}% ({x:.3f}x)" if isinstance(x, (int, float)) else "-"
+
+
+def _kernel_dir(op: str) -> str:
+    """The kernel leaf measured, from the operator's suite (the ledger predates the field)."""
+    try:
+        from forgekernel.bench.suites import get_suite
+        from forgekernel.runtime.hashing import PACKAGE_ROOT
+
+        first = sorted(get_suite(op).kernel_sources)[0]
+        return "forgekernel/" + first.parent.relative_to(PACKAGE_ROOT).as_posix()
+    except (ValueError, IndexError):
+        return "?"
 
 
 def _ledger_rows(doc: dict[str, Any]) -> list[list[str]]:
@@ -174,7 +187,7 @@ def _ledger_rows(doc: dict[str, Any]) -> list[list[str]]:
     gpu = bench.get("gpu") or check.get("gpu") or doc.get("gpu", "?")
     date = (bench.get("date") or check.get("date") or doc.get("date", "?"))[:10]
     head = [str(doc.get("op", "?")), str(gpu)]
-    tail = [verdict, date, str(doc.get("source_hash", "?"))]
+    tail = [verdict, date, str(doc.get("source_hash", "?")), _kernel_dir(str(doc.get("op")))]
     if not medians:
         return [head + ["-", "-", "-"] + tail]
     return [head + [c, _fmt_ratio(m), _fmt_ratio(mins.get(c))] + tail for c, m in medians.items()]
@@ -191,20 +204,22 @@ def readme_table(results_dir: Path | None = None) -> str:
     if not rows:
         return "_No GPU results recorded yet._\n"
     headers = [
-        "operator",
+        "Operator",
         "GPU",
-        "comparator",
-        "median ratio",
-        "min ratio",
-        "check",
-        "date",
-        "source hash",
+        "Compared against",
+        "Speedup (suite median)",
+        "Slowest case",
+        "Check",
+        "Date",
+        "Source hash",
+        "Directory",
     ]
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     lines.append("")
     lines.append(
-        "ratio = comparator time / our time on the same GPU, same process (> 1: ours faster)."
+        "Speedup = comparator time / our time - 1, same GPU, same process, same inputs"
+        " (> 0: ours faster); each figure comes from `benchmarks/results/<arch>/<op>.json`."
     )
     return "\n".join(lines) + "\n"
 
