@@ -57,9 +57,14 @@ def check_multiple(name: str, value: int, multiple: int, why: str) -> None:
 
 
 def tma_ready(t: torch.Tensor) -> bool:
-    """Row-major with a 16-byte-aligned base and leading stride (what TMA can address)."""
+    """Last dim contiguous, a 16-byte-aligned base and every other stride a 16-byte multiple
+    (what TMA can address)."""
     elems16 = 16 // t.element_size()
-    return t.stride(-1) == 1 and t.stride(0) % elems16 == 0 and t.data_ptr() % 16 == 0
+    return (
+        t.stride(-1) == 1
+        and all(s % elems16 == 0 for s in t.stride()[:-1])
+        and t.data_ptr() % 16 == 0
+    )
 
 
 def as_tma_ready(t: torch.Tensor) -> torch.Tensor:

@@ -11,10 +11,10 @@ import dataclasses
 import functools
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 from forgekernel.kernels.gemm.dense.sm90 import SPEC, GemmConfig, choose_config, params_for
 from forgekernel.kernels.gemm.dense.sm90.config import CANDIDATES, STANDARD_CONFIGS
+from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import (
     as_tma_ready,
     check_cuda,
@@ -132,16 +132,6 @@ def _gemm_out_op(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b_kn: bool
 @_gemm_out_op.register_fake
 def _(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b_kn: bool) -> None:
     return None
-
-
-def _traced(*tensors: torch.Tensor | None) -> bool:
-    """Under torch.compile, a dispatch mode (make_fx, export) or tensor subclasses (fake,
-    functional), go through the custom op; plain eager tensors skip the dispatcher."""
-    return (
-        torch.compiler.is_compiling()
-        or _current_dispatch_mode() is not None
-        or any(t is not None and type(t) is not torch.Tensor for t in tensors)
-    )
 
 
 def gemm(

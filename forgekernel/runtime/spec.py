@@ -43,6 +43,7 @@ class KernelSpec:
 
 def all_specs() -> list[KernelSpec]:
     """Every kernel leaf of the library."""
+    from forgekernel.kernels.attention.fwd.sm90 import SPEC as attention_fwd_sm90
     from forgekernel.kernels.gemm.dense.sm90 import SPEC as gemm_dense_sm90
 
-    return [gemm_dense_sm90]
+    return [gemm_dense_sm90, attention_fwd_sm90]

@@ -12,6 +12,7 @@ from forgekernel.bench.suite import OpSuite
 
 SUITE_MODULES = {
     "gemm": "forgekernel.bench.suites.gemm",
+    "attention": "forgekernel.bench.suites.attention",
 }
 
 

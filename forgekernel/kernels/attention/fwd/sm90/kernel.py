@@ -1,0 +1,624 @@
+"""Attention forward for Hopper (sm_90a): O = softmax(scale * Q K^T + mask) V, and the LSE.
+
+One CTA per (128-query-row block, query head, batch): grid (ceil(Sq / 128), Hq, B); with a
+causal mask the row blocks run last-first, the heavy ones start early.
+
+Warp roles (one CTA = 3 warpgroups, 384 threads):
+- warp 0 of warpgroup 0 (producer, 24 registers after setmaxnreg): TMA-loads the Q tile once
+  (pipeline `q`, one stage), then for each key block, last to first, the K tile and the V tile
+  into two `stages`-deep shared-memory rings (pipelines `k` and `v`, mbarrier full/empty, the
+  same stage index for both). Warps 1-3 of warpgroup 0 exit at once.
+- warpgroups 1 and 2 (consumers, 240 registers), 64 query rows each, per key block:
+  S = Q K^T (WGMMA, both operands in shared memory) -> release K -> causal / key-bound mask ->
+  online softmax in fp32 (exp2, running row max and row sum, O rescaled when the max moves) ->
+  P converted to the input dtype in registers -> O += P V (WGMMA, P from registers, V an
+  MN-major B operand in shared memory) -> release V. Blocks entirely above the causal diagonal
+  are never loaded; only blocks that cross the diagonal or the key bound are masked.
+- epilogue (consumers): O / rowsum -> input dtype -> `stmatrix` into the Q buffer (both
+  warpgroups first meet at a named barrier: their last QK^T has read Q) -> one TMA store of the
+  (128, Dv) tile (rows past Sq clipped); LSE = (rowmax * scale_log2 + log2(rowsum)) * ln 2
+  written by the thread holding column 0 of each row, for rows < Sq.
+
+Constraints: q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), o (B, Sq, Hq, Dv), one
+16-bit dtype, last dim contiguous, other strides multiples of 8 elements, 16-byte aligned
+bases; lse (B, Hq, Sq) fp32. B, Sq, Sk, Hq, Hkv dynamic (Hq % Hkv == 0, query head h reads kv
+head h // (Hq // Hkv)); D, Dv in {64, 128, 192, 256} (static), tile_m = 128, tile_n a multiple
+of 16 up to 256. Causal is bottom-right aligned (query i sees key j iff j <= i + Sk - Sq); rows
+that see no key get O = 0 and LSE = -inf. Ragged Sq / Sk edges: TMA zero-fills loads and clips
+the O store; score columns >= Sk are masked to -inf before the softmax.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.tensor_utils import LayoutEnum
+
+from forgekernel.kernels.attention.fwd.sm90.config import SMEM_CAPACITY, AttnConfig, smem_bytes
+
+THREADS_PER_WG = 128
+NUM_MMA_WG = 2
+EPILOGUE_BARRIER = 1  # named barrier of the 256 consumer threads (0 is __syncthreads)
+LN2 = math.log(2.0)
+
+
+def _select(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
+def _rows_cols(t: cute.Tensor) -> cute.Tensor:
+    """A WGMMA accumulator partition ((2, 2, V), M, N) seen as (rows, cols) =
+    ((2, M), (2, V, N)): each thread holds rows r and r + 8 of its warp's 16-row band, and in
+    each row V pairs of adjacent columns, 8 apart."""
+    shape = t.layout.shape
+    flat = cute.make_layout(shape)  # index space of the original layout
+    s = flat.stride
+    mn = cute.make_layout(
+        ((shape[0][1], shape[1]), (shape[0][0], shape[0][2], shape[2])),
+        stride=((s[0][1], s[1]), (s[0][0], s[0][2], s[2])),
+    )
+    return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))
+
+
+def _acc_as_operand_a(t: cute.Tensor) -> cute.Tensor:
+    """The S accumulator ((2, 2, V), M, N) as the A operand of the next WGMMA,
+    ((2, 2, 2), M, (V / 2, N)): k-block kb of 16 columns is column pairs 2 kb and 2 kb + 1; the
+    register layouts coincide for 16-bit A, so no data moves."""
+    lay = cute.logical_divide(t.layout, ((None, None, 2), None, None))
+    shape, stride = lay.shape, lay.stride
+    a = cute.make_layout(
+        ((shape[0][0], shape[0][1], shape[0][2][0]), shape[1], (shape[0][2][1], shape[2])),
+        stride=(
+            (stride[0][0], stride[0][1], stride[0][2][0]),
+            stride[1],
+            (stride[0][2][1], stride[2]),
+        ),
+    )
+    return cute.make_tensor(t.iterator, a)
+
+
+class AttentionFwdSm90:
+    """Warp-specialized TMA + WGMMA flash attention forward; see the module docstring."""
+
+    def __init__(self, head_dim: int, head_dim_v: int, causal: bool, config: AttnConfig):
+        if config.tile_m != 128:
+            raise ValueError(f"tile_m must be 128 (two 64-row warpgroups), got {config.tile_m}")
+        if config.tile_n % 16 or not 16 <= config.tile_n <= 256:
+            raise ValueError(f"tile_n must be a multiple of 16 in [16, 256], got {config.tile_n}")
+        for name, d in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
+            if d not in (64, 128, 192, 256):
+                raise ValueError(f"{name} must be 64, 128, 192 or 256, got {d}")
+        if head_dim_v > head_dim:
+            raise ValueError("head_dim_v > head_dim: the O tile would not fit in the Q buffer")
+        if config.stages < 1:
+            raise ValueError(f"stages must be >= 1, got {config.stages}")
+        need = smem_bytes(config, head_dim, head_dim_v)
+        if need > SMEM_CAPACITY:
+            raise ValueError(f"{config} needs {need} B of shared memory, > {SMEM_CAPACITY}")
+        self.cfg = config
+        self.head_dim = head_dim
+        self.head_dim_v = head_dim_v
+        self.causal = causal
+        self.tile_m = config.tile_m
+        self.tile_n = config.tile_n
+        self.stages = config.stages
+        self.threads_per_cta = (1 + NUM_MMA_WG) * THREADS_PER_WG
+        self.num_mma_threads = NUM_MMA_WG * THREADS_PER_WG
+        # 24 + 2 x 240 per thread-of-each-warpgroup: 64512 of the 65536 registers.
+        self.producer_regs = 24
+        self.consumer_regs = 240
+
+    # ---------------------------------------------------------------- host-side setup
+    def _setup(self):
+        dt, tm, tn = self.dtype, self.tile_m, self.tile_n
+        d, dv = self.head_dim, self.head_dim_v
+        k_major = OperandMajorMode.K
+        self.mma_qk = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, k_major, Float32, (NUM_MMA_WG, 1, 1), (64, tn)
+        )
+        self.mma_pv = sm90_utils.make_trivial_tiled_mma(
+            dt,
+            dt,
+            k_major,
+            OperandMajorMode.MN,
+            Float32,
+            (NUM_MMA_WG, 1, 1),
+            (64, dv),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+        row = LayoutEnum.ROW_MAJOR
+        # Q (tm, d) and K (tn, d) K-major; V^T (dv, tn) MN-major (V rows are keys); O (tm, dv).
+        self.sQ_layout = sm90_utils.make_smem_layout_a(row, (tm, tn, d), dt, 1)
+        self.sK_layout = sm90_utils.make_smem_layout_b(row, (tm, tn, d), dt, self.stages)
+        self.sV_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.COL_MAJOR, (tm, dv, tn), dt, self.stages
+        )
+        self.sO_layout = sm90_utils.make_smem_layout_a(row, (tm, dv, dv), dt, 1)
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        softmax_scale_log2: Float32,
+        stream: cuda.CUstream,
+    ):
+        """mQ (B, Sq, Hq, D), mK (B, Sk, Hkv, D), mV (B, Sk, Hkv, Dv), mO (B, Sq, Hq, Dv),
+        mLSE (B, Hq, Sq) fp32."""
+        self.dtype = mQ.element_type
+        for t in (mK, mV, mO):
+            if const_expr(t.element_type != self.dtype):
+                raise TypeError(f"q, k, v, o must share one dtype, got {t.element_type}")
+        if const_expr(mLSE.element_type != Float32):
+            raise TypeError(f"lse must be float32, got {mLSE.element_type}")
+        self._setup()
+
+        # (B, S, H, D) -> (S, D, H, B): TMA boxes over (S, D), coordinates for head and batch.
+        mQ = _select(mQ, [1, 3, 2, 0])
+        mK = _select(mK, [1, 3, 2, 0])
+        mO = _select(mO, [1, 3, 2, 0])
+        # V as the B operand of O = P V: (Dv, Sk, Hkv, B), unit stride along Dv (MN-major).
+        mVt = _select(mV, [3, 1, 2, 0])
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        sQ_tile = cute.slice_(self.sQ_layout, (None, None, 0))
+        sK_tile = cute.slice_(self.sK_layout, (None, None, 0))
+        sV_tile = cute.slice_(self.sV_layout, (None, None, 0))
+        sO_tile = cute.slice_(self.sO_layout, (None, None, 0))
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_tile, (self.tile_m, self.head_dim))
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, sK_tile, (self.tile_n, self.head_dim))
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(
+            g2s, mVt, sV_tile, (self.head_dim_v, self.tile_n)
+        )
+        tma_o, tma_mO = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_tile, (self.tile_m, self.head_dim_v)
+        )
+        self.q_bytes = cute.size_in_bytes(self.dtype, sQ_tile)
+        self.k_bytes = cute.size_in_bytes(self.dtype, sK_tile)
+        self.v_bytes = cute.size_in_bytes(self.dtype, sV_tile)
+
+        q_cosize = max(cute.cosize(self.sQ_layout), cute.cosize(self.sO_layout))
+
+        @cute.struct
+        class SharedStorage:
+            q_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            k_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            v_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_cosize], 1024]
+            sK: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(self.sK_layout)], 1024
+            ]
+            sV: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(self.sV_layout)], 1024
+            ]
+
+        self.shared_storage = SharedStorage
+        grid = (cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2], mQ.shape[3])
+        self.kernel(
+            tma_q,
+            tma_mQ,
+            tma_k,
+            tma_mK,
+            tma_v,
+            tma_mV,
+            tma_o,
+            tma_mO,
+            mLSE,
+            softmax_scale_log2,
+            self.mma_qk,
+            self.mma_pv,
+            self.sQ_layout,
+            self.sK_layout,
+            self.sV_layout,
+            self.sO_layout,
+        ).launch(
+            grid=grid,
+            block=[self.threads_per_cta, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    # ---------------------------------------------------------------- device code
+    @cute.kernel
+    def kernel(
+        self,
+        tma_q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        mVt: cute.Tensor,
+        tma_o: cute.CopyAtom,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        scale_log2: Float32,
+        mma_qk: cute.TiledMma,
+        mma_pv: cute.TiledMma,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_q, tma_k, tma_v, tma_o):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = SmemAllocator().allocate(self.shared_storage)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+        # Consumers release a stage from lane 0 of each of their 8 warps.
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        q_pipe, k_pipe, v_pipe = (
+            pipeline.PipelineTmaAsync.create(
+                barrier_storage=bars.data_ptr(),
+                num_stages=stages,
+                producer_group=producer,
+                consumer_group=consumers,
+                tx_count=nbytes,
+                defer_sync=True,
+            )
+            for bars, stages, nbytes in (
+                (storage.q_barriers, 1, self.q_bytes),
+                (storage.k_barriers, self.stages, self.k_bytes),
+                (storage.v_barriers, self.stages, self.v_bytes),
+            )
+        )
+        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        # O reuses Q's buffer once both warpgroups are past their last QK^T.
+        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+
+        # ---- this CTA's tile and its key-block range
+        bidx, head, batch = cute.arch.block_idx()
+        m_block = bidx
+        if const_expr(self.causal):
+            m_block = cute.arch.grid_dim()[0] - 1 - bidx  # longest rows first
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        m0 = m_block * self.tile_m
+        n_block_max, n_unmasked = self._key_blocks(m0, seqlen_q, seqlen_k)
+
+        # (tile, tile, blocks) views of this head's Q, K, V^T, O
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
+        gK = cute.local_tile(
+            mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0)
+        )
+        gV = cute.local_tile(
+            mVt[None, None, head_kv, batch], (self.head_dim_v, self.tile_n), (0, None)
+        )
+        gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim_v), (None, 0))
+
+        pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self._produce(
+                    tma_q, tma_k, tma_v, gQ, gK, gV, sQ, sK, sV, q_pipe, k_pipe, v_pipe,
+                    m_block, n_block_max,
+                )  # fmt: skip
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self._consume(
+                tidx - THREADS_PER_WG,
+                wg_idx - 1,
+                warp_idx,
+                mma_qk,
+                mma_pv,
+                sQ,
+                sK,
+                sV,
+                sO,
+                q_pipe,
+                k_pipe,
+                v_pipe,
+                tma_o,
+                gO,
+                mLSE,
+                scale_log2,
+                m_block,
+                m0,
+                head,
+                batch,
+                seqlen_q,
+                seqlen_k,
+                n_block_max,
+                n_unmasked,
+            )
+
+    @cute.jit
+    def _key_blocks(self, m0: Int32, seqlen_q: Int32, seqlen_k: Int32):
+        """(n_block_max, n_unmasked): key blocks [0, n_block_max) hold a key some row of the
+        tile sees; blocks [0, n_unmasked) are seen whole by every row (no mask needed)."""
+        n_block_max = (seqlen_k + self.tile_n - 1) // self.tile_n
+        n_unmasked = seqlen_k // self.tile_n
+        if const_expr(self.causal):
+            offset = seqlen_k - seqlen_q
+            # The tile's last real row, rows_end - 1, sees keys up to rows_end - 1 + offset.
+            # Division may truncate or floor: negative results are clamped to 0 below.
+            rows_end = cutlass.min(m0 + self.tile_m, seqlen_q)
+            n_causal = (rows_end + offset + self.tile_n - 1) // self.tile_n
+            n_block_max = cutlass.min(n_block_max, n_causal)
+            # The first row, m0, sees whole blocks up to key m0 + offset.
+            n_unmasked = cutlass.min(n_unmasked, (m0 + offset + 1) // self.tile_n)
+        n_block_max = cutlass.max(n_block_max, 0)
+        n_unmasked = cutlass.max(cutlass.min(n_unmasked, n_block_max), 0)
+        return n_block_max, n_unmasked
+
+    @cute.jit
+    def _produce(
+        self, tma_q, tma_k, tma_v, gQ, gK, gV, sQ, sK, sV, q_pipe, k_pipe, v_pipe,
+        m_block, n_block_max,
+    ):  # fmt: skip
+        """Warp 0: Q once, then K and V of key blocks n_block_max - 1 down to 0."""
+        one = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+        )
+        # Q is loaded even when no key block is visible: the consumers always wait for it
+        # before reusing its buffer for O.
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        q_pipe.producer_acquire(q_state)
+        cute.copy(
+            tma_q,
+            tQgQ[(None, m_block)],
+            tQsQ[(None, 0)],
+            tma_bar_ptr=q_pipe.producer_get_barrier(q_state),
+        )
+        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        for i in cutlass.range(n_block_max, unroll=1):
+            n = n_block_max - 1 - i
+            k_pipe.producer_acquire(kv)
+            cute.copy(
+                tma_k,
+                tKgK[(None, n)],
+                tKsK[(None, kv.index)],
+                tma_bar_ptr=k_pipe.producer_get_barrier(kv),
+            )
+            v_pipe.producer_acquire(kv)
+            cute.copy(
+                tma_v,
+                tVgV[(None, n)],
+                tVsV[(None, kv.index)],
+                tma_bar_ptr=v_pipe.producer_get_barrier(kv),
+            )
+            kv.advance()
+
+    @cute.jit
+    def _consume(
+        self,
+        tidx: Int32,
+        wg: Int32,
+        warp_idx: Int32,
+        mma_qk: cute.TiledMma,
+        mma_pv: cute.TiledMma,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        sO: cute.Tensor,
+        q_pipe,
+        k_pipe,
+        v_pipe,
+        tma_o: cute.CopyAtom,
+        gO: cute.Tensor,
+        mLSE: cute.Tensor,
+        scale_log2: Float32,
+        m_block: Int32,
+        m0: Int32,
+        head: Int32,
+        batch: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        n_block_max: Int32,
+        n_unmasked: Int32,
+    ):
+        """Consumer warpgroup `wg` (rows 64 wg .. 64 wg + 63 of the tile); tidx in [0, 256)."""
+        # Operand fragments come from the warpgroup's slice (WGMMA descriptors), coordinates
+        # from the thread's own slice.
+        wg_qk = mma_qk.get_slice(wg * THREADS_PER_WG)
+        wg_pv = mma_pv.get_slice(wg * THREADS_PER_WG)
+        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))[None, None, None, 0]
+        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
+        tOrV = wg_pv.make_fragment_B(wg_pv.partition_B(sV))
+        tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((self.tile_m, self.tile_n)))
+        s_shape = wg_qk.partition_shape_C((self.tile_m, self.tile_n))
+        acc_O = cute.make_rmem_tensor(
+            wg_pv.partition_shape_C((self.tile_m, self.head_dim_v)), Float32
+        )
+        tScS = _rows_cols(
+            mma_qk.get_slice(tidx).partition_C(
+                cute.make_identity_tensor((self.tile_m, self.tile_n))
+            )
+        )
+        rows = cute.size(tScS, mode=[0])
+        row_max = cute.make_rmem_tensor(rows, Float32)
+        row_sum = cute.make_rmem_tensor(rows, Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        acc_O.fill(0.0)
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_pipe.consumer_wait(q_state)
+        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        step_args = (
+            mma_qk, mma_pv, tSrQ, tSrK, tOrP, tOrV, s_shape, acc_O, row_max, row_sum, tScS,
+            k_pipe, v_pipe, scale_log2, m0, seqlen_q, seqlen_k,
+        )  # fmt: skip
+        # Key blocks last to first: the masked ones (diagonal, key bound) come first.
+        for i in cutlass.range(n_block_max - n_unmasked, unroll=1):
+            kv = self._step(kv, n_block_max - 1 - i, *step_args, True)
+        for i in cutlass.range(n_unmasked, unroll=1):
+            kv = self._step(kv, n_unmasked - 1 - i, *step_args, False)
+
+        row_lse = self._finalize(acc_O, row_max, row_sum, scale_log2)
+        self._store_o(tidx, warp_idx, mma_pv, acc_O, sO, tma_o, gO, m_block)
+        self._store_lse(tidx, mma_pv, row_lse, mLSE, m0, head, batch, seqlen_q)
+
+    @cute.jit
+    def _gemm(self, tiled_mma, acc, tA, tB, zero_init: cutlass.Constexpr[bool]):
+        """One warpgroup's acc (+)= A B over all k-blocks, waited for."""
+        warpgroup.fence()
+        # A fresh atom per call: its ACCUMULATE field is set inside a dynamic loop.
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+            cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def _step(
+        self, kv, n, mma_qk, mma_pv, tSrQ, tSrK, tOrP, tOrV, s_shape, acc_O, row_max, row_sum,
+        tScS, k_pipe, v_pipe, scale_log2, m0, seqlen_q, seqlen_k,
+        masked: cutlass.Constexpr[bool],
+    ):  # fmt: skip
+        """One key block n: S = Q K^T, mask, online softmax, O += P V. Returns the advanced
+        pipeline state (rebound by the caller: the loop carries it)."""
+        acc_S = cute.make_rmem_tensor(s_shape, Float32)
+        k_pipe.consumer_wait(kv)
+        self._gemm(mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], True)
+        k_pipe.consumer_release(kv)
+        if const_expr(masked):
+            self._mask(acc_S, tScS, n, m0, seqlen_q, seqlen_k)
+        self._online_softmax(acc_S, acc_O, row_max, row_sum, scale_log2)
+        tOrP.store(_acc_as_operand_a(acc_S).load().to(self.dtype))
+        v_pipe.consumer_wait(kv)
+        self._gemm(mma_pv, acc_O, tOrP, tOrV[None, None, None, kv.index], False)
+        v_pipe.consumer_release(kv)
+        kv.advance()
+        return kv
+
+    @cute.jit
+    def _mask(self, acc_S, tScS, n, m0, seqlen_q, seqlen_k):
+        """-inf where the key is past Sk or (causal) past the row's diagonal."""
+        s = _rows_cols(acc_S)
+        col0 = n * self.tile_n
+        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+            limit = seqlen_k - col0  # first masked column, block-relative
+            if const_expr(self.causal):
+                row = m0 + tScS[r, 0][0]
+                limit = cutlass.min(limit, row + seqlen_k - seqlen_q + 1 - col0)
+            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                if tScS[r, c][1] >= limit:
+                    s[r, c] = -Float32.inf
+
+    @cute.jit
+    def _online_softmax(self, acc_S, acc_O, row_max, row_sum, scale_log2):
+        """S -> P = exp2(S scale_log2 - max scale_log2) in place; the row sums stay per thread
+        (the quad's partial sums are added in `_finalize`); O rescaled by exp2(old - new max)."""
+        s = _rows_cols(acc_S)
+        o = _rows_cols(acc_O)
+        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+            prev = row_max[r]
+            # Four independent max / sum chains instead of one 64-long dependency chain.
+            part = [prev] * 4
+            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                part[c % 4] = cute.arch.fmax(part[c % 4], s[r, c])
+            cur = cute.arch.fmax(cute.arch.fmax(part[0], part[1]), cute.arch.fmax(part[2], part[3]))
+            cur = cute.arch.warp_reduction_max(cur, threads_in_group=4)  # the row's 4 threads
+            row_max[r] = cur
+            # A row with no visible key so far keeps max -inf: subtract 0 instead, so that
+            # exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN.
+            cur_scaled = cur * scale_log2
+            if cur == -Float32.inf:
+                cur_scaled = Float32(0.0)
+            rescale = cute.math.exp2(prev * scale_log2 - cur_scaled, fastmath=True)
+            part = [Float32(0.0)] * 4
+            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                p = cute.math.exp2(s[r, c] * scale_log2 - cur_scaled, fastmath=True)
+                s[r, c] = p
+                part[c % 4] = part[c % 4] + p
+            total = (part[0] + part[1]) + (part[2] + part[3])
+            row_sum[r] = row_sum[r] * rescale + total
+            for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+                o[r, c] = o[r, c] * rescale
+
+    @cute.jit
+    def _finalize(self, acc_O, row_max, row_sum, scale_log2):
+        """O /= rowsum; returns the rows' natural-log LSE (-inf, O = 0 for rows that saw no
+        key)."""
+        o = _rows_cols(acc_O)
+        row_lse = cute.make_rmem_tensor(cute.size(row_sum), Float32)
+        for r in cutlass.range_constexpr(cute.size(row_sum)):
+            total = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
+            inv = Float32(1.0)
+            lse = -Float32.inf
+            if total > 0.0:
+                inv = cute.arch.rcp_approx(total)
+                lse = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
+            row_lse[r] = lse
+            for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+                o[r, c] = o[r, c] * inv
+        return row_lse
+
+    @cute.jit
+    def _store_o(self, tidx, warp_idx, mma_pv, acc_O, sO, tma_o, gO, m_block):
+        """O (fp32 registers) -> input dtype -> stmatrix into sO -> one TMA store."""
+        epilogue = pipeline.NamedBarrier(
+            barrier_id=EPILOGUE_BARRIER, num_threads=self.num_mma_threads
+        )
+        rO = cute.make_rmem_tensor(acc_O.shape, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        r2s = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype), mma_pv
+        )
+        thr_r2s = r2s.get_slice(tidx)
+        sO_tile = sO[None, None, 0]
+        # sO aliases sQ: both warpgroups' QK^T WGMMAs (which read all of sQ's rows they own,
+        # and the other warpgroup's O lands on its rows) must be complete.
+        epilogue.arrive_and_wait()
+        cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO_tile))
+        # stmatrix writes are generic-proxy; the TMA store reads through the async proxy.
+        cute.arch.fence_view_async_shared()
+        epilogue.arrive_and_wait()
+        if warp_idx == THREADS_PER_WG // 32:  # first consumer warp
+            tOsO, tOgO = cpasync.tma_partition(
+                tma_o,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sO, 0, 2),
+                cute.group_modes(gO, 0, 2),
+            )
+            cute.copy(tma_o, tOsO[(None, 0)], tOgO[(None, m_block)])
+            cute.arch.cp_async_bulk_commit_group()
+            # The CTA may not exit (freeing sO) before the store has read it.
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _store_lse(self, tidx, mma_pv, row_lse, mLSE, m0, head, batch, seqlen_q):
+        """The thread holding column 0 of a row writes its LSE, rows < Sq only."""
+        tOcO = _rows_cols(
+            mma_pv.get_slice(tidx).partition_C(
+                cute.make_identity_tensor((self.tile_m, self.head_dim_v))
+            )
+        )
+        if tOcO[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(row_lse)):
+                row = m0 + tOcO[r, 0][0]
+                if row < seqlen_q:
+                    mLSE[batch, head, row] = row_lse[r]

@@ -1,0 +1,135 @@
+"""`forgekernel.attention_varlen`: attention over packed variable-length sequences.
+
+Tokens of all sequences packed as (total_tokens, heads, head_dim); sequence i spans
+cu_seqlens[i]:cu_seqlens[i + 1]. Same math, dtypes and head dims as `forgekernel.attention`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from forgekernel.ops._dispatch import traced as _traced
+from forgekernel.ops._validate import check_cuda, check_same_device, check_tensor
+from forgekernel.ops.attention import _check_flags, _check_qkv
+
+
+def _check_max_seqlen(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def _check_offsets(name: str, cu: torch.Tensor, total: int, owner: str, max_name: str, mx: int):
+    """Values of a CPU cu_seqlens: 0 first, non-decreasing, `total` last, no length > max."""
+    offsets = cu.tolist()
+    if offsets[0] != 0:
+        raise ValueError(f"{name}[0] must be 0, got {offsets[0]}")
+    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+    if min(lengths) < 0:
+        raise ValueError(f"{name} must be non-decreasing, got {offsets}")
+    if offsets[-1] != total:
+        raise ValueError(
+            f"{name}[-1] = {offsets[-1]} must equal the number of tokens of {owner} ({total})"
+        )
+    if max(lengths) > mx:
+        raise ValueError(f"{max_name} = {mx} is less than the longest sequence ({max(lengths)})")
+
+
+def _check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        check_tensor(name, cu, ndim=1, dtypes=(torch.int32,), cuda=False)
+        if cu.shape[0] < 2:
+            raise ValueError(f"{name} must hold batch + 1 >= 2 offsets, got {cu.shape[0]}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(
+            f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries but cu_seqlens_k has "
+            f"{cu_seqlens_k.shape[0]}; both must be batch + 1"
+        )
+    _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    for name, cu, total, owner, max_name, mx in (
+        ("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q", "max_seqlen_q", max_seqlen_q),
+        ("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k, v", "max_seqlen_k", max_seqlen_k),
+    ):
+        # Reading CUDA offsets would cost a device sync per call; only host tensors are read.
+        if cu.device.type == "cpu" and not _traced(cu):
+            _check_offsets(name, cu, total, owner, max_name, mx)
+
+
+def _launch_varlen_fwd(q, k, v, o, lse, seqs: tuple, scale: float, causal: bool) -> None:
+    """The kernel call, once a varlen kernel leaf exists; seqs = (cu_seqlens_q, cu_seqlens_k,
+    max_seqlen_q, max_seqlen_k), the offsets on q's device."""
+    raise NotImplementedError("varlen kernel not built yet")
+
+
+def _empty_outputs(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    total, hq, _ = q.shape
+    return q.new_empty(total, hq, v.shape[-1]), q.new_empty(hq, total, dtype=torch.float32)
+
+
+@torch.library.custom_op("forgekernel::attention_varlen_fwd", mutates_args=())
+def _attention_varlen_fwd_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    o, lse = _empty_outputs(q, v)
+    seqs = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _launch_varlen_fwd(q, k, v, o, lse, seqs, softmax_scale, causal)
+    return o, lse
+
+
+@_attention_varlen_fwd_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale):
+    return _empty_outputs(q, v)
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`attention` per sequence for q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv).
+
+    cu_seqlens_q / cu_seqlens_k: int32 (batch + 1,) offsets starting at 0, on the CPU or on q's
+    device; max_seqlen_q / max_seqlen_k: the longest sequence of each. Offsets on the CPU are
+    checked on the host (first 0, non-decreasing, last = total tokens, no length above
+    max_seqlen) and copied to q's device; offsets already on the GPU are checked for dtype and
+    shape only (reading them would sync the device each call). Returns o (total_q, Hq, Dv) and,
+    with `return_lse`, lse (Hq, total_q) fp32.
+
+    The varlen kernel is not built yet: after validation an eager call raises
+    NotImplementedError("varlen kernel not built yet"); tracing (fake tensors) already works.
+    """
+    _check_qkv(q, k, v, ndim=3)
+    _check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    scale = _check_flags(causal, softmax_scale, q.shape[-1])
+    check_cuda("q", q)
+    check_same_device(q=q, k=k, v=v)
+    # Host offsets travel to the device here; device offsets must already be on q's device.
+    cu_q, cu_k = (
+        cu.to(q.device) if cu.device.type == "cpu" else cu for cu in (cu_seqlens_q, cu_seqlens_k)
+    )
+    check_same_device(q=q, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    if _traced(q, k, v, cu_q, cu_k):
+        o, lse = torch.ops.forgekernel.attention_varlen_fwd(
+            q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale
+        )
+    else:
+        o, lse = _empty_outputs(q, v)
+        _launch_varlen_fwd(q, k, v, o, lse, (cu_q, cu_k, max_seqlen_q, max_seqlen_k), scale, causal)
+    return (o, lse) if return_lse else o

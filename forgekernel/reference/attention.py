@@ -1,0 +1,109 @@
+"""Attention reference: O = softmax(scale * Q K^T + mask) V and its LSE, in fp32.
+
+FlashAttention layout (batch, seqlen, heads, head_dim); GQA (query head h reads kv head
+h // (Hq // Hkv)); V's head dim may differ from Q/K's; the causal mask is bottom-right aligned
+(query i of Sq sees key j iff j <= i + Sk - Sq). Rows that see no key give O = 0, LSE = -inf.
+LSE is natural-log, fp32, (batch, heads, seqlen_q).
+
+Scores are materialized a chunk of heads and query rows at a time (at most `SCORE_BUDGET`
+elements), so a B=4, Hq=32, S=8192 reference peaks at a few GB instead of 32 GB.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Elements of one score chunk: 512 MB in fp32; softmax and logsumexp take about 3x that at peak.
+SCORE_BUDGET = 1 << 27
+
+
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    upcast: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) for q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv).
+
+    upcast=True (the spec): every step in fp32, out fp32. upcast=False: the same math done by
+    PyTorch in the input dtype (scores and probabilities rounded to it, out in it), the
+    yardstick for a kernel's error. lse is fp32 either way.
+    """
+    b, sq, hq, d = q.shape
+    sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
+    scale = d**-0.5 if softmax_scale is None else softmax_scale
+    dtype = torch.float32 if upcast else q.dtype
+    out = torch.empty(b, sq, hq, dv, dtype=dtype, device=q.device)
+    lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
+    heads = min(hq, max(1, SCORE_BUDGET // max(1, sq * sk)))
+    rows = min(max(1, sq), max(1, SCORE_BUDGET // max(1, heads * sk)))
+    for bi in range(b):
+        for h0 in range(0, hq, heads):
+            h1 = min(hq, h0 + heads)
+            kv_head = torch.arange(h0, h1, device=q.device) // (hq // hkv)
+            kc = k[bi].index_select(1, kv_head).transpose(0, 1).to(dtype)  # (h, Sk, D)
+            vc = v[bi].index_select(1, kv_head).transpose(0, 1).to(dtype)  # (h, Sk, Dv)
+            for i0 in range(0, sq, rows):
+                i1 = min(sq, i0 + rows)
+                qc = q[bi, i0:i1, h0:h1].transpose(0, 1).to(dtype)  # (h, rows, D)
+                mask = _causal_mask(i0, i1, sq, sk, q.device) if causal else None
+                oc, lc = _chunk(qc, kc, vc, scale, mask)
+                out[bi, i0:i1, h0:h1] = oc.transpose(0, 1)
+                lse[bi, h0:h1, i0:i1] = lc
+    return out, lse
+
+
+def _causal_mask(i0: int, i1: int, sq: int, sk: int, device: torch.device) -> torch.Tensor:
+    """True where key j is hidden from query row i (j > i + Sk - Sq), rows i0..i1."""
+    rows = torch.arange(i0, i1, device=device)[:, None]
+    return torch.arange(sk, device=device)[None, :] > rows + (sk - sq)
+
+
+def _chunk(
+    qc: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    s = torch.bmm(qc, kc.transpose(1, 2)).mul_(scale)
+    if mask is not None:
+        s.masked_fill_(mask, float("-inf"))
+    lse = torch.logsumexp(s.float(), dim=-1)
+    p = torch.softmax(s, dim=-1)
+    del s
+    # A row that sees no key is NaN after softmax (0/0); the spec says O = 0 there.
+    p.masked_fill_(torch.isinf(lse)[..., None], 0.0)
+    return torch.bmm(p, vc), lse
+
+
+def attention_varlen_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    upcast: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed sequences: q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv);
+    sequence i is q[cu_seqlens_q[i]:cu_seqlens_q[i+1]] against k/v[cu_seqlens_k[i]:...].
+    Returns out (total_q, Hq, Dv) and lse (Hq, total_q)."""
+    dtype = torch.float32 if upcast else q.dtype
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=dtype, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
+    bounds = zip(
+        cu_seqlens_q.tolist(),
+        cu_seqlens_q[1:].tolist(),
+        cu_seqlens_k.tolist(),
+        cu_seqlens_k[1:].tolist(),
+    )
+    for q0, q1, k0, k1 in bounds:
+        o, seq_lse = attention_ref(
+            q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal, softmax_scale, upcast
+        )
+        out[q0:q1], lse[:, q0:q1] = o[0], seq_lse[0]
+    return out, lse

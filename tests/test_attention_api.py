@@ -1,0 +1,192 @@
+"""Attention torch layer on the CPU: every bad input raises a clear error naming the argument
+before any kernel runs, and the eager path hands the kernel TMA-ready tensors and returns what
+it wrote (a reference-backed stand-in for the kernel)."""
+
+import importlib
+import math
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import forgekernel
+from forgekernel.reference.attention import attention_ref
+
+# The package re-exports the functions under the modules' names; these are the modules.
+attention_module = importlib.import_module("forgekernel.ops.attention")
+varlen_module = importlib.import_module("forgekernel.ops.attention_varlen")
+
+
+def bf16(*shape):
+    return torch.randn(*shape).to(torch.bfloat16)
+
+
+def qkv(b=2, sq=8, sk=8, hq=4, hkv=2, d=64, dv=None):
+    return bf16(b, sq, hq, d), bf16(b, sk, hkv, d), bf16(b, sk, hkv, dv or d)
+
+
+Q, K, V = qkv()
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, exc, words",
+    [
+        (qkv(d=80), {}, ValueError, "head_dim = 80 with head_dim_v = 80 is not supported"),
+        (qkv(d=128, dv=64), {}, ValueError, "supported (head_dim, head_dim_v): (64, 64)"),
+        (qkv(hq=6, hkv=4), {}, ValueError, "Hq = 6 (q) must be a multiple of"),
+        (qkv(hq=4, hkv=0), {}, ValueError, "kv heads Hkv = 0"),
+        ((Q, K[:1], V[:1]), {}, ValueError, "k has batch size 1 but q has 2"),
+        ((Q, K, V[:, :5]), {}, ValueError, "k and v must agree"),
+        ((Q, K, V[:, :, :1]), {}, ValueError, "k and v must agree"),
+        ((Q, K[..., :32], V), {}, ValueError, "k head_dim = 32 must equal q head_dim = 64"),
+        ((Q.float(), K, V), {}, TypeError, "q must have dtype in (float16, bfloat16)"),
+        ((Q, K.half(), V), {}, TypeError, "k has dtype torch.float16 but q has"),
+        ((Q, K, V.half()), {}, TypeError, "v has dtype torch.float16 but q has"),
+        ((Q, K, V), {}, ValueError, "q must be a CUDA tensor"),
+        ((Q[0], K, V), {}, ValueError, "q must be 4-D, got 3-D"),
+        ((Q, K, V[0]), {}, ValueError, "v must be 4-D"),
+        ((Q.tolist(), K, V), {}, TypeError, "q must be a torch.Tensor"),
+        ((Q, K, V), {"causal": 1}, TypeError, "causal must be a bool"),
+        ((Q, K, V), {"softmax_scale": "x"}, TypeError, "softmax_scale must be a float"),
+        ((Q, K, V), {"softmax_scale": math.nan}, ValueError, "softmax_scale must be finite"),
+        ((Q, K, V), {"out": bf16(2, 8, 4, 64)}, TypeError, "out must be a tuple (o, lse)"),
+        (
+            (Q, K, V),
+            {"out": (bf16(2, 8, 4, 32), torch.empty(2, 4, 8))},
+            ValueError,
+            "out[0] (o) must have shape (2, 8, 4, 64)",
+        ),
+        (
+            (Q, K, V),
+            {"out": (bf16(2, 8, 4, 64), bf16(2, 4, 8))},
+            TypeError,
+            "out[1] (lse) must have dtype in (float32)",
+        ),
+    ],
+)
+def test_bad_inputs_raise(args, kwargs, exc, words):
+    with pytest.raises(exc) as info:
+        forgekernel.attention(*args, **kwargs)
+    assert words in str(info.value)
+
+
+@pytest.mark.parametrize("d, dv", attention_module.SUPPORTED_HEAD_DIMS)
+def test_supported_head_dims_reach_the_device_check(d, dv):
+    with pytest.raises(ValueError, match="q must be a CUDA tensor"):
+        forgekernel.attention(*qkv(d=d, dv=dv, hq=8, hkv=1))
+
+
+def packed(lens_q=(3, 5), lens_k=(4, 4), hq=4, hkv=2, d=64):
+    cu = [
+        torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
+        for n in (lens_q, lens_k)
+    ]
+    q, k, v = bf16(sum(lens_q), hq, d), bf16(sum(lens_k), hkv, d), bf16(sum(lens_k), hkv, d)
+    return q, k, v, cu[0], cu[1], max(lens_q), max(lens_k)
+
+
+def with_(args, **changes):
+    names = ("q", "k", "v", "cu_q", "cu_k", "max_q", "max_k")
+    return tuple(changes.get(n, a) for n, a in zip(names, args))
+
+
+P = packed()
+I32 = torch.int32
+
+
+@pytest.mark.parametrize(
+    "args, exc, words",
+    [
+        (with_(P, cu_q=P[3].long()), TypeError, "cu_seqlens_q must have dtype in (int32)"),
+        (with_(P, cu_k=P[4][None]), ValueError, "cu_seqlens_k must be 1-D"),
+        (with_(P, cu_q=P[3][:1]), ValueError, "cu_seqlens_q must hold batch + 1 >= 2"),
+        (with_(P, cu_k=torch.tensor([0, 8], dtype=I32)), ValueError, "cu_seqlens_q has 3"),
+        (with_(P, cu_q=torch.tensor([1, 3, 8], dtype=I32)), ValueError, "cu_seqlens_q[0] must"),
+        (with_(P, cu_k=torch.tensor([0, 6, 4], dtype=I32)), ValueError, "non-decreasing"),
+        (with_(P, cu_q=torch.tensor([0, 3, 7], dtype=I32)), ValueError, "cu_seqlens_q[-1] = 7"),
+        (with_(P, max_q=4), ValueError, "max_seqlen_q = 4 is less than the longest sequence (5)"),
+        (with_(P, max_k=4.0), TypeError, "max_seqlen_k must be an int"),
+        (with_(P, max_k=-1), ValueError, "max_seqlen_k must be >= 0"),
+        (with_(P, q=bf16(8, 4, 80)), ValueError, "head_dim = 80"),
+        (with_(P, q=bf16(8, 3, 64)), ValueError, "Hq = 3 (q) must be a multiple"),
+        (with_(P, q=bf16(1, 8, 4, 64)), ValueError, "q must be 3-D"),
+        (with_(P, v=P[2].half()), TypeError, "v has dtype"),
+        (P, ValueError, "q must be a CUDA tensor"),
+    ],
+)
+def test_bad_varlen_inputs_raise(args, exc, words):
+    with pytest.raises(exc) as info:
+        forgekernel.attention_varlen(*args)
+    assert words in str(info.value)
+
+
+@pytest.fixture
+def cpu_kernel(monkeypatch):
+    """Run the eager path on the CPU: no device check, the reference as the 'kernel', which
+    insists on what the real one needs (TMA-ready inputs, contiguous outputs)."""
+    calls = []
+
+    def launch(q, k, v, o, lse, scale, causal):
+        assert all(attention_module.tma_ready(t) for t in (q, k, v, o)) and lse.is_contiguous()
+        ref_o, ref_lse = attention_ref(q, k, v, causal, scale)
+        o.copy_(ref_o)
+        lse.copy_(ref_lse)
+        calls.append(scale)
+
+    monkeypatch.setattr(attention_module, "check_cuda", lambda name, t: None)
+    monkeypatch.setattr(attention_module, "_launch_fwd", launch)
+    return calls
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_eager_path_returns_what_the_kernel_wrote(cpu_kernel, causal):
+    q, k, v = qkv(b=2, sq=17, sk=9, hq=8, hkv=2, d=192, dv=128)
+    o, lse = forgekernel.attention(q, k, v, causal=causal, return_lse=True)
+    want_o, want_lse = attention_ref(q, k, v, causal)
+    assert cpu_kernel == [pytest.approx(192**-0.5)]
+    assert o.dtype == torch.bfloat16 and o.shape == (2, 17, 8, 128) and lse.shape == (2, 8, 17)
+    torch.testing.assert_close(o, want_o.to(torch.bfloat16), rtol=0, atol=0)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+    assert forgekernel.attention(q, k, v, causal=causal).shape == o.shape
+
+
+def test_strided_inputs_and_outputs_are_copied(cpu_kernel):
+    q, k, v = qkv(b=1, sq=33, sk=33, hq=4, hkv=4, d=64)
+    q_strided = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # last dim not contiguous
+    o = bf16(1, 33, 4, 128)[..., ::2]  # a view whose last dim is strided
+    lse = torch.empty(1, 33, 4).transpose(1, 2)  # (B, Hq, Sq) view, not contiguous
+    got = forgekernel.attention(q_strided, k, v, True, 0.5, return_lse=True, out=(o, lse))
+    assert got[0] is o and got[1] is lse
+    want_o, want_lse = attention_ref(q, k, v, True, 0.5)
+    torch.testing.assert_close(o, want_o.to(torch.bfloat16), rtol=0, atol=0)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+
+
+def test_no_keys_and_empty_problems_skip_the_kernel(cpu_kernel):
+    o, lse = forgekernel.attention(*qkv(sk=0), causal=True, return_lse=True)
+    assert torch.all(o == 0) and torch.all(lse == -math.inf)
+    assert forgekernel.attention(*qkv(sq=0)).shape == (2, 0, 4, 64)
+    assert cpu_kernel == []
+
+
+def test_varlen_launch_is_not_built_yet(monkeypatch):
+    monkeypatch.setattr(varlen_module, "check_cuda", lambda name, t: None)
+    with pytest.raises(NotImplementedError, match="varlen kernel not built yet"):
+        forgekernel.attention_varlen(*P)
+
+
+def test_backward_fails_loudly_until_it_exists(cpu_kernel):
+    q, k, v = qkv()
+    o = forgekernel.attention(q.requires_grad_(), k, v)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        o.float().sum().backward()
+    with torch.no_grad():
+        assert forgekernel.attention(q, k, v).grad_fn is None
+
+
+def test_tensors_on_different_devices():
+    with FakeTensorMode():
+        q = torch.empty(2, 8, 4, 64, device="cuda", dtype=torch.bfloat16)
+        k = torch.empty(2, 8, 2, 64, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="k is on cpu but q is on cuda"):
+            forgekernel.attention(q, k, k)

@@ -1,0 +1,63 @@
+"""The attention forward builds for sm_90a on a machine with no GPU in every standard
+configuration, exports a loadable-shaped .so, and (when cuobjdump/nvdisasm are installed: the
+`dev` extra) uses HGMMA and TMA with no local memory."""
+
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+from forgekernel.kernels.attention.fwd.sm90 import SPEC  # noqa: E402
+from forgekernel.kernels.attention.fwd.sm90.config import (  # noqa: E402
+    HEAD_DIMS,
+    SMEM_CAPACITY,
+    default_config,
+    smem_bytes,
+)
+from forgekernel.runtime.cache import compile_to  # noqa: E402
+from forgekernel.runtime.resources import find_tool, inspect_cubin  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    out = tmp_path_factory.mktemp("kernels")
+    recs = []
+    for params in SPEC.standard_params():
+        with tempfile.TemporaryDirectory(prefix="forgekernel-cubin-") as keep:
+            rec = compile_to(SPEC, params, out, keep_dir=Path(keep))
+            rec.update(inspect_cubin(rec.pop("cubin")))
+        recs.append(rec)
+    return recs
+
+
+def test_standard_configs_cover_dtypes_head_dims_and_masks():
+    keys = {
+        (p["dtype"], p["head_dim"], p["head_dim_v"], p["causal"])
+        for p in map(dict, SPEC.standard_params())
+    }
+    assert len(keys) == 2 * len(HEAD_DIMS) * 2
+    for d, dv in HEAD_DIMS:
+        assert smem_bytes(default_config(d, dv), d, dv) <= SMEM_CAPACITY
+
+
+def test_every_standard_config_builds(records):
+    assert len(records) == len(SPEC.standard_params())
+    for rec in records:
+        so = Path(rec["path"])
+        assert so.is_file() and so.read_bytes()[:4] == b"\x7fELF"
+
+
+@pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
+def test_sass_uses_hgmma_tma_and_no_local_memory(records):
+    for rec in records:
+        assert rec["hgmma"], rec["params"]
+        assert rec["sass"].get("UTMALDG", 0) > 0 and rec["sass"].get("UTMASTG", 0) > 0
+        assert rec["spill_bytes"] == 0, rec["params"]
+        assert rec["sass"].get("LDL", 0) == 0 and rec["sass"].get("STL", 0) == 0, rec["params"]
+
+
+def test_unsupported_head_dims_are_refused():
+    with pytest.raises(ValueError, match="head dims"):
+        default_config(96, 96)
