@@ -12,9 +12,7 @@ from typing import Any
 import torch
 
 from forgekernel.bench.suite import Case, Inputs, OpSuite
-from forgekernel.runtime.hashing import PACKAGE_ROOT
-
-KERNEL_DIR = PACKAGE_ROOT / "kernels" / "attention" / "fwd" / "sm90"
+from forgekernel.kernels.attention.fwd.sm90 import SPEC
 
 
 def _case(
@@ -189,7 +187,7 @@ def nbytes(case: Case, dtype: torch.dtype) -> float:
 def suite() -> OpSuite:
     return OpSuite(
         name="attention",
-        kernel_sources=sorted(KERNEL_DIR.glob("*.py")),  # the files KernelSpec.sources hashes
+        kernel_sources=SPEC.sources,  # the ledger hashes what the compile cache hashes
         dtypes=(torch.bfloat16, torch.float16),
         check_cases=CHECK_CASES,
         bench_cases=BENCH_CASES,

@@ -7,9 +7,7 @@ from typing import Any
 import torch
 
 from forgekernel.bench.suite import Case, Inputs, OpSuite
-from forgekernel.runtime.hashing import PACKAGE_ROOT
-
-KERNEL_DIR = PACKAGE_ROOT / "kernels" / "gemm" / "dense" / "sm90"
+from forgekernel.kernels.gemm.dense.sm90 import SPEC
 
 
 def _case(m: int, n: int, k: int, b_layout: str = "nk") -> Case:
@@ -115,7 +113,7 @@ def nbytes(case: Case, dtype: torch.dtype) -> float:
 def suite() -> OpSuite:
     return OpSuite(
         name="gemm",
-        kernel_sources=sorted(KERNEL_DIR.glob("*.py")),  # the files KernelSpec.sources hashes
+        kernel_sources=SPEC.sources,  # the ledger hashes what the compile cache hashes
         dtypes=(torch.float16, torch.bfloat16),
         check_cases=CHECK_CASES,
         bench_cases=BENCH_CASES,
