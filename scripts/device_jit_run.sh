@@ -12,6 +12,7 @@ source .payload/p2/dsl-install.sh install .payload/p2 || exit 1
 export FORGEKERNEL_KERNEL_DIR="$PWD/.bundle/kernels" FORGEKERNEL_RESULTS_DIR="$OUT/results"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,power.draw --format=csv
+timeout 120 python3 -m forgekernel selftest
 timeout "${CHECK_TIMEOUT:-200}" python3 -m forgekernel check "$@" 2>&1 | tee "$OUT/check.log"
 check_rc=${PIPESTATUS[0]}
 timeout "${BENCH_TIMEOUT:-300}" python3 -m forgekernel bench --report-dir "$OUT/reports" "$@" \
