@@ -27,7 +27,7 @@ def build_all(
             with tempfile.TemporaryDirectory(prefix="forgekernel-cubin-") as keep:
                 # A fresh folder per kernel: the DSL names dumps by signature, not config.
                 rec = compile_to(spec, params, target, keep_dir=Path(keep))
-                rec.update(inspect_cubin(rec.pop("cubin")))
+                rec.update(inspect_cubin(rec.pop("cubin", None)))  # None: already built
             rec["config"] = _short(rec["params"])
             records.append(rec)
     return records
