@@ -49,3 +49,10 @@ def test_concurrent_compiles_of_one_key_agree(tmp_path):
     stem = artifact_stem(spec, spec.standard_params()[0])
     assert paths[0] == paths[1] == str(tmp_path / f"{stem}.so")
     assert sorted(p.name for p in tmp_path.glob("*.so")) == [f"{stem}.so"]
+
+
+def test_rebuild_into_the_same_folder_reuses_every_kernel(records):
+    folder = Path(records[0]["path"]).parent
+    again = build_all("sm_90a", folder)
+    assert [r["path"] for r in again] == [r["path"] for r in records]
+    assert all(r["compile_s"] == 0.0 for r in again)
