@@ -8,12 +8,16 @@ Warp roles (one CTA = 3 warpgroups, 384 threads):
   (pipeline `q`, one stage), then for each key block, last to first, the K tile and the V tile
   into two `stages`-deep shared-memory rings (pipelines `k` and `v`, mbarrier full/empty, the
   same stage index for both). Warps 1-3 of warpgroup 0 exit at once.
-- warpgroups 1 and 2 (consumers, 240 registers), 64 query rows each, per key block:
-  S = Q K^T (WGMMA, both operands in shared memory) -> release K -> causal / key-bound mask ->
-  online softmax in fp32 (exp2, running row max and row sum, O rescaled when the max moves) ->
-  P converted to the input dtype in registers -> O += P V (WGMMA, P from registers, V an
-  MN-major B operand in shared memory) -> release V. Blocks entirely above the causal diagonal
-  are never loaded; only blocks that cross the diagonal or the key bound are masked.
+- warpgroups 1 and 2 (consumers, 240 registers), 64 query rows each. Key block j, after a
+  first half step (S = Q K^T, mask, softmax, P of the first block): issue S_j = Q K_j^T
+  (WGMMA, both operands in shared memory) and O += P_{j-1} V_{j-1} (WGMMA, P from registers,
+  V an MN-major B operand) as two async groups -> wait for S_j (one group left) -> release K
+  -> causal / key-bound mask -> online softmax in fp32 (exp2, running row max and row sum)
+  -> wait for P V -> release V -> P_j converted to the input dtype in registers -> O rescaled
+  by exp2(old - new max); a last P V closes the loop. For D <= 128 the two warpgroups take
+  turns issuing (named barriers 2 and 3, ping-pong): one's softmax runs under the other's
+  GEMMs. Blocks entirely above the causal diagonal are never loaded; only blocks that cross
+  the diagonal or the key bound are masked.
 - epilogue (consumers): O / rowsum -> input dtype -> `stmatrix` into the Q buffer (both
   warpgroups first meet at a named barrier: their last QK^T has read Q) -> one TMA store of the
   (128, Dv) tile (rows past Sq clipped); LSE = (rowmax * scale_log2 + log2(rowsum)) * ln 2
@@ -48,6 +52,7 @@ from forgekernel.kernels.attention.fwd.sm90.config import SMEM_CAPACITY, AttnCon
 THREADS_PER_WG = 128
 NUM_MMA_WG = 2
 EPILOGUE_BARRIER = 1  # named barrier of the 256 consumer threads (0 is __syncthreads)
+SCHED_BARRIER = 2  # named barriers 2 and 3: consumer warpgroup 0's and 1's turn to issue WGMMAs
 LN2 = math.log(2.0)
 
 
@@ -116,6 +121,9 @@ class AttentionFwdSm90:
         # 24 + 2 x 240 per thread-of-each-warpgroup: 64512 of the 65536 registers.
         self.producer_regs = 24
         self.consumer_regs = 240
+        # Warpgroup ping-pong pays when softmax and GEMM times are comparable; with D > 128 the
+        # GEMMs dominate and the turn-taking only delays issue (FA3 makes the same split).
+        self.pingpong = head_dim <= 128
 
     # ---------------------------------------------------------------- host-side setup
     def _setup(self):
@@ -463,24 +471,49 @@ class AttentionFwdSm90:
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         q_pipe.consumer_wait(q_state)
-        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        # Ping-pong: warpgroup wg issues its WGMMAs only after waiting on its barrier
+        # SCHED_BARRIER + wg, then hands the turn over, so one warpgroup's softmax runs while
+        # the other's GEMMs hold the tensor cores. Warpgroup 0 starts with one arrival of its
+        # own on its barrier: it takes the first turn.
+        my_turn = pipeline.NamedBarrier(
+            barrier_id=SCHED_BARRIER + wg, num_threads=self.num_mma_threads
+        )
+        their_turn = pipeline.NamedBarrier(
+            barrier_id=SCHED_BARRIER + 1 - wg, num_threads=self.num_mma_threads
+        )
+        if const_expr(self.pingpong):
+            if wg == 0:
+                my_turn.arrive()
         step_args = (
             mma_qk, mma_pv, tSrQ, tSrK, tOrP, tOrV, s_shape, acc_O, row_max, row_sum, tScS,
-            k_pipe, v_pipe, scale_log2, m0, seqlen_q, seqlen_k,
+            k_pipe, v_pipe, scale_log2, m0, seqlen_q, seqlen_k, my_turn, their_turn,
         )  # fmt: skip
-        # Key blocks last to first: the masked ones (diagonal, key bound) come first.
-        for i in cutlass.range(n_block_max - n_unmasked, unroll=1):
-            kv = self._step(kv, n_block_max - 1 - i, *step_args, True)
-        for i in cutlass.range(n_unmasked, unroll=1):
-            kv = self._step(kv, n_unmasked - 1 - i, *step_args, False)
+        # Key blocks last to first: the masked ones (diagonal, key bound) come first. Block
+        # n_block_max - 1 is the first half step (S and P, masked whatever it needs); every
+        # later step issues S of its block and P V of the block before.
+        if n_block_max > 0:
+            kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            kv = self._first_block(kv, n_block_max - 1, *step_args)
+            n_rest_unmasked = cutlass.min(n_unmasked, n_block_max - 1)
+            for i in cutlass.range(n_block_max - 1 - n_rest_unmasked, unroll=1):
+                kv = self._step(kv, n_block_max - 2 - i, *step_args, True)
+            for i in cutlass.range(n_rest_unmasked, unroll=1):
+                kv = self._step(kv, n_rest_unmasked - 1 - i, *step_args, False)
+            v_pipe.consumer_wait(kv)
+            self._gemm(mma_pv, acc_O, tOrP, tOrV[None, None, None, kv.index], False, 0)
+            v_pipe.consumer_release(kv)
 
         row_lse = self._finalize(acc_O, row_max, row_sum, scale_log2)
         self._store_o(tidx, warp_idx, mma_pv, acc_O, sO, tma_o, gO, m_block)
         self._store_lse(tidx, mma_pv, row_lse, mLSE, m0, head, batch, seqlen_q)
 
     @cute.jit
-    def _gemm(self, tiled_mma, acc, tA, tB, zero_init: cutlass.Constexpr[bool]):
-        """One warpgroup's acc (+)= A B over all k-blocks, waited for."""
+    def _gemm(
+        self, tiled_mma, acc, tA, tB, zero_init: cutlass.Constexpr[bool],
+        wg_wait: cutlass.Constexpr[int],
+    ):  # fmt: skip
+        """One warpgroup's acc (+)= A B over all k-blocks, committed as one group; then waits
+        until at most `wg_wait` groups are in flight (no wait if negative)."""
         warpgroup.fence()
         # A fresh atom per call: its ACCUMULATE field is set inside a dynamic loop.
         atom = cute.make_mma_atom(tiled_mma.op)
@@ -489,28 +522,57 @@ class AttentionFwdSm90:
             cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
             atom.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
-        warpgroup.wait_group(0)
+        if const_expr(wg_wait >= 0):
+            warpgroup.wait_group(wg_wait)
+
+    @cute.jit
+    def _first_block(
+        self, kv, n, mma_qk, mma_pv, tSrQ, tSrK, tOrP, tOrV, s_shape, acc_O, row_max, row_sum,
+        tScS, k_pipe, v_pipe, scale_log2, m0, seqlen_q, seqlen_k, my_turn, their_turn,
+    ):  # fmt: skip
+        """Key block n, first half: S = Q K^T, mask, softmax, P into tOrP. O is still 0, so
+        nothing to rescale; the state stays on block n (its V is read by the next step)."""
+        acc_S = cute.make_rmem_tensor(s_shape, Float32)
+        k_pipe.consumer_wait(kv)
+        self._gemm(mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], True, 0)
+        k_pipe.consumer_release(kv)
+        self._mask(acc_S, tScS, n, m0, seqlen_q, seqlen_k)
+        self._online_softmax(acc_S, row_max, row_sum, scale_log2)
+        tOrP.store(_acc_as_operand_a(acc_S).load().to(self.dtype))
+        return kv
 
     @cute.jit
     def _step(
         self, kv, n, mma_qk, mma_pv, tSrQ, tSrK, tOrP, tOrV, s_shape, acc_O, row_max, row_sum,
-        tScS, k_pipe, v_pipe, scale_log2, m0, seqlen_q, seqlen_k,
+        tScS, k_pipe, v_pipe, scale_log2, m0, seqlen_q, seqlen_k, my_turn, their_turn,
         masked: cutlass.Constexpr[bool],
     ):  # fmt: skip
-        """One key block n: S = Q K^T, mask, online softmax, O += P V. Returns the advanced
-        pipeline state (rebound by the caller: the loop carries it)."""
+        """Key block n with the previous block's P in tOrP (state `kv` on that block): issue
+        S = Q K_n^T, then O += P V_prev, both async; the softmax of S runs while P V_prev is
+        on the tensor cores. Returns the state of block n (rebound by the caller: the loop
+        carries it)."""
+        kv_v = kv.clone()
+        kv.advance()
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
         k_pipe.consumer_wait(kv)
-        self._gemm(mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], True)
+        if const_expr(self.pingpong):
+            my_turn.arrive_and_wait()
+        self._gemm(mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], True, -1)
+        v_pipe.consumer_wait(kv_v)
+        self._gemm(mma_pv, acc_O, tOrP, tOrV[None, None, None, kv_v.index], False, -1)
+        if const_expr(self.pingpong):
+            their_turn.arrive()
+        # Groups retire in order: with one left in flight, S (committed first) is complete.
+        warpgroup.wait_group(1)
         k_pipe.consumer_release(kv)
         if const_expr(masked):
             self._mask(acc_S, tScS, n, m0, seqlen_q, seqlen_k)
-        self._online_softmax(acc_S, acc_O, row_max, row_sum, scale_log2)
+        rescale = self._online_softmax(acc_S, row_max, row_sum, scale_log2)
+        # P V_prev done: tOrP may be overwritten and O rescaled.
+        warpgroup.wait_group(0)
+        v_pipe.consumer_release(kv_v)
         tOrP.store(_acc_as_operand_a(acc_S).load().to(self.dtype))
-        v_pipe.consumer_wait(kv)
-        self._gemm(mma_pv, acc_O, tOrP, tOrV[None, None, None, kv.index], False)
-        v_pipe.consumer_release(kv)
-        kv.advance()
+        self._rescale_o(acc_O, rescale)
         return kv
 
     @cute.jit
@@ -528,11 +590,12 @@ class AttentionFwdSm90:
                     s[r, c] = -Float32.inf
 
     @cute.jit
-    def _online_softmax(self, acc_S, acc_O, row_max, row_sum, scale_log2):
+    def _online_softmax(self, acc_S, row_max, row_sum, scale_log2):
         """S -> P = exp2(S scale_log2 - max scale_log2) in place; the row sums stay per thread
-        (the quad's partial sums are added in `_finalize`); O rescaled by exp2(old - new max)."""
+        (the quad's partial sums are added in `_finalize`). Returns each row's O rescale,
+        exp2((old max - new max) scale_log2), for `_rescale_o` once the P V in flight is done."""
         s = _rows_cols(acc_S)
-        o = _rows_cols(acc_O)
+        rescale = cute.make_rmem_tensor(cute.size(row_max), Float32)
         for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
             prev = row_max[r]
             # Four independent max / sum chains instead of one 64-long dependency chain.
@@ -547,16 +610,22 @@ class AttentionFwdSm90:
             cur_scaled = cur * scale_log2
             if cur == -Float32.inf:
                 cur_scaled = Float32(0.0)
-            rescale = cute.math.exp2(prev * scale_log2 - cur_scaled, fastmath=True)
+            rescale[r] = cute.math.exp2(prev * scale_log2 - cur_scaled, fastmath=True)
             part = [Float32(0.0)] * 4
             for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
                 p = cute.math.exp2(s[r, c] * scale_log2 - cur_scaled, fastmath=True)
                 s[r, c] = p
                 part[c % 4] = part[c % 4] + p
             total = (part[0] + part[1]) + (part[2] + part[3])
-            row_sum[r] = row_sum[r] * rescale + total
+            row_sum[r] = row_sum[r] * rescale[r] + total
+        return rescale
+
+    @cute.jit
+    def _rescale_o(self, acc_O, rescale):
+        o = _rows_cols(acc_O)
+        for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
-                o[r, c] = o[r, c] * rescale
+                o[r, c] = o[r, c] * rescale[r]
 
     @cute.jit
     def _finalize(self, acc_O, row_max, row_sum, scale_log2):
