@@ -133,7 +133,15 @@ def cmd_selftest(args: argparse.Namespace) -> int:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    return _build(_build_arch(args.arch), args.out, args.candidates)
+    arch = _build_arch(args.arch)
+    out = args.out
+    if args.package:
+        if out is not None:
+            raise CliError("--package and --out are exclusive")
+        from forgekernel.runtime.cache import package_prebuilt_dir
+
+        out = package_prebuilt_dir(arch)
+    return _build(arch, out, args.candidates)
 
 
 def cmd_bundle(args: argparse.Namespace) -> int:
@@ -199,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", default=None, help="default: $CUTE_DSL_ARCH or sm_90a")
     p.add_argument("--out", type=Path, default=None, help="default: the user kernel cache")
     p.add_argument("--candidates", action="store_true", help="also the tuning candidates")
+    p.add_argument(
+        "--package", action="store_true", help="into the package (ship them in a wheel)"
+    )
 
     p = add("bundle", cmd_bundle, "prebuilt kernels for a GPU host without the DSL")
     p.add_argument("dir", type=Path)

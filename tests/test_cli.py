@@ -120,3 +120,22 @@ def test_readme(tmp_path, capsys):
     assert "No GPU results" in readme.read_text()
     (tmp_path / "NOBLOCK.md").write_text("nothing")
     assert cli.main(["readme", "--readme", str(tmp_path / "NOBLOCK.md")]) == 1
+
+
+def test_build_package_targets_the_package_prebuilt_dir(monkeypatch):
+    import forgekernel.runtime.build as build
+    from forgekernel.runtime.cache import package_prebuilt_dir, search_dirs
+
+    seen = {}
+
+    def fake_build_all(arch, out_dir=None, candidates=False):
+        seen["out"] = out_dir
+        return []
+
+    monkeypatch.setattr(build, "build_all", fake_build_all)
+    assert cli.main(["build", "--arch", "sm_90a", "--package"]) == 0
+    assert seen["out"] == package_prebuilt_dir("sm_90a")
+    # the package's kernels come after an explicit bundle and before the user cache
+    monkeypatch.setenv("FORGEKERNEL_KERNEL_DIR", "/bundle/kernels")
+    dirs = search_dirs("sm_90a")
+    assert dirs[0] == Path("/bundle/kernels") and dirs[1] == package_prebuilt_dir("sm_90a")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from forgekernel.runtime.arch import resolve_arch
-from forgekernel.runtime.hashing import key_hash
+from forgekernel.runtime.hashing import PACKAGE_ROOT, key_hash
 from forgekernel.runtime.loader import load_function
 from forgekernel.runtime.spec import KernelSpec, Params
 
@@ -37,11 +37,17 @@ def user_cache_dir(arch: str) -> Path:
     return Path(root) / arch
 
 
+def package_prebuilt_dir(arch: str) -> Path:
+    """Kernels built into the package itself (`forgekernel build --package` before building a
+    wheel), so that an installed wheel never compiles at call time."""
+    return PACKAGE_ROOT / "_prebuilt" / arch
+
+
 def search_dirs(arch: str) -> list[Path]:
-    """Prebuilt kernels first ($FORGEKERNEL_KERNEL_DIR, a bundle), then the user cache."""
+    """$FORGEKERNEL_KERNEL_DIR (a bundle), the package's prebuilt kernels, the user cache."""
     env = os.environ.get("FORGEKERNEL_KERNEL_DIR", "")
     dirs = [Path(d) for d in env.split(os.pathsep) if d]
-    return dirs + [user_cache_dir(arch)]
+    return dirs + [package_prebuilt_dir(arch), user_cache_dir(arch)]
 
 
 def get_kernel(spec: KernelSpec, params: Params) -> Any:
