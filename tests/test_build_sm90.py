@@ -56,3 +56,5 @@ def test_rebuild_into_the_same_folder_reuses_every_kernel(records):
     again = build_all("sm_90a", folder)
     assert [r["path"] for r in again] == [r["path"] for r in records]
     assert all(r["compile_s"] == 0.0 for r in again)
+    # resources of kernels built earlier come from what was kept beside them
+    assert [r["registers"] for r in again] == [r["registers"] for r in records]

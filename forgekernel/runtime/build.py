@@ -3,6 +3,7 @@ needed) and report each one's resources from the compiler's own output."""
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -27,10 +28,22 @@ def build_all(
             with tempfile.TemporaryDirectory(prefix="forgekernel-cubin-") as keep:
                 # A fresh folder per kernel: the DSL names dumps by signature, not config.
                 rec = compile_to(spec, params, target, keep_dir=Path(keep))
-                rec.update(inspect_cubin(rec.pop("cubin", None)))  # None: already built
+                rec.update(_resources(Path(rec["path"]), rec.pop("cubin", None)))
             rec["config"] = _short(rec["params"])
             records.append(rec)
     return records
+
+
+def _resources(so: Path, cubin: Any) -> dict[str, Any]:
+    """Read off the fresh cubin and kept beside the .so, or, for a kernel built earlier (no
+    cubin this time), what was kept then."""
+    sidecar = so.with_suffix(".resources.json")
+    if cubin is None and sidecar.is_file():
+        return json.loads(sidecar.read_text())
+    found = inspect_cubin(cubin)
+    if cubin is not None:
+        sidecar.write_text(json.dumps(found))
+    return found
 
 
 def _short(params: dict) -> str:
