@@ -13,7 +13,11 @@ import functools
 import torch
 
 from forgekernel.kernels.gemm.dense.sm90 import SPEC, GemmConfig, choose_config, params_for
-from forgekernel.kernels.gemm.dense.sm90.config import CANDIDATES, STANDARD_CONFIGS
+from forgekernel.kernels.gemm.dense.sm90.config import (
+    CANDIDATES,
+    NUM_SMS_H100_H200,
+    STANDARD_CONFIGS,
+)
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import (
     as_tma_ready,
@@ -61,20 +65,26 @@ def _validate(
 
 
 @functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _max_clusters(device_index: int, cluster_size: int) -> int:
     # One CTA per SM (the pipeline takes nearly all shared memory).
-    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    return sms // cluster_size
+    return _num_sms(device_index) // cluster_size
 
 
 def _tuning_key(dtype: torch.dtype, b_kn: bool, m: int, n: int, k: int) -> str:
     return f"{_DTYPE_NAMES[dtype]},{'kn' if b_kn else 'nk'},{m},{n},{k}"
 
 
-def _config_for(dtype: torch.dtype, b_kn: bool, m: int, n: int, k: int) -> GemmConfig:
-    """A recorded tuning winner for exactly this problem, else the analytical default."""
+def _config_for(
+    dtype: torch.dtype, b_kn: bool, m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200
+) -> GemmConfig:
+    """A recorded tuning winner for exactly this problem, else the analytical default for a
+    chip with `num_sms` multiprocessors (132 on H100 SXM and H200, 114 on H100 PCIe)."""
     tuned = tuning.load(SPEC.name).get(_tuning_key(dtype, b_kn, m, n, k))
-    return GemmConfig(**tuned["config"]) if tuned else choose_config(m, n, k)
+    return GemmConfig(**tuned["config"]) if tuned else choose_config(m, n, k, num_sms)
 
 
 def _launch(
@@ -91,7 +101,7 @@ def _launch(
     if k == 0:
         out.zero_()
         return
-    cfg = config or _config_for(a.dtype, b_kn, m, n, k)
+    cfg = config or _config_for(a.dtype, b_kn, m, n, k, _num_sms(a.device.index))
     if cfg.split_k > 1 and -(-k // cfg.tile_k) < cfg.split_k:
         raise ValueError(f"split_k = {cfg.split_k} needs K >= {cfg.split_k * cfg.tile_k}")
     fn = get_kernel(SPEC, params_for(_DTYPE_NAMES[a.dtype], b_kn, cfg))
