@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import torch
 
 FLOAT16_TYPES = (torch.float16, torch.bfloat16)
+# The dtype names kernel compile keys use.
+DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def check_tensor(

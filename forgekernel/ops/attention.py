@@ -17,6 +17,7 @@ import torch
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._dispatch import wants_grad
 from forgekernel.ops._validate import (
+    DTYPE_NAMES,
     as_tma_ready,
     check_cuda,
     check_same_device,
@@ -30,7 +31,6 @@ from forgekernel.runtime.cache import get_kernel
 # prefill. OPS.md also lists 96 and 192/192; they are not built yet.
 SUPPORTED_HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))
 LOG2E = math.log2(math.e)
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ndim: int) -> None:
@@ -103,7 +103,7 @@ def _launch_fwd(q, k, v, o, lse, scale: float, causal: bool) -> None:
     from forgekernel.kernels.attention.fwd import sm90
 
     # params_for without a config takes the leaf's analytical default for the head dims.
-    params = sm90.params_for(_DTYPE_NAMES[q.dtype], q.shape[-1], v.shape[-1], causal)
+    params = sm90.params_for(DTYPE_NAMES[q.dtype], q.shape[-1], v.shape[-1], causal)
     fn = get_kernel(sm90.SPEC, params)
     with torch.cuda.device(q.device):
         fn(q, k, v, o, lse, scale * LOG2E)

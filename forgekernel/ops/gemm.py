@@ -20,6 +20,7 @@ from forgekernel.kernels.gemm.dense.sm90.config import (
 )
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import (
+    DTYPE_NAMES,
     as_tma_ready,
     check_cuda,
     check_multiple,
@@ -30,8 +31,6 @@ from forgekernel.ops._validate import (
 )
 from forgekernel.runtime import tuning
 from forgekernel.runtime.cache import get_kernel
-
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def _validate(
@@ -75,7 +74,7 @@ def _max_clusters(device_index: int, cluster_size: int) -> int:
 
 
 def _tuning_key(dtype: torch.dtype, b_kn: bool, m: int, n: int, k: int) -> str:
-    return f"{_DTYPE_NAMES[dtype]},{'kn' if b_kn else 'nk'},{m},{n},{k}"
+    return f"{DTYPE_NAMES[dtype]},{'kn' if b_kn else 'nk'},{m},{n},{k}"
 
 
 def _config_for(
@@ -104,7 +103,7 @@ def _launch(
     cfg = config or _config_for(a.dtype, b_kn, m, n, k, _num_sms(a.device.index))
     if cfg.split_k > 1 and -(-k // cfg.tile_k) < cfg.split_k:
         raise ValueError(f"split_k = {cfg.split_k} needs K >= {cfg.split_k * cfg.tile_k}")
-    fn = get_kernel(SPEC, params_for(_DTYPE_NAMES[a.dtype], b_kn, cfg))
+    fn = get_kernel(SPEC, params_for(DTYPE_NAMES[a.dtype], b_kn, cfg))
     clusters = _max_clusters(a.device.index, cfg.cluster_m * cfg.cluster_n)
     a, b = as_tma_ready(a), as_tma_ready(b)
     with torch.cuda.device(a.device):
