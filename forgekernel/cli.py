@@ -80,11 +80,13 @@ def resource_table(records: Sequence[dict[str, Any]]) -> str:
     return format_table(headers, rows)
 
 
-def _build(arch: str, out_dir: Path | None, candidates: bool = False) -> int:
+def _build(
+    arch: str, out_dir: Path | None, candidates: bool = False, only: list[str] | None = None
+) -> int:
     try:
         from forgekernel.runtime.build import build_all
 
-        records = build_all(arch, out_dir=out_dir, candidates=candidates)
+        records = build_all(arch, out_dir=out_dir, candidates=candidates, only=only)
     except ImportError as e:
         print(f"{NEED_DSL}: {e}", file=sys.stderr)
         return 1
@@ -141,7 +143,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         from forgekernel.runtime.cache import package_prebuilt_dir
 
         out = package_prebuilt_dir(arch)
-    return _build(arch, out, args.candidates)
+    return _build(arch, out, args.candidates, args.only)
 
 
 def cmd_bundle(args: argparse.Namespace) -> int:
@@ -207,8 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", default=None, help="default: $CUTE_DSL_ARCH or sm_90a")
     p.add_argument("--out", type=Path, default=None, help="default: the user kernel cache")
     p.add_argument("--candidates", action="store_true", help="also the tuning candidates")
+    p.add_argument("--package", action="store_true", help="into the package (ship them in a wheel)")
     p.add_argument(
-        "--package", action="store_true", help="into the package (ship them in a wheel)"
+        "--only", action="append", default=None, metavar="KERNEL", help="only these kernels"
     )
 
     p = add("bundle", cmd_bundle, "prebuilt kernels for a GPU host without the DSL")

@@ -18,3 +18,6 @@ check_rc=${PIPESTATUS[0]}
 timeout "${BENCH_TIMEOUT:-300}" python3 -m forgekernel bench --report-dir "$OUT/reports" "$@" \
   2>&1 | tee "$OUT/bench.log"
 echo "check rc=$check_rc bench rc=${PIPESTATUS[0]}"
+if [ -n "${VARIANTS:-}" ]; then
+  timeout "${VARIANTS_TIMEOUT:-200}" python3 scripts/attn_variants.py "$OUT/variants.json" 2>&1 | tail -40
+fi

@@ -2,6 +2,7 @@
 before any kernel runs, and the eager path hands the kernel TMA-ready tensors and returns what
 it wrote (a reference-backed stand-in for the kernel)."""
 
+import contextlib
 import importlib
 import math
 
@@ -10,7 +11,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import forgekernel
-from forgekernel.reference.attention import attention_ref
+from forgekernel.ops.attention import LOG2E
+from forgekernel.reference.attention import attention_ref, attention_varlen_ref
 
 # The package re-exports the functions under the modules' names; these are the modules.
 attention_module = importlib.import_module("forgekernel.ops.attention")
@@ -49,6 +51,7 @@ Q, K, V = qkv()
         ((Q, K, V), {"causal": 1}, TypeError, "causal must be a bool"),
         ((Q, K, V), {"softmax_scale": "x"}, TypeError, "softmax_scale must be a float"),
         ((Q, K, V), {"softmax_scale": math.nan}, ValueError, "softmax_scale must be finite"),
+        ((Q, K, V), {"softmax_scale": -0.1}, ValueError, "softmax_scale must be finite and >= 0"),
         ((Q, K, V), {"out": bf16(2, 8, 4, 64)}, TypeError, "out must be a tuple (o, lse)"),
         (
             (Q, K, V),
@@ -169,10 +172,31 @@ def test_no_keys_and_empty_problems_skip_the_kernel(cpu_kernel):
     assert cpu_kernel == []
 
 
-def test_varlen_launch_is_not_built_yet(monkeypatch):
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_eager_path_hands_the_kernel_packed_tensors(monkeypatch, causal):
+    """The varlen launch: TMA-ready packed inputs, offsets on the device, (Hq, total) LSE, the
+    scale in log2 units, max_seqlen_q and one CTA per SM; a reference-backed kernel."""
+    calls = []
+
+    def kernel(q, k, v, o, lse, cu_q, cu_k, scale_log2, max_q, num_ctas):
+        assert all(attention_module.tma_ready(t) for t in (q, k, v, o)) and lse.stride(-1) == 1
+        ref_o, ref_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, causal, scale_log2 / LOG2E)
+        o.copy_(ref_o)
+        lse.copy_(ref_lse)
+        calls.append((max_q, num_ctas))
+
     monkeypatch.setattr(varlen_module, "check_cuda", lambda name, t: None)
-    with pytest.raises(NotImplementedError, match="varlen kernel not built yet"):
-        forgekernel.attention_varlen(*P)
+    monkeypatch.setattr(varlen_module, "get_kernel", lambda spec, params: kernel)
+    monkeypatch.setattr(varlen_module, "num_sms", lambda device: 132)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    q, k, v, cu_q, cu_k, max_q, max_k = packed(lens_q=(3, 17, 0, 5), lens_k=(4, 9, 2, 0))
+    o, lse = forgekernel.attention_varlen(
+        q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, return_lse=True
+    )
+    assert calls == [(17, 132)]
+    want_o, want_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, causal)
+    torch.testing.assert_close(o, want_o.to(torch.bfloat16), rtol=0, atol=1e-2)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
 
 
 def test_backward_fails_loudly_until_it_exists(cpu_kernel):

@@ -34,10 +34,10 @@ def records(tmp_path_factory):
 
 def test_standard_configs_cover_dtypes_head_dims_and_masks():
     keys = {
-        (p["dtype"], p["head_dim"], p["head_dim_v"], p["causal"])
+        (p["dtype"], p["head_dim"], p["head_dim_v"], p["causal"], p["varlen"])
         for p in map(dict, SPEC.standard_params())
     }
-    assert len(keys) == 2 * len(HEAD_DIMS) * 2
+    assert len(keys) == 2 * len(HEAD_DIMS) * 2 * 2
     for d, dv in HEAD_DIMS:
         assert smem_bytes(default_config(d, dv), d, dv) <= SMEM_CAPACITY
 
@@ -60,4 +60,4 @@ def test_sass_uses_hgmma_tma_and_no_local_memory(records):
 
 def test_unsupported_head_dims_are_refused():
     with pytest.raises(ValueError, match="head dims"):
-        default_config(96, 96)
+        default_config(80, 80)

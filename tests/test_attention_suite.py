@@ -10,7 +10,7 @@ import torch
 
 from forgekernel.bench.check import verify
 from forgekernel.bench.suites import attention as suite_module
-from forgekernel.reference.attention import attention_ref
+from forgekernel.reference.attention import attention_ref, attention_varlen_ref
 
 attention_module = importlib.import_module("forgekernel.ops.attention")
 SUITE = suite_module.suite()
@@ -23,12 +23,25 @@ def test_cases_are_well_formed():
         for c in cases:
             p = c.params
             assert (p["d"], p["dv"]) in attention_module.SUPPORTED_HEAD_DIMS, c.name
-            assert p["hq"] % p["hkv"] == 0 and min(p["b"], p["sq"], p["sk"]) >= 1, c.name
+            assert p["hq"] % p["hkv"] == 0, c.name
+            if p.get("varlen"):
+                assert len(p["lens_q"]) == len(p["lens_k"]) and max(p["lens_q"]) >= 1, c.name
+            else:
+                assert min(p["b"], p["sq"], p["sk"]) >= 1, c.name
     assert "b4-hq32-hkv2-s8192-d128-causal" in {c.name for c in SUITE.bench_cases}
-    assert all(c.params["sq"] == c.params["sk"] for c in SUITE.bench_cases)
+    fixed = [c.params for c in SUITE.bench_cases if not c.params.get("varlen")]
+    assert all(p["sq"] == p["sk"] for p in fixed)
+    (varlen,) = [c.params for c in SUITE.bench_cases if c.params.get("varlen")]
+    assert len(varlen["lens_q"]) == 16 and 256 <= min(varlen["lens_q"]) <= max(varlen["lens_q"])
+    assert max(varlen["lens_q"]) <= 8192 and varlen["lens_q"] == varlen["lens_k"]
     ratios = {c.params["hq"] // c.params["hkv"] for c in SUITE.check_cases}
     assert {1, 4, 16} <= ratios
-    assert {c.params["sq"] for c in SUITE.check_cases} >= {1, 17, 1000, 4097}
+    lengths = {c.params.get("sq") for c in SUITE.check_cases}
+    lengths |= {n for c in SUITE.check_cases for n in c.params.get("lens_q", ())}
+    assert lengths >= {1, 17, 1000, 4097}
+    dims = {(c.params["d"], c.params["dv"]) for c in SUITE.check_cases}
+    assert dims == set(attention_module.SUPPORTED_HEAD_DIMS)
+    assert any(c.params.get("varlen") for c in SUITE.check_cases)
     assert list(SUITE.dtypes_for_bench()) == [torch.bfloat16]
 
 
@@ -55,14 +68,31 @@ def test_bytes_are_q_k_v_o():
     assert SUITE.bytes(case, torch.bfloat16) == 2 * elems
 
 
+def test_varlen_flops_sum_the_sequences():
+    case = suite_module._varlen_case((5, 13, 1), (13, 5, 9), hq=4, hkv=2, d=192, dv=128)
+    pairs = sum(brute_pairs(sq, sk, True) for sq, sk in ((5, 13), (13, 5), (1, 9)))
+    assert SUITE.flops(case) == 4 * 4 * (192 + 128) / 2 * pairs
+
+
 def test_comparators_resolve_without_a_gpu():
     assert set(SUITE.comparators()) == {"fa4", "cudnn"}
 
 
 def correct_kernel(inputs, out):
-    o, lse = attention_ref(
-        inputs["q"], inputs["k"], inputs["v"], inputs["causal"], inputs["softmax_scale"]
-    )
+    if "cu_seqlens_q" in inputs:
+        o, lse = attention_varlen_ref(
+            inputs["q"],
+            inputs["k"],
+            inputs["v"],
+            inputs["cu_seqlens_q"],
+            inputs["cu_seqlens_k"],
+            inputs["causal"],
+            inputs["softmax_scale"],
+        )
+    else:
+        o, lse = attention_ref(
+            inputs["q"], inputs["k"], inputs["v"], inputs["causal"], inputs["softmax_scale"]
+        )
     out[0].copy_(o)
     out[1].copy_(lse)
     return out
@@ -70,7 +100,11 @@ def correct_kernel(inputs, out):
 
 # Sq > Sk causal: rows 0..8 see no key (LSE = -inf, O = 0); plus GQA, Dv != D and a scale.
 DEAD_ROWS = suite_module._case(2, 4, 1, 13, 192, sk=4, dv=128)
-SMALL = (DEAD_ROWS, suite_module._case(1, 4, 4, 17, 64, False, scale=0.3))
+SMALL = (
+    DEAD_ROWS,
+    suite_module._case(1, 4, 4, 17, 64, False, scale=0.3),
+    suite_module._varlen_case((3, 0, 17), (5, 2, 0), hq=4, hkv=2, d=64),
+)
 
 
 def _verify(run_ours, case, dtype=torch.bfloat16):
@@ -84,6 +118,18 @@ def _verify(run_ours, case, dtype=torch.bfloat16):
 def test_a_correct_kernel_passes(case, dtype):
     cmps = _verify(correct_kernel, case, dtype)
     assert len(cmps) == 2 and all(c.ok for c in cmps), [c.message for c in cmps]
+
+
+def test_suite_runs_varlen_through_the_public_op_into_out(monkeypatch):
+    varlen_module = importlib.import_module("forgekernel.ops.attention_varlen")
+    monkeypatch.setattr(varlen_module, "check_cuda", lambda name, t: None)
+
+    def launch(q, k, v, o, lse, seqs, scale, causal):
+        inputs = {"q": q, "k": k, "v": v, "cu_seqlens_q": seqs[0], "cu_seqlens_k": seqs[1]}
+        correct_kernel({**inputs, "causal": causal, "softmax_scale": scale}, (o, lse))
+
+    monkeypatch.setattr(varlen_module, "_launch_varlen_fwd", launch)
+    assert all(c.ok for c in _verify(suite_module.run_ours, SMALL[-1]))
 
 
 @pytest.mark.parametrize("dead_lse", [math.nan, 0.0, math.inf])
@@ -116,5 +162,5 @@ def test_suite_runs_the_public_op_into_out(monkeypatch):
             {"q": q, "k": k, "v": v, "causal": causal, "softmax_scale": scale}, (o, lse)
         ),
     )
-    for case in SMALL:
+    for case in SMALL[:2]:  # the fixed-length ones
         assert all(c.ok for c in _verify(suite_module.run_ours, case))

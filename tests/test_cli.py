@@ -54,7 +54,7 @@ def test_bench_without_gpu_builds(no_gpu, monkeypatch, capsys):
 
     seen = {}
 
-    def fake_build_all(arch, out_dir=None, candidates=False):
+    def fake_build_all(arch, out_dir=None, candidates=False, only=None):
         seen.update(arch=arch, out_dir=out_dir)
         return [RECORD]
 
@@ -128,7 +128,7 @@ def test_build_package_targets_the_package_prebuilt_dir(monkeypatch):
 
     seen = {}
 
-    def fake_build_all(arch, out_dir=None, candidates=False):
+    def fake_build_all(arch, out_dir=None, candidates=False, only=None):
         seen["out"] = out_dir
         return []
 

@@ -28,8 +28,8 @@ from forgekernel.ops._validate import (
 from forgekernel.runtime.cache import get_kernel
 
 # (head_dim, head_dim_v) the sm90 kernel is built for: equal dims, plus DeepSeek's 192/128
-# prefill. OPS.md also lists 96 and 192/192; they are not built yet.
-SUPPORTED_HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))
+# prefill (OPS.md's list).
+SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (256, 256), (192, 128))
 LOG2E = math.log2(math.e)
 
 
@@ -66,8 +66,8 @@ def _check_flags(causal: object, softmax_scale: object, head_dim: int) -> float:
         return head_dim**-0.5
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, Real):
         raise TypeError(f"softmax_scale must be a float or None, got {softmax_scale!r}")
-    if not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    if not math.isfinite(softmax_scale) or softmax_scale < 0:
+        raise ValueError(f"softmax_scale must be finite and >= 0, got {softmax_scale}")
     return float(softmax_scale)
 
 
@@ -106,7 +106,12 @@ def _launch_fwd(q, k, v, o, lse, scale: float, causal: bool) -> None:
     params = sm90.params_for(DTYPE_NAMES[q.dtype], q.shape[-1], v.shape[-1], causal)
     fn = get_kernel(sm90.SPEC, params)
     with torch.cuda.device(q.device):
-        fn(q, k, v, o, lse, scale * LOG2E)
+        fn(q, k, v, o, lse, None, None, scale * LOG2E, 0, num_sms(q.device))
+
+
+def num_sms(device: torch.device) -> int:
+    """The persistent kernel's grid: one CTA per multiprocessor."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _launch(q, k, v, o, lse, scale: float, causal: bool) -> None:

@@ -9,8 +9,16 @@ from __future__ import annotations
 import torch
 
 from forgekernel.ops._dispatch import traced as _traced
-from forgekernel.ops._validate import check_cuda, check_same_device, check_tensor
-from forgekernel.ops.attention import _check_flags, _check_qkv
+from forgekernel.ops._validate import (
+    DTYPE_NAMES,
+    as_tma_ready,
+    check_cuda,
+    check_same_device,
+    check_tensor,
+    tma_ready,
+)
+from forgekernel.ops.attention import LOG2E, _check_flags, _check_qkv, num_sms
+from forgekernel.runtime.cache import get_kernel
 
 
 def _check_max_seqlen(name: str, value: object) -> None:
@@ -58,9 +66,42 @@ def _check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 
 def _launch_varlen_fwd(q, k, v, o, lse, seqs: tuple, scale: float, causal: bool) -> None:
-    """The kernel call, once a varlen kernel leaf exists; seqs = (cu_seqlens_q, cu_seqlens_k,
-    max_seqlen_q, max_seqlen_k), the offsets on q's device."""
-    raise NotImplementedError("varlen kernel not built yet")
+    """The kernel call; seqs = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), the
+    offsets on q's device."""
+    cu_q, cu_k, max_seqlen_q, _ = seqs
+    if o.numel() == 0 or max_seqlen_q == 0:
+        return
+    if k.shape[0] == 0:  # no keys at all: every row sees none
+        o.zero_()
+        lse.fill_(float("-inf"))
+        return
+    from forgekernel.kernels.attention.fwd import sm90
+
+    q, k, v = as_tma_ready(q), as_tma_ready(k), as_tma_ready(v)
+    cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()
+    o_dst = o if tma_ready(o) else torch.empty(o.shape, dtype=o.dtype, device=o.device)
+    lse_dst = lse if lse.stride(-1) == 1 else torch.empty(lse.shape, device=lse.device)
+    params = sm90.params_for(DTYPE_NAMES[q.dtype], q.shape[-1], v.shape[-1], causal, varlen=True)
+    fn = get_kernel(sm90.SPEC, params)
+    with torch.cuda.device(q.device):
+        fn(q, k, v, o_dst, lse_dst, cu_q, cu_k, scale * LOG2E, max_seqlen_q, num_sms(q.device))
+    if o_dst is not o:
+        o.copy_(o_dst)
+    if lse_dst is not lse:
+        lse.copy_(lse_dst)
+
+
+def _check_out(out: object, q: torch.Tensor, v: torch.Tensor) -> None:
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise TypeError("out must be a tuple (o, lse) of two tensors")
+    total, hq, _ = q.shape
+    for name, t, shape, dtypes in (
+        ("out[0] (o)", out[0], (total, hq, v.shape[-1]), (q.dtype,)),
+        ("out[1] (lse)", out[1], (hq, total), (torch.float32,)),
+    ):
+        check_tensor(name, t, ndim=len(shape), dtypes=dtypes, cuda=False)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
 
 
 def _empty_outputs(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,34 +143,45 @@ def attention_varlen(
     causal: bool = False,
     softmax_scale: float | None = None,
     return_lse: bool = False,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`attention` per sequence for q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv).
 
     cu_seqlens_q / cu_seqlens_k: int32 (batch + 1,) offsets starting at 0, on the CPU or on q's
-    device; max_seqlen_q / max_seqlen_k: the longest sequence of each. Offsets on the CPU are
-    checked on the host (first 0, non-decreasing, last = total tokens, no length above
+    device; max_seqlen_q / max_seqlen_k: the longest sequence of each. `out=(o, lse)` writes
+    into given buffers (o (total_q, Hq, Dv) in q's dtype, lse (Hq, total_q) fp32; any views).
+    Offsets on the CPU are checked on the host (first 0, non-decreasing, last = total tokens, no length above
     max_seqlen) and copied to q's device; offsets already on the GPU are checked for dtype and
     shape only (reading them would sync the device each call). Returns o (total_q, Hq, Dv) and,
     with `return_lse`, lse (Hq, total_q) fp32.
 
-    The varlen kernel is not built yet: after validation an eager call raises
-    NotImplementedError("varlen kernel not built yet"); tracing (fake tensors) already works.
+    max_seqlen_q must be at least the longest query sequence (checked for host offsets only):
+    the kernel covers max_seqlen_q rows per sequence. Rows of a sequence with no keys (or, under
+    the causal mask, rows that see none) give 0 and LSE -inf.
     """
     _check_qkv(q, k, v, ndim=3)
     _check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     scale = _check_flags(causal, softmax_scale, q.shape[-1])
+    if out is not None:
+        _check_out(out, q, v)
     check_cuda("q", q)
-    check_same_device(q=q, k=k, v=v)
+    check_same_device(q=q, k=k, v=v, **({} if out is None else {"o": out[0], "lse": out[1]}))
     # Host offsets travel to the device here; device offsets must already be on q's device.
     cu_q, cu_k = (
         cu.to(q.device) if cu.device.type == "cpu" else cu for cu in (cu_seqlens_q, cu_seqlens_k)
     )
     check_same_device(q=q, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    if _traced(q, k, v, cu_q, cu_k):
+    if _traced(q, k, v, cu_q, cu_k, *(out or ())):
         o, lse = torch.ops.forgekernel.attention_varlen_fwd(
             q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale
         )
+        if out is not None:
+            out[0].copy_(o)
+            out[1].copy_(lse)
+            o, lse = out
     else:
-        o, lse = _empty_outputs(q, v)
-        _launch_varlen_fwd(q, k, v, o, lse, (cu_q, cu_k, max_seqlen_q, max_seqlen_k), scale, causal)
+        o, lse = out if out is not None else _empty_outputs(q, v)
+        seqs = (cu_q, cu_k, max_seqlen_q, max_seqlen_k)
+        _launch_varlen_fwd(q, k, v, o, lse, seqs, scale, causal)
     return (o, lse) if return_lse else o

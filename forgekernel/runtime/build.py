@@ -14,14 +14,18 @@ from forgekernel.runtime.spec import all_specs
 
 
 def build_all(
-    arch: str = "sm_90a", out_dir: Path | None = None, candidates: bool = False
+    arch: str = "sm_90a",
+    out_dir: Path | None = None,
+    candidates: bool = False,
+    only: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Compile all standard (spec, params) for `arch` into `out_dir` (default: user cache);
-    with `candidates`, also the configurations a tuning sweep times."""
+    with `candidates`, also the configurations a tuning sweep times; `only`: kernel names
+    (KernelSpec.name) to restrict to."""
     target = Path(out_dir) if out_dir else user_cache_dir(arch)
     records = []
     for spec in all_specs():
-        if spec.arch != arch:
+        if spec.arch != arch or (only and spec.name not in only):
             continue
         extra = list(spec.candidate_params()) if candidates else []
         for params in list(spec.standard_params()) + extra:

@@ -7,6 +7,7 @@ rows must be exactly -inf in ours too (NaN or a finite value there fails).
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -35,8 +36,33 @@ def _case(
     return Case(name, {**params, "causal": causal, "softmax_scale": scale})
 
 
+def _varlen_case(
+    lens_q: tuple[int, ...],
+    lens_k: tuple[int, ...] | None = None,
+    hq: int = 64,
+    hkv: int = 4,
+    d: int = 128,
+    causal: bool = True,
+    *,
+    dv: int | None = None,
+    tag: str = "",
+) -> Case:
+    lens_k, dv = lens_q if lens_k is None else lens_k, d if dv is None else dv
+    seqs = tag or ("s" + "-".join(map(str, lens_q)) + ("" if lens_k == lens_q else "-k"))
+    name = f"varlen{len(lens_q)}-hq{hq}-hkv{hkv}-{seqs}-d{d}" + (f"-dv{dv}" if dv != d else "")
+    name += "-causal" if causal else ""
+    params = {"lens_q": tuple(lens_q), "lens_k": tuple(lens_k), "hq": hq, "hkv": hkv, "d": d}
+    return Case(name, {**params, "dv": dv, "causal": causal, "softmax_scale": None, "varlen": True})
+
+
+def _varlen_lengths(n: int, lo: int, hi: int, seed: int) -> tuple[int, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(lo, hi + 1, (n,), generator=gen).tolist())
+
+
 # OPS.md, "Attention forward" (bf16, causal unless noted), plus the anchor shape of the FA4 and
-# cuDNN figures (b4 hq32 hkv2 s8192 d128 causal: FA4 655 TFLOP/s, cuDNN 559 on the H200).
+# cuDNN figures (b4 hq32 hkv2 s8192 d128 causal: FA4 655 TFLOP/s, cuDNN 559 on the H200); the
+# varlen case packs 16 sequences of 256..8192 tokens (fixed draw, seed 0).
 BENCH_CASES = (
     *(_case(b, 64, 4, s, 128) for b, s in ((16, 2048), (8, 4096), (4, 8192), (2, 16384))),
     _case(1, 64, 4, 32768, 128),
@@ -45,14 +71,18 @@ BENCH_CASES = (
     _case(4, 16, 16, 4096, 256),
     _case(2, 128, 128, 8192, 192, dv=128),
     _case(4, 32, 2, 8192, 128),
+    _varlen_case(_varlen_lengths(16, 256, 8192, seed=0), tag="s256to8192"),
 )
 # Every supported head dim and GQA ratios 1, 4, 16 at small sizes, then awkward lengths: a
 # single token, lengths off every tile size, Sq < Sk (decode-like) and Sq > Sk, whose first
-# Sq - Sk rows see no key under the causal mask (O = 0, LSE = -inf).
+# Sq - Sk rows see no key under the causal mask (O = 0, LSE = -inf); varlen batches with empty
+# sequences, lengths off the tiles and Sq != Sk per sequence.
 CHECK_CASES = (
     _case(2, 16, 1, 512, 128),
     _case(2, 16, 1, 512, 128, causal=False),
     _case(2, 8, 8, 512, 64),
+    _case(2, 8, 2, 300, 96),
+    _case(1, 4, 4, 1000, 96, causal=False),
     _case(1, 4, 4, 512, 256),
     _case(1, 8, 8, 512, 192, dv=128),
     _case(1, 32, 2, 1024, 128),
@@ -72,6 +102,13 @@ CHECK_CASES = (
     _case(1, 4, 4, 17, 256, sk=4097),
     _case(1, 4, 1, 1000, 192, dv=128, sk=1003),
     _case(1, 8, 2, 1000, 128, scale=0.3),
+    _case(3, 8, 8, 700, 64),
+    _varlen_case((1, 17, 1000, 0, 4097, 128), hq=8, hkv=2),
+    _varlen_case((1, 17, 1000, 0, 4097, 128), hq=8, hkv=2, causal=False),
+    _varlen_case((300, 5, 129, 64), (1000, 5, 0, 700), hq=4, hkv=4, d=64),
+    _varlen_case((300, 5, 129, 64), (1000, 5, 0, 700), hq=4, hkv=1, d=96, causal=False),
+    _varlen_case((200, 1000, 33), hq=4, hkv=1, d=192, dv=128),
+    _varlen_case((200, 513, 33), hq=2, hkv=2, d=256, causal=False),
 )
 
 
@@ -83,17 +120,46 @@ def make_inputs(
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, dtype=dtype, device=device, generator=gen)
 
+    common = {"causal": p["causal"], "softmax_scale": p["softmax_scale"]}
+    if p.get("varlen"):
+        tq, tk = sum(p["lens_q"]), sum(p["lens_k"])
+        cu = [
+            torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device=device)
+            for n in (p["lens_q"], p["lens_k"])
+        ]
+        return {
+            "q": randn(tq, p["hq"], p["d"]),
+            "k": randn(tk, p["hkv"], p["d"]),
+            "v": randn(tk, p["hkv"], p["dv"]),
+            "cu_seqlens_q": cu[0],
+            "cu_seqlens_k": cu[1],
+            "max_seqlen_q": max(p["lens_q"]),
+            "max_seqlen_k": max(p["lens_k"]),
+            **common,
+        }
     return {
         "q": randn(p["b"], p["sq"], p["hq"], p["d"]),
         "k": randn(p["b"], p["sk"], p["hkv"], p["d"]),
         "v": randn(p["b"], p["sk"], p["hkv"], p["dv"]),
-        "causal": p["causal"],
-        "softmax_scale": p["softmax_scale"],
+        **common,
     }
+
+
+def _varlen(inputs: Inputs) -> bool:
+    return "cu_seqlens_q" in inputs
+
+
+def _varlen_args(inputs: Inputs) -> tuple:
+    names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+    return tuple(inputs[n] for n in names)
 
 
 def alloc_out(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
     q, v = inputs["q"], inputs["v"]
+    if _varlen(inputs):
+        total, hq, _ = q.shape
+        o = torch.empty(total, hq, v.shape[-1], dtype=q.dtype, device=q.device)
+        return o, torch.empty(hq, total, dtype=torch.float32, device=q.device)
     b, sq, hq, _ = q.shape
     o = torch.empty(b, sq, hq, v.shape[-1], dtype=q.dtype, device=q.device)
     return o, torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
@@ -105,30 +171,59 @@ def _args(inputs: Inputs) -> tuple:
 
 def run_ours(inputs: Inputs, out: tuple[torch.Tensor, torch.Tensor] | None) -> tuple:
     from forgekernel.ops.attention import attention
+    from forgekernel.ops.attention_varlen import attention_varlen
 
+    if _varlen(inputs):
+        return attention_varlen(
+            *_varlen_args(inputs),
+            inputs["causal"],
+            inputs["softmax_scale"],
+            return_lse=True,
+            out=out,
+        )
     return attention(*_args(inputs), return_lse=True, out=out)
 
 
-def reference(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
-    from forgekernel.reference.attention import attention_ref
+def _ref(inputs: Inputs, upcast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    from forgekernel.reference.attention import attention_ref, attention_varlen_ref
 
-    return attention_ref(*_args(inputs))
+    if _varlen(inputs):
+        q, k, v, cu_q, cu_k, _, _ = _varlen_args(inputs)
+        return attention_varlen_ref(
+            q, k, v, cu_q, cu_k, inputs["causal"], inputs["softmax_scale"], upcast
+        )
+    return attention_ref(*_args(inputs), upcast=upcast)
+
+
+def reference(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    return _ref(inputs, upcast=True)
 
 
 def low_precision(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
-    from forgekernel.reference.attention import attention_ref
-
-    return attention_ref(*_args(inputs), upcast=False)
+    return _ref(inputs, upcast=False)
 
 
 def _fa4() -> Any:
     try:
-        from flash_attn.cute import flash_attn_func
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
     except Exception:
         return None
 
     def fa4(inputs: Inputs) -> Any:
         q, k, v, causal, scale = _args(inputs)
+        if _varlen(inputs):
+            _, _, _, cu_q, cu_k, max_q, max_k = _varlen_args(inputs)
+            return flash_attn_varlen_func(
+                q,
+                k,
+                v,
+                cu_seqlens_q=cu_q,
+                cu_seqlens_k=cu_k,
+                max_seqlen_q=max_q,
+                max_seqlen_k=max_k,
+                softmax_scale=scale,
+                causal=causal,
+            )
         return flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
 
     return fa4
@@ -142,6 +237,8 @@ def _cudnn() -> Any:
         return None
 
     def cudnn(inputs: Inputs) -> torch.Tensor:
+        if _varlen(inputs):
+            raise NotImplementedError("SDPA takes no packed (cu_seqlens) batches")
         # (B, H, S, D) views, made once per input set outside the timed call. SDPA's causal
         # mask is top-left aligned: the same as ours for the bench cases (all Sq == Sk).
         if "bhsd" not in inputs:
@@ -168,20 +265,33 @@ def causal_pairs(sq: int, sk: int) -> int:
     return sum(min(max(i + sk - sq + 1, 0), sk) for i in range(sq))
 
 
+def _sequences(p: dict) -> list[tuple[int, int, int]]:
+    """(batch count, Sq, Sk) groups: one for a fixed-length case, one per sequence for varlen."""
+    if p.get("varlen"):
+        return [(1, sq, sk) for sq, sk in zip(p["lens_q"], p["lens_k"])]
+    return [(p["b"], p["sq"], p["sk"])]
+
+
 def flops(case: Case) -> float:
-    """4 * B * Hq * (D + Dv) / 2 per unmasked pair (FA4's count: masked pairs are free)."""
+    """4 * Hq * (D + Dv) / 2 per unmasked pair (FA4's count: masked pairs are free)."""
     p = case.params
-    pairs = causal_pairs(p["sq"], p["sk"]) if p["causal"] else p["sq"] * p["sk"]
-    return 2.0 * p["b"] * p["hq"] * (p["d"] + p["dv"]) * pairs
+    total = 0.0
+    for b, sq, sk in _sequences(p):
+        pairs = causal_pairs(sq, sk) if p["causal"] else sq * sk
+        total += 2.0 * b * p["hq"] * (p["d"] + p["dv"]) * pairs
+    return total
 
 
 def nbytes(case: Case, dtype: torch.dtype) -> float:
     """q + k + v read, o written (the LSE, 1/D of o in fp32, is left out)."""
     p = case.params
     elem = torch.empty((), dtype=dtype).element_size()
-    q_o = p["sq"] * p["hq"] * (p["d"] + p["dv"])
-    k_v = p["sk"] * p["hkv"] * (p["d"] + p["dv"])
-    return float(p["b"] * (q_o + k_v) * elem)
+    total = 0.0
+    for b, sq, sk in _sequences(p):
+        q_o = sq * p["hq"] * (p["d"] + p["dv"])
+        k_v = sk * p["hkv"] * (p["d"] + p["dv"])
+        total += b * (q_o + k_v) * elem
+    return float(total)
 
 
 def suite() -> OpSuite:

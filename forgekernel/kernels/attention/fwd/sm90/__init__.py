@@ -1,10 +1,13 @@
 """Attention forward (FlashAttention layout), sm_90a. DSL-free declaration; the kernel itself is
 `kernel.py`.
 
-Compiled function: fn(q, k, v, o, lse, softmax_scale_log2) with q (B, Sq, Hq, D),
-k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), o (B, Sq, Hq, Dv) in bf16/fp16 (last dim contiguous),
-lse (B, Hq, Sq) fp32 contiguous, softmax_scale_log2 = softmax_scale * log2(e); the stream is
-the TVM-FFI environment stream.
+Compiled function, fixed length: fn(q, k, v, o, lse, None, None, softmax_scale_log2, 0,
+num_ctas) with q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), o (B, Sq, Hq, Dv) in
+bf16/fp16 (last dim contiguous), lse (B, Hq, Sq) fp32 contiguous, softmax_scale_log2 =
+softmax_scale * log2(e), num_ctas the persistent grid (the SM count). Varlen (params
+varlen=True): fn(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale_log2,
+max_seqlen_q, num_ctas) with q (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv), o (Tq, Hq, Dv),
+lse (Hq, Tq), int32 offsets (B + 1,). The stream is the TVM-FFI environment stream.
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ def _compile(params: Params, extra_options: str = ""):
 
 def _standard_params() -> list[Params]:
     return [
-        params_for(dtype, d, dv, causal)
+        params_for(dtype, d, dv, causal, varlen=varlen)
         for dtype in DTYPES
         for d, dv in HEAD_DIMS
         for causal in (False, True)
+        for varlen in (False, True)
     ]
 
 

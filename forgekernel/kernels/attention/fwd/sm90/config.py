@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, fields
 
 DTYPES = ("float16", "bfloat16")
 # (head_dim, head_dim_v) pairs with a default config; others raise in `default_config`.
-HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))
+HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (256, 256), (192, 128))
 SMEM_CAPACITY = 232448  # sm_90 per-block opt-in maximum (227 KiB)
 
 
@@ -16,8 +16,8 @@ SMEM_CAPACITY = 232448  # sm_90 per-block opt-in maximum (227 KiB)
 class AttnConfig:
     """Everything baked into one compiled attention forward besides dtype, head dims, causal.
 
-    tile_m query rows per CTA (two consumer warpgroups of 64 rows), tile_n keys per K/V tile,
-    stages K and V tiles in flight (one ring each)."""
+    tile_m query rows per tile (one consumer warpgroup per 64 rows: 128 or 192), tile_n keys
+    per K/V tile, stages K and V tiles in flight (one ring each)."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -32,18 +32,34 @@ class AttnConfig:
         return cls(**{f.name: params[f.name] for f in fields(cls)})
 
 
-def smem_bytes(cfg: AttnConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2) -> int:
-    """Shared memory of one CTA: Q (reused for O), the K and V rings, mbarriers."""
-    q = cfg.tile_m * max(head_dim, head_dim_v) * elem_bytes
+def separate_o(cfg: AttnConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2) -> bool:
+    """Whether O gets its own shared-memory buffer (else it reuses Q's, and the next tile's Q
+    load waits for the O store)."""
+    return _smem(cfg, head_dim, head_dim_v, elem_bytes, True) <= SMEM_CAPACITY
+
+
+def _smem(cfg, head_dim, head_dim_v, elem_bytes, own_o: bool) -> int:
+    q = cfg.tile_m * head_dim * elem_bytes
+    o = cfg.tile_m * head_dim_v * elem_bytes
     kv = cfg.stages * cfg.tile_n * (head_dim + head_dim_v) * elem_bytes
-    return q + kv + 1024
+    return (q + o if own_o else max(q, o)) + kv + 1024
 
 
-# One CTA per SM (2 consumer warpgroups at 240 registers take the whole register file), so
-# shared memory only bounds stages: D=64 3 stages (112 KiB), D=128 2 (160 KiB), D=256 64-key
-# tiles x 2 (192 KiB), D=192/Dv=128 2 (208 KiB).
+def smem_bytes(cfg: AttnConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2) -> int:
+    """Shared memory of one CTA: Q, O (its own buffer when it fits, else Q's), the K and V
+    rings, mbarriers."""
+    own_o = separate_o(cfg, head_dim, head_dim_v, elem_bytes)
+    return _smem(cfg, head_dim, head_dim_v, elem_bytes, own_o)
+
+
+# One CTA per SM (the consumer warpgroups take the whole register file), so shared memory
+# only bounds stages. D=64: three consumer warpgroups (192-row tiles, FA3's choice: with a
+# small D the softmax is a large share of each step and a third warpgroup keeps the tensor
+# cores fed), 3 stages; D=96 and D=128: 2 stages, O in its own buffer; D=256: 64-key tiles;
+# D=192/Dv=128: O shares Q's buffer.
 _DEFAULTS = {
-    (64, 64): AttnConfig(tile_n=128, stages=3),
+    (64, 64): AttnConfig(tile_m=192, tile_n=128, stages=3),
+    (96, 96): AttnConfig(tile_n=128, stages=2),
     (128, 128): AttnConfig(tile_n=128, stages=2),
     (256, 256): AttnConfig(tile_n=64, stages=2),
     (192, 128): AttnConfig(tile_n=128, stages=2),
@@ -61,7 +77,12 @@ def default_config(head_dim: int, head_dim_v: int) -> AttnConfig:
 
 
 def params_for(
-    dtype: str, head_dim: int, head_dim_v: int, causal: bool, cfg: AttnConfig | None = None
+    dtype: str,
+    head_dim: int,
+    head_dim_v: int,
+    causal: bool,
+    cfg: AttnConfig | None = None,
+    varlen: bool = False,
 ) -> tuple:
     """The compile key's baked-in part, as a sorted tuple of (name, value)."""
     cfg = cfg or default_config(head_dim, head_dim_v)
@@ -70,6 +91,7 @@ def params_for(
         "head_dim": head_dim,
         "head_dim_v": head_dim_v,
         "causal": bool(causal),
+        "varlen": bool(varlen),
         **asdict(cfg),
     }
     return tuple(sorted(key.items()))

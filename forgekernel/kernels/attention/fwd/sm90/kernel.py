@@ -47,17 +47,33 @@ from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
-from forgekernel.kernels.attention.fwd.sm90.config import SMEM_CAPACITY, AttnConfig, smem_bytes
+from forgekernel.kernels.attention.fwd.sm90.config import (
+    SMEM_CAPACITY,
+    AttnConfig,
+    separate_o,
+    smem_bytes,
+)
 
 THREADS_PER_WG = 128
-NUM_MMA_WG = 2
-EPILOGUE_BARRIER = 1  # named barrier of the 256 consumer threads (0 is __syncthreads)
-SCHED_BARRIER = 2  # named barriers 2 and 3: consumer warpgroup 0's and 1's turn to issue WGMMAs
+EPILOGUE_BARRIER = 1  # named barrier of all consumer threads (0 is __syncthreads)
+SCHED_BARRIER = 2  # named barriers 2, 3 (, 4): consumer warpgroup 0's, 1's (, 2's) turn to issue
 LN2 = math.log(2.0)
 
 
 def _select(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
+def _packed_as_sdhb(t: cute.Tensor) -> cute.Tensor:
+    """A packed varlen tensor (T, H, D) as (T, D, H, 1): the fixed-length view with one batch."""
+    lay = t.layout
+    return cute.make_tensor(
+        t.iterator,
+        cute.make_layout(
+            (lay.shape[0], lay.shape[2], lay.shape[1], 1),
+            stride=(lay.stride[0], lay.stride[2], lay.stride[1], 0),
+        ),
+    )
 
 
 def _rows_cols(t: cute.Tensor) -> cute.Tensor:
@@ -94,16 +110,23 @@ def _acc_as_operand_a(t: cute.Tensor) -> cute.Tensor:
 class AttentionFwdSm90:
     """Warp-specialized TMA + WGMMA flash attention forward; see the module docstring."""
 
-    def __init__(self, head_dim: int, head_dim_v: int, causal: bool, config: AttnConfig):
-        if config.tile_m != 128:
-            raise ValueError(f"tile_m must be 128 (two 64-row warpgroups), got {config.tile_m}")
+    def __init__(
+        self,
+        head_dim: int,
+        head_dim_v: int,
+        causal: bool,
+        config: AttnConfig,
+        varlen: bool = False,
+    ):
+        if config.tile_m not in (128, 192):
+            raise ValueError(
+                f"tile_m must be 128 or 192 (64 rows a warpgroup), got {config.tile_m}"
+            )
         if config.tile_n % 16 or not 16 <= config.tile_n <= 256:
             raise ValueError(f"tile_n must be a multiple of 16 in [16, 256], got {config.tile_n}")
         for name, d in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
-            if d not in (64, 128, 192, 256):
-                raise ValueError(f"{name} must be 64, 128, 192 or 256, got {d}")
-        if head_dim_v > head_dim:
-            raise ValueError("head_dim_v > head_dim: the O tile would not fit in the Q buffer")
+            if d % 32 or not 64 <= d <= 256:
+                raise ValueError(f"{name} must be a multiple of 32 in [64, 256], got {d}")
         if config.stages < 1:
             raise ValueError(f"stages must be >= 1, got {config.stages}")
         need = smem_bytes(config, head_dim, head_dim_v)
@@ -113,14 +136,18 @@ class AttentionFwdSm90:
         self.head_dim = head_dim
         self.head_dim_v = head_dim_v
         self.causal = causal
+        self.varlen = varlen
         self.tile_m = config.tile_m
         self.tile_n = config.tile_n
         self.stages = config.stages
-        self.threads_per_cta = (1 + NUM_MMA_WG) * THREADS_PER_WG
-        self.num_mma_threads = NUM_MMA_WG * THREADS_PER_WG
-        # 24 + 2 x 240 per thread-of-each-warpgroup: 64512 of the 65536 registers.
-        self.producer_regs = 24
-        self.consumer_regs = 240
+        self.num_wg = config.tile_m // 64
+        self.own_o = separate_o(config, head_dim, head_dim_v)
+        self.threads_per_cta = (1 + self.num_wg) * THREADS_PER_WG
+        self.num_mma_threads = self.num_wg * THREADS_PER_WG
+        # Registers per thread, multiples of 8: producer 24 and consumers 240 with two consumer
+        # warpgroups, 32 and 160 with three (all 64K of the register file).
+        self.producer_regs = 24 if self.num_wg == 2 else 32
+        self.consumer_regs = 240 if self.num_wg == 2 else 160
         # Warpgroup ping-pong pays when softmax and GEMM times are comparable; with D > 128 the
         # GEMMs dominate and the turn-taking only delays issue (FA3 makes the same split).
         self.pingpong = head_dim <= 128
@@ -131,7 +158,7 @@ class AttentionFwdSm90:
         d, dv = self.head_dim, self.head_dim_v
         k_major = OperandMajorMode.K
         self.mma_qk = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, k_major, k_major, Float32, (NUM_MMA_WG, 1, 1), (64, tn)
+            dt, dt, k_major, k_major, Float32, (self.num_wg, 1, 1), (64, tn)
         )
         self.mma_pv = sm90_utils.make_trivial_tiled_mma(
             dt,
@@ -139,7 +166,7 @@ class AttentionFwdSm90:
             k_major,
             OperandMajorMode.MN,
             Float32,
-            (NUM_MMA_WG, 1, 1),
+            (self.num_wg, 1, 1),
             (64, dv),
             a_source=warpgroup.OperandSource.RMEM,
         )
@@ -160,11 +187,18 @@ class AttentionFwdSm90:
         mV: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
+        mCuQ: cute.Tensor | None,
+        mCuK: cute.Tensor | None,
         softmax_scale_log2: Float32,
+        max_seqlen_q: Int32,
+        num_ctas: Int32,
         stream: cuda.CUstream,
     ):
-        """mQ (B, Sq, Hq, D), mK (B, Sk, Hkv, D), mV (B, Sk, Hkv, Dv), mO (B, Sq, Hq, Dv),
-        mLSE (B, Hq, Sq) fp32."""
+        """Fixed length: mQ (B, Sq, Hq, D), mK (B, Sk, Hkv, D), mV (B, Sk, Hkv, Dv),
+        mO (B, Sq, Hq, Dv), mLSE (B, Hq, Sq) fp32; mCuQ, mCuK None. Varlen: mQ (Tq, Hq, D),
+        mK (Tk, Hkv, D), mV (Tk, Hkv, Dv), mO (Tq, Hq, Dv), mLSE (Hq, Tq), mCuQ / mCuK int32
+        (B + 1,) offsets, max_seqlen_q the longest query sequence. num_ctas: CTAs to launch
+        (at most one per SM: the kernel is persistent)."""
         self.dtype = mQ.element_type
         for t in (mK, mV, mO):
             if const_expr(t.element_type != self.dtype):
@@ -173,12 +207,24 @@ class AttentionFwdSm90:
             raise TypeError(f"lse must be float32, got {mLSE.element_type}")
         self._setup()
 
-        # (B, S, H, D) -> (S, D, H, B): TMA boxes over (S, D), coordinates for head and batch.
-        mQ = _select(mQ, [1, 3, 2, 0])
-        mK = _select(mK, [1, 3, 2, 0])
-        mO = _select(mO, [1, 3, 2, 0])
+        # Everything as (S, D, H, B): TMA boxes over (S, D), coordinates for head and batch.
+        # Varlen tensors get a unit batch mode; each sequence is a row offset into them.
+        if const_expr(self.varlen):
+            mQ, mK, mV, mO = (_packed_as_sdhb(t) for t in (mQ, mK, mV, mO))
+            mLSE = cute.make_tensor(
+                mLSE.iterator,
+                cute.make_layout(
+                    (1, mLSE.shape[0], mLSE.shape[1]), stride=(0, mLSE.stride[0], mLSE.stride[1])
+                ),
+            )
+            num_batch = mCuQ.shape[0] - 1
+            num_m_blocks = (max_seqlen_q + self.tile_m - 1) // self.tile_m
+        else:
+            mQ, mK, mV, mO = (_select(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO))
+            num_batch = mQ.shape[3]
+            num_m_blocks = (mQ.shape[0] + self.tile_m - 1) // self.tile_m
         # V as the B operand of O = P V: (Dv, Sk, Hkv, B), unit stride along Dv (MN-major).
-        mVt = _select(mV, [3, 1, 2, 0])
+        mVt = _select(mV, [1, 0, 2, 3])
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         sQ_tile = cute.slice_(self.sQ_layout, (None, None, 0))
@@ -197,7 +243,10 @@ class AttentionFwdSm90:
         self.k_bytes = cute.size_in_bytes(self.dtype, sK_tile)
         self.v_bytes = cute.size_in_bytes(self.dtype, sV_tile)
 
-        q_cosize = max(cute.cosize(self.sQ_layout), cute.cosize(self.sO_layout))
+        q_cosize = cute.cosize(self.sQ_layout)
+        o_cosize = cute.cosize(self.sO_layout) if const_expr(self.own_o) else 1
+        if const_expr(not self.own_o):
+            q_cosize = max(q_cosize, cute.cosize(self.sO_layout))
 
         @cute.struct
         class SharedStorage:
@@ -211,9 +260,11 @@ class AttentionFwdSm90:
             sV: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(self.sV_layout)], 1024
             ]
+            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, o_cosize], 1024]
 
         self.shared_storage = SharedStorage
-        grid = (cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2], mQ.shape[3])
+        num_heads = mQ.shape[2]
+        num_tiles = num_m_blocks * num_heads * num_batch
         self.kernel(
             tma_q,
             tma_mQ,
@@ -223,8 +274,13 @@ class AttentionFwdSm90:
             tma_mV,
             tma_o,
             tma_mO,
+            mO,
             mLSE,
+            mCuQ,
+            mCuK,
             softmax_scale_log2,
+            num_m_blocks,
+            num_tiles,
             self.mma_qk,
             self.mma_pv,
             self.sQ_layout,
@@ -232,7 +288,7 @@ class AttentionFwdSm90:
             self.sV_layout,
             self.sO_layout,
         ).launch(
-            grid=grid,
+            grid=(cutlass.max(cutlass.min(num_ctas, num_tiles), 1), 1, 1),
             block=[self.threads_per_cta, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
@@ -249,9 +305,14 @@ class AttentionFwdSm90:
         tma_v: cute.CopyAtom,
         mVt: cute.Tensor,
         tma_o: cute.CopyAtom,
+        mO_tma: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
+        mCuQ: cute.Tensor | None,
+        mCuK: cute.Tensor | None,
         scale_log2: Float32,
+        num_m_blocks: Int32,
+        num_tiles: Int32,
         mma_qk: cute.TiledMma,
         mma_pv: cute.TiledMma,
         sQ_layout: cute.ComposedLayout,
@@ -267,7 +328,7 @@ class AttentionFwdSm90:
 
         storage = SmemAllocator().allocate(self.shared_storage)
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
-        # Consumers release a stage from lane 0 of each of their 8 warps.
+        # Consumers release a stage from lane 0 of each of their warps.
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
         q_pipe, k_pipe, v_pipe = (
             pipeline.PipelineTmaAsync.create(
@@ -289,68 +350,60 @@ class AttentionFwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        # O reuses Q's buffer once both warpgroups are past their last QK^T.
-        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-
-        # ---- this CTA's tile and its key-block range
-        bidx, head, batch = cute.arch.block_idx()
-        m_block = bidx
-        if const_expr(self.causal):
-            m_block = cute.arch.grid_dim()[0] - 1 - bidx  # longest rows first
-        seqlen_q = mQ.shape[0]
-        seqlen_k = mK.shape[0]
-        head_kv = head // (mQ.shape[2] // mK.shape[2])
-        m0 = m_block * self.tile_m
-        n_block_max, n_unmasked = self._key_blocks(m0, seqlen_q, seqlen_k)
-
-        # (tile, tile, blocks) views of this head's Q, K, V^T, O
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
-        gK = cute.local_tile(
-            mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0)
-        )
-        gV = cute.local_tile(
-            mVt[None, None, head_kv, batch], (self.head_dim_v, self.tile_n), (0, None)
-        )
-        gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim_v), (None, 0))
+        if const_expr(self.own_o):
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        else:  # O reuses Q's buffer once every warpgroup is past its last QK^T
+            sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
         pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
+        tiles = (mQ, mK, mVt, mO_tma, mO, mLSE, mCuQ, mCuK, num_m_blocks, num_tiles)
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self._produce(
-                    tma_q, tma_k, tma_v, gQ, gK, gV, sQ, sK, sV, q_pipe, k_pipe, v_pipe,
-                    m_block, n_block_max,
+                    tma_q, tma_k, tma_v, sQ, sK, sV, q_pipe, k_pipe, v_pipe, tiles
                 )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume(
-                tidx - THREADS_PER_WG,
-                wg_idx - 1,
-                warp_idx,
-                mma_qk,
-                mma_pv,
-                sQ,
-                sK,
-                sV,
-                sO,
-                q_pipe,
-                k_pipe,
-                v_pipe,
-                tma_o,
-                gO,
-                mLSE,
-                scale_log2,
-                m_block,
-                m0,
-                head,
-                batch,
-                seqlen_q,
-                seqlen_k,
-                n_block_max,
-                n_unmasked,
-            )
+                tidx - THREADS_PER_WG, wg_idx - 1, warp_idx, mma_qk, mma_pv, sQ, sK, sV, sO,
+                q_pipe, k_pipe, v_pipe, tma_o, scale_log2, tiles,
+            )  # fmt: skip
+
+    # ---------------------------------------------------------------- tile scheduling
+    @cute.jit
+    def _tile(self, t: Int32, tiles):
+        """Tile t of the persistent schedule -> (valid, m_block, head, batch, q_off, k_off,
+        seqlen_q, seqlen_k); batch indexes the tensors (0 for varlen, whose sequences are row
+        offsets q_off / k_off). Tiles run in order of t, each CTA taking every grid-th one; the
+        row-block index is the slowest, so with a causal mask the longest row blocks of every
+        head and batch go first (longest-processing-time first), and consecutive tiles share
+        a kv head (GQA groups stay in L2)."""
+        mQ, mK, _, _, _, _, mCuQ, mCuK, num_m_blocks, _ = tiles
+        num_heads = mQ.shape[2]
+        per_m = num_heads * (mQ.shape[3] if const_expr(not self.varlen) else mCuQ.shape[0] - 1)
+        m_rev = t // per_m
+        rest = t - m_rev * per_m
+        batch = rest // num_heads
+        head = rest - batch * num_heads
+        q_off = Int32(0)
+        k_off = Int32(0)
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        m_blocks = num_m_blocks
+        if const_expr(self.varlen):
+            q_off = mCuQ[batch]
+            k_off = mCuK[batch]
+            seqlen_q = mCuQ[batch + 1] - q_off
+            seqlen_k = mCuK[batch + 1] - k_off
+            m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
+            batch = Int32(0)  # the packed tensors' unit batch mode; the sequence is an offset
+        m_block = m_rev
+        if const_expr(self.causal):
+            m_block = m_blocks - 1 - m_rev
+        return m_rev < m_blocks, m_block, head, batch, q_off, k_off, seqlen_q, seqlen_k
 
     @cute.jit
     def _key_blocks(self, m0: Int32, seqlen_q: Int32, seqlen_k: Int32):
@@ -372,24 +425,73 @@ class AttentionFwdSm90:
         return n_block_max, n_unmasked
 
     @cute.jit
-    def _produce(
-        self, tma_q, tma_k, tma_v, gQ, gK, gV, sQ, sK, sV, q_pipe, k_pipe, v_pipe,
-        m_block, n_block_max,
-    ):  # fmt: skip
-        """Warp 0: Q once, then K and V of key blocks n_block_max - 1 down to 0."""
+    def _views(self, t: cute.Tensor, head, batch, off, tile, coord, seq_mode: int = 0):
+        """This tile's head of a (S, D, H, B)-ordered tensor, its sequence mode shifted by
+        `off` (varlen), tiled."""
+        t = t[None, None, head, batch]
+        if const_expr(self.varlen):
+            t = cute.domain_offset((off, 0) if seq_mode == 0 else (0, off), t)
+        return cute.local_tile(t, tile, coord)
+
+    # ---------------------------------------------------------------- producer
+    @cute.jit
+    def _produce(self, tma_q, tma_k, tma_v, sQ, sK, sV, q_pipe, k_pipe, v_pipe, tiles):
+        """Warp 0: per tile, the first key block's K and V, then Q (its buffer frees when the
+        consumers finish the previous tile), then the other key blocks last to first."""
+        mQ, mK, mVt, _, _, _, _, _, _, num_tiles = tiles
         one = cute.make_layout(1)
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-        )
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
-        )
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
-        )
-        # Q is loaded even when no key block is visible: the consumers always wait for it
-        # before reusing its buffer for O.
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        t = cute.arch.block_idx()[0]
+        step = cute.arch.grid_dim()[0]
+        while t < num_tiles:
+            valid, m_block, head, batch, q_off, k_off, seqlen_q, seqlen_k = self._tile(t, tiles)
+            if valid:
+                head_kv = head // (mQ.shape[2] // mK.shape[2])
+                n_block_max, _ = self._key_blocks(m_block * self.tile_m, seqlen_q, seqlen_k)
+                gQ = self._views(mQ, head, batch, q_off, (self.tile_m, self.head_dim), (None, 0))
+                gK = self._views(mK, head_kv, batch, k_off, (self.tile_n, self.head_dim), (None, 0))
+                gV = self._views(
+                    mVt, head_kv, batch, k_off, (self.head_dim_v, self.tile_n), (0, None), 1
+                )
+                tQsQ, tQgQ = cpasync.tma_partition(
+                    tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+                )
+                tKsK, tKgK = cpasync.tma_partition(
+                    tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+                )
+                tVsV, tVgV = cpasync.tma_partition(
+                    tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+                )
+                for i in cutlass.range(n_block_max, unroll=1):
+                    n = n_block_max - 1 - i
+                    k_pipe.producer_acquire(kv)
+                    cute.copy(
+                        tma_k,
+                        tKgK[(None, n)],
+                        tKsK[(None, kv.index)],
+                        tma_bar_ptr=k_pipe.producer_get_barrier(kv),
+                    )
+                    v_pipe.producer_acquire(kv)
+                    cute.copy(
+                        tma_v,
+                        tVgV[(None, n)],
+                        tVsV[(None, kv.index)],
+                        tma_bar_ptr=v_pipe.producer_get_barrier(kv),
+                    )
+                    kv.advance()
+                    if i == 0:
+                        # Q after the first K and V: they may land while the consumers finish
+                        # the previous tile. Q is loaded even when no key block is visible.
+                        self._load_q(tma_q, tQgQ, tQsQ, q_pipe, q_state, m_block)
+                        q_state.advance()
+                if n_block_max == 0:
+                    self._load_q(tma_q, tQgQ, tQsQ, q_pipe, q_state, m_block)
+                    q_state.advance()
+            t += step
+
+    @cute.jit
+    def _load_q(self, tma_q, tQgQ, tQsQ, q_pipe, q_state, m_block):
         q_pipe.producer_acquire(q_state)
         cute.copy(
             tma_q,
@@ -397,54 +499,16 @@ class AttentionFwdSm90:
             tQsQ[(None, 0)],
             tma_bar_ptr=q_pipe.producer_get_barrier(q_state),
         )
-        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        for i in cutlass.range(n_block_max, unroll=1):
-            n = n_block_max - 1 - i
-            k_pipe.producer_acquire(kv)
-            cute.copy(
-                tma_k,
-                tKgK[(None, n)],
-                tKsK[(None, kv.index)],
-                tma_bar_ptr=k_pipe.producer_get_barrier(kv),
-            )
-            v_pipe.producer_acquire(kv)
-            cute.copy(
-                tma_v,
-                tVgV[(None, n)],
-                tVsV[(None, kv.index)],
-                tma_bar_ptr=v_pipe.producer_get_barrier(kv),
-            )
-            kv.advance()
 
+    # ---------------------------------------------------------------- consumers
     @cute.jit
     def _consume(
-        self,
-        tidx: Int32,
-        wg: Int32,
-        warp_idx: Int32,
-        mma_qk: cute.TiledMma,
-        mma_pv: cute.TiledMma,
-        sQ: cute.Tensor,
-        sK: cute.Tensor,
-        sV: cute.Tensor,
-        sO: cute.Tensor,
-        q_pipe,
-        k_pipe,
-        v_pipe,
-        tma_o: cute.CopyAtom,
-        gO: cute.Tensor,
-        mLSE: cute.Tensor,
-        scale_log2: Float32,
-        m_block: Int32,
-        m0: Int32,
-        head: Int32,
-        batch: Int32,
-        seqlen_q: Int32,
-        seqlen_k: Int32,
-        n_block_max: Int32,
-        n_unmasked: Int32,
-    ):
-        """Consumer warpgroup `wg` (rows 64 wg .. 64 wg + 63 of the tile); tidx in [0, 256)."""
+        self, tidx, wg, warp_idx, mma_qk, mma_pv, sQ, sK, sV, sO, q_pipe, k_pipe, v_pipe,
+        tma_o, scale_log2, tiles,
+    ):  # fmt: skip
+        """Consumer warpgroup `wg` (rows 64 wg .. 64 wg + 63 of each tile); tidx counts the
+        consumer threads from 0."""
+        mQ, _, _, mO_tma, mO, mLSE, _, _, _, num_tiles = tiles
         # Operand fragments come from the warpgroup's slice (WGMMA descriptors), coordinates
         # from the thread's own slice.
         wg_qk = mma_qk.get_slice(wg * THREADS_PER_WG)
@@ -453,59 +517,114 @@ class AttentionFwdSm90:
         tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
         tOrV = wg_pv.make_fragment_B(wg_pv.partition_B(sV))
         tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((self.tile_m, self.tile_n)))
-        s_shape = wg_qk.partition_shape_C((self.tile_m, self.tile_n))
+        acc_S = cute.make_rmem_tensor(wg_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         acc_O = cute.make_rmem_tensor(
             wg_pv.partition_shape_C((self.tile_m, self.head_dim_v)), Float32
         )
-        tScS = _rows_cols(
-            mma_qk.get_slice(tidx).partition_C(
-                cute.make_identity_tensor((self.tile_m, self.tile_n))
-            )
-        )
-        rows = cute.size(tScS, mode=[0])
+        # Score coordinates as thread 0's (static offsets) plus this thread's base: the mask
+        # compares registers with constants instead of holding a coordinate per element.
+        ident = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        t0ScS = _rows_cols(mma_qk.get_slice(0).partition_C(ident))
+        base = mma_qk.get_slice(tidx).partition_C(ident)[0]
+        tScS = (t0ScS, base[0], base[1])
+        rows = cute.size(t0ScS, mode=[0])
         row_max = cute.make_rmem_tensor(rows, Float32)
         row_sum = cute.make_rmem_tensor(rows, Float32)
-        row_max.fill(-Float32.inf)
-        row_sum.fill(0.0)
-        acc_O.fill(0.0)
+        rescale = cute.make_rmem_tensor(rows, Float32)
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        q_pipe.consumer_wait(q_state)
-        # Ping-pong: warpgroup wg issues its WGMMAs only after waiting on its barrier
-        # SCHED_BARRIER + wg, then hands the turn over, so one warpgroup's softmax runs while
-        # the other's GEMMs hold the tensor cores. Warpgroup 0 starts with one arrival of its
-        # own on its barrier: it takes the first turn.
+        # Ping-pong: warpgroup wg issues its WGMMAs only after waiting on barrier
+        # SCHED_BARRIER + wg, then passes the turn to the next warpgroup, so one's softmax runs
+        # while another's GEMMs hold the tensor cores. Each barrier counts the waiting
+        # warpgroup and the one handing over; warpgroup 0 starts with an arrival of its own.
         my_turn = pipeline.NamedBarrier(
-            barrier_id=SCHED_BARRIER + wg, num_threads=self.num_mma_threads
+            barrier_id=SCHED_BARRIER + wg, num_threads=2 * THREADS_PER_WG
         )
         their_turn = pipeline.NamedBarrier(
-            barrier_id=SCHED_BARRIER + 1 - wg, num_threads=self.num_mma_threads
+            barrier_id=SCHED_BARRIER + (wg + 1) % self.num_wg, num_threads=2 * THREADS_PER_WG
         )
         if const_expr(self.pingpong):
             if wg == 0:
                 my_turn.arrive()
+        epilogue = pipeline.NamedBarrier(
+            barrier_id=EPILOGUE_BARRIER, num_threads=self.num_mma_threads
+        )
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         step_args = (
-            mma_qk, mma_pv, tSrQ, tSrK, tOrP, tOrV, s_shape, acc_O, row_max, row_sum, tScS,
-            k_pipe, v_pipe, scale_log2, m0, seqlen_q, seqlen_k, my_turn, their_turn,
+            mma_qk, mma_pv, tSrQ, tSrK, tOrP, tOrV, acc_S, acc_O, row_max, row_sum, rescale,
+            tScS, k_pipe, v_pipe, scale_log2, my_turn, their_turn,
         )  # fmt: skip
-        # Key blocks last to first: the masked ones (diagonal, key bound) come first. Block
-        # n_block_max - 1 is the first half step (S and P, masked whatever it needs); every
-        # later step issues S of its block and P V of the block before.
+        t = cute.arch.block_idx()[0]
+        grid = cute.arch.grid_dim()[0]
+        while t < num_tiles:
+            valid, m_block, head, batch, q_off, k_off, seqlen_q, seqlen_k = self._tile(t, tiles)
+            if valid:
+                m0 = m_block * self.tile_m
+                n_block_max, n_unmasked = self._key_blocks(m0, seqlen_q, seqlen_k)
+                row_max.fill(-Float32.inf)
+                row_sum.fill(0.0)
+                acc_O.fill(0.0)
+                q_pipe.consumer_wait(q_state)
+                kv = self._mainloop(kv, m0, seqlen_q, seqlen_k, n_block_max, n_unmasked, *step_args)
+                row_lse = self._finalize(acc_O, row_max, row_sum, scale_log2)
+                if const_expr(self.own_o):
+                    # Every QK^T of this tile is done (the last P V was waited on): the
+                    # producer may load the next tile's Q during this epilogue.
+                    q_pipe.consumer_release(q_state)
+                self._store_o(
+                    tidx, warp_idx, mma_pv, acc_O, sO, tma_o, mO_tma, mO, epilogue,
+                    m_block, head, batch, q_off, seqlen_q,
+                )  # fmt: skip
+                if const_expr(not self.own_o):
+                    # O was read out of Q's buffer (the storing thread waited): Q may reload.
+                    epilogue.arrive_and_wait()
+                    q_pipe.consumer_release(q_state)
+                q_state.advance()
+                self._store_lse(tidx, mma_pv, row_lse, mLSE, m0, head, batch, q_off, seqlen_q)
+            t += grid
+        if warp_idx == THREADS_PER_WG // 32:
+            # The CTA may not exit (freeing sO) before the last store has read it.
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _mainloop(
+        self, kv, m0, seqlen_q, seqlen_k, n_block_max, n_unmasked, mma_qk, mma_pv, tSrQ, tSrK,
+        tOrP, tOrV, acc_S, acc_O, row_max, row_sum, rescale, tScS, k_pipe, v_pipe,
+        scale_log2, my_turn, their_turn,
+    ):  # fmt: skip
+        """Key blocks last to first (the masked ones, diagonal and key bound, come first).
+        Block n_block_max - 1 is a first half step (S, mask, softmax); each later step first
+        lands the previous one (wait for its P V, P to 16 bits, O rescaled), then issues S of
+        its block and P V of the block before, and runs the softmax of its S while that P V
+        is on the tensor cores. A last P V closes the loop. Returns the K/V pipeline state."""
+        a = (
+            mma_qk, mma_pv, tSrQ, tSrK, tOrP, tOrV, acc_S, acc_O, row_max, row_sum, rescale,
+            tScS, k_pipe, v_pipe, scale_log2, m0, seqlen_q, seqlen_k, my_turn, their_turn,
+        )  # fmt: skip
         if n_block_max > 0:
-            kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            kv = self._first_block(kv, n_block_max - 1, *step_args)
-            n_rest_unmasked = cutlass.min(n_unmasked, n_block_max - 1)
-            for i in cutlass.range(n_block_max - 1 - n_rest_unmasked, unroll=1):
-                kv = self._step(kv, n_block_max - 2 - i, *step_args, True)
+            self._first_block(kv, n_block_max - 1, *a)
+            # The first step has no P V in flight: its kv_pv release is skipped (pending 0).
+            kv_pv = kv.clone()
+            pending = Int32(0)
+            n_rest = n_block_max - 1
+            n_rest_unmasked = cutlass.min(n_unmasked, n_rest)
+            for i in cutlass.range(n_rest - n_rest_unmasked, unroll=1):
+                kv, kv_pv = self._step(kv, kv_pv, pending, n_rest - 1 - i, *a, True)
+                pending = Int32(1)
             for i in cutlass.range(n_rest_unmasked, unroll=1):
-                kv = self._step(kv, n_rest_unmasked - 1 - i, *step_args, False)
+                kv, kv_pv = self._step(kv, kv_pv, pending, n_rest_unmasked - 1 - i, *a, False)
+                pending = Int32(1)
+            warpgroup.wait_group(0)
+            if pending != 0:
+                v_pipe.consumer_release(kv_pv)
+            tOrP.store(_acc_as_operand_a(acc_S).load().to(self.dtype))
+            self._rescale_o(acc_O, rescale)
             v_pipe.consumer_wait(kv)
             self._gemm(mma_pv, acc_O, tOrP, tOrV[None, None, None, kv.index], False, 0)
             v_pipe.consumer_release(kv)
-
-        row_lse = self._finalize(acc_O, row_max, row_sum, scale_log2)
-        self._store_o(tidx, warp_idx, mma_pv, acc_O, sO, tma_o, gO, m_block)
-        self._store_lse(tidx, mma_pv, row_lse, mLSE, m0, head, batch, seqlen_q)
+            kv.advance()
+        return kv
 
     @cute.jit
     def _gemm(
@@ -527,75 +646,72 @@ class AttentionFwdSm90:
 
     @cute.jit
     def _first_block(
-        self, kv, n, mma_qk, mma_pv, tSrQ, tSrK, tOrP, tOrV, s_shape, acc_O, row_max, row_sum,
-        tScS, k_pipe, v_pipe, scale_log2, m0, seqlen_q, seqlen_k, my_turn, their_turn,
+        self, kv, n, mma_qk, mma_pv, tSrQ, tSrK, tOrP, tOrV, acc_S, acc_O, row_max, row_sum,
+        rescale, tScS, k_pipe, v_pipe, scale_log2, m0, seqlen_q, seqlen_k, my_turn, their_turn,
     ):  # fmt: skip
-        """Key block n, first half: S = Q K^T, mask, softmax, P into tOrP. O is still 0, so
-        nothing to rescale; the state stays on block n (its V is read by the next step)."""
-        acc_S = cute.make_rmem_tensor(s_shape, Float32)
+        """Key block n, first half: S = Q K^T, mask, softmax; P (fp32) stays in acc_S. O is
+        still 0, so its rescale factor does not matter."""
         k_pipe.consumer_wait(kv)
         self._gemm(mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], True, 0)
         k_pipe.consumer_release(kv)
         self._mask(acc_S, tScS, n, m0, seqlen_q, seqlen_k)
-        self._online_softmax(acc_S, row_max, row_sum, scale_log2)
-        tOrP.store(_acc_as_operand_a(acc_S).load().to(self.dtype))
-        return kv
+        self._online_softmax(acc_S, row_max, row_sum, rescale, scale_log2)
 
     @cute.jit
     def _step(
-        self, kv, n, mma_qk, mma_pv, tSrQ, tSrK, tOrP, tOrV, s_shape, acc_O, row_max, row_sum,
-        tScS, k_pipe, v_pipe, scale_log2, m0, seqlen_q, seqlen_k, my_turn, their_turn,
-        masked: cutlass.Constexpr[bool],
+        self, kv, kv_pv, pending, n, mma_qk, mma_pv, tSrQ, tSrK, tOrP, tOrV, acc_S, acc_O,
+        row_max, row_sum, rescale, tScS, k_pipe, v_pipe, scale_log2, m0, seqlen_q, seqlen_k,
+        my_turn, their_turn, masked: cutlass.Constexpr[bool],
     ):  # fmt: skip
-        """Key block n with the previous block's P in tOrP (state `kv` on that block): issue
-        S = Q K_n^T, then O += P V_prev, both async; the softmax of S runs while P V_prev is
-        on the tensor cores. Returns the state of block n (rebound by the caller: the loop
-        carries it)."""
-        kv_v = kv.clone()
-        kv.advance()
-        acc_S = cute.make_rmem_tensor(s_shape, Float32)
-        k_pipe.consumer_wait(kv)
+        """acc_S holds P of the block at state `kv` (its V not yet used); if `pending`, the
+        P V of block `kv_pv` is in flight. Land it, then issue S = Q K_n^T and O += P V_kv,
+        and run the softmax of S_n under that P V. The wait for the P V sits at the top of the
+        step, after the loop's back edge, so the assembler cannot hoist it above the softmax.
+        Returns (state of block n, state of the block whose P V is now in flight)."""
+        warpgroup.wait_group(0)
+        if pending != 0:
+            v_pipe.consumer_release(kv_pv)
+        tOrP.store(_acc_as_operand_a(acc_S).load().to(self.dtype))
+        self._rescale_o(acc_O, rescale)
+        kv_s = kv.clone()
+        kv_s.advance()
+        k_pipe.consumer_wait(kv_s)
         if const_expr(self.pingpong):
             my_turn.arrive_and_wait()
-        self._gemm(mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], True, -1)
-        v_pipe.consumer_wait(kv_v)
-        self._gemm(mma_pv, acc_O, tOrP, tOrV[None, None, None, kv_v.index], False, -1)
+        self._gemm(mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_s.index], True, -1)
+        v_pipe.consumer_wait(kv)
+        self._gemm(mma_pv, acc_O, tOrP, tOrV[None, None, None, kv.index], False, -1)
         if const_expr(self.pingpong):
             their_turn.arrive()
         # Groups retire in order: with one left in flight, S (committed first) is complete.
         warpgroup.wait_group(1)
-        k_pipe.consumer_release(kv)
+        k_pipe.consumer_release(kv_s)
         if const_expr(masked):
             self._mask(acc_S, tScS, n, m0, seqlen_q, seqlen_k)
-        rescale = self._online_softmax(acc_S, row_max, row_sum, scale_log2)
-        # P V_prev done: tOrP may be overwritten and O rescaled.
-        warpgroup.wait_group(0)
-        v_pipe.consumer_release(kv_v)
-        tOrP.store(_acc_as_operand_a(acc_S).load().to(self.dtype))
-        self._rescale_o(acc_O, rescale)
-        return kv
+        self._online_softmax(acc_S, row_max, row_sum, rescale, scale_log2)
+        return kv_s, kv
 
     @cute.jit
     def _mask(self, acc_S, tScS, n, m0, seqlen_q, seqlen_k):
         """-inf where the key is past Sk or (causal) past the row's diagonal."""
+        t0ScS, row_base, col_base = tScS
         s = _rows_cols(acc_S)
-        col0 = n * self.tile_n
+        col0 = n * self.tile_n + col_base
         for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-            limit = seqlen_k - col0  # first masked column, block-relative
+            limit = seqlen_k - col0  # first masked column, relative to the thread's first
             if const_expr(self.causal):
-                row = m0 + tScS[r, 0][0]
+                row = m0 + row_base + t0ScS[r, 0][0]
                 limit = cutlass.min(limit, row + seqlen_k - seqlen_q + 1 - col0)
             for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                if tScS[r, c][1] >= limit:
+                if t0ScS[r, c][1] >= limit:
                     s[r, c] = -Float32.inf
 
     @cute.jit
-    def _online_softmax(self, acc_S, row_max, row_sum, scale_log2):
+    def _online_softmax(self, acc_S, row_max, row_sum, rescale, scale_log2):
         """S -> P = exp2(S scale_log2 - max scale_log2) in place; the row sums stay per thread
-        (the quad's partial sums are added in `_finalize`). Returns each row's O rescale,
-        exp2((old max - new max) scale_log2), for `_rescale_o` once the P V in flight is done."""
+        (the quad's partial sums are added in `_finalize`). Sets each row's O rescale,
+        exp2((old max - new max) scale_log2), applied once the P V in flight is done."""
         s = _rows_cols(acc_S)
-        rescale = cute.make_rmem_tensor(cute.size(row_max), Float32)
         for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
             prev = row_max[r]
             # Four independent max / sum chains instead of one 64-long dependency chain.
@@ -618,7 +734,6 @@ class AttentionFwdSm90:
                 part[c % 4] = part[c % 4] + p
             total = (part[0] + part[1]) + (part[2] + part[3])
             row_sum[r] = row_sum[r] * rescale[r] + total
-        return rescale
 
     @cute.jit
     def _rescale_o(self, acc_O, rescale):
@@ -646,40 +761,70 @@ class AttentionFwdSm90:
         return row_lse
 
     @cute.jit
-    def _store_o(self, tidx, warp_idx, mma_pv, acc_O, sO, tma_o, gO, m_block):
-        """O (fp32 registers) -> input dtype -> stmatrix into sO -> one TMA store."""
-        epilogue = pipeline.NamedBarrier(
-            barrier_id=EPILOGUE_BARRIER, num_threads=self.num_mma_threads
-        )
+    def _store_o(
+        self, tidx, warp_idx, mma_pv, acc_O, sO, tma_o, mO_tma, mO, epilogue, m_block, head,
+        batch, q_off, seqlen_q,
+    ):  # fmt: skip
+        """O (fp32 registers) -> input dtype -> `stmatrix` into sO -> one TMA store (rows past
+        Sq clipped). A varlen tile that ends inside its sequence's last row block is written
+        from registers instead, row by row (a TMA box would spill into the next sequence)."""
         rO = cute.make_rmem_tensor(acc_O.shape, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
-        r2s = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype), mma_pv
-        )
-        thr_r2s = r2s.get_slice(tidx)
-        sO_tile = sO[None, None, 0]
-        # sO aliases sQ: both warpgroups' QK^T WGMMAs (which read all of sQ's rows they own,
-        # and the other warpgroup's O lands on its rows) must be complete.
-        epilogue.arrive_and_wait()
-        cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO_tile))
-        # stmatrix writes are generic-proxy; the TMA store reads through the async proxy.
-        cute.arch.fence_view_async_shared()
-        epilogue.arrive_and_wait()
-        if warp_idx == THREADS_PER_WG // 32:  # first consumer warp
-            tOsO, tOgO = cpasync.tma_partition(
-                tma_o,
-                0,
-                cute.make_layout(1),
-                cute.group_modes(sO, 0, 2),
-                cute.group_modes(gO, 0, 2),
+        m0 = m_block * self.tile_m
+        partial = False
+        if const_expr(self.varlen):
+            partial = m0 + self.tile_m > seqlen_q
+        if partial:
+            gO = cute.local_tile(
+                cute.domain_offset((q_off, 0), mO[None, None, head, batch]),
+                (self.tile_m, self.head_dim_v),
+                (m_block, 0),
             )
-            cute.copy(tma_o, tOsO[(None, 0)], tOgO[(None, m_block)])
-            cute.arch.cp_async_bulk_commit_group()
-            # The CTA may not exit (freeing sO) before the store has read it.
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            thr = mma_pv.get_slice(tidx)
+            tOgO = thr.partition_C(gO)
+            tOcO = thr.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v)))
+            for i in cutlass.range_constexpr(cute.size(rO)):
+                if m0 + tOcO[i][0] < seqlen_q:
+                    tOgO[i] = rO[i]
+        else:
+            r2s = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype),
+                mma_pv,
+            )
+            thr_r2s = r2s.get_slice(tidx)
+            sO_tile = sO[None, None, 0]
+            storer = warp_idx == THREADS_PER_WG // 32  # the first consumer warp
+            if storer:
+                # The previous tile's store must have read sO (own buffer), and
+                # (shared buffer) every warpgroup's last QK^T must be done with sQ.
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            epilogue.arrive_and_wait()
+            cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO_tile))
+            # stmatrix writes are generic-proxy; the TMA store reads through the async proxy.
+            cute.arch.fence_view_async_shared()
+            epilogue.arrive_and_wait()
+            if storer:
+                gO = cute.local_tile(
+                    cute.domain_offset((q_off, 0), mO_tma[None, None, head, batch])
+                    if const_expr(self.varlen)
+                    else mO_tma[None, None, head, batch],
+                    (self.tile_m, self.head_dim_v),
+                    (None, 0),
+                )
+                tOsO, tOgO = cpasync.tma_partition(
+                    tma_o,
+                    0,
+                    cute.make_layout(1),
+                    cute.group_modes(sO, 0, 2),
+                    cute.group_modes(gO, 0, 2),
+                )
+                cute.copy(tma_o, tOsO[(None, 0)], tOgO[(None, m_block)])
+                cute.arch.cp_async_bulk_commit_group()
+                if const_expr(not self.own_o):
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def _store_lse(self, tidx, mma_pv, row_lse, mLSE, m0, head, batch, seqlen_q):
+    def _store_lse(self, tidx, mma_pv, row_lse, mLSE, m0, head, batch, q_off, seqlen_q):
         """The thread holding column 0 of a row writes its LSE, rows < Sq only."""
         tOcO = _rows_cols(
             mma_pv.get_slice(tidx).partition_C(
@@ -690,4 +835,4 @@ class AttentionFwdSm90:
             for r in cutlass.range_constexpr(cute.size(row_lse)):
                 row = m0 + tOcO[r, 0][0]
                 if row < seqlen_q:
-                    mLSE[batch, head, row] = row_lse[r]
+                    mLSE[batch, head, q_off + row] = row_lse[r]

@@ -1,0 +1,111 @@
+"""Time attention-forward configurations side by side with FA4 (JIT path: the DSL compiles
+the variants on the GPU host). Each variant's output is compared with FA4's first.
+
+    python scripts/attn_variants.py [OUT.json]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import torch
+
+from forgekernel.bench.timing import median, time_interleaved
+from forgekernel.kernels.attention.fwd import sm90
+from forgekernel.kernels.attention.fwd.sm90.config import AttnConfig
+from forgekernel.ops.attention import LOG2E, num_sms
+from forgekernel.runtime.cache import get_kernel
+
+CASES = [
+    # (b, hq, hkv, s, d, causal, configs)
+    (
+        8,
+        32,
+        32,
+        4096,
+        64,
+        True,
+        [
+            AttnConfig(192, 128, 3),
+            AttnConfig(128, 128, 3),
+            AttnConfig(128, 176, 2),
+            AttnConfig(192, 96, 3),
+        ],
+    ),
+    (
+        16,
+        64,
+        4,
+        2048,
+        128,
+        True,
+        [AttnConfig(128, 128, 2), AttnConfig(128, 96, 3), AttnConfig(128, 176, 2)],
+    ),
+    (8, 64, 4, 4096, 128, False, [AttnConfig(128, 128, 2), AttnConfig(128, 176, 2)]),
+    (4, 16, 16, 4096, 256, True, [AttnConfig(128, 64, 2), AttnConfig(128, 80, 2)]),
+]
+
+
+def main() -> None:
+    from flash_attn.cute import flash_attn_func
+
+    rows = []
+    for b, hq, hkv, s, d, causal, cfgs in CASES:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        k = torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        o = torch.empty_like(q)
+        lse = torch.empty(b, hq, s, device="cuda")
+        scale = d**-0.5
+        want = flash_attn_func(q, k, v, causal=causal)
+        want = want[0] if isinstance(want, tuple) else want
+        fns = {"fa4": lambda q=q, k=k, v=v, c=causal: flash_attn_func(q, k, v, causal=c)}
+        errs = {}
+        for cfg in cfgs:
+            try:
+                fn = get_kernel(sm90.SPEC, sm90.params_for("bfloat16", d, d, causal, cfg))
+            except Exception as e:  # a config that does not build
+                errs[cfg.tag()] = f"build: {type(e).__name__}: {e}"[:200]
+                continue
+            args = (q, k, v, o, lse, None, None, scale * LOG2E, 0, num_sms(q.device))
+            o.fill_(math.nan)
+            fn(*args)
+            torch.cuda.synchronize()
+            errs[cfg.tag()] = float((o.float() - want.float()).abs().max())
+            fns[cfg.tag()] = lambda fn=fn, args=args: fn(*args)
+        samples = time_interleaved(fns, warmup=3, reps=15)
+        flop = 4 * b * hq * d * s * s / (2 if causal else 1)
+        fa4 = median(samples["fa4"])
+        for name, smp in samples.items():
+            ms = median(smp)
+            rows.append(
+                {
+                    "case": f"b{b} hq{hq} hkv{hkv} s{s} d{d} {'causal' if causal else 'full'}",
+                    "variant": name,
+                    "ms": ms,
+                    "tflops": flop / ms / 1e9,
+                    "fa4_ratio": fa4 / ms,
+                    "maxdiff_vs_fa4": errs.get(name),
+                }
+            )
+        for name, e in errs.items():
+            if isinstance(e, str):
+                rows.append({"case": f"d{d}", "variant": name, "error": e})
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump(rows, f, indent=1)
+    for r in rows:
+        if "error" in r:
+            print(f"{r['case']:34s} {r['variant']:14s} {r['error']}")
+        else:
+            print(
+                f"{r['case']:34s} {r['variant']:14s} {r['ms']:8.3f} ms {r['tflops']:6.1f} TF/s "
+                f"fa4/ours {r['fa4_ratio']:.3f} maxdiff {r['maxdiff_vs_fa4']}"
+            )
+
+
+if __name__ == "__main__":
+    main()
