@@ -151,10 +151,10 @@ def attention_varlen(
     cu_seqlens_q / cu_seqlens_k: int32 (batch + 1,) offsets starting at 0, on the CPU or on q's
     device; max_seqlen_q / max_seqlen_k: the longest sequence of each. `out=(o, lse)` writes
     into given buffers (o (total_q, Hq, Dv) in q's dtype, lse (Hq, total_q) fp32; any views).
-    Offsets on the CPU are checked on the host (first 0, non-decreasing, last = total tokens, no length above
-    max_seqlen) and copied to q's device; offsets already on the GPU are checked for dtype and
-    shape only (reading them would sync the device each call). Returns o (total_q, Hq, Dv) and,
-    with `return_lse`, lse (Hq, total_q) fp32.
+    Offsets on the CPU are checked on the host (first 0, non-decreasing, last = total tokens,
+    no length above max_seqlen) and copied to q's device; offsets already on the GPU are
+    checked for dtype and shape only (reading them would sync the device each call). Returns
+    o (total_q, Hq, Dv) and, with `return_lse`, lse (Hq, total_q) fp32.
 
     max_seqlen_q must be at least the longest query sequence (checked for host offsets only):
     the kernel covers max_seqlen_q rows per sequence. Rows of a sequence with no keys (or, under
