@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from forgekernel.ops._dispatch import traced as _traced
-from forgekernel.ops._validate import check_cuda, check_same_device, check_tensor
+from forgekernel.ops._dispatch import wants_grad
+from forgekernel.ops._validate import check_bool, check_cuda, check_same_device, check_tensor
 from forgekernel.ops.attention import _check_flags, _check_qkv
 
 
@@ -79,6 +80,7 @@ def _attention_varlen_fwd_op(
     max_seqlen_k: int,
     causal: bool,
     softmax_scale: float,
+    deterministic: bool = False,  # for the backward registered in ops/attention_bwd.py
 ) -> tuple[torch.Tensor, torch.Tensor]:
     o, lse = _empty_outputs(q, v)
     seqs = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -87,7 +89,7 @@ def _attention_varlen_fwd_op(
 
 
 @_attention_varlen_fwd_op.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale):
+def _(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, deterministic=False):
     return _empty_outputs(q, v)
 
 
@@ -102,6 +104,8 @@ def attention_varlen(
     causal: bool = False,
     softmax_scale: float | None = None,
     return_lse: bool = False,
+    *,
+    deterministic: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`attention` per sequence for q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv).
 
@@ -110,7 +114,8 @@ def attention_varlen(
     checked on the host (first 0, non-decreasing, last = total tokens, no length above
     max_seqlen) and copied to q's device; offsets already on the GPU are checked for dtype and
     shape only (reading them would sync the device each call). Returns o (total_q, Hq, Dv) and,
-    with `return_lse`, lse (Hq, total_q) fp32.
+    with `return_lse`, lse (Hq, total_q) fp32. Differentiable in q, k, v like `attention`
+    (`deterministic` reaches the backward).
 
     The varlen kernel is not built yet: after validation an eager call raises
     NotImplementedError("varlen kernel not built yet"); tracing (fake tensors) already works.
@@ -118,6 +123,7 @@ def attention_varlen(
     _check_qkv(q, k, v, ndim=3)
     _check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     scale = _check_flags(causal, softmax_scale, q.shape[-1])
+    check_bool("deterministic", deterministic)
     check_cuda("q", q)
     check_same_device(q=q, k=k, v=v)
     # Host offsets travel to the device here; device offsets must already be on q's device.
@@ -125,9 +131,9 @@ def attention_varlen(
         cu.to(q.device) if cu.device.type == "cpu" else cu for cu in (cu_seqlens_q, cu_seqlens_k)
     )
     check_same_device(q=q, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    if _traced(q, k, v, cu_q, cu_k):
+    if _traced(q, k, v, cu_q, cu_k) or wants_grad(q, k, v):
         o, lse = torch.ops.forgekernel.attention_varlen_fwd(
-            q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale
+            q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale, deterministic
         )
     else:
         o, lse = _empty_outputs(q, v)
