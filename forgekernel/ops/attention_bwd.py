@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from forgekernel.ops import attention as _fwd
-from forgekernel.ops import attention_varlen as _varlen  # noqa: F401 (defines the varlen op)
+from forgekernel.ops import attention_varlen as _varlen
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import (
     as_tma_ready,
@@ -27,9 +27,21 @@ from forgekernel.ops._validate import (
     check_tensor,
 )
 
+# (head_dim, head_dim_v) the sm90 backward kernel is built for (its HEAD_DIMS); the forward
+# also has 256.
+BWD_HEAD_DIMS = ((64, 64), (128, 128), (192, 128))
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 # (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a varlen call, None otherwise.
 Seqs = tuple[torch.Tensor, torch.Tensor, int, int] | None
+
+
+def _check_head_dims(q: torch.Tensor, v: torch.Tensor) -> None:
+    if (q.shape[-1], v.shape[-1]) not in BWD_HEAD_DIMS:
+        raise ValueError(
+            f"attention backward: head_dim = {q.shape[-1]} with head_dim_v = {v.shape[-1]} is "
+            f"not supported; supported (head_dim, head_dim_v): "
+            f"{', '.join(map(str, BWD_HEAD_DIMS))}"
+        )
 
 
 def _launch_kernel(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, seqs) -> None:
@@ -147,6 +159,7 @@ def _(q, k, v, o, lse, do, cu_q, cu_k, max_q, max_k, causal, softmax_scale, dete
 
 def _backward(q, k, v, o, lse, do, causal, scale, deterministic, seqs: Seqs) -> Grads:
     """Eager: the kernel directly (no dispatcher); traced: the custom op."""
+    _check_head_dims(q, v)
     if _traced(q, k, v, o, lse, do):
         if seqs is None:
             return torch.ops.forgekernel.attention_bwd(
@@ -239,6 +252,7 @@ def attention_backward(
     given buffers (any views); strided inputs are copied first.
     """
     _fwd._check_qkv(q, k, v, ndim=4)
+    _check_head_dims(q, v)
     for name, t in (("k", k), ("v", v)):
         if t.shape[0] != q.shape[0]:
             raise ValueError(f"{name} has batch size {t.shape[0]} but q has {q.shape[0]}")
@@ -262,4 +276,69 @@ def attention_backward(
     return out
 
 
-__all__ = ["attention_backward"]
+def _check_varlen_bwd_tensors(q, v, o, lse, do, out, k) -> None:
+    total, hq, _ = q.shape
+    want = [
+        ("o", o, (total, hq, v.shape[-1]), (q.dtype,)),
+        ("lse", lse, (hq, total), (torch.float32,)),
+        ("do", do, (total, hq, v.shape[-1]), (q.dtype,)),
+    ]
+    if out is not None:
+        if not isinstance(out, (tuple, list)) or len(out) != 3:
+            raise TypeError("out must be a tuple (dq, dk, dv) of three tensors")
+        for name, g, like in zip(("out[0] (dq)", "out[1] (dk)", "out[2] (dv)"), out, (q, k, v)):
+            want.append((name, g, tuple(like.shape), (q.dtype,)))
+    for name, t, shape, dtypes in want:
+        check_tensor(name, t, ndim=len(shape), dtypes=dtypes, cuda=False)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+
+
+def attention_varlen_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    do: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    *,
+    deterministic: bool = False,
+    out: Grads | None = None,
+) -> Grads:
+    """`attention_backward` of `attention_varlen`: q, o, do (total_q, Hq, *), k, v
+    (total_k, Hkv, *), lse (Hq, total_q); offsets as `attention_varlen` takes them."""
+    _fwd._check_qkv(q, k, v, ndim=3)
+    _check_head_dims(q, v)
+    _varlen._check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    scale = _fwd._check_flags(causal, softmax_scale, q.shape[-1])
+    check_bool("deterministic", deterministic)
+    _check_varlen_bwd_tensors(q, v, o, lse, do, out, k)
+    check_cuda("q", q)
+    grads = {} if out is None else dict(zip(("dq", "dk", "dv"), out))
+    check_same_device(q=q, k=k, v=v, o=o, lse=lse, do=do, **grads)
+    cu_q, cu_k = (
+        cu.to(q.device) if cu.device.type == "cpu" else cu for cu in (cu_seqlens_q, cu_seqlens_k)
+    )
+    check_same_device(q=q, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    seqs = (cu_q, cu_k, max_seqlen_q, max_seqlen_k)
+    if _traced(q, k, v, o, lse, do, cu_q, cu_k, *(out or ())):
+        grads = torch.ops.forgekernel.attention_varlen_bwd(
+            q, k, v, o, lse, do, *seqs, causal, scale, deterministic
+        )
+        if out is None:
+            return grads
+        for g, r in zip(out, grads):
+            g.copy_(r)
+        return tuple(out)
+    out = tuple(out) if out is not None else _empty_grads(q, k, v)
+    _launch(q, k, v, o, lse, do, out, scale, causal, deterministic, seqs)
+    return out
+
+
+__all__ = ["attention_backward", "attention_varlen_backward"]

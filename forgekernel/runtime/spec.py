@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,4 +47,15 @@ def all_specs() -> list[KernelSpec]:
     from forgekernel.kernels.attention.fwd.sm90 import SPEC as attention_fwd_sm90
     from forgekernel.kernels.gemm.dense.sm90 import SPEC as gemm_dense_sm90
 
-    return [gemm_dense_sm90, attention_fwd_sm90]
+    return [gemm_dense_sm90, attention_fwd_sm90, *_attention_bwd_specs()]
+
+
+def _attention_bwd_specs() -> list[KernelSpec]:
+    """The attention backward leaf's kernels, once the leaf exists (a leaf that exists but
+    fails to import raises)."""
+    found = importlib.util.find_spec("forgekernel.kernels.attention.bwd.sm90")
+    if found is None or found.origin is None:  # no leaf, or a folder without its __init__.py
+        return []
+    from forgekernel.kernels.attention.bwd.sm90 import SPECS
+
+    return list(SPECS)
