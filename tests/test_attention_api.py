@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 import forgekernel
 from forgekernel.reference.attention import attention_ref

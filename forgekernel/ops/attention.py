@@ -196,8 +196,8 @@ def attention(
     group); `deterministic=True` makes that backward bitwise-repeatable. With `out=` and grad,
     o and lse are computed first and copied into out (autograd records the copy).
     """
-    scale = _validate(q, k, v, causal, softmax_scale, out)
     check_bool("deterministic", deterministic)
+    scale = _validate(q, k, v, causal, softmax_scale, out)
     if wants_grad(q, k, v):
         o, lse = torch.ops.forgekernel.attention_fwd(q, k, v, causal, scale, deterministic)
         if out is not None:

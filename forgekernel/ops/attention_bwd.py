@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from forgekernel.ops import attention as _fwd
-from forgekernel.ops import attention_varlen as _varlen
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import (
     as_tma_ready,
@@ -26,6 +24,8 @@ from forgekernel.ops._validate import (
     check_same_device,
     check_tensor,
 )
+from forgekernel.ops.attention import _check_flags, _check_qkv
+from forgekernel.ops.attention_varlen import _check_cu_seqlens
 
 # (head_dim, head_dim_v) the sm90 backward kernel is built for (its HEAD_DIMS); the forward
 # also has 256.
@@ -251,12 +251,12 @@ def attention_backward(
     bitwise-repeatable gradients (no atomic accumulation order). `out=(dq, dk, dv)` writes into
     given buffers (any views); strided inputs are copied first.
     """
-    _fwd._check_qkv(q, k, v, ndim=4)
+    _check_qkv(q, k, v, ndim=4)
     _check_head_dims(q, v)
     for name, t in (("k", k), ("v", v)):
         if t.shape[0] != q.shape[0]:
             raise ValueError(f"{name} has batch size {t.shape[0]} but q has {q.shape[0]}")
-    scale = _fwd._check_flags(causal, softmax_scale, q.shape[-1])
+    scale = _check_flags(causal, softmax_scale, q.shape[-1])
     check_bool("deterministic", deterministic)
     _check_bwd_tensors(q, k, v, o, lse, do, out)
     check_cuda("q", q)
@@ -313,10 +313,10 @@ def attention_varlen_backward(
 ) -> Grads:
     """`attention_backward` of `attention_varlen`: q, o, do (total_q, Hq, *), k, v
     (total_k, Hkv, *), lse (Hq, total_q); offsets as `attention_varlen` takes them."""
-    _fwd._check_qkv(q, k, v, ndim=3)
+    _check_qkv(q, k, v, ndim=3)
     _check_head_dims(q, v)
-    _varlen._check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    scale = _fwd._check_flags(causal, softmax_scale, q.shape[-1])
+    _check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    scale = _check_flags(causal, softmax_scale, q.shape[-1])
     check_bool("deterministic", deterministic)
     _check_varlen_bwd_tensors(q, v, o, lse, do, out, k)
     check_cuda("q", q)
