@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import forgekernel
 from forgekernel.reference.attention import attention_ref
@@ -182,3 +183,11 @@ def test_forward_only_calls_keep_no_autograd_state(cpu_kernel):
     with torch.no_grad():
         assert forgekernel.attention(q.requires_grad_(), k, v).grad_fn is None
     assert forgekernel.attention(q, k, v).grad_fn is not None
+
+
+def test_tensors_on_different_devices():
+    with FakeTensorMode():
+        q = torch.empty(2, 8, 4, 64, device="cuda", dtype=torch.bfloat16)
+        k = torch.empty(2, 8, 2, 64, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="k is on cpu but q is on cuda"):
+            forgekernel.attention(q, k, k)
