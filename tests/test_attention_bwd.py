@@ -359,3 +359,19 @@ def test_opcheck_of_the_backward_op(kernels):
 def test_opcheck_of_the_differentiable_forward_op(kernels):
     q, k, v = qkv()
     torch.library.opcheck(torch.ops.forgekernel.attention_fwd.default, (q, k, v, True, 0.125))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs the kernel on a GPU")
+def test_deterministic_backward_is_bitwise_repeatable_on_the_gpu():
+    """OPS.md: deterministic=True gives bitwise-repeatable gradients (GQA 8:1: dk/dv sums)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cuda = {"device": "cuda", "dtype": torch.bfloat16, "generator": gen}
+    q, do = torch.randn(2, 1000, 16, 128, **cuda), torch.randn(2, 1000, 16, 128, **cuda)
+    k, v = torch.randn(2, 1000, 2, 128, **cuda), torch.randn(2, 1000, 2, 128, **cuda)
+    o, lse = forgekernel.attention(q, k, v, True, return_lse=True)
+    runs = [
+        forgekernel.attention_backward(q, k, v, o, lse, do, True, deterministic=True)
+        for _ in range(3)
+    ]
+    for again in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], again))
