@@ -69,3 +69,40 @@ def compile_main(params: dict, arch: str = "sm_90a", extra_options: str = ""):
         make_fake_stream(use_tvm_ffi_env_stream=True),
         options=_options(arch, extra_options),
     )
+
+
+def compile_pre(params: dict, arch: str = "sm_90a", extra_options: str = ""):
+    from forgekernel.kernels.attention.bwd.sm90.preprocess import AttentionBwdPreSm90
+
+    dtype = _DTYPES[params["dtype"]]
+    dv = params["head_dim_v"]
+    b, sq, hq, sq_pad = cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    lse = make_fake_tensor(
+        cutlass.Float32, (b, hq, sq), stride=(cute.sym_int64(), cute.sym_int64(), 1)
+    )
+    return cute.compile(
+        AttentionBwdPreSm90(dv),
+        _bshd(dtype, b, sq, hq, dv),  # o
+        _bshd(dtype, b, sq, hq, dv),  # do
+        lse,
+        _bhs(cutlass.Float32, b, hq, sq_pad),  # lse, log2 units, padded
+        _bhs(cutlass.Float32, b, hq, sq_pad),  # dsum
+        make_fake_stream(use_tvm_ffi_env_stream=True),
+        options=_options(arch, extra_options),
+    )
+
+
+def compile_post(params: dict, arch: str = "sm_90a", extra_options: str = ""):
+    from forgekernel.kernels.attention.bwd.sm90.postprocess import AttentionBwdPostSm90
+
+    dtype = _DTYPES[params["dtype"]]
+    d = params["head_dim"]
+    b, sq, hq, sq_pad_d = cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    return cute.compile(
+        AttentionBwdPostSm90(d, params["tile_m"]),
+        _bhs(cutlass.Float32, b, hq, sq_pad_d),  # dq accumulator
+        _bshd(dtype, b, sq, hq, d),  # dq
+        cutlass.Float32(1.0),
+        make_fake_stream(use_tvm_ffi_env_stream=True),
+        options=_options(arch, extra_options),
+    )

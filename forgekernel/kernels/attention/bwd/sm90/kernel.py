@@ -302,6 +302,10 @@ class AttentionBwdSm90:
         seqlen_k = mK.shape[0]
         group = mQ.shape[2] // mK.shape[2]
         m_begin, m_end, m_unmasked = self._query_blocks(n_block, seqlen_q, seqlen_k)
+        # CTA-uniform scalars: keep them in uniform registers, off the consumers' budget.
+        m_begin = cute.arch.make_warp_uniform(m_begin)
+        m_end = cute.arch.make_warp_uniform(m_end)
+        m_unmasked = cute.arch.make_warp_uniform(m_unmasked)
         num_steps = group * (m_end - m_begin)
 
         pipeline_init_wait(cluster_shape_mn=(1, 1))
