@@ -23,6 +23,7 @@ from forgekernel.ops._validate import (
     check_cuda,
     check_same_device,
     check_tensor,
+    tma_ready,
 )
 from forgekernel.ops.attention import _check_flags, _check_qkv
 from forgekernel.ops.attention_varlen import _check_cu_seqlens
@@ -31,6 +32,7 @@ from forgekernel.ops.attention_varlen import _check_cu_seqlens
 # also has 256.
 BWD_HEAD_DIMS = ((64, 64), (128, 128), (192, 128))
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+_DENSE = torch.contiguous_format
 # (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a varlen call, None otherwise.
 Seqs = tuple[torch.Tensor, torch.Tensor, int, int] | None
 
@@ -66,7 +68,7 @@ def _launch(q, k, v, o, lse, do, grads: Grads, scale, causal, deterministic, seq
     q, k, v, o, do = (as_tma_ready(t) for t in (q, k, v, o, do))
     lse = lse.contiguous()
     dst = tuple(
-        g if g.is_contiguous() else torch.empty(g.shape, dtype=g.dtype, device=g.device)
+        g if g.is_contiguous() and tma_ready(g) else torch.empty_like(g, memory_format=_DENSE)
         for g in grads
     )
     _launch_kernel(q, k, v, o, lse, do, *dst, scale, causal, deterministic, seqs)
