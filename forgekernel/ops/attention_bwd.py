@@ -32,7 +32,6 @@ from forgekernel.ops.attention_varlen import _check_cu_seqlens
 # also has 256.
 BWD_HEAD_DIMS = ((64, 64), (128, 128), (192, 128))
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-_DENSE = torch.contiguous_format
 # (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a varlen call, None otherwise.
 Seqs = tuple[torch.Tensor, torch.Tensor, int, int] | None
 
@@ -68,7 +67,9 @@ def _launch(q, k, v, o, lse, do, grads: Grads, scale, causal, deterministic, seq
     q, k, v, o, do = (as_tma_ready(t) for t in (q, k, v, o, do))
     lse = lse.contiguous()
     dst = tuple(
-        g if g.is_contiguous() and tma_ready(g) else torch.empty_like(g, memory_format=_DENSE)
+        g
+        if g.is_contiguous() and tma_ready(g)
+        else torch.empty_like(g, memory_format=torch.contiguous_format)
         for g in grads
     )
     _launch_kernel(q, k, v, o, lse, do, *dst, scale, causal, deterministic, seqs)
@@ -215,11 +216,14 @@ torch.library.register_autograd(
 
 
 def _check_bwd_tensors(q, k, v, o, lse, do, out) -> None:
-    b, sq, hq, _ = q.shape
+    """o, do: q's shape with v's head dim, q's dtype; lse (B, Hq, Sq) or, varlen, (Hq, total_q)
+    fp32; out: three tensors shaped and typed as q, k, v."""
+    o_shape = (*q.shape[:-1], v.shape[-1])
+    lse_shape = (*q.shape[:-3], q.shape[-2], q.shape[-3])
     want = [
-        ("o", o, (b, sq, hq, v.shape[-1]), (q.dtype,)),
-        ("lse", lse, (b, hq, sq), (torch.float32,)),
-        ("do", do, (b, sq, hq, v.shape[-1]), (q.dtype,)),
+        ("o", o, o_shape, (q.dtype,)),
+        ("lse", lse, lse_shape, (torch.float32,)),
+        ("do", do, o_shape, (q.dtype,)),
     ]
     if out is not None:
         if not isinstance(out, (tuple, list)) or len(out) != 3:
@@ -278,24 +282,6 @@ def attention_backward(
     return out
 
 
-def _check_varlen_bwd_tensors(q, v, o, lse, do, out, k) -> None:
-    total, hq, _ = q.shape
-    want = [
-        ("o", o, (total, hq, v.shape[-1]), (q.dtype,)),
-        ("lse", lse, (hq, total), (torch.float32,)),
-        ("do", do, (total, hq, v.shape[-1]), (q.dtype,)),
-    ]
-    if out is not None:
-        if not isinstance(out, (tuple, list)) or len(out) != 3:
-            raise TypeError("out must be a tuple (dq, dk, dv) of three tensors")
-        for name, g, like in zip(("out[0] (dq)", "out[1] (dk)", "out[2] (dv)"), out, (q, k, v)):
-            want.append((name, g, tuple(like.shape), (q.dtype,)))
-    for name, t, shape, dtypes in want:
-        check_tensor(name, t, ndim=len(shape), dtypes=dtypes, cuda=False)
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-
-
 def attention_varlen_backward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -320,7 +306,7 @@ def attention_varlen_backward(
     _check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     scale = _check_flags(causal, softmax_scale, q.shape[-1])
     check_bool("deterministic", deterministic)
-    _check_varlen_bwd_tensors(q, v, o, lse, do, out, k)
+    _check_bwd_tensors(q, k, v, o, lse, do, out)
     check_cuda("q", q)
     grads = {} if out is None else dict(zip(("dq", "dk", "dv"), out))
     check_same_device(q=q, k=k, v=v, o=o, lse=lse, do=do, **grads)
