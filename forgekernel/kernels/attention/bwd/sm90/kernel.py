@@ -87,8 +87,11 @@ class AttentionBwdSm90:
             raise ValueError(f"tile_n must be {64 * NUM_MMA_WG}, got {config.tile_n}")
         if config.tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {config.tile_m}")
-        if head_dim not in (64, 128) or head_dim_v not in (64, 128):
-            raise ValueError(f"head dims must be 64 or 128, got {head_dim}, {head_dim_v}")
+        if head_dim not in (64, 128, 192) or head_dim_v not in (64, 128):
+            raise ValueError(
+                f"head dims must be D in (64, 128, 192), Dv in (64, 128); got {head_dim}, "
+                f"{head_dim_v}"
+            )
         if not 1 <= config.dq_stages <= 2:
             raise ValueError(f"dq_stages must be 1 or 2, got {config.dq_stages}")
         need = smem_bytes(config, head_dim, head_dim_v)
@@ -109,6 +112,9 @@ class AttentionBwdSm90:
         # With 128 query rows per step the fp32 S^T and dP^T take 128 registers: P^T is
         # rounded to the input dtype before dS is formed, and dV issued early.
         self.early_dv = config.tile_m == 128
+        # D = 192: dK (96) + dV (64) + dQ (48) registers leave no room for the 16-bit P^T and
+        # dS^T operands of dV / dK GEMMs still in flight: finish those before dQ = dS K.
+        self.serial_dq = head_dim > 128
         self.consumer_regs = 240
 
     # ---------------------------------------------------------------- host-side setup
@@ -135,7 +141,12 @@ class AttentionBwdSm90:
         # are the MN-major B operands of dK / dV). K (tn, d), V (tn, dv): K-major A operands.
         self.sQ_layout = sm90_utils.make_smem_layout_b(row, (tn, tm, d), dt, self.stages)
         self.sdO_layout = sm90_utils.make_smem_layout_b(row, (tn, tm, dv), dt, self.stages)
-        self.sK_layout = sm90_utils.make_smem_layout_a(row, (tn, tm, d), dt, 1)
+        # dQ's warpgroups each take D / 2 columns of K^T (MN-major): for D = 192 that is 96,
+        # not a whole 128-byte swizzle atom (64 elements), so K gets 64-byte atoms then.
+        k_atom = sm90_utils.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(row, dt, d // 2 if d == 192 else d), dt
+        )
+        self.sK_layout = cute.tile_to_shape(k_atom, (tn, d, 1), order=(0, 1, 2))
         self.sV_layout = sm90_utils.make_smem_layout_a(row, (tn, tm, dv), dt, 1)
         # dS (tm, tn), MN-major A of dQ = dS K; stored through its transposed view.
         self.sdS_layout = sm90_utils.make_smem_layout_a(col, (tm, d, tn), dt, 1)
@@ -620,6 +631,8 @@ class AttentionBwdSm90:
         # before the dQ-empty barrier of that step), then dQ = dS K.
         cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSsdS)
         cute.arch.fence_view_async_shared()
+        if const_expr(self.serial_dq):
+            warpgroup.wait_group(0)
         consumer_bar.arrive_and_wait()
         acc_dQ = cute.make_rmem_tensor(dq_shape, Float32)
         self._gemm(mma_dq, acc_dQ, tQrdS, tQrKt, True, 0)
