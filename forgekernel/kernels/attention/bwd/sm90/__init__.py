@@ -64,7 +64,9 @@ def _main_standard() -> list[Params]:
 
 def _post_standard() -> list[Params]:
     return [
-        post_params(dtype, d, default_config(d, dv).tile_m) for dtype in DTYPES for d, dv in HEAD_DIMS
+        post_params(dtype, d, default_config(d, dv).tile_m)
+        for dtype in DTYPES
+        for d, dv in HEAD_DIMS
     ]
 
 

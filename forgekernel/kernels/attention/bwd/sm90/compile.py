@@ -63,7 +63,9 @@ def compile_main(params: dict, arch: str = "sm_90a", extra_options: str = ""):
         _bhs(cutlass.Float32, b, hq, sq_pad_d),  # dq accumulator
         _bshd(dtype, b, sk, hkv, d),  # dk
         _bshd(dtype, b, sk, hkv, dv),  # dv
-        make_fake_tensor(cutlass.Int32, (b, hq, n_mblk), stride=(cute.sym_int64(), cute.sym_int64(), 1)),
+        make_fake_tensor(
+            cutlass.Int32, (b, hq, n_mblk), stride=(cute.sym_int64(), cute.sym_int64(), 1)
+        ),
         cutlass.Float32(1.0),
         cutlass.Float32(1.0),
         make_fake_stream(use_tvm_ffi_env_stream=True),

@@ -60,7 +60,6 @@ from forgekernel.kernels.attention.bwd.sm90.utils import (
     acc_as_operand_a,
     bulk_g2s,
     bulk_reduce_add_f32,
-    dq_frag_offset,
     fence_proxy_async_global,
     ld_acquire_gpu,
     make_dq_mma,
@@ -226,11 +225,33 @@ class AttentionBwdSm90:
         self.shared_storage = SharedStorage
         grid = (cute.ceil_div(mK.shape[0], tn), mK.shape[2], mK.shape[3])
         self.kernel(
-            tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK, tma_v, tma_mV,
-            tma_dk, tma_mdK, tma_dv, tma_mdV,
-            mLSE2, mDsum, mdQacc, mSem, softmax_scale, softmax_scale_log2,
-            self.mma_sdp, self.mma_dv, self.mma_dk, self.mma_dq,
-            self.sQ_layout, self.sdO_layout, self.sK_layout, self.sV_layout, self.sdS_layout,
+            tma_q,
+            tma_mQ,
+            tma_do,
+            tma_mdO,
+            tma_k,
+            tma_mK,
+            tma_v,
+            tma_mV,
+            tma_dk,
+            tma_mdK,
+            tma_dv,
+            tma_mdV,
+            mLSE2,
+            mDsum,
+            mdQacc,
+            mSem,
+            softmax_scale,
+            softmax_scale_log2,
+            self.mma_sdp,
+            self.mma_dv,
+            self.mma_dk,
+            self.mma_dq,
+            self.sQ_layout,
+            self.sdO_layout,
+            self.sK_layout,
+            self.sV_layout,
+            self.sdS_layout,
         ).launch(  # fmt: skip
             grid=grid,
             block=[self.threads_per_cta, 1, 1],
@@ -304,9 +325,7 @@ class AttentionBwdSm90:
         stats_layout = cute.make_layout((self.tile_m, self.stages))
         sLSE = storage.sLSE.get_tensor(stats_layout)
         sDsum = storage.sDsum.get_tensor(stats_layout)
-        sdQ = storage.sdQ.get_tensor(
-            cute.make_layout(self.tile_m * self.head_dim * self.dq_stages)
-        )
+        sdQ = storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim * self.dq_stages))
 
         n_block, head_kv, batch = cute.arch.block_idx()
         seqlen_q = mQ.shape[0]
@@ -502,9 +521,7 @@ class AttentionBwdSm90:
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
         # (key, query) coordinates of this thread's S^T elements, within the tile
-        tScS = rows_cols(
-            mma_sdp.get_slice(tidx).partition_C(cute.make_identity_tensor((tn, tm)))
-        )
+        tScS = rows_cols(mma_sdp.get_slice(tidx).partition_C(cute.make_identity_tensor((tn, tm))))
         r2s_ds = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype), mma_sdp
         )

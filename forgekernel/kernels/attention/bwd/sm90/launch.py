@@ -84,8 +84,10 @@ def attention_bwd(
     dev = q.device
     q, k, v, o, do = (_ready(t) for t in (q, k, v, o, do))
     lse = lse.contiguous()
-    outs = [(t, t if _tma_ready(t) else torch.empty_like(t, memory_format=torch.contiguous_format))
-            for t in (dq, dk, dv)]
+    outs = [
+        (t, t if _tma_ready(t) else torch.empty_like(t, memory_format=torch.contiguous_format))
+        for t in (dq, dk, dv)
+    ]
     dq_dst, dk_dst, dv_dst = (dst for _, dst in outs)
 
     sq_pad = -(-sq // ROW_PAD) * ROW_PAD

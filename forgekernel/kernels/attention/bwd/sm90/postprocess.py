@@ -98,7 +98,11 @@ class AttentionBwdPostSm90:
         if warp_idx == 0:
             gdQ = cute.local_tile(mdQ[None, None, head, batch], (tm, d), (None, 0))
             tsdQ, tgdQ = cpasync.tma_partition(
-                tma, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2)
+                tma,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sdQ, 0, 2),
+                cute.group_modes(gdQ, 0, 2),
             )
             cute.copy(tma, tsdQ[(None, 0)], tgdQ[(None, m_block)])
             cute.arch.cp_async_bulk_commit_group()

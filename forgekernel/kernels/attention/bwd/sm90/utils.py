@@ -67,9 +67,7 @@ def make_dq_mma(dtype, tile_m: int, head_dim: int) -> cute.TiledMma:
         atoms, inst_n = (1, 2, 1), head_dim // 2
     else:
         raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
-    return sm90_utils.make_trivial_tiled_mma(
-        dtype, dtype, mn, mn, Float32, atoms, (64, inst_n)
-    )
+    return sm90_utils.make_trivial_tiled_mma(dtype, dtype, mn, mn, Float32, atoms, (64, inst_n))
 
 
 def dq_frag_offset(thread: Int32, i: int, num_threads: int) -> Int32:
