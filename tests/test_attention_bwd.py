@@ -70,6 +70,8 @@ def kernels(monkeypatch):
     monkeypatch.setattr(fwd_module, "_launch_fwd", fwd)
     monkeypatch.setattr(varlen_module, "_launch_varlen_fwd", varlen_fwd)
     monkeypatch.setattr(bwd_module, "_launch_kernel", bwd)
+    # the stand-in computes any head dims; the real kernel's HEAD_DIMS are a subset
+    monkeypatch.setattr(bwd_module, "BWD_HEAD_DIMS", ((64, 64), (128, 128), (192, 128)))
     return calls
 
 

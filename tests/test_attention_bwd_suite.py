@@ -26,8 +26,13 @@ def test_registered_and_named():
     assert get_suite("attention_bwd").name == "attention_bwd"
 
 
+# OPS.md's head-dim pairs for the backward; the kernel offers a subset (BWD_HEAD_DIMS), and the
+# suite runs the cases it offers.
+OPS_HEAD_DIMS = ((64, 64), (128, 128), (192, 128))
+
+
 def test_bench_cases_are_the_ops_md_suite():
-    names = {c.name for c in SUITE.bench_cases}
+    names = {c.name for c in suite_module.BENCH_CASES}
     for b, s in ((8, 4096), (4, 8192), (2, 16384)):
         assert f"b{b}-hq32-hkv32-s{s}-d128-causal" in names
         assert f"b{b}-hq64-hkv8-s{s}-d128-causal" in names
@@ -35,18 +40,24 @@ def test_bench_cases_are_the_ops_md_suite():
     assert "b2-hq128-hkv128-s8192-d192-dv128-causal" in names
     assert all(c.params["causal"] and c.params["sq"] == c.params["sk"] for c in SUITE.bench_cases)
     assert list(SUITE.dtypes_for_bench()) == [torch.bfloat16]
+    offered = [c for c in suite_module.BENCH_CASES if (c.params["d"], c.params["dv"]) in DIMS]
+    assert list(SUITE.bench_cases) == offered and len(offered) >= 8
+
+
+DIMS = bwd_module.BWD_HEAD_DIMS
 
 
 def test_check_cases_cover_dims_ratios_lengths_and_flags():
-    cases = list(SUITE.check_cases) + list(suite_module.VARLEN_CHECK_CASES)
-    for group in (SUITE.check_cases, SUITE.bench_cases, cases):
+    cases = suite_module.CHECK_CASES + suite_module.VARLEN_CHECK_CASES
+    for group in (SUITE.check_cases, suite_module.BENCH_CASES, cases):
         assert len({c.name for c in group}) == len(group)
     for c in cases:
         p = c.params
-        assert (p["d"], p["dv"]) in bwd_module.BWD_HEAD_DIMS, c.name
+        assert (p["d"], p["dv"]) in OPS_HEAD_DIMS, c.name
         assert p["hq"] % p["hkv"] == 0 and min(p["b"], p["sq"], p["sk"]) >= 1, c.name
-    fixed = SUITE.check_cases
-    assert {(c.params["d"], c.params["dv"]) for c in fixed} == set(bwd_module.BWD_HEAD_DIMS)
+    fixed = suite_module.CHECK_CASES
+    assert {(c.params["d"], c.params["dv"]) for c in fixed} == set(OPS_HEAD_DIMS)
+    assert {(c.params["d"], c.params["dv"]) for c in SUITE.check_cases} == set(DIMS)
     assert {1, 4, 8} <= {c.params["hq"] // c.params["hkv"] for c in fixed}
     assert {1, 17, 1000, 4097} <= {c.params["sq"] for c in fixed}
     assert any(c.params["sq"] > c.params["sk"] for c in fixed if c.params["causal"])
@@ -57,6 +68,7 @@ def test_check_cases_cover_dims_ratios_lengths_and_flags():
 
 
 def test_varlen_cases_only_once_the_kernel_takes_them(monkeypatch):
+    monkeypatch.setattr(bwd_module, "BWD_HEAD_DIMS", OPS_HEAD_DIMS)
     monkeypatch.setattr(suite_module, "varlen_supported", lambda: False)
     assert suite_module.check_cases() == suite_module.CHECK_CASES
     monkeypatch.setattr(suite_module, "varlen_supported", lambda: True)
@@ -171,6 +183,7 @@ def cpu_backward(monkeypatch):
 
     monkeypatch.setattr(bwd_module, "check_cuda", lambda name, t: None)
     monkeypatch.setattr(bwd_module, "_launch_kernel", launch)
+    monkeypatch.setattr(bwd_module, "BWD_HEAD_DIMS", OPS_HEAD_DIMS)  # the stand-in has them all
     return calls
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+# (head_dim, head_dim_v) pairs the sm90 backward kernel is built for (a subset of the forward's).
+from forgekernel.kernels.attention.bwd.sm90 import HEAD_DIMS as BWD_HEAD_DIMS
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import (
     as_tma_ready,
@@ -28,9 +30,6 @@ from forgekernel.ops._validate import (
 from forgekernel.ops.attention import _check_flags, _check_qkv
 from forgekernel.ops.attention_varlen import _check_cu_seqlens
 
-# (head_dim, head_dim_v) the sm90 backward kernel is built for (its HEAD_DIMS); the forward
-# also has 256.
-BWD_HEAD_DIMS = ((64, 64), (128, 128), (192, 128))
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 # (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a varlen call, None otherwise.
 Seqs = tuple[torch.Tensor, torch.Tensor, int, int] | None
