@@ -24,6 +24,8 @@ class KernelSpec:
         the DSL lazily; extra_options are DSL compile flags (e.g. --keep-cubin --dump-dir D).
     standard_params: the configurations `forgekernel build` compiles ahead of time.
     candidate_params: further configurations for tuning sweeps (`build --candidates`).
+    mma: the kernel's work is matrix multiplies, so its SASS must use HGMMA (False for
+        element-wise helpers such as the attention backward's pre- and postprocessing).
     """
 
     name: str
@@ -32,6 +34,7 @@ class KernelSpec:
     compile: Callable[[Params, str], Any]
     standard_params: Callable[[], Sequence[Params]]
     candidate_params: Callable[[], Sequence[Params]] = tuple
+    mma: bool = True
 
     @property
     def sources(self) -> list[Path]:
