@@ -1,6 +1,20 @@
 """ForgeKernel: CuTe DSL kernels for NVIDIA Hopper (sm_90a)."""
 
-from forgekernel.ops import attention, attention_varlen, gemm, tune_gemm
+from forgekernel.ops import (
+    attention,
+    attention_backward,
+    attention_varlen,
+    attention_varlen_backward,
+    gemm,
+    tune_gemm,
+)
 
 __version__ = "0.1.0"
-__all__ = ["attention", "attention_varlen", "gemm", "tune_gemm"]
+__all__ = [
+    "attention",
+    "attention_backward",
+    "attention_varlen",
+    "attention_varlen_backward",
+    "gemm",
+    "tune_gemm",
+]

@@ -81,7 +81,7 @@ def test_bench_without_gpu_builds(no_gpu, monkeypatch, capsys):
 def test_build_without_dsl(monkeypatch, capsys):
     import forgekernel.runtime.build as build
 
-    def no_dsl(arch, out_dir=None, candidates=False):
+    def no_dsl(arch, out_dir=None, candidates=False, only=None):
         raise ImportError("No module named 'cutlass'")
 
     monkeypatch.setattr(build, "build_all", no_dsl)

@@ -38,6 +38,8 @@ class OpSuite:
         our error must be <= 2x its error + atol (FlashAttention's criterion).
     comparators: name -> callable(inputs) -> output, or None when unavailable in this process
         (reported as missing, never faked). `available_comparators()` resolves them lazily.
+        A comparator may cache per-input-set state in `inputs` on its first call: the bench
+        calls every candidate on every input set before it times anything.
     flops(case) / bytes(case): work counts for TFLOP/s and GB/s.
     kernel_sources: the files whose hash identifies the kernel measured (the ledger key).
     """

@@ -37,6 +37,11 @@ def check_cuda(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
 
 
+def check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
 def check_same_dtype(**tensors: torch.Tensor) -> None:
     names = list(tensors)
     first = tensors[names[0]]

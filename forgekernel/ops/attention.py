@@ -1,10 +1,11 @@
-"""`forgekernel.attention`: O = softmax(scale * Q K^T + mask) V on Hopper, forward only.
+"""`forgekernel.attention`: O = softmax(scale * Q K^T + mask) V on Hopper.
 
 FlashAttention layout (batch, seqlen, heads, head_dim), GQA/MQA, bottom-right causal mask,
 LSE fp32 (batch, heads, seqlen_q). Eager calls go straight to the kernel; under `torch.compile`
 the same work runs through the custom ops `forgekernel::attention_fwd` (and `_out`,
-`attention_varlen_fwd`), whose fake implementations give the compiler shapes. No autograd
-bookkeeping: nothing is saved for a backward pass.
+`attention_varlen_fwd`), whose fake implementations give the compiler shapes. Calls with no
+input requiring grad keep no autograd bookkeeping; the others take `attention_fwd`, whose
+backward (`ops/attention_bwd.py`) saves q, k, v, o, lse.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from forgekernel.ops._dispatch import wants_grad
 from forgekernel.ops._validate import (
     DTYPE_NAMES,
     as_tma_ready,
+    check_bool,
     check_cuda,
     check_same_device,
     check_same_dtype,
@@ -136,9 +138,16 @@ def _empty_outputs(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torc
     return q.new_empty(b, sq, hq, v.shape[-1]), q.new_empty(b, hq, sq, dtype=torch.float32)
 
 
+# `deterministic` does nothing forward; it is here so that the backward (registered on this op
+# in ops/attention_bwd.py) receives it.
 @torch.library.custom_op("forgekernel::attention_fwd", mutates_args=())
 def _attention_fwd_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     o, lse = _empty_outputs(q, v)
     _launch(q, k, v, o, lse, softmax_scale, causal)
@@ -146,7 +155,7 @@ def _attention_fwd_op(
 
 
 @_attention_fwd_op.register_fake
-def _(q, k, v, causal, softmax_scale):
+def _(q, k, v, causal, softmax_scale, deterministic=False):
     return _empty_outputs(q, v)
 
 
@@ -177,6 +186,7 @@ def attention(
     return_lse: bool = False,
     *,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """softmax(scale * Q K^T + mask) V for q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv).
 
@@ -186,11 +196,20 @@ def attention(
     LSE -inf. Scale defaults to 1/sqrt(D). Returns o (B, Sq, Hq, Dv), and with `return_lse`
     also lse (B, Hq, Sq) fp32 (natural log). `out=(o, lse)` writes into given buffers (any
     views). Inputs whose last dim is strided or whose strides/base are not 16-byte aligned are
-    copied first. Forward only: nothing is saved for backward; inputs that require grad take
-    the custom op, whose backward raises until one is registered.
+    copied first. Differentiable in q, k, v (not through lse): when one of them requires grad,
+    q, k, v, o, lse are saved and backward computes dq, dk, dv (GQA: dk, dv summed over each
+    group); `deterministic=True` makes that backward bitwise-repeatable. With `out=` and grad,
+    o and lse are computed first and copied into out (autograd records the copy).
     """
+    check_bool("deterministic", deterministic)
     scale = _validate(q, k, v, causal, softmax_scale, out)
-    if _traced(q, k, v, *(out or ())) or wants_grad(q, k, v):
+    if wants_grad(q, k, v):
+        o, lse = torch.ops.forgekernel.attention_fwd(q, k, v, causal, scale, deterministic)
+        if out is not None:
+            out[0].copy_(o)
+            out[1].copy_(lse)
+            o, lse = out
+    elif _traced(q, k, v, *(out or ())):
         if out is None:
             o, lse = torch.ops.forgekernel.attention_fwd(q, k, v, causal, scale)
         else:

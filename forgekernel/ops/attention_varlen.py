@@ -9,9 +9,11 @@ from __future__ import annotations
 import torch
 
 from forgekernel.ops._dispatch import traced as _traced
+from forgekernel.ops._dispatch import wants_grad
 from forgekernel.ops._validate import (
     DTYPE_NAMES,
     as_tma_ready,
+    check_bool,
     check_cuda,
     check_same_device,
     check_tensor,
@@ -120,6 +122,7 @@ def _attention_varlen_fwd_op(
     max_seqlen_k: int,
     causal: bool,
     softmax_scale: float,
+    deterministic: bool = False,  # for the backward registered in ops/attention_bwd.py
 ) -> tuple[torch.Tensor, torch.Tensor]:
     o, lse = _empty_outputs(q, v)
     seqs = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -128,7 +131,7 @@ def _attention_varlen_fwd_op(
 
 
 @_attention_varlen_fwd_op.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale):
+def _(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, deterministic=False):
     return _empty_outputs(q, v)
 
 
@@ -145,6 +148,7 @@ def attention_varlen(
     return_lse: bool = False,
     *,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`attention` per sequence for q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv).
 
@@ -154,7 +158,8 @@ def attention_varlen(
     Offsets on the CPU are checked on the host (first 0, non-decreasing, last = total tokens,
     no length above max_seqlen) and copied to q's device; offsets already on the GPU are
     checked for dtype and shape only (reading them would sync the device each call). Returns
-    o (total_q, Hq, Dv) and, with `return_lse`, lse (Hq, total_q) fp32.
+    o (total_q, Hq, Dv) and, with `return_lse`, lse (Hq, total_q) fp32. Differentiable in q,
+    k, v like `attention` (`deterministic` reaches the backward).
 
     max_seqlen_q must be at least the longest query sequence (checked for host offsets only):
     the kernel covers max_seqlen_q rows per sequence. Rows of a sequence with no keys (or, under
@@ -165,6 +170,7 @@ def attention_varlen(
     scale = _check_flags(causal, softmax_scale, q.shape[-1])
     if out is not None:
         _check_out(out, q, v)
+    check_bool("deterministic", deterministic)
     check_cuda("q", q)
     check_same_device(q=q, k=k, v=v, **({} if out is None else {"o": out[0], "lse": out[1]}))
     # Host offsets travel to the device here; device offsets must already be on q's device.
@@ -172,9 +178,9 @@ def attention_varlen(
         cu.to(q.device) if cu.device.type == "cpu" else cu for cu in (cu_seqlens_q, cu_seqlens_k)
     )
     check_same_device(q=q, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    if _traced(q, k, v, cu_q, cu_k, *(out or ())):
+    if _traced(q, k, v, cu_q, cu_k, *(out or ())) or wants_grad(q, k, v):
         o, lse = torch.ops.forgekernel.attention_varlen_fwd(
-            q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale
+            q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale, deterministic
         )
         if out is not None:
             out[0].copy_(o)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,8 @@ class KernelSpec:
         the DSL lazily; extra_options are DSL compile flags (e.g. --keep-cubin --dump-dir D).
     standard_params: the configurations `forgekernel build` compiles ahead of time.
     candidate_params: further configurations for tuning sweeps (`build --candidates`).
+    mma: the kernel's work is matrix multiplies, so its SASS must use HGMMA (False for
+        element-wise helpers such as the attention backward's pre- and postprocessing).
     """
 
     name: str
@@ -31,6 +34,7 @@ class KernelSpec:
     compile: Callable[[Params, str], Any]
     standard_params: Callable[[], Sequence[Params]]
     candidate_params: Callable[[], Sequence[Params]] = tuple
+    mma: bool = True
 
     @property
     def sources(self) -> list[Path]:
@@ -46,4 +50,15 @@ def all_specs() -> list[KernelSpec]:
     from forgekernel.kernels.attention.fwd.sm90 import SPEC as attention_fwd_sm90
     from forgekernel.kernels.gemm.dense.sm90 import SPEC as gemm_dense_sm90
 
-    return [gemm_dense_sm90, attention_fwd_sm90]
+    return [gemm_dense_sm90, attention_fwd_sm90, *_attention_bwd_specs()]
+
+
+def _attention_bwd_specs() -> list[KernelSpec]:
+    """The attention backward leaf's kernels, once the leaf exists (a leaf that exists but
+    fails to import raises)."""
+    found = importlib.util.find_spec("forgekernel.kernels.attention.bwd.sm90")
+    if found is None or found.origin is None:  # no leaf, or a folder without its __init__.py
+        return []
+    from forgekernel.kernels.attention.bwd.sm90 import SPECS
+
+    return list(SPECS)

@@ -1,0 +1,299 @@
+"""Attention backward suite: dQ, dK, dV from dO, O and LSE, FlashAttention layout.
+
+Outputs compared: (dq, dk, dv) against the fp32 reference gradients, each with FlashAttention's
+criterion (`forgekernel.bench.check`). The forward is not timed: `make_inputs` computes O and LSE
+once per input set with the fp32 reference (O rounded to the input dtype, as a forward kernel
+returns it), and ours, FA4 and cuDNN are timed on the backward alone. Rows that see no key
+(causal, Sq > Sk) must get dq = 0 exactly as the reference does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from forgekernel.bench.suite import Case, Inputs, OpSuite
+from forgekernel.bench.suites.attention import causal_pairs
+
+
+def kernel_sources() -> list[Path]:
+    """The bwd kernel leaf's sources (what the compile cache hashes): the ledger key. Empty
+    while the leaf does not exist, so the ledger gate fails until it does and was checked."""
+    try:
+        from forgekernel.kernels.attention.bwd.sm90 import SPECS
+    except ImportError:
+        return []
+    return sorted({p for spec in SPECS for p in spec.sources})
+
+
+def varlen_supported() -> bool:
+    """The kernel leaf declares `VARLEN = True` once its launcher takes cu_seqlens."""
+    try:
+        from forgekernel.kernels.attention.bwd import sm90
+    except ImportError:
+        return False
+    return bool(getattr(sm90, "VARLEN", False))
+
+
+def _case(
+    b: int,
+    hq: int,
+    hkv: int,
+    sq: int,
+    d: int,
+    causal: bool = True,
+    *,
+    sk: int | None = None,
+    dv: int | None = None,
+    scale: float | None = None,
+    deterministic: bool = False,
+) -> Case:
+    sk, dv = sq if sk is None else sk, d if dv is None else dv
+    seqs = f"s{sq}" if sq == sk else f"sq{sq}-sk{sk}"
+    name = f"b{b}-hq{hq}-hkv{hkv}-{seqs}-d{d}" + (f"-dv{dv}" if dv != d else "")
+    name += ("-causal" if causal else "") + (f"-scale{scale:g}" if scale is not None else "")
+    name += "-det" if deterministic else ""
+    params = {"b": b, "hq": hq, "hkv": hkv, "sq": sq, "sk": sk, "d": d, "dv": dv}
+    flags = {"causal": causal, "softmax_scale": scale, "deterministic": deterministic}
+    return Case(name, {**params, **flags})
+
+
+def _varlen_case(
+    lens_q: tuple[int, ...], lens_k: tuple[int, ...], hq: int, hkv: int, d: int, causal: bool
+) -> Case:
+    """Packed sequences; b / sq / sk hold the batch and the token totals (for flops / bytes)."""
+    name = f"varlen{len(lens_q)}-hq{hq}-hkv{hkv}-tq{sum(lens_q)}-tk{sum(lens_k)}-d{d}"
+    name += "-causal" if causal else ""
+    params = {"b": len(lens_q), "hq": hq, "hkv": hkv, "sq": sum(lens_q), "sk": sum(lens_k)}
+    flags = {"causal": causal, "softmax_scale": None, "deterministic": False}
+    varlen = {"lens_q": list(lens_q), "lens_k": list(lens_k)}
+    return Case(name, {**params, "d": d, "dv": d, **flags, **varlen})
+
+
+# OPS.md, "Attention backward" (bf16, causal): MHA Hq=Hkv=32 and GQA 8:1 Hq=64, Hkv=8 at D=128;
+# D=64 at Hq=Hkv=32 and DeepSeek 192/128 at Hq=Hkv=128 (as the forward suite) at (2, 8192);
+# plus the anchor shape of the FA4 / cuDNN figures (b4 s8192 d128 causal, MHA 16 heads and GQA
+# 32:4: FA4 572 TFLOP/s, cuDNN 496 on the H200).
+BENCH_CASES = (
+    *(_case(b, 32, 32, s, 128) for b, s in ((8, 4096), (4, 8192), (2, 16384))),
+    *(_case(b, 64, 8, s, 128) for b, s in ((8, 4096), (4, 8192), (2, 16384))),
+    _case(2, 32, 32, 8192, 64),
+    _case(2, 128, 128, 8192, 192, dv=128),
+    _case(4, 16, 16, 8192, 128),
+    _case(4, 32, 4, 8192, 128),
+)
+# Every head-dim pair, GQA ratios 1, 4, 8, causal and not, then awkward lengths: one token,
+# lengths off every tile size, Sq < Sk and Sq > Sk (whose first Sq - Sk causal rows see no key:
+# dq = 0 there), a scale, and deterministic mode.
+CHECK_CASES = (
+    _case(2, 16, 2, 512, 128),
+    _case(2, 16, 2, 512, 128, causal=False),
+    _case(2, 8, 8, 512, 64),
+    _case(1, 8, 8, 512, 192, dv=128),
+    _case(1, 8, 2, 512, 192, dv=128, causal=False),
+    _case(1, 32, 4, 1024, 128),
+    _case(2, 4, 1, 1, 128),
+    _case(2, 4, 4, 1, 64, causal=False),
+    _case(3, 4, 4, 17, 64),
+    _case(1, 16, 2, 17, 128, causal=False),
+    _case(1, 8, 2, 1000, 128),
+    _case(2, 4, 4, 1000, 64, causal=False),
+    _case(1, 4, 1, 4097, 128),
+    _case(1, 2, 2, 4097, 64, causal=False),
+    _case(2, 4, 1, 100, 128, sk=1000),
+    _case(1, 4, 1, 100, 128, sk=1000, causal=False),
+    _case(2, 4, 4, 1000, 64, sk=100),
+    _case(1, 4, 4, 1000, 64, sk=100, causal=False),
+    _case(2, 8, 1, 1, 128, sk=1000),
+    _case(1, 4, 1, 1000, 192, dv=128, sk=1003),
+    _case(1, 8, 2, 1000, 128, scale=0.3),
+    _case(1, 8, 2, 1000, 128, deterministic=True),
+    _case(1, 8, 8, 777, 64, causal=False, deterministic=True),
+)
+VARLEN_CHECK_CASES = (
+    _varlen_case((1, 17, 1000, 300), (1, 17, 1000, 300), 8, 2, 128, True),
+    _varlen_case((100, 0, 513), (200, 7, 513), 4, 4, 64, False),
+)
+
+
+def supported(cases: tuple[Case, ...]) -> tuple[Case, ...]:
+    """The cases whose head dims the kernel leaf offers (its HEAD_DIMS): a pair it adds enters
+    the check and the bench by itself."""
+    from forgekernel.ops.attention_bwd import BWD_HEAD_DIMS
+
+    return tuple(c for c in cases if (c.params["d"], c.params["dv"]) in BWD_HEAD_DIMS)
+
+
+def check_cases() -> tuple[Case, ...]:
+    return supported(CHECK_CASES + (VARLEN_CHECK_CASES if varlen_supported() else ()))
+
+
+def _offsets(lens: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32).to(device)
+
+
+def make_inputs(
+    case: Case, dtype: torch.dtype, device: torch.device, gen: torch.Generator
+) -> Inputs:
+    from forgekernel.bench.check import true_fp32
+    from forgekernel.reference.attention import attention_ref, attention_varlen_ref
+
+    p = case.params
+    varlen = "lens_q" in p
+    lead = () if varlen else (p["b"],)
+
+    def randn(s: int, h: int, d: int) -> torch.Tensor:
+        return torch.randn(*lead, s, h, d, dtype=dtype, device=device, generator=gen)
+
+    inputs: Inputs = {
+        "q": randn(p["sq"], p["hq"], p["d"]),
+        "k": randn(p["sk"], p["hkv"], p["d"]),
+        "v": randn(p["sk"], p["hkv"], p["dv"]),
+        "do": randn(p["sq"], p["hq"], p["dv"]),
+        "causal": p["causal"],
+        "softmax_scale": p["softmax_scale"],
+        "deterministic": p["deterministic"],
+    }
+    qkv, flags = (inputs["q"], inputs["k"], inputs["v"]), (p["causal"], p["softmax_scale"])
+    with true_fp32():
+        if varlen:
+            seqs = (_offsets(p["lens_q"], device), _offsets(p["lens_k"], device))
+            inputs["varlen"] = (*seqs, max(p["lens_q"]), max(p["lens_k"]))
+            o, lse = attention_varlen_ref(*qkv, *seqs, *flags)
+        else:
+            o, lse = attention_ref(*qkv, *flags)
+    inputs["o"], inputs["lse"] = o.to(dtype), lse
+    return inputs
+
+
+def alloc_out(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(torch.empty_like(inputs[n]) for n in ("q", "k", "v"))
+
+
+def _tensors(inputs: Inputs) -> tuple:
+    return tuple(inputs[n] for n in ("q", "k", "v", "o", "lse", "do"))
+
+
+def run_ours(inputs: Inputs, out: tuple | None) -> tuple:
+    from forgekernel.ops.attention_bwd import attention_backward, attention_varlen_backward
+
+    flags = {"deterministic": inputs["deterministic"], "out": out}
+    if "varlen" in inputs:
+        return attention_varlen_backward(
+            *_tensors(inputs), *inputs["varlen"], inputs["causal"], inputs["softmax_scale"], **flags
+        )
+    return attention_backward(*_tensors(inputs), inputs["causal"], inputs["softmax_scale"], **flags)
+
+
+def _reference(inputs: Inputs, upcast: bool) -> tuple:
+    from forgekernel.reference.attention import attention_bwd_ref, attention_varlen_bwd_ref
+
+    q, k, v, do = (inputs[n] for n in ("q", "k", "v", "do"))
+    flags = (inputs["causal"], inputs["softmax_scale"], upcast)
+    if "varlen" in inputs:
+        return attention_varlen_bwd_ref(q, k, v, do, *inputs["varlen"][:2], *flags)
+    return attention_bwd_ref(q, k, v, do, *flags)
+
+
+def reference(inputs: Inputs) -> tuple:
+    return _reference(inputs, upcast=True)
+
+
+def low_precision(inputs: Inputs) -> tuple:
+    return _reference(inputs, upcast=False)
+
+
+def _fa4() -> Any:
+    try:
+        from flash_attn.cute.interface import _flash_attn_bwd
+    except Exception:
+        return None
+
+    def fa4(inputs: Inputs) -> Any:
+        # FA4's LSE is ours: (B, H, Sq) fp32, natural log; it recomputes P from it.
+        q, k, v, o, lse, do = _tensors(inputs)
+        return _flash_attn_bwd(
+            q, k, v, o, do, lse, softmax_scale=inputs["softmax_scale"], causal=inputs["causal"]
+        )
+
+    return fa4
+
+
+def _cudnn_forward(inputs: Inputs) -> tuple:
+    """cuDNN's own O and statistics (its backward reads its own LSE layout), on (B, H, S, D)
+    views, and dO laid out as cuDNN's O; once per input set, before any timing."""
+    q, k, v = (inputs[n].transpose(1, 2) for n in ("q", "k", "v"))
+    fwd = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, inputs["causal"], False, scale=inputs["softmax_scale"]
+    )
+    o, lse, cum_q, cum_k, max_q, max_k, seed, offset = fwd[:8]
+    do = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device)
+    do.copy_(inputs["do"].transpose(1, 2))
+    return (do, q, k, v, o, lse, seed, offset, None, cum_q, cum_k, max_q, max_k)
+
+
+def _cudnn() -> Any:
+    if not torch.backends.cudnn.is_available():
+        return None
+    backward = torch.ops.aten._scaled_dot_product_cudnn_attention_backward
+
+    def cudnn(inputs: Inputs) -> Any:
+        # SDPA's causal mask is top-left aligned: the same as ours for the bench cases (all
+        # Sq == Sk). The harness calls every comparator once per input set before timing, so
+        # the cached forward is never inside a timed region.
+        if "cudnn_fwd" not in inputs:
+            inputs["cudnn_fwd"] = _cudnn_forward(inputs)
+        args = inputs["cudnn_fwd"]
+        return backward(*args, 0.0, inputs["causal"], scale=inputs["softmax_scale"])
+
+    return cudnn
+
+
+def comparators() -> dict[str, Any]:
+    if not torch.cuda.is_available():
+        return {"fa4": None, "cudnn": None}
+    return {"fa4": _fa4(), "cudnn": _cudnn()}
+
+
+def flops(case: Case) -> float:
+    """2.5x the forward's count: five matmuls (S, dP, dV, dQ, dK) against its two, masked
+    pairs free (FA4's count); varlen cases count each sequence's own pairs."""
+    p = case.params
+    if "lens_q" in p:
+        seqs = zip(p["lens_q"], p["lens_k"])
+        pairs = sum(causal_pairs(a, b) if p["causal"] else a * b for a, b in seqs)
+        return 2.5 * 2.0 * p["hq"] * (p["d"] + p["dv"]) * pairs
+    pairs = causal_pairs(p["sq"], p["sk"]) if p["causal"] else p["sq"] * p["sk"]
+    return 2.5 * 2.0 * p["b"] * p["hq"] * (p["d"] + p["dv"]) * pairs
+
+
+def nbytes(case: Case, dtype: torch.dtype) -> float:
+    """q, k, v, o, dO and lse read; dq, dk, dv written."""
+    p = case.params
+    elem = torch.empty((), dtype=dtype).element_size()
+    rows = 1 if "lens_q" in p else p["b"]
+    q_side = p["sq"] * p["hq"] * (2 * p["d"] + 2 * p["dv"])  # q, dq, o, dO
+    kv_side = p["sk"] * p["hkv"] * 2 * (p["d"] + p["dv"])  # k, v, dk, dv
+    return float(rows * ((q_side + kv_side) * elem + 4 * p["hq"] * p["sq"]))
+
+
+def suite() -> OpSuite:
+    return OpSuite(
+        name="attention_bwd",
+        kernel_sources=kernel_sources(),  # the ledger hashes what the compile cache hashes
+        dtypes=(torch.bfloat16, torch.float16),
+        check_cases=check_cases(),
+        bench_cases=supported(BENCH_CASES),
+        make_inputs=make_inputs,
+        alloc_out=alloc_out,
+        run_ours=run_ours,
+        reference=reference,
+        low_precision=low_precision,
+        comparators=comparators,
+        flops=flops,
+        bytes=nbytes,
+        atol=1e-3,
+        bench_dtypes=(torch.bfloat16,),
+    )

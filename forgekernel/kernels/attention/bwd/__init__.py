@@ -1,0 +1,1 @@
+"""Attention backward kernels (dQ, dK, dV), one leaf per architecture."""

@@ -1,0 +1,114 @@
+"""Attention backward (FlashAttention layout), sm_90a: three kernels. DSL-free declaration; the
+kernels are `preprocess.py`, `kernel.py` (main) and `postprocess.py`; the host launcher is
+`launch.attention_bwd`.
+
+Compiled functions (the stream is the TVM-FFI environment stream):
+- pre:  fn(o, do, lse, lse2, dsum): o, do (B, Sq, Hq, Dv); lse (B, Hq, Sq) fp32 contiguous;
+  lse2, dsum (B, Hq, Sq_pad) fp32 workspaces, Sq_pad = Sq rounded up to 128.
+- main: fn(q, k, v, do, lse2, dsum, dq_accum, dk, dv, sem, softmax_scale, softmax_scale_log2):
+  dq_accum (B, Hq, Sq_pad * D) fp32 zeroed; sem (B, Hq, Sq_pad / tile_m) int32 zeroed
+  (read only when deterministic).
+- post: fn(dq_accum, dq, softmax_scale).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from forgekernel.kernels.attention.bwd.sm90.config import (
+    DTYPES,
+    HEAD_DIMS,
+    BwdConfig,
+    default_config,
+    main_params,
+    post_params,
+    pre_params,
+)
+from forgekernel.runtime.spec import KernelSpec, Params
+
+_DIR = Path(__file__).parent
+
+
+def _compile_pre(params: Params, extra_options: str = ""):
+    from forgekernel.kernels.attention.bwd.sm90.compile import compile_pre
+
+    return compile_pre(dict(params), "sm_90a", extra_options)
+
+
+def _compile_main(params: Params, extra_options: str = ""):
+    from forgekernel.kernels.attention.bwd.sm90.compile import compile_main
+
+    return compile_main(dict(params), "sm_90a", extra_options)
+
+
+def _compile_post(params: Params, extra_options: str = ""):
+    from forgekernel.kernels.attention.bwd.sm90.compile import compile_post
+
+    return compile_post(dict(params), "sm_90a", extra_options)
+
+
+def _pre_standard() -> list[Params]:
+    dvs = sorted({dv for _, dv in HEAD_DIMS})
+    return [pre_params(dtype, dv) for dtype in DTYPES for dv in dvs]
+
+
+def _main_standard() -> list[Params]:
+    return [
+        main_params(dtype, d, dv, causal, det)
+        for dtype in DTYPES
+        for d, dv in HEAD_DIMS
+        for causal in (False, True)
+        for det in (False, True)
+    ]
+
+
+def _post_standard() -> list[Params]:
+    return [
+        post_params(dtype, d, default_config(d, dv).tile_m)
+        for dtype in DTYPES
+        for d, dv in HEAD_DIMS
+    ]
+
+
+SPEC_PRE = KernelSpec(
+    name="attention_bwd_pre_sm90",
+    arch="sm_90a",
+    directory=_DIR,
+    compile=_compile_pre,
+    standard_params=_pre_standard,
+)
+SPEC_MAIN = KernelSpec(
+    name="attention_bwd_sm90",
+    arch="sm_90a",
+    directory=_DIR,
+    compile=_compile_main,
+    standard_params=_main_standard,
+)
+SPEC_POST = KernelSpec(
+    name="attention_bwd_post_sm90",
+    arch="sm_90a",
+    directory=_DIR,
+    compile=_compile_post,
+    standard_params=_post_standard,
+)
+SPECS = [SPEC_PRE, SPEC_MAIN, SPEC_POST]
+
+
+def attention_bwd(*args, **kwargs):
+    """See `launch.attention_bwd` (imported lazily: torch only)."""
+    from forgekernel.kernels.attention.bwd.sm90.launch import attention_bwd as _impl
+
+    return _impl(*args, **kwargs)
+
+
+__all__ = [
+    "SPECS",
+    "SPEC_PRE",
+    "SPEC_MAIN",
+    "SPEC_POST",
+    "HEAD_DIMS",
+    "DTYPES",
+    "BwdConfig",
+    "default_config",
+    "attention_bwd",
+]

@@ -1,0 +1,106 @@
+"""Attention-backward configurations: tile sizes per head-dim pair and the compile keys of the
+three kernels (preprocess, main, postprocess). DSL-free, so the launcher can pick kernels
+without the compiler."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+DTYPES = ("float16", "bfloat16")
+# (head_dim, head_dim_v) pairs with a default config.
+HEAD_DIMS = ((64, 64), (128, 128))
+# (192, 128) compiles (`_EXPERIMENTAL`) but its accumulators do not fit the register file with
+# this kernel's layout (dK 96 + dV 64 + S^T 32 + dP^T 32 per thread): ptxas serializes the
+# WGMMAs and spills. Not offered until it gets its own layout (see BWD_NOTES.md).
+SMEM_CAPACITY = 232448  # sm_90 per-block opt-in maximum (227 KiB)
+# Query rows of the fp32 workspaces (LSE in log2 units, Dsum, dQ accumulator) are padded to a
+# multiple of this, so that the main kernel's loads never leave the workspace.
+ROW_PAD = 128
+NUM_MMA_WG = 2
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """What one compiled backward main kernel bakes in besides dtype, head dims and flags.
+
+    tile_n keys per CTA (the two consumer warpgroups hold 64 keys each: tile_n = 128),
+    tile_m query rows per step, stages of the Q and dO rings, dq_stages fp32 dQ staging
+    buffers in shared memory (the reduction into global memory drains one while the other
+    fills)."""
+
+    tile_m: int = 64
+    tile_n: int = 128
+    stages: int = 2
+    dq_stages: int = 2
+
+    def tag(self) -> str:
+        return f"{self.tile_m}x{self.tile_n}_s{self.stages}_dq{self.dq_stages}"
+
+    @classmethod
+    def from_params(cls, params: dict) -> BwdConfig:
+        return cls(**{f.name: params[f.name] for f in fields(cls)})
+
+
+def smem_bytes(cfg: BwdConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2) -> int:
+    """Shared memory of one main-kernel CTA."""
+    tm, tn = cfg.tile_m, cfg.tile_n
+    q = cfg.stages * tm * (head_dim + head_dim_v) * elem_bytes  # Q and dO rings
+    kv = tn * (head_dim + head_dim_v) * elem_bytes  # K, V (reused for dK, dV)
+    ds = tm * tn * elem_bytes
+    dq = cfg.dq_stages * tm * head_dim * 4
+    stats = 2 * cfg.stages * tm * 4  # LSE and Dsum rings
+    return q + kv + ds + dq + stats + 1024  # + barriers and alignment
+
+
+# Registers bound the tiles (dK and dV accumulators of 64 keys per warpgroup stay resident):
+# D=128: 64 query rows per step (S^T and dP^T 64x64 per warpgroup), 214 KiB of shared memory.
+# D=64: 128 query rows per step, 200 KiB.
+_DEFAULTS = {
+    (64, 64): BwdConfig(tile_m=128, tile_n=128, stages=2, dq_stages=2),
+    (128, 128): BwdConfig(tile_m=64, tile_n=128, stages=2, dq_stages=2),
+}
+_EXPERIMENTAL = {
+    # D=192/Dv=128: one dQ staging buffer (48 KiB) to fit 226 KiB. Spills (see HEAD_DIMS).
+    (192, 128): BwdConfig(tile_m=64, tile_n=128, stages=2, dq_stages=1),
+}
+
+
+def default_config(head_dim: int, head_dim_v: int) -> BwdConfig:
+    try:
+        return _DEFAULTS[(head_dim, head_dim_v)]
+    except KeyError:
+        raise ValueError(
+            f"attention backward: head dims (D={head_dim}, Dv={head_dim_v}) unsupported on "
+            f"sm90; supported: {HEAD_DIMS}"
+        ) from None
+
+
+def _key(**kw) -> tuple:
+    return tuple(sorted(kw.items()))
+
+
+def main_params(
+    dtype: str,
+    head_dim: int,
+    head_dim_v: int,
+    causal: bool,
+    deterministic: bool,
+    cfg: BwdConfig | None = None,
+) -> tuple:
+    cfg = cfg or default_config(head_dim, head_dim_v)
+    return _key(
+        dtype=dtype,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        causal=bool(causal),
+        deterministic=bool(deterministic),
+        **asdict(cfg),
+    )
+
+
+def pre_params(dtype: str, head_dim_v: int) -> tuple:
+    return _key(dtype=dtype, head_dim_v=head_dim_v)
+
+
+def post_params(dtype: str, head_dim: int, tile_m: int) -> tuple:
+    return _key(dtype=dtype, head_dim=head_dim, tile_m=tile_m)

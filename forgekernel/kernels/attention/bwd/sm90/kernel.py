@@ -1,0 +1,724 @@
+"""Attention backward main kernel for Hopper (sm_90a): dK, dV and the fp32 dQ partial sums.
+
+One CTA per (key block of tile_n = 128 keys, kv head, batch): grid (ceil(Sk / tile_n), Hkv, B).
+The CTA keeps its K and V tiles in shared memory and its dK, dV accumulators in registers
+while it walks every query head of its GQA group and, per head, every query block of tile_m
+rows that sees one of its keys; dK and dV are written once at the end (no atomics).
+
+Warp roles (3 warpgroups, 384 threads):
+- warp 0 (producer, 24 registers): TMA loads K and V once, then per step the Q tile with its
+  LSE row slice (one mbarrier ring) and the dO tile with its Dsum slice (a second ring).
+- warp 1 (dQ writer, 24 registers): per step waits for the consumers' fp32 dQ tile in one of
+  two shared-memory staging buffers and adds it to the global fp32 workspace with one
+  `cp.reduce.async.bulk .add.f32` (a single bulk reduction of tile_m * D floats); with
+  `deterministic` it first spins on a per-(query block, head, batch) counter until the key
+  blocks before its own have added theirs, and bumps it (release) once its addition is
+  complete, so every dQ element sums its key blocks in ascending order.
+- warpgroups 1 and 2 (consumers, 240 registers), 64 keys each. Per step (query block m of
+  query head h), everything computed transposed, keys along the rows:
+    S^T = K Q^T and dP^T = V dO^T (WGMMA, operands in shared memory, two async groups);
+    P^T = exp2(S^T scale log2e - LSE log2e) (masked to 0 on causal-diagonal and key-edge
+    blocks); dS^T = P^T (dP^T - Dsum);
+    dV += P^T dO and dK += dS^T Q (WGMMA, P^T and dS^T straight from registers: the
+    accumulator of an M = keys product is the A operand of the next, K = queries);
+    dS^T goes through shared memory (stmatrix) for dQ = dS K (WGMMA, both operands
+    MN-major: transposed views of the dS and K buffers), which is staged to shared memory
+    in its accumulator order for the dQ writer.
+  Epilogue: dK * scale and dV converted to the input dtype, stmatrix into the K and V
+  buffers, two TMA stores (rows past Sk clipped).
+
+Workspaces (from the preprocess kernel): LSE in log2 units, +inf for rows that saw no key and
+for padding rows (so their P is 0), and Dsum = rowsum(dO * O), both (B, Hq, Sq_pad) fp32;
+the dQ accumulator (B, Hq, Sq_pad * D) fp32, zeroed, tile-major in the dQ MMA's accumulator
+order (see `utils.dq_frag_offset`); the postprocess kernel scales and converts it.
+
+Causal is bottom-right aligned (query i sees key j iff j <= i + Sk - Sq); query blocks that
+see none of the CTA's keys are skipped, blocks crossing the diagonal or the Sk edge masked.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.tensor_utils import LayoutEnum
+
+from forgekernel.kernels.attention.bwd.sm90.config import (
+    NUM_MMA_WG,
+    SMEM_CAPACITY,
+    BwdConfig,
+    smem_bytes,
+)
+from forgekernel.kernels.attention.bwd.sm90.utils import (
+    THREADS_PER_WG,
+    acc_as_operand_a,
+    bulk_g2s,
+    bulk_reduce_add_f32,
+    fence_proxy_async_global,
+    ld_acquire_gpu,
+    make_dq_mma,
+    red_release_gpu_add,
+    rows_cols,
+    select,
+    transposed,
+)
+
+CONSUMER_BARRIER = 1  # the 256 consumer threads
+DQ_FULL_BARRIER = 2  # 2, 3: staging buffer b holds a dQ tile (consumers arrive, writer waits)
+DQ_EMPTY_BARRIER = 4  # 4, 5: staging buffer b drained (writer arrives, consumers wait)
+DQ_WRITER_WARP = 1
+
+
+class AttentionBwdSm90:
+    """Warp-specialized TMA + WGMMA attention backward (dK, dV, dQ partials); see the module
+    docstring."""
+
+    def __init__(
+        self, head_dim: int, head_dim_v: int, causal: bool, deterministic: bool, config: BwdConfig
+    ):
+        if config.tile_n != 64 * NUM_MMA_WG:
+            raise ValueError(f"tile_n must be {64 * NUM_MMA_WG}, got {config.tile_n}")
+        if config.tile_m not in (64, 128):
+            raise ValueError(f"tile_m must be 64 or 128, got {config.tile_m}")
+        if head_dim not in (64, 128, 192) or head_dim_v not in (64, 128):
+            raise ValueError(
+                f"head dims must be D in (64, 128, 192), Dv in (64, 128); got {head_dim}, "
+                f"{head_dim_v}"
+            )
+        if not 1 <= config.dq_stages <= 2:
+            raise ValueError(f"dq_stages must be 1 or 2, got {config.dq_stages}")
+        need = smem_bytes(config, head_dim, head_dim_v)
+        if need > SMEM_CAPACITY:
+            raise ValueError(f"{config} needs {need} B of shared memory, > {SMEM_CAPACITY}")
+        self.cfg = config
+        self.head_dim = head_dim
+        self.head_dim_v = head_dim_v
+        self.causal = causal
+        self.deterministic = deterministic
+        self.tile_m = config.tile_m
+        self.tile_n = config.tile_n
+        self.stages = config.stages
+        self.dq_stages = config.dq_stages
+        self.threads_per_cta = (1 + NUM_MMA_WG) * THREADS_PER_WG
+        self.num_mma_threads = NUM_MMA_WG * THREADS_PER_WG
+        self.producer_regs = 24
+        # With 128 query rows per step the fp32 S^T and dP^T take 128 registers: P^T is
+        # rounded to the input dtype before dS is formed, and dV issued early.
+        self.early_dv = config.tile_m == 128
+        # D = 192: dK (96) + dV (64) + dQ (48) registers leave no room for the 16-bit P^T and
+        # dS^T operands of dV / dK GEMMs still in flight: finish those before dQ = dS K.
+        self.serial_dq = head_dim > 128
+        self.consumer_regs = 240
+
+    # ---------------------------------------------------------------- host-side setup
+    def _setup(self):
+        dt, tm, tn = self.dtype, self.tile_m, self.tile_n
+        d, dv = self.head_dim, self.head_dim_v
+        k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
+        wgs = (NUM_MMA_WG, 1, 1)
+        # S^T (tn, tm) = K Q^T and dP^T = V dO^T: keys split over the warpgroups.
+        self.mma_sdp = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, k_major, Float32, wgs, (64, tm)
+        )
+        # dV (tn, dv) += P^T dO, dK (tn, d) += dS^T Q: A from registers, B MN-major views.
+        rmem = warpgroup.OperandSource.RMEM
+        self.mma_dv = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, mn_major, Float32, wgs, (64, dv), a_source=rmem
+        )
+        self.mma_dk = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, mn_major, Float32, wgs, (64, d), a_source=rmem
+        )
+        self.mma_dq = make_dq_mma(dt, tm, d)
+        row, col = LayoutEnum.ROW_MAJOR, LayoutEnum.COL_MAJOR
+        # Q (tm, d) and dO (tm, dv): K-major B operands of S^T / dP^T (their transposed views
+        # are the MN-major B operands of dK / dV). K (tn, d), V (tn, dv): K-major A operands.
+        self.sQ_layout = sm90_utils.make_smem_layout_b(row, (tn, tm, d), dt, self.stages)
+        self.sdO_layout = sm90_utils.make_smem_layout_b(row, (tn, tm, dv), dt, self.stages)
+        # dQ's warpgroups each take D / 2 columns of K^T (MN-major): for D = 192 that is 96,
+        # not a whole 128-byte swizzle atom (64 elements), so K gets 64-byte atoms then.
+        k_atom = sm90_utils.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(row, dt, d // 2 if d == 192 else d), dt
+        )
+        self.sK_layout = cute.tile_to_shape(k_atom, (tn, d, 1), order=(0, 1, 2))
+        self.sV_layout = sm90_utils.make_smem_layout_a(row, (tn, tm, dv), dt, 1)
+        # dS (tm, tn), MN-major A of dQ = dS K; stored through its transposed view.
+        self.sdS_layout = sm90_utils.make_smem_layout_a(col, (tm, d, tn), dt, 1)
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE2: cute.Tensor,
+        mDsum: cute.Tensor,
+        mdQacc: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mSem: cute.Tensor,
+        softmax_scale: Float32,
+        softmax_scale_log2: Float32,
+        stream: cuda.CUstream,
+    ):
+        """mQ (B, Sq, Hq, D), mK (B, Sk, Hkv, D), mV (B, Sk, Hkv, Dv), mdO (B, Sq, Hq, Dv),
+        mLSE2 and mDsum (B, Hq, Sq_pad) fp32, mdQacc (B, Hq, Sq_pad * D) fp32,
+        mdK (B, Sk, Hkv, D), mdV (B, Sk, Hkv, Dv), mSem (B, Hq, Sq_pad / tile_m) int32."""
+        self.dtype = mQ.element_type
+        for t in (mK, mV, mdO, mdK, mdV):
+            if const_expr(t.element_type != self.dtype):
+                raise TypeError(f"q, k, v, do, dk, dv must share one dtype, got {t.element_type}")
+        self._setup()
+        tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
+
+        # (B, S, H, D) -> (S, D, H, B): TMA boxes over (S, D), coordinates for head and batch.
+        mQ, mK, mV, mdO, mdK, mdV = (_s_d_h_b(t) for t in (mQ, mK, mV, mdO, mdK, mdV))
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        s2g = cpasync.CopyBulkTensorTileS2GOp()
+        sQ_tile = cute.slice_(self.sQ_layout, (None, None, 0))
+        sdO_tile = cute.slice_(self.sdO_layout, (None, None, 0))
+        sK_tile = cute.slice_(self.sK_layout, (None, None, 0))
+        sV_tile = cute.slice_(self.sV_layout, (None, None, 0))
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_tile, (tm, d))
+        tma_do, tma_mdO = cpasync.make_tiled_tma_atom(g2s, mdO, sdO_tile, (tm, dv))
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, sK_tile, (tn, d))
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV, sV_tile, (tn, dv))
+        tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(s2g, mdK, sK_tile, (tn, d))
+        tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(s2g, mdV, sV_tile, (tn, dv))
+        self.q_bytes = cute.size_in_bytes(self.dtype, sQ_tile) + tm * 4
+        self.do_bytes = cute.size_in_bytes(self.dtype, sdO_tile) + tm * 4
+        self.kv_bytes = cute.size_in_bytes(self.dtype, sK_tile) + cute.size_in_bytes(
+            self.dtype, sV_tile
+        )
+
+        @cute.struct
+        class SharedStorage:
+            q_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            do_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            kv_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm * self.stages], 128]
+            sDsum: cute.struct.Align[cute.struct.MemRange[Float32, tm * self.stages], 128]
+            sQ: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(self.sQ_layout)], 1024
+            ]
+            sdO: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(self.sdO_layout)], 1024
+            ]
+            sK: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(self.sK_layout)], 1024
+            ]
+            sV: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(self.sV_layout)], 1024
+            ]
+            sdS: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(self.sdS_layout)], 1024
+            ]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, tm * d * self.dq_stages], 128]
+
+        self.shared_storage = SharedStorage
+        grid = (cute.ceil_div(mK.shape[0], tn), mK.shape[2], mK.shape[3])
+        self.kernel(
+            tma_q,
+            tma_mQ,
+            tma_do,
+            tma_mdO,
+            tma_k,
+            tma_mK,
+            tma_v,
+            tma_mV,
+            tma_dk,
+            tma_mdK,
+            tma_dv,
+            tma_mdV,
+            mLSE2,
+            mDsum,
+            mdQacc,
+            mSem,
+            softmax_scale,
+            softmax_scale_log2,
+            self.mma_sdp,
+            self.mma_dv,
+            self.mma_dk,
+            self.mma_dq,
+            self.sQ_layout,
+            self.sdO_layout,
+            self.sK_layout,
+            self.sV_layout,
+            self.sdS_layout,
+        ).launch(  # fmt: skip
+            grid=grid,
+            block=[self.threads_per_cta, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    # ---------------------------------------------------------------- device code
+    @cute.kernel
+    def kernel(
+        self,
+        tma_q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_do: cute.CopyAtom,
+        mdO: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        mV: cute.Tensor,
+        tma_dk: cute.CopyAtom,
+        mdK: cute.Tensor,
+        tma_dv: cute.CopyAtom,
+        mdV: cute.Tensor,
+        mLSE2: cute.Tensor,
+        mDsum: cute.Tensor,
+        mdQacc: cute.Tensor,
+        mSem: cute.Tensor,
+        scale: Float32,
+        scale_log2: Float32,
+        mma_sdp: cute.TiledMma,
+        mma_dv: cute.TiledMma,
+        mma_dk: cute.TiledMma,
+        mma_dq: cute.TiledMma,
+        sQ_layout: cute.ComposedLayout,
+        sdO_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = SmemAllocator().allocate(self.shared_storage)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        q_pipe, do_pipe, kv_pipe = (
+            pipeline.PipelineTmaAsync.create(
+                barrier_storage=bars.data_ptr(),
+                num_stages=stages,
+                producer_group=producer,
+                consumer_group=consumers,
+                tx_count=nbytes,
+                defer_sync=True,
+            )
+            for bars, stages, nbytes in (
+                (storage.q_barriers, self.stages, self.q_bytes),
+                (storage.do_barriers, self.stages, self.do_bytes),
+                (storage.kv_barriers, 1, self.kv_bytes),
+            )
+        )
+        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        stats_layout = cute.make_layout((self.tile_m, self.stages))
+        sLSE = storage.sLSE.get_tensor(stats_layout)
+        sDsum = storage.sDsum.get_tensor(stats_layout)
+        sdQ = storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim * self.dq_stages))
+
+        n_block, head_kv, batch = cute.arch.block_idx()
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        group = mQ.shape[2] // mK.shape[2]
+        m_begin, m_end, m_unmasked = self._query_blocks(n_block, seqlen_q, seqlen_k)
+        # CTA-uniform scalars: keep them in uniform registers, off the consumers' budget.
+        m_begin = cute.arch.make_warp_uniform(m_begin)
+        m_end = cute.arch.make_warp_uniform(m_end)
+        m_unmasked = cute.arch.make_warp_uniform(m_unmasked)
+        num_steps = group * (m_end - m_begin)
+
+        pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self._produce(
+                    tma_q, tma_do, tma_k, tma_v, mQ, mdO, mK, mV, mLSE2, mDsum,
+                    sQ, sdO, sK, sV, sLSE, sDsum, q_pipe, do_pipe, kv_pipe,
+                    n_block, head_kv, batch, group, m_begin, m_end, num_steps,
+                )  # fmt: skip
+            if warp_idx == DQ_WRITER_WARP:
+                self._write_dq(
+                    sdQ, mdQacc, mSem, n_block, head_kv, batch, group, m_begin, m_end, num_steps
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self._consume(
+                tidx - THREADS_PER_WG, wg_idx - 1, warp_idx,
+                mma_sdp, mma_dv, mma_dk, mma_dq,
+                sQ, sdO, sK, sV, sdS, sLSE, sDsum, sdQ,
+                q_pipe, do_pipe, kv_pipe, tma_dk, mdK, tma_dv, mdV,
+                scale, scale_log2, n_block, head_kv, batch, group, seqlen_q, seqlen_k,
+                m_begin, m_end, m_unmasked, num_steps,
+            )  # fmt: skip
+
+    @cute.jit
+    def _query_blocks(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
+        """(m_begin, m_end, m_unmasked): query blocks [m_begin, m_end) hold a row that sees a
+        key of this key block; from m_unmasked on (causal) every row sees every key of it."""
+        m_end = (seqlen_q + self.tile_m - 1) // self.tile_m
+        m_begin = Int32(0)
+        m_unmasked = Int32(0)
+        if const_expr(self.causal):
+            offset = seqlen_k - seqlen_q
+            n0 = n_block * self.tile_n
+            # Query i sees key j iff i >= j - offset: the block's first key n0 from row
+            # n0 - offset on, its last key n0 + tile_n - 1 from row n0 + tile_n - 1 - offset.
+            first_row = cutlass.max(n0 - offset, 0)
+            m_begin = cutlass.min(first_row // self.tile_m, m_end)
+            full_row = cutlass.max(n0 + self.tile_n - 1 - offset, 0)
+            m_unmasked = (full_row + self.tile_m - 1) // self.tile_m
+        return m_begin, m_end, m_unmasked
+
+    @cute.jit
+    def _produce(
+        self, tma_q, tma_do, tma_k, tma_v, mQ, mdO, mK, mV, mLSE2, mDsum,
+        sQ, sdO, sK, sV, sLSE, sDsum, q_pipe, do_pipe, kv_pipe,
+        n_block, head_kv, batch, group, m_begin, m_end, num_steps,
+    ):  # fmt: skip
+        """Warp 0: K and V once, then per step Q + LSE and dO + Dsum."""
+        tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
+        one = cute.make_layout(1)
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (tn, d), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (tn, dv), (None, 0))
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+        )
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        kv_pipe.producer_acquire(kv_state)
+        bar = kv_pipe.producer_get_barrier(kv_state)
+        cute.copy(tma_k, tKgK[(None, n_block)], tKsK[(None, 0)], tma_bar_ptr=bar)
+        cute.copy(tma_v, tVgV[(None, n_block)], tVsV[(None, 0)], tma_bar_ptr=bar)
+
+        num_m = m_end - m_begin
+        st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        for step in cutlass.range(num_steps, unroll=1):
+            head = head_kv * group + step // num_m
+            m = m_begin + step % num_m
+            gQ = cute.local_tile(mQ[None, None, head, batch], (tm, d), (None, 0))
+            gdO = cute.local_tile(mdO[None, None, head, batch], (tm, dv), (None, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+            )
+            tdOsdO, tdOgdO = cpasync.tma_partition(
+                tma_do, 0, one, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2)
+            )
+            q_pipe.producer_acquire(st)
+            bar_q = q_pipe.producer_get_barrier(st)
+            cute.copy(tma_q, tQgQ[(None, m)], tQsQ[(None, st.index)], tma_bar_ptr=bar_q)
+            with cute.arch.elect_one():
+                bulk_g2s(
+                    sLSE[None, st.index].iterator,
+                    mLSE2[batch, head, None].iterator + m * tm,
+                    tm * 4,
+                    bar_q,
+                )
+            do_pipe.producer_acquire(st)
+            bar_do = do_pipe.producer_get_barrier(st)
+            cute.copy(tma_do, tdOgdO[(None, m)], tdOsdO[(None, st.index)], tma_bar_ptr=bar_do)
+            with cute.arch.elect_one():
+                bulk_g2s(
+                    sDsum[None, st.index].iterator,
+                    mDsum[batch, head, None].iterator + m * tm,
+                    tm * 4,
+                    bar_do,
+                )
+            st.advance()
+
+    @cute.jit
+    def _write_dq(
+        self, sdQ, mdQacc, mSem, n_block, head_kv, batch, group, m_begin, m_end, num_steps
+    ):
+        """Warp 1: drain the dQ staging buffers into the fp32 workspace (bulk reduce-add)."""
+        tile = self.tile_m * self.head_dim
+        lane = cute.arch.lane_idx()
+        num_m = m_end - m_begin
+        group_threads = self.num_mma_threads + 32
+        # Both buffers start empty: one arrival each, matched by the consumers' first waits.
+        for b in cutlass.range_constexpr(self.dq_stages):
+            if b < num_steps:
+                pipeline.NamedBarrier(
+                    barrier_id=DQ_EMPTY_BARRIER + b, num_threads=group_threads
+                ).arrive()
+        for step in cutlass.range(num_steps, unroll=1):
+            buf = step % self.dq_stages
+            head = head_kv * group + step // num_m
+            m = m_begin + step % num_m
+            pipeline.NamedBarrier(
+                barrier_id=DQ_FULL_BARRIER + buf, num_threads=group_threads
+            ).arrive_and_wait()
+            if lane == 0:
+                if const_expr(self.deterministic):
+                    # Key blocks add in ascending order: wait for the n_block before us.
+                    sem = mSem[batch, head, None].iterator + m
+                    seen = ld_acquire_gpu(sem)
+                    while seen != n_block:
+                        seen = ld_acquire_gpu(sem)
+                    fence_proxy_async_global()
+                bulk_reduce_add_f32(
+                    mdQacc[batch, head, None].iterator + m * tile,
+                    sdQ.iterator + buf * tile,
+                    tile * 4,
+                )
+                cute.arch.cp_async_bulk_commit_group()
+                if const_expr(self.deterministic):
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
+                    fence_proxy_async_global()
+                    red_release_gpu_add(mSem[batch, head, None].iterator + m, 1)
+                else:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.sync_warp()
+            if step + self.dq_stages < num_steps:
+                pipeline.NamedBarrier(
+                    barrier_id=DQ_EMPTY_BARRIER + buf, num_threads=group_threads
+                ).arrive()
+        if lane == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    @cute.jit
+    def _consume(
+        self, tidx, wg, warp_idx, mma_sdp, mma_dv, mma_dk, mma_dq,
+        sQ, sdO, sK, sV, sdS, sLSE, sDsum, sdQ,
+        q_pipe, do_pipe, kv_pipe, tma_dk, mdK, tma_dv, mdV,
+        scale, scale_log2, n_block, head_kv, batch, group, seqlen_q, seqlen_k,
+        m_begin, m_end, m_unmasked, num_steps,
+    ):  # fmt: skip
+        """Consumer warpgroup `wg` (keys 64 wg .. 64 wg + 63 of the block); tidx in [0, 256)."""
+        tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
+        wg_sdp = mma_sdp.get_slice(wg * THREADS_PER_WG)
+        wg_dv = mma_dv.get_slice(wg * THREADS_PER_WG)
+        wg_dk = mma_dk.get_slice(wg * THREADS_PER_WG)
+        wg_dq = mma_dq.get_slice(wg * THREADS_PER_WG)
+        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))[None, None, None, 0]
+        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+        tPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))[None, None, None, 0]
+        tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        tVrdOt = wg_dv.make_fragment_B(wg_dv.partition_B(transposed(sdO)))
+        tKrQt = wg_dk.make_fragment_B(wg_dk.partition_B(transposed(sQ)))
+        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))[None, None, None, 0]
+        tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transposed(sK)))[None, None, None, 0]
+        tVrP = wg_dv.make_fragment_A(wg_dv.partition_shape_A((tn, tm)))
+        tKrdS = wg_dk.make_fragment_A(wg_dk.partition_shape_A((tn, tm)))
+        s_shape = wg_sdp.partition_shape_C((tn, tm))
+        dq_shape = wg_dq.partition_shape_C((tm, d))
+        acc_dV = cute.make_rmem_tensor(wg_dv.partition_shape_C((tn, dv)), Float32)
+        acc_dK = cute.make_rmem_tensor(wg_dk.partition_shape_C((tn, d)), Float32)
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+        # (key, query) coordinates of this thread's S^T elements, within the tile
+        tScS = rows_cols(mma_sdp.get_slice(tidx).partition_C(cute.make_identity_tensor((tn, tm))))
+        r2s_ds = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype), mma_sdp
+        )
+        thr_r2s_ds = r2s_ds.get_slice(tidx)
+        tdSsdS = thr_r2s_ds.partition_D(transposed(sdS)[None, None, 0])
+
+        n0 = n_block * tn
+        key_edge = n0 + tn > seqlen_k
+        num_m = m_end - m_begin
+        consumer_bar = pipeline.NamedBarrier(
+            barrier_id=CONSUMER_BARRIER, num_threads=self.num_mma_threads
+        )
+        group_threads = self.num_mma_threads + 32
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        kv_pipe.consumer_wait(kv_state)
+        st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        step_args = (
+            tidx, mma_sdp, mma_dv, mma_dk, mma_dq, tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt,
+            tQrdS, tQrKt, tVrP, tKrdS, s_shape, dq_shape, acc_dV, acc_dK, tScS,
+            r2s_ds, thr_r2s_ds, tdSsdS, sLSE, sDsum, sdQ, q_pipe, do_pipe, consumer_bar,
+            scale_log2, n0, seqlen_q, seqlen_k, group_threads,
+        )  # fmt: skip
+        for step in cutlass.range(num_steps, unroll=1):
+            m = m_begin + step % num_m
+            masked = key_edge
+            if const_expr(self.causal):
+                masked = masked or m < m_unmasked
+            if masked:
+                self._step(st, step, m, *step_args, True)
+            else:
+                self._step(st, step, m, *step_args, False)
+            st.advance()
+
+        self._store_dkv(
+            tidx, warp_idx, mma_dk, mma_dv, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV,
+            scale, n_block, head_kv, batch, consumer_bar,
+        )  # fmt: skip
+
+    @cute.jit
+    def _gemm(
+        self, tiled_mma, acc, tA, tB, zero_init: cutlass.Constexpr[bool],
+        wg_wait: cutlass.Constexpr[int],
+    ):  # fmt: skip
+        """One warpgroup's acc (+)= A B over all k-blocks as one commit group; then waits until
+        at most `wg_wait` groups are in flight (no wait if negative)."""
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+            cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        if const_expr(wg_wait >= 0):
+            warpgroup.wait_group(wg_wait)
+
+    @cute.jit
+    def _step(
+        self, st, step, m, tidx, mma_sdp, mma_dv, mma_dk, mma_dq, tSrK, tSrQ, tPrV, tPrdO,
+        tVrdOt, tKrQt, tQrdS, tQrKt, tVrP, tKrdS, s_shape, dq_shape, acc_dV, acc_dK, tScS,
+        r2s_ds, thr_r2s_ds, tdSsdS, sLSE, sDsum, sdQ, q_pipe, do_pipe, consumer_bar,
+        scale_log2, n0, seqlen_q, seqlen_k, group_threads,
+        masked: cutlass.Constexpr[bool],
+    ):  # fmt: skip
+        """One query block m (ring stage st) against this CTA's keys."""
+        acc_S = cute.make_rmem_tensor(s_shape, Float32)
+        acc_dP = cute.make_rmem_tensor(s_shape, Float32)
+        q_pipe.consumer_wait(st)
+        self._gemm(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, st.index], True, -1)
+        do_pipe.consumer_wait(st)
+        self._gemm(mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, st.index], True, -1)
+
+        # P^T = exp2(S^T scale log2e - LSE log2e); rows are keys, columns queries. A thread's
+        # element (r, c) sits at (row0 + ro[r], col0 + co[c]) with ro, co static.
+        warpgroup.wait_group(1)
+        s = rows_cols(acc_S)
+        row0, col0 = tScS[0, 0]
+        ro, co = self._static_offsets(mma_sdp)
+        # visible iff key < Sk and (causal) key <= query + Sk - Sq, i.e.
+        # ro[r] < edge and ro[r] - co[c] <= diag
+        edge = seqlen_k - n0 - row0
+        diag = m * self.tile_m + seqlen_k - seqlen_q - n0 + col0 - row0
+        if const_expr(masked):
+            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                    visible = edge > ro[r]
+                    if const_expr(self.causal):
+                        visible = visible and diag >= ro[r] - co[c]
+                    if not visible:
+                        s[r, c] = -Float32.inf
+        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            lse = sLSE[col0 + co[c], st.index]
+            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse, fastmath=True)
+
+        if const_expr(self.early_dv):
+            # P^T to the input dtype at once and dV += P^T dO issued under the dS math, which
+            # then reads the rounded P back (frees the fp32 P registers: tile_m = 128).
+            rP = cute.make_rmem_tensor(s_shape, self.dtype)
+            rP.store(acc_S.load().to(self.dtype))
+            tVrP.store(acc_as_operand_a(rP).load())
+            self._gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, st.index], False, -1)
+            warpgroup.wait_group(1)
+            s = rows_cols(rP)
+        else:
+            warpgroup.wait_group(0)
+        # dS^T = P^T (dP^T - Dsum)
+        dp = rows_cols(acc_dP)
+        for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
+            dsum = sDsum[col0 + co[c], st.index]
+            for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
+                dp[r, c] = Float32(s[r, c]) * (dp[r, c] - dsum)
+
+        # dV += P^T dO, dK += dS^T Q (A operands from registers)
+        if const_expr(not self.early_dv):
+            tVrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+            self._gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, st.index], False, -1)
+        rdS = cute.make_rmem_tensor(s_shape, self.dtype)
+        rdS.store(acc_dP.load().to(self.dtype))
+        tKrdS.store(acc_as_operand_a(rdS).load())
+        self._gemm(mma_dk, acc_dK, tKrdS, tKrQt[None, None, None, st.index], False, -1)
+
+        # dS^T -> shared memory (the previous step's dQ GEMMs, both warpgroups, finished
+        # before the dQ-empty barrier of that step), then dQ = dS K.
+        cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSsdS)
+        cute.arch.fence_view_async_shared()
+        if const_expr(self.serial_dq):
+            warpgroup.wait_group(0)
+        consumer_bar.arrive_and_wait()
+        acc_dQ = cute.make_rmem_tensor(dq_shape, Float32)
+        self._gemm(mma_dq, acc_dQ, tQrdS, tQrKt, True, 0)
+        q_pipe.consumer_release(st)
+        do_pipe.consumer_release(st)
+
+        # dQ tile -> staging buffer, in accumulator order (see utils.dq_frag_offset)
+        buf = step % self.dq_stages
+        pipeline.NamedBarrier(
+            barrier_id=DQ_EMPTY_BARRIER + buf, num_threads=group_threads
+        ).arrive_and_wait()
+        tile = self.tile_m * self.head_dim
+        n = cute.size(acc_dQ)
+        dst = cute.make_tensor(
+            sdQ.iterator + buf * tile + tidx * 2,
+            cute.make_layout((2, n // 2), stride=(1, 2 * self.num_mma_threads)),
+        )
+        src = cute.make_tensor(acc_dQ.iterator, cute.make_layout((2, n // 2)))
+        dst.store(src.load())
+        cute.arch.fence_view_async_shared()
+        pipeline.NamedBarrier(barrier_id=DQ_FULL_BARRIER + buf, num_threads=group_threads).arrive()
+
+    def _static_offsets(self, mma_sdp):
+        """Python ints: each element row's and column's offset from the thread's first one
+        (the MMA's coordinate is thread part + value part; read off thread 0's slice)."""
+        tn, tm = self.tile_n, self.tile_m
+        ref = rows_cols(mma_sdp.get_slice(0).partition_C(cute.make_identity_tensor((tn, tm))))
+        ro = [ref[r, 0][0] for r in range(cute.size(ref, mode=[0]))]
+        co = [ref[0, c][1] for c in range(cute.size(ref, mode=[1]))]
+        for v in ro + co:
+            if not isinstance(v, int):
+                raise TypeError("expected static coordinates for thread 0")
+        return ro, co
+
+    @cute.jit
+    def _store_dkv(
+        self, tidx, warp_idx, mma_dk, mma_dv, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV,
+        scale, n_block, head_kv, batch, consumer_bar,
+    ):  # fmt: skip
+        """dK * scale, dV -> input dtype -> stmatrix into the K, V buffers -> TMA stores."""
+        tn, d, dv = self.tile_n, self.head_dim, self.head_dim_v
+        rdK = cute.make_rmem_tensor(acc_dK.shape, self.dtype)
+        rdK.store((acc_dK.load() * scale).to(self.dtype))
+        rdV = cute.make_rmem_tensor(acc_dV.shape, self.dtype)
+        rdV.store(acc_dV.load().to(self.dtype))
+        atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype)
+        r2s_k = cute.make_tiled_copy_C(atom, mma_dk).get_slice(tidx)
+        r2s_v = cute.make_tiled_copy_C(atom, mma_dv).get_slice(tidx)
+        # Every WGMMA reading K or V (both warpgroups) is complete: each waited for its last.
+        consumer_bar.arrive_and_wait()
+        cute.copy(r2s_k, r2s_k.retile(rdK), r2s_k.partition_D(sK[None, None, 0]))
+        cute.copy(r2s_v, r2s_v.retile(rdV), r2s_v.partition_D(sV[None, None, 0]))
+        cute.arch.fence_view_async_shared()
+        consumer_bar.arrive_and_wait()
+        if warp_idx == THREADS_PER_WG // 32:  # first consumer warp
+            one = cute.make_layout(1)
+            gdK = cute.local_tile(mdK[None, None, head_kv, batch], (tn, d), (None, 0))
+            gdV = cute.local_tile(mdV[None, None, head_kv, batch], (tn, dv), (None, 0))
+            tdKsK, tdKgdK = cpasync.tma_partition(
+                tma_dk, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gdK, 0, 2)
+            )
+            tdVsV, tdVgdV = cpasync.tma_partition(
+                tma_dv, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gdV, 0, 2)
+            )
+            cute.copy(tma_dk, tdKsK[(None, 0)], tdKgdK[(None, n_block)])
+            cute.copy(tma_dv, tdVsV[(None, 0)], tdVgdV[(None, n_block)])
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+def _s_d_h_b(t: cute.Tensor) -> cute.Tensor:
+    return select(t, [1, 3, 2, 0])

@@ -1,0 +1,114 @@
+"""Host launcher of the sm90 attention backward: torch only (no DSL), kernels through
+`forgekernel.runtime.cache.get_kernel`."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from forgekernel.kernels.attention.bwd.sm90 import SPEC_MAIN, SPEC_POST, SPEC_PRE
+from forgekernel.kernels.attention.bwd.sm90.config import (
+    HEAD_DIMS,
+    ROW_PAD,
+    default_config,
+    main_params,
+    post_params,
+    pre_params,
+)
+from forgekernel.runtime.cache import get_kernel
+
+LOG2E = math.log2(math.e)
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    if t.stride(-1) != 1 or t.data_ptr() % 16:
+        return False
+    # every stride, size-1 dims included: the compiled kernels assume multiples of 8
+    return all(s % 8 == 0 for s in t.stride()[:-1])
+
+
+def _ready(t: torch.Tensor) -> torch.Tensor:
+    return t if _tma_ready(t) else t.contiguous()
+
+
+def attention_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    do: torch.Tensor,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    deterministic: bool = False,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+) -> None:
+    """dq, dk, dv (written in place, same shapes and dtype as q, k, v) of
+    o = softmax(scale q k^T + mask) v, given o, lse (B, Hq, Sq) fp32 (natural log, -inf for rows
+    that see no key) and do. q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), bf16 or
+    fp16, Hq % Hkv == 0, (D, Dv) in HEAD_DIMS; causal is bottom-right aligned. With
+    `deterministic`, dq is bitwise reproducible (dk, dv always are)."""
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        raise NotImplementedError(
+            "attention_bwd (sm90): varlen (cu_seqlens_q / cu_seqlens_k) is not implemented yet"
+        )
+    if q.dim() != 4:
+        raise ValueError(f"q must be (B, Sq, Hq, D), got shape {tuple(q.shape)}")
+    b, sq, hq, d = q.shape
+    sk, hkv, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
+    if (d, dv_dim) not in HEAD_DIMS:
+        raise NotImplementedError(
+            f"attention_bwd (sm90): head dims (D={d}, Dv={dv_dim}) not implemented; "
+            f"supported: {HEAD_DIMS}"
+        )
+    if q.dtype not in _DTYPE_NAMES:
+        raise TypeError(f"attention_bwd: dtype must be float16 or bfloat16, got {q.dtype}")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"Hq = {hq} must be a multiple of Hkv = {hkv}")
+    if b == 0 or hq == 0:
+        return
+    if sq == 0 or sk == 0:
+        dq.zero_()
+        dk.zero_()
+        dv.zero_()
+        return
+    dtype = _DTYPE_NAMES[q.dtype]
+    cfg = default_config(d, dv_dim)
+    dev = q.device
+    q, k, v, o, do = (_ready(t) for t in (q, k, v, o, do))
+    lse = lse.contiguous()
+    outs = [
+        (t, t if _tma_ready(t) else torch.empty_like(t, memory_format=torch.contiguous_format))
+        for t in (dq, dk, dv)
+    ]
+    dq_dst, dk_dst, dv_dst = (dst for _, dst in outs)
+
+    sq_pad = -(-sq // ROW_PAD) * ROW_PAD
+    f32 = torch.float32
+    lse2 = torch.empty(b, hq, sq_pad, dtype=f32, device=dev)
+    dsum = torch.empty(b, hq, sq_pad, dtype=f32, device=dev)
+    dq_acc = torch.zeros(b, hq, sq_pad * d, dtype=f32, device=dev)
+    if deterministic:
+        sem = torch.zeros(b, hq, sq_pad // cfg.tile_m, dtype=torch.int32, device=dev)
+    else:
+        sem = torch.zeros(1, 1, 1, dtype=torch.int32, device=dev)
+
+    pre = get_kernel(SPEC_PRE, pre_params(dtype, dv_dim))
+    main = get_kernel(SPEC_MAIN, main_params(dtype, d, dv_dim, causal, deterministic, cfg))
+    post = get_kernel(SPEC_POST, post_params(dtype, d, cfg.tile_m))
+    scale = float(softmax_scale)
+    with torch.cuda.device(dev):
+        pre(o, do, lse, lse2, dsum)
+        main(q, k, v, do, lse2, dsum, dq_acc, dk_dst, dv_dst, sem, scale, scale * LOG2E)
+        post(dq_acc, dq_dst, scale)
+    for t, dst in outs:
+        if dst is not t:
+            t.copy_(dst)

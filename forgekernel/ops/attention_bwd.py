@@ -1,0 +1,331 @@
+"""Attention backward: dQ, dK, dV from dO, O and LSE, and the autograd of the forward ops.
+
+`forgekernel.attention` / `attention_varlen` are differentiable: their forward custom ops
+(`forgekernel::attention_fwd`, `attention_varlen_fwd`) get a backward formula here
+(`torch.library.register_autograd`) that saves q, k, v, o, lse (and the offsets) and nothing
+else, and calls `forgekernel::attention_bwd` / `attention_varlen_bwd`. GQA is the kernel's:
+dk and dv come back already summed over each kv head's query heads. The LSE output is not
+differentiable (the kernel has no dLSE input): a loss that reads it gets no gradient through it.
+
+Eager backward calls go straight to the kernel; under torch.compile the backward graph records
+the custom ops, whose fake implementations give the shapes. `attention_backward` is the same
+kernel for callers with their own autograd (and the bwd suite): it writes into `out=`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# (head_dim, head_dim_v) pairs the sm90 backward kernel is built for (a subset of the forward's).
+from forgekernel.kernels.attention.bwd.sm90 import HEAD_DIMS as BWD_HEAD_DIMS
+from forgekernel.ops._dispatch import traced as _traced
+from forgekernel.ops._validate import (
+    as_tma_ready,
+    check_bool,
+    check_cuda,
+    check_same_device,
+    check_tensor,
+    tma_ready,
+)
+from forgekernel.ops.attention import _check_flags, _check_qkv
+from forgekernel.ops.attention_varlen import _check_cu_seqlens
+
+Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a varlen call, None otherwise.
+Seqs = tuple[torch.Tensor, torch.Tensor, int, int] | None
+
+
+def _check_head_dims(q: torch.Tensor, v: torch.Tensor) -> None:
+    if (q.shape[-1], v.shape[-1]) not in BWD_HEAD_DIMS:
+        raise ValueError(
+            f"attention backward: head_dim = {q.shape[-1]} with head_dim_v = {v.shape[-1]} is "
+            f"not supported; supported (head_dim, head_dim_v): "
+            f"{', '.join(map(str, BWD_HEAD_DIMS))}"
+        )
+
+
+def _launch_kernel(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, seqs) -> None:
+    """The kernel call and nothing else: inputs TMA-ready, lse and gradients contiguous."""
+    from forgekernel.kernels.attention.bwd.sm90.launch import attention_bwd
+
+    varlen = {}
+    if seqs is not None:
+        names = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+        varlen = dict(zip(names, seqs))
+    with torch.cuda.device(q.device):
+        attention_bwd(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, **varlen)
+
+
+def _launch(q, k, v, o, lse, do, grads: Grads, scale, causal, deterministic, seqs=None) -> None:
+    """Write (dq, dk, dv) into `grads` (any views): empty problems never reach the kernel,
+    strided inputs are copied, strided gradients are written through contiguous buffers."""
+    if q.numel() == 0 or k.numel() == 0:  # no query rows or no keys: every gradient is 0
+        for g in grads:
+            g.zero_()
+        return
+    q, k, v, o, do = (as_tma_ready(t) for t in (q, k, v, o, do))
+    lse = lse.contiguous()
+    dst = tuple(
+        g
+        if g.is_contiguous() and tma_ready(g)
+        else torch.empty_like(g, memory_format=torch.contiguous_format)
+        for g in grads
+    )
+    _launch_kernel(q, k, v, o, lse, do, *dst, scale, causal, deterministic, seqs)
+    for g, d in zip(grads, dst):
+        if d is not g:
+            g.copy_(d)
+
+
+def _empty_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Grads:
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+
+
+# ---- custom ops ------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("forgekernel::attention_bwd", mutates_args=())
+def _attention_bwd_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    do: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grads = _empty_grads(q, k, v)
+    _launch(q, k, v, o, lse, do, grads, softmax_scale, causal, deterministic)
+    return grads
+
+
+@_attention_bwd_op.register_fake
+def _(q, k, v, o, lse, do, causal, softmax_scale, deterministic):
+    return _empty_grads(q, k, v)
+
+
+@torch.library.custom_op("forgekernel::attention_bwd_out", mutates_args=("dq", "dk", "dv"))
+def _attention_bwd_out_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    do: torch.Tensor,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    deterministic: bool,
+) -> None:
+    _launch(q, k, v, o, lse, do, (dq, dk, dv), softmax_scale, causal, deterministic)
+
+
+@_attention_bwd_out_op.register_fake
+def _(q, k, v, o, lse, do, dq, dk, dv, causal, softmax_scale, deterministic):
+    return None
+
+
+@torch.library.custom_op("forgekernel::attention_varlen_bwd", mutates_args=())
+def _attention_varlen_bwd_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    do: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    softmax_scale: float,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grads = _empty_grads(q, k, v)
+    seqs = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _launch(q, k, v, o, lse, do, grads, softmax_scale, causal, deterministic, seqs)
+    return grads
+
+
+@_attention_varlen_bwd_op.register_fake
+def _(q, k, v, o, lse, do, cu_q, cu_k, max_q, max_k, causal, softmax_scale, deterministic):
+    return _empty_grads(q, k, v)
+
+
+# ---- autograd of the forward ops ---------------------------------------------------------------
+
+
+def _backward(q, k, v, o, lse, do, causal, scale, deterministic, seqs: Seqs) -> Grads:
+    """Eager: the kernel directly (no dispatcher); traced: the custom op."""
+    _check_head_dims(q, v)
+    if _traced(q, k, v, o, lse, do):
+        if seqs is None:
+            return torch.ops.forgekernel.attention_bwd(
+                q, k, v, o, lse, do, causal, scale, deterministic
+            )
+        return torch.ops.forgekernel.attention_varlen_bwd(
+            q, k, v, o, lse, do, *seqs, causal, scale, deterministic
+        )
+    grads = _empty_grads(q, k, v)
+    _launch(q, k, v, o, lse, do, grads, scale, causal, deterministic, seqs)
+    return grads
+
+
+def _setup_fwd(ctx, inputs, output) -> None:
+    q, k, v, causal, scale, deterministic = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.flags = (causal, scale, deterministic)
+    ctx.mark_non_differentiable(lse)
+
+
+def _grad_fwd(ctx, do, dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = _backward(q, k, v, o, lse, do, *ctx.flags, seqs=None)
+    return dq, dk, dv, None, None, None
+
+
+def _setup_varlen_fwd(ctx, inputs, output) -> None:
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, deterministic = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
+    ctx.max_seqlens = (max_q, max_k)
+    ctx.flags = (causal, scale, deterministic)
+    ctx.mark_non_differentiable(lse)
+
+
+def _grad_varlen_fwd(ctx, do, dlse):
+    q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+    seqs = (cu_q, cu_k, *ctx.max_seqlens)
+    dq, dk, dv = _backward(q, k, v, o, lse, do, *ctx.flags, seqs=seqs)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("forgekernel::attention_fwd", _grad_fwd, setup_context=_setup_fwd)
+torch.library.register_autograd(
+    "forgekernel::attention_varlen_fwd", _grad_varlen_fwd, setup_context=_setup_varlen_fwd
+)
+
+
+# ---- explicit backward -------------------------------------------------------------------------
+
+
+def _check_bwd_tensors(q, k, v, o, lse, do, out) -> None:
+    """o, do: q's shape with v's head dim, q's dtype; lse (B, Hq, Sq) or, varlen, (Hq, total_q)
+    fp32; out: three tensors shaped and typed as q, k, v."""
+    o_shape = (*q.shape[:-1], v.shape[-1])
+    lse_shape = (*q.shape[:-3], q.shape[-2], q.shape[-3])
+    want = [
+        ("o", o, o_shape, (q.dtype,)),
+        ("lse", lse, lse_shape, (torch.float32,)),
+        ("do", do, o_shape, (q.dtype,)),
+    ]
+    if out is not None:
+        if not isinstance(out, (tuple, list)) or len(out) != 3:
+            raise TypeError("out must be a tuple (dq, dk, dv) of three tensors")
+        for name, g, like in zip(("out[0] (dq)", "out[1] (dk)", "out[2] (dv)"), out, (q, k, v)):
+            want.append((name, g, tuple(like.shape), (q.dtype,)))
+    for name, t, shape, dtypes in want:
+        check_tensor(name, t, ndim=len(shape), dtypes=dtypes, cuda=False)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+
+
+def attention_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    do: torch.Tensor,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    *,
+    deterministic: bool = False,
+    out: Grads | None = None,
+) -> Grads:
+    """(dq, dk, dv) of `attention(q, k, v, causal, softmax_scale)` given its o and lse and dO.
+
+    q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) as for `attention`; o and do
+    (B, Sq, Hq, Dv) in q's dtype; lse (B, Hq, Sq) fp32 as `attention(..., return_lse=True)`
+    returns it. dk, dv are summed over each kv head's query heads (GQA). `deterministic=True`:
+    bitwise-repeatable gradients (no atomic accumulation order). `out=(dq, dk, dv)` writes into
+    given buffers (any views); strided inputs are copied first.
+    """
+    _check_qkv(q, k, v, ndim=4)
+    _check_head_dims(q, v)
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[0] != q.shape[0]:
+            raise ValueError(f"{name} has batch size {t.shape[0]} but q has {q.shape[0]}")
+    scale = _check_flags(causal, softmax_scale, q.shape[-1])
+    check_bool("deterministic", deterministic)
+    _check_bwd_tensors(q, k, v, o, lse, do, out)
+    check_cuda("q", q)
+    grads = {} if out is None else dict(zip(("dq", "dk", "dv"), out))
+    check_same_device(q=q, k=k, v=v, o=o, lse=lse, do=do, **grads)
+    if _traced(q, k, v, o, lse, do, *(out or ())):
+        if out is None:
+            return torch.ops.forgekernel.attention_bwd(
+                q, k, v, o, lse, do, causal, scale, deterministic
+            )
+        torch.ops.forgekernel.attention_bwd_out(
+            q, k, v, o, lse, do, *out, causal, scale, deterministic
+        )
+        return tuple(out)
+    out = tuple(out) if out is not None else _empty_grads(q, k, v)
+    _launch(q, k, v, o, lse, do, out, scale, causal, deterministic)
+    return out
+
+
+def attention_varlen_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    do: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    *,
+    deterministic: bool = False,
+    out: Grads | None = None,
+) -> Grads:
+    """`attention_backward` of `attention_varlen`: q, o, do (total_q, Hq, *), k, v
+    (total_k, Hkv, *), lse (Hq, total_q); offsets as `attention_varlen` takes them."""
+    _check_qkv(q, k, v, ndim=3)
+    _check_head_dims(q, v)
+    _check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    scale = _check_flags(causal, softmax_scale, q.shape[-1])
+    check_bool("deterministic", deterministic)
+    _check_bwd_tensors(q, k, v, o, lse, do, out)
+    check_cuda("q", q)
+    grads = {} if out is None else dict(zip(("dq", "dk", "dv"), out))
+    check_same_device(q=q, k=k, v=v, o=o, lse=lse, do=do, **grads)
+    cu_q, cu_k = (
+        cu.to(q.device) if cu.device.type == "cpu" else cu for cu in (cu_seqlens_q, cu_seqlens_k)
+    )
+    check_same_device(q=q, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    seqs = (cu_q, cu_k, max_seqlen_q, max_seqlen_k)
+    if _traced(q, k, v, o, lse, do, cu_q, cu_k, *(out or ())):
+        grads = torch.ops.forgekernel.attention_varlen_bwd(
+            q, k, v, o, lse, do, *seqs, causal, scale, deterministic
+        )
+        if out is None:
+            return grads
+        for g, r in zip(out, grads):
+            g.copy_(r)
+        return tuple(out)
+    out = tuple(out) if out is not None else _empty_grads(q, k, v)
+    _launch(q, k, v, o, lse, do, out, scale, causal, deterministic, seqs)
+    return out
+
+
+__all__ = ["attention_backward", "attention_varlen_backward"]

@@ -1,0 +1,274 @@
+"""GPU check of the sm90 attention backward (torch only, no DSL; kernels from the bundle or cache).
+
+For each shape and dtype: fresh randn inputs, o and lse from an fp32 reference forward, dq/dk/dv
+NaN-poisoned, then `attention_bwd`; each gradient's max abs error against fp32 autograd of the
+fp32 reference must be <= 2 x the error of the same math run by torch in the input dtype + 1e-3.
+Then a bitwise repeat check of deterministic=True (3 runs), then timings against cuDNN SDPA.
+
+    python scripts/bwd_gpu_check.py [--quick] [--no-bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from forgekernel.kernels.attention.bwd.sm90.launch import attention_bwd
+
+# (b, hq, hkv, sq, sk, d, dv, causal)
+SHAPES = [
+    (2, 4, 4, 128, 128, 128, 128, True),
+    (2, 4, 4, 128, 128, 128, 128, False),
+    (1, 8, 2, 1000, 1000, 128, 128, True),
+    (2, 4, 1, 17, 17, 64, 64, False),
+    (2, 4, 1, 17, 17, 64, 64, True),
+    (1, 2, 2, 1, 1, 64, 64, False),
+    (1, 2, 1, 1, 17, 128, 128, True),
+    (1, 4, 4, 4097, 4097, 64, 64, True),
+    (1, 4, 4, 100, 1000, 128, 128, True),
+    (1, 4, 4, 1000, 100, 128, 128, True),
+    (1, 4, 4, 1000, 100, 64, 64, False),
+    (1, 8, 8, 512, 512, 192, 128, True),
+    (1, 8, 8, 300, 700, 192, 128, False),
+]
+QUICK = SHAPES[:5]
+
+
+def reference(q, k, v, scale, causal):
+    """softmax(scale q k^T + mask) v in the tensors' dtype; (B, S, H, D) layout; rows that see
+    no key give 0. Returns (o, lse) with lse (B, H, Sq) fp32 (-inf for empty rows)."""
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    qh = q.transpose(1, 2)
+    kh = k.transpose(1, 2).repeat_interleave(g, dim=1)
+    vh = v.transpose(1, 2).repeat_interleave(g, dim=1)
+    s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+    if causal:
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        mask = j > i + sk - sq
+        s = s.masked_fill(mask, float("-inf"))
+        # rows with no visible key: a finite softmax input, then P = 0 (no NaN in autograd)
+        empty = mask.all(dim=-1)[:, None]
+    else:
+        empty = None
+    with torch.no_grad():
+        lse = torch.logsumexp(s.float(), dim=-1)
+    if empty is not None:
+        s = s.masked_fill(empty, 0.0)
+    p = torch.softmax(s, dim=-1)
+    if empty is not None:
+        p = p.masked_fill(empty, 0.0)
+    o = torch.matmul(p, vh).transpose(1, 2)
+    return o, lse
+
+
+def grads(q, k, v, do, scale, causal):
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    o, _ = reference(q, k, v, scale, causal)
+    o.backward(do)
+    return q.grad, k.grad, v.grad
+
+
+def run_case(shape, dtype, deterministic=False):
+    b, hq, hkv, sq, sk, d, dv, causal = shape
+    dev = "cuda"
+    scale = d**-0.5
+    q = torch.randn(b, sq, hq, d, device=dev, dtype=dtype)
+    k = torch.randn(b, sk, hkv, d, device=dev, dtype=dtype)
+    v = torch.randn(b, sk, hkv, dv, device=dev, dtype=dtype)
+    do = torch.randn(b, sq, hq, dv, device=dev, dtype=dtype)
+    with torch.no_grad():
+        o32, lse = reference(q.float(), k.float(), v.float(), scale, causal)
+    o = o32.to(dtype).contiguous()
+    lse = lse.contiguous()
+    dq = torch.full_like(q, float("nan"))
+    dk = torch.full_like(k, float("nan"))
+    dvv = torch.full_like(v, float("nan"))
+    attention_bwd(q, k, v, o, lse, do, dq, dk, dvv, scale, causal, deterministic=deterministic)
+    torch.cuda.synchronize()
+    ref = grads(q.float(), k.float(), v.float(), do.float(), scale, causal)
+    same = grads(q, k, v, do, scale, causal)
+    rows = []
+    ok = True
+    for name, ours, r, s in zip(("dq", "dk", "dv"), (dq, dk, dvv), ref, same):
+        finite = bool(torch.isfinite(ours).all())
+        err = (ours.float() - r).abs().max().item() if ours.numel() else 0.0
+        err_t = (s.float() - r).abs().max().item() if s.numel() else 0.0
+        good = finite and err <= 2 * err_t + 1e-3
+        ok &= good
+        rows.append(f"{name} err {err:.2e} torch {err_t:.2e}{'' if finite else ' NONFINITE'}")
+    return ok, rows
+
+
+def check_deterministic(shape, dtype, runs=3):
+    b, hq, hkv, sq, sk, d, dv, causal = shape
+    dev = "cuda"
+    scale = d**-0.5
+    torch.manual_seed(1)
+    q = torch.randn(b, sq, hq, d, device=dev, dtype=dtype)
+    k = torch.randn(b, sk, hkv, d, device=dev, dtype=dtype)
+    v = torch.randn(b, sk, hkv, dv, device=dev, dtype=dtype)
+    do = torch.randn(b, sq, hq, dv, device=dev, dtype=dtype)
+    with torch.no_grad():
+        o32, lse = reference(q.float(), k.float(), v.float(), scale, causal)
+    o = o32.to(dtype).contiguous()
+    outs = []
+    for _ in range(runs):
+        dq, dk, dvv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+        attention_bwd(q, k, v, o, lse, do, dq, dk, dvv, scale, causal, deterministic=True)
+        outs.append((dq, dk, dvv))
+    torch.cuda.synchronize()
+    return all(torch.equal(a, b_) for run in outs[1:] for a, b_ in zip(outs[0], run))
+
+
+def time_ms(fn, warmup=3, iters=10):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def bench(b, hq, hkv, s, d, causal, dtype=torch.bfloat16):
+    dev = "cuda"
+    scale = d**-0.5
+    q = torch.randn(b, s, hq, d, device=dev, dtype=dtype)
+    k = torch.randn(b, s, hkv, d, device=dev, dtype=dtype)
+    v = torch.randn(b, s, hkv, d, device=dev, dtype=dtype)
+    do = torch.randn(b, s, hq, d, device=dev, dtype=dtype)
+    # o, lse from cuDNN/flash SDPA forward (any correct forward will do for timing)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    g = hq // hkv
+    with torch.no_grad():
+        lse = torch.empty(b, hq, s, device=dev, dtype=torch.float32)
+        o = torch.empty_like(q)
+        # chunked fp32-free LSE: per head group, via bf16 matmuls in fp32 accumulate
+        for h in range(hq):
+            sc = torch.matmul(qh[:, h].float(), kh[:, h // g].float().transpose(-1, -2)) * scale
+            if causal:
+                i = torch.arange(s, device=dev)[:, None]
+                j = torch.arange(s, device=dev)[None, :]
+                sc.masked_fill_(j > i, float("-inf"))
+            lse[:, h] = torch.logsumexp(sc, dim=-1)
+            o[:, :, h] = torch.matmul(torch.softmax(sc, -1), vh[:, h // g].float()).to(dtype)
+            del sc
+    dq, dk, dvv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def ours():
+        attention_bwd(q, k, v, o, lse, do, dq, dk, dvv, scale, causal)
+
+    def ours_det():
+        attention_bwd(q, k, v, o, lse, do, dq, dk, dvv, scale, causal, deterministic=True)
+
+    t_ours = time_ms(ours)
+    t_det = time_ms(ours_det)
+    fwd = 2 * b * hq * s * s * (d + d) * (0.5 if causal else 1.0)
+    flops = 2.5 * fwd
+
+    t_cudnn = float("nan")
+    try:
+        qg, kg, vg = (t.transpose(1, 2).detach().requires_grad_(True) for t in (q, k, v))
+        if g > 1:
+            kx = kg.repeat_interleave(g, dim=1)
+            vx = vg.repeat_interleave(g, dim=1)
+        else:
+            kx, vx = kg, vg
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                qg, kx, vx, is_causal=causal, scale=scale
+            )
+            doh = do.transpose(1, 2)
+
+            def cudnn():
+                torch.autograd.grad(out, (qg, kx, vx), doh, retain_graph=True)
+
+            t_cudnn = time_ms(cudnn)
+    except Exception as exc:  # noqa: BLE001
+        print(f"cuDNN comparator failed: {exc}", file=sys.stderr)
+    return {
+        "case": f"b{b} hq{hq} hkv{hkv} s{s} d{d}{' causal' if causal else ''}",
+        "ms": t_ours,
+        "tflops": flops / t_ours / 1e9,
+        "det_ms": t_det,
+        "det_tflops": flops / t_det / 1e9,
+        "cudnn_ms": t_cudnn,
+        "cudnn_tflops": flops / t_cudnn / 1e9 if t_cudnn == t_cudnn else float("nan"),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-bench", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    failures = 0
+    summary = []
+    for shape in QUICK if args.quick else SHAPES:
+        for dtype in (torch.bfloat16, torch.float16):
+            name = f"{shape} {str(dtype).removeprefix('torch.')}"
+            try:
+                ok, rows = run_case(shape, dtype)
+            except NotImplementedError as exc:
+                print(f"SKIP {name}: {exc}", flush=True)
+                summary.append((name, "skip"))
+                continue
+            failures += not ok
+            print(f"{'PASS' if ok else 'FAIL'} {name}: {'; '.join(rows)}", flush=True)
+            summary.append((name, "pass" if ok else "FAIL"))
+    det_cases = [(2, 8, 2, 1000, 1000, 128, 128, True), (1, 4, 4, 4097, 4097, 64, 64, True)]
+    for shape in det_cases:
+        for dtype in (torch.bfloat16,):
+            try:
+                same = check_deterministic(shape, dtype)
+            except NotImplementedError as exc:
+                print(f"SKIP deterministic {shape}: {exc}")
+                continue
+            failures += not same
+            print(f"{'PASS' if same else 'FAIL'} deterministic bitwise x3 {shape}", flush=True)
+            summary.append((f"deterministic {shape}", "pass" if same else "FAIL"))
+            ok, rows = run_case(shape, dtype, deterministic=True)
+            failures += not ok
+            print(f"{'PASS' if ok else 'FAIL'} deterministic accuracy {shape}: {'; '.join(rows)}")
+            summary.append((f"deterministic accuracy {shape}", "pass" if ok else "FAIL"))
+    results = []
+    if not args.no_bench:
+        for cfg in ((4, 16, 16, 8192, 128, True), (4, 32, 4, 8192, 128, True)):
+            results.append(bench(*cfg))
+    print()
+    print(
+        f"correctness: {sum(1 for _, r in summary if r == 'pass')} pass, "
+        f"{sum(1 for _, r in summary if r == 'FAIL')} fail, "
+        f"{sum(1 for _, r in summary if r == 'skip')} skip"
+    )
+    if results:
+        print(
+            "| case (bf16, bwd) | ours ms | TFLOP/s | determ. ms | TFLOP/s | cuDNN ms | TFLOP/s |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for r in results:
+            print(
+                f"| {r['case']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['det_ms']:.3f} | "
+                f"{r['det_tflops']:.0f} | {r['cudnn_ms']:.3f} | {r['cudnn_tflops']:.0f} |"
+            )
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(main())

@@ -1,0 +1,379 @@
+"""Attention backward on the CPU: autograd of `forgekernel.attention` / `attention_varlen` wired to
+the backward kernel (a reference-backed stand-in that insists on what the real one needs), the
+explicit `attention_backward`, bad inputs, `deterministic` reaching the kernel, and
+torch.compile(fullgraph=True) recording the custom ops in the forward and backward graphs."""
+
+import importlib
+import math
+
+import pytest
+import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import forgekernel
+from forgekernel.reference.attention import (
+    attention_bwd_ref,
+    attention_ref,
+    attention_varlen_bwd_ref,
+    attention_varlen_ref,
+)
+
+fwd_module = importlib.import_module("forgekernel.ops.attention")
+varlen_module = importlib.import_module("forgekernel.ops.attention_varlen")
+bwd_module = importlib.import_module("forgekernel.ops.attention_bwd")
+
+
+def bf16(*shape):
+    return torch.randn(*shape).to(torch.bfloat16)
+
+
+def qkv(b=2, sq=9, sk=13, hq=8, hkv=2, d=64, dv=None, grad=True):
+    ts = bf16(b, sq, hq, d), bf16(b, sk, hkv, d), bf16(b, sk, hkv, dv or d)
+    return tuple(t.requires_grad_(grad) for t in ts)
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """Forward and backward 'kernels' on the CPU from the reference; the backward one records
+    (causal, scale, deterministic, varlen?) per call and checks TMA-ready, contiguous operands."""
+    calls = []
+
+    def fwd(q, k, v, o, lse, scale, causal):
+        ref_o, ref_lse = attention_ref(q, k, v, causal, scale)
+        o.copy_(ref_o)
+        lse.copy_(ref_lse)
+
+    def varlen_fwd(q, k, v, o, lse, seqs, scale, causal):
+        ref_o, ref_lse = attention_varlen_ref(q, k, v, seqs[0], seqs[1], causal, scale)
+        o.copy_(ref_o)
+        lse.copy_(ref_lse)
+
+    def bwd(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, seqs):
+        assert all(fwd_module.tma_ready(t) for t in (q, k, v, o, do))
+        assert all(t.is_contiguous() for t in (lse, dq, dk, dv))
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+        if seqs is None:
+            grads = attention_bwd_ref(q, k, v, do, causal, scale)
+        else:
+            assert seqs[2:] == (max(seqs[0].diff()), max(seqs[1].diff()))
+            grads = attention_varlen_bwd_ref(q, k, v, do, seqs[0], seqs[1], causal, scale)
+        for g, r in zip((dq, dk, dv), grads):
+            g.copy_(r)
+        calls.append((causal, scale, deterministic, seqs is not None))
+
+    no_device_check = lambda name, t: None  # noqa: E731
+    for module in (fwd_module, varlen_module, bwd_module):
+        monkeypatch.setattr(module, "check_cuda", no_device_check)
+    monkeypatch.setattr(fwd_module, "_launch_fwd", fwd)
+    monkeypatch.setattr(varlen_module, "_launch_varlen_fwd", varlen_fwd)
+    monkeypatch.setattr(bwd_module, "_launch_kernel", bwd)
+    # the stand-in computes any head dims; the real kernel's HEAD_DIMS are a subset
+    monkeypatch.setattr(bwd_module, "BWD_HEAD_DIMS", ((64, 64), (128, 128), (192, 128)))
+    return calls
+
+
+def want_grads(q, k, v, do, causal, scale=None):
+    return tuple(g.to(q.dtype) for g in attention_bwd_ref(q, k, v, do, causal, scale))
+
+
+def naive_float64(q, k, v, causal, scale):
+    """O by autograd-able float64 torch ops; rows that see no key give 0."""
+    hq, hkv = q.shape[2], k.shape[2]
+    q, k, v = q.double(), k.double().repeat_interleave(hq // hkv, 2), v.double()
+    v = v.repeat_interleave(hq // hkv, 2)
+    s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
+    if causal:
+        sq, sk = q.shape[1], k.shape[1]
+        seen = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + sk - sq
+        s = s.masked_fill(~seen, -math.inf)
+        alive = seen.any(-1)[:, None].double()
+        s = s.masked_fill(~alive.bool(), 0.0)
+        p = torch.softmax(s, -1) * alive
+    else:
+        p = torch.softmax(s, -1)
+    return torch.einsum("bhij,bjhd->bihd", p, v)
+
+
+@pytest.mark.parametrize(
+    "shape, causal",
+    [
+        ((2, 9, 13, 8, 2, 64, 64), True),  # Sq < Sk, GQA 4
+        ((1, 13, 5, 4, 4, 64, 64), True),  # Sq > Sk: the first 8 rows see no key
+        ((1, 17, 17, 8, 1, 192, 128), False),  # DeepSeek dims, MQA
+        ((2, 1, 7, 8, 8, 128, 128), True),  # one query row
+    ],
+)
+def test_autograd_gives_the_reference_gradients(kernels, shape, causal):
+    b, sq, sk, hq, hkv, d, dv = shape
+    q, k, v = qkv(b, sq, sk, hq, hkv, d, dv)
+    o = forgekernel.attention(q, k, v, causal=causal)
+    do = bf16(*o.shape)
+    o.backward(do)
+    assert kernels == [(causal, d**-0.5, False, False)]
+    for got, want in zip((q.grad, k.grad, v.grad), want_grads(q, k, v, do, causal)):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # and the reference those are is the gradient of the float64 forward
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    naive_float64(qd, kd, vd, causal, d**-0.5).backward(do.double())
+    for got, want in zip((q.grad, k.grad, v.grad), (qd.grad, kd.grad, vd.grad)):
+        torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_only_some_inputs_require_grad_and_the_scale_reaches_the_kernel(kernels):
+    q, k, v = qkv(grad=False)
+    k.requires_grad_()
+    o, lse = forgekernel.attention(q, k, v, True, 0.3, return_lse=True)
+    assert not lse.requires_grad  # not differentiable: the kernel has no dLSE input
+    o.float().square().sum().backward()
+    assert q.grad is None and v.grad is None and k.grad is not None
+    assert kernels == [(True, 0.3, False, False)]
+    do = (2 * o.float()).to(torch.bfloat16)
+    torch.testing.assert_close(k.grad, want_grads(q, k, v, do, True, 0.3)[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_reaches_the_kernel(kernels, deterministic):
+    q, k, v = qkv()
+    forgekernel.attention(q, k, v, deterministic=deterministic).sum().backward()
+    packed = varlen_args()
+    forgekernel.attention_varlen(*packed, True, deterministic=deterministic).sum().backward()
+    assert [c[2] for c in kernels] == [deterministic, deterministic]
+
+
+def test_expanded_grad_output_is_copied_before_the_kernel(kernels):
+    q, k, v = qkv()
+    forgekernel.attention(q, k, v, causal=True).sum().backward()  # dO: stride-0 ones
+    do = torch.ones(2, 9, 8, 64, dtype=torch.bfloat16)
+    torch.testing.assert_close(q.grad, want_grads(q, k, v, do, True)[0], rtol=0, atol=0)
+
+
+def test_out_with_grad_returns_the_buffers_and_carries_the_gradient(kernels):
+    q, k, v = qkv()
+    o, lse = torch.empty(2, 9, 8, 64, dtype=torch.bfloat16), torch.empty(2, 8, 9)
+    got = forgekernel.attention(q, k, v, True, return_lse=True, out=(o, lse))
+    assert got[0] is o and got[1] is lse and o.requires_grad
+    do = bf16(*o.shape)
+    o.backward(do)
+    torch.testing.assert_close(v.grad, want_grads(q, k, v, do, True)[2], rtol=0, atol=0)
+
+
+def test_no_keys_or_no_queries_give_zero_gradients_without_the_kernel(kernels):
+    q, k, v = qkv(sk=0)
+    o = forgekernel.attention(q, k, v, causal=True)
+    o.backward(bf16(*o.shape))
+    assert torch.all(q.grad == 0) and k.grad.shape == k.shape
+    q, k, v = qkv(sq=0)
+    forgekernel.attention(q, k, v).sum().backward()
+    assert torch.all(k.grad == 0) and torch.all(v.grad == 0)
+    assert kernels == []
+
+
+def test_head_dims_without_a_backward_kernel_raise_in_backward(kernels):
+    q, k, v = qkv(d=256)
+    o = forgekernel.attention(q, k, v)  # the forward has 256
+    with pytest.raises(ValueError, match="backward: head_dim = 256 with head_dim_v = 256"):
+        o.sum().backward()
+
+
+def varlen_args(lens_q=(3, 0, 9), lens_k=(5, 4, 9), hq=8, hkv=2, d=128):
+    cu = [
+        torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
+        for n in (lens_q, lens_k)
+    ]
+    q = bf16(sum(lens_q), hq, d).requires_grad_()
+    k, v = (bf16(sum(lens_k), hkv, d).requires_grad_() for _ in range(2))
+    return q, k, v, cu[0], cu[1], max(lens_q), max(lens_k)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_autograd_gives_the_reference_gradients(kernels, causal):
+    q, k, v, cu_q, cu_k, mq, mk = varlen_args()
+    o = forgekernel.attention_varlen(q, k, v, cu_q, cu_k, mq, mk, causal)
+    do = bf16(*o.shape)
+    o.backward(do)
+    want = attention_varlen_bwd_ref(q, k, v, do, cu_q, cu_k, causal)
+    for got, w in zip((q.grad, k.grad, v.grad), want):
+        torch.testing.assert_close(got, w.to(torch.bfloat16), rtol=0, atol=0)
+    assert kernels == [(causal, 128**-0.5, False, True)]
+
+
+def test_attention_backward_writes_strided_out(kernels):
+    q, k, v = qkv(grad=False)
+    o, lse = forgekernel.attention(q, k, v, True, return_lse=True)
+    do = bf16(2, 9, 8, 64)
+    dq = torch.empty(2, 9, 8, 128, dtype=torch.bfloat16)[..., ::2]  # strided last dim
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    got = forgekernel.attention_backward(
+        q, k, v, o, lse, do, True, deterministic=True, out=(dq, dk, dv)
+    )
+    assert got[0] is dq and got[1] is dk and got[2] is dv
+    for g, w in zip(got, want_grads(q, k, v, do, True)):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert kernels == [(True, 64**-0.5, True, False)]
+    fresh = forgekernel.attention_backward(q, k, v, o, lse, do, True)
+    assert all(torch.equal(a, b) for a, b in zip(fresh, got))
+
+
+def test_attention_varlen_backward(kernels):
+    q, k, v, cu_q, cu_k, mq, mk = varlen_args()
+    q, k, v = (t.detach() for t in (q, k, v))
+    o, lse = forgekernel.attention_varlen(q, k, v, cu_q, cu_k, mq, mk, True, None, True)
+    do = bf16(*o.shape)
+    got = forgekernel.attention_varlen_backward(q, k, v, o, lse, do, cu_q, cu_k, mq, mk, True)
+    for g, w in zip(got, attention_varlen_bwd_ref(q, k, v, do, cu_q, cu_k, True)):
+        torch.testing.assert_close(g, w.to(torch.bfloat16), rtol=0, atol=0)
+
+
+Q, K, V = qkv(grad=False)
+O_, LSE, DO = bf16(2, 9, 8, 64), torch.empty(2, 8, 9), bf16(2, 9, 8, 64)
+
+
+def with_(**changes):
+    args = {"q": Q, "k": K, "v": V, "o": O_, "lse": LSE, "do": DO}
+    return tuple(changes.get(n, a) for n, a in args.items())
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, exc, words",
+    [
+        (with_(do=bf16(2, 9, 8, 32)), {}, ValueError, "do must have shape (2, 9, 8, 64)"),
+        (with_(o=O_.half()), {}, TypeError, "o must have dtype in (bfloat16)"),
+        (with_(lse=LSE.bfloat16()), {}, TypeError, "lse must have dtype in (float32)"),
+        (with_(lse=LSE[:, :4]), {}, ValueError, "lse must have shape (2, 8, 9)"),
+        (with_(do=DO[0]), {}, ValueError, "do must be 4-D"),
+        (with_(q=bf16(2, 9, 8, 256), k=bf16(2, 13, 2, 256)), {}, ValueError, "head_dim = 256"),
+        (with_(k=K[:1], v=V[:1]), {}, ValueError, "k has batch size 1 but q has 2"),
+        (with_(q=bf16(2, 9, 3, 64)), {}, ValueError, "Hq = 3 (q) must be a multiple"),
+        (with_(), {"deterministic": 1}, TypeError, "deterministic must be a bool"),
+        (with_(), {"causal": None}, TypeError, "causal must be a bool"),
+        (with_(), {"out": (Q, K)}, TypeError, "out must be a tuple (dq, dk, dv)"),
+        (with_(), {"out": (Q, V, V[..., :32])}, ValueError, "out[2] (dv) must have shape"),
+        (with_(), {"out": (Q, K, V.half())}, TypeError, "out[2] (dv) must have dtype"),
+        (with_(), {}, ValueError, "q must be a CUDA tensor"),
+    ],
+)
+def test_bad_backward_inputs_raise(args, kwargs, exc, words):
+    with pytest.raises(exc) as info:
+        forgekernel.attention_backward(*args, **kwargs)
+    assert words in str(info.value)
+
+
+def test_bad_deterministic_raises_in_the_forward():
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        forgekernel.attention(Q, K, V, deterministic="yes")
+    packed = [t.detach() if isinstance(t, torch.Tensor) else t for t in varlen_args()]
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        forgekernel.attention_varlen(*packed, deterministic=None)
+
+
+def test_bad_varlen_backward_inputs_raise():
+    q, k, v, cu_q, cu_k, mq, mk = (
+        t.detach() if isinstance(t, torch.Tensor) else t for t in varlen_args()
+    )
+    o, lse, do = bf16(12, 8, 128), torch.empty(8, 12), bf16(12, 8, 128)
+    with pytest.raises(ValueError, match=r"lse must have shape \(8, 12\)"):
+        forgekernel.attention_varlen_backward(q, k, v, o, lse.T, do, cu_q, cu_k, mq, mk)
+    with pytest.raises(ValueError, match="max_seqlen_q = 2 is less than the longest"):
+        forgekernel.attention_varlen_backward(q, k, v, o, lse, do, cu_q, cu_k, 2, mk)
+    with pytest.raises(ValueError, match="q must be a CUDA tensor"):
+        forgekernel.attention_varlen_backward(q, k, v, o, lse, do, cu_q, cu_k, mq, mk)
+
+
+def _graphs_backend(graphs):
+    def keep(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=keep, bw_compiler=keep)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_compile_fullgraph_records_forward_and_backward_ops(kernels, deterministic):
+    def loss(q, k, v):
+        o, lse = forgekernel.attention(
+            q, k, v, causal=True, return_lse=True, deterministic=deterministic
+        )
+        return o.float().square().sum() + lse.sum()
+
+    q, k, v = qkv()
+    loss(q, k, v).backward()
+    eager = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    graphs = []
+    torch._dynamo.reset()
+    torch.compile(loss, fullgraph=True, backend=_graphs_backend(graphs))(q, k, v).backward()
+    assert len(graphs) == 2
+    assert "forgekernel.attention_fwd.default" in graphs[0]
+    assert "forgekernel.attention_bwd.default" in graphs[1]
+    assert [c[2] for c in kernels] == [deterministic, deterministic]
+    for got, want in zip((q.grad, k.grad, v.grad), eager):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_compile_fullgraph_varlen(kernels):
+    def loss(q, k, v, cu_q, cu_k):
+        return forgekernel.attention_varlen(q, k, v, cu_q, cu_k, 9, 9, True).float().sum()
+
+    q, k, v, cu_q, cu_k, _, _ = varlen_args()
+    graphs = []
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, fullgraph=True, backend=_graphs_backend(graphs))
+    compiled(q, k, v, cu_q, cu_k).backward()
+    assert "forgekernel.attention_varlen_bwd.default" in graphs[1]
+    do = torch.ones(12, 8, 128, dtype=torch.bfloat16)
+    want = attention_varlen_bwd_ref(q, k, v, do, cu_q, cu_k, True)
+    torch.testing.assert_close(q.grad, want[0].to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_fake_tensors_take_the_backward_ops():
+    def f(q, k, v, o, lse, do):
+        return forgekernel.attention_backward(q, k, v, o, lse, do, True, deterministic=True)
+
+    def f_out(q, k, v, o, lse, do, dq, dk, dv):
+        return forgekernel.attention_backward(q, k, v, o, lse, do, out=(dq, dk, dv))
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        cuda = {"device": "cuda", "dtype": torch.float16}
+        q, o, do = (torch.empty(2, 100, 8, 128, **cuda) for _ in range(3))
+        k, v = (torch.empty(2, 300, 2, 128, **cuda) for _ in range(2))
+        lse = torch.empty(2, 8, 100, device="cuda")
+        graph = make_fx(f, tracing_mode="fake")(q, k, v, o, lse, do)
+        dq, dk, dv = f(q, k, v, o, lse, do)
+        grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+        graph_out = make_fx(f_out, tracing_mode="fake")(q, k, v, o, lse, do, *grads)
+    assert "forgekernel.attention_bwd.default" in str(graph.graph) and "True" in str(graph.graph)
+    assert "forgekernel.attention_bwd_out" in str(graph_out.graph)
+    assert dq.shape == q.shape and dk.shape == dv.shape == k.shape and dq.device.type == "cuda"
+
+
+def test_opcheck_of_the_backward_op(kernels):
+    q, k, v = (t.detach() for t in qkv())
+    o, lse = attention_ref(q, k, v, True)
+    args = (q, k, v, o.to(q.dtype), lse, bf16(2, 9, 8, 64), True, 0.125, False)
+    torch.library.opcheck(torch.ops.forgekernel.attention_bwd.default, args)
+
+
+def test_opcheck_of_the_differentiable_forward_op(kernels):
+    q, k, v = qkv()
+    torch.library.opcheck(torch.ops.forgekernel.attention_fwd.default, (q, k, v, True, 0.125))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs the kernel on a GPU")
+def test_deterministic_backward_is_bitwise_repeatable_on_the_gpu():
+    """OPS.md: deterministic=True gives bitwise-repeatable gradients (GQA 8:1: dk/dv sums)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cuda = {"device": "cuda", "dtype": torch.bfloat16, "generator": gen}
+    q, do = torch.randn(2, 1000, 16, 128, **cuda), torch.randn(2, 1000, 16, 128, **cuda)
+    k, v = torch.randn(2, 1000, 2, 128, **cuda), torch.randn(2, 1000, 2, 128, **cuda)
+    o, lse = forgekernel.attention(q, k, v, True, return_lse=True)
+    runs = [
+        forgekernel.attention_backward(q, k, v, o, lse, do, True, deterministic=True)
+        for _ in range(3)
+    ]
+    for again in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], again))

@@ -1,0 +1,200 @@
+"""The attention backward suite on the CPU: cases cover what OPS.md asks, work counts are 2.5x the
+forward's, the harness's comparison accepts a correct backward (zero dq on rows that see no key,
+GQA-summed dk/dv) and rejects wrong ones, run_ours goes through the public op, the ledger key is
+the bwd kernel leaf's sources, and the CLI knows the operator."""
+
+import dataclasses
+import importlib
+
+import pytest
+import torch
+
+from forgekernel import cli
+from forgekernel.bench.check import verify
+from forgekernel.bench.suites import SUITE_MODULES, get_suite
+from forgekernel.bench.suites import attention as fwd_suite_module
+from forgekernel.bench.suites import attention_bwd as suite_module
+from forgekernel.reference.attention import attention_bwd_ref, attention_varlen_bwd_ref
+
+bwd_module = importlib.import_module("forgekernel.ops.attention_bwd")
+SUITE = suite_module.suite()
+CPU = torch.device("cpu")
+
+
+def test_registered_and_named():
+    assert SUITE_MODULES["attention_bwd"] == "forgekernel.bench.suites.attention_bwd"
+    assert get_suite("attention_bwd").name == "attention_bwd"
+
+
+# OPS.md's head-dim pairs for the backward; the kernel offers a subset (BWD_HEAD_DIMS), and the
+# suite runs the cases it offers.
+OPS_HEAD_DIMS = ((64, 64), (128, 128), (192, 128))
+
+
+def test_bench_cases_are_the_ops_md_suite():
+    names = {c.name for c in suite_module.BENCH_CASES}
+    for b, s in ((8, 4096), (4, 8192), (2, 16384)):
+        assert f"b{b}-hq32-hkv32-s{s}-d128-causal" in names
+        assert f"b{b}-hq64-hkv8-s{s}-d128-causal" in names
+    assert "b2-hq32-hkv32-s8192-d64-causal" in names
+    assert "b2-hq128-hkv128-s8192-d192-dv128-causal" in names
+    assert all(c.params["causal"] and c.params["sq"] == c.params["sk"] for c in SUITE.bench_cases)
+    assert list(SUITE.dtypes_for_bench()) == [torch.bfloat16]
+    offered = [c for c in suite_module.BENCH_CASES if (c.params["d"], c.params["dv"]) in DIMS]
+    assert list(SUITE.bench_cases) == offered and len(offered) >= 8
+
+
+DIMS = bwd_module.BWD_HEAD_DIMS
+
+
+def test_check_cases_cover_dims_ratios_lengths_and_flags():
+    cases = suite_module.CHECK_CASES + suite_module.VARLEN_CHECK_CASES
+    for group in (SUITE.check_cases, suite_module.BENCH_CASES, cases):
+        assert len({c.name for c in group}) == len(group)
+    for c in cases:
+        p = c.params
+        assert (p["d"], p["dv"]) in OPS_HEAD_DIMS, c.name
+        assert p["hq"] % p["hkv"] == 0 and min(p["b"], p["sq"], p["sk"]) >= 1, c.name
+    fixed = suite_module.CHECK_CASES
+    assert {(c.params["d"], c.params["dv"]) for c in fixed} == set(OPS_HEAD_DIMS)
+    assert {(c.params["d"], c.params["dv"]) for c in SUITE.check_cases} == set(DIMS)
+    assert {1, 4, 8} <= {c.params["hq"] // c.params["hkv"] for c in fixed}
+    assert {1, 17, 1000, 4097} <= {c.params["sq"] for c in fixed}
+    assert any(c.params["sq"] > c.params["sk"] for c in fixed if c.params["causal"])
+    assert any(c.params["sq"] < c.params["sk"] for c in fixed)
+    assert {c.params["causal"] for c in fixed} == {True, False}
+    assert any(c.params["deterministic"] for c in fixed)
+    assert list(SUITE.dtypes) == [torch.bfloat16, torch.float16]
+
+
+def test_varlen_cases_only_once_the_kernel_takes_them(monkeypatch):
+    monkeypatch.setattr(bwd_module, "BWD_HEAD_DIMS", OPS_HEAD_DIMS)
+    monkeypatch.setattr(suite_module, "varlen_supported", lambda: False)
+    assert suite_module.check_cases() == suite_module.CHECK_CASES
+    monkeypatch.setattr(suite_module, "varlen_supported", lambda: True)
+    assert suite_module.check_cases()[-2:] == suite_module.VARLEN_CHECK_CASES
+
+
+@pytest.mark.parametrize("sq, sk", [(1, 1), (7, 7), (5, 13), (13, 5)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_flops_are_two_and_a_half_forwards(sq, sk, causal):
+    bwd = suite_module._case(2, 8, 2, sq, 192, causal, sk=sk, dv=128)
+    fwd = fwd_suite_module._case(2, 8, 2, sq, 192, causal, sk=sk, dv=128)
+    assert SUITE.flops(bwd) == 2.5 * fwd_suite_module.suite().flops(fwd)
+
+
+def test_flops_causal_square_and_varlen():
+    case = suite_module._case(4, 32, 32, 8192, 128)
+    assert SUITE.flops(case) == 2.5 * 4 * 4 * 32 * 128 * 8192 * 8193 / 2
+    varlen = suite_module._varlen_case((3, 5), (3, 9), 4, 2, 64, True)
+    pairs = (1 + 2 + 3) + sum(min(i + 9 - 5 + 1, 9) for i in range(5))
+    assert SUITE.flops(varlen) == 2.5 * 4 * 4 * 128 / 2 * pairs
+
+
+def test_bytes_are_inputs_read_and_gradients_written():
+    case = suite_module._case(2, 8, 2, 10, 192, sk=30, dv=128)
+    elems = 10 * 8 * (192 + 192 + 128 + 128) + 30 * 2 * 2 * (192 + 128)
+    assert SUITE.bytes(case, torch.bfloat16) == 2 * (2 * elems + 4 * 8 * 10)
+
+
+def test_comparators_resolve_without_a_gpu():
+    assert set(SUITE.comparators()) == {"fa4", "cudnn"}
+
+
+def test_ledger_key_is_the_bwd_leaf():
+    sources = suite_module.kernel_sources()
+    try:
+        from forgekernel.kernels.attention.bwd.sm90 import SPECS
+    except ImportError:
+        assert sources == []  # no leaf yet: the ledger gate fails for this suite
+        return
+    assert sources == sorted({p for s in SPECS for p in s.sources}) and sources
+    assert all("kernels/attention/bwd/sm90" in p.as_posix() for p in sources)
+
+
+def correct_backward(inputs, out):
+    q, k, v, do = (inputs[n] for n in ("q", "k", "v", "do"))
+    flags = (inputs["causal"], inputs["softmax_scale"])
+    if "varlen" in inputs:
+        grads = attention_varlen_bwd_ref(q, k, v, do, *inputs["varlen"][:2], *flags)
+    else:
+        grads = attention_bwd_ref(q, k, v, do, *flags)
+    for o, g in zip(out, grads):
+        o.copy_(g)
+    return out
+
+
+# Sq > Sk causal: rows 0..8 see no key (dq = 0); GQA 4, DeepSeek dims; then MHA with a scale.
+DEAD_ROWS = suite_module._case(2, 8, 2, 13, 192, sk=4, dv=128)
+SMALL = (DEAD_ROWS, suite_module._case(1, 4, 4, 17, 64, False, scale=0.3, deterministic=True))
+VARLEN = suite_module._varlen_case((5, 0, 17), (9, 3, 17), 4, 2, 64, True)
+
+
+def _verify(run_ours, case, dtype=torch.bfloat16):
+    suite = dataclasses.replace(SUITE, run_ours=run_ours)
+    inputs = suite.make_inputs(case, dtype, CPU, torch.Generator().manual_seed(0))
+    return verify(suite, inputs, CPU)[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", (*SMALL, VARLEN), ids=lambda c: c.name)
+def test_a_correct_backward_passes(case, dtype):
+    cmps = _verify(correct_backward, case, dtype)
+    assert len(cmps) == 3 and all(c.ok for c in cmps), [c.message for c in cmps]
+
+
+@pytest.mark.parametrize(
+    "spoil, which",
+    [
+        (lambda out: out[0][:, :3].add_(0.05), 0),  # dq of rows that see no key
+        (lambda out: out[1][:, -1].mul_(1.1), 1),  # one key's dk
+        (lambda out: out[2].copy_(out[2].roll(1, dims=2)), 2),  # dv summed into the wrong head
+    ],
+)
+def test_a_wrong_backward_fails(spoil, which):
+    def kernel(inputs, out):
+        correct_backward(inputs, out)
+        spoil(out)
+        return out
+
+    oks = [c.ok for c in _verify(kernel, DEAD_ROWS)]
+    assert not oks[which] and sum(oks) == 2
+
+
+def test_unwritten_gradient_fails():
+    def kernel(inputs, out):
+        return correct_backward(inputs, out[:2]) + (out[2],)
+
+    cmps = _verify(kernel, DEAD_ROWS)
+    assert not cmps[2].ok and "NaN" in cmps[2].message
+
+
+@pytest.fixture
+def cpu_backward(monkeypatch):
+    """The public op's eager path on the CPU, with the reference as the kernel."""
+    calls = []
+
+    def launch(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, seqs):
+        inputs = {"q": q, "k": k, "v": v, "do": do, "causal": causal, "softmax_scale": scale}
+        if seqs is not None:
+            inputs["varlen"] = seqs
+        correct_backward(inputs, (dq, dk, dv))
+        calls.append(deterministic)
+
+    monkeypatch.setattr(bwd_module, "check_cuda", lambda name, t: None)
+    monkeypatch.setattr(bwd_module, "_launch_kernel", launch)
+    monkeypatch.setattr(bwd_module, "BWD_HEAD_DIMS", OPS_HEAD_DIMS)  # the stand-in has them all
+    return calls
+
+
+def test_suite_runs_the_public_op_into_out(cpu_backward):
+    for case in (*SMALL, VARLEN):
+        assert all(c.ok for c in _verify(suite_module.run_ours, case))
+    assert cpu_backward == [False, True, False]
+
+
+def test_cli_lists_the_operator(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_cuda_available", lambda: False)
+    assert cli.main(["check", "attention_bwd"]) == 2
+    assert cli.NO_GPU_CHECK in capsys.readouterr().err
+    assert [s.name for s in cli._suites(["attention_bwd"])] == ["attention_bwd"]
