@@ -19,7 +19,7 @@ from forgekernel.ops.attention import LOG2E, num_sms
 from forgekernel.runtime.cache import get_kernel
 
 CASES = [
-    # (b, hq, hkv, s, d, causal, configs)
+    # (b, hq, hkv, s, d, causal, configs); d = (D, Dv) when they differ
     (
         8,
         32,
@@ -45,6 +45,15 @@ CASES = [
     ),
     (8, 64, 4, 4096, 128, False, [AttnConfig(128, 128, 2), AttnConfig(128, 176, 2)]),
     (4, 16, 16, 4096, 256, True, [AttnConfig(128, 64, 2), AttnConfig(128, 80, 2)]),
+    (
+        2,
+        128,
+        128,
+        8192,
+        (192, 128),
+        True,
+        [AttnConfig(128, 128, 2), AttnConfig(128, 112, 2), AttnConfig(128, 96, 2)],
+    ),
 ]
 
 
@@ -53,11 +62,12 @@ def main() -> None:
 
     rows = []
     for b, hq, hkv, s, d, causal, cfgs in CASES:
+        d, dv = d if isinstance(d, tuple) else (d, d)
         g = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
         k = torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
-        v = torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
-        o = torch.empty_like(q)
+        v = torch.randn(b, s, hkv, dv, device="cuda", dtype=torch.bfloat16, generator=g)
+        o = torch.empty(b, s, hq, dv, device="cuda", dtype=torch.bfloat16)
         lse = torch.empty(b, hq, s, device="cuda")
         scale = d**-0.5
         want = flash_attn_func(q, k, v, causal=causal)
@@ -66,7 +76,7 @@ def main() -> None:
         errs = {}
         for cfg in cfgs:
             try:
-                fn = get_kernel(sm90.SPEC, sm90.params_for("bfloat16", d, d, causal, cfg))
+                fn = get_kernel(sm90.SPEC, sm90.params_for("bfloat16", d, dv, causal, cfg))
             except Exception as e:  # a config that does not build
                 errs[cfg.tag()] = f"build: {type(e).__name__}: {e}"[:200]
                 continue
@@ -77,13 +87,13 @@ def main() -> None:
             errs[cfg.tag()] = float((o.float() - want.float()).abs().max())
             fns[cfg.tag()] = lambda fn=fn, args=args: fn(*args)
         samples = time_interleaved(fns, warmup=3, reps=15)
-        flop = 4 * b * hq * d * s * s / (2 if causal else 1)
+        flop = 2 * b * hq * (d + dv) * s * s / (2 if causal else 1)
         fa4 = median(samples["fa4"])
         for name, smp in samples.items():
             ms = median(smp)
             rows.append(
                 {
-                    "case": f"b{b} hq{hq} hkv{hkv} s{s} d{d} {'causal' if causal else 'full'}",
+                    "case": f"b{b} hq{hq} hkv{hkv} s{s} d{d}/{dv} {'c' if causal else 'full'}",
                     "variant": name,
                     "ms": ms,
                     "tflops": flop / ms / 1e9,

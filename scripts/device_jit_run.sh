@@ -2,22 +2,34 @@
 # Second of the two JIT-path device calls (the DSL and the comparators installed there, so FA4
 # runs beside our prebuilt kernels):
 #   here:  ../shared/gpu-host/dsl-payload.sh .payload
-#          forgekernel build --arch sm_90a --out .bundle/kernels
+#          forgekernel build --arch sm_90a --out .bundle/kernels [--only KERNEL ...]
 #   GPU 1: bash .payload/p1/dsl-install.sh stash .payload/p1            (carry .payload/p1)
 #   GPU 2: bash scripts/device_jit_run.sh OP...   within 30 s  (carry .payload/p2, .bundle/kernels)
+# Each OP is checked, then benchmarked, under its own time limits; VARIANTS=1 then times
+# attention-forward configurations (scripts/attn_variants.py), BWD_SCRIPT=1 runs
+# scripts/bwd_gpu_check.py.
 set -uo pipefail
 OUT=${OUT:-/tmp/forgekernel-out}
 mkdir -p "$OUT/results" "$OUT/reports"
 source .payload/p2/dsl-install.sh install .payload/p2 || exit 1
 export FORGEKERNEL_KERNEL_DIR="$PWD/.bundle/kernels" FORGEKERNEL_RESULTS_DIR="$OUT/results"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,power.draw --format=csv
-timeout 120 python3 -m forgekernel selftest
-timeout "${CHECK_TIMEOUT:-200}" python3 -m forgekernel check "$@" 2>&1 | tee "$OUT/check.log"
-check_rc=${PIPESTATUS[0]}
-timeout "${BENCH_TIMEOUT:-300}" python3 -m forgekernel bench --report-dir "$OUT/reports" "$@" \
-  2>&1 | tee "$OUT/bench.log"
-echo "check rc=$check_rc bench rc=${PIPESTATUS[0]}"
+timeout 120 python3 -m forgekernel selftest 2>&1 | tail -3
+for op in "$@"; do
+  timeout "${CHECK_TIMEOUT:-200}" python3 -m forgekernel check "$op" 2>&1 | tee "$OUT/check-$op.log" \
+    | grep -v " PASS$"
+  check_rc=${PIPESTATUS[0]}
+  [ "${SKIP_BENCH:-}" = "$op" ] && continue
+  timeout "${BENCH_TIMEOUT:-300}" python3 -m forgekernel bench --report-dir "$OUT/reports" "$op" \
+    2>&1 | tee "$OUT/bench-$op.log" | grep -v "^\[" | tail -25
+  echo "$op: check rc=$check_rc bench rc=${PIPESTATUS[0]}"
+done
 if [ -n "${VARIANTS:-}" ]; then
-  timeout "${VARIANTS_TIMEOUT:-200}" python3 scripts/attn_variants.py "$OUT/variants.json" 2>&1 | tail -40
+  PYTHONPATH=$PWD timeout "${VARIANTS_TIMEOUT:-200}" python3 scripts/attn_variants.py \
+    "$OUT/variants.json" 2>&1 | tail -40
+fi
+if [ -n "${BWD_SCRIPT:-}" ]; then
+  PYTHONPATH=$PWD timeout "${BWD_TIMEOUT:-200}" python3 scripts/bwd_gpu_check.py ${BWD_ARGS:-} \
+    2>&1 | tail -60
 fi
