@@ -76,6 +76,7 @@ SPEC_PRE = KernelSpec(
     directory=_DIR,
     compile=_compile_pre,
     standard_params=_pre_standard,
+    mma=False,
 )
 SPEC_MAIN = KernelSpec(
     name="attention_bwd_sm90",
@@ -90,6 +91,7 @@ SPEC_POST = KernelSpec(
     directory=_DIR,
     compile=_compile_post,
     standard_params=_post_standard,
+    mma=False,
 )
 SPECS = [SPEC_PRE, SPEC_MAIN, SPEC_POST]
 

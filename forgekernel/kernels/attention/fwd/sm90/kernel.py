@@ -58,6 +58,8 @@ THREADS_PER_WG = 128
 EPILOGUE_BARRIER = 1  # named barrier of all consumer threads (0 is __syncthreads)
 SCHED_BARRIER = 2  # named barriers 2, 3 (, 4): consumer warpgroup 0's, 1's (, 2's) turn to issue
 LN2 = math.log(2.0)
+# K and V bytes the concurrently running tiles may share from L2 (50 MiB on H100 / H200).
+L2_KV_BUDGET = 24 * 2**20
 
 
 def _select(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
@@ -377,17 +379,17 @@ class AttentionFwdSm90:
     def _tile(self, t: Int32, tiles):
         """Tile t of the persistent schedule -> (valid, m_block, head, batch, q_off, k_off,
         seqlen_q, seqlen_k); batch indexes the tensors (0 for varlen, whose sequences are row
-        offsets q_off / k_off). Tiles run in order of t, each CTA taking every grid-th one; the
-        row-block index is the slowest, so with a causal mask the longest row blocks of every
-        head and batch go first (longest-processing-time first), and consecutive tiles share
-        a kv head (GQA groups stay in L2)."""
+        offsets q_off / k_off). Tiles run in order of t, each CTA taking every grid-th one.
+
+        Order: batch, then sections of query heads whose K and V fit in L2 together (whole
+        GQA groups), then the row block, then the head in the section. The CTAs running at
+        one time thus share a few kv heads, read from L2, and with a causal mask each
+        section's longest row blocks go first (longest-processing-time first)."""
         mQ, mK, _, _, _, _, mCuQ, mCuK, num_m_blocks, _ = tiles
         num_heads = mQ.shape[2]
-        per_m = num_heads * (mQ.shape[3] if const_expr(not self.varlen) else mCuQ.shape[0] - 1)
-        m_rev = t // per_m
-        rest = t - m_rev * per_m
-        batch = rest // num_heads
-        head = rest - batch * num_heads
+        per_batch = num_heads * num_m_blocks
+        batch = t // per_batch
+        r = t - batch * per_batch
         q_off = Int32(0)
         k_off = Int32(0)
         seqlen_q = mQ.shape[0]
@@ -399,6 +401,15 @@ class AttentionFwdSm90:
             seqlen_q = mCuQ[batch + 1] - q_off
             seqlen_k = mCuK[batch + 1] - k_off
             m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
+        kv_bytes = cutlass.max(seqlen_k * ((self.head_dim + self.head_dim_v) * 2), 1)
+        group = num_heads // mK.shape[2]
+        section = cutlass.min(cutlass.max(L2_KV_BUDGET // kv_bytes, 1) * group, num_heads)
+        first_head = (r // (section * num_m_blocks)) * section
+        heads_here = cutlass.min(section, num_heads - first_head)
+        idx = r - first_head * num_m_blocks
+        m_rev = idx // heads_here
+        head = first_head + idx - m_rev * heads_here
+        if const_expr(self.varlen):
             batch = Int32(0)  # the packed tensors' unit batch mode; the sequence is an offset
         m_block = m_rev
         if const_expr(self.causal):
