@@ -2,6 +2,7 @@
 the variants on the GPU host). Each variant's output is compared with FA4's first.
 
     python scripts/attn_variants.py [OUT.json]
+    python scripts/attn_variants.py --build DIR      (here, no GPU: prebuild the variants)
 """
 
 from __future__ import annotations
@@ -18,8 +19,14 @@ from forgekernel.kernels.attention.fwd.sm90.config import AttnConfig
 from forgekernel.ops.attention import LOG2E, num_sms
 from forgekernel.runtime.cache import get_kernel
 
+C = AttnConfig
+NOOV = {"overlap": False}
+LPT = {"l2_sections": False}
 CASES = [
     # (b, hq, hkv, s, d, causal, configs); d = (D, Dv) when they differ
+    (1, 64, 4, 32768, 128, True, [C(), C(**NOOV), C(**LPT), C(**NOOV, **LPT)]),
+    (16, 64, 4, 2048, 128, True, [C(), C(**NOOV), C(**LPT)]),
+    (8, 64, 4, 4096, 128, False, [C(), C(**NOOV), C(128, 176, 2)]),
     (
         8,
         32,
@@ -28,33 +35,37 @@ CASES = [
         64,
         True,
         [
-            AttnConfig(192, 128, 3),
-            AttnConfig(128, 128, 3),
-            AttnConfig(128, 176, 2),
-            AttnConfig(192, 96, 3),
+            C(192, 128, 3),
+            C(192, 128, 3, **NOOV),
+            C(128, 128, 3),
+            C(128, 128, 3, **NOOV),
+            C(192, 128, 3, **LPT),
         ],
     ),
-    (
-        16,
-        64,
-        4,
-        2048,
-        128,
-        True,
-        [AttnConfig(128, 128, 2), AttnConfig(128, 96, 3), AttnConfig(128, 176, 2)],
-    ),
-    (8, 64, 4, 4096, 128, False, [AttnConfig(128, 128, 2), AttnConfig(128, 176, 2)]),
-    (4, 16, 16, 4096, 256, True, [AttnConfig(128, 64, 2), AttnConfig(128, 80, 2)]),
-    (
-        2,
-        128,
-        128,
-        8192,
-        (192, 128),
-        True,
-        [AttnConfig(128, 128, 2), AttnConfig(128, 112, 2), AttnConfig(128, 96, 2)],
-    ),
+    (4, 16, 16, 4096, 256, True, [C(128, 64, 2), C(128, 64, 2, **NOOV)]),
+    (2, 128, 128, 8192, (192, 128), True, [C(), C(**NOOV), C(128, 112, 2)]),
 ]
+
+
+def _dims(d):
+    return d if isinstance(d, tuple) else (d, d)
+
+
+def build(out_dir: str) -> None:
+    """Compile every variant here (no GPU) into out_dir, for FORGEKERNEL_KERNEL_DIR there."""
+    from pathlib import Path
+
+    from forgekernel.runtime.cache import compile_to
+
+    for _, _, _, _, d, causal, cfgs in CASES:
+        d, dv = _dims(d)
+        for cfg in cfgs:
+            params = sm90.params_for("bfloat16", d, dv, causal, cfg)
+            try:
+                compile_to(sm90.SPEC, params, Path(out_dir))
+                print("built", d, dv, causal, cfg.tag())
+            except Exception as e:
+                print("FAILED", d, dv, causal, cfg.tag(), type(e).__name__, str(e)[:200])
 
 
 def main() -> None:
@@ -62,7 +73,7 @@ def main() -> None:
 
     rows = []
     for b, hq, hkv, s, d, causal, cfgs in CASES:
-        d, dv = d if isinstance(d, tuple) else (d, d)
+        d, dv = _dims(d)
         g = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
         k = torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -118,4 +129,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 2 and sys.argv[1] == "--build":
+        build(sys.argv[2])
+    else:
+        main()

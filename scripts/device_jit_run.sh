@@ -10,21 +10,24 @@
 # scripts/bwd_gpu_check.py.
 set -uo pipefail
 OUT=${OUT:-/tmp/forgekernel-out}
-mkdir -p "$OUT/results" "$OUT/reports"
+# At most 8 files come back: the ledgers, one tar of the reports, variants.json.
+LOGS=/tmp/forgekernel-logs REPORTS=/tmp/forgekernel-reports
+mkdir -p "$OUT/results" "$LOGS" "$REPORTS"
 source .payload/p2/dsl-install.sh install .payload/p2 || exit 1
 export FORGEKERNEL_KERNEL_DIR="$PWD/.bundle/kernels" FORGEKERNEL_RESULTS_DIR="$OUT/results"
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,power.draw --format=csv
 timeout 120 python3 -m forgekernel selftest 2>&1 | tail -3
 for op in "$@"; do
-  timeout "${CHECK_TIMEOUT:-200}" python3 -m forgekernel check "$op" 2>&1 | tee "$OUT/check-$op.log" \
+  timeout "${CHECK_TIMEOUT:-200}" python3 -m forgekernel check "$op" 2>&1 | tee "$LOGS/check-$op.log" \
     | grep -v " PASS$"
   check_rc=${PIPESTATUS[0]}
   [ "${SKIP_BENCH:-}" = "$op" ] && continue
-  timeout "${BENCH_TIMEOUT:-300}" python3 -m forgekernel bench --report-dir "$OUT/reports" "$op" \
-    2>&1 | tee "$OUT/bench-$op.log" | grep -v "^\[" | tail -25
+  timeout "${BENCH_TIMEOUT:-300}" python3 -m forgekernel bench --report-dir "$REPORTS" "$op" \
+    2>&1 | tee "$LOGS/bench-$op.log" | grep -v "^\[" | tail -25
   echo "$op: check rc=$check_rc bench rc=${PIPESTATUS[0]}"
 done
+tar -cf "$OUT/reports.tar" -C "$REPORTS" . 2>/dev/null
 if [ -n "${VARIANTS:-}" ]; then
   PYTHONPATH=$PWD timeout "${VARIANTS_TIMEOUT:-200}" python3 scripts/attn_variants.py \
     "$OUT/variants.json" 2>&1 | tail -40

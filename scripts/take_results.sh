@@ -9,6 +9,10 @@ for f in "$src"/results/*/*.json; do
   arch=$(basename "$(dirname "$f")")
   mkdir -p "$root/benchmarks/results/$arch" && cp "$f" "$root/benchmarks/results/$arch/"
 done
+if [ -f "$src/reports.tar" ]; then  # scripts/device_jit_run.sh packs its reports
+  mkdir -p "$src/reports" 2>/dev/null || { tmp=$(mktemp -d); cp -r "$src"/. "$tmp"; src=$tmp; }
+  mkdir -p "$src/reports" && tar -xf "$src/reports.tar" -C "$src/reports"
+fi
 if ls "$src"/reports/* >/dev/null 2>&1; then
   arch=$(ls "$src"/results 2>/dev/null | head -1); arch=${arch:-sm_90a}
   mkdir -p "$root/benchmarks/reports/$arch" && cp "$src"/reports/* "$root/benchmarks/reports/$arch/"

@@ -96,10 +96,13 @@ def attention_bwd(
     lse2 = torch.empty(b, hq, sq_pad, dtype=f32, device=dev)
     dsum = torch.empty(b, hq, sq_pad, dtype=f32, device=dev)
     dq_acc = torch.zeros(b, hq, sq_pad * d, dtype=f32, device=dev)
+    # The per-row-block dQ semaphores (deterministic order); the compiled kernel's batch and
+    # head extents are shared with q, so the unread buffer keeps the shape too (uninitialized).
+    n_sem = sq_pad // cfg.tile_m
     if deterministic:
-        sem = torch.zeros(b, hq, sq_pad // cfg.tile_m, dtype=torch.int32, device=dev)
+        sem = torch.zeros(b, hq, n_sem, dtype=torch.int32, device=dev)
     else:
-        sem = torch.zeros(1, 1, 1, dtype=torch.int32, device=dev)
+        sem = torch.empty(b, hq, n_sem, dtype=torch.int32, device=dev)
 
     pre = get_kernel(SPEC_PRE, pre_params(dtype, dv_dim))
     main = get_kernel(SPEC_MAIN, main_params(dtype, d, dv_dim, causal, deterministic, cfg))

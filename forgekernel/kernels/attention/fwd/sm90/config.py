@@ -17,15 +17,20 @@ class AttnConfig:
     """Everything baked into one compiled attention forward besides dtype, head dims, causal.
 
     tile_m query rows per tile (one consumer warpgroup per 64 rows: 128 or 192), tile_n keys
-    per K/V tile, stages K and V tiles in flight (one ring each)."""
+    per K/V tile, stages K and V tiles in flight (one ring each); overlap: a warpgroup's
+    softmax runs under its own P V (else the step waits for it first); l2_sections: tiles
+    ordered in sections of heads whose K/V fit in L2 (else row block slowest over all)."""
 
     tile_m: int = 128
     tile_n: int = 128
     stages: int = 2
+    overlap: bool = True
+    l2_sections: bool = True
 
     def tag(self) -> str:
-        """Short name for tables: 128x128_s2."""
-        return f"{self.tile_m}x{self.tile_n}_s{self.stages}"
+        """Short name for tables: 128x128_s2 (plus _noov / _lpt for the non-default flags)."""
+        tag = f"{self.tile_m}x{self.tile_n}_s{self.stages}"
+        return tag + ("" if self.overlap else "_noov") + ("" if self.l2_sections else "_lpt")
 
     @classmethod
     def from_params(cls, params: dict) -> AttnConfig:

@@ -153,6 +153,8 @@ class AttentionFwdSm90:
         # Warpgroup ping-pong pays when softmax and GEMM times are comparable; with D > 128 the
         # GEMMs dominate and the turn-taking only delays issue (FA3 makes the same split).
         self.pingpong = head_dim <= 128
+        self.overlap = config.overlap
+        self.l2_sections = config.l2_sections
 
     # ---------------------------------------------------------------- host-side setup
     def _setup(self):
@@ -401,14 +403,27 @@ class AttentionFwdSm90:
             seqlen_q = mCuQ[batch + 1] - q_off
             seqlen_k = mCuK[batch + 1] - k_off
             m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
-        kv_bytes = cutlass.max(seqlen_k * ((self.head_dim + self.head_dim_v) * 2), 1)
-        group = num_heads // mK.shape[2]
-        section = cutlass.min(cutlass.max(L2_KV_BUDGET // kv_bytes, 1) * group, num_heads)
-        first_head = (r // (section * num_m_blocks)) * section
-        heads_here = cutlass.min(section, num_heads - first_head)
-        idx = r - first_head * num_m_blocks
-        m_rev = idx // heads_here
-        head = first_head + idx - m_rev * heads_here
+        if const_expr(self.l2_sections):
+            kv_bytes = cutlass.max(seqlen_k * ((self.head_dim + self.head_dim_v) * 2), 1)
+            group = num_heads // mK.shape[2]
+            section = cutlass.min(cutlass.max(L2_KV_BUDGET // kv_bytes, 1) * group, num_heads)
+            first_head = (r // (section * num_m_blocks)) * section
+            heads_here = cutlass.min(section, num_heads - first_head)
+            idx = r - first_head * num_m_blocks
+            m_rev = idx // heads_here
+            head = first_head + idx - m_rev * heads_here
+        else:  # row block slowest over the whole batch: global LPT, heads spread over L2
+            per_m = num_heads * (mQ.shape[3] if const_expr(not self.varlen) else mCuQ.shape[0] - 1)
+            m_rev = t // per_m
+            rest = t - m_rev * per_m
+            batch = rest // num_heads
+            head = rest - batch * num_heads
+            if const_expr(self.varlen):
+                q_off = mCuQ[batch]
+                k_off = mCuK[batch]
+                seqlen_q = mCuQ[batch + 1] - q_off
+                seqlen_k = mCuK[batch + 1] - k_off
+                m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
         if const_expr(self.varlen):
             batch = Int32(0)  # the packed tensors' unit batch mode; the sequence is an offset
         m_block = m_rev
@@ -615,6 +630,8 @@ class AttentionFwdSm90:
         )  # fmt: skip
         if n_block_max > 0:
             self._first_block(kv, n_block_max - 1, *a)
+            if const_expr(not self.overlap):
+                self._land(kv, False, tOrP, acc_S, acc_O, rescale, v_pipe)
             # The first step has no P V in flight: its kv_pv release is skipped (pending 0).
             kv_pv = kv.clone()
             pending = Int32(0)
@@ -626,16 +643,27 @@ class AttentionFwdSm90:
             for i in cutlass.range(n_rest_unmasked, unroll=1):
                 kv, kv_pv = self._step(kv, kv_pv, pending, n_rest_unmasked - 1 - i, *a, False)
                 pending = Int32(1)
-            warpgroup.wait_group(0)
-            if pending != 0:
-                v_pipe.consumer_release(kv_pv)
-            tOrP.store(_acc_as_operand_a(acc_S).load().to(self.dtype))
-            self._rescale_o(acc_O, rescale)
+            if const_expr(self.overlap):
+                self._land(kv_pv, pending, tOrP, acc_S, acc_O, rescale, v_pipe)
             v_pipe.consumer_wait(kv)
             self._gemm(mma_pv, acc_O, tOrP, tOrV[None, None, None, kv.index], False, 0)
             v_pipe.consumer_release(kv)
             kv.advance()
         return kv
+
+    @cute.jit
+    def _land(self, kv_pv, pending, tOrP, acc_S, acc_O, rescale, v_pipe):
+        """Wait for the P V in flight (its V stage `kv_pv` released if `pending`), then P in
+        acc_S to 16 bits as the next P V's A operand, and O rescaled to the new row maxima."""
+        warpgroup.wait_group(0)
+        if const_expr(isinstance(pending, bool)):
+            if const_expr(pending):
+                v_pipe.consumer_release(kv_pv)
+        else:
+            if pending != 0:
+                v_pipe.consumer_release(kv_pv)
+        tOrP.store(_acc_as_operand_a(acc_S).load().to(self.dtype))
+        self._rescale_o(acc_O, rescale)
 
     @cute.jit
     def _gemm(
@@ -678,12 +706,11 @@ class AttentionFwdSm90:
         P V of block `kv_pv` is in flight. Land it, then issue S = Q K_n^T and O += P V_kv,
         and run the softmax of S_n under that P V. The wait for the P V sits at the top of the
         step, after the loop's back edge, so the assembler cannot hoist it above the softmax.
-        Returns (state of block n, state of the block whose P V is now in flight)."""
-        warpgroup.wait_group(0)
-        if pending != 0:
-            v_pipe.consumer_release(kv_pv)
-        tOrP.store(_acc_as_operand_a(acc_S).load().to(self.dtype))
-        self._rescale_o(acc_O, rescale)
+        Returns (state of block n, state of the block whose P V is now in flight). Without
+        `overlap` the step lands its own P V after the softmax instead (the assembler then
+        hoists that wait above the softmax: FA3's order as compiled)."""
+        if const_expr(self.overlap):
+            self._land(kv_pv, pending, tOrP, acc_S, acc_O, rescale, v_pipe)
         kv_s = kv.clone()
         kv_s.advance()
         k_pipe.consumer_wait(kv_s)
@@ -700,6 +727,8 @@ class AttentionFwdSm90:
         if const_expr(masked):
             self._mask(acc_S, tScS, n, m0, seqlen_q, seqlen_k)
         self._online_softmax(acc_S, row_max, row_sum, rescale, scale_log2)
+        if const_expr(not self.overlap):
+            self._land(kv, True, tOrP, acc_S, acc_O, rescale, v_pipe)
         return kv_s, kv
 
     @cute.jit
