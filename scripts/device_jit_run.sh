@@ -29,10 +29,10 @@ for op in "$@"; do
 done
 tar -cf "$OUT/reports.tar" -C "$REPORTS" . 2>/dev/null
 if [ -n "${VARIANTS:-}" ]; then
-  PYTHONPATH=$PWD timeout "${VARIANTS_TIMEOUT:-200}" python3 scripts/attn_variants.py \
+  PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout "${VARIANTS_TIMEOUT:-200}" python3 scripts/attn_variants.py \
     "$OUT/variants.json" 2>&1 | tail -40
 fi
 if [ -n "${BWD_SCRIPT:-}" ]; then
-  PYTHONPATH=$PWD timeout "${BWD_TIMEOUT:-200}" python3 scripts/bwd_gpu_check.py ${BWD_ARGS:-} \
+  PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout "${BWD_TIMEOUT:-200}" python3 scripts/bwd_gpu_check.py ${BWD_ARGS:-} \
     2>&1 | tail -60
 fi
