@@ -20,30 +20,13 @@ from forgekernel.ops.attention import LOG2E, num_sms
 from forgekernel.runtime.cache import get_kernel
 
 C = AttnConfig
-NOOV = {"overlap": False}
+OV = {"overlap": True}
 LPT = {"l2_sections": False}
 CASES = [
-    # (b, hq, hkv, s, d, causal, configs); d = (D, Dv) when they differ
-    (1, 64, 4, 32768, 128, True, [C(), C(**NOOV), C(**LPT), C(**NOOV, **LPT)]),
-    (16, 64, 4, 2048, 128, True, [C(), C(**NOOV), C(**LPT)]),
-    (8, 64, 4, 4096, 128, False, [C(), C(**NOOV), C(128, 176, 2)]),
-    (
-        8,
-        32,
-        32,
-        4096,
-        64,
-        True,
-        [
-            C(192, 128, 3),
-            C(192, 128, 3, **NOOV),
-            C(128, 128, 3),
-            C(128, 128, 3, **NOOV),
-            C(192, 128, 3, **LPT),
-        ],
-    ),
-    (4, 16, 16, 4096, 256, True, [C(128, 64, 2), C(128, 64, 2, **NOOV)]),
-    (2, 128, 128, 8192, (192, 128), True, [C(), C(**NOOV), C(128, 112, 2)]),
+    # (b, hq, hkv, s, d, causal, configs); d = (D, Dv) when they differ. First: the default.
+    (4, 16, 16, 4096, 256, True, [C(128, 64, 2), C(128, 64, 2, **LPT), C(128, 80, 2)]),
+    (8, 64, 4, 4096, 128, True, [C(), C(**OV), C(128, 128, 3)]),
+    (8, 32, 32, 4096, 64, True, [C(128, 128, 3), C(128, 128, 2), C(128, 176, 2)]),
 ]
 
 

@@ -18,19 +18,21 @@ class AttnConfig:
 
     tile_m query rows per tile (one consumer warpgroup per 64 rows: 128 or 192), tile_n keys
     per K/V tile, stages K and V tiles in flight (one ring each); overlap: a warpgroup's
-    softmax runs under its own P V (else the step waits for it first); l2_sections: tiles
-    ordered in sections of heads whose K/V fit in L2 (else row block slowest over all)."""
+    softmax runs under its own P V (else the step waits for it first: measured faster, see
+    docs/attention/NOTES.md); l2_sections: when one wave of tiles would stream far more K/V
+    than L2 holds, order tiles in sections of heads whose K/V fit (else always the global
+    longest-first order)."""
 
     tile_m: int = 128
     tile_n: int = 128
     stages: int = 2
-    overlap: bool = True
+    overlap: bool = False
     l2_sections: bool = True
 
     def tag(self) -> str:
-        """Short name for tables: 128x128_s2 (plus _noov / _lpt for the non-default flags)."""
+        """Short name for tables: 128x128_s2 (plus _ov / _lpt for the non-default flags)."""
         tag = f"{self.tile_m}x{self.tile_n}_s{self.stages}"
-        return tag + ("" if self.overlap else "_noov") + ("" if self.l2_sections else "_lpt")
+        return tag + ("_ov" if self.overlap else "") + ("" if self.l2_sections else "_lpt")
 
     @classmethod
     def from_params(cls, params: dict) -> AttnConfig:
@@ -58,12 +60,12 @@ def smem_bytes(cfg: AttnConfig, head_dim: int, head_dim_v: int, elem_bytes: int 
 
 
 # One CTA per SM (the consumer warpgroups take the whole register file), so shared memory
-# only bounds stages. D=64: three consumer warpgroups (192-row tiles, FA3's choice: with a
-# small D the softmax is a large share of each step and a third warpgroup keeps the tensor
-# cores fed), 3 stages; D=96 and D=128: 2 stages, O in its own buffer; D=256: 64-key tiles;
+# only bounds stages. Two consumer warpgroups (128-row tiles) everywhere: for D=64 three
+# (192-row tiles, FA3's choice) measured slower (H200, 2026-11-30: 333 vs 374 TFLOP/s).
+# D=64: 3 stages; D=96 and D=128: 2 stages, O in its own buffer; D=256: 64-key tiles;
 # D=192/Dv=128: O shares Q's buffer.
 _DEFAULTS = {
-    (64, 64): AttnConfig(tile_m=192, tile_n=128, stages=3),
+    (64, 64): AttnConfig(tile_n=128, stages=3),
     (96, 96): AttnConfig(tile_n=128, stages=2),
     (128, 128): AttnConfig(tile_n=128, stages=2),
     (256, 256): AttnConfig(tile_n=64, stages=2),

@@ -1,35 +1,41 @@
 """Attention forward for Hopper (sm_90a): O = softmax(scale * Q K^T + mask) V, and the LSE.
 
-One CTA per (128-query-row block, query head, batch): grid (ceil(Sq / 128), Hq, B); with a
-causal mask the row blocks run last-first, the heavy ones start early.
+Persistent: one CTA per SM walks the tiles (query-row block of tile_m rows, query head, batch)
+in the order of `_tile` (the longest causal row blocks first; sections of heads whose K/V fit
+in L2 when one wave would stream far more); fixed-length or varlen (packed sequences, offsets
+from cu_seqlens, each sequence its own causal alignment and key bound).
 
-Warp roles (one CTA = 3 warpgroups, 384 threads):
-- warp 0 of warpgroup 0 (producer, 24 registers after setmaxnreg): TMA-loads the Q tile once
-  (pipeline `q`, one stage), then for each key block, last to first, the K tile and the V tile
-  into two `stages`-deep shared-memory rings (pipelines `k` and `v`, mbarrier full/empty, the
-  same stage index for both). Warps 1-3 of warpgroup 0 exit at once.
-- warpgroups 1 and 2 (consumers, 240 registers), 64 query rows each. Key block j, after a
-  first half step (S = Q K^T, mask, softmax, P of the first block): issue S_j = Q K_j^T
-  (WGMMA, both operands in shared memory) and O += P_{j-1} V_{j-1} (WGMMA, P from registers,
-  V an MN-major B operand) as two async groups -> wait for S_j (one group left) -> release K
-  -> causal / key-bound mask -> online softmax in fp32 (exp2, running row max and row sum)
-  -> wait for P V -> release V -> P_j converted to the input dtype in registers -> O rescaled
-  by exp2(old - new max); a last P V closes the loop. For D <= 128 the two warpgroups take
-  turns issuing (named barriers 2 and 3, ping-pong): one's softmax runs under the other's
-  GEMMs. Blocks entirely above the causal diagonal are never loaded; only blocks that cross
-  the diagonal or the key bound are masked.
-- epilogue (consumers): O / rowsum -> input dtype -> `stmatrix` into the Q buffer (both
-  warpgroups first meet at a named barrier: their last QK^T has read Q) -> one TMA store of the
-  (128, Dv) tile (rows past Sq clipped); LSE = (rowmax * scale_log2 + log2(rowsum)) * ln 2
-  written by the thread holding column 0 of each row, for rows < Sq.
+Warp roles (one CTA = 1 + tile_m / 64 warpgroups):
+- warp 0 of warpgroup 0 (producer, setmaxnreg down): per tile, the first key block's K and V
+  tiles, then the Q tile (its one-stage pipeline frees when the consumers are done with the
+  previous tile's Q), then K and V of the other key blocks, last to first, into two
+  `stages`-deep rings (pipelines `k` and `v`, mbarrier full/empty, one stage index for both).
+  Blocks entirely above the causal diagonal are never loaded. Warps 1-3 exit at once.
+- consumer warpgroups (setmaxnreg up), 64 query rows each. Key block n_max - 1: S = Q K^T,
+  mask, online softmax (fp32, exp2, running row max and sum; P stays in the S registers).
+  Each later block: issue S_j = Q K_j^T (WGMMA, both operands in shared memory) and
+  O += P V_prev (WGMMA, P from registers as the A operand, V an MN-major B operand) as two
+  async groups -> wait for S_j -> release K -> mask (only blocks that cross the diagonal or
+  the key bound) -> softmax -> wait for P V -> release V -> P to 16 bits -> O rescaled by
+  exp2(old - new max). A last P V closes the tile. For D <= 128 the warpgroups take turns
+  issuing their GEMMs (named barriers, ping-pong), so one's softmax runs under another's
+  GEMMs. (`overlap=True` instead lands each step's P V at the top of the next step, so the
+  softmax also runs under the warpgroup's own P V; measured slower, kept as a variant.)
+- epilogue (consumers): O / rowsum -> 16 bits -> `stmatrix` into the O buffer (its own, or
+  Q's when shared memory is short; the first consumer warp first waits for the previous
+  tile's store to have read it) -> one TMA store of the (tile_m, Dv) tile, left in flight
+  under the next tile; LSE = (rowmax * scale_log2 + log2(rowsum)) * ln 2 from the thread
+  holding column 0 of each row. A varlen tile that ends inside its sequence is written from
+  registers row by row (a TMA box would spill into the next sequence).
 
-Constraints: q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), o (B, Sq, Hq, Dv), one
-16-bit dtype, last dim contiguous, other strides multiples of 8 elements, 16-byte aligned
-bases; lse (B, Hq, Sq) fp32. B, Sq, Sk, Hq, Hkv dynamic (Hq % Hkv == 0, query head h reads kv
-head h // (Hq // Hkv)); D, Dv in {64, 128, 192, 256} (static), tile_m = 128, tile_n a multiple
-of 16 up to 256. Causal is bottom-right aligned (query i sees key j iff j <= i + Sk - Sq); rows
-that see no key get O = 0 and LSE = -inf. Ragged Sq / Sk edges: TMA zero-fills loads and clips
-the O store; score columns >= Sk are masked to -inf before the softmax.
+Constraints: one 16-bit dtype, last dims contiguous, other strides multiples of 8 elements,
+16-byte aligned bases; fixed length q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv),
+o (B, Sq, Hq, Dv), lse (B, Hq, Sq) fp32; varlen q (Tq, Hq, D) ... lse (Hq, Tq). Sizes dynamic
+(Hq % Hkv == 0, query head h reads kv head h // (Hq // Hkv)); D, Dv multiples of 32 in
+[64, 256] (static), tile_m 128 or 192, tile_n a multiple of 16 up to 256. Causal is
+bottom-right aligned (query i sees key j iff j <= i + Sk - Sq); rows that see no key get
+O = 0 and LSE = -inf. Ragged edges: TMA zero-fills loads (or reads the next sequence's rows,
+masked) and clips the O store; score columns >= Sk are masked to -inf before the softmax.
 """
 
 from __future__ import annotations
@@ -58,8 +64,10 @@ THREADS_PER_WG = 128
 EPILOGUE_BARRIER = 1  # named barrier of all consumer threads (0 is __syncthreads)
 SCHED_BARRIER = 2  # named barriers 2, 3 (, 4): consumer warpgroup 0's, 1's (, 2's) turn to issue
 LN2 = math.log(2.0)
-# K and V bytes the concurrently running tiles may share from L2 (50 MiB on H100 / H200).
+# K and V bytes the concurrently running tiles may share from L2 (50 MiB on H100 / H200), and
+# the K/V footprint of one wave of default-order tiles above which sections are used (KiB).
 L2_KV_BUDGET = 24 * 2**20
+WAVE_KV_LIMIT_KIB = 160 * 2**10
 
 
 def _select(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
@@ -383,15 +391,39 @@ class AttentionFwdSm90:
         seqlen_q, seqlen_k); batch indexes the tensors (0 for varlen, whose sequences are row
         offsets q_off / k_off). Tiles run in order of t, each CTA taking every grid-th one.
 
-        Order: batch, then sections of query heads whose K and V fit in L2 together (whole
-        GQA groups), then the row block, then the head in the section. The CTAs running at
-        one time thus share a few kv heads, read from L2, and with a causal mask each
-        section's longest row blocks go first (longest-processing-time first)."""
+        Default order: the row block slowest over every batch and head, so with a causal mask
+        the longest row blocks go first everywhere (longest-processing-time first), and the
+        CTAs running at one time share whole GQA groups. When one wave of such tiles would
+        touch more K and V than L2 holds many times over (long sequences with few query heads
+        per kv head, e.g. MHA 192/128 at 8192: ~130 kv heads of 5 MB), fixed-length tiles go
+        instead batch by batch in sections of heads whose K and V fit in L2 together, the row
+        block slowest within a section."""
         mQ, mK, _, _, _, _, mCuQ, mCuK, num_m_blocks, _ = tiles
         num_heads = mQ.shape[2]
-        per_batch = num_heads * num_m_blocks
-        batch = t // per_batch
-        r = t - batch * per_batch
+        group = num_heads // mK.shape[2]
+        num_batch = mQ.shape[3] if const_expr(not self.varlen) else mCuQ.shape[0] - 1
+        # Default (LPT) order.
+        per_m = num_heads * num_batch
+        m_rev = t // per_m
+        rest = t - m_rev * per_m
+        batch = rest // num_heads
+        head = rest - batch * num_heads
+        if const_expr(self.l2_sections and not self.varlen):
+            seqlen_k = mK.shape[0]
+            kv_bytes = cutlass.max(seqlen_k * ((self.head_dim + self.head_dim_v) * 2), 1)
+            wave_kv_heads = cutlass.min(
+                cute.arch.grid_dim()[0] // group + 1, num_batch * mK.shape[2]
+            )
+            if wave_kv_heads * (kv_bytes // 1024) > WAVE_KV_LIMIT_KIB:
+                per_batch = num_heads * num_m_blocks
+                batch = t // per_batch
+                r = t - batch * per_batch
+                section = cutlass.min(cutlass.max(L2_KV_BUDGET // kv_bytes, 1) * group, num_heads)
+                first_head = (r // (section * num_m_blocks)) * section
+                heads_here = cutlass.min(section, num_heads - first_head)
+                idx = r - first_head * num_m_blocks
+                m_rev = idx // heads_here
+                head = first_head + idx - m_rev * heads_here
         q_off = Int32(0)
         k_off = Int32(0)
         seqlen_q = mQ.shape[0]
@@ -403,28 +435,6 @@ class AttentionFwdSm90:
             seqlen_q = mCuQ[batch + 1] - q_off
             seqlen_k = mCuK[batch + 1] - k_off
             m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
-        if const_expr(self.l2_sections):
-            kv_bytes = cutlass.max(seqlen_k * ((self.head_dim + self.head_dim_v) * 2), 1)
-            group = num_heads // mK.shape[2]
-            section = cutlass.min(cutlass.max(L2_KV_BUDGET // kv_bytes, 1) * group, num_heads)
-            first_head = (r // (section * num_m_blocks)) * section
-            heads_here = cutlass.min(section, num_heads - first_head)
-            idx = r - first_head * num_m_blocks
-            m_rev = idx // heads_here
-            head = first_head + idx - m_rev * heads_here
-        else:  # row block slowest over the whole batch: global LPT, heads spread over L2
-            per_m = num_heads * (mQ.shape[3] if const_expr(not self.varlen) else mCuQ.shape[0] - 1)
-            m_rev = t // per_m
-            rest = t - m_rev * per_m
-            batch = rest // num_heads
-            head = rest - batch * num_heads
-            if const_expr(self.varlen):
-                q_off = mCuQ[batch]
-                k_off = mCuK[batch]
-                seqlen_q = mCuQ[batch + 1] - q_off
-                seqlen_k = mCuK[batch + 1] - k_off
-                m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
-        if const_expr(self.varlen):
             batch = Int32(0)  # the packed tensors' unit batch mode; the sequence is an offset
         m_block = m_rev
         if const_expr(self.causal):
