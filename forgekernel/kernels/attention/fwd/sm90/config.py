@@ -21,18 +21,22 @@ class AttnConfig:
     softmax runs under its own P V (else the step waits for it first: measured faster, see
     docs/attention/NOTES.md); l2_sections: when one wave of tiles would stream far more K/V
     than L2 holds, order tiles in sections of heads whose K/V fit (else always the global
-    longest-first order)."""
+    longest-first order); poly_exp: of every 8 score columns, how many take exp2 as an FMA-pipe
+    polynomial instead of the MUFU (whose 16 results per clock per SM bound the softmax at
+    small head dims)."""
 
     tile_m: int = 128
     tile_n: int = 128
     stages: int = 2
     overlap: bool = False
     l2_sections: bool = True
+    poly_exp: int = 0
 
     def tag(self) -> str:
         """Short name for tables: 128x128_s2 (plus _ov / _lpt for the non-default flags)."""
         tag = f"{self.tile_m}x{self.tile_n}_s{self.stages}"
-        return tag + ("_ov" if self.overlap else "") + ("" if self.l2_sections else "_lpt")
+        tag += ("_ov" if self.overlap else "") + ("" if self.l2_sections else "_lpt")
+        return tag + (f"_pe{self.poly_exp}" if self.poly_exp else "")
 
     @classmethod
     def from_params(cls, params: dict) -> AttnConfig:
