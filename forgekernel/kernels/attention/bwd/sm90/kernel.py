@@ -107,14 +107,25 @@ class AttentionBwdSm90:
         self.dq_stages = config.dq_stages
         self.threads_per_cta = (1 + NUM_MMA_WG) * THREADS_PER_WG
         self.num_mma_threads = NUM_MMA_WG * THREADS_PER_WG
-        self.producer_regs = 24
+        self.producer_regs = config.producer_regs
         # With 128 query rows per step the fp32 S^T and dP^T take 128 registers: P^T is
         # rounded to the input dtype before dS is formed, and dV issued early.
-        self.early_dv = config.tile_m == 128
+        self.early_dv = config.tile_m == 128 if config.early_dv < 0 else bool(config.early_dv)
+        # dQ_i waited and staged in step i + 1, under its S^T / dP^T WGMMAs (config knob).
+        self.dq_overlap = bool(config.dq_overlap)
         # D = 192: dK (96) + dV (64) + dQ (48) registers leave no room for the 16-bit P^T and
         # dS^T operands of dV / dK GEMMs still in flight: finish those before dQ = dS K.
         self.serial_dq = head_dim > 128
-        self.consumer_regs = 240
+        self.consumer_regs = config.consumer_regs
+        if self.consumer_regs * self.num_mma_threads + self.producer_regs * THREADS_PER_WG > (
+            1 << 16
+        ) or (self.consumer_regs % 8 or self.producer_regs % 8):
+            raise ValueError(
+                f"register split {self.consumer_regs}/{self.producer_regs} exceeds 64 K or is "
+                "not a multiple of 8"
+            )
+        if self.dq_overlap and self.serial_dq:
+            raise ValueError("dq_overlap needs D <= 128")
 
     # ---------------------------------------------------------------- host-side setup
     def _setup(self):
@@ -520,6 +531,8 @@ class AttentionBwdSm90:
         acc_dK = cute.make_rmem_tensor(wg_dk.partition_shape_C((tn, d)), Float32)
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
+        # dQ accumulator: per step, or carried into the next step with dq_overlap
+        acc_dQ = cute.make_rmem_tensor(wg_dq.partition_shape_C((tm, d)), Float32)
         # (key, query) coordinates of this thread's S^T elements, within the tile
         tScS = rows_cols(mma_sdp.get_slice(tidx).partition_C(cute.make_identity_tensor((tn, tm))))
         r2s_ds = cute.make_tiled_copy_C(
@@ -541,7 +554,7 @@ class AttentionBwdSm90:
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         step_args = (
             tidx, mma_sdp, mma_dv, mma_dk, mma_dq, tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt,
-            tQrdS, tQrKt, tVrP, tKrdS, s_shape, dq_shape, acc_dV, acc_dK, tScS,
+            tQrdS, tQrKt, tVrP, tKrdS, s_shape, acc_dQ, acc_dV, acc_dK, tScS,
             r2s_ds, thr_r2s_ds, tdSsdS, sLSE, sDsum, sdQ, q_pipe, do_pipe, consumer_bar,
             scale_log2, n0, seqlen_q, seqlen_k, group_threads,
         )  # fmt: skip
@@ -555,6 +568,10 @@ class AttentionBwdSm90:
             else:
                 self._step(st, step, m, *step_args, False)
             st.advance()
+        if const_expr(self.dq_overlap):
+            # the last step's dQ
+            warpgroup.wait_group(0)
+            self._stage_dq(tidx, acc_dQ, sdQ, (num_steps - 1) % self.dq_stages, group_threads)
 
         self._store_dkv(
             tidx, warp_idx, mma_dk, mma_dv, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV,
@@ -581,7 +598,7 @@ class AttentionBwdSm90:
     @cute.jit
     def _step(
         self, st, step, m, tidx, mma_sdp, mma_dv, mma_dk, mma_dq, tSrK, tSrQ, tPrV, tPrdO,
-        tVrdOt, tKrQt, tQrdS, tQrKt, tVrP, tKrdS, s_shape, dq_shape, acc_dV, acc_dK, tScS,
+        tVrdOt, tKrQt, tQrdS, tQrKt, tVrP, tKrdS, s_shape, acc_dQ, acc_dV, acc_dK, tScS,
         r2s_ds, thr_r2s_ds, tdSsdS, sLSE, sDsum, sdQ, q_pipe, do_pipe, consumer_bar,
         scale_log2, n0, seqlen_q, seqlen_k, group_threads,
         masked: cutlass.Constexpr[bool],
@@ -593,6 +610,14 @@ class AttentionBwdSm90:
         self._gemm(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, st.index], True, -1)
         do_pipe.consumer_wait(st)
         self._gemm(mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, st.index], True, -1)
+        if const_expr(self.dq_overlap):
+            # The previous step's dQ (issued last in that step): wait for it with S^T and
+            # dP^T still in flight, stage it while they run. Its DQ_EMPTY barrier (all
+            # consumers) also orders both warpgroups' dQ reads of sdS before this step's
+            # dS^T stores, as in the serial order.
+            if step > 0:
+                warpgroup.wait_group(2)
+                self._stage_dq(tidx, acc_dQ, sdQ, (step - 1) % self.dq_stages, group_threads)
 
         # P^T = exp2(S^T scale log2e - LSE log2e); rows are keys, columns queries. A thread's
         # element (r, c) sits at (row0 + ro[r], col0 + co[c]) with ro, co static.
@@ -651,13 +676,21 @@ class AttentionBwdSm90:
         if const_expr(self.serial_dq):
             warpgroup.wait_group(0)
         consumer_bar.arrive_and_wait()
-        acc_dQ = cute.make_rmem_tensor(dq_shape, Float32)
-        self._gemm(mma_dq, acc_dQ, tQrdS, tQrKt, True, 0)
-        q_pipe.consumer_release(st)
-        do_pipe.consumer_release(st)
+        if const_expr(self.dq_overlap):
+            # dQ left in flight; dV and dK (which read this stage's dO and Q) complete
+            self._gemm(mma_dq, acc_dQ, tQrdS, tQrKt, True, 1)
+            q_pipe.consumer_release(st)
+            do_pipe.consumer_release(st)
+        else:
+            acc = cute.make_rmem_tensor(acc_dQ.shape, Float32)
+            self._gemm(mma_dq, acc, tQrdS, tQrKt, True, 0)
+            q_pipe.consumer_release(st)
+            do_pipe.consumer_release(st)
+            self._stage_dq(tidx, acc, sdQ, step % self.dq_stages, group_threads)
 
-        # dQ tile -> staging buffer, in accumulator order (see utils.dq_frag_offset)
-        buf = step % self.dq_stages
+    @cute.jit
+    def _stage_dq(self, tidx, acc_dQ, sdQ, buf, group_threads):
+        """dQ tile -> staging buffer buf, in accumulator order (see utils.dq_frag_offset)."""
         pipeline.NamedBarrier(
             barrier_id=DQ_EMPTY_BARRIER + buf, num_threads=group_threads
         ).arrive_and_wait()
