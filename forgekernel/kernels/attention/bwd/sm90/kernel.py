@@ -112,7 +112,9 @@ class AttentionBwdSm90:
         # rounded to the input dtype before dS is formed, and dV issued early.
         self.early_dv = config.tile_m == 128 if config.early_dv < 0 else bool(config.early_dv)
         # dQ_i waited and staged in step i + 1, under its S^T / dP^T WGMMAs (config knob).
-        self.dq_overlap = bool(config.dq_overlap)
+        self.dq_overlap = int(config.dq_overlap)
+        if self.dq_overlap not in (0, 1, 2):
+            raise ValueError(f"dq_overlap must be 0, 1 or 2, got {config.dq_overlap}")
         # D = 192: dK (96) + dV (64) + dQ (48) registers leave no room for the 16-bit P^T and
         # dS^T operands of dV / dK GEMMs still in flight: finish those before dQ = dS K.
         self.serial_dq = head_dim > 128
@@ -608,16 +610,12 @@ class AttentionBwdSm90:
         acc_dP = cute.make_rmem_tensor(s_shape, Float32)
         q_pipe.consumer_wait(st)
         self._gemm(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, st.index], True, -1)
+        if const_expr(self.dq_overlap == 1):
+            self._stage_prev_dq(step, tidx, acc_dQ, sdQ, group_threads, 1)
         do_pipe.consumer_wait(st)
         self._gemm(mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, st.index], True, -1)
-        if const_expr(self.dq_overlap):
-            # The previous step's dQ (issued last in that step): wait for it with S^T and
-            # dP^T still in flight, stage it while they run. Its DQ_EMPTY barrier (all
-            # consumers) also orders both warpgroups' dQ reads of sdS before this step's
-            # dS^T stores, as in the serial order.
-            if step > 0:
-                warpgroup.wait_group(2)
-                self._stage_dq(tidx, acc_dQ, sdQ, (step - 1) % self.dq_stages, group_threads)
+        if const_expr(self.dq_overlap == 2):
+            self._stage_prev_dq(step, tidx, acc_dQ, sdQ, group_threads, 2)
 
         # P^T = exp2(S^T scale log2e - LSE log2e); rows are keys, columns queries. A thread's
         # element (r, c) sits at (row0 + ro[r], col0 + co[c]) with ro, co static.
@@ -687,6 +685,16 @@ class AttentionBwdSm90:
             q_pipe.consumer_release(st)
             do_pipe.consumer_release(st)
             self._stage_dq(tidx, acc, sdQ, step % self.dq_stages, group_threads)
+
+    @cute.jit
+    def _stage_prev_dq(self, step, tidx, acc_dQ, sdQ, group_threads, in_flight: cutlass.Constexpr[int]):
+        """dq_overlap: the previous step's dQ (issued last in that step) is waited with this
+        step's first `in_flight` WGMMAs (S^T, then dP^T) still running, and staged while they
+        run. Its DQ_EMPTY barrier (all consumers) also orders both warpgroups' dQ reads of
+        sdS before this step's dS^T stores, as in the serial order."""
+        if step > 0:
+            warpgroup.wait_group(in_flight)
+            self._stage_dq(tidx, acc_dQ, sdQ, (step - 1) % self.dq_stages, group_threads)
 
     @cute.jit
     def _stage_dq(self, tidx, acc_dQ, sdQ, buf, group_threads):
