@@ -33,11 +33,6 @@ class BwdConfig:
     early_dv: -1 automatic (on iff tile_m = 128), 0 off, 1 on. On: P^T is rounded to the
       input dtype right after the exp2 and dV += P^T dO is issued before the dP^T wait, so the
       dV WGMMA runs under the dS math (which then reads the rounded P).
-    dq_overlap: 0 off; 1 or 2: the dQ = dS K WGMMA of step i is not waited in step i: step
-      i + 1 issues its S^T WGMMA (1) or its S^T and dP^T WGMMAs (2) first, then waits for
-      dQ_i and stages it for the dQ writer while those run (the Q / dO stage of step i is
-      still released at the end of step i, after dV and dK complete). 2 keeps dQ, S^T, dP^T,
-      dK and dV accumulators live together (spills at D = 128 with 240 registers).
     consumer_regs / producer_regs: setmaxnreg of the consumer warpgroups / the producer and
       dQ-writer warpgroup (consumer_regs * 256 + producer_regs * 128 <= 64 K)."""
 
@@ -46,7 +41,6 @@ class BwdConfig:
     stages: int = 2
     dq_stages: int = 2
     early_dv: int = -1
-    dq_overlap: int = 0
     consumer_regs: int = 240
     producer_regs: int = 24
 
@@ -54,8 +48,6 @@ class BwdConfig:
         t = f"{self.tile_m}x{self.tile_n}_s{self.stages}_dq{self.dq_stages}"
         if self.early_dv >= 0:
             t += f"_edv{self.early_dv}"
-        if self.dq_overlap:
-            t += f"_dqov{self.dq_overlap}"
         if (self.consumer_regs, self.producer_regs) != (240, 24):
             t += f"_r{self.consumer_regs}-{self.producer_regs}"
         return t

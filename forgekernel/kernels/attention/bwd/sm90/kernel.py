@@ -109,12 +109,9 @@ class AttentionBwdSm90:
         self.num_mma_threads = NUM_MMA_WG * THREADS_PER_WG
         self.producer_regs = config.producer_regs
         # With 128 query rows per step the fp32 S^T and dP^T take 128 registers: P^T is
-        # rounded to the input dtype before dS is formed, and dV issued early.
+        # rounded to the input dtype before dS is formed, and dV issued early (config knob
+        # early_dv: -1 automatic, 0 off, 1 on).
         self.early_dv = config.tile_m == 128 if config.early_dv < 0 else bool(config.early_dv)
-        # dQ_i waited and staged in step i + 1, under its S^T / dP^T WGMMAs (config knob).
-        self.dq_overlap = int(config.dq_overlap)
-        if self.dq_overlap not in (0, 1, 2):
-            raise ValueError(f"dq_overlap must be 0, 1 or 2, got {config.dq_overlap}")
         # D = 192: dK (96) + dV (64) + dQ (48) registers leave no room for the 16-bit P^T and
         # dS^T operands of dV / dK GEMMs still in flight: finish those before dQ = dS K.
         self.serial_dq = head_dim > 128
@@ -126,8 +123,6 @@ class AttentionBwdSm90:
                 f"register split {self.consumer_regs}/{self.producer_regs} exceeds 64 K or is "
                 "not a multiple of 8"
             )
-        if self.dq_overlap and self.serial_dq:
-            raise ValueError("dq_overlap needs D <= 128")
 
     # ---------------------------------------------------------------- host-side setup
     def _setup(self):
@@ -533,8 +528,6 @@ class AttentionBwdSm90:
         acc_dK = cute.make_rmem_tensor(wg_dk.partition_shape_C((tn, d)), Float32)
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
-        # dQ accumulator: per step, or carried into the next step with dq_overlap
-        acc_dQ = cute.make_rmem_tensor(wg_dq.partition_shape_C((tm, d)), Float32)
         # (key, query) coordinates of this thread's S^T elements, within the tile
         tScS = rows_cols(mma_sdp.get_slice(tidx).partition_C(cute.make_identity_tensor((tn, tm))))
         r2s_ds = cute.make_tiled_copy_C(
@@ -556,7 +549,7 @@ class AttentionBwdSm90:
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         step_args = (
             tidx, mma_sdp, mma_dv, mma_dk, mma_dq, tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt,
-            tQrdS, tQrKt, tVrP, tKrdS, s_shape, acc_dQ, acc_dV, acc_dK, tScS,
+            tQrdS, tQrKt, tVrP, tKrdS, s_shape, dq_shape, acc_dV, acc_dK, tScS,
             r2s_ds, thr_r2s_ds, tdSsdS, sLSE, sDsum, sdQ, q_pipe, do_pipe, consumer_bar,
             scale_log2, n0, seqlen_q, seqlen_k, group_threads,
         )  # fmt: skip
@@ -570,10 +563,6 @@ class AttentionBwdSm90:
             else:
                 self._step(st, step, m, *step_args, False)
             st.advance()
-        if const_expr(self.dq_overlap):
-            # the last step's dQ
-            warpgroup.wait_group(0)
-            self._stage_dq(tidx, acc_dQ, sdQ, (num_steps - 1) % self.dq_stages, group_threads)
 
         self._store_dkv(
             tidx, warp_idx, mma_dk, mma_dv, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV,
@@ -600,7 +589,7 @@ class AttentionBwdSm90:
     @cute.jit
     def _step(
         self, st, step, m, tidx, mma_sdp, mma_dv, mma_dk, mma_dq, tSrK, tSrQ, tPrV, tPrdO,
-        tVrdOt, tKrQt, tQrdS, tQrKt, tVrP, tKrdS, s_shape, acc_dQ, acc_dV, acc_dK, tScS,
+        tVrdOt, tKrQt, tQrdS, tQrKt, tVrP, tKrdS, s_shape, dq_shape, acc_dV, acc_dK, tScS,
         r2s_ds, thr_r2s_ds, tdSsdS, sLSE, sDsum, sdQ, q_pipe, do_pipe, consumer_bar,
         scale_log2, n0, seqlen_q, seqlen_k, group_threads,
         masked: cutlass.Constexpr[bool],
@@ -610,12 +599,8 @@ class AttentionBwdSm90:
         acc_dP = cute.make_rmem_tensor(s_shape, Float32)
         q_pipe.consumer_wait(st)
         self._gemm(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, st.index], True, -1)
-        if const_expr(self.dq_overlap == 1):
-            self._stage_prev_dq(step, tidx, acc_dQ, sdQ, group_threads, 1)
         do_pipe.consumer_wait(st)
         self._gemm(mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, st.index], True, -1)
-        if const_expr(self.dq_overlap == 2):
-            self._stage_prev_dq(step, tidx, acc_dQ, sdQ, group_threads, 2)
 
         # P^T = exp2(S^T scale log2e - LSE log2e); rows are keys, columns queries. A thread's
         # element (r, c) sits at (row0 + ro[r], col0 + co[c]) with ro, co static.
@@ -674,31 +659,13 @@ class AttentionBwdSm90:
         if const_expr(self.serial_dq):
             warpgroup.wait_group(0)
         consumer_bar.arrive_and_wait()
-        if const_expr(self.dq_overlap):
-            # dQ left in flight; dV and dK (which read this stage's dO and Q) complete
-            self._gemm(mma_dq, acc_dQ, tQrdS, tQrKt, True, 1)
-            q_pipe.consumer_release(st)
-            do_pipe.consumer_release(st)
-        else:
-            acc = cute.make_rmem_tensor(acc_dQ.shape, Float32)
-            self._gemm(mma_dq, acc, tQrdS, tQrKt, True, 0)
-            q_pipe.consumer_release(st)
-            do_pipe.consumer_release(st)
-            self._stage_dq(tidx, acc, sdQ, step % self.dq_stages, group_threads)
+        acc_dQ = cute.make_rmem_tensor(dq_shape, Float32)
+        self._gemm(mma_dq, acc_dQ, tQrdS, tQrKt, True, 0)
+        q_pipe.consumer_release(st)
+        do_pipe.consumer_release(st)
 
-    @cute.jit
-    def _stage_prev_dq(self, step, tidx, acc_dQ, sdQ, group_threads, in_flight: cutlass.Constexpr[int]):
-        """dq_overlap: the previous step's dQ (issued last in that step) is waited with this
-        step's first `in_flight` WGMMAs (S^T, then dP^T) still running, and staged while they
-        run. Its DQ_EMPTY barrier (all consumers) also orders both warpgroups' dQ reads of
-        sdS before this step's dS^T stores, as in the serial order."""
-        if step > 0:
-            warpgroup.wait_group(in_flight)
-            self._stage_dq(tidx, acc_dQ, sdQ, (step - 1) % self.dq_stages, group_threads)
-
-    @cute.jit
-    def _stage_dq(self, tidx, acc_dQ, sdQ, buf, group_threads):
-        """dQ tile -> staging buffer buf, in accumulator order (see utils.dq_frag_offset)."""
+        # dQ tile -> staging buffer, in accumulator order (see utils.dq_frag_offset)
+        buf = step % self.dq_stages
         pipeline.NamedBarrier(
             barrier_id=DQ_EMPTY_BARRIER + buf, num_threads=group_threads
         ).arrive_and_wait()
