@@ -128,7 +128,8 @@ def _inputs(b, hq, hkv, s, d, causal, dev):
             for h in range(hq):
                 sc = torch.matmul(qh[:, h].float(), kh[:, h].float().transpose(-1, -2)) * scale
                 if causal:
-                    sc.masked_fill_(torch.ones(s, s, device=dev, dtype=torch.bool).triu(1), -math.inf)
+                    upper = torch.ones(s, s, device=dev, dtype=torch.bool).triu(1)
+                    sc.masked_fill_(upper, -math.inf)
                 lse[:, h] = torch.logsumexp(sc, -1)
                 o[:, :, h] = torch.matmul(torch.softmax(sc, -1), vh[:, h].float()).to(dt)
                 del sc
@@ -236,8 +237,6 @@ def run_case(case, rows):
         if name in errors:
             row["error"] = errors[name]
         rows.append(row)
-    del q, k, v, o, lse, do, qh, kh, vh, fns
-    torch.cuda.empty_cache()
 
 
 def main() -> int:
@@ -245,10 +244,16 @@ def main() -> int:
     rows: list[dict] = []
     for case in CASES:
         try:
-            run_case(case, rows)
+            run_case(case, rows)  # its tensors are freed on return
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             rows.append({"case": str(case), "variant": "*", "error": f"{type(e).__name__}: {e}"})
+        try:
+            import torch
+
+            torch.cuda.empty_cache()
+        except Exception:  # noqa: BLE001
+            pass
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
             json.dump(rows, f, indent=1)
