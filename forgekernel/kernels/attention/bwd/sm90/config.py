@@ -4,7 +4,7 @@ without the compiler."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 DTYPES = ("float16", "bfloat16")
 # (head_dim, head_dim_v) pairs with a default config.
@@ -26,19 +26,48 @@ class BwdConfig:
     tile_n keys per CTA (the two consumer warpgroups hold 64 keys each: tile_n = 128),
     tile_m query rows per step, stages of the Q and dO rings, dq_stages fp32 dQ staging
     buffers in shared memory (the reduction into global memory drains one while the other
-    fills)."""
+    fills).
+
+    Performance knobs (static; their defaults are the kernel's standard behaviour and are left
+    out of the compile key, see `main_params`; measured by scripts/bwd_variants.py):
+    early_dv: -1 automatic (on iff tile_m = 128), 0 off, 1 on. On: P^T is rounded to the
+      input dtype right after the exp2 and dV += P^T dO is issued before the dP^T wait, so the
+      dV WGMMA runs under the dS math (which then reads the rounded P).
+    consumer_regs / producer_regs: setmaxnreg of the consumer warpgroups / the producer and
+      dQ-writer warpgroup (consumer_regs * 256 + producer_regs * 128 <= 64 K)."""
 
     tile_m: int = 64
     tile_n: int = 128
     stages: int = 2
     dq_stages: int = 2
+    early_dv: int = -1
+    consumer_regs: int = 240
+    producer_regs: int = 24
 
     def tag(self) -> str:
-        return f"{self.tile_m}x{self.tile_n}_s{self.stages}_dq{self.dq_stages}"
+        t = f"{self.tile_m}x{self.tile_n}_s{self.stages}_dq{self.dq_stages}"
+        if self.early_dv >= 0:
+            t += f"_edv{self.early_dv}"
+        if (self.consumer_regs, self.producer_regs) != (240, 24):
+            t += f"_r{self.consumer_regs}-{self.producer_regs}"
+        return t
 
     @classmethod
     def from_params(cls, params: dict) -> BwdConfig:
-        return cls(**{f.name: params[f.name] for f in fields(cls)})
+        return cls(**{f.name: params[f.name] for f in fields(cls) if f.name in params})
+
+    def key_fields(self) -> dict:
+        """The compile-key fields: the tiles always, a knob only when it is not its default
+        (so the standard kernels keep their keys)."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in _TILE_FIELDS or v != f.default:
+                out[f.name] = v
+        return out
+
+
+_TILE_FIELDS = ("tile_m", "tile_n", "stages", "dq_stages")
 
 
 def smem_bytes(cfg: BwdConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2) -> int:
@@ -94,7 +123,7 @@ def main_params(
         head_dim_v=head_dim_v,
         causal=bool(causal),
         deterministic=bool(deterministic),
-        **asdict(cfg),
+        **cfg.key_fields(),
     )
 
 

@@ -107,14 +107,22 @@ class AttentionBwdSm90:
         self.dq_stages = config.dq_stages
         self.threads_per_cta = (1 + NUM_MMA_WG) * THREADS_PER_WG
         self.num_mma_threads = NUM_MMA_WG * THREADS_PER_WG
-        self.producer_regs = 24
+        self.producer_regs = config.producer_regs
         # With 128 query rows per step the fp32 S^T and dP^T take 128 registers: P^T is
-        # rounded to the input dtype before dS is formed, and dV issued early.
-        self.early_dv = config.tile_m == 128
+        # rounded to the input dtype before dS is formed, and dV issued early (config knob
+        # early_dv: -1 automatic, 0 off, 1 on).
+        self.early_dv = config.tile_m == 128 if config.early_dv < 0 else bool(config.early_dv)
         # D = 192: dK (96) + dV (64) + dQ (48) registers leave no room for the 16-bit P^T and
         # dS^T operands of dV / dK GEMMs still in flight: finish those before dQ = dS K.
         self.serial_dq = head_dim > 128
-        self.consumer_regs = 240
+        self.consumer_regs = config.consumer_regs
+        if self.consumer_regs * self.num_mma_threads + self.producer_regs * THREADS_PER_WG > (
+            1 << 16
+        ) or (self.consumer_regs % 8 or self.producer_regs % 8):
+            raise ValueError(
+                f"register split {self.consumer_regs}/{self.producer_regs} exceeds 64 K or is "
+                "not a multiple of 8"
+            )
 
     # ---------------------------------------------------------------- host-side setup
     def _setup(self):

@@ -11,6 +11,7 @@ from forgekernel.kernels.attention.bwd.sm90 import SPEC_MAIN, SPEC_POST, SPEC_PR
 from forgekernel.kernels.attention.bwd.sm90.config import (
     HEAD_DIMS,
     ROW_PAD,
+    BwdConfig,
     default_config,
     main_params,
     post_params,
@@ -50,12 +51,14 @@ def attention_bwd(
     cu_seqlens_k=None,
     max_seqlen_q=None,
     max_seqlen_k=None,
+    config: BwdConfig | None = None,
 ) -> None:
     """dq, dk, dv (written in place, same shapes and dtype as q, k, v) of
     o = softmax(scale q k^T + mask) v, given o, lse (B, Hq, Sq) fp32 (natural log, -inf for rows
     that see no key) and do. q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), bf16 or
     fp16, Hq % Hkv == 0, (D, Dv) in HEAD_DIMS; causal is bottom-right aligned. With
-    `deterministic`, dq is bitwise reproducible (dk, dv always are)."""
+    `deterministic`, dq is bitwise reproducible (dk, dv always are). `config` (optional)
+    replaces the main kernel's default BwdConfig for these head dims (variants, benchmarks)."""
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         raise NotImplementedError(
             "attention_bwd (sm90): varlen (cu_seqlens_q / cu_seqlens_k) is not implemented yet"
@@ -81,7 +84,7 @@ def attention_bwd(
         dv.zero_()
         return
     dtype = _DTYPE_NAMES[q.dtype]
-    cfg = default_config(d, dv_dim)
+    cfg = config if config is not None else default_config(d, dv_dim)
     dev = q.device
     q, k, v, o, do = (_ready(t) for t in (q, k, v, o, do))
     lse = lse.contiguous()

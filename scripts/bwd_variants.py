@@ -1,0 +1,285 @@
+"""Time attention-backward main-kernel variants (BwdConfig knobs) side by side with cuDNN.
+
+Each variant runs once and its dq / dk / dv are compared with the default variant's; then all
+variants and cuDNN's backward (torch SDPA, SDPBackend.CUDNN_ATTENTION, forward outside the
+timed region) are timed with CUDA graphs, interleaved.
+
+    python scripts/bwd_variants.py --build DIR      (here, no GPU: prebuild every kernel)
+    python scripts/bwd_variants.py [OUT.json]       (GPU; FORGEKERNEL_KERNEL_DIR=DIR)
+
+A variant that fails to load or run is reported in the table and OUT.json, not fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+import traceback
+
+from forgekernel.kernels.attention.bwd.sm90.config import BwdConfig
+
+C = BwdConfig
+# name -> config, per head dim (D = Dv). "default" first: the reference of the diffs.
+VARIANTS = {
+    128: {
+        "default": C(64, 128, 2, 2),
+        # dV WGMMA issued before the dP^T wait, runs under the dS math
+        "early_dv": C(64, 128, 2, 2, early_dv=1),
+        # 3-deep Q/dO rings (one dQ staging buffer to fit 227 KiB)
+        "s3_dq1": C(64, 128, 3, 1),
+        "s3_dq1_early_dv": C(64, 128, 3, 1, early_dv=1),
+        # one dQ staging buffer: does the reduce-add drain stall the consumers?
+        "dq1": C(64, 128, 2, 1),
+        # setmaxnreg split 232 / 40 (consumers keep a little less)
+        "regs232": C(64, 128, 2, 2, consumer_regs=232, producer_regs=40),
+    },
+    64: {
+        "default": C(128, 128, 2, 2),
+        # no early dV (fp32 P kept for dS): fits 240 registers at D = 64
+        "no_early_dv": C(128, 128, 2, 2, early_dv=0),
+        "s3_dq1": C(128, 128, 3, 1),
+        "dq1": C(128, 128, 2, 1),
+        # 64 query rows per step (half the registers for S^T / dP^T, twice the steps)
+        "m64": C(64, 128, 2, 2),
+        "m64_s3": C(64, 128, 3, 2),
+        "m64_early_dv": C(64, 128, 2, 2, early_dv=1),
+    },
+}
+CASES = [  # (b, hq, hkv, s, d, causal)
+    (4, 32, 32, 8192, 128, True),
+    (4, 64, 8, 8192, 128, True),
+    (2, 32, 32, 8192, 64, True),
+]
+DTYPE = "bfloat16"
+
+
+def build(out_dir: str) -> int:
+    """Compile every kernel the GPU mode needs (pre, main variants, post) into out_dir and print
+    each main variant's registers / spills (no GPU needed)."""
+    import tempfile
+    from pathlib import Path
+
+    from forgekernel.kernels.attention.bwd.sm90 import SPEC_MAIN, SPEC_POST, SPEC_PRE
+    from forgekernel.kernels.attention.bwd.sm90.config import (
+        main_params,
+        post_params,
+        pre_params,
+    )
+    from forgekernel.runtime.cache import compile_to
+    from forgekernel.runtime.resources import inspect_cubin
+
+    out = Path(out_dir)
+    bad = 0
+    seen = set()
+    for _, _, _, _, d, causal in CASES:
+        jobs = [(SPEC_PRE, pre_params(DTYPE, d), "pre")]
+        for name, cfg in VARIANTS[d].items():
+            jobs.append((SPEC_MAIN, main_params(DTYPE, d, d, causal, False, cfg), name))
+            jobs.append((SPEC_POST, post_params(DTYPE, d, cfg.tile_m), f"post m{cfg.tile_m}"))
+        for spec, params, name in jobs:
+            key = (spec.name, params)
+            if key in seen:
+                continue
+            seen.add(key)
+            try:
+                with tempfile.TemporaryDirectory() as keep:
+                    rec = compile_to(spec, params, out, keep_dir=Path(keep))
+                    res = inspect_cubin(rec.get("cubin")) if rec.get("cubin") else {}
+                spill = res.get("spill_bytes")
+                local = sum(res.get("sass", {}).get(k, 0) for k in ("LDL", "STL"))
+                print(
+                    f"built d{d} {'causal' if causal else 'full'} {spec.name} {name}: "
+                    f"regs {res.get('registers')} spill {spill} LDL/STL {local} "
+                    f"HGMMA {res.get('sass', {}).get('HGMMA')} ({rec.get('compile_s')} s)"
+                )
+                if spill or local:
+                    print(f"  WARNING: {name} spills")
+            except Exception as e:  # noqa: BLE001
+                bad += 1
+                print(f"FAILED d{d} {spec.name} {name}: {type(e).__name__}: {str(e)[:300]}")
+    return 1 if bad else 0
+
+
+def _inputs(b, hq, hkv, s, d, causal, dev):
+    import torch
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    dt = torch.bfloat16
+    q = torch.randn(b, s, hq, d, device=dev, dtype=dt, generator=g)
+    k = torch.randn(b, s, hkv, d, device=dev, dtype=dt, generator=g)
+    v = torch.randn(b, s, hkv, d, device=dev, dtype=dt, generator=g)
+    do = torch.randn(b, s, hq, d, device=dev, dtype=dt, generator=g)
+    scale = d**-0.5
+    grp = hq // hkv
+    qh = q.transpose(1, 2)
+    kh = k.transpose(1, 2).repeat_interleave(grp, dim=1)
+    vh = v.transpose(1, 2).repeat_interleave(grp, dim=1)
+    with torch.no_grad():
+        try:  # o and its LSE from the flash SDPA forward
+            res = torch.ops.aten._scaled_dot_product_flash_attention(
+                qh, kh, vh, 0.0, causal, False, scale=scale
+            )
+            o, lse = res[0].transpose(1, 2).contiguous(), res[1].float().contiguous()
+        except Exception:  # noqa: BLE001  (fallback: math, per head)
+            lse = torch.empty(b, hq, s, device=dev, dtype=torch.float32)
+            o = torch.empty_like(q)
+            for h in range(hq):
+                sc = torch.matmul(qh[:, h].float(), kh[:, h].float().transpose(-1, -2)) * scale
+                if causal:
+                    upper = torch.ones(s, s, device=dev, dtype=torch.bool).triu(1)
+                    sc.masked_fill_(upper, -math.inf)
+                lse[:, h] = torch.logsumexp(sc, -1)
+                o[:, :, h] = torch.matmul(torch.softmax(sc, -1), vh[:, h].float()).to(dt)
+                del sc
+    return q, k, v, o, lse, do, scale, (qh, kh, vh)
+
+
+def run_case(case, rows):
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from forgekernel.bench.timing import median, time_interleaved
+    from forgekernel.kernels.attention.bwd.sm90.launch import attention_bwd
+
+    b, hq, hkv, s, d, causal = case
+    label = f"b{b} hq{hq} hkv{hkv} s{s} d{d} {'causal' if causal else 'full'}"
+    dev = torch.device("cuda")
+    q, k, v, o, lse, do, scale, (qh, kh, vh) = _inputs(b, hq, hkv, s, d, causal, dev)
+    fns, diffs, errors = {}, {}, {}
+    ref = None
+    for name, cfg in VARIANTS[d].items():
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        try:
+            for t in (dq, dk, dv):
+                t.fill_(math.nan)
+            attention_bwd(q, k, v, o, lse, do, dq, dk, dv, scale, causal, config=cfg)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001
+            errors[name] = f"{type(e).__name__}: {str(e).strip()[:300]}"
+            traceback.print_exc()
+            try:
+                torch.cuda.synchronize()
+            except Exception:  # noqa: BLE001  (a sticky fault: later runs will fail too)
+                pass
+            continue
+        if ref is None:
+            ref = (dq, dk, dv)
+            nonfinite = sum(int((~torch.isfinite(t)).sum()) for t in ref)
+            diffs[name] = {"nonfinite": nonfinite}
+        else:
+            diffs[name] = {
+                n: float((a.float() - r.float()).abs().max())
+                for n, a, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref)
+            }
+            diffs[name]["nonfinite"] = sum(int((~torch.isfinite(t)).sum()) for t in (dq, dk, dv))
+
+        def fn(cfg=cfg, dq=dq, dk=dk, dv=dv):
+            attention_bwd(q, k, v, o, lse, do, dq, dk, dv, scale, causal, config=cfg)
+
+        fns[name] = fn
+
+    # cuDNN backward (K, V expanded to Hq heads for GQA; the expansion is outside the timing)
+    try:
+        qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (qh, kh, vh))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                qg, kg, vg, is_causal=causal, scale=scale
+            )
+        doh = do.transpose(1, 2)
+
+        def cudnn():
+            torch.autograd.grad(out, (qg, kg, vg), doh, retain_graph=True)
+
+        gq, gk, gv = torch.autograd.grad(out, (qg, kg, vg), doh, retain_graph=True)
+        if ref is not None:  # sanity of the default against cuDNN (dk, dv summed over groups)
+            grp = hq // hkv
+            gk = gk.unflatten(1, (hkv, grp)).sum(2).transpose(1, 2)
+            gv = gv.unflatten(1, (hkv, grp)).sum(2).transpose(1, 2)
+            diffs["cudnn"] = {
+                n: float((a.float() - r.float()).abs().max())
+                for n, a, r in zip(("dq", "dk", "dv"), (gq.transpose(1, 2), gk, gv), ref)
+            }
+        del gq, gk, gv
+        fns["cudnn"] = cudnn
+    except Exception as e:  # noqa: BLE001
+        errors["cudnn"] = f"{type(e).__name__}: {str(e).strip()[:300]}"
+
+    samples = {}
+    try:
+        samples = time_interleaved(fns, warmup=3, reps=10)
+    except Exception as e:  # noqa: BLE001  (time one by one, skipping the failing ones)
+        print(f"interleaved timing failed ({e}); timing one by one", file=sys.stderr)
+        for name, fn in fns.items():
+            try:
+                samples[name] = time_interleaved({name: fn}, warmup=3, reps=10)[name]
+            except Exception as e2:  # noqa: BLE001
+                errors[name] = f"timing: {type(e2).__name__}: {str(e2).strip()[:300]}"
+    fwd = 2 * b * hq * s * s * (d + d) * (0.5 if causal else 1.0)
+    flops = 2.5 * fwd
+    ms = {n: median(smp) for n, smp in samples.items()}
+    for name in list(VARIANTS[d]) + ["cudnn"]:
+        row = {"case": label, "variant": name}
+        if name in VARIANTS[d]:
+            row["config"] = VARIANTS[d][name].tag()
+        if name in ms:
+            t = ms[name]
+            row.update(
+                ms=t,
+                tflops=flops / t / 1e9,
+                vs_default=ms["default"] / t if "default" in ms else None,
+                vs_cudnn=ms["cudnn"] / t if "cudnn" in ms else None,
+                method=getattr(samples[name], "method", None),
+            )
+        if name in diffs:
+            row["maxdiff_vs_default"] = diffs[name]
+        if name in errors:
+            row["error"] = errors[name]
+        rows.append(row)
+
+
+def main() -> int:
+    t0 = time.time()
+    rows: list[dict] = []
+    for case in CASES:
+        try:
+            run_case(case, rows)  # its tensors are freed on return
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            rows.append({"case": str(case), "variant": "*", "error": f"{type(e).__name__}: {e}"})
+        try:
+            import torch
+
+            torch.cuda.empty_cache()
+        except Exception:  # noqa: BLE001
+            pass
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump(rows, f, indent=1)
+    print(
+        f"{'case':32s} {'variant':16s} {'ms':>8s} {'TF/s':>6s} {'x dflt':>6s} {'x cudnn':>7s}"
+        "  maxdiff vs default (dq, dk, dv)"
+    )
+    for r in rows:
+        if "ms" in r:
+            dd = r.get("maxdiff_vs_default") or {}
+            diff = " ".join(f"{dd[k]:.3g}" for k in ("dq", "dk", "dv") if k in dd)
+            if dd.get("nonfinite"):
+                diff += f" NONFINITE {dd['nonfinite']}"
+            vd = f"{r['vs_default']:6.3f}" if r.get("vs_default") else "     -"
+            vc = f"{r['vs_cudnn']:7.3f}" if r.get("vs_cudnn") else "      -"
+            print(
+                f"{r['case']:32s} {r['variant']:16s} {r['ms']:8.3f} {r['tflops']:6.1f} "
+                f"{vd} {vc}  {diff}"
+            )
+        if "error" in r:
+            print(f"{r['case']:32s} {r['variant']:16s} ERROR {r['error']}")
+    print(f"total {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--build":
+        sys.exit(build(sys.argv[2]))
+    sys.exit(main())
