@@ -7,7 +7,7 @@
 #   GPU 2: bash scripts/device_jit_run.sh OP...   within 30 s  (carry .payload/p2, .bundle/kernels)
 # Each OP is checked, then benchmarked, under its own time limits; VARIANTS=1 then times
 # attention-forward configurations (scripts/attn_variants.py), BWD_SCRIPT=1 runs
-# scripts/bwd_gpu_check.py.
+# scripts/bwd_gpu_check.py, BWD_VARIANTS=1 scripts/bwd_variants.py.
 set -uo pipefail
 OUT=${OUT:-/tmp/forgekernel-out}
 # At most 8 files come back: the ledgers, one tar of the reports, variants.json.
@@ -35,4 +35,8 @@ fi
 if [ -n "${BWD_SCRIPT:-}" ]; then
   PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout "${BWD_TIMEOUT:-200}" python3 scripts/bwd_gpu_check.py ${BWD_ARGS:-} \
     2>&1 | tail -60
+fi
+if [ -n "${BWD_VARIANTS:-}" ]; then
+  PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout "${BWD_VARIANTS_TIMEOUT:-200}" \
+    python3 scripts/bwd_variants.py "$OUT/bwd_variants.json" 2>&1 | tail -40
 fi
