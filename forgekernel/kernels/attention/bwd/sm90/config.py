@@ -82,11 +82,13 @@ def smem_bytes(cfg: BwdConfig, head_dim: int, head_dim_v: int, elem_bytes: int =
 
 
 # Registers bound the tiles (dK and dV accumulators of 64 keys per warpgroup stay resident):
-# D=128: 64 query rows per step (S^T and dP^T 64x64 per warpgroup), 214 KiB of shared memory.
-# D=64: 128 query rows per step, 200 KiB.
+# D=128: 64 query rows per step (S^T and dP^T 64x64 per warpgroup); D=64: 128 query rows.
+# Measured on the H200 (scripts/bwd_variants.py, 2026-11-30, bf16 causal s8192): D=64 without
+# the early dV GEMM 423.6 against 376.0 TFLOP/s; D=128 with a 3-deep Q/dO ring and one dQ
+# staging buffer 496.0 against 486.0 (GQA 64:8; MHA 32 heads: 517.3 against 519.2, noise).
 _DEFAULTS = {
-    (64, 64): BwdConfig(tile_m=128, tile_n=128, stages=2, dq_stages=2),
-    (128, 128): BwdConfig(tile_m=64, tile_n=128, stages=2, dq_stages=2),
+    (64, 64): BwdConfig(tile_m=128, tile_n=128, stages=2, dq_stages=2, early_dv=0),
+    (128, 128): BwdConfig(tile_m=64, tile_n=128, stages=3, dq_stages=1),
 }
 _EXPERIMENTAL = {
     # D=192/Dv=128: one dQ staging buffer (48 KiB) to fit 226 KiB. Spills (see HEAD_DIMS).
