@@ -19,12 +19,18 @@ from forgekernel.kernels.attention.fwd.sm90.config import (  # noqa: E402
 from forgekernel.runtime.cache import compile_to  # noqa: E402
 from forgekernel.runtime.resources import find_tool, inspect_cubin  # noqa: E402
 
+# tests/test_build_sm90.py builds every standard kernel; here the bf16 fixed-length ones get
+# the attention-specific SASS checks (TMA loads and store), keeping CI's compile time down.
+SAMPLE = [
+    p for p in SPEC.standard_params() if dict(p)["dtype"] == "bfloat16" and not dict(p)["varlen"]
+]
+
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
     out = tmp_path_factory.mktemp("kernels")
     recs = []
-    for params in SPEC.standard_params():
+    for params in SAMPLE:
         with tempfile.TemporaryDirectory(prefix="forgekernel-cubin-") as keep:
             rec = compile_to(SPEC, params, out, keep_dir=Path(keep))
             rec.update(inspect_cubin(rec.pop("cubin")))
@@ -42,8 +48,8 @@ def test_standard_configs_cover_dtypes_head_dims_and_masks():
         assert smem_bytes(default_config(d, dv), d, dv) <= SMEM_CAPACITY
 
 
-def test_every_standard_config_builds(records):
-    assert len(records) == len(SPEC.standard_params())
+def test_every_sampled_config_builds(records):
+    assert len(records) == len(SAMPLE) == len(HEAD_DIMS) * 2
     for rec in records:
         so = Path(rec["path"])
         assert so.is_file() and so.read_bytes()[:4] == b"\x7fELF"
