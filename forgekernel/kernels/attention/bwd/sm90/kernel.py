@@ -828,26 +828,28 @@ class AttentionBwdSm90:
     ):  # fmt: skip
         """Varlen key block ending inside its sequence: dK * scale and dV stored from registers,
         rows < Sk only (the packed neighbour's rows are another CTA's)."""
-        tn, d, dv = self.tile_n, self.head_dim, self.head_dim_v
+        rdK = cute.make_rmem_tensor(acc_dK.shape, self.dtype)
+        rdK.store((acc_dK.load() * scale).to(self.dtype))
+        rdV = cute.make_rmem_tensor(acc_dV.shape, self.dtype)
+        rdV.store(acc_dV.load().to(self.dtype))
+        self._store_rows(tidx, mma_dk, rdK, mdK, self.head_dim, n_block, head_kv, k_off, seqlen_k)
+        self._store_rows(tidx, mma_dv, rdV, mdV, self.head_dim_v, n_block, head_kv, k_off, seqlen_k)
+
+    @cute.jit
+    def _store_rows(self, tidx, mma, r, m, width: int, n_block, head_kv, k_off, seqlen_k):
+        """r (this thread's fragment of a (tile_n, width) accumulator of `mma`) -> the rows
+        < seqlen_k of key block n_block of the sequence starting at k_off."""
+        tn = self.tile_n
         n0 = n_block * tn
-        for acc, mma, m, width, mul in (
-            (acc_dK, mma_dk, mdK, d, True),
-            (acc_dV, mma_dv, mdV, dv, False),
-        ):
-            r = cute.make_rmem_tensor(acc.shape, self.dtype)
-            if const_expr(mul):
-                r.store((acc.load() * scale).to(self.dtype))
-            else:
-                r.store(acc.load().to(self.dtype))
-            g = cute.local_tile(
-                cute.domain_offset((k_off, 0), m[None, None, head_kv, 0]), (tn, width), (n_block, 0)
-            )
-            thr = mma.get_slice(tidx)
-            tg = thr.partition_C(g)
-            tc = thr.partition_C(cute.make_identity_tensor((tn, width)))
-            for i in cutlass.range_constexpr(cute.size(r)):
-                if n0 + tc[i][0] < seqlen_k:
-                    tg[i] = r[i]
+        g = cute.local_tile(
+            cute.domain_offset((k_off, 0), m[None, None, head_kv, 0]), (tn, width), (n_block, 0)
+        )
+        thr = mma.get_slice(tidx)
+        tg = thr.partition_C(g)
+        tc = thr.partition_C(cute.make_identity_tensor((tn, width)))
+        for i in cutlass.range_constexpr(cute.size(r)):
+            if n0 + tc[i][0] < seqlen_k:
+                tg[i] = r[i]
 
     def _seq(self, t: cute.Tensor, off) -> cute.Tensor:
         """A (S, D) view shifted to its sequence's first row (varlen; identity otherwise)."""
