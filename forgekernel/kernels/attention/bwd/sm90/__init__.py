@@ -32,6 +32,8 @@ from forgekernel.kernels.attention.bwd.sm90.config import (
 from forgekernel.runtime.spec import KernelSpec, Params
 
 _DIR = Path(__file__).parent
+# The launcher takes cu_seqlens (packed sequences); turns on the bench suite's varlen check cases.
+VARLEN = True
 
 
 def _compile_pre(params: Params, extra_options: str = ""):
@@ -114,6 +116,7 @@ def attention_bwd(*args, **kwargs):
 
 __all__ = [
     "SPECS",
+    "VARLEN",
     "SPEC_PRE",
     "SPEC_MAIN",
     "SPEC_POST",
