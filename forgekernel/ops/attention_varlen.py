@@ -86,7 +86,7 @@ def _launch_varlen_fwd(q, k, v, o, lse, seqs: tuple, scale: float, causal: bool)
     params = sm90.params_for(DTYPE_NAMES[q.dtype], q.shape[-1], v.shape[-1], causal, varlen=True)
     fn = get_kernel(sm90.SPEC, params)
     with torch.cuda.device(q.device):
-        fn(q, k, v, o_dst, lse_dst, cu_q, cu_k, scale * LOG2E, max_seqlen_q, 1, num_sms(q.device))
+        fn(q, k, v, o_dst, lse_dst, cu_q, cu_k, scale * LOG2E, max_seqlen_q, num_sms(q.device))
     if o_dst is not o:
         o.copy_(o_dst)
     if lse_dst is not lse:
