@@ -16,7 +16,8 @@ import torch
 from forgekernel.bench.timing import median, time_interleaved
 from forgekernel.kernels.attention.fwd import sm90
 from forgekernel.kernels.attention.fwd.sm90.config import AttnConfig
-from forgekernel.ops.attention import LOG2E, num_sms
+from forgekernel.ops._dispatch import num_sms
+from forgekernel.ops.attention import LOG2E
 from forgekernel.runtime.cache import get_kernel
 
 C = AttnConfig
@@ -75,7 +76,7 @@ def main() -> None:
             except Exception as e:  # a config that does not build
                 errs[cfg.tag()] = f"build: {type(e).__name__}: {e}"[:200]
                 continue
-            args = (q, k, v, o, lse, None, None, scale * LOG2E, 0, num_sms(q.device))
+            args = (q, k, v, o, lse, None, None, scale * LOG2E, 0, num_sms(q.device.index))
             o.fill_(math.nan)
             fn(*args)
             torch.cuda.synchronize()

@@ -32,6 +32,16 @@ def check_tensor(
     return t
 
 
+def check_shaped(
+    name: str, t: object, shape: Sequence[int], dtypes: Sequence[torch.dtype] = FLOAT16_TYPES
+) -> None:
+    """`check_tensor` (any device) and then the exact shape."""
+    shape = tuple(shape)
+    check_tensor(name, t, ndim=len(shape), dtypes=dtypes, cuda=False)
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+
+
 def check_cuda(name: str, t: torch.Tensor) -> None:
     if t.device.type != "cuda":
         raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")

@@ -15,8 +15,8 @@ from numbers import Real
 
 import torch
 
+from forgekernel.ops._dispatch import num_sms, wants_grad
 from forgekernel.ops._dispatch import traced as _traced
-from forgekernel.ops._dispatch import wants_grad
 from forgekernel.ops._validate import (
     DTYPE_NAMES,
     as_tma_ready,
@@ -24,6 +24,7 @@ from forgekernel.ops._validate import (
     check_cuda,
     check_same_device,
     check_same_dtype,
+    check_shaped,
     check_tensor,
     tma_ready,
 )
@@ -73,17 +74,18 @@ def _check_flags(causal: object, softmax_scale: object, head_dim: int) -> float:
     return float(softmax_scale)
 
 
+def out_shapes(q: torch.Tensor, v: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of o and lse for q (..., S, Hq, D) and v's head dim: o q's with Dv, lse
+    (..., Hq, S) (fixed length (B, Hq, Sq); varlen, q (total, Hq, D): (Hq, total))."""
+    return (*q.shape[:-1], v.shape[-1]), (*q.shape[:-3], q.shape[-2], q.shape[-3])
+
+
 def _check_out(out: object, q: torch.Tensor, v: torch.Tensor) -> None:
     if not isinstance(out, (tuple, list)) or len(out) != 2:
         raise TypeError("out must be a tuple (o, lse) of two tensors")
-    b, sq, hq, _ = q.shape
-    for name, t, shape, dtypes in (
-        ("out[0] (o)", out[0], (b, sq, hq, v.shape[-1]), (q.dtype,)),
-        ("out[1] (lse)", out[1], (b, hq, sq), (torch.float32,)),
-    ):
-        check_tensor(name, t, ndim=len(shape), dtypes=dtypes, cuda=False)
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    o_shape, lse_shape = out_shapes(q, v)
+    check_shaped("out[0] (o)", out[0], o_shape, (q.dtype,))
+    check_shaped("out[1] (lse)", out[1], lse_shape, (torch.float32,))
 
 
 def _validate(q, k, v, causal, softmax_scale, out) -> float:
@@ -108,12 +110,7 @@ def _launch_fwd(q, k, v, o, lse, scale: float, causal: bool) -> None:
     params = sm90.params_for(DTYPE_NAMES[q.dtype], q.shape[-1], v.shape[-1], causal)
     fn = get_kernel(sm90.SPEC, params)
     with torch.cuda.device(q.device):
-        fn(q, k, v, o, lse, None, None, scale * LOG2E, 0, num_sms(q.device))
-
-
-def num_sms(device: torch.device) -> int:
-    """The persistent kernel's grid: one CTA per multiprocessor."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
+        fn(q, k, v, o, lse, None, None, scale * LOG2E, 0, num_sms(q.device.index))
 
 
 def _launch(q, k, v, o, lse, scale: float, causal: bool) -> None:

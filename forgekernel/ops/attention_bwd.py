@@ -24,11 +24,11 @@ from forgekernel.ops._validate import (
     check_bool,
     check_cuda,
     check_same_device,
-    check_tensor,
+    check_shaped,
     tma_ready,
 )
-from forgekernel.ops.attention import _check_flags, _check_qkv
-from forgekernel.ops.attention_varlen import _check_cu_seqlens
+from forgekernel.ops.attention import _check_flags, _check_qkv, out_shapes
+from forgekernel.ops.attention_varlen import _check_cu_seqlens, _offsets_on_device
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 # (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a varlen call, None otherwise.
@@ -217,8 +217,7 @@ torch.library.register_autograd(
 def _check_bwd_tensors(q, k, v, o, lse, do, out) -> None:
     """o, do: q's shape with v's head dim, q's dtype; lse (B, Hq, Sq) or, varlen, (Hq, total_q)
     fp32; out: three tensors shaped and typed as q, k, v."""
-    o_shape = (*q.shape[:-1], v.shape[-1])
-    lse_shape = (*q.shape[:-3], q.shape[-2], q.shape[-3])
+    o_shape, lse_shape = out_shapes(q, v)
     want = [
         ("o", o, o_shape, (q.dtype,)),
         ("lse", lse, lse_shape, (torch.float32,)),
@@ -230,9 +229,7 @@ def _check_bwd_tensors(q, k, v, o, lse, do, out) -> None:
         for name, g, like in zip(("out[0] (dq)", "out[1] (dk)", "out[2] (dv)"), out, (q, k, v)):
             want.append((name, g, tuple(like.shape), (q.dtype,)))
     for name, t, shape, dtypes in want:
-        check_tensor(name, t, ndim=len(shape), dtypes=dtypes, cuda=False)
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+        check_shaped(name, t, shape, dtypes)
 
 
 def attention_backward(
@@ -309,10 +306,7 @@ def attention_varlen_backward(
     check_cuda("q", q)
     grads = {} if out is None else dict(zip(("dq", "dk", "dv"), out))
     check_same_device(q=q, k=k, v=v, o=o, lse=lse, do=do, **grads)
-    cu_q, cu_k = (
-        cu.to(q.device) if cu.device.type == "cpu" else cu for cu in (cu_seqlens_q, cu_seqlens_k)
-    )
-    check_same_device(q=q, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    cu_q, cu_k = _offsets_on_device(q, cu_seqlens_q, cu_seqlens_k)
     seqs = (cu_q, cu_k, max_seqlen_q, max_seqlen_k)
     if _traced(q, k, v, o, lse, do, cu_q, cu_k, *(out or ())):
         grads = torch.ops.forgekernel.attention_varlen_bwd(

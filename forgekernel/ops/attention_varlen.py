@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from forgekernel.ops._dispatch import num_sms, wants_grad
 from forgekernel.ops._dispatch import traced as _traced
-from forgekernel.ops._dispatch import wants_grad
 from forgekernel.ops._validate import (
     DTYPE_NAMES,
     as_tma_ready,
@@ -19,7 +19,7 @@ from forgekernel.ops._validate import (
     check_tensor,
     tma_ready,
 )
-from forgekernel.ops.attention import LOG2E, _check_flags, _check_qkv, num_sms
+from forgekernel.ops.attention import LOG2E, _check_flags, _check_out, _check_qkv
 from forgekernel.runtime.cache import get_kernel
 
 
@@ -67,6 +67,15 @@ def _check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
             _check_offsets(name, cu, total, owner, max_name, mx)
 
 
+def _offsets_on_device(q, cu_seqlens_q, cu_seqlens_k) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host offsets travel to q's device; device offsets must already be on it."""
+    cu_q, cu_k = (
+        cu.to(q.device) if cu.device.type == "cpu" else cu for cu in (cu_seqlens_q, cu_seqlens_k)
+    )
+    check_same_device(q=q, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    return cu_q, cu_k
+
+
 def _launch_varlen_fwd(q, k, v, o, lse, seqs: tuple, scale: float, causal: bool) -> None:
     """The kernel call; seqs = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), the
     offsets on q's device."""
@@ -86,24 +95,12 @@ def _launch_varlen_fwd(q, k, v, o, lse, seqs: tuple, scale: float, causal: bool)
     params = sm90.params_for(DTYPE_NAMES[q.dtype], q.shape[-1], v.shape[-1], causal, varlen=True)
     fn = get_kernel(sm90.SPEC, params)
     with torch.cuda.device(q.device):
-        fn(q, k, v, o_dst, lse_dst, cu_q, cu_k, scale * LOG2E, max_seqlen_q, num_sms(q.device))
+        ctas = num_sms(q.device.index)
+        fn(q, k, v, o_dst, lse_dst, cu_q, cu_k, scale * LOG2E, max_seqlen_q, ctas)
     if o_dst is not o:
         o.copy_(o_dst)
     if lse_dst is not lse:
         lse.copy_(lse_dst)
-
-
-def _check_out(out: object, q: torch.Tensor, v: torch.Tensor) -> None:
-    if not isinstance(out, (tuple, list)) or len(out) != 2:
-        raise TypeError("out must be a tuple (o, lse) of two tensors")
-    total, hq, _ = q.shape
-    for name, t, shape, dtypes in (
-        ("out[0] (o)", out[0], (total, hq, v.shape[-1]), (q.dtype,)),
-        ("out[1] (lse)", out[1], (hq, total), (torch.float32,)),
-    ):
-        check_tensor(name, t, ndim=len(shape), dtypes=dtypes, cuda=False)
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
 
 
 def _empty_outputs(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,11 +170,7 @@ def attention_varlen(
     check_bool("deterministic", deterministic)
     check_cuda("q", q)
     check_same_device(q=q, k=k, v=v, **({} if out is None else {"o": out[0], "lse": out[1]}))
-    # Host offsets travel to the device here; device offsets must already be on q's device.
-    cu_q, cu_k = (
-        cu.to(q.device) if cu.device.type == "cpu" else cu for cu in (cu_seqlens_q, cu_seqlens_k)
-    )
-    check_same_device(q=q, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    cu_q, cu_k = _offsets_on_device(q, cu_seqlens_q, cu_seqlens_k)
     if _traced(q, k, v, cu_q, cu_k, *(out or ())) or wants_grad(q, k, v):
         o, lse = torch.ops.forgekernel.attention_varlen_fwd(
             q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale, deterministic

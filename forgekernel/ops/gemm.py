@@ -8,7 +8,6 @@ compiler shapes without running anything.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
@@ -18,6 +17,7 @@ from forgekernel.kernels.gemm.dense.sm90.config import (
     NUM_SMS_H100_H200,
     STANDARD_CONFIGS,
 )
+from forgekernel.ops._dispatch import num_sms
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import (
     DTYPE_NAMES,
@@ -26,6 +26,7 @@ from forgekernel.ops._validate import (
     check_multiple,
     check_same_device,
     check_same_dtype,
+    check_shaped,
     check_tensor,
     tma_ready,
 )
@@ -54,23 +55,16 @@ def _validate(
     check_multiple("K", k, 8, "rows of A and B must be 16-byte multiples for TMA")
     check_multiple("N", n, 8, "rows of C must be 16-byte multiples for TMA")
     if out is not None:
-        check_tensor("out", out, ndim=2, cuda=False)
+        check_shaped("out", out, (m, n))
         check_same_dtype(a=a, out=out)
-        if tuple(out.shape) != (m, n):
-            raise ValueError(f"out must have shape {(m, n)}, got {tuple(out.shape)}")
     check_cuda("a", a)
     check_same_device(a=a, b=b, **({} if out is None else {"out": out}))
     return m, n, k
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _max_clusters(device_index: int, cluster_size: int) -> int:
     # One CTA per SM (the pipeline takes nearly all shared memory).
-    return _num_sms(device_index) // cluster_size
+    return num_sms(device_index) // cluster_size
 
 
 def _tuning_key(dtype: torch.dtype, b_kn: bool, m: int, n: int, k: int) -> str:
@@ -100,7 +94,7 @@ def _launch(
     if k == 0:
         out.zero_()
         return
-    cfg = config or _config_for(a.dtype, b_kn, m, n, k, _num_sms(a.device.index))
+    cfg = config or _config_for(a.dtype, b_kn, m, n, k, num_sms(a.device.index))
     if cfg.split_k > 1 and -(-k // cfg.tile_k) < cfg.split_k:
         raise ValueError(f"split_k = {cfg.split_k} needs K >= {cfg.split_k * cfg.tile_k}")
     fn = get_kernel(SPEC, params_for(DTYPE_NAMES[a.dtype], b_kn, cfg))

@@ -35,19 +35,16 @@ def attention_ref(
     yardstick for a kernel's error. lse is fp32 either way.
     """
     b, sq, hq, d = q.shape
-    sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
+    sk, dv = k.shape[1], v.shape[3]
     scale = d**-0.5 if softmax_scale is None else softmax_scale
     dtype = torch.float32 if upcast else q.dtype
     out = torch.empty(b, sq, hq, dv, dtype=dtype, device=q.device)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
-    heads = min(hq, max(1, SCORE_BUDGET // max(1, sq * sk)))
-    rows = min(max(1, sq), max(1, SCORE_BUDGET // max(1, heads * sk)))
+    heads, rows = _chunk_plan(sq, sk, hq, SCORE_BUDGET)
     for bi in range(b):
         for h0 in range(0, hq, heads):
             h1 = min(hq, h0 + heads)
-            kv_head = torch.arange(h0, h1, device=q.device) // (hq // hkv)
-            kc = k[bi].index_select(1, kv_head).transpose(0, 1).to(dtype)  # (h, Sk, D)
-            vc = v[bi].index_select(1, kv_head).transpose(0, 1).to(dtype)  # (h, Sk, Dv)
+            kv_head, kc, vc = _kv_chunk(k, v, bi, h0, h1, hq, dtype)
             for i0 in range(0, sq, rows):
                 i1 = min(sq, i0 + rows)
                 qc = q[bi, i0:i1, h0:h1].transpose(0, 1).to(dtype)  # (h, rows, D)
@@ -56,6 +53,31 @@ def attention_ref(
                 out[bi, i0:i1, h0:h1] = oc.transpose(0, 1)
                 lse[bi, h0:h1, i0:i1] = lc
     return out, lse
+
+
+def _chunk_plan(sq: int, sk: int, hq: int, budget: int) -> tuple[int, int]:
+    """(heads, rows) per chunk: as many heads, then query rows, as `budget` score elements hold."""
+    heads = min(hq, max(1, budget // max(1, sq * sk)))
+    rows = min(max(1, sq), max(1, budget // max(1, heads * sk)))
+    return heads, rows
+
+
+def _kv_chunk(k, v, bi: int, h0: int, h1: int, hq: int, dtype: torch.dtype):
+    """(kv head of each query head h0..h1, K (h, Sk, D), V (h, Sk, Dv)) of batch bi (GQA)."""
+    kv_head = torch.arange(h0, h1, device=k.device) // (hq // k.shape[2])
+    kc = k[bi].index_select(1, kv_head).transpose(0, 1).to(dtype)
+    vc = v[bi].index_select(1, kv_head).transpose(0, 1).to(dtype)
+    return kv_head, kc, vc
+
+
+def _sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
+    """(q0, q1, k0, k1) row bounds of each packed sequence."""
+    return zip(
+        cu_seqlens_q.tolist(),
+        cu_seqlens_q[1:].tolist(),
+        cu_seqlens_k.tolist(),
+        cu_seqlens_k[1:].tolist(),
+    )
 
 
 def _causal_mask(i0: int, i1: int, sq: int, sk: int, device: torch.device) -> torch.Tensor:
@@ -98,13 +120,7 @@ def attention_varlen_ref(
     dtype = torch.float32 if upcast else q.dtype
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=dtype, device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
-    bounds = zip(
-        cu_seqlens_q.tolist(),
-        cu_seqlens_q[1:].tolist(),
-        cu_seqlens_k.tolist(),
-        cu_seqlens_k[1:].tolist(),
-    )
-    for q0, q1, k0, k1 in bounds:
+    for q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
         o, seq_lse = attention_ref(
             q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal, softmax_scale, upcast
         )
@@ -131,22 +147,18 @@ def attention_bwd_ref(
     gradients in the input dtype. Rows that see no key get dq = 0 and add nothing to dk, dv.
     """
     b, sq, hq, d = q.shape
-    sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
+    sk, dv = k.shape[1], v.shape[3]
     scale = d**-0.5 if softmax_scale is None else softmax_scale
     dtype = torch.float32 if upcast else q.dtype
     o, lse = attention_ref(q, k, v, causal, scale, upcast)
     f32 = {"dtype": torch.float32, "device": q.device}
     grad_q, grad_k, grad_v = (torch.zeros(t.shape, **f32) for t in (q, k, v))
     # S, P, dP and dS of one chunk are alive at once: half the forward's budget each.
-    budget = SCORE_BUDGET // 2
-    heads = min(hq, max(1, budget // max(1, sq * sk)))
-    rows = min(max(1, sq), max(1, budget // max(1, heads * sk)))
+    heads, rows = _chunk_plan(sq, sk, hq, SCORE_BUDGET // 2)
     for bi in range(b):
         for h0 in range(0, hq, heads):
             h1 = min(hq, h0 + heads)
-            kv_head = torch.arange(h0, h1, device=q.device) // (hq // hkv)
-            kc = k[bi].index_select(1, kv_head).transpose(0, 1).to(dtype)  # (h, Sk, D)
-            vc = v[bi].index_select(1, kv_head).transpose(0, 1).to(dtype)  # (h, Sk, Dv)
+            kv_head, kc, vc = _kv_chunk(k, v, bi, h0, h1, hq, dtype)
             dkc = torch.zeros(h1 - h0, sk, d, **f32)
             dvc = torch.zeros(h1 - h0, sk, dv, **f32)
             for i0 in range(0, sq, rows):
@@ -209,13 +221,7 @@ def attention_varlen_bwd_ref(
     returns (dq, dk, dv) packed the same way."""
     dtype = torch.float32 if upcast else q.dtype
     grads = tuple(torch.zeros(t.shape, dtype=dtype, device=q.device) for t in (q, k, v))
-    bounds = zip(
-        cu_seqlens_q.tolist(),
-        cu_seqlens_q[1:].tolist(),
-        cu_seqlens_k.tolist(),
-        cu_seqlens_k[1:].tolist(),
-    )
-    for q0, q1, k0, k1 in bounds:
+    for q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
         seq = attention_bwd_ref(
             q[None, q0:q1],
             k[None, k0:k1],
