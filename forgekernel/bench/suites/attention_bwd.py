@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from forgekernel.bench.suite import Case, Inputs, OpSuite
-from forgekernel.bench.suites.attention import causal_pairs
+from forgekernel.bench.suites.attention import _case as forward_case
+from forgekernel.bench.suites.attention import flops as forward_flops
 
 
 def kernel_sources() -> list[Path]:
@@ -50,14 +51,10 @@ def _case(
     scale: float | None = None,
     deterministic: bool = False,
 ) -> Case:
-    sk, dv = sq if sk is None else sk, d if dv is None else dv
-    seqs = f"s{sq}" if sq == sk else f"sq{sq}-sk{sk}"
-    name = f"b{b}-hq{hq}-hkv{hkv}-{seqs}-d{d}" + (f"-dv{dv}" if dv != d else "")
-    name += ("-causal" if causal else "") + (f"-scale{scale:g}" if scale is not None else "")
-    name += "-det" if deterministic else ""
-    params = {"b": b, "hq": hq, "hkv": hkv, "sq": sq, "sk": sk, "d": d, "dv": dv}
-    flags = {"causal": causal, "softmax_scale": scale, "deterministic": deterministic}
-    return Case(name, {**params, **flags})
+    """The forward suite's case (same name and shape parameters), plus deterministic mode."""
+    fwd = forward_case(b, hq, hkv, sq, d, causal, sk=sk, dv=dv, scale=scale)
+    name = fwd.name + ("-det" if deterministic else "")
+    return Case(name, {**fwd.params, "deterministic": deterministic})
 
 
 def _varlen_case(
@@ -68,7 +65,7 @@ def _varlen_case(
     name += "-causal" if causal else ""
     params = {"b": len(lens_q), "hq": hq, "hkv": hkv, "sq": sum(lens_q), "sk": sum(lens_k)}
     flags = {"causal": causal, "softmax_scale": None, "deterministic": False}
-    varlen = {"lens_q": list(lens_q), "lens_k": list(lens_k)}
+    varlen = {"lens_q": list(lens_q), "lens_k": list(lens_k), "varlen": True}
     return Case(name, {**params, "d": d, "dv": d, **flags, **varlen})
 
 
@@ -260,13 +257,7 @@ def comparators() -> dict[str, Any]:
 def flops(case: Case) -> float:
     """2.5x the forward's count: five matmuls (S, dP, dV, dQ, dK) against its two, masked
     pairs free (FA4's count); varlen cases count each sequence's own pairs."""
-    p = case.params
-    if "lens_q" in p:
-        seqs = zip(p["lens_q"], p["lens_k"])
-        pairs = sum(causal_pairs(a, b) if p["causal"] else a * b for a, b in seqs)
-        return 2.5 * 2.0 * p["hq"] * (p["d"] + p["dv"]) * pairs
-    pairs = causal_pairs(p["sq"], p["sk"]) if p["causal"] else p["sq"] * p["sk"]
-    return 2.5 * 2.0 * p["b"] * p["hq"] * (p["d"] + p["dv"]) * pairs
+    return 2.5 * forward_flops(case)
 
 
 def nbytes(case: Case, dtype: torch.dtype) -> float:
