@@ -34,8 +34,8 @@ def test_sass_uses_hgmma_and_no_local_memory(records):
     mma = {spec.name: spec.mma for spec in all_specs()}
     for rec in records:
         assert rec["hgmma"] or not mma[rec["name"]], (rec["name"], rec["config"])
-        if _cu12_known_spill(rec):
-            assert rec["spill_bytes"] <= 8, rec["config"]
+        if _cu12_known_spill(rec) or _known_spill(rec):
+            assert rec["spill_bytes"] <= KNOWN_SPILL_BYTES, rec["config"]
             continue
         assert rec["spill_bytes"] == 0, rec["config"]
         assert rec["sass"].get("LDL", 0) == 0 and rec["sass"].get("STL", 0) == 0
@@ -59,6 +59,17 @@ def _cu12_known_spill(rec) -> bool:
     return (
         _dsl_toolchain() == "cu12" and rec["name"] == "attention_fwd_sm90" and bool(p.get("varlen"))
     )
+
+
+# The one known exception (docs/attention/BWD_NOTES.md, varlen): the D=64 varlen backward keeps
+# the sequence's key offset and length live through the consumers' loop and spills 8 bytes
+# in some variants. Anything more, or a spill anywhere else, fails.
+KNOWN_SPILL_BYTES = 8
+
+
+def _known_spill(rec) -> bool:
+    p = rec["params"]
+    return rec["name"] == "attention_bwd_sm90" and p.get("varlen") and p.get("head_dim") == 64
 
 
 def _compile_one(out_dir: str) -> str:
