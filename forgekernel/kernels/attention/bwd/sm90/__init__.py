@@ -3,12 +3,17 @@ kernels are `preprocess.py`, `kernel.py` (main) and `postprocess.py`; the host l
 `launch.attention_bwd`.
 
 Compiled functions (the stream is the TVM-FFI environment stream):
-- pre:  fn(o, do, lse, lse2, dsum): o, do (B, Sq, Hq, Dv); lse (B, Hq, Sq) fp32 contiguous;
-  lse2, dsum (B, Hq, Sq_pad) fp32 workspaces, Sq_pad = Sq rounded up to 128.
-- main: fn(q, k, v, do, lse2, dsum, dq_accum, dk, dv, sem, softmax_scale, softmax_scale_log2):
-  dq_accum (B, Hq, Sq_pad * D) fp32 zeroed; sem (B, Hq, Sq_pad / tile_m) int32 zeroed
-  (read only when deterministic).
-- post: fn(dq_accum, dq, softmax_scale).
+- pre:  fn(o, do, lse, lse2, dsum, cu_seqlens_q, max_seqlen_q): o, do (B, Sq, Hq, Dv); lse
+  (B, Hq, Sq) fp32 contiguous; lse2, dsum (B, Hq, Sq_pad) fp32 workspaces, Sq_pad = Sq rounded
+  up to 128.
+- main: fn(q, k, v, do, lse2, dsum, dq_accum, dk, dv, sem, cu_seqlens_q, cu_seqlens_k,
+  max_seqlen_k, softmax_scale, softmax_scale_log2): dq_accum (B, Hq, Sq_pad * D) fp32 zeroed;
+  sem (B, Hq, Sq_pad / tile_m) int32 zeroed (read only when deterministic).
+- post: fn(dq_accum, dq, cu_seqlens_q, max_seqlen_q, softmax_scale).
+Fixed length passes None for the cu_seqlens and 0 for the max lengths. Varlen variants
+(`varlen=True` in the params): packed (T, H, D) tensors, lse (Hq, Tq), workspaces (Hq, rows)
+with rows = `config.varlen_ws_rows(Tq, B)` (dq_accum (Hq, rows * D), sem (Hq, rows)), int32
+(B + 1,) offsets.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from forgekernel.kernels.attention.bwd.sm90.config import (
 from forgekernel.runtime.spec import KernelSpec, Params
 
 _DIR = Path(__file__).parent
+# The launcher takes cu_seqlens (packed sequences); turns on the bench suite's varlen check cases.
+VARLEN = True
 
 
 def _compile_pre(params: Params, extra_options: str = ""):
@@ -49,12 +56,15 @@ def _compile_post(params: Params, extra_options: str = ""):
 
 def _pre_standard() -> list[Params]:
     dvs = sorted({dv for _, dv in HEAD_DIMS})
-    return [pre_params(dtype, dv) for dtype in DTYPES for dv in dvs]
+    return [
+        pre_params(dtype, dv, varlen) for varlen in (False, True) for dtype in DTYPES for dv in dvs
+    ]
 
 
 def _main_standard() -> list[Params]:
     return [
-        main_params(dtype, d, dv, causal, det)
+        main_params(dtype, d, dv, causal, det, varlen=varlen)
+        for varlen in (False, True)
         for dtype in DTYPES
         for d, dv in HEAD_DIMS
         for causal in (False, True)
@@ -64,7 +74,8 @@ def _main_standard() -> list[Params]:
 
 def _post_standard() -> list[Params]:
     return [
-        post_params(dtype, d, default_config(d, dv).tile_m)
+        post_params(dtype, d, default_config(d, dv).tile_m, varlen)
+        for varlen in (False, True)
         for dtype in DTYPES
         for d, dv in HEAD_DIMS
     ]
@@ -105,6 +116,7 @@ def attention_bwd(*args, **kwargs):
 
 __all__ = [
     "SPECS",
+    "VARLEN",
     "SPEC_PRE",
     "SPEC_MAIN",
     "SPEC_POST",

@@ -1,5 +1,9 @@
 """Compile the sm90 attention-backward kernels against fake tensors: B, Sq, Sk, Hq, Hkv and every
-stride but the innermost are dynamic; dtype, head dims, flags and tiles are baked in."""
+stride but the innermost are dynamic; dtype, head dims, flags (varlen included) and tiles are
+baked in.
+
+Fixed length passes None for the cu_seqlens tensors and 0 for the max lengths; varlen passes
+packed (T, H, D) tensors, (Hq, T) lse, (Hq, rows) workspaces and int32 (B + 1,) offsets."""
 
 from __future__ import annotations
 
@@ -33,6 +37,23 @@ def _bhs(dtype, b, h, s):
     )
 
 
+def _tokens(dtype, t, h, d: int):
+    # packed varlen (T, H, D), D contiguous; other strides multiples of 8 elements (16 B, TMA).
+    stride = (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1)
+    return make_fake_tensor(dtype, (t, h, d), stride=stride, assumed_align=16)
+
+
+def _hs(dtype, h, s):
+    # (H, rows) contiguous fp32 / int32 varlen workspace; rows a multiple of 4 (16 B).
+    return make_fake_tensor(
+        dtype, (h, s), stride=(cute.sym_int64(divisibility=4), 1), assumed_align=16
+    )
+
+
+def _cu():
+    return make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), stride=(1,))
+
+
 def _options(arch: str, extra: str) -> str:
     return f"--enable-tvm-ffi --gpu-arch {arch} {extra}".strip()
 
@@ -42,6 +63,7 @@ def compile_main(params: dict, arch: str = "sm_90a", extra_options: str = ""):
 
     dtype = _DTYPES[params["dtype"]]
     d, dv = params["head_dim"], params["head_dim_v"]
+    varlen = bool(params.get("varlen", False))
     b, sq, sk = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     hq, hkv = cute.sym_int32(), cute.sym_int32()
     sq_pad, sq_pad_d, n_mblk = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
@@ -51,21 +73,45 @@ def compile_main(params: dict, arch: str = "sm_90a", extra_options: str = ""):
         causal=params["causal"],
         deterministic=params["deterministic"],
         config=BwdConfig.from_params(params),
+        varlen=varlen,
     )
+    if varlen:
+        f32 = cutlass.Float32
+        tensors = (
+            _tokens(dtype, sq, hq, d),  # q (Tq, Hq, D)
+            _tokens(dtype, sk, hkv, d),  # k
+            _tokens(dtype, sk, hkv, dv),  # v
+            _tokens(dtype, sq, hq, dv),  # do
+            _hs(f32, hq, sq_pad),  # lse (log2 units, padded per sequence)
+            _hs(f32, hq, sq_pad),  # dsum
+            _hs(f32, hq, sq_pad_d),  # dq accumulator
+            _tokens(dtype, sk, hkv, d),  # dk
+            _tokens(dtype, sk, hkv, dv),  # dv
+            _hs(cutlass.Int32, hq, sq_pad),  # semaphores, one per workspace row
+            _cu(),
+            _cu(),
+        )
+    else:
+        tensors = (
+            _bshd(dtype, b, sq, hq, d),  # q
+            _bshd(dtype, b, sk, hkv, d),  # k
+            _bshd(dtype, b, sk, hkv, dv),  # v
+            _bshd(dtype, b, sq, hq, dv),  # do
+            _bhs(cutlass.Float32, b, hq, sq_pad),  # lse (log2 units, padded)
+            _bhs(cutlass.Float32, b, hq, sq_pad),  # dsum
+            _bhs(cutlass.Float32, b, hq, sq_pad_d),  # dq accumulator
+            _bshd(dtype, b, sk, hkv, d),  # dk
+            _bshd(dtype, b, sk, hkv, dv),  # dv
+            make_fake_tensor(
+                cutlass.Int32, (b, hq, n_mblk), stride=(cute.sym_int64(), cute.sym_int64(), 1)
+            ),
+            None,
+            None,
+        )
     return cute.compile(
         kernel,
-        _bshd(dtype, b, sq, hq, d),  # q
-        _bshd(dtype, b, sk, hkv, d),  # k
-        _bshd(dtype, b, sk, hkv, dv),  # v
-        _bshd(dtype, b, sq, hq, dv),  # do
-        _bhs(cutlass.Float32, b, hq, sq_pad),  # lse (log2 units, padded)
-        _bhs(cutlass.Float32, b, hq, sq_pad),  # dsum
-        _bhs(cutlass.Float32, b, hq, sq_pad_d),  # dq accumulator
-        _bshd(dtype, b, sk, hkv, d),  # dk
-        _bshd(dtype, b, sk, hkv, dv),  # dv
-        make_fake_tensor(
-            cutlass.Int32, (b, hq, n_mblk), stride=(cute.sym_int64(), cute.sym_int64(), 1)
-        ),
+        *tensors,
+        cutlass.Int32(0),  # max_seqlen_k (varlen grid)
         cutlass.Float32(1.0),
         cutlass.Float32(1.0),
         make_fake_stream(use_tvm_ffi_env_stream=True),
@@ -78,17 +124,32 @@ def compile_pre(params: dict, arch: str = "sm_90a", extra_options: str = ""):
 
     dtype = _DTYPES[params["dtype"]]
     dv = params["head_dim_v"]
+    varlen = bool(params.get("varlen", False))
     b, sq, hq, sq_pad = cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
-    lse = make_fake_tensor(
-        cutlass.Float32, (b, hq, sq), stride=(cute.sym_int64(), cute.sym_int64(), 1)
-    )
+    f32 = cutlass.Float32
+    if varlen:
+        tensors = (
+            _tokens(dtype, sq, hq, dv),  # o (Tq, Hq, Dv)
+            _tokens(dtype, sq, hq, dv),  # do
+            make_fake_tensor(f32, (hq, sq), stride=(cute.sym_int64(), 1)),  # lse (Hq, Tq)
+            _hs(f32, hq, sq_pad),  # lse, log2 units, padded per sequence
+            _hs(f32, hq, sq_pad),  # dsum
+            _cu(),
+        )
+    else:
+        lse = make_fake_tensor(f32, (b, hq, sq), stride=(cute.sym_int64(), cute.sym_int64(), 1))
+        tensors = (
+            _bshd(dtype, b, sq, hq, dv),  # o
+            _bshd(dtype, b, sq, hq, dv),  # do
+            lse,
+            _bhs(f32, b, hq, sq_pad),  # lse, log2 units, padded
+            _bhs(f32, b, hq, sq_pad),  # dsum
+            None,
+        )
     return cute.compile(
-        AttentionBwdPreSm90(dv),
-        _bshd(dtype, b, sq, hq, dv),  # o
-        _bshd(dtype, b, sq, hq, dv),  # do
-        lse,
-        _bhs(cutlass.Float32, b, hq, sq_pad),  # lse, log2 units, padded
-        _bhs(cutlass.Float32, b, hq, sq_pad),  # dsum
+        AttentionBwdPreSm90(dv, varlen=varlen),
+        *tensors,
+        cutlass.Int32(0),  # max_seqlen_q (varlen grid)
         make_fake_stream(use_tvm_ffi_env_stream=True),
         options=_options(arch, extra_options),
     )
@@ -99,11 +160,24 @@ def compile_post(params: dict, arch: str = "sm_90a", extra_options: str = ""):
 
     dtype = _DTYPES[params["dtype"]]
     d = params["head_dim"]
+    varlen = bool(params.get("varlen", False))
     b, sq, hq, sq_pad_d = cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    if varlen:
+        tensors = (
+            _hs(cutlass.Float32, hq, sq_pad_d),  # dq accumulator (Hq, rows * D)
+            _tokens(dtype, sq, hq, d),  # dq (Tq, Hq, D)
+            _cu(),
+        )
+    else:
+        tensors = (
+            _bhs(cutlass.Float32, b, hq, sq_pad_d),  # dq accumulator
+            _bshd(dtype, b, sq, hq, d),  # dq
+            None,
+        )
     return cute.compile(
-        AttentionBwdPostSm90(d, params["tile_m"]),
-        _bhs(cutlass.Float32, b, hq, sq_pad_d),  # dq accumulator
-        _bshd(dtype, b, sq, hq, d),  # dq
+        AttentionBwdPostSm90(d, params["tile_m"], varlen=varlen),
+        *tensors,
+        cutlass.Int32(0),  # max_seqlen_q (varlen grid)
         cutlass.Float32(1.0),
         make_fake_stream(use_tvm_ffi_env_stream=True),
         options=_options(arch, extra_options),

@@ -17,6 +17,23 @@ SMEM_CAPACITY = 232448  # sm_90 per-block opt-in maximum (227 KiB)
 # multiple of this, so that the main kernel's loads never leave the workspace.
 ROW_PAD = 128
 NUM_MMA_WG = 2
+# Varlen: the fp32 workspaces are (Hq, rows) over all sequences; sequence b's rows start at
+# `varlen_ws_row(cu_seqlens_q[b], b)` (a multiple of 4: 16-byte aligned bulk copies) and it owns
+# at least ceil(Sq_b / ROW_PAD) * ROW_PAD rows before the next sequence's start:
+# ceil4(cu[b + 1]) + (b + 1) * VARLEN_SEQ_PAD - ceil4(cu[b]) - b * VARLEN_SEQ_PAD
+# >= Sq_b - 3 + ROW_PAD + 4 > Sq_b + ROW_PAD - 1.
+VARLEN_SEQ_PAD = ROW_PAD + 4
+
+
+def varlen_ws_row(q_off: int, seq: int) -> int:
+    """First workspace row of sequence `seq` whose packed rows start at `q_off` (the kernels
+    compute the same with DSL integers)."""
+    return (q_off + 3) // 4 * 4 + seq * VARLEN_SEQ_PAD
+
+
+def varlen_ws_rows(total_q: int, num_seqs: int) -> int:
+    """Workspace rows (a multiple of 4) holding every sequence's padded region."""
+    return varlen_ws_row(total_q, num_seqs)
 
 
 @dataclass(frozen=True)
@@ -117,6 +134,7 @@ def main_params(
     causal: bool,
     deterministic: bool,
     cfg: BwdConfig | None = None,
+    varlen: bool = False,
 ) -> tuple:
     cfg = cfg or default_config(head_dim, head_dim_v)
     return _key(
@@ -126,12 +144,18 @@ def main_params(
         causal=bool(causal),
         deterministic=bool(deterministic),
         **cfg.key_fields(),
+        **_varlen_field(varlen),
     )
 
 
-def pre_params(dtype: str, head_dim_v: int) -> tuple:
-    return _key(dtype=dtype, head_dim_v=head_dim_v)
+def _varlen_field(varlen: bool) -> dict:
+    # Left out of the key when False, so the fixed-length kernels keep their keys.
+    return {"varlen": True} if varlen else {}
 
 
-def post_params(dtype: str, head_dim: int, tile_m: int) -> tuple:
-    return _key(dtype=dtype, head_dim=head_dim, tile_m=tile_m)
+def pre_params(dtype: str, head_dim_v: int, varlen: bool = False) -> tuple:
+    return _key(dtype=dtype, head_dim_v=head_dim_v, **_varlen_field(varlen))
+
+
+def post_params(dtype: str, head_dim: int, tile_m: int, varlen: bool = False) -> tuple:
+    return _key(dtype=dtype, head_dim=head_dim, tile_m=tile_m, **_varlen_field(varlen))

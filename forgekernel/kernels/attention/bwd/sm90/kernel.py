@@ -34,6 +34,18 @@ order (see `utils.dq_frag_offset`); the postprocess kernel scales and converts i
 
 Causal is bottom-right aligned (query i sees key j iff j <= i + Sk - Sq); query blocks that
 see none of the CTA's keys are skipped, blocks crossing the diagonal or the Sk edge masked.
+
+Varlen (static flag `varlen`): packed q, do (Tq, Hq, *), k, v, dk, dv (Tk, Hkv, *) viewed with a
+unit batch mode, int32 offsets cu_seqlens_q / cu_seqlens_k (B + 1,); grid
+(ceil(max_seqlen_k / tile_n), Hkv, B), a CTA whose key block starts past its sequence's Sk
+does nothing. Each sequence is a row offset into the TMA coordinate tensors
+(`cute.domain_offset`): boxes that run past the sequence read the neighbour's rows (or TMA's
+zero fill), which the per-sequence key-edge mask and the +inf LSE of padding rows zero out.
+Workspaces (Hq, rows): sequence b's padded region from row ceil4(cu_q[b]) + b * (ROW_PAD + 4)
+(`config.varlen_ws_row`), so a query block's LSE / Dsum loads and dQ reductions stay inside
+its own sequence's region; semaphores one per workspace row. A key block that ends inside its
+sequence stores dK and dV from registers, rows < Sk only (a TMA box would overwrite the next
+sequence's rows).
 """
 
 from __future__ import annotations
@@ -52,6 +64,7 @@ from cutlass.tensor_utils import LayoutEnum
 from forgekernel.kernels.attention.bwd.sm90.config import (
     NUM_MMA_WG,
     SMEM_CAPACITY,
+    VARLEN_SEQ_PAD,
     BwdConfig,
     smem_bytes,
 )
@@ -63,6 +76,7 @@ from forgekernel.kernels.attention.bwd.sm90.utils import (
     fence_proxy_async_global,
     ld_acquire_gpu,
     make_dq_mma,
+    packed_as_sdhb,
     red_release_gpu_add,
     rows_cols,
     select,
@@ -80,7 +94,13 @@ class AttentionBwdSm90:
     docstring."""
 
     def __init__(
-        self, head_dim: int, head_dim_v: int, causal: bool, deterministic: bool, config: BwdConfig
+        self,
+        head_dim: int,
+        head_dim_v: int,
+        causal: bool,
+        deterministic: bool,
+        config: BwdConfig,
+        varlen: bool = False,
     ):
         if config.tile_n != 64 * NUM_MMA_WG:
             raise ValueError(f"tile_n must be {64 * NUM_MMA_WG}, got {config.tile_n}")
@@ -97,6 +117,7 @@ class AttentionBwdSm90:
         if need > SMEM_CAPACITY:
             raise ValueError(f"{config} needs {need} B of shared memory, > {SMEM_CAPACITY}")
         self.cfg = config
+        self.varlen = varlen
         self.head_dim = head_dim
         self.head_dim_v = head_dim_v
         self.causal = causal
@@ -171,13 +192,19 @@ class AttentionBwdSm90:
         mdK: cute.Tensor,
         mdV: cute.Tensor,
         mSem: cute.Tensor,
+        mCuQ: cute.Tensor | None,
+        mCuK: cute.Tensor | None,
+        max_seqlen_k: Int32,
         softmax_scale: Float32,
         softmax_scale_log2: Float32,
         stream: cuda.CUstream,
     ):
         """mQ (B, Sq, Hq, D), mK (B, Sk, Hkv, D), mV (B, Sk, Hkv, Dv), mdO (B, Sq, Hq, Dv),
         mLSE2 and mDsum (B, Hq, Sq_pad) fp32, mdQacc (B, Hq, Sq_pad * D) fp32,
-        mdK (B, Sk, Hkv, D), mdV (B, Sk, Hkv, Dv), mSem (B, Hq, Sq_pad / tile_m) int32."""
+        mdK (B, Sk, Hkv, D), mdV (B, Sk, Hkv, Dv), mSem (B, Hq, Sq_pad / tile_m) int32;
+        mCuQ, mCuK None, max_seqlen_k unused. Varlen: q, do (Tq, Hq, *), k, v, dk, dv
+        (Tk, Hkv, *), mLSE2, mDsum (Hq, rows), mdQacc (Hq, rows * D), mSem (Hq, rows),
+        mCuQ / mCuK int32 (B + 1,), max_seqlen_k the longest key sequence."""
         self.dtype = mQ.element_type
         for t in (mK, mV, mdO, mdK, mdV):
             if const_expr(t.element_type != self.dtype):
@@ -186,7 +213,12 @@ class AttentionBwdSm90:
         tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
 
         # (B, S, H, D) -> (S, D, H, B): TMA boxes over (S, D), coordinates for head and batch.
-        mQ, mK, mV, mdO, mdK, mdV = (_s_d_h_b(t) for t in (mQ, mK, mV, mdO, mdK, mdV))
+        # Varlen: (T, H, D) -> (T, D, H, 1), (H, rows) workspaces -> (1, H, rows).
+        if const_expr(self.varlen):
+            mQ, mK, mV, mdO, mdK, mdV = (packed_as_sdhb(t) for t in (mQ, mK, mV, mdO, mdK, mdV))
+            mLSE2, mDsum, mdQacc, mSem = (_unit_batch(t) for t in (mLSE2, mDsum, mdQacc, mSem))
+        else:
+            mQ, mK, mV, mdO, mdK, mdV = (_s_d_h_b(t) for t in (mQ, mK, mV, mdO, mdK, mdV))
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         s2g = cpasync.CopyBulkTensorTileS2GOp()
@@ -231,7 +263,10 @@ class AttentionBwdSm90:
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, tm * d * self.dq_stages], 128]
 
         self.shared_storage = SharedStorage
-        grid = (cute.ceil_div(mK.shape[0], tn), mK.shape[2], mK.shape[3])
+        if const_expr(self.varlen):
+            grid = (cute.ceil_div(max_seqlen_k, tn), mK.shape[2], mCuK.shape[0] - 1)
+        else:
+            grid = (cute.ceil_div(mK.shape[0], tn), mK.shape[2], mK.shape[3])
         self.kernel(
             tma_q,
             tma_mQ,
@@ -249,6 +284,10 @@ class AttentionBwdSm90:
             mDsum,
             mdQacc,
             mSem,
+            mCuQ,
+            mCuK,
+            mdK if const_expr(self.varlen) else None,
+            mdV if const_expr(self.varlen) else None,
             softmax_scale,
             softmax_scale_log2,
             self.mma_sdp,
@@ -287,6 +326,10 @@ class AttentionBwdSm90:
         mDsum: cute.Tensor,
         mdQacc: cute.Tensor,
         mSem: cute.Tensor,
+        mCuQ: cute.Tensor | None,
+        mCuK: cute.Tensor | None,
+        mdK_gmem: cute.Tensor | None,
+        mdV_gmem: cute.Tensor | None,
         scale: Float32,
         scale_log2: Float32,
         mma_sdp: cute.TiledMma,
@@ -338,6 +381,39 @@ class AttentionBwdSm90:
         n_block, head_kv, batch = cute.arch.block_idx()
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
+        # varlen: the sequence's first packed query / key row and first workspace row
+        offs = (0, 0, 0)
+        if const_expr(self.varlen):
+            q_off = mCuQ[batch]
+            k_off = mCuK[batch]
+            seqlen_q = mCuQ[batch + 1] - q_off
+            seqlen_k = mCuK[batch + 1] - k_off
+            offs = (q_off, k_off, (q_off + 3) // 4 * 4 + batch * VARLEN_SEQ_PAD)
+            batch = Int32(0)  # the unit batch mode of the packed views
+
+        pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        args = (
+            tidx, warp_idx, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, tma_dk, mdK, tma_dv,
+            mdV, mLSE2, mDsum, mdQacc, mSem, mdK_gmem, mdV_gmem, scale, scale_log2,
+            mma_sdp, mma_dv, mma_dk, mma_dq, sQ, sdO, sK, sV, sdS, sLSE, sDsum, sdQ,
+            q_pipe, do_pipe, kv_pipe, n_block, head_kv, batch, seqlen_q, seqlen_k, offs,
+        )  # fmt: skip
+        if const_expr(self.varlen):
+            # key blocks past this sequence's keys: nothing to do (and nothing to store)
+            if n_block * self.tile_n < seqlen_k:
+                self._roles(*args)
+        else:
+            self._roles(*args)
+
+    @cute.jit
+    def _roles(
+        self, tidx, warp_idx, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, tma_dk, mdK, tma_dv,
+        mdV, mLSE2, mDsum, mdQacc, mSem, mdK_gmem, mdV_gmem, scale, scale_log2,
+        mma_sdp, mma_dv, mma_dk, mma_dq, sQ, sdO, sK, sV, sdS, sLSE, sDsum, sdQ,
+        q_pipe, do_pipe, kv_pipe, n_block, head_kv, batch, seqlen_q, seqlen_k, offs,
+    ):  # fmt: skip
+        """The warp roles of one CTA (a key block with at least one key)."""
         group = mQ.shape[2] // mK.shape[2]
         m_begin, m_end, m_unmasked = self._query_blocks(n_block, seqlen_q, seqlen_k)
         # CTA-uniform scalars: keep them in uniform registers, off the consumers' budget.
@@ -346,8 +422,6 @@ class AttentionBwdSm90:
         m_unmasked = cute.arch.make_warp_uniform(m_unmasked)
         num_steps = group * (m_end - m_begin)
 
-        pipeline_init_wait(cluster_shape_mn=(1, 1))
-
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -355,12 +429,13 @@ class AttentionBwdSm90:
                 self._produce(
                     tma_q, tma_do, tma_k, tma_v, mQ, mdO, mK, mV, mLSE2, mDsum,
                     sQ, sdO, sK, sV, sLSE, sDsum, q_pipe, do_pipe, kv_pipe,
-                    n_block, head_kv, batch, group, m_begin, m_end, num_steps,
+                    n_block, head_kv, batch, group, m_begin, m_end, num_steps, offs,
                 )  # fmt: skip
             if warp_idx == DQ_WRITER_WARP:
                 self._write_dq(
-                    sdQ, mdQacc, mSem, n_block, head_kv, batch, group, m_begin, m_end, num_steps
-                )
+                    sdQ, mdQacc, mSem, n_block, head_kv, batch, group, m_begin, m_end, num_steps,
+                    offs[2],
+                )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume(
@@ -369,7 +444,7 @@ class AttentionBwdSm90:
                 sQ, sdO, sK, sV, sdS, sLSE, sDsum, sdQ,
                 q_pipe, do_pipe, kv_pipe, tma_dk, mdK, tma_dv, mdV,
                 scale, scale_log2, n_block, head_kv, batch, group, seqlen_q, seqlen_k,
-                m_begin, m_end, m_unmasked, num_steps,
+                m_begin, m_end, m_unmasked, num_steps, mdK_gmem, mdV_gmem, offs[1],
             )  # fmt: skip
 
     @cute.jit
@@ -394,13 +469,14 @@ class AttentionBwdSm90:
     def _produce(
         self, tma_q, tma_do, tma_k, tma_v, mQ, mdO, mK, mV, mLSE2, mDsum,
         sQ, sdO, sK, sV, sLSE, sDsum, q_pipe, do_pipe, kv_pipe,
-        n_block, head_kv, batch, group, m_begin, m_end, num_steps,
+        n_block, head_kv, batch, group, m_begin, m_end, num_steps, offs,
     ):  # fmt: skip
         """Warp 0: K and V once, then per step Q + LSE and dO + Dsum."""
         tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
+        q_off, k_off, ws = offs
         one = cute.make_layout(1)
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (tn, d), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (tn, dv), (None, 0))
+        gK = cute.local_tile(self._seq(mK[None, None, head_kv, batch], k_off), (tn, d), (None, 0))
+        gV = cute.local_tile(self._seq(mV[None, None, head_kv, batch], k_off), (tn, dv), (None, 0))
         tKsK, tKgK = cpasync.tma_partition(
             tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
         )
@@ -418,8 +494,10 @@ class AttentionBwdSm90:
         for step in cutlass.range(num_steps, unroll=1):
             head = head_kv * group + step // num_m
             m = m_begin + step % num_m
-            gQ = cute.local_tile(mQ[None, None, head, batch], (tm, d), (None, 0))
-            gdO = cute.local_tile(mdO[None, None, head, batch], (tm, dv), (None, 0))
+            gQ = cute.local_tile(self._seq(mQ[None, None, head, batch], q_off), (tm, d), (None, 0))
+            gdO = cute.local_tile(
+                self._seq(mdO[None, None, head, batch], q_off), (tm, dv), (None, 0)
+            )
             tQsQ, tQgQ = cpasync.tma_partition(
                 tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
             )
@@ -432,7 +510,7 @@ class AttentionBwdSm90:
             with cute.arch.elect_one():
                 bulk_g2s(
                     sLSE[None, st.index].iterator,
-                    mLSE2[batch, head, None].iterator + m * tm,
+                    mLSE2[batch, head, None].iterator + (ws + m * tm),
                     tm * 4,
                     bar_q,
                 )
@@ -442,7 +520,7 @@ class AttentionBwdSm90:
             with cute.arch.elect_one():
                 bulk_g2s(
                     sDsum[None, st.index].iterator,
-                    mDsum[batch, head, None].iterator + m * tm,
+                    mDsum[batch, head, None].iterator + (ws + m * tm),
                     tm * 4,
                     bar_do,
                 )
@@ -450,7 +528,7 @@ class AttentionBwdSm90:
 
     @cute.jit
     def _write_dq(
-        self, sdQ, mdQacc, mSem, n_block, head_kv, batch, group, m_begin, m_end, num_steps
+        self, sdQ, mdQacc, mSem, n_block, head_kv, batch, group, m_begin, m_end, num_steps, ws
     ):
         """Warp 1: drain the dQ staging buffers into the fp32 workspace (bulk reduce-add)."""
         tile = self.tile_m * self.head_dim
@@ -473,13 +551,13 @@ class AttentionBwdSm90:
             if lane == 0:
                 if const_expr(self.deterministic):
                     # Key blocks add in ascending order: wait for the n_block before us.
-                    sem = mSem[batch, head, None].iterator + m
+                    sem = mSem[batch, head, None].iterator + (ws + m)
                     seen = ld_acquire_gpu(sem)
                     while seen != n_block:
                         seen = ld_acquire_gpu(sem)
                     fence_proxy_async_global()
                 bulk_reduce_add_f32(
-                    mdQacc[batch, head, None].iterator + m * tile,
+                    mdQacc[batch, head, None].iterator + (ws * self.head_dim + m * tile),
                     sdQ.iterator + buf * tile,
                     tile * 4,
                 )
@@ -487,7 +565,7 @@ class AttentionBwdSm90:
                 if const_expr(self.deterministic):
                     cute.arch.cp_async_bulk_wait_group(0, read=False)
                     fence_proxy_async_global()
-                    red_release_gpu_add(mSem[batch, head, None].iterator + m, 1)
+                    red_release_gpu_add(mSem[batch, head, None].iterator + (ws + m), 1)
                 else:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.sync_warp()
@@ -504,7 +582,7 @@ class AttentionBwdSm90:
         sQ, sdO, sK, sV, sdS, sLSE, sDsum, sdQ,
         q_pipe, do_pipe, kv_pipe, tma_dk, mdK, tma_dv, mdV,
         scale, scale_log2, n_block, head_kv, batch, group, seqlen_q, seqlen_k,
-        m_begin, m_end, m_unmasked, num_steps,
+        m_begin, m_end, m_unmasked, num_steps, mdK_gmem, mdV_gmem, k_off,
     ):  # fmt: skip
         """Consumer warpgroup `wg` (keys 64 wg .. 64 wg + 63 of the block); tidx in [0, 256)."""
         tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
@@ -564,10 +642,22 @@ class AttentionBwdSm90:
                 self._step(st, step, m, *step_args, False)
             st.advance()
 
-        self._store_dkv(
-            tidx, warp_idx, mma_dk, mma_dv, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV,
-            scale, n_block, head_kv, batch, consumer_bar,
-        )  # fmt: skip
+        if const_expr(self.varlen):
+            if key_edge:
+                self._store_dkv_rmem(
+                    tidx, mma_dk, mma_dv, acc_dK, acc_dV, mdK_gmem, mdV_gmem, scale,
+                    n_block, head_kv, k_off, seqlen_k,
+                )  # fmt: skip
+            else:
+                self._store_dkv(
+                    tidx, warp_idx, mma_dk, mma_dv, acc_dK, acc_dV, sK, sV, tma_dk, mdK,
+                    tma_dv, mdV, scale, n_block, head_kv, batch, consumer_bar, k_off,
+                )  # fmt: skip
+        else:
+            self._store_dkv(
+                tidx, warp_idx, mma_dk, mma_dv, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV,
+                scale, n_block, head_kv, batch, consumer_bar, 0,
+            )  # fmt: skip
 
     @cute.jit
     def _gemm(
@@ -695,7 +785,7 @@ class AttentionBwdSm90:
     @cute.jit
     def _store_dkv(
         self, tidx, warp_idx, mma_dk, mma_dv, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV,
-        scale, n_block, head_kv, batch, consumer_bar,
+        scale, n_block, head_kv, batch, consumer_bar, k_off,
     ):  # fmt: skip
         """dK * scale, dV -> input dtype -> stmatrix into the K, V buffers -> TMA stores."""
         tn, d, dv = self.tile_n, self.head_dim, self.head_dim_v
@@ -714,8 +804,12 @@ class AttentionBwdSm90:
         consumer_bar.arrive_and_wait()
         if warp_idx == THREADS_PER_WG // 32:  # first consumer warp
             one = cute.make_layout(1)
-            gdK = cute.local_tile(mdK[None, None, head_kv, batch], (tn, d), (None, 0))
-            gdV = cute.local_tile(mdV[None, None, head_kv, batch], (tn, dv), (None, 0))
+            gdK = cute.local_tile(
+                self._seq(mdK[None, None, head_kv, batch], k_off), (tn, d), (None, 0)
+            )
+            gdV = cute.local_tile(
+                self._seq(mdV[None, None, head_kv, batch], k_off), (tn, dv), (None, 0)
+            )
             tdKsK, tdKgdK = cpasync.tma_partition(
                 tma_dk, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gdK, 0, 2)
             )
@@ -727,6 +821,50 @@ class AttentionBwdSm90:
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
+    @cute.jit
+    def _store_dkv_rmem(
+        self, tidx, mma_dk, mma_dv, acc_dK, acc_dV, mdK, mdV, scale, n_block, head_kv, k_off,
+        seqlen_k,
+    ):  # fmt: skip
+        """Varlen key block ending inside its sequence: dK * scale and dV stored from registers,
+        rows < Sk only (the packed neighbour's rows are another CTA's)."""
+        rdK = cute.make_rmem_tensor(acc_dK.shape, self.dtype)
+        rdK.store((acc_dK.load() * scale).to(self.dtype))
+        rdV = cute.make_rmem_tensor(acc_dV.shape, self.dtype)
+        rdV.store(acc_dV.load().to(self.dtype))
+        self._store_rows(tidx, mma_dk, rdK, mdK, self.head_dim, n_block, head_kv, k_off, seqlen_k)
+        self._store_rows(tidx, mma_dv, rdV, mdV, self.head_dim_v, n_block, head_kv, k_off, seqlen_k)
+
+    @cute.jit
+    def _store_rows(self, tidx, mma, r, m, width: int, n_block, head_kv, k_off, seqlen_k):
+        """r (this thread's fragment of a (tile_n, width) accumulator of `mma`) -> the rows
+        < seqlen_k of key block n_block of the sequence starting at k_off."""
+        tn = self.tile_n
+        n0 = n_block * tn
+        g = cute.local_tile(
+            cute.domain_offset((k_off, 0), m[None, None, head_kv, 0]), (tn, width), (n_block, 0)
+        )
+        thr = mma.get_slice(tidx)
+        tg = thr.partition_C(g)
+        tc = thr.partition_C(cute.make_identity_tensor((tn, width)))
+        for i in cutlass.range_constexpr(cute.size(r)):
+            if n0 + tc[i][0] < seqlen_k:
+                tg[i] = r[i]
+
+    def _seq(self, t: cute.Tensor, off) -> cute.Tensor:
+        """A (S, D) view shifted to its sequence's first row (varlen; identity otherwise)."""
+        if const_expr(self.varlen):
+            return cute.domain_offset((off, 0), t)
+        return t
+
 
 def _s_d_h_b(t: cute.Tensor) -> cute.Tensor:
     return select(t, [1, 3, 2, 0])
+
+
+def _unit_batch(t: cute.Tensor) -> cute.Tensor:
+    """(H, rows) workspace -> (1, H, rows)."""
+    return cute.make_tensor(
+        t.iterator,
+        cute.make_layout((1, t.shape[0], t.shape[1]), stride=(0, t.stride[0], t.stride[1])),
+    )

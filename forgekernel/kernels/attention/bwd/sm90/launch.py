@@ -16,6 +16,7 @@ from forgekernel.kernels.attention.bwd.sm90.config import (
     main_params,
     post_params,
     pre_params,
+    varlen_ws_rows,
 )
 from forgekernel.runtime.cache import get_kernel
 
@@ -58,11 +59,18 @@ def attention_bwd(
     that see no key) and do. q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), bf16 or
     fp16, Hq % Hkv == 0, (D, Dv) in HEAD_DIMS; causal is bottom-right aligned. With
     `deterministic`, dq is bitwise reproducible (dk, dv always are). `config` (optional)
-    replaces the main kernel's default BwdConfig for these head dims (variants, benchmarks)."""
+    replaces the main kernel's default BwdConfig for these head dims (variants, benchmarks).
+
+    Varlen (cu_seqlens_q / cu_seqlens_k int32 (B + 1,) on q's device, max_seqlen_q /
+    max_seqlen_k >= every sequence's length): q, o, do (Tq, Hq, *), k, v (Tk, Hkv, *), lse
+    (Hq, Tq); each sequence its own causal alignment; sequences with no queries or no keys
+    give zero gradients."""
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
-        raise NotImplementedError(
-            "attention_bwd (sm90): varlen (cu_seqlens_q / cu_seqlens_k) is not implemented yet"
-        )
+        _attention_bwd_varlen(
+            q, k, v, o, lse, do, dq, dk, dv, softmax_scale, causal, deterministic,
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, config,
+        )  # fmt: skip
+        return
     if q.dim() != 4:
         raise ValueError(f"q must be (B, Sq, Hq, D), got shape {tuple(q.shape)}")
     b, sq, hq, d = q.shape
@@ -112,9 +120,92 @@ def attention_bwd(
     post = get_kernel(SPEC_POST, post_params(dtype, d, cfg.tile_m))
     scale = float(softmax_scale)
     with torch.cuda.device(dev):
-        pre(o, do, lse, lse2, dsum)
-        main(q, k, v, do, lse2, dsum, dq_acc, dk_dst, dv_dst, sem, scale, scale * LOG2E)
-        post(dq_acc, dq_dst, scale)
+        pre(o, do, lse, lse2, dsum, None, 0)
+        main(
+            q, k, v, do, lse2, dsum, dq_acc, dk_dst, dv_dst, sem, None, None, 0, scale,
+            scale * LOG2E,
+        )  # fmt: skip
+        post(dq_acc, dq_dst, None, 0, scale)
+    for t, dst in outs:
+        if dst is not t:
+            t.copy_(dst)
+
+
+def _check_dims(d: int, dv_dim: int, dtype: torch.dtype, hq: int, hkv: int) -> None:
+    if (d, dv_dim) not in HEAD_DIMS:
+        raise NotImplementedError(
+            f"attention_bwd (sm90): head dims (D={d}, Dv={dv_dim}) not implemented; "
+            f"supported: {HEAD_DIMS}"
+        )
+    if dtype not in _DTYPE_NAMES:
+        raise TypeError(f"attention_bwd: dtype must be float16 or bfloat16, got {dtype}")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"Hq = {hq} must be a multiple of Hkv = {hkv}")
+
+
+def _attention_bwd_varlen(
+    q, k, v, o, lse, do, dq, dk, dv, softmax_scale, causal, deterministic,
+    cu_q, cu_k, max_seqlen_q, max_seqlen_k, config,
+) -> None:  # fmt: skip
+    """attention_bwd over packed sequences (see there)."""
+    if cu_q is None or cu_k is None or max_seqlen_q is None or max_seqlen_k is None:
+        raise ValueError("varlen needs cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k")
+    if q.dim() != 3:
+        raise ValueError(f"varlen q must be (total_q, Hq, D), got shape {tuple(q.shape)}")
+    tq, hq, d = q.shape
+    tk, hkv, dv_dim = k.shape[0], k.shape[1], v.shape[-1]
+    _check_dims(d, dv_dim, q.dtype, hq, hkv)
+    num_seqs = cu_q.numel() - 1
+    if cu_k.numel() != num_seqs + 1:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length")
+    if hq == 0 or num_seqs <= 0 or tq == 0 or tk == 0:
+        dq.zero_()
+        dk.zero_()
+        dv.zero_()
+        return
+    if int(max_seqlen_q) <= 0 or int(max_seqlen_k) <= 0:
+        dq.zero_()
+        dk.zero_()
+        dv.zero_()
+        return
+    dtype = _DTYPE_NAMES[q.dtype]
+    cfg = config if config is not None else default_config(d, dv_dim)
+    dev = q.device
+    q, k, v, o, do = (_ready(t) for t in (q, k, v, o, do))
+    lse = lse.contiguous()
+    cu_q = cu_q.to(device=dev, dtype=torch.int32).contiguous()
+    cu_k = cu_k.to(device=dev, dtype=torch.int32).contiguous()
+    outs = [
+        (t, t if _tma_ready(t) else torch.empty_like(t, memory_format=torch.contiguous_format))
+        for t in (dq, dk, dv)
+    ]
+    dq_dst, dk_dst, dv_dst = (dst for _, dst in outs)
+    # dK / dV rows of keys that belong to no sequence (none, with well-formed offsets) and of
+    # empty-query sequences are written by the kernel (zeros); dQ rows by the postprocess.
+    rows = varlen_ws_rows(tq, num_seqs)
+    f32 = torch.float32
+    lse2 = torch.empty(hq, rows, dtype=f32, device=dev)
+    dsum = torch.empty(hq, rows, dtype=f32, device=dev)
+    dq_acc = torch.zeros(hq, rows * d, dtype=f32, device=dev)
+    if deterministic:
+        sem = torch.zeros(hq, rows, dtype=torch.int32, device=dev)
+    else:
+        sem = torch.empty(hq, rows, dtype=torch.int32, device=dev)
+
+    pre = get_kernel(SPEC_PRE, pre_params(dtype, dv_dim, varlen=True))
+    main = get_kernel(
+        SPEC_MAIN, main_params(dtype, d, dv_dim, causal, deterministic, cfg, varlen=True)
+    )
+    post = get_kernel(SPEC_POST, post_params(dtype, d, cfg.tile_m, varlen=True))
+    scale = float(softmax_scale)
+    mq, mk = int(max_seqlen_q), int(max_seqlen_k)
+    with torch.cuda.device(dev):
+        pre(o, do, lse, lse2, dsum, cu_q, mq)
+        main(
+            q, k, v, do, lse2, dsum, dq_acc, dk_dst, dv_dst, sem, cu_q, cu_k, mk, scale,
+            scale * LOG2E,
+        )  # fmt: skip
+        post(dq_acc, dq_dst, cu_q, mq, scale)
     for t, dst in outs:
         if dst is not t:
             t.copy_(dst)

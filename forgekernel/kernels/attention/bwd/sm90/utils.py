@@ -19,6 +19,19 @@ def select(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 
 
+def packed_as_sdhb(t: cute.Tensor) -> cute.Tensor:
+    """A packed varlen tensor (T, H, D) as (T, D, H, 1): the fixed-length (S, D, H, B) view
+    with one batch (sequences are row offsets into it)."""
+    lay = t.layout
+    return cute.make_tensor(
+        t.iterator,
+        cute.make_layout(
+            (lay.shape[0], lay.shape[2], lay.shape[1], 1),
+            stride=(lay.stride[0], lay.stride[2], lay.stride[1], 0),
+        ),
+    )
+
+
 def transposed(t: cute.Tensor) -> cute.Tensor:
     """Swap the first two modes of a (staged) shared-memory tensor; the swizzle rides on the
     iterator, so the view addresses the same bytes."""
@@ -158,6 +171,7 @@ def fence_proxy_async_global(*, loc=None, ip=None) -> None:
 __all__ = [
     "THREADS_PER_WG",
     "select",
+    "packed_as_sdhb",
     "transposed",
     "rows_cols",
     "acc_as_operand_a",
