@@ -178,7 +178,8 @@ def test_varlen_eager_path_hands_the_kernel_packed_tensors(monkeypatch, causal):
     scale in log2 units, max_seqlen_q and one CTA per SM; a reference-backed kernel."""
     calls = []
 
-    def kernel(q, k, v, o, lse, cu_q, cu_k, scale_log2, max_q, num_ctas):
+    def kernel(q, k, v, o, lse, cu_q, cu_k, scale_log2, max_q, qgroup, num_ctas):
+        assert qgroup == 1
         assert all(attention_module.tma_ready(t) for t in (q, k, v, o)) and lse.stride(-1) == 1
         ref_o, ref_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, causal, scale_log2 / LOG2E)
         o.copy_(ref_o)
@@ -207,6 +208,30 @@ def test_forward_only_calls_keep_no_autograd_state(cpu_kernel):
     with torch.no_grad():
         assert forgekernel.attention(q.requires_grad_(), k, v).grad_fn is None
     assert forgekernel.attention(q, k, v).grad_fn is not None
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_pack_gqa_is_the_same_attention(causal):
+    """Packed rows s * G + g of kv head h hold query head h * G + g: attention over the packed
+    problem, with row r masked as query r // G, unpacks to the original outputs."""
+    q, k, v = qkv(b=2, sq=5, sk=9, hq=8, hkv=2, d=64)
+    group = 4
+    qp = attention_module.pack_gqa_q(q, group)
+    assert qp.shape == (2, 20, 2, 64) and torch.equal(
+        qp[:, 3 * group + 1, 1], q[:, 3, 1 * group + 1]
+    )
+    # The reference on the packed problem: one query head per kv head, row r = query r // G.
+    scale = 64**-0.5
+    s = torch.einsum("brhd,bkhd->bhrk", qp.float(), k.float()) * scale
+    if causal:
+        rows = torch.arange(20)[:, None] // group
+        s = s.masked_fill(torch.arange(9)[None, :] > rows + 9 - 5, float("-inf"))
+    op = torch.einsum("bhrk,bkhd->brhd", s.softmax(-1), v.float())
+    lsep = s.logsumexp(-1)
+    o, lse = attention_module.unpack_gqa(op, lsep, group)
+    want_o, want_lse = attention_ref(q, k, v, causal)
+    torch.testing.assert_close(o, want_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
 
 
 def test_tensors_on_different_devices():

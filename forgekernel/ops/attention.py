@@ -102,15 +102,51 @@ def _validate(q, k, v, causal, softmax_scale, out) -> float:
     return scale
 
 
+# Pack-GQA below this many query rows: a short query's tile of one head would be mostly empty
+# rows, and every head of a group would stream the same K/V.
+PACK_GQA_MAX_SQ = 128
+
+
+def pack_gqa_q(q: torch.Tensor, group: int) -> torch.Tensor:
+    """(B, Sq, Hkv * G, D) -> (B, Sq * G, Hkv, D): query head h * G + g of position s becomes
+    row s * G + g of head h (a contiguous copy)."""
+    b, sq, hq, d = q.shape
+    return q.view(b, sq, hq // group, group, d).transpose(2, 3).reshape(b, sq * group, -1, d)
+
+
+def unpack_gqa(o: torch.Tensor, lse: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed outputs back: o (B, Sq * G, Hkv, Dv) -> (B, Sq, Hq, Dv) and lse
+    (B, Hkv, Sq * G) -> (B, Hq, Sq), as views."""
+    b, rows, hkv, dv = o.shape
+    sq = rows // group
+    o = o.view(b, sq, group, hkv, dv).transpose(2, 3).reshape(b, sq, hkv * group, dv)
+    lse = lse.view(b, hkv, sq, group).transpose(2, 3).reshape(b, hkv * group, sq)
+    return o, lse
+
+
 def _launch_fwd(q, k, v, o, lse, scale: float, causal: bool) -> None:
-    """The kernel call and nothing else: inputs and outputs are TMA-ready, sizes non-zero."""
+    """The kernel call and nothing else: inputs and outputs are TMA-ready, sizes non-zero.
+    Short queries with GQA run packed: the G query heads of a kv head become G rows per
+    position of one head (qgroup = G tells the kernel's causal mask)."""
     from forgekernel.kernels.attention.fwd import sm90
 
     # params_for without a config takes the leaf's analytical default for the head dims.
     params = sm90.params_for(DTYPE_NAMES[q.dtype], q.shape[-1], v.shape[-1], causal)
     fn = get_kernel(sm90.SPEC, params)
+    group = q.shape[2] // k.shape[2]
     with torch.cuda.device(q.device):
-        fn(q, k, v, o, lse, None, None, scale * LOG2E, 0, num_sms(q.device.index))
+        if group > 1 and q.shape[1] < PACK_GQA_MAX_SQ:
+            qp = pack_gqa_q(q, group)
+            b, rows, hkv, _ = qp.shape
+            op = q.new_empty(b, rows, hkv, v.shape[-1])
+            lsep = q.new_empty(b, hkv, rows, dtype=torch.float32)
+            fn(qp, k, v, op, lsep, None, None, scale * LOG2E, 0, group, num_sms(q.device.index))
+            op, lsep = unpack_gqa(op, lsep, group)
+            o.copy_(op)
+            lse.copy_(lsep)
+        else:
+            fn(q, k, v, o, lse, None, None, scale * LOG2E, 0, 1, num_sms(q.device.index))
+
 
 
 def _launch(q, k, v, o, lse, scale: float, causal: bool) -> None:

@@ -96,7 +96,7 @@ def _launch_varlen_fwd(q, k, v, o, lse, seqs: tuple, scale: float, causal: bool)
     fn = get_kernel(sm90.SPEC, params)
     with torch.cuda.device(q.device):
         ctas = num_sms(q.device.index)
-        fn(q, k, v, o_dst, lse_dst, cu_q, cu_k, scale * LOG2E, max_seqlen_q, ctas)
+        fn(q, k, v, o_dst, lse_dst, cu_q, cu_k, scale * LOG2E, max_seqlen_q, 1, ctas)
     if o_dst is not o:
         o.copy_(o_dst)
     if lse_dst is not lse:

@@ -75,8 +75,9 @@ BENCH_CASES = (
 )
 # Every supported head dim and GQA ratios 1, 4, 16 at small sizes, then awkward lengths: a
 # single token, lengths off every tile size, Sq < Sk (decode-like) and Sq > Sk, whose first
-# Sq - Sk rows see no key under the causal mask (O = 0, LSE = -inf); varlen batches with empty
-# sequences, lengths off the tiles and Sq != Sk per sequence.
+# Sq - Sk rows see no key under the causal mask (O = 0, LSE = -inf); short queries with GQA
+# (packed: Sq < 128); varlen batches with empty sequences, lengths off the tiles and Sq != Sk
+# per sequence.
 CHECK_CASES = (
     _case(2, 16, 1, 512, 128),
     _case(2, 16, 1, 512, 128, causal=False),
@@ -103,6 +104,8 @@ CHECK_CASES = (
     _case(1, 4, 1, 1000, 192, dv=128, sk=1003),
     _case(1, 8, 2, 1000, 128, scale=0.3),
     _case(3, 8, 8, 700, 64),
+    _case(2, 16, 2, 50, 64, sk=300),
+    _case(1, 8, 4, 127, 96),
     _varlen_case((1, 17, 1000, 0, 4097, 128), hq=8, hkv=2),
     _varlen_case((1, 17, 1000, 0, 4097, 128), hq=8, hkv=2, causal=False),
     _varlen_case((300, 5, 129, 64), (1000, 5, 0, 700), hq=4, hkv=4, d=64),

@@ -2,12 +2,14 @@
 `kernel.py`.
 
 Compiled function, fixed length: fn(q, k, v, o, lse, None, None, softmax_scale_log2, 0,
-num_ctas) with q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), o (B, Sq, Hq, Dv) in
-bf16/fp16 (last dim contiguous), lse (B, Hq, Sq) fp32 contiguous, softmax_scale_log2 =
-softmax_scale * log2(e), num_ctas the persistent grid (the SM count). Varlen (params
-varlen=True): fn(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale_log2,
-max_seqlen_q, num_ctas) with q (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv), o (Tq, Hq, Dv),
-lse (Hq, Tq), int32 offsets (B + 1,). The stream is the TVM-FFI environment stream.
+qgroup, num_ctas) with q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv),
+o (B, Sq, Hq, Dv) in bf16/fp16 (last dim contiguous), lse (B, Hq, Sq) fp32 contiguous,
+softmax_scale_log2 = softmax_scale * log2(e), qgroup the query rows per position (pack-GQA:
+G query heads of a kv head packed as rows s * G + g of one head; else 1), num_ctas the
+persistent grid (the SM count). Varlen (params varlen=True): fn(q, k, v, o, lse,
+cu_seqlens_q, cu_seqlens_k, softmax_scale_log2, max_seqlen_q, 1, num_ctas) with q (Tq, Hq, D),
+k (Tk, Hkv, D), v (Tk, Hkv, Dv), o (Tq, Hq, Dv), lse (Hq, Tq), int32 offsets (B + 1,). The
+stream is the TVM-FFI environment stream.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Compile the sm90 attention forward against fake tensors: batch, lengths, heads and every stride
 but the innermost are dynamic; dtype, head dims, causal, varlen and the tile config are baked in.
 
-Fixed length: fn(q, k, v, o, lse, None, None, scale_log2, 0, num_ctas) with q (B, Sq, Hq, D),
-lse (B, Hq, Sq). Varlen: fn(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, scale_log2,
-max_seqlen_q, num_ctas) with q (Tq, Hq, D), lse (Hq, Tq), offsets int32 (B + 1,)."""
+Fixed length: fn(q, k, v, o, lse, None, None, scale_log2, 0, qgroup, num_ctas) with q
+(B, Sq, Hq, D), lse (B, Hq, Sq). Varlen: fn(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
+scale_log2, max_seqlen_q, 1, num_ctas) with q (Tq, Hq, D), lse (Hq, Tq), offsets int32
+(B + 1,)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ def compile_attention_fwd(params: dict, arch: str = "sm_90a", extra_options: str
         cu_k,
         cutlass.Float32(1.0),
         cutlass.Int32(0),
+        cutlass.Int32(1),
         cutlass.Int32(1),
         make_fake_stream(use_tvm_ffi_env_stream=True),
         options=f"--enable-tvm-ffi --gpu-arch {arch} {extra_options}".strip(),

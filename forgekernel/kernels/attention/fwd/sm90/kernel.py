@@ -245,14 +245,17 @@ class AttentionFwdSm90:
         mCuK: cute.Tensor | None,
         softmax_scale_log2: Float32,
         max_seqlen_q: Int32,
+        qgroup: Int32,
         num_ctas: Int32,
         stream: cuda.CUstream,
     ):
         """Fixed length: mQ (B, Sq, Hq, D), mK (B, Sk, Hkv, D), mV (B, Sk, Hkv, Dv),
         mO (B, Sq, Hq, Dv), mLSE (B, Hq, Sq) fp32; mCuQ, mCuK None. Varlen: mQ (Tq, Hq, D),
         mK (Tk, Hkv, D), mV (Tk, Hkv, Dv), mO (Tq, Hq, Dv), mLSE (Hq, Tq), mCuQ / mCuK int32
-        (B + 1,) offsets, max_seqlen_q the longest query sequence. num_ctas: CTAs to launch
-        (at most one per SM: the kernel is persistent)."""
+        (B + 1,) offsets, max_seqlen_q the longest query sequence. qgroup: query rows per query
+        position (pack-GQA: the caller packs G query heads of one kv head as rows s * G + g of
+        one head, so row r is query r // G for the causal mask; 1 otherwise). num_ctas: CTAs
+        to launch (at most one per SM: the kernel is persistent)."""
         self.dtype = mQ.element_type
         for t in (mK, mV, mO):
             if const_expr(t.element_type != self.dtype):
@@ -335,6 +338,7 @@ class AttentionFwdSm90:
             softmax_scale_log2,
             num_m_blocks,
             num_tiles,
+            qgroup,
             self.mma_qk,
             self.mma_pv,
             self.sQ_layout,
@@ -367,6 +371,7 @@ class AttentionFwdSm90:
         scale_log2: Float32,
         num_m_blocks: Int32,
         num_tiles: Int32,
+        qgroup: Int32,
         mma_qk: cute.TiledMma,
         mma_pv: cute.TiledMma,
         sQ_layout: cute.ComposedLayout,
@@ -412,7 +417,7 @@ class AttentionFwdSm90:
         pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
-        tiles = (mQ, mK, mVt, mO_tma, mO, mLSE, mCuQ, mCuK, num_m_blocks, num_tiles)
+        tiles = (mQ, mK, mVt, mO_tma, mO, mLSE, mCuQ, mCuK, num_m_blocks, num_tiles, qgroup)
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
@@ -440,7 +445,7 @@ class AttentionFwdSm90:
         per kv head, e.g. MHA 192/128 at 8192: ~130 kv heads of 5 MB), fixed-length tiles go
         instead batch by batch in sections of heads whose K and V fit in L2 together, the row
         block slowest within a section."""
-        mQ, mK, _, _, _, _, mCuQ, mCuK, num_m_blocks, _ = tiles
+        mQ, mK, _, _, _, _, mCuQ, mCuK, num_m_blocks, _, _ = tiles
         num_heads = mQ.shape[2]
         group = num_heads // mK.shape[2]
         num_batch = mQ.shape[3] if const_expr(not self.varlen) else mCuQ.shape[0] - 1
@@ -484,20 +489,22 @@ class AttentionFwdSm90:
         return m_rev < m_blocks, m_block, head, batch, q_off, k_off, seqlen_q, seqlen_k
 
     @cute.jit
-    def _key_blocks(self, m0: Int32, seqlen_q: Int32, seqlen_k: Int32):
+    def _key_blocks(self, m0: Int32, sq, seqlen_k: Int32):
         """(n_block_max, n_unmasked): key blocks [0, n_block_max) hold a key some row of the
-        tile sees; blocks [0, n_unmasked) are seen whole by every row (no mask needed)."""
+        tile sees; blocks [0, n_unmasked) are seen whole by every row (no mask needed).
+        sq = (rows, qgroup): the tile's row count and the rows per query position."""
+        seqlen_q, qgroup = sq
         n_block_max = (seqlen_k + self.tile_n - 1) // self.tile_n
         n_unmasked = seqlen_k // self.tile_n
         if const_expr(self.causal):
-            offset = seqlen_k - seqlen_q
-            # The tile's last real row, rows_end - 1, sees keys up to rows_end - 1 + offset.
+            offset = seqlen_k - seqlen_q // qgroup
+            # The tile's last real row is query q_last, which sees keys up to q_last + offset.
             # Division may truncate or floor: negative results are clamped to 0 below.
-            rows_end = cutlass.min(m0 + self.tile_m, seqlen_q)
-            n_causal = (rows_end + offset + self.tile_n - 1) // self.tile_n
+            q_last = (cutlass.min(m0 + self.tile_m, seqlen_q) - 1) // qgroup
+            n_causal = (q_last + offset + self.tile_n) // self.tile_n
             n_block_max = cutlass.min(n_block_max, n_causal)
-            # The first row, m0, sees whole blocks up to key m0 + offset.
-            n_unmasked = cutlass.min(n_unmasked, (m0 + offset + 1) // self.tile_n)
+            # The first row, query m0 // qgroup, sees whole blocks up to that query + offset.
+            n_unmasked = cutlass.min(n_unmasked, (m0 // qgroup + offset + 1) // self.tile_n)
         n_block_max = cutlass.max(n_block_max, 0)
         n_unmasked = cutlass.max(cutlass.min(n_unmasked, n_block_max), 0)
         return n_block_max, n_unmasked
@@ -516,7 +523,7 @@ class AttentionFwdSm90:
     def _produce(self, tma_q, tma_k, tma_v, sQ, sK, sV, q_pipe, k_pipe, v_pipe, tiles):
         """Warp 0: per tile, the first key block's K and V, then Q (its buffer frees when the
         consumers finish the previous tile), then the other key blocks last to first."""
-        mQ, mK, mVt, _, _, _, _, _, _, num_tiles = tiles
+        mQ, mK, mVt, _, _, _, _, _, _, num_tiles, qgroup = tiles
         one = cute.make_layout(1)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
@@ -526,7 +533,9 @@ class AttentionFwdSm90:
             valid, m_block, head, batch, q_off, k_off, seqlen_q, seqlen_k = self._tile(t, tiles)
             if valid:
                 head_kv = head // (mQ.shape[2] // mK.shape[2])
-                n_block_max, _ = self._key_blocks(m_block * self.tile_m, seqlen_q, seqlen_k)
+                n_block_max, _ = self._key_blocks(
+                    m_block * self.tile_m, (seqlen_q, qgroup), seqlen_k
+                )
                 gQ = self._views(mQ, head, batch, q_off, (self.tile_m, self.head_dim), (None, 0))
                 gK = self._views(mK, head_kv, batch, k_off, (self.tile_n, self.head_dim), (None, 0))
                 gV = self._views(
@@ -586,7 +595,7 @@ class AttentionFwdSm90:
     ):  # fmt: skip
         """Consumer warpgroup `wg` (rows 64 wg .. 64 wg + 63 of each tile); tidx counts the
         consumer threads from 0."""
-        mQ, _, _, mO_tma, mO, mLSE, _, _, _, num_tiles = tiles
+        mQ, _, _, mO_tma, mO, mLSE, _, _, _, num_tiles, qgroup = tiles
         # Operand fragments come from the warpgroup's slice (WGMMA descriptors), coordinates
         # from the thread's own slice.
         wg_qk = mma_qk.get_slice(wg * THREADS_PER_WG)
@@ -639,12 +648,14 @@ class AttentionFwdSm90:
             valid, m_block, head, batch, q_off, k_off, seqlen_q, seqlen_k = self._tile(t, tiles)
             if valid:
                 m0 = m_block * self.tile_m
-                n_block_max, n_unmasked = self._key_blocks(m0, seqlen_q, seqlen_k)
+                n_block_max, n_unmasked = self._key_blocks(m0, (seqlen_q, qgroup), seqlen_k)
                 row_max.fill(-Float32.inf)
                 row_sum.fill(0.0)
                 acc_O.fill(0.0)
                 q_pipe.consumer_wait(q_state)
-                kv = self._mainloop(kv, m0, seqlen_q, seqlen_k, n_block_max, n_unmasked, *step_args)
+                kv = self._mainloop(
+                    kv, m0, (seqlen_q, qgroup), seqlen_k, n_block_max, n_unmasked, *step_args
+                )
                 row_lse = self._finalize(acc_O, row_max, row_sum, scale_log2)
                 if const_expr(self.own_o):
                     # Every QK^T of this tile is done (the last P V was waited on): the
@@ -784,16 +795,18 @@ class AttentionFwdSm90:
         return kv_s, kv
 
     @cute.jit
-    def _mask(self, acc_S, tScS, n, m0, seqlen_q, seqlen_k):
-        """-inf where the key is past Sk or (causal) past the row's diagonal."""
+    def _mask(self, acc_S, tScS, n, m0, sq, seqlen_k):
+        """-inf where the key is past Sk or (causal) past the row's diagonal; sq = (rows,
+        qgroup), row r being query r // qgroup."""
+        seqlen_q, qgroup = sq
         t0ScS, row_base, col_base = tScS
         s = _rows_cols(acc_S)
         col0 = n * self.tile_n + col_base
         for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
             limit = seqlen_k - col0  # first masked column, relative to the thread's first
             if const_expr(self.causal):
-                row = m0 + row_base + t0ScS[r, 0][0]
-                limit = cutlass.min(limit, row + seqlen_k - seqlen_q + 1 - col0)
+                query = (m0 + row_base + t0ScS[r, 0][0]) // qgroup
+                limit = cutlass.min(limit, query + seqlen_k - seqlen_q // qgroup + 1 - col0)
             for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
                 if t0ScS[r, c][1] >= limit:
                     s[r, c] = -Float32.inf
