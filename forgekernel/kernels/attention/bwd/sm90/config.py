@@ -123,7 +123,6 @@ _EXPERIMENTAL = {
 }
 
 
-
 def default_config(head_dim: int, head_dim_v: int) -> BwdConfig:
     try:
         return _DEFAULTS[(head_dim, head_dim_v)]

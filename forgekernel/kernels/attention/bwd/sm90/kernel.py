@@ -221,9 +221,7 @@ class AttentionBwdSm90:
         # dK / dV (split by columns); K (tn, d): K-major A of S^T, transposed the MN-major B
         # of dQ (split by columns); V (tn, dv): K-major A of dP^T.
         self.sQ_layout = cute.tile_to_shape(split_atom(d), (tm, d, self.stages), order=(0, 1, 2))
-        self.sdO_layout = cute.tile_to_shape(
-            split_atom(dv), (tm, dv, self.stages), order=(0, 1, 2)
-        )
+        self.sdO_layout = cute.tile_to_shape(split_atom(dv), (tm, dv, self.stages), order=(0, 1, 2))
         self.sK_layout = cute.tile_to_shape(split_atom(d), (tn, d, 1), order=(0, 1, 2))
         self.sV_layout = sm90_utils.make_smem_layout_a(row, (tn, tm, dv), dt, 1)
         # dS (tm, tn) at stage 0 (MN-major A of dQ; its transposed view the K-major A of dK),
