@@ -1,6 +1,6 @@
 """Attention backward main kernel for Hopper (sm_90a): dK, dV and the fp32 dQ partial sums.
 
-One CTA per (key block of tile_n = 128 keys, kv head, batch): grid (ceil(Sk / tile_n), Hkv, B).
+One CTA per (key block of tile_n keys, kv head, batch): grid (ceil(Sk / tile_n), Hkv, B).
 The CTA keeps its K and V tiles in shared memory and its dK, dV accumulators in registers
 while it walks every query head of its GQA group and, per head, every query block of tile_m
 rows that sees one of its keys; dK and dV are written once at the end (no atomics).
@@ -26,6 +26,12 @@ Warp roles (3 warpgroups, 384 threads):
     in its accumulator order for the dQ writer.
   Epilogue: dK * scale and dV converted to the input dtype, stmatrix into the K and V
   buffers, two TMA stores (rows past Sk clipped).
+
+Column split (static, tile_n = 64; the D = 192 / Dv = 128 config): both consumer warpgroups
+see the CTA's 64 keys; S^T / dP^T are split by query columns (32 each), P^T and dS^T go to
+shared memory (stmatrix) and are the shared-memory A operands of dV += P^T dO and
+dK += dS^T Q, which are split by head-dim columns (dV 64, dK 96 per warpgroup); dQ as above.
+Per thread: dK 48 + dV 32 + S^T 16 + dP^T 16 + dQ 48 fp32 registers (`_step_cs`).
 
 Workspaces (from the preprocess kernel): LSE in log2 units, +inf for rows that saw no key and
 for padding rows (so their P is 0), and Dsum = rowsum(dO * O), both (B, Hq, Sq_pad) fp32;
