@@ -32,14 +32,30 @@ SHAPES = [
     (1, 4, 4, 1000, 100, 64, 64, False),
     (1, 8, 8, 512, 512, 192, 128, True),
     (1, 8, 8, 300, 700, 192, 128, False),
+    # D=192 / Dv=128 (column-split layout, 64-key blocks): GQA, causal and not, lengths off
+    # every tile, Sq < Sk and Sq > Sk, one token
+    (2, 16, 2, 512, 512, 192, 128, True),
+    (1, 16, 4, 1000, 1000, 192, 128, False),
+    (2, 4, 1, 17, 17, 192, 128, True),
+    (1, 4, 1, 1000, 1003, 192, 128, True),
+    (1, 4, 4, 100, 1000, 192, 128, True),
+    (1, 4, 2, 1000, 100, 192, 128, True),
+    (1, 4, 2, 1000, 100, 192, 128, False),
+    (1, 2, 1, 1, 65, 192, 128, True),
+    (1, 2, 2, 4097, 4097, 192, 128, True),
 ]
 QUICK = SHAPES[:5]
-# varlen: (lens_q, lens_k, hq, hkv, d, causal, deterministic); empty sequences on both sides
+# varlen: (lens_q, lens_k, hq, hkv, d, causal, deterministic[, dv]); empty sequences on both
+# sides
 VARLEN_SHAPES = [
     ((1, 17, 1000, 300), (1, 17, 1000, 300), 8, 2, 128, True, False),
     ((100, 0, 513, 64), (200, 7, 513, 0), 4, 4, 64, False, False),
     ((129, 700, 5), (300, 65, 5), 4, 1, 128, True, True),
     ((255, 0, 1), (1, 9, 130), 2, 2, 64, True, False),
+    # D=192 / Dv=128: key blocks of 64 ending inside a sequence, one deterministic
+    ((1, 17, 1000, 300), (1, 17, 1000, 300), 8, 2, 192, True, False, 128),
+    ((100, 0, 513, 64), (200, 7, 513, 0), 4, 4, 192, False, False, 128),
+    ((129, 700, 5), (300, 65, 5), 4, 1, 192, True, True, 128),
 ]
 
 
@@ -114,17 +130,18 @@ def run_case(shape, dtype, deterministic=False):
 def run_varlen_case(case, dtype):
     """Packed sequences through the varlen launcher against per-sequence fixed-length
     references (fp32 autograd and the same math in the input dtype)."""
-    lens_q, lens_k, hq, hkv, d, causal, deterministic = case
+    lens_q, lens_k, hq, hkv, d, causal, deterministic = case[:7]
+    dv = case[7] if len(case) > 7 else d
     dev = "cuda"
     scale = d**-0.5
     tq, tk = sum(lens_q), sum(lens_k)
     q = torch.randn(tq, hq, d, device=dev, dtype=dtype)
     k = torch.randn(tk, hkv, d, device=dev, dtype=dtype)
-    v = torch.randn(tk, hkv, d, device=dev, dtype=dtype)
-    do = torch.randn(tq, hq, d, device=dev, dtype=dtype)
+    v = torch.randn(tk, hkv, dv, device=dev, dtype=dtype)
+    do = torch.randn(tq, hq, dv, device=dev, dtype=dtype)
     cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
     cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
-    o = torch.zeros(tq, hq, d, device=dev, dtype=dtype)
+    o = torch.zeros(tq, hq, dv, device=dev, dtype=dtype)
     lse = torch.full((hq, tq), float("-inf"), device=dev)
     ref = [torch.zeros(t.shape, device=dev) for t in (q, k, v)]
     same = [torch.zeros(t.shape, device=dev) for t in (q, k, v)]
@@ -197,13 +214,14 @@ def time_ms(fn, warmup=3, iters=10):
     return times[len(times) // 2]
 
 
-def bench(b, hq, hkv, s, d, causal, dtype=torch.bfloat16):
+def bench(b, hq, hkv, s, d, causal, dtype=torch.bfloat16, dv=None):
     dev = "cuda"
+    dv = d if dv is None else dv
     scale = d**-0.5
     q = torch.randn(b, s, hq, d, device=dev, dtype=dtype)
     k = torch.randn(b, s, hkv, d, device=dev, dtype=dtype)
-    v = torch.randn(b, s, hkv, d, device=dev, dtype=dtype)
-    do = torch.randn(b, s, hq, d, device=dev, dtype=dtype)
+    v = torch.randn(b, s, hkv, dv, device=dev, dtype=dtype)
+    do = torch.randn(b, s, hq, dv, device=dev, dtype=dtype)
     # o, lse from cuDNN/flash SDPA forward (any correct forward will do for timing)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -211,7 +229,7 @@ def bench(b, hq, hkv, s, d, causal, dtype=torch.bfloat16):
     g = hq // hkv
     with torch.no_grad():
         lse = torch.empty(b, hq, s, device=dev, dtype=torch.float32)
-        o = torch.empty_like(q)
+        o = torch.empty_like(do)
         # chunked fp32-free LSE: per head group, via bf16 matmuls in fp32 accumulate
         for h in range(hq):
             sc = torch.matmul(qh[:, h].float(), kh[:, h // g].float().transpose(-1, -2)) * scale
@@ -232,7 +250,7 @@ def bench(b, hq, hkv, s, d, causal, dtype=torch.bfloat16):
 
     t_ours = time_ms(ours)
     t_det = time_ms(ours_det)
-    fwd = 2 * b * hq * s * s * (d + d) * (0.5 if causal else 1.0)
+    fwd = 2 * b * hq * s * s * (d + dv) * (0.5 if causal else 1.0)
     flops = 2.5 * fwd
 
     t_cudnn = float("nan")
@@ -256,7 +274,8 @@ def bench(b, hq, hkv, s, d, causal, dtype=torch.bfloat16):
     except Exception as exc:  # noqa: BLE001
         print(f"cuDNN comparator failed: {exc}", file=sys.stderr)
     return {
-        "case": f"b{b} hq{hq} hkv{hkv} s{s} d{d}{' causal' if causal else ''}",
+        "case": f"b{b} hq{hq} hkv{hkv} s{s} d{d}{f'/{dv}' if dv != d else ''}"
+        f"{' causal' if causal else ''}",
         "ms": t_ours,
         "tflops": flops / t_ours / 1e9,
         "det_ms": t_det,
@@ -298,7 +317,11 @@ def main() -> int:
             failures += not ok
             print(f"{'PASS' if ok else 'FAIL'} {name}: {'; '.join(rows)}", flush=True)
             summary.append((name, "pass" if ok else "FAIL"))
-    det_cases = [(2, 8, 2, 1000, 1000, 128, 128, True), (1, 4, 4, 4097, 4097, 64, 64, True)]
+    det_cases = [
+        (2, 8, 2, 1000, 1000, 128, 128, True),
+        (1, 4, 4, 4097, 4097, 64, 64, True),
+        (1, 8, 2, 1000, 1000, 192, 128, True),
+    ]
     for shape in det_cases:
         for dtype in (torch.bfloat16,):
             try:
@@ -317,6 +340,8 @@ def main() -> int:
     if not args.no_bench:
         for cfg in ((4, 16, 16, 8192, 128, True), (4, 32, 4, 8192, 128, True)):
             results.append(bench(*cfg))
+        # DeepSeek (OPS.md): b2 hq128 s8192 d192 / dv128 causal
+        results.append(bench(2, 128, 128, 8192, 192, True, dv=128))
     print()
     print(
         f"correctness: {sum(1 for _, r in summary if r == 'pass')} pass, "

@@ -21,7 +21,9 @@ import traceback
 from forgekernel.kernels.attention.bwd.sm90.config import BwdConfig
 
 C = BwdConfig
-# name -> config, per head dim (D = Dv). "default" first: the reference of the diffs.
+# name -> config, per head dim D (Dv = DV.get(D, D)). "default" first: the reference of the
+# diffs.
+DV = {192: 128}
 VARIANTS = {
     128: {
         "default": C(64, 128, 2, 2),
@@ -46,11 +48,21 @@ VARIANTS = {
         "m64_s3": C(64, 128, 3, 2),
         "m64_early_dv": C(64, 128, 2, 2, early_dv=1),
     },
+    192: {
+        # column split: 64 keys, dK / dV split by head-dim columns
+        "default": C(64, 64, 2, 1),
+        # 3-deep Q / dO rings: 226.5 KiB by config.smem_bytes (at the 227 KiB limit)
+        "s3": C(64, 64, 3, 1),
+        # the key-split layout (tile_n 128): spills 176 B, WGMMAs serialized (C7512); the
+        # baseline the column split replaces
+        "keysplit": C(64, 128, 2, 1),
+    },
 }
 CASES = [  # (b, hq, hkv, s, d, causal)
     (4, 32, 32, 8192, 128, True),
     (4, 64, 8, 8192, 128, True),
     (2, 32, 32, 8192, 64, True),
+    (2, 128, 128, 8192, 192, True),  # DeepSeek (Dv = 128)
 ]
 DTYPE = "bfloat16"
 
@@ -74,9 +86,10 @@ def build(out_dir: str) -> int:
     bad = 0
     seen = set()
     for _, _, _, _, d, causal in CASES:
-        jobs = [(SPEC_PRE, pre_params(DTYPE, d), "pre")]
+        dv = DV.get(d, d)
+        jobs = [(SPEC_PRE, pre_params(DTYPE, dv), "pre")]
         for name, cfg in VARIANTS[d].items():
-            jobs.append((SPEC_MAIN, main_params(DTYPE, d, d, causal, False, cfg), name))
+            jobs.append((SPEC_MAIN, main_params(DTYPE, d, dv, causal, False, cfg), name))
             jobs.append((SPEC_POST, post_params(DTYPE, d, cfg.tile_m), f"post m{cfg.tile_m}"))
         for spec, params, name in jobs:
             key = (spec.name, params)
@@ -105,12 +118,13 @@ def build(out_dir: str) -> int:
 def _inputs(b, hq, hkv, s, d, causal, dev):
     import torch
 
+    dv = DV.get(d, d)
     g = torch.Generator(device=dev).manual_seed(0)
     dt = torch.bfloat16
     q = torch.randn(b, s, hq, d, device=dev, dtype=dt, generator=g)
     k = torch.randn(b, s, hkv, d, device=dev, dtype=dt, generator=g)
-    v = torch.randn(b, s, hkv, d, device=dev, dtype=dt, generator=g)
-    do = torch.randn(b, s, hq, d, device=dev, dtype=dt, generator=g)
+    v = torch.randn(b, s, hkv, dv, device=dev, dtype=dt, generator=g)
+    do = torch.randn(b, s, hq, dv, device=dev, dtype=dt, generator=g)
     scale = d**-0.5
     grp = hq // hkv
     qh = q.transpose(1, 2)
@@ -124,7 +138,7 @@ def _inputs(b, hq, hkv, s, d, causal, dev):
             o, lse = res[0].transpose(1, 2).contiguous(), res[1].float().contiguous()
         except Exception:  # noqa: BLE001  (fallback: math, per head)
             lse = torch.empty(b, hq, s, device=dev, dtype=torch.float32)
-            o = torch.empty_like(q)
+            o = torch.empty_like(do)
             for h in range(hq):
                 sc = torch.matmul(qh[:, h].float(), kh[:, h].float().transpose(-1, -2)) * scale
                 if causal:
@@ -216,7 +230,7 @@ def run_case(case, rows):
                 samples[name] = time_interleaved({name: fn}, warmup=3, reps=10)[name]
             except Exception as e2:  # noqa: BLE001
                 errors[name] = f"timing: {type(e2).__name__}: {str(e2).strip()[:300]}"
-    fwd = 2 * b * hq * s * s * (d + d) * (0.5 if causal else 1.0)
+    fwd = 2 * b * hq * s * s * (d + DV.get(d, d)) * (0.5 if causal else 1.0)
     flops = 2.5 * fwd
     ms = {n: median(smp) for n, smp in samples.items()}
     for name in list(VARIANTS[d]) + ["cudnn"]:

@@ -377,3 +377,25 @@ def test_deterministic_backward_is_bitwise_repeatable_on_the_gpu():
     ]
     for again in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], again))
+
+
+def test_bwd_configs_fit_and_deepseek_uses_the_column_split():
+    from forgekernel.kernels.attention.bwd.sm90 import SPEC_MAIN, SPEC_POST
+    from forgekernel.kernels.attention.bwd.sm90.config import (
+        HEAD_DIMS,
+        SMEM_CAPACITY,
+        default_config,
+        smem_bytes,
+    )
+
+    for d, dv in HEAD_DIMS:
+        assert smem_bytes(default_config(d, dv), d, dv) <= SMEM_CAPACITY
+    assert (192, 128) in HEAD_DIMS
+    cfg = default_config(192, 128)
+    assert (cfg.tile_n, cfg.tile_m) == (64, 64)  # column split (BWD_NOTES.md)
+    main = [dict(p) for p in SPEC_MAIN.standard_params() if dict(p)["head_dim"] == 192]
+    assert len(main) == 16 and all(p["tile_n"] == 64 and p["head_dim_v"] == 128 for p in main)
+    post = [dict(p) for p in SPEC_POST.standard_params() if dict(p)["head_dim"] == 192]
+    assert len(post) == 4 and all(p["tile_m"] == 64 for p in post)
+    # the other head dims keep the key split (their compile keys and SASS are unchanged)
+    assert default_config(64, 64).tile_n == default_config(128, 128).tile_n == 128

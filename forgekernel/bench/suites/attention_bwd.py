@@ -58,15 +58,22 @@ def _case(
 
 
 def _varlen_case(
-    lens_q: tuple[int, ...], lens_k: tuple[int, ...], hq: int, hkv: int, d: int, causal: bool
+    lens_q: tuple[int, ...],
+    lens_k: tuple[int, ...],
+    hq: int,
+    hkv: int,
+    d: int,
+    causal: bool,
+    dv: int | None = None,
 ) -> Case:
     """Packed sequences; b / sq / sk hold the batch and the token totals (for flops / bytes)."""
+    dv = d if dv is None else dv
     name = f"varlen{len(lens_q)}-hq{hq}-hkv{hkv}-tq{sum(lens_q)}-tk{sum(lens_k)}-d{d}"
-    name += "-causal" if causal else ""
+    name += (f"-dv{dv}" if dv != d else "") + ("-causal" if causal else "")
     params = {"b": len(lens_q), "hq": hq, "hkv": hkv, "sq": sum(lens_q), "sk": sum(lens_k)}
     flags = {"causal": causal, "softmax_scale": None, "deterministic": False}
     varlen = {"lens_q": list(lens_q), "lens_k": list(lens_k), "varlen": True}
-    return Case(name, {**params, "d": d, "dv": d, **flags, **varlen})
+    return Case(name, {**params, "d": d, "dv": dv, **flags, **varlen})
 
 
 # OPS.md, "Attention backward" (bf16, causal): MHA Hq=Hkv=32 and GQA 8:1 Hq=64, Hkv=8 at D=128;
@@ -112,6 +119,7 @@ CHECK_CASES = (
 VARLEN_CHECK_CASES = (
     _varlen_case((1, 17, 1000, 300), (1, 17, 1000, 300), 8, 2, 128, True),
     _varlen_case((100, 0, 513), (200, 7, 513), 4, 4, 64, False),
+    _varlen_case((1, 17, 1000, 300), (1, 17, 1003, 300), 8, 2, 192, True, dv=128),
 )
 
 

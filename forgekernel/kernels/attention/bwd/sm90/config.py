@@ -8,10 +8,11 @@ from dataclasses import dataclass, fields
 
 DTYPES = ("float16", "bfloat16")
 # (head_dim, head_dim_v) pairs with a default config.
-HEAD_DIMS = ((64, 64), (128, 128))
-# (192, 128) compiles (`_EXPERIMENTAL`) but its accumulators do not fit the register file with
-# this kernel's layout (dK 96 + dV 64 + S^T 32 + dP^T 32 per thread): ptxas serializes the
-# WGMMAs and spills. Not offered until it gets its own layout (see BWD_NOTES.md).
+HEAD_DIMS = ((64, 64), (128, 128), (192, 128))
+# (192, 128) uses the column-split layout (tile_n = 64, both consumer warpgroups share the keys
+# and split dK / dV by head-dim columns): with the key-split layout its accumulators (dK 96 +
+# dV 64 + S^T 32 + dP^T 32 per thread) do not fit, ptxas serializes the WGMMAs and spills
+# (`_EXPERIMENTAL`, see BWD_NOTES.md).
 SMEM_CAPACITY = 232448  # sm_90 per-block opt-in maximum (227 KiB)
 # Query rows of the fp32 workspaces (LSE in log2 units, Dsum, dQ accumulator) are padded to a
 # multiple of this, so that the main kernel's loads never leave the workspace.
@@ -40,7 +41,10 @@ def varlen_ws_rows(total_q: int, num_seqs: int) -> int:
 class BwdConfig:
     """What one compiled backward main kernel bakes in besides dtype, head dims and flags.
 
-    tile_n keys per CTA (the two consumer warpgroups hold 64 keys each: tile_n = 128),
+    tile_n keys per CTA: 128 = key split (the two consumer warpgroups hold 64 keys each, whole
+    dK / dV rows); 64 = column split (both warpgroups see the 64 keys, S^T / dP^T split by
+    query columns, dK / dV / dQ by head-dim columns, P^T and dS^T through shared memory;
+    tile_m 64 only; the D = 192 layout),
     tile_m query rows per step, stages of the Q and dO rings, dq_stages fp32 dQ staging
     buffers in shared memory (the reduction into global memory drains one while the other
     fills).
@@ -92,7 +96,7 @@ def smem_bytes(cfg: BwdConfig, head_dim: int, head_dim_v: int, elem_bytes: int =
     tm, tn = cfg.tile_m, cfg.tile_n
     q = cfg.stages * tm * (head_dim + head_dim_v) * elem_bytes  # Q and dO rings
     kv = tn * (head_dim + head_dim_v) * elem_bytes  # K, V (reused for dK, dV)
-    ds = tm * tn * elem_bytes
+    ds = tm * tn * elem_bytes * (2 if tn == 64 else 1)  # column split: dS and P
     dq = cfg.dq_stages * tm * head_dim * 4
     stats = 2 * cfg.stages * tm * 4  # LSE and Dsum rings
     return q + kv + ds + dq + stats + 1024  # + barriers and alignment
@@ -106,9 +110,15 @@ def smem_bytes(cfg: BwdConfig, head_dim: int, head_dim_v: int, elem_bytes: int =
 _DEFAULTS = {
     (64, 64): BwdConfig(tile_m=128, tile_n=128, stages=2, dq_stages=2, early_dv=0),
     (128, 128): BwdConfig(tile_m=64, tile_n=128, stages=3, dq_stages=1),
+    # Column split (kernel.AttentionBwdSm90._setup_col_split): 64 keys x 64 query rows per
+    # step; per consumer thread dK 48 + dV 32 + S^T 16 + dP^T 16 + dQ 48 fp32 registers. Two
+    # Q / dO stages and one dQ staging buffer: 186 KiB of shared memory (3 stages: 226 KiB,
+    # at the limit; untried).
+    (192, 128): BwdConfig(tile_m=64, tile_n=64, stages=2, dq_stages=1),
 }
 _EXPERIMENTAL = {
-    # D=192/Dv=128: one dQ staging buffer (48 KiB) to fit 226 KiB. Spills (see HEAD_DIMS).
+    # D=192/Dv=128 with the key-split layout: one dQ staging buffer (48 KiB) to fit 226 KiB.
+    # Spills and serializes the WGMMAs (see BWD_NOTES.md); kept as a variant for comparison.
     (192, 128): BwdConfig(tile_m=64, tile_n=128, stages=2, dq_stages=1),
 }
 

@@ -1,6 +1,6 @@
 """Attention backward main kernel for Hopper (sm_90a): dK, dV and the fp32 dQ partial sums.
 
-One CTA per (key block of tile_n = 128 keys, kv head, batch): grid (ceil(Sk / tile_n), Hkv, B).
+One CTA per (key block of tile_n keys, kv head, batch): grid (ceil(Sk / tile_n), Hkv, B).
 The CTA keeps its K and V tiles in shared memory and its dK, dV accumulators in registers
 while it walks every query head of its GQA group and, per head, every query block of tile_m
 rows that sees one of its keys; dK and dV are written once at the end (no atomics).
@@ -26,6 +26,12 @@ Warp roles (3 warpgroups, 384 threads):
     in its accumulator order for the dQ writer.
   Epilogue: dK * scale and dV converted to the input dtype, stmatrix into the K and V
   buffers, two TMA stores (rows past Sk clipped).
+
+Column split (static, tile_n = 64; the D = 192 / Dv = 128 config): both consumer warpgroups
+see the CTA's 64 keys; S^T / dP^T are split by query columns (32 each), P^T and dS^T go to
+shared memory (stmatrix) and are the shared-memory A operands of dV += P^T dO and
+dK += dS^T Q, which are split by head-dim columns (dV 64, dK 96 per warpgroup); dQ as above.
+Per thread: dK 48 + dV 32 + S^T 16 + dP^T 16 + dQ 48 fp32 registers (`_step_cs`).
 
 Workspaces (from the preprocess kernel): LSE in log2 units, +inf for rows that saw no key and
 for padding rows (so their P is 0), and Dsum = rowsum(dO * O), both (B, Hq, Sq_pad) fp32;
@@ -102,8 +108,14 @@ class AttentionBwdSm90:
         config: BwdConfig,
         varlen: bool = False,
     ):
-        if config.tile_n != 64 * NUM_MMA_WG:
-            raise ValueError(f"tile_n must be {64 * NUM_MMA_WG}, got {config.tile_n}")
+        # tile_n = 128: keys split over the warpgroups (64 each, dK / dV resident per key row).
+        # tile_n = 64 ("column split", D = 192): both warpgroups share the 64 keys; S^T / dP^T
+        # split by query columns, dK / dV by head-dim columns; P^T and dS^T via shared memory.
+        self.col_split = config.tile_n == 64
+        if config.tile_n != 64 * NUM_MMA_WG and not (self.col_split and config.tile_m == 64):
+            raise ValueError(
+                f"tile_n must be {64 * NUM_MMA_WG} (or 64 with tile_m 64), got {config.tile_n}"
+            )
         if config.tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {config.tile_m}")
         if head_dim not in (64, 128, 192) or head_dim_v not in (64, 128):
@@ -135,7 +147,7 @@ class AttentionBwdSm90:
         self.early_dv = config.tile_m == 128 if config.early_dv < 0 else bool(config.early_dv)
         # D = 192: dK (96) + dV (64) + dQ (48) registers leave no room for the 16-bit P^T and
         # dS^T operands of dV / dK GEMMs still in flight: finish those before dQ = dS K.
-        self.serial_dq = head_dim > 128
+        self.serial_dq = head_dim > 128 and not self.col_split
         self.consumer_regs = config.consumer_regs
         if self.consumer_regs * self.num_mma_threads + self.producer_regs * THREADS_PER_WG > (
             1 << 16
@@ -147,6 +159,9 @@ class AttentionBwdSm90:
 
     # ---------------------------------------------------------------- host-side setup
     def _setup(self):
+        if const_expr(self.col_split):
+            self._setup_col_split()
+            return
         dt, tm, tn = self.dtype, self.tile_m, self.tile_n
         d, dv = self.head_dim, self.head_dim_v
         k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
@@ -178,6 +193,46 @@ class AttentionBwdSm90:
         self.sV_layout = sm90_utils.make_smem_layout_a(row, (tn, tm, dv), dt, 1)
         # dS (tm, tn), MN-major A of dQ = dS K; stored through its transposed view.
         self.sdS_layout = sm90_utils.make_smem_layout_a(col, (tm, d, tn), dt, 1)
+
+    def _setup_col_split(self):
+        """tile_n = 64 keys shared by both warpgroups. S^T, dP^T (64 keys x tm queries): warpgroup
+        w takes query columns [w tm / 2, (w + 1) tm / 2) (N = 32). dV (64, Dv) and dK (64, D):
+        warpgroup w holds head-dim columns [w Dv / 2, ...) and [w D / 2, ...) (N = 64, 96), A
+        operands P^T and dS^T read from shared memory (all 64 keys x tm queries). dQ as in the
+        key-split layout (tile_m 64: columns split)."""
+        dt, tm, tn = self.dtype, self.tile_m, self.tile_n
+        d, dv = self.head_dim, self.head_dim_v
+        k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
+        cols = (1, NUM_MMA_WG, 1)
+        self.mma_sdp = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, k_major, Float32, cols, (64, tm // NUM_MMA_WG)
+        )
+        self.mma_dv = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, mn_major, Float32, cols, (64, dv // NUM_MMA_WG)
+        )
+        self.mma_dk = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, mn_major, Float32, cols, (64, d // NUM_MMA_WG)
+        )
+        self.mma_dq = make_dq_mma(dt, tm, d)
+        row, col = LayoutEnum.ROW_MAJOR, LayoutEnum.COL_MAJOR
+
+        def split_atom(width: int):
+            # a warpgroup's MN-major slice (width / 2 columns) must be whole swizzle atoms:
+            # D = 192 -> 96 columns -> 64-byte swizzle.
+            return sm90_utils.make_smem_layout_atom(
+                sm90_utils.get_smem_layout_atom(row, dt, width // NUM_MMA_WG), dt
+            )
+
+        # Q (tm, d), dO (tm, dv): K-major B of S^T / dP^T, transposed views the MN-major B of
+        # dK / dV (split by columns); K (tn, d): K-major A of S^T, transposed the MN-major B
+        # of dQ (split by columns); V (tn, dv): K-major A of dP^T.
+        self.sQ_layout = cute.tile_to_shape(split_atom(d), (tm, d, self.stages), order=(0, 1, 2))
+        self.sdO_layout = cute.tile_to_shape(split_atom(dv), (tm, dv, self.stages), order=(0, 1, 2))
+        self.sK_layout = cute.tile_to_shape(split_atom(d), (tn, d, 1), order=(0, 1, 2))
+        self.sV_layout = sm90_utils.make_smem_layout_a(row, (tn, tm, dv), dt, 1)
+        # dS (tm, tn) at stage 0 (MN-major A of dQ; its transposed view the K-major A of dK),
+        # P (tm, tn) at stage 1 (transposed: the K-major A of dV).
+        self.sdS_layout = sm90_utils.make_smem_layout_a(col, (tm, d, tn), dt, 2)
 
     @cute.jit
     def __call__(
@@ -598,8 +653,13 @@ class AttentionBwdSm90:
         tKrQt = wg_dk.make_fragment_B(wg_dk.partition_B(transposed(sQ)))
         tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))[None, None, None, 0]
         tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transposed(sK)))[None, None, None, 0]
-        tVrP = wg_dv.make_fragment_A(wg_dv.partition_shape_A((tn, tm)))
-        tKrdS = wg_dk.make_fragment_A(wg_dk.partition_shape_A((tn, tm)))
+        if const_expr(self.col_split):
+            # P^T (stage 1) and dS^T (stage 0) A operands from shared memory, K-major views
+            tVrP = wg_dv.make_fragment_A(wg_dv.partition_A(transposed(sdS)))[None, None, None, 1]
+            tKrdS = wg_dk.make_fragment_A(wg_dk.partition_A(transposed(sdS)))[None, None, None, 0]
+        else:
+            tVrP = wg_dv.make_fragment_A(wg_dv.partition_shape_A((tn, tm)))
+            tKrdS = wg_dk.make_fragment_A(wg_dk.partition_shape_A((tn, tm)))
         s_shape = wg_sdp.partition_shape_C((tn, tm))
         dq_shape = wg_dq.partition_shape_C((tm, d))
         acc_dV = cute.make_rmem_tensor(wg_dv.partition_shape_C((tn, dv)), Float32)
@@ -631,16 +691,29 @@ class AttentionBwdSm90:
             r2s_ds, thr_r2s_ds, tdSsdS, sLSE, sDsum, sdQ, q_pipe, do_pipe, consumer_bar,
             scale_log2, n0, seqlen_q, seqlen_k, group_threads,
         )  # fmt: skip
-        for step in cutlass.range(num_steps, unroll=1):
-            m = m_begin + step % num_m
-            masked = key_edge
-            if const_expr(self.causal):
-                masked = masked or m < m_unmasked
-            if masked:
-                self._step(st, step, m, *step_args, True)
-            else:
-                self._step(st, step, m, *step_args, False)
-            st.advance()
+        if const_expr(self.col_split):
+            tPsP = thr_r2s_ds.partition_D(transposed(sdS)[None, None, 1])
+            for step in cutlass.range(num_steps, unroll=1):
+                m = m_begin + step % num_m
+                masked = key_edge
+                if const_expr(self.causal):
+                    masked = masked or m < m_unmasked
+                if masked:
+                    self._step_cs(st, step, m, *step_args, tPsP, True)
+                else:
+                    self._step_cs(st, step, m, *step_args, tPsP, False)
+                st.advance()
+        else:
+            for step in cutlass.range(num_steps, unroll=1):
+                m = m_begin + step % num_m
+                masked = key_edge
+                if const_expr(self.causal):
+                    masked = masked or m < m_unmasked
+                if masked:
+                    self._step(st, step, m, *step_args, True)
+                else:
+                    self._step(st, step, m, *step_args, False)
+                st.advance()
 
         if const_expr(self.varlen):
             if key_edge:
@@ -755,6 +828,82 @@ class AttentionBwdSm90:
         do_pipe.consumer_release(st)
 
         # dQ tile -> staging buffer, in accumulator order (see utils.dq_frag_offset)
+        buf = step % self.dq_stages
+        pipeline.NamedBarrier(
+            barrier_id=DQ_EMPTY_BARRIER + buf, num_threads=group_threads
+        ).arrive_and_wait()
+        tile = self.tile_m * self.head_dim
+        n = cute.size(acc_dQ)
+        dst = cute.make_tensor(
+            sdQ.iterator + buf * tile + tidx * 2,
+            cute.make_layout((2, n // 2), stride=(1, 2 * self.num_mma_threads)),
+        )
+        src = cute.make_tensor(acc_dQ.iterator, cute.make_layout((2, n // 2)))
+        dst.store(src.load())
+        cute.arch.fence_view_async_shared()
+        pipeline.NamedBarrier(barrier_id=DQ_FULL_BARRIER + buf, num_threads=group_threads).arrive()
+
+    @cute.jit
+    def _step_cs(
+        self, st, step, m, tidx, mma_sdp, mma_dv, mma_dk, mma_dq, tSrK, tSrQ, tPrV, tPrdO,
+        tVrdOt, tKrQt, tQrdS, tQrKt, tVrP, tKrdS, s_shape, dq_shape, acc_dV, acc_dK, tScS,
+        r2s_ds, thr_r2s_ds, tdSsdS, sLSE, sDsum, sdQ, q_pipe, do_pipe, consumer_bar,
+        scale_log2, n0, seqlen_q, seqlen_k, group_threads, tPsP,
+        masked: cutlass.Constexpr[bool],
+    ):  # fmt: skip
+        """Column-split step (tile_n = 64): this warpgroup's query columns of S^T, dP^T; P^T and
+        dS^T (both halves) through shared memory; its head-dim columns of dV, dK and dQ."""
+        acc_S = cute.make_rmem_tensor(s_shape, Float32)
+        acc_dP = cute.make_rmem_tensor(s_shape, Float32)
+        q_pipe.consumer_wait(st)
+        self._gemm(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, st.index], True, -1)
+        do_pipe.consumer_wait(st)
+        self._gemm(mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, st.index], True, -1)
+
+        warpgroup.wait_group(1)
+        s = rows_cols(acc_S)
+        row0, col0 = tScS[0, 0]
+        ro, co = self._static_offsets(mma_sdp)
+        edge = seqlen_k - n0 - row0
+        diag = m * self.tile_m + seqlen_k - seqlen_q - n0 + col0 - row0
+        if const_expr(masked):
+            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                    visible = edge > ro[r]
+                    if const_expr(self.causal):
+                        visible = visible and diag >= ro[r] - co[c]
+                    if not visible:
+                        s[r, c] = -Float32.inf
+        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            lse = sLSE[col0 + co[c], st.index]
+            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse, fastmath=True)
+        warpgroup.wait_group(0)
+        # dS^T = P^T (dP^T - Dsum), fp32 P
+        dp = rows_cols(acc_dP)
+        for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
+            dsum = sDsum[col0 + co[c], st.index]
+            for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
+                dp[r, c] = s[r, c] * (dp[r, c] - dsum)
+        rP = cute.make_rmem_tensor(s_shape, self.dtype)
+        rP.store(acc_S.load().to(self.dtype))
+        rdS = cute.make_rmem_tensor(s_shape, self.dtype)
+        rdS.store(acc_dP.load().to(self.dtype))
+
+        # P^T, dS^T -> shared memory: the previous step's GEMMs reading them (both warpgroups)
+        # finished before that step's dQ-empty barrier (each waited for all of its groups).
+        cute.copy(r2s_ds, thr_r2s_ds.retile(rP), tPsP)
+        cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSsdS)
+        cute.arch.fence_view_async_shared()
+        consumer_bar.arrive_and_wait()
+        # dV += P^T dO, dK += dS^T Q (this warpgroup's columns), dQ = dS K
+        self._gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, st.index], False, -1)
+        self._gemm(mma_dk, acc_dK, tKrdS, tKrQt[None, None, None, st.index], False, -1)
+        acc_dQ = cute.make_rmem_tensor(dq_shape, Float32)
+        self._gemm(mma_dq, acc_dQ, tQrdS, tQrKt, True, 0)
+        q_pipe.consumer_release(st)
+        do_pipe.consumer_release(st)
+
         buf = step % self.dq_stages
         pipeline.NamedBarrier(
             barrier_id=DQ_EMPTY_BARRIER + buf, num_threads=group_threads

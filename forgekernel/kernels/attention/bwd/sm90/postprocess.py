@@ -55,9 +55,18 @@ class AttentionBwdPostSm90:
         self.dtype = mdQ.element_type
         tm, d = self.tile_m, self.head_dim
         mma = make_dq_mma(self.dtype, tm, d)
-        self.sdQ_layout = sm90_utils.make_smem_layout_a(
-            LayoutEnum.ROW_MAJOR, (tm, d, d), self.dtype, 1
-        )
+        if const_expr(d == 192):
+            # each warpgroup's 96 columns must be whole swizzle atoms (stmatrix partition):
+            # 64-byte swizzle, as the main kernel's K / dK buffer
+            atom = sm90_utils.make_smem_layout_atom(
+                sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, d // 2),
+                self.dtype,
+            )
+            self.sdQ_layout = cute.tile_to_shape(atom, (tm, d, 1), order=(0, 1, 2))
+        else:
+            self.sdQ_layout = sm90_utils.make_smem_layout_a(
+                LayoutEnum.ROW_MAJOR, (tm, d, d), self.dtype, 1
+            )
         if const_expr(self.varlen):
             mdQ = packed_as_sdhb(mdQ)
             mdQacc = cute.make_tensor(
