@@ -26,43 +26,27 @@ C = BwdConfig
 DV = {192: 128}
 VARIANTS = {
     128: {
-        "default": C(64, 128, 2, 2),
-        # dV WGMMA issued before the dP^T wait, runs under the dS math
-        "early_dv": C(64, 128, 2, 2, early_dv=1),
-        # 3-deep Q/dO rings (one dQ staging buffer to fit 227 KiB)
-        "s3_dq1": C(64, 128, 3, 1),
-        "s3_dq1_early_dv": C(64, 128, 3, 1, early_dv=1),
-        # one dQ staging buffer: does the reduce-add drain stall the consumers?
-        "dq1": C(64, 128, 2, 1),
-        # setmaxnreg split 232 / 40 (consumers keep a little less)
-        "regs232": C(64, 128, 2, 2, consumer_regs=232, producer_regs=40),
+        "default": C(64, 128, 3, 1),
+        # dK issued before dQ, both waited for before the dQ staging (the old order)
+        "dq_last": C(64, 128, 3, 1, dq_first=False),
+        "early_dv": C(64, 128, 3, 1, early_dv=1),
     },
     64: {
-        "default": C(128, 128, 2, 2),
-        # no early dV (fp32 P kept for dS): fits 240 registers at D = 64
-        "no_early_dv": C(128, 128, 2, 2, early_dv=0),
-        "s3_dq1": C(128, 128, 3, 1),
-        "dq1": C(128, 128, 2, 1),
-        # 64 query rows per step (half the registers for S^T / dP^T, twice the steps)
-        "m64": C(64, 128, 2, 2),
-        "m64_s3": C(64, 128, 3, 2),
-        "m64_early_dv": C(64, 128, 2, 2, early_dv=1),
+        "default": C(128, 128, 2, 2, early_dv=0, dq_first=False),
+        # spills 8 bytes
+        "dq_first": C(128, 128, 2, 2, early_dv=0),
     },
     192: {
         # column split: 64 keys, dK / dV split by head-dim columns
         "default": C(64, 64, 2, 1),
-        # 3-deep Q / dO rings: 226.5 KiB by config.smem_bytes (at the 227 KiB limit)
-        "s3": C(64, 64, 3, 1),
-        # the key-split layout (tile_n 128): spills 176 B, WGMMAs serialized (C7512); the
-        # baseline the column split replaces
-        "keysplit": C(64, 128, 2, 1),
     },
 }
+# Earlier rounds (BWD_NOTES.md): early_dv, 3-deep rings, one dQ buffer, 232/40 registers at
+# D=128; no early dV, 64-row steps at D=64; 3 stages and the key-split layout at D=192/128.
 CASES = [  # (b, hq, hkv, s, d, causal)
     (4, 32, 32, 8192, 128, True),
     (4, 64, 8, 8192, 128, True),
     (2, 32, 32, 8192, 64, True),
-    (2, 128, 128, 8192, 192, True),  # DeepSeek (Dv = 128)
 ]
 DTYPE = "bfloat16"
 

@@ -55,7 +55,10 @@ class BwdConfig:
       input dtype right after the exp2 and dV += P^T dO is issued before the dP^T wait, so the
       dV WGMMA runs under the dS math (which then reads the rounded P).
     consumer_regs / producer_regs: setmaxnreg of the consumer warpgroups / the producer and
-      dQ-writer warpgroup (consumer_regs * 256 + producer_regs * 128 <= 64 K)."""
+      dQ-writer warpgroup (consumer_regs * 256 + producer_regs * 128 <= 64 K).
+    dq_first (key split): issue dQ = dS K before dK += dS^T Q and stage the dQ tile while dK
+      runs (else dK is issued first and both are waited for before the staging; the layout
+      before 2026-11-30)."""
 
     tile_m: int = 64
     tile_n: int = 128
@@ -64,6 +67,7 @@ class BwdConfig:
     early_dv: int = -1
     consumer_regs: int = 240
     producer_regs: int = 24
+    dq_first: bool = True
 
     def tag(self) -> str:
         t = f"{self.tile_m}x{self.tile_n}_s{self.stages}_dq{self.dq_stages}"
@@ -71,7 +75,7 @@ class BwdConfig:
             t += f"_edv{self.early_dv}"
         if (self.consumer_regs, self.producer_regs) != (240, 24):
             t += f"_r{self.consumer_regs}-{self.producer_regs}"
-        return t
+        return t + ("" if self.dq_first else "_dqlast")
 
     @classmethod
     def from_params(cls, params: dict) -> BwdConfig:
@@ -108,7 +112,9 @@ def smem_bytes(cfg: BwdConfig, head_dim: int, head_dim_v: int, elem_bytes: int =
 # the early dV GEMM 423.6 against 376.0 TFLOP/s; D=128 with a 3-deep Q/dO ring and one dQ
 # staging buffer 496.0 against 486.0 (GQA 64:8; MHA 32 heads: 517.3 against 519.2, noise).
 _DEFAULTS = {
-    (64, 64): BwdConfig(tile_m=128, tile_n=128, stages=2, dq_stages=2, early_dv=0),
+    # D=64 keeps dK before dQ: with 128 query rows, dQ's accumulator live beside the dK GEMM
+    # spills 8-16 bytes.
+    (64, 64): BwdConfig(tile_m=128, tile_n=128, stages=2, dq_stages=2, early_dv=0, dq_first=False),
     (128, 128): BwdConfig(tile_m=64, tile_n=128, stages=3, dq_stages=1),
     # Column split (kernel.AttentionBwdSm90._setup_col_split): 64 keys x 64 query rows per
     # step; per consumer thread dK 48 + dV 32 + S^T 16 + dP^T 16 + dQ 48 fp32 registers. Two

@@ -148,6 +148,7 @@ class AttentionBwdSm90:
         # D = 192: dK (96) + dV (64) + dQ (48) registers leave no room for the 16-bit P^T and
         # dS^T operands of dV / dK GEMMs still in flight: finish those before dQ = dS K.
         self.serial_dq = head_dim > 128 and not self.col_split
+        self.dq_first = bool(config.dq_first) and not self.serial_dq
         self.consumer_regs = config.consumer_regs
         if self.consumer_regs * self.num_mma_threads + self.producer_regs * THREADS_PER_WG > (
             1 << 16
@@ -813,7 +814,8 @@ class AttentionBwdSm90:
         rdS = cute.make_rmem_tensor(s_shape, self.dtype)
         rdS.store(acc_dP.load().to(self.dtype))
         tKrdS.store(acc_as_operand_a(rdS).load())
-        self._gemm(mma_dk, acc_dK, tKrdS, tKrQt[None, None, None, st.index], False, -1)
+        if const_expr(not self.dq_first):
+            self._gemm(mma_dk, acc_dK, tKrdS, tKrQt[None, None, None, st.index], False, -1)
 
         # dS^T -> shared memory (the previous step's dQ GEMMs, both warpgroups, finished
         # before the dQ-empty barrier of that step), then dQ = dS K.
@@ -823,9 +825,17 @@ class AttentionBwdSm90:
             warpgroup.wait_group(0)
         consumer_bar.arrive_and_wait()
         acc_dQ = cute.make_rmem_tensor(dq_shape, Float32)
-        self._gemm(mma_dq, acc_dQ, tQrdS, tQrKt, True, 0)
-        q_pipe.consumer_release(st)
-        do_pipe.consumer_release(st)
+        if const_expr(self.dq_first):
+            # dQ, then dK: the dQ tile is staged below while dK is still on the tensor cores
+            # (groups retire in order: one left in flight = dK). dK is waited for at the end
+            # of the step, so no WGMMA crosses the loop's back edge.
+            self._gemm(mma_dq, acc_dQ, tQrdS, tQrKt, True, -1)
+            self._gemm(mma_dk, acc_dK, tKrdS, tKrQt[None, None, None, st.index], False, 1)
+            do_pipe.consumer_release(st)
+        else:
+            self._gemm(mma_dq, acc_dQ, tQrdS, tQrKt, True, 0)
+            q_pipe.consumer_release(st)
+            do_pipe.consumer_release(st)
 
         # dQ tile -> staging buffer, in accumulator order (see utils.dq_frag_offset)
         buf = step % self.dq_stages
@@ -842,6 +852,9 @@ class AttentionBwdSm90:
         dst.store(src.load())
         cute.arch.fence_view_async_shared()
         pipeline.NamedBarrier(barrier_id=DQ_FULL_BARRIER + buf, num_threads=group_threads).arrive()
+        if const_expr(self.dq_first):
+            warpgroup.wait_group(0)
+            q_pipe.consumer_release(st)
 
     @cute.jit
     def _step_cs(

@@ -23,7 +23,11 @@ class AttnConfig:
     than L2 holds, order tiles in sections of heads whose K/V fit (else always the global
     longest-first order); poly_exp: of every 8 score columns, how many take exp2 as an FMA-pipe
     polynomial instead of the MUFU (whose 16 results per clock per SM bound the softmax at
-    small head dims)."""
+    small head dims); cvt_asm: P to 16 bits as inline-PTX packed converts (else the DSL's
+    vector conversion, which the compiler sinks past the next GEMM turn's barrier, so the
+    turn is held for the conversion and O's rescale before the first WGMMA issues: measured
+    5-15% slower at D=128, see docs/attention/NOTES.md); late_rescale: without ping-pong
+    (D > 128), O's rescale runs after the next S GEMM is issued, not before."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -31,12 +35,16 @@ class AttnConfig:
     overlap: bool = False
     l2_sections: bool = True
     poly_exp: int = 0
+    cvt_asm: bool = True
+    late_rescale: bool = True
 
     def tag(self) -> str:
         """Short name for tables: 128x128_s2 (plus _ov / _lpt for the non-default flags)."""
         tag = f"{self.tile_m}x{self.tile_n}_s{self.stages}"
         tag += ("_ov" if self.overlap else "") + ("" if self.l2_sections else "_lpt")
-        return tag + (f"_pe{self.poly_exp}" if self.poly_exp else "")
+        tag += f"_pe{self.poly_exp}" if self.poly_exp else ""
+        tag += "" if self.cvt_asm else "_dslcvt"
+        return tag + ("" if self.late_rescale else "_early")
 
     @classmethod
     def from_params(cls, params: dict) -> AttnConfig:
@@ -64,15 +72,14 @@ def smem_bytes(cfg: AttnConfig, head_dim: int, head_dim_v: int, elem_bytes: int 
 
 
 # One CTA per SM (the consumer warpgroups take the whole register file), so shared memory
-# only bounds stages. Two consumer warpgroups (128-row tiles) everywhere: for D=64 three
-# (192-row tiles, FA3's choice) measured slower (H200, 2026-11-30: 333 vs 374 TFLOP/s).
-# D=64: 3 stages; D=96 and D=128: 2 stages, O in its own buffer; D=256: 64-key tiles;
-# D=192/Dv=128: O shares Q's buffer.
+# only bounds stages. D=64: three consumer warpgroups (192-row tiles, FA3's choice), 3 stages;
+# D=96 and D=128: two, 2 stages, O in its own buffer; D=256: 80-key tiles; D=192/Dv=128: O
+# shares Q's buffer. Measured on the H200, 2026-11-30 (docs/attention/NOTES.md).
 _DEFAULTS = {
-    (64, 64): AttnConfig(tile_n=128, stages=3),
+    (64, 64): AttnConfig(tile_m=192, tile_n=128, stages=3),
     (96, 96): AttnConfig(tile_n=128, stages=2),
     (128, 128): AttnConfig(tile_n=128, stages=2),
-    (256, 256): AttnConfig(tile_n=64, stages=2),
+    (256, 256): AttnConfig(tile_n=80, stages=2),
     (192, 128): AttnConfig(tile_n=128, stages=2),
 }
 

@@ -115,6 +115,22 @@ def _exp2_fma(x: Float32, *, loc=None, ip=None) -> Float32:
     )
 
 
+@dsl_user_op
+def _cvt_pair(lo: Float32, hi: Float32, bf16: bool, *, loc=None, ip=None) -> Int32:
+    """Two fp32 values rounded to one packed 16-bit pair (lo in the low half)."""
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+            f"cvt.rn.{'bf16x2' if bf16 else 'f16x2'}.f32 $0, $1, $2;",
+            "=r,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
 def _packed_as_sdhb(t: cute.Tensor) -> cute.Tensor:
     """A packed varlen tensor (T, H, D) as (T, D, H, 1): the fixed-length view with one batch."""
     lay = t.layout
@@ -204,6 +220,11 @@ class AttentionFwdSm90:
         self.pingpong = head_dim <= 128
         self.overlap = config.overlap
         self.poly_exp = config.poly_exp
+        self.cvt_asm = config.cvt_asm
+        # Without ping-pong (D > 128) O's rescale waits for the next step's S GEMM to be issued
+        # (FA3's RescaleOBeforeGemm): the multiplies then run under the GEMM instead of
+        # delaying its issue. With ping-pong they would hold the GEMM turn instead.
+        self.late_rescale = config.late_rescale and not self.pingpong and not self.overlap
         self.l2_sections = config.l2_sections
 
     # ---------------------------------------------------------------- host-side setup
@@ -708,6 +729,8 @@ class AttentionFwdSm90:
                 pending = Int32(1)
             if const_expr(self.overlap):
                 self._land(kv_pv, pending, tOrP, acc_S, acc_O, rescale, v_pipe)
+            if const_expr(self.late_rescale):
+                self._rescale_o(acc_O, rescale)
             v_pipe.consumer_wait(kv)
             self._gemm(mma_pv, acc_O, tOrP, tOrV[None, None, None, kv.index], False, 0)
             v_pipe.consumer_release(kv)
@@ -718,6 +741,13 @@ class AttentionFwdSm90:
     def _land(self, kv_pv, pending, tOrP, acc_S, acc_O, rescale, v_pipe):
         """Wait for the P V in flight (its V stage `kv_pv` released if `pending`), then P in
         acc_S to 16 bits as the next P V's A operand, and O rescaled to the new row maxima."""
+        self._wait_pv(kv_pv, pending, v_pipe)
+        self._to_operand(acc_S, tOrP)
+        if const_expr(not self.late_rescale):
+            self._rescale_o(acc_O, rescale)
+
+    @cute.jit
+    def _wait_pv(self, kv_pv, pending, v_pipe):
         warpgroup.wait_group(0)
         if const_expr(isinstance(pending, bool)):
             if const_expr(pending):
@@ -725,8 +755,20 @@ class AttentionFwdSm90:
         else:
             if pending != 0:
                 v_pipe.consumer_release(kv_pv)
-        tOrP.store(_acc_as_operand_a(acc_S).load().to(self.dtype))
-        self._rescale_o(acc_O, rescale)
+
+    @cute.jit
+    def _to_operand(self, acc_S, tOrP):
+        """P (fp32, in acc_S) to 16 bits in tOrP, the next P V's A operand. `cvt_asm`: one
+        packed cvt per pair as inline PTX (the assembler then leaves the conversion in the
+        softmax instead of moving it past the next turn's barrier, ahead of the GEMM issue)."""
+        if const_expr(self.cvt_asm):
+            src = _acc_as_operand_a(acc_S)
+            dst = cute.recast_tensor(tOrP, Int32)
+            bf16 = self.dtype is cutlass.BFloat16
+            for i in cutlass.range_constexpr(cute.size(dst)):
+                dst[i] = _cvt_pair(src[2 * i], src[2 * i + 1], bf16)
+        else:
+            tOrP.store(_acc_as_operand_a(acc_S).load().to(self.dtype))
 
     @cute.jit
     def _gemm(
@@ -780,6 +822,9 @@ class AttentionFwdSm90:
         if const_expr(self.pingpong):
             my_turn.arrive_and_wait()
         self._gemm(mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_s.index], True, -1)
+        if const_expr(self.late_rescale):
+            # O's rescale under the S GEMM, right before the P V that accumulates onto it.
+            self._rescale_o(acc_O, rescale)
         v_pipe.consumer_wait(kv)
         self._gemm(mma_pv, acc_O, tOrP, tOrV[None, None, None, kv.index], False, -1)
         if const_expr(self.pingpong):
