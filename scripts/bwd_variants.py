@@ -27,18 +27,16 @@ DV = {192: 128}
 VARIANTS = {
     128: {
         "default": C(64, 128, 3, 1),
-        # dK issued before dQ, both waited for before the dQ staging (the old order)
-        "dq_last": C(64, 128, 3, 1, dq_first=False),
-        "early_dv": C(64, 128, 3, 1, early_dv=1),
+        "kb_slowest": C(64, 128, 3, 1, kb_slowest=True),
     },
     64: {
         "default": C(128, 128, 2, 2, early_dv=0, dq_first=False),
-        # spills 8 bytes
-        "dq_first": C(128, 128, 2, 2, early_dv=0),
+        "kb_slowest": C(128, 128, 2, 2, early_dv=0, dq_first=False, kb_slowest=True),
     },
     192: {
         # column split: 64 keys, dK / dV split by head-dim columns
         "default": C(64, 64, 2, 1),
+        "kb_slowest": C(64, 64, 2, 1, kb_slowest=True),
     },
 }
 # Earlier rounds (BWD_NOTES.md): early_dv, 3-deep rings, one dQ buffer, 232/40 registers at
@@ -47,6 +45,9 @@ CASES = [  # (b, hq, hkv, s, d, causal)
     (4, 32, 32, 8192, 128, True),
     (4, 64, 8, 8192, 128, True),
     (2, 32, 32, 8192, 64, True),
+    (4, 32, 4, 8192, 128, True),
+    (2, 64, 8, 16384, 128, True),
+    (2, 128, 128, 8192, 192, True),  # DeepSeek (Dv = 128)
 ]
 DTYPE = "bfloat16"
 

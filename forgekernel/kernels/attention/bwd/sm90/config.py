@@ -58,7 +58,9 @@ class BwdConfig:
       dQ-writer warpgroup (consumer_regs * 256 + producer_regs * 128 <= 64 K).
     dq_first (key split): issue dQ = dS K before dK += dS^T Q and stage the dQ tile while dK
       runs (else dK is issued first and both are waited for before the staging; the layout
-      before 2026-11-30)."""
+      before 2026-11-30).
+    kb_slowest: launch order with the key block slowest (all first key blocks, the longest
+      under causal, before any second one) instead of fastest."""
 
     tile_m: int = 64
     tile_n: int = 128
@@ -68,6 +70,7 @@ class BwdConfig:
     consumer_regs: int = 240
     producer_regs: int = 24
     dq_first: bool = True
+    kb_slowest: bool = False
 
     def tag(self) -> str:
         t = f"{self.tile_m}x{self.tile_n}_s{self.stages}_dq{self.dq_stages}"
@@ -75,7 +78,8 @@ class BwdConfig:
             t += f"_edv{self.early_dv}"
         if (self.consumer_regs, self.producer_regs) != (240, 24):
             t += f"_r{self.consumer_regs}-{self.producer_regs}"
-        return t + ("" if self.dq_first else "_dqlast")
+        t += "" if self.dq_first else "_dqlast"
+        return t + ("_kbs" if self.kb_slowest else "")
 
     @classmethod
     def from_params(cls, params: dict) -> BwdConfig:

@@ -149,6 +149,7 @@ class AttentionBwdSm90:
         # dS^T operands of dV / dK GEMMs still in flight: finish those before dQ = dS K.
         self.serial_dq = head_dim > 128 and not self.col_split
         self.dq_first = bool(config.dq_first) and not self.serial_dq
+        self.kb_slowest = bool(config.kb_slowest)
         self.consumer_regs = config.consumer_regs
         if self.consumer_regs * self.num_mma_threads + self.producer_regs * THREADS_PER_WG > (
             1 << 16
@@ -323,6 +324,10 @@ class AttentionBwdSm90:
             grid = (cute.ceil_div(max_seqlen_k, tn), mK.shape[2], mCuK.shape[0] - 1)
         else:
             grid = (cute.ceil_div(mK.shape[0], tn), mK.shape[2], mK.shape[3])
+        if const_expr(self.kb_slowest):
+            # (kv head, batch, key block): every (head, batch)'s first key block (causal: the
+            # most query blocks) is dispatched before any second one.
+            grid = (grid[1], grid[2], grid[0])
         self.kernel(
             tma_q,
             tma_mQ,
@@ -435,6 +440,8 @@ class AttentionBwdSm90:
         sdQ = storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim * self.dq_stages))
 
         n_block, head_kv, batch = cute.arch.block_idx()
+        if const_expr(self.kb_slowest):
+            head_kv, batch, n_block = cute.arch.block_idx()
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
         # varlen: the sequence's first packed query / key row and first workspace row

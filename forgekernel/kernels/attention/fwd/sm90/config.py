@@ -27,7 +27,10 @@ class AttnConfig:
     vector conversion, which the compiler sinks past the next GEMM turn's barrier, so the
     turn is held for the conversion and O's rescale before the first WGMMA issues: measured
     5-15% slower at D=128, see docs/attention/NOTES.md); late_rescale: without ping-pong
-    (D > 128), O's rescale runs after the next S GEMM is issued, not before."""
+    (D > 128), O's rescale runs after the next S GEMM is issued, not before;
+    rescale_threshold: > 0 keeps a row's running max until the new one exceeds it by more
+    than this (log2 units; FA4 on Blackwell uses 8), and skips O's rescale when no row of
+    the warp moved."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -37,6 +40,7 @@ class AttnConfig:
     poly_exp: int = 0
     cvt_asm: bool = True
     late_rescale: bool = True
+    rescale_threshold: float = 0.0
 
     def tag(self) -> str:
         """Short name for tables: 128x128_s2 (plus _ov / _lpt for the non-default flags)."""
@@ -44,7 +48,8 @@ class AttnConfig:
         tag += ("_ov" if self.overlap else "") + ("" if self.l2_sections else "_lpt")
         tag += f"_pe{self.poly_exp}" if self.poly_exp else ""
         tag += "" if self.cvt_asm else "_dslcvt"
-        return tag + ("" if self.late_rescale else "_early")
+        tag += "" if self.late_rescale else "_early"
+        return tag + (f"_rt{self.rescale_threshold:g}" if self.rescale_threshold else "")
 
     @classmethod
     def from_params(cls, params: dict) -> AttnConfig:
@@ -73,14 +78,15 @@ def smem_bytes(cfg: AttnConfig, head_dim: int, head_dim_v: int, elem_bytes: int 
 
 # One CTA per SM (the consumer warpgroups take the whole register file), so shared memory
 # only bounds stages. D=64: three consumer warpgroups (192-row tiles, FA3's choice), 3 stages;
-# D=96 and D=128: two, 2 stages, O in its own buffer; D=256: 80-key tiles; D=192/Dv=128: O
-# shares Q's buffer. Measured on the H200, 2026-11-30 (docs/attention/NOTES.md).
+# D=96 and D=128: two, 2 stages, O in its own buffer; D=256: 64-key tiles (80: 2% slower);
+# D=192/Dv=128: O shares Q's buffer, O rescaled before the S GEMM issue (after it: 5% slower).
+# Measured on the H200, 2026-11-30 (docs/attention/NOTES.md).
 _DEFAULTS = {
     (64, 64): AttnConfig(tile_m=192, tile_n=128, stages=3),
     (96, 96): AttnConfig(tile_n=128, stages=2),
     (128, 128): AttnConfig(tile_n=128, stages=2),
-    (256, 256): AttnConfig(tile_n=80, stages=2),
-    (192, 128): AttnConfig(tile_n=128, stages=2),
+    (256, 256): AttnConfig(tile_n=64, stages=2),
+    (192, 128): AttnConfig(tile_n=128, stages=2, late_rescale=False),
 }
 
 

@@ -221,6 +221,7 @@ class AttentionFwdSm90:
         self.overlap = config.overlap
         self.poly_exp = config.poly_exp
         self.cvt_asm = config.cvt_asm
+        self.rescale_threshold = float(config.rescale_threshold)
         # Without ping-pong (D > 128) O's rescale waits for the next step's S GEMM to be issued
         # (FA3's RescaleOBeforeGemm): the multiplies then run under the GEMM instead of
         # delaying its issue. With ping-pong they would hold the GEMM turn instead.
@@ -870,6 +871,12 @@ class AttentionFwdSm90:
                 part[c % 4] = cute.arch.fmax(part[c % 4], s[r, c])
             cur = cute.arch.fmax(cute.arch.fmax(part[0], part[1]), cute.arch.fmax(part[2], part[3]))
             cur = cute.arch.warp_reduction_max(cur, threads_in_group=4)  # the row's 4 threads
+            if const_expr(self.rescale_threshold > 0.0):
+                # Keep the running max unless the new one exceeds it by more than the
+                # threshold (log2 units): P then stays below 2^threshold and O's rescale is
+                # skipped (see `_rescale_o`). prev = -inf always takes the new max.
+                if (cur - prev) * scale_log2 <= self.rescale_threshold:
+                    cur = prev
             row_max[r] = cur
             # A row with no visible key so far keeps max -inf: subtract 0 instead, so that
             # exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN.
@@ -893,9 +900,19 @@ class AttentionFwdSm90:
     @cute.jit
     def _rescale_o(self, acc_O, rescale):
         o = _rows_cols(acc_O)
-        for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
-                o[r, c] = o[r, c] * rescale[r]
+        if const_expr(self.rescale_threshold > 0.0):
+            # Only when some row of the warp moved its max (a warp-uniform branch).
+            moved = rescale[0] != 1.0
+            for r in cutlass.range_constexpr(1, cute.size(o, mode=[0])):
+                moved = moved or rescale[r] != 1.0
+            if cute.arch.vote_any_sync(moved):
+                for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
+                    for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+                        o[r, c] = o[r, c] * rescale[r]
+        else:
+            for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
+                for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+                    o[r, c] = o[r, c] * rescale[r]
 
     @cute.jit
     def _finalize(self, acc_O, row_max, row_sum, scale_log2):
