@@ -1,0 +1,38 @@
+"""Run one attention backward (and forward) of ours and of FA4 on the same inputs, for a
+profiler wrapped around this script (scripts/device_profile.sh runs it under ncu).
+
+    python scripts/profile_attention.py [b hq hkv s d]     (default 4 32 32 8192 128, causal)
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import forgekernel
+
+
+def main() -> None:
+    dims = sys.argv[1:6] if len(sys.argv) > 5 else (4, 32, 32, 8192, 128)
+    b, hq, hkv, s, d = (int(x) for x in dims)
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(h: int) -> torch.Tensor:
+        return torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    q, k, v, do = randn(hq), randn(hkv), randn(hkv), randn(hq)
+    o, lse = forgekernel.attention(q, k, v, causal=True, return_lse=True)
+    from flash_attn.cute import flash_attn_func
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    for _ in range(2):  # the second round is the one to read (compiles and caches warm)
+        flash_attn_func(q, k, v, causal=True)
+        _flash_attn_bwd(q, k, v, o, do, lse, softmax_scale=d**-0.5, causal=True)
+        forgekernel.attention_backward(q, k, v, o, lse, do, causal=True)
+    torch.cuda.synchronize()
+    print("done", b, hq, hkv, s, d)
+
+
+if __name__ == "__main__":
+    main()
