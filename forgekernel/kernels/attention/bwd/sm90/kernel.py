@@ -75,6 +75,7 @@ from forgekernel.kernels.attention.bwd.sm90.config import (
     smem_bytes,
 )
 from forgekernel.kernels.attention.bwd.sm90.utils import (
+    DQ_VEC,
     THREADS_PER_WG,
     acc_as_operand_a,
     bulk_g2s,
@@ -684,7 +685,6 @@ class AttentionBwdSm90:
 
         n0 = n_block * tn
         key_edge = n0 + tn > seqlen_k
-        num_m = m_end - m_begin
         consumer_bar = pipeline.NamedBarrier(
             barrier_id=CONSUMER_BARRIER, num_threads=self.num_mma_threads
         )
@@ -701,8 +701,9 @@ class AttentionBwdSm90:
         )  # fmt: skip
         if const_expr(self.col_split):
             tPsP = thr_r2s_ds.partition_D(transposed(sdS)[None, None, 1])
+            # m = m_begin + step % num_m, carried instead of divided every step
+            m = m_begin
             for step in cutlass.range(num_steps, unroll=1):
-                m = m_begin + step % num_m
                 masked = key_edge
                 if const_expr(self.causal):
                     masked = masked or m < m_unmasked
@@ -711,9 +712,13 @@ class AttentionBwdSm90:
                 else:
                     self._step_cs(st, step, m, *step_args, tPsP, False)
                 st.advance()
+                m += 1
+                if m == m_end:
+                    m = m_begin
         else:
+            # m = m_begin + step % num_m, carried instead of divided every step
+            m = m_begin
             for step in cutlass.range(num_steps, unroll=1):
-                m = m_begin + step % num_m
                 masked = key_edge
                 if const_expr(self.causal):
                     masked = masked or m < m_unmasked
@@ -722,6 +727,9 @@ class AttentionBwdSm90:
                 else:
                     self._step(st, step, m, *step_args, False)
                 st.advance()
+                m += 1
+                if m == m_end:
+                    m = m_begin
 
         if const_expr(self.varlen):
             if key_edge:
@@ -791,10 +799,10 @@ class AttentionBwdSm90:
                         visible = visible and diag >= ro[r] - co[c]
                     if not visible:
                         s[r, c] = -Float32.inf
+        lse = self._col_stats(sLSE, st, col0, co)
         for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-            lse = sLSE[col0 + co[c], st.index]
             for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse, fastmath=True)
+                s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse[c], fastmath=True)
 
         if const_expr(self.early_dv):
             # P^T to the input dtype at once and dV += P^T dO issued under the dS math, which
@@ -809,10 +817,10 @@ class AttentionBwdSm90:
             warpgroup.wait_group(0)
         # dS^T = P^T (dP^T - Dsum)
         dp = rows_cols(acc_dP)
+        dsum = self._col_stats(sDsum, st, col0, co)
         for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
-            dsum = sDsum[col0 + co[c], st.index]
             for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
-                dp[r, c] = Float32(s[r, c]) * (dp[r, c] - dsum)
+                dp[r, c] = Float32(s[r, c]) * (dp[r, c] - dsum[c])
 
         # dV += P^T dO, dK += dS^T Q (A operands from registers)
         if const_expr(not self.early_dv):
@@ -844,18 +852,25 @@ class AttentionBwdSm90:
             q_pipe.consumer_release(st)
             do_pipe.consumer_release(st)
 
-        # dQ tile -> staging buffer, in accumulator order (see utils.dq_frag_offset)
+        # dQ tile -> staging buffer, in accumulator order, DQ_VEC elements per 16-byte store
+        # (see utils.dq_frag_offset)
         buf = step % self.dq_stages
         pipeline.NamedBarrier(
             barrier_id=DQ_EMPTY_BARRIER + buf, num_threads=group_threads
         ).arrive_and_wait()
         tile = self.tile_m * self.head_dim
         n = cute.size(acc_dQ)
-        dst = cute.make_tensor(
-            sdQ.iterator + buf * tile + tidx * 2,
-            cute.make_layout((2, n // 2), stride=(1, 2 * self.num_mma_threads)),
+        base = cute.make_ptr(
+            Float32,
+            (sdQ.iterator + buf * tile + tidx * DQ_VEC).toint(),
+            cute.AddressSpace.smem,
+            assumed_align=4 * DQ_VEC,
         )
-        src = cute.make_tensor(acc_dQ.iterator, cute.make_layout((2, n // 2)))
+        dst = cute.make_tensor(
+            base,
+            cute.make_layout((DQ_VEC, n // DQ_VEC), stride=(1, DQ_VEC * self.num_mma_threads)),
+        )
+        src = cute.make_tensor(acc_dQ.iterator, cute.make_layout((DQ_VEC, n // DQ_VEC)))
         dst.store(src.load())
         cute.arch.fence_view_async_shared()
         pipeline.NamedBarrier(barrier_id=DQ_FULL_BARRIER + buf, num_threads=group_threads).arrive()
@@ -894,17 +909,17 @@ class AttentionBwdSm90:
                         visible = visible and diag >= ro[r] - co[c]
                     if not visible:
                         s[r, c] = -Float32.inf
+        lse = self._col_stats(sLSE, st, col0, co)
         for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-            lse = sLSE[col0 + co[c], st.index]
             for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse, fastmath=True)
+                s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse[c], fastmath=True)
         warpgroup.wait_group(0)
         # dS^T = P^T (dP^T - Dsum), fp32 P
         dp = rows_cols(acc_dP)
+        dsum = self._col_stats(sDsum, st, col0, co)
         for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
-            dsum = sDsum[col0 + co[c], st.index]
             for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
-                dp[r, c] = s[r, c] * (dp[r, c] - dsum)
+                dp[r, c] = s[r, c] * (dp[r, c] - dsum[c])
         rP = cute.make_rmem_tensor(s_shape, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
         rdS = cute.make_rmem_tensor(s_shape, self.dtype)
@@ -930,14 +945,39 @@ class AttentionBwdSm90:
         ).arrive_and_wait()
         tile = self.tile_m * self.head_dim
         n = cute.size(acc_dQ)
-        dst = cute.make_tensor(
-            sdQ.iterator + buf * tile + tidx * 2,
-            cute.make_layout((2, n // 2), stride=(1, 2 * self.num_mma_threads)),
+        base = cute.make_ptr(
+            Float32,
+            (sdQ.iterator + buf * tile + tidx * DQ_VEC).toint(),
+            cute.AddressSpace.smem,
+            assumed_align=4 * DQ_VEC,
         )
-        src = cute.make_tensor(acc_dQ.iterator, cute.make_layout((2, n // 2)))
+        dst = cute.make_tensor(
+            base,
+            cute.make_layout((DQ_VEC, n // DQ_VEC), stride=(1, DQ_VEC * self.num_mma_threads)),
+        )
+        src = cute.make_tensor(acc_dQ.iterator, cute.make_layout((DQ_VEC, n // DQ_VEC)))
         dst.store(src.load())
         cute.arch.fence_view_async_shared()
         pipeline.NamedBarrier(barrier_id=DQ_FULL_BARRIER + buf, num_threads=group_threads).arrive()
+
+    def _col_stats(self, stats, st, col0, co):
+        """The per-query statistic (LSE or Dsum) of each of the thread's columns, read from
+        the stage's shared-memory row; adjacent column pairs with one 8-byte load. Plain Python
+        (unrolled while the caller is traced)."""
+        row = stats[None, st.index].iterator
+        vals = [None] * len(co)
+        for c in range(len(co)):
+            if vals[c] is None:
+                if c + 1 < len(co) and co[c + 1] == co[c] + 1 and co[c] % 2 == 0:
+                    ptr = cute.make_ptr(
+                        Float32, (row + col0 + co[c]).toint(), cute.AddressSpace.smem,
+                        assumed_align=8,
+                    )  # fmt: skip
+                    pair = cute.make_tensor(ptr, cute.make_layout(2)).load()
+                    vals[c], vals[c + 1] = pair[0], pair[1]
+                else:
+                    vals[c] = stats[col0 + co[c], st.index]
+        return vals
 
     def _static_offsets(self, mma_sdp):
         """Python ints: each element row's and column's offset from the thread's first one

@@ -83,11 +83,14 @@ def make_dq_mma(dtype, tile_m: int, head_dim: int) -> cute.TiledMma:
     return sm90_utils.make_trivial_tiled_mma(dtype, dtype, mn, mn, Float32, atoms, (64, inst_n))
 
 
+DQ_VEC = 4  # fp32 dQ elements a thread stages with one (16-byte) shared-memory store
+
+
 def dq_frag_offset(thread: Int32, i: int, num_threads: int) -> Int32:
     """Word offset inside one (tile_m, D) fp32 dQ tile of a thread's accumulator element i:
-    adjacent-column pairs of all threads first, so that shared-memory stores of 8 bytes per
-    thread are conflict-free and the postprocess reads coalesced."""
-    return ((i // 2) * num_threads + thread) * 2 + (i % 2)
+    runs of DQ_VEC consecutive elements of all threads first, so that shared-memory stores of
+    16 bytes per thread are conflict-free and the postprocess reads coalesced."""
+    return ((i // DQ_VEC) * num_threads + thread) * DQ_VEC + (i % DQ_VEC)
 
 
 @dsl_user_op
@@ -176,6 +179,7 @@ __all__ = [
     "rows_cols",
     "acc_as_operand_a",
     "make_dq_mma",
+    "DQ_VEC",
     "dq_frag_offset",
     "bulk_g2s",
     "bulk_reduce_add_f32",
