@@ -135,6 +135,7 @@ def compile_pre(params: dict, arch: str = "sm_90a", extra_options: str = ""):
             _hs(f32, hq, sq_pad),  # lse, log2 units, padded per sequence
             _hs(f32, hq, sq_pad),  # dsum
             _cu(),
+            None,  # dQ accumulator: zeroed by the launcher (padded per sequence)
         )
     else:
         lse = make_fake_tensor(f32, (b, hq, sq), stride=(cute.sym_int64(), cute.sym_int64(), 1))
@@ -145,6 +146,7 @@ def compile_pre(params: dict, arch: str = "sm_90a", extra_options: str = ""):
             _bhs(f32, b, hq, sq_pad),  # lse, log2 units, padded
             _bhs(f32, b, hq, sq_pad),  # dsum
             None,
+            _bhs(f32, b, hq, cute.sym_int32()),  # dQ accumulator (B, Hq, Sq_pad * D), zeroed
         )
     return cute.compile(
         AttentionBwdPreSm90(dv, varlen=varlen),

@@ -106,7 +106,7 @@ def attention_bwd(
     f32 = torch.float32
     lse2 = torch.empty(b, hq, sq_pad, dtype=f32, device=dev)
     dsum = torch.empty(b, hq, sq_pad, dtype=f32, device=dev)
-    dq_acc = torch.zeros(b, hq, sq_pad * d, dtype=f32, device=dev)
+    dq_acc = torch.empty(b, hq, sq_pad * d, dtype=f32, device=dev)  # zeroed by the preprocess
     # The per-row-block dQ semaphores (deterministic order); the compiled kernel's batch and
     # head extents are shared with q, so the unread buffer keeps the shape too (uninitialized).
     n_sem = sq_pad // cfg.tile_m
@@ -120,7 +120,7 @@ def attention_bwd(
     post = get_kernel(SPEC_POST, post_params(dtype, d, cfg.tile_m))
     scale = float(softmax_scale)
     with torch.cuda.device(dev):
-        pre(o, do, lse, lse2, dsum, None, 0)
+        pre(o, do, lse, lse2, dsum, None, dq_acc, 0)
         main(
             q, k, v, do, lse2, dsum, dq_acc, dk_dst, dv_dst, sem, None, None, 0, scale,
             scale * LOG2E,
@@ -200,7 +200,7 @@ def _attention_bwd_varlen(
     scale = float(softmax_scale)
     mq, mk = int(max_seqlen_q), int(max_seqlen_k)
     with torch.cuda.device(dev):
-        pre(o, do, lse, lse2, dsum, cu_q, mq)
+        pre(o, do, lse, lse2, dsum, cu_q, None, mq)
         main(
             q, k, v, do, lse2, dsum, dq_acc, dk_dst, dv_dst, sem, cu_q, cu_k, mk, scale,
             scale * LOG2E,

@@ -44,12 +44,15 @@ class AttentionBwdPreSm90:
         mLSE2: cute.Tensor,
         mDsum: cute.Tensor,
         mCuQ: cute.Tensor | None,
+        mDqAcc: cute.Tensor | None,
         max_seqlen_q: Int32,
         stream: cuda.CUstream,
     ):
         """mO, mdO (B, Sq, Hq, Dv); mLSE (B, Hq, Sq) fp32; mLSE2, mDsum (B, Hq, Sq_pad) fp32,
-        Sq_pad a multiple of 128; mCuQ None, max_seqlen_q unused. Varlen: mO, mdO (Tq, Hq, Dv),
-        mLSE (Hq, Tq), mLSE2, mDsum (Hq, rows), mCuQ int32 (B + 1,)."""
+        Sq_pad a multiple of 128; mCuQ None; mDqAcc (B, Hq, Sq_pad * D) fp32, the main kernel's
+        dQ accumulator, zeroed here (each block its 128 rows); max_seqlen_q unused. Varlen:
+        mO, mdO (Tq, Hq, Dv), mLSE (Hq, Tq), mLSE2, mDsum (Hq, rows), mCuQ int32 (B + 1,),
+        mDqAcc None (the launcher zeroes the padded workspace)."""
         if const_expr(mO.element_type != mdO.element_type):
             raise TypeError("o and do must share one dtype")
         if const_expr(self.varlen):
@@ -60,7 +63,7 @@ class AttentionBwdPreSm90:
             )
         else:
             grid = (cute.ceil_div(mLSE2.shape[2], ROW_PAD), mO.shape[2], mO.shape[0])
-        self.kernel(mO, mdO, mLSE, mLSE2, mDsum, mCuQ).launch(
+        self.kernel(mO, mdO, mLSE, mLSE2, mDsum, mCuQ, mDqAcc).launch(
             grid=grid, block=[THREADS, 1, 1], stream=stream
         )
 
@@ -73,6 +76,7 @@ class AttentionBwdPreSm90:
         mLSE2: cute.Tensor,
         mDsum: cute.Tensor,
         mCuQ: cute.Tensor | None,
+        mDqAcc: cute.Tensor | None,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
@@ -85,6 +89,24 @@ class AttentionBwdPreSm90:
                            q_off, ws)  # fmt: skip
         else:
             self._rows(mO, mdO, mLSE, mLSE2, mDsum, tidx, m_block, head, batch, mO.shape[1], 0, 0)
+            if const_expr(mDqAcc is not None):
+                self._zero_dq(mDqAcc, tidx, m_block, head, batch, mLSE2.shape[2])
+
+    @cute.jit
+    def _zero_dq(self, mDqAcc, tidx, m_block, head, batch, sq_pad):
+        """Zero this block's 128 rows of the dQ accumulator, 16 bytes per store, coalesced
+        (the accumulator is tile-major, so 128 rows are one contiguous run of 128 * D)."""
+        row = mDqAcc[batch, head, None]
+        quads = mDqAcc.shape[2] // sq_pad // 4  # D / 4: one pass of 128 threads per row
+        base = m_block * ROW_PAD * quads * 4
+        zero = cute.make_rmem_tensor(4, Float32)
+        zero.fill(0.0)
+        for i in cutlass.range(quads * (ROW_PAD // THREADS), unroll=4):
+            ptr = cute.make_ptr(
+                Float32, (row.iterator + base + (i * THREADS + tidx) * 4).toint(),
+                cute.AddressSpace.gmem, assumed_align=16,
+            )  # fmt: skip
+            cute.make_tensor(ptr, cute.make_layout(4)).store(zero.load())
 
     @cute.jit
     def _rows(self, mO, mdO, mLSE, mLSE2, mDsum, tidx, m_block, head, batch, seqlen_q, q_off, ws):
