@@ -60,7 +60,9 @@ class BwdConfig:
       runs (else dK is issued first and both are waited for before the staging; the layout
       before 2026-11-30).
     kb_slowest: launch order with the key block slowest (all first key blocks, the longest
-      under causal, before any second one) instead of fastest."""
+      under causal, before any second one) instead of fastest.
+    static_stage (key split): the step loop unrolled by the ring depth, so each step's ring
+      stage (and with it every shared-memory operand descriptor) is a compile-time constant."""
 
     tile_m: int = 64
     tile_n: int = 128
@@ -71,6 +73,7 @@ class BwdConfig:
     producer_regs: int = 24
     dq_first: bool = True
     kb_slowest: bool = False
+    static_stage: bool = True
 
     def tag(self) -> str:
         t = f"{self.tile_m}x{self.tile_n}_s{self.stages}_dq{self.dq_stages}"
@@ -79,7 +82,8 @@ class BwdConfig:
         if (self.consumer_regs, self.producer_regs) != (240, 24):
             t += f"_r{self.consumer_regs}-{self.producer_regs}"
         t += "" if self.dq_first else "_dqlast"
-        return t + ("_kbs" if self.kb_slowest else "")
+        t += "_kbs" if self.kb_slowest else ""
+        return t + ("" if self.static_stage else "_dynstage")
 
     @classmethod
     def from_params(cls, params: dict) -> BwdConfig:
@@ -116,9 +120,17 @@ def smem_bytes(cfg: BwdConfig, head_dim: int, head_dim_v: int, elem_bytes: int =
 # the early dV GEMM 423.6 against 376.0 TFLOP/s; D=128 with a 3-deep Q/dO ring and one dQ
 # staging buffer 496.0 against 486.0 (GQA 64:8; MHA 32 heads: 517.3 against 519.2, noise).
 _DEFAULTS = {
-    # D=64 keeps dK before dQ: with 128 query rows, dQ's accumulator live beside the dK GEMM
-    # spills 8-16 bytes.
-    (64, 64): BwdConfig(tile_m=128, tile_n=128, stages=2, dq_stages=2, early_dv=0, dq_first=False),
+    # D=64 keeps dK before dQ and the rolled step loop: with 128 query rows, dQ's accumulator
+    # live beside the dK GEMM spills 8-16 bytes, and so does the loop unrolled by the ring.
+    (64, 64): BwdConfig(
+        tile_m=128,
+        tile_n=128,
+        stages=2,
+        dq_stages=2,
+        early_dv=0,
+        dq_first=False,
+        static_stage=False,
+    ),
     (128, 128): BwdConfig(tile_m=64, tile_n=128, stages=3, dq_stages=1),
     # Column split (kernel.AttentionBwdSm90._setup_col_split): 64 keys x 64 query rows per
     # step; per consumer thread dK 48 + dV 32 + S^T 16 + dP^T 16 + dQ 48 fp32 registers. Two

@@ -151,6 +151,7 @@ class AttentionBwdSm90:
         self.serial_dq = head_dim > 128 and not self.col_split
         self.dq_first = bool(config.dq_first) and not self.serial_dq
         self.kb_slowest = bool(config.kb_slowest)
+        self.static_stage = bool(config.static_stage) and not self.col_split
         self.consumer_regs = config.consumer_regs
         if self.consumer_regs * self.num_mma_threads + self.producer_regs * THREADS_PER_WG > (
             1 << 16
@@ -715,6 +716,25 @@ class AttentionBwdSm90:
                 m += 1
                 if m == m_end:
                     m = m_begin
+        elif const_expr(self.static_stage):
+            # Unrolled by the ring depth: step0 + j sits in ring stage j (each CTA's ring
+            # starts at stage 0 and advances once per step).
+            m = m_begin
+            for step0 in cutlass.range(0, num_steps, self.stages, unroll=1):
+                for j in cutlass.range_constexpr(self.stages):
+                    step = step0 + j
+                    if step < num_steps:
+                        masked = key_edge
+                        if const_expr(self.causal):
+                            masked = masked or m < m_unmasked
+                        if masked:
+                            self._step(st, step, m, *step_args, True, j)
+                        else:
+                            self._step(st, step, m, *step_args, False, j)
+                        st.advance()
+                        m += 1
+                        if m == m_end:
+                            m = m_begin
         else:
             # m = m_begin + step % num_m, carried instead of divided every step
             m = m_begin
@@ -771,15 +791,18 @@ class AttentionBwdSm90:
         tVrdOt, tKrQt, tQrdS, tQrKt, tVrP, tKrdS, s_shape, dq_shape, acc_dV, acc_dK, tScS,
         r2s_ds, thr_r2s_ds, tdSsdS, sLSE, sDsum, sdQ, q_pipe, do_pipe, consumer_bar,
         scale_log2, n0, seqlen_q, seqlen_k, group_threads,
-        masked: cutlass.Constexpr[bool],
+        masked: cutlass.Constexpr[bool], stage: cutlass.Constexpr = None,
     ):  # fmt: skip
-        """One query block m (ring stage st) against this CTA's keys."""
+        """One query block m (ring stage st) against this CTA's keys. `stage`: st.index as a
+        compile-time constant (the loop unrolled by the ring depth), so that the shared-memory
+        operand descriptors are constant offsets from loop-invariant bases."""
+        si = st.index if const_expr(stage is None) else stage
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
         acc_dP = cute.make_rmem_tensor(s_shape, Float32)
         q_pipe.consumer_wait(st)
-        self._gemm(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, st.index], True, -1)
+        self._gemm(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, si], True, -1)
         do_pipe.consumer_wait(st)
-        self._gemm(mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, st.index], True, -1)
+        self._gemm(mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, si], True, -1)
 
         # P^T = exp2(S^T scale log2e - LSE log2e); rows are keys, columns queries. A thread's
         # element (r, c) sits at (row0 + ro[r], col0 + co[c]) with ro, co static.
@@ -799,7 +822,7 @@ class AttentionBwdSm90:
                         visible = visible and diag >= ro[r] - co[c]
                     if not visible:
                         s[r, c] = -Float32.inf
-        lse = self._col_stats(sLSE, st, col0, co)
+        lse = self._col_stats(sLSE, si, col0, co)
         for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
             for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                 s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse[c], fastmath=True)
@@ -810,14 +833,14 @@ class AttentionBwdSm90:
             rP = cute.make_rmem_tensor(s_shape, self.dtype)
             rP.store(acc_S.load().to(self.dtype))
             tVrP.store(acc_as_operand_a(rP).load())
-            self._gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, st.index], False, -1)
+            self._gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, si], False, -1)
             warpgroup.wait_group(1)
             s = rows_cols(rP)
         else:
             warpgroup.wait_group(0)
         # dS^T = P^T (dP^T - Dsum)
         dp = rows_cols(acc_dP)
-        dsum = self._col_stats(sDsum, st, col0, co)
+        dsum = self._col_stats(sDsum, si, col0, co)
         for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
             for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
                 dp[r, c] = Float32(s[r, c]) * (dp[r, c] - dsum[c])
@@ -825,12 +848,12 @@ class AttentionBwdSm90:
         # dV += P^T dO, dK += dS^T Q (A operands from registers)
         if const_expr(not self.early_dv):
             tVrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
-            self._gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, st.index], False, -1)
+            self._gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, si], False, -1)
         rdS = cute.make_rmem_tensor(s_shape, self.dtype)
         rdS.store(acc_dP.load().to(self.dtype))
         tKrdS.store(acc_as_operand_a(rdS).load())
         if const_expr(not self.dq_first):
-            self._gemm(mma_dk, acc_dK, tKrdS, tKrQt[None, None, None, st.index], False, -1)
+            self._gemm(mma_dk, acc_dK, tKrdS, tKrQt[None, None, None, si], False, -1)
 
         # dS^T -> shared memory (the previous step's dQ GEMMs, both warpgroups, finished
         # before the dQ-empty barrier of that step), then dQ = dS K.
@@ -845,7 +868,7 @@ class AttentionBwdSm90:
             # (groups retire in order: one left in flight = dK). dK is waited for at the end
             # of the step, so no WGMMA crosses the loop's back edge.
             self._gemm(mma_dq, acc_dQ, tQrdS, tQrKt, True, -1)
-            self._gemm(mma_dk, acc_dK, tKrdS, tKrQt[None, None, None, st.index], False, 1)
+            self._gemm(mma_dk, acc_dK, tKrdS, tKrQt[None, None, None, si], False, 1)
             do_pipe.consumer_release(st)
         else:
             self._gemm(mma_dq, acc_dQ, tQrdS, tQrKt, True, 0)
@@ -855,6 +878,8 @@ class AttentionBwdSm90:
         # dQ tile -> staging buffer, in accumulator order, DQ_VEC elements per 16-byte store
         # (see utils.dq_frag_offset)
         buf = step % self.dq_stages
+        if const_expr(stage is not None and self.stages % self.dq_stages == 0):
+            buf = stage % self.dq_stages
         pipeline.NamedBarrier(
             barrier_id=DQ_EMPTY_BARRIER + buf, num_threads=group_threads
         ).arrive_and_wait()
@@ -909,14 +934,14 @@ class AttentionBwdSm90:
                         visible = visible and diag >= ro[r] - co[c]
                     if not visible:
                         s[r, c] = -Float32.inf
-        lse = self._col_stats(sLSE, st, col0, co)
+        lse = self._col_stats(sLSE, st.index, col0, co)
         for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
             for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                 s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse[c], fastmath=True)
         warpgroup.wait_group(0)
         # dS^T = P^T (dP^T - Dsum), fp32 P
         dp = rows_cols(acc_dP)
-        dsum = self._col_stats(sDsum, st, col0, co)
+        dsum = self._col_stats(sDsum, st.index, col0, co)
         for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
             for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
                 dp[r, c] = s[r, c] * (dp[r, c] - dsum[c])
@@ -960,11 +985,11 @@ class AttentionBwdSm90:
         cute.arch.fence_view_async_shared()
         pipeline.NamedBarrier(barrier_id=DQ_FULL_BARRIER + buf, num_threads=group_threads).arrive()
 
-    def _col_stats(self, stats, st, col0, co):
+    def _col_stats(self, stats, stage, col0, co):
         """The per-query statistic (LSE or Dsum) of each of the thread's columns, read from
-        the stage's shared-memory row; adjacent column pairs with one 8-byte load. Plain Python
-        (unrolled while the caller is traced)."""
-        row = stats[None, st.index].iterator
+        the ring stage's shared-memory row; adjacent column pairs with one 8-byte load. Plain
+        Python (unrolled while the caller is traced)."""
+        row = stats[None, stage].iterator
         vals = [None] * len(co)
         for c in range(len(co)):
             if vals[c] is None:
@@ -976,7 +1001,7 @@ class AttentionBwdSm90:
                     pair = cute.make_tensor(ptr, cute.make_layout(2)).load()
                     vals[c], vals[c + 1] = pair[0], pair[1]
                 else:
-                    vals[c] = stats[col0 + co[c], st.index]
+                    vals[c] = stats[col0 + co[c], stage]
         return vals
 
     def _static_offsets(self, mma_sdp):
