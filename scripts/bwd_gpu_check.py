@@ -293,23 +293,16 @@ def main() -> int:
     torch.manual_seed(0)
     failures = 0
     summary = []
-    for shape in QUICK if args.quick else SHAPES:
+    jobs = [("", shape, run_case) for shape in (QUICK if args.quick else SHAPES)]
+    jobs += [
+        ("varlen ", case, run_varlen_case)
+        for case in (VARLEN_SHAPES[:2] if args.quick else VARLEN_SHAPES)
+    ]
+    for prefix, case, run in jobs:
         for dtype in (torch.bfloat16, torch.float16):
-            name = f"{shape} {str(dtype).removeprefix('torch.')}"
+            name = f"{prefix}{case} {str(dtype).removeprefix('torch.')}"
             try:
-                ok, rows = run_case(shape, dtype)
-            except NotImplementedError as exc:
-                print(f"SKIP {name}: {exc}", flush=True)
-                summary.append((name, "skip"))
-                continue
-            failures += not ok
-            print(f"{'PASS' if ok else 'FAIL'} {name}: {'; '.join(rows)}", flush=True)
-            summary.append((name, "pass" if ok else "FAIL"))
-    for case in VARLEN_SHAPES[:2] if args.quick else VARLEN_SHAPES:
-        for dtype in (torch.bfloat16, torch.float16):
-            name = f"varlen {case} {str(dtype).removeprefix('torch.')}"
-            try:
-                ok, rows = run_varlen_case(case, dtype)
+                ok, rows = run(case, dtype)
             except NotImplementedError as exc:
                 print(f"SKIP {name}: {exc}", flush=True)
                 summary.append((name, "skip"))

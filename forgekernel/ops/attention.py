@@ -148,7 +148,6 @@ def _launch_fwd(q, k, v, o, lse, scale: float, causal: bool) -> None:
             fn(q, k, v, o, lse, None, None, scale * LOG2E, 0, 1, num_sms(q.device.index))
 
 
-
 def _launch(q, k, v, o, lse, scale: float, causal: bool) -> None:
     if o.numel() == 0:  # no batch, query rows or heads
         return
