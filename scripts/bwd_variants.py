@@ -26,21 +26,31 @@ C = BwdConfig
 DV = {192: 128}
 VARIANTS = {
     128: {
-        "default": C(64, 128, 3, 1),
-        "kb_slowest": C(64, 128, 3, 1, kb_slowest=True),
+        "default": C(64, 128, 2, 1, dq_split=True),
+        "s3": C(64, 128, 3, 1, dq_split=True),
+        "stats_late": C(64, 128, 2, 1, dq_split=True, stats_early=False),
+        "dq2": C(64, 128, 2, 2, dq_split=True),
+        "joint_dq": C(64, 128, 3, 1),  # before dq_split
     },
     64: {
-        "default": C(128, 128, 2, 2, early_dv=0, dq_first=False),
-        "kb_slowest": C(128, 128, 2, 2, early_dv=0, dq_first=False, kb_slowest=True),
+        "default": C(
+            128, 128, 2, 2, early_dv=0, dq_first=False, static_stage=False, stats_early=False
+        ),
+        "dq_split": C(128, 128, 2, 2, early_dv=0, static_stage=False, stats_early=False,
+                      dq_split=True),  # fmt: skip
+        "dq_split_dq1": C(128, 128, 2, 1, early_dv=0, static_stage=False, stats_early=False,
+                          dq_split=True),  # fmt: skip
     },
     192: {
         # column split: 64 keys, dK / dV split by head-dim columns
-        "default": C(64, 64, 2, 1),
-        "kb_slowest": C(64, 64, 2, 1, kb_slowest=True),
+        "default": C(64, 64, 2, 1, dq_split=True),
+        "joint_dq": C(64, 64, 2, 1),
     },
 }
 # Earlier rounds (BWD_NOTES.md): early_dv, 3-deep rings, one dQ buffer, 232/40 registers at
-# D=128; no early dV, 64-row steps at D=64; 3 stages and the key-split layout at D=192/128.
+# D=128; no early dV, 64-row steps at D=64; 3 stages and the key-split layout at D=192/128;
+# kb_slowest (all three); stats_early (D=128 / 64 within noise, D=192 +1.7%); dq_split at
+# D=128 +4.5..7.8% (2026-11-30 11:20 UTC).
 CASES = [  # (b, hq, hkv, s, d, causal)
     (4, 32, 32, 8192, 128, True),
     (4, 64, 8, 8192, 128, True),
@@ -75,7 +85,9 @@ def build(out_dir: str) -> int:
         jobs = [(SPEC_PRE, pre_params(DTYPE, dv), "pre")]
         for name, cfg in VARIANTS[d].items():
             jobs.append((SPEC_MAIN, main_params(DTYPE, d, dv, causal, False, cfg), name))
-            jobs.append((SPEC_POST, post_params(DTYPE, d, cfg.tile_m), f"post m{cfg.tile_m}"))
+            jobs.append(
+                (SPEC_POST, post_params(DTYPE, d, cfg.tile_m, dq_split=cfg.dq_split), "post")
+            )
         for spec, params, name in jobs:
             key = (spec.name, params)
             if key in seen:

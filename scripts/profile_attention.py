@@ -1,7 +1,7 @@
 """Run one attention backward (and forward) of ours and of FA4 on the same inputs, for a
 profiler wrapped around this script (scripts/device_profile.sh runs it under ncu).
 
-    python scripts/profile_attention.py [b hq hkv s d]     (default 4 32 32 8192 128, causal)
+    python scripts/profile_attention.py [b hq hkv s d [dv]]   (default 4 32 32 8192 128, causal)
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ import forgekernel
 def main() -> None:
     dims = sys.argv[1:6] if len(sys.argv) > 5 else (4, 32, 32, 8192, 128)
     b, hq, hkv, s, d = (int(x) for x in dims)
+    dv = int(sys.argv[6]) if len(sys.argv) > 6 else d
     g = torch.Generator(device="cuda").manual_seed(0)
 
-    def randn(h: int) -> torch.Tensor:
-        return torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    def randn(h: int, width: int = d) -> torch.Tensor:
+        return torch.randn(b, s, h, width, device="cuda", dtype=torch.bfloat16, generator=g)
 
-    q, k, v, do = randn(hq), randn(hkv), randn(hkv), randn(hq)
+    q, k, v, do = randn(hq), randn(hkv), randn(hkv, dv), randn(hq, dv)
     o, lse = forgekernel.attention(q, k, v, causal=True, return_lse=True)
     from flash_attn.cute import flash_attn_func
     from flash_attn.cute.interface import _flash_attn_bwd
@@ -31,7 +32,7 @@ def main() -> None:
         _flash_attn_bwd(q, k, v, o, do, lse, softmax_scale=d**-0.5, causal=True)
         forgekernel.attention_backward(q, k, v, o, lse, do, causal=True)
     torch.cuda.synchronize()
-    print("done", b, hq, hkv, s, d)
+    print("done", b, hq, hkv, s, d, dv)
 
 
 if __name__ == "__main__":

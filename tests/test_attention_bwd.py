@@ -399,3 +399,30 @@ def test_bwd_configs_fit_and_deepseek_uses_the_column_split():
     assert len(post) == 4 and all(p["tile_m"] == 64 for p in post)
     # the other head dims keep the key split (their compile keys and SASS are unchanged)
     assert default_config(64, 64).tile_n == default_config(128, 128).tile_n == 128
+
+
+@pytest.mark.parametrize("tile_m,d", [(64, 128), (128, 64), (64, 192)])
+@pytest.mark.parametrize("halves", [False, True])
+def test_dq_workspace_order_is_a_permutation(tile_m, d, halves):
+    """The dQ accumulator order shared by the main kernel's staging stores and the postprocess
+    (utils.dq_frag_offset): every element of the tile once; with `halves` (dq_split) warpgroup
+    w's elements in half w; the main kernel's staging address formula (kernel._stage_dq)
+    agrees."""
+    from forgekernel.kernels.attention.bwd.sm90.utils import DQ_VEC, dq_frag_offset
+
+    tile, threads = tile_m * d, 256
+    n = tile // threads
+    seen = []
+    for t in range(threads):
+        wg = t // 128
+        for i in range(n):
+            off = dq_frag_offset(t, i, n, halves)
+            if halves:
+                assert wg * tile // 2 <= off < (wg + 1) * tile // 2
+                staged = t * DQ_VEC + wg * (tile // 2 - 128 * DQ_VEC)
+                stride = DQ_VEC * 128
+            else:
+                staged, stride = t * DQ_VEC, DQ_VEC * threads
+            assert off == staged + (i // DQ_VEC) * stride + i % DQ_VEC
+            seen.append(off)
+    assert sorted(seen) == list(range(tile))

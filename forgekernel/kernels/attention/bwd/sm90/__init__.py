@@ -73,12 +73,17 @@ def _main_standard() -> list[Params]:
 
 
 def _post_standard() -> list[Params]:
-    return [
-        post_params(dtype, d, default_config(d, dv).tile_m, varlen)
-        for varlen in (False, True)
-        for dtype in DTYPES
-        for d, dv in HEAD_DIMS
-    ]
+    # one per workspace order the standard main kernels write (dq_split or not)
+    out = []
+    for varlen in (False, True):
+        for dtype in DTYPES:
+            for d, dv in HEAD_DIMS:
+                for det in (False, True):
+                    cfg = default_config(d, dv, det, varlen)
+                    p = post_params(dtype, d, cfg.tile_m, varlen, cfg.dq_split)
+                    if p not in out:
+                        out.append(p)
+    return out
 
 
 SPEC_PRE = KernelSpec(

@@ -177,7 +177,9 @@ def compile_post(params: dict, arch: str = "sm_90a", extra_options: str = ""):
             None,
         )
     return cute.compile(
-        AttentionBwdPostSm90(d, params["tile_m"], varlen=varlen),
+        AttentionBwdPostSm90(
+            d, params["tile_m"], varlen=varlen, halves=bool(params.get("dq_split", False))
+        ),
         *tensors,
         cutlass.Int32(0),  # max_seqlen_q (varlen grid)
         cutlass.Float32(1.0),

@@ -4,7 +4,7 @@ without the compiler."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 DTYPES = ("float16", "bfloat16")
 # (head_dim, head_dim_v) pairs with a default config.
@@ -62,7 +62,14 @@ class BwdConfig:
     kb_slowest: launch order with the key block slowest (all first key blocks, the longest
       under causal, before any second one) instead of fastest.
     static_stage (key split): the step loop unrolled by the ring depth, so each step's ring
-      stage (and with it every shared-memory operand descriptor) is a compile-time constant."""
+      stage (and with it every shared-memory operand descriptor) is a compile-time constant.
+    stats_early: read the step's LSE while S^T is still on the tensor cores and its Dsum
+      before the dP^T wait (else after each wait, where the shared-memory latency stalls the
+      exp2 / dS math: ncu 2026-11-30, 11% of the kernel's stall samples on those FFMAs).
+    dq_split (key split: with dq_first): each consumer warpgroup hands its half of the dQ
+      staging buffer to the writer on its own named barriers (the warpgroups are not brought
+      into step there), with two dS buffers (column split: two dS / P pairs); FA3 / FA4's
+      sm90 arrangement."""
 
     tile_m: int = 64
     tile_n: int = 128
@@ -74,6 +81,8 @@ class BwdConfig:
     dq_first: bool = True
     kb_slowest: bool = False
     static_stage: bool = True
+    stats_early: bool = True
+    dq_split: bool = False
 
     def tag(self) -> str:
         t = f"{self.tile_m}x{self.tile_n}_s{self.stages}_dq{self.dq_stages}"
@@ -83,6 +92,8 @@ class BwdConfig:
             t += f"_r{self.consumer_regs}-{self.producer_regs}"
         t += "" if self.dq_first else "_dqlast"
         t += "_kbs" if self.kb_slowest else ""
+        t += "" if self.stats_early else "_statslate"
+        t += "_dqsplit" if self.dq_split else ""
         return t + ("" if self.static_stage else "_dynstage")
 
     @classmethod
@@ -108,7 +119,8 @@ def smem_bytes(cfg: BwdConfig, head_dim: int, head_dim_v: int, elem_bytes: int =
     tm, tn = cfg.tile_m, cfg.tile_n
     q = cfg.stages * tm * (head_dim + head_dim_v) * elem_bytes  # Q and dO rings
     kv = tn * (head_dim + head_dim_v) * elem_bytes  # K, V (reused for dK, dV)
-    ds = tm * tn * elem_bytes * (2 if tn == 64 else 1)  # column split: dS and P
+    # column split: dS and P; dq_split: two of them
+    ds = tm * tn * elem_bytes * (2 if tn == 64 else 1) * (2 if cfg.dq_split else 1)
     dq = cfg.dq_stages * tm * head_dim * 4
     stats = 2 * cfg.stages * tm * 4  # LSE and Dsum rings
     return q + kv + ds + dq + stats + 1024  # + barriers and alignment
@@ -130,13 +142,14 @@ _DEFAULTS = {
         early_dv=0,
         dq_first=False,
         static_stage=False,
+        stats_early=False,
     ),
-    (128, 128): BwdConfig(tile_m=64, tile_n=128, stages=3, dq_stages=1),
+    (128, 128): BwdConfig(tile_m=64, tile_n=128, stages=2, dq_stages=1, dq_split=True),
     # Column split (kernel.AttentionBwdSm90._setup_col_split): 64 keys x 64 query rows per
     # step; per consumer thread dK 48 + dV 32 + S^T 16 + dP^T 16 + dQ 48 fp32 registers. Two
     # Q / dO stages and one dQ staging buffer: 186 KiB of shared memory (3 stages: 226 KiB,
     # at the limit; untried).
-    (192, 128): BwdConfig(tile_m=64, tile_n=64, stages=2, dq_stages=1),
+    (192, 128): BwdConfig(tile_m=64, tile_n=64, stages=2, dq_stages=1, dq_split=True),
 }
 _EXPERIMENTAL = {
     # D=192/Dv=128 with the key-split layout: one dQ staging buffer (48 KiB) to fit 226 KiB.
@@ -145,14 +158,20 @@ _EXPERIMENTAL = {
 }
 
 
-def default_config(head_dim: int, head_dim_v: int) -> BwdConfig:
+def default_config(
+    head_dim: int, head_dim_v: int, deterministic: bool = False, varlen: bool = False
+) -> BwdConfig:
     try:
-        return _DEFAULTS[(head_dim, head_dim_v)]
+        cfg = _DEFAULTS[(head_dim, head_dim_v)]
     except KeyError:
         raise ValueError(
             f"attention backward: head dims (D={head_dim}, Dv={head_dim_v}) unsupported on "
             f"sm90; supported: {HEAD_DIMS}"
         ) from None
+    if deterministic and varlen and (head_dim, head_dim_v) == (128, 128):
+        # dq_split spills 24 bytes there (non-causal); the joint hand-over does not.
+        cfg = replace(cfg, stages=3, dq_split=False)
+    return cfg
 
 
 def _key(**kw) -> tuple:
@@ -168,7 +187,7 @@ def main_params(
     cfg: BwdConfig | None = None,
     varlen: bool = False,
 ) -> tuple:
-    cfg = cfg or default_config(head_dim, head_dim_v)
+    cfg = cfg or default_config(head_dim, head_dim_v, deterministic, varlen)
     return _key(
         dtype=dtype,
         head_dim=head_dim,
@@ -189,5 +208,10 @@ def pre_params(dtype: str, head_dim_v: int, varlen: bool = False) -> tuple:
     return _key(dtype=dtype, head_dim_v=head_dim_v, **_varlen_field(varlen))
 
 
-def post_params(dtype: str, head_dim: int, tile_m: int, varlen: bool = False) -> tuple:
-    return _key(dtype=dtype, head_dim=head_dim, tile_m=tile_m, **_varlen_field(varlen))
+def post_params(
+    dtype: str, head_dim: int, tile_m: int, varlen: bool = False, dq_split: bool = False
+) -> tuple:
+    """dq_split: the main kernel's dQ workspace order (utils.dq_frag_offset `halves`); in the
+    key only when set."""
+    split = {"dq_split": True} if dq_split else {}
+    return _key(dtype=dtype, head_dim=head_dim, tile_m=tile_m, **_varlen_field(varlen), **split)

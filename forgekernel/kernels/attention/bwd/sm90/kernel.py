@@ -76,6 +76,7 @@ from forgekernel.kernels.attention.bwd.sm90.config import (
 )
 from forgekernel.kernels.attention.bwd.sm90.utils import (
     DQ_VEC,
+    DQ_WG_THREADS,
     THREADS_PER_WG,
     acc_as_operand_a,
     bulk_g2s,
@@ -93,6 +94,10 @@ from forgekernel.kernels.attention.bwd.sm90.utils import (
 CONSUMER_BARRIER = 1  # the 256 consumer threads
 DQ_FULL_BARRIER = 2  # 2, 3: staging buffer b holds a dQ tile (consumers arrive, writer waits)
 DQ_EMPTY_BARRIER = 4  # 4, 5: staging buffer b drained (writer arrives, consumers wait)
+# dq_split: each consumer warpgroup hands its half of buffer b over on its own barriers,
+# full 2 + 2 b + wg, empty 6 + 2 b + wg (128 consumer threads + the writer warp each).
+DQ_FULL_SPLIT = 2
+DQ_EMPTY_SPLIT = 6
 DQ_WRITER_WARP = 1
 
 
@@ -152,6 +157,13 @@ class AttentionBwdSm90:
         self.dq_first = bool(config.dq_first) and not self.serial_dq
         self.kb_slowest = bool(config.kb_slowest)
         self.static_stage = bool(config.static_stage) and not self.col_split
+        self.stats_early = bool(config.stats_early)
+        # dq_split: per-warpgroup dQ hand-over and two dS (column split: dS and P) buffers
+        # (the warpgroups are no longer in step at the dQ barriers, so one may write step
+        # i + 1's dS while the other's GEMMs still read step i's).
+        self.dq_split = bool(config.dq_split)
+        if self.dq_split and not (self.dq_first or self.col_split):
+            raise ValueError("dq_split needs dq_first")
         self.consumer_regs = config.consumer_regs
         if self.consumer_regs * self.num_mma_threads + self.producer_regs * THREADS_PER_WG > (
             1 << 16
@@ -196,7 +208,9 @@ class AttentionBwdSm90:
         self.sK_layout = cute.tile_to_shape(k_atom, (tn, d, 1), order=(0, 1, 2))
         self.sV_layout = sm90_utils.make_smem_layout_a(row, (tn, tm, dv), dt, 1)
         # dS (tm, tn), MN-major A of dQ = dS K; stored through its transposed view.
-        self.sdS_layout = sm90_utils.make_smem_layout_a(col, (tm, d, tn), dt, 1)
+        self.sdS_layout = sm90_utils.make_smem_layout_a(
+            col, (tm, d, tn), dt, 2 if self.dq_split else 1
+        )
 
     def _setup_col_split(self):
         """tile_n = 64 keys shared by both warpgroups. S^T, dP^T (64 keys x tm queries): warpgroup
@@ -236,7 +250,10 @@ class AttentionBwdSm90:
         self.sV_layout = sm90_utils.make_smem_layout_a(row, (tn, tm, dv), dt, 1)
         # dS (tm, tn) at stage 0 (MN-major A of dQ; its transposed view the K-major A of dK),
         # P (tm, tn) at stage 1 (transposed: the K-major A of dV).
-        self.sdS_layout = sm90_utils.make_smem_layout_a(col, (tm, d, tn), dt, 2)
+        # dq_split: two such pairs (dS 2 b, P 2 b + 1), b = step % 2
+        self.sdS_layout = sm90_utils.make_smem_layout_a(
+            col, (tm, d, tn), dt, 4 if self.dq_split else 2
+        )
 
     @cute.jit
     def __call__(
@@ -600,6 +617,10 @@ class AttentionBwdSm90:
         lane = cute.arch.lane_idx()
         num_m = m_end - m_begin
         group_threads = self.num_mma_threads + 32
+        if const_expr(self.dq_split):
+            self._write_dq_split(sdQ, mdQacc, mSem, n_block, head_kv, batch, group, m_begin,
+                                 m_end, num_steps, ws)  # fmt: skip
+            return
         # Both buffers start empty: one arrival each, matched by the consumers' first waits.
         for b in cutlass.range_constexpr(self.dq_stages):
             if b < num_steps:
@@ -642,6 +663,61 @@ class AttentionBwdSm90:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
+    def _write_dq_split(
+        self, sdQ, mdQacc, mSem, n_block, head_kv, batch, group, m_begin, m_end, num_steps, ws
+    ):
+        """dq_split: each staging buffer's two warpgroup halves are waited for, reduced and
+        released on their own barriers (half 0 released while half 1 may still be read)."""
+        tile = self.tile_m * self.head_dim
+        half = tile // 2
+        lane = cute.arch.lane_idx()
+        num_m = m_end - m_begin
+        bar_threads = DQ_WG_THREADS + 32
+        for b in cutlass.range_constexpr(self.dq_stages):
+            if b < num_steps:
+                for w in cutlass.range_constexpr(NUM_MMA_WG):
+                    cute.arch.barrier_arrive(
+                        barrier_id=DQ_EMPTY_SPLIT + 2 * b + w, number_of_threads=bar_threads
+                    )
+        for step in cutlass.range(num_steps, unroll=1):
+            buf = step % self.dq_stages
+            head = head_kv * group + step // num_m
+            m = m_begin + step % num_m
+            gdq = mdQacc[batch, head, None].iterator + (ws * self.head_dim + m * tile)
+            sem = mSem[batch, head, None].iterator + (ws + m)
+            for w in cutlass.range_constexpr(NUM_MMA_WG):
+                cute.arch.barrier(
+                    barrier_id=DQ_FULL_SPLIT + 2 * buf + w, number_of_threads=bar_threads
+                )
+                if lane == 0:
+                    if const_expr(self.deterministic and w == 0):
+                        # Key blocks add in ascending order: wait for the n_block before us.
+                        seen = ld_acquire_gpu(sem)
+                        while seen != n_block:
+                            seen = ld_acquire_gpu(sem)
+                        fence_proxy_async_global()
+                    bulk_reduce_add_f32(
+                        gdq + w * half, sdQ.iterator + (buf * tile + w * half), half * 4
+                    )
+                    cute.arch.cp_async_bulk_commit_group()
+            if const_expr(self.deterministic):
+                if lane == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
+                    fence_proxy_async_global()
+                    red_release_gpu_add(sem, 1)
+            for w in cutlass.range_constexpr(NUM_MMA_WG):
+                if const_expr(not self.deterministic):
+                    if lane == 0:
+                        cute.arch.cp_async_bulk_wait_group(NUM_MMA_WG - 1 - w, read=True)
+                cute.arch.sync_warp()
+                if step + self.dq_stages < num_steps:
+                    cute.arch.barrier_arrive(
+                        barrier_id=DQ_EMPTY_SPLIT + 2 * buf + w, number_of_threads=bar_threads
+                    )
+        if lane == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    @cute.jit
     def _consume(
         self, tidx, wg, warp_idx, mma_sdp, mma_dv, mma_dk, mma_dq,
         sQ, sdO, sK, sV, sdS, sLSE, sDsum, sdQ,
@@ -661,12 +737,17 @@ class AttentionBwdSm90:
         tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
         tVrdOt = wg_dv.make_fragment_B(wg_dv.partition_B(transposed(sdO)))
         tKrQt = wg_dk.make_fragment_B(wg_dk.partition_B(transposed(sQ)))
-        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))[None, None, None, 0]
+        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        if const_expr(not self.dq_split):
+            tQrdS = tQrdS[None, None, None, 0]
         tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transposed(sK)))[None, None, None, 0]
         if const_expr(self.col_split):
             # P^T (stage 1) and dS^T (stage 0) A operands from shared memory, K-major views
-            tVrP = wg_dv.make_fragment_A(wg_dv.partition_A(transposed(sdS)))[None, None, None, 1]
-            tKrdS = wg_dk.make_fragment_A(wg_dk.partition_A(transposed(sdS)))[None, None, None, 0]
+            tVrP = wg_dv.make_fragment_A(wg_dv.partition_A(transposed(sdS)))
+            tKrdS = wg_dk.make_fragment_A(wg_dk.partition_A(transposed(sdS)))
+            if const_expr(not self.dq_split):
+                tVrP = tVrP[None, None, None, 1]
+                tKrdS = tKrdS[None, None, None, 0]
         else:
             tVrP = wg_dv.make_fragment_A(wg_dv.partition_shape_A((tn, tm)))
             tKrdS = wg_dk.make_fragment_A(wg_dk.partition_shape_A((tn, tm)))
@@ -682,7 +763,10 @@ class AttentionBwdSm90:
             cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype), mma_sdp
         )
         thr_r2s_ds = r2s_ds.get_slice(tidx)
-        tdSsdS = thr_r2s_ds.partition_D(transposed(sdS)[None, None, 0])
+        if const_expr(self.dq_split):
+            tdSsdS = thr_r2s_ds.partition_D(transposed(sdS))  # both dS buffers
+        else:
+            tdSsdS = thr_r2s_ds.partition_D(transposed(sdS)[None, None, 0])
 
         n0 = n_block * tn
         key_edge = n0 + tn > seqlen_k
@@ -701,7 +785,9 @@ class AttentionBwdSm90:
             scale_log2, n0, seqlen_q, seqlen_k, group_threads,
         )  # fmt: skip
         if const_expr(self.col_split):
-            tPsP = thr_r2s_ds.partition_D(transposed(sdS)[None, None, 1])
+            tPsP = tdSsdS  # dq_split: all four buffers, indexed in the step
+            if const_expr(not self.dq_split):
+                tPsP = thr_r2s_ds.partition_D(transposed(sdS)[None, None, 1])
             # m = m_begin + step % num_m, carried instead of divided every step
             m = m_begin
             for step in cutlass.range(num_steps, unroll=1):
@@ -799,17 +885,22 @@ class AttentionBwdSm90:
         si = st.index if const_expr(stage is None) else stage
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
         acc_dP = cute.make_rmem_tensor(s_shape, Float32)
+        # A thread's S^T element (r, c) sits at (row0 + ro[r], col0 + co[c]), ro, co static.
+        ro, co = self._static_offsets(mma_sdp)
         q_pipe.consumer_wait(st)
         self._gemm(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, si], True, -1)
+        if const_expr(self.stats_early):
+            # LSE read while S^T is on the tensor cores (after the wait it stalls the exp2)
+            row0, col0 = tScS[0, 0]
+            lse = self._col_stats(sLSE, si, col0, co)
         do_pipe.consumer_wait(st)
         self._gemm(mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, si], True, -1)
 
-        # P^T = exp2(S^T scale log2e - LSE log2e); rows are keys, columns queries. A thread's
-        # element (r, c) sits at (row0 + ro[r], col0 + co[c]) with ro, co static.
+        # P^T = exp2(S^T scale log2e - LSE log2e); rows are keys, columns queries.
         warpgroup.wait_group(1)
         s = rows_cols(acc_S)
-        row0, col0 = tScS[0, 0]
-        ro, co = self._static_offsets(mma_sdp)
+        if const_expr(not self.stats_early):
+            row0, col0 = tScS[0, 0]
         # visible iff key < Sk and (causal) key <= query + Sk - Sq, i.e.
         # ro[r] < edge and ro[r] - co[c] <= diag
         edge = seqlen_k - n0 - row0
@@ -822,10 +913,14 @@ class AttentionBwdSm90:
                         visible = visible and diag >= ro[r] - co[c]
                     if not visible:
                         s[r, c] = -Float32.inf
-        lse = self._col_stats(sLSE, si, col0, co)
+        if const_expr(not self.stats_early):
+            lse = self._col_stats(sLSE, si, col0, co)
         for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
             for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                 s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse[c], fastmath=True)
+        if const_expr(self.stats_early):
+            # Dsum read before the dP^T wait
+            dsum = self._col_stats(sDsum, si, col0, co)
 
         if const_expr(self.early_dv):
             # P^T to the input dtype at once and dV += P^T dO issued under the dS math, which
@@ -840,7 +935,8 @@ class AttentionBwdSm90:
             warpgroup.wait_group(0)
         # dS^T = P^T (dP^T - Dsum)
         dp = rows_cols(acc_dP)
-        dsum = self._col_stats(sDsum, si, col0, co)
+        if const_expr(not self.stats_early):
+            dsum = self._col_stats(sDsum, si, col0, co)
         for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
             for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
                 dp[r, c] = Float32(s[r, c]) * (dp[r, c] - dsum[c])
@@ -855,8 +951,16 @@ class AttentionBwdSm90:
         if const_expr(not self.dq_first):
             self._gemm(mma_dk, acc_dK, tKrdS, tKrQt[None, None, None, si], False, -1)
 
-        # dS^T -> shared memory (the previous step's dQ GEMMs, both warpgroups, finished
-        # before the dQ-empty barrier of that step), then dQ = dS K.
+        # dS^T -> shared memory, then dQ = dS K. One buffer: the previous step's dQ GEMMs
+        # (both warpgroups) finished before that step's dQ-empty barrier. dq_split: buffer
+        # step % 2, whose last readers (step - 2's dQ GEMMs) finished before the other
+        # warpgroup reached step - 1's consumer barrier.
+        if const_expr(self.dq_split):
+            ds = step % 2
+            if const_expr(stage is not None and self.stages % 2 == 0):
+                ds = stage % 2
+            tQrdS = tQrdS[None, None, None, ds]
+            tdSsdS = tdSsdS[None, None, None, ds]
         cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSsdS)
         cute.arch.fence_view_async_shared()
         if const_expr(self.serial_dq):
@@ -875,30 +979,10 @@ class AttentionBwdSm90:
             q_pipe.consumer_release(st)
             do_pipe.consumer_release(st)
 
-        # dQ tile -> staging buffer, in accumulator order, DQ_VEC elements per 16-byte store
-        # (see utils.dq_frag_offset)
         buf = step % self.dq_stages
         if const_expr(stage is not None and self.stages % self.dq_stages == 0):
             buf = stage % self.dq_stages
-        pipeline.NamedBarrier(
-            barrier_id=DQ_EMPTY_BARRIER + buf, num_threads=group_threads
-        ).arrive_and_wait()
-        tile = self.tile_m * self.head_dim
-        n = cute.size(acc_dQ)
-        base = cute.make_ptr(
-            Float32,
-            (sdQ.iterator + buf * tile + tidx * DQ_VEC).toint(),
-            cute.AddressSpace.smem,
-            assumed_align=4 * DQ_VEC,
-        )
-        dst = cute.make_tensor(
-            base,
-            cute.make_layout((DQ_VEC, n // DQ_VEC), stride=(1, DQ_VEC * self.num_mma_threads)),
-        )
-        src = cute.make_tensor(acc_dQ.iterator, cute.make_layout((DQ_VEC, n // DQ_VEC)))
-        dst.store(src.load())
-        cute.arch.fence_view_async_shared()
-        pipeline.NamedBarrier(barrier_id=DQ_FULL_BARRIER + buf, num_threads=group_threads).arrive()
+        self._stage_dq(acc_dQ, sdQ, buf, tidx, group_threads)
         if const_expr(self.dq_first):
             warpgroup.wait_group(0)
             q_pipe.consumer_release(st)
@@ -915,15 +999,17 @@ class AttentionBwdSm90:
         dS^T (both halves) through shared memory; its head-dim columns of dV, dK and dQ."""
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
         acc_dP = cute.make_rmem_tensor(s_shape, Float32)
+        row0, col0 = tScS[0, 0]
+        ro, co = self._static_offsets(mma_sdp)
         q_pipe.consumer_wait(st)
         self._gemm(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, st.index], True, -1)
+        if const_expr(self.stats_early):
+            lse = self._col_stats(sLSE, st.index, col0, co)
         do_pipe.consumer_wait(st)
         self._gemm(mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, st.index], True, -1)
 
         warpgroup.wait_group(1)
         s = rows_cols(acc_S)
-        row0, col0 = tScS[0, 0]
-        ro, co = self._static_offsets(mma_sdp)
         edge = seqlen_k - n0 - row0
         diag = m * self.tile_m + seqlen_k - seqlen_q - n0 + col0 - row0
         if const_expr(masked):
@@ -934,14 +1020,18 @@ class AttentionBwdSm90:
                         visible = visible and diag >= ro[r] - co[c]
                     if not visible:
                         s[r, c] = -Float32.inf
-        lse = self._col_stats(sLSE, st.index, col0, co)
+        if const_expr(not self.stats_early):
+            lse = self._col_stats(sLSE, st.index, col0, co)
         for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
             for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                 s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse[c], fastmath=True)
+        if const_expr(self.stats_early):
+            dsum = self._col_stats(sDsum, st.index, col0, co)
         warpgroup.wait_group(0)
         # dS^T = P^T (dP^T - Dsum), fp32 P
         dp = rows_cols(acc_dP)
-        dsum = self._col_stats(sDsum, st.index, col0, co)
+        if const_expr(not self.stats_early):
+            dsum = self._col_stats(sDsum, st.index, col0, co)
         for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
             for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
                 dp[r, c] = s[r, c] * (dp[r, c] - dsum[c])
@@ -952,6 +1042,15 @@ class AttentionBwdSm90:
 
         # P^T, dS^T -> shared memory: the previous step's GEMMs reading them (both warpgroups)
         # finished before that step's dQ-empty barrier (each waited for all of its groups).
+        if const_expr(self.dq_split):
+            # buffer pair step % 2: its last readers (step - 2's GEMMs) finished before the
+            # other warpgroup reached step - 1's consumer barrier
+            b = st.index * 2 if const_expr(self.stages == 2) else step % 2 * 2
+            tdSsdS = tdSsdS[None, None, None, b]
+            tPsP = tPsP[None, None, None, b + 1]
+            tQrdS = tQrdS[None, None, None, b]
+            tKrdS = tKrdS[None, None, None, b]
+            tVrP = tVrP[None, None, None, b + 1]
         cute.copy(r2s_ds, thr_r2s_ds.retile(rP), tPsP)
         cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSsdS)
         cute.arch.fence_view_async_shared()
@@ -964,26 +1063,45 @@ class AttentionBwdSm90:
         q_pipe.consumer_release(st)
         do_pipe.consumer_release(st)
 
-        buf = step % self.dq_stages
-        pipeline.NamedBarrier(
-            barrier_id=DQ_EMPTY_BARRIER + buf, num_threads=group_threads
-        ).arrive_and_wait()
+        self._stage_dq(acc_dQ, sdQ, step % self.dq_stages, tidx, group_threads)
+
+    @cute.jit
+    def _stage_dq(self, acc_dQ, sdQ, buf, tidx, group_threads):
+        """This thread's dQ fragment -> staging buffer `buf`, in the workspace order
+        (`utils.dq_frag_offset`, DQ_VEC elements per 16-byte store), between the buffer's
+        empty and full barriers (with dq_split the warpgroup's own half of them)."""
         tile = self.tile_m * self.head_dim
         n = cute.size(acc_dQ)
+        if const_expr(self.dq_split):
+            wg = cute.arch.make_warp_uniform(tidx // DQ_WG_THREADS)
+            cute.arch.barrier(
+                barrier_id=DQ_EMPTY_SPLIT + 2 * buf + wg, number_of_threads=DQ_WG_THREADS + 32
+            )
+        else:
+            pipeline.NamedBarrier(
+                barrier_id=DQ_EMPTY_BARRIER + buf, num_threads=group_threads
+            ).arrive_and_wait()
+        off = sdQ.iterator + buf * tile + tidx * DQ_VEC
+        stride = DQ_VEC * self.num_mma_threads
+        if const_expr(self.dq_split):
+            # warpgroup halves: wg * tile / 2 + (tidx % 128) * DQ_VEC (warpgroup term uniform)
+            off = off + wg * (tile // 2 - DQ_WG_THREADS * DQ_VEC)
+            stride = DQ_VEC * DQ_WG_THREADS
         base = cute.make_ptr(
-            Float32,
-            (sdQ.iterator + buf * tile + tidx * DQ_VEC).toint(),
-            cute.AddressSpace.smem,
-            assumed_align=4 * DQ_VEC,
+            Float32, off.toint(), cute.AddressSpace.smem, assumed_align=4 * DQ_VEC
         )
-        dst = cute.make_tensor(
-            base,
-            cute.make_layout((DQ_VEC, n // DQ_VEC), stride=(1, DQ_VEC * self.num_mma_threads)),
-        )
+        dst = cute.make_tensor(base, cute.make_layout((DQ_VEC, n // DQ_VEC), stride=(1, stride)))
         src = cute.make_tensor(acc_dQ.iterator, cute.make_layout((DQ_VEC, n // DQ_VEC)))
         dst.store(src.load())
         cute.arch.fence_view_async_shared()
-        pipeline.NamedBarrier(barrier_id=DQ_FULL_BARRIER + buf, num_threads=group_threads).arrive()
+        if const_expr(self.dq_split):
+            cute.arch.barrier_arrive(
+                barrier_id=DQ_FULL_SPLIT + 2 * buf + wg, number_of_threads=DQ_WG_THREADS + 32
+            )
+        else:
+            pipeline.NamedBarrier(
+                barrier_id=DQ_FULL_BARRIER + buf, num_threads=group_threads
+            ).arrive()
 
     def _col_stats(self, stats, stage, col0, co):
         """The per-query statistic (LSE or Dsum) of each of the thread's columns, read from

@@ -92,7 +92,7 @@ def attention_bwd(
         dv.zero_()
         return
     dtype = _DTYPE_NAMES[q.dtype]
-    cfg = config if config is not None else default_config(d, dv_dim)
+    cfg = config if config is not None else default_config(d, dv_dim, deterministic)
     dev = q.device
     q, k, v, o, do = (_ready(t) for t in (q, k, v, o, do))
     lse = lse.contiguous()
@@ -117,7 +117,7 @@ def attention_bwd(
 
     pre = get_kernel(SPEC_PRE, pre_params(dtype, dv_dim))
     main = get_kernel(SPEC_MAIN, main_params(dtype, d, dv_dim, causal, deterministic, cfg))
-    post = get_kernel(SPEC_POST, post_params(dtype, d, cfg.tile_m))
+    post = get_kernel(SPEC_POST, post_params(dtype, d, cfg.tile_m, dq_split=cfg.dq_split))
     scale = float(softmax_scale)
     with torch.cuda.device(dev):
         pre(o, do, lse, lse2, dsum, None, dq_acc, 0)
@@ -169,7 +169,7 @@ def _attention_bwd_varlen(
         dv.zero_()
         return
     dtype = _DTYPE_NAMES[q.dtype]
-    cfg = config if config is not None else default_config(d, dv_dim)
+    cfg = config if config is not None else default_config(d, dv_dim, deterministic, True)
     dev = q.device
     q, k, v, o, do = (_ready(t) for t in (q, k, v, o, do))
     lse = lse.contiguous()
@@ -196,7 +196,9 @@ def _attention_bwd_varlen(
     main = get_kernel(
         SPEC_MAIN, main_params(dtype, d, dv_dim, causal, deterministic, cfg, varlen=True)
     )
-    post = get_kernel(SPEC_POST, post_params(dtype, d, cfg.tile_m, varlen=True))
+    post = get_kernel(
+        SPEC_POST, post_params(dtype, d, cfg.tile_m, varlen=True, dq_split=cfg.dq_split)
+    )
     scale = float(softmax_scale)
     mq, mk = int(max_seqlen_q), int(max_seqlen_k)
     with torch.cuda.device(dev):

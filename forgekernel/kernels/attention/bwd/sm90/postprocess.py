@@ -35,8 +35,9 @@ THREADS = NUM_MMA_WG * THREADS_PER_WG
 
 
 class AttentionBwdPostSm90:
-    def __init__(self, head_dim: int, tile_m: int, varlen: bool = False):
+    def __init__(self, head_dim: int, tile_m: int, varlen: bool = False, halves: bool = False):
         self.varlen = varlen
+        self.halves = halves  # the workspace order of a dq_split main kernel
         self.head_dim = head_dim
         self.tile_m = tile_m
 
@@ -145,7 +146,7 @@ class AttentionBwdPostSm90:
             mdQacc[batch, head, None].iterator + (ws * d + m_block * tile), cute.make_layout(tile)
         )
         for i in cutlass.range_constexpr(cute.size(acc)):
-            acc[i] = g[dq_frag_offset(tidx, i, THREADS)] * scale
+            acc[i] = g[dq_frag_offset(tidx, i, cute.size(acc), self.halves)] * scale
         r = cute.make_rmem_tensor(acc.shape, self.dtype)
         r.store(acc.load().to(self.dtype))
         return r

@@ -86,11 +86,24 @@ def make_dq_mma(dtype, tile_m: int, head_dim: int) -> cute.TiledMma:
 DQ_VEC = 4  # fp32 dQ elements a thread stages with one (16-byte) shared-memory store
 
 
-def dq_frag_offset(thread: Int32, i: int, num_threads: int) -> Int32:
-    """Word offset inside one (tile_m, D) fp32 dQ tile of a thread's accumulator element i:
-    runs of DQ_VEC consecutive elements of all threads first, so that shared-memory stores of
-    16 bytes per thread are conflict-free and the postprocess reads coalesced."""
-    return ((i // DQ_VEC) * num_threads + thread) * DQ_VEC + (i % DQ_VEC)
+DQ_WG_THREADS = 128  # threads of one consumer warpgroup
+
+
+def dq_frag_offset(thread: Int32, i: int, per_thread: int, halves: bool) -> Int32:
+    """Word offset inside one (tile_m, D) fp32 dQ tile of element i of consumer thread
+    `thread`'s accumulator (per_thread elements each, 256 threads): runs of DQ_VEC consecutive
+    elements of all threads, so that 16-byte shared-memory stores are conflict-free and the
+    postprocess reads coalesced. `halves` (the dq_split main kernels): each warpgroup's
+    elements fill one contiguous half of the tile instead (reduced into global memory on
+    its own), inside it runs of DQ_VEC elements of the warpgroup's threads."""
+    if not halves:
+        return ((i // DQ_VEC) * 2 * DQ_WG_THREADS + thread) * DQ_VEC + (i % DQ_VEC)
+    wg, lane = thread // DQ_WG_THREADS, thread % DQ_WG_THREADS
+    return (
+        wg * (DQ_WG_THREADS * per_thread)
+        + ((i // DQ_VEC) * DQ_WG_THREADS + lane) * DQ_VEC
+        + (i % DQ_VEC)
+    )
 
 
 @dsl_user_op
