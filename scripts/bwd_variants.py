@@ -27,30 +27,32 @@ DV = {192: 128}
 VARIANTS = {
     128: {
         "default": C(64, 128, 2, 1, dq_split=True),
-        "s3": C(64, 128, 3, 1, dq_split=True),
-        "stats_late": C(64, 128, 2, 1, dq_split=True, stats_early=False),
-        "dq2": C(64, 128, 2, 2, dq_split=True),
-        "joint_dq": C(64, 128, 3, 1),  # before dq_split
+        "ds_first": C(64, 128, 2, 1, dq_split=True, ds_store_first=True),
+        "p_early": C(64, 128, 2, 1, dq_split=True, p_early=True),
+        "p_early_ds_first": C(64, 128, 2, 1, dq_split=True, p_early=True, ds_store_first=True),
     },
     64: {
-        "default": C(
-            128, 128, 2, 2, early_dv=0, dq_first=False, static_stage=False, stats_early=False
-        ),
-        "dq_split": C(128, 128, 2, 2, early_dv=0, static_stage=False, stats_early=False,
-                      dq_split=True),  # fmt: skip
-        "dq_split_dq1": C(128, 128, 2, 1, early_dv=0, static_stage=False, stats_early=False,
-                          dq_split=True),  # fmt: skip
+        "default": C(128, 128, 2, 1, early_dv=0, static_stage=False, stats_early=False,
+                     dq_split=True, ds_store_first=True),  # fmt: skip
+        "stats_early": C(128, 128, 2, 1, early_dv=0, static_stage=False, dq_split=True,
+                         ds_store_first=True),  # fmt: skip
+        "p_early": C(128, 128, 2, 1, early_dv=0, static_stage=False, stats_early=False,
+                     dq_split=True, ds_store_first=True, p_early=True),  # fmt: skip
     },
     192: {
         # column split: 64 keys, dK / dV split by head-dim columns
-        "default": C(64, 64, 2, 1, dq_split=True),
-        "joint_dq": C(64, 64, 2, 1),
+        "default": C(64, 64, 2, 1, dq_split=True, dq_first=False),
+        "s3_joint": C(64, 64, 3, 1),  # 3 Q / dO stages fit only with one dS / P pair
     },
 }
 # Earlier rounds (BWD_NOTES.md): early_dv, 3-deep rings, one dQ buffer, 232/40 registers at
 # D=128; no early dV, 64-row steps at D=64; 3 stages and the key-split layout at D=192/128;
 # kb_slowest (all three); stats_early (D=128 / 64 within noise, D=192 +1.7%); dq_split at
-# D=128 +4.5..7.8% (2026-11-30 11:20 UTC).
+# D=128 +4.5..7.8% (2026-11-30 10:52 UTC); with dq_split at D=128: 3 stages, 2 dQ buffers,
+# stats_early off all within noise (11:12 UTC), the joint hand-over 3-7% slower; D=64
+# dq_split +0.1..0.4%; D=192 dq_split +2.8%. 11:23 UTC: D=64 dS stored before the dV GEMM
+# +14%, with dQ first and dq_split +20% (now the default); D=128 ds_store_first -0.1..-4%;
+# D=192 dQ first (column split) -1.3%; D=64 early_dv -12%.
 CASES = [  # (b, hq, hkv, s, d, causal)
     (4, 32, 32, 8192, 128, True),
     (4, 64, 8, 8192, 128, True),

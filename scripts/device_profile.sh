@@ -12,7 +12,7 @@ NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -
 echo "ncu: $NCU"
 P=$OUT/${PROFILE_NAME:-profile}
 # Kernels of the second round only (-s skips the first round's), main kernels of interest.
-timeout "${PROFILE_TIMEOUT:-400}" "$NCU" --clock-control none -k "regex:${KERNELS:-Bwd|Backward}" \
+timeout "${PROFILE_TIMEOUT:-400}" "$NCU" --clock-control none ${NCU_EXTRA:-} -k "regex:${KERNELS:-Bwd|Backward}" \
   -s "${SKIP:-6}" -c "${COUNT:-6}" \
   --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
   --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy \

@@ -56,9 +56,9 @@ class BwdConfig:
       dV WGMMA runs under the dS math (which then reads the rounded P).
     consumer_regs / producer_regs: setmaxnreg of the consumer warpgroups / the producer and
       dQ-writer warpgroup (consumer_regs * 256 + producer_regs * 128 <= 64 K).
-    dq_first (key split): issue dQ = dS K before dK += dS^T Q and stage the dQ tile while dK
-      runs (else dK is issued first and both are waited for before the staging; the layout
-      before 2026-11-30).
+    dq_first: issue dQ = dS K before dK += dS^T Q and stage the dQ tile while dK runs (else
+      dK is issued first and both are waited for before the staging; the layout before
+      2026-11-30). Column split (with dq_split): dQ before dV and dK, staged under both.
     kb_slowest: launch order with the key block slowest (all first key blocks, the longest
       under causal, before any second one) instead of fastest.
     static_stage (key split): the step loop unrolled by the ring depth, so each step's ring
@@ -69,7 +69,12 @@ class BwdConfig:
     dq_split (key split: with dq_first): each consumer warpgroup hands its half of the dQ
       staging buffer to the writer on its own named barriers (the warpgroups are not brought
       into step there), with two dS buffers (column split: two dS / P pairs); FA3 / FA4's
-      sm90 arrangement."""
+      sm90 arrangement.
+    ds_store_first (key split, without early_dv): dS^T is stored to shared memory before the
+      dV GEMM is issued, so the fence before the dS barrier finds the stores landed (ncu
+      2026-11-30: ~4% of stall samples on that fence).
+    p_early (key split, without early_dv): P^T converted to the dV GEMM's 16-bit operand
+      right after the exp2, before the dP^T wait (FA4's order), with inline-PTX converts."""
 
     tile_m: int = 64
     tile_n: int = 128
@@ -83,6 +88,8 @@ class BwdConfig:
     static_stage: bool = True
     stats_early: bool = True
     dq_split: bool = False
+    ds_store_first: bool = False
+    p_early: bool = False
 
     def tag(self) -> str:
         t = f"{self.tile_m}x{self.tile_n}_s{self.stages}_dq{self.dq_stages}"
@@ -94,6 +101,8 @@ class BwdConfig:
         t += "_kbs" if self.kb_slowest else ""
         t += "" if self.stats_early else "_statslate"
         t += "_dqsplit" if self.dq_split else ""
+        t += "_dsfirst" if self.ds_store_first else ""
+        t += "_pearly" if self.p_early else ""
         return t + ("" if self.static_stage else "_dynstage")
 
     @classmethod
@@ -132,24 +141,28 @@ def smem_bytes(cfg: BwdConfig, head_dim: int, head_dim_v: int, elem_bytes: int =
 # the early dV GEMM 423.6 against 376.0 TFLOP/s; D=128 with a 3-deep Q/dO ring and one dQ
 # staging buffer 496.0 against 486.0 (GQA 64:8; MHA 32 heads: 517.3 against 519.2, noise).
 _DEFAULTS = {
-    # D=64 keeps dK before dQ and the rolled step loop: with 128 query rows, dQ's accumulator
-    # live beside the dK GEMM spills 8-16 bytes, and so does the loop unrolled by the ring.
+    # D=64: 128 query rows per step, the rolled step loop (unrolled by the ring it spilled),
+    # dQ first with the per-warpgroup hand-over and the dS stores before the dV GEMM (H200
+    # 2026-11-30 11:23 UTC: 1.20x the previous default, dK before dQ with the joint hand-over).
     (64, 64): BwdConfig(
         tile_m=128,
         tile_n=128,
         stages=2,
-        dq_stages=2,
+        dq_stages=1,
         early_dv=0,
-        dq_first=False,
         static_stage=False,
         stats_early=False,
+        dq_split=True,
+        ds_store_first=True,
     ),
     (128, 128): BwdConfig(tile_m=64, tile_n=128, stages=2, dq_stages=1, dq_split=True),
     # Column split (kernel.AttentionBwdSm90._setup_col_split): 64 keys x 64 query rows per
     # step; per consumer thread dK 48 + dV 32 + S^T 16 + dP^T 16 + dQ 48 fp32 registers. Two
-    # Q / dO stages and one dQ staging buffer: 186 KiB of shared memory (3 stages: 226 KiB,
-    # at the limit; untried).
-    (192, 128): BwdConfig(tile_m=64, tile_n=64, stages=2, dq_stages=1, dq_split=True),
+    # Q / dO stages, one dQ staging buffer, two dS / P pairs (dq_split): 202 KiB of shared
+    # memory. dQ issued after dV / dK (dq_first measured 1.3% slower there).
+    (192, 128): BwdConfig(
+        tile_m=64, tile_n=64, stages=2, dq_stages=1, dq_split=True, dq_first=False
+    ),
 }
 _EXPERIMENTAL = {
     # D=192/Dv=128 with the key-split layout: one dQ staging buffer (48 KiB) to fit 226 KiB.

@@ -81,6 +81,7 @@ from forgekernel.kernels.attention.bwd.sm90.utils import (
     acc_as_operand_a,
     bulk_g2s,
     bulk_reduce_add_f32,
+    cvt_pair,
     fence_proxy_async_global,
     ld_acquire_gpu,
     make_dq_mma,
@@ -158,6 +159,12 @@ class AttentionBwdSm90:
         self.kb_slowest = bool(config.kb_slowest)
         self.static_stage = bool(config.static_stage) and not self.col_split
         self.stats_early = bool(config.stats_early)
+        # column split: dQ issued first and staged under dV / dK (needs dq_split: with the
+        # joint hand-over both warpgroups would wait at the dQ barriers with GEMMs in flight
+        # on the P / dS buffer the other one rewrites next)
+        self.cs_dq_first = self.col_split and bool(config.dq_first) and bool(config.dq_split)
+        self.ds_store_first = bool(config.ds_store_first) and not self.col_split
+        self.p_early = bool(config.p_early) and not self.col_split and not self.early_dv
         # dq_split: per-warpgroup dQ hand-over and two dS (column split: dS and P) buffers
         # (the warpgroups are no longer in step at the dQ barriers, so one may write step
         # i + 1's dS while the other's GEMMs still read step i's).
@@ -779,7 +786,7 @@ class AttentionBwdSm90:
         kv_pipe.consumer_wait(kv_state)
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         step_args = (
-            tidx, mma_sdp, mma_dv, mma_dk, mma_dq, tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt,
+            tidx, wg, mma_sdp, mma_dv, mma_dk, mma_dq, tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt,
             tQrdS, tQrKt, tVrP, tKrdS, s_shape, dq_shape, acc_dV, acc_dK, tScS,
             r2s_ds, thr_r2s_ds, tdSsdS, sLSE, sDsum, sdQ, q_pipe, do_pipe, consumer_bar,
             scale_log2, n0, seqlen_q, seqlen_k, group_threads,
@@ -873,7 +880,7 @@ class AttentionBwdSm90:
 
     @cute.jit
     def _step(
-        self, st, step, m, tidx, mma_sdp, mma_dv, mma_dk, mma_dq, tSrK, tSrQ, tPrV, tPrdO,
+        self, st, step, m, tidx, wg, mma_sdp, mma_dv, mma_dk, mma_dq, tSrK, tSrQ, tPrV, tPrdO,
         tVrdOt, tKrQt, tQrdS, tQrKt, tVrP, tKrdS, s_shape, dq_shape, acc_dV, acc_dK, tScS,
         r2s_ds, thr_r2s_ds, tdSsdS, sLSE, sDsum, sdQ, q_pipe, do_pipe, consumer_bar,
         scale_log2, n0, seqlen_q, seqlen_k, group_threads,
@@ -921,6 +928,14 @@ class AttentionBwdSm90:
         if const_expr(self.stats_early):
             # Dsum read before the dP^T wait
             dsum = self._col_stats(sDsum, si, col0, co)
+        if const_expr(self.p_early):
+            # P^T to the dV GEMM's 16-bit A operand before the dP^T wait (inline-PTX packed
+            # converts, which the assembler leaves here); dS below still reads the fp32 P
+            src = acc_as_operand_a(acc_S)
+            dst = cute.recast_tensor(tVrP, Int32)
+            bf16 = self.dtype is cutlass.BFloat16
+            for i in cutlass.range_constexpr(cute.size(dst)):
+                dst[i] = cvt_pair(src[2 * i], src[2 * i + 1], bf16)
 
         if const_expr(self.early_dv):
             # P^T to the input dtype at once and dV += P^T dO issued under the dS math, which
@@ -941,16 +956,6 @@ class AttentionBwdSm90:
             for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
                 dp[r, c] = Float32(s[r, c]) * (dp[r, c] - dsum[c])
 
-        # dV += P^T dO, dK += dS^T Q (A operands from registers)
-        if const_expr(not self.early_dv):
-            tVrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
-            self._gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, si], False, -1)
-        rdS = cute.make_rmem_tensor(s_shape, self.dtype)
-        rdS.store(acc_dP.load().to(self.dtype))
-        tKrdS.store(acc_as_operand_a(rdS).load())
-        if const_expr(not self.dq_first):
-            self._gemm(mma_dk, acc_dK, tKrdS, tKrQt[None, None, None, si], False, -1)
-
         # dS^T -> shared memory, then dQ = dS K. One buffer: the previous step's dQ GEMMs
         # (both warpgroups) finished before that step's dQ-empty barrier. dq_split: buffer
         # step % 2, whose last readers (step - 2's dQ GEMMs) finished before the other
@@ -961,7 +966,25 @@ class AttentionBwdSm90:
                 ds = stage % 2
             tQrdS = tQrdS[None, None, None, ds]
             tdSsdS = tdSsdS[None, None, None, ds]
-        cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSsdS)
+        # dV += P^T dO, dK += dS^T Q (A operands from registers). ds_store_first: dS^T to
+        # shared memory before dV is issued, so the stores have landed by the fence.
+        late_dv = self.ds_store_first and not self.early_dv
+        if const_expr(not self.early_dv and not late_dv):
+            if const_expr(not self.p_early):
+                tVrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+            self._gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, si], False, -1)
+        rdS = cute.make_rmem_tensor(s_shape, self.dtype)
+        rdS.store(acc_dP.load().to(self.dtype))
+        tKrdS.store(acc_as_operand_a(rdS).load())
+        if const_expr(late_dv):
+            cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSsdS)
+            if const_expr(not self.p_early):
+                tVrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+            self._gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, si], False, -1)
+        if const_expr(not self.dq_first):
+            self._gemm(mma_dk, acc_dK, tKrdS, tKrQt[None, None, None, si], False, -1)
+        if const_expr(not late_dv):
+            cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSsdS)
         cute.arch.fence_view_async_shared()
         if const_expr(self.serial_dq):
             warpgroup.wait_group(0)
@@ -982,14 +1005,14 @@ class AttentionBwdSm90:
         buf = step % self.dq_stages
         if const_expr(stage is not None and self.stages % self.dq_stages == 0):
             buf = stage % self.dq_stages
-        self._stage_dq(acc_dQ, sdQ, buf, tidx, group_threads)
+        self._stage_dq(acc_dQ, sdQ, buf, tidx, wg, group_threads)
         if const_expr(self.dq_first):
             warpgroup.wait_group(0)
             q_pipe.consumer_release(st)
 
     @cute.jit
     def _step_cs(
-        self, st, step, m, tidx, mma_sdp, mma_dv, mma_dk, mma_dq, tSrK, tSrQ, tPrV, tPrdO,
+        self, st, step, m, tidx, wg, mma_sdp, mma_dv, mma_dk, mma_dq, tSrK, tSrQ, tPrV, tPrdO,
         tVrdOt, tKrQt, tQrdS, tQrKt, tVrP, tKrdS, s_shape, dq_shape, acc_dV, acc_dK, tScS,
         r2s_ds, thr_r2s_ds, tdSsdS, sLSE, sDsum, sdQ, q_pipe, do_pipe, consumer_bar,
         scale_log2, n0, seqlen_q, seqlen_k, group_threads, tPsP,
@@ -1055,25 +1078,34 @@ class AttentionBwdSm90:
         cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSsdS)
         cute.arch.fence_view_async_shared()
         consumer_bar.arrive_and_wait()
-        # dV += P^T dO, dK += dS^T Q (this warpgroup's columns), dQ = dS K
-        self._gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, st.index], False, -1)
-        self._gemm(mma_dk, acc_dK, tKrdS, tKrQt[None, None, None, st.index], False, -1)
         acc_dQ = cute.make_rmem_tensor(dq_shape, Float32)
-        self._gemm(mma_dq, acc_dQ, tQrdS, tQrKt, True, 0)
-        q_pipe.consumer_release(st)
-        do_pipe.consumer_release(st)
-
-        self._stage_dq(acc_dQ, sdQ, step % self.dq_stages, tidx, group_threads)
+        if const_expr(self.cs_dq_first):
+            # dQ = dS K first, then dV += P^T dO, dK += dS^T Q (this warpgroup's columns); the
+            # dQ tile is staged while dV and dK are on the tensor cores (groups retire in
+            # order: two left in flight = dV, dK), which are waited for at the end of the step
+            self._gemm(mma_dq, acc_dQ, tQrdS, tQrKt, True, -1)
+            self._gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, st.index], False, -1)
+            self._gemm(mma_dk, acc_dK, tKrdS, tKrQt[None, None, None, st.index], False, 2)
+            self._stage_dq(acc_dQ, sdQ, step % self.dq_stages, tidx, wg, group_threads)
+            warpgroup.wait_group(0)
+            q_pipe.consumer_release(st)
+            do_pipe.consumer_release(st)
+        else:
+            self._gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, st.index], False, -1)
+            self._gemm(mma_dk, acc_dK, tKrdS, tKrQt[None, None, None, st.index], False, -1)
+            self._gemm(mma_dq, acc_dQ, tQrdS, tQrKt, True, 0)
+            q_pipe.consumer_release(st)
+            do_pipe.consumer_release(st)
+            self._stage_dq(acc_dQ, sdQ, step % self.dq_stages, tidx, wg, group_threads)
 
     @cute.jit
-    def _stage_dq(self, acc_dQ, sdQ, buf, tidx, group_threads):
+    def _stage_dq(self, acc_dQ, sdQ, buf, tidx, wg, group_threads):
         """This thread's dQ fragment -> staging buffer `buf`, in the workspace order
         (`utils.dq_frag_offset`, DQ_VEC elements per 16-byte store), between the buffer's
-        empty and full barriers (with dq_split the warpgroup's own half of them)."""
+        empty and full barriers (with dq_split warpgroup wg's own, warp-uniform)."""
         tile = self.tile_m * self.head_dim
         n = cute.size(acc_dQ)
         if const_expr(self.dq_split):
-            wg = cute.arch.make_warp_uniform(tidx // DQ_WG_THREADS)
             cute.arch.barrier(
                 barrier_id=DQ_EMPTY_SPLIT + 2 * buf + wg, number_of_threads=DQ_WG_THREADS + 32
             )

@@ -107,6 +107,24 @@ def dq_frag_offset(thread: Int32, i: int, per_thread: int, halves: bool) -> Int3
 
 
 @dsl_user_op
+def cvt_pair(lo: Float32, hi: Float32, bf16: bool, *, loc=None, ip=None) -> Int32:
+    """Two fp32 values rounded to one packed 16-bit pair (lo in the low half), as inline PTX:
+    the assembler leaves it where it is written (the DSL's vector conversion can be moved
+    past later barriers; the forward uses the same convert)."""
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+            f"cvt.rn.{'bf16x2' if bf16 else 'f16x2'}.f32 $0, $1, $2;",
+            "=r,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
 def bulk_g2s(dst_smem, src_gmem, nbytes: int, mbar, *, loc=None, ip=None) -> None:
     """cp.async.bulk global -> shared of `nbytes` (multiple of 16), completing on `mbar`."""
     llvm.inline_asm(
@@ -195,6 +213,7 @@ __all__ = [
     "DQ_VEC",
     "dq_frag_offset",
     "bulk_g2s",
+    "cvt_pair",
     "bulk_reduce_add_f32",
     "ld_acquire_gpu",
     "red_release_gpu_add",
