@@ -426,3 +426,30 @@ def test_dq_workspace_order_is_a_permutation(tile_m, d, halves):
             assert off == staged + (i // DQ_VEC) * stride + i % DQ_VEC
             seen.append(off)
     assert sorted(seen) == list(range(tile))
+
+
+@pytest.mark.parametrize("tm,tn", [(64, 128), (128, 128), (64, 64)])
+def test_deterministic_causal_dq_order_is_a_chain_of_earlier_launched_blocks(tm, tn):
+    """kernel._dq_turn (causal): for every query block, its contributing key blocks (those
+    whose _query_blocks range holds it) take turns 0, 1, ... in descending key-block order,
+    and each waits only for higher key blocks (launched before it: descending launch order),
+    so the deterministic order cannot deadlock. Mirrors the kernel's integer formulas."""
+
+    def m_begin(n, sq, sk):
+        m_end = -(-sq // tm)
+        return min(max(n * tn - (sk - sq), 0) // tm, m_end)
+
+    def turn(n, m, sq, sk):
+        n_max = min(((m + 1) * tm + sk - sq + tn - 1) // tn, -(-sk // tn))
+        return n_max - 1 - n
+
+    for sq, sk in [(1, 1), (17, 17), (1000, 1003), (4097, 4097), (100, 1000), (1000, 100),
+                   (300, 65), (513, 513), (8192, 8192)]:  # fmt: skip
+        m_end = -(-sq // tm)
+        blocks = range(-(-sk // tn))
+        for m in range(m_end):
+            contrib = [n for n in blocks if m_begin(n, sq, sk) <= m]
+            turns = sorted(turn(n, m, sq, sk) for n in contrib)
+            assert turns == list(range(len(contrib))), (sq, sk, m)
+            for n in contrib:  # waits only on higher key blocks
+                assert all(k > n for k in contrib if turn(k, m, sq, sk) < turn(n, m, sq, sk))

@@ -13,7 +13,8 @@ Warp roles (3 warpgroups, 384 threads):
   `cp.reduce.async.bulk .add.f32` (a single bulk reduction of tile_m * D floats); with
   `deterministic` it first spins on a per-(query block, head, batch) counter until the key
   blocks before its own have added theirs, and bumps it (release) once its addition is
-  complete, so every dQ element sums its key blocks in ascending order.
+  complete, so every dQ element sums its key blocks in one fixed order (ascending; causal:
+  descending, with the key blocks launched in descending order, see `_dq_turn`).
 - warpgroups 1 and 2 (consumers, 240 registers), 64 keys each. Per step (query block m of
   query head h), everything computed transposed, keys along the rows:
     S^T = K Q^T and dP^T = V dO^T (WGMMA, operands in shared memory, two async groups);
@@ -466,8 +467,15 @@ class AttentionBwdSm90:
         sdQ = storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim * self.dq_stages))
 
         n_block, head_kv, batch = cute.arch.block_idx()
+        num_n = cute.arch.grid_dim()[0]
         if const_expr(self.kb_slowest):
             head_kv, batch, n_block = cute.arch.block_idx()
+            num_n = cute.arch.grid_dim()[2]
+        if const_expr(self.deterministic and self.causal):
+            # Key blocks launched in descending order: each query block's dQ is summed from
+            # its highest key block down (see _dq_turn), and a CTA only ever waits for CTAs
+            # of higher key blocks, dispatched before it.
+            n_block = num_n - 1 - n_block
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
         # varlen: the sequence's first packed query / key row and first workspace row
@@ -523,7 +531,7 @@ class AttentionBwdSm90:
             if warp_idx == DQ_WRITER_WARP:
                 self._write_dq(
                     sdQ, mdQacc, mSem, n_block, head_kv, batch, group, m_begin, m_end, num_steps,
-                    offs[2],
+                    offs[2], seqlen_q, seqlen_k,
                 )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -617,8 +625,9 @@ class AttentionBwdSm90:
 
     @cute.jit
     def _write_dq(
-        self, sdQ, mdQacc, mSem, n_block, head_kv, batch, group, m_begin, m_end, num_steps, ws
-    ):
+        self, sdQ, mdQacc, mSem, n_block, head_kv, batch, group, m_begin, m_end, num_steps, ws,
+        seqlen_q, seqlen_k,
+    ):  # fmt: skip
         """Warp 1: drain the dQ staging buffers into the fp32 workspace (bulk reduce-add)."""
         tile = self.tile_m * self.head_dim
         lane = cute.arch.lane_idx()
@@ -626,7 +635,7 @@ class AttentionBwdSm90:
         group_threads = self.num_mma_threads + 32
         if const_expr(self.dq_split):
             self._write_dq_split(sdQ, mdQacc, mSem, n_block, head_kv, batch, group, m_begin,
-                                 m_end, num_steps, ws)  # fmt: skip
+                                 m_end, num_steps, ws, seqlen_q, seqlen_k)  # fmt: skip
             return
         # Both buffers start empty: one arrival each, matched by the consumers' first waits.
         for b in cutlass.range_constexpr(self.dq_stages):
@@ -643,10 +652,11 @@ class AttentionBwdSm90:
             ).arrive_and_wait()
             if lane == 0:
                 if const_expr(self.deterministic):
-                    # Key blocks add in ascending order: wait for the n_block before us.
+                    # this key block's turn in query block m's fixed order (_dq_turn)
                     sem = mSem[batch, head, None].iterator + (ws + m)
+                    turn = self._dq_turn(n_block, m, seqlen_q, seqlen_k)
                     seen = ld_acquire_gpu(sem)
-                    while seen != n_block:
+                    while seen != turn:
                         seen = ld_acquire_gpu(sem)
                     fence_proxy_async_global()
                 bulk_reduce_add_f32(
@@ -670,9 +680,28 @@ class AttentionBwdSm90:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
+    def _dq_turn(self, n_block, m, seqlen_q, seqlen_k):
+        """How many key blocks add to query block m's dQ before key block n_block (the
+        deterministic order). Non-causal: ascending key blocks (every one sees every query
+        block). Causal: descending, from the highest key block query block m sees,
+        n_max(m) - 1 with n_max(m) = ceil(((m + 1) tile_m + Sk - Sq) / tile_n) clipped to the
+        key blocks (the inequality of _query_blocks: key block n reaches m iff
+        max(n tile_n - (Sk - Sq), 0) < (m + 1) tile_m). Key block n's first query blocks then
+        have it first in line, and it trails key block n + 1 by as many steps as it starts
+        after it: no waiting in the steady state (FA3's order for deterministic causal)."""
+        turn = n_block
+        if const_expr(self.causal):
+            tm, tn = self.tile_m, self.tile_n
+            n_max = ((m + 1) * tm + seqlen_k - seqlen_q + tn - 1) // tn
+            n_max = cutlass.min(n_max, (seqlen_k + tn - 1) // tn)
+            turn = n_max - 1 - n_block
+        return turn
+
+    @cute.jit
     def _write_dq_split(
-        self, sdQ, mdQacc, mSem, n_block, head_kv, batch, group, m_begin, m_end, num_steps, ws
-    ):
+        self, sdQ, mdQacc, mSem, n_block, head_kv, batch, group, m_begin, m_end, num_steps, ws,
+        seqlen_q, seqlen_k,
+    ):  # fmt: skip
         """dq_split: each staging buffer's two warpgroup halves are waited for, reduced and
         released on their own barriers (half 0 released while half 1 may still be read)."""
         tile = self.tile_m * self.head_dim
@@ -698,9 +727,10 @@ class AttentionBwdSm90:
                 )
                 if lane == 0:
                     if const_expr(self.deterministic and w == 0):
-                        # Key blocks add in ascending order: wait for the n_block before us.
+                        # this key block's turn in query block m's fixed order (_dq_turn)
+                        turn = self._dq_turn(n_block, m, seqlen_q, seqlen_k)
                         seen = ld_acquire_gpu(sem)
-                        while seen != n_block:
+                        while seen != turn:
                             seen = ld_acquire_gpu(sem)
                         fence_proxy_async_global()
                     bulk_reduce_add_f32(
