@@ -27,22 +27,17 @@ DV = {192: 128}
 VARIANTS = {
     128: {
         "default": C(64, 128, 2, 1, dq_split=True),
-        "ds_first": C(64, 128, 2, 1, dq_split=True, ds_store_first=True),
-        "p_early": C(64, 128, 2, 1, dq_split=True, p_early=True),
-        "p_early_ds_first": C(64, 128, 2, 1, dq_split=True, p_early=True, ds_store_first=True),
+        "kb_slowest": C(64, 128, 2, 1, dq_split=True, kb_slowest=True),
     },
     64: {
         "default": C(128, 128, 2, 1, early_dv=0, static_stage=False, stats_early=False,
                      dq_split=True, ds_store_first=True),  # fmt: skip
         "stats_early": C(128, 128, 2, 1, early_dv=0, static_stage=False, dq_split=True,
                          ds_store_first=True),  # fmt: skip
-        "p_early": C(128, 128, 2, 1, early_dv=0, static_stage=False, stats_early=False,
-                     dq_split=True, ds_store_first=True, p_early=True),  # fmt: skip
     },
     192: {
         # column split: 64 keys, dK / dV split by head-dim columns
         "default": C(64, 64, 2, 1, dq_split=True, dq_first=False),
-        "s3_joint": C(64, 64, 3, 1),  # 3 Q / dO stages fit only with one dS / P pair
     },
 }
 # Earlier rounds (BWD_NOTES.md): early_dv, 3-deep rings, one dQ buffer, 232/40 registers at
@@ -52,7 +47,9 @@ VARIANTS = {
 # stats_early off all within noise (11:12 UTC), the joint hand-over 3-7% slower; D=64
 # dq_split +0.1..0.4%; D=192 dq_split +2.8%. 11:23 UTC: D=64 dS stored before the dV GEMM
 # +14%, with dQ first and dq_split +20% (now the default); D=128 ds_store_first -0.1..-4%;
-# D=192 dQ first (column split) -1.3%; D=64 early_dv -12%.
+# D=192 dQ first (column split) -1.3%; D=64 early_dv -12%. 11:36 UTC: D=128 p_early,
+# ds_store_first and both within -1.2..+3.2%; 192/128 with 3 stages (joint hand-over) -17%.
+# 11:51 UTC: kb_slowest with dq_split: MHA 0.62, GQA 0.90 / 1.00 / 1.05.
 CASES = [  # (b, hq, hkv, s, d, causal)
     (4, 32, 32, 8192, 128, True),
     (4, 64, 8, 8192, 128, True),
