@@ -379,7 +379,7 @@ def test_deterministic_backward_is_bitwise_repeatable_on_the_gpu():
         assert all(torch.equal(a, b) for a, b in zip(runs[0], again))
 
 
-def test_bwd_configs_fit_and_deepseek_uses_the_column_split():
+def test_bwd_configs_fit_and_deepseek_layouts():
     from forgekernel.kernels.attention.bwd.sm90 import SPEC_MAIN, SPEC_POST
     from forgekernel.kernels.attention.bwd.sm90.config import (
         HEAD_DIMS,
@@ -389,15 +389,20 @@ def test_bwd_configs_fit_and_deepseek_uses_the_column_split():
     )
 
     for d, dv in HEAD_DIMS:
-        assert smem_bytes(default_config(d, dv), d, dv) <= SMEM_CAPACITY
+        for det in (False, True):
+            for varlen in (False, True):
+                cfg = default_config(d, dv, det, varlen)
+                assert smem_bytes(cfg, d, dv) <= SMEM_CAPACITY
     assert (192, 128) in HEAD_DIMS
+    # DeepSeek: the key split in 32-query halves; varlen: the column split
     cfg = default_config(192, 128)
-    assert (cfg.tile_n, cfg.tile_m) == (64, 64)  # column split (BWD_NOTES.md)
+    assert (cfg.tile_n, cfg.tile_m, cfg.q_halves) == (128, 64, True)
+    assert default_config(192, 128, False, True).tile_n == 64  # (BWD_NOTES.md)
     main = [dict(p) for p in SPEC_MAIN.standard_params() if dict(p)["head_dim"] == 192]
-    assert len(main) == 16 and all(p["tile_n"] == 64 and p["head_dim_v"] == 128 for p in main)
+    assert len(main) == 16 and all(p["head_dim_v"] == 128 for p in main)
+    assert all((p["tile_n"] == 64) == bool(p.get("varlen")) for p in main)
     post = [dict(p) for p in SPEC_POST.standard_params() if dict(p)["head_dim"] == 192]
-    assert len(post) == 4 and all(p["tile_m"] == 64 for p in post)
-    # the other head dims keep the key split (their compile keys and SASS are unchanged)
+    assert all(p["tile_m"] == 64 for p in post)
     assert default_config(64, 64).tile_n == default_config(128, 128).tile_n == 128
 
 

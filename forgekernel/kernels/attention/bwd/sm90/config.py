@@ -74,7 +74,10 @@ class BwdConfig:
       dV GEMM is issued, so the fence before the dS barrier finds the stores landed (ncu
       2026-11-30: ~4% of stall samples on that fence).
     p_early (key split, without early_dv): P^T converted to the dV GEMM's 16-bit operand
-      right after the exp2, before the dP^T wait (FA4's order), with inline-PTX converts."""
+      right after the exp2, before the dP^T wait (FA4's order), with inline-PTX converts.
+    q_halves (key split, tile_m 64, joint dQ hand-over, rolled loop): S^T / dP^T, dV and dK
+      in two 32-query halves per step, dQ after both (the D = 192 key split: dK 96 + dV 64
+      registers resident)."""
 
     tile_m: int = 64
     tile_n: int = 128
@@ -90,6 +93,7 @@ class BwdConfig:
     dq_split: bool = False
     ds_store_first: bool = False
     p_early: bool = False
+    q_halves: bool = False
 
     def tag(self) -> str:
         t = f"{self.tile_m}x{self.tile_n}_s{self.stages}_dq{self.dq_stages}"
@@ -103,6 +107,7 @@ class BwdConfig:
         t += "_dqsplit" if self.dq_split else ""
         t += "_dsfirst" if self.ds_store_first else ""
         t += "_pearly" if self.p_early else ""
+        t += "_qhalves" if self.q_halves else ""
         return t + ("" if self.static_stage else "_dynstage")
 
     @classmethod
@@ -161,7 +166,7 @@ _DEFAULTS = {
     # Q / dO stages, one dQ staging buffer, two dS / P pairs (dq_split): 202 KiB of shared
     # memory. dQ issued after dV / dK (dq_first measured 1.3% slower there).
     (192, 128): BwdConfig(
-        tile_m=64, tile_n=64, stages=2, dq_stages=1, dq_split=True, dq_first=False
+        tile_m=64, tile_n=128, stages=2, dq_stages=1, static_stage=False, q_halves=True
     ),
 }
 _EXPERIMENTAL = {
@@ -169,6 +174,11 @@ _EXPERIMENTAL = {
     # Spills and serializes the WGMMAs (see BWD_NOTES.md); kept as a variant for comparison.
     (192, 128): BwdConfig(tile_m=64, tile_n=128, stages=2, dq_stages=1),
 }
+
+
+_DETERMINISTIC_VARLEN_128 = BwdConfig(tile_m=64, tile_n=128, stages=3, dq_stages=1)
+# the column split (64 keys, dK / dV split by head-dim columns)
+_VARLEN_192 = BwdConfig(tile_m=64, tile_n=64, stages=2, dq_stages=1, dq_split=True, dq_first=False)
 
 
 def default_config(
@@ -181,9 +191,12 @@ def default_config(
             f"attention backward: head dims (D={head_dim}, Dv={head_dim_v}) unsupported on "
             f"sm90; supported: {HEAD_DIMS}"
         ) from None
-    if deterministic and varlen and (head_dim, head_dim_v) == (128, 128):
-        # dq_split spills 24 bytes there (non-causal); the joint hand-over does not.
-        cfg = replace(cfg, stages=3, dq_split=False)
+    if varlen and (head_dim, head_dim_v) == (192, 128):
+        # q_halves spills 40 bytes with the varlen scalars (causal); the column split does not
+        cfg = _VARLEN_192
+    elif deterministic and varlen and (head_dim, head_dim_v) == (128, 128):
+        # dq_split spills 24 bytes there (non-causal); the joint hand-over does not
+        cfg = _DETERMINISTIC_VARLEN_128
     return cfg
 
 

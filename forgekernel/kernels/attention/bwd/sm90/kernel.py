@@ -155,7 +155,12 @@ class AttentionBwdSm90:
         self.early_dv = config.tile_m == 128 if config.early_dv < 0 else bool(config.early_dv)
         # D = 192: dK (96) + dV (64) + dQ (48) registers leave no room for the 16-bit P^T and
         # dS^T operands of dV / dK GEMMs still in flight: finish those before dQ = dS K.
-        self.serial_dq = head_dim > 128 and not self.col_split
+        # q_halves (key split, tile_m 64): S^T / dP^T, dV and dK in two 32-query halves, dQ
+        # over the whole 64 after them (D = 192: dK 96 + dV 64 registers stay resident)
+        self.q_halves = bool(config.q_halves) and not self.col_split
+        if self.q_halves and (config.tile_m != 64 or config.dq_split):
+            raise ValueError("q_halves needs tile_m 64 and the joint dQ hand-over")
+        self.serial_dq = head_dim > 128 and not self.col_split and not self.q_halves
         self.dq_first = bool(config.dq_first) and not self.serial_dq
         self.kb_slowest = bool(config.kb_slowest)
         self.static_stage = bool(config.static_stage) and not self.col_split
@@ -190,9 +195,10 @@ class AttentionBwdSm90:
         d, dv = self.head_dim, self.head_dim_v
         k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
         wgs = (NUM_MMA_WG, 1, 1)
-        # S^T (tn, tm) = K Q^T and dP^T = V dO^T: keys split over the warpgroups.
+        # S^T (tn, tm) = K Q^T and dP^T = V dO^T: keys split over the warpgroups (q_halves:
+        # 32 query columns at a time).
         self.mma_sdp = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, k_major, k_major, Float32, wgs, (64, tm)
+            dt, dt, k_major, k_major, Float32, wgs, (64, tm // 2 if self.q_halves else tm)
         )
         # dV (tn, dv) += P^T dO, dK (tn, d) += dS^T Q: A from registers, B MN-major views.
         rmem = warpgroup.OperandSource.RMEM
@@ -788,20 +794,41 @@ class AttentionBwdSm90:
         else:
             tVrP = wg_dv.make_fragment_A(wg_dv.partition_shape_A((tn, tm)))
             tKrdS = wg_dk.make_fragment_A(wg_dk.partition_shape_A((tn, tm)))
-        s_shape = wg_sdp.partition_shape_C((tn, tm))
+        s_cols = tm // 2 if const_expr(self.q_halves) else tm
+        if const_expr(self.q_halves):
+            # per 32-row half of the Q / dO stages: the B operands of S^T, dP^T, dK, dV
+            hq = tm // 2
+            sQh = [cute.local_tile(sQ, (hq, d, self.stages), (h, 0, 0)) for h in range(2)]
+            sdOh = [cute.local_tile(sdO, (hq, dv, self.stages), (h, 0, 0)) for h in range(2)]
+            tSrQ = [wg_sdp.make_fragment_B(wg_sdp.partition_B(t)) for t in sQh]
+            tPrdO = [wg_sdp.make_fragment_B(wg_sdp.partition_B(t)) for t in sdOh]
+            tVrdOt = [wg_dv.make_fragment_B(wg_dv.partition_B(transposed(t))) for t in sdOh]
+            tKrQt = [wg_dk.make_fragment_B(wg_dk.partition_B(transposed(t))) for t in sQh]
+            tVrP = wg_dv.make_fragment_A(wg_dv.partition_shape_A((tn, hq)))
+            tKrdS = wg_dk.make_fragment_A(wg_dk.partition_shape_A((tn, hq)))
+        s_shape = wg_sdp.partition_shape_C((tn, s_cols))
         dq_shape = wg_dq.partition_shape_C((tm, d))
         acc_dV = cute.make_rmem_tensor(wg_dv.partition_shape_C((tn, dv)), Float32)
         acc_dK = cute.make_rmem_tensor(wg_dk.partition_shape_C((tn, d)), Float32)
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
         # (key, query) coordinates of this thread's S^T elements, within the tile
-        tScS = rows_cols(mma_sdp.get_slice(tidx).partition_C(cute.make_identity_tensor((tn, tm))))
+        tScS = rows_cols(
+            mma_sdp.get_slice(tidx).partition_C(cute.make_identity_tensor((tn, s_cols)))
+        )
         r2s_ds = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype), mma_sdp
         )
         thr_r2s_ds = r2s_ds.get_slice(tidx)
         if const_expr(self.dq_split):
             tdSsdS = thr_r2s_ds.partition_D(transposed(sdS))  # both dS buffers
+        elif const_expr(self.q_halves):
+            tdSsdS = [
+                thr_r2s_ds.partition_D(
+                    cute.local_tile(transposed(sdS)[None, None, 0], (tn, tm // 2), (0, h))
+                )
+                for h in range(2)
+            ]
         else:
             tdSsdS = thr_r2s_ds.partition_D(transposed(sdS)[None, None, 0])
 
@@ -861,14 +888,15 @@ class AttentionBwdSm90:
         else:
             # m = m_begin + step % num_m, carried instead of divided every step
             m = m_begin
+            step_fn = self._step_qh if const_expr(self.q_halves) else self._step
             for step in cutlass.range(num_steps, unroll=1):
                 masked = key_edge
                 if const_expr(self.causal):
                     masked = masked or m < m_unmasked
                 if masked:
-                    self._step(st, step, m, *step_args, True)
+                    step_fn(st, step, m, *step_args, True)
                 else:
-                    self._step(st, step, m, *step_args, False)
+                    step_fn(st, step, m, *step_args, False)
                 st.advance()
                 m += 1
                 if m == m_end:
@@ -1041,6 +1069,69 @@ class AttentionBwdSm90:
             q_pipe.consumer_release(st)
 
     @cute.jit
+    def _step_qh(
+        self, st, step, m, tidx, wg, mma_sdp, mma_dv, mma_dk, mma_dq, tSrK, tSrQ, tPrV, tPrdO,
+        tVrdOt, tKrQt, tQrdS, tQrKt, tVrP, tKrdS, s_shape, dq_shape, acc_dV, acc_dK, tScS,
+        r2s_ds, thr_r2s_ds, tdSsdS, sLSE, sDsum, sdQ, q_pipe, do_pipe, consumer_bar,
+        scale_log2, n0, seqlen_q, seqlen_k, group_threads,
+        masked: cutlass.Constexpr[bool],
+    ):  # fmt: skip
+        """q_halves step: for each 32-query half h, S^T_h and dP^T_h (64 keys x 32 queries per
+        warpgroup), P^T_h / dS^T_h, dS^T_h to its half of the dS buffer, dV and dK += over the
+        half's 32 queries (A operands from registers); then dQ = dS K over the whole tile.
+        Each half's dV / dK GEMMs retire at the next wait (groups retire in order)."""
+        si = st.index
+        hq = self.tile_m // 2
+        ro, co = self._static_offsets(mma_sdp)
+        row0, col0 = tScS[0, 0]
+        edge = seqlen_k - n0 - row0
+        q_pipe.consumer_wait(st)
+        do_pipe.consumer_wait(st)
+        for h in cutlass.range_constexpr(2):
+            acc_S = cute.make_rmem_tensor(s_shape, Float32)
+            acc_dP = cute.make_rmem_tensor(s_shape, Float32)
+            self._gemm(mma_sdp, acc_S, tSrK, tSrQ[h][None, None, None, si], True, -1)
+            self._gemm(mma_sdp, acc_dP, tPrV, tPrdO[h][None, None, None, si], True, -1)
+            c0 = col0 + h * hq  # this half's first query column within the tile
+            warpgroup.wait_group(1)
+            s = rows_cols(acc_S)
+            diag = m * self.tile_m + seqlen_k - seqlen_q - n0 + c0 - row0
+            if const_expr(masked):
+                for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                        visible = edge > ro[r]
+                        if const_expr(self.causal):
+                            visible = visible and diag >= ro[r] - co[c]
+                        if not visible:
+                            s[r, c] = -Float32.inf
+            lse = self._col_stats(sLSE, si, c0, co)
+            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                    s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse[c], fastmath=True)
+            warpgroup.wait_group(0)
+            dp = rows_cols(acc_dP)
+            dsum = self._col_stats(sDsum, si, c0, co)
+            for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
+                for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
+                    dp[r, c] = s[r, c] * (dp[r, c] - dsum[c])
+            rdS = cute.make_rmem_tensor(s_shape, self.dtype)
+            rdS.store(acc_dP.load().to(self.dtype))
+            cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSsdS[h])
+            tVrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+            tKrdS.store(acc_as_operand_a(rdS).load())
+            self._gemm(mma_dv, acc_dV, tVrP, tVrdOt[h][None, None, None, si], False, -1)
+            self._gemm(mma_dk, acc_dK, tKrdS, tKrQt[h][None, None, None, si], False, 0)
+        # both warpgroups' dS^T in shared memory (the previous step's dQ GEMMs finished before
+        # that step's dQ-empty barrier), then dQ = dS K over the whole tile
+        cute.arch.fence_view_async_shared()
+        consumer_bar.arrive_and_wait()
+        acc_dQ = cute.make_rmem_tensor(dq_shape, Float32)
+        self._gemm(mma_dq, acc_dQ, tQrdS, tQrKt, True, 0)
+        q_pipe.consumer_release(st)
+        do_pipe.consumer_release(st)
+        self._stage_dq(acc_dQ, sdQ, step % self.dq_stages, tidx, wg, group_threads)
+
+    @cute.jit
     def _step_cs(
         self, st, step, m, tidx, wg, mma_sdp, mma_dv, mma_dk, mma_dq, tSrK, tSrQ, tPrV, tPrdO,
         tVrdOt, tKrQt, tQrdS, tQrKt, tVrP, tKrdS, s_shape, dq_shape, acc_dV, acc_dK, tScS,
@@ -1187,7 +1278,7 @@ class AttentionBwdSm90:
     def _static_offsets(self, mma_sdp):
         """Python ints: each element row's and column's offset from the thread's first one
         (the MMA's coordinate is thread part + value part; read off thread 0's slice)."""
-        tn, tm = self.tile_n, self.tile_m
+        tn, tm = self.tile_n, self.tile_m // 2 if self.q_halves else self.tile_m
         ref = rows_cols(mma_sdp.get_slice(0).partition_C(cute.make_identity_tensor((tn, tm))))
         ro = [ref[r, 0][0] for r in range(cute.size(ref, mode=[0]))]
         co = [ref[0, c][1] for c in range(cute.size(ref, mode=[1]))]
