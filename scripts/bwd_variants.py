@@ -30,10 +30,20 @@ VARIANTS = {
         "kb_slowest": C(64, 128, 2, 1, dq_split=True, kb_slowest=True),
     },
     64: {
-        "default": C(128, 128, 2, 1, early_dv=0, static_stage=False, stats_early=False,
-                     dq_split=True, ds_store_first=True),  # fmt: skip
-        "stats_early": C(128, 128, 2, 1, early_dv=0, static_stage=False, dq_split=True,
-                         ds_store_first=True),  # fmt: skip
+        "default": C(
+            128,
+            128,
+            2,
+            1,
+            early_dv=0,
+            static_stage=False,
+            stats_early=False,
+            dq_split=True,
+            ds_store_first=True,
+        ),  # fmt: skip
+        "stats_early": C(
+            128, 128, 2, 1, early_dv=0, static_stage=False, dq_split=True, ds_store_first=True
+        ),  # fmt: skip
     },
     192: {
         # column split: 64 keys, dK / dV split by head-dim columns

@@ -52,7 +52,10 @@ def main() -> None:
             tot_e += e
             tot_s += _num(r[samp]) if samp is not None else 0.0
         print(f"executed {tot_e:.4g} warp-instructions, stall samples {tot_s:.4g}")
-        print("by opcode:", ", ".join(f"{k} {v / max(tot_e, 1) * 100:.1f}%" for k, v in ops.most_common(30)))
+        print(
+            "by opcode:",
+            ", ".join(f"{k} {v / max(tot_e, 1) * 100:.1f}%" for k, v in ops.most_common(30)),
+        )
         if samp is not None:
             ranked = sorted(body, key=lambda r: -_num(r[samp]) if len(r) > samp else 0)
             num_cols = [i for i, h in enumerate(head) if i not in (0, src)]
