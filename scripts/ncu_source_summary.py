@@ -1,15 +1,20 @@
-"""Summarise `ncu --page source --csv --print-source sass` output: per kernel, the executed
-instruction count by opcode and the instructions with the most warp-stall samples.
+"""Summarise `ncu --page source --csv --print-source sass` output (scripts/device_profile.sh
+with SOURCE=1): per kernel, the executed warp instructions and warp-stall samples, the stall
+reasons split by opcode, and the instructions with the most stall samples.
 
-    python scripts/ncu_source_summary.py source.csv [top]
+    python scripts/ncu_source_summary.py SOURCE.csv[.gz] [top]
 """
 
 from __future__ import annotations
 
 import csv
-import re
+import gzip
 import sys
 from collections import Counter
+
+REASONS = ("short_sb", "mio", "wait", "long_sb", "barrier", "math", "selected", "dispatch")
+SAMPLES = "Warp Stall Sampling (All Samples)"
+EXECUTED = "Instructions Executed"
 
 
 def _num(x: str) -> float:
@@ -19,50 +24,55 @@ def _num(x: str) -> float:
         return 0.0
 
 
+def load(path: str) -> list[tuple[str, list[dict[str, str]]]]:
+    """(kernel name, one dict per SASS instruction) for each kernel in the export."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", errors="replace") as f:
+        lines = f.read().splitlines()
+    kernels, name, block = [], "", None
+    for line in lines:
+        if line.startswith('"Kernel Name"'):
+            name = next(csv.reader([line]))[1]
+        elif line.startswith('"Address"'):
+            block = [line]
+            kernels.append((name, block))
+        elif block is not None and line.startswith('"0x'):
+            block.append(line)
+    return [(n, list(csv.DictReader(b))) for n, b in kernels]
+
+
+def opcode(source: str) -> str:
+    words = source.split()
+    word = words[1] if words and words[0].startswith("@") and len(words) > 1 else words[0]
+    return word.split(".")[0]
+
+
 def main() -> None:
-    path = sys.argv[1]
-    top = int(sys.argv[2]) if len(sys.argv) > 2 else 60
-    text = open(path, errors="replace").read().splitlines()
-    # One table per kernel; a header row starts with "Address" (or "#").
-    blocks, cur = [], None
-    for line in text:
-        if line.startswith('"Address"') or line.startswith("Address"):
-            cur = [line]
-            blocks.append(cur)
-        elif cur is not None and line.strip():
-            cur.append(line)
-        elif not line.startswith('"'):
-            if line.strip():
-                print("#", line[:200])
-    for bi, block in enumerate(blocks):
-        rows = list(csv.reader(block))
-        head, body = rows[0], rows[1:]
-        print(f"\n=== kernel table {bi}: {len(body)} instructions; columns: {head}")
-        col = {h: i for i, h in enumerate(head)}
-        src = col.get("Source", 1)
-        samp = next((i for h, i in col.items() if "Sampling (All" in h), None)
-        execd = next((i for h, i in col.items() if h.startswith("Instructions Executed")), None)
-        ops, tot_s, tot_e = Counter(), 0.0, 0.0
-        for r in body:
-            if len(r) <= max(src, samp or 0, execd or 0):
-                continue
-            op = re.sub(r"^@!?U?P\w+\s+", "", r[src].strip()).split(" ")[0].split(".")[0]
-            e = _num(r[execd]) if execd is not None else 0.0
-            ops[op] += e
-            tot_e += e
-            tot_s += _num(r[samp]) if samp is not None else 0.0
-        print(f"executed {tot_e:.4g} warp-instructions, stall samples {tot_s:.4g}")
-        print(
-            "by opcode:",
-            ", ".join(f"{k} {v / max(tot_e, 1) * 100:.1f}%" for k, v in ops.most_common(30)),
-        )
-        if samp is not None:
-            ranked = sorted(body, key=lambda r: -_num(r[samp]) if len(r) > samp else 0)
-            num_cols = [i for i, h in enumerate(head) if i not in (0, src)]
-            print("top stalls: address | source | " + " | ".join(head[i] for i in num_cols))
-            for r in ranked[:top]:
-                vals = " | ".join(r[i] for i in num_cols if i < len(r) and r[i] not in ("", "0"))
-                print(f"{r[0]} | {r[src][:70]} | {vals}")
+    top = int(sys.argv[2]) if len(sys.argv) > 2 else 40
+    for name, rows in load(sys.argv[1]):
+        total = sum(_num(r[SAMPLES]) for r in rows) or 1.0
+        executed = sum(_num(r[EXECUTED]) for r in rows)
+        print(f"\n=== {name[:100]}\n{len(rows)} instructions, {executed:.4g} executed, "
+              f"{total:.4g} stall samples")  # fmt: skip
+        for reason in REASONS:
+            col = f"stall_{reason}"
+            by_op = Counter()
+            for r in rows:
+                by_op[opcode(r["Source"].strip())] += _num(r.get(col, "0"))
+            share = sum(by_op.values()) / total * 100
+            ops = ", ".join(f"{k} {v / total * 100:.1f}" for k, v in by_op.most_common(7) if v)
+            print(f"  {reason:12s} {share:5.1f}%: {ops}")
+        print(f"top {top} instructions by stall samples (share, executed, top reasons):")
+        for r in sorted(rows, key=lambda r: -_num(r[SAMPLES]))[:top]:
+            s = _num(r[SAMPLES]) or 1.0
+            reasons = sorted(REASONS, key=lambda x: -_num(r.get(f"stall_{x}", "0")))[:3]
+            why = " ".join(
+                f"{x}={_num(r.get(f'stall_{x}', '0')) / s * 100:.0f}"
+                for x in reasons
+                if _num(r.get(f"stall_{x}", "0"))
+            )
+            print(f"  {s / total * 100:5.2f}% ex={_num(r[EXECUTED]):.3g} "
+                  f"{r['Source'].strip()[:60]:60s} {why}")  # fmt: skip
 
 
 if __name__ == "__main__":
