@@ -4,7 +4,7 @@ without the compiler."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 DTYPES = ("float16", "bfloat16")
 # (head_dim, head_dim_v) pairs with a default config.
@@ -161,10 +161,10 @@ _DEFAULTS = {
         ds_store_first=True,
     ),
     (128, 128): BwdConfig(tile_m=64, tile_n=128, stages=2, dq_stages=1, dq_split=True),
-    # Column split (kernel.AttentionBwdSm90._setup_col_split): 64 keys x 64 query rows per
-    # step; per consumer thread dK 48 + dV 32 + S^T 16 + dP^T 16 + dQ 48 fp32 registers. Two
-    # Q / dO stages, one dQ staging buffer, two dS / P pairs (dq_split): 202 KiB of shared
-    # memory. dQ issued after dV / dK (dq_first measured 1.3% slower there).
+    # Key split in 32-query halves (q_halves, BWD_NOTES.md): dK 96 + dV 64 fp32 registers
+    # resident per consumer thread, S^T / dP^T 16 + 16 per half, dQ 48 after both halves; two
+    # Q / dO stages, one dS buffer, one dQ staging buffer (joint hand-over): 226 KiB. H200
+    # 2026-11-30 12:08 UTC: 1.17x the column split (_VARLEN_192, still used for varlen).
     (192, 128): BwdConfig(
         tile_m=64, tile_n=128, stages=2, dq_stages=1, static_stage=False, q_halves=True
     ),

@@ -1240,9 +1240,7 @@ class AttentionBwdSm90:
             # warpgroup halves: wg * tile / 2 + (tidx % 128) * DQ_VEC (warpgroup term uniform)
             off = off + wg * (tile // 2 - DQ_WG_THREADS * DQ_VEC)
             stride = DQ_VEC * DQ_WG_THREADS
-        base = cute.make_ptr(
-            Float32, off.toint(), cute.AddressSpace.smem, assumed_align=4 * DQ_VEC
-        )
+        base = cute.make_ptr(Float32, off.toint(), cute.AddressSpace.smem, assumed_align=4 * DQ_VEC)
         dst = cute.make_tensor(base, cute.make_layout((DQ_VEC, n // DQ_VEC), stride=(1, stride)))
         src = cute.make_tensor(acc_dQ.iterator, cute.make_layout((DQ_VEC, n // DQ_VEC)))
         dst.store(src.load())
