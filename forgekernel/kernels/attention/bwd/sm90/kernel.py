@@ -158,8 +158,10 @@ class AttentionBwdSm90:
         # q_halves (key split, tile_m 64): S^T / dP^T, dV and dK in two 32-query halves, dQ
         # over the whole 64 after them (D = 192: dK 96 + dV 64 registers stay resident)
         self.q_halves = bool(config.q_halves) and not self.col_split
-        if self.q_halves and (config.tile_m != 64 or config.dq_split):
-            raise ValueError("q_halves needs tile_m 64 and the joint dQ hand-over")
+        if self.q_halves and (config.tile_m != 64 or config.dq_split or config.static_stage):
+            raise ValueError(
+                "q_halves needs tile_m 64, the joint dQ hand-over and the rolled step loop"
+            )
         self.serial_dq = head_dim > 128 and not self.col_split and not self.q_halves
         self.dq_first = bool(config.dq_first) and not self.serial_dq
         self.kb_slowest = bool(config.kb_slowest)
