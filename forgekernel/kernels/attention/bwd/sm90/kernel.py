@@ -80,9 +80,9 @@ from forgekernel.kernels.attention.bwd.sm90.utils import (
     DQ_WG_THREADS,
     THREADS_PER_WG,
     acc_as_operand_a,
+    acc_to_operand_a,
     bulk_g2s,
     bulk_reduce_add_f32,
-    cvt_pair,
     fence_proxy_async_global,
     ld_acquire_gpu,
     make_dq_mma,
@@ -631,59 +631,70 @@ class AttentionBwdSm90:
                 )
             st.advance()
 
+    def _dq_bar(self, full: bool, buf, part):
+        """(barrier id, threads) of staging buffer `buf`'s full or empty barrier for `part`:
+        joint hand-over, both consumer warpgroups and the writer warp (part 0); dq_split,
+        warpgroup `part` and the writer warp."""
+        if const_expr(self.dq_split):
+            base = DQ_FULL_SPLIT if full else DQ_EMPTY_SPLIT
+            return base + 2 * buf + part, DQ_WG_THREADS + 32
+        base = DQ_FULL_BARRIER if full else DQ_EMPTY_BARRIER
+        return base + buf, self.num_mma_threads + 32
+
     @cute.jit
     def _write_dq(
         self, sdQ, mdQacc, mSem, n_block, head_kv, batch, group, m_begin, m_end, num_steps, ws,
         seqlen_q, seqlen_k,
     ):  # fmt: skip
-        """Warp 1: drain the dQ staging buffers into the fp32 workspace (bulk reduce-add)."""
+        """Warp 1: drain the dQ staging buffers into the fp32 workspace (bulk reduce-add), one
+        part per handing-over group (dq_split: each warpgroup's half, waited for, reduced and
+        released on its own barriers; half 0 released while half 1 may still be read)."""
         tile = self.tile_m * self.head_dim
+        parts = NUM_MMA_WG if const_expr(self.dq_split) else 1
+        part = tile // parts
         lane = cute.arch.lane_idx()
         num_m = m_end - m_begin
-        group_threads = self.num_mma_threads + 32
-        if const_expr(self.dq_split):
-            self._write_dq_split(sdQ, mdQacc, mSem, n_block, head_kv, batch, group, m_begin,
-                                 m_end, num_steps, ws, seqlen_q, seqlen_k)  # fmt: skip
-            return
-        # Both buffers start empty: one arrival each, matched by the consumers' first waits.
+        # Every buffer starts empty: one arrival each, matched by the consumers' first waits.
         for b in cutlass.range_constexpr(self.dq_stages):
             if b < num_steps:
-                pipeline.NamedBarrier(
-                    barrier_id=DQ_EMPTY_BARRIER + b, num_threads=group_threads
-                ).arrive()
+                for p in cutlass.range_constexpr(parts):
+                    bar, threads = self._dq_bar(False, b, p)
+                    cute.arch.barrier_arrive(barrier_id=bar, number_of_threads=threads)
         for step in cutlass.range(num_steps, unroll=1):
             buf = step % self.dq_stages
             head = head_kv * group + step // num_m
             m = m_begin + step % num_m
-            pipeline.NamedBarrier(
-                barrier_id=DQ_FULL_BARRIER + buf, num_threads=group_threads
-            ).arrive_and_wait()
-            if lane == 0:
-                if const_expr(self.deterministic):
-                    # this key block's turn in query block m's fixed order (_dq_turn)
-                    sem = mSem[batch, head, None].iterator + (ws + m)
-                    turn = self._dq_turn(n_block, m, seqlen_q, seqlen_k)
-                    seen = ld_acquire_gpu(sem)
-                    while seen != turn:
+            gdq = mdQacc[batch, head, None].iterator + (ws * self.head_dim + m * tile)
+            if const_expr(self.deterministic):
+                sem = mSem[batch, head, None].iterator + (ws + m)
+            for p in cutlass.range_constexpr(parts):
+                bar, threads = self._dq_bar(True, buf, p)
+                cute.arch.barrier(barrier_id=bar, number_of_threads=threads)
+                if lane == 0:
+                    if const_expr(self.deterministic and p == 0):
+                        # this key block's turn in query block m's fixed order (_dq_turn)
+                        turn = self._dq_turn(n_block, m, seqlen_q, seqlen_k)
                         seen = ld_acquire_gpu(sem)
-                    fence_proxy_async_global()
-                bulk_reduce_add_f32(
-                    mdQacc[batch, head, None].iterator + (ws * self.head_dim + m * tile),
-                    sdQ.iterator + buf * tile,
-                    tile * 4,
-                )
-                cute.arch.cp_async_bulk_commit_group()
-                if const_expr(self.deterministic):
+                        while seen != turn:
+                            seen = ld_acquire_gpu(sem)
+                        fence_proxy_async_global()
+                    bulk_reduce_add_f32(
+                        gdq + p * part, sdQ.iterator + (buf * tile + p * part), part * 4
+                    )
+                    cute.arch.cp_async_bulk_commit_group()
+            if const_expr(self.deterministic):
+                if lane == 0:
                     cute.arch.cp_async_bulk_wait_group(0, read=False)
                     fence_proxy_async_global()
-                    red_release_gpu_add(mSem[batch, head, None].iterator + (ws + m), 1)
-                else:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.sync_warp()
-            if step + self.dq_stages < num_steps:
-                pipeline.NamedBarrier(
-                    barrier_id=DQ_EMPTY_BARRIER + buf, num_threads=group_threads
-                ).arrive()
+                    red_release_gpu_add(sem, 1)
+            for p in cutlass.range_constexpr(parts):
+                if const_expr(not self.deterministic):
+                    if lane == 0:
+                        cute.arch.cp_async_bulk_wait_group(parts - 1 - p, read=True)
+                cute.arch.sync_warp()
+                if step + self.dq_stages < num_steps:
+                    bar, threads = self._dq_bar(False, buf, p)
+                    cute.arch.barrier_arrive(barrier_id=bar, number_of_threads=threads)
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
 
@@ -704,63 +715,6 @@ class AttentionBwdSm90:
             n_max = cutlass.min(n_max, (seqlen_k + tn - 1) // tn)
             turn = n_max - 1 - n_block
         return turn
-
-    @cute.jit
-    def _write_dq_split(
-        self, sdQ, mdQacc, mSem, n_block, head_kv, batch, group, m_begin, m_end, num_steps, ws,
-        seqlen_q, seqlen_k,
-    ):  # fmt: skip
-        """dq_split: each staging buffer's two warpgroup halves are waited for, reduced and
-        released on their own barriers (half 0 released while half 1 may still be read)."""
-        tile = self.tile_m * self.head_dim
-        half = tile // 2
-        lane = cute.arch.lane_idx()
-        num_m = m_end - m_begin
-        bar_threads = DQ_WG_THREADS + 32
-        for b in cutlass.range_constexpr(self.dq_stages):
-            if b < num_steps:
-                for w in cutlass.range_constexpr(NUM_MMA_WG):
-                    cute.arch.barrier_arrive(
-                        barrier_id=DQ_EMPTY_SPLIT + 2 * b + w, number_of_threads=bar_threads
-                    )
-        for step in cutlass.range(num_steps, unroll=1):
-            buf = step % self.dq_stages
-            head = head_kv * group + step // num_m
-            m = m_begin + step % num_m
-            gdq = mdQacc[batch, head, None].iterator + (ws * self.head_dim + m * tile)
-            sem = mSem[batch, head, None].iterator + (ws + m)
-            for w in cutlass.range_constexpr(NUM_MMA_WG):
-                cute.arch.barrier(
-                    barrier_id=DQ_FULL_SPLIT + 2 * buf + w, number_of_threads=bar_threads
-                )
-                if lane == 0:
-                    if const_expr(self.deterministic and w == 0):
-                        # this key block's turn in query block m's fixed order (_dq_turn)
-                        turn = self._dq_turn(n_block, m, seqlen_q, seqlen_k)
-                        seen = ld_acquire_gpu(sem)
-                        while seen != turn:
-                            seen = ld_acquire_gpu(sem)
-                        fence_proxy_async_global()
-                    bulk_reduce_add_f32(
-                        gdq + w * half, sdQ.iterator + (buf * tile + w * half), half * 4
-                    )
-                    cute.arch.cp_async_bulk_commit_group()
-            if const_expr(self.deterministic):
-                if lane == 0:
-                    cute.arch.cp_async_bulk_wait_group(0, read=False)
-                    fence_proxy_async_global()
-                    red_release_gpu_add(sem, 1)
-            for w in cutlass.range_constexpr(NUM_MMA_WG):
-                if const_expr(not self.deterministic):
-                    if lane == 0:
-                        cute.arch.cp_async_bulk_wait_group(NUM_MMA_WG - 1 - w, read=True)
-                cute.arch.sync_warp()
-                if step + self.dq_stages < num_steps:
-                    cute.arch.barrier_arrive(
-                        barrier_id=DQ_EMPTY_SPLIT + 2 * buf + w, number_of_threads=bar_threads
-                    )
-        if lane == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
     def _consume(
@@ -839,7 +793,6 @@ class AttentionBwdSm90:
         consumer_bar = pipeline.NamedBarrier(
             barrier_id=CONSUMER_BARRIER, num_threads=self.num_mma_threads
         )
-        group_threads = self.num_mma_threads + 32
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_pipe.consumer_wait(kv_state)
@@ -848,57 +801,34 @@ class AttentionBwdSm90:
             tidx, wg, mma_sdp, mma_dv, mma_dk, mma_dq, tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt,
             tQrdS, tQrKt, tVrP, tKrdS, s_shape, dq_shape, acc_dV, acc_dK, tScS,
             r2s_ds, thr_r2s_ds, tdSsdS, sLSE, sDsum, sdQ, q_pipe, do_pipe, consumer_bar,
-            scale_log2, n0, seqlen_q, seqlen_k, group_threads,
+            scale_log2, n0, seqlen_q, seqlen_k,
         )  # fmt: skip
+        # The steps; m = m_begin + step % num_m, carried instead of divided every step.
+        step_fn, extra = self._step, ()
         if const_expr(self.col_split):
             tPsP = tdSsdS  # dq_split: all four buffers, indexed in the step
             if const_expr(not self.dq_split):
                 tPsP = thr_r2s_ds.partition_D(transposed(sdS)[None, None, 1])
-            # m = m_begin + step % num_m, carried instead of divided every step
-            m = m_begin
-            for step in cutlass.range(num_steps, unroll=1):
-                masked = key_edge
-                if const_expr(self.causal):
-                    masked = masked or m < m_unmasked
-                if masked:
-                    self._step_cs(st, step, m, *step_args, tPsP, True)
-                else:
-                    self._step_cs(st, step, m, *step_args, tPsP, False)
-                st.advance()
-                m += 1
-                if m == m_end:
-                    m = m_begin
-        elif const_expr(self.static_stage):
+            step_fn, extra = self._step_cs, (tPsP,)
+        elif const_expr(self.q_halves):
+            step_fn = self._step_qh
+        m = m_begin
+        if const_expr(self.static_stage):
             # Unrolled by the ring depth: step0 + j sits in ring stage j (each CTA's ring
             # starts at stage 0 and advances once per step).
-            m = m_begin
             for step0 in cutlass.range(0, num_steps, self.stages, unroll=1):
                 for j in cutlass.range_constexpr(self.stages):
                     step = step0 + j
                     if step < num_steps:
-                        masked = key_edge
-                        if const_expr(self.causal):
-                            masked = masked or m < m_unmasked
-                        if masked:
-                            self._step(st, step, m, *step_args, True, j)
-                        else:
-                            self._step(st, step, m, *step_args, False, j)
+                        self._run_step(step_fn, st, step, m, step_args, extra, key_edge,
+                                       m_unmasked, j)  # fmt: skip
                         st.advance()
                         m += 1
                         if m == m_end:
                             m = m_begin
         else:
-            # m = m_begin + step % num_m, carried instead of divided every step
-            m = m_begin
-            step_fn = self._step_qh if const_expr(self.q_halves) else self._step
             for step in cutlass.range(num_steps, unroll=1):
-                masked = key_edge
-                if const_expr(self.causal):
-                    masked = masked or m < m_unmasked
-                if masked:
-                    step_fn(st, step, m, *step_args, True)
-                else:
-                    step_fn(st, step, m, *step_args, False)
+                self._run_step(step_fn, st, step, m, step_args, extra, key_edge, m_unmasked)
                 st.advance()
                 m += 1
                 if m == m_end:
@@ -922,6 +852,22 @@ class AttentionBwdSm90:
             )  # fmt: skip
 
     @cute.jit
+    def _run_step(
+        self, step_fn, st, step, m, step_args, extra, key_edge, m_unmasked,
+        stage: cutlass.Constexpr = None,
+    ):  # fmt: skip
+        """One step through `step_fn`, its masked body when the block crosses the key edge or
+        (causal) the diagonal, else the unmasked one."""
+        masked = key_edge
+        if const_expr(self.causal):
+            masked = masked or m < m_unmasked
+        stage_arg = () if const_expr(stage is None) else (stage,)
+        if masked:
+            step_fn(st, step, m, *step_args, *extra, True, *stage_arg)
+        else:
+            step_fn(st, step, m, *step_args, *extra, False, *stage_arg)
+
+    @cute.jit
     def _gemm(
         self, tiled_mma, acc, tA, tB, zero_init: cutlass.Constexpr[bool],
         wg_wait: cutlass.Constexpr[int],
@@ -943,7 +889,7 @@ class AttentionBwdSm90:
         self, st, step, m, tidx, wg, mma_sdp, mma_dv, mma_dk, mma_dq, tSrK, tSrQ, tPrV, tPrdO,
         tVrdOt, tKrQt, tQrdS, tQrKt, tVrP, tKrdS, s_shape, dq_shape, acc_dV, acc_dK, tScS,
         r2s_ds, thr_r2s_ds, tdSsdS, sLSE, sDsum, sdQ, q_pipe, do_pipe, consumer_bar,
-        scale_log2, n0, seqlen_q, seqlen_k, group_threads,
+        scale_log2, n0, seqlen_q, seqlen_k,
         masked: cutlass.Constexpr[bool], stage: cutlass.Constexpr = None,
     ):  # fmt: skip
         """One query block m (ring stage st) against this CTA's keys. `stage`: st.index as a
@@ -991,11 +937,7 @@ class AttentionBwdSm90:
         if const_expr(self.p_early):
             # P^T to the dV GEMM's 16-bit A operand before the dP^T wait (inline-PTX packed
             # converts, which the assembler leaves here); dS below still reads the fp32 P
-            src = acc_as_operand_a(acc_S)
-            dst = cute.recast_tensor(tVrP, Int32)
-            bf16 = self.dtype is cutlass.BFloat16
-            for i in cutlass.range_constexpr(cute.size(dst)):
-                dst[i] = cvt_pair(src[2 * i], src[2 * i + 1], bf16)
+            acc_to_operand_a(acc_S, tVrP)
 
         if const_expr(self.early_dv):
             # P^T to the input dtype at once and dV += P^T dO issued under the dS math, which
@@ -1065,7 +1007,7 @@ class AttentionBwdSm90:
         buf = step % self.dq_stages
         if const_expr(stage is not None and self.stages % self.dq_stages == 0):
             buf = stage % self.dq_stages
-        self._stage_dq(acc_dQ, sdQ, buf, tidx, wg, group_threads)
+        self._stage_dq(acc_dQ, sdQ, buf, tidx, wg)
         if const_expr(self.dq_first):
             warpgroup.wait_group(0)
             q_pipe.consumer_release(st)
@@ -1075,7 +1017,7 @@ class AttentionBwdSm90:
         self, st, step, m, tidx, wg, mma_sdp, mma_dv, mma_dk, mma_dq, tSrK, tSrQ, tPrV, tPrdO,
         tVrdOt, tKrQt, tQrdS, tQrKt, tVrP, tKrdS, s_shape, dq_shape, acc_dV, acc_dK, tScS,
         r2s_ds, thr_r2s_ds, tdSsdS, sLSE, sDsum, sdQ, q_pipe, do_pipe, consumer_bar,
-        scale_log2, n0, seqlen_q, seqlen_k, group_threads,
+        scale_log2, n0, seqlen_q, seqlen_k,
         masked: cutlass.Constexpr[bool],
     ):  # fmt: skip
         """q_halves step: for each 32-query half h, S^T_h and dP^T_h (64 keys x 32 queries per
@@ -1131,14 +1073,14 @@ class AttentionBwdSm90:
         self._gemm(mma_dq, acc_dQ, tQrdS, tQrKt, True, 0)
         q_pipe.consumer_release(st)
         do_pipe.consumer_release(st)
-        self._stage_dq(acc_dQ, sdQ, step % self.dq_stages, tidx, wg, group_threads)
+        self._stage_dq(acc_dQ, sdQ, step % self.dq_stages, tidx, wg)
 
     @cute.jit
     def _step_cs(
         self, st, step, m, tidx, wg, mma_sdp, mma_dv, mma_dk, mma_dq, tSrK, tSrQ, tPrV, tPrdO,
         tVrdOt, tKrQt, tQrdS, tQrKt, tVrP, tKrdS, s_shape, dq_shape, acc_dV, acc_dK, tScS,
         r2s_ds, thr_r2s_ds, tdSsdS, sLSE, sDsum, sdQ, q_pipe, do_pipe, consumer_bar,
-        scale_log2, n0, seqlen_q, seqlen_k, group_threads, tPsP,
+        scale_log2, n0, seqlen_q, seqlen_k, tPsP,
         masked: cutlass.Constexpr[bool],
     ):  # fmt: skip
         """Column-split step (tile_n = 64): this warpgroup's query columns of S^T, dP^T; P^T and
@@ -1209,7 +1151,7 @@ class AttentionBwdSm90:
             self._gemm(mma_dq, acc_dQ, tQrdS, tQrKt, True, -1)
             self._gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, st.index], False, -1)
             self._gemm(mma_dk, acc_dK, tKrdS, tKrQt[None, None, None, st.index], False, 2)
-            self._stage_dq(acc_dQ, sdQ, step % self.dq_stages, tidx, wg, group_threads)
+            self._stage_dq(acc_dQ, sdQ, step % self.dq_stages, tidx, wg)
             warpgroup.wait_group(0)
             q_pipe.consumer_release(st)
             do_pipe.consumer_release(st)
@@ -1219,23 +1161,18 @@ class AttentionBwdSm90:
             self._gemm(mma_dq, acc_dQ, tQrdS, tQrKt, True, 0)
             q_pipe.consumer_release(st)
             do_pipe.consumer_release(st)
-            self._stage_dq(acc_dQ, sdQ, step % self.dq_stages, tidx, wg, group_threads)
+            self._stage_dq(acc_dQ, sdQ, step % self.dq_stages, tidx, wg)
 
     @cute.jit
-    def _stage_dq(self, acc_dQ, sdQ, buf, tidx, wg, group_threads):
+    def _stage_dq(self, acc_dQ, sdQ, buf, tidx, wg):
         """This thread's dQ fragment -> staging buffer `buf`, in the workspace order
         (`utils.dq_frag_offset`, DQ_VEC elements per 16-byte store), between the buffer's
-        empty and full barriers (with dq_split warpgroup wg's own, warp-uniform)."""
+        empty and full barriers (`_dq_bar`; with dq_split warpgroup wg's own, warp-uniform)."""
         tile = self.tile_m * self.head_dim
         n = cute.size(acc_dQ)
-        if const_expr(self.dq_split):
-            cute.arch.barrier(
-                barrier_id=DQ_EMPTY_SPLIT + 2 * buf + wg, number_of_threads=DQ_WG_THREADS + 32
-            )
-        else:
-            pipeline.NamedBarrier(
-                barrier_id=DQ_EMPTY_BARRIER + buf, num_threads=group_threads
-            ).arrive_and_wait()
+        part = wg if const_expr(self.dq_split) else 0
+        bar, threads = self._dq_bar(False, buf, part)
+        cute.arch.barrier(barrier_id=bar, number_of_threads=threads)
         off = sdQ.iterator + buf * tile + tidx * DQ_VEC
         stride = DQ_VEC * self.num_mma_threads
         if const_expr(self.dq_split):
@@ -1247,14 +1184,8 @@ class AttentionBwdSm90:
         src = cute.make_tensor(acc_dQ.iterator, cute.make_layout((DQ_VEC, n // DQ_VEC)))
         dst.store(src.load())
         cute.arch.fence_view_async_shared()
-        if const_expr(self.dq_split):
-            cute.arch.barrier_arrive(
-                barrier_id=DQ_FULL_SPLIT + 2 * buf + wg, number_of_threads=DQ_WG_THREADS + 32
-            )
-        else:
-            pipeline.NamedBarrier(
-                barrier_id=DQ_FULL_BARRIER + buf, num_threads=group_threads
-            ).arrive()
+        bar, threads = self._dq_bar(True, buf, part)
+        cute.arch.barrier_arrive(barrier_id=bar, number_of_threads=threads)
 
     def _col_stats(self, stats, stage, col0, co):
         """The per-query statistic (LSE or Dsum) of each of the thread's columns, read from

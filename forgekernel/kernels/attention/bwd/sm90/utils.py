@@ -124,6 +124,17 @@ def cvt_pair(lo: Float32, hi: Float32, bf16: bool, *, loc=None, ip=None) -> Int3
     )
 
 
+@cute.jit
+def acc_to_operand_a(acc: cute.Tensor, dst: cute.Tensor):
+    """An fp32 accumulator to the 16-bit register A operand `dst` of a following WGMMA (K along
+    the accumulator's columns), one `cvt_pair` per pair of values."""
+    src = acc_as_operand_a(acc)
+    packed = cute.recast_tensor(dst, Int32)
+    bf16 = dst.element_type is cutlass.BFloat16
+    for i in cutlass.range_constexpr(cute.size(packed)):
+        packed[i] = cvt_pair(src[2 * i], src[2 * i + 1], bf16)
+
+
 @dsl_user_op
 def bulk_g2s(dst_smem, src_gmem, nbytes: int, mbar, *, loc=None, ip=None) -> None:
     """cp.async.bulk global -> shared of `nbytes` (multiple of 16), completing on `mbar`."""
@@ -214,6 +225,7 @@ __all__ = [
     "dq_frag_offset",
     "bulk_g2s",
     "cvt_pair",
+    "acc_to_operand_a",
     "bulk_reduce_add_f32",
     "ld_acquire_gpu",
     "red_release_gpu_add",
