@@ -17,37 +17,29 @@ import math
 import sys
 import time
 import traceback
+from dataclasses import replace
 
-from forgekernel.kernels.attention.bwd.sm90.config import BwdConfig
+from forgekernel.kernels.attention.bwd.sm90.config import BwdConfig, default_config
 
 C = BwdConfig
 # name -> config, per head dim D (Dv = DV.get(D, D)). "default" first: the reference of the
 # diffs.
 DV = {192: 128}
+D128 = default_config(128, 128)
+D64 = default_config(64, 64)
 VARIANTS = {
     128: {
-        "default": C(64, 128, 2, 1, dq_split=True),
-        "kb_slowest": C(64, 128, 2, 1, dq_split=True, kb_slowest=True),
+        "default": D128,
+        "sw0": replace(D128, l2_swizzle=0),
+        "sw8": replace(D128, l2_swizzle=8),
     },
     64: {
-        "default": C(
-            128,
-            128,
-            2,
-            1,
-            early_dv=0,
-            static_stage=False,
-            stats_early=False,
-            dq_split=True,
-            ds_store_first=True,
-        ),  # fmt: skip
-        "stats_early": C(
-            128, 128, 2, 1, early_dv=0, static_stage=False, dq_split=True, ds_store_first=True
-        ),  # fmt: skip
+        "default": D64,
+        "sw0": replace(D64, l2_swizzle=0),
     },
     192: {
-        # column split: 64 keys, dK / dV split by head-dim columns
-        "default": C(64, 64, 2, 1, dq_split=True, dq_first=False),
+        "default": default_config(192, 128),
+        "sw2": replace(default_config(192, 128), l2_swizzle=2),
     },
 }
 # Earlier rounds (BWD_NOTES.md): early_dv, 3-deep rings, one dQ buffer, 232/40 registers at
@@ -60,13 +52,17 @@ VARIANTS = {
 # D=192 dQ first (column split) -1.3%; D=64 early_dv -12%. 11:36 UTC: D=128 p_early,
 # ds_store_first and both within -1.2..+3.2%; 192/128 with 3 stages (joint hand-over) -17%.
 # 11:51 UTC: kb_slowest with dq_split: MHA 0.62, GQA 0.90 / 1.00 / 1.05.
-CASES = [  # (b, hq, hkv, s, d, causal)
+CASES = [  # (b, hq, hkv, s, d, causal): the attention_bwd bench suite
+    (8, 32, 32, 4096, 128, True),
     (4, 32, 32, 8192, 128, True),
+    (2, 32, 32, 16384, 128, True),
+    (8, 64, 8, 4096, 128, True),
     (4, 64, 8, 8192, 128, True),
-    (2, 32, 32, 8192, 64, True),
-    (4, 32, 4, 8192, 128, True),
     (2, 64, 8, 16384, 128, True),
+    (2, 32, 32, 8192, 64, True),
     (2, 128, 128, 8192, 192, True),  # DeepSeek (Dv = 128)
+    (4, 16, 16, 8192, 128, True),
+    (4, 32, 4, 8192, 128, True),
 ]
 DTYPE = "bfloat16"
 
@@ -226,20 +222,34 @@ def run_case(case, rows):
     except Exception as e:  # noqa: BLE001
         errors["cudnn"] = f"{type(e).__name__}: {str(e).strip()[:300]}"
 
+    try:  # FA4's backward on the same O / LSE (its own pre / post kernels included)
+        from flash_attn.cute.interface import _flash_attn_bwd
+
+        def fa4():
+            _flash_attn_bwd(q, k, v, o, do, lse, softmax_scale=scale, causal=causal)
+
+        fa4()
+        fns["fa4"] = fa4
+    except Exception as e:  # noqa: BLE001
+        errors["fa4"] = f"{type(e).__name__}: {str(e).strip()[:300]}"
+
+    if PROBE_CLOCKS and case == CASES[0]:
+        _probe_clocks(fns, label)
+
     samples = {}
     try:
-        samples = time_interleaved(fns, warmup=3, reps=10)
+        samples = time_interleaved(fns, warmup=3, reps=REPS)
     except Exception as e:  # noqa: BLE001  (time one by one, skipping the failing ones)
         print(f"interleaved timing failed ({e}); timing one by one", file=sys.stderr)
         for name, fn in fns.items():
             try:
-                samples[name] = time_interleaved({name: fn}, warmup=3, reps=10)[name]
+                samples[name] = time_interleaved({name: fn}, warmup=3, reps=REPS)[name]
             except Exception as e2:  # noqa: BLE001
                 errors[name] = f"timing: {type(e2).__name__}: {str(e2).strip()[:300]}"
     fwd = 2 * b * hq * s * s * (d + DV.get(d, d)) * (0.5 if causal else 1.0)
     flops = 2.5 * fwd
     ms = {n: median(smp) for n, smp in samples.items()}
-    for name in list(VARIANTS[d]) + ["cudnn"]:
+    for name in list(VARIANTS[d]) + ["cudnn", "fa4"]:
         row = {"case": label, "variant": name}
         if name in VARIANTS[d]:
             row["config"] = VARIANTS[d][name].tag()
@@ -250,6 +260,7 @@ def run_case(case, rows):
                 tflops=flops / t / 1e9,
                 vs_default=ms["default"] / t if "default" in ms else None,
                 vs_cudnn=ms["cudnn"] / t if "cudnn" in ms else None,
+                vs_fa4=ms["fa4"] / t if "fa4" in ms else None,
                 method=getattr(samples[name], "method", None),
             )
         if name in diffs:
@@ -257,6 +268,43 @@ def run_case(case, rows):
         if name in errors:
             row["error"] = errors[name]
         rows.append(row)
+
+
+PROBE_CLOCKS = True
+REPS = 20
+PROBE_NAMES = ("default", "fa4")
+CLOCKS: list[str] = []  # the probe's lines, printed again before the table
+
+
+def _probe_clocks(fns, label):
+    """SM clock and board power while each function runs back to back for ~2 s (nvidia-smi
+    sampled 1 s in): whether one kernel is held to lower clocks than another (power)."""
+    import subprocess
+
+    import torch
+
+    for name, fn in fns.items():
+        if name not in PROBE_NAMES:
+            continue
+        try:
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            n = max(1, int(2.0 / max(time.perf_counter() - t, 1e-4)))
+            for _ in range(n):
+                fn()
+            time.sleep(1.0)
+            smi = subprocess.run(
+                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu",
+                 "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=10,
+            ).stdout.strip()  # fmt: skip
+            torch.cuda.synchronize()
+            CLOCKS.append(f"clocks {label} {name}: {smi}")
+            print(CLOCKS[-1], flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"clocks {label} {name}: {e}", flush=True)
 
 
 def main() -> int:
@@ -277,8 +325,10 @@ def main() -> int:
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
             json.dump(rows, f, indent=1)
+    print("\n".join(CLOCKS))
     print(
-        f"{'case':32s} {'variant':16s} {'ms':>8s} {'TF/s':>6s} {'x dflt':>6s} {'x cudnn':>7s}"
+        f"{'case':32s} {'variant':16s} {'ms':>8s} {'TF/s':>6s} {'x dflt':>6s} {'x cudnn':>7s} "
+        f"{'x fa4':>6s}"
         "  maxdiff vs default (dq, dk, dv)"
     )
     for r in rows:
@@ -289,6 +339,7 @@ def main() -> int:
                 diff += f" NONFINITE {dd['nonfinite']}"
             vd = f"{r['vs_default']:6.3f}" if r.get("vs_default") else "     -"
             vc = f"{r['vs_cudnn']:7.3f}" if r.get("vs_cudnn") else "      -"
+            vc += f" {r['vs_fa4']:6.3f}" if r.get("vs_fa4") else "      -"
             print(
                 f"{r['case']:32s} {r['variant']:16s} {r['ms']:8.3f} {r['tflops']:6.1f} "
                 f"{vd} {vc}  {diff}"

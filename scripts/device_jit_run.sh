@@ -38,5 +38,7 @@ if [ -n "${BWD_SCRIPT:-}" ]; then
 fi
 if [ -n "${BWD_VARIANTS:-}" ]; then
   PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout "${BWD_VARIANTS_TIMEOUT:-200}" \
-    python3 scripts/bwd_variants.py "$OUT/bwd_variants.json" 2>&1 | tail -40
+    python3 scripts/bwd_variants.py "$OUT/bwd_variants.json" 2>&1 | tee "$LOGS/bwd_variants.log" \
+    | tail -40
+  cp "$LOGS/bwd_variants.log" "$OUT/" 2>/dev/null
 fi

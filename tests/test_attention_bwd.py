@@ -458,3 +458,21 @@ def test_deterministic_causal_dq_order_is_a_chain_of_earlier_launched_blocks(tm,
             assert turns == list(range(len(contrib))), (sq, sk, m)
             for n in contrib:  # waits only on higher key blocks
                 assert all(k > n for k in contrib if turn(k, m, sq, sk) < turn(n, m, sq, sk))
+
+
+@pytest.mark.parametrize("num_n", [1, 3, 64])
+@pytest.mark.parametrize("pairs", [1, 2, 5, 8, 13])
+@pytest.mark.parametrize("sw", [1, 2, 3, 4, 8, 100])
+def test_l2_swizzle_order_is_a_permutation_key_blocks_ascending_per_pair(num_n, pairs, sw):
+    """l2_swizzle: the 1-D grid covers every (key block, pair) once; within a pair the key
+    blocks come in ascending order (deterministic causal reverses them, so a CTA still waits
+    only for blocks dispatched before it); sections of `sw` pairs run one after another."""
+    from forgekernel.kernels.attention.bwd.sm90.config import swizzled_block
+
+    seen = [swizzled_block(i, num_n, pairs, sw) for i in range(num_n * pairs)]
+    assert sorted(seen) == [(n, p) for n in range(num_n) for p in range(pairs)]
+    for p in range(pairs):
+        ns = [n for n, q in seen if q == p]
+        assert ns == sorted(ns)
+    sections = [p // min(sw, pairs) for _, p in seen]
+    assert sections == sorted(sections)

@@ -74,6 +74,7 @@ from forgekernel.kernels.attention.bwd.sm90.config import (
     VARLEN_SEQ_PAD,
     BwdConfig,
     smem_bytes,
+    swizzled_block,
 )
 from forgekernel.kernels.attention.bwd.sm90.utils import (
     DQ_VEC,
@@ -165,6 +166,11 @@ class AttentionBwdSm90:
         self.serial_dq = head_dim > 128 and not self.col_split and not self.q_halves
         self.dq_first = bool(config.dq_first) and not self.serial_dq
         self.kb_slowest = bool(config.kb_slowest)
+        # the l2_swizzle launch order: causal fixed-length only (non-causal CTAs all take the
+        # same time; varlen keeps its per-sequence grid)
+        self.l2_swizzle = int(config.l2_swizzle) if causal and not varlen else 0
+        if self.l2_swizzle < 0:
+            raise ValueError("l2_swizzle must be >= 0")
         self.static_stage = bool(config.static_stage) and not self.col_split
         self.stats_early = bool(config.stats_early)
         # column split: dQ issued first and staged under dV / dK (needs dq_split: with the
@@ -363,6 +369,9 @@ class AttentionBwdSm90:
             # (kv head, batch, key block): every (head, batch)'s first key block (causal: the
             # most query blocks) is dispatched before any second one.
             grid = (grid[1], grid[2], grid[0])
+        elif const_expr(self.l2_swizzle):
+            # one dimension, mapped to (key block, kv head, batch) by _swizzled_block
+            grid = (grid[0] * grid[1] * grid[2], 1, 1)
         self.kernel(
             tma_q,
             tma_mQ,
@@ -479,6 +488,8 @@ class AttentionBwdSm90:
         if const_expr(self.kb_slowest):
             head_kv, batch, n_block = cute.arch.block_idx()
             num_n = cute.arch.grid_dim()[2]
+        elif const_expr(self.l2_swizzle):
+            n_block, head_kv, batch, num_n = self._swizzled_block(mK)
         if const_expr(self.deterministic and self.causal):
             # Key blocks launched in descending order: each query block's dQ is summed from
             # its highest key block down (see _dq_turn), and a CTA only ever waits for CTAs
@@ -553,6 +564,18 @@ class AttentionBwdSm90:
             )  # fmt: skip
 
     @cute.jit
+    def _swizzled_block(self, mK: cute.Tensor):
+        """(key block, kv head, batch, key blocks) of this CTA in the l2_swizzle order
+        (config.swizzled_block)."""
+        num_n = (mK.shape[0] + self.tile_n - 1) // self.tile_n
+        hkv = mK.shape[2]
+        n_block, pair = swizzled_block(
+            cute.arch.block_idx()[0], num_n, hkv * mK.shape[3], self.l2_swizzle, cutlass.min
+        )
+        batch = pair // hkv
+        return n_block, pair - batch * hkv, batch, num_n
+
+    @cute.jit
     def _query_blocks(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
         """(m_begin, m_end, m_unmasked): query blocks [m_begin, m_end) hold a row that sees a
         key of this key block; from m_unmasked on (causal) every row sees every key of it."""
@@ -597,8 +620,7 @@ class AttentionBwdSm90:
         num_m = m_end - m_begin
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         for step in cutlass.range(num_steps, unroll=1):
-            head = head_kv * group + step // num_m
-            m = m_begin + step % num_m
+            head, m = self._step_coords(step, head_kv, group, m_begin, num_m)
             gQ = cute.local_tile(self._seq(mQ[None, None, head, batch], q_off), (tm, d), (None, 0))
             gdO = cute.local_tile(
                 self._seq(mdO[None, None, head, batch], q_off), (tm, dv), (None, 0)
@@ -631,6 +653,11 @@ class AttentionBwdSm90:
                 )
             st.advance()
 
+    def _step_coords(self, step, head_kv, group, m_begin, num_m):
+        """(query head, query block) of a step: the group's heads one after another, each over
+        the CTA's query blocks."""
+        return head_kv * group + step // num_m, m_begin + step % num_m
+
     def _dq_bar(self, full: bool, buf, part):
         """(barrier id, threads) of staging buffer `buf`'s full or empty barrier for `part`:
         joint hand-over, both consumer warpgroups and the writer warp (part 0); dq_split,
@@ -662,8 +689,7 @@ class AttentionBwdSm90:
                     cute.arch.barrier_arrive(barrier_id=bar, number_of_threads=threads)
         for step in cutlass.range(num_steps, unroll=1):
             buf = step % self.dq_stages
-            head = head_kv * group + step // num_m
-            m = m_begin + step % num_m
+            head, m = self._step_coords(step, head_kv, group, m_begin, num_m)
             gdq = mdQacc[batch, head, None].iterator + (ws * self.head_dim + m * tile)
             if const_expr(self.deterministic):
                 sem = mSem[batch, head, None].iterator + (ws + m)
