@@ -30,16 +30,13 @@ D64 = default_config(64, 64)
 VARIANTS = {
     128: {
         "default": D128,
-        "sw0": replace(D128, l2_swizzle=0),
-        "sw8": replace(D128, l2_swizzle=8),
+        "dsum_late": replace(D128, dsum_early=False),
     },
     64: {
         "default": D64,
-        "sw0": replace(D64, l2_swizzle=0),
     },
     192: {
         "default": default_config(192, 128),
-        "sw2": replace(default_config(192, 128), l2_swizzle=2),
     },
 }
 # Earlier rounds (BWD_NOTES.md): early_dv, 3-deep rings, one dQ buffer, 232/40 registers at
@@ -51,7 +48,15 @@ VARIANTS = {
 # +14%, with dQ first and dq_split +20% (now the default); D=128 ds_store_first -0.1..-4%;
 # D=192 dQ first (column split) -1.3%; D=64 early_dv -12%. 11:36 UTC: D=128 p_early,
 # ds_store_first and both within -1.2..+3.2%; 192/128 with 3 stages (joint hand-over) -17%.
-# 11:51 UTC: kb_slowest with dq_split: MHA 0.62, GQA 0.90 / 1.00 / 1.05.
+# 11:51 UTC: kb_slowest with dq_split: MHA 0.62, GQA 0.90 / 1.00 / 1.05. 12:57 / 13:02 UTC:
+# l2_swizzle 4 (now the D=128 / D=64 default) 1.01-1.09; heads_inner 0.77-1.01 (dropped).
+# 13:24 UTC: dq_direct (dQ added from registers with red.global.add.v4.f32, no staging, no
+# writer warp) 0.89-0.92 at D=128, 0.98 at D=64; unrolled by the ring (static_stage) still
+# 1.02-1.08 over the rolled loop except GQA s16384 (0.99). Both dropped from the kernel.
+# 13:29 UTC: ds_kmajor (dS K-major for dQ = dS K, transposing stmatrix: FA4's layout)
+# 0.984-1.022, noise; dropped. 13:34 UTC: skip_dead (the second warpgroup, whose keys no row of
+# a key block's first query block sees, only writes zero dS^T and runs its dQ GEMM there)
+# 0.975-0.992 although it drops ~1/66 of the tensor work: dropped.
 CASES = [  # (b, hq, hkv, s, d, causal): the attention_bwd bench suite
     (8, 32, 32, 4096, 128, True),
     (4, 32, 32, 8192, 128, True),
