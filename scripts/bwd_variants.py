@@ -56,7 +56,9 @@ VARIANTS = {
 # 13:29 UTC: ds_kmajor (dS K-major for dQ = dS K, transposing stmatrix: FA4's layout)
 # 0.984-1.022, noise; dropped. 13:34 UTC: skip_dead (the second warpgroup, whose keys no row of
 # a key block's first query block sees, only writes zero dS^T and runs its dQ GEMM there)
-# 0.975-0.992 although it drops ~1/66 of the tensor work: dropped.
+# 0.975-0.992 although it drops ~1/66 of the tensor work: dropped. 13:45 UTC: dsum_early
+# (Dsum read right after the dP^T GEMM is issued) 1.005-1.026 (GQA s16384 0.998): the D=128
+# default (not varlen, where it spills).
 CASES = [  # (b, hq, hkv, s, d, causal): the attention_bwd bench suite
     (8, 32, 32, 4096, 128, True),
     (4, 32, 32, 8192, 128, True),

@@ -404,6 +404,9 @@ def test_bwd_configs_fit_and_deepseek_layouts():
     post = [dict(p) for p in SPEC_POST.standard_params() if dict(p)["head_dim"] == 192]
     assert all(p["tile_m"] == 64 for p in post)
     assert default_config(64, 64).tile_n == default_config(128, 128).tile_n == 128
+    # D=128: Dsum read with LSE, except varlen (it spills there)
+    assert default_config(128, 128).dsum_early
+    assert not default_config(128, 128, False, True).dsum_early
 
 
 @pytest.mark.parametrize("tile_m,d", [(64, 128), (128, 64), (64, 192)])

@@ -4,7 +4,7 @@ without the compiler."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 DTYPES = ("float16", "bfloat16")
 # (head_dim, head_dim_v) pairs with a default config.
@@ -85,7 +85,9 @@ class BwdConfig:
       alone at the end (a GQA CTA walks its whole query-head group: up to 2048 steps), while
       a section's Q / dO / dQ rows are shared in L2.
       (Measured and dropped, 2026-11-30 13:15 UTC: the steps query block by query block over
-      the group's heads, 0.77-0.98x for GQA; k from the L2 size, no better than k = 4.)"""
+      the group's heads, 0.77-0.98x for GQA; k from the L2 size, no better than k = 4.)
+    dsum_early (with stats_early, key split): Dsum read right after the dP^T GEMM is issued
+      (with LSE, before any wait) instead of after the exp2s."""
 
     tile_m: int = 64
     tile_n: int = 128
@@ -103,6 +105,7 @@ class BwdConfig:
     p_early: bool = False
     q_halves: bool = False
     l2_swizzle: int = 0
+    dsum_early: bool = False
 
     def tag(self) -> str:
         t = f"{self.tile_m}x{self.tile_n}_s{self.stages}_dq{self.dq_stages}"
@@ -118,6 +121,7 @@ class BwdConfig:
         t += "_pearly" if self.p_early else ""
         t += "_qhalves" if self.q_halves else ""
         t += f"_sw{self.l2_swizzle}" if self.l2_swizzle else ""
+        t += "_dsumearly" if self.dsum_early else ""
         return t + ("" if self.static_stage else "_dynstage")
 
     @classmethod
@@ -188,7 +192,7 @@ _DEFAULTS = {
     # l2_swizzle 4 (H200 2026-11-30 13:00-13:15 UTC, bf16 causal): MHA 1.01-1.02x, GQA
     # 1.02-1.07x, D=64 1.03x; 192/128 0.98x (left at 0).
     (128, 128): BwdConfig(
-        tile_m=64, tile_n=128, stages=2, dq_stages=1, dq_split=True, l2_swizzle=4
+        tile_m=64, tile_n=128, stages=2, dq_stages=1, dq_split=True, l2_swizzle=4, dsum_early=True
     ),
     # Key split in 32-query halves (q_halves, BWD_NOTES.md): dK 96 + dV 64 fp32 registers
     # resident per consumer thread, S^T / dP^T 16 + 16 per half, dQ 48 after both halves; two
@@ -226,6 +230,9 @@ def default_config(
     elif deterministic and varlen and (head_dim, head_dim_v) == (128, 128):
         # dq_split spills 24 bytes there (non-causal); the joint hand-over does not
         cfg = _DETERMINISTIC_VARLEN_128
+    elif varlen and (head_dim, head_dim_v) == (128, 128):
+        # dsum_early spills 16 bytes with the varlen scalars (causal)
+        cfg = replace(cfg, dsum_early=False)
     return cfg
 
 

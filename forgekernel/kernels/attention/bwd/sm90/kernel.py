@@ -173,6 +173,7 @@ class AttentionBwdSm90:
             raise ValueError("l2_swizzle must be >= 0")
         self.static_stage = bool(config.static_stage) and not self.col_split
         self.stats_early = bool(config.stats_early)
+        self.dsum_early = bool(config.dsum_early) and self.stats_early
         # column split: dQ issued first and staged under dV / dK (needs dq_split: with the
         # joint hand-over both warpgroups would wait at the dQ barriers with GEMMs in flight
         # on the P / dS buffer the other one rewrites next)
@@ -934,6 +935,10 @@ class AttentionBwdSm90:
             lse = self._col_stats(sLSE, si, col0, co)
         do_pipe.consumer_wait(st)
         self._gemm(mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, si], True, -1)
+        if const_expr(self.dsum_early):
+            # Dsum read while both GEMMs run: later its loads queue behind the exp2s (both
+            # go through MIO) and the dS math waits for them (ncu 2026-11-30 13:31 UTC)
+            dsum = self._col_stats(sDsum, si, col0, co)
 
         # P^T = exp2(S^T scale log2e - LSE log2e); rows are keys, columns queries.
         warpgroup.wait_group(1)
@@ -957,7 +962,7 @@ class AttentionBwdSm90:
         for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
             for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                 s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse[c], fastmath=True)
-        if const_expr(self.stats_early):
+        if const_expr(self.stats_early and not self.dsum_early):
             # Dsum read before the dP^T wait
             dsum = self._col_stats(sDsum, si, col0, co)
         if const_expr(self.p_early):
