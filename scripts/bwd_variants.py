@@ -27,16 +27,18 @@ C = BwdConfig
 DV = {192: 128}
 D128 = default_config(128, 128)
 D64 = default_config(64, 64)
+D192 = default_config(192, 128)
 VARIANTS = {
     128: {
         "default": D128,
-        "dsum_late": replace(D128, dsum_early=False),
     },
     64: {
         "default": D64,
+        "stats_early": replace(D64, stats_early=True),
     },
     192: {
-        "default": default_config(192, 128),
+        "default": D192,
+        "dsum_late": replace(D192, dsum_early=False),
     },
 }
 # Earlier rounds (BWD_NOTES.md): early_dv, 3-deep rings, one dQ buffer, 232/40 registers at
@@ -58,7 +60,8 @@ VARIANTS = {
 # a key block's first query block sees, only writes zero dS^T and runs its dQ GEMM there)
 # 0.975-0.992 although it drops ~1/66 of the tensor work: dropped. 13:45 UTC: dsum_early
 # (Dsum read right after the dP^T GEMM is issued) 1.005-1.026 (GQA s16384 0.998): the D=128
-# default (not varlen, where it spills).
+# default (not varlen, where it spills). 13:56 UTC: the same for 192/128 (q_halves: each half's
+# LSE / Dsum right after its GEMMs) 1.021 (now its default); D=64 stats_early 1.002 (left off).
 CASES = [  # (b, hq, hkv, s, d, causal): the attention_bwd bench suite
     (8, 32, 32, 4096, 128, True),
     (4, 32, 32, 8192, 128, True),

@@ -87,7 +87,8 @@ class BwdConfig:
       (Measured and dropped, 2026-11-30 13:15 UTC: the steps query block by query block over
       the group's heads, 0.77-0.98x for GQA; k from the L2 size, no better than k = 4.)
     dsum_early (with stats_early, key split): Dsum read right after the dP^T GEMM is issued
-      (with LSE, before any wait) instead of after the exp2s."""
+      (with LSE, before any wait) instead of after the exp2s (q_halves: each half's LSE and
+      Dsum right after its GEMMs are issued)."""
 
     tile_m: int = 64
     tile_n: int = 128
@@ -199,7 +200,13 @@ _DEFAULTS = {
     # Q / dO stages, one dS buffer, one dQ staging buffer (joint hand-over): 226 KiB. H200
     # 2026-11-30 12:08 UTC: 1.17x the column split (_VARLEN_192, still used for varlen).
     (192, 128): BwdConfig(
-        tile_m=64, tile_n=128, stages=2, dq_stages=1, static_stage=False, q_halves=True
+        tile_m=64,
+        tile_n=128,
+        stages=2,
+        dq_stages=1,
+        static_stage=False,
+        q_halves=True,
+        dsum_early=True,
     ),
 }
 _EXPERIMENTAL = {

@@ -1068,6 +1068,10 @@ class AttentionBwdSm90:
             self._gemm(mma_sdp, acc_S, tSrK, tSrQ[h][None, None, None, si], True, -1)
             self._gemm(mma_sdp, acc_dP, tPrV, tPrdO[h][None, None, None, si], True, -1)
             c0 = col0 + h * hq  # this half's first query column within the tile
+            if const_expr(self.dsum_early):
+                # the half's LSE and Dsum read while its GEMMs run (as in _step)
+                lse = self._col_stats(sLSE, si, c0, co)
+                dsum = self._col_stats(sDsum, si, c0, co)
             warpgroup.wait_group(1)
             s = rows_cols(acc_S)
             diag = m * self.tile_m + seqlen_k - seqlen_q - n0 + c0 - row0
@@ -1079,13 +1083,15 @@ class AttentionBwdSm90:
                             visible = visible and diag >= ro[r] - co[c]
                         if not visible:
                             s[r, c] = -Float32.inf
-            lse = self._col_stats(sLSE, si, c0, co)
+            if const_expr(not self.dsum_early):
+                lse = self._col_stats(sLSE, si, c0, co)
             for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
                 for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                     s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse[c], fastmath=True)
             warpgroup.wait_group(0)
             dp = rows_cols(acc_dP)
-            dsum = self._col_stats(sDsum, si, c0, co)
+            if const_expr(not self.dsum_early):
+                dsum = self._col_stats(sDsum, si, c0, co)
             for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
                 for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
                     dp[r, c] = s[r, c] * (dp[r, c] - dsum[c])
