@@ -232,11 +232,17 @@ def run_case(case, rows):
     except Exception as e:  # noqa: BLE001
         errors["cudnn"] = f"{type(e).__name__}: {str(e).strip()[:300]}"
 
-    try:  # FA4's backward on the same O / LSE (its own pre / post kernels included)
-        from flash_attn.cute.interface import _flash_attn_bwd
+    try:  # FA4's backward on the same O / LSE: the bench suite's comparator
+        from forgekernel.bench.suites.attention_bwd import _fa4
+
+        fa4_bwd = _fa4()
+        if fa4_bwd is None:
+            raise ImportError("flash_attn.cute is not installed")
+        fa4_inputs = {"q": q, "k": k, "v": v, "o": o, "lse": lse, "do": do}
+        fa4_inputs.update(softmax_scale=scale, causal=causal)
 
         def fa4():
-            _flash_attn_bwd(q, k, v, o, do, lse, softmax_scale=scale, causal=causal)
+            fa4_bwd(fa4_inputs)
 
         fa4()
         fns["fa4"] = fa4
