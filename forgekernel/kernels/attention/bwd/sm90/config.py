@@ -84,7 +84,7 @@ class BwdConfig:
       its longest key blocks and the grid ends on short ones, so no long CTA is left running
       alone at the end (a GQA CTA walks its whole query-head group: up to 2048 steps), while
       a section's Q / dO / dQ rows are shared in L2.
-      (Measured and dropped, 2026-11-30 13:15 UTC: the steps query block by query block over
+      (Measured and dropped, 2026-11-30 13:02 UTC: the steps query block by query block over
       the group's heads, 0.77-0.98x for GQA; k from the L2 size, no better than k = 4.)
     dsum_early (with stats_early, key split): Dsum read right after the dP^T GEMM is issued
       (with LSE, before any wait) instead of after the exp2s (q_halves: each half's LSE and
@@ -190,7 +190,7 @@ _DEFAULTS = {
         ds_store_first=True,
         l2_swizzle=4,
     ),
-    # l2_swizzle 4 (H200 2026-11-30 13:00-13:15 UTC, bf16 causal): MHA 1.01-1.02x, GQA
+    # l2_swizzle 4 (H200 2026-11-30 12:57 / 13:02 UTC, bf16 causal): MHA 1.01-1.02x, GQA
     # 1.02-1.07x, D=64 1.03x; 192/128 0.98x (left at 0).
     (128, 128): BwdConfig(
         tile_m=64, tile_n=128, stages=2, dq_stages=1, dq_split=True, l2_swizzle=4, dsum_early=True
@@ -240,6 +240,10 @@ def default_config(
     elif varlen and (head_dim, head_dim_v) == (128, 128):
         # dsum_early spills 16 bytes with the varlen scalars (causal)
         cfg = replace(cfg, dsum_early=False)
+    if deterministic and cfg.l2_swizzle:
+        # the key-block-fastest order: the swizzled one lengthens the GQA dQ chain (H200
+        # 2026-11-30: 1.40x -> 1.67x the non-deterministic time at hq32 / hkv4)
+        cfg = replace(cfg, l2_swizzle=0)
     return cfg
 
 
