@@ -31,14 +31,13 @@ D192 = default_config(192, 128)
 VARIANTS = {
     128: {
         "default": D128,
+        "s_ahead": replace(D128, s_ahead=True),
     },
     64: {
         "default": D64,
-        "stats_early": replace(D64, stats_early=True),
     },
     192: {
         "default": D192,
-        "dsum_late": replace(D192, dsum_early=False),
     },
 }
 # Earlier rounds (BWD_NOTES.md): early_dv, 3-deep rings, one dQ buffer, 232/40 registers at

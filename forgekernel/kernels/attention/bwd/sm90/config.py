@@ -88,7 +88,13 @@ class BwdConfig:
       the group's heads, 0.77-0.98x for GQA; k from the L2 size, no better than k = 4.)
     dsum_early (with stats_early, key split): Dsum read right after the dP^T GEMM is issued
       (with LSE, before any wait) instead of after the exp2s (q_halves: each half's LSE and
-      Dsum right after its GEMMs are issued)."""
+      Dsum right after its GEMMs are issued).
+    s_ahead (key split, unrolled 2-stage ring, dq_first): in each ring pair the first step
+      issues the second's S^T GEMM as soon as its own dK is done, before its ring release and
+      the second step's setup (a pair takes the masked body when either step needs it, so the
+      in-flight S^T crosses no branch join). Not yet measured (2026-11-30: compiles without
+      spills or serialized WGMMAs; issuing it earlier, under dK or the dQ staging, makes
+      ptxas serialize every WGMMA for want of registers, C7512)."""
 
     tile_m: int = 64
     tile_n: int = 128
@@ -107,6 +113,7 @@ class BwdConfig:
     q_halves: bool = False
     l2_swizzle: int = 0
     dsum_early: bool = False
+    s_ahead: bool = False
 
     def tag(self) -> str:
         t = f"{self.tile_m}x{self.tile_n}_s{self.stages}_dq{self.dq_stages}"
@@ -123,6 +130,7 @@ class BwdConfig:
         t += "_qhalves" if self.q_halves else ""
         t += f"_sw{self.l2_swizzle}" if self.l2_swizzle else ""
         t += "_dsumearly" if self.dsum_early else ""
+        t += "_sahead" if self.s_ahead else ""
         return t + ("" if self.static_stage else "_dynstage")
 
     @classmethod
