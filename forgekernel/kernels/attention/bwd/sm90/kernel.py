@@ -996,18 +996,10 @@ class AttentionBwdSm90:
         edge = seqlen_k - n0 - row0
         diag = m * self.tile_m + seqlen_k - seqlen_q - n0 + col0 - row0
         if const_expr(masked):
-            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                    visible = edge > ro[r]
-                    if const_expr(self.causal):
-                        visible = visible and diag >= ro[r] - co[c]
-                    if not visible:
-                        s[r, c] = -Float32.inf
+            self._mask(s, ro, co, edge, diag)
         if const_expr(not self.stats_early):
             lse = self._col_stats(sLSE, si, col0, co)
-        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse[c], fastmath=True)
+        self._exp2(s, lse, scale_log2)
         if const_expr(self.stats_early and not self.dsum_early):
             # Dsum read before the dP^T wait
             dsum = self._col_stats(sDsum, si, col0, co)
@@ -1031,9 +1023,7 @@ class AttentionBwdSm90:
         dp = rows_cols(acc_dP)
         if const_expr(not self.stats_early):
             dsum = self._col_stats(sDsum, si, col0, co)
-        for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
-            for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
-                dp[r, c] = Float32(s[r, c]) * (dp[r, c] - dsum[c])
+        self._ds(dp, s, dsum)
 
         # dS^T -> shared memory, then dQ = dS K. One buffer: the previous step's dQ GEMMs
         # (both warpgroups) finished before that step's dQ-empty barrier. dq_split: buffer
@@ -1133,25 +1123,15 @@ class AttentionBwdSm90:
             s = rows_cols(acc_S)
             diag = m * self.tile_m + seqlen_k - seqlen_q - n0 + c0 - row0
             if const_expr(masked):
-                for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                        visible = edge > ro[r]
-                        if const_expr(self.causal):
-                            visible = visible and diag >= ro[r] - co[c]
-                        if not visible:
-                            s[r, c] = -Float32.inf
+                self._mask(s, ro, co, edge, diag)
             if const_expr(not self.dsum_early):
                 lse = self._col_stats(sLSE, si, c0, co)
-            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                    s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse[c], fastmath=True)
+            self._exp2(s, lse, scale_log2)
             warpgroup.wait_group(0)
             dp = rows_cols(acc_dP)
             if const_expr(not self.dsum_early):
                 dsum = self._col_stats(sDsum, si, c0, co)
-            for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
-                for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
-                    dp[r, c] = s[r, c] * (dp[r, c] - dsum[c])
+            self._ds(dp, s, dsum)
             rdS = cute.make_rmem_tensor(s_shape, self.dtype)
             rdS.store(acc_dP.load().to(self.dtype))
             cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSsdS[h])
@@ -1195,18 +1175,10 @@ class AttentionBwdSm90:
         edge = seqlen_k - n0 - row0
         diag = m * self.tile_m + seqlen_k - seqlen_q - n0 + col0 - row0
         if const_expr(masked):
-            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                    visible = edge > ro[r]
-                    if const_expr(self.causal):
-                        visible = visible and diag >= ro[r] - co[c]
-                    if not visible:
-                        s[r, c] = -Float32.inf
+            self._mask(s, ro, co, edge, diag)
         if const_expr(not self.stats_early):
             lse = self._col_stats(sLSE, st.index, col0, co)
-        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse[c], fastmath=True)
+        self._exp2(s, lse, scale_log2)
         if const_expr(self.stats_early):
             dsum = self._col_stats(sDsum, st.index, col0, co)
         warpgroup.wait_group(0)
@@ -1214,9 +1186,7 @@ class AttentionBwdSm90:
         dp = rows_cols(acc_dP)
         if const_expr(not self.stats_early):
             dsum = self._col_stats(sDsum, st.index, col0, co)
-        for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
-            for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
-                dp[r, c] = s[r, c] * (dp[r, c] - dsum[c])
+        self._ds(dp, s, dsum)
         rP = cute.make_rmem_tensor(s_shape, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
         rdS = cute.make_rmem_tensor(s_shape, self.dtype)
@@ -1280,6 +1250,34 @@ class AttentionBwdSm90:
         cute.arch.fence_view_async_shared()
         bar, threads = self._dq_bar(True, buf, part)
         cute.arch.barrier_arrive(barrier_id=bar, number_of_threads=threads)
+
+    @cute.jit
+    def _mask(self, s, ro, co, edge, diag):
+        """-inf into the thread's S^T elements whose key is not visible: key < Sk and (causal)
+        key <= query + Sk - Sq, i.e. ro[r] < edge and ro[r] - co[c] <= diag (element (r, c) at
+        static offsets ro[r], co[c] from the thread's first key / query)."""
+        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                visible = edge > ro[r]
+                if const_expr(self.causal):
+                    visible = visible and diag >= ro[r] - co[c]
+                if not visible:
+                    s[r, c] = -Float32.inf
+
+    @cute.jit
+    def _exp2(self, s, lse, scale_log2):
+        """P^T = exp2(S^T scale log2e - LSE log2e) in place, LSE per query column."""
+        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse[c], fastmath=True)
+
+    @cute.jit
+    def _ds(self, dp, p, dsum):
+        """dS^T = P^T (dP^T - Dsum) in place of dP^T, Dsum per query column (P^T fp32, or the
+        input dtype after early_dv's rounding)."""
+        for c in cutlass.range_constexpr(cute.size(dp, mode=[1])):
+            for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
+                dp[r, c] = Float32(p[r, c]) * (dp[r, c] - dsum[c])
 
     def _col_stats(self, stats, stage, col0, co):
         """The per-query statistic (LSE or Dsum) of each of the thread's columns, read from
