@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 import traceback
@@ -73,6 +74,13 @@ CASES = [  # (b, hq, hkv, s, d, causal): the attention_bwd bench suite
     (4, 16, 16, 8192, 128, True),
     (4, 32, 4, 8192, 128, True),
 ]
+# BWD_PROBE=1 (build and run): also non-causal MHA cases of equal work (b s^2 constant) whose
+# CTAs walk 16 .. 128 query blocks: the time per CTA that does not scale with its steps
+# (launch, K / V load, dK / dV store), ours against FA4's.
+PROBE_CASES = [(64, 32, 32, 1024, 128, False), (16, 32, 32, 2048, 128, False),
+               (4, 32, 32, 4096, 128, False), (1, 32, 32, 8192, 128, False)]  # fmt: skip
+if os.environ.get("BWD_PROBE") == "1":
+    CASES = CASES + PROBE_CASES
 DTYPE = "bfloat16"
 
 
