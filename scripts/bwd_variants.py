@@ -18,7 +18,6 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import replace
 
 from forgekernel.kernels.attention.bwd.sm90.config import BwdConfig, default_config
 
@@ -32,7 +31,6 @@ D192 = default_config(192, 128)
 VARIANTS = {
     128: {
         "default": D128,
-        "s_ahead": replace(D128, s_ahead=True),
     },
     64: {
         "default": D64,
@@ -62,6 +60,12 @@ VARIANTS = {
 # (Dsum read right after the dP^T GEMM is issued) 1.005-1.026 (GQA s16384 0.998): the D=128
 # default (not varlen, where it spills). 13:56 UTC: the same for 192/128 (q_halves: each half's
 # LSE / Dsum right after its GEMMs) 1.021 (now its default); D=64 stats_early 1.002 (left off).
+# 14:31 UTC: s_ahead (the ring pair's second S^T issued by the first step) 0.95-1.00: dropped.
+# 14:48 / 14:52 UTC: dq_claim (no zeroed dQ workspace: the first key block to reach a query
+# block stores its tile, the others wait for it to land) 0.96-1.01 overall although the
+# preprocess halves (branch claim): dropped. 15:03 UTC: exp_emu 1 / 2 (a quarter / half of the
+# exp2s from a degree-3 polynomial on the FMA pipes, branch expemu) 0.93-0.98 (D=64 1 / 4:
+# 1.016, 2 / 4: 0.974): dropped.
 CASES = [  # (b, hq, hkv, s, d, causal): the attention_bwd bench suite
     (8, 32, 32, 4096, 128, True),
     (4, 32, 32, 8192, 128, True),
@@ -104,12 +108,12 @@ def build(out_dir: str) -> int:
     seen = set()
     for _, _, _, _, d, causal in CASES:
         dv = DV.get(d, d)
-        jobs = [(SPEC_PRE, pre_params(DTYPE, dv), "pre")]
+        jobs = []
         for name, cfg in VARIANTS[d].items():
+            jobs.append((SPEC_PRE, pre_params(DTYPE, dv), "pre"))
             jobs.append((SPEC_MAIN, main_params(DTYPE, d, dv, causal, False, cfg), name))
-            jobs.append(
-                (SPEC_POST, post_params(DTYPE, d, cfg.tile_m, dq_split=cfg.dq_split), "post")
-            )
+            post = post_params(DTYPE, d, cfg.tile_m, dq_split=cfg.dq_split)
+            jobs.append((SPEC_POST, post, "post"))
         for spec, params, name in jobs:
             key = (spec.name, params)
             if key in seen:
@@ -167,6 +171,34 @@ def _inputs(b, hq, hkv, s, d, causal, dev):
                 o[:, :, h] = torch.matmul(torch.softmax(sc, -1), vh[:, h].float()).to(dt)
                 del sc
     return q, k, v, o, lse, do, scale, (qh, kh, vh)
+
+
+def _phases(q, o, lse, do, d, scale):
+    """The default config's preprocess and postprocess alone, launched as attention_bwd
+    launches them ("pre", "post"; "zero": the preprocess's dQ zeroing alone, as a memset), to
+    time the part of the backward that scales with tokens."""
+    import torch
+
+    from forgekernel.kernels.attention.bwd.sm90 import SPEC_POST, SPEC_PRE
+    from forgekernel.kernels.attention.bwd.sm90.config import ROW_PAD, post_params, pre_params
+    from forgekernel.runtime.cache import get_kernel
+
+    b, sq, hq, _ = q.shape
+    dv = DV.get(d, d)
+    cfg = default_config(d, dv)
+    sq_pad = -(-sq // ROW_PAD) * ROW_PAD
+    f32 = torch.float32
+    lse2 = torch.empty(b, hq, sq_pad, dtype=f32, device=q.device)
+    dsum = torch.empty_like(lse2)
+    dq_acc = torch.empty(b, hq, sq_pad * d, dtype=f32, device=q.device)
+    dq = torch.empty_like(q)
+    pre = get_kernel(SPEC_PRE, pre_params(DTYPE, dv))
+    post = get_kernel(SPEC_POST, post_params(DTYPE, d, cfg.tile_m, dq_split=cfg.dq_split))
+    return {
+        "pre": lambda: pre(o, do, lse, lse2, dsum, None, dq_acc, 0),
+        "post": lambda: post(dq_acc, dq, None, 0, scale),
+        "zero": dq_acc.zero_,
+    }
 
 
 def run_case(case, rows):
@@ -256,6 +288,12 @@ def run_case(case, rows):
     except Exception as e:  # noqa: BLE001
         errors["fa4"] = f"{type(e).__name__}: {str(e).strip()[:300]}"
 
+    if os.environ.get("BWD_PROBE") == "1":
+        try:
+            fns.update(_phases(q, o, lse, do, d, scale))
+        except Exception as e:  # noqa: BLE001
+            errors["pre"] = f"{type(e).__name__}: {str(e).strip()[:300]}"
+
     if PROBE_CLOCKS and case == CASES[0]:
         _probe_clocks(fns, label)
 
@@ -272,7 +310,9 @@ def run_case(case, rows):
     fwd = 2 * b * hq * s * s * (d + DV.get(d, d)) * (0.5 if causal else 1.0)
     flops = 2.5 * fwd
     ms = {n: median(smp) for n, smp in samples.items()}
-    for name in list(VARIANTS[d]) + ["cudnn", "fa4"]:
+    for name in list(VARIANTS[d]) + ["cudnn", "fa4", *PHASES]:
+        if name in PHASES and name not in ms:
+            continue
         row = {"case": label, "variant": name}
         if name in VARIANTS[d]:
             row["config"] = VARIANTS[d][name].tag()
@@ -294,6 +334,7 @@ def run_case(case, rows):
 
 
 PROBE_CLOCKS = True
+PHASES = ("pre", "post", "zero")
 REPS = 20
 PROBE_NAMES = ("default", "fa4")
 CLOCKS: list[str] = []  # the probe's lines, printed again before the table

@@ -89,12 +89,10 @@ class BwdConfig:
     dsum_early (with stats_early, key split): Dsum read right after the dP^T GEMM is issued
       (with LSE, before any wait) instead of after the exp2s (q_halves: each half's LSE and
       Dsum right after its GEMMs are issued).
-    s_ahead (key split, unrolled 2-stage ring, dq_first): in each ring pair the first step
-      issues the second's S^T GEMM as soon as its own dK is done, before its ring release and
-      the second step's setup (a pair takes the masked body when either step needs it, so the
-      in-flight S^T crosses no branch join). Not yet measured (2026-11-30: compiles without
-      spills or serialized WGMMAs; issuing it earlier, under dK or the dQ staging, makes
-      ptxas serialize every WGMMA for want of registers, C7512)."""
+    (Measured and dropped, BWD_NOTES.md: s_ahead, the next step's S^T issued by the step
+    before, 0.95-1.00; dq_claim, no zeroed dQ workspace, the first key block to reach a
+    query block storing its tile, 0.96-1.01; exp_emu, part of the exp2s from a polynomial on
+    the FMA pipes instead of the MUFU, 0.93-0.98.)"""
 
     tile_m: int = 64
     tile_n: int = 128
@@ -113,7 +111,6 @@ class BwdConfig:
     q_halves: bool = False
     l2_swizzle: int = 0
     dsum_early: bool = False
-    s_ahead: bool = False
 
     def tag(self) -> str:
         t = f"{self.tile_m}x{self.tile_n}_s{self.stages}_dq{self.dq_stages}"
@@ -130,7 +127,6 @@ class BwdConfig:
         t += "_qhalves" if self.q_halves else ""
         t += f"_sw{self.l2_swizzle}" if self.l2_swizzle else ""
         t += "_dsumearly" if self.dsum_early else ""
-        t += "_sahead" if self.s_ahead else ""
         return t + ("" if self.static_stage else "_dynstage")
 
     @classmethod

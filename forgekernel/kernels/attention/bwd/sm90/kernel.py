@@ -173,12 +173,6 @@ class AttentionBwdSm90:
             raise ValueError("l2_swizzle must be >= 0")
         self.static_stage = bool(config.static_stage) and not self.col_split
         self.stats_early = bool(config.stats_early)
-        self.s_ahead = bool(config.s_ahead)
-        if self.s_ahead and (
-            self.col_split or self.q_halves or not self.static_stage or config.stages != 2
-            or not self.dq_first or self.early_dv
-        ):  # fmt: skip
-            raise ValueError("s_ahead: key split, unrolled 2-stage ring, dq_first, no early dV")
         self.dsum_early = bool(config.dsum_early) and self.stats_early
         # column split: dQ issued first and staged under dV / dK (needs dq_split: with the
         # joint hand-over both warpgroups would wait at the dQ barriers with GEMMs in flight
@@ -846,32 +840,7 @@ class AttentionBwdSm90:
         elif const_expr(self.q_halves):
             step_fn = self._step_qh
         m = m_begin
-        if const_expr(self.s_ahead):
-            # Ring pairs: the first step issues the second's S^T GEMM before staging its dQ
-            # tile; a pair runs the masked body when either of its steps needs it, so the
-            # in-flight S^T never crosses a masked / unmasked branch join (ptxas would then
-            # serialize every WGMMA). An odd last step runs alone.
-            for pair in cutlass.range(num_steps // 2, unroll=1):
-                m_b = m + 1
-                if m_b == m_end:
-                    m_b = m_begin
-                masked = key_edge
-                if const_expr(self.causal):
-                    masked = masked or m < m_unmasked or m_b < m_unmasked
-                if masked:
-                    self._pair(st, pair * 2, m, m_b, step_args, True)
-                else:
-                    self._pair(st, pair * 2, m, m_b, step_args, False)
-                st.advance()
-                st.advance()
-                m = m_b + 1
-                if m == m_end:
-                    m = m_begin
-            if num_steps % 2 == 1:
-                self._run_step(
-                    step_fn, st, num_steps - 1, m, step_args, extra, key_edge, m_unmasked, 0
-                )
-        elif const_expr(self.static_stage):
+        if const_expr(self.static_stage):
             # Unrolled by the ring depth: step0 + j sits in ring stage j (each CTA's ring
             # starts at stage 0 and advances once per step).
             for step0 in cutlass.range(0, num_steps, self.stages, unroll=1):
@@ -908,15 +877,6 @@ class AttentionBwdSm90:
                 tidx, warp_idx, mma_dk, mma_dv, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV,
                 scale, n_block, head_kv, batch, consumer_bar, 0,
             )  # fmt: skip
-
-    @cute.jit
-    def _pair(self, st, step, m_a, m_b, step_args, masked: cutlass.Constexpr[bool]):
-        """s_ahead: steps `step` (ring stage 0) and `step + 1` (stage 1), the second's S^T
-        GEMM issued by the first before its dQ staging."""
-        st_b = st.clone()
-        st_b.advance()
-        acc_s_b = self._step(st, step, m_a, *step_args, masked, 0, next_st=st_b)
-        self._step(st_b, step + 1, m_b, *step_args, masked, 1, s_in=acc_s_b)
 
     @cute.jit
     def _run_step(
@@ -957,24 +917,18 @@ class AttentionBwdSm90:
         tVrdOt, tKrQt, tQrdS, tQrKt, tVrP, tKrdS, s_shape, dq_shape, acc_dV, acc_dK, tScS,
         r2s_ds, thr_r2s_ds, tdSsdS, sLSE, sDsum, sdQ, q_pipe, do_pipe, consumer_bar,
         scale_log2, n0, seqlen_q, seqlen_k,
-        masked: cutlass.Constexpr[bool], stage: cutlass.Constexpr = None, s_in=None,
-        next_st=None,
+        masked: cutlass.Constexpr[bool], stage: cutlass.Constexpr = None,
     ):  # fmt: skip
         """One query block m (ring stage st) against this CTA's keys. `stage`: st.index as a
         compile-time constant (the loop unrolled by the ring depth), so that the shared-memory
-        operand descriptors are constant offsets from loop-invariant bases. s_ahead: `s_in`,
-        this step's S^T already issued (by the previous step); `next_st`, issue the next
-        step's S^T (ring stage stage + 1) before the dQ staging and return its accumulator."""
+        operand descriptors are constant offsets from loop-invariant bases."""
         si = st.index if const_expr(stage is None) else stage
+        acc_S = cute.make_rmem_tensor(s_shape, Float32)
         acc_dP = cute.make_rmem_tensor(s_shape, Float32)
         # A thread's S^T element (r, c) sits at (row0 + ro[r], col0 + co[c]), ro, co static.
         ro, co = self._static_offsets(mma_sdp)
-        if const_expr(s_in is None):
-            acc_S = cute.make_rmem_tensor(s_shape, Float32)
-            q_pipe.consumer_wait(st)
-            self._gemm(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, si], True, -1)
-        else:
-            acc_S = s_in
+        q_pipe.consumer_wait(st)
+        self._gemm(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, si], True, -1)
         if const_expr(self.stats_early):
             # LSE read while S^T is on the tensor cores (after the wait it stalls the exp2)
             row0, col0 = tScS[0, 0]
@@ -1075,20 +1029,9 @@ class AttentionBwdSm90:
         if const_expr(stage is not None and self.stages % self.dq_stages == 0):
             buf = stage % self.dq_stages
         self._stage_dq(acc_dQ, sdQ, buf, tidx, wg)
-        acc_next = None
-        if const_expr(next_st is not None):
-            # the next step's S^T issued as soon as dK is done, before this step's ring release
-            # and the next step's setup. With dK still in flight (or before the dQ staging)
-            # ptxas reports too few registers (C7512) and serializes every WGMMA.
-            warpgroup.wait_group(0)
-            acc_next = cute.make_rmem_tensor(s_shape, Float32)
-            q_pipe.consumer_wait(next_st)
-            self._gemm(mma_sdp, acc_next, tSrK, tSrQ[None, None, None, stage + 1], True, -1)
         if const_expr(self.dq_first):
-            # dK done (groups retire in order); the next S^T may still run
-            warpgroup.wait_group(1 if next_st is not None else 0)
+            warpgroup.wait_group(0)
             q_pipe.consumer_release(st)
-        return acc_next
 
     @cute.jit
     def _step_qh(
