@@ -407,6 +407,11 @@ def test_bwd_configs_fit_and_deepseek_layouts():
     # D=128: Dsum read with LSE, except varlen (it spills there)
     assert default_config(128, 128).dsum_early
     assert not default_config(128, 128, False, True).dsum_early
+    # deterministic keeps the key-block-fastest launch order (the swizzled one lengthens the
+    # GQA dQ chain, BWD_NOTES.md)
+    for d, dv in HEAD_DIMS:
+        assert default_config(d, dv, True).l2_swizzle == 0
+    assert default_config(128, 128).l2_swizzle == default_config(64, 64).l2_swizzle == 4
 
 
 @pytest.mark.parametrize("tile_m,d", [(64, 128), (128, 64), (64, 192)])
