@@ -85,6 +85,13 @@ PROBE_CASES = [(64, 32, 32, 1024, 128, False), (16, 32, 32, 2048, 128, False),
                (4, 32, 32, 4096, 128, False), (1, 32, 32, 8192, 128, False)]  # fmt: skip
 if os.environ.get("BWD_PROBE") == "1":
     CASES = CASES + PROBE_CASES
+# BWD_CASES=0,1,4: only these cases (indices into CASES)
+if os.environ.get("BWD_CASES"):
+    CASES = [CASES[int(i)] for i in os.environ["BWD_CASES"].split(",")]
+# BWD_PREROLL=1: time everything twice, as the bench does and with each sample preceded by an
+# untimed replay of the same candidate (rows "<name>+preroll"): how much a predecessor's
+# power draw moves a sample on a power-capped GPU.
+PREROLL = os.environ.get("BWD_PREROLL") == "1"
 DTYPE = "bfloat16"
 
 
@@ -297,9 +304,15 @@ def run_case(case, rows):
     if PROBE_CLOCKS and case == CASES[0]:
         _probe_clocks(fns, label)
 
+    if PREROLL:  # the bench's order: ours, FA4, cuDNN
+        first = [n for n in ("default", "fa4", "cudnn") if n in fns]
+        fns = {n: fns[n] for n in first + [n for n in fns if n not in first]}
     samples = {}
     try:
         samples = time_interleaved(fns, warmup=3, reps=REPS)
+        if PREROLL:
+            pre = time_interleaved(fns, warmup=3, reps=REPS, preroll=True)
+            samples.update({f"{n}+preroll": smp for n, smp in pre.items()})
     except Exception as e:  # noqa: BLE001  (time one by one, skipping the failing ones)
         print(f"interleaved timing failed ({e}); timing one by one", file=sys.stderr)
         for name, fn in fns.items():
@@ -310,20 +323,26 @@ def run_case(case, rows):
     fwd = 2 * b * hq * s * s * (d + DV.get(d, d)) * (0.5 if causal else 1.0)
     flops = 2.5 * fwd
     ms = {n: median(smp) for n, smp in samples.items()}
-    for name in list(VARIANTS[d]) + ["cudnn", "fa4", *PHASES]:
-        if name in PHASES and name not in ms:
+    names = list(VARIANTS[d]) + ["cudnn", "fa4", *PHASES]
+    if PREROLL:
+        names += [f"{n}+preroll" for n in names]
+    for name in names:
+        if name.split("+")[0] in PHASES and name not in ms:
             continue
+        # ratios within one protocol: "x+preroll" against "default+preroll" and so on
+        sfx = "+preroll" if name.endswith("+preroll") else ""
         row = {"case": label, "variant": name}
         if name in VARIANTS[d]:
             row["config"] = VARIANTS[d][name].tag()
         if name in ms:
             t = ms[name]
+            ref = {k: ms.get(k + sfx) for k in ("default", "cudnn", "fa4")}
             row.update(
                 ms=t,
                 tflops=flops / t / 1e9,
-                vs_default=ms["default"] / t if "default" in ms else None,
-                vs_cudnn=ms["cudnn"] / t if "cudnn" in ms else None,
-                vs_fa4=ms["fa4"] / t if "fa4" in ms else None,
+                vs_default=ref["default"] / t if ref["default"] else None,
+                vs_cudnn=ref["cudnn"] / t if ref["cudnn"] else None,
+                vs_fa4=ref["fa4"] / t if ref["fa4"] else None,
                 method=getattr(samples[name], "method", None),
             )
         if name in diffs:

@@ -160,11 +160,14 @@ def time_interleaved(
     reps: int = 30,
     target_ms: float = 10.0,
     max_launches: int = 256,
+    preroll: bool = False,
 ) -> dict[str, Samples]:
     """Per-launch ms samples for each candidate, timed round by round in alternating order.
 
     Each candidate is called as fn(*args) for args in `rotate` (all the same input sets);
-    one sample is the mean over a graph replay (or burst) of about `target_ms`.
+    one sample is the mean over a graph replay (or burst) of about `target_ms`. `preroll`:
+    each sample is preceded by one untimed replay of the same candidate, so that it starts in
+    that candidate's own steady state (clocks, power) rather than its predecessor's.
     """
     if not torch.cuda.is_available():
         raise RuntimeError("timing needs a CUDA device")
@@ -175,6 +178,8 @@ def time_interleaved(
     order = list(cands.values())
     for r in range(reps):
         for cand in order if r % 2 == 0 else reversed(order):
+            if preroll:
+                cand.launch()
             cand.record()
     torch.cuda.synchronize()
     return {name: cand.samples() for name, cand in cands.items()}
