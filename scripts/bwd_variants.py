@@ -115,9 +115,8 @@ def build(out_dir: str) -> int:
     seen = set()
     for _, _, _, _, d, causal in CASES:
         dv = DV.get(d, d)
-        jobs = []
+        jobs = [(SPEC_PRE, pre_params(DTYPE, dv), "pre")]
         for name, cfg in VARIANTS[d].items():
-            jobs.append((SPEC_PRE, pre_params(DTYPE, dv), "pre"))
             jobs.append((SPEC_MAIN, main_params(DTYPE, d, dv, causal, False, cfg), name))
             post = post_params(DTYPE, d, cfg.tile_m, dq_split=cfg.dq_split)
             jobs.append((SPEC_POST, post, "post"))
