@@ -92,6 +92,9 @@ if os.environ.get("BWD_CASES"):
 # untimed replay of the same candidate (rows "<name>+preroll"): how much a predecessor's
 # power draw moves a sample on a power-capped GPU.
 PREROLL = os.environ.get("BWD_PREROLL") == "1"
+# BWD_EXPANDED=1: GQA cases also time the default kernel on K / V expanded to Hq heads
+# ("expanded": one CTA per query head, dK / dV not summed over the group)
+EXPANDED = os.environ.get("BWD_EXPANDED") == "1"
 DTYPE = "bfloat16"
 
 
@@ -251,6 +254,19 @@ def run_case(case, rows):
 
         fns[name] = fn
 
+    if EXPANDED and hkv != hq:
+        # the default kernel on K / V expanded to Hq heads (MHA: a CTA per query head, no
+        # head-group walk), dK / dV per query head left unsummed: what the walk's L2 locality
+        # costs against one CTA per query head, before any dK / dV reduction
+        k_x, v_x = (t.repeat_interleave(hq // hkv, dim=2).contiguous() for t in (k, v))
+        dk_x, dv_x, dq_x = torch.empty_like(k_x), torch.empty_like(v_x), torch.empty_like(q)
+
+        def expanded():
+            attention_bwd(q, k_x, v_x, o, lse, do, dq_x, dk_x, dv_x, scale, causal)
+
+        expanded()
+        fns["expanded"] = expanded
+
     # cuDNN backward (K, V expanded to Hq heads for GQA; the expansion is outside the timing)
     try:
         qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (qh, kh, vh))
@@ -322,11 +338,11 @@ def run_case(case, rows):
     fwd = 2 * b * hq * s * s * (d + DV.get(d, d)) * (0.5 if causal else 1.0)
     flops = 2.5 * fwd
     ms = {n: median(smp) for n, smp in samples.items()}
-    names = list(VARIANTS[d]) + ["cudnn", "fa4", *PHASES]
+    names = list(VARIANTS[d]) + ["expanded", "cudnn", "fa4", *PHASES]
     if PREROLL:
         names += [f"{n}+preroll" for n in names]
     for name in names:
-        if name.split("+")[0] in PHASES and name not in ms:
+        if name.split("+")[0] in (*PHASES, "expanded") and name not in ms:
             continue
         # ratios within one protocol: "x+preroll" against "default+preroll" and so on
         sfx = "+preroll" if name.endswith("+preroll") else ""
