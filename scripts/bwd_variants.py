@@ -18,6 +18,7 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import replace
 
 from forgekernel.kernels.attention.bwd.sm90.config import BwdConfig, default_config
 
@@ -31,9 +32,11 @@ D192 = default_config(192, 128)
 VARIANTS = {
     128: {
         "default": D128,
+        "persist": replace(D128, persistent=True),
     },
     64: {
         "default": D64,
+        "persist": replace(D64, persistent=True),
     },
     192: {
         "default": D192,
@@ -85,6 +88,12 @@ PROBE_CASES = [(64, 32, 32, 1024, 128, False), (16, 32, 32, 2048, 128, False),
                (4, 32, 32, 4096, 128, False), (1, 32, 32, 8192, 128, False)]  # fmt: skip
 if os.environ.get("BWD_PROBE") == "1":
     CASES = CASES + PROBE_CASES
+# BWD_ODD=1 (build and run): also awkward shapes (partial key blocks, fewer tiles than
+# multiprocessors, non-causal, odd GQA groups): the variants' agreement with the default there.
+ODD_CASES = [(1, 4, 2, 1000, 128, True), (3, 6, 3, 777, 128, False),
+             (1, 8, 8, 4100, 64, True), (2, 12, 4, 2500, 128, True)]  # fmt: skip
+if os.environ.get("BWD_ODD") == "1":
+    CASES = CASES + ODD_CASES
 # BWD_CASES=0,1,4: only these cases (indices into CASES)
 if os.environ.get("BWD_CASES"):
     CASES = [CASES[int(i)] for i in os.environ["BWD_CASES"].split(",")]

@@ -89,6 +89,11 @@ class BwdConfig:
     dsum_early (with stats_early, key split): Dsum read right after the dP^T GEMM is issued
       (with LSE, before any wait) instead of after the exp2s (q_halves: each half's LSE and
       Dsum right after its GEMMs are issued).
+    persistent (fixed length, not deterministic): one CTA per multiprocessor, each taking
+      (key block, kv head, batch) tiles in the launch order from a counter (the first from
+      its CTA index), so a tile's K / V load and first Q / dO stages overlap the previous
+      tile's last steps and its dK / dV (stored from registers) instead of a CTA exit and
+      launch per tile. The launcher passes the CTA count and a zeroed counter (mSem[0, 0, 0]).
     (Measured and dropped, BWD_NOTES.md: s_ahead, the next step's S^T issued by the step
     before, 0.95-1.00; dq_claim, no zeroed dQ workspace, the first key block to reach a
     query block storing its tile, 0.96-1.01; exp_emu, part of the exp2s from a polynomial on
@@ -111,6 +116,7 @@ class BwdConfig:
     q_halves: bool = False
     l2_swizzle: int = 0
     dsum_early: bool = False
+    persistent: bool = False
 
     def tag(self) -> str:
         t = f"{self.tile_m}x{self.tile_n}_s{self.stages}_dq{self.dq_stages}"
@@ -127,6 +133,7 @@ class BwdConfig:
         t += "_qhalves" if self.q_halves else ""
         t += f"_sw{self.l2_swizzle}" if self.l2_swizzle else ""
         t += "_dsumearly" if self.dsum_early else ""
+        t += "_persist" if self.persistent else ""
         return t + ("" if self.static_stage else "_dynstage")
 
     @classmethod
@@ -244,6 +251,9 @@ def default_config(
     elif varlen and (head_dim, head_dim_v) == (128, 128):
         # dsum_early spills 16 bytes with the varlen scalars (causal)
         cfg = replace(cfg, dsum_early=False)
+    if (deterministic or varlen) and cfg.persistent:
+        # deterministic: a CTA may wait for a tile not yet taken; varlen: per-sequence grid
+        cfg = replace(cfg, persistent=False)
     if deterministic and cfg.l2_swizzle:
         # the key-block-fastest order: the swizzled one lengthens the GQA dQ chain (H200
         # 2026-11-30: 1.40x -> 1.67x the non-deterministic time at hq32 / hkv4)

@@ -82,6 +82,7 @@ from forgekernel.kernels.attention.bwd.sm90.utils import (
     THREADS_PER_WG,
     acc_as_operand_a,
     acc_to_operand_a,
+    atomic_add_relaxed_gpu,
     bulk_g2s,
     bulk_reduce_add_f32,
     fence_proxy_async_global,
@@ -102,6 +103,7 @@ DQ_EMPTY_BARRIER = 4  # 4, 5: staging buffer b drained (writer arrives, consumer
 DQ_FULL_SPLIT = 2
 DQ_EMPTY_SPLIT = 6
 DQ_WRITER_WARP = 1
+TILE_STAGES = 2  # persistent: tile ids in flight from the producer to the other warps
 
 
 class AttentionBwdSm90:
@@ -186,6 +188,9 @@ class AttentionBwdSm90:
         self.dq_split = bool(config.dq_split)
         if self.dq_split and not (self.dq_first or self.col_split):
             raise ValueError("dq_split needs dq_first")
+        self.persistent = bool(config.persistent)
+        if self.persistent and (varlen or deterministic or self.kb_slowest):
+            raise ValueError("persistent: fixed length, not deterministic, not kb_slowest")
         self.consumer_regs = config.consumer_regs
         if self.consumer_regs * self.num_mma_threads + self.producer_regs * THREADS_PER_WG > (
             1 << 16
@@ -342,6 +347,9 @@ class AttentionBwdSm90:
             q_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             do_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             kv_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            # persistent: the tile ring (producer -> consumer warps and the dQ writer)
+            tile_barriers: cute.struct.MemRange[cutlass.Int64, 2 * TILE_STAGES]
+            sTile: cute.struct.MemRange[Int32, TILE_STAGES]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm * self.stages], 128]
             sDsum: cute.struct.Align[cute.struct.MemRange[Float32, tm * self.stages], 128]
             sQ: cute.struct.Align[
@@ -373,6 +381,9 @@ class AttentionBwdSm90:
         elif const_expr(self.l2_swizzle):
             # one dimension, mapped to (key block, kv head, batch) by _swizzled_block
             grid = (grid[0] * grid[1] * grid[2], 1, 1)
+        if const_expr(self.persistent):
+            # the launcher's CTA count (min(tiles, multiprocessors)) in the max_seqlen_k slot
+            grid = (max_seqlen_k, 1, 1)
         self.kernel(
             tma_q,
             tma_mQ,
@@ -392,8 +403,8 @@ class AttentionBwdSm90:
             mSem,
             mCuQ,
             mCuK,
-            mdK if const_expr(self.varlen) else None,
-            mdV if const_expr(self.varlen) else None,
+            mdK if const_expr(self.varlen or self.persistent) else None,
+            mdV if const_expr(self.varlen or self.persistent) else None,
             softmax_scale,
             softmax_scale_log2,
             self.mma_sdp,
@@ -472,6 +483,19 @@ class AttentionBwdSm90:
                 (storage.kv_barriers, 1, self.kv_bytes),
             )
         )
+        tile_pipe, sTile = None, None
+        if const_expr(self.persistent):
+            # lane 0 of each consumer warp and of the dQ writer releases a slot
+            tile_pipe = pipeline.PipelineAsync.create(
+                barrier_storage=storage.tile_barriers.data_ptr(),
+                num_stages=TILE_STAGES,
+                producer_group=producer,
+                consumer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, self.num_mma_threads // 32 + 1
+                ),
+                defer_sync=True,
+            )
+            sTile = storage.sTile.get_tensor(cute.make_layout(TILE_STAGES))
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -486,7 +510,9 @@ class AttentionBwdSm90:
 
         n_block, head_kv, batch = cute.arch.block_idx()
         num_n = cute.arch.grid_dim()[0]
-        if const_expr(self.kb_slowest):
+        if const_expr(self.persistent):
+            pass  # tiles from _roles_persistent
+        elif const_expr(self.kb_slowest):
             head_kv, batch, n_block = cute.arch.block_idx()
             num_n = cute.arch.grid_dim()[2]
         elif const_expr(self.l2_swizzle):
@@ -516,7 +542,9 @@ class AttentionBwdSm90:
             mma_sdp, mma_dv, mma_dk, mma_dq, sQ, sdO, sK, sV, sdS, sLSE, sDsum, sdQ,
             q_pipe, do_pipe, kv_pipe, n_block, head_kv, batch, seqlen_q, seqlen_k, offs,
         )  # fmt: skip
-        if const_expr(self.varlen):
+        if const_expr(self.persistent):
+            self._roles_persistent(*args, tile_pipe, sTile)
+        elif const_expr(self.varlen):
             # key blocks past this sequence's keys: nothing to do (and nothing to store)
             if n_block * self.tile_n < seqlen_k:
                 self._roles(*args)
@@ -565,6 +593,118 @@ class AttentionBwdSm90:
             )  # fmt: skip
 
     @cute.jit
+    def _roles_persistent(
+        self, tidx, warp_idx, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, tma_dk, mdK, tma_dv,
+        mdV, mLSE2, mDsum, mdQacc, mSem, mdK_gmem, mdV_gmem, scale, scale_log2,
+        mma_sdp, mma_dv, mma_dk, mma_dq, sQ, sdO, sK, sV, sdS, sLSE, sDsum, sdQ,
+        q_pipe, do_pipe, kv_pipe, n_block, head_kv, batch, seqlen_q, seqlen_k, offs,
+        tile_pipe, sTile,
+    ):  # fmt: skip
+        """The warp roles of a persistent CTA: tiles (key block, kv head, batch) in the launch
+        order, the first one the CTA index, then grid + a counter bumped by the producer near
+        the end of each tile and passed to the other warps through the tile ring."""
+        group = mQ.shape[2] // mK.shape[2]
+        num_tiles = (mK.shape[0] + self.tile_n - 1) // self.tile_n * mK.shape[2] * mK.shape[3]
+        wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                lane = cute.arch.lane_idx()
+                n_ctas = cute.arch.grid_dim()[0]
+                ctr = mSem[0, 0, None].iterator
+                kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                tstate = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, TILE_STAGES
+                )
+                tile = Int32(cute.arch.block_idx()[0])
+                while tile < num_tiles:
+                    tstate = self._publish_tile(tile_pipe, tstate, sTile, tile, lane)
+                    n_block, head_kv, batch = self._tile_coords(tile, mK)
+                    m_begin, m_end, _ = self._query_blocks(n_block, seqlen_q, seqlen_k)
+                    kv_state, st = self._produce_tile(
+                        tma_q, tma_do, tma_k, tma_v, mQ, mdO, mK, mV, mLSE2, mDsum,
+                        sQ, sdO, sK, sV, sLSE, sDsum, q_pipe, do_pipe, kv_pipe, kv_state, st,
+                        n_block, head_kv, batch, group, m_begin, m_end,
+                        group * (m_end - m_begin), offs,
+                    )  # fmt: skip
+                    # the next tile, taken once this one's loads are all issued (about the
+                    # ring depth before its consumers finish)
+                    nxt = Int32(0)
+                    if lane == 0:
+                        nxt = atomic_add_relaxed_gpu(ctr, 1)
+                    tile = cute.arch.shuffle_sync(nxt, 0) + n_ctas
+                tstate = self._publish_tile(tile_pipe, tstate, sTile, num_tiles, lane)
+            if warp_idx == DQ_WRITER_WARP:
+                lane = cute.arch.lane_idx()
+                tstate = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Consumer, TILE_STAGES
+                )
+                self._dq_first_arrivals(None)
+                gstep = Int32(0)
+                tile, tstate = self._take_tile(tile_pipe, tstate, sTile, lane)
+                while tile < num_tiles:
+                    n_block, head_kv, batch = self._tile_coords(tile, mK)
+                    m_begin, m_end, _ = self._query_blocks(n_block, seqlen_q, seqlen_k)
+                    num_steps = group * (m_end - m_begin)
+                    self._write_dq_tile(
+                        sdQ, mdQacc, mSem, n_block, head_kv, batch, group, m_begin, m_end,
+                        num_steps, offs[2], seqlen_q, seqlen_k, gstep,
+                    )  # fmt: skip
+                    gstep += num_steps
+                    tile, tstate = self._take_tile(tile_pipe, tstate, sTile, lane)
+                if lane == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self._consume(
+                tidx - THREADS_PER_WG, wg_idx - 1, warp_idx,
+                mma_sdp, mma_dv, mma_dk, mma_dq,
+                sQ, sdO, sK, sV, sdS, sLSE, sDsum, sdQ,
+                q_pipe, do_pipe, kv_pipe, tma_dk, mdK, tma_dv, mdV,
+                scale, scale_log2, n_block, head_kv, batch, group, seqlen_q, seqlen_k,
+                Int32(0), Int32(0), Int32(0), Int32(0), mdK_gmem, mdV_gmem, offs[1],
+                (tile_pipe, sTile, num_tiles, mK),
+            )  # fmt: skip
+
+    @cute.jit
+    def _publish_tile(self, tile_pipe, tstate, sTile, tile, lane):
+        """Producer warp: tile id -> the next slot of the tile ring."""
+        tile_pipe.producer_acquire(tstate)
+        if lane == 0:
+            sTile[tstate.index] = tile
+            tile_pipe.producer_commit(tstate)
+        tstate.advance()
+        return tstate
+
+    @cute.jit
+    def _take_tile(self, tile_pipe, tstate, sTile, lane) -> Int32:
+        """Consumer / dQ-writer warp: the next tile id from the tile ring (>= the tile count:
+        none left)."""
+        tile_pipe.consumer_wait(tstate)
+        tile = cute.arch.make_warp_uniform(sTile[tstate.index])
+        cute.arch.sync_warp()
+        if lane == 0:
+            tile_pipe.consumer_release(tstate)
+        tstate.advance()
+        return tile, tstate
+
+    @cute.jit
+    def _tile_coords(self, tile, mK: cute.Tensor):
+        """(key block, kv head, batch) of tile `tile` in the launch order."""
+        num_n = (mK.shape[0] + self.tile_n - 1) // self.tile_n
+        hkv = mK.shape[2]
+        if const_expr(self.l2_swizzle):
+            n_block, pair = swizzled_block(
+                tile, num_n, hkv * mK.shape[3], self.l2_swizzle, cutlass.min
+            )
+        else:
+            pair = tile // num_n
+            n_block = tile - pair * num_n
+        batch = pair // hkv
+        return n_block, pair - batch * hkv, batch
+
+    @cute.jit
     def _swizzled_block(self, mK: cute.Tensor):
         """(key block, kv head, batch, key blocks) of this CTA in the l2_swizzle order
         (config.swizzled_block)."""
@@ -601,8 +741,19 @@ class AttentionBwdSm90:
         n_block, head_kv, batch, group, m_begin, m_end, num_steps, offs,
     ):  # fmt: skip
         """Warp 0: K and V once, then per step Q + LSE and dO + Dsum."""
-        tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
-        q_off, k_off, ws = offs
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        self._produce_tile(
+            tma_q, tma_do, tma_k, tma_v, mQ, mdO, mK, mV, mLSE2, mDsum,
+            sQ, sdO, sK, sV, sLSE, sDsum, q_pipe, do_pipe, kv_pipe, kv_state, st,
+            n_block, head_kv, batch, group, m_begin, m_end, num_steps, offs,
+        )  # fmt: skip
+
+    @cute.jit
+    def _load_kv(
+        self, tma_k, tma_v, mK, mV, sK, sV, kv_pipe, kv_state, n_block, head_kv, batch, k_off
+    ):  # fmt: skip
+        tn, d, dv = self.tile_n, self.head_dim, self.head_dim_v
         one = cute.make_layout(1)
         gK = cute.local_tile(self._seq(mK[None, None, head_kv, batch], k_off), (tn, d), (None, 0))
         gV = cute.local_tile(self._seq(mV[None, None, head_kv, batch], k_off), (tn, dv), (None, 0))
@@ -612,14 +763,30 @@ class AttentionBwdSm90:
         tVsV, tVgV = cpasync.tma_partition(
             tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
         )
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_pipe.producer_acquire(kv_state)
         bar = kv_pipe.producer_get_barrier(kv_state)
         cute.copy(tma_k, tKgK[(None, n_block)], tKsK[(None, 0)], tma_bar_ptr=bar)
         cute.copy(tma_v, tVgV[(None, n_block)], tVsV[(None, 0)], tma_bar_ptr=bar)
+        kv_state.advance()
+        return kv_state
+
+    @cute.jit
+    def _produce_tile(
+        self, tma_q, tma_do, tma_k, tma_v, mQ, mdO, mK, mV, mLSE2, mDsum,
+        sQ, sdO, sK, sV, sLSE, sDsum, q_pipe, do_pipe, kv_pipe, kv_state, st,
+        n_block, head_kv, batch, group, m_begin, m_end, num_steps, offs,
+    ):  # fmt: skip
+        """One tile's loads: K and V, then per step Q + LSE and dO + Dsum (persistent: K and V
+        after the first step's Q and dO, whose ring stage frees first)."""
+        tm, d, dv = self.tile_m, self.head_dim, self.head_dim_v
+        q_off, k_off, ws = offs
+        one = cute.make_layout(1)
+        kv_args = (tma_k, tma_v, mK, mV, sK, sV, kv_pipe)
+        kv_coords = (n_block, head_kv, batch, k_off)
+        if const_expr(not self.persistent):
+            kv_state = self._load_kv(*kv_args, kv_state, *kv_coords)
 
         num_m = m_end - m_begin
-        st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         for step in cutlass.range(num_steps, unroll=1):
             head, m = self._step_coords(step, head_kv, group, m_begin, num_m)
             gQ = cute.local_tile(self._seq(mQ[None, None, head, batch], q_off), (tm, d), (None, 0))
@@ -653,6 +820,13 @@ class AttentionBwdSm90:
                     bar_do,
                 )
             st.advance()
+            if const_expr(self.persistent):
+                if step == 0:
+                    kv_state = self._load_kv(*kv_args, kv_state, *kv_coords)
+        if const_expr(self.persistent):
+            if num_steps == 0:
+                kv_state = self._load_kv(*kv_args, kv_state, *kv_coords)
+        return kv_state, st
 
     def _step_coords(self, step, head_kv, group, m_begin, num_m):
         """(query head, query block) of a step: the group's heads one after another, each over
@@ -677,19 +851,42 @@ class AttentionBwdSm90:
         """Warp 1: drain the dQ staging buffers into the fp32 workspace (bulk reduce-add), one
         part per handing-over group (dq_split: each warpgroup's half, waited for, reduced and
         released on its own barriers; half 0 released while half 1 may still be read)."""
+        self._dq_first_arrivals(num_steps)
+        self._write_dq_tile(
+            sdQ, mdQacc, mSem, n_block, head_kv, batch, group, m_begin, m_end, num_steps, ws,
+            seqlen_q, seqlen_k, 0,
+        )  # fmt: skip
+        if cute.arch.lane_idx() == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    @cute.jit
+    def _dq_first_arrivals(self, num_steps):
+        """Every staging buffer starts empty: one arrival each, matched by the consumers'
+        first waits (persistent: all of them; the consumers match the last ones at the end)."""
+        parts = NUM_MMA_WG if const_expr(self.dq_split) else 1
+        for b in cutlass.range_constexpr(self.dq_stages):
+            for p in cutlass.range_constexpr(parts):
+                bar, threads = self._dq_bar(False, b, p)
+                if const_expr(self.persistent):
+                    cute.arch.barrier_arrive(barrier_id=bar, number_of_threads=threads)
+                else:
+                    if b < num_steps:
+                        cute.arch.barrier_arrive(barrier_id=bar, number_of_threads=threads)
+
+    @cute.jit
+    def _write_dq_tile(
+        self, sdQ, mdQacc, mSem, n_block, head_kv, batch, group, m_begin, m_end, num_steps, ws,
+        seqlen_q, seqlen_k, gstep,
+    ):  # fmt: skip
+        """One tile's steps of the dQ writer; gstep: the CTA's steps before this tile
+        (persistent; the staging buffers and their barriers go round over all of them)."""
         tile = self.tile_m * self.head_dim
         parts = NUM_MMA_WG if const_expr(self.dq_split) else 1
         part = tile // parts
         lane = cute.arch.lane_idx()
         num_m = m_end - m_begin
-        # Every buffer starts empty: one arrival each, matched by the consumers' first waits.
-        for b in cutlass.range_constexpr(self.dq_stages):
-            if b < num_steps:
-                for p in cutlass.range_constexpr(parts):
-                    bar, threads = self._dq_bar(False, b, p)
-                    cute.arch.barrier_arrive(barrier_id=bar, number_of_threads=threads)
         for step in cutlass.range(num_steps, unroll=1):
-            buf = step % self.dq_stages
+            buf = (gstep + step) % self.dq_stages
             head, m = self._step_coords(step, head_kv, group, m_begin, num_m)
             gdq = mdQacc[batch, head, None].iterator + (ws * self.head_dim + m * tile)
             if const_expr(self.deterministic):
@@ -719,11 +916,12 @@ class AttentionBwdSm90:
                     if lane == 0:
                         cute.arch.cp_async_bulk_wait_group(parts - 1 - p, read=True)
                 cute.arch.sync_warp()
-                if step + self.dq_stages < num_steps:
-                    bar, threads = self._dq_bar(False, buf, p)
+                bar, threads = self._dq_bar(False, buf, p)
+                if const_expr(self.persistent):
                     cute.arch.barrier_arrive(barrier_id=bar, number_of_threads=threads)
-        if lane == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=False)
+                else:
+                    if step + self.dq_stages < num_steps:
+                        cute.arch.barrier_arrive(barrier_id=bar, number_of_threads=threads)
 
     @cute.jit
     def _dq_turn(self, n_block, m, seqlen_q, seqlen_k):
@@ -749,9 +947,11 @@ class AttentionBwdSm90:
         sQ, sdO, sK, sV, sdS, sLSE, sDsum, sdQ,
         q_pipe, do_pipe, kv_pipe, tma_dk, mdK, tma_dv, mdV,
         scale, scale_log2, n_block, head_kv, batch, group, seqlen_q, seqlen_k,
-        m_begin, m_end, m_unmasked, num_steps, mdK_gmem, mdV_gmem, k_off,
+        m_begin, m_end, m_unmasked, num_steps, mdK_gmem, mdV_gmem, k_off, persist=None,
     ):  # fmt: skip
-        """Consumer warpgroup `wg` (keys 64 wg .. 64 wg + 63 of the block); tidx in [0, 256)."""
+        """Consumer warpgroup `wg` (keys 64 wg .. 64 wg + 63 of the block); tidx in [0, 256).
+        persist: (tile ring, its shared slots, tile count, mK) of a persistent CTA, whose tiles
+        come from the ring (n_block .. num_steps unused then)."""
         tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         wg_sdp = mma_sdp.get_slice(wg * THREADS_PER_WG)
         wg_dv = mma_dv.get_slice(wg * THREADS_PER_WG)
@@ -793,8 +993,6 @@ class AttentionBwdSm90:
         dq_shape = wg_dq.partition_shape_C((tm, d))
         acc_dV = cute.make_rmem_tensor(wg_dv.partition_shape_C((tn, dv)), Float32)
         acc_dK = cute.make_rmem_tensor(wg_dk.partition_shape_C((tn, d)), Float32)
-        acc_dV.fill(0.0)
-        acc_dK.fill(0.0)
         # (key, query) coordinates of this thread's S^T elements, within the tile
         tScS = rows_cols(
             mma_sdp.get_slice(tidx).partition_C(cute.make_identity_tensor((tn, s_cols)))
@@ -815,15 +1013,75 @@ class AttentionBwdSm90:
         else:
             tdSsdS = thr_r2s_ds.partition_D(transposed(sdS)[None, None, 0])
 
-        n0 = n_block * tn
-        key_edge = n0 + tn > seqlen_k
         consumer_bar = pipeline.NamedBarrier(
             barrier_id=CONSUMER_BARRIER, num_threads=self.num_mma_threads
         )
-
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        kv_pipe.consumer_wait(kv_state)
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        frags = (
+            tidx, wg, mma_sdp, mma_dv, mma_dk, mma_dq, tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt,
+            tQrdS, tQrKt, tVrP, tKrdS, s_shape, dq_shape, acc_dV, acc_dK, tScS,
+            r2s_ds, thr_r2s_ds, tdSsdS,
+        )  # fmt: skip
+        tile_args = (
+            warp_idx, sK, sV, sdS, sLSE, sDsum, sdQ, q_pipe, do_pipe, kv_pipe, tma_dk, mdK,
+            tma_dv, mdV, scale, scale_log2, seqlen_q, seqlen_k, mdK_gmem, mdV_gmem, k_off,
+            consumer_bar,
+        )  # fmt: skip
+        if const_expr(self.persistent):
+            tile_pipe, sTile, num_tiles, mK = persist
+            lane = cute.arch.lane_idx()
+            tstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TILE_STAGES)
+            gstep = Int32(0)
+            tile, tstate = self._take_tile(tile_pipe, tstate, sTile, lane)
+            while tile < num_tiles:
+                n_block, head_kv, batch = self._tile_coords(tile, mK)
+                m_begin, m_end, m_unmasked = self._query_blocks(n_block, seqlen_q, seqlen_k)
+                m_begin = cute.arch.make_warp_uniform(m_begin)
+                m_end = cute.arch.make_warp_uniform(m_end)
+                m_unmasked = cute.arch.make_warp_uniform(m_unmasked)
+                num_steps = group * (m_end - m_begin)
+                kv_state, st = self._consume_tile(
+                    frags, tile_args, kv_state, st, n_block, head_kv, batch, m_begin, m_end,
+                    m_unmasked, num_steps, gstep,
+                )  # fmt: skip
+                gstep += num_steps
+                tile, tstate = self._take_tile(tile_pipe, tstate, sTile, lane)
+            # the dQ writer's last arrivals (one per staging buffer) are matched here
+            part = wg if const_expr(self.dq_split) else 0
+            for b in cutlass.range_constexpr(self.dq_stages):
+                bar, threads = self._dq_bar(False, b, part)
+                cute.arch.barrier(barrier_id=bar, number_of_threads=threads)
+        else:
+            self._consume_tile(
+                frags, tile_args, kv_state, st, n_block, head_kv, batch, m_begin, m_end,
+                m_unmasked, num_steps, 0,
+            )  # fmt: skip
+
+    @cute.jit
+    def _consume_tile(
+        self, frags, tile_args, kv_state, st, n_block, head_kv, batch, m_begin, m_end,
+        m_unmasked, num_steps, gstep,
+    ):  # fmt: skip
+        """One key block's steps and its dK / dV (persistent: K / V released after the last
+        step's GEMMs, dK / dV stored from registers). gstep: the CTA's steps before this tile,
+        so that the ring stage, the dS and the dQ staging buffers follow all of them."""
+        (
+            tidx, wg, mma_sdp, mma_dv, mma_dk, mma_dq, tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt,
+            tQrdS, tQrKt, tVrP, tKrdS, s_shape, dq_shape, acc_dV, acc_dK, tScS,
+            r2s_ds, thr_r2s_ds, tdSsdS,
+        ) = frags  # fmt: skip
+        (
+            warp_idx, sK, sV, sdS, sLSE, sDsum, sdQ, q_pipe, do_pipe, kv_pipe, tma_dk, mdK,
+            tma_dv, mdV, scale, scale_log2, seqlen_q, seqlen_k, mdK_gmem, mdV_gmem, k_off,
+            consumer_bar,
+        ) = tile_args  # fmt: skip
+        tn = self.tile_n
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+        n0 = n_block * tn
+        key_edge = n0 + tn > seqlen_k
+        kv_pipe.consumer_wait(kv_state)
         step_args = (
             tidx, wg, mma_sdp, mma_dv, mma_dk, mma_dq, tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt,
             tQrdS, tQrKt, tVrP, tKrdS, s_shape, dq_shape, acc_dV, acc_dK, tScS,
@@ -842,30 +1100,56 @@ class AttentionBwdSm90:
         m = m_begin
         if const_expr(self.static_stage):
             # Unrolled by the ring depth: step0 + j sits in ring stage j (each CTA's ring
-            # starts at stage 0 and advances once per step).
-            for step0 in cutlass.range(0, num_steps, self.stages, unroll=1):
-                for j in cutlass.range_constexpr(self.stages):
-                    step = step0 + j
-                    if step < num_steps:
-                        self._run_step(step_fn, st, step, m, step_args, extra, key_edge,
-                                       m_unmasked, j)  # fmt: skip
-                        st.advance()
-                        m += 1
-                        if m == m_end:
-                            m = m_begin
+            # starts at stage 0 and advances once per step; persistent: a tile starts at
+            # stage p = gstep % stages, its step s at slot p + s).
+            if const_expr(self.persistent):
+                p = st.index
+                for step0 in cutlass.range(0, num_steps + p, self.stages, unroll=1):
+                    for j in cutlass.range_constexpr(self.stages):
+                        step = step0 + j - p
+                        if step >= 0 and step < num_steps:
+                            self._run_step(step_fn, st, gstep + step, m, step_args, extra,
+                                           key_edge, m_unmasked, j)  # fmt: skip
+                            st.advance()
+                            m += 1
+                            if m == m_end:
+                                m = m_begin
+            else:
+                for step0 in cutlass.range(0, num_steps, self.stages, unroll=1):
+                    for j in cutlass.range_constexpr(self.stages):
+                        step = step0 + j
+                        if step < num_steps:
+                            self._run_step(step_fn, st, step, m, step_args, extra, key_edge,
+                                           m_unmasked, j)  # fmt: skip
+                            st.advance()
+                            m += 1
+                            if m == m_end:
+                                m = m_begin
         else:
             for step in cutlass.range(num_steps, unroll=1):
-                self._run_step(step_fn, st, step, m, step_args, extra, key_edge, m_unmasked)
+                self._run_step(step_fn, st, gstep + step, m, step_args, extra, key_edge,
+                               m_unmasked)  # fmt: skip
                 st.advance()
                 m += 1
                 if m == m_end:
                     m = m_begin
 
-        if const_expr(self.varlen):
+        if const_expr(self.persistent):
+            # every GEMM of this warp has finished reading K / V (the steps wait for all
+            # of theirs); once all eight consumer warps arrive the producer loads the next
+            # tile's K / V while dK / dV go out from registers
+            warpgroup.wait_group(0)
+            kv_pipe.consumer_release(kv_state)
+            kv_state.advance()
+            self._store_dkv_direct(
+                tidx, mma_dk, mma_dv, acc_dK, acc_dV, mdK_gmem, mdV_gmem, scale, n_block,
+                head_kv, batch, seqlen_k, key_edge,
+            )  # fmt: skip
+        elif const_expr(self.varlen):
             if key_edge:
-                self._store_dkv_rmem(
+                self._store_dkv_direct(
                     tidx, mma_dk, mma_dv, acc_dK, acc_dV, mdK_gmem, mdV_gmem, scale,
-                    n_block, head_kv, k_off, seqlen_k,
+                    n_block, head_kv, 0, seqlen_k, True, k_off,
                 )  # fmt: skip
             else:
                 self._store_dkv(
@@ -877,6 +1161,7 @@ class AttentionBwdSm90:
                 tidx, warp_idx, mma_dk, mma_dv, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV,
                 scale, n_block, head_kv, batch, consumer_bar, 0,
             )  # fmt: skip
+        return kv_state, st
 
     @cute.jit
     def _run_step(
@@ -1293,34 +1578,48 @@ class AttentionBwdSm90:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def _store_dkv_rmem(
-        self, tidx, mma_dk, mma_dv, acc_dK, acc_dV, mdK, mdV, scale, n_block, head_kv, k_off,
-        seqlen_k,
+    def _store_dkv_direct(
+        self, tidx, mma_dk, mma_dv, acc_dK, acc_dV, mdK, mdV, scale, n_block, head_kv, batch,
+        seqlen_k, key_edge, k_off=0,
     ):  # fmt: skip
-        """Varlen key block ending inside its sequence: dK * scale and dV stored from registers,
-        rows < Sk only (the packed neighbour's rows are another CTA's)."""
+        """dK * scale and dV stored from registers (varlen key blocks ending inside their
+        sequence, persistent tiles): rows < Sk only when the block crosses the key edge (a
+        TMA box would overwrite a packed neighbour's rows), else 4-byte vector stores."""
+        # one at a time: the converted copy of dK is dead before dV's is made
         rdK = cute.make_rmem_tensor(acc_dK.shape, self.dtype)
         rdK.store((acc_dK.load() * scale).to(self.dtype))
+        self._store_rows(
+            tidx, mma_dk, rdK, mdK, self.head_dim, n_block, head_kv, batch, k_off, seqlen_k,
+            key_edge,
+        )  # fmt: skip
         rdV = cute.make_rmem_tensor(acc_dV.shape, self.dtype)
         rdV.store(acc_dV.load().to(self.dtype))
-        self._store_rows(tidx, mma_dk, rdK, mdK, self.head_dim, n_block, head_kv, k_off, seqlen_k)
-        self._store_rows(tidx, mma_dv, rdV, mdV, self.head_dim_v, n_block, head_kv, k_off, seqlen_k)
+        self._store_rows(
+            tidx, mma_dv, rdV, mdV, self.head_dim_v, n_block, head_kv, batch, k_off, seqlen_k,
+            key_edge,
+        )  # fmt: skip
 
     @cute.jit
-    def _store_rows(self, tidx, mma, r, m, width: int, n_block, head_kv, k_off, seqlen_k):
-        """r (this thread's fragment of a (tile_n, width) accumulator of `mma`) -> the rows
-        < seqlen_k of key block n_block of the sequence starting at k_off."""
+    def _store_rows(
+        self, tidx, mma, r, m, width: int, n_block, head_kv, batch, k_off, seqlen_k, key_edge
+    ):  # fmt: skip
+        """r (this thread's fragment of a (tile_n, width) accumulator of `mma`) -> key block
+        n_block of the (S, D, H, B) view m from row k_off; rows < seqlen_k only if key_edge."""
         tn = self.tile_n
         n0 = n_block * tn
         g = cute.local_tile(
-            cute.domain_offset((k_off, 0), m[None, None, head_kv, 0]), (tn, width), (n_block, 0)
-        )
+            cute.domain_offset((k_off, 0), m[None, None, head_kv, batch]), (tn, width),
+            (n_block, 0),
+        )  # fmt: skip
         thr = mma.get_slice(tidx)
         tg = thr.partition_C(g)
-        tc = thr.partition_C(cute.make_identity_tensor((tn, width)))
-        for i in cutlass.range_constexpr(cute.size(r)):
-            if n0 + tc[i][0] < seqlen_k:
-                tg[i] = r[i]
+        if key_edge:
+            tc = thr.partition_C(cute.make_identity_tensor((tn, width)))
+            for i in cutlass.range_constexpr(cute.size(r)):
+                if n0 + tc[i][0] < seqlen_k:
+                    tg[i] = r[i]
+        else:
+            cute.autovec_copy(r, tg)
 
     def _seq(self, t: cute.Tensor, off) -> cute.Tensor:
         """A (S, D) view shifted to its sequence's first row (varlen; identity otherwise)."""

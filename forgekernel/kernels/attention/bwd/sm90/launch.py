@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import replace
 
 import torch
 
@@ -22,6 +24,11 @@ from forgekernel.runtime.cache import get_kernel
 
 LOG2E = math.log2(math.e)
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -93,6 +100,8 @@ def attention_bwd(
         return
     dtype = _DTYPE_NAMES[q.dtype]
     cfg = config if config is not None else default_config(d, dv_dim, deterministic)
+    if deterministic and cfg.persistent:
+        cfg = replace(cfg, persistent=False)
     dev = q.device
     q, k, v, o, do = (_ready(t) for t in (q, k, v, o, do))
     lse = lse.contiguous()
@@ -109,11 +118,17 @@ def attention_bwd(
     dq_acc = torch.empty(b, hq, sq_pad * d, dtype=f32, device=dev)  # zeroed by the preprocess
     # The per-row-block dQ semaphores (deterministic order); the compiled kernel's batch and
     # head extents are shared with q, so the unread buffer keeps the shape too (uninitialized).
+    # Persistent: sem[0, 0, 0] is the tile counter (zeroed), and the kernel's max_seqlen_k
+    # slot carries its CTA count.
     n_sem = sq_pad // cfg.tile_m
-    if deterministic:
+    if deterministic or cfg.persistent:
         sem = torch.zeros(b, hq, n_sem, dtype=torch.int32, device=dev)
     else:
         sem = torch.empty(b, hq, n_sem, dtype=torch.int32, device=dev)
+    ctas = 0
+    if cfg.persistent:
+        tiles = -(-sk // cfg.tile_n) * hkv * b
+        ctas = min(tiles, _num_sms(dev.index if dev.index is not None else 0))
 
     pre = get_kernel(SPEC_PRE, pre_params(dtype, dv_dim))
     main = get_kernel(SPEC_MAIN, main_params(dtype, d, dv_dim, causal, deterministic, cfg))
@@ -122,7 +137,7 @@ def attention_bwd(
     with torch.cuda.device(dev):
         pre(o, do, lse, lse2, dsum, None, dq_acc, 0)
         main(
-            q, k, v, do, lse2, dsum, dq_acc, dk_dst, dv_dst, sem, None, None, 0, scale,
+            q, k, v, do, lse2, dsum, dq_acc, dk_dst, dv_dst, sem, None, None, ctas, scale,
             scale * LOG2E,
         )  # fmt: skip
         post(dq_acc, dq_dst, None, 0, scale)
@@ -170,6 +185,8 @@ def _attention_bwd_varlen(
         return
     dtype = _DTYPE_NAMES[q.dtype]
     cfg = config if config is not None else default_config(d, dv_dim, deterministic, True)
+    if cfg.persistent:
+        cfg = replace(cfg, persistent=False)  # varlen keeps its per-sequence grid
     dev = q.device
     q, k, v, o, do = (_ready(t) for t in (q, k, v, o, do))
     lse = lse.contiguous()

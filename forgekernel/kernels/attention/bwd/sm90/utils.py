@@ -200,6 +200,21 @@ def red_release_gpu_add(ptr, val, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def atomic_add_relaxed_gpu(ptr, val, *, loc=None, ip=None) -> Int32:
+    """The old value of a relaxed gpu-scope atomic add (the persistent tile counter)."""
+    v = llvm.inline_asm(
+        T.i32(),
+        [ptr.llvm_ptr, Int32(val).ir_value(loc=loc, ip=ip)],
+        "atom.relaxed.gpu.global.add.s32 $0, [$1], $2;",
+        "=r,l,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return Int32(v)
+
+
+@dsl_user_op
 def fence_proxy_async_global(*, loc=None, ip=None) -> None:
     """Order this thread's generic-proxy global accesses with its async-proxy ones."""
     llvm.inline_asm(
@@ -229,6 +244,7 @@ __all__ = [
     "bulk_reduce_add_f32",
     "ld_acquire_gpu",
     "red_release_gpu_add",
+    "atomic_add_relaxed_gpu",
     "fence_proxy_async_global",
     "cutlass",
 ]
