@@ -94,6 +94,9 @@ class BwdConfig:
       its CTA index), so a tile's K / V load and first Q / dO stages overlap the previous
       tile's last steps and its dK / dV (stored from registers) instead of a CTA exit and
       launch per tile. The launcher passes the CTA count and a zeroed counter (mSem[0, 0, 0]).
+    dkv_direct (fixed length): dK / dV stored from registers (4-byte stores) instead of
+      stmatrix into the K / V buffers and two TMA stores (persistent: K / V then released
+      right after the last step's GEMMs, not after the stores have read them).
     (Measured and dropped, BWD_NOTES.md: s_ahead, the next step's S^T issued by the step
     before, 0.95-1.00; dq_claim, no zeroed dQ workspace, the first key block to reach a
     query block storing its tile, 0.96-1.01; exp_emu, part of the exp2s from a polynomial on
@@ -117,6 +120,7 @@ class BwdConfig:
     l2_swizzle: int = 0
     dsum_early: bool = False
     persistent: bool = False
+    dkv_direct: bool = False
 
     def tag(self) -> str:
         t = f"{self.tile_m}x{self.tile_n}_s{self.stages}_dq{self.dq_stages}"
@@ -134,6 +138,7 @@ class BwdConfig:
         t += f"_sw{self.l2_swizzle}" if self.l2_swizzle else ""
         t += "_dsumearly" if self.dsum_early else ""
         t += "_persist" if self.persistent else ""
+        t += "_dkvdirect" if self.dkv_direct else ""
         return t + ("" if self.static_stage else "_dynstage")
 
     @classmethod

@@ -189,6 +189,7 @@ class AttentionBwdSm90:
         if self.dq_split and not (self.dq_first or self.col_split):
             raise ValueError("dq_split needs dq_first")
         self.persistent = bool(config.persistent)
+        self.dkv_direct = bool(config.dkv_direct) and not varlen
         if self.persistent and (varlen or deterministic or self.kb_slowest):
             raise ValueError("persistent: fixed length, not deterministic, not kb_slowest")
         self.consumer_regs = config.consumer_regs
@@ -403,8 +404,8 @@ class AttentionBwdSm90:
             mSem,
             mCuQ,
             mCuK,
-            mdK if const_expr(self.varlen or self.persistent) else None,
-            mdV if const_expr(self.varlen or self.persistent) else None,
+            mdK if const_expr(self.varlen or self.dkv_direct) else None,
+            mdV if const_expr(self.varlen or self.dkv_direct) else None,
             softmax_scale,
             softmax_scale_log2,
             self.mma_sdp,
@@ -1134,13 +1135,27 @@ class AttentionBwdSm90:
                 if m == m_end:
                     m = m_begin
 
-        if const_expr(self.persistent):
+        if const_expr(self.persistent and self.dkv_direct):
             # every GEMM of this warp has finished reading K / V (the steps wait for all
             # of theirs); once all eight consumer warps arrive the producer loads the next
             # tile's K / V while dK / dV go out from registers
             warpgroup.wait_group(0)
             kv_pipe.consumer_release(kv_state)
             kv_state.advance()
+            self._store_dkv_direct(
+                tidx, mma_dk, mma_dv, acc_dK, acc_dV, mdK_gmem, mdV_gmem, scale, n_block,
+                head_kv, batch, seqlen_k, key_edge,
+            )  # fmt: skip
+        elif const_expr(self.persistent):
+            # dK / dV through the K / V buffers; each warp releases them once past the
+            # stores (the storing warp after the TMA has read them)
+            self._store_dkv(
+                tidx, warp_idx, mma_dk, mma_dv, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV,
+                scale, n_block, head_kv, batch, consumer_bar, 0,
+            )  # fmt: skip
+            kv_pipe.consumer_release(kv_state)
+            kv_state.advance()
+        elif const_expr(self.dkv_direct):
             self._store_dkv_direct(
                 tidx, mma_dk, mma_dv, acc_dK, acc_dV, mdK_gmem, mdV_gmem, scale, n_block,
                 head_kv, batch, seqlen_k, key_edge,
