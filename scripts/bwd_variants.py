@@ -33,13 +33,10 @@ VARIANTS = {
     128: {
         "default": D128,
         "persist": replace(D128, persistent=True),
-        "persist_direct": replace(D128, persistent=True, dkv_direct=True),
-        "direct": replace(D128, dkv_direct=True),
     },
     64: {
         "default": D64,
-        "persist": replace(D64, persistent=True),
-        "persist_direct": replace(D64, persistent=True, dkv_direct=True),
+        "nonpersist": replace(D64, persistent=False),
     },
     192: {
         "default": D192,

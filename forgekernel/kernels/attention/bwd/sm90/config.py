@@ -194,6 +194,8 @@ _DEFAULTS = {
     # D=64: 128 query rows per step, the rolled step loop (unrolled by the ring it spilled),
     # dQ first with the per-warpgroup hand-over and the dS stores before the dV GEMM (H200
     # 2026-11-30 11:23 UTC: 1.20x the previous default, dK before dQ with the joint hand-over).
+    # Persistent (H200 2026-11-30 16:23 UTC, bf16 causal b2 hq32 s8192: 1.032x; at D = 128
+    # 0.983-0.995x, not taken there; 192/128 spills with it).
     (64, 64): BwdConfig(
         tile_m=128,
         tile_n=128,
@@ -205,6 +207,7 @@ _DEFAULTS = {
         dq_split=True,
         ds_store_first=True,
         l2_swizzle=4,
+        persistent=True,
     ),
     # l2_swizzle 4 (H200 2026-11-30 12:57 / 13:02 UTC, bf16 causal): MHA 1.01-1.02x, GQA
     # 1.02-1.07x, D=64 1.03x; 192/128 0.98x (left at 0).
