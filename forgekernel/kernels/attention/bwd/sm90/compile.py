@@ -64,6 +64,7 @@ def compile_main(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     dtype = _DTYPES[params["dtype"]]
     d, dv = params["head_dim"], params["head_dim_v"]
     varlen = bool(params.get("varlen", False))
+    dkv_dtype = cutlass.Float32 if params.get("head_split", False) else dtype
     b, sq, sk = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     hq, hkv = cute.sym_int32(), cute.sym_int32()
     sq_pad, sq_pad_d, n_mblk = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
@@ -100,8 +101,8 @@ def compile_main(params: dict, arch: str = "sm_90a", extra_options: str = ""):
             _bhs(cutlass.Float32, b, hq, sq_pad),  # lse (log2 units, padded)
             _bhs(cutlass.Float32, b, hq, sq_pad),  # dsum
             _bhs(cutlass.Float32, b, hq, sq_pad_d),  # dq accumulator
-            _bshd(dtype, b, sk, hkv, d),  # dk
-            _bshd(dtype, b, sk, hkv, dv),  # dv
+            _bshd(dkv_dtype, b, sk, hkv, d),  # dk (head_split: fp32 accumulator)
+            _bshd(dkv_dtype, b, sk, hkv, dv),  # dv
             make_fake_tensor(
                 cutlass.Int32, (b, hq, n_mblk), stride=(cute.sym_int64(), cute.sym_int64(), 1)
             ),

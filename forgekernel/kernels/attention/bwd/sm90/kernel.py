@@ -89,6 +89,7 @@ from forgekernel.kernels.attention.bwd.sm90.utils import (
     ld_acquire_gpu,
     make_dq_mma,
     packed_as_sdhb,
+    red_add_v2_f32,
     red_release_gpu_add,
     rows_cols,
     select,
@@ -190,6 +191,14 @@ class AttentionBwdSm90:
             raise ValueError("dq_split needs dq_first")
         self.persistent = bool(config.persistent)
         self.dkv_direct = bool(config.dkv_direct) and not varlen
+        self.head_split = bool(config.head_split)
+        if self.head_split and (
+            varlen or deterministic or self.persistent or self.col_split or self.kb_slowest
+        ):
+            raise ValueError(
+                "head_split: fixed length, not deterministic / persistent / column split / "
+                "kb_slowest"
+            )
         if self.persistent and (varlen or deterministic or self.kb_slowest):
             raise ValueError("persistent: fixed length, not deterministic, not kb_slowest")
         self.consumer_regs = config.consumer_regs
@@ -311,7 +320,7 @@ class AttentionBwdSm90:
         (Tk, Hkv, *), mLSE2, mDsum (Hq, rows), mdQacc (Hq, rows * D), mSem (Hq, rows),
         mCuQ / mCuK int32 (B + 1,), max_seqlen_k the longest key sequence."""
         self.dtype = mQ.element_type
-        for t in (mK, mV, mdO, mdK, mdV):
+        for t in (mK, mV, mdO) + (() if const_expr(self.head_split) else (mdK, mdV)):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"q, k, v, do, dk, dv must share one dtype, got {t.element_type}")
         self._setup()
@@ -335,8 +344,13 @@ class AttentionBwdSm90:
         tma_do, tma_mdO = cpasync.make_tiled_tma_atom(g2s, mdO, sdO_tile, (tm, dv))
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, sK_tile, (tn, d))
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV, sV_tile, (tn, dv))
-        tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(s2g, mdK, sK_tile, (tn, d))
-        tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(s2g, mdV, sV_tile, (tn, dv))
+        if const_expr(self.head_split):
+            # fp32 dK / dV accumulators, added to from registers (mdK / mdV below); the TMA
+            # store atoms are unused
+            tma_dk, tma_mdK, tma_dv, tma_mdV = tma_k, tma_mK, tma_v, tma_mV
+        else:
+            tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(s2g, mdK, sK_tile, (tn, d))
+            tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(s2g, mdV, sV_tile, (tn, dv))
         self.q_bytes = cute.size_in_bytes(self.dtype, sQ_tile) + tm * 4
         self.do_bytes = cute.size_in_bytes(self.dtype, sdO_tile) + tm * 4
         self.kv_bytes = cute.size_in_bytes(self.dtype, sK_tile) + cute.size_in_bytes(
@@ -374,7 +388,9 @@ class AttentionBwdSm90:
         if const_expr(self.varlen):
             grid = (cute.ceil_div(max_seqlen_k, tn), mK.shape[2], mCuK.shape[0] - 1)
         else:
-            grid = (cute.ceil_div(mK.shape[0], tn), mK.shape[2], mK.shape[3])
+            # head_split: one CTA per query head
+            heads = mQ.shape[2] if const_expr(self.head_split) else mK.shape[2]
+            grid = (cute.ceil_div(mK.shape[0], tn), heads, mK.shape[3])
         if const_expr(self.kb_slowest):
             # (kv head, batch, key block): every (head, batch)'s first key block (causal: the
             # most query blocks) is dispatched before any second one.
@@ -404,8 +420,8 @@ class AttentionBwdSm90:
             mSem,
             mCuQ,
             mCuK,
-            mdK if const_expr(self.varlen or self.dkv_direct) else None,
-            mdV if const_expr(self.varlen or self.dkv_direct) else None,
+            mdK if const_expr(self.varlen or self.dkv_direct or self.head_split) else None,
+            mdV if const_expr(self.varlen or self.dkv_direct or self.head_split) else None,
             softmax_scale,
             softmax_scale_log2,
             self.mma_sdp,
@@ -517,7 +533,7 @@ class AttentionBwdSm90:
             head_kv, batch, n_block = cute.arch.block_idx()
             num_n = cute.arch.grid_dim()[2]
         elif const_expr(self.l2_swizzle):
-            n_block, head_kv, batch, num_n = self._swizzled_block(mK)
+            n_block, head_kv, batch, num_n = self._swizzled_block(mK, mQ)
         if const_expr(self.deterministic and self.causal):
             # Key blocks launched in descending order: each query block's dQ is summed from
             # its highest key block down (see _dq_turn), and a CTA only ever waits for CTAs
@@ -561,12 +577,18 @@ class AttentionBwdSm90:
     ):  # fmt: skip
         """The warp roles of one CTA (a key block with at least one key)."""
         group = mQ.shape[2] // mK.shape[2]
+        # the CTA's query heads: its kv head's group, hq0 .. hq0 + walk - 1 (head_split: the
+        # grid's head is one query head)
+        hq0, walk = head_kv * group, group
+        if const_expr(self.head_split):
+            hq0, walk = head_kv, 1
+            head_kv = hq0 // group
         m_begin, m_end, m_unmasked = self._query_blocks(n_block, seqlen_q, seqlen_k)
         # CTA-uniform scalars: keep them in uniform registers, off the consumers' budget.
         m_begin = cute.arch.make_warp_uniform(m_begin)
         m_end = cute.arch.make_warp_uniform(m_end)
         m_unmasked = cute.arch.make_warp_uniform(m_unmasked)
-        num_steps = group * (m_end - m_begin)
+        num_steps = walk * (m_end - m_begin)
 
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         if wg_idx == 0:
@@ -575,11 +597,11 @@ class AttentionBwdSm90:
                 self._produce(
                     tma_q, tma_do, tma_k, tma_v, mQ, mdO, mK, mV, mLSE2, mDsum,
                     sQ, sdO, sK, sV, sLSE, sDsum, q_pipe, do_pipe, kv_pipe,
-                    n_block, head_kv, batch, group, m_begin, m_end, num_steps, offs,
+                    n_block, head_kv, batch, hq0, m_begin, m_end, num_steps, offs,
                 )  # fmt: skip
             if warp_idx == DQ_WRITER_WARP:
                 self._write_dq(
-                    sdQ, mdQacc, mSem, n_block, head_kv, batch, group, m_begin, m_end, num_steps,
+                    sdQ, mdQacc, mSem, n_block, head_kv, batch, hq0, m_begin, m_end, num_steps,
                     offs[2], seqlen_q, seqlen_k,
                 )  # fmt: skip
         else:
@@ -626,7 +648,7 @@ class AttentionBwdSm90:
                     kv_state, st = self._produce_tile(
                         tma_q, tma_do, tma_k, tma_v, mQ, mdO, mK, mV, mLSE2, mDsum,
                         sQ, sdO, sK, sV, sLSE, sDsum, q_pipe, do_pipe, kv_pipe, kv_state, st,
-                        n_block, head_kv, batch, group, m_begin, m_end,
+                        n_block, head_kv, batch, head_kv * group, m_begin, m_end,
                         group * (m_end - m_begin), offs,
                     )  # fmt: skip
                     # the next tile, taken once this one's loads are all issued (about the
@@ -649,8 +671,8 @@ class AttentionBwdSm90:
                     m_begin, m_end, _ = self._query_blocks(n_block, seqlen_q, seqlen_k)
                     num_steps = group * (m_end - m_begin)
                     self._write_dq_tile(
-                        sdQ, mdQacc, mSem, n_block, head_kv, batch, group, m_begin, m_end,
-                        num_steps, offs[2], seqlen_q, seqlen_k, gstep,
+                        sdQ, mdQacc, mSem, n_block, head_kv, batch, head_kv * group, m_begin,
+                        m_end, num_steps, offs[2], seqlen_q, seqlen_k, gstep,
                     )  # fmt: skip
                     gstep += num_steps
                     tile, tstate = self._take_tile(tile_pipe, tstate, sTile, lane)
@@ -706,11 +728,11 @@ class AttentionBwdSm90:
         return n_block, pair - batch * hkv, batch
 
     @cute.jit
-    def _swizzled_block(self, mK: cute.Tensor):
-        """(key block, kv head, batch, key blocks) of this CTA in the l2_swizzle order
-        (config.swizzled_block)."""
+    def _swizzled_block(self, mK: cute.Tensor, mQ: cute.Tensor):
+        """(key block, kv head (head_split: query head), batch, key blocks) of this CTA in the
+        l2_swizzle order (config.swizzled_block)."""
         num_n = (mK.shape[0] + self.tile_n - 1) // self.tile_n
-        hkv = mK.shape[2]
+        hkv = mQ.shape[2] if const_expr(self.head_split) else mK.shape[2]
         n_block, pair = swizzled_block(
             cute.arch.block_idx()[0], num_n, hkv * mK.shape[3], self.l2_swizzle, cutlass.min
         )
@@ -739,7 +761,7 @@ class AttentionBwdSm90:
     def _produce(
         self, tma_q, tma_do, tma_k, tma_v, mQ, mdO, mK, mV, mLSE2, mDsum,
         sQ, sdO, sK, sV, sLSE, sDsum, q_pipe, do_pipe, kv_pipe,
-        n_block, head_kv, batch, group, m_begin, m_end, num_steps, offs,
+        n_block, head_kv, batch, hq0, m_begin, m_end, num_steps, offs,
     ):  # fmt: skip
         """Warp 0: K and V once, then per step Q + LSE and dO + Dsum."""
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -747,7 +769,7 @@ class AttentionBwdSm90:
         self._produce_tile(
             tma_q, tma_do, tma_k, tma_v, mQ, mdO, mK, mV, mLSE2, mDsum,
             sQ, sdO, sK, sV, sLSE, sDsum, q_pipe, do_pipe, kv_pipe, kv_state, st,
-            n_block, head_kv, batch, group, m_begin, m_end, num_steps, offs,
+            n_block, head_kv, batch, hq0, m_begin, m_end, num_steps, offs,
         )  # fmt: skip
 
     @cute.jit
@@ -775,7 +797,7 @@ class AttentionBwdSm90:
     def _produce_tile(
         self, tma_q, tma_do, tma_k, tma_v, mQ, mdO, mK, mV, mLSE2, mDsum,
         sQ, sdO, sK, sV, sLSE, sDsum, q_pipe, do_pipe, kv_pipe, kv_state, st,
-        n_block, head_kv, batch, group, m_begin, m_end, num_steps, offs,
+        n_block, head_kv, batch, hq0, m_begin, m_end, num_steps, offs,
     ):  # fmt: skip
         """One tile's loads: K and V, then per step Q + LSE and dO + Dsum (persistent: K and V
         after the first step's Q and dO, whose ring stage frees first)."""
@@ -789,7 +811,7 @@ class AttentionBwdSm90:
 
         num_m = m_end - m_begin
         for step in cutlass.range(num_steps, unroll=1):
-            head, m = self._step_coords(step, head_kv, group, m_begin, num_m)
+            head, m = self._step_coords(step, hq0, m_begin, num_m)
             gQ = cute.local_tile(self._seq(mQ[None, None, head, batch], q_off), (tm, d), (None, 0))
             gdO = cute.local_tile(
                 self._seq(mdO[None, None, head, batch], q_off), (tm, dv), (None, 0)
@@ -829,10 +851,10 @@ class AttentionBwdSm90:
                 kv_state = self._load_kv(*kv_args, kv_state, *kv_coords)
         return kv_state, st
 
-    def _step_coords(self, step, head_kv, group, m_begin, num_m):
+    def _step_coords(self, step, hq0, m_begin, num_m):
         """(query head, query block) of a step: the group's heads one after another, each over
         the CTA's query blocks."""
-        return head_kv * group + step // num_m, m_begin + step % num_m
+        return hq0 + step // num_m, m_begin + step % num_m
 
     def _dq_bar(self, full: bool, buf, part):
         """(barrier id, threads) of staging buffer `buf`'s full or empty barrier for `part`:
@@ -846,7 +868,7 @@ class AttentionBwdSm90:
 
     @cute.jit
     def _write_dq(
-        self, sdQ, mdQacc, mSem, n_block, head_kv, batch, group, m_begin, m_end, num_steps, ws,
+        self, sdQ, mdQacc, mSem, n_block, head_kv, batch, hq0, m_begin, m_end, num_steps, ws,
         seqlen_q, seqlen_k,
     ):  # fmt: skip
         """Warp 1: drain the dQ staging buffers into the fp32 workspace (bulk reduce-add), one
@@ -854,7 +876,7 @@ class AttentionBwdSm90:
         released on its own barriers; half 0 released while half 1 may still be read)."""
         self._dq_first_arrivals(num_steps)
         self._write_dq_tile(
-            sdQ, mdQacc, mSem, n_block, head_kv, batch, group, m_begin, m_end, num_steps, ws,
+            sdQ, mdQacc, mSem, n_block, head_kv, batch, hq0, m_begin, m_end, num_steps, ws,
             seqlen_q, seqlen_k, 0,
         )  # fmt: skip
         if cute.arch.lane_idx() == 0:
@@ -876,7 +898,7 @@ class AttentionBwdSm90:
 
     @cute.jit
     def _write_dq_tile(
-        self, sdQ, mdQacc, mSem, n_block, head_kv, batch, group, m_begin, m_end, num_steps, ws,
+        self, sdQ, mdQacc, mSem, n_block, head_kv, batch, hq0, m_begin, m_end, num_steps, ws,
         seqlen_q, seqlen_k, gstep,
     ):  # fmt: skip
         """One tile's steps of the dQ writer; gstep: the CTA's steps before this tile
@@ -888,7 +910,7 @@ class AttentionBwdSm90:
         num_m = m_end - m_begin
         for step in cutlass.range(num_steps, unroll=1):
             buf = (gstep + step) % self.dq_stages
-            head, m = self._step_coords(step, head_kv, group, m_begin, num_m)
+            head, m = self._step_coords(step, hq0, m_begin, num_m)
             gdq = mdQacc[batch, head, None].iterator + (ws * self.head_dim + m * tile)
             if const_expr(self.deterministic):
                 sem = mSem[batch, head, None].iterator + (ws + m)
@@ -1135,7 +1157,12 @@ class AttentionBwdSm90:
                 if m == m_end:
                     m = m_begin
 
-        if const_expr(self.persistent and self.dkv_direct):
+        if const_expr(self.head_split):
+            self._reduce_dkv(
+                tidx, mma_dk, mma_dv, acc_dK, acc_dV, mdK_gmem, mdV_gmem, scale, n_block,
+                head_kv, batch, seqlen_k,
+            )  # fmt: skip
+        elif const_expr(self.persistent and self.dkv_direct):
             # every GEMM of this warp has finished reading K / V (the steps wait for all
             # of theirs); once all eight consumer warps arrive the producer loads the next
             # tile's K / V while dK / dV go out from registers
@@ -1613,6 +1640,29 @@ class AttentionBwdSm90:
             tidx, mma_dv, rdV, mdV, self.head_dim_v, n_block, head_kv, batch, k_off, seqlen_k,
             key_edge,
         )  # fmt: skip
+
+    @cute.jit
+    def _reduce_dkv(
+        self, tidx, mma_dk, mma_dv, acc_dK, acc_dV, mdK, mdV, scale, n_block, head_kv, batch,
+        seqlen_k,
+    ):  # fmt: skip
+        """head_split: dK * scale and dV added to the fp32 (S, D, H, B) accumulators, two
+        adjacent columns per `red.global.add.v2.f32`, rows < Sk only."""
+        tn = self.tile_n
+        n0 = n_block * tn
+        for k in cutlass.range_constexpr(cute.size(acc_dK)):
+            acc_dK[k] = acc_dK[k] * scale
+        for mma, r, m, width in (
+            (mma_dk, acc_dK, mdK, self.head_dim),
+            (mma_dv, acc_dV, mdV, self.head_dim_v),
+        ):
+            g = cute.local_tile(m[None, None, head_kv, batch], (tn, width), (n_block, 0))
+            thr = mma.get_slice(tidx)
+            tg = thr.partition_C(g)
+            tc = thr.partition_C(cute.make_identity_tensor((tn, width)))
+            for i in cutlass.range_constexpr(0, cute.size(r), 2):
+                if n0 + tc[i][0] < seqlen_k:
+                    red_add_v2_f32(tg.iterator + tg.layout(i), r[i], r[i + 1])
 
     @cute.jit
     def _store_rows(

@@ -102,6 +102,8 @@ def attention_bwd(
     cfg = config if config is not None else default_config(d, dv_dim, deterministic)
     if deterministic and cfg.persistent:
         cfg = replace(cfg, persistent=False)
+    if cfg.head_split and (deterministic or hq == hkv):
+        cfg = replace(cfg, head_split=False)  # atomic dK / dV order; nothing to split
     dev = q.device
     q, k, v, o, do = (_ready(t) for t in (q, k, v, o, do))
     lse = lse.contiguous()
@@ -130,6 +132,11 @@ def attention_bwd(
         tiles = -(-sk // cfg.tile_n) * hkv * b
         ctas = min(tiles, _num_sms(dev.index if dev.index is not None else 0))
 
+    # head_split: the main kernel adds dK * scale and dV into fp32 accumulators
+    dk_main, dv_main = dk_dst, dv_dst
+    if cfg.head_split:
+        dk_main = torch.zeros(b, sk, hkv, d, dtype=f32, device=dev)
+        dv_main = torch.zeros(b, sk, hkv, dv_dim, dtype=f32, device=dev)
     pre = get_kernel(SPEC_PRE, pre_params(dtype, dv_dim))
     main = get_kernel(SPEC_MAIN, main_params(dtype, d, dv_dim, causal, deterministic, cfg))
     post = get_kernel(SPEC_POST, post_params(dtype, d, cfg.tile_m, dq_split=cfg.dq_split))
@@ -137,10 +144,13 @@ def attention_bwd(
     with torch.cuda.device(dev):
         pre(o, do, lse, lse2, dsum, None, dq_acc, 0)
         main(
-            q, k, v, do, lse2, dsum, dq_acc, dk_dst, dv_dst, sem, None, None, ctas, scale,
+            q, k, v, do, lse2, dsum, dq_acc, dk_main, dv_main, sem, None, None, ctas, scale,
             scale * LOG2E,
         )  # fmt: skip
         post(dq_acc, dq_dst, None, 0, scale)
+        if cfg.head_split:
+            dk_dst.copy_(dk_main)
+            dv_dst.copy_(dv_main)
     for t, dst in outs:
         if dst is not t:
             t.copy_(dst)

@@ -215,6 +215,24 @@ def atomic_add_relaxed_gpu(ptr, val, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def red_add_v2_f32(ptr, a, b, *, loc=None, ip=None) -> None:
+    """[ptr], [ptr + 4] += a, b (one relaxed 8-byte vector reduction)."""
+    llvm.inline_asm(
+        None,
+        [
+            ptr.llvm_ptr,
+            Float32(a).ir_value(loc=loc, ip=ip),
+            Float32(b).ir_value(loc=loc, ip=ip),
+        ],
+        "red.global.add.v2.f32 [$0], {$1, $2};",
+        "l,f,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
 def fence_proxy_async_global(*, loc=None, ip=None) -> None:
     """Order this thread's generic-proxy global accesses with its async-proxy ones."""
     llvm.inline_asm(
@@ -245,6 +263,7 @@ __all__ = [
     "ld_acquire_gpu",
     "red_release_gpu_add",
     "atomic_add_relaxed_gpu",
+    "red_add_v2_f32",
     "fence_proxy_async_global",
     "cutlass",
 ]
