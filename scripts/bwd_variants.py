@@ -32,14 +32,14 @@ D192 = default_config(192, 128)
 VARIANTS = {
     128: {
         "default": D128,
-        "hsplit": replace(D128, head_split=True),
+        "hsplit": replace(D128, head_split=1),
+        "hsplit2": replace(D128, head_split=2),
     },
     64: {
         "default": D64,
     },
     192: {
         "default": D192,
-        "persist": replace(D192, persistent=True),
     },
 }
 # Earlier rounds (BWD_NOTES.md): early_dv, 3-deep rings, one dQ buffer, 232/40 registers at

@@ -121,7 +121,7 @@ class BwdConfig:
     dsum_early: bool = False
     persistent: bool = False
     dkv_direct: bool = False
-    head_split: bool = False
+    head_split: int = 0
 
     def tag(self) -> str:
         t = f"{self.tile_m}x{self.tile_n}_s{self.stages}_dq{self.dq_stages}"
@@ -140,7 +140,7 @@ class BwdConfig:
         t += "_dsumearly" if self.dsum_early else ""
         t += "_persist" if self.persistent else ""
         t += "_dkvdirect" if self.dkv_direct else ""
-        t += "_hsplit" if self.head_split else ""
+        t += f"_hsplit{self.head_split}" if self.head_split else ""
         return t + ("" if self.static_stage else "_dynstage")
 
     @classmethod

@@ -191,7 +191,7 @@ class AttentionBwdSm90:
             raise ValueError("dq_split needs dq_first")
         self.persistent = bool(config.persistent)
         self.dkv_direct = bool(config.dkv_direct) and not varlen
-        self.head_split = bool(config.head_split)
+        self.head_split = int(config.head_split)
         if self.head_split and (
             varlen or deterministic or self.persistent or self.col_split or self.kb_slowest
         ):
@@ -582,6 +582,9 @@ class AttentionBwdSm90:
         hq0, walk = head_kv * group, group
         if const_expr(self.head_split):
             hq0, walk = head_kv, 1
+            if const_expr(self.head_split == 2):
+                hkv = mK.shape[2]
+                hq0 = head_kv % hkv * group + head_kv // hkv
             head_kv = hq0 // group
         m_begin, m_end, m_unmasked = self._query_blocks(n_block, seqlen_q, seqlen_k)
         # CTA-uniform scalars: keep them in uniform registers, off the consumers' budget.
