@@ -18,6 +18,7 @@ with rows = `config.varlen_ws_rows(Tq, B)` (dq_accum (Hq, rows * D), sem (Hq, ro
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from forgekernel.kernels.attention.bwd.sm90.config import (
@@ -62,6 +63,8 @@ def _pre_standard() -> list[Params]:
 
 
 def _main_standard() -> list[Params]:
+    # + the GQA head_split kernels config.choose_config picks by shape (D = 128, fixed length)
+    split = replace(default_config(128, 128), head_split=2)
     return [
         main_params(dtype, d, dv, causal, det, varlen=varlen)
         for varlen in (False, True)
@@ -69,6 +72,10 @@ def _main_standard() -> list[Params]:
         for d, dv in HEAD_DIMS
         for causal in (False, True)
         for det in (False, True)
+    ] + [
+        main_params(dtype, 128, 128, causal, False, split)
+        for dtype in DTYPES
+        for causal in (False, True)
     ]
 
 

@@ -271,6 +271,37 @@ def default_config(
     return cfg
 
 
+# head_split for GQA at D = 128 (H200 2026-11-30 16:45 / 16:50 UTC, bf16, against the
+# head-group walk): small problems (fewer kv tiles than two waves: the walk leaves SMs idle)
+# 1.07-1.36x; long sequences 1.072x (hq64 / hkv8 s16384: the walk's CTAs drift apart and lose
+# their L2 sharing, BWD_NOTES.md); s8192 0.96-0.97x, s4096 0.94x (the fp32 dK / dV
+# additions cost more than the locality wins there).
+HEAD_SPLIT_MIN_SEQLEN_K = 16384
+HEAD_SPLIT_WAVES = 2
+
+
+def choose_config(
+    head_dim: int,
+    head_dim_v: int,
+    deterministic: bool,
+    batch: int,
+    seqlen_k: int,
+    hq: int,
+    hkv: int,
+    num_sms: int,
+) -> BwdConfig:
+    """The fixed-length main kernel's config for a problem: default_config, with head_split
+    (interleaved) for D = 128 GQA when the kv tiles fill less than HEAD_SPLIT_WAVES waves or
+    the keys are HEAD_SPLIT_MIN_SEQLEN_K or more."""
+    cfg = default_config(head_dim, head_dim_v, deterministic)
+    if deterministic or hq == hkv or (head_dim, head_dim_v) != (128, 128):
+        return cfg
+    kv_tiles = -(-seqlen_k // cfg.tile_n) * hkv * batch
+    if kv_tiles < HEAD_SPLIT_WAVES * num_sms or seqlen_k >= HEAD_SPLIT_MIN_SEQLEN_K:
+        cfg = replace(cfg, head_split=2)
+    return cfg
+
+
 def _key(**kw) -> tuple:
     return tuple(sorted(kw.items()))
 

@@ -28,6 +28,19 @@ Warp roles (3 warpgroups, 384 threads):
   Epilogue: dK * scale and dV converted to the input dtype, stmatrix into the K and V
   buffers, two TMA stores (rows past Sk clipped).
 
+Persistent (static `persistent`, the D = 64 default): grid min(tiles, SMs); each CTA takes
+(key block, kv head, batch) tiles in the launch order from a global counter (the producer
+bumps it once a tile's loads are issued and hands the id to the other warps through a
+two-slot mbarrier ring); the Q / dO ring and the dQ staging run on across tiles, a tile's
+first Q / dO stage is loaded before its K / V, and K / V are released once the tile's dK / dV
+have been stored.
+
+Head split (static `head_split`, GQA at D = 128, chosen by shape in `config.choose_config`):
+one CTA per (key block, query head, batch), FA4's layout; dK * scale and dV are added into
+fp32 (B, Sk, Hkv, D) workspaces with `red.global.add.v2.f32` and converted by the launcher.
+`head_split` 2 interleaves the grid's heads over the kv heads, so CTAs launched together add
+into different dK / dV tiles.
+
 Column split (static, tile_n = 64; the D = 192 / Dv = 128 config): both consumer warpgroups
 see the CTA's 64 keys; S^T / dP^T are split by query columns (32 each), P^T and dS^T go to
 shared memory (stmatrix) and are the shared-memory A operands of dV += P^T dO and

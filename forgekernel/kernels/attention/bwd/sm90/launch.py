@@ -14,6 +14,7 @@ from forgekernel.kernels.attention.bwd.sm90.config import (
     HEAD_DIMS,
     ROW_PAD,
     BwdConfig,
+    choose_config,
     default_config,
     main_params,
     post_params,
@@ -99,7 +100,11 @@ def attention_bwd(
         dv.zero_()
         return
     dtype = _DTYPE_NAMES[q.dtype]
-    cfg = config if config is not None else default_config(d, dv_dim, deterministic)
+    if config is not None:
+        cfg = config
+    else:
+        sms = _num_sms(q.device.index if q.device.index is not None else 0)
+        cfg = choose_config(d, dv_dim, deterministic, b, sk, hq, hkv, sms)
     if deterministic and cfg.persistent:
         cfg = replace(cfg, persistent=False)
     if cfg.head_split and (deterministic or hq == hkv):
@@ -130,7 +135,7 @@ def attention_bwd(
     ctas = 0
     if cfg.persistent:
         tiles = -(-sk // cfg.tile_n) * hkv * b
-        ctas = min(tiles, _num_sms(dev.index if dev.index is not None else 0))
+        ctas = min(tiles, _num_sms(q.device.index if q.device.index is not None else 0))
 
     # head_split: the main kernel adds dK * scale and dV into fp32 accumulators
     dk_main, dv_main = dk_dst, dv_dst
