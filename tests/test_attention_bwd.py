@@ -484,3 +484,18 @@ def test_l2_swizzle_order_is_a_permutation_key_blocks_ascending_per_pair(num_n, 
         assert ns == sorted(ns)
     sections = [p // min(sw, pairs) for _, p in seen]
     assert sections == sorted(sections)
+
+
+def test_choose_config_head_split_only_for_small_or_long_gqa_at_d128():
+    from forgekernel.kernels.attention.bwd.sm90.config import choose_config, default_config
+
+    def split(d, dv, det, b, sk, hq, hkv):
+        return choose_config(d, dv, det, b, sk, hq, hkv, 132).head_split
+
+    assert split(128, 128, False, 1, 1000, 4, 2) == 2  # 16 kv tiles: under two waves
+    assert split(128, 128, False, 2, 16384, 64, 8) == 2  # long keys
+    assert split(128, 128, False, 4, 8192, 64, 8) == 0  # 2048 kv tiles, s8192
+    assert split(128, 128, False, 1, 1000, 4, 4) == 0  # MHA
+    assert split(128, 128, True, 1, 1000, 4, 2) == 0  # deterministic keeps the walk
+    assert split(64, 64, False, 1, 1000, 4, 2) == 0  # D = 64: persistent instead
+    assert choose_config(64, 64, False, 2, 8192, 32, 32, 132) == default_config(64, 64)
