@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
 from forgekernel.kernels.attention.bwd.sm90.config import BwdConfig
 
@@ -64,10 +64,19 @@ def compile_main(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     dtype = _DTYPES[params["dtype"]]
     d, dv = params["head_dim"], params["head_dim_v"]
     varlen = bool(params.get("varlen", False))
-    dkv_dtype = cutlass.Float32 if params.get("head_split", False) else dtype
     b, sq, sk = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     hq, hkv = cute.sym_int32(), cute.sym_int32()
     sq_pad, sq_pad_d, n_mblk = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    # dk, dv; head_split: compact fp32 accumulators (strides from the shape: fewer runtime
+    # scalars live through the step loop for the epilogue's additions)
+    dkv = (_bshd(dtype, b, sk, hkv, d), _bshd(dtype, b, sk, hkv, dv))
+    if params.get("head_split", False):
+        dkv = tuple(
+            make_fake_compact_tensor(
+                cutlass.Float32, (b, sk, hkv, w), stride_order=(3, 2, 1, 0), assumed_align=16
+            )
+            for w in (d, dv)
+        )
     kernel = AttentionBwdSm90(
         d,
         dv,
@@ -101,8 +110,7 @@ def compile_main(params: dict, arch: str = "sm_90a", extra_options: str = ""):
             _bhs(cutlass.Float32, b, hq, sq_pad),  # lse (log2 units, padded)
             _bhs(cutlass.Float32, b, hq, sq_pad),  # dsum
             _bhs(cutlass.Float32, b, hq, sq_pad_d),  # dq accumulator
-            _bshd(dkv_dtype, b, sk, hkv, d),  # dk (head_split: fp32 accumulator)
-            _bshd(dkv_dtype, b, sk, hkv, dv),  # dv
+            *dkv,
             make_fake_tensor(
                 cutlass.Int32, (b, hq, n_mblk), stride=(cute.sym_int64(), cute.sym_int64(), 1)
             ),

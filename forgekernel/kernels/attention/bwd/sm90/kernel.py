@@ -101,6 +101,7 @@ from forgekernel.kernels.attention.bwd.sm90.utils import (
     fence_proxy_async_global,
     ld_acquire_gpu,
     make_dq_mma,
+    opaque_tid_x,
     packed_as_sdhb,
     red_add_v2_f32,
     red_release_gpu_add,
@@ -1666,6 +1667,9 @@ class AttentionBwdSm90:
         adjacent columns per `red.global.add.v2.f32`, rows < Sk only."""
         tn = self.tile_n
         n0 = n_block * tn
+        # the thread's coordinates re-derived here: computed before the step loop they stayed
+        # live through it and spilled
+        tidx = opaque_tid_x() - THREADS_PER_WG
         for k in cutlass.range_constexpr(cute.size(acc_dK)):
             acc_dK[k] = acc_dK[k] * scale
         for mma, r, m, width in (

@@ -233,6 +233,21 @@ def red_add_v2_f32(ptr, a, b, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def opaque_tid_x(*, loc=None, ip=None) -> Int32:
+    """threadIdx.x read where it is used (volatile: not hoisted or merged with other reads)."""
+    v = llvm.inline_asm(
+        T.i32(),
+        [],
+        "mov.u32 $0, %tid.x;",
+        "=r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return Int32(v)
+
+
+@dsl_user_op
 def fence_proxy_async_global(*, loc=None, ip=None) -> None:
     """Order this thread's generic-proxy global accesses with its async-proxy ones."""
     llvm.inline_asm(
@@ -264,6 +279,7 @@ __all__ = [
     "red_release_gpu_add",
     "atomic_add_relaxed_gpu",
     "red_add_v2_f32",
+    "opaque_tid_x",
     "fence_proxy_async_global",
     "cutlass",
 ]
