@@ -40,8 +40,6 @@ VARIANTS = {
     },
     192: {
         "default": D192,
-        "sw4": replace(D192, l2_swizzle=4),
-        "sw2": replace(D192, l2_swizzle=2),
     },
 }
 # Earlier rounds (BWD_NOTES.md): early_dv, 3-deep rings, one dQ buffer, 232/40 registers at

@@ -212,7 +212,7 @@ _DEFAULTS = {
         persistent=True,
     ),
     # l2_swizzle 4 (H200 2026-11-30 12:57 / 13:02 UTC, bf16 causal): MHA 1.01-1.02x, GQA
-    # 1.02-1.07x, D=64 1.03x; 192/128 0.98x (left at 0).
+    # 1.02-1.07x, D=64 1.03x; 192/128 0.98x then (see below).
     (128, 128): BwdConfig(
         tile_m=64, tile_n=128, stages=2, dq_stages=1, dq_split=True, l2_swizzle=4, dsum_early=True
     ),
@@ -220,6 +220,7 @@ _DEFAULTS = {
     # resident per consumer thread, S^T / dP^T 16 + 16 per half, dQ 48 after both halves; two
     # Q / dO stages, one dS buffer, one dQ staging buffer (joint hand-over): 226 KiB. H200
     # 2026-11-30 12:08 UTC: 1.17x the column split (_VARLEN_192, still used for varlen).
+    # l2_swizzle 4 since 2026-11-30 17:12 UTC (H200, b2 hq128 s8192 causal: 1.025x, 2: 1.010x).
     (192, 128): BwdConfig(
         tile_m=64,
         tile_n=128,
@@ -228,6 +229,7 @@ _DEFAULTS = {
         static_stage=False,
         q_halves=True,
         dsum_early=True,
+        l2_swizzle=4,
     ),
 }
 _EXPERIMENTAL = {
