@@ -97,6 +97,9 @@ if os.environ.get("BWD_ODD") == "1":
 # BWD_CASES=0,1,4: only these cases (indices into CASES)
 if os.environ.get("BWD_CASES"):
     CASES = [CASES[int(i)] for i in os.environ["BWD_CASES"].split(",")]
+# BWD_REPEAT=n (run only): each case n times in a row (rows tagged "#1".."#n"), to see how far
+# a noisy case (GQA s16384: several percent between runs) moves between repetitions.
+REPEAT = max(1, int(os.environ.get("BWD_REPEAT", "1")))
 # BWD_PREROLL=1: time everything twice, as the bench does and with each sample preceded by an
 # untimed replay of the same candidate (rows "<name>+preroll"): how much a predecessor's
 # power draw moves a sample on a power-capped GPU.
@@ -417,9 +420,13 @@ def _probe_clocks(fns, label):
 def main() -> int:
     t0 = time.time()
     rows: list[dict] = []
-    for case in CASES:
+    for i, case in enumerate(c for c in CASES for _ in range(REPEAT)):
         try:
+            start = len(rows)
             run_case(case, rows)  # its tensors are freed on return
+            if REPEAT > 1:
+                for r in rows[start:]:
+                    r["case"] += f" #{i % REPEAT + 1}"
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             rows.append({"case": str(case), "variant": "*", "error": f"{type(e).__name__}: {e}"})
