@@ -95,7 +95,6 @@ from forgekernel.kernels.attention.bwd.sm90.utils import (
     THREADS_PER_WG,
     acc_as_operand_a,
     acc_to_operand_a,
-    atomic_add_relaxed_gpu,
     bulk_g2s,
     bulk_reduce_add_f32,
     fence_proxy_async_global,
@@ -103,7 +102,6 @@ from forgekernel.kernels.attention.bwd.sm90.utils import (
     make_dq_mma,
     opaque_tid_x,
     packed_as_sdhb,
-    red_add_v2_f32,
     red_release_gpu_add,
     rows_cols,
     select,
@@ -410,7 +408,7 @@ class AttentionBwdSm90:
             # most query blocks) is dispatched before any second one.
             grid = (grid[1], grid[2], grid[0])
         elif const_expr(self.l2_swizzle):
-            # one dimension, mapped to (key block, kv head, batch) by _swizzled_block
+            # one dimension, mapped to (key block, kv head, batch) by _tile_coords
             grid = (grid[0] * grid[1] * grid[2], 1, 1)
         if const_expr(self.persistent):
             # the launcher's CTA count (min(tiles, multiprocessors)) in the max_seqlen_k slot
@@ -542,12 +540,15 @@ class AttentionBwdSm90:
         n_block, head_kv, batch = cute.arch.block_idx()
         num_n = cute.arch.grid_dim()[0]
         if const_expr(self.persistent):
-            pass  # tiles from _roles_persistent
+            pass  # tiles from the counter (_roles)
         elif const_expr(self.kb_slowest):
             head_kv, batch, n_block = cute.arch.block_idx()
             num_n = cute.arch.grid_dim()[2]
         elif const_expr(self.l2_swizzle):
-            n_block, head_kv, batch, num_n = self._swizzled_block(mK, mQ)
+            # the grid's heads: kv heads (head_split: query heads)
+            heads = mQ.shape[2] if const_expr(self.head_split) else mK.shape[2]
+            n_block, head_kv, batch = self._tile_coords(cute.arch.block_idx()[0], mK, heads)
+            num_n = (mK.shape[0] + self.tile_n - 1) // self.tile_n
         if const_expr(self.deterministic and self.causal):
             # Key blocks launched in descending order: each query block's dQ is summed from
             # its highest key block down (see _dq_turn), and a CTA only ever waits for CTAs
@@ -574,7 +575,7 @@ class AttentionBwdSm90:
             q_pipe, do_pipe, kv_pipe, n_block, head_kv, batch, seqlen_q, seqlen_k, offs,
         )  # fmt: skip
         if const_expr(self.persistent):
-            self._roles_persistent(*args, tile_pipe, sTile)
+            self._roles(*args, tile_pipe, sTile)
         elif const_expr(self.varlen):
             # key blocks past this sequence's keys: nothing to do (and nothing to store)
             if n_block * self.tile_n < seqlen_k:
@@ -588,39 +589,64 @@ class AttentionBwdSm90:
         mdV, mLSE2, mDsum, mdQacc, mSem, mdK_gmem, mdV_gmem, scale, scale_log2,
         mma_sdp, mma_dv, mma_dk, mma_dq, sQ, sdO, sK, sV, sdS, sLSE, sDsum, sdQ,
         q_pipe, do_pipe, kv_pipe, n_block, head_kv, batch, seqlen_q, seqlen_k, offs,
+        tile_pipe=None, sTile=None,
     ):  # fmt: skip
-        """The warp roles of one CTA (a key block with at least one key)."""
+        """The warp roles of one CTA: a key block with at least one key, or (persistent) the
+        tiles (key block, kv head, batch) in the launch order, the first one the CTA index,
+        then grid + a counter bumped by the producer near the end of each tile and passed to
+        the other warps through the tile ring (tile_pipe, sTile)."""
         group = mQ.shape[2] // mK.shape[2]
-        # the CTA's query heads: its kv head's group, hq0 .. hq0 + walk - 1 (head_split: the
-        # grid's head is one query head)
-        hq0, walk = head_kv * group, group
-        if const_expr(self.head_split):
-            hq0, walk = head_kv, 1
-            if const_expr(self.head_split == 2):
-                hkv = mK.shape[2]
-                hq0 = head_kv % hkv * group + head_kv // hkv
-            head_kv = hq0 // group
-        m_begin, m_end, m_unmasked = self._query_blocks(n_block, seqlen_q, seqlen_k)
-        # CTA-uniform scalars: keep them in uniform registers, off the consumers' budget.
-        m_begin = cute.arch.make_warp_uniform(m_begin)
-        m_end = cute.arch.make_warp_uniform(m_end)
-        m_unmasked = cute.arch.make_warp_uniform(m_unmasked)
-        num_steps = walk * (m_end - m_begin)
+        persist = None
+        if const_expr(self.persistent):
+            # per tile, in the roles' loops
+            num_tiles = (mK.shape[0] + self.tile_n - 1) // self.tile_n * mK.shape[2] * mK.shape[3]
+            persist = (tile_pipe, sTile, num_tiles, mK)
+            hq0, m_begin, m_end = Int32(0), Int32(0), Int32(0)
+            m_unmasked, num_steps = Int32(0), Int32(0)
+        else:
+            # the CTA's query heads: its kv head's group, hq0 .. hq0 + walk - 1 (head_split: the
+            # grid's head is one query head)
+            hq0, walk = head_kv * group, group
+            if const_expr(self.head_split):
+                hq0, walk = head_kv, 1
+                if const_expr(self.head_split == 2):
+                    hkv = mK.shape[2]
+                    hq0 = head_kv % hkv * group + head_kv // hkv
+                head_kv = hq0 // group
+            m_begin, m_end, m_unmasked = self._query_blocks(n_block, seqlen_q, seqlen_k)
+            # CTA-uniform scalars: keep them in uniform registers, off the consumers' budget.
+            m_begin = cute.arch.make_warp_uniform(m_begin)
+            m_end = cute.arch.make_warp_uniform(m_end)
+            m_unmasked = cute.arch.make_warp_uniform(m_unmasked)
+            num_steps = walk * (m_end - m_begin)
 
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self._produce(
-                    tma_q, tma_do, tma_k, tma_v, mQ, mdO, mK, mV, mLSE2, mDsum,
-                    sQ, sdO, sK, sV, sLSE, sDsum, q_pipe, do_pipe, kv_pipe,
-                    n_block, head_kv, batch, hq0, m_begin, m_end, num_steps, offs,
-                )  # fmt: skip
+                if const_expr(self.persistent):
+                    self._produce_persistent(
+                        tma_q, tma_do, tma_k, tma_v, mQ, mdO, mK, mV, mLSE2, mDsum, mSem,
+                        sQ, sdO, sK, sV, sLSE, sDsum, q_pipe, do_pipe, kv_pipe, tile_pipe,
+                        sTile, group, num_tiles, seqlen_q, seqlen_k, offs,
+                    )  # fmt: skip
+                else:
+                    self._produce(
+                        tma_q, tma_do, tma_k, tma_v, mQ, mdO, mK, mV, mLSE2, mDsum,
+                        sQ, sdO, sK, sV, sLSE, sDsum, q_pipe, do_pipe, kv_pipe,
+                        n_block, head_kv, batch, hq0, m_begin, m_end, num_steps, offs,
+                    )  # fmt: skip
             if warp_idx == DQ_WRITER_WARP:
-                self._write_dq(
-                    sdQ, mdQacc, mSem, n_block, head_kv, batch, hq0, m_begin, m_end, num_steps,
-                    offs[2], seqlen_q, seqlen_k,
-                )  # fmt: skip
+                if const_expr(self.persistent):
+                    self._write_dq_persistent(
+                        sdQ, mdQacc, mSem, mK, tile_pipe, sTile, group, num_tiles, offs[2],
+                        seqlen_q, seqlen_k,
+                    )  # fmt: skip
+                else:
+                    self._write_dq(
+                        sdQ, mdQacc, mSem, n_block, head_kv, batch, hq0, m_begin, m_end,
+                        num_steps, offs[2], seqlen_q, seqlen_k,
+                    )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume(
@@ -629,83 +655,66 @@ class AttentionBwdSm90:
                 sQ, sdO, sK, sV, sdS, sLSE, sDsum, sdQ,
                 q_pipe, do_pipe, kv_pipe, tma_dk, mdK, tma_dv, mdV,
                 scale, scale_log2, n_block, head_kv, batch, group, seqlen_q, seqlen_k,
-                m_begin, m_end, m_unmasked, num_steps, mdK_gmem, mdV_gmem, offs[1],
+                m_begin, m_end, m_unmasked, num_steps, mdK_gmem, mdV_gmem, offs[1], persist,
             )  # fmt: skip
 
     @cute.jit
-    def _roles_persistent(
-        self, tidx, warp_idx, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, tma_dk, mdK, tma_dv,
-        mdV, mLSE2, mDsum, mdQacc, mSem, mdK_gmem, mdV_gmem, scale, scale_log2,
-        mma_sdp, mma_dv, mma_dk, mma_dq, sQ, sdO, sK, sV, sdS, sLSE, sDsum, sdQ,
-        q_pipe, do_pipe, kv_pipe, n_block, head_kv, batch, seqlen_q, seqlen_k, offs,
-        tile_pipe, sTile,
+    def _produce_persistent(
+        self, tma_q, tma_do, tma_k, tma_v, mQ, mdO, mK, mV, mLSE2, mDsum, mSem,
+        sQ, sdO, sK, sV, sLSE, sDsum, q_pipe, do_pipe, kv_pipe, tile_pipe, sTile,
+        group, num_tiles, seqlen_q, seqlen_k, offs,
     ):  # fmt: skip
-        """The warp roles of a persistent CTA: tiles (key block, kv head, batch) in the launch
-        order, the first one the CTA index, then grid + a counter bumped by the producer near
-        the end of each tile and passed to the other warps through the tile ring."""
-        group = mQ.shape[2] // mK.shape[2]
-        num_tiles = (mK.shape[0] + self.tile_n - 1) // self.tile_n * mK.shape[2] * mK.shape[3]
-        wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
-        if wg_idx == 0:
-            cute.arch.setmaxregister_decrease(self.producer_regs)
-            if warp_idx == 0:
-                lane = cute.arch.lane_idx()
-                n_ctas = cute.arch.grid_dim()[0]
-                ctr = mSem[0, 0, None].iterator
-                kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-                st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-                tstate = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, TILE_STAGES
-                )
-                tile = Int32(cute.arch.block_idx()[0])
-                while tile < num_tiles:
-                    tstate = self._publish_tile(tile_pipe, tstate, sTile, tile, lane)
-                    n_block, head_kv, batch = self._tile_coords(tile, mK)
-                    m_begin, m_end, _ = self._query_blocks(n_block, seqlen_q, seqlen_k)
-                    kv_state, st = self._produce_tile(
-                        tma_q, tma_do, tma_k, tma_v, mQ, mdO, mK, mV, mLSE2, mDsum,
-                        sQ, sdO, sK, sV, sLSE, sDsum, q_pipe, do_pipe, kv_pipe, kv_state, st,
-                        n_block, head_kv, batch, head_kv * group, m_begin, m_end,
-                        group * (m_end - m_begin), offs,
-                    )  # fmt: skip
-                    # the next tile, taken once this one's loads are all issued (about the
-                    # ring depth before its consumers finish)
-                    nxt = Int32(0)
-                    if lane == 0:
-                        nxt = atomic_add_relaxed_gpu(ctr, 1)
-                    tile = cute.arch.shuffle_sync(nxt, 0) + n_ctas
-                tstate = self._publish_tile(tile_pipe, tstate, sTile, num_tiles, lane)
-            if warp_idx == DQ_WRITER_WARP:
-                lane = cute.arch.lane_idx()
-                tstate = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Consumer, TILE_STAGES
-                )
-                self._dq_first_arrivals(None)
-                gstep = Int32(0)
-                tile, tstate = self._take_tile(tile_pipe, tstate, sTile, lane)
-                while tile < num_tiles:
-                    n_block, head_kv, batch = self._tile_coords(tile, mK)
-                    m_begin, m_end, _ = self._query_blocks(n_block, seqlen_q, seqlen_k)
-                    num_steps = group * (m_end - m_begin)
-                    self._write_dq_tile(
-                        sdQ, mdQacc, mSem, n_block, head_kv, batch, head_kv * group, m_begin,
-                        m_end, num_steps, offs[2], seqlen_q, seqlen_k, gstep,
-                    )  # fmt: skip
-                    gstep += num_steps
-                    tile, tstate = self._take_tile(tile_pipe, tstate, sTile, lane)
-                if lane == 0:
-                    cute.arch.cp_async_bulk_wait_group(0, read=False)
-        else:
-            cute.arch.setmaxregister_increase(self.consumer_regs)
-            self._consume(
-                tidx - THREADS_PER_WG, wg_idx - 1, warp_idx,
-                mma_sdp, mma_dv, mma_dk, mma_dq,
-                sQ, sdO, sK, sV, sdS, sLSE, sDsum, sdQ,
-                q_pipe, do_pipe, kv_pipe, tma_dk, mdK, tma_dv, mdV,
-                scale, scale_log2, n_block, head_kv, batch, group, seqlen_q, seqlen_k,
-                Int32(0), Int32(0), Int32(0), Int32(0), mdK_gmem, mdV_gmem, offs[1],
-                (tile_pipe, sTile, num_tiles, mK),
+        """Warp 0 of a persistent CTA: takes the tiles (mSem[0, 0, 0] is the counter),
+        publishes each on the tile ring and issues its loads."""
+        lane = cute.arch.lane_idx()
+        n_ctas = cute.arch.grid_dim()[0]
+        ctr = mSem[0, 0, None].iterator
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        tstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TILE_STAGES)
+        tile = Int32(cute.arch.block_idx()[0])
+        while tile < num_tiles:
+            tstate = self._publish_tile(tile_pipe, tstate, sTile, tile, lane)
+            n_block, head_kv, batch, m_begin, m_end, _, num_steps = self._tile_work(
+                tile, mK, group, seqlen_q, seqlen_k
+            )
+            kv_state, st = self._produce_tile(
+                tma_q, tma_do, tma_k, tma_v, mQ, mdO, mK, mV, mLSE2, mDsum,
+                sQ, sdO, sK, sV, sLSE, sDsum, q_pipe, do_pipe, kv_pipe, kv_state, st,
+                n_block, head_kv, batch, head_kv * group, m_begin, m_end, num_steps, offs,
             )  # fmt: skip
+            # the next tile, taken once this one's loads are all issued (about the ring
+            # depth before its consumers finish)
+            nxt = Int32(0)
+            if lane == 0:
+                nxt = cute.arch.atomic_add(ctr, Int32(1), sem="relaxed", scope="gpu")
+            tile = cute.arch.shuffle_sync(nxt, 0) + n_ctas
+        tstate = self._publish_tile(tile_pipe, tstate, sTile, num_tiles, lane)
+
+    @cute.jit
+    def _write_dq_persistent(
+        self, sdQ, mdQacc, mSem, mK, tile_pipe, sTile, group, num_tiles, ws, seqlen_q,
+        seqlen_k,
+    ):  # fmt: skip
+        """Warp 1 of a persistent CTA: every tile's dQ tiles, the staging buffers and their
+        barriers going round over all of the CTA's steps."""
+        lane = cute.arch.lane_idx()
+        tstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TILE_STAGES)
+        self._dq_first_arrivals(None)
+        gstep = Int32(0)
+        tile, tstate = self._take_tile(tile_pipe, tstate, sTile, lane)
+        while tile < num_tiles:
+            n_block, head_kv, batch, m_begin, m_end, _, num_steps = self._tile_work(
+                tile, mK, group, seqlen_q, seqlen_k
+            )
+            self._write_dq_tile(
+                sdQ, mdQacc, mSem, n_block, head_kv, batch, head_kv * group, m_begin, m_end,
+                num_steps, ws, seqlen_q, seqlen_k, gstep,
+            )  # fmt: skip
+            gstep += num_steps
+            tile, tstate = self._take_tile(tile_pipe, tstate, sTile, lane)
+        if lane == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
     def _publish_tile(self, tile_pipe, tstate, sTile, tile, lane):
@@ -730,10 +739,22 @@ class AttentionBwdSm90:
         return tile, tstate
 
     @cute.jit
-    def _tile_coords(self, tile, mK: cute.Tensor):
-        """(key block, kv head, batch) of tile `tile` in the launch order."""
+    def _tile_work(self, tile, mK: cute.Tensor, group, seqlen_q, seqlen_k):
+        """A persistent tile's (key block, kv head, batch, m_begin, m_end, m_unmasked, steps):
+        its kv head's whole query-head group over its query blocks (_query_blocks)."""
+        n_block, head_kv, batch = self._tile_coords(tile, mK)
+        m_begin, m_end, m_unmasked = self._query_blocks(n_block, seqlen_q, seqlen_k)
+        m_begin = cute.arch.make_warp_uniform(m_begin)
+        m_end = cute.arch.make_warp_uniform(m_end)
+        m_unmasked = cute.arch.make_warp_uniform(m_unmasked)
+        return n_block, head_kv, batch, m_begin, m_end, m_unmasked, group * (m_end - m_begin)
+
+    @cute.jit
+    def _tile_coords(self, tile, mK: cute.Tensor, heads=None):
+        """(key block, head, batch) of tile `tile` in the launch order (l2_swizzle: the
+        config.swizzled_block order) over `heads` heads (default the kv heads)."""
         num_n = (mK.shape[0] + self.tile_n - 1) // self.tile_n
-        hkv = mK.shape[2]
+        hkv = mK.shape[2] if const_expr(heads is None) else heads
         if const_expr(self.l2_swizzle):
             n_block, pair = swizzled_block(
                 tile, num_n, hkv * mK.shape[3], self.l2_swizzle, cutlass.min
@@ -743,18 +764,6 @@ class AttentionBwdSm90:
             n_block = tile - pair * num_n
         batch = pair // hkv
         return n_block, pair - batch * hkv, batch
-
-    @cute.jit
-    def _swizzled_block(self, mK: cute.Tensor, mQ: cute.Tensor):
-        """(key block, kv head (head_split: query head), batch, key blocks) of this CTA in the
-        l2_swizzle order (config.swizzled_block)."""
-        num_n = (mK.shape[0] + self.tile_n - 1) // self.tile_n
-        hkv = mQ.shape[2] if const_expr(self.head_split) else mK.shape[2]
-        n_block, pair = swizzled_block(
-            cute.arch.block_idx()[0], num_n, hkv * mK.shape[3], self.l2_swizzle, cutlass.min
-        )
-        batch = pair // hkv
-        return n_block, pair - batch * hkv, batch, num_n
 
     @cute.jit
     def _query_blocks(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
@@ -1075,12 +1084,9 @@ class AttentionBwdSm90:
             gstep = Int32(0)
             tile, tstate = self._take_tile(tile_pipe, tstate, sTile, lane)
             while tile < num_tiles:
-                n_block, head_kv, batch = self._tile_coords(tile, mK)
-                m_begin, m_end, m_unmasked = self._query_blocks(n_block, seqlen_q, seqlen_k)
-                m_begin = cute.arch.make_warp_uniform(m_begin)
-                m_end = cute.arch.make_warp_uniform(m_end)
-                m_unmasked = cute.arch.make_warp_uniform(m_unmasked)
-                num_steps = group * (m_end - m_begin)
+                n_block, head_kv, batch, m_begin, m_end, m_unmasked, num_steps = self._tile_work(
+                    tile, mK, group, seqlen_q, seqlen_k
+                )
                 kv_state, st = self._consume_tile(
                     frags, tile_args, kv_state, st, n_block, head_kv, batch, m_begin, m_end,
                     m_unmasked, num_steps, gstep,
@@ -1682,7 +1688,15 @@ class AttentionBwdSm90:
             tc = thr.partition_C(cute.make_identity_tensor((tn, width)))
             for i in cutlass.range_constexpr(0, cute.size(r), 2):
                 if n0 + tc[i][0] < seqlen_k:
-                    red_add_v2_f32(tg.iterator + tg.layout(i), r[i], r[i + 1])
+                    pair = cute.make_tensor(r.iterator + i, cute.make_layout(2)).load()
+                    cute.arch.red(
+                        tg.iterator + tg.layout(i),
+                        pair,
+                        op="add",
+                        dtype=Float32,
+                        sem="relaxed",
+                        scope="gpu",
+                    )
 
     @cute.jit
     def _store_rows(

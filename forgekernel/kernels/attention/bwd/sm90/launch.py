@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import replace
 
@@ -21,15 +20,11 @@ from forgekernel.kernels.attention.bwd.sm90.config import (
     pre_params,
     varlen_ws_rows,
 )
+from forgekernel.ops._dispatch import num_sms
 from forgekernel.runtime.cache import get_kernel
 
 LOG2E = math.log2(math.e)
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -103,12 +98,11 @@ def attention_bwd(
     if config is not None:
         cfg = config
     else:
-        sms = _num_sms(q.device.index if q.device.index is not None else 0)
-        cfg = choose_config(d, dv_dim, deterministic, b, sk, hq, hkv, sms)
+        cfg = choose_config(d, dv_dim, deterministic, b, sk, hq, hkv, num_sms(q.device.index))
     if deterministic and cfg.persistent:
         cfg = replace(cfg, persistent=False)
     if cfg.head_split and (deterministic or hq == hkv):
-        cfg = replace(cfg, head_split=False)  # atomic dK / dV order; nothing to split
+        cfg = replace(cfg, head_split=0)  # atomic dK / dV order; nothing to split
     dev = q.device
     q, k, v, o, do = (_ready(t) for t in (q, k, v, o, do))
     lse = lse.contiguous()
@@ -135,7 +129,7 @@ def attention_bwd(
     ctas = 0
     if cfg.persistent:
         tiles = -(-sk // cfg.tile_n) * hkv * b
-        ctas = min(tiles, _num_sms(q.device.index if q.device.index is not None else 0))
+        ctas = min(tiles, num_sms(q.device.index))
 
     # head_split: the main kernel adds dK * scale and dV into fp32 accumulators
     dk_main, dv_main = dk_dst, dv_dst

@@ -200,39 +200,6 @@ def red_release_gpu_add(ptr, val, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def atomic_add_relaxed_gpu(ptr, val, *, loc=None, ip=None) -> Int32:
-    """The old value of a relaxed gpu-scope atomic add (the persistent tile counter)."""
-    v = llvm.inline_asm(
-        T.i32(),
-        [ptr.llvm_ptr, Int32(val).ir_value(loc=loc, ip=ip)],
-        "atom.relaxed.gpu.global.add.s32 $0, [$1], $2;",
-        "=r,l,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-    return Int32(v)
-
-
-@dsl_user_op
-def red_add_v2_f32(ptr, a, b, *, loc=None, ip=None) -> None:
-    """[ptr], [ptr + 4] += a, b (one relaxed 8-byte vector reduction)."""
-    llvm.inline_asm(
-        None,
-        [
-            ptr.llvm_ptr,
-            Float32(a).ir_value(loc=loc, ip=ip),
-            Float32(b).ir_value(loc=loc, ip=ip),
-        ],
-        "red.global.add.v2.f32 [$0], {$1, $2};",
-        "l,f,f",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-@dsl_user_op
 def opaque_tid_x(*, loc=None, ip=None) -> Int32:
     """threadIdx.x read where it is used (volatile: not hoisted or merged with other reads)."""
     v = llvm.inline_asm(
@@ -277,8 +244,6 @@ __all__ = [
     "bulk_reduce_add_f32",
     "ld_acquire_gpu",
     "red_release_gpu_add",
-    "atomic_add_relaxed_gpu",
-    "red_add_v2_f32",
     "opaque_tid_x",
     "fence_proxy_async_global",
     "cutlass",
