@@ -32,8 +32,9 @@ D192 = default_config(192, 128)
 VARIANTS = {
     128: {
         "default": D128,
-        "hsplit": replace(D128, head_split=1),
         "hsplit2": replace(D128, head_split=2),
+        "sw2": replace(D128, l2_swizzle=2),
+        "hsplit2_sw8": replace(D128, head_split=2, l2_swizzle=8),
     },
     64: {
         "default": D64,
