@@ -34,7 +34,6 @@ VARIANTS = {
         "default": D128,
         "hsplit2": replace(D128, head_split=2),
         "sw2": replace(D128, l2_swizzle=2),
-        "hsplit2_sw8": replace(D128, head_split=2, l2_swizzle=8),
     },
     64: {
         "default": D64,

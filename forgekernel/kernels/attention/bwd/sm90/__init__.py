@@ -24,6 +24,7 @@ from pathlib import Path
 from forgekernel.kernels.attention.bwd.sm90.config import (
     DTYPES,
     HEAD_DIMS,
+    LONG_GQA_SWIZZLE,
     BwdConfig,
     default_config,
     main_params,
@@ -63,20 +64,26 @@ def _pre_standard() -> list[Params]:
 
 
 def _main_standard() -> list[Params]:
-    # + the GQA head_split kernels config.choose_config picks by shape (D = 128, fixed length)
+    # + the kernels config.choose_config picks by shape for GQA at D = 128 (fixed length):
+    # head_split, and (causal, long keys) the walk with l2_swizzle LONG_GQA_SWIZZLE
     split = replace(default_config(128, 128), head_split=2)
-    return [
-        main_params(dtype, d, dv, causal, det, varlen=varlen)
-        for varlen in (False, True)
-        for dtype in DTYPES
-        for d, dv in HEAD_DIMS
-        for causal in (False, True)
-        for det in (False, True)
-    ] + [
-        main_params(dtype, 128, 128, causal, False, split)
-        for dtype in DTYPES
-        for causal in (False, True)
-    ]
+    long_gqa = replace(default_config(128, 128), l2_swizzle=LONG_GQA_SWIZZLE)
+    return (
+        [
+            main_params(dtype, d, dv, causal, det, varlen=varlen)
+            for varlen in (False, True)
+            for dtype in DTYPES
+            for d, dv in HEAD_DIMS
+            for causal in (False, True)
+            for det in (False, True)
+        ]
+        + [
+            main_params(dtype, 128, 128, causal, False, split)
+            for dtype in DTYPES
+            for causal in (False, True)
+        ]
+        + [main_params(dtype, 128, 128, True, False, long_gqa) for dtype in DTYPES]
+    )
 
 
 def _post_standard() -> list[Params]:

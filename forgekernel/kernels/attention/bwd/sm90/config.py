@@ -275,11 +275,16 @@ def default_config(
 
 # head_split for GQA at D = 128 (H200 2026-11-30 16:45 / 16:50 UTC, bf16, against the
 # head-group walk): small problems (fewer kv tiles than two waves: the walk leaves SMs idle)
-# 1.07-1.36x; long sequences 1.072x (hq64 / hkv8 s16384: the walk's CTAs drift apart and lose
-# their L2 sharing, BWD_NOTES.md); s8192 0.96-0.97x, s4096 0.94x (the fp32 dK / dV
-# additions cost more than the locality wins there).
-HEAD_SPLIT_MIN_SEQLEN_K = 16384
+# 1.07-1.36x; s8192 0.96-0.97x, s4096 0.94x (the fp32 dK / dV additions cost more than the
+# locality wins there).
 HEAD_SPLIT_WAVES = 2
+# Causal GQA with long keys: the walk with l2_swizzle 2 (sections of two (kv head, batch)
+# pairs). hq64 / hkv8 s16384 against the walk with 4 (H200 2026-11-30, nine side-by-side
+# measurements 17:30-18:55 UTC): median 1.024x, 0.996-1.041x. The head split there measured
+# 1.072x (16:50, a spilling build), then 0.958-0.969x (four at 18:05) and 1.003x / 1.062x
+# (18:55, plain / each sample after its own replay): not taken. BWD_NOTES.md "GQA head split".
+LONG_GQA_SEQLEN_K = 16384
+LONG_GQA_SWIZZLE = 2
 
 
 def choose_config(
@@ -291,16 +296,19 @@ def choose_config(
     hq: int,
     hkv: int,
     num_sms: int,
+    causal: bool = True,
 ) -> BwdConfig:
-    """The fixed-length main kernel's config for a problem: default_config, with head_split
-    (interleaved) for D = 128 GQA when the kv tiles fill less than HEAD_SPLIT_WAVES waves or
-    the keys are HEAD_SPLIT_MIN_SEQLEN_K or more."""
+    """The fixed-length main kernel's config for a problem: default_config; for D = 128 GQA
+    head_split (interleaved) when the kv tiles fill less than HEAD_SPLIT_WAVES waves, else
+    (causal) l2_swizzle LONG_GQA_SWIZZLE from LONG_GQA_SEQLEN_K keys on."""
     cfg = default_config(head_dim, head_dim_v, deterministic)
     if deterministic or hq == hkv or (head_dim, head_dim_v) != (128, 128):
         return cfg
     kv_tiles = -(-seqlen_k // cfg.tile_n) * hkv * batch
-    if kv_tiles < HEAD_SPLIT_WAVES * num_sms or seqlen_k >= HEAD_SPLIT_MIN_SEQLEN_K:
+    if kv_tiles < HEAD_SPLIT_WAVES * num_sms:
         cfg = replace(cfg, head_split=2)
+    elif causal and seqlen_k >= LONG_GQA_SEQLEN_K:
+        cfg = replace(cfg, l2_swizzle=LONG_GQA_SWIZZLE)
     return cfg
 
 

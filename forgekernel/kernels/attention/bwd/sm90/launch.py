@@ -98,7 +98,9 @@ def attention_bwd(
     if config is not None:
         cfg = config
     else:
-        cfg = choose_config(d, dv_dim, deterministic, b, sk, hq, hkv, num_sms(q.device.index))
+        cfg = choose_config(
+            d, dv_dim, deterministic, b, sk, hq, hkv, num_sms(q.device.index), causal
+        )
     if deterministic and cfg.persistent:
         cfg = replace(cfg, persistent=False)
     if cfg.head_split and (deterministic or hq == hkv):
