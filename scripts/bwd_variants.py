@@ -32,8 +32,7 @@ D192 = default_config(192, 128)
 VARIANTS = {
     128: {
         "default": D128,
-        "hsplit2": replace(D128, head_split=2),
-        "sw2": replace(D128, l2_swizzle=2),
+        "before": replace(D128, dv_before_ds=False, p_early=False),
     },
     64: {
         "default": D64,

@@ -122,6 +122,7 @@ class BwdConfig:
     persistent: bool = False
     dkv_direct: bool = False
     head_split: int = 0
+    dv_before_ds: bool = False
 
     def tag(self) -> str:
         t = f"{self.tile_m}x{self.tile_n}_s{self.stages}_dq{self.dq_stages}"
@@ -141,6 +142,7 @@ class BwdConfig:
         t += "_persist" if self.persistent else ""
         t += "_dkvdirect" if self.dkv_direct else ""
         t += f"_hsplit{self.head_split}" if self.head_split else ""
+        t += "_dvbeforeds" if self.dv_before_ds else ""
         return t + ("" if self.static_stage else "_dynstage")
 
     @classmethod
@@ -213,8 +215,18 @@ _DEFAULTS = {
     ),
     # l2_swizzle 4 (H200 2026-11-30 12:57 / 13:02 UTC, bf16 causal): MHA 1.01-1.02x, GQA
     # 1.02-1.07x, D=64 1.03x; 192/128 0.98x then (see below).
+    # dv_before_ds with p_early (H200 2026-11-30 18:55 UTC, bf16 causal, against neither:
+    # b8 s4096 1.008x, b4 s8192 1.005x, s16384 0.998x, GQA s8192 1.016x, hq16 1.005x).
     (128, 128): BwdConfig(
-        tile_m=64, tile_n=128, stages=2, dq_stages=1, dq_split=True, l2_swizzle=4, dsum_early=True
+        tile_m=64,
+        tile_n=128,
+        stages=2,
+        dq_stages=1,
+        dq_split=True,
+        l2_swizzle=4,
+        dsum_early=True,
+        dv_before_ds=True,
+        p_early=True,
     ),
     # Key split in 32-query halves (q_halves, BWD_NOTES.md): dK 96 + dV 64 fp32 registers
     # resident per consumer thread, S^T / dP^T 16 + 16 per half, dQ 48 after both halves; two

@@ -195,6 +195,12 @@ class AttentionBwdSm90:
         self.cs_dq_first = self.col_split and bool(config.dq_first) and bool(config.dq_split)
         self.ds_store_first = bool(config.ds_store_first) and not self.col_split
         self.p_early = bool(config.p_early) and not self.col_split and not self.early_dv
+        # dv_before_ds: dV += P^T dO issued right after the exp2s, before the dP^T wait (fp32
+        # P^T kept for dS), so it runs under the dS math
+        self.dv_before_ds = (
+            bool(config.dv_before_ds) and not self.col_split and not self.q_halves
+            and not self.early_dv and not self.ds_store_first
+        )
         # dq_split: per-warpgroup dQ hand-over and two dS (column split: dS and P) buffers
         # (the warpgroups are no longer in step at the dQ barriers, so one may write step
         # i + 1's dS while the other's GEMMs still read step i's).
@@ -1321,6 +1327,11 @@ class AttentionBwdSm90:
             self._gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, si], False, -1)
             warpgroup.wait_group(1)
             s = rows_cols(rP)
+        elif const_expr(self.dv_before_ds):
+            if const_expr(not self.p_early):
+                tVrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+            self._gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, si], False, -1)
+            warpgroup.wait_group(1)  # dP^T (issued before dV)
         else:
             warpgroup.wait_group(0)
         # dS^T = P^T (dP^T - Dsum)
@@ -1342,7 +1353,7 @@ class AttentionBwdSm90:
         # dV += P^T dO, dK += dS^T Q (A operands from registers). ds_store_first: dS^T to
         # shared memory before dV is issued, so the stores have landed by the fence.
         late_dv = self.ds_store_first and not self.early_dv
-        if const_expr(not self.early_dv and not late_dv):
+        if const_expr(not self.early_dv and not late_dv and not self.dv_before_ds):
             if const_expr(not self.p_early):
                 tVrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
             self._gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, si], False, -1)
