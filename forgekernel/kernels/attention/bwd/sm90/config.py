@@ -215,8 +215,9 @@ _DEFAULTS = {
     ),
     # l2_swizzle 4 (H200 2026-11-30 12:57 / 13:02 UTC, bf16 causal): MHA 1.01-1.02x, GQA
     # 1.02-1.07x, D=64 1.03x; 192/128 0.98x then (see below).
-    # dv_before_ds with p_early (H200 2026-11-30 18:55 UTC, bf16 causal, against neither:
-    # b8 s4096 1.008x, b4 s8192 1.005x, s16384 0.998x, GQA s8192 1.016x, hq16 1.005x).
+    # dv_before_ds with p_early (H200 2026-11-30 18:55 / 19:04 UTC, bf16 causal, against
+    # neither: b8 s4096 1.008 / 1.001x, b4 s8192 1.005 / 1.013x, s16384 0.998 / 1.010x, GQA
+    # s8192 1.016 / 1.015x, hq16 1.005 / 1.009x).
     (128, 128): BwdConfig(
         tile_m=64,
         tile_n=128,
@@ -291,10 +292,11 @@ def default_config(
 # locality wins there).
 HEAD_SPLIT_WAVES = 2
 # Causal GQA with long keys: the walk with l2_swizzle 2 (sections of two (kv head, batch)
-# pairs). hq64 / hkv8 s16384 against the walk with 4 (H200 2026-11-30, nine side-by-side
-# measurements 17:30-18:55 UTC): median 1.024x, 0.996-1.041x. The head split there measured
-# 1.072x (16:50, a spilling build), then 0.958-0.969x (four at 18:05) and 1.003x / 1.062x
-# (18:55, plain / each sample after its own replay): not taken. BWD_NOTES.md "GQA head split".
+# pairs). hq64 / hkv8 s16384 against the walk with 4 (H200 2026-11-30, eleven side-by-side
+# measurements 17:30-18:40 UTC): median 1.025x, 0.996-1.063x. The head split there measured
+# 1.072x (16:50, a spilling build), then 0.95-0.97x (six at 18:08 and 18:40) and 1.003x /
+# 1.062x (18:27, plain / each sample after its own replay): not taken. BWD_NOTES.md "GQA head
+# split".
 LONG_GQA_SEQLEN_K = 16384
 LONG_GQA_SWIZZLE = 2
 

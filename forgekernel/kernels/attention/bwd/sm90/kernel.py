@@ -198,8 +198,11 @@ class AttentionBwdSm90:
         # dv_before_ds: dV += P^T dO issued right after the exp2s, before the dP^T wait (fp32
         # P^T kept for dS), so it runs under the dS math
         self.dv_before_ds = (
-            bool(config.dv_before_ds) and not self.col_split and not self.q_halves
-            and not self.early_dv and not self.ds_store_first
+            bool(config.dv_before_ds)
+            and not self.col_split
+            and not self.q_halves
+            and not self.early_dv
+            and not self.ds_store_first
         )
         # dq_split: per-warpgroup dQ hand-over and two dS (column split: dS and P) buffers
         # (the warpgroups are no longer in step at the dQ barriers, so one may write step
