@@ -1156,30 +1156,18 @@ class AttentionBwdSm90:
         if const_expr(self.static_stage):
             # Unrolled by the ring depth: step0 + j sits in ring stage j (each CTA's ring
             # starts at stage 0 and advances once per step; persistent: a tile starts at
-            # stage p = gstep % stages, its step s at slot p + s).
-            if const_expr(self.persistent):
-                p = st.index
-                for step0 in cutlass.range(0, num_steps + p, self.stages, unroll=1):
-                    for j in cutlass.range_constexpr(self.stages):
-                        step = step0 + j - p
-                        if step >= 0 and step < num_steps:
-                            self._run_step(step_fn, st, gstep + step, m, step_args, extra,
-                                           key_edge, m_unmasked, j)  # fmt: skip
-                            st.advance()
-                            m += 1
-                            if m == m_end:
-                                m = m_begin
-            else:
-                for step0 in cutlass.range(0, num_steps, self.stages, unroll=1):
-                    for j in cutlass.range_constexpr(self.stages):
-                        step = step0 + j
-                        if step < num_steps:
-                            self._run_step(step_fn, st, step, m, step_args, extra, key_edge,
-                                           m_unmasked, j)  # fmt: skip
-                            st.advance()
-                            m += 1
-                            if m == m_end:
-                                m = m_begin
+            # stage p = gstep % stages, its step s at slot p + s; otherwise p = 0).
+            p = st.index if const_expr(self.persistent) else 0
+            for step0 in cutlass.range(0, num_steps + p, self.stages, unroll=1):
+                for j in cutlass.range_constexpr(self.stages):
+                    step = step0 + j - p
+                    if (step >= 0 if const_expr(self.persistent) else True) and step < num_steps:
+                        self._run_step(step_fn, st, gstep + step, m, step_args, extra,
+                                       key_edge, m_unmasked, j)  # fmt: skip
+                        st.advance()
+                        m += 1
+                        if m == m_end:
+                            m = m_begin
         else:
             for step in cutlass.range(num_steps, unroll=1):
                 self._run_step(step_fn, st, gstep + step, m, step_args, extra, key_edge,
