@@ -32,7 +32,11 @@ D192 = default_config(192, 128)
 VARIANTS = {
     128: {
         "default": D128,
-        "before": replace(D128, dv_before_ds=False, p_early=False),
+        "sw2": replace(D128, l2_swizzle=2),
+        "walk1": replace(D128, walk_order=1),
+        "walk1sw2": replace(D128, walk_order=1, l2_swizzle=2),
+        "walk1sw1": replace(D128, walk_order=1, l2_swizzle=1),
+        "walk2": replace(D128, walk_order=2),
     },
     64: {
         "default": D64,

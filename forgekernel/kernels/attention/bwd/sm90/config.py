@@ -94,6 +94,11 @@ class BwdConfig:
       its CTA index), so a tile's K / V load and first Q / dO stages overlap the previous
       tile's last steps and its dK / dV (stored from registers) instead of a CTA exit and
       launch per tile. The launcher passes the CTA count and a zeroed counter (mSem[0, 0, 0]).
+    walk_order (not deterministic): the order of a CTA's steps over its query blocks and (GQA)
+      its query heads. 0: head by head, query blocks ascending; 1: query blocks descending,
+      the heads inner (every CTA of a kv head that started together is on the same (head,
+      query block) at the same time: its Q / dO rows are read, and its dQ tile added, by all
+      of them while in L2); 2: head by head, query blocks descending.
     dkv_direct (fixed length): dK / dV stored from registers (4-byte stores) instead of
       stmatrix into the K / V buffers and two TMA stores (persistent: K / V then released
       right after the last step's GEMMs, not after the stores have read them).
@@ -123,6 +128,7 @@ class BwdConfig:
     dkv_direct: bool = False
     head_split: int = 0
     dv_before_ds: bool = False
+    walk_order: int = 0
 
     def tag(self) -> str:
         t = f"{self.tile_m}x{self.tile_n}_s{self.stages}_dq{self.dq_stages}"
@@ -143,6 +149,7 @@ class BwdConfig:
         t += "_dkvdirect" if self.dkv_direct else ""
         t += f"_hsplit{self.head_split}" if self.head_split else ""
         t += "_dvbeforeds" if self.dv_before_ds else ""
+        t += f"_walk{self.walk_order}" if self.walk_order else ""
         return t + ("" if self.static_stage else "_dynstage")
 
     @classmethod

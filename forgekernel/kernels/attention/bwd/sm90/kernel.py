@@ -211,6 +211,9 @@ class AttentionBwdSm90:
         if self.dq_split and not (self.dq_first or self.col_split):
             raise ValueError("dq_split needs dq_first")
         self.persistent = bool(config.persistent)
+        self.walk_order = int(config.walk_order)
+        if self.walk_order not in (0, 1, 2) or (self.walk_order and deterministic):
+            raise ValueError("walk_order: 0, 1 or 2, and 0 when deterministic")
         self.dkv_direct = bool(config.dkv_direct) and not varlen
         self.head_split = int(config.head_split)
         if self.head_split and (
@@ -845,8 +848,9 @@ class AttentionBwdSm90:
             kv_state = self._load_kv(*kv_args, kv_state, *kv_coords)
 
         num_m = m_end - m_begin
+        walk = self._walk_heads(num_steps, num_m)
         for step in cutlass.range(num_steps, unroll=1):
-            head, m = self._step_coords(step, hq0, m_begin, num_m)
+            head, m = self._step_coords(step, hq0, m_begin, num_m, walk)
             gQ = cute.local_tile(self._seq(mQ[None, None, head, batch], q_off), (tm, d), (None, 0))
             gdO = cute.local_tile(
                 self._seq(mdO[None, None, head, batch], q_off), (tm, dv), (None, 0)
@@ -886,10 +890,46 @@ class AttentionBwdSm90:
                 kv_state = self._load_kv(*kv_args, kv_state, *kv_coords)
         return kv_state, st
 
-    def _step_coords(self, step, hq0, m_begin, num_m):
-        """(query head, query block) of a step: the group's heads one after another, each over
-        the CTA's query blocks."""
+    def _step_coords(self, step, hq0, m_begin, num_m, walk):
+        """(query head, query block) of a step over `walk` heads (walk_order): 0, the heads one
+        after another, each over the CTA's query blocks ascending; 1, the query blocks
+        descending, each over the heads; 2, the heads one after another, each over the query
+        blocks descending."""
+        if const_expr(self.walk_order == 1):
+            return hq0 + step % walk, m_begin + num_m - 1 - step // walk
+        if const_expr(self.walk_order == 2):
+            return hq0 + step // num_m, m_begin + num_m - 1 - step % num_m
         return hq0 + step // num_m, m_begin + step % num_m
+
+    def _walk_heads(self, num_steps, num_m):
+        """The query heads a tile walks (num_steps = heads x query blocks); only walk_order 1
+        needs it."""
+        if const_expr(self.walk_order == 1):
+            return num_steps // cutlass.max(num_m, 1)
+        return 1
+
+    def _first_m(self, m_begin, m_end):
+        """The query block of a tile's first step (walk_order)."""
+        return m_begin if const_expr(self.walk_order == 0) else m_end - 1
+
+    @cute.jit
+    def _next_m(self, m, hc, m_begin, m_end, walk):
+        """(query block, head count) of the step after one at (m, hc) (walk_order; hc: the
+        heads done at query block m, walk_order 1)."""
+        if const_expr(self.walk_order == 1):
+            hc += 1
+            if hc == walk:
+                hc = 0
+                m -= 1
+        elif const_expr(self.walk_order == 2):
+            m -= 1
+            if m < m_begin:
+                m = m_end - 1
+        else:
+            m += 1
+            if m == m_end:
+                m = m_begin
+        return m, hc
 
     def _dq_bar(self, full: bool, buf, part):
         """(barrier id, threads) of staging buffer `buf`'s full or empty barrier for `part`:
@@ -943,9 +983,10 @@ class AttentionBwdSm90:
         part = tile // parts
         lane = cute.arch.lane_idx()
         num_m = m_end - m_begin
+        walk = self._walk_heads(num_steps, num_m)
         for step in cutlass.range(num_steps, unroll=1):
             buf = (gstep + step) % self.dq_stages
-            head, m = self._step_coords(step, hq0, m_begin, num_m)
+            head, m = self._step_coords(step, hq0, m_begin, num_m, walk)
             gdq = mdQacc[batch, head, None].iterator + (ws * self.head_dim + m * tile)
             if const_expr(self.deterministic):
                 sem = mSem[batch, head, None].iterator + (ws + m)
@@ -1143,7 +1184,7 @@ class AttentionBwdSm90:
             r2s_ds, thr_r2s_ds, tdSsdS, sLSE, sDsum, sdQ, q_pipe, do_pipe, consumer_bar,
             scale_log2, n0, seqlen_q, seqlen_k,
         )  # fmt: skip
-        # The steps; m = m_begin + step % num_m, carried instead of divided every step.
+        # The steps; their query block m (_step_coords) carried instead of divided every step.
         step_fn, extra = self._step, ()
         if const_expr(self.col_split):
             tPsP = tdSsdS  # dq_split: all four buffers, indexed in the step
@@ -1152,7 +1193,9 @@ class AttentionBwdSm90:
             step_fn, extra = self._step_cs, (tPsP,)
         elif const_expr(self.q_halves):
             step_fn = self._step_qh
-        m = m_begin
+        m = self._first_m(m_begin, m_end)
+        hc = Int32(0)
+        walk = self._walk_heads(num_steps, m_end - m_begin)
         if const_expr(self.static_stage):
             # Unrolled by the ring depth: step0 + j sits in ring stage j (each CTA's ring
             # starts at stage 0 and advances once per step; persistent: a tile starts at
@@ -1165,17 +1208,13 @@ class AttentionBwdSm90:
                         self._run_step(step_fn, st, gstep + step, m, step_args, extra,
                                        key_edge, m_unmasked, j)  # fmt: skip
                         st.advance()
-                        m += 1
-                        if m == m_end:
-                            m = m_begin
+                        m, hc = self._next_m(m, hc, m_begin, m_end, walk)
         else:
             for step in cutlass.range(num_steps, unroll=1):
                 self._run_step(step_fn, st, gstep + step, m, step_args, extra, key_edge,
                                m_unmasked)  # fmt: skip
                 st.advance()
-                m += 1
-                if m == m_end:
-                    m = m_begin
+                m, hc = self._next_m(m, hc, m_begin, m_end, walk)
 
         if const_expr(self.head_split):
             self._reduce_dkv(
