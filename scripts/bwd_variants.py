@@ -33,16 +33,18 @@ VARIANTS = {
     128: {
         "default": D128,
         "sw2": replace(D128, l2_swizzle=2),
-        "walk1": replace(D128, walk_order=1),
-        "walk1sw2": replace(D128, walk_order=1, l2_swizzle=2),
-        "walk1sw1": replace(D128, walk_order=1, l2_swizzle=1),
         "walk2": replace(D128, walk_order=2),
+        "walk2sw2": replace(D128, walk_order=2, l2_swizzle=2),
+        "walk2sw1": replace(D128, walk_order=2, l2_swizzle=1),
+        "walk2sw8": replace(D128, walk_order=2, l2_swizzle=8),
     },
     64: {
         "default": D64,
+        "walk2": replace(D64, walk_order=2),
     },
     192: {
         "default": D192,
+        "walk2": replace(D192, walk_order=2),
     },
 }
 # Earlier rounds (BWD_NOTES.md): early_dv, 3-deep rings, one dQ buffer, 232/40 registers at

@@ -486,20 +486,21 @@ def test_l2_swizzle_order_is_a_permutation_key_blocks_ascending_per_pair(num_n, 
     assert sections == sorted(sections)
 
 
-def test_choose_config_head_split_for_small_gqa_swizzle_2_for_long_gqa_at_d128():
+def test_choose_config_head_split_for_small_gqa_descending_walk_for_causal_gqa_at_d128():
     from forgekernel.kernels.attention.bwd.sm90.config import choose_config, default_config
 
     def pick(d, dv, det, b, sk, hq, hkv, causal=True):
         cfg = choose_config(d, dv, det, b, sk, hq, hkv, 132, causal)
-        return cfg.head_split, cfg.l2_swizzle
+        return cfg.head_split, cfg.l2_swizzle, cfg.walk_order
 
     sw = default_config(128, 128).l2_swizzle
-    assert pick(128, 128, False, 1, 1000, 4, 2) == (2, sw)  # 16 kv tiles: under two waves
-    assert pick(128, 128, False, 2, 16384, 64, 8) == (0, 2)  # long keys: the walk, sections of 2
-    assert pick(128, 128, False, 2, 16384, 64, 8, causal=False) == (0, sw)
-    assert pick(128, 128, False, 4, 8192, 64, 8) == (0, sw)  # 2048 kv tiles, s8192
-    assert pick(128, 128, False, 1, 1000, 4, 4) == (0, sw)  # MHA
-    assert pick(128, 128, False, 2, 16384, 32, 32) == (0, sw)  # MHA, long keys
+    assert pick(128, 128, False, 1, 1000, 4, 2) == (2, sw, 0)  # 16 kv tiles: under two waves
+    assert pick(128, 128, False, 2, 16384, 64, 8) == (0, 8, 2)  # causal GQA: descending walk
+    assert pick(128, 128, False, 4, 8192, 64, 8) == (0, 8, 2)  # 2048 kv tiles, s8192
+    assert pick(128, 128, False, 2, 16384, 64, 8, causal=False) == (0, sw, 0)
+    assert pick(128, 128, False, 1, 1000, 4, 4) == (0, sw, 0)  # MHA
+    assert pick(128, 128, False, 2, 16384, 32, 32) == (0, sw, 0)  # MHA, long keys
+    assert pick(128, 128, True, 2, 16384, 64, 8) == (0, 0, 0)  # deterministic: ascending
     assert pick(128, 128, True, 1, 1000, 4, 2)[0] == 0  # deterministic keeps the walk
     assert pick(64, 64, False, 1, 1000, 4, 2)[0] == 0  # D = 64: persistent instead
     assert choose_config(64, 64, False, 2, 8192, 32, 32, 132) == default_config(64, 64)

@@ -22,9 +22,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from forgekernel.kernels.attention.bwd.sm90.config import (
+    CAUSAL_GQA_SWIZZLE,
+    CAUSAL_GQA_WALK,
     DTYPES,
     HEAD_DIMS,
-    LONG_GQA_SWIZZLE,
     BwdConfig,
     default_config,
     main_params,
@@ -65,9 +66,12 @@ def _pre_standard() -> list[Params]:
 
 def _main_standard() -> list[Params]:
     # + the kernels config.choose_config picks by shape for GQA at D = 128 (fixed length):
-    # head_split, and (causal, long keys) the walk with l2_swizzle LONG_GQA_SWIZZLE
+    # head_split, and (causal) the walk in walk_order CAUSAL_GQA_WALK with l2_swizzle
+    # CAUSAL_GQA_SWIZZLE
     split = replace(default_config(128, 128), head_split=2)
-    long_gqa = replace(default_config(128, 128), l2_swizzle=LONG_GQA_SWIZZLE)
+    causal_gqa = replace(
+        default_config(128, 128), walk_order=CAUSAL_GQA_WALK, l2_swizzle=CAUSAL_GQA_SWIZZLE
+    )
     return (
         [
             main_params(dtype, d, dv, causal, det, varlen=varlen)
@@ -82,7 +86,7 @@ def _main_standard() -> list[Params]:
             for dtype in DTYPES
             for causal in (False, True)
         ]
-        + [main_params(dtype, 128, 128, True, False, long_gqa) for dtype in DTYPES]
+        + [main_params(dtype, 128, 128, True, False, causal_gqa) for dtype in DTYPES]
     )
 
 
