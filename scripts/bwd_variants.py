@@ -32,19 +32,16 @@ D192 = default_config(192, 128)
 VARIANTS = {
     128: {
         "default": D128,
+        "rule": replace(D128, walk_order=2, l2_swizzle=8),
         "sw2": replace(D128, l2_swizzle=2),
         "walk2": replace(D128, walk_order=2),
-        "walk2sw2": replace(D128, walk_order=2, l2_swizzle=2),
-        "walk2sw1": replace(D128, walk_order=2, l2_swizzle=1),
-        "walk2sw8": replace(D128, walk_order=2, l2_swizzle=8),
+        "default_last": replace(D128, consumer_regs=240),
     },
     64: {
         "default": D64,
-        "walk2": replace(D64, walk_order=2),
     },
     192: {
         "default": D192,
-        "walk2": replace(D192, walk_order=2),
     },
 }
 # Earlier rounds (BWD_NOTES.md): early_dv, 3-deep rings, one dQ buffer, 232/40 registers at

@@ -486,7 +486,7 @@ def test_l2_swizzle_order_is_a_permutation_key_blocks_ascending_per_pair(num_n, 
     assert sections == sorted(sections)
 
 
-def test_choose_config_head_split_for_small_gqa_descending_walk_for_causal_gqa_at_d128():
+def test_choose_config_head_split_for_small_gqa_descending_walk_for_long_gqa_at_d128():
     from forgekernel.kernels.attention.bwd.sm90.config import choose_config, default_config
 
     def pick(d, dv, det, b, sk, hq, hkv, causal=True):
@@ -495,8 +495,8 @@ def test_choose_config_head_split_for_small_gqa_descending_walk_for_causal_gqa_a
 
     sw = default_config(128, 128).l2_swizzle
     assert pick(128, 128, False, 1, 1000, 4, 2) == (2, sw, 0)  # 16 kv tiles: under two waves
-    assert pick(128, 128, False, 2, 16384, 64, 8) == (0, 8, 2)  # causal GQA: descending walk
-    assert pick(128, 128, False, 4, 8192, 64, 8) == (0, 8, 2)  # 2048 kv tiles, s8192
+    assert pick(128, 128, False, 2, 16384, 64, 8) == (0, 8, 2)  # long keys: descending walk
+    assert pick(128, 128, False, 4, 8192, 64, 8) == (0, sw, 0)  # 2048 kv tiles, s8192
     assert pick(128, 128, False, 2, 16384, 64, 8, causal=False) == (0, sw, 0)
     assert pick(128, 128, False, 1, 1000, 4, 4) == (0, sw, 0)  # MHA
     assert pick(128, 128, False, 2, 16384, 32, 32) == (0, sw, 0)  # MHA, long keys

@@ -22,10 +22,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from forgekernel.kernels.attention.bwd.sm90.config import (
-    CAUSAL_GQA_SWIZZLE,
-    CAUSAL_GQA_WALK,
     DTYPES,
     HEAD_DIMS,
+    LONG_GQA_SWIZZLE,
+    LONG_GQA_WALK,
     BwdConfig,
     default_config,
     main_params,
@@ -66,11 +66,11 @@ def _pre_standard() -> list[Params]:
 
 def _main_standard() -> list[Params]:
     # + the kernels config.choose_config picks by shape for GQA at D = 128 (fixed length):
-    # head_split, and (causal) the walk in walk_order CAUSAL_GQA_WALK with l2_swizzle
-    # CAUSAL_GQA_SWIZZLE
+    # head_split, and (causal, long keys) the walk in walk_order LONG_GQA_WALK with
+    # l2_swizzle LONG_GQA_SWIZZLE
     split = replace(default_config(128, 128), head_split=2)
-    causal_gqa = replace(
-        default_config(128, 128), walk_order=CAUSAL_GQA_WALK, l2_swizzle=CAUSAL_GQA_SWIZZLE
+    long_gqa = replace(
+        default_config(128, 128), walk_order=LONG_GQA_WALK, l2_swizzle=LONG_GQA_SWIZZLE
     )
     return (
         [
@@ -86,7 +86,7 @@ def _main_standard() -> list[Params]:
             for dtype in DTYPES
             for causal in (False, True)
         ]
-        + [main_params(dtype, 128, 128, True, False, causal_gqa) for dtype in DTYPES]
+        + [main_params(dtype, 128, 128, True, False, long_gqa) for dtype in DTYPES]
     )
 
 

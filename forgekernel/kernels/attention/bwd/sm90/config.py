@@ -298,15 +298,17 @@ def default_config(
 # 1.07-1.36x; s8192 0.96-0.97x, s4096 0.94x (the fp32 dK / dV additions cost more than the
 # locality wins there).
 HEAD_SPLIT_WAVES = 2
-# Causal GQA (the walk): each head's query blocks descending (walk_order 2) with l2_swizzle 8
-# (sections of eight (kv head, batch) pairs). H200 2026-11-30 19:44 / 19:48 UTC (bwd_variants,
-# bf16, against the ascending walk with 4): b4 hq64 hkv8 s8192 1.066 / 1.056, b2 hq64 hkv8
-# s16384 1.033 / 1.048 (the walk with 2, the rule before: 1.014 / 1.024), b8 hq64 hkv8 s4096
-# 1.008, b4 hq32 hkv4 s8192 0.998; descending with 4: 1.008-1.085, 0.986-1.053, 1.003,
-# 1.002-1.015. The query-block order with the heads inner (walk_order 1): 0.97-1.06.
+# Causal GQA with long keys: each head's query blocks descending (walk_order 2) with
+# l2_swizzle 8 (sections of eight (kv head, batch) pairs). hq64 / hkv8 s16384 on the H200
+# (2026-11-30, bwd_variants, bf16): against the walk with swizzle 2 (the rule until 19:56 UTC)
+# 1.009 / 1.034 (19:48), 1.034 / 1.024 (20:06, also with each sample after its own replay);
+# bench 19:56 UTC 0.981 of FA4 (0.959 at 19:04). Shorter GQA keeps the ascending walk with
+# swizzle 4: the same order measured 0.96-1.01 of it there (hq32 / hkv4 0.96-0.99), and the
+# harness moves an identical kernel by up to 5% with its position in the rotation (20:06).
 # BWD_NOTES.md "GQA walk order".
-CAUSAL_GQA_WALK = 2
-CAUSAL_GQA_SWIZZLE = 8
+LONG_GQA_SEQLEN_K = 16384
+LONG_GQA_WALK = 2
+LONG_GQA_SWIZZLE = 8
 
 
 def choose_config(
@@ -322,15 +324,16 @@ def choose_config(
 ) -> BwdConfig:
     """The fixed-length main kernel's config for a problem: default_config; for D = 128 GQA
     head_split (interleaved) when the kv tiles fill less than HEAD_SPLIT_WAVES waves, else
-    (causal) walk_order CAUSAL_GQA_WALK with l2_swizzle CAUSAL_GQA_SWIZZLE."""
+    (causal, from LONG_GQA_SEQLEN_K keys on) walk_order LONG_GQA_WALK with l2_swizzle
+    LONG_GQA_SWIZZLE."""
     cfg = default_config(head_dim, head_dim_v, deterministic)
     if deterministic or hq == hkv or (head_dim, head_dim_v) != (128, 128):
         return cfg
     kv_tiles = -(-seqlen_k // cfg.tile_n) * hkv * batch
     if kv_tiles < HEAD_SPLIT_WAVES * num_sms:
         cfg = replace(cfg, head_split=2)
-    elif causal:
-        cfg = replace(cfg, walk_order=CAUSAL_GQA_WALK, l2_swizzle=CAUSAL_GQA_SWIZZLE)
+    elif causal and seqlen_k >= LONG_GQA_SEQLEN_K:
+        cfg = replace(cfg, walk_order=LONG_GQA_WALK, l2_swizzle=LONG_GQA_SWIZZLE)
     return cfg
 
 

@@ -3,7 +3,8 @@
 One CTA per (key block of tile_n keys, kv head, batch): grid (ceil(Sk / tile_n), Hkv, B).
 The CTA keeps its K and V tiles in shared memory and its dK, dV accumulators in registers
 while it walks every query head of its GQA group and, per head, every query block of tile_m
-rows that sees one of its keys; dK and dV are written once at the end (no atomics).
+rows that sees one of its keys (ascending, or in the `walk_order` of the config); dK and dV
+are written once at the end (no atomics).
 
 Warp roles (3 warpgroups, 384 threads):
 - warp 0 (producer, 24 registers): TMA loads K and V once, then per step the Q tile with its
