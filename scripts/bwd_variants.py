@@ -32,9 +32,8 @@ D192 = default_config(192, 128)
 VARIANTS = {
     128: {
         "default": D128,
-        "rule": replace(D128, walk_order=2, l2_swizzle=8),
-        "sw2": replace(D128, l2_swizzle=2),
-        "walk2": replace(D128, walk_order=2),
+        "expg4": replace(D128, exp_groups=4),
+        "expg8": replace(D128, exp_groups=8),
         "default_last": replace(D128, consumer_regs=240),
     },
     64: {

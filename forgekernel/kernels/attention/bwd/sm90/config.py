@@ -129,6 +129,7 @@ class BwdConfig:
     head_split: int = 0
     dv_before_ds: bool = False
     walk_order: int = 0
+    exp_groups: int = 0
 
     def tag(self) -> str:
         t = f"{self.tile_m}x{self.tile_n}_s{self.stages}_dq{self.dq_stages}"
@@ -150,6 +151,7 @@ class BwdConfig:
         t += f"_hsplit{self.head_split}" if self.head_split else ""
         t += "_dvbeforeds" if self.dv_before_ds else ""
         t += f"_walk{self.walk_order}" if self.walk_order else ""
+        t += f"_expg{self.exp_groups}" if self.exp_groups else ""
         return t + ("" if self.static_stage else "_dynstage")
 
     @classmethod

@@ -213,6 +213,7 @@ class AttentionBwdSm90:
             raise ValueError("dq_split needs dq_first")
         self.persistent = bool(config.persistent)
         self.walk_order = int(config.walk_order)
+        self.exp_groups = int(config.exp_groups)
         if self.walk_order not in (0, 1, 2) or (self.walk_order and deterministic):
             raise ValueError("walk_order: 0, 1 or 2, and 0 when deterministic")
         self.dkv_direct = bool(config.dkv_direct) and not varlen
@@ -1601,10 +1602,20 @@ class AttentionBwdSm90:
 
     @cute.jit
     def _exp2(self, s, lse, scale_log2):
-        """P^T = exp2(S^T scale log2e - LSE log2e) in place, LSE per query column."""
-        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse[c], fastmath=True)
+        """P^T = exp2(S^T scale log2e - LSE log2e) in place, LSE per query column. exp_groups
+        g > 0: the columns in g groups, each group's scale taken as scale + 0 x (the previous
+        group's first exp2), so that the assembler cannot issue all the arguments' FFMAs
+        before the first MUFU (it does in the unmasked step: the MUFU queue then starts late)."""
+        ncols = cute.size(s, mode=[1])
+        groups = self.exp_groups if const_expr(self.exp_groups) else 1
+        per = ncols // groups
+        sc = scale_log2
+        for g in cutlass.range_constexpr(groups):
+            for c in cutlass.range_constexpr(g * per, (g + 1) * per):
+                for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                    s[r, c] = cute.math.exp2(s[r, c] * sc - lse[c], fastmath=True)
+            if const_expr(g + 1 < groups):
+                sc = scale_log2 + s[0, g * per] * Float32(0.0)
 
     @cute.jit
     def _ds(self, dp, p, dsum):
