@@ -32,8 +32,7 @@ D192 = default_config(192, 128)
 VARIANTS = {
     128: {
         "default": D128,
-        "expg4": replace(D128, exp_groups=4),
-        "expg8": replace(D128, exp_groups=8),
+        "expg0": replace(D128, exp_groups=0),
         "default_last": replace(D128, consumer_regs=240),
     },
     64: {

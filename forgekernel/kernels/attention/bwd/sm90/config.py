@@ -94,6 +94,10 @@ class BwdConfig:
       its CTA index), so a tile's K / V load and first Q / dO stages overlap the previous
       tile's last steps and its dK / dV (stored from registers) instead of a CTA exit and
       launch per tile. The launcher passes the CTA count and a zeroed counter (mSem[0, 0, 0]).
+    exp_groups (key split): g > 0 computes the exp2s in g column groups, each group's scale
+      taken as scale + 0 x the previous group's first exp2 (one FFMA per group), so that the
+      assembler starts the MUFUs after the first group's FFMAs instead of after all 32 (the
+      MUFU queue of the two warpgroups then starts ~30 issue slots earlier).
     walk_order (not deterministic): the order of a CTA's steps over its query blocks and (GQA)
       its query heads. 0: head by head, query blocks ascending; 1: query blocks descending,
       the heads inner (every CTA of a kv head that started together is on the same (head,
@@ -224,6 +228,10 @@ _DEFAULTS = {
     ),
     # l2_swizzle 4 (H200 2026-11-30 12:57 / 13:02 UTC, bf16 causal): MHA 1.01-1.02x, GQA
     # 1.02-1.07x, D=64 1.03x; 192/128 0.98x then (see below).
+    # exp_groups 8 (H200 2026-11-30 20:18 UTC, bf16 causal, three runs each against the
+    # ungrouped exp2s: b4 hq32 s8192 1.011 / 1.012 / 1.012, hq16 1.008 / 1.010 / 1.015, b8
+    # s4096 1.008 / 1.013 / 1.012; 4 groups 0.993-1.003; the same kernel timed last
+    # 0.991-1.003).
     # dv_before_ds with p_early (H200 2026-11-30 18:55 / 19:04 UTC, bf16 causal, against
     # neither: b8 s4096 1.008 / 1.001x, b4 s8192 1.005 / 1.013x, s16384 0.998 / 1.010x, GQA
     # s8192 1.016 / 1.015x, hq16 1.005 / 1.009x).
@@ -237,6 +245,7 @@ _DEFAULTS = {
         dsum_early=True,
         dv_before_ds=True,
         p_early=True,
+        exp_groups=8,
     ),
     # Key split in 32-query halves (q_halves, BWD_NOTES.md): dK 96 + dV 64 fp32 registers
     # resident per consumer thread, S^T / dP^T 16 + 16 per half, dQ 48 after both halves; two

@@ -1608,6 +1608,8 @@ class AttentionBwdSm90:
         before the first MUFU (it does in the unmasked step: the MUFU queue then starts late)."""
         ncols = cute.size(s, mode=[1])
         groups = self.exp_groups if const_expr(self.exp_groups) else 1
+        if const_expr(ncols % groups):
+            raise ValueError(f"exp_groups {groups} does not divide the {ncols} columns")
         per = ncols // groups
         sc = scale_log2
         for g in cutlass.range_constexpr(groups):
