@@ -37,6 +37,9 @@ VARIANTS = {
     },
     64: {
         "default": D64,
+        "expg0": replace(D64, exp_groups=0),
+        "expg8": replace(D64, exp_groups=8),
+        "default_last": replace(D64, consumer_regs=240),
     },
     192: {
         "default": D192,

@@ -213,6 +213,8 @@ _DEFAULTS = {
     # 2026-11-30 11:23 UTC: 1.20x the previous default, dK before dQ with the joint hand-over).
     # Persistent (H200 2026-11-30 16:23 UTC, bf16 causal b2 hq32 s8192: 1.032x; at D = 128
     # 0.983-0.995x, not taken there; 192/128 spills with it).
+    # exp_groups 16 (four exp2s per group, as the D = 128 default's 8; the first MUFU after 4
+    # FFMAs instead of ~45): H200 2026-11-30, see BWD_NOTES.md "exp_groups".
     (64, 64): BwdConfig(
         tile_m=128,
         tile_n=128,
@@ -225,6 +227,7 @@ _DEFAULTS = {
         ds_store_first=True,
         l2_swizzle=4,
         persistent=True,
+        exp_groups=16,
     ),
     # l2_swizzle 4 (H200 2026-11-30 12:57 / 13:02 UTC, bf16 causal): MHA 1.01-1.02x, GQA
     # 1.02-1.07x, D=64 1.03x; 192/128 0.98x then (see below).
