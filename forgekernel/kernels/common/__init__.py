@@ -1,0 +1,1 @@
+"""Pieces shared by the kernel leaves, one folder per architecture (`sm90/`)."""

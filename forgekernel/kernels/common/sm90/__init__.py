@@ -1,0 +1,15 @@
+"""The Hopper (sm_90a) toolkit under every kernel leaf.
+
+- `constants`: chip limits and numeric constants (DSL-free, so configs can use them).
+- `layout`: views of tensors and WGMMA register fragments (no data moves).
+- `ptx`: instructions the DSL does not wrap (packed converts, 1-D bulk copies, acquire /
+  release on a global counter, proxy fences).
+- `pipeline`: the TMA producer / consumer pipelines and shared-memory views.
+- `barriers`: named-barrier ids (each kernel an `IntEnum` over `FIRST_FREE`).
+- `mma`: one warpgroup GEMM over all k-blocks, as one commit group.
+- `scheduler/`: tile schedulers (static persistent, longest-first, atomic dynamic).
+- `softmax`: masking and online-softmax helpers on WGMMA accumulators.
+- `fake`: fake tensors and options for ahead-of-time compiles.
+
+Only `constants` is importable without the DSL; the rest import it at module load.
+"""
