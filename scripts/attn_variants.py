@@ -13,12 +13,12 @@ import sys
 
 import torch
 
-from forgekernel.bench.timing import median, time_interleaved
 from forgekernel.kernels.attention.fwd import sm90
 from forgekernel.kernels.attention.fwd.sm90.config import AttnConfig
 from forgekernel.ops._dispatch import num_sms
 from forgekernel.ops.attention import LOG2E
 from forgekernel.runtime.cache import get_kernel
+from forgekernel.runtime.timing import median, time_interleaved
 
 C = AttnConfig
 OV = {"overlap": True}

@@ -229,8 +229,8 @@ def run_case(case, rows):
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from forgekernel.bench.timing import median, time_interleaved
     from forgekernel.kernels.attention.bwd.sm90.launch import attention_bwd
+    from forgekernel.runtime.timing import median, time_interleaved
 
     b, hq, hkv, s, d, causal = case
     label = f"b{b} hq{hq} hkv{hkv} s{s} d{d} {'causal' if causal else 'full'}"

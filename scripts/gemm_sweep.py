@@ -12,7 +12,6 @@ import sys
 
 import torch
 
-from forgekernel.bench.timing import median, rotation_sets, time_interleaved
 from forgekernel.kernels.gemm.dense.sm90 import SPEC
 from forgekernel.kernels.gemm.dense.sm90.config import (
     CANDIDATES,
@@ -22,6 +21,7 @@ from forgekernel.kernels.gemm.dense.sm90.config import (
     params_for,
 )
 from forgekernel.runtime.cache import get_kernel
+from forgekernel.runtime.timing import median, rotation_sets, time_interleaved
 
 SHAPES = (
     [(128, 8192, 8192)]

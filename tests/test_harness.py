@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from forgekernel.bench import harness
-from forgekernel.bench.timing import Samples
+from forgekernel.runtime.timing import Samples
 
 
 class Calls(list):

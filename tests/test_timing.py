@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from forgekernel.bench import timing
+from forgekernel.runtime import timing
 
 
 def test_rotation_sets():

@@ -17,8 +17,8 @@ import torch
 from forgekernel.bench import ledger, report
 from forgekernel.bench.check import as_tuple, free, poison, sync, verify
 from forgekernel.bench.suite import Case, OpSuite
-from forgekernel.bench.timing import Samples, l2_bytes, median, rotation_sets, time_interleaved
 from forgekernel.runtime.arch import resolve_arch
+from forgekernel.runtime.timing import Samples, l2_bytes, median, rotation_sets, time_interleaved
 
 # Looser than `check` (2x): the bench only has to rule out a wrong kernel, not certify one.
 VERIFY_FACTOR = 4.0

@@ -181,7 +181,7 @@ def tune_gemm(
     """Opt-in autotune for one problem: time every configuration (standard and candidates by
     default) interleaved on fresh random inputs, record the winner for later `gemm` calls,
     and return it. Configurations that are not prebuilt compile first (needs the DSL)."""
-    from forgekernel.bench.timing import median, rotation_sets, time_interleaved
+    from forgekernel.runtime.timing import median, rotation_sets, time_interleaved
 
     b_kn = b_layout == "kn"
     configs = configs or STANDARD_CONFIGS + CANDIDATES

@@ -1,4 +1,6 @@
 """The one timing function: device time per launch, from pipelined back-to-back launches.
+Shared by `forgekernel bench` and the opt-in autotune (`forgekernel.tune_gemm`), so it lives
+below both.
 
 Each candidate's launches are captured N at a time into a CUDA graph, launch i using input set
 i % len(rotate), and the graph's replays are timed with CUDA events: one sample = replay time
