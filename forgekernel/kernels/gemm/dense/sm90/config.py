@@ -5,8 +5,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-DTYPES = ("float16", "bfloat16")
-NUM_SMS_H100_H200 = 132
+from forgekernel.kernels.common.sm90.constants import DTYPE_NAMES, NUM_SMS_H100_H200
+
+DTYPES = DTYPE_NAMES  # every standard kernel is built for each
+
+# Knobs measured and dropped (docs/gemm/NOTES.md) with the value that meant "off": a tuning
+# record written before they left and turning one on names a kernel that no longer exists.
+DROPPED_KNOBS = {"split_k": 1, "pingpong": False}
 
 
 @dataclass(frozen=True)
@@ -21,8 +26,6 @@ class GemmConfig:
     stages: int = 0  # 0: as many as fit in shared memory
     epi_stages: int = 4
     epi_n: int = 32  # epilogue sub-tile = (tile_m, epi_n), staged through shared memory
-    split_k: int = 1  # > 1: each split writes an fp32 partial to a workspace the op then sums
-    pingpong: bool = False  # consumer warpgroups alternate whole tiles (else: share each tile)
     swizzle: int = 1  # raster group size, in clusters (L2 reuse)
     raster_along_m: bool = True
 
@@ -31,13 +34,18 @@ class GemmConfig:
         return (
             f"{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}_s{self.stages}"
             f"_e{self.epi_stages}x{self.epi_n}_w{self.swizzle}{'m' if self.raster_along_m else 'n'}"
-            + (f"_k{self.split_k}" if self.split_k > 1 else "")
-            + ("_pp" if self.pingpong else "")
         )
 
     @classmethod
     def from_params(cls, params: dict) -> GemmConfig:
         return cls(**{f.name: params[f.name] for f in fields(cls)})
+
+    @classmethod
+    def from_record(cls, record: dict) -> GemmConfig | None:
+        """A recorded tuning winner's config; None if it turns on a dropped knob."""
+        if any(record.get(name, off) != off for name, off in DROPPED_KNOBS.items()):
+            return None
+        return cls.from_params(record)
 
 
 # Measured on the H200 (bf16, docs/gemm/NOTES.md): 128x256 cooperative with B multicast over a
@@ -45,8 +53,7 @@ class GemmConfig:
 # leaves a quarter idle (1000x3000x4104: 0.99 vs 0.79 of cuBLAS); skinny M is bound by the
 # L2->SM traffic, so it takes narrow tiles that put 128 CTAs on the chip with one operand
 # multicast: M <= 64 64x64 with A shared by 2 CTAs (1.03-1.04 of cuBLAS at 64x8192x8192),
-# M <= 128 64x128 with B shared by the 2 row tiles (0.97 at 128x8192x8192; split K in two
-# measured 0.74: its GEMM alone 41 us, the torch sum of the partials another 10 us).
+# M <= 128 64x128 with B shared by the 2 row tiles (0.97 at 128x8192x8192).
 LARGE = GemmConfig()
 WIDE = GemmConfig(tile_n=192)
 SMALL = GemmConfig(tile_n=128, cluster_m=1)
@@ -60,15 +67,8 @@ _EFFICIENCY = {LARGE: 1.0, WIDE: 0.965}
 CANDIDATES = (
     GemmConfig(cluster_m=1),
     GemmConfig(epi_n=64),
-    # ping-pong: one 64-row tile per consumer warpgroup, one's epilogue under the other's
-    # mainloop. Correct, but 0.93-0.99 of cuBLAS on the large shapes where cooperative 128x256
-    # gives 1.00-1.04 (H200, 2026-11-30): B is fetched once per 64 rows instead of 128.
-    GemmConfig(tile_m=64, tile_n=256, pingpong=True),
-    GemmConfig(tile_m=64, tile_n=256, cluster_m=1, pingpong=True),
-    GemmConfig(tile_m=64, tile_n=128, pingpong=True),
     GemmConfig(tile_m=64, tile_n=64, cluster_m=1),
     GemmConfig(tile_m=128, tile_n=64, cluster_m=1, cluster_n=2),
-    GemmConfig(tile_n=128, cluster_m=1, cluster_n=2, split_k=2, epi_stages=2),
     GemmConfig(tile_n=128, cluster_m=2),
     GemmConfig(tile_n=128, cluster_m=1, cluster_n=2),
     GemmConfig(tile_m=64, tile_n=256, cluster_m=2),

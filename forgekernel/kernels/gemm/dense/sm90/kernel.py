@@ -1,13 +1,26 @@
 """Dense 16-bit GEMM for Hopper (sm_90a): C = A @ B^T, fp32 accumulation.
 
-Warp roles (one CTA = 1 + W warpgroups, W = 2 cooperative consumers):
-- warp 0 of warpgroup 0 (producer): walks the persistent tile schedule and issues TMA loads of
-  A and B k-tiles into an `stages`-deep shared-memory ring guarded by mbarriers (full/empty).
-  With a cluster, A is multicast along N and B along M. It keeps 40 registers (setmaxnreg).
-- warpgroups 1..W (consumers): wait on the full barrier, issue WGMMA (SS) into fp32 registers,
-  keep one WGMMA batch in flight and release the stage behind it; then the epilogue converts,
-  stores through `stmatrix` into a small shared-memory ring and TMA-stores sub-tiles while the
-  producer already streams the next tile's operands. They take 232 registers.
+Persistent and warp-specialized; one CTA = 1 + W warpgroups, W = tile_m / 64 consumers that
+split the M rows of each tile (cooperative). Every warpgroup walks the same static persistent
+tile schedule (kernels/common/sm90/scheduler/static.py).
+
+Warp roles:
+- producer, warp 0 of warpgroup 0 (setmaxnreg 40; the group's other warps exit): TMA loads
+  of A and B k-tiles into the AB ring. With a cluster, A is multicast to the CTAs of its
+  cluster row (along N) and B to those of its cluster column (along M).
+- consumers, warpgroups 1..W (setmaxnreg 232): WGMMA (both operands from shared memory) into
+  fp32 registers, one k-tile batch kept in flight and the stage behind it released; then the
+  epilogue converts each (tile_m, epi_n) sub-tile, writes it with `stmatrix` into the epilogue
+  ring and TMA-stores it, while the producer already streams the next tile's operands.
+
+Pipelines:
+- AB ring (`PipelineTmaAsync`, `stages` deep, as many as fit): full barriers count the TMA
+  bytes of A + B; empty barriers take one arrival per consumer warp and CTA that multicast into
+  the stage.
+- epilogue ring (`PipelineTmaStore`, `epi_stages` deep): TMA-store commit groups; a buffer is
+  rewritten only after its store has read it. Named barrier `Bar.EPILOGUE` orders the consumer
+  threads' `stmatrix` writes before the store warp's TMA store, and that store's issue before
+  the buffer's next writes.
 
 Constraints: A (M, K) K-major; B (N, K) K-major ("nk") or (K, N) N-major ("kn"); C (M, N)
 row-major; every leading stride a multiple of 8 elements (16 bytes, TMA) and base addresses
@@ -18,6 +31,7 @@ loads, clipped stores). tile_m in {64, 128}, tile_n in {64, 128, 192, 256}, tile
 from __future__ import annotations
 
 import math
+from enum import IntEnum
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -25,12 +39,25 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.cute.nvgpu import OperandMajorMode
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
 
+from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
+from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY, THREADS_PER_WG
+from forgekernel.kernels.common.sm90.pipeline import (
+    consumer_state,
+    init_arrive,
+    init_wait,
+    producer_state,
+    smem_tensor,
+    tma_pipeline,
+)
 from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
 
-SMEM_CAPACITY = 232448  # sm_90 per-block opt-in maximum (227 KiB)
-THREADS_PER_WG = 128
+
+class Bar(IntEnum):
+    EPILOGUE = FIRST_FREE  # the consumer threads around each epilogue sub-tile's TMA store
 
 
 class GemmSm90:
@@ -49,22 +76,13 @@ class GemmSm90:
             raise ValueError("a cluster holds at most 4 CTAs here")
         self.cfg = config
         self.b_kn = b_kn
-        self.split_k = config.split_k
         self.acc_dtype = cutlass.Float32
         self.cluster_shape_mn = (config.cluster_m, config.cluster_n)
-        # Cooperative: two consumer warpgroups split M of one tile (a single one would hold a
-        # 128x256 fp32 accumulator in 256 registers/thread and spill). Ping-pong: each consumer
-        # warpgroup owns every other tile, so one's epilogue overlaps the other's mainloop.
-        self.pingpong = config.pingpong
-        if self.pingpong and config.tile_m != 64:
-            # 128-row tiles in one warpgroup gave wrong epilogues on the H200 (2026-11-30).
-            raise ValueError("ping-pong takes tile_m = 64 (one 64-row tile per warpgroup)")
-        cooperative = config.tile_m == 128 and not self.pingpong
-        self.atom_layout_mnk = (2, 1, 1) if cooperative else (1, 1, 1)
-        self.num_mma_wg = 2 if self.pingpong else math.prod(self.atom_layout_mnk)
-        self.groups = 2 if self.pingpong else 1  # consumer groups, each with its own tiles
+        # Two consumer warpgroups split the M rows of a 128-row tile: one alone would hold a
+        # 128x256 fp32 accumulator in 256 registers per thread and spill.
+        self.atom_layout_mnk = (config.tile_m // 64, 1, 1)
+        self.num_mma_wg = math.prod(self.atom_layout_mnk)
         self.num_mma_threads = self.num_mma_wg * THREADS_PER_WG
-        self.group_threads = self.num_mma_threads // self.groups
         self.threads_per_cta = (1 + self.num_mma_wg) * THREADS_PER_WG
         self.producer_regs = 40
         self.consumer_regs = 232
@@ -88,16 +106,14 @@ class GemmSm90:
         self.epi_tile = (cfg.tile_m, cfg.epi_n)
 
         ab_bytes = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * self.a_dtype.width // 8
-        epi_bytes = (
-            self.groups * cfg.epi_stages * math.prod(self.epi_tile) * self.c_dtype.width // 8
-        )
+        epi_bytes = cfg.epi_stages * math.prod(self.epi_tile) * self.c_dtype.width // 8
         fit = (SMEM_CAPACITY - 1024 - epi_bytes) // ab_bytes
         self.stages = cfg.stages or fit
         if self.stages > fit or self.stages < 2:
             raise ValueError(f"{self.stages} stages of {ab_bytes} B do not fit in shared memory")
 
         def staged(major, dtype, rows, stages):
-            k_major = major.sm90_mma_major_mode() == cute.nvgpu.warpgroup.OperandMajorMode.K
+            k_major = major.sm90_mma_major_mode() == OperandMajorMode.K
             atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
                 sm90_utils.get_smem_layout_atom(major, dtype, cfg.tile_k if k_major else rows),
                 dtype,
@@ -113,7 +129,7 @@ class GemmSm90:
             self.c_dtype,
         )
         self.sC_layout = cute.tile_to_shape(
-            c_atom, (*self.epi_tile, cfg.epi_stages * self.groups), order=(0, 1, 2)
+            c_atom, (*self.epi_tile, cfg.epi_stages), order=(0, 1, 2)
         )
 
     @cute.jit
@@ -129,15 +145,12 @@ class GemmSm90:
         if cutlass.const_expr(self.b_kn):
             # (K, N) row-major seen as (N, K) with unit stride along N.
             mB = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 0]))
-        if cutlass.const_expr(self.split_k > 1):
-            # fp32 workspace (S, M, N) seen as (M, N, S): split s writes its partial sum to [s].
-            mC = cute.make_tensor(mC.iterator, cute.select(mC.layout, mode=[1, 2, 0]))
         self.a_dtype = mA.element_type
         self.b_dtype = mB.element_type
         self.c_dtype = mC.element_type
-        self.a_major = utils.LayoutEnum.from_tensor(mA)
-        self.b_major = utils.LayoutEnum.from_tensor(mB)
-        self.c_major = utils.LayoutEnum.from_tensor(mC)
+        self.a_major = LayoutEnum.from_tensor(mA)
+        self.b_major = LayoutEnum.from_tensor(mB)
+        self.c_major = LayoutEnum.from_tensor(mC)
         self._setup()
 
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
@@ -166,7 +179,7 @@ class GemmSm90:
         tiles_m = cute.ceil_div(mC.shape[0], self.cfg.tile_m)
         tiles_n = cute.ceil_div(mC.shape[1], self.cfg.tile_n)
         sched_params = utils.PersistentTileSchedulerParams(
-            (tiles_m, tiles_n, self.split_k),
+            (tiles_m, tiles_n, 1),
             (*self.cluster_shape_mn, 1),
             self.cfg.swizzle,
             self.cfg.raster_along_m,
@@ -243,31 +256,26 @@ class GemmSm90:
             self.a_dtype, cute.slice_(sA_layout, (None, None, 0))
         ) + cute.size_in_bytes(self.b_dtype, cute.slice_(sB_layout, (None, None, 0)))
 
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        storage = SmemAllocator().allocate(self.shared_storage)
         # Each consumer warp releases a stage to every CTA that multicast into it.
-        consumer_arrivals = (self.mcast_a + self.mcast_b - 1) * (self.group_threads // 32)
-        ab_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.ab_barriers.data_ptr(),
-            num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_arrivals),
-            tx_count=stage_bytes,
+        consumer_arrivals = (self.mcast_a + self.mcast_b - 1) * (self.num_mma_threads // 32)
+        ab_pipe = tma_pipeline(
+            storage.ab_barriers,
+            self.stages,
+            stage_bytes,
+            consumer_arrivals,
             cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
-            defer_sync=True,
         )
-        pipeline_init_arrive(cluster_shape_mn=self.cluster_shape_mn, is_relaxed=True)
+        init_arrive(self.cluster_shape_mn)
 
-        sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
-        sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
-        sC = storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
+        sA = smem_tensor(storage.sA, sA_layout)
+        sB = smem_tensor(storage.sB, sB_layout)
+        sC = smem_tensor(storage.sC, sC_layout)
 
         # (bM, bK, tiles_m, tiles_k), (bN, bK, tiles_n, tiles_k), (bM, bN, tiles_m, tiles_n)
         gA = cute.local_tile(mA, (self.cfg.tile_m, self.cfg.tile_k), (None, None))
         gB = cute.local_tile(mB, (self.cfg.tile_n, self.cfg.tile_k), (None, None))
-        if cutlass.const_expr(self.split_k > 1):
-            gC = cute.local_tile(mC, (self.cfg.tile_m, self.cfg.tile_n), (None, None, None))
-        else:
-            gC = cute.local_tile(mC, (self.cfg.tile_m, self.cfg.tile_n), (None, None))
+        gC = cute.local_tile(mC, (self.cfg.tile_m, self.cfg.tile_n), (None, None))
         k_tiles = cute.size(gA, mode=[3])
 
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
@@ -286,114 +294,66 @@ class GemmSm90:
         )
 
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
-        thr_mma = tiled_mma.get_slice(0 if self.pingpong else (wg_idx - 1) * THREADS_PER_WG)
+        thr_mma = tiled_mma.get_slice((wg_idx - 1) * THREADS_PER_WG)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape[:3], self.acc_dtype)
 
-        pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
+        init_wait(self.cluster_shape_mn)
 
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                sched = utils.StaticPersistentTileScheduler.create(
-                    sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
-                )
-                work = sched.initial_work_tile_info()
-                prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-                while work.is_valid_tile:
-                    tile = work.tile_idx
-                    tAgA_t = tAgA[(None, tile[0], None)]
-                    tBgB_t = tBgB[(None, tile[1], None)]
-                    k_first, k_count = self._k_range(tile, k_tiles)
-                    for kt in range(k_first, k_first + k_count):
-                        ab_pipe.producer_acquire(prod)
-                        bar = ab_pipe.producer_get_barrier(prod)
-                        cute.copy(
-                            tma_a,
-                            tAgA_t[(None, kt)],
-                            tAsA[(None, prod.index)],
-                            tma_bar_ptr=bar,
-                            mcast_mask=a_mask,
-                        )
-                        cute.copy(
-                            tma_b,
-                            tBgB_t[(None, kt)],
-                            tBsB[(None, prod.index)],
-                            tma_bar_ptr=bar,
-                            mcast_mask=b_mask,
-                        )
-                        ab_pipe.producer_commit(prod)
-                        prod.advance()
-                    sched.advance_to_next_work()
-                    work = sched.get_current_work()
-                ab_pipe.producer_tail(prod)
+                load_a = (tma_a, tAgA, tAsA, a_mask)
+                load_b = (tma_b, tBgB, tBsB, b_mask)
+                self._produce(load_a, load_b, ab_pipe, sched_params, k_tiles)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            args = (
-                tidx,
-                warp_idx,
-                tiled_mma,
-                tCrA,
-                tCrB,
-                acc,
-                ab_pipe,
-                sC,
-                gC,
-                tma_c,
-                sched_params,
-                k_tiles,
-            )
-            if cutlass.const_expr(self.pingpong):
-                if wg_idx == 1:
-                    self._consume(*args, 0)
-                else:
-                    self._consume(*args, 1)
-            else:
-                self._consume(*args, 0)
+            mma = (tiled_mma, tCrA, tCrB, acc)
+            self._consume(tidx, warp_idx, mma, ab_pipe, sC, gC, tma_c, sched_params, k_tiles)
 
     @cute.jit
-    def _k_range(self, tile, k_tiles):
-        """First k-tile and count of this work unit: all of K, or split tile[2] of split_k.
-        The op layer only splits when every split gets at least one k-tile."""
-        k_first = cutlass.Int32(0)
-        k_count = k_tiles
-        if cutlass.const_expr(self.split_k > 1):
-            per_split = (k_tiles + self.split_k - 1) // self.split_k
-            k_first = tile[2] * per_split
-            k_count = k_tiles - k_first
-            if k_count > per_split:
-                k_count = per_split
-        return k_first, k_count
-
-    @cute.jit
-    def _consume(
-        self,
-        tidx,
-        warp_idx,
-        tiled_mma,
-        tCrA,
-        tCrB,
-        acc,
-        ab_pipe,
-        sC,
-        gC,
-        tma_c,
-        sched_params,
-        k_tiles,
-        group: cutlass.Constexpr[int],
-    ):
-        """Consumer group `group`: all consumer warpgroups (cooperative) or one (ping-pong,
-        taking the CTA's tiles group, group + 2, ...); its own barrier and epilogue buffers."""
-        epi_barrier = pipeline.NamedBarrier(barrier_id=1 + group, num_threads=self.group_threads)
-        first_thread = THREADS_PER_WG * (1 + group)
+    def _produce(self, load_a, load_b, ab_pipe, sched_params, k_tiles):
+        """The producer warp: every k-tile of A and B of each tile into the AB ring. `load_x`:
+        the TMA atom, its global and shared partitions and its multicast mask."""
+        tma_a, tAgA, tAsA, a_mask = load_a
+        tma_b, tBgB, tBsB, b_mask = load_b
         sched = utils.StaticPersistentTileScheduler.create(
             sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
         )
         work = sched.initial_work_tile_info()
-        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        k_blocks = cute.size(tCrA, mode=[2])
+        prod = producer_state(self.stages)
+        while work.is_valid_tile:
+            tile = work.tile_idx
+            tAgA_t = tAgA[(None, tile[0], None)]
+            tBgB_t = tBgB[(None, tile[1], None)]
+            for kt in range(k_tiles):
+                ab_pipe.producer_acquire(prod)
+                bar = ab_pipe.producer_get_barrier(prod)
+                stage = (None, prod.index)
+                cute.copy(
+                    tma_a, tAgA_t[(None, kt)], tAsA[stage], tma_bar_ptr=bar, mcast_mask=a_mask
+                )
+                cute.copy(
+                    tma_b, tBgB_t[(None, kt)], tBsB[stage], tma_bar_ptr=bar, mcast_mask=b_mask
+                )
+                ab_pipe.producer_commit(prod)
+                prod.advance()
+            sched.advance_to_next_work()
+            work = sched.get_current_work()
+        ab_pipe.producer_tail(prod)
+
+    @cute.jit
+    def _consume(self, tidx, warp_idx, mma, ab_pipe, sC, gC, tma_c, sched_params, k_tiles):
+        """The consumer warpgroups: each tile's mainloop, then its epilogue."""
+        tiled_mma, tCrA, tCrB, acc = mma
+        epi_barrier = named_barrier(Bar.EPILOGUE, self.num_mma_threads)
+        sched = utils.StaticPersistentTileScheduler.create(
+            sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
+        )
+        work = sched.initial_work_tile_info()
+        read = consumer_state(self.stages)
+        release = consumer_state(self.stages)
 
         # Epilogue: registers -> stmatrix -> swizzled smem ring -> TMA store.
         r2s_atom = sm90_utils.sm90_get_smem_store_op(
@@ -403,114 +363,38 @@ class GemmSm90:
             cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_major.is_m_major_c(), 4), self.c_dtype
         )
         r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma))
-        thr_r2s = r2s.get_slice(tidx - first_thread)
+        thr_r2s = r2s.get_slice(tidx - THREADS_PER_WG)
         tRS_sC = thr_r2s.partition_D(sC)
         tRS_acc = r2s.retile(acc)
         rC_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
         tRS_rAcc = cute.make_rmem_tensor(rC_shape, self.acc_dtype)
         tRS_rC = cute.make_rmem_tensor(rC_shape, self.c_dtype)
-        frag = cute.size(tRS_rAcc)
         store_pipe = pipeline.PipelineTmaStore.create(
             num_stages=self.cfg.epi_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.group_threads),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
         )
-        store_warp = first_thread // 32  # the group's first warp issues the TMA stores
-        tile_no = cutlass.Int32(0)  # this CTA's work units so far
-        my_tiles = cutlass.Int32(0)  # this group's share of them
-
+        epi = (r2s, tRS_sC, tRS_acc, tRS_rAcc, tRS_rC, store_pipe, epi_barrier)
+        tiles_done = cutlass.Int32(0)  # this CTA's tiles so far: the epilogue ring's position
         while work.is_valid_tile:
             tile = work.tile_idx
-            _, k_count = self._k_range(tile, k_tiles)
-            mine = cutlass.Int32(1)
-            if cutlass.const_expr(self.groups > 1):
-                if tile_no % self.groups != group:
-                    mine = cutlass.Int32(0)
-            # Another group's tile: step over the stages it consumes.
-            for _ in range(k_count * (1 - mine)):
-                read.advance()
-                release.advance()
-            # Advance now: whether a tile follows decides the mainloop hand-over (ping-pong).
             sched.advance_to_next_work()
             work = sched.get_current_work()
-            has_next = work.is_valid_tile
-            # A loop of one or zero trips (not an if) carries the pipeline states through.
-            for _ in range(mine):
-                read, release, tiled_mma = self._mma_and_store(
-                    tile,
-                    k_count,
-                    tiled_mma,
-                    tCrA,
-                    tCrB,
-                    acc,
-                    ab_pipe,
-                    read,
-                    release,
-                    k_blocks,
-                    gC,
-                    tma_c,
-                    sC,
-                    r2s,
-                    tRS_sC,
-                    tRS_acc,
-                    tRS_rAcc,
-                    tRS_rC,
-                    frag,
-                    store_pipe,
-                    epi_barrier,
-                    warp_idx,
-                    store_warp,
-                    my_tiles,
-                    tile_no,
-                    has_next,
-                    group,
-                )
-                my_tiles += 1
-            tile_no += 1
+            read, release, tiled_mma = self._mainloop(
+                k_tiles, tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release
+            )
+            self._epilogue(gC[(None, None, tile[0], tile[1])], tma_c, sC, epi, warp_idx, tiles_done)
+            tiles_done += 1
         store_pipe.producer_tail()
 
     @cute.jit
-    def _mma_and_store(
-        self,
-        tile,
-        k_count,
-        tiled_mma,
-        tCrA,
-        tCrB,
-        acc,
-        ab_pipe,
-        read,
-        release,
-        k_blocks,
-        gC,
-        tma_c,
-        sC,
-        r2s,
-        tRS_sC,
-        tRS_acc,
-        tRS_rAcc,
-        tRS_rC,
-        frag,
-        store_pipe,
-        epi_barrier,
-        warp_idx,
-        store_warp,
-        my_tiles,
-        tile_no,
-        has_next,
-        group: cutlass.Constexpr[int],
-    ):
-        # Ping-pong: mainloops alternate strictly between the two warpgroups (tile t waits for
-        # the owner of t - 1 to have waited on all its stages), so a warpgroup that stepped over
-        # the other's stages never waits on a ring slot more than one phase ahead.
-        if cutlass.const_expr(self.pingpong):
-            if tile_no > 0:
-                pipeline.NamedBarrier(
-                    barrier_id=3 + group, num_threads=2 * THREADS_PER_WG
-                ).arrive_and_wait()
+    def _mainloop(self, k_tiles, tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release):
+        """acc = this tile's A B^T over all k-tiles, one WGMMA batch kept in flight and the
+        stage behind it released. Returns the states: attribute updates made inside a helper
+        would not leave the caller's dynamic loop otherwise."""
+        k_blocks = cute.size(tCrA, mode=[2])
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
         cute.nvgpu.warpgroup.fence()
-        # Keep one WGMMA batch in flight; free the stage behind it.
-        for kt in range(k_count):
+        for kt in range(k_tiles):
             ab_pipe.consumer_wait(read)
             for kb in cutlass.range_constexpr(k_blocks):
                 crd = (None, None, kb, read.index)
@@ -525,26 +409,26 @@ class GemmSm90:
         cute.nvgpu.warpgroup.wait_group(0)
         ab_pipe.consumer_release(release)  # the op layer never launches with K == 0
         release.advance()
-        if cutlass.const_expr(self.pingpong):
-            if has_next:
-                pipeline.NamedBarrier(barrier_id=4 - group, num_threads=2 * THREADS_PER_WG).arrive()
+        return read, release, tiled_mma
 
-        if cutlass.const_expr(self.split_k > 1):
-            gC_tile = gC[(None, None, tile[0], tile[1], tile[2])]
-        else:
-            gC_tile = gC[(None, None, tile[0], tile[1])]
+    @cute.jit
+    def _epilogue(self, gC_tile, tma_c, sC, epi, warp_idx, tiles_done):
+        """acc -> C, one (tile_m, epi_n) sub-tile at a time through the epilogue ring."""
+        r2s, tRS_sC, tRS_acc, tRS_rAcc, tRS_rC, store_pipe, epi_barrier = epi
         gC_t = cute.zipped_divide(gC_tile, self.epi_tile)
         bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
             tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_t
         )
         epi_count = cute.size(gC_t, mode=[1])
         epi_grid = cute.make_layout(gC_t.shape[1], stride=(gC_t.shape[1][1], 1))
-        done_before = my_tiles * epi_count
+        frag = cute.size(tRS_rAcc)
+        done_before = tiles_done * epi_count
+        store_warp = THREADS_PER_WG // 32  # the first consumer warp issues the TMA stores
         for e in cutlass.range_constexpr(epi_count):
             for v in cutlass.range_constexpr(frag):
                 tRS_rAcc[v] = tRS_acc[e * frag + v]
             tRS_rC.store(tRS_rAcc.load().to(self.c_dtype))
-            buf = (done_before + e) % self.cfg.epi_stages + group * self.cfg.epi_stages
+            buf = (done_before + e) % self.cfg.epi_stages
             cute.copy(r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
             # stmatrix writes are generic-proxy; the TMA store reads through the async proxy.
             cute.arch.fence_proxy("async.shared", space="cta")
@@ -555,6 +439,3 @@ class GemmSm90:
                 store_pipe.producer_commit()
                 store_pipe.producer_acquire()
             epi_barrier.arrive_and_wait()
-        # Pipeline states are rebound in the caller: attribute updates made inside a helper
-        # would not leave the caller's staged loop otherwise.
-        return read, release, tiled_mma
