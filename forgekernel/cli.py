@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 NO_GPU_CHECK = "no CUDA device: check needs a GPU"
 NO_GPU_BENCH = "no CUDA device: bench needs a GPU to time kernels; building them instead"
 NEED_DSL = "building kernels needs the CuTe DSL (pip install nvidia-cutlass-dsl)"
+NO_SANITIZER = "check --sanitize needs compute-sanitizer on PATH or in $CUDA_HOME/bin"
 
 
 class CliError(Exception):
@@ -81,23 +83,74 @@ def resource_table(records: Sequence[dict[str, Any]]) -> str:
 
 
 def _build(
-    arch: str, out_dir: Path | None, candidates: bool = False, only: list[str] | None = None
+    arch: str,
+    out_dir: Path | None,
+    candidates: bool = False,
+    only: list[str] | None = None,
+    jobs: int | None = None,
+    representatives: bool = False,
 ) -> int:
+    jobs = jobs or os.cpu_count() or 1
+    start = time.perf_counter()
     try:
         from forgekernel.runtime.build import build_all
 
-        records = build_all(arch, out_dir=out_dir, candidates=candidates, only=only)
+        records = build_all(
+            arch, out_dir, candidates, only, jobs=jobs, representatives=representatives
+        )
     except ImportError as e:
         print(f"{NEED_DSL}: {e}", file=sys.stderr)
         return 1
     print(resource_table(records))
+    wall, used = time.perf_counter() - start, min(jobs, max(len(records), 1))
+    print(f"built {len(records)} kernels in {wall:.1f} s with {used} processes")
     return 0
 
 
+def _sanitize(args: argparse.Namespace) -> int:
+    from forgekernel.bench.sanitize import find_sanitizer, run_sanitize
+
+    sanitizer = find_sanitizer()
+    if sanitizer is None:
+        print(NO_SANITIZER, file=sys.stderr)
+        return 2
+    suites, arch = _suites(args.ops), _arch(args.arch)
+    try:
+        ok = run_sanitize(
+            suites,
+            sanitizer=sanitizer,
+            tools=args.tools or ("memcheck", "racecheck"),
+            timeout=args.sanitize_timeout,
+            log_dir=args.sanitize_log_dir,
+            results_dir=args.results_dir,
+            arch=arch,
+        )
+    except ValueError as e:
+        raise CliError(str(e)) from e
+    return 0 if ok else 1
+
+
+def _sanitize_child(args: argparse.Namespace) -> int:
+    """What compute-sanitizer wraps: our op on one suite's sanitize cases, nothing else."""
+    from forgekernel.bench.sanitize import run_child
+
+    suites = _suites(args.ops)
+    if len(suites) != 1:
+        raise CliError("--sanitize-child takes exactly one operator")
+    try:
+        return run_child(suites[0], args.case or ())
+    except ValueError as e:
+        raise CliError(str(e)) from e
+
+
 def cmd_check(args: argparse.Namespace) -> int:
+    if args.sanitize_child:
+        return _sanitize_child(args)
     if not _cuda_available():
         print(NO_GPU_CHECK, file=sys.stderr)
         return 2
+    if args.sanitize:
+        return _sanitize(args)
     from forgekernel.bench.check import run_check
 
     suites, arch = _suites(args.ops), _arch(args.arch)
@@ -143,14 +196,14 @@ def cmd_build(args: argparse.Namespace) -> int:
         from forgekernel.runtime.cache import package_prebuilt_dir
 
         out = package_prebuilt_dir(arch)
-    return _build(arch, out, args.candidates, args.only)
+    return _build(arch, out, args.candidates, args.only, args.jobs, args.representatives)
 
 
 def cmd_bundle(args: argparse.Namespace) -> int:
     try:
         from forgekernel.runtime.bundle import make_bundle
 
-        path = make_bundle(Path(args.dir), _build_arch(args.arch), args.candidates)
+        path = make_bundle(Path(args.dir), _build_arch(args.arch), args.candidates, args.jobs)
     except ImportError as e:
         print(f"{NEED_DSL}: {e}", file=sys.stderr)
         return 1
@@ -186,12 +239,34 @@ def build_parser() -> argparse.ArgumentParser:
     }
     arch = {"default": None, "help": "target arch, e.g. sm_90a (default: the device's)"}
     ops = {"nargs": "*", "metavar": "op", "help": "operators (default: all)"}
+    jobs = {"type": int, "default": None, "metavar": "N", "help": "processes (default: all cores)"}
 
     p = add("check", cmd_check, "correctness of every check case against the reference")
     p.add_argument("ops", **ops)
     p.add_argument("--results-dir", **results)
     p.add_argument("--arch", **arch)
     p.add_argument("--seed", type=int, default=None, help="input seed (default: from the clock)")
+    p.add_argument(
+        "--sanitize",
+        action="store_true",
+        help="instead: compute-sanitizer memcheck and racecheck on each operator's sanitize cases",
+    )
+    p.add_argument(
+        "--tool",
+        dest="tools",
+        action="append",
+        default=None,
+        metavar="TOOL",
+        help="with --sanitize: memcheck or racecheck, repeatable (default: both)",
+    )
+    p.add_argument(
+        "--sanitize-timeout", type=float, default=600.0, metavar="S", help="seconds per tool run"
+    )
+    p.add_argument(
+        "--sanitize-log-dir", type=Path, default=None, metavar="DIR", help="keep each run's output"
+    )
+    p.add_argument("--sanitize-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--case", action="append", default=None, help=argparse.SUPPRESS)
 
     p = add("bench", cmd_bench, "time ours against the comparators, interleaved")
     p.add_argument("ops", **ops)
@@ -213,9 +288,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--only", action="append", default=None, metavar="KERNEL", help="only these kernels"
     )
+    p.add_argument("-j", "--jobs", **jobs)
+    p.add_argument(
+        "--representatives",
+        action="store_true",
+        help="one configuration per kernel (what the tests build to prove each leaf)",
+    )
 
     p = add("bundle", cmd_bundle, "prebuilt kernels for a GPU host without the DSL")
     p.add_argument("dir", type=Path)
+    p.add_argument("-j", "--jobs", **jobs)
     p.add_argument("--candidates", action="store_true", help="also the tuning candidates")
     p.add_argument("--arch", default=None, help="default: $CUTE_DSL_ARCH or sm_90a")
 

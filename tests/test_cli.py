@@ -54,7 +54,7 @@ def test_bench_without_gpu_builds(no_gpu, monkeypatch, capsys):
 
     seen = {}
 
-    def fake_build_all(arch, out_dir=None, candidates=False, only=None):
+    def fake_build_all(arch, out_dir=None, candidates=False, only=None, **kw):
         seen.update(arch=arch, out_dir=out_dir)
         return [RECORD]
 
@@ -81,12 +81,31 @@ def test_bench_without_gpu_builds(no_gpu, monkeypatch, capsys):
 def test_build_without_dsl(monkeypatch, capsys):
     import forgekernel.runtime.build as build
 
-    def no_dsl(arch, out_dir=None, candidates=False, only=None):
+    def no_dsl(arch, out_dir=None, candidates=False, only=None, **kw):
         raise ImportError("No module named 'cutlass'")
 
     monkeypatch.setattr(build, "build_all", no_dsl)
     assert cli.main(["build", "--arch", "sm_90a", "--out", "x"]) == 1
     assert cli.NEED_DSL in capsys.readouterr().err
+
+
+def test_build_jobs_and_wall_time(monkeypatch, capsys):
+    import forgekernel.runtime.build as build
+
+    seen = {}
+
+    def fake_build_all(arch, out_dir=None, candidates=False, only=None, **kw):
+        seen.update(kw, only=only)
+        return [RECORD, RECORD]
+
+    monkeypatch.setattr(build, "build_all", fake_build_all)
+    argv = ["build", "--arch", "sm_90a", "--only", "gemm_dense_sm90", "-j", "3"]
+    assert cli.main([*argv, "--representatives"]) == 0
+    assert seen == {"jobs": 3, "representatives": True, "only": ["gemm_dense_sm90"]}
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("built 2 kernels in ") and last.endswith(" s with 2 processes")
+    assert cli.main(["build", "--arch", "sm_90a"]) == 0
+    assert seen["jobs"] == os.cpu_count() and seen["representatives"] is False
 
 
 def test_bad_arch_is_one_line(capsys):
@@ -103,6 +122,8 @@ def test_parsing():
     assert a.ops == [] and a.seed == 7 and a.arch == "sm_90a"
     assert p.parse_args(["bundle", "out"]).dir == Path("out")
     assert p.parse_args(["build"]).out is None
+    assert p.parse_args(["build"]).jobs is None
+    assert p.parse_args(["bundle", "o", "-j", "2"]).jobs == 2
     with pytest.raises(SystemExit):
         p.parse_args([])
 
@@ -128,7 +149,7 @@ def test_build_package_targets_the_package_prebuilt_dir(monkeypatch):
 
     seen = {}
 
-    def fake_build_all(arch, out_dir=None, candidates=False, only=None):
+    def fake_build_all(arch, out_dir=None, candidates=False, only=None, **kw):
         seen["out"] = out_dir
         return []
 

@@ -45,13 +45,15 @@ fi
 """
 
 
-def make_bundle(out: Path, arch: str = "sm_90a", candidates: bool = False) -> Path:
+def make_bundle(
+    out: Path, arch: str = "sm_90a", candidates: bool = False, jobs: int | None = None
+) -> Path:
     out = Path(out)
     if out.exists():
         shutil.rmtree(out)
     (out / "wheels").mkdir(parents=True)
     (out / "lib").mkdir()
-    records = build_all(arch, out / "kernels", candidates=candidates)
+    records = build_all(arch, out / "kernels", candidates=candidates, jobs=jobs)
     for lock in (out / "kernels").glob("*.lock"):
         lock.unlink()
     manifest = {
