@@ -71,53 +71,64 @@ sequence's rows).
 
 from __future__ import annotations
 
+from enum import IntEnum
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
-from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
 from forgekernel.kernels.attention.bwd.sm90.config import (
     NUM_MMA_WG,
-    SMEM_CAPACITY,
-    VARLEN_SEQ_PAD,
     BwdConfig,
     smem_bytes,
     swizzled_block,
+    varlen_ws_row,
 )
 from forgekernel.kernels.attention.bwd.sm90.utils import (
     DQ_VEC,
-    DQ_WG_THREADS,
-    THREADS_PER_WG,
+    make_dq_mma,
+    s_d_h_b,
+    unit_batch,
+)
+from forgekernel.kernels.common.sm90 import pipeline as pipes
+from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
+from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY, THREADS_PER_WG
+from forgekernel.kernels.common.sm90.layout import (
     acc_as_operand_a,
     acc_to_operand_a,
+    packed_as_sdhb,
+    rows_cols,
+    transposed,
+)
+from forgekernel.kernels.common.sm90.mma import gemm
+from forgekernel.kernels.common.sm90.ptx import (
     bulk_g2s,
     bulk_reduce_add_f32,
     fence_proxy_async_global,
     ld_acquire_gpu,
-    make_dq_mma,
     opaque_tid_x,
-    packed_as_sdhb,
     red_release_gpu_add,
-    rows_cols,
-    select,
-    transposed,
 )
+from forgekernel.kernels.common.sm90.scheduler import atomic
 
-CONSUMER_BARRIER = 1  # the 256 consumer threads
-DQ_FULL_BARRIER = 2  # 2, 3: staging buffer b holds a dQ tile (consumers arrive, writer waits)
-DQ_EMPTY_BARRIER = 4  # 4, 5: staging buffer b drained (writer arrives, consumers wait)
-# dq_split: each consumer warpgroup hands its half of buffer b over on its own barriers,
-# full 2 + 2 b + wg, empty 6 + 2 b + wg (128 consumer threads + the writer warp each).
-DQ_FULL_SPLIT = 2
-DQ_EMPTY_SPLIT = 6
+
+class Bar(IntEnum):
+    """Named barriers. The dQ hand-over: the consumers arrive on FULL once the staging buffer
+    holds their tile (the writer waits), the writer arrives on EMPTY once it is drained (the
+    consumers wait); 128 or 256 consumer threads + the writer warp."""
+
+    CONSUMERS = FIRST_FREE  # the 256 consumer threads
+    DQ_FULL = 2  # joint hand-over; dq_split: 2 + warpgroup (2, 3)
+    DQ_EMPTY = 4  # joint hand-over
+    DQ_EMPTY_SPLIT = 6  # dq_split: 6 + warpgroup (6, 7)
+
+
 DQ_WRITER_WARP = 1
-TILE_STAGES = 2  # persistent: tile ids in flight from the producer to the other warps
 
 
 class AttentionBwdSm90:
@@ -356,9 +367,9 @@ class AttentionBwdSm90:
         # Varlen: (T, H, D) -> (T, D, H, 1), (H, rows) workspaces -> (1, H, rows).
         if const_expr(self.varlen):
             mQ, mK, mV, mdO, mdK, mdV = (packed_as_sdhb(t) for t in (mQ, mK, mV, mdO, mdK, mdV))
-            mLSE2, mDsum, mdQacc, mSem = (_unit_batch(t) for t in (mLSE2, mDsum, mdQacc, mSem))
+            mLSE2, mDsum, mdQacc, mSem = (unit_batch(t) for t in (mLSE2, mDsum, mdQacc, mSem))
         else:
-            mQ, mK, mV, mdO, mdK, mdV = (_s_d_h_b(t) for t in (mQ, mK, mV, mdO, mdK, mdV))
+            mQ, mK, mV, mdO, mdK, mdV = (s_d_h_b(t) for t in (mQ, mK, mV, mdO, mdK, mdV))
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         s2g = cpasync.CopyBulkTensorTileS2GOp()
@@ -389,8 +400,8 @@ class AttentionBwdSm90:
             do_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             kv_barriers: cute.struct.MemRange[cutlass.Int64, 2]
             # persistent: the tile ring (producer -> consumer warps and the dQ writer)
-            tile_barriers: cute.struct.MemRange[cutlass.Int64, 2 * TILE_STAGES]
-            sTile: cute.struct.MemRange[Int32, TILE_STAGES]
+            tile_barriers: cute.struct.MemRange[cutlass.Int64, 2 * atomic.STAGES]
+            tile_ids: cute.struct.MemRange[Int32, atomic.STAGES]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm * self.stages], 128]
             sDsum: cute.struct.Align[cute.struct.MemRange[Float32, tm * self.stages], 128]
             sQ: cute.struct.Align[
@@ -509,43 +520,26 @@ class AttentionBwdSm90:
                 cpasync.prefetch_descriptor(atom)
 
         storage = SmemAllocator().allocate(self.shared_storage)
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        consumer_warps = self.num_mma_threads // 32
         q_pipe, do_pipe, kv_pipe = (
-            pipeline.PipelineTmaAsync.create(
-                barrier_storage=bars.data_ptr(),
-                num_stages=stages,
-                producer_group=producer,
-                consumer_group=consumers,
-                tx_count=nbytes,
-                defer_sync=True,
-            )
+            pipes.tma_pipeline(bars, stages, nbytes, consumer_warps)
             for bars, stages, nbytes in (
                 (storage.q_barriers, self.stages, self.q_bytes),
                 (storage.do_barriers, self.stages, self.do_bytes),
                 (storage.kv_barriers, 1, self.kv_bytes),
             )
         )
-        tile_pipe, sTile = None, None
+        tiles = None
         if const_expr(self.persistent):
-            # lane 0 of each consumer warp and of the dQ writer releases a slot
-            tile_pipe = pipeline.PipelineAsync.create(
-                barrier_storage=storage.tile_barriers.data_ptr(),
-                num_stages=TILE_STAGES,
-                producer_group=producer,
-                consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, self.num_mma_threads // 32 + 1
-                ),
-                defer_sync=True,
-            )
-            sTile = storage.sTile.get_tensor(cute.make_layout(TILE_STAGES))
-        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+            # taken by each consumer warp and by the dQ writer
+            tiles = atomic.TileRing(storage.tile_barriers, storage.tile_ids, consumer_warps + 1)
+        pipes.init_arrive()
 
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sQ = pipes.smem_tensor(storage.sQ, sQ_layout)
+        sdO = pipes.smem_tensor(storage.sdO, sdO_layout)
+        sK = pipes.smem_tensor(storage.sK, sK_layout)
+        sV = pipes.smem_tensor(storage.sV, sV_layout)
+        sdS = pipes.smem_tensor(storage.sdS, sdS_layout)
         stats_layout = cute.make_layout((self.tile_m, self.stages))
         sLSE = storage.sLSE.get_tensor(stats_layout)
         sDsum = storage.sDsum.get_tensor(stats_layout)
@@ -577,10 +571,10 @@ class AttentionBwdSm90:
             k_off = mCuK[batch]
             seqlen_q = mCuQ[batch + 1] - q_off
             seqlen_k = mCuK[batch + 1] - k_off
-            offs = (q_off, k_off, (q_off + 3) // 4 * 4 + batch * VARLEN_SEQ_PAD)
+            offs = (q_off, k_off, varlen_ws_row(q_off, batch))
             batch = Int32(0)  # the unit batch mode of the packed views
 
-        pipeline_init_wait(cluster_shape_mn=(1, 1))
+        pipes.init_wait()
 
         args = (
             tidx, warp_idx, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, tma_dk, mdK, tma_dv,
@@ -589,7 +583,7 @@ class AttentionBwdSm90:
             q_pipe, do_pipe, kv_pipe, n_block, head_kv, batch, seqlen_q, seqlen_k, offs,
         )  # fmt: skip
         if const_expr(self.persistent):
-            self._roles(*args, tile_pipe, sTile)
+            self._roles(*args, tiles)
         elif const_expr(self.varlen):
             # key blocks past this sequence's keys: nothing to do (and nothing to store)
             if n_block * self.tile_n < seqlen_k:
@@ -603,18 +597,18 @@ class AttentionBwdSm90:
         mdV, mLSE2, mDsum, mdQacc, mSem, mdK_gmem, mdV_gmem, scale, scale_log2,
         mma_sdp, mma_dv, mma_dk, mma_dq, sQ, sdO, sK, sV, sdS, sLSE, sDsum, sdQ,
         q_pipe, do_pipe, kv_pipe, n_block, head_kv, batch, seqlen_q, seqlen_k, offs,
-        tile_pipe=None, sTile=None,
+        tiles=None,
     ):  # fmt: skip
         """The warp roles of one CTA: a key block with at least one key, or (persistent) the
         tiles (key block, kv head, batch) in the launch order, the first one the CTA index,
         then grid + a counter bumped by the producer near the end of each tile and passed to
-        the other warps through the tile ring (tile_pipe, sTile)."""
+        the other warps through the tile ring `tiles` (scheduler.atomic)."""
         group = mQ.shape[2] // mK.shape[2]
         persist = None
         if const_expr(self.persistent):
             # per tile, in the roles' loops
             num_tiles = (mK.shape[0] + self.tile_n - 1) // self.tile_n * mK.shape[2] * mK.shape[3]
-            persist = (tile_pipe, sTile, num_tiles, mK)
+            persist = (tiles, num_tiles, mK)
             hq0, m_begin, m_end = Int32(0), Int32(0), Int32(0)
             m_unmasked, num_steps = Int32(0), Int32(0)
         else:
@@ -641,8 +635,8 @@ class AttentionBwdSm90:
                 if const_expr(self.persistent):
                     self._produce_persistent(
                         tma_q, tma_do, tma_k, tma_v, mQ, mdO, mK, mV, mLSE2, mDsum, mSem,
-                        sQ, sdO, sK, sV, sLSE, sDsum, q_pipe, do_pipe, kv_pipe, tile_pipe,
-                        sTile, group, num_tiles, seqlen_q, seqlen_k, offs,
+                        sQ, sdO, sK, sV, sLSE, sDsum, q_pipe, do_pipe, kv_pipe, tiles,
+                        group, num_tiles, seqlen_q, seqlen_k, offs,
                     )  # fmt: skip
                 else:
                     self._produce(
@@ -653,7 +647,7 @@ class AttentionBwdSm90:
             if warp_idx == DQ_WRITER_WARP:
                 if const_expr(self.persistent):
                     self._write_dq_persistent(
-                        sdQ, mdQacc, mSem, mK, tile_pipe, sTile, group, num_tiles, offs[2],
+                        sdQ, mdQacc, mSem, mK, tiles, group, num_tiles, offs[2],
                         seqlen_q, seqlen_k,
                     )  # fmt: skip
                 else:
@@ -675,7 +669,7 @@ class AttentionBwdSm90:
     @cute.jit
     def _produce_persistent(
         self, tma_q, tma_do, tma_k, tma_v, mQ, mdO, mK, mV, mLSE2, mDsum, mSem,
-        sQ, sdO, sK, sV, sLSE, sDsum, q_pipe, do_pipe, kv_pipe, tile_pipe, sTile,
+        sQ, sdO, sK, sV, sLSE, sDsum, q_pipe, do_pipe, kv_pipe, tiles,
         group, num_tiles, seqlen_q, seqlen_k, offs,
     ):  # fmt: skip
         """Warp 0 of a persistent CTA: takes the tiles (mSem[0, 0, 0] is the counter),
@@ -683,12 +677,12 @@ class AttentionBwdSm90:
         lane = cute.arch.lane_idx()
         n_ctas = cute.arch.grid_dim()[0]
         ctr = mSem[0, 0, None].iterator
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        tstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TILE_STAGES)
-        tile = Int32(cute.arch.block_idx()[0])
+        kv_state = pipes.producer_state(1)
+        st = pipes.producer_state(self.stages)
+        tstate = tiles.producer_state()
+        tile = atomic.first_tile()
         while tile < num_tiles:
-            tstate = self._publish_tile(tile_pipe, tstate, sTile, tile, lane)
+            tstate = atomic.publish(tiles, tstate, tile, lane)
             n_block, head_kv, batch, m_begin, m_end, _, num_steps = self._tile_work(
                 tile, mK, group, seqlen_q, seqlen_k
             )
@@ -699,24 +693,21 @@ class AttentionBwdSm90:
             )  # fmt: skip
             # the next tile, taken once this one's loads are all issued (about the ring
             # depth before its consumers finish)
-            nxt = Int32(0)
-            if lane == 0:
-                nxt = cute.arch.atomic_add(ctr, Int32(1), sem="relaxed", scope="gpu")
-            tile = cute.arch.shuffle_sync(nxt, 0) + n_ctas
-        tstate = self._publish_tile(tile_pipe, tstate, sTile, num_tiles, lane)
+            tile = atomic.next_tile(ctr, lane, n_ctas)
+        tstate = atomic.publish(tiles, tstate, num_tiles, lane)
 
     @cute.jit
     def _write_dq_persistent(
-        self, sdQ, mdQacc, mSem, mK, tile_pipe, sTile, group, num_tiles, ws, seqlen_q,
+        self, sdQ, mdQacc, mSem, mK, tiles, group, num_tiles, ws, seqlen_q,
         seqlen_k,
     ):  # fmt: skip
         """Warp 1 of a persistent CTA: every tile's dQ tiles, the staging buffers and their
         barriers going round over all of the CTA's steps."""
         lane = cute.arch.lane_idx()
-        tstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TILE_STAGES)
+        tstate = tiles.consumer_state()
         self._dq_first_arrivals(None)
         gstep = Int32(0)
-        tile, tstate = self._take_tile(tile_pipe, tstate, sTile, lane)
+        tile, tstate = atomic.take(tiles, tstate, lane)
         while tile < num_tiles:
             n_block, head_kv, batch, m_begin, m_end, _, num_steps = self._tile_work(
                 tile, mK, group, seqlen_q, seqlen_k
@@ -726,31 +717,9 @@ class AttentionBwdSm90:
                 num_steps, ws, seqlen_q, seqlen_k, gstep,
             )  # fmt: skip
             gstep += num_steps
-            tile, tstate = self._take_tile(tile_pipe, tstate, sTile, lane)
+            tile, tstate = atomic.take(tiles, tstate, lane)
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
-
-    @cute.jit
-    def _publish_tile(self, tile_pipe, tstate, sTile, tile, lane):
-        """Producer warp: tile id -> the next slot of the tile ring."""
-        tile_pipe.producer_acquire(tstate)
-        if lane == 0:
-            sTile[tstate.index] = tile
-            tile_pipe.producer_commit(tstate)
-        tstate.advance()
-        return tstate
-
-    @cute.jit
-    def _take_tile(self, tile_pipe, tstate, sTile, lane) -> Int32:
-        """Consumer / dQ-writer warp: the next tile id from the tile ring (>= the tile count:
-        none left)."""
-        tile_pipe.consumer_wait(tstate)
-        tile = cute.arch.make_warp_uniform(sTile[tstate.index])
-        cute.arch.sync_warp()
-        if lane == 0:
-            tile_pipe.consumer_release(tstate)
-        tstate.advance()
-        return tile, tstate
 
     @cute.jit
     def _tile_work(self, tile, mK: cute.Tensor, group, seqlen_q, seqlen_k):
@@ -804,8 +773,8 @@ class AttentionBwdSm90:
         n_block, head_kv, batch, hq0, m_begin, m_end, num_steps, offs,
     ):  # fmt: skip
         """Warp 0: K and V once, then per step Q + LSE and dO + Dsum."""
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        kv_state = pipes.producer_state(1)
+        st = pipes.producer_state(self.stages)
         self._produce_tile(
             tma_q, tma_do, tma_k, tma_v, mQ, mdO, mK, mV, mLSE2, mDsum,
             sQ, sdO, sK, sV, sLSE, sDsum, q_pipe, do_pipe, kv_pipe, kv_state, st,
@@ -938,9 +907,9 @@ class AttentionBwdSm90:
         joint hand-over, both consumer warpgroups and the writer warp (part 0); dq_split,
         warpgroup `part` and the writer warp."""
         if const_expr(self.dq_split):
-            base = DQ_FULL_SPLIT if full else DQ_EMPTY_SPLIT
-            return base + 2 * buf + part, DQ_WG_THREADS + 32
-        base = DQ_FULL_BARRIER if full else DQ_EMPTY_BARRIER
+            base = Bar.DQ_FULL if full else Bar.DQ_EMPTY_SPLIT
+            return base + 2 * buf + part, THREADS_PER_WG + 32
+        base = Bar.DQ_FULL if full else Bar.DQ_EMPTY
         return base + buf, self.num_mma_threads + 32
 
     @cute.jit
@@ -1114,11 +1083,9 @@ class AttentionBwdSm90:
         else:
             tdSsdS = thr_r2s_ds.partition_D(transposed(sdS)[None, None, 0])
 
-        consumer_bar = pipeline.NamedBarrier(
-            barrier_id=CONSUMER_BARRIER, num_threads=self.num_mma_threads
-        )
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        consumer_bar = named_barrier(Bar.CONSUMERS, self.num_mma_threads)
+        kv_state = pipes.consumer_state(1)
+        st = pipes.consumer_state(self.stages)
         frags = (
             tidx, wg, mma_sdp, mma_dv, mma_dk, mma_dq, tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt,
             tQrdS, tQrKt, tVrP, tKrdS, s_shape, dq_shape, acc_dV, acc_dK, tScS,
@@ -1130,11 +1097,11 @@ class AttentionBwdSm90:
             consumer_bar,
         )  # fmt: skip
         if const_expr(self.persistent):
-            tile_pipe, sTile, num_tiles, mK = persist
+            tiles, num_tiles, mK = persist
             lane = cute.arch.lane_idx()
-            tstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TILE_STAGES)
+            tstate = tiles.consumer_state()
             gstep = Int32(0)
-            tile, tstate = self._take_tile(tile_pipe, tstate, sTile, lane)
+            tile, tstate = atomic.take(tiles, tstate, lane)
             while tile < num_tiles:
                 n_block, head_kv, batch, m_begin, m_end, m_unmasked, num_steps = self._tile_work(
                     tile, mK, group, seqlen_q, seqlen_k
@@ -1144,7 +1111,7 @@ class AttentionBwdSm90:
                     m_unmasked, num_steps, gstep,
                 )  # fmt: skip
                 gstep += num_steps
-                tile, tstate = self._take_tile(tile_pipe, tstate, sTile, lane)
+                tile, tstate = atomic.take(tiles, tstate, lane)
             # the dQ writer's last arrivals (one per staging buffer) are matched here
             part = wg if const_expr(self.dq_split) else 0
             for b in cutlass.range_constexpr(self.dq_stages):
@@ -1283,23 +1250,6 @@ class AttentionBwdSm90:
             step_fn(st, step, m, *step_args, *extra, False, *stage_arg)
 
     @cute.jit
-    def _gemm(
-        self, tiled_mma, acc, tA, tB, zero_init: cutlass.Constexpr[bool],
-        wg_wait: cutlass.Constexpr[int],
-    ):  # fmt: skip
-        """One warpgroup's acc (+)= A B over all k-blocks as one commit group; then waits until
-        at most `wg_wait` groups are in flight (no wait if negative)."""
-        warpgroup.fence()
-        atom = cute.make_mma_atom(tiled_mma.op)
-        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
-            cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
-            atom.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
-        if const_expr(wg_wait >= 0):
-            warpgroup.wait_group(wg_wait)
-
-    @cute.jit
     def _step(
         self, st, step, m, tidx, wg, mma_sdp, mma_dv, mma_dk, mma_dq, tSrK, tSrQ, tPrV, tPrdO,
         tVrdOt, tKrQt, tQrdS, tQrKt, tVrP, tKrdS, s_shape, dq_shape, acc_dV, acc_dK, tScS,
@@ -1316,13 +1266,13 @@ class AttentionBwdSm90:
         # A thread's S^T element (r, c) sits at (row0 + ro[r], col0 + co[c]), ro, co static.
         ro, co = self._static_offsets(mma_sdp)
         q_pipe.consumer_wait(st)
-        self._gemm(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, si], True, -1)
+        gemm(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, si], True, -1)
         if const_expr(self.stats_early):
             # LSE read while S^T is on the tensor cores (after the wait it stalls the exp2)
             row0, col0 = tScS[0, 0]
             lse = self._col_stats(sLSE, si, col0, co)
         do_pipe.consumer_wait(st)
-        self._gemm(mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, si], True, -1)
+        gemm(mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, si], True, -1)
         if const_expr(self.dsum_early):
             # Dsum read while both GEMMs run: later its loads queue behind the exp2s (both
             # go through MIO) and the dS math waits for them (ncu 2026-11-30 13:31 UTC)
@@ -1356,13 +1306,13 @@ class AttentionBwdSm90:
             rP = cute.make_rmem_tensor(s_shape, self.dtype)
             rP.store(acc_S.load().to(self.dtype))
             tVrP.store(acc_as_operand_a(rP).load())
-            self._gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, si], False, -1)
+            gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, si], False, -1)
             warpgroup.wait_group(1)
             s = rows_cols(rP)
         elif const_expr(self.dv_before_ds):
             if const_expr(not self.p_early):
                 tVrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
-            self._gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, si], False, -1)
+            gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, si], False, -1)
             warpgroup.wait_group(1)  # dP^T (issued before dV)
         else:
             warpgroup.wait_group(0)
@@ -1388,7 +1338,7 @@ class AttentionBwdSm90:
         if const_expr(not self.early_dv and not late_dv and not self.dv_before_ds):
             if const_expr(not self.p_early):
                 tVrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
-            self._gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, si], False, -1)
+            gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, si], False, -1)
         rdS = cute.make_rmem_tensor(s_shape, self.dtype)
         rdS.store(acc_dP.load().to(self.dtype))
         tKrdS.store(acc_as_operand_a(rdS).load())
@@ -1396,9 +1346,9 @@ class AttentionBwdSm90:
             cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSsdS)
             if const_expr(not self.p_early):
                 tVrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
-            self._gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, si], False, -1)
+            gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, si], False, -1)
         if const_expr(not self.dq_first):
-            self._gemm(mma_dk, acc_dK, tKrdS, tKrQt[None, None, None, si], False, -1)
+            gemm(mma_dk, acc_dK, tKrdS, tKrQt[None, None, None, si], False, -1)
         if const_expr(not late_dv):
             cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSsdS)
         cute.arch.fence_view_async_shared()
@@ -1410,11 +1360,11 @@ class AttentionBwdSm90:
             # dQ, then dK: the dQ tile is staged below while dK is still on the tensor cores
             # (groups retire in order: one left in flight = dK). dK is waited for at the end
             # of the step, so no WGMMA crosses the loop's back edge.
-            self._gemm(mma_dq, acc_dQ, tQrdS, tQrKt, True, -1)
-            self._gemm(mma_dk, acc_dK, tKrdS, tKrQt[None, None, None, si], False, 1)
+            gemm(mma_dq, acc_dQ, tQrdS, tQrKt, True, -1)
+            gemm(mma_dk, acc_dK, tKrdS, tKrQt[None, None, None, si], False, 1)
             do_pipe.consumer_release(st)
         else:
-            self._gemm(mma_dq, acc_dQ, tQrdS, tQrKt, True, 0)
+            gemm(mma_dq, acc_dQ, tQrdS, tQrKt, True, 0)
             q_pipe.consumer_release(st)
             do_pipe.consumer_release(st)
 
@@ -1448,8 +1398,8 @@ class AttentionBwdSm90:
         for h in cutlass.range_constexpr(2):
             acc_S = cute.make_rmem_tensor(s_shape, Float32)
             acc_dP = cute.make_rmem_tensor(s_shape, Float32)
-            self._gemm(mma_sdp, acc_S, tSrK, tSrQ[h][None, None, None, si], True, -1)
-            self._gemm(mma_sdp, acc_dP, tPrV, tPrdO[h][None, None, None, si], True, -1)
+            gemm(mma_sdp, acc_S, tSrK, tSrQ[h][None, None, None, si], True, -1)
+            gemm(mma_sdp, acc_dP, tPrV, tPrdO[h][None, None, None, si], True, -1)
             c0 = col0 + h * hq  # this half's first query column within the tile
             if const_expr(self.dsum_early):
                 # the half's LSE and Dsum read while its GEMMs run (as in _step)
@@ -1473,14 +1423,14 @@ class AttentionBwdSm90:
             cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSsdS[h])
             tVrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
             tKrdS.store(acc_as_operand_a(rdS).load())
-            self._gemm(mma_dv, acc_dV, tVrP, tVrdOt[h][None, None, None, si], False, -1)
-            self._gemm(mma_dk, acc_dK, tKrdS, tKrQt[h][None, None, None, si], False, 0)
+            gemm(mma_dv, acc_dV, tVrP, tVrdOt[h][None, None, None, si], False, -1)
+            gemm(mma_dk, acc_dK, tKrdS, tKrQt[h][None, None, None, si], False, 0)
         # both warpgroups' dS^T in shared memory (the previous step's dQ GEMMs finished before
         # that step's dQ-empty barrier), then dQ = dS K over the whole tile
         cute.arch.fence_view_async_shared()
         consumer_bar.arrive_and_wait()
         acc_dQ = cute.make_rmem_tensor(dq_shape, Float32)
-        self._gemm(mma_dq, acc_dQ, tQrdS, tQrKt, True, 0)
+        gemm(mma_dq, acc_dQ, tQrdS, tQrKt, True, 0)
         q_pipe.consumer_release(st)
         do_pipe.consumer_release(st)
         self._stage_dq(acc_dQ, sdQ, step % self.dq_stages, tidx, wg)
@@ -1500,11 +1450,11 @@ class AttentionBwdSm90:
         row0, col0 = tScS[0, 0]
         ro, co = self._static_offsets(mma_sdp)
         q_pipe.consumer_wait(st)
-        self._gemm(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, st.index], True, -1)
+        gemm(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, st.index], True, -1)
         if const_expr(self.stats_early):
             lse = self._col_stats(sLSE, st.index, col0, co)
         do_pipe.consumer_wait(st)
-        self._gemm(mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, st.index], True, -1)
+        gemm(mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, st.index], True, -1)
 
         warpgroup.wait_group(1)
         s = rows_cols(acc_S)
@@ -1548,17 +1498,17 @@ class AttentionBwdSm90:
             # dQ = dS K first, then dV += P^T dO, dK += dS^T Q (this warpgroup's columns); the
             # dQ tile is staged while dV and dK are on the tensor cores (groups retire in
             # order: two left in flight = dV, dK), which are waited for at the end of the step
-            self._gemm(mma_dq, acc_dQ, tQrdS, tQrKt, True, -1)
-            self._gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, st.index], False, -1)
-            self._gemm(mma_dk, acc_dK, tKrdS, tKrQt[None, None, None, st.index], False, 2)
+            gemm(mma_dq, acc_dQ, tQrdS, tQrKt, True, -1)
+            gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, st.index], False, -1)
+            gemm(mma_dk, acc_dK, tKrdS, tKrQt[None, None, None, st.index], False, 2)
             self._stage_dq(acc_dQ, sdQ, step % self.dq_stages, tidx, wg)
             warpgroup.wait_group(0)
             q_pipe.consumer_release(st)
             do_pipe.consumer_release(st)
         else:
-            self._gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, st.index], False, -1)
-            self._gemm(mma_dk, acc_dK, tKrdS, tKrQt[None, None, None, st.index], False, -1)
-            self._gemm(mma_dq, acc_dQ, tQrdS, tQrKt, True, 0)
+            gemm(mma_dv, acc_dV, tVrP, tVrdOt[None, None, None, st.index], False, -1)
+            gemm(mma_dk, acc_dK, tKrdS, tKrQt[None, None, None, st.index], False, -1)
+            gemm(mma_dq, acc_dQ, tQrdS, tQrKt, True, 0)
             q_pipe.consumer_release(st)
             do_pipe.consumer_release(st)
             self._stage_dq(acc_dQ, sdQ, step % self.dq_stages, tidx, wg)
@@ -1577,8 +1527,8 @@ class AttentionBwdSm90:
         stride = DQ_VEC * self.num_mma_threads
         if const_expr(self.dq_split):
             # warpgroup halves: wg * tile / 2 + (tidx % 128) * DQ_VEC (warpgroup term uniform)
-            off = off + wg * (tile // 2 - DQ_WG_THREADS * DQ_VEC)
-            stride = DQ_VEC * DQ_WG_THREADS
+            off = off + wg * (tile // 2 - THREADS_PER_WG * DQ_VEC)
+            stride = DQ_VEC * THREADS_PER_WG
         base = cute.make_ptr(Float32, off.toint(), cute.AddressSpace.smem, assumed_align=4 * DQ_VEC)
         dst = cute.make_tensor(base, cute.make_layout((DQ_VEC, n // DQ_VEC), stride=(1, stride)))
         src = cute.make_tensor(acc_dQ.iterator, cute.make_layout((DQ_VEC, n // DQ_VEC)))
@@ -1781,14 +1731,3 @@ class AttentionBwdSm90:
             return cute.domain_offset((off, 0), t)
         return t
 
-
-def _s_d_h_b(t: cute.Tensor) -> cute.Tensor:
-    return select(t, [1, 3, 2, 0])
-
-
-def _unit_batch(t: cute.Tensor) -> cute.Tensor:
-    """(H, rows) workspace -> (1, H, rows)."""
-    return cute.make_tensor(
-        t.iterator,
-        cute.make_layout((1, t.shape[0], t.shape[1]), stride=(0, t.stride[0], t.stride[1])),
-    )

@@ -22,14 +22,16 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from forgekernel.kernels.attention.bwd.sm90.config import NUM_MMA_WG, VARLEN_SEQ_PAD
+from forgekernel.kernels.attention.bwd.sm90.config import NUM_MMA_WG, varlen_ws_row
 from forgekernel.kernels.attention.bwd.sm90.utils import (
-    THREADS_PER_WG,
     dq_frag_offset,
     make_dq_mma,
-    packed_as_sdhb,
-    select,
+    s_d_h_b,
+    unit_batch,
 )
+from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
+from forgekernel.kernels.common.sm90.layout import packed_as_sdhb
+from forgekernel.kernels.common.sm90.pipeline import smem_tensor
 
 THREADS = NUM_MMA_WG * THREADS_PER_WG
 
@@ -70,15 +72,9 @@ class AttentionBwdPostSm90:
             )
         if const_expr(self.varlen):
             mdQ = packed_as_sdhb(mdQ)
-            mdQacc = cute.make_tensor(
-                mdQacc.iterator,
-                cute.make_layout(
-                    (1, mdQacc.shape[0], mdQacc.shape[1]),
-                    stride=(0, mdQacc.stride[0], mdQacc.stride[1]),
-                ),
-            )
+            mdQacc = unit_batch(mdQacc)
         else:
-            mdQ = select(mdQ, [1, 3, 2, 0])
+            mdQ = s_d_h_b(mdQ)
         s_tile = cute.slice_(self.sdQ_layout, (None, None, 0))
         tma, tma_mdQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mdQ, s_tile, (tm, d)
@@ -122,7 +118,7 @@ class AttentionBwdPostSm90:
         if const_expr(self.varlen):
             q_off = mCuQ[batch]
             seqlen_q = mCuQ[batch + 1] - q_off
-            ws = (q_off + 3) // 4 * 4 + batch * VARLEN_SEQ_PAD
+            ws = varlen_ws_row(q_off, batch)
             m0 = m_block * self.tile_m
             if m0 < seqlen_q:
                 if m0 + self.tile_m > seqlen_q:
@@ -175,7 +171,7 @@ class AttentionBwdPostSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tm, d = self.tile_m, self.head_dim
         storage = SmemAllocator().allocate(self.shared_storage)
-        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+        sdQ = smem_tensor(storage.sdQ, sdQ_layout)
 
         r = self._load(mdQacc, scale, mma, m_block, head, batch, ws)
         r2s = cute.make_tiled_copy_C(

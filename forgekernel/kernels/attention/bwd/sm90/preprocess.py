@@ -11,16 +11,14 @@ padded region from row `config.varlen_ws_row(cu_seqlens_q[b], b)`; grid
 
 from __future__ import annotations
 
-import math
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from forgekernel.kernels.attention.bwd.sm90.config import ROW_PAD, VARLEN_SEQ_PAD
+from forgekernel.kernels.attention.bwd.sm90.config import ROW_PAD, varlen_ws_row
+from forgekernel.kernels.common.sm90.constants import LOG2E
 
-LOG2E = math.log2(math.e)
 THREADS = 128
 
 
@@ -83,7 +81,7 @@ class AttentionBwdPreSm90:
         if const_expr(self.varlen):
             q_off = mCuQ[batch]
             seqlen_q = mCuQ[batch + 1] - q_off
-            ws = (q_off + 3) // 4 * 4 + batch * VARLEN_SEQ_PAD
+            ws = varlen_ws_row(q_off, batch)
             if m_block * ROW_PAD < seqlen_q:
                 self._rows(mO, mdO, mLSE, mLSE2, mDsum, tidx, m_block, head, batch, seqlen_q,
                            q_off, ws)  # fmt: skip
