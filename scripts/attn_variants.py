@@ -15,9 +15,9 @@ import torch
 
 from forgekernel.kernels.attention.fwd import sm90
 from forgekernel.kernels.attention.fwd.sm90.config import AttnConfig
-from forgekernel.ops._dispatch import num_sms
-from forgekernel.ops.attention import LOG2E
+from forgekernel.kernels.common.sm90.constants import LOG2E
 from forgekernel.runtime.cache import get_kernel
+from forgekernel.runtime.device import num_sms
 from forgekernel.runtime.timing import median, time_interleaved
 
 C = AttnConfig

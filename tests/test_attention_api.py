@@ -1,6 +1,7 @@
-"""Attention torch layer on the CPU: every bad input raises a clear error naming the argument
-before any kernel runs, and the eager path hands the kernel TMA-ready tensors and returns what
-it wrote (a reference-backed stand-in for the kernel)."""
+"""Attention torch layer and host launcher on the CPU: every bad input raises a clear error
+naming the argument before any kernel runs, and the launcher hands the compiled function its
+arguments in order, TMA-ready, packed for short GQA queries, and returns what it wrote (a
+reference-backed stand-in for the compiled function)."""
 
 import contextlib
 import importlib
@@ -11,8 +12,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import forgekernel
-from forgekernel.ops.attention import LOG2E
+from forgekernel.kernels.attention.fwd.sm90 import launch as fwd_sm90
+from forgekernel.kernels.common.sm90.constants import LOG2E
 from forgekernel.reference.attention import attention_ref, attention_varlen_ref
+from forgekernel.runtime.device import tma_ready
 
 # The package re-exports the functions under the modules' names; these are the modules.
 attention_module = importlib.import_module("forgekernel.ops.attention")
@@ -123,21 +126,46 @@ def test_bad_varlen_inputs_raise(args, exc, words):
     assert words in str(info.value)
 
 
+def packed_ref(qp, k, v, causal, scale, group):
+    """The reference on pack-GQA rows: unpack q, attend, pack o and lse back."""
+    b, rows, hkv, d = qp.shape
+    sq = rows // group
+    q = qp.view(b, sq, group, hkv, d).transpose(2, 3).reshape(b, sq, hkv * group, d)
+    o, lse = attention_ref(q, k, v, causal, scale)
+    o = o.view(b, sq, hkv, group, -1).transpose(2, 3).reshape(b, rows, hkv, -1)
+    return o, lse.view(b, hkv, group, sq).transpose(2, 3).reshape(b, hkv, rows)
+
+
 @pytest.fixture
 def cpu_kernel(monkeypatch):
-    """Run the eager path on the CPU: no device check, the reference as the 'kernel', which
-    insists on what the real one needs (TMA-ready inputs, contiguous outputs)."""
+    """Run the eager path on the CPU: no device check, 132 SMs, and as the compiled function
+    the reference, which insists on what the real one needs (TMA-ready tensors, LSE with unit
+    stride) and records (scale, qgroup, num_ctas, max_seqlen_q) per launch."""
     calls = []
 
-    def launch(q, k, v, o, lse, scale, causal):
-        assert all(attention_module.tma_ready(t) for t in (q, k, v, o)) and lse.is_contiguous()
-        ref_o, ref_lse = attention_ref(q, k, v, causal, scale)
-        o.copy_(ref_o)
-        lse.copy_(ref_lse)
-        calls.append(scale)
+    def get_kernel(spec, params):
+        p = dict(params)
 
-    monkeypatch.setattr(attention_module, "check_cuda", lambda name, t: None)
-    monkeypatch.setattr(attention_module, "_launch_fwd", launch)
+        def fn(q, k, v, o, lse, cu_q, cu_k, scale_log2, max_q, qgroup, num_ctas):
+            assert all(tma_ready(t) for t in (q, k, v, o)) and lse.stride(-1) == 1
+            scale = scale_log2 / LOG2E
+            if p["varlen"]:
+                assert qgroup == 1
+                ref = attention_varlen_ref(q, k, v, cu_q, cu_k, p["causal"], scale)
+            else:
+                assert lse.is_contiguous() and cu_q is None and cu_k is None and max_q == 0
+                ref = packed_ref(q, k, v, p["causal"], scale, qgroup)
+            o.copy_(ref[0])
+            lse.copy_(ref[1])
+            calls.append((pytest.approx(scale), qgroup, num_ctas, max_q))
+
+        return fn
+
+    for module in (attention_module, varlen_module):
+        monkeypatch.setattr(module, "check_cuda", lambda name, t: None)
+    monkeypatch.setattr(fwd_sm90, "get_kernel", get_kernel)
+    monkeypatch.setattr(fwd_sm90, "num_sms", lambda device: 132)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     return calls
 
 
@@ -146,7 +174,7 @@ def test_eager_path_returns_what_the_kernel_wrote(cpu_kernel, causal):
     q, k, v = qkv(b=2, sq=17, sk=9, hq=8, hkv=2, d=192, dv=128)
     o, lse = forgekernel.attention(q, k, v, causal=causal, return_lse=True)
     want_o, want_lse = attention_ref(q, k, v, causal)
-    assert cpu_kernel == [pytest.approx(192**-0.5)]
+    assert cpu_kernel == [(192**-0.5, 4, 132, 0)]  # Sq 17 < PACK_GQA_MAX_SQ: 4 heads packed
     assert o.dtype == torch.bfloat16 and o.shape == (2, 17, 8, 128) and lse.shape == (2, 8, 17)
     torch.testing.assert_close(o, want_o.to(torch.bfloat16), rtol=0, atol=0)
     torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
@@ -172,29 +200,30 @@ def test_no_keys_and_empty_problems_skip_the_kernel(cpu_kernel):
     assert cpu_kernel == []
 
 
+@pytest.mark.parametrize(
+    "sq, hq, hkv, qgroup",
+    [(5, 8, 2, 4), (127, 4, 1, 4), (128, 8, 2, 1), (200, 8, 2, 1), (5, 4, 4, 1)],
+)
+def test_short_gqa_queries_run_packed(cpu_kernel, sq, hq, hkv, qgroup):
+    """Pack-GQA below PACK_GQA_MAX_SQ query rows (the kernel told qgroup = G); longer queries
+    and MHA run unpacked. The outputs are the reference's either way."""
+    q, k, v = qkv(b=1, sq=sq, sk=sq + 3, hq=hq, hkv=hkv, d=64)
+    o, lse = forgekernel.attention(q, k, v, causal=True, return_lse=True)
+    assert [c[1] for c in cpu_kernel] == [qgroup]
+    want_o, want_lse = attention_ref(q, k, v, True)
+    torch.testing.assert_close(o, want_o.to(torch.bfloat16), rtol=0, atol=0)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_eager_path_hands_the_kernel_packed_tensors(monkeypatch, causal):
-    """The varlen launch: TMA-ready packed inputs, offsets on the device, (Hq, total) LSE, the
-    scale in log2 units, max_seqlen_q and one CTA per SM; a reference-backed kernel."""
-    calls = []
-
-    def kernel(q, k, v, o, lse, cu_q, cu_k, scale_log2, max_q, qgroup, num_ctas):
-        assert qgroup == 1
-        assert all(attention_module.tma_ready(t) for t in (q, k, v, o)) and lse.stride(-1) == 1
-        ref_o, ref_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, causal, scale_log2 / LOG2E)
-        o.copy_(ref_o)
-        lse.copy_(ref_lse)
-        calls.append((max_q, num_ctas))
-
-    monkeypatch.setattr(varlen_module, "check_cuda", lambda name, t: None)
-    monkeypatch.setattr(varlen_module, "get_kernel", lambda spec, params: kernel)
-    monkeypatch.setattr(varlen_module, "num_sms", lambda device: 132)
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+def test_varlen_eager_path_hands_the_kernel_packed_tensors(cpu_kernel, causal):
+    """The varlen launch: TMA-ready packed inputs, (Hq, total) LSE, the scale in log2 units,
+    max_seqlen_q and one CTA per SM; a reference-backed kernel."""
     q, k, v, cu_q, cu_k, max_q, max_k = packed(lens_q=(3, 17, 0, 5), lens_k=(4, 9, 2, 0))
     o, lse = forgekernel.attention_varlen(
         q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, return_lse=True
     )
-    assert calls == [(17, 132)]
+    assert cpu_kernel == [(64**-0.5, 1, 132, 17)]
     want_o, want_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, causal)
     torch.testing.assert_close(o, want_o.to(torch.bfloat16), rtol=0, atol=1e-2)
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
@@ -216,7 +245,7 @@ def test_pack_gqa_is_the_same_attention(causal):
     problem, with row r masked as query r // G, unpacks to the original outputs."""
     q, k, v = qkv(b=2, sq=5, sk=9, hq=8, hkv=2, d=64)
     group = 4
-    qp = attention_module.pack_gqa_q(q, group)
+    qp = fwd_sm90.pack_gqa_q(q, group)
     assert qp.shape == (2, 20, 2, 64) and torch.equal(
         qp[:, 3 * group + 1, 1], q[:, 3, 1 * group + 1]
     )
@@ -228,7 +257,7 @@ def test_pack_gqa_is_the_same_attention(causal):
         s = s.masked_fill(torch.arange(9)[None, :] > rows + 9 - 5, float("-inf"))
     op = torch.einsum("bhrk,bkhd->brhd", s.softmax(-1), v.float())
     lsep = s.logsumexp(-1)
-    o, lse = attention_module.unpack_gqa(op, lsep, group)
+    o, lse = fwd_sm90.unpack_gqa(op, lsep, group)
     want_o, want_lse = attention_ref(q, k, v, causal)
     torch.testing.assert_close(o, want_o, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)

@@ -20,10 +20,12 @@ from forgekernel.reference.attention import (
     attention_varlen_bwd_ref,
     attention_varlen_ref,
 )
+from forgekernel.runtime.device import tma_ready
 
 fwd_module = importlib.import_module("forgekernel.ops.attention")
 varlen_module = importlib.import_module("forgekernel.ops.attention_varlen")
 bwd_module = importlib.import_module("forgekernel.ops.attention_bwd")
+bwd_launch = importlib.import_module("forgekernel.kernels.attention.bwd.sm90.launch")
 
 
 def bf16(*shape):
@@ -51,8 +53,8 @@ def kernels(monkeypatch):
         o.copy_(ref_o)
         lse.copy_(ref_lse)
 
-    def bwd(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, seqs):
-        assert all(fwd_module.tma_ready(t) for t in (q, k, v, o, do))
+    def bwd(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, seqs, config=None):
+        assert all(tma_ready(t) for t in (q, k, v, o, do))
         assert all(t.is_contiguous() for t in (lse, dq, dk, dv))
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
         if seqs is None:
@@ -69,7 +71,7 @@ def kernels(monkeypatch):
         monkeypatch.setattr(module, "check_cuda", no_device_check)
     monkeypatch.setattr(fwd_module, "_launch_fwd", fwd)
     monkeypatch.setattr(varlen_module, "_launch_varlen_fwd", varlen_fwd)
-    monkeypatch.setattr(bwd_module, "_launch_kernel", bwd)
+    monkeypatch.setattr(bwd_launch, "_launch_kernels", bwd)
     # the stand-in computes any head dims; the real kernel's HEAD_DIMS are a subset
     monkeypatch.setattr(bwd_module, "BWD_HEAD_DIMS", ((64, 64), (128, 128), (192, 128)))
     return calls

@@ -1,11 +1,20 @@
-"""GEMM torch layer on the CPU: every bad input raises a clear error before any kernel runs,
-and the reference is the spec."""
+"""GEMM torch layer and host launcher on the CPU: every bad input raises a clear error before
+any kernel runs, the launcher hands the compiled function TMA-ready operands, the analytical
+config and the cluster count, and the reference is the spec."""
+
+import contextlib
+import importlib
 
 import pytest
 import torch
 
 import forgekernel
+from forgekernel.kernels.gemm.dense.sm90 import launch as gemm_sm90
+from forgekernel.kernels.gemm.dense.sm90.config import choose_config, params_for
 from forgekernel.reference.gemm import gemm_ref
+from forgekernel.runtime.device import tma_ready
+
+gemm_module = importlib.import_module("forgekernel.ops.gemm")
 
 
 def bf16(*shape):
@@ -41,3 +50,56 @@ def test_reference_matches_float64(m, n, k):
     assert torch.allclose(
         gemm_ref(a, b.t().contiguous(), "kn").double(), want, rtol=1e-5, atol=1e-4
     )
+
+
+@pytest.fixture
+def cpu_kernel(monkeypatch, tmp_path):
+    """The eager path on the CPU: no device check, 132 SMs, no tuning records, and as the
+    compiled function the reference, which insists on TMA-ready operands and records
+    (params, max_clusters) per launch."""
+    calls = []
+
+    def get_kernel(spec, params):
+        def fn(a, b, c, max_clusters):
+            assert all(tma_ready(t) for t in (a, b, c))
+            c.copy_(gemm_ref(a, b, "kn" if dict(params)["b_kn"] else "nk"))
+            calls.append((params, max_clusters))
+
+        return fn
+
+    monkeypatch.setenv("FORGEKERNEL_TUNING_DIR", str(tmp_path))
+    gemm_sm90.tuning.load.cache_clear()
+    monkeypatch.setattr(gemm_module, "check_cuda", lambda name, t: None)
+    monkeypatch.setattr(gemm_sm90, "get_kernel", get_kernel)
+    monkeypatch.setattr(gemm_sm90, "num_sms", lambda device: 132)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    yield calls
+    gemm_sm90.tuning.load.cache_clear()
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 8, 8), (7, 24, 40), (300, 264, 520)])
+@pytest.mark.parametrize("b_layout", ["nk", "kn"])
+def test_eager_path_launches_the_analytical_config(cpu_kernel, m, n, k, b_layout):
+    a = bf16(m, k)
+    b = bf16(n, k) if b_layout == "nk" else bf16(k, n)
+    c = forgekernel.gemm(a, b, b_layout=b_layout)
+    torch.testing.assert_close(c, gemm_ref(a, b, b_layout).to(c.dtype), rtol=0, atol=0)
+    cfg = choose_config(m, n, k, 132)
+    want = params_for("bfloat16", b_layout == "kn", cfg)
+    assert cpu_kernel == [(want, 132 // (cfg.cluster_m * cfg.cluster_n))]
+
+
+def test_strided_operands_and_out_are_copied(cpu_kernel):
+    a = bf16(40, 7).t()  # (7, 40), column-major
+    b = bf16(24, 80)[:, ::2]  # (24, 40), strided last dim
+    out = bf16(7, 48)[:, ::2]  # (7, 24) view with a strided last dim
+    assert forgekernel.gemm(a, b, out=out) is out
+    torch.testing.assert_close(out, gemm_ref(a, b).to(out.dtype), rtol=0, atol=0)
+    assert len(cpu_kernel) == 1
+
+
+def test_empty_problems_skip_the_kernel(cpu_kernel):
+    assert forgekernel.gemm(bf16(0, 16), bf16(8, 16)).shape == (0, 8)
+    c = forgekernel.gemm(bf16(5, 0), bf16(8, 0))  # K = 0: C is zeros
+    assert c.shape == (5, 8) and torch.all(c == 0)
+    assert cpu_kernel == []

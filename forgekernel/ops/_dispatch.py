@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
@@ -16,13 +14,6 @@ def traced(*tensors: torch.Tensor | None) -> bool:
         or _current_dispatch_mode() is not None
         or any(t is not None and type(t) is not torch.Tensor for t in tensors)
     )
-
-
-@functools.cache
-def num_sms(device_index: int | None) -> int:
-    """Multiprocessors of the device (132 on H100 SXM and H200, 114 on H100 PCIe): the
-    persistent kernels' grid."""
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def wants_grad(*tensors: torch.Tensor | None) -> bool:

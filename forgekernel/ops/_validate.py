@@ -7,8 +7,6 @@ from collections.abc import Sequence
 import torch
 
 FLOAT16_TYPES = (torch.float16, torch.bfloat16)
-# The dtype names kernel compile keys use.
-DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def check_tensor(
@@ -71,19 +69,3 @@ def check_same_device(**tensors: torch.Tensor) -> None:
 def check_multiple(name: str, value: int, multiple: int, why: str) -> None:
     if value % multiple:
         raise ValueError(f"{name} = {value} must be a multiple of {multiple} ({why})")
-
-
-def tma_ready(t: torch.Tensor) -> bool:
-    """Last dim contiguous, a 16-byte-aligned base and every other stride a 16-byte multiple
-    (what TMA can address)."""
-    elems16 = 16 // t.element_size()
-    return (
-        t.stride(-1) == 1
-        and all(s % elems16 == 0 for s in t.stride()[:-1])
-        and t.data_ptr() % 16 == 0
-    )
-
-
-def as_tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """`t` itself when TMA can read it in place, else a compact aligned copy (never misread)."""
-    return t if tma_ready(t) else t.clone(memory_format=torch.contiguous_format)

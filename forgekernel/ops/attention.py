@@ -1,11 +1,13 @@
 """`forgekernel.attention`: O = softmax(scale * Q K^T + mask) V on Hopper.
 
 FlashAttention layout (batch, seqlen, heads, head_dim), GQA/MQA, bottom-right causal mask,
-LSE fp32 (batch, heads, seqlen_q). Eager calls go straight to the kernel; under `torch.compile`
-the same work runs through the custom ops `forgekernel::attention_fwd` (and `_out`,
-`attention_varlen_fwd`), whose fake implementations give the compiler shapes. Calls with no
-input requiring grad keep no autograd bookkeeping; the others take `attention_fwd`, whose
-backward (`ops/attention_bwd.py`) saves q, k, v, o, lse.
+LSE fp32 (batch, heads, seqlen_q). This module validates; eager calls then go straight to the
+leaf's host launcher (`kernels/attention/fwd/sm90/launch.py`: empty problems, TMA-ready
+copies, pack-GQA, the compiled function's argument order); under `torch.compile` the same work
+runs through the custom ops `forgekernel::attention_fwd` (and `_out`, `attention_varlen_fwd`),
+whose fake implementations give the compiler shapes. Calls with no input requiring grad keep
+no autograd bookkeeping; the others take `attention_fwd`, whose backward
+(`ops/attention_bwd.py`) saves q, k, v, o, lse.
 """
 
 from __future__ import annotations
@@ -15,25 +17,21 @@ from numbers import Real
 
 import torch
 
-from forgekernel.ops._dispatch import num_sms, wants_grad
+from forgekernel.kernels.attention.fwd.sm90 import launch as fwd_sm90
+
+# (head_dim, head_dim_v) the sm90 kernel is built for: equal dims, plus DeepSeek's 192/128
+# prefill (OPS.md's list).
+from forgekernel.kernels.attention.fwd.sm90.config import HEAD_DIMS as SUPPORTED_HEAD_DIMS
 from forgekernel.ops._dispatch import traced as _traced
+from forgekernel.ops._dispatch import wants_grad
 from forgekernel.ops._validate import (
-    DTYPE_NAMES,
-    as_tma_ready,
     check_bool,
     check_cuda,
     check_same_device,
     check_same_dtype,
     check_shaped,
     check_tensor,
-    tma_ready,
 )
-from forgekernel.runtime.cache import get_kernel
-
-# (head_dim, head_dim_v) the sm90 kernel is built for: equal dims, plus DeepSeek's 192/128
-# prefill (OPS.md's list).
-SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (256, 256), (192, 128))
-LOG2E = math.log2(math.e)
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ndim: int) -> None:
@@ -102,67 +100,8 @@ def _validate(q, k, v, causal, softmax_scale, out) -> float:
     return scale
 
 
-# Pack-GQA below this many query rows: a short query's tile of one head would be mostly empty
-# rows, and every head of a group would stream the same K/V.
-PACK_GQA_MAX_SQ = 128
-
-
-def pack_gqa_q(q: torch.Tensor, group: int) -> torch.Tensor:
-    """(B, Sq, Hkv * G, D) -> (B, Sq * G, Hkv, D): query head h * G + g of position s becomes
-    row s * G + g of head h (a contiguous copy)."""
-    b, sq, hq, d = q.shape
-    return q.view(b, sq, hq // group, group, d).transpose(2, 3).reshape(b, sq * group, -1, d)
-
-
-def unpack_gqa(o: torch.Tensor, lse: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The packed outputs back: o (B, Sq * G, Hkv, Dv) -> (B, Sq, Hq, Dv) and lse
-    (B, Hkv, Sq * G) -> (B, Hq, Sq), as views."""
-    b, rows, hkv, dv = o.shape
-    sq = rows // group
-    o = o.view(b, sq, group, hkv, dv).transpose(2, 3).reshape(b, sq, hkv * group, dv)
-    lse = lse.view(b, hkv, sq, group).transpose(2, 3).reshape(b, hkv * group, sq)
-    return o, lse
-
-
-def _launch_fwd(q, k, v, o, lse, scale: float, causal: bool) -> None:
-    """The kernel call and nothing else: inputs and outputs are TMA-ready, sizes non-zero.
-    Short queries with GQA run packed: the G query heads of a kv head become G rows per
-    position of one head (qgroup = G tells the kernel's causal mask)."""
-    from forgekernel.kernels.attention.fwd import sm90
-
-    # params_for without a config takes the leaf's analytical default for the head dims.
-    params = sm90.params_for(DTYPE_NAMES[q.dtype], q.shape[-1], v.shape[-1], causal)
-    fn = get_kernel(sm90.SPEC, params)
-    group = q.shape[2] // k.shape[2]
-    with torch.cuda.device(q.device):
-        if group > 1 and q.shape[1] < PACK_GQA_MAX_SQ:
-            qp = pack_gqa_q(q, group)
-            b, rows, hkv, _ = qp.shape
-            op = q.new_empty(b, rows, hkv, v.shape[-1])
-            lsep = q.new_empty(b, hkv, rows, dtype=torch.float32)
-            fn(qp, k, v, op, lsep, None, None, scale * LOG2E, 0, group, num_sms(q.device.index))
-            op, lsep = unpack_gqa(op, lsep, group)
-            o.copy_(op)
-            lse.copy_(lsep)
-        else:
-            fn(q, k, v, o, lse, None, None, scale * LOG2E, 0, 1, num_sms(q.device.index))
-
-
-def _launch(q, k, v, o, lse, scale: float, causal: bool) -> None:
-    if o.numel() == 0:  # no batch, query rows or heads
-        return
-    if k.shape[1] == 0:  # every row sees no key
-        o.zero_()
-        lse.fill_(float("-inf"))
-        return
-    q, k, v = as_tma_ready(q), as_tma_ready(k), as_tma_ready(v)
-    o_dst = o if tma_ready(o) else torch.empty(o.shape, dtype=o.dtype, device=o.device)
-    lse_dst = lse if lse.is_contiguous() else torch.empty(lse.shape, device=lse.device)
-    _launch_fwd(q, k, v, o_dst, lse_dst, scale, causal)
-    if o_dst is not o:
-        o.copy_(o_dst)
-    if lse_dst is not lse:
-        lse.copy_(lse_dst)
+# The leaf's launcher, under the one name the CPU tests replace with a reference.
+_launch_fwd = fwd_sm90.attention_fwd
 
 
 def _empty_outputs(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,7 +121,7 @@ def _attention_fwd_op(
     deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     o, lse = _empty_outputs(q, v)
-    _launch(q, k, v, o, lse, softmax_scale, causal)
+    _launch_fwd(q, k, v, o, lse, softmax_scale, causal)
     return o, lse
 
 
@@ -201,7 +140,7 @@ def _attention_fwd_out_op(
     causal: bool,
     softmax_scale: float,
 ) -> None:
-    _launch(q, k, v, o, lse, softmax_scale, causal)
+    _launch_fwd(q, k, v, o, lse, softmax_scale, causal)
 
 
 @_attention_fwd_out_op.register_fake
@@ -249,5 +188,5 @@ def attention(
             o, lse = out
     else:
         o, lse = out if out is not None else _empty_outputs(q, v)
-        _launch(q, k, v, o, lse, scale, causal)
+        _launch_fwd(q, k, v, o, lse, scale, causal)
     return (o, lse) if return_lse else o

@@ -7,7 +7,8 @@ else, and calls `forgekernel::attention_bwd` / `attention_varlen_bwd`. GQA is th
 dk and dv come back already summed over each kv head's query heads. The LSE output is not
 differentiable (the kernel has no dLSE input): a loss that reads it gets no gradient through it.
 
-Eager backward calls go straight to the kernel; under torch.compile the backward graph records
+Eager backward calls go straight to the leaf's host launcher
+(`kernels/attention/bwd/sm90/launch.py`); under torch.compile the backward graph records
 the custom ops, whose fake implementations give the shapes. `attention_backward` is the same
 kernel for callers with their own autograd (and the bwd suite): it writes into `out=`.
 """
@@ -18,15 +19,9 @@ import torch
 
 # (head_dim, head_dim_v) pairs the sm90 backward kernel is built for (a subset of the forward's).
 from forgekernel.kernels.attention.bwd.sm90 import HEAD_DIMS as BWD_HEAD_DIMS
+from forgekernel.kernels.attention.bwd.sm90 import launch as bwd_sm90
 from forgekernel.ops._dispatch import traced as _traced
-from forgekernel.ops._validate import (
-    as_tma_ready,
-    check_bool,
-    check_cuda,
-    check_same_device,
-    check_shaped,
-    tma_ready,
-)
+from forgekernel.ops._validate import check_bool, check_cuda, check_same_device, check_shaped
 from forgekernel.ops.attention import _check_flags, _check_qkv, out_shapes
 from forgekernel.ops.attention_varlen import _check_cu_seqlens, _offsets_on_device
 
@@ -45,36 +40,13 @@ def _check_head_dims(q: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def _launch_kernel(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, seqs) -> None:
-    """The kernel call and nothing else: inputs TMA-ready, lse and gradients contiguous."""
-    from forgekernel.kernels.attention.bwd.sm90.launch import attention_bwd
-
+    """The leaf's launcher (the one name the CPU tests replace with a reference): empty
+    problems, TMA-ready copies and strided gradients are its business."""
     varlen = {}
     if seqs is not None:
         names = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
         varlen = dict(zip(names, seqs))
-    with torch.cuda.device(q.device):
-        attention_bwd(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, **varlen)
-
-
-def _launch(q, k, v, o, lse, do, grads: Grads, scale, causal, deterministic, seqs=None) -> None:
-    """Write (dq, dk, dv) into `grads` (any views): empty problems never reach the kernel,
-    strided inputs are copied, strided gradients are written through contiguous buffers."""
-    if q.numel() == 0 or k.numel() == 0:  # no query rows or no keys: every gradient is 0
-        for g in grads:
-            g.zero_()
-        return
-    q, k, v, o, do = (as_tma_ready(t) for t in (q, k, v, o, do))
-    lse = lse.contiguous()
-    dst = tuple(
-        g
-        if g.is_contiguous() and tma_ready(g)
-        else torch.empty_like(g, memory_format=torch.contiguous_format)
-        for g in grads
-    )
-    _launch_kernel(q, k, v, o, lse, do, *dst, scale, causal, deterministic, seqs)
-    for g, d in zip(grads, dst):
-        if d is not g:
-            g.copy_(d)
+    bwd_sm90.attention_bwd(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, **varlen)
 
 
 def _empty_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Grads:
@@ -97,7 +69,7 @@ def _attention_bwd_op(
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     grads = _empty_grads(q, k, v)
-    _launch(q, k, v, o, lse, do, grads, softmax_scale, causal, deterministic)
+    _launch_kernel(q, k, v, o, lse, do, *grads, softmax_scale, causal, deterministic, None)
     return grads
 
 
@@ -121,7 +93,7 @@ def _attention_bwd_out_op(
     softmax_scale: float,
     deterministic: bool,
 ) -> None:
-    _launch(q, k, v, o, lse, do, (dq, dk, dv), softmax_scale, causal, deterministic)
+    _launch_kernel(q, k, v, o, lse, do, dq, dk, dv, softmax_scale, causal, deterministic, None)
 
 
 @_attention_bwd_out_op.register_fake
@@ -147,7 +119,7 @@ def _attention_varlen_bwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     grads = _empty_grads(q, k, v)
     seqs = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    _launch(q, k, v, o, lse, do, grads, softmax_scale, causal, deterministic, seqs)
+    _launch_kernel(q, k, v, o, lse, do, *grads, softmax_scale, causal, deterministic, seqs)
     return grads
 
 
@@ -171,7 +143,7 @@ def _backward(q, k, v, o, lse, do, causal, scale, deterministic, seqs: Seqs) -> 
             q, k, v, o, lse, do, *seqs, causal, scale, deterministic
         )
     grads = _empty_grads(q, k, v)
-    _launch(q, k, v, o, lse, do, grads, scale, causal, deterministic, seqs)
+    _launch_kernel(q, k, v, o, lse, do, *grads, scale, causal, deterministic, seqs)
     return grads
 
 
@@ -274,7 +246,7 @@ def attention_backward(
         )
         return tuple(out)
     out = tuple(out) if out is not None else _empty_grads(q, k, v)
-    _launch(q, k, v, o, lse, do, out, scale, causal, deterministic)
+    _launch_kernel(q, k, v, o, lse, do, *out, scale, causal, deterministic, None)
     return out
 
 
@@ -318,7 +290,7 @@ def attention_varlen_backward(
             g.copy_(r)
         return tuple(out)
     out = tuple(out) if out is not None else _empty_grads(q, k, v)
-    _launch(q, k, v, o, lse, do, out, scale, causal, deterministic, seqs)
+    _launch_kernel(q, k, v, o, lse, do, *out, scale, causal, deterministic, seqs)
     return out
 
 

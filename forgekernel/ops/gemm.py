@@ -1,6 +1,7 @@
 """`forgekernel.gemm`: C = A @ B^T on Hopper, fp16/bf16 in and out, fp32 accumulation.
 
-Eager calls go straight to the kernel; under `torch.compile` the same work runs through the
+This module validates; eager calls then go straight to the leaf's host launcher
+(`kernels/gemm/dense/sm90/launch.py`); under `torch.compile` the same work runs through the
 custom ops `forgekernel::gemm` / `forgekernel::gemm_out`, whose fake implementations give the
 compiler shapes without running anything.
 """
@@ -11,27 +12,20 @@ import dataclasses
 
 import torch
 
-from forgekernel.kernels.gemm.dense.sm90 import SPEC, GemmConfig, choose_config, params_for
-from forgekernel.kernels.gemm.dense.sm90.config import (
-    CANDIDATES,
-    NUM_SMS_H100_H200,
-    STANDARD_CONFIGS,
-)
-from forgekernel.ops._dispatch import num_sms
+from forgekernel.kernels.gemm.dense.sm90 import SPEC, GemmConfig, choose_config
+from forgekernel.kernels.gemm.dense.sm90 import launch as gemm_sm90
+from forgekernel.kernels.gemm.dense.sm90.config import CANDIDATES, STANDARD_CONFIGS
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import (
-    DTYPE_NAMES,
-    as_tma_ready,
     check_cuda,
     check_multiple,
     check_same_device,
     check_same_dtype,
     check_shaped,
     check_tensor,
-    tma_ready,
 )
 from forgekernel.runtime import tuning
-from forgekernel.runtime.cache import get_kernel
+from forgekernel.runtime.timing import median, rotation_sets, time_interleaved
 
 
 def _validate(
@@ -62,62 +56,11 @@ def _validate(
     return m, n, k
 
 
-def _max_clusters(device_index: int, cluster_size: int) -> int:
-    # One CTA per SM (the pipeline takes nearly all shared memory).
-    return num_sms(device_index) // cluster_size
-
-
-def _tuning_key(dtype: torch.dtype, b_kn: bool, m: int, n: int, k: int) -> str:
-    return f"{DTYPE_NAMES[dtype]},{'kn' if b_kn else 'nk'},{m},{n},{k}"
-
-
-def _config_for(
-    dtype: torch.dtype, b_kn: bool, m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200
-) -> GemmConfig:
-    """A recorded tuning winner for exactly this problem, else the analytical default for a
-    chip with `num_sms` multiprocessors (132 on H100 SXM and H200, 114 on H100 PCIe)."""
-    tuned = tuning.load(SPEC.name).get(_tuning_key(dtype, b_kn, m, n, k))
-    return GemmConfig(**tuned["config"]) if tuned else choose_config(m, n, k, num_sms)
-
-
-def _launch(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    out: torch.Tensor,
-    b_kn: bool,
-    config: GemmConfig | None = None,
-) -> None:
-    m, k = a.shape
-    n = out.shape[1]
-    if m == 0 or n == 0:
-        return
-    if k == 0:
-        out.zero_()
-        return
-    cfg = config or _config_for(a.dtype, b_kn, m, n, k, num_sms(a.device.index))
-    if cfg.split_k > 1 and -(-k // cfg.tile_k) < cfg.split_k:
-        raise ValueError(f"split_k = {cfg.split_k} needs K >= {cfg.split_k * cfg.tile_k}")
-    fn = get_kernel(SPEC, params_for(DTYPE_NAMES[a.dtype], b_kn, cfg))
-    clusters = _max_clusters(a.device.index, cfg.cluster_m * cfg.cluster_n)
-    a, b = as_tma_ready(a), as_tma_ready(b)
-    with torch.cuda.device(a.device):
-        if cfg.split_k > 1:
-            partials = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=a.device)
-            fn(a, b, partials, clusters)
-            out.copy_(partials.sum(0))
-        elif tma_ready(out):
-            fn(a, b, out, clusters)
-        else:
-            target = torch.empty(m, n, dtype=out.dtype, device=out.device)
-            fn(a, b, target, clusters)
-            out.copy_(target)
-
-
 @torch.library.custom_op("forgekernel::gemm", mutates_args=())
 def _gemm_op(a: torch.Tensor, b: torch.Tensor, b_kn: bool) -> torch.Tensor:
     n = b.shape[1] if b_kn else b.shape[0]
     out = torch.empty(a.shape[0], n, dtype=a.dtype, device=a.device)
-    _launch(a, b, out, b_kn)
+    gemm_sm90.gemm(a, b, out, b_kn)
     return out
 
 
@@ -129,7 +72,7 @@ def _(a: torch.Tensor, b: torch.Tensor, b_kn: bool) -> torch.Tensor:
 
 @torch.library.custom_op("forgekernel::gemm_out", mutates_args=("out",))
 def _gemm_out_op(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b_kn: bool) -> None:
-    _launch(a, b, out, b_kn)
+    gemm_sm90.gemm(a, b, out, b_kn)
 
 
 @_gemm_out_op.register_fake
@@ -156,7 +99,7 @@ def gemm(
     if config is not None:
         if out is None:
             out = torch.empty(m, n, dtype=a.dtype, device=a.device)
-        _launch(a, b, out, b_kn, config)
+        gemm_sm90.gemm(a, b, out, b_kn, config)
         return out
     if _traced(a, b, out):
         if out is None:
@@ -165,7 +108,7 @@ def gemm(
         return out
     if out is None:
         out = torch.empty(m, n, dtype=a.dtype, device=a.device)
-    _launch(a, b, out, b_kn)
+    gemm_sm90.gemm(a, b, out, b_kn)
     return out
 
 
@@ -181,8 +124,6 @@ def tune_gemm(
     """Opt-in autotune for one problem: time every configuration (standard and candidates by
     default) interleaved on fresh random inputs, record the winner for later `gemm` calls,
     and return it. Configurations that are not prebuilt compile first (needs the DSL)."""
-    from forgekernel.runtime.timing import median, rotation_sets, time_interleaved
-
     b_kn = b_layout == "kn"
     configs = configs or STANDARD_CONFIGS + CANDIDATES
     elems = m * k + n * k + m * n
@@ -194,13 +135,12 @@ def tune_gemm(
         )
         for _ in range(rotation_sets(elems * torch.finfo(dtype).bits / 8))
     ]
-    usable = [c for c in configs if c.split_k == 1 or -(-k // c.tile_k) >= c.split_k]
-    fns = {c: _tuning_call(c, b_kn) for c in usable}
+    fns = {c: _tuning_call(c, b_kn) for c in configs}
     samples = time_interleaved(fns, rotate=sets, reps=reps)
     best = min(samples, key=lambda c: median(samples[c]))
     tuning.record(
         SPEC.name,
-        _tuning_key(dtype, b_kn, m, n, k),
+        gemm_sm90.tuning_key(dtype, b_kn, m, n, k),
         {
             "config": dataclasses.asdict(best),
             "ms": median(samples[best]),
@@ -215,6 +155,6 @@ def tune_gemm(
 
 def _tuning_call(cfg: GemmConfig, b_kn: bool):
     def call(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
-        _launch(a, b, c, b_kn, cfg)
+        gemm_sm90.gemm(a, b, c, b_kn, cfg)
 
     return call

@@ -1,16 +1,17 @@
-"""Host launcher of the sm90 attention backward: torch only (no DSL), kernels through
-`forgekernel.runtime.cache.get_kernel`."""
+"""Host launcher of the sm90 attention backward: torch only (no DSL), the three kernels
+(preprocess, main, postprocess) through the compile cache. Callers validate first
+(`forgekernel.attention_backward`, the autograd of `forgekernel.attention`); the launcher
+zeroes the gradients of empty problems, makes the tensors TMA-ready, picks the main kernel's
+config, allocates the fp32 workspaces and launches."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import torch
 
 from forgekernel.kernels.attention.bwd.sm90 import SPEC_MAIN, SPEC_POST, SPEC_PRE
 from forgekernel.kernels.attention.bwd.sm90.config import (
-    HEAD_DIMS,
     ROW_PAD,
     BwdConfig,
     choose_config,
@@ -20,22 +21,12 @@ from forgekernel.kernels.attention.bwd.sm90.config import (
     pre_params,
     varlen_ws_rows,
 )
-from forgekernel.ops._dispatch import num_sms
+from forgekernel.kernels.common.sm90.constants import LOG2E
 from forgekernel.runtime.cache import get_kernel
+from forgekernel.runtime.device import as_tma_ready, copy_back, dtype_name, num_sms, tma_target
 
-LOG2E = math.log2(math.e)
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
-
-
-def _tma_ready(t: torch.Tensor) -> bool:
-    if t.stride(-1) != 1 or t.data_ptr() % 16:
-        return False
-    # every stride, size-1 dims included: the compiled kernels assume multiples of 8
-    return all(s % 8 == 0 for s in t.stride()[:-1])
-
-
-def _ready(t: torch.Tensor) -> torch.Tensor:
-    return t if _tma_ready(t) else t.contiguous()
+# (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a varlen call, None otherwise.
+Seqs = tuple[torch.Tensor, torch.Tensor, int, int] | None
 
 
 def attention_bwd(
@@ -51,13 +42,13 @@ def attention_bwd(
     softmax_scale: float,
     causal: bool,
     deterministic: bool = False,
-    cu_seqlens_q=None,
-    cu_seqlens_k=None,
-    max_seqlen_q=None,
-    max_seqlen_k=None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
     config: BwdConfig | None = None,
 ) -> None:
-    """dq, dk, dv (written in place, same shapes and dtype as q, k, v) of
+    """dq, dk, dv (written in place, any views shaped and typed as q, k, v) of
     o = softmax(scale q k^T + mask) v, given o, lse (B, Hq, Sq) fp32 (natural log, -inf for rows
     that see no key) and do. q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), bf16 or
     fp16, Hq % Hkv == 0, (D, Dv) in HEAD_DIMS; causal is bottom-right aligned. With
@@ -68,51 +59,55 @@ def attention_bwd(
     max_seqlen_k >= every sequence's length): q, o, do (Tq, Hq, *), k, v (Tk, Hkv, *), lse
     (Hq, Tq); each sequence its own causal alignment; sequences with no queries or no keys
     give zero gradients."""
-    if cu_seqlens_q is not None or cu_seqlens_k is not None:
-        _attention_bwd_varlen(
-            q, k, v, o, lse, do, dq, dk, dv, softmax_scale, causal, deterministic,
-            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, config,
-        )  # fmt: skip
+    seqs = None
+    if cu_seqlens_q is not None:
+        seqs = (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
+    grads = (dq, dk, dv)
+    if _nothing_to_compute(q, k, seqs):
+        for g in grads:
+            g.zero_()
         return
-    if q.dim() != 4:
-        raise ValueError(f"q must be (B, Sq, Hq, D), got shape {tuple(q.shape)}")
+    q, k, v, o, do = (as_tma_ready(t) for t in (q, k, v, o, do))
+    lse = lse.contiguous()
+    dst = tuple(tma_target(g, contiguous=True) for g in grads)
+    flags = (float(softmax_scale), causal, deterministic, seqs, config)
+    _launch_kernels(q, k, v, o, lse, do, *dst, *flags)
+    copy_back(grads, dst)
+
+
+def _nothing_to_compute(q: torch.Tensor, k: torch.Tensor, seqs: Seqs) -> bool:
+    """No query rows or no keys (varlen: also no sequence, or zero maximum lengths): every
+    gradient is 0 and no kernel runs."""
+    if q.numel() == 0 or k.numel() == 0:
+        return True
+    return seqs is not None and (seqs[0].numel() < 2 or seqs[2] <= 0 or seqs[3] <= 0)
+
+
+def _launch_kernels(
+    q, k, v, o, lse, do, dq, dk, dv, scale: float, causal: bool, deterministic: bool,
+    seqs: Seqs, config: BwdConfig | None = None,
+) -> None:  # fmt: skip
+    """The kernels: tensors TMA-ready, lse and the gradients contiguous, sizes non-zero."""
+    with torch.cuda.device(q.device):
+        if seqs is None:
+            _fixed_length(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, config)
+        else:
+            _varlen(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, seqs, config)
+
+
+def _fixed_length(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, config) -> None:
     b, sq, hq, d = q.shape
     sk, hkv, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
-    if (d, dv_dim) not in HEAD_DIMS:
-        raise NotImplementedError(
-            f"attention_bwd (sm90): head dims (D={d}, Dv={dv_dim}) not implemented; "
-            f"supported: {HEAD_DIMS}"
-        )
-    if q.dtype not in _DTYPE_NAMES:
-        raise TypeError(f"attention_bwd: dtype must be float16 or bfloat16, got {q.dtype}")
-    if hkv == 0 or hq % hkv:
-        raise ValueError(f"Hq = {hq} must be a multiple of Hkv = {hkv}")
-    if b == 0 or hq == 0:
-        return
-    if sq == 0 or sk == 0:
-        dq.zero_()
-        dk.zero_()
-        dv.zero_()
-        return
-    dtype = _DTYPE_NAMES[q.dtype]
+    dtype, dev = dtype_name(q.dtype), q.device
     if config is not None:
         cfg = config
     else:
-        cfg = choose_config(
-            d, dv_dim, deterministic, b, sk, hq, hkv, num_sms(q.device.index), causal
-        )
+        sms = num_sms(dev.index)
+        cfg = choose_config(d, dv_dim, deterministic, b, sk, hq, hkv, sms, causal)
     if deterministic and cfg.persistent:
         cfg = replace(cfg, persistent=False)
     if cfg.head_split and (deterministic or hq == hkv):
         cfg = replace(cfg, head_split=0)  # atomic dK / dV order; nothing to split
-    dev = q.device
-    q, k, v, o, do = (_ready(t) for t in (q, k, v, o, do))
-    lse = lse.contiguous()
-    outs = [
-        (t, t if _tma_ready(t) else torch.empty_like(t, memory_format=torch.contiguous_format))
-        for t in (dq, dk, dv)
-    ]
-    dq_dst, dk_dst, dv_dst = (dst for _, dst in outs)
 
     sq_pad = -(-sq // ROW_PAD) * ROW_PAD
     f32 = torch.float32
@@ -131,83 +126,37 @@ def attention_bwd(
     ctas = 0
     if cfg.persistent:
         tiles = -(-sk // cfg.tile_n) * hkv * b
-        ctas = min(tiles, num_sms(q.device.index))
+        ctas = min(tiles, num_sms(dev.index))
 
     # head_split: the main kernel adds dK * scale and dV into fp32 accumulators
-    dk_main, dv_main = dk_dst, dv_dst
+    dk_main, dv_main = dk, dv
     if cfg.head_split:
         dk_main = torch.zeros(b, sk, hkv, d, dtype=f32, device=dev)
         dv_main = torch.zeros(b, sk, hkv, dv_dim, dtype=f32, device=dev)
     pre = get_kernel(SPEC_PRE, pre_params(dtype, dv_dim))
     main = get_kernel(SPEC_MAIN, main_params(dtype, d, dv_dim, causal, deterministic, cfg))
     post = get_kernel(SPEC_POST, post_params(dtype, d, cfg.tile_m, dq_split=cfg.dq_split))
-    scale = float(softmax_scale)
-    with torch.cuda.device(dev):
-        pre(o, do, lse, lse2, dsum, None, dq_acc, 0)
-        main(
-            q, k, v, do, lse2, dsum, dq_acc, dk_main, dv_main, sem, None, None, ctas, scale,
-            scale * LOG2E,
-        )  # fmt: skip
-        post(dq_acc, dq_dst, None, 0, scale)
-        if cfg.head_split:
-            dk_dst.copy_(dk_main)
-            dv_dst.copy_(dv_main)
-    for t, dst in outs:
-        if dst is not t:
-            t.copy_(dst)
+    pre(o, do, lse, lse2, dsum, None, dq_acc, 0)
+    main(
+        q, k, v, do, lse2, dsum, dq_acc, dk_main, dv_main, sem, None, None, ctas, scale,
+        scale * LOG2E,
+    )  # fmt: skip
+    post(dq_acc, dq, None, 0, scale)
+    if cfg.head_split:
+        dk.copy_(dk_main)
+        dv.copy_(dv_main)
 
 
-def _check_dims(d: int, dv_dim: int, dtype: torch.dtype, hq: int, hkv: int) -> None:
-    if (d, dv_dim) not in HEAD_DIMS:
-        raise NotImplementedError(
-            f"attention_bwd (sm90): head dims (D={d}, Dv={dv_dim}) not implemented; "
-            f"supported: {HEAD_DIMS}"
-        )
-    if dtype not in _DTYPE_NAMES:
-        raise TypeError(f"attention_bwd: dtype must be float16 or bfloat16, got {dtype}")
-    if hkv == 0 or hq % hkv:
-        raise ValueError(f"Hq = {hq} must be a multiple of Hkv = {hkv}")
-
-
-def _attention_bwd_varlen(
-    q, k, v, o, lse, do, dq, dk, dv, softmax_scale, causal, deterministic,
-    cu_q, cu_k, max_seqlen_q, max_seqlen_k, config,
-) -> None:  # fmt: skip
-    """attention_bwd over packed sequences (see there)."""
-    if cu_q is None or cu_k is None or max_seqlen_q is None or max_seqlen_k is None:
-        raise ValueError("varlen needs cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k")
-    if q.dim() != 3:
-        raise ValueError(f"varlen q must be (total_q, Hq, D), got shape {tuple(q.shape)}")
+def _varlen(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, seqs, config) -> None:
+    cu_q, cu_k, mq, mk = seqs
     tq, hq, d = q.shape
-    tk, hkv, dv_dim = k.shape[0], k.shape[1], v.shape[-1]
-    _check_dims(d, dv_dim, q.dtype, hq, hkv)
+    dv_dim = v.shape[-1]
     num_seqs = cu_q.numel() - 1
-    if cu_k.numel() != num_seqs + 1:
-        raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length")
-    if hq == 0 or num_seqs <= 0 or tq == 0 or tk == 0:
-        dq.zero_()
-        dk.zero_()
-        dv.zero_()
-        return
-    if int(max_seqlen_q) <= 0 or int(max_seqlen_k) <= 0:
-        dq.zero_()
-        dk.zero_()
-        dv.zero_()
-        return
-    dtype = _DTYPE_NAMES[q.dtype]
+    dtype, dev = dtype_name(q.dtype), q.device
     cfg = config if config is not None else default_config(d, dv_dim, deterministic, True)
     if cfg.persistent:
         cfg = replace(cfg, persistent=False)  # varlen keeps its per-sequence grid
-    dev = q.device
-    q, k, v, o, do = (_ready(t) for t in (q, k, v, o, do))
-    lse = lse.contiguous()
-    cu_q = cu_q.to(device=dev, dtype=torch.int32).contiguous()
-    cu_k = cu_k.to(device=dev, dtype=torch.int32).contiguous()
-    outs = [
-        (t, t if _tma_ready(t) else torch.empty_like(t, memory_format=torch.contiguous_format))
-        for t in (dq, dk, dv)
-    ]
-    dq_dst, dk_dst, dv_dst = (dst for _, dst in outs)
+    cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()
     # dK / dV rows of keys that belong to no sequence (none, with well-formed offsets) and of
     # empty-query sequences are written by the kernel (zeros); dQ rows by the postprocess.
     rows = varlen_ws_rows(tq, num_seqs)
@@ -227,15 +176,8 @@ def _attention_bwd_varlen(
     post = get_kernel(
         SPEC_POST, post_params(dtype, d, cfg.tile_m, varlen=True, dq_split=cfg.dq_split)
     )
-    scale = float(softmax_scale)
-    mq, mk = int(max_seqlen_q), int(max_seqlen_k)
-    with torch.cuda.device(dev):
-        pre(o, do, lse, lse2, dsum, cu_q, None, mq)
-        main(
-            q, k, v, do, lse2, dsum, dq_acc, dk_dst, dv_dst, sem, cu_q, cu_k, mk, scale,
-            scale * LOG2E,
-        )  # fmt: skip
-        post(dq_acc, dq_dst, cu_q, mq, scale)
-    for t, dst in outs:
-        if dst is not t:
-            t.copy_(dst)
+    pre(o, do, lse, lse2, dsum, cu_q, None, mq)
+    main(
+        q, k, v, do, lse2, dsum, dq_acc, dk, dv, sem, cu_q, cu_k, mk, scale, scale * LOG2E,
+    )  # fmt: skip
+    post(dq_acc, dq, cu_q, mq, scale)

@@ -1,0 +1,117 @@
+"""Host launcher of the sm90 attention forward: torch only (no DSL), the kernel through the
+compile cache. Callers validate first (`forgekernel.attention` / `attention_varlen`); the
+launcher skips empty problems, makes the tensors TMA-ready, packs short GQA queries and calls
+the compiled function in its argument order (see the leaf's `__init__`)."""
+
+from __future__ import annotations
+
+import torch
+
+from forgekernel.kernels.attention.fwd.sm90 import SPEC
+from forgekernel.kernels.attention.fwd.sm90.config import params_for
+from forgekernel.kernels.common.sm90.constants import LOG2E
+from forgekernel.runtime.cache import get_kernel
+from forgekernel.runtime.device import as_tma_ready, copy_back, dtype_name, num_sms, tma_target
+
+# Pack-GQA below this many query rows: a short query's tile of one head would be mostly empty
+# rows, and every head of a group would stream the same K/V.
+PACK_GQA_MAX_SQ = 128
+
+
+def pack_gqa_q(q: torch.Tensor, group: int) -> torch.Tensor:
+    """(B, Sq, Hkv * G, D) -> (B, Sq * G, Hkv, D): query head h * G + g of position s becomes
+    row s * G + g of head h (a contiguous copy)."""
+    b, sq, hq, d = q.shape
+    return q.view(b, sq, hq // group, group, d).transpose(2, 3).reshape(b, sq * group, -1, d)
+
+
+def unpack_gqa(o: torch.Tensor, lse: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed outputs back: o (B, Sq * G, Hkv, Dv) -> (B, Sq, Hq, Dv) and lse
+    (B, Hkv, Sq * G) -> (B, Hq, Sq), as views."""
+    b, rows, hkv, dv = o.shape
+    sq = rows // group
+    o = o.view(b, sq, group, hkv, dv).transpose(2, 3).reshape(b, sq, hkv * group, dv)
+    lse = lse.view(b, hkv, sq, group).transpose(2, 3).reshape(b, hkv * group, sq)
+    return o, lse
+
+
+def _no_keys(o: torch.Tensor, lse: torch.Tensor) -> None:
+    """Every row sees no key: o 0, lse -inf."""
+    o.zero_()
+    lse.fill_(float("-inf"))
+
+
+def attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+) -> None:
+    """o (B, Sq, Hq, Dv) and lse (B, Hq, Sq) fp32, any views, for validated q (B, Sq, Hq, D),
+    k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv)."""
+    if o.numel() == 0:  # no batch, query rows or heads
+        return
+    if k.shape[1] == 0:
+        _no_keys(o, lse)
+        return
+    q, k, v = as_tma_ready(q), as_tma_ready(k), as_tma_ready(v)
+    o_dst = tma_target(o)
+    lse_dst = lse if lse.is_contiguous() else torch.empty(lse.shape, device=lse.device)
+    _launch(q, k, v, o_dst, lse_dst, softmax_scale, causal)
+    copy_back((o, lse), (o_dst, lse_dst))
+
+
+def _launch(q, k, v, o, lse, scale: float, causal: bool) -> None:
+    """The kernel call: inputs and outputs TMA-ready, sizes non-zero. Short queries with GQA
+    run packed: the G query heads of a kv head become G rows per position of one head (qgroup
+    = G tells the kernel's causal mask)."""
+    # params_for without a config takes the leaf's analytical default for the head dims.
+    params = params_for(dtype_name(q.dtype), q.shape[-1], v.shape[-1], causal)
+    fn = get_kernel(SPEC, params)
+    group = q.shape[2] // k.shape[2]
+    with torch.cuda.device(q.device):
+        if group > 1 and q.shape[1] < PACK_GQA_MAX_SQ:
+            qp = pack_gqa_q(q, group)
+            b, rows, hkv, _ = qp.shape
+            op = q.new_empty(b, rows, hkv, v.shape[-1])
+            lsep = q.new_empty(b, hkv, rows, dtype=torch.float32)
+            fn(qp, k, v, op, lsep, None, None, scale * LOG2E, 0, group, num_sms(q.device.index))
+            op, lsep = unpack_gqa(op, lsep, group)
+            o.copy_(op)
+            lse.copy_(lsep)
+        else:
+            fn(q, k, v, o, lse, None, None, scale * LOG2E, 0, 1, num_sms(q.device.index))
+
+
+def attention_varlen_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    softmax_scale: float,
+    causal: bool,
+) -> None:
+    """o (Tq, Hq, Dv) and lse (Hq, Tq) fp32, any views, for validated packed q (Tq, Hq, D),
+    k (Tk, Hkv, D), v (Tk, Hkv, Dv); int32 offsets (B + 1,) on q's device."""
+    if o.numel() == 0 or max_seqlen_q == 0:
+        return
+    if k.shape[0] == 0:  # no keys at all
+        _no_keys(o, lse)
+        return
+    q, k, v = as_tma_ready(q), as_tma_ready(k), as_tma_ready(v)
+    cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    o_dst = tma_target(o)
+    lse_dst = lse if lse.stride(-1) == 1 else torch.empty(lse.shape, device=lse.device)
+    params = params_for(dtype_name(q.dtype), q.shape[-1], v.shape[-1], causal, varlen=True)
+    fn = get_kernel(SPEC, params)
+    with torch.cuda.device(q.device):
+        ctas = num_sms(q.device.index)
+        fn(q, k, v, o_dst, lse_dst, cu_q, cu_k, softmax_scale * LOG2E, max_seqlen_q, 1, ctas)
+    copy_back((o, lse), (o_dst, lse_dst))
