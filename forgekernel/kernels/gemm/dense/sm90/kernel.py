@@ -5,9 +5,9 @@ split the M rows of each tile (cooperative). Every warpgroup walks the same stat
 tile schedule (kernels/common/sm90/scheduler/static.py).
 
 Warp roles:
-- producer, warp 0 of warpgroup 0 (setmaxnreg 40; the group's other warps exit): TMA loads
-  of A and B k-tiles into the AB ring. With a cluster, A is multicast to the CTAs of its
-  cluster row (along N) and B to those of its cluster column (along M).
+- producer, warp 0 of warpgroup 0 (setmaxnreg 40; the group's other warps have no work): TMA
+  loads of A and B k-tiles into the AB ring. With a cluster, each A tile is multicast to the
+  cluster's CTAs along N (same M rows) and each B tile to those along M (same N columns).
 - consumers, warpgroups 1..W (setmaxnreg 232): WGMMA (both operands from shared memory) into
   fp32 registers, one k-tile batch kept in flight and the stage behind it released; then the
   epilogue converts each (tile_m, epi_n) sub-tile, writes it with `stmatrix` into the epilogue
@@ -17,15 +17,16 @@ Pipelines:
 - AB ring (`PipelineTmaAsync`, `stages` deep, as many as fit): full barriers count the TMA
   bytes of A + B; empty barriers take one arrival per consumer warp and CTA that multicast into
   the stage.
-- epilogue ring (`PipelineTmaStore`, `epi_stages` deep): TMA-store commit groups; a buffer is
-  rewritten only after its store has read it. Named barrier `Bar.EPILOGUE` orders the consumer
-  threads' `stmatrix` writes before the store warp's TMA store, and that store's issue before
-  the buffer's next writes.
+- epilogue ring (`PipelineTmaStore`, `epi_stages` deep): one TMA-store commit group per
+  sub-tile. Named barrier `Bar.EPILOGUE` (all consumer threads), twice per sub-tile: the
+  `stmatrix` writes are in shared memory before the store warp's TMA store reads them, and
+  nobody writes the next buffer before the store warp has seen its last store read it.
 
 Constraints: A (M, K) K-major; B (N, K) K-major ("nk") or (K, N) N-major ("kn"); C (M, N)
 row-major; every leading stride a multiple of 8 elements (16 bytes, TMA) and base addresses
 16-byte aligned. M, N, K are dynamic; ragged edges are handled by TMA bounds (zero-filled
-loads, clipped stores). tile_m in {64, 128}, tile_n in {64, 128, 192, 256}, tile_k = 64.
+loads, clipped stores); K > 0. tile_m in {64, 128}, tile_n in {64, 128, 192, 256},
+tile_k = 64.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import OperandMajorMode
 from cutlass.memory import SmemAllocator
@@ -53,6 +53,7 @@ from forgekernel.kernels.common.sm90.pipeline import (
     smem_tensor,
     tma_pipeline,
 )
+from forgekernel.kernels.common.sm90.scheduler.static import StaticSchedule, StaticScheduler
 from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
 
 
@@ -99,7 +100,6 @@ class GemmSm90:
             self.atom_layout_mnk,
             tiler_mn=(64, cfg.tile_n),
         )
-        self.tile_mnk = (cfg.tile_m, cfg.tile_n, cfg.tile_k)
         self.cta_layout_mnk = cute.make_layout((*self.cluster_shape_mn, 1))
         self.mcast_a = cfg.cluster_n  # CTAs sharing one A tile (same M row of the cluster)
         self.mcast_b = cfg.cluster_m
@@ -178,13 +178,9 @@ class GemmSm90:
 
         tiles_m = cute.ceil_div(mC.shape[0], self.cfg.tile_m)
         tiles_n = cute.ceil_div(mC.shape[1], self.cfg.tile_n)
-        sched_params = utils.PersistentTileSchedulerParams(
-            (tiles_m, tiles_n, 1),
-            (*self.cluster_shape_mn, 1),
-            self.cfg.swizzle,
-            self.cfg.raster_along_m,
+        schedule = StaticSchedule(
+            (tiles_m, tiles_n), self.cluster_shape_mn, self.cfg.swizzle, self.cfg.raster_along_m
         )
-        grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched_params, max_active_clusters)
 
         @cute.struct
         class SharedStorage:
@@ -212,9 +208,9 @@ class GemmSm90:
             self.sA_layout,
             self.sB_layout,
             self.sC_layout,
-            sched_params,
+            schedule,
         ).launch(
-            grid=grid,
+            grid=schedule.grid(max_active_clusters),
             block=[self.threads_per_cta, 1, 1],
             cluster=(*self.cluster_shape_mn, 1),
             min_blocks_per_mp=1,
@@ -236,7 +232,7 @@ class GemmSm90:
         sA_layout: cute.ComposedLayout,
         sB_layout: cute.ComposedLayout,
         sC_layout: cute.ComposedLayout,
-        sched_params: utils.PersistentTileSchedulerParams,
+        schedule: StaticSchedule,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -306,27 +302,25 @@ class GemmSm90:
             if warp_idx == 0:
                 load_a = (tma_a, tAgA, tAsA, a_mask)
                 load_b = (tma_b, tBgB, tBsB, b_mask)
-                self._produce(load_a, load_b, ab_pipe, sched_params, k_tiles)
+                self._produce(load_a, load_b, ab_pipe, schedule, k_tiles)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             mma = (tiled_mma, tCrA, tCrB, acc)
-            self._consume(tidx, warp_idx, mma, ab_pipe, sC, gC, tma_c, sched_params, k_tiles)
+            self._consume(tidx, warp_idx, mma, ab_pipe, sC, gC, tma_c, schedule, k_tiles)
 
     @cute.jit
-    def _produce(self, load_a, load_b, ab_pipe, sched_params, k_tiles):
+    def _produce(self, load_a, load_b, ab_pipe, schedule, k_tiles):
         """The producer warp: every k-tile of A and B of each tile into the AB ring. `load_x`:
         the TMA atom, its global and shared partitions and its multicast mask."""
         tma_a, tAgA, tAsA, a_mask = load_a
         tma_b, tBgB, tBsB, b_mask = load_b
-        sched = utils.StaticPersistentTileScheduler.create(
-            sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
-        )
-        work = sched.initial_work_tile_info()
+        sched = StaticScheduler(schedule)
+        work = sched.first()
         prod = producer_state(self.stages)
-        while work.is_valid_tile:
-            tile = work.tile_idx
-            tAgA_t = tAgA[(None, tile[0], None)]
-            tBgB_t = tBgB[(None, tile[1], None)]
+        while sched.valid(work):
+            tile_m, tile_n = sched.tile(work)
+            tAgA_t = tAgA[(None, tile_m, None)]
+            tBgB_t = tBgB[(None, tile_n, None)]
             for kt in range(k_tiles):
                 ab_pipe.producer_acquire(prod)
                 bar = ab_pipe.producer_get_barrier(prod)
@@ -339,19 +333,16 @@ class GemmSm90:
                 )
                 ab_pipe.producer_commit(prod)
                 prod.advance()
-            sched.advance_to_next_work()
-            work = sched.get_current_work()
+            work = sched.next(work)
         ab_pipe.producer_tail(prod)
 
     @cute.jit
-    def _consume(self, tidx, warp_idx, mma, ab_pipe, sC, gC, tma_c, sched_params, k_tiles):
+    def _consume(self, tidx, warp_idx, mma, ab_pipe, sC, gC, tma_c, schedule, k_tiles):
         """The consumer warpgroups: each tile's mainloop, then its epilogue."""
         tiled_mma, tCrA, tCrB, acc = mma
         epi_barrier = named_barrier(Bar.EPILOGUE, self.num_mma_threads)
-        sched = utils.StaticPersistentTileScheduler.create(
-            sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
-        )
-        work = sched.initial_work_tile_info()
+        sched = StaticScheduler(schedule)
+        work = sched.first()
         read = consumer_state(self.stages)
         release = consumer_state(self.stages)
 
@@ -375,14 +366,13 @@ class GemmSm90:
         )
         epi = (r2s, tRS_sC, tRS_acc, tRS_rAcc, tRS_rC, store_pipe, epi_barrier)
         tiles_done = cutlass.Int32(0)  # this CTA's tiles so far: the epilogue ring's position
-        while work.is_valid_tile:
-            tile = work.tile_idx
-            sched.advance_to_next_work()
-            work = sched.get_current_work()
+        while sched.valid(work):
+            tile_m, tile_n = sched.tile(work)
+            work = sched.next(work)
             read, release, tiled_mma = self._mainloop(
                 k_tiles, tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release
             )
-            self._epilogue(gC[(None, None, tile[0], tile[1])], tma_c, sC, epi, warp_idx, tiles_done)
+            self._epilogue(gC[(None, None, tile_m, tile_n)], tma_c, sC, epi, warp_idx, tiles_done)
             tiles_done += 1
         store_pipe.producer_tail()
 
