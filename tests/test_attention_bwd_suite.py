@@ -110,7 +110,9 @@ def test_ledger_key_is_the_bwd_leaf():
         assert sources == []  # no leaf yet: the ledger gate fails for this suite
         return
     assert sources == sorted({p for s in SPECS for p in s.sources}) and sources
-    assert all("kernels/attention/bwd/sm90" in p.as_posix() for p in sources)
+    leaf = [p for p in sources if "kernels/attention/bwd/sm90" in p.as_posix()]
+    shared = [p for p in sources if "kernels/common/" in p.as_posix()]
+    assert leaf and len(leaf) + len(shared) == len(sources)  # the leaf and the shared toolkit
 
 
 def correct_backward(inputs, out):
@@ -199,3 +201,51 @@ def test_cli_lists_the_operator(monkeypatch, capsys):
     assert cli.main(["check", "attention_bwd"]) == 2
     assert cli.NO_GPU_CHECK in capsys.readouterr().err
     assert [s.name for s in cli._suites(["attention_bwd"])] == ["attention_bwd"]
+
+
+def test_sanitize_cases_cover_every_kernel_variant():
+    fixed, varlen = suite_module.SANITIZE_CASES, suite_module.SANITIZE_VARLEN_CASES
+    names = [c.name for c in fixed + varlen]
+    assert len(set(names)) == len(names)
+    assert {(c.params["d"], c.params["dv"]) for c in fixed} == set(OPS_HEAD_DIMS)
+    assert {(c.params["d"], c.params["dv"]) for c in varlen} >= {(128, 128), (192, 128)}
+    det_dims = {(c.params["d"], c.params["dv"]) for c in fixed if c.params["deterministic"]}
+    assert det_dims == set(OPS_HEAD_DIMS)
+    assert any(c.params["deterministic"] for c in varlen)
+    assert {c.params["causal"] for c in fixed} == {True, False}
+    assert any(c.params["hq"] > c.params["hkv"] for c in fixed if c.params["d"] == 128)
+    assert any(c.params["sq"] != c.params["sk"] for c in fixed)
+    # small and odd: the sanitizers slow a kernel down 10-100x
+    assert all(c.params["sq"] <= 1000 and c.params["sq"] % 64 for c in fixed)
+
+
+def test_sanitize_varlen_cases_only_once_the_kernel_takes_them(monkeypatch):
+    monkeypatch.setattr(bwd_module, "BWD_HEAD_DIMS", OPS_HEAD_DIMS)
+    monkeypatch.setattr(suite_module, "varlen_supported", lambda: False)
+    assert suite_module.sanitize_cases() == suite_module.SANITIZE_CASES
+    monkeypatch.setattr(suite_module, "varlen_supported", lambda: True)
+    n = len(suite_module.SANITIZE_VARLEN_CASES)
+    assert suite_module.sanitize_cases()[-n:] == suite_module.SANITIZE_VARLEN_CASES
+
+
+def test_deterministic_cases_are_repeatable_and_timed_beside_the_default():
+    det = [c for c in SUITE.check_cases if SUITE.is_repeatable(c)]
+    assert det and all(c.params["deterministic"] for c in det)
+    assert {(c.params["d"], c.params["dv"]) for c in det} == set(DIMS)
+    assert any(c.params["hq"] > c.params["hkv"] for c in det)
+    timed = [c for c in SUITE.bench_cases if SUITE.variants_for(c)]
+    assert {c.name for c in timed} == {
+        "b4-hq16-hkv16-s8192-d128-causal",
+        "b4-hq32-hkv4-s8192-d128-causal",
+        "b2-hq128-hkv128-s8192-d192-dv128-causal",
+    } & {c.name for c in SUITE.bench_cases}
+    assert all(set(SUITE.variants_for(c)) == {"deterministic"} for c in timed)
+
+
+def test_the_deterministic_variant_runs_the_op_with_deterministic(cpu_backward):
+    case = SMALL[0]
+    assert not case.params["deterministic"]
+    run = suite_module.variants(suite_module.DETERMINISTIC_TIMED[0])["deterministic"]
+    assert all(c.ok for c in _verify(run, case))
+    assert all(c.ok for c in _verify(suite_module.run_ours, case))
+    assert cpu_backward == [True, False]

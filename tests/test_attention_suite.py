@@ -45,6 +45,21 @@ def test_cases_are_well_formed():
     assert list(SUITE.dtypes_for_bench()) == [torch.bfloat16]
 
 
+def test_sanitize_cases_cover_every_head_dim_small_and_odd():
+    cases = SUITE.sanitize_cases
+    assert len({c.name for c in cases}) == len(cases)
+    dims = {(c.params["d"], c.params["dv"]) for c in cases}
+    assert dims == set(attention_module.SUPPORTED_HEAD_DIMS)
+    fixed = [c.params for c in cases if not c.params.get("varlen")]
+    assert {p["causal"] for p in fixed} == {True, False}
+    assert any(p["hq"] > p["hkv"] and p["sq"] < 64 for p in fixed)  # packed GQA
+    assert any(p["sq"] > p["sk"] for p in fixed if p["causal"])  # rows that see no key
+    assert any(p["sq"] < p["sk"] for p in fixed)
+    varlen = [c.params for c in cases if c.params.get("varlen")]
+    assert varlen and any(0 in p["lens_q"] for p in varlen)
+    assert all(p["sq"] <= 1000 for p in fixed)  # the sanitizers slow a kernel down 10-100x
+
+
 def brute_pairs(sq, sk, causal):
     i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
     return int((j <= i + sk - sq).sum()) if causal else sq * sk

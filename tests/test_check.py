@@ -79,3 +79,35 @@ def test_exception_is_a_fail_not_an_abort(tmp_path, sources, fake_suite, capsys)
 def test_returning_a_fresh_tensor_fails(tmp_path, sources, fake_suite):
     suite = fake_suite(sources, run_ours=lambda i, out: i["a"].float() @ i["b"].float().T)
     assert not check.run_check([suite], seed=1, results_dir=tmp_path, arch="sm_90a", device="cpu")
+
+
+def test_repeatable_case_must_give_the_same_bits(tmp_path, sources, fake_suite, capsys):
+    """check runs a repeatable case REPEATS times: a kernel whose last bits wander fails even
+    though each run is accurate; a fixed-order kernel passes and records the repeat."""
+    calls = []
+
+    def wandering(inputs, out):
+        calls.append(1)
+        exact = inputs["a"].float() @ inputs["b"].float().T
+        return out.copy_(exact + len(calls) % 2 * 1e-6 * exact.abs().max())
+
+    def repeat_big(case):
+        return case.params["m"] == 7
+
+    suite = fake_suite(sources, run_ours=wandering, repeatable=repeat_big, dtypes=(torch.float32,))
+    assert not check.run_check([suite], seed=1, results_dir=tmp_path, arch="sm_90a", device="cpu")
+    assert "not repeatable: run 2: out0 differs from run 1" in capsys.readouterr().out
+    cases = json.loads((tmp_path / "sm_90a" / "fake.json").read_text())["check"]["cases"]
+    assert [c.get("repeat") for c in cases] == [None, {"runs": 3, "bitwise_identical": False}]
+    assert [c["passed"] for c in cases] == [True, False] and len(calls) == 1 + check.REPEATS
+
+    suite = fake_suite(sources, repeatable=repeat_big)
+    assert check.run_check([suite], seed=1, results_dir=tmp_path, arch="sm_90a", device="cpu")
+    assert "bitwise identical over 3 runs" in capsys.readouterr().out
+
+
+def test_bitwise_means_bits():
+    """-0.0 == 0.0 and NaN != NaN as numbers; as bits the first differ and the second agree."""
+    a = torch.tensor([0.0, float("nan")], dtype=torch.bfloat16)
+    b = torch.tensor([-0.0, float("nan")], dtype=torch.bfloat16)
+    assert (check._bits(a) != check._bits(b)).tolist() == [True, False]

@@ -24,7 +24,7 @@ def fake_timer(monkeypatch):
         for args in rotate:  # every candidate must run on every input set
             for fn in fns.values():
                 fn(*args)
-        ms = {"ours": 1.0, "good": 2.0, "slow": 4.0}
+        ms = {"ours": 1.0, "good": 2.0, "slow": 4.0, "ours[det]": 1.5, "ours[bad]": 9.0}
 
         def rerun(fn):
             return lambda: None if calls.graph_lost_work else [fn(*a) for a in rotate]
@@ -111,3 +111,36 @@ def test_timed_work_must_write_outputs(tmp_path, sources, fake_suite, fake_timer
         device="cpu",
     )
     assert all("unwritten" in r["status"] and r["ours"] is None for r in records)
+
+
+def _variants(case):
+    """Another mode of ours on the 7x24x40 case only: a correct one and a wrong one."""
+
+    def det(inputs, out):
+        return out.copy_(inputs["a"].float() @ inputs["b"].float().T)
+
+    def bad(inputs, out):
+        return out.fill_(0.0)
+
+    return {"det": det, "bad": bad} if case.params["m"] == 7 else {}
+
+
+def test_variants_of_ours_are_timed_apart(tmp_path, sources, fake_suite, fake_timer, capsys):
+    suite = fake_suite(
+        sources, comparators=_comparators, variants=_variants, dtypes=(torch.bfloat16,)
+    )
+    records = harness.run_bench(
+        [suite], results_dir=tmp_path, report_dir=tmp_path / "rep", arch="sm_90a", device="cpu"
+    )
+    assert [r["variants"] for r in records][0] == {}
+    det, bad = records[1]["variants"]["det"], records[1]["variants"]["bad"]
+    assert det["status"] == "ok" and det["time_ratio"] == pytest.approx(1.5)
+    assert bad["status"].startswith("wrong") and "ms" not in bad  # verified first, never timed
+    assert fake_timer[1][0] == ["ours", "ours[det]", "good", "slow"]
+    assert records[1]["comparators"]["good"]["ratio"] == pytest.approx(2.0)  # still vs ours
+    doc = json.loads((tmp_path / "sm_90a" / "fake.json").read_text())
+    assert doc["bench"]["variant_ratio"] == {"det": {"7x24x40 bf16": 1.5}}
+    assert set(doc["bench"]["median_ratio"]) == {"good", "absent", "broken", "slow"}
+    out = capsys.readouterr().out
+    assert "variants of ours" in out and "1.500x" in out
+    assert "| 7x24x40 | bf16 | det | 1.5000 |" in (tmp_path / "rep" / "fake.md").read_text()

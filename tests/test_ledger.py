@@ -107,3 +107,44 @@ def test_default_results_dir_env(tmp_path, monkeypatch):
     assert ledger.default_results_dir() == tmp_path
     monkeypatch.delenv(ledger.RESULTS_ENV)
     assert ledger.default_results_dir().parts[-2:] == ("benchmarks", "results")
+
+
+SANITIZE = {
+    "passed": True,
+    "tools": {
+        "memcheck": {"status": "ok", "count": 0, "unit": "errors", "cases": {}},
+        "racecheck": {
+            "status": "ok",
+            "count": 512,
+            "unit": "hazards",
+            "explained": True,
+            "cases": {"c": {"count": 512, "explanation": "mbarrier orders it", "explained": True}},
+        },
+    },
+}
+
+
+def test_sanitize_section_lives_and_dies_with_its_source(tmp_path, sources, fake_suite):
+    suite, results = fake_suite(sources), tmp_path / "results"
+    _write(suite, "sanitize", SANITIZE, results)
+    path = _write(suite, "check", {"passed": True, "cases": []}, results)
+    doc = json.loads(path.read_text())
+    assert doc["sanitize"]["tools"]["racecheck"]["count"] == 512
+    assert doc["sanitize"]["source_hash"] == source_hash(sources)
+    sources[0].write_text("KERNEL = 3\n")
+    assert "sanitize" not in json.loads(_write(suite, "check", {}, results).read_text())
+
+
+def test_readme_lists_variants_and_sanitizers(tmp_path, sources, fake_suite):
+    results = tmp_path / "results"
+    suite = fake_suite(sources, name="attention_bwd")
+    bench = {"cases": [], "median_ratio": {"fa4": 1.0}, "variant_ratio": {"deterministic": {}}}
+    bench["variant_ratio"]["deterministic"] = {"b4-s8192 bf16": 1.333, "b2-d192 bf16": 1.04}
+    _write(suite, "bench", bench, results)
+    _write(suite, "sanitize", SANITIZE, results)
+    table = ledger.readme_table(results)
+    assert "- attention_bwd, deterministic: 1.333x (b4-s8192 bf16), 1.040x (b2-d192 bf16)" in table
+    assert (
+        "- attention_bwd: clean: memcheck 0 errors, racecheck 512 hazards (explained in the "
+        "ledger) (2026-11-30)" in table
+    )

@@ -65,3 +65,21 @@ def test_console_table():
     text = report.console_table(RECORDS)
     assert text.splitlines()[0].split()[:4] == ["case", "dtype", "ours", "ms"]
     assert "missing" in text and "min 0.500x" in text
+
+
+def test_variant_figures_stay_apart_from_the_comparators():
+    timed = {"status": "ok", "ms": 1.5, "tflops": 1.0, "time_ratio": 1.5}
+    records = [
+        {**_rec("a", 1.0, {"cublas": 2.0}), "variants": {"det": timed}},
+        {**_rec("b", 1.0, {"cublas": 1.0}), "variants": {"det": {"status": "wrong: x"}}},
+        {**_rec("c", 1.0, {}, status="error: y"), "variants": {"det": timed}},
+    ]
+    assert report.variant_ratios(records) == {"det": {"a bf16": 1.5}}
+    assert report.summarize(records)["cublas"]["cases"] == 2
+    rows = report.variant_rows(records)
+    assert rows[:2] == [
+        ["a", "bf16", "det", "1.5000", "1.0", "1.500x"],
+        ["b", "bf16", "det", "wrong: x", "-", "-"],
+    ]
+    assert "variants of ours" in report.console_table(records)
+    assert "variants of ours" not in report.console_table(RECORDS)

@@ -2,7 +2,9 @@
 
 Criterion per output tensor (FlashAttention's): max|ours - ref| <= 2 * max|torch_lowprec - ref|
 + atol, no NaN/inf in ours where the reference is finite (outputs are NaN-poisoned first, so an
-unwritten element fails), and the reference's own non-finite values reproduced.
+unwritten element fails), and the reference's own non-finite values reproduced. A case the
+suite marks repeatable (the backward's deterministic mode) also runs `REPEATS` times and must
+give the same bits each time.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import torch
 
 from forgekernel.bench import ledger
 from forgekernel.bench.report import dtype_name, format_table
-from forgekernel.bench.suite import Case, Inputs, OpSuite
+from forgekernel.bench.suite import Case, Inputs, OpSuite, Runner
 from forgekernel.runtime.arch import resolve_arch
+
+REPEATS = 3
 
 
 @dataclass
@@ -101,12 +105,26 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def expected(suite: OpSuite, inputs: Inputs) -> tuple[tuple, tuple]:
+    """(fp32 reference outputs, the same math in the input dtype) for `inputs`."""
+    with true_fp32():
+        refs = as_tuple(suite.reference(inputs))
+    return refs, as_tuple(suite.low_precision(inputs))
+
+
 def verify(
-    suite: OpSuite, inputs: Inputs, device: torch.device, *, factor: float = 2.0
+    suite: OpSuite,
+    inputs: Inputs,
+    device: torch.device,
+    *,
+    factor: float = 2.0,
+    run: Runner | None = None,
+    expect: tuple[tuple, tuple] | None = None,
 ) -> tuple[Any, list[Comparison]]:
-    """Run ours into a poisoned `out` and compare each output; returns (out, comparisons)."""
+    """Run ours (or `run`, a variant of ours) into a poisoned `out` and compare each output with
+    `expect` (default: computed here); returns (out, comparisons)."""
     out = poison(suite.alloc_out(inputs))
-    returned = suite.run_ours(inputs, out)
+    returned = (run or suite.run_ours)(inputs, out)
     sync(device)
     outs = as_tuple(out)
     if returned is not None:
@@ -122,9 +140,7 @@ def verify(
                     "run_ours returned tensors other than `out`",
                 )
             ]
-    with true_fp32():
-        refs = as_tuple(suite.reference(inputs))
-    lows = as_tuple(suite.low_precision(inputs))
+    refs, lows = expect or expected(suite, inputs)
     if not len(outs) == len(refs) == len(lows):
         msg = f"{len(outs)} outputs, reference has {len(refs)}, low precision {len(lows)}"
         return out, [Comparison(False, float("inf"), 0.0, float("inf"), 0.0, msg)]
@@ -139,12 +155,37 @@ def free(device: torch.device) -> None:
             torch.cuda.empty_cache()
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.contiguous().view(ints[t.element_size()])
+
+
+def repeat_differences(
+    suite: OpSuite, inputs: Inputs, first: Any, device: torch.device, runs: int = REPEATS
+) -> list[str]:
+    """Run ours `runs - 1` more times; one message per output whose bits differ from `first`."""
+    problems = []
+    for run in range(2, runs + 1):
+        again = poison(suite.alloc_out(inputs))
+        suite.run_ours(inputs, again)
+        sync(device)
+        for i, (a, b) in enumerate(zip(as_tuple(first), as_tuple(again))):
+            differ = int((_bits(a) != _bits(b)).sum())
+            if differ:
+                problems.append(f"run {run}: out{i} differs from run 1 in {differ} elements")
+    return problems
+
+
 def _check_once(
     suite: OpSuite, case: Case, dtype: torch.dtype, device: torch.device, seed: int
-) -> list[Comparison]:
+) -> tuple[list[Comparison], list[str] | None]:
+    """The comparisons, and for a repeatable case the bitwise differences between runs."""
     gen = torch.Generator(device=device).manual_seed(seed)
     inputs = suite.make_inputs(case, dtype, device, gen)
-    return verify(suite, inputs, device)[1]
+    out, cmps = verify(suite, inputs, device)
+    if not suite.is_repeatable(case):
+        return cmps, None
+    return cmps, repeat_differences(suite, inputs, out, device)
 
 
 def check_case(
@@ -161,10 +202,15 @@ def check_case(
         "message": "",
     }
     try:
-        cmps = _check_once(suite, case, dtype, device, seed)
+        cmps, differences = _check_once(suite, case, dtype, device, seed)
         rec["outputs"] = [asdict(c) for c in cmps]
+        messages = [f"out{i}: {c.message}" for i, c in enumerate(cmps) if c.message]
         rec["passed"] = all(c.ok for c in cmps)
-        rec["message"] = "; ".join(f"out{i}: {c.message}" for i, c in enumerate(cmps) if c.message)
+        if differences is not None:
+            rec["repeat"] = {"runs": REPEATS, "bitwise_identical": not differences}
+            rec["passed"] &= not differences
+            messages += [f"not repeatable: {d}" for d in differences]
+        rec["message"] = "; ".join(messages)
     except Exception as e:
         rec["message"] = f"{type(e).__name__}: {e}"[:500]
     free(device)
@@ -179,11 +225,17 @@ def _rows(records: list[dict[str, Any]]) -> list[list[str]]:
         for i, c in enumerate(outs):
             name = rec["case"] + (f"[{i}]" if len(outs) > 1 else "")
             figs = ["-"] * 3 if c is None else [f"{c[k]:.3g}" for k in _FIGS]
-            rows.append([name, rec["dtype"], *figs, verdict, rec["message"] if i == 0 else ""])
+            rows.append([name, rec["dtype"], *figs, verdict, _note(rec) if i == 0 else ""])
     return rows
 
 
 _FIGS = ("err", "lowprec_err", "rel_err")
+
+
+def _note(rec: dict[str, Any]) -> str:
+    if rec["message"] or not rec.get("repeat"):
+        return rec["message"]
+    return f"bitwise identical over {rec['repeat']['runs']} runs"
 
 
 def run_check(

@@ -3,7 +3,9 @@
 Per case and dtype: verify ours against the reference first (a wrong kernel is reported as
 wrong, never timed), then time ours and every comparator with `time_interleaved`, rotating
 through enough input sets that one pass exceeds the L2 several times over. A comparator that
-is unavailable or raises is reported as missing with the reason.
+is unavailable or raises is reported as missing with the reason. A suite's variants of ours on
+a case (the backward's deterministic mode) are verified the same way and timed in the same
+interleaved run; their figure is variant time / our time, kept apart from the comparators'.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from typing import Any
 import torch
 
 from forgekernel.bench import ledger, report
-from forgekernel.bench.check import as_tuple, free, poison, sync, verify
-from forgekernel.bench.suite import Case, OpSuite
+from forgekernel.bench.check import as_tuple, expected, free, poison, sync, verify
+from forgekernel.bench.suite import Case, Inputs, OpSuite, Runner
 from forgekernel.runtime.arch import resolve_arch
 from forgekernel.runtime.timing import Samples, l2_bytes, median, rotation_sets, time_interleaved
 
@@ -69,15 +71,42 @@ def _unwritten_by_rerun(samples: Samples, sets: list[tuple], device: torch.devic
     return sum(int(torch.isnan(t).sum()) for t in outs)
 
 
+def _wrong(cmps: list) -> str:
+    return "wrong: " + "; ".join(c.message for c in cmps if c.message)
+
+
+def _verified_variants(
+    suite: OpSuite, case: Case, inputs: Inputs, device: torch.device, expect, rec: dict
+) -> dict[str, Runner]:
+    """The suite's variants of ours on this case that pass the bench's verification."""
+    good = {}
+    for name, run in suite.variants_for(case).items():
+        cmps = verify(suite, inputs, device, factor=VERIFY_FACTOR, run=run, expect=expect)[1]
+        if all(c.ok for c in cmps):
+            good[name] = run
+        else:
+            rec["variants"][name] = {"status": _wrong(cmps)}
+    return good
+
+
+def _variant_key(name: str) -> str:
+    return f"ours[{name}]"
+
+
 def _time_case(suite, case, dtype, comps, rec, seed, device, warmup, reps) -> None:
     gen = torch.Generator(device=device).manual_seed(seed)
     inputs = suite.make_inputs(case, dtype, device, gen)
-    out, cmps = verify(suite, inputs, device, factor=VERIFY_FACTOR)
+    expect = expected(suite, inputs)
+    out, cmps = verify(suite, inputs, device, factor=VERIFY_FACTOR, expect=expect)
     rec["verified"] = all(c.ok for c in cmps)
     if not rec["verified"]:
-        rec["status"] = "wrong: " + "; ".join(c.message for c in cmps if c.message)
+        rec["status"] = _wrong(cmps)
         return
+    variants = _verified_variants(suite, case, inputs, device, expect, rec)
+    del expect  # the fp32 reference can take GBs the timed input sets need
     fns: dict[str, Callable] = {"ours": lambda inp, o: suite.run_ours(inp, o)}
+    for name, run in variants.items():
+        fns[_variant_key(name)] = lambda inp, o, run=run: run(inp, o)
     for name, comp in comps.items():
         try:
             comp(inputs)
@@ -90,14 +119,18 @@ def _time_case(suite, case, dtype, comps, rec, seed, device, warmup, reps) -> No
     # The warm-up touches every input set, so that what a candidate caches per set on its first
     # call (a comparator's own forward, for a backward suite) never runs in a timed region.
     samples = time_interleaved(fns, rotate=sets, warmup=max(warmup, len(sets)), reps=reps)
-    unwritten = _unwritten_by_rerun(samples["ours"], sets, device)
-    if unwritten:
-        rec["status"] = (
-            f"error: the timed launches left {unwritten} output elements unwritten "
-            "(a launch outside the current stream?)"
-        )
-        return
+    for name in ["ours", *map(_variant_key, variants)]:
+        unwritten = _unwritten_by_rerun(samples[name], sets, device)
+        if unwritten:
+            rec["status"] = (
+                f"error: the timed launches of {name} left {unwritten} output elements "
+                "unwritten (a launch outside the current stream?)"
+            )
+            return
     rec["ours"] = figures(samples.pop("ours"), rec["flops"], rec["bytes"])
+    for name in variants:
+        fig = figures(samples.pop(_variant_key(name)), rec["flops"], rec["bytes"])
+        rec["variants"][name] = {"status": "ok", **fig, "time_ratio": fig["ms"] / rec["ours"]["ms"]}
     for name, s in samples.items():
         rec["comparators"][name] = figures(s, rec["flops"], rec["bytes"])
         rec["comparators"][name]["ratio"] = rec["comparators"][name]["ms"] / rec["ours"]["ms"]
@@ -129,6 +162,7 @@ def bench_case(
         "verified": False,
         "ours": None,
         "comparators": {k: {"missing": v} for k, v in missing.items()},
+        "variants": {},
     }
     try:
         _time_case(suite, case, dtype, comps, rec, seed, device, warmup, reps)
@@ -182,6 +216,7 @@ def run_bench(
             "cases": records,
             "median_ratio": {k: v["median_ratio"] for k, v in summary.items()},
             "min_ratio": {k: v["min_ratio"] for k, v in summary.items()},
+            "variant_ratio": report.variant_ratios(records),
         }
         path = ledger.write_section(
             suite, "bench", data, arch=arch, results_dir=results_dir, env=env

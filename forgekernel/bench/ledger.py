@@ -1,9 +1,10 @@
 """The results ledger: `<results_dir>/<arch>/<op>.json`, the GPU evidence behind every kernel.
 
-One file per operator and arch with two sections, "check" and "bench", each stamped with the
-source hash of the kernel it measured and the machine it ran on. Writing one section keeps the
-other only while its source hash is still current. The README results table is built from
-these files and nothing else.
+One file per operator and arch with three sections, "check", "bench" and "sanitize" (the
+compute-sanitizer counts, `forgekernel.bench.sanitize`), each stamped with the source hash of the
+kernel it measured and the machine it ran on. Writing one section keeps the others only while
+their source hash is still current. The README results block is built from these files and
+nothing else.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from forgekernel.runtime.hashing import PACKAGE_ROOT, source_hash
 
 RESULTS_ENV = "FORGEKERNEL_RESULTS_DIR"
 KERNEL_DIR_ENV = "FORGEKERNEL_KERNEL_DIR"
-SECTIONS = ("check", "bench")
+SECTIONS = ("check", "bench", "sanitize")
 README_BEGIN = "<!-- results:begin -->"
 README_END = "<!-- results:end -->"
 
@@ -111,7 +112,7 @@ def write_section(
     results_dir: Path | None = None,
     env: dict[str, str] | None = None,
 ) -> Path:
-    """Record one section for `suite`, keeping the other section unless its source is stale."""
+    """Record one section for `suite`, keeping the others unless their source is stale."""
     if section not in SECTIONS:
         raise ValueError(f"section must be one of {SECTIONS}, got {section!r}")
     path = ledger_path(results_dir or default_results_dir(), arch, suite.name)
@@ -169,14 +170,15 @@ def _fmt_ratio(x: Any) -> str:
 
 
 def _kernel_dir(op: str) -> str:
-    """The kernel leaf measured, from the operator's suite (the ledger predates the field)."""
+    """The kernel leaf measured, from the operator's suite (the ledger predates the field): the
+    folder holding most of its sources, the shared toolkit (kernels/common) left out."""
     try:
         from forgekernel.bench.suites import get_suite
-        from forgekernel.runtime.hashing import PACKAGE_ROOT
 
-        first = sorted(get_suite(op).kernel_sources)[0]
-        return "forgekernel/" + first.parent.relative_to(PACKAGE_ROOT).as_posix()
-    except (ValueError, IndexError):
+        dirs = [p.parent.relative_to(PACKAGE_ROOT) for p in get_suite(op).kernel_sources]
+        own = [d for d in dirs if "common" not in d.parts] or dirs
+        return "forgekernel/" + max(sorted(set(own)), key=own.count).as_posix()
+    except ValueError:
         return "?"
 
 
@@ -221,7 +223,47 @@ def readme_table(results_dir: Path | None = None) -> str:
         "Speedup = comparator time / our time - 1, same GPU, same process, same inputs"
         " (> 0: ours faster); each figure comes from `benchmarks/results/<arch>/<op>.json`."
     )
-    return "\n".join(lines) + "\n"
+    docs = [d for d in map(load, sorted(results_dir.glob("*/*.json"))) if d and "op" in d]
+    return "\n".join(lines + _variant_lines(docs) + _sanitize_lines(docs)) + "\n"
+
+
+def _variant_lines(docs: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for doc in docs:
+        for name, cases in ((doc.get("bench") or {}).get("variant_ratio") or {}).items():
+            figs = ", ".join(f"{r:.3f}x ({c})" for c, r in cases.items())
+            lines.append(f"- {doc['op']}, {name}: {figs}")
+    if not lines:
+        return []
+    head = "Variants of ours (`forgekernel bench`: variant time / default time, same run):"
+    return ["", head, "", *lines]
+
+
+def sanitize_summary(entry: dict[str, Any]) -> str:
+    """'memcheck 0 errors, racecheck 0 hazards' from a ledger's sanitize section."""
+    parts = []
+    for tool, t in (entry.get("tools") or {}).items():
+        text = f"{tool} {t.get('count', '?')} {t.get('unit', 'findings')}"
+        if t.get("status") != "ok":
+            text += f" ({t.get('status')})"
+        elif t.get("explained"):
+            text += " (explained in the ledger)"
+        parts.append(text)
+    return ", ".join(parts) or "no tools run"
+
+
+def _sanitize_lines(docs: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for doc in docs:
+        entry = doc.get("sanitize")
+        if isinstance(entry, dict):
+            verdict = "clean" if entry.get("passed") else "NOT CLEAN"
+            date = str(entry.get("date", "?"))[:10]
+            lines.append(f"- {doc['op']}: {verdict}: {sanitize_summary(entry)} ({date})")
+    if not lines:
+        return []
+    head = "Sanitizers (`forgekernel check --sanitize`, compute-sanitizer on small odd cases):"
+    return ["", head, "", *lines]
 
 
 def update_readme(readme: Path, results_dir: Path | None = None) -> bool:

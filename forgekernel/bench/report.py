@@ -3,8 +3,10 @@
 A bench record (one per case and dtype, built by `forgekernel.bench.harness`) is a dict:
     case, dtype, params, flops, bytes, status ("ok", "wrong: ...", "error: ..."), verified,
     ours: {ms, tflops, gbps, method, launches, samples} | None,
-    comparators: {name: {ms, tflops, gbps, ratio, ...} | {missing: reason}}.
-ratio = comparator_ms / ours_ms: above 1 we are faster.
+    comparators: {name: {ms, tflops, gbps, ratio, ...} | {missing: reason}},
+    variants: {name: {status, ms, tflops, gbps, time_ratio, ...}} (other modes of ours).
+ratio = comparator_ms / ours_ms: above 1 we are faster. time_ratio = variant_ms / ours_ms: what
+the variant (deterministic=True, say) costs; above 1 it is slower.
 """
 
 from __future__ import annotations
@@ -62,6 +64,32 @@ def summarize(records: Sequence[dict]) -> dict[str, dict]:
     return out
 
 
+def variant_ratios(records: Sequence[dict]) -> dict[str, dict[str, float]]:
+    """Per variant of ours: {"<case> <dtype>": variant time / our time} over the timed cases."""
+    out: dict[str, dict[str, float]] = {}
+    for rec in records:
+        for name, entry in rec.get("variants", {}).items():
+            if rec.get("status") == "ok" and entry.get("time_ratio") is not None:
+                out.setdefault(name, {})[f"{rec['case']} {rec['dtype']}"] = entry["time_ratio"]
+    return out
+
+
+def variant_rows(records: Sequence[dict]) -> list[list[str]]:
+    rows = []
+    for rec in records:
+        for name, entry in rec.get("variants", {}).items():
+            if entry.get("status") != "ok":
+                rows.append([rec["case"], rec["dtype"], name, entry.get("status", "?"), "-", "-"])
+                continue
+            ms, tflops = _num(entry["ms"], ".4f"), _num(entry["tflops"], ".1f")
+            rows.append([rec["case"], rec["dtype"], name, ms, tflops, _ratio(entry["time_ratio"])])
+    return rows
+
+
+VARIANT_HEADERS = ["case", "dtype", "variant", "ms", "TFLOP/s", "x ours time"]
+VARIANT_NOTE = "variants of ours: variant ms / ours ms, same run (> 1: the variant is slower)"
+
+
 def _num(x: float | None, fmt: str = ".3f") -> str:
     return "-" if x is None else format(x, fmt)
 
@@ -111,6 +139,11 @@ def markdown(op: str, records: Sequence[dict], env: dict | None = None) -> str:
     for rec in records:
         lines.append("| " + " | ".join([rec["case"], rec["dtype"], *_cells(rec, names)]) + " |")
     lines += [""] + [f"- {s}" for s in summary_lines(summarize(records))]
+    rows = variant_rows(records)
+    if rows:
+        lines += ["", VARIANT_NOTE + ":", ""]
+        lines += ["| " + " | ".join(VARIANT_HEADERS) + " |", "|" + "---|" * len(VARIANT_HEADERS)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -120,7 +153,11 @@ def console_table(records: Sequence[dict]) -> str:
     for name in names:
         headers += [f"{name} ms", f"{name} ratio"]
     rows = [[rec["case"], rec["dtype"], *_cells(rec, names)] for rec in records]
-    return "\n".join([format_table(headers, rows), *summary_lines(summarize(records))])
+    parts = [format_table(headers, rows), *summary_lines(summarize(records))]
+    variants = variant_rows(records)
+    if variants:
+        parts += ["", VARIANT_NOTE, format_table(VARIANT_HEADERS, variants)]
+    return "\n".join(parts)
 
 
 def plot(op: str, records: Sequence[dict], path: Path) -> Path | None:
@@ -165,7 +202,13 @@ def write_reports(
     """Write `<op>.json`, `<op>.md` and (with matplotlib) `<op>.png`; returns their paths."""
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
-    doc = {"op": op, "env": env or {}, "summary": summarize(records), "cases": list(records)}
+    doc = {
+        "op": op,
+        "env": env or {},
+        "summary": summarize(records),
+        "variant_ratio": variant_ratios(records),
+        "cases": list(records),
+    }
     paths = {"json": report_dir / f"{op}.json", "md": report_dir / f"{op}.md"}
     paths["json"].write_text(json.dumps(doc, indent=1, default=str) + "\n")
     paths["md"].write_text(markdown(op, records, env))

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 Inputs = dict[str, Any]
+Runner = Callable[[Inputs, Any], Any]
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,17 @@ class Case:
 
     name: str
     params: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Explained:
+    """A sanitizer finding shown not to be a bug: `tool` reports `count` (None: any count) on
+    the sanitize case `case`, and `why` says what orders the accesses the tool flags."""
+
+    tool: str
+    case: str
+    count: int | None
+    why: str
 
 
 @dataclass(frozen=True)
@@ -42,6 +54,15 @@ class OpSuite:
         calls every candidate on every input set before it times anything.
     flops(case) / bytes(case): work counts for TFLOP/s and GB/s.
     kernel_sources: the files whose hash identifies the kernel measured (the ledger key).
+    sanitize_cases: a few small, odd-sized cases covering every kernel variant of the operator:
+        `forgekernel check --sanitize` runs them under compute-sanitizer, tests/gpu/ against the
+        reference. A suite without them fails the sanitize step.
+    sanitize_explained: findings shown to be tool artifacts, recorded next to their counts.
+    repeatable(case) -> bool: the case promises bitwise-repeatable outputs; `check` runs it
+        `check.REPEATS` times and requires identical bits.
+    variants(case) -> {name: run(inputs, out)}: other modes of our kernel timed beside it by
+        `bench` on that case (for example deterministic=True); recorded as variant time / our
+        time, kept apart from the comparator ratios.
     """
 
     name: str
@@ -60,6 +81,16 @@ class OpSuite:
     memory_bound: bool = False
     atol: float = 1e-5
     bench_dtypes: Sequence[torch.dtype] = field(default_factory=tuple)
+    sanitize_cases: Sequence[Case] = ()
+    sanitize_explained: Sequence[Explained] = ()
+    repeatable: Callable[[Case], bool] | None = None
+    variants: Callable[[Case], dict[str, Runner]] | None = None
 
     def dtypes_for_bench(self) -> Sequence[torch.dtype]:
         return self.bench_dtypes or self.dtypes
+
+    def is_repeatable(self, case: Case) -> bool:
+        return self.repeatable is not None and bool(self.repeatable(case))
+
+    def variants_for(self, case: Case) -> dict[str, Runner]:
+        return dict(self.variants(case)) if self.variants is not None else {}

@@ -113,6 +113,20 @@ CHECK_CASES = (
     _varlen_case((200, 1000, 33), hq=4, hkv=1, d=192, dv=128),
     _varlen_case((200, 513, 33), hq=2, hkv=2, d=256, causal=False),
 )
+# compute-sanitizer (`forgekernel check --sanitize`) and tests/gpu/: every head-dim pair at small
+# odd sizes, GQA (packed short queries at 17 tokens), causal and not, Sq > Sk (rows that see no
+# key), Sq < Sk, and varlen batches with an empty sequence.
+SANITIZE_CASES = (
+    _case(1, 4, 1, 17, 128),
+    _case(1, 8, 2, 1000, 128),
+    _case(1, 2, 2, 1000, 64, causal=False),
+    _case(1, 4, 4, 1000, 64, sk=100),
+    _case(1, 2, 2, 300, 96),
+    _case(1, 2, 1, 257, 256, causal=False),
+    _case(1, 4, 1, 100, 192, dv=128, sk=1003),
+    _varlen_case((1, 17, 300, 0, 129), hq=4, hkv=1),
+    _varlen_case((200, 33), (17, 40), hq=2, hkv=1, d=192, dv=128, causal=False),
+)
 
 
 def make_inputs(
@@ -314,4 +328,5 @@ def suite() -> OpSuite:
         bytes=nbytes,
         atol=1e-3,
         bench_dtypes=(torch.bfloat16,),
+        sanitize_cases=SANITIZE_CASES,
     )

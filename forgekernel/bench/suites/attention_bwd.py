@@ -4,7 +4,9 @@ Outputs compared: (dq, dk, dv) against the fp32 reference gradients, each with F
 criterion (`forgekernel.bench.check`). The forward is not timed: `make_inputs` computes O and LSE
 once per input set with the fp32 reference (O rounded to the input dtype, as a forward kernel
 returns it), and ours, FA4 and cuDNN are timed on the backward alone. Rows that see no key
-(causal, Sq > Sk) must get dq = 0 exactly as the reference does.
+(causal, Sq > Sk) must get dq = 0 exactly as the reference does. Deterministic cases must give
+the same bits on every run (`check` runs them 3 times); on three bench cases the bench also times
+deterministic=True against the default kernel (a variant of ours, recorded as its time ratio).
 """
 
 from __future__ import annotations
@@ -65,13 +67,15 @@ def _varlen_case(
     d: int,
     causal: bool,
     dv: int | None = None,
+    deterministic: bool = False,
 ) -> Case:
     """Packed sequences; b / sq / sk hold the batch and the token totals (for flops / bytes)."""
     dv = d if dv is None else dv
     name = f"varlen{len(lens_q)}-hq{hq}-hkv{hkv}-tq{sum(lens_q)}-tk{sum(lens_k)}-d{d}"
     name += (f"-dv{dv}" if dv != d else "") + ("-causal" if causal else "")
+    name += "-det" if deterministic else ""
     params = {"b": len(lens_q), "hq": hq, "hkv": hkv, "sq": sum(lens_q), "sk": sum(lens_k)}
-    flags = {"causal": causal, "softmax_scale": None, "deterministic": False}
+    flags = {"causal": causal, "softmax_scale": None, "deterministic": deterministic}
     varlen = {"lens_q": list(lens_q), "lens_k": list(lens_k), "varlen": True}
     return Case(name, {**params, "d": d, "dv": dv, **flags, **varlen})
 
@@ -88,9 +92,19 @@ BENCH_CASES = (
     _case(4, 16, 16, 8192, 128),
     _case(4, 32, 4, 8192, 128),
 )
+# deterministic=True timed against the default kernel on these (the cases the retired
+# scripts/bwd_gpu_check.py timed; H200 2026-11-30: 1.33x the time at MHA hq16, 1.50x at GQA 32:4,
+# 1.04x at 192/128).
+DETERMINISTIC_TIMED = (
+    _case(4, 16, 16, 8192, 128),
+    _case(4, 32, 4, 8192, 128),
+    _case(2, 128, 128, 8192, 192, dv=128),
+)
 # Every head-dim pair, GQA ratios 1, 4, 8, causal and not, then awkward lengths: one token,
 # lengths off every tile size, Sq < Sk and Sq > Sk (whose first Sq - Sk causal rows see no key:
-# dq = 0 there), a scale, and deterministic mode.
+# dq = 0 there), a scale, and deterministic mode (bitwise-repeatable: D = 64, 128 and 192/128,
+# GQA); then the shapes the retired scripts/bwd_gpu_check.py checked besides (one exact tile,
+# 17 tokens with GQA, and D = 192/128 at every awkward length: its 64-key blocks).
 CHECK_CASES = (
     _case(2, 16, 2, 512, 128),
     _case(2, 16, 2, 512, 128, causal=False),
@@ -115,11 +129,54 @@ CHECK_CASES = (
     _case(1, 8, 2, 1000, 128, scale=0.3),
     _case(1, 8, 2, 1000, 128, deterministic=True),
     _case(1, 8, 8, 777, 64, causal=False, deterministic=True),
+    _case(2, 8, 2, 1000, 128, deterministic=True),
+    _case(1, 4, 4, 4097, 64, deterministic=True),
+    _case(1, 8, 2, 1000, 192, dv=128, deterministic=True),
+    _case(2, 4, 4, 128, 128),
+    _case(2, 4, 4, 128, 128, causal=False),
+    _case(2, 4, 1, 17, 64),
+    _case(2, 4, 1, 17, 64, causal=False),
+    _case(1, 2, 1, 1, 128, sk=17),
+    _case(1, 4, 4, 1000, 128, sk=100),
+    _case(1, 8, 8, 300, 192, dv=128, sk=700, causal=False),
+    _case(2, 16, 2, 512, 192, dv=128),
+    _case(1, 16, 4, 1000, 192, dv=128, causal=False),
+    _case(2, 4, 1, 17, 192, dv=128),
+    _case(1, 4, 4, 100, 192, dv=128, sk=1000),
+    _case(1, 4, 2, 1000, 192, dv=128, sk=100),
+    _case(1, 4, 2, 1000, 192, dv=128, sk=100, causal=False),
+    _case(1, 2, 1, 1, 192, dv=128, sk=65),
+    _case(1, 2, 2, 4097, 192, dv=128),
 )
+# Empty sequences on either side, a sequence with keys but no queries and the reverse, and
+# deterministic mode at D = 128 and 192/128.
 VARLEN_CHECK_CASES = (
     _varlen_case((1, 17, 1000, 300), (1, 17, 1000, 300), 8, 2, 128, True),
     _varlen_case((100, 0, 513), (200, 7, 513), 4, 4, 64, False),
     _varlen_case((1, 17, 1000, 300), (1, 17, 1003, 300), 8, 2, 192, True, dv=128),
+    _varlen_case((100, 0, 513, 64), (200, 7, 513, 0), 4, 4, 64, False),
+    _varlen_case((255, 0, 1), (1, 9, 130), 2, 2, 64, True),
+    _varlen_case((129, 700, 5), (300, 65, 5), 4, 1, 128, True, deterministic=True),
+    _varlen_case((100, 0, 513, 64), (200, 7, 513, 0), 4, 4, 192, False, dv=128),
+    _varlen_case((129, 700, 5), (300, 65, 5), 4, 1, 192, True, dv=128, deterministic=True),
+)
+# compute-sanitizer (`forgekernel check --sanitize`) and tests/gpu/: every kernel variant the
+# launcher picks at small odd sizes: D = 64, 128 (MHA; GQA with head_split) and 192/128,
+# causal and not, Sq != Sk, deterministic at each head dim, varlen (its own configs at 128 and
+# 192/128, deterministic at 128).
+SANITIZE_CASES = (
+    _case(1, 4, 1, 17, 128),
+    _case(1, 2, 2, 257, 128, causal=False, sk=300),
+    _case(1, 2, 2, 1000, 64, causal=False),
+    _case(1, 4, 2, 300, 192, dv=128, sk=333),
+    _case(1, 4, 1, 1000, 128, deterministic=True),
+    _case(1, 2, 2, 257, 64, deterministic=True),
+    _case(1, 4, 4, 300, 192, dv=128, causal=False, deterministic=True),
+)
+SANITIZE_VARLEN_CASES = (
+    _varlen_case((1, 17, 300), (1, 17, 303), 4, 2, 128, True),
+    _varlen_case((129, 0, 5), (65, 7, 5), 2, 2, 128, False, deterministic=True),
+    _varlen_case((200, 17, 33), (200, 17, 40), 4, 1, 192, True, dv=128),
 )
 
 
@@ -133,6 +190,20 @@ def supported(cases: tuple[Case, ...]) -> tuple[Case, ...]:
 
 def check_cases() -> tuple[Case, ...]:
     return supported(CHECK_CASES + (VARLEN_CHECK_CASES if varlen_supported() else ()))
+
+
+def sanitize_cases() -> tuple[Case, ...]:
+    return supported(SANITIZE_CASES + (SANITIZE_VARLEN_CASES if varlen_supported() else ()))
+
+
+def deterministic(case: Case) -> bool:
+    return bool(case.params["deterministic"])
+
+
+def variants(case: Case) -> dict[str, Any]:
+    """deterministic=True beside the default kernel on DETERMINISTIC_TIMED."""
+    timed = {c.name for c in DETERMINISTIC_TIMED}
+    return {"deterministic": run_deterministic} if case.name in timed else {}
 
 
 def _offsets(lens: list[int], device: torch.device) -> torch.Tensor:
@@ -190,6 +261,10 @@ def run_ours(inputs: Inputs, out: tuple | None) -> tuple:
             *_tensors(inputs), *inputs["varlen"], inputs["causal"], inputs["softmax_scale"], **flags
         )
     return attention_backward(*_tensors(inputs), inputs["causal"], inputs["softmax_scale"], **flags)
+
+
+def run_deterministic(inputs: Inputs, out: tuple | None) -> tuple:
+    return run_ours({**inputs, "deterministic": True}, out)
 
 
 def _reference(inputs: Inputs, upcast: bool) -> tuple:
@@ -295,4 +370,7 @@ def suite() -> OpSuite:
         bytes=nbytes,
         atol=1e-3,
         bench_dtypes=(torch.bfloat16,),
+        sanitize_cases=sanitize_cases(),
+        repeatable=deterministic,
+        variants=variants,
     )

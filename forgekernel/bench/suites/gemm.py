@@ -50,6 +50,17 @@ EDGE_CASES = (
     _case(33, 328, 4096),
 )
 CHECK_CASES = _unique(BENCH_CASES + EDGE_CASES)
+# compute-sanitizer (`forgekernel check --sanitize`) and tests/gpu/: every standard configuration
+# the chooser picks (64x64 skinny, 64x128 skinny, 128x128, 128x192 wide, 128x256 large), each on
+# ragged edges, both B layouts, and the smallest problem (M = 1, N = K = 8).
+SANITIZE_CASES = (
+    _case(1, 8, 8),
+    _case(33, 264, 520),
+    _case(100, 264, 1000, "kn"),
+    _case(255, 136, 72),
+    _case(1000, 1000, 1032, "kn"),
+    _case(1500, 2504, 520),
+)
 
 
 def make_inputs(
@@ -126,4 +137,5 @@ def suite() -> OpSuite:
         flops=flops,
         bytes=nbytes,
         atol=1e-3,
+        sanitize_cases=SANITIZE_CASES,
     )
