@@ -10,41 +10,28 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
 from forgekernel.kernels.attention.fwd.sm90.config import AttnConfig
 from forgekernel.kernels.attention.fwd.sm90.kernel import AttentionFwdSm90
-
-_DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
-
-
-def _tokens(dtype, shape, d: int):
-    # (..., H, D), D contiguous; other strides any multiple of 8 elements (16 B, TMA).
-    strides = tuple(cute.sym_int64(divisibility=8) for _ in shape)
-    return make_fake_tensor(dtype, (*shape, d), stride=(*strides, 1), assumed_align=16)
+from forgekernel.kernels.common.sm90 import fake
 
 
 def compile_attention_fwd(params: dict, arch: str = "sm_90a", extra_options: str = ""):
-    dtype = _DTYPES[params["dtype"]]
+    dtype = fake.dtype_of(params["dtype"])
     d, dv = params["head_dim"], params["head_dim_v"]
     varlen = bool(params.get("varlen", False))
     hq, hkv = cute.sym_int32(), cute.sym_int32()
     if varlen:
-        tq, tk, nb = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
-        q, o = _tokens(dtype, (tq, hq), d), _tokens(dtype, (tq, hq), dv)
-        k, v = _tokens(dtype, (tk, hkv), d), _tokens(dtype, (tk, hkv), dv)
-        # (Hq, Tq) fp32, unit stride along the tokens.
-        lse = make_fake_tensor(cutlass.Float32, (hq, tq), stride=(cute.sym_int64(), 1))
-        cu_q = make_fake_tensor(cutlass.Int32, (nb,), stride=(1,))
-        cu_k = make_fake_tensor(cutlass.Int32, (nb,), stride=(1,))
+        tq, tk = cute.sym_int32(), cute.sym_int32()
+        q, o = fake.rowmajor(dtype, (tq, hq, d)), fake.rowmajor(dtype, (tq, hq, dv))
+        k, v = fake.rowmajor(dtype, (tk, hkv, d)), fake.rowmajor(dtype, (tk, hkv, dv))
+        lse = fake.rowmajor(cutlass.Float32, (hq, tq), divisibility=1, align=None)
+        cu_q, cu_k = fake.offsets(), fake.offsets()
     else:
         b, sq, sk = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
-        q, o = _tokens(dtype, (b, sq, hq), d), _tokens(dtype, (b, sq, hq), dv)
-        k, v = _tokens(dtype, (b, sk, hkv), d), _tokens(dtype, (b, sk, hkv), dv)
-        # (B, Hq, Sq) fp32: unit stride along Sq.
-        lse = make_fake_tensor(
-            cutlass.Float32, (b, hq, sq), stride=(cute.sym_int64(), cute.sym_int64(), 1)
-        )
+        q, o = fake.rowmajor(dtype, (b, sq, hq, d)), fake.rowmajor(dtype, (b, sq, hq, dv))
+        k, v = fake.rowmajor(dtype, (b, sk, hkv, d)), fake.rowmajor(dtype, (b, sk, hkv, dv))
+        lse = fake.rowmajor(cutlass.Float32, (b, hq, sq), divisibility=1, align=None)
         cu_q = cu_k = None
     kernel = AttentionFwdSm90(
         d, dv, causal=params["causal"], config=AttnConfig.from_params(params), varlen=varlen
@@ -62,6 +49,6 @@ def compile_attention_fwd(params: dict, arch: str = "sm_90a", extra_options: str
         cutlass.Int32(0),
         cutlass.Int32(1),
         cutlass.Int32(1),
-        make_fake_stream(use_tvm_ffi_env_stream=True),
-        options=f"--enable-tvm-ffi --gpu-arch {arch} {extra_options}".strip(),
+        fake.stream(),
+        options=fake.options(arch, extra_options),
     )

@@ -6,50 +6,37 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-DTYPES = ("float16", "bfloat16")
+from forgekernel.kernels.common.sm90.constants import DTYPE_NAMES, SMEM_CAPACITY
+
+DTYPES = DTYPE_NAMES
 # (head_dim, head_dim_v) pairs with a default config; others raise in `default_config`.
 HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (256, 256), (192, 128))
-SMEM_CAPACITY = 232448  # sm_90 per-block opt-in maximum (227 KiB)
 
 
 @dataclass(frozen=True)
 class AttnConfig:
     """Everything baked into one compiled attention forward besides dtype, head dims, causal.
 
-    tile_m query rows per tile (one consumer warpgroup per 64 rows: 128 or 192), tile_n keys
-    per K/V tile, stages K and V tiles in flight (one ring each); overlap: a warpgroup's
-    softmax runs under its own P V (else the step waits for it first: measured faster, see
-    docs/attention/NOTES.md); l2_sections: when one wave of tiles would stream far more K/V
-    than L2 holds, order tiles in sections of heads whose K/V fit (else always the global
-    longest-first order); poly_exp: of every 8 score columns, how many take exp2 as an FMA-pipe
-    polynomial instead of the MUFU (whose 16 results per clock per SM bound the softmax at
-    small head dims); cvt_asm: P to 16 bits as inline-PTX packed converts (else the DSL's
-    vector conversion, which the compiler sinks past the next GEMM turn's barrier, so the
-    turn is held for the conversion and O's rescale before the first WGMMA issues: measured
-    5-15% slower at D=128, see docs/attention/NOTES.md); late_rescale: without ping-pong
-    (D > 128), O's rescale runs after the next S GEMM is issued, not before;
-    rescale_threshold: > 0 keeps a row's running max until the new one exceeds it by more
-    than this (log2 units; FA4 on Blackwell uses 8), and skips O's rescale when no row of
-    the warp moved."""
+    tile_m: query rows per tile (one consumer warpgroup per 64 rows: 128 or 192); tile_n: keys
+    per K/V tile; stages: K and V tiles in flight (one ring each).
+
+    late_rescale: without ping-pong (D > 128), O's rescale runs after the next S GEMM is
+    issued (under it, right before the P V that accumulates onto O: FA3's
+    RescaleOBeforeGemm) instead of before that issue. H200, FA4 time / ours: D = 256 (128x80
+    tiles) 0.896 late against 0.865 before; 192/128 0.876 late against 0.923 before, so it is
+    off there. Ignored with ping-pong (D <= 128), where it would hold the GEMM turn.
+
+    Variants measured and dropped from the kernel are listed in docs/attention/NOTES.md."""
 
     tile_m: int = 128
     tile_n: int = 128
     stages: int = 2
-    overlap: bool = False
-    l2_sections: bool = True
-    poly_exp: int = 0
-    cvt_asm: bool = True
     late_rescale: bool = True
-    rescale_threshold: float = 0.0
 
     def tag(self) -> str:
-        """Short name for tables: 128x128_s2 (plus _ov / _lpt for the non-default flags)."""
+        """Short name for tables: 128x128_s2 (plus _early without the late rescale)."""
         tag = f"{self.tile_m}x{self.tile_n}_s{self.stages}"
-        tag += ("_ov" if self.overlap else "") + ("" if self.l2_sections else "_lpt")
-        tag += f"_pe{self.poly_exp}" if self.poly_exp else ""
-        tag += "" if self.cvt_asm else "_dslcvt"
-        tag += "" if self.late_rescale else "_early"
-        return tag + (f"_rt{self.rescale_threshold:g}" if self.rescale_threshold else "")
+        return tag if self.late_rescale else tag + "_early"
 
     @classmethod
     def from_params(cls, params: dict) -> AttnConfig:
@@ -77,10 +64,10 @@ def smem_bytes(cfg: AttnConfig, head_dim: int, head_dim_v: int, elem_bytes: int 
 
 
 # One CTA per SM (the consumer warpgroups take the whole register file), so shared memory
-# only bounds stages. D=64: three consumer warpgroups (192-row tiles, FA3's choice), 3 stages;
-# D=96 and D=128: two, 2 stages, O in its own buffer; D=256: 64-key tiles (80: 2% slower);
-# D=192/Dv=128: O shares Q's buffer, O rescaled before the S GEMM issue (after it: 5% slower).
-# Measured on the H200, 2026-11-30 (docs/attention/NOTES.md).
+# only bounds stages. D=64: three consumer warpgroups (192-row tiles, FA3's choice), 3 stages
+# (1.022 of FA4 against 0.932 for 128x128); D=96 and D=128: two, 2 stages, O in its own
+# buffer; D=256: 64-key tiles (80 keys: 2% slower); D=192/Dv=128: O shares Q's buffer, O
+# rescaled before the S GEMM issue (after it: 5% slower). H200 figures: docs/attention/NOTES.md.
 _DEFAULTS = {
     (64, 64): AttnConfig(tile_m=192, tile_n=128, stages=3),
     (96, 96): AttnConfig(tile_n=128, stages=2),

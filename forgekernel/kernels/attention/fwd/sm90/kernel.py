@@ -1,32 +1,32 @@
 """Attention forward for Hopper (sm_90a): O = softmax(scale * Q K^T + mask) V, and the LSE.
 
-Persistent: one CTA per SM walks the tiles (query-row block of tile_m rows, query head, batch)
-in the order of `_tile` (the longest causal row blocks first; sections of heads whose K/V fit
-in L2 when one wave would stream far more); fixed-length or varlen (packed sequences, offsets
-from cu_seqlens, each sequence its own causal alignment and key bound).
+Persistent: one CTA per SM walks the tiles (a block of tile_m query rows of one query head and
+batch) in the toolkit's longest-first order (`scheduler.longest_first`); fixed length or
+varlen (packed sequences, offsets from cu_seqlens, each sequence its own causal alignment and
+key bound).
 
 Warp roles (one CTA = 1 + tile_m / 64 warpgroups):
-- warp 0 of warpgroup 0 (producer, setmaxnreg down): per tile, the first key block's K and V
-  tiles, then the Q tile (its one-stage pipeline frees when the consumers are done with the
-  previous tile's Q), then K and V of the other key blocks, last to first, into two
-  `stages`-deep rings (pipelines `k` and `v`, mbarrier full/empty, one stage index for both).
-  Blocks entirely above the causal diagonal are never loaded. Warps 1-3 exit at once.
+- producer, warp 0 of warpgroup 0 (setmaxnreg down; warps 1-3 exit at once). Per tile: the
+  last key block's K and V, then the Q tile, then K and V of the other key blocks, last to
+  first. Blocks entirely above the causal diagonal are never loaded.
 - consumer warpgroups (setmaxnreg up), 64 query rows each. Key block n_max - 1: S = Q K^T,
-  mask, online softmax (fp32, exp2, running row max and sum; P stays in the S registers).
-  Each later block: issue S_j = Q K_j^T (WGMMA, both operands in shared memory) and
-  O += P V_prev (WGMMA, P from registers as the A operand, V an MN-major B operand) as two
-  async groups -> wait for S_j -> release K -> mask (only blocks that cross the diagonal or
-  the key bound) -> softmax -> wait for P V -> release V -> P to 16 bits -> O rescaled by
-  exp2(old - new max). A last P V closes the tile. For D <= 128 the warpgroups take turns
-  issuing their GEMMs (named barriers, ping-pong), so one's softmax runs under another's
-  GEMMs. (`overlap=True` instead lands each step's P V at the top of the next step, so the
-  softmax also runs under the warpgroup's own P V; measured slower, kept as a variant.)
-- epilogue (consumers): O / rowsum -> 16 bits -> `stmatrix` into the O buffer (its own, or
-  Q's when shared memory is short; the first consumer warp first waits for the previous
-  tile's store to have read it) -> one TMA store of the (tile_m, Dv) tile, left in flight
-  under the next tile; LSE = (rowmax * scale_log2 + log2(rowsum)) * ln 2 from the thread
-  holding column 0 of each row. A varlen tile that ends inside its sequence is written from
-  registers row by row (a TMA box would spill into the next sequence).
+  mask, online softmax (fp32, exp2; P stays in the S registers). Each later block: issue
+  S_j = Q K_j^T (both operands in shared memory) and O += P V_prev (P from registers as the
+  A operand, V an MN-major B operand) as two async WGMMA groups -> wait for S_j -> release
+  K -> mask (only blocks that cross the diagonal or the key bound) -> softmax -> wait for
+  P V -> release V -> P to 16 bits -> O rescaled by exp2(old - new max). A last P V closes
+  the tile. For D <= 128 the warpgroups take turns issuing their GEMMs (named barriers,
+  ping-pong), so one's softmax runs under another's GEMMs.
+- epilogue (the consumers): O / rowsum -> 16 bits -> `stmatrix` into the O buffer (its own,
+  or Q's when shared memory is short) -> one TMA store of the (tile_m, Dv) tile, left in
+  flight under the next tile; the LSE from the thread holding column 0 of each row. A varlen
+  tile that ends inside its sequence is written from registers row by row (a TMA box would
+  spill into the next sequence).
+
+Pipelines (TMA producer -> consumer, mbarrier full / empty, released by one arrival per
+consumer warp): `q` (1 stage: it frees when the consumers are done with the previous tile's
+Q, so the next Q loads during the epilogue when O has its own buffer), `k` and `v` (`stages`
+deep each, one stage index for both). Named barriers: `Bar`.
 
 Constraints: one 16-bit dtype, last dims contiguous, other strides multiples of 8 elements,
 16-byte aligned bases; fixed length q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv),
@@ -36,11 +36,12 @@ o (B, Sq, Hq, Dv), lse (B, Hq, Sq) fp32; varlen q (Tq, Hq, D) ... lse (Hq, Tq). 
 bottom-right aligned (query i sees key j iff j <= i + Sk - Sq); rows that see no key get
 O = 0 and LSE = -inf. Ragged edges: TMA zero-fills loads (or reads the next sequence's rows,
 masked) and clips the O store; score columns >= Sk are masked to -inf before the softmax.
+Measured variants that left the kernel: docs/attention/NOTES.md ("Measured and dropped").
 """
 
 from __future__ import annotations
 
-import math
+from enum import IntEnum
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -48,130 +49,39 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
-from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
-from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
-from forgekernel.kernels.attention.fwd.sm90.config import (
-    SMEM_CAPACITY,
-    AttnConfig,
-    separate_o,
-    smem_bytes,
+from forgekernel.kernels.attention.fwd.sm90.config import AttnConfig, separate_o, smem_bytes
+from forgekernel.kernels.common.sm90 import softmax
+from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
+from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY, THREADS_PER_WG, WARP_SIZE
+from forgekernel.kernels.common.sm90.layout import (
+    acc_to_operand_a,
+    packed_as_sdhb,
+    rows_cols,
+    select,
 )
-
-THREADS_PER_WG = 128
-EPILOGUE_BARRIER = 1  # named barrier of all consumer threads (0 is __syncthreads)
-SCHED_BARRIER = 2  # named barriers 2, 3 (, 4): consumer warpgroup 0's, 1's (, 2's) turn to issue
-LN2 = math.log(2.0)
-# K and V bytes the concurrently running tiles may share from L2 (50 MiB on H100 / H200), and
-# the K/V footprint of one wave of default-order tiles above which sections are used (KiB).
-L2_KV_BUDGET = 24 * 2**20
-WAVE_KV_LIMIT_KIB = 320 * 2**10
-
-
-def _select(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+from forgekernel.kernels.common.sm90.mma import gemm
+from forgekernel.kernels.common.sm90.pipeline import (
+    consumer_state,
+    init_arrive,
+    init_wait,
+    producer_state,
+    smem_tensor,
+    tma_pipeline,
+)
+from forgekernel.kernels.common.sm90.scheduler.longest_first import LongestFirst, TileGrid
 
 
-# 2^x on the FMA pipe, for x <= 0 (-inf included): x = j + f with j = floor(x) (the add with
-# round-down against 1.5 * 2^23 leaves j in the low mantissa bits), 2^f from a degree-4
-# polynomial on [0, 1) (relative error 2.6e-6, fitted here by iterated weighted least squares
-# on Chebyshev nodes), and 2^j added straight into the exponent bits. x clamps at -127: the
-# result is then a denormal, as good as 0 next to the row maximum's 1.
-_EXP2_FMA_PTX = """{
-.reg .f32 xc, r, jf, f, p;
-.reg .b32 rb, pb, e;
-max.ftz.f32 xc, $1, 0fC2FE0000;
-add.rm.ftz.f32 r, xc, 0f4B400000;
-sub.ftz.f32 jf, r, 0f4B400000;
-sub.ftz.f32 f, xc, jf;
-fma.rn.ftz.f32 p, f, 0f3C5DBE5F, 0f3D5509FE;
-fma.rn.ftz.f32 p, p, f, 0f3E773CC4;
-fma.rn.ftz.f32 p, p, f, 0f3F3168B3;
-fma.rn.ftz.f32 p, p, f, 0f3F800016;
-mov.b32 rb, r;
-mov.b32 pb, p;
-shl.b32 e, rb, 23;
-add.s32 pb, pb, e;
-mov.b32 $0, pb;
-}"""
+class Bar(IntEnum):
+    EPILOGUE = FIRST_FREE  # every consumer thread, around O's staging in shared memory
+    TURN = FIRST_FREE + 1  # TURN + wg (2, 3, 4): consumer warpgroup wg's turn to issue GEMMs
 
 
-@dsl_user_op
-def _exp2_fma(x: Float32, *, loc=None, ip=None) -> Float32:
-    return Float32(
-        llvm.inline_asm(
-            T.f32(),
-            [Float32(x).ir_value(loc=loc, ip=ip)],
-            _EXP2_FMA_PTX,
-            "=f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
-
-
-@dsl_user_op
-def _cvt_pair(lo: Float32, hi: Float32, bf16: bool, *, loc=None, ip=None) -> Int32:
-    """Two fp32 values rounded to one packed 16-bit pair (lo in the low half)."""
-    return Int32(
-        llvm.inline_asm(
-            T.i32(),
-            [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
-            f"cvt.rn.{'bf16x2' if bf16 else 'f16x2'}.f32 $0, $1, $2;",
-            "=r,f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
-
-
-def _packed_as_sdhb(t: cute.Tensor) -> cute.Tensor:
-    """A packed varlen tensor (T, H, D) as (T, D, H, 1): the fixed-length view with one batch."""
-    lay = t.layout
-    return cute.make_tensor(
-        t.iterator,
-        cute.make_layout(
-            (lay.shape[0], lay.shape[2], lay.shape[1], 1),
-            stride=(lay.stride[0], lay.stride[2], lay.stride[1], 0),
-        ),
-    )
-
-
-def _rows_cols(t: cute.Tensor) -> cute.Tensor:
-    """A WGMMA accumulator partition ((2, 2, V), M, N) seen as (rows, cols) =
-    ((2, M), (2, V, N)): each thread holds rows r and r + 8 of its warp's 16-row band, and in
-    each row V pairs of adjacent columns, 8 apart."""
-    shape = t.layout.shape
-    flat = cute.make_layout(shape)  # index space of the original layout
-    s = flat.stride
-    mn = cute.make_layout(
-        ((shape[0][1], shape[1]), (shape[0][0], shape[0][2], shape[2])),
-        stride=((s[0][1], s[1]), (s[0][0], s[0][2], s[2])),
-    )
-    return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))
-
-
-def _acc_as_operand_a(t: cute.Tensor) -> cute.Tensor:
-    """The S accumulator ((2, 2, V), M, N) as the A operand of the next WGMMA,
-    ((2, 2, 2), M, (V / 2, N)): k-block kb of 16 columns is column pairs 2 kb and 2 kb + 1; the
-    register layouts coincide for 16-bit A, so no data moves."""
-    lay = cute.logical_divide(t.layout, ((None, None, 2), None, None))
-    shape, stride = lay.shape, lay.stride
-    a = cute.make_layout(
-        ((shape[0][0], shape[0][1], shape[0][2][0]), shape[1], (shape[0][2][1], shape[2])),
-        stride=(
-            (stride[0][0], stride[0][1], stride[0][2][0]),
-            stride[1],
-            (stride[0][2][1], stride[2]),
-        ),
-    )
-    return cute.make_tensor(t.iterator, a)
+# The first consumer warp issues the O store and waits for it.
+STORER_WARP = THREADS_PER_WG // WARP_SIZE
 
 
 class AttentionFwdSm90:
@@ -218,15 +128,12 @@ class AttentionFwdSm90:
         # Warpgroup ping-pong pays when softmax and GEMM times are comparable; with D > 128 the
         # GEMMs dominate and the turn-taking only delays issue (FA3 makes the same split).
         self.pingpong = head_dim <= 128
-        self.overlap = config.overlap
-        self.poly_exp = config.poly_exp
-        self.cvt_asm = config.cvt_asm
-        self.rescale_threshold = float(config.rescale_threshold)
-        # Without ping-pong (D > 128) O's rescale waits for the next step's S GEMM to be issued
-        # (FA3's RescaleOBeforeGemm): the multiplies then run under the GEMM instead of
-        # delaying its issue. With ping-pong they would hold the GEMM turn instead.
-        self.late_rescale = config.late_rescale and not self.pingpong and not self.overlap
-        self.l2_sections = config.l2_sections
+        # Without ping-pong, O's rescale may wait for the next S GEMM's issue (see AttnConfig);
+        # with ping-pong it would hold the GEMM turn instead.
+        self.late_rescale = config.late_rescale and not self.pingpong
+        self.scheduler = LongestFirst(
+            self.tile_m, causal, varlen, kv_row_bytes=(head_dim + head_dim_v) * 2
+        )
 
     # ---------------------------------------------------------------- host-side setup
     def _setup(self):
@@ -289,7 +196,7 @@ class AttentionFwdSm90:
         # Everything as (S, D, H, B): TMA boxes over (S, D), coordinates for head and batch.
         # Varlen tensors get a unit batch mode; each sequence is a row offset into them.
         if const_expr(self.varlen):
-            mQ, mK, mV, mO = (_packed_as_sdhb(t) for t in (mQ, mK, mV, mO))
+            mQ, mK, mV, mO = (packed_as_sdhb(t) for t in (mQ, mK, mV, mO))
             mLSE = cute.make_tensor(
                 mLSE.iterator,
                 cute.make_layout(
@@ -299,11 +206,11 @@ class AttentionFwdSm90:
             num_batch = mCuQ.shape[0] - 1
             num_m_blocks = (max_seqlen_q + self.tile_m - 1) // self.tile_m
         else:
-            mQ, mK, mV, mO = (_select(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO))
+            mQ, mK, mV, mO = (select(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO))
             num_batch = mQ.shape[3]
             num_m_blocks = (mQ.shape[0] + self.tile_m - 1) // self.tile_m
         # V as the B operand of O = P V: (Dv, Sk, Hkv, B), unit stride along Dv (MN-major).
-        mVt = _select(mV, [1, 0, 2, 3])
+        mVt = select(mV, [1, 0, 2, 3])
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         sQ_tile = cute.slice_(self.sQ_layout, (None, None, 0))
@@ -408,108 +315,41 @@ class AttentionFwdSm90:
                 cpasync.prefetch_descriptor(atom)
 
         storage = SmemAllocator().allocate(self.shared_storage)
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
         # Consumers release a stage from lane 0 of each of their warps.
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
-        q_pipe, k_pipe, v_pipe = (
-            pipeline.PipelineTmaAsync.create(
-                barrier_storage=bars.data_ptr(),
-                num_stages=stages,
-                producer_group=producer,
-                consumer_group=consumers,
-                tx_count=nbytes,
-                defer_sync=True,
-            )
-            for bars, stages, nbytes in (
-                (storage.q_barriers, 1, self.q_bytes),
-                (storage.k_barriers, self.stages, self.k_bytes),
-                (storage.v_barriers, self.stages, self.v_bytes),
-            )
-        )
-        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        consumer_warps = self.num_mma_threads // WARP_SIZE
+        q_pipe = tma_pipeline(storage.q_barriers, 1, self.q_bytes, consumer_warps)
+        k_pipe = tma_pipeline(storage.k_barriers, self.stages, self.k_bytes, consumer_warps)
+        v_pipe = tma_pipeline(storage.v_barriers, self.stages, self.v_bytes, consumer_warps)
+        init_arrive()
 
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sQ = smem_tensor(storage.sQ, sQ_layout)
+        sK = smem_tensor(storage.sK, sK_layout)
+        sV = smem_tensor(storage.sV, sV_layout)
         if const_expr(self.own_o):
-            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+            sO = smem_tensor(storage.sO, sO_layout)
         else:  # O reuses Q's buffer once every warpgroup is past its last QK^T
-            sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+            sO = smem_tensor(storage.sQ, sO_layout)
 
-        pipeline_init_wait(cluster_shape_mn=(1, 1))
+        init_wait()
 
+        grid = TileGrid(num_m_blocks, mQ, mK, mCuQ, mCuK)
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
-        tiles = (mQ, mK, mVt, mO_tma, mO, mLSE, mCuQ, mCuK, num_m_blocks, num_tiles, qgroup)
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self._produce(
-                    tma_q, tma_k, tma_v, sQ, sK, sV, q_pipe, k_pipe, v_pipe, tiles
+                    tma_q, tma_k, tma_v, mQ, mK, mVt, sQ, sK, sV, q_pipe, k_pipe, v_pipe, grid,
+                    num_tiles, qgroup,
                 )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume(
                 tidx - THREADS_PER_WG, wg_idx - 1, warp_idx, mma_qk, mma_pv, sQ, sK, sV, sO,
-                q_pipe, k_pipe, v_pipe, tma_o, scale_log2, tiles,
+                q_pipe, k_pipe, v_pipe, tma_o, mO_tma, mO, mLSE, scale_log2, grid, num_tiles,
+                qgroup,
             )  # fmt: skip
 
-    # ---------------------------------------------------------------- tile scheduling
-    @cute.jit
-    def _tile(self, t: Int32, tiles):
-        """Tile t of the persistent schedule -> (valid, m_block, head, batch, q_off, k_off,
-        seqlen_q, seqlen_k); batch indexes the tensors (0 for varlen, whose sequences are row
-        offsets q_off / k_off). Tiles run in order of t, each CTA taking every grid-th one.
-
-        Default order: the row block slowest over every batch and head, so with a causal mask
-        the longest row blocks go first everywhere (longest-processing-time first), and the
-        CTAs running at one time share whole GQA groups. When one wave of such tiles would
-        touch more K and V than L2 holds many times over (long sequences with few query heads
-        per kv head, e.g. MHA 192/128 at 8192: ~130 kv heads of 5 MB), fixed-length tiles go
-        instead batch by batch in sections of heads whose K and V fit in L2 together, the row
-        block slowest within a section."""
-        mQ, mK, _, _, _, _, mCuQ, mCuK, num_m_blocks, _, _ = tiles
-        num_heads = mQ.shape[2]
-        group = num_heads // mK.shape[2]
-        num_batch = mQ.shape[3] if const_expr(not self.varlen) else mCuQ.shape[0] - 1
-        # Default (LPT) order.
-        per_m = num_heads * num_batch
-        m_rev = t // per_m
-        rest = t - m_rev * per_m
-        batch = rest // num_heads
-        head = rest - batch * num_heads
-        if const_expr(self.l2_sections and not self.varlen):
-            seqlen_k = mK.shape[0]
-            kv_bytes = cutlass.max(seqlen_k * ((self.head_dim + self.head_dim_v) * 2), 1)
-            wave_kv_heads = cutlass.min(
-                cute.arch.grid_dim()[0] // group + 1, num_batch * mK.shape[2]
-            )
-            if wave_kv_heads * (kv_bytes // 1024) > WAVE_KV_LIMIT_KIB:
-                per_batch = num_heads * num_m_blocks
-                batch = t // per_batch
-                r = t - batch * per_batch
-                section = cutlass.min(cutlass.max(L2_KV_BUDGET // kv_bytes, 1) * group, num_heads)
-                first_head = (r // (section * num_m_blocks)) * section
-                heads_here = cutlass.min(section, num_heads - first_head)
-                idx = r - first_head * num_m_blocks
-                m_rev = idx // heads_here
-                head = first_head + idx - m_rev * heads_here
-        q_off = Int32(0)
-        k_off = Int32(0)
-        seqlen_q = mQ.shape[0]
-        seqlen_k = mK.shape[0]
-        m_blocks = num_m_blocks
-        if const_expr(self.varlen):
-            q_off = mCuQ[batch]
-            k_off = mCuK[batch]
-            seqlen_q = mCuQ[batch + 1] - q_off
-            seqlen_k = mCuK[batch + 1] - k_off
-            m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
-            batch = Int32(0)  # the packed tensors' unit batch mode; the sequence is an offset
-        m_block = m_rev
-        if const_expr(self.causal):
-            m_block = m_blocks - 1 - m_rev
-        return m_rev < m_blocks, m_block, head, batch, q_off, k_off, seqlen_q, seqlen_k
-
+    # ---------------------------------------------------------------- tiles
     @cute.jit
     def _key_blocks(self, m0: Int32, sq, seqlen_k: Int32):
         """(n_block_max, n_unmasked): key blocks [0, n_block_max) hold a key some row of the
@@ -542,17 +382,21 @@ class AttentionFwdSm90:
 
     # ---------------------------------------------------------------- producer
     @cute.jit
-    def _produce(self, tma_q, tma_k, tma_v, sQ, sK, sV, q_pipe, k_pipe, v_pipe, tiles):
-        """Warp 0: per tile, the first key block's K and V, then Q (its buffer frees when the
+    def _produce(
+        self, tma_q, tma_k, tma_v, mQ, mK, mVt, sQ, sK, sV, q_pipe, k_pipe, v_pipe, grid,
+        num_tiles, qgroup,
+    ):  # fmt: skip
+        """Warp 0: per tile, the last key block's K and V, then Q (its buffer frees when the
         consumers finish the previous tile), then the other key blocks last to first."""
-        mQ, mK, mVt, _, _, _, _, _, _, num_tiles, qgroup = tiles
         one = cute.make_layout(1)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        q_state = producer_state(1)
+        kv = producer_state(self.stages)
         t = cute.arch.block_idx()[0]
         step = cute.arch.grid_dim()[0]
         while t < num_tiles:
-            valid, m_block, head, batch, q_off, k_off, seqlen_q, seqlen_k = self._tile(t, tiles)
+            valid, m_block, head, batch, q_off, k_off, seqlen_q, seqlen_k = self.scheduler.tile(
+                t, grid
+            )
             if valid:
                 head_kv = head // (mQ.shape[2] // mK.shape[2])
                 n_block_max, _ = self._key_blocks(
@@ -613,11 +457,10 @@ class AttentionFwdSm90:
     @cute.jit
     def _consume(
         self, tidx, wg, warp_idx, mma_qk, mma_pv, sQ, sK, sV, sO, q_pipe, k_pipe, v_pipe,
-        tma_o, scale_log2, tiles,
+        tma_o, mO_tma, mO, mLSE, scale_log2, grid, num_tiles, qgroup,
     ):  # fmt: skip
         """Consumer warpgroup `wg` (rows 64 wg .. 64 wg + 63 of each tile); tidx counts the
         consumer threads from 0."""
-        mQ, _, _, mO_tma, mO, mLSE, _, _, _, num_tiles, qgroup = tiles
         # Operand fragments come from the warpgroup's slice (WGMMA descriptors), coordinates
         # from the thread's own slice.
         wg_qk = mma_qk.get_slice(wg * THREADS_PER_WG)
@@ -630,44 +473,38 @@ class AttentionFwdSm90:
         acc_O = cute.make_rmem_tensor(
             wg_pv.partition_shape_C((self.tile_m, self.head_dim_v)), Float32
         )
-        # Score coordinates as thread 0's (static offsets) plus this thread's base: the mask
-        # compares registers with constants instead of holding a coordinate per element.
-        ident = cute.make_identity_tensor((self.tile_m, self.tile_n))
-        t0ScS = _rows_cols(mma_qk.get_slice(0).partition_C(ident))
-        base = mma_qk.get_slice(tidx).partition_C(ident)[0]
-        tScS = (t0ScS, base[0], base[1])
-        rows = cute.size(t0ScS, mode=[0])
+        tScS = softmax.acc_coords(mma_qk, tidx, (self.tile_m, self.tile_n))
+        rows = cute.size(tScS[0], mode=[0])
         row_max = cute.make_rmem_tensor(rows, Float32)
         row_sum = cute.make_rmem_tensor(rows, Float32)
         rescale = cute.make_rmem_tensor(rows, Float32)
 
-        # Ping-pong: warpgroup wg issues its WGMMAs only after waiting on barrier
-        # SCHED_BARRIER + wg, then passes the turn to the next warpgroup, so one's softmax runs
-        # while another's GEMMs hold the tensor cores. Each barrier counts the waiting
-        # warpgroup and the one handing over; warpgroup 0 starts with an arrival of its own.
-        my_turn = pipeline.NamedBarrier(
-            barrier_id=SCHED_BARRIER + wg, num_threads=2 * THREADS_PER_WG
-        )
+        # Ping-pong: warpgroup wg issues its WGMMAs only after waiting on barrier TURN + wg,
+        # then passes the turn to the next warpgroup, so one's softmax runs while another's
+        # GEMMs hold the tensor cores. Each barrier counts the waiting warpgroup and the one
+        # handing over; warpgroup 0 starts with an arrival of its own. (The ids are dynamic:
+        # pipeline.NamedBarrier, not the toolkit's `named_barrier`, which takes static ones.)
+        my_turn = pipeline.NamedBarrier(barrier_id=Bar.TURN + wg, num_threads=2 * THREADS_PER_WG)
         their_turn = pipeline.NamedBarrier(
-            barrier_id=SCHED_BARRIER + (wg + 1) % self.num_wg, num_threads=2 * THREADS_PER_WG
+            barrier_id=Bar.TURN + (wg + 1) % self.num_wg, num_threads=2 * THREADS_PER_WG
         )
         if const_expr(self.pingpong):
             if wg == 0:
                 my_turn.arrive()
-        epilogue = pipeline.NamedBarrier(
-            barrier_id=EPILOGUE_BARRIER, num_threads=self.num_mma_threads
-        )
+        epilogue = named_barrier(Bar.EPILOGUE, self.num_mma_threads)
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        q_state = consumer_state(1)
+        kv = consumer_state(self.stages)
         step_args = (
             mma_qk, mma_pv, tSrQ, tSrK, tOrP, tOrV, acc_S, acc_O, row_max, row_sum, rescale,
             tScS, k_pipe, v_pipe, scale_log2, my_turn, their_turn,
         )  # fmt: skip
         t = cute.arch.block_idx()[0]
-        grid = cute.arch.grid_dim()[0]
+        step = cute.arch.grid_dim()[0]
         while t < num_tiles:
-            valid, m_block, head, batch, q_off, k_off, seqlen_q, seqlen_k = self._tile(t, tiles)
+            valid, m_block, head, batch, q_off, k_off, seqlen_q, seqlen_k = self.scheduler.tile(
+                t, grid
+            )
             if valid:
                 m0 = m_block * self.tile_m
                 n_block_max, n_unmasked = self._key_blocks(m0, (seqlen_q, qgroup), seqlen_k)
@@ -678,7 +515,7 @@ class AttentionFwdSm90:
                 kv = self._mainloop(
                     kv, m0, (seqlen_q, qgroup), seqlen_k, n_block_max, n_unmasked, *step_args
                 )
-                row_lse = self._finalize(acc_O, row_max, row_sum, scale_log2)
+                row_lse = softmax.finalize(acc_O, row_max, row_sum, scale_log2)
                 if const_expr(self.own_o):
                     # Every QK^T of this tile is done (the last P V was waited on): the
                     # producer may load the next tile's Q during this epilogue.
@@ -693,8 +530,8 @@ class AttentionFwdSm90:
                     q_pipe.consumer_release(q_state)
                 q_state.advance()
                 self._store_lse(tidx, mma_pv, row_lse, mLSE, m0, head, batch, q_off, seqlen_q)
-            t += grid
-        if warp_idx == THREADS_PER_WG // 32:
+            t += step
+        if warp_idx == STORER_WARP:
             # The CTA may not exit (freeing sO) before the last store has read it.
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
@@ -705,89 +542,30 @@ class AttentionFwdSm90:
         scale_log2, my_turn, their_turn,
     ):  # fmt: skip
         """Key blocks last to first (the masked ones, diagonal and key bound, come first).
-        Block n_block_max - 1 is a first half step (S, mask, softmax); each later step first
-        lands the previous one (wait for its P V, P to 16 bits, O rescaled), then issues S of
-        its block and P V of the block before, and runs the softmax of its S while that P V
-        is on the tensor cores. A last P V closes the loop. Returns the K/V pipeline state."""
+        Block n_block_max - 1 is a first half step (S, mask, softmax); each later step issues
+        S of its block and P V of the block before, runs the softmax of its S while that P V
+        is on the tensor cores, then lands the P V (wait, P to 16 bits, O rescaled). A last
+        P V closes the loop. Returns the K/V pipeline state."""
         a = (
             mma_qk, mma_pv, tSrQ, tSrK, tOrP, tOrV, acc_S, acc_O, row_max, row_sum, rescale,
             tScS, k_pipe, v_pipe, scale_log2, m0, seqlen_q, seqlen_k, my_turn, their_turn,
         )  # fmt: skip
         if n_block_max > 0:
             self._first_block(kv, n_block_max - 1, *a)
-            if const_expr(not self.overlap):
-                self._land(kv, False, tOrP, acc_S, acc_O, rescale, v_pipe)
-            # The first step has no P V in flight: its kv_pv release is skipped (pending 0).
-            kv_pv = kv.clone()
-            pending = Int32(0)
+            self._land(None, tOrP, acc_S, acc_O, rescale, v_pipe)
             n_rest = n_block_max - 1
             n_rest_unmasked = cutlass.min(n_unmasked, n_rest)
             for i in cutlass.range(n_rest - n_rest_unmasked, unroll=1):
-                kv, kv_pv = self._step(kv, kv_pv, pending, n_rest - 1 - i, *a, True)
-                pending = Int32(1)
+                kv = self._step(kv, n_rest - 1 - i, *a, True)
             for i in cutlass.range(n_rest_unmasked, unroll=1):
-                kv, kv_pv = self._step(kv, kv_pv, pending, n_rest_unmasked - 1 - i, *a, False)
-                pending = Int32(1)
-            if const_expr(self.overlap):
-                self._land(kv_pv, pending, tOrP, acc_S, acc_O, rescale, v_pipe)
+                kv = self._step(kv, n_rest_unmasked - 1 - i, *a, False)
             if const_expr(self.late_rescale):
-                self._rescale_o(acc_O, rescale)
+                softmax.rescale_o(acc_O, rescale)
             v_pipe.consumer_wait(kv)
-            self._gemm(mma_pv, acc_O, tOrP, tOrV[None, None, None, kv.index], False, 0)
+            gemm(mma_pv, acc_O, tOrP, tOrV[None, None, None, kv.index], False, 0)
             v_pipe.consumer_release(kv)
             kv.advance()
         return kv
-
-    @cute.jit
-    def _land(self, kv_pv, pending, tOrP, acc_S, acc_O, rescale, v_pipe):
-        """Wait for the P V in flight (its V stage `kv_pv` released if `pending`), then P in
-        acc_S to 16 bits as the next P V's A operand, and O rescaled to the new row maxima."""
-        self._wait_pv(kv_pv, pending, v_pipe)
-        self._to_operand(acc_S, tOrP)
-        if const_expr(not self.late_rescale):
-            self._rescale_o(acc_O, rescale)
-
-    @cute.jit
-    def _wait_pv(self, kv_pv, pending, v_pipe):
-        warpgroup.wait_group(0)
-        if const_expr(isinstance(pending, bool)):
-            if const_expr(pending):
-                v_pipe.consumer_release(kv_pv)
-        else:
-            if pending != 0:
-                v_pipe.consumer_release(kv_pv)
-
-    @cute.jit
-    def _to_operand(self, acc_S, tOrP):
-        """P (fp32, in acc_S) to 16 bits in tOrP, the next P V's A operand. `cvt_asm`: one
-        packed cvt per pair as inline PTX (the assembler then leaves the conversion in the
-        softmax instead of moving it past the next turn's barrier, ahead of the GEMM issue)."""
-        if const_expr(self.cvt_asm):
-            src = _acc_as_operand_a(acc_S)
-            dst = cute.recast_tensor(tOrP, Int32)
-            bf16 = self.dtype is cutlass.BFloat16
-            for i in cutlass.range_constexpr(cute.size(dst)):
-                dst[i] = _cvt_pair(src[2 * i], src[2 * i + 1], bf16)
-        else:
-            tOrP.store(_acc_as_operand_a(acc_S).load().to(self.dtype))
-
-    @cute.jit
-    def _gemm(
-        self, tiled_mma, acc, tA, tB, zero_init: cutlass.Constexpr[bool],
-        wg_wait: cutlass.Constexpr[int],
-    ):  # fmt: skip
-        """One warpgroup's acc (+)= A B over all k-blocks, committed as one group; then waits
-        until at most `wg_wait` groups are in flight (no wait if negative)."""
-        warpgroup.fence()
-        # A fresh atom per call: its ACCUMULATE field is set inside a dynamic loop.
-        atom = cute.make_mma_atom(tiled_mma.op)
-        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
-            cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
-            atom.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
-        if const_expr(wg_wait >= 0):
-            warpgroup.wait_group(wg_wait)
 
     @cute.jit
     def _first_block(
@@ -797,37 +575,32 @@ class AttentionFwdSm90:
         """Key block n, first half: S = Q K^T, mask, softmax; P (fp32) stays in acc_S. O is
         still 0, so its rescale factor does not matter."""
         k_pipe.consumer_wait(kv)
-        self._gemm(mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], True, 0)
+        gemm(mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], True, 0)
         k_pipe.consumer_release(kv)
         self._mask(acc_S, tScS, n, m0, seqlen_q, seqlen_k)
-        self._online_softmax(acc_S, row_max, row_sum, rescale, scale_log2)
+        softmax.online_softmax(acc_S, row_max, row_sum, rescale, scale_log2)
 
     @cute.jit
     def _step(
-        self, kv, kv_pv, pending, n, mma_qk, mma_pv, tSrQ, tSrK, tOrP, tOrV, acc_S, acc_O,
-        row_max, row_sum, rescale, tScS, k_pipe, v_pipe, scale_log2, m0, seqlen_q, seqlen_k,
-        my_turn, their_turn, masked: cutlass.Constexpr[bool],
+        self, kv, n, mma_qk, mma_pv, tSrQ, tSrK, tOrP, tOrV, acc_S, acc_O, row_max, row_sum,
+        rescale, tScS, k_pipe, v_pipe, scale_log2, m0, seqlen_q, seqlen_k, my_turn, their_turn,
+        masked: cutlass.Constexpr[bool],
     ):  # fmt: skip
-        """acc_S holds P of the block at state `kv` (its V not yet used); if `pending`, the
-        P V of block `kv_pv` is in flight. Land it, then issue S = Q K_n^T and O += P V_kv,
-        and run the softmax of S_n under that P V. The wait for the P V sits at the top of the
-        step, after the loop's back edge, so the assembler cannot hoist it above the softmax.
-        Returns (state of block n, state of the block whose P V is now in flight). Without
-        `overlap` the step lands its own P V after the softmax instead (the assembler then
-        hoists that wait above the softmax: FA3's order as compiled)."""
-        if const_expr(self.overlap):
-            self._land(kv_pv, pending, tOrP, acc_S, acc_O, rescale, v_pipe)
+        """acc_S holds P of the block at state `kv` (its V not yet used): issue S = Q K_n^T and
+        O += P V_kv, run the softmax of S_n under that P V, then land it. Returns the state of
+        block n. (The assembler hoists the P V wait above the softmax's exp2s: a warpgroup's
+        softmax runs under the other warpgroup's GEMMs, not its own; see the notes.)"""
         kv_s = kv.clone()
         kv_s.advance()
         k_pipe.consumer_wait(kv_s)
         if const_expr(self.pingpong):
             my_turn.arrive_and_wait()
-        self._gemm(mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_s.index], True, -1)
+        gemm(mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_s.index], True, -1)
         if const_expr(self.late_rescale):
             # O's rescale under the S GEMM, right before the P V that accumulates onto it.
-            self._rescale_o(acc_O, rescale)
+            softmax.rescale_o(acc_O, rescale)
         v_pipe.consumer_wait(kv)
-        self._gemm(mma_pv, acc_O, tOrP, tOrV[None, None, None, kv.index], False, -1)
+        gemm(mma_pv, acc_O, tOrP, tOrV[None, None, None, kv.index], False, -1)
         if const_expr(self.pingpong):
             their_turn.arrive()
         # Groups retire in order: with one left in flight, S (committed first) is complete.
@@ -835,102 +608,30 @@ class AttentionFwdSm90:
         k_pipe.consumer_release(kv_s)
         if const_expr(masked):
             self._mask(acc_S, tScS, n, m0, seqlen_q, seqlen_k)
-        self._online_softmax(acc_S, row_max, row_sum, rescale, scale_log2)
-        if const_expr(not self.overlap):
-            self._land(kv, True, tOrP, acc_S, acc_O, rescale, v_pipe)
-        return kv_s, kv
+        softmax.online_softmax(acc_S, row_max, row_sum, rescale, scale_log2)
+        self._land(kv, tOrP, acc_S, acc_O, rescale, v_pipe)
+        return kv_s
+
+    @cute.jit
+    def _land(self, kv_pv, tOrP, acc_S, acc_O, rescale, v_pipe):
+        """Wait for the P V in flight and release its V stage `kv_pv` (None: nothing was in
+        flight), then P in acc_S to 16 bits as the next P V's A operand (one inline-PTX packed
+        convert per pair: the DSL's vector conversion is sunk past the next GEMM turn's
+        barrier, 5-15% slower at D = 128), and O rescaled to the new row maxima."""
+        warpgroup.wait_group(0)
+        if const_expr(kv_pv is not None):
+            v_pipe.consumer_release(kv_pv)
+        acc_to_operand_a(acc_S, tOrP)
+        if const_expr(not self.late_rescale):
+            softmax.rescale_o(acc_O, rescale)
 
     @cute.jit
     def _mask(self, acc_S, tScS, n, m0, sq, seqlen_k):
-        """-inf where the key is past Sk or (causal) past the row's diagonal; sq = (rows,
-        qgroup), row r being query r // qgroup."""
+        """-inf past Sk and (causal) past each row's diagonal; sq = (rows, qgroup)."""
         seqlen_q, qgroup = sq
-        t0ScS, row_base, col_base = tScS
-        s = _rows_cols(acc_S)
-        col0 = n * self.tile_n + col_base
-        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-            limit = seqlen_k - col0  # first masked column, relative to the thread's first
-            if const_expr(self.causal):
-                query = (m0 + row_base + t0ScS[r, 0][0]) // qgroup
-                limit = cutlass.min(limit, query + seqlen_k - seqlen_q // qgroup + 1 - col0)
-            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                if t0ScS[r, c][1] >= limit:
-                    s[r, c] = -Float32.inf
-
-    @cute.jit
-    def _online_softmax(self, acc_S, row_max, row_sum, rescale, scale_log2):
-        """S -> P = exp2(S scale_log2 - max scale_log2) in place; the row sums stay per thread
-        (the quad's partial sums are added in `_finalize`). Sets each row's O rescale,
-        exp2((old max - new max) scale_log2), applied once the P V in flight is done."""
-        s = _rows_cols(acc_S)
-        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-            prev = row_max[r]
-            # Four independent max / sum chains instead of one 64-long dependency chain.
-            part = [prev] * 4
-            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                part[c % 4] = cute.arch.fmax(part[c % 4], s[r, c])
-            cur = cute.arch.fmax(cute.arch.fmax(part[0], part[1]), cute.arch.fmax(part[2], part[3]))
-            cur = cute.arch.warp_reduction_max(cur, threads_in_group=4)  # the row's 4 threads
-            if const_expr(self.rescale_threshold > 0.0):
-                # Keep the running max unless the new one exceeds it by more than the
-                # threshold (log2 units): P then stays below 2^threshold and O's rescale is
-                # skipped (see `_rescale_o`). prev = -inf always takes the new max.
-                if (cur - prev) * scale_log2 <= self.rescale_threshold:
-                    cur = prev
-            row_max[r] = cur
-            # A row with no visible key so far keeps max -inf: subtract 0 instead, so that
-            # exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN.
-            cur_scaled = cur * scale_log2
-            if cur == -Float32.inf:
-                cur_scaled = Float32(0.0)
-            rescale[r] = cute.math.exp2(prev * scale_log2 - cur_scaled, fastmath=True)
-            part = [Float32(0.0)] * 4
-            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                x = s[r, c] * scale_log2 - cur_scaled
-                # `poly_exp` of every 8 columns take the FMA pipe, the rest the MUFU.
-                if const_expr(c % 8 < self.poly_exp):
-                    p = _exp2_fma(x)
-                else:
-                    p = cute.math.exp2(x, fastmath=True)
-                s[r, c] = p
-                part[c % 4] = part[c % 4] + p
-            total = (part[0] + part[1]) + (part[2] + part[3])
-            row_sum[r] = row_sum[r] * rescale[r] + total
-
-    @cute.jit
-    def _rescale_o(self, acc_O, rescale):
-        o = _rows_cols(acc_O)
-        if const_expr(self.rescale_threshold > 0.0):
-            # Only when some row of the warp moved its max (a warp-uniform branch).
-            moved = rescale[0] != 1.0
-            for r in cutlass.range_constexpr(1, cute.size(o, mode=[0])):
-                moved = moved or rescale[r] != 1.0
-            if cute.arch.vote_any_sync(moved):
-                for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
-                    for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
-                        o[r, c] = o[r, c] * rescale[r]
-        else:
-            for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
-                for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
-                    o[r, c] = o[r, c] * rescale[r]
-
-    @cute.jit
-    def _finalize(self, acc_O, row_max, row_sum, scale_log2):
-        """O /= rowsum; returns the rows' natural-log LSE (-inf, O = 0 for rows that saw no
-        key)."""
-        o = _rows_cols(acc_O)
-        row_lse = cute.make_rmem_tensor(cute.size(row_sum), Float32)
-        for r in cutlass.range_constexpr(cute.size(row_sum)):
-            total = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
-            inv = Float32(1.0)
-            lse = -Float32.inf
-            if total > 0.0:
-                inv = cute.arch.rcp_approx(total)
-                lse = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
-            row_lse[r] = lse
-            for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
-                o[r, c] = o[r, c] * inv
-        return row_lse
+        softmax.mask_scores(
+            acc_S, tScS, m0, n * self.tile_n, seqlen_q, seqlen_k, qgroup, self.causal
+        )
 
     @cute.jit
     def _store_o(
@@ -965,7 +666,7 @@ class AttentionFwdSm90:
             )
             thr_r2s = r2s.get_slice(tidx)
             sO_tile = sO[None, None, 0]
-            storer = warp_idx == THREADS_PER_WG // 32  # the first consumer warp
+            storer = warp_idx == STORER_WARP
             if storer:
                 # The previous tile's store must have read sO (own buffer), and
                 # (shared buffer) every warpgroup's last QK^T must be done with sQ.
@@ -998,7 +699,7 @@ class AttentionFwdSm90:
     @cute.jit
     def _store_lse(self, tidx, mma_pv, row_lse, mLSE, m0, head, batch, q_off, seqlen_q):
         """The thread holding column 0 of a row writes its LSE, rows < Sq only."""
-        tOcO = _rows_cols(
+        tOcO = rows_cols(
             mma_pv.get_slice(tidx).partition_C(
                 cute.make_identity_tensor((self.tile_m, self.head_dim_v))
             )

@@ -1,0 +1,106 @@
+"""Longest-first tile order for a persistent attention kernel: tiles are (query-row block,
+query head, batch), numbered t = 0, 1, ...; CTA c takes t = c, c + grid, c + 2 grid, ...
+
+The row block is the slowest index over every batch and head, so with a causal mask the
+longest row blocks (the last ones, which see the most keys) run first everywhere
+(longest-processing-time first: the short ones fill the tail), and the CTAs running at one
+time share whole GQA groups' K and V through L2. When one wave of such tiles would touch far
+more K and V than L2 holds (long sequences with few query heads per kv head: MHA 192/128 at
+8192 reads ~130 kv heads of 5 MB a wave, 0.73 of FA4 against 0.83-0.93 in sections, H200),
+fixed-length tiles go instead batch by batch, in sections of heads whose K and V fit in L2
+together, the row block slowest within a section.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
+
+# K and V bytes the concurrently running tiles may share from L2 (50 MiB on H100 / H200).
+L2_KV_BUDGET = 24 * 2**20
+# K/V footprint (KiB) of one wave of longest-first tiles above which sections are used:
+# 160 MiB kept D=256 b4 hq16 s4096 (a 256 MiB wave) in sections, 1.084 ms against 1.057 ms.
+WAVE_KV_LIMIT_KIB = 320 * 2**10
+
+
+class TileGrid(NamedTuple):
+    """The problem the order walks. The tensors are in (S, D, H, B) order (varlen: packed, a
+    unit batch mode); their sizes are read where `tile` uses them, inside the tile loop."""
+
+    num_m_blocks: Int32  # row blocks of the longest query sequence
+    mQ: cute.Tensor  # queries: heads, batch, fixed-length Sq
+    mK: cute.Tensor  # keys: kv heads, fixed-length Sk
+    cu_seqlens_q: cute.Tensor | None  # varlen: int32 (B + 1,) offsets; else None
+    cu_seqlens_k: cute.Tensor | None
+
+
+class WorkTile(NamedTuple):
+    """One tile: `valid` is false for a varlen row block past its sequence's end; batch indexes
+    the tensors (0 for varlen, whose sequences are row offsets q_off / k_off)."""
+
+    valid: cutlass.Boolean
+    m_block: Int32
+    head: Int32
+    batch: Int32
+    q_off: Int32
+    k_off: Int32
+    seqlen_q: Int32
+    seqlen_k: Int32
+
+
+class LongestFirst:
+    """The order of tiles of `tile_m` query rows. kv_row_bytes: K + V bytes of one key row
+    (decides the L2 sections of fixed-length problems)."""
+
+    def __init__(self, tile_m: int, causal: bool, varlen: bool, kv_row_bytes: int):
+        self.tile_m = tile_m
+        self.causal = causal
+        self.varlen = varlen
+        self.kv_row_bytes = kv_row_bytes
+
+    @cute.jit
+    def tile(self, t: Int32, grid: TileGrid) -> WorkTile:
+        """Tile t of the order."""
+        num_m_blocks, mQ, mK, cu_q, cu_k = grid
+        num_heads = mQ.shape[2]
+        group = num_heads // mK.shape[2]
+        num_batch = mQ.shape[3] if const_expr(not self.varlen) else cu_q.shape[0] - 1
+        per_m = num_heads * num_batch
+        m_rev = t // per_m
+        rest = t - m_rev * per_m
+        batch = rest // num_heads
+        head = rest - batch * num_heads
+        if const_expr(not self.varlen):
+            kv_bytes = cutlass.max(mK.shape[0] * self.kv_row_bytes, 1)
+            wave_kv_heads = cutlass.min(
+                cute.arch.grid_dim()[0] // group + 1, num_batch * mK.shape[2]
+            )
+            if wave_kv_heads * (kv_bytes // 1024) > WAVE_KV_LIMIT_KIB:
+                per_batch = num_heads * num_m_blocks
+                batch = t // per_batch
+                r = t - batch * per_batch
+                section = cutlass.min(cutlass.max(L2_KV_BUDGET // kv_bytes, 1) * group, num_heads)
+                first_head = (r // (section * num_m_blocks)) * section
+                heads_here = cutlass.min(section, num_heads - first_head)
+                idx = r - first_head * num_m_blocks
+                m_rev = idx // heads_here
+                head = first_head + idx - m_rev * heads_here
+        q_off = Int32(0)
+        k_off = Int32(0)
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        m_blocks = num_m_blocks
+        if const_expr(self.varlen):
+            q_off = cu_q[batch]
+            k_off = cu_k[batch]
+            seqlen_q = cu_q[batch + 1] - q_off
+            seqlen_k = cu_k[batch + 1] - k_off
+            m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
+            batch = Int32(0)  # the packed tensors' unit batch mode; the sequence is an offset
+        m_block = m_rev
+        if const_expr(self.causal):
+            m_block = m_blocks - 1 - m_rev
+        return WorkTile(m_rev < m_blocks, m_block, head, batch, q_off, k_off, seqlen_q, seqlen_k)
