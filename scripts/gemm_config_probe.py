@@ -29,12 +29,19 @@ CONFIGS = [
     dict(tile_m=64, tile_n=256, cluster_m=2),
     dict(tile_n=128, cluster_m=2),
     dict(tile_n=128, cluster_m=1),
-    dict(tile_m=64, tile_n=256, pingpong=True),
-    dict(tile_m=64, tile_n=256, cluster_m=1, pingpong=True),
-    dict(tile_m=64, tile_n=128, pingpong=True),
+    # raster bands (no standard configuration swizzles): the last band narrower than the rest
+    dict(swizzle=2),
+    dict(swizzle=3, raster_along_m=False),
     dict(),
 ]
-SHAPES = ["128x8192x1024", "256x8192x1024", "128x65536x512", "1024x1024x1024", "1000x3000x4104"]
+SHAPES = [
+    "8192x8192x1024",
+    "128x8192x1024",
+    "256x8192x1024",
+    "128x65536x512",
+    "1024x1024x1024",
+    "1000x3000x4104",
+]
 if os.environ.get("PROBE_ONLY"):
     CONFIGS = [c for c in CONFIGS if str(c).find(os.environ["PROBE_ONLY"]) >= 0]
 

@@ -41,23 +41,13 @@ SHAPES = (
 
 
 def _fits(cfg, m: int) -> bool:
-    """Skinny tiles and split K only for skinny M; LARGE and SMALL everywhere."""
-    skinny = cfg.tile_m * cfg.tile_n < 128 * 128 or cfg.split_k > 1
+    """Skinny tiles only for skinny M; LARGE and SMALL everywhere."""
+    skinny = cfg.tile_m * cfg.tile_n < 128 * 128
     return cfg in (LARGE, SMALL) or skinny == (m <= 256)
 
 
 def _call(fn, clusters, a, b, c):
     fn(a, b, c, clusters)
-
-
-def _call_raw(fn, clusters, partials, a, b, c):
-    fn(a, b, partials, clusters)
-
-
-def _call_split(fn, clusters, partials, a, b, c):
-    # what forgekernel.ops.gemm does for split K: fp32 partials, then their sum
-    fn(a, b, partials, clusters)
-    c.copy_(partials.sum(0))
 
 
 def main() -> None:
@@ -83,15 +73,7 @@ def main() -> None:
                 continue
             fn = get_kernel(SPEC, params_for("bfloat16", False, cfg))
             cl = cfg.cluster_m * cfg.cluster_n
-            if cfg.split_k > 1:
-                partials = torch.empty(cfg.split_k, m, n, device="cuda", dtype=torch.float32)
-                fns[cfg.tag()] = functools.partial(_call_split, fn, sms // cl, partials)
-                # the GEMM alone (its output is not checked): how much the sum costs
-                fns[cfg.tag() + "_gemm_only"] = functools.partial(
-                    _call_raw, fn, sms // cl, partials
-                )
-            else:
-                fns[cfg.tag()] = functools.partial(_call, fn, sms // cl)
+            fns[cfg.tag()] = functools.partial(_call, fn, sms // cl)
         ref = args[0][0].float() @ args[0][1].float().t()
         samples = time_interleaved(fns, rotate=args, reps=15)
         base = median(samples["cublas"])
