@@ -5,12 +5,15 @@
 #          forgekernel build --arch sm_90a --out .bundle/kernels [--only KERNEL ...]
 #   GPU 1: bash .payload/p1/dsl-install.sh stash .payload/p1            (carry .payload/p1)
 #   GPU 2: bash scripts/device_jit_run.sh OP...   within 30 s  (carry .payload/p2, .bundle/kernels)
-# Each OP is checked, then benchmarked, under its own time limits; VARIANTS=1 then times
-# attention-forward configurations (scripts/attn_variants.py), BWD_SCRIPT=1 runs
-# scripts/bwd_gpu_check.py, BWD_VARIANTS=1 scripts/bwd_variants.py.
+# Each OP is checked, then benchmarked (the backward's deterministic mode with it: `bench
+# attention_bwd`), under its own time limits; SANITIZE=1 then runs `check --sanitize OP`
+# (compute-sanitizer memcheck and racecheck, under SANITIZE_TIMEOUT; SANITIZE=only skips check
+# and bench); VARIANTS=1 then times attention-forward configurations (scripts/attn_variants.py),
+# BWD_VARIANTS=1 scripts/bwd_variants.py.
 set -uo pipefail
 OUT=${OUT:-/tmp/forgekernel-out}
-# At most 8 files come back: the ledgers, one tar of the reports, variants.json.
+# At most 8 files come back: the ledgers, reports.tar, logs.tar (every log, the sanitizers' full
+# output under sanitize/), variants.json, bwd_variants.json.
 LOGS=/tmp/forgekernel-logs REPORTS=/tmp/forgekernel-reports
 mkdir -p "$OUT/results" "$LOGS" "$REPORTS"
 source .payload/p2/dsl-install.sh install .payload/p2 || exit 1
@@ -18,27 +21,38 @@ export FORGEKERNEL_KERNEL_DIR="$PWD/.bundle/kernels" FORGEKERNEL_RESULTS_DIR="$O
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,power.draw --format=csv
 timeout 120 python3 -m forgekernel selftest 2>&1 | tail -3
+pack() {
+  tar -cf "$OUT/reports.tar" -C "$REPORTS" . 2>/dev/null
+  tar -cf "$OUT/logs.tar" -C "$LOGS" . 2>/dev/null
+}
 for op in "$@"; do
-  timeout "${CHECK_TIMEOUT:-200}" python3 -m forgekernel check "$op" 2>&1 | tee "$LOGS/check-$op.log" \
-    | grep -v " PASS$"
-  check_rc=${PIPESTATUS[0]}
-  [ "${SKIP_BENCH:-}" = "$op" ] && continue
-  timeout "${BENCH_TIMEOUT:-300}" python3 -m forgekernel bench --report-dir "$REPORTS" "$op" \
-    2>&1 | tee "$LOGS/bench-$op.log" | grep -v "^\[" | tail -25
-  echo "$op: check rc=$check_rc bench rc=${PIPESTATUS[0]}"
+  check_rc=skipped bench_rc=skipped sanitize_rc=skipped
+  if [ "${SANITIZE:-0}" != only ]; then
+    timeout "${CHECK_TIMEOUT:-200}" python3 -m forgekernel check "$op" 2>&1 \
+      | tee "$LOGS/check-$op.log" | grep -v " PASS$"
+    check_rc=${PIPESTATUS[0]}
+  fi
+  if [ "${SANITIZE:-0}" != only ] && [ "${SKIP_BENCH:-}" != "$op" ]; then
+    timeout "${BENCH_TIMEOUT:-300}" python3 -m forgekernel bench --report-dir "$REPORTS" "$op" \
+      2>&1 | tee "$LOGS/bench-$op.log" | grep -v "^\[" | tail -40
+    bench_rc=${PIPESTATUS[0]}
+  fi
+  if [ "${SANITIZE:-0}" != 0 ]; then
+    timeout "${SANITIZE_TIMEOUT:-300}" python3 -m forgekernel check --sanitize "$op" \
+      --sanitize-log-dir "$LOGS/sanitize" --sanitize-timeout "${SANITIZE_RUN_TIMEOUT:-200}" \
+      2>&1 | tee "$LOGS/sanitize-$op.log"
+    sanitize_rc=${PIPESTATUS[0]}
+  fi
+  echo "$op: check rc=$check_rc bench rc=$bench_rc sanitize rc=$sanitize_rc"
+  pack
 done
-tar -cf "$OUT/reports.tar" -C "$REPORTS" . 2>/dev/null
 if [ -n "${VARIANTS:-}" ]; then
   PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout "${VARIANTS_TIMEOUT:-200}" python3 scripts/attn_variants.py \
     "$OUT/variants.json" 2>&1 | tail -40
-fi
-if [ -n "${BWD_SCRIPT:-}" ]; then
-  PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout "${BWD_TIMEOUT:-200}" python3 scripts/bwd_gpu_check.py ${BWD_ARGS:-} \
-    2>&1 | tail -60
 fi
 if [ -n "${BWD_VARIANTS:-}" ]; then
   PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout "${BWD_VARIANTS_TIMEOUT:-200}" \
     python3 scripts/bwd_variants.py "$OUT/bwd_variants.json" 2>&1 | tee "$LOGS/bwd_variants.log" \
     | tail -40
-  cp "$LOGS/bwd_variants.log" "$OUT/" 2>/dev/null
 fi
+pack
