@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 import forgekernel
+from forgekernel.runtime.spec import leaf_packages
 
 PACKAGE_DIR = Path(forgekernel.__file__).resolve().parent
 ROOT = PACKAGE_DIR.parent
@@ -150,15 +151,10 @@ def test_runtime_names_no_kernel_leaf():
 
 
 def test_every_leaf_launches_from_its_launch_py():
-    """One kind of place for every host launcher: each leaf (a package whose __init__ declares
-    SPEC / SPECS) has launch.py, and ops reaches a leaf only through its launch.py, its
-    DSL-free declaration and config."""
-    leaves = [
-        init.parent
-        for init in (PACKAGE_DIR / "kernels").rglob("__init__.py")
-        if any(word in init.read_text() for word in ("SPEC =", "SPECS ="))
-    ]
-    assert leaves
+    """One kind of place for every host launcher: each leaf (as runtime finds them) has
+    launch.py, and ops reaches a leaf only through it, its DSL-free declaration and config."""
+    leaves = [Path(leaf.__file__).parent for leaf in leaf_packages()]
+    assert len(leaves) >= 3
     assert [leaf for leaf in leaves if not (leaf / "launch.py").is_file()] == []
     leaf_names = [module_name(leaf / "__init__.py") for leaf in leaves]
     allowed = ("", ".launch", ".config")
