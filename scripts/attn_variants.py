@@ -21,16 +21,14 @@ from forgekernel.runtime.device import num_sms
 from forgekernel.runtime.timing import median, time_interleaved
 
 C = AttnConfig
-OV = {"overlap": True}
 EARLY = {"late_rescale": False}
-RT = {"rescale_threshold": 8.0}
 CASES = [
     # (b, hq, hkv, s, d, causal, configs); d = (D, Dv) when they differ. First: the default.
-    (16, 64, 4, 2048, 128, True, [C(), C(**RT)]),
-    (8, 64, 4, 4096, 128, False, [C(), C(**OV), C(**RT)]),
-    (8, 32, 32, 4096, 64, True, [C(192, 128, 3), C(192, 128, 3, **RT)]),
-    (4, 16, 16, 4096, 256, True, [C(128, 64, 2), C(128, 64, 2, **OV), C(128, 64, 2, **RT)]),
-    (2, 128, 128, 8192, (192, 128), True, [C(**EARLY), C(**OV)]),
+    (16, 64, 4, 2048, 128, True, [C()]),
+    (8, 64, 4, 4096, 128, False, [C(), C(128, 160, 2)]),
+    (8, 32, 32, 4096, 64, True, [C(192, 128, 3), C(192, 128, 2), C(128, 128, 3)]),
+    (4, 16, 16, 4096, 256, True, [C(128, 64, 2), C(128, 64, 2, **EARLY), C(128, 80, 2)]),
+    (2, 128, 128, 8192, (192, 128), True, [C(**EARLY), C()]),
 ]
 
 
