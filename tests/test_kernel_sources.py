@@ -133,7 +133,7 @@ def test_real_leaves_sources_and_common_edits(tmp_path):
         )
     closures = {leaf: import_closure(entry, tmp_path) for leaf, entry in entries.items()}
     before = _hash_closures(tmp_path, closures)
-    assert before == {s.name: s.source_hash for s in specs}
+    assert before == {s.name: source_hash(s.sources) for s in specs}
     for module in sorted((copy / "common").rglob("*.py")):
         original = module.read_text()
         module.write_text(_reworded(original))

@@ -12,7 +12,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from forgekernel.runtime.cache import compile_to, user_cache_dir
+from forgekernel.runtime.cache import artifact_stem, compile_to, user_cache_dir
 from forgekernel.runtime.resources import inspect_cubin
 from forgekernel.runtime.spec import KernelSpec, Params, all_specs
 
@@ -65,15 +65,18 @@ def build_tasks(
 
 
 def _run(tasks: list[Task], target: Path, jobs: int) -> list[dict[str, Any]]:
-    if tasks and importlib.util.find_spec("cutlass") is None:  # say so before any process starts
+    """One record per task, in order; kernels already in `target` are read here, the others
+    compiled by `jobs` processes."""
+    missing = [t for t in tasks if not _built(t, target)]
+    if missing and importlib.util.find_spec("cutlass") is None:  # say so before any process starts
         raise ImportError("No module named 'cutlass'")
-    if jobs <= 1 or len(tasks) <= 1:
+    if jobs <= 1 or len(missing) <= 1:
         return [build_one(name, params, target) for name, params in tasks]
     # spawn: each worker starts clean and imports the DSL itself (no forked compiler state)
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=context) as pool:
-        futures = [pool.submit(build_one, name, params, target) for name, params in tasks]
-        return [_result(f, pool) for f in futures]
+    with ProcessPoolExecutor(min(jobs, len(missing)), mp_context=context) as pool:
+        futures = {t: pool.submit(build_one, *t, target) for t in missing}
+        return [_result(futures[t], pool) if t in futures else build_one(*t, target) for t in tasks]
 
 
 def _result(future: Future, pool: ProcessPoolExecutor) -> dict[str, Any]:
@@ -93,6 +96,11 @@ def build_one(name: str, params: Params, target: Path) -> dict[str, Any]:
         rec.update(_resources(Path(rec["path"]), rec.pop("cubin", None)))
     rec["config"] = _short(rec["params"])
     return rec
+
+
+def _built(task: Task, target: Path) -> bool:
+    name, params = task
+    return (target / f"{artifact_stem(_spec_named(name), params)}.so").is_file()
 
 
 def _spec_named(name: str) -> KernelSpec:
