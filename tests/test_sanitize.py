@@ -28,7 +28,8 @@ MEMCHECK_OOB = """\
 =========     by thread (5,0,0) in block (3,0,0)
 =========     Address 0x7f0000001000 is out of bounds
 =========
-========= ERROR SUMMARY: 1 error
+========= ERROR SUMMARY: 101 errors
+========= ERROR SUMMARY: 1 error was not printed. Use --print-limit option to adjust
 """
 RACECHECK_HAZARDS = """\
 ========= COMPUTE-SANITIZER
@@ -45,9 +46,14 @@ RACECHECK_HAZARDS = """\
 
 
 def test_parse_counts():
-    assert sanitize.parse_counts("memcheck", MEMCHECK_CLEAN) == {"count": 0, "unit": "errors"}
+    clean = sanitize.parse_counts("memcheck", MEMCHECK_CLEAN)
+    assert clean == {"count": 0, "unit": "errors", "summary": ["ERROR SUMMARY: 0 errors"]}
     oob = sanitize.parse_counts("memcheck", MEMCHECK_OOB)
-    assert oob["count"] == 1 and oob["first"][0] == "Invalid __global__ write of size 16 bytes"
+    assert (
+        oob["count"] == 101
+        and len(oob["summary"]) == 2
+        and oob["first"][0] == "Invalid __global__ write of size 16 bytes"
+    )
     assert oob["first"][-1] == "Address 0x7f0000001000 is out of bounds"
     race = sanitize.parse_counts("racecheck", RACECHECK_HAZARDS)
     assert (race["count"], race["errors"], race["warnings"]) == (2, 1, 1)
@@ -57,6 +63,15 @@ def test_parse_counts():
         "Write Thread (128, 0, 0) at 0x1a0 in kernel_bwd",
     ]
     assert sanitize.parse_counts("racecheck", MEMCHECK_CLEAN)["count"] is None  # no summary
+    analysis = (
+        "========= Error: Race reported between Write access at 0x10 in k\n"
+        "=========     and Read access at 0x20 in k [128 hazards]\n"
+        "=========     and Read access at 0x30 in k [128 hazards]\n"
+        "========= RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)\n"
+    )
+    race = sanitize.parse_counts("racecheck", analysis)
+    assert race["count"] == 1 and race["location_hazards"] == 256
+    assert race["first"][0] == "Error: Race reported between Write access at 0x10 in k"
 
 
 def test_run_status():
@@ -163,6 +178,7 @@ def test_counts_per_case_into_the_ledger(tmp_path, sources, fake_suite, fake_too
     mem, race = entry["tools"]["memcheck"], entry["tools"]["racecheck"]
     assert (mem["status"], mem["count"], mem["passed"]) == ("ok", 0, True)
     assert mem["cases"] == {"1x8x8": {"count": 0}, "7x24x40": {"count": 0}}
+    assert race["summary"] == ["RACECHECK SUMMARY: 3 hazards displayed (3 errors, 0 warnings)"]
     assert (race["status"], race["count"], race["passed"]) == ("ok", 3, False)
     assert race["args"] == ["--tool", "racecheck", "--racecheck-report", "hazard"]
     assert race["cases"]["1x8x8"]["count"] == 0  # attributed by one run per case
@@ -231,7 +247,7 @@ def test_cli(monkeypatch, capsys):
 def test_summary_line_of_the_ledger_entry():
     counts = sanitize.parse_counts("memcheck", MEMCHECK_OOB)
     entry = {"tools": {"memcheck": {"status": "ok", **counts}}}
-    assert sanitize.ledger.sanitize_summary(entry) == "memcheck 1 errors"
+    assert sanitize.ledger.sanitize_summary(entry) == "memcheck 101 errors"
 
 
 def test_every_operator_has_sanitize_cases():

@@ -11,10 +11,12 @@ result is the ledger's "sanitize" section (`benchmarks/results/<arch>/<op>.json`
     sanitize: {source_hash, gpu, driver, cuda, torch, dsl_version, date,
                sanitizer, sanitizer_version, dtype, passed,
                tools: {memcheck | racecheck: {
-                   args, status ("ok", "timeout after N s", "incomplete: ..."), count, unit,
-                   [errors, warnings, kinds (racecheck)], explained, passed, seconds,
-                   cases: {case: {count, [status, first, explanation, explained_count,
-                                  explained]}}}}}
+                   args, status ("ok", "timeout after N s", "incomplete: ..."),
+                   count, unit (errors | hazards), summary (the tool's summary lines),
+                   [errors, warnings, kinds {RAW, WAR, WAW} (racecheck)], first (the first
+                   report's lines), explained, passed, seconds,
+                   cases: {case: {count, [summary, first, status, explanation,
+                                  explained_count, explained]}}}}}
 
 A tool passes when its run completed and every case counts 0, or exactly the count that an
 `Explained` entry of the suite (a hazard shown to be a tool artifact) gives with its reason.
@@ -52,9 +54,12 @@ CASE_MARK = "forgekernel-sanitize: case "
 DONE_MARK = "forgekernel-sanitize: done "
 FIRST_LINES = 12  # of the first report, kept in the ledger beside a nonzero count
 
-_ERROR_SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) errors?")
+# "ERROR SUMMARY: N errors" counts every error; a second "... errors were not printed" line
+# (past --print-limit) must not be taken for it.
+_ERROR_SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) errors?\s*$", re.M)
 _RACE_SUMMARY = re.compile(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+)")
 _HAZARD_KIND = re.compile(r"Potential (RAW|WAR|WAW) hazard")
+_LOCATION_HAZARDS = re.compile(r"\[(\d+) hazards?\]")  # --racecheck-report analysis / all
 _REPORT_HEAD = re.compile(
     r"^========= (?!COMPUTE-SANITIZER|ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY|Target )\S"
 )
@@ -141,6 +146,8 @@ def first_report(text: str) -> list[str]:
 def parse_counts(tool: str, text: str) -> dict[str, Any]:
     """{count (None: no summary line), unit, ...} from one sanitizer run's output."""
     counts: dict[str, Any] = {"count": None, "unit": UNITS.get(tool, "findings")}
+    summary = [line.removeprefix("=========").strip() for line in text.splitlines()]
+    counts["summary"] = [line for line in summary if "SUMMARY" in line]
     if tool == "racecheck":
         found = _RACE_SUMMARY.findall(text)
         if found:
@@ -150,10 +157,13 @@ def parse_counts(tool: str, text: str) -> dict[str, Any]:
             for kind in _HAZARD_KIND.findall(text):
                 kinds[kind] = kinds.get(kind, 0) + 1
             counts["kinds"] = kinds
+            located = [int(n) for n in _LOCATION_HAZARDS.findall(text)]
+            if located:
+                counts["location_hazards"] = sum(located)
     else:
         found = _ERROR_SUMMARY.findall(text)
         if found:
-            counts["count"] = int(found[-1])
+            counts["count"] = int(found[0])
     if counts["count"]:
         counts["first"] = first_report(text)
     return counts
