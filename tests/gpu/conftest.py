@@ -1,7 +1,8 @@
 """tests/gpu/: tests that need an sm90 GPU (H100 / H200) and its kernels, marked `gpu`.
 
-Elsewhere they are skipped, so CI on a CPU passes; on the H200 `python -m pytest -m gpu` runs
-only them (kernels from a bundle, $FORGEKERNEL_KERNEL_DIR, or compiled on first use).
+Elsewhere they are skipped, so CI on a CPU passes; on the H200 `python -m pytest -m gpu tests/gpu`
+runs them (kernels from a bundle, $FORGEKERNEL_KERNEL_DIR, or compiled on first use; naming the
+folder keeps a host without the DSL from collecting the CPU tests that import it).
 """
 
 from __future__ import annotations
