@@ -76,6 +76,8 @@ from forgekernel.kernels.common.sm90.scheduler.longest_first import LongestFirst
 
 
 class Bar(IntEnum):
+    """The kernel's named barriers (id 0 is __syncthreads)."""
+
     EPILOGUE = FIRST_FREE  # every consumer thread, around O's staging in shared memory
     TURN = FIRST_FREE + 1  # TURN + wg (2, 3, 4): consumer warpgroup wg's turn to issue GEMMs
 
@@ -109,7 +111,6 @@ class AttentionFwdSm90:
         need = smem_bytes(config, head_dim, head_dim_v)
         if need > SMEM_CAPACITY:
             raise ValueError(f"{config} needs {need} B of shared memory, > {SMEM_CAPACITY}")
-        self.cfg = config
         self.head_dim = head_dim
         self.head_dim_v = head_dim_v
         self.causal = causal
@@ -131,6 +132,7 @@ class AttentionFwdSm90:
         # Without ping-pong, O's rescale may wait for the next S GEMM's issue (see AttnConfig);
         # with ping-pong it would hold the GEMM turn instead.
         self.late_rescale = config.late_rescale and not self.pingpong
+        # K + V bytes of one key row (16-bit elements) decide the tile order's L2 sections.
         self.scheduler = LongestFirst(
             self.tile_m, causal, varlen, kv_row_bytes=(head_dim + head_dim_v) * 2
         )
