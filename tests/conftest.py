@@ -1,4 +1,6 @@
-"""Fakes shared by the CPU tests: an OpSuite whose 'kernel' is plain torch on the CPU."""
+"""Fakes shared by the CPU tests (an OpSuite whose 'kernel' is plain torch on the CPU), and the
+`gpu` marker's skip: tests marked `gpu` need an sm90 GPU (H100 / H200) and are skipped elsewhere,
+so CI on a CPU passes; on the H200 `python -m pytest -m gpu` runs them."""
 
 from __future__ import annotations
 
@@ -64,3 +66,23 @@ def sources(tmp_path: Path) -> list[Path]:
 def fake_suite() -> Callable[..., OpSuite]:
     """Factory: fake_suite(sources, name=..., run_ours=..., **OpSuite fields)."""
     return make_suite
+
+
+def sm90_missing() -> str | None:
+    """Why the gpu tests cannot run here, or None when an sm90 device is present."""
+    if not torch.cuda.is_available():
+        return "needs an sm90 GPU: no CUDA device"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) != (9, 0):
+        return f"needs an sm90 GPU: the device is sm_{major}{minor}"
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reason = sm90_missing()
+    if reason is None:
+        return
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))

@@ -365,7 +365,7 @@ def test_opcheck_of_the_differentiable_forward_op(kernels):
     torch.library.opcheck(torch.ops.forgekernel.attention_fwd.default, (q, k, v, True, 0.125))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs the kernel on a GPU")
+@pytest.mark.gpu
 def test_deterministic_backward_is_bitwise_repeatable_on_the_gpu():
     """OPS.md: deterministic=True gives bitwise-repeatable gradients (GQA 8:1: dk/dv sums)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
