@@ -17,5 +17,8 @@ MAX_BARRIERS = 16  # hardware named barriers per CTA
 
 
 def named_barrier(barrier_id, num_threads) -> pipeline.NamedBarrier:
-    """`barrier_id` (an IntEnum member, possibly plus an offset) over `num_threads` threads."""
-    return pipeline.NamedBarrier(barrier_id=int(barrier_id), num_threads=num_threads)
+    """`barrier_id` (an IntEnum member, possibly plus an offset, or an id computed on the
+    device such as `Bar.TURN + wg`) over `num_threads` threads."""
+    if isinstance(barrier_id, int):  # IntEnum members are ints: pass the plain value
+        barrier_id = int(barrier_id)
+    return pipeline.NamedBarrier(barrier_id=barrier_id, num_threads=num_threads)
