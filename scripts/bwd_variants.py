@@ -45,33 +45,8 @@ VARIANTS = {
         "default": D192,
     },
 }
-# Earlier rounds (BWD_NOTES.md): early_dv, 3-deep rings, one dQ buffer, 232/40 registers at
-# D=128; no early dV, 64-row steps at D=64; 3 stages and the key-split layout at D=192/128;
-# kb_slowest (all three); stats_early (D=128 / 64 within noise, D=192 +1.7%); dq_split at
-# D=128 +4.5..7.8% (2026-11-30 10:52 UTC); with dq_split at D=128: 3 stages, 2 dQ buffers,
-# stats_early off all within noise (11:12 UTC), the joint hand-over 3-7% slower; D=64
-# dq_split +0.1..0.4%; D=192 dq_split +2.8%. 11:23 UTC: D=64 dS stored before the dV GEMM
-# +14%, with dQ first and dq_split +20% (now the default); D=128 ds_store_first -0.1..-4%;
-# D=192 dQ first (column split) -1.3%; D=64 early_dv -12%. 11:36 UTC: D=128 p_early,
-# ds_store_first and both within -1.2..+3.2%; 192/128 with 3 stages (joint hand-over) -17%.
-# 11:51 UTC: kb_slowest with dq_split: MHA 0.62, GQA 0.90 / 1.00 / 1.05. 12:57 / 13:02 UTC:
-# l2_swizzle 4 (now the D=128 / D=64 default) 1.01-1.09; heads_inner 0.77-1.01 (dropped).
-# 13:24 UTC: dq_direct (dQ added from registers with red.global.add.v4.f32, no staging, no
-# writer warp) 0.89-0.92 at D=128, 0.98 at D=64; unrolled by the ring (static_stage) still
-# 1.02-1.08 over the rolled loop except GQA s16384 (0.99). Both dropped from the kernel.
-# 13:29 UTC: ds_kmajor (dS K-major for dQ = dS K, transposing stmatrix: FA4's layout)
-# 0.984-1.022, noise; dropped. 13:34 UTC: skip_dead (the second warpgroup, whose keys no row of
-# a key block's first query block sees, only writes zero dS^T and runs its dQ GEMM there)
-# 0.975-0.992 although it drops ~1/66 of the tensor work: dropped. 13:45 UTC: dsum_early
-# (Dsum read right after the dP^T GEMM is issued) 1.005-1.026 (GQA s16384 0.998): the D=128
-# default (not varlen, where it spills). 13:56 UTC: the same for 192/128 (q_halves: each half's
-# LSE / Dsum right after its GEMMs) 1.021 (now its default); D=64 stats_early 1.002 (left off).
-# 14:31 UTC: s_ahead (the ring pair's second S^T issued by the first step) 0.95-1.00: dropped.
-# 14:48 / 14:52 UTC: dq_claim (no zeroed dQ workspace: the first key block to reach a query
-# block stores its tile, the others wait for it to land) 0.96-1.01 overall although the
-# preprocess halves (branch claim): dropped. 15:03 UTC: exp_emu 1 / 2 (a quarter / half of the
-# exp2s from a degree-3 polynomial on the FMA pipes, branch expemu) 0.93-0.98 (D=64 1 / 4:
-# 1.016, 2 / 4: 0.974): dropped.
+# Earlier rounds and the knobs they measured and dropped: BWD_NOTES.md ("Measured and dropped:
+# knobs that left the leaf" and the sections after it).
 CASES = [  # (b, hq, hkv, s, d, causal): the attention_bwd bench suite
     (8, 32, 32, 4096, 128, True),
     (4, 32, 32, 8192, 128, True),

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY
+
 DTYPES = ("float16", "bfloat16")
 # (head_dim, head_dim_v) pairs with a default config.
 HEAD_DIMS = ((64, 64), (128, 128), (192, 128))
-# (192, 128) uses the column-split layout (tile_n = 64, both consumer warpgroups share the keys
-# and split dK / dV by head-dim columns): with the key-split layout its accumulators (dK 96 +
-# dV 64 + S^T 32 + dP^T 32 per thread) do not fit, ptxas serializes the WGMMAs and spills
-# (`_EXPERIMENTAL`, see BWD_NOTES.md).
-SMEM_CAPACITY = 232448  # sm_90 per-block opt-in maximum (227 KiB)
 # Query rows of the fp32 workspaces (LSE in log2 units, Dsum, dQ accumulator) are padded to a
 # multiple of this, so that the main kernel's loads never leave the workspace.
 ROW_PAD = 128
@@ -26,9 +23,9 @@ NUM_MMA_WG = 2
 VARLEN_SEQ_PAD = ROW_PAD + 4
 
 
-def varlen_ws_row(q_off: int, seq: int) -> int:
-    """First workspace row of sequence `seq` whose packed rows start at `q_off` (the kernels
-    compute the same with DSL integers)."""
+def varlen_ws_row(q_off, seq):
+    """First workspace row of sequence `seq` whose packed rows start at `q_off` (Python ints
+    on the host, DSL integers in the kernels)."""
     return (q_off + 3) // 4 * 4 + seq * VARLEN_SEQ_PAD
 
 
@@ -41,85 +38,65 @@ def varlen_ws_rows(total_q: int, num_seqs: int) -> int:
 class BwdConfig:
     """What one compiled backward main kernel bakes in besides dtype, head dims and flags.
 
-    tile_n keys per CTA: 128 = key split (the two consumer warpgroups hold 64 keys each, whole
+    Layout. tile_n keys per CTA: 128 = key split (each consumer warpgroup holds 64 keys, whole
     dK / dV rows); 64 = column split (both warpgroups see the 64 keys, S^T / dP^T split by
     query columns, dK / dV / dQ by head-dim columns, P^T and dS^T through shared memory;
-    tile_m 64 only; the D = 192 layout),
-    tile_m query rows per step, stages of the Q and dO rings, dq_stages fp32 dQ staging
-    buffers in shared memory (the reduction into global memory drains one while the other
-    fills).
+    tile_m 64, dq_split and stats_early only; the varlen D = 192 layout). tile_m query rows
+    per step (64 or 128), `stages` of the Q and dO rings. One fp32 dQ staging buffer.
 
-    Performance knobs (static; their defaults are the kernel's standard behaviour and are left
-    out of the compile key, see `main_params`; measured by scripts/bwd_variants.py):
-    early_dv: -1 automatic (on iff tile_m = 128), 0 off, 1 on. On: P^T is rounded to the
-      input dtype right after the exp2 and dV += P^T dO is issued before the dP^T wait, so the
-      dV WGMMA runs under the dS math (which then reads the rounded P).
-    consumer_regs / producer_regs: setmaxnreg of the consumer warpgroups / the producer and
-      dQ-writer warpgroup (consumer_regs * 256 + producer_regs * 128 <= 64 K).
-    dq_first: issue dQ = dS K before dK += dS^T Q and stage the dQ tile while dK runs (else
-      dK is issued first and both are waited for before the staging; the layout before
-      2026-11-30). Column split (with dq_split): dQ before dV and dK, staged under both.
-    kb_slowest: launch order with the key block slowest (all first key blocks, the longest
-      under causal, before any second one) instead of fastest.
-    static_stage (key split): the step loop unrolled by the ring depth, so each step's ring
-      stage (and with it every shared-memory operand descriptor) is a compile-time constant.
-    stats_early: read the step's LSE while S^T is still on the tensor cores and its Dsum
-      before the dP^T wait (else after each wait, where the shared-memory latency stalls the
-      exp2 / dS math: ncu 2026-11-30, 11% of the kernel's stall samples on those FFMAs).
-    dq_split (key split: with dq_first): each consumer warpgroup hands its half of the dQ
-      staging buffer to the writer on its own named barriers (the warpgroups are not brought
-      into step there), with two dS buffers (column split: two dS / P pairs); FA3 / FA4's
-      sm90 arrangement.
-    ds_store_first (key split, without early_dv): dS^T is stored to shared memory before the
-      dV GEMM is issued, so the fence before the dS barrier finds the stores landed (ncu
-      2026-11-30: ~4% of stall samples on that fence).
-    p_early (key split, without early_dv): P^T converted to the dV GEMM's 16-bit operand
-      right after the exp2, before the dP^T wait (FA4's order), with inline-PTX converts.
-    q_halves (key split, tile_m 64, joint dQ hand-over, rolled loop): S^T / dP^T, dV and dK
-      in two 32-query halves per step, dQ after both (the D = 192 key split: dK 96 + dV 64
-      registers resident).
-    l2_swizzle (causal, fixed length): 0 launches (key block, kv head, batch) with the key
-      block fastest; k > 0 takes the (kv head, batch) pairs in sections of k and launches each
-      section's CTAs with the key block slowest (`swizzled_block`): every section starts on
-      its longest key blocks and the grid ends on short ones, so no long CTA is left running
-      alone at the end (a GQA CTA walks its whole query-head group: up to 2048 steps), while
-      a section's Q / dO / dQ rows are shared in L2.
-      (Measured and dropped, 2026-11-30 13:02 UTC: the steps query block by query block over
-      the group's heads, 0.77-0.98x for GQA; k from the L2 size, no better than k = 4.)
-    dsum_early (with stats_early, key split): Dsum read right after the dP^T GEMM is issued
-      (with LSE, before any wait) instead of after the exp2s (q_halves: each half's LSE and
-      Dsum right after its GEMMs are issued).
-    persistent (fixed length, not deterministic): one CTA per multiprocessor, each taking
-      (key block, kv head, batch) tiles in the launch order from a counter (the first from
-      its CTA index), so a tile's K / V load and first Q / dO stages overlap the previous
-      tile's last steps and its dK / dV (stored from registers) instead of a CTA exit and
-      launch per tile. The launcher passes the CTA count and a zeroed counter (mSem[0, 0, 0]).
-    exp_groups (key split): g > 0 computes the exp2s in g column groups, each group's scale
-      taken as scale + 0 x the previous group's first exp2 (one FFMA per group), so that the
-      assembler starts the MUFUs after the first group's FFMAs instead of after all 32 (the
-      MUFU queue of the two warpgroups then starts ~30 issue slots earlier).
-    walk_order (not deterministic): the order of a CTA's steps over its query blocks and (GQA)
-      its query heads. 0: head by head, query blocks ascending; 1: query blocks descending,
-      the heads inner (every CTA of a kv head that started together is on the same (head,
-      query block) at the same time: its Q / dO rows are read, and its dQ tile added, by all
-      of them while in L2); 2: head by head, query blocks descending.
-    dkv_direct (fixed length): dK / dV stored from registers (4-byte stores) instead of
-      stmatrix into the K / V buffers and two TMA stores (persistent: K / V then released
-      right after the last step's GEMMs, not after the stores have read them).
-    (Measured and dropped, BWD_NOTES.md: s_ahead, the next step's S^T issued by the step
-    before, 0.95-1.00; dq_claim, no zeroed dQ workspace, the first key block to reach a
-    query block storing its tile, 0.96-1.01; exp_emu, part of the exp2s from a polynomial on
-    the FMA pipes instead of the MUFU, 0.93-0.98.)"""
+    Knobs (static; each one's default is left out of the compile key, see `key_fields`; every
+    value here is used by a standard configuration; measured with scripts/bwd_variants.py,
+    figures and the knobs measured and dropped in docs/attention/BWD_NOTES.md):
+    static_stage (key split; the column split's loop is always rolled): the step loop unrolled
+      by the ring depth, so each step's ring stage (and every shared-memory operand
+      descriptor) is a compile-time constant: 1.02-1.08x at D = 128. D = 64 and q_halves keep
+      the rolled loop (unrolled they spill).
+    stats_early: read the step's LSE while S^T is on the tensor cores and its Dsum before the
+      dP^T wait (else after each wait, where the shared-memory latency stalls the exp2 / dS
+      math: 11% of the D = 128 stall samples on those FFMAs). D = 64: 1.017, noise; off.
+    dsum_early (needs stats_early): Dsum read right after the dP^T GEMM is issued (its loads
+      otherwise queue behind the exp2s): 1.005-1.026 at D = 128 (varlen spills 16 bytes with
+      it: off there); q_halves needs it (each half's LSE and Dsum right after its GEMMs).
+    dq_split: each consumer warpgroup hands its half of the dQ staging buffer to the writer on
+      its own named barriers (the warpgroups are not brought into step there), with two dS
+      buffers (column split: two dS / P pairs); FA3 / FA4's sm90 arrangement: 1.045-1.078x at
+      D = 128.
+    ds_store_first (key split): dS^T stored to shared memory before the dV GEMM is issued, so
+      the fence before the dS barrier finds the stores landed: 1.14x at D = 64 (8 stmatrix per
+      thread), 0.99 at D = 128.
+    p_early (key split): P^T converted to the dV GEMM's 16-bit operand right after the exp2,
+      before the dP^T wait (FA4's order), with inline-PTX converts.
+    dv_before_ds (key split, not q_halves / ds_store_first): dV += P^T dO issued right after
+      the exp2s, before the dP^T wait (fp32 P^T kept for dS), so it runs under the dS math:
+      1.001-1.016x at D = 128 (with p_early).
+    q_halves (key split, tile_m 64, joint dQ hand-over, rolled loop, dsum_early): S^T / dP^T,
+      dV and dK in two 32-query halves per step, dQ after both (D = 192: dK 96 + dV 64
+      registers resident): 1.17x the column split.
+    l2_swizzle (applies to causal fixed length only; no effect otherwise): 0 launches (key
+      block, kv head, batch) with the key block fastest; k > 0 takes the (kv head, batch)
+      pairs in sections of k and launches each section's CTAs with the key block slowest
+      (`swizzled_block`): every section starts on its longest key blocks and the grid ends on
+      short ones, while a section's Q / dO / dQ rows are shared in L2. k = 4: 1.01-1.07x.
+    persistent (fixed length, not deterministic, rolled loop): one CTA per multiprocessor,
+      each taking (key block, kv head, batch) tiles in the launch order from a global counter
+      (`scheduler.atomic`), so a tile's K / V load and first Q / dO stages overlap the
+      previous tile's last steps and its dK / dV stores: 1.032-1.040x at D = 64 (0.96-1.00 at
+      D = 128). The launcher passes the CTA count and a zeroed counter (mSem[0, 0, 0]).
+    head_split (0 or 2; D = 128 GQA, fixed length, not deterministic / persistent): one CTA
+      per (key block, query head, batch), the grid's heads interleaved over the kv heads (so
+      CTAs launched together add into different dK / dV tiles); dK / dV added in fp32 with
+      `red.global.add`: 1.07-1.36x for GQA problems under two waves of kv tiles.
+    walk_order (0 or 2; 0 when deterministic): a CTA's steps over its query heads and query
+      blocks. 0: head by head, query blocks ascending; 2: head by head, query blocks
+      descending (long causal GQA: 1.024-1.034x with l2_swizzle 8).
+    exp_groups (g > 0): the exp2s in g column groups, each group's scale taken as
+      scale + 0 x the previous group's first exp2 (one FFMA per group), so that the assembler
+      starts the MUFUs after the first group's FFMAs instead of after all of them: g = 8 at
+      D = 128 1.008-1.015x."""
 
     tile_m: int = 64
     tile_n: int = 128
     stages: int = 2
-    dq_stages: int = 2
-    early_dv: int = -1
-    consumer_regs: int = 240
-    producer_regs: int = 24
-    dq_first: bool = True
-    kb_slowest: bool = False
     static_stage: bool = True
     stats_early: bool = True
     dq_split: bool = False
@@ -129,20 +106,13 @@ class BwdConfig:
     l2_swizzle: int = 0
     dsum_early: bool = False
     persistent: bool = False
-    dkv_direct: bool = False
     head_split: int = 0
     dv_before_ds: bool = False
     walk_order: int = 0
     exp_groups: int = 0
 
     def tag(self) -> str:
-        t = f"{self.tile_m}x{self.tile_n}_s{self.stages}_dq{self.dq_stages}"
-        if self.early_dv >= 0:
-            t += f"_edv{self.early_dv}"
-        if (self.consumer_regs, self.producer_regs) != (240, 24):
-            t += f"_r{self.consumer_regs}-{self.producer_regs}"
-        t += "" if self.dq_first else "_dqlast"
-        t += "_kbs" if self.kb_slowest else ""
+        t = f"{self.tile_m}x{self.tile_n}_s{self.stages}"
         t += "" if self.stats_early else "_statslate"
         t += "_dqsplit" if self.dq_split else ""
         t += "_dsfirst" if self.ds_store_first else ""
@@ -151,7 +121,6 @@ class BwdConfig:
         t += f"_sw{self.l2_swizzle}" if self.l2_swizzle else ""
         t += "_dsumearly" if self.dsum_early else ""
         t += "_persist" if self.persistent else ""
-        t += "_dkvdirect" if self.dkv_direct else ""
         t += f"_hsplit{self.head_split}" if self.head_split else ""
         t += "_dvbeforeds" if self.dv_before_ds else ""
         t += f"_walk{self.walk_order}" if self.walk_order else ""
@@ -173,7 +142,7 @@ class BwdConfig:
         return out
 
 
-_TILE_FIELDS = ("tile_m", "tile_n", "stages", "dq_stages")
+_TILE_FIELDS = ("tile_m", "tile_n", "stages")
 
 
 def swizzled_block(idx, num_n, pairs, sw, minimum=min):
@@ -197,30 +166,30 @@ def smem_bytes(cfg: BwdConfig, head_dim: int, head_dim_v: int, elem_bytes: int =
     kv = tn * (head_dim + head_dim_v) * elem_bytes  # K, V (reused for dK, dV)
     # column split: dS and P; dq_split: two of them
     ds = tm * tn * elem_bytes * (2 if tn == 64 else 1) * (2 if cfg.dq_split else 1)
-    dq = cfg.dq_stages * tm * head_dim * 4
+    dq = tm * head_dim * 4  # the dQ staging buffer
     stats = 2 * cfg.stages * tm * 4  # LSE and Dsum rings
     return q + kv + ds + dq + stats + 1024  # + barriers and alignment
 
 
+def check_fits(cfg: BwdConfig, head_dim: int, head_dim_v: int) -> None:
+    """ValueError unless one CTA's shared memory fits the per-block opt-in maximum."""
+    need = smem_bytes(cfg, head_dim, head_dim_v)
+    if need > SMEM_CAPACITY:
+        raise ValueError(f"{cfg} needs {need} B of shared memory, > {SMEM_CAPACITY}")
+
+
 # Registers bound the tiles (dK and dV accumulators of 64 keys per warpgroup stay resident):
-# D=128: 64 query rows per step (S^T and dP^T 64x64 per warpgroup); D=64: 128 query rows.
-# Measured on the H200 (scripts/bwd_variants.py, 2026-11-30, bf16 causal s8192): D=64 without
-# the early dV GEMM 423.6 against 376.0 TFLOP/s; D=128 with a 3-deep Q/dO ring and one dQ
-# staging buffer 496.0 against 486.0 (GQA 64:8; MHA 32 heads: 517.3 against 519.2, noise).
+# D = 128: 64 query rows per step (S^T and dP^T 64 x 64 per warpgroup); D = 64: 128.
 _DEFAULTS = {
-    # D=64: 128 query rows per step, the rolled step loop (unrolled by the ring it spilled),
-    # dQ first with the per-warpgroup hand-over and the dS stores before the dV GEMM (H200
-    # 2026-11-30 11:23 UTC: 1.20x the previous default, dK before dQ with the joint hand-over).
-    # Persistent (H200 2026-11-30 16:23 UTC, bf16 causal b2 hq32 s8192: 1.032x; at D = 128
-    # 0.983-0.995x, not taken there; 192/128 spills with it).
-    # exp_groups 16 (four exp2s per group, as the D = 128 default's 8; the first MUFU after 4
-    # FFMAs instead of ~45): H200 2026-11-30, see BWD_NOTES.md "exp_groups".
+    # 128 query rows per step, the rolled step loop (unrolled by the ring it spills), dQ
+    # first with the per-warpgroup hand-over and the dS stores before the dV GEMM (1.20x the
+    # joint hand-over with dK first); persistent 1.032x (spills at 192/128, 0.96-1.00 at
+    # D = 128); exp_groups 16 (four exp2s per group as D = 128's 8: the first MUFU after 4
+    # FFMAs instead of ~45).
     (64, 64): BwdConfig(
         tile_m=128,
         tile_n=128,
         stages=2,
-        dq_stages=1,
-        early_dv=0,
         static_stage=False,
         stats_early=False,
         dq_split=True,
@@ -229,20 +198,12 @@ _DEFAULTS = {
         persistent=True,
         exp_groups=16,
     ),
-    # l2_swizzle 4 (H200 2026-11-30 12:57 / 13:02 UTC, bf16 causal): MHA 1.01-1.02x, GQA
-    # 1.02-1.07x, D=64 1.03x; 192/128 0.98x then (see below).
-    # exp_groups 8 (H200 2026-11-30 20:18 UTC, bf16 causal, three runs each against the
-    # ungrouped exp2s: b4 hq32 s8192 1.011 / 1.012 / 1.012, hq16 1.008 / 1.010 / 1.015, b8
-    # s4096 1.008 / 1.013 / 1.012; 4 groups 0.993-1.003; the same kernel timed last
-    # 0.991-1.003).
-    # dv_before_ds with p_early (H200 2026-11-30 18:55 / 19:04 UTC, bf16 causal, against
-    # neither: b8 s4096 1.008 / 1.001x, b4 s8192 1.005 / 1.013x, s16384 0.998 / 1.010x, GQA
-    # s8192 1.016 / 1.015x, hq16 1.005 / 1.009x).
+    # l2_swizzle 4: MHA 1.01-1.02x, GQA 1.02-1.07x. exp_groups 8: 1.008-1.015x (4 groups
+    # 0.993-1.003). dv_before_ds with p_early: 1.001-1.016x against neither.
     (128, 128): BwdConfig(
         tile_m=64,
         tile_n=128,
         stages=2,
-        dq_stages=1,
         dq_split=True,
         l2_swizzle=4,
         dsum_early=True,
@@ -250,32 +211,25 @@ _DEFAULTS = {
         p_early=True,
         exp_groups=8,
     ),
-    # Key split in 32-query halves (q_halves, BWD_NOTES.md): dK 96 + dV 64 fp32 registers
-    # resident per consumer thread, S^T / dP^T 16 + 16 per half, dQ 48 after both halves; two
-    # Q / dO stages, one dS buffer, one dQ staging buffer (joint hand-over): 226 KiB. H200
-    # 2026-11-30 12:08 UTC: 1.17x the column split (_VARLEN_192, still used for varlen).
-    # l2_swizzle 4 since 2026-11-30 17:12 UTC (H200, b2 hq128 s8192 causal: 1.025x, 2: 1.010x).
+    # Key split in 32-query halves (q_halves): dK 96 + dV 64 fp32 registers resident per
+    # consumer thread, S^T / dP^T 16 + 16 per half, dQ 48 after both halves; two Q / dO
+    # stages, one dS buffer, joint dQ hand-over: 226 KiB; 1.17x the column split (still
+    # _VARLEN_192). The key split without halves spills and serializes the WGMMAs.
+    # l2_swizzle 4: 1.025x (2: 1.010x).
     (192, 128): BwdConfig(
         tile_m=64,
         tile_n=128,
         stages=2,
-        dq_stages=1,
         static_stage=False,
         q_halves=True,
         dsum_early=True,
         l2_swizzle=4,
     ),
 }
-_EXPERIMENTAL = {
-    # D=192/Dv=128 with the key-split layout: one dQ staging buffer (48 KiB) to fit 226 KiB.
-    # Spills and serializes the WGMMAs (see BWD_NOTES.md); kept as a variant for comparison.
-    (192, 128): BwdConfig(tile_m=64, tile_n=128, stages=2, dq_stages=1),
-}
-
-
-_DETERMINISTIC_VARLEN_128 = BwdConfig(tile_m=64, tile_n=128, stages=3, dq_stages=1)
-# the column split (64 keys, dK / dV split by head-dim columns)
-_VARLEN_192 = BwdConfig(tile_m=64, tile_n=64, stages=2, dq_stages=1, dq_split=True, dq_first=False)
+_DETERMINISTIC_VARLEN_128 = BwdConfig(tile_m=64, tile_n=128, stages=3)
+# the column split (64 keys, dK / dV split by head-dim columns); static_stage left at its
+# default (no effect in the column split) so the kernel keeps its compile key
+_VARLEN_192 = BwdConfig(tile_m=64, tile_n=64, stages=2, dq_split=True)
 
 
 def default_config(
@@ -301,25 +255,20 @@ def default_config(
         # deterministic: a CTA may wait for a tile not yet taken; varlen: per-sequence grid
         cfg = replace(cfg, persistent=False)
     if deterministic and cfg.l2_swizzle:
-        # the key-block-fastest order: the swizzled one lengthens the GQA dQ chain (H200
-        # 2026-11-30: 1.40x -> 1.67x the non-deterministic time at hq32 / hkv4)
+        # the key-block-fastest order: the swizzled one lengthens the GQA dQ chain (1.40x ->
+        # 1.67x the non-deterministic time at hq32 / hkv4)
         cfg = replace(cfg, l2_swizzle=0)
     return cfg
 
 
-# head_split for GQA at D = 128 (H200 2026-11-30 16:45 / 16:50 UTC, bf16, against the
-# head-group walk): small problems (fewer kv tiles than two waves: the walk leaves SMs idle)
-# 1.07-1.36x; s8192 0.96-0.97x, s4096 0.94x (the fp32 dK / dV additions cost more than the
-# locality wins there).
+# head_split for GQA at D = 128 when the kv tiles fill fewer than two waves (the head-group
+# walk leaves multiprocessors idle there): 1.07-1.36x; at s4096 / s8192 0.94-0.97x (the fp32
+# dK / dV additions cost more than the locality wins).
 HEAD_SPLIT_WAVES = 2
 # Causal GQA with long keys: each head's query blocks descending (walk_order 2) with
-# l2_swizzle 8 (sections of eight (kv head, batch) pairs). hq64 / hkv8 s16384 on the H200
-# (2026-11-30, bwd_variants, bf16): against the walk with swizzle 2 (the rule until 19:56 UTC)
-# 1.009 / 1.034 (19:48), 1.034 / 1.024 (20:06, also with each sample after its own replay);
-# bench 19:56 UTC 0.981 of FA4 (0.959 at 19:04). Shorter GQA keeps the ascending walk with
-# swizzle 4: the same order measured 0.96-1.01 of it there (hq32 / hkv4 0.96-0.99), and the
-# harness moves an identical kernel by up to 5% with its position in the rotation (20:06).
-# BWD_NOTES.md "GQA walk order".
+# l2_swizzle 8 (sections of eight (kv head, batch) pairs): 1.024-1.034x the ascending walk
+# with swizzle 2 at hq64 / hkv8 s16384. Shorter GQA keeps the ascending walk with swizzle 4
+# (the same order 0.96-1.01 there). BWD_NOTES.md "GQA walk order".
 LONG_GQA_SEQLEN_K = 16384
 LONG_GQA_WALK = 2
 LONG_GQA_SWIZZLE = 8
