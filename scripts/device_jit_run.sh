@@ -5,34 +5,51 @@
 #          forgekernel build --arch sm_90a --out .bundle/kernels [--only KERNEL ...]
 #   GPU 1: bash .payload/p1/dsl-install.sh stash .payload/p1            (carry .payload/p1)
 #   GPU 2: bash scripts/device_jit_run.sh OP...   within 30 s  (carry .payload/p2, .bundle/kernels)
+# Or with ../shared/gpu-host/wheels.sh chunks (the DSL, FA4): WHEELS=.wheels/cN names the last
+# chunk (the earlier ones stashed); BUILD=1 then builds every kernel on the host (`forgekernel
+# build -j <all cores>`, the DSL is there) instead of carrying .bundle/kernels. A later call on
+# the still-warm host needs neither (the wheels stay installed, the kernels built, the ledger
+# files kept in $RESULTS and copied to $OUT at the end of every call).
 # Each OP is checked, then benchmarked (the backward's deterministic mode with it: `bench
 # attention_bwd`), under its own time limits; SANITIZE=1 then runs `check --sanitize OP`
 # (compute-sanitizer memcheck and racecheck, under SANITIZE_TIMEOUT; SANITIZE=only skips check
-# and bench); VARIANTS=1 then times attention-forward configurations (scripts/attn_variants.py),
+# and bench); CHECK=0 / BENCH=0 skip check / bench; GPU_TESTS=1 runs `pytest -m gpu tests/gpu`;
+# VARIANTS=1 then times attention-forward configurations (scripts/attn_variants.py),
 # BWD_VARIANTS=1 scripts/bwd_variants.py.
 set -uo pipefail
 OUT=${OUT:-/tmp/forgekernel-out}
 # At most 8 files come back: the ledgers, reports.tar, logs.tar (every log, the sanitizers' full
 # output under sanitize/), variants.json, bwd_variants.json.
 LOGS=/tmp/forgekernel-logs REPORTS=/tmp/forgekernel-reports
-mkdir -p "$OUT/results" "$LOGS" "$REPORTS"
-source .payload/p2/dsl-install.sh install .payload/p2 || exit 1
-export FORGEKERNEL_KERNEL_DIR="$PWD/.bundle/kernels" FORGEKERNEL_RESULTS_DIR="$OUT/results"
+RESULTS=${RESULTS:-/tmp/forgekernel-results} KERNELS=${KERNELS:-$PWD/.bundle/kernels}
+mkdir -p "$OUT/results" "$LOGS" "$REPORTS" "$RESULTS"
+if [ -n "${WHEELS:-}" ]; then
+  source "$WHEELS/wheels.sh" install "$WHEELS" >/dev/null || exit 1
+elif [ -d .payload/p2 ]; then
+  source .payload/p2/dsl-install.sh install .payload/p2 || exit 1
+else
+  export PYTHONPATH=/root/wheels-site${PYTHONPATH:+:$PYTHONPATH}  # installed by an earlier call
+fi
+export FORGEKERNEL_KERNEL_DIR="$KERNELS" FORGEKERNEL_RESULTS_DIR="$RESULTS"
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+if [ "${BUILD:-0}" = 1 ]; then
+  python3 -m forgekernel build -j "$(nproc)" --out "$KERNELS" 2>&1 | tee "$LOGS/build.log" | tail -2
+fi
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,power.draw --format=csv
 timeout 120 python3 -m forgekernel selftest 2>&1 | tail -3
 pack() {
+  cp -r "$RESULTS"/. "$OUT/results/" 2>/dev/null
   tar -cf "$OUT/reports.tar" -C "$REPORTS" . 2>/dev/null
   tar -cf "$OUT/logs.tar" -C "$LOGS" . 2>/dev/null
 }
 for op in "$@"; do
   check_rc=skipped bench_rc=skipped sanitize_rc=skipped
-  if [ "${SANITIZE:-0}" != only ]; then
+  if [ "${SANITIZE:-0}" != only ] && [ "${CHECK:-1}" != 0 ]; then
     timeout "${CHECK_TIMEOUT:-200}" python3 -m forgekernel check "$op" 2>&1 \
       | tee "$LOGS/check-$op.log" | grep -v " PASS$"
     check_rc=${PIPESTATUS[0]}
   fi
-  if [ "${SANITIZE:-0}" != only ] && [ "${SKIP_BENCH:-}" != "$op" ]; then
+  if [ "${SANITIZE:-0}" != only ] && [ "${BENCH:-1}" != 0 ] && [ "${SKIP_BENCH:-}" != "$op" ]; then
     timeout "${BENCH_TIMEOUT:-300}" python3 -m forgekernel bench --report-dir "$REPORTS" "$op" \
       2>&1 | tee "$LOGS/bench-$op.log" | grep -v "^\[" | tail -40
     bench_rc=${PIPESTATUS[0]}
@@ -46,6 +63,10 @@ for op in "$@"; do
   echo "$op: check rc=$check_rc bench rc=$bench_rc sanitize rc=$sanitize_rc"
   pack
 done
+if [ "${GPU_TESTS:-0}" = 1 ]; then
+  timeout "${GPU_TESTS_TIMEOUT:-200}" python3 -m pytest -q -m gpu tests/gpu 2>&1 \
+    | tee "$LOGS/pytest-gpu.log" | tail -5
+fi
 if [ -n "${VARIANTS:-}" ]; then
   PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout "${VARIANTS_TIMEOUT:-200}" python3 scripts/attn_variants.py \
     "$OUT/variants.json" 2>&1 | tail -40
