@@ -34,8 +34,8 @@ class Consumer:
         m_begin, m_end, m_unmasked, num_steps, mdK_gmem, mdV_gmem, k_off, persist=None,
     ):  # fmt: skip
         """Consumer warpgroup `wg` (keys 64 wg .. 64 wg + 63 of the block); tidx in [0, 256).
-        persist: (tile ring, its shared slots, tile count, mK) of a persistent CTA, whose tiles
-        come from the ring (n_block .. num_steps unused then)."""
+        persist: (tile ring, tile count, mK) of a persistent CTA, whose tiles come from the
+        ring (n_block .. num_steps unused then)."""
         tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         wg_sdp = mma_sdp.get_slice(wg * THREADS_PER_WG)
         wg_dv = mma_dv.get_slice(wg * THREADS_PER_WG)
@@ -84,7 +84,8 @@ class Consumer:
         )
         thr_r2s_ds = r2s_ds.get_slice(tidx)
         if const_expr(self.dq_split):
-            tdSsdS = thr_r2s_ds.partition_D(transposed(sdS))  # both dS buffers
+            # both dS buffers (column split: the two dS / P pairs)
+            tdSsdS = thr_r2s_ds.partition_D(transposed(sdS))
         elif const_expr(self.q_halves):
             tdSsdS = [
                 thr_r2s_ds.partition_D(
@@ -138,9 +139,9 @@ class Consumer:
         self, frags, tile_args, kv_state, st, n_block, head_kv, batch, m_begin, m_end,
         m_unmasked, num_steps, gstep,
     ):  # fmt: skip
-        """One key block's steps and its dK / dV (persistent: K / V released after the last
-        step's GEMMs, dK / dV stored from registers). gstep: the CTA's steps before this tile,
-        so that the ring stage, the dS and the dQ staging buffers follow all of them."""
+        """One key block's steps and its dK / dV (persistent: K / V released once the dK / dV
+        stores have read them). gstep: the CTA's steps before this tile (persistent), so that
+        the dS buffer parity follows all of them (the ring stage is carried in `st`)."""
         (
             tidx, wg, mma_sdp, mma_dv, mma_dk, mma_dq, tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt,
             tQrdS, tQrKt, tVrP, tKrdS, s_shape, dq_shape, acc_dV, acc_dK, tScS,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, const_expr
 
 from forgekernel.kernels.attention.bwd.sm90.config import NUM_MMA_WG
 from forgekernel.kernels.attention.bwd.sm90.roles import Bar
@@ -78,22 +78,20 @@ class DqReduction:
         self._dq_first_arrivals(num_steps)
         self._write_dq_tile(
             sdQ, mdQacc, mSem, n_block, head_kv, batch, hq0, m_begin, m_end, num_steps, ws,
-            seqlen_q, seqlen_k, 0,
+            seqlen_q, seqlen_k,
         )  # fmt: skip
         if cute.arch.lane_idx() == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
     def _write_dq_persistent(
-        self, sdQ, mdQacc, mSem, mK, tiles, group, num_tiles, ws, seqlen_q,
-        seqlen_k,
+        self, sdQ, mdQacc, mSem, mK, tiles, group, num_tiles, ws, seqlen_q, seqlen_k
     ):  # fmt: skip
-        """Warp 1 of a persistent CTA: every tile's dQ tiles, the staging buffers and their
+        """Warp 1 of a persistent CTA: every tile's dQ tiles, the staging buffer and its
         barriers going round over all of the CTA's steps."""
         lane = cute.arch.lane_idx()
         tstate = tiles.consumer_state()
         self._dq_first_arrivals(None)
-        gstep = Int32(0)
         tile, tstate = atomic.take(tiles, tstate, lane)
         while tile < num_tiles:
             n_block, head_kv, batch, m_begin, m_end, _, num_steps = self._tile_work(
@@ -101,9 +99,8 @@ class DqReduction:
             )
             self._write_dq_tile(
                 sdQ, mdQacc, mSem, n_block, head_kv, batch, head_kv * group, m_begin, m_end,
-                num_steps, ws, seqlen_q, seqlen_k, gstep,
+                num_steps, ws, seqlen_q, seqlen_k,
             )  # fmt: skip
-            gstep += num_steps
             tile, tstate = atomic.take(tiles, tstate, lane)
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
@@ -124,7 +121,7 @@ class DqReduction:
     @cute.jit
     def _write_dq_tile(
         self, sdQ, mdQacc, mSem, n_block, head_kv, batch, hq0, m_begin, m_end, num_steps, ws,
-        seqlen_q, seqlen_k, gstep,
+        seqlen_q, seqlen_k,
     ):  # fmt: skip
         """One tile's steps of the dQ writer."""
         tile = self.tile_m * self.head_dim
