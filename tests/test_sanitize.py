@@ -266,3 +266,17 @@ def test_gemm_sanitize_cases_reach_every_standard_configuration():
     assert chosen == set(STANDARD_CONFIGS)
     assert {c.params["b_layout"] for c in SANITIZE_CASES} == {"nk", "kn"}
     assert all(c.params["n"] % 8 == 0 and c.params["k"] % 8 == 0 for c in SANITIZE_CASES)
+
+
+def test_an_explanation_for_every_case_covers_only_its_hazard_kinds(
+    tmp_path, sources, fake_suite, fake_tool
+):
+    tool = fake_tool()  # reports 3 RAW hazards on 7x24x40
+    cases = fake_suite([]).check_cases
+    for kinds, passed in ((("WAR",), False), (("RAW", "WAR"), True), (None, True)):
+        note = Explained("racecheck", "*", None, "ordered by an mbarrier", kinds)
+        suite = fake_suite(sources, sanitize_cases=cases, sanitize_explained=[note])
+        assert _run(tmp_path, suite, tool) is passed
+        race = _ledger(tmp_path)["tools"]["racecheck"]
+        assert race["cases"]["7x24x40"]["explained"] is passed
+        assert race["cases"]["1x8x8"]["count"] == 0

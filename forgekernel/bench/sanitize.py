@@ -151,8 +151,11 @@ def parse_counts(tool: str, text: str) -> dict[str, Any]:
     if tool == "racecheck":
         found = _RACE_SUMMARY.findall(text)
         if found:
-            hazards, errors, warnings = map(int, found[-1])
-            counts.update(count=hazards, errors=errors, warnings=warnings)
+            # the count is every hazard (errors and warnings); "displayed" stops at the print
+            # limit (100 by default)
+            displayed, errors, warnings = map(int, found[-1])
+            counts.update(count=errors + warnings, errors=errors, warnings=warnings)
+            counts["displayed"] = displayed
             kinds: dict[str, int] = {}
             for kind in _HAZARD_KIND.findall(text):
                 kinds[kind] = kinds.get(kind, 0) + 1
@@ -215,8 +218,19 @@ def run_command(cmd: list[str], timeout: float) -> tuple[int | None, str]:
         return None, out
 
 
-def _explanations(suite: OpSuite, tool: str) -> dict[str, Any]:
-    return {e.case: e for e in suite.sanitize_explained if e.tool == tool}
+def _explanations(suite: OpSuite, tool: str, cases: Sequence[str]) -> dict[str, Any]:
+    """case -> its Explained entry (one for "*" covers every case without its own)."""
+    notes = [e for e in suite.sanitize_explained if e.tool == tool]
+    everywhere = next((e for e in notes if e.case == "*"), None)
+    own = {e.case: e for e in notes if e.case != "*"}
+    return {name: own.get(name, everywhere) for name in cases}
+
+
+def _kinds_covered(counts: dict[str, Any], note: Any) -> bool:
+    """Every hazard kind the tool reported is one the explanation covers."""
+    if note.kinds is None:
+        return True
+    return all(kind in note.kinds for kind, n in counts.get("kinds", {}).items() if n)
 
 
 def _case_entry(counts: dict[str, Any], status: str, note: Any) -> dict[str, Any]:
@@ -226,7 +240,11 @@ def _case_entry(counts: dict[str, Any], status: str, note: Any) -> dict[str, Any
     if note is not None:
         entry["explanation"] = note.why
         entry["explained_count"] = note.count
-        entry["explained"] = status == "ok" and note.count in (None, counts["count"])
+        entry["explained"] = (
+            status == "ok"
+            and note.count in (None, counts["count"])
+            and _kinds_covered(counts, note)
+        )
     return entry
 
 
@@ -260,7 +278,7 @@ def sanitize_tool(runner: ToolRunner, suite: OpSuite, tool: str) -> dict[str, An
     cases = [c.name for c in suite.sanitize_cases]
     counts, status, seconds = runner.run(tool, suite.name, (), len(cases), "")
     print(f"  {tool}: {counts['count']} {counts['unit']}, {status} ({seconds:.0f} s)", flush=True)
-    notes = _explanations(suite, tool)
+    notes = _explanations(suite, tool, cases)
     result: dict[str, Any] = {"args": list(TOOLS[tool]), "status": status, **counts}
     if status == "ok" and counts["count"] == 0:
         result["cases"] = {name: _case_entry({"count": 0}, "ok", notes.get(name)) for name in cases}

@@ -29,12 +29,15 @@ class Case:
 @dataclass(frozen=True)
 class Explained:
     """A sanitizer finding shown not to be a bug: `tool` reports `count` (None: any count) on
-    the sanitize case `case`, and `why` says what orders the accesses the tool flags."""
+    the sanitize case `case` ("*": every case), and `why` says what orders the accesses the tool
+    flags. `kinds` (racecheck): the hazard kinds it covers (e.g. ("WAR",)); a reported hazard of
+    another kind is not explained."""
 
     tool: str
     case: str
     count: int | None
     why: str
+    kinds: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
