@@ -194,7 +194,8 @@ SANITIZE_EXPLAINED: tuple[Explained, ...] = (
         "cp.async.bulk into the stage. racecheck takes the bulk copy for a write by the "
         "producer thread and does not see the mbarrier arrive / wait between it and the "
         "readers. Baseline (main before the toolkit, JIT with line info, H200 2026-12-01): every "
-        "flagged read is in _col_stats, every flagged write the producer's stats copy.",
+        "flagged read is in _col_stats, every flagged write is by thread 0 (the producer) with "
+        "an unknown incoming value (an async copy).",
         ("WAR",),
     ),
 )
