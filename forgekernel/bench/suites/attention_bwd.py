@@ -94,7 +94,8 @@ BENCH_CASES = (
 )
 # deterministic=True timed against the default kernel on these (the cases the retired
 # scripts/bwd_gpu_check.py timed); H200 2026-12-01 bench: 1.34x the time at MHA hq16, 1.73x at
-# GQA 32:4, 1.06x at 192/128 (the script had 1.33x / 1.50x / 1.04x, each side timed alone).
+# GQA 32:4, 1.06x at 192/128 (the script had 1.33x / 1.50x / 1.04x: eager launches on one
+# input set, each side timed alone).
 DETERMINISTIC_TIMED = (
     _case(4, 16, 16, 8192, 128),
     _case(4, 32, 4, 8192, 128),
