@@ -20,10 +20,13 @@ Runner = Callable[[Inputs, Any], Any]
 
 @dataclass(frozen=True)
 class Case:
-    """One problem: a name for tables and a dict of parameters the suite understands."""
+    """One problem: a name for tables, a dict of parameters the suite understands, and the
+    shape class it samples (e.g. "decode", "prefill", "non-causal", "d256"; the report gives
+    each class's median beside the suite's)."""
 
     name: str
     params: dict[str, Any]
+    group: str = ""
 
 
 @dataclass(frozen=True)
