@@ -69,6 +69,9 @@ class OpSuite:
     variants(case) -> {name: run(inputs, out)}: other modes of our kernel timed beside it by
         `bench` on that case (for example deterministic=True); recorded as variant time / our
         time, kept apart from the comparator ratios.
+    host_comparators: like comparators, timed only for `bench`'s host microseconds per eager
+        call on `host_case` (torch's own op, e.g. torch.matmul or SDPA, where `comparators`
+        lack it).
     """
 
     name: str
@@ -91,6 +94,8 @@ class OpSuite:
     sanitize_explained: Sequence[Explained] = ()
     repeatable: Callable[[Case], bool] | None = None
     variants: Callable[[Case], dict[str, Runner]] | None = None
+    host_case: Case | None = None  # bench's host us per call (None: the fewest-flops bench case)
+    host_comparators: Callable[[], dict[str, Callable[[Inputs], Any] | None]] | None = None
 
     def dtypes_for_bench(self) -> Sequence[torch.dtype]:
         return self.bench_dtypes or self.dtypes
