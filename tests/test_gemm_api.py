@@ -27,9 +27,8 @@ def bf16(*shape):
         (torch.randn(16, 32), torch.randn(24, 32), {}, TypeError, "a must have dtype"),
         (bf16(16, 32), torch.randn(24, 32).half(), {}, TypeError, "b has dtype"),
         (bf16(2, 16, 32), bf16(24, 32), {}, ValueError, "a must be 2-D"),
-        (bf16(16, 36), bf16(24, 36), {}, ValueError, "K = 36 must be a multiple of 8"),
         (bf16(16, 32), bf16(24, 40), {}, ValueError, "K mismatch (32 vs 40)"),
-        (bf16(16, 32), bf16(20, 32), {}, ValueError, "N = 20 must be a multiple of 8"),
+        (bf16(16, 36), bf16(20, 36), {}, ValueError, "a must be a CUDA tensor"),  # odd N, K
         (bf16(16, 32), bf16(24, 32), {"b_layout": "t"}, ValueError, "b_layout must be"),
         (bf16(16, 32), bf16(24, 32), {"out": bf16(16, 16)}, ValueError, "out must have shape"),
         (bf16(16, 32), bf16(24, 32), {}, ValueError, "a must be a CUDA tensor"),
@@ -52,18 +51,25 @@ def test_reference_matches_float64(m, n, k):
     )
 
 
+class Launches(list):
+    operands: tuple = ()
+
+
 @pytest.fixture
 def cpu_kernel(monkeypatch, tmp_path):
     """The eager path on the CPU: no device check, 132 SMs, no tuning records, and as the
-    compiled function the reference, which insists on TMA-ready operands and records
-    (params, max_clusters) per launch."""
-    calls = []
+    compiled function the reference, which insists on what the compiled one does (TMA-ready
+    operands, N and K multiples of 8) and records (params, max_clusters) per launch, and the
+    operands of the last one in `calls.operands`."""
+    calls = Launches()
 
     def get_kernel(spec, params):
         def fn(a, b, c, max_clusters):
             assert all(tma_ready(t) for t in (a, b, c))
+            assert c.shape[1] % 8 == 0 and a.shape[1] % 8 == 0
             c.copy_(gemm_ref(a, b, "kn" if dict(params)["b_kn"] else "nk"))
             calls.append((params, max_clusters))
+            calls.operands = (a, b, c)
 
         return fn
 
@@ -103,3 +109,64 @@ def test_empty_problems_skip_the_kernel(cpu_kernel):
     c = forgekernel.gemm(bf16(5, 0), bf16(8, 0))  # K = 0: C is zeros
     assert c.shape == (5, 8) and torch.all(c == 0)
     assert cpu_kernel == []
+
+
+def assert_rounded_from(c, want):
+    """c is the float result `want` rounded once to c's dtype (half an ulp, with a margin for
+    the float sums' order)."""
+    err = (c.float() - want).abs()
+    assert torch.all(err <= torch.finfo(c.dtype).eps * want.abs() + 1e-4), err.max()
+
+
+def operands(m, n, k, b_layout, dtype):
+    a = torch.randn(m, k).to(dtype)
+    b = torch.randn(n, k).to(dtype)
+    return a, (b if b_layout == "nk" else b.t().contiguous())
+
+
+@pytest.mark.parametrize(
+    "m, n, k",
+    [(1, 1, 1), (1, 7, 9), (1000, 1, 4097), (1, 1001, 4097), (1000, 1001, 9), (1000, 7, 1)]
+    + [(1000, 1001, 64), (1, 7, 4096), (1000, 64, 4097), (1, 8, 9)],  # one of N, K aligned
+)
+@pytest.mark.parametrize("b_layout", ["nk", "kn"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_any_n_and_k_run_padded(cpu_kernel, m, n, k, b_layout, dtype):
+    """N or K not a multiple of 8: the kernel gets N and K rounded up to 8 (zero K columns in A
+    and B, zero B rows) and C keeps its first N columns; the analytical config is the one of
+    the problem as asked."""
+    a, b = operands(m, n, k, b_layout, dtype)
+    c = forgekernel.gemm(a, b, b_layout=b_layout)
+    assert c.shape == (m, n) and c.dtype == dtype
+    assert_rounded_from(c, gemm_ref(a, b, b_layout))
+    cfg = choose_config(m, n, k, 132)
+    want = params_for(str(dtype).removeprefix("torch."), b_layout == "kn", cfg)
+    assert cpu_kernel == [(want, 132 // (cfg.cluster_m * cfg.cluster_n))]
+    a_k, b_k, c_k = cpu_kernel.operands
+    np_, kp = -(-n // 8) * 8, -(-k // 8) * 8
+    assert a_k.shape == (m, kp) and c_k.shape == (m, np_)
+    assert b_k.shape == ((np_, kp) if b_layout == "nk" else (kp, np_))
+    b_nk = b_k if b_layout == "nk" else b_k.t()
+    assert torch.all(a_k[:, k:] == 0) and torch.all(b_nk[:, k:] == 0) and torch.all(b_nk[n:] == 0)
+    assert (a_k.data_ptr() == a.data_ptr()) == (k == kp)  # A is copied only for an odd K
+
+
+@pytest.mark.parametrize("b_layout", ["nk", "kn"])
+def test_padded_path_writes_into_strided_out(cpu_kernel, b_layout):
+    a, b = operands(9, 7, 9, b_layout, torch.bfloat16)
+    a = a.t().contiguous().t()  # (9, 9) column-major
+    out = bf16(9, 14)[:, ::2]  # (9, 7) view with a strided last dim
+    assert forgekernel.gemm(a, b, out=out, b_layout=b_layout) is out
+    assert_rounded_from(out, gemm_ref(a, b, b_layout))
+
+
+def test_aligned_problems_run_in_place(cpu_kernel):
+    """N and K multiples of 8: the caller's tensors themselves reach the kernel (no padding,
+    no copy)."""
+    a, b, out = bf16(5, 16), bf16(24, 16), bf16(5, 24)
+    forgekernel.gemm(a, b, out=out)
+    assert [t.data_ptr() for t in cpu_kernel.operands] == [
+        a.data_ptr(),
+        b.data_ptr(),
+        out.data_ptr(),
+    ]

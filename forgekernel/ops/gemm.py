@@ -18,7 +18,6 @@ from forgekernel.kernels.gemm.dense.sm90.config import CANDIDATES, STANDARD_CONF
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import (
     check_cuda,
-    check_multiple,
     check_same_device,
     check_same_dtype,
     check_shaped,
@@ -46,8 +45,6 @@ def _validate(
             f"a is (M, K) = {tuple(a.shape)} and b ({b_layout}) is {tuple(b.shape)}: "
             f"K mismatch ({k} vs {kb})"
         )
-    check_multiple("K", k, 8, "rows of A and B must be 16-byte multiples for TMA")
-    check_multiple("N", n, 8, "rows of C must be 16-byte multiples for TMA")
     if out is not None:
         check_shaped("out", out, (m, n))
         check_same_dtype(a=a, out=out)
@@ -89,8 +86,12 @@ def gemm(
 ) -> torch.Tensor:
     """C = A @ B^T with A (M, K) and B (N, K); `b_layout="kn"` takes B as (K, N) (C = A @ B).
 
-    fp16 or bf16 (A, B and C alike), fp32 accumulation. K and N must be multiples of 8.
-    Non-contiguous or misaligned inputs are copied; `out` may be any (M, N) view.
+    fp16 or bf16 (A, B and C alike), fp32 accumulation, any M, N, K. N and K that are
+    multiples of 8 (16-byte rows, what TMA reads and writes) run in place; otherwise they are
+    rounded up to multiples of 8 in scratch buffers (zero K columns in A and B, zero B rows,
+    extra C columns dropped): each call then copies B, A when K is not a multiple of 8, and C
+    when N is not; for a weight reused across calls, pad it once yourself. Non-contiguous or
+    misaligned inputs are copied; `out` may be any (M, N) view.
     `config` forces a kernel configuration (eager calls only); by default a winner recorded by
     `tune_gemm` for this exact problem is used, else the analytical choice.
     """

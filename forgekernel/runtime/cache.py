@@ -22,6 +22,9 @@ from forgekernel.runtime.loader import load_function
 from forgekernel.runtime.spec import KernelSpec, Params
 
 _LOADED: dict[str, Any] = {}
+# get_kernel's fast path: (name, arch, source hash, params) -> the loaded function, so that a
+# launch does not rebuild the stem (repr + sha256 of the key: 3.8 us per call on the CPU).
+_BY_KEY: dict[tuple, Any] = {}
 
 
 def artifact_stem(spec: KernelSpec, params: Params) -> str:
@@ -52,6 +55,14 @@ def search_dirs(arch: str) -> list[Path]:
 
 def get_kernel(spec: KernelSpec, params: Params) -> Any:
     """The loaded callable for (spec, params); compiles once, only when nothing prebuilt fits."""
+    key = (spec.name, spec.arch, spec.source_hash, params)
+    fn = _BY_KEY.get(key)
+    if fn is None:
+        fn = _BY_KEY[key] = _load(spec, params)
+    return fn
+
+
+def _load(spec: KernelSpec, params: Params) -> Any:
     stem = artifact_stem(spec, params)
     fn = _LOADED.get(stem)
     if fn is not None:

@@ -4,6 +4,7 @@ SM count (persistent grids), the dtype names compile keys use, and the one TMA-r
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -24,12 +25,16 @@ def dtype_name(dtype: torch.dtype) -> str:
 def tma_ready(t: torch.Tensor) -> bool:
     """Last dim contiguous, a 16-byte-aligned base and every other stride a 16-byte multiple,
     size-1 dims included (what TMA can address, and what the compiled kernels assume)."""
+    # Called on every operand of every launch: one stride() call and a plain loop (a generator
+    # over repeated stride() calls cost 0.78 us per tensor on the CPU, this 0.39-0.45).
+    *outer, last = t.stride()
+    if last != 1 or t.data_ptr() % 16:
+        return False
     elems16 = 16 // t.element_size()
-    return (
-        t.stride(-1) == 1
-        and all(s % elems16 == 0 for s in t.stride()[:-1])
-        and t.data_ptr() % 16 == 0
-    )
+    for s in outer:
+        if s % elems16:
+            return False
+    return True
 
 
 def as_tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -51,3 +56,16 @@ def copy_back(outputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ..
     for out, dst in zip(outputs, targets):
         if dst is not out:
             out.copy_(dst)
+
+
+_CURRENT = contextlib.nullcontext()
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """`torch.cuda.device(device)` when it is not the current device already, else a no-op
+    context: building, entering and leaving torch's context costs microseconds per launch for
+    nothing in the usual one-device process (CPU tensors, index None, get the no-op)."""
+    index = device.index
+    if index is None or index == torch.cuda.current_device():
+        return _CURRENT
+    return torch.cuda.device(device)
