@@ -1,6 +1,7 @@
 """The attention suite on the CPU: cases well-formed, work counts exact, and the harness's
 comparison accepts a correct kernel (including LSE = -inf rows) and rejects a wrong one."""
 
+import collections
 import dataclasses
 import importlib
 import math
@@ -29,9 +30,7 @@ def test_cases_are_well_formed():
             else:
                 assert min(p["b"], p["sq"], p["sk"]) >= 1, c.name
     assert "b4-hq32-hkv2-s8192-d128-causal" in {c.name for c in SUITE.bench_cases}
-    fixed = [c.params for c in SUITE.bench_cases if not c.params.get("varlen")]
-    assert all(p["sq"] == p["sk"] for p in fixed)
-    (varlen,) = [c.params for c in SUITE.bench_cases if c.params.get("varlen")]
+    varlen = suite_module.LEGACY_BENCH_CASES[-1].params
     assert len(varlen["lens_q"]) == 16 and 256 <= min(varlen["lens_q"]) <= max(varlen["lens_q"])
     assert max(varlen["lens_q"]) <= 8192 and varlen["lens_q"] == varlen["lens_k"]
     ratios = {c.params["hq"] // c.params["hkv"] for c in SUITE.check_cases}
@@ -43,6 +42,60 @@ def test_cases_are_well_formed():
     assert dims == set(attention_module.SUPPORTED_HEAD_DIMS)
     assert any(c.params.get("varlen") for c in SUITE.check_cases)
     assert list(SUITE.dtypes_for_bench()) == [torch.bfloat16]
+
+
+CLASSES = {"causal-d128", "gqa16", "non-causal", "d64", "d96", "d256", "d192-128", "chunked"}
+CLASSES |= {"varlen"}
+
+
+def _ratio(p):
+    return p["hq"] // p["hkv"]
+
+
+def test_bench_samples_every_class():
+    cases = SUITE.bench_cases
+    assert 30 <= len(cases) <= 40
+    groups = collections.Counter(c.group for c in cases)
+    assert set(groups) == CLASSES and min(groups.values()) >= 3
+    dims = {(c.params["d"], c.params["dv"]) for c in cases}
+    assert dims == set(attention_module.SUPPORTED_HEAD_DIMS)
+    assert {1, 4, 8, 16} <= {_ratio(c.params) for c in cases}
+    fixed = [c for c in cases if not c.params.get("varlen")]
+    lengths = {c.params["sk"] for c in fixed}
+    assert min(lengths) == 512 and max(lengths) == 32768
+    assert {c.params["causal"] for c in fixed} == {True, False}
+    for c in fixed:
+        p = c.params
+        by_dim = {64: "d64", 96: "d96", 256: "d256", 192: "d192-128"}
+        if c.group in by_dim.values():
+            assert by_dim[p["d"]] == c.group, c.name
+        elif c.group == "chunked":
+            assert p["causal"] and 512 <= p["sq"] <= 2048 and 8192 <= p["sk"] <= 32768, c.name
+        else:
+            assert p["d"] == 128 and p["sq"] == p["sk"], c.name
+            assert (c.group == "non-causal") == (not p["causal"]), c.name
+            if p["causal"]:
+                assert (c.group == "gqa16") == (_ratio(p) == 16), c.name
+    varlen = [c.params for c in cases if c.params.get("varlen")]
+    assert all(c.group == "varlen" for c in cases if c.params.get("varlen"))
+    assert any(p["lens_q"] != p["lens_k"] for p in varlen)  # chunked prefill, per sequence
+    assert list(SUITE.dtypes_for_bench()) == [torch.bfloat16]
+
+
+def test_bench_keeps_the_legacy_suite():
+    names = [c.name for c in SUITE.bench_cases]
+    legacy = [c.name for c in suite_module.LEGACY_BENCH_CASES]
+    assert names[: len(legacy)] == legacy and len(legacy) == 11
+    for b, s in ((16, 2048), (8, 4096), (4, 8192), (2, 16384), (1, 32768)):
+        assert f"b{b}-hq64-hkv4-s{s}-d128-causal" in legacy
+    assert "b2-hq128-hkv128-s8192-d192-dv128-causal" in legacy
+
+
+def test_check_cases_sample_every_bench_class():
+    groups = {c.group for c in SUITE.check_cases if c.group}
+    assert groups == CLASSES
+    small = [c for c in SUITE.check_cases if c.group and not c.params.get("varlen")]
+    assert all(c.params["b"] * c.params["sq"] * c.params["sk"] <= 2**23 for c in small)
 
 
 def test_sanitize_cases_cover_every_head_dim_small_and_odd():
@@ -83,6 +136,35 @@ def test_bytes_are_q_k_v_o():
     assert SUITE.bytes(case, torch.bfloat16) == 2 * elems
 
 
+def closed_form_pairs(sq, sk):
+    """Bottom-right causal: Sq <= Sk: every row sees the Sk - Sq prefix and a triangle;
+    Sq > Sk: the last Sk rows see a triangle, the first Sq - Sk rows nothing."""
+    if sq <= sk:
+        return sq * (sk - sq) + sq * (sq + 1) // 2
+    return sk * (sk + 1) // 2
+
+
+@pytest.mark.parametrize("sq, sk", [(1, 1), (5, 13), (13, 5), (300, 4097), (4097, 300)])
+def test_closed_form_is_the_brute_count(sq, sk):
+    assert closed_form_pairs(sq, sk) == brute_pairs(sq, sk, True)
+
+
+def test_flops_of_every_bench_case_are_exact():
+    for c in SUITE.bench_cases:
+        p = c.params
+        seqs = zip(p["lens_q"], p["lens_k"]) if p.get("varlen") else [(p["sq"], p["sk"])] * p["b"]
+        pairs = [closed_form_pairs(q, k) if p["causal"] else q * k for q, k in seqs]
+        assert SUITE.flops(c) == 2 * p["hq"] * (p["d"] + p["dv"]) * sum(pairs), c.name
+
+
+def test_chunked_prefill_flops():
+    """b1 hq32 Sq 2048 against Sk 8192, causal bottom-right: 6144 cached keys per row plus a
+    2048 x 2049 / 2 triangle."""
+    case = suite_module._case(1, 32, 8, 2048, 128, sk=8192)
+    pairs = 2048 * 6144 + 2048 * 2049 // 2
+    assert SUITE.flops(case) == 4 * 32 * 128 * pairs
+
+
 def test_varlen_flops_sum_the_sequences():
     case = suite_module._varlen_case((5, 13, 1), (13, 5, 9), hq=4, hkv=2, d=192, dv=128)
     pairs = sum(brute_pairs(sq, sk, True) for sq, sk in ((5, 13), (13, 5), (1, 9)))
@@ -91,6 +173,27 @@ def test_varlen_flops_sum_the_sequences():
 
 def test_comparators_resolve_without_a_gpu():
     assert set(SUITE.comparators()) == {"fa4", "cudnn"}
+
+
+@pytest.mark.parametrize(
+    "case, same",
+    [
+        (suite_module._case(1, 4, 2, 5, 64), True),
+        (suite_module._case(1, 4, 2, 5, 64, sk=13, causal=False), True),
+        (suite_module._case(1, 4, 2, 5, 64, sk=13), False),
+        (suite_module._case(1, 4, 2, 13, 64, sk=5), False),
+        (suite_module._varlen_case((3, 5), hq=4, hkv=2, d=64, causal=False), False),
+    ],
+    ids=lambda x: getattr(x, "name", str(x)),
+)
+def test_cudnn_refuses_other_semantics(case, same):
+    """SDPA's causal mask is top-left aligned: cuDNN is timed only where it computes ours."""
+    inputs = SUITE.make_inputs(case, torch.bfloat16, CPU, torch.Generator().manual_seed(0))
+    if same:
+        suite_module.refuse_other_semantics(inputs)
+    else:
+        with pytest.raises(NotImplementedError):
+            suite_module.refuse_other_semantics(inputs)
 
 
 def correct_kernel(inputs, out):

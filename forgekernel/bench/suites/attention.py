@@ -27,13 +27,14 @@ def _case(
     sk: int | None = None,
     dv: int | None = None,
     scale: float | None = None,
+    group: str = "",
 ) -> Case:
     sk, dv = sq if sk is None else sk, d if dv is None else dv
     seqs = f"s{sq}" if sq == sk else f"sq{sq}-sk{sk}"
     name = f"b{b}-hq{hq}-hkv{hkv}-{seqs}-d{d}" + (f"-dv{dv}" if dv != d else "")
     name += ("-causal" if causal else "") + (f"-scale{scale:g}" if scale is not None else "")
     params = {"b": b, "hq": hq, "hkv": hkv, "sq": sq, "sk": sk, "d": d, "dv": dv}
-    return Case(name, {**params, "causal": causal, "softmax_scale": scale})
+    return Case(name, {**params, "causal": causal, "softmax_scale": scale}, group)
 
 
 def _varlen_case(
@@ -46,13 +47,15 @@ def _varlen_case(
     *,
     dv: int | None = None,
     tag: str = "",
+    group: str = "",
 ) -> Case:
     lens_k, dv = lens_q if lens_k is None else lens_k, d if dv is None else dv
     seqs = tag or ("s" + "-".join(map(str, lens_q)) + ("" if lens_k == lens_q else "-k"))
     name = f"varlen{len(lens_q)}-hq{hq}-hkv{hkv}-{seqs}-d{d}" + (f"-dv{dv}" if dv != d else "")
     name += "-causal" if causal else ""
     params = {"lens_q": tuple(lens_q), "lens_k": tuple(lens_k), "hq": hq, "hkv": hkv, "d": d}
-    return Case(name, {**params, "dv": dv, "causal": causal, "softmax_scale": None, "varlen": True})
+    flags = {"dv": dv, "causal": causal, "softmax_scale": None, "varlen": True}
+    return Case(name, {**params, **flags}, group)
 
 
 def _varlen_lengths(n: int, lo: int, hi: int, seed: int) -> tuple[int, ...]:
@@ -60,19 +63,68 @@ def _varlen_lengths(n: int, lo: int, hi: int, seed: int) -> tuple[int, ...]:
     return tuple(torch.randint(lo, hi + 1, (n,), generator=gen).tolist())
 
 
-# OPS.md, "Attention forward" (bf16, causal unless noted), plus the anchor shape of the FA4 and
-# cuDNN figures (b4 hq32 hkv2 s8192 d128 causal: FA4 655 TFLOP/s, cuDNN 559 on the H200); the
-# varlen case packs 16 sequences of 256..8192 tokens (fixed draw, seed 0).
-BENCH_CASES = (
-    *(_case(b, 64, 4, s, 128) for b, s in ((16, 2048), (8, 4096), (4, 8192), (2, 16384))),
-    _case(1, 64, 4, 32768, 128),
-    _case(8, 64, 4, 4096, 128, causal=False),
-    _case(8, 32, 32, 4096, 64),
-    _case(4, 16, 16, 4096, 256),
-    _case(2, 128, 128, 8192, 192, dv=128),
-    _case(4, 32, 2, 8192, 128),
-    _varlen_case(_varlen_lengths(16, 256, 8192, seed=0), tag="s256to8192"),
+def _chunked_lengths(n: int, seed: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Chunked prefill per sequence: a chunk of 256..2048 queries after a cached prefix of
+    0..16384 keys (Sk = prefix + chunk), fixed draw."""
+    chunk = _varlen_lengths(n, 256, 2048, seed)
+    prefix = _varlen_lengths(n, 0, 16384, seed + 1)
+    return chunk, tuple(c + p for c, p in zip(chunk, prefix))
+
+
+# The suite before issue 17 (OPS.md, bf16, causal unless noted, plus the anchor shape of the FA4
+# and cuDNN figures: b4 hq32 hkv2 s8192 d128 causal, FA4 655 TFLOP/s, cuDNN 559 on the H200; the
+# varlen case packs 16 sequences of 256..8192 tokens, fixed draw, seed 0), each in its class.
+LEGACY_BENCH_CASES = (
+    *(
+        _case(b, 64, 4, s, 128, group="gqa16")
+        for b, s in ((16, 2048), (8, 4096), (4, 8192), (2, 16384))
+    ),
+    _case(1, 64, 4, 32768, 128, group="gqa16"),
+    _case(8, 64, 4, 4096, 128, causal=False, group="non-causal"),
+    _case(8, 32, 32, 4096, 64, group="d64"),
+    _case(4, 16, 16, 4096, 256, group="d256"),
+    _case(2, 128, 128, 8192, 192, dv=128, group="d192-128"),
+    _case(4, 32, 2, 8192, 128, group="gqa16"),
+    _varlen_case(_varlen_lengths(16, 256, 8192, seed=0), tag="s256to8192", group="varlen"),
 )
+# The shapes users send, by class, bf16, 8k..64k tokens per batch at 512..32k per sequence.
+# Head counts from model configs: Llama-3 8B / Mistral 32:8, Llama-3 70B 64:8, Qwen-2.5 7B 28:4
+# and 32B 40:8, Phi-3 mini D = 96 (32 heads), Gemma D = 256 (16:16, Gemma-2 9B 16:8, Gemma-3 4B
+# 8:4), DeepSeek-V2/V3 MLA prefill 192/128 (128 heads). GQA ratios 1, 4, 5, 7, 8, 16.
+CLASS_BENCH_CASES = (
+    _case(32, 64, 4, 512, 128, group="gqa16"),
+    _case(32, 32, 8, 512, 128, group="causal-d128"),
+    _case(16, 32, 32, 1024, 128, group="causal-d128"),
+    _case(4, 28, 4, 4096, 128, group="causal-d128"),
+    _case(4, 64, 8, 8192, 128, group="causal-d128"),
+    _case(2, 40, 8, 16384, 128, group="causal-d128"),
+    _case(1, 32, 8, 32768, 128, group="causal-d128"),
+    _case(32, 32, 8, 512, 128, causal=False, group="non-causal"),
+    _case(8, 32, 32, 2048, 128, causal=False, group="non-causal"),
+    _case(4, 32, 8, 8192, 128, causal=False, group="non-causal"),
+    _case(1, 32, 8, 32768, 128, causal=False, group="non-causal"),
+    _case(32, 16, 16, 512, 64, causal=False, group="d64"),
+    _case(16, 32, 8, 1024, 64, group="d64"),
+    _case(2, 32, 32, 16384, 64, causal=False, group="d64"),
+    _case(8, 32, 32, 2048, 96, group="d96"),
+    _case(16, 32, 32, 1024, 96, causal=False, group="d96"),
+    _case(2, 32, 8, 8192, 96, group="d96"),
+    _case(8, 16, 8, 2048, 256, group="d256"),
+    _case(16, 8, 4, 1024, 256, causal=False, group="d256"),
+    _case(1, 16, 8, 16384, 256, group="d256"),
+    _case(8, 128, 128, 2048, 192, dv=128, group="d192-128"),
+    _case(1, 128, 128, 16384, 192, dv=128, group="d192-128"),
+    # chunked prefill: a chunk of queries against the cached keys, causal bottom-right
+    _case(1, 32, 8, 2048, 128, sk=8192, group="chunked"),
+    _case(2, 64, 8, 1024, 128, sk=16384, group="chunked"),
+    _case(1, 64, 4, 512, 128, sk=32768, group="chunked"),
+    _case(1, 128, 128, 2048, 192, dv=128, sk=16384, group="chunked"),
+    _varlen_case(
+        _varlen_lengths(64, 64, 1024, seed=2), hq=32, hkv=8, tag="s64to1024", group="varlen"
+    ),
+    _varlen_case(*_chunked_lengths(8, seed=3), hq=32, hkv=8, tag="chunk256to2048", group="varlen"),
+)
+BENCH_CASES = LEGACY_BENCH_CASES + CLASS_BENCH_CASES
 # Every supported head dim and GQA ratios 1, 4, 16 at small sizes, then awkward lengths: a
 # single token, lengths off every tile size, Sq < Sk (decode-like) and Sq > Sk, whose first
 # Sq - Sk rows see no key under the causal mask (O = 0, LSE = -inf); short queries with GQA
@@ -112,6 +164,18 @@ CHECK_CASES = (
     _varlen_case((300, 5, 129, 64), (1000, 5, 0, 700), hq=4, hkv=1, d=96, causal=False),
     _varlen_case((200, 1000, 33), hq=4, hkv=1, d=192, dv=128),
     _varlen_case((200, 513, 33), hq=2, hkv=2, d=256, causal=False),
+    # one small case per bench class, with what the class adds: GQA ratios 5 and 7, GQA at
+    # D = 64 / 96 / 256, a chunk against a longer cached prefix (D = 128 and 192/128, fixed and
+    # varlen)
+    _case(1, 28, 4, 300, 128, group="causal-d128"),
+    _case(2, 32, 2, 640, 128, group="gqa16"),
+    _case(1, 40, 8, 1100, 128, causal=False, group="non-causal"),
+    _case(4, 16, 4, 300, 64, causal=False, group="d64"),
+    _case(1, 8, 2, 513, 96, causal=False, group="d96"),
+    _case(1, 8, 4, 700, 256, group="d256"),
+    _case(1, 16, 16, 256, 192, dv=128, sk=2048, group="d192-128"),
+    _case(1, 8, 2, 512, 128, sk=4096, group="chunked"),
+    _varlen_case((128, 300, 64), (1024, 2048, 700), hq=8, hkv=2, group="varlen"),
 )
 # compute-sanitizer (`forgekernel check --sanitize`) and tests/gpu/: every head-dim pair at small
 # odd sizes, GQA (packed short queries at 17 tokens), causal and not, Sq > Sk (rows that see no
@@ -254,10 +318,8 @@ def _cudnn() -> Any:
         return None
 
     def cudnn(inputs: Inputs) -> torch.Tensor:
-        if _varlen(inputs):
-            raise NotImplementedError("SDPA takes no packed (cu_seqlens) batches")
-        # (B, H, S, D) views, made once per input set outside the timed call. SDPA's causal
-        # mask is top-left aligned: the same as ours for the bench cases (all Sq == Sk).
+        refuse_other_semantics(inputs)
+        # (B, H, S, D) views, made once per input set outside the timed call.
         if "bhsd" not in inputs:
             inputs["bhsd"] = tuple(inputs[n].transpose(1, 2) for n in ("q", "k", "v"))
         q, k, v = inputs["bhsd"]
@@ -268,6 +330,19 @@ def _cudnn() -> Any:
             )
 
     return cudnn
+
+
+def refuse_other_semantics(inputs: Inputs) -> None:
+    """cuDNN through SDPA computes other math on these inputs: raise (the bench then reports it
+    missing on the case, never timed against a different problem). SDPA takes no packed
+    batches, and its causal mask is top-left aligned (query i sees key j <= i), ours
+    bottom-right: the same only when Sq == Sk."""
+    if "cu_seqlens_q" in inputs or "varlen" in inputs:
+        raise NotImplementedError("SDPA takes no packed (cu_seqlens) batches")
+    if inputs["causal"] and inputs["q"].shape[1] != inputs["k"].shape[1]:
+        raise NotImplementedError(
+            "SDPA's causal mask is top-left aligned, ours bottom-right: they differ at Sq != Sk"
+        )
 
 
 def comparators() -> dict[str, Any]:
