@@ -165,19 +165,33 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(NO_GPU_BENCH, file=sys.stderr)
         _build(_build_arch(args.arch), None)
         return 2
-    from forgekernel.bench.harness import run_bench
+    from forgekernel.bench.harness import BenchTiming, run_bench
 
     suites, arch = _suites(args.ops), _arch(args.arch)
     report_dir = args.report_dir or _ledger().repo_root() / "benchmarks" / "reports" / arch
-    run_bench(
-        suites,
-        results_dir=args.results_dir,
-        report_dir=report_dir,
-        arch=arch,
+    timing = BenchTiming(
+        methods=args.timing,
         warmup=args.warmup,
         reps=args.reps,
+        eager_reps=args.eager_reps,
+        host_calls=args.host_calls,
     )
+    run_bench(suites, results_dir=args.results_dir, report_dir=report_dir, arch=arch, timing=timing)
     return 0
+
+
+TIMING_METHODS = ("graph", "eager")  # forgekernel.bench.harness.TIMING_METHODS, without torch
+
+
+def timing_methods(text: str) -> tuple[str, ...]:
+    """`--timing graph,eager`: the methods, in the order given, each once."""
+    methods = tuple(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    unknown = [m for m in methods if m not in TIMING_METHODS]
+    if unknown or not methods:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated subset of {','.join(TIMING_METHODS)}, got {text!r}"
+        )
+    return methods
 
 
 def cmd_selftest(args: argparse.Namespace) -> int:
@@ -278,7 +292,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--results-dir", **results)
     p.add_argument("--arch", **arch)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--reps", type=int, default=30, help="timed samples per candidate")
+    p.add_argument(
+        "--timing",
+        type=timing_methods,
+        default=TIMING_METHODS,
+        metavar="graph,eager",
+        help="timing methods (default: both): graph = CUDA-graph replays, inputs rotated past "
+        "L2; eager = eager launches, L2 flushed before each, each launch timed alone",
+    )
+    p.add_argument("--reps", type=int, default=30, help="graph: timed samples per candidate")
+    p.add_argument(
+        "--eager-reps",
+        type=int,
+        default=100,
+        metavar="N",
+        help="eager: launches per candidate, median taken (fewer, not below 20, on slow cases)",
+    )
+    p.add_argument(
+        "--host-calls",
+        type=int,
+        default=200,
+        metavar="N",
+        help="host us per eager call: back-to-back calls per round on the suite's tiny host "
+        "case (0: skip)",
+    )
 
     add("selftest", cmd_selftest, "launch semantics the timing relies on (stream, graph)")
 

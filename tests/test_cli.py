@@ -128,6 +128,30 @@ def test_parsing():
         p.parse_args([])
 
 
+def test_bench_timing_options(monkeypatch, tmp_path):
+    import forgekernel.bench.harness as harness
+
+    p = cli.build_parser()
+    a = p.parse_args(["bench"])
+    assert a.timing == ("graph", "eager") and a.eager_reps == 100 and a.host_calls == 200
+    assert p.parse_args(["bench", "--timing", "eager"]).timing == ("eager",)
+    assert p.parse_args(["bench", "--timing", "eager, graph,eager"]).timing == ("eager", "graph")
+    for bad in ("wall", "", "graph,wall"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["bench", "--timing", bad])
+    assert cli.TIMING_METHODS == harness.TIMING_METHODS
+    seen = {}
+    monkeypatch.setattr(cli, "_cuda_available", lambda: True)
+    monkeypatch.setattr(harness, "run_bench", lambda suites, **kw: seen.update(kw))
+    argv = ["bench", "gemm", "--arch", "sm_90a", "--report-dir", str(tmp_path)]
+    argv += ["--timing", "eager", "--eager-reps", "40", "--host-calls", "0", "--reps", "9"]
+    assert cli.main(argv) == 0
+    assert seen["timing"] == harness.BenchTiming(
+        methods=("eager",), warmup=5, reps=9, eager_reps=40, host_calls=0
+    )
+    assert seen["report_dir"] == tmp_path and seen["arch"] == "sm_90a"
+
+
 def test_unknown_op(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_cuda_available", lambda: True)
     assert cli.main(["check", "nope", "--arch", "sm_90a"]) == 2

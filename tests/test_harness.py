@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from forgekernel.bench import harness
+from forgekernel.bench.suite import Case
 from forgekernel.runtime.timing import Samples
 
 
@@ -15,28 +16,51 @@ class Calls(list):
     graph_lost_work = False
 
 
-@pytest.fixture
-def fake_timer(monkeypatch):
-    calls = Calls()
+GRAPH_MS = {"ours": 1.0, "good": 2.0, "slow": 4.0, "ours[det]": 1.5, "ours[bad]": 9.0}
+EAGER_MS = {"ours": 2.0, "good": 3.0, "slow": 1.0, "ours[det]": 4.0}
+HOST_US = {"ours": 50.0, "good": 20.0, "slow": 25.0, "torch": 10.0}
 
+
+def _fake(calls: Calls, method: str, table: dict[str, float]):
     def timer(fns, *, rotate, warmup, reps):
-        calls.append((list(fns), len(rotate)))
+        calls.append((list(fns), len(rotate), method))
         for args in rotate:  # every candidate must run on every input set
             for fn in fns.values():
                 fn(*args)
-        ms = {"ours": 1.0, "good": 2.0, "slow": 4.0, "ours[det]": 1.5, "ours[bad]": 9.0}
 
         def rerun(fn):
             return lambda: None if calls.graph_lost_work else [fn(*a) for a in rotate]
 
         return {
-            k: Samples([ms[k]] * 3, method="cuda-graph", launches=4, rerun=rerun(fn))
+            k: Samples([table[k]] * 3, method=method, launches=4, rerun=rerun(fn))
             for k, fn in fns.items()
         }
 
-    monkeypatch.setattr(harness, "time_interleaved", timer)
+    return timer
+
+
+@pytest.fixture
+def fake_timer(monkeypatch):
+    """Both timing methods and the host loop replaced; `calls` lists (candidates, input sets,
+    method) per timed case and ("host", candidates, calls) per host loop."""
+    calls = Calls()
+
+    def host(fns, **kw):
+        for fn in fns.values():
+            fn()
+        kw["sync"]()
+        calls.append(("host", list(fns), kw["calls"]))
+        return {k: [HOST_US[k]] * kw["rounds"] for k in fns}
+
+    monkeypatch.setattr(harness, "time_interleaved", _fake(calls, "cuda-graph", GRAPH_MS))
+    monkeypatch.setattr(harness, "time_eager_flushed", _fake(calls, "eager-flushed", EAGER_MS))
+    monkeypatch.setattr(harness, "host_us_per_call", host)
     monkeypatch.setattr(harness, "l2_bytes", lambda: 1000)
     return calls
+
+
+def timed(calls: Calls, method: str) -> list:
+    return [c[:2] for c in calls if c[-1] == method]
 
 
 def _comparators():
@@ -65,8 +89,9 @@ def test_bench_records(tmp_path, sources, fake_suite, fake_timer, capsys):
     assert comps["absent"] == {"missing": "not available in this process"}
     assert "cuBLAS says no" in comps["broken"]["missing"]
     assert records[0]["ours"]["tflops"] == pytest.approx(2 * 8 * 8 / 1.0 / 1e9)
-    assert fake_timer[0][0] == ["ours", "good", "slow"]
-    assert fake_timer[0][1] > 1  # tiny case with a 1000-byte "L2": inputs rotated
+    graph = timed(fake_timer, "cuda-graph")
+    assert graph[0][0] == ["ours", "good", "slow"]
+    assert graph[0][1] > 1  # tiny case with a 1000-byte "L2": inputs rotated
     doc = json.loads((tmp_path / "res" / "sm_90a" / "fake.json").read_text())
     assert doc["bench"]["median_ratio"] == {
         "good": 2.0,
@@ -87,7 +112,7 @@ def test_wrong_kernel_is_never_timed(tmp_path, sources, fake_suite, fake_timer):
         [suite], results_dir=tmp_path, report_dir=tmp_path, arch="sm_90a", device="cpu"
     )
     assert all(r["status"].startswith("wrong") and r["ours"] is None for r in records)
-    assert fake_timer == []
+    assert [c for c in fake_timer if c[0] != "host"] == []
 
 
 def test_error_is_recorded(tmp_path, sources, fake_suite, fake_timer):
@@ -136,7 +161,7 @@ def test_variants_of_ours_are_timed_apart(tmp_path, sources, fake_suite, fake_ti
     det, bad = records[1]["variants"]["det"], records[1]["variants"]["bad"]
     assert det["status"] == "ok" and det["time_ratio"] == pytest.approx(1.5)
     assert bad["status"].startswith("wrong") and "ms" not in bad  # verified first, never timed
-    assert fake_timer[1][0] == ["ours", "ours[det]", "good", "slow"]
+    assert timed(fake_timer, "cuda-graph")[1][0] == ["ours", "ours[det]", "good", "slow"]
     assert records[1]["comparators"]["good"]["ratio"] == pytest.approx(2.0)  # still vs ours
     doc = json.loads((tmp_path / "sm_90a" / "fake.json").read_text())
     assert doc["bench"]["variant_ratio"] == {"det": {"7x24x40 bf16": 1.5}}
@@ -144,3 +169,140 @@ def test_variants_of_ours_are_timed_apart(tmp_path, sources, fake_suite, fake_ti
     out = capsys.readouterr().out
     assert "variants of ours" in out and "1.500x" in out
     assert "| 7x24x40 | bf16 | det | 1.5000 |" in (tmp_path / "rep" / "fake.md").read_text()
+
+
+def _bench(suite, tmp_path, **timing):
+    return harness.run_bench(
+        [suite],
+        results_dir=tmp_path / "res",
+        report_dir=tmp_path / "rep",
+        arch="sm_90a",
+        device="cpu",
+        timing=harness.BenchTiming(**timing),
+    )
+
+
+def _ledger(tmp_path, name="fake"):
+    return json.loads((tmp_path / "res" / "sm_90a" / f"{name}.json").read_text())["bench"]
+
+
+GROUPED = (
+    Case("1x8x8", {"m": 1, "n": 8, "k": 8}, group="decode"),
+    Case("4x8x8", {"m": 4, "n": 8, "k": 8}, group="decode"),
+    Case("7x24x40", {"m": 7, "n": 24, "k": 40}, group="prefill"),
+    Case("9x8x16", {"m": 9, "n": 8, "k": 16}),
+)
+
+
+def test_both_methods_per_case_and_per_group(tmp_path, sources, fake_suite, fake_timer, capsys):
+    suite = fake_suite(
+        sources, comparators=_comparators, bench_cases=GROUPED, dtypes=(torch.bfloat16,)
+    )
+    records = _bench(suite, tmp_path)
+    rec = records[2]
+    assert rec["group"] == "prefill" and rec["timing"] == ["graph", "eager"]
+    assert rec["comparators"]["good"]["ratio"] == pytest.approx(2.0)  # graph: top level
+    eager = rec["eager"]
+    assert eager["ours"]["ms"] == pytest.approx(2.0) and eager["ours"]["method"] == "eager-flushed"
+    assert eager["comparators"]["good"]["ratio"] == pytest.approx(1.5)
+    assert eager["comparators"]["slow"]["ratio"] == pytest.approx(0.5)
+    assert eager["comparators"]["absent"] == {"missing": "not available in this process"}
+    assert "cuBLAS says no" in eager["comparators"]["broken"]["missing"]
+    # eager launches flush L2: one input set, no rotation
+    assert all(n == 1 for _, n in timed(fake_timer, "eager-flushed"))
+    bench = _ledger(tmp_path)
+    assert bench["timing"] == ["graph", "eager"]
+    assert bench["median_ratio"]["good"] == pytest.approx(2.0)  # the README's: graph
+    methods = bench["methods"]
+    assert methods["graph"]["median_ratio"]["slow"] == pytest.approx(4.0)
+    assert methods["eager"]["median_ratio"]["slow"] == pytest.approx(0.5)
+    assert methods["eager"]["min_ratio"]["good"] == pytest.approx(1.5)
+    assert methods["eager"]["group_median_ratio"]["good"] == {
+        "": pytest.approx(1.5),
+        "decode": pytest.approx(1.5),
+        "prefill": pytest.approx(1.5),
+    }
+    assert methods["eager"]["group_median_ratio"]["absent"] == {}
+    md = (tmp_path / "rep" / "fake.md").read_text()
+    assert "## graph: CUDA-graph replays" in md and "## eager: eager launches, L2 flushed" in md
+    assert "| 7x24x40 | prefill | bf16 | 2.0000 |" in md  # the eager table's row
+    assert "good by group (median, cases): ungrouped 1.500x (1), decode 1.500x (2)" in md
+    out = capsys.readouterr().out
+    assert "graph 1.0000 ms eager 2.0000 ms" in out
+
+
+def test_eager_only(tmp_path, sources, fake_suite, fake_timer):
+    suite = fake_suite(sources, comparators=_comparators, dtypes=(torch.bfloat16,))
+    records = _bench(suite, tmp_path, methods=("eager",))
+    assert [r["status"] for r in records] == ["ok", "ok"]
+    assert records[0]["ours"] is None and records[0]["eager"]["ours"]["ms"] == 2.0
+    assert timed(fake_timer, "cuda-graph") == []
+    bench = _ledger(tmp_path)
+    assert bench["timing"] == ["eager"] and "median_ratio" not in bench
+    assert bench["methods"]["eager"]["median_ratio"]["good"] == pytest.approx(1.5)
+    md = (tmp_path / "rep" / "fake.md").read_text()
+    assert "## eager" in md and "## graph" not in md
+
+
+def test_eager_launches_must_write_outputs(tmp_path, sources, fake_suite, fake_timer):
+    fake_timer.graph_lost_work = True
+    records = _bench(fake_suite(sources), tmp_path, methods=("eager",))
+    assert all("timed eager launches of ours" in r["status"] for r in records)
+
+
+def _torch_matmul():
+    def broken(inputs):
+        raise RuntimeError("no SDPA here")
+
+    return {"torch": lambda i: i["a"] @ i["b"].T, "absent_host": None, "broken_host": broken}
+
+
+def test_host_time_per_call(tmp_path, sources, fake_suite, fake_timer, capsys):
+    suite = fake_suite(
+        sources,
+        comparators=_comparators,
+        host_comparators=_torch_matmul,
+        dtypes=(torch.bfloat16, torch.float16),
+    )
+    _bench(suite, tmp_path, host_calls=7)
+    ((_, names, calls),) = [c for c in fake_timer if c[0] == "host"]
+    assert names == ["ours", "good", "slow", "torch"] and calls == 7
+    host = _ledger(tmp_path)["host"]
+    assert host["case"] == "1x8x8" and host["dtype"] == "bf16"  # fewest flops, first dtype
+    assert host["status"] == "ok" and host["calls"] == 7
+    assert host["us_per_call"] == {"ours": 50.0, "good": 20.0, "slow": 25.0, "torch": 10.0}
+    assert host["rounds_us"]["torch"] == [10.0] * harness.HOST_ROUNDS
+    assert host["missing"]["absent_host"] == "not available in this process"
+    assert "no SDPA here" in host["missing"]["broken_host"]
+    assert "cuBLAS says no" in host["missing"]["broken"]
+    line = "ours 50.0 us, good 20.0 us (0.400x), slow 25.0 us (0.500x), torch 10.0 us (0.200x)"
+    assert line in (tmp_path / "rep" / "fake.md").read_text()
+    assert line in capsys.readouterr().out
+
+
+def test_host_case_of_the_suite_and_wrong_kernel(tmp_path, sources, fake_suite, fake_timer):
+    mine = Case("3x16x8", {"m": 3, "n": 16, "k": 8})
+    suite = fake_suite(sources, host_case=mine, dtypes=(torch.bfloat16,))
+    _bench(suite, tmp_path, methods=("graph",))
+    assert _ledger(tmp_path)["host"]["case"] == "3x16x8"
+
+    def wrong(inputs, out):
+        return out.copy_(inputs["a"].float() @ inputs["b"].float().T + 1.0)
+
+    _bench(fake_suite(sources, run_ours=wrong), tmp_path)
+    host = _ledger(tmp_path)["host"]
+    assert host["status"].startswith("wrong") and host["us_per_call"] == {}
+    assert sum(c[0] == "host" for c in fake_timer) == 1  # the first run's only
+
+
+def test_no_host_time_when_asked(tmp_path, sources, fake_suite, fake_timer):
+    _bench(fake_suite(sources), tmp_path, host_calls=0)
+    assert "host" not in _ledger(tmp_path)
+    assert not any(c[0] == "host" for c in fake_timer)
+
+
+def test_timing_methods_are_checked():
+    with pytest.raises(ValueError, match="timing methods"):
+        harness.BenchTiming(methods=("graph", "wall"))
+    with pytest.raises(ValueError, match="timing methods"):
+        harness.BenchTiming(methods=())

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -15,6 +17,43 @@ def test_rotation_sets():
 def test_median():
     assert timing.median([3.0, 1.0, 2.0]) == 2.0
     assert timing.median([4.0, 1.0, 2.0, 3.0]) == 2.5
+
+
+def test_eager_launches_shrink_on_slow_cases():
+    assert timing._eager_launches(0.01, reps=100, min_reps=20, budget_ms=300.0) == 100
+    assert timing._eager_launches(10.0, reps=100, min_reps=20, budget_ms=300.0) == 30
+    assert timing._eager_launches(100.0, reps=100, min_reps=20, budget_ms=300.0) == 20
+    assert timing._eager_launches(100.0, reps=5, min_reps=20, budget_ms=300.0) == 5
+
+
+def test_host_us_per_call_on_the_cpu():
+    """The real loop with a fake sync: calls counted, rounds interleaved, syncs bracket each."""
+    log = []
+
+    def slow():
+        log.append("slow")
+        time.sleep(200e-6)
+
+    def fast():
+        log.append("fast")
+
+    res = timing.host_us_per_call(
+        {"slow": slow, "fast": fast}, calls=10, warmup=2, rounds=3, sync=lambda: log.append("|")
+    )
+    assert set(res) == {"slow", "fast"} and all(len(v) == 3 for v in res.values())
+    assert all(us >= 200 for us in res["slow"]) and timing.median(res["fast"]) < 100
+    assert log.count("slow") == 2 + 3 * 10 and log.count("fast") == 2 + 3 * 10
+    rounds = "".join("s" if x == "slow" else "f" if x == "fast" else x for x in log)
+    # warm-up, sync, then per round: sync, the calls, sync; the order alternates by round
+    assert rounds == "ssff|" + "|" + "s" * 10 + "||" + "f" * 10 + "||" + "f" * 10 + "||" + (
+        "s" * 10 + "||" + "s" * 10 + "||" + "f" * 10 + "|"
+    )
+
+
+def test_host_us_per_call_passes_args():
+    seen = []
+    timing.host_us_per_call({"f": seen.append}, args=(7,), calls=3, warmup=1, rounds=1)
+    assert seen == [7] * 4
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="timing needs a CUDA device")
@@ -57,3 +96,55 @@ def test_interleaved_rotation():
     assert set(res) == {"a", "b"} and all(len(v) == 4 for v in res.values())
     assert res["a"].launches % 3 == 0
     assert {t[0].data_ptr() for t in sets} <= set(seen)
+
+
+@cuda
+def test_eager_flushed_times_device_not_host():
+    """A call with 1 ms of host time before a tiny kernel: the GPU sleep keeps the device ahead,
+    so the sample is the kernel's device time, far below the host time."""
+    x = torch.zeros(1024, device="cuda")
+
+    def host_heavy():
+        time.sleep(1e-3)
+        x.add_(1.0)
+
+    res = timing.time_eager_flushed({"h": host_heavy, "t": lambda: x.mul_(1.0)}, reps=20)
+    s = res["h"]
+    assert s.method == "eager-flushed" and s.launches == 1 and "L2 flushed" in s.note
+    assert len(s) == 20 and len(res["t"]) == 20
+    assert timing.median(s) < 0.2  # ms; the host spends 1 ms per call
+
+
+@cuda
+def test_eager_flushed_reads_from_hbm():
+    """A 16 MiB copy fits in L2; flushed, its read comes from HBM: slower than replays of the
+    same copy with no rotation (L2-resident input), and its read never above ~5 TB/s (the
+    writes may stay in L2)."""
+    src = torch.randn(4 << 20, device="cuda")
+    dst = torch.empty_like(src)
+    flushed = timing.median(timing.time_eager_flushed({"c": lambda: dst.copy_(src)})["c"])
+    warm = timing.median(timing.time_ms(lambda: dst.copy_(src)))
+    assert flushed > warm
+    assert src.numel() * 4 / (flushed * 1e-3) < 5.5e12
+
+
+@cuda
+def test_eager_flushed_rerun_and_budget():
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    sets = [(a, torch.empty_like(a)) for _ in range(2)]
+    res = timing.time_eager_flushed(
+        {"mm": lambda x, o: torch.matmul(x, x, out=o)}, rotate=sets, reps=100, budget_ms=0.5
+    )
+    assert len(res["mm"]) == 20  # a 4096^3 matmul takes > 0.025 ms: min_reps launches
+    for _, o in sets:
+        o.fill_(float("nan"))
+    res["mm"].rerun()
+    torch.cuda.synchronize()
+    assert not any(torch.isnan(o).any() for _, o in sets)
+
+
+@cuda
+def test_host_us_per_call_on_the_device():
+    x = torch.zeros(16, device="cuda")
+    us = timing.host_us_per_call({"add": lambda: x.add_(1.0)}, calls=200)["add"]
+    assert len(us) == 5 and 0.5 < timing.median(us) < 500

@@ -1,16 +1,23 @@
 """`forgekernel bench`: ours against each comparator, same process, same inputs, interleaved.
 
 Per case and dtype: verify ours against the reference first (a wrong kernel is reported as
-wrong, never timed), then time ours and every comparator with `time_interleaved`, rotating
-through enough input sets that one pass exceeds the L2 several times over. A comparator that
-is unavailable or raises is reported as missing with the reason. A suite's variants of ours on
-a case (the backward's deterministic mode) are verified the same way and timed in the same
-interleaved run; their figure is variant time / our time, kept apart from the comparators'.
+wrong, never timed), then time ours and every comparator with each timing method asked for:
+"graph" (`time_interleaved`: CUDA-graph replays rotating through enough input sets that one pass
+exceeds the L2 several times over) and "eager" (`time_eager_flushed`: eager launches, L2 flushed
+before each, each timed alone). A comparator that is unavailable or raises is reported as
+missing with the reason. A suite's variants of ours on a case (the backward's deterministic
+mode) are verified the same way and timed in the same interleaved run; their figure is variant
+time / our time, kept apart from the comparators'.
+
+Per suite, `host_record` measures host microseconds per eager call (`host_us_per_call`) of ours,
+the comparators and the suite's `host_comparators` (torch's own op where the comparators lack
+it) on the suite's `host_case` (default: the bench case with the fewest flops).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,21 +27,59 @@ from forgekernel.bench import ledger, report
 from forgekernel.bench.check import as_tuple, expected, free, poison, sync, verify
 from forgekernel.bench.suite import Case, Inputs, OpSuite, Runner
 from forgekernel.runtime.arch import resolve_arch
-from forgekernel.runtime.timing import Samples, l2_bytes, median, rotation_sets, time_interleaved
+from forgekernel.runtime.timing import (
+    Samples,
+    host_us_per_call,
+    l2_bytes,
+    median,
+    rotation_sets,
+    time_eager_flushed,
+    time_interleaved,
+)
 
 # Looser than `check` (2x): the bench only has to rule out a wrong kernel, not certify one.
 VERIFY_FACTOR = 4.0
+TIMING_METHODS = ("graph", "eager")
+
+
+@dataclass(frozen=True)
+class BenchTiming:
+    """How `bench` times. methods: a subset of TIMING_METHODS; reps: graph samples per
+    candidate; eager_reps: eager launches per candidate (fewer on slow cases, see
+    `time_eager_flushed`); host_calls: calls per round of the host loop (0: no host time)."""
+
+    methods: Sequence[str] = TIMING_METHODS
+    warmup: int = 5
+    reps: int = 30
+    eager_reps: int = 100
+    host_calls: int = 200
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.methods if m not in TIMING_METHODS]
+        if unknown or not self.methods:
+            raise ValueError(f"timing methods must be among {TIMING_METHODS}, got {self.methods}")
+
+
+def _resolve(make: Callable[[], dict], what: str) -> tuple[dict[str, Callable], dict[str, str]]:
+    try:
+        comps = make()
+    except Exception as e:
+        return {}, {what: f"could not be resolved: {type(e).__name__}: {e}"}
+    available = {k: v for k, v in comps.items() if v is not None}
+    missing = {k: "not available in this process" for k, v in comps.items() if v is None}
+    return available, missing
 
 
 def resolve_comparators(suite: OpSuite) -> tuple[dict[str, Callable], dict[str, str]]:
     """(available comparators, missing ones with the reason)."""
-    try:
-        comps = suite.comparators()
-    except Exception as e:
-        return {}, {"comparators": f"could not be resolved: {type(e).__name__}: {e}"}
-    available = {k: v for k, v in comps.items() if v is not None}
-    missing = {k: "not available in this process" for k, v in comps.items() if v is None}
-    return available, missing
+    return _resolve(suite.comparators, "comparators")
+
+
+def resolve_host_comparators(suite: OpSuite) -> tuple[dict[str, Callable], dict[str, str]]:
+    """The suite's extra comparators of the host-time loop: (available, missing)."""
+    if suite.host_comparators is None:
+        return {}, {}
+    return _resolve(suite.host_comparators, "host_comparators")
 
 
 def figures(samples: Samples, flops: float, nbytes: float) -> dict[str, Any]:
@@ -93,17 +138,8 @@ def _variant_key(name: str) -> str:
     return f"ours[{name}]"
 
 
-def _time_case(suite, case, dtype, comps, rec, seed, device, warmup, reps) -> None:
-    gen = torch.Generator(device=device).manual_seed(seed)
-    inputs = suite.make_inputs(case, dtype, device, gen)
-    expect = expected(suite, inputs)
-    out, cmps = verify(suite, inputs, device, factor=VERIFY_FACTOR, expect=expect)
-    rec["verified"] = all(c.ok for c in cmps)
-    if not rec["verified"]:
-        rec["status"] = _wrong(cmps)
-        return
-    variants = _verified_variants(suite, case, inputs, device, expect, rec)
-    del expect  # the fp32 reference can take GBs the timed input sets need
+def _candidates(suite, inputs, variants, comps, rec, device) -> dict[str, Callable]:
+    """ours, its verified variants and the comparators that ran on `inputs`, as fn(inp, out)."""
     fns: dict[str, Callable] = {"ours": lambda inp, o: suite.run_ours(inp, o)}
     for name, run in variants.items():
         fns[_variant_key(name)] = lambda inp, o, run=run: run(inp, o)
@@ -114,26 +150,79 @@ def _time_case(suite, case, dtype, comps, rec, seed, device, warmup, reps) -> No
             fns[name] = lambda inp, o, comp=comp: comp(inp)
         except Exception as e:
             rec["comparators"][name] = {"missing": f"raised {type(e).__name__}: {e}"[:300]}
-    sets = _input_sets(suite, case, dtype, (inputs, out), gen, device)
-    rec["input_sets"] = len(sets)
-    # The warm-up touches every input set, so that what a candidate caches per set on its first
-    # call (a comparator's own forward, for a backward suite) never runs in a timed region.
-    samples = time_interleaved(fns, rotate=sets, warmup=max(warmup, len(sets)), reps=reps)
+    return fns
+
+
+def _method_view(rec: dict, method: str) -> dict:
+    """Where one method's figures go: the record itself for graph (the form that predates the
+    eager method), rec[method] otherwise, starting with the missing comparators and the variants
+    that failed verification."""
+    if method == "graph":
+        return rec
+    rec[method] = {
+        "ours": None,
+        "comparators": {k: v for k, v in rec["comparators"].items() if "missing" in v},
+        "variants": {k: v for k, v in rec["variants"].items() if v.get("status") != "ok"},
+    }
+    return rec[method]
+
+
+def _store(view: dict, samples: dict[str, Samples], variants: Iterable[str], rec: dict) -> None:
+    ours = view["ours"] = figures(samples.pop("ours"), rec["flops"], rec["bytes"])
+    for name in variants:
+        fig = figures(samples.pop(_variant_key(name)), rec["flops"], rec["bytes"])
+        view["variants"][name] = {"status": "ok", **fig, "time_ratio": fig["ms"] / ours["ms"]}
+    for name, s in samples.items():
+        fig = figures(s, rec["flops"], rec["bytes"])
+        view["comparators"][name] = {**fig, "ratio": fig["ms"] / ours["ms"]}
+
+
+def _time_method(method, fns, sets, variants, rec, device, timing: BenchTiming) -> str | None:
+    """Time every candidate with one method into the record; an error message when a timed
+    launch of ours left outputs unwritten."""
+    if method == "graph":
+        rec["input_sets"] = len(sets)
+        # The warm-up touches every input set, so that what a candidate caches per set on its
+        # first call (a comparator's own forward, for a backward suite) never runs in a timed
+        # region.
+        warmup = max(timing.warmup, len(sets))
+        samples = time_interleaved(fns, rotate=sets, warmup=warmup, reps=timing.reps)
+    else:
+        samples = time_eager_flushed(fns, rotate=sets, warmup=timing.warmup, reps=timing.eager_reps)
     for name in ["ours", *map(_variant_key, variants)]:
         unwritten = _unwritten_by_rerun(samples[name], sets, device)
         if unwritten:
-            rec["status"] = (
-                f"error: the timed launches of {name} left {unwritten} output elements "
+            return (
+                f"error: the timed {method} launches of {name} left {unwritten} output elements "
                 "unwritten (a launch outside the current stream?)"
             )
+    _store(_method_view(rec, method), samples, variants, rec)
+    return None
+
+
+def _time_case(suite, case, dtype, comps, rec, seed, device, timing: BenchTiming) -> None:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    inputs = suite.make_inputs(case, dtype, device, gen)
+    expect = expected(suite, inputs)
+    out, cmps = verify(suite, inputs, device, factor=VERIFY_FACTOR, expect=expect)
+    rec["verified"] = all(c.ok for c in cmps)
+    if not rec["verified"]:
+        rec["status"] = _wrong(cmps)
+        return
+    variants = _verified_variants(suite, case, inputs, device, expect, rec)
+    del expect  # the fp32 reference can take GBs the timed input sets need
+    fns = _candidates(suite, inputs, variants, comps, rec, device)
+    for method in timing.methods:
+        # Graph replays rotate inputs past L2; eager launches flush it, one input set does.
+        if method == "graph":
+            sets = _input_sets(suite, case, dtype, (inputs, out), gen, device)
+        else:
+            sets = [(inputs, out)]
+        error = _time_method(method, fns, sets, list(variants), rec, device, timing)
+        del sets  # the graph's input sets, before the next method allocates
+        if error:
+            rec["status"] = error
             return
-    rec["ours"] = figures(samples.pop("ours"), rec["flops"], rec["bytes"])
-    for name in variants:
-        fig = figures(samples.pop(_variant_key(name)), rec["flops"], rec["bytes"])
-        rec["variants"][name] = {"status": "ok", **fig, "time_ratio": fig["ms"] / rec["ours"]["ms"]}
-    for name, s in samples.items():
-        rec["comparators"][name] = figures(s, rec["flops"], rec["bytes"])
-        rec["comparators"][name]["ratio"] = rec["comparators"][name]["ms"] / rec["ours"]["ms"]
     rec["status"] = "ok"
 
 
@@ -146,18 +235,20 @@ def bench_case(
     missing: dict[str, str],
     seed: int,
     device: torch.device,
-    warmup: int = 5,
-    reps: int = 30,
+    timing: BenchTiming | None = None,
 ) -> dict[str, Any]:
     """One case and dtype; never raises (an exception becomes status "error: ...")."""
+    timing = timing or BenchTiming()
     rec: dict[str, Any] = {
         "op": suite.name,
         "case": case.name,
+        "group": case.group,
         "params": case.params,
         "dtype": report.dtype_name(dtype),
         "flops": suite.flops(case),
         "bytes": suite.bytes(case, dtype),
         "seed": seed,
+        "timing": list(timing.methods),
         "status": "error",
         "verified": False,
         "ours": None,
@@ -165,11 +256,117 @@ def bench_case(
         "variants": {},
     }
     try:
-        _time_case(suite, case, dtype, comps, rec, seed, device, warmup, reps)
+        _time_case(suite, case, dtype, comps, rec, seed, device, timing)
     except Exception as e:
         rec["status"] = f"error: {type(e).__name__}: {e}"[:500]
     free(device)
     return rec
+
+
+HOST_ROUNDS = 5
+
+
+def host_case(suite: OpSuite) -> Case:
+    """The suite's `host_case`, else its bench case with the fewest flops (then bytes)."""
+    if suite.host_case is not None:
+        return suite.host_case
+    dtype = suite.dtypes_for_bench()[0]
+    return min(suite.bench_cases, key=lambda c: (suite.flops(c), suite.bytes(c, dtype)))
+
+
+def _time_host(suite, inputs, comps, rec, device) -> None:
+    out, cmps = verify(suite, inputs, device, factor=VERIFY_FACTOR)
+    if not all(c.ok for c in cmps):
+        rec["status"] = _wrong(cmps)
+        return
+    fns: dict[str, Callable] = {"ours": lambda: suite.run_ours(inputs, out)}
+    for name, comp in comps.items():
+        try:
+            comp(inputs)
+            sync(device)
+            fns[name] = lambda comp=comp: comp(inputs)
+        except Exception as e:
+            rec["missing"][name] = f"raised {type(e).__name__}: {e}"[:300]
+    rounds = host_us_per_call(
+        fns, calls=rec["calls"], rounds=rec["rounds"], sync=lambda: sync(device)
+    )
+    rec["us_per_call"] = {name: median(us) for name, us in rounds.items()}
+    rec["rounds_us"] = rounds
+    rec["status"] = "ok"
+
+
+def host_record(
+    suite: OpSuite,
+    comps: dict[str, Callable],
+    missing: dict[str, str],
+    *,
+    calls: int,
+    seed: int,
+    device: torch.device,
+) -> dict[str, Any]:
+    """Host microseconds per eager call of ours and each comparator on the host case (median
+    over HOST_ROUNDS rounds of `calls` calls); never raises."""
+    case, dtype = host_case(suite), suite.dtypes_for_bench()[0]
+    rec: dict[str, Any] = {
+        "case": case.name,
+        "params": case.params,
+        "dtype": report.dtype_name(dtype),
+        "calls": calls,
+        "rounds": HOST_ROUNDS,
+        "status": "error",
+        "us_per_call": {},
+        "missing": dict(missing),
+    }
+    try:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        _time_host(suite, suite.make_inputs(case, dtype, device, gen), comps, rec, device)
+    except Exception as e:
+        rec["status"] = f"error: {type(e).__name__}: {e}"[:500]
+    free(device)
+    return rec
+
+
+def _suite_host(suite, comps, missing, seed, device, timing: BenchTiming) -> dict | None:
+    if timing.host_calls <= 0:
+        return None
+    extra, extra_missing = resolve_host_comparators(suite)
+    host = host_record(
+        suite,
+        {**comps, **extra},
+        {**missing, **extra_missing},
+        calls=timing.host_calls,
+        seed=seed,
+        device=device,
+    )
+    print(f"{suite.name} host: " + "; ".join(report.host_lines(host)), flush=True)
+    return host
+
+
+def bench_section(records: list[dict], methods: Sequence[str], host: dict | None) -> dict[str, Any]:
+    """The ledger's bench section: the records, per method the comparators' suite median, min
+    and group medians, the host record; the top-level median / min / variant ratios are the
+    graph method's (the README's table)."""
+    data: dict[str, Any] = {
+        "cases": records,
+        "timing": list(methods),
+        "methods": {m: report.method_summary(records, m) for m in methods},
+    }
+    if host is not None:
+        data["host"] = host
+    if "graph" in methods:
+        graph = data["methods"]["graph"]
+        data.update({k: graph[k] for k in ("median_ratio", "min_ratio", "variant_ratio")})
+    return data
+
+
+def _progress(i: int, n: int, suite: OpSuite, rec: dict) -> str:
+    times = [
+        f"{m} {report.view(rec, m)['ours']['ms']:.4f} ms"
+        for m in rec["timing"]
+        if report.view(rec, m).get("ours")
+    ]
+    text = f"[{i + 1}/{n}] {suite.name} {rec['case']} {rec['dtype']}: {rec['status']}"
+    return " ".join([text, *times])
 
 
 def run_bench(
@@ -179,17 +376,18 @@ def run_bench(
     report_dir: Path,
     arch: str | None = None,
     seed: int = 0,
-    warmup: int = 5,
-    reps: int = 30,
     device: str | torch.device | None = None,
+    timing: BenchTiming | None = None,
 ) -> list[dict[str, Any]]:
     """Bench every suite's cases; writes the ledger's bench section and the reports."""
+    timing = timing or BenchTiming()
     device = torch.device(device) if device else torch.device("cuda", torch.cuda.current_device())
     arch = arch or resolve_arch()
     env = ledger.environment()
     all_records = []
     for suite in suites:
         comps, missing = resolve_comparators(suite)
+        host = _suite_host(suite, comps, missing, seed, device, timing)
         jobs = [(c, d) for c in suite.bench_cases for d in suite.dtypes_for_bench()]
         records = []
         for i, (case, dtype) in enumerate(jobs):
@@ -201,29 +399,19 @@ def run_bench(
                 missing=missing,
                 seed=seed + i,
                 device=device,
-                warmup=warmup,
-                reps=reps,
+                timing=timing,
             )
-            ms = f"{rec['ours']['ms']:.4f} ms" if rec["ours"] else ""
-            print(
-                f"[{i + 1}/{len(jobs)}] {suite.name} {case.name} {rec['dtype']}: "
-                f"{rec['status']} {ms}",
-                flush=True,
-            )
+            print(_progress(i, len(jobs), suite, rec), flush=True)
             records.append(rec)
-        summary = report.summarize(records)
-        data = {
-            "cases": records,
-            "median_ratio": {k: v["median_ratio"] for k, v in summary.items()},
-            "min_ratio": {k: v["min_ratio"] for k, v in summary.items()},
-            "variant_ratio": report.variant_ratios(records),
-        }
+        data = bench_section(records, timing.methods, host)
         path = ledger.write_section(
             suite, "bench", data, arch=arch, results_dir=results_dir, env=env
         )
-        paths = report.write_reports(suite.name, records, Path(report_dir), {**env, "arch": arch})
+        paths = report.write_reports(
+            suite.name, records, Path(report_dir), {**env, "arch": arch}, host
+        )
         print(f"ledger: {path}")
         print("reports: " + ", ".join(str(p) for p in paths.values()))
-        print(f"\n{suite.name} ({env['gpu']})\n{report.console_table(records)}\n")
+        print(f"\n{suite.name} ({env['gpu']})\n{report.console_table(records, host)}\n")
         all_records += records
     return all_records

@@ -1,12 +1,19 @@
-"""Benchmark reports: `<op>.json`, `<op>.md`, `<op>.png` and the console table.
+"""Benchmark reports: `<op>.json`, `<op>.md`, `<op>.png` (`<op>-eager.png`) and the console table.
 
 A bench record (one per case and dtype, built by `forgekernel.bench.harness`) is a dict:
-    case, dtype, params, flops, bytes, status ("ok", "wrong: ...", "error: ..."), verified,
+    case, group (the case's shape class, "" = ungrouped), dtype, params, flops, bytes,
+    status ("ok", "wrong: ...", "error: ..."), verified, timing (the methods timed, below),
     ours: {ms, tflops, gbps, method, launches, samples} | None,
     comparators: {name: {ms, tflops, gbps, ratio, ...} | {missing: reason}},
-    variants: {name: {status, ms, tflops, gbps, time_ratio, ...}} (other modes of ours).
+    variants: {name: {status, ms, tflops, gbps, time_ratio, ...}} (other modes of ours),
+    eager: {ours, comparators, variants} in the same form, from the eager method.
 ratio = comparator_ms / ours_ms: above 1 we are faster. time_ratio = variant_ms / ours_ms: what
 the variant (deterministic=True, say) costs; above 1 it is slower.
+
+Timing methods: "graph" (CUDA-graph replays, inputs rotated past L2: the top-level figures, and
+the only method of records written before the field existed) and "eager" (eager launches, L2
+flushed before each, each launch timed alone: the record's "eager" entry). The host record
+(`host_record` in the harness) holds host microseconds per eager call on one tiny case.
 """
 
 from __future__ import annotations
@@ -20,6 +27,11 @@ from typing import Any
 import torch
 
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+METHODS = {
+    "graph": "CUDA-graph replays, inputs rotated past L2",
+    "eager": "eager launches, L2 flushed before each, each launch timed alone",
+}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -35,49 +47,90 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
-def comparator_names(records: Sequence[dict]) -> list[str]:
+def view(rec: dict, method: str = "graph") -> dict:
+    """{ours, comparators, variants} of one timing method in a record ({} when not timed)."""
+    if method == "graph":
+        return rec
+    return rec.get(method) or {}
+
+
+def timed_methods(records: Sequence[dict]) -> list[str]:
+    """The methods any record was timed with, in METHODS order (old records: graph)."""
+    seen = {m for rec in records for m in rec.get("timing", ["graph"])}
+    return [m for m in METHODS if m in seen]
+
+
+def comparator_names(records: Sequence[dict], method: str = "graph") -> list[str]:
     names: dict[str, None] = {}
     for rec in records:
-        names.update(dict.fromkeys(rec.get("comparators", {})))
+        names.update(dict.fromkeys(view(rec, method).get("comparators", {})))
     return list(names)
 
 
-def summarize(records: Sequence[dict]) -> dict[str, dict]:
-    """Per comparator: median and min ratio over the verified cases where it was timed."""
+def _timed_ratio(rec: dict, entry: dict | None) -> float | None:
+    if entry is None or rec.get("status") != "ok":
+        return None
+    return entry.get("ratio")
+
+
+def _by_group(pairs: Sequence[tuple[str, float]]) -> dict[str, list[float]]:
+    groups: dict[str, list[float]] = {}
+    for group, ratio in pairs:
+        groups.setdefault(group, []).append(ratio)
+    return dict(sorted(groups.items()))
+
+
+def summarize(records: Sequence[dict], method: str = "graph") -> dict[str, dict]:
+    """Per comparator: median and min ratio over the verified cases where it was timed, and
+    the median of each case group ("" = ungrouped cases)."""
     out = {}
-    for name in comparator_names(records):
-        ratios, reasons = [], set()
+    for name in comparator_names(records, method):
+        pairs, reasons = [], set()
         for rec in records:
-            entry = rec.get("comparators", {}).get(name)
-            if entry is None:
-                continue
-            if "missing" in entry:
+            entry = view(rec, method).get("comparators", {}).get(name)
+            if entry is not None and "missing" in entry:
                 reasons.add(entry["missing"])
-            elif rec.get("status") == "ok" and entry.get("ratio") is not None:
-                ratios.append(entry["ratio"])
+            ratio = _timed_ratio(rec, entry)
+            if ratio is not None:
+                pairs.append((rec.get("group", ""), ratio))
+        ratios, groups = [r for _, r in pairs], _by_group(pairs)
         out[name] = {
             "median_ratio": statistics.median(ratios) if ratios else None,
             "min_ratio": min(ratios) if ratios else None,
             "cases": len(ratios),
+            "group_median_ratio": {g: statistics.median(rs) for g, rs in groups.items()},
+            "group_cases": {g: len(rs) for g, rs in groups.items()},
             "missing_reasons": sorted(reasons),
         }
     return out
 
 
-def variant_ratios(records: Sequence[dict]) -> dict[str, dict[str, float]]:
+def variant_ratios(records: Sequence[dict], method: str = "graph") -> dict[str, dict[str, float]]:
     """Per variant of ours: {"<case> <dtype>": variant time / our time} over the timed cases."""
     out: dict[str, dict[str, float]] = {}
     for rec in records:
-        for name, entry in rec.get("variants", {}).items():
+        for name, entry in view(rec, method).get("variants", {}).items():
             if rec.get("status") == "ok" and entry.get("time_ratio") is not None:
                 out.setdefault(name, {})[f"{rec['case']} {rec['dtype']}"] = entry["time_ratio"]
     return out
 
 
-def variant_rows(records: Sequence[dict]) -> list[list[str]]:
+def method_summary(records: Sequence[dict], method: str) -> dict[str, Any]:
+    """What the ledger keeps of one method: per comparator the suite median, min and the
+    median of each case group; the variants' time ratios."""
+    summary = summarize(records, method)
+    return {
+        "median_ratio": {k: v["median_ratio"] for k, v in summary.items()},
+        "min_ratio": {k: v["min_ratio"] for k, v in summary.items()},
+        "group_median_ratio": {k: v["group_median_ratio"] for k, v in summary.items()},
+        "variant_ratio": variant_ratios(records, method),
+    }
+
+
+def variant_rows(records: Sequence[dict], method: str = "graph") -> list[list[str]]:
     rows = []
     for rec in records:
-        for name, entry in rec.get("variants", {}).items():
+        for name, entry in view(rec, method).get("variants", {}).items():
             if entry.get("status") != "ok":
                 rows.append([rec["case"], rec["dtype"], name, entry.get("status", "?"), "-", "-"])
                 continue
@@ -98,18 +151,35 @@ def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}x"
 
 
-def _cells(rec: dict, names: Sequence[str]) -> list[str]:
-    ours = rec.get("ours")
+def _grouped(records: Sequence[dict]) -> bool:
+    return any(rec.get("group") for rec in records)
+
+
+def _cells(rec: dict, names: Sequence[str], method: str = "graph") -> list[str]:
+    ours = view(rec, method).get("ours")
     if rec.get("status") != "ok" or ours is None:
         return [rec.get("status", "?"), "-"] + ["-", "-"] * len(names)
     row = [_num(ours["ms"], ".4f"), _num(ours["tflops"], ".1f")]
     for name in names:
-        entry = rec.get("comparators", {}).get(name)
+        entry = view(rec, method).get("comparators", {}).get(name)
         if entry is None or "missing" in entry:
             row += ["missing", "-"]
         else:
             row += [_num(entry["ms"], ".4f"), _ratio(entry["ratio"])]
     return row
+
+
+def _case_table(records: Sequence[dict], method: str, tflops: str) -> tuple[list, list]:
+    """(headers, rows) of the per-case table of one method."""
+    names, grouped = comparator_names(records, method), _grouped(records)
+    headers = ["case", *(["group"] if grouped else []), "dtype", "ours ms", tflops]
+    for name in names:
+        headers += [f"{name} ms", f"{name} ratio"]
+    rows = []
+    for rec in records:
+        key = [rec["case"], *([rec.get("group", "")] if grouped else []), rec["dtype"]]
+        rows.append(key + _cells(rec, names, method))
+    return headers, rows
 
 
 def summary_lines(summary: dict[str, dict]) -> list[str]:
@@ -122,45 +192,79 @@ def summary_lines(summary: dict[str, dict]) -> list[str]:
             )
         else:
             lines.append(f"{name}: no timed cases")
+        groups = s.get("group_median_ratio") or {}
+        if any(groups):
+            counts = s.get("group_cases") or {}
+            figs = ", ".join(
+                f"{g or 'ungrouped'} {_ratio(r)} ({counts.get(g, '?')})" for g, r in groups.items()
+            )
+            lines.append(f"{name} by group (median, cases): {figs}")
         for reason in s["missing_reasons"]:
             lines.append(f"{name}: missing: {reason}")
     return lines
 
 
-def markdown(op: str, records: Sequence[dict], env: dict | None = None) -> str:
-    names = comparator_names(records)
-    headers = ["case", "dtype", "ours ms", "ours TFLOP/s"]
-    for name in names:
-        headers += [f"{name} ms", f"{name} ratio"]
+def host_lines(host: dict | None) -> list[str]:
+    """Host microseconds per eager call: ours and each comparator on the host case."""
+    if not host:
+        return []
+    where = f"{host.get('case', '?')} {host.get('dtype', '?')}"
+    head = f"host time per eager call ({where}, {host.get('calls', '?')} back-to-back calls)"
+    if host.get("status") != "ok":
+        return [f"{head}: {host.get('status', '?')}"]
+    us = host.get("us_per_call") or {}
+    ours = us.get("ours")
+    parts = [f"ours {_num(ours, '.1f')} us"]
+    for name, x in us.items():
+        if name != "ours":
+            rel = f" ({_ratio(x / ours)})" if ours and x is not None else ""
+            parts.append(f"{name} {_num(x, '.1f')} us{rel}")
+    lines = [f"{head}: " + ", ".join(parts) + " (x: comparator us / ours us)"]
+    lines += [f"host: {name}: missing: {why}" for name, why in (host.get("missing") or {}).items()]
+    return lines
+
+
+def _md_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return lines + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def markdown(
+    op: str, records: Sequence[dict], env: dict | None = None, host: dict | None = None
+) -> str:
     lines = [f"# {op}", ""]
     if env:
         lines += [", ".join(f"{k}: {v}" for k, v in env.items()), ""]
-    lines += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    for rec in records:
-        lines.append("| " + " | ".join([rec["case"], rec["dtype"], *_cells(rec, names)]) + " |")
-    lines += [""] + [f"- {s}" for s in summary_lines(summarize(records))]
-    rows = variant_rows(records)
-    if rows:
-        lines += ["", VARIANT_NOTE + ":", ""]
-        lines += ["| " + " | ".join(VARIANT_HEADERS) + " |", "|" + "---|" * len(VARIANT_HEADERS)]
-        lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+    for method in timed_methods(records):
+        lines += [f"## {method}: {METHODS[method]}", ""]
+        lines += _md_table(*_case_table(records, method, "ours TFLOP/s"))
+        lines += [""] + [f"- {s}" for s in summary_lines(summarize(records, method))]
+        rows = variant_rows(records, method)
+        if rows:
+            lines += ["", VARIANT_NOTE + ":", ""] + _md_table(VARIANT_HEADERS, rows)
+        lines.append("")
+    if host:
+        lines += ["## host", ""] + [f"- {s}" for s in host_lines(host)]
+    return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def console_table(records: Sequence[dict]) -> str:
-    names = comparator_names(records)
-    headers = ["case", "dtype", "ours ms", "TFLOP/s"]
-    for name in names:
-        headers += [f"{name} ms", f"{name} ratio"]
-    rows = [[rec["case"], rec["dtype"], *_cells(rec, names)] for rec in records]
-    parts = [format_table(headers, rows), *summary_lines(summarize(records))]
-    variants = variant_rows(records)
-    if variants:
-        parts += ["", VARIANT_NOTE, format_table(VARIANT_HEADERS, variants)]
-    return "\n".join(parts)
+def console_table(records: Sequence[dict], host: dict | None = None) -> str:
+    parts = []
+    for method in timed_methods(records):
+        parts += [
+            f"{method}: {METHODS[method]}",
+            format_table(*_case_table(records, method, "TFLOP/s")),
+        ]
+        parts += summary_lines(summarize(records, method))
+        variants = variant_rows(records, method)
+        if variants:
+            parts += ["", VARIANT_NOTE, format_table(VARIANT_HEADERS, variants)]
+        parts.append("")
+    parts += host_lines(host)
+    return "\n".join(parts).rstrip("\n")
 
 
-def plot(op: str, records: Sequence[dict], path: Path) -> Path | None:
+def plot(op: str, records: Sequence[dict], path: Path, method: str = "graph") -> Path | None:
     """Bar chart of ratio per case and comparator, line at 1.0; None when matplotlib is absent."""
     try:
         import matplotlib
@@ -170,24 +274,24 @@ def plot(op: str, records: Sequence[dict], path: Path) -> Path | None:
     except ImportError:
         print(f"note: matplotlib not installed, skipping {path.name}")
         return None
-    names = comparator_names(records)
+    names = comparator_names(records, method)
     labels = [f"{r['case']} {r['dtype']}" for r in records]
     width = 0.8 / max(len(names), 1)
     fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(labels) + 2), 4.5))
     for i, name in enumerate(names):
         xs, ys = [], []
         for j, rec in enumerate(records):
-            entry = rec.get("comparators", {}).get(name, {})
-            if rec.get("status") == "ok" and entry.get("ratio") is not None:
+            ratio = _timed_ratio(rec, view(rec, method).get("comparators", {}).get(name))
+            if ratio is not None:
                 xs.append(j + (i - (len(names) - 1) / 2) * width)
-                ys.append(entry["ratio"])
+                ys.append(ratio)
         # Bars grow from 1.0: wins point up, losses down, and a 3% gap stays visible.
         bars = ax.bar(xs, [y - 1.0 for y in ys], bottom=1.0, width=width, label=name)
         ax.bar_label(bars, labels=[f"{y:.2f}" for y in ys], fontsize=6)
     ax.axhline(1.0, color="black", linewidth=1)
     ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("comparator ms / ours ms (> 1: ours faster)")
-    ax.set_title(op)
+    ax.set_title(f"{op} ({METHODS.get(method, method)})")
     if names:
         ax.legend()
     fig.tight_layout()
@@ -197,22 +301,32 @@ def plot(op: str, records: Sequence[dict], path: Path) -> Path | None:
 
 
 def write_reports(
-    op: str, records: Sequence[dict], report_dir: Path, env: dict | None = None
+    op: str,
+    records: Sequence[dict],
+    report_dir: Path,
+    env: dict | None = None,
+    host: dict | None = None,
 ) -> dict[str, Path]:
-    """Write `<op>.json`, `<op>.md` and (with matplotlib) `<op>.png`; returns their paths."""
+    """Write `<op>.json`, `<op>.md` and (with matplotlib) one PNG per timing method: `<op>.png`
+    (graph) and `<op>-eager.png`; returns their paths."""
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
+    methods = timed_methods(records)
     doc = {
         "op": op,
         "env": env or {},
         "summary": summarize(records),
         "variant_ratio": variant_ratios(records),
+        "methods": {m: summarize(records, m) for m in methods},
+        "host": host,
         "cases": list(records),
     }
     paths = {"json": report_dir / f"{op}.json", "md": report_dir / f"{op}.md"}
     paths["json"].write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    paths["md"].write_text(markdown(op, records, env))
-    png = plot(op, records, report_dir / f"{op}.png")
-    if png is not None:
-        paths["png"] = png
+    paths["md"].write_text(markdown(op, records, env, host))
+    for method in methods:
+        suffix = "" if method == "graph" else f"-{method}"
+        png = plot(op, records, report_dir / f"{op}{suffix}.png", method)
+        if png is not None:
+            paths["png" if method == "graph" else f"png-{method}"] = png
     return paths

@@ -8,12 +8,20 @@ i % len(rotate), and the graph's replays are timed with CUDA events: one sample 
 candidate falls back to event-timed bursts of N eager launches; `Samples.method` says which.
 Candidates timed together are interleaved replay by replay, in alternating order, so clock and
 thermal drift hit all of them alike.
+
+The second method, `time_eager_flushed`, times what an eager caller's kernel costs on a cold
+cache: before each launch a buffer of twice the L2 size is written, so inputs come from HBM,
+and each launch is timed alone with CUDA events (one sample = one launch). A GPU-side sleep
+before each flush keeps the device ahead of the host, so the sample is device time, not the
+host time of the call. `host_us_per_call` measures that host time: a CPU-timed loop of
+back-to-back eager calls, synchronized only at its end.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -199,3 +207,142 @@ def time_ms(
     return time_interleaved(
         {"fn": fn}, rotate=rotate, warmup=warmup, reps=reps, target_ms=target_ms
     )["fn"]
+
+
+def _sleep_cycles_per_ms() -> float:
+    """GPU clock cycles per ms of `torch.cuda._sleep` (the second of two runs: the first loads
+    the module)."""
+    cycles, per_ms = 1_000_000, 1.0
+    for _ in range(2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        per_ms = cycles / max(start.elapsed_time(end), 1e-3)
+    return per_ms
+
+
+def _host_ms_per_call(fn: Callable[..., Any], rotate: Sequence[ArgSet], calls: int) -> float:
+    """Median host time of one call of fn (no synchronize: the enqueue, not the kernel)."""
+    times = []
+    for i in range(calls):
+        t0 = time.perf_counter()
+        fn(*rotate[i % len(rotate)])
+        times.append((time.perf_counter() - t0) * 1e3)
+    return median(times)
+
+
+def _eager_launches(est_ms: float, reps: int, min_reps: int, budget_ms: float) -> int:
+    """Launches per candidate: `reps`, fewer for slow cases so one candidate takes about
+    `budget_ms`, never fewer than `min_reps`."""
+    return max(min(min_reps, reps), min(reps, math.ceil(budget_ms / max(est_ms, 1e-4))))
+
+
+def time_eager_flushed(
+    fns: dict[str, Callable[..., Any]],
+    *,
+    rotate: Sequence[ArgSet] | None = None,
+    warmup: int = 5,
+    reps: int = 100,
+    min_reps: int = 20,
+    budget_ms: float = 300.0,
+    flush_bytes: int | None = None,
+) -> dict[str, Samples]:
+    """Per-launch ms samples of eager launches on a cold L2, candidates interleaved.
+
+    Each sample: a GPU sleep (twice the slowest candidate's host time per call, so the host
+    has enqueued the launch before the device reaches it), a write of `flush_bytes` (default
+    2 x L2) that evicts the inputs, then one launch between two CUDA events. Launches per
+    candidate: `reps`, fewer (not below `min_reps`) where `reps` would exceed `budget_ms`.
+    A candidate that synchronizes inside its call defeats the sleep and includes host time.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("timing needs a CUDA device")
+    rotate = list(rotate) if rotate else [()]
+    flush = torch.empty(flush_bytes or 2 * l2_bytes(), dtype=torch.uint8, device="cuda")
+    host_ms = 0.0
+    for fn in fns.values():
+        for i in range(max(warmup, len(rotate))):
+            fn(*rotate[i % len(rotate)])
+        host_ms = max(host_ms, _host_ms_per_call(fn, rotate, max(3, warmup)))
+    cover_ms = min(2.0 * host_ms + 0.02, 10.0)
+    sleep_cycles = int(cover_ms * _sleep_cycles_per_ms())
+
+    def sample(fn: Callable[..., Any], args: ArgSet) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(sleep_cycles)
+        flush.zero_()
+        start.record()
+        fn(*args)
+        end.record()
+        return start, end
+
+    probe = [sample(fn, rotate[0]) for fn in fns.values()]
+    torch.cuda.synchronize()
+    est_ms = max((s.elapsed_time(e) for s, e in probe), default=0.0)
+    n = _eager_launches(est_ms, reps, min_reps, budget_ms)
+    events: dict[str, list] = {name: [] for name in fns}
+    order = list(fns)
+    for r in range(n):
+        for name in order if r % 2 == 0 else reversed(order):
+            events[name].append(sample(fns[name], rotate[r % len(rotate)]))
+    torch.cuda.synchronize()
+    note = f"L2 flushed ({flush.numel() >> 20} MiB written before each launch)"
+
+    def rerun(fn: Callable[..., Any]) -> Callable[[], None]:
+        def every_set() -> None:
+            for args in rotate:
+                fn(*args)
+
+        return every_set
+
+    return {
+        name: Samples(
+            [s.elapsed_time(e) for s, e in events[name]],
+            method="eager-flushed",
+            launches=1,
+            note=note,
+            rerun=rerun(fns[name]),
+        )
+        for name in fns
+    }
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def host_us_per_call(
+    fns: dict[str, Callable[..., Any]],
+    *,
+    args: ArgSet = (),
+    calls: int = 200,
+    warmup: int = 20,
+    rounds: int = 5,
+    sync: Callable[[], None] = _synchronize,
+) -> dict[str, list[float]]:
+    """Host microseconds per eager call of each candidate, one figure per round.
+
+    A round: `sync()`, then `calls` back-to-back calls fn(*args) timed with time.perf_counter
+    up to a `sync()` after the last. On a problem tiny enough that the device finishes each
+    launch before the host has issued the next, the figure is the call's host time
+    (validation, dispatch, launch). Rounds interleave the candidates in alternating order.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn(*args)
+    sync()
+    out: dict[str, list[float]] = {name: [] for name in fns}
+    order = list(fns)
+    for r in range(rounds):
+        for name in order if r % 2 == 0 else reversed(order):
+            fn = fns[name]
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn(*args)
+            sync()
+            out[name].append((time.perf_counter() - t0) / calls * 1e6)
+    return out
