@@ -148,3 +148,42 @@ def test_readme_lists_variants_and_sanitizers(tmp_path, sources, fake_suite):
         "- attention_bwd: clean: memcheck 0 errors, racecheck 512 hazards (explained in the "
         "ledger) (2026-11-30)" in table
     )
+
+
+def test_readme_adds_eager_and_host_lines(tmp_path, sources, fake_suite):
+    results = tmp_path / "results"
+    eager = {"median_ratio": {"cublas": 1.012, "none": None}, "min_ratio": {"cublas": 0.97}}
+    host = {
+        "case": "1x8x8",
+        "dtype": "bf16",
+        "status": "ok",
+        "us_per_call": {"ours": 55.14, "cublas": 21.0, "torch.matmul": 19.96},
+    }
+    bench = {
+        "cases": [],
+        "timing": ["graph", "eager"],
+        "median_ratio": {"cublas": 1.025},
+        "min_ratio": {"cublas": 0.99},
+        "methods": {"graph": {"median_ratio": {"cublas": 1.025}}, "eager": eager},
+        "host": host,
+    }
+    _write(fake_suite(sources, name="gemm"), "bench", bench, results)
+    failed = {"case": "c", "dtype": "bf16", "status": "error: RuntimeError: boom"}
+    _write(fake_suite(sources, name="attention"), "bench", {"cases": [], "host": failed}, results)
+    _write(fake_suite(sources, name="old"), "bench", {"cases": [], "median_ratio": {}}, results)
+    table = ledger.readme_table(results)
+    rows = [line for line in table.splitlines() if line.startswith("| gemm")]
+    assert len(rows) == 1 and "+2.5% (1.025x)" in rows[0]  # the table keeps the graph medians
+    assert (
+        "- gemm: eager, L2 flushed: cublas +1.2% (1.012x), slowest -3.0% (0.970x); host per "
+        "eager call (1x8x8 bf16): ours 55.1 us, cublas 21.0 us, torch.matmul 20.0 us"
+    ) in table
+    assert "- attention: host per eager call (c bf16): error: RuntimeError: boom" in table
+    assert "- old:" not in table
+    assert "Second timing method and host time" in table
+
+
+def test_readme_without_eager_or_host_has_no_such_block(tmp_path, sources, fake_suite):
+    results = tmp_path / "results"
+    _write(fake_suite(sources, name="gemm"), "bench", {"cases": [], "median_ratio": {}}, results)
+    assert "Second timing method" not in ledger.readme_table(results)

@@ -5,6 +5,14 @@ compute-sanitizer counts, `forgekernel.bench.sanitize`), each stamped with the s
 kernel it measured and the machine it ran on. Writing one section keeps the others only while
 their source hash is still current. The README results block is built from these files and
 nothing else.
+
+The bench section (`forgekernel.bench.harness.bench_section`): "cases" (the records,
+`forgekernel.bench.report`), "timing" (the methods timed: "graph", "eager"), "methods" ({method:
+{median_ratio, min_ratio, group_median_ratio: {comparator: {group: ratio}}, variant_ratio}}),
+"host" (host microseconds per eager call: case, dtype, calls, rounds, status, us_per_call,
+rounds_us, missing), and, from the graph method, "median_ratio", "min_ratio" and
+"variant_ratio" at the top level, where the README table reads them (sections written before
+the eager method hold only these).
 """
 
 from __future__ import annotations
@@ -224,7 +232,46 @@ def readme_table(results_dir: Path | None = None) -> str:
         " (> 0: ours faster); each figure comes from `benchmarks/results/<arch>/<op>.json`."
     )
     docs = [d for d in map(load, sorted(results_dir.glob("*/*.json"))) if d and "op" in d]
-    return "\n".join(lines + _variant_lines(docs) + _sanitize_lines(docs)) + "\n"
+    extra = _eager_host_lines(docs) + _variant_lines(docs) + _sanitize_lines(docs)
+    return "\n".join(lines + extra) + "\n"
+
+
+def _eager_figures(eager: dict[str, Any]) -> str:
+    medians, mins = eager.get("median_ratio") or {}, eager.get("min_ratio") or {}
+    figs = [
+        f"{c} {_fmt_ratio(m)}, slowest {_fmt_ratio(mins.get(c))}"
+        for c, m in medians.items()
+        if m is not None
+    ]
+    return "eager, L2 flushed: " + "; ".join(figs) if figs else ""
+
+
+def _host_figures(host: dict[str, Any]) -> str:
+    where = f"host per eager call ({host.get('case', '?')} {host.get('dtype', '?')})"
+    if host.get("status") != "ok":
+        return f"{where}: {host.get('status', '?')}"
+    us = ", ".join(f"{name} {x:.1f} us" for name, x in (host.get("us_per_call") or {}).items())
+    return f"{where}: {us}"
+
+
+def _eager_host_lines(docs: list[dict[str, Any]]) -> list[str]:
+    """One line per operator: the eager method's suite medians and the host time per call."""
+    lines = []
+    for doc in docs:
+        bench = doc.get("bench") or {}
+        eager = (bench.get("methods") or {}).get("eager")
+        host = bench.get("host")
+        parts = [_eager_figures(eager) if eager else "", _host_figures(host) if host else ""]
+        if any(parts):
+            lines.append(f"- {doc['op']}: " + "; ".join(p for p in parts if p))
+    if not lines:
+        return []
+    head = (
+        "Second timing method and host time (`forgekernel bench`): eager launches with L2 flushed"
+        " before each, comparator time / our time, suite median and slowest case; host"
+        " microseconds per eager call on a tiny case, ours and each comparator:"
+    )
+    return ["", head, "", *lines]
 
 
 def _variant_lines(docs: list[dict[str, Any]]) -> list[str]:
