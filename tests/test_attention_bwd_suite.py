@@ -3,8 +3,11 @@ forward's, the harness's comparison accepts a correct backward (zero dq on rows 
 GQA-summed dk/dv) and rejects wrong ones, run_ours goes through the public op, the ledger key is
 the bwd kernel leaf's sources, and the CLI knows the operator."""
 
+import collections
 import dataclasses
 import importlib
+import sys
+import types
 
 import pytest
 import torch
@@ -38,10 +41,116 @@ def test_bench_cases_are_the_ops_md_suite():
         assert f"b{b}-hq64-hkv8-s{s}-d128-causal" in names
     assert "b2-hq32-hkv32-s8192-d64-causal" in names
     assert "b2-hq128-hkv128-s8192-d192-dv128-causal" in names
-    assert all(c.params["causal"] and c.params["sq"] == c.params["sk"] for c in SUITE.bench_cases)
+    legacy = suite_module.LEGACY_BENCH_CASES
+    assert all(c.params["causal"] and c.params["sq"] == c.params["sk"] for c in legacy)
+    assert [c.name for c in suite_module.BENCH_CASES[: len(legacy)]] == [c.name for c in legacy]
     assert list(SUITE.dtypes_for_bench()) == [torch.bfloat16]
-    offered = [c for c in suite_module.BENCH_CASES if (c.params["d"], c.params["dv"]) in DIMS]
+    cases = suite_module.BENCH_CASES + suite_module.VARLEN_BENCH_CASES
+    offered = [c for c in cases if (c.params["d"], c.params["dv"]) in DIMS]
     assert list(SUITE.bench_cases) == offered and len(offered) >= 8
+
+
+BWD_CLASSES = {"causal-d128", "gqa16", "gqa-short", "non-causal", "d64", "d192-128", "chunked"}
+
+
+def test_bench_samples_every_class_the_backward_offers():
+    cases = suite_module.BENCH_CASES + suite_module.VARLEN_BENCH_CASES
+    assert 20 <= len(cases) <= 25 and len({c.name for c in cases}) == len(cases)
+    groups = collections.Counter(c.group for c in cases)
+    assert set(groups) == BWD_CLASSES | {"varlen"}
+    assert all(groups[g] >= 2 for g in BWD_CLASSES)
+    assert {(c.params["d"], c.params["dv"]) for c in cases} == set(OPS_HEAD_DIMS)
+    for c in cases:
+        p, ratio = c.params, c.params["hq"] // c.params["hkv"]
+        if c.group == "gqa16":
+            assert ratio == 16 and p["causal"], c.name
+        elif c.group == "gqa-short":
+            assert ratio > 1 and p["sq"] <= 1024 and p["causal"], c.name
+        elif c.group == "non-causal":
+            assert not p["causal"] and p["d"] == 128, c.name
+        elif c.group == "chunked":
+            assert p["causal"] and 512 <= p["sq"] <= 2048 and 8192 <= p["sk"] <= 32768, c.name
+        elif c.group == "d64":
+            assert p["d"] == 64, c.name
+        elif c.group == "d192-128":
+            assert (p["d"], p["dv"]) == (192, 128), c.name
+    assert {4, 8, 16} <= {c.params["hq"] // c.params["hkv"] for c in cases}
+    assert {c.group for c in suite_module.CHECK_CASES if c.group} == BWD_CLASSES
+    assert [c.group for c in suite_module.VARLEN_CHECK_CASES if c.group] == ["varlen"]
+
+
+def test_bench_varlen_only_once_the_kernel_takes_it(monkeypatch):
+    monkeypatch.setattr(bwd_module, "BWD_HEAD_DIMS", OPS_HEAD_DIMS)
+    monkeypatch.setattr(suite_module, "varlen_supported", lambda: False)
+    assert suite_module.bench_cases() == suite_module.BENCH_CASES
+    monkeypatch.setattr(suite_module, "varlen_supported", lambda: True)
+    n = len(suite_module.VARLEN_BENCH_CASES)
+    assert suite_module.bench_cases()[-n:] == suite_module.VARLEN_BENCH_CASES
+
+
+@pytest.mark.parametrize("with_max", [False, True])
+def test_fa4_gets_the_packed_batch_it_takes(monkeypatch, with_max):
+    """FA4's backward takes cu_seqlens (and max_seqlen where its signature has them)."""
+    seen = []
+
+    def bwd(
+        q,
+        k,
+        v,
+        out,
+        dout,
+        lse,
+        softmax_scale=None,
+        causal=False,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+    ):
+        seen.append({"cu_q": cu_seqlens_q, "cu_k": cu_seqlens_k})
+
+    def bwd_max(
+        q,
+        k,
+        v,
+        out,
+        dout,
+        lse,
+        softmax_scale=None,
+        causal=False,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+    ):
+        seen.append({"cu_q": cu_seqlens_q, "max_q": max_seqlen_q, "max_k": max_seqlen_k})
+
+    interface = types.ModuleType("flash_attn.cute.interface")
+    interface._flash_attn_bwd = bwd_max if with_max else bwd
+    for name, mod in (
+        ("flash_attn", types.ModuleType("flash_attn")),
+        ("flash_attn.cute", types.ModuleType("flash_attn.cute")),
+        ("flash_attn.cute.interface", interface),
+    ):
+        monkeypatch.setitem(sys.modules, name, mod)
+    fa4 = suite_module._fa4()
+    gen = torch.Generator().manual_seed(0)
+    fa4(SUITE.make_inputs(VARLEN, torch.bfloat16, CPU, gen))
+    fa4(SUITE.make_inputs(DEAD_ROWS, torch.bfloat16, CPU, gen))
+    assert seen[0]["cu_q"].tolist() == [0, 5, 5, 22]
+    assert seen[1]["cu_q"] is None
+    if with_max:
+        assert (seen[0]["max_q"], seen[0]["max_k"]) == (17, 17) and seen[1]["max_q"] is None
+
+
+def test_cudnn_is_not_timed_on_other_semantics():
+    """SDPA's causal mask is top-left aligned: chunked (causal Sq != Sk) and packed batches
+    get no cuDNN figure."""
+    gen = torch.Generator().manual_seed(0)
+    for case in (VARLEN, suite_module._case(1, 4, 2, 5, 64, sk=13)):
+        inputs = SUITE.make_inputs(case, torch.bfloat16, CPU, gen)
+        with pytest.raises(NotImplementedError):
+            suite_module.refuse_other_semantics(inputs)
+    same = suite_module._case(1, 4, 2, 5, 64, sk=13, causal=False)
+    suite_module.refuse_other_semantics(SUITE.make_inputs(same, torch.bfloat16, CPU, gen))
 
 
 DIMS = bwd_module.BWD_HEAD_DIMS

@@ -11,6 +11,7 @@ deterministic=True against the default kernel (a variant of ours, recorded as it
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 
 from forgekernel.bench.suite import Case, Explained, Inputs, OpSuite
 from forgekernel.bench.suites.attention import _case as forward_case
+from forgekernel.bench.suites.attention import _varlen_lengths, refuse_other_semantics
 from forgekernel.bench.suites.attention import flops as forward_flops
 
 
@@ -52,11 +54,12 @@ def _case(
     dv: int | None = None,
     scale: float | None = None,
     deterministic: bool = False,
+    group: str = "",
 ) -> Case:
     """The forward suite's case (same name and shape parameters), plus deterministic mode."""
     fwd = forward_case(b, hq, hkv, sq, d, causal, sk=sk, dv=dv, scale=scale)
     name = fwd.name + ("-det" if deterministic else "")
-    return Case(name, {**fwd.params, "deterministic": deterministic})
+    return Case(name, {**fwd.params, "deterministic": deterministic}, group)
 
 
 def _varlen_case(
@@ -68,6 +71,7 @@ def _varlen_case(
     causal: bool,
     dv: int | None = None,
     deterministic: bool = False,
+    group: str = "",
 ) -> Case:
     """Packed sequences; b / sq / sk hold the batch and the token totals (for flops / bytes)."""
     dv = d if dv is None else dv
@@ -77,21 +81,45 @@ def _varlen_case(
     params = {"b": len(lens_q), "hq": hq, "hkv": hkv, "sq": sum(lens_q), "sk": sum(lens_k)}
     flags = {"causal": causal, "softmax_scale": None, "deterministic": deterministic}
     varlen = {"lens_q": list(lens_q), "lens_k": list(lens_k), "varlen": True}
-    return Case(name, {**params, "d": d, "dv": dv, **flags, **varlen})
+    return Case(name, {**params, "d": d, "dv": dv, **flags, **varlen}, group)
 
 
-# OPS.md, "Attention backward" (bf16, causal): MHA Hq=Hkv=32 and GQA 8:1 Hq=64, Hkv=8 at D=128;
-# D=64 at Hq=Hkv=32 and DeepSeek 192/128 at Hq=Hkv=128 (as the forward suite) at (2, 8192);
-# plus the anchor shape of the FA4 / cuDNN figures (b4 s8192 d128 causal, MHA 16 heads and GQA
-# 32:4: FA4 572 TFLOP/s, cuDNN 496 on the H200).
-BENCH_CASES = (
-    *(_case(b, 32, 32, s, 128) for b, s in ((8, 4096), (4, 8192), (2, 16384))),
-    *(_case(b, 64, 8, s, 128) for b, s in ((8, 4096), (4, 8192), (2, 16384))),
-    _case(2, 32, 32, 8192, 64),
-    _case(2, 128, 128, 8192, 192, dv=128),
-    _case(4, 16, 16, 8192, 128),
-    _case(4, 32, 4, 8192, 128),
+# The suite before issue 17 (OPS.md, "Attention backward", bf16, causal): MHA Hq=Hkv=32 and GQA
+# 8:1 Hq=64, Hkv=8 at D=128; D=64 at Hq=Hkv=32 and DeepSeek 192/128 at Hq=Hkv=128 (as the
+# forward suite) at (2, 8192); plus the anchor shape of the FA4 / cuDNN figures (b4 s8192 d128
+# causal, MHA 16 heads and GQA 32:4: FA4 572 TFLOP/s, cuDNN 496 on the H200).
+LEGACY_BENCH_CASES = (
+    *(_case(b, 32, 32, s, 128, group="causal-d128") for b, s in ((8, 4096), (4, 8192), (2, 16384))),
+    *(_case(b, 64, 8, s, 128, group="causal-d128") for b, s in ((8, 4096), (4, 8192), (2, 16384))),
+    _case(2, 32, 32, 8192, 64, group="d64"),
+    _case(2, 128, 128, 8192, 192, dv=128, group="d192-128"),
+    _case(4, 16, 16, 8192, 128, group="causal-d128"),
+    _case(4, 32, 4, 8192, 128, group="causal-d128"),
 )
+# The forward suite's classes at the head dims the backward offers (64, 128, 192/128; `supported`
+# drops the others): GQA 16:1, GQA at 512..1024 tokens (Llama-3 8B 32:8, Llama-3 70B 64:8,
+# Qwen-2.5 7B 28:4), non-causal short and long, D = 64 short and non-causal, DeepSeek at 2048,
+# chunked prefill (causal bottom-right, Sq < Sk), bf16.
+CLASS_BENCH_CASES = (
+    _case(4, 64, 4, 8192, 128, group="gqa16"),
+    _case(8, 32, 2, 4096, 128, group="gqa16"),
+    _case(32, 32, 8, 512, 128, group="gqa-short"),
+    _case(16, 64, 8, 1024, 128, group="gqa-short"),
+    _case(16, 28, 4, 1024, 128, group="gqa-short"),
+    _case(16, 16, 16, 1024, 128, causal=False, group="non-causal"),
+    _case(8, 32, 32, 4096, 128, causal=False, group="non-causal"),
+    _case(2, 64, 8, 8192, 128, causal=False, group="non-causal"),
+    _case(1, 32, 8, 16384, 128, causal=False, group="non-causal"),
+    _case(16, 32, 8, 1024, 64, group="d64"),
+    _case(8, 16, 16, 2048, 64, causal=False, group="d64"),
+    _case(8, 128, 128, 2048, 192, dv=128, group="d192-128"),
+    _case(1, 32, 8, 2048, 128, sk=8192, group="chunked"),
+    _case(2, 64, 8, 1024, 128, sk=16384, group="chunked"),
+)
+BENCH_CASES = LEGACY_BENCH_CASES + CLASS_BENCH_CASES
+# 16 packed sequences of 256..4096 tokens (fixed draw), GQA 32:8, causal.
+_VARLEN_LENS = _varlen_lengths(16, 256, 4096, seed=4)
+VARLEN_BENCH_CASES = (_varlen_case(_VARLEN_LENS, _VARLEN_LENS, 32, 8, 128, True, group="varlen"),)
 # deterministic=True timed against the default kernel on these (the cases the retired
 # scripts/bwd_gpu_check.py timed); H200 2026-12-01 bench: 1.34x the time at MHA hq16, 1.73x at
 # GQA 32:4, 1.06x at 192/128 (the script had 1.33x / 1.50x / 1.04x: eager launches on one
@@ -148,6 +176,15 @@ CHECK_CASES = (
     _case(1, 4, 2, 1000, 192, dv=128, sk=100, causal=False),
     _case(1, 2, 1, 1, 192, dv=128, sk=65),
     _case(1, 2, 2, 4097, 192, dv=128),
+    # one small case per bench class, with what the class adds: GQA 16:1, GQA 7:1 short,
+    # non-causal GQA 5:1 past 1024, GQA at D = 64, a chunk against a longer cached prefix
+    _case(2, 8, 8, 700, 128, group="causal-d128"),
+    _case(1, 16, 1, 300, 128, group="gqa16"),
+    _case(4, 28, 4, 200, 128, group="gqa-short"),
+    _case(1, 40, 8, 1100, 128, causal=False, group="non-causal"),
+    _case(4, 16, 4, 300, 64, causal=False, group="d64"),
+    _case(1, 16, 16, 256, 192, dv=128, sk=2048, group="d192-128"),
+    _case(1, 8, 2, 512, 128, sk=4096, group="chunked"),
 )
 # Empty sequences on either side, a sequence with keys but no queries and the reverse, and
 # deterministic mode at D = 128 and 192/128.
@@ -160,6 +197,7 @@ VARLEN_CHECK_CASES = (
     _varlen_case((129, 700, 5), (300, 65, 5), 4, 1, 128, True, deterministic=True),
     _varlen_case((100, 0, 513, 64), (200, 7, 513, 0), 4, 4, 192, False, dv=128),
     _varlen_case((129, 700, 5), (300, 65, 5), 4, 1, 192, True, dv=128, deterministic=True),
+    _varlen_case((128, 300, 64), (1024, 2048, 700), 8, 2, 128, True, group="varlen"),
 )
 # compute-sanitizer (`forgekernel check --sanitize`) and tests/gpu/: every kernel variant the
 # launcher picks at small odd sizes: D = 64, 128 (MHA; GQA with head_split) and 192/128,
@@ -212,6 +250,10 @@ def supported(cases: tuple[Case, ...]) -> tuple[Case, ...]:
 
 def check_cases() -> tuple[Case, ...]:
     return supported(CHECK_CASES + (VARLEN_CHECK_CASES if varlen_supported() else ()))
+
+
+def bench_cases() -> tuple[Case, ...]:
+    return supported(BENCH_CASES + (VARLEN_BENCH_CASES if varlen_supported() else ()))
 
 
 def sanitize_cases() -> tuple[Case, ...]:
@@ -313,12 +355,20 @@ def _fa4() -> Any:
     except Exception:
         return None
 
+    takes = inspect.signature(_flash_attn_bwd).parameters
+
     def fa4(inputs: Inputs) -> Any:
-        # FA4's LSE is ours: (B, H, Sq) fp32, natural log; it recomputes P from it.
+        # FA4's LSE is ours: (B, H, Sq) fp32, natural log ((H, total) packed); it recomputes P
+        # from it. Packed batches: the keywords its signature has (a missing one raises).
         q, k, v, o, lse, do = _tensors(inputs)
-        return _flash_attn_bwd(
-            q, k, v, o, do, lse, softmax_scale=inputs["softmax_scale"], causal=inputs["causal"]
-        )
+        flags = {"softmax_scale": inputs["softmax_scale"], "causal": inputs["causal"]}
+        if "varlen" in inputs:
+            names = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+            packed = dict(zip(names, inputs["varlen"]))
+            if not {"cu_seqlens_q", "cu_seqlens_k"} <= set(takes):
+                raise NotImplementedError("this FA4 backward takes no cu_seqlens")
+            flags |= {n: x for n, x in packed.items() if n in takes}
+        return _flash_attn_bwd(q, k, v, o, do, lse, **flags)
 
     return fa4
 
@@ -342,9 +392,9 @@ def _cudnn() -> Any:
     backward = torch.ops.aten._scaled_dot_product_cudnn_attention_backward
 
     def cudnn(inputs: Inputs) -> Any:
-        # SDPA's causal mask is top-left aligned: the same as ours for the bench cases (all
-        # Sq == Sk). The harness calls every comparator once per input set before timing, so
-        # the cached forward is never inside a timed region.
+        refuse_other_semantics(inputs)  # packed batches; causal Sq != Sk (top-left mask)
+        # The harness calls every comparator once per input set before timing, so the cached
+        # forward is never inside a timed region.
         if "cudnn_fwd" not in inputs:
             inputs["cudnn_fwd"] = _cudnn_forward(inputs)
         args = inputs["cudnn_fwd"]
@@ -381,7 +431,7 @@ def suite() -> OpSuite:
         kernel_sources=kernel_sources(),  # the ledger hashes what the compile cache hashes
         dtypes=(torch.bfloat16, torch.float16),
         check_cases=check_cases(),
-        bench_cases=supported(BENCH_CASES),
+        bench_cases=bench_cases(),
         make_inputs=make_inputs,
         alloc_out=alloc_out,
         run_ours=run_ours,
