@@ -9,7 +9,7 @@ import torch
 
 from forgekernel.bench import harness
 from forgekernel.bench.suite import Case
-from forgekernel.runtime.timing import Samples
+from forgekernel.runtime.timing import HostTimes, Samples
 
 
 class Calls(list):
@@ -50,7 +50,9 @@ def fake_timer(monkeypatch):
             fn()
         kw["sync"]()
         calls.append(("host", list(fns), kw["calls"]))
-        return {k: [HOST_US[k]] * kw["rounds"] for k in fns}
+        # "slow" waited for the device: issued at 5 us per call, 25 us to the sync
+        issued = {k: 5.0 if k == "slow" else v for k, v in HOST_US.items()}
+        return {k: HostTimes([HOST_US[k]] * kw["rounds"], [issued[k]] * kw["rounds"]) for k in fns}
 
     monkeypatch.setattr(harness, "time_interleaved", _fake(calls, "cuda-graph", GRAPH_MS))
     monkeypatch.setattr(harness, "time_eager_flushed", _fake(calls, "eager-flushed", EAGER_MS))
@@ -272,12 +274,26 @@ def test_host_time_per_call(tmp_path, sources, fake_suite, fake_timer, capsys):
     assert host["status"] == "ok" and host["calls"] == 7
     assert host["us_per_call"] == {"ours": 50.0, "good": 20.0, "slow": 25.0, "torch": 10.0}
     assert host["rounds_us"]["torch"] == [10.0] * harness.HOST_ROUNDS
+    assert host["issue_us_per_call"]["slow"] == 5.0 and host["device_bound"] == ["slow"]
     assert host["missing"]["absent_host"] == "not available in this process"
     assert "no SDPA here" in host["missing"]["broken_host"]
     assert "cuBLAS says no" in host["missing"]["broken"]
     line = "ours 50.0 us, good 20.0 us (0.400x), slow 25.0 us (0.500x), torch 10.0 us (0.200x)"
-    assert line in (tmp_path / "rep" / "fake.md").read_text()
-    assert line in capsys.readouterr().out
+    md = (tmp_path / "rep" / "fake.md").read_text()
+    assert line in md and line in capsys.readouterr().out
+    assert "host: slow: device-bound loop (5.0 us per call issued, 25.0 us to the sync)" in md
+
+
+def test_host_time_with_the_real_loop(tmp_path, sources, fake_suite, fake_timer, monkeypatch):
+    """The real host loop on the CPU fakes: figures from time.perf_counter, every round."""
+    from forgekernel.runtime import timing
+
+    monkeypatch.setattr(harness, "host_us_per_call", timing.host_us_per_call)
+    _bench(fake_suite(sources, comparators=_comparators), tmp_path, host_calls=5)
+    host = _ledger(tmp_path)["host"]
+    assert host["status"] == "ok" and set(host["us_per_call"]) == {"ours", "good", "slow"}
+    assert all(len(r) == harness.HOST_ROUNDS for r in host["rounds_us"].values())
+    assert all(0 < us < 1e5 for us in host["us_per_call"].values())
 
 
 def test_host_case_of_the_suite_and_wrong_kernel(tmp_path, sources, fake_suite, fake_timer):

@@ -50,6 +50,17 @@ def test_host_us_per_call_on_the_cpu():
     )
 
 
+def test_device_bound_host_loop_is_flagged():
+    """A sync that waits (the device still busy after the last call) shows in the total, not in
+    the time to the last call's return."""
+    res = timing.host_us_per_call(
+        {"f": lambda: None}, calls=10, warmup=0, rounds=3, sync=lambda: time.sleep(2e-3)
+    )["f"]
+    assert len(res.issued) == 3 and timing.median(res.issued) < 100
+    assert timing.median(res) >= 200 and res.device_bound()
+    assert not timing.HostTimes([10.0, 11.0], [9.5, 10.0]).device_bound()
+
+
 def test_host_us_per_call_passes_args():
     seen = []
     timing.host_us_per_call({"f": seen.append}, args=(7,), calls=3, warmup=1, rounds=1)

@@ -291,7 +291,9 @@ def _time_host(suite, inputs, comps, rec, device) -> None:
         fns, calls=rec["calls"], rounds=rec["rounds"], sync=lambda: sync(device)
     )
     rec["us_per_call"] = {name: median(us) for name, us in rounds.items()}
-    rec["rounds_us"] = rounds
+    rec["issue_us_per_call"] = {name: median(us.issued) for name, us in rounds.items()}
+    rec["rounds_us"] = {name: list(us) for name, us in rounds.items()}
+    rec["device_bound"] = [name for name, us in rounds.items() if us.device_bound()]
     rec["status"] = "ok"
 
 

@@ -13,7 +13,9 @@ the variant (deterministic=True, say) costs; above 1 it is slower.
 Timing methods: "graph" (CUDA-graph replays, inputs rotated past L2: the top-level figures, and
 the only method of records written before the field existed) and "eager" (eager launches, L2
 flushed before each, each launch timed alone: the record's "eager" entry). The host record
-(`host_record` in the harness) holds host microseconds per eager call on one tiny case.
+(`host_record` in the harness) holds host microseconds per eager call on one tiny case:
+us_per_call (to the sync after the last call), issue_us_per_call (to the last call's return)
+and device_bound (the names whose loop waited for the device: their figure is not host time).
 """
 
 from __future__ import annotations
@@ -220,6 +222,12 @@ def host_lines(host: dict | None) -> list[str]:
             rel = f" ({_ratio(x / ours)})" if ours and x is not None else ""
             parts.append(f"{name} {_num(x, '.1f')} us{rel}")
     lines = [f"{head}: " + ", ".join(parts) + " (x: comparator us / ours us)"]
+    for name in host.get("device_bound") or []:
+        issued = (host.get("issue_us_per_call") or {}).get(name)
+        lines.append(
+            f"host: {name}: device-bound loop ({_num(issued, '.1f')} us per call issued, "
+            f"{_num(us.get(name), '.1f')} us to the sync): the host case is too large"
+        )
     lines += [f"host: {name}: missing: {why}" for name, why in (host.get("missing") or {}).items()]
     return lines
 

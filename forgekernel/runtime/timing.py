@@ -314,6 +314,20 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
+class HostTimes(list):
+    """Host microseconds per call, one per round, up to the sync after the last call; `issued`:
+    the same rounds up to the return of the last call, before that sync."""
+
+    def __init__(self, values: Sequence[float] = (), issued: Sequence[float] = ()):
+        super().__init__(values)
+        self.issued = list(issued)
+
+    def device_bound(self, slack: float = 1.2) -> bool:
+        """The final sync waited for the device: the loop measured device time, not host
+        time (the launch queue holds the 200 calls, so `issued` stays host time)."""
+        return median(self) > slack * median(self.issued) + 2.0
+
+
 def host_us_per_call(
     fns: dict[str, Callable[..., Any]],
     *,
@@ -322,19 +336,21 @@ def host_us_per_call(
     warmup: int = 20,
     rounds: int = 5,
     sync: Callable[[], None] = _synchronize,
-) -> dict[str, list[float]]:
+) -> dict[str, HostTimes]:
     """Host microseconds per eager call of each candidate, one figure per round.
 
     A round: `sync()`, then `calls` back-to-back calls fn(*args) timed with time.perf_counter
     up to a `sync()` after the last. On a problem tiny enough that the device finishes each
     launch before the host has issued the next, the figure is the call's host time
-    (validation, dispatch, launch). Rounds interleave the candidates in alternating order.
+    (validation, dispatch, launch); `HostTimes.device_bound` says when it was not. Rounds
+    interleave the candidates in alternating order.
     """
     for fn in fns.values():
         for _ in range(warmup):
             fn(*args)
     sync()
-    out: dict[str, list[float]] = {name: [] for name in fns}
+    totals: dict[str, list[float]] = {name: [] for name in fns}
+    issued: dict[str, list[float]] = {name: [] for name in fns}
     order = list(fns)
     for r in range(rounds):
         for name in order if r % 2 == 0 else reversed(order):
@@ -343,6 +359,9 @@ def host_us_per_call(
             t0 = time.perf_counter()
             for _ in range(calls):
                 fn(*args)
+            t1 = time.perf_counter()
             sync()
-            out[name].append((time.perf_counter() - t0) / calls * 1e6)
-    return out
+            t2 = time.perf_counter()
+            issued[name].append((t1 - t0) / calls * 1e6)
+            totals[name].append((t2 - t0) / calls * 1e6)
+    return {name: HostTimes(totals[name], issued[name]) for name in fns}
