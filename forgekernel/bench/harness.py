@@ -329,7 +329,7 @@ def host_record(
 
 
 def _suite_host(suite, comps, missing, seed, device, timing: BenchTiming) -> dict | None:
-    if timing.host_calls <= 0:
+    if timing.host_calls <= 0 or (suite.host_case is None and not suite.bench_cases):
         return None
     extra, extra_missing = resolve_host_comparators(suite)
     host = host_record(
