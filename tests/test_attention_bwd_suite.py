@@ -358,3 +358,8 @@ def test_the_deterministic_variant_runs_the_op_with_deterministic(cpu_backward):
     assert all(c.ok for c in _verify(run, case))
     assert all(c.ok for c in _verify(suite_module.run_ours, case))
     assert cpu_backward == [True, False]
+
+
+def test_host_case_is_the_forward_suites_and_tiny():
+    assert SUITE.host_case.params["sq"] == fwd_suite_module.HOST_CASE.params["sq"] == 128
+    assert SUITE.host_case.group == "host" and SUITE.flops(SUITE.host_case) < 2.5e9

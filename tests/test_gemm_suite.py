@@ -190,3 +190,9 @@ def test_inputs_follow_the_b_layout():
     inputs = SUITE.make_inputs(suite_module._case(3, 16, 24, "kn"), torch.float16, CPU, gen)
     assert inputs["a"].shape == (3, 24) and inputs["b"].shape == (24, 16)
     assert SUITE.alloc_out(inputs).shape == (3, 16)
+
+
+def test_host_case_is_tiny():
+    case = SUITE.host_case
+    assert case.group == "host" and SUITE.flops(case) < 1e8
+    assert case.name not in {c.name for c in SUITE.bench_cases}

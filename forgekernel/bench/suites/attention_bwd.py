@@ -240,6 +240,10 @@ SANITIZE_EXPLAINED: tuple[Explained, ...] = (
 )
 
 
+# bench's host microseconds per eager call: the forward suite's host shape (32:8, 128 tokens).
+HOST_CASE = _case(1, 32, 8, 128, 128, group="host")
+
+
 def supported(cases: tuple[Case, ...]) -> tuple[Case, ...]:
     """The cases whose head dims the kernel leaf offers (its HEAD_DIMS): a pair it adds enters
     the check and the bench by itself."""
@@ -446,4 +450,5 @@ def suite() -> OpSuite:
         sanitize_explained=SANITIZE_EXPLAINED,
         repeatable=deterministic,
         variants=variants,
+        host_case=HOST_CASE,
     )
