@@ -88,7 +88,8 @@ LEGACY_BENCH_CASES = (
     _case(4, 32, 2, 8192, 128, group="gqa16"),
     _varlen_case(_varlen_lengths(16, 256, 8192, seed=0), tag="s256to8192", group="varlen"),
 )
-# The shapes users send, by class, bf16, 8k..64k tokens per batch at 512..32k per sequence.
+# The shapes users send, by class, bf16: 512..32k tokens per sequence, 16k or 32k query tokens
+# per fixed-length case (chunked: 512..2048 queries against 8k..32k keys).
 # Head counts from model configs: Llama-3 8B / Mistral 32:8, Llama-3 70B 64:8, Qwen-2.5 7B 28:4
 # and 32B 40:8, Phi-3 mini D = 96 (32 heads), Gemma D = 256 (16:16, Gemma-2 9B 16:8, Gemma-3 4B
 # 8:4), DeepSeek-V2/V3 MLA prefill 192/128 (128 heads). GQA ratios 1, 4, 5, 7, 8, 16.
