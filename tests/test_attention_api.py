@@ -239,6 +239,41 @@ def test_forward_only_calls_keep_no_autograd_state(cpu_kernel):
     assert forgekernel.attention(q, k, v).grad_fn is not None
 
 
+def test_eager_grad_calls_skip_the_dispatcher(cpu_kernel, monkeypatch):
+    """A call autograd records runs the forward op's autograd formula (setup and backward of
+    ops/attention_bwd.py) in an autograd.Function: same outputs, q, k, v, o, lse saved, lse
+    not differentiable, and the custom op not called."""
+
+    def no_dispatcher(*args):
+        raise AssertionError("eager grad call went through the custom op")
+
+    monkeypatch.setattr(torch.ops.forgekernel, "attention_fwd", no_dispatcher)
+    q, k, v = (t.requires_grad_() for t in qkv(b=1, sq=5, sk=9, hq=4, hkv=2, d=64))
+    o, lse = forgekernel.attention(q, k, v, causal=True, return_lse=True)
+    assert type(o.grad_fn) is attention_module._EagerAttentionFwd._backward_cls
+    assert not lse.requires_grad
+    saved = o.grad_fn.saved_tensors
+    assert [t.data_ptr() for t in saved] == [t.data_ptr() for t in (q, k, v, o, lse)]
+    assert o.grad_fn.flags == (True, 64**-0.5, False)  # (causal, scale, deterministic)
+    want_o, want_lse = attention_ref(q.detach(), k.detach(), v.detach(), True)
+    torch.testing.assert_close(o.detach(), want_o.to(torch.bfloat16), rtol=0, atol=0)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+
+
+def test_eager_varlen_grad_calls_skip_the_dispatcher(cpu_kernel, monkeypatch):
+    def no_dispatcher(*args):
+        raise AssertionError("eager grad call went through the custom op")
+
+    monkeypatch.setattr(torch.ops.forgekernel, "attention_varlen_fwd", no_dispatcher)
+    q, k, v, cu_q, cu_k, max_q, max_k = packed(lens_q=(3, 17), lens_k=(4, 9))
+    q.requires_grad_()
+    o = forgekernel.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)
+    assert type(o.grad_fn) is varlen_module._EagerVarlenFwd._backward_cls
+    assert len(o.grad_fn.saved_tensors) == 7 and o.grad_fn.max_seqlens == (17, 9)
+    want_o, _ = attention_varlen_ref(q.detach(), k, v, cu_q, cu_k, True)
+    torch.testing.assert_close(o.detach(), want_o.to(torch.bfloat16), rtol=0, atol=1e-2)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_pack_gqa_is_the_same_attention(causal):
     """Packed rows s * G + g of kv head h hold query head h * G + g: attention over the packed

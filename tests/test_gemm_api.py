@@ -170,3 +170,25 @@ def test_aligned_problems_run_in_place(cpu_kernel):
         b.data_ptr(),
         out.data_ptr(),
     ]
+
+
+def test_weights_as_parameters_run_eager(cpu_kernel):
+    """nn.Parameter is a plain tensor for the dispatch rule: no custom op, no autograd node
+    (inference: no_grad)."""
+    a, w = bf16(5, 16), torch.nn.Parameter(bf16(24, 16))
+    with torch.no_grad():
+        c = forgekernel.gemm(a, w)
+    assert c.grad_fn is None and len(cpu_kernel) == 1
+    assert [t.data_ptr() for t in cpu_kernel.operands[:2]] == [a.data_ptr(), w.data_ptr()]
+    torch.testing.assert_close(c, gemm_ref(a, w).to(c.dtype), rtol=0, atol=0)
+
+
+def test_calls_autograd_would_record_fail_loudly_in_backward(cpu_kernel):
+    """The GEMM has no backward: with grad, the custom op (its backward raises) rather than a
+    result that silently stops the gradient."""
+    a, w = bf16(5, 16), torch.nn.Parameter(bf16(24, 16))
+    c = forgekernel.gemm(a, w)
+    torch.testing.assert_close(c, gemm_ref(a, w).to(c.dtype), rtol=0, atol=0)
+    assert c.grad_fn is not None
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        c.float().sum().backward()

@@ -6,12 +6,15 @@ leaf's host launcher (`kernels/attention/fwd/sm90/launch.py`: empty problems, TM
 copies, pack-GQA, the compiled function's argument order); under `torch.compile` the same work
 runs through the custom ops `forgekernel::attention_fwd` (and `_out`, `attention_varlen_fwd`),
 whose fake implementations give the compiler shapes. Calls with no input requiring grad keep
-no autograd bookkeeping; the others take `attention_fwd`, whose backward
-(`ops/attention_bwd.py`) saves q, k, v, o, lse.
+no autograd bookkeeping; the others record the backward of `attention_fwd`
+(`ops/attention_bwd.py`: saves q, k, v, o, lse), in eager mode through `_EagerAttentionFwd`
+(no dispatcher), traced through the custom op.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
 from numbers import Real
 
@@ -148,6 +151,32 @@ def _(q, k, v, o, lse, causal, softmax_scale):
     return None
 
 
+@functools.cache
+def _autograd_of_fwd():
+    """ops/attention_bwd.py, which imports this module: the forward op's autograd formula."""
+    return importlib.import_module("forgekernel.ops.attention_bwd")
+
+
+class _EagerAttentionFwd(torch.autograd.Function):
+    """An eager call that autograd records: the custom op's own autograd formula (setup and
+    backward from ops/attention_bwd.py, the same saved tensors, the same backward launch)
+    without the dispatcher. 31 us per call on the CPU through the custom op, 12 us here (a
+    kernel stub); old-style forward(ctx, ...) on purpose: a Function with `setup_context`
+    binds its arguments through inspect.signature on every call, which cost as much as the
+    dispatcher. Functorch transforms need `setup_context`: they take the custom op."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, deterministic):
+        o, lse = _empty_outputs(q, v)
+        _launch_fwd(q, k, v, o, lse, scale, causal)
+        _autograd_of_fwd()._setup_fwd(ctx, (q, k, v, causal, scale, deterministic), (o, lse))
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        return _autograd_of_fwd()._grad_fwd(ctx, do, dlse)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -174,13 +203,17 @@ def attention(
     """
     check_bool("deterministic", deterministic)
     scale = _validate(q, k, v, causal, softmax_scale, out)
+    traced = _traced(q, k, v, *(out or ()))
     if wants_grad(q, k, v):
-        o, lse = torch.ops.forgekernel.attention_fwd(q, k, v, causal, scale, deterministic)
+        if traced or torch._C._are_functorch_transforms_active():
+            o, lse = torch.ops.forgekernel.attention_fwd(q, k, v, causal, scale, deterministic)
+        else:
+            o, lse = _EagerAttentionFwd.apply(q, k, v, causal, scale, deterministic)
         if out is not None:
             out[0].copy_(o)
             out[1].copy_(lse)
             o, lse = out
-    elif _traced(q, k, v, *(out or ())):
+    elif traced:
         if out is None:
             o, lse = torch.ops.forgekernel.attention_fwd(q, k, v, causal, scale)
         else:

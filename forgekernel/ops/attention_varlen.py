@@ -12,7 +12,7 @@ from forgekernel.kernels.attention.fwd.sm90 import launch as fwd_sm90
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._dispatch import wants_grad
 from forgekernel.ops._validate import check_bool, check_cuda, check_same_device, check_tensor
-from forgekernel.ops.attention import _check_flags, _check_out, _check_qkv
+from forgekernel.ops.attention import _autograd_of_fwd, _check_flags, _check_out, _check_qkv
 
 
 def _check_max_seqlen(name: str, value: object) -> None:
@@ -104,6 +104,23 @@ def _(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, de
     return _empty_outputs(q, v)
 
 
+class _EagerVarlenFwd(torch.autograd.Function):
+    """An eager varlen call that autograd records, without the dispatcher: the custom op's
+    autograd formula (ops/attention_bwd.py), as `ops.attention._EagerAttentionFwd`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, deterministic):
+        o, lse = _empty_outputs(q, v)
+        _launch_varlen_fwd(q, k, v, o, lse, (cu_q, cu_k, max_q, max_k), scale, causal)
+        inputs = (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, deterministic)
+        _autograd_of_fwd()._setup_varlen_fwd(ctx, inputs, (o, lse))
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        return _autograd_of_fwd()._grad_varlen_fwd(ctx, do, dlse)
+
+
 def attention_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -143,10 +160,13 @@ def attention_varlen(
     check_cuda("q", q)
     check_same_device(q=q, k=k, v=v, **({} if out is None else {"o": out[0], "lse": out[1]}))
     cu_q, cu_k = _offsets_on_device(q, cu_seqlens_q, cu_seqlens_k)
-    if _traced(q, k, v, cu_q, cu_k, *(out or ())) or wants_grad(q, k, v):
-        o, lse = torch.ops.forgekernel.attention_varlen_fwd(
-            q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale, deterministic
-        )
+    traced = _traced(q, k, v, cu_q, cu_k, *(out or ()))
+    if traced or wants_grad(q, k, v):
+        args = (q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale, deterministic)
+        if traced or torch._C._are_functorch_transforms_active():
+            o, lse = torch.ops.forgekernel.attention_varlen_fwd(*args)
+        else:
+            o, lse = _EagerVarlenFwd.apply(*args)
         if out is not None:
             out[0].copy_(o)
             out[1].copy_(lse)

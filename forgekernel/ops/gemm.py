@@ -3,7 +3,8 @@
 This module validates; eager calls then go straight to the leaf's host launcher
 (`kernels/gemm/dense/sm90/launch.py`); under `torch.compile` the same work runs through the
 custom ops `forgekernel::gemm` / `forgekernel::gemm_out`, whose fake implementations give the
-compiler shapes without running anything.
+compiler shapes without running anything. Calls that autograd would record take the custom op
+too (no backward is registered: it fails loudly).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from forgekernel.kernels.gemm.dense.sm90 import SPEC, GemmConfig, choose_config
 from forgekernel.kernels.gemm.dense.sm90 import launch as gemm_sm90
 from forgekernel.kernels.gemm.dense.sm90.config import CANDIDATES, STANDARD_CONFIGS
 from forgekernel.ops._dispatch import traced as _traced
+from forgekernel.ops._dispatch import wants_grad
 from forgekernel.ops._validate import (
     check_cuda,
     check_same_device,
@@ -102,7 +104,9 @@ def gemm(
             out = torch.empty(m, n, dtype=a.dtype, device=a.device)
         gemm_sm90.gemm(a, b, out, b_kn, config)
         return out
-    if _traced(a, b, out):
+    # The GEMM has no backward formula: a call autograd would record takes the custom op, whose
+    # backward fails loudly, instead of silently returning a result without grad.
+    if _traced(a, b, out) or wants_grad(a, b):
         if out is None:
             return torch.ops.forgekernel.gemm(a, b, b_kn)
         torch.ops.forgekernel.gemm_out(a, b, out, b_kn)

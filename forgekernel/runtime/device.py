@@ -46,7 +46,7 @@ def as_tma_ready(t: torch.Tensor) -> torch.Tensor:
 def tma_target(t: torch.Tensor, *, contiguous: bool = False) -> torch.Tensor:
     """An output: `t` itself when the kernel can write it in place (TMA-ready, and contiguous
     when asked), else a compact buffer whose result the launcher copies into `t`."""
-    if tma_ready(t) and (t.is_contiguous() or not contiguous):
+    if tma_ready(t) and (not contiguous or t.is_contiguous()):
         return t
     return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 

@@ -5,13 +5,22 @@ the compiled function in its argument order (see the leaf's `__init__`)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from forgekernel.kernels.attention.fwd.sm90 import SPEC
 from forgekernel.kernels.attention.fwd.sm90.config import params_for
 from forgekernel.kernels.common.sm90.constants import LOG2E
 from forgekernel.runtime.cache import get_kernel
-from forgekernel.runtime.device import as_tma_ready, copy_back, dtype_name, num_sms, tma_target
+from forgekernel.runtime.device import (
+    as_tma_ready,
+    copy_back,
+    dtype_name,
+    num_sms,
+    on_device,
+    tma_target,
+)
 
 # Pack-GQA below this many query rows: a short query's tile of one head would be mostly empty
 # rows, and every head of a group would stream the same K/V.
@@ -33,6 +42,13 @@ def unpack_gqa(o: torch.Tensor, lse: torch.Tensor, group: int) -> tuple[torch.Te
     o = o.view(b, sq, group, hkv, dv).transpose(2, 3).reshape(b, sq, hkv * group, dv)
     lse = lse.view(b, hkv, sq, group).transpose(2, 3).reshape(b, hkv * group, sq)
     return o, lse
+
+
+@functools.cache
+def _params(dtype: torch.dtype, head_dim: int, head_dim_v: int, causal: bool, varlen: bool):
+    """The compile params of the head dims' analytical default, once per key (params_for's
+    dataclass walk cost 4.4 us per call on the CPU)."""
+    return params_for(dtype_name(dtype), head_dim, head_dim_v, causal, varlen=varlen)
 
 
 def _no_keys(o: torch.Tensor, lse: torch.Tensor) -> None:
@@ -68,11 +84,9 @@ def _launch(q, k, v, o, lse, scale: float, causal: bool) -> None:
     """The kernel call: inputs and outputs TMA-ready, sizes non-zero. Short queries with GQA
     run packed: the G query heads of a kv head become G rows per position of one head (qgroup
     = G tells the kernel's causal mask)."""
-    # params_for without a config takes the leaf's analytical default for the head dims.
-    params = params_for(dtype_name(q.dtype), q.shape[-1], v.shape[-1], causal)
-    fn = get_kernel(SPEC, params)
+    fn = get_kernel(SPEC, _params(q.dtype, q.shape[-1], v.shape[-1], causal, False))
     group = q.shape[2] // k.shape[2]
-    with torch.cuda.device(q.device):
+    with on_device(q.device):
         if group > 1 and q.shape[1] < PACK_GQA_MAX_SQ:
             qp = pack_gqa_q(q, group)
             b, rows, hkv, _ = qp.shape
@@ -109,9 +123,8 @@ def attention_varlen_fwd(
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     o_dst = tma_target(o)
     lse_dst = lse if lse.stride(-1) == 1 else torch.empty(lse.shape, device=lse.device)
-    params = params_for(dtype_name(q.dtype), q.shape[-1], v.shape[-1], causal, varlen=True)
-    fn = get_kernel(SPEC, params)
-    with torch.cuda.device(q.device):
+    fn = get_kernel(SPEC, _params(q.dtype, q.shape[-1], v.shape[-1], causal, True))
+    with on_device(q.device):
         ctas = num_sms(q.device.index)
         fn(q, k, v, o_dst, lse_dst, cu_q, cu_k, softmax_scale * LOG2E, max_seqlen_q, 1, ctas)
     copy_back((o, lse), (o_dst, lse_dst))
