@@ -6,6 +6,7 @@ falls back to SDPA with one warning per reason. Skipped without transformers."""
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import pytest
@@ -225,3 +226,41 @@ def test_compiled_model_reaches_the_kernel(calls):
         got = torch.compile(model, backend="eager", fullgraph=True)(ids).logits
     assert len(calls) == 2 and all(c[3] for c in calls)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def builder_args(q_length: int, kv_length: int, q_offset: int, **extra) -> dict:
+    """The mask builder's keywords as this transformers version passes them."""
+    from transformers.masking_utils import sdpa_mask
+
+    if "q_length" in inspect.signature(sdpa_mask).parameters:  # transformers 5
+        return dict(
+            batch_size=B, q_length=q_length, q_offset=q_offset, kv_length=kv_length, **extra
+        )
+    positions = torch.arange(q_offset, q_offset + q_length)
+    return dict(batch_size=B, cache_position=positions, kv_length=kv_length, **extra)
+
+
+@pytest.mark.parametrize(
+    "q_length, kv_length, q_offset, padded, plain_causal",
+    [
+        (11, 11, 0, False, None),  # training / prefill: no mask built
+        (1, 11, 10, False, None),  # decoding: one query sees every key
+        (4, 11, 7, False, True),  # chunked prefill: built, and the kernel takes it (eager)
+        (4, 11, 0, False, False),  # a static cache's prefill: keys 4..10 are empty slots
+        (11, 11, 0, True, False),  # padding
+    ],
+)
+def test_mask_builder(q_length, kv_length, q_offset, padded, plain_causal):
+    """None (no mask) only where the kernel's bottom-right causal mask is the whole story;
+    elsewhere SDPA's boolean mask, which the attention function reads in eager calls."""
+    padding = None
+    if padded:
+        padding = torch.ones(B, kv_length, dtype=torch.bool)
+        padding[0, :3] = False
+    args = builder_args(q_length, kv_length, q_offset, attention_mask=padding)
+    mask = fk_tf.attention_mask(**args)
+    if plain_causal is None:
+        assert mask is None
+    else:
+        assert mask.dtype == torch.bool and mask.shape[-2:] == (q_length, kv_length)
+        assert fk_tf._is_plain_causal(mask, kv_length) is plain_causal

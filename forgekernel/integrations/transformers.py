@@ -162,6 +162,11 @@ def attention_forward(
     return out, None
 
 
+def _query_length(kwargs: dict[str, Any]) -> int:
+    # transformers 5 passes q_length (and q_offset); 4.5x the query positions (cache_position)
+    return kwargs["q_length"] if "q_length" in kwargs else kwargs["cache_position"].shape[0]
+
+
 def _plain_causal(kwargs: dict[str, Any]) -> bool:
     """The mask these builder arguments describe is bottom-right causal and nothing else: the
     causal pattern alone, no padding mask, and as many queries as keys from position 0 (known
@@ -170,16 +175,9 @@ def _plain_causal(kwargs: dict[str, Any]) -> bool:
         return False
     if kwargs.get("attention_mask") is not None or kwargs.get("local_size") is not None:
         return False
-    # transformers 5 passes q_length / q_offset; 4.5x the query positions (cache_position)
-    q_length = kwargs["q_length"] if "q_length" in kwargs else kwargs["cache_position"].shape[0]
     offsets = (kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0))
-    return q_length == kwargs["kv_length"] and all(type(o) is int and o == 0 for o in offsets)
-
-
-def _one_query(kwargs: dict[str, Any]) -> bool:
-    if "q_length" in kwargs:
-        return kwargs["q_length"] == 1
-    return "cache_position" in kwargs and kwargs["cache_position"].shape[0] == 1
+    same_length = _query_length(kwargs) == kwargs["kv_length"]
+    return same_length and all(type(o) is int and o == 0 for o in offsets)
 
 
 def attention_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
@@ -190,9 +188,11 @@ def attention_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     if _plain_causal(kwargs):
         return None
     mask = sdpa_mask(**kwargs)
-    # SDPA skips the mask where its top-left causal flag is right; one query, or equal lengths
-    # (handled above), is where the kernel's bottom-right alignment agrees.
-    if mask is None and not _one_query(kwargs):
+    # SDPA also skips the mask where only its top-left causal flag is right (transformers 5, a
+    # static cache's prefill); the kernel's bottom-right alignment agrees with one query, or
+    # with as many queries as keys.
+    q_length = _query_length(kwargs)
+    if mask is None and q_length != 1 and q_length != kwargs["kv_length"]:
         mask = sdpa_mask(**{**kwargs, "allow_is_causal_skip": False})
     return mask
 
