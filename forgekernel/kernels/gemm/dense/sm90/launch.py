@@ -112,9 +112,9 @@ def padded_operands(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Operands for a problem whose N or K is not a multiple of 8, rounded up to Np, Kp: A
     (M, Kp) and B with zero K columns (they add nothing to C), B with zero rows up to Np, C an
-    (M, Np) scratch whose first N columns the caller copies into `out`. Cost per call: with K
-    odd, a copy of A and of B; with N odd, a copy of B and of C (the kernel writes Np columns).
-    The operand that already fits is used in place."""
+    (M, Np) scratch whose first N columns the caller copies into `out`. Cost per call: K not a
+    multiple of 8, a copy of A and of B; N not a multiple of 8, a copy of B and of C (the
+    kernel writes Np columns); a few small zero fills. An operand that fits is used in place."""
     m, k = a.shape
     n = out.shape[1]
     kp, np_ = _round_up(k), _round_up(n)
