@@ -29,7 +29,8 @@ it gives transformers' SDPA mask (boolean, 4-D). In eager calls a materialized m
 plain causal after all (transformers' packed-sequence check without a cache, a tokenizer's
 all-ones mask) still reaches the kernel; under `torch.compile` only the shape-judged case
 does, so a compiled model reaches the kernel with attention_mask=None and a cache (transformers'
-default `use_cache=True`), and falls back to SDPA with `use_cache=False`.
+default `use_cache=True`), and falls back to SDPA with `use_cache=False` (where SDPA itself gets
+the materialized mask too).
 """
 
 from __future__ import annotations
@@ -39,9 +40,16 @@ import weakref
 from typing import Any
 
 import torch
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
+
+try:
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
+except ImportError as e:  # not installed, or older than 4.53 (no masking_utils)
+    raise ImportError(
+        "forgekernel.integrations.transformers needs transformers >= 4.53: "
+        "pip install 'forgekernel[transformers]'"
+    ) from e
 
 import forgekernel
 from forgekernel.ops.attention import SUPPORTED_HEAD_DIMS
