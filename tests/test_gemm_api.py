@@ -12,7 +12,7 @@ import forgekernel
 from forgekernel.kernels.gemm.dense.sm90 import launch as gemm_sm90
 from forgekernel.kernels.gemm.dense.sm90.config import choose_config, params_for
 from forgekernel.reference.gemm import gemm_ref
-from forgekernel.runtime.device import tma_ready
+from forgekernel.runtime.device import on_device, tma_ready
 
 gemm_module = importlib.import_module("forgekernel.ops.gemm")
 
@@ -192,3 +192,19 @@ def test_calls_autograd_would_record_fail_loudly_in_backward(cpu_kernel):
     assert c.grad_fn is not None
     with pytest.raises(RuntimeError, match="no autograd formula"):
         c.float().sum().backward()
+
+
+@pytest.mark.parametrize("current, enters", [(0, False), (1, True)])
+def test_launchers_enter_a_device_only_when_it_is_not_current(monkeypatch, current, enters):
+    """runtime.device.on_device: torch.cuda.device(d) only when d is not the current device
+    (entering it costs microseconds per launch); CPU tensors (no index) never."""
+    entered = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    monkeypatch.setattr(
+        torch.cuda, "device", lambda d: entered.append(d) or contextlib.nullcontext()
+    )
+    with on_device(torch.device("cuda", 0)):
+        pass
+    with on_device(torch.device("cpu")):
+        pass
+    assert entered == ([torch.device("cuda", 0)] if enters else [])
