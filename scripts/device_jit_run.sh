@@ -13,7 +13,7 @@
 # Each OP is checked, then benchmarked (the backward's deterministic mode with it: `bench
 # attention_bwd`), under its own time limits; SANITIZE=1 then runs `check --sanitize OP`
 # (compute-sanitizer memcheck and racecheck, under SANITIZE_TIMEOUT; SANITIZE=only skips check
-# and bench); CHECK=0 / BENCH=0 skip check / bench; GPU_TESTS=1 runs `pytest -m gpu tests/gpu`;
+# and bench); CHECK=0 / BENCH=0 skip check / bench; BENCH_ARGS (e.g. --timing graph) go to bench; GPU_TESTS=1 runs `pytest -m gpu tests/gpu`;
 # VARIANTS=1 then times attention-forward configurations (scripts/attn_variants.py),
 # BWD_VARIANTS=1 scripts/bwd_variants.py.
 set -uo pipefail
@@ -50,7 +50,7 @@ for op in "$@"; do
     check_rc=${PIPESTATUS[0]}
   fi
   if [ "${SANITIZE:-0}" != only ] && [ "${BENCH:-1}" != 0 ] && [ "${SKIP_BENCH:-}" != "$op" ]; then
-    timeout "${BENCH_TIMEOUT:-300}" python3 -m forgekernel bench --report-dir "$REPORTS" "$op" \
+    timeout "${BENCH_TIMEOUT:-300}" python3 -m forgekernel bench --report-dir "$REPORTS" ${BENCH_ARGS:-} "$op" \
       2>&1 | tee "$LOGS/bench-$op.log" | grep -v "^\[" | tail -40
     bench_rc=${PIPESTATUS[0]}
   fi
