@@ -23,6 +23,9 @@ OUT=${OUT:-/tmp/forgekernel-out}
 LOGS=/tmp/forgekernel-logs REPORTS=/tmp/forgekernel-reports
 RESULTS=${RESULTS:-/tmp/forgekernel-results} KERNELS=${KERNELS:-$PWD/.bundle/kernels}
 mkdir -p "$OUT/results" "$LOGS" "$REPORTS" "$RESULTS"
+# Start from the committed ledgers: a section this run does not write (say the sanitizers') stays
+# as long as its kernel sources are unchanged (the ledger drops it otherwise).
+[ -n "$(ls -A "$RESULTS")" ] || cp -r benchmarks/results/. "$RESULTS/" 2>/dev/null
 if [ -n "${WHEELS:-}" ]; then
   source "$WHEELS/wheels.sh" install "$WHEELS" >/dev/null || exit 1
 elif [ -d .payload/p2 ]; then

@@ -269,10 +269,8 @@ def test_mask_builder(q_length, kv_length, q_offset, padded, plain_causal):
 def training_step(impl: str, dtype: torch.dtype, ids: torch.Tensor) -> list[torch.Tensor]:
     """Loss and every parameter's gradient of one step of a GQA Llama (head dim 128, 4:1)."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        **{**CONFIG, "hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 8},
-        **{"head_dim": 128, "vocab_size": 1000},
-    )
+    shape = {"hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 8}
+    config = transformers.LlamaConfig(**{**CONFIG, **shape, "head_dim": 128, "vocab_size": 1000})
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
     model.to("cuda", dtype).train()
     loss = model(ids, labels=ids, use_cache=False).loss
