@@ -506,3 +506,171 @@ def test_choose_config_head_split_for_small_gqa_descending_walk_for_long_gqa_at_
     assert pick(128, 128, True, 1, 1000, 4, 2)[0] == 0  # deterministic keeps the walk
     assert pick(64, 64, False, 1, 1000, 4, 2)[0] == 0  # D = 64: persistent instead
     assert choose_config(64, 64, False, 2, 8192, 32, 32, 132) == default_config(64, 64)
+
+
+@pytest.fixture
+def recorded_launches(monkeypatch):
+    """The launcher with recording stand-ins for the three compiled kernels (name, args), on
+    a 132-SM device, with torch.empty's memory filled (NaN / int max) so that a workspace the
+    kernels need zeroed is seen zeroed only when the launcher zeroed it."""
+    calls = []
+
+    def get_kernel(spec, params):
+        return lambda *args: calls.append((spec.name, dict(params), args))
+
+    monkeypatch.setattr(bwd_launch, "get_kernel", get_kernel)
+    monkeypatch.setattr(bwd_launch, "num_sms", lambda index: 132)
+    bwd_launch._plans.clear()
+    bwd_launch._varlen_workspaces.clear()
+    deterministic_before = torch.are_deterministic_algorithms_enabled()
+    fill_before = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield calls
+    torch.use_deterministic_algorithms(deterministic_before)
+    torch.utils.deterministic.fill_uninitialized_memory = fill_before
+    bwd_launch._plans.clear()
+    bwd_launch._varlen_workspaces.clear()
+
+
+def _zeroed(t):
+    return bool((t == 0).all())
+
+
+@pytest.mark.parametrize(
+    "shape, deterministic, head_split, persistent",
+    [
+        ((2, 300, 4, 4, 128), False, False, False),  # MHA D = 128
+        ((1, 128, 32, 8, 128), False, True, False),  # GQA under two waves: head_split
+        ((1, 128, 32, 8, 128), True, False, False),  # deterministic: zeroed semaphores
+        ((2, 200, 8, 8, 64), False, False, True),  # D = 64: persistent (zeroed tile counter)
+    ],
+)
+def test_launch_workspaces(recorded_launches, shape, deterministic, head_split, persistent):
+    """The fixed-length launch: workspaces (B, Hq, Sq_pad) LSE / Dsum, (B, Hq, Sq_pad * D) dQ
+    accumulator, (B, Hq, Sq_pad / tile_m) int32 semaphores zeroed when deterministic or
+    persistent, fp32 dK / dV accumulators zeroed under head_split (copied into dk, dv after):
+    contiguous, 512-byte aligned offsets of one allocation, no two overlapping."""
+    b, s, hq, hkv, d = shape
+    q, k, v, o, do = (
+        bf16(b, s, hq, d),
+        bf16(b, s, hkv, d),
+        bf16(b, s, hkv, d),
+        bf16(b, s, hq, d),
+        bf16(b, s, hq, d),
+    )
+    lse = torch.randn(b, hq, s)
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    bwd_launch.attention_bwd(q, k, v, o, lse, do, dq, dk, dv, 0.1, True, deterministic)
+    (pre, pre_p, pre_args), (main, main_p, args), (post, _, post_args) = recorded_launches
+    assert (pre, main, post) == (
+        "attention_bwd_pre_sm90",
+        "attention_bwd_sm90",
+        "attention_bwd_post_sm90",
+    )
+    assert main_p.get("head_split", 0) == (2 if head_split else 0)
+    assert main_p.get("persistent", False) == persistent
+    lse2, dsum, dq_acc, dk_main, dv_main, sem = args[4], args[5], args[6], args[7], args[8], args[9]
+    s_pad = -(-s // 128) * 128
+    assert lse2.shape == dsum.shape == (b, hq, s_pad) and dq_acc.shape == (b, hq, s_pad * d)
+    assert sem.shape == (b, hq, s_pad // main_p["tile_m"]) and sem.dtype == torch.int32
+    assert pre_args[3] is lse2 and pre_args[4] is dsum and pre_args[6] is dq_acc
+    assert post_args[0] is dq_acc and post_args[1] is dq
+    assert _zeroed(sem) == (deterministic or persistent)
+    assert not _zeroed(lse2) and not _zeroed(dq_acc)  # left uninitialized for the kernels
+    if head_split:
+        assert dk_main.dtype == dv_main.dtype == torch.float32
+        assert dk_main.shape == k.shape and _zeroed(dk_main) and _zeroed(dv_main)
+    else:
+        assert dk_main is dk and dv_main is dv
+    ws = [lse2, dsum, dq_acc, sem] + ([dk_main, dv_main] if head_split else [])
+    base = lse2.untyped_storage().data_ptr()
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * 4) for t in ws)
+    assert all(t.is_contiguous() and t.untyped_storage().data_ptr() == base for t in ws)
+    assert all((t.data_ptr() - base) % 512 == 0 for t in ws)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    # the persistent kernel's CTA count: one per kv tile up to one per SM
+    assert args[12] == (min(-(-s // 128) * hkv * b, 132) if persistent else 0)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_launch_varlen_workspaces(recorded_launches, deterministic):
+    """Varlen: (Hq, rows) LSE / Dsum, the dQ accumulator zeroed, semaphores zeroed when
+    deterministic."""
+    from forgekernel.kernels.attention.bwd.sm90.config import varlen_ws_rows
+
+    lens = (100, 0, 300)
+    cu = torch.tensor([0, 100, 100, 400], dtype=torch.int32)
+    q, k, v, o, do = (bf16(400, h, 128) for h in (4, 2, 2, 4, 4))
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    lse = torch.randn(4, 400)
+    bwd_launch.attention_bwd(
+        q, k, v, o, lse, do, dq, dk, dv, 0.1, True, deterministic, cu, cu, max(lens), max(lens)
+    )
+    _, (_, _, args), _ = recorded_launches
+    lse2, dsum, dq_acc, sem = args[4], args[5], args[6], args[9]
+    rows = varlen_ws_rows(400, 3)
+    assert lse2.shape == dsum.shape == sem.shape == (4, rows) and dq_acc.shape == (4, rows * 128)
+    assert _zeroed(dq_acc) and _zeroed(sem) == deterministic and not _zeroed(lse2)
+    assert (dsum.data_ptr() - lse2.data_ptr()) % 512 == 0
+    assert args[7] is dk and args[8] is dv
+
+
+def test_launch_plans_are_chosen_once_per_problem(recorded_launches, monkeypatch):
+    """The config, compile keys and workspace layout of a problem are chosen on its first
+    launch only (the same launches after); another length gets its own plan."""
+    chosen = []
+    choose = bwd_launch.choose_config
+    monkeypatch.setattr(bwd_launch, "choose_config", lambda *a: chosen.append(a) or choose(*a))
+
+    def launch(sq):
+        q, k, v = bf16(1, sq, 8, 128), bf16(1, 100, 2, 128), bf16(1, 100, 2, 128)
+        o, do, lse = bf16(1, sq, 8, 128), bf16(1, sq, 8, 128), torch.randn(1, 8, sq)
+        grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+        bwd_launch.attention_bwd(q, k, v, o, lse, do, *grads, 0.1, True)
+
+    def layout(args):
+        return [(a.shape, a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a for a in args]
+
+    launch(100)
+    launch(100)
+    assert len(chosen) == 1
+    first, again = recorded_launches[:3], recorded_launches[3:]
+    assert [(n, p, layout(a)) for n, p, a in first] == [(n, p, layout(a)) for n, p, a in again]
+    launch(50)
+    assert len(chosen) == 2
+
+
+class _DropsTheGradient(torch.autograd.Function):
+    """x -> x whose backward returns no gradient for x (autograd then calls the attention
+    node's backward without dO)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return None
+
+
+def test_autograd_materializes_no_dlse_and_a_missing_do_as_zeros(kernels, monkeypatch):
+    """The eager Function's backward gets None for dLSE (no zero tensor per backward); a
+    missing dO reaches the kernel as zeros, as autograd's materialized gradient did."""
+    seen = []
+    grad_fwd = bwd_module._grad_fwd
+    monkeypatch.setattr(
+        bwd_module,
+        "_grad_fwd",
+        lambda ctx, do, dlse: seen.append((do, dlse)) or grad_fwd(ctx, do, dlse),
+    )
+    q, k, v = qkv()
+    o, lse = forgekernel.attention(q, k, v, True, return_lse=True)
+    o.sum().backward()
+    assert seen[0][1] is None and seen[0][0] is not None
+    q.grad = k.grad = v.grad = None
+    o, _ = forgekernel.attention(q, k, v, True, return_lse=True)
+    (_DropsTheGradient.apply(o).float().sum() + 0 * q.float().sum()).backward()
+    assert seen[1] == (None, None)  # autograd called the node without dO
+    assert kernels[-1] == (True, 64**-0.5, False, False)
+    assert all(_zeroed(g) for g in (q.grad, k.grad, v.grad))

@@ -166,10 +166,16 @@ class _EagerAttentionFwd(torch.autograd.Function):
     without the dispatcher. 31 us per call on the CPU through the custom op, 12 us here (a
     kernel stub); old-style forward(ctx, ...) on purpose: a Function with `setup_context`
     binds its arguments through inspect.signature on every call, which cost as much as the
-    dispatcher. Functorch transforms need `setup_context`: they take the custom op."""
+    dispatcher. Functorch transforms need `setup_context`: they take the custom op.
+
+    No materialized zero gradients: the backward gets None for dLSE (never read: the LSE is
+    not differentiable) instead of a zero (B, Hq, Sq) fp32 tensor per backward (an allocation
+    and a fill kernel on the GPU); a missing dO becomes those zeros in the backward
+    (`_grad_output`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, deterministic):
+        ctx.set_materialize_grads(False)
         o, lse = _empty_outputs(q, v)
         _launch_fwd(q, k, v, o, lse, scale, causal)
         _autograd_of_fwd()._setup_fwd(ctx, (q, k, v, causal, scale, deterministic), (o, lse))

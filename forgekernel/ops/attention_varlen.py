@@ -106,10 +106,12 @@ def _(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, de
 
 class _EagerVarlenFwd(torch.autograd.Function):
     """An eager varlen call that autograd records, without the dispatcher: the custom op's
-    autograd formula (ops/attention_bwd.py), as `ops.attention._EagerAttentionFwd`."""
+    autograd formula (ops/attention_bwd.py), as `ops.attention._EagerAttentionFwd` (no
+    materialized zero gradients: dLSE None)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, deterministic):
+        ctx.set_materialize_grads(False)
         o, lse = _empty_outputs(q, v)
         _launch_varlen_fwd(q, k, v, o, lse, (cu_q, cu_k, max_q, max_k), scale, causal)
         inputs = (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, deterministic)

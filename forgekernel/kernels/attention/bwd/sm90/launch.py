@@ -6,6 +6,7 @@ config, allocates the fp32 workspaces and launches."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -23,7 +24,14 @@ from forgekernel.kernels.attention.bwd.sm90.config import (
 )
 from forgekernel.kernels.common.sm90.constants import LOG2E
 from forgekernel.runtime.cache import get_kernel
-from forgekernel.runtime.device import as_tma_ready, copy_back, dtype_name, num_sms, tma_target
+from forgekernel.runtime.device import (
+    as_tma_ready,
+    copy_back,
+    dtype_name,
+    num_sms,
+    on_device,
+    tma_target,
+)
 
 # (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a varlen call, None otherwise.
 Seqs = tuple[torch.Tensor, torch.Tensor, int, int] | None
@@ -62,17 +70,21 @@ def attention_bwd(
     seqs = None
     if cu_seqlens_q is not None:
         seqs = (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
-    grads = (dq, dk, dv)
     if _nothing_to_compute(q, k, seqs):
-        for g in grads:
+        for g in (dq, dk, dv):
             g.zero_()
         return
-    q, k, v, o, do = (as_tma_ready(t) for t in (q, k, v, o, do))
-    lse = lse.contiguous()
-    dst = tuple(tma_target(g, contiguous=True) for g in grads)
+    # one call per tensor, no generators (this runs on every backward)
+    q, k, v = as_tma_ready(q), as_tma_ready(k), as_tma_ready(v)
+    o, do, lse = as_tma_ready(o), as_tma_ready(do), lse.contiguous()
+    dst = (
+        tma_target(dq, contiguous=True),
+        tma_target(dk, contiguous=True),
+        tma_target(dv, contiguous=True),
+    )
     flags = (float(softmax_scale), causal, deterministic, seqs, config)
     _launch_kernels(q, k, v, o, lse, do, *dst, *flags)
-    copy_back(grads, dst)
+    copy_back((dq, dk, dv), dst)
 
 
 def _nothing_to_compute(q: torch.Tensor, k: torch.Tensor, seqs: Seqs) -> bool:
@@ -88,96 +100,205 @@ def _launch_kernels(
     seqs: Seqs, config: BwdConfig | None = None,
 ) -> None:  # fmt: skip
     """The kernels: tensors TMA-ready, lse and the gradients contiguous, sizes non-zero."""
-    with torch.cuda.device(q.device):
+    with on_device(q.device):
         if seqs is None:
             _fixed_length(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, config)
         else:
             _varlen(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, seqs, config)
 
 
+class _Plan:
+    """What a launch needs that depends only on the problem, chosen once per problem: the
+    three kernels' compile params, the persistent CTA count, whether dK / dV go through fp32
+    accumulators (head_split), and the workspace layout (fixed length; varlen's is keyed by
+    its token count apart)."""
+
+    __slots__ = ("pre", "main", "post", "ctas", "head_split", "workspace")
+
+    def __init__(self, pre, main, post, ctas: int, head_split: bool, workspace: _Workspace | None):
+        self.pre, self.main, self.post = pre, main, post
+        self.ctas, self.head_split, self.workspace = ctas, head_split, workspace
+
+
+class _Plans(dict):
+    """Problem key -> _Plan, built on first use: choosing the config (its `replace`s) and the
+    three compile keys (a dataclass walk) cost 10 us of a 48 us call on the CPU (kernel
+    stubs); a lookup 0.1. Cleared when it grows past MAX (a server's ever-changing lengths)."""
+
+    MAX = 4096
+
+    def get_or_build(self, key: tuple, build) -> _Plan:
+        plan = self.get(key)
+        if plan is None:
+            if len(self) >= self.MAX:
+                self.clear()
+            plan = self[key] = build(*key)
+        return plan
+
+
+_plans = _Plans()
+_varlen_workspaces = _Plans()
+
+
 def _fixed_length(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, config) -> None:
     b, sq, hq, d = q.shape
-    sk, hkv, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
-    dtype, dev = dtype_name(q.dtype), q.device
+    _, sk, hkv, _ = k.shape
+    key = (q.dtype, b, sq, sk, hq, hkv, d, v.shape[-1], causal, deterministic)
+    plan = _plans.get_or_build((*key, q.device.index, config), _fixed_plan)
+    if plan.head_split:
+        lse2, dsum, dq_acc, sem, dk_main, dv_main = plan.workspace.allocate(q.device)
+    else:
+        lse2, dsum, dq_acc, sem = plan.workspace.allocate(q.device)
+        dk_main, dv_main = dk, dv
+    pre = get_kernel(SPEC_PRE, plan.pre)
+    main = get_kernel(SPEC_MAIN, plan.main)
+    post = get_kernel(SPEC_POST, plan.post)
+    pre(o, do, lse, lse2, dsum, None, dq_acc, 0)
+    main(
+        q, k, v, do, lse2, dsum, dq_acc, dk_main, dv_main, sem, None, None, plan.ctas, scale,
+        scale * LOG2E,
+    )  # fmt: skip
+    post(dq_acc, dq, None, 0, scale)
+    if plan.head_split:
+        dk.copy_(dk_main)
+        dv.copy_(dv_main)
+
+
+def _fixed_plan(
+    dtype, b, sq, sk, hq, hkv, d, dv_dim, causal, deterministic, device_index, config
+) -> _Plan:  # fmt: skip
     if config is not None:
         cfg = config
     else:
-        sms = num_sms(dev.index)
+        sms = num_sms(device_index)
         cfg = choose_config(d, dv_dim, deterministic, b, sk, hq, hkv, sms, causal)
     if deterministic and cfg.persistent:
         cfg = replace(cfg, persistent=False)
     if cfg.head_split and (deterministic or hq == hkv):
         cfg = replace(cfg, head_split=0)  # atomic dK / dV order; nothing to split
-
-    sq_pad = -(-sq // ROW_PAD) * ROW_PAD
-    f32 = torch.float32
-    lse2 = torch.empty(b, hq, sq_pad, dtype=f32, device=dev)
-    dsum = torch.empty(b, hq, sq_pad, dtype=f32, device=dev)
-    dq_acc = torch.empty(b, hq, sq_pad * d, dtype=f32, device=dev)  # zeroed by the preprocess
-    # The per-row-block dQ semaphores (deterministic order); the compiled kernel's batch and
-    # head extents are shared with q, so the unread buffer keeps the shape too (uninitialized).
-    # Persistent: sem[0, 0, 0] is the tile counter (zeroed), and the kernel's max_seqlen_k
-    # slot carries its CTA count.
-    n_sem = sq_pad // cfg.tile_m
-    if deterministic or cfg.persistent:
-        sem = torch.zeros(b, hq, n_sem, dtype=torch.int32, device=dev)
-    else:
-        sem = torch.empty(b, hq, n_sem, dtype=torch.int32, device=dev)
     ctas = 0
     if cfg.persistent:
         tiles = -(-sk // cfg.tile_n) * hkv * b
-        ctas = min(tiles, num_sms(dev.index))
-
-    # head_split: the main kernel adds dK * scale and dV into fp32 accumulators
-    dk_main, dv_main = dk, dv
+        ctas = min(tiles, num_sms(device_index))
+    sq_pad = -(-sq // ROW_PAD) * ROW_PAD
+    parts = [
+        ((b, hq, sq_pad), False, False),  # lse2
+        ((b, hq, sq_pad), False, False),  # dsum
+        ((b, hq, sq_pad * d), False, False),  # dq_acc: zeroed by the preprocess
+        # The per-row-block dQ semaphores (deterministic order); the compiled kernel's batch
+        # and head extents are shared with q, so the unread buffer keeps the shape too
+        # (uninitialized). Persistent: sem[0, 0, 0] is the tile counter (zeroed), and the
+        # kernel's max_seqlen_k slot carries its CTA count.
+        ((b, hq, sq_pad // cfg.tile_m), True, deterministic or cfg.persistent),
+    ]
     if cfg.head_split:
-        dk_main = torch.zeros(b, sk, hkv, d, dtype=f32, device=dev)
-        dv_main = torch.zeros(b, sk, hkv, dv_dim, dtype=f32, device=dev)
-    pre = get_kernel(SPEC_PRE, pre_params(dtype, dv_dim))
-    main = get_kernel(SPEC_MAIN, main_params(dtype, d, dv_dim, causal, deterministic, cfg))
-    post = get_kernel(SPEC_POST, post_params(dtype, d, cfg.tile_m, dq_split=cfg.dq_split))
-    pre(o, do, lse, lse2, dsum, None, dq_acc, 0)
-    main(
-        q, k, v, do, lse2, dsum, dq_acc, dk_main, dv_main, sem, None, None, ctas, scale,
-        scale * LOG2E,
-    )  # fmt: skip
-    post(dq_acc, dq, None, 0, scale)
-    if cfg.head_split:
-        dk.copy_(dk_main)
-        dv.copy_(dv_main)
+        # the main kernel adds dK * scale and dV into fp32 accumulators
+        parts += [((b, sk, hkv, d), False, True), ((b, sk, hkv, dv_dim), False, True)]
+    name = dtype_name(dtype)
+    return _Plan(
+        pre_params(name, dv_dim),
+        main_params(name, d, dv_dim, causal, deterministic, cfg),
+        post_params(name, d, cfg.tile_m, dq_split=cfg.dq_split),
+        ctas,
+        bool(cfg.head_split),
+        _Workspace(parts),
+    )
 
 
 def _varlen(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, seqs, config) -> None:
     cu_q, cu_k, mq, mk = seqs
     tq, hq, d = q.shape
-    dv_dim = v.shape[-1]
-    num_seqs = cu_q.numel() - 1
-    dtype, dev = dtype_name(q.dtype), q.device
-    cfg = config if config is not None else default_config(d, dv_dim, deterministic, True)
-    if cfg.persistent:
-        cfg = replace(cfg, persistent=False)  # varlen keeps its per-sequence grid
+    plan = _plans.get_or_build(
+        (q.dtype, d, v.shape[-1], causal, deterministic, config), _varlen_plan
+    )
+    # the layout apart: packed batches change their token count more often than their kind
+    rows = varlen_ws_rows(tq, cu_q.numel() - 1)
+    workspace = _varlen_workspaces.get_or_build((hq, rows, d, deterministic), _varlen_workspace)
     cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()
-    # dK / dV rows of keys that belong to no sequence (none, with well-formed offsets) and of
-    # empty-query sequences are written by the kernel (zeros); dQ rows by the postprocess.
-    rows = varlen_ws_rows(tq, num_seqs)
-    f32 = torch.float32
-    lse2 = torch.empty(hq, rows, dtype=f32, device=dev)
-    dsum = torch.empty(hq, rows, dtype=f32, device=dev)
-    dq_acc = torch.zeros(hq, rows * d, dtype=f32, device=dev)
-    if deterministic:
-        sem = torch.zeros(hq, rows, dtype=torch.int32, device=dev)
-    else:
-        sem = torch.empty(hq, rows, dtype=torch.int32, device=dev)
-
-    pre = get_kernel(SPEC_PRE, pre_params(dtype, dv_dim, varlen=True))
-    main = get_kernel(
-        SPEC_MAIN, main_params(dtype, d, dv_dim, causal, deterministic, cfg, varlen=True)
-    )
-    post = get_kernel(
-        SPEC_POST, post_params(dtype, d, cfg.tile_m, varlen=True, dq_split=cfg.dq_split)
-    )
+    lse2, dsum, dq_acc, sem = workspace.allocate(q.device)
+    pre = get_kernel(SPEC_PRE, plan.pre)
+    main = get_kernel(SPEC_MAIN, plan.main)
+    post = get_kernel(SPEC_POST, plan.post)
     pre(o, do, lse, lse2, dsum, cu_q, None, mq)
     main(
         q, k, v, do, lse2, dsum, dq_acc, dk, dv, sem, cu_q, cu_k, mk, scale, scale * LOG2E,
     )  # fmt: skip
     post(dq_acc, dq, cu_q, mq, scale)
+
+
+def _varlen_plan(dtype, d, dv_dim, causal, deterministic, config) -> _Plan:
+    """The compile params; the workspace layout is `_varlen_workspace`'s."""
+    cfg = config if config is not None else default_config(d, dv_dim, deterministic, True)
+    if cfg.persistent:
+        cfg = replace(cfg, persistent=False)  # varlen keeps its per-sequence grid
+    name = dtype_name(dtype)
+    return _Plan(
+        pre_params(name, dv_dim, varlen=True),
+        main_params(name, d, dv_dim, causal, deterministic, cfg, varlen=True),
+        post_params(name, d, cfg.tile_m, varlen=True, dq_split=cfg.dq_split),
+        0,
+        False,
+        None,
+    )
+
+
+def _varlen_workspace(hq: int, rows: int, d: int, deterministic: bool) -> _Workspace:
+    # dK / dV rows of keys that belong to no sequence (none, with well-formed offsets) and of
+    # empty-query sequences are written by the kernel (zeros); dQ rows by the postprocess.
+    return _Workspace(
+        (
+            ((hq, rows), False, False),  # lse2
+            ((hq, rows), False, False),  # dsum
+            ((hq, rows * d), False, True),  # dq_acc
+            ((hq, rows), True, deterministic),  # sem
+        )
+    )
+
+
+# Workspace views start at multiples of 512 bytes, the CUDA caching allocator's alignment of
+# the separate buffers they replace (TMA and the vector reductions need 16).
+_ALIGN = 512 // 4
+
+
+class _Workspace:
+    """A launch's fp32 / int32 workspaces as views of one fp32 allocation, in the order given
+    except that those that must start zeroed come last, so one fill zeroes them all (zero
+    bits are 0 in either dtype). One allocation and at most one fill per launch instead of
+    one per buffer (the GPU's host time: each allocation and each fill kernel costs
+    microseconds). parts: (shape, int32?, zeroed?) per buffer; `allocate` returns the views
+    in the order of `parts`, contiguous."""
+
+    __slots__ = ("numel", "zero_from", "views", "has_int")
+
+    def __init__(self, parts) -> None:
+        views: list = [None] * len(parts)
+        offset, zero_from = 0, None
+        for i in sorted(range(len(parts)), key=lambda i: parts[i][2]):
+            shape, is_int, zeroed = parts[i]
+            if zeroed and zero_from is None:
+                zero_from = offset
+            views[i] = (shape, _contiguous_strides(shape), offset, is_int)
+            offset += -(-math.prod(shape) // _ALIGN) * _ALIGN
+        self.numel = offset
+        self.zero_from = offset if zero_from is None else zero_from
+        self.views = tuple(views)
+        self.has_int = any(view[3] for view in views)
+
+    def allocate(self, device: torch.device) -> list[torch.Tensor]:
+        ws = torch.empty(self.numel, dtype=torch.float32, device=device)
+        if self.zero_from < self.numel:
+            ws[self.zero_from :].zero_()
+        ints = ws.view(torch.int32) if self.has_int else ws
+        return [
+            (ints if is_int else ws).as_strided(shape, strides, offset)
+            for shape, strides, offset, is_int in self.views
+        ]
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """torch's strides of a contiguous tensor of `shape` (size-0 / 1 dims counted as 1)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
