@@ -263,6 +263,16 @@ def comparators() -> dict[str, Any]:
     return {"cublas": cublas if torch.cuda.is_available() else None}
 
 
+def matmul_default(inputs: Inputs) -> torch.Tensor:
+    """torch.matmul as a user calls it (allocating its output; `cublas` writes into out= as
+    ours does): the host-time comparator."""
+    return torch.matmul(inputs["a"], _b_kn(inputs))
+
+
+def host_comparators() -> dict[str, Any]:
+    return {"matmul": matmul_default if torch.cuda.is_available() else None}
+
+
 def flops(case: Case) -> float:
     p = case.params
     return 2.0 * p["m"] * p["n"] * p["k"]
@@ -296,4 +306,5 @@ def suite() -> OpSuite:
         bench_dtypes=(torch.bfloat16,),
         sanitize_cases=SANITIZE_CASES,
         host_case=HOST_CASE,
+        host_comparators=host_comparators,
     )
