@@ -33,8 +33,11 @@ def check_tensor(
 def check_shaped(
     name: str, t: object, shape: Sequence[int], dtypes: Sequence[torch.dtype] = FLOAT16_TYPES
 ) -> None:
-    """`check_tensor` (any device) and then the exact shape."""
+    """`check_tensor` (any device) and then the exact shape. Runs on every call: the common
+    case is one pass of plain comparisons, the named checks run only to raise their message."""
     shape = tuple(shape)
+    if isinstance(t, torch.Tensor) and t.dtype in dtypes and t.shape == shape:
+        return
     check_tensor(name, t, ndim=len(shape), dtypes=dtypes, cuda=False)
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
@@ -68,8 +71,3 @@ def check_same_device(**tensors: torch.Tensor) -> None:
     for n, t in items:
         if t.device != device:
             raise ValueError(f"{n} is on {t.device} but {first_name} is on {device}")
-
-
-def check_multiple(name: str, value: int, multiple: int, why: str) -> None:
-    if value % multiple:
-        raise ValueError(f"{name} = {value} must be a multiple of {multiple} ({why})")

@@ -32,6 +32,7 @@ from forgekernel.runtime.device import (
     on_device,
     tma_target,
 )
+from forgekernel.runtime.plans import PlanCache
 
 # (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a varlen call, None otherwise.
 Seqs = tuple[torch.Tensor, torch.Tensor, int, int] | None
@@ -120,24 +121,8 @@ class _Plan:
         self.ctas, self.head_split, self.workspace = ctas, head_split, workspace
 
 
-class _Plans(dict):
-    """Problem key -> _Plan, built on first use: choosing the config (its `replace`s) and the
-    three compile keys (a dataclass walk) cost 10 us of a 48 us call on the CPU (kernel
-    stubs); a lookup 0.1. Cleared when it grows past MAX (a server's ever-changing lengths)."""
-
-    MAX = 4096
-
-    def get_or_build(self, key: tuple, build) -> _Plan:
-        plan = self.get(key)
-        if plan is None:
-            if len(self) >= self.MAX:
-                self.clear()
-            plan = self[key] = build(*key)
-        return plan
-
-
-_plans = _Plans()
-_varlen_workspaces = _Plans()
+_plans = PlanCache()
+_varlen_workspaces = PlanCache()
 
 
 def _fixed_length(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, config) -> None:

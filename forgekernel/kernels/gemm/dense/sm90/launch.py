@@ -23,6 +23,7 @@ from forgekernel.runtime.device import (
     on_device,
     tma_target,
 )
+from forgekernel.runtime.plans import PlanCache
 
 # TMA rows are 16-byte multiples: the kernel is compiled for N and K divisible by 8 (16 bits).
 ALIGN = 8
@@ -43,28 +44,20 @@ def config_for(
     return cfg or choose_config(m, n, k, num_sms)
 
 
-class _Plans:
-    """What a launch needs that depends only on the problem, chosen once: (dtype, b_kn, M, N,
-    K, device index, forced config) -> (compile params, max_clusters). Choosing it per call
-    (tuning key, config, params_for's dataclass walk) cost 9 us of a 18 us launch on the CPU.
-    The plans follow the tuning table: a new table (tuning.record reloads it) drops them; so
-    does growing past MAX (a server's ever-changing M)."""
+class _Plans(PlanCache):
+    """(dtype, b_kn, M, N, K, device index, forced config) -> (compile params, max_clusters).
+    Choosing it per call (tuning key, config, params_for's dataclass walk) cost 9 us of a 18 us
+    launch on the CPU. The plans follow the tuning table: a new table (tuning.record reloads
+    it) drops them."""
 
-    MAX = 4096
+    table: dict | None = None
 
-    def __init__(self) -> None:
-        self.plans: dict[tuple, tuple[tuple, int]] = {}
-        self.table: dict | None = None
-
-    def get(self, key: tuple) -> tuple[tuple, int]:
+    def plan(self, key: tuple) -> tuple[tuple, int]:
         table = tuning.load(SPEC.name)
-        if table is not self.table or len(self.plans) >= self.MAX:
-            self.plans.clear()
+        if table is not self.table:
+            self.clear()
             self.table = table
-        plan = self.plans.get(key)
-        if plan is None:
-            plan = self.plans[key] = _choose(*key)
-        return plan
+        return self.get_or_build(key, _choose)
 
 
 def _choose(dtype, b_kn, m, n, k, device_index, config) -> tuple[tuple, int]:
@@ -95,7 +88,7 @@ def gemm(
         out.zero_()
         return
     # The configuration of the problem as asked (a tuning record for an odd N or K applies).
-    params, max_clusters = _plans.get((a.dtype, b_kn, m, n, k, a.device.index, config))
+    params, max_clusters = _plans.plan((a.dtype, b_kn, m, n, k, a.device.index, config))
     fn = get_kernel(SPEC, params)
     if n % ALIGN or k % ALIGN:
         a, b, c = padded_operands(a, b, out, b_kn)
