@@ -4,7 +4,6 @@ so CI on a CPU passes; on the H200 `python -m pytest -m gpu` runs them."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -51,16 +50,6 @@ def make_suite(
         bytes=lambda c, d: 2.0 * (c.params["m"] + c.params["n"]) * c.params["k"],
         **kw,
     )
-
-
-def verify_on_cpu(suite: OpSuite, run_ours: Callable, case: Case, dtype=torch.bfloat16) -> list:
-    """The harness's comparisons of `run_ours` on `case`'s fresh inputs (seed 0) on the CPU."""
-    from forgekernel.bench.check import verify
-
-    cpu = torch.device("cpu")
-    suite = dataclasses.replace(suite, run_ours=run_ours)
-    inputs = suite.make_inputs(case, dtype, cpu, torch.Generator().manual_seed(0))
-    return verify(suite, inputs, cpu)[1]
 
 
 @pytest.fixture

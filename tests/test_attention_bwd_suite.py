@@ -4,15 +4,16 @@ GQA-summed dk/dv) and rejects wrong ones, run_ours goes through the public op, t
 the bwd kernel leaf's sources, and the CLI knows the operator."""
 
 import collections
+import dataclasses
 import importlib
 import sys
 import types
 
 import pytest
 import torch
-from conftest import verify_on_cpu
 
 from forgekernel import cli
+from forgekernel.bench.check import verify
 from forgekernel.bench.suites import SUITE_MODULES, get_suite
 from forgekernel.bench.suites import attention as fwd_suite_module
 from forgekernel.bench.suites import attention_bwd as suite_module
@@ -242,7 +243,9 @@ VARLEN = suite_module._varlen_case((5, 0, 17), (9, 3, 17), 4, 2, 64, True)
 
 
 def _verify(run_ours, case, dtype=torch.bfloat16):
-    return verify_on_cpu(SUITE, run_ours, case, dtype)
+    suite = dataclasses.replace(SUITE, run_ours=run_ours)
+    inputs = suite.make_inputs(case, dtype, CPU, torch.Generator().manual_seed(0))
+    return verify(suite, inputs, CPU)[1]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

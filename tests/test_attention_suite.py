@@ -2,13 +2,14 @@
 comparison accepts a correct kernel (including LSE = -inf rows) and rejects a wrong one."""
 
 import collections
+import dataclasses
 import importlib
 import math
 
 import pytest
 import torch
-from conftest import verify_on_cpu
 
+from forgekernel.bench.check import verify
 from forgekernel.bench.suites import attention as suite_module
 from forgekernel.reference.attention import attention_ref, attention_varlen_ref
 
@@ -225,7 +226,9 @@ SMALL = (
 
 
 def _verify(run_ours, case, dtype=torch.bfloat16):
-    return verify_on_cpu(SUITE, run_ours, case, dtype)
+    suite = dataclasses.replace(SUITE, run_ours=run_ours)
+    inputs = suite.make_inputs(case, dtype, CPU, torch.Generator().manual_seed(0))
+    return verify(suite, inputs, CPU)[1]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -4,12 +4,13 @@ odd-N / odd-K check cases enter only when forgekernel.gemm takes them, and the h
 comparison accepts a correct GEMM and rejects a wrong one on small cases of every class."""
 
 import collections
+import dataclasses
 import importlib
 
 import pytest
 import torch
-from conftest import verify_on_cpu
 
+from forgekernel.bench.check import verify
 from forgekernel.bench.suites import gemm as suite_module
 
 gemm_module = importlib.import_module("forgekernel.ops.gemm")
@@ -161,7 +162,9 @@ SMALL = (
 
 
 def _verify(run_ours, case, dtype=torch.bfloat16):
-    return verify_on_cpu(SUITE, run_ours, case, dtype)
+    suite = dataclasses.replace(SUITE, run_ours=run_ours)
+    inputs = suite.make_inputs(case, dtype, CPU, torch.Generator().manual_seed(0))
+    return verify(suite, inputs, CPU)[1]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
