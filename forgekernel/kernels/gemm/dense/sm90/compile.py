@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_tensor
 
 from forgekernel.kernels.common.sm90 import fake
 from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
@@ -19,12 +20,22 @@ def compile_gemm(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     a = fake.rowmajor(dtype, (m, k))
     b = fake.rowmajor(dtype, (k, n) if params["b_kn"] else (n, k))
     c = fake.rowmajor(dtype, (m, n))
-    gemm = GemmSm90(GemmConfig.from_params(params), b_kn=params["b_kn"])
+    cfg = GemmConfig.from_params(params)
+    gemm = GemmSm90(cfg, b_kn=params["b_kn"])
+    if cfg.split:
+        work = make_fake_tensor(cutlass.Float32, (cute.sym_int32(),), stride=(1,), assumed_align=16)
+        flags = fake.offsets()
+    else:
+        work = flags = None
     return cute.compile(
         gemm,
         a,
         b,
         c,
+        work,
+        flags,
+        cutlass.Int32(1),
+        cutlass.Int32(0),
         cutlass.Int32(1),
         fake.stream(),
         options=fake.options(arch, extra_options),

@@ -28,17 +28,21 @@ class GemmConfig:
     epi_n: int = 32  # epilogue sub-tile = (tile_m, epi_n), staged through shared memory
     swizzle: int = 1  # raster group size, in clusters (L2 reuse)
     raster_along_m: bool = True
+    split: bool = False  # split K: the launcher picks how many units per tile (kernel.py)
+    a_rows: int = 0  # rows of A each stage loads (0: tile_m); small M only (kernel.py)
 
     def tag(self) -> str:
         """Short name for tables: 128x256_c2x1_s0_e4x32_w1m."""
         return (
             f"{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}_s{self.stages}"
             f"_e{self.epi_stages}x{self.epi_n}_w{self.swizzle}{'m' if self.raster_along_m else 'n'}"
+            + ("_split" if self.split else "")
+            + (f"_a{self.a_rows}" if self.a_rows else "")
         )
 
     @classmethod
     def from_params(cls, params: dict) -> GemmConfig:
-        return cls(**{f.name: params[f.name] for f in fields(cls)})
+        return cls(**{f.name: params[f.name] for f in fields(cls) if f.name in params})
 
     @classmethod
     def from_record(cls, record: dict) -> GemmConfig | None:
@@ -91,6 +95,32 @@ def occupancy(cfg: GemmConfig, m: int, n: int, num_sms: int) -> float:
     per_wave = num_sms // (cm * cn)
     tiles = _ceil(m, cfg.tile_m) * _ceil(n, cfg.tile_n)
     return tiles / (_ceil(clusters, per_wave) * per_wave * cm * cn)
+
+
+def split_plan(
+    cfg: GemmConfig, m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200
+) -> tuple[int, int]:
+    """(splits, k-tiles per split) of a split-K configuration: the split count whose units
+    (tiles x splits, round-robin over the persistent CTAs) finish soonest, each unit costing
+    its k-tiles plus a fixed `_UNIT_OVERHEAD` (pipeline fill, parking / gathering the fp32
+    partial, the epilogue), in k-tiles. No split is empty."""
+    k_tiles = _ceil(k, cfg.tile_k)
+    if not cfg.split:
+        return 1, k_tiles
+    ctas = (num_sms // (cfg.cluster_m * cfg.cluster_n)) * cfg.cluster_m * cfg.cluster_n
+    tiles = _ceil(m, cfg.tile_m) * _ceil(n, cfg.tile_n)
+    best = None
+    for splits in range(1, min(k_tiles, _MAX_SPLITS) + 1):
+        per = _ceil(k_tiles, splits)
+        splits = _ceil(k_tiles, per)
+        cost = _ceil(tiles * splits, ctas) * (per + _UNIT_OVERHEAD)
+        if best is None or cost < best[0]:
+            best = (cost, splits, per)
+    return best[1], best[2]
+
+
+_UNIT_OVERHEAD = 3
+_MAX_SPLITS = 32
 
 
 def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> GemmConfig:

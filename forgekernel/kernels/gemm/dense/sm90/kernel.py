@@ -22,6 +22,20 @@ Pipelines:
   `stmatrix` writes are in shared memory before the store warp's TMA store reads them, and
   nobody writes the next buffer before the store warp has seen its last store read it.
 
+Split K (`split`): the grid's work units are (tile, split) pairs, `splits` of them per output
+tile (dynamic, chosen by the launcher), each over `split_tiles` k-tiles. Every split but the
+last parks its fp32 accumulator in the workspace (in register-fragment order: each thread
+writes and the reducer's same thread reads its own 16-byte vectors, no shuffle) and releases
+the tile's flag; the last split waits for the flag to count the others, adds their partials
+to its accumulator, clears the flag for the next launch and runs the epilogue. Units are
+walked in ascending order by every CTA and a reducer only waits on lower units, all resident
+(persistent grid): the waits cannot deadlock. For problems too small, in units, to fill the
+chip (decode: M <= 64 against a weight).
+
+`a_rows` < tile_m: A's TMA box covers only the first a_rows rows of each stage (M <= a_rows,
+decode); WGMMA still reads tile_m rows, the rest stale shared memory whose accumulator rows are
+never stored. The box no longer reads past M (zero fill) and each stage moves fewer bytes.
+
 Constraints: A (M, K) K-major; B (N, K) K-major ("nk") or (K, N) N-major ("kn"); C (M, N)
 row-major; every leading stride a multiple of 8 elements (16 bytes, TMA) and base addresses
 16-byte aligned. M, N, K are dynamic; ragged edges are handled by TMA bounds (zero-filled
@@ -53,6 +67,7 @@ from forgekernel.kernels.common.sm90.pipeline import (
     smem_tensor,
     tma_pipeline,
 )
+from forgekernel.kernels.common.sm90.ptx import ld_acquire_gpu, red_release_gpu_add
 from forgekernel.kernels.common.sm90.scheduler.static import StaticSchedule, StaticScheduler
 from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
 
@@ -75,6 +90,10 @@ class GemmSm90:
             raise ValueError(f"epi_n must be 32 or 64 and divide tile_n, got {config.epi_n}")
         if config.cluster_m * config.cluster_n > 4:
             raise ValueError("a cluster holds at most 4 CTAs here")
+        if config.split and config.cluster_n != 1:
+            raise ValueError("split K multicasts A only along M: cluster_n must be 1")
+        if config.a_rows and (config.a_rows % 8 or config.a_rows > config.tile_m):
+            raise ValueError(f"a_rows must be a multiple of 8 up to tile_m, got {config.a_rows}")
         self.cfg = config
         self.b_kn = b_kn
         self.acc_dtype = cutlass.Float32
@@ -105,6 +124,7 @@ class GemmSm90:
         self.mcast_b = cfg.cluster_m
         self.epi_tile = (cfg.tile_m, cfg.epi_n)
 
+        self.a_rows = cfg.a_rows or cfg.tile_m
         ab_bytes = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * self.a_dtype.width // 8
         epi_bytes = cfg.epi_stages * math.prod(self.epi_tile) * self.c_dtype.width // 8
         fit = (SMEM_CAPACITY - 1024 - epi_bytes) // ab_bytes
@@ -123,6 +143,18 @@ class GemmSm90:
             )
 
         self.sA_layout = staged(self.a_major, self.a_dtype, cfg.tile_m, self.stages)
+        # What A's TMA writes: the first a_rows rows of each stage, at the full ring's offsets.
+        self.sA_load_layout = cute.make_composed_layout(
+            self.sA_layout.inner,
+            0,
+            cute.composition(
+                self.sA_layout.outer,
+                cute.make_layout(
+                    (self.a_rows, cfg.tile_k, self.stages),
+                    stride=(1, cfg.tile_m, cfg.tile_m * cfg.tile_k),
+                ),
+            ),
+        )
         self.sB_layout = staged(self.b_major, self.b_dtype, cfg.tile_n, self.stages)
         c_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(self.c_major, self.c_dtype, self.epi_tile[1]),
@@ -138,10 +170,18 @@ class GemmSm90:
         mA: cute.Tensor,
         mB: cute.Tensor,
         mC: cute.Tensor,
+        mWork: cute.Tensor | None,
+        mFlags: cute.Tensor | None,
+        splits: cutlass.Int32,
+        split_tiles: cutlass.Int32,
         max_active_clusters: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        """mA (M, K); mB (N, K) or, N-major, its (K, N) transpose; mC (M, N)."""
+        """mA (M, K); mB (N, K) or, N-major, its (K, N) transpose; mC (M, N). Split K only:
+        mWork fp32 (>= tiles x splits x tile_m x tile_n,) 16-byte aligned, mFlags int32
+        (>= tiles,) zero (every launch leaves it zero), `splits` units per tile of
+        `split_tiles` k-tiles each (the last may have fewer, none is empty); otherwise None,
+        None, 1, 0."""
         if cutlass.const_expr(self.b_kn):
             # (K, N) row-major seen as (N, K) with unit stride along N.
             mB = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 0]))
@@ -158,8 +198,8 @@ class GemmSm90:
         tma_a, tma_mA = cute.nvgpu.cpasync.make_tiled_tma_atom(
             g2s_mc if self.mcast_a > 1 else g2s,
             mA,
-            cute.slice_(self.sA_layout, (None, None, 0)),
-            (self.cfg.tile_m, self.cfg.tile_k),
+            cute.slice_(self.sA_load_layout, (None, None, 0)),
+            (self.a_rows, self.cfg.tile_k),
             num_multicast=self.mcast_a,
         )
         tma_b, tma_mB = cute.nvgpu.cpasync.make_tiled_tma_atom(
@@ -178,8 +218,10 @@ class GemmSm90:
 
         tiles_m = cute.ceil_div(mC.shape[0], self.cfg.tile_m)
         tiles_n = cute.ceil_div(mC.shape[1], self.cfg.tile_n)
+        # Split K: the splits of one tile are consecutive "columns" of the schedule.
+        units_n = tiles_n * splits if cutlass.const_expr(self.cfg.split) else tiles_n
         schedule = StaticSchedule(
-            (tiles_m, tiles_n), self.cluster_shape_mn, self.cfg.swizzle, self.cfg.raster_along_m
+            (tiles_m, units_n), self.cluster_shape_mn, self.cfg.swizzle, self.cfg.raster_along_m
         )
 
         @cute.struct
@@ -206,9 +248,14 @@ class GemmSm90:
             self.tiled_mma,
             self.cta_layout_mnk,
             self.sA_layout,
+            self.sA_load_layout,
             self.sB_layout,
             self.sC_layout,
             schedule,
+            mWork,
+            mFlags,
+            splits,
+            split_tiles,
         ).launch(
             grid=schedule.grid(max_active_clusters),
             block=[self.threads_per_cta, 1, 1],
@@ -230,9 +277,14 @@ class GemmSm90:
         tiled_mma: cute.TiledMma,
         cta_layout_mnk: cute.Layout,
         sA_layout: cute.ComposedLayout,
+        sA_load_layout: cute.ComposedLayout,
         sB_layout: cute.ComposedLayout,
         sC_layout: cute.ComposedLayout,
         schedule: StaticSchedule,
+        mWork: cute.Tensor | None,
+        mFlags: cute.Tensor | None,
+        splits: cutlass.Int32,
+        split_tiles: cutlass.Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -248,9 +300,7 @@ class GemmSm90:
         a_mask = a_mask if self.mcast_a > 1 else 0
         b_mask = b_mask if self.mcast_b > 1 else 0
 
-        stage_bytes = cute.size_in_bytes(
-            self.a_dtype, cute.slice_(sA_layout, (None, None, 0))
-        ) + cute.size_in_bytes(self.b_dtype, cute.slice_(sB_layout, (None, None, 0)))
+        stage_bytes = (self.a_rows + self.cfg.tile_n) * self.cfg.tile_k * self.a_dtype.width // 8
 
         storage = SmemAllocator().allocate(self.shared_storage)
         # Each consumer warp releases a stage to every CTA that multicast into it.
@@ -273,13 +323,16 @@ class GemmSm90:
         gB = cute.local_tile(mB, (self.cfg.tile_n, self.cfg.tile_k), (None, None))
         gC = cute.local_tile(mC, (self.cfg.tile_m, self.cfg.tile_n), (None, None))
         k_tiles = cute.size(gA, mode=[3])
+        splitting = (splits, split_tiles, k_tiles, cute.size(gC, mode=[3]))
 
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_a,
             cluster_coord[1],
             cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape),
-            cute.group_modes(sA, 0, 2),
-            cute.group_modes(gA, 0, 2),
+            cute.group_modes(smem_tensor(storage.sA, sA_load_layout), 0, 2),
+            cute.group_modes(
+                cute.local_tile(mA, (self.a_rows, self.cfg.tile_k), (None, None)), 0, 2
+            ),
         )
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
             tma_b,
@@ -302,14 +355,29 @@ class GemmSm90:
             if warp_idx == 0:
                 load_a = (tma_a, tAgA, tAsA, a_mask)
                 load_b = (tma_b, tBgB, tBsB, b_mask)
-                self._produce(load_a, load_b, ab_pipe, schedule, k_tiles)
+                self._produce(load_a, load_b, ab_pipe, schedule, splitting)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             mma = (tiled_mma, tCrA, tCrB, acc)
-            self._consume(tidx, warp_idx, mma, ab_pipe, sC, gC, tma_c, schedule, k_tiles)
+            split_io = (mWork, mFlags)
+            self._consume(
+                tidx, warp_idx, mma, ab_pipe, sC, gC, tma_c, schedule, splitting, split_io
+            )
 
     @cute.jit
-    def _produce(self, load_a, load_b, ab_pipe, schedule, k_tiles):
+    def _unit(self, sched, work, splitting):
+        """(tile_m, tile_n, split, first k-tile, k-tiles) of work index `work`."""
+        splits, split_tiles, k_tiles, _ = splitting
+        tile_m, unit_n = sched.tile(work)
+        if cutlass.const_expr(self.cfg.split):
+            tile_n = unit_n // splits
+            split = unit_n - tile_n * splits
+            k0 = split * split_tiles
+            return tile_m, tile_n, split, k0, cutlass.min(split_tiles, k_tiles - k0)
+        return tile_m, unit_n, cutlass.Int32(0), cutlass.Int32(0), k_tiles
+
+    @cute.jit
+    def _produce(self, load_a, load_b, ab_pipe, schedule, splitting):
         """The producer warp: every k-tile of A and B of each tile into the AB ring. `load_x`:
         the TMA atom, its global and shared partitions and its multicast mask."""
         tma_a, tAgA, tAsA, a_mask = load_a
@@ -318,10 +386,11 @@ class GemmSm90:
         work = sched.first()
         prod = producer_state(self.stages)
         while sched.valid(work):
-            tile_m, tile_n = sched.tile(work)
+            tile_m, tile_n, _, k0, count = self._unit(sched, work, splitting)
             tAgA_t = tAgA[(None, tile_m, None)]
             tBgB_t = tBgB[(None, tile_n, None)]
-            for kt in range(k_tiles):
+            for i in range(count):
+                kt = k0 + i
                 ab_pipe.producer_acquire(prod)
                 bar = ab_pipe.producer_get_barrier(prod)
                 stage = (None, prod.index)
@@ -337,8 +406,9 @@ class GemmSm90:
         ab_pipe.producer_tail(prod)
 
     @cute.jit
-    def _consume(self, tidx, warp_idx, mma, ab_pipe, sC, gC, tma_c, schedule, k_tiles):
-        """The consumer warpgroups: each tile's mainloop, then its epilogue."""
+    def _consume(self, tidx, warp_idx, mma, ab_pipe, sC, gC, tma_c, schedule, splitting, split_io):
+        """The consumer warpgroups: each unit's mainloop, then the tile's epilogue (split K:
+        park the partial, or gather the others' and run the epilogue)."""
         tiled_mma, tCrA, tCrB, acc = mma
         epi_barrier = named_barrier(Bar.EPILOGUE, self.num_mma_threads)
         sched = StaticScheduler(schedule)
@@ -367,14 +437,74 @@ class GemmSm90:
         epi = (r2s, tRS_sC, tRS_acc, tRS_rAcc, tRS_rC, store_pipe, epi_barrier)
         tiles_done = cutlass.Int32(0)  # this CTA's tiles so far: the epilogue ring's position
         while sched.valid(work):
-            tile_m, tile_n = sched.tile(work)
+            tile_m, tile_n, split, _, count = self._unit(sched, work, splitting)
             work = sched.next(work)
             read, release, tiled_mma = self._mainloop(
-                k_tiles, tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release
+                count, tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release
             )
-            self._epilogue(gC[(None, None, tile_m, tile_n)], tma_c, sC, epi, warp_idx, tiles_done)
-            tiles_done += 1
+            if cutlass.const_expr(self.cfg.split):
+                splits, _, _, tiles_n = splitting
+                tile_id = tile_m * tiles_n + tile_n
+                if split < splits - 1:
+                    self._park(acc, split_io, tile_id, split, splits, tidx, epi_barrier)
+                else:
+                    self._gather(acc, split_io, tile_id, splits, tidx, epi_barrier)
+                    self._epilogue(
+                        gC[(None, None, tile_m, tile_n)], tma_c, sC, epi, warp_idx, tiles_done
+                    )
+                    tiles_done += 1
+            else:
+                self._epilogue(
+                    gC[(None, None, tile_m, tile_n)], tma_c, sC, epi, warp_idx, tiles_done
+                )
+                tiles_done += 1
         store_pipe.producer_tail()
+
+    def _partial(self, mWork, acc, tile_id, split, splits, tidx):
+        """This thread's view of split `split`'s parked accumulator of tile `tile_id`: element
+        4i + j at [i][thread][j] of the slot, so that each warp's 16-byte vectors are
+        contiguous (every stride static and a multiple of 4: the vectors stay aligned)."""
+        frag = cute.size(acc)
+        threads = self.num_mma_threads
+        slots = cute.make_tensor(
+            mWork.iterator,
+            cute.make_layout(
+                (4, frag // 4, threads, mWork.shape[0] // (frag * threads)),
+                stride=(1, threads * 4, 4, frag * threads),
+            ),
+        )
+        return slots[(None, None, tidx - THREADS_PER_WG, tile_id * splits + split)]
+
+    @cute.jit
+    def _park(self, acc, split_io, tile_id, split, splits, tidx, epi_barrier):
+        """Write this split's partial accumulator, then count it in the tile's flag (release:
+        every consumer thread's writes are ordered before it by the barrier)."""
+        mWork, mFlags = split_io
+        dst = self._partial(mWork, acc, tile_id, split, splits, tidx)
+        cute.autovec_copy(cute.make_tensor(acc.iterator, dst.layout.shape), dst)
+        epi_barrier.arrive_and_wait()
+        if tidx == THREADS_PER_WG:
+            red_release_gpu_add(mFlags.iterator + tile_id, 1)
+
+    @cute.jit
+    def _gather(self, acc, split_io, tile_id, splits, tidx, epi_barrier):
+        """The last split: wait until the tile's flag counts every other split, clear it for
+        the next launch and add their partials into `acc`."""
+        mWork, mFlags = split_io
+        if splits > 1:
+            if tidx == THREADS_PER_WG:
+                flag = mFlags.iterator + tile_id
+                seen = ld_acquire_gpu(flag)
+                while seen < splits - 1:
+                    seen = ld_acquire_gpu(flag)
+                mFlags[tile_id] = 0
+            epi_barrier.arrive_and_wait()
+            part = cute.make_rmem_tensor(acc.layout.shape, self.acc_dtype)
+            for s in range(splits - 1):
+                src = self._partial(mWork, acc, tile_id, s, splits, tidx)
+                cute.autovec_copy(src, cute.make_tensor(part.iterator, src.layout.shape))
+                for v in cutlass.range_constexpr(cute.size(acc)):
+                    acc[v] = acc[v] + part[v]
 
     @cute.jit
     def _mainloop(self, k_tiles, tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release):

@@ -13,6 +13,7 @@ from forgekernel.kernels.gemm.dense.sm90.config import (
     GemmConfig,
     choose_config,
     params_for,
+    split_plan,
 )
 from forgekernel.runtime import tuning
 from forgekernel.runtime.cache import get_kernel
@@ -45,14 +46,15 @@ def config_for(
 
 
 class _Plans(PlanCache):
-    """(dtype, b_kn, M, N, K, device index, forced config) -> (compile params, max_clusters).
+    """(dtype, b_kn, M, N, K, device index, forced config) -> (compile params, max_clusters,
+    split K: (splits, k-tiles per split, output tiles, workspace floats) or None).
     Choosing it per call (tuning key, config, params_for's dataclass walk) cost 9 us of a 18 us
     launch on the CPU. The plans follow the tuning table: a new table (tuning.record reloads
     it) drops them."""
 
     table: dict | None = None
 
-    def plan(self, key: tuple) -> tuple[tuple, int]:
+    def plan(self, key: tuple) -> tuple[tuple, int, tuple | None]:
         table = tuning.load(SPEC.name)
         if table is not self.table:
             self.clear()
@@ -60,11 +62,19 @@ class _Plans(PlanCache):
         return self.get_or_build(key, _choose)
 
 
-def _choose(dtype, b_kn, m, n, k, device_index, config) -> tuple[tuple, int]:
+def _choose(dtype, b_kn, m, n, k, device_index, config) -> tuple[tuple, int, tuple | None]:
     sms = num_sms(device_index)
     cfg = config or config_for(dtype, b_kn, m, n, k, sms)
+    split = None
+    if cfg.split:
+        # N and K as the kernel sees them (padded up to multiples of 8 where they are not).
+        np_, kp = _round_up(n), _round_up(k)
+        splits, per = split_plan(cfg, m, np_, kp, sms)
+        tiles = -(-m // cfg.tile_m) * -(-np_ // cfg.tile_n)
+        split = (splits, per, tiles, tiles * splits * cfg.tile_m * cfg.tile_n)
     # One CTA per SM (the pipeline takes nearly all shared memory).
-    return params_for(dtype_name(dtype), b_kn, cfg), sms // (cfg.cluster_m * cfg.cluster_n)
+    max_clusters = sms // (cfg.cluster_m * cfg.cluster_n)
+    return params_for(dtype_name(dtype), b_kn, cfg), max_clusters, split
 
 
 _plans = _Plans()
@@ -88,16 +98,45 @@ def gemm(
         out.zero_()
         return
     # The configuration of the problem as asked (a tuning record for an odd N or K applies).
-    params, max_clusters = _plans.plan((a.dtype, b_kn, m, n, k, a.device.index, config))
+    params, max_clusters, split = _plans.plan((a.dtype, b_kn, m, n, k, a.device.index, config))
     fn = get_kernel(SPEC, params)
     if n % ALIGN or k % ALIGN:
         a, b, c = padded_operands(a, b, out, b_kn)
     else:
         a, b, c = as_tma_ready(a), as_tma_ready(b), tma_target(out)
     with on_device(a.device):
-        fn(a, b, c, max_clusters)
+        if split is None:
+            fn(a, b, c, None, None, 1, 0, max_clusters)
+        else:
+            splits, per, tiles, floats = split
+            work, flags = split_workspace(a.device, tiles, floats)
+            fn(a, b, c, work, flags, splits, per, max_clusters)
     if c is not out:
         out.copy_(c if c.shape[1] == n else c[:, :n])
+
+
+# (device index, stream) -> (fp32 partials, int32 flags) of the split-K kernels. A launch leaves
+# the flags zero, so the next launch on the same stream reuses them; streams do not share (two
+# GEMMs running at once would mix their partials). Outgrown buffers stay referenced: a CUDA
+# graph captured with them keeps using them.
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_OUTGROWN: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+
+def split_workspace(device: torch.device, tiles: int, floats: int):
+    """The split-K workspace of the current stream, at least `floats` partials and `tiles`
+    flags (zero)."""
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    ws = _WORKSPACES.get(key)
+    if ws is None or ws[0].numel() < floats or ws[1].numel() < tiles:
+        if ws is not None:
+            _OUTGROWN.append(ws)
+            floats, tiles = max(floats, ws[0].numel()), max(tiles, ws[1].numel())
+        ws = _WORKSPACES[key] = (
+            torch.empty(floats, dtype=torch.float32, device=device),
+            torch.zeros(tiles, dtype=torch.int32, device=device),
+        )
+    return ws
 
 
 def padded_operands(
