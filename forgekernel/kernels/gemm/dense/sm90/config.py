@@ -100,27 +100,20 @@ def occupancy(cfg: GemmConfig, m: int, n: int, num_sms: int) -> float:
 def split_plan(
     cfg: GemmConfig, m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200
 ) -> tuple[int, int]:
-    """(splits, k-tiles per split) of a split-K configuration: the split count whose units
-    (tiles x splits, round-robin over the persistent CTAs) finish soonest, each unit costing
-    its k-tiles plus a fixed `_UNIT_OVERHEAD` (pipeline fill, parking / gathering the fp32
-    partial, the epilogue), in k-tiles. No split is empty."""
+    """(splits, k-tiles per split) of a split-K configuration: enough units (tiles x splits)
+    for `_SPLIT_UNITS` of the SMs to stream at once, each unit at least `_SPLIT_MIN_K`
+    k-tiles long (its fp32 partial costs a tile's worth of traffic). No split is empty."""
     k_tiles = _ceil(k, cfg.tile_k)
     if not cfg.split:
         return 1, k_tiles
-    ctas = (num_sms // (cfg.cluster_m * cfg.cluster_n)) * cfg.cluster_m * cfg.cluster_n
     tiles = _ceil(m, cfg.tile_m) * _ceil(n, cfg.tile_n)
-    best = None
-    for splits in range(1, min(k_tiles, _MAX_SPLITS) + 1):
-        per = _ceil(k_tiles, splits)
-        splits = _ceil(k_tiles, per)
-        cost = _ceil(tiles * splits, ctas) * (per + _UNIT_OVERHEAD)
-        if best is None or cost < best[0]:
-            best = (cost, splits, per)
-    return best[1], best[2]
+    splits = max(1, min(_ceil(int(_SPLIT_UNITS * num_sms), tiles), k_tiles // _SPLIT_MIN_K))
+    per = _ceil(k_tiles, splits)
+    return _ceil(k_tiles, per), per
 
 
-_UNIT_OVERHEAD = 3
-_MAX_SPLITS = 32
+_SPLIT_UNITS = 0.75
+_SPLIT_MIN_K = 8
 
 
 def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> GemmConfig:

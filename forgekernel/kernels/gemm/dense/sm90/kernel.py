@@ -23,14 +23,12 @@ Pipelines:
   nobody writes the next buffer before the store warp has seen its last store read it.
 
 Split K (`split`): the grid's work units are (tile, split) pairs, `splits` of them per output
-tile (dynamic, chosen by the launcher), each over `split_tiles` k-tiles. Every split but the
-last parks its fp32 accumulator in the workspace (in register-fragment order: each thread
-writes and the reducer's same thread reads its own 16-byte vectors, no shuffle) and releases
-the tile's flag; the last split waits for the flag to count the others, adds their partials
-to its accumulator, clears the flag for the next launch and runs the epilogue. Units are
-walked in ascending order by every CTA and a reducer only waits on lower units, all resident
-(persistent grid): the waits cannot deadlock. For problems too small, in units, to fill the
-chip (decode: M <= 64 against a weight).
+tile (dynamic, chosen by the launcher), each over `split_tiles` k-tiles. Every unit parks its
+fp32 accumulator in the workspace (in register-fragment order: each thread writes, and the
+reducer's same thread reads, its own 16-byte vectors; no shuffle), then counts itself in the
+tile's flag (fetch-add, acquire-release); the unit that arrives last keeps its accumulator,
+adds the other splits' partials, clears the flag for the next launch and runs the epilogue.
+Nobody waits on another CTA. For problems too small, in tiles, to keep the chip streaming.
 
 `a_rows` < tile_m: A's TMA box covers only the first a_rows rows of each stage (M <= a_rows,
 decode); WGMMA still reads tile_m rows, the rest stale shared memory whose accumulator rows are
@@ -67,7 +65,7 @@ from forgekernel.kernels.common.sm90.pipeline import (
     smem_tensor,
     tma_pipeline,
 )
-from forgekernel.kernels.common.sm90.ptx import ld_acquire_gpu, red_release_gpu_add
+from forgekernel.kernels.common.sm90.ptx import atom_add_acq_rel_gpu
 from forgekernel.kernels.common.sm90.scheduler.static import StaticSchedule, StaticScheduler
 from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
 
@@ -227,6 +225,7 @@ class GemmSm90:
         @cute.struct
         class SharedStorage:
             ab_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            split_last: cute.struct.MemRange[cutlass.Int32, 2]
             sA: cute.struct.Align[
                 cute.struct.MemRange[self.a_dtype, cute.cosize(self.sA_layout)], 1024
             ]
@@ -359,7 +358,7 @@ class GemmSm90:
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             mma = (tiled_mma, tCrA, tCrB, acc)
-            split_io = (mWork, mFlags)
+            split_io = (mWork, mFlags, storage.split_last.get_tensor(cute.make_layout(2)))
             self._consume(
                 tidx, warp_idx, mma, ab_pipe, sC, gC, tma_c, schedule, splitting, split_io
             )
@@ -445,10 +444,8 @@ class GemmSm90:
             if cutlass.const_expr(self.cfg.split):
                 splits, _, _, tiles_n = splitting
                 tile_id = tile_m * tiles_n + tile_n
-                if split < splits - 1:
-                    self._park(acc, split_io, tile_id, split, splits, tidx, epi_barrier)
-                else:
-                    self._gather(acc, split_io, tile_id, splits, tidx, epi_barrier)
+                last = self._reduce_split(acc, split_io, tile_id, split, splits, tidx, epi_barrier)
+                if last:
                     self._epilogue(
                         gC[(None, None, tile_m, tile_n)], tma_c, sC, epi, warp_idx, tiles_done
                     )
@@ -476,35 +473,31 @@ class GemmSm90:
         return slots[(None, None, tidx - THREADS_PER_WG, tile_id * splits + split)]
 
     @cute.jit
-    def _park(self, acc, split_io, tile_id, split, splits, tidx, epi_barrier):
-        """Write this split's partial accumulator, then count it in the tile's flag (release:
-        every consumer thread's writes are ordered before it by the barrier)."""
-        mWork, mFlags = split_io
+    def _reduce_split(self, acc, split_io, tile_id, split, splits, tidx, epi_barrier):
+        """Park this unit's partial and count it in the tile's flag; the last of the tile's
+        units to arrive adds the others' partials into `acc`, clears the flag and returns
+        True (every consumer thread learns it through `s_last`, shared memory)."""
+        mWork, mFlags, s_last = split_io
         dst = self._partial(mWork, acc, tile_id, split, splits, tidx)
         cute.autovec_copy(cute.make_tensor(acc.iterator, dst.layout.shape), dst)
+        # Every thread's partial is written before the fetch-add releases them.
         epi_barrier.arrive_and_wait()
         if tidx == THREADS_PER_WG:
-            red_release_gpu_add(mFlags.iterator + tile_id, 1)
-
-    @cute.jit
-    def _gather(self, acc, split_io, tile_id, splits, tidx, epi_barrier):
-        """The last split: wait until the tile's flag counts every other split, clear it for
-        the next launch and add their partials into `acc`."""
-        mWork, mFlags = split_io
-        if splits > 1:
-            if tidx == THREADS_PER_WG:
-                flag = mFlags.iterator + tile_id
-                seen = ld_acquire_gpu(flag)
-                while seen < splits - 1:
-                    seen = ld_acquire_gpu(flag)
+            arrived = atom_add_acq_rel_gpu(mFlags.iterator + tile_id, 1)
+            last = arrived == splits - 1
+            if last:
                 mFlags[tile_id] = 0
-            epi_barrier.arrive_and_wait()
-            part = cute.make_rmem_tensor(acc.layout.shape, self.acc_dtype)
-            for s in range(splits - 1):
-                src = self._partial(mWork, acc, tile_id, s, splits, tidx)
-                cute.autovec_copy(src, cute.make_tensor(part.iterator, src.layout.shape))
-                for v in cutlass.range_constexpr(cute.size(acc)):
-                    acc[v] = acc[v] + part[v]
+            s_last[0] = cutlass.Int32(last)
+        epi_barrier.arrive_and_wait()
+        last = s_last[0] != 0
+        if last:
+            part = cute.make_rmem_tensor(dst.layout.shape, self.acc_dtype)
+            for s in range(splits):
+                if s != split:
+                    cute.autovec_copy(self._partial(mWork, acc, tile_id, s, splits, tidx), part)
+                    for v in cutlass.range_constexpr(cute.size(acc)):
+                        acc[v] = acc[v] + part[v]
+        return last
 
     @cute.jit
     def _mainloop(self, k_tiles, tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release):

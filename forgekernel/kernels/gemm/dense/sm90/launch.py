@@ -70,7 +70,9 @@ def _choose(dtype, b_kn, m, n, k, device_index, config) -> tuple[tuple, int, tup
         # N and K as the kernel sees them (padded up to multiples of 8 where they are not).
         np_, kp = _round_up(n), _round_up(k)
         splits, per = split_plan(cfg, m, np_, kp, sms)
-        tiles = -(-m // cfg.tile_m) * -(-np_ // cfg.tile_n)
+        # Tile rows up to whole clusters: a cluster's CTAs past M still count in the flags.
+        tiles_m = -(-m // (cfg.tile_m * cfg.cluster_m)) * cfg.cluster_m
+        tiles = tiles_m * -(-np_ // cfg.tile_n)
         split = (splits, per, tiles, tiles * splits * cfg.tile_m * cfg.tile_n)
     # One CTA per SM (the pipeline takes nearly all shared memory).
     max_clusters = sms // (cfg.cluster_m * cfg.cluster_n)
