@@ -19,7 +19,7 @@ from forgekernel.kernels.gemm.dense.sm90.config import (
     GemmConfig,
     choose_config,
     params_for,
-    split_plan,
+    stream_plan,
 )
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.timing import median, rotation_sets, time_interleaved
@@ -28,26 +28,20 @@ D = torch.bfloat16
 SMS = torch.cuda.get_device_properties(0).multi_processor_count
 
 
-def split_cfg(tile_m, tile_n, a_rows=0, cluster_m=1):
-    return GemmConfig(tile_m=tile_m, tile_n=tile_n, cluster_m=cluster_m, split=True, a_rows=a_rows)
+def split_cfg(tile_m, tile_n, a_rows=0):
+    return GemmConfig(tile_m=tile_m, tile_n=tile_n, cluster_m=1, stream_k=True, a_rows=a_rows)
 
 
-def run(cfg, a, b, c, splits=None):
+def run(cfg, a, b, c, ctas=None):
     m, k = a.shape
     n = b.shape[0]
     fn = get_kernel(SPEC, params_for("bfloat16", False, cfg))
     clusters = SMS // (cfg.cluster_m * cfg.cluster_n)
-    if not cfg.split:
-        return fn(a, b, c, None, None, 1, 0, clusters)
-    if splits is None:
-        s, per = split_plan(cfg, m, n, k, SMS)
-    else:
-        kt = -(-k // cfg.tile_k)
-        per = -(-kt // splits)
-        s = -(-kt // per)
-    tiles = -(-m // (cfg.tile_m * cfg.cluster_m)) * cfg.cluster_m * -(-n // cfg.tile_n)
-    work, flags = L.split_workspace(a.device, tiles, tiles * s * cfg.tile_m * cfg.tile_n)
-    fn(a, b, c, work, flags, s, per, clusters)
+    if not cfg.stream_k:
+        return fn(a, b, c, None, None, 0, clusters)
+    per, g, tiles = stream_plan(cfg, m, n, k, SMS if ctas is None else ctas)
+    work, flags = L.split_workspace(a.device, tiles, 2 * g * cfg.tile_m * cfg.tile_n)
+    fn(a, b, c, work, flags, per, clusters)
 
 
 def check(out):
@@ -61,14 +55,15 @@ def check(out):
         (64, 512, 8192, split_cfg(64, 64)),
         (129, 10240, 8192, split_cfg(64, 128)),
         (300, 2048, 4096, split_cfg(128, 128)),
-        (300, 2048, 4096, split_cfg(128, 256, 0, 2)),
+        (300, 2048, 4096, split_cfg(128, 256)),
+        (2, 100, 8192, split_cfg(64, 64, 8)),
         (3000, 576, 7168, split_cfg(128, 192)),
         (1, 24576, 4096, split_cfg(64, 128, 8)),
         (1, 24576, 4096, GemmConfig(tile_m=64, tile_n=64, cluster_m=1, cluster_n=2, a_rows=8)),
     ]
     rows = []
     for m, n, k, cfg in cases:
-        for splits in (None, 1, 2, 7):
+        for splits in (None, 1, 5, 131):
             a = torch.randn(m, k, device="cuda", dtype=D)
             b = torch.randn(n, k, device="cuda", dtype=D)
             ref = a.double() @ b.double().t()
@@ -89,7 +84,7 @@ def check(out):
                 f"{'PASS' if ok else 'FAIL'}",
                 flush=True,
             )
-            if not cfg.split:
+            if not cfg.stream_k:
                 break
     out["check"] = rows
 
@@ -129,22 +124,21 @@ RAGGED = [
 def decode_cfgs(m):
     ar = 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 0
     return {
-        "default": choose_config(m, 1, 1),
         "64x64c12_a": GemmConfig(tile_m=64, tile_n=64, cluster_m=1, cluster_n=2, a_rows=ar),
-        "s64x64": split_cfg(64, 64, ar),
-        "s64x128": split_cfg(64, 128, ar),
+        "sk64x64": split_cfg(64, 64, ar),
+        "sk64x128": split_cfg(64, 128, ar),
+        "sk64x256": split_cfg(64, 256, ar),
     }
 
 
 def ragged_cfgs(m, n, k):
     return {
         "default": choose_config(m, n, k),
-        "s64x128": split_cfg(64, 128),
-        "s64x256": split_cfg(64, 256),
-        "s128x128": split_cfg(128, 128),
-        "s128x192": split_cfg(128, 192),
-        "s128x256c2": split_cfg(128, 256, 0, 2),
-        "s128x128c2": split_cfg(128, 128, 0, 2),
+        "128x128c2": GemmConfig(tile_n=128),
+        "sk64x256": split_cfg(64, 256),
+        "sk128x128": split_cfg(128, 128),
+        "sk128x192": split_cfg(128, 192),
+        "sk128x256": split_cfg(128, 256),
     }
 
 
@@ -162,8 +156,8 @@ def bench(out, shapes, cfgs_of, sweep):
         fns = {"cublas": lambda a, b, c: torch.mm(a, b.t(), out=c)}
         for name, cfg in cfgs_of(m, n, k).items():
             fns[name] = lambda a, b, c, cfg=cfg: run(cfg, a, b, c)
-            if cfg.split and name in sweep:
-                for s in (1, 2, 3, 4, 6, 8, 12, 16, 24):
+            if cfg.stream_k and name in sweep:
+                for s in (32, 64, 96, 114):
                     fns[f"{name}/{s}"] = lambda a, b, c, cfg=cfg, s=s: run(cfg, a, b, c, s)
         copy_src = torch.empty(n * k, device="cuda", dtype=D)
         copy_dst = torch.empty_like(copy_src)
@@ -225,10 +219,9 @@ def main():
     if os.environ.get("PROBE_CHECK", "1") == "1":
         check(out)
         json.dump(out, open(path, "w"), indent=1)
-    small_n = [(m, n, k) for m, n, k in DECODE if n <= 5120]
-    out["decode"] = bench(out, small_n, lambda m, n, k: decode_cfgs(m), ("s64x64", "s64x128"))
+    out["decode"] = bench(out, DECODE, lambda m, n, k: decode_cfgs(m), ("sk64x64",))
     json.dump(out, open(path, "w"), indent=1)
-    out["ragged"] = bench(out, RAGGED, ragged_cfgs, ("s128x128", "s64x128"))
+    out["ragged"] = bench(out, RAGGED, ragged_cfgs, ())
     json.dump(out, open(path, "w"), indent=1)
 
 

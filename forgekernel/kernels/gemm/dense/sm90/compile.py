@@ -22,7 +22,7 @@ def compile_gemm(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     c = fake.rowmajor(dtype, (m, n))
     cfg = GemmConfig.from_params(params)
     gemm = GemmSm90(cfg, b_kn=params["b_kn"])
-    if cfg.split:
+    if cfg.stream_k:
         work = make_fake_tensor(cutlass.Float32, (cute.sym_int32(),), stride=(1,), assumed_align=16)
         flags = fake.offsets()
     else:
@@ -34,7 +34,6 @@ def compile_gemm(params: dict, arch: str = "sm_90a", extra_options: str = ""):
         c,
         work,
         flags,
-        cutlass.Int32(1),
         cutlass.Int32(0),
         cutlass.Int32(1),
         fake.stream(),

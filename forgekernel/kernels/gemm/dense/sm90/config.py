@@ -28,7 +28,7 @@ class GemmConfig:
     epi_n: int = 32  # epilogue sub-tile = (tile_m, epi_n), staged through shared memory
     swizzle: int = 1  # raster group size, in clusters (L2 reuse)
     raster_along_m: bool = True
-    split: bool = False  # split K: the launcher picks how many units per tile (kernel.py)
+    stream_k: bool = False  # k-iterations cut evenly over one wave of CTAs (kernel.py)
     a_rows: int = 0  # rows of A each stage loads (0: tile_m); small M only (kernel.py)
 
     def tag(self) -> str:
@@ -36,7 +36,7 @@ class GemmConfig:
         return (
             f"{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}_s{self.stages}"
             f"_e{self.epi_stages}x{self.epi_n}_w{self.swizzle}{'m' if self.raster_along_m else 'n'}"
-            + ("_split" if self.split else "")
+            + ("_sk" if self.stream_k else "")
             + (f"_a{self.a_rows}" if self.a_rows else "")
         )
 
@@ -97,23 +97,20 @@ def occupancy(cfg: GemmConfig, m: int, n: int, num_sms: int) -> float:
     return tiles / (_ceil(clusters, per_wave) * per_wave * cm * cn)
 
 
-def split_plan(
+def stream_plan(
     cfg: GemmConfig, m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200
-) -> tuple[int, int]:
-    """(splits, k-tiles per split) of a split-K configuration: enough units (tiles x splits)
-    for `_SPLIT_UNITS` of the SMs to stream at once, each unit at least `_SPLIT_MIN_K`
-    k-tiles long (its fp32 partial costs a tile's worth of traffic). No split is empty."""
-    k_tiles = _ceil(k, cfg.tile_k)
-    if not cfg.split:
-        return 1, k_tiles
+) -> tuple[int, int, int]:
+    """(k-iterations per CTA, CTAs, tiles) of a stream-K configuration: all tiles' k-tiles
+    cut into equal ranges, one per SM, none shorter than `_STREAM_MIN_K` k-tiles (a part
+    parks a tile-sized fp32 partial)."""
     tiles = _ceil(m, cfg.tile_m) * _ceil(n, cfg.tile_n)
-    splits = max(1, min(_ceil(int(_SPLIT_UNITS * num_sms), tiles), k_tiles // _SPLIT_MIN_K))
-    per = _ceil(k_tiles, splits)
-    return _ceil(k_tiles, per), per
+    total = tiles * _ceil(k, cfg.tile_k)
+    ctas = max(1, min(num_sms, total // _STREAM_MIN_K))
+    per = _ceil(total, ctas)
+    return per, _ceil(total, per), tiles
 
 
-_SPLIT_UNITS = 0.75
-_SPLIT_MIN_K = 8
+_STREAM_MIN_K = 8
 
 
 def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> GemmConfig:

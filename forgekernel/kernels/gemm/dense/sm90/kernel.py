@@ -22,13 +22,16 @@ Pipelines:
   `stmatrix` writes are in shared memory before the store warp's TMA store reads them, and
   nobody writes the next buffer before the store warp has seen its last store read it.
 
-Split K (`split`): the grid's work units are (tile, split) pairs, `splits` of them per output
-tile (dynamic, chosen by the launcher), each over `split_tiles` k-tiles. Every unit parks its
-fp32 accumulator in the workspace (in register-fragment order: each thread writes, and the
-reducer's same thread reads, its own 16-byte vectors; no shuffle), then counts itself in the
-tile's flag (fetch-add, acquire-release); the unit that arrives last keeps its accumulator,
-adds the other splits' partials, clears the flag for the next launch and runs the epilogue.
-Nobody waits on another CTA. For problems too small, in tiles, to keep the chip streaming.
+Stream K (`stream_k`): the tiles' k-iterations, tile after tile, are cut into equal ranges of
+`per_cta` (chosen by the launcher), one per CTA of a one-wave grid (cluster 1x1); a CTA walks
+its range as units, each the part of one tile it covers. A unit that covers its whole tile
+runs the epilogue directly. Otherwise it parks its fp32 accumulator in the workspace (slot 2c
+for CTA c's first unit, 2c + 1 for its last; register-fragment order: each thread writes, and
+the reducer's same thread reads, its own 16-byte vectors) and counts itself in the tile's flag
+(fetch-add, acquire-release); the unit that arrives last sums every part of the tile from the
+workspace in k order (deterministic), clears the flag for the next launch and runs the
+epilogue. Nobody waits on another CTA. For problems whose tiles do not fill the chip in whole
+waves (decode: M <= 64 against a weight).
 
 `a_rows` < tile_m: A's TMA box covers only the first a_rows rows of each stage (M <= a_rows,
 decode); WGMMA still reads tile_m rows, the rest stale shared memory whose accumulator rows are
@@ -88,8 +91,8 @@ class GemmSm90:
             raise ValueError(f"epi_n must be 32 or 64 and divide tile_n, got {config.epi_n}")
         if config.cluster_m * config.cluster_n > 4:
             raise ValueError("a cluster holds at most 4 CTAs here")
-        if config.split and config.cluster_n != 1:
-            raise ValueError("split K multicasts A only along M: cluster_n must be 1")
+        if config.stream_k and config.cluster_m * config.cluster_n != 1:
+            raise ValueError("stream K runs without clusters: cluster_m = cluster_n = 1")
         if config.a_rows and (config.a_rows % 8 or config.a_rows > config.tile_m):
             raise ValueError(f"a_rows must be a multiple of 8 up to tile_m, got {config.a_rows}")
         self.cfg = config
@@ -170,16 +173,14 @@ class GemmSm90:
         mC: cute.Tensor,
         mWork: cute.Tensor | None,
         mFlags: cute.Tensor | None,
-        splits: cutlass.Int32,
-        split_tiles: cutlass.Int32,
+        per_cta: cutlass.Int32,
         max_active_clusters: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        """mA (M, K); mB (N, K) or, N-major, its (K, N) transpose; mC (M, N). Split K only:
-        mWork fp32 (>= tiles x splits x tile_m x tile_n,) 16-byte aligned, mFlags int32
-        (>= tiles,) zero (every launch leaves it zero), `splits` units per tile of
-        `split_tiles` k-tiles each (the last may have fewer, none is empty); otherwise None,
-        None, 1, 0."""
+        """mA (M, K); mB (N, K) or, N-major, its (K, N) transpose; mC (M, N). Stream K only:
+        `per_cta` k-iterations per CTA (the grid: all of them over per_cta), mWork fp32
+        (>= 2 x CTAs x tile_m x tile_n,) 16-byte aligned, mFlags int32 (>= tiles,) zero
+        (every launch leaves it zero); otherwise None, None, 0."""
         if cutlass.const_expr(self.b_kn):
             # (K, N) row-major seen as (N, K) with unit stride along N.
             mB = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 0]))
@@ -216,11 +217,13 @@ class GemmSm90:
 
         tiles_m = cute.ceil_div(mC.shape[0], self.cfg.tile_m)
         tiles_n = cute.ceil_div(mC.shape[1], self.cfg.tile_n)
-        # Split K: the splits of one tile are consecutive "columns" of the schedule.
-        units_n = tiles_n * splits if cutlass.const_expr(self.cfg.split) else tiles_n
         schedule = StaticSchedule(
-            (tiles_m, units_n), self.cluster_shape_mn, self.cfg.swizzle, self.cfg.raster_along_m
+            (tiles_m, tiles_n), self.cluster_shape_mn, self.cfg.swizzle, self.cfg.raster_along_m
         )
+        grid = schedule.grid(max_active_clusters)
+        if cutlass.const_expr(self.cfg.stream_k):
+            total = tiles_m * tiles_n * cute.ceil_div(mA.shape[1], self.cfg.tile_k)
+            grid = (1, 1, cute.ceil_div(total, per_cta))
 
         @cute.struct
         class SharedStorage:
@@ -253,10 +256,9 @@ class GemmSm90:
             schedule,
             mWork,
             mFlags,
-            splits,
-            split_tiles,
+            per_cta,
         ).launch(
-            grid=schedule.grid(max_active_clusters),
+            grid=grid,
             block=[self.threads_per_cta, 1, 1],
             cluster=(*self.cluster_shape_mn, 1),
             min_blocks_per_mp=1,
@@ -282,8 +284,7 @@ class GemmSm90:
         schedule: StaticSchedule,
         mWork: cute.Tensor | None,
         mFlags: cute.Tensor | None,
-        splits: cutlass.Int32,
-        split_tiles: cutlass.Int32,
+        per_cta: cutlass.Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -322,7 +323,8 @@ class GemmSm90:
         gB = cute.local_tile(mB, (self.cfg.tile_n, self.cfg.tile_k), (None, None))
         gC = cute.local_tile(mC, (self.cfg.tile_m, self.cfg.tile_n), (None, None))
         k_tiles = cute.size(gA, mode=[3])
-        splitting = (splits, split_tiles, k_tiles, cute.size(gC, mode=[3]))
+        tiles_m = cute.size(gC, mode=[2])
+        streamk = (per_cta, k_tiles, tiles_m, tiles_m * cute.size(gC, mode=[3]) * k_tiles)
 
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_a,
@@ -354,64 +356,79 @@ class GemmSm90:
             if warp_idx == 0:
                 load_a = (tma_a, tAgA, tAsA, a_mask)
                 load_b = (tma_b, tBgB, tBsB, b_mask)
-                self._produce(load_a, load_b, ab_pipe, schedule, splitting)
+                self._produce(load_a, load_b, ab_pipe, schedule, streamk)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             mma = (tiled_mma, tCrA, tCrB, acc)
             split_io = (mWork, mFlags, storage.split_last.get_tensor(cute.make_layout(2)))
-            self._consume(
-                tidx, warp_idx, mma, ab_pipe, sC, gC, tma_c, schedule, splitting, split_io
-            )
+            self._consume(tidx, warp_idx, mma, ab_pipe, sC, gC, tma_c, schedule, streamk, split_io)
 
     @cute.jit
-    def _unit(self, sched, work, splitting):
-        """(tile_m, tile_n, split, first k-tile, k-tiles) of work index `work`."""
-        splits, split_tiles, k_tiles, _ = splitting
-        tile_m, unit_n = sched.tile(work)
-        if cutlass.const_expr(self.cfg.split):
-            tile_n = unit_n // splits
-            split = unit_n - tile_n * splits
-            k0 = split * split_tiles
-            return tile_m, tile_n, split, k0, cutlass.min(split_tiles, k_tiles - k0)
-        return tile_m, unit_n, cutlass.Int32(0), cutlass.Int32(0), k_tiles
+    def _cta_range(self, streamk):
+        """Stream K: this CTA's k-iterations [begin, end) of all tiles'."""
+        per_cta, _, _, total = streamk
+        begin = cute.arch.block_idx()[2] * per_cta
+        return begin, cutlass.min(begin + per_cta, total)
 
     @cute.jit
-    def _produce(self, load_a, load_b, ab_pipe, schedule, splitting):
-        """The producer warp: every k-tile of A and B of each tile into the AB ring. `load_x`:
+    def _stream_unit(self, it, end, streamk):
+        """Stream K: the unit starting at k-iteration `it` of a range ending at `end`:
+        (tile_m, tile_n, first k-tile, k-tiles, tile index, its parts, this part's slot)."""
+        per_cta, k_tiles, tiles_m, _ = streamk
+        tile = it // k_tiles
+        tile_begin = tile * k_tiles
+        k0 = it - tile_begin
+        count = cutlass.min(end - it, k_tiles - k0)
+        first = tile_begin // per_cta
+        parts = (tile_begin + k_tiles - 1) // per_cta - first + 1
+        cta = cute.arch.block_idx()[2]
+        slot = 2 * cta + cutlass.Int32(cta * per_cta < tile_begin)
+        return tile % tiles_m, tile // tiles_m, k0, count, tile, parts, slot
+
+    @cute.jit
+    def _produce(self, load_a, load_b, ab_pipe, schedule, streamk):
+        """The producer warp: every k-tile of A and B of each unit into the AB ring. `load_x`:
         the TMA atom, its global and shared partitions and its multicast mask."""
-        tma_a, tAgA, tAsA, a_mask = load_a
-        tma_b, tBgB, tBsB, b_mask = load_b
-        sched = StaticScheduler(schedule)
-        work = sched.first()
         prod = producer_state(self.stages)
-        while sched.valid(work):
-            tile_m, tile_n, _, k0, count = self._unit(sched, work, splitting)
-            tAgA_t = tAgA[(None, tile_m, None)]
-            tBgB_t = tBgB[(None, tile_n, None)]
-            for i in range(count):
-                kt = k0 + i
-                ab_pipe.producer_acquire(prod)
-                bar = ab_pipe.producer_get_barrier(prod)
-                stage = (None, prod.index)
-                cute.copy(
-                    tma_a, tAgA_t[(None, kt)], tAsA[stage], tma_bar_ptr=bar, mcast_mask=a_mask
-                )
-                cute.copy(
-                    tma_b, tBgB_t[(None, kt)], tBsB[stage], tma_bar_ptr=bar, mcast_mask=b_mask
-                )
-                ab_pipe.producer_commit(prod)
-                prod.advance()
-            work = sched.next(work)
+        if cutlass.const_expr(self.cfg.stream_k):
+            it, end = self._cta_range(streamk)
+            while it < end:
+                tile_m, tile_n, k0, count, _, _, _ = self._stream_unit(it, end, streamk)
+                prod = self._load(load_a, load_b, ab_pipe, prod, tile_m, tile_n, k0, count)
+                it += count
+        else:
+            sched = StaticScheduler(schedule)
+            work = sched.first()
+            while sched.valid(work):
+                tile_m, tile_n = sched.tile(work)
+                prod = self._load(load_a, load_b, ab_pipe, prod, tile_m, tile_n, 0, streamk[1])
+                work = sched.next(work)
         ab_pipe.producer_tail(prod)
 
     @cute.jit
-    def _consume(self, tidx, warp_idx, mma, ab_pipe, sC, gC, tma_c, schedule, splitting, split_io):
-        """The consumer warpgroups: each unit's mainloop, then the tile's epilogue (split K:
-        park the partial, or gather the others' and run the epilogue)."""
+    def _load(self, load_a, load_b, ab_pipe, prod, tile_m, tile_n, k0, count):
+        """k-tiles k0 .. k0 + count - 1 of tile (tile_m, tile_n) into the ring."""
+        tma_a, tAgA, tAsA, a_mask = load_a
+        tma_b, tBgB, tBsB, b_mask = load_b
+        tAgA_t = tAgA[(None, tile_m, None)]
+        tBgB_t = tBgB[(None, tile_n, None)]
+        for i in range(count):
+            kt = k0 + i
+            ab_pipe.producer_acquire(prod)
+            bar = ab_pipe.producer_get_barrier(prod)
+            stage = (None, prod.index)
+            cute.copy(tma_a, tAgA_t[(None, kt)], tAsA[stage], tma_bar_ptr=bar, mcast_mask=a_mask)
+            cute.copy(tma_b, tBgB_t[(None, kt)], tBsB[stage], tma_bar_ptr=bar, mcast_mask=b_mask)
+            ab_pipe.producer_commit(prod)
+            prod.advance()
+        return prod
+
+    @cute.jit
+    def _consume(self, tidx, warp_idx, mma, ab_pipe, sC, gC, tma_c, schedule, streamk, split_io):
+        """The consumer warpgroups: each unit's mainloop, then the tile's epilogue (stream K:
+        after the tile's parts are summed, by the last to arrive)."""
         tiled_mma, tCrA, tCrB, acc = mma
         epi_barrier = named_barrier(Bar.EPILOGUE, self.num_mma_threads)
-        sched = StaticScheduler(schedule)
-        work = sched.first()
         read = consumer_state(self.stages)
         release = consumer_state(self.stages)
 
@@ -435,32 +452,43 @@ class GemmSm90:
         )
         epi = (r2s, tRS_sC, tRS_acc, tRS_rAcc, tRS_rC, store_pipe, epi_barrier)
         tiles_done = cutlass.Int32(0)  # this CTA's tiles so far: the epilogue ring's position
-        while sched.valid(work):
-            tile_m, tile_n, split, _, count = self._unit(sched, work, splitting)
-            work = sched.next(work)
-            read, release, tiled_mma = self._mainloop(
-                count, tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release
-            )
-            if cutlass.const_expr(self.cfg.split):
-                splits, _, _, tiles_n = splitting
-                tile_id = tile_m * tiles_n + tile_n
-                last = self._reduce_split(acc, split_io, tile_id, split, splits, tidx, epi_barrier)
+        if cutlass.const_expr(self.cfg.stream_k):
+            it, end = self._cta_range(streamk)
+            while it < end:
+                tile_m, tile_n, _, count, tile, parts, slot = self._stream_unit(it, end, streamk)
+                it += count
+                read, release, tiled_mma = self._mainloop(
+                    count, tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release
+                )
+                last = cutlass.Boolean(True)
+                if parts > 1:
+                    last = self._reduce_parts(
+                        acc, split_io, tile, parts, slot, streamk, tidx, epi_barrier
+                    )
                 if last:
                     self._epilogue(
                         gC[(None, None, tile_m, tile_n)], tma_c, sC, epi, warp_idx, tiles_done
                     )
                     tiles_done += 1
-            else:
+        else:
+            sched = StaticScheduler(schedule)
+            work = sched.first()
+            while sched.valid(work):
+                tile_m, tile_n = sched.tile(work)
+                work = sched.next(work)
+                read, release, tiled_mma = self._mainloop(
+                    streamk[1], tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release
+                )
                 self._epilogue(
                     gC[(None, None, tile_m, tile_n)], tma_c, sC, epi, warp_idx, tiles_done
                 )
                 tiles_done += 1
         store_pipe.producer_tail()
 
-    def _partial(self, mWork, acc, tile_id, split, splits, tidx):
-        """This thread's view of split `split`'s parked accumulator of tile `tile_id`: element
-        4i + j at [i][thread][j] of the slot, so that each warp's 16-byte vectors are
-        contiguous (every stride static and a multiple of 4: the vectors stay aligned)."""
+    def _partial(self, mWork, acc, slot, tidx):
+        """This thread's view of the parked accumulator in `slot`: element 4i + j at
+        [i][thread][j] of the slot, so that each warp's 16-byte vectors are contiguous (every
+        stride static and a multiple of 4: the vectors stay aligned)."""
         frag = cute.size(acc)
         threads = self.num_mma_threads
         slots = cute.make_tensor(
@@ -470,31 +498,43 @@ class GemmSm90:
                 stride=(1, threads * 4, 4, frag * threads),
             ),
         )
-        return slots[(None, None, tidx - THREADS_PER_WG, tile_id * splits + split)]
+        return slots[(None, None, tidx - THREADS_PER_WG, slot)]
 
     @cute.jit
-    def _reduce_split(self, acc, split_io, tile_id, split, splits, tidx, epi_barrier):
+    def _reduce_parts(self, acc, split_io, tile, parts, slot, streamk, tidx, epi_barrier):
         """Park this unit's partial and count it in the tile's flag; the last of the tile's
-        units to arrive adds the others' partials into `acc`, clears the flag and returns
-        True (every consumer thread learns it through `s_last`, shared memory)."""
+        parts to arrive sums all of them from the workspace in k order into `acc`, clears the
+        flag and returns True (every consumer thread learns it through shared memory)."""
         mWork, mFlags, s_last = split_io
-        dst = self._partial(mWork, acc, tile_id, split, splits, tidx)
+        per_cta, k_tiles, _, _ = streamk
+        dst = self._partial(mWork, acc, slot, tidx)
         cute.autovec_copy(cute.make_tensor(acc.iterator, dst.layout.shape), dst)
         # Every thread's partial is written before the fetch-add releases them.
         epi_barrier.arrive_and_wait()
         if tidx == THREADS_PER_WG:
-            arrived = atom_add_acq_rel_gpu(mFlags.iterator + tile_id, 1)
-            last = arrived == splits - 1
+            arrived = atom_add_acq_rel_gpu(mFlags.iterator + tile, 1)
+            last = arrived == parts - 1
             if last:
-                mFlags[tile_id] = 0
+                mFlags[tile] = 0
             s_last[0] = cutlass.Int32(last)
         epi_barrier.arrive_and_wait()
         last = s_last[0] != 0
         if last:
+            # Part p is CTA first + p's: its first unit's slot, or for p = 0 its last unit's
+            # where that CTA began before the tile.
+            tile_begin = tile * k_tiles
+            first = tile_begin // per_cta
+            acc_flat = cute.make_tensor(acc.iterator, dst.layout.shape)
             part = cute.make_rmem_tensor(dst.layout.shape, self.acc_dtype)
-            for s in range(splits):
-                if s != split:
-                    cute.autovec_copy(self._partial(mWork, acc, tile_id, s, splits, tidx), part)
+            for p in range(parts):
+                cta = first + p
+                src = self._partial(
+                    mWork, acc, 2 * cta + cutlass.Int32(cta * per_cta < tile_begin), tidx
+                )
+                if p == 0:
+                    cute.autovec_copy(src, acc_flat)
+                else:
+                    cute.autovec_copy(src, part)
                     for v in cutlass.range_constexpr(cute.size(acc)):
                         acc[v] = acc[v] + part[v]
         return last

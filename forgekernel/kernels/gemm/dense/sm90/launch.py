@@ -13,7 +13,7 @@ from forgekernel.kernels.gemm.dense.sm90.config import (
     GemmConfig,
     choose_config,
     params_for,
-    split_plan,
+    stream_plan,
 )
 from forgekernel.runtime import tuning
 from forgekernel.runtime.cache import get_kernel
@@ -47,7 +47,7 @@ def config_for(
 
 class _Plans(PlanCache):
     """(dtype, b_kn, M, N, K, device index, forced config) -> (compile params, max_clusters,
-    split K: (splits, k-tiles per split, output tiles, workspace floats) or None).
+    stream K: (k-iterations per CTA, output tiles, workspace floats) or None).
     Choosing it per call (tuning key, config, params_for's dataclass walk) cost 9 us of a 18 us
     launch on the CPU. The plans follow the tuning table: a new table (tuning.record reloads
     it) drops them."""
@@ -66,14 +66,10 @@ def _choose(dtype, b_kn, m, n, k, device_index, config) -> tuple[tuple, int, tup
     sms = num_sms(device_index)
     cfg = config or config_for(dtype, b_kn, m, n, k, sms)
     split = None
-    if cfg.split:
+    if cfg.stream_k:
         # N and K as the kernel sees them (padded up to multiples of 8 where they are not).
-        np_, kp = _round_up(n), _round_up(k)
-        splits, per = split_plan(cfg, m, np_, kp, sms)
-        # Tile rows up to whole clusters: a cluster's CTAs past M still count in the flags.
-        tiles_m = -(-m // (cfg.tile_m * cfg.cluster_m)) * cfg.cluster_m
-        tiles = tiles_m * -(-np_ // cfg.tile_n)
-        split = (splits, per, tiles, tiles * splits * cfg.tile_m * cfg.tile_n)
+        per, ctas, tiles = stream_plan(cfg, m, _round_up(n), _round_up(k), sms)
+        split = (per, tiles, 2 * ctas * cfg.tile_m * cfg.tile_n)
     # One CTA per SM (the pipeline takes nearly all shared memory).
     max_clusters = sms // (cfg.cluster_m * cfg.cluster_n)
     return params_for(dtype_name(dtype), b_kn, cfg), max_clusters, split
@@ -108,16 +104,16 @@ def gemm(
         a, b, c = as_tma_ready(a), as_tma_ready(b), tma_target(out)
     with on_device(a.device):
         if split is None:
-            fn(a, b, c, None, None, 1, 0, max_clusters)
+            fn(a, b, c, None, None, 0, max_clusters)
         else:
-            splits, per, tiles, floats = split
+            per, tiles, floats = split
             work, flags = split_workspace(a.device, tiles, floats)
-            fn(a, b, c, work, flags, splits, per, max_clusters)
+            fn(a, b, c, work, flags, per, max_clusters)
     if c is not out:
         out.copy_(c if c.shape[1] == n else c[:, :n])
 
 
-# (device index, stream) -> (fp32 partials, int32 flags) of the split-K kernels. A launch leaves
+# (device index, stream) -> (fp32 partials, int32 flags) of the stream-K kernels. A launch leaves
 # the flags zero, so the next launch on the same stream reuses them; streams do not share (two
 # GEMMs running at once would mix their partials). Outgrown buffers stay referenced: a CUDA
 # graph captured with them keeps using them.
@@ -126,7 +122,7 @@ _OUTGROWN: list[tuple[torch.Tensor, torch.Tensor]] = []
 
 
 def split_workspace(device: torch.device, tiles: int, floats: int):
-    """The split-K workspace of the current stream, at least `floats` partials and `tiles`
+    """The stream-K workspace of the current stream, at least `floats` partials and `tiles`
     flags (zero)."""
     key = (device.index, torch.cuda.current_stream(device).cuda_stream)
     ws = _WORKSPACES.get(key)
