@@ -56,7 +56,7 @@ def check(out):
         (129, 10240, 8192, split_cfg(64, 128)),
         (300, 2048, 4096, split_cfg(128, 128)),
         (300, 2048, 4096, split_cfg(128, 256)),
-        (2, 100, 8192, split_cfg(64, 64, 8)),
+        (2, 104, 8192, split_cfg(64, 64, 8)),
         (3000, 576, 7168, split_cfg(128, 192)),
         (1, 24576, 4096, split_cfg(64, 128, 8)),
         (1, 24576, 4096, GemmConfig(tile_m=64, tile_n=64, cluster_m=1, cluster_n=2, a_rows=8)),

@@ -130,7 +130,7 @@ def tune_gemm(
     default) interleaved on fresh random inputs, record the winner for later `gemm` calls,
     and return it. Configurations that are not prebuilt compile first (needs the DSL)."""
     b_kn = b_layout == "kn"
-    configs = configs or STANDARD_CONFIGS + CANDIDATES
+    configs = tuple(c for c in configs or STANDARD_CONFIGS + CANDIDATES if c.fits(m))
     elems = m * k + n * k + m * n
     sets = [
         (

@@ -153,6 +153,10 @@ EDGE_CASES = (
     _case(97, 1000, 4104, "kn"),
     _case(1000, 2000, 4104, "kn"),
     _case(33, 328, 4096),
+    # decode: stream K with 16 CTAs on each tile (and the kn layout), the short A box
+    _case(2, 512, 16384),
+    _case(24, 1000, 4104, "kn"),
+    _case(5, 4096, 1024, "kn"),
 )
 # One moderate case per class the bench samples besides the legacy ones (checked in full above).
 CLASS_CHECK_CASES = (
@@ -173,11 +177,17 @@ ODD_CASES = (
     _case(1000, 3001, 1025, group="odd"),
     _case(2048, 50257, 768, group="odd", source="gpt2.lm_head"),
 )
-# compute-sanitizer (`forgekernel check --sanitize`) and tests/gpu/: every standard configuration
-# the chooser picks (64x64 skinny, 64x128 skinny, 128x128, 128x192 wide, 128x256 large), each on
-# ragged edges, both B layouts, and the smallest problem (M = 1, N = K = 8).
+# compute-sanitizer (`forgekernel check --sanitize`) and tests/gpu/: every kind of standard
+# configuration the chooser picks (decode stream K and short A box, 64x64 skinny, 64x128
+# skinny, 128x128 with and without a cluster, 128x192 wide, 128x256 large), each on ragged
+# edges, both B layouts, and the smallest problem (M = 1, N = K = 8).
 SANITIZE_CASES = (
     _case(1, 8, 8),
+    _case(2, 512, 16384),
+    _case(24, 1000, 4104, "kn"),
+    _case(5, 4096, 1024, "kn"),
+    _case(64, 4096, 1024),
+    _case(640, 1024, 1032),
     _case(33, 264, 520),
     _case(100, 264, 1000, "kn"),
     _case(255, 136, 72),

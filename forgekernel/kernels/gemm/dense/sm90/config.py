@@ -3,6 +3,7 @@ analytical chooser. DSL-free, so the torch layer can pick a kernel without the c
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, fields
 
 from forgekernel.kernels.common.sm90.constants import DTYPE_NAMES, NUM_SMS_H100_H200
@@ -31,6 +32,11 @@ class GemmConfig:
     stream_k: bool = False  # k-iterations cut evenly over one wave of CTAs (kernel.py)
     a_rows: int = 0  # rows of A each stage loads (0: tile_m); small M only (kernel.py)
 
+    def fits(self, m: int) -> bool:
+        """Whether this configuration computes M rows: a short A box (a_rows) covers one
+        tile row of at most a_rows rows."""
+        return not self.a_rows or m <= self.a_rows
+
     def tag(self) -> str:
         """Short name for tables: 128x256_c2x1_s0_e4x32_w1m."""
         return (
@@ -54,18 +60,28 @@ class GemmConfig:
 
 # Measured on the H200 (bf16, docs/gemm/NOTES.md): 128x256 cooperative with B multicast over a
 # 2x1 cluster is the best large-shape tile; 128x192 keeps 128 of 132 SMs busy where 128x256
-# leaves a quarter idle (1000x3000x4104: 0.99 vs 0.79 of cuBLAS); skinny M is bound by the
-# L2->SM traffic, so it takes narrow tiles that put 128 CTAs on the chip with one operand
-# multicast: M <= 64 64x64 with A shared by 2 CTAs (1.03-1.04 of cuBLAS at 64x8192x8192),
-# M <= 128 64x128 with B shared by the 2 row tiles (0.97 at 128x8192x8192).
+# leaves a quarter idle (1000x3000x4104: 0.99 vs 0.79 of cuBLAS); 128x128 with B multicast
+# where both leave many idle (512x3584x3584: 0.90 vs 0.65, 2048x5120x25600: 1.06 vs 0.90).
+# Skinny M is bound by the L2->SM traffic, so it takes narrow tiles that put 128 CTAs on the
+# chip with one operand multicast: M <= 64 64x64 with A shared by 2 CTAs, and A's box only
+# as tall as M (a box reaching past M, zero-filled, halved the streaming rate: 1x24576x4096
+# 0.62 -> 0.98 of cuBLAS); where N gives fewer than `_STREAM_BELOW_TILES` such tiles, stream K
+# over `_STREAM_MIN_K`-long ranges (1x576x7168: 0.57 -> 0.94); M <= 128 64x128 with B shared
+# by the 2 row tiles (0.97 at 128x8192x8192).
 LARGE = GemmConfig()
 WIDE = GemmConfig(tile_n=192)
 SMALL = GemmConfig(tile_n=128, cluster_m=1)
+SQUARE = GemmConfig(tile_n=128, cluster_m=2)
 SKINNY_64 = GemmConfig(tile_m=64, tile_n=64, cluster_m=1, cluster_n=2)
 SKINNY_128 = GemmConfig(tile_m=64, tile_n=128, cluster_m=2)
-STANDARD_CONFIGS = (LARGE, WIDE, SMALL, SKINNY_64, SKINNY_128)
+A_ROWS = (8, 16, 32, 0)  # A box heights of the decode configurations (0: the whole tile)
+DECODE = tuple(dataclasses.replace(SKINNY_64, a_rows=r) for r in A_ROWS[:-1])
+DECODE_STREAM = tuple(
+    GemmConfig(tile_m=64, tile_n=64, cluster_m=1, stream_k=True, a_rows=r) for r in A_ROWS
+)
+STANDARD_CONFIGS = (LARGE, WIDE, SMALL, SQUARE, SKINNY_64, SKINNY_128, *DECODE, *DECODE_STREAM)
 # Tile efficiency relative to LARGE at full occupancy (8192^3 class shapes, H200).
-_EFFICIENCY = {LARGE: 1.0, WIDE: 0.965}
+_EFFICIENCY = {LARGE: 1.0, WIDE: 0.965, SQUARE: 0.93}
 # Further configurations for tuning (`forgekernel build --candidates`, `forgekernel.tune_gemm`,
 # scripts/gemm_sweep.py); bf16 "nk" prebuilt, anything else compiles on first use.
 CANDIDATES = (
@@ -73,7 +89,6 @@ CANDIDATES = (
     GemmConfig(epi_n=64),
     GemmConfig(tile_m=64, tile_n=64, cluster_m=1),
     GemmConfig(tile_m=128, tile_n=64, cluster_m=1, cluster_n=2),
-    GemmConfig(tile_n=128, cluster_m=2),
     GemmConfig(tile_n=128, cluster_m=1, cluster_n=2),
     GemmConfig(tile_m=64, tile_n=256, cluster_m=2),
 )
@@ -110,14 +125,19 @@ def stream_plan(
     return per, _ceil(total, per), tiles
 
 
-_STREAM_MIN_K = 8
+_STREAM_MIN_K = 16
+_STREAM_BELOW_TILES = 32
 
 
 def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> GemmConfig:
-    """Analytical default (no tuning at call time): skinny M by M; otherwise the large tile
-    that keeps the most SMs busy, weighted by how fast each tile runs once they are."""
+    """Analytical default (no tuning at call time): skinny M by M (decode by N as well);
+    otherwise the large tile that keeps the most SMs busy, weighted by how fast each tile runs
+    once they are."""
     if m <= 64:
-        return SKINNY_64
+        rows = next(i for i, r in enumerate(A_ROWS) if not r or m <= r)
+        if _ceil(n, 64) < _STREAM_BELOW_TILES:
+            return DECODE_STREAM[rows]
+        return DECODE[rows] if rows < len(DECODE) else SKINNY_64
     if m <= 128:
         return SKINNY_128
     if m <= 256:

@@ -65,6 +65,8 @@ class _Plans(PlanCache):
 def _choose(dtype, b_kn, m, n, k, device_index, config) -> tuple[tuple, int, tuple | None]:
     sms = num_sms(device_index)
     cfg = config or config_for(dtype, b_kn, m, n, k, sms)
+    if not cfg.fits(m):
+        raise ValueError(f"GEMM config {cfg.tag()} loads {cfg.a_rows} rows of A: M = {m} is more")
     split = None
     if cfg.stream_k:
         # N and K as the kernel sees them (padded up to multiples of 8 where they are not).
@@ -124,7 +126,8 @@ _OUTGROWN: list[tuple[torch.Tensor, torch.Tensor]] = []
 def split_workspace(device: torch.device, tiles: int, floats: int):
     """The stream-K workspace of the current stream, at least `floats` partials and `tiles`
     flags (zero)."""
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.index, stream)
     ws = _WORKSPACES.get(key)
     if ws is None or ws[0].numel() < floats or ws[1].numel() < tiles:
         if ws is not None:

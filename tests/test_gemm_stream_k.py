@@ -1,0 +1,95 @@
+"""The GEMM's decode configurations and stream-K plan (CPU): which configuration the chooser
+picks for small M, that a short A box refuses taller problems, and a Python mirror of the
+kernel's stream-K walk (kernel.py `_stream_unit` / `_reduce_parts`): every k-iteration of every
+tile is computed exactly once, each split tile's parts go to distinct workspace slots inside
+the launcher's workspace, and the reducer finds the slots the writers used."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forgekernel.kernels.gemm.dense.sm90 import launch as gemm_sm90
+from forgekernel.kernels.gemm.dense.sm90.config import (
+    DECODE,
+    DECODE_STREAM,
+    SKINNY_64,
+    GemmConfig,
+    choose_config,
+    stream_plan,
+)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "want"),
+    [
+        (1, 24576, DECODE[0]),
+        (8, 4096, DECODE[0]),
+        (9, 4096, DECODE[1]),
+        (32, 8192, DECODE[2]),
+        (64, 8192, SKINNY_64),
+        (1, 576, DECODE_STREAM[0]),
+        (33, 1000, DECODE_STREAM[3]),
+    ],
+)
+def test_decode_choice(m, n, want):
+    assert choose_config(m, n, 4096) == want
+    assert want.fits(m)
+
+
+def test_short_a_box_refuses_taller_problems(monkeypatch):
+    monkeypatch.setattr(gemm_sm90, "num_sms", lambda device: 132)
+    with pytest.raises(ValueError, match="rows of A"):
+        gemm_sm90._choose(torch.bfloat16, False, 9, 64, 64, None, DECODE[0])
+
+
+def _walk(cfg: GemmConfig, m: int, n: int, k: int, sms: int):
+    """What each CTA of the stream-K grid computes: (tile, k0, count, parts, slot) units."""
+    per, ctas, tiles = stream_plan(cfg, m, n, k, sms)
+    k_tiles = -(-k // cfg.tile_k)
+    total = tiles * k_tiles
+    units = []
+    for cta in range(ctas):
+        it, end = cta * per, min(cta * per + per, total)
+        assert it < end, "an empty CTA"
+        while it < end:
+            tile, k0 = divmod(it, k_tiles)
+            count = min(end - it, k_tiles - k0)
+            first = tile * k_tiles // per
+            parts = (tile * k_tiles + k_tiles - 1) // per - first + 1
+            slot = 2 * cta + int(cta * per < tile * k_tiles)
+            units.append((tile, k0, count, parts, slot, cta))
+            it += count
+    return per, ctas, tiles, k_tiles, units
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "sms"),
+    [(1, 576, 7168, 132), (2, 512, 16384, 132), (24, 1000, 4104, 132), (1, 8, 8, 132),
+     (3, 200, 520, 114), (64, 1984, 65536, 132), (17, 136, 72, 7)],
+)  # fmt: skip
+def test_stream_k_walk(m, n, k, sms):
+    cfg = DECODE_STREAM[0]
+    per, ctas, tiles, k_tiles, units = _walk(cfg, m, n, k, sms)
+    assert ctas <= sms
+    covered = {}
+    for tile, k0, count, _parts, _slot, cta in units:
+        for kt in range(k0, k0 + count):
+            assert (tile, kt) not in covered
+            covered[tile, kt] = cta
+    assert len(covered) == tiles * k_tiles
+    by_tile: dict[int, list] = {}
+    for u in units:
+        by_tile.setdefault(u[0], []).append(u)
+    for tile, us in by_tile.items():
+        parts = us[0][3]
+        assert len(us) == parts and all(u[3] == parts for u in us)
+        if parts == 1:
+            assert us[0][2] == k_tiles
+            continue
+        slots = [u[4] for u in sorted(us, key=lambda u: u[1])]
+        assert len(set(slots)) == parts and max(slots) < 2 * ctas  # inside the workspace
+        # the reducer's slots, part p = CTA first + p, in k order
+        first = tile * k_tiles // per
+        want = [2 * c + int(c * per < tile * k_tiles) for c in range(first, first + parts)]
+        assert slots == want
