@@ -318,29 +318,26 @@ class GemmSm90:
         sB = smem_tensor(storage.sB, sB_layout)
         sC = smem_tensor(storage.sC, sC_layout)
 
-        # (bM, bK, tiles_m, tiles_k), (bN, bK, tiles_n, tiles_k), (bM, bN, tiles_m, tiles_n)
+        # (bM, bK, tiles_m, tiles_k), (bM, bN, tiles_m, tiles_n)
         gA = cute.local_tile(mA, (self.cfg.tile_m, self.cfg.tile_k), (None, None))
-        gB = cute.local_tile(mB, (self.cfg.tile_n, self.cfg.tile_k), (None, None))
         gC = cute.local_tile(mC, (self.cfg.tile_m, self.cfg.tile_n), (None, None))
         k_tiles = cute.size(gA, mode=[3])
         tiles_m = cute.size(gC, mode=[2])
         streamk = (per_cta, k_tiles, tiles_m, tiles_m * cute.size(gC, mode=[3]) * k_tiles)
 
-        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-            tma_a,
+        # A ragged last tile row / column is moved back to end at M / N (see `_tail_shift`).
+        shift = self._tail_pads(mC)
+        a_src = (
+            mA,
             cluster_coord[1],
             cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape),
             cute.group_modes(smem_tensor(storage.sA, sA_load_layout), 0, 2),
-            cute.group_modes(
-                cute.local_tile(mA, (self.a_rows, self.cfg.tile_k), (None, None)), 0, 2
-            ),
         )
-        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-            tma_b,
+        b_src = (
+            mB,
             cluster_coord[0],
             cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape),
             cute.group_modes(sB, 0, 2),
-            cute.group_modes(gB, 0, 2),
         )
 
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
@@ -354,14 +351,17 @@ class GemmSm90:
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                load_a = (tma_a, tAgA, tAsA, a_mask)
-                load_b = (tma_b, tBgB, tBsB, b_mask)
-                self._produce(load_a, load_b, ab_pipe, schedule, streamk)
+                load_a = (tma_a, a_src, a_mask)
+                load_b = (tma_b, b_src, b_mask)
+                self._produce(load_a, load_b, ab_pipe, schedule, streamk, shift)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             mma = (tiled_mma, tCrA, tCrB, acc)
             split_io = (mWork, mFlags, storage.split_last.get_tensor(cute.make_layout(2)))
-            self._consume(tidx, warp_idx, mma, ab_pipe, sC, gC, tma_c, schedule, streamk, split_io)
+            c_src = (mC, shift)
+            self._consume(
+                tidx, warp_idx, mma, ab_pipe, sC, c_src, tma_c, schedule, streamk, split_io
+            )
 
     @cute.jit
     def _cta_range(self, streamk):
@@ -386,7 +386,7 @@ class GemmSm90:
         return tile % tiles_m, tile // tiles_m, k0, count, tile, parts, slot
 
     @cute.jit
-    def _produce(self, load_a, load_b, ab_pipe, schedule, streamk):
+    def _produce(self, load_a, load_b, ab_pipe, schedule, streamk, shift):
         """The producer warp: every k-tile of A and B of each unit into the AB ring. `load_x`:
         the TMA atom, its global and shared partitions and its multicast mask."""
         prod = producer_state(self.stages)
@@ -394,37 +394,81 @@ class GemmSm90:
             it, end = self._cta_range(streamk)
             while it < end:
                 tile_m, tile_n, k0, count, _, _, _ = self._stream_unit(it, end, streamk)
-                prod = self._load(load_a, load_b, ab_pipe, prod, tile_m, tile_n, k0, count)
+                tile = (tile_m, tile_n, shift)
+                prod = self._load(load_a, load_b, ab_pipe, prod, tile, k0, count)
                 it += count
         else:
             sched = StaticScheduler(schedule)
             work = sched.first()
             while sched.valid(work):
                 tile_m, tile_n = sched.tile(work)
-                prod = self._load(load_a, load_b, ab_pipe, prod, tile_m, tile_n, 0, streamk[1])
+                tile = (tile_m, tile_n, shift)
+                prod = self._load(load_a, load_b, ab_pipe, prod, tile, 0, streamk[1])
                 work = sched.next(work)
         ab_pipe.producer_tail(prod)
 
     @cute.jit
-    def _load(self, load_a, load_b, ab_pipe, prod, tile_m, tile_n, k0, count):
-        """k-tiles k0 .. k0 + count - 1 of tile (tile_m, tile_n) into the ring."""
-        tma_a, tAgA, tAsA, a_mask = load_a
-        tma_b, tBgB, tBsB, b_mask = load_b
-        tAgA_t = tAgA[(None, tile_m, None)]
-        tBgB_t = tBgB[(None, tile_n, None)]
+    def _load(self, load_a, load_b, ab_pipe, prod, tile, k0, count):
+        """k-tiles k0 .. k0 + count - 1 of tile (tile_m, tile_n) into the ring. `load_x`: the
+        TMA atom, (its coordinate tensor, the CTA's rank among those sharing the tile, their
+        layout, the shared-memory ring), the multicast mask."""
+        tile_m, tile_n, shift = tile
+        row0, col0 = self._tail_shift(tile_m, tile_n, shift)
+        tma_a, (mA, a_rank, a_ctas, sA), a_mask = load_a
+        tma_b, (mB, b_rank, b_ctas, sB), b_mask = load_b
+        gA = cute.local_tile(
+            cute.domain_offset((row0, 0), mA), (self.a_rows, self.cfg.tile_k), (tile_m, None)
+        )
+        gB = cute.local_tile(
+            cute.domain_offset((col0, 0), mB), (self.cfg.tile_n, self.cfg.tile_k), (tile_n, None)
+        )
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_a, a_rank, a_ctas, sA, cute.group_modes(gA, 0, 2)
+        )
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_b, b_rank, b_ctas, sB, cute.group_modes(gB, 0, 2)
+        )
         for i in range(count):
             kt = k0 + i
             ab_pipe.producer_acquire(prod)
             bar = ab_pipe.producer_get_barrier(prod)
             stage = (None, prod.index)
-            cute.copy(tma_a, tAgA_t[(None, kt)], tAsA[stage], tma_bar_ptr=bar, mcast_mask=a_mask)
-            cute.copy(tma_b, tBgB_t[(None, kt)], tBsB[stage], tma_bar_ptr=bar, mcast_mask=b_mask)
+            cute.copy(tma_a, tAgA[(None, kt)], tAsA[stage], tma_bar_ptr=bar, mcast_mask=a_mask)
+            cute.copy(tma_b, tBgB[(None, kt)], tBsB[stage], tma_bar_ptr=bar, mcast_mask=b_mask)
             ab_pipe.producer_commit(prod)
             prod.advance()
         return prod
 
     @cute.jit
-    def _consume(self, tidx, warp_idx, mma, ab_pipe, sC, gC, tma_c, schedule, streamk, split_io):
+    def _tail_pads(self, mC):
+        """(M pad, N pad, tiles_m, tiles_n): how far the last tile row / column reaches past M /
+        N, 0 where the problem is narrower than one tile (nothing to move back over) and for
+        stream K (two tiles summed in different orders would write different values)."""
+        m, n = mC.shape
+        tiles_m = cute.ceil_div(m, self.cfg.tile_m)
+        tiles_n = cute.ceil_div(n, self.cfg.tile_n)
+        pad_m = cutlass.Int32(0)
+        pad_n = cutlass.Int32(0)
+        if cutlass.const_expr(not self.cfg.stream_k):
+            if m >= self.cfg.tile_m:
+                pad_m = tiles_m * self.cfg.tile_m - m
+            if n >= self.cfg.tile_n:
+                pad_n = tiles_n * self.cfg.tile_n - n
+        return pad_m, pad_n, tiles_m, tiles_n
+
+    @cute.jit
+    def _tail_shift(self, tile_m, tile_n, shift):
+        """Row and column offsets of tile (tile_m, tile_n): the last tile row (column) of a
+        ragged M (N) is moved back by its pad so that it ends at M (N): its loads stay in
+        bounds (a TMA box reaching past the tensor, zero-filled, streams at half speed) and it
+        recomputes rows of the tile before it, which both write with the same values."""
+        pad_m, pad_n, tiles_m, tiles_n = shift
+        row0 = cutlass.Int32(0) - pad_m * cutlass.Int32(tile_m == tiles_m - 1)
+        col0 = cutlass.Int32(0) - pad_n * cutlass.Int32(tile_n == tiles_n - 1)
+        return row0, col0
+
+    @cute.jit
+    def _consume(self, tidx, warp_idx, mma, ab_pipe, sC, c_src, tma_c, schedule, streamk, split_io):
         """The consumer warpgroups: each unit's mainloop, then the tile's epilogue (stream K:
         after the tile's parts are summed, by the last to arrive)."""
         tiled_mma, tCrA, tCrB, acc = mma
@@ -466,9 +510,8 @@ class GemmSm90:
                         acc, split_io, tile, parts, slot, streamk, tidx, epi_barrier
                     )
                 if last:
-                    self._epilogue(
-                        gC[(None, None, tile_m, tile_n)], tma_c, sC, epi, warp_idx, tiles_done
-                    )
+                    gC_tile = self._c_tile(c_src, tile_m, tile_n)
+                    self._epilogue(gC_tile, tma_c, sC, epi, warp_idx, tiles_done)
                     tiles_done += 1
         else:
             sched = StaticScheduler(schedule)
@@ -479,11 +522,21 @@ class GemmSm90:
                 read, release, tiled_mma = self._mainloop(
                     streamk[1], tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release
                 )
-                self._epilogue(
-                    gC[(None, None, tile_m, tile_n)], tma_c, sC, epi, warp_idx, tiles_done
-                )
+                gC_tile = self._c_tile(c_src, tile_m, tile_n)
+                self._epilogue(gC_tile, tma_c, sC, epi, warp_idx, tiles_done)
                 tiles_done += 1
         store_pipe.producer_tail()
+
+    @cute.jit
+    def _c_tile(self, c_src, tile_m, tile_n):
+        """The (tile_m, tile_n) output tile's coordinates, moved back at a ragged edge."""
+        mC, shift = c_src
+        row0, col0 = self._tail_shift(tile_m, tile_n, shift)
+        return cute.local_tile(
+            cute.domain_offset((row0, col0), mC),
+            (self.cfg.tile_m, self.cfg.tile_n),
+            (tile_m, tile_n),
+        )
 
     def _partial(self, mWork, acc, slot, tidx):
         """This thread's view of the parked accumulator in `slot`: element 4i + j at

@@ -126,7 +126,8 @@ _OUTGROWN: list[tuple[torch.Tensor, torch.Tensor]] = []
 def split_workspace(device: torch.device, tiles: int, floats: int):
     """The stream-K workspace of the current stream, at least `floats` partials and `tiles`
     flags (zero)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    # The raw stream handle: torch.cuda.current_stream builds a Stream object (microseconds).
+    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
     key = (device.index, stream)
     ws = _WORKSPACES.get(key)
     if ws is None or ws[0].numel() < floats or ws[1].numel() < tiles:
