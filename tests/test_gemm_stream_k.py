@@ -14,6 +14,7 @@ from forgekernel.kernels.gemm.dense.sm90.config import (
     DECODE,
     DECODE_STREAM,
     SKINNY_64,
+    WIDE,
     GemmConfig,
     choose_config,
     stream_plan,
@@ -35,6 +36,10 @@ from forgekernel.kernels.gemm.dense.sm90.config import (
 def test_decode_choice(m, n, want):
     assert choose_config(m, n, 4096) == want
     assert want.fits(m)
+
+
+def test_ragged_n_takes_the_tile_that_divides_it():
+    assert choose_config(4096, 576, 7168) == WIDE  # 3 x 192, where 128 x 256 wastes a quarter
 
 
 def test_short_a_box_refuses_taller_problems(monkeypatch):

@@ -131,8 +131,8 @@ _STREAM_BELOW_TILES = 32
 
 def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> GemmConfig:
     """Analytical default (no tuning at call time): skinny M by M (decode by N as well);
-    otherwise the large tile that keeps the most SMs busy, weighted by how fast each tile runs
-    once they are."""
+    otherwise the large tile that keeps the most SMs busy on the most useful area, weighted by
+    how fast each tile runs once they are."""
     if m <= 64:
         rows = next(i for i, r in enumerate(A_ROWS) if not r or m <= r)
         if _ceil(n, 64) < _STREAM_BELOW_TILES:
@@ -142,4 +142,14 @@ def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> G
         return SKINNY_128
     if m <= 256:
         return SMALL
-    return max(_EFFICIENCY, key=lambda c: _EFFICIENCY[c] * occupancy(c, m, n, num_sms))
+    return max(
+        _EFFICIENCY,
+        key=lambda c: _EFFICIENCY[c] * occupancy(c, m, n, num_sms) * utilization(c, m, n),
+    )
+
+
+def utilization(cfg: GemmConfig, m: int, n: int) -> float:
+    """Useful fraction of the tiles' area: a ragged last tile computes its whole area (moved
+    back in bounds, it recomputes its neighbour's rows), so N = 576 wastes a quarter of 3
+    tiles of 256 and none of 3 tiles of 192."""
+    return m * n / (_ceil(m, cfg.tile_m) * cfg.tile_m * _ceil(n, cfg.tile_n) * cfg.tile_n)
