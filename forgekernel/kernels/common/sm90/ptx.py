@@ -1,5 +1,5 @@
 """PTX instructions the DSL does not wrap, as inline assembly: a packed 16-bit convert, 1-D
-bulk copy / bulk reduce-add, acquire / release / fetch-add on a global int, a generic-to-async proxy
+bulk copy / bulk reduce-add, acquire / release on a global int, a generic-to-async proxy
 fence for global memory, and a threadIdx read the compiler may not hoist."""
 
 from __future__ import annotations
@@ -118,18 +118,3 @@ def fence_proxy_async_global(*, loc=None, ip=None) -> None:
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
-
-
-@dsl_user_op
-def atom_add_acq_rel_gpu(ptr, val, *, loc=None, ip=None) -> Int32:
-    """The int at `ptr` before adding `val` to it (acquire-release, GPU scope)."""
-    v = llvm.inline_asm(
-        T.i32(),
-        [ptr.llvm_ptr, Int32(val).ir_value(loc=loc, ip=ip)],
-        "atom.add.acq_rel.gpu.global.s32 $0, [$1], $2;",
-        "=r,l,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-    return Int32(v)

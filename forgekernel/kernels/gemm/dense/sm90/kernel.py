@@ -58,6 +58,7 @@ from cutlass.cute.nvgpu import OperandMajorMode
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
+from forgekernel.kernels.common.sm90.atomics import atom_add_acq_rel_gpu
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY, THREADS_PER_WG
 from forgekernel.kernels.common.sm90.pipeline import (
@@ -68,7 +69,6 @@ from forgekernel.kernels.common.sm90.pipeline import (
     smem_tensor,
     tma_pipeline,
 )
-from forgekernel.kernels.common.sm90.ptx import atom_add_acq_rel_gpu
 from forgekernel.kernels.common.sm90.scheduler.static import StaticSchedule, StaticScheduler
 from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
 
