@@ -6,6 +6,7 @@ from forgekernel.ops import (
     attention_varlen,
     attention_varlen_backward,
     gemm,
+    gemm_fp8,
     tune_gemm,
 )
 
@@ -16,5 +17,6 @@ __all__ = [
     "attention_varlen",
     "attention_varlen_backward",
     "gemm",
+    "gemm_fp8",
     "tune_gemm",
 ]

@@ -38,10 +38,10 @@ def run(cfg, a, b, c, ctas=None):
     fn = get_kernel(SPEC, params_for("bfloat16", False, cfg))
     clusters = SMS // (cfg.cluster_m * cfg.cluster_n)
     if not cfg.stream_k:
-        return fn(a, b, c, None, None, 0, clusters)
+        return fn(a, b, c, None, None, 0, None, None, clusters)
     per, g, tiles = stream_plan(cfg, m, n, k, SMS if ctas is None else ctas)
     work, flags = L.split_workspace(a.device, tiles, 2 * g * cfg.tile_m * cfg.tile_n)
-    fn(a, b, c, work, flags, per, clusters)
+    fn(a, b, c, work, flags, per, None, None, clusters)
 
 
 def check(out):

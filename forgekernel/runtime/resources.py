@@ -79,5 +79,5 @@ def inspect_cubin(cubin: str | os.PathLike | None) -> dict[str, Any]:
         "FFMA",
     )
     out["sass"] = {k: v for k, v in ops.items() if k in keep}
-    out["hgmma"] = ops.get("HGMMA", 0) > 0
+    out["hgmma"] = ops.get("HGMMA", 0) + ops.get("QGMMA", 0) > 0  # warpgroup MMA, 16 / 8 bit
     return out

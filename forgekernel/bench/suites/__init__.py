@@ -12,6 +12,7 @@ from forgekernel.bench.suite import OpSuite
 
 SUITE_MODULES = {
     "gemm": "forgekernel.bench.suites.gemm",
+    "gemm_fp8": "forgekernel.bench.suites.gemm_fp8",
     "attention": "forgekernel.bench.suites.attention",
     # Registered: tests/test_ledger_gate.py fails until a GPU `forgekernel check attention_bwd`
     # has passed on the current bwd kernel sources (benchmarks/results/<arch>/attention_bwd.json).

@@ -35,6 +35,8 @@ def compile_gemm(params: dict, arch: str = "sm_90a", extra_options: str = ""):
         work,
         flags,
         cutlass.Int32(0),
+        None,
+        None,
         cutlass.Int32(1),
         fake.stream(),
         options=fake.options(arch, extra_options),

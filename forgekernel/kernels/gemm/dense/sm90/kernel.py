@@ -37,6 +37,14 @@ waves (decode: M <= 64 against a weight).
 decode); WGMMA still reads tile_m rows, the rest stale shared memory whose accumulator rows are
 never stored. The box no longer reads past M (zero fill) and each stage moves fewer bytes.
 
+Block-scaled FP8 (`forgekernel.gemm_fp8`, the `gemm_fp8_sm90` leaf): A and B float8_e4m3fn,
+tile_k = 128 = the scale block; mSFA (M, K/128) fp32 per 1x128 group of A, mSFB
+(ceil(N/128), K/128) per 128x128 block of B. Each k-tile's WGMMAs accumulate into a fresh
+fp32 fragment that is waited for and added into the tile's accumulator times its two scales
+(the tensor core's FP8 accumulation keeps ~14 bits: promoted every 128 of K). tile_n = 128,
+so that a tile's columns share one block of B's scales (its N edge is not moved back); B
+"nk" only (8-bit WGMMA operands are K-major).
+
 Constraints: A (M, K) K-major; B (N, K) K-major ("nk") or (K, N) N-major ("kn"); C (M, N)
 row-major; every leading stride a multiple of 8 elements (16 bytes, TMA) and base addresses
 16-byte aligned. M, N, K are dynamic; ragged edges are handled by TMA bounds (zero-filled
@@ -85,8 +93,8 @@ class GemmSm90:
             raise ValueError(f"tile_m must be 64 or 128, got {config.tile_m}")
         if config.tile_n not in (64, 128, 192, 256):
             raise ValueError(f"tile_n must be 64/128/192/256, got {config.tile_n}")
-        if config.tile_k != 64:
-            raise ValueError(f"tile_k must be 64, got {config.tile_k}")
+        if config.tile_k not in (64, 128):
+            raise ValueError(f"tile_k must be 64 (16-bit) or 128 (8-bit), got {config.tile_k}")
         if config.tile_n % config.epi_n or config.epi_n not in (32, 64):
             raise ValueError(f"epi_n must be 32 or 64 and divide tile_n, got {config.epi_n}")
         if config.cluster_m * config.cluster_n > 4:
@@ -174,13 +182,16 @@ class GemmSm90:
         mWork: cute.Tensor | None,
         mFlags: cute.Tensor | None,
         per_cta: cutlass.Int32,
+        mSFA: cute.Tensor | None,
+        mSFB: cute.Tensor | None,
         max_active_clusters: cutlass.Int32,
         stream: cuda.CUstream,
     ):
         """mA (M, K); mB (N, K) or, N-major, its (K, N) transpose; mC (M, N). Stream K only:
         `per_cta` k-iterations per CTA (the grid: all of them over per_cta), mWork fp32
         (>= 2 x CTAs x tile_m x tile_n,) 16-byte aligned, mFlags int32 (>= tiles,) zero
-        (every launch leaves it zero); otherwise None, None, 0."""
+        (every launch leaves it zero); otherwise None, None, 0. FP8: mSFA, mSFB the block scales
+        (module docstring); otherwise None, None."""
         if cutlass.const_expr(self.b_kn):
             # (K, N) row-major seen as (N, K) with unit stride along N.
             mB = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 0]))
@@ -190,6 +201,11 @@ class GemmSm90:
         self.a_major = LayoutEnum.from_tensor(mA)
         self.b_major = LayoutEnum.from_tensor(mB)
         self.c_major = LayoutEnum.from_tensor(mC)
+        self.scaled = mSFA is not None
+        if cutlass.const_expr(self.cfg.tile_k * self.a_dtype.width != 128 * 8):
+            raise ValueError(f"tile_k = {self.cfg.tile_k} is not 128 bytes of {self.a_dtype}")
+        if cutlass.const_expr(self.scaled and (self.cfg.tile_n != 128 or self.cfg.stream_k)):
+            raise ValueError("block-scaled FP8 takes tile_n = 128 without stream K")
         self._setup()
 
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
@@ -257,6 +273,8 @@ class GemmSm90:
             mWork,
             mFlags,
             per_cta,
+            mSFA,
+            mSFB,
         ).launch(
             grid=grid,
             block=[self.threads_per_cta, 1, 1],
@@ -285,6 +303,8 @@ class GemmSm90:
         mWork: cute.Tensor | None,
         mFlags: cute.Tensor | None,
         per_cta: cutlass.Int32,
+        mSFA: cute.Tensor | None,
+        mSFB: cute.Tensor | None,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -357,6 +377,14 @@ class GemmSm90:
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             mma = (tiled_mma, tCrA, tCrB, acc)
+            if cutlass.const_expr(self.scaled):
+                # the per-k-tile fragment, and the tile rows of this thread's accumulator rows
+                # (an SM90 fp32 fragment: values 4i + 0/1 on one row, 4i + 2/3 eight rows down)
+                rows = thr_mma.partition_C(
+                    cute.make_identity_tensor((self.cfg.tile_m, self.cfg.tile_n))
+                )
+                tmp = cute.make_rmem_tensor(acc.layout.shape, self.acc_dtype)
+                mma = (tiled_mma, tCrA, tCrB, acc, (tmp, rows[0][0], rows[2][0], mSFA, mSFB))
             split_io = (mWork, mFlags, storage.split_last.get_tensor(cute.make_layout(2)))
             c_src = (mC, shift)
             self._consume(
@@ -452,8 +480,9 @@ class GemmSm90:
         if cutlass.const_expr(not self.cfg.stream_k):
             if m >= self.cfg.tile_m:
                 pad_m = tiles_m * self.cfg.tile_m - m
-            if n >= self.cfg.tile_n:
-                pad_n = tiles_n * self.cfg.tile_n - n
+            if cutlass.const_expr(not self.scaled):  # B's scales come in aligned 128 blocks
+                if n >= self.cfg.tile_n:
+                    pad_n = tiles_n * self.cfg.tile_n - n
         return pad_m, pad_n, tiles_m, tiles_n
 
     @cute.jit
@@ -471,7 +500,7 @@ class GemmSm90:
     def _consume(self, tidx, warp_idx, mma, ab_pipe, sC, c_src, tma_c, schedule, streamk, split_io):
         """The consumer warpgroups: each unit's mainloop, then the tile's epilogue (stream K:
         after the tile's parts are summed, by the last to arrive)."""
-        tiled_mma, tCrA, tCrB, acc = mma
+        tiled_mma, tCrA, tCrB, acc = mma[:4]
         epi_barrier = named_barrier(Bar.EPILOGUE, self.num_mma_threads)
         read = consumer_state(self.stages)
         release = consumer_state(self.stages)
@@ -519,9 +548,16 @@ class GemmSm90:
             while sched.valid(work):
                 tile_m, tile_n = sched.tile(work)
                 work = sched.next(work)
-                read, release, tiled_mma = self._mainloop(
-                    streamk[1], tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release
-                )
+                if cutlass.const_expr(self.scaled):
+                    row0, _ = self._tail_shift(tile_m, tile_n, c_src[1])
+                    where = (row0 + tile_m * self.cfg.tile_m, tile_n, c_src[0].shape[0])
+                    read, release, tiled_mma = self._mainloop_scaled(
+                        streamk[1], mma, where, ab_pipe, read, release
+                    )
+                else:
+                    read, release, tiled_mma = self._mainloop(
+                        streamk[1], tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release
+                    )
                 gC_tile = self._c_tile(c_src, tile_m, tile_n)
                 self._epilogue(gC_tile, tma_c, sC, epi, warp_idx, tiles_done)
                 tiles_done += 1
@@ -615,6 +651,40 @@ class GemmSm90:
         cute.nvgpu.warpgroup.wait_group(0)
         ab_pipe.consumer_release(release)  # the op layer never launches with K == 0
         release.advance()
+        return read, release, tiled_mma
+
+    @cute.jit
+    def _mainloop_scaled(self, k_tiles, mma, where, ab_pipe, read, release):
+        """Block-scaled FP8: per k-tile, tmp = its A B^T (WGMMA), then acc += tmp x the scales
+        of its rows' 1x128 groups and of the tile's 128x128 block of B. The scales are loaded
+        one k-tile ahead; each stage is released as soon as its WGMMAs are done."""
+        tiled_mma, tCrA, tCrB, acc, (tmp, r0, r1, mSFA, mSFB) = mma
+        first_row, tile_n, m = where
+        # rows past M (a problem shorter than one tile) read row M - 1: they are never stored
+        row0 = cutlass.min(first_row + r0, m - 1)
+        row1 = cutlass.min(first_row + r1, m - 1)
+        k_blocks = cute.size(tCrA, mode=[2])
+        acc.fill(0.0)
+        # scales one k-tile ahead: their loads are in flight during the previous promotion
+        sa0, sa1, sb = mSFA[row0, 0], mSFA[row1, 0], mSFB[tile_n, 0]
+        for kt in range(k_tiles):
+            s0 = sa0 * sb
+            s1 = sa1 * sb
+            nxt = cutlass.min(kt + 1, k_tiles - 1)
+            sa0, sa1, sb = mSFA[row0, nxt], mSFA[row1, nxt], mSFB[tile_n, nxt]
+            ab_pipe.consumer_wait(read)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range_constexpr(k_blocks):
+                crd = (None, None, kb, read.index)
+                cute.gemm(tiled_mma, tmp, tCrA[crd], tCrB[crd], tmp)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            cute.nvgpu.warpgroup.commit_group()
+            cute.nvgpu.warpgroup.wait_group(0)
+            ab_pipe.consumer_release(read)
+            read.advance()
+            for v in cutlass.range_constexpr(cute.size(acc)):
+                acc[v] = acc[v] + tmp[v] * (s1 if (v // 2) % 2 else s0)
         return read, release, tiled_mma
 
     @cute.jit

@@ -1,0 +1,223 @@
+"""Block-scaled FP8 GEMM suite (DeepSeek-V3's recipe): C = (A x sa) @ (B x sb)^T, A (M, K) and
+B (N, K) float8_e4m3fn, sa (M, K/128) per 1x128 group, sb (ceil(N/128), K/128) per 128x128
+block. The suite's dtypes are the output's (bf16, fp16); the inputs are FP8 quantized from
+fresh random fp32 values, each group / block scaled to use the e4m3 range (amax -> 448).
+Comparators: cuBLASLt's block-scaled `torch._scaled_mm`, with A's scales column-major (the
+layout DeepGEMM and cuBLASLt document) and row-major (which picks another cuBLASLt path);
+DeepGEMM's `fp8_gemm_nt` where `deep_gemm` is installed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from forgekernel.bench.suite import Case, Inputs, OpSuite
+from forgekernel.kernels.gemm.fp8.sm90 import SPEC
+
+E4M3_MAX = 448.0
+
+
+def _case(m: int, n: int, k: int, *, group: str = "", source: str = "") -> Case:
+    params = {"m": m, "n": n, "k": k, **({"source": source} if source else {})}
+    return Case(f"{m}x{n}x{k}", params, group)
+
+
+# DeepSeek-V3 (q_a 7168 -> 1536, kv_a -> 576, q_b 1536 -> 24576, o 16384 -> 7168, FFN 7168 <->
+# 18432, MoE-sized 7168 <-> 2048 / 4096) and Qwen3-32B (qkv, gate_up, down) projections at
+# M = 1 to 16384, and 8192^3. The shapes of the H200 comparator anchors are among them.
+BENCH_CASES = (
+    _case(1, 7168, 16384, group="decode", source="deepseek-v3.o"),
+    _case(16, 7168, 2048, group="decode", source="deepseek-v3.moe_down"),
+    _case(64, 4096, 7168, group="decode", source="deepseek-v3.moe_gate_up"),
+    _case(16, 24576, 1536, group="decode", source="deepseek-v3.q_b"),
+    _case(64, 36864, 7168, group="decode", source="deepseek-v3.gate_up"),
+    _case(1, 10240, 5120, group="decode", source="qwen3-32b.qkv"),
+    _case(128, 7168, 16384, group="mid", source="deepseek-v3.o"),
+    _case(128, 1536, 7168, group="mid", source="deepseek-v3.q_a"),
+    _case(512, 51200, 5120, group="mid", source="qwen3-32b.gate_up"),
+    _case(512, 576, 7168, group="mid", source="deepseek-v3.kv_a"),
+    _case(4096, 7168, 2048, group="prefill", source="deepseek-v3.moe_down"),
+    _case(4096, 36864, 7168, group="prefill", source="deepseek-v3.gate_up"),
+    _case(16384, 7168, 18432, group="prefill", source="deepseek-v3.down"),
+    _case(16384, 5120, 25600, group="prefill", source="qwen3-32b.down"),
+    _case(8192, 8192, 8192, group="square"),
+)
+# Awkward edges: M = 1, M off every tile, N off 128 (a partial scale block) and off 8 (the
+# padded output path), the shortest K, long K (the promotion every 128 of K matters there).
+CHECK_CASES = (
+    _case(1, 128, 128),
+    _case(7, 136, 256),
+    _case(16, 4096, 4096),
+    _case(33, 1001, 512),
+    _case(100, 1000, 1024),
+    _case(129, 264, 7168),
+    _case(200, 7168, 128),
+    _case(300, 2048, 16384),
+    _case(1, 576, 7168),
+    _case(1000, 3000, 4096),
+)
+# compute-sanitizer: every standard configuration (decode a8 / a16 / a32, skinny, mid, large).
+SANITIZE_CASES = (
+    _case(1, 256, 256),
+    _case(12, 264, 384),
+    _case(20, 1000, 256),
+    _case(40, 136, 512),
+    _case(100, 520, 384),
+    _case(300, 1000, 640),
+)
+
+
+def _quantize(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (R, K) fp32 -> (FP8, fp32 scales (ceil(R/rows), K/128)): each rows x 128 block scaled
+    so that its largest magnitude maps to 448."""
+    r, k = x.shape
+    rp = -(-r // rows) * rows
+    xp = torch.zeros(rp, k, dtype=x.dtype, device=x.device)
+    xp[:r] = x
+    blocks = xp.view(rp // rows, rows, k // 128, 128)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-4)
+    scale = amax / E4M3_MAX
+    q = (blocks / scale[:, None, :, None]).view(rp, k)[:r].to(torch.float8_e4m3fn)
+    return q, scale.float()
+
+
+def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, gen: torch.Generator):
+    p = case.params
+    a32 = torch.randn(p["m"], p["k"], device=device, generator=gen)
+    b32 = torch.randn(p["n"], p["k"], device=device, generator=gen)
+    a, sa = _quantize(a32, 1)
+    b, sb = _quantize(b32, 128)
+    return {"a": a, "b": b, "sa": sa, "sb": sb, "out_dtype": dtype}
+
+
+def alloc_out(inputs: Inputs) -> torch.Tensor:
+    a, b = inputs["a"], inputs["b"]
+    return torch.empty(a.shape[0], b.shape[0], dtype=inputs["out_dtype"], device=a.device)
+
+
+def run_ours(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
+    from forgekernel.ops.gemm_fp8 import gemm_fp8
+
+    return gemm_fp8(
+        inputs["a"], inputs["b"], inputs["sa"], inputs["sb"], out_dtype=inputs["out_dtype"],
+        out=out,
+    )  # fmt: skip
+
+
+def reference(inputs: Inputs) -> torch.Tensor:
+    from forgekernel.reference.gemm import gemm_fp8_ref
+
+    return gemm_fp8_ref(inputs["a"], inputs["b"], inputs["sa"], inputs["sb"])
+
+
+def _scaled_mm_call(inputs: Inputs, sa_layout: str):
+    """cuBLASLt's block-scaled GEMM as torch exposes it, the first argument arrangement this
+    torch accepts that reproduces the reference (found once per input set, outside any
+    timing), or None."""
+    key = f"scaled_mm_{sa_layout}"
+    if key not in inputs:
+        inputs[key] = None
+        a, b, sa, sb = inputs["a"], inputs["b"], inputs["sa"], inputs["sb"]
+        sa_arg = sa.t().contiguous().t() if sa_layout == "col" else sa.contiguous()
+        ref = reference(inputs)
+        tol = 0.02 * float(ref.abs().max()) + 1e-3
+        for sb_arg in (sb.contiguous(), sb.t().contiguous(), sb.t()):
+
+            def call(sb_arg=sb_arg, sa_arg=sa_arg):
+                return torch._scaled_mm(a, b.t(), sa_arg, sb_arg, out_dtype=inputs["out_dtype"])
+
+            try:
+                c = call()
+            except Exception:  # noqa: BLE001 (this arrangement is not the one torch takes)
+                continue
+            if c.shape == ref.shape and float((c.float() - ref).abs().max()) <= tol:
+                inputs[key] = call
+                break
+    return inputs[key]
+
+
+def low_precision(inputs: Inputs) -> torch.Tensor:
+    """cuBLASLt's block-scaled GEMM where it takes the problem (it promotes too); else the
+    operands dequantized to the output dtype and multiplied there."""
+    call = _scaled_mm_call(inputs, "col") if torch.cuda.is_available() else None
+    if call is not None:
+        return call()
+    d = inputs["out_dtype"]
+    a, b, sa, sb = inputs["a"], inputs["b"], inputs["sa"], inputs["sb"]
+    ad = (a.float() * sa.repeat_interleave(128, 1)).to(d)
+    n = b.shape[0]
+    bd = (b.float() * sb.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)).to(d)
+    return ad @ bd.t()
+
+
+def _cublaslt(sa_layout: str):
+    def run(inputs: Inputs) -> torch.Tensor:
+        call = _scaled_mm_call(inputs, sa_layout)
+        if call is None:
+            raise RuntimeError("torch._scaled_mm does not take this block-scaled problem")
+        return call()
+
+    return run
+
+
+def _deepgemm():
+    try:
+        import deep_gemm
+    except ImportError:
+        return None
+
+    def run(inputs: Inputs) -> torch.Tensor:
+        if "deepgemm" not in inputs:
+            sa = inputs["sa"]
+            align = getattr(deep_gemm, "get_mn_major_tma_aligned_tensor", None)
+            inputs["deepgemm"] = (align(sa) if align else sa, alloc_out(inputs))
+        sa, d = inputs["deepgemm"]
+        deep_gemm.fp8_gemm_nt((inputs["a"], sa), (inputs["b"], inputs["sb"]), d)
+        return d
+
+    return run
+
+
+def comparators() -> dict[str, Any]:
+    if not torch.cuda.is_available():
+        return {"cublaslt": None, "cublaslt_rowmajor_sa": None, "deepgemm": None}
+    return {
+        "cublaslt": _cublaslt("col"),
+        "cublaslt_rowmajor_sa": _cublaslt("row"),
+        "deepgemm": _deepgemm(),
+    }
+
+
+def flops(case: Case) -> float:
+    p = case.params
+    return 2.0 * p["m"] * p["n"] * p["k"]
+
+
+def nbytes(case: Case, dtype: torch.dtype) -> float:
+    """FP8 operands, their scales and the 16-bit output."""
+    p = case.params
+    m, n, k = p["m"], p["n"], p["k"]
+    scales = 4 * (m * k // 128 + -(-n // 128) * (k // 128))
+    return float(m * k + n * k + scales + 2 * m * n)
+
+
+def suite() -> OpSuite:
+    return OpSuite(
+        name="gemm_fp8",
+        kernel_sources=SPEC.sources,
+        dtypes=(torch.bfloat16, torch.float16),
+        check_cases=CHECK_CASES,
+        bench_cases=BENCH_CASES,
+        make_inputs=make_inputs,
+        alloc_out=alloc_out,
+        run_ours=run_ours,
+        reference=reference,
+        low_precision=low_precision,
+        comparators=comparators,
+        flops=flops,
+        bytes=nbytes,
+        atol=1e-2,
+        bench_dtypes=(torch.bfloat16,),
+        sanitize_cases=SANITIZE_CASES,
+    )

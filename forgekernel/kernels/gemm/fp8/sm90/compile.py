@@ -1,0 +1,44 @@
+"""Compile the block-scaled FP8 GEMM against fake tensors: M, N, K and every stride dynamic
+(the scales' too: row- or column-major alike)."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_tensor
+
+from forgekernel.kernels.common.sm90 import fake
+from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
+from forgekernel.kernels.gemm.dense.sm90.kernel import GemmSm90
+
+
+def compile_gemm_fp8(params: dict, arch: str = "sm_90a", extra_options: str = ""):
+    """The FP8 GEMM of `params` (a compile key: out dtype and the GemmConfig fields)."""
+    fp8 = cutlass.Float8E4M3FN
+    m = cute.sym_int32()
+    n = cute.sym_int32(divisibility=8)
+    k = cute.sym_int32(divisibility=128)
+    a = fake.rowmajor(fp8, (m, k), divisibility=16)
+    b = fake.rowmajor(fp8, (n, k), divisibility=16)
+    c = fake.rowmajor(fake.dtype_of(params["out"]), (m, n))
+
+    def scales():
+        shape = (cute.sym_int32(), cute.sym_int32())
+        stride = (cute.sym_int64(), cute.sym_int64())
+        return make_fake_tensor(cutlass.Float32, shape, stride=stride, assumed_align=4)
+
+    cfg = GemmConfig.from_params({k_: v for k_, v in params.items() if k_ != "out"})
+    return cute.compile(
+        GemmSm90(cfg),
+        a,
+        b,
+        c,
+        None,
+        None,
+        cutlass.Int32(0),
+        scales(),
+        scales(),
+        cutlass.Int32(1),
+        fake.stream(),
+        options=fake.options(arch, extra_options),
+    )

@@ -1,0 +1,34 @@
+"""Block-scaled FP8 GEMM configurations (the dense GEMM's kernel with 8-bit operands and
+1x128 / 128x128 scales, tile_k = 128 = one scale block, tile_n = 128): the standard set and
+the chooser. DSL-free."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict
+
+from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
+
+OUT_DTYPES = ("bfloat16", "float16")
+# 128x128 with B multicast over a 2x1 cluster for M > 128; 64x128 with B shared by the two row
+# tiles for M <= 128; M <= 64 with A's box only as tall as M (8 / 16 / 32 rows: a box reaching
+# past M halves the streaming rate, docs/gemm/NOTES.md) and A multicast over a 1x2 cluster.
+LARGE = GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=2)
+MID = GemmConfig(tile_m=64, tile_n=128, tile_k=128, cluster_m=2)
+SKINNY = GemmConfig(tile_m=64, tile_n=128, tile_k=128, cluster_m=1, cluster_n=2)
+A_ROWS = (8, 16, 32)
+DECODE = tuple(dataclasses.replace(SKINNY, a_rows=r) for r in A_ROWS)
+STANDARD_CONFIGS = (LARGE, MID, SKINNY, *DECODE)
+
+
+def params_for(out_dtype: str, cfg: GemmConfig) -> tuple:
+    """The compile key's baked-in part: the output dtype and the GemmConfig fields."""
+    return tuple(sorted({"out": out_dtype, **asdict(cfg)}.items()))
+
+
+def choose_config(m: int, n: int, k: int) -> GemmConfig:
+    if m <= 64:
+        return next((c for c in DECODE if m <= c.a_rows), SKINNY)
+    if m <= 128:
+        return MID
+    return LARGE
