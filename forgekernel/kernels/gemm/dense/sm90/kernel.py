@@ -663,6 +663,8 @@ class GemmSm90:
         # rows past M (a problem shorter than one tile) read row M - 1: they are never stored
         row0 = cutlass.min(first_row + r0, m - 1)
         row1 = cutlass.min(first_row + r1, m - 1)
+        # a cluster's CTA past N (odd tile count) reads the last block's scales, never stored
+        tile_n = cutlass.min(tile_n, mSFB.shape[0] - 1)
         k_blocks = cute.size(tCrA, mode=[2])
         acc.fill(0.0)
         # scales one k-tile ahead: their loads are in flight during the previous promotion
