@@ -6,7 +6,6 @@ from forgekernel.ops import (
     attention_varlen,
     attention_varlen_backward,
     gemm,
-    gemm_fp8,
     tune_gemm,
 )
 
@@ -17,6 +16,5 @@ __all__ = [
     "attention_varlen",
     "attention_varlen_backward",
     "gemm",
-    "gemm_fp8",
     "tune_gemm",
 ]

@@ -1,6 +1,7 @@
-"""forgekernel.gemm_fp8 on the CPU: argument errors, the configuration per M, the launcher's
-arguments (a stand-in kernel computing the reference), the suite's quantized inputs against
-their fp32 source, and the custom op's fake implementation."""
+"""forgekernel.ops.gemm_fp8 (not exported yet: its GPU check is pending, issue 21) on the
+CPU: argument errors, the configuration per M, the launcher's arguments (a stand-in kernel
+computing the reference), the suite's quantized inputs against their fp32 source, and the
+custom op's fake implementation."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import importlib
 import pytest
 import torch
 
-import forgekernel
 from forgekernel.bench.suites import gemm_fp8 as suite_module
 from forgekernel.kernels.gemm.fp8.sm90 import SPEC
 from forgekernel.kernels.gemm.fp8.sm90 import launch as fp8_sm90
@@ -75,7 +75,7 @@ def test_bad_arguments_name_the_argument(kwargs, err, match):
         **kwargs,
     }
     with pytest.raises(err, match=match):
-        forgekernel.gemm_fp8(
+        op_module.gemm_fp8(
             args["a"], args["b"], args["sa"], args["sb"],
             out_dtype=kwargs.get("out_dtype", torch.bfloat16), out=kwargs.get("out"),
         )  # fmt: skip
@@ -100,7 +100,7 @@ def test_launcher_arguments(monkeypatch, m, n, k):
     monkeypatch.setattr(fp8_sm90, "get_kernel", get_kernel)
     monkeypatch.setattr(fp8_sm90, "num_sms", lambda device: 132)
     a, b, sa, sb = _operands(m, n, k)
-    c = forgekernel.gemm_fp8(a, b, sa, sb)
+    c = op_module.gemm_fp8(a, b, sa, sb)
     want = gemm_fp8_ref(a, b, sa, sb).to(torch.bfloat16)
     assert c.shape == (m, n) and torch.equal(c, want)
     params, clusters = calls[-1]

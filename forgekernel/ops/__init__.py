@@ -4,7 +4,6 @@ from forgekernel.ops.attention import attention
 from forgekernel.ops.attention_bwd import attention_backward, attention_varlen_backward
 from forgekernel.ops.attention_varlen import attention_varlen
 from forgekernel.ops.gemm import gemm, tune_gemm
-from forgekernel.ops.gemm_fp8 import gemm_fp8
 
 __all__ = [
     "attention",
@@ -12,6 +11,5 @@ __all__ = [
     "attention_varlen",
     "attention_varlen_backward",
     "gemm",
-    "gemm_fp8",
     "tune_gemm",
 ]

@@ -10,9 +10,12 @@ from collections.abc import Iterable
 
 from forgekernel.bench.suite import OpSuite
 
+# Not yet registered: "gemm_fp8" (forgekernel.bench.suites.gemm_fp8), until a GPU `forgekernel
+# check gemm_fp8` passes on its kernel (issue 21; the first run, 2026-12-01, found the A-scale
+# rows wrong for M > 1, since fixed and not re-run). Registering it puts it under
+# tests/test_ledger_gate.py.
 SUITE_MODULES = {
     "gemm": "forgekernel.bench.suites.gemm",
-    "gemm_fp8": "forgekernel.bench.suites.gemm_fp8",
     "attention": "forgekernel.bench.suites.attention",
     # Registered: tests/test_ledger_gate.py fails until a GPU `forgekernel check attention_bwd`
     # has passed on the current bwd kernel sources (benchmarks/results/<arch>/attention_bwd.json).

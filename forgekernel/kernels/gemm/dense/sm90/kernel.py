@@ -378,8 +378,10 @@ class GemmSm90:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             mma = (tiled_mma, tCrA, tCrB, acc)
             if cutlass.const_expr(self.scaled):
-                # the per-k-tile fragment, and the tile rows of this thread's accumulator rows
-                # (an SM90 fp32 fragment: values 4i + 0/1 on one row, 4i + 2/3 eight rows down)
+                # the per-k-tile fragment, and the tile rows of the accumulator (an SM90 fp32
+                # fragment: values 4i + 0/1 on one row, 4i + 2/3 eight rows down). thr_mma is
+                # the warpgroup's slice: these are its first thread's rows, not this thread's;
+                # the FP8 leaf's GemmFp8Sm90._mainloop_scaled takes each thread's own.
                 rows = thr_mma.partition_C(
                     cute.make_identity_tensor((self.cfg.tile_m, self.cfg.tile_n))
                 )

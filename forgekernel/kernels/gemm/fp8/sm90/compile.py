@@ -9,17 +9,17 @@ from cutlass.cute.runtime import make_fake_tensor
 
 from forgekernel.kernels.common.sm90 import fake
 from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
-from forgekernel.kernels.gemm.dense.sm90.kernel import GemmSm90
+from forgekernel.kernels.gemm.fp8.sm90.kernel import GemmFp8Sm90
 
 
 def compile_gemm_fp8(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     """The FP8 GEMM of `params` (a compile key: out dtype and the GemmConfig fields)."""
     fp8 = cutlass.Float8E4M3FN
     m = cute.sym_int32()
-    n = cute.sym_int32(divisibility=8)
+    n = cute.sym_int32(divisibility=8)  # C's columns: N rounded up to 8 by the launcher
     k = cute.sym_int32(divisibility=128)
     a = fake.rowmajor(fp8, (m, k), divisibility=16)
-    b = fake.rowmajor(fp8, (n, k), divisibility=16)
+    b = fake.rowmajor(fp8, (cute.sym_int32(), k), divisibility=16)  # B's rows: N itself
     c = fake.rowmajor(fake.dtype_of(params["out"]), (m, n))
 
     def scales():
@@ -29,7 +29,7 @@ def compile_gemm_fp8(params: dict, arch: str = "sm_90a", extra_options: str = ""
 
     cfg = GemmConfig.from_params({k_: v for k_, v in params.items() if k_ != "out"})
     return cute.compile(
-        GemmSm90(cfg),
+        GemmFp8Sm90(cfg),
         a,
         b,
         c,
