@@ -1,4 +1,5 @@
-"""Dense 16-bit GEMM for Hopper (sm_90a): C = A @ B^T, fp32 accumulation.
+"""Dense 16-bit (and block-scaled FP8) GEMM for Hopper (sm_90a): C = A @ B^T, fp32
+accumulation.
 
 Persistent and warp-specialized; one CTA = 1 + W warpgroups, W = tile_m / 64 consumers that
 split the M rows of each tile (cooperative). Every warpgroup walks the same static persistent
@@ -33,6 +34,12 @@ workspace in k order (deterministic), clears the flag for the next launch and ru
 epilogue. Nobody waits on another CTA. For problems whose tiles do not fill the chip in whole
 waves (decode: M <= 64 against a weight).
 
+Ragged edges: the last tile row (column) of an M (N) that is no tile multiple starts at
+M - tile_m (N - tile_n) instead, so that its TMA boxes stay in bounds (a box reaching past the
+tensor, zero-filled, streams at about half speed); it recomputes rows (columns) of the tile
+before it and writes them with the same values. Not for stream K (differently summed
+overlaps), nor along N for FP8 (B's scale blocks stay aligned).
+
 `a_rows` < tile_m: A's TMA box covers only the first a_rows rows of each stage (M <= a_rows,
 decode); WGMMA still reads tile_m rows, the rest stale shared memory whose accumulator rows are
 never stored. The box no longer reads past M (zero fill) and each stage moves fewer bytes.
@@ -43,7 +50,9 @@ tile_k = 128 = the scale block; mSFA (M, K/128) fp32 per 1x128 group of A, mSFB
 fp32 fragment that is waited for and added into the tile's accumulator times its two scales
 (the tensor core's FP8 accumulation keeps ~14 bits: promoted every 128 of K). tile_n = 128,
 so that a tile's columns share one block of B's scales (its N edge is not moved back); B
-"nk" only (8-bit WGMMA operands are K-major).
+"nk" only (8-bit WGMMA operands are K-major). The rows `kernel` hands `_mainloop_scaled` are
+its warpgroup's first thread's: the leaf's subclass (kernels/gemm/fp8/sm90/kernel.py) takes
+each thread's own.
 
 Constraints: A (M, K) K-major; B (N, K) K-major ("nk") or (K, N) N-major ("kn"); C (M, N)
 row-major; every leading stride a multiple of 8 elements (16 bytes, TMA) and base addresses
