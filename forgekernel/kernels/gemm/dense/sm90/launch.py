@@ -118,7 +118,7 @@ def gemm(
 # (device index, stream) -> (fp32 partials, int32 flags) of the stream-K kernels. A launch leaves
 # the flags zero, so the next launch on the same stream reuses them; streams do not share (two
 # GEMMs running at once would mix their partials). Outgrown buffers stay referenced: a CUDA
-# graph captured with them keeps using them.
+# graph captured with them keeps using them. A capture that needs a bigger one gets its own.
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 _OUTGROWN: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -131,6 +131,13 @@ def split_workspace(device: torch.device, tiles: int, floats: int):
     key = (device.index, stream)
     ws = _WORKSPACES.get(key)
     if ws is None or ws[0].numel() < floats or ws[1].numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # Inside a capture the zero fill only runs on replay: a buffer made here is the
+            # graph's own (zeroed by each replay), never cached for eager calls.
+            return (
+                torch.empty(floats, dtype=torch.float32, device=device),
+                torch.zeros(tiles, dtype=torch.int32, device=device),
+            )
         if ws is not None:
             _OUTGROWN.append(ws)
             floats, tiles = max(floats, ws[0].numel()), max(tiles, ws[1].numel())
