@@ -1,7 +1,8 @@
-"""Split-K / short-A-box probe of the sm90 GEMM (issue 17, decode and ragged shapes): checks
-every split configuration on awkward shapes (fp32 reference, NaN-poisoned output, bitwise
-repeat, flags left zero), then times configurations and split counts against cuBLAS (CUDA
-graphs, inputs rotated past L2) and a device copy. Writes JSON to argv[1].
+"""Stream-K / short-A-box probe of the sm90 GEMM (issue 17, decode and ragged shapes): checks
+every stream-K configuration on awkward shapes (fp64 reference, NaN-poisoned output, bitwise
+repeat, flags left zero), then times configurations and stream-K CTA counts against cuBLAS
+(CUDA graphs, inputs rotated past L2) and a device copy of the weight. Writes JSON to argv[1].
+It measured what docs/gemm/NOTES.md ("Decode, stream K and ragged edges") reports.
     python3 scripts/gemm_split_probe.py OUT.json   (the DSL installed: compiles on first use)"""
 
 from __future__ import annotations
