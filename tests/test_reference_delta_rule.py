@@ -118,6 +118,27 @@ def test_strong_decay_over_a_long_sequence(per_channel):
     check_chunked(per_channel, inputs)
 
 
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_gradients_of_both_forms_agree(per_channel):
+    """The backward's reference: autograd through either form, fp64, varlen with initial states."""
+    cu = torch.tensor([0, 30, 97])
+    inputs = [
+        x.double().requires_grad_() for x in make_inputs(1, 97, 1, 2, 16, 8, per_channel, 9, n=2)
+    ]
+    grads = []
+    for fn in (RECURRENT[per_channel], CHUNKED[per_channel]):
+        o, s = fn(
+            *inputs[:5],
+            initial_state=inputs[5],
+            output_final_state=True,
+            cu_seqlens=cu,
+            dtype=torch.float64,
+        )
+        grads.append(torch.autograd.grad((o * o.detach()).sum() + (s * s.detach()).sum(), inputs))
+    for want, got in zip(*grads):
+        assert rel_err(got, want) < FP64_TOL
+
+
 def test_chunk_size_does_not_change_the_result():
     q, k, v, g, beta, h0 = make_inputs(1, 77, 2, 4, 32, 32, True, seed=11)
     args = dict(initial_state=h0, output_final_state=True, dtype=torch.float64)

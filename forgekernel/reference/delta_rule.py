@@ -36,7 +36,9 @@ would overflow fp32 once a chunk's decay passes ~88). Masked entries get exponen
 the exp, never inf * 0. The tail chunk is zero-padded with g = 0, which changes nothing.
 
 Outputs come back in the computation dtype (`dtype`): fp64 is the yardstick, fp32 the error a
-kernel computing the same chunked math in fp32 should be compared with.
+kernel computing the same chunked math in fp32 should be compared with. Both forms are plain
+differentiable torch: autograd through the fp64 recurrence gives the backward's reference
+gradients in q, k, v, g, beta and the initial state.
 """
 
 from __future__ import annotations
@@ -405,9 +407,12 @@ def _wy_representation(k, v, beta, big_g):
 
 def _unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
     """(I + A)^-1 for strictly lower-triangular A (..., C, C), row by row:
-    T_i = e_i - sum_{m<i} A_im T_m (forward substitution; T is unit lower-triangular)."""
+    T_i = e_i - sum_{m<i} A_im T_m (forward substitution; T is unit lower-triangular). Rows are
+    stacked rather than written in place, so autograd can differentiate through it."""
     c = a.shape[-1]
-    t = torch.eye(c, dtype=a.dtype, device=a.device).expand_as(a).clone()
+    eye = torch.eye(c, dtype=a.dtype, device=a.device).expand_as(a)
+    rows = [eye[..., 0, :]]
     for i in range(1, c):
-        t[..., i, :i] = -(a[..., i : i + 1, :i] @ t[..., :i, :i]).squeeze(-2)
-    return t
+        done = torch.stack(rows, dim=-2)  # (..., i, C)
+        rows.append(eye[..., i, :] - (a[..., i : i + 1, :i] @ done).squeeze(-2))
+    return torch.stack(rows, dim=-2)
