@@ -1,0 +1,47 @@
+"""Paged GQA attention decode, sm_90a (split-KV partial pass + combine). DSL-free declaration;
+the kernels are `decode.py`. Not yet behind a public op: its first GPU check is pending
+(issue 18)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from forgekernel.kernels.attention.paged.sm90.config import (
+    DTYPES,
+    HEAD_DIMS,
+    HEADS,
+    max_heads,
+    params_for,
+)
+from forgekernel.runtime.spec import KernelSpec, Params
+
+
+def _compile(params: Params, extra_options: str = ""):
+    from forgekernel.kernels.attention.paged.sm90.compile import compile_paged
+
+    return compile_paged(dict(params), "sm_90a", extra_options)
+
+
+def _standard_params() -> list[Params]:
+    partial = [
+        params_for("partial", dtype, d, h)
+        for dtype in DTYPES
+        for d in HEAD_DIMS
+        for h in HEADS
+        if h <= max_heads(d)
+    ]
+    combine = [params_for("combine", dtype, d) for dtype in DTYPES for d in HEAD_DIMS]
+    return partial + combine
+
+
+SPEC = KernelSpec(
+    name="attention_paged_decode_sm90",
+    arch="sm_90a",
+    directory=Path(__file__).parent,
+    compile=_compile,
+    standard_params=_standard_params,
+    mma=False,
+    representative=lambda: params_for("partial", "bfloat16", 128, 4),
+)
+
+__all__ = ["SPEC", "params_for"]

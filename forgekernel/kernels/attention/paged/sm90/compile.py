@@ -1,0 +1,57 @@
+"""Compile the paged decode kernels against fake tensors: batch, heads, pages, splits, the page
+size, the group and every outer stride dynamic (a combined (pages, 2, page_size, Hkv, D)
+cache's K and V views included); head dim, heads per CTA and dtype baked in."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_tensor
+
+from forgekernel.kernels.attention.paged.sm90.decode import PagedCombineSm90, PagedDecodeSm90
+from forgekernel.kernels.common.sm90 import fake
+
+
+def _dense(dtype, rank: int) -> cute.Tensor:
+    """A contiguous tensor of `rank` dynamic dims."""
+    shape = tuple(cute.sym_int32() for _ in range(rank))
+    stride = tuple(cute.sym_int64() for _ in range(rank - 1))
+    return make_fake_tensor(dtype, shape, stride=(*stride, 1), assumed_align=4)
+
+
+def compile_paged(params: dict, arch: str = "sm_90a", extra_options: str = ""):
+    dtype = fake.dtype_of(params["dtype"])
+    d = params["head_dim"]
+    opts = fake.options(arch, extra_options)
+    b, hq, hkv = (cute.sym_int32() for _ in range(3))
+    if params["kind"] == "combine":
+        o = fake.rowmajor(dtype, (b, hq, d), divisibility=1, align=None)
+        return cute.compile(
+            PagedCombineSm90(d),
+            _dense(cutlass.Float32, 4),
+            _dense(cutlass.Float32, 3),
+            o,
+            _dense(cutlass.Float32, 2),
+            fake.stream(),
+            options=opts,
+        )
+    q = fake.rowmajor(dtype, (b, hq, d))
+    pages, page_size = cute.sym_int32(), cute.sym_int32()
+    k = fake.rowmajor(dtype, (pages, page_size, hkv, d))
+    v = fake.rowmajor(dtype, (pages, page_size, hkv, d))
+    return cute.compile(
+        PagedDecodeSm90(d, params["heads"]),
+        q,
+        k,
+        v,
+        _dense(cutlass.Int32, 2),
+        make_fake_tensor(cutlass.Int32, (b,), stride=(1,)),
+        _dense(cutlass.Float32, 4),
+        _dense(cutlass.Float32, 3),
+        cutlass.Float32(1.0),
+        cutlass.Int32(1),
+        cutlass.Int32(1),
+        cutlass.Int32(1),
+        fake.stream(),
+        options=opts,
+    )

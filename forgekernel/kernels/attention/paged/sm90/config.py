@@ -1,0 +1,46 @@
+"""Paged GQA decode configurations (DSL-free): the compiled variants and the split-KV plan."""
+
+from __future__ import annotations
+
+DTYPES = ("float16", "bfloat16")
+HEAD_DIMS = (64, 128, 256)
+HEADS = (1, 2, 4, 8, 16)  # query heads per CTA (a divisor of the group Hq / Hkv)
+THREADS = 128
+WARPS = THREADS // 32
+# CTAs the split plan aims for: a few per SM, so that enough loads are in flight to stream the
+# cache (one CTA keeps 4 warps x UNROLL tokens of K and V in flight).
+CTAS_PER_SM = 4
+MIN_TOKENS_PER_SPLIT = 256
+
+
+def max_heads(head_dim: int) -> int:
+    """The most query heads one CTA holds in registers (heads x D <= 2048)."""
+    return min(16, 2048 // head_dim)
+
+
+def heads_per_cta(group: int, head_dim: int) -> int:
+    """The largest compiled heads-per-CTA that divides the group and fits the registers."""
+    return max(h for h in HEADS if group % h == 0 and h <= max_heads(head_dim))
+
+
+def params_for(kind: str, dtype: str, head_dim: int, heads: int = 1) -> tuple:
+    """Compile key: kind "partial" (one split's attention of `heads` query heads, fp32 out)
+    or "combine" (the splits merged into the output; no heads)."""
+    if kind == "combine":
+        return tuple(sorted({"kind": kind, "dtype": dtype, "head_dim": head_dim}.items()))
+    return tuple(
+        sorted({"kind": kind, "dtype": dtype, "head_dim": head_dim, "heads": heads}.items())
+    )
+
+
+def split_plan(batch: int, head_blocks: int, max_tokens: int, num_sms: int) -> tuple[int, int]:
+    """(splits, tokens per split): enough (batch, head block, split) CTAs for `CTAS_PER_SM` per
+    SM, none shorter than `MIN_TOKENS_PER_SPLIT` tokens (a split costs a partial output and
+    its share of the combine). `max_tokens`: an upper bound of the KV lengths (the page table
+    width times the page size: no device read)."""
+    units = max(1, batch * head_blocks)
+    want = -(-CTAS_PER_SM * num_sms // units)
+    cap = max(1, -(-max_tokens // MIN_TOKENS_PER_SPLIT))
+    splits = max(1, min(want, cap))
+    per = -(-max(max_tokens, 1) // splits)
+    return -(-max(max_tokens, 1) // per), per

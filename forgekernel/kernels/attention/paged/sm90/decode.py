@@ -1,0 +1,254 @@
+"""Paged GQA attention decode (sm_90a), split-KV: one query token per sequence against a KV
+cache in pages; H query heads of one KV head (H = `heads`, compiled; it divides the group
+Hq / Hkv, a run-time value: any GQA ratio) read against one stream of its keys.
+
+Partial pass, grid (splits, Hq / H, B), 128 threads: split s of sequence b covers tokens
+[s * per_split, min((s + 1) * per_split, seqlen)); its 4 warps take contiguous quarters. A warp
+walks its tokens UNROLL at a time: each lane loads its D / 32 elements of every token's K and
+V row (page page_table[b, t // page_size], slot t % page_size; 8 bytes per lane at D = 128, a
+256-byte row per warp), dots them with the H query rows held in registers (pre-scaled
+by softmax_scale * log2 e), sums across the warp and keeps an online softmax (running max,
+sum, O of its D / 32 columns per head). The 4 warps are merged through shared memory and the
+split writes O normalized (fp32) and its LSE in log2 units, -inf where it saw no key.
+
+Combine pass, grid (Hq, B), 128 threads: O = sum_s 2^(lse_s - lse) O_s, lse = log2 sum_s
+2^lse_s; O 0 and LSE -inf where no split saw a key; LSE returned natural (x ln 2).
+
+Math on CUDA cores (no MMA): memory-bound at the group sizes of GQA decode (H <= 8: 2 x 128
+x H FMAs per 512 bytes of K and V at D = 128). The query rows and O stay in registers:
+H x D / 32 <= 64 (D = 256 takes H <= 8; at H = 16, D = 256 the compiler spilled 1.6 KB)."""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from forgekernel.kernels.attention.paged.sm90.config import THREADS, WARPS
+from forgekernel.kernels.common.sm90.constants import LN2
+
+UNROLL = 4  # tokens whose K and V rows a warp loads before it computes on any of them
+
+
+class PagedDecodeSm90:
+    """The partial pass; see the module docstring."""
+
+    def __init__(self, head_dim: int, heads: int):
+        if head_dim not in (64, 128, 256):
+            raise ValueError(f"head_dim must be 64, 128 or 256, got {head_dim}")
+        if heads not in (1, 2, 4, 8, 16) or heads * head_dim > 64 * 32:
+            raise ValueError(f"heads per CTA must be 1..16 with heads x D <= 2048, got {heads}")
+        self.d = head_dim
+        self.g = heads
+        self.e = head_dim // 32  # elements of a row per lane
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mPT: cute.Tensor,
+        mSeq: cute.Tensor,
+        mOp: cute.Tensor,
+        mLp: cute.Tensor,
+        scale_log2: Float32,
+        per_split: Int32,
+        page_size: Int32,
+        group: Int32,
+        stream: cuda.CUstream,
+    ):
+        """mQ (B, Hq, D); mK, mV (num_pages, page_size, Hkv, D); mPT int32 (B, max_pages);
+        mSeq int32 (B,); mOp fp32 (splits, B, Hq, D); mLp fp32 (splits, B, Hq), log2 units;
+        group = Hq / Hkv, a multiple of the compiled heads per CTA."""
+        if const_expr(mK.element_type != mQ.element_type or mV.element_type != mQ.element_type):
+            raise TypeError("q, k_cache and v_cache must share one dtype")
+
+        @cute.struct
+        class Shared:
+            m: cute.struct.MemRange[Float32, WARPS * self.g]
+            lsum: cute.struct.MemRange[Float32, WARPS * self.g]
+            o: cute.struct.MemRange[Float32, WARPS * self.g * self.d]
+
+        self.shared = Shared
+        self.kernel(
+            mQ, mK, mV, mPT, mSeq, mOp, mLp, scale_log2, per_split, page_size, group
+        ).launch(
+            grid=(mOp.shape[0], mQ.shape[1] // self.g, mQ.shape[0]),
+            block=[THREADS, 1, 1],
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mPT: cute.Tensor,
+        mSeq: cute.Tensor,
+        mOp: cute.Tensor,
+        mLp: cute.Tensor,
+        scale_log2: Float32,
+        per_split: Int32,
+        page_size: Int32,
+        group: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        split, head_block, b = cute.arch.block_idx()
+        head0 = head_block * self.g
+        kvh = head0 // group
+        lane = tidx % 32
+        warp = cute.arch.make_warp_uniform(tidx // 32)
+        G, E = self.g, self.e
+
+        t0 = split * per_split
+        t1 = cutlass.min(t0 + per_split, mSeq[b])
+        share = cute.ceil_div(cutlass.max(t1 - t0, 0), WARPS)
+        w0 = t0 + warp * share
+        w1 = cutlass.min(w0 + share, t1)
+
+        q = self._load_query(mQ, b, head0, lane, scale_log2)
+        m = cute.make_rmem_tensor(G, Float32)
+        lsum = cute.make_rmem_tensor(G, Float32)
+        o = cute.make_rmem_tensor((E, G), Float32)
+        m.fill(-Float32.inf)
+        lsum.fill(0.0)
+        o.fill(0.0)
+        kr = cute.make_rmem_tensor((E, UNROLL), mK.element_type)
+        vr = cute.make_rmem_tensor((E, UNROLL), mV.element_type)
+        kf = cute.make_rmem_tensor(E, Float32)
+        vf = cute.make_rmem_tensor(E, Float32)
+        t = w0
+        while t < w1:
+            for u in cutlass.range_constexpr(UNROLL):
+                tu = cutlass.min(t + u, w1 - 1)
+                page = mPT[b, tu // page_size]
+                slot = tu % page_size
+                cute.autovec_copy(
+                    cute.local_tile(mK[page, slot, kvh, None], (E,), (lane,)), kr[None, u]
+                )
+                cute.autovec_copy(
+                    cute.local_tile(mV[page, slot, kvh, None], (E,), (lane,)), vr[None, u]
+                )
+            for u in cutlass.range_constexpr(UNROLL):
+                if t + u < w1:
+                    kf.store(kr[None, u].load().to(Float32))
+                    vf.store(vr[None, u].load().to(Float32))
+                    for g in cutlass.range_constexpr(G):
+                        s = Float32(0.0)
+                        for e in cutlass.range_constexpr(E):
+                            s += q[e, g] * kf[e]
+                        s = cute.arch.warp_reduction_sum(s)
+                        m_new = cute.arch.fmax(m[g], s)
+                        corr = cute.math.exp2(m[g] - m_new, fastmath=True)
+                        p = cute.math.exp2(s - m_new, fastmath=True)
+                        lsum[g] = lsum[g] * corr + p
+                        for e in cutlass.range_constexpr(E):
+                            o[e, g] = o[e, g] * corr + p * vf[e]
+                        m[g] = m_new
+            t += UNROLL
+        self._merge_warps(m, lsum, o, mOp, mLp, split, b, head0, tidx, lane, warp)
+
+    @cute.jit
+    def _load_query(self, mQ, b, head0, lane, scale_log2):
+        """Query rows head0 .. head0 + H - 1, this lane's D / 32 columns, fp32, times scale *
+        log2 e."""
+        G, E = self.g, self.e
+        q = cute.make_rmem_tensor((E, G), Float32)
+        raw = cute.make_rmem_tensor(E, mQ.element_type)
+        f = cute.make_rmem_tensor(E, Float32)
+        for g in cutlass.range_constexpr(G):
+            cute.autovec_copy(cute.local_tile(mQ[b, head0 + g, None], (E,), (lane,)), raw)
+            f.store(raw.load().to(Float32))
+            for e in cutlass.range_constexpr(E):
+                q[e, g] = f[e] * scale_log2
+        return q
+
+    @cute.jit
+    def _merge_warps(self, m, lsum, o, mOp, mLp, split, b, head0, tidx, lane, warp):
+        """The 4 warps' (max, sum, O) through shared memory into this split's normalized O and
+        log2 LSE; -inf and 0 where no warp saw a key."""
+        G, E, D = self.g, self.e, self.d
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared)
+        sm = storage.m.get_tensor(cute.make_layout((WARPS, G)))
+        sl = storage.lsum.get_tensor(cute.make_layout((WARPS, G)))
+        so = storage.o.get_tensor(cute.make_layout((WARPS, G, D)))
+        for g in cutlass.range_constexpr(G):
+            if lane == 0:
+                sm[warp, g] = m[g]
+                sl[warp, g] = lsum[g]
+            for e in cutlass.range_constexpr(E):
+                so[warp, g, lane * E + e] = o[e, g]
+        cute.arch.sync_threads()
+        for i in cutlass.range(tidx, G * D, THREADS):
+            g = i // D
+            d = i - g * D
+            top = sm[0, g]
+            for w in cutlass.range_constexpr(1, WARPS):
+                top = cute.arch.fmax(top, sm[w, g])
+            total = Float32(0.0)
+            acc = Float32(0.0)
+            if top != -Float32.inf:
+                for w in cutlass.range_constexpr(WARPS):
+                    c = cute.math.exp2(sm[w, g] - top, fastmath=True)
+                    total += sl[w, g] * c
+                    acc += so[w, g, d] * c
+            head = head0 + g
+            out = Float32(0.0)
+            lse = -Float32.inf
+            if total > 0.0:
+                out = acc / total
+                lse = top + cute.math.log2(total, fastmath=True)
+            mOp[split, b, head, d] = out
+            if d == 0:
+                mLp[split, b, head] = lse
+
+
+class PagedCombineSm90:
+    """The combine pass; see the module docstring."""
+
+    def __init__(self, head_dim: int):
+        self.d = head_dim
+
+    @cute.jit
+    def __call__(
+        self,
+        mOp: cute.Tensor,
+        mLp: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        """mOp fp32 (splits, B, Hq, D), mLp fp32 (splits, B, Hq) log2; mO (B, Hq, D) 16-bit;
+        mLSE fp32 (B, Hq), natural log."""
+        self.kernel(mOp, mLp, mO, mLSE).launch(
+            grid=(mO.shape[1], mO.shape[0], 1), block=[THREADS, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mOp: cute.Tensor, mLp: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        head, b, _ = cute.arch.block_idx()
+        splits = mLp.shape[0]
+        top = -Float32.inf
+        for s in cutlass.range(splits):
+            top = cute.arch.fmax(top, mLp[s, b, head])
+        total = Float32(0.0)
+        if top != -Float32.inf:
+            for s in cutlass.range(splits):
+                total += cute.math.exp2(mLp[s, b, head] - top, fastmath=True)
+        for d in cutlass.range(tidx, self.d, THREADS):
+            acc = Float32(0.0)
+            if total > 0.0:
+                for s in cutlass.range(splits):
+                    w = cute.math.exp2(mLp[s, b, head] - top, fastmath=True)
+                    acc += w * mOp[s, b, head, d]
+                acc = acc / total
+            mO[b, head, d] = acc.to(mO.element_type)
+        if tidx == 0:
+            lse = -Float32.inf
+            if total > 0.0:
+                lse = (top + cute.math.log2(total, fastmath=True)) * LN2
+            mLSE[b, head] = lse

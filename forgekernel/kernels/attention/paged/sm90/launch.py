@@ -1,0 +1,63 @@
+"""Host launcher of the paged GQA decode: torch only (no DSL), the two kernels through the
+compile cache. Callers validate first (`forgekernel.ops.attention_paged`)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from forgekernel.kernels.attention.paged.sm90 import SPEC
+from forgekernel.kernels.attention.paged.sm90.config import heads_per_cta, params_for, split_plan
+from forgekernel.runtime.cache import get_kernel
+from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms, on_device
+from forgekernel.runtime.plans import PlanCache
+
+LOG2E = math.log2(math.e)
+_plans = PlanCache()
+
+
+def _plan(dtype, batch, hq, hkv, d, max_tokens, device_index):
+    """(partial params, combine params, heads per CTA, splits, tokens per split)."""
+    heads = heads_per_cta(hq // hkv, d)
+    splits, per = split_plan(batch, hq // heads, max_tokens, num_sms(device_index))
+    name = dtype_name(dtype)
+    return (
+        params_for("partial", name, d, heads),
+        params_for("combine", name, d),
+        heads,
+        splits,
+        per,
+    )
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    softmax_scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """out (B, Hq, D) and lse (B, Hq) fp32 (natural log) of one query per sequence against its
+    pages: q (B, Hq, D); k_cache, v_cache (num_pages, page_size, Hkv, D) views whose rows are
+    contiguous and 16-byte aligned (the combined cache's halves qualify); page_table int32
+    (B, max_pages); seqlens_k int32 (B,). The split plan bounds the lengths by the table's
+    width (no device read)."""
+    b, hq, d = q.shape
+    _, page_size, hkv, _ = k_cache.shape
+    p_params, c_params, _, splits, per = _plans.get_or_build(
+        (q.dtype, b, hq, hkv, d, page_table.shape[1] * page_size, q.device.index), _plan
+    )
+    partial_o = torch.empty(splits, b, hq, d, dtype=torch.float32, device=q.device)
+    partial_lse = torch.empty(splits, b, hq, dtype=torch.float32, device=q.device)
+    partial = get_kernel(SPEC, p_params)
+    combine = get_kernel(SPEC, c_params)
+    with on_device(q.device):
+        partial(
+            as_tma_ready(q), k_cache, v_cache, page_table.contiguous(), seqlens_k.contiguous(),
+            partial_o, partial_lse, softmax_scale * LOG2E, per, page_size, hq // hkv,
+        )  # fmt: skip
+        combine(partial_o, partial_lse, out, lse)

@@ -1,0 +1,133 @@
+"""`forgekernel.ops.attention_paged.attention_paged`: attention over a paged KV cache (vLLM /
+FlashAttention layout), GQA decode. Not exported from `forgekernel` yet: its kernels
+(kernels/attention/paged/sm90) have not passed a GPU check (issue 18). Chunked prefill /
+speculative decoding (`cu_seqlens_q`), FP8 caches and FlashInfer's CSR page lists are still to
+come; they raise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from forgekernel.kernels.attention.paged.sm90 import launch as paged_sm90
+from forgekernel.kernels.attention.paged.sm90.config import HEAD_DIMS
+from forgekernel.ops._dispatch import traced as _traced
+from forgekernel.ops._validate import (
+    check_cuda,
+    check_same_device,
+    check_same_dtype,
+    check_shaped,
+    check_tensor,
+)
+
+INDEX = (torch.int32,)
+
+
+def _split_cache(k_cache, v_cache):
+    """(k, v): a combined (num_pages, 2, page_size, Hkv, D) cache passed as k_cache with
+    v_cache None gives its two halves (views)."""
+    if v_cache is None:
+        check_tensor("k_cache", k_cache, ndim=5, cuda=False)
+        if k_cache.shape[1] != 2:
+            raise ValueError(
+                f"a combined cache is (num_pages, 2, page_size, Hkv, D), got {tuple(k_cache.shape)}"
+            )
+        return k_cache[:, 0], k_cache[:, 1]
+    return k_cache, v_cache
+
+
+def _check_rows(name: str, t: torch.Tensor) -> None:
+    """The kernel reads cache rows 16 bytes at a time in place (a cache is never copied)."""
+    *outer, last = t.stride()
+    if last != 1 or t.data_ptr() % 16 or any(s % 8 for s in outer):
+        raise ValueError(
+            f"{name} must have contiguous, 16-byte-aligned rows (strides {tuple(t.stride())})"
+        )
+
+
+def _validate(q, k, v, page_table, seqlens_k, out):
+    check_tensor("q", q, ndim=3, cuda=False)
+    check_tensor("k_cache", k, ndim=4, cuda=False)
+    check_tensor("v_cache", v, ndim=4, cuda=False)
+    check_same_dtype(q=q, k_cache=k, v_cache=v)
+    b, hq, d = q.shape
+    pages, page_size, hkv, dk = k.shape
+    if dk != d or tuple(v.shape) != tuple(k.shape):
+        raise ValueError(
+            f"k_cache {tuple(k.shape)} and v_cache {tuple(v.shape)} must both be "
+            f"(num_pages, page_size, Hkv, {d}) for q {tuple(q.shape)}"
+        )
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head dim must be one of {HEAD_DIMS}, got {d}")
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    check_tensor("page_table", page_table, ndim=2, dtypes=INDEX, cuda=False)
+    if page_table.shape[0] != b:
+        raise ValueError(f"page_table has {page_table.shape[0]} rows for a batch of {b}")
+    check_shaped("seqlens_k", seqlens_k, (b,), INDEX)
+    if out is not None:
+        check_shaped("out", out, (b, hq, d), (q.dtype,))
+    for name, t in (("k_cache", k), ("v_cache", v)):
+        _check_rows(name, t)
+    check_cuda("q", q)
+    extra = {} if out is None else {"out": out}
+    check_same_device(q=q, k_cache=k, v_cache=v, page_table=page_table, seqlens_k=seqlens_k,
+                      **extra)  # fmt: skip
+    return b, hq, d
+
+
+@torch.library.custom_op("forgekernel::attention_paged_decode", mutates_args=())
+def _decode_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b, hq, _ = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
+    paged_sm90.paged_decode(q, k_cache, v_cache, page_table, seqlens_k, softmax_scale, out, lse)
+    return out, lse
+
+
+@_decode_op.register_fake
+def _(q, k_cache, v_cache, page_table, seqlens_k, softmax_scale):
+    return torch.empty_like(q), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
+
+
+def attention_paged(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
+    page_table: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+):
+    """Decode: q (batch, Hq, D), one query per sequence, against caches (num_pages,
+    page_size, Hkv, D) (or one combined (num_pages, 2, page_size, Hkv, D) cache as k_cache with
+    v_cache None), page_table int32 (batch, max_pages), seqlens_k int32 (batch,). Returns out
+    (batch, Hq, D) and, with return_lse, the natural-log LSE (batch, Hq) fp32; a sequence of
+    length 0 gives 0 and -inf. GQA: query head h reads KV head h // (Hq / Hkv)."""
+    if cu_seqlens_q is not None or max_seqlen_q is not None:
+        raise NotImplementedError("paged prefill / chunked prefill (cu_seqlens_q): not yet")
+    k, v = _split_cache(k_cache, v_cache)
+    _, _, d = _validate(q, k, v, page_table, seqlens_k, out)
+    scale = float(softmax_scale) if softmax_scale is not None else d**-0.5
+    if _traced(q, k, v, page_table, seqlens_k, out):
+        o, lse = torch.ops.forgekernel.attention_paged_decode(q, k, v, page_table, seqlens_k, scale)
+        if out is not None:
+            out.copy_(o)
+            o = out
+    else:
+        o = out if out is not None else torch.empty_like(q)
+        lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+        paged_sm90.paged_decode(q, k, v, page_table, seqlens_k, scale, o, lse)
+    return (o, lse) if return_lse else o

@@ -1,0 +1,52 @@
+"""Paged GQA decode on the GPU against the fp32 reference (issue 18; its suite and public op
+come once this passes): page sizes 1 / 16 / 64, GQA 1 / 4 / 8 / 3, head dims 64 / 128 / 256,
+empty and long sequences, the combined cache view, fp16 and bf16, NaN-poisoned outputs."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from forgekernel.reference.paged_attention import paged_attention_ref
+
+pytestmark = pytest.mark.gpu
+op = importlib.import_module("forgekernel.ops.attention_paged")
+
+CASES = [
+    # b, hq, hkv, d, page_size, lens, combined
+    (4, 32, 8, 128, 16, [1, 17, 300, 0], False),
+    (2, 32, 4, 128, 1, [64, 1000], False),
+    (1, 32, 8, 128, 64, [16384], False),
+    (3, 8, 8, 64, 16, [5, 0, 513], True),
+    (2, 16, 2, 256, 64, [129, 2048], False),
+    (2, 24, 8, 128, 32, [77, 700], False),
+    (64, 32, 8, 128, 16, [4096] * 64, False),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}_h{c[1]}_{c[2]}_d{c[3]}_p{c[4]}")
+def test_paged_decode_matches_the_reference(case, dtype):
+    b, hq, hkv, d, ps, lens, combined = case
+    g = torch.Generator(device="cuda").manual_seed(0)
+    max_pages = max(1, max(-(-n // ps) for n in lens))
+    pages = b * max_pages + 5
+    shape = (pages, 2, ps, hkv, d) if combined else (pages, ps, hkv, d)
+    k = torch.randn(*shape, device="cuda", dtype=dtype, generator=g)
+    v = None if combined else torch.randn(*shape, device="cuda", dtype=dtype, generator=g)
+    table = torch.randperm(pages, device="cuda", generator=g)[: b * max_pages].view(b, -1)
+    table = table.to(torch.int32)
+    seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(b, hq, d, device="cuda", dtype=dtype, generator=g)
+    out = torch.full_like(q, float("nan"))
+    _, lse = op.attention_paged(q, k, v, table, seq, return_lse=True, out=out)
+    kk, vv = (k[:, 0], k[:, 1]) if combined else (k, v)
+    want, want_lse = paged_attention_ref(q, kk, vv, table, seq)
+    low, _ = paged_attention_ref(q, kk, vv, table, seq, upcast=False)
+    bound = 2 * float((low.float() - want).abs().max()) + 1e-3
+    assert float((out.float() - want).abs().max()) <= bound
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3

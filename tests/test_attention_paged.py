@@ -1,0 +1,178 @@
+"""Paged GQA decode on the CPU (its kernels' first GPU check is pending, issue 18): the split
+plan and heads per CTA; the kernels' algorithm (split ranges, the warps' quarters, the online
+softmax in log2 units, the warp merge and the split combine) replayed in Python through the
+real launcher and op against the fp32 reference; argument errors."""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+
+from forgekernel.kernels.attention.paged.sm90 import launch as paged_launch
+from forgekernel.kernels.attention.paged.sm90.config import (
+    HEADS,
+    WARPS,
+    heads_per_cta,
+    max_heads,
+    split_plan,
+)
+from forgekernel.reference.paged_attention import paged_attention_ref
+
+op_module = importlib.import_module("forgekernel.ops.attention_paged")
+UNROLL = 4
+
+
+@pytest.mark.parametrize(
+    ("group", "d", "want"),
+    [(4, 128, 4), (8, 256, 8), (16, 256, 8), (16, 128, 16), (3, 128, 1), (6, 64, 2)],
+)
+def test_heads_per_cta(group, d, want):
+    h = heads_per_cta(group, d)
+    assert h == want and group % h == 0 and h in HEADS and h <= max_heads(d)
+
+
+@pytest.mark.parametrize(("b", "blocks", "tokens"), [(1, 8, 16384), (64, 8, 4096), (3, 1, 17),
+                                                     (1, 1, 1), (256, 32, 65536)])  # fmt: skip
+def test_split_plan_covers_every_token(b, blocks, tokens):
+    splits, per = split_plan(b, blocks, tokens, 132)
+    assert splits >= 1 and per >= 1 and splits * per >= tokens and (splits - 1) * per < tokens
+
+
+def _partial(q, k, v, pt, seq, op, lp, scale_log2, per, page_size, group, heads):
+    """The partial kernel's algorithm, token by token (decode.py)."""
+    b_n, hq, d = q.shape
+    for b in range(b_n):
+        for hb in range(hq // heads):
+            h0 = hb * heads
+            kvh = h0 // group
+            qs = q[b, h0 : h0 + heads].double() * scale_log2
+            for s in range(op.shape[0]):
+                t0 = s * per
+                t1 = min(t0 + per, int(seq[b]))
+                share = -(-max(t1 - t0, 0) // WARPS)
+                ms, ls, os_ = [], [], []
+                for w in range(WARPS):
+                    m = torch.full((heads,), -math.inf, dtype=torch.float64)
+                    lsum = torch.zeros(heads, dtype=torch.float64)
+                    o = torch.zeros(heads, d, dtype=torch.float64)
+                    w0, w1 = t0 + w * share, min(t0 + (w + 1) * share, t1)
+                    for t in range(w0, w1):
+                        page, slot = int(pt[b, t // page_size]), t % page_size
+                        kt, vt = k[page, slot, kvh].double(), v[page, slot, kvh].double()
+                        sc = qs @ kt
+                        m_new = torch.maximum(m, sc)
+                        corr, p = torch.exp2(m - m_new), torch.exp2(sc - m_new)
+                        lsum = lsum * corr + p
+                        o = o * corr[:, None] + p[:, None] * vt
+                        m = m_new
+                    ms.append(m), ls.append(lsum), os_.append(o)
+                top = torch.stack(ms).max(0).values
+                c = torch.where(top > -math.inf, torch.exp2(torch.stack(ms) - top), 0.0)
+                total = (torch.stack(ls) * c).sum(0)
+                acc = (torch.stack(os_) * c[..., None]).sum(0)
+                ok = total > 0
+                op[s, b, h0 : h0 + heads] = torch.where(
+                    ok[:, None], acc / total[:, None], 0.0
+                ).float()
+                lp[s, b, h0 : h0 + heads] = torch.where(
+                    ok, top + torch.log2(total), -math.inf
+                ).float()
+
+
+def _combine(op, lp, out, lse):
+    top = lp.max(0).values
+    w = torch.where(top > -math.inf, torch.exp2(lp - top), 0.0)
+    total = w.sum(0)
+    o = (w[..., None] * op).sum(0) / torch.where(total > 0, total, 1.0)[..., None]
+    out.copy_(torch.where((total > 0)[..., None], o, 0.0).to(out.dtype))
+    lse.copy_(torch.where(total > 0, (top + torch.log2(total)) * math.log(2), -math.inf))
+
+
+@pytest.fixture
+def cpu_kernels(monkeypatch):
+    calls = []
+
+    def get_kernel(spec, params):
+        p = dict(params)
+        if p["kind"] == "combine":
+            return lambda *a: _combine(*a)
+
+        def partial(*args):
+            calls.append((p, args[7:]))
+            _partial(*args, heads=p["heads"])
+
+        return partial
+
+    monkeypatch.setattr(paged_launch, "get_kernel", get_kernel)
+    monkeypatch.setattr(paged_launch, "num_sms", lambda device: 132)
+    monkeypatch.setattr(op_module, "check_cuda", lambda name, t: None)
+    return calls
+
+
+def _problem(b, hq, hkv, d, page_size, lens, pages_extra=3, seed=0, combined=False):
+    g = torch.Generator().manual_seed(seed)
+    max_pages = max(1, max(-(-n // page_size) for n in lens))
+    pages = b * max_pages + pages_extra
+    shape = (pages, 2, page_size, hkv, d) if combined else (pages, page_size, hkv, d)
+    k = torch.randn(*shape, generator=g).to(torch.bfloat16)
+    v = None if combined else torch.randn(*shape, generator=g).to(torch.bfloat16)
+    perm = torch.randperm(pages, generator=g)[: b * max_pages].view(b, max_pages)
+    q = torch.randn(b, hq, d, generator=g).to(torch.bfloat16)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    return q, k, v, perm.to(torch.int32), seq
+
+
+@pytest.mark.parametrize(
+    ("b", "hq", "hkv", "d", "page_size", "lens", "combined"),
+    [
+        (3, 8, 2, 64, 16, [37, 0, 100], False),
+        (2, 12, 4, 128, 1, [5, 70], False),
+        (1, 16, 2, 256, 64, [300], True),
+        (2, 4, 4, 128, 32, [1, 33], False),
+    ],
+)
+def test_decode_algorithm_matches_the_reference(cpu_kernels, b, hq, hkv, d, page_size, lens,
+                                                combined):  # fmt: skip
+    q, k, v, pt, seq = _problem(b, hq, hkv, d, page_size, lens, combined=combined)
+    out, lse = op_module.attention_paged(q, k, v, pt, seq, return_lse=True)
+    kk, vv = (k[:, 0], k[:, 1]) if combined else (k, v)
+    want, want_lse = paged_attention_ref(q, kk, vv, pt, seq)
+    assert float((out.float() - want).abs().max()) < 2e-2
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-4
+    assert torch.all(out[~finite] == 0)
+    (params, (scale_log2, per, ps, group)) = cpu_kernels[-1]
+    assert (
+        ps == page_size
+        and group == hq // hkv
+        and abs(scale_log2 - d**-0.5 * math.log2(math.e)) < 1e-6
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "err", "match"),
+    [
+        ({"q": torch.zeros(2, 8, 96, dtype=torch.bfloat16)}, ValueError, "k_cache .* must both"),
+        ({"page_table": torch.zeros(2, 4, dtype=torch.int64)}, TypeError, "page_table must have"),
+        ({"seqlens_k": torch.zeros(3, dtype=torch.int32)}, ValueError, "seqlens_k must have"),
+        ({"cu_seqlens_q": torch.zeros(3, dtype=torch.int32)}, NotImplementedError, "prefill"),
+        ({"q": torch.zeros(2, 6, 128, dtype=torch.bfloat16)}, ValueError, "multiple of KV"),
+    ],
+)
+def test_bad_arguments(kwargs, err, match):
+    args = {
+        "q": torch.zeros(2, 8, 128, dtype=torch.bfloat16),
+        "k": torch.zeros(10, 16, 4, 128, dtype=torch.bfloat16),
+        "v": torch.zeros(10, 16, 4, 128, dtype=torch.bfloat16),
+        "page_table": torch.zeros(2, 4, dtype=torch.int32),
+        "seqlens_k": torch.zeros(2, dtype=torch.int32),
+    }
+    extra = {k_: kwargs.pop(k_) for k_ in ("cu_seqlens_q",) if k_ in kwargs}
+    args.update(kwargs)
+    with pytest.raises(err, match=match):
+        op_module.attention_paged(args["q"], args["k"], args["v"], args["page_table"],
+                                  args["seqlens_k"], **extra)  # fmt: skip
