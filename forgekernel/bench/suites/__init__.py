@@ -13,7 +13,8 @@ from forgekernel.bench.suite import OpSuite
 # Not yet registered: "gemm_fp8" (forgekernel.bench.suites.gemm_fp8), until a GPU `forgekernel
 # check gemm_fp8` passes on its kernel (issue 21; the first run, 2026-12-01, found the A-scale
 # rows wrong for M > 1, since fixed and not re-run). Registering it puts it under
-# tests/test_ledger_gate.py.
+# tests/test_ledger_gate.py. Likewise "attention_paged" (forgekernel.bench.suites.attention_paged,
+# issue 18) once tests/gpu/test_paged_gpu.py passes.
 SUITE_MODULES = {
     "gemm": "forgekernel.bench.suites.gemm",
     "attention": "forgekernel.bench.suites.attention",
