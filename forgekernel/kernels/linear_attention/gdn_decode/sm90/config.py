@@ -1,0 +1,31 @@
+"""Gated delta rule decode / MTP step configurations (DSL-free)."""
+
+from __future__ import annotations
+
+DTYPES = ("float16", "bfloat16")
+HEAD_DIMS = ((128, 128),)  # (K, V): Qwen3-Next, Kimi Linear
+K_SPLIT = 4  # threads per state column, each holding K / K_SPLIT entries of it
+L2NORM_EPS = 1e-6  # fla's l2norm: x / sqrt(sum x^2 + eps)
+
+
+def params_for(
+    dtype: str,
+    head_dims: tuple[int, int] = (128, 128),
+    *,
+    per_channel: bool = False,
+    k_last: bool = True,
+    l2norm: bool = False,
+    intermediate: bool = False,
+) -> tuple:
+    """Compile key: the q / k / v dtype, (K, V), per-channel decay (Kimi Delta Attention),
+    the state's layout (k_last: (N, HV, V, K), FlashInfer's; else (N, HV, K, V), fla's), the
+    q / k l2norm, and whether every token's state is also written out (MTP rollback)."""
+    k, v = head_dims
+    return tuple(
+        sorted(
+            {
+                "dtype": dtype, "k": k, "v": v, "per_channel": per_channel, "k_last": k_last,
+                "l2norm": l2norm, "intermediate": intermediate,
+            }.items()
+        )
+    )  # fmt: skip

@@ -1,0 +1,143 @@
+"""Gated delta rule decode / multi-token-prediction step (sm_90a): T tokens (1..4) of B
+sequences through their fp32 state, updated in place (fla's conventions, the reference is
+`reference.delta_rule.gated_delta_rule_step`):
+
+    S <- exp(g_t) S                       (g per value head, or per key channel: KDA)
+    u  = beta_t (v_t - S^T k_t)
+    S <- S + k_t u^T
+    o_t = S^T (scale q_t)
+
+Grid (HV, B), K_SPLIT x V threads: thread (j, s) holds column j of S, rows s K / K_SPLIT ..
+(s + 1) K / K_SPLIT - 1, in registers across the T tokens; the K_SPLIT threads of a column are
+adjacent lanes, so every dot product over K is a partial sum and two shuffles. The state is
+read once and written once (memory-bound: 64 KB each way per head at K = V = 128); with the
+k-last layout (N, HV, V, K) a thread's rows are contiguous (16-byte loads). Value head hv
+reads q / k head hv // (HV / H). Sequence b uses state row state_indices[b] (a pool)."""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, const_expr
+
+from forgekernel.kernels.linear_attention.gdn_decode.sm90.config import K_SPLIT, L2NORM_EPS
+
+
+class GdnStepSm90:
+    def __init__(self, k: int, v: int, *, per_channel, k_last, l2norm, intermediate):
+        if k % (K_SPLIT * 8) or v % 32:
+            raise ValueError(f"K must be a multiple of {K_SPLIT * 8} and V of 32, got {k}, {v}")
+        self.k, self.v = k, v
+        self.rows = k // K_SPLIT
+        self.per_channel = per_channel
+        self.k_last = k_last
+        self.l2norm = l2norm
+        self.intermediate = intermediate
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mG: cute.Tensor,
+        mBeta: cute.Tensor,
+        mState: cute.Tensor,
+        mRows: cute.Tensor,
+        mO: cute.Tensor,
+        mInter: cute.Tensor | None,
+        scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        """mQ, mK (B, T, H, K); mV (B, T, HV, V); mG fp32 (B, T, HV) or (B, T, HV, K); mBeta
+        fp32 (B, T, HV); mState fp32 (N, HV, V, K) (k_last) or (N, HV, K, V); mRows int32 (B,);
+        mO (B, T, HV, V); mInter fp32 (N, T, HV, ...) in the state's layout, or None."""
+        self.kernel(mQ, mK, mV, mG, mBeta, mState, mRows, mO, mInter, scale).launch(
+            grid=(mV.shape[2], mV.shape[0], 1), block=[K_SPLIT * self.v, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mG: cute.Tensor,
+        mBeta: cute.Tensor,
+        mState: cute.Tensor,
+        mRows: cute.Tensor,
+        mO: cute.Tensor,
+        mInter: cute.Tensor | None,
+        scale: Float32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        hv, b, _ = cute.arch.block_idx()
+        col = tidx // K_SPLIT
+        part = tidx % K_SPLIT
+        R = self.rows
+        head = hv // (mV.shape[2] // mQ.shape[2])
+        row = mRows[b]
+        s = cute.make_rmem_tensor(R, Float32)
+        self._state_io(mState[row, hv, None, None], s, col, part, load=True)
+        qf = cute.make_rmem_tensor(R, Float32)
+        kf = cute.make_rmem_tensor(R, Float32)
+        decay = cute.make_rmem_tensor(R, Float32)
+        for t in cutlass.range(mQ.shape[1]):
+            self._slice(mQ[b, t, head, None], qf, part)
+            self._slice(mK[b, t, head, None], kf, part)
+            if const_expr(self.l2norm):
+                self._normalize(qf)
+                self._normalize(kf)
+            if const_expr(self.per_channel):
+                self._slice(mG[b, t, hv, None], decay, part)
+                for i in cutlass.range_constexpr(R):
+                    decay[i] = cute.math.exp(decay[i], fastmath=True)
+            else:
+                decay.fill(cute.math.exp(mG[b, t, hv], fastmath=True))
+            predicted = Float32(0.0)
+            for i in cutlass.range_constexpr(R):
+                s[i] = s[i] * decay[i]
+                predicted += s[i] * kf[i]
+            predicted = cute.arch.warp_reduction_sum(predicted, threads_in_group=K_SPLIT)
+            u = mBeta[b, t, hv] * (Float32(mV[b, t, hv, col]) - predicted)
+            out = Float32(0.0)
+            for i in cutlass.range_constexpr(R):
+                s[i] = s[i] + kf[i] * u
+                out += s[i] * qf[i]
+            out = cute.arch.warp_reduction_sum(out, threads_in_group=K_SPLIT)
+            if part == 0:
+                mO[b, t, hv, col] = (out * scale).to(mO.element_type)
+            if const_expr(self.intermediate):
+                self._state_io(mInter[row, t, hv, None, None], s, col, part, load=False)
+        self._state_io(mState[row, hv, None, None], s, col, part, load=False)
+
+    @cute.jit
+    def _slice(self, vec, dst, part):
+        """Elements part * R .. part * R + R - 1 of a length-K row, as fp32."""
+        raw = cute.make_rmem_tensor(self.rows, vec.element_type)
+        cute.autovec_copy(cute.local_tile(vec, (self.rows,), (part,)), raw)
+        dst.store(raw.load().to(Float32))
+
+    @cute.jit
+    def _normalize(self, x):
+        """x / sqrt(sum over the whole row of x^2 + eps), the row spread over K_SPLIT lanes."""
+        sq = Float32(0.0)
+        for i in cutlass.range_constexpr(self.rows):
+            sq += x[i] * x[i]
+        sq = cute.arch.warp_reduction_sum(sq, threads_in_group=K_SPLIT)
+        inv = cute.math.rsqrt(sq + L2NORM_EPS, fastmath=True)
+        for i in cutlass.range_constexpr(self.rows):
+            x[i] = x[i] * inv
+
+    @cute.jit
+    def _state_io(self, mS, s, col, part, load: bool):
+        """Column `col`, rows part * R ..: of one head's state (K, V), or (V, K) k-last."""
+        if const_expr(self.k_last):
+            view = cute.local_tile(mS[col, None], (self.rows,), (part,))
+        else:
+            view = cute.local_tile(mS[None, col], (self.rows,), (part,))
+        if const_expr(load):
+            cute.autovec_copy(view, s)
+        else:
+            cute.autovec_copy(s, view)

@@ -1,0 +1,108 @@
+"""The gated delta rule step's op and launcher on the CPU (its kernel's first GPU check is
+pending, issue 20): the kernel's algorithm (per column of the state: decay, the prediction
+S^T k, the delta update, o = scale S^T q; l2norm with fla's eps) replayed through the real
+launcher against the fp64 reference, both state layouts, GDN and KDA decays, a state pool,
+intermediate states; and argument errors."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from forgekernel.kernels.linear_attention.gdn_decode.sm90 import launch as gdn_launch
+from forgekernel.kernels.linear_attention.gdn_decode.sm90.config import L2NORM_EPS
+from forgekernel.reference.delta_rule import gated_delta_rule_step as step_ref
+
+op = importlib.import_module("forgekernel.ops.gated_delta_rule")
+
+
+def _kernel(params):
+    """The step kernel's math in fp32, as step.py does it."""
+
+    def fn(q, k, v, g, beta, state, rows, out, inter, scale):
+        group = v.shape[2] // q.shape[2]
+        for b in range(q.shape[0]):
+            for hv in range(v.shape[2]):
+                r = int(rows[b])
+                s = state[r, hv].clone()
+                s = s.t() if params["k_last"] else s  # (K, V)
+                for t in range(q.shape[1]):
+                    qf = q[b, t, hv // group].float()
+                    kf = k[b, t, hv // group].float()
+                    if params["l2norm"]:
+                        qf = qf / torch.sqrt((qf * qf).sum() + L2NORM_EPS)
+                        kf = kf / torch.sqrt((kf * kf).sum() + L2NORM_EPS)
+                    decay = g[b, t, hv].exp()
+                    s = s * (decay[:, None] if params["per_channel"] else decay)
+                    u = beta[b, t, hv] * (v[b, t, hv].float() - s.t() @ kf)
+                    s = s + kf[:, None] * u[None, :]
+                    out[b, t, hv] = ((s.t() @ qf) * scale).to(out.dtype)
+                    if inter is not None:
+                        inter[r, t, hv] = s.t() if params["k_last"] else s
+                state[r, hv] = s.t() if params["k_last"] else s
+
+    return fn
+
+
+@pytest.fixture
+def cpu_kernel(monkeypatch):
+    monkeypatch.setattr(gdn_launch, "get_kernel", lambda spec, params: _kernel(dict(params)))
+    monkeypatch.setattr(op, "check_cuda", lambda name, t: None)
+
+
+def _inputs(b, t, h, hv, per_channel, k_last, n=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    dk = dv = 128
+    q = torch.randn(b, t, h, dk, generator=gen).to(torch.bfloat16)
+    k = torch.randn(b, t, h, dk, generator=gen).to(torch.bfloat16)
+    v = torch.randn(b, t, hv, dv, generator=gen).to(torch.bfloat16)
+    g_shape = (b, t, hv, dk) if per_channel else (b, t, hv)
+    g = -torch.rand(*g_shape, generator=gen) * 0.5
+    beta = torch.rand(b, t, hv, generator=gen)
+    n = n or b
+    state = torch.randn(n, hv, *((dv, dk) if k_last else (dk, dv)), generator=gen) * 0.1
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("k_last", [True, False])
+@pytest.mark.parametrize(("t", "l2norm", "pool"), [(1, False, False), (3, True, True),
+                                                   (4, False, True)])  # fmt: skip
+def test_step_matches_the_reference(cpu_kernel, per_channel, k_last, t, l2norm, pool):
+    b, h, hv = 3, 2, 4
+    q, k, v, g, beta, state = _inputs(b, t, h, hv, per_channel, k_last, n=5 if pool else None)
+    rows = torch.tensor([4, 0, 2], dtype=torch.int32) if pool else None
+    inter = torch.zeros(state.shape[0], t, *state.shape[1:]) if pool else None
+    want_state = state.clone()
+    want_inter = None if inter is None else inter.clone()
+    want = step_ref(q, k, v, g, beta, want_state, use_qk_l2norm=l2norm, state_indices=rows,
+                    k_last=k_last, intermediate_states=want_inter)  # fmt: skip
+    got = op.gated_delta_rule_step(q, k, v, g, beta, state, use_qk_l2norm=l2norm,
+                                   state_indices=rows, k_last=k_last,
+                                   intermediate_states=inter)  # fmt: skip
+    assert got.dtype == torch.bfloat16
+    assert float((got.float() - want.float()).abs().max()) <= 0.02 * float(want.abs().max())
+    tol = 1e-5 * float(want_state.abs().max()) + 1e-6  # fp32 state against fp64
+    assert float((state - want_state).abs().max()) <= tol
+    if inter is not None:
+        assert float((inter - want_inter).abs().max()) <= tol
+
+
+@pytest.mark.parametrize(
+    ("change", "err", "match"),
+    [
+        ({"t": 5}, ValueError, "T must be"),
+        ({"g": torch.zeros(2, 1, 4, dtype=torch.bfloat16)}, TypeError, "g must have dtype"),
+        ({"state": torch.zeros(2, 4, 64, 128)}, ValueError, "state must be"),
+        ({"v": torch.zeros(2, 1, 3, 128, dtype=torch.bfloat16)}, ValueError, "HV a multiple"),
+    ],
+)
+def test_bad_arguments(change, err, match):
+    t = change.pop("t", 1)
+    q, k, v, g, beta, state = _inputs(2, t, 2, 4, False, False)
+    args = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "state": state, **change}
+    with pytest.raises(err, match=match):
+        op.gated_delta_rule_step(args["q"], args["k"], args["v"], args["g"], args["beta"],
+                                 args["state"])  # fmt: skip
