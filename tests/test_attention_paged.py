@@ -41,7 +41,7 @@ def test_split_plan_covers_every_token(b, blocks, tokens):
     assert splits >= 1 and per >= 1 and splits * per >= tokens and (splits - 1) * per < tokens
 
 
-def _partial(q, k, v, pt, seq, op, lp, scale_log2, per, page_size, group, heads):
+def _partial(q, k, v, pt, seq, op, lp, scale_log2, per, page_size, group, ks, vs, heads):
     """The partial kernel's algorithm, token by token (decode.py)."""
     b_n, hq, d = q.shape
     for b in range(b_n):
@@ -49,6 +49,8 @@ def _partial(q, k, v, pt, seq, op, lp, scale_log2, per, page_size, group, heads)
             h0 = hb * heads
             kvh = h0 // group
             qs = q[b, h0 : h0 + heads].double() * scale_log2
+            if ks is not None:
+                qs = qs * float(ks[kvh])
             for s in range(op.shape[0]):
                 t0 = s * per
                 t1 = min(t0 + per, int(seq[b]))
@@ -68,6 +70,8 @@ def _partial(q, k, v, pt, seq, op, lp, scale_log2, per, page_size, group, heads)
                         lsum = lsum * corr + p
                         o = o * corr[:, None] + p[:, None] * vt
                         m = m_new
+                    if vs is not None:
+                        o = o * float(vs[kvh])
                     ms.append(m), ls.append(lsum), os_.append(o)
                 top = torch.stack(ms).max(0).values
                 c = torch.where(top > -math.inf, torch.exp2(torch.stack(ms) - top), 0.0)
@@ -101,7 +105,7 @@ def cpu_kernels(monkeypatch):
             return lambda *a: _combine(*a)
 
         def partial(*args):
-            calls.append((p, args[7:]))
+            calls.append((p, args[7:11]))
             _partial(*args, heads=p["heads"])
 
         return partial
@@ -112,13 +116,14 @@ def cpu_kernels(monkeypatch):
     return calls
 
 
-def _problem(b, hq, hkv, d, page_size, lens, pages_extra=3, seed=0, combined=False):
+def _problem(b, hq, hkv, d, page_size, lens, pages_extra=3, seed=0, combined=False, fp8=False):
     g = torch.Generator().manual_seed(seed)
     max_pages = max(1, max(-(-n // page_size) for n in lens))
     pages = b * max_pages + pages_extra
     shape = (pages, 2, page_size, hkv, d) if combined else (pages, page_size, hkv, d)
-    k = torch.randn(*shape, generator=g).to(torch.bfloat16)
-    v = None if combined else torch.randn(*shape, generator=g).to(torch.bfloat16)
+    cache = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    k = torch.randn(*shape, generator=g).to(cache)
+    v = None if combined else torch.randn(*shape, generator=g).to(cache)
     perm = torch.randperm(pages, generator=g)[: b * max_pages].view(b, max_pages)
     q = torch.randn(b, hq, d, generator=g).to(torch.bfloat16)
     seq = torch.tensor(lens, dtype=torch.int32)
@@ -151,6 +156,20 @@ def test_decode_algorithm_matches_the_reference(cpu_kernels, b, hq, hkv, d, page
         and group == hq // hkv
         and abs(scale_log2 - d**-0.5 * math.log2(math.e)) < 1e-6
     )
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_fp8_cache_scales(cpu_kernels, per_head):
+    q, k, v, pt, seq = _problem(2, 8, 2, 128, 16, [40, 90], fp8=True)
+    ks = torch.tensor([0.5, 2.0]) if per_head else 0.75
+    vs = torch.tensor([1.5, 0.25]) if per_head else 1.25
+    out, lse = op_module.attention_paged(q, k, v, pt, seq, return_lse=True, k_scale=ks,
+                                         v_scale=vs)  # fmt: skip
+    want, want_lse = paged_attention_ref(q, k, v, pt, seq, k_scale=ks, v_scale=vs)
+    assert float((out.float() - want).abs().max()) < 2e-2
+    assert float((lse - want_lse).abs().max()) < 1e-4
+    with pytest.raises(ValueError, match="needs k_scale"):
+        op_module.attention_paged(q, k, v, pt, seq)
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,8 @@
 """`forgekernel.ops.attention_paged.attention_paged`: attention over a paged KV cache (vLLM /
-FlashAttention layout), GQA decode. Not exported from `forgekernel` yet: its kernels
-(kernels/attention/paged/sm90) have not passed a GPU check (issue 18). Chunked prefill /
-speculative decoding (`cu_seqlens_q`), FP8 caches and FlashInfer's CSR page lists are still to
-come; they raise.
+FlashAttention layout), GQA decode, 16-bit or FP8 (e4m3) caches. Not exported from
+`forgekernel` yet: its kernels (kernels/attention/paged/sm90) have not passed a GPU check
+(issue 18). Chunked prefill / speculative decoding (`cu_seqlens_q`) and FlashInfer's CSR page
+lists are still to come; they raise.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from forgekernel.ops._validate import (
 )
 
 INDEX = (torch.int32,)
+CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 
 
 def _split_cache(k_cache, v_cache):
@@ -38,18 +39,33 @@ def _split_cache(k_cache, v_cache):
 
 def _check_rows(name: str, t: torch.Tensor) -> None:
     """The kernel reads cache rows 16 bytes at a time in place (a cache is never copied)."""
-    *outer, last = t.stride()
-    if last != 1 or t.data_ptr() % 16 or any(s % 8 for s in outer):
+    *outer, last = t.stride()  # the kernels are compiled for strides of 16 elements
+    if last != 1 or t.data_ptr() % 16 or any(s % 16 for s in outer):
         raise ValueError(
             f"{name} must have contiguous, 16-byte-aligned rows (strides {tuple(t.stride())})"
         )
 
 
+def _scale_tensor(name: str, scale, hkv: int, device) -> torch.Tensor:
+    """An FP8 cache's dequantization scale as fp32 (Hkv,): a python float or 0-d tensor per
+    tensor, or a (Hkv,) tensor per KV head."""
+    if scale is None:
+        raise ValueError(f"an FP8 cache needs {name} (a float, or a float32 tensor (Hkv,))")
+    if isinstance(scale, torch.Tensor):
+        if scale.dim() == 0 or scale.shape == (1,):
+            return scale.reshape(1).to(torch.float32).expand(hkv).contiguous()
+        check_shaped(name, scale, (hkv,), (torch.float32,))
+        return scale.contiguous()
+    return torch.full((hkv,), float(scale), dtype=torch.float32, device=device)
+
+
 def _validate(q, k, v, page_table, seqlens_k, out):
     check_tensor("q", q, ndim=3, cuda=False)
-    check_tensor("k_cache", k, ndim=4, cuda=False)
-    check_tensor("v_cache", v, ndim=4, cuda=False)
-    check_same_dtype(q=q, k_cache=k, v_cache=v)
+    check_tensor("k_cache", k, ndim=4, dtypes=CACHE_DTYPES, cuda=False)
+    check_tensor("v_cache", v, ndim=4, dtypes=CACHE_DTYPES, cuda=False)
+    check_same_dtype(k_cache=k, v_cache=v)
+    if k.dtype != torch.float8_e4m3fn and k.dtype != q.dtype:
+        raise TypeError(f"a 16-bit cache must have q's dtype ({q.dtype}), got {k.dtype}")
     b, hq, d = q.shape
     pages, page_size, hkv, dk = k.shape
     if dk != d or tuple(v.shape) != tuple(k.shape):
@@ -84,16 +100,20 @@ def _decode_op(
     page_table: torch.Tensor,
     seqlens_k: torch.Tensor,
     softmax_scale: float,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     b, hq, _ = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
-    paged_sm90.paged_decode(q, k_cache, v_cache, page_table, seqlens_k, softmax_scale, out, lse)
+    paged_sm90.paged_decode(
+        q, k_cache, v_cache, page_table, seqlens_k, softmax_scale, out, lse, k_scale, v_scale
+    )
     return out, lse
 
 
 @_decode_op.register_fake
-def _(q, k_cache, v_cache, page_table, seqlens_k, softmax_scale):
+def _(q, k_cache, v_cache, page_table, seqlens_k, softmax_scale, k_scale, v_scale):
     return torch.empty_like(q), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
 
 
@@ -110,24 +130,34 @@ def attention_paged(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     out: torch.Tensor | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
 ):
     """Decode: q (batch, Hq, D), one query per sequence, against caches (num_pages,
     page_size, Hkv, D) (or one combined (num_pages, 2, page_size, Hkv, D) cache as k_cache with
     v_cache None), page_table int32 (batch, max_pages), seqlens_k int32 (batch,). Returns out
     (batch, Hq, D) and, with return_lse, the natural-log LSE (batch, Hq) fp32; a sequence of
-    length 0 gives 0 and -inf. GQA: query head h reads KV head h // (Hq / Hkv)."""
+    length 0 gives 0 and -inf. GQA: query head h reads KV head h // (Hq / Hkv). An FP8 (e4m3)
+    cache holds K / k_scale and V / v_scale: each scale a float (per tensor) or a float32
+    tensor (Hkv,) (per KV head)."""
     if cu_seqlens_q is not None or max_seqlen_q is not None:
         raise NotImplementedError("paged prefill / chunked prefill (cu_seqlens_q): not yet")
     k, v = _split_cache(k_cache, v_cache)
     _, _, d = _validate(q, k, v, page_table, seqlens_k, out)
     scale = float(softmax_scale) if softmax_scale is not None else d**-0.5
+    ks = vs = None
+    if k.dtype == torch.float8_e4m3fn:
+        ks = _scale_tensor("k_scale", k_scale, k.shape[2], q.device)
+        vs = _scale_tensor("v_scale", v_scale, k.shape[2], q.device)
     if _traced(q, k, v, page_table, seqlens_k, out):
-        o, lse = torch.ops.forgekernel.attention_paged_decode(q, k, v, page_table, seqlens_k, scale)
+        o, lse = torch.ops.forgekernel.attention_paged_decode(
+            q, k, v, page_table, seqlens_k, scale, ks, vs
+        )
         if out is not None:
             out.copy_(o)
             o = out
     else:
         o = out if out is not None else torch.empty_like(q)
         lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
-        paged_sm90.paged_decode(q, k, v, page_table, seqlens_k, scale, o, lse)
+        paged_sm90.paged_decode(q, k, v, page_table, seqlens_k, scale, o, lse, ks, vs)
     return (o, lse) if return_lse else o

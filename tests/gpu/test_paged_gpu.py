@@ -50,3 +50,24 @@ def test_paged_decode_matches_the_reference(case, dtype):
     finite = torch.isfinite(want_lse)
     assert torch.equal(finite, torch.isfinite(lse))
     assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_paged_decode_fp8_cache(per_head):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    b, hq, hkv, d, ps = 3, 32, 8, 128, 16
+    lens = [1, 200, 3000]
+    max_pages = -(-max(lens) // ps)
+    pages = b * max_pages + 2
+    k = torch.randn(pages, ps, hkv, d, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    v = torch.randn(pages, ps, hkv, d, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    table = torch.randperm(pages, device="cuda", generator=g)[: b * max_pages].view(b, -1)
+    table = table.to(torch.int32)
+    seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    ks = torch.rand(hkv, device="cuda", generator=g) + 0.5 if per_head else 0.7
+    vs = torch.rand(hkv, device="cuda", generator=g) + 0.5 if per_head else 1.3
+    out, lse = op.attention_paged(q, k, v, table, seq, return_lse=True, k_scale=ks, v_scale=vs)
+    want, want_lse = paged_attention_ref(q, k, v, table, seq, k_scale=ks, v_scale=vs)
+    assert float((out.float() - want).abs().max()) < 2e-2
+    assert float((lse - want_lse).abs().max()) < 1e-3

@@ -37,8 +37,11 @@ def compile_paged(params: dict, arch: str = "sm_90a", extra_options: str = ""):
         )
     q = fake.rowmajor(dtype, (b, hq, d))
     pages, page_size = cute.sym_int32(), cute.sym_int32()
-    k = fake.rowmajor(dtype, (pages, page_size, hkv, d))
-    v = fake.rowmajor(dtype, (pages, page_size, hkv, d))
+    fp8 = params.get("kv") == "float8_e4m3fn"
+    kv_dtype = cutlass.Float8E4M3FN if fp8 else dtype
+    k = fake.rowmajor(kv_dtype, (pages, page_size, hkv, d), divisibility=16)
+    v = fake.rowmajor(kv_dtype, (pages, page_size, hkv, d), divisibility=16)
+    scales = (_dense(cutlass.Float32, 1), _dense(cutlass.Float32, 1)) if fp8 else (None, None)
     return cute.compile(
         PagedDecodeSm90(d, params["heads"]),
         q,
@@ -52,6 +55,7 @@ def compile_paged(params: dict, arch: str = "sm_90a", extra_options: str = ""):
         cutlass.Int32(1),
         cutlass.Int32(1),
         cutlass.Int32(1),
+        *scales,
         fake.stream(),
         options=opts,
     )

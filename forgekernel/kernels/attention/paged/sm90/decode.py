@@ -14,6 +14,10 @@ split writes O normalized (fp32) and its LSE in log2 units, -inf where it saw no
 Combine pass, grid (Hq, B), 128 threads: O = sum_s 2^(lse_s - lse) O_s, lse = log2 sum_s
 2^lse_s; O 0 and LSE -inf where no split saw a key; LSE returned natural (x ln 2).
 
+FP8 (e4m3) caches: K and V rows are widened to fp32 as loaded; a per-KV-head scale of K
+(per-tensor scales come as (Hkv,) tensors) is folded into the query rows and V's into the
+output, so dequantization costs nothing per element.
+
 Math on CUDA cores (no MMA): memory-bound at the group sizes of GQA decode (H <= 8: 2 x 128
 x H FMAs per 512 bytes of K and V at D = 128). The query rows and O stay in registers:
 H x D / 32 <= 64 (D = 256 takes H <= 8; at H = 16, D = 256 the compiler spilled 1.6 KB)."""
@@ -57,13 +61,18 @@ class PagedDecodeSm90:
         per_split: Int32,
         page_size: Int32,
         group: Int32,
+        mKScale: cute.Tensor | None,
+        mVScale: cute.Tensor | None,
         stream: cuda.CUstream,
     ):
         """mQ (B, Hq, D); mK, mV (num_pages, page_size, Hkv, D); mPT int32 (B, max_pages);
         mSeq int32 (B,); mOp fp32 (splits, B, Hq, D); mLp fp32 (splits, B, Hq), log2 units;
-        group = Hq / Hkv, a multiple of the compiled heads per CTA."""
-        if const_expr(mK.element_type != mQ.element_type or mV.element_type != mQ.element_type):
-            raise TypeError("q, k_cache and v_cache must share one dtype")
+        group = Hq / Hkv, a multiple of the compiled heads per CTA; mKScale, mVScale fp32
+        (Hkv,) dequantization scales of an FP8 cache, else None."""
+        if const_expr(mK.element_type != mV.element_type):
+            raise TypeError("k_cache and v_cache must share one dtype")
+        if const_expr(mK.element_type != mQ.element_type and mK.element_type.width != 8):
+            raise TypeError("a 16-bit cache must have q's dtype")
 
         @cute.struct
         class Shared:
@@ -73,7 +82,19 @@ class PagedDecodeSm90:
 
         self.shared = Shared
         self.kernel(
-            mQ, mK, mV, mPT, mSeq, mOp, mLp, scale_log2, per_split, page_size, group
+            mQ,
+            mK,
+            mV,
+            mPT,
+            mSeq,
+            mOp,
+            mLp,
+            scale_log2,
+            per_split,
+            page_size,
+            group,
+            mKScale,
+            mVScale,
         ).launch(
             grid=(mOp.shape[0], mQ.shape[1] // self.g, mQ.shape[0]),
             block=[THREADS, 1, 1],
@@ -94,6 +115,8 @@ class PagedDecodeSm90:
         per_split: Int32,
         page_size: Int32,
         group: Int32,
+        mKScale: cute.Tensor | None,
+        mVScale: cute.Tensor | None,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         split, head_block, b = cute.arch.block_idx()
@@ -109,7 +132,10 @@ class PagedDecodeSm90:
         w0 = t0 + warp * share
         w1 = cutlass.min(w0 + share, t1)
 
-        q = self._load_query(mQ, b, head0, lane, scale_log2)
+        q_scale = scale_log2
+        if const_expr(mKScale is not None):
+            q_scale = scale_log2 * mKScale[kvh]
+        q = self._load_query(mQ, b, head0, lane, q_scale)
         m = cute.make_rmem_tensor(G, Float32)
         lsum = cute.make_rmem_tensor(G, Float32)
         o = cute.make_rmem_tensor((E, G), Float32)
@@ -149,6 +175,10 @@ class PagedDecodeSm90:
                             o[e, g] = o[e, g] * corr + p * vf[e]
                         m[g] = m_new
             t += UNROLL
+        if const_expr(mVScale is not None):
+            v_scale = mVScale[kvh]
+            for i in cutlass.range_constexpr(E * G):
+                o[i] = o[i] * v_scale
         self._merge_warps(m, lsum, o, mOp, mLp, split, b, head0, tidx, lane, warp)
 
     @cute.jit

@@ -17,13 +17,14 @@ LOG2E = math.log2(math.e)
 _plans = PlanCache()
 
 
-def _plan(dtype, batch, hq, hkv, d, max_tokens, device_index):
+def _plan(dtype, kv_dtype, batch, hq, hkv, d, max_tokens, device_index):
     """(partial params, combine params, heads per CTA, splits, tokens per split)."""
     heads = heads_per_cta(hq // hkv, d)
     splits, per = split_plan(batch, hq // heads, max_tokens, num_sms(device_index))
     name = dtype_name(dtype)
+    kv = "float8_e4m3fn" if kv_dtype == torch.float8_e4m3fn else ""
     return (
-        params_for("partial", name, d, heads),
+        params_for("partial", name, d, heads, kv),
         params_for("combine", name, d),
         heads,
         splits,
@@ -40,16 +41,19 @@ def paged_decode(
     softmax_scale: float,
     out: torch.Tensor,
     lse: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """out (B, Hq, D) and lse (B, Hq) fp32 (natural log) of one query per sequence against its
     pages: q (B, Hq, D); k_cache, v_cache (num_pages, page_size, Hkv, D) views whose rows are
     contiguous and 16-byte aligned (the combined cache's halves qualify); page_table int32
-    (B, max_pages); seqlens_k int32 (B,). The split plan bounds the lengths by the table's
-    width (no device read)."""
+    (B, max_pages); seqlens_k int32 (B,); an FP8 (e4m3) cache with fp32 (Hkv,) k_scale and
+    v_scale. The split plan bounds the lengths by the table's width (no device read)."""
     b, hq, d = q.shape
     _, page_size, hkv, _ = k_cache.shape
     p_params, c_params, _, splits, per = _plans.get_or_build(
-        (q.dtype, b, hq, hkv, d, page_table.shape[1] * page_size, q.device.index), _plan
+        (q.dtype, k_cache.dtype, b, hq, hkv, d, page_table.shape[1] * page_size, q.device.index),
+        _plan,
     )
     partial_o = torch.empty(splits, b, hq, d, dtype=torch.float32, device=q.device)
     partial_lse = torch.empty(splits, b, hq, dtype=torch.float32, device=q.device)
@@ -59,5 +63,6 @@ def paged_decode(
         partial(
             as_tma_ready(q), k_cache, v_cache, page_table.contiguous(), seqlens_k.contiguous(),
             partial_o, partial_lse, softmax_scale * LOG2E, per, page_size, hq // hkv,
+            k_scale, v_scale,
         )  # fmt: skip
         combine(partial_o, partial_lse, out, lse)
