@@ -195,3 +195,23 @@ def test_bad_arguments(kwargs, err, match):
     with pytest.raises(err, match=match):
         op_module.attention_paged(args["q"], args["k"], args["v"], args["page_table"],
                                   args["seqlens_k"], **extra)  # fmt: skip
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_flashinfer_csr_form(cpu_kernels, page_size):
+    from forgekernel.reference.flashinfer_paged import page_table_to_csr
+
+    q, k, v, pt, seq = _problem(3, 8, 2, 64, page_size, [37, 0, 100])
+    indptr, indices, last = page_table_to_csr(pt, seq, page_size)
+    table, lens = op_module.csr_page_table(
+        indptr, indices, None if page_size == 1 else last, page_size, pt.shape[1]
+    )
+    assert torch.equal(lens, seq)
+    for b, n in enumerate(seq.tolist()):
+        pages = -(-n // page_size)
+        assert torch.equal(table[b, :pages], pt[b, :pages])
+    out = op_module.attention_paged_csr(q, k, v, indptr, indices,
+                                        None if page_size == 1 else last,
+                                        max_pages=pt.shape[1])  # fmt: skip
+    want, _ = paged_attention_ref(q, k, v, pt, seq)
+    assert float((out.float() - want).abs().max()) < 2e-2

@@ -161,3 +161,53 @@ def attention_paged(
         lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
         paged_sm90.paged_decode(q, k, v, page_table, seqlens_k, scale, o, lse, ks, vs)
     return (o, lse) if return_lse else o
+
+
+def csr_page_table(
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor | None,
+    page_size: int,
+    max_pages: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashInfer's page lists as (page_table int32 (batch, max_pages), seqlens_k int32):
+    sequence b's pages are kv_indices[kv_indptr[b]:kv_indptr[b + 1]], its last page holds
+    kv_last_page_len[b] tokens (None: every page full, FlashInfer's page size 1). No host read
+    (CUDA-graph capturable): `max_pages` bounds every sequence's page count; unused table
+    entries are page 0 (never read). Values are not checked."""
+    indptr = kv_indptr.long()
+    counts = indptr[1:] - indptr[:-1]
+    last = counts.new_full(counts.shape, page_size) if kv_last_page_len is None else (
+        kv_last_page_len.long()
+    )  # fmt: skip
+    seqlens = torch.where(counts > 0, (counts - 1) * page_size + last, 0).int()
+    col = torch.arange(max_pages, device=indptr.device)
+    flat = (indptr[:-1, None] + col[None, :]).clamp(max=max(kv_indices.numel() - 1, 0))
+    used = col[None, :] < counts[:, None]
+    table = torch.where(used, kv_indices.long()[flat], 0).int()
+    return table, seqlens
+
+
+def attention_paged_csr(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor | None,
+    *,
+    max_pages: int,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+):
+    """`attention_paged` (decode) with FlashInfer's CSR page lists (`csr_page_table`); the LSE
+    stays natural log (FlashInfer's is base 2: multiply by log2 e)."""
+    k = k_cache if v_cache is not None else k_cache[:, 0]
+    table, seqlens = csr_page_table(kv_indptr, kv_indices, kv_last_page_len, k.shape[1], max_pages)
+    return attention_paged(
+        q, k_cache, v_cache, table, seqlens, softmax_scale=softmax_scale, return_lse=return_lse,
+        out=out, k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
