@@ -21,8 +21,11 @@ op = importlib.import_module("forgekernel.ops.gated_delta_rule")
 def _kernel(params):
     """The step kernel's math in fp32, as step.py does it."""
 
-    def fn(q, k, v, g, beta, state, rows, out, inter, scale):
+    def fn(q, k, v, g, beta, state, rows, out, inter, a_log, dt_bias, scale):
         group = v.shape[2] // q.shape[2]
+        if params.get("gating"):  # the projections a, b -> log decay, beta (step.py _gates)
+            g = -a_log.exp() * torch.nn.functional.softplus(g.float() + dt_bias)
+            beta = torch.sigmoid(beta.float())
         for b in range(q.shape[0]):
             for hv in range(v.shape[2]):
                 r = int(rows[b])
@@ -41,7 +44,8 @@ def _kernel(params):
                     out[b, t, hv] = ((s.t() @ qf) * scale).to(out.dtype)
                     if inter is not None:
                         inter[r, t, hv] = s.t() if params["k_last"] else s
-                state[r, hv] = s.t() if params["k_last"] else s
+                if params.get("update_state", True):
+                    state[r, hv] = s.t() if params["k_last"] else s
 
     return fn
 
@@ -106,3 +110,46 @@ def test_bad_arguments(change, err, match):
     with pytest.raises(err, match=match):
         op.gated_delta_rule_step(args["q"], args["k"], args["v"], args["g"], args["beta"],
                                  args["state"])  # fmt: skip
+
+
+def _flashinfer_inputs(b, t, pool=None, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, t, 4, 128, generator=gen).to(torch.bfloat16)
+    k = torch.randn(b, t, 4, 128, generator=gen).to(torch.bfloat16)
+    v = torch.randn(b, t, 8, 128, generator=gen).to(torch.bfloat16)
+    a = torch.randn(b, t, 8, generator=gen).to(torch.bfloat16)
+    bb = torch.randn(b, t, 8, generator=gen).to(torch.bfloat16)
+    a_log = torch.randn(8, generator=gen) * 0.5
+    dt_bias = torch.randn(8, generator=gen) * 0.5
+    state = torch.randn(pool or b, 8, 128, 128, generator=gen) * 0.1
+    return q, k, v, state, a_log, a, dt_bias, bb
+
+
+def test_flashinfer_decode_form(cpu_kernel):
+    from forgekernel.reference.gdn_flashinfer import gdn_decode
+
+    q, k, v, state, a_log, a, dt_bias, bb = _flashinfer_inputs(5, 1)
+    before = state.clone()
+    out, new = op.gdn_decode_flashinfer(q, k, v, state, a_log, a, dt_bias, bb, 0.0)
+    want, want_new = gdn_decode(q, k, v, state, a_log, a, dt_bias, bb, 0.0)
+    assert torch.equal(state, before)  # theirs is not modified
+    assert float((out.float() - want.float()).abs().max()) <= 0.02 * float(want.abs().max())
+    assert float((new - want_new).abs().max()) <= 1e-5 * float(want_new.abs().max()) + 1e-6
+
+
+@pytest.mark.parametrize("disable", [True, False])
+def test_flashinfer_mtp_form(cpu_kernel, disable):
+    from forgekernel.reference.gdn_flashinfer import gdn_mtp
+
+    q, k, v, pool, a_log, a, dt_bias, bb = _flashinfer_inputs(3, 4, pool=6)
+    rows = torch.tensor([5, 1, 3], dtype=torch.int32)
+    inter = torch.zeros(6, 4, 8, 128, 128)
+    want_inter = inter.clone()
+    want, want_pool = gdn_mtp(q, k, v, pool.clone(), rows, a_log, a, dt_bias, bb, None,
+                              want_inter, disable_state_update=disable)  # fmt: skip
+    out, got_pool = op.gdn_mtp_flashinfer(q, k, v, pool, rows, a_log, a, dt_bias, bb, None,
+                                          inter, disable_state_update=disable)  # fmt: skip
+    tol = 1e-5 * float(want_pool.abs().max()) + 1e-6
+    assert float((out.float() - want.float()).abs().max()) <= 0.02 * float(want.abs().max())
+    assert float((got_pool - want_pool).abs().max()) <= tol
+    assert float((inter - want_inter).abs().max()) <= 1e-5 * float(want_inter.abs().max()) + 1e-6

@@ -33,6 +33,8 @@ def gated_delta_rule_step(
     state_indices: torch.Tensor | None = None,
     k_last: bool = False,
     intermediate_states: torch.Tensor | None = None,
+    _gates: tuple[torch.Tensor, torch.Tensor] | None = None,
+    _update_state: bool = True,
 ) -> torch.Tensor:
     """q, k (B, T, H, K) and v (B, T, HV, V) bf16 / fp16, T = 1..4 tokens; g fp32 (B, T, HV)
     log decay (or (B, T, HV, K) per key channel: KDA); beta fp32 (B, T, HV); state fp32
@@ -53,8 +55,9 @@ def gated_delta_rule_step(
     if not 1 <= t <= MAX_TOKENS:
         raise ValueError(f"T must be 1..{MAX_TOKENS} tokens per step, got {t}")
     per_channel = g.dim() == 4
-    check_shaped("g", g, (b, t, hv, dk) if per_channel else (b, t, hv), F32)
-    check_shaped("beta", beta, (b, t, hv), F32)
+    if _gates is None:  # (the FlashInfer adapters pass the projections a / b, checked there)
+        check_shaped("g", g, (b, t, hv, dk) if per_channel else (b, t, hv), F32)
+        check_shaped("beta", beta, (b, t, hv), F32)
     check_tensor("state", state, ndim=4, dtypes=F32, cuda=False)
     tail = (dv, dk) if k_last else (dk, dv)
     if state.shape[1] != hv or tuple(state.shape[2:]) != tail:
@@ -79,5 +82,80 @@ def gated_delta_rule_step(
                                               ("beta", beta))),
         state, rows.contiguous(), out, intermediate_states,
         float(dk**-0.5 if scale is None else scale), k_last=k_last, l2norm=use_qk_l2norm,
+        gates=_gates, update_state=_update_state,
     )  # fmt: skip
     return out
+
+
+def _scale_of(scale, head_dim: int) -> float:
+    """FlashInfer-Bench's scale: None or 0 means 1 / sqrt(K)."""
+    return head_dim**-0.5 if scale is None or float(scale) == 0.0 else float(scale)
+
+
+def _check_gates(q, v, A_log, a, dt_bias, b) -> None:
+    bsz, t, hv = v.shape[:3]
+    check_shaped("a", a, (bsz, t, hv), (q.dtype,))
+    check_shaped("b", b, (bsz, t, hv), (q.dtype,))
+    check_shaped("A_log", A_log, (hv,), F32)
+    check_shaped("dt_bias", dt_bias, (hv,), F32)
+
+
+def gdn_decode_flashinfer(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    state: torch.Tensor | None,
+    A_log: torch.Tensor,
+    a: torch.Tensor,
+    dt_bias: torch.Tensor,
+    b: torch.Tensor,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashInfer-Bench's `gdn_decode_qk4_v8_d128_k_last` as it is: q, k (B, 1, H, K), v (B, 1,
+    HV, V) bf16, state (B, HV, V, K) fp32 k-last or None (zeros), A_log / dt_bias fp32 (HV,),
+    a / b (B, 1, HV) bf16, decay exp(-exp(A_log) softplus(a + dt_bias)) and beta sigmoid(b)
+    computed in the kernel -> (output (B, 1, HV, V), new_state (B, HV, V, K)); their state is
+    not modified (the step updates a copy)."""
+    return _flashinfer_step(q, k, v, state, None, A_log, a, dt_bias, b, scale, None, True)
+
+
+def gdn_mtp_flashinfer(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    initial_state: torch.Tensor,
+    initial_state_indices: torch.Tensor,
+    A_log: torch.Tensor,
+    a: torch.Tensor,
+    dt_bias: torch.Tensor,
+    b: torch.Tensor,
+    scale: float | None = None,
+    intermediate_states_buffer: torch.Tensor | None = None,
+    disable_state_update: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashInfer-Bench's `gdn_mtp_qk4_v8_d128_k_last`: T tokens per sequence against a state
+    pool (P, HV, V, K) at rows initial_state_indices; every token's state into
+    intermediate_states_buffer (P, T, HV, V, K) when given; the pool updated in place unless
+    disable_state_update (their default) -> (output (B, T, HV, V), the pool)."""
+    return _flashinfer_step(
+        q, k, v, initial_state, initial_state_indices, A_log, a, dt_bias, b, scale,
+        intermediate_states_buffer, not disable_state_update, copy_state=False,
+    )  # fmt: skip
+
+
+def _flashinfer_step(q, k, v, state, rows, A_log, a, dt_bias, b, scale, inter, update, *,
+                     copy_state: bool = True):  # fmt: skip
+    check_tensor("q", q, ndim=4, cuda=False)
+    check_tensor("v", v, ndim=4, cuda=False)
+    _check_gates(q, v, A_log, a, dt_bias, b)
+    bsz, hv, dv, dk = q.shape[0], v.shape[2], v.shape[3], q.shape[3]
+    if state is None:
+        state = torch.zeros(bsz, hv, dv, dk, dtype=torch.float32, device=q.device)
+    elif copy_state:
+        state = state.clone()
+    out = gated_delta_rule_step(
+        q, k, v, a, b, state, scale=_scale_of(scale, dk), state_indices=rows, k_last=True,
+        intermediate_states=inter, _gates=(A_log.contiguous(), dt_bias.contiguous()),
+        _update_state=update,
+    )  # fmt: skip
+    return out, state

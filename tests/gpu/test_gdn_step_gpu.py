@@ -51,3 +51,36 @@ def test_step_matches_the_reference(dtype, b, t, h, hv, per_channel, k_last, l2n
     assert float((state - want_state).abs().max()) <= tol
     if inter is not None:
         assert float((inter - want_inter).abs().max()) <= tol
+
+
+@pytest.mark.parametrize("b", [1, 64])
+def test_flashinfer_decode_and_mtp_forms(b):
+    from forgekernel.reference.gdn_flashinfer import gdn_decode, gdn_mtp
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    dev, bf = "cuda", torch.bfloat16
+
+    def rnd(*shape, dtype=torch.float32, scale=1.0):
+        return (torch.randn(*shape, device=dev, generator=gen) * scale).to(dtype)
+
+    for t in (1, 3):
+        q, k = rnd(b, t, 4, 128, dtype=bf), rnd(b, t, 4, 128, dtype=bf)
+        v, a, bb = rnd(b, t, 8, 128, dtype=bf), rnd(b, t, 8, dtype=bf), rnd(b, t, 8, dtype=bf)
+        a_log, dt_bias = rnd(8, scale=0.5), rnd(8, scale=0.5)
+        state = rnd(b + 2, 8, 128, 128, scale=0.1)
+        if t == 1:
+            out, new = op.gdn_decode_flashinfer(q, k, v, state[:b], a_log, a, dt_bias, bb)
+            want, want_new = gdn_decode(q, k, v, state[:b], a_log, a, dt_bias, bb, None)
+        else:
+            rows = torch.randperm(b + 2, device=dev, generator=gen)[:b].to(torch.int32)
+            inter, want_inter = torch.zeros(b + 2, t, 8, 128, 128, device=dev), None
+            want_inter = inter.clone()
+            want, want_new = gdn_mtp(q, k, v, state.clone(), rows, a_log, a, dt_bias, bb, None,
+                                     want_inter, disable_state_update=False)  # fmt: skip
+            out, new = op.gdn_mtp_flashinfer(q, k, v, state, rows, a_log, a, dt_bias, bb, None,
+                                             inter, disable_state_update=False)  # fmt: skip
+            tol = 1e-5 * float(want_inter.abs().max()) + 1e-6
+            assert float((inter - want_inter).abs().max()) <= tol
+        torch.cuda.synchronize()
+        assert float((out.float() - want.float()).abs().max()) <= 0.02 * float(want.abs().max())
+        assert float((new - want_new).abs().max()) <= 1e-5 * float(want_new.abs().max()) + 1e-6

@@ -21,7 +21,7 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    return [
+    plain = [
         params_for(dtype, dims, per_channel=pc, k_last=kl, l2norm=l2, intermediate=inter)
         for dtype in DTYPES
         for dims in HEAD_DIMS
@@ -30,6 +30,16 @@ def _standard_params() -> list[Params]:
         for l2 in (False, True)
         for inter in (False, True)
     ]
+    # FlashInfer-Bench's gdn_decode / gdn_mtp: k-last state, gating in the kernel, l2norm on
+    # or off; MTP with or without the final state stored.
+    gated = [
+        params_for(dtype, dims, l2norm=l2, intermediate=inter, gating=True, update_state=upd)
+        for dtype in DTYPES
+        for dims in HEAD_DIMS
+        for l2 in (False, True)
+        for inter, upd in ((False, True), (True, True), (True, False))
+    ]
+    return plain + gated
 
 
 SPEC = KernelSpec(

@@ -27,21 +27,26 @@ def compile_gdn_step(params: dict, arch: str = "sm_90a", extra_options: str = ""
     state_shape = (n, hv, vd, kd) if params["k_last"] else (n, hv, kd, vd)
     inter_shape = (n, t, hv, *state_shape[2:])
     g_shape = (b, t, hv, kd) if params["per_channel"] else (b, t, hv)
+    gating = params.get("gating", False)
     kernel = GdnStepSm90(
         kd, vd, per_channel=params["per_channel"], k_last=params["k_last"],
-        l2norm=params["l2norm"], intermediate=params["intermediate"],
+        l2norm=params["l2norm"], intermediate=params["intermediate"], gating=gating,
+        update_state=params.get("update_state", True),
     )  # fmt: skip
+    gate_dtype, gate_align = (dtype, 2) if gating else (f32, 4)
+    per_head = (_tensor(f32, (hv,), 0, 4), _tensor(f32, (hv,), 0, 4)) if gating else (None, None)
     return cute.compile(
         kernel,
         _tensor(dtype, (b, t, h, kd), 3, 8),
         _tensor(dtype, (b, t, h, kd), 3, 8),
         _tensor(dtype, (b, t, hv, vd), 3, 2),
-        _tensor(f32, g_shape, len(g_shape) - 1, 4),
-        _tensor(f32, (b, t, hv), 2, 4),
+        _tensor(gate_dtype, g_shape, len(g_shape) - 1, gate_align),
+        _tensor(gate_dtype, (b, t, hv), 2, gate_align),
         _tensor(f32, state_shape, 3),
         make_fake_tensor(cutlass.Int32, (b,), stride=(1,)),
         _tensor(dtype, (b, t, hv, vd), 3, 2),
         _tensor(f32, inter_shape, 4) if params["intermediate"] else None,
+        *per_head,
         cutlass.Float32(1.0),
         fake.stream(),
         options=fake.options(arch, extra_options),

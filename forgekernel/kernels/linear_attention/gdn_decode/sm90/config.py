@@ -16,16 +16,22 @@ def params_for(
     k_last: bool = True,
     l2norm: bool = False,
     intermediate: bool = False,
+    gating: bool = False,
+    update_state: bool = True,
 ) -> tuple:
     """Compile key: the q / k / v dtype, (K, V), per-channel decay (Kimi Delta Attention),
     the state's layout (k_last: (N, HV, V, K), FlashInfer's; else (N, HV, K, V), fla's), the
-    q / k l2norm, and whether every token's state is also written out (MTP rollback)."""
+    q / k l2norm, whether every token's state is also written out (MTP rollback), the
+    projection gating computed in the kernel (FlashInfer-Bench's A_log / a / dt_bias / b) and
+    whether the final state is stored (False: MTP verification). The last two enter the key
+    only when they differ from the default (older keys stay valid)."""
     k, v = head_dims
-    return tuple(
-        sorted(
-            {
-                "dtype": dtype, "k": k, "v": v, "per_channel": per_channel, "k_last": k_last,
-                "l2norm": l2norm, "intermediate": intermediate,
-            }.items()
-        )
-    )  # fmt: skip
+    key = {
+        "dtype": dtype, "k": k, "v": v, "per_channel": per_channel, "k_last": k_last,
+        "l2norm": l2norm, "intermediate": intermediate,
+    }  # fmt: skip
+    if gating:
+        key["gating"] = True
+    if not update_state:
+        key["update_state"] = False
+    return tuple(sorted(key.items()))

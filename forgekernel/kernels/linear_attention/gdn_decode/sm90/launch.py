@@ -25,13 +25,19 @@ def gdn_step(
     *,
     k_last: bool,
     l2norm: bool,
+    gates: tuple[torch.Tensor, torch.Tensor] | None = None,
+    update_state: bool = True,
 ) -> None:
     """out (B, T, HV, V) and the state rows `rows` updated in place (every token's state into
-    `intermediate` too when given). Last dims contiguous, fp32 g / beta / state."""
+    `intermediate` too when given; the state left as it is with update_state False). Last
+    dims contiguous; g / beta fp32, or with `gates` = (A_log, dt_bias) fp32 (HV,) the
+    projections a / b in q's dtype (the kernel computes the decay and beta)."""
     params = params_for(
         dtype_name(q.dtype), (q.shape[-1], v.shape[-1]), per_channel=g.dim() == 4,
         k_last=k_last, l2norm=l2norm, intermediate=intermediate is not None,
+        gating=gates is not None, update_state=update_state,
     )  # fmt: skip
     fn = get_kernel(SPEC, params)
+    a_log, dt_bias = gates if gates is not None else (None, None)
     with on_device(q.device):
-        fn(q, k, v, g, beta, state, rows, out, intermediate, scale)
+        fn(q, k, v, g, beta, state, rows, out, intermediate, a_log, dt_bias, scale)

@@ -12,7 +12,12 @@ Grid (HV, B), K_SPLIT x V threads: thread (j, s) holds column j of S, rows s K /
 adjacent lanes, so every dot product over K is a partial sum and two shuffles. The state is
 read once and written once (memory-bound: 64 KB each way per head at K = V = 128); with the
 k-last layout (N, HV, V, K) a thread's rows are contiguous (16-byte loads). Value head hv
-reads q / k head hv // (HV / H). Sequence b uses state row state_indices[b] (a pool)."""
+reads q / k head hv // (HV / H). Sequence b uses state row state_indices[b] (a pool).
+
+`gating` (FlashInfer-Bench's Gated DeltaNet, Qwen3-Next): the decay and beta come from the
+projections, g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), computed here (mG holds
+a, mBeta holds b, both in q's dtype). `update_state` False leaves the state untouched (MTP
+verification reads the intermediate states instead)."""
 
 from __future__ import annotations
 
@@ -25,7 +30,10 @@ from forgekernel.kernels.linear_attention.gdn_decode.sm90.config import K_SPLIT,
 
 
 class GdnStepSm90:
-    def __init__(self, k: int, v: int, *, per_channel, k_last, l2norm, intermediate):
+    def __init__(
+        self, k: int, v: int, *, per_channel, k_last, l2norm, intermediate, gating=False,
+        update_state=True,
+    ):  # fmt: skip
         if k % (K_SPLIT * 8) or v % 32:
             raise ValueError(f"K must be a multiple of {K_SPLIT * 8} and V of 32, got {k}, {v}")
         self.k, self.v = k, v
@@ -34,6 +42,10 @@ class GdnStepSm90:
         self.k_last = k_last
         self.l2norm = l2norm
         self.intermediate = intermediate
+        self.gating = gating
+        self.update_state = update_state
+        if gating and per_channel:
+            raise ValueError("the projection gating gives one decay per value head")
 
     @cute.jit
     def __call__(
@@ -47,13 +59,16 @@ class GdnStepSm90:
         mRows: cute.Tensor,
         mO: cute.Tensor,
         mInter: cute.Tensor | None,
+        mALog: cute.Tensor | None,
+        mDtBias: cute.Tensor | None,
         scale: Float32,
         stream: cuda.CUstream,
     ):
         """mQ, mK (B, T, H, K); mV (B, T, HV, V); mG fp32 (B, T, HV) or (B, T, HV, K); mBeta
         fp32 (B, T, HV); mState fp32 (N, HV, V, K) (k_last) or (N, HV, K, V); mRows int32 (B,);
-        mO (B, T, HV, V); mInter fp32 (N, T, HV, ...) in the state's layout, or None."""
-        self.kernel(mQ, mK, mV, mG, mBeta, mState, mRows, mO, mInter, scale).launch(
+        mO (B, T, HV, V); mInter fp32 (N, T, HV, ...) in the state's layout, or None; gating:
+        mG, mBeta the projections a, b (B, T, HV) in q's dtype, mALog, mDtBias fp32 (HV,)."""
+        self.kernel(mQ, mK, mV, mG, mBeta, mState, mRows, mO, mInter, mALog, mDtBias, scale).launch(
             grid=(mV.shape[2], mV.shape[0], 1), block=[K_SPLIT * self.v, 1, 1], stream=stream
         )
 
@@ -69,6 +84,8 @@ class GdnStepSm90:
         mRows: cute.Tensor,
         mO: cute.Tensor,
         mInter: cute.Tensor | None,
+        mALog: cute.Tensor | None,
+        mDtBias: cute.Tensor | None,
         scale: Float32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
@@ -89,18 +106,24 @@ class GdnStepSm90:
             if const_expr(self.l2norm):
                 self._normalize(qf)
                 self._normalize(kf)
-            if const_expr(self.per_channel):
-                self._slice(mG[b, t, hv, None], decay, part)
-                for i in cutlass.range_constexpr(R):
-                    decay[i] = cute.math.exp(decay[i], fastmath=True)
+            beta = Float32(0.0)
+            if const_expr(self.gating):
+                g, beta = self._gates(mG, mBeta, mALog, mDtBias, b, t, hv)
+                decay.fill(cute.math.exp(g, fastmath=True))
             else:
-                decay.fill(cute.math.exp(mG[b, t, hv], fastmath=True))
+                beta = mBeta[b, t, hv]
+                if const_expr(self.per_channel):
+                    self._slice(mG[b, t, hv, None], decay, part)
+                    for i in cutlass.range_constexpr(R):
+                        decay[i] = cute.math.exp(decay[i], fastmath=True)
+                else:
+                    decay.fill(cute.math.exp(mG[b, t, hv], fastmath=True))
             predicted = Float32(0.0)
             for i in cutlass.range_constexpr(R):
                 s[i] = s[i] * decay[i]
                 predicted += s[i] * kf[i]
             predicted = cute.arch.warp_reduction_sum(predicted, threads_in_group=K_SPLIT)
-            u = mBeta[b, t, hv] * (Float32(mV[b, t, hv, col]) - predicted)
+            u = beta * (Float32(mV[b, t, hv, col]) - predicted)
             out = Float32(0.0)
             for i in cutlass.range_constexpr(R):
                 s[i] = s[i] + kf[i] * u
@@ -110,7 +133,20 @@ class GdnStepSm90:
                 mO[b, t, hv, col] = (out * scale).to(mO.element_type)
             if const_expr(self.intermediate):
                 self._state_io(mInter[row, t, hv, None, None], s, col, part, load=False)
-        self._state_io(mState[row, hv, None, None], s, col, part, load=False)
+        if const_expr(self.update_state):
+            self._state_io(mState[row, hv, None, None], s, col, part, load=False)
+
+    @cute.jit
+    def _gates(self, mA, mB, mALog, mDtBias, b, t, hv):
+        """(log decay, beta) from the projections: -exp(A_log) softplus(a + dt_bias) (softplus
+        linear past 20, as torch's), sigmoid(b)."""
+        x = Float32(mA[b, t, hv]) + mDtBias[hv]
+        soft = x
+        if x <= 20.0:
+            soft = cute.math.log(1.0 + cute.math.exp(x, fastmath=True), fastmath=True)
+        g = -cute.math.exp(mALog[hv], fastmath=True) * soft
+        beta = 1.0 / (1.0 + cute.math.exp(-Float32(mB[b, t, hv]), fastmath=True))
+        return g, beta
 
     @cute.jit
     def _slice(self, vec, dst, part):
