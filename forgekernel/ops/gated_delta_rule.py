@@ -10,6 +10,7 @@ import torch
 
 from forgekernel.kernels.linear_attention.gdn_decode.sm90 import launch as gdn_sm90
 from forgekernel.kernels.linear_attention.gdn_decode.sm90.config import HEAD_DIMS
+from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import check_cuda, check_same_device, check_shaped, check_tensor
 
 F32 = (torch.float32,)
@@ -18,6 +19,41 @@ MAX_TOKENS = 4
 
 def _contiguous_last(name: str, t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@torch.library.custom_op(
+    "forgekernel::gated_delta_rule_step", mutates_args=("state", "intermediate_states")
+)
+def _step_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    rows: torch.Tensor,
+    intermediate_states: torch.Tensor | None,
+    a_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    scale: float,
+    k_last: bool,
+    l2norm: bool,
+    update_state: bool,
+) -> torch.Tensor:
+    out = q.new_empty(*v.shape)
+    gates = None if a_log is None else (a_log, dt_bias)
+    gdn_sm90.gdn_step(
+        *(x.contiguous() for x in (q, k, v, g, beta)), state, rows.contiguous(), out,
+        intermediate_states, scale, k_last=k_last, l2norm=l2norm, gates=gates,
+        update_state=update_state,
+    )  # fmt: skip
+    return out
+
+
+@_step_op.register_fake
+def _(q, k, v, g, beta, state, rows, intermediate_states, a_log, dt_bias, scale, k_last,
+      l2norm, update_state):  # fmt: skip
+    return q.new_empty(*v.shape)
 
 
 def gated_delta_rule_step(
@@ -76,6 +112,13 @@ def gated_delta_rule_step(
         check_shaped("intermediate_states", intermediate_states, want, F32)
     check_cuda("q", q)
     check_same_device(q=q, k=k, v=v, g=g, beta=beta, state=state, state_indices=rows)
+    args = (q, k, v, g, beta)
+    if _traced(*args, state, rows, intermediate_states):
+        a_log, dt_bias = _gates if _gates is not None else (None, None)
+        return torch.ops.forgekernel.gated_delta_rule_step(
+            *args, state, rows, intermediate_states, a_log, dt_bias,
+            float(dk**-0.5 if scale is None else scale), k_last, use_qk_l2norm, _update_state,
+        )  # fmt: skip
     out = torch.empty(b, t, hv, dv, dtype=q.dtype, device=q.device)
     gdn_sm90.gdn_step(
         *(_contiguous_last(n, x) for n, x in (("q", q), ("k", k), ("v", v), ("g", g),
