@@ -83,8 +83,6 @@ def _validate(q, k, v, page_table, seqlens_k, out):
     check_shaped("seqlens_k", seqlens_k, (b,), INDEX)
     if out is not None:
         check_shaped("out", out, (b, hq, d), (q.dtype,))
-    for name, t in (("k_cache", k), ("v_cache", v)):
-        _check_rows(name, t)
     check_cuda("q", q)
     extra = {} if out is None else {"out": out}
     check_same_device(q=q, k_cache=k, v_cache=v, page_table=page_table, seqlens_k=seqlens_k,
@@ -104,6 +102,8 @@ def _decode_op(
     v_scale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     b, hq, _ = q.shape
+    _check_rows("k_cache", k_cache)
+    _check_rows("v_cache", v_cache)
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
     paged_sm90.paged_decode(
@@ -157,6 +157,8 @@ def attention_paged(
             out.copy_(o)
             o = out
     else:
+        _check_rows("k_cache", k)  # (a data pointer: real tensors only)
+        _check_rows("v_cache", v)
         o = out if out is not None else torch.empty_like(q)
         lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
         paged_sm90.paged_decode(q, k, v, page_table, seqlens_k, scale, o, lse, ks, vs)
