@@ -7,7 +7,9 @@ sequences through their fp32 state, updated in place (fla's conventions, the ref
     S <- S + k_t u^T
     o_t = S^T (scale q_t)
 
-Grid (HV, B), K_SPLIT x V threads: thread (j, s) holds column j of S, rows s K / K_SPLIT ..
+Grid (HV, B, V / COLUMNS), K_SPLIT x COLUMNS threads (the columns of S are independent: u_j
+and o_j read column j only, so a head's columns spread over V / COLUMNS CTAs and a batch of
+one still fills 32 SMs at HV = 8): thread (j, s) holds column j of S, rows s K / K_SPLIT ..
 (s + 1) K / K_SPLIT - 1, in registers across the T tokens; the K_SPLIT threads of a column are
 adjacent lanes, so every dot product over K is a partial sum and two shuffles. The state is
 read once and written once (memory-bound: 64 KB each way per head at K = V = 128); with the
@@ -26,7 +28,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
-from forgekernel.kernels.linear_attention.gdn_decode.sm90.config import K_SPLIT, L2NORM_EPS
+from forgekernel.kernels.linear_attention.gdn_decode.sm90.config import (
+    COLUMNS,
+    K_SPLIT,
+    L2NORM_EPS,
+)
 
 
 class GdnStepSm90:
@@ -34,8 +40,10 @@ class GdnStepSm90:
         self, k: int, v: int, *, per_channel, k_last, l2norm, intermediate, gating=False,
         update_state=True,
     ):  # fmt: skip
-        if k % (K_SPLIT * 8) or v % 32:
-            raise ValueError(f"K must be a multiple of {K_SPLIT * 8} and V of 32, got {k}, {v}")
+        if k % (K_SPLIT * 8) or v % COLUMNS:
+            raise ValueError(
+                f"K must be a multiple of {K_SPLIT * 8} and V of {COLUMNS}, got {k}, {v}"
+            )
         self.k, self.v = k, v
         self.rows = k // K_SPLIT
         self.per_channel = per_channel
@@ -69,7 +77,9 @@ class GdnStepSm90:
         mO (B, T, HV, V); mInter fp32 (N, T, HV, ...) in the state's layout, or None; gating:
         mG, mBeta the projections a, b (B, T, HV) in q's dtype, mALog, mDtBias fp32 (HV,)."""
         self.kernel(mQ, mK, mV, mG, mBeta, mState, mRows, mO, mInter, mALog, mDtBias, scale).launch(
-            grid=(mV.shape[2], mV.shape[0], 1), block=[K_SPLIT * self.v, 1, 1], stream=stream
+            grid=(mV.shape[2], mV.shape[0], self.v // COLUMNS),
+            block=[K_SPLIT * COLUMNS, 1, 1],
+            stream=stream,
         )
 
     @cute.kernel
@@ -89,8 +99,8 @@ class GdnStepSm90:
         scale: Float32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        hv, b, _ = cute.arch.block_idx()
-        col = tidx // K_SPLIT
+        hv, b, col_block = cute.arch.block_idx()
+        col = col_block * COLUMNS + tidx // K_SPLIT
         part = tidx % K_SPLIT
         R = self.rows
         head = hv // (mV.shape[2] // mQ.shape[2])
