@@ -71,3 +71,18 @@ def test_paged_decode_fp8_cache(per_head):
     want, want_lse = paged_attention_ref(q, k, v, table, seq, k_scale=ks, v_scale=vs)
     assert float((out.float() - want).abs().max()) < 2e-2
     assert float((lse - want_lse).abs().max()) < 1e-3
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[5], CASES[6]],
+                         ids=lambda c: f"b{c[0]}_h{c[1]}_{c[2]}_d{c[3]}_p{c[4]}")  # fmt: skip
+def test_paged_decode_scattered_score_sums(monkeypatch, case):
+    """The reduce-scatter variant of the score sums (config.SCATTER_FROM_HEADS), not yet the
+    default: the same cases through it."""
+    from forgekernel.kernels.attention.paged.sm90 import config, launch
+
+    monkeypatch.setattr(config, "SCATTER_FROM_HEADS", 4)
+    launch._plans.clear()
+    try:
+        test_paged_decode_matches_the_reference(case, torch.bfloat16)
+    finally:
+        launch._plans.clear()

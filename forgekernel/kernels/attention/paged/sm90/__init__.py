@@ -24,12 +24,13 @@ def _compile(params: Params, extra_options: str = ""):
 
 def _standard_params() -> list[Params]:
     partial = [
-        params_for("partial", dtype, d, h, kv)
+        params_for("partial", dtype, d, h, kv, scatter)
         for dtype in DTYPES
         for d in HEAD_DIMS
         for h in HEADS
         if h <= max_heads(d)
         for kv in ("", "float8_e4m3fn")
+        for scatter in ((False, True) if h >= 4 else (False,))
     ]
     combine = [params_for("combine", dtype, d) for dtype in DTYPES for d in HEAD_DIMS]
     return partial + combine

@@ -43,7 +43,7 @@ def compile_paged(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     v = fake.rowmajor(kv_dtype, (pages, page_size, hkv, d), divisibility=16)
     scales = (_dense(cutlass.Float32, 1), _dense(cutlass.Float32, 1)) if fp8 else (None, None)
     return cute.compile(
-        PagedDecodeSm90(d, params["heads"]),
+        PagedDecodeSm90(d, params["heads"], params.get("scatter", False)),
         q,
         k,
         v,

@@ -23,14 +23,23 @@ def heads_per_cta(group: int, head_dim: int) -> int:
     return max(h for h in HEADS if group % h == 0 and h <= max_heads(head_dim))
 
 
-def params_for(kind: str, dtype: str, head_dim: int, heads: int = 1, kv: str = "") -> tuple:
+# Heads per CTA from which the partial pass sums its scores by reduce-scatter (decode.py
+# `_scores_scattered`) instead of a butterfly per score; 0: never. Not yet measured: both are
+# built for heads >= 4 and the GPU test runs both.
+SCATTER_FROM_HEADS = 0
+
+
+def params_for(
+    kind: str, dtype: str, head_dim: int, heads: int = 1, kv: str = "", scatter: bool = False
+) -> tuple:
     """Compile key: kind "partial" (one split's attention of `heads` query heads, fp32 out;
-    `kv` "float8_e4m3fn" for an FP8 cache, else the cache has q's dtype) or "combine" (the
-    splits merged into the output; no heads)."""
+    `kv` "float8_e4m3fn" for an FP8 cache, else the cache has q's dtype; `scatter` the
+    reduce-scatter score sums) or "combine" (the splits merged into the output; no heads)."""
     if kind == "combine":
         return tuple(sorted({"kind": kind, "dtype": dtype, "head_dim": head_dim}.items()))
     keys = {"kind": kind, "dtype": dtype, "head_dim": head_dim, "heads": heads}
-    return tuple(sorted({**keys, **({"kv": kv} if kv else {})}.items()))
+    extra = {**({"kv": kv} if kv else {}), **({"scatter": True} if scatter else {})}
+    return tuple(sorted({**keys, **extra}.items()))
 
 
 def split_plan(batch: int, head_blocks: int, max_tokens: int, num_sms: int) -> tuple[int, int]:

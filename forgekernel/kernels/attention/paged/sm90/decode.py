@@ -38,7 +38,7 @@ UNROLL = 4  # tokens whose K and V rows a warp loads before it computes on any o
 class PagedDecodeSm90:
     """The partial pass; see the module docstring."""
 
-    def __init__(self, head_dim: int, heads: int):
+    def __init__(self, head_dim: int, heads: int, scatter: bool = False):
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim must be 64, 128 or 256, got {head_dim}")
         if heads not in (1, 2, 4, 8, 16) or heads * head_dim > 64 * 32:
@@ -46,6 +46,7 @@ class PagedDecodeSm90:
         self.d = head_dim
         self.g = heads
         self.e = head_dim // 32  # elements of a row per lane
+        self.scatter = scatter
 
     @cute.jit
     def __call__(
@@ -158,15 +159,20 @@ class PagedDecodeSm90:
                 cute.autovec_copy(
                     cute.local_tile(mV[page, slot, kvh, None], (E,), (lane,)), vr[None, u]
                 )
+            if cutlass.const_expr(self.scatter):
+                scores = self._scores_scattered(q, kr, lane)
             for u in cutlass.range_constexpr(UNROLL):
                 if t + u < w1:
                     kf.store(kr[None, u].load().to(Float32))
                     vf.store(vr[None, u].load().to(Float32))
                     for g in cutlass.range_constexpr(G):
                         s = Float32(0.0)
-                        for e in cutlass.range_constexpr(E):
-                            s += q[e, g] * kf[e]
-                        s = cute.arch.warp_reduction_sum(s)
+                        if cutlass.const_expr(self.scatter):
+                            s = scores[u * G + g]
+                        else:
+                            for e in cutlass.range_constexpr(E):
+                                s += q[e, g] * kf[e]
+                            s = cute.arch.warp_reduction_sum(s)
                         m_new = cute.arch.fmax(m[g], s)
                         corr = cute.math.exp2(m[g] - m_new, fastmath=True)
                         p = cute.math.exp2(s - m_new, fastmath=True)
@@ -180,6 +186,51 @@ class PagedDecodeSm90:
             for i in cutlass.range_constexpr(E * G):
                 o[i] = o[i] * v_scale
         self._merge_warps(m, lsum, o, mOp, mLp, split, b, head0, tidx, lane, warp)
+
+    @cute.jit
+    def _scores_scattered(self, q, kr, lane):
+        """Every (token, head) score of the UNROLL loaded tokens, summed over the warp with
+        fewer shuffles than one butterfly per score: per 32 scores a reduce-scatter (each
+        stage sends half of what a lane holds: 16 + 8 + 4 + 2 + 1 shuffles), then every lane
+        gathers the 32 totals (32 shuffles): 63 instead of 160."""
+        G, E = self.g, self.e
+        n = UNROLL * G
+        chunk = min(n, 32)
+        stages = chunk.bit_length() - 1  # log2(chunk)
+        kf = cute.make_rmem_tensor(E, Float32)
+        part = cute.make_rmem_tensor(n, Float32)
+        for u in cutlass.range_constexpr(UNROLL):
+            kf.store(kr[None, u].load().to(Float32))
+            for g in cutlass.range_constexpr(G):
+                acc = Float32(0.0)
+                for e in cutlass.range_constexpr(E):
+                    acc += q[e, g] * kf[e]
+                part[u * G + g] = acc
+        out = cute.make_rmem_tensor(n, Float32)
+        vals = cute.make_rmem_tensor(chunk, Float32)
+        for c in cutlass.range_constexpr(n // chunk):
+            for i in cutlass.range_constexpr(chunk):
+                vals[i] = part[c * chunk + i]
+            size = chunk
+            for st in cutlass.range_constexpr(stages):
+                offset = 16 >> st
+                half = size // 2
+                low = (lane & offset) == 0
+                for i in cutlass.range_constexpr(half):
+                    send = Float32(cutlass.select_(low, vals[i + half], vals[i]))
+                    keep = Float32(cutlass.select_(low, vals[i], vals[i + half]))
+                    vals[i] = keep + cute.arch.shuffle_sync_bfly(send, offset=offset)
+                size = half
+            total = vals[0]
+            for st in cutlass.range_constexpr(stages, 5):
+                total += cute.arch.shuffle_sync_bfly(total, offset=16 >> st)
+            for i in cutlass.range_constexpr(chunk):
+                src = 0
+                for st in cutlass.range_constexpr(stages):
+                    if (i >> (stages - 1 - st)) & 1:
+                        src += 16 >> st
+                out[c * chunk + i] = cute.arch.shuffle_sync(total, src)
+        return out
 
     @cute.jit
     def _load_query(self, mQ, b, head0, lane, scale_log2):

@@ -7,8 +7,7 @@ import math
 
 import torch
 
-from forgekernel.kernels.attention.paged.sm90 import SPEC
-from forgekernel.kernels.attention.paged.sm90.config import heads_per_cta, params_for, split_plan
+from forgekernel.kernels.attention.paged.sm90 import SPEC, config
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms, on_device
 from forgekernel.runtime.plans import PlanCache
@@ -19,13 +18,14 @@ _plans = PlanCache()
 
 def _plan(dtype, kv_dtype, batch, hq, hkv, d, max_tokens, device_index):
     """(partial params, combine params, heads per CTA, splits, tokens per split)."""
-    heads = heads_per_cta(hq // hkv, d)
-    splits, per = split_plan(batch, hq // heads, max_tokens, num_sms(device_index))
+    heads = config.heads_per_cta(hq // hkv, d)
+    splits, per = config.split_plan(batch, hq // heads, max_tokens, num_sms(device_index))
     name = dtype_name(dtype)
     kv = "float8_e4m3fn" if kv_dtype == torch.float8_e4m3fn else ""
+    scatter = 0 < config.SCATTER_FROM_HEADS <= heads
     return (
-        params_for("partial", name, d, heads, kv),
-        params_for("combine", name, d),
+        config.params_for("partial", name, d, heads, kv, scatter),
+        config.params_for("combine", name, d),
         heads,
         splits,
         per,
