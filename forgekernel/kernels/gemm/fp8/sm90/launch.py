@@ -1,5 +1,5 @@
 """Host launcher of the block-scaled FP8 GEMM: torch only (no DSL), the kernel through the
-compile cache. Callers validate first (`forgekernel.gemm_fp8`)."""
+compile cache. Callers validate first (`forgekernel.ops.gemm_fp8`)."""
 
 from __future__ import annotations
 
