@@ -228,3 +228,21 @@ def compare_paged_gqa(defn: Definition, inputs: dict[str, Any]) -> dict[str, flo
         "nan_rows": int(nan.sum()),
         "nan_rows_ours_max": float(ours_out[nan].abs().max()) if nan.any() else 0.0,
     }
+
+
+def run_kernel(defn: Definition, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """ForgeKernel's paged decode kernel on a gqa_paged decode definition's inputs as they are
+    (FlashInfer's CSR page lists): (output, lse base 2), the definition's outputs. Prefill
+    definitions raise NotImplementedError (the paged prefill kernel is not built yet)."""
+    if defn.stage == "prefill":
+        raise NotImplementedError(f"{defn.name}: paged prefill has no kernel yet")
+    from forgekernel.ops.attention_paged import attention_paged_csr
+
+    counts = inputs["kv_indptr"][1:] - inputs["kv_indptr"][:-1]
+    out, lse = attention_paged_csr(
+        inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["kv_indptr"],
+        inputs["kv_indices"], inputs.get("kv_last_page_len"),
+        max_pages=max(1, int(counts.max())), softmax_scale=float(inputs["sm_scale"]),
+        return_lse=True,
+    )  # fmt: skip
+    return out, lse_to_base2(lse)

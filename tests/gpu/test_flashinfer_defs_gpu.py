@@ -1,0 +1,39 @@
+"""FlashInfer-Bench's gqa_paged decode definitions run as they are through ForgeKernel's
+paged decode kernel (issue 18), judged by that benchmark's own criterion: an element fails
+when |ours - theirs| > 1e-2 and |ours - theirs| / (|theirs| + 1e-8) > 1e-2; no NaN or Inf in
+ours. Skipped where the definitions directory is absent."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forgekernel.bench import flashinfer_defs as defs
+
+pytestmark = pytest.mark.gpu
+DECODE = [f"gqa_paged_decode_h32_kv{kv}_d128_ps{ps}" for kv in (4, 8) for ps in (1, 64)]
+
+
+def _fails(ours: torch.Tensor, theirs: torch.Tensor) -> int:
+    ours, theirs = ours.float(), theirs.float()
+    same_inf = torch.isinf(ours) & torch.isinf(theirs) & (ours == theirs)
+    diff = torch.where(same_inf, 0.0, (ours - theirs).abs())
+    bad = (diff > 1e-2) & (diff / (theirs.abs() + 1e-8) > 1e-2)
+    return int(bad.sum())
+
+
+@pytest.mark.parametrize("name", DECODE)
+def test_decode_definition_through_the_kernel(name):
+    why = defs.missing(name)
+    if why:
+        pytest.skip(why)
+    defn = defs.load_definition(name)
+    gen = torch.Generator().manual_seed(0)
+    inputs = defs.paged_gqa_inputs(defn, [1, 17, 300, 0, 4096, 65], generator=gen)
+    inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    theirs_out, theirs_lse = defs.run_definition(defn, inputs)
+    ours_out, ours_lse = defs.run_kernel(defn, inputs)
+    assert ours_out.shape == theirs_out.shape and ours_lse.shape == theirs_lse.shape
+    assert torch.isfinite(ours_out).all()
+    assert _fails(ours_out, theirs_out) == 0
+    assert _fails(ours_lse, theirs_lse) == 0
