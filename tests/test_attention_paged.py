@@ -41,32 +41,41 @@ def test_split_plan_covers_every_token(b, blocks, tokens):
     assert splits >= 1 and per >= 1 and splits * per >= tokens and (splits - 1) * per < tokens
 
 
-def _partial(q, k, v, pt, seq, op, lp, scale_log2, per, page_size, group, ks, vs, heads):
-    """The partial kernel's algorithm, token by token (decode.py)."""
-    b_n, hq, d = q.shape
-    for b in range(b_n):
+def _partial(q, k, v, pt, seq, op, lp, scale_log2, per, page_size, group, ks, vs, cu, causal,
+             heads, qtokens=1):  # fmt: skip
+    """The partial kernel's algorithm, token by token (decode.py): rows are (query token,
+    head) pairs, token i seeing keys <= sk - sq + i when causal."""
+    _, hq, d = q.shape
+    for b in range(seq.shape[0]):
+        q_off, sq = (b, 1) if cu is None else (int(cu[b]), int(cu[b + 1] - cu[b]))
+        sk = int(seq[b])
         for hb in range(hq // heads):
             h0 = hb * heads
             kvh = h0 // group
-            qs = q[b, h0 : h0 + heads].double() * scale_log2
-            if ks is not None:
-                qs = qs * float(ks[kvh])
+            rows = [(i, h) for i in range(qtokens) for h in range(heads)]
+            qs = torch.stack([q[q_off + min(i, sq - 1), h0 + h] for i, h in rows]).double()
+            qs = qs * scale_log2 * (1.0 if ks is None else float(ks[kvh]))
+            limit = torch.tensor(
+                [(sk - sq + i if causal else sk - 1) if i < sq else -1 for i, _ in rows]
+            )
+            n = len(rows)
             for s in range(op.shape[0]):
                 t0 = s * per
-                t1 = min(t0 + per, int(seq[b]))
+                t1 = min(t0 + per, sk)
                 share = -(-max(t1 - t0, 0) // WARPS)
                 ms, ls, os_ = [], [], []
                 for w in range(WARPS):
-                    m = torch.full((heads,), -math.inf, dtype=torch.float64)
-                    lsum = torch.zeros(heads, dtype=torch.float64)
-                    o = torch.zeros(heads, d, dtype=torch.float64)
-                    w0, w1 = t0 + w * share, min(t0 + (w + 1) * share, t1)
-                    for t in range(w0, w1):
+                    m = torch.full((n,), -math.inf, dtype=torch.float64)
+                    lsum = torch.zeros(n, dtype=torch.float64)
+                    o = torch.zeros(n, d, dtype=torch.float64)
+                    for t in range(t0 + w * share, min(t0 + (w + 1) * share, t1)):
                         page, slot = int(pt[b, t // page_size]), t % page_size
                         kt, vt = k[page, slot, kvh].double(), v[page, slot, kvh].double()
                         sc = qs @ kt
-                        m_new = torch.maximum(m, sc)
-                        corr, p = torch.exp2(m - m_new), torch.exp2(sc - m_new)
+                        live = t <= limit
+                        m_new = torch.where(live, torch.maximum(m, sc), m)
+                        corr = torch.where(live, torch.exp2(m - m_new), 1.0)
+                        p = torch.where(live, torch.exp2(sc - m_new), 0.0)
                         lsum = lsum * corr + p
                         o = o * corr[:, None] + p[:, None] * vt
                         m = m_new
@@ -78,12 +87,12 @@ def _partial(q, k, v, pt, seq, op, lp, scale_log2, per, page_size, group, ks, vs
                 total = (torch.stack(ls) * c).sum(0)
                 acc = (torch.stack(os_) * c[..., None]).sum(0)
                 ok = total > 0
-                op[s, b, h0 : h0 + heads] = torch.where(
-                    ok[:, None], acc / total[:, None], 0.0
-                ).float()
-                lp[s, b, h0 : h0 + heads] = torch.where(
-                    ok, top + torch.log2(total), -math.inf
-                ).float()
+                for r, (i, h) in enumerate(rows):
+                    if i < sq:
+                        op[s, q_off + i, h0 + h] = acc[r] / total[r] if ok[r] else 0.0
+                        lp[s, q_off + i, h0 + h] = top[r] + torch.log2(total[r]) if ok[r] else (
+                            -math.inf
+                        )  # fmt: skip
 
 
 def _combine(op, lp, out, lse):
@@ -106,7 +115,7 @@ def cpu_kernels(monkeypatch):
 
         def partial(*args):
             calls.append((p, args[7:11]))
-            _partial(*args, heads=p["heads"])
+            _partial(*args, heads=p["heads"], qtokens=p.get("qtokens", 1))
 
         return partial
 
@@ -178,7 +187,7 @@ def test_fp8_cache_scales(cpu_kernels, per_head):
         ({"q": torch.zeros(2, 8, 96, dtype=torch.bfloat16)}, ValueError, "k_cache .* must both"),
         ({"page_table": torch.zeros(2, 4, dtype=torch.int64)}, TypeError, "page_table must have"),
         ({"seqlens_k": torch.zeros(3, dtype=torch.int32)}, ValueError, "seqlens_k must have"),
-        ({"cu_seqlens_q": torch.zeros(3, dtype=torch.int32)}, NotImplementedError, "prefill"),
+        ({"cu_seqlens_q": torch.zeros(3, dtype=torch.int32)}, ValueError, "come together"),
         ({"q": torch.zeros(2, 6, 128, dtype=torch.bfloat16)}, ValueError, "multiple of KV"),
     ],
 )
@@ -195,6 +204,36 @@ def test_bad_arguments(kwargs, err, match):
     with pytest.raises(err, match=match):
         op_module.attention_paged(args["q"], args["k"], args["v"], args["page_table"],
                                   args["seqlens_k"], **extra)  # fmt: skip
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(("q_lens", "k_lens"), [([1, 3, 2], [40, 3, 70]), ([4, 4], [4, 130]),
+                                                ([2, 1, 4], [0, 17, 2])])  # fmt: skip
+def test_speculative_decoding(cpu_kernels, causal, q_lens, k_lens):
+    b = len(q_lens)
+    q, k, v, pt, seq = _problem(b, 8, 2, 64, 16, k_lens)
+    g = torch.Generator().manual_seed(3)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    qq = torch.randn(int(cu[-1]), 8, 64, generator=g).to(torch.bfloat16)
+    out, lse = op_module.attention_paged(qq, k, v, pt, seq, cu_seqlens_q=cu,
+                                         max_seqlen_q=max(q_lens), causal=causal,
+                                         return_lse=True)  # fmt: skip
+    want, want_lse = paged_attention_ref(qq, k, v, pt, seq, cu_seqlens_q=cu, causal=causal)
+    assert out.shape == qq.shape and lse.shape == (8, qq.shape[0])
+    assert float((out.float() - want).abs().max()) < 2e-2
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-4
+    params = cpu_kernels[-1][0]
+    assert params.get("qtokens", 1) == next(t for t in (1, 2, 4) if t >= max(q_lens))
+
+
+def test_chunked_prefill_is_not_built(cpu_kernels):
+    q, k, v, pt, seq = _problem(1, 8, 2, 64, 16, [100])
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    qq = torch.zeros(5, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="chunked prefill"):
+        op_module.attention_paged(qq, k, v, pt, seq, cu_seqlens_q=cu, max_seqlen_q=5)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

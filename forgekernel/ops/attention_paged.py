@@ -1,8 +1,9 @@
 """`forgekernel.ops.attention_paged.attention_paged`: attention over a paged KV cache (vLLM /
-FlashAttention layout), GQA decode, 16-bit or FP8 (e4m3) caches. Not exported from
+FlashAttention layout), GQA decode and speculative decoding / MTP (up to 4 query tokens per
+sequence), 16-bit or FP8 (e4m3) caches, FlashInfer's CSR page lists. Not exported from
 `forgekernel` yet: its kernels (kernels/attention/paged/sm90) have not passed a GPU check
-(issue 18). Chunked prefill / speculative decoding (`cu_seqlens_q`) and FlashInfer's CSR page
-lists are still to come; they raise.
+(issue 18). Chunked prefill (more than 4 query tokens per sequence) is still to come: it
+raises.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from forgekernel.ops._validate import (
 )
 
 INDEX = (torch.int32,)
+MAX_QUERY_TOKENS = 4  # per sequence; more is chunked prefill (not built)
 CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 
 
@@ -59,14 +61,17 @@ def _scale_tensor(name: str, scale, hkv: int, device) -> torch.Tensor:
     return torch.full((hkv,), float(scale), dtype=torch.float32, device=device)
 
 
-def _validate(q, k, v, page_table, seqlens_k, out):
+def _validate(q, k, v, page_table, seqlens_k, out, cu_seqlens_q=None):
     check_tensor("q", q, ndim=3, cuda=False)
     check_tensor("k_cache", k, ndim=4, dtypes=CACHE_DTYPES, cuda=False)
     check_tensor("v_cache", v, ndim=4, dtypes=CACHE_DTYPES, cuda=False)
     check_same_dtype(k_cache=k, v_cache=v)
     if k.dtype != torch.float8_e4m3fn and k.dtype != q.dtype:
         raise TypeError(f"a 16-bit cache must have q's dtype ({q.dtype}), got {k.dtype}")
-    b, hq, d = q.shape
+    rows, hq, d = q.shape
+    b = rows if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
+    if cu_seqlens_q is not None:
+        check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=INDEX, cuda=False)
     pages, page_size, hkv, dk = k.shape
     if dk != d or tuple(v.shape) != tuple(k.shape):
         raise ValueError(
@@ -82,12 +87,12 @@ def _validate(q, k, v, page_table, seqlens_k, out):
         raise ValueError(f"page_table has {page_table.shape[0]} rows for a batch of {b}")
     check_shaped("seqlens_k", seqlens_k, (b,), INDEX)
     if out is not None:
-        check_shaped("out", out, (b, hq, d), (q.dtype,))
+        check_shaped("out", out, (rows, hq, d), (q.dtype,))
     check_cuda("q", q)
     extra = {} if out is None else {"out": out}
     check_same_device(q=q, k_cache=k, v_cache=v, page_table=page_table, seqlens_k=seqlens_k,
                       **extra)  # fmt: skip
-    return b, hq, d
+    return rows, hq, d
 
 
 @torch.library.custom_op("forgekernel::attention_paged_decode", mutates_args=())
@@ -100,21 +105,33 @@ def _decode_op(
     softmax_scale: float,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor | None,
+    max_seqlen_q: int,
+    causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    b, hq, _ = q.shape
     _check_rows("k_cache", k_cache)
     _check_rows("v_cache", v_cache)
-    out = torch.empty_like(q)
-    lse = torch.empty(b, hq, dtype=torch.float32, device=q.device)
+    out, lse = _outputs(q, cu_seqlens_q, None)
     paged_sm90.paged_decode(
-        q, k_cache, v_cache, page_table, seqlens_k, softmax_scale, out, lse, k_scale, v_scale
-    )
+        q, k_cache, v_cache, page_table, seqlens_k, softmax_scale, out,
+        lse if cu_seqlens_q is None else lse.t(), k_scale, v_scale, cu_seqlens_q,
+        max_seqlen_q, causal,
+    )  # fmt: skip
     return out, lse
 
 
 @_decode_op.register_fake
-def _(q, k_cache, v_cache, page_table, seqlens_k, softmax_scale, k_scale, v_scale):
-    return torch.empty_like(q), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
+def _(q, k_cache, v_cache, page_table, seqlens_k, softmax_scale, k_scale, v_scale, cu_seqlens_q,
+      max_seqlen_q, causal):  # fmt: skip
+    return _outputs(q, cu_seqlens_q, None)
+
+
+def _outputs(q, cu_seqlens_q, out):
+    """(out, lse): lse (rows, Hq) for decode, (Hq, total_q) for the packed form (OPS.md)."""
+    rows, hq, _ = q.shape
+    o = out if out is not None else torch.empty_like(q)
+    shape = (rows, hq) if cu_seqlens_q is None else (hq, rows)
+    return o, q.new_empty(shape, dtype=torch.float32)
 
 
 def attention_paged(
@@ -137,21 +154,29 @@ def attention_paged(
     page_size, Hkv, D) (or one combined (num_pages, 2, page_size, Hkv, D) cache as k_cache with
     v_cache None), page_table int32 (batch, max_pages), seqlens_k int32 (batch,). Returns out
     (batch, Hq, D) and, with return_lse, the natural-log LSE (batch, Hq) fp32; a sequence of
-    length 0 gives 0 and -inf. GQA: query head h reads KV head h // (Hq / Hkv). An FP8 (e4m3)
-    cache holds K / k_scale and V / v_scale: each scale a float (per tensor) or a float32
-    tensor (Hkv,) (per KV head)."""
-    if cu_seqlens_q is not None or max_seqlen_q is not None:
-        raise NotImplementedError("paged prefill / chunked prefill (cu_seqlens_q): not yet")
+    length 0 gives 0 and -inf. Speculative decoding / MTP: q (total_q, Hq, D) packed by
+    cu_seqlens_q int32 (batch + 1,) with max_seqlen_q <= 4 (a host int), each sequence's
+    queries its last tokens (causal: bottom-right), out (total_q, Hq, D), LSE (Hq, total_q).
+    GQA: query head h reads KV head h // (Hq / Hkv). An FP8 (e4m3) cache holds K / k_scale and
+    V / v_scale: each scale a float (per tensor) or a float32 tensor (Hkv,) (per KV head)."""
+    if (cu_seqlens_q is None) != (max_seqlen_q is None):
+        raise ValueError("cu_seqlens_q and max_seqlen_q come together")
+    if max_seqlen_q is not None and not 1 <= max_seqlen_q <= MAX_QUERY_TOKENS:
+        raise NotImplementedError(
+            f"max_seqlen_q = {max_seqlen_q}: up to {MAX_QUERY_TOKENS} query tokens per sequence "
+            "(chunked prefill is not built yet)"
+        )
     k, v = _split_cache(k_cache, v_cache)
-    _, _, d = _validate(q, k, v, page_table, seqlens_k, out)
+    _, _, d = _validate(q, k, v, page_table, seqlens_k, out, cu_seqlens_q)
     scale = float(softmax_scale) if softmax_scale is not None else d**-0.5
     ks = vs = None
     if k.dtype == torch.float8_e4m3fn:
         ks = _scale_tensor("k_scale", k_scale, k.shape[2], q.device)
         vs = _scale_tensor("v_scale", v_scale, k.shape[2], q.device)
-    if _traced(q, k, v, page_table, seqlens_k, out):
+    mq = 1 if max_seqlen_q is None else int(max_seqlen_q)
+    if _traced(q, k, v, page_table, seqlens_k, out, cu_seqlens_q):
         o, lse = torch.ops.forgekernel.attention_paged_decode(
-            q, k, v, page_table, seqlens_k, scale, ks, vs
+            q, k, v, page_table, seqlens_k, scale, ks, vs, cu_seqlens_q, mq, bool(causal)
         )
         if out is not None:
             out.copy_(o)
@@ -159,9 +184,11 @@ def attention_paged(
     else:
         _check_rows("k_cache", k)  # (a data pointer: real tensors only)
         _check_rows("v_cache", v)
-        o = out if out is not None else torch.empty_like(q)
-        lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
-        paged_sm90.paged_decode(q, k, v, page_table, seqlens_k, scale, o, lse, ks, vs)
+        o, lse = _outputs(q, cu_seqlens_q, out)
+        paged_sm90.paged_decode(
+            q, k, v, page_table, seqlens_k, scale, o, lse if cu_seqlens_q is None else lse.t(),
+            ks, vs, cu_seqlens_q, mq, bool(causal),
+        )  # fmt: skip
     return (o, lse) if return_lse else o
 
 

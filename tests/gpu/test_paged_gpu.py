@@ -86,3 +86,34 @@ def test_paged_decode_scattered_score_sums(monkeypatch, case):
         test_paged_decode_matches_the_reference(case, torch.bfloat16)
     finally:
         launch._plans.clear()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(
+    ("q_lens", "k_lens", "hq", "hkv", "d"),
+    [([1, 3, 2, 4], [40, 3, 700, 4096], 32, 8, 128), ([2, 2], [0, 129], 16, 2, 256),
+     ([4] * 16, [2048] * 16, 64, 8, 128)],
+)  # fmt: skip
+def test_paged_speculative_decoding(causal, q_lens, k_lens, hq, hkv, d):
+    g = torch.Generator(device="cuda").manual_seed(3)
+    b, ps = len(q_lens), 16
+    max_pages = max(1, max(-(-n // ps) for n in k_lens))
+    pages = b * max_pages + 3
+    k = torch.randn(pages, ps, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(pages, ps, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    table = torch.randperm(pages, device="cuda", generator=g)[: b * max_pages].view(b, -1)
+    table = table.to(torch.int32)
+    seq = torch.tensor(k_lens, dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
+                      device="cuda")  # fmt: skip
+    q = torch.randn(int(cu[-1]), hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    out, lse = op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu,
+                                  max_seqlen_q=max(q_lens), causal=causal,
+                                  return_lse=True)  # fmt: skip
+    want, want_lse = paged_attention_ref(q, k, v, table, seq, cu_seqlens_q=cu, causal=causal)
+    low, _ = paged_attention_ref(q, k, v, table, seq, cu_seqlens_q=cu, causal=causal,
+                                 upcast=False)  # fmt: skip
+    assert float((out.float() - want).abs().max()) <= 2 * float((low.float() - want).abs().max())
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3

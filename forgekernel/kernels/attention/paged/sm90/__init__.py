@@ -10,6 +10,7 @@ from forgekernel.kernels.attention.paged.sm90.config import (
     DTYPES,
     HEAD_DIMS,
     HEADS,
+    QTOKENS,
     max_heads,
     params_for,
 )
@@ -32,8 +33,17 @@ def _standard_params() -> list[Params]:
         for kv in ("", "float8_e4m3fn")
         for scatter in ((False, True) if h >= 4 else (False,))
     ]
+    speculative = [
+        params_for("partial", dtype, d, h, kv, qtokens=qt)
+        for dtype in DTYPES
+        for d in HEAD_DIMS
+        for qt in QTOKENS[1:]
+        for h in HEADS
+        if h <= max_heads(d, qt)
+        for kv in ("", "float8_e4m3fn")
+    ]
     combine = [params_for("combine", dtype, d) for dtype in DTYPES for d in HEAD_DIMS]
-    return partial + combine
+    return partial + speculative + combine
 
 
 SPEC = KernelSpec(

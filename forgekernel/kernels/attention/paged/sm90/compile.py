@@ -26,16 +26,19 @@ def compile_paged(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     b, hq, hkv = (cute.sym_int32() for _ in range(3))
     if params["kind"] == "combine":
         o = fake.rowmajor(dtype, (b, hq, d), divisibility=1, align=None)
+        lse_strides = (cute.sym_int64(), cute.sym_int64())  # (Hq, rows) storage seen transposed
+        lse = make_fake_tensor(cutlass.Float32, (b, hq), stride=lse_strides, assumed_align=4)
         return cute.compile(
             PagedCombineSm90(d),
             _dense(cutlass.Float32, 4),
             _dense(cutlass.Float32, 3),
             o,
-            _dense(cutlass.Float32, 2),
+            lse,
             fake.stream(),
             options=opts,
         )
-    q = fake.rowmajor(dtype, (b, hq, d))
+    qtokens = params.get("qtokens", 1)
+    q = fake.rowmajor(dtype, (cute.sym_int32() if qtokens > 1 else b, hq, d))
     pages, page_size = cute.sym_int32(), cute.sym_int32()
     fp8 = params.get("kv") == "float8_e4m3fn"
     kv_dtype = cutlass.Float8E4M3FN if fp8 else dtype
@@ -43,12 +46,12 @@ def compile_paged(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     v = fake.rowmajor(kv_dtype, (pages, page_size, hkv, d), divisibility=16)
     scales = (_dense(cutlass.Float32, 1), _dense(cutlass.Float32, 1)) if fp8 else (None, None)
     return cute.compile(
-        PagedDecodeSm90(d, params["heads"], params.get("scatter", False)),
+        PagedDecodeSm90(d, params["heads"], params.get("scatter", False), qtokens),
         q,
         k,
         v,
         _dense(cutlass.Int32, 2),
-        make_fake_tensor(cutlass.Int32, (b,), stride=(1,)),
+        make_fake_tensor(cutlass.Int32, (b,), stride=(1,)),  # seqlens_k: the batch
         _dense(cutlass.Float32, 4),
         _dense(cutlass.Float32, 3),
         cutlass.Float32(1.0),
@@ -56,6 +59,8 @@ def compile_paged(params: dict, arch: str = "sm_90a", extra_options: str = ""):
         cutlass.Int32(1),
         cutlass.Int32(1),
         *scales,
+        make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), stride=(1,)) if qtokens > 1 else None,
+        cutlass.Int32(1),
         fake.stream(),
         options=opts,
     )

@@ -13,14 +13,17 @@ CTAS_PER_SM = 4
 MIN_TOKENS_PER_SPLIT = 256
 
 
-def max_heads(head_dim: int) -> int:
-    """The most query heads one CTA holds in registers (heads x D <= 2048)."""
-    return min(16, 2048 // head_dim)
+QTOKENS = (1, 2, 4)  # query tokens per sequence (decode; speculative decoding / MTP)
 
 
-def heads_per_cta(group: int, head_dim: int) -> int:
+def max_heads(head_dim: int, qtokens: int = 1) -> int:
+    """The most query heads one CTA holds in registers (heads x tokens x D <= 2048)."""
+    return min(16, 2048 // (head_dim * qtokens))
+
+
+def heads_per_cta(group: int, head_dim: int, qtokens: int = 1) -> int:
     """The largest compiled heads-per-CTA that divides the group and fits the registers."""
-    return max(h for h in HEADS if group % h == 0 and h <= max_heads(head_dim))
+    return max(h for h in HEADS if group % h == 0 and h <= max_heads(head_dim, qtokens))
 
 
 # Heads per CTA from which the partial pass sums its scores by reduce-scatter (decode.py
@@ -30,15 +33,26 @@ SCATTER_FROM_HEADS = 0
 
 
 def params_for(
-    kind: str, dtype: str, head_dim: int, heads: int = 1, kv: str = "", scatter: bool = False
+    kind: str,
+    dtype: str,
+    head_dim: int,
+    heads: int = 1,
+    kv: str = "",
+    scatter: bool = False,
+    qtokens: int = 1,
 ) -> tuple:
     """Compile key: kind "partial" (one split's attention of `heads` query heads, fp32 out;
     `kv` "float8_e4m3fn" for an FP8 cache, else the cache has q's dtype; `scatter` the
-    reduce-scatter score sums) or "combine" (the splits merged into the output; no heads)."""
+    reduce-scatter score sums; `qtokens` > 1 the speculative form, cu_seqlens_q) or "combine"
+    (the splits merged into the output; no heads)."""
     if kind == "combine":
         return tuple(sorted({"kind": kind, "dtype": dtype, "head_dim": head_dim}.items()))
     keys = {"kind": kind, "dtype": dtype, "head_dim": head_dim, "heads": heads}
-    extra = {**({"kv": kv} if kv else {}), **({"scatter": True} if scatter else {})}
+    extra = {
+        **({"kv": kv} if kv else {}),
+        **({"scatter": True} if scatter else {}),
+        **({"qtokens": qtokens} if qtokens > 1 else {}),
+    }
     return tuple(sorted({**keys, **extra}.items()))
 
 

@@ -11,7 +11,13 @@ by softmax_scale * log2 e), sums across the warp and keeps an online softmax (ru
 sum, O of its D / 32 columns per head). The 4 warps are merged through shared memory and the
 split writes O normalized (fp32) and its LSE in log2 units, -inf where it saw no key.
 
-Combine pass, grid (Hq, B), 128 threads: O = sum_s 2^(lse_s - lse) O_s, lse = log2 sum_s
+Speculative decoding / MTP (`qtokens` = Q > 1, compiled): sequence b brings
+sq = cu_seqlens_q[b + 1] - cu_seqlens_q[b] <= Q query tokens (q packed (total_q, Hq, D)); a
+CTA's rows are the Q x H (query token, head) pairs, token i seeing keys j <= sk - sq + i when
+causal (bottom-right), all keys otherwise; rows past sq are neither computed into nor stored.
+Partial outputs are per query row: (splits, total_q, Hq, D).
+
+Combine pass, grid (Hq, rows), 128 threads: O = sum_s 2^(lse_s - lse) O_s, lse = log2 sum_s
 2^lse_s; O 0 and LSE -inf where no split saw a key; LSE returned natural (x ln 2).
 
 FP8 (e4m3) caches: K and V rows are widened to fp32 as loaded; a per-KV-head scale of K
@@ -38,13 +44,19 @@ UNROLL = 4  # tokens whose K and V rows a warp loads before it computes on any o
 class PagedDecodeSm90:
     """The partial pass; see the module docstring."""
 
-    def __init__(self, head_dim: int, heads: int, scatter: bool = False):
+    def __init__(self, head_dim: int, heads: int, scatter: bool = False, qtokens: int = 1):
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim must be 64, 128 or 256, got {head_dim}")
-        if heads not in (1, 2, 4, 8, 16) or heads * head_dim > 64 * 32:
-            raise ValueError(f"heads per CTA must be 1..16 with heads x D <= 2048, got {heads}")
+        if qtokens not in (1, 2, 4):
+            raise ValueError(f"query tokens per sequence must be 1, 2 or 4, got {qtokens}")
+        if heads not in (1, 2, 4, 8, 16) or heads * qtokens * head_dim > 64 * 32:
+            raise ValueError(
+                f"heads x query tokens x D must be <= 2048, got {heads} x {qtokens} x {head_dim}"
+            )
         self.d = head_dim
-        self.g = heads
+        self.h = heads
+        self.qt = qtokens
+        self.g = heads * qtokens  # query rows per CTA: (token, head) pairs
         self.e = head_dim // 32  # elements of a row per lane
         self.scatter = scatter
 
@@ -64,16 +76,23 @@ class PagedDecodeSm90:
         group: Int32,
         mKScale: cute.Tensor | None,
         mVScale: cute.Tensor | None,
+        mCuQ: cute.Tensor | None,
+        causal: Int32,
         stream: cuda.CUstream,
     ):
         """mQ (B, Hq, D); mK, mV (num_pages, page_size, Hkv, D); mPT int32 (B, max_pages);
         mSeq int32 (B,); mOp fp32 (splits, B, Hq, D); mLp fp32 (splits, B, Hq), log2 units;
         group = Hq / Hkv, a multiple of the compiled heads per CTA; mKScale, mVScale fp32
-        (Hkv,) dequantization scales of an FP8 cache, else None."""
+        (Hkv,) dequantization scales of an FP8 cache, else None; mCuQ int32 (B + 1,) with
+        mQ (total_q, Hq, D) and mOp / mLp per query row when qtokens > 1, else None (mQ
+        (B, Hq, D)); causal 0 / 1 (query tokens among themselves, bottom-right)."""
         if const_expr(mK.element_type != mV.element_type):
             raise TypeError("k_cache and v_cache must share one dtype")
         if const_expr(mK.element_type != mQ.element_type and mK.element_type.width != 8):
             raise TypeError("a 16-bit cache must have q's dtype")
+
+        if const_expr((mCuQ is None) != (self.qt == 1)):
+            raise ValueError("cu_seqlens_q comes with qtokens > 1, and only then")
 
         @cute.struct
         class Shared:
@@ -96,8 +115,10 @@ class PagedDecodeSm90:
             group,
             mKScale,
             mVScale,
+            mCuQ,
+            causal,
         ).launch(
-            grid=(mOp.shape[0], mQ.shape[1] // self.g, mQ.shape[0]),
+            grid=(mOp.shape[0], mQ.shape[1] // self.h, mSeq.shape[0]),
             block=[THREADS, 1, 1],
             stream=stream,
         )
@@ -118,17 +139,24 @@ class PagedDecodeSm90:
         group: Int32,
         mKScale: cute.Tensor | None,
         mVScale: cute.Tensor | None,
+        mCuQ: cute.Tensor | None,
+        causal: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         split, head_block, b = cute.arch.block_idx()
-        head0 = head_block * self.g
+        head0 = head_block * self.h
         kvh = head0 // group
+        q_off, sq = b, Int32(1)
+        if const_expr(mCuQ is not None):
+            q_off = mCuQ[b]
+            sq = mCuQ[b + 1] - q_off
         lane = tidx % 32
         warp = cute.arch.make_warp_uniform(tidx // 32)
         G, E = self.g, self.e
 
+        sk = mSeq[b]
         t0 = split * per_split
-        t1 = cutlass.min(t0 + per_split, mSeq[b])
+        t1 = cutlass.min(t0 + per_split, sk)
         share = cute.ceil_div(cutlass.max(t1 - t0, 0), WARPS)
         w0 = t0 + warp * share
         w1 = cutlass.min(w0 + share, t1)
@@ -136,7 +164,7 @@ class PagedDecodeSm90:
         q_scale = scale_log2
         if const_expr(mKScale is not None):
             q_scale = scale_log2 * mKScale[kvh]
-        q = self._load_query(mQ, b, head0, lane, q_scale)
+        q = self._load_query(mQ, q_off, sq, head0, lane, q_scale)
         m = cute.make_rmem_tensor(G, Float32)
         lsum = cute.make_rmem_tensor(G, Float32)
         o = cute.make_rmem_tensor((E, G), Float32)
@@ -173,19 +201,33 @@ class PagedDecodeSm90:
                             for e in cutlass.range_constexpr(E):
                                 s += q[e, g] * kf[e]
                             s = cute.arch.warp_reduction_sum(s)
-                        m_new = cute.arch.fmax(m[g], s)
-                        corr = cute.math.exp2(m[g] - m_new, fastmath=True)
-                        p = cute.math.exp2(s - m_new, fastmath=True)
-                        lsum[g] = lsum[g] * corr + p
-                        for e in cutlass.range_constexpr(E):
-                            o[e, g] = o[e, g] * corr + p * vf[e]
-                        m[g] = m_new
+                        if const_expr(self.qt > 1):
+                            # row (token i, head) sees keys <= sk - sq + i when causal, none
+                            # past sq
+                            i = g // self.h
+                            limit = Int32(cutlass.select_(causal != 0, sk - sq + i, sk - 1))
+                            limit = Int32(cutlass.select_(i < sq, limit, -1))
+                            if t + u <= limit:
+                                self._online_softmax(g, s, m, lsum, o, vf)
+                        else:
+                            self._online_softmax(g, s, m, lsum, o, vf)
             t += UNROLL
         if const_expr(mVScale is not None):
             v_scale = mVScale[kvh]
             for i in cutlass.range_constexpr(E * G):
                 o[i] = o[i] * v_scale
-        self._merge_warps(m, lsum, o, mOp, mLp, split, b, head0, tidx, lane, warp)
+        self._merge_warps(m, lsum, o, mOp, mLp, split, (q_off, sq), head0, tidx, lane, warp)
+
+    @cute.jit
+    def _online_softmax(self, g, s, m, lsum, o, vf):
+        """Row g takes a key of score s (log2 units) and value row vf."""
+        m_new = cute.arch.fmax(m[g], s)
+        corr = cute.math.exp2(m[g] - m_new, fastmath=True)
+        p = cute.math.exp2(s - m_new, fastmath=True)
+        lsum[g] = lsum[g] * corr + p
+        for e in cutlass.range_constexpr(self.e):
+            o[e, g] = o[e, g] * corr + p * vf[e]
+        m[g] = m_new
 
     @cute.jit
     def _scores_scattered(self, q, kr, lane):
@@ -233,22 +275,24 @@ class PagedDecodeSm90:
         return out
 
     @cute.jit
-    def _load_query(self, mQ, b, head0, lane, scale_log2):
-        """Query rows head0 .. head0 + H - 1, this lane's D / 32 columns, fp32, times scale *
-        log2 e."""
+    def _load_query(self, mQ, q_off, sq, head0, lane, scale_log2):
+        """The CTA's query rows (token i < Q, head head0 + h; tokens past sq read token
+        sq - 1, never used), this lane's D / 32 columns, fp32, times scale * log2 e."""
         G, E = self.g, self.e
         q = cute.make_rmem_tensor((E, G), Float32)
         raw = cute.make_rmem_tensor(E, mQ.element_type)
         f = cute.make_rmem_tensor(E, Float32)
         for g in cutlass.range_constexpr(G):
-            cute.autovec_copy(cute.local_tile(mQ[b, head0 + g, None], (E,), (lane,)), raw)
+            token = q_off + cutlass.min(Int32(g // self.h), sq - 1)
+            row = mQ[token, head0 + g % self.h, None]
+            cute.autovec_copy(cute.local_tile(row, (E,), (lane,)), raw)
             f.store(raw.load().to(Float32))
             for e in cutlass.range_constexpr(E):
                 q[e, g] = f[e] * scale_log2
         return q
 
     @cute.jit
-    def _merge_warps(self, m, lsum, o, mOp, mLp, split, b, head0, tidx, lane, warp):
+    def _merge_warps(self, m, lsum, o, mOp, mLp, split, rows, head0, tidx, lane, warp):
         """The 4 warps' (max, sum, O) through shared memory into this split's normalized O and
         log2 LSE; -inf and 0 where no warp saw a key."""
         G, E, D = self.g, self.e, self.d
@@ -276,15 +320,18 @@ class PagedDecodeSm90:
                     c = cute.math.exp2(sm[w, g] - top, fastmath=True)
                     total += sl[w, g] * c
                     acc += so[w, g, d] * c
-            head = head0 + g
+            q_off, sq = rows
+            token = q_off + g // self.h
+            head = head0 + g % self.h
             out = Float32(0.0)
             lse = -Float32.inf
             if total > 0.0:
                 out = acc / total
                 lse = top + cute.math.log2(total, fastmath=True)
-            mOp[split, b, head, d] = out
-            if d == 0:
-                mLp[split, b, head] = lse
+            if g // self.h < sq:
+                mOp[split, token, head, d] = out
+                if d == 0:
+                    mLp[split, token, head] = lse
 
 
 class PagedCombineSm90:
@@ -302,8 +349,9 @@ class PagedCombineSm90:
         mLSE: cute.Tensor,
         stream: cuda.CUstream,
     ):
-        """mOp fp32 (splits, B, Hq, D), mLp fp32 (splits, B, Hq) log2; mO (B, Hq, D) 16-bit;
-        mLSE fp32 (B, Hq), natural log."""
+        """mOp fp32 (splits, rows, Hq, D), mLp fp32 (splits, rows, Hq) log2; mO (rows, Hq, D)
+        16-bit; mLSE fp32 (rows, Hq) (any strides: (Hq, rows) storage seen transposed),
+        natural log. rows: B, or total_q with query tokens."""
         self.kernel(mOp, mLp, mO, mLSE).launch(
             grid=(mO.shape[1], mO.shape[0], 1), block=[THREADS, 1, 1], stream=stream
         )

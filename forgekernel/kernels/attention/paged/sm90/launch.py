@@ -16,15 +16,15 @@ LOG2E = math.log2(math.e)
 _plans = PlanCache()
 
 
-def _plan(dtype, kv_dtype, batch, hq, hkv, d, max_tokens, device_index):
+def _plan(dtype, kv_dtype, batch, hq, hkv, d, max_tokens, qtokens, device_index):
     """(partial params, combine params, heads per CTA, splits, tokens per split)."""
-    heads = config.heads_per_cta(hq // hkv, d)
+    heads = config.heads_per_cta(hq // hkv, d, qtokens)
     splits, per = config.split_plan(batch, hq // heads, max_tokens, num_sms(device_index))
     name = dtype_name(dtype)
     kv = "float8_e4m3fn" if kv_dtype == torch.float8_e4m3fn else ""
     scatter = 0 < config.SCATTER_FROM_HEADS <= heads
     return (
-        config.params_for("partial", name, d, heads, kv, scatter),
+        config.params_for("partial", name, d, heads, kv, scatter, qtokens),
         config.params_for("combine", name, d),
         heads,
         splits,
@@ -43,26 +43,45 @@ def paged_decode(
     lse: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    max_seqlen_q: int = 1,
+    causal: bool = True,
 ) -> None:
     """out (B, Hq, D) and lse (B, Hq) fp32 (natural log) of one query per sequence against its
     pages: q (B, Hq, D); k_cache, v_cache (num_pages, page_size, Hkv, D) views whose rows are
     contiguous and 16-byte aligned (the combined cache's halves qualify); page_table int32
     (B, max_pages); seqlens_k int32 (B,); an FP8 (e4m3) cache with fp32 (Hkv,) k_scale and
-    v_scale. The split plan bounds the lengths by the table's width (no device read)."""
-    b, hq, d = q.shape
+    v_scale. Speculative decoding / MTP: q (total_q, Hq, D) packed by cu_seqlens_q int32
+    (B + 1,), at most max_seqlen_q <= 4 tokens per sequence (causal: bottom-right), out
+    (total_q, Hq, D), lse any (total_q, Hq) view (OPS.md's (Hq, total_q) storage transposed).
+    The split plan bounds the lengths by the table's width (no device read)."""
+    rows, hq, d = q.shape
+    b = seqlens_k.shape[0]
+    qtokens = 1 if cu_seqlens_q is None else next(t for t in config.QTOKENS if t >= max_seqlen_q)
     _, page_size, hkv, _ = k_cache.shape
     p_params, c_params, _, splits, per = _plans.get_or_build(
-        (q.dtype, k_cache.dtype, b, hq, hkv, d, page_table.shape[1] * page_size, q.device.index),
+        (
+            q.dtype,
+            k_cache.dtype,
+            b,
+            hq,
+            hkv,
+            d,
+            page_table.shape[1] * page_size,
+            qtokens,
+            q.device.index,
+        ),
         _plan,
     )
-    partial_o = torch.empty(splits, b, hq, d, dtype=torch.float32, device=q.device)
-    partial_lse = torch.empty(splits, b, hq, dtype=torch.float32, device=q.device)
+    partial_o = torch.empty(splits, rows, hq, d, dtype=torch.float32, device=q.device)
+    partial_lse = torch.empty(splits, rows, hq, dtype=torch.float32, device=q.device)
     partial = get_kernel(SPEC, p_params)
     combine = get_kernel(SPEC, c_params)
     with on_device(q.device):
         partial(
             as_tma_ready(q), k_cache, v_cache, page_table.contiguous(), seqlens_k.contiguous(),
             partial_o, partial_lse, softmax_scale * LOG2E, per, page_size, hq // hkv,
-            k_scale, v_scale,
+            k_scale, v_scale, None if cu_seqlens_q is None else cu_seqlens_q.contiguous(),
+            int(causal),
         )  # fmt: skip
         combine(partial_o, partial_lse, out, lse)
