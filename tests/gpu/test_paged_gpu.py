@@ -113,7 +113,8 @@ def test_paged_speculative_decoding(causal, q_lens, k_lens, hq, hkv, d):
     want, want_lse = paged_attention_ref(q, k, v, table, seq, cu_seqlens_q=cu, causal=causal)
     low, _ = paged_attention_ref(q, k, v, table, seq, cu_seqlens_q=cu, causal=causal,
                                  upcast=False)  # fmt: skip
-    assert float((out.float() - want).abs().max()) <= 2 * float((low.float() - want).abs().max())
+    bound = 2 * float((low.float() - want).abs().max()) + 1e-3
+    assert float((out.float() - want).abs().max()) <= bound
     finite = torch.isfinite(want_lse)
     assert torch.equal(finite, torch.isfinite(lse))
     assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
