@@ -11,6 +11,8 @@ import importlib
 import pytest
 import torch
 
+from forgekernel.bench.check import verify
+from forgekernel.bench.suites import gdn_decode
 from forgekernel.kernels.linear_attention.gdn_decode.sm90 import launch as gdn_launch
 from forgekernel.kernels.linear_attention.gdn_decode.sm90.config import L2NORM_EPS
 from forgekernel.reference.delta_rule import gated_delta_rule_step as step_ref
@@ -153,3 +155,14 @@ def test_flashinfer_mtp_form(cpu_kernel, disable):
     assert float((out.float() - want.float()).abs().max()) <= 0.02 * float(want.abs().max())
     assert float((got_pool - want_pool).abs().max()) <= tol
     assert float((inter - want_inter).abs().max()) <= 1e-5 * float(want_inter.abs().max()) + 1e-6
+
+
+@pytest.mark.parametrize("case", gdn_decode.CHECK_CASES, ids=lambda c: c.name)
+def test_pending_suite_check_passes_on_the_algorithm(cpu_kernel, case):
+    """The pending gdn_decode suite's own check (`bench.check.verify`: NaN-poisoned output,
+    2x the rounding yardstick + atol) with the kernel's algorithm standing in."""
+    suite = gdn_decode.suite()
+    inputs = suite.make_inputs(case, torch.bfloat16, torch.device("cpu"),
+                               torch.Generator().manual_seed(0))  # fmt: skip
+    _, cmps = verify(suite, inputs, torch.device("cpu"))
+    assert all(c.ok for c in cmps), [c.message for c in cmps]

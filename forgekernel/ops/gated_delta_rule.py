@@ -69,6 +69,7 @@ def gated_delta_rule_step(
     state_indices: torch.Tensor | None = None,
     k_last: bool = False,
     intermediate_states: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
     _gates: tuple[torch.Tensor, torch.Tensor] | None = None,
     _update_state: bool = True,
 ) -> torch.Tensor:
@@ -77,7 +78,8 @@ def gated_delta_rule_step(
     (N, HV, K, V), or (N, HV, V, K) with k_last (FlashInfer's layout), row state_indices[b]
     (int32 (B,), distinct; default b) read and written for sequence b; intermediate_states
     fp32 (N, T, HV, ...) in the state's layout, if given, receives the state after every token.
-    Returns o (B, T, HV, V) in q's dtype. Value head hv reads q / k head hv // (HV / H)."""
+    Returns o (B, T, HV, V) in q's dtype (written into `out` when given: a contiguous tensor
+    of that shape). Value head hv reads q / k head hv // (HV / H)."""
     check_tensor("q", q, ndim=4, cuda=False)
     check_shaped("k", k, tuple(q.shape), (q.dtype,))
     b, t, h, dk = q.shape
@@ -112,14 +114,20 @@ def gated_delta_rule_step(
         check_shaped("intermediate_states", intermediate_states, want, F32)
     check_cuda("q", q)
     check_same_device(q=q, k=k, v=v, g=g, beta=beta, state=state, state_indices=rows)
+    if out is not None:
+        check_shaped("out", out, (b, t, hv, dv), (q.dtype,))
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
     args = (q, k, v, g, beta)
-    if _traced(*args, state, rows, intermediate_states):
+    if _traced(*args, state, rows, intermediate_states, out):
         a_log, dt_bias = _gates if _gates is not None else (None, None)
-        return torch.ops.forgekernel.gated_delta_rule_step(
+        o = torch.ops.forgekernel.gated_delta_rule_step(
             *args, state, rows, intermediate_states, a_log, dt_bias,
             float(dk**-0.5 if scale is None else scale), k_last, use_qk_l2norm, _update_state,
         )  # fmt: skip
-    out = torch.empty(b, t, hv, dv, dtype=q.dtype, device=q.device)
+        return o if out is None else out.copy_(o)
+    if out is None:
+        out = torch.empty(b, t, hv, dv, dtype=q.dtype, device=q.device)
     gdn_sm90.gdn_step(
         *(_contiguous_last(n, x) for n, x in (("q", q), ("k", k), ("v", v), ("g", g),
                                               ("beta", beta))),

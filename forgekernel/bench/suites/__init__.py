@@ -17,6 +17,7 @@ from forgekernel.bench.suite import OpSuite
 PENDING_SUITE_MODULES = {
     "gemm_fp8": "forgekernel.bench.suites.gemm_fp8",  # issue 21
     "attention_paged": "forgekernel.bench.suites.attention_paged",  # issue 18
+    "gdn_decode": "forgekernel.bench.suites.gdn_decode",  # issue 20
 }
 SUITE_MODULES = {
     "gemm": "forgekernel.bench.suites.gemm",
