@@ -228,12 +228,33 @@ def test_speculative_decoding(cpu_kernels, causal, q_lens, k_lens):
     assert params.get("qtokens", 1) == next(t for t in (1, 2, 4) if t >= max(q_lens))
 
 
-def test_chunked_prefill_is_not_built(cpu_kernels):
-    q, k, v, pt, seq = _problem(1, 8, 2, 64, 16, [100])
-    cu = torch.tensor([0, 5], dtype=torch.int32)
-    qq = torch.zeros(5, 8, 64, dtype=torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="chunked prefill"):
-        op_module.attention_paged(qq, k, v, pt, seq, cu_seqlens_q=cu, max_seqlen_q=5)
+@pytest.mark.parametrize("fp8", [False, True])
+def test_chunked_prefill_gathers_into_the_varlen_forward(monkeypatch, fp8):
+    """More than 4 query tokens: the pages gathered into packed K / V and the varlen forward
+    (here its reference, standing in for the GPU kernel)."""
+    from forgekernel.reference.attention import attention_varlen_ref
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, return_lse, out):
+        o, lse = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal,
+                                      softmax_scale=softmax_scale)  # fmt: skip
+        return o.to(q.dtype), lse
+
+    monkeypatch.setattr(op_module, "_attention_varlen", varlen)
+    monkeypatch.setattr(op_module, "check_cuda", lambda name, t: None)
+    q_lens, k_lens = [5, 0, 9, 1], [40, 0, 9, 70]
+    _, k, v, pt, seq = _problem(4, 8, 2, 64, 16, k_lens, fp8=fp8)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    qq = torch.randn(int(cu[-1]), 8, 64, generator=torch.Generator().manual_seed(5))
+    qq = qq.to(torch.bfloat16)
+    scales = {"k_scale": 0.5, "v_scale": 1.5} if fp8 else {}
+    out, lse = op_module.attention_paged(qq, k, v, pt, seq, cu_seqlens_q=cu, max_seqlen_q=9,
+                                         return_lse=True, **scales)  # fmt: skip
+    want, want_lse = paged_attention_ref(qq, k, v, pt, seq, cu_seqlens_q=cu, **scales)
+    assert out.shape == qq.shape and lse.shape == (8, qq.shape[0])
+    assert float((out.float() - want).abs().max()) < 3e-2
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

@@ -231,18 +231,25 @@ def compare_paged_gqa(defn: Definition, inputs: dict[str, Any]) -> dict[str, flo
 
 
 def run_kernel(defn: Definition, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """ForgeKernel's paged decode kernel on a gqa_paged decode definition's inputs as they are
-    (FlashInfer's CSR page lists): (output, lse base 2), the definition's outputs. Prefill
-    definitions raise NotImplementedError (the paged prefill kernel is not built yet)."""
-    if defn.stage == "prefill":
-        raise NotImplementedError(f"{defn.name}: paged prefill has no kernel yet")
+    """ForgeKernel's paged attention on a gqa_paged definition's inputs as they are
+    (FlashInfer's CSR page lists, qo_indptr for prefill): (output, lse base 2) in the
+    definition's layouts. Decode runs the paged decode kernel; prefill up to 4 query tokens per
+    sequence its speculative form, longer ones the gather + varlen forward path."""
     from forgekernel.ops.attention_paged import attention_paged_csr
 
     counts = inputs["kv_indptr"][1:] - inputs["kv_indptr"][:-1]
+    varlen = {}
+    if defn.stage == "prefill":
+        q_counts = inputs["qo_indptr"][1:] - inputs["qo_indptr"][:-1]
+        varlen = {
+            "cu_seqlens_q": inputs["qo_indptr"].int(),
+            "max_seqlen_q": max(1, int(q_counts.max())),
+        }
     out, lse = attention_paged_csr(
         inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["kv_indptr"],
         inputs["kv_indices"], inputs.get("kv_last_page_len"),
         max_pages=max(1, int(counts.max())), softmax_scale=float(inputs["sm_scale"]),
-        return_lse=True,
+        return_lse=True, **varlen,
     )  # fmt: skip
-    return out, lse_to_base2(lse)
+    lse = lse_to_base2(lse)
+    return out, (lse.transpose(0, 1) if defn.stage == "prefill" else lse)

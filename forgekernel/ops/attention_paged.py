@@ -2,8 +2,10 @@
 FlashAttention layout), GQA decode and speculative decoding / MTP (up to 4 query tokens per
 sequence), 16-bit or FP8 (e4m3) caches, FlashInfer's CSR page lists. Not exported from
 `forgekernel` yet: its kernels (kernels/attention/paged/sm90) have not passed a GPU check
-(issue 18). Chunked prefill (more than 4 query tokens per sequence) is still to come: it
-raises.
+(issue 18). Chunked prefill (more than 4 query tokens per sequence) has no paged kernel yet:
+it gathers the sequences' pages into packed K / V (FP8 dequantized) and runs the varlen
+attention forward (`ops.attention_varlen`, GPU-checked): correct, paying one copy of the keys
+and values it reads.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from forgekernel.ops._validate import (
     check_shaped,
     check_tensor,
 )
+from forgekernel.ops.attention_varlen import attention_varlen as _attention_varlen
 
 INDEX = (torch.int32,)
 MAX_QUERY_TOKENS = 4  # per sequence; more is chunked prefill (not built)
@@ -161,11 +164,8 @@ def attention_paged(
     V / v_scale: each scale a float (per tensor) or a float32 tensor (Hkv,) (per KV head)."""
     if (cu_seqlens_q is None) != (max_seqlen_q is None):
         raise ValueError("cu_seqlens_q and max_seqlen_q come together")
-    if max_seqlen_q is not None and not 1 <= max_seqlen_q <= MAX_QUERY_TOKENS:
-        raise NotImplementedError(
-            f"max_seqlen_q = {max_seqlen_q}: up to {MAX_QUERY_TOKENS} query tokens per sequence "
-            "(chunked prefill is not built yet)"
-        )
+    if max_seqlen_q is not None and max_seqlen_q < 1:
+        raise ValueError(f"max_seqlen_q must be >= 1, got {max_seqlen_q}")
     k, v = _split_cache(k_cache, v_cache)
     _, _, d = _validate(q, k, v, page_table, seqlens_k, out, cu_seqlens_q)
     scale = float(softmax_scale) if softmax_scale is not None else d**-0.5
@@ -174,6 +174,10 @@ def attention_paged(
         ks = _scale_tensor("k_scale", k_scale, k.shape[2], q.device)
         vs = _scale_tensor("v_scale", v_scale, k.shape[2], q.device)
     mq = 1 if max_seqlen_q is None else int(max_seqlen_q)
+    if mq > MAX_QUERY_TOKENS:
+        o, lse = _prefill_by_gather(q, k, v, page_table, seqlens_k, cu_seqlens_q, mq, causal,
+                                    scale, ks, vs, out)  # fmt: skip
+        return (o, lse) if return_lse else o
     if _traced(q, k, v, page_table, seqlens_k, out, cu_seqlens_q):
         o, lse = torch.ops.forgekernel.attention_paged_decode(
             q, k, v, page_table, seqlens_k, scale, ks, vs, cu_seqlens_q, mq, bool(causal)
@@ -190,6 +194,39 @@ def attention_paged(
             ks, vs, cu_seqlens_q, mq, bool(causal),
         )  # fmt: skip
     return (o, lse) if return_lse else o
+
+
+def _prefill_by_gather(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, causal,
+                       scale, ks, vs, out):  # fmt: skip
+    """Chunked prefill until its paged kernel exists: every sequence's keys and values
+    gathered from their pages into packed (total_k, Hkv, D) tensors (room for the page table's
+    full width per sequence: no device read), FP8 dequantized, then the varlen forward."""
+    b, max_pages = page_table.shape
+    page_size, hkv, d = k.shape[1], k.shape[2], k.shape[3]
+    width = max_pages * page_size
+    t = torch.arange(width, device=q.device)
+    pages = page_table.long()[:, t // page_size]  # (B, width)
+    slots = (t % page_size).expand(b, width)
+    lens = seqlens_k.long()
+    cu_k = torch.zeros(b + 1, dtype=torch.long, device=q.device)
+    cu_k[1:] = torch.cumsum(lens, 0)
+    room = b * width
+    dst = torch.where(t[None, :] < lens[:, None], cu_k[:-1, None] + t[None, :], room)
+
+    def packed(cache, scale):
+        rows = cache[pages, slots]  # (B, width, Hkv, D)
+        if scale is not None:
+            rows = (rows.float() * scale[:, None]).to(q.dtype)
+        buf = torch.zeros(room + 1, hkv, d, dtype=q.dtype, device=q.device)
+        buf[dst.flatten()] = rows.reshape(-1, hkv, d)
+        return buf
+
+    o_out = None if out is None else (out, q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32))
+    o, lse = _attention_varlen(
+        q, packed(k, ks), packed(v, vs), cu_seqlens_q, cu_k.int(), max_seqlen_q, width,
+        causal=causal, softmax_scale=scale, return_lse=True, out=o_out,
+    )  # fmt: skip
+    return o, lse
 
 
 def csr_page_table(
@@ -226,17 +263,22 @@ def attention_paged_csr(
     kv_last_page_len: torch.Tensor | None,
     *,
     max_pages: int,
+    cu_seqlens_q: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    causal: bool = True,
     softmax_scale: float | None = None,
     return_lse: bool = False,
     out: torch.Tensor | None = None,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
 ):
-    """`attention_paged` (decode) with FlashInfer's CSR page lists (`csr_page_table`); the LSE
-    stays natural log (FlashInfer's is base 2: multiply by log2 e)."""
+    """`attention_paged` with FlashInfer's CSR page lists (`csr_page_table`; FlashInfer's
+    qo_indptr is cu_seqlens_q); the LSE stays natural log (FlashInfer's is base 2: multiply by
+    log2 e)."""
     k = k_cache if v_cache is not None else k_cache[:, 0]
     table, seqlens = csr_page_table(kv_indptr, kv_indices, kv_last_page_len, k.shape[1], max_pages)
     return attention_paged(
-        q, k_cache, v_cache, table, seqlens, softmax_scale=softmax_scale, return_lse=return_lse,
-        out=out, k_scale=k_scale, v_scale=v_scale,
+        q, k_cache, v_cache, table, seqlens, cu_seqlens_q=cu_seqlens_q,
+        max_seqlen_q=max_seqlen_q, causal=causal, softmax_scale=softmax_scale,
+        return_lse=return_lse, out=out, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
