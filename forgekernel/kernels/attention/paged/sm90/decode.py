@@ -283,7 +283,9 @@ class PagedDecodeSm90:
         raw = cute.make_rmem_tensor(E, mQ.element_type)
         f = cute.make_rmem_tensor(E, Float32)
         for g in cutlass.range_constexpr(G):
-            token = q_off + cutlass.min(Int32(g // self.h), sq - 1)
+            # clamped into q: a sequence with no query tokens (sq = 0) still reads a row
+            token = q_off + cutlass.max(cutlass.min(Int32(g // self.h), sq - 1), 0)
+            token = cutlass.min(token, mQ.shape[0] - 1)
             row = mQ[token, head0 + g % self.h, None]
             cute.autovec_copy(cute.local_tile(row, (E,), (lane,)), raw)
             f.store(raw.load().to(Float32))

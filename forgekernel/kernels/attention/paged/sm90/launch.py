@@ -57,6 +57,8 @@ def paged_decode(
     The split plan bounds the lengths by the table's width (no device read)."""
     rows, hq, d = q.shape
     b = seqlens_k.shape[0]
+    if rows == 0 or b == 0:
+        return
     qtokens = 1 if cu_seqlens_q is None else next(t for t in config.QTOKENS if t >= max_seqlen_q)
     _, page_size, hkv, _ = k_cache.shape
     p_params, c_params, _, splits, per = _plans.get_or_build(
