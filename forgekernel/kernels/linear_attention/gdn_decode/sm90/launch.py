@@ -32,6 +32,8 @@ def gdn_step(
     `intermediate` too when given; the state left as it is with update_state False). Last
     dims contiguous; g / beta fp32, or with `gates` = (A_log, dt_bias) fp32 (HV,) the
     projections a / b in q's dtype (the kernel computes the decay and beta)."""
+    if q.shape[0] == 0:
+        return
     params = params_for(
         dtype_name(q.dtype), (q.shape[-1], v.shape[-1]), per_channel=g.dim() == 4,
         k_last=k_last, l2norm=l2norm, intermediate=intermediate is not None,
