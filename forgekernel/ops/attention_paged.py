@@ -25,7 +25,7 @@ from forgekernel.ops._validate import (
 from forgekernel.ops.attention_varlen import attention_varlen as _attention_varlen
 
 INDEX = (torch.int32,)
-MAX_QUERY_TOKENS = 4  # per sequence; more is chunked prefill (not built)
+MAX_QUERY_TOKENS = 4  # per sequence in the paged kernel; more: the gather + varlen path
 CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 
 
@@ -157,9 +157,11 @@ def attention_paged(
     page_size, Hkv, D) (or one combined (num_pages, 2, page_size, Hkv, D) cache as k_cache with
     v_cache None), page_table int32 (batch, max_pages), seqlens_k int32 (batch,). Returns out
     (batch, Hq, D) and, with return_lse, the natural-log LSE (batch, Hq) fp32; a sequence of
-    length 0 gives 0 and -inf. Speculative decoding / MTP: q (total_q, Hq, D) packed by
-    cu_seqlens_q int32 (batch + 1,) with max_seqlen_q <= 4 (a host int), each sequence's
-    queries its last tokens (causal: bottom-right), out (total_q, Hq, D), LSE (Hq, total_q).
+    length 0 gives 0 and -inf. Speculative decoding / MTP and chunked prefill: q (total_q, Hq,
+    D) packed by cu_seqlens_q int32 (batch + 1,) with max_seqlen_q (a host int) at least the
+    longest, each sequence's queries its last tokens (causal: bottom-right), out (total_q, Hq,
+    D), LSE (Hq, total_q); up to 4 query tokens per sequence run the paged kernel, more the
+    gather + varlen forward path (module docstring).
     GQA: query head h reads KV head h // (Hq / Hkv). An FP8 (e4m3) cache holds K / k_scale and
     V / v_scale: each scale a float (per tensor) or a float32 tensor (Hkv,) (per KV head)."""
     if (cu_seqlens_q is None) != (max_seqlen_q is None):
