@@ -17,7 +17,7 @@ F32 = (torch.float32,)
 MAX_TOKENS = 4
 
 
-def _contiguous_last(name: str, t: torch.Tensor) -> torch.Tensor:
+def _contiguous_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
@@ -119,20 +119,20 @@ def gated_delta_rule_step(
         if not out.is_contiguous():
             raise ValueError("out must be contiguous")
     args = (q, k, v, g, beta)
+    scale = float(dk**-0.5 if scale is None else scale)
     if _traced(*args, state, rows, intermediate_states, out):
         a_log, dt_bias = _gates if _gates is not None else (None, None)
         o = torch.ops.forgekernel.gated_delta_rule_step(
-            *args, state, rows, intermediate_states, a_log, dt_bias,
-            float(dk**-0.5 if scale is None else scale), k_last, use_qk_l2norm, _update_state,
+            *args, state, rows, intermediate_states, a_log, dt_bias, scale, k_last,
+            use_qk_l2norm, _update_state,
         )  # fmt: skip
         return o if out is None else out.copy_(o)
     if out is None:
         out = torch.empty(b, t, hv, dv, dtype=q.dtype, device=q.device)
     gdn_sm90.gdn_step(
-        *(_contiguous_last(n, x) for n, x in (("q", q), ("k", k), ("v", v), ("g", g),
-                                              ("beta", beta))),
-        state, rows.contiguous(), out, intermediate_states,
-        float(dk**-0.5 if scale is None else scale), k_last=k_last, l2norm=use_qk_l2norm,
+        *(_contiguous_last(x) for x in (q, k, v, g, beta)),
+        state, rows.contiguous(), out, intermediate_states, scale, k_last=k_last,
+        l2norm=use_qk_l2norm,
         gates=_gates, update_state=_update_state,
     )  # fmt: skip
     return out

@@ -3,16 +3,14 @@ compile cache. Callers validate first (`forgekernel.ops.attention_paged`)."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from forgekernel.kernels.attention.paged.sm90 import SPEC, config
+from forgekernel.kernels.common.sm90.constants import LOG2E
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms, on_device
 from forgekernel.runtime.plans import PlanCache
 
-LOG2E = math.log2(math.e)
 _plans = PlanCache()
 
 
