@@ -25,13 +25,12 @@ def _compile(params: Params, extra_options: str = ""):
 
 def _standard_params() -> list[Params]:
     partial = [
-        params_for("partial", dtype, d, h, kv, scatter)
+        params_for("partial", dtype, d, h, kv)
         for dtype in DTYPES
         for d in HEAD_DIMS
         for h in HEADS
         if h <= max_heads(d)
         for kv in ("", "float8_e4m3fn")
-        for scatter in ((False, True) if h >= 4 else (False,))
     ]
     speculative = [
         params_for("partial", dtype, d, h, kv, qtokens=qt)

@@ -27,8 +27,8 @@ def heads_per_cta(group: int, head_dim: int, qtokens: int = 1) -> int:
 
 
 # Heads per CTA from which the partial pass sums its scores by reduce-scatter (decode.py
-# `_scores_scattered`) instead of a butterfly per score; 0: never. Not yet measured: both are
-# built for heads >= 4 and the GPU test runs both.
+# `_scores_scattered`) instead of a butterfly per score; 0: never. Not yet measured: outside
+# the standard (prebuilt) set, compiled on first use; the GPU test runs both.
 SCATTER_FROM_HEADS = 0
 
 
