@@ -41,7 +41,7 @@ def run(cfg, a, b, c, ctas=None):
     if not cfg.stream_k:
         return fn(a, b, c, None, None, 0, None, None, clusters)
     per, g, tiles = stream_plan(cfg, m, n, k, SMS if ctas is None else ctas)
-    work, flags = L.split_workspace(a.device, tiles, 2 * g * cfg.tile_m * cfg.tile_n)
+    work, flags = L.stream_k_workspace(a.device, tiles, 2 * g * cfg.tile_m * cfg.tile_n)
     fn(a, b, c, work, flags, per, None, None, clusters)
 
 

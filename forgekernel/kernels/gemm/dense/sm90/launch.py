@@ -109,7 +109,7 @@ def gemm(
             fn(a, b, c, None, None, 0, None, None, max_clusters)
         else:
             per, tiles, floats = split
-            work, flags = split_workspace(a.device, tiles, floats)
+            work, flags = stream_k_workspace(a.device, tiles, floats)
             fn(a, b, c, work, flags, per, None, None, max_clusters)
     if c is not out:
         out.copy_(c if c.shape[1] == n else c[:, :n])
@@ -123,7 +123,7 @@ _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 _OUTGROWN: list[tuple[torch.Tensor, torch.Tensor]] = []
 
 
-def split_workspace(device: torch.device, tiles: int, floats: int):
+def stream_k_workspace(device: torch.device, tiles: int, floats: int):
     """The stream-K workspace of the current stream, at least `floats` partials and `tiles`
     flags (zero)."""
     # The raw stream handle: torch.cuda.current_stream builds a Stream object (microseconds).
