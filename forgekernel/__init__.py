@@ -3,9 +3,13 @@
 from forgekernel.ops import (
     attention,
     attention_backward,
+    attention_paged,
+    attention_paged_csr,
     attention_varlen,
     attention_varlen_backward,
+    gated_delta_rule_step,
     gemm,
+    gemm_fp8,
     tune_gemm,
 )
 
@@ -13,8 +17,12 @@ __version__ = "0.1.0"
 __all__ = [
     "attention",
     "attention_backward",
+    "attention_paged",
+    "attention_paged_csr",
     "attention_varlen",
     "attention_varlen_backward",
+    "gated_delta_rule_step",
     "gemm",
+    "gemm_fp8",
     "tune_gemm",
 ]

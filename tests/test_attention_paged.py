@@ -1,4 +1,4 @@
-"""Paged GQA decode on the CPU (its kernels' first GPU check is pending, issue 18): the split
+"""Paged GQA decode on the CPU (the GPU's checks: tests/gpu/test_paged_gpu.py): the split
 plan and heads per CTA; the kernels' algorithm (split ranges, the warps' quarters, the online
 softmax in log2 units, the warp merge and the split combine) replayed in Python through the
 real launcher and op against the fp32 reference; argument errors."""

@@ -1,7 +1,7 @@
-"""The gated delta rule step's op and launcher on the CPU (its kernel's first GPU check is
-pending, issue 20): the kernel's algorithm (per column of the state: decay, the prediction
-S^T k, the delta update, o = scale S^T q; l2norm with fla's eps) replayed through the real
-launcher against the fp64 reference, both state layouts, GDN and KDA decays, a state pool,
+"""The gated delta rule step's op and launcher on the CPU (the GPU's checks:
+tests/gpu/test_gdn_step_gpu.py): the kernel's algorithm (per column of the state: decay, the
+prediction S^T k, the delta update, o = scale S^T q; l2norm with fla's eps) replayed through the
+real launcher against the fp64 reference, both state layouts, GDN and KDA decays, a state pool,
 intermediate states; and argument errors."""
 
 from __future__ import annotations

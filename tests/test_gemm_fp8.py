@@ -1,7 +1,6 @@
-"""forgekernel.ops.gemm_fp8 (not exported yet: its GPU check is pending, issue 21) on the
-CPU: argument errors, the configuration per M, the launcher's arguments (a stand-in kernel
-computing the reference), the suite's quantized inputs against their fp32 source, and the
-custom op's fake implementation."""
+"""forgekernel.gemm_fp8 on the CPU: argument errors, the configuration per M, the launcher's
+arguments (a stand-in kernel computing the reference), the suite's quantized inputs against
+their fp32 source, and the custom op's fake implementation."""
 
 from __future__ import annotations
 

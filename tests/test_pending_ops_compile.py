@@ -1,6 +1,6 @@
-"""torch.compile / tracing support of the ops whose kernels await their first GPU check
-(docs/PENDING.md), on the CPU with fake CUDA tensors: each custom op's fake implementation
-gives shapes, nothing runs, and make_fx records the op (the GDN step's state mutation too)."""
+"""torch.compile / tracing support of the FP8 GEMM, paged decode and GDN step ops, on the CPU
+with fake CUDA tensors: each custom op's fake implementation gives shapes, nothing runs, and
+make_fx records the op (the GDN step's state mutation too)."""
 
 from __future__ import annotations
 

@@ -2,14 +2,21 @@
 
 from forgekernel.ops.attention import attention
 from forgekernel.ops.attention_bwd import attention_backward, attention_varlen_backward
+from forgekernel.ops.attention_paged import attention_paged, attention_paged_csr
 from forgekernel.ops.attention_varlen import attention_varlen
+from forgekernel.ops.gated_delta_rule import gated_delta_rule_step
 from forgekernel.ops.gemm import gemm, tune_gemm
+from forgekernel.ops.gemm_fp8 import gemm_fp8
 
 __all__ = [
     "attention",
     "attention_backward",
+    "attention_paged",
+    "attention_paged_csr",
     "attention_varlen",
     "attention_varlen_backward",
+    "gated_delta_rule_step",
     "gemm",
+    "gemm_fp8",
     "tune_gemm",
 ]

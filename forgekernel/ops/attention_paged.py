@@ -1,12 +1,10 @@
 """`forgekernel.ops.attention_paged.attention_paged`: attention over a paged KV cache (vLLM /
 FlashAttention layout), GQA decode and speculative decoding / MTP (up to 4 query tokens per
-sequence), 16-bit or FP8 (e4m3) caches, FlashInfer's CSR page lists. Not exported from
-`forgekernel` yet: its kernels (kernels/attention/paged/sm90) have not passed a GPU check
-(issue 18). Chunked prefill (more than 4 query tokens per sequence) has no paged kernel yet:
-it gathers the sequences' pages into packed K / V (FP8 dequantized) and runs the varlen
-attention forward (`ops.attention_varlen`, GPU-checked): correct, paying one copy of the keys
-and values it reads.
-"""
+sequence), 16-bit or FP8 (e4m3) caches, FlashInfer's CSR page lists (kernels:
+kernels/attention/paged/sm90). Chunked prefill (more than 4 query tokens per sequence) has no
+paged kernel yet: it gathers the sequences' pages into packed K / V (FP8 dequantized) and runs
+the varlen attention forward (`ops.attention_varlen`, GPU-checked): correct, paying one copy of
+the keys and values it reads."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """`forgekernel.ops.gated_delta_rule.gated_delta_rule_step`: the decode / multi-token-
 prediction step of Gated DeltaNet (g per value head) and Kimi Delta Attention (g per key
-channel), fla's conventions, the state updated in place. Not exported from `forgekernel` yet:
-its kernel (kernels/linear_attention/gdn_decode/sm90) has not passed a GPU check (issue 20).
-The chunked prefill forward / backward are still to come."""
+channel), fla's conventions, the state updated in place (kernel:
+kernels/linear_attention/gdn_decode/sm90). The chunked prefill forward / backward are still to
+come."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""`forgekernel.ops.gemm_fp8.gemm_fp8` (exported as `forgekernel.gemm_fp8` once its GPU check
-passes: docs/PENDING.md): block-scaled FP8 GEMM on Hopper (DeepSeek-V3's recipe), C =
+"""`forgekernel.gemm_fp8`: block-scaled FP8 GEMM on Hopper (DeepSeek-V3's recipe), C =
 (A x scale_a) @ (B x scale_b)^T with A, B float8_e4m3fn, fp32 scales per 1x128 group of A and
 per 128x128 block of B, fp32 accumulation promoted every 128 of K, bf16 / fp16 out.
 

@@ -14,17 +14,16 @@ from forgekernel.bench.suite import OpSuite
 # Suites whose kernels have not yet passed a GPU check (docs/PENDING.md): registered only where
 # FORGEKERNEL_PENDING_SUITES is set (a device run that checks and benches them first), so that
 # tests/test_ledger_gate.py does not ask CI for a ledger that no GPU has written yet.
-PENDING_SUITE_MODULES = {
-    "gemm_fp8": "forgekernel.bench.suites.gemm_fp8",  # issue 21
-    "attention_paged": "forgekernel.bench.suites.attention_paged",  # issue 18
-    "gdn_decode": "forgekernel.bench.suites.gdn_decode",  # issue 20
-}
+PENDING_SUITE_MODULES: dict[str, str] = {}
 SUITE_MODULES = {
     "gemm": "forgekernel.bench.suites.gemm",
     "attention": "forgekernel.bench.suites.attention",
     # Registered: tests/test_ledger_gate.py fails until a GPU `forgekernel check attention_bwd`
     # has passed on the current bwd kernel sources (benchmarks/results/<arch>/attention_bwd.json).
     "attention_bwd": "forgekernel.bench.suites.attention_bwd",
+    "gemm_fp8": "forgekernel.bench.suites.gemm_fp8",  # issue 21
+    "attention_paged": "forgekernel.bench.suites.attention_paged",  # issue 18
+    "gdn_decode": "forgekernel.bench.suites.gdn_decode",  # issue 20
 }
 if os.environ.get("FORGEKERNEL_PENDING_SUITES"):
     SUITE_MODULES.update(PENDING_SUITE_MODULES)

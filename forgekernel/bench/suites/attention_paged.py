@@ -80,9 +80,10 @@ def run_ours(inputs: Inputs, out):
         inputs["q"], inputs["k"], inputs["v"], inputs["table"], inputs["seqlens"],
         return_lse=True, out=o,
     )  # fmt: skip
-    if out is not None:
-        out[1].copy_(res[1])
-    return res
+    if out is None:
+        return res
+    out[1].copy_(res[1])
+    return out
 
 
 def reference(inputs: Inputs):

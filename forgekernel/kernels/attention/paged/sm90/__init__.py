@@ -1,6 +1,5 @@
 """Paged GQA attention decode, sm_90a (split-KV partial pass + combine). DSL-free declaration;
-the kernels are `decode.py`. Not yet behind a public op: its first GPU check is pending
-(issue 18)."""
+the kernels are `decode.py`; the op is `forgekernel.attention_paged`."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Gated delta rule (Gated DeltaNet / Kimi Delta Attention) decode and MTP step, sm_90a.
-DSL-free declaration; the kernel is `step.py`. Not yet behind a public op: its first GPU check
-is pending (issue 20)."""
+DSL-free declaration; the kernel is `step.py`; the op is `forgekernel.gated_delta_rule_step`."""
 
 from __future__ import annotations
 
