@@ -10,10 +10,13 @@ sequences through their fp32 state, updated in place (fla's conventions, the ref
 Grid (HV, B, V / COLUMNS), K_SPLIT x COLUMNS threads (the columns of S are independent: u_j
 and o_j read column j only, so a head's columns spread over V / COLUMNS CTAs and a batch of
 one still fills 32 SMs at HV = 8): thread (j, s) holds column j of S, rows s K / K_SPLIT ..
-(s + 1) K / K_SPLIT - 1, in registers across the T tokens; the K_SPLIT threads of a column are
-adjacent lanes, so every dot product over K is a partial sum and two shuffles. The state is
+the 4-entry chunks s, s + K_SPLIT, s + 2 K_SPLIT, ... of the column (rows 4c .. 4c + 3 of
+chunk c), in registers across the T tokens; the K_SPLIT threads of a column are adjacent lanes,
+so every dot product over K is a partial sum and two shuffles. The state is
 read once and written once (memory-bound: 64 KB each way per head at K = V = 128); with the
-k-last layout (N, HV, V, K) a thread's rows are contiguous (16-byte loads). Value head hv
+k-last layout (N, HV, V, K) a column is contiguous, so the interleaved chunks give every
+16-byte load of a column's K_SPLIT lanes one contiguous 64-byte run (contiguous quarters per
+thread left every load instruction 32 half-used sectors: 0.66x fla, 2026-12-01). Value head hv
 reads q / k head hv // (HV / H). Sequence b uses state row state_indices[b] (a pool).
 
 `gating` (FlashInfer-Bench's Gated DeltaNet, Qwen3-Next): the decay and beta come from the
@@ -33,6 +36,9 @@ from forgekernel.kernels.linear_attention.gdn_decode.sm90.config import (
     K_SPLIT,
     L2NORM_EPS,
 )
+
+
+CHUNK = 4  # contiguous state entries per thread and load: 16 bytes of fp32
 
 
 class GdnStepSm90:
@@ -160,10 +166,22 @@ class GdnStepSm90:
 
     @cute.jit
     def _slice(self, vec, dst, part):
-        """Elements part * R .. part * R + R - 1 of a length-K row, as fp32."""
+        """This thread's R elements of a length-K row (`_mine`), as fp32."""
         raw = cute.make_rmem_tensor(self.rows, vec.element_type)
-        cute.autovec_copy(cute.local_tile(vec, (self.rows,), (part,)), raw)
+        cute.autovec_copy(self._mine(vec, part), self._as_chunks(raw))
         dst.store(raw.load().to(Float32))
+
+    @cute.jit
+    def _mine(self, vec, part):
+        """Thread `part`'s R entries of a length-K vector: chunks of CHUNK, chunk c K_SPLIT +
+        part for c = 0 .. R / CHUNK - 1, as a (CHUNK, R / CHUNK) view."""
+        chunks = cute.logical_divide(vec, cute.make_layout((CHUNK, K_SPLIT)))
+        return chunks[(None, part), None]
+
+    @cute.jit
+    def _as_chunks(self, regs):
+        """An (R,) register tensor seen as (CHUNK, R / CHUNK), the shape of `_mine`'s views."""
+        return cute.make_tensor(regs.iterator, cute.make_layout((CHUNK, self.rows // CHUNK)))
 
     @cute.jit
     def _normalize(self, x):
@@ -178,12 +196,10 @@ class GdnStepSm90:
 
     @cute.jit
     def _state_io(self, mS, s, col, part, load: bool):
-        """Column `col`, rows part * R ..: of one head's state (K, V), or (V, K) k-last."""
-        if const_expr(self.k_last):
-            view = cute.local_tile(mS[col, None], (self.rows,), (part,))
-        else:
-            view = cute.local_tile(mS[None, col], (self.rows,), (part,))
+        """This thread's rows (`_mine`) of column `col` of one head's state (K, V), or (V, K)
+        k-last."""
+        view = self._mine(mS[col, None] if const_expr(self.k_last) else mS[None, col], part)
         if const_expr(load):
-            cute.autovec_copy(view, s)
+            cute.autovec_copy(view, self._as_chunks(s))
         else:
-            cute.autovec_copy(s, view)
+            cute.autovec_copy(self._as_chunks(s), view)
