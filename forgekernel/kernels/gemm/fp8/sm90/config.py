@@ -18,7 +18,16 @@ MID = GemmConfig(tile_m=64, tile_n=128, tile_k=128, cluster_m=2)
 SKINNY = GemmConfig(tile_m=64, tile_n=128, tile_k=128, cluster_m=1, cluster_n=2)
 A_ROWS = (8, 16, 32)
 DECODE = tuple(dataclasses.replace(SKINNY, a_rows=r) for r in A_ROWS)
-STANDARD_CONFIGS = (LARGE, MID, SKINNY, *DECODE)
+# Prefill alternatives to LARGE (issue 21: LARGE runs at 0.65-0.77x of DeepGEMM there), prebuilt
+# so that scripts/fp8_tiles.py times them on the GPU; choose_config picks neither until measured.
+# Both compile for sm_90a without spills, as LARGE does. A multicast over a 1x2 cluster instead
+# of B over 2x1; 64-column epilogue sub-tiles (half the epilogue's barriers), two of them deep so
+# that the ring keeps LARGE's six 32 KB A+B stages. Tiles wider than 128 columns wait for the
+# dense kernel to take them with FP8 (one block of B's scales per tile today).
+LARGE_MCAST_A = dataclasses.replace(LARGE, cluster_m=1, cluster_n=2)
+LARGE_EPI64 = dataclasses.replace(LARGE, epi_n=64, epi_stages=2)
+PREFILL_CANDIDATES = (LARGE_MCAST_A, LARGE_EPI64)
+STANDARD_CONFIGS = (LARGE, MID, SKINNY, *DECODE, *PREFILL_CANDIDATES)
 
 
 def params_for(out_dtype: str, cfg: GemmConfig) -> tuple:

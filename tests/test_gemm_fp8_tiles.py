@@ -1,0 +1,116 @@
+"""The FP8 GEMM's prefill tile candidates (issue 21) on the CPU: prebuilt for both outputs
+under distinct compile keys, never picked by the chooser yet, and the GPU script's shape and
+config lists (scripts/fp8_tiles.py, loaded from its file)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from forgekernel.bench.suite import Case
+from forgekernel.bench.suites import gemm_fp8 as suite_module
+from forgekernel.kernels.gemm.fp8.sm90 import SPEC
+from forgekernel.kernels.gemm.fp8.sm90.config import (
+    OUT_DTYPES,
+    PREFILL_CANDIDATES,
+    STANDARD_CONFIGS,
+    choose_config,
+    params_for,
+)
+from forgekernel.reference.gemm import gemm_fp8_ref
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fp8_tiles.py"
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("fp8_tiles", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_candidates_are_prebuilt_for_both_outputs():
+    standard = set(SPEC.standard_params())
+    for cfg in PREFILL_CANDIDATES:
+        assert cfg in STANDARD_CONFIGS
+        assert {params_for(out, cfg) for out in OUT_DTYPES} <= standard
+
+
+def test_standard_compile_keys_are_distinct():
+    params = SPEC.standard_params()
+    assert len(set(params)) == len(params) == len(OUT_DTYPES) * len(STANDARD_CONFIGS)
+    assert len({cfg.tag() for cfg in STANDARD_CONFIGS}) == len(STANDARD_CONFIGS)
+
+
+def test_candidates_keep_the_fp8_tile_shape():
+    """What the dense kernel takes with FP8 today: 128 x 128 tiles, K steps of one scale block."""
+    for cfg in PREFILL_CANDIDATES:
+        assert (cfg.tile_m, cfg.tile_n, cfg.tile_k) == (128, 128, 128)
+        assert not cfg.stream_k and not cfg.a_rows
+
+
+def test_chooser_does_not_pick_candidates_yet():
+    rng = random.Random(21)
+    shapes = [(rng.randint(1, 20000), rng.randint(1, 60000), 128 * rng.randint(1, 200))
+              for _ in range(300)]  # fmt: skip
+    for m, n, k in shapes:
+        assert choose_config(m, n, k) not in PREFILL_CANDIDATES
+
+
+def test_script_shapes(script):
+    names = [c.name for c in script.cases(script.GROUPS)]
+    assert len(names) == len(set(names))
+    assert {"4096x36864x7168", "2048x7168x4096", "128x1536x7168"} <= set(names)
+    assert all(c.params["n"] % 8 == 0 for c in script.cases(script.GROUPS))
+    assert [c.group for c in script.cases(("extra",))] == ["extra"] * len(script.EXTRA)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(4096, 36864, 7168), (128, 1536, 7168), (513, 576, 256)])
+def test_script_configs(script, m, n, k):
+    configs = script.configs_for(m, n, k)
+    assert configs[0] == choose_config(m, n, k)
+    assert len(configs) == len(set(configs))
+    assert set(PREFILL_CANDIDATES) | set(script.WIDE) <= set(configs)
+    assert all(cfg.fits(m) for cfg in configs)
+
+
+def test_script_rows_on_cpu(script, monkeypatch):
+    """measure() end to end with stand-ins: a kernel computing the reference (rejecting tiles
+    wider than 128, as the dense kernel does with FP8), a DeepGEMM twice as slow, a fake timer."""
+
+    def get_kernel(spec, params):
+        if dict(params)["tile_n"] != 128:
+            raise ValueError("block-scaled FP8 takes tile_n = 128")
+
+        def fn(a, b, c, work, flags, per, sa, sb, clusters):
+            c.copy_(gemm_fp8_ref(a, b, sa, sb).to(c.dtype))
+
+        return fn
+
+    def timer(fns, rotate, **kwargs):
+        for fn in fns.values():
+            fn(*rotate[-1])
+        return {name: [2.0 if name == "deepgemm" else 1.0] for name in fns}
+
+    monkeypatch.setattr(script, "get_kernel", get_kernel)
+    monkeypatch.setattr(script, "num_sms", lambda index: 132)
+    monkeypatch.setattr(script, "time_interleaved", timer)
+    monkeypatch.setattr(script, "rotation_sets", lambda nbytes: 2)
+    deepgemm = lambda inputs: suite_module.reference(inputs).to(inputs["out_dtype"])  # noqa: E731
+    suite = dataclasses.replace(suite_module.suite(), comparators=lambda: {"deepgemm": deepgemm})
+    case = Case("300x264x384", {"m": 300, "n": 264, "k": 384}, "extra")
+    rows = script.measure(case, suite, torch.Generator().manual_seed(3), torch.device("cpu"))
+    by_config = {r["config"]: r for r in rows}
+    assert by_config[choose_config(300, 264, 384).tag()]["chosen"]
+    for cfg in PREFILL_CANDIDATES:
+        row = by_config[cfg.tag()]
+        assert row["status"] == "ok" and row["ratio"] == 2.0 and row["max_err"] <= row["bound"]
+    for cfg in script.WIDE:
+        assert by_config[cfg.tag()]["status"].startswith("not built: ValueError")
+    assert by_config["deepgemm"]["max_err"] <= by_config[PREFILL_CANDIDATES[0].tag()]["bound"]
