@@ -14,6 +14,7 @@ import torch
 from forgekernel.kernels.attention.paged.sm90 import launch as paged_launch
 from forgekernel.kernels.attention.paged.sm90.config import (
     HEADS,
+    MMA_TILE,
     WARPS,
     heads_per_cta,
     max_heads,
@@ -95,6 +96,62 @@ def _partial(q, k, v, pt, seq, op, lp, scale_log2, per, page_size, group, ks, vs
                         )  # fmt: skip
 
 
+def _partial_mma(q, k, v, pt, seq, op, lp, scale_log2, per, page_size, group, cu, causal,
+                 heads, qtokens=1):  # fmt: skip
+    """The tensor-core partial kernel's algorithm (decode_mma.py): the split's keys in tiles of
+    MMA_TILE, warp w taking keys 16w .. 16w + 15 of every tile with its own online softmax
+    (a tile's 16 scores at once, scaled inside the exponent), the warps merged at the end."""
+    _, hq, d = q.shape
+    keys = MMA_TILE // WARPS
+    for b in range(seq.shape[0]):
+        q_off, sq = (b, 1) if cu is None else (int(cu[b]), int(cu[b + 1] - cu[b]))
+        sk = int(seq[b])
+        for hb in range(hq // heads):
+            h0 = hb * heads
+            kvh = h0 // group
+            rows = [(i, h) for i in range(qtokens) for h in range(heads)]
+            qs = torch.stack([q[q_off + min(i, sq - 1), h0 + h] for i, h in rows]).double()
+            for s in range(op.shape[0]):
+                t0 = s * per
+                t1 = min(t0 + per, sk)
+                limit = torch.tensor(
+                    [(min(t1, sk - sq + i + 1) if causal else t1) if i < sq else 0 for i, _ in rows]
+                )
+                ms, ls, os_ = [], [], []
+                for w in range(WARPS):
+                    m = torch.full((len(rows),), -math.inf, dtype=torch.float64)
+                    lsum = torch.zeros(len(rows), dtype=torch.float64)
+                    o = torch.zeros(len(rows), d, dtype=torch.float64)
+                    for first in range(t0 + w * keys, max(t1, t0), MMA_TILE):
+                        ts = [min(t, t1 - 1) for t in range(first, first + keys)]
+                        pages = [int(pt[b, t // page_size]) for t in ts]
+                        kt = torch.stack([k[pg, t % page_size, kvh] for pg, t in zip(pages, ts)])
+                        vt = torch.stack([v[pg, t % page_size, kvh] for pg, t in zip(pages, ts)])
+                        sc = qs @ kt.double().T
+                        key = torch.arange(first, first + keys)
+                        sc = torch.where(key[None, :] < limit[:, None], sc, -math.inf)
+                        m_new = torch.maximum(m, sc.max(1).values)
+                        base = torch.where(m_new > -math.inf, m_new * scale_log2, 0.0)
+                        corr = torch.exp2(m * scale_log2 - base)
+                        p = torch.exp2(sc * scale_log2 - base[:, None])
+                        lsum = lsum * corr + p.sum(1)
+                        o = o * corr[:, None] + p.to(q.dtype).double() @ vt.double()
+                        m = m_new
+                    ms.append(torch.where(m > -math.inf, m * scale_log2, -math.inf))
+                    ls.append(lsum), os_.append(o)
+                top = torch.stack(ms).max(0).values
+                c = torch.where(top > -math.inf, torch.exp2(torch.stack(ms) - top), 0.0)
+                total = (torch.stack(ls) * c).sum(0)
+                acc = (torch.stack(os_) * c[..., None]).sum(0)
+                for r, (i, h) in enumerate(rows):
+                    if i < sq:
+                        ok = bool(total[r] > 0)
+                        op[s, q_off + i, h0 + h] = acc[r] / total[r] if ok else 0.0
+                        lp[s, q_off + i, h0 + h] = top[r] + torch.log2(total[r]) if ok else (
+                            -math.inf
+                        )  # fmt: skip
+
+
 def _combine(op, lp, out, lse):
     top = lp.max(0).values
     w = torch.where(top > -math.inf, torch.exp2(lp - top), 0.0)
@@ -115,7 +172,8 @@ def cpu_kernels(monkeypatch):
 
         def partial(*args):
             calls.append((p, args[7:11]))
-            _partial(*args, heads=p["heads"], qtokens=p.get("qtokens", 1))
+            replay = _partial_mma if p["kind"] == "mma" else _partial
+            replay(*args, heads=p["heads"], qtokens=p.get("qtokens", 1))
 
         return partial
 

@@ -1,5 +1,6 @@
 """Paged GQA attention decode, sm_90a (split-KV partial pass + combine). DSL-free declaration;
-the kernels are `decode.py`; the op is `forgekernel.attention_paged`."""
+the kernels are `decode_mma.py` (16-bit caches, tensor cores), `decode.py` (FP8 caches, CUDA
+cores; the combine pass); the op is `forgekernel.attention_paged`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from forgekernel.kernels.attention.paged.sm90.config import (
     DTYPES,
     HEAD_DIMS,
     HEADS,
+    MMA_ROWS,
     QTOKENS,
     max_heads,
     params_for,
@@ -23,25 +25,24 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    partial = [
-        params_for("partial", dtype, d, h, kv)
+    mma = [
+        params_for("mma", dtype, d, h, qtokens=qt)
         for dtype in DTYPES
         for d in HEAD_DIMS
+        for qt in QTOKENS
         for h in HEADS
-        if h <= max_heads(d)
-        for kv in ("", "float8_e4m3fn")
+        if h * qt <= MMA_ROWS
     ]
-    speculative = [
-        params_for("partial", dtype, d, h, kv, qtokens=qt)
+    fp8 = [
+        params_for("partial", dtype, d, h, "float8_e4m3fn", qtokens=qt)
         for dtype in DTYPES
         for d in HEAD_DIMS
-        for qt in QTOKENS[1:]
+        for qt in QTOKENS
         for h in HEADS
         if h <= max_heads(d, qt)
-        for kv in ("", "float8_e4m3fn")
     ]
     combine = [params_for("combine", dtype, d) for dtype in DTYPES for d in HEAD_DIMS]
-    return partial + speculative + combine
+    return mma + fp8 + combine
 
 
 SPEC = KernelSpec(
@@ -51,7 +52,7 @@ SPEC = KernelSpec(
     compile=_compile,
     standard_params=_standard_params,
     mma=False,
-    representative=lambda: params_for("partial", "bfloat16", 128, 4),
+    representative=lambda: params_for("mma", "bfloat16", 128, 4),
 )
 
 __all__ = ["SPEC", "params_for"]

@@ -9,6 +9,7 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_tensor
 
 from forgekernel.kernels.attention.paged.sm90.decode import PagedCombineSm90, PagedDecodeSm90
+from forgekernel.kernels.attention.paged.sm90.decode_mma import PagedDecodeMmaSm90
 from forgekernel.kernels.common.sm90 import fake
 
 
@@ -45,8 +46,12 @@ def compile_paged(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     k = fake.rowmajor(kv_dtype, (pages, page_size, hkv, d), divisibility=16)
     v = fake.rowmajor(kv_dtype, (pages, page_size, hkv, d), divisibility=16)
     scales = (_dense(cutlass.Float32, 1), _dense(cutlass.Float32, 1)) if fp8 else (None, None)
+    if params["kind"] == "mma":
+        kernel, scales = PagedDecodeMmaSm90(d, params["heads"], qtokens), ()
+    else:
+        kernel = PagedDecodeSm90(d, params["heads"], qtokens)
     return cute.compile(
-        PagedDecodeSm90(d, params["heads"], params.get("scatter", False), qtokens),
+        kernel,
         q,
         k,
         v,

@@ -15,6 +15,19 @@ MIN_TOKENS_PER_SPLIT = 256
 
 QTOKENS = (1, 2, 4)  # query tokens per sequence (decode; speculative decoding / MTP)
 
+# The tensor-core partial pass (decode_mma.py, 16-bit caches): keys per pipeline stage (16 per
+# warp) and stages per head dim (K and V tiles of MMA_TILE x D, 16-bit: 16 / 32 / 64 KB a
+# stage; two CTAs per SM at D <= 128).
+MMA_TILE = 64
+MMA_STAGES = {64: 4, 128: 3, 256: 3}
+MMA_ROWS = 16
+
+
+def heads_per_cta_mma(group: int, qtokens: int = 1) -> int:
+    """The largest compiled heads-per-CTA that divides the group with heads x tokens <= 16
+    (the MMA's rows): one CTA per KV head up to a group of 16 / tokens."""
+    return max(h for h in HEADS if group % h == 0 and h * qtokens <= MMA_ROWS)
+
 
 def max_heads(head_dim: int, qtokens: int = 1) -> int:
     """The most query heads one CTA holds in registers (heads x tokens x D <= 2048)."""
@@ -26,31 +39,23 @@ def heads_per_cta(group: int, head_dim: int, qtokens: int = 1) -> int:
     return max(h for h in HEADS if group % h == 0 and h <= max_heads(head_dim, qtokens))
 
 
-# Heads per CTA from which the partial pass sums its scores by reduce-scatter (decode.py
-# `_scores_scattered`) instead of a butterfly per score; 0: never. Not yet measured: outside
-# the standard (prebuilt) set, compiled on first use; the GPU test runs both.
-SCATTER_FROM_HEADS = 0
-
-
 def params_for(
     kind: str,
     dtype: str,
     head_dim: int,
     heads: int = 1,
     kv: str = "",
-    scatter: bool = False,
     qtokens: int = 1,
 ) -> tuple:
-    """Compile key: kind "partial" (one split's attention of `heads` query heads, fp32 out;
-    `kv` "float8_e4m3fn" for an FP8 cache, else the cache has q's dtype; `scatter` the
-    reduce-scatter score sums; `qtokens` > 1 the speculative form, cu_seqlens_q) or "combine"
-    (the splits merged into the output; no heads)."""
+    """Compile key: kind "mma" (the tensor-core partial pass of a 16-bit cache), "partial"
+    (the CUDA-core partial pass; `kv` "float8_e4m3fn" for an FP8 cache) - both one split's
+    attention of `heads` query heads, fp32 out, `qtokens` > 1 the speculative form with
+    cu_seqlens_q - or "combine" (the splits merged into the output; no heads)."""
     if kind == "combine":
         return tuple(sorted({"kind": kind, "dtype": dtype, "head_dim": head_dim}.items()))
     keys = {"kind": kind, "dtype": dtype, "head_dim": head_dim, "heads": heads}
     extra = {
         **({"kv": kv} if kv else {}),
-        **({"scatter": True} if scatter else {}),
         **({"qtokens": qtokens} if qtokens > 1 else {}),
     }
     return tuple(sorted({**keys, **extra}.items()))

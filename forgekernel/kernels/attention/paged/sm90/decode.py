@@ -44,7 +44,7 @@ UNROLL = 4  # tokens whose K and V rows a warp loads before it computes on any o
 class PagedDecodeSm90:
     """The partial pass; see the module docstring."""
 
-    def __init__(self, head_dim: int, heads: int, scatter: bool = False, qtokens: int = 1):
+    def __init__(self, head_dim: int, heads: int, qtokens: int = 1):
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim must be 64, 128 or 256, got {head_dim}")
         if qtokens not in (1, 2, 4):
@@ -58,7 +58,6 @@ class PagedDecodeSm90:
         self.qt = qtokens
         self.g = heads * qtokens  # query rows per CTA: (token, head) pairs
         self.e = head_dim // 32  # elements of a row per lane
-        self.scatter = scatter
 
     @cute.jit
     def __call__(
@@ -187,20 +186,15 @@ class PagedDecodeSm90:
                 cute.autovec_copy(
                     cute.local_tile(mV[page, slot, kvh, None], (E,), (lane,)), vr[None, u]
                 )
-            if cutlass.const_expr(self.scatter):
-                scores = self._scores_scattered(q, kr, lane)
             for u in cutlass.range_constexpr(UNROLL):
                 if t + u < w1:
                     kf.store(kr[None, u].load().to(Float32))
                     vf.store(vr[None, u].load().to(Float32))
                     for g in cutlass.range_constexpr(G):
                         s = Float32(0.0)
-                        if cutlass.const_expr(self.scatter):
-                            s = scores[u * G + g]
-                        else:
-                            for e in cutlass.range_constexpr(E):
-                                s += q[e, g] * kf[e]
-                            s = cute.arch.warp_reduction_sum(s)
+                        for e in cutlass.range_constexpr(E):
+                            s += q[e, g] * kf[e]
+                        s = cute.arch.warp_reduction_sum(s)
                         if const_expr(self.qt > 1):
                             # row (token i, head) sees keys <= sk - sq + i when causal, none
                             # past sq
@@ -230,51 +224,6 @@ class PagedDecodeSm90:
         m[g] = m_new
 
     @cute.jit
-    def _scores_scattered(self, q, kr, lane):
-        """Every (token, head) score of the UNROLL loaded tokens, summed over the warp with
-        fewer shuffles than one butterfly per score: per 32 scores a reduce-scatter (each
-        stage sends half of what a lane holds: 16 + 8 + 4 + 2 + 1 shuffles), then every lane
-        gathers the 32 totals (32 shuffles): 63 instead of 160."""
-        G, E = self.g, self.e
-        n = UNROLL * G
-        chunk = min(n, 32)
-        stages = chunk.bit_length() - 1  # log2(chunk)
-        kf = cute.make_rmem_tensor(E, Float32)
-        part = cute.make_rmem_tensor(n, Float32)
-        for u in cutlass.range_constexpr(UNROLL):
-            kf.store(kr[None, u].load().to(Float32))
-            for g in cutlass.range_constexpr(G):
-                acc = Float32(0.0)
-                for e in cutlass.range_constexpr(E):
-                    acc += q[e, g] * kf[e]
-                part[u * G + g] = acc
-        out = cute.make_rmem_tensor(n, Float32)
-        vals = cute.make_rmem_tensor(chunk, Float32)
-        for c in cutlass.range_constexpr(n // chunk):
-            for i in cutlass.range_constexpr(chunk):
-                vals[i] = part[c * chunk + i]
-            size = chunk
-            for st in cutlass.range_constexpr(stages):
-                offset = 16 >> st
-                half = size // 2
-                low = (lane & offset) == 0
-                for i in cutlass.range_constexpr(half):
-                    send = Float32(cutlass.select_(low, vals[i + half], vals[i]))
-                    keep = Float32(cutlass.select_(low, vals[i], vals[i + half]))
-                    vals[i] = keep + cute.arch.shuffle_sync_bfly(send, offset=offset)
-                size = half
-            total = vals[0]
-            for st in cutlass.range_constexpr(stages, 5):
-                total += cute.arch.shuffle_sync_bfly(total, offset=16 >> st)
-            for i in cutlass.range_constexpr(chunk):
-                src = 0
-                for st in cutlass.range_constexpr(stages):
-                    if (i >> (stages - 1 - st)) & 1:
-                        src += 16 >> st
-                out[c * chunk + i] = cute.arch.shuffle_sync(total, src)
-        return out
-
-    @cute.jit
     def _load_query(self, mQ, q_off, sq, head0, lane, scale_log2):
         """The CTA's query rows (token i < Q, head head0 + h; tokens past sq read token
         sq - 1, never used), this lane's D / 32 columns, fp32, times scale * log2 e."""
@@ -296,7 +245,7 @@ class PagedDecodeSm90:
     @cute.jit
     def _merge_warps(self, m, lsum, o, mOp, mLp, split, rows, head0, tidx, lane, warp):
         """The 4 warps' (max, sum, O) through shared memory into this split's normalized O and
-        log2 LSE; -inf and 0 where no warp saw a key."""
+        log2 LSE (`write_split`)."""
         G, E, D = self.g, self.e, self.d
         storage = cutlass.utils.SmemAllocator().allocate(self.shared)
         sm = storage.m.get_tensor(cute.make_layout((WARPS, G)))
@@ -309,31 +258,45 @@ class PagedDecodeSm90:
             for e in cutlass.range_constexpr(E):
                 so[warp, g, lane * E + e] = o[e, g]
         cute.arch.sync_threads()
-        for i in cutlass.range(tidx, G * D, THREADS):
-            g = i // D
-            d = i - g * D
-            top = sm[0, g]
-            for w in cutlass.range_constexpr(1, WARPS):
-                top = cute.arch.fmax(top, sm[w, g])
-            total = Float32(0.0)
-            acc = Float32(0.0)
-            if top != -Float32.inf:
-                for w in cutlass.range_constexpr(WARPS):
-                    c = cute.math.exp2(sm[w, g] - top, fastmath=True)
-                    total += sl[w, g] * c
-                    acc += so[w, g, d] * c
-            q_off, sq = rows
-            token = q_off + g // self.h
-            head = head0 + g % self.h
-            out = Float32(0.0)
-            lse = -Float32.inf
-            if total > 0.0:
-                out = acc / total
-                lse = top + cute.math.log2(total, fastmath=True)
-            if g // self.h < sq:
-                mOp[split, token, head, d] = out
-                if d == 0:
-                    mLp[split, token, head] = lse
+        write_split((sm, sl, so), mOp, mLp, split, rows, head0, self.h, G, D, tidx)
+
+
+@cute.jit
+def write_split(
+    merge, mOp, mLp, split, rows, head0, heads: cutlass.Constexpr[int],
+    g_rows: cutlass.Constexpr[int], d_: cutlass.Constexpr[int], tidx,
+):  # fmt: skip
+    """The warps' (max in log2 units, sum, unnormalized O) of the CTA's rows, in shared memory
+    as `merge` = (m (WARPS, >= G), lsum (WARPS, >= G), O (WARPS, >= G, D)), combined into this
+    split's normalized O and log2 LSE: -inf and 0 where no warp saw a key. Row g is query
+    token g // heads of the sequence (rows = (its first row, its tokens sq)), head
+    head0 + g % heads; rows of tokens past sq are not written."""
+    sm, sl, so = merge
+    q_off, sq = rows
+    for i in cutlass.range(tidx, g_rows * d_, THREADS):
+        g = i // d_
+        d = i - g * d_
+        top = sm[0, g]
+        for w in cutlass.range_constexpr(1, WARPS):
+            top = cute.arch.fmax(top, sm[w, g])
+        total = Float32(0.0)
+        acc = Float32(0.0)
+        if top != -Float32.inf:
+            for w in cutlass.range_constexpr(WARPS):
+                c = cute.math.exp2(sm[w, g] - top, fastmath=True)
+                total += sl[w, g] * c
+                acc += so[w, g, d] * c
+        token = q_off + g // heads
+        head = head0 + g % heads
+        out = Float32(0.0)
+        lse = -Float32.inf
+        if total > 0.0:
+            out = acc / total
+            lse = top + cute.math.log2(total, fastmath=True)
+        if g // heads < sq:
+            mOp[split, token, head, d] = out
+            if d == 0:
+                mLp[split, token, head] = lse
 
 
 class PagedCombineSm90:

@@ -37,7 +37,6 @@ from forgekernel.kernels.linear_attention.gdn_decode.sm90.config import (
     L2NORM_EPS,
 )
 
-
 CHUNK = 4  # contiguous state entries per thread and load: 16 bytes of fp32
 
 

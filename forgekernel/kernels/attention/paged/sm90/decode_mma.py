@@ -1,0 +1,355 @@
+"""Paged GQA attention decode on tensor cores (sm_90a, mma.sync m16n8k16), 16-bit caches: the
+partial pass of the split-KV plan (decode.py's module docstring has the plan, the combine
+pass and the speculative rows; this pass writes the same partial O / log2 LSE).
+
+A CTA takes the H query heads of one KV head (H x Q (token, head) rows, Q query tokens, padded
+with zero rows to the MMA's 16) and one split of one sequence's keys. The keys stream through
+shared memory in tiles of TILE tokens, STAGES deep: every thread issues cp.async copies of 16
+bytes for its rows of the tile (page page_table[b, t // page_size], slot t % page_size, the
+token clamped into the split so that masked columns hold finite values), one commit group per
+tile, one CTA barrier per tile. Warp w takes keys 16w .. 16w + 15 of every tile with its own
+online softmax: S = Q K_w^T (16 x 16, D / 16 MMAs of K = 16, Q and K by ldmatrix from the
+swizzled tiles), scaled inside the exponent (the toolkit's base-2 online softmax), P to
+16-bit registers as the A operand of O += P V_w (V by transposed ldmatrix; one K = 16 step,
+D / 8 MMAs). The warps' (max, sum, O) meet in shared memory at the end (`decode.write_split`).
+
+Memory-bound: the MMAs are a few per 512 bytes of K and V; what matters is bytes in flight
+(STAGES - 1 tiles of TILE x D x 4 bytes per CTA, 2 CTAs per SM at D = 128)."""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warp
+
+from forgekernel.kernels.attention.paged.sm90.config import (
+    MMA_ROWS,
+    MMA_STAGES,
+    MMA_TILE,
+    THREADS,
+    WARPS,
+)
+from forgekernel.kernels.attention.paged.sm90.decode import write_split
+from forgekernel.kernels.common.sm90.layout import acc_to_operand_a, rows_cols, transposed
+from forgekernel.kernels.common.sm90.softmax import online_softmax, rescale_o
+
+ROWS = MMA_ROWS  # the MMA's rows: (query token, head) pairs, zero past the CTA's
+KEYS = MMA_TILE // WARPS  # keys per warp per tile: one K = 16 step of P V
+CHUNK = 8  # 16-bit elements per cp.async (16 bytes)
+
+
+def _as_wide_acc(acc: cute.Tensor) -> cute.Tensor:
+    """An mma.sync accumulator ((2, 2), M, N) seen as a WGMMA-shaped one ((2, 2, N), M, 1), so
+    that the toolkit's (rows, cols) view, online softmax and A-operand conversion apply: the
+    N atoms of 8 columns become the V pairs of columns 8 apart."""
+    lay = acc.layout
+    shape, stride = lay.shape, lay.stride
+    wide = cute.make_layout(
+        ((shape[0][0], shape[0][1], shape[2]), shape[1], 1),
+        stride=((stride[0][0], stride[0][1], stride[2]), stride[1], 0),
+    )
+    return cute.make_tensor(acc.iterator, wide)
+
+
+class PagedDecodeMmaSm90:
+    """The partial pass on tensor cores; see the module docstring."""
+
+    def __init__(self, head_dim: int, heads: int, qtokens: int = 1):
+        if head_dim not in (64, 128, 256):
+            raise ValueError(f"head_dim must be 64, 128 or 256, got {head_dim}")
+        if heads * qtokens > ROWS:
+            raise ValueError(f"heads x query tokens must be <= {ROWS}, got {heads} x {qtokens}")
+        self.d = head_dim
+        self.h = heads
+        self.qt = qtokens
+        self.g = heads * qtokens
+        self.stages = MMA_STAGES[head_dim]
+        # threads per row of a copy: 16 bytes each, a row of D elements (at most a warp)
+        self.tpr = min(head_dim // CHUNK, 32)
+
+    def _smem_layout(self, rows: int, stages: int | None = None):
+        """(rows, D[, stages]) 16-bit, rows of D contiguous, 16-byte chunks XOR-swizzled by
+        the row (mod 8): conflict-free ldmatrix and cp.async."""
+        d_bits = self.d.bit_length() - 1
+        rows8 = cute.make_layout((8, self.d), stride=(self.d, 1))
+        atom = cute.make_composed_layout(cute.make_swizzle(3, 3, d_bits - 3), 0, rows8)
+        shape = (rows, self.d) if stages is None else (rows, self.d, stages)
+        return cute.tile_to_shape(atom, shape, (0, 1) if stages is None else (0, 1, 2))
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mPT: cute.Tensor,
+        mSeq: cute.Tensor,
+        mOp: cute.Tensor,
+        mLp: cute.Tensor,
+        scale_log2: Float32,
+        per_split: Int32,
+        page_size: Int32,
+        group: Int32,
+        mCuQ: cute.Tensor | None,
+        causal: Int32,
+        stream: cuda.CUstream,
+    ):
+        """As `PagedDecodeSm90.__call__` without the FP8 scales: mQ (B, Hq, D) or, with mCuQ,
+        (total_q, Hq, D); mK, mV (num_pages, page_size, Hkv, D) in q's dtype; mPT int32
+        (B, max_pages); mSeq int32 (B,); mOp fp32 (splits, rows, Hq, D); mLp fp32 (splits,
+        rows, Hq) log2."""
+        if const_expr(not (mK.element_type == mV.element_type == mQ.element_type)):
+            raise TypeError("q, k_cache and v_cache must share one 16-bit dtype")
+        if const_expr((mCuQ is None) != (self.qt == 1)):
+            raise ValueError("cu_seqlens_q comes with qtokens > 1, and only then")
+        dtype = mQ.element_type
+        q_layout = self._smem_layout(ROWS)
+        kv_layout = self._smem_layout(MMA_TILE, self.stages)
+
+        @cute.struct
+        class Shared:
+            k: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(kv_layout)], 1024]
+            v: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(kv_layout)], 1024]
+            q: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(q_layout)], 1024]
+            m: cute.struct.MemRange[Float32, WARPS * ROWS]
+            lsum: cute.struct.MemRange[Float32, WARPS * ROWS]
+
+        self.shared = Shared
+        self.kernel(
+            mQ, mK, mV, mPT, mSeq, mOp, mLp, scale_log2, per_split, page_size, group, mCuQ,
+            causal,
+        ).launch(
+            grid=(mOp.shape[0], mQ.shape[1] // self.h, mSeq.shape[0]),
+            block=[THREADS, 1, 1],
+            stream=stream,
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mPT: cute.Tensor,
+        mSeq: cute.Tensor,
+        mOp: cute.Tensor,
+        mLp: cute.Tensor,
+        scale_log2: Float32,
+        per_split: Int32,
+        page_size: Int32,
+        group: Int32,
+        mCuQ: cute.Tensor | None,
+        causal: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        split, head_block, b = cute.arch.block_idx()
+        head0 = head_block * self.h
+        kvh = head0 // group
+        q_off, sq = b, Int32(1)
+        if const_expr(mCuQ is not None):
+            q_off = mCuQ[b]
+            sq = mCuQ[b + 1] - q_off
+        lane = tidx % 32
+        warp_idx = cute.arch.make_warp_uniform(tidx // 32)
+        dtype = mQ.element_type
+
+        sk = mSeq[b]
+        t0 = split * per_split
+        t1 = cutlass.min(t0 + per_split, sk)
+        tiles = cute.ceil_div(cutlass.max(t1 - t0, 0), MMA_TILE)
+
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared)
+        kv_layout = self._smem_layout(MMA_TILE, self.stages)
+        sQ = storage.q.get_tensor(self._smem_layout(ROWS))
+        sK = storage.k.get_tensor(kv_layout)
+        sV = storage.v.get_tensor(kv_layout)
+
+        atom_g2s = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
+            num_bits_per_copy=128,
+        )  # fmt: skip
+        gcopy = cute.make_tiled_copy_tv(
+            atom_g2s,
+            cute.make_ordered_layout((THREADS // self.tpr, self.tpr), order=(1, 0)),
+            cute.make_layout((1, CHUNK)),
+        )
+        thr_g = gcopy.get_slice(tidx)
+
+        self._load_query(mQ, sQ, gcopy, thr_g, q_off, sq, head0)
+        kv = (mK, mV, sK, sV, mPT, b, kvh, page_size)
+        for s in cutlass.range_constexpr(self.stages - 1):
+            if s < tiles:
+                self._load_tile(kv, gcopy, thr_g, t0 + s * MMA_TILE, t1, s)
+            cute.arch.cp_async_commit_group()
+
+        mma = cute.make_tiled_mma(warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)), (1, 1, 1))
+        thr_mma = mma.get_slice(lane)
+        ldsm = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
+        ldsm_t = warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4)
+        copy_q = cute.make_tiled_copy_A(cute.make_copy_atom(ldsm, dtype), mma).get_slice(lane)
+        copy_k = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm, dtype), mma).get_slice(lane)
+        copy_v = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm_t, dtype), mma).get_slice(lane)
+
+        acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS, self.d)), Float32)
+        acc_o.fill(0.0)
+        o_wide = _as_wide_acc(acc_o)
+        row_max = cute.make_rmem_tensor(2, Float32)
+        row_sum = cute.make_rmem_tensor(2, Float32)
+        rescale = cute.make_rmem_tensor(2, Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        # (row, key) of this thread's score registers, keys relative to the warp's first
+        coords = rows_cols(
+            _as_wide_acc(thr_mma.partition_C(cute.make_identity_tensor((ROWS, KEYS))))
+        )
+        limits = self._row_limits(coords, sq, sk, t1, causal)
+
+        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+        tSsQ = copy_q.partition_S(sQ)
+        tSrQ_view = copy_q.retile(tSrQ)
+        for i in cutlass.range(tiles, unroll=1):
+            cute.arch.cp_async_wait_group(self.stages - 2)
+            cute.arch.sync_threads()
+            nxt = i + self.stages - 1
+            if nxt < tiles:
+                self._load_tile(kv, gcopy, thr_g, t0 + nxt * MMA_TILE, t1, nxt % self.stages)
+            cute.arch.cp_async_commit_group()
+
+            stage = i % self.stages
+            sKw = cute.local_tile(sK[None, None, stage], (KEYS, self.d), (warp_idx, 0))
+            sVw = cute.local_tile(sV[None, None, stage], (KEYS, self.d), (warp_idx, 0))
+            acc_s = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS, KEYS)), Float32)
+            acc_s.fill(0.0)
+            tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sKw))
+            tSsK = copy_k.partition_S(sKw)
+            tSrK_view = copy_k.retile(tSrK)
+            for k in cutlass.range_constexpr(self.d // 16):
+                cute.copy(copy_q, tSsQ[None, None, k], tSrQ_view[None, None, k])
+                cute.copy(copy_k, tSsK[None, None, k], tSrK_view[None, None, k])
+                cute.gemm(mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
+
+            s_wide = _as_wide_acc(acc_s)
+            first_key = t0 + i * MMA_TILE + warp_idx * KEYS
+            self._mask(s_wide, coords, limits, first_key)
+            online_softmax(s_wide, row_max, row_sum, rescale, scale_log2)
+            rescale_o(o_wide, rescale)
+            tOrP = cute.make_rmem_tensor(thr_mma.partition_shape_A((ROWS, KEYS)), dtype)
+            acc_to_operand_a(s_wide, tOrP)
+
+            sVt = transposed(sVw)
+            tOrV = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
+            cute.copy(copy_v, copy_v.partition_S(sVt), copy_v.retile(tOrV))
+            cute.gemm(mma, acc_o, tOrP, tOrV, acc_o)
+
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()  # the pipeline's buffers free: O meets there
+        self._stage_warp(storage, o_wide, row_max, row_sum, scale_log2, thr_mma, warp_idx)
+        cute.arch.sync_threads()
+        write_split(
+            self._merge_views(storage), mOp, mLp, split, (q_off, sq), head0, self.h, self.g,
+            self.d, tidx,
+        )  # fmt: skip
+
+    @cute.jit
+    def _load_query(self, mQ, sQ, gcopy, thr_g, q_off, sq, head0):
+        """The ROWS x D query tile: row r = (token r // H, head head0 + r % H) for r < G and
+        token < sq, cp.async in the first commit group; zeros elsewhere."""
+        tQsQ = thr_g.partition_D(sQ)
+        tQcQ = thr_g.partition_S(cute.make_identity_tensor((ROWS, self.d)))
+        for m in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
+            r = tQcQ[0, m, 0][0]
+            token = r // self.h
+            if r < self.g and token < sq:
+                row = mQ[q_off + token, head0 + r % self.h, None]
+                self._copy_row(gcopy, row, tQsQ[None, m, None], tQcQ[None, m, None])
+            else:
+                tQsQ[None, m, None].fill(0.0)
+
+    @cute.jit
+    def _copy_row(self, gcopy, row, dst, crd):
+        """cp.async of this thread's 16-byte chunks of one D-long gmem row into `dst`."""
+        ptr = cute.make_ptr(
+            row.element_type, row.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16
+        )
+        chunks = cute.tiled_divide(cute.make_tensor(ptr, cute.make_layout(self.d)), (CHUNK,))
+        for k in cutlass.range_constexpr(cute.size(dst, mode=[1])):
+            src = chunks[None, crd[0, k][1] // CHUNK]
+            cute.copy(gcopy, cute.make_tensor(src.iterator, dst[None, k].layout), dst[None, k])
+
+    @cute.jit
+    def _load_tile(self, kv, gcopy, thr_g, first, t1, stage):
+        """Keys first .. first + TILE - 1 (clamped to t1 - 1: finite, masked later) of K and V
+        into pipeline stage `stage`."""
+        mK, mV, sK, sV, mPT, b, kvh, page_size = kv
+        tKsK = thr_g.partition_D(sK[None, None, stage])
+        tVsV = thr_g.partition_D(sV[None, None, stage])
+        crd = thr_g.partition_S(cute.make_identity_tensor((MMA_TILE, self.d)))
+        for m in cutlass.range_constexpr(cute.size(tKsK, mode=[1])):
+            token = cutlass.min(first + crd[0, m, 0][0], t1 - 1)
+            page = token // page_size
+            slot = token - page * page_size
+            page_id = mPT[b, page]
+            self._copy_row(gcopy, mK[page_id, slot, kvh, None], tKsK[None, m, None],
+                           crd[None, m, None])  # fmt: skip
+            self._copy_row(gcopy, mV[page_id, slot, kvh, None], tVsV[None, m, None],
+                           crd[None, m, None])  # fmt: skip
+
+    @cute.jit
+    def _row_limits(self, coords, sq, sk, t1, causal):
+        """Per score row of this thread: the first key it may not see (t1, the split's end;
+        with query tokens, causal bottom-right: key <= sk - sq + token; rows past the CTA's
+        or past sq see none)."""
+        limits = cute.make_rmem_tensor(cute.size(coords, mode=[0]), Int32)
+        for r in cutlass.range_constexpr(cute.size(coords, mode=[0])):
+            row = coords[r, 0][0]
+            lim = t1
+            if const_expr(self.qt > 1):
+                token = row // self.h
+                lim = Int32(cutlass.select_(causal != 0, cutlass.min(t1, sk - sq + token + 1), t1))
+                lim = Int32(cutlass.select_(token < sq, lim, 0))
+            limits[r] = lim
+        return limits
+
+    @cute.jit
+    def _mask(self, s, coords, limits, first_key):
+        """-inf on the scores of keys at or past their row's limit."""
+        v = rows_cols(s)
+        for r in cutlass.range_constexpr(cute.size(v, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(v, mode=[1])):
+                if first_key + coords[r, c][1] >= limits[r]:
+                    v[r, c] = -Float32.inf
+
+    def _merge_views(self, storage):
+        """(max, sum, O) of every warp's rows in shared memory: m, lsum (WARPS, G) fp32 and O
+        (WARPS, G, D) fp32 over the K pipeline's buffer."""
+        sm = storage.m.get_tensor(cute.make_layout((WARPS, ROWS)))
+        sl = storage.lsum.get_tensor(cute.make_layout((WARPS, ROWS)))
+        o_ptr = cute.recast_ptr(storage.k.data_ptr(), dtype=Float32)
+        so = cute.make_tensor(o_ptr, cute.make_layout((WARPS, ROWS, self.d), stride=(
+            ROWS * self.d, self.d, 1)))  # fmt: skip
+        return sm, sl, so
+
+    @cute.jit
+    def _stage_warp(self, storage, o_wide, row_max, row_sum, scale_log2, thr_mma, warp_idx):
+        """This warp's rows < G: max (log2 units, -inf if no key), sum (over the quad) and the
+        unnormalized O into `_merge_views`."""
+        sm, sl, so = self._merge_views(storage)
+        crd = rows_cols(
+            _as_wide_acc(thr_mma.partition_C(cute.make_identity_tensor((ROWS, self.d))))
+        )
+        o = rows_cols(o_wide)
+        lane = cute.arch.lane_idx()
+        for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
+            total = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
+            row = crd[r, 0][0]
+            if row < self.g:
+                if lane % 4 == 0:
+                    m = row_max[r] * scale_log2
+                    if row_max[r] == -Float32.inf:
+                        m = -Float32.inf
+                    sm[warp_idx, row] = m
+                    sl[warp_idx, row] = total
+                for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+                    so[warp_idx, row, crd[r, c][1]] = o[r, c]
