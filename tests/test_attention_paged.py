@@ -37,9 +37,12 @@ def test_heads_per_cta(group, d, want):
 
 @pytest.mark.parametrize(("b", "blocks", "tokens"), [(1, 8, 16384), (64, 8, 4096), (3, 1, 17),
                                                      (1, 1, 1), (256, 32, 65536)])  # fmt: skip
-def test_split_plan_covers_every_token(b, blocks, tokens):
-    splits, per = split_plan(b, blocks, tokens, 132)
+@pytest.mark.parametrize("resident", [None, 1, 2, 3])
+def test_split_plan_covers_every_token(b, blocks, tokens, resident):
+    splits, per = split_plan(b, blocks, tokens, 132, resident)
     assert splits >= 1 and per >= 1 and splits * per >= tokens and (splits - 1) * per < tokens
+    if resident is not None and b * blocks <= 132 * resident:
+        assert b * blocks * splits <= 132 * resident  # one wave
 
 
 def _partial(q, k, v, pt, seq, op, lp, scale_log2, per, page_size, group, ks, vs, cu, causal,

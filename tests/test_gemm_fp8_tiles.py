@@ -1,6 +1,6 @@
-"""The FP8 GEMM's prefill tile candidates (issue 21) on the CPU: prebuilt for both outputs
-under distinct compile keys, never picked by the chooser yet, and the GPU script's shape and
-config lists (scripts/fp8_tiles.py, loaded from its file)."""
+"""The FP8 GEMM's prefill tile alternative (issue 21) on the CPU: prebuilt for both outputs
+under distinct compile keys, picked from M = LARGE_M_MCAST_A on, and the GPU script's shape
+and config lists (scripts/fp8_tiles.py, loaded from its file)."""
 
 from __future__ import annotations
 
@@ -16,14 +16,17 @@ from forgekernel.bench.suite import Case
 from forgekernel.bench.suites import gemm_fp8 as suite_module
 from forgekernel.kernels.gemm.fp8.sm90 import SPEC
 from forgekernel.kernels.gemm.fp8.sm90.config import (
+    LARGE,
+    LARGE_M_MCAST_A,
+    LARGE_MCAST_A,
     OUT_DTYPES,
-    PREFILL_CANDIDATES,
     STANDARD_CONFIGS,
     choose_config,
     params_for,
 )
 from forgekernel.reference.gemm import gemm_fp8_ref
 
+PREFILL_CANDIDATES = (LARGE_MCAST_A,)
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fp8_tiles.py"
 
 
@@ -55,12 +58,13 @@ def test_candidates_keep_the_fp8_tile_shape():
         assert not cfg.stream_k and not cfg.a_rows
 
 
-def test_chooser_does_not_pick_candidates_yet():
+def test_chooser_takes_the_a_multicast_from_large_m():
     rng = random.Random(21)
-    shapes = [(rng.randint(1, 20000), rng.randint(1, 60000), 128 * rng.randint(1, 200))
+    shapes = [(rng.randint(129, 20000), rng.randint(1, 60000), 128 * rng.randint(1, 200))
               for _ in range(300)]  # fmt: skip
     for m, n, k in shapes:
-        assert choose_config(m, n, k) not in PREFILL_CANDIDATES
+        want = LARGE_MCAST_A if m >= LARGE_M_MCAST_A else LARGE
+        assert choose_config(m, n, k) == want
 
 
 def test_script_shapes(script):
@@ -76,7 +80,7 @@ def test_script_configs(script, m, n, k):
     configs = script.configs_for(m, n, k)
     assert configs[0] == choose_config(m, n, k)
     assert len(configs) == len(set(configs))
-    assert set(PREFILL_CANDIDATES) | set(script.WIDE) <= set(configs)
+    assert {LARGE, *PREFILL_CANDIDATES, *script.WIDE} <= set(configs)
     assert all(cfg.fits(m) for cfg in configs)
 
 

@@ -21,6 +21,7 @@ QTOKENS = (1, 2, 4)  # query tokens per sequence (decode; speculative decoding /
 MMA_TILE = 64
 MMA_STAGES = {64: 4, 128: 3, 256: 3}
 MMA_ROWS = 16
+MMA_RESIDENT = {64: 3, 128: 2, 256: 1}  # CTAs per SM, by shared memory (66 / 100 / 201 KB)
 
 
 def heads_per_cta_mma(group: int, qtokens: int = 1) -> int:
@@ -61,13 +62,21 @@ def params_for(
     return tuple(sorted({**keys, **extra}.items()))
 
 
-def split_plan(batch: int, head_blocks: int, max_tokens: int, num_sms: int) -> tuple[int, int]:
-    """(splits, tokens per split): enough (batch, head block, split) CTAs for `CTAS_PER_SM` per
-    SM, none shorter than `MIN_TOKENS_PER_SPLIT` tokens (a split costs a partial output and
-    its share of the combine). `max_tokens`: an upper bound of the KV lengths (the page table
+def split_plan(
+    batch: int, head_blocks: int, max_tokens: int, num_sms: int, resident: int | None = None
+) -> tuple[int, int]:
+    """(splits, tokens per split), none shorter than `MIN_TOKENS_PER_SPLIT` tokens (a split
+    costs a partial output and its share of the combine). `resident` (CTAs of the partial
+    pass an SM holds at once): as many splits as fill one wave of num_sms x resident CTAs
+    without starting another (a second wave of a few CTAs left most SMs idle: 2.06 waves ran
+    at 0.77x FlashInfer, b4 x 32k, 2026-12-01); None: `CTAS_PER_SM` CTAs per SM or more
+    (the CUDA-core pass). `max_tokens`: an upper bound of the KV lengths (the page table
     width times the page size: no device read)."""
     units = max(1, batch * head_blocks)
-    want = -(-CTAS_PER_SM * num_sms // units)
+    if resident is None:
+        want = -(-CTAS_PER_SM * num_sms // units)
+    else:
+        want = num_sms * resident // units
     cap = max(1, -(-max_tokens // MIN_TOKENS_PER_SPLIT))
     splits = max(1, min(want, cap))
     per = -(-max(max_tokens, 1) // splits)

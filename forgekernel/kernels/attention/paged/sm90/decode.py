@@ -336,7 +336,8 @@ class PagedCombineSm90:
         for d in cutlass.range(tidx, self.d, THREADS):
             acc = Float32(0.0)
             if total > 0.0:
-                for s in cutlass.range(splits):
+                # unrolled: the splits' loads in flight together (a latency chain otherwise)
+                for s in cutlass.range(splits, unroll=4):
                     w = cute.math.exp2(mLp[s, b, head] - top, fastmath=True)
                     acc += w * mOp[s, b, head, d]
                 acc = acc / total

@@ -21,10 +21,13 @@ def _plan(dtype, kv_dtype, batch, hq, hkv, d, max_tokens, qtokens, device_index)
     if kv_dtype == torch.float8_e4m3fn:
         heads = config.heads_per_cta(hq // hkv, d, qtokens)
         partial = config.params_for("partial", name, d, heads, "float8_e4m3fn", qtokens=qtokens)
+        resident = None
     else:
         heads = config.heads_per_cta_mma(hq // hkv, qtokens)
         partial = config.params_for("mma", name, d, heads, qtokens=qtokens)
-    splits, per = config.split_plan(batch, hq // heads, max_tokens, num_sms(device_index))
+        resident = config.MMA_RESIDENT[d]
+    sms = num_sms(device_index)
+    splits, per = config.split_plan(batch, hq // heads, max_tokens, sms, resident)
     return partial, config.params_for("combine", name, d), heads, splits, per
 
 

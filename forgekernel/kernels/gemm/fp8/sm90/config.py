@@ -18,16 +18,15 @@ MID = GemmConfig(tile_m=64, tile_n=128, tile_k=128, cluster_m=2)
 SKINNY = GemmConfig(tile_m=64, tile_n=128, tile_k=128, cluster_m=1, cluster_n=2)
 A_ROWS = (8, 16, 32)
 DECODE = tuple(dataclasses.replace(SKINNY, a_rows=r) for r in A_ROWS)
-# Prefill alternatives to LARGE (issue 21: LARGE runs at 0.65-0.77x of DeepGEMM there), prebuilt
-# so that scripts/fp8_tiles.py times them on the GPU; choose_config picks neither until measured.
-# Both compile for sm_90a without spills, as LARGE does. A multicast over a 1x2 cluster instead
-# of B over 2x1; 64-column epilogue sub-tiles (half the epilogue's barriers), two of them deep so
-# that the ring keeps LARGE's six 32 KB A+B stages. Tiles wider than 128 columns wait for the
-# dense kernel to take them with FP8 (one block of B's scales per tile today).
+# A multicast over a 1x2 cluster instead of B over 2x1, for M >= 8192: measured on the H200
+# (scripts/fp8_tiles.py, 2026-12-01) 0.77 / 0.76x DeepGEMM at 16384x7168x18432 / 16384x5120x25600
+# against LARGE's 0.73 / 0.68x, 1% ahead at 8192^3, even at M = 2048-8192 otherwise.
+# Measured and dropped: 64-column epilogue sub-tiles two deep (never ahead by more than 1%).
+# Tiles wider than 128 columns wait for the dense kernel to take them with FP8 (one block of
+# B's scales per tile today): docs/gemm/NOTES.md.
 LARGE_MCAST_A = dataclasses.replace(LARGE, cluster_m=1, cluster_n=2)
-LARGE_EPI64 = dataclasses.replace(LARGE, epi_n=64, epi_stages=2)
-PREFILL_CANDIDATES = (LARGE_MCAST_A, LARGE_EPI64)
-STANDARD_CONFIGS = (LARGE, MID, SKINNY, *DECODE, *PREFILL_CANDIDATES)
+LARGE_M_MCAST_A = 8192
+STANDARD_CONFIGS = (LARGE, MID, SKINNY, *DECODE, LARGE_MCAST_A)
 
 
 def params_for(out_dtype: str, cfg: GemmConfig) -> tuple:
@@ -40,4 +39,4 @@ def choose_config(m: int, n: int, k: int) -> GemmConfig:
         return next((c for c in DECODE if m <= c.a_rows), SKINNY)
     if m <= 128:
         return MID
-    return LARGE
+    return LARGE_MCAST_A if m >= LARGE_M_MCAST_A else LARGE
