@@ -14,10 +14,10 @@ import torch
 from forgekernel.kernels.attention.paged.sm90 import launch as paged_launch
 from forgekernel.kernels.attention.paged.sm90.config import (
     HEADS,
-    MMA_TILE,
+    ROWS,
+    TILE,
     WARPS,
     heads_per_cta,
-    max_heads,
     split_plan,
 )
 from forgekernel.reference.paged_attention import paged_attention_ref
@@ -27,29 +27,33 @@ UNROLL = 4
 
 
 @pytest.mark.parametrize(
-    ("group", "d", "want"),
-    [(4, 128, 4), (8, 256, 8), (16, 256, 8), (16, 128, 16), (3, 128, 1), (6, 64, 2)],
+    ("group", "qtokens", "want"),
+    [(4, 1, 4), (8, 1, 8), (16, 1, 16), (16, 2, 8), (3, 1, 1), (6, 1, 2), (32, 1, 16), (8, 4, 4)],
 )
-def test_heads_per_cta(group, d, want):
-    h = heads_per_cta(group, d)
-    assert h == want and group % h == 0 and h in HEADS and h <= max_heads(d)
+def test_heads_per_cta(group, qtokens, want):
+    h = heads_per_cta(group, qtokens)
+    assert h == want and group % h == 0 and h in HEADS and h * qtokens <= ROWS
 
 
 @pytest.mark.parametrize(("b", "blocks", "tokens"), [(1, 8, 16384), (64, 8, 4096), (3, 1, 17),
                                                      (1, 1, 1), (256, 32, 65536)])  # fmt: skip
-@pytest.mark.parametrize("resident", [None, 1, 2, 3])
+@pytest.mark.parametrize("resident", [1, 2, 3])
 def test_split_plan_covers_every_token(b, blocks, tokens, resident):
     splits, per = split_plan(b, blocks, tokens, 132, resident)
     assert splits >= 1 and per >= 1 and splits * per >= tokens and (splits - 1) * per < tokens
-    if resident is not None and b * blocks <= 132 * resident:
-        assert b * blocks * splits <= 132 * resident  # one wave
+    if splits < -(-tokens // 256):
+        ctas, slots = b * blocks * splits, 132 * resident
+        assert ctas / slots / -(-ctas // slots) >= 0.9  # the last wave filled
 
 
 def _partial(q, k, v, pt, seq, op, lp, scale_log2, per, page_size, group, ks, vs, cu, causal,
              heads, qtokens=1):  # fmt: skip
-    """The partial kernel's algorithm, token by token (decode.py): rows are (query token,
-    head) pairs, token i seeing keys <= sk - sq + i when causal."""
+    """The partial kernel's algorithm (decode.py): the split's keys in tiles of TILE, warp w
+    taking keys 16w .. 16w + 15 of every tile with its own online softmax (a tile's 16 scores
+    at once, scaled inside the exponent, an FP8 cache's K scale with it), the warps merged at
+    the end (V's scale on O first)."""
     _, hq, d = q.shape
+    keys = TILE // WARPS
     for b in range(seq.shape[0]):
         q_off, sq = (b, 1) if cu is None else (int(cu[b]), int(cu[b + 1] - cu[b]))
         sk = int(seq[b])
@@ -58,62 +62,7 @@ def _partial(q, k, v, pt, seq, op, lp, scale_log2, per, page_size, group, ks, vs
             kvh = h0 // group
             rows = [(i, h) for i in range(qtokens) for h in range(heads)]
             qs = torch.stack([q[q_off + min(i, sq - 1), h0 + h] for i, h in rows]).double()
-            qs = qs * scale_log2 * (1.0 if ks is None else float(ks[kvh]))
-            limit = torch.tensor(
-                [(sk - sq + i if causal else sk - 1) if i < sq else -1 for i, _ in rows]
-            )
-            n = len(rows)
-            for s in range(op.shape[0]):
-                t0 = s * per
-                t1 = min(t0 + per, sk)
-                share = -(-max(t1 - t0, 0) // WARPS)
-                ms, ls, os_ = [], [], []
-                for w in range(WARPS):
-                    m = torch.full((n,), -math.inf, dtype=torch.float64)
-                    lsum = torch.zeros(n, dtype=torch.float64)
-                    o = torch.zeros(n, d, dtype=torch.float64)
-                    for t in range(t0 + w * share, min(t0 + (w + 1) * share, t1)):
-                        page, slot = int(pt[b, t // page_size]), t % page_size
-                        kt, vt = k[page, slot, kvh].double(), v[page, slot, kvh].double()
-                        sc = qs @ kt
-                        live = t <= limit
-                        m_new = torch.where(live, torch.maximum(m, sc), m)
-                        corr = torch.where(live, torch.exp2(m - m_new), 1.0)
-                        p = torch.where(live, torch.exp2(sc - m_new), 0.0)
-                        lsum = lsum * corr + p
-                        o = o * corr[:, None] + p[:, None] * vt
-                        m = m_new
-                    if vs is not None:
-                        o = o * float(vs[kvh])
-                    ms.append(m), ls.append(lsum), os_.append(o)
-                top = torch.stack(ms).max(0).values
-                c = torch.where(top > -math.inf, torch.exp2(torch.stack(ms) - top), 0.0)
-                total = (torch.stack(ls) * c).sum(0)
-                acc = (torch.stack(os_) * c[..., None]).sum(0)
-                ok = total > 0
-                for r, (i, h) in enumerate(rows):
-                    if i < sq:
-                        op[s, q_off + i, h0 + h] = acc[r] / total[r] if ok[r] else 0.0
-                        lp[s, q_off + i, h0 + h] = top[r] + torch.log2(total[r]) if ok[r] else (
-                            -math.inf
-                        )  # fmt: skip
-
-
-def _partial_mma(q, k, v, pt, seq, op, lp, scale_log2, per, page_size, group, cu, causal,
-                 heads, qtokens=1):  # fmt: skip
-    """The tensor-core partial kernel's algorithm (decode_mma.py): the split's keys in tiles of
-    MMA_TILE, warp w taking keys 16w .. 16w + 15 of every tile with its own online softmax
-    (a tile's 16 scores at once, scaled inside the exponent), the warps merged at the end."""
-    _, hq, d = q.shape
-    keys = MMA_TILE // WARPS
-    for b in range(seq.shape[0]):
-        q_off, sq = (b, 1) if cu is None else (int(cu[b]), int(cu[b + 1] - cu[b]))
-        sk = int(seq[b])
-        for hb in range(hq // heads):
-            h0 = hb * heads
-            kvh = h0 // group
-            rows = [(i, h) for i in range(qtokens) for h in range(heads)]
-            qs = torch.stack([q[q_off + min(i, sq - 1), h0 + h] for i, h in rows]).double()
+            exp_scale = scale_log2 * (1.0 if ks is None else float(ks[kvh]))
             for s in range(op.shape[0]):
                 t0 = s * per
                 t1 = min(t0 + per, sk)
@@ -125,7 +74,7 @@ def _partial_mma(q, k, v, pt, seq, op, lp, scale_log2, per, page_size, group, cu
                     m = torch.full((len(rows),), -math.inf, dtype=torch.float64)
                     lsum = torch.zeros(len(rows), dtype=torch.float64)
                     o = torch.zeros(len(rows), d, dtype=torch.float64)
-                    for first in range(t0 + w * keys, max(t1, t0), MMA_TILE):
+                    for first in range(t0 + w * keys, max(t1, t0), TILE):
                         ts = [min(t, t1 - 1) for t in range(first, first + keys)]
                         pages = [int(pt[b, t // page_size]) for t in ts]
                         kt = torch.stack([k[pg, t % page_size, kvh] for pg, t in zip(pages, ts)])
@@ -134,13 +83,15 @@ def _partial_mma(q, k, v, pt, seq, op, lp, scale_log2, per, page_size, group, cu
                         key = torch.arange(first, first + keys)
                         sc = torch.where(key[None, :] < limit[:, None], sc, -math.inf)
                         m_new = torch.maximum(m, sc.max(1).values)
-                        base = torch.where(m_new > -math.inf, m_new * scale_log2, 0.0)
-                        corr = torch.exp2(m * scale_log2 - base)
-                        p = torch.exp2(sc * scale_log2 - base[:, None])
+                        base = torch.where(m_new > -math.inf, m_new * exp_scale, 0.0)
+                        corr = torch.exp2(m * exp_scale - base)
+                        p = torch.exp2(sc * exp_scale - base[:, None])
                         lsum = lsum * corr + p.sum(1)
                         o = o * corr[:, None] + p.to(q.dtype).double() @ vt.double()
                         m = m_new
-                    ms.append(torch.where(m > -math.inf, m * scale_log2, -math.inf))
+                    if vs is not None:
+                        o = o * float(vs[kvh])
+                    ms.append(torch.where(m > -math.inf, m * exp_scale, -math.inf))
                     ls.append(lsum), os_.append(o)
                 top = torch.stack(ms).max(0).values
                 c = torch.where(top > -math.inf, torch.exp2(torch.stack(ms) - top), 0.0)
@@ -175,8 +126,7 @@ def cpu_kernels(monkeypatch):
 
         def partial(*args):
             calls.append((p, args[7:11]))
-            replay = _partial_mma if p["kind"] == "mma" else _partial
-            replay(*args, heads=p["heads"], qtokens=p.get("qtokens", 1))
+            _partial(*args, heads=p["heads"], qtokens=p.get("qtokens", 1))
 
         return partial
 

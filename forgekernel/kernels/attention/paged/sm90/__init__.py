@@ -1,6 +1,6 @@
 """Paged GQA attention decode, sm_90a (split-KV partial pass + combine). DSL-free declaration;
-the kernels are `decode_mma.py` (16-bit caches, tensor cores), `decode.py` (FP8 caches, CUDA
-cores; the combine pass); the op is `forgekernel.attention_paged`."""
+the kernels are `decode.py` (the partial pass, tensor cores) and `combine.py`; the op is
+`forgekernel.attention_paged`."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from forgekernel.kernels.attention.paged.sm90.config import (
     DTYPES,
     HEAD_DIMS,
     HEADS,
-    MMA_ROWS,
+    KV_DTYPES,
     QTOKENS,
-    max_heads,
+    ROWS,
     params_for,
 )
 from forgekernel.runtime.spec import KernelSpec, Params
@@ -25,24 +25,17 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    mma = [
-        params_for("mma", dtype, d, h, qtokens=qt)
+    partial = [
+        params_for("partial", dtype, d, h, kv, qt)
         for dtype in DTYPES
         for d in HEAD_DIMS
         for qt in QTOKENS
         for h in HEADS
-        if h * qt <= MMA_ROWS
-    ]
-    fp8 = [
-        params_for("partial", dtype, d, h, "float8_e4m3fn", qtokens=qt)
-        for dtype in DTYPES
-        for d in HEAD_DIMS
-        for qt in QTOKENS
-        for h in HEADS
-        if h <= max_heads(d, qt)
+        if h * qt <= ROWS
+        for kv in KV_DTYPES
     ]
     combine = [params_for("combine", dtype, d) for dtype in DTYPES for d in HEAD_DIMS]
-    return mma + fp8 + combine
+    return partial + combine
 
 
 SPEC = KernelSpec(
@@ -52,7 +45,7 @@ SPEC = KernelSpec(
     compile=_compile,
     standard_params=_standard_params,
     mma=False,
-    representative=lambda: params_for("mma", "bfloat16", 128, 4),
+    representative=lambda: params_for("partial", "bfloat16", 128, 4),
 )
 
 __all__ = ["SPEC", "params_for"]

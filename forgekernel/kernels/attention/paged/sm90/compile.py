@@ -8,8 +8,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_tensor
 
-from forgekernel.kernels.attention.paged.sm90.decode import PagedCombineSm90, PagedDecodeSm90
-from forgekernel.kernels.attention.paged.sm90.decode_mma import PagedDecodeMmaSm90
+from forgekernel.kernels.attention.paged.sm90.combine import PagedCombineSm90
+from forgekernel.kernels.attention.paged.sm90.decode import PagedDecodeSm90
 from forgekernel.kernels.common.sm90 import fake
 
 
@@ -46,12 +46,8 @@ def compile_paged(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     k = fake.rowmajor(kv_dtype, (pages, page_size, hkv, d), divisibility=16)
     v = fake.rowmajor(kv_dtype, (pages, page_size, hkv, d), divisibility=16)
     scales = (_dense(cutlass.Float32, 1), _dense(cutlass.Float32, 1)) if fp8 else (None, None)
-    if params["kind"] == "mma":
-        kernel, scales = PagedDecodeMmaSm90(d, params["heads"], qtokens), ()
-    else:
-        kernel = PagedDecodeSm90(d, params["heads"], qtokens)
     return cute.compile(
-        kernel,
+        PagedDecodeSm90(d, params["heads"], qtokens, fp8),
         q,
         k,
         v,

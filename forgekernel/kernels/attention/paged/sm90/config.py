@@ -5,39 +5,25 @@ from __future__ import annotations
 DTYPES = ("float16", "bfloat16")
 HEAD_DIMS = (64, 128, 256)
 HEADS = (1, 2, 4, 8, 16)  # query heads per CTA (a divisor of the group Hq / Hkv)
+QTOKENS = (1, 2, 4)  # query tokens per sequence (decode; speculative decoding / MTP)
+KV_DTYPES = ("", "float8_e4m3fn")  # "": the cache has q's dtype
 THREADS = 128
 WARPS = THREADS // 32
-# CTAs the split plan aims for: a few per SM, so that enough loads are in flight to stream the
-# cache (one CTA keeps 4 warps x UNROLL tokens of K and V in flight).
-CTAS_PER_SM = 4
 MIN_TOKENS_PER_SPLIT = 256
+WAVE_FILL = 0.9  # how full the split plan's last wave of CTAs must be
+# The partial pass (decode.py): keys per pipeline stage (16 per warp), the MMA's rows (query
+# (token, head) pairs), stages per head dim and CTAs an SM holds, by shared memory (16-bit
+# K and V tiles of 16 / 32 / 64 KB a stage: 66 / 100 / 201 KB; FP8 less).
+TILE = 64
+ROWS = 16
+STAGES = {64: 4, 128: 3, 256: 3}
+RESIDENT = {64: 3, 128: 2, 256: 1}
 
 
-QTOKENS = (1, 2, 4)  # query tokens per sequence (decode; speculative decoding / MTP)
-
-# The tensor-core partial pass (decode_mma.py, 16-bit caches): keys per pipeline stage (16 per
-# warp) and stages per head dim (K and V tiles of MMA_TILE x D, 16-bit: 16 / 32 / 64 KB a
-# stage; two CTAs per SM at D <= 128).
-MMA_TILE = 64
-MMA_STAGES = {64: 4, 128: 3, 256: 3}
-MMA_ROWS = 16
-MMA_RESIDENT = {64: 3, 128: 2, 256: 1}  # CTAs per SM, by shared memory (66 / 100 / 201 KB)
-
-
-def heads_per_cta_mma(group: int, qtokens: int = 1) -> int:
-    """The largest compiled heads-per-CTA that divides the group with heads x tokens <= 16
-    (the MMA's rows): one CTA per KV head up to a group of 16 / tokens."""
-    return max(h for h in HEADS if group % h == 0 and h * qtokens <= MMA_ROWS)
-
-
-def max_heads(head_dim: int, qtokens: int = 1) -> int:
-    """The most query heads one CTA holds in registers (heads x tokens x D <= 2048)."""
-    return min(16, 2048 // (head_dim * qtokens))
-
-
-def heads_per_cta(group: int, head_dim: int, qtokens: int = 1) -> int:
-    """The largest compiled heads-per-CTA that divides the group and fits the registers."""
-    return max(h for h in HEADS if group % h == 0 and h <= max_heads(head_dim, qtokens))
+def heads_per_cta(group: int, qtokens: int = 1) -> int:
+    """The largest compiled heads-per-CTA that divides the group with heads x tokens <= ROWS:
+    one CTA per KV head up to a group of 16 / tokens."""
+    return max(h for h in HEADS if group % h == 0 and h * qtokens <= ROWS)
 
 
 def params_for(
@@ -48,10 +34,10 @@ def params_for(
     kv: str = "",
     qtokens: int = 1,
 ) -> tuple:
-    """Compile key: kind "mma" (the tensor-core partial pass of a 16-bit cache), "partial"
-    (the CUDA-core partial pass; `kv` "float8_e4m3fn" for an FP8 cache) - both one split's
-    attention of `heads` query heads, fp32 out, `qtokens` > 1 the speculative form with
-    cu_seqlens_q - or "combine" (the splits merged into the output; no heads)."""
+    """Compile key: kind "partial" (one split's attention of `heads` query heads, fp32 out;
+    `kv` "float8_e4m3fn" for an FP8 cache, else the cache has q's dtype; `qtokens` > 1 the
+    speculative form, cu_seqlens_q) or "combine" (the splits merged into the output; no
+    heads)."""
     if kind == "combine":
         return tuple(sorted({"kind": kind, "dtype": dtype, "head_dim": head_dim}.items()))
     keys = {"kind": kind, "dtype": dtype, "head_dim": head_dim, "heads": heads}
@@ -63,21 +49,22 @@ def params_for(
 
 
 def split_plan(
-    batch: int, head_blocks: int, max_tokens: int, num_sms: int, resident: int | None = None
+    batch: int, head_blocks: int, max_tokens: int, num_sms: int, resident: int
 ) -> tuple[int, int]:
     """(splits, tokens per split), none shorter than `MIN_TOKENS_PER_SPLIT` tokens (a split
-    costs a partial output and its share of the combine). `resident` (CTAs of the partial
-    pass an SM holds at once): as many splits as fill one wave of num_sms x resident CTAs
-    without starting another (a second wave of a few CTAs left most SMs idle: 2.06 waves ran
-    at 0.77x FlashInfer, b4 x 32k, 2026-12-01); None: `CTAS_PER_SM` CTAs per SM or more
-    (the CUDA-core pass). `max_tokens`: an upper bound of the KV lengths (the page table
-    width times the page size: no device read)."""
+    costs a partial output and its share of the combine): the fewest splits whose CTAs fill
+    their last wave of num_sms x `resident` (CTAs per SM) to WAVE_FILL, else the best filled
+    (a last wave of a few CTAs leaves most SMs idle: 2.06 waves ran at 0.77x FlashInfer at
+    b4 x 32k, 1.29 waves at 0.76x at b32 x 16 heads, D 64, 2026-12-01). `max_tokens`: an upper
+    bound of the KV lengths (the page table width times the page size: no device read)."""
     units = max(1, batch * head_blocks)
-    if resident is None:
-        want = -(-CTAS_PER_SM * num_sms // units)
-    else:
-        want = num_sms * resident // units
     cap = max(1, -(-max_tokens // MIN_TOKENS_PER_SPLIT))
-    splits = max(1, min(want, cap))
+    slots = num_sms * resident
+
+    def fill(s: int) -> float:
+        return units * s / slots / -(-units * s // slots)
+
+    splits = next((s for s in range(1, cap + 1) if fill(s) >= WAVE_FILL), None)
+    splits = splits or max(range(1, cap + 1), key=fill)
     per = -(-max(max_tokens, 1) // splits)
     return -(-max(max_tokens, 1) // per), per

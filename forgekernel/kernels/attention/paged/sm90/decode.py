@@ -1,32 +1,25 @@
-"""Paged GQA attention decode (sm_90a), split-KV: one query token per sequence against a KV
-cache in pages; H query heads of one KV head (H = `heads`, compiled; it divides the group
-Hq / Hkv, a run-time value: any GQA ratio) read against one stream of its keys.
+"""Paged GQA attention decode on tensor cores (sm_90a, mma.sync m16n8k16): the partial pass of
+the split-KV plan (combine.py has the plan's bookkeeping, the speculative rows and the combine
+pass), 16-bit or FP8 (e4m3) caches.
 
-Partial pass, grid (splits, Hq / H, B), 128 threads: split s of sequence b covers tokens
-[s * per_split, min((s + 1) * per_split, seqlen)); its 4 warps take contiguous quarters. A warp
-walks its tokens UNROLL at a time: each lane loads its D / 32 elements of every token's K and
-V row (page page_table[b, t // page_size], slot t % page_size; 8 bytes per lane at D = 128, a
-256-byte row per warp), dots them with the H query rows held in registers (pre-scaled
-by softmax_scale * log2 e), sums across the warp and keeps an online softmax (running max,
-sum, O of its D / 32 columns per head). The 4 warps are merged through shared memory and the
-split writes O normalized (fp32) and its LSE in log2 units, -inf where it saw no key.
+A CTA takes the H query heads of one KV head (H x Q (token, head) rows, Q query tokens, padded
+with zero rows to the MMA's 16) and one split of one sequence's keys. The keys stream through
+shared memory in tiles of TILE tokens, STAGES deep: every thread issues cp.async copies of 16
+bytes for its rows of the tile (page page_table[b, t // page_size], slot t % page_size, the
+token clamped into the split so that masked columns hold finite values), one commit group per
+tile, one CTA barrier per tile. Warp w takes keys 16w .. 16w + 15 of every tile with its own
+online softmax: S = Q K_w^T (16 x 16, D / 16 MMAs of K = 16, Q and K by ldmatrix from the
+swizzled tiles), scaled inside the exponent (the toolkit's base-2 online softmax), P to
+16-bit registers as the A operand of O += P V_w (V by transposed ldmatrix; one K = 16 step,
+D / 8 MMAs). The warps' (max, sum, O) meet in shared memory at the end (`combine.write_split`).
 
-Speculative decoding / MTP (`qtokens` = Q > 1, compiled): sequence b brings
-sq = cu_seqlens_q[b + 1] - cu_seqlens_q[b] <= Q query tokens (q packed (total_q, Hq, D)); a
-CTA's rows are the Q x H (query token, head) pairs, token i seeing keys j <= sk - sq + i when
-causal (bottom-right), all keys otherwise; rows past sq are neither computed into nor stored.
-Partial outputs are per query row: (splits, total_q, Hq, D).
+FP8 caches: the tiles stream in as bytes and, after the barrier, every thread widens its share
+into one 16-bit K and V tile (exact: e4m3 values are bf16 / fp16 values; a second barrier);
+the per-KV-head K scale (per-tensor scales come as (Hkv,) tensors) rides in the exponent's
+scale, V's multiplies O at the end, so dequantization costs nothing per element.
 
-Combine pass, grid (Hq, rows), 128 threads: O = sum_s 2^(lse_s - lse) O_s, lse = log2 sum_s
-2^lse_s; O 0 and LSE -inf where no split saw a key; LSE returned natural (x ln 2).
-
-FP8 (e4m3) caches: K and V rows are widened to fp32 as loaded; a per-KV-head scale of K
-(per-tensor scales come as (Hkv,) tensors) is folded into the query rows and V's into the
-output, so dequantization costs nothing per element.
-
-Math on CUDA cores (no MMA): memory-bound at the group sizes of GQA decode (H <= 8: 2 x 128
-x H FMAs per 512 bytes of K and V at D = 128). The query rows and O stay in registers:
-H x D / 32 <= 64 (D = 256 takes H <= 8; at H = 16, D = 256 the compiler spilled 1.6 KB)."""
+Memory-bound: the MMAs are a few per 512 bytes of K and V; what matters is bytes in flight
+(STAGES - 1 tiles per CTA, 2 CTAs per SM at D = 128: `config.RESIDENT`)."""
 
 from __future__ import annotations
 
@@ -34,30 +27,71 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warp
 
-from forgekernel.kernels.attention.paged.sm90.config import THREADS, WARPS
-from forgekernel.kernels.common.sm90.constants import LN2
+from forgekernel.kernels.attention.paged.sm90.combine import write_split
+from forgekernel.kernels.attention.paged.sm90.config import ROWS, STAGES, THREADS, TILE, WARPS
+from forgekernel.kernels.common.sm90.layout import acc_to_operand_a, rows_cols, transposed
+from forgekernel.kernels.common.sm90.softmax import online_softmax, rescale_o
 
-UNROLL = 4  # tokens whose K and V rows a warp loads before it computes on any of them
+KEYS = TILE // WARPS  # keys per warp per tile: one K = 16 step of P V
+WIDEN = 8  # FP8 elements widened per step: one 16-byte chunk of the 16-bit tile
+
+
+def _as_wide_acc(acc: cute.Tensor) -> cute.Tensor:
+    """An mma.sync accumulator ((2, 2), M, N) seen as a WGMMA-shaped one ((2, 2, N), M, 1), so
+    that the toolkit's (rows, cols) view, online softmax and A-operand conversion apply: the
+    N atoms of 8 columns become the V pairs of columns 8 apart."""
+    lay = acc.layout
+    shape, stride = lay.shape, lay.stride
+    wide = cute.make_layout(
+        ((shape[0][0], shape[0][1], shape[2]), shape[1], 1),
+        stride=((stride[0][0], stride[0][1], stride[2]), stride[1], 0),
+    )
+    return cute.make_tensor(acc.iterator, wide)
 
 
 class PagedDecodeSm90:
-    """The partial pass; see the module docstring."""
+    """The partial pass on tensor cores; see the module docstring."""
 
-    def __init__(self, head_dim: int, heads: int, qtokens: int = 1):
+    def __init__(self, head_dim: int, heads: int, qtokens: int = 1, fp8: bool = False):
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim must be 64, 128 or 256, got {head_dim}")
-        if qtokens not in (1, 2, 4):
-            raise ValueError(f"query tokens per sequence must be 1, 2 or 4, got {qtokens}")
-        if heads not in (1, 2, 4, 8, 16) or heads * qtokens * head_dim > 64 * 32:
-            raise ValueError(
-                f"heads x query tokens x D must be <= 2048, got {heads} x {qtokens} x {head_dim}"
-            )
+        if heads * qtokens > ROWS:
+            raise ValueError(f"heads x query tokens must be <= {ROWS}, got {heads} x {qtokens}")
         self.d = head_dim
         self.h = heads
         self.qt = qtokens
-        self.g = heads * qtokens  # query rows per CTA: (token, head) pairs
-        self.e = head_dim // 32  # elements of a row per lane
+        self.g = heads * qtokens
+        self.stages = STAGES[head_dim]
+        self.fp8 = fp8
+
+    def _tiled_g2s(self, dtype):
+        """cp.async of 16 bytes per thread and copy, a row of D elements over at most a warp."""
+        chunk = 128 // dtype.width
+        tpr = min(self.d // chunk, 32)
+        atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
+            num_bits_per_copy=128,
+        )  # fmt: skip
+        return cute.make_tiled_copy_tv(
+            atom,
+            cute.make_ordered_layout((THREADS // tpr, tpr), order=(1, 0)),
+            cute.make_layout((1, chunk)),
+        )
+
+    def _fp8_layout(self):
+        """(TILE, D, stages) bytes of an FP8 cache's tiles, rows contiguous (only widened)."""
+        return cute.make_layout((TILE, self.d, self.stages), stride=(self.d, 1, TILE * self.d))
+
+    def _smem_layout(self, rows: int, stages: int | None = None):
+        """(rows, D[, stages]) 16-bit, rows of D contiguous, 16-byte chunks XOR-swizzled by
+        the row (mod 8): conflict-free ldmatrix and cp.async."""
+        d_bits = self.d.bit_length() - 1
+        rows8 = cute.make_layout((8, self.d), stride=(self.d, 1))
+        atom = cute.make_composed_layout(cute.make_swizzle(3, 3, d_bits - 3), 0, rows8)
+        shape = (rows, self.d) if stages is None else (rows, self.d, stages)
+        return cute.tile_to_shape(atom, shape, (0, 1) if stages is None else (0, 1, 2))
 
     @cute.jit
     def __call__(
@@ -79,48 +113,45 @@ class PagedDecodeSm90:
         causal: Int32,
         stream: cuda.CUstream,
     ):
-        """mQ (B, Hq, D); mK, mV (num_pages, page_size, Hkv, D); mPT int32 (B, max_pages);
-        mSeq int32 (B,); mOp fp32 (splits, B, Hq, D); mLp fp32 (splits, B, Hq), log2 units;
-        group = Hq / Hkv, a multiple of the compiled heads per CTA; mKScale, mVScale fp32
-        (Hkv,) dequantization scales of an FP8 cache, else None; mCuQ int32 (B + 1,) with
-        mQ (total_q, Hq, D) and mOp / mLp per query row when qtokens > 1, else None (mQ
-        (B, Hq, D)); causal 0 / 1 (query tokens among themselves, bottom-right)."""
+        """mQ (B, Hq, D) or, with mCuQ int32 (B + 1,), (total_q, Hq, D); mK, mV (num_pages,
+        page_size, Hkv, D) in q's dtype, or float8_e4m3fn with mKScale, mVScale fp32 (Hkv,)
+        (else None); mPT int32 (B, max_pages); mSeq int32 (B,); mOp fp32 (splits, rows, Hq,
+        D); mLp fp32 (splits, rows, Hq) log2; group = Hq / Hkv; causal 0 / 1 (query tokens
+        among themselves, bottom-right)."""
         if const_expr(mK.element_type != mV.element_type):
             raise TypeError("k_cache and v_cache must share one dtype")
-        if const_expr(mK.element_type != mQ.element_type and mK.element_type.width != 8):
+        if const_expr(self.fp8 != (mK.element_type == cutlass.Float8E4M3FN)):
+            raise TypeError("the kernel was built for the other cache dtype")
+        if const_expr(not self.fp8 and mK.element_type != mQ.element_type):
             raise TypeError("a 16-bit cache must have q's dtype")
-
+        if const_expr(self.fp8 and (mKScale is None or mVScale is None)):
+            raise TypeError("an FP8 cache comes with k and v scales")
         if const_expr((mCuQ is None) != (self.qt == 1)):
             raise ValueError("cu_seqlens_q comes with qtokens > 1, and only then")
+        dtype, cache = mQ.element_type, mK.element_type
+        q_layout = self._smem_layout(ROWS)
+        kv_cosize = cute.cosize(self._smem_layout(TILE, self.stages))
+        # FP8: the tiles stream in as bytes and are widened into one 16-bit K and V tile
+        wide_cosize = cute.cosize(self._smem_layout(TILE, 2)) if const_expr(self.fp8) else 1
 
         @cute.struct
         class Shared:
-            m: cute.struct.MemRange[Float32, WARPS * self.g]
-            lsum: cute.struct.MemRange[Float32, WARPS * self.g]
-            o: cute.struct.MemRange[Float32, WARPS * self.g * self.d]
+            k: cute.struct.Align[cute.struct.MemRange[cache, kv_cosize], 1024]
+            v: cute.struct.Align[cute.struct.MemRange[cache, kv_cosize], 1024]
+            wide: cute.struct.Align[cute.struct.MemRange[dtype, wide_cosize], 1024]
+            q: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(q_layout)], 1024]
+            m: cute.struct.MemRange[Float32, WARPS * ROWS]
+            lsum: cute.struct.MemRange[Float32, WARPS * ROWS]
 
         self.shared = Shared
         self.kernel(
-            mQ,
-            mK,
-            mV,
-            mPT,
-            mSeq,
-            mOp,
-            mLp,
-            scale_log2,
-            per_split,
-            page_size,
-            group,
-            mKScale,
-            mVScale,
-            mCuQ,
-            causal,
+            mQ, mK, mV, mPT, mSeq, mOp, mLp, scale_log2, per_split, page_size, group, mKScale,
+            mVScale, mCuQ, causal,
         ).launch(
             grid=(mOp.shape[0], mQ.shape[1] // self.h, mSeq.shape[0]),
             block=[THREADS, 1, 1],
             stream=stream,
-        )
+        )  # fmt: skip
 
     @cute.kernel
     def kernel(
@@ -150,200 +181,232 @@ class PagedDecodeSm90:
             q_off = mCuQ[b]
             sq = mCuQ[b + 1] - q_off
         lane = tidx % 32
-        warp = cute.arch.make_warp_uniform(tidx // 32)
-        G, E = self.g, self.e
+        warp_idx = cute.arch.make_warp_uniform(tidx // 32)
+        dtype = mQ.element_type
 
         sk = mSeq[b]
         t0 = split * per_split
         t1 = cutlass.min(t0 + per_split, sk)
-        share = cute.ceil_div(cutlass.max(t1 - t0, 0), WARPS)
-        w0 = t0 + warp * share
-        w1 = cutlass.min(w0 + share, t1)
+        tiles = cute.ceil_div(cutlass.max(t1 - t0, 0), TILE)
 
-        q_scale = scale_log2
-        if const_expr(mKScale is not None):
-            q_scale = scale_log2 * mKScale[kvh]
-        q = self._load_query(mQ, q_off, sq, head0, lane, q_scale)
-        m = cute.make_rmem_tensor(G, Float32)
-        lsum = cute.make_rmem_tensor(G, Float32)
-        o = cute.make_rmem_tensor((E, G), Float32)
-        m.fill(-Float32.inf)
-        lsum.fill(0.0)
-        o.fill(0.0)
-        kr = cute.make_rmem_tensor((E, UNROLL), mK.element_type)
-        vr = cute.make_rmem_tensor((E, UNROLL), mV.element_type)
-        kf = cute.make_rmem_tensor(E, Float32)
-        vf = cute.make_rmem_tensor(E, Float32)
-        t = w0
-        while t < w1:
-            for u in cutlass.range_constexpr(UNROLL):
-                tu = cutlass.min(t + u, w1 - 1)
-                page = mPT[b, tu // page_size]
-                slot = tu % page_size
-                cute.autovec_copy(
-                    cute.local_tile(mK[page, slot, kvh, None], (E,), (lane,)), kr[None, u]
-                )
-                cute.autovec_copy(
-                    cute.local_tile(mV[page, slot, kvh, None], (E,), (lane,)), vr[None, u]
-                )
-            for u in cutlass.range_constexpr(UNROLL):
-                if t + u < w1:
-                    kf.store(kr[None, u].load().to(Float32))
-                    vf.store(vr[None, u].load().to(Float32))
-                    for g in cutlass.range_constexpr(G):
-                        s = Float32(0.0)
-                        for e in cutlass.range_constexpr(E):
-                            s += q[e, g] * kf[e]
-                        s = cute.arch.warp_reduction_sum(s)
-                        if const_expr(self.qt > 1):
-                            # row (token i, head) sees keys <= sk - sq + i when causal, none
-                            # past sq
-                            i = g // self.h
-                            limit = Int32(cutlass.select_(causal != 0, sk - sq + i, sk - 1))
-                            limit = Int32(cutlass.select_(i < sq, limit, -1))
-                            if t + u <= limit:
-                                self._online_softmax(g, s, m, lsum, o, vf)
-                        else:
-                            self._online_softmax(g, s, m, lsum, o, vf)
-            t += UNROLL
-        if const_expr(mVScale is not None):
-            v_scale = mVScale[kvh]
-            for i in cutlass.range_constexpr(E * G):
-                o[i] = o[i] * v_scale
-        self._merge_warps(m, lsum, o, mOp, mLp, split, (q_off, sq), head0, tidx, lane, warp)
-
-    @cute.jit
-    def _online_softmax(self, g, s, m, lsum, o, vf):
-        """Row g takes a key of score s (log2 units) and value row vf."""
-        m_new = cute.arch.fmax(m[g], s)
-        corr = cute.math.exp2(m[g] - m_new, fastmath=True)
-        p = cute.math.exp2(s - m_new, fastmath=True)
-        lsum[g] = lsum[g] * corr + p
-        for e in cutlass.range_constexpr(self.e):
-            o[e, g] = o[e, g] * corr + p * vf[e]
-        m[g] = m_new
-
-    @cute.jit
-    def _load_query(self, mQ, q_off, sq, head0, lane, scale_log2):
-        """The CTA's query rows (token i < Q, head head0 + h; tokens past sq read token
-        sq - 1, never used), this lane's D / 32 columns, fp32, times scale * log2 e."""
-        G, E = self.g, self.e
-        q = cute.make_rmem_tensor((E, G), Float32)
-        raw = cute.make_rmem_tensor(E, mQ.element_type)
-        f = cute.make_rmem_tensor(E, Float32)
-        for g in cutlass.range_constexpr(G):
-            # clamped into q: a sequence with no query tokens (sq = 0) still reads a row
-            token = q_off + cutlass.max(cutlass.min(Int32(g // self.h), sq - 1), 0)
-            token = cutlass.min(token, mQ.shape[0] - 1)
-            row = mQ[token, head0 + g % self.h, None]
-            cute.autovec_copy(cute.local_tile(row, (E,), (lane,)), raw)
-            f.store(raw.load().to(Float32))
-            for e in cutlass.range_constexpr(E):
-                q[e, g] = f[e] * scale_log2
-        return q
-
-    @cute.jit
-    def _merge_warps(self, m, lsum, o, mOp, mLp, split, rows, head0, tidx, lane, warp):
-        """The 4 warps' (max, sum, O) through shared memory into this split's normalized O and
-        log2 LSE (`write_split`)."""
-        G, E, D = self.g, self.e, self.d
         storage = cutlass.utils.SmemAllocator().allocate(self.shared)
-        sm = storage.m.get_tensor(cute.make_layout((WARPS, G)))
-        sl = storage.lsum.get_tensor(cute.make_layout((WARPS, G)))
-        so = storage.o.get_tensor(cute.make_layout((WARPS, G, D)))
-        for g in cutlass.range_constexpr(G):
-            if lane == 0:
-                sm[warp, g] = m[g]
-                sl[warp, g] = lsum[g]
-            for e in cutlass.range_constexpr(E):
-                so[warp, g, lane * E + e] = o[e, g]
+        kv_layout = self._smem_layout(TILE, self.stages)
+        if const_expr(self.fp8):
+            kv_layout = self._fp8_layout()
+        sQ = storage.q.get_tensor(self._smem_layout(ROWS))
+        sK = storage.k.get_tensor(kv_layout)
+        sV = storage.v.get_tensor(kv_layout)
+        sWide = storage.wide.get_tensor(self._smem_layout(TILE, 2)) if const_expr(
+            self.fp8) else None  # fmt: skip
+
+        gcopy_q = self._tiled_g2s(dtype)
+        self._load_query(mQ, sQ, gcopy_q, gcopy_q.get_slice(tidx), q_off, sq, head0)
+        gcopy = self._tiled_g2s(mK.element_type)
+        thr_g = gcopy.get_slice(tidx)
+        kv = (mK, mV, sK, sV, mPT, b, kvh, page_size)
+        for s in cutlass.range_constexpr(self.stages - 1):
+            if s < tiles:
+                self._load_tile(kv, gcopy, thr_g, t0 + s * TILE, t1, s)
+            cute.arch.cp_async_commit_group()
+        # an FP8 cache's K scale rides in the exponent, V's on O at the end
+        exp_scale = scale_log2
+        if const_expr(self.fp8):
+            exp_scale = scale_log2 * mKScale[kvh]
+
+        mma = cute.make_tiled_mma(warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)), (1, 1, 1))
+        thr_mma = mma.get_slice(lane)
+        ldsm = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
+        ldsm_t = warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4)
+        copy_q = cute.make_tiled_copy_A(cute.make_copy_atom(ldsm, dtype), mma).get_slice(lane)
+        copy_k = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm, dtype), mma).get_slice(lane)
+        copy_v = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm_t, dtype), mma).get_slice(lane)
+
+        acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS, self.d)), Float32)
+        acc_o.fill(0.0)
+        o_wide = _as_wide_acc(acc_o)
+        row_max = cute.make_rmem_tensor(2, Float32)
+        row_sum = cute.make_rmem_tensor(2, Float32)
+        rescale = cute.make_rmem_tensor(2, Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        # (row, key) of this thread's score registers, keys relative to the warp's first
+        coords = rows_cols(
+            _as_wide_acc(thr_mma.partition_C(cute.make_identity_tensor((ROWS, KEYS))))
+        )
+        limits = self._row_limits(coords, sq, sk, t1, causal)
+
+        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+        tSsQ = copy_q.partition_S(sQ)
+        tSrQ_view = copy_q.retile(tSrQ)
+        for i in cutlass.range(tiles, unroll=1):
+            cute.arch.cp_async_wait_group(self.stages - 2)
+            cute.arch.sync_threads()
+            nxt = i + self.stages - 1
+            if nxt < tiles:
+                self._load_tile(kv, gcopy, thr_g, t0 + nxt * TILE, t1, nxt % self.stages)
+            cute.arch.cp_async_commit_group()
+
+            stage = i % self.stages
+            tile_k, tile_v = sK[None, None, stage], sV[None, None, stage]
+            if const_expr(self.fp8):
+                self._widen(tile_k, sWide[None, None, 0], tidx)
+                self._widen(tile_v, sWide[None, None, 1], tidx)
+                cute.arch.sync_threads()
+                tile_k, tile_v = sWide[None, None, 0], sWide[None, None, 1]
+            sKw = cute.local_tile(tile_k, (KEYS, self.d), (warp_idx, 0))
+            sVw = cute.local_tile(tile_v, (KEYS, self.d), (warp_idx, 0))
+            acc_s = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS, KEYS)), Float32)
+            acc_s.fill(0.0)
+            tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sKw))
+            tSsK = copy_k.partition_S(sKw)
+            tSrK_view = copy_k.retile(tSrK)
+            for k in cutlass.range_constexpr(self.d // 16):
+                cute.copy(copy_q, tSsQ[None, None, k], tSrQ_view[None, None, k])
+                cute.copy(copy_k, tSsK[None, None, k], tSrK_view[None, None, k])
+                cute.gemm(mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
+
+            s_wide = _as_wide_acc(acc_s)
+            first_key = t0 + i * TILE + warp_idx * KEYS
+            self._mask(s_wide, coords, limits, first_key)
+            online_softmax(s_wide, row_max, row_sum, rescale, exp_scale)
+            rescale_o(o_wide, rescale)
+            tOrP = cute.make_rmem_tensor(thr_mma.partition_shape_A((ROWS, KEYS)), dtype)
+            acc_to_operand_a(s_wide, tOrP)
+
+            sVt = transposed(sVw)
+            tOrV = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
+            cute.copy(copy_v, copy_v.partition_S(sVt), copy_v.retile(tOrV))
+            cute.gemm(mma, acc_o, tOrP, tOrV, acc_o)
+
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()  # the pipeline's buffers free: O meets there
+        if const_expr(self.fp8):
+            v_scale = mVScale[kvh]
+            for j in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[j] = acc_o[j] * v_scale
+        self._stage_warp(storage, o_wide, row_max, row_sum, exp_scale, thr_mma, warp_idx)
         cute.arch.sync_threads()
-        write_split((sm, sl, so), mOp, mLp, split, rows, head0, self.h, G, D, tidx)
-
-
-@cute.jit
-def write_split(
-    merge, mOp, mLp, split, rows, head0, heads: cutlass.Constexpr[int],
-    g_rows: cutlass.Constexpr[int], d_: cutlass.Constexpr[int], tidx,
-):  # fmt: skip
-    """The warps' (max in log2 units, sum, unnormalized O) of the CTA's rows, in shared memory
-    as `merge` = (m (WARPS, >= G), lsum (WARPS, >= G), O (WARPS, >= G, D)), combined into this
-    split's normalized O and log2 LSE: -inf and 0 where no warp saw a key. Row g is query
-    token g // heads of the sequence (rows = (its first row, its tokens sq)), head
-    head0 + g % heads; rows of tokens past sq are not written."""
-    sm, sl, so = merge
-    q_off, sq = rows
-    for i in cutlass.range(tidx, g_rows * d_, THREADS):
-        g = i // d_
-        d = i - g * d_
-        top = sm[0, g]
-        for w in cutlass.range_constexpr(1, WARPS):
-            top = cute.arch.fmax(top, sm[w, g])
-        total = Float32(0.0)
-        acc = Float32(0.0)
-        if top != -Float32.inf:
-            for w in cutlass.range_constexpr(WARPS):
-                c = cute.math.exp2(sm[w, g] - top, fastmath=True)
-                total += sl[w, g] * c
-                acc += so[w, g, d] * c
-        token = q_off + g // heads
-        head = head0 + g % heads
-        out = Float32(0.0)
-        lse = -Float32.inf
-        if total > 0.0:
-            out = acc / total
-            lse = top + cute.math.log2(total, fastmath=True)
-        if g // heads < sq:
-            mOp[split, token, head, d] = out
-            if d == 0:
-                mLp[split, token, head] = lse
-
-
-class PagedCombineSm90:
-    """The combine pass; see the module docstring."""
-
-    def __init__(self, head_dim: int):
-        self.d = head_dim
+        write_split(
+            self._merge_views(storage), mOp, mLp, split, (q_off, sq), head0, self.h, self.g,
+            self.d, tidx,
+        )  # fmt: skip
 
     @cute.jit
-    def __call__(
-        self,
-        mOp: cute.Tensor,
-        mLp: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        stream: cuda.CUstream,
-    ):
-        """mOp fp32 (splits, rows, Hq, D), mLp fp32 (splits, rows, Hq) log2; mO (rows, Hq, D)
-        16-bit; mLSE fp32 (rows, Hq) (any strides: (Hq, rows) storage seen transposed),
-        natural log. rows: B, or total_q with query tokens."""
-        self.kernel(mOp, mLp, mO, mLSE).launch(
-            grid=(mO.shape[1], mO.shape[0], 1), block=[THREADS, 1, 1], stream=stream
-        )
+    def _load_query(self, mQ, sQ, gcopy, thr_g, q_off, sq, head0):
+        """The ROWS x D query tile: row r = (token r // H, head head0 + r % H) for r < G and
+        token < sq, cp.async in the first commit group; zeros elsewhere."""
+        tQsQ = thr_g.partition_D(sQ)
+        tQcQ = thr_g.partition_S(cute.make_identity_tensor((ROWS, self.d)))
+        for m in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
+            r = tQcQ[0, m, 0][0]
+            token = r // self.h
+            if r < self.g and token < sq:
+                row = mQ[q_off + token, head0 + r % self.h, None]
+                self._copy_row(gcopy, row, tQsQ[None, m, None], tQcQ[None, m, None])
+            else:
+                tQsQ[None, m, None].fill(0.0)
 
-    @cute.kernel
-    def kernel(self, mOp: cute.Tensor, mLp: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        head, b, _ = cute.arch.block_idx()
-        splits = mLp.shape[0]
-        top = -Float32.inf
-        for s in cutlass.range(splits):
-            top = cute.arch.fmax(top, mLp[s, b, head])
-        total = Float32(0.0)
-        if top != -Float32.inf:
-            for s in cutlass.range(splits):
-                total += cute.math.exp2(mLp[s, b, head] - top, fastmath=True)
-        for d in cutlass.range(tidx, self.d, THREADS):
-            acc = Float32(0.0)
-            if total > 0.0:
-                # unrolled: the splits' loads in flight together (a latency chain otherwise)
-                for s in cutlass.range(splits, unroll=4):
-                    w = cute.math.exp2(mLp[s, b, head] - top, fastmath=True)
-                    acc += w * mOp[s, b, head, d]
-                acc = acc / total
-            mO[b, head, d] = acc.to(mO.element_type)
-        if tidx == 0:
-            lse = -Float32.inf
-            if total > 0.0:
-                lse = (top + cute.math.log2(total, fastmath=True)) * LN2
-            mLSE[b, head] = lse
+    @cute.jit
+    def _copy_row(self, gcopy, row, dst, crd):
+        """cp.async of this thread's 16-byte chunks of one D-long gmem row into `dst`."""
+        chunk = 128 // row.element_type.width
+        ptr = cute.make_ptr(
+            row.element_type, row.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16
+        )
+        chunks = cute.tiled_divide(cute.make_tensor(ptr, cute.make_layout(self.d)), (chunk,))
+        for k in cutlass.range_constexpr(cute.size(dst, mode=[1])):
+            src = chunks[None, crd[0, k][1] // chunk]
+            cute.copy(gcopy, cute.make_tensor(src.iterator, dst[None, k].layout), dst[None, k])
+
+    @cute.jit
+    def _load_tile(self, kv, gcopy, thr_g, first, t1, stage):
+        """Keys first .. first + TILE - 1 (clamped to t1 - 1: finite, masked later) of K and V
+        into pipeline stage `stage`."""
+        mK, mV, sK, sV, mPT, b, kvh, page_size = kv
+        tKsK = thr_g.partition_D(sK[None, None, stage])
+        tVsV = thr_g.partition_D(sV[None, None, stage])
+        crd = thr_g.partition_S(cute.make_identity_tensor((TILE, self.d)))
+        for m in cutlass.range_constexpr(cute.size(tKsK, mode=[1])):
+            token = cutlass.min(first + crd[0, m, 0][0], t1 - 1)
+            page = token // page_size
+            slot = token - page * page_size
+            page_id = mPT[b, page]
+            self._copy_row(gcopy, mK[page_id, slot, kvh, None], tKsK[None, m, None],
+                           crd[None, m, None])  # fmt: skip
+            self._copy_row(gcopy, mV[page_id, slot, kvh, None], tVsV[None, m, None],
+                           crd[None, m, None])  # fmt: skip
+
+    @cute.jit
+    def _widen(self, src, dst, tidx):
+        """An FP8 (TILE, D) tile into the 16-bit swizzled tile `dst`, 8 elements per step
+        (exact: e4m3 values are bf16 / fp16 values)."""
+        per_row = self.d // WIDEN
+        for j in cutlass.range_constexpr(TILE * per_row // THREADS):
+            idx = tidx + j * THREADS
+            r = idx // per_row
+            c = idx - r * per_row
+            raw = cute.make_rmem_tensor(WIDEN, src.element_type)
+            cute.autovec_copy(cute.local_tile(src[r, None], (WIDEN,), (c,)), raw)
+            wide = cute.make_rmem_tensor(WIDEN, dst.element_type)
+            wide.store(raw.load().to(Float32).to(dst.element_type))
+            cute.autovec_copy(wide, cute.local_tile(dst[r, None], (WIDEN,), (c,)))
+
+    @cute.jit
+    def _row_limits(self, coords, sq, sk, t1, causal):
+        """Per score row of this thread: the first key it may not see (t1, the split's end;
+        with query tokens, causal bottom-right: key <= sk - sq + token; rows past the CTA's
+        or past sq see none)."""
+        limits = cute.make_rmem_tensor(cute.size(coords, mode=[0]), Int32)
+        for r in cutlass.range_constexpr(cute.size(coords, mode=[0])):
+            row = coords[r, 0][0]
+            lim = t1
+            if const_expr(self.qt > 1):
+                token = row // self.h
+                lim = Int32(cutlass.select_(causal != 0, cutlass.min(t1, sk - sq + token + 1), t1))
+                lim = Int32(cutlass.select_(token < sq, lim, 0))
+            limits[r] = lim
+        return limits
+
+    @cute.jit
+    def _mask(self, s, coords, limits, first_key):
+        """-inf on the scores of keys at or past their row's limit."""
+        v = rows_cols(s)
+        for r in cutlass.range_constexpr(cute.size(v, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(v, mode=[1])):
+                if first_key + coords[r, c][1] >= limits[r]:
+                    v[r, c] = -Float32.inf
+
+    def _merge_views(self, storage):
+        """(max, sum, O) of every warp's rows in shared memory: m, lsum (WARPS, G) fp32 and O
+        (WARPS, G, D) fp32 over the K pipeline's buffer (16-bit: >= 2 stages of TILE x D x 2
+        bytes) or the widened tiles (FP8: 2 x TILE x D x 2 bytes), WARPS x 16 x D x 4 bytes."""
+        sm = storage.m.get_tensor(cute.make_layout((WARPS, ROWS)))
+        sl = storage.lsum.get_tensor(cute.make_layout((WARPS, ROWS)))
+        merge = storage.wide if const_expr(self.fp8) else storage.k
+        o_ptr = cute.recast_ptr(merge.data_ptr(), dtype=Float32)
+        so = cute.make_tensor(o_ptr, cute.make_layout((WARPS, ROWS, self.d), stride=(
+            ROWS * self.d, self.d, 1)))  # fmt: skip
+        return sm, sl, so
+
+    @cute.jit
+    def _stage_warp(self, storage, o_wide, row_max, row_sum, scale_log2, thr_mma, warp_idx):
+        """This warp's rows < G: max (log2 units, -inf if no key), sum (over the quad) and the
+        unnormalized O into `_merge_views`."""
+        sm, sl, so = self._merge_views(storage)
+        crd = rows_cols(
+            _as_wide_acc(thr_mma.partition_C(cute.make_identity_tensor((ROWS, self.d))))
+        )
+        o = rows_cols(o_wide)
+        lane = cute.arch.lane_idx()
+        for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
+            total = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
+            row = crd[r, 0][0]
+            if row < self.g:
+                if lane % 4 == 0:
+                    m = row_max[r] * scale_log2
+                    if row_max[r] == -Float32.inf:
+                        m = -Float32.inf
+                    sm[warp_idx, row] = m
+                    sl[warp_idx, row] = total
+                for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+                    so[warp_idx, row, crd[r, c][1]] = o[r, c]

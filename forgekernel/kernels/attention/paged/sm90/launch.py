@@ -15,19 +15,14 @@ _plans = PlanCache()
 
 
 def _plan(dtype, kv_dtype, batch, hq, hkv, d, max_tokens, qtokens, device_index):
-    """(partial params, combine params, heads per CTA, splits, tokens per split): the
-    tensor-core partial pass for a 16-bit cache, the CUDA-core one for FP8."""
+    """(partial params, combine params, heads per CTA, splits, tokens per split)."""
     name = dtype_name(dtype)
-    if kv_dtype == torch.float8_e4m3fn:
-        heads = config.heads_per_cta(hq // hkv, d, qtokens)
-        partial = config.params_for("partial", name, d, heads, "float8_e4m3fn", qtokens=qtokens)
-        resident = None
-    else:
-        heads = config.heads_per_cta_mma(hq // hkv, qtokens)
-        partial = config.params_for("mma", name, d, heads, qtokens=qtokens)
-        resident = config.MMA_RESIDENT[d]
-    sms = num_sms(device_index)
-    splits, per = config.split_plan(batch, hq // heads, max_tokens, sms, resident)
+    kv = "float8_e4m3fn" if kv_dtype == torch.float8_e4m3fn else ""
+    heads = config.heads_per_cta(hq // hkv, qtokens)
+    splits, per = config.split_plan(
+        batch, hq // heads, max_tokens, num_sms(device_index), config.RESIDENT[d]
+    )
+    partial = config.params_for("partial", name, d, heads, kv, qtokens)
     return partial, config.params_for("combine", name, d), heads, splits, per
 
 
@@ -78,11 +73,11 @@ def paged_decode(
     partial_lse = torch.empty(splits, rows, hq, dtype=torch.float32, device=q.device)
     partial = get_kernel(SPEC, p_params)
     combine = get_kernel(SPEC, c_params)
-    scales = (k_scale, v_scale) if k_cache.dtype == torch.float8_e4m3fn else ()
     with on_device(q.device):
         partial(
             as_tma_ready(q), k_cache, v_cache, page_table.contiguous(), seqlens_k.contiguous(),
             partial_o, partial_lse, softmax_scale * LOG2E, per, page_size, hq // hkv,
-            *scales, None if cu_seqlens_q is None else cu_seqlens_q.contiguous(), int(causal),
+            k_scale, v_scale, None if cu_seqlens_q is None else cu_seqlens_q.contiguous(),
+            int(causal),
         )  # fmt: skip
         combine(partial_o, partial_lse, out, lse)
