@@ -7,13 +7,14 @@
 #   GPU 2: bash scripts/device_jit_run.sh OP...   within 30 s  (carry .payload/p2, .bundle/kernels)
 # Or with ../shared/gpu-host/wheels.sh chunks (the DSL, FA4): WHEELS=.wheels/cN names the last
 # chunk (the earlier ones stashed); BUILD=1 then builds every kernel on the host (`forgekernel
-# build -j <all cores>`, the DSL is there) instead of carrying .bundle/kernels. A later call on
+# build -j <all cores>`, the DSL is there; BUILD_ARGS="--only KERNEL ..." fewer) instead of
+# carrying .bundle/kernels. A later call on
 # the still-warm host needs neither (the wheels stay installed, the kernels built, the ledger
 # files kept in $RESULTS and copied to $OUT at the end of every call).
 # Each OP is checked, then benchmarked (the backward's deterministic mode with it: `bench
 # attention_bwd`), under its own time limits; SANITIZE=1 then runs `check --sanitize OP`
 # (compute-sanitizer memcheck and racecheck, under SANITIZE_TIMEOUT; SANITIZE=only skips check
-# and bench); CHECK=0 / BENCH=0 skip check / bench; BENCH_ARGS (e.g. --timing graph) go to bench; GPU_TESTS=1 runs `pytest -m gpu tests/gpu`;
+# and bench); CHECK=0 / BENCH=0 skip check / bench; BENCH_ARGS (e.g. --timing graph) go to bench; GPU_TESTS=1 runs `pytest -m gpu tests/gpu` (or GPU_TESTS_PATHS);
 # VARIANTS=1 then times attention-forward configurations (scripts/attn_variants.py),
 # BWD_VARIANTS=1 scripts/bwd_variants.py.
 set -uo pipefail
@@ -36,7 +37,7 @@ fi
 export FORGEKERNEL_KERNEL_DIR="$KERNELS" FORGEKERNEL_RESULTS_DIR="$RESULTS"
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 if [ "${BUILD:-0}" = 1 ]; then
-  python3 -m forgekernel build -j "$(nproc)" --out "$KERNELS" 2>&1 | tee "$LOGS/build.log" | tail -2
+  python3 -m forgekernel build -j "$(nproc)" --out "$KERNELS" ${BUILD_ARGS:-} 2>&1 | tee "$LOGS/build.log" | tail -2
 fi
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,power.draw --format=csv
 timeout 120 python3 -m forgekernel selftest 2>&1 | tail -3
@@ -67,7 +68,7 @@ for op in "$@"; do
   pack
 done
 if [ "${GPU_TESTS:-0}" = 1 ]; then
-  timeout "${GPU_TESTS_TIMEOUT:-200}" python3 -m pytest -q -m gpu tests/gpu 2>&1 \
+  timeout "${GPU_TESTS_TIMEOUT:-200}" python3 -m pytest -q -m gpu ${GPU_TESTS_PATHS:-tests/gpu} 2>&1 \
     | tee "$LOGS/pytest-gpu.log" | tail -5
 fi
 if [ -n "${VARIANTS:-}" ]; then
