@@ -19,6 +19,11 @@ At the end the row sums meet in shared memory and every warp writes its columns 
 normalized O (fp32) and the row's LSE in log2 units (-inf where the split saw no key), the
 paged decode's partial format, merged by its combine pass.
 
+`sparse` (DeepSeek sparse attention, DSA): query token t attends to the cache rows its top-k
+list names (mPT (tokens, topk) int32, entries page * page_size + slot, -1 padding, anywhere),
+not to a sequence's pages: a CTA's keys are that list's split, loaded by index (-1 reads row 0,
+masked), grid z over the tokens (one query token per CTA, so `qtokens` is 1).
+
 Memory-bound at decode: 2 x 16 x 576 + 2 x 16 x 512 FMAs per 1152-byte row; the per-tile
 barriers and the exchange of maxima are the price of sharing one P among the column owners."""
 
@@ -29,6 +34,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
+
 from forgekernel.kernels.attention.mla.sm90.config import (
     D_LATENT,
     D_ROPE,
@@ -38,7 +44,6 @@ from forgekernel.kernels.attention.mla.sm90.config import (
     TILE,
     WARPS,
 )
-
 from forgekernel.kernels.attention.paged.sm90.decode import _as_wide_acc
 from forgekernel.kernels.common.sm90.layout import rows_cols, transposed
 from forgekernel.kernels.common.sm90.softmax import exp2_row, quad_row_max, rescale_o, scaled_max
@@ -60,12 +65,15 @@ def _swizzled(rows: int, width: int, stages: int | None = None):
 class MlaDecodeSm90:
     """The partial pass; see the module docstring."""
 
-    def __init__(self, heads: int, qtokens: int = 1):
+    def __init__(self, heads: int, qtokens: int = 1, sparse: bool = False):
         if heads * qtokens > ROWS:
             raise ValueError(f"heads x query tokens must be <= {ROWS}, got {heads} x {qtokens}")
+        if sparse and qtokens != 1:
+            raise ValueError("sparse attention takes one query token per CTA")
         self.h = heads
         self.qt = qtokens
         self.g = heads * qtokens
+        self.sparse = sparse
 
     @cute.jit
     def __call__(
@@ -75,7 +83,7 @@ class MlaDecodeSm90:
         mCkv: cute.Tensor,
         mKpe: cute.Tensor,
         mPT: cute.Tensor,
-        mSeq: cute.Tensor,
+        mSeq: cute.Tensor | None,
         mOp: cute.Tensor,
         mLp: cute.Tensor,
         scale_log2: Float32,
@@ -89,12 +97,16 @@ class MlaDecodeSm90:
         (batch + 1,), total_q; mCkv (num_pages, page_size, 512), mKpe (num_pages, page_size,
         64) in q's dtype; mPT int32 (batch, max_pages); mSeq int32 (batch,); mOp fp32 (splits,
         rows, Hq, 512), mLp fp32 (splits, rows, Hq) log2; causal 0 / 1 (query tokens among
-        themselves, bottom-right)."""
+        themselves, bottom-right). sparse: mPT the top-k lists (rows, topk), mSeq None,
+        mCuQ None, causal unused."""
         dtype = mQn.element_type
         if const_expr(not (dtype == mQp.element_type == mCkv.element_type == mKpe.element_type)):
             raise TypeError("q_nope, q_pe and the caches must share one 16-bit dtype")
         if const_expr((mCuQ is None) != (self.qt == 1)):
             raise ValueError("cu_seqlens_q comes with qtokens > 1, and only then")
+        if const_expr(self.sparse != (mSeq is None)):
+            raise ValueError("seqlens_k comes with the paged form, and only then")
+        units = mQn.shape[0] if const_expr(self.sparse) else mSeq.shape[0]
 
         @cute.struct
         class Shared:
@@ -120,7 +132,7 @@ class MlaDecodeSm90:
             mQn, mQp, mCkv, mKpe, mPT, mSeq, mOp, mLp, scale_log2, per_split, page_size, mCuQ,
             causal,
         ).launch(
-            grid=(mOp.shape[0], mQn.shape[1] // self.h, mSeq.shape[0]),
+            grid=(mOp.shape[0], mQn.shape[1] // self.h, units),
             block=[THREADS, 1, 1],
             stream=stream,
         )  # fmt: skip
@@ -133,7 +145,7 @@ class MlaDecodeSm90:
         mCkv: cute.Tensor,
         mKpe: cute.Tensor,
         mPT: cute.Tensor,
-        mSeq: cute.Tensor,
+        mSeq: cute.Tensor | None,
         mOp: cute.Tensor,
         mLp: cute.Tensor,
         scale_log2: Float32,
@@ -153,7 +165,7 @@ class MlaDecodeSm90:
         warp_idx = cute.arch.make_warp_uniform(tidx // 32)
         dtype = mQn.element_type
 
-        sk = mSeq[b]
+        sk = mPT.shape[1] if const_expr(self.sparse) else mSeq[b]
         t0 = split * per_split
         t1 = cutlass.min(t0 + per_split, sk)
         tiles = cute.ceil_div(cutlass.max(t1 - t0, 0), TILE)
@@ -219,8 +231,13 @@ class MlaDecodeSm90:
             first_key = t0 + i * TILE + warp_idx * KEYS
             for r in cutlass.range_constexpr(2):
                 for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                    if first_key + coords[r, c][1] >= limits[r]:
+                    key = first_key + coords[r, c][1]
+                    if key >= limits[r]:
                         s[r, c] = -Float32.inf
+                    if const_expr(self.sparse):
+                        if key < limits[r]:
+                            if mPT[b, key] < 0:  # padding
+                                s[r, c] = -Float32.inf
                 top = quad_row_max(s, r, -Float32.inf)
                 if lane % 4 == 0:
                     sRed[warp_idx, coords[r, 0][0]] = top
@@ -315,9 +332,13 @@ class MlaDecodeSm90:
             crd = thr.partition_S(cute.make_identity_tensor((TILE, width)))
             for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
                 token = cutlass.min(first + crd[0, m, 0][0], t1 - 1)
-                page = token // page_size
-                slot = token - page * page_size
-                row = mX[mPT[b, page], slot, None]
+                if const_expr(self.sparse):
+                    entry = cutlass.max(mPT[b, token], 0)  # -1 padding: row 0, masked
+                    page = entry // page_size
+                    row = mX[page, entry - page * page_size, None]
+                else:
+                    page = token // page_size
+                    row = mX[mPT[b, page], token - page * page_size, None]
                 self._copy_row(gcopy, row, width, tXsX[None, m, None], crd[None, m, None])
 
     @cute.jit
