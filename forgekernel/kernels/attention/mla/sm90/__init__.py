@@ -1,0 +1,47 @@
+"""DeepSeek MLA paged decode, sm_90a (absorbed: 576-wide keys, 512-wide values, one latent row
+per token shared by every head; split-KV partial pass + the paged leaf's combine). DSL-free
+declaration; the kernels are `decode.py` (the partial pass) and the paged leaf's `combine.py`
+(`PagedCombineSm90` at head dim 512); the op is `forgekernel.ops.mla.mla_decode` (issue 19)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from forgekernel.kernels.attention.mla.sm90.config import (
+    DTYPES,
+    HEADS,
+    QTOKENS,
+    ROWS,
+    params_for,
+)
+from forgekernel.runtime.spec import KernelSpec, Params
+
+
+def _compile(params: Params, extra_options: str = ""):
+    from forgekernel.kernels.attention.mla.sm90.compile import compile_mla
+
+    return compile_mla(dict(params), "sm_90a", extra_options)
+
+
+def _standard_params() -> list[Params]:
+    partial = [
+        params_for("partial", dtype, h, qt)
+        for dtype in DTYPES
+        for qt in QTOKENS
+        for h in HEADS
+        if h * qt <= ROWS
+    ]
+    return partial + [params_for("combine", dtype) for dtype in DTYPES]
+
+
+SPEC = KernelSpec(
+    name="mla_decode_sm90",
+    arch="sm_90a",
+    directory=Path(__file__).parent,
+    compile=_compile,
+    standard_params=_standard_params,
+    mma=False,  # as the paged leaf's; True once decode.py's MMAs are WGMMA (the build checks)
+    representative=lambda: params_for("partial", "bfloat16", 16),
+)
+
+__all__ = ["SPEC", "params_for"]

@@ -1,0 +1,66 @@
+"""Compile the MLA decode kernels against fake tensors: batch, query rows, heads, pages, splits,
+the page size and every outer stride dynamic (FlashMLA's combined (pages, page_size, 1, 576)
+cache's two views included: rows 16-byte aligned); heads per CTA, query tokens and dtype baked
+in. The combine is the paged leaf's, at head dim 512."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_tensor
+
+from forgekernel.kernels.attention.mla.sm90.config import D_LATENT, D_ROPE
+from forgekernel.kernels.attention.mla.sm90.decode import MlaDecodeSm90
+from forgekernel.kernels.attention.paged.sm90.combine import PagedCombineSm90
+from forgekernel.kernels.common.sm90 import fake
+
+
+def _dense(dtype, rank: int) -> cute.Tensor:
+    """Any tensor of `rank` dynamic dims whose last one is contiguous."""
+    shape = tuple(cute.sym_int32() for _ in range(rank))
+    return fake.rowmajor(dtype, shape, divisibility=1, align=4)
+
+
+def _combine(dtype, opts: str):
+    rows, hq = cute.sym_int32(), cute.sym_int32()
+    o = fake.rowmajor(dtype, (rows, hq, D_LATENT), divisibility=1, align=None)
+    lse_strides = (cute.sym_int64(), cute.sym_int64())  # any (rows, Hq) view
+    lse = make_fake_tensor(cutlass.Float32, (rows, hq), stride=lse_strides, assumed_align=4)
+    return cute.compile(
+        PagedCombineSm90(D_LATENT),
+        _dense(cutlass.Float32, 4),
+        _dense(cutlass.Float32, 3),
+        o,
+        lse,
+        fake.stream(),
+        options=opts,
+    )
+
+
+def compile_mla(params: dict, arch: str = "sm_90a", extra_options: str = ""):
+    dtype = fake.dtype_of(params["dtype"])
+    opts = fake.options(arch, extra_options)
+    if params["kind"] == "combine":
+        return _combine(dtype, opts)
+    qtokens = params.get("qtokens", 1)
+    b, hq = cute.sym_int32(), cute.sym_int32()
+    rows = cute.sym_int32() if qtokens > 1 else b  # total_q packed by cu_seqlens_q, else B
+    pages, page_size = cute.sym_int32(), cute.sym_int32()
+    return cute.compile(
+        MlaDecodeSm90(params["heads"], qtokens),
+        fake.rowmajor(dtype, (rows, hq, D_LATENT)),
+        fake.rowmajor(dtype, (rows, hq, D_ROPE)),
+        fake.rowmajor(dtype, (pages, page_size, D_LATENT)),
+        fake.rowmajor(dtype, (pages, page_size, D_ROPE)),
+        _dense(cutlass.Int32, 2),
+        make_fake_tensor(cutlass.Int32, (b,), stride=(1,)),  # seqlens_k: the batch
+        _dense(cutlass.Float32, 4),
+        _dense(cutlass.Float32, 3),
+        cutlass.Float32(1.0),
+        cutlass.Int32(1),
+        cutlass.Int32(1),
+        fake.offsets() if qtokens > 1 else None,
+        cutlass.Int32(1),
+        fake.stream(),
+        options=opts,
+    )

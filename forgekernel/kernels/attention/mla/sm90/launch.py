@@ -1,0 +1,80 @@
+"""Host launcher of the MLA paged decode: torch only (no DSL), the partial pass and the paged
+leaf's combine (compiled under this leaf's SPEC) through the compile cache. Callers validate
+first (`forgekernel.ops.mla`)."""
+
+from __future__ import annotations
+
+import torch
+
+from forgekernel.kernels.attention.mla.sm90 import SPEC, config
+from forgekernel.kernels.common.sm90.constants import LOG2E
+from forgekernel.runtime.cache import get_kernel
+from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms, on_device
+from forgekernel.runtime.plans import PlanCache
+
+_plans = PlanCache()
+
+
+def _plan(dtype, batch, hq, max_tokens, qtokens, device_index):
+    """(partial params, combine params, splits, tokens per split)."""
+    name = dtype_name(dtype)
+    heads = config.heads_per_cta(hq, qtokens)
+    splits, per = config.split_plan(
+        batch, hq // heads, max_tokens, num_sms(device_index), config.RESIDENT
+    )
+    partial = config.params_for("partial", name, heads, qtokens)
+    return partial, config.params_for("combine", name), splits, per
+
+
+def query_tokens(packed: bool, max_seqlen_q: int) -> int:
+    """The compiled query tokens per CTA: 1 for one query per sequence (rows = B), else the
+    fewest of QTOKENS >= max(max_seqlen_q, 2) (packed rows need cu_seqlens_q even when every
+    sequence brings at most one: some may bring none)."""
+    if not packed:
+        return 1
+    return next(t for t in config.QTOKENS if t >= max(max_seqlen_q, 2))
+
+
+def mla_decode(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    ckv_cache: torch.Tensor,
+    kpe_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    softmax_scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None = None,
+    max_seqlen_q: int = 1,
+    causal: bool = True,
+) -> None:
+    """out (rows, Hq, 512) in q's dtype and lse (rows, Hq) fp32 (natural log; any strides) of
+    absorbed MLA: q_nope (rows, Hq, 512), q_pe (rows, Hq, 64); ckv_cache (num_pages,
+    page_size, 512) and kpe_cache (num_pages, page_size, 64) in q's dtype, rows contiguous and
+    16-byte aligned (views of FlashMLA's combined cache qualify); page_table int32 (B,
+    max_pages); seqlens_k int32 (B,) counting the new tokens. rows = B (one query per
+    sequence), or total_q packed by cu_seqlens_q int32 (B + 1,) with at most max_seqlen_q <= 4
+    tokens per sequence, token i of sq seeing keys j <= sk - sq + i when causal. The split
+    plan bounds the lengths by the table's width (no device read)."""
+    rows, hq, _ = q_nope.shape
+    b = seqlens_k.shape[0]
+    if rows == 0 or b == 0 or hq == 0:
+        return
+    qtokens = query_tokens(cu_seqlens_q is not None, max_seqlen_q)
+    page_size = ckv_cache.shape[1]
+    key = (q_nope.dtype, b, hq, page_table.shape[1] * page_size, qtokens, q_nope.device.index)
+    p_params, c_params, splits, per = _plans.get_or_build(key, _plan)
+    d = config.D_LATENT
+    partial_o = torch.empty(splits, rows, hq, d, dtype=torch.float32, device=q_nope.device)
+    partial_lse = torch.empty(splits, rows, hq, dtype=torch.float32, device=q_nope.device)
+    partial = get_kernel(SPEC, p_params)
+    combine = get_kernel(SPEC, c_params)
+    with on_device(q_nope.device):
+        partial(
+            as_tma_ready(q_nope), as_tma_ready(q_pe), ckv_cache, kpe_cache,
+            page_table.contiguous(), seqlens_k.contiguous(), partial_o, partial_lse,
+            softmax_scale * LOG2E, per, page_size,
+            None if cu_seqlens_q is None else cu_seqlens_q.contiguous(), int(causal),
+        )  # fmt: skip
+        combine(partial_o, partial_lse, out, lse)
