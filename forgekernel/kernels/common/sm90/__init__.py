@@ -9,6 +9,8 @@
 - `mma`: one warpgroup GEMM over all k-blocks, as one commit group.
 - `scheduler/`: tile schedulers (static persistent, longest-first, atomic dynamic).
 - `softmax`: masking and online-softmax helpers on WGMMA accumulators.
+- `warp_mma`: pieces of the mma.sync kernels that gather rows (paged / sparse caches):
+  cp.async row copies into swizzled tiles, accumulators in WGMMA shape, query-row key limits.
 - `fake`: fake tensors and options for ahead-of-time compiles.
 
 Only `constants` is importable without the DSL; the rest import it at module load.

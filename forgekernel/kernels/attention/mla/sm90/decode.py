@@ -33,7 +33,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cute.nvgpu import warp
 
 from forgekernel.kernels.attention.mla.sm90.config import (
     D_LATENT,
@@ -44,22 +44,18 @@ from forgekernel.kernels.attention.mla.sm90.config import (
     TILE,
     WARPS,
 )
-from forgekernel.kernels.attention.paged.sm90.decode import _as_wide_acc
 from forgekernel.kernels.common.sm90.layout import rows_cols, transposed
 from forgekernel.kernels.common.sm90.softmax import exp2_row, quad_row_max, rescale_o, scaled_max
+from forgekernel.kernels.common.sm90.warp_mma import (
+    as_wide_acc,
+    copy_row_async,
+    query_row_limits,
+    swizzled_rows,
+    tiled_row_copy,
+)
 
 KEYS = TILE // WARPS  # keys per warp in S
 COLS = D_LATENT // WARPS  # output columns per warp in P V
-
-
-def _swizzled(rows: int, width: int, stages: int | None = None):
-    """(rows, width[, stages]) 16-bit, rows contiguous, 16-byte chunks XOR-swizzled by the row
-    (mod 8): conflict-free ldmatrix and cp.async. width a power of two >= 64."""
-    bits = width.bit_length() - 1
-    rows8 = cute.make_layout((8, width), stride=(width, 1))
-    atom = cute.make_composed_layout(cute.make_swizzle(3, 3, bits - 3), 0, rows8)
-    shape = (rows, width) if stages is None else (rows, width, stages)
-    return cute.tile_to_shape(atom, shape, (0, 1) if stages is None else (0, 1, 2))
 
 
 class MlaDecodeSm90:
@@ -111,19 +107,20 @@ class MlaDecodeSm90:
         @cute.struct
         class Shared:
             lat: cute.struct.Align[
-                cute.struct.MemRange[dtype, cute.cosize(_swizzled(TILE, D_LATENT, STAGES))], 1024
+                cute.struct.MemRange[dtype, cute.cosize(swizzled_rows(TILE, D_LATENT, STAGES))],
+                1024,
             ]
             rope: cute.struct.Align[
-                cute.struct.MemRange[dtype, cute.cosize(_swizzled(TILE, D_ROPE, STAGES))], 1024
+                cute.struct.MemRange[dtype, cute.cosize(swizzled_rows(TILE, D_ROPE, STAGES))], 1024
             ]
             qlat: cute.struct.Align[
-                cute.struct.MemRange[dtype, cute.cosize(_swizzled(ROWS, D_LATENT))], 1024
+                cute.struct.MemRange[dtype, cute.cosize(swizzled_rows(ROWS, D_LATENT))], 1024
             ]
             qrope: cute.struct.Align[
-                cute.struct.MemRange[dtype, cute.cosize(_swizzled(ROWS, D_ROPE))], 1024
+                cute.struct.MemRange[dtype, cute.cosize(swizzled_rows(ROWS, D_ROPE))], 1024
             ]
             p: cute.struct.Align[
-                cute.struct.MemRange[dtype, cute.cosize(_swizzled(ROWS, TILE))], 128
+                cute.struct.MemRange[dtype, cute.cosize(swizzled_rows(ROWS, TILE))], 128
             ]
             red: cute.struct.MemRange[Float32, WARPS * ROWS]
 
@@ -171,15 +168,15 @@ class MlaDecodeSm90:
         tiles = cute.ceil_div(cutlass.max(t1 - t0, 0), TILE)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared)
-        sLat = storage.lat.get_tensor(_swizzled(TILE, D_LATENT, STAGES))
-        sRope = storage.rope.get_tensor(_swizzled(TILE, D_ROPE, STAGES))
-        sQl = storage.qlat.get_tensor(_swizzled(ROWS, D_LATENT))
-        sQr = storage.qrope.get_tensor(_swizzled(ROWS, D_ROPE))
-        sP = storage.p.get_tensor(_swizzled(ROWS, TILE))
+        sLat = storage.lat.get_tensor(swizzled_rows(TILE, D_LATENT, STAGES))
+        sRope = storage.rope.get_tensor(swizzled_rows(TILE, D_ROPE, STAGES))
+        sQl = storage.qlat.get_tensor(swizzled_rows(ROWS, D_LATENT))
+        sQr = storage.qrope.get_tensor(swizzled_rows(ROWS, D_ROPE))
+        sP = storage.p.get_tensor(swizzled_rows(ROWS, TILE))
         sRed = storage.red.get_tensor(cute.make_layout((WARPS, ROWS)))
 
-        copy_lat = self._tiled_g2s(dtype, D_LATENT)
-        copy_rope = self._tiled_g2s(dtype, D_ROPE)
+        copy_lat = tiled_row_copy(dtype, D_LATENT, THREADS)
+        copy_rope = tiled_row_copy(dtype, D_ROPE, THREADS)
         thr_lat, thr_rope = copy_lat.get_slice(tidx), copy_rope.get_slice(tidx)
         self._load_query(mQn, sQl, copy_lat, thr_lat, D_LATENT, q_off, sq, head0)
         self._load_query(mQp, sQr, copy_rope, thr_rope, D_ROPE, q_off, sq, head0)
@@ -199,7 +196,7 @@ class MlaDecodeSm90:
 
         acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS, COLS)), Float32)
         acc_o.fill(0.0)
-        o_wide = _as_wide_acc(acc_o)
+        o_wide = as_wide_acc(acc_o)
         row_max = cute.make_rmem_tensor(2, Float32)
         row_sum = cute.make_rmem_tensor(2, Float32)
         corr = cute.make_rmem_tensor(2, Float32)
@@ -207,9 +204,9 @@ class MlaDecodeSm90:
         row_sum.fill(0.0)
         # (row, key) of this thread's score registers, keys relative to the warp's first
         coords = rows_cols(
-            _as_wide_acc(thr_mma.partition_C(cute.make_identity_tensor((ROWS, KEYS))))
+            as_wide_acc(thr_mma.partition_C(cute.make_identity_tensor((ROWS, KEYS))))
         )
-        limits = self._row_limits(coords, sq, sk, t1, causal)
+        limits = query_row_limits(coords, self.h, self.qt, sq, sk, t1, causal)
 
         for i in cutlass.range(tiles, unroll=1):
             cute.arch.cp_async_wait_group(STAGES - 2)
@@ -226,7 +223,7 @@ class MlaDecodeSm90:
             for sQ_, sK_ in ((sQl, sLat), (sQr, sRope)):
                 self._scores(mma, thr_mma, copy_a, copy_b, sQ_, sK_[None, None, stage],
                              warp_idx, acc_s)  # fmt: skip
-            s_wide = _as_wide_acc(acc_s)
+            s_wide = as_wide_acc(acc_s)
             s = rows_cols(s_wide)
             first_key = t0 + i * TILE + warp_idx * KEYS
             for r in cutlass.range_constexpr(2):
@@ -277,33 +274,6 @@ class MlaDecodeSm90:
             (split, q_off, sq, head0, warp_idx, lane),
         )  # fmt: skip
 
-    def _tiled_g2s(self, dtype, width: int):
-        """cp.async of 16 bytes per thread and copy over (rows, width) tiles, a row over at
-        most a warp."""
-        chunk = 128 // dtype.width
-        tpr = min(width // chunk, 32)
-        atom = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
-            num_bits_per_copy=128,
-        )  # fmt: skip
-        return cute.make_tiled_copy_tv(
-            atom,
-            cute.make_ordered_layout((THREADS // tpr, tpr), order=(1, 0)),
-            cute.make_layout((1, chunk)),
-        )
-
-    @cute.jit
-    def _copy_row(self, gcopy, row, width: cutlass.Constexpr[int], dst, crd):
-        """cp.async of this thread's 16-byte chunks of one `width`-long gmem row into `dst`."""
-        chunk = 128 // row.element_type.width
-        ptr = cute.make_ptr(
-            row.element_type, row.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16
-        )
-        chunks = cute.tiled_divide(cute.make_tensor(ptr, cute.make_layout(width)), (chunk,))
-        for k in cutlass.range_constexpr(cute.size(dst, mode=[1])):
-            src = chunks[None, crd[0, k][1] // chunk]
-            cute.copy(gcopy, cute.make_tensor(src.iterator, dst[None, k].layout), dst[None, k])
-
     @cute.jit
     def _load_query(self, mQ, sQ, gcopy, thr_g, width: cutlass.Constexpr[int], q_off, sq, head0):
         """Query rows r = (token r // H, head head0 + r % H) for r < G and token < sq, in the
@@ -315,7 +285,7 @@ class MlaDecodeSm90:
             token = r // self.h
             if r < self.g and token < sq:
                 row = mQ[q_off + token, head0 + r % self.h, None]
-                self._copy_row(gcopy, row, width, tQsQ[None, m, None], tQcQ[None, m, None])
+                copy_row_async(gcopy, row, width, tQsQ[None, m, None], tQcQ[None, m, None])
             else:
                 tQsQ[None, m, None].fill(0.0)
 
@@ -339,7 +309,7 @@ class MlaDecodeSm90:
                 else:
                     page = token // page_size
                     row = mX[mPT[b, page], token - page * page_size, None]
-                self._copy_row(gcopy, row, width, tXsX[None, m, None], crd[None, m, None])
+                copy_row_async(gcopy, row, width, tXsX[None, m, None], crd[None, m, None])
 
     @cute.jit
     def _scores(self, mma, thr_mma, copy_a, copy_b, sQ, sK, warp_idx, acc_s):
@@ -356,22 +326,6 @@ class MlaDecodeSm90:
             cute.copy(copy_a, tSsQ[None, None, k], tSrQ_view[None, None, k])
             cute.copy(copy_b, tSsK[None, None, k], tSrK_view[None, None, k])
             cute.gemm(mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
-
-    @cute.jit
-    def _row_limits(self, coords, sq, sk, t1, causal):
-        """Per score row of this thread: the first key it may not see (t1, the split's end;
-        with query tokens, causal bottom-right: key <= sk - sq + token; rows past the CTA's
-        or past sq see none)."""
-        limits = cute.make_rmem_tensor(cute.size(coords, mode=[0]), Int32)
-        for r in cutlass.range_constexpr(cute.size(coords, mode=[0])):
-            row = coords[r, 0][0]
-            lim = t1
-            if const_expr(self.qt > 1):
-                token = row // self.h
-                lim = Int32(cutlass.select_(causal != 0, cutlass.min(t1, sk - sq + token + 1), t1))
-                lim = Int32(cutlass.select_(token < sq, lim, 0))
-            limits[r] = lim
-        return limits
 
     @cute.jit
     def _write_split(self, outs, acc_o, row_max, row_sum, sRed, scale_log2, thr_mma, coords, at):
@@ -393,8 +347,8 @@ class MlaDecodeSm90:
             for w in cutlass.range_constexpr(WARPS):
                 acc += sRed[w, row]
             total[r] = acc
-        o = rows_cols(_as_wide_acc(acc_o))
-        crd = rows_cols(_as_wide_acc(thr_mma.partition_C(cute.make_identity_tensor((ROWS, COLS)))))
+        o = rows_cols(as_wide_acc(acc_o))
+        crd = rows_cols(as_wide_acc(thr_mma.partition_C(cute.make_identity_tensor((ROWS, COLS)))))
         for r in cutlass.range_constexpr(2):
             row = crd[r, 0][0]
             token = row // self.h
