@@ -1,0 +1,308 @@
+"""`forgekernel.ops.mla.mla_decode`: DeepSeek Multi-head Latent Attention decode over a paged
+latent cache, absorbed form (kernels: kernels/attention/mla/sm90, issue 19); and
+`mla_paged_decode_flashinfer`, FlashInfer-Bench's `mla_paged_decode_*` definitions as they are.
+
+Math (reference/mla.py): the cache holds one row [c_j (512) ; r_j (64)] per token, shared by
+every head; query head h of token i scores s_j = softmax_scale (q_nope . c_j + q_pe . r_j)
+(q_nope already absorbed: W_UK^T q, 512 wide) and outputs sum_j softmax(s)_j c_j (512 wide; the
+caller applies W_UV). softmax_scale has no default: DeepSeek-V3's is the un-absorbed
+1 / sqrt(192) times its YaRN mscale^2, never 1 / sqrt(576).
+
+Layouts (reference.mla's decode conventions, which are also FlashMLA's):
+    q_nope (batch, s_q, H, 512), q_pe (batch, s_q, H, 64), 1 <= s_q <= 4 (MTP / speculative
+        tokens, causal among themselves: query i sees key j <= i + seqlens_k - s_q) -> out
+        (batch, s_q, H, 512) in q's dtype, lse (batch, H, s_q) fp32 natural log;
+    packed (cu_seqlens_q int32 (batch + 1,), max_seqlen_q <= 4): q (total_q, H, *) -> out
+        (total_q, H, 512), lse (H, total_q) (OPS.md's varlen layout);
+    caches ckv_cache (num_pages, page_size, 512) and kpe_cache (num_pages, page_size, 64) in q's
+        dtype (FlashInfer's), or FlashMLA's combined (num_pages, page_size, 1, 576) as ckv_cache
+        with kpe_cache None (read in place through two views); page_table int32 (batch,
+        max_pages), seqlens_k int32 (batch,) counting the new tokens. A sequence of length 0
+        (or a query that sees no key) gives 0 and LSE -inf.
+FP8 caches (FlashMLA's 656-byte format, or e4m3 with a per-tensor scale) are not in this first
+kernel: NotImplementedError. More than 4 query tokens per sequence (prefill) has no MLA kernel.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from forgekernel.kernels.attention.mla.sm90 import launch as mla_sm90
+from forgekernel.kernels.attention.mla.sm90.config import D_LATENT, D_ROPE
+from forgekernel.ops._dispatch import traced as _traced
+from forgekernel.ops._validate import (
+    check_cuda,
+    check_same_device,
+    check_shaped,
+    check_tensor,
+)
+from forgekernel.ops.attention_paged import csr_page_table
+from forgekernel.runtime.device import tma_ready
+
+INDEX = (torch.int32,)
+MAX_QUERY_TOKENS = 4  # per sequence (the kernel's QTOKENS)
+FP8_CACHES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)  # uint8: FlashMLA's bytes
+LOG2E = math.log2(math.e)
+
+
+def _reject_fp8(name: str, cache: torch.Tensor) -> None:
+    if isinstance(cache, torch.Tensor) and cache.dtype in FP8_CACHES:
+        raise NotImplementedError(
+            f"{name} is {cache.dtype}: FP8 latent caches are not in the first MLA decode kernel"
+            " (issue 19); pass a bf16 / fp16 cache"
+        )
+
+
+def _split_cache(ckv_cache, kpe_cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ckv, kpe); FlashMLA's combined (num_pages, page_size, 1, 576) cache passed as
+    ckv_cache with kpe_cache None gives its two views (no copy)."""
+    _reject_fp8("ckv_cache", ckv_cache)
+    _reject_fp8("kpe_cache", kpe_cache)
+    if kpe_cache is not None:
+        return ckv_cache, kpe_cache
+    check_tensor("ckv_cache", ckv_cache, ndim=4, cuda=False)
+    if ckv_cache.shape[2:] != (1, D_LATENT + D_ROPE):
+        raise ValueError(
+            "with kpe_cache None, ckv_cache is FlashMLA's combined cache (num_pages, page_size,"
+            f" 1, {D_LATENT + D_ROPE}), got {tuple(ckv_cache.shape)}"
+        )
+    row = ckv_cache.select(2, 0)  # aten views, not indexing: traceable on fake CUDA tensors
+    return row.narrow(-1, 0, D_LATENT), row.narrow(-1, D_LATENT, D_ROPE)
+
+
+def _check_rows(name: str, t: torch.Tensor) -> None:
+    """The kernel reads cache rows 16 bytes at a time in place (a cache is never copied)."""
+    if not tma_ready(t):
+        raise ValueError(
+            f"{name} must have contiguous, 16-byte-aligned rows (strides {tuple(t.stride())},"
+            f" data pointer % 16 = {t.data_ptr() % 16})"
+        )
+
+
+def _softmax_scale(scale: object) -> float:
+    if scale is None:
+        raise TypeError(
+            "softmax_scale has no default: DeepSeek-V3's is 1 / sqrt(192) x mscale^2 (about "
+            "0.1352), never 1 / sqrt(576)"
+        )
+    if isinstance(scale, bool) or not isinstance(scale, (numbers.Real, torch.Tensor)):
+        raise TypeError(f"softmax_scale must be a float, got {type(scale).__name__}")
+    value = float(scale)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"softmax_scale must be finite and > 0, got {value}")
+    return value
+
+
+def _validate(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out) -> None:
+    packed = cu_seqlens_q is not None
+    ndim = 3 if packed else 4
+    form = "(total_q, H, D) packed by cu_seqlens_q" if packed else "(batch, s_q, H, D)"
+    for name, t, d in (("q_nope", q_nope, D_LATENT), ("q_pe", q_pe, D_ROPE)):
+        if isinstance(t, torch.Tensor) and t.dim() != ndim:
+            raise ValueError(f"{name} must be {form} with D = {d}, got {tuple(t.shape)}")
+    check_tensor("q_nope", q_nope, ndim=ndim, cuda=False)
+    check_tensor("q_pe", q_pe, ndim=ndim, dtypes=(q_nope.dtype,), cuda=False)
+    if q_nope.shape[-1] != D_LATENT or q_pe.shape != (*q_nope.shape[:-1], D_ROPE):
+        raise ValueError(
+            f"q_nope {tuple(q_nope.shape)} and q_pe {tuple(q_pe.shape)} must be {form} with D"
+            f" = {D_LATENT} and {D_ROPE}"
+        )
+    check_tensor("ckv_cache", ckv, ndim=3, dtypes=(q_nope.dtype,), cuda=False)
+    check_tensor("kpe_cache", kpe, ndim=3, dtypes=(q_nope.dtype,), cuda=False)
+    pages, page_size, _ = ckv.shape
+    if ckv.shape[2] != D_LATENT or kpe.shape != (pages, page_size, D_ROPE) or page_size < 1:
+        raise ValueError(
+            f"ckv_cache {tuple(ckv.shape)} and kpe_cache {tuple(kpe.shape)} must be (num_pages,"
+            f" page_size >= 1, {D_LATENT}) and (num_pages, page_size, {D_ROPE})"
+        )
+    if packed:
+        check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=INDEX, cuda=False)
+        b = cu_seqlens_q.shape[0] - 1
+    else:
+        b = q_nope.shape[0]
+        if not 1 <= q_nope.shape[1] <= MAX_QUERY_TOKENS:
+            raise ValueError(f"s_q must be 1..{MAX_QUERY_TOKENS}, got {q_nope.shape[1]}")
+    check_tensor("page_table", page_table, ndim=2, dtypes=INDEX, cuda=False)
+    if page_table.shape[0] != b:
+        raise ValueError(f"page_table has {page_table.shape[0]} rows for a batch of {b}")
+    check_shaped("seqlens_k", seqlens_k, (b,), INDEX)
+    if out is not None:
+        check_shaped("out", out, tuple(q_nope.shape), (q_nope.dtype,))
+    check_cuda("q_nope", q_nope)
+    extra = {"out": out} if out is not None else {}
+    if packed:
+        extra["cu_seqlens_q"] = cu_seqlens_q
+    check_same_device(q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv, kpe_cache=kpe,
+                      page_table=page_table, seqlens_k=seqlens_k, **extra)  # fmt: skip
+
+
+def _outputs(q_nope, cu_seqlens_q, out):
+    """(out, lse): lse (batch, H, s_q) for the decode form, (H, total_q) packed (OPS.md)."""
+    o = out if out is not None else q_nope.new_empty(q_nope.shape)
+    if cu_seqlens_q is not None:
+        rows, hq, _ = q_nope.shape
+        return o, q_nope.new_empty((hq, rows), dtype=torch.float32)
+    b, s_q, hq, _ = q_nope.shape
+    return o, q_nope.new_empty((b, hq, s_q), dtype=torch.float32)
+
+
+def _flat_rows(t: torch.Tensor) -> torch.Tensor | None:
+    """(batch, s_q, ...) seen as (batch x s_q, ...) without a copy, or None where it cannot be."""
+    if t.shape[0] <= 1 or t.stride(0) == t.shape[1] * t.stride(1):
+        return t.flatten(0, 1)
+    return None
+
+
+def _forward(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, scale, max_seqlen_q,
+             causal, out):  # fmt: skip
+    """The kernels on validated arguments: the decode form becomes the kernel's (rows, H, D) by
+    views; s_q > 1 runs as the packed form (cu_seqlens_q = 0, s_q, 2 s_q, ...), its LSE rows
+    transposed into (batch, H, s_q) after."""
+    o, lse = _outputs(q_nope, cu_seqlens_q, out)
+    launch = mla_sm90.mla_decode
+    if cu_seqlens_q is not None:
+        launch(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, scale, o, lse.t(), cu_seqlens_q,
+               max_seqlen_q, causal)  # fmt: skip
+        return o, lse
+    b, s_q, hq, d = q_nope.shape
+    if s_q == 1:
+        launch(q_nope[:, 0], q_pe[:, 0], ckv, kpe, page_table, seqlens_k, scale, o[:, 0],
+               lse[..., 0], None, 1, causal)  # fmt: skip
+        return o, lse
+    o_rows = _flat_rows(o)
+    target = o_rows if o_rows is not None else o.new_empty((b * s_q, hq, d))
+    lse_rows = lse.new_empty((b * s_q, hq))
+    cu = torch.arange(0, (b + 1) * s_q, s_q, dtype=torch.int32, device=q_nope.device)
+    launch(q_nope.reshape(b * s_q, hq, d), q_pe.reshape(b * s_q, hq, D_ROPE), ckv, kpe,
+           page_table, seqlens_k, scale, target, lse_rows, cu, s_q, causal)  # fmt: skip
+    if o_rows is None:
+        o.copy_(target.view(b, s_q, hq, d))
+    lse.copy_(lse_rows.view(b, s_q, hq).transpose(1, 2))
+    return o, lse
+
+
+@torch.library.custom_op("forgekernel::mla_decode", mutates_args=())
+def _decode_op(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    ckv_cache: torch.Tensor,
+    kpe_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    softmax_scale: float,
+    max_seqlen_q: int,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_rows("ckv_cache", ckv_cache)
+    _check_rows("kpe_cache", kpe_cache)
+    return _forward(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, cu_seqlens_q,
+                    softmax_scale, max_seqlen_q, causal, None)  # fmt: skip
+
+
+@_decode_op.register_fake
+def _(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, cu_seqlens_q, softmax_scale,
+      max_seqlen_q, causal):  # fmt: skip
+    return _outputs(q_nope, cu_seqlens_q, None)
+
+
+def mla_decode(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    ckv_cache: torch.Tensor,
+    kpe_cache: torch.Tensor | None,
+    page_table: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    *,
+    softmax_scale: float,
+    cu_seqlens_q: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    causal: bool = True,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+):
+    """Absorbed MLA decode (module docstring): q_nope (batch, s_q, H, 512), q_pe (batch, s_q,
+    H, 64), s_q <= 4, against ckv_cache (num_pages, page_size, 512) and kpe_cache (num_pages,
+    page_size, 64) (or FlashMLA's combined (num_pages, page_size, 1, 576) as ckv_cache with
+    kpe_cache None), page_table int32 (batch, max_pages), seqlens_k int32 (batch,). Returns out
+    (batch, s_q, H, 512) in q's dtype and, with return_lse, the natural-log LSE (batch, H, s_q)
+    fp32. Packed form: q (total_q, H, *) by cu_seqlens_q int32 (batch + 1,) with max_seqlen_q
+    (a host int, <= 4) at least the longest, out (total_q, H, 512), LSE (H, total_q).
+    softmax_scale (required): the un-absorbed scale. The split plan bounds the KV lengths by
+    the page table's width (no device read: CUDA-graph capturable)."""
+    if (cu_seqlens_q is None) != (max_seqlen_q is None):
+        raise ValueError("cu_seqlens_q and max_seqlen_q come together")
+    scale = _softmax_scale(softmax_scale)
+    ckv, kpe = _split_cache(ckv_cache, kpe_cache)
+    _validate(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out)
+    mq = q_nope.shape[1] if cu_seqlens_q is None else int(max_seqlen_q)
+    if not 1 <= mq <= MAX_QUERY_TOKENS:
+        raise ValueError(
+            f"max_seqlen_q must be 1..{MAX_QUERY_TOKENS} (MLA prefill has no kernel), got {mq}"
+        )
+    if out is not None and out.stride(-1) != 1:  # the kernel writes rows of 512 contiguous
+        o, lse = mla_decode(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, softmax_scale=scale,
+                            cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+                            causal=causal, return_lse=True)  # fmt: skip
+        out.copy_(o)
+        return (out, lse) if return_lse else out
+    if _traced(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out):
+        o, lse = torch.ops.forgekernel.mla_decode(
+            q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, scale, mq, bool(causal)
+        )
+        if out is not None:
+            out.copy_(o)
+            o = out
+    else:
+        _check_rows("ckv_cache", ckv)  # (a data pointer: real tensors only)
+        _check_rows("kpe_cache", kpe)
+        o, lse = _forward(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, scale,
+                          mq, bool(causal), out)  # fmt: skip
+    return (o, lse) if return_lse else o
+
+
+def mla_paged_decode_flashinfer(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    ckv_cache: torch.Tensor,
+    kpe_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    sm_scale: float | torch.Tensor,
+    kv_last_page_len: torch.Tensor | None = None,
+    *,
+    max_pages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashInfer-Bench's `mla_paged_decode_h16_ckv512_kpe64_ps{1,64}` as it is (keyword names
+    theirs, so `(**inputs)` works for both page sizes): q_nope (batch, H, 512), q_pe (batch,
+    H, 64), caches (num_pages, page_size, 512 / 64), CSR page lists kv_indptr int32 (batch +
+    1,) / kv_indices int32, kv_last_page_len int32 (batch,) (None: every page full, their page
+    size 1), sm_scale a float or 0-d tensor -> (output (batch, H, 512) in q's dtype, lse
+    (batch, H) fp32 base 2). max_pages bounds every sequence's page count; None reads it from
+    kv_indptr (a device sync: give it to capture a CUDA graph)."""
+    check_tensor("q_nope", q_nope, ndim=3, cuda=False)
+    check_tensor("q_pe", q_pe, ndim=3, dtypes=(q_nope.dtype,), cuda=False)
+    check_tensor("kv_indptr", kv_indptr, ndim=1, dtypes=INDEX, cuda=False)
+    check_tensor("kv_indices", kv_indices, ndim=1, dtypes=INDEX, cuda=False)
+    batch = kv_indptr.shape[0] - 1
+    if q_nope.shape[0] != batch:
+        raise ValueError(f"kv_indptr has {batch + 1} entries for a batch of {q_nope.shape[0]}")
+    if kv_last_page_len is not None:
+        check_shaped("kv_last_page_len", kv_last_page_len, (batch,), INDEX)
+    _reject_fp8("ckv_cache", ckv_cache)
+    check_tensor("ckv_cache", ckv_cache, ndim=3, dtypes=(q_nope.dtype,), cuda=False)
+    if max_pages is None:
+        counts = kv_indptr[1:] - kv_indptr[:-1]
+        max_pages = max(1, int(counts.max())) if batch > 0 else 1
+    # csr_page_table gathers kv_indices at clamped positions: an empty list gets one dummy page
+    indices = kv_indices if kv_indices.numel() else kv_indices.new_zeros(1)
+    table, seqlens = csr_page_table(kv_indptr, indices, kv_last_page_len, ckv_cache.shape[1],
+                                    max_pages)  # fmt: skip
+    out, lse = mla_decode(
+        q_nope[:, None], q_pe[:, None], ckv_cache, kpe_cache, table, seqlens,
+        softmax_scale=float(sm_scale), return_lse=True,
+    )  # fmt: skip
+    return out[:, 0], lse[..., 0] * LOG2E
