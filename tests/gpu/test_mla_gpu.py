@@ -1,0 +1,151 @@
+"""DeepSeek MLA paged decode on the GPU (issue 19) against the fp32 reference (reference.mla):
+16 / 32 / 128 heads, page sizes 1 / 16 / 64, empty and long sequences, FlashMLA's combined cache
+read through its views, MTP s_q 2 and 4, the packed form, fp16 and bf16, NaN-poisoned outputs
+(criterion: 2x the same math in the input dtype + 1e-3); a CUDA graph replayed on new inputs;
+FlashInfer-Bench's mla_paged_decode definitions through the adapter, by their own criterion
+(|ours - theirs| <= 1e-2 or relative 1e-2 per element, bench/flashinfer_defs.py)."""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+
+from forgekernel.bench import flashinfer_defs as defs
+from forgekernel.reference.mla import mla_decode_ref, mla_prefill_ref
+
+pytestmark = pytest.mark.gpu
+op = importlib.import_module("forgekernel.ops.mla")
+SCALE = (0.1 * math.log(40.0) + 1.0) ** 2 / math.sqrt(192.0)  # DeepSeek-V3's
+
+CASES = [
+    # b, hq, page_size, lens, s_q, combined
+    (4, 16, 64, [1, 17, 300, 0], 1, True),
+    (2, 16, 1, [64, 1000], 1, False),
+    (1, 16, 64, [16384], 1, False),
+    (3, 128, 64, [5, 0, 513], 1, True),
+    (2, 32, 16, [129, 2048], 1, False),
+    (64, 16, 64, [4096] * 64, 1, True),
+    (4, 16, 64, [1, 40, 700, 4096], 2, True),
+    (3, 128, 1, [4, 129, 2000], 4, False),
+]
+
+
+def _problem(b, hq, ps, lens, s_q, combined, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rand = {"device": "cuda", "dtype": dtype, "generator": g}
+    max_pages = max(1, max(-(-n // ps) for n in lens))
+    pages = b * max_pages + 5
+    if combined:
+        ckv, kpe = torch.randn(pages, ps, 1, 576, **rand), None
+    else:
+        ckv, kpe = torch.randn(pages, ps, 512, **rand), torch.randn(pages, ps, 64, **rand)
+    table = torch.randperm(pages, device="cuda", generator=g)[: b * max_pages].view(b, -1)
+    q = torch.randn(b, s_q, hq, 576, **rand)  # FlashMLA's q: ours reads its two views
+    seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    return q[..., :512], q[..., 512:], ckv, kpe, table.to(torch.int32), seq
+
+
+def _check(out, lse, want, want_lse, low):
+    bound = 2 * float((low.float() - want).abs().max()) + 1e-3
+    assert float((out.float() - want).abs().max()) <= bound
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: f"b{c[0]}_h{c[1]}_p{c[2]}_sq{c[4]}" + ("_comb" if c[5] else "")
+)
+def test_mla_decode_matches_the_reference(case, dtype):
+    qn, qp, ckv, kpe, table, seq = _problem(*case, dtype)
+    out = torch.full((*qn.shape[:-1], 512), float("nan"), device="cuda", dtype=dtype)
+    got, lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, out=out,
+                             return_lse=True)  # fmt: skip
+    assert got is out
+    want, want_lse = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
+    low, _ = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE, upcast=False)
+    _check(out, lse, want, want_lse, low)
+    assert torch.all(out.transpose(1, 2)[torch.isneginf(want_lse)] == 0)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_mla_decode_packed(causal):
+    q_lens, k_lens = [1, 3, 0, 2, 4], [40, 3, 10, 0, 700]
+    _, _, ckv, kpe, table, seq = _problem(5, 16, 64, k_lens, 1, False, torch.bfloat16)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
+                      device="cuda")  # fmt: skip
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(int(cu[-1]), 16, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    qn, qp = q[..., :512], q[..., 512:]
+    out, lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, cu_seqlens_q=cu,
+                             max_seqlen_q=4, causal=causal, return_lse=True)  # fmt: skip
+    want, want_lse = mla_prefill_ref(qn, qp, ckv, kpe, table, seq, cu, SCALE, causal)
+    low, _ = mla_prefill_ref(qn, qp, ckv, kpe, table, seq, cu, SCALE, causal, upcast=False)
+    _check(out, lse, want, want_lse, low)
+
+
+def test_mla_decode_in_a_cuda_graph():
+    """Captured once, replayed on new query values and lengths: no host read in the op."""
+    qn, qp, ckv, kpe, table, seq = _problem(8, 16, 64, [4096] * 8, 1, True, torch.bfloat16)
+    out = torch.empty(*qn.shape[:-1], 512, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, out=out)
+    qn.copy_(torch.randn_like(qn))
+    seq.copy_(torch.tensor([1, 4096, 0, 77, 2048, 3000, 65, 64], device="cuda"))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    want, _ = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
+    low, _ = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE, upcast=False)
+    bound = 2 * float((low.float() - want).abs().max()) + 1e-3
+    assert float((out.float() - want).abs().max()) <= bound
+
+
+def _definition_inputs(defn, seqlens_k, seed=0):
+    """Random inputs of an mla_paged_decode definition: sequence b holds seqlens_k[b] tokens
+    (0: empty) on distinct random pages of a cache with 3 spare pages."""
+    g = torch.Generator().manual_seed(seed)
+    hq, ps = defn.const("num_qo_heads"), defn.const("page_size")
+    counts = torch.tensor([-(-s // ps) for s in seqlens_k])
+    pages = int(counts.sum()) + 3
+    last = [s - (n - 1) * ps if n else 0 for s, n in zip(seqlens_k, counts.tolist())]
+    b = len(seqlens_k)
+    inputs = {
+        "q_nope": torch.randn(b, hq, 512, generator=g).bfloat16(),
+        "q_pe": torch.randn(b, hq, 64, generator=g).bfloat16(),
+        "ckv_cache": torch.randn(pages, ps, 512, generator=g).bfloat16(),
+        "kpe_cache": torch.randn(pages, ps, 64, generator=g).bfloat16(),
+        "kv_indptr": torch.cat([torch.zeros(1), counts.cumsum(0)]).int(),
+        "kv_indices": torch.randperm(pages, generator=g)[: int(counts.sum())].int(),
+        "kv_last_page_len": torch.tensor(last).int(),
+        "sm_scale": 1 / math.sqrt(192),
+    }
+    inputs = {name: inputs[name] for name in defn.inputs}
+    defs.check_inputs(defn, inputs)
+    return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_flashinfer_bench_definition_through_the_kernel(page_size):
+    name = f"mla_paged_decode_h16_ckv512_kpe64_ps{page_size}"
+    why = defs.missing(name)
+    if why:
+        pytest.skip(why)
+    defn = defs.load_definition(name)
+    inputs = _definition_inputs(defn, [1, 17, 300, 0, 4096, 65])
+    theirs_out, theirs_lse = defs.run_definition(defn, inputs)
+    ours_out, ours_lse = op.mla_paged_decode_flashinfer(**inputs)
+    assert ours_out.shape == theirs_out.shape and ours_lse.shape == theirs_lse.shape
+    assert ours_out.dtype == theirs_out.dtype and torch.isfinite(ours_out).all()
+    assert defs.benchmark_failures(ours_out, theirs_out) == 0
+    assert defs.benchmark_failures(ours_lse, theirs_lse) == 0
