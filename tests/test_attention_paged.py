@@ -219,7 +219,8 @@ def test_bad_arguments(kwargs, err, match):
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize(("q_lens", "k_lens"), [([1, 3, 2], [40, 3, 70]), ([4, 4], [4, 130]),
-                                                ([2, 1, 4], [0, 17, 2])])  # fmt: skip
+                                                ([2, 1, 4], [0, 17, 2]),
+                                                ([1, 1, 1], [9, 0, 300])])  # fmt: skip
 def test_speculative_decoding(cpu_kernels, causal, q_lens, k_lens):
     b = len(q_lens)
     q, k, v, pt, seq = _problem(b, 8, 2, 64, 16, k_lens)
@@ -236,7 +237,8 @@ def test_speculative_decoding(cpu_kernels, causal, q_lens, k_lens):
     assert torch.equal(finite, torch.isfinite(lse))
     assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-4
     params = cpu_kernels[-1][0]
-    assert params.get("qtokens", 1) == next(t for t in (1, 2, 4) if t >= max(q_lens))
+    # the packed form takes a kernel built for cu_seqlens_q: 2 tokens or more
+    assert params.get("qtokens", 1) == next(t for t in (2, 4) if t >= max(q_lens))
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -286,3 +288,9 @@ def test_flashinfer_csr_form(cpu_kernels, page_size):
                                         max_pages=pt.shape[1])  # fmt: skip
     want, _ = paged_attention_ref(q, k, v, pt, seq)
     assert float((out.float() - want).abs().max()) < 2e-2
+
+
+def test_csr_page_table_with_no_pages():
+    indptr = torch.zeros(4, dtype=torch.int32)
+    table, lens = op_module.csr_page_table(indptr, torch.zeros(0, dtype=torch.int32), None, 16, 2)
+    assert table.shape == (3, 2) and not table.any() and not lens.any()

@@ -250,6 +250,8 @@ def csr_page_table(
     col = torch.arange(max_pages, device=indptr.device)
     flat = (indptr[:-1, None] + col[None, :]).clamp(max=max(kv_indices.numel() - 1, 0))
     used = col[None, :] < counts[:, None]
+    if kv_indices.numel() == 0:  # every sequence empty: nothing to index
+        return torch.zeros_like(flat, dtype=torch.int32), seqlens
     table = torch.where(used, kv_indices.long()[flat], 0).int()
     return table, seqlens
 
