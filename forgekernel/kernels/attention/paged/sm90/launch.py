@@ -55,8 +55,8 @@ def paged_decode(
         return
     # the packed form takes a kernel built for cu_seqlens_q (2 or more tokens) even when every
     # sequence brings one query token
-    qtokens = 1 if cu_seqlens_q is None else next(
-        t for t in config.QTOKENS if t >= max(max_seqlen_q, 2)
+    qtokens = (
+        1 if cu_seqlens_q is None else next(t for t in config.QTOKENS if t >= max(max_seqlen_q, 2))
     )
     _, page_size, hkv, _ = k_cache.shape
     p_params, c_params, _, splits, per = _plans.get_or_build(
