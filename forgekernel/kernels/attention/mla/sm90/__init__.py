@@ -1,7 +1,9 @@
 """DeepSeek MLA paged decode, sm_90a (absorbed: 576-wide keys, 512-wide values, one latent row
 per token shared by every head; split-KV partial pass + the paged leaf's combine). DSL-free
 declaration; the kernels are `decode.py` (the partial pass) and the paged leaf's `combine.py`
-(`PagedCombineSm90` at head dim 512); the op is `forgekernel.ops.mla.mla_decode` (issue 19)."""
+(`PagedCombineSm90` at head dim 512); the op is `forgekernel.ops.mla.mla_decode` (issue 19).
+The partial pass's sparse mode (kind "sparse") is DeepSeek sparse attention's kernel, op
+`forgekernel.ops.dsa.dsa_sparse_attention` (issue 22)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from forgekernel.kernels.attention.mla.sm90.config import (
     QTOKENS,
     ROWS,
     params_for,
+    sparse_heads,
 )
 from forgekernel.runtime.spec import KernelSpec, Params
 
@@ -31,7 +34,8 @@ def _standard_params() -> list[Params]:
         for h in HEADS
         if h * qt <= ROWS
     ]
-    return partial + [params_for("combine", dtype) for dtype in DTYPES]
+    sparse = [params_for("sparse", dtype, h) for dtype in DTYPES for h in sparse_heads()]
+    return partial + sparse + [params_for("combine", dtype) for dtype in DTYPES]
 
 
 SPEC = KernelSpec(

@@ -1,7 +1,9 @@
 """Compile the MLA decode kernels against fake tensors: batch, query rows, heads, pages, splits,
 the page size and every outer stride dynamic (FlashMLA's combined (pages, page_size, 1, 576)
 cache's two views included: rows 16-byte aligned); heads per CTA, query tokens and dtype baked
-in. The combine is the paged leaf's, at head dim 512."""
+in. The combine is the paged leaf's, at head dim 512. The sparse (DSA) partial takes the
+(tokens, topk) int32 top-k lists in place of the page table, tokens and topk dynamic, and None
+for seqlens_k and cu_seqlens_q."""
 
 from __future__ import annotations
 
@@ -37,11 +39,39 @@ def _combine(dtype, opts: str):
     )
 
 
+def _sparse(dtype, heads: int, opts: str):
+    tokens, hq = cute.sym_int32(), cute.sym_int32()
+    pages, page_size = cute.sym_int32(), cute.sym_int32()
+    top_k = make_fake_tensor(
+        cutlass.Int32, (tokens, cute.sym_int32()), stride=(cute.sym_int64(), 1), assumed_align=4
+    )
+    return cute.compile(
+        MlaDecodeSm90(heads, sparse=True),
+        fake.rowmajor(dtype, (tokens, hq, D_LATENT)),
+        fake.rowmajor(dtype, (tokens, hq, D_ROPE)),
+        fake.rowmajor(dtype, (pages, page_size, D_LATENT)),
+        fake.rowmajor(dtype, (pages, page_size, D_ROPE)),
+        top_k,
+        None,  # seqlens_k: the lists' width is every token's key count
+        _dense(cutlass.Float32, 4),
+        _dense(cutlass.Float32, 3),
+        cutlass.Float32(1.0),
+        cutlass.Int32(1),
+        cutlass.Int32(1),
+        None,  # cu_seqlens_q: one query token per CTA
+        cutlass.Int32(0),  # causal: unused
+        fake.stream(),
+        options=opts,
+    )
+
+
 def compile_mla(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     dtype = fake.dtype_of(params["dtype"])
     opts = fake.options(arch, extra_options)
     if params["kind"] == "combine":
         return _combine(dtype, opts)
+    if params["kind"] == "sparse":
+        return _sparse(dtype, params["heads"], opts)
     qtokens = params.get("qtokens", 1)
     b, hq = cute.sym_int32(), cute.sym_int32()
     rows = cute.sym_int32() if qtokens > 1 else b  # total_q packed by cu_seqlens_q, else B

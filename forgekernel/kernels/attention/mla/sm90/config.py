@@ -5,7 +5,11 @@ The latent cache row of a token is [c (D_LATENT) ; r (D_ROPE)]: the key is all 5
 value the first 512 (MQA with one KV head shared by every query head). A CTA takes `heads`
 query heads x `qtokens` query tokens (rows <= ROWS of the MMA) of one sequence and one split of
 its keys; shared memory holds STAGES tiles of TILE latent rows (2 x 64 x 576 x 2 bytes = 144 KB
-with 16-bit caches), so one CTA fits an SM (RESIDENT)."""
+with 16-bit caches), so one CTA fits an SM (RESIDENT).
+
+DeepSeek sparse attention (DSA, issue 22) runs the same partial pass in its `sparse` mode: a
+CTA's keys are one split of a query token's top-k list (kind "sparse": one token per CTA,
+`heads` query heads), merged by the same combine."""
 
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ STAGES = 2
 RESIDENT = 1  # CTAs per SM
 D_LATENT = 512  # kv_lora_rank: the value and the first key columns
 D_ROPE = 64  # qk_rope_head_dim: the key's last columns
+SPARSE_HQ = (16, 128)  # DeepSeek-V3.2's query heads per GPU at TP8 and TP1 (the prebuilt DSA)
 
 
 def heads_per_cta(hq: int, qtokens: int = 1) -> int:
@@ -31,13 +36,23 @@ def heads_per_cta(hq: int, qtokens: int = 1) -> int:
     return max(h for h in HEADS if hq % h == 0 and h * qtokens <= ROWS)
 
 
+def sparse_heads() -> tuple[int, ...]:
+    """The heads per CTA prebuilt for DSA: those dividing every Hq of SPARSE_HQ."""
+    return tuple(h for h in HEADS if all(hq % h == 0 for hq in SPARSE_HQ))
+
+
 def params_for(kind: str, dtype: str, heads: int = 1, qtokens: int = 1) -> tuple:
     """Compile key: kind "partial" (one split of `heads` query heads x `qtokens` tokens, fp32
-    out; qtokens > 1 the packed form with cu_seqlens_q) or "combine" (the paged leaf's
+    out; qtokens > 1 the packed form with cu_seqlens_q), "sparse" (DSA: one split of one query
+    token's top-k list, `heads` query heads; qtokens 1) or "combine" (the paged leaf's
     `PagedCombineSm90` at head dim D_LATENT, under the key the paged leaf would give it)."""
     if kind == "combine":
         return tuple(sorted({"kind": kind, "dtype": dtype, "head_dim": D_LATENT}.items()))
+    if kind == "sparse":
+        if qtokens != 1:
+            raise ValueError(f"sparse attention takes one query token per CTA, got {qtokens}")
+        return tuple(sorted({"kind": kind, "dtype": dtype, "heads": heads}.items()))
     if kind != "partial":
-        raise ValueError(f"kind must be 'partial' or 'combine', got {kind!r}")
+        raise ValueError(f"kind must be 'partial', 'sparse' or 'combine', got {kind!r}")
     keys = {"kind": kind, "dtype": dtype, "heads": heads}
     return tuple(sorted({**keys, **({"qtokens": qtokens} if qtokens > 1 else {})}.items()))

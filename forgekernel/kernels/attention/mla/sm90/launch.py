@@ -1,6 +1,7 @@
-"""Host launcher of the MLA paged decode: torch only (no DSL), the partial pass and the paged
-leaf's combine (compiled under this leaf's SPEC) through the compile cache. Callers validate
-first (`forgekernel.ops.mla`)."""
+"""Host launchers of the MLA paged decode and of DeepSeek sparse attention (DSA, the partial
+pass's sparse mode): torch only (no DSL), the partial pass and the paged leaf's combine
+(compiled under this leaf's SPEC) through the compile cache. Callers validate first
+(`forgekernel.ops.mla`, `forgekernel.ops.dsa`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms, on_dev
 from forgekernel.runtime.plans import PlanCache
 
 _plans = PlanCache()
+_sparse_plans = PlanCache()
 
 
 def _plan(dtype, batch, hq, max_tokens, qtokens, device_index):
@@ -76,5 +78,56 @@ def mla_decode(
             page_table.contiguous(), seqlens_k.contiguous(), partial_o, partial_lse,
             softmax_scale * LOG2E, per, page_size,
             None if cu_seqlens_q is None else cu_seqlens_q.contiguous(), int(causal),
+        )  # fmt: skip
+        combine(partial_o, partial_lse, out, lse)
+
+
+def _sparse_plan(dtype, tokens, hq, topk, device_index):
+    """(sparse params, combine params, splits, list positions per split): the paged leaf's
+    split plan over tokens x head blocks, each token's keys its top-k list."""
+    name = dtype_name(dtype)
+    heads = config.heads_per_cta(hq)
+    splits, per = config.split_plan(
+        tokens, hq // heads, topk, num_sms(device_index), config.RESIDENT
+    )
+    sparse = config.params_for("sparse", name, heads)
+    return sparse, config.params_for("combine", name), splits, per
+
+
+def dsa_sparse_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    ckv_cache: torch.Tensor,
+    kpe_cache: torch.Tensor,
+    sparse_indices: torch.Tensor,
+    softmax_scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """out (tokens, Hq, 512) in q's dtype (rows of 512 contiguous) and lse (tokens, Hq) fp32
+    (natural log; any strides) of DSA: q_nope (tokens, Hq, 512), q_pe (tokens, Hq, 64); caches
+    as `mla_decode`'s; sparse_indices int32 (tokens, topk), entries page * page_size + slot,
+    negative = padding. Split s covers list positions [s * per, (s + 1) * per) of every token;
+    the plan depends on shapes only (no device read). topk 0: every row 0 / -inf."""
+    tokens, hq, _ = q_nope.shape
+    topk = sparse_indices.shape[1]
+    if tokens == 0 or hq == 0:
+        return
+    if topk == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return
+    key = (q_nope.dtype, tokens, hq, topk, q_nope.device.index)
+    s_params, c_params, splits, per = _sparse_plans.get_or_build(key, _sparse_plan)
+    d = config.D_LATENT
+    partial_o = torch.empty(splits, tokens, hq, d, dtype=torch.float32, device=q_nope.device)
+    partial_lse = torch.empty(splits, tokens, hq, dtype=torch.float32, device=q_nope.device)
+    partial = get_kernel(SPEC, s_params)
+    combine = get_kernel(SPEC, c_params)
+    with on_device(q_nope.device):
+        partial(
+            as_tma_ready(q_nope), as_tma_ready(q_pe), ckv_cache, kpe_cache,
+            sparse_indices.contiguous(), None, partial_o, partial_lse, softmax_scale * LOG2E,
+            per, ckv_cache.shape[1], None, 0,
         )  # fmt: skip
         combine(partial_o, partial_lse, out, lse)
