@@ -1,0 +1,191 @@
+"""`forgekernel.ops.dsa.dsa_sparse_attention`: DeepSeek sparse attention (DSA, DeepSeek-V3.2),
+the sparse MLA forward over a paged latent cache, absorbed form (kernel: the MLA decode leaf's
+sparse mode, kernels/attention/mla/sm90, issue 22); and `dsa_sparse_attention_flashinfer`,
+FlashInfer-Bench's `dsa_sparse_attention_*` definitions as they are.
+
+Math (reference/dsa.py, `dsa_sparse_attention_ref`): query token t attends to the cache rows
+its top-k list names, MQA over one latent row [c_j (512) ; r_j (64)] per cache slot shared by
+every head. For head h, over the valid entries j of row t (idx[t, j] >= 0):
+
+    s[t, h, j] = softmax_scale (q_nope[t, h] . c_idx[t, j] + q_pe[t, h] . r_idx[t, j])
+    lse[t, h]  = logsumexp_j s[t, h, j]                  (natural log)
+    out[t, h]  = sum_j softmax(s[t, h])_j c_idx[t, j]     (512 wide; the caller applies W_UV)
+
+Each listed entry is one term (an indexer never lists a slot twice). A row with no valid entry
+gives out 0 and lse -inf. No attention sink, no topk_length (pad with -1 instead).
+
+Layouts:
+    q_nope (tokens, H, 512), q_pe (tokens, H, 64), bf16 / fp16 (tokens: a decode batch, one
+        token per sequence, or the packed tokens of a prefill: the lists carry the positions);
+    caches ckv_cache (num_pages, page_size, 512) and kpe_cache (num_pages, page_size, 64) in
+        q's dtype (FlashInfer's), or FlashMLA's combined (num_pages, page_size, 1, 576) as
+        ckv_cache with kpe_cache None (read in place through two views);
+    sparse_indices int32 (tokens, topk): slot page * page_size + offset of the flattened cache
+        (FlashMLA's and FlashInfer's index space), -1 padding anywhere in a row;
+    out (tokens, H, 512) in q's dtype; lse (tokens, H) fp32 natural log, token-major as
+        reference.dsa's (and FlashMLA's sparse prefill, cuDNN's DSA backward, FlashInfer's
+        definitions): the kernel computes all heads of a token from one gather of its rows,
+        and OPS.md's varlen (heads, tokens) would be a transpose in every caller.
+Entries must be negative (padding) or below num_pages * page_size: the op reads no index on the
+host (CUDA-graph capturable), so a larger one reads outside the cache. softmax_scale has no
+default (DeepSeek-V3.2's is 1 / sqrt(192) x its YaRN mscale^2; FlashInfer-Bench's definitions
+give 1 / sqrt(192)). FP8 caches (FlashMLA's 656-byte format) are not in this kernel:
+NotImplementedError.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from forgekernel.kernels.attention.mla.sm90 import launch as mla_sm90
+from forgekernel.kernels.attention.mla.sm90.config import D_LATENT, D_ROPE
+from forgekernel.ops._dispatch import traced as _traced
+from forgekernel.ops._validate import (
+    check_cuda,
+    check_same_device,
+    check_shaped,
+    check_tensor,
+)
+from forgekernel.ops.mla import FP8_CACHES, INDEX, _check_rows, _softmax_scale, _split_cache
+
+LOG2E = math.log2(math.e)
+MAX_SLOTS = 2**31  # int32 entries address at most this many cache slots
+
+
+def _reject_fp8(name: str, cache: object) -> None:
+    if isinstance(cache, torch.Tensor) and cache.dtype in FP8_CACHES:
+        raise NotImplementedError(
+            f"{name} is {cache.dtype}: FP8 latent caches are not in the first DSA kernel (issue"
+            " 22); pass a bf16 / fp16 cache"
+        )
+
+
+def _validate(q_nope, q_pe, ckv, kpe, sparse_indices, out) -> None:
+    for name, t, d in (("q_nope", q_nope, D_LATENT), ("q_pe", q_pe, D_ROPE)):
+        if isinstance(t, torch.Tensor) and t.dim() != 3:
+            raise ValueError(f"{name} must be (tokens, H, {d}), got {tuple(t.shape)}")
+    check_tensor("q_nope", q_nope, ndim=3, cuda=False)
+    check_tensor("q_pe", q_pe, ndim=3, dtypes=(q_nope.dtype,), cuda=False)
+    if q_nope.shape[-1] != D_LATENT or q_pe.shape != (*q_nope.shape[:-1], D_ROPE):
+        raise ValueError(
+            f"q_nope {tuple(q_nope.shape)} and q_pe {tuple(q_pe.shape)} must be (tokens, H,"
+            f" {D_LATENT}) and (tokens, H, {D_ROPE})"
+        )
+    check_tensor("ckv_cache", ckv, ndim=3, dtypes=(q_nope.dtype,), cuda=False)
+    check_tensor("kpe_cache", kpe, ndim=3, dtypes=(q_nope.dtype,), cuda=False)
+    pages, page_size, _ = ckv.shape
+    if ckv.shape[2] != D_LATENT or kpe.shape != (pages, page_size, D_ROPE) or page_size < 1:
+        raise ValueError(
+            f"ckv_cache {tuple(ckv.shape)} and kpe_cache {tuple(kpe.shape)} must be (num_pages,"
+            f" page_size >= 1, {D_LATENT}) and (num_pages, page_size, {D_ROPE})"
+        )
+    if pages * page_size > MAX_SLOTS:
+        raise ValueError(f"the cache's {pages * page_size} slots are more than int32 addresses")
+    check_tensor("sparse_indices", sparse_indices, ndim=2, dtypes=INDEX, cuda=False)
+    if sparse_indices.shape[0] != q_nope.shape[0]:
+        raise ValueError(
+            f"sparse_indices must be (tokens, topk) with tokens = {q_nope.shape[0]}, got"
+            f" {tuple(sparse_indices.shape)}"
+        )
+    if out is not None:
+        check_shaped("out", out, (*q_nope.shape[:-1], D_LATENT), (q_nope.dtype,))
+    check_cuda("q_nope", q_nope)
+    extra = {"out": out} if out is not None else {}
+    check_same_device(q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv, kpe_cache=kpe,
+                      sparse_indices=sparse_indices, **extra)  # fmt: skip
+
+
+def _outputs(q_nope, out):
+    """(out (tokens, H, 512), lse (tokens, H) fp32)."""
+    tokens, hq, _ = q_nope.shape
+    o = out if out is not None else q_nope.new_empty((tokens, hq, D_LATENT))
+    return o, q_nope.new_empty((tokens, hq), dtype=torch.float32)
+
+
+def _forward(q_nope, q_pe, ckv, kpe, sparse_indices, scale, out):
+    o, lse = _outputs(q_nope, out)
+    mla_sm90.dsa_sparse_attention(q_nope, q_pe, ckv, kpe, sparse_indices, scale, o, lse)
+    return o, lse
+
+
+@torch.library.custom_op("forgekernel::dsa_sparse_attention", mutates_args=())
+def _sparse_op(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    ckv_cache: torch.Tensor,
+    kpe_cache: torch.Tensor,
+    sparse_indices: torch.Tensor,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_rows("ckv_cache", ckv_cache)
+    _check_rows("kpe_cache", kpe_cache)
+    return _forward(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, softmax_scale, None)
+
+
+@_sparse_op.register_fake
+def _(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, softmax_scale):
+    return _outputs(q_nope, None)
+
+
+def dsa_sparse_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    ckv_cache: torch.Tensor,
+    kpe_cache: torch.Tensor | None,
+    sparse_indices: torch.Tensor,
+    *,
+    softmax_scale: float,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+):
+    """DeepSeek sparse attention (module docstring): q_nope (tokens, H, 512), q_pe (tokens, H,
+    64) against ckv_cache (num_pages, page_size, 512) and kpe_cache (num_pages, page_size, 64)
+    (or FlashMLA's combined (num_pages, page_size, 1, 576) as ckv_cache with kpe_cache None),
+    each token attending to the slots sparse_indices int32 (tokens, topk) lists (page *
+    page_size + offset; -1 padding anywhere). Returns out (tokens, H, 512) in q's dtype and,
+    with return_lse, the natural-log LSE (tokens, H) fp32 (0 / -inf where a row lists no slot).
+    softmax_scale (required): the un-absorbed scale. out: written in place when given. No
+    device read: CUDA-graph capturable."""
+    scale = _softmax_scale(softmax_scale)
+    _reject_fp8("ckv_cache", ckv_cache)
+    _reject_fp8("kpe_cache", kpe_cache)
+    ckv, kpe = _split_cache(ckv_cache, kpe_cache)
+    _validate(q_nope, q_pe, ckv, kpe, sparse_indices, out)
+    if out is not None and out.stride(-1) != 1:  # the combine writes rows of 512 contiguous
+        o, lse = dsa_sparse_attention(q_nope, q_pe, ckv, kpe, sparse_indices,
+                                      softmax_scale=scale, return_lse=True)  # fmt: skip
+        out.copy_(o)
+        return (out, lse) if return_lse else out
+    if _traced(q_nope, q_pe, ckv, kpe, sparse_indices, out):
+        o, lse = torch.ops.forgekernel.dsa_sparse_attention(
+            q_nope, q_pe, ckv, kpe, sparse_indices, scale
+        )
+        if out is not None:
+            out.copy_(o)
+            o = out
+    else:
+        _check_rows("ckv_cache", ckv)  # (a data pointer: real tensors only)
+        _check_rows("kpe_cache", kpe)
+        o, lse = _forward(q_nope, q_pe, ckv, kpe, sparse_indices, scale, out)
+    return (o, lse) if return_lse else o
+
+
+def dsa_sparse_attention_flashinfer(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    ckv_cache: torch.Tensor,
+    kpe_cache: torch.Tensor,
+    sparse_indices: torch.Tensor,
+    sm_scale: float | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashInfer-Bench's `dsa_sparse_attention_h16_ckv512_kpe64_topk2048_ps{1,64}` as it is
+    (keyword names theirs, so `(**inputs)` works): q_nope (tokens, H, 512), q_pe (tokens, H,
+    64), caches (num_pages, page_size, 512 / 64), sparse_indices int32 (tokens, topk) of
+    flattened slots, -1 padded; sm_scale a float or 0-d tensor (a tensor on the GPU is read
+    once: a device sync) -> (output (tokens, H, 512) in q's dtype, lse (tokens, H) fp32 base
+    2, -inf for a row with no index)."""
+    out, lse = dsa_sparse_attention(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices,
+                                    softmax_scale=float(sm_scale), return_lse=True)  # fmt: skip
+    return out, lse * LOG2E
