@@ -16,6 +16,7 @@ from forgekernel.bench.suite import OpSuite
 # tests/test_ledger_gate.py does not ask CI for a ledger that no GPU has written yet.
 PENDING_SUITE_MODULES: dict[str, str] = {
     "mla_decode": "forgekernel.bench.suites.mla_decode",  # issue 19
+    "dsa_sparse": "forgekernel.bench.suites.dsa_sparse",  # issue 22
 }
 SUITE_MODULES = {
     "gemm": "forgekernel.bench.suites.gemm",

@@ -1,0 +1,270 @@
+"""DeepSeek sparse attention suite (DSA, issue 22; pending, in PENDING_SUITE_MODULES until
+`pytest -m gpu tests/gpu/test_dsa_gpu.py` passes): the sparse MLA forward, query token t against
+the latent cache rows its top-k list names (slot page * page_size + offset, -1 padding),
+outputs (out (tokens, H, 512), lse (tokens, H) natural log), reference.dsa's math.
+
+Shapes: DeepSeek-V3.2 at TP8 (16 heads per GPU, FlashInfer-Bench's h16 definitions) and TP1
+(128 heads), top-k 2048, softmax_scale DeepSeek-V3's (1 / sqrt(192) x mscale^2). Decode: `tokens`
+sequences of `ctx` cached tokens each, one query token per sequence picking topk of its own
+sequence's slots (the cache holds every sequence's pages, shuffled). Prefill-like (`prefill`):
+the last `tokens` positions of one sequence of `ctx` tokens, token i choosing among the
+positions it sees (causal, bottom-right). Selections are random, not scored: the kernel's cost
+does not depend on which rows win. Inputs are FlashMLA's: q (tokens, H, 576) and the combined
+cache (pages, page_size, 1, 576), ours reading their views in place; cache="split" cases hold
+FlashInfer's separate ckv / kpe caches. Padding: "end" (-1s after the valid entries, as a
+sorted top-k leaves them) or "scattered" (anywhere in the row); a sequence of length 0 gives a
+row of -1s (out 0, lse -inf).
+
+Memory-bound at decode: GB/s counts the rows each token reads (its valid entries x 576 x 2
+bytes; at 128 heads our kernel reads them once per 16-head block, at prefill tokens share most
+rows and L2 serves them) plus q, out and the LSE. FLOPs: 2 x (576 + 512) per (token, head,
+valid entry).
+
+Comparator, set up by its first call on each input set (outside any timing, cached there):
+FlashMLA's sparse prefill forward (`flash_mla_sparse_fwd`, sgl-flash-mla; bf16; it takes 64 or
+128 heads on sm90, so 16 heads run zero-padded to 64, as vLLM and SGLang pad them; the combined
+cache as its (slots, 1, 576) view, split caches concatenated once). Its sparse decode takes FP8
+caches only and FlashInfer's sparse MLA decode (trtllm-gen) and cuDNN's DSA forward have no
+sm90 kernel: none is a comparator here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Any
+
+import torch
+
+from forgekernel.bench.suite import Case, Inputs, OpSuite
+from forgekernel.kernels.attention.mla.sm90 import SPEC
+
+LATENT, ROPE = 512, 64
+WIDTH = LATENT + ROPE
+# DeepSeek-V3's: the un-absorbed 1 / sqrt(128 + 64) times the YaRN mscale^2 (mscale 0.1 ln 40 + 1)
+SOFTMAX_SCALE = (0.1 * math.log(40.0) + 1.0) ** 2 / math.sqrt(192.0)
+TOPK = 2048
+FLASHMLA_HEADS = (64, 128)  # FlashMLA's sm90 sparse prefill
+
+
+def _case(tokens, hq, page, lens, *, topk=TOPK, pad="end", cache="combined", prefill=False,
+          group="", tag="") -> Case:  # fmt: skip
+    """lens: per token, its sequence's length (decode), or one int: every token's (decode) or
+    the one sequence's (prefill)."""
+    if not prefill:
+        lens = tuple(lens) if isinstance(lens, (list, tuple)) else (lens,) * tokens
+    else:
+        lens = (lens,)
+    shape = tag or (f"L{lens[0]}" if len(set(lens)) == 1 else f"L{min(lens)}-{max(lens)}")
+    form = ("-prefill" if prefill else "") + ("-scattered" if pad == "scattered" else "")
+    name = f"t{tokens}-h{hq}-p{page}-k{topk}-{shape}{form}" + ("-split" if cache == "split" else "")
+    params = {"tokens": tokens, "hq": hq, "page": page, "topk": topk, "lens": lens,
+              "pad": pad, "cache": cache, "prefill": prefill}  # fmt: skip
+    return Case(name, params, group)
+
+
+def _tp(hq: int) -> str:
+    return "tp8" if hq == 16 else "tp1"
+
+
+# DeepSeek-V3.2 decode per GPU at TP8 (h16) and TP1 (h128): 1-128 sequences, 8k-128k cached
+# tokens each, page size 64 (FlashMLA's) and 1 (FlashInfer-Bench's split caches); a chunked
+# prefill of 1024 / 4096 tokens.
+BENCH_CASES = (
+    *(_case(t, 16, 64, n, group="tp8") for t in (1, 16, 64, 128) for n in (8192, 32768)),
+    *(_case(t, 16, 64, 131072, group="tp8") for t in (1, 16)),
+    _case(16, 16, 1, 8192, cache="split", group="page1"),
+    _case(128, 16, 1, 8192, cache="split", group="page1"),
+    _case(1, 128, 64, 32768, group="tp1"),
+    _case(64, 128, 64, 8192, group="tp1"),
+    _case(1024, 16, 64, 16384, prefill=True, group="prefill"),
+    _case(4096, 16, 64, 32768, prefill=True, group="prefill"),
+)
+CHECK_CASES = (
+    _case(1, 16, 64, (3000,)),
+    _case(5, 16, 1, (1, 70, 0, 64, 200), topk=64, cache="split"),
+    _case(4, 16, 64, (100, 1, 333, 0), topk=200, pad="scattered"),
+    _case(7, 16, 1, (1, 100, 2048, 5000, 0, 3000, 2047), pad="scattered", cache="split"),
+    _case(33, 16, 64, tuple(range(0, 33 * 29, 29)), topk=256),
+    _case(3, 128, 64, (700, 5, 1000), topk=512, pad="scattered"),
+    _case(17, 16, 64, 140, topk=128, prefill=True, pad="scattered"),
+    _case(2, 16, 16, (0, 0), topk=64),
+)
+# every compiled variant at 16 (h16, h128) heads, both cache forms, both paddings, empty rows
+SANITIZE_CASES = (CHECK_CASES[1], CHECK_CASES[3], CHECK_CASES[5])
+
+
+def visible(case: Case) -> list[tuple[int, int]]:
+    """(sequence, positions it sees) per query token."""
+    p = case.params
+    if p["prefill"]:
+        ctx, t = p["lens"][0], p["tokens"]
+        return [(0, ctx - t + i + 1) for i in range(t)]
+    return list(enumerate(p["lens"]))
+
+
+def _selection(case: Case, device, gen) -> torch.Tensor:
+    """Positions int64 (tokens, topk): min(visible, topk) distinct random visible positions per
+    row, -1 after them ("end") or scattered through the row."""
+    p = case.params
+    seen = torch.tensor([v for _, v in visible(case)], device=device)
+    width = max(p["topk"], int(seen.max()) if seen.numel() else 0, 1)
+    scores = torch.rand(p["tokens"], width, device=device, generator=gen)
+    scores = scores.masked_fill(torch.arange(width, device=device) >= seen[:, None], -1.0)
+    top, pos = scores.topk(p["topk"], dim=1)
+    pos = torch.where(top >= 0, pos, -1)
+    if p["pad"] == "scattered":
+        order = torch.rand(pos.shape, device=device, generator=gen).argsort(dim=1)
+        pos = pos.gather(1, order)
+    return pos
+
+
+def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, gen: torch.Generator):
+    p = case.params
+    tokens, hq, ps = p["tokens"], p["hq"], p["page"]
+    seqs = p["lens"]
+    widths = [max(1, -(-n // ps)) for n in seqs]
+    pages = sum(widths) + 3
+    rand = {"dtype": dtype, "device": device, "generator": gen}
+    inputs: dict[str, Any] = {"q": torch.randn(tokens, hq, WIDTH, **rand)}
+    if p["cache"] == "combined":
+        inputs["ckv"], inputs["kpe"] = torch.randn(pages, ps, 1, WIDTH, **rand), None
+    else:
+        inputs["ckv"] = torch.randn(pages, ps, LATENT, **rand)
+        inputs["kpe"] = torch.randn(pages, ps, ROPE, **rand)
+    # sequence s owns a shuffled run of pages: table[s, j] holds its position j // ps
+    perm = torch.randperm(pages, device=device, generator=gen)
+    table = torch.zeros(len(seqs), max(widths), dtype=torch.int64, device=device)
+    first = 0
+    for s, w in enumerate(widths):
+        table[s, :w] = perm[first : first + w]
+        first += w
+    pos = _selection(case, device, gen)
+    seq = torch.tensor([s for s, _ in visible(case)], device=device)
+    local = pos.clamp(min=0)
+    slots = table[seq].gather(1, local // ps) * ps + local % ps
+    inputs["idx"] = torch.where(pos >= 0, slots, -1).to(torch.int32)
+    return inputs
+
+
+def alloc_out(inputs: Inputs):
+    q = inputs["q"]
+    return q.new_empty(*q.shape[:-1], LATENT), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+def run_ours(inputs: Inputs, out):
+    op = importlib.import_module("forgekernel.ops.dsa")
+    q = inputs["q"]
+    res = op.dsa_sparse_attention(
+        q[..., :LATENT], q[..., LATENT:], inputs["ckv"], inputs["kpe"], inputs["idx"],
+        softmax_scale=SOFTMAX_SCALE, return_lse=True, out=None if out is None else out[0],
+    )  # fmt: skip
+    if out is None:
+        return res
+    out[1].copy_(res[1])
+    return out
+
+
+def _kv(inputs: Inputs) -> torch.Tensor:
+    """The cache as reference.dsa reads it: (pages, page_size, [1,] 576)."""
+    if inputs["kpe"] is None:
+        return inputs["ckv"]
+    return torch.cat([inputs["ckv"], inputs["kpe"]], -1)
+
+
+def _reference(inputs: Inputs, dtype: torch.dtype):
+    from forgekernel.reference.dsa import dsa_sparse_attention_paged_ref
+
+    return dsa_sparse_attention_paged_ref(
+        inputs["q"], _kv(inputs), inputs["idx"], SOFTMAX_SCALE, dtype=dtype
+    )
+
+
+def reference(inputs: Inputs):
+    return _reference(inputs, torch.float32)
+
+
+def low_precision(inputs: Inputs):
+    """out by the same math in q's dtype; the LSE fp32 (as reference.mla's yardstick)."""
+    out, _ = _reference(inputs, inputs["q"].dtype)
+    return out, _reference(inputs, torch.float32)[1]
+
+
+def _flashmla():
+    try:
+        import flash_mla
+    except ImportError:
+        return None
+    sparse_fwd = getattr(flash_mla, "flash_mla_sparse_fwd", None)
+    if sparse_fwd is None:
+        return None
+
+    def setup(inputs: Inputs):
+        q, idx = inputs["q"], inputs["idx"]
+        if q.dtype != torch.bfloat16:
+            raise ValueError(f"FlashMLA's sparse prefill takes bf16, not {q.dtype}")
+        hq = q.shape[1]
+        heads = next((h for h in FLASHMLA_HEADS if h >= hq), None)
+        if heads is None:
+            raise ValueError(f"FlashMLA's sm90 sparse prefill takes <= 128 heads, not {hq}")
+        if heads != hq:  # zero heads up to its 64: the padded rows are computed and dropped
+            q = torch.cat([q, q.new_zeros(q.shape[0], heads - hq, WIDTH)], 1)
+        kv = _kv(inputs).reshape(-1, 1, WIDTH)
+        indices = idx[:, None, :]
+
+        def call():
+            out, _, lse = sparse_fwd(q, kv, indices, SOFTMAX_SCALE, LATENT)
+            return out[:, :hq], lse[:, :hq]
+
+        return call, q, kv
+
+    def run(inputs: Inputs):
+        if "flashmla" not in inputs:
+            inputs["flashmla"] = setup(inputs)
+        return inputs["flashmla"][0]()
+
+    return run
+
+
+def comparators() -> dict[str, Any]:
+    if not torch.cuda.is_available():
+        return {"flashmla_sparse": None}
+    return {"flashmla_sparse": _flashmla()}
+
+
+def _valid(case: Case) -> list[int]:
+    """Valid entries per token: min(visible positions, topk)."""
+    return [min(v, case.params["topk"]) for _, v in visible(case)]
+
+
+def flops(case: Case) -> float:
+    return 2.0 * (WIDTH + LATENT) * case.params["hq"] * sum(_valid(case))
+
+
+def nbytes(case: Case, dtype: torch.dtype) -> float:
+    """The rows each token reads (its valid entries), q in, out and the LSE out."""
+    size = torch.empty((), dtype=dtype).element_size()
+    rows = case.params["tokens"] * case.params["hq"]
+    return sum(_valid(case)) * WIDTH * size + rows * ((WIDTH + LATENT) * size + 4)
+
+
+def suite() -> OpSuite:
+    return OpSuite(
+        name="dsa_sparse",
+        kernel_sources=SPEC.sources,
+        dtypes=(torch.bfloat16, torch.float16),
+        check_cases=CHECK_CASES,
+        bench_cases=BENCH_CASES,
+        make_inputs=make_inputs,
+        alloc_out=alloc_out,
+        run_ours=run_ours,
+        reference=reference,
+        low_precision=low_precision,
+        comparators=comparators,
+        flops=flops,
+        bytes=nbytes,
+        memory_bound=True,
+        atol=1e-3,
+        bench_dtypes=(torch.bfloat16,),
+        sanitize_cases=SANITIZE_CASES,
+    )
