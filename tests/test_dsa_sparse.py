@@ -1,0 +1,418 @@
+"""DeepSeek sparse attention (DSA) on the CPU (the GPU's checks: tests/gpu/test_dsa_gpu.py):
+compile keys and the split plan of the MLA leaf's sparse mode; its algorithm (per split of each
+token's top-k list, tiles of 64 list positions scored over the 576 latent + RoPE columns at once
+with one running max per row, -1 entries and positions past the split masked, P rounded to q's
+dtype before P V, the split's normalized O and log2 LSE, the paged leaf's combine) replayed in
+Python through the real launcher and op against reference.dsa: page sizes 1 / 16 / 64, padding
+at the end and scattered, rows of -1 only, 16 / 24 / 128 heads, FlashMLA's combined cache,
+topk not a multiple of 64; FlashInfer-Bench's adapter against the definitions' reference by
+their criterion; argument errors; the pending suite's own check; the custom op's fake under
+make_fx."""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+from test_mla_decode import _combine  # the paged leaf's combine, replayed
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from forgekernel.bench import flashinfer_defs as defs
+from forgekernel.bench.check import verify
+from forgekernel.bench.suites import PENDING_SUITE_MODULES, SUITE_MODULES, dsa_sparse
+from forgekernel.kernels.attention.mla.sm90 import SPEC
+from forgekernel.kernels.attention.mla.sm90 import launch as mla_launch
+from forgekernel.kernels.attention.mla.sm90.config import (
+    HEADS,
+    ROWS,
+    TILE,
+    heads_per_cta,
+    params_for,
+    sparse_heads,
+    split_plan,
+)
+from forgekernel.reference.dsa import dsa_sparse_attention_paged_ref
+from forgekernel.reference.dsa_flashinfer import (
+    SPARSE_ATTENTION,
+    sparse_attention_inputs,
+)
+from forgekernel.reference.dsa_flashinfer import (
+    dsa_sparse_attention_flashinfer as flashinfer_ref,
+)
+
+op = importlib.import_module("forgekernel.ops.dsa")
+SCALE = dsa_sparse.SOFTMAX_SCALE
+LATENT, ROPE = 512, 64
+
+
+# ---------------------------------------------------------------- configuration
+
+
+def test_sparse_compile_keys():
+    """Kind "sparse": dtype and heads per CTA only; prebuilt for both dtypes and every heads
+    per CTA dividing 16 and 128 (TP8 / TP1); one query token per CTA."""
+    assert dict(params_for("sparse", "bfloat16", 16)) == {
+        "kind": "sparse", "dtype": "bfloat16", "heads": 16,
+    }  # fmt: skip
+    assert sparse_heads() == tuple(h for h in HEADS if 16 % h == 0 and 128 % h == 0)
+    sparse = {p for p in SPEC.standard_params() if dict(p)["kind"] == "sparse"}
+    assert sparse == {params_for("sparse", d, h) for d in ("float16", "bfloat16")
+                      for h in sparse_heads()}  # fmt: skip
+    assert heads_per_cta(16) in sparse_heads() and heads_per_cta(128) in sparse_heads()
+    with pytest.raises(ValueError, match="one query token"):
+        params_for("sparse", "bfloat16", 8, 2)
+    with pytest.raises(ValueError, match="kind"):
+        params_for("dense", "bfloat16")
+
+
+@pytest.mark.parametrize(("tokens", "hq", "topk"), [(1, 16, 2048), (64, 16, 2048), (1, 128, 2048),
+                                                    (4096, 16, 2048), (3, 16, 100)])  # fmt: skip
+def test_split_plan_covers_the_list(tokens, hq, topk):
+    """Units are tokens x head blocks, the keys a token's top-k list."""
+    splits, per = split_plan(tokens, hq // heads_per_cta(hq), topk, 132, 1)
+    assert splits * per >= topk and (splits - 1) * per < topk
+
+
+# ---------------------------------------------------------------- the kernel, replayed
+
+
+def _sparse_partial(qn, qp, ckv, kpe, idx, seq, op_, lp, scale_log2, per, page_size, cu, causal):
+    """The sparse partial pass (decode.py, sparse=True) of every CTA (split, head block, token)
+    at once: a row's arithmetic does not depend on its head block. Per split, list positions
+    [t0, t1) in tiles of TILE, each tile's positions clamped to t1 - 1 and its entries to >= 0
+    for the loads (page entry // page_size, slot entry % page_size), scored over all 576
+    columns at once with one running max per (token, head) row, positions >= t1 and entries
+    < 0 masked; P in q's dtype before P V."""
+    assert seq is None and cu is None and causal == 0
+    tokens, topk = idx.shape
+    q = torch.cat([qn, qp], -1).double()
+    for s in range(op_.shape[0]):
+        t0, t1 = s * per, min(s * per + per, topk)
+        m = torch.full(qn.shape[:2], -math.inf, dtype=torch.float64)
+        lsum = torch.zeros(qn.shape[:2], dtype=torch.float64)
+        o = torch.zeros(*qn.shape[:2], LATENT, dtype=torch.float64)
+        for first in range(t0, t1, TILE):
+            pos = torch.arange(first, first + TILE)
+            entry = idx[:, pos.clamp(max=t1 - 1)].long()
+            safe = entry.clamp(min=0)
+            page, slot = safe // page_size, safe % page_size
+            keys = torch.cat([ckv[page, slot], kpe[page, slot]], -1).double()  # (T, TILE, 576)
+            sc = torch.einsum("thd,tkd->thk", q, keys)
+            valid = (pos < t1)[None, :] & (entry >= 0)
+            sc = torch.where(valid[:, None, :], sc, -math.inf)
+            m_new = torch.maximum(m, sc.amax(-1))
+            base = torch.where(m_new > -math.inf, m_new * scale_log2, 0.0)
+            corr = torch.exp2(m * scale_log2 - base)
+            p = torch.exp2(sc * scale_log2 - base[..., None])
+            lsum = lsum * corr + p.sum(-1)
+            pv = torch.einsum("thk,tkd->thd", p.to(qn.dtype).double(), keys[..., :LATENT])
+            o = o * corr[..., None] + pv
+            m = m_new
+        seen = lsum > 0
+        op_[s] = torch.where(seen[..., None], o / torch.where(seen, lsum, 1.0)[..., None], 0.0)
+        lp[s] = torch.where(seen, m * scale_log2 + torch.log2(lsum), -math.inf)
+
+
+@pytest.fixture
+def sparse_kernels(monkeypatch):
+    """The launcher's kernels replaced by the replay; the sparse calls' (params, args)."""
+    calls = []
+
+    def get_kernel(spec, params):
+        assert spec is SPEC
+        p = dict(params)
+        if p["kind"] == "combine":
+            assert params == params_for("combine", p["dtype"])
+            return _combine
+        assert p["kind"] == "sparse" and p["heads"] * 1 <= ROWS
+
+        def partial(*args):
+            assert args[0].dtype == getattr(torch, p["dtype"]) and len(args) == 13
+            assert args[4].dtype == torch.int32 and args[4].stride(-1) == 1
+            calls.append((p, args))
+            _sparse_partial(*args)
+
+        return partial
+
+    mla_launch._sparse_plans.clear()
+    monkeypatch.setattr(mla_launch, "get_kernel", get_kernel)
+    monkeypatch.setattr(mla_launch, "num_sms", lambda device: 132)
+    monkeypatch.setattr(op, "check_cuda", lambda name, t: None)
+    yield calls
+    mla_launch._sparse_plans.clear()
+
+
+def _problem(tokens, hq, page_size, valid, topk, *, pad="end", combined=False,
+             dtype=torch.bfloat16, seed=0):  # fmt: skip
+    """Random q and caches; row t lists valid[t] distinct random slots, -1 after them ("end")
+    or anywhere ("scattered")."""
+    g = torch.Generator().manual_seed(seed)
+    pages = max(-(-max(valid, default=1) // page_size), 1) + 3
+    slots = pages * page_size
+    if combined:
+        ckv, kpe = torch.randn(pages, page_size, 1, LATENT + ROPE, generator=g).to(dtype), None
+    else:
+        ckv = torch.randn(pages, page_size, LATENT, generator=g).to(dtype)
+        kpe = torch.randn(pages, page_size, ROPE, generator=g).to(dtype)
+    idx = torch.full((tokens, topk), -1, dtype=torch.int32)
+    for t, n in enumerate(valid):
+        where = torch.randperm(topk, generator=g)[:n] if pad == "scattered" else torch.arange(n)
+        idx[t, where] = torch.randperm(slots, generator=g)[:n].int()
+    qn = torch.randn(tokens, hq, LATENT, generator=g).to(dtype)
+    qp = torch.randn(tokens, hq, ROPE, generator=g).to(dtype)
+    return qn, qp, ckv, kpe, idx
+
+
+def _want(qn, qp, ckv, kpe, idx):
+    kv = ckv if kpe is None else torch.cat([ckv, kpe], -1)
+    return dsa_sparse_attention_paged_ref(torch.cat([qn, qp], -1), kv, idx, SCALE)
+
+
+def _assert_close(out, lse, want, want_lse, atol=2e-2):
+    assert out.shape == want.shape and lse.shape == want_lse.shape
+    assert float((out.float() - want).abs().max()) < atol
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert float(torch.where(finite, lse - want_lse, 0.0).abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize(
+    ("tokens", "hq", "page_size", "valid", "topk", "pad", "combined", "dtype"),
+    [
+        (1, 16, 64, [2048], 2048, "end", True, torch.bfloat16),
+        (3, 16, 1, [64, 0, 17], 64, "scattered", False, torch.float16),
+        (5, 16, 16, [1, 200, 0, 77, 130], 200, "end", False, torch.bfloat16),
+        (4, 16, 64, [300, 1000, 2, 0], 1000, "scattered", True, torch.float16),
+        (2, 128, 64, [65, 513], 600, "scattered", True, torch.bfloat16),
+        (3, 24, 16, [40, 3, 90], 100, "end", False, torch.bfloat16),
+        (33, 16, 1, list(range(0, 33 * 3, 3)), 96, "scattered", False, torch.bfloat16),
+        (2, 16, 64, [0, 0], 64, "end", False, torch.bfloat16),
+    ],
+)
+def test_sparse_matches_the_reference(sparse_kernels, tokens, hq, page_size, valid, topk, pad,
+                                      combined, dtype):  # fmt: skip
+    qn, qp, ckv, kpe, idx = _problem(tokens, hq, page_size, valid, topk, pad=pad,
+                                     combined=combined, dtype=dtype)  # fmt: skip
+    out, lse = op.dsa_sparse_attention(qn, qp, ckv, kpe, idx, softmax_scale=SCALE,
+                                       return_lse=True)  # fmt: skip
+    want, want_lse = _want(qn, qp, ckv, kpe, idx)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (tokens, hq)
+    _assert_close(out, lse, want, want_lse)
+    empty = torch.tensor([n == 0 for n in valid])
+    assert torch.all(out[empty] == 0) and torch.all(torch.isneginf(lse[empty]))
+    params, args = sparse_kernels[-1]
+    assert params == dict(params_for("sparse", str(dtype).removeprefix("torch."),
+                                     heads_per_cta(hq)))  # fmt: skip
+    scale_log2, per, ps = args[8:11]
+    assert abs(scale_log2 - SCALE * math.log2(math.e)) < 1e-9 and ps == page_size
+    splits, want_per = split_plan(tokens, hq // params["heads"], topk, 132, 1)
+    assert per == want_per and args[6].shape == (splits, tokens, hq, LATENT)
+
+
+def test_splits_of_a_long_list(sparse_kernels):
+    """One token, topk 2048: eight splits of 256 positions, two of them all padding."""
+    qn, qp, ckv, kpe, idx = _problem(1, 16, 64, [1500], 2048, pad="end")
+    out, lse = op.dsa_sparse_attention(qn, qp, ckv, kpe, idx, softmax_scale=SCALE,
+                                       return_lse=True)  # fmt: skip
+    _assert_close(out, lse, *_want(qn, qp, ckv, kpe, idx))
+    _, args = sparse_kernels[-1]
+    assert args[9] == 256 and args[6].shape[0] == 8
+    assert torch.all(torch.isneginf(args[7][6:]))  # splits past the valid entries saw no key
+
+
+def test_out_is_written_in_place(sparse_kernels):
+    """A NaN-poisoned out is the result, every element written; an out whose rows are not
+    contiguous gets the result copied in."""
+    qn, qp, ckv, kpe, idx = _problem(3, 16, 16, [5, 0, 70], 80, combined=True)
+    want, _ = _want(qn, qp, ckv, kpe, idx)
+    out = torch.full((3, 16, LATENT), float("nan"), dtype=qn.dtype)
+    got = op.dsa_sparse_attention(qn, qp, ckv, kpe, idx, softmax_scale=SCALE, out=out)
+    assert got is out and float((out.float() - want).abs().max()) < 2e-2
+    wide = torch.full((16, 3, LATENT * 2), float("nan"), dtype=qn.dtype)
+    for view in (wide.transpose(0, 1)[..., :LATENT], wide.transpose(0, 1)[..., ::2]):
+        got = op.dsa_sparse_attention(qn, qp, ckv, kpe, idx, softmax_scale=SCALE, out=view)
+        assert got is view and float((view.float() - want).abs().max()) < 2e-2
+
+
+def test_no_entries_or_no_tokens(sparse_kernels):
+    """topk 0: every row 0 / -inf without a kernel; no tokens: empty outputs."""
+    qn, qp, ckv, kpe, _ = _problem(2, 16, 16, [1, 1], 64)
+    out, lse = op.dsa_sparse_attention(qn, qp, ckv, kpe, torch.zeros(2, 0, dtype=torch.int32),
+                                       softmax_scale=SCALE, return_lse=True)  # fmt: skip
+    assert torch.all(out == 0) and torch.all(torch.isneginf(lse)) and not sparse_kernels
+    out, lse = op.dsa_sparse_attention(qn[:0], qp[:0], ckv, kpe,
+                                       torch.zeros(0, 64, dtype=torch.int32),
+                                       softmax_scale=SCALE, return_lse=True)  # fmt: skip
+    assert out.shape == (0, 16, LATENT) and lse.shape == (0, 16) and not sparse_kernels
+
+
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_flashinfer_bench_adapter(sparse_kernels, page_size):
+    """FlashInfer-Bench's definition's inputs as they are (topk 2048, valid entries scattered,
+    an empty row): against reference.dsa's run of them, and the definition's own reference by
+    its benchmark's criterion."""
+    g = torch.Generator().manual_seed(5)
+    inputs = sparse_attention_inputs(page_size, -(-3000 // page_size), [2048, 1, 0, 700],
+                                     generator=g)  # fmt: skip
+    out, lse = op.dsa_sparse_attention_flashinfer(**inputs)
+    want, want_lse = flashinfer_ref(**inputs)
+    assert out.dtype == torch.bfloat16 and out.shape == (4, 16, LATENT) and lse.shape == (4, 16)
+    _assert_close(out, lse, want, want_lse, atol=2e-2)
+    name = f"dsa_sparse_attention_h16_ckv512_kpe64_topk2048_ps{page_size}"
+    assert name in SPARSE_ATTENTION
+    if defs.missing(name):
+        pytest.skip(defs.missing(name))
+    defn = defs.load_definition(name)
+    defs.check_inputs(defn, inputs)
+    theirs_out, theirs_lse = defs.run_definition(defn, inputs)
+    assert defs.benchmark_failures(out, theirs_out) == 0
+    assert defs.benchmark_failures(lse, theirs_lse) == 0
+
+
+# ---------------------------------------------------------------- arguments
+
+
+def _args(**change):
+    bf = torch.bfloat16
+    args = {
+        "q_nope": torch.randn(2, 16, LATENT).to(bf),
+        "q_pe": torch.randn(2, 16, ROPE).to(bf),
+        "ckv_cache": torch.randn(10, 16, LATENT).to(bf),
+        "kpe_cache": torch.randn(10, 16, ROPE).to(bf),
+        "sparse_indices": torch.zeros(2, 64, dtype=torch.int32),
+    }
+    kwargs = {"softmax_scale": SCALE}
+    for k, v in change.items():
+        (args if k in args else kwargs)[k] = v
+    return args, kwargs
+
+
+@pytest.mark.parametrize(
+    ("change", "err", "match"),
+    [
+        ({"q_nope": torch.zeros(2, 16, 256, dtype=torch.bfloat16)}, ValueError, "512"),
+        ({"q_nope": torch.zeros(2, 1, 16, 512, dtype=torch.bfloat16)}, ValueError, "tokens, H"),
+        ({"q_pe": torch.zeros(2, 16, 64)}, TypeError, "q_pe must have dtype"),
+        ({"q_pe": torch.zeros(2, 8, 64, dtype=torch.bfloat16)}, ValueError, "q_pe"),
+        ({"ckv_cache": torch.zeros(10, 16, 512, dtype=torch.float16)}, TypeError, "ckv_cache"),
+        ({"kpe_cache": torch.zeros(10, 8, 64, dtype=torch.bfloat16)}, ValueError, "kpe_cache"),
+        ({"ckv_cache": torch.zeros(10, 16, 512, dtype=torch.float8_e4m3fn)}, NotImplementedError,
+         "issue 22"),
+        ({"ckv_cache": torch.zeros(10, 64, 1, 656, dtype=torch.uint8), "kpe_cache": None},
+         NotImplementedError, "issue 22"),
+        ({"kpe_cache": torch.zeros(10, 16, 64, dtype=torch.float8_e5m2)}, NotImplementedError,
+         "FP8"),
+        ({"ckv_cache": torch.zeros(10, 64, 1, 512, dtype=torch.bfloat16), "kpe_cache": None},
+         ValueError, "combined"),
+        ({"sparse_indices": torch.zeros(2, 64, dtype=torch.int64)}, TypeError, "sparse_indices"),
+        ({"sparse_indices": torch.zeros(3, 64, dtype=torch.int32)}, ValueError, "tokens = 2"),
+        ({"sparse_indices": torch.zeros(2, 1, 64, dtype=torch.int32)}, ValueError,
+         "sparse_indices must be 2-D"),
+        ({"softmax_scale": None}, TypeError, "no default"),
+        ({"softmax_scale": float("inf")}, ValueError, "softmax_scale"),
+        ({"out": torch.zeros(2, 16, 512)}, TypeError, "out must have dtype"),
+        ({"out": torch.zeros(2, 16, 576, dtype=torch.bfloat16)}, ValueError, "out must have"),
+    ],
+)  # fmt: skip
+def test_bad_arguments(monkeypatch, change, err, match):
+    monkeypatch.setattr(op, "check_cuda", lambda name, t: None)
+    args, kwargs = _args(**change)
+    with pytest.raises(err, match=match):
+        op.dsa_sparse_attention(*args.values(), **kwargs)
+
+
+def test_cache_rows_and_device(monkeypatch):
+    monkeypatch.setattr(op, "check_cuda", lambda name, t: None)
+    wide = torch.zeros(10, 16, 65, dtype=torch.bfloat16)
+    args, kwargs = _args(kpe_cache=wide[..., 1:])  # rows 2 bytes off 16
+    with pytest.raises(ValueError, match="16-byte-aligned rows"):
+        op.dsa_sparse_attention(*args.values(), **kwargs)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        op.dsa_sparse_attention(*_args()[0].values(), softmax_scale=SCALE)
+
+
+# ---------------------------------------------------------------- suite and tracing
+
+
+def test_suite_is_pending():
+    assert PENDING_SUITE_MODULES["dsa_sparse"] == "forgekernel.bench.suites.dsa_sparse"
+    assert "dsa_sparse" not in SUITE_MODULES or "dsa_sparse" in PENDING_SUITE_MODULES
+    s = dsa_sparse.suite()
+    assert s.sanitize_cases and all(c.name for c in s.bench_cases)
+    names = {c.name for c in s.bench_cases + s.check_cases}
+    assert len(names) == len(s.bench_cases) + len(s.check_cases)
+    assert {c.params["topk"] for c in s.bench_cases} == {2048}
+    assert {c.params["tokens"] for c in s.bench_cases} >= {1, 16, 64, 128, 1024, 4096}
+
+
+def test_suite_work_counts():
+    """Valid entries: min(visible, topk) per token (decode: its sequence's length; prefill:
+    the positions it sees)."""
+    case = dsa_sparse._case(3, 16, 64, (10, 0, 5000), topk=64)
+    assert dsa_sparse.flops(case) == 2 * (576 + 512) * 16 * (10 + 0 + 64)
+    assert dsa_sparse.nbytes(case, torch.bfloat16) == 74 * 1152 + 48 * (1088 * 2 + 4)
+    prefill = dsa_sparse._case(4, 16, 64, 66, topk=64, prefill=True)
+    assert dsa_sparse.visible(prefill) == [(0, 63), (0, 64), (0, 65), (0, 66)]
+    assert dsa_sparse.flops(prefill) == 2 * (576 + 512) * 16 * (63 + 64 * 3)
+
+
+@pytest.mark.parametrize("case", dsa_sparse.CHECK_CASES, ids=lambda c: c.name)
+def test_suite_inputs_follow_the_case(case):
+    """Each row lists min(visible, topk) distinct slots of its own sequence's pages (all of a
+    row's slots on pages no other sequence holds), -1 elsewhere; "end" padding after them."""
+    inputs = dsa_sparse.make_inputs(case, torch.bfloat16, torch.device("cpu"),
+                                    torch.Generator().manual_seed(1))  # fmt: skip
+    idx, ps = inputs["idx"], case.params["page"]
+    valid = idx >= 0
+    assert valid.sum(1).tolist() == dsa_sparse._valid(case)
+    owner = {}
+    for t, (seq, _) in enumerate(dsa_sparse.visible(case)):
+        row = idx[t][valid[t]]
+        assert row.unique().numel() == row.numel()
+        for page in (row // ps).tolist():
+            assert owner.setdefault(page, seq) == seq
+        if case.params["pad"] == "end":
+            assert torch.all(valid[t, : row.numel()])
+
+
+@pytest.mark.parametrize("case", dsa_sparse.CHECK_CASES, ids=lambda c: c.name)
+def test_pending_suite_check_passes_on_the_algorithm(sparse_kernels, case):
+    """The pending suite's own check (`bench.check.verify`: NaN-poisoned outputs, 2x the
+    rounding yardstick + atol, -inf LSEs reproduced) with the kernel's algorithm standing in."""
+    suite = dsa_sparse.suite()
+    inputs = suite.make_inputs(case, torch.bfloat16, torch.device("cpu"),
+                               torch.Generator().manual_seed(0))  # fmt: skip
+    _, cmps = verify(suite, inputs, torch.device("cpu"))
+    assert all(c.ok for c in cmps), [c.message for c in cmps]
+
+
+def _fake_inputs(combined=False):
+    """(q_nope, q_pe, ckv, kpe or None, sparse_indices), CUDA."""
+    cuda = {"device": "cuda", "dtype": torch.bfloat16}
+    qn, qp = torch.empty(5, 16, 512, **cuda), torch.empty(5, 16, 64, **cuda)
+    if combined:
+        ckv, kpe = torch.empty(10, 64, 1, 576, **cuda), None
+    else:
+        ckv, kpe = torch.empty(10, 64, 512, **cuda), torch.empty(10, 64, 64, **cuda)
+    return qn, qp, ckv, kpe, torch.empty(5, 2048, device="cuda", dtype=torch.int32)
+
+
+@pytest.mark.parametrize("combined", [False, True])
+def test_fake_implementation_under_make_fx(combined):
+    """torch.compile / CUDA-graph support: on fake CUDA tensors the custom op's fake gives the
+    shapes, nothing runs, and make_fx records the op."""
+
+    def call(*x, **kwargs):
+        return op.dsa_sparse_attention(*x, softmax_scale=SCALE, **kwargs)
+
+    with FakeTensorMode():
+        o, lse = call(*_fake_inputs(combined), return_lse=True)
+        assert o.shape == (5, 16, 512) and o.dtype == torch.bfloat16
+        assert lse.shape == (5, 16) and lse.dtype == torch.float32
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        graph = make_fx(lambda *x: call(*x) * 2, tracing_mode="fake")(*_fake_inputs(combined))
+    assert "forgekernel.dsa_sparse_attention" in str(graph.graph)
