@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from split_combine import combine_splits
 
 from forgekernel.kernels.attention.paged.sm90 import launch as paged_launch
 from forgekernel.kernels.attention.paged.sm90.config import (
@@ -106,15 +107,6 @@ def _partial(q, k, v, pt, seq, op, lp, scale_log2, per, page_size, group, ks, vs
                         )  # fmt: skip
 
 
-def _combine(op, lp, out, lse):
-    top = lp.max(0).values
-    w = torch.where(top > -math.inf, torch.exp2(lp - top), 0.0)
-    total = w.sum(0)
-    o = (w[..., None] * op).sum(0) / torch.where(total > 0, total, 1.0)[..., None]
-    out.copy_(torch.where((total > 0)[..., None], o, 0.0).to(out.dtype))
-    lse.copy_(torch.where(total > 0, (top + torch.log2(total)) * math.log(2), -math.inf))
-
-
 @pytest.fixture
 def cpu_kernels(monkeypatch):
     calls = []
@@ -122,7 +114,7 @@ def cpu_kernels(monkeypatch):
     def get_kernel(spec, params):
         p = dict(params)
         if p["kind"] == "combine":
-            return lambda *a: _combine(*a)
+            return lambda *a: combine_splits(*a)
 
         def partial(*args):
             calls.append((p, args[7:11]))

@@ -16,7 +16,7 @@ import math
 
 import pytest
 import torch
-from test_mla_decode import _combine  # the paged leaf's combine, replayed
+from split_combine import combine_splits
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -126,7 +126,7 @@ def sparse_kernels(monkeypatch):
         p = dict(params)
         if p["kind"] == "combine":
             assert params == params_for("combine", p["dtype"])
-            return _combine
+            return combine_splits
         assert p["kind"] == "sparse" and p["heads"] * 1 <= ROWS
 
         def partial(*args):

@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from split_combine import combine_splits
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -133,16 +134,6 @@ def _partial(qn, qp, ckv, kpe, pt, seq, op_, lp, scale_log2, per, page_size, cu,
                         )
 
 
-def _combine(op_, lp, out, lse):
-    """The paged leaf's combine: O = sum_s 2^(lse_s - lse) O_s, the LSE back to natural log."""
-    top = lp.max(0).values
-    w = torch.where(top > -math.inf, torch.exp2(lp - top), 0.0)
-    total = w.sum(0)
-    o = (w[..., None] * op_).sum(0) / torch.where(total > 0, total, 1.0)[..., None]
-    out.copy_(torch.where((total > 0)[..., None], o, 0.0).to(out.dtype))
-    lse.copy_(torch.where(total > 0, (top + torch.log2(total)) * math.log(2), -math.inf))
-
-
 @pytest.fixture
 def cpu_kernels(monkeypatch):
     """The launcher's kernels replaced by the replay; the calls' (params, scalar args)."""
@@ -153,7 +144,7 @@ def cpu_kernels(monkeypatch):
         p = dict(params)
         if p["kind"] == "combine":
             assert params == params_for("combine", p["dtype"])
-            return _combine
+            return combine_splits
 
         def partial(*args):
             assert args[0].dtype == getattr(torch, p["dtype"])

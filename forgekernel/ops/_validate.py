@@ -71,3 +71,15 @@ def check_same_device(**tensors: torch.Tensor) -> None:
     for n, t in items:
         if t.device != device:
             raise ValueError(f"{n} is on {t.device} but {first_name} is on {device}")
+
+
+def check_rows_in_place(name: str, t: torch.Tensor, stride_multiple: int = 8) -> None:
+    """A tensor a kernel reads in place 16 bytes at a time (a cache, never copied): unit last
+    stride, every outer stride a multiple of `stride_multiple` elements (what the kernel was
+    compiled for), the data 16-byte aligned."""
+    *outer, last = t.stride()
+    if last != 1 or t.data_ptr() % 16 or any(s % stride_multiple for s in outer):
+        raise ValueError(
+            f"{name} must have contiguous, 16-byte-aligned rows (strides {tuple(t.stride())},"
+            f" data pointer % 16 = {t.data_ptr() % 16})"
+        )

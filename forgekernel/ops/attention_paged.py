@@ -15,6 +15,7 @@ from forgekernel.kernels.attention.paged.sm90.config import HEAD_DIMS
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import (
     check_cuda,
+    check_rows_in_place,
     check_same_device,
     check_same_dtype,
     check_shaped,
@@ -38,15 +39,6 @@ def _split_cache(k_cache, v_cache):
             )
         return k_cache[:, 0], k_cache[:, 1]
     return k_cache, v_cache
-
-
-def _check_rows(name: str, t: torch.Tensor) -> None:
-    """The kernel reads cache rows 16 bytes at a time in place (a cache is never copied)."""
-    *outer, last = t.stride()  # the kernels are compiled for strides of 16 elements
-    if last != 1 or t.data_ptr() % 16 or any(s % 16 for s in outer):
-        raise ValueError(
-            f"{name} must have contiguous, 16-byte-aligned rows (strides {tuple(t.stride())})"
-        )
 
 
 def _scale_tensor(name: str, scale, hkv: int, device) -> torch.Tensor:
@@ -110,8 +102,8 @@ def _decode_op(
     max_seqlen_q: int,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_rows("k_cache", k_cache)
-    _check_rows("v_cache", v_cache)
+    check_rows_in_place("k_cache", k_cache, 16)
+    check_rows_in_place("v_cache", v_cache, 16)
     out, lse = _outputs(q, cu_seqlens_q, None)
     paged_sm90.paged_decode(
         q, k_cache, v_cache, page_table, seqlens_k, softmax_scale, out,
@@ -186,8 +178,8 @@ def attention_paged(
             out.copy_(o)
             o = out
     else:
-        _check_rows("k_cache", k)  # (a data pointer: real tensors only)
-        _check_rows("v_cache", v)
+        check_rows_in_place("k_cache", k, 16)  # (a data pointer: real tensors only)
+        check_rows_in_place("v_cache", v, 16)
         o, lse = _outputs(q, cu_seqlens_q, out)
         paged_sm90.paged_decode(
             q, k, v, page_table, seqlens_k, scale, o, lse if cu_seqlens_q is None else lse.t(),

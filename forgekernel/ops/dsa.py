@@ -44,11 +44,12 @@ from forgekernel.kernels.attention.mla.sm90.config import D_LATENT, D_ROPE
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import (
     check_cuda,
+    check_rows_in_place,
     check_same_device,
     check_shaped,
     check_tensor,
 )
-from forgekernel.ops.mla import FP8_CACHES, INDEX, _check_rows, _softmax_scale, _split_cache
+from forgekernel.ops.mla import FP8_CACHES, INDEX, check_softmax_scale, latent_cache_views
 
 LOG2E = math.log2(math.e)
 MAX_SLOTS = 2**31  # int32 entries address at most this many cache slots
@@ -119,8 +120,8 @@ def _sparse_op(
     sparse_indices: torch.Tensor,
     softmax_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_rows("ckv_cache", ckv_cache)
-    _check_rows("kpe_cache", kpe_cache)
+    check_rows_in_place("ckv_cache", ckv_cache)
+    check_rows_in_place("kpe_cache", kpe_cache)
     return _forward(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, softmax_scale, None)
 
 
@@ -148,10 +149,10 @@ def dsa_sparse_attention(
     with return_lse, the natural-log LSE (tokens, H) fp32 (0 / -inf where a row lists no slot).
     softmax_scale (required): the un-absorbed scale. out: written in place when given. No
     device read: CUDA-graph capturable."""
-    scale = _softmax_scale(softmax_scale)
+    scale = check_softmax_scale(softmax_scale)
     _reject_fp8("ckv_cache", ckv_cache)
     _reject_fp8("kpe_cache", kpe_cache)
-    ckv, kpe = _split_cache(ckv_cache, kpe_cache)
+    ckv, kpe = latent_cache_views(ckv_cache, kpe_cache)
     _validate(q_nope, q_pe, ckv, kpe, sparse_indices, out)
     if out is not None and out.stride(-1) != 1:  # the combine writes rows of 512 contiguous
         o, lse = dsa_sparse_attention(q_nope, q_pe, ckv, kpe, sparse_indices,
@@ -166,8 +167,8 @@ def dsa_sparse_attention(
             out.copy_(o)
             o = out
     else:
-        _check_rows("ckv_cache", ckv)  # (a data pointer: real tensors only)
-        _check_rows("kpe_cache", kpe)
+        check_rows_in_place("ckv_cache", ckv)  # (a data pointer: real tensors only)
+        check_rows_in_place("kpe_cache", kpe)
         o, lse = _forward(q_nope, q_pe, ckv, kpe, sparse_indices, scale, out)
     return (o, lse) if return_lse else o
 

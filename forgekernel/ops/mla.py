@@ -35,12 +35,12 @@ from forgekernel.kernels.attention.mla.sm90.config import D_LATENT, D_ROPE
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import (
     check_cuda,
+    check_rows_in_place,
     check_same_device,
     check_shaped,
     check_tensor,
 )
 from forgekernel.ops.attention_paged import csr_page_table
-from forgekernel.runtime.device import tma_ready
 
 INDEX = (torch.int32,)
 MAX_QUERY_TOKENS = 4  # per sequence (the kernel's QTOKENS)
@@ -56,7 +56,7 @@ def _reject_fp8(name: str, cache: torch.Tensor) -> None:
         )
 
 
-def _split_cache(ckv_cache, kpe_cache) -> tuple[torch.Tensor, torch.Tensor]:
+def latent_cache_views(ckv_cache, kpe_cache) -> tuple[torch.Tensor, torch.Tensor]:
     """(ckv, kpe); FlashMLA's combined (num_pages, page_size, 1, 576) cache passed as
     ckv_cache with kpe_cache None gives its two views (no copy)."""
     _reject_fp8("ckv_cache", ckv_cache)
@@ -73,16 +73,7 @@ def _split_cache(ckv_cache, kpe_cache) -> tuple[torch.Tensor, torch.Tensor]:
     return row.narrow(-1, 0, D_LATENT), row.narrow(-1, D_LATENT, D_ROPE)
 
 
-def _check_rows(name: str, t: torch.Tensor) -> None:
-    """The kernel reads cache rows 16 bytes at a time in place (a cache is never copied)."""
-    if not tma_ready(t):
-        raise ValueError(
-            f"{name} must have contiguous, 16-byte-aligned rows (strides {tuple(t.stride())},"
-            f" data pointer % 16 = {t.data_ptr() % 16})"
-        )
-
-
-def _softmax_scale(scale: object) -> float:
+def check_softmax_scale(scale: object) -> float:
     if scale is None:
         raise TypeError(
             "softmax_scale has no default: DeepSeek-V3's is 1 / sqrt(192) x mscale^2 (about "
@@ -197,8 +188,8 @@ def _decode_op(
     max_seqlen_q: int,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_rows("ckv_cache", ckv_cache)
-    _check_rows("kpe_cache", kpe_cache)
+    check_rows_in_place("ckv_cache", ckv_cache)
+    check_rows_in_place("kpe_cache", kpe_cache)
     return _forward(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, cu_seqlens_q,
                     softmax_scale, max_seqlen_q, causal, None)  # fmt: skip
 
@@ -235,8 +226,8 @@ def mla_decode(
     the page table's width (no device read: CUDA-graph capturable)."""
     if (cu_seqlens_q is None) != (max_seqlen_q is None):
         raise ValueError("cu_seqlens_q and max_seqlen_q come together")
-    scale = _softmax_scale(softmax_scale)
-    ckv, kpe = _split_cache(ckv_cache, kpe_cache)
+    scale = check_softmax_scale(softmax_scale)
+    ckv, kpe = latent_cache_views(ckv_cache, kpe_cache)
     _validate(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out)
     mq = q_nope.shape[1] if cu_seqlens_q is None else int(max_seqlen_q)
     if not 1 <= mq <= MAX_QUERY_TOKENS:
@@ -257,8 +248,8 @@ def mla_decode(
             out.copy_(o)
             o = out
     else:
-        _check_rows("ckv_cache", ckv)  # (a data pointer: real tensors only)
-        _check_rows("kpe_cache", kpe)
+        check_rows_in_place("ckv_cache", ckv)  # (a data pointer: real tensors only)
+        check_rows_in_place("kpe_cache", kpe)
         o, lse = _forward(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, scale,
                           mq, bool(causal), out)  # fmt: skip
     return (o, lse) if return_lse else o
