@@ -14,6 +14,14 @@ Paged GQA definitions (decode and causal prefill): q bf16, caches (num_pages, pa
 D), FlashInfer's CSR page lists (kv_indptr, kv_indices, kv_last_page_len; no last_page_len
 when page_size is 1), prefill queries packed by qo_indptr; outputs `output` bf16 and `lse`
 base 2, (batch, Hq) for decode and (total_q, Hq) for prefill.
+
+Ragged GQA causal prefill: q (total_q, Hq, D), k / v (total_kv, Hkv, D) bf16 packed by int32
+qo_indptr / kv_indptr (sequence b: q rows qo_indptr[b]:qo_indptr[b + 1] against kv rows
+kv_indptr[b]:kv_indptr[b + 1], causal mask bottom-right aligned); outputs `output` bf16 and
+`lse` base 2 (total_q, Hq). GEMM: C = A @ B.T with A (M, K), B (N, K) fp16, C fp16.
+
+`run_kernel` runs ForgeKernel's op on a definition's inputs as they are, chosen by the
+definition's `op_type`; `NOT_SERVED` names the definitions no op serves yet and what each needs.
 """
 
 from __future__ import annotations
@@ -42,6 +50,37 @@ PAGED_GQA_DECODE = tuple(
 PAGED_GQA_PREFILL = tuple(
     f"gqa_paged_prefill_causal_h32_kv{kv}_d128_ps{ps}" for kv in (4, 8) for ps in (1, 64)
 )
+RAGGED_GQA_PREFILL = ("gqa_ragged_prefill_causal_h32_kv8_d128",)
+GEMM = ("gemm_n4096_k4096",)
+# Definitions (commit ecafa9c2) that no ForgeKernel op serves yet: what each would need.
+NOT_SERVED = {
+    **{
+        f"mla_paged_prefill_causal_h16_ckv512_kpe64_ps{ps}": "an MLA prefill kernel: total_q per "
+        "sequence is unbounded (incremental prefill); ops.mla.mla_decode takes at most 4 query "
+        "tokens per sequence"
+        for ps in (1, 64)
+    },
+    "gdn_prefill_qk4_v8_d128_k_last": "the chunked Gated DeltaNet forward over int64 cu_seqlens "
+    "with an initial / final k-last fp32 state; ops.gated_delta_rule has the <= 4-token step",
+    "dsa_topk_indexer_fp8_h64_d128_topk2048_ps64": "an FP8 indexer: relu(q k^T) of 64 heads "
+    "weighted and summed over deep_gemm's int8 (pages, 64, 1, 132) cache (a page's fp8 rows, "
+    "then its fp32 scales), top-2048 per sequence as page * 64 + offset ids, -1 padding",
+    "moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048": "a fused MoE: DeepSeek-V3 "
+    "routing (sigmoid + bias, top-4 of 8 groups, top-8, routed_scaling_factor, 32 local experts "
+    "from local_expert_offset), grouped FP8 GEMMs with 128x128 weight scales and (K/128, T) "
+    "activation scales, silu(second half) * first half, weighted sum to bf16",
+    "moe_fp4_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048__unmerged_c17d020b": "NVFP4 "
+    "grouped GEMMs (e2m1 packed in uint8, e4m3 scale per 16, fp32 global scales, weights "
+    "shuffled for TRT-LLM) and DeepSeek-V3 routing; draft: its reference returns zeros",
+    "moe_fp4_block_scale_pre_routed_topk8_ng8_kg4_e32_h7168_i2048__unmerged_78cb6193": "NVFP4 "
+    "grouped GEMMs (e2m1 in uint8, e4m3 scale per 16, per-expert output scales) routed by int32 "
+    "topk_ids (expert << 16 | bf16 weight bits), silu(first half) * second half",
+    "trtllm_fp4_block_scale_moe_topk8_e128_h2048_i768": "a bf16 MoE: top-8 of 128 bf16 logits "
+    "then softmax (Renormalize), fp32 weights (MxFP4 in the kernel: its own quantization), "
+    "grouped GEMMs, silu(second half) * first half; tagged gpu:sm100",
+    "trtllm_fp4_block_scale_routed_moe_topk8_e128_h2048_i768": "the same bf16 MoE routed by "
+    "int32 topk_ids (expert << 16 | bf16 weight bits) instead of logits",
+}
 DTYPES = {
     name: getattr(torch, name) for name in ("bfloat16", "float16", "float32", "int32", "int64")
 }
@@ -70,6 +109,7 @@ class Definition:
     constraints: tuple[str, ...]
     reference: str
     tags: tuple[str, ...]
+    op_type: str = ""
 
     def const(self, axis: str) -> int:
         spec = self.axes[axis]
@@ -96,6 +136,7 @@ def load_definition(name: str, directory: Path | None = None) -> Definition:
         constraints=tuple(raw.get("constraints", ())),
         reference=raw["reference"],
         tags=tuple(raw.get("tags", ())),
+        op_type=raw.get("op_type", ""),
     )
 
 
@@ -179,6 +220,48 @@ def paged_gqa_inputs(
     return inputs
 
 
+def ragged_gqa_inputs(
+    defn: Definition,
+    seqlens_q: Sequence[int],
+    seqlens_k: Sequence[int],
+    *,
+    generator: torch.Generator | None = None,
+) -> dict[str, Any]:
+    """Random inputs of a ragged GQA definition: sequence b packs seqlens_q[b] queries against
+    seqlens_k[b] keys (either may be 0; more queries than keys leaves the first rows of that
+    sequence without a visible key under the causal mask)."""
+    if len(seqlens_q) != len(seqlens_k):
+        raise ValueError(f"{len(seqlens_q)} query lengths but {len(seqlens_k)} key lengths")
+    hq, hkv, d = (defn.const(a) for a in ("num_qo_heads", "num_kv_heads", "head_dim"))
+    total_q, total_kv = sum(seqlens_q), sum(seqlens_k)
+    rand = {"generator": generator}
+    inputs: dict[str, Any] = {
+        "q": torch.randn(total_q, hq, d, **rand).bfloat16(),
+        "k": torch.randn(total_kv, hkv, d, **rand).bfloat16(),
+        "v": torch.randn(total_kv, hkv, d, **rand).bfloat16(),
+        "qo_indptr": _indptr(torch.tensor(list(seqlens_q), dtype=torch.long)),
+        "kv_indptr": _indptr(torch.tensor(list(seqlens_k), dtype=torch.long)),
+        "sm_scale": 1.0 / math.sqrt(d),
+    }
+    inputs = {name: inputs[name] for name in defn.inputs}
+    check_inputs(defn, inputs)
+    return inputs
+
+
+def gemm_inputs(
+    defn: Definition, m: int, *, generator: torch.Generator | None = None
+) -> dict[str, Any]:
+    """Random A (M, K) and B (N, K) of a gemm definition, in its dtypes."""
+    n, k = defn.const("N"), defn.const("K")
+    rows = {"A": m, "B": n}
+    inputs = {
+        name: torch.randn(rows[name], k, generator=generator).to(DTYPES[spec["dtype"]])
+        for name, spec in defn.inputs.items()
+    }
+    check_inputs(defn, inputs)
+    return inputs
+
+
 def _indptr(lengths: torch.Tensor) -> torch.Tensor:
     return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).int()
 
@@ -247,11 +330,24 @@ def compare_paged_gqa(defn: Definition, inputs: dict[str, Any]) -> dict[str, flo
     }
 
 
-def run_kernel(defn: Definition, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """ForgeKernel's paged attention on a gqa_paged definition's inputs as they are
-    (FlashInfer's CSR page lists, qo_indptr for prefill): (output, lse base 2) in the
-    definition's layouts. Decode runs the paged decode kernel; prefill up to 4 query tokens per
-    sequence its speculative form, longer ones the gather + varlen forward path."""
+def run_kernel(defn: Definition, inputs: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    """ForgeKernel's op on a definition's inputs as they are, chosen by its op_type: the
+    outputs in the order, layouts and dtypes of the definition's `outputs` (LSE base 2).
+    NotImplementedError for an op_type this module has no adapter for (mla_paged, dsa_paged
+    and gdn run through ops.mla / ops.dsa / ops.gated_delta_rule's own `*_flashinfer`)."""
+    adapter = KERNEL_ADAPTERS.get(defn.op_type)
+    if adapter is None:
+        raise NotImplementedError(
+            f"{defn.name}: run_kernel has no adapter for op_type {defn.op_type!r} "
+            f"(it has {sorted(KERNEL_ADAPTERS)})"
+        )
+    return adapter(defn, inputs)
+
+
+def _run_paged_gqa(defn: Definition, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """gqa_paged: ForgeKernel's paged attention on FlashInfer's CSR page lists (qo_indptr for
+    prefill). Decode runs the paged decode kernel; prefill up to 4 query tokens per sequence
+    its speculative form, longer ones the gather + varlen forward path."""
     from forgekernel.ops.attention_paged import attention_paged_csr
 
     counts = inputs["kv_indptr"][1:] - inputs["kv_indptr"][:-1]
@@ -269,3 +365,36 @@ def run_kernel(defn: Definition, inputs: dict[str, Any]) -> tuple[torch.Tensor, 
         return_lse=True, **varlen,
     )  # fmt: skip
     return out, _their_lse(defn, lse)
+
+
+def _run_ragged_gqa(defn: Definition, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """gqa_ragged: `attention_varlen` with qo_indptr / kv_indptr as cu_seqlens_q / _k, causal
+    (both bottom-right aligned); the longest sequences, which the op takes as host ints, are
+    read from the offsets (a device sync when they are on the GPU)."""
+    from forgekernel.ops.attention_varlen import attention_varlen
+
+    qo, kv = inputs["qo_indptr"], inputs["kv_indptr"]
+    out, lse = attention_varlen(
+        inputs["q"], inputs["k"], inputs["v"], qo, kv,
+        max_seqlen_q=_longest(qo), max_seqlen_k=_longest(kv), causal=True,
+        softmax_scale=float(inputs["sm_scale"]), return_lse=True,
+    )  # fmt: skip
+    return out, _their_lse(defn, lse)
+
+
+def _longest(indptr: torch.Tensor) -> int:
+    return int((indptr[1:] - indptr[:-1]).max())
+
+
+def _run_gemm(defn: Definition, inputs: dict[str, Any]) -> tuple[torch.Tensor]:
+    """gemm: C = A @ B.T is `gemm`'s default form (B given as (N, K))."""
+    from forgekernel.ops.gemm import gemm
+
+    return (gemm(inputs["A"], inputs["B"]),)
+
+
+KERNEL_ADAPTERS: dict[str, Callable[[Definition, dict[str, Any]], tuple[torch.Tensor, ...]]] = {
+    "gqa_paged": _run_paged_gqa,
+    "gqa_ragged": _run_ragged_gqa,
+    "gemm": _run_gemm,
+}
