@@ -286,3 +286,11 @@ def test_csr_page_table_with_no_pages():
     indptr = torch.zeros(4, dtype=torch.int32)
     table, lens = op_module.csr_page_table(indptr, torch.zeros(0, dtype=torch.int32), None, 16, 2)
     assert table.shape == (3, 2) and not table.any() and not lens.any()
+
+
+def test_float_scales_are_made_once():
+    """A python-float FP8 scale becomes a (Hkv,) tensor once per value, not a fill per call."""
+    a = op_module._scale_tensor("k_scale", 0.75, 8, "cpu")
+    b = op_module._scale_tensor("k_scale", 0.75, 8, "cpu")
+    assert a is b and a.shape == (8,) and torch.all(a == 0.75)
+    assert op_module._scale_tensor("k_scale", 0.5, 8, "cpu") is not a

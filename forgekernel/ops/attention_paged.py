@@ -51,7 +51,25 @@ def _scale_tensor(name: str, scale, hkv: int, device) -> torch.Tensor:
             return scale.reshape(1).to(torch.float32).expand(hkv).contiguous()
         check_shaped(name, scale, (hkv,), (torch.float32,))
         return scale.contiguous()
-    return torch.full((hkv,), float(scale), dtype=torch.float32, device=device)
+    return _constant_scale(float(scale), hkv, torch.device(device))
+
+
+_CONSTANT_SCALES: dict[tuple, torch.Tensor] = {}
+
+
+def _constant_scale(value: float, hkv: int, device: torch.device) -> torch.Tensor:
+    """A python-float scale as fp32 (Hkv,), made once per (value, Hkv, device) so that a decode
+    step does not launch a fill per call; made afresh (a captured fill) inside a CUDA-graph
+    capture, whose allocations must not outlive their graph in a cache."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.full((hkv,), value, dtype=torch.float32, device=device)
+    key = (value, hkv, device)
+    t = _CONSTANT_SCALES.get(key)
+    if t is None:
+        if len(_CONSTANT_SCALES) >= 64:
+            _CONSTANT_SCALES.clear()
+        t = _CONSTANT_SCALES[key] = torch.full((hkv,), value, dtype=torch.float32, device=device)
+    return t
 
 
 def _validate(q, k, v, page_table, seqlens_k, out, cu_seqlens_q=None):
