@@ -137,12 +137,12 @@ def sparse_kernels(monkeypatch):
 
         return partial
 
-    mla_launch._sparse_plans.clear()
+    mla_launch._plans.clear()
     monkeypatch.setattr(mla_launch, "get_kernel", get_kernel)
     monkeypatch.setattr(mla_launch, "num_sms", lambda device: 132)
     monkeypatch.setattr(op, "check_cuda", lambda name, t: None)
     yield calls
-    mla_launch._sparse_plans.clear()
+    mla_launch._plans.clear()
 
 
 def _problem(tokens, hq, page_size, valid, topk, *, pad="end", combined=False,
