@@ -49,18 +49,17 @@ from forgekernel.ops._validate import (
     check_shaped,
     check_tensor,
 )
-from forgekernel.ops.mla import FP8_CACHES, INDEX, check_softmax_scale, latent_cache_views
+from forgekernel.ops.mla import (
+    INDEX,
+    check_softmax_scale,
+    latent_cache_views,
+    reject_fp8_cache,
+)
+
+_KERNEL = "DSA kernel (issue 22)"
 
 LOG2E = math.log2(math.e)
 MAX_SLOTS = 2**31  # int32 entries address at most this many cache slots
-
-
-def _reject_fp8(name: str, cache: object) -> None:
-    if isinstance(cache, torch.Tensor) and cache.dtype in FP8_CACHES:
-        raise NotImplementedError(
-            f"{name} is {cache.dtype}: FP8 latent caches are not in the first DSA kernel (issue"
-            " 22); pass a bf16 / fp16 cache"
-        )
 
 
 def _validate(q_nope, q_pe, ckv, kpe, sparse_indices, out) -> None:
@@ -150,8 +149,8 @@ def dsa_sparse_attention(
     softmax_scale (required): the un-absorbed scale. out: written in place when given. No
     device read: CUDA-graph capturable."""
     scale = check_softmax_scale(softmax_scale)
-    _reject_fp8("ckv_cache", ckv_cache)
-    _reject_fp8("kpe_cache", kpe_cache)
+    reject_fp8_cache("ckv_cache", ckv_cache, _KERNEL)
+    reject_fp8_cache("kpe_cache", kpe_cache, _KERNEL)
     ckv, kpe = latent_cache_views(ckv_cache, kpe_cache)
     _validate(q_nope, q_pe, ckv, kpe, sparse_indices, out)
     if out is not None and out.stride(-1) != 1:  # the combine writes rows of 512 contiguous

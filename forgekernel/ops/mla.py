@@ -48,19 +48,20 @@ FP8_CACHES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)  # uint8: Fla
 LOG2E = math.log2(math.e)
 
 
-def _reject_fp8(name: str, cache: torch.Tensor) -> None:
+def reject_fp8_cache(name: str, cache: object, kernel: str = "MLA decode kernel (issue 19)"):
+    """FP8 latent caches are not read yet: a clear error naming the kernel and its issue."""
     if isinstance(cache, torch.Tensor) and cache.dtype in FP8_CACHES:
         raise NotImplementedError(
-            f"{name} is {cache.dtype}: FP8 latent caches are not in the first MLA decode kernel"
-            " (issue 19); pass a bf16 / fp16 cache"
+            f"{name} is {cache.dtype}: FP8 latent caches are not in the first {kernel}; pass a"
+            " bf16 / fp16 cache"
         )
 
 
 def latent_cache_views(ckv_cache, kpe_cache) -> tuple[torch.Tensor, torch.Tensor]:
     """(ckv, kpe); FlashMLA's combined (num_pages, page_size, 1, 576) cache passed as
     ckv_cache with kpe_cache None gives its two views (no copy)."""
-    _reject_fp8("ckv_cache", ckv_cache)
-    _reject_fp8("kpe_cache", kpe_cache)
+    reject_fp8_cache("ckv_cache", ckv_cache)
+    reject_fp8_cache("kpe_cache", kpe_cache)
     if kpe_cache is not None:
         return ckv_cache, kpe_cache
     check_tensor("ckv_cache", ckv_cache, ndim=4, cuda=False)
@@ -283,7 +284,7 @@ def mla_paged_decode_flashinfer(
         raise ValueError(f"kv_indptr has {batch + 1} entries for a batch of {q_nope.shape[0]}")
     if kv_last_page_len is not None:
         check_shaped("kv_last_page_len", kv_last_page_len, (batch,), INDEX)
-    _reject_fp8("ckv_cache", ckv_cache)
+    reject_fp8_cache("ckv_cache", ckv_cache)
     check_tensor("ckv_cache", ckv_cache, ndim=3, dtypes=(q_nope.dtype,), cuda=False)
     if max_pages is None:
         counts = kv_indptr[1:] - kv_indptr[:-1]
