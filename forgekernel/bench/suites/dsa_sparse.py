@@ -1,5 +1,5 @@
-"""DeepSeek sparse attention suite (DSA, issue 22; pending, in PENDING_SUITE_MODULES until
-`pytest -m gpu tests/gpu/test_dsa_gpu.py` passes): the sparse MLA forward, query token t against
+"""DeepSeek sparse attention suite (DSA, issue 22; its first GPU check passed
+2026-12-01): the sparse MLA forward, query token t against
 the latent cache rows its top-k list names (slot page * page_size + offset, -1 padding),
 outputs (out (tokens, H, 512), lse (tokens, H) natural log), reference.dsa's math.
 

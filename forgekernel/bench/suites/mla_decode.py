@@ -1,5 +1,5 @@
-"""DeepSeek MLA paged decode suite (issue 19; pending, in PENDING_SUITE_MODULES until
-`pytest -m gpu tests/gpu/test_mla_gpu.py` passes): absorbed decode, H query heads against one
+"""DeepSeek MLA paged decode suite (issue 19; its first GPU check passed
+2026-12-01): absorbed decode, H query heads against one
 576-wide latent row per token (512 latent + 64 RoPE columns), outputs (out (B, s_q, H, 512),
 lse (B, H, s_q) natural log); one packed check case (cu_seqlens_q, 0..3 tokens per sequence).
 
