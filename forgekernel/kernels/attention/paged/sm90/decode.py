@@ -103,6 +103,9 @@ class PagedDecodeSm90:
         mSeq: cute.Tensor,
         mOp: cute.Tensor,
         mLp: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        direct: Int32,
         scale_log2: Float32,
         per_split: Int32,
         page_size: Int32,
@@ -116,8 +119,9 @@ class PagedDecodeSm90:
         """mQ (B, Hq, D) or, with mCuQ int32 (B + 1,), (total_q, Hq, D); mK, mV (num_pages,
         page_size, Hkv, D) in q's dtype, or float8_e4m3fn with mKScale, mVScale fp32 (Hkv,)
         (else None); mPT int32 (B, max_pages); mSeq int32 (B,); mOp fp32 (splits, rows, Hq,
-        D); mLp fp32 (splits, rows, Hq) log2; group = Hq / Hkv; causal 0 / 1 (query tokens
-        among themselves, bottom-right)."""
+        D); mLp fp32 (splits, rows, Hq) log2; mO (rows, Hq, D) in q's dtype and mLSE fp32
+        (rows, Hq) (any strides), written instead when `direct` != 0 (one split: no combine);
+        group = Hq / Hkv; causal 0 / 1 (query tokens among themselves, bottom-right)."""
         if const_expr(mK.element_type != mV.element_type):
             raise TypeError("k_cache and v_cache must share one dtype")
         if const_expr(self.fp8 != (mK.element_type == cutlass.Float8E4M3FN)):
@@ -145,8 +149,8 @@ class PagedDecodeSm90:
 
         self.shared = Shared
         self.kernel(
-            mQ, mK, mV, mPT, mSeq, mOp, mLp, scale_log2, per_split, page_size, group, mKScale,
-            mVScale, mCuQ, causal,
+            mQ, mK, mV, mPT, mSeq, mOp, mLp, mO, mLSE, direct, scale_log2, per_split, page_size,
+            group, mKScale, mVScale, mCuQ, causal,
         ).launch(
             grid=(mOp.shape[0], mQ.shape[1] // self.h, mSeq.shape[0]),
             block=[THREADS, 1, 1],
@@ -163,6 +167,9 @@ class PagedDecodeSm90:
         mSeq: cute.Tensor,
         mOp: cute.Tensor,
         mLp: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        direct: Int32,
         scale_log2: Float32,
         per_split: Int32,
         page_size: Int32,
@@ -287,8 +294,8 @@ class PagedDecodeSm90:
         self._stage_warp(storage, o_wide, row_max, row_sum, exp_scale, thr_mma, warp_idx)
         cute.arch.sync_threads()
         write_split(
-            self._merge_views(storage), mOp, mLp, split, (q_off, sq), head0, self.h, self.g,
-            self.d, tidx,
+            self._merge_views(storage), (mOp, mLp, mO, mLSE, direct), split, (q_off, sq), head0,
+            self.h, self.g, self.d, tidx,
         )  # fmt: skip
 
     @cute.jit

@@ -73,15 +73,19 @@ def paged_decode(
         ),
         _plan,
     )
-    partial_o = torch.empty(splits, rows, hq, d, dtype=torch.float32, device=q.device)
-    partial_lse = torch.empty(splits, rows, hq, dtype=torch.float32, device=q.device)
+    # one split: the partial pass writes out and lse itself (the partials are placeholders
+    # giving the grid its one split)
+    direct = splits == 1
+    shape = (1, 1, 1) if direct else (splits, rows, hq)
+    partial_o = torch.empty(*shape, 1 if direct else d, dtype=torch.float32, device=q.device)
+    partial_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
     partial = get_kernel(SPEC, p_params)
-    combine = get_kernel(SPEC, c_params)
     with on_device(q.device):
         partial(
             as_tma_ready(q), k_cache, v_cache, page_table.contiguous(), seqlens_k.contiguous(),
-            partial_o, partial_lse, softmax_scale * LOG2E, per, page_size, hq // hkv,
-            k_scale, v_scale, None if cu_seqlens_q is None else cu_seqlens_q.contiguous(),
-            int(causal),
+            partial_o, partial_lse, out, lse, int(direct), softmax_scale * LOG2E, per, page_size,
+            hq // hkv, k_scale, v_scale,
+            None if cu_seqlens_q is None else cu_seqlens_q.contiguous(), int(causal),
         )  # fmt: skip
-        combine(partial_o, partial_lse, out, lse)
+        if not direct:
+            get_kernel(SPEC, c_params)(partial_o, partial_lse, out, lse)
