@@ -124,7 +124,7 @@ def cpu_kernels(monkeypatch):
                 lp = torch.empty(1, *out.shape[:2], dtype=torch.float32)
             _partial(q, k, v, pt, seq, op, lp, *rest, heads=p["heads"], qtokens=p.get("qtokens", 1))
             if direct:
-                _combine(op, lp, out, lse)
+                combine_splits(op, lp, out, lse)
 
         return partial
 
