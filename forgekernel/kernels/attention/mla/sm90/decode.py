@@ -52,7 +52,11 @@ from forgekernel.kernels.common.sm90.layout import rows_cols, transposed
 from forgekernel.kernels.common.sm90.mma import gemm
 from forgekernel.kernels.common.sm90.pipeline import smem_tensor
 from forgekernel.kernels.common.sm90.softmax import exp2_row, quad_row_max, rescale_o, scaled_max
-from forgekernel.kernels.common.sm90.warp_mma import copy_row_async, query_row_limits, tiled_row_copy
+from forgekernel.kernels.common.sm90.warp_mma import (
+    copy_row_async,
+    query_row_limits,
+    tiled_row_copy,
+)
 
 KEYS = TILE // WARPGROUPS  # keys per warpgroup in S
 COLS = D_LATENT // WARPGROUPS  # output columns per warpgroup in P V
