@@ -9,16 +9,13 @@ the keys stream through it in tiles of TILE latent rows, STAGES deep, gathered b
 clamped into the split so that masked columns stay finite), the latent and RoPE columns in two
 K-major tiles. Per tile:
   1. S: warpgroup w scores keys 32w .. 32w + 31 against all 64 rows (WGMMA 64 x 32, K = 512 +
-     64, Q and K from shared memory; the next tile's loads go out under it), masks them, puts
-     its row maxima in shared memory; barrier.
+     64, Q and K from shared memory), masks them, puts its row maxima in shared memory; barrier.
   2. Both warpgroups take the tile's row maxima (one running max per row, the same in both),
      turn their scores into P = exp2(S scale - max scale) (16-bit, into a shared 64 x TILE
      tile), rescale their O and their share of the row sums; barrier.
   3. P V: warpgroup w owns output columns 256w .. 256w + 255 (O 64 x 256 fp32 in registers), all
      TILE keys: WGMMA 64 x 256 with P and V from shared memory, V the latent tile read as an
-     MN-major operand (the same bytes as the K-major key tile). (Left running under the next
-     tile's S, ptxas serializes every WGMMA of the kernel: S and O do not fit the registers
-     together.)
+     MN-major operand (the same bytes as the K-major key tile).
 At the end the row sums meet in shared memory and every thread writes its columns of the
 split's normalized O (fp32) and the row's LSE in log2 units (-inf where the split saw no key),
 the paged decode's partial format, merged by its combine pass.
@@ -38,7 +35,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode
 from cutlass.tensor_utils import LayoutEnum
 
 from forgekernel.kernels.attention.mla.sm90.config import (
@@ -231,20 +228,18 @@ class MlaDecodeSm90:
         limits = query_row_limits(coords, self.h, self.qt, sq, sk, t1, causal)
 
         for i in cutlass.range(tiles, unroll=1):
-            cute.arch.cp_async_wait_group(0)  # tile i, the one group in flight
+            cute.arch.cp_async_wait_group(STAGES - 2)
             cute.arch.fence_view_async_shared()  # cp.async writes, then WGMMA reads
             cute.arch.sync_threads()
-            stage = i % STAGES
-
-            # 1. this warpgroup's keys against every row; the next tile's loads go out under it
-            # (every P V of tile i - 1, the last reader of their stage, is done)
-            gemm(mma_s, acc_s, tSrQl, tSrKl[None, None, None, stage], True, -1)
-            gemm(mma_s, acc_s, tSrQr, tSrKr[None, None, None, stage], False, -1)
             nxt = i + STAGES - 1
             if nxt < tiles:
                 self._load_tile(kv, t0 + nxt * TILE, t1, nxt % STAGES)
             cute.arch.cp_async_commit_group()
-            warpgroup.wait_group(0)
+            stage = i % STAGES
+
+            # 1. this warpgroup's keys against every row; its row maxima to shared memory
+            gemm(mma_s, acc_s, tSrQl, tSrKl[None, None, None, stage], True, -1)
+            gemm(mma_s, acc_s, tSrQr, tSrKr[None, None, None, stage], False, 0)
             s = rows_cols(acc_s)
             first_key = t0 + i * TILE
             for r in cutlass.range_constexpr(2):
