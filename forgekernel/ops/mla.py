@@ -73,8 +73,10 @@ def latent_cache_views(ckv_cache, kpe_cache) -> tuple[torch.Tensor, torch.Tensor
             "with kpe_cache None, ckv_cache is FlashMLA's combined cache (num_pages, page_size,"
             f" 1, {D_LATENT + D_ROPE}), got {tuple(ckv_cache.shape)}"
         )
-    row = ckv_cache.select(2, 0)  # aten views, not indexing: traceable on fake CUDA tensors
-    return row.narrow(-1, 0, D_LATENT), row.narrow(-1, D_LATENT, D_ROPE)
+    # aten views, not indexing: traceable on fake CUDA tensors; one split, not two narrows
+    # (2.0 us a call on the CPU against 3.6)
+    ckv, kpe = ckv_cache.squeeze(2).split_with_sizes((D_LATENT, D_ROPE), -1)
+    return ckv, kpe
 
 
 def check_softmax_scale(scale: object) -> float:
@@ -139,7 +141,7 @@ def _validate(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out) 
 def _valid_at_a_glance(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out) -> bool:
     """`_validate`'s checks in one pass over plain tensors (the common eager call): True when
     every check passes (check_cuda, which raises, last as in `_validate`); False sends the call
-    through `_validate`, whose named checks raise. 2.4 us against 5.3 on the CPU (issue 17)."""
+    through `_validate`, whose named checks raise. 2.9 us against 4.9 on the CPU (issue 17)."""
     if not plain(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out):
         return False
     dtype, shape = q_nope.dtype, q_nope.shape
