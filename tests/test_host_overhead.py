@@ -183,6 +183,10 @@ MLA_CHANGES = {
                  "cu_seqlens_q": torch.tensor([0, 3, 5, 7], dtype=torch.int32)},
     "cu empty": {"q_nope": _bf16(7, 16, 512), "q_pe": _bf16(7, 16, 64),
                  "cu_seqlens_q": torch.zeros(0, dtype=torch.int32)},
+    "q_nope None": {"q_nope": None},
+    "q_pe None": {"q_pe": None},
+    "table None": {"page_table": None},
+    "seqlens None": {"seqlens_k": None},
     "table on meta": {"page_table": torch.empty(2, 4, dtype=torch.int32, device="meta")},
     "out on meta": {"out": torch.empty(2, 1, 16, 512, dtype=torch.bfloat16, device="meta")},
 }  # fmt: skip
@@ -220,6 +224,8 @@ DSA_CHANGES = {
     "indices tokens": {"sparse_indices": _int32(3, 64)},
     "out fp16": {"out": _bf16(2, 16, 512, dtype=torch.float16)},
     "out shape": {"out": _bf16(2, 16, 576)},
+    "q_pe None": {"q_pe": None},
+    "indices None": {"sparse_indices": None},
     "indices on meta": {"sparse_indices": torch.empty(2, 64, dtype=torch.int32, device="meta")},
 }  # fmt: skip
 
@@ -259,6 +265,9 @@ PAGED_CHANGES = {
     "cu rank": {"q": _bf16(7, 8, 128),
                 "cu_seqlens_q": torch.tensor([[0, 3, 7]], dtype=torch.int32)},
     "cu empty": {"q": _bf16(7, 8, 128), "cu_seqlens_q": torch.zeros(0, dtype=torch.int32)},
+    "q None": {"q": None},
+    "table None": {"page_table": None},
+    "seqlens None": {"seqlens_k": None},
     "v on meta": {"v": torch.empty(10, 16, 2, 128, dtype=torch.bfloat16, device="meta")},
 }  # fmt: skip
 

@@ -29,10 +29,14 @@ def tracing() -> bool:
     return torch.compiler.is_compiling() or _current_dispatch_mode() is not None
 
 
-def plain(*tensors: object) -> bool:
-    """Every argument a plain eager tensor or None (no subclass, no other type): what the ops'
-    one-pass checks of the common eager call require before they read any metadata."""
+def plain(*tensors: object, optional: tuple = ()) -> bool:
+    """Every argument a plain eager tensor (no subclass, no other type, no None), and each of
+    `optional` one or None: what the ops' one-pass checks of the common eager call require
+    before they read any metadata."""
     for t in tensors:
+        if type(t) not in _PLAIN:
+            return False
+    for t in optional:
         if t is not None and type(t) not in _PLAIN:
             return False
     return True

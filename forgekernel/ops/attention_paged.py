@@ -113,7 +113,7 @@ def _valid_at_a_glance(q, k, v, page_table, seqlens_k, out, cu_seqlens_q) -> boo
     """`_validate`'s checks in one pass over plain tensors (the common eager call): True when
     every check passes (check_cuda, which raises, last as in `_validate`); False sends the call
     through `_validate`, whose named checks raise (issue 17)."""
-    if not plain(q, k, v, page_table, seqlens_k, out, cu_seqlens_q):
+    if not plain(q, k, v, page_table, seqlens_k, optional=(out, cu_seqlens_q)):
         return False
     dtype, shape, kv_dtype, kv = q.dtype, q.shape, k.dtype, k.shape
     if cu_seqlens_q is None:

@@ -104,7 +104,7 @@ def _valid_at_a_glance(q_nope, q_pe, ckv, kpe, sparse_indices, out) -> bool:
     """`_validate`'s checks in one pass over plain tensors (the common eager call): True when
     every check passes (check_cuda, which raises, last as in `_validate`); False sends the call
     through `_validate`, whose named checks raise (issue 17)."""
-    if not plain(q_nope, q_pe, ckv, kpe, sparse_indices, out):
+    if not plain(q_nope, q_pe, ckv, kpe, sparse_indices, optional=(out,)):
         return False
     dtype, shape = q_nope.dtype, q_nope.shape
     pe, latent, rope, idx = q_pe.shape, ckv.shape, kpe.shape, sparse_indices.shape

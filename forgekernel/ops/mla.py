@@ -142,7 +142,7 @@ def _valid_at_a_glance(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens
     """`_validate`'s checks in one pass over plain tensors (the common eager call): True when
     every check passes (check_cuda, which raises, last as in `_validate`); False sends the call
     through `_validate`, whose named checks raise. 2.9 us against 4.9 on the CPU (issue 17)."""
-    if not plain(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out):
+    if not plain(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, optional=(cu_seqlens_q, out)):
         return False
     dtype, shape = q_nope.dtype, q_nope.shape
     if cu_seqlens_q is None:
