@@ -4,31 +4,38 @@ key (all 576) and the value (the first 512); reference.mla has the math.
 
 A CTA of two warpgroups takes H query heads x Q query tokens (G = H Q rows, zero rows up to the
 WGMMA's 64) and one split of one sequence's keys. Q sits in shared memory for the whole split;
-the keys stream through it in tiles of TILE latent rows, STAGES deep, gathered by cp.async of
-16 bytes per thread and copy (page page_table[b, t // page_size], slot t % page_size; the token
+the keys stream through it in tiles of TILE latent rows, two stages, gathered by cp.async of 16
+bytes per thread and copy (page page_table[b, t // page_size], slot t % page_size; the token
 clamped into the split so that masked columns stay finite), the latent and RoPE columns in two
-K-major tiles. Per tile:
-  1. S: warpgroup w scores keys 32w .. 32w + 31 against all 64 rows (WGMMA 64 x 32, K = 512 +
-     64, Q and K from shared memory), masks them, puts its row maxima in shared memory; barrier.
-  2. Both warpgroups take the tile's row maxima (one running max per row, the same in both),
-     turn their scores into P = exp2(S scale - max scale) (16-bit, into a shared 64 x TILE
-     tile), rescale their O and their share of the row sums; barrier.
-  3. P V: warpgroup w owns output columns 256w .. 256w + 255 (O 64 x 256 fp32 in registers), all
-     TILE keys: WGMMA 64 x 256 with P and V from shared memory, V the latent tile read as an
-     MN-major operand (the same bytes as the K-major key tile).
-At the end the row sums meet in shared memory and every thread writes its columns of the
-split's normalized O (fp32) and the row's LSE in log2 units (-inf where the split saw no key),
-the paged decode's partial format, merged by its combine pass.
+K-major tiles. The warpgroups split the work by role, FlashMLA's first sm90 design:
+  - warpgroup 0 (softmax): S = Q K^T of the whole tile (WGMMA 64 x 64, K = 512 + 64: Q read
+    from shared memory once per 64 keys), the mask, the online softmax (it owns the row maxima
+    and sums), P (16-bit) and each row's O rescale factor into shared memory, then P V over
+    output columns 0 .. 255;
+  - warpgroup 1 (loads): P V over columns 256 .. 511 once P is out, then the tile after next
+    into the stage both warpgroups have finished with, then it waits for the next tile's
+    bytes and hands it over.
+Warpgroup 0's S of tile i + 1 runs on the tensor cores under warpgroup 1's P V of tile i.
+Named barriers order them (Bar): FULL (tile landed: 1 arrives, 0 waits), P_READY (P and the
+scales written: 0 arrives, 1 waits), P_FREE (1 has read P: 1 arrives, 0 waits before the next
+P), STAGE_FREE (0's P V done: 0 arrives, 1 waits before refilling the stage), P_WRITTEN
+(warpgroup 0's own, before its P V reads every row of P). V is the latent
+tile read as an MN-major operand (the same bytes as the K-major key tile).
+At the end warpgroup 0's row maxima and sums go through shared memory and every thread writes
+its columns of the split's normalized O (fp32) and warpgroup 0 the rows' LSE in log2 units
+(-inf where the split saw no key), the paged decode's partial format, merged by its combine.
 
 `sparse` (DeepSeek sparse attention, DSA): query token t attends to the cache rows its top-k
 list names (mPT (tokens, topk) int32, entries page * page_size + slot, -1 padding, anywhere),
 not to a sequence's pages: a CTA's keys are that list's split, loaded by index (-1 reads row 0,
 masked), grid z over the tokens (one query token per CTA, so `qtokens` is 1).
 
-The mma.sync version of this pass (four warps, 16 rows) reached ~85 TFLOP/s and 0.51x FlashMLA;
-docs/attention/MLA_NOTES.md has its figures."""
+docs/attention/MLA_NOTES.md has the earlier versions' figures (mma.sync; both warpgroups on S
+along the keys)."""
 
 from __future__ import annotations
+
+from enum import IntEnum
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -47,6 +54,7 @@ from forgekernel.kernels.attention.mla.sm90.config import (
     TILE,
     WARPGROUPS,
 )
+from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
 from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
 from forgekernel.kernels.common.sm90.layout import rows_cols, transposed
 from forgekernel.kernels.common.sm90.mma import gemm
@@ -58,8 +66,17 @@ from forgekernel.kernels.common.sm90.warp_mma import (
     tiled_row_copy,
 )
 
-KEYS = TILE // WARPGROUPS  # keys per warpgroup in S
 COLS = D_LATENT // WARPGROUPS  # output columns per warpgroup in P V
+
+
+class Bar(IntEnum):
+    """The kernel's named barriers (id 0 is __syncthreads), each over both warpgroups."""
+
+    FULL = FIRST_FREE  # the next tile landed: warpgroup 1 arrives, 0 waits
+    P_READY = FIRST_FREE + 1  # P and the rescale factors written: 0 arrives, 1 waits
+    P_FREE = FIRST_FREE + 2  # warpgroup 1 has read P: 1 arrives, 0 waits
+    STAGE_FREE = FIRST_FREE + 3  # warpgroup 0's P V done: 0 arrives, 1 waits
+    P_WRITTEN = FIRST_FREE + 4  # warpgroup 0 alone: all its rows of P out before its P V
 
 
 class MlaDecodeSm90:
@@ -77,9 +94,9 @@ class MlaDecodeSm90:
 
     def _setup(self, dtype):
         k_major = OperandMajorMode.K
-        # S: the two warpgroups side by side along the keys; P V: along the output columns
+        # S: warpgroup 0 alone, the whole tile; P V: the two side by side along the columns
         self.mma_s = sm90_utils.make_trivial_tiled_mma(
-            dtype, dtype, k_major, k_major, Float32, (1, WARPGROUPS, 1), (ROWS, KEYS)
+            dtype, dtype, k_major, k_major, Float32, (1, 1, 1), (ROWS, TILE)
         )
         self.mma_o = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, k_major, OperandMajorMode.MN, Float32, (1, WARPGROUPS, 1), (ROWS, COLS)
@@ -132,7 +149,7 @@ class MlaDecodeSm90:
             ql: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(self.lay_ql)], 1024]
             qr: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(self.lay_qr)], 1024]
             p: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(self.lay_p)], 1024]
-            red: cute.struct.MemRange[Float32, WARPGROUPS * ROWS]
+            red: cute.struct.MemRange[Float32, 3 * ROWS]  # rescale factors; final max and sum
 
         self.shared = Shared
         self.kernel(
@@ -190,54 +207,94 @@ class MlaDecodeSm90:
         sQl = smem_tensor(storage.ql, lay_ql)
         sQr = smem_tensor(storage.qr, lay_qr)
         sP = smem_tensor(storage.p, lay_p)
-        sRed = storage.red.get_tensor(cute.make_layout((WARPGROUPS, ROWS)))
+        sRed = storage.red.get_tensor(cute.make_layout((3, ROWS)))
 
+        # Q and tile 0 by every thread, tile 1 then by warpgroup 1 (its loads from there on)
         copy_lat = tiled_row_copy(dtype, D_LATENT, THREADS)
         copy_rope = tiled_row_copy(dtype, D_ROPE, THREADS)
         thr_lat, thr_rope = copy_lat.get_slice(tidx), copy_rope.get_slice(tidx)
         self._load_query(mQn, sQl[None, None, 0], thr_lat, D_LATENT, q_off, sq, head0, copy_lat)
         self._load_query(mQp, sQr[None, None, 0], thr_rope, D_ROPE, q_off, sq, head0, copy_rope)
-        kv = (mCkv, mKpe, sKl, sKr, copy_lat, copy_rope, thr_lat, thr_rope, mPT, b, page_size)
-        for s in cutlass.range_constexpr(STAGES - 1):
-            if s < tiles:
-                self._load_tile(kv, t0 + s * TILE, t1, s)
-            cute.arch.cp_async_commit_group()
+        kv_all = (mCkv, mKpe, sKl, sKr, copy_lat, copy_rope, thr_lat, thr_rope, mPT, b, page_size)
+        if 0 < tiles:
+            self._load_tile(kv_all, t0, t1, 0)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.fence_view_async_shared()  # cp.async writes, then WGMMA reads
+        cute.arch.sync_threads()
 
-        # operand fragments (WGMMA descriptors) from the warpgroup's slice, coordinates from
-        # the thread's own
-        wg_s = mma_s.get_slice(wg * THREADS_PER_WG)
         wg_o = mma_o.get_slice(wg * THREADS_PER_WG)
-        tSrQl = wg_s.make_fragment_A(wg_s.partition_A(sQl))[None, None, None, 0]
-        tSrQr = wg_s.make_fragment_A(wg_s.partition_A(sQr))[None, None, None, 0]
-        tSrKl = wg_s.make_fragment_B(wg_s.partition_B(sKl))
-        tSrKr = wg_s.make_fragment_B(wg_s.partition_B(sKr))
         tOrP = wg_o.make_fragment_A(wg_o.partition_A(sP))[None, None, None, 0]
         tOrV = wg_o.make_fragment_B(wg_o.partition_B(transposed(sKl)))
-
         acc_o = cute.make_rmem_tensor(wg_o.partition_shape_C((ROWS, D_LATENT)), Float32)
         acc_o.fill(0.0)
-        acc_s = cute.make_rmem_tensor(wg_s.partition_shape_C((ROWS, TILE)), Float32)
         row_max = cute.make_rmem_tensor(2, Float32)
         row_sum = cute.make_rmem_tensor(2, Float32)
-        corr = cute.make_rmem_tensor(2, Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
-        # (row, key in the tile) of this thread's score registers
+        # (row, column) of this thread's O registers; rows as in S (the same M partition)
+        o_crd = rows_cols(
+            mma_o.get_slice(tidx).partition_C(cute.make_identity_tensor((ROWS, D_LATENT)))
+        )
+        bars = (
+            named_barrier(Bar.FULL, THREADS),
+            named_barrier(Bar.P_READY, THREADS),
+            named_barrier(Bar.P_FREE, THREADS),
+            named_barrier(Bar.STAGE_FREE, THREADS),
+            named_barrier(Bar.P_WRITTEN, THREADS_PER_WG),
+        )
+        if wg == 0:
+            self._softmax_wg(
+                (sQl, sQr, sKl, sKr, sP, sRed), (tOrP, tOrV, acc_o), mma_s, mma_o, bars,
+                (row_max, row_sum), (mPT, b, sq, sk, t0, t1, tiles, scale_log2, causal, tidx),
+            )  # fmt: skip
+        else:
+            copy_lat1 = tiled_row_copy(dtype, D_LATENT, THREADS_PER_WG)
+            copy_rope1 = tiled_row_copy(dtype, D_ROPE, THREADS_PER_WG)
+            tid1 = tidx - THREADS_PER_WG
+            kv_wg = (
+                mCkv, mKpe, sKl, sKr, copy_lat1, copy_rope1, copy_lat1.get_slice(tid1),
+                copy_rope1.get_slice(tid1), mPT, b, page_size,
+            )  # fmt: skip
+            self._load_wg(kv_wg, (tOrP, tOrV, acc_o), mma_o, bars, sRed, o_crd, (t0, t1, tiles))
+        # the rows' final max and sum, from warpgroup 0 (which holds them) to both
+        if wg == 0:
+            for r in cutlass.range_constexpr(2):
+                total = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
+                if tidx % 4 == 0:
+                    sRed[1, o_crd[r, 0][0]] = row_max[r]  # (row 0: warpgroup 1 may still read)
+                    sRed[2, o_crd[r, 0][0]] = total
+        cute.arch.sync_threads()
+        for r in cutlass.range_constexpr(2):
+            row_max[r] = sRed[1, o_crd[r, 0][0]]
+            row_sum[r] = sRed[2, o_crd[r, 0][0]]
+        self._write_split(
+            (mOp, mLp), acc_o, row_max, row_sum, scale_log2, o_crd,
+            (split, q_off, sq, head0, wg, tidx),
+        )  # fmt: skip
+
+    @cute.jit
+    def _softmax_wg(self, smem, o_ops, mma_s, mma_o, bars, stats, at):
+        """Warpgroup 0: per tile, S, mask, online softmax, P and the rescale factors out, its
+        half of P V."""
+        sQl, sQr, sKl, sKr, sP, sRed = smem
+        tOrP, tOrV, acc_o = o_ops
+        full, p_ready, p_free, stage_free, p_written = bars
+        row_max, row_sum = stats
+        mPT, b, sq, sk, t0, t1, tiles, scale_log2, causal, tidx = at
         thr_s = mma_s.get_slice(tidx)
+        tSrQl = thr_s.make_fragment_A(thr_s.partition_A(sQl))[None, None, None, 0]
+        tSrQr = thr_s.make_fragment_A(thr_s.partition_A(sQr))[None, None, None, 0]
+        tSrKl = thr_s.make_fragment_B(thr_s.partition_B(sKl))
+        tSrKr = thr_s.make_fragment_B(thr_s.partition_B(sKr))
+        acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, TILE)), Float32)
+        corr = cute.make_rmem_tensor(2, Float32)
         coords = rows_cols(thr_s.partition_C(cute.make_identity_tensor((ROWS, TILE))))
         limits = query_row_limits(coords, self.h, self.qt, sq, sk, t1, causal)
-
         for i in cutlass.range(tiles, unroll=1):
-            cute.arch.cp_async_wait_group(STAGES - 2)
-            cute.arch.fence_view_async_shared()  # cp.async writes, then WGMMA reads
-            cute.arch.sync_threads()
-            nxt = i + STAGES - 1
-            if nxt < tiles:
-                self._load_tile(kv, t0 + nxt * TILE, t1, nxt % STAGES)
-            cute.arch.cp_async_commit_group()
+            if i > 0:
+                full.arrive_and_wait()  # tile i landed
             stage = i % STAGES
-
-            # 1. this warpgroup's keys against every row; its row maxima to shared memory
             gemm(mma_s, acc_s, tSrQl, tSrKl[None, None, None, stage], True, -1)
             gemm(mma_s, acc_s, tSrQr, tSrKr[None, None, None, stage], False, 0)
             s = rows_cols(acc_s)
@@ -251,33 +308,55 @@ class MlaDecodeSm90:
                         if key < limits[r]:
                             if mPT[b, key] < 0:  # padding
                                 s[r, c] = -Float32.inf
-                top = quad_row_max(s, r, -Float32.inf)
-                if tidx % 4 == 0:
-                    sRed[wg, coords[r, 0][0]] = top
-            cute.arch.sync_threads()
-
-            # 2. one running max per row over the whole tile; P to shared memory
-            for r in cutlass.range_constexpr(2):
-                row = coords[r, 0][0]
-                top = cute.arch.fmax(row_max[r], cute.arch.fmax(sRed[0, row], sRed[1, row]))
+                top = quad_row_max(s, r, row_max[r])
                 cur_scaled = scaled_max(top, scale_log2)
                 corr[r] = cute.math.exp2(row_max[r] * scale_log2 - cur_scaled, fastmath=True)
                 row_max[r] = top
                 row_sum[r] = row_sum[r] * corr[r] + exp2_row(s, r, scale_log2, cur_scaled)
+            if i > 0:
+                p_free.arrive_and_wait()  # warpgroup 1 is done with the last P
+            for r in cutlass.range_constexpr(2):
+                row = coords[r, 0][0]
                 for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                    sP[row, coords[r, c][1], 0] = s[r, c].to(dtype)
-            rescale_o(acc_o, corr)
+                    sP[row, coords[r, c][1], 0] = s[r, c].to(sP.element_type)
+                if tidx % 4 == 0:
+                    sRed[0, row] = corr[r]
             cute.arch.fence_view_async_shared()  # P's stores, then WGMMA reads
-            cute.arch.sync_threads()
-
-            # 3. P V over this warpgroup's output columns
+            p_ready.arrive()
+            rescale_o(acc_o, corr)
+            p_written.arrive_and_wait()
             gemm(mma_o, acc_o, tOrP, tOrV[None, None, None, stage], False, 0)
+            stage_free.arrive()
 
-        cute.arch.cp_async_wait_group(0)
-        self._write_split(
-            (mOp, mLp), acc_o, row_max, row_sum, sRed, scale_log2, coords, mma_o,
-            (split, q_off, sq, head0, wg, tidx),
-        )  # fmt: skip
+    @cute.jit
+    def _load_wg(self, kv, o_ops, mma_o, bars, sRed, o_crd, span):
+        """Warpgroup 1: per tile, its half of P V once P is out, then the tile after next into
+        the freed stage, then the next tile handed over once landed."""
+        tOrP, tOrV, acc_o = o_ops
+        full, p_ready, p_free, stage_free, _ = bars
+        t0, t1, tiles = span
+        corr = cute.make_rmem_tensor(2, Float32)
+        if 1 < tiles:
+            self._load_tile(kv, t0 + TILE, t1, 1)
+        cute.arch.cp_async_commit_group()
+        for i in cutlass.range(tiles, unroll=1):
+            stage = i % STAGES
+            p_ready.arrive_and_wait()
+            for r in cutlass.range_constexpr(2):
+                corr[r] = sRed[0, o_crd[r, 0][0]]
+            rescale_o(acc_o, corr)
+            gemm(mma_o, acc_o, tOrP, tOrV[None, None, None, stage], False, 0)
+            if i + 1 < tiles:
+                p_free.arrive()
+            stage_free.arrive_and_wait()  # both warpgroups are done with this stage
+            nxt = i + STAGES
+            if nxt < tiles:
+                self._load_tile(kv, t0 + nxt * TILE, t1, stage)
+            cute.arch.cp_async_commit_group()
+            if i + 1 < tiles:
+                cute.arch.cp_async_wait_group(1)  # tile i + 1 (the group before this one)
+                cute.arch.fence_view_async_shared()
+                full.arrive()
 
     @cute.jit
     def _load_query(self, mQ, sQ, thr_g, width: cutlass.Constexpr[int], q_off, sq, head0, gcopy):
@@ -317,37 +396,24 @@ class MlaDecodeSm90:
                 copy_row_async(gcopy, row, width, tXsX[None, m, None], crd[None, m, None])
 
     @cute.jit
-    def _write_split(self, outs, acc_o, row_max, row_sum, sRed, scale_log2, coords, mma_o, at):
-        """The row sums over the quads and warpgroups (through shared memory), then this
-        thread's columns of the split's O / sum and, from warpgroup 0, the rows' LSE (log2); 0
-        and -inf where the split saw no key. Rows past G or of tokens past sq are not
-        written."""
+    def _write_split(self, outs, acc_o, row_max, row_sum, scale_log2, o_crd, at):
+        """This thread's columns of the split's O / sum and, from warpgroup 0, the rows' LSE
+        (log2); 0 and -inf where the split saw no key. Rows past G or of tokens past sq are
+        not written."""
         mOp, mLp = outs
         split, q_off, sq, head0, wg, tidx = at
-        total = cute.make_rmem_tensor(2, Float32)
-        cute.arch.sync_threads()  # every thread past its last read of sRed
-        for r in cutlass.range_constexpr(2):
-            part = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
-            if tidx % 4 == 0:
-                sRed[wg, coords[r, 0][0]] = part
-        cute.arch.sync_threads()
-        for r in cutlass.range_constexpr(2):
-            row = coords[r, 0][0]
-            total[r] = sRed[0, row] + sRed[1, row]
         o = rows_cols(acc_o)
-        thr_o = mma_o.get_slice(tidx)
-        crd = rows_cols(thr_o.partition_C(cute.make_identity_tensor((ROWS, D_LATENT))))
         for r in cutlass.range_constexpr(2):
-            row = crd[r, 0][0]
+            row = o_crd[r, 0][0]
             token = row // self.h
             if row < self.g and token < sq:
                 inv = Float32(0.0)
                 lse = -Float32.inf
-                if total[r] > 0.0:
-                    inv = 1.0 / total[r]
-                    lse = row_max[r] * scale_log2 + cute.math.log2(total[r], fastmath=True)
+                if row_sum[r] > 0.0:
+                    inv = 1.0 / row_sum[r]
+                    lse = row_max[r] * scale_log2 + cute.math.log2(row_sum[r], fastmath=True)
                 head = head0 + row % self.h
                 for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
-                    mOp[split, q_off + token, head, crd[r, c][1]] = o[r, c] * inv
+                    mOp[split, q_off + token, head, o_crd[r, c][1]] = o[r, c] * inv
                 if wg == 0 and tidx % 4 == 0:
                     mLp[split, q_off + token, head] = lse
