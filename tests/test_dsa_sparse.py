@@ -80,14 +80,16 @@ def test_split_plan_covers_the_list(tokens, hq, topk):
 # ---------------------------------------------------------------- the kernel, replayed
 
 
-def _sparse_partial(qn, qp, ckv, kpe, idx, seq, op_, lp, scale_log2, per, page_size, cu, causal):
+def _sparse_partial(
+    qn, qp, ckv, kpe, idx, seq, op_, lp, scale_log2, per, page_size, cu, causal, q_blocks
+):
     """The sparse partial pass (decode.py, sparse=True) of every CTA (split, head block, token)
     at once: a row's arithmetic does not depend on its head block. Per split, list positions
     [t0, t1) in tiles of TILE, each tile's positions clamped to t1 - 1 and its entries to >= 0
     for the loads (page entry // page_size, slot entry % page_size), scored over all 576
     columns at once with one running max per (token, head) row, positions >= t1 and entries
     < 0 masked; P in q's dtype before P V."""
-    assert seq is None and cu is None and causal == 0
+    assert seq is None and cu is None and causal == 0 and q_blocks == 1
     tokens, topk = idx.shape
     q = torch.cat([qn, qp], -1).double()
     for s in range(op_.shape[0]):
@@ -131,7 +133,7 @@ def sparse_kernels(monkeypatch):
         assert p["kind"] == "sparse" and p["heads"] * 1 <= ROWS
 
         def partial(*args):
-            assert args[0].dtype == getattr(torch, p["dtype"]) and len(args) == 13
+            assert args[0].dtype == getattr(torch, p["dtype"]) and len(args) == 14
             assert args[4].dtype == torch.int32 and args[4].stride(-1) == 1
             calls.append((p, args))
             _sparse_partial(*args)

@@ -9,6 +9,7 @@ suite's own check; the custom op's fake implementation under make_fx."""
 from __future__ import annotations
 
 import importlib
+import itertools
 import math
 
 import pytest
@@ -34,7 +35,7 @@ from forgekernel.kernels.attention.mla.sm90.config import (
 from forgekernel.kernels.attention.paged.sm90 import config as paged_config
 from forgekernel.reference.flashinfer_paged import page_table_to_csr
 from forgekernel.reference.mla import mla_decode_ref, mla_prefill_ref
-from forgekernel.reference.mla_flashinfer import mla_flashinfer_decode
+from forgekernel.reference.mla_flashinfer import mla_flashinfer_decode, mla_flashinfer_prefill
 
 op = importlib.import_module("forgekernel.ops.mla")
 SCALE = mla_decode.SOFTMAX_SCALE
@@ -85,18 +86,25 @@ def test_split_plan_is_the_paged_leafs(b, blocks, tokens):
 # ---------------------------------------------------------------- the kernels, replayed
 
 
-def _partial(qn, qp, ckv, kpe, pt, seq, op_, lp, scale_log2, per, page_size, cu, causal, *,
-             heads, qtokens):  # fmt: skip
-    """The partial pass (decode.py) of CTA (split, head block, sequence): rows (token i, head
-    h) of `heads` x `qtokens`; the split's keys in tiles of TILE, each tile's scores over all
-    its keys at once (the warps share one running max per row), keys clamped to the split's
-    last and masked past it / past the causal limit; P in q's dtype before P V."""
+def _partial(qn, qp, ckv, kpe, pt, seq, op_, lp, scale_log2, per, page_size, cu, causal,
+             q_blocks, *, heads, qtokens):  # fmt: skip
+    """The partial pass (decode.py) of CTA (split, head block, sequence x query block): rows
+    (token i, head h) of `heads` x `qtokens`, block k of a sequence's query tokens starting at
+    token k qtokens; the split's keys in tiles of TILE, each tile's scores over all its keys at
+    once (one running max per row), keys clamped to the split's last and masked past it / past
+    the causal limit; P in q's dtype before P V."""
     _, hq, _ = qn.shape
     assert hq % heads == 0 and heads * qtokens <= ROWS and (cu is None) == (qtokens == 1)
+    assert cu is not None or q_blocks == 1
     rows = [(i, h) for i in range(qtokens) for h in range(heads)]
-    for b in range(seq.shape[0]):
-        q_off, sq = (b, 1) if cu is None else (int(cu[b]), int(cu[b + 1] - cu[b]))
+    for b, blk in itertools.product(range(seq.shape[0]), range(q_blocks)):
         sk = int(seq[b])
+        if cu is None:
+            q_off, sq, kv_end = b, 1, sk
+        else:
+            q_all, token0 = int(cu[b + 1] - cu[b]), blk * qtokens
+            q_off, sq = int(cu[b]) + token0, max(min(q_all - token0, qtokens), 0)
+            kv_end = sk - q_all + token0 + sq if causal else sk
         for h0 in range(0, hq, heads):
             zero = torch.zeros(LATENT + 64, dtype=torch.float64)
             q = torch.stack([
@@ -104,10 +112,11 @@ def _partial(qn, qp, ckv, kpe, pt, seq, op_, lp, scale_log2, per, page_size, cu,
                 if i < sq else zero for i, h in rows
             ])  # fmt: skip
             for s in range(op_.shape[0]):
-                t0, t1 = s * per, min(s * per + per, sk)
-                limit = torch.tensor(
-                    [(min(t1, sk - sq + i + 1) if causal else t1) if i < sq else 0 for i, _ in rows]
-                )
+                t0, t1 = s * per, min(s * per + per, kv_end)
+                limit = torch.tensor([
+                    (min(t1, kv_end - sq + i + 1) if causal else t1) if i < sq else 0
+                    for i, _ in rows
+                ])  # fmt: skip
                 m = torch.full((len(rows),), -math.inf, dtype=torch.float64)
                 lsum = torch.zeros(len(rows), dtype=torch.float64)
                 o = torch.zeros(len(rows), LATENT, dtype=torch.float64)
@@ -240,6 +249,73 @@ def test_packed_form(cpu_kernels, causal, q_lens, k_lens):
     _assert_close(out, lse, want, want_lse)
     params, _, packed = cpu_kernels[-1]
     assert packed and params["qtokens"] == next(t for t in QTOKENS if t >= max(2, max(q_lens)))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(
+    ("hq", "q_lens", "k_lens"),
+    [(16, [9, 1, 0, 13], [40, 3, 10, 13]), (128, [6, 2], [70, 2]), (32, [5, 7], [4, 150])],
+)
+def test_prefill(cpu_kernels, causal, hq, q_lens, k_lens):
+    """mla_prefill: more than 4 query tokens per sequence, in blocks of query tokens per CTA
+    (the block count from max_seqlen_q; blocks past a sequence's tokens write nothing); more
+    queries than keys (sq > sk) see none of the first ones' keys under the causal mask."""
+    b = len(q_lens)
+    _, _, ckv, kpe, table, seq = _problem(b, hq, 16, k_lens)
+    g = torch.Generator().manual_seed(5)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    qn = torch.randn(int(cu[-1]), hq, LATENT, generator=g).to(torch.bfloat16)
+    qp = torch.randn(int(cu[-1]), hq, 64, generator=g).to(torch.bfloat16)
+    out = torch.full_like(qn, float("nan"))
+    got, lse = op.mla_prefill(qn, qp, ckv, kpe, table, seq, cu, max(q_lens), softmax_scale=SCALE,
+                              causal=causal, return_lse=True, out=out)  # fmt: skip
+    want, want_lse = mla_prefill_ref(qn, qp, ckv, kpe, table, seq, cu, SCALE, causal)
+    assert got is out
+    _assert_close(out, lse, want, want_lse)
+    params, _, packed = cpu_kernels[-1]
+    rows = params["heads"] * params["qtokens"]
+    assert packed and rows == min(64, hq * 4) and params["qtokens"] in QTOKENS
+
+
+def test_prefill_wants_the_packed_form(cpu_kernels):
+    qn, qp, ckv, kpe, table, seq = _problem(2, 16, 16, [5, 9], s_q=1)
+    with pytest.raises(ValueError, match="packed form"):
+        op.mla_prefill(qn[:, 0], qp[:, 0], ckv, kpe, table, seq, None, None, softmax_scale=SCALE)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    qn, qp = qn.new_zeros(8, 16, LATENT), qp.new_zeros(8, 16, 64)
+    with pytest.raises(ValueError, match="mla_prefill takes more"):
+        op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, cu_seqlens_q=cu,
+                      max_seqlen_q=5)  # fmt: skip
+
+
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_flashinfer_bench_prefill_adapter(cpu_kernels, page_size):
+    """FlashInfer-Bench's causal MLA prefill definition's inputs as they are: against
+    reference.mla's run of them, and the definition's own reference by its criterion."""
+    name = f"mla_paged_prefill_causal_h16_ckv512_kpe64_ps{page_size}"
+    _, _, ckv, kpe, table, seq = _problem(3, 16, page_size, [9, 70, 5], seed=6)
+    indptr, indices, last = page_table_to_csr(table, seq, page_size)
+    q_lens = [9, 6, 0]
+    qo = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    g = torch.Generator().manual_seed(7)
+    inputs = {
+        "q_nope": torch.randn(int(qo[-1]), 16, LATENT, generator=g).to(torch.bfloat16),
+        "q_pe": torch.randn(int(qo[-1]), 16, 64, generator=g).to(torch.bfloat16),
+        "ckv_cache": ckv, "kpe_cache": kpe, "qo_indptr": qo, "kv_indptr": indptr,
+        "kv_indices": indices, "sm_scale": 1 / math.sqrt(192),
+    }  # fmt: skip
+    if page_size > 1:
+        inputs["kv_last_page_len"] = last
+    out, lse = op.mla_paged_prefill_flashinfer(**inputs)
+    want, want_lse = mla_flashinfer_prefill(**inputs)
+    _assert_close(out, lse, want, want_lse)
+    if defs.missing(name):
+        pytest.skip(defs.missing(name))
+    defn = defs.load_definition(name)
+    defs.check_inputs(defn, inputs)
+    theirs_out, theirs_lse = defs.run_definition(defn, inputs)
+    assert defs.benchmark_failures(out, theirs_out) == 0
+    assert defs.benchmark_failures(lse, theirs_lse) == 0
 
 
 @pytest.mark.parametrize("s_q", [1, 2])

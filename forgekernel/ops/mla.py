@@ -1,6 +1,8 @@
-"""`forgekernel.ops.mla.mla_decode`: DeepSeek Multi-head Latent Attention decode over a paged
-latent cache, absorbed form (kernels: kernels/attention/mla/sm90, issue 19); and
-`mla_paged_decode_flashinfer`, FlashInfer-Bench's `mla_paged_decode_*` definitions as they are.
+"""`forgekernel.ops.mla.mla_decode` / `mla_prefill`: DeepSeek Multi-head Latent Attention decode
+and (chunked) prefill over a paged latent cache, absorbed form (kernels:
+kernels/attention/mla/sm90, issue 19); and `mla_paged_decode_flashinfer` /
+`mla_paged_prefill_flashinfer`, FlashInfer-Bench's `mla_paged_{decode,prefill_causal}_*`
+definitions as they are.
 
 Math (reference/mla.py): the cache holds one row [c_j (512) ; r_j (64)] per token, shared by
 every head; query head h of token i scores s_j = softmax_scale (q_nope . c_j + q_pe . r_j)
@@ -20,7 +22,8 @@ Layouts (reference.mla's decode conventions, which are also FlashMLA's):
         max_pages), seqlens_k int32 (batch,) counting the new tokens. A sequence of length 0
         (or a query that sees no key) gives 0 and LSE -inf.
 FP8 caches (FlashMLA's 656-byte format, or e4m3 with a per-tensor scale) are not in this first
-kernel: NotImplementedError. More than 4 query tokens per sequence (prefill) has no MLA kernel.
+kernel: NotImplementedError. More than 4 query tokens per sequence: `mla_prefill` (the packed
+form, the same kernel over blocks of 64 // H query tokens).
 """
 
 from __future__ import annotations
@@ -227,18 +230,53 @@ def mla_decode(
     the page table's width (no device read: CUDA-graph capturable)."""
     if (cu_seqlens_q is None) != (max_seqlen_q is None):
         raise ValueError("cu_seqlens_q and max_seqlen_q come together")
+    return _attend(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, softmax_scale,
+                   cu_seqlens_q, max_seqlen_q, causal, return_lse, out,
+                   MAX_QUERY_TOKENS)  # fmt: skip
+
+
+def mla_prefill(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    ckv_cache: torch.Tensor,
+    kpe_cache: torch.Tensor | None,
+    page_table: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    *,
+    softmax_scale: float,
+    causal: bool = True,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+):
+    """Absorbed MLA prefill against the paged latent cache (chunked prefill: each sequence's
+    new tokens are the last of its seqlens_k cached ones, causal bottom-right): the packed
+    form of `mla_decode` without its 4-token bound. q_nope (total_q, H, 512), q_pe (total_q,
+    H, 64) by cu_seqlens_q int32 (batch + 1,), max_seqlen_q (a host int) at least the longest;
+    caches, page_table, seqlens_k and softmax_scale as `mla_decode`'s. Returns out (total_q,
+    H, 512) in q's dtype and, with return_lse, the natural-log LSE (H, total_q). A CTA takes
+    64 // H (at most 4) query tokens of H heads: every CTA reads the keys its tokens see."""
+    if cu_seqlens_q is None or max_seqlen_q is None:
+        raise ValueError("mla_prefill takes the packed form: cu_seqlens_q and max_seqlen_q")
+    return _attend(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, softmax_scale,
+                   cu_seqlens_q, max_seqlen_q, causal, return_lse, out, None)  # fmt: skip
+
+
+def _attend(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, softmax_scale,
+            cu_seqlens_q, max_seqlen_q, causal, return_lse, out, max_tokens):  # fmt: skip
+    """mla_decode / mla_prefill after their form checks: validation, then the custom op
+    (traced) or the kernels; max_tokens bounds the query tokens per sequence (None: any)."""
     scale = check_softmax_scale(softmax_scale)
     ckv, kpe = latent_cache_views(ckv_cache, kpe_cache)
     _validate(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out)
     mq = q_nope.shape[1] if cu_seqlens_q is None else int(max_seqlen_q)
-    if not 1 <= mq <= MAX_QUERY_TOKENS:
-        raise ValueError(
-            f"max_seqlen_q must be 1..{MAX_QUERY_TOKENS} (MLA prefill has no kernel), got {mq}"
-        )
+    if mq < 1 or (max_tokens is not None and mq > max_tokens):
+        bound = "" if max_tokens is None else f"..{max_tokens} (mla_prefill takes more)"
+        raise ValueError(f"max_seqlen_q must be 1{bound}, got {mq}")
     if out is not None and out.stride(-1) != 1:  # the kernel writes rows of 512 contiguous
-        o, lse = mla_decode(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, softmax_scale=scale,
-                            cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
-                            causal=causal, return_lse=True)  # fmt: skip
+        o, lse = _attend(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, scale, cu_seqlens_q,
+                         max_seqlen_q, causal, True, None, max_tokens)  # fmt: skip
         out.copy_(o)
         return (out, lse) if return_lse else out
     if _traced(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out):
@@ -298,3 +336,50 @@ def mla_paged_decode_flashinfer(
         softmax_scale=float(sm_scale), return_lse=True,
     )  # fmt: skip
     return out[:, 0], lse[..., 0] * LOG2E
+
+
+def mla_paged_prefill_flashinfer(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    ckv_cache: torch.Tensor,
+    kpe_cache: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    sm_scale: float | torch.Tensor,
+    kv_last_page_len: torch.Tensor | None = None,
+    *,
+    max_seqlen_q: int | None = None,
+    max_pages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashInfer-Bench's `mla_paged_prefill_causal_h16_ckv512_kpe64_ps{1,64}` as it is
+    (keyword names theirs): q_nope (total_q, H, 512), q_pe (total_q, H, 64) by qo_indptr int32
+    (batch + 1,), caches (num_pages, page_size, 512 / 64), CSR page lists kv_indptr /
+    kv_indices int32 (kv_last_page_len None: every page full), sm_scale a float or 0-d tensor
+    -> (output (total_q, H, 512) in q's dtype, lse (total_q, H) fp32 base 2); causal, each
+    sequence's queries its last tokens. max_seqlen_q / max_pages bound the sequences' query
+    tokens and page counts; None reads them from the indptrs (a device sync: give both to
+    capture a CUDA graph)."""
+    check_tensor("q_nope", q_nope, ndim=3, cuda=False)
+    check_tensor("qo_indptr", qo_indptr, ndim=1, dtypes=INDEX, cuda=False)
+    check_tensor("kv_indptr", kv_indptr, ndim=1, dtypes=INDEX, cuda=False)
+    check_tensor("kv_indices", kv_indices, ndim=1, dtypes=INDEX, cuda=False)
+    batch = kv_indptr.shape[0] - 1
+    if qo_indptr.shape[0] != batch + 1:
+        raise ValueError(f"qo_indptr has {qo_indptr.shape[0]} entries, kv_indptr {batch + 1}")
+    reject_fp8_cache("ckv_cache", ckv_cache)
+    check_tensor("ckv_cache", ckv_cache, ndim=3, dtypes=(q_nope.dtype,), cuda=False)
+    if max_pages is None:
+        counts = kv_indptr[1:] - kv_indptr[:-1]
+        max_pages = max(1, int(counts.max())) if batch > 0 else 1
+    if max_seqlen_q is None:
+        lens = qo_indptr[1:] - qo_indptr[:-1]
+        max_seqlen_q = max(1, int(lens.max())) if batch > 0 else 1
+    indices = kv_indices if kv_indices.numel() else kv_indices.new_zeros(1)
+    table, seqlens = csr_page_table(kv_indptr, indices, kv_last_page_len, ckv_cache.shape[1],
+                                    max_pages)  # fmt: skip
+    out, lse = mla_prefill(
+        q_nope, q_pe, ckv_cache, kpe_cache, table, seqlens, qo_indptr, max_seqlen_q,
+        softmax_scale=float(sm_scale), return_lse=True,
+    )  # fmt: skip
+    return out, lse.t() * LOG2E

@@ -2,7 +2,8 @@
 16 / 32 / 128 heads, page sizes 1 / 16 / 64, empty and long sequences, FlashMLA's combined cache
 read through its views, MTP s_q 2 and 4, the packed form, fp16 and bf16, NaN-poisoned outputs
 (criterion: 2x the same math in the input dtype + 1e-3); a CUDA graph replayed on new inputs;
-FlashInfer-Bench's mla_paged_decode definitions through the adapter, by their own criterion
+mla_prefill (blocks of query tokens per CTA); FlashInfer-Bench's mla_paged_decode definitions
+through the adapter, by their own criterion
 (|ours - theirs| <= 1e-2 or relative 1e-2 per element, bench/flashinfer_defs.py)."""
 
 from __future__ import annotations
@@ -85,6 +86,30 @@ def test_mla_decode_packed(causal):
                              max_seqlen_q=4, causal=causal, return_lse=True)  # fmt: skip
     want, want_lse = mla_prefill_ref(qn, qp, ckv, kpe, table, seq, cu, SCALE, causal)
     low, _ = mla_prefill_ref(qn, qp, ckv, kpe, table, seq, cu, SCALE, causal, upcast=False)
+    _check(out, lse, want, want_lse, low)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(
+    ("hq", "q_lens", "k_lens"),
+    [(16, [1, 300, 0, 77], [40, 300, 10, 2000]), (128, [129, 5], [129, 700]),
+     (32, [9, 33], [4, 1024])],
+)  # fmt: skip
+def test_mla_prefill(causal, hq, q_lens, k_lens):
+    """mla_prefill: blocks of query tokens per CTA over long query runs (sq = sk, sq > sk,
+    a chunk after a cached prefix), 16 / 32 / 128 heads; NaN-poisoned out."""
+    b = len(q_lens)
+    _, _, ckv, kpe, table, seq = _problem(b, hq, 64, k_lens, 1, True, torch.bfloat16)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
+                      device="cuda")  # fmt: skip
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q = torch.randn(int(cu[-1]), hq, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    qn, qp = q[..., :512], q[..., 512:]
+    out = torch.full((int(cu[-1]), hq, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
+    _, lse = op.mla_prefill(qn, qp, ckv, None, table, seq, cu, max(q_lens), softmax_scale=SCALE,
+                            causal=causal, return_lse=True, out=out)  # fmt: skip
+    want, want_lse = mla_prefill_ref(qn, qp, ckv, None, table, seq, cu, SCALE, causal)
+    low, _ = mla_prefill_ref(qn, qp, ckv, None, table, seq, cu, SCALE, causal, upcast=False)
     _check(out, lse, want, want_lse, low)
 
 

@@ -60,6 +60,7 @@ def _sparse(dtype, heads: int, opts: str):
         cutlass.Int32(1),
         None,  # cu_seqlens_q: one query token per CTA
         cutlass.Int32(0),  # causal: unused
+        cutlass.Int32(1),  # q_blocks: unused
         fake.stream(),
         options=opts,
     )
@@ -91,6 +92,7 @@ def compile_mla(params: dict, arch: str = "sm_90a", extra_options: str = ""):
         cutlass.Int32(1),
         fake.offsets() if qtokens > 1 else None,
         cutlass.Int32(1),
+        cutlass.Int32(1),  # q_blocks (dynamic)
         fake.stream(),
         options=opts,
     )

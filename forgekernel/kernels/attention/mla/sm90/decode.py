@@ -124,14 +124,16 @@ class MlaDecodeSm90:
         page_size: Int32,
         mCuQ: cute.Tensor | None,
         causal: Int32,
+        q_blocks: Int32,
         stream: cuda.CUstream,
     ):
         """mQn (rows, Hq, 512), mQp (rows, Hq, 64) 16-bit, rows = batch or, with mCuQ int32
         (batch + 1,), total_q; mCkv (num_pages, page_size, 512), mKpe (num_pages, page_size,
         64) in q's dtype; mPT int32 (batch, max_pages); mSeq int32 (batch,); mOp fp32 (splits,
         rows, Hq, 512), mLp fp32 (splits, rows, Hq) log2; causal 0 / 1 (query tokens among
-        themselves, bottom-right). sparse: mPT the top-k lists (rows, topk), mSeq None,
-        mCuQ None, causal unused."""
+        themselves, bottom-right); q_blocks: with mCuQ, the CTAs per sequence along its query
+        tokens (`qtokens` each: chunked prefill; grid z = batch x q_blocks), else 1. sparse:
+        mPT the top-k lists (rows, topk), mSeq None, mCuQ None, causal and q_blocks unused."""
         dtype = mQn.element_type
         if const_expr(not (dtype == mQp.element_type == mCkv.element_type == mKpe.element_type)):
             raise TypeError("q_nope, q_pe and the caches must share one 16-bit dtype")
@@ -139,7 +141,7 @@ class MlaDecodeSm90:
             raise ValueError("cu_seqlens_q comes with qtokens > 1, and only then")
         if const_expr(self.sparse != (mSeq is None)):
             raise ValueError("seqlens_k comes with the paged form, and only then")
-        units = mQn.shape[0] if const_expr(self.sparse) else mSeq.shape[0]
+        units = mQn.shape[0] if const_expr(self.sparse) else mSeq.shape[0] * q_blocks
         self._setup(dtype)
 
         @cute.struct
@@ -154,8 +156,8 @@ class MlaDecodeSm90:
         self.shared = Shared
         self.kernel(
             mQn, mQp, mCkv, mKpe, mPT, mSeq, mOp, mLp, scale_log2, per_split, page_size, mCuQ,
-            causal, self.mma_s, self.mma_o, self.lay_kl, self.lay_kr, self.lay_ql, self.lay_qr,
-            self.lay_p,
+            causal, q_blocks, self.mma_s, self.mma_o, self.lay_kl, self.lay_kr, self.lay_ql,
+            self.lay_qr, self.lay_p,
         ).launch(
             grid=(mOp.shape[0], mQn.shape[1] // self.h, units),
             block=[THREADS, 1, 1],
@@ -178,6 +180,7 @@ class MlaDecodeSm90:
         page_size: Int32,
         mCuQ: cute.Tensor | None,
         causal: Int32,
+        q_blocks: Int32,
         mma_s: cute.TiledMma,
         mma_o: cute.TiledMma,
         lay_kl: cute.ComposedLayout,
@@ -187,18 +190,28 @@ class MlaDecodeSm90:
         lay_p: cute.ComposedLayout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        split, head_block, b = cute.arch.block_idx()
+        split, head_block, unit = cute.arch.block_idx()
         head0 = head_block * self.h
-        q_off, sq = b, Int32(1)
-        if const_expr(mCuQ is not None):
-            q_off = mCuQ[b]
-            sq = mCuQ[b + 1] - q_off
+        b, q_off, sq = unit, unit, Int32(1)
+        if const_expr(self.sparse):
+            kv_end = mPT.shape[1]  # the top-k list's width
+        elif const_expr(mCuQ is None):
+            kv_end = mSeq[unit]
+        else:
+            # this CTA's query tokens: block `unit % q_blocks` of its sequence's, `sq` of them
+            # (<= qtokens, none past the sequence's end); causal, they see keys < kv_end
+            b = unit // q_blocks
+            token0 = (unit - b * q_blocks) * self.qt
+            sk = mSeq[b]
+            q_all = mCuQ[b + 1] - mCuQ[b]
+            q_off = mCuQ[b] + token0
+            sq = cutlass.max(cutlass.min(q_all - token0, self.qt), 0)
+            kv_end = Int32(cutlass.select_(causal != 0, sk - q_all + token0 + sq, sk))
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         dtype = mQn.element_type
 
-        sk = mPT.shape[1] if const_expr(self.sparse) else mSeq[b]
         t0 = split * per_split
-        t1 = cutlass.min(t0 + per_split, sk)
+        t1 = cutlass.min(t0 + per_split, kv_end)
         tiles = cute.ceil_div(cutlass.max(t1 - t0, 0), TILE)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared)
@@ -246,7 +259,7 @@ class MlaDecodeSm90:
         if wg == 0:
             self._softmax_wg(
                 (sQl, sQr, sKl, sKr, sP, sRed), (tOrP, tOrV, acc_o), mma_s, mma_o, bars,
-                (row_max, row_sum), (mPT, b, sq, sk, t0, t1, tiles, scale_log2, causal, tidx),
+                (row_max, row_sum), (mPT, b, sq, kv_end, t0, t1, tiles, scale_log2, causal, tidx),
             )  # fmt: skip
         else:
             copy_lat1 = tiled_row_copy(dtype, D_LATENT, THREADS_PER_WG)

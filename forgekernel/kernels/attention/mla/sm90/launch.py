@@ -44,13 +44,17 @@ def _split_and_combine(plan, rows, hq, q_nope, out, lse, args) -> None:
         get_kernel(SPEC, c_params)(partial_o, partial_lse, out, lse)
 
 
-def query_tokens(packed: bool, max_seqlen_q: int) -> int:
-    """The compiled query tokens per CTA: 1 for one query per sequence (rows = B), else the
+def query_tokens(packed: bool, max_seqlen_q: int, hq: int) -> int:
+    """The compiled query tokens per CTA: 1 for one query per sequence (rows = B); else the
     fewest of QTOKENS >= max(max_seqlen_q, 2) (packed rows need cu_seqlens_q even when every
-    sequence brings at most one: some may bring none)."""
+    sequence brings at most one: some may bring none), or, for longer sequences (prefill, in
+    blocks of that many tokens), the most that fill the most of the CTA's rows."""
     if not packed:
         return 1
-    return next(t for t in config.QTOKENS if t >= max(max_seqlen_q, 2))
+    if max_seqlen_q <= config.QTOKENS[-1]:
+        return next(t for t in config.QTOKENS if t >= max(max_seqlen_q, 2))
+    fill = {t: t * config.heads_per_cta(hq, t) for t in config.QTOKENS if t > 1}
+    return max(fill, key=lambda t: (fill[t], t))
 
 
 def mla_decode(
@@ -72,24 +76,27 @@ def mla_decode(
     page_size, 512) and kpe_cache (num_pages, page_size, 64) in q's dtype, rows contiguous and
     16-byte aligned (views of FlashMLA's combined cache qualify); page_table int32 (B,
     max_pages); seqlens_k int32 (B,) counting the new tokens. rows = B (one query per
-    sequence), or total_q packed by cu_seqlens_q int32 (B + 1,) with at most max_seqlen_q <= 4
-    tokens per sequence, token i of sq seeing keys j <= sk - sq + i when causal. The split
-    plan bounds the lengths by the table's width (no device read)."""
+    sequence), or total_q packed by cu_seqlens_q int32 (B + 1,) with at most max_seqlen_q
+    tokens per sequence (beyond QTOKENS: prefill, blocks of query tokens per CTA), token i of
+    sq seeing keys j <= sk - sq + i when causal. The split plan bounds the lengths by the
+    table's width (no device read)."""
     rows, hq, _ = q_nope.shape
     b = seqlens_k.shape[0]
     if rows == 0 or b == 0 or hq == 0:
         return
-    qtokens = query_tokens(cu_seqlens_q is not None, max_seqlen_q)
+    qtokens = query_tokens(cu_seqlens_q is not None, max_seqlen_q, hq)
+    q_blocks = -(-max_seqlen_q // qtokens) if cu_seqlens_q is not None else 1
     page_size = ckv_cache.shape[1]
     key = (
-        "partial", q_nope.dtype, b, hq, page_table.shape[1] * page_size, qtokens,
+        "partial", q_nope.dtype, b * q_blocks, hq, page_table.shape[1] * page_size, qtokens,
         q_nope.device.index,
     )  # fmt: skip
     plan = _plans.get_or_build(key, _plan)
     before = (as_tma_ready(q_nope), as_tma_ready(q_pe), ckv_cache, kpe_cache,
               page_table.contiguous(), seqlens_k.contiguous())  # fmt: skip
     after = (softmax_scale * LOG2E, plan[3], page_size,
-             None if cu_seqlens_q is None else cu_seqlens_q.contiguous(), int(causal))  # fmt: skip
+             None if cu_seqlens_q is None else cu_seqlens_q.contiguous(), int(causal),
+             q_blocks)  # fmt: skip
     _split_and_combine(plan, rows, hq, q_nope, out, lse, (before, after))
 
 
@@ -120,5 +127,5 @@ def dsa_sparse_attention(
     plan = _plans.get_or_build(key, _plan)
     before = (as_tma_ready(q_nope), as_tma_ready(q_pe), ckv_cache, kpe_cache,
               sparse_indices.contiguous(), None)  # fmt: skip
-    after = (softmax_scale * LOG2E, plan[3], ckv_cache.shape[1], None, 0)
+    after = (softmax_scale * LOG2E, plan[3], ckv_cache.shape[1], None, 0, 1)
     _split_and_combine(plan, tokens, hq, q_nope, out, lse, (before, after))
