@@ -1,7 +1,8 @@
 """DeepSeek MLA paged decode suite (issue 19; its first GPU check passed
 2026-12-01): absorbed decode, H query heads against one
 576-wide latent row per token (512 latent + 64 RoPE columns), outputs (out (B, s_q, H, 512),
-lse (B, H, s_q) natural log); one packed check case (cu_seqlens_q, 0..3 tokens per sequence).
+lse (B, H, s_q) natural log); packed cases (cu_seqlens_q): 0..3 tokens per sequence through
+mla_decode, and chunked prefill (more than 4) through mla_prefill (group prefill).
 
 Shapes: DeepSeek-V3 / R1 serving at TP8 (16 heads per GPU, FlashInfer-Bench's h16 definitions)
 and TP1 (128 heads), softmax_scale DeepSeek-V3's (1 / sqrt(192) x mscale^2). Inputs are
@@ -39,7 +40,7 @@ SOFTMAX_SCALE = (0.1 * math.log(40.0) + 1.0) ** 2 / math.sqrt(192.0)
 def _case(b, hq, page, lens, *, s_q=1, q_lens=None, cache="combined", group="", tag="") -> Case:
     lens = tuple(lens) if isinstance(lens, (list, tuple)) else (lens,) * b
     shape = tag or (f"L{lens[0]}" if len(set(lens)) == 1 else f"L{min(lens)}-{max(lens)}")
-    form = f"-sq{s_q}" if s_q > 1 else ("-packed" if q_lens else "")
+    form = f"-sq{s_q}" if s_q > 1 else ("-packed" if q_lens and max(q_lens) <= 4 else "")
     name = f"b{b}-h{hq}-p{page}-{shape}{form}" + ("-split" if cache == "split" else "")
     params = {"b": b, "hq": hq, "page": page, "lens": lens, "s_q": s_q, "cache": cache}
     if q_lens is not None:
@@ -63,6 +64,11 @@ BENCH_CASES = (
     _case(48, 16, 64, tuple(range(100, 48 * 170, 170)), group="mixed", tag="mixed"),
     _case(64, 16, 64, 4096, s_q=2, group="mtp"),
     _case(64, 128, 64, 8192, s_q=2, group="mtp"),
+    # chunked prefill (mla_prefill): a 1024-token chunk after 7168 cached at TP8, four 512-token
+    # chunks over 4k, 256 new tokens at TP1
+    _case(1, 16, 64, 8192, q_lens=(1024,), group="prefill", tag="L8192-q1024"),
+    _case(4, 16, 64, 4096, q_lens=(512,) * 4, group="prefill", tag="L4096-q512"),
+    _case(1, 128, 64, 4096, q_lens=(256,), group="prefill", tag="L4096-q256"),
 )
 CHECK_CASES = (
     _case(3, 16, 64, (37, 0, 100)),
@@ -73,6 +79,7 @@ CHECK_CASES = (
     _case(4, 32, 16, (1, 40, 77, 2), s_q=2, cache="split"),
     _case(3, 16, 64, (4, 300, 65), s_q=4),
     _case(4, 16, 16, (40, 3, 10, 0), q_lens=(1, 3, 0, 2), cache="split"),
+    _case(4, 16, 64, (40, 9, 10, 200), q_lens=(9, 9, 0, 70), tag="prefill"),
 )
 # every compiled variant: 16 heads x 1 token, 8 x 2, 4 x 4 (packed), both cache forms
 SANITIZE_CASES = (CHECK_CASES[0], CHECK_CASES[5], CHECK_CASES[6])
@@ -118,7 +125,8 @@ def _packed(inputs: Inputs) -> dict[str, Any]:
 def run_ours(inputs: Inputs, out):
     op = importlib.import_module("forgekernel.ops.mla")
     q = inputs["q"]
-    res = op.mla_decode(
+    prefill = inputs.get("max_seqlen_q", 1) > op.MAX_QUERY_TOKENS  # mla_prefill's packed form
+    res = (op.mla_prefill if prefill else op.mla_decode)(
         q[..., :LATENT], q[..., LATENT:], inputs["ckv"], inputs["kpe"], inputs["table"],
         inputs["seqlens"], softmax_scale=SOFTMAX_SCALE, return_lse=True,
         out=None if out is None else out[0], **_packed(inputs),
