@@ -43,6 +43,7 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode
+from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 from cutlass.tensor_utils import LayoutEnum
 
 from forgekernel.kernels.attention.mla.sm90.config import (
@@ -152,6 +153,7 @@ class MlaDecodeSm90:
             qr: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(self.lay_qr)], 1024]
             p: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(self.lay_p)], 1024]
             red: cute.struct.MemRange[Float32, 3 * ROWS]  # rescale factors; final max and sum
+            valid: cute.struct.MemRange[cutlass.Uint32, STAGES * 2]  # sparse: keys by stage
 
         self.shared = Shared
         self.kernel(
@@ -221,6 +223,7 @@ class MlaDecodeSm90:
         sQr = smem_tensor(storage.qr, lay_qr)
         sP = smem_tensor(storage.p, lay_p)
         sRed = storage.red.get_tensor(cute.make_layout((3, ROWS)))
+        sValid = storage.valid.get_tensor(cute.make_layout((2, STAGES)))
 
         # Q and tile 0 by every thread, tile 1 then by warpgroup 1 (its loads from there on)
         copy_lat = tiled_row_copy(dtype, D_LATENT, THREADS)
@@ -231,6 +234,9 @@ class MlaDecodeSm90:
         kv_all = (mCkv, mKpe, sKl, sKr, copy_lat, copy_rope, thr_lat, thr_rope, mPT, b, page_size)
         if 0 < tiles:
             self._load_tile(kv_all, t0, t1, 0)
+            if const_expr(self.sparse):
+                if tidx // 64 == 2:  # warpgroup 1's first two warps
+                    self._store_valid(mPT, b, t0, t1, 0, sValid, tidx - THREADS_PER_WG)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_view_async_shared()  # cp.async writes, then WGMMA reads
@@ -258,7 +264,7 @@ class MlaDecodeSm90:
         )
         if wg == 0:
             self._softmax_wg(
-                (sQl, sQr, sKl, sKr, sP, sRed), (tOrP, tOrV, acc_o), mma_s, mma_o, bars,
+                (sQl, sQr, sKl, sKr, sP, sRed, sValid), (tOrP, tOrV, acc_o), mma_s, mma_o, bars,
                 (row_max, row_sum), (mPT, b, sq, kv_end, t0, t1, tiles, scale_log2, causal, tidx),
             )  # fmt: skip
         else:
@@ -269,7 +275,9 @@ class MlaDecodeSm90:
                 mCkv, mKpe, sKl, sKr, copy_lat1, copy_rope1, copy_lat1.get_slice(tid1),
                 copy_rope1.get_slice(tid1), mPT, b, page_size,
             )  # fmt: skip
-            self._load_wg(kv_wg, (tOrP, tOrV, acc_o), mma_o, bars, sRed, o_crd, (t0, t1, tiles))
+            self._load_wg(
+                kv_wg, (tOrP, tOrV, acc_o), mma_o, bars, sRed, sValid, o_crd, (t0, t1, tiles), tid1
+            )
         # the rows' final max and sum, from warpgroup 0 (which holds them) to both
         if wg == 0:
             for r in cutlass.range_constexpr(2):
@@ -290,7 +298,7 @@ class MlaDecodeSm90:
     def _softmax_wg(self, smem, o_ops, mma_s, mma_o, bars, stats, at):
         """Warpgroup 0: per tile, S, mask, online softmax, P and the rescale factors out, its
         half of P V."""
-        sQl, sQr, sKl, sKr, sP, sRed = smem
+        sQl, sQr, sKl, sKr, sP, sRed, sValid = smem
         tOrP, tOrV, acc_o = o_ops
         full, p_ready, p_free, stage_free, p_written = bars
         row_max, row_sum = stats
@@ -304,6 +312,12 @@ class MlaDecodeSm90:
         corr = cute.make_rmem_tensor(2, Float32)
         coords = rows_cols(thr_s.partition_C(cute.make_identity_tensor((ROWS, TILE))))
         limits = query_row_limits(coords, self.h, self.qt, sq, sk, t1, causal)
+        r2s = cute.make_tiled_copy_C(
+            cute.make_copy_atom(StMatrix8x8x16bOp(False, 4), sP.element_type), mma_s
+        )
+        thr_r2s = r2s.get_slice(tidx)
+        s_p_dst = thr_r2s.partition_D(sP[None, None, 0])
+        r_p = cute.make_rmem_tensor(acc_s.shape, sP.element_type)
         for i in cutlass.range(tiles, unroll=1):
             if i > 0:
                 full.arrive_and_wait()  # tile i landed
@@ -312,15 +326,18 @@ class MlaDecodeSm90:
             gemm(mma_s, acc_s, tSrQr, tSrKr[None, None, None, stage], False, 0)
             s = rows_cols(acc_s)
             first_key = t0 + i * TILE
+            if const_expr(self.sparse):  # the list positions loaded with a valid entry
+                words = (sValid[0, stage], sValid[1, stage])
             for r in cutlass.range_constexpr(2):
                 for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                    key = first_key + coords[r, c][1]
-                    if key >= limits[r]:
-                        s[r, c] = -Float32.inf
+                    col = coords[r, c][1]
                     if const_expr(self.sparse):
-                        if key < limits[r]:
-                            if mPT[b, key] < 0:  # padding
-                                s[r, c] = -Float32.inf
+                        word = cutlass.select_(col < 32, words[0], words[1])
+                        if ((word >> (col % 32)) & 1) == 0:
+                            s[r, c] = -Float32.inf
+                    else:
+                        if first_key + col >= limits[r]:
+                            s[r, c] = -Float32.inf
                 top = quad_row_max(s, r, row_max[r])
                 cur_scaled = scaled_max(top, scale_log2)
                 corr[r] = cute.math.exp2(row_max[r] * scale_log2 - cur_scaled, fastmath=True)
@@ -328,12 +345,11 @@ class MlaDecodeSm90:
                 row_sum[r] = row_sum[r] * corr[r] + exp2_row(s, r, scale_log2, cur_scaled)
             if i > 0:
                 p_free.arrive_and_wait()  # warpgroup 1 is done with the last P
+            r_p.store(acc_s.load().to(sP.element_type))
+            cute.copy(r2s, thr_r2s.retile(r_p), s_p_dst)  # stmatrix: 4 per thread
             for r in cutlass.range_constexpr(2):
-                row = coords[r, 0][0]
-                for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                    sP[row, coords[r, c][1], 0] = s[r, c].to(sP.element_type)
                 if tidx % 4 == 0:
-                    sRed[0, row] = corr[r]
+                    sRed[0, coords[r, 0][0]] = corr[r]
             cute.arch.fence_view_async_shared()  # P's stores, then WGMMA reads
             p_ready.arrive()
             rescale_o(acc_o, corr)
@@ -342,7 +358,7 @@ class MlaDecodeSm90:
             stage_free.arrive()
 
     @cute.jit
-    def _load_wg(self, kv, o_ops, mma_o, bars, sRed, o_crd, span):
+    def _load_wg(self, kv, o_ops, mma_o, bars, sRed, sValid, o_crd, span, tid1):
         """Warpgroup 1: per tile, its half of P V once P is out, then the tile after next into
         the freed stage, then the next tile handed over once landed."""
         tOrP, tOrV, acc_o = o_ops
@@ -351,6 +367,9 @@ class MlaDecodeSm90:
         corr = cute.make_rmem_tensor(2, Float32)
         if 1 < tiles:
             self._load_tile(kv, t0 + TILE, t1, 1)
+            if const_expr(self.sparse):
+                if tid1 < 64:
+                    self._store_valid(kv[8], kv[9], t0 + TILE, t1, 1, sValid, tid1)
         cute.arch.cp_async_commit_group()
         for i in cutlass.range(tiles, unroll=1):
             stage = i % STAGES
@@ -365,6 +384,9 @@ class MlaDecodeSm90:
             nxt = i + STAGES
             if nxt < tiles:
                 self._load_tile(kv, t0 + nxt * TILE, t1, stage)
+                if const_expr(self.sparse):
+                    if tid1 < 64:
+                        self._store_valid(kv[8], kv[9], t0 + nxt * TILE, t1, stage, sValid, tid1)
             cute.arch.cp_async_commit_group()
             if i + 1 < tiles:
                 cute.arch.cp_async_wait_group(1)  # tile i + 1 (the group before this one)
@@ -385,6 +407,16 @@ class MlaDecodeSm90:
                 copy_row_async(gcopy, row, width, tQsQ[None, m, None], tQcQ[None, m, None])
             else:
                 tQsQ[None, m, None].fill(0.0)
+
+    @cute.jit
+    def _store_valid(self, mPT, b, first, t1, stage, sValid, tid):
+        """Sparse: which of list positions first .. first + TILE - 1 hold an entry (before t1,
+        not -1 padding), a bit each, by the two warps of threads tid 0 .. 63 (ballots)."""
+        token = first + tid
+        entry = mPT[b, cutlass.min(token, t1 - 1)]
+        bits = cute.arch.vote_ballot_sync(Int32(cutlass.select_(token < t1, entry, -1)) >= 0)
+        if tid % 32 == 0:
+            sValid[tid // 32, stage] = bits
 
     @cute.jit
     def _load_tile(self, kv, first, t1, stage):
