@@ -18,8 +18,8 @@ K-major tiles. The warpgroups split the work by role, FlashMLA's first sm90 desi
 Warpgroup 0's S of tile i + 1 runs on the tensor cores under warpgroup 1's P V of tile i.
 Named barriers order them (Bar): FULL (tile landed: 1 arrives, 0 waits), P_READY (P and the
 scales written: 0 arrives, 1 waits), P_FREE (1 has read P: 1 arrives, 0 waits before the next
-P), STAGE_FREE (0's P V done: 0 arrives, 1 waits before refilling the stage), P_WRITTEN
-(warpgroup 0's own, before its P V reads every row of P). V is the latent
+P), STAGE_FREE (0's P V done: 0 arrives, 1 waits before refilling the stage). Warpgroup 0's
+P V takes P from its registers, warpgroup 1's from shared memory. V is the latent
 tile read as an MN-major operand (the same bytes as the K-major key tile).
 At the end warpgroup 0's row maxima and sums go through shared memory and every thread writes
 its columns of the split's normalized O (fp32) and warpgroup 0 the rows' LSE in log2 units
@@ -42,7 +42,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import OperandMajorMode
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 from cutlass.tensor_utils import LayoutEnum
 
@@ -57,7 +57,7 @@ from forgekernel.kernels.attention.mla.sm90.config import (
 )
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
 from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
-from forgekernel.kernels.common.sm90.layout import rows_cols, transposed
+from forgekernel.kernels.common.sm90.layout import acc_as_operand_a, rows_cols, transposed
 from forgekernel.kernels.common.sm90.mma import gemm
 from forgekernel.kernels.common.sm90.pipeline import smem_tensor
 from forgekernel.kernels.common.sm90.softmax import exp2_row, quad_row_max, rescale_o, scaled_max
@@ -77,7 +77,6 @@ class Bar(IntEnum):
     P_READY = FIRST_FREE + 1  # P and the rescale factors written: 0 arrives, 1 waits
     P_FREE = FIRST_FREE + 2  # warpgroup 1 has read P: 1 arrives, 0 waits
     STAGE_FREE = FIRST_FREE + 3  # warpgroup 0's P V done: 0 arrives, 1 waits
-    P_WRITTEN = FIRST_FREE + 4  # warpgroup 0 alone: all its rows of P out before its P V
 
 
 class MlaDecodeSm90:
@@ -102,6 +101,11 @@ class MlaDecodeSm90:
         self.mma_o = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, k_major, OperandMajorMode.MN, Float32, (1, WARPGROUPS, 1), (ROWS, COLS)
         )
+        # warpgroup 0's half of P V takes P from its registers
+        self.mma_o_rs = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, k_major, OperandMajorMode.MN, Float32, (1, 1, 1), (ROWS, COLS),
+            a_source=warpgroup.OperandSource.RMEM,
+        )  # fmt: skip
         row = LayoutEnum.ROW_MAJOR
         self.lay_ql = sm90_utils.make_smem_layout_a(row, (ROWS, TILE, D_LATENT), dtype, 1)
         self.lay_qr = sm90_utils.make_smem_layout_a(row, (ROWS, TILE, D_ROPE), dtype, 1)
@@ -158,8 +162,8 @@ class MlaDecodeSm90:
         self.shared = Shared
         self.kernel(
             mQn, mQp, mCkv, mKpe, mPT, mSeq, mOp, mLp, scale_log2, per_split, page_size, mCuQ,
-            causal, q_blocks, self.mma_s, self.mma_o, self.lay_kl, self.lay_kr, self.lay_ql,
-            self.lay_qr, self.lay_p,
+            causal, q_blocks, self.mma_s, self.mma_o, self.mma_o_rs, self.lay_kl, self.lay_kr,
+            self.lay_ql, self.lay_qr, self.lay_p,
         ).launch(
             grid=(mOp.shape[0], mQn.shape[1] // self.h, units),
             block=[THREADS, 1, 1],
@@ -185,6 +189,7 @@ class MlaDecodeSm90:
         q_blocks: Int32,
         mma_s: cute.TiledMma,
         mma_o: cute.TiledMma,
+        mma_o_rs: cute.TiledMma,
         lay_kl: cute.ComposedLayout,
         lay_kr: cute.ComposedLayout,
         lay_ql: cute.ComposedLayout,
@@ -260,11 +265,10 @@ class MlaDecodeSm90:
             named_barrier(Bar.P_READY, THREADS),
             named_barrier(Bar.P_FREE, THREADS),
             named_barrier(Bar.STAGE_FREE, THREADS),
-            named_barrier(Bar.P_WRITTEN, THREADS_PER_WG),
         )
         if wg == 0:
             self._softmax_wg(
-                (sQl, sQr, sKl, sKr, sP, sRed, sValid), (tOrP, tOrV, acc_o), mma_s, mma_o, bars,
+                (sQl, sQr, sKl, sKr, sP, sRed, sValid), (tOrP, tOrV, acc_o), mma_s, mma_o_rs, bars,
                 (row_max, row_sum), (mPT, b, sq, kv_end, t0, t1, tiles, scale_log2, causal, tidx),
             )  # fmt: skip
         else:
@@ -295,12 +299,12 @@ class MlaDecodeSm90:
         )  # fmt: skip
 
     @cute.jit
-    def _softmax_wg(self, smem, o_ops, mma_s, mma_o, bars, stats, at):
+    def _softmax_wg(self, smem, o_ops, mma_s, mma_o_rs, bars, stats, at):
         """Warpgroup 0: per tile, S, mask, online softmax, P and the rescale factors out, its
         half of P V."""
         sQl, sQr, sKl, sKr, sP, sRed, sValid = smem
-        tOrP, tOrV, acc_o = o_ops
-        full, p_ready, p_free, stage_free, p_written = bars
+        _, _, acc_o = o_ops
+        full, p_ready, p_free, stage_free = bars
         row_max, row_sum = stats
         mPT, b, sq, sk, t0, t1, tiles, scale_log2, causal, tidx = at
         thr_s = mma_s.get_slice(tidx)
@@ -318,6 +322,14 @@ class MlaDecodeSm90:
         thr_r2s = r2s.get_slice(tidx)
         s_p_dst = thr_r2s.partition_D(sP[None, None, 0])
         r_p = cute.make_rmem_tensor(acc_s.shape, sP.element_type)
+        # its half of P V: P from registers (the C layout of S in 16 bits is the A layout),
+        # V its 256 columns of the latent tile
+        thr_o0 = mma_o_rs.get_slice(tidx)
+        tOrV0 = thr_o0.make_fragment_B(
+            thr_o0.partition_B(cute.local_tile(transposed(sKl), (COLS, TILE, STAGES), (0, 0, 0)))
+        )
+        tOrP0 = thr_o0.make_fragment_A(thr_o0.partition_shape_A((ROWS, TILE)))
+        p_as_a = acc_as_operand_a(r_p)
         for i in cutlass.range(tiles, unroll=1):
             if i > 0:
                 full.arrive_and_wait()  # tile i landed
@@ -353,8 +365,9 @@ class MlaDecodeSm90:
             cute.arch.fence_view_async_shared()  # P's stores, then WGMMA reads
             p_ready.arrive()
             rescale_o(acc_o, corr)
-            p_written.arrive_and_wait()
-            gemm(mma_o, acc_o, tOrP, tOrV[None, None, None, stage], False, 0)
+            for k in cutlass.range_constexpr(cute.size(tOrP0)):
+                tOrP0[k] = p_as_a[k]  # a renaming: the same registers in the same order
+            gemm(mma_o_rs, acc_o, tOrP0, tOrV0[None, None, None, stage], False, 0)
             stage_free.arrive()
 
     @cute.jit
@@ -362,7 +375,7 @@ class MlaDecodeSm90:
         """Warpgroup 1: per tile, its half of P V once P is out, then the tile after next into
         the freed stage, then the next tile handed over once landed."""
         tOrP, tOrV, acc_o = o_ops
-        full, p_ready, p_free, stage_free, _ = bars
+        full, p_ready, p_free, stage_free = bars
         t0, t1, tiles = span
         corr = cute.make_rmem_tensor(2, Float32)
         if 1 < tiles:
