@@ -3,8 +3,11 @@ CTA, compile keys and the split plan; the kernels' algorithm (split ranges, 64-k
 over the 576 latent + RoPE columns with one running max per row per tile, P rounded to q's dtype
 before P V, the split's normalized O and log2 LSE, the paged leaf's combine) replayed in Python
 through the real launcher and op against reference.mla: decode, MTP (s_q 2 / 4), the packed
-form, FlashMLA's combined cache, FlashInfer-Bench's adapter; argument errors; the
-suite's own check; the custom op's fake implementation under make_fx."""
+form, FlashMLA's combined cache, FlashInfer-Bench's adapter; FlashMLA's FP8 cache (the replay
+dequantizes by `dequantize_like_the_kernel`, a bit-level torch model of fp8.py's instruction
+sequence, itself checked bit for bit against e4m3 x scale over all 256 codes and the scales
+2^-124 .. 2^7) through decode, MTP, the packed form and prefill; argument errors; the suite's
+own check; the custom op's fake implementation under make_fx."""
 
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ from forgekernel.bench.suites import PENDING_SUITE_MODULES, SUITE_MODULES, mla_d
 from forgekernel.kernels.attention.mla.sm90 import SPEC
 from forgekernel.kernels.attention.mla.sm90 import launch as mla_launch
 from forgekernel.kernels.attention.mla.sm90.config import (
+    E4M3_TO_BF16_EXPONENT,
+    FP8_ROW_BYTES,
     HEADS,
     QTOKENS,
     ROWS,
@@ -34,7 +39,12 @@ from forgekernel.kernels.attention.mla.sm90.config import (
 )
 from forgekernel.kernels.attention.paged.sm90 import config as paged_config
 from forgekernel.reference.flashinfer_paged import page_table_to_csr
-from forgekernel.reference.mla import mla_decode_ref, mla_prefill_ref
+from forgekernel.reference.mla import (
+    flashmla_fp8_views,
+    mla_decode_ref,
+    mla_prefill_ref,
+    quantize_flashmla_fp8,
+)
 from forgekernel.reference.mla_flashinfer import mla_flashinfer_decode, mla_flashinfer_prefill
 
 op = importlib.import_module("forgekernel.ops.mla")
@@ -64,11 +74,19 @@ def test_compile_keys():
         "kind": "partial", "dtype": "bfloat16", "heads": 16,
     }  # fmt: skip
     assert dict(params_for("partial", "float16", 4, 4))["qtokens"] == 4
+    assert dict(params_for("partial", "bfloat16", 16, 2, fp8=True)) == {
+        "kind": "partial", "dtype": "bfloat16", "heads": 16, "qtokens": 2, "fp8": True,
+    }  # fmt: skip
     partial = [dict(p) for p in SPEC.standard_params() if dict(p)["kind"] == "partial"]
-    assert len(partial) == 2 * sum(1 for h in HEADS for t in QTOKENS if h * t <= ROWS)
+    per_pass = sum(1 for h in HEADS for t in QTOKENS if h * t <= ROWS)
+    assert len(partial) == 3 * per_pass  # fp16, bf16, FP8 cache with bf16 queries
+    assert sum(1 for p in partial if p.get("fp8")) == per_pass
+    assert all(p["dtype"] == "bfloat16" for p in partial if p.get("fp8"))
     assert all(p["heads"] * p.get("qtokens", 1) <= ROWS for p in partial)
     with pytest.raises(ValueError, match="kind"):
         params_for("decode", "bfloat16")
+    with pytest.raises(ValueError, match="bfloat16 queries"):
+        params_for("partial", "float16", 16, fp8=True)
 
 
 @pytest.mark.parametrize(("b", "blocks", "tokens"), [(1, 1, 65536), (64, 1, 4096), (1, 8, 16384),
@@ -83,16 +101,82 @@ def test_split_plan_is_the_paged_leafs(b, blocks, tokens):
         assert ctas / 132 / -(-ctas // 132) >= paged_config.WAVE_FILL
 
 
+# ---------------------------------------------------------------- FP8 dequantization
+
+
+def _prmt(words: torch.Tensor, selector: int) -> torch.Tensor:
+    """PTX prmt.b32 d, a, 0, selector on int64-held 32-bit words: target byte n takes source
+    byte (selector >> 4n) & 7 of {0, a} (bytes 4-7 zero), its sign replicated when bit 3 of
+    the nibble is set."""
+    out = torch.zeros_like(words)
+    for n in range(4):
+        sel = (selector >> (4 * n)) & 0xF
+        byte = (words >> (8 * (sel & 7))) & 0xFF if sel & 7 < 4 else torch.zeros_like(words)
+        if sel & 8:
+            byte = torch.where(byte & 0x80 != 0, 0xFF, 0)
+        out |= byte << (8 * n)
+    return out
+
+
+def _bf16_bits(bits16: torch.Tensor) -> torch.Tensor:
+    """int64-held 16-bit patterns as bf16."""
+    return bits16.to(torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
+def dequantize_like_the_kernel(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp8.py's sequence, bit for bit: codes uint8 (..., 4k) e4m3 bytes, scale fp32 (...,) one
+    per row -> bf16 (..., 4k). Per 32-bit word (bytes 0..3 little-endian): prmt 0x9180 / 0xB3A2
+    (two bytes, each sign-extended to 16 bits), shl 4, and 0x87F087F0, then mul.rn.bf16x2 by
+    bf16(2^120 x scale) (the fp32 product of two bf16 is exact; one rounding into bf16)."""
+    words = codes.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    mult = (scale.float() * 2.0**E4M3_TO_BF16_EXPONENT).to(torch.bfloat16).float()[..., None]
+    halves = []
+    for selector in (0x9180, 0xB3A2):
+        t = ((_prmt(words, selector) << 4) & 0xFFFFFFFF) & 0x87F087F0
+        for bits in (t & 0xFFFF, t >> 16):
+            halves.append((_bf16_bits(bits).float() * mult).to(torch.bfloat16))
+    # word w -> elements 4w .. 4w + 3 = (low, high) of the first register, then of the second
+    return torch.stack(halves, -1).flatten(-2)
+
+
+def _dequantize_rows(ckv: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(..., 512) uint8 rows with their (..., 4) scales, as the kernel stores them (bf16)."""
+    tiles = ckv.view(torch.uint8).unflatten(-1, (scale.shape[-1], -1))
+    return dequantize_like_the_kernel(tiles, scale).flatten(-2)
+
+
+def test_fp8_dequantization_is_exact_on_every_code():
+    """All 256 e4m3 codes times 2^k, k = -124 .. 7 (where the products are bf16 values and the
+    multiplier 2^(120 + k) is finite): the kernel's bits equal e4m3 x scale rounded to bf16,
+    which is exact, subnormals included. The NaN codes 0x7F / 0xFF read as +-480 x scale."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(132, 1)
+    scale = torch.exp2(torch.arange(-124, 8, dtype=torch.float32))
+    got = dequantize_like_the_kernel(codes, scale)
+    value = codes.view(torch.float8_e4m3fn).float() * scale[:, None]  # exact in fp32
+    want = value.to(torch.bfloat16)
+    finite = ~value.isnan()
+    assert finite.sum() == 254 * 132 and torch.equal(want.float()[finite], value[finite])
+    assert torch.equal(got.view(torch.int16)[finite], want.view(torch.int16)[finite])
+    assert torch.equal(got[:, [0x7F, 0xFF]].float(), scale[:, None] * torch.tensor([480.0, -480]))
+    assert int((got.view(torch.int16) == 0).sum()) == 132  # +0 once per row (-0 is 0x8000)
+    tiny = got[0, 1:8].float()  # the subnormal codes at 2^-124: bf16 subnormals m x 2^-133
+    assert torch.equal(tiny, torch.arange(1, 8) * 2.0**-133)
+    # 2^8 leaves the range: 2^128 is no bf16, the multiplier is inf
+    over = dequantize_like_the_kernel(codes[:1], torch.tensor([2.0**8]))
+    assert torch.isinf(over[0, 1:0x7F].float()).all()
+
+
 # ---------------------------------------------------------------- the kernels, replayed
 
 
-def _partial(qn, qp, ckv, kpe, pt, seq, op_, lp, scale_log2, per, page_size, cu, causal,
-             q_blocks, *, heads, qtokens):  # fmt: skip
+def _partial(qn, qp, ckv, kpe, ckv_scale, pt, seq, op_, lp, scale_log2, per, page_size, cu,
+             causal, q_blocks, *, heads, qtokens):  # fmt: skip
     """The partial pass (decode.py) of CTA (split, head block, sequence x query block): rows
     (token i, head h) of `heads` x `qtokens`, block k of a sequence's query tokens starting at
     token k qtokens; the split's keys in tiles of TILE, each tile's scores over all its keys at
     once (one running max per row), keys clamped to the split's last and masked past it / past
-    the causal limit; P in q's dtype before P V."""
+    the causal limit; P in q's dtype before P V. FP8 (ckv_scale given): the latent rows
+    dequantized into bf16 as the kernel does."""
     _, hq, _ = qn.shape
     assert hq % heads == 0 and heads * qtokens <= ROWS and (cu is None) == (qtokens == 1)
     assert cu is not None or q_blocks == 1
@@ -123,7 +207,10 @@ def _partial(qn, qp, ckv, kpe, pt, seq, op_, lp, scale_log2, per, page_size, cu,
                 for first in range(t0, t1, TILE):
                     t = torch.arange(first, first + TILE).clamp(max=t1 - 1)
                     pages, slots = pt[b, t // page_size].long(), t % page_size
-                    keys = torch.cat([ckv[pages, slots], kpe[pages, slots]], -1).double()
+                    latent = ckv[pages, slots]
+                    if ckv_scale is not None:
+                        latent = _dequantize_rows(latent, ckv_scale[pages, slots])
+                    keys = torch.cat([latent, kpe[pages, slots]], -1).double()
                     sc = q @ keys.T
                     key = torch.arange(first, first + TILE)
                     sc = torch.where(key[None, :] < limit[:, None], sc, -math.inf)
@@ -156,8 +243,10 @@ def cpu_kernels(monkeypatch):
             return combine_splits
 
         def partial(*args):
-            assert args[0].dtype == getattr(torch, p["dtype"])
-            calls.append((p, args[8:11], args[11] is not None))
+            assert args[0].dtype == getattr(torch, p["dtype"]) and len(args) == 15
+            fp8 = p.get("fp8", False)
+            assert (args[4] is not None) == fp8 and (args[2].dtype == torch.uint8) == fp8
+            calls.append((p, args[9:12], args[12] is not None))
             _partial(*args, heads=p["heads"], qtokens=p.get("qtokens", 1))
 
         return partial
@@ -220,6 +309,102 @@ def test_decode_matches_the_reference(cpu_kernels, b, hq, page_size, lens, s_q, 
     assert abs(scale_log2 - SCALE * math.log2(math.e)) < 1e-9
     max_tokens = table.shape[1] * page_size
     assert per == split_plan(b, hq // params["heads"], max_tokens, 132, 1)[1]
+
+
+def _fp8_cache(pages, page_size, gen, *, padded=False, as_bytes=False):
+    """FlashMLA's FP8 cache of random latent rows (each 128-column tile scaled by 2^-6 .. 2^3,
+    one tile of zeros) and RoPE rows; padded: each page one row longer in memory (a slice, as
+    FlashMLA's tests build it); as_bytes: the uint8 view."""
+    ckv = torch.randn(pages, page_size, 4, 128, generator=gen)
+    ckv *= torch.exp2(torch.randint(-6, 4, (pages, page_size, 4, 1), generator=gen).float())
+    ckv[0, 0, 1] = 0.0
+    kpe = torch.randn(pages, page_size, 64, generator=gen).bfloat16()
+    packed = quantize_flashmla_fp8(ckv.flatten(-2).bfloat16(), kpe)
+    if padded:
+        wide = torch.zeros(pages, page_size + 1, 1, FP8_ROW_BYTES, dtype=packed.dtype)
+        wide[:, :page_size] = packed
+        packed = wide[:, :page_size]
+    return packed.view(torch.uint8) if as_bytes else packed
+
+
+def _fp8_problem(b, hq, page_size, lens, s_q=1, seed=0, **form):
+    """(q_nope, q_pe, FP8 cache, page_table, seqlens_k), bf16 queries."""
+    qn, qp, _, _, table, seq = _problem(b, hq, page_size, lens, s_q, seed=seed)
+    pages = b * table.shape[1] + 3
+    return qn, qp, _fp8_cache(pages, page_size, torch.Generator().manual_seed(seed + 1), **form), (
+        table), seq  # fmt: skip
+
+
+def _assert_close_fp8(out, lse, want, want_lse):
+    """`_assert_close` with the bf16 rounding of latents up to 2^3 x 448 (2^-8 of the largest)."""
+    _assert_close(out, lse, want, want_lse, atol=2e-2 + float(want.abs().max()) * 2**-8)
+
+
+def _fp8_reference(qn, qp, packed, table, seq, cu=None, causal=True):
+    """reference.mla on the FP8 cache's views: the latent e4m3 x its tile scales, in fp32."""
+    q8, scale, rope = flashmla_fp8_views(packed)
+    if cu is None:
+        return mla_decode_ref(qn, qp, q8, rope, table, seq, SCALE, causal=causal, ckv_scale=scale)
+    return mla_prefill_ref(qn, qp, q8, rope, table, seq, cu, SCALE, causal, ckv_scale=scale)
+
+
+@pytest.mark.parametrize(
+    ("b", "hq", "page_size", "lens", "s_q", "form"),
+    [
+        (3, 16, 64, [37, 0, 100], 1, {}),
+        (2, 16, 1, [1, 70], 1, {"as_bytes": True}),
+        (1, 16, 16, [300], 1, {"padded": True}),
+        (2, 128, 16, [65, 200], 1, {}),
+        (2, 24, 16, [40, 3], 1, {"as_bytes": True, "padded": True}),
+        (3, 16, 16, [40, 1, 130], 2, {}),
+        (2, 16, 64, [4, 300], 4, {"padded": True}),
+        (2, 32, 16, [3, 90], 3, {}),
+    ],
+)
+def test_fp8_decode_matches_the_reference(cpu_kernels, b, hq, page_size, lens, s_q, form):
+    """FlashMLA's FP8 cache (e4m3 or bytes, pages packed or padded), decode and MTP: the fp8
+    compile of the partial pass, its views of the cache, against the reference's dequantized
+    (fp32) latent."""
+    qn, qp, packed, table, seq = _fp8_problem(b, hq, page_size, lens, s_q, **form)
+    out, lse = op.mla_decode(qn, qp, packed, None, table, seq, softmax_scale=SCALE,
+                             return_lse=True)  # fmt: skip
+    want, want_lse = _fp8_reference(qn, qp, packed, table, seq)
+    assert out.dtype == torch.bfloat16
+    _assert_close_fp8(out, lse, want, want_lse)
+    params, _, packed_form = cpu_kernels[-1]
+    assert params["fp8"] and params["dtype"] == "bfloat16" and packed_form == (s_q > 1)
+
+
+def test_fp8_latent_reads_as_the_kernel_stores_it(cpu_kernels):
+    """One key per sequence: out is that key's latent (softmax 1), the dequantized bf16 row
+    exactly, and equal to e4m3 x scale."""
+    qn, qp, packed, table, seq = _fp8_problem(4, 16, 16, [1, 1, 1, 1])
+    out = op.mla_decode(qn, qp, packed, None, table, seq, softmax_scale=SCALE)
+    q8, scale, _ = flashmla_fp8_views(packed)
+    rows = table[:, 0].long()
+    exact = (q8[rows, 0].float() * scale[rows, 0].repeat_interleave(128, -1)).bfloat16()
+    assert torch.equal(out[:, 0], exact[:, None].expand(-1, 16, -1))
+    assert torch.equal(_dequantize_rows(q8[rows, 0], scale[rows, 0]), exact)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fp8_packed_and_prefill(cpu_kernels, causal):
+    """The packed form (<= 4 tokens) and mla_prefill (blocks of query tokens per CTA) over the
+    FP8 cache."""
+    k_lens = [40, 300, 10, 90]
+    _, _, packed, table, seq = _fp8_problem(4, 16, 64, k_lens, seed=8)
+    g = torch.Generator().manual_seed(9)
+    for q_lens, run in (([1, 3, 0, 2], op.mla_decode), ([9, 33, 0, 5], op.mla_prefill)):
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        qn = torch.randn(int(cu[-1]), 16, LATENT, generator=g).bfloat16()
+        qp = torch.randn(int(cu[-1]), 16, 64, generator=g).bfloat16()
+        packed_args = (cu, max(q_lens)) if run is op.mla_prefill else ()
+        kwargs = {} if packed_args else {"cu_seqlens_q": cu, "max_seqlen_q": max(q_lens)}
+        out, lse = run(qn, qp, packed, None, table, seq, *packed_args, softmax_scale=SCALE,
+                       causal=causal, return_lse=True, **kwargs)  # fmt: skip
+        _assert_close_fp8(out, lse, *_fp8_reference(qn, qp, packed, table, seq, cu, causal))
+        params, _, packed_form = cpu_kernels[-1]
+        assert params["fp8"] and packed_form
 
 
 def test_mtp_without_causal_mask(cpu_kernels):
@@ -403,9 +588,28 @@ def _args(**change):
         ({"ckv_cache": torch.zeros(10, 16, 512, dtype=torch.float16)}, TypeError, "ckv_cache"),
         ({"kpe_cache": torch.zeros(10, 8, 64, dtype=torch.bfloat16)}, ValueError, "kpe_cache"),
         ({"ckv_cache": torch.zeros(10, 16, 512, dtype=torch.float8_e4m3fn)}, NotImplementedError,
-         "issue 19"),
-        ({"ckv_cache": torch.zeros(10, 64, 1, 656, dtype=torch.uint8), "kpe_cache": None},
-         NotImplementedError, "FP8"),
+         "split ckv_cache / kpe_cache are 16-bit only"),
+        ({"kpe_cache": torch.zeros(10, 16, 64, dtype=torch.uint8)}, NotImplementedError,
+         "16-bit only"),
+        ({"ckv_cache": torch.zeros(10, 64, 1, 576, dtype=torch.float8_e4m3fn), "kpe_cache": None},
+         NotImplementedError, "per-tensor scale"),
+        ({"ckv_cache": torch.zeros(10, 64, 1, 600, dtype=torch.uint8), "kpe_cache": None},
+         ValueError, "1, 656"),
+        ({"ckv_cache": torch.zeros(10, 64, 656, dtype=torch.uint8), "kpe_cache": None},
+         ValueError, "1, 656"),
+        ({"ckv_cache": torch.zeros(10, 64, 1, 656, dtype=torch.bfloat16), "kpe_cache": None},
+         TypeError, "float8_e4m3fn or uint8"),
+        ({"ckv_cache": torch.zeros(10, 64, 1, 656, dtype=torch.float8_e5m2), "kpe_cache": None},
+         TypeError, "float8_e4m3fn or uint8"),
+        ({"ckv_cache": torch.zeros(10, 64, 1, 664, dtype=torch.uint8)[..., :656],
+          "kpe_cache": None}, ValueError, "multiples of 16 bytes"),
+        ({"ckv_cache": torch.zeros(10, 64, 1, 1312, dtype=torch.uint8)[..., ::2],
+          "kpe_cache": None}, ValueError, "contiguous"),
+        ({"ckv_cache": torch.zeros(10, 64, 1, 672, dtype=torch.uint8)[..., 8:664],
+          "kpe_cache": None}, ValueError, "storage offset 8"),
+        ({"ckv_cache": torch.zeros(10, 64, 1, 656, dtype=torch.uint8), "kpe_cache": None,
+          "q_nope": torch.zeros(2, 1, 16, 512, dtype=torch.float16),
+          "q_pe": torch.zeros(2, 1, 16, 64, dtype=torch.float16)}, TypeError, "bf16 queries"),
         ({"ckv_cache": torch.zeros(10, 64, 1, 512, dtype=torch.bfloat16), "kpe_cache": None},
          ValueError, "combined"),
         ({"page_table": torch.zeros(2, 4, dtype=torch.int64)}, TypeError, "page_table must"),
@@ -472,12 +676,15 @@ def test_suite_check_passes_on_the_algorithm(cpu_kernels, case):
     assert all(c.ok for c in cmps), [c.message for c in cmps]
 
 
-def _fake_inputs(s_q=1, packed=False, combined=False):
+def _fake_inputs(s_q=1, packed=False, combined=False, fp8=False):
     """(q_nope, q_pe, ckv, kpe or None, page_table, seqlens_k, cu_seqlens_q or None), CUDA."""
     cuda = {"device": "cuda", "dtype": torch.bfloat16}
     lead = (7,) if packed else (3, s_q)
     qn, qp = torch.empty(*lead, 16, 512, **cuda), torch.empty(*lead, 16, 64, **cuda)
-    if combined:
+    if fp8:
+        ckv = torch.empty(10, 64, 1, FP8_ROW_BYTES, device="cuda", dtype=torch.float8_e4m3fn)
+        kpe = None
+    elif combined:
         ckv, kpe = torch.empty(10, 64, 1, 576, **cuda), None
     else:
         ckv, kpe = torch.empty(10, 64, 512, **cuda), torch.empty(10, 64, 64, **cuda)
@@ -494,7 +701,9 @@ def _call(qn, qp, ckv, kpe, table, seq, cu, **kwargs):
 @pytest.mark.parametrize(
     ("form", "out_shape", "lse_shape"),
     [({}, (3, 1, 16, 512), (3, 16, 1)), ({"s_q": 3}, (3, 3, 16, 512), (3, 16, 3)),
-     ({"packed": True}, (7, 16, 512), (16, 7)), ({"combined": True}, (3, 1, 16, 512), (3, 16, 1))],
+     ({"packed": True}, (7, 16, 512), (16, 7)), ({"combined": True}, (3, 1, 16, 512), (3, 16, 1)),
+     ({"fp8": True}, (3, 1, 16, 512), (3, 16, 1)),
+     ({"fp8": True, "packed": True}, (7, 16, 512), (16, 7))],
 )  # fmt: skip
 def test_fake_implementation_under_make_fx(form, out_shape, lse_shape):
     """torch.compile / CUDA-graph support: on fake CUDA tensors the custom op's fake gives the

@@ -25,6 +25,14 @@ At the end warpgroup 0's row maxima and sums go through shared memory and every 
 its columns of the split's normalized O (fp32) and warpgroup 0 the rows' LSE in log2 units
 (-inf where the split saw no key), the paged decode's partial format, merged by its combine.
 
+`fp8` (FlashMLA's FP8 cache, bf16 queries; fp8.py has the format and the dequantization): the
+latent columns of a tile go global -> registers -> bf16 -> st.shared into the same swizzled
+tile (16-byte loads of e4m3 and each row's scale; no shared memory is left to stage bytes in),
+the RoPE columns keep cp.async. Those loads wait for their data, so warpgroup 1 reorders its
+turn: once the stage is free it hands tile i + 1 over first (its latent stored a turn earlier,
+its RoPE cp.async landed) and then loads tile i + 2, under warpgroup 0's S of tile i + 1.
+Every thread loads tile 0, warpgroup 1 tile 1 before its loop.
+
 `sparse` (DeepSeek sparse attention, DSA): query token t attends to the cache rows its top-k
 list names (mPT (tokens, topk) int32, entries page * page_size + slot, -1 padding, anywhere),
 not to a sequence's pages: a CTA's keys are that list's split, loaded by index (-1 reads row 0,
@@ -46,9 +54,11 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 from cutlass.tensor_utils import LayoutEnum
 
+from forgekernel.kernels.attention.mla.sm90 import fp8 as fp8_cache
 from forgekernel.kernels.attention.mla.sm90.config import (
     D_LATENT,
     D_ROPE,
+    FP8_CHUNK,
     ROWS,
     STAGES,
     THREADS,
@@ -68,6 +78,9 @@ from forgekernel.kernels.common.sm90.warp_mma import (
 )
 
 COLS = D_LATENT // WARPGROUPS  # output columns per warpgroup in P V
+FP8_CHUNKS_PER_ROW = D_LATENT // FP8_CHUNK  # 16-byte e4m3 loads per latent row
+FP8_HALF = FP8_CHUNKS_PER_ROW // 2  # a half row: 16 threads, 256 bytes
+FP8_LOADS_IN_FLIGHT = 16  # a thread's 16-byte latent loads issued before it converts any
 
 
 class Bar(IntEnum):
@@ -82,7 +95,7 @@ class Bar(IntEnum):
 class MlaDecodeSm90:
     """The partial pass; see the module docstring."""
 
-    def __init__(self, heads: int, qtokens: int = 1, sparse: bool = False):
+    def __init__(self, heads: int, qtokens: int = 1, sparse: bool = False, fp8: bool = False):
         if heads * qtokens > ROWS:
             raise ValueError(f"heads x query tokens must be <= {ROWS}, got {heads} x {qtokens}")
         if sparse and qtokens != 1:
@@ -91,6 +104,7 @@ class MlaDecodeSm90:
         self.qt = qtokens
         self.g = heads * qtokens
         self.sparse = sparse
+        self.fp8 = fp8
 
     def _setup(self, dtype):
         k_major = OperandMajorMode.K
@@ -120,6 +134,7 @@ class MlaDecodeSm90:
         mQp: cute.Tensor,
         mCkv: cute.Tensor,
         mKpe: cute.Tensor,
+        mScale: cute.Tensor | None,
         mPT: cute.Tensor,
         mSeq: cute.Tensor | None,
         mOp: cute.Tensor,
@@ -134,14 +149,23 @@ class MlaDecodeSm90:
     ):
         """mQn (rows, Hq, 512), mQp (rows, Hq, 64) 16-bit, rows = batch or, with mCuQ int32
         (batch + 1,), total_q; mCkv (num_pages, page_size, 512), mKpe (num_pages, page_size,
-        64) in q's dtype; mPT int32 (batch, max_pages); mSeq int32 (batch,); mOp fp32 (splits,
+        64) in q's dtype (fp8: mCkv uint8 (num_pages, page_size, 512) e4m3 bytes, mScale fp32
+        (num_pages, page_size, 4), mKpe bf16: views of FlashMLA's FP8 rows; else mScale None);
+        mPT int32 (batch, max_pages); mSeq int32 (batch,); mOp fp32 (splits,
         rows, Hq, 512), mLp fp32 (splits, rows, Hq) log2; causal 0 / 1 (query tokens among
         themselves, bottom-right); q_blocks: with mCuQ, the CTAs per sequence along its query
         tokens (`qtokens` each: chunked prefill; grid z = batch x q_blocks), else 1. sparse:
         mPT the top-k lists (rows, topk), mSeq None, mCuQ None, causal and q_blocks unused."""
         dtype = mQn.element_type
-        if const_expr(not (dtype == mQp.element_type == mCkv.element_type == mKpe.element_type)):
+        if const_expr(self.fp8):
+            if const_expr(not (dtype == mQp.element_type == mKpe.element_type == cutlass.BFloat16)):
+                raise TypeError("an FP8 cache takes bf16 queries and RoPE columns")
+            if const_expr(mCkv.element_type != cutlass.Uint8 or mScale is None):
+                raise TypeError("an FP8 cache's latent comes as uint8 bytes with fp32 scales")
+        elif const_expr(not (dtype == mQp.element_type == mCkv.element_type == mKpe.element_type)):
             raise TypeError("q_nope, q_pe and the caches must share one 16-bit dtype")
+        if const_expr((mScale is not None) != self.fp8):
+            raise ValueError("mScale comes with an FP8 cache, and only then")
         if const_expr((mCuQ is None) != (self.qt == 1)):
             raise ValueError("cu_seqlens_q comes with qtokens > 1, and only then")
         if const_expr(self.sparse != (mSeq is None)):
@@ -161,9 +185,9 @@ class MlaDecodeSm90:
 
         self.shared = Shared
         self.kernel(
-            mQn, mQp, mCkv, mKpe, mPT, mSeq, mOp, mLp, scale_log2, per_split, page_size, mCuQ,
-            causal, q_blocks, self.mma_s, self.mma_o, self.mma_o_rs, self.lay_kl, self.lay_kr,
-            self.lay_ql, self.lay_qr, self.lay_p,
+            mQn, mQp, mCkv, mKpe, mScale, mPT, mSeq, mOp, mLp, scale_log2, per_split, page_size,
+            mCuQ, causal, q_blocks, self.mma_s, self.mma_o, self.mma_o_rs, self.lay_kl,
+            self.lay_kr, self.lay_ql, self.lay_qr, self.lay_p,
         ).launch(
             grid=(mOp.shape[0], mQn.shape[1] // self.h, units),
             block=[THREADS, 1, 1],
@@ -177,6 +201,7 @@ class MlaDecodeSm90:
         mQp: cute.Tensor,
         mCkv: cute.Tensor,
         mKpe: cute.Tensor,
+        mScale: cute.Tensor | None,
         mPT: cute.Tensor,
         mSeq: cute.Tensor | None,
         mOp: cute.Tensor,
@@ -236,7 +261,8 @@ class MlaDecodeSm90:
         thr_lat, thr_rope = copy_lat.get_slice(tidx), copy_rope.get_slice(tidx)
         self._load_query(mQn, sQl[None, None, 0], thr_lat, D_LATENT, q_off, sq, head0, copy_lat)
         self._load_query(mQp, sQr[None, None, 0], thr_rope, D_ROPE, q_off, sq, head0, copy_rope)
-        kv_all = (mCkv, mKpe, sKl, sKr, copy_lat, copy_rope, thr_lat, thr_rope, mPT, b, page_size)
+        kv_all = (mCkv, mKpe, sKl, sKr, copy_lat, copy_rope, thr_lat, thr_rope, mPT, b, page_size,
+                  (mScale, tidx, THREADS))  # fmt: skip
         if 0 < tiles:
             self._load_tile(kv_all, t0, t1, 0)
             if const_expr(self.sparse):
@@ -277,7 +303,7 @@ class MlaDecodeSm90:
             tid1 = tidx - THREADS_PER_WG
             kv_wg = (
                 mCkv, mKpe, sKl, sKr, copy_lat1, copy_rope1, copy_lat1.get_slice(tid1),
-                copy_rope1.get_slice(tid1), mPT, b, page_size,
+                copy_rope1.get_slice(tid1), mPT, b, page_size, (mScale, tid1, THREADS_PER_WG),
             )  # fmt: skip
             self._load_wg(
                 kv_wg, (tOrP, tOrV, acc_o), mma_o, bars, sRed, sValid, o_crd, (t0, t1, tiles), tid1
@@ -378,6 +404,8 @@ class MlaDecodeSm90:
         full, p_ready, p_free, stage_free = bars
         t0, t1, tiles = span
         corr = cute.make_rmem_tensor(2, Float32)
+        if const_expr(self.fp8):
+            self._prefetch_fp8(kv, t0 + STAGES * TILE, t1, tid1)  # tile 2, under tile 1's loads
         if 1 < tiles:
             self._load_tile(kv, t0 + TILE, t1, 1)
             if const_expr(self.sparse):
@@ -395,16 +423,25 @@ class MlaDecodeSm90:
                 p_free.arrive()
             stage_free.arrive_and_wait()  # both warpgroups are done with this stage
             nxt = i + STAGES
+            if const_expr(self.fp8):
+                # tile i + 1 first: its latent was stored a turn ago, its RoPE is the only
+                # commit group in flight; then tile i + 2's loads, which wait for their data
+                if i + 1 < tiles:
+                    cute.arch.cp_async_wait_group(0)
+                    cute.arch.fence_view_async_shared()  # st.shared and cp.async, then WGMMA
+                    full.arrive()
+                self._prefetch_fp8(kv, t0 + (nxt + 1) * TILE, t1, tid1)  # a turn ahead
             if nxt < tiles:
                 self._load_tile(kv, t0 + nxt * TILE, t1, stage)
                 if const_expr(self.sparse):
                     if tid1 < 64:
                         self._store_valid(kv[8], kv[9], t0 + nxt * TILE, t1, stage, sValid, tid1)
             cute.arch.cp_async_commit_group()
-            if i + 1 < tiles:
-                cute.arch.cp_async_wait_group(1)  # tile i + 1 (the group before this one)
-                cute.arch.fence_view_async_shared()
-                full.arrive()
+            if const_expr(not self.fp8):
+                if i + 1 < tiles:
+                    cute.arch.cp_async_wait_group(1)  # tile i + 1 (the group before this one)
+                    cute.arch.fence_view_async_shared()
+                    full.arrive()
 
     @cute.jit
     def _load_query(self, mQ, sQ, thr_g, width: cutlass.Constexpr[int], q_off, sq, head0, gcopy):
@@ -432,14 +469,15 @@ class MlaDecodeSm90:
             sValid[tid // 32, stage] = bits
 
     @cute.jit
-    def _load_tile(self, kv, first, t1, stage):
+    def _load_tile(self, kv, first, t1, stage, latent: cutlass.Constexpr[bool] = True):
         """Keys first .. first + TILE - 1 (clamped to t1 - 1: finite, masked later), latent and
-        RoPE columns, into pipeline stage `stage`."""
-        mCkv, mKpe, sKl, sKr, copy_lat, copy_rope, thr_lat, thr_rope, mPT, b, page_size = kv
-        for mX, sX, gcopy, thr, width in (
-            (mCkv, sKl, copy_lat, thr_lat, D_LATENT),
-            (mKpe, sKr, copy_rope, thr_rope, D_ROPE),
-        ):
+        RoPE columns, into pipeline stage `stage` (fp8: the latent by `_load_latent_fp8` unless
+        `latent` is False, the RoPE columns cp.async as 16-bit ones)."""
+        mCkv, mKpe, sKl, sKr, copy_lat, copy_rope, thr_lat, thr_rope, mPT, b, page_size, f8 = kv
+        async_parts = [(mKpe, sKr, copy_rope, thr_rope, D_ROPE)]
+        if const_expr(not self.fp8):
+            async_parts.insert(0, (mCkv, sKl, copy_lat, thr_lat, D_LATENT))
+        for mX, sX, gcopy, thr, width in async_parts:
             tXsX = thr.partition_D(sX[None, None, stage])
             crd = thr.partition_S(cute.make_identity_tensor((TILE, width)))
             for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
@@ -452,6 +490,81 @@ class MlaDecodeSm90:
                     page = token // page_size
                     row = mX[mPT[b, page], token - page * page_size, None]
                 copy_row_async(gcopy, row, width, tXsX[None, m, None], crd[None, m, None])
+        if const_expr(self.fp8 and latent):
+            mScale, tid, threads = f8
+            self._load_latent_fp8(
+                mCkv, mScale, sKl[None, None, stage], (mPT, b, page_size), first, t1, tid, threads
+            )
+
+    @cute.jit
+    def _prefetch_fp8(self, kv, first, t1, tid1):
+        """FP8: the rows of the tile at `first` (if any) into L2 (thread tid1 < TILE: row
+        tid1), for its register loads a turn later."""
+        mCkv, mPT, b, page_size = kv[0], kv[8], kv[9], kv[10]
+        if tid1 < TILE:
+            if first < t1:  # (t1 - 1 may be no position at all otherwise)
+                token = cutlass.min(first + tid1, t1 - 1)
+                page, slot = self._cache_row(mPT, b, token, page_size)
+                fp8_cache.prefetch_row_l2(mCkv[page, slot, None])
+
+    @cute.jit
+    def _cache_row(self, mPT, b, token, page_size):
+        """(page, slot) of the key at list / sequence position `token` (sparse: entry -1 reads
+        row 0, masked)."""
+        if const_expr(self.sparse):
+            entry = cutlass.max(mPT[b, token], 0)
+            page = entry // page_size
+            return page, entry - page * page_size
+        page = token // page_size
+        return mPT[b, page], token - page * page_size
+
+    @cute.jit
+    def _load_latent_fp8(self, mCkv, mScale, sK, rows, first, t1, tid, threads):
+        """The e4m3 latent of keys first .. first + TILE - 1 (clamped as `_load_tile`) into the
+        16-bit tile sK (TILE, D_LATENT) by `threads` threads (a warpgroup or the CTA), in
+        batches of FP8_LOADS_IN_FLIGHT loads per thread: `_fetch_latent_fp8`, then
+        `_store_latent_fp8`."""
+        loads = TILE * FP8_CHUNKS_PER_ROW // threads
+        batch = min(FP8_LOADS_IN_FLIGHT, loads)
+        for first_load in cutlass.range_constexpr(0, loads, batch):
+            raw, scale = self._fetch_latent_fp8(
+                mCkv, mScale, rows, first, t1, tid, threads, first_load, batch
+            )
+            self._store_latent_fp8(raw, scale, sK, tid, threads, first_load, batch)
+
+    @cute.jit
+    def _fp8_row(self, tid, threads: cutlass.Constexpr[int], load: cutlass.Constexpr[int]):
+        """(tile row, 16-byte chunk) of a thread's load `load`: warp w's lanes 0-15 / 16-31
+        take rows 2w, 2w + 1 (+ 2 x warps per pair of loads), half a row (256 bytes) per load,
+        so that each 16-byte store instruction fills whole 128-byte lines of the swizzled tile
+        (the two rows' chunks land on the even and odd 16-byte slots)."""
+        warp, lane = tid // 32, tid % 32
+        row = (load // 2) * 2 * (threads // 32) + 2 * warp + lane // 16
+        return row, (load % 2) * FP8_HALF + lane % 16
+
+    @cute.jit
+    def _fetch_latent_fp8(self, mCkv, mScale, rows, first, t1, tid, threads, first_load, batch):
+        """Loads first_load .. first_load + batch - 1 of this thread (`_fp8_row`): (raw
+        (16, batch) uint8, scale (batch,) fp32) registers, the loads issued, nothing waited."""
+        mPT, b, page_size = rows
+        raw = cute.make_rmem_tensor((FP8_CHUNK, batch), cutlass.Uint8)
+        scale = cute.make_rmem_tensor(batch, Float32)
+        for j in cutlass.range_constexpr(0, batch, 2):  # one row, both halves
+            r, _ = self._fp8_row(tid, threads, first_load + j)
+            page, slot = self._cache_row(mPT, b, cutlass.min(first + r, t1 - 1), page_size)
+            for half in cutlass.range_constexpr(2):
+                _, chunk = self._fp8_row(tid, threads, first_load + j + half)
+                fp8_cache.load_chunk(mCkv[page, slot, None], chunk, raw[None, j + half])
+                scale[j + half] = mScale[page, slot, fp8_cache.chunk_scale_index(chunk)]
+        return raw, scale
+
+    @cute.jit
+    def _store_latent_fp8(self, raw, scale, sK, tid, threads, first_load, batch):
+        """`_fetch_latent_fp8`'s registers dequantized into their rows of the 16-bit tile sK."""
+        for j in cutlass.range_constexpr(batch):
+            r, chunk = self._fp8_row(tid, threads, first_load + j)
+            mult = fp8_cache.bf16_multiplier(scale[j])
+            fp8_cache.store_chunk(raw[None, j], mult, sK[r, None], chunk)
 
     @cute.jit
     def _write_split(self, outs, acc_o, row_max, row_sum, scale_log2, o_crd, at):
