@@ -417,6 +417,48 @@ def test_suite_work_counts():
     prefill = dsa_sparse._case(4, 16, 64, 66, topk=64, prefill=True)
     assert dsa_sparse.visible(prefill) == [(0, 63), (0, 64), (0, 65), (0, 66)]
     assert dsa_sparse.flops(prefill) == 2 * (576 + 512) * 16 * (63 + 64 * 3)
+    fp8 = dsa_sparse._case(3, 16, 64, (10, 0, 5000), topk=64, cache="fp8")
+    assert dsa_sparse.nbytes(fp8, torch.float16) == 74 * 656 + 48 * (1088 * 2 + 4)
+
+
+def test_suite_fp8_cases_and_flashmla_call():
+    """FP8 cases: bench group fp8 (the host case stays the 16-bit t1 one), bf16 queries
+    whatever the dtype; FlashMLA's sparse decode called as sgl-flash-mla 1.0.0's wheel reads
+    (a stub records the call): q (tokens, 1, H, 576) zero-padded to 64 heads, the FP8 cache as
+    it is, indices (tokens, 1, topk) padded with -1 to 64-entry blocks, is_fp8_kvcache and the
+    legacy (sm90) kernels, no causal mask; its output cut back to H heads."""
+    suite = dsa_sparse.suite()
+    assert suite.host_case.name == "t1-h16-p64-k2048-L8192"
+    assert {c.group for c in suite.bench_cases if dsa_sparse.fp8(c)} == {"fp8"}
+    case = dsa_sparse._case(3, 16, 64, (700, 5, 100), topk=100, cache="fp8")
+    inputs = dsa_sparse.make_inputs(case, torch.float16, torch.device("cpu"),
+                                    torch.Generator().manual_seed(0))  # fmt: skip
+    assert inputs["q"].dtype == torch.bfloat16 and inputs["ckv"].shape[2:] == (1, 656)
+    calls = []
+
+    class Stub:
+        @staticmethod
+        def get_mla_metadata(*args, **kwargs):
+            return "meta", None
+
+        @staticmethod
+        def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, meta,
+                                   **kwargs):  # fmt: skip
+            calls.append((q, k_cache, block_table, cache_seqlens, head_dim_v, meta, kwargs))
+            b, s_q, h, _ = q.shape
+            return torch.zeros(b, s_q, h, 512), torch.zeros(b, h, s_q)
+
+    q, idx = inputs["q"][:, None], inputs["idx"][:, None]
+    out, lse = dsa_sparse.flashmla_fp8_decode(Stub, q, inputs["ckv"], idx)()
+    assert out.shape == (3, 1, 16, 512) and lse.shape == (3, 16, 1) and len(calls) == 2
+    q_seen, cache, table, seqlens, dv, meta, kwargs = calls[-1]
+    assert q_seen.shape == (3, 1, 64, 576) and torch.equal(q_seen[:, :, :16], q)
+    assert torch.all(q_seen[:, :, 16:] == 0)
+    assert cache is inputs["ckv"] and table is None and seqlens is None and dv == 512
+    assert meta == "meta" and kwargs["is_fp8_kvcache"] and kwargs["use_legacy"]
+    assert not kwargs["causal"] and kwargs["softmax_scale"] == SCALE
+    assert kwargs["indices"].shape == (3, 1, 128) and torch.equal(kwargs["indices"][..., :100], idx)
+    assert torch.all(kwargs["indices"][..., 100:] == -1)
 
 
 @pytest.mark.parametrize("case", dsa_sparse.CHECK_CASES, ids=lambda c: c.name)

@@ -663,6 +663,33 @@ def test_suite_work_counts():
     # visible pairs: sk 10 -> 7 + 8 + 9 + 10, sk 3 -> 0 + 1 + 2 + 3
     assert mla_decode.flops(case) == 2 * (576 + 512) * 16 * (34 + 6)
     assert mla_decode.nbytes(case, torch.bfloat16) == 13 * 1152 + 8 * 16 * (1088 * 2 + 4)
+    fp8 = mla_decode._case(2, 16, 64, (10, 3), cache="fp8")  # 656 bytes a token, bf16 q / out
+    assert fp8.name == "b2-h16-p64-L3-10-fp8" and mla_decode.fp8(fp8)
+    assert mla_decode.nbytes(fp8, torch.float16) == 13 * 656 + 2 * 16 * (1088 * 2 + 4)
+
+
+def test_suite_fp8_cases():
+    """Group fp8 in the bench; check cases over every form; bf16 queries whatever the dtype,
+    the cache FlashMLA's FP8 rows; the dense-as-sparse indices of FlashMLA's comparator."""
+    bench = [c for c in mla_decode.BENCH_CASES if mla_decode.fp8(c)]
+    assert {c.name for c in bench} == {"b64-h16-p64-L4096-fp8", "b1-h16-p64-L32768-fp8",
+                                       "b16-h128-p64-L8192-fp8"}  # fmt: skip
+    assert all(c.group == "fp8" for c in bench)
+    check = [c for c in mla_decode.CHECK_CASES if mla_decode.fp8(c)]
+    assert {c.params["s_q"] for c in check} == {1, 2, 4} and any(
+        "q_lens" in c.params for c in check
+    )
+    assert any(mla_decode.fp8(c) for c in mla_decode.SANITIZE_CASES)
+    inputs = mla_decode.make_inputs(check[0], torch.float16, torch.device("cpu"),
+                                    torch.Generator().manual_seed(0))  # fmt: skip
+    assert inputs["q"].dtype == torch.bfloat16 and inputs["kpe"] is None
+    assert inputs["ckv"].dtype == torch.float8_e4m3fn and inputs["ckv"].shape[2:] == (1, 656)
+    table = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32)
+    idx = mla_decode.dense_indices(table, torch.tensor([20, 3]), 16)
+    assert idx.shape == (2, 1, 64) and idx.dtype == torch.int32
+    assert idx[0, 0, :20].tolist() == [*range(48, 64), *range(16, 20)]
+    assert idx[1, 0, :3].tolist() == [0, 1, 2]
+    assert torch.all(idx[0, 0, 20:] == -1) and torch.all(idx[1, 0, 3:] == -1)
 
 
 @pytest.mark.parametrize("case", mla_decode.CHECK_CASES, ids=lambda c: c.name)

@@ -10,9 +10,11 @@ bf16; the kernel takes the three as views (uint8 (P, ps, 512), fp32 (P, ps, 4), 
 
 Dequantization, per pair of e4m3 bytes -> one bf16x2 register (4 instructions):
     prmt  t = [b0, sign(b0), b1, sign(b1)]   (each byte sign-extended to 16 bits)
-    shl   t = t << 4                         (the byte s eeee mmm at bits 11..4, the sign at 15)
-    and   t = t & 0x87F087F0                 (bf16 s 0000eeee mmm0000: sign, the e4m3 exponent
-                                              in the low 4 bits of bf16's, the mantissa on top)
+    shl   t = t << 4                         (the byte s eeee mmm at bits 11..4, copies of s
+                                              at 15..12)
+    and   t = t & 0x87F087F0                 (bf16 s 0000eeee mmm0000: the e4m3 exponent the
+                                              low 4 bits of bf16's, its 3 mantissa bits the top
+                                              ones of bf16's)
     mul.rn.bf16x2  out = t * m,  m = bf16(2^120 x scale)
 t read as bf16 is the e4m3 value times 2^(7 - 127) = 2^-120 exactly, subnormals included (an
 e4m3 subnormal, exponent field 0, is a bf16 subnormal with the same mantissa bits; 0x80 is -0).
@@ -20,8 +22,12 @@ The product e4m3 x scale is exact in bf16 for a power-of-two scale in [2^-124, 2
 fp32's exponent range and 8 significant bits, e4m3 4), so the multiply rounds nothing; m is
 finite for scales up to 2^7 (|latent| <= 448 x 128 = 57344 under FlashMLA's quantizer, whose
 smallest scale is 2^-13). The e4m3fn NaN codes 0x7F / 0xFF, which a saturating quantizer never
-writes, read as +-480 x scale. The bench tests model this sequence bit for bit in torch
-(tests/test_mla_decode.py) over all 256 codes and scales 2^-124 .. 2^7."""
+writes, read as +-480 x scale. tests/test_mla_decode.py models this sequence bit for bit in
+torch over all 256 codes and the scales 2^-124 .. 2^7.
+
+Rows are also prefetched into L2 a turn ahead (`prefetch_row_l2`, cp.async.bulk.prefetch: no
+register or shared memory): the register loads, which warpgroup 1 waits for, then wait for L2
+rather than DRAM."""
 
 from __future__ import annotations
 
