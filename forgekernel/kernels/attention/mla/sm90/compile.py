@@ -41,9 +41,9 @@ def _combine(dtype, opts: str):
     )
 
 
-def _caches(dtype, fp8: bool) -> tuple:
-    """(latent, RoPE, scales) of a cache of dynamic pages and page size."""
-    pages, page_size = cute.sym_int32(), cute.sym_int32()
+def _caches(dtype, fp8: bool, pages, page_size) -> tuple:
+    """(latent, RoPE, scales) of a cache of `pages` x `page_size` rows (created in the call's
+    argument list, after q's: the 16-bit compile's symbols in their original order)."""
     if not fp8:
         return (
             fake.rowmajor(dtype, (pages, page_size, D_LATENT)),
@@ -60,7 +60,7 @@ def _caches(dtype, fp8: bool) -> tuple:
 
 def _sparse(dtype, heads: int, fp8: bool, opts: str):
     tokens, hq = cute.sym_int32(), cute.sym_int32()
-    ckv, kpe, scale = _caches(dtype, fp8)
+    pages, page_size = cute.sym_int32(), cute.sym_int32()
     top_k = make_fake_tensor(
         cutlass.Int32, (tokens, cute.sym_int32()), stride=(cute.sym_int64(), 1), assumed_align=4
     )
@@ -68,9 +68,7 @@ def _sparse(dtype, heads: int, fp8: bool, opts: str):
         MlaDecodeSm90(heads, sparse=True, fp8=fp8),
         fake.rowmajor(dtype, (tokens, hq, D_LATENT)),
         fake.rowmajor(dtype, (tokens, hq, D_ROPE)),
-        ckv,
-        kpe,
-        scale,
+        *_caches(dtype, fp8, pages, page_size),
         top_k,
         None,  # seqlens_k: the lists' width is every token's key count
         _dense(cutlass.Float32, 4),
@@ -97,14 +95,12 @@ def compile_mla(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     qtokens = params.get("qtokens", 1)
     b, hq = cute.sym_int32(), cute.sym_int32()
     rows = cute.sym_int32() if qtokens > 1 else b  # total_q packed by cu_seqlens_q, else B
-    ckv, kpe, scale = _caches(dtype, fp8)
+    pages, page_size = cute.sym_int32(), cute.sym_int32()
     return cute.compile(
         MlaDecodeSm90(params["heads"], qtokens, fp8=fp8),
         fake.rowmajor(dtype, (rows, hq, D_LATENT)),
         fake.rowmajor(dtype, (rows, hq, D_ROPE)),
-        ckv,
-        kpe,
-        scale,
+        *_caches(dtype, fp8, pages, page_size),
         _dense(cutlass.Int32, 2),
         make_fake_tensor(cutlass.Int32, (b,), stride=(1,)),  # seqlens_k: the batch
         _dense(cutlass.Float32, 4),
