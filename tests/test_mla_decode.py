@@ -188,7 +188,7 @@ def _partial(qn, qp, ckv, kpe, ckv_scale, pt, seq, op_, lp, scale_log2, per, pag
         else:
             q_all, token0 = int(cu[b + 1] - cu[b]), blk * qtokens
             q_off, sq = int(cu[b]) + token0, max(min(q_all - token0, qtokens), 0)
-            kv_end = sk - q_all + token0 + sq if causal else sk
+            kv_end = (sk - q_all + token0 + sq if causal else sk) if sq > 0 else 0
         for h0 in range(0, hq, heads):
             zero = torch.zeros(LATENT + 64, dtype=torch.float64)
             q = torch.stack([
@@ -206,6 +206,8 @@ def _partial(qn, qp, ckv, kpe, ckv_scale, pt, seq, op_, lp, scale_log2, per, pag
                 o = torch.zeros(len(rows), LATENT, dtype=torch.float64)
                 for first in range(t0, t1, TILE):
                     t = torch.arange(first, first + TILE).clamp(max=t1 - 1)
+                    # the kernel reads only the sequence's keys (its page-table entries)
+                    assert 0 <= first and t1 <= sk, (b, blk, s, t0, t1, sk)
                     pages, slots = pt[b, t // page_size].long(), t % page_size
                     latent = ckv[pages, slots]
                     if ckv_scale is not None:

@@ -231,7 +231,9 @@ class MlaDecodeSm90:
             kv_end = mSeq[unit]
         else:
             # this CTA's query tokens: block `unit % q_blocks` of its sequence's, `sq` of them
-            # (<= qtokens, none past the sequence's end); causal, they see keys < kv_end
+            # (<= qtokens, none past the sequence's end); causal, they see keys < kv_end. A
+            # block past the end (sq 0) writes nothing and reads no key (its causal bound
+            # sk - q_all + token0 would pass sk: page-table entries past the sequence's)
             b = unit // q_blocks
             token0 = (unit - b * q_blocks) * self.qt
             sk = mSeq[b]
@@ -239,6 +241,7 @@ class MlaDecodeSm90:
             q_off = mCuQ[b] + token0
             sq = cutlass.max(cutlass.min(q_all - token0, self.qt), 0)
             kv_end = Int32(cutlass.select_(causal != 0, sk - q_all + token0 + sq, sk))
+            kv_end = Int32(cutlass.select_(sq > 0, kv_end, 0))
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         dtype = mQn.element_type
 
