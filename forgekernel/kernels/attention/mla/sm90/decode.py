@@ -15,7 +15,10 @@ K-major tiles. The warpgroups split the work by role, FlashMLA's first sm90 desi
   - warpgroup 1 (loads): P V over columns 256 .. 511 once P is out, then the tile after next
     into the stage both warpgroups have finished with, then it waits for the next tile's
     bytes and hands it over.
-Warpgroup 0's S of tile i + 1 runs on the tensor cores under warpgroup 1's P V of tile i.
+The two halves of P V run side by side; S of tile i + 1 does not overlap them: warpgroup 1
+hands tile i + 1 over after its P V of tile i and the stage's release, so P_FREE (arrived
+before that hand-over) never blocks. Handing it over under the P V would overlap S with P V
+but, 16-bit, issue tile i + 2 only once tile i + 1 landed (MLA_NOTES.md, review).
 Named barriers order them (Bar): FULL (tile landed: 1 arrives, 0 waits), P_READY (P and the
 scales written: 0 arrives, 1 waits), P_FREE (1 has read P: 1 arrives, 0 waits before the next
 P), STAGE_FREE (0's P V done: 0 arrives, 1 waits before refilling the stage). Warpgroup 0's
