@@ -418,9 +418,18 @@ class MlaDecodeSm90:
                 if tid1 < 64:
                     self._store_valid(kv[8], kv[9], t0 + TILE, t1, 1, sValid, tid1)
         cute.arch.cp_async_commit_group()
+        # Early hand-over (rows > 16: the tensor cores are the bottleneck): tile i + 1 goes to
+        # warpgroup 0 as soon as P of tile i is out, so its S runs under this warpgroup's P V;
+        # with 16 rows (decode at 16 heads, bound by memory) tile i + 2's loads go out first.
+        early = const_expr(self.g > 16)
         for i in cutlass.range(tiles, unroll=1):
             stage = i % STAGES
             p_ready.arrive_and_wait()
+            if const_expr(early):
+                if i + 1 < tiles:  # its loads are the one commit group in flight
+                    cute.arch.cp_async_wait_group(0)
+                    cute.arch.fence_view_async_shared()  # st.shared and cp.async, then WGMMA
+                    full.arrive()
             for r in cutlass.range_constexpr(2):
                 corr[r] = sRed[0, o_crd[r, 0][0]]
             rescale_o(acc_o, corr)
@@ -432,10 +441,11 @@ class MlaDecodeSm90:
             if const_expr(self.fp8):
                 # tile i + 1 first: its latent was stored a turn ago, its RoPE is the only
                 # commit group in flight; then tile i + 2's loads, which wait for their data
-                if i + 1 < tiles:
-                    cute.arch.cp_async_wait_group(0)
-                    cute.arch.fence_view_async_shared()  # st.shared and cp.async, then WGMMA
-                    full.arrive()
+                if const_expr(not early):
+                    if i + 1 < tiles:
+                        cute.arch.cp_async_wait_group(0)
+                        cute.arch.fence_view_async_shared()  # st.shared and cp.async, then WGMMA
+                        full.arrive()
                 self._prefetch_fp8(kv, t0 + (nxt + 1) * TILE, t1, tid1)  # a turn ahead
             if nxt < tiles:
                 self._load_tile(kv, t0 + nxt * TILE, t1, stage)
@@ -443,7 +453,7 @@ class MlaDecodeSm90:
                     if tid1 < 64:
                         self._store_valid(kv[8], kv[9], t0 + nxt * TILE, t1, stage, sValid, tid1)
             cute.arch.cp_async_commit_group()
-            if const_expr(not self.fp8):
+            if const_expr(not self.fp8 and not early):
                 if i + 1 < tiles:
                     cute.arch.cp_async_wait_group(1)  # tile i + 1 (the group before this one)
                     cute.arch.fence_view_async_shared()
