@@ -99,6 +99,28 @@ def test_dsa_sparse_fp8_matches_the_reference(case):
     _check(as_bytes, *_run(as_bytes))
 
 
+@pytest.mark.parametrize("cache", ["combined", "split", "fp8"])
+def test_padding_never_reads_a_cache_row(cache):
+    """-1 entries load zeros (16-bit) or a zero scale (FP8), not cache row 0: with a page 0 of
+    NaNs that no valid entry names (every entry moved one page up), the outputs are those of
+    the cache without it."""
+    case = _case(4, 16, 64, (100, 1, 333, 0), topk=200, pad="scattered", cache=cache)
+    inputs = _inputs(case, torch.bfloat16)
+    ps = case.params["page"]
+    moved = dict(inputs, idx=torch.where(inputs["idx"] >= 0, inputs["idx"] + ps, -1))
+    for name in ("ckv", "kpe"):
+        t = inputs[name]
+        if t is None:
+            continue
+        nan_page = torch.full_like(t[:1], float("nan")) if t.element_size() > 1 else (
+            torch.full_like(t[:1].view(torch.uint8), 0xFF).view(t.dtype)  # NaN bytes / scales
+        )  # fmt: skip
+        moved[name] = torch.cat([nan_page, t])
+    out, lse = _run(moved)
+    assert torch.isfinite(out).all()
+    _check(inputs, out, lse)
+
+
 def test_dsa_sparse_fp8_beside_flashmla():
     """The suite's FP8 comparator (FlashMLA's sm90 sparse decode, sgl-flash-mla 1.0.0, called
     as read from its wheel) on the same cache and lists: its output close to ours."""

@@ -499,13 +499,18 @@ class MlaDecodeSm90:
             for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
                 token = cutlass.min(first + crd[0, m, 0][0], t1 - 1)
                 if const_expr(self.sparse):
-                    entry = cutlass.max(mPT[b, token], 0)  # -1 padding: row 0, masked
+                    listed = mPT[b, token]
+                    entry = cutlass.max(listed, 0)
                     page = entry // page_size
                     row = mX[page, entry - page * page_size, None]
+                    if listed >= 0:
+                        copy_row_async(gcopy, row, width, tXsX[None, m, None], crd[None, m, None])
+                    else:  # -1 padding: zeros, not a cache row (P = 0 times NaN would be NaN)
+                        tXsX[None, m, None].fill(0.0)
                 else:
                     page = token // page_size
                     row = mX[mPT[b, page], token - page * page_size, None]
-                copy_row_async(gcopy, row, width, tXsX[None, m, None], crd[None, m, None])
+                    copy_row_async(gcopy, row, width, tXsX[None, m, None], crd[None, m, None])
         if const_expr(self.fp8 and latent):
             mScale, tid, threads = f8
             self._load_latent_fp8(
@@ -526,7 +531,7 @@ class MlaDecodeSm90:
     @cute.jit
     def _cache_row(self, mPT, b, token, page_size):
         """(page, slot) of the key at list / sequence position `token` (sparse: entry -1 reads
-        row 0, masked)."""
+        row 0, masked, and zeroed by the loads)."""
         if const_expr(self.sparse):
             entry = cutlass.max(mPT[b, token], 0)
             page = entry // page_size
@@ -567,11 +572,15 @@ class MlaDecodeSm90:
         scale = cute.make_rmem_tensor(batch, Float32)
         for j in cutlass.range_constexpr(0, batch, 2):  # one row, both halves
             r, _ = self._fp8_row(tid, threads, first_load + j)
-            page, slot = self._cache_row(mPT, b, cutlass.min(first + r, t1 - 1), page_size)
+            token = cutlass.min(first + r, t1 - 1)
+            page, slot = self._cache_row(mPT, b, token, page_size)
             for half in cutlass.range_constexpr(2):
                 _, chunk = self._fp8_row(tid, threads, first_load + j + half)
                 fp8_cache.load_chunk(mCkv[page, slot, None], chunk, raw[None, j + half])
                 scale[j + half] = mScale[page, slot, fp8_cache.chunk_scale_index(chunk)]
+                if const_expr(self.sparse):  # -1 padding: scale 0 (its e4m3 bytes are finite)
+                    if mPT[b, token] < 0:
+                        scale[j + half] = Float32(0.0)
         return raw, scale
 
     @cute.jit
