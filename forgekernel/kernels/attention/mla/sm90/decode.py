@@ -39,7 +39,7 @@ Every thread loads tile 0, warpgroup 1 tile 1 before its loop.
 `sparse` (DeepSeek sparse attention, DSA): query token t attends to the cache rows its top-k
 list names (mPT (tokens, topk) int32, entries page * page_size + slot, -1 padding, anywhere),
 not to a sequence's pages: a CTA's keys are that list's split, loaded by index (-1 reads row 0,
-masked), grid z over the tokens (one query token per CTA, so `qtokens` is 1).
+masked), grid x over the tokens (one query token per CTA, so `qtokens` is 1).
 
 docs/attention/MLA_NOTES.md has the earlier versions' figures (mma.sync; both warpgroups on S
 along the keys)."""
@@ -157,7 +157,7 @@ class MlaDecodeSm90:
         mPT int32 (batch, max_pages); mSeq int32 (batch,); mOp fp32 (splits,
         rows, Hq, 512), mLp fp32 (splits, rows, Hq) log2; causal 0 / 1 (query tokens among
         themselves, bottom-right); q_blocks: with mCuQ, the CTAs per sequence along its query
-        tokens (`qtokens` each: chunked prefill; grid z = batch x q_blocks), else 1. sparse:
+        tokens (`qtokens` each: chunked prefill; grid x = batch x q_blocks), else 1. sparse:
         mPT the top-k lists (rows, topk), mSeq None, mCuQ None, causal and q_blocks unused."""
         dtype = mQn.element_type
         if const_expr(self.fp8):
@@ -192,7 +192,9 @@ class MlaDecodeSm90:
             mCuQ, causal, q_blocks, self.mma_s, self.mma_o, self.mma_o_rs, self.lay_kl,
             self.lay_kr, self.lay_ql, self.lay_qr, self.lay_p,
         ).launch(
-            grid=(mOp.shape[0], mQn.shape[1] // self.h, units),
+            # units on x (up to 2^31 - 1: prefill blocks, DSA tokens), splits on z (<= a wave);
+            # neighbouring CTAs are neighbouring query blocks of a sequence (shared keys in L2)
+            grid=(units, mQn.shape[1] // self.h, mOp.shape[0]),
             block=[THREADS, 1, 1],
             stream=stream,
         )  # fmt: skip
@@ -225,7 +227,7 @@ class MlaDecodeSm90:
         lay_p: cute.ComposedLayout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        split, head_block, unit = cute.arch.block_idx()
+        unit, head_block, split = cute.arch.block_idx()
         head0 = head_block * self.h
         b, q_off, sq = unit, unit, Int32(1)
         if const_expr(self.sparse):
