@@ -5,9 +5,10 @@ with one running max per row, -1 entries and positions past the split masked, P 
 dtype before P V, the split's normalized O and log2 LSE, the paged leaf's combine) replayed in
 Python through the real launcher and op against reference.dsa: page sizes 1 / 16 / 64, padding
 at the end and scattered, rows of -1 only, 16 / 24 / 128 heads, FlashMLA's combined cache,
-topk not a multiple of 64; FlashInfer-Bench's adapter against the definitions' reference by
-their criterion; argument errors; the suite's own check; the custom op's fake under
-make_fx."""
+topk not a multiple of 64, FlashMLA's FP8 cache (the replay dequantizes as the kernel does,
+tests/test_mla_decode.py's bit-level model); FlashInfer-Bench's adapter against the
+definitions' reference by their criterion; argument errors; the suite's own check; the custom
+op's fake under make_fx."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import math
 import pytest
 import torch
 from split_combine import combine_splits
+from test_mla_decode import _dequantize_rows, _fp8_cache
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -26,6 +28,7 @@ from forgekernel.bench.suites import PENDING_SUITE_MODULES, SUITE_MODULES, dsa_s
 from forgekernel.kernels.attention.mla.sm90 import SPEC
 from forgekernel.kernels.attention.mla.sm90 import launch as mla_launch
 from forgekernel.kernels.attention.mla.sm90.config import (
+    FP8_ROW_BYTES,
     HEADS,
     ROWS,
     TILE,
@@ -42,6 +45,7 @@ from forgekernel.reference.dsa_flashinfer import (
 from forgekernel.reference.dsa_flashinfer import (
     dsa_sparse_attention_flashinfer as flashinfer_ref,
 )
+from forgekernel.reference.mla import flashmla_fp8_views
 
 op = importlib.import_module("forgekernel.ops.dsa")
 SCALE = dsa_sparse.SOFTMAX_SCALE
@@ -61,7 +65,8 @@ def test_sparse_compile_keys():
     assert sparse_heads() == (*(h for h in HEADS if 16 % h == 0 and 128 % h == 0), 64)
     sparse = {p for p in SPEC.standard_params() if dict(p)["kind"] == "sparse"}
     assert sparse == {params_for("sparse", d, h) for d in ("float16", "bfloat16")
-                      for h in sparse_heads()}  # fmt: skip
+                      for h in sparse_heads()} | {params_for("sparse", "bfloat16", h, fp8=True)
+                                                  for h in sparse_heads()}  # fmt: skip
     assert heads_per_cta(16) in sparse_heads() and heads_per_cta(128) in sparse_heads()
     with pytest.raises(ValueError, match="one query token"):
         params_for("sparse", "bfloat16", 8, 2)
@@ -80,14 +85,18 @@ def test_split_plan_covers_the_list(tokens, hq, topk):
 # ---------------------------------------------------------------- the kernel, replayed
 
 
-def _sparse_partial(qn, qp, ckv, kpe, idx, seq, op_, lp, scale_log2, per, page_size, cu, causal):
+def _sparse_partial(
+    qn, qp, ckv, kpe, ckv_scale, idx, seq, op_, lp, scale_log2, per, page_size, cu, causal,
+    q_blocks,
+):  # fmt: skip
     """The sparse partial pass (decode.py, sparse=True) of every CTA (split, head block, token)
     at once: a row's arithmetic does not depend on its head block. Per split, list positions
     [t0, t1) in tiles of TILE, each tile's positions clamped to t1 - 1 and its entries to >= 0
     for the loads (page entry // page_size, slot entry % page_size), scored over all 576
     columns at once with one running max per (token, head) row, positions >= t1 and entries
-    < 0 masked; P in q's dtype before P V."""
-    assert seq is None and cu is None and causal == 0
+    < 0 masked; P in q's dtype before P V. FP8 (ckv_scale given): the latent rows dequantized
+    into bf16 as the kernel does."""
+    assert seq is None and cu is None and causal == 0 and q_blocks == 1
     tokens, topk = idx.shape
     q = torch.cat([qn, qp], -1).double()
     for s in range(op_.shape[0]):
@@ -100,7 +109,10 @@ def _sparse_partial(qn, qp, ckv, kpe, idx, seq, op_, lp, scale_log2, per, page_s
             entry = idx[:, pos.clamp(max=t1 - 1)].long()
             safe = entry.clamp(min=0)
             page, slot = safe // page_size, safe % page_size
-            keys = torch.cat([ckv[page, slot], kpe[page, slot]], -1).double()  # (T, TILE, 576)
+            latent = ckv[page, slot]
+            if ckv_scale is not None:
+                latent = _dequantize_rows(latent, ckv_scale[page, slot])
+            keys = torch.cat([latent, kpe[page, slot]], -1).double()  # (T, TILE, 576)
             sc = torch.einsum("thd,tkd->thk", q, keys)
             valid = (pos < t1)[None, :] & (entry >= 0)
             sc = torch.where(valid[:, None, :], sc, -math.inf)
@@ -131,8 +143,10 @@ def sparse_kernels(monkeypatch):
         assert p["kind"] == "sparse" and p["heads"] * 1 <= ROWS
 
         def partial(*args):
-            assert args[0].dtype == getattr(torch, p["dtype"]) and len(args) == 13
-            assert args[4].dtype == torch.int32 and args[4].stride(-1) == 1
+            assert args[0].dtype == getattr(torch, p["dtype"]) and len(args) == 15
+            assert args[5].dtype == torch.int32 and args[5].stride(-1) == 1
+            fp8 = p.get("fp8", False)
+            assert (args[4] is not None) == fp8 and (args[2].dtype == torch.uint8) == fp8
             calls.append((p, args))
             _sparse_partial(*args)
 
@@ -207,10 +221,10 @@ def test_sparse_matches_the_reference(sparse_kernels, tokens, hq, page_size, val
     params, args = sparse_kernels[-1]
     assert params == dict(params_for("sparse", str(dtype).removeprefix("torch."),
                                      heads_per_cta(hq)))  # fmt: skip
-    scale_log2, per, ps = args[8:11]
+    scale_log2, per, ps = args[9:12]
     assert abs(scale_log2 - SCALE * math.log2(math.e)) < 1e-9 and ps == page_size
     splits, want_per = split_plan(tokens, hq // params["heads"], topk, 132, 1)
-    assert per == want_per and args[6].shape == (splits, tokens, hq, LATENT)
+    assert per == want_per and args[7].shape == (splits, tokens, hq, LATENT)
 
 
 def test_splits_of_a_long_list(sparse_kernels):
@@ -220,8 +234,42 @@ def test_splits_of_a_long_list(sparse_kernels):
                                        return_lse=True)  # fmt: skip
     _assert_close(out, lse, *_want(qn, qp, ckv, kpe, idx))
     _, args = sparse_kernels[-1]
-    assert args[9] == 256 and args[6].shape[0] == 8
-    assert torch.all(torch.isneginf(args[7][6:]))  # splits past the valid entries saw no key
+    assert args[10] == 256 and args[7].shape[0] == 8
+    assert torch.all(torch.isneginf(args[8][6:]))  # splits past the valid entries saw no key
+
+
+def _fp8_want(qn, qp, packed, idx):
+    """reference.dsa on the FP8 cache dequantized in fp32 (e4m3 x its tile scales)."""
+    q8, scale, rope = flashmla_fp8_views(packed)
+    latent = q8.float() * scale.repeat_interleave(128, -1)
+    kv = torch.cat([latent, rope.float()], -1)
+    return dsa_sparse_attention_paged_ref(torch.cat([qn, qp], -1), kv, idx, SCALE)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "hq", "page_size", "valid", "topk", "pad", "form"),
+    [
+        (1, 16, 64, [2048], 2048, "end", {}),
+        (3, 16, 1, [64, 0, 17], 64, "scattered", {"as_bytes": True}),
+        (4, 16, 64, [300, 1000, 2, 0], 1000, "scattered", {"padded": True}),
+        (2, 128, 16, [65, 513], 600, "scattered", {}),
+        (3, 24, 16, [40, 3, 90], 100, "end", {"as_bytes": True, "padded": True}),
+    ],
+)
+def test_fp8_sparse_matches_the_reference(sparse_kernels, tokens, hq, page_size, valid, topk,
+                                          pad, form):  # fmt: skip
+    """FlashMLA's FP8 cache (DeepSeek-V3.2's serving format; e4m3 or bytes, pages packed or
+    padded): the fp8 compile of the sparse pass against reference.dsa on the dequantized
+    latent."""
+    qn, qp, _, _, idx = _problem(tokens, hq, page_size, valid, topk, pad=pad)
+    pages = max(-(-max(valid, default=1) // page_size), 1) + 3
+    packed = _fp8_cache(pages, page_size, torch.Generator().manual_seed(11), **form)
+    out, lse = op.dsa_sparse_attention(qn, qp, packed, None, idx, softmax_scale=SCALE,
+                                       return_lse=True)  # fmt: skip
+    want, want_lse = _fp8_want(qn, qp, packed, idx)
+    _assert_close(out, lse, want, want_lse, atol=2e-2 + float(want.abs().max()) * 2**-8)
+    params, _ = sparse_kernels[-1]
+    assert params["fp8"] and params["dtype"] == "bfloat16"
 
 
 def test_out_is_written_in_place(sparse_kernels):
@@ -301,11 +349,20 @@ def _args(**change):
         ({"ckv_cache": torch.zeros(10, 16, 512, dtype=torch.float16)}, TypeError, "ckv_cache"),
         ({"kpe_cache": torch.zeros(10, 8, 64, dtype=torch.bfloat16)}, ValueError, "kpe_cache"),
         ({"ckv_cache": torch.zeros(10, 16, 512, dtype=torch.float8_e4m3fn)}, NotImplementedError,
-         "issue 22"),
-        ({"ckv_cache": torch.zeros(10, 64, 1, 656, dtype=torch.uint8), "kpe_cache": None},
-         NotImplementedError, "issue 22"),
+         "16-bit only"),
         ({"kpe_cache": torch.zeros(10, 16, 64, dtype=torch.float8_e5m2)}, NotImplementedError,
-         "FP8"),
+         "FP8 latent cache is FlashMLA's"),
+        ({"ckv_cache": torch.zeros(10, 64, 1, 576, dtype=torch.uint8), "kpe_cache": None},
+         NotImplementedError, "per-tensor scale"),
+        ({"ckv_cache": torch.zeros(10, 64, 1, 640, dtype=torch.float8_e4m3fn), "kpe_cache": None},
+         ValueError, "1, 656"),
+        ({"ckv_cache": torch.zeros(10, 64, 1, 656, dtype=torch.int8), "kpe_cache": None},
+         TypeError, "float8_e4m3fn or uint8"),
+        ({"ckv_cache": torch.zeros(10, 64, 1, 1320, dtype=torch.uint8)[..., :656],
+          "kpe_cache": None}, ValueError, "multiples of 16 bytes"),
+        ({"ckv_cache": torch.zeros(10, 64, 1, 656, dtype=torch.uint8), "kpe_cache": None,
+          "q_nope": torch.zeros(2, 16, 512, dtype=torch.float16),
+          "q_pe": torch.zeros(2, 16, 64, dtype=torch.float16)}, TypeError, "bf16 queries"),
         ({"ckv_cache": torch.zeros(10, 64, 1, 512, dtype=torch.bfloat16), "kpe_cache": None},
          ValueError, "combined"),
         ({"sparse_indices": torch.zeros(2, 64, dtype=torch.int64)}, TypeError, "sparse_indices"),
@@ -360,6 +417,48 @@ def test_suite_work_counts():
     prefill = dsa_sparse._case(4, 16, 64, 66, topk=64, prefill=True)
     assert dsa_sparse.visible(prefill) == [(0, 63), (0, 64), (0, 65), (0, 66)]
     assert dsa_sparse.flops(prefill) == 2 * (576 + 512) * 16 * (63 + 64 * 3)
+    fp8 = dsa_sparse._case(3, 16, 64, (10, 0, 5000), topk=64, cache="fp8")
+    assert dsa_sparse.nbytes(fp8, torch.float16) == 74 * 656 + 48 * (1088 * 2 + 4)
+
+
+def test_suite_fp8_cases_and_flashmla_call():
+    """FP8 cases: bench group fp8 (the host case stays the 16-bit t1 one), bf16 queries
+    whatever the dtype; FlashMLA's sparse decode called as sgl-flash-mla 1.0.0's wheel reads
+    (a stub records the call): q (tokens, 1, H, 576) zero-padded to 64 heads, the FP8 cache as
+    it is, indices (tokens, 1, topk) padded with -1 to 64-entry blocks, is_fp8_kvcache and the
+    legacy (sm90) kernels, no causal mask; its output cut back to H heads."""
+    suite = dsa_sparse.suite()
+    assert suite.host_case.name == "t1-h16-p64-k2048-L8192"
+    assert {c.group for c in suite.bench_cases if dsa_sparse.fp8(c)} == {"fp8"}
+    case = dsa_sparse._case(3, 16, 64, (700, 5, 100), topk=100, cache="fp8")
+    inputs = dsa_sparse.make_inputs(case, torch.float16, torch.device("cpu"),
+                                    torch.Generator().manual_seed(0))  # fmt: skip
+    assert inputs["q"].dtype == torch.bfloat16 and inputs["ckv"].shape[2:] == (1, 656)
+    calls = []
+
+    class Stub:
+        @staticmethod
+        def get_mla_metadata(*args, **kwargs):
+            return "meta", None
+
+        @staticmethod
+        def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, meta,
+                                   **kwargs):  # fmt: skip
+            calls.append((q, k_cache, block_table, cache_seqlens, head_dim_v, meta, kwargs))
+            b, s_q, h, _ = q.shape
+            return torch.zeros(b, s_q, h, 512), torch.zeros(b, h, s_q)
+
+    q, idx = inputs["q"][:, None], inputs["idx"][:, None]
+    out, lse = dsa_sparse.flashmla_fp8_decode(Stub, q, inputs["ckv"], idx)()
+    assert out.shape == (3, 1, 16, 512) and lse.shape == (3, 16, 1) and len(calls) == 2
+    q_seen, cache, table, seqlens, dv, meta, kwargs = calls[-1]
+    assert q_seen.shape == (3, 1, 64, 576) and torch.equal(q_seen[:, :, :16], q)
+    assert torch.all(q_seen[:, :, 16:] == 0)
+    assert cache is inputs["ckv"] and table is None and seqlens is None and dv == 512
+    assert meta == "meta" and kwargs["is_fp8_kvcache"] and kwargs["use_legacy"]
+    assert not kwargs["causal"] and kwargs["softmax_scale"] == SCALE
+    assert kwargs["indices"].shape == (3, 1, 128) and torch.equal(kwargs["indices"][..., :100], idx)
+    assert torch.all(kwargs["indices"][..., 100:] == -1)
 
 
 @pytest.mark.parametrize("case", dsa_sparse.CHECK_CASES, ids=lambda c: c.name)
@@ -393,17 +492,21 @@ def test_suite_check_passes_on_the_algorithm(sparse_kernels, case):
 
 
 def _fake_inputs(combined=False):
-    """(q_nope, q_pe, ckv, kpe or None, sparse_indices), CUDA."""
+    """(q_nope, q_pe, ckv, kpe or None, sparse_indices), CUDA; combined "fp8": FlashMLA's FP8
+    cache."""
     cuda = {"device": "cuda", "dtype": torch.bfloat16}
     qn, qp = torch.empty(5, 16, 512, **cuda), torch.empty(5, 16, 64, **cuda)
-    if combined:
+    if combined == "fp8":
+        ckv = torch.empty(10, 64, 1, FP8_ROW_BYTES, device="cuda", dtype=torch.float8_e4m3fn)
+        kpe = None
+    elif combined:
         ckv, kpe = torch.empty(10, 64, 1, 576, **cuda), None
     else:
         ckv, kpe = torch.empty(10, 64, 512, **cuda), torch.empty(10, 64, 64, **cuda)
     return qn, qp, ckv, kpe, torch.empty(5, 2048, device="cuda", dtype=torch.int32)
 
 
-@pytest.mark.parametrize("combined", [False, True])
+@pytest.mark.parametrize("combined", [False, True, "fp8"])
 def test_fake_implementation_under_make_fx(combined):
     """torch.compile / CUDA-graph support: on fake CUDA tensors the custom op's fake gives the
     shapes, nothing runs, and make_fx records the op."""

@@ -32,6 +32,10 @@ OWN_ADAPTERS = {
         for ps in (1, 64)
     },
     **{
+        f"mla_paged_prefill_causal_h16_ckv512_kpe64_ps{ps}": ("mla", "mla_paged_prefill_flashinfer")
+        for ps in (1, 64)
+    },
+    **{
         f"dsa_sparse_attention_h16_ckv512_kpe64_topk2048_ps{ps}": (
             "dsa",
             "dsa_sparse_attention_flashinfer",
@@ -157,12 +161,13 @@ def test_run_kernel_refuses_what_no_op_serves(name):
         defs.run_kernel(defn, {})
 
 
-def test_mla_prefill_is_not_served_because_of_the_query_count():
-    """The definition bounds no sequence's query count; ops.mla stops at 4 per sequence."""
+def test_mla_prefill_definition_bounds_no_query_count():
+    """The definition bounds no sequence's query count: served by ops.mla.mla_prefill (any
+    count), not by mla_decode's <= 4 tokens."""
     defn = _definition("mla_paged_prefill_causal_h16_ckv512_kpe64_ps64")
     assert defn.axes["total_q"]["type"] == "var"
     assert not any("qo_indptr[1:]" in rule for rule in defn.constraints)
-    assert importlib.import_module("forgekernel.ops.mla").MAX_QUERY_TOKENS == 4
+    assert callable(importlib.import_module("forgekernel.ops.mla").mla_prefill)
 
 
 def test_every_definition_is_served_or_listed():

@@ -3,12 +3,16 @@ CTA, compile keys and the split plan; the kernels' algorithm (split ranges, 64-k
 over the 576 latent + RoPE columns with one running max per row per tile, P rounded to q's dtype
 before P V, the split's normalized O and log2 LSE, the paged leaf's combine) replayed in Python
 through the real launcher and op against reference.mla: decode, MTP (s_q 2 / 4), the packed
-form, FlashMLA's combined cache, FlashInfer-Bench's adapter; argument errors; the
-suite's own check; the custom op's fake implementation under make_fx."""
+form, FlashMLA's combined cache, FlashInfer-Bench's adapter; FlashMLA's FP8 cache (the replay
+dequantizes by `dequantize_like_the_kernel`, a bit-level torch model of fp8.py's instruction
+sequence, itself checked bit for bit against e4m3 x scale over all 256 codes and the scales
+2^-124 .. 2^7) through decode, MTP, the packed form and prefill; argument errors; the suite's
+own check; the custom op's fake implementation under make_fx."""
 
 from __future__ import annotations
 
 import importlib
+import itertools
 import math
 
 import pytest
@@ -23,6 +27,8 @@ from forgekernel.bench.suites import PENDING_SUITE_MODULES, SUITE_MODULES, mla_d
 from forgekernel.kernels.attention.mla.sm90 import SPEC
 from forgekernel.kernels.attention.mla.sm90 import launch as mla_launch
 from forgekernel.kernels.attention.mla.sm90.config import (
+    E4M3_TO_BF16_EXPONENT,
+    FP8_ROW_BYTES,
     HEADS,
     QTOKENS,
     ROWS,
@@ -33,8 +39,13 @@ from forgekernel.kernels.attention.mla.sm90.config import (
 )
 from forgekernel.kernels.attention.paged.sm90 import config as paged_config
 from forgekernel.reference.flashinfer_paged import page_table_to_csr
-from forgekernel.reference.mla import mla_decode_ref, mla_prefill_ref
-from forgekernel.reference.mla_flashinfer import mla_flashinfer_decode
+from forgekernel.reference.mla import (
+    flashmla_fp8_views,
+    mla_decode_ref,
+    mla_prefill_ref,
+    quantize_flashmla_fp8,
+)
+from forgekernel.reference.mla_flashinfer import mla_flashinfer_decode, mla_flashinfer_prefill
 
 op = importlib.import_module("forgekernel.ops.mla")
 SCALE = mla_decode.SOFTMAX_SCALE
@@ -63,11 +74,19 @@ def test_compile_keys():
         "kind": "partial", "dtype": "bfloat16", "heads": 16,
     }  # fmt: skip
     assert dict(params_for("partial", "float16", 4, 4))["qtokens"] == 4
+    assert dict(params_for("partial", "bfloat16", 16, 2, fp8=True)) == {
+        "kind": "partial", "dtype": "bfloat16", "heads": 16, "qtokens": 2, "fp8": True,
+    }  # fmt: skip
     partial = [dict(p) for p in SPEC.standard_params() if dict(p)["kind"] == "partial"]
-    assert len(partial) == 2 * sum(1 for h in HEADS for t in QTOKENS if h * t <= ROWS)
+    per_pass = sum(1 for h in HEADS for t in QTOKENS if h * t <= ROWS)
+    assert len(partial) == 3 * per_pass  # fp16, bf16, FP8 cache with bf16 queries
+    assert sum(1 for p in partial if p.get("fp8")) == per_pass
+    assert all(p["dtype"] == "bfloat16" for p in partial if p.get("fp8"))
     assert all(p["heads"] * p.get("qtokens", 1) <= ROWS for p in partial)
     with pytest.raises(ValueError, match="kind"):
         params_for("decode", "bfloat16")
+    with pytest.raises(ValueError, match="bfloat16 queries"):
+        params_for("partial", "float16", 16, fp8=True)
 
 
 @pytest.mark.parametrize(("b", "blocks", "tokens"), [(1, 1, 65536), (64, 1, 4096), (1, 8, 16384),
@@ -82,21 +101,94 @@ def test_split_plan_is_the_paged_leafs(b, blocks, tokens):
         assert ctas / 132 / -(-ctas // 132) >= paged_config.WAVE_FILL
 
 
+# ---------------------------------------------------------------- FP8 dequantization
+
+
+def _prmt(words: torch.Tensor, selector: int) -> torch.Tensor:
+    """PTX prmt.b32 d, a, 0, selector on int64-held 32-bit words: target byte n takes source
+    byte (selector >> 4n) & 7 of {0, a} (bytes 4-7 zero), its sign replicated when bit 3 of
+    the nibble is set."""
+    out = torch.zeros_like(words)
+    for n in range(4):
+        sel = (selector >> (4 * n)) & 0xF
+        byte = (words >> (8 * (sel & 7))) & 0xFF if sel & 7 < 4 else torch.zeros_like(words)
+        if sel & 8:
+            byte = torch.where(byte & 0x80 != 0, 0xFF, 0)
+        out |= byte << (8 * n)
+    return out
+
+
+def _bf16_bits(bits16: torch.Tensor) -> torch.Tensor:
+    """int64-held 16-bit patterns as bf16."""
+    return bits16.to(torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
+def dequantize_like_the_kernel(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp8.py's sequence, bit for bit: codes uint8 (..., 4k) e4m3 bytes, scale fp32 (...,) one
+    per row -> bf16 (..., 4k). Per 32-bit word (bytes 0..3 little-endian): prmt 0x9180 / 0xB3A2
+    (two bytes, each sign-extended to 16 bits), shl 4, and 0x87F087F0, then mul.rn.bf16x2 by
+    bf16(2^120 x scale) (the fp32 product of two bf16 is exact; one rounding into bf16)."""
+    words = codes.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    mult = (scale.float() * 2.0**E4M3_TO_BF16_EXPONENT).to(torch.bfloat16).float()[..., None]
+    halves = []
+    for selector in (0x9180, 0xB3A2):
+        t = ((_prmt(words, selector) << 4) & 0xFFFFFFFF) & 0x87F087F0
+        for bits in (t & 0xFFFF, t >> 16):
+            halves.append((_bf16_bits(bits).float() * mult).to(torch.bfloat16))
+    # word w -> elements 4w .. 4w + 3 = (low, high) of the first register, then of the second
+    return torch.stack(halves, -1).flatten(-2)
+
+
+def _dequantize_rows(ckv: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(..., 512) uint8 rows with their (..., 4) scales, as the kernel stores them (bf16)."""
+    tiles = ckv.view(torch.uint8).unflatten(-1, (scale.shape[-1], -1))
+    return dequantize_like_the_kernel(tiles, scale).flatten(-2)
+
+
+def test_fp8_dequantization_is_exact_on_every_code():
+    """All 256 e4m3 codes times 2^k, k = -124 .. 7 (where the products are bf16 values and the
+    multiplier 2^(120 + k) is finite): the kernel's bits equal e4m3 x scale rounded to bf16,
+    which is exact, subnormals included. The NaN codes 0x7F / 0xFF read as +-480 x scale."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(132, 1)
+    scale = torch.exp2(torch.arange(-124, 8, dtype=torch.float32))
+    got = dequantize_like_the_kernel(codes, scale)
+    value = codes.view(torch.float8_e4m3fn).float() * scale[:, None]  # exact in fp32
+    want = value.to(torch.bfloat16)
+    finite = ~value.isnan()
+    assert finite.sum() == 254 * 132 and torch.equal(want.float()[finite], value[finite])
+    assert torch.equal(got.view(torch.int16)[finite], want.view(torch.int16)[finite])
+    assert torch.equal(got[:, [0x7F, 0xFF]].float(), scale[:, None] * torch.tensor([480.0, -480]))
+    assert int((got.view(torch.int16) == 0).sum()) == 132  # +0 once per row (-0 is 0x8000)
+    tiny = got[0, 1:8].float()  # the subnormal codes at 2^-124: bf16 subnormals m x 2^-133
+    assert torch.equal(tiny, torch.arange(1, 8) * 2.0**-133)
+    # 2^8 leaves the range: 2^128 is no bf16, the multiplier is inf
+    over = dequantize_like_the_kernel(codes[:1], torch.tensor([2.0**8]))
+    assert torch.isinf(over[0, 1:0x7F].float()).all()
+
+
 # ---------------------------------------------------------------- the kernels, replayed
 
 
-def _partial(qn, qp, ckv, kpe, pt, seq, op_, lp, scale_log2, per, page_size, cu, causal, *,
-             heads, qtokens):  # fmt: skip
-    """The partial pass (decode.py) of CTA (split, head block, sequence): rows (token i, head
-    h) of `heads` x `qtokens`; the split's keys in tiles of TILE, each tile's scores over all
-    its keys at once (the warps share one running max per row), keys clamped to the split's
-    last and masked past it / past the causal limit; P in q's dtype before P V."""
+def _partial(qn, qp, ckv, kpe, ckv_scale, pt, seq, op_, lp, scale_log2, per, page_size, cu,
+             causal, q_blocks, *, heads, qtokens):  # fmt: skip
+    """The partial pass (decode.py) of CTA (split, head block, sequence x query block): rows
+    (token i, head h) of `heads` x `qtokens`, block k of a sequence's query tokens starting at
+    token k qtokens; the split's keys in tiles of TILE, each tile's scores over all its keys at
+    once (one running max per row), keys clamped to the split's last and masked past it / past
+    the causal limit; P in q's dtype before P V. FP8 (ckv_scale given): the latent rows
+    dequantized into bf16 as the kernel does."""
     _, hq, _ = qn.shape
     assert hq % heads == 0 and heads * qtokens <= ROWS and (cu is None) == (qtokens == 1)
+    assert cu is not None or q_blocks == 1
     rows = [(i, h) for i in range(qtokens) for h in range(heads)]
-    for b in range(seq.shape[0]):
-        q_off, sq = (b, 1) if cu is None else (int(cu[b]), int(cu[b + 1] - cu[b]))
+    for b, blk in itertools.product(range(seq.shape[0]), range(q_blocks)):
         sk = int(seq[b])
+        if cu is None:
+            q_off, sq, kv_end = b, 1, sk
+        else:
+            q_all, token0 = int(cu[b + 1] - cu[b]), blk * qtokens
+            q_off, sq = int(cu[b]) + token0, max(min(q_all - token0, qtokens), 0)
+            kv_end = (sk - q_all + token0 + sq if causal else sk) if sq > 0 else 0
         for h0 in range(0, hq, heads):
             zero = torch.zeros(LATENT + 64, dtype=torch.float64)
             q = torch.stack([
@@ -104,17 +196,23 @@ def _partial(qn, qp, ckv, kpe, pt, seq, op_, lp, scale_log2, per, page_size, cu,
                 if i < sq else zero for i, h in rows
             ])  # fmt: skip
             for s in range(op_.shape[0]):
-                t0, t1 = s * per, min(s * per + per, sk)
-                limit = torch.tensor(
-                    [(min(t1, sk - sq + i + 1) if causal else t1) if i < sq else 0 for i, _ in rows]
-                )
+                t0, t1 = s * per, min(s * per + per, kv_end)
+                limit = torch.tensor([
+                    (min(t1, kv_end - sq + i + 1) if causal else t1) if i < sq else 0
+                    for i, _ in rows
+                ])  # fmt: skip
                 m = torch.full((len(rows),), -math.inf, dtype=torch.float64)
                 lsum = torch.zeros(len(rows), dtype=torch.float64)
                 o = torch.zeros(len(rows), LATENT, dtype=torch.float64)
                 for first in range(t0, t1, TILE):
                     t = torch.arange(first, first + TILE).clamp(max=t1 - 1)
+                    # the kernel reads only the sequence's keys (its page-table entries)
+                    assert 0 <= first and t1 <= sk, (b, blk, s, t0, t1, sk)
                     pages, slots = pt[b, t // page_size].long(), t % page_size
-                    keys = torch.cat([ckv[pages, slots], kpe[pages, slots]], -1).double()
+                    latent = ckv[pages, slots]
+                    if ckv_scale is not None:
+                        latent = _dequantize_rows(latent, ckv_scale[pages, slots])
+                    keys = torch.cat([latent, kpe[pages, slots]], -1).double()
                     sc = q @ keys.T
                     key = torch.arange(first, first + TILE)
                     sc = torch.where(key[None, :] < limit[:, None], sc, -math.inf)
@@ -147,8 +245,10 @@ def cpu_kernels(monkeypatch):
             return combine_splits
 
         def partial(*args):
-            assert args[0].dtype == getattr(torch, p["dtype"])
-            calls.append((p, args[8:11], args[11] is not None))
+            assert args[0].dtype == getattr(torch, p["dtype"]) and len(args) == 15
+            fp8 = p.get("fp8", False)
+            assert (args[4] is not None) == fp8 and (args[2].dtype == torch.uint8) == fp8
+            calls.append((p, args[9:12], args[12] is not None))
             _partial(*args, heads=p["heads"], qtokens=p.get("qtokens", 1))
 
         return partial
@@ -213,6 +313,102 @@ def test_decode_matches_the_reference(cpu_kernels, b, hq, page_size, lens, s_q, 
     assert per == split_plan(b, hq // params["heads"], max_tokens, 132, 1)[1]
 
 
+def _fp8_cache(pages, page_size, gen, *, padded=False, as_bytes=False):
+    """FlashMLA's FP8 cache of random latent rows (each 128-column tile scaled by 2^-6 .. 2^3,
+    one tile of zeros) and RoPE rows; padded: each page one row longer in memory (a slice, as
+    FlashMLA's tests build it); as_bytes: the uint8 view."""
+    ckv = torch.randn(pages, page_size, 4, 128, generator=gen)
+    ckv *= torch.exp2(torch.randint(-6, 4, (pages, page_size, 4, 1), generator=gen).float())
+    ckv[0, 0, 1] = 0.0
+    kpe = torch.randn(pages, page_size, 64, generator=gen).bfloat16()
+    packed = quantize_flashmla_fp8(ckv.flatten(-2).bfloat16(), kpe)
+    if padded:
+        wide = torch.zeros(pages, page_size + 1, 1, FP8_ROW_BYTES, dtype=packed.dtype)
+        wide[:, :page_size] = packed
+        packed = wide[:, :page_size]
+    return packed.view(torch.uint8) if as_bytes else packed
+
+
+def _fp8_problem(b, hq, page_size, lens, s_q=1, seed=0, **form):
+    """(q_nope, q_pe, FP8 cache, page_table, seqlens_k), bf16 queries."""
+    qn, qp, _, _, table, seq = _problem(b, hq, page_size, lens, s_q, seed=seed)
+    pages = b * table.shape[1] + 3
+    return qn, qp, _fp8_cache(pages, page_size, torch.Generator().manual_seed(seed + 1), **form), (
+        table), seq  # fmt: skip
+
+
+def _assert_close_fp8(out, lse, want, want_lse):
+    """`_assert_close` with the bf16 rounding of latents up to 2^3 x 448 (2^-8 of the largest)."""
+    _assert_close(out, lse, want, want_lse, atol=2e-2 + float(want.abs().max()) * 2**-8)
+
+
+def _fp8_reference(qn, qp, packed, table, seq, cu=None, causal=True):
+    """reference.mla on the FP8 cache's views: the latent e4m3 x its tile scales, in fp32."""
+    q8, scale, rope = flashmla_fp8_views(packed)
+    if cu is None:
+        return mla_decode_ref(qn, qp, q8, rope, table, seq, SCALE, causal=causal, ckv_scale=scale)
+    return mla_prefill_ref(qn, qp, q8, rope, table, seq, cu, SCALE, causal, ckv_scale=scale)
+
+
+@pytest.mark.parametrize(
+    ("b", "hq", "page_size", "lens", "s_q", "form"),
+    [
+        (3, 16, 64, [37, 0, 100], 1, {}),
+        (2, 16, 1, [1, 70], 1, {"as_bytes": True}),
+        (1, 16, 16, [300], 1, {"padded": True}),
+        (2, 128, 16, [65, 200], 1, {}),
+        (2, 24, 16, [40, 3], 1, {"as_bytes": True, "padded": True}),
+        (3, 16, 16, [40, 1, 130], 2, {}),
+        (2, 16, 64, [4, 300], 4, {"padded": True}),
+        (2, 32, 16, [3, 90], 3, {}),
+    ],
+)
+def test_fp8_decode_matches_the_reference(cpu_kernels, b, hq, page_size, lens, s_q, form):
+    """FlashMLA's FP8 cache (e4m3 or bytes, pages packed or padded), decode and MTP: the fp8
+    compile of the partial pass, its views of the cache, against the reference's dequantized
+    (fp32) latent."""
+    qn, qp, packed, table, seq = _fp8_problem(b, hq, page_size, lens, s_q, **form)
+    out, lse = op.mla_decode(qn, qp, packed, None, table, seq, softmax_scale=SCALE,
+                             return_lse=True)  # fmt: skip
+    want, want_lse = _fp8_reference(qn, qp, packed, table, seq)
+    assert out.dtype == torch.bfloat16
+    _assert_close_fp8(out, lse, want, want_lse)
+    params, _, packed_form = cpu_kernels[-1]
+    assert params["fp8"] and params["dtype"] == "bfloat16" and packed_form == (s_q > 1)
+
+
+def test_fp8_latent_reads_as_the_kernel_stores_it(cpu_kernels):
+    """One key per sequence: out is that key's latent (softmax 1), the dequantized bf16 row
+    exactly, and equal to e4m3 x scale."""
+    qn, qp, packed, table, seq = _fp8_problem(4, 16, 16, [1, 1, 1, 1])
+    out = op.mla_decode(qn, qp, packed, None, table, seq, softmax_scale=SCALE)
+    q8, scale, _ = flashmla_fp8_views(packed)
+    rows = table[:, 0].long()
+    exact = (q8[rows, 0].float() * scale[rows, 0].repeat_interleave(128, -1)).bfloat16()
+    assert torch.equal(out[:, 0], exact[:, None].expand(-1, 16, -1))
+    assert torch.equal(_dequantize_rows(q8[rows, 0], scale[rows, 0]), exact)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fp8_packed_and_prefill(cpu_kernels, causal):
+    """The packed form (<= 4 tokens) and mla_prefill (blocks of query tokens per CTA) over the
+    FP8 cache."""
+    k_lens = [40, 300, 10, 90]
+    _, _, packed, table, seq = _fp8_problem(4, 16, 64, k_lens, seed=8)
+    g = torch.Generator().manual_seed(9)
+    for q_lens, run in (([1, 3, 0, 2], op.mla_decode), ([9, 33, 0, 5], op.mla_prefill)):
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        qn = torch.randn(int(cu[-1]), 16, LATENT, generator=g).bfloat16()
+        qp = torch.randn(int(cu[-1]), 16, 64, generator=g).bfloat16()
+        packed_args = (cu, max(q_lens)) if run is op.mla_prefill else ()
+        kwargs = {} if packed_args else {"cu_seqlens_q": cu, "max_seqlen_q": max(q_lens)}
+        out, lse = run(qn, qp, packed, None, table, seq, *packed_args, softmax_scale=SCALE,
+                       causal=causal, return_lse=True, **kwargs)  # fmt: skip
+        _assert_close_fp8(out, lse, *_fp8_reference(qn, qp, packed, table, seq, cu, causal))
+        params, _, packed_form = cpu_kernels[-1]
+        assert params["fp8"] and packed_form
+
+
 def test_mtp_without_causal_mask(cpu_kernels):
     qn, qp, ckv, kpe, table, seq = _problem(3, 16, 16, [2, 50, 1], s_q=2)
     out, lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, causal=False,
@@ -240,6 +436,73 @@ def test_packed_form(cpu_kernels, causal, q_lens, k_lens):
     _assert_close(out, lse, want, want_lse)
     params, _, packed = cpu_kernels[-1]
     assert packed and params["qtokens"] == next(t for t in QTOKENS if t >= max(2, max(q_lens)))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(
+    ("hq", "q_lens", "k_lens"),
+    [(16, [9, 1, 0, 13], [40, 3, 10, 13]), (128, [6, 2], [70, 2]), (32, [5, 7], [4, 150])],
+)
+def test_prefill(cpu_kernels, causal, hq, q_lens, k_lens):
+    """mla_prefill: more than 4 query tokens per sequence, in blocks of query tokens per CTA
+    (the block count from max_seqlen_q; blocks past a sequence's tokens write nothing); more
+    queries than keys (sq > sk) see none of the first ones' keys under the causal mask."""
+    b = len(q_lens)
+    _, _, ckv, kpe, table, seq = _problem(b, hq, 16, k_lens)
+    g = torch.Generator().manual_seed(5)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    qn = torch.randn(int(cu[-1]), hq, LATENT, generator=g).to(torch.bfloat16)
+    qp = torch.randn(int(cu[-1]), hq, 64, generator=g).to(torch.bfloat16)
+    out = torch.full_like(qn, float("nan"))
+    got, lse = op.mla_prefill(qn, qp, ckv, kpe, table, seq, cu, max(q_lens), softmax_scale=SCALE,
+                              causal=causal, return_lse=True, out=out)  # fmt: skip
+    want, want_lse = mla_prefill_ref(qn, qp, ckv, kpe, table, seq, cu, SCALE, causal)
+    assert got is out
+    _assert_close(out, lse, want, want_lse)
+    params, _, packed = cpu_kernels[-1]
+    rows = params["heads"] * params["qtokens"]
+    assert packed and rows == min(64, hq * 4) and params["qtokens"] in QTOKENS
+
+
+def test_prefill_wants_the_packed_form(cpu_kernels):
+    qn, qp, ckv, kpe, table, seq = _problem(2, 16, 16, [5, 9], s_q=1)
+    with pytest.raises(ValueError, match="packed form"):
+        op.mla_prefill(qn[:, 0], qp[:, 0], ckv, kpe, table, seq, None, None, softmax_scale=SCALE)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    qn, qp = qn.new_zeros(8, 16, LATENT), qp.new_zeros(8, 16, 64)
+    with pytest.raises(ValueError, match="mla_prefill takes more"):
+        op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, cu_seqlens_q=cu,
+                      max_seqlen_q=5)  # fmt: skip
+
+
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_flashinfer_bench_prefill_adapter(cpu_kernels, page_size):
+    """FlashInfer-Bench's causal MLA prefill definition's inputs as they are: against
+    reference.mla's run of them, and the definition's own reference by its criterion."""
+    name = f"mla_paged_prefill_causal_h16_ckv512_kpe64_ps{page_size}"
+    _, _, ckv, kpe, table, seq = _problem(3, 16, page_size, [9, 70, 5], seed=6)
+    indptr, indices, last = page_table_to_csr(table, seq, page_size)
+    q_lens = [9, 6, 0]
+    qo = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    g = torch.Generator().manual_seed(7)
+    inputs = {
+        "q_nope": torch.randn(int(qo[-1]), 16, LATENT, generator=g).to(torch.bfloat16),
+        "q_pe": torch.randn(int(qo[-1]), 16, 64, generator=g).to(torch.bfloat16),
+        "ckv_cache": ckv, "kpe_cache": kpe, "qo_indptr": qo, "kv_indptr": indptr,
+        "kv_indices": indices, "sm_scale": 1 / math.sqrt(192),
+    }  # fmt: skip
+    if page_size > 1:
+        inputs["kv_last_page_len"] = last
+    out, lse = op.mla_paged_prefill_flashinfer(**inputs)
+    want, want_lse = mla_flashinfer_prefill(**inputs)
+    _assert_close(out, lse, want, want_lse)
+    if defs.missing(name):
+        pytest.skip(defs.missing(name))
+    defn = defs.load_definition(name)
+    defs.check_inputs(defn, inputs)
+    theirs_out, theirs_lse = defs.run_definition(defn, inputs)
+    assert defs.benchmark_failures(out, theirs_out) == 0
+    assert defs.benchmark_failures(lse, theirs_lse) == 0
 
 
 @pytest.mark.parametrize("s_q", [1, 2])
@@ -327,9 +590,28 @@ def _args(**change):
         ({"ckv_cache": torch.zeros(10, 16, 512, dtype=torch.float16)}, TypeError, "ckv_cache"),
         ({"kpe_cache": torch.zeros(10, 8, 64, dtype=torch.bfloat16)}, ValueError, "kpe_cache"),
         ({"ckv_cache": torch.zeros(10, 16, 512, dtype=torch.float8_e4m3fn)}, NotImplementedError,
-         "issue 19"),
-        ({"ckv_cache": torch.zeros(10, 64, 1, 656, dtype=torch.uint8), "kpe_cache": None},
-         NotImplementedError, "FP8"),
+         "split ckv_cache / kpe_cache are 16-bit only"),
+        ({"kpe_cache": torch.zeros(10, 16, 64, dtype=torch.uint8)}, NotImplementedError,
+         "16-bit only"),
+        ({"ckv_cache": torch.zeros(10, 64, 1, 576, dtype=torch.float8_e4m3fn), "kpe_cache": None},
+         NotImplementedError, "per-tensor scale"),
+        ({"ckv_cache": torch.zeros(10, 64, 1, 600, dtype=torch.uint8), "kpe_cache": None},
+         ValueError, "1, 656"),
+        ({"ckv_cache": torch.zeros(10, 64, 656, dtype=torch.uint8), "kpe_cache": None},
+         ValueError, "1, 656"),
+        ({"ckv_cache": torch.zeros(10, 64, 1, 656, dtype=torch.bfloat16), "kpe_cache": None},
+         TypeError, "float8_e4m3fn or uint8"),
+        ({"ckv_cache": torch.zeros(10, 64, 1, 656, dtype=torch.float8_e5m2), "kpe_cache": None},
+         TypeError, "float8_e4m3fn or uint8"),
+        ({"ckv_cache": torch.zeros(10, 64, 1, 664, dtype=torch.uint8)[..., :656],
+          "kpe_cache": None}, ValueError, "multiples of 16 bytes"),
+        ({"ckv_cache": torch.zeros(10, 64, 1, 1312, dtype=torch.uint8)[..., ::2],
+          "kpe_cache": None}, ValueError, "contiguous"),
+        ({"ckv_cache": torch.zeros(10, 64, 1, 672, dtype=torch.uint8)[..., 8:664],
+          "kpe_cache": None}, ValueError, "storage offset 8"),
+        ({"ckv_cache": torch.zeros(10, 64, 1, 656, dtype=torch.uint8), "kpe_cache": None,
+          "q_nope": torch.zeros(2, 1, 16, 512, dtype=torch.float16),
+          "q_pe": torch.zeros(2, 1, 16, 64, dtype=torch.float16)}, TypeError, "bf16 queries"),
         ({"ckv_cache": torch.zeros(10, 64, 1, 512, dtype=torch.bfloat16), "kpe_cache": None},
          ValueError, "combined"),
         ({"page_table": torch.zeros(2, 4, dtype=torch.int64)}, TypeError, "page_table must"),
@@ -383,6 +665,33 @@ def test_suite_work_counts():
     # visible pairs: sk 10 -> 7 + 8 + 9 + 10, sk 3 -> 0 + 1 + 2 + 3
     assert mla_decode.flops(case) == 2 * (576 + 512) * 16 * (34 + 6)
     assert mla_decode.nbytes(case, torch.bfloat16) == 13 * 1152 + 8 * 16 * (1088 * 2 + 4)
+    fp8 = mla_decode._case(2, 16, 64, (10, 3), cache="fp8")  # 656 bytes a token, bf16 q / out
+    assert fp8.name == "b2-h16-p64-L3-10-fp8" and mla_decode.fp8(fp8)
+    assert mla_decode.nbytes(fp8, torch.float16) == 13 * 656 + 2 * 16 * (1088 * 2 + 4)
+
+
+def test_suite_fp8_cases():
+    """Group fp8 in the bench; check cases over every form; bf16 queries whatever the dtype,
+    the cache FlashMLA's FP8 rows; the dense-as-sparse indices of FlashMLA's comparator."""
+    bench = [c for c in mla_decode.BENCH_CASES if mla_decode.fp8(c)]
+    assert {c.name for c in bench} == {"b64-h16-p64-L4096-fp8", "b1-h16-p64-L32768-fp8",
+                                       "b16-h128-p64-L8192-fp8"}  # fmt: skip
+    assert all(c.group == "fp8" for c in bench)
+    check = [c for c in mla_decode.CHECK_CASES if mla_decode.fp8(c)]
+    assert {c.params["s_q"] for c in check} == {1, 2, 4} and any(
+        "q_lens" in c.params for c in check
+    )
+    assert any(mla_decode.fp8(c) for c in mla_decode.SANITIZE_CASES)
+    inputs = mla_decode.make_inputs(check[0], torch.float16, torch.device("cpu"),
+                                    torch.Generator().manual_seed(0))  # fmt: skip
+    assert inputs["q"].dtype == torch.bfloat16 and inputs["kpe"] is None
+    assert inputs["ckv"].dtype == torch.float8_e4m3fn and inputs["ckv"].shape[2:] == (1, 656)
+    table = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32)
+    idx = mla_decode.dense_indices(table, torch.tensor([20, 3]), 16)
+    assert idx.shape == (2, 1, 64) and idx.dtype == torch.int32
+    assert idx[0, 0, :20].tolist() == [*range(48, 64), *range(16, 20)]
+    assert idx[1, 0, :3].tolist() == [0, 1, 2]
+    assert torch.all(idx[0, 0, 20:] == -1) and torch.all(idx[1, 0, 3:] == -1)
 
 
 @pytest.mark.parametrize("case", mla_decode.CHECK_CASES, ids=lambda c: c.name)
@@ -396,12 +705,15 @@ def test_suite_check_passes_on_the_algorithm(cpu_kernels, case):
     assert all(c.ok for c in cmps), [c.message for c in cmps]
 
 
-def _fake_inputs(s_q=1, packed=False, combined=False):
+def _fake_inputs(s_q=1, packed=False, combined=False, fp8=False):
     """(q_nope, q_pe, ckv, kpe or None, page_table, seqlens_k, cu_seqlens_q or None), CUDA."""
     cuda = {"device": "cuda", "dtype": torch.bfloat16}
     lead = (7,) if packed else (3, s_q)
     qn, qp = torch.empty(*lead, 16, 512, **cuda), torch.empty(*lead, 16, 64, **cuda)
-    if combined:
+    if fp8:
+        ckv = torch.empty(10, 64, 1, FP8_ROW_BYTES, device="cuda", dtype=torch.float8_e4m3fn)
+        kpe = None
+    elif combined:
         ckv, kpe = torch.empty(10, 64, 1, 576, **cuda), None
     else:
         ckv, kpe = torch.empty(10, 64, 512, **cuda), torch.empty(10, 64, 64, **cuda)
@@ -418,7 +730,9 @@ def _call(qn, qp, ckv, kpe, table, seq, cu, **kwargs):
 @pytest.mark.parametrize(
     ("form", "out_shape", "lse_shape"),
     [({}, (3, 1, 16, 512), (3, 16, 1)), ({"s_q": 3}, (3, 3, 16, 512), (3, 16, 3)),
-     ({"packed": True}, (7, 16, 512), (16, 7)), ({"combined": True}, (3, 1, 16, 512), (3, 16, 1))],
+     ({"packed": True}, (7, 16, 512), (16, 7)), ({"combined": True}, (3, 1, 16, 512), (3, 16, 1)),
+     ({"fp8": True}, (3, 1, 16, 512), (3, 16, 1)),
+     ({"fp8": True, "packed": True}, (7, 16, 512), (16, 7))],
 )  # fmt: skip
 def test_fake_implementation_under_make_fx(form, out_shape, lse_shape):
     """torch.compile / CUDA-graph support: on fake CUDA tensors the custom op's fake gives the

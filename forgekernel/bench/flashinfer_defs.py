@@ -54,12 +54,6 @@ RAGGED_GQA_PREFILL = ("gqa_ragged_prefill_causal_h32_kv8_d128",)
 GEMM = ("gemm_n4096_k4096",)
 # Definitions (commit ecafa9c2) that no ForgeKernel op serves yet: what each would need.
 NOT_SERVED = {
-    **{
-        f"mla_paged_prefill_causal_h16_ckv512_kpe64_ps{ps}": "an MLA prefill kernel: total_q per "
-        "sequence is unbounded (incremental prefill); ops.mla.mla_decode takes at most 4 query "
-        "tokens per sequence"
-        for ps in (1, 64)
-    },
     "gdn_prefill_qk4_v8_d128_k_last": "the chunked Gated DeltaNet forward over int64 cu_seqlens "
     "with an initial / final k-last fp32 state; ops.gated_delta_rule has the <= 4-token step",
     "dsa_topk_indexer_fp8_h64_d128_topk2048_ps64": "an FP8 indexer: relu(q k^T) of 64 heads "

@@ -19,7 +19,11 @@ Layouts:
         token per sequence, or the packed tokens of a prefill: the lists carry the positions);
     caches ckv_cache (num_pages, page_size, 512) and kpe_cache (num_pages, page_size, 64) in
         q's dtype (FlashInfer's), or FlashMLA's combined (num_pages, page_size, 1, 576) as
-        ckv_cache with kpe_cache None (read in place through two views);
+        ckv_cache with kpe_cache None (read in place through two views), or FlashMLA's FP8
+        cache (num_pages, page_size, 1, 656) float8_e4m3fn / uint8 as ckv_cache with kpe_cache
+        None and bf16 q (DeepSeek-V3.2's serving format: per token the latent in e4m3, four
+        fp32 power-of-two scales, one per 128 columns, the RoPE columns in bf16; ops.mla's
+        module docstring);
     sparse_indices int32 (tokens, topk): slot page * page_size + offset of the flattened cache
         (FlashMLA's and FlashInfer's index space), -1 padding anywhere in a row;
     out (tokens, H, 512) in q's dtype; lse (tokens, H) fp32 natural log, token-major as
@@ -29,8 +33,7 @@ Layouts:
 Entries must be negative (padding) or below num_pages * page_size: the op reads no index on the
 host (CUDA-graph capturable), so a larger one reads outside the cache. softmax_scale has no
 default (DeepSeek-V3.2's is 1 / sqrt(192) x its YaRN mscale^2; FlashInfer-Bench's definitions
-give 1 / sqrt(192)). FP8 caches (FlashMLA's 656-byte format) are not in this kernel:
-NotImplementedError.
+give 1 / sqrt(192)). FlashInfer's split caches are 16-bit only (NotImplementedError for FP8).
 """
 
 from __future__ import annotations
@@ -46,26 +49,26 @@ from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import (
     FLOAT16_TYPES,
     check_cuda,
-    check_rows_in_place,
     check_same_device,
     check_shaped,
     check_tensor,
     on_one_device,
 )
 from forgekernel.ops.mla import (
+    FP8_QUERY,
+    FP8_SCALES,
     INDEX,
+    check_caches,
+    check_caches_in_place,
     check_softmax_scale,
     latent_cache_views,
-    reject_fp8_cache,
 )
-
-_KERNEL = "DSA kernel (issue 22)"
 
 LOG2E = math.log2(math.e)
 MAX_SLOTS = 2**31  # int32 entries address at most this many cache slots
 
 
-def _validate(q_nope, q_pe, ckv, kpe, sparse_indices, out) -> None:
+def _validate(q_nope, q_pe, ckv, kpe, sparse_indices, out, ckv_scale=None) -> None:
     for name, t, d in (("q_nope", q_nope, D_LATENT), ("q_pe", q_pe, D_ROPE)):
         if isinstance(t, torch.Tensor) and t.dim() != 3:
             raise ValueError(f"{name} must be (tokens, H, {d}), got {tuple(t.shape)}")
@@ -76,14 +79,8 @@ def _validate(q_nope, q_pe, ckv, kpe, sparse_indices, out) -> None:
             f"q_nope {tuple(q_nope.shape)} and q_pe {tuple(q_pe.shape)} must be (tokens, H,"
             f" {D_LATENT}) and (tokens, H, {D_ROPE})"
         )
-    check_tensor("ckv_cache", ckv, ndim=3, dtypes=(q_nope.dtype,), cuda=False)
-    check_tensor("kpe_cache", kpe, ndim=3, dtypes=(q_nope.dtype,), cuda=False)
+    check_caches(q_nope, ckv, kpe, ckv_scale)
     pages, page_size, _ = ckv.shape
-    if ckv.shape[2] != D_LATENT or kpe.shape != (pages, page_size, D_ROPE) or page_size < 1:
-        raise ValueError(
-            f"ckv_cache {tuple(ckv.shape)} and kpe_cache {tuple(kpe.shape)} must be (num_pages,"
-            f" page_size >= 1, {D_LATENT}) and (num_pages, page_size, {D_ROPE})"
-        )
     if pages * page_size > MAX_SLOTS:
         raise ValueError(f"the cache's {pages * page_size} slots are more than int32 addresses")
     check_tensor("sparse_indices", sparse_indices, ndim=2, dtypes=INDEX, cuda=False)
@@ -100,17 +97,23 @@ def _validate(q_nope, q_pe, ckv, kpe, sparse_indices, out) -> None:
                       sparse_indices=sparse_indices, **extra)  # fmt: skip
 
 
-def _valid_at_a_glance(q_nope, q_pe, ckv, kpe, sparse_indices, out) -> bool:
+def _valid_at_a_glance(q_nope, q_pe, ckv, kpe, sparse_indices, out, ckv_scale=None) -> bool:
     """`_validate`'s checks in one pass over plain tensors (the common eager call): True when
     every check passes (check_cuda, which raises, last as in `_validate`); False sends the call
     through `_validate`, whose named checks raise (issue 17)."""
     if not plain(q_nope, q_pe, ckv, kpe, sparse_indices, optional=(out,)):
         return False
     dtype, shape = q_nope.dtype, q_nope.shape
+    if ckv_scale is not None and not (
+        dtype == FP8_QUERY and type(ckv_scale) is torch.Tensor and ckv_scale.dtype == torch.float32
+        and ckv_scale.shape == (*ckv.shape[:2], FP8_SCALES)
+    ):  # fmt: skip
+        return False
     pe, latent, rope, idx = q_pe.shape, ckv.shape, kpe.shape, sparse_indices.shape
     if not (
         dtype in FLOAT16_TYPES
-        and q_pe.dtype == dtype and ckv.dtype == dtype and kpe.dtype == dtype
+        and q_pe.dtype == dtype and kpe.dtype == dtype
+        and ckv.dtype == (dtype if ckv_scale is None else torch.uint8)
         and len(shape) == 3 and shape[2] == D_LATENT
         and len(pe) == 3 and pe[2] == D_ROPE and pe[:2] == shape[:2]
         and len(latent) == 3 and latent[2] == D_LATENT and latent[1] >= 1
@@ -131,9 +134,10 @@ def _outputs(q_nope, out):
     return o, q_nope.new_empty((tokens, hq), dtype=torch.float32)
 
 
-def _forward(q_nope, q_pe, ckv, kpe, sparse_indices, scale, out):
+def _forward(q_nope, q_pe, ckv, kpe, sparse_indices, scale, out, ckv_scale=None):
     o, lse = _outputs(q_nope, out)
-    mla_sm90.dsa_sparse_attention(q_nope, q_pe, ckv, kpe, sparse_indices, scale, o, lse)
+    mla_sm90.dsa_sparse_attention(q_nope, q_pe, ckv, kpe, sparse_indices, scale, o, lse,
+                                  ckv_scale)  # fmt: skip
     return o, lse
 
 
@@ -145,14 +149,15 @@ def _sparse_op(
     kpe_cache: torch.Tensor,
     sparse_indices: torch.Tensor,
     softmax_scale: float,
+    ckv_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_rows_in_place("ckv_cache", ckv_cache)
-    check_rows_in_place("kpe_cache", kpe_cache)
-    return _forward(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, softmax_scale, None)
+    check_caches_in_place(ckv_cache, kpe_cache, ckv_scale)
+    return _forward(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, softmax_scale, None,
+                    ckv_scale)  # fmt: skip
 
 
 @_sparse_op.register_fake
-def _(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, softmax_scale):
+def _(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, softmax_scale, ckv_scale=None):
     return _outputs(q_nope, None)
 
 
@@ -169,37 +174,35 @@ def dsa_sparse_attention(
 ):
     """DeepSeek sparse attention (module docstring): q_nope (tokens, H, 512), q_pe (tokens, H,
     64) against ckv_cache (num_pages, page_size, 512) and kpe_cache (num_pages, page_size, 64)
-    (or FlashMLA's combined (num_pages, page_size, 1, 576) as ckv_cache with kpe_cache None),
+    (or FlashMLA's combined (num_pages, page_size, 1, 576), or its FP8 (num_pages, page_size,
+    1, 656) float8_e4m3fn / uint8 with bf16 q, as ckv_cache with kpe_cache None),
     each token attending to the slots sparse_indices int32 (tokens, topk) lists (page *
     page_size + offset; -1 padding anywhere). Returns out (tokens, H, 512) in q's dtype and,
     with return_lse, the natural-log LSE (tokens, H) fp32 (0 / -inf where a row lists no slot).
     softmax_scale (required): the un-absorbed scale. out: written in place when given. No
     device read: CUDA-graph capturable."""
     scale = check_softmax_scale(softmax_scale)
-    reject_fp8_cache("ckv_cache", ckv_cache, _KERNEL)
-    reject_fp8_cache("kpe_cache", kpe_cache, _KERNEL)
-    ckv, kpe = latent_cache_views(ckv_cache, kpe_cache)
-    if _valid_at_a_glance(q_nope, q_pe, ckv, kpe, sparse_indices, out):
+    ckv, kpe, fp8 = latent_cache_views(ckv_cache, kpe_cache)
+    if _valid_at_a_glance(q_nope, q_pe, ckv, kpe, sparse_indices, out, fp8):
         traced = tracing()  # the tensors are plain: only a mode can trace
     else:
-        _validate(q_nope, q_pe, ckv, kpe, sparse_indices, out)
+        _validate(q_nope, q_pe, ckv, kpe, sparse_indices, out, fp8)
         traced = _traced(q_nope, q_pe, ckv, kpe, sparse_indices, out)
     if out is not None and out.stride(-1) != 1:  # the combine writes rows of 512 contiguous
-        o, lse = dsa_sparse_attention(q_nope, q_pe, ckv, kpe, sparse_indices,
+        o, lse = dsa_sparse_attention(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices,
                                       softmax_scale=scale, return_lse=True)  # fmt: skip
         out.copy_(o)
         return (out, lse) if return_lse else out
     if traced:
         o, lse = torch.ops.forgekernel.dsa_sparse_attention(
-            q_nope, q_pe, ckv, kpe, sparse_indices, scale
+            q_nope, q_pe, ckv, kpe, sparse_indices, scale, fp8
         )
         if out is not None:
             out.copy_(o)
             o = out
     else:
-        check_rows_in_place("ckv_cache", ckv)  # (a data pointer: real tensors only)
-        check_rows_in_place("kpe_cache", kpe)
-        o, lse = _forward(q_nope, q_pe, ckv, kpe, sparse_indices, scale, out)
+        check_caches_in_place(ckv, kpe, fp8)  # (a data pointer: real tensors only)
+        o, lse = _forward(q_nope, q_pe, ckv, kpe, sparse_indices, scale, out, fp8)
     return (o, lse) if return_lse else o
 
 

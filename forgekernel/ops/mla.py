@@ -1,6 +1,8 @@
-"""`forgekernel.ops.mla.mla_decode`: DeepSeek Multi-head Latent Attention decode over a paged
-latent cache, absorbed form (kernels: kernels/attention/mla/sm90, issue 19); and
-`mla_paged_decode_flashinfer`, FlashInfer-Bench's `mla_paged_decode_*` definitions as they are.
+"""`forgekernel.ops.mla.mla_decode` / `mla_prefill`: DeepSeek Multi-head Latent Attention decode
+and (chunked) prefill over a paged latent cache, absorbed form (kernels:
+kernels/attention/mla/sm90, issue 19); and `mla_paged_decode_flashinfer` /
+`mla_paged_prefill_flashinfer`, FlashInfer-Bench's `mla_paged_{decode,prefill_causal}_*`
+definitions as they are.
 
 Math (reference/mla.py): the cache holds one row [c_j (512) ; r_j (64)] per token, shared by
 every head; query head h of token i scores s_j = softmax_scale (q_nope . c_j + q_pe . r_j)
@@ -19,8 +21,16 @@ Layouts (reference.mla's decode conventions, which are also FlashMLA's):
         with kpe_cache None (read in place through two views); page_table int32 (batch,
         max_pages), seqlens_k int32 (batch,) counting the new tokens. A sequence of length 0
         (or a query that sees no key) gives 0 and LSE -inf.
-FP8 caches (FlashMLA's 656-byte format, or e4m3 with a per-tensor scale) are not in this first
-kernel: NotImplementedError. More than 4 query tokens per sequence (prefill) has no MLA kernel.
+    FP8: FlashMLA's FP8 cache (num_pages, page_size, 1, 656) float8_e4m3fn or uint8 (the
+        format DeepSeek serving uses) as ckv_cache with kpe_cache None, bf16 queries: per token
+        [0, 512) the latent in e4m3, [512, 528) four fp32 scales (one per 128 latent columns,
+        powers of two), [528, 656) the 64 RoPE columns in bf16; the latent reads as e4m3 x its
+        scale, exact in bf16 (kernels/attention/mla/sm90/fp8.py). Read in place through three
+        views (rows 16-byte aligned: row and page strides multiples of 16 bytes). FlashInfer's
+        split form stays 16-bit, and FP8 with a per-tensor scale (576 e4m3 bytes a token) is
+        not read: NotImplementedError.
+More than 4 query tokens per sequence: `mla_prefill` (the packed form, the same kernel over
+blocks of 64 // H query tokens).
 """
 
 from __future__ import annotations
@@ -31,7 +41,12 @@ import numbers
 import torch
 
 from forgekernel.kernels.attention.mla.sm90 import launch as mla_sm90
-from forgekernel.kernels.attention.mla.sm90.config import D_LATENT, D_ROPE
+from forgekernel.kernels.attention.mla.sm90.config import (
+    D_LATENT,
+    D_ROPE,
+    FP8_ROW_BYTES,
+    FP8_SCALE_COLUMNS,
+)
 from forgekernel.ops._dispatch import plain, tracing
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import (
@@ -47,26 +62,39 @@ from forgekernel.ops.attention_paged import csr_page_table
 
 INDEX = (torch.int32,)
 MAX_QUERY_TOKENS = 4  # per sequence (the kernel's QTOKENS)
-FP8_CACHES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)  # uint8: FlashMLA's bytes
+# 8-bit caches: FlashMLA's FP8 rows come as e4m3 or as raw bytes; the others are named in errors
+FP8_CACHES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8, torch.int8)
+FLASHMLA_FP8 = (torch.float8_e4m3fn, torch.uint8)
+FP8_SCALES = D_LATENT // FP8_SCALE_COLUMNS  # 4 fp32 per token
+FP8_QUERY = torch.bfloat16
 LOG2E = math.log2(math.e)
+_FP8_FORM = (
+    f"FlashMLA's (num_pages, page_size, 1, {FP8_ROW_BYTES}) rows as ckv_cache, kpe_cache None"
+)
 
 
-def reject_fp8_cache(name: str, cache: object, kernel: str = "MLA decode kernel (issue 19)"):
-    """FP8 latent caches are not read yet: a clear error naming the kernel and its issue."""
-    if isinstance(cache, torch.Tensor) and cache.dtype in FP8_CACHES:
+def reject_fp8_cache(name: str, cache: object) -> None:
+    """FlashInfer's split ckv / kpe form is 16-bit only: a clear error for an 8-bit one."""
+    if getattr(cache, "dtype", None) in FP8_CACHES:
         raise NotImplementedError(
-            f"{name} is {cache.dtype}: FP8 latent caches are not in the first {kernel}; pass a"
-            " bf16 / fp16 cache"
+            f"{name} is {cache.dtype}: FlashInfer's split ckv_cache / kpe_cache are 16-bit only;"
+            f" an FP8 latent cache is {_FP8_FORM}"
         )
 
 
-def latent_cache_views(ckv_cache, kpe_cache) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ckv, kpe); FlashMLA's combined (num_pages, page_size, 1, 576) cache passed as
-    ckv_cache with kpe_cache None gives its two views (no copy)."""
-    reject_fp8_cache("ckv_cache", ckv_cache)
-    reject_fp8_cache("kpe_cache", kpe_cache)
+def latent_cache_views(ckv_cache, kpe_cache):
+    """(ckv, kpe, ckv_scale): the split form as it is (scale None); FlashMLA's combined
+    (num_pages, page_size, 1, 576) cache passed as ckv_cache with kpe_cache None gives its two
+    views (no copy); FlashMLA's FP8 (num_pages, page_size, 1, 656) cache its three views (uint8
+    latent, bf16 RoPE, fp32 scales; `fp8_cache_views`)."""
     if kpe_cache is not None:
-        return ckv_cache, kpe_cache
+        reject_fp8_cache("ckv_cache", ckv_cache)
+        reject_fp8_cache("kpe_cache", kpe_cache)
+        return ckv_cache, kpe_cache, None
+    if getattr(ckv_cache, "dtype", None) in FP8_CACHES or (
+        getattr(ckv_cache, "ndim", 0) == 4 and ckv_cache.shape[-1] == FP8_ROW_BYTES
+    ):
+        return fp8_cache_views(ckv_cache)
     check_tensor("ckv_cache", ckv_cache, ndim=4, cuda=False)
     if ckv_cache.shape[2:] != (1, D_LATENT + D_ROPE):
         raise ValueError(
@@ -76,7 +104,58 @@ def latent_cache_views(ckv_cache, kpe_cache) -> tuple[torch.Tensor, torch.Tensor
     # aten views, not indexing: traceable on fake CUDA tensors; one split, not two narrows
     # (2.0 us a call on the CPU against 3.6)
     ckv, kpe = ckv_cache.squeeze(2).split_with_sizes((D_LATENT, D_ROPE), -1)
-    return ckv, kpe
+    return ckv, kpe, None
+
+
+def fp8_cache_views(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(latent uint8 (P, ps, 512), RoPE bf16 (P, ps, 64), scales fp32 (P, ps, 4)): views of
+    FlashMLA's FP8 cache (P, ps, 1, 656) float8_e4m3fn / uint8, bytes [0, 512) e4m3 latent,
+    [512, 528) scales, [528, 656) RoPE; the kernel reads every row 16 bytes at a time, so the
+    row and page strides must be multiples of 16 bytes (the data pointer's alignment is checked
+    with the real tensor, `check_fp8_rows`)."""
+    if packed.dtype not in FLASHMLA_FP8:
+        raise TypeError(
+            f"ckv_cache: FlashMLA's FP8 cache is float8_e4m3fn or uint8 bytes, got {packed.dtype}"
+        )
+    if packed.ndim != 4 or packed.shape[2:] != (1, FP8_ROW_BYTES):
+        width = packed.shape[-1] if packed.ndim else None
+        if packed.ndim == 4 and width == D_LATENT + D_ROPE and packed.shape[2] == 1:
+            raise NotImplementedError(
+                f"ckv_cache {tuple(packed.shape)} {packed.dtype}: FP8 with a per-tensor scale"
+                f" (576 e4m3 bytes a token) is not read; FP8 caches are {_FP8_FORM}"
+            )
+        raise ValueError(f"an FP8 ckv_cache must be {_FP8_FORM}, got {tuple(packed.shape)}")
+    strides = packed.stride()
+    if (
+        packed.shape[1] < 1
+        or strides[3] != 1
+        or (strides[0] | strides[1]) % 16
+        or (packed.storage_offset() % 16)
+    ):
+        raise ValueError(
+            "ckv_cache: FlashMLA's FP8 rows must be contiguous and 16-byte aligned, row and page"
+            f" strides multiples of 16 bytes (page_size >= 1), got shape {tuple(packed.shape)},"
+            f" strides {strides}, storage offset {packed.storage_offset()}"
+        )
+    rows = packed.view(torch.uint8).squeeze(2)
+    latent, scale, rope = rows.split_with_sizes((D_LATENT, 4 * FP8_SCALES, 2 * D_ROPE), -1)
+    return latent, rope.view(torch.bfloat16), scale.view(torch.float32)
+
+
+def check_fp8_rows(ckv: torch.Tensor, kpe: torch.Tensor, ckv_scale: torch.Tensor) -> None:
+    """FlashMLA's FP8 views read in place, 16 bytes at a time (real tensors: data pointers)."""
+    check_rows_in_place("ckv_cache", ckv, stride_multiple=16)
+    check_rows_in_place("ckv_cache's RoPE columns", kpe)
+    check_rows_in_place("ckv_cache's scales", ckv_scale, stride_multiple=4)
+
+
+def check_caches_in_place(ckv, kpe, ckv_scale) -> None:
+    """The caches' rows, read in place (real tensors only)."""
+    if ckv_scale is not None:
+        check_fp8_rows(ckv, kpe, ckv_scale)
+        return
+    check_rows_in_place("ckv_cache", ckv)
+    check_rows_in_place("kpe_cache", kpe)
 
 
 def check_softmax_scale(scale: object) -> float:
@@ -95,7 +174,31 @@ def check_softmax_scale(scale: object) -> float:
     return value
 
 
-def _validate(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out) -> None:
+def check_caches(q_nope, ckv, kpe, ckv_scale) -> None:
+    """The (views of the) caches against q: 16-bit in q's dtype, or FlashMLA's FP8 views
+    (ckv_scale given: `fp8_cache_views`' uint8 / bf16 / fp32, q bf16)."""
+    if ckv_scale is None:
+        check_tensor("ckv_cache", ckv, ndim=3, dtypes=(q_nope.dtype,), cuda=False)
+        check_tensor("kpe_cache", kpe, ndim=3, dtypes=(q_nope.dtype,), cuda=False)
+    else:
+        if q_nope.dtype != FP8_QUERY:
+            raise TypeError(
+                f"an FP8 ckv_cache takes bf16 queries (e4m3 x its power-of-two scale is exact in"
+                f" bf16), got q_nope {q_nope.dtype}"
+            )
+        check_tensor("ckv_cache", ckv, ndim=3, dtypes=(torch.uint8,), cuda=False)
+        check_tensor("kpe_cache", kpe, ndim=3, dtypes=(FP8_QUERY,), cuda=False)
+        check_shaped("ckv_scale", ckv_scale, (*ckv.shape[:2], FP8_SCALES), (torch.float32,))
+    pages, page_size, _ = ckv.shape
+    if ckv.shape[2] != D_LATENT or kpe.shape != (pages, page_size, D_ROPE) or page_size < 1:
+        raise ValueError(
+            f"ckv_cache {tuple(ckv.shape)} and kpe_cache {tuple(kpe.shape)} must be (num_pages,"
+            f" page_size >= 1, {D_LATENT}) and (num_pages, page_size, {D_ROPE})"
+        )
+
+
+def _validate(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out,
+              ckv_scale=None) -> None:  # fmt: skip
     packed = cu_seqlens_q is not None
     ndim = 3 if packed else 4
     form = "(total_q, H, D) packed by cu_seqlens_q" if packed else "(batch, s_q, H, D)"
@@ -109,14 +212,7 @@ def _validate(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out) 
             f"q_nope {tuple(q_nope.shape)} and q_pe {tuple(q_pe.shape)} must be {form} with D"
             f" = {D_LATENT} and {D_ROPE}"
         )
-    check_tensor("ckv_cache", ckv, ndim=3, dtypes=(q_nope.dtype,), cuda=False)
-    check_tensor("kpe_cache", kpe, ndim=3, dtypes=(q_nope.dtype,), cuda=False)
-    pages, page_size, _ = ckv.shape
-    if ckv.shape[2] != D_LATENT or kpe.shape != (pages, page_size, D_ROPE) or page_size < 1:
-        raise ValueError(
-            f"ckv_cache {tuple(ckv.shape)} and kpe_cache {tuple(kpe.shape)} must be (num_pages,"
-            f" page_size >= 1, {D_LATENT}) and (num_pages, page_size, {D_ROPE})"
-        )
+    check_caches(q_nope, ckv, kpe, ckv_scale)
     if packed:
         check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=INDEX, cuda=False)
         b = cu_seqlens_q.shape[0] - 1
@@ -138,11 +234,14 @@ def _validate(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out) 
                       page_table=page_table, seqlens_k=seqlens_k, **extra)  # fmt: skip
 
 
-def _valid_at_a_glance(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out) -> bool:
+def _valid_at_a_glance(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out,
+                       ckv_scale=None) -> bool:  # fmt: skip
     """`_validate`'s checks in one pass over plain tensors (the common eager call): True when
     every check passes (check_cuda, which raises, last as in `_validate`); False sends the call
     through `_validate`, whose named checks raise. 2.9 us against 4.9 on the CPU (issue 17)."""
     if not plain(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, optional=(cu_seqlens_q, out)):
+        return False
+    if ckv_scale is not None and not _fp8_views_at_a_glance(q_nope, ckv, ckv_scale):
         return False
     dtype, shape = q_nope.dtype, q_nope.shape
     if cu_seqlens_q is None:
@@ -156,7 +255,8 @@ def _valid_at_a_glance(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens
     pe, latent, rope = q_pe.shape, ckv.shape, kpe.shape
     if not (
         dtype in FLOAT16_TYPES
-        and q_pe.dtype == dtype and ckv.dtype == dtype and kpe.dtype == dtype
+        and q_pe.dtype == dtype and kpe.dtype == dtype
+        and ckv.dtype == (dtype if ckv_scale is None else torch.uint8)
         and shape[-1] == D_LATENT and len(pe) == len(shape) and pe[-1] == D_ROPE
         and pe[:-1] == shape[:-1]
         and len(latent) == 3 and latent[2] == D_LATENT and latent[1] >= 1
@@ -169,6 +269,16 @@ def _valid_at_a_glance(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens
         return False
     check_cuda("q_nope", q_nope)
     return on_one_device(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out)
+
+
+def _fp8_views_at_a_glance(q_nope, ckv, ckv_scale) -> bool:
+    """`check_caches`' FP8 part in one pass (the rest is the 16-bit checks')."""
+    return (
+        type(ckv_scale) is torch.Tensor
+        and q_nope.dtype == FP8_QUERY
+        and ckv_scale.dtype == torch.float32
+        and ckv_scale.shape == (*ckv.shape[:2], FP8_SCALES)
+    )
 
 
 def _outputs(q_nope, cu_seqlens_q, out):
@@ -189,27 +299,27 @@ def _flat_rows(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def _forward(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, scale, max_seqlen_q,
-             causal, out):  # fmt: skip
+             causal, out, ckv_scale=None):  # fmt: skip
     """The kernels on validated arguments: the decode form becomes the kernel's (rows, H, D) by
     views; s_q > 1 runs as the packed form (cu_seqlens_q = 0, s_q, 2 s_q, ...), its LSE rows
-    transposed into (batch, H, s_q) after."""
+    transposed into (batch, H, s_q) after. ckv_scale: FlashMLA's FP8 views."""
     o, lse = _outputs(q_nope, cu_seqlens_q, out)
     launch = mla_sm90.mla_decode
     if cu_seqlens_q is not None:
         launch(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, scale, o, lse.t(), cu_seqlens_q,
-               max_seqlen_q, causal)  # fmt: skip
+               max_seqlen_q, causal, ckv_scale)  # fmt: skip
         return o, lse
     b, s_q, hq, d = q_nope.shape
     if s_q == 1:  # squeeze: the cheapest view (0.8 us on the CPU against 1.05 for o[:, 0])
         launch(q_nope.squeeze(1), q_pe.squeeze(1), ckv, kpe, page_table, seqlens_k, scale,
-               o.squeeze(1), lse.squeeze(2), None, 1, causal)  # fmt: skip
+               o.squeeze(1), lse.squeeze(2), None, 1, causal, ckv_scale)  # fmt: skip
         return o, lse
     o_rows = _flat_rows(o)
     target = o_rows if o_rows is not None else o.new_empty((b * s_q, hq, d))
     lse_rows = lse.new_empty((b * s_q, hq))
     cu = torch.arange(0, (b + 1) * s_q, s_q, dtype=torch.int32, device=q_nope.device)
     launch(q_nope.reshape(b * s_q, hq, d), q_pe.reshape(b * s_q, hq, D_ROPE), ckv, kpe,
-           page_table, seqlens_k, scale, target, lse_rows, cu, s_q, causal)  # fmt: skip
+           page_table, seqlens_k, scale, target, lse_rows, cu, s_q, causal, ckv_scale)  # fmt: skip
     if o_rows is None:
         o.copy_(target.view(b, s_q, hq, d))
     lse.copy_(lse_rows.view(b, s_q, hq).transpose(1, 2))
@@ -228,16 +338,16 @@ def _decode_op(
     softmax_scale: float,
     max_seqlen_q: int,
     causal: bool,
+    ckv_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_rows_in_place("ckv_cache", ckv_cache)
-    check_rows_in_place("kpe_cache", kpe_cache)
+    check_caches_in_place(ckv_cache, kpe_cache, ckv_scale)
     return _forward(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, cu_seqlens_q,
-                    softmax_scale, max_seqlen_q, causal, None)  # fmt: skip
+                    softmax_scale, max_seqlen_q, causal, None, ckv_scale)  # fmt: skip
 
 
 @_decode_op.register_fake
 def _(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, cu_seqlens_q, softmax_scale,
-      max_seqlen_q, causal):  # fmt: skip
+      max_seqlen_q, causal, ckv_scale=None):  # fmt: skip
     return _outputs(q_nope, cu_seqlens_q, None)
 
 
@@ -258,8 +368,9 @@ def mla_decode(
 ):
     """Absorbed MLA decode (module docstring): q_nope (batch, s_q, H, 512), q_pe (batch, s_q,
     H, 64), s_q <= 4, against ckv_cache (num_pages, page_size, 512) and kpe_cache (num_pages,
-    page_size, 64) (or FlashMLA's combined (num_pages, page_size, 1, 576) as ckv_cache with
-    kpe_cache None), page_table int32 (batch, max_pages), seqlens_k int32 (batch,). Returns out
+    page_size, 64) (or FlashMLA's combined (num_pages, page_size, 1, 576), or its FP8 (num_pages,
+    page_size, 1, 656) float8_e4m3fn / uint8 with bf16 q, as ckv_cache with kpe_cache None),
+    page_table int32 (batch, max_pages), seqlens_k int32 (batch,). Returns out
     (batch, s_q, H, 512) in q's dtype and, with return_lse, the natural-log LSE (batch, H, s_q)
     fp32. Packed form: q (total_q, H, *) by cu_seqlens_q int32 (batch + 1,) with max_seqlen_q
     (a host int, <= 4) at least the longest, out (total_q, H, 512), LSE (H, total_q).
@@ -267,36 +378,72 @@ def mla_decode(
     the page table's width (no device read: CUDA-graph capturable)."""
     if (cu_seqlens_q is None) != (max_seqlen_q is None):
         raise ValueError("cu_seqlens_q and max_seqlen_q come together")
+    return _attend(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, softmax_scale,
+                   cu_seqlens_q, max_seqlen_q, causal, return_lse, out,
+                   MAX_QUERY_TOKENS)  # fmt: skip
+
+
+def mla_prefill(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    ckv_cache: torch.Tensor,
+    kpe_cache: torch.Tensor | None,
+    page_table: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    *,
+    softmax_scale: float,
+    causal: bool = True,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+):
+    """Absorbed MLA prefill against the paged latent cache (chunked prefill: each sequence's
+    new tokens are the last of its seqlens_k cached ones, causal bottom-right): the packed
+    form of `mla_decode` without its 4-token bound. q_nope (total_q, H, 512), q_pe (total_q,
+    H, 64) by cu_seqlens_q int32 (batch + 1,), max_seqlen_q (a host int) at least the longest;
+    caches (FP8 included), page_table, seqlens_k and softmax_scale as `mla_decode`'s. Returns
+    out (total_q,
+    H, 512) in q's dtype and, with return_lse, the natural-log LSE (H, total_q). A CTA takes
+    64 // H (at most 4) query tokens of H heads: every CTA reads the keys its tokens see."""
+    if cu_seqlens_q is None or max_seqlen_q is None:
+        raise ValueError("mla_prefill takes the packed form: cu_seqlens_q and max_seqlen_q")
+    return _attend(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, softmax_scale,
+                   cu_seqlens_q, max_seqlen_q, causal, return_lse, out, None)  # fmt: skip
+
+
+def _attend(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, softmax_scale,
+            cu_seqlens_q, max_seqlen_q, causal, return_lse, out, max_tokens):  # fmt: skip
+    """mla_decode / mla_prefill after their form checks: validation, then the custom op
+    (traced) or the kernels; max_tokens bounds the query tokens per sequence (None: any)."""
     scale = check_softmax_scale(softmax_scale)
-    ckv, kpe = latent_cache_views(ckv_cache, kpe_cache)
-    if _valid_at_a_glance(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out):
+    ckv, kpe, fp8 = latent_cache_views(ckv_cache, kpe_cache)
+    if _valid_at_a_glance(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out, fp8):
         traced = tracing()  # the tensors are plain: only a mode can trace
     else:
-        _validate(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out)
+        _validate(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out, fp8)
         traced = _traced(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out)
     mq = q_nope.shape[1] if cu_seqlens_q is None else int(max_seqlen_q)
-    if not 1 <= mq <= MAX_QUERY_TOKENS:
-        raise ValueError(
-            f"max_seqlen_q must be 1..{MAX_QUERY_TOKENS} (MLA prefill has no kernel), got {mq}"
-        )
+    if mq < 1 or (max_tokens is not None and mq > max_tokens):
+        bound = "" if max_tokens is None else f"..{max_tokens} (mla_prefill takes more)"
+        raise ValueError(f"max_seqlen_q must be 1{bound}, got {mq}")
     if out is not None and out.stride(-1) != 1:  # the kernel writes rows of 512 contiguous
-        o, lse = mla_decode(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, softmax_scale=scale,
-                            cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
-                            causal=causal, return_lse=True)  # fmt: skip
+        o, lse = _attend(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, scale,
+                         cu_seqlens_q, max_seqlen_q, causal, True, None, max_tokens)  # fmt: skip
         out.copy_(o)
         return (out, lse) if return_lse else out
     if traced:
         o, lse = torch.ops.forgekernel.mla_decode(
-            q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, scale, mq, bool(causal)
-        )
+            q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, scale, mq, bool(causal),
+            fp8,
+        )  # fmt: skip
         if out is not None:
             out.copy_(o)
             o = out
     else:
-        check_rows_in_place("ckv_cache", ckv)  # (a data pointer: real tensors only)
-        check_rows_in_place("kpe_cache", kpe)
+        check_caches_in_place(ckv, kpe, fp8)  # (a data pointer: real tensors only)
         o, lse = _forward(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, scale,
-                          mq, bool(causal), out)  # fmt: skip
+                          mq, bool(causal), out, fp8)  # fmt: skip
     return (o, lse) if return_lse else o
 
 
@@ -342,3 +489,50 @@ def mla_paged_decode_flashinfer(
         softmax_scale=float(sm_scale), return_lse=True,
     )  # fmt: skip
     return out[:, 0], lse[..., 0] * LOG2E
+
+
+def mla_paged_prefill_flashinfer(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    ckv_cache: torch.Tensor,
+    kpe_cache: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    sm_scale: float | torch.Tensor,
+    kv_last_page_len: torch.Tensor | None = None,
+    *,
+    max_seqlen_q: int | None = None,
+    max_pages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashInfer-Bench's `mla_paged_prefill_causal_h16_ckv512_kpe64_ps{1,64}` as it is
+    (keyword names theirs): q_nope (total_q, H, 512), q_pe (total_q, H, 64) by qo_indptr int32
+    (batch + 1,), caches (num_pages, page_size, 512 / 64), CSR page lists kv_indptr /
+    kv_indices int32 (kv_last_page_len None: every page full), sm_scale a float or 0-d tensor
+    -> (output (total_q, H, 512) in q's dtype, lse (total_q, H) fp32 base 2); causal, each
+    sequence's queries its last tokens. max_seqlen_q / max_pages bound the sequences' query
+    tokens and page counts; None reads them from the indptrs (a device sync: give both to
+    capture a CUDA graph)."""
+    check_tensor("q_nope", q_nope, ndim=3, cuda=False)
+    check_tensor("qo_indptr", qo_indptr, ndim=1, dtypes=INDEX, cuda=False)
+    check_tensor("kv_indptr", kv_indptr, ndim=1, dtypes=INDEX, cuda=False)
+    check_tensor("kv_indices", kv_indices, ndim=1, dtypes=INDEX, cuda=False)
+    batch = kv_indptr.shape[0] - 1
+    if qo_indptr.shape[0] != batch + 1:
+        raise ValueError(f"qo_indptr has {qo_indptr.shape[0]} entries, kv_indptr {batch + 1}")
+    reject_fp8_cache("ckv_cache", ckv_cache)
+    check_tensor("ckv_cache", ckv_cache, ndim=3, dtypes=(q_nope.dtype,), cuda=False)
+    if max_pages is None:
+        counts = kv_indptr[1:] - kv_indptr[:-1]
+        max_pages = max(1, int(counts.max())) if batch > 0 else 1
+    if max_seqlen_q is None:
+        lens = qo_indptr[1:] - qo_indptr[:-1]
+        max_seqlen_q = max(1, int(lens.max())) if batch > 0 else 1
+    indices = kv_indices if kv_indices.numel() else kv_indices.new_zeros(1)
+    table, seqlens = csr_page_table(kv_indptr, indices, kv_last_page_len, ckv_cache.shape[1],
+                                    max_pages)  # fmt: skip
+    out, lse = mla_prefill(
+        q_nope, q_pe, ckv_cache, kpe_cache, table, seqlens, qo_indptr, max_seqlen_q,
+        softmax_scale=float(sm_scale), return_lse=True,
+    )  # fmt: skip
+    return out, lse.t() * LOG2E

@@ -6,7 +6,10 @@ views and FlashInfer's split caches, fp16 and bf16, NaN-poisoned outputs (criter
 same math in the input dtype + 1e-3, the suite's); query views the kernel cannot read in place
 and a transposed index tensor; a CUDA graph replayed on new queries and lists; FlashInfer-Bench's
 dsa_sparse_attention definitions through the adapter, by their own criterion (|ours - theirs|
-<= 1e-2 or relative 1e-2 per element, bench/flashinfer_defs.py)."""
+<= 1e-2 or relative 1e-2 per element, bench/flashinfer_defs.py). FlashMLA's FP8 cache (bf16
+queries): decode batches, padding, 16 / 128 heads, page sizes 1 / 64, a prefill, against the
+reference on the dequantized latent (same criterion), in a CUDA graph, and beside FlashMLA's own
+sparse decode (the suite's comparator) where sgl-flash-mla is installed."""
 
 from __future__ import annotations
 
@@ -35,6 +38,19 @@ CASES = [
     _case(128, 16, 64, 8192),
     _case(64, 128, 1, 4096, cache="split"),
     _case(1024, 16, 64, 8192, prefill=True, pad="scattered"),
+]
+
+
+FP8_CASES = [
+    _case(1, 16, 64, (3000,), cache="fp8"),
+    _case(5, 16, 1, (1, 70, 0, 64, 200), topk=64, cache="fp8"),
+    _case(4, 16, 64, (100, 1, 333, 0), topk=200, pad="scattered", cache="fp8"),
+    _case(33, 16, 16, tuple(range(0, 33 * 97, 97)), pad="scattered", cache="fp8"),
+    _case(3, 128, 64, (700, 5, 1000), topk=512, pad="scattered", cache="fp8"),
+    _case(2, 24, 16, (50, 4000), topk=1024, cache="fp8"),
+    _case(128, 16, 64, 8192, cache="fp8"),
+    _case(64, 128, 64, 4096, cache="fp8"),
+    _case(1024, 16, 64, 8192, prefill=True, pad="scattered", cache="fp8"),
 ]
 
 
@@ -72,6 +88,56 @@ def test_dsa_sparse_matches_the_reference(case, dtype):
     _check(inputs, *_run(inputs))
 
 
+@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: c.name)
+def test_dsa_sparse_fp8_matches_the_reference(case):
+    """FlashMLA's FP8 cache: the fp8 compile of the sparse pass (e4m3 latent dequantized in
+    registers, exact in bf16) against reference.dsa on the latent e4m3 x its scales."""
+    inputs = _inputs(case, torch.bfloat16)
+    assert inputs["ckv"].dtype == torch.float8_e4m3fn and inputs["kpe"] is None
+    _check(inputs, *_run(inputs))
+    as_bytes = dict(inputs, ckv=inputs["ckv"].view(torch.uint8))  # the same cache as bytes
+    _check(as_bytes, *_run(as_bytes))
+
+
+@pytest.mark.parametrize("cache", ["combined", "split", "fp8"])
+def test_padding_never_reads_a_cache_row(cache):
+    """-1 entries load zeros (16-bit) or a zero scale (FP8), not cache row 0: with a page 0 of
+    NaNs that no valid entry names (every entry moved one page up), the outputs are those of
+    the cache without it."""
+    case = _case(4, 16, 64, (100, 1, 333, 0), topk=200, pad="scattered", cache=cache)
+    inputs = _inputs(case, torch.bfloat16)
+    ps = case.params["page"]
+    moved = dict(inputs, idx=torch.where(inputs["idx"] >= 0, inputs["idx"] + ps, -1))
+    for name in ("ckv", "kpe"):
+        t = inputs[name]
+        if t is None:
+            continue
+        nan_page = torch.full_like(t[:1], float("nan")) if t.element_size() > 1 else (
+            torch.full_like(t[:1].view(torch.uint8), 0xFF).view(t.dtype)  # NaN bytes / scales
+        )  # fmt: skip
+        moved[name] = torch.cat([nan_page, t])
+    out, lse = _run(moved)
+    assert torch.isfinite(out).all()
+    _check(inputs, out, lse)
+
+
+def test_dsa_sparse_fp8_beside_flashmla():
+    """The suite's FP8 comparator (FlashMLA's sm90 sparse decode, sgl-flash-mla 1.0.0, called
+    as read from its wheel) on the same cache and lists: its output close to ours."""
+    flash_mla = pytest.importorskip("flash_mla")
+    inputs = _inputs(_case(16, 16, 64, (3000,) * 8 + (100,) * 8, pad="scattered",
+                           cache="fp8"), torch.bfloat16)  # fmt: skip
+    out, _ = _run(inputs)
+    call = dsa_sparse.flashmla_fp8_decode(flash_mla, inputs["q"][:, None], inputs["ckv"],
+                                          inputs["idx"][:, None])  # fmt: skip
+    theirs, _ = call()
+    want, _ = dsa_sparse.reference(inputs)
+    low, _ = dsa_sparse.low_precision(inputs)
+    bound = 2 * float((low.float() - want).abs().max()) + 1e-3
+    assert float((theirs[:, 0].float() - want).abs().max()) <= 2 * bound
+    assert float((out.float() - theirs[:, 0].float()).abs().max()) <= 2 * bound
+
+
 def test_views_the_kernel_cannot_read_in_place():
     """q rows 2 bytes off 16 (copied by the launcher), a transposed index tensor (made
     contiguous): the same result."""
@@ -85,9 +151,10 @@ def test_views_the_kernel_cannot_read_in_place():
     _check(inputs, out, lse)
 
 
-def test_dsa_sparse_in_a_cuda_graph():
+@pytest.mark.parametrize("cache", ["combined", "fp8"])
+def test_dsa_sparse_in_a_cuda_graph(cache):
     """Captured once, replayed on new queries and top-k lists: no host read in the op."""
-    case = _case(16, 16, 64, 8192)
+    case = _case(16, 16, 64, 8192, cache=cache)
     inputs = _inputs(case, torch.bfloat16)
     q, idx = inputs["q"], inputs["idx"]
     out = torch.empty(*q.shape[:2], 512, device="cuda", dtype=q.dtype)
@@ -104,8 +171,8 @@ def test_dsa_sparse_in_a_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         call()
-    fresh = _inputs(_case(16, 16, 64, (0, 1, 5000, 2047, *([8192] * 12)), pad="scattered"),
-                    torch.bfloat16, seed=1)  # fmt: skip
+    fresh = _inputs(_case(16, 16, 64, (0, 1, 5000, 2047, *([8192] * 12)), pad="scattered",
+                          cache=cache), torch.bfloat16, seed=1)  # fmt: skip
     assert int(fresh["idx"].max()) < inputs["ckv"].shape[0] * 64  # fewer pages: in this cache
     q.copy_(torch.randn_like(q))
     idx.copy_(fresh["idx"])

@@ -2,8 +2,14 @@
 16 / 32 / 128 heads, page sizes 1 / 16 / 64, empty and long sequences, FlashMLA's combined cache
 read through its views, MTP s_q 2 and 4, the packed form, fp16 and bf16, NaN-poisoned outputs
 (criterion: 2x the same math in the input dtype + 1e-3); a CUDA graph replayed on new inputs;
-FlashInfer-Bench's mla_paged_decode definitions through the adapter, by their own criterion
-(|ours - theirs| <= 1e-2 or relative 1e-2 per element, bench/flashinfer_defs.py)."""
+mla_prefill (blocks of query tokens per CTA); FlashInfer-Bench's mla_paged_decode definitions
+through the adapter, by their own criterion
+(|ours - theirs| <= 1e-2 or relative 1e-2 per element, bench/flashinfer_defs.py). FlashMLA's FP8
+cache (bf16 queries; e4m3 or uint8, pages packed or padded): decode, MTP, the packed form and
+mla_prefill against the reference on the latent e4m3 x its scales (same criterion), in a CUDA
+graph, and the dequantization bit for bit on the device: with one key per sequence the output
+is that key's latent, e4m3 x scale exactly, over all 254 finite codes and the scales 2^-117 ..
+2^7 (fp32 normals all the way through the combine)."""
 
 from __future__ import annotations
 
@@ -14,7 +20,12 @@ import pytest
 import torch
 
 from forgekernel.bench import flashinfer_defs as defs
-from forgekernel.reference.mla import mla_decode_ref, mla_prefill_ref
+from forgekernel.reference.mla import (
+    flashmla_fp8_views,
+    mla_decode_ref,
+    mla_prefill_ref,
+    quantize_flashmla_fp8,
+)
 
 pytestmark = pytest.mark.gpu
 op = importlib.import_module("forgekernel.ops.mla")
@@ -88,6 +99,30 @@ def test_mla_decode_packed(causal):
     _check(out, lse, want, want_lse, low)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(
+    ("hq", "q_lens", "k_lens"),
+    [(16, [1, 300, 0, 77], [40, 300, 10, 2000]), (128, [129, 5], [129, 700]),
+     (32, [9, 33], [4, 1024])],
+)  # fmt: skip
+def test_mla_prefill(causal, hq, q_lens, k_lens):
+    """mla_prefill: blocks of query tokens per CTA over long query runs (sq = sk, sq > sk,
+    a chunk after a cached prefix), 16 / 32 / 128 heads; NaN-poisoned out."""
+    b = len(q_lens)
+    _, _, ckv, kpe, table, seq = _problem(b, hq, 64, k_lens, 1, True, torch.bfloat16)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
+                      device="cuda")  # fmt: skip
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q = torch.randn(int(cu[-1]), hq, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    qn, qp = q[..., :512], q[..., 512:]
+    out = torch.full((int(cu[-1]), hq, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
+    _, lse = op.mla_prefill(qn, qp, ckv, None, table, seq, cu, max(q_lens), softmax_scale=SCALE,
+                            causal=causal, return_lse=True, out=out)  # fmt: skip
+    want, want_lse = mla_prefill_ref(qn, qp, ckv, None, table, seq, cu, SCALE, causal)
+    low, _ = mla_prefill_ref(qn, qp, ckv, None, table, seq, cu, SCALE, causal, upcast=False)
+    _check(out, lse, want, want_lse, low)
+
+
 def test_mla_decode_in_a_cuda_graph():
     """Captured once, replayed on new query values and lengths: no host read in the op."""
     qn, qp, ckv, kpe, table, seq = _problem(8, 16, 64, [4096] * 8, 1, True, torch.bfloat16)
@@ -149,3 +184,137 @@ def test_flashinfer_bench_definition_through_the_kernel(page_size):
     assert ours_out.dtype == theirs_out.dtype and torch.isfinite(ours_out).all()
     assert defs.benchmark_failures(ours_out, theirs_out) == 0
     assert defs.benchmark_failures(ours_lse, theirs_lse) == 0
+
+
+# ---------------------------------------------------------------- FlashMLA's FP8 cache
+
+
+def _fp8_cache(pages, ps, g, *, padded=False, as_bytes=False):
+    """FlashMLA's FP8 cache of random rows, each 128-column tile scaled by 2^-6 .. 2^3."""
+    rand = {"device": "cuda", "generator": g}
+    ckv = torch.randn(pages, ps, 4, 128, **rand)
+    ckv *= torch.exp2(torch.randint(-6, 4, (pages, ps, 4, 1), **rand).float())
+    kpe = torch.randn(pages, ps, 64, **rand).bfloat16()
+    packed = quantize_flashmla_fp8(ckv.flatten(-2).bfloat16(), kpe)
+    if padded:  # a page one row longer in memory, as FlashMLA's tests build the cache
+        wide = torch.zeros(pages, ps + 1, 1, 656, device="cuda", dtype=packed.dtype)
+        wide[:, :ps] = packed
+        packed = wide[:, :ps]
+    return packed.view(torch.uint8) if as_bytes else packed
+
+
+def _fp8_refs(qn, qp, packed, table, seq, cu=None, causal=True):
+    """(fp32 reference, its LSE, the same math in bf16) on the latent e4m3 x its scales."""
+    q8, scale, rope = flashmla_fp8_views(packed)
+    caches = (q8, rope, table, seq)
+    outs = []
+    for upcast in (True, False):
+        kwargs = {"ckv_scale": scale, "upcast": upcast}
+        if cu is None:
+            outs.append(mla_decode_ref(qn, qp, *caches, SCALE, causal=causal, **kwargs))
+        else:
+            outs.append(mla_prefill_ref(qn, qp, *caches, cu, SCALE, causal, **kwargs))
+    return outs[0][0], outs[0][1], outs[1][0]
+
+
+FP8_CASES = [
+    # b, hq, page_size, lens, s_q, form
+    (4, 16, 64, [1, 17, 300, 0], 1, {}),
+    (2, 16, 1, [64, 1000], 1, {"as_bytes": True}),
+    (1, 16, 64, [16384], 1, {"padded": True}),
+    (3, 128, 64, [5, 0, 513], 1, {}),
+    (2, 32, 16, [129, 2048], 1, {"as_bytes": True, "padded": True}),
+    (64, 16, 64, [4096] * 64, 1, {}),
+    (4, 16, 64, [1, 40, 700, 4096], 2, {}),
+    (3, 128, 1, [4, 129, 2000], 4, {"padded": True}),
+]
+
+
+@pytest.mark.parametrize(
+    "case", FP8_CASES, ids=lambda c: f"b{c[0]}_h{c[1]}_p{c[2]}_sq{c[4]}" + "".join(c[5])
+)
+def test_mla_decode_fp8_matches_the_reference(case):
+    b, hq, ps, lens, s_q, form = case
+    qn, qp, _, _, table, seq = _problem(b, hq, ps, lens, s_q, True, torch.bfloat16)
+    packed = _fp8_cache(b * table.shape[1] + 5, ps, torch.Generator(device="cuda").manual_seed(3),
+                        **form)  # fmt: skip
+    out = torch.full((*qn.shape[:-1], 512), float("nan"), device="cuda", dtype=torch.bfloat16)
+    got, lse = op.mla_decode(qn, qp, packed, None, table, seq, softmax_scale=SCALE, out=out,
+                             return_lse=True)  # fmt: skip
+    assert got is out
+    want, want_lse, low = _fp8_refs(qn, qp, packed, table, seq)
+    _check(out, lse, want, want_lse, low)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_mla_fp8_packed_and_prefill(causal):
+    """The packed form (<= 4 tokens) and mla_prefill over the FP8 cache, 16 and 128 heads."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    for hq, q_lens, k_lens in ((16, [1, 3, 0, 2, 4], [40, 3, 10, 0, 700]),
+                               (16, [1, 300, 0, 77], [40, 300, 10, 2000]),
+                               (128, [129, 5], [129, 700])):  # fmt: skip
+        b = len(q_lens)
+        _, _, _, _, table, seq = _problem(b, hq, 64, k_lens, 1, True, torch.bfloat16)
+        packed = _fp8_cache(b * table.shape[1] + 5, 64, g)
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
+                          device="cuda")  # fmt: skip
+        q = torch.randn(int(cu[-1]), hq, 576, device="cuda", generator=g).bfloat16()
+        qn, qp = q[..., :512], q[..., 512:]
+        if max(q_lens) <= 4:
+            out, lse = op.mla_decode(qn, qp, packed, None, table, seq, softmax_scale=SCALE,
+                                     cu_seqlens_q=cu, max_seqlen_q=4, causal=causal,
+                                     return_lse=True)  # fmt: skip
+        else:
+            out, lse = op.mla_prefill(qn, qp, packed, None, table, seq, cu, max(q_lens),
+                                      softmax_scale=SCALE, causal=causal,
+                                      return_lse=True)  # fmt: skip
+        _check(out, lse, *_fp8_refs(qn, qp, packed, table, seq, cu, causal))
+
+
+def test_fp8_dequantization_is_exact_on_the_device():
+    """One key per sequence, so out = that key's latent (softmax 1, P V = 1 x V, one split):
+    the kernel's registers -> bf16 conversion, seen through the whole pass, equals e4m3 x scale
+    bit for bit, over every finite code and the scales 2^-117 .. 2^7 (the NaN codes 0x7F /
+    0xFF replaced by 0)."""
+    scales = torch.exp2(torch.arange(-117, 8, dtype=torch.float32))
+    tokens = -(-scales.numel() // 4)
+    codes = torch.arange(256, dtype=torch.uint8).repeat(2)
+    codes[(codes == 0x7F) | (codes == 0xFF)] = 0
+    packed = torch.zeros(tokens, 1, 1, 656, dtype=torch.uint8)
+    packed[:, 0, 0, :512] = codes
+    tile_scales = torch.cat([scales, torch.ones(tokens * 4 - scales.numel())]).view(tokens, 4)
+    packed[:, 0, 0, 512:528] = tile_scales.view(torch.uint8).view(tokens, 16)
+    packed[:, 0, 0, 528:] = torch.randn(tokens, 64).bfloat16().view(torch.uint8)
+    packed = packed.cuda()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(tokens, 1, 16, 576, device="cuda", generator=g).bfloat16()
+    table = torch.arange(tokens, dtype=torch.int32, device="cuda")[:, None]
+    seq = torch.ones(tokens, dtype=torch.int32, device="cuda")
+    out = op.mla_decode(q[..., :512], q[..., 512:], packed, None, table, seq, softmax_scale=SCALE)
+    q8, scale, _ = flashmla_fp8_views(packed)
+    exact = (q8[:, 0].float() * scale[:, 0].repeat_interleave(128, -1)).bfloat16()
+    assert torch.equal(out[:, 0].view(torch.int16), exact[:, None].expand(-1, 16, -1).view(
+        torch.int16))  # fmt: skip
+
+
+def test_mla_decode_fp8_in_a_cuda_graph():
+    """Captured once, replayed on new query values and lengths over the FP8 cache."""
+    qn, qp, _, _, table, seq = _problem(8, 16, 64, [4096] * 8, 1, True, torch.bfloat16)
+    packed = _fp8_cache(8 * table.shape[1] + 5, 64, torch.Generator(device="cuda").manual_seed(6))
+    out = torch.empty(*qn.shape[:-1], 512, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        op.mla_decode(qn, qp, packed, None, table, seq, softmax_scale=SCALE, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        op.mla_decode(qn, qp, packed, None, table, seq, softmax_scale=SCALE, out=out)
+    qn.copy_(torch.randn_like(qn))
+    seq.copy_(torch.tensor([1, 4096, 0, 77, 2048, 3000, 65, 64], device="cuda"))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    want, _, low = _fp8_refs(qn, qp, packed, table, seq)
+    bound = 2 * float((low.float() - want).abs().max()) + 1e-3
+    assert float((out.float() - want).abs().max()) <= bound

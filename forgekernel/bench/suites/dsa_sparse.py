@@ -11,21 +11,29 @@ the last `tokens` positions of one sequence of `ctx` tokens, token i choosing am
 positions it sees (causal, bottom-right). Selections are random, not scored: the kernel's cost
 does not depend on which rows win. Inputs are FlashMLA's: q (tokens, H, 576) and the combined
 cache (pages, page_size, 1, 576), ours reading their views in place; cache="split" cases hold
-FlashInfer's separate ckv / kpe caches. Padding: "end" (-1s after the valid entries, as a
+FlashInfer's separate ckv / kpe caches; cache="fp8" cases (group fp8 in the bench) FlashMLA's FP8
+cache (pages, page_size, 1, 656), DeepSeek-V3.2's serving format (mla_decode.fp8_cache), with
+bf16 queries whatever the dtype (the fp16 run of an FP8 check case is a second bf16 run); their
+reference reads the latent as e4m3 x its scales. Padding: "end" (-1s after the valid entries, as a
 sorted top-k leaves them) or "scattered" (anywhere in the row); a sequence of length 0 gives a
 row of -1s (out 0, lse -inf).
 
 Memory-bound at decode: GB/s counts the rows each token reads (its valid entries x 576 x 2
-bytes; at 128 heads our kernel reads them once per 64-head block, at prefill tokens share most
-rows and L2 serves them) plus q, out and the LSE. FLOPs: 2 x (576 + 512) per (token, head,
-valid entry).
+bytes, FP8 656; at 128 heads our kernel reads them once per 64-head block, at prefill tokens
+share most rows and L2 serves them) plus q, out and the LSE. FLOPs: 2 x (576 + 512) per
+(token, head, valid entry).
 
 Comparator, set up by its first call on each input set (outside any timing, cached there):
 FlashMLA's sparse prefill forward (`flash_mla_sparse_fwd`, sgl-flash-mla; bf16; it takes 64 or
 128 heads on sm90, so 16 heads run zero-padded to 64, as vLLM and SGLang pad them; the combined
-cache as its (slots, 1, 576) view, split caches concatenated once). Its sparse decode takes FP8
-caches only and FlashInfer's sparse MLA decode (trtllm-gen) and cuDNN's DSA forward have no
-sm90 kernel: none is a comparator here.
+cache as its (slots, 1, 576) view, split caches concatenated once); in sgl-flash-mla 1.0.0 it
+is SM100-only ("only supported on SM100f" on the H200). On FP8 cases: FlashMLA's sparse decode
+(`flashmla_fp8_decode`: `flash_mla_with_kvcache(q (tokens, 1, H, 576), cache, None, None, 512,
+meta, softmax_scale, is_fp8_kvcache=True, indices=(tokens, 1, topk), use_legacy=True)`, read
+from the wheel: the legacy sm90 sparse decode, bf16 q of 64 or 128 heads (16 zero-padded), the
+V3.2 656-byte cache, -1 the invalid index, topk a multiple of its 64-entry blocks (padded with
+-1)), the only sm90 DSA kernel in sgl-flash-mla 1.0.0. FlashInfer's sparse MLA decode
+(trtllm-gen) and cuDNN's DSA forward have no sm90 kernel.
 """
 
 from __future__ import annotations
@@ -37,14 +45,17 @@ from typing import Any
 import torch
 
 from forgekernel.bench.suite import Case, Inputs, OpSuite
+from forgekernel.bench.suites.mla_decode import fp8, fp8_cache
 from forgekernel.kernels.attention.mla.sm90 import SPEC
+from forgekernel.kernels.attention.mla.sm90.config import FP8_ROW_BYTES
 
 LATENT, ROPE = 512, 64
 WIDTH = LATENT + ROPE
 # DeepSeek-V3's: the un-absorbed 1 / sqrt(128 + 64) times the YaRN mscale^2 (mscale 0.1 ln 40 + 1)
 SOFTMAX_SCALE = (0.1 * math.log(40.0) + 1.0) ** 2 / math.sqrt(192.0)
 TOPK = 2048
-FLASHMLA_HEADS = (64, 128)  # FlashMLA's sm90 sparse prefill
+FLASHMLA_HEADS = (64, 128)  # FlashMLA's sm90 sparse prefill and decode
+FLASHMLA_TOPK_BLOCK = 64  # its sparse decode's top-k blocks
 
 
 def _case(tokens, hq, page, lens, *, topk=TOPK, pad="end", cache="combined", prefill=False,
@@ -57,7 +68,9 @@ def _case(tokens, hq, page, lens, *, topk=TOPK, pad="end", cache="combined", pre
         lens = (lens,)
     shape = tag or (f"L{lens[0]}" if len(set(lens)) == 1 else f"L{min(lens)}-{max(lens)}")
     form = ("-prefill" if prefill else "") + ("-scattered" if pad == "scattered" else "")
-    name = f"t{tokens}-h{hq}-p{page}-k{topk}-{shape}{form}" + ("-split" if cache == "split" else "")
+    name = f"t{tokens}-h{hq}-p{page}-k{topk}-{shape}{form}" + (
+        "" if cache == "combined" else f"-{cache}"
+    )
     params = {"tokens": tokens, "hq": hq, "page": page, "topk": topk, "lens": lens,
               "pad": pad, "cache": cache, "prefill": prefill}  # fmt: skip
     return Case(name, params, group)
@@ -79,6 +92,9 @@ BENCH_CASES = (
     _case(64, 128, 64, 8192, group="tp1"),
     _case(1024, 16, 64, 16384, prefill=True, group="prefill"),
     _case(4096, 16, 64, 32768, prefill=True, group="prefill"),
+    # FlashMLA's FP8 cache (DeepSeek-V3.2 serving's): TP8 decode batches at 32k, TP1
+    *(_case(t, 16, 64, 32768, cache="fp8", group="fp8") for t in (1, 16, 64, 128)),
+    _case(64, 128, 64, 8192, cache="fp8", group="fp8"),
 )
 CHECK_CASES = (
     _case(1, 16, 64, (3000,)),
@@ -89,9 +105,15 @@ CHECK_CASES = (
     _case(3, 128, 64, (700, 5, 1000), topk=512, pad="scattered"),
     _case(17, 16, 64, 140, topk=128, prefill=True, pad="scattered"),
     _case(2, 16, 16, (0, 0), topk=64),
+    _case(1, 16, 64, (3000,), cache="fp8"),
+    _case(5, 16, 1, (1, 70, 0, 64, 200), topk=64, cache="fp8"),
+    _case(4, 16, 64, (100, 1, 333, 0), topk=200, pad="scattered", cache="fp8"),
+    _case(3, 128, 64, (700, 5, 1000), topk=512, pad="scattered", cache="fp8"),
+    _case(17, 16, 64, 140, topk=128, prefill=True, pad="scattered", cache="fp8"),
 )
-# every compiled variant at 16 (h16, h128) heads, both cache forms, both paddings, empty rows
-SANITIZE_CASES = (CHECK_CASES[1], CHECK_CASES[3], CHECK_CASES[5])
+# every compiled variant at 16 (h16, h128) heads, both cache forms, both paddings, empty rows;
+# the fp8 compiles at 16 and 64 heads per CTA
+SANITIZE_CASES = (CHECK_CASES[1], CHECK_CASES[3], CHECK_CASES[5], CHECK_CASES[9], CHECK_CASES[11])
 
 
 def visible(case: Case) -> list[tuple[int, int]]:
@@ -125,9 +147,12 @@ def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, gen: torch
     seqs = p["lens"]
     widths = [max(1, -(-n // ps)) for n in seqs]
     pages = sum(widths) + 3
+    dtype = torch.bfloat16 if fp8(case) else dtype
     rand = {"dtype": dtype, "device": device, "generator": gen}
     inputs: dict[str, Any] = {"q": torch.randn(tokens, hq, WIDTH, **rand)}
-    if p["cache"] == "combined":
+    if fp8(case):
+        inputs["ckv"], inputs["kpe"] = fp8_cache(pages, ps, device, gen), None
+    elif p["cache"] == "combined":
         inputs["ckv"], inputs["kpe"] = torch.randn(pages, ps, 1, WIDTH, **rand), None
     else:
         inputs["ckv"] = torch.randn(pages, ps, LATENT, **rand)
@@ -165,8 +190,19 @@ def run_ours(inputs: Inputs, out):
     return out
 
 
+def _is_fp8_cache(inputs: Inputs) -> bool:
+    return inputs["kpe"] is None and inputs["ckv"].shape[-1] == FP8_ROW_BYTES
+
+
 def _kv(inputs: Inputs) -> torch.Tensor:
-    """The cache as reference.dsa reads it: (pages, page_size, [1,] 576)."""
+    """The cache as reference.dsa reads it: (pages, page_size, [1,] 576); FP8: the latent e4m3
+    x its scales and the RoPE columns, fp32."""
+    if _is_fp8_cache(inputs):
+        from forgekernel.reference.mla import flashmla_fp8_views
+
+        latent, scale, rope = flashmla_fp8_views(inputs["ckv"])
+        latent = latent.float() * scale.repeat_interleave(LATENT // scale.shape[-1], -1)
+        return torch.cat([latent, rope.float()], -1)
     if inputs["kpe"] is None:
         return inputs["ckv"]
     return torch.cat([inputs["ckv"], inputs["kpe"]], -1)
@@ -201,6 +237,8 @@ def _flashmla():
 
     def setup(inputs: Inputs):
         q, idx = inputs["q"], inputs["idx"]
+        if _is_fp8_cache(inputs):
+            raise ValueError("FlashMLA's sparse prefill takes bf16 caches (FP8: flashmla_fp8)")
         if q.dtype != torch.bfloat16:
             raise ValueError(f"FlashMLA's sparse prefill takes bf16, not {q.dtype}")
         hq = q.shape[1]
@@ -226,10 +264,72 @@ def _flashmla():
     return run
 
 
+def _padded_heads(q: torch.Tensor, heads: int) -> torch.Tensor:
+    """q (..., H, 576) with zero heads up to `heads` (computed by the comparator, dropped)."""
+    if q.shape[-2] == heads:
+        return q
+    return torch.cat([q, q.new_zeros(*q.shape[:-2], heads - q.shape[-2], q.shape[-1])], -2)
+
+
+def flashmla_fp8_decode(flash_mla, q: torch.Tensor, packed: torch.Tensor, indices: torch.Tensor):
+    """call() -> (out (b, 1, H, 512), lse (b, H, 1)) of FlashMLA's sm90 sparse decode on its
+    FP8 cache (module docstring): q (b, 1, H, 576) bf16, packed (pages, page_size, 1, 656),
+    indices (b, 1, topk) int32 (-1 invalid); heads zero-padded to FLASHMLA_HEADS and topk to
+    its blocks (-1), the scheduler metadata filled by a first call here."""
+    if q.dtype != torch.bfloat16:
+        raise ValueError(f"FlashMLA's sparse decode takes bf16 queries, not {q.dtype}")
+    hq = q.shape[-2]
+    heads = next((h for h in FLASHMLA_HEADS if h >= hq), None)
+    if heads is None:
+        raise ValueError(f"FlashMLA's sm90 sparse decode takes <= 128 heads, not {hq}")
+    q = _padded_heads(q, heads).contiguous()
+    pad = -indices.shape[-1] % FLASHMLA_TOPK_BLOCK
+    if pad:
+        indices = torch.cat([indices, indices.new_full((*indices.shape[:-1], pad), -1)], -1)
+    indices = indices.contiguous()
+    meta, _ = flash_mla.get_mla_metadata()
+
+    def call():
+        out, lse = flash_mla.flash_mla_with_kvcache(
+            q, packed, None, None, LATENT, meta, softmax_scale=SOFTMAX_SCALE, causal=False,
+            is_fp8_kvcache=True, indices=indices, use_legacy=True,
+        )  # fmt: skip
+        return out[:, :, :hq], lse[:, :hq]
+
+    call()
+    return call
+
+
+def _flashmla_fp8():
+    try:
+        import flash_mla
+    except ImportError:
+        return None
+
+    def setup(inputs: Inputs):
+        if not _is_fp8_cache(inputs):
+            raise ValueError("FlashMLA's sm90 sparse decode reads FP8 caches only")
+        call = flashmla_fp8_decode(flash_mla, inputs["q"][:, None], inputs["ckv"],
+                                   inputs["idx"][:, None])  # fmt: skip
+
+        def tokens():  # (out (tokens, H, 512), lse (tokens, H)) as ours
+            out, lse = call()
+            return out[:, 0], lse[..., 0]
+
+        return (tokens,)
+
+    def run(inputs: Inputs):
+        if "flashmla_fp8" not in inputs:
+            inputs["flashmla_fp8"] = setup(inputs)
+        return inputs["flashmla_fp8"][0]()
+
+    return run
+
+
 def comparators() -> dict[str, Any]:
     if not torch.cuda.is_available():
-        return {"flashmla_sparse": None}
-    return {"flashmla_sparse": _flashmla()}
+        return {"flashmla_sparse": None, "flashmla_fp8": None}
+    return {"flashmla_sparse": _flashmla(), "flashmla_fp8": _flashmla_fp8()}
 
 
 def _valid(case: Case) -> list[int]:
@@ -242,10 +342,12 @@ def flops(case: Case) -> float:
 
 
 def nbytes(case: Case, dtype: torch.dtype) -> float:
-    """The rows each token reads (its valid entries), q in, out and the LSE out."""
-    size = torch.empty((), dtype=dtype).element_size()
+    """The rows each token reads (its valid entries; FP8 656 bytes each), q in, out and the LSE
+    out."""
+    size = 2 if fp8(case) else torch.empty((), dtype=dtype).element_size()
+    row = FP8_ROW_BYTES if fp8(case) else WIDTH * size
     rows = case.params["tokens"] * case.params["hq"]
-    return sum(_valid(case)) * WIDTH * size + rows * ((WIDTH + LATENT) * size + 4)
+    return sum(_valid(case)) * row + rows * ((WIDTH + LATENT) * size + 4)
 
 
 def suite() -> OpSuite:
@@ -267,4 +369,5 @@ def suite() -> OpSuite:
         atol=1e-3,
         bench_dtypes=(torch.bfloat16,),
         sanitize_cases=SANITIZE_CASES,
+        host_case=BENCH_CASES[0],  # t1 h16 L8192 bf16 (an FP8 one of equal flops moves fewer bytes)
     )

@@ -1,22 +1,39 @@
 """DeepSeek MLA paged decode suite (issue 19; its first GPU check passed
 2026-12-01): absorbed decode, H query heads against one
 576-wide latent row per token (512 latent + 64 RoPE columns), outputs (out (B, s_q, H, 512),
-lse (B, H, s_q) natural log); one packed check case (cu_seqlens_q, 0..3 tokens per sequence).
+lse (B, H, s_q) natural log); packed cases (cu_seqlens_q): 0..3 tokens per sequence through
+mla_decode, and chunked prefill (more than 4) through mla_prefill (group prefill).
 
 Shapes: DeepSeek-V3 / R1 serving at TP8 (16 heads per GPU, FlashInfer-Bench's h16 definitions)
 and TP1 (128 heads), softmax_scale DeepSeek-V3's (1 / sqrt(192) x mscale^2). Inputs are
 FlashMLA's: q (B, s_q, H, 576) and the combined cache (pages, page_size, 1, 576), ours reading
-their views in place; cache="split" cases hold FlashInfer's separate ckv / kpe caches instead.
+their views in place; cache="split" cases hold FlashInfer's separate ckv / kpe caches instead;
+cache="fp8" cases (group fp8 in the bench) FlashMLA's FP8 cache (pages, page_size, 1, 656), the
+format DeepSeek serving uses (reference.mla.quantize_flashmla_fp8 of random bf16 rows), with bf16
+queries whatever the dtype (e4m3 x a power-of-two scale is exact in bf16, not in fp16: the fp16
+run of an FP8 check case is a second bf16 run on other inputs). Their reference reads the latent
+as e4m3 x its scales (flashmla_fp8_views), in fp32 and (the yardstick) in bf16.
 
-Memory-bound at 16 heads: GB/s counts the latent rows once (tokens x 576 x 2 bytes) plus q, out
-and the LSE (at 128 heads our kernel reads the cache once per 64-head block; L2 serves part of
-it). FLOPs: 2 x (576 + 512) per (query row, head, visible key).
+Memory-bound at 16 heads: GB/s counts the latent rows once (tokens x 576 x 2 bytes, FP8: 656)
+plus q, out and the LSE (at 128 heads our kernel reads the cache once per 64-head block; L2
+serves part of it). FLOPs: 2 x (576 + 512) per (query row, head, visible key).
 
 Comparators, set up by their first call on each input set (outside any timing, cached there):
 FlashMLA (sgl-flash-mla 1.0's legacy sm90 kernels, the API `shared/gpu-host/comparators.py`
 calls; page size 64 and uniform s_q only; its scheduler metadata made by that first call) and
 FlashInfer's BatchMLAPagedAttentionWrapper (fa3, planned then; contiguous ckv / kpe / q copies
 where the inputs are combined). Both return their LSE as we do.
+
+FP8 cases: neither reads the 656-byte cache (each says so as its missing reason). Read from
+sgl-flash-mla 1.0.0's wheel: `flash_mla_with_kvcache(..., is_fp8_kvcache=True)` without
+`indices` is the legacy dense FP8 decode (`fwd_kvcache_mla_fp8`: "Only head_size_k == 576 is
+supported", descale_q / descale_k required, e4m3 queries: FlashMLA pull request #54's per-tensor
+FP8), not this format; with `indices` it is the sparse decode (legacy, use_legacy=True), whose
+V3.2 format is this cache. So `flashmla_fp8_sparse` runs FlashMLA's sparse decode over every key
+of each sequence (indices page * 64 + slot for positions < seqlens_k, -1 after, the width
+rounded up to its 64-entry blocks; no causal mask: s_q 1 only; 16 heads zero-padded to its 64):
+the dense decode expressed as a sparse one, on the same cache, as
+`dsa_sparse.flashmla_fp8_decode` calls it.
 """
 
 from __future__ import annotations
@@ -29,18 +46,24 @@ import torch
 
 from forgekernel.bench.suite import Case, Inputs, OpSuite
 from forgekernel.kernels.attention.mla.sm90 import SPEC
+from forgekernel.kernels.attention.mla.sm90.config import FP8_ROW_BYTES
 
 LATENT, ROPE = 512, 64
 WIDTH = LATENT + ROPE
 # DeepSeek-V3's: the un-absorbed 1 / sqrt(128 + 64) times the YaRN mscale^2 (mscale 0.1 ln 40 + 1)
 SOFTMAX_SCALE = (0.1 * math.log(40.0) + 1.0) ** 2 / math.sqrt(192.0)
+FLASHMLA_NO_DENSE_FP8 = (
+    "sgl-flash-mla 1.0.0's dense FP8 decode (fwd_kvcache_mla_fp8) reads 576 e4m3 bytes a token"
+    " with per-tensor descale_q / descale_k and e4m3 queries, not the 656-byte FP8 cache:"
+    " flashmla_fp8_sparse runs it on this cache"
+)
 
 
 def _case(b, hq, page, lens, *, s_q=1, q_lens=None, cache="combined", group="", tag="") -> Case:
     lens = tuple(lens) if isinstance(lens, (list, tuple)) else (lens,) * b
     shape = tag or (f"L{lens[0]}" if len(set(lens)) == 1 else f"L{min(lens)}-{max(lens)}")
-    form = f"-sq{s_q}" if s_q > 1 else ("-packed" if q_lens else "")
-    name = f"b{b}-h{hq}-p{page}-{shape}{form}" + ("-split" if cache == "split" else "")
+    form = f"-sq{s_q}" if s_q > 1 else ("-packed" if q_lens and max(q_lens) <= 4 else "")
+    name = f"b{b}-h{hq}-p{page}-{shape}{form}" + ("" if cache == "combined" else f"-{cache}")
     params = {"b": b, "hq": hq, "page": page, "lens": lens, "s_q": s_q, "cache": cache}
     if q_lens is not None:
         params["q_lens"] = tuple(q_lens)
@@ -63,6 +86,15 @@ BENCH_CASES = (
     _case(48, 16, 64, tuple(range(100, 48 * 170, 170)), group="mixed", tag="mixed"),
     _case(64, 16, 64, 4096, s_q=2, group="mtp"),
     _case(64, 128, 64, 8192, s_q=2, group="mtp"),
+    # chunked prefill (mla_prefill): a 1024-token chunk after 7168 cached at TP8, four 512-token
+    # chunks over 4k, 256 new tokens at TP1
+    _case(1, 16, 64, 8192, q_lens=(1024,), group="prefill", tag="L8192-q1024"),
+    _case(4, 16, 64, 4096, q_lens=(512,) * 4, group="prefill", tag="L4096-q512"),
+    _case(1, 128, 64, 4096, q_lens=(256,), group="prefill", tag="L4096-q256"),
+    # FlashMLA's FP8 cache (DeepSeek serving's): a TP8 batch at 4k, one long TP8 sequence, TP1
+    _case(64, 16, 64, 4096, cache="fp8", group="fp8"),
+    _case(1, 16, 64, 32768, cache="fp8", group="fp8"),
+    _case(16, 128, 64, 8192, cache="fp8", group="fp8"),
 )
 CHECK_CASES = (
     _case(3, 16, 64, (37, 0, 100)),
@@ -73,9 +105,33 @@ CHECK_CASES = (
     _case(4, 32, 16, (1, 40, 77, 2), s_q=2, cache="split"),
     _case(3, 16, 64, (4, 300, 65), s_q=4),
     _case(4, 16, 16, (40, 3, 10, 0), q_lens=(1, 3, 0, 2), cache="split"),
+    _case(4, 16, 64, (40, 9, 10, 200), q_lens=(9, 9, 0, 70), tag="prefill"),
+    _case(3, 16, 64, (37, 0, 100), cache="fp8"),
+    _case(2, 16, 1, (1, 70), cache="fp8"),
+    _case(2, 128, 16, (65, 513), cache="fp8"),
+    _case(4, 32, 16, (1, 40, 77, 2), s_q=2, cache="fp8"),
+    _case(3, 16, 64, (4, 300, 65), s_q=4, cache="fp8"),
+    _case(4, 16, 16, (40, 3, 10, 0), q_lens=(1, 3, 0, 2), cache="fp8"),
+    _case(4, 16, 64, (40, 9, 10, 200), q_lens=(9, 9, 0, 70), cache="fp8", tag="prefill"),
 )
-# every compiled variant: 16 heads x 1 token, 8 x 2, 4 x 4 (packed), both cache forms
-SANITIZE_CASES = (CHECK_CASES[0], CHECK_CASES[5], CHECK_CASES[6])
+# every compiled variant: 16 heads x 1 token, 8 x 2, 4 x 4 (packed), both cache forms; the fp8
+# compiles at 16 x 1 and 16 x 4
+SANITIZE_CASES = (CHECK_CASES[0], CHECK_CASES[5], CHECK_CASES[6], CHECK_CASES[9], CHECK_CASES[13])
+
+
+def fp8(case: Case) -> bool:
+    """The case holds FlashMLA's FP8 cache (bf16 queries whatever the dtype)."""
+    return case.params.get("cache") == "fp8"
+
+
+def fp8_cache(pages: int, page_size: int, device: torch.device, gen: torch.Generator):
+    """FlashMLA's FP8 cache (pages, page_size, 1, 656) float8_e4m3fn of random bf16 latent and
+    RoPE rows (reference.mla.quantize_flashmla_fp8: per-128-column power-of-two scales)."""
+    from forgekernel.reference.mla import quantize_flashmla_fp8
+
+    rand = {"dtype": torch.bfloat16, "device": device, "generator": gen}
+    latent = torch.randn(pages, page_size, LATENT, **rand)
+    return quantize_flashmla_fp8(latent, torch.randn(pages, page_size, ROPE, **rand))
 
 
 def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, gen: torch.Generator):
@@ -83,10 +139,13 @@ def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, gen: torch
     b, hq, ps, lens = p["b"], p["hq"], p["page"], p["lens"]
     max_pages = max(1, max(-(-n // ps) for n in lens))
     pages = b * max_pages + 7
+    dtype = torch.bfloat16 if fp8(case) else dtype
     rand = {"dtype": dtype, "device": device, "generator": gen}
     rows = (sum(p["q_lens"]),) if "q_lens" in p else (b, p["s_q"])
     inputs: dict[str, Any] = {"q": torch.randn(*rows, hq, WIDTH, **rand)}
-    if p["cache"] == "combined":
+    if fp8(case):
+        inputs["ckv"], inputs["kpe"] = fp8_cache(pages, ps, device, gen), None
+    elif p["cache"] == "combined":
         inputs["ckv"], inputs["kpe"] = torch.randn(pages, ps, 1, WIDTH, **rand), None
     else:
         inputs["ckv"] = torch.randn(pages, ps, LATENT, **rand)
@@ -118,7 +177,8 @@ def _packed(inputs: Inputs) -> dict[str, Any]:
 def run_ours(inputs: Inputs, out):
     op = importlib.import_module("forgekernel.ops.mla")
     q = inputs["q"]
-    res = op.mla_decode(
+    prefill = inputs.get("max_seqlen_q", 1) > op.MAX_QUERY_TOKENS  # mla_prefill's packed form
+    res = (op.mla_prefill if prefill else op.mla_decode)(
         q[..., :LATENT], q[..., LATENT:], inputs["ckv"], inputs["kpe"], inputs["table"],
         inputs["seqlens"], softmax_scale=SOFTMAX_SCALE, return_lse=True,
         out=None if out is None else out[0], **_packed(inputs),
@@ -129,15 +189,23 @@ def run_ours(inputs: Inputs, out):
     return out
 
 
+def _is_fp8_cache(inputs: Inputs) -> bool:
+    return inputs["kpe"] is None and inputs["ckv"].shape[-1] == FP8_ROW_BYTES
+
+
 def _reference(inputs: Inputs, upcast: bool):
-    from forgekernel.reference.mla import mla_decode_ref, mla_prefill_ref
+    from forgekernel.reference.mla import flashmla_fp8_views, mla_decode_ref, mla_prefill_ref
 
     q = inputs["q"]
-    args = (q[..., :LATENT], q[..., LATENT:], inputs["ckv"], inputs["kpe"], inputs["table"],
-            inputs["seqlens"])  # fmt: skip
+    caches, scales = (inputs["ckv"], inputs["kpe"]), {}
+    if _is_fp8_cache(inputs):
+        latent, scale, rope = flashmla_fp8_views(inputs["ckv"])
+        caches, scales = (latent, rope), {"ckv_scale": scale}
+    args = (q[..., :LATENT], q[..., LATENT:], *caches, inputs["table"], inputs["seqlens"])
     if "cu_seqlens_q" in inputs:
-        return mla_prefill_ref(*args, inputs["cu_seqlens_q"], SOFTMAX_SCALE, upcast=upcast)
-    return mla_decode_ref(*args, SOFTMAX_SCALE, upcast=upcast)
+        return mla_prefill_ref(*args, inputs["cu_seqlens_q"], SOFTMAX_SCALE, upcast=upcast,
+                               **scales)  # fmt: skip
+    return mla_decode_ref(*args, SOFTMAX_SCALE, upcast=upcast, **scales)
 
 
 def reference(inputs: Inputs):
@@ -163,6 +231,8 @@ def _flashmla():
         return None
 
     def setup(inputs: Inputs):
+        if _is_fp8_cache(inputs):
+            raise ValueError(FLASHMLA_NO_DENSE_FP8)
         if "cu_seqlens_q" in inputs:
             raise ValueError("FlashMLA takes (batch, s_q, H, 576) queries, not a packed batch")
         q, table, seq = inputs["q"], inputs["table"], inputs["seqlens"]
@@ -208,6 +278,11 @@ def _flashinfer():
         return None
 
     def setup(inputs: Inputs):
+        if _is_fp8_cache(inputs):
+            raise ValueError(
+                "FlashInfer's MLA wrapper reads 16-bit ckv / kpe caches (fp8 ones with one scale"
+                " per tensor), not FlashMLA's FP8 rows with their per-128-column scales"
+            )
         q, table, seq = inputs["q"], inputs["table"], inputs["seqlens"]
         ckv, kpe = _split_copies(inputs)
         hq, ps = q.shape[-2], ckv.shape[1]
@@ -239,10 +314,46 @@ def _flashinfer():
     return run
 
 
+def dense_indices(table: torch.Tensor, seqlens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """(batch, 1, width) int32 slot indices of every cached key of each sequence (page *
+    page_size + slot for positions < seqlens_k, -1 after), width the table's positions rounded
+    up to FlashMLA's 64-entry blocks: a dense decode as a sparse one."""
+    width = -(-table.shape[1] * page_size // 64) * 64
+    pos = torch.arange(width, device=table.device)
+    page = table.long()[:, (pos // page_size).clamp(max=table.shape[1] - 1)]
+    slots = page * page_size + pos % page_size
+    return torch.where(pos < seqlens[:, None], slots, -1).to(torch.int32)[:, None]
+
+
+def _flashmla_fp8_sparse():
+    try:
+        import flash_mla
+    except ImportError:
+        return None
+    from forgekernel.bench.suites.dsa_sparse import flashmla_fp8_decode
+
+    def setup(inputs: Inputs):
+        if not _is_fp8_cache(inputs):
+            raise ValueError("FP8 cases only (16-bit caches: the flashmla comparator)")
+        q = inputs["q"]
+        if "cu_seqlens_q" in inputs or q.shape[1] != 1:
+            raise ValueError("one query token per sequence: FlashMLA's sparse decode has no mask")
+        indices = dense_indices(inputs["table"], inputs["seqlens"], inputs["ckv"].shape[1])
+        return flashmla_fp8_decode(flash_mla, q, inputs["ckv"], indices), indices
+
+    def run(inputs: Inputs):
+        if "flashmla_fp8" not in inputs:
+            inputs["flashmla_fp8"] = setup(inputs)
+        return inputs["flashmla_fp8"][0]()
+
+    return run
+
+
 def comparators() -> dict[str, Any]:
     if not torch.cuda.is_available():
-        return {"flashmla": None, "flashinfer": None}
-    return {"flashmla": _flashmla(), "flashinfer": _flashinfer()}
+        return {"flashmla": None, "flashinfer": None, "flashmla_fp8_sparse": None}
+    return {"flashmla": _flashmla(), "flashinfer": _flashinfer(),
+            "flashmla_fp8_sparse": _flashmla_fp8_sparse()}  # fmt: skip
 
 
 def _query_rows(case: Case) -> list[tuple[int, int]]:
@@ -259,10 +370,11 @@ def flops(case: Case) -> float:
 
 
 def nbytes(case: Case, dtype: torch.dtype) -> float:
-    """The latent rows read once, q in, out and the LSE out."""
-    size = torch.empty((), dtype=dtype).element_size()
+    """The latent rows read once (FP8: 656 bytes a token), q in, out and the LSE out."""
+    size = 2 if fp8(case) else torch.empty((), dtype=dtype).element_size()
+    row = FP8_ROW_BYTES if fp8(case) else WIDTH * size
     rows = sum(sq for _, sq in _query_rows(case)) * case.params["hq"]
-    return sum(case.params["lens"]) * WIDTH * size + rows * ((WIDTH + LATENT) * size + 4)
+    return sum(case.params["lens"]) * row + rows * ((WIDTH + LATENT) * size + 4)
 
 
 def suite() -> OpSuite:

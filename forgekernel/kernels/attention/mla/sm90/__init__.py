@@ -3,7 +3,8 @@ per token shared by every head; split-KV partial pass + the paged leaf's combine
 declaration; the kernels are `decode.py` (the partial pass) and the paged leaf's `combine.py`
 (`PagedCombineSm90` at head dim 512); the op is `forgekernel.ops.mla.mla_decode` (issue 19).
 The partial pass's sparse mode (kind "sparse") is DeepSeek sparse attention's kernel, op
-`forgekernel.ops.dsa.dsa_sparse_attention` (issue 22)."""
+`forgekernel.ops.dsa.dsa_sparse_attention` (issue 22). `fp8` keys read FlashMLA's FP8 cache
+(fp8.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from forgekernel.kernels.attention.mla.sm90.config import (
     DTYPES,
+    FP8_DTYPE,
     HEADS,
     QTOKENS,
     ROWS,
@@ -27,14 +29,17 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
+    """Every 16-bit partial / sparse pass, the same heads x tokens over FlashMLA's FP8 cache
+    (bf16 queries), and the combines."""
+    passes = [(dtype, False) for dtype in DTYPES] + [(FP8_DTYPE, True)]
     partial = [
-        params_for("partial", dtype, h, qt)
-        for dtype in DTYPES
+        params_for("partial", dtype, h, qt, fp8)
+        for dtype, fp8 in passes
         for qt in QTOKENS
         for h in HEADS
         if h * qt <= ROWS
     ]
-    sparse = [params_for("sparse", dtype, h) for dtype in DTYPES for h in sparse_heads()]
+    sparse = [params_for("sparse", d, h, fp8=fp8) for d, fp8 in passes for h in sparse_heads()]
     return partial + sparse + [params_for("combine", dtype) for dtype in DTYPES]
 
 

@@ -3,7 +3,9 @@ the page size and every outer stride dynamic (FlashMLA's combined (pages, page_s
 cache's two views included: rows 16-byte aligned); heads per CTA, query tokens and dtype baked
 in. The combine is the paged leaf's, at head dim 512. The sparse (DSA) partial takes the
 (tokens, topk) int32 top-k lists in place of the page table, tokens and topk dynamic, and None
-for seqlens_k and cu_seqlens_q."""
+for seqlens_k and cu_seqlens_q. An `fp8` key's caches are the three views of FlashMLA's FP8
+rows (uint8 latent, fp32 scales, bf16 RoPE; rows 656 bytes apart, 16-byte aligned); a 16-bit
+key's scales None."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_tensor
 
-from forgekernel.kernels.attention.mla.sm90.config import D_LATENT, D_ROPE
+from forgekernel.kernels.attention.mla.sm90.config import D_LATENT, D_ROPE, FP8_SCALE_COLUMNS
 from forgekernel.kernels.attention.mla.sm90.decode import MlaDecodeSm90
 from forgekernel.kernels.attention.paged.sm90.combine import PagedCombineSm90
 from forgekernel.kernels.common.sm90 import fake
@@ -39,18 +41,34 @@ def _combine(dtype, opts: str):
     )
 
 
-def _sparse(dtype, heads: int, opts: str):
+def _caches(dtype, fp8: bool, pages, page_size) -> tuple:
+    """(latent, RoPE, scales) of a cache of `pages` x `page_size` rows (created in the call's
+    argument list, after q's: the 16-bit compile's symbols in their original order)."""
+    if not fp8:
+        return (
+            fake.rowmajor(dtype, (pages, page_size, D_LATENT)),
+            fake.rowmajor(dtype, (pages, page_size, D_ROPE)),
+            None,
+        )
+    scales = D_LATENT // FP8_SCALE_COLUMNS
+    return (
+        fake.rowmajor(cutlass.Uint8, (pages, page_size, D_LATENT), divisibility=16),
+        fake.rowmajor(dtype, (pages, page_size, D_ROPE)),
+        fake.rowmajor(cutlass.Float32, (pages, page_size, scales), divisibility=4),
+    )
+
+
+def _sparse(dtype, heads: int, fp8: bool, opts: str):
     tokens, hq = cute.sym_int32(), cute.sym_int32()
     pages, page_size = cute.sym_int32(), cute.sym_int32()
     top_k = make_fake_tensor(
         cutlass.Int32, (tokens, cute.sym_int32()), stride=(cute.sym_int64(), 1), assumed_align=4
     )
     return cute.compile(
-        MlaDecodeSm90(heads, sparse=True),
+        MlaDecodeSm90(heads, sparse=True, fp8=fp8),
         fake.rowmajor(dtype, (tokens, hq, D_LATENT)),
         fake.rowmajor(dtype, (tokens, hq, D_ROPE)),
-        fake.rowmajor(dtype, (pages, page_size, D_LATENT)),
-        fake.rowmajor(dtype, (pages, page_size, D_ROPE)),
+        *_caches(dtype, fp8, pages, page_size),
         top_k,
         None,  # seqlens_k: the lists' width is every token's key count
         _dense(cutlass.Float32, 4),
@@ -60,6 +78,7 @@ def _sparse(dtype, heads: int, opts: str):
         cutlass.Int32(1),
         None,  # cu_seqlens_q: one query token per CTA
         cutlass.Int32(0),  # causal: unused
+        cutlass.Int32(1),  # q_blocks: unused
         fake.stream(),
         options=opts,
     )
@@ -70,18 +89,18 @@ def compile_mla(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     opts = fake.options(arch, extra_options)
     if params["kind"] == "combine":
         return _combine(dtype, opts)
+    fp8 = params.get("fp8", False)
     if params["kind"] == "sparse":
-        return _sparse(dtype, params["heads"], opts)
+        return _sparse(dtype, params["heads"], fp8, opts)
     qtokens = params.get("qtokens", 1)
     b, hq = cute.sym_int32(), cute.sym_int32()
     rows = cute.sym_int32() if qtokens > 1 else b  # total_q packed by cu_seqlens_q, else B
     pages, page_size = cute.sym_int32(), cute.sym_int32()
     return cute.compile(
-        MlaDecodeSm90(params["heads"], qtokens),
+        MlaDecodeSm90(params["heads"], qtokens, fp8=fp8),
         fake.rowmajor(dtype, (rows, hq, D_LATENT)),
         fake.rowmajor(dtype, (rows, hq, D_ROPE)),
-        fake.rowmajor(dtype, (pages, page_size, D_LATENT)),
-        fake.rowmajor(dtype, (pages, page_size, D_ROPE)),
+        *_caches(dtype, fp8, pages, page_size),
         _dense(cutlass.Int32, 2),
         make_fake_tensor(cutlass.Int32, (b,), stride=(1,)),  # seqlens_k: the batch
         _dense(cutlass.Float32, 4),
@@ -91,6 +110,7 @@ def compile_mla(params: dict, arch: str = "sm_90a", extra_options: str = ""):
         cutlass.Int32(1),
         fake.offsets() if qtokens > 1 else None,
         cutlass.Int32(1),
+        cutlass.Int32(1),  # q_blocks (dynamic)
         fake.stream(),
         options=opts,
     )

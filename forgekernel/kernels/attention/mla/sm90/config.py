@@ -10,7 +10,11 @@ SM (RESIDENT).
 
 DeepSeek sparse attention (DSA, issue 22) runs the same partial pass in its `sparse` mode: a
 CTA's keys are one split of a query token's top-k list (kind "sparse": one token per CTA,
-`heads` query heads), merged by the same combine."""
+`heads` query heads), merged by the same combine.
+
+FP8 caches (`fp8` compile keys, bf16 queries only): FlashMLA's packed rows of FP8_ROW_BYTES per
+token, [0, 512) the latent in e4m3, [512, 528) four fp32 scales (one per FP8_SCALE_COLUMNS latent
+columns, powers of two), [528, 656) the RoPE columns in bf16 (fp8.py has the dequantization)."""
 
 from __future__ import annotations
 
@@ -28,6 +32,12 @@ STAGES = 2
 RESIDENT = 1  # CTAs per SM
 D_LATENT = 512  # kv_lora_rank: the value and the first key columns
 D_ROPE = 64  # qk_rope_head_dim: the key's last columns
+# FlashMLA's FP8 cache row: e4m3 latent, fp32 scales, bf16 RoPE
+FP8_SCALE_COLUMNS = 128  # latent columns per scale
+FP8_ROW_BYTES = D_LATENT + 4 * (D_LATENT // FP8_SCALE_COLUMNS) + 2 * D_ROPE  # 656
+FP8_CHUNK = 16  # e4m3 bytes per global load
+E4M3_TO_BF16_EXPONENT = 120  # bf16's exponent bias 127 less e4m3's 7
+FP8_DTYPE = "bfloat16"  # an FP8 cache's queries (e4m3 x a power-of-two scale is exact in bf16)
 SPARSE_HQ = (16, 128)  # DeepSeek-V3.2's query heads per GPU at TP8 and TP1 (the prebuilt DSA)
 
 
@@ -45,18 +55,23 @@ def sparse_heads() -> tuple[int, ...]:
     return tuple(sorted(common | {heads_per_cta(hq) for hq in SPARSE_HQ}))
 
 
-def params_for(kind: str, dtype: str, heads: int = 1, qtokens: int = 1) -> tuple:
+def params_for(kind: str, dtype: str, heads: int = 1, qtokens: int = 1, fp8: bool = False) -> tuple:
     """Compile key: kind "partial" (one split of `heads` query heads x `qtokens` tokens, fp32
     out; qtokens > 1 the packed form with cu_seqlens_q), "sparse" (DSA: one split of one query
     token's top-k list, `heads` query heads; qtokens 1) or "combine" (the paged leaf's
-    `PagedCombineSm90` at head dim D_LATENT, under the key the paged leaf would give it)."""
+    `PagedCombineSm90` at head dim D_LATENT, under the key the paged leaf would give it). fp8:
+    the partial / sparse pass over FlashMLA's FP8 cache (dtype FP8_DTYPE only)."""
     if kind == "combine":
         return tuple(sorted({"kind": kind, "dtype": dtype, "head_dim": D_LATENT}.items()))
-    if kind == "sparse":
-        if qtokens != 1:
-            raise ValueError(f"sparse attention takes one query token per CTA, got {qtokens}")
-        return tuple(sorted({"kind": kind, "dtype": dtype, "heads": heads}.items()))
-    if kind != "partial":
+    if kind not in ("partial", "sparse"):
         raise ValueError(f"kind must be 'partial', 'sparse' or 'combine', got {kind!r}")
+    if fp8 and dtype != FP8_DTYPE:
+        raise ValueError(f"an FP8 cache takes {FP8_DTYPE} queries, got {dtype}")
+    if kind == "sparse" and qtokens != 1:
+        raise ValueError(f"sparse attention takes one query token per CTA, got {qtokens}")
     keys = {"kind": kind, "dtype": dtype, "heads": heads}
-    return tuple(sorted({**keys, **({"qtokens": qtokens} if qtokens > 1 else {})}.items()))
+    if qtokens > 1:
+        keys["qtokens"] = qtokens
+    if fp8:
+        keys["fp8"] = True
+    return tuple(sorted(keys.items()))

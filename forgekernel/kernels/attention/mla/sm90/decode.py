@@ -4,51 +4,73 @@ key (all 576) and the value (the first 512); reference.mla has the math.
 
 A CTA of two warpgroups takes H query heads x Q query tokens (G = H Q rows, zero rows up to the
 WGMMA's 64) and one split of one sequence's keys. Q sits in shared memory for the whole split;
-the keys stream through it in tiles of TILE latent rows, STAGES deep, gathered by cp.async of
-16 bytes per thread and copy (page page_table[b, t // page_size], slot t % page_size; the token
+the keys stream through it in tiles of TILE latent rows, two stages, gathered by cp.async of 16
+bytes per thread and copy (page page_table[b, t // page_size], slot t % page_size; the token
 clamped into the split so that masked columns stay finite), the latent and RoPE columns in two
-K-major tiles. Per tile:
-  1. S: warpgroup w scores keys 32w .. 32w + 31 against all 64 rows (WGMMA 64 x 32, K = 512 +
-     64, Q and K from shared memory), masks them, puts its row maxima in shared memory; barrier.
-  2. Both warpgroups take the tile's row maxima (one running max per row, the same in both),
-     turn their scores into P = exp2(S scale - max scale) (16-bit, into a shared 64 x TILE
-     tile), rescale their O and their share of the row sums; barrier.
-  3. P V: warpgroup w owns output columns 256w .. 256w + 255 (O 64 x 256 fp32 in registers), all
-     TILE keys: WGMMA 64 x 256 with P and V from shared memory, V the latent tile read as an
-     MN-major operand (the same bytes as the K-major key tile).
-At the end the row sums meet in shared memory and every thread writes its columns of the
-split's normalized O (fp32) and the row's LSE in log2 units (-inf where the split saw no key),
-the paged decode's partial format, merged by its combine pass.
+K-major tiles. The warpgroups split the work by role, FlashMLA's first sm90 design:
+  - warpgroup 0 (softmax): S = Q K^T of the whole tile (WGMMA 64 x 64, K = 512 + 64: Q read
+    from shared memory once per 64 keys), the mask, the online softmax (it owns the row maxima
+    and sums), P (16-bit) and each row's O rescale factor into shared memory, then P V over
+    output columns 0 .. 255;
+  - warpgroup 1 (loads): P V over columns 256 .. 511 once P is out, then the tile after next
+    into the stage both warpgroups have finished with, then it waits for the next tile's
+    bytes and hands it over.
+The two halves of P V run side by side; S of tile i + 1 does not overlap them: warpgroup 1
+hands tile i + 1 over after its P V of tile i and the stage's release, so P_FREE (arrived
+before that hand-over) never blocks. Handing it over under the P V would overlap S with P V
+but, 16-bit, issue tile i + 2 only once tile i + 1 landed (MLA_NOTES.md, review).
+Named barriers order them (Bar): FULL (tile landed: 1 arrives, 0 waits), P_READY (P and the
+scales written: 0 arrives, 1 waits), P_FREE (1 has read P: 1 arrives, 0 waits before the next
+P), STAGE_FREE (0's P V done: 0 arrives, 1 waits before refilling the stage). Warpgroup 0's
+P V takes P from its registers, warpgroup 1's from shared memory. V is the latent
+tile read as an MN-major operand (the same bytes as the K-major key tile).
+At the end warpgroup 0's row maxima and sums go through shared memory and every thread writes
+its columns of the split's normalized O (fp32) and warpgroup 0 the rows' LSE in log2 units
+(-inf where the split saw no key), the paged decode's partial format, merged by its combine.
+
+`fp8` (FlashMLA's FP8 cache, bf16 queries; fp8.py has the format and the dequantization): the
+latent columns of a tile go global -> registers -> bf16 -> st.shared into the same swizzled
+tile (16-byte loads of e4m3 and each row's scale; no shared memory is left to stage bytes in),
+the RoPE columns keep cp.async. Those loads wait for their data, so warpgroup 1 reorders its
+turn: once the stage is free it hands tile i + 1 over first (its latent stored a turn earlier,
+its RoPE cp.async landed) and then loads tile i + 2, under warpgroup 0's S of tile i + 1.
+Every thread loads tile 0, warpgroup 1 tile 1 before its loop.
 
 `sparse` (DeepSeek sparse attention, DSA): query token t attends to the cache rows its top-k
 list names (mPT (tokens, topk) int32, entries page * page_size + slot, -1 padding, anywhere),
 not to a sequence's pages: a CTA's keys are that list's split, loaded by index (-1 reads row 0,
-masked), grid z over the tokens (one query token per CTA, so `qtokens` is 1).
+masked), grid x over the tokens (one query token per CTA, so `qtokens` is 1).
 
-The mma.sync version of this pass (four warps, 16 rows) reached ~85 TFLOP/s and 0.51x FlashMLA;
-docs/attention/MLA_NOTES.md has its figures."""
+docs/attention/MLA_NOTES.md has the earlier versions' figures (mma.sync; both warpgroups on S
+along the keys)."""
 
 from __future__ import annotations
+
+from enum import IntEnum
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import OperandMajorMode
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 from cutlass.tensor_utils import LayoutEnum
 
+from forgekernel.kernels.attention.mla.sm90 import fp8 as fp8_cache
 from forgekernel.kernels.attention.mla.sm90.config import (
     D_LATENT,
     D_ROPE,
+    FP8_CHUNK,
     ROWS,
     STAGES,
     THREADS,
     TILE,
     WARPGROUPS,
 )
+from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
 from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
-from forgekernel.kernels.common.sm90.layout import rows_cols, transposed
+from forgekernel.kernels.common.sm90.layout import acc_as_operand_a, rows_cols, transposed
 from forgekernel.kernels.common.sm90.mma import gemm
 from forgekernel.kernels.common.sm90.pipeline import smem_tensor
 from forgekernel.kernels.common.sm90.softmax import exp2_row, quad_row_max, rescale_o, scaled_max
@@ -58,14 +80,25 @@ from forgekernel.kernels.common.sm90.warp_mma import (
     tiled_row_copy,
 )
 
-KEYS = TILE // WARPGROUPS  # keys per warpgroup in S
 COLS = D_LATENT // WARPGROUPS  # output columns per warpgroup in P V
+FP8_CHUNKS_PER_ROW = D_LATENT // FP8_CHUNK  # 16-byte e4m3 loads per latent row
+FP8_HALF = FP8_CHUNKS_PER_ROW // 2  # a half row: 16 threads, 256 bytes
+FP8_LOADS_IN_FLIGHT = 16  # a thread's 16-byte latent loads issued before it converts any
+
+
+class Bar(IntEnum):
+    """The kernel's named barriers (id 0 is __syncthreads), each over both warpgroups."""
+
+    FULL = FIRST_FREE  # the next tile landed: warpgroup 1 arrives, 0 waits
+    P_READY = FIRST_FREE + 1  # P and the rescale factors written: 0 arrives, 1 waits
+    P_FREE = FIRST_FREE + 2  # warpgroup 1 has read P: 1 arrives, 0 waits
+    STAGE_FREE = FIRST_FREE + 3  # warpgroup 0's P V done: 0 arrives, 1 waits
 
 
 class MlaDecodeSm90:
     """The partial pass; see the module docstring."""
 
-    def __init__(self, heads: int, qtokens: int = 1, sparse: bool = False):
+    def __init__(self, heads: int, qtokens: int = 1, sparse: bool = False, fp8: bool = False):
         if heads * qtokens > ROWS:
             raise ValueError(f"heads x query tokens must be <= {ROWS}, got {heads} x {qtokens}")
         if sparse and qtokens != 1:
@@ -74,16 +107,22 @@ class MlaDecodeSm90:
         self.qt = qtokens
         self.g = heads * qtokens
         self.sparse = sparse
+        self.fp8 = fp8
 
     def _setup(self, dtype):
         k_major = OperandMajorMode.K
-        # S: the two warpgroups side by side along the keys; P V: along the output columns
+        # S: warpgroup 0 alone, the whole tile; P V: the two side by side along the columns
         self.mma_s = sm90_utils.make_trivial_tiled_mma(
-            dtype, dtype, k_major, k_major, Float32, (1, WARPGROUPS, 1), (ROWS, KEYS)
+            dtype, dtype, k_major, k_major, Float32, (1, 1, 1), (ROWS, TILE)
         )
         self.mma_o = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, k_major, OperandMajorMode.MN, Float32, (1, WARPGROUPS, 1), (ROWS, COLS)
         )
+        # warpgroup 0's half of P V takes P from its registers
+        self.mma_o_rs = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, k_major, OperandMajorMode.MN, Float32, (1, 1, 1), (ROWS, COLS),
+            a_source=warpgroup.OperandSource.RMEM,
+        )  # fmt: skip
         row = LayoutEnum.ROW_MAJOR
         self.lay_ql = sm90_utils.make_smem_layout_a(row, (ROWS, TILE, D_LATENT), dtype, 1)
         self.lay_qr = sm90_utils.make_smem_layout_a(row, (ROWS, TILE, D_ROPE), dtype, 1)
@@ -98,6 +137,7 @@ class MlaDecodeSm90:
         mQp: cute.Tensor,
         mCkv: cute.Tensor,
         mKpe: cute.Tensor,
+        mScale: cute.Tensor | None,
         mPT: cute.Tensor,
         mSeq: cute.Tensor | None,
         mOp: cute.Tensor,
@@ -107,22 +147,33 @@ class MlaDecodeSm90:
         page_size: Int32,
         mCuQ: cute.Tensor | None,
         causal: Int32,
+        q_blocks: Int32,
         stream: cuda.CUstream,
     ):
         """mQn (rows, Hq, 512), mQp (rows, Hq, 64) 16-bit, rows = batch or, with mCuQ int32
         (batch + 1,), total_q; mCkv (num_pages, page_size, 512), mKpe (num_pages, page_size,
-        64) in q's dtype; mPT int32 (batch, max_pages); mSeq int32 (batch,); mOp fp32 (splits,
+        64) in q's dtype (fp8: mCkv uint8 (num_pages, page_size, 512) e4m3 bytes, mScale fp32
+        (num_pages, page_size, 4), mKpe bf16: views of FlashMLA's FP8 rows; else mScale None);
+        mPT int32 (batch, max_pages); mSeq int32 (batch,); mOp fp32 (splits,
         rows, Hq, 512), mLp fp32 (splits, rows, Hq) log2; causal 0 / 1 (query tokens among
-        themselves, bottom-right). sparse: mPT the top-k lists (rows, topk), mSeq None,
-        mCuQ None, causal unused."""
+        themselves, bottom-right); q_blocks: with mCuQ, the CTAs per sequence along its query
+        tokens (`qtokens` each: chunked prefill; grid x = batch x q_blocks), else 1. sparse:
+        mPT the top-k lists (rows, topk), mSeq None, mCuQ None, causal and q_blocks unused."""
         dtype = mQn.element_type
-        if const_expr(not (dtype == mQp.element_type == mCkv.element_type == mKpe.element_type)):
+        if const_expr(self.fp8):
+            if const_expr(not (dtype == mQp.element_type == mKpe.element_type == cutlass.BFloat16)):
+                raise TypeError("an FP8 cache takes bf16 queries and RoPE columns")
+            if const_expr(mCkv.element_type != cutlass.Uint8 or mScale is None):
+                raise TypeError("an FP8 cache's latent comes as uint8 bytes with fp32 scales")
+        elif const_expr(not (dtype == mQp.element_type == mCkv.element_type == mKpe.element_type)):
             raise TypeError("q_nope, q_pe and the caches must share one 16-bit dtype")
+        if const_expr((mScale is not None) != self.fp8):
+            raise ValueError("mScale comes with an FP8 cache, and only then")
         if const_expr((mCuQ is None) != (self.qt == 1)):
             raise ValueError("cu_seqlens_q comes with qtokens > 1, and only then")
         if const_expr(self.sparse != (mSeq is None)):
             raise ValueError("seqlens_k comes with the paged form, and only then")
-        units = mQn.shape[0] if const_expr(self.sparse) else mSeq.shape[0]
+        units = mQn.shape[0] if const_expr(self.sparse) else mSeq.shape[0] * q_blocks
         self._setup(dtype)
 
         @cute.struct
@@ -132,15 +183,18 @@ class MlaDecodeSm90:
             ql: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(self.lay_ql)], 1024]
             qr: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(self.lay_qr)], 1024]
             p: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(self.lay_p)], 1024]
-            red: cute.struct.MemRange[Float32, WARPGROUPS * ROWS]
+            red: cute.struct.MemRange[Float32, 3 * ROWS]  # rescale factors; final max and sum
+            valid: cute.struct.MemRange[cutlass.Uint32, STAGES * 2]  # sparse: keys by stage
 
         self.shared = Shared
         self.kernel(
-            mQn, mQp, mCkv, mKpe, mPT, mSeq, mOp, mLp, scale_log2, per_split, page_size, mCuQ,
-            causal, self.mma_s, self.mma_o, self.lay_kl, self.lay_kr, self.lay_ql, self.lay_qr,
-            self.lay_p,
+            mQn, mQp, mCkv, mKpe, mScale, mPT, mSeq, mOp, mLp, scale_log2, per_split, page_size,
+            mCuQ, causal, q_blocks, self.mma_s, self.mma_o, self.mma_o_rs, self.lay_kl,
+            self.lay_kr, self.lay_ql, self.lay_qr, self.lay_p,
         ).launch(
-            grid=(mOp.shape[0], mQn.shape[1] // self.h, units),
+            # units on x (up to 2^31 - 1: prefill blocks, DSA tokens), splits on z (<= a wave);
+            # neighbouring CTAs are neighbouring query blocks of a sequence (shared keys in L2)
+            grid=(units, mQn.shape[1] // self.h, mOp.shape[0]),
             block=[THREADS, 1, 1],
             stream=stream,
         )  # fmt: skip
@@ -152,6 +206,7 @@ class MlaDecodeSm90:
         mQp: cute.Tensor,
         mCkv: cute.Tensor,
         mKpe: cute.Tensor,
+        mScale: cute.Tensor | None,
         mPT: cute.Tensor,
         mSeq: cute.Tensor | None,
         mOp: cute.Tensor,
@@ -161,8 +216,10 @@ class MlaDecodeSm90:
         page_size: Int32,
         mCuQ: cute.Tensor | None,
         causal: Int32,
+        q_blocks: Int32,
         mma_s: cute.TiledMma,
         mma_o: cute.TiledMma,
+        mma_o_rs: cute.TiledMma,
         lay_kl: cute.ComposedLayout,
         lay_kr: cute.ComposedLayout,
         lay_ql: cute.ComposedLayout,
@@ -170,18 +227,31 @@ class MlaDecodeSm90:
         lay_p: cute.ComposedLayout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        split, head_block, b = cute.arch.block_idx()
+        unit, head_block, split = cute.arch.block_idx()
         head0 = head_block * self.h
-        q_off, sq = b, Int32(1)
-        if const_expr(mCuQ is not None):
-            q_off = mCuQ[b]
-            sq = mCuQ[b + 1] - q_off
+        b, q_off, sq = unit, unit, Int32(1)
+        if const_expr(self.sparse):
+            kv_end = mPT.shape[1]  # the top-k list's width
+        elif const_expr(mCuQ is None):
+            kv_end = mSeq[unit]
+        else:
+            # this CTA's query tokens: block `unit % q_blocks` of its sequence's, `sq` of them
+            # (<= qtokens, none past the sequence's end); causal, they see keys < kv_end. A
+            # block past the end (sq 0) writes nothing and reads no key (its causal bound
+            # sk - q_all + token0 would pass sk: page-table entries past the sequence's)
+            b = unit // q_blocks
+            token0 = (unit - b * q_blocks) * self.qt
+            sk = mSeq[b]
+            q_all = mCuQ[b + 1] - mCuQ[b]
+            q_off = mCuQ[b] + token0
+            sq = cutlass.max(cutlass.min(q_all - token0, self.qt), 0)
+            kv_end = Int32(cutlass.select_(causal != 0, sk - q_all + token0 + sq, sk))
+            kv_end = Int32(cutlass.select_(sq > 0, kv_end, 0))
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         dtype = mQn.element_type
 
-        sk = mPT.shape[1] if const_expr(self.sparse) else mSeq[b]
         t0 = split * per_split
-        t1 = cutlass.min(t0 + per_split, sk)
+        t1 = cutlass.min(t0 + per_split, kv_end)
         tiles = cute.ceil_div(cutlass.max(t1 - t0, 0), TILE)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared)
@@ -190,94 +260,206 @@ class MlaDecodeSm90:
         sQl = smem_tensor(storage.ql, lay_ql)
         sQr = smem_tensor(storage.qr, lay_qr)
         sP = smem_tensor(storage.p, lay_p)
-        sRed = storage.red.get_tensor(cute.make_layout((WARPGROUPS, ROWS)))
+        sRed = storage.red.get_tensor(cute.make_layout((3, ROWS)))
+        sValid = storage.valid.get_tensor(cute.make_layout((2, STAGES)))
 
+        # Q and tile 0 by every thread, tile 1 then by warpgroup 1 (its loads from there on)
         copy_lat = tiled_row_copy(dtype, D_LATENT, THREADS)
         copy_rope = tiled_row_copy(dtype, D_ROPE, THREADS)
         thr_lat, thr_rope = copy_lat.get_slice(tidx), copy_rope.get_slice(tidx)
         self._load_query(mQn, sQl[None, None, 0], thr_lat, D_LATENT, q_off, sq, head0, copy_lat)
         self._load_query(mQp, sQr[None, None, 0], thr_rope, D_ROPE, q_off, sq, head0, copy_rope)
-        kv = (mCkv, mKpe, sKl, sKr, copy_lat, copy_rope, thr_lat, thr_rope, mPT, b, page_size)
-        for s in cutlass.range_constexpr(STAGES - 1):
-            if s < tiles:
-                self._load_tile(kv, t0 + s * TILE, t1, s)
-            cute.arch.cp_async_commit_group()
+        kv_all = (mCkv, mKpe, sKl, sKr, copy_lat, copy_rope, thr_lat, thr_rope, mPT, b, page_size,
+                  (mScale, tidx, THREADS))  # fmt: skip
+        if 0 < tiles:
+            self._load_tile(kv_all, t0, t1, 0)
+            if const_expr(self.sparse):
+                if tidx // 64 == 2:  # warpgroup 1's first two warps
+                    self._store_valid(mPT, b, t0, t1, 0, sValid, tidx - THREADS_PER_WG)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.fence_view_async_shared()  # cp.async writes, then WGMMA reads
+        cute.arch.sync_threads()
 
-        # operand fragments (WGMMA descriptors) from the warpgroup's slice, coordinates from
-        # the thread's own
-        wg_s = mma_s.get_slice(wg * THREADS_PER_WG)
         wg_o = mma_o.get_slice(wg * THREADS_PER_WG)
-        tSrQl = wg_s.make_fragment_A(wg_s.partition_A(sQl))[None, None, None, 0]
-        tSrQr = wg_s.make_fragment_A(wg_s.partition_A(sQr))[None, None, None, 0]
-        tSrKl = wg_s.make_fragment_B(wg_s.partition_B(sKl))
-        tSrKr = wg_s.make_fragment_B(wg_s.partition_B(sKr))
         tOrP = wg_o.make_fragment_A(wg_o.partition_A(sP))[None, None, None, 0]
         tOrV = wg_o.make_fragment_B(wg_o.partition_B(transposed(sKl)))
-
         acc_o = cute.make_rmem_tensor(wg_o.partition_shape_C((ROWS, D_LATENT)), Float32)
         acc_o.fill(0.0)
-        acc_s = cute.make_rmem_tensor(wg_s.partition_shape_C((ROWS, TILE)), Float32)
         row_max = cute.make_rmem_tensor(2, Float32)
         row_sum = cute.make_rmem_tensor(2, Float32)
-        corr = cute.make_rmem_tensor(2, Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
-        # (row, key in the tile) of this thread's score registers
+        # (row, column) of this thread's O registers; rows as in S (the same M partition)
+        o_crd = rows_cols(
+            mma_o.get_slice(tidx).partition_C(cute.make_identity_tensor((ROWS, D_LATENT)))
+        )
+        bars = (
+            named_barrier(Bar.FULL, THREADS),
+            named_barrier(Bar.P_READY, THREADS),
+            named_barrier(Bar.P_FREE, THREADS),
+            named_barrier(Bar.STAGE_FREE, THREADS),
+        )
+        if wg == 0:
+            self._softmax_wg(
+                (sQl, sQr, sKl, sKr, sP, sRed, sValid), (tOrP, tOrV, acc_o), mma_s, mma_o_rs, bars,
+                (row_max, row_sum), (mPT, b, sq, kv_end, t0, t1, tiles, scale_log2, causal, tidx),
+            )  # fmt: skip
+        else:
+            copy_lat1 = tiled_row_copy(dtype, D_LATENT, THREADS_PER_WG)
+            copy_rope1 = tiled_row_copy(dtype, D_ROPE, THREADS_PER_WG)
+            tid1 = tidx - THREADS_PER_WG
+            kv_wg = (
+                mCkv, mKpe, sKl, sKr, copy_lat1, copy_rope1, copy_lat1.get_slice(tid1),
+                copy_rope1.get_slice(tid1), mPT, b, page_size, (mScale, tid1, THREADS_PER_WG),
+            )  # fmt: skip
+            self._load_wg(
+                kv_wg, (tOrP, tOrV, acc_o), mma_o, bars, sRed, sValid, o_crd, (t0, t1, tiles), tid1
+            )
+        # the rows' final max and sum, from warpgroup 0 (which holds them) to both
+        if wg == 0:
+            for r in cutlass.range_constexpr(2):
+                total = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
+                if tidx % 4 == 0:
+                    sRed[1, o_crd[r, 0][0]] = row_max[r]  # (row 0: warpgroup 1 may still read)
+                    sRed[2, o_crd[r, 0][0]] = total
+        cute.arch.sync_threads()
+        for r in cutlass.range_constexpr(2):
+            row_max[r] = sRed[1, o_crd[r, 0][0]]
+            row_sum[r] = sRed[2, o_crd[r, 0][0]]
+        self._write_split(
+            (mOp, mLp), acc_o, row_max, row_sum, scale_log2, o_crd,
+            (split, q_off, sq, head0, wg, tidx),
+        )  # fmt: skip
+
+    @cute.jit
+    def _softmax_wg(self, smem, o_ops, mma_s, mma_o_rs, bars, stats, at):
+        """Warpgroup 0: per tile, S, mask, online softmax, P and the rescale factors out, its
+        half of P V."""
+        sQl, sQr, sKl, sKr, sP, sRed, sValid = smem
+        _, _, acc_o = o_ops
+        full, p_ready, p_free, stage_free = bars
+        row_max, row_sum = stats
+        mPT, b, sq, sk, t0, t1, tiles, scale_log2, causal, tidx = at
         thr_s = mma_s.get_slice(tidx)
+        tSrQl = thr_s.make_fragment_A(thr_s.partition_A(sQl))[None, None, None, 0]
+        tSrQr = thr_s.make_fragment_A(thr_s.partition_A(sQr))[None, None, None, 0]
+        tSrKl = thr_s.make_fragment_B(thr_s.partition_B(sKl))
+        tSrKr = thr_s.make_fragment_B(thr_s.partition_B(sKr))
+        acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, TILE)), Float32)
+        corr = cute.make_rmem_tensor(2, Float32)
         coords = rows_cols(thr_s.partition_C(cute.make_identity_tensor((ROWS, TILE))))
         limits = query_row_limits(coords, self.h, self.qt, sq, sk, t1, causal)
-
+        r2s = cute.make_tiled_copy_C(
+            cute.make_copy_atom(StMatrix8x8x16bOp(False, 4), sP.element_type), mma_s
+        )
+        thr_r2s = r2s.get_slice(tidx)
+        s_p_dst = thr_r2s.partition_D(sP[None, None, 0])
+        r_p = cute.make_rmem_tensor(acc_s.shape, sP.element_type)
+        # its half of P V: P from registers (the C layout of S in 16 bits is the A layout),
+        # V its 256 columns of the latent tile
+        thr_o0 = mma_o_rs.get_slice(tidx)
+        tOrV0 = thr_o0.make_fragment_B(
+            thr_o0.partition_B(cute.local_tile(transposed(sKl), (COLS, TILE, STAGES), (0, 0, 0)))
+        )
+        tOrP0 = thr_o0.make_fragment_A(thr_o0.partition_shape_A((ROWS, TILE)))
+        p_as_a = acc_as_operand_a(r_p)
         for i in cutlass.range(tiles, unroll=1):
-            cute.arch.cp_async_wait_group(STAGES - 2)
-            cute.arch.fence_view_async_shared()  # cp.async writes, then WGMMA reads
-            cute.arch.sync_threads()
-            nxt = i + STAGES - 1
-            if nxt < tiles:
-                self._load_tile(kv, t0 + nxt * TILE, t1, nxt % STAGES)
-            cute.arch.cp_async_commit_group()
+            if i > 0:
+                full.arrive_and_wait()  # tile i landed
             stage = i % STAGES
-
-            # 1. this warpgroup's keys against every row; its row maxima to shared memory
             gemm(mma_s, acc_s, tSrQl, tSrKl[None, None, None, stage], True, -1)
             gemm(mma_s, acc_s, tSrQr, tSrKr[None, None, None, stage], False, 0)
             s = rows_cols(acc_s)
             first_key = t0 + i * TILE
+            if const_expr(self.sparse):  # the list positions loaded with a valid entry
+                words = (sValid[0, stage], sValid[1, stage])
             for r in cutlass.range_constexpr(2):
                 for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                    key = first_key + coords[r, c][1]
-                    if key >= limits[r]:
-                        s[r, c] = -Float32.inf
+                    col = coords[r, c][1]
                     if const_expr(self.sparse):
-                        if key < limits[r]:
-                            if mPT[b, key] < 0:  # padding
-                                s[r, c] = -Float32.inf
-                top = quad_row_max(s, r, -Float32.inf)
-                if tidx % 4 == 0:
-                    sRed[wg, coords[r, 0][0]] = top
-            cute.arch.sync_threads()
-
-            # 2. one running max per row over the whole tile; P to shared memory
-            for r in cutlass.range_constexpr(2):
-                row = coords[r, 0][0]
-                top = cute.arch.fmax(row_max[r], cute.arch.fmax(sRed[0, row], sRed[1, row]))
+                        word = cutlass.select_(col < 32, words[0], words[1])
+                        if ((word >> (col % 32)) & 1) == 0:
+                            s[r, c] = -Float32.inf
+                    else:
+                        if first_key + col >= limits[r]:
+                            s[r, c] = -Float32.inf
+                top = quad_row_max(s, r, row_max[r])
                 cur_scaled = scaled_max(top, scale_log2)
                 corr[r] = cute.math.exp2(row_max[r] * scale_log2 - cur_scaled, fastmath=True)
                 row_max[r] = top
                 row_sum[r] = row_sum[r] * corr[r] + exp2_row(s, r, scale_log2, cur_scaled)
-                for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                    sP[row, coords[r, c][1], 0] = s[r, c].to(dtype)
-            rescale_o(acc_o, corr)
+            if i > 0:
+                p_free.arrive_and_wait()  # warpgroup 1 is done with the last P
+            r_p.store(acc_s.load().to(sP.element_type))
+            cute.copy(r2s, thr_r2s.retile(r_p), s_p_dst)  # stmatrix: 4 per thread
+            for r in cutlass.range_constexpr(2):
+                if tidx % 4 == 0:
+                    sRed[0, coords[r, 0][0]] = corr[r]
             cute.arch.fence_view_async_shared()  # P's stores, then WGMMA reads
-            cute.arch.sync_threads()
+            p_ready.arrive()
+            rescale_o(acc_o, corr)
+            for k in cutlass.range_constexpr(cute.size(tOrP0)):
+                tOrP0[k] = p_as_a[k]  # a renaming: the same registers in the same order
+            gemm(mma_o_rs, acc_o, tOrP0, tOrV0[None, None, None, stage], False, 0)
+            stage_free.arrive()
 
-            # 3. P V over this warpgroup's output columns
+    @cute.jit
+    def _load_wg(self, kv, o_ops, mma_o, bars, sRed, sValid, o_crd, span, tid1):
+        """Warpgroup 1: per tile, its half of P V once P is out, then the tile after next into
+        the freed stage, then the next tile handed over once landed."""
+        tOrP, tOrV, acc_o = o_ops
+        full, p_ready, p_free, stage_free = bars
+        t0, t1, tiles = span
+        corr = cute.make_rmem_tensor(2, Float32)
+        if const_expr(self.fp8):
+            self._prefetch_fp8(kv, t0 + STAGES * TILE, t1, tid1)  # tile 2, under tile 1's loads
+        if 1 < tiles:
+            self._load_tile(kv, t0 + TILE, t1, 1)
+            if const_expr(self.sparse):
+                if tid1 < 64:
+                    self._store_valid(kv[8], kv[9], t0 + TILE, t1, 1, sValid, tid1)
+        cute.arch.cp_async_commit_group()
+        # Early hand-over (rows > 16: the tensor cores are the bottleneck): tile i + 1 goes to
+        # warpgroup 0 as soon as P of tile i is out, so its S runs under this warpgroup's P V;
+        # with 16 rows (decode at 16 heads, bound by memory) tile i + 2's loads go out first.
+        early = const_expr(self.g > 16)
+        for i in cutlass.range(tiles, unroll=1):
+            stage = i % STAGES
+            p_ready.arrive_and_wait()
+            if const_expr(early):
+                if i + 1 < tiles:  # its loads are the one commit group in flight
+                    cute.arch.cp_async_wait_group(0)
+                    cute.arch.fence_view_async_shared()  # st.shared and cp.async, then WGMMA
+                    full.arrive()
+            for r in cutlass.range_constexpr(2):
+                corr[r] = sRed[0, o_crd[r, 0][0]]
+            rescale_o(acc_o, corr)
             gemm(mma_o, acc_o, tOrP, tOrV[None, None, None, stage], False, 0)
-
-        cute.arch.cp_async_wait_group(0)
-        self._write_split(
-            (mOp, mLp), acc_o, row_max, row_sum, sRed, scale_log2, coords, mma_o,
-            (split, q_off, sq, head0, wg, tidx),
-        )  # fmt: skip
+            if i + 1 < tiles:
+                p_free.arrive()
+            stage_free.arrive_and_wait()  # both warpgroups are done with this stage
+            nxt = i + STAGES
+            if const_expr(self.fp8):
+                # tile i + 1 first: its latent was stored a turn ago, its RoPE is the only
+                # commit group in flight; then tile i + 2's loads, which wait for their data
+                if const_expr(not early):
+                    if i + 1 < tiles:
+                        cute.arch.cp_async_wait_group(0)
+                        cute.arch.fence_view_async_shared()  # st.shared and cp.async, then WGMMA
+                        full.arrive()
+                self._prefetch_fp8(kv, t0 + (nxt + 1) * TILE, t1, tid1)  # a turn ahead
+            if nxt < tiles:
+                self._load_tile(kv, t0 + nxt * TILE, t1, stage)
+                if const_expr(self.sparse):
+                    if tid1 < 64:
+                        self._store_valid(kv[8], kv[9], t0 + nxt * TILE, t1, stage, sValid, tid1)
+            cute.arch.cp_async_commit_group()
+            if const_expr(not self.fp8 and not early):
+                if i + 1 < tiles:
+                    cute.arch.cp_async_wait_group(1)  # tile i + 1 (the group before this one)
+                    cute.arch.fence_view_async_shared()
+                    full.arrive()
 
     @cute.jit
     def _load_query(self, mQ, sQ, thr_g, width: cutlass.Constexpr[int], q_off, sq, head0, gcopy):
@@ -295,59 +477,141 @@ class MlaDecodeSm90:
                 tQsQ[None, m, None].fill(0.0)
 
     @cute.jit
-    def _load_tile(self, kv, first, t1, stage):
+    def _store_valid(self, mPT, b, first, t1, stage, sValid, tid):
+        """Sparse: which of list positions first .. first + TILE - 1 hold an entry (before t1,
+        not -1 padding), a bit each, by the two warps of threads tid 0 .. 63 (ballots)."""
+        token = first + tid
+        entry = mPT[b, cutlass.min(token, t1 - 1)]
+        bits = cute.arch.vote_ballot_sync(Int32(cutlass.select_(token < t1, entry, -1)) >= 0)
+        if tid % 32 == 0:
+            sValid[tid // 32, stage] = bits
+
+    @cute.jit
+    def _load_tile(self, kv, first, t1, stage, latent: cutlass.Constexpr[bool] = True):
         """Keys first .. first + TILE - 1 (clamped to t1 - 1: finite, masked later), latent and
-        RoPE columns, into pipeline stage `stage`."""
-        mCkv, mKpe, sKl, sKr, copy_lat, copy_rope, thr_lat, thr_rope, mPT, b, page_size = kv
-        for mX, sX, gcopy, thr, width in (
-            (mCkv, sKl, copy_lat, thr_lat, D_LATENT),
-            (mKpe, sKr, copy_rope, thr_rope, D_ROPE),
-        ):
+        RoPE columns, into pipeline stage `stage` (fp8: the latent by `_load_latent_fp8` unless
+        `latent` is False, the RoPE columns cp.async as 16-bit ones)."""
+        mCkv, mKpe, sKl, sKr, copy_lat, copy_rope, thr_lat, thr_rope, mPT, b, page_size, f8 = kv
+        async_parts = [(mKpe, sKr, copy_rope, thr_rope, D_ROPE)]
+        if const_expr(not self.fp8):
+            async_parts.insert(0, (mCkv, sKl, copy_lat, thr_lat, D_LATENT))
+        for mX, sX, gcopy, thr, width in async_parts:
             tXsX = thr.partition_D(sX[None, None, stage])
             crd = thr.partition_S(cute.make_identity_tensor((TILE, width)))
             for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
                 token = cutlass.min(first + crd[0, m, 0][0], t1 - 1)
                 if const_expr(self.sparse):
-                    entry = cutlass.max(mPT[b, token], 0)  # -1 padding: row 0, masked
+                    listed = mPT[b, token]
+                    entry = cutlass.max(listed, 0)
                     page = entry // page_size
                     row = mX[page, entry - page * page_size, None]
+                    if listed >= 0:
+                        copy_row_async(gcopy, row, width, tXsX[None, m, None], crd[None, m, None])
+                    else:  # -1 padding: zeros, not a cache row (P = 0 times NaN would be NaN)
+                        tXsX[None, m, None].fill(0.0)
                 else:
                     page = token // page_size
                     row = mX[mPT[b, page], token - page * page_size, None]
-                copy_row_async(gcopy, row, width, tXsX[None, m, None], crd[None, m, None])
+                    copy_row_async(gcopy, row, width, tXsX[None, m, None], crd[None, m, None])
+        if const_expr(self.fp8 and latent):
+            mScale, tid, threads = f8
+            self._load_latent_fp8(
+                mCkv, mScale, sKl[None, None, stage], (mPT, b, page_size), first, t1, tid, threads
+            )
 
     @cute.jit
-    def _write_split(self, outs, acc_o, row_max, row_sum, sRed, scale_log2, coords, mma_o, at):
-        """The row sums over the quads and warpgroups (through shared memory), then this
-        thread's columns of the split's O / sum and, from warpgroup 0, the rows' LSE (log2); 0
-        and -inf where the split saw no key. Rows past G or of tokens past sq are not
-        written."""
+    def _prefetch_fp8(self, kv, first, t1, tid1):
+        """FP8: the rows of the tile at `first` (if any) into L2 (thread tid1 < TILE: row
+        tid1), for its register loads a turn later."""
+        mCkv, mPT, b, page_size = kv[0], kv[8], kv[9], kv[10]
+        if tid1 < TILE:
+            if first < t1:  # (t1 - 1 may be no position at all otherwise)
+                token = cutlass.min(first + tid1, t1 - 1)
+                page, slot = self._cache_row(mPT, b, token, page_size)
+                fp8_cache.prefetch_row_l2(mCkv[page, slot, None])
+
+    @cute.jit
+    def _cache_row(self, mPT, b, token, page_size):
+        """(page, slot) of the key at list / sequence position `token` (sparse: entry -1 reads
+        row 0, masked, and zeroed by the loads)."""
+        if const_expr(self.sparse):
+            entry = cutlass.max(mPT[b, token], 0)
+            page = entry // page_size
+            return page, entry - page * page_size
+        page = token // page_size
+        return mPT[b, page], token - page * page_size
+
+    @cute.jit
+    def _load_latent_fp8(self, mCkv, mScale, sK, rows, first, t1, tid, threads):
+        """The e4m3 latent of keys first .. first + TILE - 1 (clamped as `_load_tile`) into the
+        16-bit tile sK (TILE, D_LATENT) by `threads` threads (a warpgroup or the CTA), in
+        batches of FP8_LOADS_IN_FLIGHT loads per thread: `_fetch_latent_fp8`, then
+        `_store_latent_fp8`."""
+        loads = TILE * FP8_CHUNKS_PER_ROW // threads
+        batch = min(FP8_LOADS_IN_FLIGHT, loads)
+        for first_load in cutlass.range_constexpr(0, loads, batch):
+            raw, scale = self._fetch_latent_fp8(
+                mCkv, mScale, rows, first, t1, tid, threads, first_load, batch
+            )
+            self._store_latent_fp8(raw, scale, sK, tid, threads, first_load, batch)
+
+    @cute.jit
+    def _fp8_row(self, tid, threads: cutlass.Constexpr[int], load: cutlass.Constexpr[int]):
+        """(tile row, 16-byte chunk) of a thread's load `load`: warp w's lanes 0-15 / 16-31
+        take rows 2w, 2w + 1 (+ 2 x warps per pair of loads), half a row (256 bytes) per load,
+        so that each 16-byte store instruction fills whole 128-byte lines of the swizzled tile
+        (the two rows' chunks land on the even and odd 16-byte slots)."""
+        warp, lane = tid // 32, tid % 32
+        row = (load // 2) * 2 * (threads // 32) + 2 * warp + lane // 16
+        return row, (load % 2) * FP8_HALF + lane % 16
+
+    @cute.jit
+    def _fetch_latent_fp8(self, mCkv, mScale, rows, first, t1, tid, threads, first_load, batch):
+        """Loads first_load .. first_load + batch - 1 of this thread (`_fp8_row`): (raw
+        (16, batch) uint8, scale (batch,) fp32) registers, the loads issued, nothing waited."""
+        mPT, b, page_size = rows
+        raw = cute.make_rmem_tensor((FP8_CHUNK, batch), cutlass.Uint8)
+        scale = cute.make_rmem_tensor(batch, Float32)
+        for j in cutlass.range_constexpr(0, batch, 2):  # one row, both halves
+            r, _ = self._fp8_row(tid, threads, first_load + j)
+            token = cutlass.min(first + r, t1 - 1)
+            page, slot = self._cache_row(mPT, b, token, page_size)
+            for half in cutlass.range_constexpr(2):
+                _, chunk = self._fp8_row(tid, threads, first_load + j + half)
+                fp8_cache.load_chunk(mCkv[page, slot, None], chunk, raw[None, j + half])
+                scale[j + half] = mScale[page, slot, fp8_cache.chunk_scale_index(chunk)]
+                if const_expr(self.sparse):  # -1 padding: scale 0 (its e4m3 bytes are finite)
+                    if mPT[b, token] < 0:
+                        scale[j + half] = Float32(0.0)
+        return raw, scale
+
+    @cute.jit
+    def _store_latent_fp8(self, raw, scale, sK, tid, threads, first_load, batch):
+        """`_fetch_latent_fp8`'s registers dequantized into their rows of the 16-bit tile sK."""
+        for j in cutlass.range_constexpr(batch):
+            r, chunk = self._fp8_row(tid, threads, first_load + j)
+            mult = fp8_cache.bf16_multiplier(scale[j])
+            fp8_cache.store_chunk(raw[None, j], mult, sK[r, None], chunk)
+
+    @cute.jit
+    def _write_split(self, outs, acc_o, row_max, row_sum, scale_log2, o_crd, at):
+        """This thread's columns of the split's O / sum and, from warpgroup 0, the rows' LSE
+        (log2); 0 and -inf where the split saw no key. Rows past G or of tokens past sq are
+        not written."""
         mOp, mLp = outs
         split, q_off, sq, head0, wg, tidx = at
-        total = cute.make_rmem_tensor(2, Float32)
-        cute.arch.sync_threads()  # every thread past its last read of sRed
-        for r in cutlass.range_constexpr(2):
-            part = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
-            if tidx % 4 == 0:
-                sRed[wg, coords[r, 0][0]] = part
-        cute.arch.sync_threads()
-        for r in cutlass.range_constexpr(2):
-            row = coords[r, 0][0]
-            total[r] = sRed[0, row] + sRed[1, row]
         o = rows_cols(acc_o)
-        thr_o = mma_o.get_slice(tidx)
-        crd = rows_cols(thr_o.partition_C(cute.make_identity_tensor((ROWS, D_LATENT))))
         for r in cutlass.range_constexpr(2):
-            row = crd[r, 0][0]
+            row = o_crd[r, 0][0]
             token = row // self.h
             if row < self.g and token < sq:
                 inv = Float32(0.0)
                 lse = -Float32.inf
-                if total[r] > 0.0:
-                    inv = 1.0 / total[r]
-                    lse = row_max[r] * scale_log2 + cute.math.log2(total[r], fastmath=True)
+                if row_sum[r] > 0.0:
+                    inv = 1.0 / row_sum[r]
+                    lse = row_max[r] * scale_log2 + cute.math.log2(row_sum[r], fastmath=True)
                 head = head0 + row % self.h
                 for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
-                    mOp[split, q_off + token, head, crd[r, c][1]] = o[r, c] * inv
+                    mOp[split, q_off + token, head, o_crd[r, c][1]] = o[r, c] * inv
                 if wg == 0 and tidx % 4 == 0:
                     mLp[split, q_off + token, head] = lse

@@ -1,7 +1,9 @@
 """Host launchers of the MLA paged decode and of DeepSeek sparse attention (DSA, the partial
 pass's sparse mode): torch only (no DSL), the partial pass and the paged leaf's combine
 (compiled under this leaf's SPEC) through the compile cache. Callers validate first
-(`forgekernel.ops.mla`, `forgekernel.ops.dsa`)."""
+(`forgekernel.ops.mla`, `forgekernel.ops.dsa`). FlashMLA's FP8 cache comes as its three views
+(`ckv_cache` uint8 latent bytes, `kpe_cache` bf16 RoPE, `ckv_scale` fp32 (num_pages, page_size,
+4)) and runs the `fp8` compile of the partial pass; 16-bit caches pass ckv_scale None."""
 
 from __future__ import annotations
 
@@ -16,17 +18,18 @@ from forgekernel.runtime.plans import PlanCache
 _plans = PlanCache()
 
 
-def _plan(kind, dtype, units, hq, max_tokens, qtokens, device_index):
+def _plan(kind, dtype, units, hq, max_tokens, qtokens, device_index, fp8):
     """(partial kernel, combine kernel, splits, keys per split): kind "partial" (units =
     sequences, max_tokens their bound) or "sparse" (units = query tokens, max_tokens the top-k
-    width); the paged leaf's split plan over units x head blocks. The kernels are looked up
-    here, once per problem (two compile-cache lookups cost 0.8 us a call on the CPU)."""
+    width), over an FP8 cache if fp8; the paged leaf's split plan over units x head blocks. The
+    kernels are looked up here, once per problem (two compile-cache lookups cost 0.8 us a call
+    on the CPU)."""
     name = dtype_name(dtype)
     heads = config.heads_per_cta(hq, qtokens)
     splits, per = config.split_plan(
         units, hq // heads, max_tokens, num_sms(device_index), config.RESIDENT
     )
-    partial = get_kernel(SPEC, config.params_for(kind, name, heads, qtokens))
+    partial = get_kernel(SPEC, config.params_for(kind, name, heads, qtokens, fp8))
     return partial, get_kernel(SPEC, config.params_for("combine", name)), splits, per
 
 
@@ -39,13 +42,17 @@ def _partials(splits: int, rows: int, hq: int, device: torch.device):
     )
 
 
-def query_tokens(packed: bool, max_seqlen_q: int) -> int:
-    """The compiled query tokens per CTA: 1 for one query per sequence (rows = B), else the
+def query_tokens(packed: bool, max_seqlen_q: int, hq: int) -> int:
+    """The compiled query tokens per CTA: 1 for one query per sequence (rows = B); else the
     fewest of QTOKENS >= max(max_seqlen_q, 2) (packed rows need cu_seqlens_q even when every
-    sequence brings at most one: some may bring none)."""
+    sequence brings at most one: some may bring none), or, for longer sequences (prefill, in
+    blocks of that many tokens), the most that fill the most of the CTA's rows."""
     if not packed:
         return 1
-    return next(t for t in config.QTOKENS if t >= max(max_seqlen_q, 2))
+    if max_seqlen_q <= config.QTOKENS[-1]:
+        return next(t for t in config.QTOKENS if t >= max(max_seqlen_q, 2))
+    fill = {t: t * config.heads_per_cta(hq, t) for t in config.QTOKENS if t > 1}
+    return max(fill, key=lambda t: (fill[t], t))
 
 
 def mla_decode(
@@ -61,30 +68,34 @@ def mla_decode(
     cu_seqlens_q: torch.Tensor | None = None,
     max_seqlen_q: int = 1,
     causal: bool = True,
+    ckv_scale: torch.Tensor | None = None,
 ) -> None:
     """out (rows, Hq, 512) in q's dtype and lse (rows, Hq) fp32 (natural log; any strides) of
     absorbed MLA: q_nope (rows, Hq, 512), q_pe (rows, Hq, 64); ckv_cache (num_pages,
     page_size, 512) and kpe_cache (num_pages, page_size, 64) in q's dtype, rows contiguous and
     16-byte aligned (views of FlashMLA's combined cache qualify); page_table int32 (B,
     max_pages); seqlens_k int32 (B,) counting the new tokens. rows = B (one query per
-    sequence), or total_q packed by cu_seqlens_q int32 (B + 1,) with at most max_seqlen_q <= 4
-    tokens per sequence, token i of sq seeing keys j <= sk - sq + i when causal. The split
-    plan bounds the lengths by the table's width (no device read)."""
+    sequence), or total_q packed by cu_seqlens_q int32 (B + 1,) with at most max_seqlen_q
+    tokens per sequence (beyond QTOKENS: prefill, blocks of query tokens per CTA), token i of
+    sq seeing keys j <= sk - sq + i when causal. The split plan bounds the lengths by the
+    table's width (no device read). FP8 (ckv_scale given): the module docstring, q bf16."""
     rows, hq, _ = q_nope.shape
     b = seqlens_k.shape[0]
     if rows == 0 or b == 0 or hq == 0:
         return
-    qtokens = query_tokens(cu_seqlens_q is not None, max_seqlen_q)
+    qtokens = query_tokens(cu_seqlens_q is not None, max_seqlen_q, hq)
+    q_blocks = -(-max_seqlen_q // qtokens) if cu_seqlens_q is not None else 1
     page_size = ckv_cache.shape[1]
     device = q_nope.device
-    key = ("partial", q_nope.dtype, b, hq, page_table.shape[1] * page_size, qtokens, device.index)
+    key = ("partial", q_nope.dtype, b * q_blocks, hq, page_table.shape[1] * page_size, qtokens,
+           device.index, ckv_scale is not None)  # fmt: skip
     partial, combine, splits, per = _plans.get_or_build(key, _plan)
     partial_o, partial_lse = _partials(splits, rows, hq, device)
     cu = None if cu_seqlens_q is None else cu_seqlens_q.contiguous()
     with on_device(device):
-        partial(as_tma_ready(q_nope), as_tma_ready(q_pe), ckv_cache, kpe_cache,
+        partial(as_tma_ready(q_nope), as_tma_ready(q_pe), ckv_cache, kpe_cache, ckv_scale,
                 page_table.contiguous(), seqlens_k.contiguous(), partial_o, partial_lse,
-                softmax_scale * LOG2E, per, page_size, cu, int(causal))  # fmt: skip
+                softmax_scale * LOG2E, per, page_size, cu, int(causal), q_blocks)  # fmt: skip
         combine(partial_o, partial_lse, out, lse)
 
 
@@ -97,12 +108,14 @@ def dsa_sparse_attention(
     softmax_scale: float,
     out: torch.Tensor,
     lse: torch.Tensor,
+    ckv_scale: torch.Tensor | None = None,
 ) -> None:
     """out (tokens, Hq, 512) in q's dtype (rows of 512 contiguous) and lse (tokens, Hq) fp32
     (natural log; any strides) of DSA: q_nope (tokens, Hq, 512), q_pe (tokens, Hq, 64); caches
     as `mla_decode`'s; sparse_indices int32 (tokens, topk), entries page * page_size + slot,
     negative = padding. Split s covers list positions [s * per, (s + 1) * per) of every token;
-    the plan depends on shapes only (no device read). topk 0: every row 0 / -inf."""
+    the plan depends on shapes only (no device read). topk 0: every row 0 / -inf. FP8
+    (ckv_scale given): the module docstring, q bf16."""
     tokens, hq, _ = q_nope.shape
     topk = sparse_indices.shape[1]
     if tokens == 0 or hq == 0:
@@ -112,11 +125,11 @@ def dsa_sparse_attention(
         lse.fill_(float("-inf"))
         return
     device = q_nope.device
-    key = ("sparse", q_nope.dtype, tokens, hq, topk, 1, device.index)
+    key = ("sparse", q_nope.dtype, tokens, hq, topk, 1, device.index, ckv_scale is not None)
     partial, combine, splits, per = _plans.get_or_build(key, _plan)
     partial_o, partial_lse = _partials(splits, tokens, hq, device)
     with on_device(device):
-        partial(as_tma_ready(q_nope), as_tma_ready(q_pe), ckv_cache, kpe_cache,
+        partial(as_tma_ready(q_nope), as_tma_ready(q_pe), ckv_cache, kpe_cache, ckv_scale,
                 sparse_indices.contiguous(), None, partial_o, partial_lse, softmax_scale * LOG2E,
-                per, ckv_cache.shape[1], None, 0)  # fmt: skip
+                per, ckv_cache.shape[1], None, 0, 1)  # fmt: skip
         combine(partial_o, partial_lse, out, lse)

@@ -1,0 +1,125 @@
+"""FlashMLA's FP8 latent cache read by the MLA partial pass (decode.py, `fp8`): the e4m3 latent
+columns go global -> registers -> bf16 -> the same swizzled 16-bit tile the 16-bit path's
+cp.async fills (shared memory is full: no room to stage the bytes there). The RoPE columns are
+bf16 in the cache and keep cp.async.
+
+Format (config.FP8_ROW_BYTES = 656 bytes per token): [0, 512) the latent in e4m3, [512, 528)
+four fp32 scales, one per 128 latent columns (powers of two), [528, 656) the RoPE columns in
+bf16; the kernel takes the three as views (uint8 (P, ps, 512), fp32 (P, ps, 4), bf16 (P, ps,
+64)) of the same rows.
+
+Dequantization, per pair of e4m3 bytes -> one bf16x2 register (4 instructions):
+    prmt  t = [b0, sign(b0), b1, sign(b1)]   (each byte sign-extended to 16 bits)
+    shl   t = t << 4                         (the byte s eeee mmm at bits 11..4, copies of s
+                                              at 15..12)
+    and   t = t & 0x87F087F0                 (bf16 s 0000eeee mmm0000: the e4m3 exponent the
+                                              low 4 bits of bf16's, its 3 mantissa bits the top
+                                              ones of bf16's)
+    mul.rn.bf16x2  out = t * m,  m = bf16(2^120 x scale)
+t read as bf16 is the e4m3 value times 2^(7 - 127) = 2^-120 exactly, subnormals included (an
+e4m3 subnormal, exponent field 0, is a bf16 subnormal with the same mantissa bits; 0x80 is -0).
+The product e4m3 x scale is exact in bf16 for a power-of-two scale in [2^-124, 2^7] (bf16 has
+fp32's exponent range and 8 significant bits, e4m3 4), so the multiply rounds nothing; m is
+finite for scales up to 2^7 (|latent| <= 448 x 128 = 57344 under FlashMLA's quantizer, whose
+smallest scale is 2^-13). The e4m3fn NaN codes 0x7F / 0xFF, which a saturating quantizer never
+writes, read as +-480 x scale. tests/test_mla_decode.py models this sequence bit for bit in
+torch over all 256 codes and the scales 2^-124 .. 2^7.
+
+Rows are also prefetched into L2 a turn ahead (`prefetch_row_l2`, cp.async.bulk.prefetch: no
+register or shared memory): the register loads, which warpgroup 1 waits for, then wait for L2
+rather than DRAM."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from forgekernel.kernels.attention.mla.sm90.config import (
+    E4M3_TO_BF16_EXPONENT,
+    FP8_CHUNK,
+    FP8_ROW_BYTES,
+    FP8_SCALE_COLUMNS,
+)
+from forgekernel.kernels.common.sm90.ptx import cvt_pair
+
+BF16_CHUNK = 8  # bf16 elements per 16-byte shared-memory store (one swizzle chunk)
+_SELECT = ("0x9180", "0xB3A2")  # prmt: bytes 0, 1 / 2, 3 of the word, each sign-extended
+
+
+@dsl_user_op
+def e4m3x2_to_bf16x2(word: Int32, mult: Int32, upper: bool, *, loc=None, ip=None) -> Int32:
+    """Bytes 0, 1 (upper: 2, 3) of `word`, e4m3, times the bf16x2 pair `mult` (2^120 x scale
+    twice) as one bf16x2 register (the lower byte in the low half); see the module
+    docstring."""
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Int32(word).ir_value(loc=loc, ip=ip), Int32(mult).ir_value(loc=loc, ip=ip)],
+            "{\n.reg .b32 t;\n"
+            f"prmt.b32 t, $1, 0, {_SELECT[int(upper)]};\n"
+            "shl.b32 t, t, 4;\n"
+            "and.b32 t, t, 0x87F087F0;\n"
+            "mul.rn.bf16x2 $0, t, $2;\n}",
+            "=r,r,r",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
+def prefetch_row_l2(row: cute.Tensor, *, loc=None, ip=None) -> None:
+    """One FP8 cache row (all FP8_ROW_BYTES: latent, scales and RoPE; 16-byte aligned) into L2,
+    asynchronously: no register or shared memory holds it, so the register loads a turn later
+    wait for L2 instead of DRAM."""
+    llvm.inline_asm(
+        None,
+        [row.iterator.llvm_ptr, Int32(FP8_ROW_BYTES).ir_value(loc=loc, ip=ip)],
+        "cp.async.bulk.prefetch.L2.global [$0], $1;",
+        "l,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@cute.jit
+def bf16_multiplier(scale: Float32) -> Int32:
+    """bf16x2 (2^120 x scale, 2^120 x scale): exact for a power-of-two scale <= 2^7."""
+    m = scale * Float32(2.0**E4M3_TO_BF16_EXPONENT)
+    return cvt_pair(m, m, True)
+
+
+@cute.jit
+def load_chunk(row: cute.Tensor, chunk, raw: cute.Tensor):
+    """The 16 e4m3 bytes of latent columns [16 chunk, 16 chunk + 16) of one cache row (uint8,
+    16-byte aligned) into `raw` (16 uint8 registers): one 16-byte global load."""
+    ptr = cute.make_ptr(cutlass.Uint8, row.iterator.toint(), cute.AddressSpace.gmem,
+                        assumed_align=16)  # fmt: skip
+    src = cute.make_tensor(ptr + chunk * FP8_CHUNK, cute.make_layout(FP8_CHUNK))
+    cute.autovec_copy(src, raw)
+
+
+@cute.jit
+def chunk_scale_index(chunk):
+    """Which of a row's four scales covers 16-byte chunk `chunk` of its latent bytes."""
+    return chunk // (FP8_SCALE_COLUMNS // FP8_CHUNK)
+
+
+@cute.jit
+def store_chunk(raw: cute.Tensor, mult: Int32, dst_row: cute.Tensor, chunk):
+    """`raw` (16 e4m3 bytes of columns [16 chunk, 16 chunk + 16)) dequantized by `mult` into
+    the 16-bit tile row `dst_row` (swizzled): two 16-byte shared-memory stores."""
+    words = cute.recast_tensor(raw, Int32)
+    for half in cutlass.range_constexpr(2):
+        wide = cute.make_rmem_tensor(4, Int32)
+        for k in cutlass.range_constexpr(2):
+            word = words[2 * half + k]
+            wide[2 * k] = e4m3x2_to_bf16x2(word, mult, False)
+            wide[2 * k + 1] = e4m3x2_to_bf16x2(word, mult, True)
+        dst = cute.local_tile(dst_row, (BF16_CHUNK,), (2 * chunk + half,))
+        cute.autovec_copy(cute.recast_tensor(wide, dst_row.element_type), dst)
