@@ -57,9 +57,9 @@ def byte_tiles(rows: int, d: int, stages: int):
 
 def row_copy(dtype, width: int, threads: int) -> cute.TiledCopy:
     """cp.async of 16 bytes over (rows, width) 16-bit views of byte rows, two chunks of a row
-    per thread (chunks j and j + width / 16 / 2: a warp's copy covers 32 whole bytes of each
-    of its rows or more): half the rows per thread of `warp_mma.tiled_row_copy`, so half the
-    page lookups and row addresses."""
+    per thread (of a row's width / 8 chunks, j and j + width / 16: a warp's copy covers 32
+    whole bytes of each of its rows or more): half the rows per thread of
+    `warp_mma.tiled_row_copy`, so half the page lookups and row addresses."""
     chunk = COPY_BITS // dtype.width
     per_row = width // chunk // 2
     atom = cute.make_copy_atom(
