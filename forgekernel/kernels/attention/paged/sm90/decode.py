@@ -143,7 +143,9 @@ class PagedDecodeSm90:
         )  # fmt: skip
         if const_expr(self.fp8):
             self.shared = self._fp8_shared(dtype)
-            # registers capped for RESIDENT_FP8 CTAs per SM, the carveout all shared memory
+            # registers capped for RESIDENT_FP8 CTAs per SM (.minnctapersm). The carveout only
+            # reaches the DSL's JIT loader (an exported kernel sets none: the driver's default
+            # choice), and given, the compile needs no device query for min_blocks_per_mp
             self.kernel(*args).launch(
                 grid=grid, block=[THREADS, 1, 1], stream=stream,
                 min_blocks_per_mp=RESIDENT_FP8[self.d], preferred_smem_carveout=100,
