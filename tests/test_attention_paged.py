@@ -15,6 +15,8 @@ from split_combine import combine_splits
 from forgekernel.kernels.attention.paged.sm90 import launch as paged_launch
 from forgekernel.kernels.attention.paged.sm90.config import (
     HEADS,
+    RESIDENT,
+    RESIDENT_FP8,
     ROWS,
     TILE,
     WARPS,
@@ -51,8 +53,9 @@ def _partial(q, k, v, pt, seq, op, lp, scale_log2, per, page_size, group, ks, vs
              heads, qtokens=1):  # fmt: skip
     """The partial kernel's algorithm (decode.py): the split's keys in tiles of TILE, warp w
     taking keys 16w .. 16w + 15 of every tile with its own online softmax (a tile's 16 scores
-    at once, scaled inside the exponent, an FP8 cache's K scale with it), the warps merged at
-    the end (V's scale on O first)."""
+    at once, scaled inside the exponent, an FP8 cache's K scale with it), P rounded to q's
+    dtype (an FP8 cache: f16, its P V runs in f16), the warps merged at the end (V's scale on
+    O first)."""
     _, hq, d = q.shape
     keys = TILE // WARPS
     for b in range(seq.shape[0]):
@@ -64,6 +67,7 @@ def _partial(q, k, v, pt, seq, op, lp, scale_log2, per, page_size, group, ks, vs
             rows = [(i, h) for i in range(qtokens) for h in range(heads)]
             qs = torch.stack([q[q_off + min(i, sq - 1), h0 + h] for i, h in rows]).double()
             exp_scale = scale_log2 * (1.0 if ks is None else float(ks[kvh]))
+            p_type = q.dtype if ks is None else torch.float16
             for s in range(op.shape[0]):
                 t0 = s * per
                 t1 = min(t0 + per, sk)
@@ -88,7 +92,7 @@ def _partial(q, k, v, pt, seq, op, lp, scale_log2, per, page_size, group, ks, vs
                         corr = torch.exp2(m * exp_scale - base)
                         p = torch.exp2(sc * exp_scale - base[:, None])
                         lsum = lsum * corr + p.sum(1)
-                        o = o * corr[:, None] + p.to(q.dtype).double() @ vt.double()
+                        o = o * corr[:, None] + p.to(p_type).double() @ vt.double()
                         m = m_new
                     if vs is not None:
                         o = o * float(vs[kvh])
@@ -190,6 +194,24 @@ def test_fp8_cache_scales(cpu_kernels, per_head):
     assert float((lse - want_lse).abs().max()) < 1e-4
     with pytest.raises(ValueError, match="needs k_scale"):
         op_module.attention_paged(q, k, v, pt, seq)
+
+
+@pytest.mark.parametrize(("b", "d", "tokens"), [(64, 128, 4096), (1, 128, 32768), (4, 64, 9000),
+                                                 (2, 256, 3000)])  # fmt: skip
+def test_fp8_plan_fills_the_fp8_residency(cpu_kernels, b, d, tokens):
+    """An FP8 cache's CTAs are smaller (byte tiles): its split plan fills RESIDENT_FP8 CTAs
+    per SM, a 16-bit cache's RESIDENT."""
+    hq, hkv, ps = 8, 2, 16
+    for fp8 in (False, True):
+        q, k, v, pt, seq = _problem(b, hq, hkv, d, ps, [5] * b, fp8=fp8)
+        pt = pt[:, :1].expand(b, -(-tokens // ps))  # the plan bounds lengths by the table
+        scales = {"k_scale": 0.5, "v_scale": 2.0} if fp8 else {}
+        op_module.attention_paged(q, k, v, pt, seq, **scales)
+        params, (_, per, _, _), direct = cpu_kernels[-1]
+        resident = (RESIDENT_FP8 if fp8 else RESIDENT)[d]
+        splits, want_per = split_plan(b, hq // params["heads"], pt.shape[1] * ps, 132, resident)
+        assert per == want_per and bool(direct) == (splits == 1)
+        assert (params.get("kv") == "float8_e4m3fn") == fp8
 
 
 @pytest.mark.parametrize(

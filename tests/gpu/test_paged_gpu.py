@@ -1,6 +1,7 @@
 """Paged GQA decode on the GPU against the fp32 reference (issue 18): page sizes 1 / 16 / 64,
 GQA 1 / 4 / 8 / 3, head dims 64 / 128 / 256, empty and long sequences, the combined cache
-view, fp16 and bf16, NaN-poisoned outputs."""
+view, fp16 and bf16, NaN-poisoned outputs; FP8 (e4m3) caches over the same shapes, e4m3
+subnormals, speculative decoding."""
 
 from __future__ import annotations
 
@@ -71,6 +72,98 @@ def test_paged_decode_fp8_cache(per_head):
     want, want_lse = paged_attention_ref(q, k, v, table, seq, k_scale=ks, v_scale=vs)
     assert float((out.float() - want).abs().max()) < 2e-2
     assert float((lse - want_lse).abs().max()) < 1e-3
+
+
+FP8_CASES = [
+    # b, hq, hkv, d, page_size, lens, combined: every FP8 leaf shape (D 64 / 128 / 256, padding
+    # rows (G <= 8) and full rows (G 16), MHA), page sizes 1 / 16 / 64, empty and odd lengths
+    (4, 32, 8, 128, 16, [1, 17, 300, 0], False),
+    (2, 32, 4, 128, 1, [64, 1000], False),
+    (1, 32, 8, 128, 64, [16384], False),
+    (3, 8, 8, 64, 16, [5, 0, 513], True),
+    (2, 16, 2, 256, 64, [129, 2048], False),
+    (2, 64, 4, 64, 16, [77, 3000], False),
+    (2, 24, 8, 256, 32, [77, 700], False),
+    (64, 32, 8, 128, 16, [4096] * 64, False),
+]
+
+
+def _fp8_problem(case, dtype, seed, subnormal=False):
+    """Random e4m3 caches (N(0, 1) draws, or with `subnormal` only e4m3's subnormal codes, made
+    O(1) by scales of 2^9: a flushed subnormal would zero whole keys), per-head scales, q."""
+    b, hq, hkv, d, ps, lens, combined = case
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    max_pages = max(1, max(-(-n // ps) for n in lens))
+    pages = b * max_pages + 5
+    shape = (pages, 2, ps, hkv, d) if combined else (pages, ps, hkv, d)
+    if subnormal:
+        codes = torch.randint(1, 8, shape, device="cuda", generator=g, dtype=torch.uint8)
+        sign = torch.randint(0, 2, shape, device="cuda", generator=g, dtype=torch.uint8) << 7
+        kv = (codes | sign).view(torch.float8_e4m3fn)
+        scales = torch.full((2, hkv), 2.0**9, device="cuda")
+    else:
+        kv = torch.randn(*shape, device="cuda", generator=g).to(torch.float8_e4m3fn)
+        scales = torch.rand(2, hkv, device="cuda", generator=g) + 0.5
+    k = kv[:, 0] if combined else kv
+    v = kv[:, 1] if combined else kv.flip(0)
+    table = torch.randperm(pages, device="cuda", generator=g)[: b * max_pages].view(b, -1)
+    seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(b, hq, d, device="cuda", dtype=dtype, generator=g)
+    return q, k, v, table.to(torch.int32), seq, scales[0], scales[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: f"b{c[0]}_h{c[1]}_{c[2]}_d{c[3]}_p{c[4]}")
+def test_paged_decode_fp8_cache_shapes(case, dtype):
+    q, k, v, table, seq, ks, vs = _fp8_problem(case, dtype, seed=2)
+    out = torch.full_like(q, float("nan"))
+    _, lse = op.attention_paged(q, k, v, table, seq, return_lse=True, out=out, k_scale=ks,
+                                v_scale=vs)  # fmt: skip
+    want, want_lse = paged_attention_ref(q, k, v, table, seq, k_scale=ks, v_scale=vs)
+    assert float((out.float() - want).abs().max()) < 2e-2
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
+    assert torch.all(out[~finite] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_paged_decode_fp8_subnormal_cache(d, dtype):
+    """K and V of e4m3 subnormals only: widened exactly (the bf16 path multiplies bf16
+    subnormals by 2^120), not flushed."""
+    case = (3, 16, 4, d, 16, [40, 700, 2000], False)
+    q, k, v, table, seq, ks, vs = _fp8_problem(case, dtype, seed=4, subnormal=True)
+    out, lse = op.attention_paged(q, k, v, table, seq, return_lse=True, k_scale=ks, v_scale=vs)
+    want, want_lse = paged_attention_ref(q, k, v, table, seq, k_scale=ks, v_scale=vs)
+    assert float((out.float() - want).abs().max()) < 2e-2 * float(want.abs().max())
+    assert float((lse - want_lse).abs().max()) < 1e-3 * float(want_lse.abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("q_lens", "k_lens", "hq", "hkv", "d"),
+    [
+        ([1, 3, 2, 4], [40, 3, 700, 4096], 32, 8, 128),
+        ([2, 2], [0, 129], 16, 2, 256),
+        ([4] * 8, [999] * 8, 64, 8, 64),
+    ],
+)
+def test_paged_speculative_decoding_fp8_cache(q_lens, k_lens, hq, hkv, d, dtype):
+    case = (len(q_lens), hq, hkv, d, 16, k_lens, False)
+    _, k, v, table, seq, ks, vs = _fp8_problem(case, dtype, seed=5)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
+                      device="cuda")  # fmt: skip
+    g = torch.Generator(device="cuda").manual_seed(6)
+    q = torch.randn(int(cu[-1]), hq, d, device="cuda", dtype=dtype, generator=g)
+    out, lse = op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu, max_seqlen_q=max(q_lens),
+                                  return_lse=True, k_scale=ks, v_scale=vs)  # fmt: skip
+    want, want_lse = paged_attention_ref(q, k, v, table, seq, cu_seqlens_q=cu, k_scale=ks,
+                                         v_scale=vs)  # fmt: skip
+    assert float((out.float() - want).abs().max()) < 2e-2
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -18,6 +18,17 @@ TILE = 64
 ROWS = 16
 STAGES = {64: 4, 128: 3, 256: 3}
 RESIDENT = {64: 3, 128: 2, 256: 1}
+# FP8 (e4m3) caches: byte tiles (8 / 16 / 32 KB of K and V a stage), widened in registers
+# (fp8.py), so more stages and CTAs fit: at least the 16-bit cache's bytes in flight per SM
+# ((STAGES - 1) x tile x RESIDENT: 160 / 144 / 128 KB against 144 / 128 / 128 KB), the
+# registers capped for RESIDENT CTAs of THREADS threads.
+STAGES_FP8 = {64: 6, 128: 4, 256: 3}
+RESIDENT_FP8 = {64: 4, 128: 3, 256: 2}
+# The FP8 operands' register orders (fp8.py): a query dim 4t + 2i + j of a 16-dim segment sits
+# at 8i + 2t + j in shared memory ((j, i, t) shapes, strides), and column n of O's 8-column MMA
+# block 2s + e is dim 16s + 2n + e ((n, e) shapes, strides).
+FP8_Q_SLOT = ((2, 2, 4), (1, 8, 2))
+FP8_O_COLUMN = ((8, 2), (2, 1))
 
 
 def heads_per_cta(group: int, qtokens: int = 1) -> int:

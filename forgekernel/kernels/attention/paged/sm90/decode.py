@@ -13,10 +13,12 @@ swizzled tiles), scaled inside the exponent (the toolkit's base-2 online softmax
 16-bit registers as the A operand of O += P V_w (V by transposed ldmatrix; one K = 16 step,
 D / 8 MMAs). The warps' (max, sum, O) meet in shared memory at the end (`combine.write_split`).
 
-FP8 caches: the tiles stream in as bytes and, after the barrier, every thread widens its share
-into one 16-bit K and V tile (exact: e4m3 values are bf16 / fp16 values; a second barrier);
-the per-KV-head K scale (per-tensor scales come as (Hkv,) tensors) rides in the exponent's
-scale, V's multiplies O at the end, so dequantization costs nothing per element.
+FP8 caches: the tiles stay bytes in shared memory (half the 16-bit tiles: `config.STAGES_FP8`
+stages and `config.RESIDENT_FP8` CTAs per SM), read by ldmatrix and widened in registers into
+the MMA operands (fp8.py: exact; no 16-bit copy, no second barrier), Q stored with its columns
+permuted to match K's register order, O's columns put back in place when staged for the
+merge; P V in f16. The per-KV-head K scale (per-tensor scales come as (Hkv,) tensors) rides in
+the exponent's scale, V's multiplies O at the end, so dequantization costs nothing per element.
 
 Memory-bound: the MMAs are a few per 512 bytes of K and V; what matters is bytes in flight
 (STAGES - 1 tiles per CTA, 2 CTAs per SM at D = 128: `config.RESIDENT`)."""
@@ -27,10 +29,19 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import warp
+from cutlass.cute.nvgpu import cpasync, warp
 
+from forgekernel.kernels.attention.paged.sm90 import fp8
 from forgekernel.kernels.attention.paged.sm90.combine import write_split
-from forgekernel.kernels.attention.paged.sm90.config import ROWS, STAGES, THREADS, TILE, WARPS
+from forgekernel.kernels.attention.paged.sm90.config import (
+    RESIDENT_FP8,
+    ROWS,
+    STAGES,
+    STAGES_FP8,
+    THREADS,
+    TILE,
+    WARPS,
+)
 from forgekernel.kernels.common.sm90.layout import acc_to_operand_a, rows_cols, transposed
 from forgekernel.kernels.common.sm90.softmax import online_softmax, rescale_o
 from forgekernel.kernels.common.sm90.warp_mma import (
@@ -42,7 +53,6 @@ from forgekernel.kernels.common.sm90.warp_mma import (
 )
 
 KEYS = TILE // WARPS  # keys per warp per tile: one K = 16 step of P V
-WIDEN = 8  # FP8 elements widened per step: one 16-byte chunk of the 16-bit tile
 
 
 class PagedDecodeSm90:
@@ -57,12 +67,21 @@ class PagedDecodeSm90:
         self.h = heads
         self.qt = qtokens
         self.g = heads * qtokens
-        self.stages = STAGES[head_dim]
+        self.stages = STAGES_FP8[head_dim] if fp8 else STAGES[head_dim]
         self.fp8 = fp8
 
-    def _fp8_layout(self):
-        """(TILE, D, stages) bytes of an FP8 cache's tiles, rows contiguous (only widened)."""
-        return cute.make_layout((TILE, self.d, self.stages), stride=(self.d, 1, TILE * self.d))
+    def _fp8_shared(self, dtype):
+        """Shared memory of an FP8 cache: K's and V's byte tiles in one range (seen 16-bit:
+        `fp8.byte_tiles`), the merge's fp32 O over it, Q (columns permuted), max and sum."""
+        tiles = cute.cosize(fp8.byte_tiles(TILE, self.d, self.stages))
+        q_cosize = cute.cosize(swizzled_rows(ROWS, self.d))
+        fields = {  # annotations built here: this module's are strings (no local scope)
+            "kv": cute.struct.Align[cute.struct.MemRange[dtype, 2 * tiles], 1024],
+            "q": cute.struct.Align[cute.struct.MemRange[dtype, q_cosize], 1024],
+            "m": cute.struct.MemRange[Float32, WARPS * ROWS],
+            "lsum": cute.struct.MemRange[Float32, WARPS * ROWS],
+        }
+        return cute.struct(type("SharedFp8", (), {"__annotations__": fields}))
 
     @cute.jit
     def __call__(
@@ -106,27 +125,33 @@ class PagedDecodeSm90:
         dtype, cache = mQ.element_type, mK.element_type
         q_layout = swizzled_rows(ROWS, self.d)
         kv_cosize = cute.cosize(swizzled_rows(TILE, self.d, self.stages))
-        # FP8: the tiles stream in as bytes and are widened into one 16-bit K and V tile
-        wide_cosize = cute.cosize(swizzled_rows(TILE, self.d, 2)) if const_expr(self.fp8) else 1
 
         @cute.struct
         class Shared:
             k: cute.struct.Align[cute.struct.MemRange[cache, kv_cosize], 1024]
             v: cute.struct.Align[cute.struct.MemRange[cache, kv_cosize], 1024]
-            wide: cute.struct.Align[cute.struct.MemRange[dtype, wide_cosize], 1024]
+            wide: cute.struct.Align[cute.struct.MemRange[dtype, 1], 1024]
             q: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(q_layout)], 1024]
             m: cute.struct.MemRange[Float32, WARPS * ROWS]
             lsum: cute.struct.MemRange[Float32, WARPS * ROWS]
 
         self.shared = Shared
-        self.kernel(
+        grid = (mOp.shape[0], mQ.shape[1] // self.h, mSeq.shape[0])
+        args = (
             mQ, mK, mV, mPT, mSeq, mOp, mLp, mO, mLSE, direct, scale_log2, per_split, page_size,
             group, mKScale, mVScale, mCuQ, causal,
-        ).launch(
-            grid=(mOp.shape[0], mQ.shape[1] // self.h, mSeq.shape[0]),
-            block=[THREADS, 1, 1],
-            stream=stream,
         )  # fmt: skip
+        if const_expr(self.fp8):
+            self.shared = self._fp8_shared(dtype)
+            # registers capped for RESIDENT_FP8 CTAs per SM (.minnctapersm). The carveout only
+            # reaches the DSL's JIT loader (an exported kernel sets none: the driver's default
+            # choice), and given, the compile needs no device query for min_blocks_per_mp
+            self.kernel(*args).launch(
+                grid=grid, block=[THREADS, 1, 1], stream=stream,
+                min_blocks_per_mp=RESIDENT_FP8[self.d], preferred_smem_carveout=100,
+            )  # fmt: skip
+        else:
+            self.kernel(*args).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(
@@ -168,20 +193,23 @@ class PagedDecodeSm90:
         tiles = cute.ceil_div(cutlass.max(t1 - t0, 0), TILE)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared)
-        kv_layout = swizzled_rows(TILE, self.d, self.stages)
-        if const_expr(self.fp8):
-            kv_layout = self._fp8_layout()
         sQ = storage.q.get_tensor(swizzled_rows(ROWS, self.d))
-        sK = storage.k.get_tensor(kv_layout)
-        sV = storage.v.get_tensor(kv_layout)
-        sWide = storage.wide.get_tensor(swizzled_rows(TILE, self.d, 2)) if const_expr(
-            self.fp8) else None  # fmt: skip
-
-        gcopy_q = tiled_row_copy(dtype, self.d, THREADS)
-        self._load_query(mQ, sQ, gcopy_q, gcopy_q.get_slice(tidx), q_off, sq, head0)
-        gcopy = tiled_row_copy(mK.element_type, self.d, THREADS)
+        if const_expr(self.fp8):
+            sK, sV = self._fp8_views(storage)
+            self._load_query_fp8(mQ, sQ, tidx, q_off, sq, head0)
+            # byte rows seen 16-bit; the page of a token by multiply-shift, not division
+            gcopy = fp8.row_copy(dtype, self.d // 2, THREADS)
+            pages = cute.fast_divmod_create_divisor_v2(page_size)
+        else:
+            kv_layout = swizzled_rows(TILE, self.d, self.stages)
+            sK = storage.k.get_tensor(kv_layout)
+            sV = storage.v.get_tensor(kv_layout)
+            gcopy_q = tiled_row_copy(dtype, self.d, THREADS)
+            self._load_query(mQ, sQ, gcopy_q, gcopy_q.get_slice(tidx), q_off, sq, head0)
+            gcopy = tiled_row_copy(mK.element_type, self.d, THREADS)
+            pages = page_size
         thr_g = gcopy.get_slice(tidx)
-        kv = (mK, mV, sK, sV, mPT, b, kvh, page_size)
+        kv = (mK, mV, sK, sV, mPT, b, kvh, pages)
         for s in cutlass.range_constexpr(self.stages - 1):
             if s < tiles:
                 self._load_tile(kv, gcopy, thr_g, t0 + s * TILE, t1, s)
@@ -198,6 +226,9 @@ class PagedDecodeSm90:
         copy_q = cute.make_tiled_copy_A(cute.make_copy_atom(ldsm, dtype), mma).get_slice(lane)
         copy_k = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm, dtype), mma).get_slice(lane)
         copy_v = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm_t, dtype), mma).get_slice(lane)
+        # FP8: P V in f16 whatever q's dtype (fp8.py)
+        pv_type = cutlass.Float16 if const_expr(self.fp8) else dtype
+        mma_pv = cute.make_tiled_mma(warp.MmaF16BF16Op(pv_type, Float32, (16, 8, 16)), (1, 1, 1))
 
         acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS, self.d)), Float32)
         acc_o.fill(0.0)
@@ -211,11 +242,21 @@ class PagedDecodeSm90:
         coords = rows_cols(
             as_wide_acc(thr_mma.partition_C(cute.make_identity_tensor((ROWS, KEYS))))
         )
+        if const_expr(self.fp8):
+            coords = self._real_rows(coords, mode=0)
         limits = query_row_limits(coords, self.h, self.qt, sq, sk, t1, causal)
+        first_limit, real_stats = None, None
+        if const_expr(self.fp8):
+            first_limit = limits[0]
+            for r in cutlass.range_constexpr(1, cute.size(limits)):
+                first_limit = cutlass.min(first_limit, limits[r])
+            real_stats = [self._real_rows(t, mode=None) for t in (row_max, row_sum, rescale)]
 
         tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
         tSsQ = copy_q.partition_S(sQ)
         tSrQ_view = copy_q.retile(tSrQ)
+        # the K / V tiles' width in the views ldmatrix reads (FP8: bytes seen 16-bit)
+        width = self.d // 2 if const_expr(self.fp8) else self.d
         for i in cutlass.range(tiles, unroll=1):
             cute.arch.cp_async_wait_group(self.stages - 2)
             cute.arch.sync_threads()
@@ -225,36 +266,55 @@ class PagedDecodeSm90:
             cute.arch.cp_async_commit_group()
 
             stage = i % self.stages
-            tile_k, tile_v = sK[None, None, stage], sV[None, None, stage]
-            if const_expr(self.fp8):
-                self._widen(tile_k, sWide[None, None, 0], tidx)
-                self._widen(tile_v, sWide[None, None, 1], tidx)
-                cute.arch.sync_threads()
-                tile_k, tile_v = sWide[None, None, 0], sWide[None, None, 1]
-            sKw = cute.local_tile(tile_k, (KEYS, self.d), (warp_idx, 0))
-            sVw = cute.local_tile(tile_v, (KEYS, self.d), (warp_idx, 0))
+            sKw = cute.local_tile(sK[None, None, stage], (KEYS, width), (warp_idx, 0))
+            sVw = cute.local_tile(sV[None, None, stage], (KEYS, width), (warp_idx, 0))
             acc_s = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS, KEYS)), Float32)
             acc_s.fill(0.0)
             tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sKw))
             tSsK = copy_k.partition_S(sKw)
             tSrK_view = copy_k.retile(tSrK)
-            for k in cutlass.range_constexpr(self.d // 16):
-                cute.copy(copy_q, tSsQ[None, None, k], tSrQ_view[None, None, k])
-                cute.copy(copy_k, tSsK[None, None, k], tSrK_view[None, None, k])
-                cute.gemm(mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
+            if const_expr(self.fp8):
+                cute.copy(copy_k, tSsK, tSrK_view)
+                tSrK_wide = cute.make_rmem_tensor(thr_mma.partition_shape_B((KEYS, self.d)), dtype)
+                fp8.widen_k(tSrK, tSrK_wide)
+                for k in cutlass.range_constexpr(self.d // 16):
+                    cute.copy(copy_q, tSsQ[None, None, k], tSrQ_view[None, None, k])
+                    cute.gemm(mma, acc_s, tSrQ[None, None, k], tSrK_wide[None, None, k], acc_s)
+            else:
+                for k in cutlass.range_constexpr(self.d // 16):
+                    cute.copy(copy_q, tSsQ[None, None, k], tSrQ_view[None, None, k])
+                    cute.copy(copy_k, tSsK[None, None, k], tSrK_view[None, None, k])
+                    cute.gemm(mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
 
             s_wide = as_wide_acc(acc_s)
             first_key = t0 + i * TILE + warp_idx * KEYS
-            self._mask(s_wide, coords, limits, first_key)
-            online_softmax(s_wide, row_max, row_sum, rescale, exp_scale)
-            rescale_o(o_wide, rescale)
-            tOrP = cute.make_rmem_tensor(thr_mma.partition_shape_A((ROWS, KEYS)), dtype)
+            if const_expr(self.fp8):
+                # FP8 tiles are half the bytes: per-tile work that does nothing is skipped, the
+                # mask before the rows' limits and, with G <= 8, the padding rows 8 .. 15 (zero
+                # queries: their raw scores, 0, become P = 0)
+                s_real = self._real_rows(s_wide)
+                if first_key + KEYS > first_limit:
+                    self._mask(s_real, coords, limits, first_key)
+                online_softmax(s_real, *real_stats, exp_scale)
+                rescale_o(self._real_rows(o_wide), real_stats[2])
+            else:
+                self._mask(s_wide, coords, limits, first_key)
+                online_softmax(s_wide, row_max, row_sum, rescale, exp_scale)
+                rescale_o(o_wide, rescale)
+            tOrP = cute.make_rmem_tensor(thr_mma.partition_shape_A((ROWS, KEYS)), pv_type)
             acc_to_operand_a(s_wide, tOrP)
 
             sVt = transposed(sVw)
             tOrV = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
             cute.copy(copy_v, copy_v.partition_S(sVt), copy_v.retile(tOrV))
-            cute.gemm(mma, acc_o, tOrP, tOrV, acc_o)
+            if const_expr(self.fp8):
+                tOrV_wide = cute.make_rmem_tensor(
+                    thr_mma.partition_shape_B((self.d, KEYS)), pv_type
+                )
+                fp8.widen_v(tOrV, tOrV_wide)
+                cute.gemm(mma_pv, acc_o, tOrP, tOrV_wide, acc_o)
+            else:
+                cute.gemm(mma, acc_o, tOrP, tOrV, acc_o)
 
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()  # the pipeline's buffers free: O meets there
@@ -291,31 +351,76 @@ class PagedDecodeSm90:
         mK, mV, sK, sV, mPT, b, kvh, page_size = kv
         tKsK = thr_g.partition_D(sK[None, None, stage])
         tVsV = thr_g.partition_D(sV[None, None, stage])
-        crd = thr_g.partition_S(cute.make_identity_tensor((TILE, self.d)))
-        for m in cutlass.range_constexpr(cute.size(tKsK, mode=[1])):
-            token = cutlass.min(first + crd[0, m, 0][0], t1 - 1)
-            page = token // page_size
-            slot = token - page * page_size
-            page_id = mPT[b, page]
-            copy_row_async(gcopy, mK[page_id, slot, kvh, None], self.d, tKsK[None, m, None],
-                           crd[None, m, None])  # fmt: skip
-            copy_row_async(gcopy, mV[page_id, slot, kvh, None], self.d, tVsV[None, m, None],
-                           crd[None, m, None])  # fmt: skip
+        if const_expr(self.fp8):  # byte rows seen 16-bit; page_size a fast divisor
+            crd = thr_g.partition_S(cute.make_identity_tensor((TILE, self.d // 2)))
+            for m in cutlass.range_constexpr(cute.size(tKsK, mode=[1])):
+                token = cutlass.min(first + crd[0, m, 0][0], t1 - 1)
+                page, slot = divmod(token, page_size)
+                page_id = mPT[b, page]
+                for cache, dst in ((mK, tKsK), (mV, tVsV)):
+                    row = self._row16(cache[page_id, slot, kvh, None], sK.element_type)
+                    copy_row_async(gcopy, row, self.d // 2, dst[None, m, None], crd[None, m, None])
+        else:
+            crd = thr_g.partition_S(cute.make_identity_tensor((TILE, self.d)))
+            for m in cutlass.range_constexpr(cute.size(tKsK, mode=[1])):
+                token = cutlass.min(first + crd[0, m, 0][0], t1 - 1)
+                page = token // page_size
+                slot = token - page * page_size
+                page_id = mPT[b, page]
+                copy_row_async(gcopy, mK[page_id, slot, kvh, None], self.d, tKsK[None, m, None],
+                               crd[None, m, None])  # fmt: skip
+                copy_row_async(gcopy, mV[page_id, slot, kvh, None], self.d, tVsV[None, m, None],
+                               crd[None, m, None])  # fmt: skip
+
+    def _row16(self, row, dtype):
+        """An FP8 cache row (D bytes, 16-byte aligned) seen as D / 2 16-bit elements."""
+        ptr = cute.make_ptr(dtype, row.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16)
+        return cute.make_tensor(ptr, cute.make_layout(self.d // 2))
+
+    def _fp8_views(self, storage):
+        """K's and V's byte tiles of an FP8 cache, 16-bit views (`fp8.byte_tiles`)."""
+        layout = fp8.byte_tiles(TILE, self.d, self.stages)
+        base = storage.kv.data_ptr()
+        return cute.make_tensor(base, layout), cute.make_tensor(base + cute.cosize(layout), layout)
 
     @cute.jit
-    def _widen(self, src, dst, tidx):
-        """An FP8 (TILE, D) tile into the 16-bit swizzled tile `dst`, 8 elements per step
-        (exact: e4m3 values are bf16 / fp16 values)."""
-        per_row = self.d // WIDEN
-        for j in cutlass.range_constexpr(TILE * per_row // THREADS):
-            idx = tidx + j * THREADS
-            r = idx // per_row
-            c = idx - r * per_row
-            raw = cute.make_rmem_tensor(WIDEN, src.element_type)
-            cute.autovec_copy(cute.local_tile(src[r, None], (WIDEN,), (c,)), raw)
-            wide = cute.make_rmem_tensor(WIDEN, dst.element_type)
-            wide.store(raw.load().to(Float32).to(dst.element_type))
-            cute.autovec_copy(wide, cute.local_tile(dst[r, None], (WIDEN,), (c,)))
+    def _load_query_fp8(self, mQ, sQ, tidx, q_off, sq, head0):
+        """The query tile of an FP8 cache's pass: as `_load_query`, pair c of a row (dims 2c,
+        2c + 1) into pair slot `fp8.q_pair_slots` (K's register order), cp.async of 4
+        bytes."""
+        atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), mQ.element_type,
+            num_bits_per_copy=32,
+        )  # fmt: skip
+        pairs = self.d // 2
+        slots = fp8.q_pair_slots(self.d)
+        for j in cutlass.range_constexpr(ROWS * pairs // THREADS):
+            p = tidx + j * THREADS
+            r = p // pairs
+            c = p - r * pairs
+            token = r // self.h
+            dst = cute.local_tile(sQ[r, None], (2,), (slots(c),))
+            if r < self.g and token < sq:
+                row = mQ[q_off + token, head0 + r % self.h, None]
+                cute.copy(atom, cute.local_tile(row, (2,), (c,)), dst)
+            else:
+                dst.fill(0.0)
+
+    def _real_rows(self, t: cute.Tensor, mode: int | None = 1) -> cute.Tensor:
+        """With G <= 8 a warp's rows 8 .. 15 are padding: of an accumulator seen in WGMMA shape
+        ((2, 2, N), M, 1) (mode 1: the row halves) or its (rows, cols) coordinates ((2, M),
+        cols) (mode 0) or a per-row tensor (2,) (None), the first row half alone; else t."""
+        if self.g > 8:
+            return t
+        lay = t.layout
+        if mode is None:
+            return cute.make_tensor(t.iterator, cute.make_layout(1))
+        shape, stride = list(lay.shape), list(lay.stride)
+        if mode == 1:
+            shape[0] = (shape[0][0], 1, shape[0][2])
+        else:
+            shape[0] = (1, shape[0][1])
+        return cute.make_tensor(t.iterator, cute.make_layout(tuple(shape), stride=tuple(stride)))
 
     @cute.jit
     def _mask(self, s, coords, limits, first_key):
@@ -329,10 +434,11 @@ class PagedDecodeSm90:
     def _merge_views(self, storage):
         """(max, sum, O) of every warp's rows in shared memory: m, lsum (WARPS, G) fp32 and O
         (WARPS, G, D) fp32 over the K pipeline's buffer (16-bit: >= 2 stages of TILE x D x 2
-        bytes) or the widened tiles (FP8: 2 x TILE x D x 2 bytes), WARPS x 16 x D x 4 bytes."""
+        bytes) or K's and V's (FP8: 2 x >= 3 stages of TILE x D bytes), WARPS x 16 x D x 4
+        bytes."""
         sm = storage.m.get_tensor(cute.make_layout((WARPS, ROWS)))
         sl = storage.lsum.get_tensor(cute.make_layout((WARPS, ROWS)))
-        merge = storage.wide if const_expr(self.fp8) else storage.k
+        merge = storage.kv if const_expr(self.fp8) else storage.k
         o_ptr = cute.recast_ptr(merge.data_ptr(), dtype=Float32)
         so = cute.make_tensor(o_ptr, cute.make_layout((WARPS, ROWS, self.d), stride=(
             ROWS * self.d, self.d, 1)))  # fmt: skip
@@ -343,6 +449,10 @@ class PagedDecodeSm90:
         """This warp's rows < G: max (log2 units, -inf if no key), sum (over the quad) and the
         unnormalized O into `_merge_views`."""
         sm, sl, so = self._merge_views(storage)
+        if const_expr(self.fp8):  # O's registers hold permuted columns (fp8.o_columns)
+            so = cute.make_tensor(so.iterator, cute.make_layout(
+                (WARPS, ROWS, fp8.o_columns(self.d).shape),
+                stride=(ROWS * self.d, self.d, fp8.o_columns(self.d).stride)))  # fmt: skip
         crd = rows_cols(as_wide_acc(thr_mma.partition_C(cute.make_identity_tensor((ROWS, self.d)))))
         o = rows_cols(o_wide)
         lane = cute.arch.lane_idx()

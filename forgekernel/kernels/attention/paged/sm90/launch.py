@@ -21,9 +21,8 @@ def _plan(dtype, kv_dtype, batch, hq, hkv, d, max_tokens, qtokens, device_index)
     name = dtype_name(dtype)
     kv = "float8_e4m3fn" if kv_dtype == torch.float8_e4m3fn else ""
     heads = config.heads_per_cta(hq // hkv, qtokens)
-    splits, per = config.split_plan(
-        batch, hq // heads, max_tokens, num_sms(device_index), config.RESIDENT[d]
-    )
+    resident = (config.RESIDENT_FP8 if kv else config.RESIDENT)[d]
+    splits, per = config.split_plan(batch, hq // heads, max_tokens, num_sms(device_index), resident)
     partial = get_kernel(SPEC, config.params_for("partial", name, d, heads, kv, qtokens))
     combine = None if splits == 1 else get_kernel(SPEC, config.params_for("combine", name, d))
     return partial, combine, splits, per
