@@ -48,11 +48,10 @@ Block-scaled FP8 (`forgekernel.gemm_fp8`, the `gemm_fp8_sm90` leaf): A and B flo
 tile_k = 128 = the scale block; mSFA (M, K/128) fp32 per 1x128 group of A, mSFB
 (ceil(N/128), K/128) per 128x128 block of B. Each k-tile's WGMMAs accumulate into a fresh
 fp32 fragment that is waited for and added into the tile's accumulator times its two scales
-(the tensor core's FP8 accumulation keeps ~14 bits: promoted every 128 of K). tile_n = 128,
-so that a tile's columns share one block of B's scales (its N edge is not moved back); B
-"nk" only (8-bit WGMMA operands are K-major). The rows `kernel` hands `_mainloop_scaled` are
-its warpgroup's first thread's: the leaf's subclass (kernels/gemm/fp8/sm90/kernel.py) takes
-each thread's own.
+(the tensor core's FP8 accumulation keeps ~14 bits: promoted every 128 of K). A tile of up
+to 256 columns straddles at most two blocks of B's scales: both are loaded and each 8-column
+group of the fragment takes its own (its N edge is not moved back: the blocks stay aligned);
+B "nk" only (8-bit WGMMA operands are K-major).
 
 Constraints: A (M, K) K-major; B (N, K) K-major ("nk") or (K, N) N-major ("kn"); C (M, N)
 row-major; every leading stride a multiple of 8 elements (16 bytes, TMA) and base addresses
@@ -213,8 +212,8 @@ class GemmSm90:
         self.scaled = mSFA is not None
         if cutlass.const_expr(self.cfg.tile_k * self.a_dtype.width != 128 * 8):
             raise ValueError(f"tile_k = {self.cfg.tile_k} is not 128 bytes of {self.a_dtype}")
-        if cutlass.const_expr(self.scaled and (self.cfg.tile_n != 128 or self.cfg.stream_k)):
-            raise ValueError("block-scaled FP8 takes tile_n = 128 without stream K")
+        if cutlass.const_expr(self.scaled and self.cfg.stream_k):
+            raise ValueError("block-scaled FP8 does not take stream K")
         self._setup()
 
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
@@ -387,11 +386,11 @@ class GemmSm90:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             mma = (tiled_mma, tCrA, tCrB, acc)
             if cutlass.const_expr(self.scaled):
-                # the per-k-tile fragment, and the tile rows of the accumulator (an SM90 fp32
-                # fragment: values 4i + 0/1 on one row, 4i + 2/3 eight rows down). thr_mma is
-                # the warpgroup's slice: these are its first thread's rows, not this thread's;
-                # the FP8 leaf's GemmFp8Sm90._mainloop_scaled takes each thread's own.
-                rows = thr_mma.partition_C(
+                # the per-k-tile fragment, and this thread's tile rows of the accumulator (an
+                # SM90 fp32 fragment: values 4i + 0/1 on one row, 4i + 2/3 eight rows down;
+                # thr_mma is the warpgroup's slice, so the thread's own rows come from the
+                # tiled MMA's slice of the thread)
+                rows = tiled_mma.get_slice(tidx - THREADS_PER_WG).partition_C(
                     cute.make_identity_tensor((self.cfg.tile_m, self.cfg.tile_n))
                 )
                 tmp = cute.make_rmem_tensor(acc.layout.shape, self.acc_dtype)
@@ -667,24 +666,32 @@ class GemmSm90:
     @cute.jit
     def _mainloop_scaled(self, k_tiles, mma, where, ab_pipe, read, release):
         """Block-scaled FP8: per k-tile, tmp = its A B^T (WGMMA), then acc += tmp x the scales
-        of its rows' 1x128 groups and of the tile's 128x128 block of B. The scales are loaded
-        one k-tile ahead; each stage is released as soon as its WGMMAs are done."""
+        of its rows' 1x128 groups and of the 128x128 block of B its columns fall in (a tile
+        straddles at most two: `split` is the first tile column of the second). The scales are
+        loaded one k-tile ahead; each stage is released as soon as its WGMMAs are done."""
         tiled_mma, tCrA, tCrB, acc, (tmp, r0, r1, mSFA, mSFB) = mma
         first_row, tile_n, m = where
         # rows past M (a problem shorter than one tile) read row M - 1: they are never stored
         row0 = cutlass.min(first_row + r0, m - 1)
         row1 = cutlass.min(first_row + r1, m - 1)
-        # a cluster's CTA past N (odd tile count) reads the last block's scales, never stored
-        tile_n = cutlass.min(tile_n, mSFB.shape[0] - 1)
+        # blocks past N (a cluster's CTA past N, a tile's part past N) read the last block's
+        # scales: never stored
+        col0 = tile_n * self.cfg.tile_n
+        last = mSFB.shape[0] - 1
+        blk0 = cutlass.min(col0 // 128, last)
+        blk1 = cutlass.min(col0 // 128 + 1, last)
+        split = (col0 // 128 + 1) * 128 - col0
         k_blocks = cute.size(tCrA, mode=[2])
         acc.fill(0.0)
         # scales one k-tile ahead: their loads are in flight during the previous promotion
-        sa0, sa1, sb = mSFA[row0, 0], mSFA[row1, 0], mSFB[tile_n, 0]
+        sa0, sa1 = mSFA[row0, 0], mSFA[row1, 0]
+        sb0, sb1 = mSFB[blk0, 0], mSFB[blk1, 0]
         for kt in range(k_tiles):
-            s0 = sa0 * sb
-            s1 = sa1 * sb
+            s00, s10 = sa0 * sb0, sa1 * sb0
+            s01, s11 = sa0 * sb1, sa1 * sb1
             nxt = cutlass.min(kt + 1, k_tiles - 1)
-            sa0, sa1, sb = mSFA[row0, nxt], mSFA[row1, nxt], mSFB[tile_n, nxt]
+            sa0, sa1 = mSFA[row0, nxt], mSFA[row1, nxt]
+            sb0, sb1 = mSFB[blk0, nxt], mSFB[blk1, nxt]
             ab_pipe.consumer_wait(read)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
             cute.nvgpu.warpgroup.fence()
@@ -696,8 +703,15 @@ class GemmSm90:
             cute.nvgpu.warpgroup.wait_group(0)
             ab_pipe.consumer_release(read)
             read.advance()
-            for v in cutlass.range_constexpr(cute.size(acc)):
-                acc[v] = acc[v] + tmp[v] * (s1 if (v // 2) % 2 else s0)
+            # values 4g .. 4g + 3: columns 8g .. 8g + 7 of the tile, rows r0 (+ 0/1), r1 (+ 2/3)
+            for g in cutlass.range_constexpr(cute.size(acc) // 4):
+                lo, hi = s00, s10
+                if cutlass.const_expr(self.cfg.tile_n > 128 and g * 8 >= 64):  # else block 0
+                    second = cutlass.Int32(g * 8) >= split
+                    lo = cutlass.Float32(cutlass.select_(second, s01, s00))
+                    hi = cutlass.Float32(cutlass.select_(second, s11, s10))
+                for j in cutlass.range_constexpr(4):
+                    acc[4 * g + j] = acc[4 * g + j] + tmp[4 * g + j] * (hi if j // 2 else lo)
         return read, release, tiled_mma
 
     @cute.jit

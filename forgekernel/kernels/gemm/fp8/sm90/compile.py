@@ -9,7 +9,7 @@ from cutlass.cute.runtime import make_fake_tensor
 
 from forgekernel.kernels.common.sm90 import fake
 from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
-from forgekernel.kernels.gemm.fp8.sm90.kernel import GemmFp8Sm90
+from forgekernel.kernels.gemm.dense.sm90.kernel import GemmSm90
 
 
 def compile_gemm_fp8(params: dict, arch: str = "sm_90a", extra_options: str = ""):
@@ -29,7 +29,7 @@ def compile_gemm_fp8(params: dict, arch: str = "sm_90a", extra_options: str = ""
 
     cfg = GemmConfig.from_params({k_: v for k_, v in params.items() if k_ != "out"})
     return cute.compile(
-        GemmFp8Sm90(cfg),
+        GemmSm90(cfg),
         a,
         b,
         c,
