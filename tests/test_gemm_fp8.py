@@ -87,7 +87,7 @@ def test_launcher_arguments(monkeypatch, m, n, k):
     calls = []
 
     def get_kernel(spec, params):
-        def fn(a, b, c, work, flags, per, sa, sb, clusters):
+        def fn(a, b, c, work, flags, per, sa, sb, group, clusters):
             assert work is None and flags is None and per == 0
             assert c.shape[1] % 8 == 0 and a.is_contiguous() and b.is_contiguous()
             c[:, : b.shape[0]].copy_(gemm_fp8_ref(a, b, sa, sb).to(c.dtype))

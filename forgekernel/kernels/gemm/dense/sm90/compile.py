@@ -37,6 +37,7 @@ def compile_gemm(params: dict, arch: str = "sm_90a", extra_options: str = ""):
         cutlass.Int32(0),
         None,
         None,
+        None,
         cutlass.Int32(1),
         fake.stream(),
         options=fake.options(arch, extra_options),

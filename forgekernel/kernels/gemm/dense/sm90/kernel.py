@@ -192,6 +192,7 @@ class GemmSm90:
         per_cta: cutlass.Int32,
         mSFA: cute.Tensor | None,
         mSFB: cute.Tensor | None,
+        mGroup: cute.Tensor | None,
         max_active_clusters: cutlass.Int32,
         stream: cuda.CUstream,
     ):
@@ -199,7 +200,8 @@ class GemmSm90:
         `per_cta` k-iterations per CTA (the grid: all of them over per_cta), mWork fp32
         (>= 2 x CTAs x tile_m x tile_n,) 16-byte aligned, mFlags int32 (>= tiles,) zero
         (every launch leaves it zero); otherwise None, None, 0. FP8: mSFA, mSFB the block scales
-        (module docstring); otherwise None, None."""
+        (module docstring); otherwise None, None. mGroup int32 (M,): the grouped (MoE,
+        contiguous) layout, FP8 only (module docstring); otherwise None."""
         if cutlass.const_expr(self.b_kn):
             # (K, N) row-major seen as (N, K) with unit stride along N.
             mB = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 0]))
@@ -214,6 +216,11 @@ class GemmSm90:
             raise ValueError(f"tile_k = {self.cfg.tile_k} is not 128 bytes of {self.a_dtype}")
         if cutlass.const_expr(self.scaled and self.cfg.stream_k):
             raise ValueError("block-scaled FP8 does not take stream K")
+        if cutlass.const_expr(mGroup is not None and (not self.scaled or self.cfg.cluster_m > 1)):
+            raise ValueError(
+                "the grouped layout is FP8's, without B multicast (tiles of one "
+                "cluster column may belong to different experts)"
+            )
         self._setup()
 
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
@@ -283,6 +290,7 @@ class GemmSm90:
             per_cta,
             mSFA,
             mSFB,
+            mGroup,
         ).launch(
             grid=grid,
             block=[self.threads_per_cta, 1, 1],
@@ -313,6 +321,7 @@ class GemmSm90:
         per_cta: cutlass.Int32,
         mSFA: cute.Tensor | None,
         mSFB: cute.Tensor | None,
+        mGroup: cute.Tensor | None,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -355,6 +364,8 @@ class GemmSm90:
 
         # A ragged last tile row / column is moved back to end at M / N (see `_tail_shift`).
         shift = self._tail_pads(mC)
+        # grouped layout: each tile row's expert (its first row's), and N (B holds E x N rows)
+        groups = None if cutlass.const_expr(mGroup is None) else (mGroup, mC.shape[1])
         a_src = (
             mA,
             cluster_coord[1],
@@ -381,7 +392,7 @@ class GemmSm90:
             if warp_idx == 0:
                 load_a = (tma_a, a_src, a_mask)
                 load_b = (tma_b, b_src, b_mask)
-                self._produce(load_a, load_b, ab_pipe, schedule, streamk, shift)
+                self._produce(load_a, load_b, ab_pipe, schedule, streamk, (shift, groups))
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             mma = (tiled_mma, tCrA, tCrB, acc)
@@ -396,7 +407,7 @@ class GemmSm90:
                 tmp = cute.make_rmem_tensor(acc.layout.shape, self.acc_dtype)
                 mma = (tiled_mma, tCrA, tCrB, acc, (tmp, rows[0][0], rows[2][0], mSFA, mSFB))
             split_io = (mWork, mFlags, storage.split_last.get_tensor(cute.make_layout(2)))
-            c_src = (mC, shift)
+            c_src = (mC, shift, groups)
             self._consume(
                 tidx, warp_idx, mma, ab_pipe, sC, c_src, tma_c, schedule, streamk, split_io
             )
@@ -424,15 +435,17 @@ class GemmSm90:
         return tile % tiles_m, tile // tiles_m, k0, count, tile, parts, slot
 
     @cute.jit
-    def _produce(self, load_a, load_b, ab_pipe, schedule, streamk, shift):
+    def _produce(self, load_a, load_b, ab_pipe, schedule, streamk, where):
         """The producer warp: every k-tile of A and B of each unit into the AB ring. `load_x`:
-        the TMA atom, its global and shared partitions and its multicast mask."""
+        the TMA atom, its global and shared partitions and its multicast mask; `where`: the
+        tail shift and the grouped layout's (mGroup, N) or None."""
+        shift, groups = where
         prod = producer_state(self.stages)
         if cutlass.const_expr(self.cfg.stream_k):
             it, end = self._cta_range(streamk)
             while it < end:
                 tile_m, tile_n, k0, count, _, _, _ = self._stream_unit(it, end, streamk)
-                tile = (tile_m, tile_n, shift)
+                tile = (tile_m, tile_n, shift, groups)
                 prod = self._load(load_a, load_b, ab_pipe, prod, tile, k0, count)
                 it += count
         else:
@@ -440,7 +453,7 @@ class GemmSm90:
             work = sched.first()
             while sched.valid(work):
                 tile_m, tile_n = sched.tile(work)
-                tile = (tile_m, tile_n, shift)
+                tile = (tile_m, tile_n, shift, groups)
                 prod = self._load(load_a, load_b, ab_pipe, prod, tile, 0, streamk[1])
                 work = sched.next(work)
         ab_pipe.producer_tail(prod)
@@ -450,8 +463,11 @@ class GemmSm90:
         """k-tiles k0 .. k0 + count - 1 of tile (tile_m, tile_n) into the ring. `load_x`: the
         TMA atom, (its coordinate tensor, the CTA's rank among those sharing the tile, their
         layout, the shared-memory ring), the multicast mask."""
-        tile_m, tile_n, shift = tile
+        tile_m, tile_n, shift, groups = tile
         row0, col0 = self._tail_shift(tile_m, tile_n, shift)
+        if cutlass.const_expr(groups is not None):
+            # B is (experts x N, K): the tile row's expert's rows
+            col0 = col0 + self._expert(groups, row0 + tile_m * self.cfg.tile_m) * groups[1]
         tma_a, (mA, a_rank, a_ctas, sA), a_mask = load_a
         tma_b, (mB, b_rank, b_ctas, sB), b_mask = load_b
         gA = cute.local_tile(
@@ -560,7 +576,9 @@ class GemmSm90:
                 work = sched.next(work)
                 if cutlass.const_expr(self.scaled):
                     row0, _ = self._tail_shift(tile_m, tile_n, c_src[1])
-                    where = (row0 + tile_m * self.cfg.tile_m, tile_n, c_src[0].shape[0])
+                    first_row = row0 + tile_m * self.cfg.tile_m
+                    blocks = self._scale_blocks(c_src, first_row)
+                    where = (first_row, tile_n, c_src[0].shape[0], blocks)
                     read, release, tiled_mma = self._mainloop_scaled(
                         streamk[1], mma, where, ab_pipe, read, release
                     )
@@ -576,7 +594,7 @@ class GemmSm90:
     @cute.jit
     def _c_tile(self, c_src, tile_m, tile_n):
         """The (tile_m, tile_n) output tile's coordinates, moved back at a ragged edge."""
-        mC, shift = c_src
+        mC, shift, _ = c_src
         row0, col0 = self._tail_shift(tile_m, tile_n, shift)
         return cute.local_tile(
             cute.domain_offset((row0, col0), mC),
@@ -670,16 +688,15 @@ class GemmSm90:
         straddles at most two: `split` is the first tile column of the second). The scales are
         loaded one k-tile ahead; each stage is released as soon as its WGMMAs are done."""
         tiled_mma, tCrA, tCrB, acc, (tmp, r0, r1, mSFA, mSFB) = mma
-        first_row, tile_n, m = where
+        first_row, tile_n, m, (blk_base, blk_last) = where
         # rows past M (a problem shorter than one tile) read row M - 1: they are never stored
         row0 = cutlass.min(first_row + r0, m - 1)
         row1 = cutlass.min(first_row + r1, m - 1)
         # blocks past N (a cluster's CTA past N, a tile's part past N) read the last block's
         # scales: never stored
         col0 = tile_n * self.cfg.tile_n
-        last = mSFB.shape[0] - 1
-        blk0 = cutlass.min(col0 // 128, last)
-        blk1 = cutlass.min(col0 // 128 + 1, last)
+        blk0 = cutlass.min(blk_base + col0 // 128, blk_last)
+        blk1 = cutlass.min(blk_base + col0 // 128 + 1, blk_last)
         split = (col0 // 128 + 1) * 128 - col0
         k_blocks = cute.size(tCrA, mode=[2])
         acc.fill(0.0)
@@ -713,6 +730,26 @@ class GemmSm90:
                 for j in cutlass.range_constexpr(4):
                     acc[4 * g + j] = acc[4 * g + j] + tmp[4 * g + j] * (hi if j // 2 else lo)
         return read, release, tiled_mma
+
+    @cute.jit
+    def _expert(self, groups, row):
+        """The grouped layout's expert of `row` (a padding row's -1 reads expert 0: its
+        output rows are not the caller's)."""
+        return cutlass.max(groups[0][row], 0)
+
+    @cute.jit
+    def _scale_blocks(self, c_src, first_row):
+        """(first, last) row of B's block scales for the tile row at `first_row`: all of them,
+        or with the grouped layout its expert's ceil(N / 128)."""
+        mC, _, groups = c_src
+        first, last = cutlass.Int32(0), cutlass.Int32(0)
+        if cutlass.const_expr(groups is None):
+            last = cute.ceil_div(mC.shape[1], 128) - 1
+        else:
+            per = cute.ceil_div(groups[1], 128)
+            first = self._expert(groups, first_row) * per
+            last = first + per - 1
+        return first, last
 
     @cute.jit
     def _epilogue(self, gC_tile, tma_c, sC, epi, warp_idx, tiles_done):

@@ -106,11 +106,11 @@ def gemm(
         a, b, c = as_tma_ready(a), as_tma_ready(b), tma_target(out)
     with on_device(a.device):
         if split is None:
-            fn(a, b, c, None, None, 0, None, None, max_clusters)
+            fn(a, b, c, None, None, 0, None, None, None, max_clusters)
         else:
             per, tiles, floats = split
             work, flags = stream_k_workspace(a.device, tiles, floats)
-            fn(a, b, c, work, flags, per, None, None, max_clusters)
+            fn(a, b, c, work, flags, per, None, None, None, max_clusters)
     if c is not out:
         out.copy_(c if c.shape[1] == n else c[:, :n])
 

@@ -27,7 +27,9 @@ def compile_gemm_fp8(params: dict, arch: str = "sm_90a", extra_options: str = ""
         stride = (cute.sym_int64(), cute.sym_int64())
         return make_fake_tensor(cutlass.Float32, shape, stride=stride, assumed_align=4)
 
-    cfg = GemmConfig.from_params({k_: v for k_, v in params.items() if k_ != "out"})
+    cfg = GemmConfig.from_params(
+        {k_: v for k_, v in params.items() if k_ not in ("out", "grouped")}
+    )
     return cute.compile(
         GemmSm90(cfg),
         a,
@@ -38,6 +40,7 @@ def compile_gemm_fp8(params: dict, arch: str = "sm_90a", extra_options: str = ""
         cutlass.Int32(0),
         scales(),
         scales(),
+        make_fake_tensor(cutlass.Int32, (m,), stride=(1,)) if params.get("grouped") else None,
         cutlass.Int32(1),
         fake.stream(),
         options=fake.options(arch, extra_options),

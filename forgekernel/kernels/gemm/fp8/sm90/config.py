@@ -31,9 +31,17 @@ WIDE_MCAST_A = dataclasses.replace(WIDE, cluster_m=1, cluster_n=2)
 STANDARD_CONFIGS = (LARGE, MID, SKINNY, *DECODE, LARGE_MCAST_A, WIDE, WIDE_MCAST_A)
 
 
-def params_for(out_dtype: str, cfg: GemmConfig) -> tuple:
-    """The compile key's baked-in part: the output dtype and the GemmConfig fields."""
-    return tuple(sorted({"out": out_dtype, **asdict(cfg)}.items()))
+# The grouped (MoE, contiguous) layout: B holds every expert's (N, K) and each 128-row tile of
+# A one expert's rows, so B is never multicast across tile rows (A over a 1x2 cluster).
+GROUPED = LARGE_MCAST_A
+GROUPED_WIDE = WIDE_MCAST_A
+
+
+def params_for(out_dtype: str, cfg: GemmConfig, grouped: bool = False) -> tuple:
+    """The compile key's baked-in part: the output dtype, the GemmConfig fields and, for the
+    grouped layout, grouped=True (absent otherwise: older keys stay valid)."""
+    key = {"out": out_dtype, **asdict(cfg), **({"grouped": True} if grouped else {})}
+    return tuple(sorted(key.items()))
 
 
 def choose_config(m: int, n: int, k: int) -> GemmConfig:
