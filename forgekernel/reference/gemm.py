@@ -19,3 +19,30 @@ def gemm_fp8_ref(
     sa = scale_a.double().repeat_interleave(128, dim=1)
     sb = scale_b.double().repeat_interleave(128, dim=0)[:n].repeat_interleave(128, dim=1)
     return ((a.double() * sa) @ (b.double() * sb).t()).float()
+
+
+def gemm_fp8_grouped_ref(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    m_indices: torch.Tensor,
+) -> torch.Tensor:
+    """Grouped (MoE) block-scaled FP8 GEMM in fp64, returned as fp32: row r of a (M, K), times
+    scale_a (M, K/128) per 1x128 group, against expert e = m_indices[r] of b (E, N, K) times
+    scale_b (E, ceil(N/128), K/128) per 128x128 block: C[r] = A[r] B[e]^T. Rows whose index is
+    negative (padding) are 0; any row order (contiguity is the kernel's constraint, not the
+    math's). An index >= E raises ValueError."""
+    m = a.shape[0]
+    experts, n, _ = b.shape
+    idx = m_indices.long()
+    if m and int(idx.max()) >= experts:
+        raise ValueError(f"m_indices holds {int(idx.max())}, but b has {experts} experts")
+    a64 = a.double() * scale_a.double().repeat_interleave(128, dim=1)
+    out = torch.zeros(m, n, dtype=torch.float64, device=a.device)
+    for e in range(experts):
+        rows = (idx == e).nonzero().squeeze(1)
+        if rows.numel():
+            sb = scale_b[e].double().repeat_interleave(128, dim=0)[:n].repeat_interleave(128, 1)
+            out[rows] = a64[rows] @ (b[e].double() * sb).t()
+    return out.float()

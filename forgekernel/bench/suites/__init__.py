@@ -17,6 +17,7 @@ from forgekernel.bench.suite import OpSuite
 PENDING_SUITE_MODULES: dict[str, str] = {
     "mla_decode": "forgekernel.bench.suites.mla_decode",  # issue 19
     "dsa_sparse": "forgekernel.bench.suites.dsa_sparse",  # issue 22
+    "gemm_fp8_grouped": "forgekernel.bench.suites.gemm_fp8_grouped",  # issue 21
 }
 SUITE_MODULES = {
     "gemm": "forgekernel.bench.suites.gemm",
