@@ -7,9 +7,11 @@ from forgekernel.ops import (
     attention_paged_csr,
     attention_varlen,
     attention_varlen_backward,
+    dsa_sparse_attention,
     gated_delta_rule_step,
     gemm,
     gemm_fp8,
+    mla_decode,
     tune_gemm,
 )
 
@@ -21,8 +23,10 @@ __all__ = [
     "attention_paged_csr",
     "attention_varlen",
     "attention_varlen_backward",
+    "dsa_sparse_attention",
     "gated_delta_rule_step",
     "gemm",
     "gemm_fp8",
+    "mla_decode",
     "tune_gemm",
 ]

@@ -6,7 +6,7 @@ dtype before P V, the split's normalized O and log2 LSE, the paged leaf's combin
 Python through the real launcher and op against reference.dsa: page sizes 1 / 16 / 64, padding
 at the end and scattered, rows of -1 only, 16 / 24 / 128 heads, FlashMLA's combined cache,
 topk not a multiple of 64; FlashInfer-Bench's adapter against the definitions' reference by
-their criterion; argument errors; the pending suite's own check; the custom op's fake under
+their criterion; argument errors; the suite's own check; the custom op's fake under
 make_fx."""
 
 from __future__ import annotations
@@ -53,11 +53,12 @@ LATENT, ROPE = 512, 64
 
 def test_sparse_compile_keys():
     """Kind "sparse": dtype and heads per CTA only; prebuilt for both dtypes and every heads
-    per CTA dividing 16 and 128 (TP8 / TP1); one query token per CTA."""
+    per CTA dividing 16 and 128 (TP8 / TP1) and each one's own block; one query token per
+    CTA."""
     assert dict(params_for("sparse", "bfloat16", 16)) == {
         "kind": "sparse", "dtype": "bfloat16", "heads": 16,
     }  # fmt: skip
-    assert sparse_heads() == tuple(h for h in HEADS if 16 % h == 0 and 128 % h == 0)
+    assert sparse_heads() == (*(h for h in HEADS if 16 % h == 0 and 128 % h == 0), 64)
     sparse = {p for p in SPEC.standard_params() if dict(p)["kind"] == "sparse"}
     assert sparse == {params_for("sparse", d, h) for d in ("float16", "bfloat16")
                       for h in sparse_heads()}  # fmt: skip
@@ -338,9 +339,10 @@ def test_cache_rows_and_device(monkeypatch):
 # ---------------------------------------------------------------- suite and tracing
 
 
-def test_suite_is_pending():
-    assert PENDING_SUITE_MODULES["dsa_sparse"] == "forgekernel.bench.suites.dsa_sparse"
-    assert "dsa_sparse" not in SUITE_MODULES or "dsa_sparse" in PENDING_SUITE_MODULES
+def test_suite_is_registered():
+    """Registered since its first GPU check passed (2026-12-01)."""
+    assert SUITE_MODULES["dsa_sparse"] == "forgekernel.bench.suites.dsa_sparse"
+    assert "dsa_sparse" not in PENDING_SUITE_MODULES
     s = dsa_sparse.suite()
     assert s.sanitize_cases and all(c.name for c in s.bench_cases)
     names = {c.name for c in s.bench_cases + s.check_cases}
@@ -380,8 +382,8 @@ def test_suite_inputs_follow_the_case(case):
 
 
 @pytest.mark.parametrize("case", dsa_sparse.CHECK_CASES, ids=lambda c: c.name)
-def test_pending_suite_check_passes_on_the_algorithm(sparse_kernels, case):
-    """The pending suite's own check (`bench.check.verify`: NaN-poisoned outputs, 2x the
+def test_suite_check_passes_on_the_algorithm(sparse_kernels, case):
+    """The suite's own check (`bench.check.verify`: NaN-poisoned outputs, 2x the
     rounding yardstick + atol, -inf LSEs reproduced) with the kernel's algorithm standing in."""
     suite = dsa_sparse.suite()
     inputs = suite.make_inputs(case, torch.bfloat16, torch.device("cpu"),

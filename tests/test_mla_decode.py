@@ -3,7 +3,7 @@ CTA, compile keys and the split plan; the kernels' algorithm (split ranges, 64-k
 over the 576 latent + RoPE columns with one running max per row per tile, P rounded to q's dtype
 before P V, the split's normalized O and log2 LSE, the paged leaf's combine) replayed in Python
 through the real launcher and op against reference.mla: decode, MTP (s_q 2 / 4), the packed
-form, FlashMLA's combined cache, FlashInfer-Bench's adapter; argument errors; the pending
+form, FlashMLA's combined cache, FlashInfer-Bench's adapter; argument errors; the
 suite's own check; the custom op's fake implementation under make_fx."""
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ LATENT = 512
 
 @pytest.mark.parametrize(
     ("hq", "qtokens", "want"),
-    [(16, 1, 16), (128, 1, 16), (16, 2, 8), (16, 4, 4), (8, 1, 8), (24, 1, 8), (3, 1, 1),
-     (6, 4, 2), (32, 2, 8)],
+    [(16, 1, 16), (128, 1, 64), (128, 2, 32), (128, 4, 16), (16, 2, 16), (16, 4, 16),
+     (8, 1, 8), (24, 1, 8), (3, 1, 1), (6, 4, 2), (32, 2, 32), (96, 1, 32)],
 )  # fmt: skip
 def test_heads_per_cta(hq, qtokens, want):
     h = heads_per_cta(hq, qtokens)
@@ -367,9 +367,10 @@ def test_packed_limits_and_cache_rows(monkeypatch):
 # ---------------------------------------------------------------- suite and tracing
 
 
-def test_suite_is_pending():
-    assert PENDING_SUITE_MODULES["mla_decode"] == "forgekernel.bench.suites.mla_decode"
-    assert "mla_decode" not in SUITE_MODULES or "mla_decode" in PENDING_SUITE_MODULES
+def test_suite_is_registered():
+    """Registered since its first GPU check passed (2026-12-01)."""
+    assert SUITE_MODULES["mla_decode"] == "forgekernel.bench.suites.mla_decode"
+    assert "mla_decode" not in PENDING_SUITE_MODULES
     s = mla_decode.suite()
     assert s.sanitize_cases and all(c.name for c in s.bench_cases)
     assert len({c.name for c in s.bench_cases + s.check_cases}) == len(s.bench_cases) + len(
@@ -385,8 +386,8 @@ def test_suite_work_counts():
 
 
 @pytest.mark.parametrize("case", mla_decode.CHECK_CASES, ids=lambda c: c.name)
-def test_pending_suite_check_passes_on_the_algorithm(cpu_kernels, case):
-    """The pending suite's own check (`bench.check.verify`: NaN-poisoned outputs, 2x the
+def test_suite_check_passes_on_the_algorithm(cpu_kernels, case):
+    """The suite's own check (`bench.check.verify`: NaN-poisoned outputs, 2x the
     rounding yardstick + atol, -inf LSEs reproduced) with the kernels' algorithm standing in."""
     suite = mla_decode.suite()
     inputs = suite.make_inputs(case, torch.bfloat16, torch.device("cpu"),

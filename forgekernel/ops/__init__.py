@@ -4,9 +4,11 @@ from forgekernel.ops.attention import attention
 from forgekernel.ops.attention_bwd import attention_backward, attention_varlen_backward
 from forgekernel.ops.attention_paged import attention_paged, attention_paged_csr
 from forgekernel.ops.attention_varlen import attention_varlen
+from forgekernel.ops.dsa import dsa_sparse_attention
 from forgekernel.ops.gated_delta_rule import gated_delta_rule_step
 from forgekernel.ops.gemm import gemm, tune_gemm
 from forgekernel.ops.gemm_fp8 import gemm_fp8
+from forgekernel.ops.mla import mla_decode
 
 __all__ = [
     "attention",
@@ -15,8 +17,10 @@ __all__ = [
     "attention_paged_csr",
     "attention_varlen",
     "attention_varlen_backward",
+    "dsa_sparse_attention",
     "gated_delta_rule_step",
     "gemm",
     "gemm_fp8",
+    "mla_decode",
     "tune_gemm",
 ]

@@ -15,8 +15,6 @@ from forgekernel.bench.suite import OpSuite
 # FORGEKERNEL_PENDING_SUITES is set (a device run that checks and benches them first), so that
 # tests/test_ledger_gate.py does not ask CI for a ledger that no GPU has written yet.
 PENDING_SUITE_MODULES: dict[str, str] = {
-    "mla_decode": "forgekernel.bench.suites.mla_decode",  # issue 19
-    "dsa_sparse": "forgekernel.bench.suites.dsa_sparse",  # issue 22
     "gemm_fp8_grouped": "forgekernel.bench.suites.gemm_fp8_grouped",  # issue 21
 }
 SUITE_MODULES = {
@@ -28,6 +26,8 @@ SUITE_MODULES = {
     "gemm_fp8": "forgekernel.bench.suites.gemm_fp8",  # issue 21
     "attention_paged": "forgekernel.bench.suites.attention_paged",  # issue 18
     "gdn_decode": "forgekernel.bench.suites.gdn_decode",  # issue 20
+    "mla_decode": "forgekernel.bench.suites.mla_decode",  # issue 19
+    "dsa_sparse": "forgekernel.bench.suites.dsa_sparse",  # issue 22
 }
 if os.environ.get("FORGEKERNEL_PENDING_SUITES"):
     SUITE_MODULES.update(PENDING_SUITE_MODULES)

@@ -1,5 +1,5 @@
-"""DeepSeek sparse attention suite (DSA, issue 22; pending, in PENDING_SUITE_MODULES until
-`pytest -m gpu tests/gpu/test_dsa_gpu.py` passes): the sparse MLA forward, query token t against
+"""DeepSeek sparse attention suite (DSA, issue 22; its first GPU check passed
+2026-12-01): the sparse MLA forward, query token t against
 the latent cache rows its top-k list names (slot page * page_size + offset, -1 padding),
 outputs (out (tokens, H, 512), lse (tokens, H) natural log), reference.dsa's math.
 
@@ -16,7 +16,7 @@ sorted top-k leaves them) or "scattered" (anywhere in the row); a sequence of le
 row of -1s (out 0, lse -inf).
 
 Memory-bound at decode: GB/s counts the rows each token reads (its valid entries x 576 x 2
-bytes; at 128 heads our kernel reads them once per 16-head block, at prefill tokens share most
+bytes; at 128 heads our kernel reads them once per 64-head block, at prefill tokens share most
 rows and L2 serves them) plus q, out and the LSE. FLOPs: 2 x (576 + 512) per (token, head,
 valid entry).
 

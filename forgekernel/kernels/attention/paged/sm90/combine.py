@@ -9,7 +9,8 @@ seeing keys j <= sk - sq + i when causal (bottom-right); partial outputs are per
 (splits, total_q, Hq, D).
 
 Combine pass, grid (Hq, rows), 128 threads: O = sum_s 2^(lse_s - lse) O_s, lse = log2 sum_s
-2^lse_s; O 0 and LSE -inf where no split saw a key; LSE returned natural (x ln 2)."""
+2^lse_s; O 0 and LSE -inf where no split saw a key; LSE returned natural (x ln 2). A plan of
+one split skips it: the partial pass writes the final O and LSE itself (`write_split`)."""
 
 from __future__ import annotations
 
@@ -24,15 +25,18 @@ from forgekernel.kernels.common.sm90.constants import LN2
 
 @cute.jit
 def write_split(
-    merge, mOp, mLp, split, rows, head0, heads: cutlass.Constexpr[int],
+    merge, outs, split, rows, head0, heads: cutlass.Constexpr[int],
     g_rows: cutlass.Constexpr[int], d_: cutlass.Constexpr[int], tidx,
 ):  # fmt: skip
     """The warps' (max in log2 units, sum, unnormalized O) of the CTA's rows, in shared memory
     as `merge` = (m (WARPS, >= G), lsum (WARPS, >= G), O (WARPS, >= G, D)), combined into this
     split's normalized O and log2 LSE: -inf and 0 where no warp saw a key. Row g is query
     token g // heads of the sequence (rows = (its first row, its tokens sq)), head
-    head0 + g % heads; rows of tokens past sq are not written."""
+    head0 + g % heads; rows of tokens past sq are not written. outs = (mOp, mLp, mO, mLSE,
+    direct): direct != 0 (a plan of one split) writes the final O in its dtype and the natural
+    LSE into mO, mLSE, with no combine pass after; else the partials into mOp, mLp."""
     sm, sl, so = merge
+    mOp, mLp, mO, mLSE, direct = outs
     q_off, sq = rows
     for i in cutlass.range(tidx, g_rows * d_, THREADS):
         g = i // d_
@@ -55,9 +59,14 @@ def write_split(
             out = acc / total
             lse = top + cute.math.log2(total, fastmath=True)
         if g // heads < sq:
-            mOp[split, token, head, d] = out
-            if d == 0:
-                mLp[split, token, head] = lse
+            if direct != 0:
+                mO[token, head, d] = out.to(mO.element_type)
+                if d == 0:
+                    mLSE[token, head] = lse * LN2
+            else:
+                mOp[split, token, head, d] = out
+                if d == 0:
+                    mLp[split, token, head] = lse
 
 
 class PagedCombineSm90:

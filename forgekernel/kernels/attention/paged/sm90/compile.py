@@ -25,10 +25,16 @@ def compile_paged(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     d = params["head_dim"]
     opts = fake.options(arch, extra_options)
     b, hq, hkv = (cute.sym_int32() for _ in range(3))
+
+    def final(rows):
+        """The output (rows, Hq, D) and its LSE (rows, Hq), any strides ((Hq, rows) storage
+        seen transposed)."""
+        o = fake.rowmajor(dtype, (rows, hq, d), divisibility=1, align=None)
+        lse_strides = (cute.sym_int64(), cute.sym_int64())
+        return o, make_fake_tensor(cutlass.Float32, (rows, hq), stride=lse_strides, assumed_align=4)
+
     if params["kind"] == "combine":
-        o = fake.rowmajor(dtype, (b, hq, d), divisibility=1, align=None)
-        lse_strides = (cute.sym_int64(), cute.sym_int64())  # (Hq, rows) storage seen transposed
-        lse = make_fake_tensor(cutlass.Float32, (b, hq), stride=lse_strides, assumed_align=4)
+        o, lse = final(b)
         return cute.compile(
             PagedCombineSm90(d),
             _dense(cutlass.Float32, 4),
@@ -39,7 +45,8 @@ def compile_paged(params: dict, arch: str = "sm_90a", extra_options: str = ""):
             options=opts,
         )
     qtokens = params.get("qtokens", 1)
-    q = fake.rowmajor(dtype, (cute.sym_int32() if qtokens > 1 else b, hq, d))
+    rows = cute.sym_int32() if qtokens > 1 else b
+    q = fake.rowmajor(dtype, (rows, hq, d))
     pages, page_size = cute.sym_int32(), cute.sym_int32()
     fp8 = params.get("kv") == "float8_e4m3fn"
     kv_dtype = cutlass.Float8E4M3FN if fp8 else dtype
@@ -55,6 +62,8 @@ def compile_paged(params: dict, arch: str = "sm_90a", extra_options: str = ""):
         make_fake_tensor(cutlass.Int32, (b,), stride=(1,)),  # seqlens_k: the batch
         _dense(cutlass.Float32, 4),
         _dense(cutlass.Float32, 3),
+        *final(rows),
+        cutlass.Int32(0),
         cutlass.Float32(1.0),
         cutlass.Int32(1),
         cutlass.Int32(1),

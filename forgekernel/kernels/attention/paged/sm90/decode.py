@@ -27,28 +27,22 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cute.nvgpu import warp
 
 from forgekernel.kernels.attention.paged.sm90.combine import write_split
 from forgekernel.kernels.attention.paged.sm90.config import ROWS, STAGES, THREADS, TILE, WARPS
 from forgekernel.kernels.common.sm90.layout import acc_to_operand_a, rows_cols, transposed
 from forgekernel.kernels.common.sm90.softmax import online_softmax, rescale_o
+from forgekernel.kernels.common.sm90.warp_mma import (
+    as_wide_acc,
+    copy_row_async,
+    query_row_limits,
+    swizzled_rows,
+    tiled_row_copy,
+)
 
 KEYS = TILE // WARPS  # keys per warp per tile: one K = 16 step of P V
 WIDEN = 8  # FP8 elements widened per step: one 16-byte chunk of the 16-bit tile
-
-
-def _as_wide_acc(acc: cute.Tensor) -> cute.Tensor:
-    """An mma.sync accumulator ((2, 2), M, N) seen as a WGMMA-shaped one ((2, 2, N), M, 1), so
-    that the toolkit's (rows, cols) view, online softmax and A-operand conversion apply: the
-    N atoms of 8 columns become the V pairs of columns 8 apart."""
-    lay = acc.layout
-    shape, stride = lay.shape, lay.stride
-    wide = cute.make_layout(
-        ((shape[0][0], shape[0][1], shape[2]), shape[1], 1),
-        stride=((stride[0][0], stride[0][1], stride[2]), stride[1], 0),
-    )
-    return cute.make_tensor(acc.iterator, wide)
 
 
 class PagedDecodeSm90:
@@ -66,32 +60,9 @@ class PagedDecodeSm90:
         self.stages = STAGES[head_dim]
         self.fp8 = fp8
 
-    def _tiled_g2s(self, dtype):
-        """cp.async of 16 bytes per thread and copy, a row of D elements over at most a warp."""
-        chunk = 128 // dtype.width
-        tpr = min(self.d // chunk, 32)
-        atom = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
-            num_bits_per_copy=128,
-        )  # fmt: skip
-        return cute.make_tiled_copy_tv(
-            atom,
-            cute.make_ordered_layout((THREADS // tpr, tpr), order=(1, 0)),
-            cute.make_layout((1, chunk)),
-        )
-
     def _fp8_layout(self):
         """(TILE, D, stages) bytes of an FP8 cache's tiles, rows contiguous (only widened)."""
         return cute.make_layout((TILE, self.d, self.stages), stride=(self.d, 1, TILE * self.d))
-
-    def _smem_layout(self, rows: int, stages: int | None = None):
-        """(rows, D[, stages]) 16-bit, rows of D contiguous, 16-byte chunks XOR-swizzled by
-        the row (mod 8): conflict-free ldmatrix and cp.async."""
-        d_bits = self.d.bit_length() - 1
-        rows8 = cute.make_layout((8, self.d), stride=(self.d, 1))
-        atom = cute.make_composed_layout(cute.make_swizzle(3, 3, d_bits - 3), 0, rows8)
-        shape = (rows, self.d) if stages is None else (rows, self.d, stages)
-        return cute.tile_to_shape(atom, shape, (0, 1) if stages is None else (0, 1, 2))
 
     @cute.jit
     def __call__(
@@ -103,6 +74,9 @@ class PagedDecodeSm90:
         mSeq: cute.Tensor,
         mOp: cute.Tensor,
         mLp: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        direct: Int32,
         scale_log2: Float32,
         per_split: Int32,
         page_size: Int32,
@@ -116,8 +90,9 @@ class PagedDecodeSm90:
         """mQ (B, Hq, D) or, with mCuQ int32 (B + 1,), (total_q, Hq, D); mK, mV (num_pages,
         page_size, Hkv, D) in q's dtype, or float8_e4m3fn with mKScale, mVScale fp32 (Hkv,)
         (else None); mPT int32 (B, max_pages); mSeq int32 (B,); mOp fp32 (splits, rows, Hq,
-        D); mLp fp32 (splits, rows, Hq) log2; group = Hq / Hkv; causal 0 / 1 (query tokens
-        among themselves, bottom-right)."""
+        D); mLp fp32 (splits, rows, Hq) log2; mO (rows, Hq, D) in q's dtype and mLSE fp32
+        (rows, Hq) (any strides), written instead when `direct` != 0 (one split: no combine);
+        group = Hq / Hkv; causal 0 / 1 (query tokens among themselves, bottom-right)."""
         if const_expr(mK.element_type != mV.element_type):
             raise TypeError("k_cache and v_cache must share one dtype")
         if const_expr(self.fp8 != (mK.element_type == cutlass.Float8E4M3FN)):
@@ -129,10 +104,10 @@ class PagedDecodeSm90:
         if const_expr((mCuQ is None) != (self.qt == 1)):
             raise ValueError("cu_seqlens_q comes with qtokens > 1, and only then")
         dtype, cache = mQ.element_type, mK.element_type
-        q_layout = self._smem_layout(ROWS)
-        kv_cosize = cute.cosize(self._smem_layout(TILE, self.stages))
+        q_layout = swizzled_rows(ROWS, self.d)
+        kv_cosize = cute.cosize(swizzled_rows(TILE, self.d, self.stages))
         # FP8: the tiles stream in as bytes and are widened into one 16-bit K and V tile
-        wide_cosize = cute.cosize(self._smem_layout(TILE, 2)) if const_expr(self.fp8) else 1
+        wide_cosize = cute.cosize(swizzled_rows(TILE, self.d, 2)) if const_expr(self.fp8) else 1
 
         @cute.struct
         class Shared:
@@ -145,8 +120,8 @@ class PagedDecodeSm90:
 
         self.shared = Shared
         self.kernel(
-            mQ, mK, mV, mPT, mSeq, mOp, mLp, scale_log2, per_split, page_size, group, mKScale,
-            mVScale, mCuQ, causal,
+            mQ, mK, mV, mPT, mSeq, mOp, mLp, mO, mLSE, direct, scale_log2, per_split, page_size,
+            group, mKScale, mVScale, mCuQ, causal,
         ).launch(
             grid=(mOp.shape[0], mQ.shape[1] // self.h, mSeq.shape[0]),
             block=[THREADS, 1, 1],
@@ -163,6 +138,9 @@ class PagedDecodeSm90:
         mSeq: cute.Tensor,
         mOp: cute.Tensor,
         mLp: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        direct: Int32,
         scale_log2: Float32,
         per_split: Int32,
         page_size: Int32,
@@ -190,18 +168,18 @@ class PagedDecodeSm90:
         tiles = cute.ceil_div(cutlass.max(t1 - t0, 0), TILE)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared)
-        kv_layout = self._smem_layout(TILE, self.stages)
+        kv_layout = swizzled_rows(TILE, self.d, self.stages)
         if const_expr(self.fp8):
             kv_layout = self._fp8_layout()
-        sQ = storage.q.get_tensor(self._smem_layout(ROWS))
+        sQ = storage.q.get_tensor(swizzled_rows(ROWS, self.d))
         sK = storage.k.get_tensor(kv_layout)
         sV = storage.v.get_tensor(kv_layout)
-        sWide = storage.wide.get_tensor(self._smem_layout(TILE, 2)) if const_expr(
+        sWide = storage.wide.get_tensor(swizzled_rows(TILE, self.d, 2)) if const_expr(
             self.fp8) else None  # fmt: skip
 
-        gcopy_q = self._tiled_g2s(dtype)
+        gcopy_q = tiled_row_copy(dtype, self.d, THREADS)
         self._load_query(mQ, sQ, gcopy_q, gcopy_q.get_slice(tidx), q_off, sq, head0)
-        gcopy = self._tiled_g2s(mK.element_type)
+        gcopy = tiled_row_copy(mK.element_type, self.d, THREADS)
         thr_g = gcopy.get_slice(tidx)
         kv = (mK, mV, sK, sV, mPT, b, kvh, page_size)
         for s in cutlass.range_constexpr(self.stages - 1):
@@ -223,7 +201,7 @@ class PagedDecodeSm90:
 
         acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS, self.d)), Float32)
         acc_o.fill(0.0)
-        o_wide = _as_wide_acc(acc_o)
+        o_wide = as_wide_acc(acc_o)
         row_max = cute.make_rmem_tensor(2, Float32)
         row_sum = cute.make_rmem_tensor(2, Float32)
         rescale = cute.make_rmem_tensor(2, Float32)
@@ -231,9 +209,9 @@ class PagedDecodeSm90:
         row_sum.fill(0.0)
         # (row, key) of this thread's score registers, keys relative to the warp's first
         coords = rows_cols(
-            _as_wide_acc(thr_mma.partition_C(cute.make_identity_tensor((ROWS, KEYS))))
+            as_wide_acc(thr_mma.partition_C(cute.make_identity_tensor((ROWS, KEYS))))
         )
-        limits = self._row_limits(coords, sq, sk, t1, causal)
+        limits = query_row_limits(coords, self.h, self.qt, sq, sk, t1, causal)
 
         tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
         tSsQ = copy_q.partition_S(sQ)
@@ -265,7 +243,7 @@ class PagedDecodeSm90:
                 cute.copy(copy_k, tSsK[None, None, k], tSrK_view[None, None, k])
                 cute.gemm(mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
 
-            s_wide = _as_wide_acc(acc_s)
+            s_wide = as_wide_acc(acc_s)
             first_key = t0 + i * TILE + warp_idx * KEYS
             self._mask(s_wide, coords, limits, first_key)
             online_softmax(s_wide, row_max, row_sum, rescale, exp_scale)
@@ -287,8 +265,8 @@ class PagedDecodeSm90:
         self._stage_warp(storage, o_wide, row_max, row_sum, exp_scale, thr_mma, warp_idx)
         cute.arch.sync_threads()
         write_split(
-            self._merge_views(storage), mOp, mLp, split, (q_off, sq), head0, self.h, self.g,
-            self.d, tidx,
+            self._merge_views(storage), (mOp, mLp, mO, mLSE, direct), split, (q_off, sq), head0,
+            self.h, self.g, self.d, tidx,
         )  # fmt: skip
 
     @cute.jit
@@ -302,21 +280,9 @@ class PagedDecodeSm90:
             token = r // self.h
             if r < self.g and token < sq:
                 row = mQ[q_off + token, head0 + r % self.h, None]
-                self._copy_row(gcopy, row, tQsQ[None, m, None], tQcQ[None, m, None])
+                copy_row_async(gcopy, row, self.d, tQsQ[None, m, None], tQcQ[None, m, None])
             else:
                 tQsQ[None, m, None].fill(0.0)
-
-    @cute.jit
-    def _copy_row(self, gcopy, row, dst, crd):
-        """cp.async of this thread's 16-byte chunks of one D-long gmem row into `dst`."""
-        chunk = 128 // row.element_type.width
-        ptr = cute.make_ptr(
-            row.element_type, row.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16
-        )
-        chunks = cute.tiled_divide(cute.make_tensor(ptr, cute.make_layout(self.d)), (chunk,))
-        for k in cutlass.range_constexpr(cute.size(dst, mode=[1])):
-            src = chunks[None, crd[0, k][1] // chunk]
-            cute.copy(gcopy, cute.make_tensor(src.iterator, dst[None, k].layout), dst[None, k])
 
     @cute.jit
     def _load_tile(self, kv, gcopy, thr_g, first, t1, stage):
@@ -331,9 +297,9 @@ class PagedDecodeSm90:
             page = token // page_size
             slot = token - page * page_size
             page_id = mPT[b, page]
-            self._copy_row(gcopy, mK[page_id, slot, kvh, None], tKsK[None, m, None],
+            copy_row_async(gcopy, mK[page_id, slot, kvh, None], self.d, tKsK[None, m, None],
                            crd[None, m, None])  # fmt: skip
-            self._copy_row(gcopy, mV[page_id, slot, kvh, None], tVsV[None, m, None],
+            copy_row_async(gcopy, mV[page_id, slot, kvh, None], self.d, tVsV[None, m, None],
                            crd[None, m, None])  # fmt: skip
 
     @cute.jit
@@ -350,22 +316,6 @@ class PagedDecodeSm90:
             wide = cute.make_rmem_tensor(WIDEN, dst.element_type)
             wide.store(raw.load().to(Float32).to(dst.element_type))
             cute.autovec_copy(wide, cute.local_tile(dst[r, None], (WIDEN,), (c,)))
-
-    @cute.jit
-    def _row_limits(self, coords, sq, sk, t1, causal):
-        """Per score row of this thread: the first key it may not see (t1, the split's end;
-        with query tokens, causal bottom-right: key <= sk - sq + token; rows past the CTA's
-        or past sq see none)."""
-        limits = cute.make_rmem_tensor(cute.size(coords, mode=[0]), Int32)
-        for r in cutlass.range_constexpr(cute.size(coords, mode=[0])):
-            row = coords[r, 0][0]
-            lim = t1
-            if const_expr(self.qt > 1):
-                token = row // self.h
-                lim = Int32(cutlass.select_(causal != 0, cutlass.min(t1, sk - sq + token + 1), t1))
-                lim = Int32(cutlass.select_(token < sq, lim, 0))
-            limits[r] = lim
-        return limits
 
     @cute.jit
     def _mask(self, s, coords, limits, first_key):
@@ -393,9 +343,7 @@ class PagedDecodeSm90:
         """This warp's rows < G: max (log2 units, -inf if no key), sum (over the quad) and the
         unnormalized O into `_merge_views`."""
         sm, sl, so = self._merge_views(storage)
-        crd = rows_cols(
-            _as_wide_acc(thr_mma.partition_C(cute.make_identity_tensor((ROWS, self.d))))
-        )
+        crd = rows_cols(as_wide_acc(thr_mma.partition_C(cute.make_identity_tensor((ROWS, self.d)))))
         o = rows_cols(o_wide)
         lane = cute.arch.lane_idx()
         for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
