@@ -34,8 +34,9 @@ from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 class MaskedWalk:
     """`masked_m` int32 (E,) in global memory; `max_m` the rows of each expert's slice;
     `tiles_n` the column tiles of N; `h` (static) the rows of one m-tile. The grid is
-    (1, 1, P): CTA z = block_idx z. A DSL value (its run-time attributes travel through the
-    loops that use it, as the static scheduler's do)."""
+    (1, 1, P): CTA z = block_idx z (`cta` and `ctas` given instead: the walk of CTA `cta` of
+    `ctas`, as tests run it on the host). A DSL value (its run-time attributes travel
+    through the loops that use it, as the static scheduler's do)."""
 
     _dynamic = ("masked_m", "experts", "max_m", "tiles_n", "cta", "ctas")
 
@@ -49,14 +50,22 @@ class MaskedWalk:
             setattr(rebuilt, name, value)
         return rebuilt
 
-    def __init__(self, masked_m: cute.Tensor, max_m: Int32, tiles_n: Int32, h: int):
+    def __init__(
+        self,
+        masked_m: cute.Tensor,
+        max_m: Int32,
+        tiles_n: Int32,
+        h: int,
+        cta: Int32 | None = None,
+        ctas: Int32 | None = None,
+    ):
         self.masked_m = masked_m
         self.experts = masked_m.shape[0]
         self.max_m = max_m
         self.tiles_n = tiles_n
         self.h = h
-        self.cta = cute.arch.block_idx()[2]
-        self.ctas = cute.arch.grid_dim()[2]
+        self.cta = cute.arch.block_idx()[2] if cta is None else cta
+        self.ctas = cute.arch.grid_dim()[2] if ctas is None else ctas
 
     @cute.jit
     def _rows(self, expert: Int32) -> Int32:
