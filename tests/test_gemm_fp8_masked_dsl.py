@@ -105,8 +105,10 @@ def test_device_partial_tile_store_writes_its_rows_only(host_dsl):
                 (0, tile_n),
             )
             acc = cute.make_rmem_tensor(coords.shape, cutlass.Float32)
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                acc[i] = cutlass.Float32(coords[i][0] * 1000 + coords[i][1])
+            for g in cutlass.range_constexpr(cute.size(acc) // 4):
+                for j in cutlass.range_constexpr(4):
+                    row, col = coords[4 * g + j]
+                    acc[4 * g + j] = cutlass.Float32(row * 1000 + col)
             gemm._store_rows(acc, thr.partition_C(gC_rows), coords, rows)
 
     c = torch.full((3, 200, 384), -1.0)
