@@ -393,14 +393,15 @@ def test_suite_outputs_are_the_counted_rows(stand_in):
 def test_suite_variants_through_the_launcher(stand_in):
     small = suite_module._case(3, 256, 128, counts=(3, 40, 1), max_m=64, expected_m=3)
     variants = SUITE.variants_for(small)
-    assert set(variants) == {"rows64", "rows128"}
+    assert set(variants) == {"rows16", "rows32", "rows64", "rows128"}  # the chooser's: 8
     chosen = suite_module._case(2, 128, 128, counts=(1, 2), expected_m=64)
-    assert set(SUITE.variants_for(chosen)) == {"rows128"}
+    assert set(SUITE.variants_for(chosen)) == {"rows8", "rows16", "rows32", "rows128"}
     inputs = _inputs(small)
     for name, run in variants.items():
         _, cmps = verify(SUITE, inputs, CPU, run=run)
         assert all(c.ok for c in cmps), name
-        assert stand_in[-1][0]["tile_m"] == int(name.removeprefix("rows"))
+        params = stand_in[-1][0]
+        assert (params["a_rows"] or params["tile_m"]) == int(name.removeprefix("rows"))
 
 
 @pytest.mark.parametrize("case", SUITE.bench_cases, ids=lambda c: c.name)

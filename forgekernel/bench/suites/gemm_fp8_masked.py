@@ -22,8 +22,9 @@ Comparator: DeepGEMM's `m_grouped_fp8_fp4_gemm_nt_masked` (alias `fp8_m_grouped_
 on the same inputs, A's scales made M-major and TMA-aligned once per input set outside the
 timing; bf16 out only. Bytes: the weights of experts with tokens (read once) and their scales,
 the tokens' rows of A and their scales, the counts and the tokens' output rows (TB/s in the
-report). Variants "rows64" / "rows128": the 64- / 128-row tile forced through `expected_m`,
-where the chooser takes another.
+report). Variants "rows8" ... "rows128": every other tile (rows per m-tile) forced through
+`expected_m`: the chooser covers expected_m with the fewest rows, so experts above it take
+several m-tiles that re-read their weight tile from L2; the variants measure that trade.
 """
 
 from __future__ import annotations
@@ -37,7 +38,11 @@ import torch
 from forgekernel.bench.suite import Case, Inputs, OpSuite
 from forgekernel.bench.suites.gemm_fp8 import _quantize
 from forgekernel.kernels.gemm.dense.sm90 import MASKED_SPEC
-from forgekernel.kernels.gemm.dense.sm90.masked_config import choose_config
+from forgekernel.kernels.gemm.dense.sm90.masked_config import (
+    STANDARD_CONFIGS,
+    choose_config,
+    rows_per_tile,
+)
 
 MAX_M_ALIGN = 64  # DeepGEMM's masked GEMM: max_m % 64 == 0
 MAX_TOKENS = 256
@@ -203,13 +208,12 @@ def run_ours(inputs: Inputs, out: tuple | None) -> tuple[torch.Tensor, ...]:
 
 
 def variants(case: Case) -> dict[str, Any]:
-    """The 64- and 128-row tiles where the chooser takes another (expected_m forced)."""
+    """Every other tile than the chooser's (expected_m forced to its rows)."""
     chosen = choose_config(expected_rows(case.params))
-    forced = {"rows64": 64, "rows128": 128}
     return {
-        name: (lambda inputs, out, m=m: _run(inputs, out, m))
-        for name, m in forced.items()
-        if choose_config(m) != chosen
+        f"rows{h}": (lambda inputs, out, h=h: _run(inputs, out, h))
+        for h in map(rows_per_tile, STANDARD_CONFIGS)
+        if choose_config(h) != chosen
     }
 
 
