@@ -47,7 +47,7 @@ def _fits(cfg, m: int) -> bool:
 
 
 def _call(fn, clusters, a, b, c):
-    fn(a, b, c, None, None, 0, None, None, clusters)
+    fn(a, b, c, None, None, 0, None, None, None, clusters)
 
 
 def main() -> None:

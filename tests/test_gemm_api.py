@@ -64,7 +64,7 @@ def cpu_kernel(monkeypatch, tmp_path):
     calls = Launches()
 
     def get_kernel(spec, params):
-        def fn(a, b, c, work, flags, per_cta, sfa, sfb, max_clusters):
+        def fn(a, b, c, work, flags, per_cta, sfa, sfb, group, max_clusters):
             assert all(tma_ready(t) for t in (a, b, c))
             assert c.shape[1] % 8 == 0 and a.shape[1] % 8 == 0
             c.copy_(gemm_ref(a, b, "kn" if dict(params)["b_kn"] else "nk"))

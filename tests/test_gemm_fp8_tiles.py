@@ -47,7 +47,9 @@ def test_candidates_are_prebuilt_for_both_outputs():
 
 def test_standard_compile_keys_are_distinct():
     params = SPEC.standard_params()
-    assert len(set(params)) == len(params) == len(OUT_DTYPES) * len(STANDARD_CONFIGS)
+    grouped = [p for p in params if dict(p).get("grouped")]
+    assert len(set(params)) == len(params) == len(OUT_DTYPES) * len(STANDARD_CONFIGS) + len(grouped)
+    assert all(dict(p)["cluster_m"] == 1 for p in grouped)  # B never multicast when grouped
     assert len({cfg.tag() for cfg in STANDARD_CONFIGS}) == len(STANDARD_CONFIGS)
 
 
@@ -92,7 +94,7 @@ def test_script_rows_on_cpu(script, monkeypatch):
         if dict(params)["tile_n"] != 128:
             raise ValueError("block-scaled FP8 takes tile_n = 128")
 
-        def fn(a, b, c, work, flags, per, sa, sb, clusters):
+        def fn(a, b, c, work, flags, per, sa, sb, group, clusters):
             c.copy_(gemm_fp8_ref(a, b, sa, sb).to(c.dtype))
 
         return fn

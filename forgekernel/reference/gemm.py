@@ -1,4 +1,5 @@
-"""GEMM reference: C = A @ B^T in fp32 (B given as (N, K) or, with b_layout="kn", (K, N))."""
+"""GEMM references: C = A @ B^T in fp32 (B given as (N, K) or, with b_layout="kn", (K, N)), and
+the block-scaled FP8 GEMMs in fp64 (dense, grouped contiguous, grouped masked)."""
 
 from __future__ import annotations
 
@@ -19,3 +20,55 @@ def gemm_fp8_ref(
     sa = scale_a.double().repeat_interleave(128, dim=1)
     sb = scale_b.double().repeat_interleave(128, dim=0)[:n].repeat_interleave(128, dim=1)
     return ((a.double() * sa) @ (b.double() * sb).t()).float()
+
+
+def gemm_fp8_grouped_ref(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    m_indices: torch.Tensor,
+) -> torch.Tensor:
+    """Grouped (MoE) block-scaled FP8 GEMM in fp64, returned as fp32: row r of a (M, K), times
+    scale_a (M, K/128) per 1x128 group, against expert e = m_indices[r] of b (E, N, K) times
+    scale_b (E, ceil(N/128), K/128) per 128x128 block: C[r] = A[r] B[e]^T. Rows whose index is
+    negative (padding) are 0; any row order (contiguity is the kernel's constraint, not the
+    math's). An index >= E raises ValueError."""
+    m = a.shape[0]
+    experts, n, _ = b.shape
+    idx = m_indices.long()
+    if m and int(idx.max()) >= experts:
+        raise ValueError(f"m_indices holds {int(idx.max())}, but b has {experts} experts")
+    a64 = a.double() * scale_a.double().repeat_interleave(128, dim=1)
+    out = torch.zeros(m, n, dtype=torch.float64, device=a.device)
+    for e in range(experts):
+        rows = (idx == e).nonzero().squeeze(1)
+        if rows.numel():
+            sb = scale_b[e].double().repeat_interleave(128, dim=0)[:n].repeat_interleave(128, 1)
+            out[rows] = a64[rows] @ (b[e].double() * sb).t()
+    return out.float()
+
+
+def gemm_fp8_masked_ref(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    masked_m: torch.Tensor,
+    unwritten: float = float("nan"),
+) -> torch.Tensor:
+    """Grouped (MoE, masked layout) block-scaled FP8 GEMM in fp64, returned as fp32 (E, max_m,
+    N): expert e's first masked_m[e] rows of a (E, max_m, K), times scale_a (E, max_m, K/128)
+    per 1x128 group, against b[e] (E, N, K) times scale_b (E, ceil(N/128), K/128) per 128x128
+    block. The rows past each count are not the product's: they hold `unwritten` (NaN by
+    default: a check that poisons the output with NaN then requires them left alone). A count
+    outside [0, max_m] raises ValueError."""
+    experts, max_m, _ = a.shape
+    counts = masked_m.tolist()
+    if any(c < 0 or c > max_m for c in counts):
+        raise ValueError(f"masked_m holds counts outside [0, {max_m}]: {counts}")
+    out = torch.full((experts, max_m, b.shape[1]), unwritten, dtype=torch.float32, device=a.device)
+    for e, c in enumerate(counts):
+        if c:
+            out[e, :c] = gemm_fp8_ref(a[e, :c], b[e], scale_a[e, :c], scale_b[e])
+    return out

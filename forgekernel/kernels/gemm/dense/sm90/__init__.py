@@ -1,9 +1,12 @@
-"""Dense 16-bit GEMM, sm_90a. DSL-free declaration; the kernel itself is `kernel.py`."""
+"""Dense 16-bit GEMM, sm_90a, and on the same kernel the masked grouped FP8 GEMM (MoE decode,
+`masked_config.py`, launcher `launch.gemm_fp8_masked`). DSL-free declaration; the kernel itself is
+`kernel.py`."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from forgekernel.kernels.gemm.dense.sm90 import masked_config
 from forgekernel.kernels.gemm.dense.sm90.config import (
     CANDIDATES,
     DTYPES,
@@ -34,6 +37,20 @@ def _candidate_params() -> list[Params]:
     return [params_for("bfloat16", False, cfg) for cfg in CANDIDATES]
 
 
+def _compile_masked(params: Params, extra_options: str = ""):
+    from forgekernel.kernels.gemm.dense.sm90.compile import compile_gemm_fp8_masked
+
+    return compile_gemm_fp8_masked(dict(params), "sm_90a", extra_options)
+
+
+def _masked_params() -> list[Params]:
+    return [
+        masked_config.params_for(out, cfg)
+        for out in masked_config.OUT_DTYPES
+        for cfg in masked_config.STANDARD_CONFIGS
+    ]
+
+
 SPEC = KernelSpec(
     name="gemm_dense_sm90",
     arch="sm_90a",
@@ -43,4 +60,15 @@ SPEC = KernelSpec(
     candidate_params=_candidate_params,
 )
 
-__all__ = ["SPEC", "GemmConfig", "choose_config", "params_for"]
+# The masked grouped FP8 GEMM (`forgekernel.ops.gemm_fp8_grouped_masked`): the same kernel
+# with `masked=True`, compiled for its (rows, cols, experts) operands.
+MASKED_SPEC = KernelSpec(
+    name="gemm_fp8_masked_sm90",
+    arch="sm_90a",
+    directory=Path(__file__).parent,
+    compile=_compile_masked,
+    standard_params=_masked_params,
+)
+SPECS = [SPEC, MASKED_SPEC]
+
+__all__ = ["MASKED_SPEC", "SPEC", "SPECS", "GemmConfig", "choose_config", "params_for"]

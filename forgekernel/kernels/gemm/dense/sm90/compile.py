@@ -1,4 +1,5 @@
-"""Compile the sm90 GEMM against fake tensors: M, N, K and leading strides are dynamic."""
+"""Compile the sm90 GEMM against fake tensors: M, N, K and leading strides are dynamic (and
+the masked grouped FP8 GEMM's: experts and every stride too)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,44 @@ def compile_gemm(params: dict, arch: str = "sm_90a", extra_options: str = ""):
         cutlass.Int32(0),
         None,
         None,
+        None,
+        cutlass.Int32(1),
+        fake.stream(),
+        options=fake.options(arch, extra_options),
+    )
+
+
+def compile_gemm_fp8_masked(params: dict, arch: str = "sm_90a", extra_options: str = ""):
+    """The masked grouped FP8 GEMM of `params` (out dtype and the GemmConfig fields): operands
+    (rows, cols, experts) with the cols contiguous, as torch's (E, rows, cols) permuted."""
+    fp8 = cutlass.Float8E4M3FN
+    m = cute.sym_int32()  # max_m
+    n = cute.sym_int32(divisibility=128)
+    k = cute.sym_int32(divisibility=128)
+    experts = cute.sym_int32()
+
+    def batched(dtype, rows, cols, divisibility):
+        row, expert = (cute.sym_int64(divisibility=divisibility) for _ in range(2))
+        stride = (row, 1, expert)
+        return make_fake_tensor(dtype, (rows, cols, experts), stride=stride, assumed_align=16)
+
+    def scales():
+        shape = (cute.sym_int32(), cute.sym_int32(), experts)
+        stride = (cute.sym_int64(), cute.sym_int64(), cute.sym_int64())
+        return make_fake_tensor(cutlass.Float32, shape, stride=stride, assumed_align=4)
+
+    cfg = GemmConfig.from_params({k_: v for k_, v in params.items() if k_ != "out"})
+    return cute.compile(
+        GemmSm90(cfg, masked=True),
+        batched(fp8, m, k, 16),
+        batched(fp8, n, k, 16),
+        batched(fake.dtype_of(params["out"]), m, n, 8),
+        None,
+        None,
+        cutlass.Int32(0),
+        scales(),
+        scales(),
+        make_fake_tensor(cutlass.Int32, (experts,), stride=(1,)),
         cutlass.Int32(1),
         fake.stream(),
         options=fake.options(arch, extra_options),

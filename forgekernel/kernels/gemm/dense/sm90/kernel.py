@@ -48,11 +48,21 @@ Block-scaled FP8 (`forgekernel.gemm_fp8`, the `gemm_fp8_sm90` leaf): A and B flo
 tile_k = 128 = the scale block; mSFA (M, K/128) fp32 per 1x128 group of A, mSFB
 (ceil(N/128), K/128) per 128x128 block of B. Each k-tile's WGMMAs accumulate into a fresh
 fp32 fragment that is waited for and added into the tile's accumulator times its two scales
-(the tensor core's FP8 accumulation keeps ~14 bits: promoted every 128 of K). tile_n = 128,
-so that a tile's columns share one block of B's scales (its N edge is not moved back); B
-"nk" only (8-bit WGMMA operands are K-major). The rows `kernel` hands `_mainloop_scaled` are
-its warpgroup's first thread's: the leaf's subclass (kernels/gemm/fp8/sm90/kernel.py) takes
-each thread's own.
+(the tensor core's FP8 accumulation keeps ~14 bits: promoted every 128 of K). A tile of up
+to 256 columns straddles at most two blocks of B's scales: both are loaded and each 8-column
+group of the fragment takes its own (its N edge is not moved back: the blocks stay aligned);
+B "nk" only (8-bit WGMMA operands are K-major).
+
+Masked grouped layout (`masked=True`, the `gemm_fp8_masked_sm90` kernel: MoE decode, DeepGEMM's
+masked layout), FP8 only, no clusters: A (max_m, K, E), B (N, K, E), C (max_m, N, E) and the
+scales (max_m, K/128, E), (N/128, K/128, E), mGroup int32 (E,) each expert's row count, read
+on the device. Every role walks the same sequence of the counted tiles (`masked.py`: expert,
+then n-tile, then m-tile of a_rows rows, else tile_m; CTA z takes tiles z, z + P, ...), so
+tiles past a count are never loaded, computed or stored and the work is balanced whatever the
+counts. A's TMA box clips at max_m (a short last expert reads zeros); a row's scale index is
+clamped to the expert's last counted row. A tile of tile_m counted rows is stored through the
+epilogue ring and TMA; any other from registers, its rows past the count skipped (each
+thread's two-column bf16 pairs, one predicate per row): rows past a count are never written.
 
 Constraints: A (M, K) K-major; B (N, K) K-major ("nk") or (K, N) N-major ("kn"); C (M, N)
 row-major; every leading stride a multiple of 8 elements (16 bytes, TMA) and base addresses
@@ -88,6 +98,7 @@ from forgekernel.kernels.common.sm90.pipeline import (
 )
 from forgekernel.kernels.common.sm90.scheduler.static import StaticSchedule, StaticScheduler
 from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
+from forgekernel.kernels.gemm.dense.sm90.masked import MaskedWalk
 
 
 class Bar(IntEnum):
@@ -97,7 +108,7 @@ class Bar(IntEnum):
 class GemmSm90:
     """Persistent, warp-specialized TMA + WGMMA GEMM; see the module docstring."""
 
-    def __init__(self, config: GemmConfig, b_kn: bool = False):
+    def __init__(self, config: GemmConfig, b_kn: bool = False, masked: bool = False):
         if config.tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {config.tile_m}")
         if config.tile_n not in (64, 128, 192, 256):
@@ -112,8 +123,12 @@ class GemmSm90:
             raise ValueError("stream K runs without clusters: cluster_m = cluster_n = 1")
         if config.a_rows and (config.a_rows % 8 or config.a_rows > config.tile_m):
             raise ValueError(f"a_rows must be a multiple of 8 up to tile_m, got {config.a_rows}")
+        if masked and (config.cluster_m * config.cluster_n != 1 or config.stream_k):
+            raise ValueError("the masked layout runs without clusters or stream K")
         self.cfg = config
         self.b_kn = b_kn
+        # The masked grouped layout (module docstring): operands (rows, cols, experts).
+        self.masked = masked
         self.acc_dtype = cutlass.Float32
         self.cluster_shape_mn = (config.cluster_m, config.cluster_n)
         # Two consumer warpgroups split the M rows of a 128-row tile: one alone would hold a
@@ -193,6 +208,7 @@ class GemmSm90:
         per_cta: cutlass.Int32,
         mSFA: cute.Tensor | None,
         mSFB: cute.Tensor | None,
+        mGroup: cute.Tensor | None,
         max_active_clusters: cutlass.Int32,
         stream: cuda.CUstream,
     ):
@@ -200,7 +216,10 @@ class GemmSm90:
         `per_cta` k-iterations per CTA (the grid: all of them over per_cta), mWork fp32
         (>= 2 x CTAs x tile_m x tile_n,) 16-byte aligned, mFlags int32 (>= tiles,) zero
         (every launch leaves it zero); otherwise None, None, 0. FP8: mSFA, mSFB the block scales
-        (module docstring); otherwise None, None."""
+        (module docstring); otherwise None, None. mGroup int32 (M,): the grouped (MoE,
+        contiguous) layout, FP8 only (module docstring); otherwise None. The masked layout
+        (`masked`): mA (max_m, K, E), mB (N, K, E), mC (max_m, N, E), mSFA (max_m, K/128, E),
+        mSFB (N/128, K/128, E) and mGroup int32 (E,) the row counts."""
         if cutlass.const_expr(self.b_kn):
             # (K, N) row-major seen as (N, K) with unit stride along N.
             mB = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 0]))
@@ -213,8 +232,15 @@ class GemmSm90:
         self.scaled = mSFA is not None
         if cutlass.const_expr(self.cfg.tile_k * self.a_dtype.width != 128 * 8):
             raise ValueError(f"tile_k = {self.cfg.tile_k} is not 128 bytes of {self.a_dtype}")
-        if cutlass.const_expr(self.scaled and (self.cfg.tile_n != 128 or self.cfg.stream_k)):
-            raise ValueError("block-scaled FP8 takes tile_n = 128 without stream K")
+        if cutlass.const_expr(self.scaled and self.cfg.stream_k):
+            raise ValueError("block-scaled FP8 does not take stream K")
+        if cutlass.const_expr(mGroup is not None and (not self.scaled or self.cfg.cluster_m > 1)):
+            raise ValueError(
+                "the grouped layout is FP8's, without B multicast (tiles of one "
+                "cluster column may belong to different experts)"
+            )
+        if cutlass.const_expr(self.masked and mGroup is None):
+            raise ValueError("the masked layout takes the experts' row counts (mGroup)")
         self._setup()
 
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
@@ -242,6 +268,9 @@ class GemmSm90:
 
         tiles_m = cute.ceil_div(mC.shape[0], self.cfg.tile_m)
         tiles_n = cute.ceil_div(mC.shape[1], self.cfg.tile_n)
+        if cutlass.const_expr(self.masked):
+            # every expert's tiles as if all its rows were counted: the grid's upper bound
+            tiles_m = cute.ceil_div(mC.shape[0], self.a_rows) * mGroup.shape[0]
         schedule = StaticSchedule(
             (tiles_m, tiles_n), self.cluster_shape_mn, self.cfg.swizzle, self.cfg.raster_along_m
         )
@@ -284,6 +313,8 @@ class GemmSm90:
             per_cta,
             mSFA,
             mSFB,
+            mGroup,
+            mC if cutlass.const_expr(self.masked) else None,
         ).launch(
             grid=grid,
             block=[self.threads_per_cta, 1, 1],
@@ -314,7 +345,10 @@ class GemmSm90:
         per_cta: cutlass.Int32,
         mSFA: cute.Tensor | None,
         mSFB: cute.Tensor | None,
+        mGroup: cute.Tensor | None,
+        mC_rows: cute.Tensor | None,
     ):
+        """mC_rows: the masked layout's C itself (row-predicated stores), else None."""
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -348,14 +382,24 @@ class GemmSm90:
         sC = smem_tensor(storage.sC, sC_layout)
 
         # (bM, bK, tiles_m, tiles_k), (bM, bN, tiles_m, tiles_n)
-        gA = cute.local_tile(mA, (self.cfg.tile_m, self.cfg.tile_k), (None, None))
-        gC = cute.local_tile(mC, (self.cfg.tile_m, self.cfg.tile_n), (None, None))
+        tiled_a, tiled_c = mA, mC
+        if cutlass.const_expr(self.masked):
+            tiled_a, tiled_c = mA[None, None, 0], mC[None, None, 0]  # one expert's
+        gA = cute.local_tile(tiled_a, (self.cfg.tile_m, self.cfg.tile_k), (None, None))
+        gC = cute.local_tile(tiled_c, (self.cfg.tile_m, self.cfg.tile_n), (None, None))
         k_tiles = cute.size(gA, mode=[3])
         tiles_m = cute.size(gC, mode=[2])
         streamk = (per_cta, k_tiles, tiles_m, tiles_m * cute.size(gC, mode=[3]) * k_tiles)
 
-        # A ragged last tile row / column is moved back to end at M / N (see `_tail_shift`).
-        shift = self._tail_pads(mC)
+        if cutlass.const_expr(self.masked):
+            # the walk's arguments: counts, rows per expert, column tiles (see masked.py)
+            shift = None
+            groups = (mGroup, mC.shape[0], cute.size(gC, mode=[3]))
+        else:
+            # A ragged last tile row / column is moved back to end at M / N (`_tail_shift`).
+            shift = self._tail_pads(mC)
+            # grouped layout: each tile row's expert (its first row's), and N (B: E x N rows)
+            groups = None if cutlass.const_expr(mGroup is None) else (mGroup, mC.shape[1])
         a_src = (
             mA,
             cluster_coord[1],
@@ -382,22 +426,26 @@ class GemmSm90:
             if warp_idx == 0:
                 load_a = (tma_a, a_src, a_mask)
                 load_b = (tma_b, b_src, b_mask)
-                self._produce(load_a, load_b, ab_pipe, schedule, streamk, shift)
+                self._produce(load_a, load_b, ab_pipe, schedule, streamk, (shift, groups))
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             mma = (tiled_mma, tCrA, tCrB, acc)
             if cutlass.const_expr(self.scaled):
-                # the per-k-tile fragment, and the tile rows of the accumulator (an SM90 fp32
-                # fragment: values 4i + 0/1 on one row, 4i + 2/3 eight rows down). thr_mma is
-                # the warpgroup's slice: these are its first thread's rows, not this thread's;
-                # the FP8 leaf's GemmFp8Sm90._mainloop_scaled takes each thread's own.
-                rows = thr_mma.partition_C(
+                # the per-k-tile fragment, and this thread's tile rows of the accumulator (an
+                # SM90 fp32 fragment: values 4i + 0/1 on one row, 4i + 2/3 eight rows down;
+                # thr_mma is the warpgroup's slice, so the thread's own rows come from the
+                # tiled MMA's slice of the thread)
+                rows = tiled_mma.get_slice(tidx - THREADS_PER_WG).partition_C(
                     cute.make_identity_tensor((self.cfg.tile_m, self.cfg.tile_n))
                 )
                 tmp = cute.make_rmem_tensor(acc.layout.shape, self.acc_dtype)
                 mma = (tiled_mma, tCrA, tCrB, acc, (tmp, rows[0][0], rows[2][0], mSFA, mSFB))
             split_io = (mWork, mFlags, storage.split_last.get_tensor(cute.make_layout(2)))
-            c_src = (mC, shift)
+            c_src = (mC, shift, groups)
+            if cutlass.const_expr(self.masked):
+                # partial tiles are stored from registers: C itself, each value's coordinates
+                thr_c = tiled_mma.get_slice(tidx - THREADS_PER_WG)
+                c_src = (mC, (mC_rows, thr_c, rows), groups)
             self._consume(
                 tidx, warp_idx, mma, ab_pipe, sC, c_src, tma_c, schedule, streamk, split_io
             )
@@ -425,15 +473,26 @@ class GemmSm90:
         return tile % tiles_m, tile // tiles_m, k0, count, tile, parts, slot
 
     @cute.jit
-    def _produce(self, load_a, load_b, ab_pipe, schedule, streamk, shift):
+    def _produce(self, load_a, load_b, ab_pipe, schedule, streamk, where):
         """The producer warp: every k-tile of A and B of each unit into the AB ring. `load_x`:
-        the TMA atom, its global and shared partitions and its multicast mask."""
+        the TMA atom, its global and shared partitions and its multicast mask; `where`: the
+        tail shift and the grouped layout's (mGroup, N) or None (masked layout: None and the
+        walk's (counts, max_m, column tiles))."""
+        shift, groups = where
         prod = producer_state(self.stages)
-        if cutlass.const_expr(self.cfg.stream_k):
+        if cutlass.const_expr(self.masked):
+            walk = MaskedWalk(*groups, self.a_rows)
+            work, expert, before, rows = walk.first()
+            while walk.valid(expert):
+                tile_m, tile_n, _ = walk.tile(work, before, rows)
+                tile = (tile_m, tile_n, expert, None)
+                prod = self._load(load_a, load_b, ab_pipe, prod, tile, 0, streamk[1])
+                work, expert, before, rows = walk.next(work, expert, before, rows)
+        elif cutlass.const_expr(self.cfg.stream_k):
             it, end = self._cta_range(streamk)
             while it < end:
                 tile_m, tile_n, k0, count, _, _, _ = self._stream_unit(it, end, streamk)
-                tile = (tile_m, tile_n, shift)
+                tile = (tile_m, tile_n, shift, groups)
                 prod = self._load(load_a, load_b, ab_pipe, prod, tile, k0, count)
                 it += count
         else:
@@ -441,7 +500,7 @@ class GemmSm90:
             work = sched.first()
             while sched.valid(work):
                 tile_m, tile_n = sched.tile(work)
-                tile = (tile_m, tile_n, shift)
+                tile = (tile_m, tile_n, shift, groups)
                 prod = self._load(load_a, load_b, ab_pipe, prod, tile, 0, streamk[1])
                 work = sched.next(work)
         ab_pipe.producer_tail(prod)
@@ -450,17 +509,34 @@ class GemmSm90:
     def _load(self, load_a, load_b, ab_pipe, prod, tile, k0, count):
         """k-tiles k0 .. k0 + count - 1 of tile (tile_m, tile_n) into the ring. `load_x`: the
         TMA atom, (its coordinate tensor, the CTA's rank among those sharing the tile, their
-        layout, the shared-memory ring), the multicast mask."""
-        tile_m, tile_n, shift = tile
-        row0, col0 = self._tail_shift(tile_m, tile_n, shift)
+        layout, the shared-memory ring), the multicast mask. `tile`: (tile_m, tile_n, the tail
+        shift, the grouped layout's groups or None), or with the masked layout (m-tile, n-tile,
+        expert, None)."""
+        tile_m, tile_n, shift, groups = tile
         tma_a, (mA, a_rank, a_ctas, sA), a_mask = load_a
         tma_b, (mB, b_rank, b_ctas, sB), b_mask = load_b
-        gA = cute.local_tile(
-            cute.domain_offset((row0, 0), mA), (self.a_rows, self.cfg.tile_k), (tile_m, None)
-        )
-        gB = cute.local_tile(
-            cute.domain_offset((col0, 0), mB), (self.cfg.tile_n, self.cfg.tile_k), (tile_n, None)
-        )
+        if cutlass.const_expr(self.masked):
+            # the expert's slices (TMA clips A at its max_m rows); m-tiles of a_rows rows
+            expert = tile[2]
+            gA = cute.local_tile(
+                mA[None, None, expert], (self.a_rows, self.cfg.tile_k), (tile_m, None)
+            )
+            gB = cute.local_tile(
+                mB[None, None, expert], (self.cfg.tile_n, self.cfg.tile_k), (tile_n, None)
+            )
+        else:
+            row0, col0 = self._tail_shift(tile_m, tile_n, shift)
+            if cutlass.const_expr(groups is not None):
+                # B is (experts x N, K): the tile row's expert's rows
+                col0 = col0 + self._expert(groups, row0 + tile_m * self.cfg.tile_m) * groups[1]
+            gA = cute.local_tile(
+                cute.domain_offset((row0, 0), mA), (self.a_rows, self.cfg.tile_k), (tile_m, None)
+            )
+            gB = cute.local_tile(
+                cute.domain_offset((col0, 0), mB),
+                (self.cfg.tile_n, self.cfg.tile_k),
+                (tile_n, None),
+            )
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_a, a_rank, a_ctas, sA, cute.group_modes(gA, 0, 2)
         )
@@ -536,7 +612,10 @@ class GemmSm90:
         )
         epi = (r2s, tRS_sC, tRS_acc, tRS_rAcc, tRS_rC, store_pipe, epi_barrier)
         tiles_done = cutlass.Int32(0)  # this CTA's tiles so far: the epilogue ring's position
-        if cutlass.const_expr(self.cfg.stream_k):
+        if cutlass.const_expr(self.masked):
+            out = (tma_c, sC, epi)
+            self._consume_masked(streamk[1], mma, ab_pipe, (read, release), c_src, out, warp_idx)
+        elif cutlass.const_expr(self.cfg.stream_k):
             it, end = self._cta_range(streamk)
             while it < end:
                 tile_m, tile_n, _, count, tile, parts, slot = self._stream_unit(it, end, streamk)
@@ -561,7 +640,9 @@ class GemmSm90:
                 work = sched.next(work)
                 if cutlass.const_expr(self.scaled):
                     row0, _ = self._tail_shift(tile_m, tile_n, c_src[1])
-                    where = (row0 + tile_m * self.cfg.tile_m, tile_n, c_src[0].shape[0])
+                    first_row = row0 + tile_m * self.cfg.tile_m
+                    blocks = self._scale_blocks(c_src, first_row)
+                    where = (first_row, tile_n, c_src[0].shape[0], blocks)
                     read, release, tiled_mma = self._mainloop_scaled(
                         streamk[1], mma, where, ab_pipe, read, release
                     )
@@ -575,9 +656,60 @@ class GemmSm90:
         store_pipe.producer_tail()
 
     @cute.jit
+    def _consume_masked(self, k_tiles, mma, ab_pipe, states, c_src, out, warp_idx):
+        """The masked layout's consumer loop (masked.py's walk): each tile's scaled mainloop
+        on its expert's scales, then a tile of whole rows through the epilogue ring and TMA,
+        a tile with rows past its expert's count from registers, those rows left alone."""
+        tiled_mma, tCrA, tCrB, acc, (tmp, r0, r1, mSFA, mSFB) = mma
+        mC, (mC_rows, thr_c, coords), groups = c_src
+        tma_c, sC, epi = out
+        read, release = states
+        last_block = cute.ceil_div(mC.shape[1], 128) - 1
+        tiles_done = cutlass.Int32(0)  # the epilogue ring's position
+        walk = MaskedWalk(*groups, self.a_rows)
+        work, expert, before, rows = walk.first()
+        while walk.valid(expert):
+            tile_m, tile_n, tile_rows = walk.tile(work, before, rows)
+            first_row = tile_m * self.a_rows
+            scales = (tmp, r0, r1, mSFA[None, None, expert], mSFB[None, None, expert])
+            where = (first_row, tile_n, first_row + tile_rows, (cutlass.Int32(0), last_block))
+            read, release, tiled_mma = self._mainloop_scaled(
+                k_tiles, (tiled_mma, tCrA, tCrB, acc, scales), where, ab_pipe, read, release
+            )
+            whole = cutlass.Boolean(False)
+            if cutlass.const_expr(self.a_rows == self.cfg.tile_m):
+                whole = tile_rows == self.cfg.tile_m
+            if whole:
+                gC_tile = cute.local_tile(
+                    mC[None, None, expert], (self.cfg.tile_m, self.cfg.tile_n), (tile_m, tile_n)
+                )
+                self._epilogue(gC_tile, tma_c, sC, epi, warp_idx, tiles_done)
+                tiles_done += 1
+            else:
+                gC_rows = cute.local_tile(
+                    cute.domain_offset((first_row, 0), mC_rows[None, None, expert]),
+                    (self.cfg.tile_m, self.cfg.tile_n),
+                    (0, tile_n),
+                )
+                self._store_rows(acc, thr_c.partition_C(gC_rows), coords, tile_rows)
+            work, expert, before, rows = walk.next(work, expert, before, rows)
+
+    @cute.jit
+    def _store_rows(self, acc, tCgC, coords, rows):
+        """acc -> C from registers (`tCgC`: this thread's values of the tile in C, `coords`
+        their tile coordinates), only the tile's first `rows` rows."""
+        out = cute.make_rmem_tensor(acc.layout.shape, self.c_dtype)
+        out.store(acc.load().to(self.c_dtype))
+        # values 4g .. 4g + 3: two columns of one row, then of the row 8 below
+        for g in cutlass.range_constexpr(cute.size(out) // 4):
+            for j in cutlass.range_constexpr(4):
+                if coords[4 * g + j][0] < rows:
+                    tCgC[4 * g + j] = out[4 * g + j]
+
+    @cute.jit
     def _c_tile(self, c_src, tile_m, tile_n):
         """The (tile_m, tile_n) output tile's coordinates, moved back at a ragged edge."""
-        mC, shift = c_src
+        mC, shift, _ = c_src
         row0, col0 = self._tail_shift(tile_m, tile_n, shift)
         return cute.local_tile(
             cute.domain_offset((row0, col0), mC),
@@ -667,24 +799,31 @@ class GemmSm90:
     @cute.jit
     def _mainloop_scaled(self, k_tiles, mma, where, ab_pipe, read, release):
         """Block-scaled FP8: per k-tile, tmp = its A B^T (WGMMA), then acc += tmp x the scales
-        of its rows' 1x128 groups and of the tile's 128x128 block of B. The scales are loaded
-        one k-tile ahead; each stage is released as soon as its WGMMAs are done."""
+        of its rows' 1x128 groups and of the 128x128 block of B its columns fall in (a tile
+        straddles at most two: `split` is the first tile column of the second). The scales are
+        loaded one k-tile ahead; each stage is released as soon as its WGMMAs are done."""
         tiled_mma, tCrA, tCrB, acc, (tmp, r0, r1, mSFA, mSFB) = mma
-        first_row, tile_n, m = where
+        first_row, tile_n, m, (blk_base, blk_last) = where
         # rows past M (a problem shorter than one tile) read row M - 1: they are never stored
         row0 = cutlass.min(first_row + r0, m - 1)
         row1 = cutlass.min(first_row + r1, m - 1)
-        # a cluster's CTA past N (odd tile count) reads the last block's scales, never stored
-        tile_n = cutlass.min(tile_n, mSFB.shape[0] - 1)
+        # blocks past N (a cluster's CTA past N, a tile's part past N) read the last block's
+        # scales: never stored
+        col0 = tile_n * self.cfg.tile_n
+        blk0 = cutlass.min(blk_base + col0 // 128, blk_last)
+        blk1 = cutlass.min(blk_base + col0 // 128 + 1, blk_last)
+        split = (col0 // 128 + 1) * 128 - col0
         k_blocks = cute.size(tCrA, mode=[2])
         acc.fill(0.0)
         # scales one k-tile ahead: their loads are in flight during the previous promotion
-        sa0, sa1, sb = mSFA[row0, 0], mSFA[row1, 0], mSFB[tile_n, 0]
+        sa0, sa1 = mSFA[row0, 0], mSFA[row1, 0]
+        sb0, sb1 = mSFB[blk0, 0], mSFB[blk1, 0]
         for kt in range(k_tiles):
-            s0 = sa0 * sb
-            s1 = sa1 * sb
+            s00, s10 = sa0 * sb0, sa1 * sb0
+            s01, s11 = sa0 * sb1, sa1 * sb1
             nxt = cutlass.min(kt + 1, k_tiles - 1)
-            sa0, sa1, sb = mSFA[row0, nxt], mSFA[row1, nxt], mSFB[tile_n, nxt]
+            sa0, sa1 = mSFA[row0, nxt], mSFA[row1, nxt]
+            sb0, sb1 = mSFB[blk0, nxt], mSFB[blk1, nxt]
             ab_pipe.consumer_wait(read)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
             cute.nvgpu.warpgroup.fence()
@@ -696,9 +835,36 @@ class GemmSm90:
             cute.nvgpu.warpgroup.wait_group(0)
             ab_pipe.consumer_release(read)
             read.advance()
-            for v in cutlass.range_constexpr(cute.size(acc)):
-                acc[v] = acc[v] + tmp[v] * (s1 if (v // 2) % 2 else s0)
+            # values 4g .. 4g + 3: columns 8g .. 8g + 7 of the tile, rows r0 (+ 0/1), r1 (+ 2/3)
+            for g in cutlass.range_constexpr(cute.size(acc) // 4):
+                lo, hi = s00, s10
+                if cutlass.const_expr(self.cfg.tile_n > 128 and g * 8 >= 64):  # else block 0
+                    second = cutlass.Int32(g * 8) >= split
+                    lo = cutlass.Float32(cutlass.select_(second, s01, s00))
+                    hi = cutlass.Float32(cutlass.select_(second, s11, s10))
+                for j in cutlass.range_constexpr(4):
+                    acc[4 * g + j] = acc[4 * g + j] + tmp[4 * g + j] * (hi if j // 2 else lo)
         return read, release, tiled_mma
+
+    @cute.jit
+    def _expert(self, groups, row):
+        """The grouped layout's expert of `row` (a padding row's -1 reads expert 0: its
+        output rows are not the caller's)."""
+        return cutlass.max(groups[0][row], 0)
+
+    @cute.jit
+    def _scale_blocks(self, c_src, first_row):
+        """(first, last) row of B's block scales for the tile row at `first_row`: all of them,
+        or with the grouped layout its expert's ceil(N / 128)."""
+        mC, _, groups = c_src
+        first, last = cutlass.Int32(0), cutlass.Int32(0)
+        if cutlass.const_expr(groups is None):
+            last = cute.ceil_div(mC.shape[1], 128) - 1
+        else:
+            per = cute.ceil_div(groups[1], 128)
+            first = self._expert(groups, first_row) * per
+            last = first + per - 1
+        return first, last
 
     @cute.jit
     def _epilogue(self, gC_tile, tma_c, sC, epi, warp_idx, tiles_done):

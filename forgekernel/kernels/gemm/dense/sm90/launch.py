@@ -1,13 +1,21 @@
-"""Host launcher of the sm90 dense GEMM: torch only (no DSL), the kernel through the compile
-cache. Callers validate first (`forgekernel.gemm`); the launcher makes the operands TMA-ready
+"""Host launchers of the sm90 dense GEMM and of the masked grouped FP8 GEMM on its kernel:
+torch only (no DSL), the kernels through the compile cache.
+
+`gemm`: callers validate first (`forgekernel.gemm`); the launcher makes the operands TMA-ready
 (padding K and N up to multiples of 8 where they are not), picks the configuration (a recorded
-tuning winner, else the analytical default) and launches fn(a, b, c, max_clusters)."""
+tuning winner, else the analytical default) and launches fn(a, b, c, max_clusters).
+
+`gemm_fp8_masked` (MoE decode; callers validate first: `forgekernel.ops.gemm_fp8_grouped_masked`):
+the kernel takes each operand as (rows, cols, experts) with the cols contiguous, torch's
+(E, rows, cols) tensors permuted, no copy. The experts' row counts stay on the device (one
+launch, nothing read back: CUDA-graph capturable); `expected_m`, a host-side hint, picks the
+tile."""
 
 from __future__ import annotations
 
 import torch
 
-from forgekernel.kernels.gemm.dense.sm90 import SPEC
+from forgekernel.kernels.gemm.dense.sm90 import MASKED_SPEC, SPEC, masked_config
 from forgekernel.kernels.gemm.dense.sm90.config import (
     NUM_SMS_H100_H200,
     GemmConfig,
@@ -106,11 +114,11 @@ def gemm(
         a, b, c = as_tma_ready(a), as_tma_ready(b), tma_target(out)
     with on_device(a.device):
         if split is None:
-            fn(a, b, c, None, None, 0, None, None, max_clusters)
+            fn(a, b, c, None, None, 0, None, None, None, max_clusters)
         else:
             per, tiles, floats = split
             work, flags = stream_k_workspace(a.device, tiles, floats)
-            fn(a, b, c, work, flags, per, None, None, max_clusters)
+            fn(a, b, c, work, flags, per, None, None, None, max_clusters)
     if c is not out:
         out.copy_(c if c.shape[1] == n else c[:, :n])
 
@@ -182,3 +190,43 @@ def _zero_padded(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     if rows > r:
         p[r:].zero_()
     return p
+
+
+def _batched(t: torch.Tensor) -> torch.Tensor:
+    """(E, rows, cols) seen as (rows, cols, E)."""
+    return t.permute(1, 2, 0)
+
+
+def gemm_fp8_masked(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    masked_m: torch.Tensor,
+    expected_m: int,
+    out: torch.Tensor,
+) -> None:
+    """out[e, r] = (a[e, r] x scale_a[e, r]) @ (b[e] x scale_b[e])^T for r < masked_m[e]; the
+    other rows of out are not written. a (E, max_m, K) and b (E, N, K) float8_e4m3fn; scale_a
+    (E, max_m, K/128) and scale_b (E, N/128, K/128) fp32, any strides; masked_m int32 (E,)
+    contiguous (a count outside [0, max_m] is read as the nearest end); out (E, max_m, N)
+    16-bit, TMA-ready (written in place: a compact copy would lose the rows left alone). N and
+    K multiples of 128."""
+    experts, max_m, _ = a.shape
+    if max_m == 0 or experts == 0:
+        return
+    cfg = masked_config.choose_config(expected_m)
+    fn = get_kernel(MASKED_SPEC, masked_config.params_for(dtype_name(out.dtype), cfg))
+    with on_device(a.device):
+        fn(
+            _batched(as_tma_ready(a)),
+            _batched(as_tma_ready(b)),
+            _batched(out),
+            None,
+            None,
+            0,
+            _batched(scale_a),
+            _batched(scale_b),
+            masked_m,
+            num_sms(a.device.index),
+        )

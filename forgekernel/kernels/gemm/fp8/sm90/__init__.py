@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from forgekernel.kernels.gemm.fp8.sm90.config import OUT_DTYPES, STANDARD_CONFIGS, params_for
+from forgekernel.kernels.gemm.fp8.sm90.config import (
+    GROUPED,
+    GROUPED_WIDE,
+    OUT_DTYPES,
+    STANDARD_CONFIGS,
+    params_for,
+)
 from forgekernel.runtime.spec import KernelSpec, Params
 
 
@@ -16,7 +22,9 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    return [params_for(out, cfg) for out in OUT_DTYPES for cfg in STANDARD_CONFIGS]
+    dense = [params_for(out, cfg) for out in OUT_DTYPES for cfg in STANDARD_CONFIGS]
+    grouped = [params_for(out, cfg, True) for out in OUT_DTYPES for cfg in (GROUPED, GROUPED_WIDE)]
+    return dense + grouped
 
 
 SPEC = KernelSpec(

@@ -9,7 +9,7 @@ from cutlass.cute.runtime import make_fake_tensor
 
 from forgekernel.kernels.common.sm90 import fake
 from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
-from forgekernel.kernels.gemm.fp8.sm90.kernel import GemmFp8Sm90
+from forgekernel.kernels.gemm.dense.sm90.kernel import GemmSm90
 
 
 def compile_gemm_fp8(params: dict, arch: str = "sm_90a", extra_options: str = ""):
@@ -27,9 +27,11 @@ def compile_gemm_fp8(params: dict, arch: str = "sm_90a", extra_options: str = ""
         stride = (cute.sym_int64(), cute.sym_int64())
         return make_fake_tensor(cutlass.Float32, shape, stride=stride, assumed_align=4)
 
-    cfg = GemmConfig.from_params({k_: v for k_, v in params.items() if k_ != "out"})
+    cfg = GemmConfig.from_params(
+        {k_: v for k_, v in params.items() if k_ not in ("out", "grouped")}
+    )
     return cute.compile(
-        GemmFp8Sm90(cfg),
+        GemmSm90(cfg),
         a,
         b,
         c,
@@ -38,6 +40,7 @@ def compile_gemm_fp8(params: dict, arch: str = "sm_90a", extra_options: str = ""
         cutlass.Int32(0),
         scales(),
         scales(),
+        make_fake_tensor(cutlass.Int32, (m,), stride=(1,)) if params.get("grouped") else None,
         cutlass.Int32(1),
         fake.stream(),
         options=fake.options(arch, extra_options),
