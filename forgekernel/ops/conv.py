@@ -24,11 +24,17 @@ from collections.abc import Sequence
 
 import torch
 
+from forgekernel.kernels.conv.sm90 import INT32_MAX, Geometry, dgrad_geometry_problem
 from forgekernel.kernels.conv.sm90 import launch as conv_sm90
-from forgekernel.kernels.conv.sm90.geometry import INT32_MAX, Geometry, dgrad_geometry_problem
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._dispatch import wants_grad
-from forgekernel.ops._validate import check_cuda, check_same_device, check_same_dtype, check_tensor
+from forgekernel.ops._validate import (
+    check_cuda,
+    check_same_device,
+    check_same_dtype,
+    check_shaped,
+    check_tensor,
+)
 
 IntArg = int | Sequence[int]
 Padding = int | Sequence[int] | str
@@ -206,13 +212,17 @@ def _memory_format(dims: int) -> torch.memory_format:
     return torch.channels_last if dims == 2 else torch.channels_last_3d
 
 
-def _as5d(t: torch.Tensor) -> torch.Tensor:
-    """(N, C, *spatial) in channels-last memory (copied into it when it is not) as the
-    kernels' (N, D, H, W, C) view (2-D: D = 1)."""
+def _view5d(t: torch.Tensor) -> torch.Tensor:
+    """(N, C, *spatial) as the kernels' (N, D, H, W, C) view (2-D: D = 1), no copy: contiguous
+    when t is in channels-last memory (what the launchers write in place)."""
     dims = t.dim() - 2
-    t = t.contiguous(memory_format=_memory_format(dims))
     v = t.permute(0, *range(2, dims + 2), 1)
     return v.unsqueeze(1) if dims == 2 else v
+
+
+def _as5d(t: torch.Tensor) -> torch.Tensor:
+    """An input in channels-last memory (copied into it when it is not), as `_view5d`."""
+    return _view5d(t.contiguous(memory_format=_memory_format(t.dim() - 2)))
 
 
 def _empty(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
@@ -252,21 +262,23 @@ def _out_shape(x_shape, w_shape, g: Geometry) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------- eager work
-def _fwd(x, w, bias, g: Geometry) -> torch.Tensor:
-    y = _empty(_out_shape(x.shape, w.shape, g), x)
-    conv_sm90.fprop(_as5d(x), _as5d(w), bias, _as5d(y), g)
+# Each writes into `out` (any view of the result's shape: in place when it is in channels-last
+# memory, else through a scratch buffer) or a fresh channels-last tensor.
+def _fwd(x, w, bias, g: Geometry, out=None) -> torch.Tensor:
+    y = _empty(_out_shape(x.shape, w.shape, g), x) if out is None else out
+    conv_sm90.fprop(_as5d(x), _as5d(w), bias, _view5d(y), g)
     return y
 
 
-def _dgrad(dy, w, x_shape, g: Geometry) -> torch.Tensor:
-    dx = _empty(x_shape, dy)
-    conv_sm90.dgrad(_as5d(dy), _as5d(w), _as5d(dx), g)
+def _dgrad(dy, w, x_shape, g: Geometry, out=None) -> torch.Tensor:
+    dx = _empty(x_shape, dy) if out is None else out
+    conv_sm90.dgrad(_as5d(dy), _as5d(w), _view5d(dx), g)
     return dx
 
 
-def _wgrad(dy, x, w_shape, g: Geometry) -> torch.Tensor:
-    dw = _empty(w_shape, dy)
-    conv_sm90.wgrad(_as5d(dy), _as5d(x), _as5d(dw), g)
+def _wgrad(dy, x, w_shape, g: Geometry, out=None) -> torch.Tensor:
+    dw = _empty(w_shape, dy) if out is None else out
+    conv_sm90.wgrad(_as5d(dy), _as5d(x), _view5d(dw), g)
     return dw
 
 
@@ -355,11 +367,27 @@ _conv_fwd_op.register_autograd(_grad_fwd, setup_context=_setup_fwd)
 
 
 # ---------------------------------------------------------------- public API
-def _conv(x, w, bias, stride, padding, dilation, groups, padding_mode, dims) -> torch.Tensor:
+def _check_out(out, shape: tuple[int, ...], like: torch.Tensor) -> None:
+    if out is not None:
+        check_shaped("out", out, shape, (like.dtype,))
+        check_same_device(**{"out": out, "input": like})
+
+
+def _finish(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """A custom op's result, copied into `out` when one was given (autograd records the
+    copy)."""
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+def _conv(x, w, bias, stride, padding, dilation, groups, padding_mode, out, dims):
     g = _validate_fwd(x, w, bias, stride, padding, dilation, groups, padding_mode, dims)
-    if _traced(x, w, bias) or wants_grad(x, w, bias):
-        return torch.ops.forgekernel.conv_fwd(x, w, bias, *_lists(g, dims))
-    return _fwd(x, w, bias, g)
+    _check_out(out, _out_shape(x.shape, w.shape, g), x)
+    if _traced(x, w, bias, out) or wants_grad(x, w, bias):
+        return _finish(torch.ops.forgekernel.conv_fwd(x, w, bias, *_lists(g, dims)), out)
+    return _fwd(x, w, bias, g, out)
 
 
 def conv2d(
@@ -371,11 +399,14 @@ def conv2d(
     dilation: IntArg = 1,
     groups: int = 1,
     padding_mode: str = "zeros",
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = conv2d(x, w) + bias for x (N, C, H, W), w (K, C, R, S), bias (K,) or None, as
     `torch.nn.functional.conv2d` computes it (groups = 1, zero padding). fp16 or bf16 alike,
-    fp32 accumulation; y (N, K, P, Q) in channels-last memory. Differentiable in x, w, bias."""
-    return _conv(x, w, bias, stride, padding, dilation, groups, padding_mode, dims=2)
+    fp32 accumulation; y (N, K, P, Q) in channels-last memory, or written into `out` (any view
+    of that shape; in place when it is channels-last). Differentiable in x, w, bias."""
+    return _conv(x, w, bias, stride, padding, dilation, groups, padding_mode, out, dims=2)
 
 
 def conv3d(
@@ -387,24 +418,30 @@ def conv3d(
     dilation: IntArg = 1,
     groups: int = 1,
     padding_mode: str = "zeros",
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = conv3d(x, w) + bias for x (N, C, D, H, W), w (K, C, T, R, S): `conv2d` in 3-D;
     y (N, K, Z, P, Q) in channels-last-3d memory."""
-    return _conv(x, w, bias, stride, padding, dilation, groups, padding_mode, dims=3)
+    return _conv(x, w, bias, stride, padding, dilation, groups, padding_mode, out, dims=3)
 
 
-def _dgrad_api(dy, w, x_shape, stride, padding, dilation, groups, dims) -> torch.Tensor:
+def _dgrad_api(dy, w, x_shape, stride, padding, dilation, groups, out, dims) -> torch.Tensor:
     g, x_shape = _validate_dgrad(dy, w, x_shape, stride, padding, dilation, groups, dims)
-    if _traced(dy, w) or wants_grad(dy, w):
-        return torch.ops.forgekernel.conv_dgrad(dy, w, list(x_shape), *_lists(g, dims))
-    return _dgrad(dy, w, x_shape, g)
+    _check_out(out, x_shape, dy)
+    if _traced(dy, w, out) or wants_grad(dy, w):
+        dx = torch.ops.forgekernel.conv_dgrad(dy, w, list(x_shape), *_lists(g, dims))
+        return _finish(dx, out)
+    return _dgrad(dy, w, x_shape, g, out)
 
 
-def _wgrad_api(dy, x, w_shape, stride, padding, dilation, groups, dims) -> torch.Tensor:
+def _wgrad_api(dy, x, w_shape, stride, padding, dilation, groups, out, dims) -> torch.Tensor:
     g, w_shape = _validate_wgrad(dy, x, w_shape, stride, padding, dilation, groups, dims)
-    if _traced(dy, x) or wants_grad(dy, x):
-        return torch.ops.forgekernel.conv_wgrad(dy, x, list(w_shape), *_lists(g, dims))
-    return _wgrad(dy, x, w_shape, g)
+    _check_out(out, w_shape, dy)
+    if _traced(dy, x, out) or wants_grad(dy, x):
+        dw = torch.ops.forgekernel.conv_wgrad(dy, x, list(w_shape), *_lists(g, dims))
+        return _finish(dw, out)
+    return _wgrad(dy, x, w_shape, g, out)
 
 
 def conv2d_dgrad(
@@ -415,11 +452,13 @@ def conv2d_dgrad(
     padding: Padding = 0,
     dilation: IntArg = 1,
     groups: int = 1,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """dx (x_shape, channels-last) = the data gradient of conv2d(x, w) at dy (N, K, P, Q): what
-    `torch.nn.grad.conv2d_input` computes. Strided convolutions run one stride-1 convolution per
-    output phase (no multiply-add on inserted zeros)."""
-    return _dgrad_api(dy, w, x_shape, stride, padding, dilation, groups, dims=2)
+    """dx (x_shape, channels-last, or written into `out`) = the data gradient of conv2d(x, w)
+    at dy (N, K, P, Q): what `torch.nn.grad.conv2d_input` computes. A strided convolution's runs
+    as one stride-1 convolution per output phase (no multiply-add on inserted zeros)."""
+    return _dgrad_api(dy, w, x_shape, stride, padding, dilation, groups, out, dims=2)
 
 
 def conv3d_dgrad(
@@ -430,9 +469,11 @@ def conv3d_dgrad(
     padding: Padding = 0,
     dilation: IntArg = 1,
     groups: int = 1,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`conv2d_dgrad` in 3-D: dy (N, K, Z, P, Q), w (K, C, T, R, S)."""
-    return _dgrad_api(dy, w, x_shape, stride, padding, dilation, groups, dims=3)
+    return _dgrad_api(dy, w, x_shape, stride, padding, dilation, groups, out, dims=3)
 
 
 def conv2d_wgrad(
@@ -443,11 +484,14 @@ def conv2d_wgrad(
     padding: Padding = 0,
     dilation: IntArg = 1,
     groups: int = 1,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """dw (w_shape, channels-last) = the weight gradient of conv2d(x, w) at dy (N, K, P, Q):
-    what `torch.nn.grad.conv2d_weight` computes. Interim: an explicit im2col and the dense GEMM
-    kernel until the weight-gradient kernel lands (kernels/conv/sm90/launch.py)."""
-    return _wgrad_api(dy, x, w_shape, stride, padding, dilation, groups, dims=2)
+    """dw (w_shape, channels-last, or written into `out`) = the weight gradient of
+    conv2d(x, w) at dy (N, K, P, Q): what `torch.nn.grad.conv2d_weight` computes. Interim: an
+    explicit im2col and the dense GEMM kernel until the weight-gradient kernel lands
+    (kernels/conv/sm90/launch.py)."""
+    return _wgrad_api(dy, x, w_shape, stride, padding, dilation, groups, out, dims=2)
 
 
 def conv3d_wgrad(
@@ -458,6 +502,8 @@ def conv3d_wgrad(
     padding: Padding = 0,
     dilation: IntArg = 1,
     groups: int = 1,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`conv2d_wgrad` in 3-D: dy (N, K, Z, P, Q), x (N, C, D, H, W)."""
-    return _wgrad_api(dy, x, w_shape, stride, padding, dilation, groups, dims=3)
+    return _wgrad_api(dy, x, w_shape, stride, padding, dilation, groups, out, dims=3)

@@ -14,7 +14,13 @@ from forgekernel.bench.suite import OpSuite
 # Suites whose kernels have not yet passed a GPU check (docs/PENDING.md): registered only where
 # FORGEKERNEL_PENDING_SUITES is set (a device run that checks and benches them first), so that
 # tests/test_ledger_gate.py does not ask CI for a ledger that no GPU has written yet.
-PENDING_SUITE_MODULES: dict[str, str] = {}
+PENDING_SUITE_MODULES: dict[str, str] = {
+    # issue 23: the implicit-GEMM convolution (forward; data gradient by output phase on the
+    # forward kernel; weight gradient interim on the dense GEMM)
+    "conv_fwd": "forgekernel.bench.suites.conv_fwd",
+    "conv_dgrad": "forgekernel.bench.suites.conv_dgrad",
+    "conv_wgrad": "forgekernel.bench.suites.conv_wgrad",
+}
 SUITE_MODULES = {
     "gemm": "forgekernel.bench.suites.gemm",
     "attention": "forgekernel.bench.suites.attention",

@@ -13,6 +13,11 @@ from forgekernel.kernels.conv.sm90.config import (
     choose_config,
     params_for,
 )
+from forgekernel.kernels.conv.sm90.geometry import (
+    INT32_MAX,
+    Geometry,
+    dgrad_geometry_problem,
+)
 from forgekernel.runtime.spec import KernelSpec, Params
 
 
@@ -50,4 +55,12 @@ SPEC = KernelSpec(
     representative=_representative,
 )
 
-__all__ = ["SPEC", "ConvConfig", "choose_config", "params_for"]
+__all__ = [
+    "INT32_MAX",
+    "SPEC",
+    "ConvConfig",
+    "Geometry",
+    "choose_config",
+    "dgrad_geometry_problem",
+    "params_for",
+]

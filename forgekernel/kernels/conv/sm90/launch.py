@@ -104,11 +104,14 @@ def fprop(
 
 def phase_filter(w: torch.Tensor, phase: Phase) -> torch.Tensor:
     """The forward filter (C, T', R', S', K) of a data-gradient phase: w's taps that reach the
-    phase, in reverse order, input and output channels swapped (a small copy of w)."""
+    phase (an arithmetic progression per dim: a strided slice, no index tensor, so that CUDA
+    graph capture sees no host-to-device copy), in reverse order, input and output channels
+    swapped (a small copy of w)."""
     for dim, taps in zip((1, 2, 3), phase.taps):
-        index = torch.tensor(taps[::-1], device=w.device, dtype=torch.long)
-        w = w.index_select(dim, index)
-    return w.permute(4, 1, 2, 3, 0).contiguous()
+        step = taps[1] - taps[0] if len(taps) > 1 else 1
+        span = w.narrow(dim, taps[0], taps[-1] - taps[0] + 1)
+        w = span[(slice(None),) * dim + (slice(None, None, step),)]
+    return w.flip(1, 2, 3).permute(4, 1, 2, 3, 0).contiguous()
 
 
 def dgrad(dy: torch.Tensor, w: torch.Tensor, dx: torch.Tensor, geometry: Geometry) -> None:
