@@ -144,14 +144,15 @@ def _check_operands(x, w, bias, dims: int, x_name: str = "x") -> None:
             raise ValueError(f"bias must have shape ({w.shape[0]},), got {tuple(bias.shape)}")
 
 
-def _validate_fwd(x, w, bias, stride, padding, dilation, groups, padding_mode, dims):
+def _validate_fwd(x, w, bias, stride, padding, dilation, groups, padding_mode, out, dims):
     _check_groups(groups, padding_mode)
     _check_operands(x, w, bias, dims)
     geometry = _geometry(dims, w.shape[2:], stride, padding, dilation)
-    _check_geometry(geometry, x.shape, dims, "x")
+    out_spatial = _check_geometry(geometry, x.shape, dims, "x")
+    _check_out(out, (x.shape[0], w.shape[0], *out_spatial), x)
     # Device checks come last so that every shape error is reported the same on any device.
     check_cuda("x", x)
-    check_same_device(x=x, w=w, **({} if bias is None else {"bias": bias}))
+    check_same_device(x=x, w=w, **_present(bias=bias, out=out))
     return geometry
 
 
@@ -163,7 +164,7 @@ def _shape(name: str, value: object, dims: int) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _validate_dgrad(dy, w, x_shape, stride, padding, dilation, groups, dims):
+def _validate_dgrad(dy, w, x_shape, stride, padding, dilation, groups, out, dims):
     _check_groups(groups, "zeros")
     x_shape = _shape("x_shape", x_shape, dims)
     check_tensor("dy", dy, ndim=dims + 2, cuda=False)
@@ -172,17 +173,18 @@ def _validate_dgrad(dy, w, x_shape, stride, padding, dilation, groups, dims):
     if x_shape[1] != w.shape[1]:
         raise ValueError(f"x_shape has {x_shape[1]} channels but w takes {w.shape[1]}")
     geometry = _geometry(dims, w.shape[2:], stride, padding, dilation)
-    out = _check_geometry(geometry, x_shape, dims, "x_shape")
-    _check_grad_out(dy, (x_shape[0], w.shape[0], *out))
+    out_spatial = _check_geometry(geometry, x_shape, dims, "x_shape")
+    _check_grad_out(dy, (x_shape[0], w.shape[0], *out_spatial))
     problem = dgrad_geometry_problem(geometry, _spatial3(x_shape, dims), _spatial3(dy.shape, dims))
     if problem:
         raise ValueError(f"unsupported convolution geometry: {problem}")
+    _check_out(out, x_shape, dy)
     check_cuda("dy", dy)
-    check_same_device(dy=dy, w=w)
+    check_same_device(dy=dy, w=w, **_present(out=out))
     return geometry, x_shape
 
 
-def _validate_wgrad(dy, x, w_shape, stride, padding, dilation, groups, dims):
+def _validate_wgrad(dy, x, w_shape, stride, padding, dilation, groups, out, dims):
     _check_groups(groups, "zeros")
     w_shape = _shape("w_shape", w_shape, dims)
     check_tensor("dy", dy, ndim=dims + 2, cuda=False)
@@ -193,11 +195,21 @@ def _validate_wgrad(dy, x, w_shape, stride, padding, dilation, groups, dims):
     if any(f < 1 for f in w_shape[2:]):
         raise ValueError(f"w_shape's kernel size must be >= 1, got {w_shape[2:]}")
     geometry = _geometry(dims, w_shape[2:], stride, padding, dilation)
-    out = _check_geometry(geometry, x.shape, dims, "x")
-    _check_grad_out(dy, (x.shape[0], w_shape[0], *out))
+    out_spatial = _check_geometry(geometry, x.shape, dims, "x")
+    _check_grad_out(dy, (x.shape[0], w_shape[0], *out_spatial))
+    _check_out(out, w_shape, dy)
     check_cuda("dy", dy)
-    check_same_device(dy=dy, x=x)
+    check_same_device(dy=dy, x=x, **_present(out=out))
     return geometry, w_shape
+
+
+def _check_out(out, shape: tuple[int, ...], like: torch.Tensor) -> None:
+    if out is not None:
+        check_shaped("out", out, shape, (like.dtype,))
+
+
+def _present(**tensors) -> dict[str, torch.Tensor]:
+    return {name: t for name, t in tensors.items() if t is not None}
 
 
 def _check_grad_out(dy: torch.Tensor, shape: tuple[int, ...]) -> None:
@@ -367,12 +379,6 @@ _conv_fwd_op.register_autograd(_grad_fwd, setup_context=_setup_fwd)
 
 
 # ---------------------------------------------------------------- public API
-def _check_out(out, shape: tuple[int, ...], like: torch.Tensor) -> None:
-    if out is not None:
-        check_shaped("out", out, shape, (like.dtype,))
-        check_same_device(**{"out": out, "input": like})
-
-
 def _finish(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """A custom op's result, copied into `out` when one was given (autograd records the
     copy)."""
@@ -383,8 +389,7 @@ def _finish(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 
 
 def _conv(x, w, bias, stride, padding, dilation, groups, padding_mode, out, dims):
-    g = _validate_fwd(x, w, bias, stride, padding, dilation, groups, padding_mode, dims)
-    _check_out(out, _out_shape(x.shape, w.shape, g), x)
+    g = _validate_fwd(x, w, bias, stride, padding, dilation, groups, padding_mode, out, dims)
     if _traced(x, w, bias, out) or wants_grad(x, w, bias):
         return _finish(torch.ops.forgekernel.conv_fwd(x, w, bias, *_lists(g, dims)), out)
     return _fwd(x, w, bias, g, out)
@@ -427,8 +432,7 @@ def conv3d(
 
 
 def _dgrad_api(dy, w, x_shape, stride, padding, dilation, groups, out, dims) -> torch.Tensor:
-    g, x_shape = _validate_dgrad(dy, w, x_shape, stride, padding, dilation, groups, dims)
-    _check_out(out, x_shape, dy)
+    g, x_shape = _validate_dgrad(dy, w, x_shape, stride, padding, dilation, groups, out, dims)
     if _traced(dy, w, out) or wants_grad(dy, w):
         dx = torch.ops.forgekernel.conv_dgrad(dy, w, list(x_shape), *_lists(g, dims))
         return _finish(dx, out)
@@ -436,8 +440,7 @@ def _dgrad_api(dy, w, x_shape, stride, padding, dilation, groups, out, dims) -> 
 
 
 def _wgrad_api(dy, x, w_shape, stride, padding, dilation, groups, out, dims) -> torch.Tensor:
-    g, w_shape = _validate_wgrad(dy, x, w_shape, stride, padding, dilation, groups, dims)
-    _check_out(out, w_shape, dy)
+    g, w_shape = _validate_wgrad(dy, x, w_shape, stride, padding, dilation, groups, out, dims)
     if _traced(dy, x, out) or wants_grad(dy, x):
         dw = torch.ops.forgekernel.conv_wgrad(dy, x, list(w_shape), *_lists(g, dims))
         return _finish(dw, out)
