@@ -196,6 +196,7 @@ def test_fprop_without_channels_is_the_bias_and_without_pixels_is_nothing(model_
         ((1, 10, 10), (1, 7, 7), (0, 3, 3), (1, 2, 2), (1, 1, 1)),
         ((1, 11, 10), (1, 3, 3), (0, 0, 0), (1, 3, 3), (1, 2, 2)),
         ((1, 8, 9), (1, 2, 2), (0, 0, 0), (1, 2, 2), (1, 1, 1)),
+        ((1, 9, 8), (1, 2, 2), (0, 1, 1), (1, 2, 2), (1, 1, 1)),  # phases with padding < 0
     ],
 )
 def test_dgrad_by_output_phase_is_the_gradient(model_kernel, size, f, pad, stride, dil):
@@ -227,6 +228,19 @@ def test_dgrad_phases_split_the_taps_and_skip_the_zeros():
     g = _geometry((1, 3, 3), (0, 2, 2), (1, 2, 2), (1, 2, 2))
     empty = [p.offset for p in dgrad_phases(g, (1, 8, 8), g.output((1, 8, 8))) if p.empty()]
     assert empty == [(0, 0, 1), (0, 1, 0), (0, 1, 1)]
+
+
+def test_negative_phase_padding_becomes_a_crop():
+    """2x2 stride 2 padding 1: phase 0 stops short of dy's end, phase 1 starts inside it; the
+    kernel model refuses padding < 0, so the launcher's crop is what the dgrad test ran."""
+    g = _geometry((1, 2, 2), (0, 1, 1), (1, 2, 2))
+    phases = dgrad_phases(g, (1, 8, 8), g.output((1, 8, 8)))
+    assert {(p.fprop.pad_lo[1], p.fprop.pad_hi[1]) for p in phases} == {(0, -1), (-1, 0)}
+    x = torch.randn(1, 1, 5, 5, 8, dtype=F64)
+    cropped, cg = launch._cropped(x, phases[0].fprop)
+    assert cg.pad_lo == (0, 0, 0) and cg.pad_hi == (0, 0, 0)
+    assert torch.equal(cropped, x[:, :, :4, :4])
+    assert cg.output((1, 4, 4)) == phases[0].fprop.output((1, 5, 5))
 
 
 def test_phase_filter_takes_the_taps_reversed_with_channels_swapped():

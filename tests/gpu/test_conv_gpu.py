@@ -71,6 +71,7 @@ def test_forward(x_shape, w_shape, kw, dtype):
 GRADIENTS = [
     ((2, 24, 13, 13), (40, 24, 3, 3), {"stride": 2, "padding": 1}),
     ((1, 8, 10, 9), (16, 8, 2, 2), {"stride": 2}),
+    ((1, 8, 9, 8), (16, 8, 2, 2), {"stride": 2, "padding": 1}),  # phases with padding < 0
     ((2, 64, 15, 15), (72, 64, 1, 1), {"stride": 2}),
     ((1, 16, 11, 12), (8, 16, 5, 5), {"stride": 2, "padding": 2}),
     ((1, 8, 13, 13), (8, 8, 3, 3), {"stride": 3, "padding": 1}),

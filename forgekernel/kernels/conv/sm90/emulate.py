@@ -123,6 +123,8 @@ def compiled(params) -> callable:
         )
         if (bias is not None) != bool(dict(params)["bias"]):
             raise AssertionError("the kernel was compiled for the other bias flag")
+        if min(geometry_args[:6]) < 0:
+            raise AssertionError(f"negative padding reached the kernel: {geometry_args[:6]}")
         run(x, w, y, bias, g, cfg)
 
     return fn

@@ -32,7 +32,8 @@ Geometry (padding below / above, stride, dilation, per D, H, W) arrives as run-t
 only the TMA descriptor depends on it, so one compiled kernel serves every layer. The filter
 extents come from W's shape.
 
-Constraints: X (N, D, H, W, C), W (K, T, R, S, C) and Y (M, K) with C and K multiples of 8
+Constraints: padding >= 0 (the launcher turns a data-gradient phase's negative padding into a
+crop of the input); X (N, D, H, W, C), W (K, T, R, S, C) and Y (M, K) with C and K multiples of 8
 (16-byte rows) and 16-byte aligned bases; Y compact (M = N x Z x P x Q rows of K); tile_k = 64
 (a last channel block that C does not fill is zero-filled); M and K ragged edges are clipped
 by the TMA store. tile_m in {64, 128}, tile_n in {64, 128, 256}.

@@ -18,6 +18,8 @@ T = 1).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from forgekernel.kernels.conv.sm90 import SPEC
@@ -67,6 +69,23 @@ def _rows_padded(t: torch.Tensor, rows: int) -> torch.Tensor:
     return p
 
 
+def _cropped(x: torch.Tensor, geometry: Geometry) -> tuple[torch.Tensor, Geometry]:
+    """x and the geometry with negative padding (a data-gradient phase's: its windows start
+    inside the input, or stop short of its end) turned into a crop of x: the kernel and its
+    descriptor only ever see padding >= 0. The cropped view keeps x's strides (TMA-ready)."""
+    lo, hi = list(geometry.pad_lo), list(geometry.pad_hi)
+    for i in range(3):
+        if lo[i] < 0:
+            x = x.narrow(1 + i, -lo[i], x.shape[1 + i] + lo[i])
+            lo[i] = 0
+        if hi[i] < 0:
+            x = x.narrow(1 + i, 0, x.shape[1 + i] + hi[i])
+            hi[i] = 0
+    if lo == list(geometry.pad_lo) and hi == list(geometry.pad_hi):
+        return x, geometry
+    return x, dataclasses.replace(geometry, pad_lo=tuple(lo), pad_hi=tuple(hi))
+
+
 def fprop(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -86,7 +105,7 @@ def fprop(
         y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
         return
     cp, kp = _round_up(c), _round_up(k)
-    x = _channels_padded(x, cp)
+    x, geometry = _cropped(_channels_padded(x, cp), geometry)
     w = _rows_padded(_channels_padded(w, cp), kp)
     if bias is not None:
         bias = _rows_padded(bias.contiguous(), kp)
