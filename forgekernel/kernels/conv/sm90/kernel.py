@@ -348,7 +348,7 @@ class ConvFpropSm90:
                 self._produce(load_a, load_b, ab_pipe, schedule, k_tiles)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            mma = (tiled_mma, thr_mma, tCrA, tCrB, acc)
+            mma = (tiled_mma, tCrA, tCrB, acc)
             self._consume(tidx, warp_idx, mma, ab_pipe, sC, gC, tma_c, mBias, schedule, k_tiles)
 
     @cute.jit
@@ -386,7 +386,7 @@ class ConvFpropSm90:
     @cute.jit
     def _consume(self, tidx, warp_idx, mma, ab_pipe, sC, gC, tma_c, mBias, schedule, k_tiles):
         """The consumer warpgroups: each tile's mainloop, the bias, then the epilogue."""
-        tiled_mma, thr_mma, tCrA, tCrB, acc = mma
+        tiled_mma, tCrA, tCrB, acc = mma
         epi_barrier = named_barrier(Bar.EPILOGUE, self.num_mma_threads)
         read = consumer_state(self.stages)
         release = consumer_state(self.stages)
@@ -408,8 +408,11 @@ class ConvFpropSm90:
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
         )
         epi = (r2s, tRS_sC, tRS_acc, tRS_rAcc, tRS_rC, store_pipe, epi_barrier)
-        # This thread's accumulator columns within a tile (bias).
-        cols = thr_mma.partition_C(cute.make_identity_tensor((self.cfg.tile_m, self.cfg.tile_n)))
+        # This thread's accumulator columns within a tile (bias): the thread's own slice of the
+        # MMA, not the warpgroup's `thr_mma` (whose C partition is its first thread's: the FP8
+        # GEMM's scale rows were wrong that way, kernels/gemm/fp8/sm90/kernel.py).
+        own = tiled_mma.get_slice(tidx - THREADS_PER_WG)
+        cols = own.partition_C(cute.make_identity_tensor((self.cfg.tile_m, self.cfg.tile_n)))
         tiles_done = cutlass.Int32(0)  # this CTA's tiles so far: the epilogue ring's position
         sched = StaticScheduler(schedule)
         work = sched.first()
