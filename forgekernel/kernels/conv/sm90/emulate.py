@@ -18,6 +18,8 @@ Accumulation is in fp64 (the kernel's is fp32): the model checks indexing, not r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from forgekernel.kernels.conv.sm90.config import ConvConfig
@@ -108,7 +110,7 @@ def run(x, w, y, bias, geometry: Geometry, cfg: ConvConfig) -> None:
             y[m0 : m0 + rows, n0 : n0 + width] = acc[:rows, :width].to(y.dtype)
 
 
-def compiled(params) -> callable:
+def compiled(params) -> Callable[..., None]:
     """A stand-in for the compiled function of compile key `params`."""
     cfg = ConvConfig.from_params(dict(params))
 
