@@ -128,10 +128,12 @@ def cpu_kernels(monkeypatch):
 
         return partial
 
+    paged_launch._plans.clear()  # plans hold the kernels they looked up
     monkeypatch.setattr(paged_launch, "get_kernel", get_kernel)
     monkeypatch.setattr(paged_launch, "num_sms", lambda device: 132)
     monkeypatch.setattr(op_module, "check_cuda", lambda name, t: None)
-    return calls
+    yield calls
+    paged_launch._plans.clear()
 
 
 def _problem(b, hq, hkv, d, page_size, lens, pages_extra=3, seed=0, combined=False, fp8=False):

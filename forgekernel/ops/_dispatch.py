@@ -23,6 +23,25 @@ def traced(*tensors: torch.Tensor | None) -> bool:
     return False
 
 
+def tracing() -> bool:
+    """torch.compile or a dispatch mode (make_fx, export) is recording this call: `traced`
+    for a call whose tensors `plain` has passed."""
+    return torch.compiler.is_compiling() or _current_dispatch_mode() is not None
+
+
+def plain(*tensors: object, optional: tuple = ()) -> bool:
+    """Every argument a plain eager tensor (no subclass, no other type, no None), and each of
+    `optional` one or None: what the ops' one-pass checks of the common eager call require
+    before they read any metadata."""
+    for t in tensors:
+        if type(t) not in _PLAIN:
+            return False
+    for t in optional:
+        if t is not None and type(t) not in _PLAIN:
+            return False
+    return True
+
+
 def wants_grad(*tensors: torch.Tensor | None) -> bool:
     """Autograd would record this call: such calls go through the custom op, so that a
     backward without a registered formula fails loudly instead of silently stopping."""

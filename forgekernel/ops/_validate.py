@@ -73,13 +73,30 @@ def check_same_device(**tensors: torch.Tensor) -> None:
             raise ValueError(f"{n} is on {t.device} but {first_name} is on {device}")
 
 
+def on_one_device(first: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    """Whether every tensor of `others` (None skipped) is on `first`'s device: the one-pass
+    form of `check_same_device` (a False goes on to its message)."""
+    device = first.device
+    for t in others:
+        if t is not None and t.device != device:
+            return False
+    return True
+
+
 def check_rows_in_place(name: str, t: torch.Tensor, stride_multiple: int = 8) -> None:
     """A tensor a kernel reads in place 16 bytes at a time (a cache, never copied): unit last
     stride, every outer stride a multiple of `stride_multiple` elements (what the kernel was
     compiled for), the data 16-byte aligned."""
+    # Every call checks two caches: a plain loop, not any() over a generator (0.35 us per
+    # tensor on the CPU against 0.6).
     *outer, last = t.stride()
-    if last != 1 or t.data_ptr() % 16 or any(s % stride_multiple for s in outer):
-        raise ValueError(
-            f"{name} must have contiguous, 16-byte-aligned rows (strides {tuple(t.stride())},"
-            f" data pointer % 16 = {t.data_ptr() % 16})"
-        )
+    if last == 1 and t.data_ptr() % 16 == 0:
+        for s in outer:
+            if s % stride_multiple:
+                break
+        else:
+            return
+    raise ValueError(
+        f"{name} must have contiguous, 16-byte-aligned rows (strides {tuple(t.stride())},"
+        f" data pointer % 16 = {t.data_ptr() % 16})"
+    )

@@ -12,14 +12,17 @@ import torch
 
 from forgekernel.kernels.attention.paged.sm90 import launch as paged_sm90
 from forgekernel.kernels.attention.paged.sm90.config import HEAD_DIMS
+from forgekernel.ops._dispatch import plain, tracing
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import (
+    FLOAT16_TYPES,
     check_cuda,
     check_rows_in_place,
     check_same_device,
     check_same_dtype,
     check_shaped,
     check_tensor,
+    on_one_device,
 )
 from forgekernel.ops.attention_varlen import attention_varlen as _attention_varlen
 
@@ -106,6 +109,34 @@ def _validate(q, k, v, page_table, seqlens_k, out, cu_seqlens_q=None):
     return rows, hq, d
 
 
+def _valid_at_a_glance(q, k, v, page_table, seqlens_k, out, cu_seqlens_q) -> bool:
+    """`_validate`'s checks in one pass over plain tensors (the common eager call): True when
+    every check passes (check_cuda, which raises, last as in `_validate`); False sends the call
+    through `_validate`, whose named checks raise (issue 17)."""
+    if not plain(q, k, v, page_table, seqlens_k, optional=(out, cu_seqlens_q)):
+        return False
+    dtype, shape, kv_dtype, kv = q.dtype, q.shape, k.dtype, k.shape
+    if cu_seqlens_q is None:
+        b = shape[0] if len(shape) == 3 else -1
+    elif cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.dim() != 1:
+        return False
+    else:
+        b = cu_seqlens_q.shape[0] - 1
+    if not (
+        dtype in FLOAT16_TYPES and len(shape) == 3 and b >= 0
+        and (kv_dtype == dtype or kv_dtype == torch.float8_e4m3fn) and v.dtype == kv_dtype
+        and len(kv) == 4 and v.shape == kv and kv[3] == shape[2] and shape[2] in HEAD_DIMS
+        and kv[2] > 0 and shape[1] % kv[2] == 0
+        and page_table.dtype == torch.int32 and page_table.dim() == 2
+        and page_table.shape[0] == b
+        and seqlens_k.dtype == torch.int32 and seqlens_k.shape == (b,)
+        and (out is None or (out.dtype == dtype and out.shape == shape))
+    ):  # fmt: skip
+        return False
+    check_cuda("q", q)
+    return on_one_device(q, k, v, page_table, seqlens_k, out)
+
+
 @torch.library.custom_op("forgekernel::attention_paged_decode", mutates_args=())
 def _decode_op(
     q: torch.Tensor,
@@ -177,7 +208,11 @@ def attention_paged(
     if max_seqlen_q is not None and max_seqlen_q < 1:
         raise ValueError(f"max_seqlen_q must be >= 1, got {max_seqlen_q}")
     k, v = _split_cache(k_cache, v_cache)
-    _, _, d = _validate(q, k, v, page_table, seqlens_k, out, cu_seqlens_q)
+    if _valid_at_a_glance(q, k, v, page_table, seqlens_k, out, cu_seqlens_q):
+        d, traced = q.shape[2], tracing()  # the tensors are plain: only a mode can trace
+    else:
+        _, _, d = _validate(q, k, v, page_table, seqlens_k, out, cu_seqlens_q)
+        traced = _traced(q, k, v, page_table, seqlens_k, out, cu_seqlens_q)
     scale = float(softmax_scale) if softmax_scale is not None else d**-0.5
     ks = vs = None
     if k.dtype == torch.float8_e4m3fn:
@@ -188,7 +223,7 @@ def attention_paged(
         o, lse = _prefill_by_gather(q, k, v, page_table, seqlens_k, cu_seqlens_q, mq, causal,
                                     scale, ks, vs, out)  # fmt: skip
         return (o, lse) if return_lse else o
-    if _traced(q, k, v, page_table, seqlens_k, out, cu_seqlens_q):
+    if traced:
         o, lse = torch.ops.forgekernel.attention_paged_decode(
             q, k, v, page_table, seqlens_k, scale, ks, vs, cu_seqlens_q, mq, bool(causal)
         )

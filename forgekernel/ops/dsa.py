@@ -41,13 +41,16 @@ import torch
 
 from forgekernel.kernels.attention.mla.sm90 import launch as mla_sm90
 from forgekernel.kernels.attention.mla.sm90.config import D_LATENT, D_ROPE
+from forgekernel.ops._dispatch import plain, tracing
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import (
+    FLOAT16_TYPES,
     check_cuda,
     check_rows_in_place,
     check_same_device,
     check_shaped,
     check_tensor,
+    on_one_device,
 )
 from forgekernel.ops.mla import (
     INDEX,
@@ -95,6 +98,30 @@ def _validate(q_nope, q_pe, ckv, kpe, sparse_indices, out) -> None:
     extra = {"out": out} if out is not None else {}
     check_same_device(q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv, kpe_cache=kpe,
                       sparse_indices=sparse_indices, **extra)  # fmt: skip
+
+
+def _valid_at_a_glance(q_nope, q_pe, ckv, kpe, sparse_indices, out) -> bool:
+    """`_validate`'s checks in one pass over plain tensors (the common eager call): True when
+    every check passes (check_cuda, which raises, last as in `_validate`); False sends the call
+    through `_validate`, whose named checks raise (issue 17)."""
+    if not plain(q_nope, q_pe, ckv, kpe, sparse_indices, optional=(out,)):
+        return False
+    dtype, shape = q_nope.dtype, q_nope.shape
+    pe, latent, rope, idx = q_pe.shape, ckv.shape, kpe.shape, sparse_indices.shape
+    if not (
+        dtype in FLOAT16_TYPES
+        and q_pe.dtype == dtype and ckv.dtype == dtype and kpe.dtype == dtype
+        and len(shape) == 3 and shape[2] == D_LATENT
+        and len(pe) == 3 and pe[2] == D_ROPE and pe[:2] == shape[:2]
+        and len(latent) == 3 and latent[2] == D_LATENT and latent[1] >= 1
+        and len(rope) == 3 and rope[2] == D_ROPE and rope[:2] == latent[:2]
+        and latent[0] * latent[1] <= MAX_SLOTS
+        and sparse_indices.dtype == torch.int32 and len(idx) == 2 and idx[0] == shape[0]
+        and (out is None or (out.dtype == dtype and out.shape == shape))
+    ):  # fmt: skip
+        return False
+    check_cuda("q_nope", q_nope)
+    return on_one_device(q_nope, q_pe, ckv, kpe, sparse_indices, out)
 
 
 def _outputs(q_nope, out):
@@ -152,13 +179,17 @@ def dsa_sparse_attention(
     reject_fp8_cache("ckv_cache", ckv_cache, _KERNEL)
     reject_fp8_cache("kpe_cache", kpe_cache, _KERNEL)
     ckv, kpe = latent_cache_views(ckv_cache, kpe_cache)
-    _validate(q_nope, q_pe, ckv, kpe, sparse_indices, out)
+    if _valid_at_a_glance(q_nope, q_pe, ckv, kpe, sparse_indices, out):
+        traced = tracing()  # the tensors are plain: only a mode can trace
+    else:
+        _validate(q_nope, q_pe, ckv, kpe, sparse_indices, out)
+        traced = _traced(q_nope, q_pe, ckv, kpe, sparse_indices, out)
     if out is not None and out.stride(-1) != 1:  # the combine writes rows of 512 contiguous
         o, lse = dsa_sparse_attention(q_nope, q_pe, ckv, kpe, sparse_indices,
                                       softmax_scale=scale, return_lse=True)  # fmt: skip
         out.copy_(o)
         return (out, lse) if return_lse else out
-    if _traced(q_nope, q_pe, ckv, kpe, sparse_indices, out):
+    if traced:
         o, lse = torch.ops.forgekernel.dsa_sparse_attention(
             q_nope, q_pe, ckv, kpe, sparse_indices, scale
         )

@@ -32,13 +32,16 @@ import torch
 
 from forgekernel.kernels.attention.mla.sm90 import launch as mla_sm90
 from forgekernel.kernels.attention.mla.sm90.config import D_LATENT, D_ROPE
+from forgekernel.ops._dispatch import plain, tracing
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import (
+    FLOAT16_TYPES,
     check_cuda,
     check_rows_in_place,
     check_same_device,
     check_shaped,
     check_tensor,
+    on_one_device,
 )
 from forgekernel.ops.attention_paged import csr_page_table
 
@@ -70,11 +73,15 @@ def latent_cache_views(ckv_cache, kpe_cache) -> tuple[torch.Tensor, torch.Tensor
             "with kpe_cache None, ckv_cache is FlashMLA's combined cache (num_pages, page_size,"
             f" 1, {D_LATENT + D_ROPE}), got {tuple(ckv_cache.shape)}"
         )
-    row = ckv_cache.select(2, 0)  # aten views, not indexing: traceable on fake CUDA tensors
-    return row.narrow(-1, 0, D_LATENT), row.narrow(-1, D_LATENT, D_ROPE)
+    # aten views, not indexing: traceable on fake CUDA tensors; one split, not two narrows
+    # (2.0 us a call on the CPU against 3.6)
+    ckv, kpe = ckv_cache.squeeze(2).split_with_sizes((D_LATENT, D_ROPE), -1)
+    return ckv, kpe
 
 
 def check_softmax_scale(scale: object) -> float:
+    if type(scale) is float and 0.0 < scale < math.inf:  # the common call, in 0.1 us
+        return scale
     if scale is None:
         raise TypeError(
             "softmax_scale has no default: DeepSeek-V3's is 1 / sqrt(192) x mscale^2 (about "
@@ -131,6 +138,39 @@ def _validate(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out) 
                       page_table=page_table, seqlens_k=seqlens_k, **extra)  # fmt: skip
 
 
+def _valid_at_a_glance(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out) -> bool:
+    """`_validate`'s checks in one pass over plain tensors (the common eager call): True when
+    every check passes (check_cuda, which raises, last as in `_validate`); False sends the call
+    through `_validate`, whose named checks raise. 2.9 us against 4.9 on the CPU (issue 17)."""
+    if not plain(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, optional=(cu_seqlens_q, out)):
+        return False
+    dtype, shape = q_nope.dtype, q_nope.shape
+    if cu_seqlens_q is None:
+        if len(shape) != 4 or not 1 <= shape[1] <= MAX_QUERY_TOKENS:
+            return False
+        b = shape[0]
+    elif len(shape) != 3 or cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.dim() != 1:
+        return False
+    else:
+        b = cu_seqlens_q.shape[0] - 1
+    pe, latent, rope = q_pe.shape, ckv.shape, kpe.shape
+    if not (
+        dtype in FLOAT16_TYPES
+        and q_pe.dtype == dtype and ckv.dtype == dtype and kpe.dtype == dtype
+        and shape[-1] == D_LATENT and len(pe) == len(shape) and pe[-1] == D_ROPE
+        and pe[:-1] == shape[:-1]
+        and len(latent) == 3 and latent[2] == D_LATENT and latent[1] >= 1
+        and len(rope) == 3 and rope[2] == D_ROPE and rope[:2] == latent[:2]
+        and page_table.dtype == torch.int32 and page_table.dim() == 2
+        and page_table.shape[0] == b
+        and seqlens_k.dtype == torch.int32 and seqlens_k.shape == (b,)
+        and (out is None or (out.dtype == dtype and out.shape == shape))
+    ):  # fmt: skip
+        return False
+    check_cuda("q_nope", q_nope)
+    return on_one_device(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out)
+
+
 def _outputs(q_nope, cu_seqlens_q, out):
     """(out, lse): lse (batch, H, s_q) for the decode form, (H, total_q) packed (OPS.md)."""
     o = out if out is not None else q_nope.new_empty(q_nope.shape)
@@ -160,9 +200,9 @@ def _forward(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, scale,
                max_seqlen_q, causal)  # fmt: skip
         return o, lse
     b, s_q, hq, d = q_nope.shape
-    if s_q == 1:
-        launch(q_nope[:, 0], q_pe[:, 0], ckv, kpe, page_table, seqlens_k, scale, o[:, 0],
-               lse[..., 0], None, 1, causal)  # fmt: skip
+    if s_q == 1:  # squeeze: the cheapest view (0.8 us on the CPU against 1.05 for o[:, 0])
+        launch(q_nope.squeeze(1), q_pe.squeeze(1), ckv, kpe, page_table, seqlens_k, scale,
+               o.squeeze(1), lse.squeeze(2), None, 1, causal)  # fmt: skip
         return o, lse
     o_rows = _flat_rows(o)
     target = o_rows if o_rows is not None else o.new_empty((b * s_q, hq, d))
@@ -229,7 +269,11 @@ def mla_decode(
         raise ValueError("cu_seqlens_q and max_seqlen_q come together")
     scale = check_softmax_scale(softmax_scale)
     ckv, kpe = latent_cache_views(ckv_cache, kpe_cache)
-    _validate(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out)
+    if _valid_at_a_glance(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out):
+        traced = tracing()  # the tensors are plain: only a mode can trace
+    else:
+        _validate(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out)
+        traced = _traced(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out)
     mq = q_nope.shape[1] if cu_seqlens_q is None else int(max_seqlen_q)
     if not 1 <= mq <= MAX_QUERY_TOKENS:
         raise ValueError(
@@ -241,7 +285,7 @@ def mla_decode(
                             causal=causal, return_lse=True)  # fmt: skip
         out.copy_(o)
         return (out, lse) if return_lse else out
-    if _traced(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out):
+    if traced:
         o, lse = torch.ops.forgekernel.mla_decode(
             q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, scale, mq, bool(causal)
         )

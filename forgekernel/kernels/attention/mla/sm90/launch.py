@@ -17,31 +17,26 @@ _plans = PlanCache()
 
 
 def _plan(kind, dtype, units, hq, max_tokens, qtokens, device_index):
-    """(partial params, combine params, splits, keys per split): kind "partial" (units =
+    """(partial kernel, combine kernel, splits, keys per split): kind "partial" (units =
     sequences, max_tokens their bound) or "sparse" (units = query tokens, max_tokens the top-k
-    width); the paged leaf's split plan over units x head blocks."""
+    width); the paged leaf's split plan over units x head blocks. The kernels are looked up
+    here, once per problem (two compile-cache lookups cost 0.8 us a call on the CPU)."""
     name = dtype_name(dtype)
     heads = config.heads_per_cta(hq, qtokens)
     splits, per = config.split_plan(
         units, hq // heads, max_tokens, num_sms(device_index), config.RESIDENT
     )
-    partial = config.params_for(kind, name, heads, qtokens)
-    return partial, config.params_for("combine", name), splits, per
+    partial = get_kernel(SPEC, config.params_for(kind, name, heads, qtokens))
+    return partial, get_kernel(SPEC, config.params_for("combine", name)), splits, per
 
 
-def _split_and_combine(plan, rows, hq, q_nope, out, lse, args) -> None:
-    """The partial pass into fp32 (splits, rows, Hq, 512) partials (`args`: the kernel's
-    arguments between the caches and the partials, and after them), then the combine into
-    out / lse."""
-    p_params, c_params, splits, _ = plan
-    partial_o = torch.empty(
-        splits, rows, hq, config.D_LATENT, dtype=torch.float32, device=q_nope.device
+def _partials(splits: int, rows: int, hq: int, device: torch.device):
+    """The partial pass's fp32 (splits, rows, Hq, 512) outputs and (splits, rows, Hq) LSEs,
+    which the combine reduces into out / lse."""
+    return (
+        torch.empty(splits, rows, hq, config.D_LATENT, dtype=torch.float32, device=device),
+        torch.empty(splits, rows, hq, dtype=torch.float32, device=device),
     )
-    partial_lse = torch.empty(splits, rows, hq, dtype=torch.float32, device=q_nope.device)
-    before, after = args
-    with on_device(q_nope.device):
-        get_kernel(SPEC, p_params)(*before, partial_o, partial_lse, *after)
-        get_kernel(SPEC, c_params)(partial_o, partial_lse, out, lse)
 
 
 def query_tokens(packed: bool, max_seqlen_q: int) -> int:
@@ -81,16 +76,16 @@ def mla_decode(
         return
     qtokens = query_tokens(cu_seqlens_q is not None, max_seqlen_q)
     page_size = ckv_cache.shape[1]
-    key = (
-        "partial", q_nope.dtype, b, hq, page_table.shape[1] * page_size, qtokens,
-        q_nope.device.index,
-    )  # fmt: skip
-    plan = _plans.get_or_build(key, _plan)
-    before = (as_tma_ready(q_nope), as_tma_ready(q_pe), ckv_cache, kpe_cache,
-              page_table.contiguous(), seqlens_k.contiguous())  # fmt: skip
-    after = (softmax_scale * LOG2E, plan[3], page_size,
-             None if cu_seqlens_q is None else cu_seqlens_q.contiguous(), int(causal))  # fmt: skip
-    _split_and_combine(plan, rows, hq, q_nope, out, lse, (before, after))
+    device = q_nope.device
+    key = ("partial", q_nope.dtype, b, hq, page_table.shape[1] * page_size, qtokens, device.index)
+    partial, combine, splits, per = _plans.get_or_build(key, _plan)
+    partial_o, partial_lse = _partials(splits, rows, hq, device)
+    cu = None if cu_seqlens_q is None else cu_seqlens_q.contiguous()
+    with on_device(device):
+        partial(as_tma_ready(q_nope), as_tma_ready(q_pe), ckv_cache, kpe_cache,
+                page_table.contiguous(), seqlens_k.contiguous(), partial_o, partial_lse,
+                softmax_scale * LOG2E, per, page_size, cu, int(causal))  # fmt: skip
+        combine(partial_o, partial_lse, out, lse)
 
 
 def dsa_sparse_attention(
@@ -116,9 +111,12 @@ def dsa_sparse_attention(
         out.zero_()
         lse.fill_(float("-inf"))
         return
-    key = ("sparse", q_nope.dtype, tokens, hq, topk, 1, q_nope.device.index)
-    plan = _plans.get_or_build(key, _plan)
-    before = (as_tma_ready(q_nope), as_tma_ready(q_pe), ckv_cache, kpe_cache,
-              sparse_indices.contiguous(), None)  # fmt: skip
-    after = (softmax_scale * LOG2E, plan[3], ckv_cache.shape[1], None, 0)
-    _split_and_combine(plan, tokens, hq, q_nope, out, lse, (before, after))
+    device = q_nope.device
+    key = ("sparse", q_nope.dtype, tokens, hq, topk, 1, device.index)
+    partial, combine, splits, per = _plans.get_or_build(key, _plan)
+    partial_o, partial_lse = _partials(splits, tokens, hq, device)
+    with on_device(device):
+        partial(as_tma_ready(q_nope), as_tma_ready(q_pe), ckv_cache, kpe_cache,
+                sparse_indices.contiguous(), None, partial_o, partial_lse, softmax_scale * LOG2E,
+                per, ckv_cache.shape[1], None, 0)  # fmt: skip
+        combine(partial_o, partial_lse, out, lse)
