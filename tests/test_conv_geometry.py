@@ -173,6 +173,18 @@ def test_fprop_pads_channels_and_writes_views(model_kernel):
     assert model_kernel[-1]["bias"] is False
 
 
+def test_fprop_copies_a_misaligned_bias(model_kernel):
+    """A bias view off a 16-byte boundary (b[1:]) reaches the kernel as an aligned copy: the
+    exported function rejects misaligned tensors."""
+    g = _geometry((1, 3, 3), (0, 1, 1))
+    x, w = torch.randn(2, 8, 1, 6, 7, dtype=F64), torch.randn(8, 8, 1, 3, 3, dtype=F64)
+    bias = torch.randn(9, dtype=F64)[1:]
+    assert bias.data_ptr() % 16
+    y = torch.empty(2, 1, 6, 7, 8, dtype=F64)
+    launch.fprop(_cl5(x), _cl5(w), bias, y, g)
+    assert torch.allclose(y, _cl5(_torch_conv(x, w, bias, g)), atol=1e-10)
+
+
 def test_fprop_without_channels_is_the_bias_and_without_pixels_is_nothing(model_kernel):
     g = _geometry((1, 3, 3), (0, 1, 1))
     bias = torch.randn(8, dtype=F64)

@@ -125,6 +125,10 @@ def compiled(params) -> Callable[..., None]:
         )
         if (bias is not None) != bool(dict(params)["bias"]):
             raise AssertionError("the kernel was compiled for the other bias flag")
+        for name, t in (("x", x), ("w", w), ("y", y), ("bias", bias)):
+            if t is not None and (t.data_ptr() % 16 or t.stride(-1) != 1):
+                # the exported function rejects these ("Misaligned Tensor data")
+                raise AssertionError(f"{name} is not 16-byte aligned with a unit last stride")
         if min(geometry_args[:6]) < 0:
             raise AssertionError(f"negative padding reached the kernel: {geometry_args[:6]}")
         run(x, w, y, bias, g, cfg)

@@ -108,7 +108,9 @@ def fprop(
     x, geometry = _cropped(_channels_padded(x, cp), geometry)
     w = _rows_padded(_channels_padded(w, cp), kp)
     if bias is not None:
-        bias = _rows_padded(bias.contiguous(), kp)
+        # the compiled function takes bias 16-byte aligned (it checks: "Misaligned Tensor
+        # data"), which a view such as b[1:] is not: a copy then
+        bias = _channels_padded(bias, kp)
     in_place = kp == k and y.is_contiguous() and tma_ready(y)
     y2 = y.view(m, k) if in_place else y.new_empty(m, kp)
     params, max_clusters = _plans.get_or_build(
