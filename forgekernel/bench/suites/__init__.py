@@ -17,6 +17,11 @@ from forgekernel.bench.suite import OpSuite
 PENDING_SUITE_MODULES: dict[str, str] = {
     "gemm_fp8_grouped": "forgekernel.bench.suites.gemm_fp8_grouped",  # issue 21
     "gemm_fp8_masked": "forgekernel.bench.suites.gemm_fp8_masked",  # issue 21
+    # issue 23: the implicit-GEMM convolution (forward; data gradient by output phase on the
+    # forward kernel; weight gradient interim on the dense GEMM)
+    "conv_fwd": "forgekernel.bench.suites.conv_fwd",
+    "conv_dgrad": "forgekernel.bench.suites.conv_dgrad",
+    "conv_wgrad": "forgekernel.bench.suites.conv_wgrad",
 }
 SUITE_MODULES = {
     "gemm": "forgekernel.bench.suites.gemm",

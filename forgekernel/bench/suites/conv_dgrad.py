@@ -1,0 +1,67 @@
+"""Conv2d data-gradient suite (issue 23): the stride-2 downsampling layers of ResNet-50,
+ConvNeXt-T and SD's UNet encoder (group "stride2", the bar: >= 1.05x cuDNN at the median, no
+case below 0.95x), and stride-1 ResNet-50 and SD VAE decoder layers (group "stride1"). The
+data gradient runs on the forward kernel, one stride-1 convolution per output phase
+(kernels/conv/sm90/launch.py); the shared parts are `conv_layers`.
+
+Pending (bench/suites/__init__.py) until a device run checks it
+(`FORGEKERNEL_PENDING_SUITES=1 forgekernel check conv_dgrad`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from forgekernel.bench.suite import OpSuite
+from forgekernel.bench.suites import conv_layers as L
+from forgekernel.kernels.conv.sm90 import SPEC
+
+# the issue's point (N32 C256 112x112 K512, 3x3 stride 2), then the models' layers
+STRIDE2 = (
+    L.conv_case("dgrad", 32, 256, 512, (112, 112), 3, 2, group="stride2", source="issue23"),
+    *L.stride2_layers("dgrad", "stride2"),
+)
+STRIDE1 = (
+    L.resnet50("dgrad", 32, lambda c, k, hw, f, s: s == 1 and (f == 3 or hw == 56), "stride1")
+    + L.sd_vae_decoder("dgrad", 8, "stride1")[:3]
+)
+BENCH_CASES = L.unique(STRIDE2 + STRIDE1)
+
+# Every phase shape: 3x3 / 2x2 / 1x1 / 5x5 at stride 2 (phases of 2x2, 2x1, 1x1 taps and none),
+# stride 3, dilation 2 with stride 2 (gcd 2: two phases without taps), odd sizes whose last
+# phase is shorter, channels off the tiles; stride 1; a 3-D gradient.
+CHECK_CASES = (
+    L.conv_case("dgrad", 2, 24, 40, (13, 13), 3, 2),
+    L.conv_case("dgrad", 1, 8, 16, (10, 9), 2, 2, 0),
+    L.conv_case("dgrad", 2, 64, 72, (15, 15), 1, 2),
+    L.conv_case("dgrad", 1, 16, 8, (11, 12), 5, 2),
+    L.conv_case("dgrad", 1, 8, 8, (13, 13), 3, 3, 1),
+    L.conv_case("dgrad", 1, 16, 16, (14, 14), 3, 2, dilation=2),
+    L.conv_case("dgrad", 2, 40, 24, (9, 11), 3),
+    L.conv_case("dgrad", 1, 72, 136, (6, 6), 1),
+    L.conv_case("dgrad", 1, 8, 16, (5, 6, 7), 3, (1, 2, 2)),
+    L.conv_case("dgrad", 4, 128, 256, (28, 28), 3, 2, group="stride2"),
+    L.conv_case("dgrad", 4, 64, 64, (28, 28), 3, group="stride1"),
+)
+SANITIZE_CASES = (CHECK_CASES[0], CHECK_CASES[1], CHECK_CASES[5], CHECK_CASES[8])
+
+
+def suite() -> OpSuite:
+    return OpSuite(
+        name="conv_dgrad",
+        kernel_sources=SPEC.sources,
+        dtypes=(torch.bfloat16, torch.float16),
+        check_cases=CHECK_CASES,
+        bench_cases=BENCH_CASES,
+        make_inputs=L.make_inputs,
+        alloc_out=L.alloc_out,
+        run_ours=L.run_ours,
+        reference=L.reference,
+        low_precision=L.torch_conv,
+        comparators=L.comparators,
+        flops=L.flops,
+        bytes=L.nbytes,
+        atol=1e-3,
+        bench_dtypes=(torch.bfloat16,),
+        sanitize_cases=SANITIZE_CASES,
+    )

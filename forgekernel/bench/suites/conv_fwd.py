@@ -1,0 +1,75 @@
+"""Convolution forward suite (issue 23): conv3d over video VAE / 3-D UNet layers (the bar:
+>= 1.10x cuDNN at the median, no case below 0.95x), and conv2d over ResNet-50's layers (no bar:
+the forward kernel is also the data gradient's, so these are its first figures). Shared parts
+(case form, inputs, references, the cuDNN comparator): `conv_layers`.
+
+Pending (bench/suites/__init__.py): registered for the device run that first checks the
+kernel (`FORGEKERNEL_PENDING_SUITES=1 forgekernel check conv_fwd`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from forgekernel.bench.suite import OpSuite
+from forgekernel.bench.suites import conv_layers as L
+from forgekernel.kernels.conv.sm90 import SPEC
+
+CONV3D = tuple(
+    L.conv_case("fwd", n, c, k, thw, f, group="conv3d", source="video_vae")
+    for n, c, k, thw, f in L.VIDEO_VAE
+)
+# ResNet-50's 3x3 and 1x1 layers at batch 32 (the stem and the stride-2 ones with them), and
+# two SD VAE decoder resolutions at batch 8.
+CONV2D = (
+    L.resnet50(
+        "fwd",
+        32,
+        lambda c, k, hw, f, s: f == 3 or (f == 1 and s == 1 and hw in (56, 14)) or c == 3,
+        "conv2d",
+    )
+    + L.sd_vae_decoder("fwd", 8, "conv2d")[:2]
+)
+BENCH_CASES = L.unique(CONV3D + CONV2D)
+
+# Awkward edges: 3 and 24 input channels (zero-padded to 8, no full 64-channel block), output
+# channels off every tile (5, 40, 136), odd sizes, kernels 1 to 7, stride 2 and 3, dilation 2,
+# uneven 3-D geometry, one image and one pixel row; and a moderate case of each class.
+CHECK_CASES = (
+    L.conv_case("fwd", 1, 3, 5, (17, 19), 3),
+    L.conv_case("fwd", 2, 24, 40, (13, 11), 5, 2, bias=True),
+    L.conv_case("fwd", 3, 72, 136, (9, 7), 3, dilation=2, bias=True),
+    L.conv_case("fwd", 2, 64, 64, (8, 8), 1),
+    L.conv_case("fwd", 1, 16, 24, (7, 7), 7),
+    L.conv_case("fwd", 2, 8, 8, (15, 15), 3, 3, 0),
+    L.conv_case("fwd", 1, 32, 264, (1, 9), (1, 3)),
+    L.conv_case("fwd", 1, 8, 16, (5, 7, 6), 3, bias=True),
+    L.conv_case("fwd", 2, 24, 40, (4, 9, 8), (1, 3, 3), (1, 2, 2)),
+    L.conv_case("fwd", 1, 16, 8, (6, 5, 7), (3, 1, 3), (2, 1, 1), (1, 0, 2), (1, 1, 2)),
+    L.conv_case("fwd", 1, 128, 128, (4, 16, 16), 3, group="conv3d"),
+    L.conv_case("fwd", 4, 64, 256, (20, 20), 3, group="conv2d"),
+    L.conv_case("fwd", 2, 256, 512, (14, 14), 1, 2, group="conv2d"),
+)
+# every standard tile the chooser picks (64, 128 and 256 output channels), bias, 3-D, ragged
+SANITIZE_CASES = (CHECK_CASES[0], CHECK_CASES[2], CHECK_CASES[7], CHECK_CASES[11])
+
+
+def suite() -> OpSuite:
+    return OpSuite(
+        name="conv_fwd",
+        kernel_sources=SPEC.sources,
+        dtypes=(torch.bfloat16, torch.float16),
+        check_cases=CHECK_CASES,
+        bench_cases=BENCH_CASES,
+        make_inputs=L.make_inputs,
+        alloc_out=L.alloc_out,
+        run_ours=L.run_ours,
+        reference=L.reference,
+        low_precision=L.torch_conv,
+        comparators=L.comparators,
+        flops=L.flops,
+        bytes=L.nbytes,
+        atol=1e-3,
+        bench_dtypes=(torch.bfloat16,),
+        sanitize_cases=SANITIZE_CASES,
+    )

@@ -1,0 +1,66 @@
+"""Implicit-GEMM convolution forward (conv2d / conv3d, channels-last), sm_90a. DSL-free
+declaration; the kernel itself is `kernel.py`, the geometry it is driven with `geometry.py`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from forgekernel.kernels.conv.sm90.config import (
+    CANDIDATES,
+    DTYPES,
+    STANDARD_CONFIGS,
+    ConvConfig,
+    choose_config,
+    params_for,
+)
+from forgekernel.kernels.conv.sm90.geometry import (
+    INT32_MAX,
+    Geometry,
+    dgrad_geometry_problem,
+)
+from forgekernel.runtime.spec import KernelSpec, Params
+
+
+def _compile(params: Params, extra_options: str = ""):
+    from forgekernel.kernels.conv.sm90.compile import compile_conv_fprop
+
+    return compile_conv_fprop(dict(params), "sm_90a", extra_options)
+
+
+def _standard_params() -> list[Params]:
+    return [
+        params_for(dtype, bias, cfg)
+        for dtype in DTYPES
+        for bias in (False, True)
+        for cfg in STANDARD_CONFIGS
+    ]
+
+
+def _candidate_params() -> list[Params]:
+    return [params_for("bfloat16", False, cfg) for cfg in CANDIDATES]
+
+
+def _representative() -> Params:
+    # the bias path and a multicast cluster: the most code in one build
+    return params_for("bfloat16", True, STANDARD_CONFIGS[0])
+
+
+SPEC = KernelSpec(
+    name="conv_fprop_sm90",
+    arch="sm_90a",
+    directory=Path(__file__).parent,
+    compile=_compile,
+    standard_params=_standard_params,
+    candidate_params=_candidate_params,
+    representative=_representative,
+)
+
+__all__ = [
+    "INT32_MAX",
+    "SPEC",
+    "ConvConfig",
+    "Geometry",
+    "choose_config",
+    "dgrad_geometry_problem",
+    "params_for",
+]

@@ -1,0 +1,41 @@
+"""Compile the sm90 convolution forward against fake tensors: every size and stride but the
+channel one is dynamic, and so is the geometry (padding, stride, dilation: Int32 arguments).
+
+fn(x, w, y, bias, pad_lo_d, pad_lo_h, pad_lo_w, pad_hi_d, pad_hi_h, pad_hi_w, stride_d,
+stride_h, stride_w, dil_d, dil_h, dil_w, max_clusters) with x (N, D, H, W, C), w (K, T, R, S, C),
+y (N x Z x P x Q, K), bias (K,) or None as compiled."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_tensor
+
+from forgekernel.kernels.common.sm90 import fake
+from forgekernel.kernels.conv.sm90.config import CHANNEL_ALIGN, ConvConfig
+from forgekernel.kernels.conv.sm90.kernel import ConvFpropSm90
+
+
+def compile_conv_fprop(params: dict, arch: str = "sm_90a", extra_options: str = ""):
+    """The forward convolution of `params` (a compile key: dtype, bias and the ConvConfig
+    fields) for `arch`."""
+    dtype = fake.dtype_of(params["dtype"])
+    c = cute.sym_int32(divisibility=CHANNEL_ALIGN)
+    k = cute.sym_int32(divisibility=CHANNEL_ALIGN)
+    x = fake.rowmajor(dtype, tuple(cute.sym_int32() for _ in range(4)) + (c,))
+    w = fake.rowmajor(dtype, (k,) + tuple(cute.sym_int32() for _ in range(3)) + (c,))
+    y = fake.rowmajor(dtype, (cute.sym_int32(), k))
+    bias = make_fake_tensor(dtype, (k,), stride=(1,), assumed_align=16) if params["bias"] else None
+    kernel = ConvFpropSm90(ConvConfig.from_params(params), bias=params["bias"])
+    geometry = [cutlass.Int32(0)] * 6 + [cutlass.Int32(1)] * 6
+    return cute.compile(
+        kernel,
+        x,
+        w,
+        y,
+        bias,
+        *geometry,
+        cutlass.Int32(1),
+        fake.stream(),
+        options=fake.options(arch, extra_options),
+    )

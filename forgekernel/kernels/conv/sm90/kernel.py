@@ -1,0 +1,494 @@
+"""Implicit-GEMM convolution forward for Hopper (sm_90a): channels-last 3-D convolution
+(a 2-D one is D = T = 1), fp32 accumulation.
+
+    Y[n, z, p, q, k] = sum_{t, r, s, c} X[n, z*sd - pd + t*dd, p*sh - ph + r*dh,
+                                           q*sw - pw + s*dw, c] * W[k, t, r, s, c]  (+ bias[k])
+
+with zero outside X. As a GEMM: M = N x Z x P x Q output pixels (rows of Y seen as (M, K)),
+N_gemm = K output channels, and a reduction over C x T x R x S. A k-tile is `tile_k` channels
+of one filter tap; the k-tiles run channel block fastest, then S, R, T (W's memory order, so
+that B's k-tile kt and A's k-tile kt name the same (c block, tap)).
+
+Loads:
+- A (activations), TMA in im2col mode: one box = `tile_m` consecutive output pixels (in
+  N, Z, P, Q order, wrapping across rows, planes and images) x `tile_k` channels, read at the
+  tap's offset (s, r, t) x dilation from each pixel's window corner. The descriptor's bounding
+  box (corners = -padding below, padding - (F - 1) x dilation above) and traversal stride are
+  the convolution's, so padding and ragged edges are the TMA's zero fill: no predicate in the
+  kernel. Descriptor limits (rank 5): corners in [-16, 15], (F - 1) x dilation <= 31, stride
+  <= 8 (`geometry.check_descriptor`).
+- B (filter W (K, T, R, S, C) seen as (K, (C, S, R, T))): tiled TMA, box tile_n x tile_k.
+
+Warp roles and pipelines are the dense GEMM's (kernels/gemm/dense/sm90/kernel.py): warpgroup 0
+is the producer (one warp issues TMA; setmaxnreg 40), warpgroups 1..tile_m/64 are WGMMA
+consumers splitting the tile's rows (setmaxnreg 232). The AB ring is a `PipelineTmaAsync`
+`stages` deep; the epilogue converts (tile_m, epi_n) sub-tiles (bias added in fp32 first),
+writes them with `stmatrix` into the epilogue ring and TMA-stores them into Y seen as (M, K).
+Persistent over the static tile schedule (kernels/common/sm90/scheduler/static.py); a cluster
+multicasts each W tile to the CTAs along M (cluster_m) and each im2col tile to those along N
+(cluster_n).
+
+Geometry (padding below / above, stride, dilation, per D, H, W) arrives as run-time Int32s:
+only the TMA descriptor depends on it, so one compiled kernel serves every layer. The filter
+extents come from W's shape.
+
+Constraints: padding >= 0 (the launcher turns a data-gradient phase's negative padding into a
+crop of the input); X (N, D, H, W, C), W (K, T, R, S, C) and Y (M, K) with C and K multiples of 8
+(16-byte rows) and 16-byte aligned bases; Y compact (M = N x Z x P x Q rows of K); tile_k = 64
+(a last channel block that C does not fill is zero-filled); M and K ragged edges are clipped
+by the TMA store. tile_m in {64, 128}, tile_n in {64, 128, 256}.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import IntEnum
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
+from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY, THREADS_PER_WG
+from forgekernel.kernels.common.sm90.pipeline import (
+    consumer_state,
+    init_arrive,
+    init_wait,
+    producer_state,
+    smem_tensor,
+    tma_pipeline,
+)
+from forgekernel.kernels.common.sm90.scheduler.static import StaticSchedule, StaticScheduler
+from forgekernel.kernels.conv.sm90.config import ConvConfig
+
+
+class Bar(IntEnum):
+    EPILOGUE = FIRST_FREE  # the consumer threads around each epilogue sub-tile's TMA store
+
+
+class ConvFpropSm90:
+    """Persistent, warp-specialized im2col-TMA + WGMMA convolution; see the module docstring."""
+
+    def __init__(self, config: ConvConfig, bias: bool = False):
+        if config.tile_m not in (64, 128):
+            raise ValueError(f"tile_m must be 64 or 128, got {config.tile_m}")
+        if config.tile_n not in (64, 128, 256):
+            raise ValueError(f"tile_n must be 64/128/256, got {config.tile_n}")
+        if config.tile_k != 64:
+            raise ValueError(f"tile_k must be 64 (128 bytes of 16 bits), got {config.tile_k}")
+        if config.tile_n % config.epi_n or config.epi_n not in (32, 64):
+            raise ValueError(f"epi_n must be 32 or 64 and divide tile_n, got {config.epi_n}")
+        if config.cluster_m * config.cluster_n > 4:
+            raise ValueError("a cluster holds at most 4 CTAs here")
+        self.cfg = config
+        self.bias = bias
+        self.acc_dtype = cutlass.Float32
+        self.cluster_shape_mn = (config.cluster_m, config.cluster_n)
+        # Two consumer warpgroups split a 128-row tile: one alone would hold a 128x256 fp32
+        # accumulator in 256 registers per thread and spill (as in the GEMM).
+        self.atom_layout_mnk = (config.tile_m // 64, 1, 1)
+        self.num_mma_wg = math.prod(self.atom_layout_mnk)
+        self.num_mma_threads = self.num_mma_wg * THREADS_PER_WG
+        self.threads_per_cta = (1 + self.num_mma_wg) * THREADS_PER_WG
+        self.producer_regs = 40
+        self.consumer_regs = 232
+        # Every operand is K-major: channels are the contiguous dim of X, W and Y.
+        self.major = LayoutEnum.ROW_MAJOR
+
+    # ---------------------------------------------------------------- host-side setup
+    def _setup(self, dtype):
+        cfg = self.cfg
+        self.dtype = dtype
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            dtype,
+            dtype,
+            self.major.sm90_mma_major_mode(),
+            self.major.sm90_mma_major_mode(),
+            self.acc_dtype,
+            self.atom_layout_mnk,
+            tiler_mn=(64, cfg.tile_n),
+        )
+        self.cta_layout_mnk = cute.make_layout((*self.cluster_shape_mn, 1))
+        self.mcast_a = cfg.cluster_n  # CTAs sharing one activation tile (same M rows)
+        self.mcast_b = cfg.cluster_m  # CTAs sharing one filter tile (same output channels)
+        self.epi_tile = (cfg.tile_m, cfg.epi_n)
+
+        ab_bytes = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * dtype.width // 8
+        epi_bytes = cfg.epi_stages * math.prod(self.epi_tile) * dtype.width // 8
+        fit = (SMEM_CAPACITY - 1024 - epi_bytes) // ab_bytes
+        self.stages = cfg.stages or fit
+        if self.stages > fit or self.stages < 2:
+            raise ValueError(f"{self.stages} stages of {ab_bytes} B do not fit in shared memory")
+        self.stage_bytes = ab_bytes
+
+        def staged(rows):
+            atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+                sm90_utils.get_smem_layout_atom(self.major, dtype, cfg.tile_k), dtype
+            )
+            return cute.tile_to_shape(atom, (rows, cfg.tile_k, self.stages), order=(0, 1, 2))
+
+        self.sA_layout = staged(cfg.tile_m)
+        self.sB_layout = staged(cfg.tile_n)
+        c_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(self.major, dtype, self.epi_tile[1]), dtype
+        )
+        self.sC_layout = cute.tile_to_shape(
+            c_atom, (*self.epi_tile, cfg.epi_stages), order=(0, 1, 2)
+        )
+
+    def _im2col_atom(self, mX, mW, geometry):
+        """The im2col TMA of X seen as ((W, H, D, N), C): its atom and coordinate tensor
+        (M = output pixels, ((C blocks), S, R, T) k-tiles). `geometry`: (padding below,
+        padding above, stride, dilation), each (d, h, w) Int32s."""
+        pad_lo, pad_hi, stride, dil = geometry
+        taps = (mW.shape[1], mW.shape[2], mW.shape[3])  # (T, R, S)
+        whd = [2, 1, 0]  # (d, h, w) -> (w, h, d)
+        mA = cute.make_tensor(mX.iterator, cute.select(mX.layout, mode=[3, 2, 1, 0, 4]))
+        mA = cute.group_modes(mA, 0, 4)
+        op = (
+            cpasync.CopyBulkTensorIm2ColG2SMulticastOp()
+            if self.mcast_a > 1
+            else cpasync.CopyBulkTensorIm2ColG2SOp()
+        )
+        return cpasync.make_im2col_tma_atom(
+            op,
+            mA,
+            cute.slice_(self.sA_layout, (None, None, 0)),
+            (self.cfg.tile_m, (self.cfg.tile_k,)),
+            lower_corner_whd=tuple(-pad_lo[i] for i in whd),
+            upper_corner_whd=tuple(pad_hi[i] - (taps[i] - 1) * dil[i] for i in whd),
+            lower_padding_whd=tuple(pad_lo[i] for i in whd),
+            upper_padding_whd=tuple(pad_hi[i] for i in whd),
+            stride_whd=tuple(stride[i] for i in whd),
+            lower_srt=(0, 0, 0),
+            stride_srt=tuple(dil[i] for i in whd),
+            num_multicast=self.mcast_a,
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,
+        mW: cute.Tensor,
+        mY: cute.Tensor,
+        mBias: cute.Tensor | None,
+        pad_lo_d: cutlass.Int32,
+        pad_lo_h: cutlass.Int32,
+        pad_lo_w: cutlass.Int32,
+        pad_hi_d: cutlass.Int32,
+        pad_hi_h: cutlass.Int32,
+        pad_hi_w: cutlass.Int32,
+        stride_d: cutlass.Int32,
+        stride_h: cutlass.Int32,
+        stride_w: cutlass.Int32,
+        dil_d: cutlass.Int32,
+        dil_h: cutlass.Int32,
+        dil_w: cutlass.Int32,
+        max_active_clusters: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        """mX (N, D, H, W, C), mW (K, T, R, S, C), mY (N x Z x P x Q, K), mBias (K,) or None
+        (as compiled). Padding below / above, stride and dilation per (D, H, W)."""
+        self._setup(mX.element_type)
+        geometry = (
+            (pad_lo_d, pad_lo_h, pad_lo_w),
+            (pad_hi_d, pad_hi_h, pad_hi_w),
+            (stride_d, stride_h, stride_w),
+            (dil_d, dil_h, dil_w),
+        )
+        tma_a, tma_mA = self._im2col_atom(mX, mW, geometry)
+        # W (K, T, R, S, C) as (K, (C, S, R, T)): the k-tiles' order, channel block fastest.
+        mB = cute.make_tensor(mW.iterator, cute.select(mW.layout, mode=[0, 4, 3, 2, 1]))
+        mB = cute.group_modes(mB, 1, 5)
+        tma_b, tma_mB = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SMulticastOp()
+            if self.mcast_b > 1
+            else cpasync.CopyBulkTensorTileG2SOp(),
+            mB,
+            cute.slice_(self.sB_layout, (None, None, 0)),
+            (self.cfg.tile_n, (self.cfg.tile_k,)),
+            num_multicast=self.mcast_b,
+        )
+        tma_c, tma_mC = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(),
+            mY,
+            cute.slice_(self.sC_layout, (None, None, 0)),
+            self.epi_tile,
+        )
+
+        tiles_m = cute.ceil_div(mY.shape[0], self.cfg.tile_m)
+        tiles_n = cute.ceil_div(mY.shape[1], self.cfg.tile_n)
+        schedule = StaticSchedule(
+            (tiles_m, tiles_n), self.cluster_shape_mn, self.cfg.swizzle, self.cfg.raster_along_m
+        )
+
+        @cute.struct
+        class SharedStorage:
+            ab_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sA: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(self.sA_layout)], 1024
+            ]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(self.sB_layout)], 1024
+            ]
+            sC: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(self.sC_layout)], 1024
+            ]
+
+        self.shared_storage = SharedStorage
+        self.kernel(
+            tma_a,
+            tma_mA,
+            tma_b,
+            tma_mB,
+            tma_c,
+            tma_mC,
+            mBias,
+            self.tiled_mma,
+            self.cta_layout_mnk,
+            self.sA_layout,
+            self.sB_layout,
+            self.sC_layout,
+            schedule,
+        ).launch(
+            grid=schedule.grid(max_active_clusters),
+            block=[self.threads_per_cta, 1, 1],
+            cluster=(*self.cluster_shape_mn, 1),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    # ---------------------------------------------------------------- device code
+    @cute.kernel
+    def kernel(
+        self,
+        tma_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        tma_c: cute.CopyAtom,
+        mC: cute.Tensor,
+        mBias: cute.Tensor | None,
+        tiled_mma: cute.TiledMma,
+        cta_layout_mnk: cute.Layout,
+        sA_layout: cute.ComposedLayout,
+        sB_layout: cute.ComposedLayout,
+        sC_layout: cute.ComposedLayout,
+        schedule: StaticSchedule,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+            cpasync.prefetch_descriptor(tma_c)
+
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_coord = cta_layout_mnk.get_flat_coord(cta_rank)
+        a_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=1)
+        b_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=0)
+        a_mask = a_mask if self.mcast_a > 1 else 0
+        b_mask = b_mask if self.mcast_b > 1 else 0
+
+        storage = SmemAllocator().allocate(self.shared_storage)
+        # Each consumer warp releases a stage to every CTA that multicast into it.
+        consumer_arrivals = (self.mcast_a + self.mcast_b - 1) * (self.num_mma_threads // 32)
+        ab_pipe = tma_pipeline(
+            storage.ab_barriers,
+            self.stages,
+            self.stage_bytes,
+            consumer_arrivals,
+            cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
+        )
+        init_arrive(self.cluster_shape_mn)
+
+        sA = smem_tensor(storage.sA, sA_layout)
+        sB = smem_tensor(storage.sB, sB_layout)
+        sC = smem_tensor(storage.sC, sC_layout)
+
+        # (bM, bK, tiles_m, k-tiles ((C blocks), S, R, T)), (bN, bK, tiles_n, k-tiles)
+        tiler_k = (self.cfg.tile_k,)
+        gA = cute.local_tile(mA, (self.cfg.tile_m, tiler_k), (None, None))
+        gB = cute.local_tile(mB, (self.cfg.tile_n, tiler_k), (None, None))
+        gC = cute.local_tile(mC, (self.cfg.tile_m, self.cfg.tile_n), (None, None))
+        k_tiles = cute.size(gA, mode=[3])
+
+        wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
+        thr_mma = tiled_mma.get_slice((wg_idx - 1) * THREADS_PER_WG)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape[:3], self.acc_dtype)
+
+        init_wait(self.cluster_shape_mn)
+
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                tAsA, tAgA = cpasync.tma_partition(
+                    tma_a,
+                    cluster_coord[1],
+                    cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape),
+                    cute.group_modes(sA, 0, 2),
+                    cute.group_modes(gA, 0, 2),
+                )
+                tBsB, tBgB = cpasync.tma_partition(
+                    tma_b,
+                    cluster_coord[0],
+                    cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape),
+                    cute.group_modes(sB, 0, 2),
+                    cute.group_modes(gB, 0, 2),
+                )
+                load_a = (tma_a, tAgA, tAsA, a_mask)
+                load_b = (tma_b, tBgB, tBsB, b_mask)
+                self._produce(load_a, load_b, ab_pipe, schedule, k_tiles)
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            mma = (tiled_mma, tCrA, tCrB, acc)
+            self._consume(tidx, warp_idx, mma, ab_pipe, sC, gC, tma_c, mBias, schedule, k_tiles)
+
+    @cute.jit
+    def _produce(self, load_a, load_b, ab_pipe, schedule, k_tiles):
+        """The producer warp: every k-tile of A and B of each of the CTA's tiles into the ring."""
+        tma_a, tAgA, tAsA, a_mask = load_a
+        tma_b, tBgB, tBsB, b_mask = load_b
+        prod = producer_state(self.stages)
+        sched = StaticScheduler(schedule)
+        work = sched.first()
+        while sched.valid(work):
+            tile_m, tile_n = sched.tile(work)
+            for kt in range(k_tiles):
+                ab_pipe.producer_acquire(prod)
+                bar = ab_pipe.producer_get_barrier(prod)
+                cute.copy(
+                    tma_a,
+                    tAgA[(None, tile_m, kt)],
+                    tAsA[(None, prod.index)],
+                    tma_bar_ptr=bar,
+                    mcast_mask=a_mask,
+                )
+                cute.copy(
+                    tma_b,
+                    tBgB[(None, tile_n, kt)],
+                    tBsB[(None, prod.index)],
+                    tma_bar_ptr=bar,
+                    mcast_mask=b_mask,
+                )
+                ab_pipe.producer_commit(prod)
+                prod.advance()
+            work = sched.next(work)
+        ab_pipe.producer_tail(prod)
+
+    @cute.jit
+    def _consume(self, tidx, warp_idx, mma, ab_pipe, sC, gC, tma_c, mBias, schedule, k_tiles):
+        """The consumer warpgroups: each tile's mainloop, the bias, then the epilogue."""
+        tiled_mma, tCrA, tCrB, acc = mma
+        epi_barrier = named_barrier(Bar.EPILOGUE, self.num_mma_threads)
+        read = consumer_state(self.stages)
+        release = consumer_state(self.stages)
+
+        # Epilogue: registers -> stmatrix -> swizzled smem ring -> TMA store.
+        r2s_atom = sm90_utils.sm90_get_smem_store_op(
+            self.major, elem_ty_d=self.dtype, elem_ty_acc=self.acc_dtype
+        )
+        stm_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype)
+        r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma))
+        thr_r2s = r2s.get_slice(tidx - THREADS_PER_WG)
+        tRS_sC = thr_r2s.partition_D(sC)
+        tRS_acc = r2s.retile(acc)
+        rC_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
+        tRS_rAcc = cute.make_rmem_tensor(rC_shape, self.acc_dtype)
+        tRS_rC = cute.make_rmem_tensor(rC_shape, self.dtype)
+        store_pipe = pipeline.PipelineTmaStore.create(
+            num_stages=self.cfg.epi_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
+        )
+        epi = (r2s, tRS_sC, tRS_acc, tRS_rAcc, tRS_rC, store_pipe, epi_barrier)
+        # This thread's accumulator columns within a tile (bias): the thread's own slice of the
+        # MMA, not the warpgroup's `thr_mma` (whose C partition is its first thread's: the FP8
+        # GEMM's scale rows were wrong that way, kernels/gemm/fp8/sm90/kernel.py).
+        own = tiled_mma.get_slice(tidx - THREADS_PER_WG)
+        cols = own.partition_C(cute.make_identity_tensor((self.cfg.tile_m, self.cfg.tile_n)))
+        tiles_done = cutlass.Int32(0)  # this CTA's tiles so far: the epilogue ring's position
+        sched = StaticScheduler(schedule)
+        work = sched.first()
+        while sched.valid(work):
+            tile_m, tile_n = sched.tile(work)
+            work = sched.next(work)
+            read, release, tiled_mma = self._mainloop(
+                k_tiles, tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release
+            )
+            if cutlass.const_expr(self.bias):
+                self._add_bias(acc, cols, mBias, tile_n)
+            gC_tile = gC[(None, None, tile_m, tile_n)]
+            self._epilogue(gC_tile, tma_c, sC, epi, warp_idx, tiles_done)
+            tiles_done += 1
+        store_pipe.producer_tail()
+
+    @cute.jit
+    def _add_bias(self, acc, cols, mBias, tile_n):
+        """acc[., j] += bias[j] for this thread's columns j of output-channel tile `tile_n`;
+        columns past K (a ragged last tile, never stored) read bias[K - 1]."""
+        n0 = tile_n * self.cfg.tile_n
+        last = mBias.shape[0] - 1
+        for v in cutlass.range_constexpr(cute.size(acc)):
+            col = cutlass.min(n0 + cols[v][1], last)
+            acc[v] = acc[v] + mBias[col].to(self.acc_dtype)
+
+    @cute.jit
+    def _mainloop(self, k_tiles, tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release):
+        """acc = this tile's A W^T over all k-tiles, one WGMMA batch kept in flight and the stage
+        behind it released. Returns the states (a helper's attribute updates would not leave the
+        caller's dynamic loop otherwise). k_tiles >= 1: the launcher never runs C = 0."""
+        k_blocks = cute.size(tCrA, mode=[2])
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+        cute.nvgpu.warpgroup.fence()
+        for kt in range(k_tiles):
+            ab_pipe.consumer_wait(read)
+            for kb in cutlass.range_constexpr(k_blocks):
+                crd = (None, None, kb, read.index)
+                cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            cute.nvgpu.warpgroup.commit_group()
+            read.advance()
+            if kt > 0:
+                cute.nvgpu.warpgroup.wait_group(1)
+                ab_pipe.consumer_release(release)
+                release.advance()
+        cute.nvgpu.warpgroup.wait_group(0)
+        ab_pipe.consumer_release(release)
+        release.advance()
+        return read, release, tiled_mma
+
+    @cute.jit
+    def _epilogue(self, gC_tile, tma_c, sC, epi, warp_idx, tiles_done):
+        """acc -> Y, one (tile_m, epi_n) sub-tile at a time through the epilogue ring."""
+        r2s, tRS_sC, tRS_acc, tRS_rAcc, tRS_rC, store_pipe, epi_barrier = epi
+        gC_t = cute.zipped_divide(gC_tile, self.epi_tile)
+        bSG_sC, bSG_gC = cpasync.tma_partition(
+            tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_t
+        )
+        epi_count = cute.size(gC_t, mode=[1])
+        epi_grid = cute.make_layout(gC_t.shape[1], stride=(gC_t.shape[1][1], 1))
+        frag = cute.size(tRS_rAcc)
+        done_before = tiles_done * epi_count
+        store_warp = THREADS_PER_WG // 32  # the first consumer warp issues the TMA stores
+        for e in cutlass.range_constexpr(epi_count):
+            for v in cutlass.range_constexpr(frag):
+                tRS_rAcc[v] = tRS_acc[e * frag + v]
+            tRS_rC.store(tRS_rAcc.load().to(self.dtype))
+            buf = (done_before + e) % self.cfg.epi_stages
+            cute.copy(r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
+            # stmatrix writes are generic-proxy; the TMA store reads through the async proxy.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            epi_barrier.arrive_and_wait()
+            if warp_idx == store_warp:
+                gmem_crd = epi_grid.get_hier_coord(e)
+                cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, gmem_crd)])
+                store_pipe.producer_commit()
+                store_pipe.producer_acquire()
+            epi_barrier.arrive_and_wait()

@@ -1,0 +1,191 @@
+"""Host launcher of the sm90 convolution: torch only (no DSL), the forward kernel through the
+compile cache. Callers validate first (`forgekernel.ops.conv`) and hand over channels-last 5-D
+views: x (N, D, H, W, C), w (K, T, R, S, C), y (N, Z, P, Q, K) (a 2-D convolution has D = Z =
+T = 1).
+
+- `fprop`: one launch of the forward kernel. C or K not a multiple of 8 (16-byte rows) run
+  zero-padded (zero channels add nothing; extra output channels are dropped), and an output
+  the kernel cannot write in place (not compact, or padded) goes through a scratch buffer.
+- `dgrad`: the data gradient as stride-1 forward convolutions of dy, one per output phase
+  (`geometry.dgrad_phases`), with the phase's taps flipped and the channels swapped (C, T', R',
+  S', K). A phase of a strided gradient is written through a scratch buffer into its strided
+  view of dx (the kernel stores compact rows; an im2col-mode store would write it in place).
+- `wgrad`: INTERIM, until the weight-gradient kernel lands (docs/conv/NOTES.md): an explicit
+  im2col of x (T x R x S copies of x) times dy, dW (K, TRSC) = dy^T (K, M) @ cols (M, TRSC),
+  on the dense GEMM kernel; one GEMM over the whole N x Z x P x Q reduction (fp32 accumulation,
+  rounded once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from forgekernel.kernels.conv.sm90 import SPEC
+from forgekernel.kernels.conv.sm90.config import (
+    CHANNEL_ALIGN,
+    NUM_SMS_H100_H200,
+    ConvConfig,
+    choose_config,
+    params_for,
+)
+from forgekernel.kernels.conv.sm90.geometry import Geometry, Phase, dgrad_phases
+from forgekernel.kernels.gemm.dense.sm90 import launch as gemm_sm90
+from forgekernel.runtime.cache import get_kernel
+from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms, on_device, tma_ready
+from forgekernel.runtime.plans import PlanCache
+
+
+def _round_up(x: int) -> int:
+    return -(-x // CHANNEL_ALIGN) * CHANNEL_ALIGN
+
+
+def _choose(dtype, bias, m, k, c, device_index, config) -> tuple[tuple, int]:
+    sms = num_sms(device_index) if device_index is not None else NUM_SMS_H100_H200
+    cfg = config or choose_config(m, k, c, sms)
+    # one CTA per SM (the pipeline takes nearly all shared memory)
+    return params_for(dtype_name(dtype), bias, cfg), sms // (cfg.cluster_m * cfg.cluster_n)
+
+
+_plans = PlanCache()
+
+
+def _channels_padded(t: torch.Tensor, channels: int) -> torch.Tensor:
+    """t (..., c) with zero channels up to `channels` (a fresh buffer), or t TMA-ready."""
+    if t.shape[-1] == channels:
+        return as_tma_ready(t)
+    p = t.new_zeros(*t.shape[:-1], channels)
+    p[..., : t.shape[-1]].copy_(t)
+    return p
+
+
+def _rows_padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """t (k, ...) with zero rows up to `rows`, or t itself."""
+    if t.shape[0] == rows:
+        return t
+    p = t.new_zeros(rows, *t.shape[1:])
+    p[: t.shape[0]].copy_(t)
+    return p
+
+
+def _cropped(x: torch.Tensor, geometry: Geometry) -> tuple[torch.Tensor, Geometry]:
+    """x and the geometry with negative padding (a data-gradient phase's: its windows start
+    inside the input, or stop short of its end) turned into a crop of x: the kernel and its
+    descriptor only ever see padding >= 0. The cropped view keeps x's strides (TMA-ready)."""
+    lo, hi = list(geometry.pad_lo), list(geometry.pad_hi)
+    for i in range(3):
+        if lo[i] < 0:
+            x = x.narrow(1 + i, -lo[i], x.shape[1 + i] + lo[i])
+            lo[i] = 0
+        if hi[i] < 0:
+            x = x.narrow(1 + i, 0, x.shape[1 + i] + hi[i])
+            hi[i] = 0
+    if lo == list(geometry.pad_lo) and hi == list(geometry.pad_hi):
+        return x, geometry
+    return x, dataclasses.replace(geometry, pad_lo=tuple(lo), pad_hi=tuple(hi))
+
+
+def fprop(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    y: torch.Tensor,
+    geometry: Geometry,
+    config: ConvConfig | None = None,
+) -> None:
+    """y = conv(x, w) (+ bias) written into y (any (N, Z, P, Q, K) view); x, w, bias (K,) alike
+    16-bit on one device; the geometry's descriptor problem checked by the caller."""
+    n, _, _, _, c = x.shape
+    k = w.shape[0]
+    m = y.numel() // max(k, 1)
+    if m == 0 or k == 0:
+        return
+    if c == 0:  # no reduction: the bias alone
+        y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
+        return
+    cp, kp = _round_up(c), _round_up(k)
+    x, geometry = _cropped(_channels_padded(x, cp), geometry)
+    w = _rows_padded(_channels_padded(w, cp), kp)
+    if bias is not None:
+        # the compiled function takes bias 16-byte aligned (it checks: "Misaligned Tensor
+        # data"), which a view such as b[1:] is not: a copy then
+        bias = _channels_padded(bias, kp)
+    in_place = kp == k and y.is_contiguous() and tma_ready(y)
+    y2 = y.view(m, k) if in_place else y.new_empty(m, kp)
+    params, max_clusters = _plans.get_or_build(
+        (x.dtype, bias is not None, m, kp, cp, x.device.index, config), _choose
+    )
+    fn = get_kernel(SPEC, params)
+    with on_device(x.device):
+        fn(x, w, y2, bias, *geometry.kernel_args(), max_clusters)
+    if not in_place:
+        y.copy_(y2[:, :k].reshape(y.shape))
+
+
+def phase_filter(w: torch.Tensor, phase: Phase) -> torch.Tensor:
+    """The forward filter (C, T', R', S', K) of a data-gradient phase: w's taps that reach the
+    phase (an arithmetic progression per dim: a strided slice, no index tensor, so that CUDA
+    graph capture sees no host-to-device copy), in reverse order, input and output channels
+    swapped (a small copy of w)."""
+    for dim, taps in zip((1, 2, 3), phase.taps):
+        step = taps[1] - taps[0] if len(taps) > 1 else 1
+        span = w.narrow(dim, taps[0], taps[-1] - taps[0] + 1)
+        w = span[(slice(None),) * dim + (slice(None, None, step),)]
+    return w.flip(1, 2, 3).permute(4, 1, 2, 3, 0).contiguous()
+
+
+def dgrad(dy: torch.Tensor, w: torch.Tensor, dx: torch.Tensor, geometry: Geometry) -> None:
+    """dx (N, D, H, W, C) = the data gradient at dy (N, Z, P, Q, K) of the convolution with w
+    (K, T, R, S, C) and `geometry`, one stride-1 forward convolution per output phase."""
+    phases = dgrad_phases(geometry, tuple(dx.shape[1:4]), tuple(dy.shape[1:4]))
+    sd, sh, sw = geometry.stride
+    for phase in phases:
+        ad, ah, aw = phase.offset
+        view = dx[:, ad::sd, ah::sh, aw::sw]
+        if phase.empty():
+            view.zero_()
+            continue
+        fprop(dy, phase_filter(w, phase), None, view, phase.fprop)
+
+
+def im2col(x: torch.Tensor, geometry: Geometry, out_dhw: tuple[int, int, int]) -> torch.Tensor:
+    """x (N, D, H, W, C) as the (N x Z x P x Q, T x R x S x C) matrix of its windows, taps in
+    (t, r, s) order and channels fastest (W's (K, T, R, S, C) order); zero padding."""
+    n, d, h, w_, c = x.shape
+    lo, hi = geometry.pad_lo, geometry.pad_hi
+    padded = x.new_zeros(n, d + lo[0] + hi[0], h + lo[1] + hi[1], w_ + lo[2] + hi[2], c)
+    padded[:, lo[0] : lo[0] + d, lo[1] : lo[1] + h, lo[2] : lo[2] + w_] = x
+    (z, p, q), (sd, sh, sw), (dd, dh, dw) = out_dhw, geometry.stride, geometry.dilation
+    t_, r_, s_ = geometry.filter
+    windows = [
+        padded[
+            :,
+            t * dd : t * dd + (z - 1) * sd + 1 : sd,
+            r * dh : r * dh + (p - 1) * sh + 1 : sh,
+            s * dw : s * dw + (q - 1) * sw + 1 : sw,
+        ]
+        for t in range(t_)
+        for r in range(r_)
+        for s in range(s_)
+    ]
+    return torch.stack(windows, dim=4).reshape(n * z * p * q, t_ * r_ * s_ * c)
+
+
+# The dense GEMM's launcher, under the one name the CPU tests replace.
+_gemm = gemm_sm90.gemm
+
+
+def wgrad(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, geometry: Geometry) -> None:
+    """dw (K, T, R, S, C) = the weight gradient at dy (N, Z, P, Q, K) of the convolution of x
+    (N, D, H, W, C) with `geometry`. INTERIM (module docstring): explicit im2col + dense GEMM."""
+    k = dw.shape[0]
+    m = dy.numel() // max(k, 1)
+    if m == 0 or dw.numel() == 0:
+        dw.zero_()
+        return
+    cols = im2col(x, geometry, tuple(dy.shape[1:4]))
+    out = dw.view(k, -1) if dw.is_contiguous() else dw.new_empty(k, dw.numel() // k)
+    _gemm(dy.reshape(m, k).t(), cols, out, True)
+    if out.data_ptr() != dw.data_ptr():
+        dw.copy_(out.view(dw.shape))

@@ -1,0 +1,167 @@
+"""Convolution on the GPU against the fp64 references (issue 23): the forward kernel with every
+standard and candidate tile (cluster multicast included) on ragged problems, conv2d / conv3d
+with bias, padding "same", strides, dilation; the data gradient by output phase (strides 1, 2,
+3, dilation); the interim weight gradient; autograd end to end; CUDA graph capture (what the
+bench times); torch.compile; inputs in other layouts. Criterion: our error <= 2 x the error of
+the same op by PyTorch (cuDNN) in the input dtype + 1e-3, outputs NaN-poisoned first."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from forgekernel.kernels.conv.sm90 import launch
+from forgekernel.kernels.conv.sm90.config import CANDIDATES, STANDARD_CONFIGS
+from forgekernel.reference.conv import conv_dgrad_ref, conv_ref, conv_wgrad_ref
+
+pytestmark = pytest.mark.gpu
+op = importlib.import_module("forgekernel.ops.conv")
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def rnd(*shape, dtype=torch.bfloat16, gen=None):
+    return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
+
+
+def assert_good(ours, want, low):
+    """The check's criterion (forgekernel.bench.check.compare)."""
+    bound = 2 * float((low.float() - want).abs().max()) + 1e-3
+    err = float((ours.float() - want).abs().max())
+    assert torch.isfinite(ours).all() and err <= bound, (err, bound)
+
+
+@pytest.mark.parametrize("cfg", STANDARD_CONFIGS + CANDIDATES, ids=lambda c: c.tag())
+def test_every_tile_on_a_ragged_problem(cfg):
+    """M = 2 x 13 x 11 pixels, K = 200 output channels, C = 72 (a part-filled channel block)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x, w, b = rnd(2, 72, 13, 11, gen=g), rnd(200, 72, 3, 3, gen=g), rnd(200, gen=g)
+    y = torch.full((2, 200, 13, 11), float("nan"), device="cuda", dtype=torch.bfloat16)
+    y = y.contiguous(memory_format=torch.channels_last)
+    geometry = op._geometry(2, (3, 3), 1, 1, 1)
+    launch.fprop(op._as5d(x), op._as5d(w), b, op._view5d(y), geometry, cfg)
+    assert_good(y, conv_ref(x, w, b, padding=1), F.conv2d(x, w, b, padding=1))
+
+
+FORWARD = [
+    ((1, 3, 17, 19), (5, 3, 3, 3), {"padding": 1}),
+    ((2, 24, 13, 11), (40, 24, 5, 5), {"stride": 2, "padding": 2}),
+    ((3, 72, 9, 7), (136, 72, 3, 3), {"dilation": 2, "padding": 2}),
+    ((1, 16, 7, 7), (24, 16, 7, 7), {"padding": 3}),
+    ((2, 8, 15, 15), (8, 8, 3, 3), {"stride": 3}),
+    ((1, 8, 6, 7), (16, 8, 2, 4), {"padding": "same"}),
+    ((8, 64, 56, 56), (64, 64, 3, 3), {"padding": 1}),
+    ((1, 8, 5, 7, 6), (16, 8, 3, 3, 3), {"padding": 1}),
+    ((2, 24, 4, 9, 8), (40, 24, 1, 3, 3), {"stride": (1, 2, 2), "padding": (0, 1, 1)}),
+    ((1, 128, 4, 16, 16), (128, 128, 3, 3, 3), {"padding": 1}),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("x_shape, w_shape, kw", FORWARD)
+def test_forward(x_shape, w_shape, kw, dtype):
+    x, w, b = rnd(*x_shape, dtype=dtype), rnd(*w_shape, dtype=dtype), rnd(w_shape[0], dtype=dtype)
+    conv, ours = (F.conv2d, op.conv2d) if len(x_shape) == 4 else (F.conv3d, op.conv3d)
+    y = ours(x, w, b, **kw)
+    assert_good(y, conv_ref(x, w, b, **kw), conv(x, w, b, **kw))
+
+
+GRADIENTS = [
+    ((2, 24, 13, 13), (40, 24, 3, 3), {"stride": 2, "padding": 1}),
+    ((1, 8, 10, 9), (16, 8, 2, 2), {"stride": 2}),
+    ((1, 8, 9, 8), (16, 8, 2, 2), {"stride": 2, "padding": 1}),  # phases with padding < 0
+    ((2, 64, 15, 15), (72, 64, 1, 1), {"stride": 2}),
+    ((1, 16, 11, 12), (8, 16, 5, 5), {"stride": 2, "padding": 2}),
+    ((1, 8, 13, 13), (8, 8, 3, 3), {"stride": 3, "padding": 1}),
+    ((1, 16, 14, 14), (16, 16, 3, 3), {"stride": 2, "padding": 2, "dilation": 2}),
+    ((2, 40, 9, 11), (24, 40, 3, 3), {"padding": 1}),
+    ((4, 128, 28, 28), (256, 128, 3, 3), {"stride": 2, "padding": 1}),
+    ((1, 8, 5, 6, 7), (16, 8, 3, 3, 3), {"stride": (1, 2, 2), "padding": 1}),
+]
+
+
+def _torch_grads(dy, x, w, kw, which):
+    """PyTorch's (cuDNN) gradient in the input dtype: the low-precision yardstick."""
+    d = x.dim() - 2
+    stride = kw.get("stride", 1)
+    stride = [stride] * d if isinstance(stride, int) else list(stride)
+    pad = kw.get("padding", 0)
+    pad = [pad] * d if isinstance(pad, int) else list(pad)
+    dil = [kw.get("dilation", 1)] * d
+    mask = [which == "dx", which == "dw", False]
+    g = torch.ops.aten.convolution_backward(dy, x, w, None, stride, pad, dil, False, [0] * d, 1,
+                                            mask)  # fmt: skip
+    return g[0] if which == "dx" else g[1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("x_shape, w_shape, kw", GRADIENTS)
+def test_data_and_weight_gradients(x_shape, w_shape, kw, dtype):
+    x, w = rnd(*x_shape, dtype=dtype), rnd(*w_shape, dtype=dtype)
+    dy = rnd(*conv_ref(x, w, **kw).shape, dtype=dtype)
+    d2 = len(x_shape) == 4
+    dgrad = op.conv2d_dgrad if d2 else op.conv3d_dgrad
+    wgrad = op.conv2d_wgrad if d2 else op.conv3d_wgrad
+    assert_good(dgrad(dy, w, x_shape, **kw), conv_dgrad_ref(dy, w, x_shape, **kw),
+                _torch_grads(dy, x, w, kw, "dx"))  # fmt: skip
+    assert_good(wgrad(dy, x, w_shape, **kw), conv_wgrad_ref(dy, x, w_shape, **kw),
+                _torch_grads(dy, x, w, kw, "dw"))  # fmt: skip
+
+
+def test_autograd_end_to_end():
+    x = rnd(4, 32, 20, 20).requires_grad_()
+    w = rnd(64, 32, 3, 3).requires_grad_()
+    b = rnd(64).requires_grad_()
+    y = op.conv2d(x, w, b, stride=2, padding=1)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    kw = {"stride": 2, "padding": 1}
+    assert_good(x.grad, conv_dgrad_ref(dy, w, x.shape, **kw), _torch_grads(dy, x, w, kw, "dx"))
+    assert_good(w.grad, conv_wgrad_ref(dy, x, w.shape, **kw), _torch_grads(dy, x, w, kw, "dw"))
+    assert torch.allclose(b.grad.float(), dy.float().sum((0, 2, 3)), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("what", ["fwd", "dgrad_s2", "wgrad"])
+def test_cuda_graph_capture_replays_the_eager_result(what):
+    x, w = rnd(2, 64, 28, 28), rnd(128, 64, 3, 3)
+    dy = rnd(2, 128, 14, 14)
+    calls = {
+        "fwd": lambda: op.conv2d(x, w, stride=2, padding=1),
+        "dgrad_s2": lambda: op.conv2d_dgrad(dy, w, x.shape, stride=2, padding=1),
+        "wgrad": lambda: op.conv2d_wgrad(dy, x, w.shape, stride=2, padding=1),
+    }
+    eager = calls[what]()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        calls[what]()  # warm-up: compiles, plans, workspaces outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = calls[what]()
+    captured.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+
+
+def test_torch_compile():
+    x, w = rnd(2, 16, 12, 12).requires_grad_(), rnd(32, 16, 3, 3).requires_grad_()
+
+    @torch.compile(fullgraph=True)
+    def f(x, w):
+        return op.conv2d(x, w, padding=1).float().square().mean()
+
+    loss = f(x, w)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()
+
+
+def test_inputs_in_other_layouts():
+    x = rnd(2, 24, 13, 26)[..., ::2]  # strided NCHW
+    w = rnd(40, 24, 3, 3)  # NCHW-contiguous weight
+    y = op.conv2d(x, w, padding=1)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    assert_good(y, conv_ref(x, w, padding=1), F.conv2d(x, w, padding=1))
