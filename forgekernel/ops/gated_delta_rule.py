@@ -9,12 +9,11 @@ from __future__ import annotations
 import torch
 
 from forgekernel.kernels.linear_attention.gdn_decode.sm90 import launch as gdn_sm90
-from forgekernel.kernels.linear_attention.gdn_decode.sm90.config import HEAD_DIMS
+from forgekernel.kernels.linear_attention.gdn_decode.sm90.config import HEAD_DIMS, MAX_TOKENS
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import check_cuda, check_same_device, check_shaped, check_tensor
 
 F32 = (torch.float32,)
-MAX_TOKENS = 4
 
 
 def _contiguous_last(t: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,9 @@ DTYPES = ("float16", "bfloat16")
 HEAD_DIMS = ((128, 128),)  # (K, V): Qwen3-Next, Kimi Linear
 K_SPLIT = 4  # threads per state column, each holding K / K_SPLIT entries of it
 COLUMNS = 32  # state columns per CTA (128 threads)
+THREADS = K_SPLIT * COLUMNS
+WARPS = THREADS // 32
+MAX_TOKENS = 4  # tokens per step (decode 1, MTP up to 4): the shared staging is sized for it
 L2NORM_EPS = 1e-6  # fla's l2norm: x / sqrt(sum x^2 + eps)
 
 
