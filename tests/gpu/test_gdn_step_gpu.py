@@ -24,6 +24,10 @@ op = importlib.import_module("forgekernel.ops.gated_delta_rule")
         (7, 4, 2, 4, False, True, False, True),
         (5, 2, 16, 32, True, False, True, False),
         (3, 3, 4, 4, True, True, False, True),
+        # the suite's MTP shapes (every warp stages a token / warps past T stage copies)
+        (64, 4, 16, 32, False, True, True, True),
+        (9, 2, 16, 32, False, True, False, False),
+        (6, 4, 2, 8, True, True, True, True),
     ],
 )
 def test_step_matches_the_reference(dtype, b, t, h, hv, per_channel, k_last, l2norm, pool):
@@ -63,7 +67,7 @@ def test_flashinfer_decode_and_mtp_forms(b):
     def rnd(*shape, dtype=torch.float32, scale=1.0):
         return (torch.randn(*shape, device=dev, generator=gen) * scale).to(dtype)
 
-    for t in (1, 3):
+    for t in (1, 2, 3, 4):
         q, k = rnd(b, t, 4, 128, dtype=bf), rnd(b, t, 4, 128, dtype=bf)
         v, a, bb = rnd(b, t, 8, 128, dtype=bf), rnd(b, t, 8, dtype=bf), rnd(b, t, 8, dtype=bf)
         a_log, dt_bias = rnd(8, scale=0.5), rnd(8, scale=0.5)
