@@ -11,12 +11,13 @@ Grid (H, B, HV / H x V / COLUMNS), K_SPLIT x COLUMNS threads (the columns of S a
 u_j and o_j read column j only, so a head's columns spread over V / COLUMNS CTAs and a batch of
 one still fills 32 SMs at HV = 8): thread (j, s) holds column j of S, the 4-entry chunks s,
 s + K_SPLIT, s + 2 K_SPLIT, ... of the column (rows 4c .. 4c + 3 of chunk c), in registers
-across the T tokens; the K_SPLIT threads of a column are adjacent lanes, so every dot product
-over K is a partial sum and two shuffles. The state is read once and written once
-(memory-bound: 64 KB each way per head at K = V = 128); with the k-last layout (N, HV, V, K) a
-column is contiguous, so the interleaved chunks give every 16-byte load of a column's K_SPLIT
-lanes one contiguous 64-byte run. Value head hv reads q / k head hv // (HV / H). Sequence b uses
-state row state_indices[b] (a pool).
+across the T tokens; the K_SPLIT threads of a column are lanes COLUMNS_PER_WARP apart (l, l + 8,
+l + 16, l + 24: lanes l and l ^ 1 then read the same q / k address, which halves the cost of a
+16-byte shared load), so every dot product over K is a partial sum and two shuffles. The state
+is read once and written once (memory-bound: 64 KB each way per head at K = V = 128); with the
+k-last layout (N, HV, V, K) a column is contiguous, so the interleaved chunks give every
+16-byte load of a column's K_SPLIT lanes one contiguous 64-byte run. Value head hv reads q / k
+head hv // (HV / H). Sequence b uses state row state_indices[b] (a pool).
 
 The state's loads go out first; while they are in flight the CTA stages every token's inputs
 in shared memory (`_stage`, one memory round trip for all T tokens, every load issued before any
@@ -26,10 +27,13 @@ i % COLUMNS of token i / COLUMNS. The token loop then reads shared memory only (
 broadcast loads), and per token makes one pass for both dot products and one for the update,
 with a single reduction between them:
 
-    p = S^T k,  r = S^T q  (old S; per-channel decay: of exp(g) S)
-    u = beta (v - exp(g) p),  o = exp(g) r + (k.q) u,  S <- exp(g) S + k u^T
+    p = (D S)^T k,  r = (D S)^T q     (S the old state, D = exp(g_t))
+    u = beta (v - p),  o = r + (k.q) u,  S <- D S + k u^T
 
-(o = S_new^T q expanded: no pass over the new state, no second reduction).
+(o = S_new^T q expanded: no pass over the new state, no second reduction). A per-head decay
+multiplies the two sums; per key channel (KDA) the staging gives the rows d k and d q. The
+update reads k (and d) from shared memory again rather than keeping them: 70 registers, 7 CTAs
+of 128 threads per SM, 112 KB of state in flight.
 
 `gating` (FlashInfer-Bench's Gated DeltaNet, Qwen3-Next): the decay and beta come from the
 projections, g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), computed in the staging
