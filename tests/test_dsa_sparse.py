@@ -53,11 +53,12 @@ LATENT, ROPE = 512, 64
 
 def test_sparse_compile_keys():
     """Kind "sparse": dtype and heads per CTA only; prebuilt for both dtypes and every heads
-    per CTA dividing 16 and 128 (TP8 / TP1); one query token per CTA."""
+    per CTA dividing 16 and 128 (TP8 / TP1) and each one's own block; one query token per
+    CTA."""
     assert dict(params_for("sparse", "bfloat16", 16)) == {
         "kind": "sparse", "dtype": "bfloat16", "heads": 16,
     }  # fmt: skip
-    assert sparse_heads() == tuple(h for h in HEADS if 16 % h == 0 and 128 % h == 0)
+    assert sparse_heads() == (*(h for h in HEADS if 16 % h == 0 and 128 % h == 0), 64)
     sparse = {p for p in SPEC.standard_params() if dict(p)["kind"] == "sparse"}
     assert sparse == {params_for("sparse", d, h) for d in ("float16", "bfloat16")
                       for h in sparse_heads()}  # fmt: skip

@@ -16,7 +16,7 @@ sorted top-k leaves them) or "scattered" (anywhere in the row); a sequence of le
 row of -1s (out 0, lse -inf).
 
 Memory-bound at decode: GB/s counts the rows each token reads (its valid entries x 576 x 2
-bytes; at 128 heads our kernel reads them once per 16-head block, at prefill tokens share most
+bytes; at 128 heads our kernel reads them once per 64-head block, at prefill tokens share most
 rows and L2 serves them) plus q, out and the LSE. FLOPs: 2 x (576 + 512) per (token, head,
 valid entry).
 

@@ -9,7 +9,7 @@ FlashMLA's: q (B, s_q, H, 576) and the combined cache (pages, page_size, 1, 576)
 their views in place; cache="split" cases hold FlashInfer's separate ckv / kpe caches instead.
 
 Memory-bound at 16 heads: GB/s counts the latent rows once (tokens x 576 x 2 bytes) plus q, out
-and the LSE (at 128 heads our kernel reads the cache once per 16-head block; L2 serves part of
+and the LSE (at 128 heads our kernel reads the cache once per 64-head block; L2 serves part of
 it). FLOPs: 2 x (576 + 512) per (query row, head, visible key).
 
 Comparators, set up by their first call on each input set (outside any timing, cached there):

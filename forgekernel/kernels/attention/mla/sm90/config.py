@@ -3,9 +3,10 @@ plan (the paged GQA leaf's `split_plan`, with one resident CTA per SM).
 
 The latent cache row of a token is [c (D_LATENT) ; r (D_ROPE)]: the key is all 576 columns, the
 value the first 512 (MQA with one KV head shared by every query head). A CTA takes `heads`
-query heads x `qtokens` query tokens (rows <= ROWS of the MMA) of one sequence and one split of
-its keys; shared memory holds STAGES tiles of TILE latent rows (2 x 64 x 576 x 2 bytes = 144 KB
-with 16-bit caches), so one CTA fits an SM (RESIDENT).
+query heads x `qtokens` query tokens (rows <= ROWS of the WGMMA) of one sequence and one split of
+its keys; shared memory holds the query rows (64 x 576 x 2 bytes), STAGES tiles of TILE latent
+rows (2 x 64 x 576 x 2 bytes) and P (64 x 64 x 2): 224 KB with 16-bit caches, so one CTA fits an
+SM (RESIDENT).
 
 DeepSeek sparse attention (DSA, issue 22) runs the same partial pass in its `sparse` mode: a
 CTA's keys are one split of a query token's top-k list (kind "sparse": one token per CTA,
@@ -17,11 +18,11 @@ from __future__ import annotations
 from forgekernel.kernels.attention.paged.sm90.config import split_plan  # noqa: F401
 
 DTYPES = ("float16", "bfloat16")
-HEADS = (1, 2, 4, 8, 16)  # query heads per CTA (a divisor of Hq)
+HEADS = (1, 2, 4, 8, 16, 32, 64)  # query heads per CTA (a divisor of Hq)
 QTOKENS = (1, 2, 4)  # query tokens per sequence (decode; speculative decoding / MTP)
-ROWS = 16  # (query token, head) rows of one CTA: the MMA's M
-THREADS = 128
-WARPS = THREADS // 32
+ROWS = 64  # (query token, head) rows of one CTA: the WGMMA's M
+WARPGROUPS = 2  # side by side: S along the keys, P V along the output columns
+THREADS = 128 * WARPGROUPS
 TILE = 64  # keys per pipeline stage
 STAGES = 2
 RESIDENT = 1  # CTAs per SM
@@ -32,13 +33,16 @@ SPARSE_HQ = (16, 128)  # DeepSeek-V3.2's query heads per GPU at TP8 and TP1 (the
 
 def heads_per_cta(hq: int, qtokens: int = 1) -> int:
     """The largest compiled heads-per-CTA dividing Hq with heads x tokens <= ROWS: the cache is
-    read once per head block, so as few blocks as the MMA's rows allow (16 heads at TP8)."""
+    read once per head block, so as few blocks as the MMA's rows allow (16 heads at TP8, 64 of
+    128 at TP1)."""
     return max(h for h in HEADS if hq % h == 0 and h * qtokens <= ROWS)
 
 
 def sparse_heads() -> tuple[int, ...]:
-    """The heads per CTA prebuilt for DSA: those dividing every Hq of SPARSE_HQ."""
-    return tuple(h for h in HEADS if all(hq % h == 0 for hq in SPARSE_HQ))
+    """The heads per CTA prebuilt for DSA: those dividing every Hq of SPARSE_HQ, and each
+    SPARSE_HQ's own block."""
+    common = {h for h in HEADS if all(hq % h == 0 for hq in SPARSE_HQ)}
+    return tuple(sorted(common | {heads_per_cta(hq) for hq in SPARSE_HQ}))
 
 
 def params_for(kind: str, dtype: str, heads: int = 1, qtokens: int = 1) -> tuple:

@@ -1,39 +1,42 @@
-"""DeepSeek MLA paged decode, the partial pass of the split-KV plan (sm_90a, mma.sync m16n8k16):
-the absorbed form, MQA over one 576-wide latent row per token (512 latent + 64 RoPE columns)
-that is both the key (all 576) and the value (the first 512); reference.mla has the math.
+"""DeepSeek MLA paged decode, the partial pass of the split-KV plan (sm_90a, WGMMA): the absorbed
+form, MQA over one 576-wide latent row per token (512 latent + 64 RoPE columns) that is both the
+key (all 576) and the value (the first 512); reference.mla has the math.
 
-A CTA takes H query heads (H x Q (token, head) rows, Q query tokens, zero rows up to the MMA's
-16) and one split of one sequence's keys, streamed through shared memory in tiles of TILE keys,
-STAGES deep, by cp.async of 16 bytes per thread and copy (page page_table[b, t // page_size],
-slot t % page_size; the token clamped into the split so that masked columns stay finite), the
-latent and RoPE columns in two swizzled tiles. Per tile:
-  1. S: warp w scores keys 16w .. 16w + 15 against all rows (Q and K by ldmatrix, 32 + 4 MMAs
-     of K = 16 along the latent and RoPE columns), masks them and puts its row maxima in shared
-     memory; barrier.
-  2. Every warp takes the tile's row maxima, so all four keep one running max per row, turns
-     its scores into P = exp2(S scale - max scale) (16-bit, into a shared 16 x TILE tile),
-     rescales its O and its share of the row sums; barrier.
-  3. P V: warp w owns output columns 128w .. 128w + 127 (O 16 x 128 fp32 in registers), all
-     TILE keys (4 steps of K = 16: P by ldmatrix, V by transposed ldmatrix of the latent tile).
-At the end the row sums meet in shared memory and every warp writes its columns of the split's
-normalized O (fp32) and the row's LSE in log2 units (-inf where the split saw no key), the
-paged decode's partial format, merged by its combine pass.
+A CTA of two warpgroups takes H query heads x Q query tokens (G = H Q rows, zero rows up to the
+WGMMA's 64) and one split of one sequence's keys. Q sits in shared memory for the whole split;
+the keys stream through it in tiles of TILE latent rows, STAGES deep, gathered by cp.async of
+16 bytes per thread and copy (page page_table[b, t // page_size], slot t % page_size; the token
+clamped into the split so that masked columns stay finite), the latent and RoPE columns in two
+K-major tiles. Per tile:
+  1. S: warpgroup w scores keys 32w .. 32w + 31 against all 64 rows (WGMMA 64 x 32, K = 512 +
+     64, Q and K from shared memory), masks them, puts its row maxima in shared memory; barrier.
+  2. Both warpgroups take the tile's row maxima (one running max per row, the same in both),
+     turn their scores into P = exp2(S scale - max scale) (16-bit, into a shared 64 x TILE
+     tile), rescale their O and their share of the row sums; barrier.
+  3. P V: warpgroup w owns output columns 256w .. 256w + 255 (O 64 x 256 fp32 in registers), all
+     TILE keys: WGMMA 64 x 256 with P and V from shared memory, V the latent tile read as an
+     MN-major operand (the same bytes as the K-major key tile).
+At the end the row sums meet in shared memory and every thread writes its columns of the
+split's normalized O (fp32) and the row's LSE in log2 units (-inf where the split saw no key),
+the paged decode's partial format, merged by its combine pass.
 
 `sparse` (DeepSeek sparse attention, DSA): query token t attends to the cache rows its top-k
 list names (mPT (tokens, topk) int32, entries page * page_size + slot, -1 padding, anywhere),
 not to a sequence's pages: a CTA's keys are that list's split, loaded by index (-1 reads row 0,
 masked), grid z over the tokens (one query token per CTA, so `qtokens` is 1).
 
-Memory-bound at decode: 2 x 16 x 576 + 2 x 16 x 512 FMAs per 1152-byte row; the per-tile
-barriers and the exchange of maxima are the price of sharing one P among the column owners."""
+The mma.sync version of this pass (four warps, 16 rows) reached ~85 TFLOP/s and 0.51x FlashMLA;
+docs/attention/MLA_NOTES.md has its figures."""
 
 from __future__ import annotations
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import warp
+from cutlass.cute.nvgpu import OperandMajorMode
+from cutlass.tensor_utils import LayoutEnum
 
 from forgekernel.kernels.attention.mla.sm90.config import (
     D_LATENT,
@@ -42,20 +45,21 @@ from forgekernel.kernels.attention.mla.sm90.config import (
     STAGES,
     THREADS,
     TILE,
-    WARPS,
+    WARPGROUPS,
 )
+from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
 from forgekernel.kernels.common.sm90.layout import rows_cols, transposed
+from forgekernel.kernels.common.sm90.mma import gemm
+from forgekernel.kernels.common.sm90.pipeline import smem_tensor
 from forgekernel.kernels.common.sm90.softmax import exp2_row, quad_row_max, rescale_o, scaled_max
 from forgekernel.kernels.common.sm90.warp_mma import (
-    as_wide_acc,
     copy_row_async,
     query_row_limits,
-    swizzled_rows,
     tiled_row_copy,
 )
 
-KEYS = TILE // WARPS  # keys per warp in S
-COLS = D_LATENT // WARPS  # output columns per warp in P V
+KEYS = TILE // WARPGROUPS  # keys per warpgroup in S
+COLS = D_LATENT // WARPGROUPS  # output columns per warpgroup in P V
 
 
 class MlaDecodeSm90:
@@ -70,6 +74,22 @@ class MlaDecodeSm90:
         self.qt = qtokens
         self.g = heads * qtokens
         self.sparse = sparse
+
+    def _setup(self, dtype):
+        k_major = OperandMajorMode.K
+        # S: the two warpgroups side by side along the keys; P V: along the output columns
+        self.mma_s = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, k_major, k_major, Float32, (1, WARPGROUPS, 1), (ROWS, KEYS)
+        )
+        self.mma_o = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, k_major, OperandMajorMode.MN, Float32, (1, WARPGROUPS, 1), (ROWS, COLS)
+        )
+        row = LayoutEnum.ROW_MAJOR
+        self.lay_ql = sm90_utils.make_smem_layout_a(row, (ROWS, TILE, D_LATENT), dtype, 1)
+        self.lay_qr = sm90_utils.make_smem_layout_a(row, (ROWS, TILE, D_ROPE), dtype, 1)
+        self.lay_kl = sm90_utils.make_smem_layout_b(row, (ROWS, TILE, D_LATENT), dtype, STAGES)
+        self.lay_kr = sm90_utils.make_smem_layout_b(row, (ROWS, TILE, D_ROPE), dtype, STAGES)
+        self.lay_p = sm90_utils.make_smem_layout_a(row, (ROWS, D_LATENT, TILE), dtype, 1)
 
     @cute.jit
     def __call__(
@@ -103,31 +123,22 @@ class MlaDecodeSm90:
         if const_expr(self.sparse != (mSeq is None)):
             raise ValueError("seqlens_k comes with the paged form, and only then")
         units = mQn.shape[0] if const_expr(self.sparse) else mSeq.shape[0]
+        self._setup(dtype)
 
         @cute.struct
         class Shared:
-            lat: cute.struct.Align[
-                cute.struct.MemRange[dtype, cute.cosize(swizzled_rows(TILE, D_LATENT, STAGES))],
-                1024,
-            ]
-            rope: cute.struct.Align[
-                cute.struct.MemRange[dtype, cute.cosize(swizzled_rows(TILE, D_ROPE, STAGES))], 1024
-            ]
-            qlat: cute.struct.Align[
-                cute.struct.MemRange[dtype, cute.cosize(swizzled_rows(ROWS, D_LATENT))], 1024
-            ]
-            qrope: cute.struct.Align[
-                cute.struct.MemRange[dtype, cute.cosize(swizzled_rows(ROWS, D_ROPE))], 1024
-            ]
-            p: cute.struct.Align[
-                cute.struct.MemRange[dtype, cute.cosize(swizzled_rows(ROWS, TILE))], 128
-            ]
-            red: cute.struct.MemRange[Float32, WARPS * ROWS]
+            kl: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(self.lay_kl)], 1024]
+            kr: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(self.lay_kr)], 1024]
+            ql: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(self.lay_ql)], 1024]
+            qr: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(self.lay_qr)], 1024]
+            p: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(self.lay_p)], 1024]
+            red: cute.struct.MemRange[Float32, WARPGROUPS * ROWS]
 
         self.shared = Shared
         self.kernel(
             mQn, mQp, mCkv, mKpe, mPT, mSeq, mOp, mLp, scale_log2, per_split, page_size, mCuQ,
-            causal,
+            causal, self.mma_s, self.mma_o, self.lay_kl, self.lay_kr, self.lay_ql, self.lay_qr,
+            self.lay_p,
         ).launch(
             grid=(mOp.shape[0], mQn.shape[1] // self.h, units),
             block=[THREADS, 1, 1],
@@ -150,6 +161,13 @@ class MlaDecodeSm90:
         page_size: Int32,
         mCuQ: cute.Tensor | None,
         causal: Int32,
+        mma_s: cute.TiledMma,
+        mma_o: cute.TiledMma,
+        lay_kl: cute.ComposedLayout,
+        lay_kr: cute.ComposedLayout,
+        lay_ql: cute.ComposedLayout,
+        lay_qr: cute.ComposedLayout,
+        lay_p: cute.ComposedLayout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         split, head_block, b = cute.arch.block_idx()
@@ -158,8 +176,7 @@ class MlaDecodeSm90:
         if const_expr(mCuQ is not None):
             q_off = mCuQ[b]
             sq = mCuQ[b + 1] - q_off
-        lane = tidx % 32
-        warp_idx = cute.arch.make_warp_uniform(tidx // 32)
+        wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         dtype = mQn.element_type
 
         sk = mPT.shape[1] if const_expr(self.sparse) else mSeq[b]
@@ -168,48 +185,51 @@ class MlaDecodeSm90:
         tiles = cute.ceil_div(cutlass.max(t1 - t0, 0), TILE)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared)
-        sLat = storage.lat.get_tensor(swizzled_rows(TILE, D_LATENT, STAGES))
-        sRope = storage.rope.get_tensor(swizzled_rows(TILE, D_ROPE, STAGES))
-        sQl = storage.qlat.get_tensor(swizzled_rows(ROWS, D_LATENT))
-        sQr = storage.qrope.get_tensor(swizzled_rows(ROWS, D_ROPE))
-        sP = storage.p.get_tensor(swizzled_rows(ROWS, TILE))
-        sRed = storage.red.get_tensor(cute.make_layout((WARPS, ROWS)))
+        sKl = smem_tensor(storage.kl, lay_kl)
+        sKr = smem_tensor(storage.kr, lay_kr)
+        sQl = smem_tensor(storage.ql, lay_ql)
+        sQr = smem_tensor(storage.qr, lay_qr)
+        sP = smem_tensor(storage.p, lay_p)
+        sRed = storage.red.get_tensor(cute.make_layout((WARPGROUPS, ROWS)))
 
         copy_lat = tiled_row_copy(dtype, D_LATENT, THREADS)
         copy_rope = tiled_row_copy(dtype, D_ROPE, THREADS)
         thr_lat, thr_rope = copy_lat.get_slice(tidx), copy_rope.get_slice(tidx)
-        self._load_query(mQn, sQl, copy_lat, thr_lat, D_LATENT, q_off, sq, head0)
-        self._load_query(mQp, sQr, copy_rope, thr_rope, D_ROPE, q_off, sq, head0)
-        kv = (mCkv, mKpe, sLat, sRope, copy_lat, copy_rope, thr_lat, thr_rope, mPT, b, page_size)
+        self._load_query(mQn, sQl[None, None, 0], thr_lat, D_LATENT, q_off, sq, head0, copy_lat)
+        self._load_query(mQp, sQr[None, None, 0], thr_rope, D_ROPE, q_off, sq, head0, copy_rope)
+        kv = (mCkv, mKpe, sKl, sKr, copy_lat, copy_rope, thr_lat, thr_rope, mPT, b, page_size)
         for s in cutlass.range_constexpr(STAGES - 1):
             if s < tiles:
                 self._load_tile(kv, t0 + s * TILE, t1, s)
             cute.arch.cp_async_commit_group()
 
-        mma = cute.make_tiled_mma(warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)), (1, 1, 1))
-        thr_mma = mma.get_slice(lane)
-        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
-        ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), dtype)
-        copy_a = cute.make_tiled_copy_A(ldsm, mma).get_slice(lane)
-        copy_b = cute.make_tiled_copy_B(ldsm, mma).get_slice(lane)
-        copy_bt = cute.make_tiled_copy_B(ldsm_t, mma).get_slice(lane)
+        # operand fragments (WGMMA descriptors) from the warpgroup's slice, coordinates from
+        # the thread's own
+        wg_s = mma_s.get_slice(wg * THREADS_PER_WG)
+        wg_o = mma_o.get_slice(wg * THREADS_PER_WG)
+        tSrQl = wg_s.make_fragment_A(wg_s.partition_A(sQl))[None, None, None, 0]
+        tSrQr = wg_s.make_fragment_A(wg_s.partition_A(sQr))[None, None, None, 0]
+        tSrKl = wg_s.make_fragment_B(wg_s.partition_B(sKl))
+        tSrKr = wg_s.make_fragment_B(wg_s.partition_B(sKr))
+        tOrP = wg_o.make_fragment_A(wg_o.partition_A(sP))[None, None, None, 0]
+        tOrV = wg_o.make_fragment_B(wg_o.partition_B(transposed(sKl)))
 
-        acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS, COLS)), Float32)
+        acc_o = cute.make_rmem_tensor(wg_o.partition_shape_C((ROWS, D_LATENT)), Float32)
         acc_o.fill(0.0)
-        o_wide = as_wide_acc(acc_o)
+        acc_s = cute.make_rmem_tensor(wg_s.partition_shape_C((ROWS, TILE)), Float32)
         row_max = cute.make_rmem_tensor(2, Float32)
         row_sum = cute.make_rmem_tensor(2, Float32)
         corr = cute.make_rmem_tensor(2, Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
-        # (row, key) of this thread's score registers, keys relative to the warp's first
-        coords = rows_cols(
-            as_wide_acc(thr_mma.partition_C(cute.make_identity_tensor((ROWS, KEYS))))
-        )
+        # (row, key in the tile) of this thread's score registers
+        thr_s = mma_s.get_slice(tidx)
+        coords = rows_cols(thr_s.partition_C(cute.make_identity_tensor((ROWS, TILE))))
         limits = query_row_limits(coords, self.h, self.qt, sq, sk, t1, causal)
 
         for i in cutlass.range(tiles, unroll=1):
             cute.arch.cp_async_wait_group(STAGES - 2)
+            cute.arch.fence_view_async_shared()  # cp.async writes, then WGMMA reads
             cute.arch.sync_threads()
             nxt = i + STAGES - 1
             if nxt < tiles:
@@ -217,15 +237,11 @@ class MlaDecodeSm90:
             cute.arch.cp_async_commit_group()
             stage = i % STAGES
 
-            # 1. this warp's 16 keys against every row; its row maxima to shared memory
-            acc_s = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS, KEYS)), Float32)
-            acc_s.fill(0.0)
-            for sQ_, sK_ in ((sQl, sLat), (sQr, sRope)):
-                self._scores(mma, thr_mma, copy_a, copy_b, sQ_, sK_[None, None, stage],
-                             warp_idx, acc_s)  # fmt: skip
-            s_wide = as_wide_acc(acc_s)
-            s = rows_cols(s_wide)
-            first_key = t0 + i * TILE + warp_idx * KEYS
+            # 1. this warpgroup's keys against every row; its row maxima to shared memory
+            gemm(mma_s, acc_s, tSrQl, tSrKl[None, None, None, stage], True, -1)
+            gemm(mma_s, acc_s, tSrQr, tSrKr[None, None, None, stage], False, 0)
+            s = rows_cols(acc_s)
+            first_key = t0 + i * TILE
             for r in cutlass.range_constexpr(2):
                 for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
                     key = first_key + coords[r, c][1]
@@ -236,46 +252,35 @@ class MlaDecodeSm90:
                             if mPT[b, key] < 0:  # padding
                                 s[r, c] = -Float32.inf
                 top = quad_row_max(s, r, -Float32.inf)
-                if lane % 4 == 0:
-                    sRed[warp_idx, coords[r, 0][0]] = top
+                if tidx % 4 == 0:
+                    sRed[wg, coords[r, 0][0]] = top
             cute.arch.sync_threads()
 
             # 2. one running max per row over the whole tile; P to shared memory
             for r in cutlass.range_constexpr(2):
                 row = coords[r, 0][0]
-                top = row_max[r]
-                for w in cutlass.range_constexpr(WARPS):
-                    top = cute.arch.fmax(top, sRed[w, row])
+                top = cute.arch.fmax(row_max[r], cute.arch.fmax(sRed[0, row], sRed[1, row]))
                 cur_scaled = scaled_max(top, scale_log2)
                 corr[r] = cute.math.exp2(row_max[r] * scale_log2 - cur_scaled, fastmath=True)
                 row_max[r] = top
                 row_sum[r] = row_sum[r] * corr[r] + exp2_row(s, r, scale_log2, cur_scaled)
                 for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                    sP[row, warp_idx * KEYS + coords[r, c][1]] = s[r, c].to(dtype)
-            rescale_o(o_wide, corr)
+                    sP[row, coords[r, c][1], 0] = s[r, c].to(dtype)
+            rescale_o(acc_o, corr)
+            cute.arch.fence_view_async_shared()  # P's stores, then WGMMA reads
             cute.arch.sync_threads()
 
-            # 3. P V over this warp's output columns
-            sVt = transposed(cute.local_tile(sLat[None, None, stage], (TILE, COLS), (0, warp_idx)))
-            tOrP = thr_mma.make_fragment_A(thr_mma.partition_A(sP))
-            tOsP = copy_a.partition_S(sP)
-            tOrP_view = copy_a.retile(tOrP)
-            tOrV = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
-            tOsV = copy_bt.partition_S(sVt)
-            tOrV_view = copy_bt.retile(tOrV)
-            for k in cutlass.range_constexpr(TILE // 16):
-                cute.copy(copy_a, tOsP[None, None, k], tOrP_view[None, None, k])
-                cute.copy(copy_bt, tOsV[None, None, k], tOrV_view[None, None, k])
-                cute.gemm(mma, acc_o, tOrP[None, None, k], tOrV[None, None, k], acc_o)
+            # 3. P V over this warpgroup's output columns
+            gemm(mma_o, acc_o, tOrP, tOrV[None, None, None, stage], False, 0)
 
         cute.arch.cp_async_wait_group(0)
         self._write_split(
-            (mOp, mLp), acc_o, row_max, row_sum, sRed, scale_log2, thr_mma, coords,
-            (split, q_off, sq, head0, warp_idx, lane),
+            (mOp, mLp), acc_o, row_max, row_sum, sRed, scale_log2, coords, mma_o,
+            (split, q_off, sq, head0, wg, tidx),
         )  # fmt: skip
 
     @cute.jit
-    def _load_query(self, mQ, sQ, gcopy, thr_g, width: cutlass.Constexpr[int], q_off, sq, head0):
+    def _load_query(self, mQ, sQ, thr_g, width: cutlass.Constexpr[int], q_off, sq, head0, gcopy):
         """Query rows r = (token r // H, head head0 + r % H) for r < G and token < sq, in the
         first commit group; zeros elsewhere."""
         tQsQ = thr_g.partition_D(sQ)
@@ -293,10 +298,10 @@ class MlaDecodeSm90:
     def _load_tile(self, kv, first, t1, stage):
         """Keys first .. first + TILE - 1 (clamped to t1 - 1: finite, masked later), latent and
         RoPE columns, into pipeline stage `stage`."""
-        mCkv, mKpe, sLat, sRope, copy_lat, copy_rope, thr_lat, thr_rope, mPT, b, page_size = kv
+        mCkv, mKpe, sKl, sKr, copy_lat, copy_rope, thr_lat, thr_rope, mPT, b, page_size = kv
         for mX, sX, gcopy, thr, width in (
-            (mCkv, sLat, copy_lat, thr_lat, D_LATENT),
-            (mKpe, sRope, copy_rope, thr_rope, D_ROPE),
+            (mCkv, sKl, copy_lat, thr_lat, D_LATENT),
+            (mKpe, sKr, copy_rope, thr_rope, D_ROPE),
         ):
             tXsX = thr.partition_D(sX[None, None, stage])
             crd = thr.partition_S(cute.make_identity_tensor((TILE, width)))
@@ -312,43 +317,26 @@ class MlaDecodeSm90:
                 copy_row_async(gcopy, row, width, tXsX[None, m, None], crd[None, m, None])
 
     @cute.jit
-    def _scores(self, mma, thr_mma, copy_a, copy_b, sQ, sK, warp_idx, acc_s):
-        """acc_s += Q K_w^T over one column group (latent or RoPE) of this warp's 16 keys."""
-        width = cute.size(sQ, mode=[1])
-        sKw = cute.local_tile(sK, (KEYS, width), (warp_idx, 0))
-        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
-        tSsQ = copy_a.partition_S(sQ)
-        tSrQ_view = copy_a.retile(tSrQ)
-        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sKw))
-        tSsK = copy_b.partition_S(sKw)
-        tSrK_view = copy_b.retile(tSrK)
-        for k in cutlass.range_constexpr(width // 16):
-            cute.copy(copy_a, tSsQ[None, None, k], tSrQ_view[None, None, k])
-            cute.copy(copy_b, tSsK[None, None, k], tSrK_view[None, None, k])
-            cute.gemm(mma, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
-
-    @cute.jit
-    def _write_split(self, outs, acc_o, row_max, row_sum, sRed, scale_log2, thr_mma, coords, at):
-        """The row sums over the quads and warps (through shared memory), then this warp's
-        columns of the split's O / sum and, from warp 0, the rows' LSE (log2); 0 and -inf where
-        the split saw no key. Rows past G or of tokens past sq are not written."""
+    def _write_split(self, outs, acc_o, row_max, row_sum, sRed, scale_log2, coords, mma_o, at):
+        """The row sums over the quads and warpgroups (through shared memory), then this
+        thread's columns of the split's O / sum and, from warpgroup 0, the rows' LSE (log2); 0
+        and -inf where the split saw no key. Rows past G or of tokens past sq are not
+        written."""
         mOp, mLp = outs
-        split, q_off, sq, head0, warp_idx, lane = at
+        split, q_off, sq, head0, wg, tidx = at
         total = cute.make_rmem_tensor(2, Float32)
-        cute.arch.sync_threads()  # every warp past its last read of sRed
+        cute.arch.sync_threads()  # every thread past its last read of sRed
         for r in cutlass.range_constexpr(2):
             part = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
-            if lane % 4 == 0:
-                sRed[warp_idx, coords[r, 0][0]] = part
+            if tidx % 4 == 0:
+                sRed[wg, coords[r, 0][0]] = part
         cute.arch.sync_threads()
         for r in cutlass.range_constexpr(2):
             row = coords[r, 0][0]
-            acc = Float32(0.0)
-            for w in cutlass.range_constexpr(WARPS):
-                acc += sRed[w, row]
-            total[r] = acc
-        o = rows_cols(as_wide_acc(acc_o))
-        crd = rows_cols(as_wide_acc(thr_mma.partition_C(cute.make_identity_tensor((ROWS, COLS)))))
+            total[r] = sRed[0, row] + sRed[1, row]
+        o = rows_cols(acc_o)
+        thr_o = mma_o.get_slice(tidx)
+        crd = rows_cols(thr_o.partition_C(cute.make_identity_tensor((ROWS, D_LATENT))))
         for r in cutlass.range_constexpr(2):
             row = crd[r, 0][0]
             token = row // self.h
@@ -360,6 +348,6 @@ class MlaDecodeSm90:
                     lse = row_max[r] * scale_log2 + cute.math.log2(total[r], fastmath=True)
                 head = head0 + row % self.h
                 for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
-                    mOp[split, q_off + token, head, warp_idx * COLS + crd[r, c][1]] = o[r, c] * inv
-                if warp_idx == 0 and lane % 4 == 0:
+                    mOp[split, q_off + token, head, crd[r, c][1]] = o[r, c] * inv
+                if wg == 0 and tidx % 4 == 0:
                     mLp[split, q_off + token, head] = lse
