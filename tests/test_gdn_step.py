@@ -23,7 +23,16 @@ op = importlib.import_module("forgekernel.ops.gated_delta_rule")
 
 
 def _kernel(params):
-    """The step kernel's math in fp32, as step.py does it: each token's rows staged once (q
+    """The kernel the compile key names, on the CPU: the row-streaming kernel (step_rows.py,
+    replayed lane by lane: tests/test_gdn_rows.py) when it carries `tokens`, else the staged
+    kernel (step.py)."""
+    from test_gdn_rows import rows_kernel
+
+    return rows_kernel(params) if "tokens" in params else _staged_kernel(params)
+
+
+def _staged_kernel(params):
+    """The staged kernel's math in fp32, as step.py does it: each token's rows staged once (q
     with the scale and l2norm folded in, k with its l2norm, their dot product k.q, the decay
     d = exp(g) and beta; KDA: the rows d k and d q), then per token the two dot products over
     the old state p = (D S)^T k, r = (D S)^T q, u = beta (v - p), o = r + (k.q) u, and the
