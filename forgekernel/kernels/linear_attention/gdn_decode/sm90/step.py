@@ -1,6 +1,8 @@
-"""Gated delta rule decode / multi-token-prediction step (sm_90a): T tokens (1..4) of B
-sequences through their fp32 state, updated in place (fla's conventions, the reference is
-`reference.delta_rule.gated_delta_rule_step`):
+"""Gated delta rule decode / multi-token-prediction step (sm_90a), the staged kernel: T tokens
+(1..4, dynamic) of B sequences through their fp32 state, updated in place (fla's conventions,
+the reference is `reference.delta_rule.gated_delta_rule_step`). It serves k-first states and
+k-last ones whose heads are not compact; compact k-last states run the row-streaming kernel
+(step_rows.py: whole 512-byte rows per warp access, no barrier, T baked in).
 
     S <- exp(g_t) S                       (g per value head, or per key channel: KDA)
     u  = beta_t (v_t - S^T k_t)
