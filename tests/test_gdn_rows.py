@@ -222,3 +222,26 @@ def test_launcher_picks_the_kernel(routed):
     assert float((wide - want).abs().max()) <= 1e-5 * float(want.abs().max())
     op.gated_delta_rule_step(q, k, v, g, beta, state.transpose(-1, -2).contiguous())
     assert "tokens" not in routed[-1] and not routed[-1]["k_last"]
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("g_value", [0.0, -30.0, None])  # none, total (e^-30), mixed per token
+def test_norms_on_the_sums_are_fp32_exact_at_extreme_decays(per_channel, g_value):
+    """|k|^-1 and scale |q|^-1 applied to the row sums, o = r + (k.q) u, against the fp64
+    recurrence on normalized rows: nothing lost beyond fp32 rounding, whether the decay keeps
+    the state, wipes it, or both."""
+    b, t, h, hv = 2, 4, 2, 4
+    q, k, v, g, beta, state = _inputs(b, t, h, hv, per_channel, b, seed=3)
+    if g_value is None:
+        g = g * 0 + torch.tensor([0.0, -30.0, -0.1, -5.0]).view(1, t, 1, *([1] * per_channel))
+    else:
+        g = torch.full_like(g, g_value)
+    beta[0] = 1.0
+    params = {"tokens": t, "per_channel": per_channel, "l2norm": True}
+    out = torch.empty(b, t, hv, 128)
+    got_state = state.clone()
+    rows_kernel(params)(q, k, v, g, beta, got_state, None, out, None, None, None, 128**-0.5)
+    want_state = state.clone()
+    want = step_ref(q, k, v, g, beta, want_state, use_qk_l2norm=True, k_last=True)
+    assert float((out - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    assert float((got_state - want_state).abs().max()) <= 1e-5 * float(want_state.abs().max())

@@ -1,10 +1,11 @@
 """The gated delta rule step's op and launcher on the CPU (the GPU's checks:
-tests/gpu/test_gdn_step_gpu.py; the compiled kernel's structure: tests/test_gdn_compile.py):
-the kernel's algorithm (the tokens' q / k rows staged with the scale and l2norm folded in, per
-column of the state the two dot products (D S)^T k and (D S)^T q over the old state, the delta
-update, the output expanded as o = (D S)^T q + (k.q) u; l2norm with fla's eps) replayed through
-the real launcher against the fp64 reference, both state layouts, GDN and KDA decays, a state
-pool, intermediate states, decays from none to total; and argument errors."""
+tests/gpu/test_gdn_step_gpu.py; the compiled kernels' structure: tests/test_gdn_compile.py):
+the kernels' algorithms replayed through the real launcher against the fp64 reference: k-last
+states on the row-streaming kernel (lane by lane, tests/test_gdn_rows.py), k-first ones on the
+staged kernel (the tokens' q / k rows staged with the scale and l2norm folded in, per column of
+the state the two dot products (D S)^T k and (D S)^T q over the old state, the delta update,
+the output expanded as o = (D S)^T q + (k.q) u; l2norm with fla's eps); GDN and KDA decays, a
+state pool, intermediate states, decays from none to total; and argument errors."""
 
 from __future__ import annotations
 
