@@ -15,10 +15,13 @@ from forgekernel.kernels.linear_attention.gdn_decode.sm90.step import GdnStepSm9
 from forgekernel.kernels.linear_attention.gdn_decode.sm90.step_rows import GdnStepRowsSm90
 
 
-def _tensor(dtype, shape, unit: int, align: int = 16):
-    """`shape` with mode `unit` of stride 1 and every other stride dynamic (multiples of 4
-    elements: 16-byte rows for fp32, 8 bytes for 16-bit)."""
-    stride = tuple(1 if i == unit else cute.sym_int64(divisibility=4) for i in range(len(shape)))
+def _tensor(dtype, shape, unit: int, align: int = 16, divisibility: int = 4):
+    """`shape` with mode `unit` of stride 1 and every other stride dynamic (multiples of
+    `divisibility` elements: 4 gives 16-byte rows for fp32, 8 bytes for 16-bit). TVM-FFI checks
+    the divisibility at every call (a ValueError otherwise)."""
+    stride = tuple(
+        1 if i == unit else cute.sym_int64(divisibility=divisibility) for i in range(len(shape))
+    )
     return make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
 
 
@@ -64,14 +67,16 @@ def compile_gdn_step(params: dict, arch: str = "sm_90a", extra_options: str = ""
         _tensor(dtype, (b, t, h, kd), 3, 8),
         _tensor(dtype, (b, t, h, kd), 3, 8),
         _tensor(dtype, (b, t, hv, vd), 3, 2),
-        # per key channel the rows kernel reads a lane's 4 decays in one 16-byte load
+        # per key channel the rows kernel reads a lane's 4 decays in one 16-byte load; the
+        # per-head scalars (g, beta, or a, b) are single loads: strides (T HV, HV, 1) of any HV
         _tensor(
             gate_dtype,
             g_shape,
             len(g_shape) - 1,
             16 if params["per_channel"] and tokens is not None else gate_align,
+            4 if params["per_channel"] else 1,
         ),
-        _tensor(gate_dtype, (b, t, hv), 2, gate_align),
+        _tensor(gate_dtype, (b, t, hv), 2, gate_align, 1),
         state(state_shape),
         make_fake_tensor(cutlass.Int32, (b,), stride=(1,)) if pool else None,
         _tensor(dtype, (b, t, hv, vd), 3, 2),
