@@ -63,8 +63,8 @@ class GdnStepRowsSm90:
         self, k: int, v: int, *, tokens: int, per_channel, l2norm, intermediate, gating=False,
         update_state=True, pool=True, rows_per_warp=ROWS_PER_WARP,
     ):  # fmt: skip
-        if rows_per_warp & (rows_per_warp - 1) or not 1 <= rows_per_warp <= 32:
-            raise ValueError("rows_per_warp must be a power of two up to 32")
+        if rows_per_warp & (rows_per_warp - 1) or not 2 <= rows_per_warp <= 32:
+            raise ValueError("rows_per_warp must be a power of two, 2 to 32")  # (1: no halves)
         self.rpw = rows_per_warp  # state rows per warp (in registers: 4 rpw fp32 per lane)
         self.cta_rows = ROW_WARPS * rows_per_warp
         self.row_lanes = 32 // rows_per_warp  # lanes that hold a row's sums after the reduction
