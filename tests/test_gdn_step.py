@@ -1,8 +1,11 @@
 """The gated delta rule step's op and launcher on the CPU (the GPU's checks:
-tests/gpu/test_gdn_step_gpu.py): the kernel's algorithm (per column of the state: decay, the
-prediction S^T k, the delta update, o = scale S^T q; l2norm with fla's eps) replayed through the
-real launcher against the fp64 reference, both state layouts, GDN and KDA decays, a state pool,
-intermediate states; and argument errors."""
+tests/gpu/test_gdn_step_gpu.py; the compiled kernels' structure: tests/test_gdn_compile.py):
+the kernels' algorithms replayed through the real launcher against the fp64 reference: k-last
+states on the row-streaming kernel (lane by lane, tests/test_gdn_rows.py), k-first ones on the
+staged kernel (the tokens' q / k rows staged with the scale and l2norm folded in, per column of
+the state the two dot products (D S)^T k and (D S)^T q over the old state, the delta update,
+the output expanded as o = (D S)^T q + (k.q) u; l2norm with fla's eps); GDN and KDA decays, a
+state pool, intermediate states, decays from none to total; and argument errors."""
 
 from __future__ import annotations
 
@@ -21,7 +24,20 @@ op = importlib.import_module("forgekernel.ops.gated_delta_rule")
 
 
 def _kernel(params):
-    """The step kernel's math in fp32, as step.py does it."""
+    """The kernel the compile key names, on the CPU: the row-streaming kernel (step_rows.py,
+    replayed lane by lane: tests/test_gdn_rows.py) when it carries `tokens`, else the staged
+    kernel (step.py)."""
+    from test_gdn_rows import rows_kernel
+
+    return rows_kernel(params) if "tokens" in params else _staged_kernel(params)
+
+
+def _staged_kernel(params):
+    """The staged kernel's math in fp32, as step.py does it: each token's rows staged once (q
+    with the scale and l2norm folded in, k with its l2norm, their dot product k.q, the decay
+    d = exp(g) and beta; KDA: the rows d k and d q), then per token the two dot products over
+    the old state p = (D S)^T k, r = (D S)^T q, u = beta (v - p), o = r + (k.q) u, and the
+    update S <- D S + k u^T."""
 
     def fn(q, k, v, g, beta, state, rows, out, inter, a_log, dt_bias, scale):
         group = v.shape[2] // q.shape[2]
@@ -37,13 +53,20 @@ def _kernel(params):
                     qf = q[b, t, hv // group].float()
                     kf = k[b, t, hv // group].float()
                     if params["l2norm"]:
-                        qf = qf / torch.sqrt((qf * qf).sum() + L2NORM_EPS)
-                        kf = kf / torch.sqrt((kf * kf).sum() + L2NORM_EPS)
-                    decay = g[b, t, hv].exp()
-                    s = s * (decay[:, None] if params["per_channel"] else decay)
-                    u = beta[b, t, hv] * (v[b, t, hv].float() - s.t() @ kf)
-                    s = s + kf[:, None] * u[None, :]
-                    out[b, t, hv] = ((s.t() @ qf) * scale).to(out.dtype)
+                        qf = qf * torch.rsqrt((qf * qf).sum() + L2NORM_EPS)
+                        kf = kf * torch.rsqrt((kf * kf).sum() + L2NORM_EPS)
+                    qf = qf * scale
+                    kq = kf @ qf
+                    d = g[b, t, hv].float().exp()
+                    if params["per_channel"]:
+                        p, rr = s.t() @ (d * kf), s.t() @ (d * qf)
+                        decayed = s * d[:, None]
+                    else:
+                        p, rr = d * (s.t() @ kf), d * (s.t() @ qf)
+                        decayed = s * d
+                    u = beta[b, t, hv] * (v[b, t, hv].float() - p)
+                    out[b, t, hv] = (rr + kq * u).to(out.dtype)
+                    s = decayed + kf[:, None] * u[None, :]
                     if inter is not None:
                         inter[r, t, hv] = s.t() if params["k_last"] else s
                 if params.get("update_state", True):
@@ -94,6 +117,29 @@ def test_step_matches_the_reference(cpu_kernel, per_channel, k_last, t, l2norm, 
     assert float((state - want_state).abs().max()) <= tol
     if inter is not None:
         assert float((inter - want_inter).abs().max()) <= tol
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("g_value", [0.0, -30.0, None])  # none, total (e^-30), mixed per token
+def test_expanded_output_is_fp32_exact_at_extreme_decays(per_channel, g_value):
+    """o = (D S)^T q + (k.q) u against o = S_new^T q in fp64: the kernel's expansion loses
+    nothing beyond fp32 rounding, whether the decay keeps the state, wipes it, or both."""
+    b, t, h, hv = 2, 4, 2, 4
+    q, k, v, g, beta, state = _inputs(b, t, h, hv, per_channel, True, seed=3)
+    if g_value is None:
+        g = g * 0 + torch.tensor([0.0, -30.0, -0.1, -5.0]).view(1, t, 1, *([1] * per_channel))
+    else:
+        g = torch.full_like(g, g_value)
+    beta[0] = 1.0
+    rows = torch.arange(b, dtype=torch.int32)
+    params = {"k_last": True, "l2norm": True, "per_channel": per_channel}
+    out = torch.empty(b, t, hv, 128)
+    got_state = state.clone()
+    _kernel(params)(q, k, v, g, beta, got_state, rows, out, None, None, None, 128**-0.5)
+    want_state = state.clone()
+    want = step_ref(q, k, v, g, beta, want_state, use_qk_l2norm=True, k_last=True)
+    assert float((out - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    assert float((got_state - want_state).abs().max()) <= 1e-5 * float(want_state.abs().max())
 
 
 @pytest.mark.parametrize(

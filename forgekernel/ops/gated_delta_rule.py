@@ -9,12 +9,11 @@ from __future__ import annotations
 import torch
 
 from forgekernel.kernels.linear_attention.gdn_decode.sm90 import launch as gdn_sm90
-from forgekernel.kernels.linear_attention.gdn_decode.sm90.config import HEAD_DIMS
+from forgekernel.kernels.linear_attention.gdn_decode.sm90.config import HEAD_DIMS, MAX_TOKENS
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import check_cuda, check_same_device, check_shaped, check_tensor
 
 F32 = (torch.float32,)
-MAX_TOKENS = 4
 
 
 def _contiguous_last(t: torch.Tensor) -> torch.Tensor:
@@ -31,7 +30,7 @@ def _step_op(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
-    rows: torch.Tensor,
+    rows: torch.Tensor | None,
     intermediate_states: torch.Tensor | None,
     a_log: torch.Tensor | None,
     dt_bias: torch.Tensor | None,
@@ -43,7 +42,8 @@ def _step_op(
     out = q.new_empty(*v.shape)
     gates = None if a_log is None else (a_log, dt_bias)
     gdn_sm90.gdn_step(
-        *(x.contiguous() for x in (q, k, v, g, beta)), state, rows.contiguous(), out,
+        *(x.contiguous() for x in (q, k, v, g, beta)), state,
+        None if rows is None else rows.contiguous(), out,
         intermediate_states, scale, k_last=k_last, l2norm=l2norm, gates=gates,
         update_state=update_state,
     )  # fmt: skip
@@ -102,18 +102,18 @@ def gated_delta_rule_step(
         raise ValueError(f"state must be (N, {hv}, {tail[0]}, {tail[1]}), got {tuple(state.shape)}")
     if state.stride(-1) != 1:
         raise ValueError("state must have a contiguous last dim (it is updated in place)")
-    rows = state_indices
+    rows = state_indices  # None: rows 0 .. B - 1 (the kernel then loads no index)
     if rows is None:
         if state.shape[0] < b:
             raise ValueError(f"state has {state.shape[0]} rows for a batch of {b}")
-        rows = torch.arange(b, dtype=torch.int32, device=q.device)
     else:
         check_shaped("state_indices", rows, (b,), (torch.int32,))
     if intermediate_states is not None:
         want = (state.shape[0], t, hv, *tail)
         check_shaped("intermediate_states", intermediate_states, want, F32)
     check_cuda("q", q)
-    check_same_device(q=q, k=k, v=v, g=g, beta=beta, state=state, state_indices=rows)
+    check_same_device(q=q, k=k, v=v, g=g, beta=beta, state=state,
+                      **({} if rows is None else {"state_indices": rows}))  # fmt: skip
     if out is not None:
         check_shaped("out", out, (b, t, hv, dv), (q.dtype,))
         if not out.is_contiguous():
@@ -131,7 +131,8 @@ def gated_delta_rule_step(
         out = torch.empty(b, t, hv, dv, dtype=q.dtype, device=q.device)
     gdn_sm90.gdn_step(
         *(_contiguous_last(x) for x in (q, k, v, g, beta)),
-        state, rows.contiguous(), out, intermediate_states, scale, k_last=k_last,
+        state, None if rows is None else rows.contiguous(), out, intermediate_states, scale,
+        k_last=k_last,
         l2norm=use_qk_l2norm,
         gates=_gates, update_state=_update_state,
     )  # fmt: skip

@@ -136,8 +136,11 @@ def run_ours(inputs: Inputs, out):
         # inter, disable_state_update=verify) runs (its _flashinfer_step), with out= added: the
         # adapters allocate their output, the harness wants it in `out`. (decode's adapter also
         # clones the state first, FlashInfer-Bench's semantics; FlashInfer updates in place.)
+        # T = 1 with the state per sequence, as FlashInfer's decode takes it (no index list);
+        # T > 1 through the rows, as its MTP takes initial_state_indices
+        rows = None if i["q"].shape[1] == 1 else i["rows"]
         return op.gated_delta_rule_step(
-            i["q"], i["k"], i["v"], i["a"], i["b"], i["state_work"], state_indices=i["rows"],
+            i["q"], i["k"], i["v"], i["a"], i["b"], i["state_work"], state_indices=rows,
             k_last=True, intermediate_states=i["inter"], out=out,
             _gates=(i["A_log"], i["dt_bias"]), _update_state=not i["verify"],
         )  # fmt: skip

@@ -1,5 +1,6 @@
 """Gated delta rule (Gated DeltaNet / Kimi Delta Attention) decode and MTP step, sm_90a.
-DSL-free declaration; the kernel is `step.py`; the op is `forgekernel.gated_delta_rule_step`."""
+DSL-free declaration; the kernels are `step_rows.py` (k-last state) and `step.py` (k-first);
+the op is `forgekernel.gated_delta_rule_step`."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ from pathlib import Path
 from forgekernel.kernels.linear_attention.gdn_decode.sm90.config import (
     DTYPES,
     HEAD_DIMS,
+    MAX_TOKENS,
     params_for,
 )
 from forgekernel.runtime.spec import KernelSpec, Params
+
+TOKENS = tuple(range(1, MAX_TOKENS + 1))
 
 
 def _compile(params: Params, extra_options: str = ""):
@@ -20,25 +24,51 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    plain = [
-        params_for(dtype, dims, per_channel=pc, k_last=kl, l2norm=l2, intermediate=inter)
+    # fla's form: k-first on the staged kernel (T dynamic, a pool); k-last on the row-streaming
+    # kernel for every T, with and without a pool (state_indices given or not; the
+    # intermediate states of MTP rollback with one).
+    k_first = [
+        params_for(dtype, dims, per_channel=pc, k_last=False, l2norm=l2, intermediate=inter)
         for dtype in DTYPES
         for dims in HEAD_DIMS
         for pc in (False, True)
-        for kl in (True, False)
         for l2 in (False, True)
         for inter in (False, True)
     ]
-    # FlashInfer-Bench's gdn_decode / gdn_mtp: k-last state, gating in the kernel, l2norm on
-    # or off; MTP with or without the final state stored.
+    k_last = [
+        params_for(dtype, dims, per_channel=pc, l2norm=l2, intermediate=inter, tokens=t, pool=pool)
+        for dtype in DTYPES
+        for dims in HEAD_DIMS
+        for t in TOKENS
+        for pc in (False, True)
+        for l2 in (False, True)
+        for inter, pool in ((False, True), (False, False), (True, True))
+    ]
+    # FlashInfer-Bench's gdn_decode (T = 1, no pool; the suite passes its rows) and gdn_mtp
+    # (a pool, with or without the intermediate states and the final state): k-last, gating in
+    # the kernel, l2norm on or off.
     gated = [
-        params_for(dtype, dims, l2norm=l2, intermediate=inter, gating=True, update_state=upd)
+        params_for(
+            dtype,
+            dims,
+            l2norm=l2,
+            intermediate=inter,
+            gating=True,
+            update_state=upd,
+            tokens=t,
+            pool=pool,
+        )
         for dtype in DTYPES
         for dims in HEAD_DIMS
         for l2 in (False, True)
-        for inter, upd in ((False, True), (True, True), (True, False))
+        for t in TOKENS
+        for inter, upd, pool in (
+            ((False, True, False), (False, True, True))
+            if t == 1
+            else ((False, True, True), (True, True, True), (True, False, True))
+        )
     ]
-    return plain + gated
+    return k_first + k_last + gated
 
 
 SPEC = KernelSpec(
