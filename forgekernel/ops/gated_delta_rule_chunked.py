@@ -30,11 +30,11 @@ def _state_shape(n: int, hv: int, dk: int, dv: int, k_last: bool) -> tuple[int, 
     return (n, hv, dv, dk) if k_last else (n, hv, dk, dv)
 
 
-def _launch(q, k, v, g, beta, initial_state, cu_seqlens, scale, k_last, l2norm):
+def _launch(q, k, v, g, beta, initial_state, cu_seqlens, scale, k_last, l2norm, out=None):
     """Varlen tensors (T, H, K) ... -> (o (T, HV, V), final state (N, HV, ...))."""
     n = cu_seqlens.shape[0] - 1
     hv, dk, dv = v.shape[1], q.shape[2], v.shape[2]
-    out = q.new_empty(*v.shape)
+    out = q.new_empty(*v.shape) if out is None else out
     final = torch.empty(_state_shape(n, hv, dk, dv, k_last), dtype=torch.float32, device=q.device)
     prefill_sm90.gdn_prefill(
         q, k, v, g, beta, initial_state, cu_seqlens, out, final, scale, k_last=k_last,
@@ -111,6 +111,7 @@ def gated_delta_rule(
     cu_seqlens: torch.Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     k_last: bool = False,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fla's `chunk_gated_delta_rule` forward: q, k (B, T, H, 128) and v (B, T, HV, 128) bf16 /
     fp16 (HV a multiple of H); g (B, T, HV) fp32 log decay; beta (B, T, HV) fp32 or q's dtype;
@@ -118,7 +119,8 @@ def gated_delta_rule(
     (FlashInfer's layout), N = B or the number of sequences; cu_seqlens int32 / int64 (N + 1,)
     with B = 1 for varlen; use_qk_l2norm_in_kernel: q and k divided by sqrt(sum x^2 + 1e-6).
     Returns (o (B, T, HV, V) in q's dtype, the final state (N, HV, ...) fp32 in the initial
-    state's layout, or None unless output_final_state)."""
+    state's layout, or None unless output_final_state); o is written into `out` when given (a
+    contiguous (B, T, HV, V) tensor in q's dtype)."""
     b, t, h, hv, dk, dv = _check_heads(q, k, v)
     check_shaped("g", g, (b, t, hv), F32)
     check_shaped("beta", beta, (b, t, hv), (torch.float32, q.dtype))
@@ -129,20 +131,28 @@ def gated_delta_rule(
     others = {"initial_state": initial_state, "cu_seqlens": cu_seqlens}
     check_same_device(q=q, k=k, v=v, g=g, beta=beta,
                       **{name: x for name, x in others.items() if x is not None})  # fmt: skip
+    if out is not None:
+        check_shaped("out", out, (b, t, hv, dv), (q.dtype,))
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
     scale = float(dk**-0.5 if scale is None else scale)
     if cu_seqlens is None:
         cu_seqlens = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=q.device)
     flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta.float())]
     offsets = cu_seqlens.to(torch.int32)
-    if _traced(*flat, initial_state, offsets):
+    if _traced(*flat, initial_state, offsets, out):
         o, final = torch.ops.forgekernel.gated_delta_rule_chunked(
             *flat, initial_state, offsets, scale, k_last, use_qk_l2norm_in_kernel
         )
+        o = o.view(b, t, hv, dv) if out is None else out.copy_(o.view(b, t, hv, dv))
     else:
         flat = [x if x.is_contiguous() else x.contiguous() for x in flat]
         init = None if initial_state is None else initial_state.contiguous()
-        o, final = _launch(*flat, init, offsets, scale, k_last, use_qk_l2norm_in_kernel)
-    return o.view(b, t, hv, dv), (final if output_final_state else None)
+        flat_out = None if out is None else out.view(b * t, hv, dv)
+        o, final = _launch(*flat, init, offsets, scale, k_last, use_qk_l2norm_in_kernel,
+                           flat_out)  # fmt: skip
+        o = o.view(b, t, hv, dv) if out is None else out
+    return o, (final if output_final_state else None)
 
 
 chunk_gated_delta_rule = gated_delta_rule  # fla's name
