@@ -44,6 +44,7 @@ OWN_ADAPTERS = {
     },
     "gdn_decode_qk4_v8_d128_k_last": ("gated_delta_rule", "gdn_decode_flashinfer"),
     "gdn_mtp_qk4_v8_d128_k_last": ("gated_delta_rule", "gdn_mtp_flashinfer"),
+    "gdn_prefill_qk4_v8_d128_k_last": ("gated_delta_rule_chunked", "gdn_prefill_flashinfer"),
 }
 
 

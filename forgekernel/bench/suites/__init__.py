@@ -22,6 +22,7 @@ PENDING_SUITE_MODULES: dict[str, str] = {
     "conv_fwd": "forgekernel.bench.suites.conv_fwd",
     "conv_dgrad": "forgekernel.bench.suites.conv_dgrad",
     "conv_wgrad": "forgekernel.bench.suites.conv_wgrad",
+    "gdn_prefill": "forgekernel.bench.suites.gdn_prefill",  # issue 20
 }
 SUITE_MODULES = {
     "gemm": "forgekernel.bench.suites.gemm",

@@ -1,0 +1,210 @@
+"""Gated DeltaNet forward (prefill) suite (issue 20), pending: fla's form, q, k (1, T, H, 128),
+v (1, T, HV, 128), g fp32 log decay, beta fp32, varlen as B = 1 with cu_seqlens (fixed-length
+batches are varlen with equal lengths here, as FlashInfer takes them), with or without an fp32
+initial state (N, HV, K, V), the final state returned; k unit-norm (no l2norm in the kernel),
+as in fla's and FlashInfer's own benchmarks; g = logsigmoid(N(0, 1)) (fla's test decay).
+
+Output compared: o (1, T, HV, V). Reference: the fp64 recurrence up to 4096 tokens, the fp64
+chunked form above (reference.delta_rule; tests/test_reference_delta_rule.py checks one against
+the other). Shapes: Qwen3-Next / Kimi-Linear per shard (H 16, HV 32; H = HV = 16) and
+FlashInfer-Bench's qk4 / v8, 4k to 64k tokens, single sequences, equal batches and serving-like
+varlen mixes (many short sequences, a few long).
+
+Comparators, each on the same inputs:
+  fla         fla-core 0.6.0 `chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state,
+              output_final_state, cu_seqlens)` (Triton; state (N, HV, K, V) as ours).
+  flashinfer  FlashInfer 0.7.2.post1 `flashinfer.chunk_gated_delta_rule(q, k, v, g=exp(g),
+              beta, cu_seqlens=int64)` on (T, H, K) tensors (its g is the linear decay, not the
+              log); run without an initial state (its state layout, read in its source, is to be
+              confirmed on the device before initial-state cases compare it: they raise).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from forgekernel.bench.suite import Case, Inputs, OpSuite
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90 import SPEC
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import CHUNK
+
+HEAD = 128
+RECURRENT_UP_TO = 4096  # tokens: above, the fp64 chunked form is the reference (speed)
+
+
+def _case(lens, h, hv, *, state=True, group="") -> Case:
+    lens = tuple(lens)
+    shape = f"{len(lens)}x{lens[0]}" if len(set(lens)) == 1 else f"mix{len(lens)}-t{sum(lens)}"
+    name = f"{shape}-h{h}-hv{hv}" + ("" if state else "-nostate")
+    return Case(name, {"lens": lens, "h": h, "hv": hv, "state": state}, group)
+
+
+def _mix(n: int, total: int) -> tuple[int, ...]:
+    """n lengths summing to total: a quarter of the tokens in n - 2 short sequences (odd sizes),
+    the rest in two long ones (serving's prefill mixes)."""
+    short = max(1, total // 4 // (n - 2))
+    lens = [short + (i % 7) * 3 - 9 if short > 12 else short for i in range(n - 2)]
+    rest = total - sum(lens)
+    return (*lens, rest // 2, rest - rest // 2)
+
+
+BENCH_CASES = (
+    *(_case([t], 16, 32, group="single") for t in (4096, 16384, 65536)),
+    _case([8192] * 4, 16, 32, group="batch"),
+    _case([8192] * 4, 16, 16, group="batch"),
+    _case([8192] * 4, 16, 32, state=False, group="batch"),
+    _case([2048] * 8, 4, 8, group="batch"),
+    _case(_mix(16, 16384), 16, 32, group="varlen"),
+    _case(_mix(64, 32768), 16, 32, group="varlen"),
+    _case(_mix(64, 65536), 4, 8, group="varlen"),
+)
+CHECK_CASES = (
+    _case([1, 63, 64, 65, 130], 2, 4),
+    _case([257], 4, 8, state=False),
+    _case([100, 0, 37], 16, 32),
+    _case([300, 301], 16, 16),
+)
+SANITIZE_CASES = CHECK_CASES[:2]
+
+
+def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, gen: torch.Generator):
+    p = case.params
+    total, h, hv, n = sum(p["lens"]), p["h"], p["hv"], len(p["lens"])
+
+    def rnd(*shape):
+        return torch.randn(*shape, device=device, generator=gen)
+
+    cu = torch.tensor([0, *torch.tensor(p["lens"]).cumsum(0).tolist()], device=device)
+    return {
+        "q": rnd(1, total, h, HEAD).to(dtype),
+        "k": F.normalize(rnd(1, total, h, HEAD), dim=-1).to(dtype),
+        "v": rnd(1, total, hv, HEAD).to(dtype),
+        "g": F.logsigmoid(rnd(1, total, hv)),
+        "beta": torch.sigmoid(rnd(1, total, hv)),
+        "state": rnd(n, hv, HEAD, HEAD) * 0.1 if p["state"] else None,
+        "cu_seqlens": cu.to(torch.int32),
+        "cu_seqlens_long": cu,
+    }
+
+
+def alloc_out(inputs: Inputs) -> torch.Tensor:
+    return torch.empty_like(inputs["v"])
+
+
+def run_ours(inputs: Inputs, out):
+    op = importlib.import_module("forgekernel.ops.gated_delta_rule_chunked")
+    i = inputs
+    o, _ = op.gated_delta_rule(i["q"], i["k"], i["v"], i["g"], i["beta"],
+                               initial_state=i["state"], output_final_state=True,
+                               cu_seqlens=i["cu_seqlens"], out=out)  # fmt: skip
+    return o
+
+
+def _reference(inputs: Inputs, upcast: bool) -> torch.Tensor:
+    from forgekernel.reference.delta_rule import (
+        gated_delta_rule_chunked,
+        gated_delta_rule_recurrent,
+    )
+
+    i = inputs
+    long = i["q"].shape[1] > RECURRENT_UP_TO
+    run = gated_delta_rule_chunked if long else gated_delta_rule_recurrent
+    extra = {"dtype": torch.float64}
+    o, _ = run(i["q"], i["k"], i["v"], i["g"], i["beta"], initial_state=i["state"],
+               cu_seqlens=i["cu_seqlens_long"], **extra)  # fmt: skip
+    return o.float() if upcast else o.to(i["q"].dtype)
+
+
+def reference(inputs: Inputs) -> torch.Tensor:
+    return _reference(inputs, True)
+
+
+def low_precision(inputs: Inputs) -> torch.Tensor:
+    """The fp64 result rounded to the output dtype: the yardstick is the rounding."""
+    return _reference(inputs, False)
+
+
+def _fla():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+
+    def run(inputs: Inputs):
+        i = inputs
+        o, _ = chunk_gated_delta_rule(i["q"], i["k"], i["v"], i["g"], i["beta"],
+                                      initial_state=i["state"], output_final_state=True,
+                                      cu_seqlens=i["cu_seqlens_long"])  # fmt: skip
+        return o
+
+    return run
+
+
+def _flashinfer():
+    try:
+        from flashinfer import chunk_gated_delta_rule
+    except Exception:  # not installed, or a CUDA / DSL dependency it imports fails to load
+        return None
+
+    def run(inputs: Inputs):
+        i = inputs
+        if i["state"] is not None:
+            raise NotImplementedError(
+                "initial-state case: FlashInfer's prefill state layout is not yet confirmed on "
+                "the device (the -nostate cases compare it)"
+            )
+        if "flashinfer" not in i:  # its (T, H, K) form and linear decay, made once per set
+            i["flashinfer"] = (i["q"][0], i["k"][0], i["v"][0], i["g"][0].exp(), i["beta"][0])
+        q, k, v, alpha, beta = i["flashinfer"]
+        o = chunk_gated_delta_rule(q, k, v, g=alpha, beta=beta, cu_seqlens=i["cu_seqlens_long"])
+        o = o[0] if isinstance(o, tuple) else o
+        return o.unsqueeze(0)
+
+    return run
+
+
+def comparators() -> dict[str, Any]:
+    if not torch.cuda.is_available():
+        return {"fla": None, "flashinfer": None}
+    return {"fla": _fla(), "flashinfer": _flashinfer()}
+
+
+def flops(case: Case) -> float:
+    """The chunked algorithm's multiply-adds per token and value head (K = V = 128, chunk C):
+    K K^T, the triangular solve's products, w and u, W S, Q S, Q K^T, P U and K^T U."""
+    p = case.params
+    k = v = HEAD
+    per_token = 6.0 * k * v + 2.0 * CHUNK * (3 * k + 2 * v)
+    return per_token * sum(p["lens"]) * p["hv"]
+
+
+def nbytes(case: Case, dtype: torch.dtype) -> float:
+    """q, k, v read and o written (16-bit), g / beta (fp32), the states read and written."""
+    p = case.params
+    t, h, hv, n = sum(p["lens"]), p["h"], p["hv"], len(p["lens"])
+    tokens = t * (2 * h * HEAD + 2 * hv * HEAD) * dtype.itemsize + t * hv * 8
+    return tokens + (2 if p["state"] else 1) * n * hv * HEAD * HEAD * 4.0
+
+
+def suite() -> OpSuite:
+    return OpSuite(
+        name="gdn_prefill",
+        kernel_sources=SPEC.sources,
+        dtypes=(torch.bfloat16, torch.float16),
+        check_cases=CHECK_CASES,
+        bench_cases=BENCH_CASES,
+        make_inputs=make_inputs,
+        alloc_out=alloc_out,
+        run_ours=run_ours,
+        reference=reference,
+        low_precision=low_precision,
+        comparators=comparators,
+        flops=flops,
+        bytes=nbytes,
+        atol=1e-2,
+        bench_dtypes=(torch.bfloat16,),
+        sanitize_cases=SANITIZE_CASES,
+    )

@@ -1,0 +1,44 @@
+"""Chunked Gated DeltaNet forward (prefill), sm_90a. DSL-free declaration; the kernel is
+`recurrent_fwd.py` (interim: token by token; the chunked WGMMA kernel is designed in
+docs/linear_attention/NOTES.md); the op is
+`forgekernel.ops.gated_delta_rule_chunked.gated_delta_rule`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
+    DTYPES,
+    HEAD_DIMS,
+    params_for,
+)
+from forgekernel.runtime.spec import KernelSpec, Params
+
+
+def _compile(params: Params, extra_options: str = ""):
+    from forgekernel.kernels.linear_attention.gdn_prefill.sm90.compile import compile_gdn_prefill
+
+    return compile_gdn_prefill(dict(params), "sm_90a", extra_options)
+
+
+def _standard_params() -> list[Params]:
+    return [
+        params_for(dtype, dims, k_last=kl, l2norm=l2, initial_state=init)
+        for dtype in DTYPES
+        for dims in HEAD_DIMS
+        for kl in (False, True)
+        for l2 in (False, True)
+        for init in (False, True)
+    ]
+
+
+SPEC = KernelSpec(
+    name="gdn_prefill_sm90",
+    arch="sm_90a",
+    directory=Path(__file__).parent,
+    compile=_compile,
+    standard_params=_standard_params,
+    mma=False,  # the interim kernel is SIMT; True once the chunked WGMMA kernel lands
+)
+
+__all__ = ["SPEC", "params_for"]

@@ -1,0 +1,41 @@
+"""Host launcher of the chunked Gated DeltaNet forward: torch only (no DSL). Callers validate
+first (`forgekernel.ops.gated_delta_rule_chunked.gated_delta_rule`)."""
+
+from __future__ import annotations
+
+import torch
+
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90 import SPEC
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import params_for
+from forgekernel.runtime.cache import get_kernel
+from forgekernel.runtime.device import dtype_name, on_device
+
+
+def gdn_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    out: torch.Tensor,
+    final_state: torch.Tensor,
+    scale: float,
+    *,
+    k_last: bool,
+    l2norm: bool,
+) -> None:
+    """Varlen form: q, k (T, H, K), v (T, HV, V) 16-bit, g (log decay) and beta fp32 (T, HV),
+    cu_seqlens int32 (N + 1,); initial_state (N, HV, K, V) fp32, or (N, HV, V, K) with k_last,
+    or None (zeros). Writes out (T, HV, V) in q's dtype and final_state (N, HV, ...) in the
+    initial state's layout. Last dims contiguous."""
+    if final_state.shape[0] == 0:
+        return
+    params = params_for(
+        dtype_name(q.dtype), (q.shape[-1], v.shape[-1]), k_last=k_last, l2norm=l2norm,
+        initial_state=initial_state is not None,
+    )  # fmt: skip
+    fn = get_kernel(SPEC, params)
+    with on_device(q.device):
+        fn(q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale)
