@@ -7,7 +7,6 @@ their odd-sized check cases with the kernel model standing in for the compiled k
 from __future__ import annotations
 
 import importlib
-import os
 
 import pytest
 import torch
@@ -25,12 +24,11 @@ SUITES = {
 CPU = torch.device("cpu")
 
 
-def test_registered_as_pending_only():
+def test_registered_since_their_first_gpu_check():
+    """Registered since their first GPU check passed (2026-12-01)."""
     for name in NAMES:
-        assert PENDING_SUITE_MODULES[name] == f"forgekernel.bench.suites.{name}"
-        # registered (and asked a ledger for by tests/test_ledger_gate.py) only on request
-        if not os.environ.get("FORGEKERNEL_PENDING_SUITES"):
-            assert name not in SUITE_MODULES
+        assert SUITE_MODULES[name] == f"forgekernel.bench.suites.{name}"
+        assert name not in PENDING_SUITE_MODULES
         assert SUITES[name].name == name
 
 

@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from forgekernel.bench.check import verify
-from forgekernel.bench.suites import PENDING_SUITE_MODULES
+from forgekernel.bench.suites import PENDING_SUITE_MODULES, SUITE_MODULES
 from forgekernel.bench.suites import gemm_fp8_grouped as suite_module
 from forgekernel.kernels.gemm.fp8.sm90 import launch as fp8_sm90
 from forgekernel.kernels.gemm.fp8.sm90.config import GROUPED, GROUPED_WIDE
@@ -282,8 +282,9 @@ def test_suite_check_ignores_padding_and_catches_unwritten_rows(stand_in):
     assert not cmps[0].ok and "NaN" in cmps[0].message
 
 
-def test_suite_is_pending_and_has_no_comparator_on_the_cpu():
-    assert PENDING_SUITE_MODULES["gemm_fp8_grouped"] == suite_module.__name__
+def test_suite_is_registered_and_has_no_comparator_on_the_cpu():
+    assert SUITE_MODULES["gemm_fp8_grouped"] == suite_module.__name__
+    assert "gemm_fp8_grouped" not in PENDING_SUITE_MODULES
     assert SUITE.name == "gemm_fp8_grouped" and SUITE.sanitize_cases
     if not torch.cuda.is_available():
         assert SUITE.comparators() == {"deepgemm": None}

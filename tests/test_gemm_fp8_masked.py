@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from forgekernel.bench.check import verify
-from forgekernel.bench.suites import PENDING_SUITE_MODULES
+from forgekernel.bench.suites import PENDING_SUITE_MODULES, SUITE_MODULES
 from forgekernel.bench.suites import gemm_fp8_masked as suite_module
 from forgekernel.kernels.gemm.dense.sm90 import MASKED_SPEC, masked_config
 from forgekernel.kernels.gemm.dense.sm90 import launch as dense_launch
@@ -413,8 +413,9 @@ def test_suite_work_counts(case):
     assert weights < suite_module.nbytes(case, torch.bfloat16) < 1.1 * weights
 
 
-def test_suite_is_pending_and_has_no_comparator_on_the_cpu():
-    assert PENDING_SUITE_MODULES["gemm_fp8_masked"] == suite_module.__name__
+def test_suite_is_registered_and_has_no_comparator_on_the_cpu():
+    assert SUITE_MODULES["gemm_fp8_masked"] == suite_module.__name__
+    assert "gemm_fp8_masked" not in PENDING_SUITE_MODULES
     assert SUITE.name == "gemm_fp8_masked" and SUITE.sanitize_cases and SUITE.memory_bound
     if not torch.cuda.is_available():
         assert SUITE.comparators() == {"deepgemm": None}

@@ -4,11 +4,22 @@ from forgekernel.ops.attention import attention
 from forgekernel.ops.attention_bwd import attention_backward, attention_varlen_backward
 from forgekernel.ops.attention_paged import attention_paged, attention_paged_csr
 from forgekernel.ops.attention_varlen import attention_varlen
+from forgekernel.ops.conv import (
+    conv2d,
+    conv2d_dgrad,
+    conv2d_wgrad,
+    conv3d,
+    conv3d_dgrad,
+    conv3d_wgrad,
+)
 from forgekernel.ops.dsa import dsa_sparse_attention
 from forgekernel.ops.gated_delta_rule import gated_delta_rule_step
+from forgekernel.ops.gated_delta_rule_chunked import gated_delta_rule
 from forgekernel.ops.gemm import gemm, tune_gemm
 from forgekernel.ops.gemm_fp8 import gemm_fp8
-from forgekernel.ops.mla import mla_decode
+from forgekernel.ops.gemm_fp8_grouped import gemm_fp8_grouped
+from forgekernel.ops.gemm_fp8_grouped_masked import gemm_fp8_grouped_masked
+from forgekernel.ops.mla import mla_decode, mla_prefill
 
 __all__ = [
     "attention",
@@ -17,10 +28,20 @@ __all__ = [
     "attention_paged_csr",
     "attention_varlen",
     "attention_varlen_backward",
+    "conv2d",
+    "conv2d_dgrad",
+    "conv2d_wgrad",
+    "conv3d",
+    "conv3d_dgrad",
+    "conv3d_wgrad",
     "dsa_sparse_attention",
+    "gated_delta_rule",
     "gated_delta_rule_step",
     "gemm",
     "gemm_fp8",
+    "gemm_fp8_grouped",
+    "gemm_fp8_grouped_masked",
     "mla_decode",
+    "mla_prefill",
     "tune_gemm",
 ]

@@ -14,16 +14,7 @@ from forgekernel.bench.suite import OpSuite
 # Suites whose kernels have not yet passed a GPU check (docs/PENDING.md): registered only where
 # FORGEKERNEL_PENDING_SUITES is set (a device run that checks and benches them first), so that
 # tests/test_ledger_gate.py does not ask CI for a ledger that no GPU has written yet.
-PENDING_SUITE_MODULES: dict[str, str] = {
-    "gemm_fp8_grouped": "forgekernel.bench.suites.gemm_fp8_grouped",  # issue 21
-    "gemm_fp8_masked": "forgekernel.bench.suites.gemm_fp8_masked",  # issue 21
-    # issue 23: the implicit-GEMM convolution (forward; data gradient by output phase on the
-    # forward kernel; weight gradient interim on the dense GEMM)
-    "conv_fwd": "forgekernel.bench.suites.conv_fwd",
-    "conv_dgrad": "forgekernel.bench.suites.conv_dgrad",
-    "conv_wgrad": "forgekernel.bench.suites.conv_wgrad",
-    "gdn_prefill": "forgekernel.bench.suites.gdn_prefill",  # issue 20
-}
+PENDING_SUITE_MODULES: dict[str, str] = {}
 SUITE_MODULES = {
     "gemm": "forgekernel.bench.suites.gemm",
     "attention": "forgekernel.bench.suites.attention",
@@ -35,6 +26,14 @@ SUITE_MODULES = {
     "gdn_decode": "forgekernel.bench.suites.gdn_decode",  # issue 20
     "mla_decode": "forgekernel.bench.suites.mla_decode",  # issue 19
     "dsa_sparse": "forgekernel.bench.suites.dsa_sparse",  # issue 22
+    "gemm_fp8_grouped": "forgekernel.bench.suites.gemm_fp8_grouped",  # issue 21
+    "gemm_fp8_masked": "forgekernel.bench.suites.gemm_fp8_masked",  # issue 21
+    # issue 23: the implicit-GEMM convolution (forward; data gradient by output phase on the
+    # forward kernel; weight gradient interim on the dense GEMM)
+    "conv_fwd": "forgekernel.bench.suites.conv_fwd",
+    "conv_dgrad": "forgekernel.bench.suites.conv_dgrad",
+    "conv_wgrad": "forgekernel.bench.suites.conv_wgrad",
+    "gdn_prefill": "forgekernel.bench.suites.gdn_prefill",  # issue 20
 }
 if os.environ.get("FORGEKERNEL_PENDING_SUITES"):
     SUITE_MODULES.update(PENDING_SUITE_MODULES)

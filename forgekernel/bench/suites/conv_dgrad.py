@@ -4,8 +4,7 @@ case below 0.95x), and stride-1 ResNet-50 and SD VAE decoder layers (group "stri
 data gradient runs on the forward kernel, one stride-1 convolution per output phase
 (kernels/conv/sm90/launch.py); the shared parts are `conv_layers`.
 
-Pending (bench/suites/__init__.py) until a device run checks it
-(`FORGEKERNEL_PENDING_SUITES=1 forgekernel check conv_dgrad`).
+Registered since its first GPU check passed (2026-12-01).
 """
 
 from __future__ import annotations

@@ -3,8 +3,7 @@
 the forward kernel is also the data gradient's, so these are its first figures). Shared parts
 (case form, inputs, references, the cuDNN comparator): `conv_layers`.
 
-Pending (bench/suites/__init__.py): registered for the device run that first checks the
-kernel (`FORGEKERNEL_PENDING_SUITES=1 forgekernel check conv_fwd`).
+Registered since its first GPU check passed (2026-12-01).
 """
 
 from __future__ import annotations

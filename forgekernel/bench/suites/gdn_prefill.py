@@ -1,4 +1,4 @@
-"""Gated DeltaNet forward (prefill) suite (issue 20), pending: fla's form, q, k (1, T, H, 128),
+"""Gated DeltaNet forward (prefill) suite (issue 20): fla's form, q, k (1, T, H, 128),
 v (1, T, HV, 128), g fp32 log decay, beta fp32, varlen as B = 1 with cu_seqlens (fixed-length
 batches are varlen with equal lengths here, as FlashInfer takes them), with or without an fp32
 initial state (N, HV, K, V), the final state returned; k unit-norm (no l2norm in the kernel),
