@@ -153,11 +153,12 @@ def test_check_fails_a_kernel_that_reads_per_head_scales_as_one():
 
 
 def test_comparators_without_flashinfer(monkeypatch):
-    assert paged.comparators() == {"flashinfer": None}  # no GPU here
+    none = {"flashinfer": None, "flashinfer_fa3": None}
+    assert paged.comparators() == none  # no GPU here
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # import flashinfer: ImportError
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert paged._flashinfer() is None
-    assert paged.comparators() == {"flashinfer": None}
+    assert paged._flashinfer() is None and paged._flashinfer_fa3() is None
+    assert paged.comparators() == none
 
 
 class _DecodeWrapper:

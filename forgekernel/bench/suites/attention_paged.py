@@ -1,12 +1,41 @@
-"""Paged GQA decode suite (issue 18): one query token per sequence against a paged KV cache
-(vLLM / FlashAttention layout), outputs (o, lse natural log). Registered in
-bench/suites/__init__.py once `pytest -m gpu tests/gpu/test_paged_gpu.py` passes.
+"""Paged GQA attention suite (issue 18): decode, speculative decoding and chunked prefill
+against a paged KV cache (vLLM / FlashAttention layout), outputs (o, lse natural log).
 
-Memory-bound: GB/s counts the K and V rows read (2 x tokens x Hkv x D x bytes per element: the
-query dtype's for a 16-bit cache, 1 for an FP8 one). Comparator: FlashInfer's
-BatchDecodeWithPagedKVCacheWrapper (fa2 backend, tensor cores: 4.1 TB/s at B64 L4096 on the
-H200), planned once per input set outside any timing; it compiles its kernels with nvcc on first
-use (13-90 s each, one more for the FP8 cache), so the first input set warms it up.
+Modes, as serving engines send them (`lens`: each sequence's KV length, its new tokens
+included):
+- decode: one query token a sequence, q (batch, Hq, D);
+- packed (params `q_lens`: each sequence's query tokens, q (total_q, Hq, D) with cu_seqlens_q /
+  max_seqlen_q, the queries a sequence's last tokens, causal bottom-right): group "spec", 2-4
+  tokens a sequence (speculative decoding / MTP verification: the paged kernel's packed form),
+  and group "prefill", vLLM / SGLang chunked-prefill batches (chunks of 512-4096 new tokens over
+  0-16k cached ones, one-token decode rows beside them, a sequence without new tokens):
+  more than 4 tokens route the whole batch through the page gather + varlen forward
+  (ops/attention_paged._prefill_by_gather).
+
+FLOPs: 4 x Hq x D per visible (query, key) pair, query i of s_q seeing kv_len - s_q + i + 1
+keys (attention suite's `causal_pairs`; kv_len per decode row). GB/s: the K and V rows read once
+(2 x tokens x Hkv x D x bytes per element: the query dtype's for a 16-bit cache, 1 for an FP8
+one), plus for packed batches the query rows read and output rows written (at one token a
+sequence those are under 0.2% of the cache's bytes, and the decode cases leave them out).
+
+Comparators, planned once per input set outside any timing (their first call on it):
+- flashinfer: FlashInfer 0.7.2.post1's BatchDecodeWithPagedKVCacheWrapper on decode cases (fa2
+  backend, tensor cores: 4.1 TB/s at B64 L4096 on the H200) and BatchPrefillWithPagedKVCache-
+  Wrapper(backend="fa2") on packed ones, the same JIT module (decode.py plans the tensor-core
+  decode with get_batch_prefill_module("fa2", ...), as prefill.py does);
+- flashinfer_fa3: BatchPrefillWithPagedKVCacheWrapper(backend="fa3") on packed cases, what
+  backend="auto" runs on the H200 (utils.determine_attention_backend: fa3 on sm90 for 16-bit
+  q / kv, D 64 / 128 / 256); decode cases are the decode wrapper's (its fa3 backend ran 4.2x
+  slower than fa2 at B64 L4096: ../shared/anchors).
+FlashInfer compiles each module with nvcc on first use (13-90 s each), inside that first call.
+Its causal mask is bottom-right aligned as ours, read in the wheel (flashinfer/data/include/
+flashinfer/attention/): the fa2 kernel masks `kv_idx + qo_len > kv_len + q_idx` (prefill.cuh,
+logits_mask), the fa3 one keeps the columns below `qo_idx + 1 + kv_len - qo_len`
+(hopper/mainloop_mma.cuh, col_limit_right), and the wrapper's docstring example (flashinfer/
+prefill.py, BatchPrefillWithPagedKVCacheWrapper; docs.flashinfer.ai/api/prefill.html) equates
+causal=True with the custom mask tril(ones(qo_len, kv_len), diagonal=kv_len - qo_len). Both
+schedulers give a sequence without query tokens no work (scheduler.cuh: ceil_div(packed_qo_len,
+tile) = 0 query tiles).
 
 FP8 caches (group "fp8", check cases named kv_e4m3): float8_e4m3fn K and V holding N(0, 64^2)
 draws (a calibrated cache's spread: amax near 6 sigma = 384 < 448), dequantized by k_scale /
@@ -21,12 +50,15 @@ so the per-head case runs ours only (FlashInfer missing, with the reason).
 from __future__ import annotations
 
 import importlib
+import itertools
 from typing import Any
 
 import torch
 
 from forgekernel.bench.suite import Case, Inputs, OpSuite
+from forgekernel.bench.suites.attention import causal_pairs
 from forgekernel.kernels.attention.paged.sm90 import SPEC
+from forgekernel.reference.flashinfer_paged import page_table_to_csr
 
 FP8 = "float8_e4m3fn"
 SCALES = ("tensor", "head")  # an FP8 cache's scale granularity: per tensor, per KV head
@@ -34,12 +66,27 @@ FP8_SPREAD = 64.0  # std of the cached e4m3 values (module docstring)
 FP8_MAX = 448.0  # e4m3fn's largest finite value
 
 
-def _case(b, hq, hkv, d, page, lens, *, group: str = "", tag: str = "", fp8: str = "") -> Case:
-    """fp8: "" (a cache in q's dtype) or the FP8 cache's scale granularity (SCALES)."""
-    lens = tuple(lens) if isinstance(lens, (list, tuple)) else (lens,) * b
+def _per_sequence(x, b: int, what: str) -> tuple[int, ...]:
+    """x as one int per sequence (an int: the same for all b)."""
+    x = tuple(x) if isinstance(x, (list, tuple)) else (x,) * b
+    if len(x) != b:
+        raise ValueError(f"{what}: {len(x)} values for a batch of {b}")
+    return x
+
+
+def _case(b, hq, hkv, d, page, lens, *, q_lens=None, group: str = "", tag: str = "",
+          fp8: str = "") -> Case:  # fmt: skip
+    """lens: KV lengths, new tokens included. q_lens: None (decode: one query token a
+    sequence) or each sequence's query tokens (the packed form, cu_seqlens_q). fp8: "" (a cache
+    in q's dtype) or the FP8 cache's scale granularity (SCALES)."""
+    lens = _per_sequence(lens, b, "lens")
     shape = tag or (f"L{lens[0]}" if len(set(lens)) == 1 else f"L{min(lens)}-{max(lens)}")
     name = f"b{b}-hq{hq}-hkv{hkv}-d{d}-p{page}-{shape}"
     params = {"b": b, "hq": hq, "hkv": hkv, "d": d, "page": page, "lens": lens}
+    if q_lens is not None:
+        q_lens = _per_sequence(q_lens, b, "q_lens")
+        name += f"-sq{q_lens[0]}" if len(set(q_lens)) == 1 else f"-q{sum(q_lens)}"
+        params["q_lens"] = q_lens
     if fp8:
         if fp8 not in SCALES:
             raise ValueError(f"fp8 scales are one of {SCALES}, got {fp8!r}")
@@ -48,10 +95,19 @@ def _case(b, hq, hkv, d, page, lens, *, group: str = "", tag: str = "", fp8: str
     return Case(name, params, group)
 
 
+def _prefill_case(hq, hkv, page, chunks, cached, decode_lens, tag: str) -> Case:
+    """A chunked-prefill batch (D 128) as vLLM schedules one: decode rows first (one new token
+    each, KV lengths `decode_lens`), then sequences of chunks[i] new tokens over cached[i]."""
+    q_lens = (1,) * len(decode_lens) + tuple(chunks)
+    lens = tuple(decode_lens) + tuple(c + n for c, n in zip(chunks, cached))
+    return _case(len(q_lens), hq, hkv, 128, page, lens, q_lens=q_lens, group="prefill", tag=tag)
+
+
+MIXED = tuple(range(100, 48 * 170, 170))  # 48 KV lengths, 100 .. 8090: a server's decode batch
 # Llama-3 8B (32 / 8 heads, D 128) over page 16 at the issue's batch x length points; the
 # long-sequence, small-batch corner where split-KV matters; Llama-3 70B per GPU (64 / 8 at
 # tp 1, 8 / 1 at tp 8); D 64 / 256; pages 1 and 64; mixed lengths as a server batch has them.
-BENCH_CASES = (
+DECODE_BENCH_CASES = (
     _case(64, 32, 8, 128, 16, 4096, group="llama3-8b"),
     _case(1, 32, 8, 128, 16, 16384, group="long"),
     _case(1, 32, 8, 128, 16, 65536, group="long"),
@@ -64,7 +120,7 @@ BENCH_CASES = (
     _case(32, 32, 8, 128, 64, 4096, group="page"),
     _case(32, 16, 16, 64, 16, 4096, group="head-dim"),
     _case(16, 16, 2, 256, 64, 4096, group="head-dim"),
-    _case(48, 32, 8, 128, 16, tuple(range(100, 48 * 170, 170)), group="mixed", tag="mixed"),
+    _case(48, 32, 8, 128, 16, MIXED, group="mixed", tag="mixed"),
     # FP8 (e4m3) caches as serving engines run them: Llama-3 8B b64 x 4k and b1 x 32k, Llama-3
     # 70B at tp 1 (GQA 8), per-tensor scales (FlashInfer's form); per-head scales ours only.
     _case(64, 32, 8, 128, 16, 4096, group="fp8", fp8="tensor"),
@@ -72,9 +128,53 @@ BENCH_CASES = (
     _case(32, 64, 8, 128, 16, 4096, group="fp8", fp8="tensor"),
     _case(64, 32, 8, 128, 16, 4096, group="fp8", fp8="head"),
 )
+# Speculative decoding / MTP verification (2-4 query tokens a sequence: the paged kernel's
+# packed form): Llama-3 8B at batch 32-64 x 2k-8k keys, Llama-3 70B at tp 1 (64 / 8 heads:
+# heads_per_cta(8, 4) = 4, so at 4 tokens two CTAs stream each KV head), and a batch verifying
+# 1-4 tokens a sequence over the mixed decode lengths.
+SPEC_BENCH_CASES = (
+    _case(64, 32, 8, 128, 16, 4096, q_lens=2, group="spec"),
+    _case(64, 32, 8, 128, 16, 4096, q_lens=4, group="spec"),
+    _case(32, 32, 8, 128, 16, 8192, q_lens=2, group="spec"),
+    _case(64, 32, 8, 128, 16, 2048, q_lens=4, group="spec"),
+    _case(32, 64, 8, 128, 16, 4096, q_lens=2, group="spec"),
+    _case(32, 64, 8, 128, 16, 4096, q_lens=4, group="spec"),
+    _case(48, 32, 8, 128, 16, MIXED, q_lens=(1, 2, 3, 4) * 12, group="spec", tag="mixed"),
+)
+# Chunked prefill as vLLM / SGLang batch it (decode rows beside the chunks, KV lengths including
+# the new tokens): a 2048-token chunk of a 16k prompt beside 32 decode rows; four chunks of
+# 512-4096 tokens over 0-12k cached beside 16 decode rows, at pages 16 and 64; Llama-3 70B (64 /
+# 8) with a fresh 4k prompt and a 1k chunk over 16k beside 64 decode rows; a ragged batch (odd
+# chunks, a sequence with no new tokens, a fresh prompt, partial last pages).
+CHUNKS, CACHED = (512, 1024, 2048, 4096), (0, 4096, 8192, 12288)
+RAGGED_LENS, RAGGED_Q = (8000, 5000, 333, 3048, 12345, 3001, 78), (1000, 0, 333, 2049, 1, 1, 1)
+PREFILL_BENCH_CASES = (
+    _prefill_case(32, 8, 16, (2048,), (14336,), range(1000, 8040, 220), "c2048of16k+32dec"),
+    _prefill_case(32, 8, 16, CHUNKS, CACHED, range(2000, 8400, 400), "c512-4096+16dec"),
+    _prefill_case(32, 8, 64, CHUNKS, CACHED, range(2000, 8400, 400), "c512-4096+16dec"),
+    _prefill_case(64, 8, 16, (4096, 1024), (0, 16384), range(2048, 6144, 64), "c1024-4096+64dec"),
+    _case(7, 32, 8, 128, 64, RAGGED_LENS, q_lens=RAGGED_Q, group="prefill", tag="ragged"),
+)
+BENCH_CASES = DECODE_BENCH_CASES + SPEC_BENCH_CASES + PREFILL_BENCH_CASES
 FP8_CHECK_CASES = (
     _case(3, 8, 2, 128, 16, (37, 0, 300), fp8="tensor"),
     _case(2, 24, 8, 64, 32, (77, 700), fp8="head"),
+)
+# The packed form, small and odd: GQA 4 / 3 / 8 / 1 / 2, D 64 / 128 / 256, pages 1 / 16 / 32 / 64,
+# KV lengths off the tiles; sequences without queries, rows that see no key (2 queries over an
+# empty cache: O = 0, LSE = -inf), queries beyond the paged kernel's 4 (the gather + varlen path)
+# mixed with one-token rows, a fresh prompt (queries = keys), FP8 caches per head and per tensor.
+SPEC_CHECK_CASES = (
+    _case(4, 8, 2, 64, 16, (40, 3, 700, 130), q_lens=(1, 3, 2, 4)),
+    _case(4, 12, 4, 128, 1, (5, 0, 70, 33), q_lens=(2, 2, 0, 3)),
+    _case(2, 16, 2, 256, 64, (129, 2048), q_lens=4),
+    _case(3, 32, 8, 128, 16, (37, 300, 4), q_lens=(3, 1, 4), fp8="head"),
+)
+PREFILL_CHECK_CASES = (
+    _case(4, 8, 2, 128, 16, (300, 17, 77, 1000), q_lens=(100, 1, 0, 513)),
+    _case(3, 16, 16, 64, 64, (77, 700, 9), q_lens=(77, 5, 9)),
+    _case(2, 8, 4, 256, 32, (640, 33), q_lens=(128, 33)),
+    _case(3, 8, 2, 64, 1, (300, 40, 5), q_lens=(200, 1, 5), fp8="tensor"),
 )
 CHECK_CASES = (
     _case(3, 8, 2, 64, 16, (37, 0, 100)),
@@ -83,14 +183,18 @@ CHECK_CASES = (
     _case(2, 24, 8, 128, 32, (77, 700)),
     _case(4, 32, 8, 128, 16, (1, 17, 3000, 0)),
     *FP8_CHECK_CASES,
+    *SPEC_CHECK_CASES,
+    *PREFILL_CHECK_CASES,
 )
-# every kernel variant under the sanitizers: the 16-bit partial at D 64 / 128 / 256, the FP8 one
-SANITIZE_CASES = (*CHECK_CASES[:3], FP8_CHECK_CASES[0])
+# every kernel variant under the sanitizers: the 16-bit partial at D 64 / 128 / 256, the FP8 one,
+# the packed one at 4 query tokens (page 1, a sequence without queries, rows that see no key)
+SANITIZE_CASES = (*CHECK_CASES[:3], FP8_CHECK_CASES[0], SPEC_CHECK_CASES[1])
 
 
 def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, gen: torch.Generator):
-    """q in `dtype`; the cache in `dtype`, or FP8 with its scales (k_scale / v_scale: None for
-    a 16-bit cache)."""
+    """q in `dtype` ((batch, Hq, D), or (total_q, Hq, D) with cu_seqlens_q / max_seqlen_q for a
+    packed case); the cache in `dtype`, or FP8 with its scales (k_scale / v_scale: None for a
+    16-bit cache)."""
     p = case.params
     b, ps, lens = p["b"], p["page"], p["lens"]
     max_pages = max(1, max(-(-n // ps) for n in lens))
@@ -99,10 +203,15 @@ def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, gen: torch
     k = torch.randn(shape, dtype=dtype, device=device, generator=gen)
     v = torch.randn(shape, dtype=dtype, device=device, generator=gen)
     perm = torch.randperm(pages, device=device, generator=gen)[: b * max_pages]
-    q = torch.randn(b, p["hq"], p["d"], dtype=dtype, device=device, generator=gen)
+    q_lens = p.get("q_lens")
+    rows = b if q_lens is None else sum(q_lens)
+    q = torch.randn(rows, p["hq"], p["d"], dtype=dtype, device=device, generator=gen)
     table = perm.view(b, max_pages).to(torch.int32)
     seq = torch.tensor(lens, dtype=torch.int32, device=device)
     inputs = {"q": q, "k": k, "v": v, "table": table, "seqlens": seq}
+    if q_lens is not None:
+        cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=device)
+        inputs |= {"cu_seqlens_q": cu, "max_seqlen_q": max(1, *q_lens)}
     if p.get("kv") == FP8:
         inputs |= _fp8_cache(k, v, p["scale"], gen)
     else:
@@ -134,9 +243,19 @@ def _fp8_cache(k: torch.Tensor, v: torch.Tensor, scale: str, gen: torch.Generato
     return cache | scales
 
 
+def _packed(inputs: Inputs) -> dict[str, Any]:
+    """The packed form's arguments (empty for decode)."""
+    if "cu_seqlens_q" not in inputs:
+        return {}
+    return {"cu_seqlens_q": inputs["cu_seqlens_q"], "max_seqlen_q": inputs["max_seqlen_q"]}
+
+
 def alloc_out(inputs: Inputs):
+    """(out like q, lse fp32): (batch, Hq) for decode, (Hq, total_q) packed (OPS.md)."""
     q = inputs["q"]
-    return torch.empty_like(q), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
+    rows, hq = q.shape[0], q.shape[1]
+    lse = (hq, rows) if _packed(inputs) else (rows, hq)
+    return torch.empty_like(q), q.new_empty(lse, dtype=torch.float32)
 
 
 def _run(inputs: Inputs, out, k_scale, v_scale):
@@ -144,7 +263,7 @@ def _run(inputs: Inputs, out, k_scale, v_scale):
     o = None if out is None else out[0]
     res = op.attention_paged(
         inputs["q"], inputs["k"], inputs["v"], inputs["table"], inputs["seqlens"],
-        return_lse=True, out=o, k_scale=k_scale, v_scale=v_scale,
+        return_lse=True, out=o, k_scale=k_scale, v_scale=v_scale, **_packed(inputs),
     )  # fmt: skip
     if out is None:
         return res
@@ -174,7 +293,8 @@ def reference(inputs: Inputs):
 
     i = inputs
     return paged_attention_ref(i["q"], i["k"], i["v"], i["table"], i["seqlens"],
-                               k_scale=i["k_scale"], v_scale=i["v_scale"])  # fmt: skip
+                               cu_seqlens_q=i.get("cu_seqlens_q"), k_scale=i["k_scale"],
+                               v_scale=i["v_scale"])  # fmt: skip
 
 
 def low_precision(inputs: Inputs):
@@ -184,8 +304,8 @@ def low_precision(inputs: Inputs):
 
     i = inputs
     return paged_attention_ref(i["q"], i["k"], i["v"], i["table"], i["seqlens"],
-                               k_scale=i["k_scale"], v_scale=i["v_scale"],
-                               upcast=False)  # fmt: skip
+                               cu_seqlens_q=i.get("cu_seqlens_q"), k_scale=i["k_scale"],
+                               v_scale=i["v_scale"], upcast=False)  # fmt: skip
 
 
 # FlashInfer 0.7.2.post1's FP8 cache, as read in the wheel (.wheels/): flashinfer/decode.py,
@@ -200,40 +320,87 @@ def low_precision(inputs: Inputs):
 #   softmax scale on the host (`sm_scale *= k_scale`, a float argument of the kernel), v_scale
 #   multiplies the output after the kernel (`out *= v_scale`: one more elementwise launch in the
 #   timed call, skipped for 1.0). The scale tensors of *args reach the kernel only for an FP8 q.
+#   BatchPrefillWithPagedKVCacheWrapper.run (prefill.py) does the same with both scales.
 # So one scale per tensor: a (Hkv,) tensor would make sm_scale a tensor and broadcast
-# `out *= v_scale` over D, not over the KV heads. A per-head case is reported missing.
+# `out *= v_scale` over D, not over the KV heads. A per-head case is reported missing. fa3 reads
+# an FP8 cache only beside an FP8 q (utils.is_fa3_backend_supported).
 FLASHINFER_PER_HEAD = (
-    "FlashInfer 0.7.2.post1's decode wrapper takes one k_scale / v_scale per tensor (floats: "
-    "k_scale folded into sm_scale, out *= v_scale), not per KV head"
+    "FlashInfer 0.7.2.post1's decode and prefill wrappers take one k_scale / v_scale per tensor "
+    "(floats: k_scale folded into sm_scale, out *= v_scale), not per KV head"
 )
+FA3_DECODE = (
+    "decode cases: FlashInfer's decode wrapper (the flashinfer column); its fa3 backend ran 4.2x "
+    "slower than fa2 at B64 L4096 on the H200 (../shared/anchors, 2026-12-01)"
+)
+FA3_FP8 = "FlashInfer 0.7.2.post1's fa3 backend reads an FP8 cache only with FP8 queries"
+WORKSPACE_BYTES = 256 << 20  # FlashInfer's float workspace (its docs: 128 MB recommended)
+
+
+def _scales(inputs: Inputs) -> tuple[float | None, float | None]:
+    """The per-tensor k_scale / v_scale FlashInfer takes (NotImplementedError per head)."""
+    ks, vs = inputs["k_scale"], inputs["v_scale"]
+    if isinstance(ks, torch.Tensor) or isinstance(vs, torch.Tensor):
+        raise NotImplementedError(FLASHINFER_PER_HEAD)
+    return ks, vs
+
+
+def _csr(inputs: Inputs) -> tuple[torch.Tensor, ...]:
+    """FlashInfer's page lists of the inputs (kv_indptr, kv_indices, kv_last_page_len)."""
+    return page_table_to_csr(inputs["table"], inputs["seqlens"], inputs["k"].shape[1])
+
+
+def _plan_decode(flashinfer, inputs: Inputs) -> tuple:
+    """The decode wrapper (fa2, tensor cores) planned for the inputs, with its workspace."""
+    q, k = inputs["q"], inputs["k"]
+    ps, hkv, d = k.shape[1], k.shape[2], k.shape[3]
+    ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=q.device)
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        ws, "NHD", use_tensor_cores=True, backend="fa2"
+    )
+    w.plan(*_csr(inputs), q.shape[1], hkv, d, ps, q_data_type=q.dtype, kv_data_type=k.dtype)
+    return w, ws
+
+
+def _plan_prefill(flashinfer, inputs: Inputs, backend: str) -> tuple:
+    """The prefill wrapper planned for the packed inputs (qo_indptr = cu_seqlens_q, causal:
+    bottom-right as ours), with its workspace and the out / LSE it writes (allocated here, so
+    that the timed call allocates and zero-fills nothing)."""
+    q, k = inputs["q"], inputs["k"]
+    ps, hkv, d = k.shape[1], k.shape[2], k.shape[3]
+    ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=q.device)
+    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
+    w.plan(inputs["cu_seqlens_q"], *_csr(inputs), q.shape[1], hkv, d, ps, causal=True,
+           q_data_type=q.dtype, kv_data_type=k.dtype)  # fmt: skip
+    lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+    return w, ws, torch.empty_like(q), lse
+
+
+def _run_prefill(state: tuple, inputs: Inputs, ks, vs):
+    """(out (total_q, Hq, D), lse (total_q, Hq) base 2): FlashInfer's layout and base."""
+    w, _, out, lse = state
+    return w.run(inputs["q"], (inputs["k"], inputs["v"]), k_scale=ks, v_scale=vs, out=out,
+                 lse=lse, return_lse=True)  # fmt: skip
 
 
 def _flashinfer():
+    """Decode cases: the decode wrapper (fa2, tensor cores); packed ones: the prefill wrapper
+    on the same fa2 module."""
     try:
         import flashinfer
     except ImportError:
         return None
 
     def run(inputs: Inputs):
-        ks, vs = inputs["k_scale"], inputs["v_scale"]
-        if isinstance(ks, torch.Tensor) or isinstance(vs, torch.Tensor):
-            raise NotImplementedError(FLASHINFER_PER_HEAD)
+        ks, vs = _scales(inputs)
+        packed = bool(_packed(inputs))
         if "flashinfer" not in inputs:
-            q, k, table, seq = inputs["q"], inputs["k"], inputs["table"], inputs["seqlens"]
-            ps, hkv, d = k.shape[1], k.shape[2], k.shape[3]
-            pages = (seq + ps - 1) // ps
-            indptr = torch.zeros(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-            indptr[1:] = torch.cumsum(pages, 0)
-            rows = torch.arange(table.shape[1], device=q.device)[None, :] < pages[:, None]
-            indices = table[rows].contiguous()
-            last = torch.where(seq > 0, (seq - 1) % ps + 1, 0).to(torch.int32)
-            ws = torch.empty(256 << 20, dtype=torch.uint8, device=q.device)
-            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                ws, "NHD", use_tensor_cores=True, backend="fa2"
+            inputs["flashinfer"] = (
+                _plan_prefill(flashinfer, inputs, "fa2")
+                if packed
+                else _plan_decode(flashinfer, inputs)
             )
-            w.plan(indptr, indices, last, q.shape[1], hkv, d, ps, q_data_type=q.dtype,
-                   kv_data_type=k.dtype)  # fmt: skip
-            inputs["flashinfer"] = (w, ws)
+        if packed:
+            return _run_prefill(inputs["flashinfer"], inputs, ks, vs)
         w, _ = inputs["flashinfer"]
         return w.run(inputs["q"], (inputs["k"], inputs["v"]), k_scale=ks, v_scale=vs,
                      return_lse=True)  # fmt: skip
@@ -241,20 +408,53 @@ def _flashinfer():
     return run
 
 
+def _flashinfer_fa3():
+    """Packed cases: the prefill wrapper's fa3 backend (backend="auto" on the H200)."""
+    try:
+        import flashinfer
+    except ImportError:
+        return None
+
+    def run(inputs: Inputs):
+        if not _packed(inputs):
+            raise NotImplementedError(FA3_DECODE)
+        if inputs["k"].dtype == torch.float8_e4m3fn:
+            raise NotImplementedError(FA3_FP8)
+        ks, vs = _scales(inputs)
+        if "flashinfer_fa3" not in inputs:
+            inputs["flashinfer_fa3"] = _plan_prefill(flashinfer, inputs, "fa3")
+        return _run_prefill(inputs["flashinfer_fa3"], inputs, ks, vs)
+
+    return run
+
+
 def comparators() -> dict[str, Any]:
-    return {"flashinfer": _flashinfer() if torch.cuda.is_available() else None}
+    if not torch.cuda.is_available():
+        return {"flashinfer": None, "flashinfer_fa3": None}
+    return {"flashinfer": _flashinfer(), "flashinfer_fa3": _flashinfer_fa3()}
+
+
+def _query_rows(case: Case) -> list[tuple[int, int]]:
+    """(query tokens, KV length) per sequence; decode: one token each."""
+    p = case.params
+    return list(zip(p.get("q_lens") or (1,) * p["b"], p["lens"]))
 
 
 def flops(case: Case) -> float:
+    """4 x Hq x D per visible (query, key) pair, causal bottom-right (`causal_pairs`: query i
+    of s_q sees kv_len - s_q + i + 1 keys, clamped to [0, kv_len]); decode: kv_len a row."""
     p = case.params
-    return 4.0 * sum(p["lens"]) * p["hq"] * p["d"]
+    return 4.0 * p["hq"] * p["d"] * sum(causal_pairs(sq, sk) for sq, sk in _query_rows(case))
 
 
 def nbytes(case: Case, dtype: torch.dtype) -> float:
-    """K and V rows read: 1 byte an element for an FP8 cache, else `dtype`'s size."""
+    """K and V rows read (1 byte an element for an FP8 cache, else `dtype`'s size), plus for a
+    packed case the query rows read and the output rows written (in `dtype`)."""
     p = case.params
-    per = 1 if p.get("kv") == FP8 else torch.empty((), dtype=dtype).element_size()
-    return 2.0 * sum(p["lens"]) * p["hkv"] * p["d"] * per
+    size = torch.empty((), dtype=dtype).element_size()
+    per = 1 if p.get("kv") == FP8 else size
+    kv = 2.0 * sum(p["lens"]) * p["hkv"] * p["d"] * per
+    return kv + 2.0 * sum(p.get("q_lens", ())) * p["hq"] * p["d"] * size
 
 
 def suite() -> OpSuite:
