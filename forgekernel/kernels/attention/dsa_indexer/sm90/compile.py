@@ -37,8 +37,8 @@ def _paged_cache() -> tuple[cute.Tensor, cute.Tensor]:
     pages, stride = cute.sym_int32(), cute.sym_int64(divisibility=16)
     k = make_fake_tensor(FP8, (PAGE, HEAD_DIM, pages), stride=(HEAD_DIM, 1, stride),
                          assumed_align=16)  # fmt: skip
-    scale = make_fake_tensor(cutlass.Float32, (PAGE, pages),
-                             stride=(1, cute.sym_int64(divisibility=4)), assumed_align=16)  # fmt: skip
+    scale_stride = (1, cute.sym_int64(divisibility=4))
+    scale = make_fake_tensor(cutlass.Float32, (PAGE, pages), stride=scale_stride, assumed_align=16)
     return k, scale
 
 

@@ -23,8 +23,12 @@ PAGE_BYTES = PAGE * (HEAD_DIM + 4)  # 8448: a page's fp8 rows and its scales
 TILE = PAGE  # keys per pipeline stage: one page (M of one warpgroup's WGMMA)
 QTOKENS = (1, 2, 4)  # query rows per CTA: N = 64, 128, 256 of the WGMMA
 LOGITS_THREADS = 3 * 128  # a producer warpgroup (one warp issues TMA), two consumers
-STAGES = {1: 11, 2: 16, 4: 16}  # key tiles in flight per CTA, by qtokens (shared memory)
-CTAS_PER_SM = {1: 2, 2: 1, 4: 1}  # two decode CTAs share an SM (108 registers each thread)
+# Key tiles in flight per CTA, by qtokens: one CTA per SM (setmaxnreg 232 for the consumers
+# takes the register file), so decode keeps 20 x 8.4 KB = 169 KB of the cache in flight.
+STAGES = {1: 20, 2: 20, 4: 20}
+CTAS_PER_SM = {1: 1, 2: 1, 4: 1}
+FLOPS_PER_PAIR = 2 * HEADS * HEAD_DIM  # per (query row, key)
+SMEM_PER_SM = 228 * 1024 - 1024  # less the 1 KB the system reserves per CTA
 
 TOPK_THREADS = 512
 HIST_BITS = 11  # radix digit: 2048 bins, three rounds resolve 32-bit keys
@@ -32,6 +36,17 @@ CACHE = 16384  # row values a top-k CTA holds (64 KB; 2 CTAs per SM)
 CLUSTERS = (1, 2, 4, 8)  # CTAs per row (portable cluster sizes)
 MAX_KEYS = CACHE * CLUSTERS[-1]  # 131072: the longest window a row may have
 ALIGN = 4  # logits row stride multiple (16-byte rows for the bulk copies)
+
+
+def logits_smem_bytes(qtokens: int) -> int:
+    """Shared memory of a logits CTA: Q, the K ring with its scales, barriers, alignment."""
+    ring = STAGES[qtokens] * (TILE * HEAD_DIM + TILE * 4)
+    return qtokens * HEADS * HEAD_DIM + ring + 16 * (STAGES[qtokens] + 1) + 2048
+
+
+def topk_smem_bytes() -> int:
+    """Shared memory of a top-k CTA: the cached part, two histograms, counters."""
+    return 4 * (CACHE + 8) + 2 * 4 * (1 << HIST_BITS) + 512
 
 
 def logits_params(qtokens: int, paged: bool) -> tuple:
@@ -60,7 +75,7 @@ def split_plan(groups: int, max_tiles: int, qtokens: int, num_sms: int) -> tuple
     """(splits, tiles per split) over key tiles: enough CTAs for two waves of the resident
     ones, each at least one tile; bounded by shapes only (max_tiles: the widest window)."""
     max_tiles = max(1, max_tiles)
-    target = 2 * CTAS_PER_SM[qtokens] * num_sms
+    target = CTAS_PER_SM[qtokens] * num_sms
     splits = max(1, min(max_tiles, -(-target // max(1, groups))))
     per = -(-max_tiles // splits)
     return -(-max_tiles // per), per

@@ -117,15 +117,15 @@ class IndexerLogitsSm90:
         mKEnd None, rows = B x qtokens. Contiguous: mK (keys, 128), mKS (keys,), mTable /
         mSeqLens None, mKStart / mKEnd (rows,). `per_split` key tiles per CTA, `splits` CTAs
         per row group."""
-        if const_expr(mQ.element_type != cutlass.Float8E4M3FN or mK.element_type != mQ.element_type):
+        if const_expr(
+            mQ.element_type != cutlass.Float8E4M3FN or mK.element_type != mQ.element_type
+        ):
             raise TypeError("q and k must be float8_e4m3fn")
         if const_expr(self.paged != (mTable is not None)):
             raise ValueError("a paged compile takes the block table, a contiguous one k_start")
         self._setup()
         g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(
-            g2s, mQ, self.sQ_layout, (self.n, HEAD_DIM)
-        )
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, self.sQ_layout, (self.n, HEAD_DIM))
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(
             g2s, mK, cute.slice_(self.sK_layout, (None, None, 0)), (TILE, HEAD_DIM)
         )
@@ -202,7 +202,7 @@ class IndexerLogitsSm90:
 
         row0 = group * self.qtokens
         first, count, key0 = self._range(
-            mW, mTable, mSeqLens, mKStart, mKEnd, row0, group, split, per_split
+            mW, mLogits, mSeqLens, mKStart, mKEnd, row0, group, split, per_split
         )
         init_wait()
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
@@ -222,7 +222,7 @@ class IndexerLogitsSm90:
                 )  # fmt: skip
 
     @cute.jit
-    def _range(self, mW, mTable, mSeqLens, mKStart, mKEnd, row0, group, split, per_split):
+    def _range(self, mW, mLogits, mSeqLens, mKStart, mKEnd, row0, group, split, per_split):
         """(first tile, tiles, key of tile 0's first row) of this CTA. Paged: the sequence's
         pages; contiguous: the 64-key tiles from the rows' smallest start to their largest end
         (rows past the last one ignored)."""
@@ -258,7 +258,9 @@ class IndexerLogitsSm90:
         )
         q_state = producer_state(1)
         q_pipe.producer_acquire(q_state)
-        cute.copy(tma_q, tQgQ[(None, group)], tQsQ[None], tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
+        cute.copy(
+            tma_q, tQgQ[(None, group)], tQsQ[None], tma_bar_ptr=q_pipe.producer_get_barrier(q_state)
+        )
         q_pipe.producer_commit(q_state)
 
         if const_expr(self.paged):

@@ -152,7 +152,9 @@ class IndexerTopkSm90:
         topk = mOut.shape[1]
         need = cutlass.min(count, topk)
         inside = count  # keys in [lo, hi]
-        lo, hi, need, inside = self._refine(keys, hist, storage, (off, m), (lo, hi, need, inside), tidx)
+        lo, hi, need, inside = self._refine(
+            keys, hist, storage, (off, m), (lo, hi, need, inside), tidx
+        )
         selected = cutlass.min(count, topk)
         self._write(keys, storage, (off, m, a, rank), (lo, hi, need, selected), mTable, mOut,
                     row, next_n, tidx)  # fmt: skip
@@ -348,7 +350,9 @@ class IndexerTopkSm90:
             rank_tie = ties + Int32(cute.arch.popc(bits_tie & below))
             col = a + i
             if is_above:
-                mOut[row, rank_above + cutlass.min(rank_tie, need)] = self._id(mTable, row, next_n, col)
+                mOut[row, rank_above + cutlass.min(rank_tie, need)] = self._id(
+                    mTable, row, next_n, col
+                )
             if is_tie & (rank_tie < need):
                 mOut[row, rank_above + rank_tie] = self._id(mTable, row, next_n, col)
             above += Int32(cute.arch.popc(bits_above))
