@@ -27,6 +27,7 @@ RAGGED = defs.RAGGED_GQA_PREFILL[0]
 GEMM = defs.GEMM[0]
 # Definitions served by an op's own FlashInfer adapter rather than run_kernel: (module, name).
 OWN_ADAPTERS = {
+    "dsa_topk_indexer_fp8_h64_d128_topk2048_ps64": ("dsa_indexer", "dsa_topk_indexer_flashinfer"),
     **{
         f"mla_paged_decode_h16_ckv512_kpe64_ps{ps}": ("mla", "mla_paged_decode_flashinfer")
         for ps in (1, 64)

@@ -54,9 +54,6 @@ RAGGED_GQA_PREFILL = ("gqa_ragged_prefill_causal_h32_kv8_d128",)
 GEMM = ("gemm_n4096_k4096",)
 # Definitions (commit ecafa9c2) that no ForgeKernel op serves yet: what each would need.
 NOT_SERVED = {
-    "dsa_topk_indexer_fp8_h64_d128_topk2048_ps64": "an FP8 indexer: relu(q k^T) of 64 heads "
-    "weighted and summed over deep_gemm's int8 (pages, 64, 1, 132) cache (a page's fp8 rows, "
-    "then its fp32 scales), top-2048 per sequence as page * 64 + offset ids, -1 padding",
     "moe_fp8_block_scale_ds_routing_topk8_ng8_kg4_e32_h7168_i2048": "a fused MoE: DeepSeek-V3 "
     "routing (sigmoid + bias, top-4 of 8 groups, top-8, routed_scaling_factor, 32 local experts "
     "from local_expert_offset), grouped FP8 GEMMs with 128x128 weight scales and (K/128, T) "
@@ -326,7 +323,8 @@ def run_kernel(defn: Definition, inputs: dict[str, Any]) -> tuple[torch.Tensor, 
     """ForgeKernel's op on a definition's inputs as they are, chosen by its op_type: the
     outputs in the order, layouts and dtypes of the definition's `outputs` (LSE base 2).
     NotImplementedError for an op_type this module has no adapter for (mla_paged, dsa_paged
-    and gdn run through ops.mla / ops.dsa / ops.gated_delta_rule(_chunked)'s own `*_flashinfer`)."""
+    and gdn run through ops.mla / ops.dsa / ops.dsa_indexer / ops.gated_delta_rule(_chunked)'s own
+    `*_flashinfer`)."""
     adapter = KERNEL_ADAPTERS.get(defn.op_type)
     if adapter is None:
         raise NotImplementedError(

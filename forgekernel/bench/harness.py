@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from forgekernel.bench import ledger, report
-from forgekernel.bench.check import as_tuple, expected, free, poison, sync, verify
+from forgekernel.bench.check import as_tuple, expected, free, poison, sync, unwritten, verify
 from forgekernel.bench.suite import Case, Inputs, OpSuite, Runner
 from forgekernel.runtime.arch import resolve_arch
 from forgekernel.runtime.timing import (
@@ -112,8 +112,7 @@ def _unwritten_by_rerun(samples: Samples, sets: list[tuple], device: torch.devic
         poison(out)
     samples.rerun()
     sync(device)
-    outs = [t for _, out in sets for t in as_tuple(out) if t.is_floating_point()]
-    return sum(int(torch.isnan(t).sum()) for t in outs)
+    return sum(unwritten(t) for _, out in sets for t in as_tuple(out))
 
 
 def _wrong(cmps: list) -> str:

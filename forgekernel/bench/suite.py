@@ -72,6 +72,10 @@ class OpSuite:
     host_comparators: like comparators, timed only for `bench`'s host microseconds per eager
         call on `host_case` (torch's own op, e.g. torch.matmul or SDPA, where `comparators`
         lack it).
+    judge(inputs, outs) -> [dict]: for outputs that are not values to compare element by
+        element (an order-free top-k selection): one verdict per output, the fields of
+        `check.Comparison` (ok, err, lowprec_err, rel_err, bound, message), from the suite's own
+        yardstick; `reference` and `low_precision` are then not called by check or bench.
     """
 
     name: str
@@ -96,6 +100,7 @@ class OpSuite:
     variants: Callable[[Case], dict[str, Runner]] | None = None
     host_case: Case | None = None  # bench's host us per call (None: the fewest-flops bench case)
     host_comparators: Callable[[], dict[str, Callable[[Inputs], Any] | None]] | None = None
+    judge: Callable[[Inputs, tuple], list[dict[str, Any]]] | None = None
 
     def dtypes_for_bench(self) -> Sequence[torch.dtype]:
         return self.bench_dtypes or self.dtypes

@@ -14,7 +14,9 @@ from forgekernel.bench.suite import OpSuite
 # Suites whose kernels have not yet passed a GPU check (docs/PENDING.md): registered only where
 # FORGEKERNEL_PENDING_SUITES is set (a device run that checks and benches them first), so that
 # tests/test_ledger_gate.py does not ask CI for a ledger that no GPU has written yet.
-PENDING_SUITE_MODULES: dict[str, str] = {}
+PENDING_SUITE_MODULES: dict[str, str] = {
+    "dsa_indexer": "forgekernel.bench.suites.dsa_indexer",  # issue 22: the FP8 lightning indexer
+}
 SUITE_MODULES = {
     "gemm": "forgekernel.bench.suites.gemm",
     "attention": "forgekernel.bench.suites.attention",
