@@ -1,0 +1,263 @@
+"""The block-scaled FP8 mainloop's own code run on the host (a `cute.jit` function runs on the
+CPU with CPU tensors): `GemmSm90._mainloop_scaled` with its two alternating fragments, the
+per-thread scale rows (`_thread_coords`, `_scale_rows`), the scale loads and `_promote`, for
+every consumer thread of a tile, against the fp64 reference (`gemm_fp8_ref`). Only the two
+device steps are stand-ins: `_issue_scaled` writes the k-tile's exact fp32 product A_k B_k^T
+into the fragment at the thread's coordinates (what its WGMMAs compute) and `_retire` waits for
+nothing; both log what they were asked, so the schedule is checked too: k-tiles issued in
+order, each stage released once, and a fragment promoted only once its k-tile's group is
+retired (`wait_group(1)` leaves exactly the newest one in flight). And the compiled kernel's
+SASS keeps that schedule (a WGMMA batch in flight through every promotion)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from forgekernel.bench.suites import gemm_fp8 as suite_module
+from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
+from forgekernel.reference.gemm import gemm_fp8_ref
+
+cutlass = pytest.importorskip("cutlass")
+cute = pytest.importorskip("cutlass.cute")
+
+from cutlass import Float32, Int32  # noqa: E402
+from cutlass.cute.runtime import from_dlpack  # noqa: E402
+
+ISSUE, RETIRE, PROMOTE = 1, 2, 3
+
+
+@pytest.fixture
+def host_dsl(monkeypatch):
+    monkeypatch.setattr(cute.arch, "make_warp_uniform", lambda x: x)
+
+
+def _host_gemm(cfg: GemmConfig):
+    """GemmSm90 whose two device steps are host stand-ins (see the module docstring)."""
+    from forgekernel.kernels.gemm.dense.sm90.kernel import GemmSm90
+
+    class HostGemm(GemmSm90):
+        @cute.jit
+        def _issue_scaled(self, tiled_mma, operands, frag, ab_pipe, read, at):
+            products, coords, log = self.host
+            kt = at[1]
+            for i in cutlass.range_constexpr(cute.size(frag)):
+                row, col = coords[i]
+                frag[i] = products[kt, row, col]
+            _log(log, ISSUE, kt)
+            return self._scales(*at)
+
+        @cute.jit
+        def _retire(self, pending, ab_pipe, release):
+            _log(self.host[2], RETIRE, pending)
+
+        @cute.jit
+        def _promote(self, acc, frag, scales):
+            _log(self.host[2], PROMOTE, 0)
+            GemmSm90._promote(self, acc, frag, scales)
+
+    return HostGemm(cfg)
+
+
+@cute.jit
+def _log(log: cute.Tensor, kind, value):
+    """Append (kind, value) to the event log (row 0 holds the next free row)."""
+    at = log[0, 0]
+    log[at, 0] = Int32(kind)
+    log[at, 1] = Int32(value)
+    log[0, 0] = at + 1
+
+
+def _run_tile(cfg, a, b, sa, sb, tile, k0, count):
+    """Every consumer thread's acc after `_mainloop_scaled` over k-tiles [k0, k0 + count) of
+    tile (tile_m, tile_n) of C = (a x sa) @ (b x sb)^T, assembled into a (tile_m, tile_n) fp32
+    tile, and each thread's event log."""
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.tensor_utils import LayoutEnum
+
+    from forgekernel.kernels.common.sm90.pipeline import consumer_state
+
+    m, k = a.shape
+    n = b.shape[0]
+    tm, tn = tile
+    rows = torch.arange(tm * cfg.tile_m, (tm + 1) * cfg.tile_m).clamp_max(m - 1)
+    cols = torch.arange(tn * cfg.tile_n, (tn + 1) * cfg.tile_n).clamp_max(n - 1)
+    k_tiles = k // 128
+    # the k-tiles' unscaled products over this tile (fp32, as the tensor core accumulates)
+    a_t = a.float()[rows].view(cfg.tile_m, k_tiles, 128).transpose(0, 1)
+    b_t = b.float()[cols].view(cfg.tile_n, k_tiles, 128).transpose(0, 1)
+    products = torch.bmm(a_t, b_t.transpose(1, 2)).contiguous()
+    threads = cfg.tile_m // 64 * 128
+    out = torch.full((cfg.tile_m, cfg.tile_n), float("nan"))
+    log = torch.zeros(threads, 4 * count + 8, 2, dtype=torch.int32)
+    gemm = _host_gemm(cfg)
+    fp8 = cutlass.Float8E4M3FN
+    k_major = LayoutEnum.ROW_MAJOR.sm90_mma_major_mode()
+
+    @cute.jit
+    def run(products: cute.Tensor, mSFA: cute.Tensor, mSFB: cute.Tensor, out: cute.Tensor,
+            log: cute.Tensor, m: Int32, k0: Int32, count: Int32, tm: Int32, tn: Int32):  # fmt: skip
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            fp8, fp8, k_major, k_major, Float32, (cfg.tile_m // 64, 1, 1),
+            tiler_mn=(64, cfg.tile_n),
+        )  # fmt: skip
+        for t in cutlass.range(threads):
+            coords = gemm._thread_coords(tiled_mma, t)
+            r0, r1 = gemm._scale_rows(coords)
+            acc = cute.make_rmem_tensor(coords.shape, Float32)
+            frags = (cute.make_rmem_tensor(coords.shape, Float32),
+                     cute.make_rmem_tensor(coords.shape, Float32))  # fmt: skip
+            thread_log = log[t, None, None]
+            thread_log[0, 0] = Int32(1)
+            gemm.host = (products, coords, thread_log)
+            where = (tm * cfg.tile_m, tn, m, (Int32(0), mSFB.shape[0] - 1))
+            mma = (tiled_mma, None, None, acc, (frags, r0, r1, mSFA, mSFB))
+            read, release = consumer_state(4), consumer_state(4)
+            gemm._mainloop_scaled(k0, count, mma, where, None, read, release)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                row, col = coords[i]
+                out[row, col] = acc[i]
+
+    run(from_dlpack(products), from_dlpack(sa), from_dlpack(sb), from_dlpack(out),
+        from_dlpack(log), m, k0, count, tm, tn)  # fmt: skip
+    return out, log
+
+
+def _events(log_row: torch.Tensor) -> list[tuple[int, int]]:
+    used = int(log_row[0, 0])
+    return [tuple(map(int, e)) for e in log_row[1:used]]
+
+
+def _check_schedule(events, k0, count):
+    """Issues in k order; every issue retired once; before each promotion, the promoted
+    fragment's k-tile retired (issues minus retires-with-pending = what stays in flight)."""
+    issued = [v for kind, v in events if kind == ISSUE]
+    assert issued == list(range(k0, k0 + count))
+    assert sum(kind == RETIRE for kind, _ in events) == count
+    assert sum(kind == PROMOTE for kind, _ in events) == count
+    in_flight, retired, promoted = 0, 0, 0
+    for kind, v in events:
+        if kind == ISSUE:
+            in_flight += 1
+        elif kind == RETIRE:
+            assert in_flight - retired - 1 >= v  # at most `pending` groups left after it...
+            retired = in_flight - v  # ...and wait_group(v) leaves exactly v
+        else:
+            assert promoted < retired  # the k-tile promoted now has been retired
+            promoted += 1
+    # the tensor pipe keeps a batch: every retire but the last leaves one in flight
+    pendings = [v for kind, v in events if kind == RETIRE]
+    assert pendings == [1] * (count - 1) + [0]
+
+
+def _operands(m, n, k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    case = suite_module._case(m, n, k)
+    inputs = suite_module.make_inputs(case, torch.bfloat16, torch.device("cpu"), gen)
+    return inputs["a"], inputs["b"], inputs["sa"], inputs["sb"]
+
+
+@pytest.mark.parametrize(
+    ("tile_m", "tile_n", "shape", "tile", "k0", "count"),
+    [
+        (128, 128, (300, 300, 7 * 128), (1, 1), 0, 7),  # a whole tile, odd k-tiles
+        (128, 128, (300, 300, 6 * 128), (2, 2), 0, 6),  # the ragged corner: row/column clamps
+        (128, 128, (130, 256, 5 * 128), (0, 1), 2, 2),  # a stream-K unit in mid-K, even
+        (64, 128, (70, 200, 4 * 128), (1, 0), 1, 3),  # one warpgroup, M past the tile
+        (64, 128, (64, 128, 128), (0, 0), 0, 1),  # one k-tile
+        (64, 64, (64, 192, 3 * 128), (0, 1), 0, 3),  # a 64-column tile in a block's 2nd half
+    ],
+)  # fmt: skip
+def test_mainloop_on_the_host_matches_the_reference(host_dsl, tile_m, tile_n, shape, tile, k0,
+                                                    count):  # fmt: skip
+    m, n, k = shape
+    a, b, sa, sb = _operands(m, n, k, seed=tile_m + tile_n + k0 + count)
+    cfg = GemmConfig(tile_m=tile_m, tile_n=tile_n, tile_k=128, cluster_m=1)
+    out, log = _run_tile(cfg, a, b, sa, sb, tile, k0, count)
+    keep = slice(k0 * 128, (k0 + count) * 128)
+    want = gemm_fp8_ref(a[:, keep], b[:, keep], sa[:, k0 : k0 + count], sb[:, k0 : k0 + count])
+    r0, c0 = tile[0] * tile_m, tile[1] * tile_n
+    rows, cols = min(tile_m, m - r0), min(tile_n, n - c0)
+    got = out[:rows, :cols]
+    ref = want[r0 : r0 + rows, c0 : c0 + cols]
+    assert not got.isnan().any()
+    tol = 1e-5 * float(ref.abs().max()) * count
+    assert float((got - ref).abs().max()) <= tol
+    for t in range(log.shape[0]):
+        _check_schedule(_events(log[t]), k0, count)
+
+
+def test_the_promotion_uses_each_k_tiles_own_scales(host_dsl):
+    """Scales that differ by k-tile by powers of two (exact): a fragment promoted with its
+    neighbour's scales would be off by a factor of 2 or more somewhere."""
+    m, n, k = 128, 128, 6 * 128
+    a, b, _, _ = _operands(m, n, k, seed=5)
+    sa = torch.tensor([2.0**i for i in range(6)]).repeat(m, 1) * torch.linspace(1, 2, m)[:, None]
+    sb = torch.tensor([[4.0**-i for i in range(6)]])
+    cfg = GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=1)
+    out, _ = _run_tile(cfg, a, b, sa.contiguous(), sb.contiguous(), (0, 0), 0, 6)
+    want = gemm_fp8_ref(a, b, sa, sb)
+    assert float((out - want).abs().max()) <= 1e-5 * float(want.abs().max()) * 6
+
+
+def _mainloop_sequence(sass: str) -> str:
+    """The consumer's WGMMA schedule in SASS: A = WARPGROUP.ARRIVE (the fence before a batch),
+    Q = QGMMA, Dn = WARPGROUP.DEPBAR.LE gsb0, n (wait_group(n)), Fk = k FFMAs in a row (other
+    instructions left out)."""
+    out = []
+    for line in sass.splitlines():
+        # "/*0040*/  @!P0 OP args ;  /* encoding */" (cuobjdump) or "OP args" (normalized)
+        body = line.split(";", 1)[0]
+        body = body.split("*/", 1)[-1] if "*/" in body else body
+        tokens = body.replace(",", " ").split()
+        if tokens and tokens[0].startswith("@"):
+            tokens = tokens[1:]
+        if not tokens:
+            continue
+        op = tokens[0]
+        if op.startswith("QGMMA"):
+            out.append("Q")
+        elif op == "WARPGROUP.ARRIVE":
+            out.append("A")
+        elif op == "WARPGROUP.DEPBAR.LE":
+            out.append("D" + tokens[-1][-1])
+        elif op == "FFMA":
+            out.append("F")
+    return re.sub(r"F+", lambda m: f"F{len(m.group())}", "".join(out))
+
+
+@pytest.mark.parametrize("which", ["large", "stream_decode"])
+def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_path):
+    """Compiled for sm_90a: no spills, and the schedule the mainloop asks for survives ptxas:
+    k-tile 0 issued; in the loop (two k-tiles per trip) each batch of 4 QGMMAs is issued before
+    the previous one is waited for with DEPBAR.LE 1 and its 64 FFMAs run (the tensor pipe keeps
+    the new batch); the tails wait with DEPBAR.LE 0. No DEPBAR inside a batch (ptxas did not
+    serialize the WGMMAs)."""
+    from forgekernel.kernels.gemm.fp8.sm90 import SPEC
+    from forgekernel.kernels.gemm.fp8.sm90.config import LARGE, STREAM_DECODE, params_for
+    from forgekernel.runtime.resources import find_tool, inspect_cubin
+
+    if find_tool("nvdisasm") is None:
+        pytest.skip("cuobjdump/nvdisasm not installed")
+    cfg, out = (LARGE, "bfloat16") if which == "large" else (STREAM_DECODE[0], "float16")
+    compiled = SPEC.compile(params_for(out, cfg), f"--keep-cubin --dump-dir {tmp_path}")
+    cubin = compiled.artifacts.CUBIN
+    if isinstance(cubin, bytes):
+        path = tmp_path / "k.cubin"
+        path.write_bytes(cubin)
+        cubin = str(path)
+    info = inspect_cubin(cubin)
+    assert info["spill_bytes"] == 0 and info["sass"].get("LDL", 0) == 0
+    nvdisasm = find_tool("nvdisasm")
+    env = dict(os.environ, PATH=os.pathsep.join([str(Path(nvdisasm).parent), os.environ["PATH"]]))
+    sass = subprocess.run(
+        [find_tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True, env=env
+    ).stdout
+    batch = "AQQQQ"
+    step = f"{batch}D1F64"
+    assert _mainloop_sequence(sass) == batch + step * 3 + "D0F64" * 2
