@@ -132,7 +132,8 @@ def test_launcher_arguments(monkeypatch, m, n, k):
             if cfg.stream_k:
                 want_per, ctas, tiles = stream_plan(cfg, m, c.shape[1], k, 132, STREAM_MIN_K)
                 assert per == want_per and clusters == 132
-                assert work.dtype == torch.float32 and work.numel() >= 2 * ctas * cfg.tile_m * cfg.tile_n
+                floats = 2 * ctas * cfg.tile_m * cfg.tile_n  # two slots per CTA
+                assert work.dtype == torch.float32 and work.numel() >= floats
                 assert flags.dtype == torch.int32 and flags.numel() >= tiles
                 assert not flags.any()
             else:
@@ -170,3 +171,20 @@ def test_custom_op_fake_shapes():
             a, b, torch.empty(5, 2), torch.empty(3, 2), torch.float16
         )
         assert c.shape == (5, 300) and c.dtype == torch.float16
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [(1, 7168, 16384), (16, 7168, 2048), (64, 4096, 7168), (128, 1536, 7168), (512, 576, 7168),
+     (129, 264, 7168), (300, 2048, 16384), (3, 256, 4096), (150, 256, 3072), (1, 576, 7168)],
+)  # fmt: skip
+def test_fp8_stream_k_walk(m, n, k):
+    """The FP8 stream-K plans the chooser makes (128 of K per k-tile, parts of at least
+    STREAM_MIN_K k-tiles): the kernel's walk (mirrored in test_gemm_stream_k) covers every
+    k-tile of every tile once; each unit's k-tiles [k0, k0 + count) are what its scaled
+    mainloop promotes (tests/test_gemm_fp8_mainloop.py runs mid-K units)."""
+    from test_gemm_stream_k import check_walk
+
+    cfg = choose_config(m, n, k)
+    assert cfg.stream_k
+    check_walk(cfg, m, n, k, 132, STREAM_MIN_K)

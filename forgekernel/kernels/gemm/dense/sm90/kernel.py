@@ -896,7 +896,10 @@ class GemmSm90:
     def _scales(self, src, kt):
         """k-tile kt's scales: this thread's two rows' of A, the tile's block of B."""
         mSFA, mSFB, row0, row1, blk = src
-        return mSFA[row0, kt], mSFA[row1, kt], mSFB[blk, kt]
+        # row0 >> 31 is 0 (row0 >= 0), but not provably so: B's scale is loaded per thread
+        # (one transaction for the warp) and stays in a vector register, where ptxas would
+        # otherwise move it to a uniform one right after the load and stall there
+        return mSFA[row0, kt], mSFA[row1, kt], mSFB[blk + (row0 >> 31), kt]
 
     @cute.jit
     def _promote(self, acc, frag, scales):
