@@ -336,13 +336,64 @@ def _mainloop_sequence(sass: str) -> str:
     return re.sub(r"F+", lambda m: f"F{len(m.group())}", "".join(out))
 
 
+def _instructions(sass: str) -> list[tuple[str, str]]:
+    """(opcode, operands) of each SASS instruction, predicates dropped."""
+    out = []
+    for line in sass.splitlines():
+        match = re.search(r"/\*[0-9a-f]{4}\*/\s+(.*?)\s*;", line)
+        if match:
+            tokens = match.group(1).split(None, 1)
+            if tokens[0].startswith("@"):
+                tokens = tokens[1].split(None, 1)
+            out.append((tokens[0], tokens[1] if len(tokens) > 1 else ""))
+    return out
+
+
+def _wgmma_violations(sass: str) -> list[str]:
+    """Read in address order (the loop body and both tails in their layout: a linear scan,
+    blind only across the back edge and between the tails): an instruction reading or writing
+    a register of a QGMMA batch still in flight (committed with gsb0, not yet retired by a
+    WARPGROUP.DEPBAR.LE that leaves fewer groups), and a stage's release (the consumers'
+    SYNCS.ARRIVE...ART0) not preceded by a wait of its own (releases never outnumber waits:
+    the producer may overwrite a stage only once the WGMMAs reading it completed)."""
+    groups: list[set[int]] = []  # committed, in flight, oldest first
+    batch: set[int] = set()
+    waits = releases = 0
+    found = []
+    for op, args in _instructions(sass):
+        if op.startswith("QGMMA"):
+            first = int(re.match(r"R(\d+)", args).group(1))
+            regs = set(range(first, first + 64))  # 64x128 fp32: 64 registers a thread
+            if any(regs & g for g in groups):
+                found.append(f"QGMMA onto a batch in flight: {args}")
+            batch |= regs
+            if "gsb0" in args:
+                groups.append(batch)
+                batch = set()
+        elif op == "WARPGROUP.DEPBAR.LE":
+            keep = int(args.split(",")[-1], 16)
+            groups = groups[len(groups) - keep :] if keep else []
+            waits += 1
+        elif op.startswith("SYNCS.ARRIVE.TRANS64.") and op.endswith("ART0"):
+            releases += 1
+            if releases > waits:
+                found.append(f"stage released before its wait: {op} {args}")
+        elif groups or batch:
+            used = {int(r) for r in re.findall(r"\bR(\d+)\b", args)}
+            used |= {int(r) + 1 for r in re.findall(r"\bR(\d+)\.64\b", args)}
+            if used & set().union(batch, *groups):
+                found.append(f"in-flight register touched: {op} {args}")
+    return found
+
+
 @pytest.mark.parametrize("which", ["large", "stream_decode"])
 def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_path):
     """Compiled for sm_90a: no spills, and the schedule the mainloop asks for survives ptxas:
     k-tile 0 issued; in the loop (two k-tiles per trip) each batch of 4 QGMMAs is issued before
     the previous one is waited for with DEPBAR.LE 1 and its 64 FFMAs run (the tensor pipe keeps
     the new batch); the tails wait with DEPBAR.LE 0. No DEPBAR inside a batch (ptxas did not
-    serialize the WGMMAs)."""
+    serialize the WGMMAs), no register of a batch in flight touched, no stage released before
+    a wait (`_wgmma_violations`)."""
     from forgekernel.kernels.gemm.fp8.sm90 import SPEC
     from forgekernel.kernels.gemm.fp8.sm90.config import LARGE, STREAM_DECODE, params_for
     from forgekernel.runtime.resources import find_tool, inspect_cubin
@@ -366,3 +417,4 @@ def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_pa
     batch = "AQQQQ"
     step = f"{batch}D1F64"
     assert _mainloop_sequence(sass) == batch + step * 3 + "D0F64" * 2
+    assert _wgmma_violations(sass) == []
