@@ -1,17 +1,19 @@
-"""Time the block-scaled FP8 GEMM with each candidate tile configuration forced, against
-DeepGEMM, on the gemm_fp8 suite's mid / prefill / square shapes and three more (issue 21).
+"""Time the block-scaled FP8 GEMM with each candidate configuration forced, against DeepGEMM,
+on the gemm_fp8 suite's shapes and three more (issue 21).
 
-Per shape: the suite's quantized inputs, as many sets as the bench rotates through; each config's
-kernel called as the launcher calls it, the config forced instead of `choose_config`'s; checked
-against the fp64 reference with the suite's criterion (max error <= 2 x cuBLASLt's + atol), then
-timed beside DeepGEMM's fp8_gemm_nt (where deep_gemm imports) with the bench's timer
-(`time_interleaved`: CUDA-graph replays over the rotated sets). ratio = DeepGEMM ms / ours
-(> 1: ours is faster). A config the kernel rejects (tiles wider than 128 until the dense kernel
-takes them with FP8) gets a row with its error. The JSON is rewritten after every shape.
+Per shape: the suite's quantized inputs, as many sets as the bench rotates through; each config
+run through the launcher (`launch.gemm_fp8(..., config=cfg)`: stream K gets its workspace and
+plan as in production), checked against the fp64 reference with the suite's criterion (max
+error <= 2 x cuBLASLt's + atol), then timed beside DeepGEMM's fp8_gemm_nt (where deep_gemm
+imports) with the bench's timer (`time_interleaved`: CUDA-graph replays over the rotated sets).
+ratio = DeepGEMM ms / ours (> 1: ours is faster). Configs: the chooser's pick first, then every
+prebuilt 128-row tile (data-parallel and stream K) and, up to M = 512, the 64-row ones (MID,
+SKINNY, the decode boxes that fit, their stream-K twins). A config that fails gets a row with
+its error. The JSON is rewritten after every shape.
 
     PYTHONPATH=$PWD:$PYTHONPATH python3 scripts/fp8_tiles.py OUT.json [GROUP ...]
-GROUP: mid, prefill, square, extra (default all). Kernels from a bundle made after the configs
-changed (`forgekernel bundle .bundle`; FORGEKERNEL_KERNEL_DIR=$PWD/.bundle/kernels).
+GROUP: decode, mid, prefill, square, extra (default all). Kernels from a bundle made after the
+configs changed (`forgekernel bundle .bundle`; FORGEKERNEL_KERNEL_DIR=$PWD/.bundle/kernels).
 """
 
 from __future__ import annotations
@@ -26,21 +28,14 @@ from forgekernel.bench.report import format_table
 from forgekernel.bench.suite import Case
 from forgekernel.bench.suites import gemm_fp8 as fp8_suite
 from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
-from forgekernel.kernels.gemm.fp8.sm90 import SPEC
-from forgekernel.kernels.gemm.fp8.sm90.config import STANDARD_CONFIGS, choose_config, params_for
-from forgekernel.runtime.cache import get_kernel
-from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms
+from forgekernel.kernels.gemm.fp8.sm90 import launch
+from forgekernel.kernels.gemm.fp8.sm90.config import STANDARD_CONFIGS, choose_config
 from forgekernel.runtime.timing import median, rotation_sets, time_interleaved
 
 DTYPE = torch.bfloat16
-GROUPS = ("mid", "prefill", "square", "extra")
+GROUPS = ("decode", "mid", "prefill", "square", "extra")
 EXTRA = ((2048, 7168, 4096), (8192, 4608, 7168), (4096, 1536, 7168))
-# Tiles the dense kernel rejects with FP8 today (tile_n must be 128; 160 is no tile_n at all);
-# a prototype of the change compiles 128x192 and 128x160 without spills (issue 21 report).
-WIDE = (
-    GemmConfig(tile_m=128, tile_n=192, tile_k=128, cluster_m=2),
-    GemmConfig(tile_m=128, tile_n=160, tile_k=128, cluster_m=2),
-)
+SMALL_TILES_UP_TO = 512  # M up to which the 64-row configurations are timed too
 
 
 def cases(groups: tuple[str, ...]) -> list[Case]:
@@ -50,22 +45,20 @@ def cases(groups: tuple[str, ...]) -> list[Case]:
 
 
 def configs_for(m: int, n: int, k: int) -> list[GemmConfig]:
-    """The chooser's pick first, then every prebuilt 128-row tile, then the wide ones."""
+    """The chooser's pick first, then every prebuilt config that computes M rows: the 128-row
+    ones always, the 64-row ones up to SMALL_TILES_UP_TO."""
     found = [choose_config(m, n, k)]
-    for cfg in (*STANDARD_CONFIGS, *WIDE):
-        if cfg.tile_m == 128 and cfg.fits(m) and cfg not in found:
+    for cfg in STANDARD_CONFIGS:
+        if cfg.fits(m) and (cfg.tile_m == 128 or m <= SMALL_TILES_UP_TO) and cfg not in found:
             found.append(cfg)
     return found
 
 
-def forced(cfg: GemmConfig, device: torch.device):
-    """run(inputs, out) with `cfg`'s kernel: `launch.gemm_fp8`'s call (N a multiple of 8)."""
-    fn = get_kernel(SPEC, params_for(dtype_name(DTYPE), cfg))
-    clusters = num_sms(device.index) // (cfg.cluster_m * cfg.cluster_n)
+def forced(cfg: GemmConfig):
+    """run(inputs, out): the launcher with `cfg` forced (N is a multiple of 8: out is C)."""
 
     def run(inputs, out):
-        a, b = as_tma_ready(inputs["a"]), as_tma_ready(inputs["b"])
-        fn(a, b, out, None, None, 0, inputs["sa"], inputs["sb"], None, clusters)
+        launch.gemm_fp8(inputs["a"], inputs["b"], inputs["sa"], inputs["sb"], out, config=cfg)
         return out
 
     return run
@@ -83,7 +76,7 @@ def measure(case: Case, suite, gen, device) -> list[dict]:
         row = {"shape": case.name, "group": case.group, "config": cfg.tag(), "chosen": i == 0}
         rows.append(row)
         try:
-            run = forced(cfg, device)
+            run = forced(cfg)
             cmp = verify(suite, sets[0], device, run=run, expect=expect)[1][0]
         except Exception as e:  # noqa: BLE001 (a config the kernel rejects: recorded)
             row["status"] = f"not built: {type(e).__name__}: {e}"[:200]

@@ -10,9 +10,21 @@ import pytest
 import torch
 
 from forgekernel.bench.suites import gemm_fp8 as suite_module
+from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig, stream_plan
 from forgekernel.kernels.gemm.fp8.sm90 import SPEC
 from forgekernel.kernels.gemm.fp8.sm90 import launch as fp8_sm90
-from forgekernel.kernels.gemm.fp8.sm90.config import DECODE, LARGE, MID, SKINNY, choose_config
+from forgekernel.kernels.gemm.fp8.sm90.config import (
+    DECODE,
+    LARGE,
+    MID,
+    SKINNY,
+    STREAM,
+    STREAM_DECODE,
+    STREAM_MIN_K,
+    busy_ctas,
+    choose_config,
+    tiled_config,
+)
 from forgekernel.reference.gemm import gemm_fp8_ref
 
 F8 = torch.float8_e4m3fn
@@ -32,14 +44,36 @@ def _operands(m, n, k, seed=0):
      (64, SKINNY), (65, MID), (128, MID), (129, LARGE)],
 )  # fmt: skip
 def test_config_by_m(m, want):
-    assert choose_config(m, 7168, 2048) == want
+    assert tiled_config(m) == want
+    assert choose_config(m, 36864, 2048) == want  # tiles enough for every SM
     assert want.fits(m)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "want"),
+    [(1, 7168, 16384, STREAM_DECODE[0]), (16, 7168, 2048, STREAM_DECODE[1]),
+     (64, 4096, 7168, STREAM_DECODE[3]), (128, 1536, 7168, STREAM), (512, 576, 7168, STREAM),
+     (1, 10240, 5120, DECODE[0]), (128, 7168, 16384, MID), (33, 1001, 512, SKINNY),
+     (200, 7168, 128, LARGE)],
+)  # fmt: skip
+def test_stream_k_where_the_tiles_leave_most_sms_idle(m, n, k, want):
+    """Stream K when the tiled configuration keeps at most half of the 132 SMs busy and the
+    plan spreads the k-tiles over at least twice as many; not for short K (33x1001x512: 8 tiles
+    of 4 k-tiles) nor for tiles that fill more than half the chip (1x10240x5120: 80)."""
+    cfg = choose_config(m, n, k)
+    assert cfg == want and cfg.fits(m)
+    if cfg.stream_k:
+        busy = busy_ctas(tiled_config(m), m, n)
+        per, ctas, _ = stream_plan(cfg, m, n, k, 132, STREAM_MIN_K)
+        assert 2 * busy <= 132 and ctas >= 2 * busy and per >= STREAM_MIN_K
 
 
 def test_standard_kernels_cover_both_outputs():
     params = [dict(p) for p in SPEC.standard_params()]
     assert {p["out"] for p in params} == {"bfloat16", "float16"}
-    assert all(p["tile_k"] == 128 and p["tile_n"] in (128, 192) for p in params)
+    # three tile_n / 2 fp32 fragments per thread (the two alternating ones and the accumulator)
+    assert all(p["tile_k"] == 128 and p["tile_n"] == 128 for p in params)
+    assert all(not p["stream_k"] or p["cluster_m"] * p["cluster_n"] == 1 for p in params)
 
 
 def test_quantized_inputs_follow_their_source():
@@ -80,18 +114,33 @@ def test_bad_arguments_name_the_argument(kwargs, err, match):
         )  # fmt: skip
 
 
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 128, 128), (33, 1001, 256), (130, 300, 384)])
+@pytest.mark.parametrize(
+    ("m", "n", "k"), [(1, 128, 128), (33, 1001, 256), (130, 300, 384), (3, 250, 4096),
+                      (129, 264, 7168)],
+)  # fmt: skip
 def test_launcher_arguments(monkeypatch, m, n, k):
     """The stand-in kernel insists on what the compiled one assumes: TMA-ready operands, an
-    output whose N is a multiple of 8, no stream-K workspace, and the scales as given."""
+    output whose N is a multiple of 8, the scales as given, and the stream-K workspace where
+    the configuration streams (fp32 partials for every CTA's two slots, zeroed tile flags, the
+    plan's k-tiles per CTA), none otherwise."""
     calls = []
 
     def get_kernel(spec, params):
+        cfg = GemmConfig.from_params(dict(params))
+
         def fn(a, b, c, work, flags, per, sa, sb, group, clusters):
-            assert work is None and flags is None and per == 0
+            if cfg.stream_k:
+                want_per, ctas, tiles = stream_plan(cfg, m, c.shape[1], k, 132, STREAM_MIN_K)
+                assert per == want_per and clusters == 132
+                floats = 2 * ctas * cfg.tile_m * cfg.tile_n  # two slots per CTA
+                assert work.dtype == torch.float32 and work.numel() >= floats
+                assert flags.dtype == torch.int32 and flags.numel() >= tiles
+                assert not flags.any()
+            else:
+                assert work is None and flags is None and per == 0
             assert c.shape[1] % 8 == 0 and a.is_contiguous() and b.is_contiguous()
             c[:, : b.shape[0]].copy_(gemm_fp8_ref(a, b, sa, sb).to(c.dtype))
-            calls.append((dict(params), clusters))
+            calls.append((cfg, clusters))
 
         return fn
 
@@ -102,9 +151,14 @@ def test_launcher_arguments(monkeypatch, m, n, k):
     c = op_module.gemm_fp8(a, b, sa, sb)
     want = gemm_fp8_ref(a, b, sa, sb).to(torch.bfloat16)
     assert c.shape == (m, n) and torch.equal(c, want)
-    params, clusters = calls[-1]
-    cfg = choose_config(m, n, k)
-    assert params["tile_m"] == cfg.tile_m and clusters == 132 // (cfg.cluster_m * cfg.cluster_n)
+    cfg, clusters = calls[-1]
+    assert cfg == choose_config(m, n, k) and clusters == 132 // (cfg.cluster_m * cfg.cluster_n)
+
+
+def test_forced_config_must_fit(monkeypatch):
+    monkeypatch.setattr(fp8_sm90, "num_sms", lambda device: 132)
+    with pytest.raises(ValueError, match="rows of A"):
+        fp8_sm90._choose(torch.bfloat16, 9, 128, 256, None, DECODE[0])
 
 
 def test_custom_op_fake_shapes():
@@ -117,3 +171,20 @@ def test_custom_op_fake_shapes():
             a, b, torch.empty(5, 2), torch.empty(3, 2), torch.float16
         )
         assert c.shape == (5, 300) and c.dtype == torch.float16
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [(1, 7168, 16384), (16, 7168, 2048), (64, 4096, 7168), (128, 1536, 7168), (512, 576, 7168),
+     (129, 264, 7168), (300, 2048, 16384), (3, 256, 4096), (150, 256, 3072), (1, 576, 7168)],
+)  # fmt: skip
+def test_fp8_stream_k_walk(m, n, k):
+    """The FP8 stream-K plans the chooser makes (128 of K per k-tile, parts of at least
+    STREAM_MIN_K k-tiles): the kernel's walk (mirrored in test_gemm_stream_k) covers every
+    k-tile of every tile once; each unit's k-tiles [k0, k0 + count) are what its scaled
+    mainloop promotes (tests/test_gemm_fp8_mainloop.py runs mid-K units)."""
+    from test_gemm_stream_k import check_walk
+
+    cfg = choose_config(m, n, k)
+    assert cfg.stream_k
+    check_walk(cfg, m, n, k, 132, STREAM_MIN_K)

@@ -17,7 +17,7 @@ from forgekernel.bench.check import verify
 from forgekernel.bench.suites import PENDING_SUITE_MODULES, SUITE_MODULES
 from forgekernel.bench.suites import gemm_fp8_grouped as suite_module
 from forgekernel.kernels.gemm.fp8.sm90 import launch as fp8_sm90
-from forgekernel.kernels.gemm.fp8.sm90.config import GROUPED, GROUPED_WIDE
+from forgekernel.kernels.gemm.fp8.sm90.config import GROUPED
 from forgekernel.reference.gemm import gemm_fp8_grouped_ref
 
 F8 = torch.float8_e4m3fn
@@ -86,14 +86,6 @@ def test_op_through_the_launcher(stand_in, case, dtype):
     assert params["grouped"] is True and params["out"] == str(dtype).removeprefix("torch.")
     assert params["tile_m"] == 128 and params["tile_n"] == GROUPED.tile_n
     assert clusters == 132 // (GROUPED.cluster_m * GROUPED.cluster_n)
-
-
-def test_wide_tile_through_the_launcher(stand_in):
-    inputs = _inputs(SMALL[1])
-    out = SUITE.alloc_out(inputs)
-    suite_module._run_wide(inputs, out)
-    assert torch.equal(out, gemm_fp8_grouped_ref(*_args(inputs)).to(out.dtype))
-    assert stand_in[-1][0]["tile_n"] == GROUPED_WIDE.tile_n == 192
 
 
 def test_strided_out_and_indices(stand_in):
@@ -288,7 +280,7 @@ def test_suite_is_registered_and_has_no_comparator_on_the_cpu():
     assert SUITE.name == "gemm_fp8_grouped" and SUITE.sanitize_cases
     if not torch.cuda.is_available():
         assert SUITE.comparators() == {"deepgemm": None}
-    assert set(SUITE.variants_for(SUITE.bench_cases[0])) == {"wide"}
+    assert SUITE.variants_for(SUITE.bench_cases[0]) == {}
 
 
 def _fake_inputs():

@@ -1,6 +1,6 @@
-"""The FP8 GEMM's prefill tile alternative (issue 21) on the CPU: prebuilt for both outputs
-under distinct compile keys, picked from M = LARGE_M_MCAST_A on, and the GPU script's shape
-and config lists (scripts/fp8_tiles.py, loaded from its file)."""
+"""The FP8 GEMM's tile alternatives (issue 21) on the CPU: prebuilt for both outputs under
+distinct compile keys, A multicast picked from M = LARGE_M_MCAST_A on, and the GPU script's
+shape and config lists and its rows (scripts/fp8_tiles.py, loaded from its file)."""
 
 from __future__ import annotations
 
@@ -14,19 +14,25 @@ import torch
 
 from forgekernel.bench.suite import Case
 from forgekernel.bench.suites import gemm_fp8 as suite_module
+from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
 from forgekernel.kernels.gemm.fp8.sm90 import SPEC
+from forgekernel.kernels.gemm.fp8.sm90 import launch as fp8_sm90
 from forgekernel.kernels.gemm.fp8.sm90.config import (
     LARGE,
     LARGE_M_MCAST_A,
     LARGE_MCAST_A,
+    MID,
     OUT_DTYPES,
     STANDARD_CONFIGS,
+    STREAM,
+    STREAM_DECODE,
     choose_config,
     params_for,
+    tiled_config,
 )
 from forgekernel.reference.gemm import gemm_fp8_ref
 
-PREFILL_CANDIDATES = (LARGE_MCAST_A,)
+PREFILL_CANDIDATES = (LARGE_MCAST_A, STREAM)
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fp8_tiles.py"
 
 
@@ -54,10 +60,9 @@ def test_standard_compile_keys_are_distinct():
 
 
 def test_candidates_keep_the_fp8_tile_shape():
-    """What the dense kernel takes with FP8 today: 128 x 128 tiles, K steps of one scale block."""
+    """What the dense kernel takes with FP8: 128-column tiles, K steps of one scale block."""
     for cfg in PREFILL_CANDIDATES:
-        assert (cfg.tile_m, cfg.tile_n, cfg.tile_k) == (128, 128, 128)
-        assert not cfg.stream_k and not cfg.a_rows
+        assert (cfg.tile_m, cfg.tile_n, cfg.tile_k) == (128, 128, 128) and not cfg.a_rows
 
 
 def test_chooser_takes_the_a_multicast_from_large_m():
@@ -65,8 +70,8 @@ def test_chooser_takes_the_a_multicast_from_large_m():
     shapes = [(rng.randint(129, 20000), rng.randint(1, 60000), 128 * rng.randint(1, 200))
               for _ in range(300)]  # fmt: skip
     for m, n, k in shapes:
-        want = LARGE_MCAST_A if m >= LARGE_M_MCAST_A else LARGE
-        assert choose_config(m, n, k) == want
+        assert tiled_config(m) == (LARGE_MCAST_A if m >= LARGE_M_MCAST_A else LARGE)
+        assert choose_config(m, n, k) in (tiled_config(m), STREAM)
 
 
 def test_script_shapes(script):
@@ -82,19 +87,21 @@ def test_script_configs(script, m, n, k):
     configs = script.configs_for(m, n, k)
     assert configs[0] == choose_config(m, n, k)
     assert len(configs) == len(set(configs))
-    assert {LARGE, *PREFILL_CANDIDATES, *script.WIDE} <= set(configs)
+    assert {LARGE, *PREFILL_CANDIDATES} <= set(configs)
     assert all(cfg.fits(m) for cfg in configs)
+    assert (MID in configs) == (m <= script.SMALL_TILES_UP_TO)
 
 
 def test_script_rows_on_cpu(script, monkeypatch):
-    """measure() end to end with stand-ins: a kernel computing the reference (rejecting tiles
-    wider than 128, as the dense kernel does with FP8), a DeepGEMM twice as slow, a fake timer."""
+    """measure() end to end with stand-ins: a kernel computing the reference (insisting on the
+    stream-K workspace exactly where the config streams), a DeepGEMM twice as slow, a fake
+    timer; every config through the launcher."""
 
     def get_kernel(spec, params):
-        if dict(params)["tile_n"] != 128:
-            raise ValueError("block-scaled FP8 takes tile_n = 128")
+        cfg = GemmConfig.from_params(dict(params))
 
         def fn(a, b, c, work, flags, per, sa, sb, group, clusters):
+            assert (work is not None and per > 0) == cfg.stream_k
             c.copy_(gemm_fp8_ref(a, b, sa, sb).to(c.dtype))
 
         return fn
@@ -104,8 +111,8 @@ def test_script_rows_on_cpu(script, monkeypatch):
             fn(*rotate[-1])
         return {name: [2.0 if name == "deepgemm" else 1.0] for name in fns}
 
-    monkeypatch.setattr(script, "get_kernel", get_kernel)
-    monkeypatch.setattr(script, "num_sms", lambda index: 132)
+    monkeypatch.setattr(fp8_sm90, "get_kernel", get_kernel)
+    monkeypatch.setattr(fp8_sm90, "num_sms", lambda index: 132)
     monkeypatch.setattr(script, "time_interleaved", timer)
     monkeypatch.setattr(script, "rotation_sets", lambda nbytes: 2)
     deepgemm = lambda inputs: suite_module.reference(inputs).to(inputs["out_dtype"])  # noqa: E731
@@ -114,9 +121,7 @@ def test_script_rows_on_cpu(script, monkeypatch):
     rows = script.measure(case, suite, torch.Generator().manual_seed(3), torch.device("cpu"))
     by_config = {r["config"]: r for r in rows}
     assert by_config[choose_config(300, 264, 384).tag()]["chosen"]
-    for cfg in PREFILL_CANDIDATES:
+    for cfg in (*PREFILL_CANDIDATES, MID, STREAM_DECODE[-1]):
         row = by_config[cfg.tag()]
         assert row["status"] == "ok" and row["ratio"] == 2.0 and row["max_err"] <= row["bound"]
-    for cfg in script.WIDE:
-        assert by_config[cfg.tag()]["status"].startswith("not built: ValueError")
     assert by_config["deepgemm"]["max_err"] <= by_config[PREFILL_CANDIDATES[0].tag()]["bound"]

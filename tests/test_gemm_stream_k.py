@@ -48,9 +48,9 @@ def test_short_a_box_refuses_taller_problems(monkeypatch):
         gemm_sm90._choose(torch.bfloat16, False, 9, 64, 64, None, DECODE[0])
 
 
-def _walk(cfg: GemmConfig, m: int, n: int, k: int, sms: int):
+def _walk(cfg: GemmConfig, m: int, n: int, k: int, sms: int, min_k: int | None = None):
     """What each CTA of the stream-K grid computes: (tile, k0, count, parts, slot) units."""
-    per, ctas, tiles = stream_plan(cfg, m, n, k, sms)
+    per, ctas, tiles = stream_plan(cfg, m, n, k, sms, min_k)
     k_tiles = -(-k // cfg.tile_k)
     total = tiles * k_tiles
     units = []
@@ -74,8 +74,13 @@ def _walk(cfg: GemmConfig, m: int, n: int, k: int, sms: int):
      (3, 200, 520, 114), (64, 1984, 65536, 132), (17, 136, 72, 7)],
 )  # fmt: skip
 def test_stream_k_walk(m, n, k, sms):
-    cfg = DECODE_STREAM[0]
-    per, ctas, tiles, k_tiles, units = _walk(cfg, m, n, k, sms)
+    check_walk(DECODE_STREAM[0], m, n, k, sms)
+
+
+def check_walk(cfg: GemmConfig, m: int, n: int, k: int, sms: int, min_k: int | None = None):
+    """Every k-iteration of every tile once; each split tile's parts in distinct slots inside
+    the workspace, where the reducer looks for them."""
+    per, ctas, tiles, k_tiles, units = _walk(cfg, m, n, k, sms, min_k)
     assert ctas <= sms
     covered = {}
     for tile, k0, count, _parts, _slot, cta in units:

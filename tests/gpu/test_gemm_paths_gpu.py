@@ -1,6 +1,7 @@
 """GEMM paths the suite checks do not reach: the stream-K workspace first made inside a CUDA
-graph capture (its zero fill runs on replay), and the block-scaled FP8 GEMM, whose suite is
-registered only once this passes on a GPU (issue 21)."""
+graph capture (its zero fill runs on replay), the block-scaled FP8 GEMM's suite cases, every
+standard FP8 configuration forced on one problem (odd and even k-tile counts: both tails of the
+two-fragment mainloop), and FP8 stream K deterministic and replayable in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import pytest
 import torch
 
 import forgekernel
-from forgekernel.bench.check import check_case
+from forgekernel.bench.check import check_case, verify
 from forgekernel.bench.report import dtype_name
 from forgekernel.bench.suites import gemm_fp8 as fp8_suite_module
+from forgekernel.kernels.gemm.fp8.sm90 import launch as fp8_launch
+from forgekernel.kernels.gemm.fp8.sm90.config import STANDARD_CONFIGS, choose_config
 
 pytestmark = pytest.mark.gpu
 
@@ -51,3 +54,39 @@ FP8 = fp8_suite_module.suite()
 def test_gemm_fp8_matches_the_reference(case, dtype):
     rec = check_case(FP8, case, dtype, torch.device("cuda"), seed=0)
     assert rec["passed"], rec["message"]
+
+
+@pytest.mark.parametrize("k_tiles", [20, 21])
+@pytest.mark.parametrize("cfg", STANDARD_CONFIGS, ids=lambda c: c.tag())
+def test_every_fp8_config_matches_the_reference(cfg, k_tiles):
+    m = cfg.a_rows - 3 if cfg.a_rows else 200  # off every tile
+    case = fp8_suite_module._case(m, 520, 128 * k_tiles)
+    gen = torch.Generator(device="cuda").manual_seed(k_tiles)
+    inputs = FP8.make_inputs(case, torch.bfloat16, torch.device("cuda"), gen)
+
+    def run(inputs, out):
+        fp8_launch.gemm_fp8(inputs["a"], inputs["b"], inputs["sa"], inputs["sb"], out, config=cfg)
+        return out
+
+    _, cmps = verify(FP8, inputs, torch.device("cuda"), run=run)
+    assert all(c.ok for c in cmps), [c.message for c in cmps]
+
+
+def test_fp8_stream_k_is_deterministic_and_replays_in_a_graph():
+    case = fp8_suite_module._case(128, 1536, 7168)  # 24 tiles of 64x128: stream K
+    assert choose_config(128, 1536, 7168).stream_k
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = FP8.make_inputs(case, torch.bfloat16, torch.device("cuda"), gen)
+    args = (x["a"], x["b"], x["sa"], x["sb"])
+    first = forgekernel.gemm_fp8(*args)
+    assert torch.equal(forgekernel.gemm_fp8(*args), first)  # parts summed in k order
+    side = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        with torch.cuda.graph(graph, stream=side):
+            got = forgekernel.gemm_fp8(*args)
+    for _ in range(3):
+        got.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, first)

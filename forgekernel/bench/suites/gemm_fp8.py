@@ -57,7 +57,8 @@ CHECK_CASES = (
     _case(1, 576, 7168),
     _case(1000, 3000, 4096),
 )
-# compute-sanitizer: every standard configuration (decode a8 / a16 / a32, skinny, mid, large).
+# compute-sanitizer: every standard configuration the chooser takes (decode a8 / a16 / a32,
+# skinny, mid, large; stream K with the 64-row a8 box and with 128x128 tiles).
 SANITIZE_CASES = (
     _case(1, 256, 256),
     _case(12, 264, 384),
@@ -65,6 +66,8 @@ SANITIZE_CASES = (
     _case(40, 136, 512),
     _case(100, 520, 384),
     _case(300, 1000, 640),
+    _case(3, 256, 4096),
+    _case(150, 256, 3072),
 )
 
 

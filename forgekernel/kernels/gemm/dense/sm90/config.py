@@ -113,14 +113,19 @@ def occupancy(cfg: GemmConfig, m: int, n: int, num_sms: int) -> float:
 
 
 def stream_plan(
-    cfg: GemmConfig, m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200
+    cfg: GemmConfig,
+    m: int,
+    n: int,
+    k: int,
+    num_sms: int = NUM_SMS_H100_H200,
+    min_k: int | None = None,
 ) -> tuple[int, int, int]:
     """(k-iterations per CTA, CTAs, tiles) of a stream-K configuration: all tiles' k-tiles
-    cut into equal ranges, one per SM, none shorter than `_STREAM_MIN_K` k-tiles (a part
-    parks a tile-sized fp32 partial)."""
+    cut into equal ranges, one per SM, none shorter than `min_k` k-tiles (default
+    `_STREAM_MIN_K`: a part parks a tile-sized fp32 partial)."""
     tiles = _ceil(m, cfg.tile_m) * _ceil(n, cfg.tile_n)
     total = tiles * _ceil(k, cfg.tile_k)
-    ctas = max(1, min(num_sms, total // _STREAM_MIN_K))
+    ctas = max(1, min(num_sms, total // (min_k or _STREAM_MIN_K)))
     per = _ceil(total, ctas)
     return per, _ceil(total, per), tiles
 

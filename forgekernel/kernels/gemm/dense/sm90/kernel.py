@@ -46,12 +46,15 @@ never stored. The box no longer reads past M (zero fill) and each stage moves fe
 
 Block-scaled FP8 (`forgekernel.gemm_fp8`, the `gemm_fp8_sm90` leaf): A and B float8_e4m3fn,
 tile_k = 128 = the scale block; mSFA (M, K/128) fp32 per 1x128 group of A, mSFB
-(ceil(N/128), K/128) per 128x128 block of B. Each k-tile's WGMMAs accumulate into a fresh
-fp32 fragment that is waited for and added into the tile's accumulator times its two scales
-(the tensor core's FP8 accumulation keeps ~14 bits: promoted every 128 of K). A tile of up
-to 256 columns straddles at most two blocks of B's scales: both are loaded and each 8-column
-group of the fragment takes its own (its N edge is not moved back: the blocks stay aligned);
-B "nk" only (8-bit WGMMA operands are K-major).
+(ceil(N/128), K/128) per 128x128 block of B. Each k-tile's WGMMAs accumulate into a fresh fp32
+fragment, which is added into the tile's accumulator times its rows' scales and its block of
+B's (the tensor core's FP8 accumulation keeps ~14 bits: promoted every 128 of K). Two such
+fragments alternate: k-tile j's WGMMAs are issued before k-tile j - 1's fragment is waited for
+and promoted, so every warpgroup keeps one WGMMA batch queued on the tensor pipe through its
+promotion FFMAs (with one fragment the pipe idled through them: wait, promote, issue). Three
+tile_n / 2 fp32 fragments per thread: tile_n <= 128 (a tile inside one block of B's scales; its
+N edge is not moved back, the blocks stay aligned). B "nk" only (8-bit WGMMA operands are
+K-major). Stream K as above (each unit's promoted fp32 partial is what is parked and summed).
 
 Masked grouped layout (`masked=True`, the `gemm_fp8_masked_sm90` kernel: MoE decode, DeepGEMM's
 masked layout), FP8 only, no clusters: A (max_m, K, E), B (N, K, E), C (max_m, N, E) and the
@@ -67,8 +70,8 @@ thread's two-column bf16 pairs, one predicate per row): rows past a count are ne
 Constraints: A (M, K) K-major; B (N, K) K-major ("nk") or (K, N) N-major ("kn"); C (M, N)
 row-major; every leading stride a multiple of 8 elements (16 bytes, TMA) and base addresses
 16-byte aligned. M, N, K are dynamic; ragged edges are handled by TMA bounds (zero-filled
-loads, clipped stores); K > 0. tile_m in {64, 128}, tile_n in {64, 128, 192, 256},
-tile_k = 64.
+loads, clipped stores); K > 0. tile_m in {64, 128}, tile_n in {64, 128, 192, 256} (FP8: 64,
+128), tile_k = 64 (FP8: 128).
 """
 
 from __future__ import annotations
@@ -232,8 +235,13 @@ class GemmSm90:
         self.scaled = mSFA is not None
         if cutlass.const_expr(self.cfg.tile_k * self.a_dtype.width != 128 * 8):
             raise ValueError(f"tile_k = {self.cfg.tile_k} is not 128 bytes of {self.a_dtype}")
-        if cutlass.const_expr(self.scaled and self.cfg.stream_k):
-            raise ValueError("block-scaled FP8 does not take stream K")
+        if cutlass.const_expr(self.scaled and self.cfg.tile_n > 128):
+            raise ValueError(
+                f"block-scaled FP8 takes tile_n <= 128 (three tile_n / 2 fp32 fragments per "
+                f"thread, one block of B's scales per tile), got {self.cfg.tile_n}"
+            )
+        if cutlass.const_expr(mGroup is not None and self.cfg.stream_k):
+            raise ValueError("the grouped layouts do not take stream K")
         if cutlass.const_expr(mGroup is not None and (not self.scaled or self.cfg.cluster_m > 1)):
             raise ValueError(
                 "the grouped layout is FP8's, without B multicast (tiles of one "
@@ -431,15 +439,12 @@ class GemmSm90:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             mma = (tiled_mma, tCrA, tCrB, acc)
             if cutlass.const_expr(self.scaled):
-                # the per-k-tile fragment, and this thread's tile rows of the accumulator (an
-                # SM90 fp32 fragment: values 4i + 0/1 on one row, 4i + 2/3 eight rows down;
-                # thr_mma is the warpgroup's slice, so the thread's own rows come from the
-                # tiled MMA's slice of the thread)
-                rows = tiled_mma.get_slice(tidx - THREADS_PER_WG).partition_C(
-                    cute.make_identity_tensor((self.cfg.tile_m, self.cfg.tile_n))
+                # the two per-k-tile fragments and this thread's two rows of the tile
+                rows = self._thread_coords(tiled_mma, tidx - THREADS_PER_WG)
+                frags = tuple(
+                    cute.make_rmem_tensor(acc.layout.shape, self.acc_dtype) for _ in range(2)
                 )
-                tmp = cute.make_rmem_tensor(acc.layout.shape, self.acc_dtype)
-                mma = (tiled_mma, tCrA, tCrB, acc, (tmp, rows[0][0], rows[2][0], mSFA, mSFB))
+                mma = (tiled_mma, tCrA, tCrB, acc, (frags, *self._scale_rows(rows), mSFA, mSFB))
             split_io = (mWork, mFlags, storage.split_last.get_tensor(cute.make_layout(2)))
             c_src = (mC, shift, groups)
             if cutlass.const_expr(self.masked):
@@ -618,11 +623,19 @@ class GemmSm90:
         elif cutlass.const_expr(self.cfg.stream_k):
             it, end = self._cta_range(streamk)
             while it < end:
-                tile_m, tile_n, _, count, tile, parts, slot = self._stream_unit(it, end, streamk)
+                tile_m, tile_n, k0, count, tile, parts, slot = self._stream_unit(it, end, streamk)
                 it += count
-                read, release, tiled_mma = self._mainloop(
-                    count, tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release
-                )
+                if cutlass.const_expr(self.scaled):
+                    first_row = tile_m * self.cfg.tile_m  # no tail shift with stream K
+                    blocks = self._scale_blocks(c_src, first_row)
+                    where = (first_row, tile_n, c_src[0].shape[0], blocks)
+                    read, release, tiled_mma = self._mainloop_scaled(
+                        k0, count, (tiled_mma, *mma[1:]), where, ab_pipe, read, release
+                    )
+                else:
+                    read, release, tiled_mma = self._mainloop(
+                        count, tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release
+                    )
                 last = cutlass.Boolean(True)
                 if parts > 1:
                     last = self._reduce_parts(
@@ -643,8 +656,9 @@ class GemmSm90:
                     first_row = row0 + tile_m * self.cfg.tile_m
                     blocks = self._scale_blocks(c_src, first_row)
                     where = (first_row, tile_n, c_src[0].shape[0], blocks)
+                    # the loop's own tiled_mma (the helper mutates it: not the one in `mma`)
                     read, release, tiled_mma = self._mainloop_scaled(
-                        streamk[1], mma, where, ab_pipe, read, release
+                        0, streamk[1], (tiled_mma, *mma[1:]), where, ab_pipe, read, release
                     )
                 else:
                     read, release, tiled_mma = self._mainloop(
@@ -660,7 +674,7 @@ class GemmSm90:
         """The masked layout's consumer loop (masked.py's walk): each tile's scaled mainloop
         on its expert's scales, then a tile of whole rows through the epilogue ring and TMA,
         a tile with rows past its expert's count from registers, those rows left alone."""
-        tiled_mma, tCrA, tCrB, acc, (tmp, r0, r1, mSFA, mSFB) = mma
+        tiled_mma, tCrA, tCrB, acc, (frags, r0, r1, mSFA, mSFB) = mma
         mC, (mC_rows, thr_c, coords), groups = c_src
         tma_c, sC, epi = out
         read, release = states
@@ -671,10 +685,10 @@ class GemmSm90:
         while walk.valid(expert):
             tile_m, tile_n, tile_rows = walk.tile(work, before, rows)
             first_row = tile_m * self.a_rows
-            scales = (tmp, r0, r1, mSFA[None, None, expert], mSFB[None, None, expert])
+            scales = (frags, r0, r1, mSFA[None, None, expert], mSFB[None, None, expert])
             where = (first_row, tile_n, first_row + tile_rows, (cutlass.Int32(0), last_block))
             read, release, tiled_mma = self._mainloop_scaled(
-                k_tiles, (tiled_mma, tCrA, tCrB, acc, scales), where, ab_pipe, read, release
+                0, k_tiles, (tiled_mma, tCrA, tCrB, acc, scales), where, ab_pipe, read, release
             )
             whole = cutlass.Boolean(False)
             if cutlass.const_expr(self.a_rows == self.cfg.tile_m):
@@ -797,54 +811,118 @@ class GemmSm90:
         return read, release, tiled_mma
 
     @cute.jit
-    def _mainloop_scaled(self, k_tiles, mma, where, ab_pipe, read, release):
-        """Block-scaled FP8: per k-tile, tmp = its A B^T (WGMMA), then acc += tmp x the scales
-        of its rows' 1x128 groups and of the 128x128 block of B its columns fall in (a tile
-        straddles at most two: `split` is the first tile column of the second). The scales are
-        loaded one k-tile ahead; each stage is released as soon as its WGMMAs are done."""
-        tiled_mma, tCrA, tCrB, acc, (tmp, r0, r1, mSFA, mSFB) = mma
+    def _mainloop_scaled(self, k0, count, mma, where, ab_pipe, read, release):
+        """Block-scaled FP8 over k-tiles k0 .. k0 + count - 1: acc = the sum of each k-tile's
+        A B^T (WGMMA into a fresh fragment) x the scales of its rows' 1x128 groups and of its
+        128x128 block of B. The fragments alternate (k-tiles k0 + 2i in the first, k0 + 2i + 1
+        in the second): k-tile j is issued, then j - 1 is waited for (`wait_group(1)`: j stays
+        in flight on the tensor pipe), its stage released and its fragment promoted. Returns
+        the states (see `_mainloop`)."""
+        tiled_mma, tCrA, tCrB, acc, (frags, r0, r1, mSFA, mSFB) = mma
+        first, second = frags
         first_row, tile_n, m, (blk_base, blk_last) = where
-        # rows past M (a problem shorter than one tile) read row M - 1: they are never stored
+        # rows past M (a problem shorter than one tile) read row M - 1: they are never stored;
+        # a tile past N (a cluster's CTA past N) reads the last block's scales: never stored
         row0 = cutlass.min(first_row + r0, m - 1)
         row1 = cutlass.min(first_row + r1, m - 1)
-        # blocks past N (a cluster's CTA past N, a tile's part past N) read the last block's
-        # scales: never stored
-        col0 = tile_n * self.cfg.tile_n
-        blk0 = cutlass.min(blk_base + col0 // 128, blk_last)
-        blk1 = cutlass.min(blk_base + col0 // 128 + 1, blk_last)
-        split = (col0 // 128 + 1) * 128 - col0
-        k_blocks = cute.size(tCrA, mode=[2])
+        blk = cutlass.min(blk_base + tile_n * self.cfg.tile_n // 128, blk_last)
+        src = (mSFA, mSFB, row0, row1, blk)
         acc.fill(0.0)
-        # scales one k-tile ahead: their loads are in flight during the previous promotion
-        sa0, sa1 = mSFA[row0, 0], mSFA[row1, 0]
-        sb0, sb1 = mSFB[blk0, 0], mSFB[blk1, 0]
-        for kt in range(k_tiles):
-            s00, s10 = sa0 * sb0, sa1 * sb0
-            s01, s11 = sa0 * sb1, sa1 * sb1
-            nxt = cutlass.min(kt + 1, k_tiles - 1)
-            sa0, sa1 = mSFA[row0, nxt], mSFA[row1, nxt]
-            sb0, sb1 = mSFB[blk0, nxt], mSFB[blk1, nxt]
-            ab_pipe.consumer_wait(read)
+        # Each step's calls on `read`, `release` and `tiled_mma` (ACCUMULATE cleared: the first
+        # WGMMA of a k-tile overwrites its fragment) stay in the loop's and branches' own
+        # bodies: the DSL carries objects mutated there out of the region in place.
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+        even = self._issue_scaled(tiled_mma, (tCrA, tCrB), first, ab_pipe, read, (src, k0))
+        read.advance()
+        for i in range((count - 1) // 2):
+            kt = k0 + 2 * i + 1  # into `second`; k-tile kt - 1 is promoted from `first`
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-            cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range_constexpr(k_blocks):
-                crd = (None, None, kb, read.index)
-                cute.gemm(tiled_mma, tmp, tCrA[crd], tCrB[crd], tmp)
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            cute.nvgpu.warpgroup.commit_group()
-            cute.nvgpu.warpgroup.wait_group(0)
-            ab_pipe.consumer_release(read)
+            odd = self._issue_scaled(tiled_mma, (tCrA, tCrB), second, ab_pipe, read, (src, kt))
             read.advance()
-            # values 4g .. 4g + 3: columns 8g .. 8g + 7 of the tile, rows r0 (+ 0/1), r1 (+ 2/3)
-            for g in cutlass.range_constexpr(cute.size(acc) // 4):
-                lo, hi = s00, s10
-                if cutlass.const_expr(self.cfg.tile_n > 128 and g * 8 >= 64):  # else block 0
-                    second = cutlass.Int32(g * 8) >= split
-                    lo = cutlass.Float32(cutlass.select_(second, s01, s00))
-                    hi = cutlass.Float32(cutlass.select_(second, s11, s10))
-                for j in cutlass.range_constexpr(4):
-                    acc[4 * g + j] = acc[4 * g + j] + tmp[4 * g + j] * (hi if j // 2 else lo)
+            self._retire(1, ab_pipe, release)
+            release.advance()
+            self._promote(acc, first, even)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+            even = self._issue_scaled(tiled_mma, (tCrA, tCrB), first, ab_pipe, read, (src, kt + 1))
+            read.advance()
+            self._retire(1, ab_pipe, release)
+            release.advance()
+            self._promote(acc, second, odd)
+        if count % 2 == 0:
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+            odd = self._issue_scaled(
+                tiled_mma, (tCrA, tCrB), second, ab_pipe, read, (src, k0 + count - 1)
+            )
+            read.advance()
+            self._retire(1, ab_pipe, release)
+            release.advance()
+            self._promote(acc, first, even)
+            self._retire(0, ab_pipe, release)
+            release.advance()
+            self._promote(acc, second, odd)
+        else:
+            self._retire(0, ab_pipe, release)
+            release.advance()
+            self._promote(acc, first, even)
         return read, release, tiled_mma
+
+    @cute.jit
+    def _issue_scaled(self, tiled_mma, operands, frag, ab_pipe, read, at):
+        """Wait for k-tile `at` = (scale source, k-tile) in stage `read`, load its scales, then
+        issue its WGMMAs into `frag` as one commit group (ACCUMULATE cleared by the caller: the
+        first overwrites the fragment). Returns the scales, used at its promotion one step
+        later: loaded past the wait's retry branch, they have a WGMMA batch and a promotion to
+        arrive before the next branch (where ptxas moves B's, uniform, to a uniform register)."""
+        tCrA, tCrB = operands
+        ab_pipe.consumer_wait(read)
+        scales = self._scales(*at)
+        # the fragment's registers were last read by the promotion FFMAs
+        cute.nvgpu.warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+            crd = (None, None, kb, read.index)
+            cute.gemm(tiled_mma, frag, tCrA[crd], tCrB[crd], frag)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        cute.nvgpu.warpgroup.commit_group()
+        return scales
+
+    @cute.jit
+    def _retire(self, pending, ab_pipe, release):
+        """Wait until at most `pending` WGMMA groups are in flight, then release the stage of
+        the oldest k-tile still held."""
+        cute.nvgpu.warpgroup.wait_group(pending)
+        ab_pipe.consumer_release(release)
+
+    @cute.jit
+    def _scales(self, src, kt):
+        """k-tile kt's scales: this thread's two rows' of A, the tile's block of B."""
+        mSFA, mSFB, row0, row1, blk = src
+        # row0 >> 31 is 0 (row0 >= 0), but not provably so: B's scale is loaded per thread
+        # (one transaction for the warp) and stays in a vector register, where ptxas would
+        # otherwise move it to a uniform one right after the load and stall there
+        return mSFA[row0, kt], mSFA[row1, kt], mSFB[blk + (row0 >> 31), kt]
+
+    @cute.jit
+    def _promote(self, acc, frag, scales):
+        """acc += frag x the scales: values 4g + 0/1 sit on row r0, 4g + 2/3 on r0 + 8."""
+        sa0, sa1, sb = scales
+        lo, hi = sa0 * sb, sa1 * sb
+        for g in cutlass.range_constexpr(cute.size(acc) // 4):
+            for j in cutlass.range_constexpr(4):
+                acc[4 * g + j] = acc[4 * g + j] + frag[4 * g + j] * (hi if j // 2 else lo)
+
+    def _thread_coords(self, tiled_mma, thread):
+        """(row, column) in the tile of each accumulator value of consumer thread `thread`
+        (0 .. num_mma_threads - 1: the tiled MMA's slice of the thread; thr_mma is its
+        warpgroup's)."""
+        return tiled_mma.get_slice(thread).partition_C(
+            cute.make_identity_tensor((self.cfg.tile_m, self.cfg.tile_n))
+        )
+
+    @staticmethod
+    def _scale_rows(coords):
+        """The thread's two rows (`_thread_coords`): an SM90 fp32 fragment holds values 4g + 0/1
+        on one row and 4g + 2/3 eight rows down, for every 8-column group g."""
+        return coords[0][0], coords[2][0]
 
     @cute.jit
     def _expert(self, groups, row):

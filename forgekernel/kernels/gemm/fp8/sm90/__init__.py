@@ -7,7 +7,6 @@ from pathlib import Path
 
 from forgekernel.kernels.gemm.fp8.sm90.config import (
     GROUPED,
-    GROUPED_WIDE,
     OUT_DTYPES,
     STANDARD_CONFIGS,
     params_for,
@@ -23,7 +22,7 @@ def _compile(params: Params, extra_options: str = ""):
 
 def _standard_params() -> list[Params]:
     dense = [params_for(out, cfg) for out in OUT_DTYPES for cfg in STANDARD_CONFIGS]
-    grouped = [params_for(out, cfg, True) for out in OUT_DTYPES for cfg in (GROUPED, GROUPED_WIDE)]
+    grouped = [params_for(out, GROUPED, True) for out in OUT_DTYPES]
     return dense + grouped
 
 

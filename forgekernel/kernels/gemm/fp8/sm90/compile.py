@@ -1,5 +1,6 @@
 """Compile the block-scaled FP8 GEMM against fake tensors: M, N, K and every stride dynamic
-(the scales' too: row- or column-major alike)."""
+(the scales' too: row- or column-major alike); stream-K configurations with the fp32
+workspace and the int32 tile flags (as the dense GEMM's)."""
 
 from __future__ import annotations
 
@@ -30,13 +31,18 @@ def compile_gemm_fp8(params: dict, arch: str = "sm_90a", extra_options: str = ""
     cfg = GemmConfig.from_params(
         {k_: v for k_, v in params.items() if k_ not in ("out", "grouped")}
     )
+    if cfg.stream_k:
+        work = make_fake_tensor(cutlass.Float32, (cute.sym_int32(),), stride=(1,), assumed_align=16)
+        flags = fake.offsets()
+    else:
+        work = flags = None
     return cute.compile(
         GemmSm90(cfg),
         a,
         b,
         c,
-        None,
-        None,
+        work,
+        flags,
         cutlass.Int32(0),
         scales(),
         scales(),

@@ -7,7 +7,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict
 
-from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
+from forgekernel.kernels.gemm.dense.sm90.config import (
+    NUM_SMS_H100_H200,
+    GemmConfig,
+    stream_plan,
+)
 
 OUT_DTYPES = ("bfloat16", "float16")
 # 128x128 with B multicast over a 2x1 cluster for M > 128; 64x128 with B shared by the two row
@@ -21,20 +25,26 @@ DECODE = tuple(dataclasses.replace(SKINNY, a_rows=r) for r in A_ROWS)
 # A multicast over a 1x2 cluster instead of B over 2x1, for M >= 8192: measured on the H200
 # (scripts/fp8_tiles.py, 2026-12-01) 0.77 / 0.76x DeepGEMM at 16384x7168x18432 / 16384x5120x25600
 # against LARGE's 0.73 / 0.68x, 1% ahead at 8192^3, even at M = 2048-8192 otherwise.
-# Measured and dropped: 64-column epilogue sub-tiles two deep (never ahead by more than 1%).
+# Measured and dropped: 64-column epilogue sub-tiles two deep (never ahead by more than 1%);
+# 128x192 tiles (0.44-0.80x DeepGEMM, behind 128x128 on every shape; docs/gemm/NOTES.md).
 LARGE_MCAST_A = dataclasses.replace(LARGE, cluster_m=1, cluster_n=2)
 LARGE_M_MCAST_A = 8192
-# 128 x 192 tiles (two scale blocks of B per tile: the dense kernel's `_mainloop_scaled`),
-# DeepGEMM's width for prefill; prebuilt for scripts/fp8_tiles.py, not chosen until measured.
-WIDE = dataclasses.replace(LARGE, tile_n=192)
-WIDE_MCAST_A = dataclasses.replace(WIDE, cluster_m=1, cluster_n=2)
-STANDARD_CONFIGS = (LARGE, MID, SKINNY, *DECODE, LARGE_MCAST_A, WIDE, WIDE_MCAST_A)
+# Stream K (the kernel's `stream_k`: every tile's k-tiles cut evenly over one wave of CTAs,
+# partials parked after promotion) for problems whose tiles would leave most SMs idle: the
+# 64-row tile with A's short box for M <= 64, 128x128 above. A part runs at least
+# STREAM_MIN_K k-tiles (1024 of K) against the 64 KB / 32 KB fp32 partial it may park.
+STREAM_DECODE = tuple(
+    GemmConfig(tile_m=64, tile_n=128, tile_k=128, cluster_m=1, stream_k=True, a_rows=r)
+    for r in (*A_ROWS, 0)
+)
+STREAM = GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=1, stream_k=True)
+STREAM_MIN_K = 8
+STANDARD_CONFIGS = (LARGE, MID, SKINNY, *DECODE, LARGE_MCAST_A, *STREAM_DECODE, STREAM)
 
 
 # The grouped (MoE, contiguous) layout: B holds every expert's (N, K) and each 128-row tile of
 # A one expert's rows, so B is never multicast across tile rows (A over a 1x2 cluster).
 GROUPED = LARGE_MCAST_A
-GROUPED_WIDE = WIDE_MCAST_A
 
 
 def params_for(out_dtype: str, cfg: GemmConfig, grouped: bool = False) -> tuple:
@@ -44,9 +54,43 @@ def params_for(out_dtype: str, cfg: GemmConfig, grouped: bool = False) -> tuple:
     return tuple(sorted(key.items()))
 
 
-def choose_config(m: int, n: int, k: int) -> GemmConfig:
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def tiled_config(m: int) -> GemmConfig:
+    """The data-parallel configuration for M rows (one CTA per output tile)."""
     if m <= 64:
         return next((c for c in DECODE if m <= c.a_rows), SKINNY)
     if m <= 128:
         return MID
     return LARGE_MCAST_A if m >= LARGE_M_MCAST_A else LARGE
+
+
+def streamed_config(m: int) -> GemmConfig:
+    """The stream-K configuration for M rows."""
+    if m <= 64:
+        return next(c for c in STREAM_DECODE if not c.a_rows or m <= c.a_rows)
+    return STREAM
+
+
+def busy_ctas(cfg: GemmConfig, m: int, n: int, num_sms: int = NUM_SMS_H100_H200) -> int:
+    """CTAs a data-parallel configuration keeps busy in its first wave: the output tiles in
+    whole clusters, at most one per SM."""
+    cm, cn = cfg.cluster_m, cfg.cluster_n
+    clusters = _ceil(_ceil(m, cfg.tile_m), cm) * _ceil(_ceil(n, cfg.tile_n), cn)
+    return min(clusters, num_sms // (cm * cn)) * cm * cn
+
+
+def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> GemmConfig:
+    """By M (`tiled_config`), unless its tiles keep at most half the SMs busy and stream K
+    would spread the work over at least twice as many (the few-tile mid shapes: 512x576x7168
+    has 20 tiles of 128x128, 128x1536x7168 24 of 64x128; decode against a short weight)."""
+    tiled = tiled_config(m)
+    busy = busy_ctas(tiled, m, n, num_sms)
+    if 2 * busy <= num_sms:
+        stream = streamed_config(m)
+        _, ctas, _ = stream_plan(stream, m, n, k, num_sms, STREAM_MIN_K)
+        if ctas >= 2 * busy:
+            return stream
+    return tiled

@@ -1,0 +1,420 @@
+"""The block-scaled FP8 mainloop's own code run on the host (a `cute.jit` function runs on the
+CPU with CPU tensors): `GemmSm90._mainloop_scaled` with its two alternating fragments, the
+per-thread scale rows (`_thread_coords`, `_scale_rows`), the scale loads and `_promote`, for
+every consumer thread of a tile, against the fp64 reference (`gemm_fp8_ref`). Only the two
+device steps are stand-ins: `_issue_scaled` writes the k-tile's exact fp32 product A_k B_k^T
+into the fragment at the thread's coordinates (what its WGMMAs compute; added to it instead
+where the MMA was left accumulating, as a WGMMA with scale-d = 1 would) and `_retire` waits for
+nothing; both log what they were asked, so the schedule is checked too: k-tiles issued in
+order, each stage released once, in ring order, and only after its k-tile's group retired
+(`wait_group(1)` leaves exactly the newest one in flight), a fragment promoted only once its
+k-tile's group is retired and never reissued while in flight or unpromoted, and the pipeline
+states handed back advanced by the unit's k-tiles (a unit run after another, as stream K runs
+a CTA's units, starts where it left them). And the compiled kernel's SASS keeps that schedule
+(a WGMMA batch in flight through every promotion)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from forgekernel.bench.suites import gemm_fp8 as suite_module
+from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
+from forgekernel.reference.gemm import gemm_fp8_ref
+
+cutlass = pytest.importorskip("cutlass")
+cute = pytest.importorskip("cutlass.cute")
+
+from cutlass import Float32, Int32  # noqa: E402
+from cutlass.cute.runtime import from_dlpack  # noqa: E402
+
+ISSUE, RETIRE, PROMOTE, DONE = 1, 2, 3, 4
+STAGES = 4  # the ring of the host replay: units of up to 7 k-tiles wrap it
+
+
+@pytest.fixture
+def host_dsl(monkeypatch):
+    monkeypatch.setattr(cute.arch, "make_warp_uniform", lambda x: x)
+
+
+def _host_gemm(cfg: GemmConfig):
+    """GemmSm90 whose two device steps are host stand-ins (see the module docstring)."""
+    from forgekernel.kernels.gemm.dense.sm90.kernel import GemmSm90
+
+    accumulate_field = cute.nvgpu.warpgroup.Field.ACCUMULATE
+
+    class HostGemm(GemmSm90):
+        @cute.jit
+        def _issue_scaled(self, tiled_mma, operands, frag, ab_pipe, read, at):
+            products, coords, log = self.host
+            kt = at[1]
+            # the first WGMMA of the batch overwrites the fragment unless left accumulating
+            onto = tiled_mma.get(accumulate_field)
+            for i in cutlass.range_constexpr(cute.size(frag)):
+                row, col = coords[i]
+                product = products[kt, row, col]
+                frag[i] = cutlass.Float32(cutlass.select_(onto, frag[i] + product, product))
+            tiled_mma.set(accumulate_field, True)
+            _log(log, ISSUE, kt, read.index, _tag(frag))
+            return self._scales(*at)
+
+        @cute.jit
+        def _retire(self, pending, ab_pipe, release):
+            _log(self.host[2], RETIRE, pending, release.index, 0)
+
+        @cute.jit
+        def _promote(self, acc, frag, scales):
+            _log(self.host[2], PROMOTE, 0, 0, _tag(frag))
+            GemmSm90._promote(self, acc, frag, scales)
+
+    return HostGemm(cfg)
+
+
+@cute.jit
+def _tag(frag: cute.Tensor) -> Int32:
+    """Which fragment (its registers): its address, folded into an Int32."""
+    return Int32(frag.iterator.toint() % 1000003)
+
+
+@cute.jit
+def _log(log: cute.Tensor, kind, value, stage, tag):
+    """Append (kind, value, stage, tag) to the event log (row 0 holds the next free row)."""
+    at = log[0, 0]
+    log[at, 0] = Int32(kind)
+    log[at, 1] = Int32(value)
+    log[at, 2] = Int32(stage)
+    log[at, 3] = Int32(tag)
+    log[0, 0] = at + 1
+
+
+def _run_tile(cfg, a, b, sa, sb, tile, k0, count, lead=None):
+    """Every consumer thread's acc after `_mainloop_scaled` over k-tiles [k0, k0 + count) of
+    tile (tile_m, tile_n) of C = (a x sa) @ (b x sb)^T, assembled into a (tile_m, tile_n) fp32
+    tile, and each thread's event log. `lead`: (k0, count) of a unit run first on the same
+    tile, its states handed on (as a stream-K CTA runs its units); its acc is dropped."""
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.tensor_utils import LayoutEnum
+
+    from forgekernel.kernels.common.sm90.pipeline import consumer_state
+
+    m, k = a.shape
+    n = b.shape[0]
+    tm, tn = tile
+    rows = torch.arange(tm * cfg.tile_m, (tm + 1) * cfg.tile_m).clamp_max(m - 1)
+    cols = torch.arange(tn * cfg.tile_n, (tn + 1) * cfg.tile_n).clamp_max(n - 1)
+    k_tiles = k // 128
+    # the k-tiles' unscaled products over this tile (fp32, as the tensor core accumulates)
+    a_t = a.float()[rows].view(cfg.tile_m, k_tiles, 128).transpose(0, 1)
+    b_t = b.float()[cols].view(cfg.tile_n, k_tiles, 128).transpose(0, 1)
+    products = torch.bmm(a_t, b_t.transpose(1, 2)).contiguous()
+    threads = cfg.tile_m // 64 * 128
+    out = torch.full((cfg.tile_m, cfg.tile_n), float("nan"))
+    lead_k0, lead_count = lead or (0, 0)
+    log = torch.zeros(threads, 4 * (count + lead_count) + 12, 4, dtype=torch.int32)
+    gemm = _host_gemm(cfg)
+    fp8 = cutlass.Float8E4M3FN
+    k_major = LayoutEnum.ROW_MAJOR.sm90_mma_major_mode()
+
+    @cute.jit
+    def unit(k0, count, mma, where, read, release, thread_log):
+        read, release, tiled_mma = gemm._mainloop_scaled(k0, count, mma, where, None, read,
+                                                         release)  # fmt: skip
+        _log(thread_log, DONE, read.index, read.phase, 0)
+        _log(thread_log, DONE, release.index, release.phase, 1)
+        return read, release, tiled_mma
+
+    @cute.jit
+    def run(products: cute.Tensor, mSFA: cute.Tensor, mSFB: cute.Tensor, out: cute.Tensor,
+            log: cute.Tensor, m: Int32, k0: Int32, count: Int32, tm: Int32, tn: Int32,
+            lead_k0: Int32, lead_count: Int32):  # fmt: skip
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            fp8, fp8, k_major, k_major, Float32, (cfg.tile_m // 64, 1, 1),
+            tiler_mn=(64, cfg.tile_n),
+        )  # fmt: skip
+        for t in cutlass.range(threads):
+            coords = gemm._thread_coords(tiled_mma, t)
+            r0, r1 = gemm._scale_rows(coords)
+            acc = cute.make_rmem_tensor(coords.shape, Float32)
+            frags = (cute.make_rmem_tensor(coords.shape, Float32),
+                     cute.make_rmem_tensor(coords.shape, Float32))  # fmt: skip
+            for f in cutlass.range_constexpr(2):  # registers nobody wrote: NaN where read
+                frags[f].fill(float("nan"))
+            thread_log = log[t, None, None]
+            thread_log[0, 0] = Int32(1)
+            gemm.host = (products, coords, thread_log)
+            where = (tm * cfg.tile_m, tn, m, (Int32(0), mSFB.shape[0] - 1))
+            read, release = consumer_state(STAGES), consumer_state(STAGES)
+            if lead_count > 0:
+                mma = (tiled_mma, None, None, acc, (frags, r0, r1, mSFA, mSFB))
+                read, release, tiled_mma = unit(lead_k0, lead_count, mma, where, read, release,
+                                                thread_log)  # fmt: skip
+            mma = (tiled_mma, None, None, acc, (frags, r0, r1, mSFA, mSFB))
+            unit(k0, count, mma, where, read, release, thread_log)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                row, col = coords[i]
+                out[row, col] = acc[i]
+
+    run(from_dlpack(products), from_dlpack(sa), from_dlpack(sb), from_dlpack(out),
+        from_dlpack(log), m, k0, count, tm, tn, lead_k0, lead_count)  # fmt: skip
+    return out, log
+
+
+def _events(log_row: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    used = int(log_row[0, 0])
+    return [tuple(map(int, e)) for e in log_row[1:used]]
+
+
+def _units(events):
+    """The log cut into units: each unit's events and its two DONE records (read, release)."""
+    units, current = [], []
+    for e in events:
+        current.append(e)
+        if e[0] == DONE and e[3] == 1:
+            units.append((current[:-2], current[-2], current[-1]))
+            current = []
+    assert not current
+    return units
+
+
+def _check_schedule(events, k0, count, before=0):
+    """One unit, `before` k-tiles through the ring ahead of it: issues in k order, each into
+    stage before + i of the ring; every issue retired once, in order, its stage released by
+    that retire; before each promotion, the promoted fragment's k-tile retired (issues minus
+    retires-with-pending = what stays in flight); a fragment never reissued while its batch is
+    in flight or unpromoted, nor promoted twice."""
+    work = [e for e in events if e[0] != DONE]
+    issued = [e for e in work if e[0] == ISSUE]
+    assert [e[1] for e in issued] == list(range(k0, k0 + count))
+    assert [e[2] for e in issued] == [(before + i) % STAGES for i in range(count)]
+    assert sum(e[0] == RETIRE for e in work) == count
+    assert sum(e[0] == PROMOTE for e in work) == count
+    assert len({e[3] for e in issued}) == min(count, 2)  # two fragments alternate
+    in_flight, retired, promoted = 0, 0, 0
+    state = {}  # fragment tag -> "flight" | "done" (retired, not promoted) | "free"
+    for kind, v, stage, tag in work:
+        if kind == ISSUE:
+            assert state.get(tag, "free") == "free"  # not over a batch in flight / unpromoted
+            state[tag] = "flight"
+            in_flight += 1
+        elif kind == RETIRE:
+            assert in_flight - retired - 1 >= v  # at most `pending` groups left after it...
+            # the one group it retires: its stage is the one released
+            assert stage == issued[retired][2]
+            state[issued[retired][3]] = "done"
+            retired = in_flight - v  # ...and wait_group(v) leaves exactly v
+        else:
+            assert promoted < retired  # the k-tile promoted now has been retired
+            assert issued[promoted][3] == tag and state[tag] == "done"
+            state[tag] = "free"
+            promoted += 1
+    # the tensor pipe keeps a batch: every retire but the last leaves one in flight
+    pendings = [e[1] for e in work if e[0] == RETIRE]
+    assert pendings == [1] * (count - 1) + [0]
+
+
+def _check_states(done_read, done_release, through):
+    """The states handed back: read and release both `through` k-tiles into the ring (index,
+    and phase flipped once per lap)."""
+    want = (through % STAGES, (through // STAGES) % 2)
+    assert done_read[1:3] == want and done_release[1:3] == want
+
+
+def _check_log(log, k0, count, lead=None):
+    lead_k0, lead_count = lead or (0, 0)
+    for t in range(log.shape[0]):
+        units = _units(_events(log[t]))
+        assert len(units) == (2 if lead else 1)
+        if lead:
+            _check_schedule(units[0][0], lead_k0, lead_count)
+            _check_states(units[0][1], units[0][2], lead_count)
+        _check_schedule(units[-1][0], k0, count, before=lead_count)
+        _check_states(units[-1][1], units[-1][2], lead_count + count)
+
+
+def _operands(m, n, k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    case = suite_module._case(m, n, k)
+    inputs = suite_module.make_inputs(case, torch.bfloat16, torch.device("cpu"), gen)
+    return inputs["a"], inputs["b"], inputs["sa"], inputs["sb"]
+
+
+@pytest.mark.parametrize(
+    ("tile_m", "tile_n", "shape", "tile", "k0", "count"),
+    [
+        (128, 128, (300, 300, 7 * 128), (1, 1), 0, 7),  # a whole tile, odd k-tiles
+        (128, 128, (300, 300, 6 * 128), (2, 2), 0, 6),  # the ragged corner: row/column clamps
+        (128, 128, (130, 256, 5 * 128), (0, 1), 2, 2),  # a stream-K unit in mid-K, even
+        (64, 128, (70, 200, 4 * 128), (1, 0), 1, 3),  # one warpgroup, M past the tile
+        (64, 128, (64, 128, 128), (0, 0), 0, 1),  # one k-tile
+        (64, 128, (64, 256, 6 * 128), (0, 1), 1, 5),  # two loop trips, odd tail
+        (64, 64, (64, 192, 3 * 128), (0, 1), 0, 3),  # a 64-column tile in a block's 2nd half
+    ],
+)  # fmt: skip
+def test_mainloop_on_the_host_matches_the_reference(host_dsl, tile_m, tile_n, shape, tile, k0,
+                                                    count):  # fmt: skip
+    m, n, k = shape
+    a, b, sa, sb = _operands(m, n, k, seed=tile_m + tile_n + k0 + count)
+    cfg = GemmConfig(tile_m=tile_m, tile_n=tile_n, tile_k=128, cluster_m=1)
+    out, log = _run_tile(cfg, a, b, sa, sb, tile, k0, count)
+    keep = slice(k0 * 128, (k0 + count) * 128)
+    want = gemm_fp8_ref(a[:, keep], b[:, keep], sa[:, k0 : k0 + count], sb[:, k0 : k0 + count])
+    r0, c0 = tile[0] * tile_m, tile[1] * tile_n
+    rows, cols = min(tile_m, m - r0), min(tile_n, n - c0)
+    got = out[:rows, :cols]
+    ref = want[r0 : r0 + rows, c0 : c0 + cols]
+    assert not got.isnan().any()
+    tol = 1e-5 * float(ref.abs().max()) * count
+    assert float((got - ref).abs().max()) <= tol
+    _check_log(log, k0, count)
+
+
+@pytest.mark.parametrize(
+    ("tile_m", "shape", "lead", "k0", "count"),
+    [
+        (128, (130, 256, 5 * 128), (0, 3), 3, 2),  # odd then even: parity restarts per unit
+        (64, (40, 256, 9 * 128), (0, 2), 2, 5),  # even then odd, the ring of 4 wrapped
+        (64, (40, 256, 9 * 128), (4, 4), 0, 1),  # a one-k-tile unit after a full lap
+    ],
+)  # fmt: skip
+def test_units_back_to_back_hand_on_the_pipeline_states(host_dsl, tile_m, shape, lead, k0,
+                                                        count):  # fmt: skip
+    """Stream K runs several units per CTA through one pair of pipeline states: each unit's
+    stages continue the ring where the last left it, and its acc is its own k-tiles' only."""
+    m, n, k = shape
+    a, b, sa, sb = _operands(m, n, k, seed=17 + count)
+    cfg = GemmConfig(tile_m=tile_m, tile_n=128, tile_k=128, cluster_m=1)
+    out, log = _run_tile(cfg, a, b, sa, sb, (0, 1), k0, count, lead=lead)
+    keep = slice(k0 * 128, (k0 + count) * 128)
+    want = gemm_fp8_ref(a[:, keep], b[:, keep], sa[:, k0 : k0 + count], sb[:, k0 : k0 + count])
+    got, ref = out[: min(m, tile_m), :128], want[:tile_m, 128:256]
+    assert not got.isnan().any()
+    assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max()) * count
+    _check_log(log, k0, count, lead)
+
+
+def test_the_promotion_uses_each_k_tiles_own_scales(host_dsl):
+    """Scales that differ by k-tile by powers of two (exact): a fragment promoted with its
+    neighbour's scales would be off by a factor of 2 or more somewhere."""
+    m, n, k = 128, 128, 6 * 128
+    a, b, _, _ = _operands(m, n, k, seed=5)
+    sa = torch.tensor([2.0**i for i in range(6)]).repeat(m, 1) * torch.linspace(1, 2, m)[:, None]
+    sb = torch.tensor([[4.0**-i for i in range(6)]])
+    cfg = GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=1)
+    out, _ = _run_tile(cfg, a, b, sa.contiguous(), sb.contiguous(), (0, 0), 0, 6)
+    want = gemm_fp8_ref(a, b, sa, sb)
+    assert float((out - want).abs().max()) <= 1e-5 * float(want.abs().max()) * 6
+
+
+def _mainloop_sequence(sass: str) -> str:
+    """The consumer's WGMMA schedule in SASS: A = WARPGROUP.ARRIVE (the fence before a batch),
+    Q = QGMMA, Dn = WARPGROUP.DEPBAR.LE gsb0, n (wait_group(n)), Fk = k FFMAs in a row (other
+    instructions left out)."""
+    out = []
+    for line in sass.splitlines():
+        # "/*0040*/  @!P0 OP args ;  /* encoding */" (cuobjdump) or "OP args" (normalized)
+        body = line.split(";", 1)[0]
+        body = body.split("*/", 1)[-1] if "*/" in body else body
+        tokens = body.replace(",", " ").split()
+        if tokens and tokens[0].startswith("@"):
+            tokens = tokens[1:]
+        if not tokens:
+            continue
+        op = tokens[0]
+        if op.startswith("QGMMA"):
+            out.append("Q")
+        elif op == "WARPGROUP.ARRIVE":
+            out.append("A")
+        elif op == "WARPGROUP.DEPBAR.LE":
+            out.append("D" + tokens[-1][-1])
+        elif op == "FFMA":
+            out.append("F")
+    return re.sub(r"F+", lambda m: f"F{len(m.group())}", "".join(out))
+
+
+def _instructions(sass: str) -> list[tuple[str, str]]:
+    """(opcode, operands) of each SASS instruction, predicates dropped."""
+    out = []
+    for line in sass.splitlines():
+        match = re.search(r"/\*[0-9a-f]{4}\*/\s+(.*?)\s*;", line)
+        if match:
+            tokens = match.group(1).split(None, 1)
+            if tokens[0].startswith("@"):
+                tokens = tokens[1].split(None, 1)
+            out.append((tokens[0], tokens[1] if len(tokens) > 1 else ""))
+    return out
+
+
+def _wgmma_violations(sass: str) -> list[str]:
+    """Read in address order (the loop body and both tails in their layout: a linear scan,
+    blind only across the back edge and between the tails): an instruction reading or writing
+    a register of a QGMMA batch still in flight (committed with gsb0, not yet retired by a
+    WARPGROUP.DEPBAR.LE that leaves fewer groups), and a stage's release (the consumers'
+    SYNCS.ARRIVE...ART0) not preceded by a wait of its own (releases never outnumber waits:
+    the producer may overwrite a stage only once the WGMMAs reading it completed)."""
+    groups: list[set[int]] = []  # committed, in flight, oldest first
+    batch: set[int] = set()
+    waits = releases = 0
+    found = []
+    for op, args in _instructions(sass):
+        if op.startswith("QGMMA"):
+            first = int(re.match(r"R(\d+)", args).group(1))
+            regs = set(range(first, first + 64))  # 64x128 fp32: 64 registers a thread
+            if any(regs & g for g in groups):
+                found.append(f"QGMMA onto a batch in flight: {args}")
+            batch |= regs
+            if "gsb0" in args:
+                groups.append(batch)
+                batch = set()
+        elif op == "WARPGROUP.DEPBAR.LE":
+            keep = int(args.split(",")[-1], 16)
+            groups = groups[len(groups) - keep :] if keep else []
+            waits += 1
+        elif op.startswith("SYNCS.ARRIVE.TRANS64.") and op.endswith("ART0"):
+            releases += 1
+            if releases > waits:
+                found.append(f"stage released before its wait: {op} {args}")
+        elif groups or batch:
+            used = {int(r) for r in re.findall(r"\bR(\d+)\b", args)}
+            used |= {int(r) + 1 for r in re.findall(r"\bR(\d+)\.64\b", args)}
+            if used & set().union(batch, *groups):
+                found.append(f"in-flight register touched: {op} {args}")
+    return found
+
+
+@pytest.mark.parametrize("which", ["large", "stream_decode"])
+def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_path):
+    """Compiled for sm_90a: no spills, and the schedule the mainloop asks for survives ptxas:
+    k-tile 0 issued; in the loop (two k-tiles per trip) each batch of 4 QGMMAs is issued before
+    the previous one is waited for with DEPBAR.LE 1 and its 64 FFMAs run (the tensor pipe keeps
+    the new batch); the tails wait with DEPBAR.LE 0. No DEPBAR inside a batch (ptxas did not
+    serialize the WGMMAs), no register of a batch in flight touched, no stage released before
+    a wait (`_wgmma_violations`)."""
+    from forgekernel.kernels.gemm.fp8.sm90 import SPEC
+    from forgekernel.kernels.gemm.fp8.sm90.config import LARGE, STREAM_DECODE, params_for
+    from forgekernel.runtime.resources import find_tool, inspect_cubin
+
+    if find_tool("nvdisasm") is None:
+        pytest.skip("cuobjdump/nvdisasm not installed")
+    cfg, out = (LARGE, "bfloat16") if which == "large" else (STREAM_DECODE[0], "float16")
+    compiled = SPEC.compile(params_for(out, cfg), f"--keep-cubin --dump-dir {tmp_path}")
+    cubin = compiled.artifacts.CUBIN
+    if isinstance(cubin, bytes):
+        path = tmp_path / "k.cubin"
+        path.write_bytes(cubin)
+        cubin = str(path)
+    info = inspect_cubin(cubin)
+    assert info["spill_bytes"] == 0 and info["sass"].get("LDL", 0) == 0
+    nvdisasm = find_tool("nvdisasm")
+    env = dict(os.environ, PATH=os.pathsep.join([str(Path(nvdisasm).parent), os.environ["PATH"]]))
+    sass = subprocess.run(
+        [find_tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True, env=env
+    ).stdout
+    batch = "AQQQQ"
+    step = f"{batch}D1F64"
+    assert _mainloop_sequence(sass) == batch + step * 3 + "D0F64" * 2
+    assert _wgmma_violations(sass) == []
