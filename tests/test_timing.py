@@ -26,6 +26,19 @@ def test_eager_launches_shrink_on_slow_cases():
     assert timing._eager_launches(100.0, reps=5, min_reps=20, budget_ms=300.0) == 5
 
 
+def test_work_missing_only_when_the_eager_burst_was_device_bound():
+    """The H200 run of 2026-12-01 rejected every small conv data gradient's graph: its eager
+    bursts measured 0.3-0.9 ms of host time per call against 0.01-0.1 ms replays. A host-bound
+    burst says nothing about the device; a device-bound one does."""
+    # conv_dgrad n32-c64-56x56-k64-1x1: host 0.40 ms per call, events 0.40, replay 0.0125
+    assert not timing.work_missing(eager_ms=0.4025, host_ms=0.40, graph_ms=0.0125)
+    # a device-bound burst (host issued in 0.02 ms) whose replay is 4x faster: work escaped
+    assert timing.work_missing(eager_ms=0.8, host_ms=0.02, graph_ms=0.2)
+    # short launches: gaps between launches may explain any gap
+    assert not timing.work_missing(eager_ms=0.1, host_ms=0.01, graph_ms=0.01)
+    assert not timing.work_missing(eager_ms=0.8, host_ms=0.02, graph_ms=0.5)
+
+
 def test_host_us_per_call_on_the_cpu():
     """The real loop with a fake sync: calls counted, rounds interleaved, syncs bracket each."""
     log = []
