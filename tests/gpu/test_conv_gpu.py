@@ -45,6 +45,25 @@ def test_every_tile_on_a_ragged_problem(cfg):
     assert_good(y, conv_ref(x, w, b, padding=1), F.conv2d(x, w, b, padding=1))
 
 
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("cfg", STANDARD_CONFIGS, ids=lambda c: c.tag())
+def test_dgrad_mode_every_tile(cfg, stride):
+    """The kernel's data-gradient mode (W read N-major through a strided view of the phase's
+    taps, taps reversed) with each standard tile: C = 200 output channels (a ragged N tile),
+    K = 72 (a part-filled channel block), 3x3 padding 1, 13 x 11 input (ragged phases)."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x_shape = (2, 200, 13, 11)
+    w = rnd(72, 200, 3, 3, gen=g)
+    kw = {"stride": stride, "padding": 1}
+    dy = rnd(*conv_ref(rnd(*x_shape, gen=g), w, **kw).shape, gen=g)
+    dx = torch.full(x_shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+    dx = dx.contiguous(memory_format=torch.channels_last)
+    geometry = op._geometry(2, (3, 3), stride, 1, 1)
+    launch.dgrad(op._as5d(dy), op._as5d(w), op._view5d(dx), geometry, cfg)
+    x = torch.empty(x_shape, device="cuda", dtype=torch.bfloat16)
+    assert_good(dx, conv_dgrad_ref(dy, w, x_shape, **kw), _torch_grads(dy, x, w, kw, "dx"))
+
+
 FORWARD = [
     ((1, 3, 17, 19), (5, 3, 3, 3), {"padding": 1}),
     ((2, 24, 13, 11), (40, 24, 5, 5), {"stride": 2, "padding": 2}),
@@ -123,13 +142,16 @@ def test_autograd_end_to_end():
     assert torch.allclose(b.grad.float(), dy.float().sum((0, 2, 3)), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("what", ["fwd", "dgrad_s2", "wgrad"])
+@pytest.mark.parametrize("what", ["fwd", "dgrad_s1", "dgrad_s2", "dgrad_1x1_s2", "wgrad"])
 def test_cuda_graph_capture_replays_the_eager_result(what):
     x, w = rnd(2, 64, 28, 28), rnd(128, 64, 3, 3)
-    dy = rnd(2, 128, 14, 14)
+    dy, dy1 = rnd(2, 128, 14, 14), rnd(2, 128, 28, 28)
+    w1 = rnd(128, 64, 1, 1)
     calls = {
         "fwd": lambda: op.conv2d(x, w, stride=2, padding=1),
+        "dgrad_s1": lambda: op.conv2d_dgrad(dy1, w, x.shape, padding=1),
         "dgrad_s2": lambda: op.conv2d_dgrad(dy, w, x.shape, stride=2, padding=1),
+        "dgrad_1x1_s2": lambda: op.conv2d_dgrad(dy, w1, x.shape, stride=2),
         "wgrad": lambda: op.conv2d_wgrad(dy, x, w.shape, stride=2, padding=1),
     }
     eager = calls[what]()

@@ -1,5 +1,6 @@
-"""Implicit-GEMM convolution forward (conv2d / conv3d, channels-last), sm_90a. DSL-free
-declaration; the kernel itself is `kernel.py`, the geometry it is driven with `geometry.py`."""
+"""Implicit-GEMM convolution forward (conv2d / conv3d, channels-last) and, in its data-gradient
+mode, the phases of the data gradient, sm_90a. DSL-free declaration; the kernel itself is
+`kernel.py`, the geometry it is driven with `geometry.py`."""
 
 from __future__ import annotations
 
@@ -28,12 +29,17 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    return [
+    forward = [
         params_for(dtype, bias, cfg)
         for dtype in DTYPES
         for bias in (False, True)
         for cfg in STANDARD_CONFIGS
     ]
+    # the data-gradient mode (W read N-major, taps reversed; no bias)
+    dgrad = [
+        params_for(dtype, False, cfg, dgrad=True) for dtype in DTYPES for cfg in STANDARD_CONFIGS
+    ]
+    return forward + dgrad
 
 
 def _candidate_params() -> list[Params]:

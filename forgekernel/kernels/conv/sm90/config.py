@@ -58,9 +58,11 @@ CANDIDATES = (
 _EFFICIENCY = {LARGE: 1.0, SQUARE: 0.93, SMALL: 0.9, NARROW: 0.8}
 
 
-def params_for(dtype: str, bias: bool, cfg: ConvConfig) -> tuple:
-    """The compile key's baked-in part, as a sorted tuple of (name, value)."""
-    return tuple(sorted({"dtype": dtype, "bias": bias, **asdict(cfg)}.items()))
+def params_for(dtype: str, bias: bool, cfg: ConvConfig, dgrad: bool = False) -> tuple:
+    """The compile key's baked-in part, as a sorted tuple of (name, value); `dgrad`: the
+    data-gradient mode (kernel.py: W read N-major, taps reversed; no bias)."""
+    key = {"dtype": dtype, "bias": bias, "dgrad": dgrad, **asdict(cfg)}
+    return tuple(sorted(key.items()))
 
 
 def _ceil(a: int, b: int) -> int:

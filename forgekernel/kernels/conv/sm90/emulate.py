@@ -11,7 +11,9 @@ What it models (kernel.py's docstring):
   window start; anything outside X (padding, n >= N, c >= C) reads zero;
 - the k-tile order: channel block fastest, then S, R, T, for A and for B alike;
 - the tile grid over (M, K), ragged tiles clipped at the store, the bias added to the fp32
-  accumulator before the conversion.
+  accumulator before the conversion;
+- the data-gradient mode (params "dgrad"): W (K, T', R', S', C) read as B = (C, (K, S, R, T)),
+  B's k-tiles walking the taps in reverse with the producer's own countdown.
 
 Accumulation is in fp64 (the kernel's is fp32): the model checks indexing, not rounding.
 """
@@ -76,6 +78,31 @@ def filter_box(
     return box
 
 
+def filter_box_dgrad(
+    w: torch.Tensor, n0: int, rows: int, tap: tuple[int, int, int], c0: int, cols: int
+) -> torch.Tensor:
+    """The data-gradient mode's B tile: W (K, T, R, S, C) seen as (C, (K, S, R, T)), output
+    channels (W's C) n0.., reduction channels (W's K) c0.. of tap (t, r, s); zero past both."""
+    k, c = w.shape[0], w.shape[-1]
+    box = torch.zeros(rows, cols, dtype=torch.float64)
+    t, r, s = tap
+    part = w[c0 : min(c0 + cols, k), t, r, s, n0 : min(n0 + rows, c)].T
+    box[: part.shape[0], : part.shape[1]] = part.double()
+    return box
+
+
+def dgrad_b_k_tiles(k_tiles: int, c_blocks: int) -> list[int]:
+    """B's k-tile for each of A's in the data-gradient mode, counted as the producer counts
+    them (kernel.py `_produce`): channel block cb of tap taps - 1 - j for A's (cb, j)."""
+    order, cb, tap_b = [], 0, k_tiles - c_blocks
+    for _ in range(k_tiles):
+        order.append(tap_b + cb)
+        cb += 1
+        if cb == c_blocks:
+            cb, tap_b = 0, tap_b - c_blocks
+    return order
+
+
 def k_tile_coords(kt: int, c_blocks: int, taps: tuple[int, int, int]) -> tuple[int, tuple]:
     """k-tile kt as (channel block, (t, r, s)): (C blocks, S, R, T) colexicographic."""
     t_, r_, s_ = taps
@@ -85,23 +112,29 @@ def k_tile_coords(kt: int, c_blocks: int, taps: tuple[int, int, int]) -> tuple[i
     return cb, (t, r, s)
 
 
-def run(x, w, y, bias, geometry: Geometry, cfg: ConvConfig) -> None:
-    """y (M, K) = the forward convolution as the kernel computes it (module docstring)."""
+def run(x, w, y, bias, geometry: Geometry, cfg: ConvConfig, dgrad: bool = False) -> None:
+    """y (M, K) = the forward convolution as the kernel computes it (module docstring);
+    `dgrad`: the data-gradient mode (w (K, T, R, S, C) read N-major, taps reversed)."""
     m_rows, k = y.shape
     n_img, d, h, wd, c = x.shape
     taps = tuple(w.shape[1:4])
     z, p, q = traversal((d, h, wd), geometry)
     if n_img * z * p * q != m_rows:
         raise AssertionError(f"the walk visits {n_img}x{z}x{p}x{q} pixels, y has {m_rows} rows")
+    if dgrad and (w.shape[0] != c or w.shape[-1] != k):
+        raise AssertionError(f"dgrad: W {tuple(w.shape)} is not ({c}, taps, {k})")
     c_blocks = -(-c // cfg.tile_k)
     k_tiles = c_blocks * taps[0] * taps[1] * taps[2]
+    b_tiles = dgrad_b_k_tiles(k_tiles, c_blocks) if dgrad else range(k_tiles)
+    box_b = filter_box_dgrad if dgrad else filter_box
     for m0 in range(0, m_rows, cfg.tile_m):
         for n0 in range(0, k, cfg.tile_n):
             acc = torch.zeros(cfg.tile_m, cfg.tile_n, dtype=torch.float64)
-            for kt in range(k_tiles):
+            for kt, kt_b in zip(range(k_tiles), b_tiles):
                 cb, tap = k_tile_coords(kt, c_blocks, taps)
                 a = im2col_box(x, geometry, m0, cfg.tile_m, tap, cb * cfg.tile_k, cfg.tile_k)
-                b = filter_box(w, n0, cfg.tile_n, tap, cb * cfg.tile_k, cfg.tile_k)
+                cb_b, tap_b = k_tile_coords(kt_b, c_blocks, taps)
+                b = box_b(w, n0, cfg.tile_n, tap_b, cb_b * cfg.tile_k, cfg.tile_k)
                 acc += a @ b.T
             if bias is not None:
                 cols = torch.arange(n0, n0 + cfg.tile_n).clamp(max=bias.shape[0] - 1)
@@ -131,6 +164,9 @@ def compiled(params) -> Callable[..., None]:
                 raise AssertionError(f"{name} is not 16-byte aligned with a unit last stride")
         if min(geometry_args[:6]) < 0:
             raise AssertionError(f"negative padding reached the kernel: {geometry_args[:6]}")
-        run(x, w, y, bias, g, cfg)
+        for name, t in (("x", x), ("w", w), ("y", y)):
+            if any(st % 8 for st in t.stride()[:-1]):
+                raise AssertionError(f"{name}'s strides {t.stride()} are not 16-byte multiples")
+        run(x, w, y, bias, g, cfg, dgrad=bool(dict(params).get("dgrad", False)))
 
     return fn

@@ -32,6 +32,13 @@ Geometry (padding below / above, stride, dilation, per D, H, W) arrives as run-t
 only the TMA descriptor depends on it, so one compiled kernel serves every layer. The filter
 extents come from W's shape.
 
+Data-gradient mode (`dgrad`, docs/conv/NOTES.md): the same kernel computes a phase of the data
+gradient, dX_phase = conv(dY, W flipped, channels swapped), reading W (K, T, R, S, C) itself (a
+strided view that names the phase's taps), no filter copy: B is W seen as (C, (K, S, R, T)),
+N-major (C contiguous; 16-bit WGMMA reads a transposed B), and B's k-tiles walk the taps in
+reverse, k-tile kt of A (channel block cb of dY, tap j) pairing with B's (cb, taps - 1 - j):
+reversing T, R and S at once reverses the linear tap index.
+
 Constraints: padding >= 0 (the launcher turns a data-gradient phase's negative padding into a
 crop of the input); X (N, D, H, W, C), W (K, T, R, S, C) and Y (M, K) with C and K multiples of 8
 (16-byte rows) and 16-byte aligned bases; Y compact (M = N x Z x P x Q rows of K); tile_k = 64
@@ -74,7 +81,7 @@ class Bar(IntEnum):
 class ConvFpropSm90:
     """Persistent, warp-specialized im2col-TMA + WGMMA convolution; see the module docstring."""
 
-    def __init__(self, config: ConvConfig, bias: bool = False):
+    def __init__(self, config: ConvConfig, bias: bool = False, dgrad: bool = False):
         if config.tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {config.tile_m}")
         if config.tile_n not in (64, 128, 256):
@@ -85,8 +92,11 @@ class ConvFpropSm90:
             raise ValueError(f"epi_n must be 32 or 64 and divide tile_n, got {config.epi_n}")
         if config.cluster_m * config.cluster_n > 4:
             raise ValueError("a cluster holds at most 4 CTAs here")
+        if dgrad and bias:
+            raise ValueError("the data-gradient mode takes no bias")
         self.cfg = config
         self.bias = bias
+        self.dgrad = dgrad
         self.acc_dtype = cutlass.Float32
         self.cluster_shape_mn = (config.cluster_m, config.cluster_n)
         # Two consumer warpgroups split a 128-row tile: one alone would hold a 128x256 fp32
@@ -97,8 +107,10 @@ class ConvFpropSm90:
         self.threads_per_cta = (1 + self.num_mma_wg) * THREADS_PER_WG
         self.producer_regs = 40
         self.consumer_regs = 232
-        # Every operand is K-major: channels are the contiguous dim of X, W and Y.
+        # Channels are the contiguous dim of X, W and Y: A and Y are K-major, and so is B
+        # except in the data-gradient mode, where W's contiguous channels are B's N.
         self.major = LayoutEnum.ROW_MAJOR
+        self.b_major = LayoutEnum.COL_MAJOR if dgrad else LayoutEnum.ROW_MAJOR
 
     # ---------------------------------------------------------------- host-side setup
     def _setup(self, dtype):
@@ -108,7 +120,7 @@ class ConvFpropSm90:
             dtype,
             dtype,
             self.major.sm90_mma_major_mode(),
-            self.major.sm90_mma_major_mode(),
+            self.b_major.sm90_mma_major_mode(),
             self.acc_dtype,
             self.atom_layout_mnk,
             tiler_mn=(64, cfg.tile_n),
@@ -126,14 +138,18 @@ class ConvFpropSm90:
             raise ValueError(f"{self.stages} stages of {ab_bytes} B do not fit in shared memory")
         self.stage_bytes = ab_bytes
 
-        def staged(rows):
+        def staged(major, rows):
+            k_major = major == LayoutEnum.ROW_MAJOR
             atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
-                sm90_utils.get_smem_layout_atom(self.major, dtype, cfg.tile_k), dtype
+                sm90_utils.get_smem_layout_atom(major, dtype, cfg.tile_k if k_major else rows),
+                dtype,
             )
-            return cute.tile_to_shape(atom, (rows, cfg.tile_k, self.stages), order=(0, 1, 2))
+            return cute.tile_to_shape(
+                atom, (rows, cfg.tile_k, self.stages), order=(0, 1, 2) if k_major else (1, 0, 2)
+            )
 
-        self.sA_layout = staged(cfg.tile_m)
-        self.sB_layout = staged(cfg.tile_n)
+        self.sA_layout = staged(self.major, cfg.tile_m)
+        self.sB_layout = staged(self.b_major, cfg.tile_n)
         c_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(self.major, dtype, self.epi_tile[1]), dtype
         )
@@ -202,9 +218,13 @@ class ConvFpropSm90:
             (dil_d, dil_h, dil_w),
         )
         tma_a, tma_mA = self._im2col_atom(mX, mW, geometry)
-        # W (K, T, R, S, C) as (K, (C, S, R, T)): the k-tiles' order, channel block fastest.
-        mB = cute.make_tensor(mW.iterator, cute.select(mW.layout, mode=[0, 4, 3, 2, 1]))
+        # W (K, T, R, S, C) as (K, (C, S, R, T)): the k-tiles' order, channel block fastest;
+        # data gradient: as (C, (K, S, R, T)), C (B's N) contiguous.
+        modes = [4, 0, 3, 2, 1] if cutlass.const_expr(self.dgrad) else [0, 4, 3, 2, 1]
+        mB = cute.make_tensor(mW.iterator, cute.select(mW.layout, mode=modes))
         mB = cute.group_modes(mB, 1, 5)
+        # B's k-tiles per tap (the reduction's channel blocks; dgrad: reversed tap order)
+        c_blocks = cute.ceil_div(mB.shape[1][0], self.cfg.tile_k)
         tma_b, tma_mB = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SMulticastOp()
             if self.mcast_b > 1
@@ -255,6 +275,7 @@ class ConvFpropSm90:
             self.sB_layout,
             self.sC_layout,
             schedule,
+            c_blocks,
         ).launch(
             grid=schedule.grid(max_active_clusters),
             block=[self.threads_per_cta, 1, 1],
@@ -280,6 +301,7 @@ class ConvFpropSm90:
         sB_layout: cute.ComposedLayout,
         sC_layout: cute.ComposedLayout,
         schedule: StaticSchedule,
+        c_blocks: cutlass.Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -345,23 +367,36 @@ class ConvFpropSm90:
                 )
                 load_a = (tma_a, tAgA, tAsA, a_mask)
                 load_b = (tma_b, tBgB, tBsB, b_mask)
-                self._produce(load_a, load_b, ab_pipe, schedule, k_tiles)
+                self._produce(load_a, load_b, ab_pipe, schedule, (k_tiles, c_blocks))
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             mma = (tiled_mma, tCrA, tCrB, acc)
             self._consume(tidx, warp_idx, mma, ab_pipe, sC, gC, tma_c, mBias, schedule, k_tiles)
 
     @cute.jit
-    def _produce(self, load_a, load_b, ab_pipe, schedule, k_tiles):
-        """The producer warp: every k-tile of A and B of each of the CTA's tiles into the ring."""
+    def _produce(self, load_a, load_b, ab_pipe, schedule, k_walk):
+        """The producer warp: every k-tile of A and B of each of the CTA's tiles into the ring.
+        `k_walk`: (k-tiles, channel blocks per tap)."""
         tma_a, tAgA, tAsA, a_mask = load_a
         tma_b, tBgB, tBsB, b_mask = load_b
+        k_tiles, c_blocks = k_walk
         prod = producer_state(self.stages)
         sched = StaticScheduler(schedule)
         work = sched.first()
         while sched.valid(work):
             tile_m, tile_n = sched.tile(work)
+            # B's k-tile: kt itself, or with the taps reversed (dgrad) the channel block cb of
+            # tap (taps - 1 - j) for A's (cb, j): `tap_b` counts down one tap per c_blocks.
+            cb = cutlass.Int32(0)
+            tap_b = k_tiles - c_blocks
             for kt in range(k_tiles):
+                kt_b = kt
+                if cutlass.const_expr(self.dgrad):
+                    kt_b = tap_b + cb
+                    cb += 1
+                    if cb == c_blocks:
+                        cb = cutlass.Int32(0)
+                        tap_b -= c_blocks
                 ab_pipe.producer_acquire(prod)
                 bar = ab_pipe.producer_get_barrier(prod)
                 cute.copy(
@@ -373,7 +408,7 @@ class ConvFpropSm90:
                 )
                 cute.copy(
                     tma_b,
-                    tBgB[(None, tile_n, kt)],
+                    tBgB[(None, tile_n, kt_b)],
                     tBsB[(None, prod.index)],
                     tma_bar_ptr=bar,
                     mcast_mask=b_mask,

@@ -7,9 +7,11 @@ T = 1).
   zero-padded (zero channels add nothing; extra output channels are dropped), and an output
   the kernel cannot write in place (not compact, or padded) goes through a scratch buffer.
 - `dgrad`: the data gradient as stride-1 forward convolutions of dy, one per output phase
-  (`geometry.dgrad_phases`), with the phase's taps flipped and the channels swapped (C, T', R',
-  S', K). A phase of a strided gradient is written through a scratch buffer into its strided
-  view of dx (the kernel stores compact rows; an im2col-mode store would write it in place).
+  (`geometry.dgrad_phases`), on the kernel's data-gradient mode: it reads W (K, T, R, S, C)
+  itself through a strided view naming the phase's taps (N-major, taps reversed in the kernel),
+  so no filter is copied. A phase of a strided gradient is written through a scratch buffer into
+  its strided view of dx (the kernel stores compact rows); phases no tap reaches are zero (one
+  fill of dx where two or more are).
 - `wgrad`: INTERIM, until the weight-gradient kernel lands (docs/conv/NOTES.md): an explicit
   im2col of x (T x R x S copies of x) times dy, dW (K, TRSC) = dy^T (K, M) @ cols (M, TRSC),
   on the dense GEMM kernel; one GEMM over the whole N x Z x P x Q reduction (fp32 accumulation,
@@ -41,11 +43,12 @@ def _round_up(x: int) -> int:
     return -(-x // CHANNEL_ALIGN) * CHANNEL_ALIGN
 
 
-def _choose(dtype, bias, m, k, c, device_index, config) -> tuple[tuple, int]:
+def _choose(dtype, bias, m, k, c, device_index, config, dgrad) -> tuple[tuple, int]:
     sms = num_sms(device_index) if device_index is not None else NUM_SMS_H100_H200
     cfg = config or choose_config(m, k, c, sms)
     # one CTA per SM (the pipeline takes nearly all shared memory)
-    return params_for(dtype_name(dtype), bias, cfg), sms // (cfg.cluster_m * cfg.cluster_n)
+    params = params_for(dtype_name(dtype), bias, cfg, dgrad=dgrad)
+    return params, sms // (cfg.cluster_m * cfg.cluster_n)
 
 
 _plans = PlanCache()
@@ -96,8 +99,15 @@ def fprop(
 ) -> None:
     """y = conv(x, w) (+ bias) written into y (any (N, Z, P, Q, K) view); x, w, bias (K,) alike
     16-bit on one device; the geometry's descriptor problem checked by the caller."""
-    n, _, _, _, c = x.shape
-    k = w.shape[0]
+    _launch(x, w, bias, y, geometry, config, dgrad=False)
+
+
+def _launch(x, w, bias, y, geometry: Geometry, config, dgrad: bool) -> None:
+    """One launch of the kernel: y = conv(x, W) (+ bias) into y (any (N, Z, P, Q, K') view).
+    W is w (K', T, R, S, C), or in the data-gradient mode w (C, T, R, S, K') read N-major with
+    its taps reversed (C: x's channels, the reduction's; K': y's)."""
+    c = x.shape[-1]
+    k = w.shape[-1] if dgrad else w.shape[0]
     m = y.numel() // max(k, 1)
     if m == 0 or k == 0:
         return
@@ -106,7 +116,10 @@ def fprop(
         return
     cp, kp = _round_up(c), _round_up(k)
     x, geometry = _cropped(_channels_padded(x, cp), geometry)
-    w = _rows_padded(_channels_padded(w, cp), kp)
+    if dgrad:
+        w = _channels_padded(_rows_padded(w, cp), kp)
+    else:
+        w = _rows_padded(_channels_padded(w, cp), kp)
     if bias is not None:
         # the compiled function takes bias 16-byte aligned (it checks: "Misaligned Tensor
         # data"), which a view such as b[1:] is not: a copy then
@@ -114,7 +127,7 @@ def fprop(
     in_place = kp == k and y.is_contiguous() and tma_ready(y)
     y2 = y.view(m, k) if in_place else y.new_empty(m, kp)
     params, max_clusters = _plans.get_or_build(
-        (x.dtype, bias is not None, m, kp, cp, x.device.index, config), _choose
+        (x.dtype, bias is not None, m, kp, cp, x.device.index, config, dgrad), _choose
     )
     fn = get_kernel(SPEC, params)
     with on_device(x.device):
@@ -123,30 +136,49 @@ def fprop(
         y.copy_(y2[:, :k].reshape(y.shape))
 
 
-def phase_filter(w: torch.Tensor, phase: Phase) -> torch.Tensor:
-    """The forward filter (C, T', R', S', K) of a data-gradient phase: w's taps that reach the
-    phase (an arithmetic progression per dim: a strided slice, no index tensor, so that CUDA
-    graph capture sees no host-to-device copy), in reverse order, input and output channels
-    swapped (a small copy of w)."""
+def phase_taps(w: torch.Tensor, phase: Phase) -> torch.Tensor:
+    """w (K, T, R, S, C) restricted to the taps that reach a data-gradient phase, in their
+    own (ascending) order: an arithmetic progression per dim, so a strided view (no copy, no
+    index tensor: CUDA graph capture sees no host-to-device copy). The kernel's data-gradient
+    mode reads it N-major with the taps reversed."""
     for dim, taps in zip((1, 2, 3), phase.taps):
+        if len(taps) == w.shape[dim]:  # every tap (a stride-1 gradient): w itself
+            continue
         step = taps[1] - taps[0] if len(taps) > 1 else 1
         span = w.narrow(dim, taps[0], taps[-1] - taps[0] + 1)
         w = span[(slice(None),) * dim + (slice(None, None, step),)]
-    return w.flip(1, 2, 3).permute(4, 1, 2, 3, 0).contiguous()
+    return w
 
 
-def dgrad(dy: torch.Tensor, w: torch.Tensor, dx: torch.Tensor, geometry: Geometry) -> None:
+def phase_filter(w: torch.Tensor, phase: Phase) -> torch.Tensor:
+    """The forward filter (C, T', R', S', K) of a data-gradient phase: `phase_taps` reversed,
+    input and output channels swapped (a copy; what the data-gradient mode reads in place)."""
+    return phase_taps(w, phase).flip(1, 2, 3).permute(4, 1, 2, 3, 0).contiguous()
+
+
+def dgrad(
+    dy: torch.Tensor,
+    w: torch.Tensor,
+    dx: torch.Tensor,
+    geometry: Geometry,
+    config: ConvConfig | None = None,
+) -> None:
     """dx (N, D, H, W, C) = the data gradient at dy (N, Z, P, Q, K) of the convolution with w
-    (K, T, R, S, C) and `geometry`, one stride-1 forward convolution per output phase."""
+    (K, T, R, S, C) and `geometry`, one stride-1 forward convolution per output phase, each a
+    launch of the kernel's data-gradient mode on w's phase taps (no copy of w)."""
     phases = dgrad_phases(geometry, tuple(dx.shape[1:4]), tuple(dy.shape[1:4]))
     sd, sh, sw = geometry.stride
+    empty = sum(phase.empty() for phase in phases)
+    if empty > 1:  # one fill of dx rather than one strided fill per empty phase
+        dx.zero_()
     for phase in phases:
         ad, ah, aw = phase.offset
-        view = dx[:, ad::sd, ah::sh, aw::sw]
+        view = dx if len(phases) == 1 else dx[:, ad::sd, ah::sh, aw::sw]
         if phase.empty():
-            view.zero_()
+            if empty == 1:
+                view.zero_()
             continue
-        fprop(dy, phase_filter(w, phase), None, view, phase.fprop)
+        _launch(dy, phase_taps(w, phase), None, view, phase.fprop, config, dgrad=True)
 
 
 def im2col(x: torch.Tensor, geometry: Geometry, out_dhw: tuple[int, int, int]) -> torch.Tensor:
