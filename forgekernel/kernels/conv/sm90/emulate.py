@@ -170,3 +170,98 @@ def compiled(params) -> Callable[..., None]:
         run(x, w, y, bias, g, cfg, dgrad=bool(dict(params).get("dgrad", False)))
 
     return fn
+
+
+# ---------------------------------------------------------------- the weight gradient
+def wgrad_run(dy, x, dw, work, flags, geometry: Geometry, cfg, per_split: int, order=None):
+    """dw (K, T, R, S, C) = the weight gradient as the kernel (wgrad.py) computes it: CTA
+    (tile, split) of the grid sums its pixel k-tiles of A = dY^T (tile_m x 64 boxes, zero past
+    K and M) times B = im2col(x) (`tile_n / 64` boxes of 64 pixels x 64 channels at the tap,
+    the block index clamped to the last one); with several splits, each part is parked in
+    slot split x tiles + tile of `work` and counted in `flags[tile]`, and the last part to
+    arrive (CTAs run in `order`, default the launch order) sums the slots in split order and
+    stores; the flag is left zero. fp64 accumulation (indexing, not rounding)."""
+    m_rows, k = dy.shape
+    taps = tuple(dw.shape[1:4])
+    c = dw.shape[-1]
+    z, p, q = traversal(tuple(x.shape[1:4]), geometry)
+    if x.shape[0] * z * p * q != m_rows:
+        raise AssertionError(f"the walk visits {x.shape[0]}x{z}x{p}x{q} pixels, dy has {m_rows}")
+    tm, tn, box = cfg.tile_m, cfg.tile_n, 64
+    boxes, c_boxes = tn // box, -(-c // box)
+    tiles_m, c_tiles = -(-k // tm), -(-c // tn)
+    tiles = tiles_m * c_tiles * taps[0] * taps[1] * taps[2]
+    k_tiles = -(-m_rows // box)
+    splits = -(-k_tiles // per_split)
+    if splits > 1 and work.numel() < splits * tiles * tm * tn:
+        raise AssertionError(f"workspace {work.numel()} < {splits} x {tiles} tiles")
+    if flags.numel() < tiles or bool(flags[:tiles].any()):
+        raise AssertionError("the flags must be zero, one per tile")
+    slots = work[: splits * tiles * tm * tn].view(splits * tiles, tm, tn) if splits > 1 else None
+    for cta in order if order is not None else range(tiles * splits):
+        tile, split = cta % tiles, cta // tiles
+        tile_m, tile_n = tile % tiles_m, tile // tiles_m
+        c_tile, tap_index = tile_n % c_tiles, tile_n // c_tiles
+        _, tap = k_tile_coords(tap_index, 1, taps)
+        acc = torch.zeros(tm, tn, dtype=torch.float64)
+        for kt in range(split * per_split, min((split + 1) * per_split, k_tiles)):
+            a = torch.zeros(box, tm, dtype=torch.float64)
+            part = dy[kt * box : (kt + 1) * box, tile_m * tm : (tile_m + 1) * tm]
+            a[: part.shape[0], : part.shape[1]] = part.double()
+            blocks = [min(c_tile * boxes + j, c_boxes - 1) for j in range(boxes)]
+            b = torch.cat([im2col_box(x, geometry, kt * box, box, tap, cb * box, box)
+                           for cb in blocks], dim=1)  # fmt: skip
+            acc += a.T @ b
+        if splits > 1:
+            slots[split * tiles + tile] = acc.to(work.dtype)
+            flags[tile] += 1
+            if int(flags[tile]) < splits:
+                continue
+            flags[tile] = 0
+            acc = sum(slots[s * tiles + tile].double() for s in range(splits))
+        rows = min(tm, k - tile_m * tm)
+        cols = min(tn, c - c_tile * tn)
+        t, r, s = tap
+        dst = dw[tile_m * tm : tile_m * tm + rows, t, r, s, c_tile * tn : c_tile * tn + cols]
+        dst.copy_(acc[:rows, :cols].to(dw.dtype))
+
+
+def compiled_wgrad(params, order_seed: int | None = None) -> Callable[..., None]:
+    """A stand-in for the weight-gradient kernel's compiled function of compile key `params`
+    (`order_seed`: run the CTAs in a random order, as a GPU may)."""
+    from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
+
+    cfg = GemmConfig.from_params(dict(params))
+
+    def fn(dy, x, dw, work, flags, *args):
+        geometry_args, per_split = args[:12], args[12]
+        g = Geometry(
+            filter=tuple(dw.shape[1:4]),
+            pad_lo=tuple(geometry_args[0:3]),
+            pad_hi=tuple(geometry_args[3:6]),
+            stride=tuple(geometry_args[6:9]),
+            dilation=tuple(geometry_args[9:12]),
+        )
+        for name, t in (("dy", dy), ("x", x), ("dw", dw)):
+            if t.data_ptr() % 16 or t.stride(-1) != 1 or any(st % 8 for st in t.stride()[:-1]):
+                raise AssertionError(f"{name} is not TMA-ready: {t.stride()}")
+        if dy.shape[1] != dw.shape[0] or x.shape[-1] != dw.shape[-1]:
+            raise AssertionError("dy, x and dw disagree on the channels")
+        order = None
+        if order_seed is not None:
+            k_tiles = -(-dy.shape[0] // 64)
+            tiles = (-(-dw.shape[0] // cfg.tile_m)) * (-(-dw.shape[-1] // cfg.tile_n))
+            ctas = tiles * dw.shape[1] * dw.shape[2] * dw.shape[3] * -(-k_tiles // per_split)
+            gen = torch.Generator().manual_seed(order_seed)
+            order = torch.randperm(ctas, generator=gen).tolist()
+        wgrad_run(dy, x, dw, work, flags, g, cfg, per_split, order)
+
+    return fn
+
+
+def stand_in(spec, params) -> Callable[..., None]:
+    """The model of the leaf's kernel `spec` (forward / data gradient, or weight gradient) for
+    compile key `params`: what the tests put in place of `runtime.cache.get_kernel`."""
+    if spec.name == "conv_wgrad_sm90":
+        return compiled_wgrad(params)
+    return compiled(params)

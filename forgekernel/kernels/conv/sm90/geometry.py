@@ -67,11 +67,7 @@ class Geometry:
         return tuple(hi - (f - 1) * d for hi, f, d in zip(self.pad_hi, self.filter, self.dilation))
 
     def descriptor_problem(self) -> str | None:
-        """Why the im2col descriptor cannot encode this geometry, or None (cached: asked on
-        every call of the op)."""
-        return _descriptor_problem(self)
-
-    def _descriptor_problem(self) -> str | None:
+        """Why the im2col descriptor cannot encode this geometry, or None."""
         dims = "DHW"
         for i in range(3):
             lo, up = self.lower_corner()[i], self.upper_corner()[i]
@@ -102,11 +98,6 @@ class Geometry:
         return (*self.pad_lo, *self.pad_hi, *self.stride, *self.dilation)
 
 
-@functools.lru_cache(maxsize=1024)
-def _descriptor_problem(geometry: Geometry) -> str | None:
-    return geometry._descriptor_problem()
-
-
 @dataclass(frozen=True)
 class Phase:
     """One output phase of a data gradient: din[offset + stride*j] for j < extent, per dim, is
@@ -135,12 +126,10 @@ def _phase_1d(a: int, size: int, out: int, f: int, lo: int, s: int, d: int):
     return extent, taps, pad_lo, pad_hi, dil
 
 
-@functools.lru_cache(maxsize=1024)
-def dgrad_phases(geometry: Geometry, input_dhw: Triple, output_dhw: Triple) -> tuple[Phase, ...]:
+def _dgrad_phases(geometry: Geometry, input_dhw: Triple, output_dhw: Triple) -> tuple[Phase, ...]:
     """The data gradient of a convolution with `geometry` from input (D, H, W) to output
     (Z, P, Q), as stride-1 forward convolutions, one per phase (stride_d x stride_h x stride_w
-    of them, in (d, h, w) order). Cached: the op's validation and the launcher ask for the same
-    phases on every call (tens of microseconds of Python each)."""
+    of them, in (d, h, w) order)."""
     g = geometry
     per_dim = [
         [
@@ -172,10 +161,14 @@ def dgrad_phases(geometry: Geometry, input_dhw: Triple, output_dhw: Triple) -> t
     return tuple(phases)
 
 
-@functools.lru_cache(maxsize=1024)
+# The launcher's: cached, it asks for the same phases on every call (tens of microseconds of
+# Python each). Never called where torch.compile traces (the validation calls the uncached one).
+dgrad_phases = functools.lru_cache(maxsize=1024)(_dgrad_phases)
+
+
 def dgrad_geometry_problem(geometry: Geometry, input_dhw: Triple, output_dhw: Triple):
     """Why a phase of the data gradient cannot run on the im2col TMA, or None."""
-    for phase in dgrad_phases(geometry, input_dhw, output_dhw):
+    for phase in _dgrad_phases(geometry, input_dhw, output_dhw):
         if not phase.empty():
             problem = phase.fprop.descriptor_problem()
             if problem:

@@ -72,6 +72,7 @@ from forgekernel.kernels.common.sm90.pipeline import (
 )
 from forgekernel.kernels.common.sm90.scheduler.static import StaticSchedule, StaticScheduler
 from forgekernel.kernels.conv.sm90.config import ConvConfig
+from forgekernel.kernels.conv.sm90.im2col import im2col_atom
 
 
 class Bar(IntEnum):
@@ -157,35 +158,6 @@ class ConvFpropSm90:
             c_atom, (*self.epi_tile, cfg.epi_stages), order=(0, 1, 2)
         )
 
-    def _im2col_atom(self, mX, mW, geometry):
-        """The im2col TMA of X seen as ((W, H, D, N), C): its atom and coordinate tensor
-        (M = output pixels, ((C blocks), S, R, T) k-tiles). `geometry`: (padding below,
-        padding above, stride, dilation), each (d, h, w) Int32s."""
-        pad_lo, pad_hi, stride, dil = geometry
-        taps = (mW.shape[1], mW.shape[2], mW.shape[3])  # (T, R, S)
-        whd = [2, 1, 0]  # (d, h, w) -> (w, h, d)
-        mA = cute.make_tensor(mX.iterator, cute.select(mX.layout, mode=[3, 2, 1, 0, 4]))
-        mA = cute.group_modes(mA, 0, 4)
-        op = (
-            cpasync.CopyBulkTensorIm2ColG2SMulticastOp()
-            if self.mcast_a > 1
-            else cpasync.CopyBulkTensorIm2ColG2SOp()
-        )
-        return cpasync.make_im2col_tma_atom(
-            op,
-            mA,
-            cute.slice_(self.sA_layout, (None, None, 0)),
-            (self.cfg.tile_m, (self.cfg.tile_k,)),
-            lower_corner_whd=tuple(-pad_lo[i] for i in whd),
-            upper_corner_whd=tuple(pad_hi[i] - (taps[i] - 1) * dil[i] for i in whd),
-            lower_padding_whd=tuple(pad_lo[i] for i in whd),
-            upper_padding_whd=tuple(pad_hi[i] for i in whd),
-            stride_whd=tuple(stride[i] for i in whd),
-            lower_srt=(0, 0, 0),
-            stride_srt=tuple(dil[i] for i in whd),
-            num_multicast=self.mcast_a,
-        )
-
     @cute.jit
     def __call__(
         self,
@@ -217,7 +189,15 @@ class ConvFpropSm90:
             (stride_d, stride_h, stride_w),
             (dil_d, dil_h, dil_w),
         )
-        tma_a, tma_mA = self._im2col_atom(mX, mW, geometry)
+        taps = (mW.shape[1], mW.shape[2], mW.shape[3])  # (T, R, S)
+        tma_a, tma_mA = im2col_atom(
+            mX,
+            taps,
+            geometry,
+            cute.slice_(self.sA_layout, (None, None, 0)),
+            (self.cfg.tile_m, self.cfg.tile_k),
+            self.mcast_a,
+        )
         # W (K, T, R, S, C) as (K, (C, S, R, T)): the k-tiles' order, channel block fastest;
         # data gradient: as (C, (K, S, R, T)), C (B's N) contiguous.
         modes = [4, 0, 3, 2, 1] if cutlass.const_expr(self.dgrad) else [0, 4, 3, 2, 1]

@@ -12,10 +12,11 @@ T = 1).
   so no filter is copied. A phase of a strided gradient is written through a scratch buffer into
   its strided view of dx (the kernel stores compact rows); phases no tap reaches are zero (one
   fill of dx where two or more are).
-- `wgrad`: INTERIM, until the weight-gradient kernel lands (docs/conv/NOTES.md): an explicit
-  im2col of x (T x R x S copies of x) times dy, dW (K, TRSC) = dy^T (K, M) @ cols (M, TRSC),
-  on the dense GEMM kernel; one GEMM over the whole N x Z x P x Q reduction (fp32 accumulation,
-  rounded once).
+- `wgrad`: one launch of the weight-gradient kernel (wgrad.py: the dense GEMM's kernel with
+  dY^T and the im2col of x as operands, the N x Z x P x Q reduction split over CTAs and summed
+  in split order by the last part); tile and split from `config.choose_wgrad`, the fp32
+  partials and per-tile flags in the stream's stream-K workspace (the dense GEMM launcher's:
+  reused across calls, a capture's own when it needs a bigger one).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import dataclasses
 
 import torch
 
-from forgekernel.kernels.conv.sm90 import SPEC
+from forgekernel.kernels.conv.sm90 import SPEC, WGRAD_SPEC
 from forgekernel.kernels.conv.sm90.config import (
     CHANNEL_ALIGN,
     NUM_SMS_H100_H200,
@@ -33,7 +34,8 @@ from forgekernel.kernels.conv.sm90.config import (
     params_for,
 )
 from forgekernel.kernels.conv.sm90.geometry import Geometry, Phase, dgrad_phases
-from forgekernel.kernels.gemm.dense.sm90 import launch as gemm_sm90
+from forgekernel.kernels.conv.sm90.wgrad_config import WgradPlan, choose_wgrad, wgrad_params
+from forgekernel.kernels.gemm.dense.sm90.launch import stream_k_workspace
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms, on_device, tma_ready
 from forgekernel.runtime.plans import PlanCache
@@ -181,43 +183,43 @@ def dgrad(
         _launch(dy, phase_taps(w, phase), None, view, phase.fprop, config, dgrad=True)
 
 
-def im2col(x: torch.Tensor, geometry: Geometry, out_dhw: tuple[int, int, int]) -> torch.Tensor:
-    """x (N, D, H, W, C) as the (N x Z x P x Q, T x R x S x C) matrix of its windows, taps in
-    (t, r, s) order and channels fastest (W's (K, T, R, S, C) order); zero padding."""
-    n, d, h, w_, c = x.shape
-    lo, hi = geometry.pad_lo, geometry.pad_hi
-    padded = x.new_zeros(n, d + lo[0] + hi[0], h + lo[1] + hi[1], w_ + lo[2] + hi[2], c)
-    padded[:, lo[0] : lo[0] + d, lo[1] : lo[1] + h, lo[2] : lo[2] + w_] = x
-    (z, p, q), (sd, sh, sw), (dd, dh, dw) = out_dhw, geometry.stride, geometry.dilation
-    t_, r_, s_ = geometry.filter
-    windows = [
-        padded[
-            :,
-            t * dd : t * dd + (z - 1) * sd + 1 : sd,
-            r * dh : r * dh + (p - 1) * sh + 1 : sh,
-            s * dw : s * dw + (q - 1) * sw + 1 : sw,
-        ]
-        for t in range(t_)
-        for r in range(r_)
-        for s in range(s_)
-    ]
-    return torch.stack(windows, dim=4).reshape(n * z * p * q, t_ * r_ * s_ * c)
+_wgrad_plans = PlanCache()
 
 
-# The dense GEMM's launcher, under the one name the CPU tests replace.
-_gemm = gemm_sm90.gemm
+def _wgrad_plan(dtype, k, c, taps, pixels, device_index, plan) -> tuple[tuple, WgradPlan]:
+    sms = num_sms(device_index) if device_index is not None else NUM_SMS_H100_H200
+    plan = plan or choose_wgrad(k, c, taps, pixels, sms)
+    return wgrad_params(dtype_name(dtype), plan.config), plan
 
 
-def wgrad(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, geometry: Geometry) -> None:
+def wgrad(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    dw: torch.Tensor,
+    geometry: Geometry,
+    plan: WgradPlan | None = None,
+) -> None:
     """dw (K, T, R, S, C) = the weight gradient at dy (N, Z, P, Q, K) of the convolution of x
-    (N, D, H, W, C) with `geometry`. INTERIM (module docstring): explicit im2col + dense GEMM."""
-    k = dw.shape[0]
+    (N, D, H, W, C) with `geometry`: one launch of the weight-gradient kernel (`plan`: its
+    tile and split, chosen when None). C or K not a multiple of 8 run zero-padded; a dw the
+    kernel cannot write in place goes through a scratch buffer."""
+    k, c = dw.shape[0], dw.shape[-1]
     m = dy.numel() // max(k, 1)
     if m == 0 or dw.numel() == 0:
         dw.zero_()
         return
-    cols = im2col(x, geometry, tuple(dy.shape[1:4]))
-    out = dw.view(k, -1) if dw.is_contiguous() else dw.new_empty(k, dw.numel() // k)
-    _gemm(dy.reshape(m, k).t(), cols, out, True)
-    if out.data_ptr() != dw.data_ptr():
-        dw.copy_(out.view(dw.shape))
+    cp, kp = _round_up(c), _round_up(k)
+    x = _channels_padded(x, cp)
+    dy2 = _channels_padded(dy.reshape(m, k), kp)
+    in_place = kp == k and cp == c and dw.is_contiguous() and tma_ready(dw)
+    dw2 = dw if in_place else dw.new_empty(kp, *dw.shape[1:4], cp)
+    taps = dw.shape[1] * dw.shape[2] * dw.shape[3]
+    params, plan = _wgrad_plans.get_or_build(
+        (dy.dtype, kp, cp, taps, m, dy.device.index, plan), _wgrad_plan
+    )
+    fn = get_kernel(WGRAD_SPEC, params)
+    work, flags = stream_k_workspace(dy.device, plan.tiles, plan.workspace_floats)
+    with on_device(dy.device):
+        fn(dy2, x, dw2, work, flags, *geometry.kernel_args(), plan.per_split)
+    if not in_place:
+        dw.copy_(dw2[:k, ..., :c])
