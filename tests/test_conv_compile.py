@@ -1,9 +1,11 @@
 """The convolution kernels compile for sm_90a on a CPU machine, nothing spills (no local memory)
 and their shared memory fits.
 
-Forward (three builds): the activations load through the im2col TMA (UTMALDG.5D.IM2COL), the
+Forward (five builds): the activations load through the im2col TMA (UTMALDG.5D.IM2COL), the
 multiply-adds are HGMMA; the representative (bias, 128x128, weight multicast over a 2x1
-cluster), the largest accumulator (128x256), the data-gradient mode (W N-major: `.tnspB`).
+cluster), the largest accumulator (128x256), the data-gradient mode (W N-major: `.tnspB`), a
+split reduction with the largest accumulator and bias, the data-gradient mode split (the
+parts counted with a global atomic).
 Weight gradient (every standard tile): A = dY^T through a tiled TMA, B = the im2col boxes, both
 read transposed by WGMMA (`.tnspA.tnspB`), the split's flag counted with a global atomic."""
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,7 +25,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY  # noqa: E402
 from forgekernel.kernels.conv.sm90 import SPEC, WGRAD_SPEC, wgrad_compile  # noqa: E402
 from forgekernel.kernels.conv.sm90 import compile as fprop_compile  # noqa: E402
-from forgekernel.kernels.conv.sm90.config import LARGE, SQUARE, params_for  # noqa: E402
+from forgekernel.kernels.conv.sm90.config import LARGE, NARROW, SQUARE, params_for  # noqa: E402
 from forgekernel.kernels.conv.sm90.wgrad_config import WGRAD_CONFIGS, wgrad_params  # noqa: E402
 from forgekernel.runtime.resources import find_tool, inspect_cubin  # noqa: E402
 
@@ -63,8 +66,10 @@ def _no_spills_and_fits(sass, found, kernel):
         SPEC.representative_params(),
         params_for("float16", False, LARGE),
         params_for("bfloat16", False, SQUARE, dgrad=True),
+        params_for("bfloat16", True, replace(LARGE, split=True)),
+        params_for("float16", False, replace(NARROW, split=True), dgrad=True),
     ],
-    ids=["representative", "128x256", "dgrad"],
+    ids=["representative", "128x256", "dgrad", "128x256-split-bias", "dgrad-128x64-split"],
 )
 def test_forward_builds_with_im2col_tma_hgmma_and_no_spills(params, tmp_path, monkeypatch):
     sass, found, kernel = _build(
@@ -75,6 +80,8 @@ def test_forward_builds_with_im2col_tma_hgmma_and_no_spills(params, tmp_path, mo
     assert "HGMMA" in sass and "UTMASTG" in sass
     # the data-gradient mode reads W N-major: WGMMA's transposed B
     assert ("tnspB" in sass) == dict(params)["dgrad"]
+    # a split counts its parts in the tile's flag
+    assert bool(re.search(r"\bATOMG?\.E\.ADD", sass)) == dict(params)["split"]
 
 
 @pytest.mark.parametrize("cfg", WGRAD_CONFIGS, ids=lambda c: f"{c.tile_m}x{c.tile_n}")

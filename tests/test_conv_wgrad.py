@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from forgekernel.kernels.conv.sm90 import emulate, launch
+from forgekernel.kernels.conv.sm90.config import MAX_WORKSPACE
 from forgekernel.kernels.conv.sm90.geometry import Geometry
 from forgekernel.kernels.conv.sm90.wgrad_config import (
     WGRAD_CONFIGS,
     WGRAD_MAX_SPLITS,
-    WGRAD_MAX_WORKSPACE,
     WGRAD_SMALL,
     WgradPlan,
     choose_wgrad,
@@ -152,7 +152,7 @@ def test_launcher_splits_and_reuses_its_workspace(model_kernel):
     allocation, no fill per call), left zero by each launch; dw written in place."""
     n, c, k, size, g = 4, 16, 24, (1, 16, 16), _geometry((1, 3, 3), (0, 1, 1))
     x, dy, want = _problem(n, c, k, size, g)
-    plan = WgradPlan(WGRAD_SMALL, per_split=3, splits=6, tiles=9)
+    plan = WgradPlan(WGRAD_SMALL, per_split=3, parts=6, tiles=9)
     for _ in range(3):
         dw = torch.full(want.shape, float("nan"), dtype=F64)
         launch.wgrad(dy, x, dw, g, plan)
@@ -171,13 +171,13 @@ def test_the_chooser_fills_the_chip_within_its_limits():
         cfg = plan.config
         k_tiles = -(-pixels // 64)
         assert cfg in WGRAD_CONFIGS and plan.tiles == wgrad_tiles(cfg, k, c, taps)
-        assert 1 <= plan.splits <= WGRAD_MAX_SPLITS
+        assert 1 <= plan.parts <= WGRAD_MAX_SPLITS
         # every split non-empty, together exactly the reduction
-        assert (plan.splits - 1) * plan.per_split < k_tiles <= plan.splits * plan.per_split
-        assert plan.splits == 1 or plan.workspace_floats <= WGRAD_MAX_WORKSPACE
+        assert (plan.parts - 1) * plan.per_split < k_tiles <= plan.parts * plan.per_split
+        assert plan.parts == 1 or plan.workspace_floats <= MAX_WORKSPACE
     # the issue's point: 18 tiles of 128x256 would fill 14% of the chip unsplit
     plan = choose_wgrad(256, 256, 9, 32 * 56 * 56, 132)
-    assert plan.tiles * plan.splits > 0.9 * 132
+    assert plan.tiles * plan.parts > 0.9 * 132
     # a long reduction into one 64x64 tile is spread over many CTAs
     plan = choose_wgrad(64, 64, 1, 32 * 56 * 56, 132)
-    assert plan.config == WGRAD_SMALL and plan.splits >= 16
+    assert plan.config == WGRAD_SMALL and plan.parts >= 16

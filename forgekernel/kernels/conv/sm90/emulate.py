@@ -91,11 +91,14 @@ def filter_box_dgrad(
     return box
 
 
-def dgrad_b_k_tiles(k_tiles: int, c_blocks: int) -> list[int]:
-    """B's k-tile for each of A's in the data-gradient mode, counted as the producer counts
-    them (kernel.py `_produce`): channel block cb of tap taps - 1 - j for A's (cb, j)."""
-    order, cb, tap_b = [], 0, k_tiles - c_blocks
-    for _ in range(k_tiles):
+def dgrad_b_k_tiles(k_tiles: int, c_blocks: int, k0: int = 0, count: int | None = None):
+    """B's k-tile for each of A's k-tiles k0 .. k0 + count - 1 in the data-gradient mode,
+    counted as the producer counts them (kernel.py `_produce`): channel block cb of tap
+    taps - 1 - j for A's (cb, j), the countdown started at the part's first k-tile."""
+    count = k_tiles - k0 if count is None else count
+    cb = k0 % c_blocks
+    order, tap_b = [], k_tiles - c_blocks - (k0 - cb)
+    for _ in range(count):
         order.append(tap_b + cb)
         cb += 1
         if cb == c_blocks:
@@ -112,9 +115,13 @@ def k_tile_coords(kt: int, c_blocks: int, taps: tuple[int, int, int]) -> tuple[i
     return cb, (t, r, s)
 
 
-def run(x, w, y, bias, geometry: Geometry, cfg: ConvConfig, dgrad: bool = False) -> None:
+def run(x, w, y, bias, geometry: Geometry, cfg: ConvConfig, dgrad: bool = False,
+        split=None) -> None:  # fmt: skip
     """y (M, K) = the forward convolution as the kernel computes it (module docstring);
-    `dgrad`: the data-gradient mode (w (K, T, R, S, C) read N-major, taps reversed)."""
+    `dgrad`: the data-gradient mode (w (K, T, R, S, C) read N-major, taps reversed); `split`:
+    (k-tiles per part, workspace, flags, the order the units run in or None), each tile's
+    k-tiles cut into parts, each parked in slot part x tiles + tile and counted in
+    flags[tile], the last to arrive summing them in part order (wgrad_run's protocol)."""
     m_rows, k = y.shape
     n_img, d, h, wd, c = x.shape
     taps = tuple(w.shape[1:4])
@@ -125,30 +132,52 @@ def run(x, w, y, bias, geometry: Geometry, cfg: ConvConfig, dgrad: bool = False)
         raise AssertionError(f"dgrad: W {tuple(w.shape)} is not ({c}, taps, {k})")
     c_blocks = -(-c // cfg.tile_k)
     k_tiles = c_blocks * taps[0] * taps[1] * taps[2]
-    b_tiles = dgrad_b_k_tiles(k_tiles, c_blocks) if dgrad else range(k_tiles)
+    per, work, flags, order = split or (k_tiles, None, None, None)
+    parts = -(-k_tiles // per)
+    tiles_m, tiles_n = -(-m_rows // cfg.tile_m), -(-k // cfg.tile_n)
+    tiles = tiles_m * tiles_n
+    if parts > 1 and (work.numel() < parts * tiles * cfg.tile_m * cfg.tile_n or
+                      flags.numel() < tiles or bool(flags[:tiles].any())):  # fmt: skip
+        raise AssertionError("the split needs parts x tiles workspace slots and zero flags")
+    slots = work[: parts * tiles * cfg.tile_m * cfg.tile_n] if parts > 1 else None
+    slots = slots.view(parts * tiles, cfg.tile_m, cfg.tile_n) if parts > 1 else None
     box_b = filter_box_dgrad if dgrad else filter_box
-    for m0 in range(0, m_rows, cfg.tile_m):
-        for n0 in range(0, k, cfg.tile_n):
-            acc = torch.zeros(cfg.tile_m, cfg.tile_n, dtype=torch.float64)
-            for kt, kt_b in zip(range(k_tiles), b_tiles):
-                cb, tap = k_tile_coords(kt, c_blocks, taps)
-                a = im2col_box(x, geometry, m0, cfg.tile_m, tap, cb * cfg.tile_k, cfg.tile_k)
-                cb_b, tap_b = k_tile_coords(kt_b, c_blocks, taps)
-                b = box_b(w, n0, cfg.tile_n, tap_b, cb_b * cfg.tile_k, cfg.tile_k)
-                acc += a @ b.T
-            if bias is not None:
-                cols = torch.arange(n0, n0 + cfg.tile_n).clamp(max=bias.shape[0] - 1)
-                acc += bias[cols].double()[None, :]
-            rows, width = min(cfg.tile_m, m_rows - m0), min(cfg.tile_n, k - n0)
-            y[m0 : m0 + rows, n0 : n0 + width] = acc[:rows, :width].to(y.dtype)
+    for unit in order if order is not None else range(tiles * parts):
+        tile, part = unit % tiles, unit // tiles
+        m0, n0 = (tile % tiles_m) * cfg.tile_m, (tile // tiles_m) * cfg.tile_n
+        k0 = part * per
+        count = min(k0 + per, k_tiles) - k0
+        b_tiles = dgrad_b_k_tiles(k_tiles, c_blocks, k0, count) if dgrad else range(k0, k0 + count)
+        acc = torch.zeros(cfg.tile_m, cfg.tile_n, dtype=torch.float64)
+        for kt, kt_b in zip(range(k0, k0 + count), b_tiles):
+            cb, tap = k_tile_coords(kt, c_blocks, taps)
+            a = im2col_box(x, geometry, m0, cfg.tile_m, tap, cb * cfg.tile_k, cfg.tile_k)
+            cb_b, tap_b = k_tile_coords(kt_b, c_blocks, taps)
+            b = box_b(w, n0, cfg.tile_n, tap_b, cb_b * cfg.tile_k, cfg.tile_k)
+            acc += a @ b.T
+        if parts > 1:
+            slots[part * tiles + tile] = acc.to(slots.dtype)
+            flags[tile] += 1
+            if int(flags[tile]) < parts:
+                continue
+            flags[tile] = 0
+            acc = sum(slots[p * tiles + tile].double() for p in range(parts))
+        if bias is not None:
+            cols = torch.arange(n0, n0 + cfg.tile_n).clamp(max=bias.shape[0] - 1)
+            acc += bias[cols].double()[None, :]
+        rows, width = min(cfg.tile_m, m_rows - m0), min(cfg.tile_n, k - n0)
+        y[m0 : m0 + rows, n0 : n0 + width] = acc[:rows, :width].to(y.dtype)
 
 
-def compiled(params) -> Callable[..., None]:
-    """A stand-in for the compiled function of compile key `params`."""
+def compiled(params, order_seed: int | None = None) -> Callable[..., None]:
+    """A stand-in for the compiled function of compile key `params` (`order_seed`: a split's
+    units run in a random order, as a GPU may)."""
     cfg = ConvConfig.from_params(dict(params))
 
-    def fn(x, w, y, bias, *args):
-        geometry_args, _max_clusters = args[:12], args[12]
+    def fn(x, w, y, bias, work, flags, *args):
+        geometry_args, per_split, _max_clusters = args[:12], args[12], args[13]
+        if (work is not None) != cfg.split or (flags is not None) != cfg.split:
+            raise AssertionError("the workspace and flags go with a split configuration")
         g = Geometry(
             filter=tuple(w.shape[1:4]),
             pad_lo=tuple(geometry_args[0:3]),
@@ -167,7 +196,18 @@ def compiled(params) -> Callable[..., None]:
         for name, t in (("x", x), ("w", w), ("y", y)):
             if any(st % 8 for st in t.stride()[:-1]):
                 raise AssertionError(f"{name}'s strides {t.stride()} are not 16-byte multiples")
-        run(x, w, y, bias, g, cfg, dgrad=bool(dict(params).get("dgrad", False)))
+        split = None
+        if cfg.split:
+            order = None
+            if order_seed is not None:
+                c_blocks = -(-x.shape[-1] // cfg.tile_k)
+                k_tiles = c_blocks * w.shape[1] * w.shape[2] * w.shape[3]
+                tiles = -(-y.shape[0] // cfg.tile_m) * -(-y.shape[1] // cfg.tile_n)
+                units = tiles * -(-k_tiles // per_split)
+                gen = torch.Generator().manual_seed(order_seed)
+                order = torch.randperm(units, generator=gen).tolist()
+            split = (per_split, work, flags, order)
+        run(x, w, y, bias, g, cfg, bool(dict(params).get("dgrad", False)), split)
 
     return fn
 
@@ -189,7 +229,8 @@ def wgrad_run(dy, x, dw, work, flags, geometry: Geometry, cfg, per_split: int, o
         raise AssertionError(f"the walk visits {x.shape[0]}x{z}x{p}x{q} pixels, dy has {m_rows}")
     tm, tn, box = cfg.tile_m, cfg.tile_n, 64
     boxes, c_boxes = tn // box, -(-c // box)
-    tiles_m, c_tiles = -(-k // tm), -(-c // tn)
+    cm = cfg.cluster_m  # K tiles padded to whole clusters (a tile past K stores nothing)
+    tiles_m, c_tiles = -(-k // (tm * cm)) * cm, -(-c // tn)
     tiles = tiles_m * c_tiles * taps[0] * taps[1] * taps[2]
     k_tiles = -(-m_rows // box)
     splits = -(-k_tiles // per_split)
@@ -219,7 +260,7 @@ def wgrad_run(dy, x, dw, work, flags, geometry: Geometry, cfg, per_split: int, o
                 continue
             flags[tile] = 0
             acc = sum(slots[s * tiles + tile].double() for s in range(splits))
-        rows = min(tm, k - tile_m * tm)
+        rows = max(0, min(tm, k - tile_m * tm))
         cols = min(tn, c - c_tile * tn)
         t, r, s = tap
         dst = dw[tile_m * tm : tile_m * tm + rows, t, r, s, c_tile * tn : c_tile * tn + cols]
@@ -250,7 +291,8 @@ def compiled_wgrad(params, order_seed: int | None = None) -> Callable[..., None]
         order = None
         if order_seed is not None:
             k_tiles = -(-dy.shape[0] // 64)
-            tiles = (-(-dw.shape[0] // cfg.tile_m)) * (-(-dw.shape[-1] // cfg.tile_n))
+            cm = cfg.cluster_m
+            tiles = -(-dw.shape[0] // (cfg.tile_m * cm)) * cm * -(-dw.shape[-1] // cfg.tile_n)
             ctas = tiles * dw.shape[1] * dw.shape[2] * dw.shape[3] * -(-k_tiles // per_split)
             gen = torch.Generator().manual_seed(order_seed)
             order = torch.randperm(ctas, generator=gen).tolist()

@@ -32,6 +32,14 @@ Geometry (padding below / above, stride, dilation, per D, H, W) arrives as run-t
 only the TMA descriptor depends on it, so one compiled kernel serves every layer. The filter
 extents come from W's shape.
 
+Split over the reduction (`per_split` k-tiles per part, a run-time value; one part: the whole
+reduction): a problem of few output tiles (3x3 on 7 x 7 maps, 1x1 with a long C: a third of the
+chip busy) cuts each tile's k-tiles into parts, scheduled as tiles of their own (the static
+schedule's N axis is (split, N tile), split slowest, so the CTAs of a cluster along M share
+their part); each part parks its fp32 accumulator and the last of a tile's parts sums them in
+part order and runs the epilogue (kernels/common/sm90/splitk.py: deterministic, no waiting).
+Not with cluster_n > 1 (its CTAs would straddle parts).
+
 Data-gradient mode (`dgrad`, docs/conv/NOTES.md): the same kernel computes a phase of the data
 gradient, dX_phase = conv(dY, W flipped, channels swapped), reading W (K, T, R, S, C) itself (a
 strided view that names the phase's taps), no filter copy: B is W seen as (C, (K, S, R, T)),
@@ -60,6 +68,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
+from forgekernel.kernels.common.sm90 import splitk
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY, THREADS_PER_WG
 from forgekernel.kernels.common.sm90.pipeline import (
@@ -93,6 +102,8 @@ class ConvFpropSm90:
             raise ValueError(f"epi_n must be 32 or 64 and divide tile_n, got {config.epi_n}")
         if config.cluster_m * config.cluster_n > 4:
             raise ValueError("a cluster holds at most 4 CTAs here")
+        if config.split and config.cluster_n > 1:
+            raise ValueError("a split reduction runs without im2col multicast (cluster_n = 1)")
         if dgrad and bias:
             raise ValueError("the data-gradient mode takes no bias")
         self.cfg = config
@@ -165,6 +176,8 @@ class ConvFpropSm90:
         mW: cute.Tensor,
         mY: cute.Tensor,
         mBias: cute.Tensor | None,
+        mWork: cute.Tensor | None,
+        mFlags: cute.Tensor | None,
         pad_lo_d: cutlass.Int32,
         pad_lo_h: cutlass.Int32,
         pad_lo_w: cutlass.Int32,
@@ -177,11 +190,15 @@ class ConvFpropSm90:
         dil_d: cutlass.Int32,
         dil_h: cutlass.Int32,
         dil_w: cutlass.Int32,
+        per_split: cutlass.Int32,
         max_active_clusters: cutlass.Int32,
         stream: cuda.CUstream,
     ):
         """mX (N, D, H, W, C), mW (K, T, R, S, C), mY (N x Z x P x Q, K), mBias (K,) or None
-        (as compiled). Padding below / above, stride and dilation per (D, H, W)."""
+        (as compiled). Padding below / above, stride and dilation per (D, H, W). Split
+        (`config.split`): `per_split` k-tiles per part, mWork fp32 (>= parts x tiles x tile_m x
+        tile_n,) and mFlags int32 (>= tiles,) zero (left zero); otherwise None, None and any
+        per_split."""
         self._setup(mX.element_type)
         geometry = (
             (pad_lo_d, pad_lo_h, pad_lo_w),
@@ -223,13 +240,24 @@ class ConvFpropSm90:
 
         tiles_m = cute.ceil_div(mY.shape[0], self.cfg.tile_m)
         tiles_n = cute.ceil_div(mY.shape[1], self.cfg.tile_n)
+        k_tiles = c_blocks * taps[0] * taps[1] * taps[2]
+        parts = cutlass.Int32(1)
+        if cutlass.const_expr(self.cfg.split):
+            parts = cute.ceil_div(k_tiles, per_split)
+        else:
+            per_split = k_tiles
+        # the N axis of the schedule: (N tile, part), the part slowest
         schedule = StaticSchedule(
-            (tiles_m, tiles_n), self.cluster_shape_mn, self.cfg.swizzle, self.cfg.raster_along_m
+            (tiles_m, tiles_n * parts),
+            self.cluster_shape_mn,
+            self.cfg.swizzle,
+            self.cfg.raster_along_m,
         )
 
         @cute.struct
         class SharedStorage:
             ab_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            split_last: cute.struct.MemRange[cutlass.Int32, 2]
             sA: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(self.sA_layout)], 1024
             ]
@@ -255,7 +283,8 @@ class ConvFpropSm90:
             self.sB_layout,
             self.sC_layout,
             schedule,
-            c_blocks,
+            (c_blocks, per_split, parts),
+            (mWork, mFlags),
         ).launch(
             grid=schedule.grid(max_active_clusters),
             block=[self.threads_per_cta, 1, 1],
@@ -281,8 +310,11 @@ class ConvFpropSm90:
         sB_layout: cute.ComposedLayout,
         sC_layout: cute.ComposedLayout,
         schedule: StaticSchedule,
-        c_blocks: cutlass.Int32,
+        k_walk: tuple,
+        split_io: tuple,
     ):
+        """`k_walk`: (channel blocks per tap, k-tiles per part, parts); `split_io`: the split's
+        (workspace, flags) or (None, None)."""
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -319,6 +351,9 @@ class ConvFpropSm90:
         gB = cute.local_tile(mB, (self.cfg.tile_n, tiler_k), (None, None))
         gC = cute.local_tile(mC, (self.cfg.tile_m, self.cfg.tile_n), (None, None))
         k_tiles = cute.size(gA, mode=[3])
+        c_blocks, per_split, parts = k_walk
+        # (k-tiles, k-tiles per part, N tiles): a unit's part and its k-tiles (`_unit`)
+        units = (k_tiles, per_split, cute.size(gC, mode=[3]))
 
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         thr_mma = tiled_mma.get_slice((wg_idx - 1) * THREADS_PER_WG)
@@ -347,11 +382,23 @@ class ConvFpropSm90:
                 )
                 load_a = (tma_a, tAgA, tAsA, a_mask)
                 load_b = (tma_b, tBgB, tBsB, b_mask)
-                self._produce(load_a, load_b, ab_pipe, schedule, (k_tiles, c_blocks))
+                self._produce(load_a, load_b, ab_pipe, schedule, (units, c_blocks))
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             mma = (tiled_mma, tCrA, tCrB, acc)
-            self._consume(tidx, warp_idx, mma, ab_pipe, sC, gC, tma_c, mBias, schedule, k_tiles)
+            split = (*split_io, storage.split_last.get_tensor(cute.make_layout(2)), parts)
+            out = (sC, gC, tma_c, mBias)
+            self._consume(tidx, warp_idx, mma, ab_pipe, out, schedule, (units, split))
+
+    @cute.jit
+    def _unit(self, tile_ns, units):
+        """A work unit's (N tile, part, first k-tile, k-tiles) from its schedule column
+        `tile_ns` = part x N tiles + N tile."""
+        k_tiles, per_split, tiles_n = units
+        tile_n = tile_ns % tiles_n
+        part = tile_ns // tiles_n
+        k0 = part * per_split
+        return tile_n, part, k0, cutlass.min(k0 + per_split, k_tiles) - k0
 
     @cute.jit
     def _produce(self, load_a, load_b, ab_pipe, schedule, k_walk):
@@ -359,17 +406,20 @@ class ConvFpropSm90:
         `k_walk`: (k-tiles, channel blocks per tap)."""
         tma_a, tAgA, tAsA, a_mask = load_a
         tma_b, tBgB, tBsB, b_mask = load_b
-        k_tiles, c_blocks = k_walk
+        units, c_blocks = k_walk
         prod = producer_state(self.stages)
         sched = StaticScheduler(schedule)
         work = sched.first()
         while sched.valid(work):
-            tile_m, tile_n = sched.tile(work)
+            tile_m, tile_ns = sched.tile(work)
+            tile_n, _, k0, count = self._unit(tile_ns, units)
             # B's k-tile: kt itself, or with the taps reversed (dgrad) the channel block cb of
-            # tap (taps - 1 - j) for A's (cb, j): `tap_b` counts down one tap per c_blocks.
-            cb = cutlass.Int32(0)
-            tap_b = k_tiles - c_blocks
-            for kt in range(k_tiles):
+            # tap (taps - 1 - j) for A's (cb, j): `tap_b` counts down one tap per c_blocks,
+            # from the part's first k-tile k0 = (j0, cb0).
+            cb = k0 % c_blocks
+            tap_b = units[0] - c_blocks - (k0 - cb)
+            for i in range(count):
+                kt = k0 + i
                 kt_b = kt
                 if cutlass.const_expr(self.dgrad):
                     kt_b = tap_b + cb
@@ -399,9 +449,14 @@ class ConvFpropSm90:
         ab_pipe.producer_tail(prod)
 
     @cute.jit
-    def _consume(self, tidx, warp_idx, mma, ab_pipe, sC, gC, tma_c, mBias, schedule, k_tiles):
-        """The consumer warpgroups: each tile's mainloop, the bias, then the epilogue."""
+    def _consume(self, tidx, warp_idx, mma, ab_pipe, out, schedule, k_split):
+        """The consumer warpgroups: each unit's mainloop; split, the part parked and, by the
+        tile's last part, all of them summed; then the bias and the epilogue. `out`: (sC, gC,
+        the store atom, bias); `k_split`: (units, (workspace, flags, the shared flag, parts))."""
         tiled_mma, tCrA, tCrB, acc = mma
+        sC, gC, tma_c, mBias = out
+        units, (mWork, mFlags, s_last, parts) = k_split
+        tiles = cute.size(gC, mode=[2]) * units[2]
         epi_barrier = named_barrier(Bar.EPILOGUE, self.num_mma_threads)
         read = consumer_state(self.stages)
         release = consumer_state(self.stages)
@@ -432,16 +487,30 @@ class ConvFpropSm90:
         sched = StaticScheduler(schedule)
         work = sched.first()
         while sched.valid(work):
-            tile_m, tile_n = sched.tile(work)
+            tile_m, tile_ns = sched.tile(work)
             work = sched.next(work)
             read, release, tiled_mma = self._mainloop(
-                k_tiles, tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release
+                self._unit(tile_ns, units)[3], tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release
             )
-            if cutlass.const_expr(self.bias):
-                self._add_bias(acc, cols, mBias, tile_n)
-            gC_tile = gC[(None, None, tile_m, tile_n)]
-            self._epilogue(gC_tile, tma_c, sC, epi, warp_idx, tiles_done)
-            tiles_done += 1
+            tile_n, part, _, _ = self._unit(tile_ns, units)
+            last = cutlass.Boolean(True)
+            if cutlass.const_expr(self.cfg.split):
+                if parts > 1:
+                    thread = tidx - THREADS_PER_WG
+                    tile = tile_n * cute.size(gC, mode=[2]) + tile_m
+                    where = (part * tiles + tile, tile, parts)
+                    threads = self.num_mma_threads
+                    last = splitk.park(
+                        acc, mWork, mFlags, where, threads, thread, epi_barrier, s_last
+                    )
+                    if last:
+                        splitk.sum_parts(acc, mWork, (tile, tiles, parts), threads, thread)
+            if last:
+                if cutlass.const_expr(self.bias):
+                    self._add_bias(acc, cols, mBias, tile_n)
+                gC_tile = gC[(None, None, tile_m, tile_n)]
+                self._epilogue(gC_tile, tma_c, sC, epi, warp_idx, tiles_done)
+                tiles_done += 1
         store_pipe.producer_tail()
 
     @cute.jit

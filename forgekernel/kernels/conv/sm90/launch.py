@@ -3,9 +3,11 @@ compile cache. Callers validate first (`forgekernel.ops.conv`) and hand over cha
 views: x (N, D, H, W, C), w (K, T, R, S, C), y (N, Z, P, Q, K) (a 2-D convolution has D = Z =
 T = 1).
 
-- `fprop`: one launch of the forward kernel. C or K not a multiple of 8 (16-byte rows) run
-  zero-padded (zero channels add nothing; extra output channels are dropped), and an output
-  the kernel cannot write in place (not compact, or padded) goes through a scratch buffer.
+- `fprop`: one launch of the forward kernel, its tile and split (the reduction cut into parts
+  for problems of few tiles) from `config.choose_plan`. C or K not a multiple of 8 (16-byte
+  rows) run zero-padded (zero channels add nothing; extra output channels are dropped), and an
+  output the kernel cannot write in place (not compact, or padded) goes through a scratch
+  buffer. A split's fp32 partials and per-tile flags are the stream's stream-K workspace.
 - `dgrad`: the data gradient as stride-1 forward convolutions of dy, one per output phase
   (`geometry.dgrad_phases`), on the kernel's data-gradient mode: it reads W (K, T, R, S, C)
   itself through a strided view naming the phase's taps (N-major, taps reversed in the kernel),
@@ -28,9 +30,11 @@ import torch
 from forgekernel.kernels.conv.sm90 import SPEC, WGRAD_SPEC
 from forgekernel.kernels.conv.sm90.config import (
     CHANNEL_ALIGN,
+    K_TILE,
     NUM_SMS_H100_H200,
     ConvConfig,
-    choose_config,
+    SplitPlan,
+    choose_plan,
     params_for,
 )
 from forgekernel.kernels.conv.sm90.geometry import Geometry, Phase, dgrad_phases
@@ -45,12 +49,26 @@ def _round_up(x: int) -> int:
     return -(-x // CHANNEL_ALIGN) * CHANNEL_ALIGN
 
 
-def _choose(dtype, bias, m, k, c, device_index, config, dgrad) -> tuple[tuple, int]:
+def _choose(dtype, bias, m, k, c, taps, device_index, config, dgrad):
+    """(compile key, clusters of the persistent grid, the SplitPlan) of one launch. `config`:
+    None (chosen), a ConvConfig (a split one cut into FORCED_PARTS parts) or a SplitPlan."""
     sms = num_sms(device_index) if device_index is not None else NUM_SMS_H100_H200
-    cfg = config or choose_config(m, k, c, sms)
-    # one CTA per SM (the pipeline takes nearly all shared memory)
+    if config is None:
+        plan = choose_plan(m, k, c, taps, sms)
+    elif isinstance(config, SplitPlan):
+        plan = config
+    else:
+        k_tiles = -(-c // K_TILE) * taps
+        per = -(-k_tiles // min(FORCED_PARTS, k_tiles)) if config.split else k_tiles
+        tiles = -(-m // config.tile_m) * -(-k // config.tile_n)
+        plan = SplitPlan(config, per, -(-k_tiles // per), tiles)
+    cfg = plan.config
     params = params_for(dtype_name(dtype), bias, cfg, dgrad=dgrad)
-    return params, sms // (cfg.cluster_m * cfg.cluster_n)
+    # one CTA per SM (the pipeline takes nearly all shared memory)
+    return params, sms // (cfg.cluster_m * cfg.cluster_n), plan
+
+
+FORCED_PARTS = 3  # a split configuration asked for by name cuts its reduction this many ways
 
 
 _plans = PlanCache()
@@ -97,10 +115,11 @@ def fprop(
     bias: torch.Tensor | None,
     y: torch.Tensor,
     geometry: Geometry,
-    config: ConvConfig | None = None,
+    config: ConvConfig | SplitPlan | None = None,
 ) -> None:
     """y = conv(x, w) (+ bias) written into y (any (N, Z, P, Q, K) view); x, w, bias (K,) alike
-    16-bit on one device; the geometry's descriptor problem checked by the caller."""
+    16-bit on one device; the geometry's descriptor problem checked by the caller. `config`:
+    the tile (and split) to use, chosen when None."""
     _launch(x, w, bias, y, geometry, config, dgrad=False)
 
 
@@ -128,12 +147,16 @@ def _launch(x, w, bias, y, geometry: Geometry, config, dgrad: bool) -> None:
         bias = _channels_padded(bias, kp)
     in_place = kp == k and y.is_contiguous() and tma_ready(y)
     y2 = y.view(m, k) if in_place else y.new_empty(m, kp)
-    params, max_clusters = _plans.get_or_build(
-        (x.dtype, bias is not None, m, kp, cp, x.device.index, config, dgrad), _choose
+    taps = w.shape[1] * w.shape[2] * w.shape[3]
+    params, max_clusters, plan = _plans.get_or_build(
+        (x.dtype, bias is not None, m, kp, cp, taps, x.device.index, config, dgrad), _choose
     )
     fn = get_kernel(SPEC, params)
+    work = flags = None
+    if plan.config.split:
+        work, flags = stream_k_workspace(x.device, plan.tiles, plan.workspace_floats)
     with on_device(x.device):
-        fn(x, w, y2, bias, *geometry.kernel_args(), max_clusters)
+        fn(x, w, y2, bias, work, flags, *geometry.kernel_args(), plan.per_split, max_clusters)
     if not in_place:
         y.copy_(y2[:, :k].reshape(y.shape))
 
@@ -163,7 +186,7 @@ def dgrad(
     w: torch.Tensor,
     dx: torch.Tensor,
     geometry: Geometry,
-    config: ConvConfig | None = None,
+    config: ConvConfig | SplitPlan | None = None,
 ) -> None:
     """dx (N, D, H, W, C) = the data gradient at dy (N, Z, P, Q, K) of the convolution with w
     (K, T, R, S, C) and `geometry`, one stride-1 forward convolution per output phase, each a

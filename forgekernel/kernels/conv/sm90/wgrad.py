@@ -29,8 +29,15 @@ parks its fp32 accumulator and the last of the tile's parts sums them in split o
 their splits' pixel ranges: A's and B's boxes come from L2 for all the tiles (dY and X read
 from HBM about once a wave, not once a tile).
 
+The im2col TMA delivers about 128 pixel rows per 0.8 us to an SM (config.IM2COL_ROWS_128): B's
+tile_n rows per k-tile would hold a 128-row tile to half speed. A 2x1 cluster (cluster_m = 2)
+shares them: the two CTAs of a cluster are two K tiles of one (tap, channel tile) and split,
+each loads half of every B box and multicasts it to both (the GEMM's B multicast), so a CTA
+takes tile_n / 2 rows per k-tile. The grid's K tiles are then padded to even: a CTA past K
+loads zero rows of A, stores nothing and parks a zero part of a tile nobody stores.
+
 Warp roles, pipelines and registers are the GEMM's (producer warp 0 of warpgroup 0, setmaxnreg
-40; tile_m / 64 consumer warpgroups, 232). No clusters, one tile per CTA.
+40; tile_m / 64 consumer warpgroups, 232). One tile per CTA.
 
 Constraints: C and K multiples of 8, 16-byte aligned bases (the launcher pads); tile_n a
 multiple of 64; dY (M, K) row-major with M = N x Z x P x Q in the im2col walk's order.
@@ -69,8 +76,10 @@ class ConvWgradSm90(GemmSm90):
     """The weight gradient on the dense GEMM's kernel; see the module docstring."""
 
     def __init__(self, config: GemmConfig):
-        if config.cluster_m * config.cluster_n != 1 or config.stream_k or config.a_rows:
-            raise ValueError("the weight gradient runs without clusters, stream K or a_rows")
+        if config.cluster_m not in (1, 2) or config.cluster_n != 1:
+            raise ValueError("the weight gradient's clusters are 1x1 or 2x1 (B multicast)")
+        if config.stream_k or config.a_rows:
+            raise ValueError("the weight gradient runs without stream K or a_rows")
         if config.tile_n % BOX_CHANNELS:
             raise ValueError(f"tile_n must be a multiple of {BOX_CHANNELS}, got {config.tile_n}")
         super().__init__(config)
@@ -143,6 +152,7 @@ class ConvWgradSm90(GemmSm90):
             geometry,
             cute.slice_(self.sB_box_layout, (None, None, 0)),
             (cfg.tile_k, BOX_CHANNELS),
+            self.mcast_b,
         )
         # D: W (K, T, R, S, C) as (K, (C, S, R, T)), a tile tile_n channels of one tap
         mC = cute.make_tensor(mW.iterator, cute.select(mW.layout, mode=[0, 4, 3, 2, 1]))
@@ -154,7 +164,8 @@ class ConvWgradSm90(GemmSm90):
             (cfg.tile_m, (cfg.epi_n,)),
         )
 
-        tiles_m = cute.ceil_div(mW.shape[0], cfg.tile_m)
+        # K tiles, padded to whole clusters
+        tiles_m = cute.ceil_div(mW.shape[0], cfg.tile_m * cfg.cluster_m) * cfg.cluster_m
         c_tiles = cute.ceil_div(mW.shape[4], cfg.tile_n)  # channel tiles per tap
         tiles = tiles_m * c_tiles * taps[0] * taps[1] * taps[2]
         k_tiles = cute.ceil_div(mDY.shape[0], cfg.tile_k)
@@ -188,6 +199,7 @@ class ConvWgradSm90(GemmSm90):
         ).launch(
             grid=(tiles, splits, 1),
             block=[self.threads_per_cta, 1, 1],
+            cluster=(cfg.cluster_m, 1, 1),
             min_blocks_per_mp=1,
             stream=stream,
         )
@@ -218,16 +230,26 @@ class ConvWgradSm90(GemmSm90):
             cpasync.prefetch_descriptor(tma_b)
             cpasync.prefetch_descriptor(tma_c)
 
+        # a 2x1 cluster: the CTAs of two K tiles, B multicast to both
+        cluster = (self.cfg.cluster_m, 1)
+        cta_layout_mnk = cute.make_layout((*cluster, 1))
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_coord = cta_layout_mnk.get_flat_coord(cta_rank)
+        b_mask = 0
+        if cutlass.const_expr(self.mcast_b > 1):
+            b_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=0)
+
         storage = SmemAllocator().allocate(self.shared_storage)
         stage_bytes = (self.cfg.tile_m + self.cfg.tile_n) * self.cfg.tile_k * self.a_dtype.width
+        # each consumer warp releases a stage to every CTA that multicast into it
         ab_pipe = tma_pipeline(
             storage.ab_barriers,
             self.stages,
             stage_bytes // 8,
-            self.num_mma_threads // 32,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            self.mcast_b * (self.num_mma_threads // 32),
+            cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
         )
-        init_arrive()
+        init_arrive(cluster)
 
         sA = smem_tensor(storage.sA, sA_layout)
         sB = smem_tensor(storage.sB, sB_layout)
@@ -240,7 +262,7 @@ class ConvWgradSm90(GemmSm90):
         gC = cute.local_tile(mC, (self.cfg.tile_m, (self.cfg.tile_n,)), (None, None))
         acc = cute.make_rmem_tensor(thr_mma.partition_C(gC[None, None, 0, 0]).shape, self.acc_dtype)
 
-        init_wait()
+        init_wait(cluster)
 
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -256,10 +278,11 @@ class ConvWgradSm90(GemmSm90):
                 )
                 # (pixels, channels, pixel k-tiles, (64-channel blocks, S, R, T))
                 gB = cute.local_tile(mB, (self.cfg.tile_k, (BOX_CHANNELS,)), (None, None))
+                # each CTA of a cluster loads its share of a box, multicast to both
                 tBsB, tBgB = cpasync.tma_partition(
                     tma_b,
-                    0,
-                    cute.make_layout(1),
+                    cluster_coord[0],
+                    cute.make_layout(self.cfg.cluster_m),
                     cute.group_modes(smem_tensor(storage.sB, sB_box_layout), 0, 2),
                     cute.group_modes(gB, 0, 2),
                 )
@@ -268,7 +291,8 @@ class ConvWgradSm90(GemmSm90):
                 c_tile = tile_n % c_tiles
                 tap = tile_n // c_tiles
                 where = (c_tile * self.boxes, c_boxes, tap * c_boxes, (k0, count))
-                self._produce_wgrad((tma_a, tAgA, tAsA), (tma_b, tBgB, tBsB), ab_pipe, where)
+                b_src = (tma_b, tBgB, tBsB, b_mask)
+                self._produce_wgrad((tma_a, tAgA, tAsA), b_src, ab_pipe, where)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             read = consumer_state(self.stages)
@@ -314,7 +338,7 @@ class ConvWgradSm90(GemmSm90):
         `where`: (first box, 64-channel blocks, the tap's first flat block index, (first
         k-tile, k-tiles))."""
         tma_a, tAgA, tAsA = load_a
-        tma_b, tBgB, tBsB = load_b
+        tma_b, tBgB, tBsB, b_mask = load_b
         first_box, c_boxes, tap_base, (k0, count) = where
         prod = producer_state(self.stages)
         for i in range(count):
@@ -329,6 +353,7 @@ class ConvWgradSm90(GemmSm90):
                     tBgB[(None, kt, block)],
                     tBsB[(None, prod.index * self.boxes + j)],
                     tma_bar_ptr=bar,
+                    mcast_mask=b_mask,
                 )
             ab_pipe.producer_commit(prod)
             prod.advance()
