@@ -343,3 +343,51 @@ def test_a_split_reduction_is_the_convolution_and_its_gradient(monkeypatch, per_
     launch.dgrad(_cl5(dy), _cl5(w), dx, g, cfg)  # split variant: FORCED_PARTS parts a phase
     assert _close(dx, _cl5(dx_want))
     launch._plans.clear()
+
+
+@pytest.mark.parametrize(
+    "c, f, pad, stride, dil, pad_hi",
+    [
+        (3, (1, 7, 7), (0, 3, 3), (1, 2, 2), (1, 1, 1), None),  # ResNet's stem
+        (5, (1, 3, 2), (0, 1, 0), (1, 1, 2), (1, 2, 1), (0, 2, 1)),  # asymmetric padding
+        (16, (1, 2, 2), (0, 0, 0), (1, 1, 1), (1, 1, 1), None),
+    ],
+)
+def test_few_channels_run_as_a_1x1_convolution_of_the_im2col(monkeypatch, c, f, pad, stride, dil,
+                                                             pad_hi):  # fmt: skip
+    """C padded to at most 16 with 4 or more taps (2-D): the forward and the weight gradient
+    launch their kernels once each on the explicit im2col, R x S x C channels (rounded up to 8)
+    through a 1x1 geometry, and give the convolution and its weight gradient."""
+    seen = []
+
+    def get_kernel(spec, params):
+        model = emulate.stand_in(spec, params)
+
+        def fn(*args):
+            seen.append((spec.name, args[1].shape[-1], args[2].shape))
+            return model(*args)
+
+        return fn
+
+    launch._plans.clear()
+    launch._wgrad_plans.clear()
+    monkeypatch.setattr(launch, "get_kernel", get_kernel)
+    g = _geometry(f, pad, stride, dil, pad_hi)
+    x = torch.randn(2, c, 1, 13, 12, dtype=F64)
+    w = torch.randn(24, c, *f, dtype=F64, requires_grad=True)
+    bias = torch.randn(24, dtype=F64)
+    want = _torch_conv(x, w, bias, g)
+    y = torch.full(_cl5(want).shape, float("nan"), dtype=F64)
+    launch.fprop(_cl5(x), _cl5(w.detach()), bias, y, g)
+    assert _close(y, _cl5(want))
+    dy = torch.randn_like(want)
+    (dw_want,) = torch.autograd.grad(want, w, dy)
+    dw = torch.full(_cl5(w).shape, float("nan"), dtype=F64)
+    launch.wgrad(_cl5(dy), _cl5(x), dw, g)
+    assert _close(dw, _cl5(dw_want))
+    width = -(-(f[1] * f[2] * c) // 8) * 8
+    assert [(name, ch) for name, ch, _ in seen] == [
+        ("conv_fprop_sm90", width),
+        ("conv_wgrad_sm90", width),
+    ]
+    assert seen[0][2][1] == 24 and tuple(seen[1][2][1:4]) == (1, 1, 1)  # y (M, K); dw 1x1

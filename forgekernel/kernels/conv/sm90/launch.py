@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 
 from forgekernel.kernels.conv.sm90 import SPEC, WGRAD_SPEC
 from forgekernel.kernels.conv.sm90.config import (
@@ -119,8 +120,69 @@ def fprop(
 ) -> None:
     """y = conv(x, w) (+ bias) written into y (any (N, Z, P, Q, K) view); x, w, bias (K,) alike
     16-bit on one device; the geometry's descriptor problem checked by the caller. `config`:
-    the tile (and split) to use, chosen when None."""
+    the tile (and split) to use, chosen when None. A 2-D convolution of few input channels and
+    several taps (the stem's C = 3, 7x7) runs as a 1x1 one over its explicit im2col
+    (`few_channels`)."""
+    if few_channels(x, w, geometry):
+        cols, one = _im2col(x, geometry, tuple(y.shape[1:4]))
+        _launch(cols, _taps_as_channels(w, cols.shape[-1]), bias, y, one, config, dgrad=False)
+        return
     _launch(x, w, bias, y, geometry, config, dgrad=False)
+
+
+# A 2-D convolution with at most this many input channels (padded to 8) and at least
+# FEW_CHANNELS_TAPS taps runs on its im2col: each k-tile of 64 channels of one tap would carry
+# 8 (C = 3) useful ones, 49 k-tiles for the stem's 7x7 where its im2col has 3.
+FEW_CHANNELS = 16
+FEW_CHANNELS_TAPS = 4
+
+
+def few_channels(x: torch.Tensor, w: torch.Tensor, geometry: Geometry) -> bool:
+    """Whether the convolution of x (N, D, H, W, C) with w (K, T, R, S, C) takes the explicit
+    im2col (2-D only: D = T = 1)."""
+    if x.numel() == 0 or w.numel() == 0:  # nothing to unfold (the launchers' empty cases)
+        return False
+    taps = w.shape[1] * w.shape[2] * w.shape[3]
+    flat = x.shape[1] == 1 and w.shape[1] == 1
+    return flat and _round_up(x.shape[-1]) <= FEW_CHANNELS and taps >= FEW_CHANNELS_TAPS
+
+
+def _im2col(x: torch.Tensor, geometry: Geometry, out_dhw) -> tuple[torch.Tensor, Geometry]:
+    """x (N, 1, H, W, C) as its windows (N, 1, P, Q, R x S x C rounded up to 8), taps in (r, s)
+    order with the channels fastest (W's (K, T, R, S, C) order), zero padding and zero tail
+    channels, and the 1x1 geometry that convolves them. torch's unfold (one launch), a permuted
+    copy into the padded buffer and the tail's fill: three launches, no host sync."""
+    n, _, h, w_, c = x.shape
+    _, p, q = out_dhw
+    (_, r, s_), lo, hi = geometry.filter, geometry.pad_lo, geometry.pad_hi
+    planes = x[:, 0].permute(0, 3, 1, 2)  # (N, C, H, W), a view
+    if lo[1:] != hi[1:]:
+        planes = F.pad(planes, (lo[2], hi[2], lo[1], hi[1]))
+        pad = (0, 0)
+    else:
+        pad = lo[1:]
+    unf = F.unfold(
+        planes, (r, s_), dilation=geometry.dilation[1:], padding=pad, stride=geometry.stride[1:]
+    )  # (N, C x R x S, P x Q), channels slowest
+    width = r * s_ * c
+    cols = x.new_empty(n, 1, p, q, _round_up(width))
+    cols[..., :width].view(n, p * q, r * s_, c).copy_(
+        unf.view(n, c, r * s_, p * q).permute(0, 3, 2, 1)
+    )
+    if cols.shape[-1] > width:
+        cols[..., width:].zero_()
+    one = Geometry((1, 1, 1), (0, 0, 0), (0, 0, 0))
+    return cols, one
+
+
+def _taps_as_channels(w: torch.Tensor, channels: int) -> torch.Tensor:
+    """w (K, 1, R, S, C) as the 1x1 filter (K, 1, 1, 1, `channels`) of its im2col: R x S x C
+    channels in memory order, zero past them."""
+    k = w.shape[0]
+    flat = w.reshape(k, -1)
+    out = w.new_zeros(k, 1, 1, 1, channels)
+    out.view(k, channels)[:, : flat.shape[1]].copy_(flat)
+    return out
 
 
 def _launch(x, w, bias, y, geometry: Geometry, config, dgrad: bool) -> None:
@@ -231,6 +293,20 @@ def wgrad(
     if m == 0 or dw.numel() == 0:
         dw.zero_()
         return
+    if few_channels(x, dw, geometry):  # the stem: the 1x1 weight gradient over the im2col
+        cols, one = _im2col(x, geometry, tuple(dy.shape[1:4]))
+        dw_cols = dw.new_empty(k, 1, 1, 1, cols.shape[-1])
+        _wgrad_launch(dy, cols, dw_cols, one, plan)
+        width = dw.shape[2] * dw.shape[3] * c
+        dw.copy_(dw_cols.view(k, -1)[:, :width].view(dw.shape))
+        return
+    _wgrad_launch(dy, x, dw, geometry, plan)
+
+
+def _wgrad_launch(dy, x, dw, geometry: Geometry, plan) -> None:
+    """One launch of the weight-gradient kernel (`wgrad`'s arguments, dw not empty)."""
+    k, c = dw.shape[0], dw.shape[-1]
+    m = dy.numel() // k
     cp, kp = _round_up(c), _round_up(k)
     x = _channels_padded(x, cp)
     dy2 = _channels_padded(dy.reshape(m, k), kp)
