@@ -28,6 +28,7 @@ from forgekernel.kernels.conv.sm90.config import (
     occupancy,
     params_for,
     split_cost,
+    split_tiles,
 )
 from forgekernel.kernels.conv.sm90.geometry import Geometry, dgrad_geometry_problem, dgrad_phases
 
@@ -317,23 +318,26 @@ def test_launcher_plans_per_problem(model_kernel):
     assert ConvConfig.from_params(model_kernel[1]) == NARROW
 
 
+@pytest.mark.parametrize("cluster_m", [1, 2])
 @pytest.mark.parametrize("per_split", [1, 3, 5])
-def test_a_split_reduction_is_the_convolution_and_its_gradient(monkeypatch, per_split):
+def test_a_split_reduction_is_the_convolution_and_its_gradient(monkeypatch, per_split, cluster_m):
     """Forward (bias) and data gradient (the reversed B walk started mid-tap: K = 72 is two
     channel blocks, 3 and 5 k-tiles per part start parts at odd blocks) with the reduction cut
-    into parts, run in a random order, parked in fp32 and summed by the last one to arrive."""
+    into parts, run in a random order, parked in fp32 and summed by the last one to arrive; with
+    2x1 clusters, M's tiles (an odd number) padded: the tile past M parks parts of its own."""
     seeds = iter(range(100))
     monkeypatch.setattr(
         launch, "get_kernel", lambda spec, params: emulate.compiled(params, next(seeds))
     )
     launch._plans.clear()
-    cfg = replace(SMALL_TILES, split=True)
+    cfg = replace(SMALL_TILES, split=True, cluster_m=cluster_m)
     g = _geometry((1, 3, 3), (0, 1, 1), (1, 2, 2))
     x = torch.randn(2, 24, 1, 11, 9, dtype=F64, requires_grad=True)
     w, bias = torch.randn(72, 24, 1, 3, 3, dtype=F64), torch.randn(72, dtype=F64)
     want = _torch_conv(x, w, bias, g)
-    m, k_tiles = want[:, 0].numel(), 9  # 24 channels: one block; 9 taps
-    plan = SplitPlan(cfg, per_split, -(-k_tiles // per_split), -(-m // 64) * -(-72 // 64))
+    m, k_tiles = want[:, 0].numel(), 9  # 60 pixels: one M tile; 24 channels: one block; 9 taps
+    plan = SplitPlan(cfg, per_split, -(-k_tiles // per_split), split_tiles(cfg, m, 72))
+    assert plan.tiles == 2 * cluster_m
     y = torch.full(_cl5(want).shape, float("nan"), dtype=F64)
     launch.fprop(_cl5(x.detach()), _cl5(w), bias, y, g, plan)
     assert _close(y, _cl5(want))

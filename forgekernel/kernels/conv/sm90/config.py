@@ -136,6 +136,13 @@ def split_cost(
     return waves * (per * k_tile + park + epilogue) + parts * park, per, parts
 
 
+def split_tiles(cfg: ConvConfig, m: int, n: int) -> int:
+    """The flags a split needs: output tiles with M's padded to whole clusters (the schedule's
+    last cluster may hold a tile past M: it parks a part of its own)."""
+    cm = cfg.cluster_m
+    return _ceil(_ceil(m, cfg.tile_m), cm) * cm * _ceil(n, cfg.tile_n)
+
+
 def choose_plan(m: int, n: int, c: int, taps: int = 1, num_sms: int = NUM_SMS_H100_H200):
     """The forward (or data-gradient phase) launch for M output pixels, N output channels, C
     input channels and `taps` filter taps: the standard tile and split of the least
@@ -144,7 +151,7 @@ def choose_plan(m: int, n: int, c: int, taps: int = 1, num_sms: int = NUM_SMS_H1
     best = None
     for cfg in BASE_CONFIGS:
         tiles_mn = (_ceil(m, cfg.tile_m), _ceil(n, cfg.tile_n))
-        tiles = tiles_mn[0] * tiles_mn[1]
+        tiles = split_tiles(cfg, m, n)
         limit = min(MAX_PARTS, max(1, k_tiles // MIN_PER_PART))
         limit = min(limit, max(1, MAX_WORKSPACE // (tiles * cfg.tile_m * cfg.tile_n)))
         for want in range(1, limit + 1):

@@ -134,7 +134,9 @@ def run(x, w, y, bias, geometry: Geometry, cfg: ConvConfig, dgrad: bool = False,
     k_tiles = c_blocks * taps[0] * taps[1] * taps[2]
     per, work, flags, order = split or (k_tiles, None, None, None)
     parts = -(-k_tiles // per)
-    tiles_m, tiles_n = -(-m_rows // cfg.tile_m), -(-k // cfg.tile_n)
+    # M tiles padded to whole clusters: a tile past M reads zeros, stores nothing (kernel.py)
+    cm = cfg.cluster_m
+    tiles_m, tiles_n = -(-m_rows // (cfg.tile_m * cm)) * cm, -(-k // cfg.tile_n)
     tiles = tiles_m * tiles_n
     if parts > 1 and (work.numel() < parts * tiles * cfg.tile_m * cfg.tile_n or
                       flags.numel() < tiles or bool(flags[:tiles].any())):  # fmt: skip
@@ -165,7 +167,7 @@ def run(x, w, y, bias, geometry: Geometry, cfg: ConvConfig, dgrad: bool = False,
         if bias is not None:
             cols = torch.arange(n0, n0 + cfg.tile_n).clamp(max=bias.shape[0] - 1)
             acc += bias[cols].double()[None, :]
-        rows, width = min(cfg.tile_m, m_rows - m0), min(cfg.tile_n, k - n0)
+        rows, width = max(0, min(cfg.tile_m, m_rows - m0)), min(cfg.tile_n, k - n0)
         y[m0 : m0 + rows, n0 : n0 + width] = acc[:rows, :width].to(y.dtype)
 
 
@@ -202,7 +204,8 @@ def compiled(params, order_seed: int | None = None) -> Callable[..., None]:
             if order_seed is not None:
                 c_blocks = -(-x.shape[-1] // cfg.tile_k)
                 k_tiles = c_blocks * w.shape[1] * w.shape[2] * w.shape[3]
-                tiles = -(-y.shape[0] // cfg.tile_m) * -(-y.shape[1] // cfg.tile_n)
+                cm = cfg.cluster_m
+                tiles = -(-y.shape[0] // (cfg.tile_m * cm)) * cm * -(-y.shape[1] // cfg.tile_n)
                 units = tiles * -(-k_tiles // per_split)
                 gen = torch.Generator().manual_seed(order_seed)
                 order = torch.randperm(units, generator=gen).tolist()

@@ -456,7 +456,11 @@ class ConvFpropSm90:
         tiled_mma, tCrA, tCrB, acc = mma
         sC, gC, tma_c, mBias = out
         units, (mWork, mFlags, s_last, parts) = k_split
-        tiles = cute.size(gC, mode=[2]) * units[2]
+        # M tiles padded to whole clusters: the schedule's last cluster may hold a tile past M
+        # (it loads zeros and stores nothing), whose split parts need a flag of their own
+        cm = self.cfg.cluster_m
+        tiles_m = cute.ceil_div(cute.size(gC, mode=[2]), cm) * cm
+        tiles = tiles_m * units[2]
         epi_barrier = named_barrier(Bar.EPILOGUE, self.num_mma_threads)
         read = consumer_state(self.stages)
         release = consumer_state(self.stages)
@@ -497,7 +501,7 @@ class ConvFpropSm90:
             if cutlass.const_expr(self.cfg.split):
                 if parts > 1:
                     thread = tidx - THREADS_PER_WG
-                    tile = tile_n * cute.size(gC, mode=[2]) + tile_m
+                    tile = tile_n * tiles_m + tile_m
                     where = (part * tiles + tile, tile, parts)
                     threads = self.num_mma_threads
                     last = splitk.park(

@@ -37,6 +37,7 @@ from forgekernel.kernels.conv.sm90.config import (
     SplitPlan,
     choose_plan,
     params_for,
+    split_tiles,
 )
 from forgekernel.kernels.conv.sm90.geometry import Geometry, Phase, dgrad_phases
 from forgekernel.kernels.conv.sm90.wgrad_config import WgradPlan, choose_wgrad, wgrad_params
@@ -61,8 +62,7 @@ def _choose(dtype, bias, m, k, c, taps, device_index, config, dgrad):
     else:
         k_tiles = -(-c // K_TILE) * taps
         per = -(-k_tiles // min(FORCED_PARTS, k_tiles)) if config.split else k_tiles
-        tiles = -(-m // config.tile_m) * -(-k // config.tile_n)
-        plan = SplitPlan(config, per, -(-k_tiles // per), tiles)
+        plan = SplitPlan(config, per, -(-k_tiles // per), split_tiles(config, m, k))
     cfg = plan.config
     params = params_for(dtype_name(dtype), bias, cfg, dgrad=dgrad)
     # one CTA per SM (the pipeline takes nearly all shared memory)
