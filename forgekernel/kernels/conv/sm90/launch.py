@@ -7,7 +7,9 @@ T = 1).
   for problems of few tiles) from `config.choose_plan`. C or K not a multiple of 8 (16-byte
   rows) run zero-padded (zero channels add nothing; extra output channels are dropped), and an
   output the kernel cannot write in place (not compact, or padded) goes through a scratch
-  buffer. A split's fp32 partials and per-tile flags are the stream's stream-K workspace.
+  buffer. A split's fp32 partials and per-tile flags are the stream's stream-K workspace. A
+  2-D convolution of few channels (the stem) runs as a 1x1 one over its im2col
+  (`few_channels`), in the forward and the weight gradient.
 - `dgrad`: the data gradient as stride-1 forward convolutions of dy, one per output phase
   (`geometry.dgrad_phases`), on the kernel's data-gradient mode: it reads W (K, T, R, S, C)
   itself through a strided view naming the phase's taps (N-major, taps reversed in the kernel),
@@ -16,7 +18,7 @@ T = 1).
   fill of dx where two or more are).
 - `wgrad`: one launch of the weight-gradient kernel (wgrad.py: the dense GEMM's kernel with
   dY^T and the im2col of x as operands, the N x Z x P x Q reduction split over CTAs and summed
-  in split order by the last part); tile and split from `config.choose_wgrad`, the fp32
+  in split order by the last part); tile and split from `wgrad_config.choose_wgrad`, the fp32
   partials and per-tile flags in the stream's stream-K workspace (the dense GEMM launcher's:
   reused across calls, a capture's own when it needs a bigger one).
 """
