@@ -395,3 +395,23 @@ def test_few_channels_run_as_a_1x1_convolution_of_the_im2col(monkeypatch, c, f, 
         ("conv_wgrad_sm90", width),
     ]
     assert seen[0][2][1] == 24 and tuple(seen[1][2][1:4]) == (1, 1, 1)  # y (M, K); dw 1x1
+
+
+def test_one_plane_padded_in_depth_is_not_the_2d_im2col(model_kernel):
+    """conv3d of a single input plane (D = T = 1) padded in depth has Z = 3 output planes: not
+    the few-channel path (its im2col makes one plane; on the device the kernel would read the
+    next image's windows into planes 1 and 2), the implicit GEMM for both the forward and the
+    weight gradient."""
+    g = _geometry((1, 3, 3), (1, 1, 1))
+    x = torch.randn(2, 3, 1, 7, 6, dtype=F64)
+    w = torch.randn(8, 3, 1, 3, 3, dtype=F64, requires_grad=True)
+    want = _torch_conv(x, w, None, g)
+    assert want.shape[2] == 3 and not launch.few_channels(_cl5(x), _cl5(w), g)
+    y = torch.full(_cl5(want).shape, float("nan"), dtype=F64)
+    launch.fprop(_cl5(x), _cl5(w.detach()), None, y, g)
+    assert _close(y, _cl5(want))
+    dy = torch.randn_like(want)
+    (dw_want,) = torch.autograd.grad(want, w, dy)
+    dw = torch.full(_cl5(w).shape, float("nan"), dtype=F64)
+    launch.wgrad(_cl5(dy), _cl5(x), dw, g)
+    assert _close(dw, _cl5(dw_want))

@@ -141,11 +141,12 @@ FEW_CHANNELS_TAPS = 4
 
 def few_channels(x: torch.Tensor, w: torch.Tensor, geometry: Geometry) -> bool:
     """Whether the convolution of x (N, D, H, W, C) with w (K, T, R, S, C) takes the explicit
-    im2col (2-D only: D = T = 1)."""
+    im2col (2-D only: D = T = 1 and one output plane; a conv3d of one input plane padded in
+    depth has Z > 1 output planes, which the 2-D im2col does not make)."""
     if x.numel() == 0 or w.numel() == 0:  # nothing to unfold (the launchers' empty cases)
         return False
     taps = w.shape[1] * w.shape[2] * w.shape[3]
-    flat = x.shape[1] == 1 and w.shape[1] == 1
+    flat = x.shape[1] == 1 and w.shape[1] == 1 and geometry.output((1, 1, 1))[0] == 1
     return flat and _round_up(x.shape[-1]) <= FEW_CHANNELS and taps >= FEW_CHANNELS_TAPS
 
 
