@@ -415,3 +415,23 @@ def test_one_plane_padded_in_depth_is_not_the_2d_im2col(model_kernel):
     dw = torch.full(_cl5(w).shape, float("nan"), dtype=F64)
     launch.wgrad(_cl5(dy), _cl5(x), dw, g)
     assert _close(dw, _cl5(dw_want))
+
+
+def test_one_split_plan_for_every_phase_is_sized_per_phase(model_kernel):
+    """A SplitPlan given to the data gradient serves every phase (4, 2, 2 and 1 taps at 3x3
+    stride 2): each launch's parts and tiles are counted for its own phase, so the workspace
+    is big enough for each (the model checks the size; a fresh workspace here)."""
+    from forgekernel.kernels.gemm.dense.sm90 import launch as gemm_launch
+
+    gemm_launch._WORKSPACES.clear()
+    g = _geometry((1, 3, 3), (0, 1, 1), (1, 2, 2))
+    x = torch.randn(2, 24, 1, 11, 9, dtype=F64, requires_grad=True)
+    w = torch.randn(72, 24, 1, 3, 3, dtype=F64)
+    want = _torch_conv(x, w, None, g)
+    dy = torch.randn_like(want)
+    (dx_want,) = torch.autograd.grad(want, x, dy)
+    plan = SplitPlan(replace(SMALL_TILES, split=True), per_split=1, parts=1, tiles=1)
+    dx = torch.full(_cl5(x).shape, float("nan"), dtype=F64)
+    launch.dgrad(_cl5(dy), _cl5(w), dx, g, plan)
+    assert _close(dx, _cl5(dx_want))
+    gemm_launch._WORKSPACES.clear()

@@ -149,8 +149,9 @@ def test_launcher_gives_the_weight_gradient(model_kernel, n, c, k, size, g):
 
 def test_launcher_splits_and_reuses_its_workspace(model_kernel):
     """A forced split over a long reduction: the same workspace and flags on every call (no
-    allocation, no fill per call), left zero by each launch; dw written in place."""
-    n, c, k, size, g = 4, 16, 24, (1, 16, 16), _geometry((1, 3, 3), (0, 1, 1))
+    allocation, no fill per call), left zero by each launch; dw written in place. C = 24:
+    the implicit GEMM (C <= 16 would take the few-channel path, another problem)."""
+    n, c, k, size, g = 4, 24, 24, (1, 16, 16), _geometry((1, 3, 3), (0, 1, 1))
     x, dy, want = _problem(n, c, k, size, g)
     plan = WgradPlan(WGRAD_SMALL, per_split=3, parts=6, tiles=9)
     for _ in range(3):
@@ -161,6 +162,19 @@ def test_launcher_splits_and_reuses_its_workspace(model_kernel):
     assert {per for *_, per in model_kernel} == {3}
     work, flags = next(iter(gemm_launch._WORKSPACES.values()))
     assert not flags.any() and work.numel() >= 6 * 9 * 64 * 64
+
+
+def test_a_given_plan_is_sized_for_the_problem(model_kernel):
+    """A plan's splits and tiles are what the kernel counts (the workspace and flags are sized
+    by them): a plan made for another problem (here one split and one tile) still gets a
+    workspace its kernel does not write past (the model checks the size)."""
+    n, c, k, size, g = 4, 24, 24, (1, 16, 16), _geometry((1, 3, 3), (0, 1, 1))
+    x, dy, want = _problem(n, c, k, size, g)
+    dw = torch.full(want.shape, float("nan"), dtype=F64)
+    launch.wgrad(dy, x, dw, g, WgradPlan(WGRAD_SMALL, per_split=3, parts=1, tiles=1))
+    assert _close(dw, want)
+    work, flags = next(iter(gemm_launch._WORKSPACES.values()))
+    assert work.numel() >= 6 * 9 * 64 * 64 and flags.numel() >= 9
 
 
 def test_the_chooser_fills_the_chip_within_its_limits():

@@ -42,7 +42,12 @@ from forgekernel.kernels.conv.sm90.config import (
     split_tiles,
 )
 from forgekernel.kernels.conv.sm90.geometry import Geometry, Phase, dgrad_phases
-from forgekernel.kernels.conv.sm90.wgrad_config import WgradPlan, choose_wgrad, wgrad_params
+from forgekernel.kernels.conv.sm90.wgrad_config import (
+    WgradPlan,
+    choose_wgrad,
+    wgrad_params,
+    wgrad_tiles,
+)
 from forgekernel.kernels.gemm.dense.sm90.launch import stream_k_workspace
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms, on_device, tma_ready
@@ -59,11 +64,16 @@ def _choose(dtype, bias, m, k, c, taps, device_index, config, dgrad):
     sms = num_sms(device_index) if device_index is not None else NUM_SMS_H100_H200
     if config is None:
         plan = choose_plan(m, k, c, taps, sms)
-    elif isinstance(config, SplitPlan):
-        plan = config
     else:
+        given = config.per_split if isinstance(config, SplitPlan) else None
+        config = config.config if isinstance(config, SplitPlan) else config
         k_tiles = -(-c // K_TILE) * taps
-        per = -(-k_tiles // min(FORCED_PARTS, k_tiles)) if config.split else k_tiles
+        per = k_tiles
+        if config.split:
+            per = given or -(-k_tiles // min(FORCED_PARTS, k_tiles))
+        # parts and tiles as the kernel counts them for this problem: the workspace and flags
+        # are sized by them (a plan made for another problem, e.g. one SplitPlan for every
+        # phase of a data gradient, would have the kernel write past its workspace)
         plan = SplitPlan(config, per, -(-k_tiles // per), split_tiles(config, m, k))
     cfg = plan.config
     params = params_for(dtype_name(dtype), bias, cfg, dgrad=dgrad)
@@ -276,7 +286,12 @@ _wgrad_plans = PlanCache()
 
 def _wgrad_plan(dtype, k, c, taps, pixels, device_index, plan) -> tuple[tuple, WgradPlan]:
     sms = num_sms(device_index) if device_index is not None else NUM_SMS_H100_H200
-    plan = plan or choose_wgrad(k, c, taps, pixels, sms)
+    if plan is None:
+        plan = choose_wgrad(k, c, taps, pixels, sms)
+    else:  # its splits and tiles as the kernel counts them (the workspace's size)
+        k_tiles = -(-pixels // K_TILE)
+        splits = -(-k_tiles // plan.per_split)
+        plan = WgradPlan(plan.config, plan.per_split, splits, wgrad_tiles(plan.config, k, c, taps))
     return wgrad_params(dtype_name(dtype), plan.config), plan
 
 
