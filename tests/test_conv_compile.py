@@ -1,13 +1,20 @@
-"""The convolution forward kernel compiles for sm_90a on a CPU machine: the activations load
-through the im2col TMA (UTMALDG.5D.IM2COL), the multiply-adds are HGMMA, nothing spills (no
-local memory). Two builds: the representative (bias, 128x128, weight multicast over a 2x1
-cluster) and the largest accumulator (128x256)."""
+"""The convolution kernels compile for sm_90a on a CPU machine, nothing spills (no local memory)
+and their shared memory fits.
+
+Forward (five builds): the activations load through the im2col TMA (UTMALDG.5D.IM2COL), the
+multiply-adds are HGMMA; the representative (bias, 128x128, weight multicast over a 2x1
+cluster), the largest accumulator (128x256), the data-gradient mode (W N-major: `.tnspB`), a
+split reduction with the largest accumulator and bias, the data-gradient mode split (the
+parts counted with a global atomic).
+Weight gradient (every standard tile): A = dY^T through a tiled TMA, B = the im2col boxes, both
+read transposed by WGMMA (`.tnspA.tnspB`), the split's flag counted with a global atomic."""
 
 from __future__ import annotations
 
 import os
 import re
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,29 +22,75 @@ import pytest
 pytest.importorskip("cutlass")
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-from forgekernel.kernels.conv.sm90 import SPEC  # noqa: E402
-from forgekernel.kernels.conv.sm90.config import LARGE, params_for  # noqa: E402
+from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY  # noqa: E402
+from forgekernel.kernels.conv.sm90 import SPEC, WGRAD_SPEC, wgrad_compile  # noqa: E402
+from forgekernel.kernels.conv.sm90 import compile as fprop_compile  # noqa: E402
+from forgekernel.kernels.conv.sm90.config import LARGE, NARROW, SQUARE, params_for  # noqa: E402
+from forgekernel.kernels.conv.sm90.wgrad_config import WGRAD_CONFIGS, wgrad_params  # noqa: E402
 from forgekernel.runtime.resources import find_tool, inspect_cubin  # noqa: E402
 
 
-@pytest.mark.parametrize(
-    "params",
-    [SPEC.representative_params(), params_for("float16", False, LARGE)],
-    ids=["representative", "128x256"],
-)
-def test_builds_with_im2col_tma_hgmma_and_no_spills(params, tmp_path):
-    compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {tmp_path}")
+def _build(spec, params, module, kernel_class: str, tmp_path, monkeypatch):
+    """(SASS, resources, the kernel object: its shared storage) of one build."""
+    made = []
+    real = getattr(module, kernel_class)
+
+    def keep(*args, **kw):
+        made.append(real(*args, **kw))
+        return made[-1]
+
+    monkeypatch.setattr(module, kernel_class, keep)
+    compiled = spec.compile(params, f"--keep-cubin --dump-dir {tmp_path}")
     cubin = compiled.artifacts.CUBIN
     path = Path(tmp_path) / "conv.cubin"
     path.write_bytes(cubin if isinstance(cubin, bytes) else Path(cubin).read_bytes())
     found = inspect_cubin(path)
     if found["registers"] is None:
         pytest.skip("cuobjdump not installed")
-    assert found["spill_bytes"] == 0
     nvdisasm = find_tool("nvdisasm")
     if nvdisasm is None:
         pytest.skip("nvdisasm not installed")
     sass = subprocess.run([nvdisasm, "-c", str(path)], capture_output=True, text=True).stdout
+    return sass, found, made[-1]
+
+
+def _no_spills_and_fits(sass, found, kernel):
+    assert found["spill_bytes"] == 0
+    assert not re.search(r"\b(LDL|STL)\b", sass)
+    assert kernel.shared_storage.size_in_bytes() <= SMEM_CAPACITY
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SPEC.representative_params(),
+        params_for("float16", False, LARGE),
+        params_for("bfloat16", False, SQUARE, dgrad=True),
+        params_for("bfloat16", True, replace(LARGE, split=True)),
+        params_for("float16", False, replace(NARROW, split=True), dgrad=True),
+    ],
+    ids=["representative", "128x256", "dgrad", "128x256-split-bias", "dgrad-128x64-split"],
+)
+def test_forward_builds_with_im2col_tma_hgmma_and_no_spills(params, tmp_path, monkeypatch):
+    sass, found, kernel = _build(
+        SPEC, params, fprop_compile, "ConvFpropSm90", tmp_path, monkeypatch
+    )
+    _no_spills_and_fits(sass, found, kernel)
     assert re.search(r"UTMALDG\.5D\.IM2COL", sass)
     assert "HGMMA" in sass and "UTMASTG" in sass
-    assert not re.search(r"\b(LDL|STL)\b", sass)
+    # the data-gradient mode reads W N-major: WGMMA's transposed B
+    assert ("tnspB" in sass) == dict(params)["dgrad"]
+    # a split counts its parts in the tile's flag
+    assert bool(re.search(r"\bATOMG?\.E\.ADD", sass)) == dict(params)["split"]
+
+
+@pytest.mark.parametrize("cfg", WGRAD_CONFIGS, ids=lambda c: f"{c.tile_m}x{c.tile_n}")
+def test_wgrad_builds_every_tile_without_spills(cfg, tmp_path, monkeypatch):
+    params = wgrad_params("bfloat16", cfg)
+    sass, found, kernel = _build(
+        WGRAD_SPEC, params, wgrad_compile, "ConvWgradSm90", tmp_path, monkeypatch
+    )
+    _no_spills_and_fits(sass, found, kernel)
+    assert re.search(r"UTMALDG\.5D\.IM2COL", sass) and re.search(r"UTMALDG\.2D", sass)
+    assert re.search(r"HGMMA\.64x\d+x16\.F32\.BF16 \S+, gdesc\[\w+\]\.tnspA\.tnspB", sass)
+    assert "UTMASTG" in sass and re.search(r"\bATOMG?\.E\.ADD", sass)

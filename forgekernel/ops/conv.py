@@ -19,6 +19,7 @@ with `conv_wgrad` and the bias gradient as dy summed over batch and space (fp32,
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -105,6 +106,22 @@ def _spatial3(shape: Sequence[int], dims: int) -> tuple[int, int, int]:
     return (1,) * (3 - dims) + tuple(shape[2:])
 
 
+def _cached(check):
+    """`check` (a pure function of hashable geometry arguments) cached for eager calls, which
+    ask the same on every call; called plainly where torch.compile traces (it would warn about
+    the cache wrapper)."""
+    cached = functools.lru_cache(maxsize=1024)(check)
+
+    def call(*args):
+        return check(*args) if torch.compiler.is_compiling() else cached(*args)
+
+    return call
+
+
+_descriptor_problem = _cached(Geometry.descriptor_problem)
+_dgrad_problem = _cached(dgrad_geometry_problem)
+
+
 def _check_geometry(geometry: Geometry, in_shape, dims: int, what: str) -> tuple[int, ...]:
     """The output's spatial extents (`dims` of them); errors for a window that never fits and
     for what the im2col TMA cannot encode."""
@@ -115,7 +132,7 @@ def _check_geometry(geometry: Geometry, in_shape, dims: int, what: str) -> tuple
             f"{geometry.filter[3 - dims :]} (dilation {geometry.dilation[3 - dims :]}) even with "
             f"padding: the output would be empty"
         )
-    problem = geometry.descriptor_problem()
+    problem = _descriptor_problem(geometry)
     if problem:
         raise ValueError(f"unsupported convolution geometry: {problem}")
     if in_shape[0] * math.prod(out) > INT32_MAX:
@@ -175,7 +192,7 @@ def _validate_dgrad(dy, w, x_shape, stride, padding, dilation, groups, out, dims
     geometry = _geometry(dims, w.shape[2:], stride, padding, dilation)
     out_spatial = _check_geometry(geometry, x_shape, dims, "x_shape")
     _check_grad_out(dy, (x_shape[0], w.shape[0], *out_spatial))
-    problem = dgrad_geometry_problem(geometry, _spatial3(x_shape, dims), _spatial3(dy.shape, dims))
+    problem = _dgrad_problem(geometry, _spatial3(x_shape, dims), _spatial3(dy.shape, dims))
     if problem:
         raise ValueError(f"unsupported convolution geometry: {problem}")
     _check_out(out, x_shape, dy)
@@ -491,9 +508,9 @@ def conv2d_wgrad(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """dw (w_shape, channels-last, or written into `out`) = the weight gradient of
-    conv2d(x, w) at dy (N, K, P, Q): what `torch.nn.grad.conv2d_weight` computes. Interim: an
-    explicit im2col and the dense GEMM kernel until the weight-gradient kernel lands
-    (kernels/conv/sm90/launch.py)."""
+    conv2d(x, w) at dy (N, K, P, Q): what `torch.nn.grad.conv2d_weight` computes. An
+    implicit GEMM over the N x P x Q output pixels, split over CTAs and summed in a fixed
+    order (bitwise repeatable; kernels/conv/sm90/wgrad.py)."""
     return _wgrad_api(dy, x, w_shape, stride, padding, dilation, groups, out, dims=2)
 
 

@@ -38,9 +38,32 @@ def tma_ready(t: torch.Tensor) -> bool:
 
 
 def as_tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """An input: `t` itself when TMA can read it in place, else a compact aligned copy (never
-    misread)."""
-    return t if tma_ready(t) else t.clone(memory_format=torch.contiguous_format)
+    """An input: `t` itself when TMA can read it in place, the same memory with its size-1
+    dims' strides made 16-byte multiples when only those were off, else a compact aligned copy
+    (never misread)."""
+    if tma_ready(t):
+        return t
+    restrided = _unit_dims_restrided(t)
+    if restrided is not None and tma_ready(restrided):
+        return restrided
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _unit_dims_restrided(t: torch.Tensor) -> torch.Tensor | None:
+    """`t` as a view whose size-1 dims take the stride a compact layout gives them (the next
+    inner dim's stride x size): a size-1 dim's stride addresses nothing, but the compiled
+    kernels declare every stride a 16-byte multiple (torch leaves e.g. a (K, C, 1, 1) weight,
+    channels-last by both definitions, with unit strides there). None when there is no size-1
+    dim to fix."""
+    sizes, strides = t.shape, list(t.stride())
+    if 1 not in sizes[:-1]:
+        return None
+    inner = 1
+    for i in range(t.dim() - 1, -1, -1):
+        if sizes[i] == 1:
+            strides[i] = inner
+        inner = strides[i] * sizes[i]
+    return t.as_strided(sizes, strides, t.storage_offset())
 
 
 def tma_target(t: torch.Tensor, *, contiguous: bool = False) -> torch.Tensor:

@@ -1,13 +1,15 @@
 """Convolution on the GPU against the fp64 references (issue 23): the forward kernel with every
 standard and candidate tile (cluster multicast included) on ragged problems, conv2d / conv3d
 with bias, padding "same", strides, dilation; the data gradient by output phase (strides 1, 2,
-3, dilation); the interim weight gradient; autograd end to end; CUDA graph capture (what the
-bench times); torch.compile; inputs in other layouts. Criterion: our error <= 2 x the error of
+3, dilation); the weight gradient; autograd end to end; CUDA graph capture (what the
+bench times); torch.compile; inputs in other layouts; the data-gradient mode and the
+weight-gradient kernel with every tile (and split). Criterion: our error <= 2 x the error of
 the same op by PyTorch (cuDNN) in the input dtype + 1e-3, outputs NaN-poisoned first."""
 
 from __future__ import annotations
 
 import importlib
+import math
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 
 from forgekernel.kernels.conv.sm90 import launch
 from forgekernel.kernels.conv.sm90.config import CANDIDATES, STANDARD_CONFIGS
+from forgekernel.kernels.conv.sm90.wgrad_config import WGRAD_CONFIGS
 from forgekernel.reference.conv import conv_dgrad_ref, conv_ref, conv_wgrad_ref
 
 pytestmark = pytest.mark.gpu
@@ -45,6 +48,54 @@ def test_every_tile_on_a_ragged_problem(cfg):
     assert_good(y, conv_ref(x, w, b, padding=1), F.conv2d(x, w, b, padding=1))
 
 
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("cfg", STANDARD_CONFIGS, ids=lambda c: c.tag())
+def test_dgrad_mode_every_tile(cfg, stride):
+    """The kernel's data-gradient mode (W read N-major through a strided view of the phase's
+    taps, taps reversed) with each standard tile: C = 200 output channels (a ragged N tile),
+    K = 72 (a part-filled channel block), 3x3 padding 1, 13 x 11 input (ragged phases)."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x_shape = (2, 200, 13, 11)
+    w = rnd(72, 200, 3, 3, gen=g)
+    kw = {"stride": stride, "padding": 1}
+    dy = rnd(*conv_ref(rnd(*x_shape, gen=g), w, **kw).shape, gen=g)
+    dx = torch.full(x_shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+    dx = dx.contiguous(memory_format=torch.channels_last)
+    geometry = op._geometry(2, (3, 3), stride, 1, 1)
+    launch.dgrad(op._as5d(dy), op._as5d(w), op._view5d(dx), geometry, cfg)
+    x = torch.empty(x_shape, device="cuda", dtype=torch.bfloat16)
+    assert_good(dx, conv_dgrad_ref(dy, w, x_shape, **kw), _torch_grads(dy, x, w, kw, "dx"))
+
+
+@pytest.mark.parametrize("cfg", WGRAD_CONFIGS, ids=lambda c: f"{c.tile_m}x{c.tile_n}")
+def test_wgrad_every_tile_and_split(cfg):
+    """The weight-gradient kernel with each tile, unsplit and split (the parts parked and
+    summed by the last): K = 136 (a ragged K tile), C = 200 (a ragged channel tile and, for
+    tile_n 256, a box past C), 3x3 stride 2 over 2 x 29 x 31 (463 pixels: a ragged k-tile);
+    twice, bitwise equal (the parts are summed in split order whatever order they finish)."""
+    from forgekernel.kernels.conv.sm90.wgrad_config import WgradPlan, wgrad_tiles
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x_shape, w_shape, kw = (2, 200, 29, 31), (136, 200, 3, 3), {"stride": 2, "padding": 1}
+    x = rnd(*x_shape, gen=g)
+    dy = rnd(*conv_ref(x, rnd(*w_shape, gen=g), **kw).shape, gen=g)
+    want = conv_wgrad_ref(dy, x, w_shape, **kw)
+    low = _torch_grads(dy, x, torch.empty(w_shape, device="cuda", dtype=x.dtype), kw, "dw")
+    tiles = wgrad_tiles(cfg, 136, 200, 9)
+    k_tiles = math.ceil(dy.numel() // 136 / 64)
+    geometry = op._geometry(2, (3, 3), 2, 1, 1)
+    for per_split in (k_tiles, 2, 1):
+        plan = WgradPlan(cfg, per_split, math.ceil(k_tiles / per_split), tiles)
+        runs = []
+        for _ in range(2):
+            dw = torch.full(w_shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+            dw = dw.contiguous(memory_format=torch.channels_last)
+            launch.wgrad(op._as5d(dy), op._as5d(x), op._view5d(dw), geometry, plan)
+            assert_good(dw, want, low)
+            runs.append(dw)
+        assert torch.equal(runs[0], runs[1])
+
+
 FORWARD = [
     ((1, 3, 17, 19), (5, 3, 3, 3), {"padding": 1}),
     ((2, 24, 13, 11), (40, 24, 5, 5), {"stride": 2, "padding": 2}),
@@ -56,6 +107,7 @@ FORWARD = [
     ((1, 8, 5, 7, 6), (16, 8, 3, 3, 3), {"padding": 1}),
     ((2, 24, 4, 9, 8), (40, 24, 1, 3, 3), {"stride": (1, 2, 2), "padding": (0, 1, 1)}),
     ((1, 128, 4, 16, 16), (128, 128, 3, 3, 3), {"padding": 1}),
+    ((2, 3, 1, 9, 8), (16, 3, 1, 3, 3), {"padding": 1}),  # one plane padded in depth: Z = 3
 ]
 
 
@@ -79,6 +131,8 @@ GRADIENTS = [
     ((2, 40, 9, 11), (24, 40, 3, 3), {"padding": 1}),
     ((4, 128, 28, 28), (256, 128, 3, 3), {"stride": 2, "padding": 1}),
     ((1, 8, 5, 6, 7), (16, 8, 3, 3, 3), {"stride": (1, 2, 2), "padding": 1}),
+    ((2, 3, 30, 30), (64, 3, 7, 7), {"stride": 2, "padding": 3}),  # the stem: the im2col path
+    ((2, 3, 1, 9, 8), (16, 3, 1, 3, 3), {"padding": 1}),  # not the stem's path: Z = 3 planes
 ]
 
 
@@ -123,13 +177,16 @@ def test_autograd_end_to_end():
     assert torch.allclose(b.grad.float(), dy.float().sum((0, 2, 3)), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("what", ["fwd", "dgrad_s2", "wgrad"])
+@pytest.mark.parametrize("what", ["fwd", "dgrad_s1", "dgrad_s2", "dgrad_1x1_s2", "wgrad"])
 def test_cuda_graph_capture_replays_the_eager_result(what):
     x, w = rnd(2, 64, 28, 28), rnd(128, 64, 3, 3)
-    dy = rnd(2, 128, 14, 14)
+    dy, dy1 = rnd(2, 128, 14, 14), rnd(2, 128, 28, 28)
+    w1 = rnd(128, 64, 1, 1)
     calls = {
         "fwd": lambda: op.conv2d(x, w, stride=2, padding=1),
+        "dgrad_s1": lambda: op.conv2d_dgrad(dy1, w, x.shape, padding=1),
         "dgrad_s2": lambda: op.conv2d_dgrad(dy, w, x.shape, stride=2, padding=1),
+        "dgrad_1x1_s2": lambda: op.conv2d_dgrad(dy, w1, x.shape, stride=2),
         "wgrad": lambda: op.conv2d_wgrad(dy, x, w.shape, stride=2, padding=1),
     }
     eager = calls[what]()

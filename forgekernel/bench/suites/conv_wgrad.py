@@ -3,10 +3,9 @@
 one at 64), the stride-2 downsampling layers, the stem (C = 3) and SD VAE decoder blocks
 (batch 8). Shared parts: `conv_layers`.
 
-INTERIM: until the weight-gradient kernel lands, `conv2d_wgrad` is an explicit im2col and the
-dense GEMM kernel (kernels/conv/sm90/launch.py), so the sources this suite's ledger keys on are
-the dense GEMM's; its figures measure that stand-in, not the kernel the bar asks for.
-Pending (bench/suites/__init__.py) until a device run checks it.
+Ours is the implicit-GEMM weight-gradient kernel (kernels/conv/sm90/wgrad.py: the dense GEMM's
+kernel with dY^T and the im2col of x as operands, split over the pixels); the first GPU check
+(2026-12-01) measured the interim explicit im2col + dense GEMM it replaced.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import torch
 
 from forgekernel.bench.suite import OpSuite
 from forgekernel.bench.suites import conv_layers as L
-from forgekernel.kernels.gemm.dense.sm90 import SPEC as GEMM_SPEC
+from forgekernel.kernels.conv.sm90 import WGRAD_SPEC
 
 BENCH_CASES = L.unique(
     (
@@ -45,7 +44,7 @@ SANITIZE_CASES = (CHECK_CASES[0], CHECK_CASES[2], CHECK_CASES[6])
 def suite() -> OpSuite:
     return OpSuite(
         name="conv_wgrad",
-        kernel_sources=GEMM_SPEC.sources,
+        kernel_sources=WGRAD_SPEC.sources,
         dtypes=(torch.bfloat16, torch.float16),
         check_cases=CHECK_CASES,
         bench_cases=BENCH_CASES,

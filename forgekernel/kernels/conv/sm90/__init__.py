@@ -1,5 +1,6 @@
-"""Implicit-GEMM convolution forward (conv2d / conv3d, channels-last), sm_90a. DSL-free
-declaration; the kernel itself is `kernel.py`, the geometry it is driven with `geometry.py`."""
+"""Implicit-GEMM convolution forward (conv2d / conv3d, channels-last) and, in its data-gradient
+mode, the phases of the data gradient, sm_90a. DSL-free declaration; the kernel itself is
+`kernel.py`, the geometry it is driven with `geometry.py`."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from forgekernel.kernels.conv.sm90.geometry import (
     Geometry,
     dgrad_geometry_problem,
 )
+from forgekernel.kernels.conv.sm90.wgrad_config import WGRAD_CONFIGS, wgrad_params
 from forgekernel.runtime.spec import KernelSpec, Params
 
 
@@ -28,12 +30,27 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    return [
+    forward = [
         params_for(dtype, bias, cfg)
         for dtype in DTYPES
         for bias in (False, True)
         for cfg in STANDARD_CONFIGS
     ]
+    # the data-gradient mode (W read N-major, taps reversed; no bias)
+    dgrad = [
+        params_for(dtype, False, cfg, dgrad=True) for dtype in DTYPES for cfg in STANDARD_CONFIGS
+    ]
+    return forward + dgrad
+
+
+def _compile_wgrad(params: Params, extra_options: str = ""):
+    from forgekernel.kernels.conv.sm90.wgrad_compile import compile_conv_wgrad
+
+    return compile_conv_wgrad(dict(params), "sm_90a", extra_options)
+
+
+def _wgrad_params() -> list[Params]:
+    return [wgrad_params(dtype, cfg) for dtype in DTYPES for cfg in WGRAD_CONFIGS]
 
 
 def _candidate_params() -> list[Params]:
@@ -54,10 +71,23 @@ SPEC = KernelSpec(
     candidate_params=_candidate_params,
     representative=_representative,
 )
+# The weight gradient (wgrad.py): the dense GEMM's kernel with dY^T and im2col(X) as operands,
+# split over the pixels; its own entry, so that its sources (and ledger) are its own.
+WGRAD_SPEC = KernelSpec(
+    name="conv_wgrad_sm90",
+    arch="sm_90a",
+    directory=Path(__file__).parent,
+    compile=_compile_wgrad,
+    standard_params=_wgrad_params,
+    entry=Path(__file__).parent / "wgrad_compile.py",
+)
+SPECS = [SPEC, WGRAD_SPEC]
 
 __all__ = [
     "INT32_MAX",
     "SPEC",
+    "SPECS",
+    "WGRAD_SPEC",
     "ConvConfig",
     "Geometry",
     "choose_config",

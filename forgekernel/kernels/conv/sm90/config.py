@@ -8,7 +8,8 @@ output channels and a reduction over C input channels x T x R x S filter taps; a
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
 
 from forgekernel.kernels.common.sm90.constants import DTYPE_NAMES, NUM_SMS_H100_H200
 
@@ -30,25 +31,30 @@ class ConvConfig:
     epi_n: int = 32  # epilogue sub-tile = (tile_m, epi_n)
     swizzle: int = 1  # raster group size, in clusters (L2 reuse)
     raster_along_m: bool = True
+    split: bool = False  # the reduction may be cut into parts (kernel.py; per_split at run time)
 
     def tag(self) -> str:
-        """Short name for tables: 128x128_c1x1_s0."""
-        return f"{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}_s{self.stages}"
+        """Short name for tables: 128x128_c1x1_s0 (split: _k)."""
+        tag = f"{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}_s{self.stages}"
+        return tag + ("_k" if self.split else "")
 
     @classmethod
     def from_params(cls, params: dict) -> ConvConfig:
         return cls(**{f.name: params[f.name] for f in fields(cls) if f.name in params})
 
 
-# Not yet measured (no GPU run of this leaf): the GEMM's figures (docs/gemm/NOTES.md) set the
-# starting points. 128x256 with the weight tile multicast over a 2x1 cluster is the GEMM's best
-# large tile; 128x128 keeps more SMs busy for K = 128 / 256 channels and small M; 128x64 serves
-# K = 64 (ResNet's first stage) without computing a half-empty tile.
+# Not yet measured per tile (the first GPU run, 2026-12-01, timed the chooser's picks only): the
+# GEMM's figures (docs/gemm/NOTES.md) set the starting points. 128x256 with the weight tile
+# multicast over a 2x1 cluster is the GEMM's best large tile; 128x128 keeps more SMs busy for
+# K = 128 / 256 channels and small M; 128x64 serves K = 64 (ResNet's first stage) without
+# computing a half-empty tile. Each has a split variant (kernel.py: the reduction cut into parts)
+# for problems of few tiles.
 LARGE = ConvConfig(tile_n=256, cluster_m=2)
 SQUARE = ConvConfig(tile_n=128, cluster_m=2)
 SMALL = ConvConfig(tile_n=128)
 NARROW = ConvConfig(tile_n=64)
-STANDARD_CONFIGS = (SQUARE, LARGE, SMALL, NARROW)
+BASE_CONFIGS = (SQUARE, LARGE, SMALL, NARROW)
+STANDARD_CONFIGS = BASE_CONFIGS + tuple(replace(c, split=True) for c in BASE_CONFIGS)
 CANDIDATES = (
     ConvConfig(tile_n=256),
     ConvConfig(tile_m=64, tile_n=128),
@@ -56,42 +62,125 @@ CANDIDATES = (
 )
 # Tile efficiency relative to LARGE at full occupancy (the GEMM's H200 figures, 8192^3 class).
 _EFFICIENCY = {LARGE: 1.0, SQUARE: 0.93, SMALL: 0.9, NARROW: 0.8}
+# The im2col TMA's rate (H200, 2026-12-01, inferred from every forward and data-gradient
+# figure): an SM receives about 128 pixel rows of 128 bytes per 0.75-0.8 us, twice the time of
+# a 128x128 k-tile's multiply-adds at full speed (0.4 us). So a tile's speed is bounded by the
+# multiply-adds per im2col row, tile_n x 64 x 2: 128x256 tiles ran at 620-690 TFLOP/s, 128x128
+# at 360 (conv3d C = 128 -> K = 128), 128x64 at 160-200, whatever M was. In units of a 128x128
+# k-tile at full speed, 128 rows cost:
+IM2COL_ROWS_128 = 2.0
+MAX_PARTS = 16  # a split's parts (the last reads them all back)
+MIN_PER_PART = 2  # k-tiles
+MAX_WORKSPACE = 64 << 20  # fp32 partials (256 MB)
+K_TILE = 64  # the reduction's k-tile (channels of a tap; pixels for the weight gradient)
 
 
-def params_for(dtype: str, bias: bool, cfg: ConvConfig) -> tuple:
-    """The compile key's baked-in part, as a sorted tuple of (name, value)."""
-    return tuple(sorted({"dtype": dtype, "bias": bias, **asdict(cfg)}.items()))
+def params_for(dtype: str, bias: bool, cfg: ConvConfig, dgrad: bool = False) -> tuple:
+    """The compile key's baked-in part, as a sorted tuple of (name, value); `dgrad`: the
+    data-gradient mode (kernel.py: W read N-major, taps reversed; no bias)."""
+    key = {"dtype": dtype, "bias": bias, "dgrad": dgrad, **asdict(cfg)}
+    return tuple(sorted(key.items()))
 
 
 def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass(frozen=True)
+class SplitPlan:
+    """One launch of a kernel whose reduction may be split: its configuration, `per_split`
+    k-tiles per part, `parts` (1: unsplit) and `tiles` output tiles (a tile's parts share its
+    flag), and the fp32 partials of the workspace."""
+
+    config: Any
+    per_split: int
+    parts: int
+    tiles: int
+
+    @property
+    def workspace_floats(self) -> int:
+        if self.parts == 1:
+            return 4  # never read: a placeholder the compiled function takes
+        return self.parts * self.tiles * self.config.tile_m * self.config.tile_n
+
+
+def split_cost(
+    tile: tuple[int, int],
+    tiles_mn: tuple[int, int],
+    cluster: tuple[int, int],
+    k_tiles: int,
+    parts: int,
+    num_sms: int,
+    efficiency: float,
+    im2col_rows: float = 0.0,
+) -> tuple[float, int, int]:
+    """(time in units of one 128x128 k-tile at full speed, k-tiles per part, parts) of a tile
+    (tile_m, tile_n) over tiles_mn output tiles with the reduction of `k_tiles` cut `parts`
+    ways, clusters of `cluster` CTAs on `num_sms` SMs: the waves of CTAs (units over the clusters
+    one wave holds: wave quantization) times each unit's k-tiles, plus, split, each part parking
+    its fp32 tile and the last one reading all of them back, plus the epilogue (a stored
+    128x128 16-bit tile or a parked fp32 one is as many bytes as one or two k-tiles of
+    operands). A k-tile takes the longer of its multiply-adds and its `im2col_rows` pixel rows
+    through the im2col TMA (IM2COL_ROWS_128 per 128)."""
+    tm, tn = tile
+    per = _ceil(k_tiles, parts)
+    parts = _ceil(k_tiles, per)  # every part non-empty
+    cm, cn = cluster
+    blocks = _ceil(tiles_mn[0], cm) * _ceil(tiles_mn[1] * parts, cn)
+    waves = _ceil(blocks, num_sms // (cm * cn))
+    area = tm * tn / (128 * 128) / efficiency
+    k_tile = max(area, IM2COL_ROWS_128 * im2col_rows / 128)
+    operand = (tm + tn) * K_TILE * 2  # bytes of one k-tile of A and B
+    epilogue = tm * tn * 2 / operand * area
+    park = tm * tn * 4 / operand * area if parts > 1 else 0.0
+    return waves * (per * k_tile + park + epilogue) + parts * park, per, parts
+
+
+def split_tiles(cfg: ConvConfig, m: int, n: int) -> int:
+    """The flags a split needs: output tiles with M's padded to whole clusters (the schedule's
+    last cluster may hold a tile past M: it parks a part of its own)."""
+    cm = cfg.cluster_m
+    return _ceil(_ceil(m, cfg.tile_m), cm) * cm * _ceil(n, cfg.tile_n)
+
+
+def choose_plan(m: int, n: int, c: int, taps: int = 1, num_sms: int = NUM_SMS_H100_H200):
+    """The forward (or data-gradient phase) launch for M output pixels, N output channels, C
+    input channels and `taps` filter taps: the standard tile and split of the least
+    `split_cost` (a split runs on the tile's split variant)."""
+    k_tiles = _ceil(c, K_TILE) * taps
+    best = None
+    for cfg in BASE_CONFIGS:
+        tiles_mn = (_ceil(m, cfg.tile_m), _ceil(n, cfg.tile_n))
+        tiles = split_tiles(cfg, m, n)
+        limit = min(MAX_PARTS, max(1, k_tiles // MIN_PER_PART))
+        limit = min(limit, max(1, MAX_WORKSPACE // (tiles * cfg.tile_m * cfg.tile_n)))
+        for want in range(1, limit + 1):
+            cost, per, parts = split_cost(
+                (cfg.tile_m, cfg.tile_n),
+                tiles_mn,
+                (cfg.cluster_m, cfg.cluster_n),
+                k_tiles,
+                want,
+                num_sms,
+                _EFFICIENCY[cfg],
+                im2col_rows=cfg.tile_m / cfg.cluster_n,  # A's box, shared by a cluster's row
+            )
+            if best is None or cost < best[0]:
+                chosen = replace(cfg, split=True) if parts > 1 else cfg
+                best = (cost, SplitPlan(chosen, per, parts, tiles))
+    return best[1]
+
+
+def choose_config(m: int, n: int, c: int, num_sms: int = NUM_SMS_H100_H200, taps: int = 1):
+    """The configuration `choose_plan` picks."""
+    return choose_plan(m, n, c, taps, num_sms).config
+
+
 def occupancy(cfg: ConvConfig, m: int, n: int, num_sms: int) -> float:
-    """Busy fraction of the SMs over the whole run: tiles over (waves x CTAs per wave)."""
+    """Busy fraction of the SMs over the whole run, unsplit: tiles over (waves x CTAs per
+    wave)."""
     cm, cn = cfg.cluster_m, cfg.cluster_n
     tiles_m, tiles_n = _ceil(m, cfg.tile_m), _ceil(n, cfg.tile_n)
     clusters = _ceil(tiles_m, cm) * _ceil(tiles_n, cn)
     per_wave = num_sms // (cm * cn)
     return tiles_m * tiles_n / (_ceil(clusters, per_wave) * per_wave * cm * cn)
-
-
-def utilization(cfg: ConvConfig, m: int, n: int, c: int) -> float:
-    """Useful fraction of the multiply-adds: ragged M and N tiles and the zero channels of a
-    last k-tile that C does not fill (C = 96 in k-tiles of 64: a quarter wasted)."""
-    mn = m * n / (_ceil(m, cfg.tile_m) * cfg.tile_m * _ceil(n, cfg.tile_n) * cfg.tile_n)
-    return mn * c / (_ceil(c, cfg.tile_k) * cfg.tile_k)
-
-
-def choose_config(m: int, n: int, c: int, num_sms: int = NUM_SMS_H100_H200) -> ConvConfig:
-    """Analytical default for M output pixels, N output channels and C input channels: the
-    standard tile with the most useful work per SM-time, weighted by how fast it runs when the
-    SMs are busy. N <= 64 takes the narrow tile outright."""
-    if n <= 64:
-        return NARROW
-    return max(
-        _EFFICIENCY,
-        key=lambda cfg: (
-            _EFFICIENCY[cfg] * occupancy(cfg, m, n, num_sms) * utilization(cfg, m, n, c)
-        ),
-    )

@@ -11,7 +11,9 @@ What it models (kernel.py's docstring):
   window start; anything outside X (padding, n >= N, c >= C) reads zero;
 - the k-tile order: channel block fastest, then S, R, T, for A and for B alike;
 - the tile grid over (M, K), ragged tiles clipped at the store, the bias added to the fp32
-  accumulator before the conversion.
+  accumulator before the conversion;
+- the data-gradient mode (params "dgrad"): W (K, T', R', S', C) read as B = (C, (K, S, R, T)),
+  B's k-tiles walking the taps in reverse with the producer's own countdown.
 
 Accumulation is in fp64 (the kernel's is fp32): the model checks indexing, not rounding.
 """
@@ -76,6 +78,34 @@ def filter_box(
     return box
 
 
+def filter_box_dgrad(
+    w: torch.Tensor, n0: int, rows: int, tap: tuple[int, int, int], c0: int, cols: int
+) -> torch.Tensor:
+    """The data-gradient mode's B tile: W (K, T, R, S, C) seen as (C, (K, S, R, T)), output
+    channels (W's C) n0.., reduction channels (W's K) c0.. of tap (t, r, s); zero past both."""
+    k, c = w.shape[0], w.shape[-1]
+    box = torch.zeros(rows, cols, dtype=torch.float64)
+    t, r, s = tap
+    part = w[c0 : min(c0 + cols, k), t, r, s, n0 : min(n0 + rows, c)].T
+    box[: part.shape[0], : part.shape[1]] = part.double()
+    return box
+
+
+def dgrad_b_k_tiles(k_tiles: int, c_blocks: int, k0: int = 0, count: int | None = None):
+    """B's k-tile for each of A's k-tiles k0 .. k0 + count - 1 in the data-gradient mode,
+    counted as the producer counts them (kernel.py `_produce`): channel block cb of tap
+    taps - 1 - j for A's (cb, j), the countdown started at the part's first k-tile."""
+    count = k_tiles - k0 if count is None else count
+    cb = k0 % c_blocks
+    order, tap_b = [], k_tiles - c_blocks - (k0 - cb)
+    for _ in range(count):
+        order.append(tap_b + cb)
+        cb += 1
+        if cb == c_blocks:
+            cb, tap_b = 0, tap_b - c_blocks
+    return order
+
+
 def k_tile_coords(kt: int, c_blocks: int, taps: tuple[int, int, int]) -> tuple[int, tuple]:
     """k-tile kt as (channel block, (t, r, s)): (C blocks, S, R, T) colexicographic."""
     t_, r_, s_ = taps
@@ -85,37 +115,71 @@ def k_tile_coords(kt: int, c_blocks: int, taps: tuple[int, int, int]) -> tuple[i
     return cb, (t, r, s)
 
 
-def run(x, w, y, bias, geometry: Geometry, cfg: ConvConfig) -> None:
-    """y (M, K) = the forward convolution as the kernel computes it (module docstring)."""
+def run(x, w, y, bias, geometry: Geometry, cfg: ConvConfig, dgrad: bool = False,
+        split=None) -> None:  # fmt: skip
+    """y (M, K) = the forward convolution as the kernel computes it (module docstring);
+    `dgrad`: the data-gradient mode (w (K, T, R, S, C) read N-major, taps reversed); `split`:
+    (k-tiles per part, workspace, flags, the order the units run in or None), each tile's
+    k-tiles cut into parts, each parked in slot part x tiles + tile and counted in
+    flags[tile], the last to arrive summing them in part order (wgrad_run's protocol)."""
     m_rows, k = y.shape
     n_img, d, h, wd, c = x.shape
     taps = tuple(w.shape[1:4])
     z, p, q = traversal((d, h, wd), geometry)
     if n_img * z * p * q != m_rows:
         raise AssertionError(f"the walk visits {n_img}x{z}x{p}x{q} pixels, y has {m_rows} rows")
+    if dgrad and (w.shape[0] != c or w.shape[-1] != k):
+        raise AssertionError(f"dgrad: W {tuple(w.shape)} is not ({c}, taps, {k})")
     c_blocks = -(-c // cfg.tile_k)
     k_tiles = c_blocks * taps[0] * taps[1] * taps[2]
-    for m0 in range(0, m_rows, cfg.tile_m):
-        for n0 in range(0, k, cfg.tile_n):
-            acc = torch.zeros(cfg.tile_m, cfg.tile_n, dtype=torch.float64)
-            for kt in range(k_tiles):
-                cb, tap = k_tile_coords(kt, c_blocks, taps)
-                a = im2col_box(x, geometry, m0, cfg.tile_m, tap, cb * cfg.tile_k, cfg.tile_k)
-                b = filter_box(w, n0, cfg.tile_n, tap, cb * cfg.tile_k, cfg.tile_k)
-                acc += a @ b.T
-            if bias is not None:
-                cols = torch.arange(n0, n0 + cfg.tile_n).clamp(max=bias.shape[0] - 1)
-                acc += bias[cols].double()[None, :]
-            rows, width = min(cfg.tile_m, m_rows - m0), min(cfg.tile_n, k - n0)
-            y[m0 : m0 + rows, n0 : n0 + width] = acc[:rows, :width].to(y.dtype)
+    per, work, flags, order = split or (k_tiles, None, None, None)
+    parts = -(-k_tiles // per)
+    # M tiles padded to whole clusters: a tile past M reads zeros, stores nothing (kernel.py)
+    cm = cfg.cluster_m
+    tiles_m, tiles_n = -(-m_rows // (cfg.tile_m * cm)) * cm, -(-k // cfg.tile_n)
+    tiles = tiles_m * tiles_n
+    if parts > 1 and (work.numel() < parts * tiles * cfg.tile_m * cfg.tile_n or
+                      flags.numel() < tiles or bool(flags[:tiles].any())):  # fmt: skip
+        raise AssertionError("the split needs parts x tiles workspace slots and zero flags")
+    slots = work[: parts * tiles * cfg.tile_m * cfg.tile_n] if parts > 1 else None
+    slots = slots.view(parts * tiles, cfg.tile_m, cfg.tile_n) if parts > 1 else None
+    box_b = filter_box_dgrad if dgrad else filter_box
+    for unit in order if order is not None else range(tiles * parts):
+        tile, part = unit % tiles, unit // tiles
+        m0, n0 = (tile % tiles_m) * cfg.tile_m, (tile // tiles_m) * cfg.tile_n
+        k0 = part * per
+        count = min(k0 + per, k_tiles) - k0
+        b_tiles = dgrad_b_k_tiles(k_tiles, c_blocks, k0, count) if dgrad else range(k0, k0 + count)
+        acc = torch.zeros(cfg.tile_m, cfg.tile_n, dtype=torch.float64)
+        for kt, kt_b in zip(range(k0, k0 + count), b_tiles):
+            cb, tap = k_tile_coords(kt, c_blocks, taps)
+            a = im2col_box(x, geometry, m0, cfg.tile_m, tap, cb * cfg.tile_k, cfg.tile_k)
+            cb_b, tap_b = k_tile_coords(kt_b, c_blocks, taps)
+            b = box_b(w, n0, cfg.tile_n, tap_b, cb_b * cfg.tile_k, cfg.tile_k)
+            acc += a @ b.T
+        if parts > 1:
+            slots[part * tiles + tile] = acc.to(slots.dtype)
+            flags[tile] += 1
+            if int(flags[tile]) < parts:
+                continue
+            flags[tile] = 0
+            acc = sum(slots[p * tiles + tile].double() for p in range(parts))
+        if bias is not None:
+            cols = torch.arange(n0, n0 + cfg.tile_n).clamp(max=bias.shape[0] - 1)
+            acc += bias[cols].double()[None, :]
+        rows, width = max(0, min(cfg.tile_m, m_rows - m0)), min(cfg.tile_n, k - n0)
+        y[m0 : m0 + rows, n0 : n0 + width] = acc[:rows, :width].to(y.dtype)
 
 
-def compiled(params) -> Callable[..., None]:
-    """A stand-in for the compiled function of compile key `params`."""
+def compiled(params, order_seed: int | None = None) -> Callable[..., None]:
+    """A stand-in for the compiled function of compile key `params` (`order_seed`: a split's
+    units run in a random order, as a GPU may)."""
     cfg = ConvConfig.from_params(dict(params))
 
-    def fn(x, w, y, bias, *args):
-        geometry_args, _max_clusters = args[:12], args[12]
+    def fn(x, w, y, bias, work, flags, *args):
+        geometry_args, per_split, _max_clusters = args[:12], args[12], args[13]
+        if (work is not None) != cfg.split or (flags is not None) != cfg.split:
+            raise AssertionError("the workspace and flags go with a split configuration")
         g = Geometry(
             filter=tuple(w.shape[1:4]),
             pad_lo=tuple(geometry_args[0:3]),
@@ -131,6 +195,118 @@ def compiled(params) -> Callable[..., None]:
                 raise AssertionError(f"{name} is not 16-byte aligned with a unit last stride")
         if min(geometry_args[:6]) < 0:
             raise AssertionError(f"negative padding reached the kernel: {geometry_args[:6]}")
-        run(x, w, y, bias, g, cfg)
+        for name, t in (("x", x), ("w", w), ("y", y)):
+            if any(st % 8 for st in t.stride()[:-1]):
+                raise AssertionError(f"{name}'s strides {t.stride()} are not 16-byte multiples")
+        split = None
+        if cfg.split:
+            order = None
+            if order_seed is not None:
+                c_blocks = -(-x.shape[-1] // cfg.tile_k)
+                k_tiles = c_blocks * w.shape[1] * w.shape[2] * w.shape[3]
+                cm = cfg.cluster_m
+                tiles = -(-y.shape[0] // (cfg.tile_m * cm)) * cm * -(-y.shape[1] // cfg.tile_n)
+                units = tiles * -(-k_tiles // per_split)
+                gen = torch.Generator().manual_seed(order_seed)
+                order = torch.randperm(units, generator=gen).tolist()
+            split = (per_split, work, flags, order)
+        run(x, w, y, bias, g, cfg, bool(dict(params).get("dgrad", False)), split)
 
     return fn
+
+
+# ---------------------------------------------------------------- the weight gradient
+def wgrad_run(dy, x, dw, work, flags, geometry: Geometry, cfg, per_split: int, order=None):
+    """dw (K, T, R, S, C) = the weight gradient as the kernel (wgrad.py) computes it: CTA
+    (tile, split) of the grid sums its pixel k-tiles of A = dY^T (tile_m x 64 boxes, zero past
+    K and M) times B = im2col(x) (`tile_n / 64` boxes of 64 pixels x 64 channels at the tap,
+    the block index clamped to the last one); with several splits, each part is parked in
+    slot split x tiles + tile of `work` and counted in `flags[tile]`, and the last part to
+    arrive (CTAs run in `order`, default the launch order) sums the slots in split order and
+    stores; the flag is left zero. fp64 accumulation (indexing, not rounding)."""
+    m_rows, k = dy.shape
+    taps = tuple(dw.shape[1:4])
+    c = dw.shape[-1]
+    z, p, q = traversal(tuple(x.shape[1:4]), geometry)
+    if x.shape[0] * z * p * q != m_rows:
+        raise AssertionError(f"the walk visits {x.shape[0]}x{z}x{p}x{q} pixels, dy has {m_rows}")
+    tm, tn, box = cfg.tile_m, cfg.tile_n, 64
+    boxes, c_boxes = tn // box, -(-c // box)
+    cm = cfg.cluster_m  # K tiles padded to whole clusters (a tile past K stores nothing)
+    tiles_m, c_tiles = -(-k // (tm * cm)) * cm, -(-c // tn)
+    tiles = tiles_m * c_tiles * taps[0] * taps[1] * taps[2]
+    k_tiles = -(-m_rows // box)
+    splits = -(-k_tiles // per_split)
+    if splits > 1 and work.numel() < splits * tiles * tm * tn:
+        raise AssertionError(f"workspace {work.numel()} < {splits} x {tiles} tiles")
+    if flags.numel() < tiles or bool(flags[:tiles].any()):
+        raise AssertionError("the flags must be zero, one per tile")
+    slots = work[: splits * tiles * tm * tn].view(splits * tiles, tm, tn) if splits > 1 else None
+    for cta in order if order is not None else range(tiles * splits):
+        tile, split = cta % tiles, cta // tiles
+        tile_m, tile_n = tile % tiles_m, tile // tiles_m
+        c_tile, tap_index = tile_n % c_tiles, tile_n // c_tiles
+        _, tap = k_tile_coords(tap_index, 1, taps)
+        acc = torch.zeros(tm, tn, dtype=torch.float64)
+        for kt in range(split * per_split, min((split + 1) * per_split, k_tiles)):
+            a = torch.zeros(box, tm, dtype=torch.float64)
+            part = dy[kt * box : (kt + 1) * box, tile_m * tm : (tile_m + 1) * tm]
+            a[: part.shape[0], : part.shape[1]] = part.double()
+            blocks = [min(c_tile * boxes + j, c_boxes - 1) for j in range(boxes)]
+            b = torch.cat([im2col_box(x, geometry, kt * box, box, tap, cb * box, box)
+                           for cb in blocks], dim=1)  # fmt: skip
+            acc += a.T @ b
+        if splits > 1:
+            slots[split * tiles + tile] = acc.to(work.dtype)
+            flags[tile] += 1
+            if int(flags[tile]) < splits:
+                continue
+            flags[tile] = 0
+            acc = sum(slots[s * tiles + tile].double() for s in range(splits))
+        rows = max(0, min(tm, k - tile_m * tm))
+        cols = min(tn, c - c_tile * tn)
+        t, r, s = tap
+        dst = dw[tile_m * tm : tile_m * tm + rows, t, r, s, c_tile * tn : c_tile * tn + cols]
+        dst.copy_(acc[:rows, :cols].to(dw.dtype))
+
+
+def compiled_wgrad(params, order_seed: int | None = None) -> Callable[..., None]:
+    """A stand-in for the weight-gradient kernel's compiled function of compile key `params`
+    (`order_seed`: run the CTAs in a random order, as a GPU may)."""
+    from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
+
+    cfg = GemmConfig.from_params(dict(params))
+
+    def fn(dy, x, dw, work, flags, *args):
+        geometry_args, per_split = args[:12], args[12]
+        g = Geometry(
+            filter=tuple(dw.shape[1:4]),
+            pad_lo=tuple(geometry_args[0:3]),
+            pad_hi=tuple(geometry_args[3:6]),
+            stride=tuple(geometry_args[6:9]),
+            dilation=tuple(geometry_args[9:12]),
+        )
+        for name, t in (("dy", dy), ("x", x), ("dw", dw)):
+            if t.data_ptr() % 16 or t.stride(-1) != 1 or any(st % 8 for st in t.stride()[:-1]):
+                raise AssertionError(f"{name} is not TMA-ready: {t.stride()}")
+        if dy.shape[1] != dw.shape[0] or x.shape[-1] != dw.shape[-1]:
+            raise AssertionError("dy, x and dw disagree on the channels")
+        order = None
+        if order_seed is not None:
+            k_tiles = -(-dy.shape[0] // 64)
+            cm = cfg.cluster_m
+            tiles = -(-dw.shape[0] // (cfg.tile_m * cm)) * cm * -(-dw.shape[-1] // cfg.tile_n)
+            ctas = tiles * dw.shape[1] * dw.shape[2] * dw.shape[3] * -(-k_tiles // per_split)
+            gen = torch.Generator().manual_seed(order_seed)
+            order = torch.randperm(ctas, generator=gen).tolist()
+        wgrad_run(dy, x, dw, work, flags, g, cfg, per_split, order)
+
+    return fn
+
+
+def stand_in(spec, params) -> Callable[..., None]:
+    """The model of the leaf's kernel `spec` (forward / data gradient, or weight gradient) for
+    compile key `params`: what the tests put in place of `runtime.cache.get_kernel`."""
+    if spec.name == "conv_wgrad_sm90":
+        return compiled_wgrad(params)
+    return compiled(params)

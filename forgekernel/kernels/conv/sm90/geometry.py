@@ -21,6 +21,7 @@ would insert. A phase that no tap reaches is zero. Stride 1 is one phase with ev
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -125,7 +126,7 @@ def _phase_1d(a: int, size: int, out: int, f: int, lo: int, s: int, d: int):
     return extent, taps, pad_lo, pad_hi, dil
 
 
-def dgrad_phases(geometry: Geometry, input_dhw: Triple, output_dhw: Triple) -> list[Phase]:
+def _dgrad_phases(geometry: Geometry, input_dhw: Triple, output_dhw: Triple) -> tuple[Phase, ...]:
     """The data gradient of a convolution with `geometry` from input (D, H, W) to output
     (Z, P, Q), as stride-1 forward convolutions, one per phase (stride_d x stride_h x stride_w
     of them, in (d, h, w) order)."""
@@ -157,12 +158,17 @@ def dgrad_phases(geometry: Geometry, input_dhw: Triple, output_dhw: Triple) -> l
                         fprop=fprop,
                     )
                 )
-    return phases
+    return tuple(phases)
+
+
+# The launcher's: cached, it asks for the same phases on every call (tens of microseconds of
+# Python each). Never called where torch.compile traces (the validation calls the uncached one).
+dgrad_phases = functools.lru_cache(maxsize=1024)(_dgrad_phases)
 
 
 def dgrad_geometry_problem(geometry: Geometry, input_dhw: Triple, output_dhw: Triple):
     """Why a phase of the data gradient cannot run on the im2col TMA, or None."""
-    for phase in dgrad_phases(geometry, input_dhw, output_dhw):
+    for phase in _dgrad_phases(geometry, input_dhw, output_dhw):
         if not phase.empty():
             problem = phase.fprop.descriptor_problem()
             if problem:

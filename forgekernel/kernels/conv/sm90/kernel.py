@@ -32,6 +32,21 @@ Geometry (padding below / above, stride, dilation, per D, H, W) arrives as run-t
 only the TMA descriptor depends on it, so one compiled kernel serves every layer. The filter
 extents come from W's shape.
 
+Split over the reduction (`per_split` k-tiles per part, a run-time value; one part: the whole
+reduction): a problem of few output tiles (3x3 on 7 x 7 maps, 1x1 with a long C: a third of the
+chip busy) cuts each tile's k-tiles into parts, scheduled as tiles of their own (the static
+schedule's N axis is (split, N tile), split slowest, so the CTAs of a cluster along M share
+their part); each part parks its fp32 accumulator and the last of a tile's parts sums them in
+part order and runs the epilogue (kernels/common/sm90/splitk.py: deterministic, no waiting).
+Not with cluster_n > 1 (its CTAs would straddle parts).
+
+Data-gradient mode (`dgrad`, docs/conv/NOTES.md): the same kernel computes a phase of the data
+gradient, dX_phase = conv(dY, W flipped, channels swapped), reading W (K, T, R, S, C) itself (a
+strided view that names the phase's taps), no filter copy: B is W seen as (C, (K, S, R, T)),
+N-major (C contiguous; 16-bit WGMMA reads a transposed B), and B's k-tiles walk the taps in
+reverse, k-tile kt of A (channel block cb of dY, tap j) pairing with B's (cb, taps - 1 - j):
+reversing T, R and S at once reverses the linear tap index.
+
 Constraints: padding >= 0 (the launcher turns a data-gradient phase's negative padding into a
 crop of the input); X (N, D, H, W, C), W (K, T, R, S, C) and Y (M, K) with C and K multiples of 8
 (16-byte rows) and 16-byte aligned bases; Y compact (M = N x Z x P x Q rows of K); tile_k = 64
@@ -53,6 +68,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
+from forgekernel.kernels.common.sm90 import splitk
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY, THREADS_PER_WG
 from forgekernel.kernels.common.sm90.pipeline import (
@@ -65,6 +81,7 @@ from forgekernel.kernels.common.sm90.pipeline import (
 )
 from forgekernel.kernels.common.sm90.scheduler.static import StaticSchedule, StaticScheduler
 from forgekernel.kernels.conv.sm90.config import ConvConfig
+from forgekernel.kernels.conv.sm90.im2col import im2col_atom
 
 
 class Bar(IntEnum):
@@ -74,7 +91,7 @@ class Bar(IntEnum):
 class ConvFpropSm90:
     """Persistent, warp-specialized im2col-TMA + WGMMA convolution; see the module docstring."""
 
-    def __init__(self, config: ConvConfig, bias: bool = False):
+    def __init__(self, config: ConvConfig, bias: bool = False, dgrad: bool = False):
         if config.tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {config.tile_m}")
         if config.tile_n not in (64, 128, 256):
@@ -85,8 +102,13 @@ class ConvFpropSm90:
             raise ValueError(f"epi_n must be 32 or 64 and divide tile_n, got {config.epi_n}")
         if config.cluster_m * config.cluster_n > 4:
             raise ValueError("a cluster holds at most 4 CTAs here")
+        if config.split and config.cluster_n > 1:
+            raise ValueError("a split reduction runs without im2col multicast (cluster_n = 1)")
+        if dgrad and bias:
+            raise ValueError("the data-gradient mode takes no bias")
         self.cfg = config
         self.bias = bias
+        self.dgrad = dgrad
         self.acc_dtype = cutlass.Float32
         self.cluster_shape_mn = (config.cluster_m, config.cluster_n)
         # Two consumer warpgroups split a 128-row tile: one alone would hold a 128x256 fp32
@@ -97,8 +119,10 @@ class ConvFpropSm90:
         self.threads_per_cta = (1 + self.num_mma_wg) * THREADS_PER_WG
         self.producer_regs = 40
         self.consumer_regs = 232
-        # Every operand is K-major: channels are the contiguous dim of X, W and Y.
+        # Channels are the contiguous dim of X, W and Y: A and Y are K-major, and so is B
+        # except in the data-gradient mode, where W's contiguous channels are B's N.
         self.major = LayoutEnum.ROW_MAJOR
+        self.b_major = LayoutEnum.COL_MAJOR if dgrad else LayoutEnum.ROW_MAJOR
 
     # ---------------------------------------------------------------- host-side setup
     def _setup(self, dtype):
@@ -108,7 +132,7 @@ class ConvFpropSm90:
             dtype,
             dtype,
             self.major.sm90_mma_major_mode(),
-            self.major.sm90_mma_major_mode(),
+            self.b_major.sm90_mma_major_mode(),
             self.acc_dtype,
             self.atom_layout_mnk,
             tiler_mn=(64, cfg.tile_n),
@@ -126,48 +150,23 @@ class ConvFpropSm90:
             raise ValueError(f"{self.stages} stages of {ab_bytes} B do not fit in shared memory")
         self.stage_bytes = ab_bytes
 
-        def staged(rows):
+        def staged(major, rows):
+            k_major = major == LayoutEnum.ROW_MAJOR
             atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
-                sm90_utils.get_smem_layout_atom(self.major, dtype, cfg.tile_k), dtype
+                sm90_utils.get_smem_layout_atom(major, dtype, cfg.tile_k if k_major else rows),
+                dtype,
             )
-            return cute.tile_to_shape(atom, (rows, cfg.tile_k, self.stages), order=(0, 1, 2))
+            return cute.tile_to_shape(
+                atom, (rows, cfg.tile_k, self.stages), order=(0, 1, 2) if k_major else (1, 0, 2)
+            )
 
-        self.sA_layout = staged(cfg.tile_m)
-        self.sB_layout = staged(cfg.tile_n)
+        self.sA_layout = staged(self.major, cfg.tile_m)
+        self.sB_layout = staged(self.b_major, cfg.tile_n)
         c_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(self.major, dtype, self.epi_tile[1]), dtype
         )
         self.sC_layout = cute.tile_to_shape(
             c_atom, (*self.epi_tile, cfg.epi_stages), order=(0, 1, 2)
-        )
-
-    def _im2col_atom(self, mX, mW, geometry):
-        """The im2col TMA of X seen as ((W, H, D, N), C): its atom and coordinate tensor
-        (M = output pixels, ((C blocks), S, R, T) k-tiles). `geometry`: (padding below,
-        padding above, stride, dilation), each (d, h, w) Int32s."""
-        pad_lo, pad_hi, stride, dil = geometry
-        taps = (mW.shape[1], mW.shape[2], mW.shape[3])  # (T, R, S)
-        whd = [2, 1, 0]  # (d, h, w) -> (w, h, d)
-        mA = cute.make_tensor(mX.iterator, cute.select(mX.layout, mode=[3, 2, 1, 0, 4]))
-        mA = cute.group_modes(mA, 0, 4)
-        op = (
-            cpasync.CopyBulkTensorIm2ColG2SMulticastOp()
-            if self.mcast_a > 1
-            else cpasync.CopyBulkTensorIm2ColG2SOp()
-        )
-        return cpasync.make_im2col_tma_atom(
-            op,
-            mA,
-            cute.slice_(self.sA_layout, (None, None, 0)),
-            (self.cfg.tile_m, (self.cfg.tile_k,)),
-            lower_corner_whd=tuple(-pad_lo[i] for i in whd),
-            upper_corner_whd=tuple(pad_hi[i] - (taps[i] - 1) * dil[i] for i in whd),
-            lower_padding_whd=tuple(pad_lo[i] for i in whd),
-            upper_padding_whd=tuple(pad_hi[i] for i in whd),
-            stride_whd=tuple(stride[i] for i in whd),
-            lower_srt=(0, 0, 0),
-            stride_srt=tuple(dil[i] for i in whd),
-            num_multicast=self.mcast_a,
         )
 
     @cute.jit
@@ -177,6 +176,8 @@ class ConvFpropSm90:
         mW: cute.Tensor,
         mY: cute.Tensor,
         mBias: cute.Tensor | None,
+        mWork: cute.Tensor | None,
+        mFlags: cute.Tensor | None,
         pad_lo_d: cutlass.Int32,
         pad_lo_h: cutlass.Int32,
         pad_lo_w: cutlass.Int32,
@@ -189,11 +190,15 @@ class ConvFpropSm90:
         dil_d: cutlass.Int32,
         dil_h: cutlass.Int32,
         dil_w: cutlass.Int32,
+        per_split: cutlass.Int32,
         max_active_clusters: cutlass.Int32,
         stream: cuda.CUstream,
     ):
         """mX (N, D, H, W, C), mW (K, T, R, S, C), mY (N x Z x P x Q, K), mBias (K,) or None
-        (as compiled). Padding below / above, stride and dilation per (D, H, W)."""
+        (as compiled). Padding below / above, stride and dilation per (D, H, W). Split
+        (`config.split`): `per_split` k-tiles per part, mWork fp32 (>= parts x tiles x tile_m x
+        tile_n,) and mFlags int32 (>= tiles,) zero (left zero); otherwise None, None and any
+        per_split."""
         self._setup(mX.element_type)
         geometry = (
             (pad_lo_d, pad_lo_h, pad_lo_w),
@@ -201,10 +206,22 @@ class ConvFpropSm90:
             (stride_d, stride_h, stride_w),
             (dil_d, dil_h, dil_w),
         )
-        tma_a, tma_mA = self._im2col_atom(mX, mW, geometry)
-        # W (K, T, R, S, C) as (K, (C, S, R, T)): the k-tiles' order, channel block fastest.
-        mB = cute.make_tensor(mW.iterator, cute.select(mW.layout, mode=[0, 4, 3, 2, 1]))
+        taps = (mW.shape[1], mW.shape[2], mW.shape[3])  # (T, R, S)
+        tma_a, tma_mA = im2col_atom(
+            mX,
+            taps,
+            geometry,
+            cute.slice_(self.sA_layout, (None, None, 0)),
+            (self.cfg.tile_m, self.cfg.tile_k),
+            self.mcast_a,
+        )
+        # W (K, T, R, S, C) as (K, (C, S, R, T)): the k-tiles' order, channel block fastest;
+        # data gradient: as (C, (K, S, R, T)), C (B's N) contiguous.
+        modes = [4, 0, 3, 2, 1] if cutlass.const_expr(self.dgrad) else [0, 4, 3, 2, 1]
+        mB = cute.make_tensor(mW.iterator, cute.select(mW.layout, mode=modes))
         mB = cute.group_modes(mB, 1, 5)
+        # B's k-tiles per tap (the reduction's channel blocks; dgrad: reversed tap order)
+        c_blocks = cute.ceil_div(mB.shape[1][0], self.cfg.tile_k)
         tma_b, tma_mB = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SMulticastOp()
             if self.mcast_b > 1
@@ -223,13 +240,24 @@ class ConvFpropSm90:
 
         tiles_m = cute.ceil_div(mY.shape[0], self.cfg.tile_m)
         tiles_n = cute.ceil_div(mY.shape[1], self.cfg.tile_n)
+        k_tiles = c_blocks * taps[0] * taps[1] * taps[2]
+        parts = cutlass.Int32(1)
+        if cutlass.const_expr(self.cfg.split):
+            parts = cute.ceil_div(k_tiles, per_split)
+        else:
+            per_split = k_tiles
+        # the N axis of the schedule: (N tile, part), the part slowest
         schedule = StaticSchedule(
-            (tiles_m, tiles_n), self.cluster_shape_mn, self.cfg.swizzle, self.cfg.raster_along_m
+            (tiles_m, tiles_n * parts),
+            self.cluster_shape_mn,
+            self.cfg.swizzle,
+            self.cfg.raster_along_m,
         )
 
         @cute.struct
         class SharedStorage:
             ab_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            split_last: cute.struct.MemRange[cutlass.Int32, 2]
             sA: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(self.sA_layout)], 1024
             ]
@@ -255,6 +283,8 @@ class ConvFpropSm90:
             self.sB_layout,
             self.sC_layout,
             schedule,
+            (c_blocks, per_split, parts),
+            (mWork, mFlags),
         ).launch(
             grid=schedule.grid(max_active_clusters),
             block=[self.threads_per_cta, 1, 1],
@@ -280,7 +310,11 @@ class ConvFpropSm90:
         sB_layout: cute.ComposedLayout,
         sC_layout: cute.ComposedLayout,
         schedule: StaticSchedule,
+        k_walk: tuple,
+        split_io: tuple,
     ):
+        """`k_walk`: (channel blocks per tap, k-tiles per part, parts); `split_io`: the split's
+        (workspace, flags) or (None, None)."""
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -317,6 +351,9 @@ class ConvFpropSm90:
         gB = cute.local_tile(mB, (self.cfg.tile_n, tiler_k), (None, None))
         gC = cute.local_tile(mC, (self.cfg.tile_m, self.cfg.tile_n), (None, None))
         k_tiles = cute.size(gA, mode=[3])
+        c_blocks, per_split, parts = k_walk
+        # (k-tiles, k-tiles per part, N tiles): a unit's part and its k-tiles (`_unit`)
+        units = (k_tiles, per_split, cute.size(gC, mode=[3]))
 
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         thr_mma = tiled_mma.get_slice((wg_idx - 1) * THREADS_PER_WG)
@@ -345,23 +382,51 @@ class ConvFpropSm90:
                 )
                 load_a = (tma_a, tAgA, tAsA, a_mask)
                 load_b = (tma_b, tBgB, tBsB, b_mask)
-                self._produce(load_a, load_b, ab_pipe, schedule, k_tiles)
+                self._produce(load_a, load_b, ab_pipe, schedule, (units, c_blocks))
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             mma = (tiled_mma, tCrA, tCrB, acc)
-            self._consume(tidx, warp_idx, mma, ab_pipe, sC, gC, tma_c, mBias, schedule, k_tiles)
+            split = (*split_io, storage.split_last.get_tensor(cute.make_layout(2)), parts)
+            out = (sC, gC, tma_c, mBias)
+            self._consume(tidx, warp_idx, mma, ab_pipe, out, schedule, (units, split))
 
     @cute.jit
-    def _produce(self, load_a, load_b, ab_pipe, schedule, k_tiles):
-        """The producer warp: every k-tile of A and B of each of the CTA's tiles into the ring."""
+    def _unit(self, tile_ns, units):
+        """A work unit's (N tile, part, first k-tile, k-tiles) from its schedule column
+        `tile_ns` = part x N tiles + N tile."""
+        k_tiles, per_split, tiles_n = units
+        tile_n = tile_ns % tiles_n
+        part = tile_ns // tiles_n
+        k0 = part * per_split
+        return tile_n, part, k0, cutlass.min(k0 + per_split, k_tiles) - k0
+
+    @cute.jit
+    def _produce(self, load_a, load_b, ab_pipe, schedule, k_walk):
+        """The producer warp: every k-tile of A and B of each of the CTA's tiles into the ring.
+        `k_walk`: (k-tiles, channel blocks per tap)."""
         tma_a, tAgA, tAsA, a_mask = load_a
         tma_b, tBgB, tBsB, b_mask = load_b
+        units, c_blocks = k_walk
         prod = producer_state(self.stages)
         sched = StaticScheduler(schedule)
         work = sched.first()
         while sched.valid(work):
-            tile_m, tile_n = sched.tile(work)
-            for kt in range(k_tiles):
+            tile_m, tile_ns = sched.tile(work)
+            tile_n, _, k0, count = self._unit(tile_ns, units)
+            # B's k-tile: kt itself, or with the taps reversed (dgrad) the channel block cb of
+            # tap (taps - 1 - j) for A's (cb, j): `tap_b` counts down one tap per c_blocks,
+            # from the part's first k-tile k0 = (j0, cb0).
+            cb = k0 % c_blocks
+            tap_b = units[0] - c_blocks - (k0 - cb)
+            for i in range(count):
+                kt = k0 + i
+                kt_b = kt
+                if cutlass.const_expr(self.dgrad):
+                    kt_b = tap_b + cb
+                    cb += 1
+                    if cb == c_blocks:
+                        cb = cutlass.Int32(0)
+                        tap_b -= c_blocks
                 ab_pipe.producer_acquire(prod)
                 bar = ab_pipe.producer_get_barrier(prod)
                 cute.copy(
@@ -373,7 +438,7 @@ class ConvFpropSm90:
                 )
                 cute.copy(
                     tma_b,
-                    tBgB[(None, tile_n, kt)],
+                    tBgB[(None, tile_n, kt_b)],
                     tBsB[(None, prod.index)],
                     tma_bar_ptr=bar,
                     mcast_mask=b_mask,
@@ -384,9 +449,18 @@ class ConvFpropSm90:
         ab_pipe.producer_tail(prod)
 
     @cute.jit
-    def _consume(self, tidx, warp_idx, mma, ab_pipe, sC, gC, tma_c, mBias, schedule, k_tiles):
-        """The consumer warpgroups: each tile's mainloop, the bias, then the epilogue."""
+    def _consume(self, tidx, warp_idx, mma, ab_pipe, out, schedule, k_split):
+        """The consumer warpgroups: each unit's mainloop; split, the part parked and, by the
+        tile's last part, all of them summed; then the bias and the epilogue. `out`: (sC, gC,
+        the store atom, bias); `k_split`: (units, (workspace, flags, the shared flag, parts))."""
         tiled_mma, tCrA, tCrB, acc = mma
+        sC, gC, tma_c, mBias = out
+        units, (mWork, mFlags, s_last, parts) = k_split
+        # M tiles padded to whole clusters: the schedule's last cluster may hold a tile past M
+        # (it loads zeros and stores nothing), whose split parts need a flag of their own
+        cm = self.cfg.cluster_m
+        tiles_m = cute.ceil_div(cute.size(gC, mode=[2]), cm) * cm
+        tiles = tiles_m * units[2]
         epi_barrier = named_barrier(Bar.EPILOGUE, self.num_mma_threads)
         read = consumer_state(self.stages)
         release = consumer_state(self.stages)
@@ -417,16 +491,30 @@ class ConvFpropSm90:
         sched = StaticScheduler(schedule)
         work = sched.first()
         while sched.valid(work):
-            tile_m, tile_n = sched.tile(work)
+            tile_m, tile_ns = sched.tile(work)
             work = sched.next(work)
             read, release, tiled_mma = self._mainloop(
-                k_tiles, tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release
+                self._unit(tile_ns, units)[3], tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release
             )
-            if cutlass.const_expr(self.bias):
-                self._add_bias(acc, cols, mBias, tile_n)
-            gC_tile = gC[(None, None, tile_m, tile_n)]
-            self._epilogue(gC_tile, tma_c, sC, epi, warp_idx, tiles_done)
-            tiles_done += 1
+            tile_n, part, _, _ = self._unit(tile_ns, units)
+            last = cutlass.Boolean(True)
+            if cutlass.const_expr(self.cfg.split):
+                if parts > 1:
+                    thread = tidx - THREADS_PER_WG
+                    tile = tile_n * tiles_m + tile_m
+                    where = (part * tiles + tile, tile, parts)
+                    threads = self.num_mma_threads
+                    last = splitk.park(
+                        acc, mWork, mFlags, where, threads, thread, epi_barrier, s_last
+                    )
+                    if last:
+                        splitk.sum_parts(acc, mWork, (tile, tiles, parts), threads, thread)
+            if last:
+                if cutlass.const_expr(self.bias):
+                    self._add_bias(acc, cols, mBias, tile_n)
+                gC_tile = gC[(None, None, tile_m, tile_n)]
+                self._epilogue(gC_tile, tma_c, sC, epi, warp_idx, tiles_done)
+                tiles_done += 1
         store_pipe.producer_tail()
 
     @cute.jit

@@ -3,17 +3,24 @@ compile cache. Callers validate first (`forgekernel.ops.conv`) and hand over cha
 views: x (N, D, H, W, C), w (K, T, R, S, C), y (N, Z, P, Q, K) (a 2-D convolution has D = Z =
 T = 1).
 
-- `fprop`: one launch of the forward kernel. C or K not a multiple of 8 (16-byte rows) run
-  zero-padded (zero channels add nothing; extra output channels are dropped), and an output
-  the kernel cannot write in place (not compact, or padded) goes through a scratch buffer.
+- `fprop`: one launch of the forward kernel, its tile and split (the reduction cut into parts
+  for problems of few tiles) from `config.choose_plan`. C or K not a multiple of 8 (16-byte
+  rows) run zero-padded (zero channels add nothing; extra output channels are dropped), and an
+  output the kernel cannot write in place (not compact, or padded) goes through a scratch
+  buffer. A split's fp32 partials and per-tile flags are the stream's stream-K workspace. A
+  2-D convolution of few channels (the stem) runs as a 1x1 one over its im2col
+  (`few_channels`), in the forward and the weight gradient.
 - `dgrad`: the data gradient as stride-1 forward convolutions of dy, one per output phase
-  (`geometry.dgrad_phases`), with the phase's taps flipped and the channels swapped (C, T', R',
-  S', K). A phase of a strided gradient is written through a scratch buffer into its strided
-  view of dx (the kernel stores compact rows; an im2col-mode store would write it in place).
-- `wgrad`: INTERIM, until the weight-gradient kernel lands (docs/conv/NOTES.md): an explicit
-  im2col of x (T x R x S copies of x) times dy, dW (K, TRSC) = dy^T (K, M) @ cols (M, TRSC),
-  on the dense GEMM kernel; one GEMM over the whole N x Z x P x Q reduction (fp32 accumulation,
-  rounded once).
+  (`geometry.dgrad_phases`), on the kernel's data-gradient mode: it reads W (K, T, R, S, C)
+  itself through a strided view naming the phase's taps (N-major, taps reversed in the kernel),
+  so no filter is copied. A phase of a strided gradient is written through a scratch buffer into
+  its strided view of dx (the kernel stores compact rows); phases no tap reaches are zero (one
+  fill of dx where two or more are).
+- `wgrad`: one launch of the weight-gradient kernel (wgrad.py: the dense GEMM's kernel with
+  dY^T and the im2col of x as operands, the N x Z x P x Q reduction split over CTAs and summed
+  in split order by the last part); tile and split from `wgrad_config.choose_wgrad`, the fp32
+  partials and per-tile flags in the stream's stream-K workspace (the dense GEMM launcher's:
+  reused across calls, a capture's own when it needs a bigger one).
 """
 
 from __future__ import annotations
@@ -21,17 +28,27 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 
-from forgekernel.kernels.conv.sm90 import SPEC
+from forgekernel.kernels.conv.sm90 import SPEC, WGRAD_SPEC
 from forgekernel.kernels.conv.sm90.config import (
     CHANNEL_ALIGN,
+    K_TILE,
     NUM_SMS_H100_H200,
     ConvConfig,
-    choose_config,
+    SplitPlan,
+    choose_plan,
     params_for,
+    split_tiles,
 )
 from forgekernel.kernels.conv.sm90.geometry import Geometry, Phase, dgrad_phases
-from forgekernel.kernels.gemm.dense.sm90 import launch as gemm_sm90
+from forgekernel.kernels.conv.sm90.wgrad_config import (
+    WgradPlan,
+    choose_wgrad,
+    wgrad_params,
+    wgrad_tiles,
+)
+from forgekernel.kernels.gemm.dense.sm90.launch import stream_k_workspace
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms, on_device, tma_ready
 from forgekernel.runtime.plans import PlanCache
@@ -41,11 +58,30 @@ def _round_up(x: int) -> int:
     return -(-x // CHANNEL_ALIGN) * CHANNEL_ALIGN
 
 
-def _choose(dtype, bias, m, k, c, device_index, config) -> tuple[tuple, int]:
+def _choose(dtype, bias, m, k, c, taps, device_index, config, dgrad):
+    """(compile key, clusters of the persistent grid, the SplitPlan) of one launch. `config`:
+    None (chosen), a ConvConfig (a split one cut into FORCED_PARTS parts) or a SplitPlan."""
     sms = num_sms(device_index) if device_index is not None else NUM_SMS_H100_H200
-    cfg = config or choose_config(m, k, c, sms)
+    if config is None:
+        plan = choose_plan(m, k, c, taps, sms)
+    else:
+        given = config.per_split if isinstance(config, SplitPlan) else None
+        config = config.config if isinstance(config, SplitPlan) else config
+        k_tiles = -(-c // K_TILE) * taps
+        per = k_tiles
+        if config.split:
+            per = given or -(-k_tiles // min(FORCED_PARTS, k_tiles))
+        # parts and tiles as the kernel counts them for this problem: the workspace and flags
+        # are sized by them (a plan made for another problem, e.g. one SplitPlan for every
+        # phase of a data gradient, would have the kernel write past its workspace)
+        plan = SplitPlan(config, per, -(-k_tiles // per), split_tiles(config, m, k))
+    cfg = plan.config
+    params = params_for(dtype_name(dtype), bias, cfg, dgrad=dgrad)
     # one CTA per SM (the pipeline takes nearly all shared memory)
-    return params_for(dtype_name(dtype), bias, cfg), sms // (cfg.cluster_m * cfg.cluster_n)
+    return params, sms // (cfg.cluster_m * cfg.cluster_n), plan
+
+
+FORCED_PARTS = 3  # a split configuration asked for by name cuts its reduction this many ways
 
 
 _plans = PlanCache()
@@ -92,12 +128,82 @@ def fprop(
     bias: torch.Tensor | None,
     y: torch.Tensor,
     geometry: Geometry,
-    config: ConvConfig | None = None,
+    config: ConvConfig | SplitPlan | None = None,
 ) -> None:
     """y = conv(x, w) (+ bias) written into y (any (N, Z, P, Q, K) view); x, w, bias (K,) alike
-    16-bit on one device; the geometry's descriptor problem checked by the caller."""
-    n, _, _, _, c = x.shape
+    16-bit on one device; the geometry's descriptor problem checked by the caller. `config`:
+    the tile (and split) to use, chosen when None. A 2-D convolution of few input channels and
+    several taps (the stem's C = 3, 7x7) runs as a 1x1 one over its explicit im2col
+    (`few_channels`)."""
+    if few_channels(x, w, geometry):
+        cols, one = _im2col(x, geometry, tuple(y.shape[1:4]))
+        _launch(cols, _taps_as_channels(w, cols.shape[-1]), bias, y, one, config, dgrad=False)
+        return
+    _launch(x, w, bias, y, geometry, config, dgrad=False)
+
+
+# A 2-D convolution with at most this many input channels (padded to 8) and at least
+# FEW_CHANNELS_TAPS taps runs on its im2col: each k-tile of 64 channels of one tap would carry
+# 8 (C = 3) useful ones, 49 k-tiles for the stem's 7x7 where its im2col has 3.
+FEW_CHANNELS = 16
+FEW_CHANNELS_TAPS = 4
+
+
+def few_channels(x: torch.Tensor, w: torch.Tensor, geometry: Geometry) -> bool:
+    """Whether the convolution of x (N, D, H, W, C) with w (K, T, R, S, C) takes the explicit
+    im2col (2-D only: D = T = 1 and one output plane; a conv3d of one input plane padded in
+    depth has Z > 1 output planes, which the 2-D im2col does not make)."""
+    if x.numel() == 0 or w.numel() == 0:  # nothing to unfold (the launchers' empty cases)
+        return False
+    taps = w.shape[1] * w.shape[2] * w.shape[3]
+    flat = x.shape[1] == 1 and w.shape[1] == 1 and geometry.output((1, 1, 1))[0] == 1
+    return flat and _round_up(x.shape[-1]) <= FEW_CHANNELS and taps >= FEW_CHANNELS_TAPS
+
+
+def _im2col(x: torch.Tensor, geometry: Geometry, out_dhw) -> tuple[torch.Tensor, Geometry]:
+    """x (N, 1, H, W, C) as its windows (N, 1, P, Q, R x S x C rounded up to 8), taps in (r, s)
+    order with the channels fastest (W's (K, T, R, S, C) order), zero padding and zero tail
+    channels, and the 1x1 geometry that convolves them. torch's unfold (one launch), a permuted
+    copy into the padded buffer and the tail's fill: three launches, no host sync."""
+    n, _, h, w_, c = x.shape
+    _, p, q = out_dhw
+    (_, r, s_), lo, hi = geometry.filter, geometry.pad_lo, geometry.pad_hi
+    planes = x[:, 0].permute(0, 3, 1, 2)  # (N, C, H, W), a view
+    if lo[1:] != hi[1:]:
+        planes = F.pad(planes, (lo[2], hi[2], lo[1], hi[1]))
+        pad = (0, 0)
+    else:
+        pad = lo[1:]
+    unf = F.unfold(
+        planes, (r, s_), dilation=geometry.dilation[1:], padding=pad, stride=geometry.stride[1:]
+    )  # (N, C x R x S, P x Q), channels slowest
+    width = r * s_ * c
+    cols = x.new_empty(n, 1, p, q, _round_up(width))
+    cols[..., :width].view(n, p * q, r * s_, c).copy_(
+        unf.view(n, c, r * s_, p * q).permute(0, 3, 2, 1)
+    )
+    if cols.shape[-1] > width:
+        cols[..., width:].zero_()
+    one = Geometry((1, 1, 1), (0, 0, 0), (0, 0, 0))
+    return cols, one
+
+
+def _taps_as_channels(w: torch.Tensor, channels: int) -> torch.Tensor:
+    """w (K, 1, R, S, C) as the 1x1 filter (K, 1, 1, 1, `channels`) of its im2col: R x S x C
+    channels in memory order, zero past them."""
     k = w.shape[0]
+    flat = w.reshape(k, -1)
+    out = w.new_zeros(k, 1, 1, 1, channels)
+    out.view(k, channels)[:, : flat.shape[1]].copy_(flat)
+    return out
+
+
+def _launch(x, w, bias, y, geometry: Geometry, config, dgrad: bool) -> None:
+    """One launch of the kernel: y = conv(x, W) (+ bias) into y (any (N, Z, P, Q, K') view).
+    W is w (K', T, R, S, C), or in the data-gradient mode w (C, T, R, S, K') read N-major with
+    its taps reversed (C: x's channels, the reduction's; K': y's)."""
+    c = x.shape[-1]
+    k = w.shape[-1] if dgrad else w.shape[0]
     m = y.numel() // max(k, 1)
     if m == 0 or k == 0:
         return
@@ -106,86 +212,131 @@ def fprop(
         return
     cp, kp = _round_up(c), _round_up(k)
     x, geometry = _cropped(_channels_padded(x, cp), geometry)
-    w = _rows_padded(_channels_padded(w, cp), kp)
+    if dgrad:
+        w = _channels_padded(_rows_padded(w, cp), kp)
+    else:
+        w = _rows_padded(_channels_padded(w, cp), kp)
     if bias is not None:
         # the compiled function takes bias 16-byte aligned (it checks: "Misaligned Tensor
         # data"), which a view such as b[1:] is not: a copy then
         bias = _channels_padded(bias, kp)
     in_place = kp == k and y.is_contiguous() and tma_ready(y)
     y2 = y.view(m, k) if in_place else y.new_empty(m, kp)
-    params, max_clusters = _plans.get_or_build(
-        (x.dtype, bias is not None, m, kp, cp, x.device.index, config), _choose
+    taps = w.shape[1] * w.shape[2] * w.shape[3]
+    params, max_clusters, plan = _plans.get_or_build(
+        (x.dtype, bias is not None, m, kp, cp, taps, x.device.index, config, dgrad), _choose
     )
     fn = get_kernel(SPEC, params)
+    work = flags = None
+    if plan.config.split:
+        work, flags = stream_k_workspace(x.device, plan.tiles, plan.workspace_floats)
     with on_device(x.device):
-        fn(x, w, y2, bias, *geometry.kernel_args(), max_clusters)
+        fn(x, w, y2, bias, work, flags, *geometry.kernel_args(), plan.per_split, max_clusters)
     if not in_place:
         y.copy_(y2[:, :k].reshape(y.shape))
 
 
-def phase_filter(w: torch.Tensor, phase: Phase) -> torch.Tensor:
-    """The forward filter (C, T', R', S', K) of a data-gradient phase: w's taps that reach the
-    phase (an arithmetic progression per dim: a strided slice, no index tensor, so that CUDA
-    graph capture sees no host-to-device copy), in reverse order, input and output channels
-    swapped (a small copy of w)."""
+def phase_taps(w: torch.Tensor, phase: Phase) -> torch.Tensor:
+    """w (K, T, R, S, C) restricted to the taps that reach a data-gradient phase, in their
+    own (ascending) order: an arithmetic progression per dim, so a strided view (no copy, no
+    index tensor: CUDA graph capture sees no host-to-device copy). The kernel's data-gradient
+    mode reads it N-major with the taps reversed."""
     for dim, taps in zip((1, 2, 3), phase.taps):
+        if len(taps) == w.shape[dim]:  # every tap (a stride-1 gradient): w itself
+            continue
         step = taps[1] - taps[0] if len(taps) > 1 else 1
         span = w.narrow(dim, taps[0], taps[-1] - taps[0] + 1)
         w = span[(slice(None),) * dim + (slice(None, None, step),)]
-    return w.flip(1, 2, 3).permute(4, 1, 2, 3, 0).contiguous()
+    return w
 
 
-def dgrad(dy: torch.Tensor, w: torch.Tensor, dx: torch.Tensor, geometry: Geometry) -> None:
+def phase_filter(w: torch.Tensor, phase: Phase) -> torch.Tensor:
+    """The forward filter (C, T', R', S', K) of a data-gradient phase: `phase_taps` reversed,
+    input and output channels swapped (a copy; what the data-gradient mode reads in place)."""
+    return phase_taps(w, phase).flip(1, 2, 3).permute(4, 1, 2, 3, 0).contiguous()
+
+
+def dgrad(
+    dy: torch.Tensor,
+    w: torch.Tensor,
+    dx: torch.Tensor,
+    geometry: Geometry,
+    config: ConvConfig | SplitPlan | None = None,
+) -> None:
     """dx (N, D, H, W, C) = the data gradient at dy (N, Z, P, Q, K) of the convolution with w
-    (K, T, R, S, C) and `geometry`, one stride-1 forward convolution per output phase."""
+    (K, T, R, S, C) and `geometry`, one stride-1 forward convolution per output phase, each a
+    launch of the kernel's data-gradient mode on w's phase taps (no copy of w)."""
     phases = dgrad_phases(geometry, tuple(dx.shape[1:4]), tuple(dy.shape[1:4]))
     sd, sh, sw = geometry.stride
+    empty = sum(phase.empty() for phase in phases)
+    if empty > 1:  # one fill of dx rather than one strided fill per empty phase
+        dx.zero_()
     for phase in phases:
         ad, ah, aw = phase.offset
-        view = dx[:, ad::sd, ah::sh, aw::sw]
+        view = dx if len(phases) == 1 else dx[:, ad::sd, ah::sh, aw::sw]
         if phase.empty():
-            view.zero_()
+            if empty == 1:
+                view.zero_()
             continue
-        fprop(dy, phase_filter(w, phase), None, view, phase.fprop)
+        _launch(dy, phase_taps(w, phase), None, view, phase.fprop, config, dgrad=True)
 
 
-def im2col(x: torch.Tensor, geometry: Geometry, out_dhw: tuple[int, int, int]) -> torch.Tensor:
-    """x (N, D, H, W, C) as the (N x Z x P x Q, T x R x S x C) matrix of its windows, taps in
-    (t, r, s) order and channels fastest (W's (K, T, R, S, C) order); zero padding."""
-    n, d, h, w_, c = x.shape
-    lo, hi = geometry.pad_lo, geometry.pad_hi
-    padded = x.new_zeros(n, d + lo[0] + hi[0], h + lo[1] + hi[1], w_ + lo[2] + hi[2], c)
-    padded[:, lo[0] : lo[0] + d, lo[1] : lo[1] + h, lo[2] : lo[2] + w_] = x
-    (z, p, q), (sd, sh, sw), (dd, dh, dw) = out_dhw, geometry.stride, geometry.dilation
-    t_, r_, s_ = geometry.filter
-    windows = [
-        padded[
-            :,
-            t * dd : t * dd + (z - 1) * sd + 1 : sd,
-            r * dh : r * dh + (p - 1) * sh + 1 : sh,
-            s * dw : s * dw + (q - 1) * sw + 1 : sw,
-        ]
-        for t in range(t_)
-        for r in range(r_)
-        for s in range(s_)
-    ]
-    return torch.stack(windows, dim=4).reshape(n * z * p * q, t_ * r_ * s_ * c)
+_wgrad_plans = PlanCache()
 
 
-# The dense GEMM's launcher, under the one name the CPU tests replace.
-_gemm = gemm_sm90.gemm
+def _wgrad_plan(dtype, k, c, taps, pixels, device_index, plan) -> tuple[tuple, WgradPlan]:
+    sms = num_sms(device_index) if device_index is not None else NUM_SMS_H100_H200
+    if plan is None:
+        plan = choose_wgrad(k, c, taps, pixels, sms)
+    else:  # its splits and tiles as the kernel counts them (the workspace's size)
+        k_tiles = -(-pixels // K_TILE)
+        splits = -(-k_tiles // plan.per_split)
+        plan = WgradPlan(plan.config, plan.per_split, splits, wgrad_tiles(plan.config, k, c, taps))
+    return wgrad_params(dtype_name(dtype), plan.config), plan
 
 
-def wgrad(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, geometry: Geometry) -> None:
+def wgrad(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    dw: torch.Tensor,
+    geometry: Geometry,
+    plan: WgradPlan | None = None,
+) -> None:
     """dw (K, T, R, S, C) = the weight gradient at dy (N, Z, P, Q, K) of the convolution of x
-    (N, D, H, W, C) with `geometry`. INTERIM (module docstring): explicit im2col + dense GEMM."""
-    k = dw.shape[0]
+    (N, D, H, W, C) with `geometry`: one launch of the weight-gradient kernel (`plan`: its
+    tile and split, chosen when None). C or K not a multiple of 8 run zero-padded; a dw the
+    kernel cannot write in place goes through a scratch buffer."""
+    k, c = dw.shape[0], dw.shape[-1]
     m = dy.numel() // max(k, 1)
     if m == 0 or dw.numel() == 0:
         dw.zero_()
         return
-    cols = im2col(x, geometry, tuple(dy.shape[1:4]))
-    out = dw.view(k, -1) if dw.is_contiguous() else dw.new_empty(k, dw.numel() // k)
-    _gemm(dy.reshape(m, k).t(), cols, out, True)
-    if out.data_ptr() != dw.data_ptr():
-        dw.copy_(out.view(dw.shape))
+    if few_channels(x, dw, geometry):  # the stem: the 1x1 weight gradient over the im2col
+        cols, one = _im2col(x, geometry, tuple(dy.shape[1:4]))
+        dw_cols = dw.new_empty(k, 1, 1, 1, cols.shape[-1])
+        _wgrad_launch(dy, cols, dw_cols, one, plan)
+        width = dw.shape[2] * dw.shape[3] * c
+        dw.copy_(dw_cols.view(k, -1)[:, :width].view(dw.shape))
+        return
+    _wgrad_launch(dy, x, dw, geometry, plan)
+
+
+def _wgrad_launch(dy, x, dw, geometry: Geometry, plan) -> None:
+    """One launch of the weight-gradient kernel (`wgrad`'s arguments, dw not empty)."""
+    k, c = dw.shape[0], dw.shape[-1]
+    m = dy.numel() // k
+    cp, kp = _round_up(c), _round_up(k)
+    x = _channels_padded(x, cp)
+    dy2 = _channels_padded(dy.reshape(m, k), kp)
+    in_place = kp == k and cp == c and dw.is_contiguous() and tma_ready(dw)
+    dw2 = dw if in_place else dw.new_empty(kp, *dw.shape[1:4], cp)
+    taps = dw.shape[1] * dw.shape[2] * dw.shape[3]
+    params, plan = _wgrad_plans.get_or_build(
+        (dy.dtype, kp, cp, taps, m, dy.device.index, plan), _wgrad_plan
+    )
+    fn = get_kernel(WGRAD_SPEC, params)
+    work, flags = stream_k_workspace(dy.device, plan.tiles, plan.workspace_floats)
+    with on_device(dy.device):
+        fn(dy2, x, dw2, work, flags, *geometry.kernel_args(), plan.per_split)
+    if not in_place:
+        dw.copy_(dw2[:k, ..., :c])

@@ -1,0 +1,384 @@
+"""Implicit-GEMM weight gradient of a channels-last convolution for Hopper (sm_90a): fp32
+accumulation, the long reduction split over CTAs and summed exactly and deterministically.
+
+    dW[k, t, r, s, c] = sum_{n, z, p, q} dY[n, z, p, q, k]
+                          * X[n, z*sd - pd + t*dd, p*sh - ph + r*dh, q*sw - pw + s*dw, c]
+
+with zero outside X. As a GEMM: D (K, (C, S, R, T)) = A (K, M) B (M, (C, S, R, T)), M = N x Z x
+P x Q output pixels the reduction (N32 56x56: 100352), D = W's gradient seen as (K, (C, S, R,
+T)) (its memory order: a tile of D is tile_m output channels x tile_n input channels of one
+tap). The dense GEMM's kernel (kernels/gemm/dense/sm90/kernel.py) with other operands:
+
+- A = dY^T: dY (M, K) has K contiguous, so A is M-major (16-bit WGMMA reads it transposed);
+  a tiled TMA box of tile_m channels x tile_k = 64 pixels, zero past K and past M.
+- B = im2col(X): the forward kernel's im2col TMA (im2col.py) in another role: one box is 64
+  pixels x 64 channels of one tap, its pixels walking the reduction; a tile of tile_n
+  channels is tile_n / 64 boxes. B is N-major (channels contiguous): the box's (pixels,
+  channels) K-major swizzled layout is, byte for byte, the N-major layout's 64-channel block
+  (both `S<3,4,3> o (p, c) -> 64 p + c`, blocks 4096 elements apart), so the TMA writes the
+  blocks and WGMMA reads the tile (transposed B). Channels past C and pixels past the batch are
+  the TMA's zero fill (pixels past M meet zero rows of A anyway). A channel block past C (a
+  tile_n wider than C) reloads the last one: its columns are never stored.
+- D through the GEMM's epilogue (stmatrix, TMA store into W's 5-D gradient, clipped at K and
+  C).
+
+Split: the grid is (tiles, splits); CTA (tile, s) sums the pixel k-tiles [s x per, (s + 1) x
+per) of its tile (`per` from the launcher, every split non-empty). With splits > 1 each part
+parks its fp32 accumulator and the last of the tile's parts sums them in split order and stores
+(kernels/common/sm90/splitk.py). blockIdx.x is the tile, so the CTAs running together share
+their splits' pixel ranges: A's and B's boxes come from L2 for all the tiles (dY and X read
+from HBM about once a wave, not once a tile).
+
+The im2col TMA delivers about 128 pixel rows per 0.8 us to an SM (config.IM2COL_ROWS_128): B's
+tile_n rows per k-tile would hold a 128-row tile to half speed. A 2x1 cluster (cluster_m = 2)
+shares them: the two CTAs of a cluster are two K tiles of one (tap, channel tile) and split,
+each loads half of every B box and multicasts it to both (the GEMM's B multicast), so a CTA
+takes tile_n / 2 rows per k-tile. The grid's K tiles are then padded to even: a CTA past K
+loads zero rows of A, stores nothing and parks a zero part of a tile nobody stores.
+
+Warp roles, pipelines and registers are the GEMM's (producer warp 0 of warpgroup 0, setmaxnreg
+40; tile_m / 64 consumer warpgroups, 232). One tile per CTA.
+
+Constraints: C and K multiples of 8, 16-byte aligned bases (the launcher pads); tile_n a
+multiple of 64; dY (M, K) row-major with M = N x Z x P x Q in the im2col walk's order.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from forgekernel.kernels.common.sm90 import splitk
+from forgekernel.kernels.common.sm90.barriers import named_barrier
+from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
+from forgekernel.kernels.common.sm90.pipeline import (
+    consumer_state,
+    init_arrive,
+    init_wait,
+    producer_state,
+    smem_tensor,
+    tma_pipeline,
+)
+from forgekernel.kernels.conv.sm90.im2col import im2col_atom
+from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
+from forgekernel.kernels.gemm.dense.sm90.kernel import Bar, GemmSm90
+
+BOX_CHANNELS = 64  # channels per im2col box: one 128-byte swizzle row of 16-bit elements
+
+
+class ConvWgradSm90(GemmSm90):
+    """The weight gradient on the dense GEMM's kernel; see the module docstring."""
+
+    def __init__(self, config: GemmConfig):
+        if config.cluster_m not in (1, 2) or config.cluster_n != 1:
+            raise ValueError("the weight gradient's clusters are 1x1 or 2x1 (B multicast)")
+        if config.stream_k or config.a_rows:
+            raise ValueError("the weight gradient runs without stream K or a_rows")
+        if config.tile_n % BOX_CHANNELS:
+            raise ValueError(f"tile_n must be a multiple of {BOX_CHANNELS}, got {config.tile_n}")
+        super().__init__(config)
+        self.boxes = config.tile_n // BOX_CHANNELS  # im2col boxes per B stage
+
+    @cute.jit
+    def __call__(
+        self,
+        mDY: cute.Tensor,
+        mX: cute.Tensor,
+        mW: cute.Tensor,
+        mWork: cute.Tensor,
+        mFlags: cute.Tensor,
+        pad_lo_d: cutlass.Int32,
+        pad_lo_h: cutlass.Int32,
+        pad_lo_w: cutlass.Int32,
+        pad_hi_d: cutlass.Int32,
+        pad_hi_h: cutlass.Int32,
+        pad_hi_w: cutlass.Int32,
+        stride_d: cutlass.Int32,
+        stride_h: cutlass.Int32,
+        stride_w: cutlass.Int32,
+        dil_d: cutlass.Int32,
+        dil_h: cutlass.Int32,
+        dil_w: cutlass.Int32,
+        per_split: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        """mDY (M, K), mX (N, D, H, W, C), mW (K, T, R, S, C) the gradient written; mWork fp32
+        (>= splits x tiles x tile_m x tile_n,) 16-byte aligned and mFlags int32 (>= tiles,)
+        zero (every launch leaves it zero); `per_split` pixel k-tiles per split (the grid:
+        ceil(k-tiles / per_split) splits). Padding below / above, stride and dilation per
+        (D, H, W)."""
+        self.a_dtype = mDY.element_type
+        self.b_dtype = mX.element_type
+        self.c_dtype = mW.element_type
+        self.a_major = LayoutEnum.COL_MAJOR  # dY^T: output channels contiguous
+        self.b_major = LayoutEnum.COL_MAJOR  # im2col(X): input channels contiguous
+        self.c_major = LayoutEnum.ROW_MAJOR
+        self.scaled = False
+        self._setup()
+        cfg = self.cfg
+        geometry = (
+            (pad_lo_d, pad_lo_h, pad_lo_w),
+            (pad_hi_d, pad_hi_h, pad_hi_w),
+            (stride_d, stride_h, stride_w),
+            (dil_d, dil_h, dil_w),
+        )
+        # A: dY (M, K) seen as (K, M)
+        mA = cute.make_tensor(mDY.iterator, cute.select(mDY.layout, mode=[1, 0]))
+        tma_a, tma_mA = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(),
+            mA,
+            cute.slice_(self.sA_load_layout, (None, None, 0)),
+            (cfg.tile_m, cfg.tile_k),
+        )
+        # B: im2col boxes (tile_k pixels, 64 channels), `boxes` of them per stage, in the
+        # K-major layout that is the N-major stage's 64-channel blocks (module docstring)
+        box_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.b_dtype, BOX_CHANNELS),
+            self.b_dtype,
+        )
+        self.sB_box_layout = cute.tile_to_shape(
+            box_atom, (cfg.tile_k, BOX_CHANNELS, self.boxes * self.stages), order=(0, 1, 2)
+        )
+        taps = (mW.shape[1], mW.shape[2], mW.shape[3])  # (T, R, S)
+        tma_b, tma_mB = im2col_atom(
+            mX,
+            taps,
+            geometry,
+            cute.slice_(self.sB_box_layout, (None, None, 0)),
+            (cfg.tile_k, BOX_CHANNELS),
+            self.mcast_b,
+        )
+        # D: W (K, T, R, S, C) as (K, (C, S, R, T)), a tile tile_n channels of one tap
+        mC = cute.make_tensor(mW.iterator, cute.select(mW.layout, mode=[0, 4, 3, 2, 1]))
+        mC = cute.group_modes(mC, 1, 5)
+        tma_c, tma_mC = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(),
+            mC,
+            cute.slice_(self.sC_layout, (None, None, 0)),
+            (cfg.tile_m, (cfg.epi_n,)),
+        )
+
+        # K tiles, padded to whole clusters
+        tiles_m = cute.ceil_div(mW.shape[0], cfg.tile_m * cfg.cluster_m) * cfg.cluster_m
+        c_tiles = cute.ceil_div(mW.shape[4], cfg.tile_n)  # channel tiles per tap
+        tiles = tiles_m * c_tiles * taps[0] * taps[1] * taps[2]
+        k_tiles = cute.ceil_div(mDY.shape[0], cfg.tile_k)
+        splits = cute.ceil_div(k_tiles, per_split)
+        walk = (tiles_m, c_tiles, cute.ceil_div(mW.shape[4], BOX_CHANNELS), k_tiles, per_split)
+
+        @cute.struct
+        class SharedStorage:
+            ab_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            split_last: cute.struct.MemRange[cutlass.Int32, 2]
+            sA: cute.struct.Align[
+                cute.struct.MemRange[self.a_dtype, cute.cosize(self.sA_layout)], 1024
+            ]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[self.b_dtype, cute.cosize(self.sB_layout)], 1024
+            ]
+            sC: cute.struct.Align[
+                cute.struct.MemRange[self.c_dtype, cute.cosize(self.sC_layout)], 1024
+            ]
+
+        self.shared_storage = SharedStorage
+        self.wgrad_kernel(
+            (tma_a, tma_mA),
+            (tma_b, tma_mB),
+            (tma_c, tma_mC),
+            self.tiled_mma,
+            (self.sA_load_layout, self.sB_layout, self.sB_box_layout, self.sC_layout),
+            walk,
+            mWork,
+            mFlags,
+        ).launch(
+            grid=(tiles, splits, 1),
+            block=[self.threads_per_cta, 1, 1],
+            cluster=(cfg.cluster_m, 1, 1),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    # ---------------------------------------------------------------- device code
+    @cute.kernel
+    def wgrad_kernel(
+        self,
+        load_a: tuple,
+        load_b: tuple,
+        store_c: tuple,
+        tiled_mma: cute.TiledMma,
+        layouts: tuple,
+        walk: tuple,
+        mWork: cute.Tensor,
+        mFlags: cute.Tensor,
+    ):
+        """`walk`: (K tiles, channel tiles per tap, 64-channel blocks, pixel k-tiles, k-tiles
+        per split)."""
+        tma_a, mA = load_a
+        tma_b, mB = load_b
+        tma_c, mC = store_c
+        sA_layout, sB_layout, sB_box_layout, sC_layout = layouts
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+            cpasync.prefetch_descriptor(tma_c)
+
+        # a 2x1 cluster: the CTAs of two K tiles, B multicast to both
+        cluster = (self.cfg.cluster_m, 1)
+        cta_layout_mnk = cute.make_layout((*cluster, 1))
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_coord = cta_layout_mnk.get_flat_coord(cta_rank)
+        b_mask = 0
+        if cutlass.const_expr(self.mcast_b > 1):
+            b_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=0)
+
+        storage = SmemAllocator().allocate(self.shared_storage)
+        stage_bytes = (self.cfg.tile_m + self.cfg.tile_n) * self.cfg.tile_k * self.a_dtype.width
+        # each consumer warp releases a stage to every CTA that multicast into it
+        ab_pipe = tma_pipeline(
+            storage.ab_barriers,
+            self.stages,
+            stage_bytes // 8,
+            self.mcast_b * (self.num_mma_threads // 32),
+            cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
+        )
+        init_arrive(cluster)
+
+        sA = smem_tensor(storage.sA, sA_layout)
+        sB = smem_tensor(storage.sB, sB_layout)
+        sC = smem_tensor(storage.sC, sC_layout)
+
+        wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
+        thr_mma = tiled_mma.get_slice((wg_idx - 1) * THREADS_PER_WG)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        gC = cute.local_tile(mC, (self.cfg.tile_m, (self.cfg.tile_n,)), (None, None))
+        acc = cute.make_rmem_tensor(thr_mma.partition_C(gC[None, None, 0, 0]).shape, self.acc_dtype)
+
+        init_wait(cluster)
+
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                tile_m, tile_n, k0, count = self._unit(walk)
+                gA = cute.local_tile(mA, (self.cfg.tile_m, self.cfg.tile_k), (tile_m, None))
+                tAsA, tAgA = cpasync.tma_partition(
+                    tma_a,
+                    0,
+                    cute.make_layout(1),
+                    cute.group_modes(sA, 0, 2),
+                    cute.group_modes(gA, 0, 2),
+                )
+                # (pixels, channels, pixel k-tiles, (64-channel blocks, S, R, T))
+                gB = cute.local_tile(mB, (self.cfg.tile_k, (BOX_CHANNELS,)), (None, None))
+                # each CTA of a cluster loads its share of a box, multicast to both
+                tBsB, tBgB = cpasync.tma_partition(
+                    tma_b,
+                    cluster_coord[0],
+                    cute.make_layout(self.cfg.cluster_m),
+                    cute.group_modes(smem_tensor(storage.sB, sB_box_layout), 0, 2),
+                    cute.group_modes(gB, 0, 2),
+                )
+                # this tile's first box: block (channel tile x boxes) of its tap
+                _, c_tiles, c_boxes, _, _ = walk
+                c_tile = tile_n % c_tiles
+                tap = tile_n // c_tiles
+                where = (c_tile * self.boxes, c_boxes, tap * c_boxes, (k0, count))
+                b_src = (tma_b, tBgB, tBsB, b_mask)
+                self._produce_wgrad((tma_a, tAgA, tAsA), b_src, ab_pipe, where)
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            read = consumer_state(self.stages)
+            release = consumer_state(self.stages)
+            read, release, tiled_mma = self._mainloop(
+                self._unit(walk)[3], tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release
+            )
+            # the unit's indices again: read after the mainloop, not kept live through it
+            tile_m, tile_n, _, _ = self._unit(walk)
+            tile, split, _ = cute.arch.block_idx()
+            tiles, splits, _ = cute.arch.grid_dim()
+            epi_barrier = named_barrier(Bar.EPILOGUE, self.num_mma_threads)
+            thread = tidx - THREADS_PER_WG
+            last = cutlass.Boolean(True)
+            if splits > 1:
+                s_last = storage.split_last.get_tensor(cute.make_layout(2))
+                part = (split * tiles + tile, tile, splits)
+                last = splitk.park(
+                    acc, mWork, mFlags, part, self.num_mma_threads, thread, epi_barrier, s_last
+                )
+                if last:
+                    slots = (tile, tiles, splits)  # the tile's parts in split order
+                    splitk.sum_parts(acc, mWork, slots, self.num_mma_threads, thread)
+            if last:
+                epi = self._epilogue_parts(tidx, tiled_mma, acc, sC, epi_barrier)
+                gC_tile = gC[(None, None, tile_m, tile_n)]
+                self._epilogue(gC_tile, tma_c, sC, epi, warp_idx, cutlass.Int32(0))
+                epi[5].producer_tail()
+
+    @cute.jit
+    def _unit(self, walk):
+        """This CTA's (K tile, (channel tile, tap) tile, first pixel k-tile, k-tiles)."""
+        tiles_m, _, _, k_tiles, per_split = walk
+        tile, split, _ = cute.arch.block_idx()
+        k0 = split * per_split
+        count = cutlass.min(k0 + per_split, k_tiles) - k0
+        return tile % tiles_m, tile // tiles_m, k0, count
+
+    @cute.jit
+    def _produce_wgrad(self, load_a, load_b, ab_pipe, where):
+        """The producer warp: the split's k-tiles of A (one box) and B (`boxes` im2col boxes,
+        channel blocks first_box.. of the tap, clamped to the last block) into the ring.
+        `where`: (first box, 64-channel blocks, the tap's first flat block index, (first
+        k-tile, k-tiles))."""
+        tma_a, tAgA, tAsA = load_a
+        tma_b, tBgB, tBsB, b_mask = load_b
+        first_box, c_boxes, tap_base, (k0, count) = where
+        prod = producer_state(self.stages)
+        for i in range(count):
+            kt = k0 + i
+            ab_pipe.producer_acquire(prod)
+            bar = ab_pipe.producer_get_barrier(prod)
+            cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, prod.index)], tma_bar_ptr=bar)
+            for j in cutlass.range_constexpr(self.boxes):
+                block = tap_base + cutlass.min(first_box + j, c_boxes - 1)
+                cute.copy(
+                    tma_b,
+                    tBgB[(None, kt, block)],
+                    tBsB[(None, prod.index * self.boxes + j)],
+                    tma_bar_ptr=bar,
+                    mcast_mask=b_mask,
+                )
+            ab_pipe.producer_commit(prod)
+            prod.advance()
+        ab_pipe.producer_tail(prod)
+
+    def _epilogue_parts(self, tidx, tiled_mma, acc, sC, epi_barrier):
+        """The GEMM epilogue's copies and ring (`GemmSm90._epilogue`'s `epi` tuple): registers
+        -> stmatrix -> the swizzled shared-memory ring -> TMA store."""
+        r2s_atom = sm90_utils.sm90_get_smem_store_op(
+            self.c_major, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype
+        )
+        stm_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.c_dtype)
+        r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma))
+        thr_r2s = r2s.get_slice(tidx - THREADS_PER_WG)
+        rC_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
+        store_pipe = pipeline.PipelineTmaStore.create(
+            num_stages=self.cfg.epi_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
+        )
+        return (
+            r2s,
+            thr_r2s.partition_D(sC),
+            r2s.retile(acc),
+            cute.make_rmem_tensor(rC_shape, self.acc_dtype),
+            cute.make_rmem_tensor(rC_shape, self.c_dtype),
+            store_pipe,
+            epi_barrier,
+        )

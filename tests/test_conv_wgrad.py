@@ -1,0 +1,197 @@
+"""The implicit-GEMM weight gradient (kernels/conv/sm90/wgrad.py) on the CPU, in fp64: the model
+of its tile walk (emulate.wgrad_run: A = dY^T boxes, B = im2col boxes of 64 pixels x 64
+channels at the tile's tap, the block index clamped, the split's pixel range, the parts parked
+and summed in split order by the last to arrive) against autograd's weight gradient, for every
+tile and several splits over ragged geometries; the sum independent of the CTAs' order and the
+flags left zero; the launcher (channel padding, scratch dw, one launch, the workspace reused);
+the chooser of tile and split."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from forgekernel.kernels.conv.sm90 import emulate, launch
+from forgekernel.kernels.conv.sm90.config import MAX_WORKSPACE
+from forgekernel.kernels.conv.sm90.geometry import Geometry
+from forgekernel.kernels.conv.sm90.wgrad_config import (
+    WGRAD_CONFIGS,
+    WGRAD_MAX_SPLITS,
+    WGRAD_SMALL,
+    WgradPlan,
+    choose_wgrad,
+    wgrad_tiles,
+)
+from forgekernel.kernels.gemm.dense.sm90 import launch as gemm_launch
+
+F64 = torch.float64
+
+
+def _geometry(f, pad, stride=(1, 1, 1), dil=(1, 1, 1), pad_hi=None) -> Geometry:
+    return Geometry(tuple(f), tuple(pad), tuple(pad_hi or pad), tuple(stride), tuple(dil))
+
+
+def _cl5(t):
+    return t.permute(0, 2, 3, 4, 1)
+
+
+def _problem(n, c, k, size, g: Geometry, seed=0):
+    """x, dy (channels-last 5-D, fp64) and autograd's dw (K, T, R, S, C) of conv3d with g."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, c, *size, dtype=F64, generator=gen)
+    w = torch.randn(k, c, *g.filter, dtype=F64, requires_grad=True)
+    pad = [v for d in (2, 1, 0) for v in (g.pad_lo[d], g.pad_hi[d])]
+    y = F.conv3d(F.pad(x, pad), w, stride=g.stride, dilation=g.dilation)
+    dy = torch.randn(y.shape, dtype=F64, generator=gen)
+    (dw,) = torch.autograd.grad(y, w, dy)
+    return _cl5(x).contiguous(), _cl5(dy).contiguous(), _cl5(dw)
+
+
+def _close(got, want) -> bool:
+    """Equal up to the fp32 rounding of the parked partials (an indexing error is O(1))."""
+    return torch.allclose(got, want, rtol=1e-6, atol=1e-5)
+
+
+def _run_model(x, dy, dw_shape, g, cfg, per_split, order=None):
+    k = dw_shape[0]
+    dw = torch.full(dw_shape, float("nan"), dtype=F64)
+    taps = math.prod(dw_shape[1:4])
+    tiles = wgrad_tiles(cfg, k, dw_shape[-1], taps)
+    m = dy.numel() // k
+    k_tiles = math.ceil(m / 64)
+    splits = math.ceil(k_tiles / per_split)
+    work = torch.zeros(max(4, splits * tiles * cfg.tile_m * cfg.tile_n), dtype=torch.float32)
+    flags = torch.zeros(tiles, dtype=torch.int32)
+    emulate.wgrad_run(dy.reshape(m, k), x, dw, work, flags, g, cfg, per_split, order)
+    return dw, flags
+
+
+PROBLEMS = [
+    # n, c, k, (D, H, W), geometry: ragged K and C, stride, dilation, asymmetric padding, 3-D
+    (2, 72, 136, (1, 9, 7), _geometry((1, 3, 3), (0, 2, 2), dil=(1, 2, 2))),
+    (2, 24, 40, (1, 13, 11), _geometry((1, 5, 5), (0, 2, 2), (1, 2, 2))),
+    (1, 8, 16, (4, 6, 6), _geometry((3, 3, 3), (1, 1, 1))),
+    (3, 200, 8, (1, 6, 5), _geometry((1, 2, 3), (0, 0, 1), pad_hi=(0, 1, 0))),
+]
+
+
+@pytest.mark.parametrize("cfg", WGRAD_CONFIGS, ids=lambda c: f"{c.tile_m}x{c.tile_n}")
+@pytest.mark.parametrize("n, c, k, size, g", PROBLEMS)
+def test_the_model_is_the_weight_gradient_for_every_tile_and_split(cfg, n, c, k, size, g):
+    x, dy, want = _problem(n, c, k, size, g)
+    k_tiles = -(-(dy.numel() // k) // 64)
+    for per_split in sorted({k_tiles, max(1, k_tiles // 3), 1}):
+        dw, flags = _run_model(x, dy, want.shape, g, cfg, per_split)
+        assert _close(dw, want), (per_split, (dw - want).abs().max())
+        assert not flags.any()  # every launch leaves the flags zero
+
+
+def test_the_sum_does_not_depend_on_the_order_the_parts_finish():
+    n, c, k, size, g = 3, 72, 136, (1, 12, 12), _geometry((1, 3, 3), (0, 1, 1))
+    x, dy, _ = _problem(n, c, k, size, g, seed=3)
+    cfg = WGRAD_SMALL
+    ref, _ = _run_model(x, dy, (k, *g.filter, c), g, cfg, 1)
+    tiles = wgrad_tiles(cfg, k, c, math.prod(g.filter))
+    splits = -(-(dy.numel() // k) // 64)
+    assert splits > 2
+    for seed in range(3):
+        order = torch.randperm(tiles * splits, generator=torch.Generator().manual_seed(seed))
+        dw, _ = _run_model(x, dy, (k, *g.filter, c), g, cfg, 1, order.tolist())
+        assert torch.equal(dw, ref)  # bitwise: the parts are summed in split order
+
+
+@pytest.fixture
+def model_kernel(monkeypatch):
+    """The compiled functions replaced by the CPU models (the weight gradient's running its
+    CTAs in a random order); (compile key, workspace pointer) of each launch recorded."""
+    launches = []
+
+    def get_kernel(spec, params):
+        fn = emulate.stand_in(spec, params)
+        if spec.name != "conv_wgrad_sm90":
+            return fn
+        model = emulate.compiled_wgrad(params, order_seed=len(launches))
+
+        def recorded(dy, x, dw, work, flags, *args):
+            launches.append((dict(params), work.data_ptr(), flags.data_ptr(), args[-1]))
+            return model(dy, x, dw, work, flags, *args)
+
+        return recorded
+
+    launch._wgrad_plans.clear()
+    gemm_launch._WORKSPACES.clear()
+    monkeypatch.setattr(launch, "get_kernel", get_kernel)
+    yield launches
+    launch._wgrad_plans.clear()
+    gemm_launch._WORKSPACES.clear()
+
+
+@pytest.mark.parametrize(
+    "n, c, k, size, g",
+    [
+        (2, 3, 5, (1, 17, 19), _geometry((1, 3, 3), (0, 1, 1))),  # C, K padded to 8
+        (1, 3, 16, (1, 30, 30), _geometry((1, 7, 7), (0, 3, 3), (1, 2, 2))),  # the stem
+        (2, 64, 64, (1, 9, 9), _geometry((1, 1, 1), (0, 0, 0))),  # 1x1
+        *PROBLEMS,
+    ],
+)
+def test_launcher_gives_the_weight_gradient(model_kernel, n, c, k, size, g):
+    x, dy, want = _problem(n, c, k, size, g)
+    dw = torch.full(want.shape, float("nan"), dtype=F64)
+    launch.wgrad(dy, x, dw, g)
+    assert _close(dw, want)
+    assert len(model_kernel) == 1
+
+
+def test_launcher_splits_and_reuses_its_workspace(model_kernel):
+    """A forced split over a long reduction: the same workspace and flags on every call (no
+    allocation, no fill per call), left zero by each launch; dw written in place. C = 24:
+    the implicit GEMM (C <= 16 would take the few-channel path, another problem)."""
+    n, c, k, size, g = 4, 24, 24, (1, 16, 16), _geometry((1, 3, 3), (0, 1, 1))
+    x, dy, want = _problem(n, c, k, size, g)
+    plan = WgradPlan(WGRAD_SMALL, per_split=3, parts=6, tiles=9)
+    for _ in range(3):
+        dw = torch.full(want.shape, float("nan"), dtype=F64)
+        launch.wgrad(dy, x, dw, g, plan)
+        assert _close(dw, want)
+    assert len({(w, f) for _, w, f, _ in model_kernel}) == 1
+    assert {per for *_, per in model_kernel} == {3}
+    work, flags = next(iter(gemm_launch._WORKSPACES.values()))
+    assert not flags.any() and work.numel() >= 6 * 9 * 64 * 64
+
+
+def test_a_given_plan_is_sized_for_the_problem(model_kernel):
+    """A plan's splits and tiles are what the kernel counts (the workspace and flags are sized
+    by them): a plan made for another problem (here one split and one tile) still gets a
+    workspace its kernel does not write past (the model checks the size)."""
+    n, c, k, size, g = 4, 24, 24, (1, 16, 16), _geometry((1, 3, 3), (0, 1, 1))
+    x, dy, want = _problem(n, c, k, size, g)
+    dw = torch.full(want.shape, float("nan"), dtype=F64)
+    launch.wgrad(dy, x, dw, g, WgradPlan(WGRAD_SMALL, per_split=3, parts=1, tiles=1))
+    assert _close(dw, want)
+    work, flags = next(iter(gemm_launch._WORKSPACES.values()))
+    assert work.numel() >= 6 * 9 * 64 * 64 and flags.numel() >= 9
+
+
+def test_the_chooser_fills_the_chip_within_its_limits():
+    for k, c, taps, pixels in itertools.product(
+        (8, 64, 136, 512, 2048), (8, 64, 96, 256, 1280), (1, 4, 9, 27, 49), (64, 1568, 100352)
+    ):
+        plan = choose_wgrad(k, c, taps, pixels, 132)
+        cfg = plan.config
+        k_tiles = -(-pixels // 64)
+        assert cfg in WGRAD_CONFIGS and plan.tiles == wgrad_tiles(cfg, k, c, taps)
+        assert 1 <= plan.parts <= WGRAD_MAX_SPLITS
+        # every split non-empty, together exactly the reduction
+        assert (plan.parts - 1) * plan.per_split < k_tiles <= plan.parts * plan.per_split
+        assert plan.parts == 1 or plan.workspace_floats <= MAX_WORKSPACE
+    # the issue's point: 18 tiles of 128x256 would fill 14% of the chip unsplit
+    plan = choose_wgrad(256, 256, 9, 32 * 56 * 56, 132)
+    assert plan.tiles * plan.parts > 0.9 * 132
+    # a long reduction into one 64x64 tile is spread over many CTAs
+    plan = choose_wgrad(64, 64, 1, 32 * 56 * 56, 132)
+    assert plan.config == WGRAD_SMALL and plan.parts >= 16
