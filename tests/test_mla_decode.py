@@ -17,6 +17,7 @@ import math
 
 import pytest
 import torch
+from mla_seesaw import seesaw_partial
 from split_combine import combine_splits
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -36,6 +37,7 @@ from forgekernel.kernels.attention.mla.sm90.config import (
     heads_per_cta,
     params_for,
     split_plan,
+    tile_split_plan,
 )
 from forgekernel.kernels.attention.paged.sm90 import config as paged_config
 from forgekernel.reference.flashinfer_paged import page_table_to_csr
@@ -77,10 +79,18 @@ def test_compile_keys():
     assert dict(params_for("partial", "bfloat16", 16, 2, fp8=True)) == {
         "kind": "partial", "dtype": "bfloat16", "heads": 16, "qtokens": 2, "fp8": True,
     }  # fmt: skip
+    assert dict(params_for("partial", "float16", 16, tma=True)) == {
+        "kind": "partial", "dtype": "float16", "heads": 16, "tma": True,
+    }  # fmt: skip
+    for bad in ({"kind": "sparse", "dtype": "bfloat16"}, {"kind": "partial", "fp8": True}):
+        with pytest.raises(ValueError, match="16-bit paged"):
+            params_for(**{"dtype": "bfloat16", "heads": 16, **bad}, tma=True)
     partial = [dict(p) for p in SPEC.standard_params() if dict(p)["kind"] == "partial"]
     per_pass = sum(1 for h in HEADS for t in QTOKENS if h * t <= ROWS)
-    assert len(partial) == 3 * per_pass  # fp16, bf16, FP8 cache with bf16 queries
+    # fp16 and bf16 (the seesaw pass and decode.py's), FP8 cache with bf16 queries
+    assert len(partial) == 5 * per_pass
     assert sum(1 for p in partial if p.get("fp8")) == per_pass
+    assert sum(1 for p in partial if p.get("tma")) == 2 * per_pass
     assert all(p["dtype"] == "bfloat16" for p in partial if p.get("fp8"))
     assert all(p["heads"] * p.get("qtokens", 1) <= ROWS for p in partial)
     with pytest.raises(ValueError, match="kind"):
@@ -249,7 +259,8 @@ def cpu_kernels(monkeypatch):
             fp8 = p.get("fp8", False)
             assert (args[4] is not None) == fp8 and (args[2].dtype == torch.uint8) == fp8
             calls.append((p, args[9:12], args[12] is not None))
-            _partial(*args, heads=p["heads"], qtokens=p.get("qtokens", 1))
+            replay = seesaw_partial if p.get("tma", False) else _partial
+            replay(*args, heads=p["heads"], qtokens=p.get("qtokens", 1))
 
         return partial
 
@@ -271,6 +282,12 @@ def _problem(b, hq, page_size, lens, s_q=1, combined=False, dtype=torch.bfloat16
         ckv = torch.randn(pages, page_size, LATENT, generator=g).to(dtype)
         kpe = torch.randn(pages, page_size, 64, generator=g).to(dtype)
     table = torch.randperm(pages, generator=g)[: b * max_pages].view(b, max_pages).int()
+    for i, n in enumerate(lens):  # the slots past each sequence: stale (NaN: never read as keys)
+        for j in range(max_pages):
+            stale = slice(max(n - j * page_size, 0), page_size)
+            ckv[table[i, j], stale] = float("nan")
+            if kpe is not None:
+                kpe[table[i, j], stale] = float("nan")
     qn = torch.randn(b, s_q, hq, LATENT, generator=g).to(dtype)
     qp = torch.randn(b, s_q, hq, 64, generator=g).to(dtype)
     return qn, qp, ckv, kpe, table, torch.tensor(lens, dtype=torch.int32)
@@ -310,7 +327,9 @@ def test_decode_matches_the_reference(cpu_kernels, b, hq, page_size, lens, s_q, 
     assert params["heads"] == heads_per_cta(hq, qtokens) and ps == page_size
     assert abs(scale_log2 - SCALE * math.log2(math.e)) < 1e-9
     max_tokens = table.shape[1] * page_size
-    assert per == split_plan(b, hq // params["heads"], max_tokens, 132, 1)[1]
+    plan = tile_split_plan if page_size % TILE == 0 else split_plan
+    assert params.get("tma", False) == (page_size % TILE == 0)
+    assert per == plan(b, hq // params["heads"], max_tokens, 132, 1)[1]
 
 
 def _fp8_cache(pages, page_size, gen, *, padded=False, as_bytes=False):

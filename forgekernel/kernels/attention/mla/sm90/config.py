@@ -41,6 +41,16 @@ FP8_DTYPE = "bfloat16"  # an FP8 cache's queries (e4m3 x a power-of-two scale is
 SPARSE_HQ = (16, 128)  # DeepSeek-V3.2's query heads per GPU at TP8 and TP1 (the prebuilt DSA)
 
 
+def tile_split_plan(
+    batch: int, head_blocks: int, max_tokens: int, num_sms: int, resident: int
+) -> tuple[int, int]:
+    """The paged leaf's split plan with whole TILE-key tiles per split (the seesaw pass loads
+    64-row TMA boxes of one page: a split must start on a tile boundary)."""
+    splits, per = split_plan(batch, head_blocks, max_tokens, num_sms, resident)
+    per = -(-per // TILE) * TILE
+    return -(-max(max_tokens, 1) // per), per
+
+
 def heads_per_cta(hq: int, qtokens: int = 1) -> int:
     """The largest compiled heads-per-CTA dividing Hq with heads x tokens <= ROWS: the cache is
     read once per head block, so as few blocks as the MMA's rows allow (16 heads at TP8, 64 of
@@ -55,18 +65,24 @@ def sparse_heads() -> tuple[int, ...]:
     return tuple(sorted(common | {heads_per_cta(hq) for hq in SPARSE_HQ}))
 
 
-def params_for(kind: str, dtype: str, heads: int = 1, qtokens: int = 1, fp8: bool = False) -> tuple:
+def params_for(
+    kind: str, dtype: str, heads: int = 1, qtokens: int = 1, fp8: bool = False, tma: bool = False
+) -> tuple:
     """Compile key: kind "partial" (one split of `heads` query heads x `qtokens` tokens, fp32
     out; qtokens > 1 the packed form with cu_seqlens_q), "sparse" (DSA: one split of one query
     token's top-k list, `heads` query heads; qtokens 1) or "combine" (the paged leaf's
     `PagedCombineSm90` at head dim D_LATENT, under the key the paged leaf would give it). fp8:
-    the partial / sparse pass over FlashMLA's FP8 cache (dtype FP8_DTYPE only)."""
+    the partial / sparse pass over FlashMLA's FP8 cache (dtype FP8_DTYPE only). tma: the partial
+    pass over a 16-bit cache whose pages are multiples of TILE rows (seesaw.py: TMA boxes of
+    whole tiles, the seesaw schedule)."""
     if kind == "combine":
         return tuple(sorted({"kind": kind, "dtype": dtype, "head_dim": D_LATENT}.items()))
     if kind not in ("partial", "sparse"):
         raise ValueError(f"kind must be 'partial', 'sparse' or 'combine', got {kind!r}")
     if fp8 and dtype != FP8_DTYPE:
         raise ValueError(f"an FP8 cache takes {FP8_DTYPE} queries, got {dtype}")
+    if tma and (kind != "partial" or fp8):
+        raise ValueError("the TMA (seesaw) pass is the 16-bit paged partial pass")
     if kind == "sparse" and qtokens != 1:
         raise ValueError(f"sparse attention takes one query token per CTA, got {qtokens}")
     keys = {"kind": kind, "dtype": dtype, "heads": heads}
@@ -74,4 +90,6 @@ def params_for(kind: str, dtype: str, heads: int = 1, qtokens: int = 1, fp8: boo
         keys["qtokens"] = qtokens
     if fp8:
         keys["fp8"] = True
+    if tma:
+        keys["tma"] = True
     return tuple(sorted(keys.items()))
