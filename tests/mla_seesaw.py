@@ -297,11 +297,13 @@ def _base(m: torch.Tensor) -> torch.Tensor:
     return torch.where(m > -math.inf, m, 0.0)
 
 
-def seesaw_split(q, keys, values, key_index, limit, scale_log2, dtype):
+def seesaw_split(q, keys, values, key_index, limit, mask_from, scale_log2, dtype):
     """One split of one CTA: q (rows, 576) fp64; keys (tiles, 64, 576) and values (tiles, 64,
     512) fp64 as the buffers hold them (stale rows included: values zeroed there by the
     caller); key_index (tiles, 64) the keys' positions; limit (rows,) the first position a row
-    may not see. Returns (O (rows, 512) normalized, LSE (rows,) log2; 0 / -inf without keys)."""
+    may not see, applied to the tiles reaching past mask_from (the kernel's `_mask_from`: rows
+    not written may see more). Returns (O (rows, 512) normalized, LSE (rows,) log2; 0 / -inf
+    without keys)."""
     rows = q.shape[0]
     tiles = keys.shape[0]
     m = torch.full((rows,), -math.inf, dtype=torch.float64)
@@ -314,7 +316,8 @@ def seesaw_split(q, keys, values, key_index, limit, scale_log2, dtype):
             s = torch.full((rows, TILE), -math.inf, dtype=torch.float64)
         else:
             s = q @ keys[tile].T
-            s = torch.where(key_index[tile][None, :] < limit[:, None], s, -math.inf)
+            if int(key_index[tile][-1]) >= mask_from:
+                s = torch.where(key_index[tile][None, :] < limit[:, None], s, -math.inf)
         top = s.max(1).values * scale_log2
         m_new = torch.maximum(m, top)
         corr = torch.exp2(m - _base(m_new))
@@ -376,6 +379,7 @@ def seesaw_partial(qn, qp, ckv, kpe, ckv_scale, pt, seq, op_, lp, scale_log2, pe
                     (min(t1, kv_end - sq + i + 1) if causal else t1) if i < sq else 0
                     for i, _ in rows
                 ])  # fmt: skip
+                mask_from = min(t1, kv_end - sq + 1) if causal and qtokens > 1 else t1
                 keys, values, index = [], [], []
                 for j in range(tiles):
                     first = t0 + j * TILE
@@ -390,7 +394,7 @@ def seesaw_partial(qn, qp, ckv, kpe, ckv_scale, pt, seq, op_, lp, scale_log2, pe
                     index.append(pos)
                 if tiles:
                     stacked = [torch.stack(t) for t in (keys, values, index)]
-                    o, lse = seesaw_split(q, *stacked, limit, scale_log2, qn.dtype)
+                    o, lse = seesaw_split(q, *stacked, limit, mask_from, scale_log2, qn.dtype)
                 else:
                     o = torch.zeros(len(rows), LATENT, dtype=torch.float64)
                     lse = torch.full((len(rows),), -math.inf, dtype=torch.float64)

@@ -33,6 +33,7 @@ from forgekernel.kernels.attention.mla.sm90.config import (
     HEADS,
     QTOKENS,
     ROWS,
+    SPLIT_OVERHEAD_TILES,
     TILE,
     heads_per_cta,
     params_for,
@@ -109,6 +110,33 @@ def test_split_plan_is_the_paged_leafs(b, blocks, tokens):
     if splits < -(-tokens // paged_config.MIN_TOKENS_PER_SPLIT):
         ctas = b * blocks * splits
         assert ctas / 132 / -(-ctas // 132) >= paged_config.WAVE_FILL
+
+
+@pytest.mark.parametrize(("b", "blocks", "tokens"), [(1, 1, 65536), (64, 1, 4096), (1, 2, 16384),
+                                                     (128, 2, 8192), (48, 1, 4096), (3, 1, 17),
+                                                     (1, 1, 1), (200, 1, 300)])  # fmt: skip
+def test_tile_split_plan(b, blocks, tokens):
+    """The seesaw pass's plan: whole tiles per split, covering the keys, at least 256 a split
+    (or all of them), and no other tile count with a smaller makespan (waves x (tiles +
+    overhead)) or an equal one with fewer splits."""
+    splits, per = tile_split_plan(b, blocks, tokens, 132, 1)
+    tiles = -(-tokens // TILE)
+    assert per % TILE == 0 and splits == -(-tiles // (per // TILE))
+    assert splits * per >= tokens and (splits - 1) * per < tokens
+    assert per >= min(256, tiles * TILE)
+
+    def cost(n):
+        s = -(-tiles // n)
+        return -(-b * blocks * s // 132) * (n + SPLIT_OVERHEAD_TILES), s
+
+    assert all(cost(per // TILE) <= cost(n) for n in range(min(4, tiles), tiles + 1))
+
+
+def test_tile_split_plan_fills_the_wave():
+    """One long sequence: 128 CTAs of 8 tiles (the paged plan rounded to tiles gave 114 of
+    9); 128 sequences at 128 heads: one split each, not 32 of 4 tiles."""
+    assert tile_split_plan(1, 1, 65536, 132, 1) == (128, 512)
+    assert tile_split_plan(128, 2, 8192, 132, 1) == (1, 8192)
 
 
 # ---------------------------------------------------------------- FP8 dequantization

@@ -19,7 +19,10 @@ columns, powers of two), [528, 656) the RoPE columns in bf16 (fp8.py has the deq
 from __future__ import annotations
 
 # the split plan is the paged leaf's (re-exported for the launcher and the tests)
-from forgekernel.kernels.attention.paged.sm90.config import split_plan  # noqa: F401
+from forgekernel.kernels.attention.paged.sm90.config import (  # noqa: F401
+    MIN_TOKENS_PER_SPLIT,
+    split_plan,
+)
 
 DTYPES = ("float16", "bfloat16")
 HEADS = (1, 2, 4, 8, 16, 32, 64)  # query heads per CTA (a divisor of Hq)
@@ -29,6 +32,9 @@ WARPGROUPS = 2  # side by side: S along the keys, P V along the output columns
 THREADS = 128 * WARPGROUPS
 TILE = 64  # keys per pipeline stage
 STAGES = 2
+# The seesaw pass's split plan: a split's fixed cost in tiles' time (Q's load and the first
+# scores before the pipeline fills, the partial's write and its share of the combine)
+SPLIT_OVERHEAD_TILES = 2
 RESIDENT = 1  # CTAs per SM
 D_LATENT = 512  # kv_lora_rank: the value and the first key columns
 D_ROPE = 64  # qk_rope_head_dim: the key's last columns
@@ -44,11 +50,24 @@ SPARSE_HQ = (16, 128)  # DeepSeek-V3.2's query heads per GPU at TP8 and TP1 (the
 def tile_split_plan(
     batch: int, head_blocks: int, max_tokens: int, num_sms: int, resident: int
 ) -> tuple[int, int]:
-    """The paged leaf's split plan with whole TILE-key tiles per split (the seesaw pass loads
-    64-row TMA boxes of one page: a split must start on a tile boundary)."""
-    splits, per = split_plan(batch, head_blocks, max_tokens, num_sms, resident)
-    per = -(-per // TILE) * TILE
-    return -(-max(max_tokens, 1) // per), per
+    """(splits, tokens per split) in whole TILE-key tiles (the seesaw pass loads 64-row TMA
+    boxes of one page: a split starts on a tile boundary): the tiles per split minimizing the
+    makespan waves x (tiles + SPLIT_OVERHEAD_TILES) over units of batch x head_blocks CTAs each
+    ceil(tiles / per) splits, waves of num_sms x resident CTAs; ties to fewer splits. At least
+    MIN_TOKENS_PER_SPLIT keys a split (the paged leaf's bound) unless the sequence is
+    shorter. (The paged leaf's plan rounded up to tiles loses CTAs: b1 x 65536 keys ran 114
+    CTAs of 9 tiles where 128 of 8 fit one wave.)"""
+    units = max(1, batch * head_blocks)
+    tiles = max(1, -(-max_tokens // TILE))
+    slots = num_sms * resident
+    fewest = min(tiles, max(1, MIN_TOKENS_PER_SPLIT // TILE))
+
+    def cost(per: int) -> tuple[int, int]:
+        splits = -(-tiles // per)
+        return -(-units * splits // slots) * (per + SPLIT_OVERHEAD_TILES), splits
+
+    per = min(range(fewest, tiles + 1), key=cost)
+    return -(-tiles // per), per * TILE
 
 
 def heads_per_cta(hq: int, qtokens: int = 1) -> int:

@@ -74,6 +74,7 @@ from forgekernel.kernels.common.sm90.layout import (
 )
 from forgekernel.kernels.common.sm90.mma import gemm
 from forgekernel.kernels.common.sm90.pipeline import smem_tensor
+from forgekernel.kernels.common.sm90.ptx import opaque_i32
 from forgekernel.kernels.common.sm90.softmax import exp2_row, quad_row_max, rescale_o
 from forgekernel.kernels.common.sm90.warp_mma import (
     copy_row_async,
@@ -290,6 +291,7 @@ class MlaSeesawSm90:
         st = SimpleNamespace(
             acc_o=acc_o, row_sum=row_sum, limits=limits, sM=sM, sScale=sScale, tid=tid,
             scale_log2=scale_log2, sk=sk, t0=t0, tiles=tiles, sKl=sKl,
+            mask_from=self._mask_from(t1, kv_end, sq, causal),
         )  # fmt: skip
         if wg == 0:
             self._warpgroup0(ops, st, kv)
@@ -333,6 +335,16 @@ class MlaSeesawSm90:
         kv_end = Int32(cutlass.select_(causal != 0, sk - q_all + token0 + sq, sk))
         kv_end = Int32(cutlass.select_(sq > 0, kv_end, 0))
         return b, mCuQ[b] + token0, sq, sk, kv_end
+
+    @cute.jit
+    def _mask_from(self, t1, kv_end, sq, causal):
+        """The first key some written row may not see (the split's end; with query tokens and
+        causal, token 0's bound): tiles before it need no mask. (Rows of tokens past sq, not
+        written, may then see keys past their bound: their zero queries give finite scores.)"""
+        bound = t1
+        if const_expr(self.qt > 1):
+            bound = Int32(cutlass.select_(causal != 0, cutlass.min(t1, kv_end - sq + 1), t1))
+        return bound
 
     @cute.jit
     def _operands(self, mmas, smem, tid):
@@ -603,10 +615,13 @@ class MlaSeesawSm90:
         corr = cute.make_rmem_tensor(2, Float32)
         part = cute.make_rmem_tensor(2, Float32)
         m_new = cute.make_rmem_tensor(2, Float32)
+        coords, limits = ops.coords, st.limits
+        if first_key + TILE > st.mask_from:  # the split's last tile (or, causal, the last two)
+            for r in cutlass.range_constexpr(2):
+                for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                    if first_key + coords[r, c][1] >= limits[r]:
+                        s[r, c] = -Float32.inf
         for r in cutlass.range_constexpr(2):
-            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                if first_key + ops.coords[r, c][1] >= st.limits[r]:
-                    s[r, c] = -Float32.inf
             m_old = st.sM[ops.coords[r, 0][0]]
             top = quad_row_max(s, r, -Float32.inf) * st.scale_log2
             m_new[r] = cute.arch.fmax(m_old, top)
@@ -675,7 +690,8 @@ class MlaSeesawSm90:
         split, q_off, sq, head0, wg, tid = at
         o = rows_cols(acc_o)
         for r in cutlass.range_constexpr(2):
-            row = o_crd[r, 0][0]
+            # (opaque: with G <= 8 rows the compiler would prove rows r + 8 never written)
+            row = opaque_i32(o_crd[r, 0][0])
             token = row // self.h
             if row < self.g and token < sq:
                 inv = Float32(0.0)
