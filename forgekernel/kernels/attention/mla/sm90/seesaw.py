@@ -521,11 +521,11 @@ class MlaSeesawSm90:
             nxt_c = self._page(kv, cutlass.min(a + 3, st.tiles - 1))
         if const_expr(not has_c):  # a is the last tile
             self._zero_stale(ops, st, 0, a, Bar.WG0)
-        corr, part = self._softmax(ops, st, a, 0)
+        corr, part = self._softmax(ops, st, a, 0, not more)
         named_barrier(Bar.SCALE0, THREADS).arrive()
         for r in cutlass.range_constexpr(2):
             st.row_sum[r] = st.row_sum[r] * corr[r] + part[r]
-        rescale_o(st.acc_o, corr)
+        self._rescale(st.acc_o, corr)
         self._p16(ops, None)
         self._p_regs(ops)
         gemm(ops.mma[3], st.acc_o, ops.p_regs, ops.v_rs[0][None, None, None, 0], False, 0)
@@ -541,7 +541,7 @@ class MlaSeesawSm90:
         named_barrier(Bar.P0, THREADS).arrive()
         if const_expr(has_c):
             named_barrier(Bar.P1, THREADS).arrive_and_wait()
-            rescale_o(st.acc_o, corr1)
+            self._rescale(st.acc_o, corr1)
             for r in cutlass.range_constexpr(2):
                 st.row_sum[r] = st.row_sum[r] * corr1[r]
             gemm(ops.mma[2], st.acc_o, ops.p_smem[1], ops.v_ss[0][None, None, None, 1], False, -1)
@@ -575,13 +575,13 @@ class MlaSeesawSm90:
         if const_expr(has_c and not more_a):  # c is the last tile
             self._zero_stale(ops, st, 1, c, Bar.WG1)
         named_barrier(Bar.SCALE0, THREADS).arrive_and_wait()
-        corr, part = self._softmax(ops, st, c, 1)  # (no tile c: every key masked, corr 1)
+        corr, part = self._softmax(ops, st, c, 1, not more_c)  # (no tile c: all masked, corr 1)
         named_barrier(Bar.SCALE1, THREADS).arrive()
         both = cute.make_rmem_tensor(2, Float32)  # a's and c's rescales
         for r in cutlass.range_constexpr(2):
             both[r] = st.sScale[ops.coords[r, 0][0], 0] * corr[r]
             st.row_sum[r] = st.row_sum[r] * both[r] + part[r]
-        rescale_o(st.acc_o, both)
+        self._rescale(st.acc_o, both)
         if const_expr(has_c):
             self._p16(ops, None)
             self._p_smem(ops, 1)
@@ -605,22 +605,26 @@ class MlaSeesawSm90:
     # ---------------------------------------------------------------- softmax and P
 
     @cute.jit
-    def _softmax(self, ops, st, tile, slot: cutlass.Constexpr):
-        """S of `tile` (this warpgroup's, done) -> P (fp32, in place) against the running max,
-        the mask applied (keys past the row's limit, or past the split); the max and this
-        tile's rescale factor exp2(m_old - m_new) go to shared memory (slot 0 / 1). Returns
-        (the rescale factors, this thread's part of P's row sums)."""
+    def _softmax(self, ops, st, tile, slot: cutlass.Constexpr, tail: cutlass.Constexpr):
+        """S of `tile` (this warpgroup's, done) -> P (fp32, in place) against the running max;
+        tail (one of the split's last two tiles): the mask applied where the tile reaches past
+        a written row's bound (keys past the row's limit, or past the split). (Earlier tiles
+        lie wholly before every written row's bound: a causal bound trails the split's end by
+        at most qtokens - 1 < TILE keys.) The max and this tile's rescale factor exp2(m_old -
+        m_new) go to shared memory (slot 0 / 1). Returns (the rescale factors, this thread's
+        part of P's row sums)."""
         s = rows_cols(ops.acc_s)
         first_key = st.t0 + tile * TILE
         corr = cute.make_rmem_tensor(2, Float32)
         part = cute.make_rmem_tensor(2, Float32)
         m_new = cute.make_rmem_tensor(2, Float32)
         coords, limits = ops.coords, st.limits
-        if first_key + TILE > st.mask_from:  # the split's last tile (or, causal, the last two)
-            for r in cutlass.range_constexpr(2):
-                for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                    if first_key + coords[r, c][1] >= limits[r]:
-                        s[r, c] = -Float32.inf
+        if const_expr(tail):
+            if first_key + TILE > st.mask_from:  # the last tile (or, causal, the last two)
+                for r in cutlass.range_constexpr(2):
+                    for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                        if first_key + coords[r, c][1] >= limits[r]:
+                            s[r, c] = -Float32.inf
         for r in cutlass.range_constexpr(2):
             m_old = st.sM[ops.coords[r, 0][0]]
             top = quad_row_max(s, r, -Float32.inf) * st.scale_log2
@@ -637,6 +641,14 @@ class MlaSeesawSm90:
                 s_max[coords[r, 0][0]] = m_new[r]
                 s_scale[coords[r, 0][0], slot] = corr[r]
         return corr, part
+
+    @cute.jit
+    def _rescale(self, acc_o, corr):
+        """O's rows times their rescale factors, unless every one of the warp's is 1 (the max
+        did not move: rows of zero queries always, the others ever more often)."""
+        moved = (corr[0] != Float32(1.0)) | (corr[1] != Float32(1.0))
+        if cute.arch.vote_any_sync(moved):
+            rescale_o(acc_o, corr)
 
     @cute.jit
     def _p16(self, ops, corr):
