@@ -1,7 +1,6 @@
 """PTX instructions the DSL does not wrap, as inline assembly: a packed 16-bit convert, 1-D
 bulk copy / bulk reduce-add, acquire / release on a global int, a generic-to-async proxy
-fence for global memory, a threadIdx read the compiler may not hoist, and an integer the
-compiler may not fold."""
+fence for global memory, and a threadIdx read the compiler may not hoist."""
 
 from __future__ import annotations
 
@@ -119,20 +118,3 @@ def fence_proxy_async_global(*, loc=None, ip=None) -> None:
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
-
-
-@dsl_user_op
-def opaque_i32(value, *, loc=None, ip=None) -> Int32:
-    """`value` through a volatile register move: the compiler cannot fold comparisons against
-    it. (A constant row bound below 9 lets it prove half of a 64-row WGMMA accumulator's
-    registers dead; ptxas then serializes every WGMMA of the kernel.)"""
-    v = llvm.inline_asm(
-        T.i32(),
-        [Int32(value).ir_value(loc=loc, ip=ip)],
-        "mov.b32 $0, $1;",
-        "=r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-    return Int32(v)

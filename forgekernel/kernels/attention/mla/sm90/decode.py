@@ -72,8 +72,8 @@ from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
 from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
 from forgekernel.kernels.common.sm90.layout import acc_as_operand_a, rows_cols, transposed
 from forgekernel.kernels.common.sm90.mma import gemm
+from forgekernel.kernels.common.sm90.opaque import opaque_i32
 from forgekernel.kernels.common.sm90.pipeline import smem_tensor
-from forgekernel.kernels.common.sm90.ptx import opaque_i32
 from forgekernel.kernels.common.sm90.softmax import exp2_row, quad_row_max, rescale_o, scaled_max
 from forgekernel.kernels.common.sm90.warp_mma import (
     copy_row_async,

@@ -73,8 +73,8 @@ from forgekernel.kernels.common.sm90.layout import (
     transposed,
 )
 from forgekernel.kernels.common.sm90.mma import gemm
+from forgekernel.kernels.common.sm90.opaque import opaque_i32
 from forgekernel.kernels.common.sm90.pipeline import smem_tensor
-from forgekernel.kernels.common.sm90.ptx import opaque_i32
 from forgekernel.kernels.common.sm90.softmax import exp2_row, quad_row_max, rescale_o
 from forgekernel.kernels.common.sm90.warp_mma import (
     copy_row_async,
