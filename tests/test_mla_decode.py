@@ -490,12 +490,13 @@ def test_packed_form(cpu_kernels, causal, q_lens, k_lens):
     ("hq", "q_lens", "k_lens"),
     [(16, [9, 1, 0, 13], [40, 3, 10, 13]), (128, [6, 2], [70, 2]), (32, [5, 7], [4, 150])],
 )
-def test_prefill(cpu_kernels, causal, hq, q_lens, k_lens):
+@pytest.mark.parametrize("page_size", [16, 64])  # decode.py's pass, the seesaw pass's model
+def test_prefill(cpu_kernels, causal, hq, q_lens, k_lens, page_size):
     """mla_prefill: more than 4 query tokens per sequence, in blocks of query tokens per CTA
     (the block count from max_seqlen_q; blocks past a sequence's tokens write nothing); more
     queries than keys (sq > sk) see none of the first ones' keys under the causal mask."""
     b = len(q_lens)
-    _, _, ckv, kpe, table, seq = _problem(b, hq, 16, k_lens)
+    _, _, ckv, kpe, table, seq = _problem(b, hq, page_size, k_lens)
     g = torch.Generator().manual_seed(5)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     qn = torch.randn(int(cu[-1]), hq, LATENT, generator=g).to(torch.bfloat16)
@@ -509,6 +510,7 @@ def test_prefill(cpu_kernels, causal, hq, q_lens, k_lens):
     params, _, packed = cpu_kernels[-1]
     rows = params["heads"] * params["qtokens"]
     assert packed and rows == min(64, hq * 4) and params["qtokens"] in QTOKENS
+    assert params.get("tma", False) == (page_size % TILE == 0)
 
 
 def test_prefill_wants_the_packed_form(cpu_kernels):

@@ -5,9 +5,11 @@ handed over rescaled) equals one softmax over all keys in exact arithmetic."""
 
 from __future__ import annotations
 
+import ast
 import inspect
 import math
 import re
+import textwrap
 
 import mla_seesaw as ms
 import pytest
@@ -149,3 +151,26 @@ def test_arithmetic_is_one_softmax():
         seen = total > 0
         assert torch.equal(seen, lse > -math.inf)
         assert torch.allclose(lse[seen], (top[:, 0] + torch.log2(total))[seen], atol=1e-12)
+
+
+def _calls(fn, name: str) -> list:
+    """The calls of `name` (a function or method name) in fn's source, as ast.Call nodes."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", getattr(node.func, "attr", None)) == name
+    ]
+
+
+def test_row_limits_take_the_blocks_key_bound():
+    """The rows' causal limits (`query_row_limits`' fifth argument, the key bound the causal
+    diagonal hangs from: key < bound - sq + token + 1) are the query block's kv_end, the one
+    `_mask_from` takes, not the sequence's length sk: they differ for every block of a prefill
+    but the last (sk - q_all + token0 + sq), and with sk token 0 of block 0 saw keys up to
+    sk - sq instead of sk - q_all. (The kernel passed sk; the model, which computes its limits
+    itself, could not see it; decode.py passes kv_end.)"""
+    (limits,) = _calls(seesaw.MlaSeesawSm90.kernel, "query_row_limits")
+    (mask_from,) = _calls(seesaw.MlaSeesawSm90.kernel, "_mask_from")
+    assert ast.unparse(limits.args[4]) == ast.unparse(mask_from.args[1]) == "kv_end"

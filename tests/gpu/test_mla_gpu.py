@@ -108,9 +108,11 @@ def test_mla_decode_packed(causal):
 )  # fmt: skip
 def test_mla_prefill(causal, hq, q_lens, k_lens):
     """mla_prefill: blocks of query tokens per CTA over long query runs (sq = sk, sq > sk,
-    a chunk after a cached prefix), 16 / 32 / 128 heads; NaN-poisoned out."""
+    a chunk after a cached prefix), 16 / 32 / 128 heads; NaN-poisoned out and stale page slots
+    (page 64: the seesaw pass, every causal block but the last bounded below the sequence)."""
     b = len(q_lens)
     _, _, ckv, kpe, table, seq = _problem(b, hq, 64, k_lens, 1, True, torch.bfloat16)
+    _poison_stale(ckv, kpe, table, k_lens, 64)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
                       device="cuda")  # fmt: skip
     g = torch.Generator(device="cuda").manual_seed(2)

@@ -287,7 +287,9 @@ class MlaSeesawSm90:
         acc_o.fill(0.0)
         row_sum = cute.make_rmem_tensor(2, Float32)
         row_sum.fill(0.0)
-        limits = query_row_limits(ops.coords, self.h, self.qt, sq, sk, t1, causal)
+        # causal rows see keys < kv_end - sq + token + 1: the block's key bound, not the
+        # sequence's length (they differ for every query block of a prefill but the last)
+        limits = query_row_limits(ops.coords, self.h, self.qt, sq, kv_end, t1, causal)
         st = SimpleNamespace(
             acc_o=acc_o, row_sum=row_sum, limits=limits, sM=sM, sScale=sScale, tid=tid,
             scale_log2=scale_log2, sk=sk, t0=t0, tiles=tiles, sKl=sKl,
