@@ -13,16 +13,22 @@ from forgekernel.kernels.common.sm90 import fake
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.chunked_fwd import GdnChunkedFwdSm90
 
 
-def compile_gdn_prefill(params: dict, arch: str = "sm_90a", extra_options: str = ""):
+def kernel_for(params: dict) -> GdnChunkedFwdSm90:
+    return GdnChunkedFwdSm90(
+        params["k"], params["v"], k_last=params["k_last"], l2norm=params["l2norm"],
+        initial_state=params["initial_state"],
+    )  # fmt: skip
+
+
+def compile_gdn_prefill(params: dict, arch: str = "sm_90a", extra_options: str = "", kernel=None):
+    """kernel: a `kernel_for(params)` object to compile (its shared_storage is set by the
+    compile: the tests read its size), or None for a fresh one."""
     dtype = fake.dtype_of(params["dtype"])
     kd, vd = params["k"], params["v"]
     t, h, hv, n = (cute.sym_int32() for _ in range(4))
     f32 = cutlass.Float32
     state_shape = (n, hv, vd, kd) if params["k_last"] else (n, hv, kd, vd)
-    kernel = GdnChunkedFwdSm90(
-        kd, vd, k_last=params["k_last"], l2norm=params["l2norm"],
-        initial_state=params["initial_state"],
-    )  # fmt: skip
+    kernel = kernel_for(params) if kernel is None else kernel
 
     def gates():
         return make_fake_tensor(f32, (t, hv), stride=(cute.sym_int64(), 1), assumed_align=4)
