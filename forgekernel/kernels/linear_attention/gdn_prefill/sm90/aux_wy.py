@@ -109,18 +109,20 @@ class AuxWy:
 
     @cute.jit
     def _row_norm(self, atid, sQ, sK, sG, sNorm, stage, gs):
-        """Row t = atid % 64: sNorm[t, 0] = 1 / |q_t| (atid < 64), sNorm[t, 1] = 1 / |k_t| and
-        sNorm[t, 2] = G2_t - log2(sNorm[t, 1]) (atid >= 64; fla's eps): the masks' column
-        factor rk_j 2^-G2_j as one exponent (|log2 rk| <= 10 for eps 1e-6: no overflow)."""
+        """Row t = atid % 64 of gate stage gs: sNorm[t, 0] = 1 / |q_t| (atid < 64), sNorm[t, 1]
+        = 1 / |k_t| and sNorm[t, 2] = G2_t - log2(sNorm[t, 1]) (atid >= 64; fla's eps): the
+        masks' column factor rk_j 2^-G2_j as one exponent (|log2 rk| <= 10 for eps 1e-6: no
+        overflow). Staged: a thread may reach the next chunk's norms while others still read
+        these in the P mask (after the inverse's last barrier)."""
         row = atid % CHUNK
         if atid < CHUNK:
             ss = self._sum_squares(sQ[None, None, stage], row)
-            sNorm[row, 0] = cute.math.rsqrt(ss + L2NORM_EPS, fastmath=True)
+            sNorm[row, 0, gs] = cute.math.rsqrt(ss + L2NORM_EPS, fastmath=True)
         else:
             ss = self._sum_squares(sK[None, None, stage], row)
             rk = cute.math.rsqrt(ss + L2NORM_EPS, fastmath=True)
-            sNorm[row, 1] = rk
-            sNorm[row, 2] = sG[row, gs] - cute.math.log2(rk, fastmath=True)
+            sNorm[row, 1, gs] = rk
+            sNorm[row, 2, gs] = sG[row, gs] - cute.math.log2(rk, fastmath=True)
 
     @cute.jit
     def _sum_squares(self, tile, row) -> Float32:
@@ -145,8 +147,8 @@ class AuxWy:
         rq = Float32(1.0)
         rk = Float32(1.0)
         if const_expr(self.l2norm):
-            rq = sNorm[j, 0]
-            rk = sNorm[j, 1]
+            rq = sNorm[j, 0, gs]
+            rk = sNorm[j, 1, gs]
         sTab[j, 0, s] = rk * ej
         sTab[j, 1, s] = scale * rq * ej
         sTab[j, 2, s] = rk * ecj
@@ -170,18 +172,18 @@ class AuxWy:
             if const_expr(strict):
                 f = sBeta[i, gs]
                 if const_expr(self.l2norm):
-                    f = f * sNorm[i, 1]
+                    f = f * sNorm[i, 1, gs]
             else:
                 f = scale
                 if const_expr(self.l2norm):
-                    f = f * sNorm[i, 0]
+                    f = f * sNorm[i, 0, gs]
             fi.append(f)
         # element (r, c) sits at (row_base + t0r, col_base + t0c): j <= i iff
         # col_base - row_base <= t0r - t0c
         diff = col_base - row_base
         for c in cutlass.range_constexpr(cute.size(a, mode=[1])):
             j = col_base + t0[0, c][1]
-            hj = sNorm[j, 2] if const_expr(self.l2norm) else sG[j, gs]
+            hj = sNorm[j, 2, gs] if const_expr(self.l2norm) else sG[j, gs]
             for r in cutlass.range_constexpr(rows):
                 off = t0[r, 0][0] - t0[r, c][1]
                 seen = diff < off if const_expr(strict) else diff <= off

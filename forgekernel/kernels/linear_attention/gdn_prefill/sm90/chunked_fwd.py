@@ -188,7 +188,7 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
             sG: cute.struct.Align[cute.struct.MemRange[Float32, STAGES * CHUNK], 16]
             sBeta: cute.struct.Align[cute.struct.MemRange[Float32, STAGES * CHUNK], 16]
             sTab: cute.struct.Align[cute.struct.MemRange[Float32, STAGES * 4 * CHUNK], 16]
-            sNorm: cute.struct.Align[cute.struct.MemRange[Float32, 3 * CHUNK], 16]
+            sNorm: cute.struct.Align[cute.struct.MemRange[Float32, STAGES * 3 * CHUNK], 16]
             sW: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * W_STRIDE], 16]
             sX: cute.struct.Align[cute.struct.MemRange[Float32, 2 * BLOCK * X_STRIDE], 16]
             sQ: cute.struct.Align[
@@ -285,7 +285,7 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
         sG = storage.sG.get_tensor(cute.make_layout((CHUNK, STAGES)))
         sBeta = storage.sBeta.get_tensor(cute.make_layout((CHUNK, STAGES)))
         sTab = storage.sTab.get_tensor(cute.make_layout((CHUNK, 4, STAGES)))
-        sNorm = storage.sNorm.get_tensor(cute.make_layout((CHUNK, 3)))
+        sNorm = storage.sNorm.get_tensor(cute.make_layout((CHUNK, 3, STAGES)))
         sW = storage.sW.get_tensor(cute.make_layout((CHUNK, CHUNK), stride=(W_STRIDE, 1)))
         sX = storage.sX.get_tensor(cute.make_layout((2 * BLOCK, 2 * BLOCK), stride=(X_STRIDE, 1)))
         init_wait()

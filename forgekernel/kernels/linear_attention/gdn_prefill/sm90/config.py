@@ -33,7 +33,7 @@ def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2) -> int:
     aux = 2 * STAGES * CHUNK * CHUNK * elem_bytes  # P and T diag(beta) rings
     out = STATE_WGS * 2 * CHUNK * ROWS_PER_STATE_WG * elem_bytes  # O tiles, double-buffered
     scratch = (CHUNK * W_STRIDE + 2 * BLOCK * X_STRIDE) * 4
-    tables = (2 * STAGES * CHUNK + STAGES * 4 * CHUNK + 2 * CHUNK) * 4
+    tables = (2 * STAGES * CHUNK + STAGES * 4 * CHUNK + STAGES * 3 * CHUNK) * 4
     barriers = 3 * 2 * STAGES * 8
     return tiles + aux + out + scratch + tables + barriers + 1024 * 4
 
