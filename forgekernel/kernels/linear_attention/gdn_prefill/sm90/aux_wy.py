@@ -30,6 +30,7 @@ from forgekernel.kernels.common.sm90.ptx import opaque_tid_x
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     CHUNK,
     L2NORM_EPS,
+    QK_STAGES,
     STAGES,
 )
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse import invert
@@ -43,8 +44,8 @@ class AuxWy:
 
     @cute.jit
     def _aux(
-        self, mma_aux, sQ, sK, sP, sT, sG, sBeta, sTab, sNorm, sW, sX, load_pipe,
-        gate_pipe, aux_pipe, scale, nchunks,
+        self, mma_aux, sQ, sK, sP, sT, sG, sBeta, sTab, sNorm, sW, sX, qk_pipe, gate_pipe,
+        aux_pipe, scale, nchunks,
     ):  # fmt: skip
         # Thread-dependent views (stmatrix and scratch addresses, coordinates, the inverse's
         # identity rows) are rebuilt each chunk from a threadIdx the compiler may not hoist:
@@ -55,12 +56,12 @@ class AuxWy:
         tSrKb = wg_thr.make_fragment_B(wg_thr.partition_B(sK))
         acc_shape = wg_thr.partition_shape_C((CHUNK, CHUNK))
         bar = named_barrier(Bar.AUX, THREADS_PER_WG)
-        ld = consumer_state(STAGES)
+        ld = consumer_state(QK_STAGES)
         gt = consumer_state(STAGES)
         ax = producer_state(STAGES)
         for _ in cutlass.range(nchunks, unroll=1):
             atid = opaque_tid_x() - THREADS_PER_WG
-            load_pipe.consumer_wait(ld)
+            qk_pipe.consumer_wait(ld)
             kb = tSrKb[None, None, None, ld.index]
             acc = cute.make_rmem_tensor(acc_shape, Float32)
             gemm(mma_aux, acc, tSrKa[None, None, None, ld.index], kb, True, -1)
@@ -69,9 +70,6 @@ class AuxWy:
                 self._row_norm(atid, sQ, sK, sG, sNorm, ld.index, gt.index)
             # the norms are visible; every thread is past the previous chunk's scratch reads
             bar.arrive_and_wait()
-            aux_pipe.producer_acquire(ax)
-            if atid < CHUNK:
-                self._tables(atid, sG, sNorm, sTab, gt.index, ax.index, scale)
             coords = softmax.acc_coords(mma_aux, atid, (CHUNK, CHUNK))
             warpgroup.wait_group(0)
             self._decay_mask(acc, coords, sG, sBeta, sNorm, gt.index, scale, True)
@@ -84,8 +82,13 @@ class AuxWy:
             cute.arch.sync_warp()
             invert(sW, sX, atid, bar)
             warpgroup.wait_group(0)
-            load_pipe.consumer_release(ld)
+            qk_pipe.consumer_release(ld)
             self._decay_mask(acc_p, coords, sG, sBeta, sNorm, gt.index, scale, False)
+            # the ring's stage is taken only now: everything above runs while the state
+            # warpgroups still read it (two chunks back)
+            aux_pipe.producer_acquire(ax)
+            if atid < CHUNK:
+                self._tables(atid, sG, sNorm, sTab, gt.index, ax.index, scale)
             r2s = cute.make_tiled_copy_C(
                 cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype),
                 mma_aux,

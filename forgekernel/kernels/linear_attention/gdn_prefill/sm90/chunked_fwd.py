@@ -26,7 +26,7 @@ warpgroup, A operands from registers, B from shared memory:
 
 Warp roles (4 warpgroups, 512 threads, setmaxnreg split in config.py):
 - warpgroup 0, warp 0 (producer): TMA loads of q, k (head hv // (HV / H)) and v, one 64-token
-  box each per chunk, into the `load` ring.
+  box each per chunk, into the `qk` and `v` rings.
 - warpgroup 0, warp 1 (gates): g and beta of the chunk (0 past the sequence's end), the
   cumulative G2 by a warp scan, into the `gate` ring.
 - warpgroup 1 (aux, `aux_wy.py`): Q K^T and K K^T (SS WGMMA), the row norms (l2norm), the
@@ -38,8 +38,10 @@ Warp roles (4 warpgroups, 512 threads, setmaxnreg split in config.py):
   of the rows inside the sequence; the initial state read and the final state written from
   the accumulator.
 
-Pipelines (mbarrier rings, STAGES deep): `load` (TMA, producer warp -> the aux and state
-warps), `gate` (gate warp -> aux), `aux` (aux -> state warpgroups). Named barriers: `Bar`.
+Pipelines (mbarrier rings, depths in config.py): `qk` (TMA, producer warp -> the aux and state
+warps; 3 deep, so that the aux warpgroup loads and works up to two chunks ahead), `v` (TMA ->
+the state warps), `gate` (gate warp -> aux), `aux` (aux -> state warpgroups; the aux takes its
+stage only to write P, T and the tables, after the inverse). Named barriers: `Bar`.
 
 Ragged edges: a chunk that runs past its sequence loads the next sequence's rows (or TMA's
 zero fill past T): their g and beta are 0 (so G2 is flat and those rows of L, T - I and U
@@ -77,18 +79,21 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     BLOCK,
     CHUNK,
     PRODUCER_REGS,
+    QK_STAGES,
     ROWS_PER_STATE_WG,
     STAGES,
     STATE_REGS,
     STATE_WGS,
     THREADS,
+    V_STAGES,
     W_STRIDE,
     X_STRIDE,
 )
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import (
     GATE_WARP,
-    LOAD_CONSUMER_WARPS,
     PRODUCER_WARP,
+    QK_CONSUMER_WARPS,
+    V_CONSUMER_WARPS,
 )
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.state_wg import StateWg
 
@@ -138,8 +143,8 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
         row = LayoutEnum.ROW_MAJOR
         # q, k, v: (C tokens, D), K-major 128-byte swizzle; one layout serves as the aux GEMMs'
         # A and B, the state GEMMs' K-major B and (transposed) the update's MN-major B.
-        self.sQK_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, self.k), dt, STAGES)
-        self.sV_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, self.v), dt, STAGES)
+        self.sQK_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, self.k), dt, QK_STAGES)
+        self.sV_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, self.v), dt, V_STAGES)
         # P and T diag(beta): (i, j) row-major, the K-major B of U^T = (..) T^T and O^T += U^T P^T
         self.sPT_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, CHUNK), dt, STAGES)
         # O tiles: (C tokens, 64 value columns) row-major, two per state warpgroup
@@ -176,13 +181,13 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ4, sQK_tile, (CHUNK, self.k))
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK4, sQK_tile, (CHUNK, self.k))
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV4, sV_tile, (CHUNK, self.v))
-        self.load_bytes = 2 * cute.size_in_bytes(self.dtype, sQK_tile) + cute.size_in_bytes(
-            self.dtype, sV_tile
-        )
+        self.qk_bytes = 2 * cute.size_in_bytes(self.dtype, sQK_tile)
+        self.v_bytes = cute.size_in_bytes(self.dtype, sV_tile)
 
         @cute.struct
         class SharedStorage:
-            load_barriers: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
+            qk_barriers: cute.struct.MemRange[cutlass.Int64, 2 * QK_STAGES]
+            v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * V_STAGES]
             gate_barriers: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
             aux_barriers: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
             sG: cute.struct.Align[cute.struct.MemRange[Float32, STAGES * CHUNK], 16]
@@ -270,9 +275,8 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
             for atom in (tma_q, tma_k, tma_v):
                 cpasync.prefetch_descriptor(atom)
         storage = SmemAllocator().allocate(self.shared_storage)
-        load_pipe = tma_pipeline(
-            storage.load_barriers, STAGES, self.load_bytes, LOAD_CONSUMER_WARPS
-        )
+        qk_pipe = tma_pipeline(storage.qk_barriers, QK_STAGES, self.qk_bytes, QK_CONSUMER_WARPS)
+        v_pipe = tma_pipeline(storage.v_barriers, V_STAGES, self.v_bytes, V_CONSUMER_WARPS)
         gate_pipe = _async_ring(storage.gate_barriers, WARP_SIZE, THREADS_PER_WG)
         aux_pipe = _async_ring(storage.aux_barriers, THREADS_PER_WG, STATE_WGS * THREADS_PER_WG)
         init_arrive()
@@ -300,8 +304,8 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == PRODUCER_WARP:
                 self._produce(
-                    tma_q, tma_k, tma_v, mQ4, mK4, mV4, sQ, sK, sV, load_pipe, head, hv, bos,
-                    nchunks,
+                    tma_q, tma_k, tma_v, mQ4, mK4, mV4, sQ, sK, sV, qk_pipe, v_pipe, head, hv,
+                    bos, nchunks,
                 )  # fmt: skip
             elif warp_idx == GATE_WARP:
                 self._gates(mG, mBeta, sG, sBeta, gate_pipe, hv, bos, seqlen, nchunks)
@@ -309,23 +313,24 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
             cute.arch.setmaxregister_decrease(AUX_REGS)
             self._aux(
                 mma_aux, sQ, sK, sP, sT, sG, sBeta, sTab, sNorm, sW, sX,
-                load_pipe, gate_pipe, aux_pipe, scale, nchunks,
+                qk_pipe, gate_pipe, aux_pipe, scale, nchunks,
             )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(STATE_REGS)
             self._state(
                 wg - 2, tidx - (wg * THREADS_PER_WG), mma_ks, mma_st, sQ, sK, sV, sP, sT, sTab,
-                sO, mInit, mFinal, mO, load_pipe, aux_pipe, hv, n, bos, seqlen, nchunks,
+                sO, mInit, mFinal, mO, qk_pipe, v_pipe, aux_pipe, hv, n, bos, seqlen, nchunks,
             )  # fmt: skip
 
     # ---------------------------------------------------------------- producer warps
     @cute.jit
     def _produce(
-        self, tma_q, tma_k, tma_v, mQ4, mK4, mV4, sQ, sK, sV, load_pipe, head, hv, bos, nchunks
-    ):
-        """TMA: per chunk one (C, D) box of q, k (head `head`) and v (head hv) into the load
-        ring. Boxes past the sequence read the next one's rows (masked by the zero gates),
-        past T zeros."""
+        self, tma_q, tma_k, tma_v, mQ4, mK4, mV4, sQ, sK, sV, qk_pipe, v_pipe, head, hv, bos,
+        nchunks,
+    ):  # fmt: skip
+        """TMA: per chunk one (C, D) box of q, k (head `head`) into the q / k ring, then of v
+        (head hv) into the v ring. Boxes past the sequence read the next one's rows (masked by
+        the zero gates), past T zeros."""
         one = cute.make_layout(1)
         loads = []
         for atom, m, s, h, d in ((tma_q, mQ4, sQ, head, self.k), (tma_k, mK4, sK, head, self.k),
@@ -337,13 +342,19 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
                 atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
             )
             loads.append((atom, ts, tg))
-        st = producer_state(STAGES)
+        qk = producer_state(QK_STAGES)
+        vs = producer_state(V_STAGES)
         for c in cutlass.range(nchunks, unroll=1):
-            load_pipe.producer_acquire(st)
-            bar = load_pipe.producer_get_barrier(st)
-            for atom, ts, tg in loads:
-                cute.copy(atom, tg[(None, c)], ts[(None, st.index)], tma_bar_ptr=bar)
-            st.advance()
+            qk_pipe.producer_acquire(qk)
+            bar = qk_pipe.producer_get_barrier(qk)
+            for atom, ts, tg in loads[:2]:
+                cute.copy(atom, tg[(None, c)], ts[(None, qk.index)], tma_bar_ptr=bar)
+            qk.advance()
+            v_pipe.producer_acquire(vs)
+            atom, ts, tg = loads[2]
+            cute.copy(atom, tg[(None, c)], ts[(None, vs.index)],
+                      tma_bar_ptr=v_pipe.producer_get_barrier(vs))  # fmt: skip
+            vs.advance()
 
     @cute.jit
     def _gates(self, mG, mBeta, sG, sBeta, gate_pipe, hv, bos, seqlen, nchunks):

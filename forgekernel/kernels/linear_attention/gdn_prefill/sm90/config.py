@@ -22,19 +22,25 @@ AUX_REGS = 104
 STATE_REGS = 192
 assert (PRODUCER_REGS + AUX_REGS + STATE_WGS * STATE_REGS) * THREADS_PER_WG <= REGISTERS_PER_SM
 
-STAGES = 2  # chunks in flight: the load ring (q, k, v), the gate ring and the aux ring
+# Ring depths (chunks in flight). q / k: 3, so that the aux warpgroup can load and work on
+# chunk c + 2 while the state warpgroups are on chunk c (with 2 it could start chunk c + 1 only
+# a TMA latency after they released chunk c - 1: its ~2000 cycles then barely fit); v: 2 (the
+# state warpgroups' alone); the gate and aux rings: 2.
+QK_STAGES = 3
+V_STAGES = 2
+STAGES = 2
 W_STRIDE = CHUNK + 8  # fp32 words per row of the inverse's scratch (8-byte stores: 2 wavefronts)
 X_STRIDE = 2 * BLOCK + 8  # the 32 x 32 scratch of the 32 -> 64 merge
 
 
 def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2) -> int:
     """Shared memory of one CTA (the kernel's SharedStorage, alignment padding included)."""
-    tiles = STAGES * CHUNK * (2 * k + v) * elem_bytes  # q, k, v rings
+    tiles = CHUNK * (QK_STAGES * 2 * k + V_STAGES * v) * elem_bytes  # q, k, v rings
     aux = 2 * STAGES * CHUNK * CHUNK * elem_bytes  # P and T diag(beta) rings
     out = STATE_WGS * 2 * CHUNK * ROWS_PER_STATE_WG * elem_bytes  # O tiles, double-buffered
     scratch = (CHUNK * W_STRIDE + 2 * BLOCK * X_STRIDE) * 4
     tables = (2 * STAGES * CHUNK + STAGES * 4 * CHUNK + STAGES * 3 * CHUNK) * 4
-    barriers = 3 * 2 * STAGES * 8
+    barriers = 2 * (QK_STAGES + V_STAGES + 2 * STAGES) * 8
     return tiles + aux + out + scratch + tables + barriers + 1024 * 4
 
 

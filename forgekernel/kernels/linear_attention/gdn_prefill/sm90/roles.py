@@ -18,5 +18,7 @@ class Bar(IntEnum):
 
 PRODUCER_WARP = 0  # warpgroup 0: TMA loads
 GATE_WARP = 1  # warpgroup 0: g, beta and the chunk's cumulative decay
-# The load ring is released by lane 0 of every aux and state warp.
-LOAD_CONSUMER_WARPS = (1 + STATE_WGS) * THREADS_PER_WG // WARP_SIZE
+# The q / k ring is released by lane 0 of every aux and state warp, the v ring by the state
+# warps'.
+QK_CONSUMER_WARPS = (1 + STATE_WGS) * THREADS_PER_WG // WARP_SIZE
+V_CONSUMER_WARPS = STATE_WGS * THREADS_PER_WG // WARP_SIZE

@@ -30,8 +30,10 @@ from forgekernel.kernels.common.sm90.pipeline import consumer_state
 from forgekernel.kernels.common.sm90.ptx import opaque_tid_x
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     CHUNK,
+    QK_STAGES,
     ROWS_PER_STATE_WG,
     STAGES,
+    V_STAGES,
 )
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import Bar
 
@@ -45,7 +47,7 @@ class StateWg:
     @cute.jit
     def _state(
         self, w, stid, mma_ks, mma_st, sQ, sK, sV, sP, sT, sTab, sO, mInit, mFinal, mO,
-        load_pipe, aux_pipe, hv, n, bos, seqlen, nchunks,
+        qk_pipe, v_pipe, aux_pipe, hv, n, bos, seqlen, nchunks,
     ):  # fmt: skip
         thr_st = mma_st.get_slice(stid)
         acc_st = cute.make_rmem_tensor(thr_st.partition_shape_C((ROWS, self.k)), Float32)
@@ -70,23 +72,26 @@ class StateWg:
         tBrKt = wg_st.make_fragment_B(wg_st.partition_B(transposed(sK)))
         sVt = transposed(sV)  # (V, C, stages)
         out_bar = pipeline.NamedBarrier(barrier_id=int(Bar.OUT) + w, num_threads=THREADS_PER_WG)
-        ld = consumer_state(STAGES)
+        ld = consumer_state(QK_STAGES)
+        vs = consumer_state(V_STAGES)
         ax = consumer_state(STAGES)
         for c in cutlass.range(nchunks, unroll=1):
             acc_x = cute.make_rmem_tensor(acc_shape, Float32)
             acc_o = cute.make_rmem_tensor(acc_shape, Float32)
             acc_u = cute.make_rmem_tensor(acc_shape, Float32)
-            load_pipe.consumer_wait(ld)
+            qk_pipe.consumer_wait(ld)
             acc_to_operand_a(acc_st, tSrS)
             gemm(mma_ks, acc_x, tSrS, tBrK[None, None, None, ld.index], True, -1)
             gemm(mma_ks, acc_o, tSrS, tBrQ[None, None, None, ld.index], True, -1)
             aux_pipe.consumer_wait(ax)
+            v_pipe.consumer_wait(vs)
             cute.nvgpu.warpgroup.wait_group(0)
             tid = opaque_tid_x() % THREADS_PER_WG
             coords = softmax.acc_coords(mma_ks, tid, (ROWS, CHUNK))
-            vt = cute.local_tile(sVt[None, None, ld.index], (ROWS, CHUNK), (w, 0))
+            vt = cute.local_tile(sVt[None, None, vs.index], (ROWS, CHUNK), (w, 0))
             r_v = cute.make_rmem_tensor(acc_shape, Float32)
             r_v.store(mma_ks.get_slice(tid).partition_C(vt).load().to(Float32))
+            v_pipe.consumer_release(vs)  # v is in registers: its stage may load chunk c + 2
             self._correct(acc_x, acc_o, r_v, coords, sTab, ax.index)
             acc_to_operand_a(acc_x, tXrX)
             gemm(mma_ks, acc_u, tXrX, tBrT[None, None, None, ax.index], True, 0)
@@ -96,10 +101,11 @@ class StateWg:
             acc_to_operand_a(acc_u, tUrUd)
             acc_st.store(acc_st.load() * sTab[0, 3, ax.index])
             gemm(mma_st, acc_st, tUrUd, tBrKt[None, None, None, ld.index], False, 0)
-            load_pipe.consumer_release(ld)
+            qk_pipe.consumer_release(ld)
             aux_pipe.consumer_release(ax)
             self._store_o(acc_o, mma_ks, sO, mO, out_bar, w, tid, hv, bos, c, seqlen)
             ld.advance()
+            vs.advance()
             ax.advance()
         self._state_io(mFinal, acc_st, thr_st, n, hv, w, False)
 
