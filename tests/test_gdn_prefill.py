@@ -107,6 +107,20 @@ def test_strong_decay_on_a_long_chunk_stays_finite(cpu_kernel):
     _close(final, want_s, STATE_TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("k_last", [False, True])
+def test_all_sequences_empty(cpu_kernel, k_last):
+    """T = 0: the launcher returns the initial state (zeros without one) without a launch (a
+    TMA descriptor cannot span zero tokens)."""
+    q, k, v, g, beta, state = _inputs(1, 0, 2, 4, n=2)
+    theirs = state.transpose(-1, -2).contiguous() if k_last else state
+    cu = torch.tensor([0, 0, 0])
+    o, final = op.gated_delta_rule(q, k, v, g, beta, initial_state=theirs, output_final_state=True,
+                                   cu_seqlens=cu, k_last=k_last)  # fmt: skip
+    assert o.shape == v.shape and torch.equal(final, theirs) and not cpu_kernel  # no launch
+    _, zero = op.gated_delta_rule(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu)
+    assert torch.equal(zero, torch.zeros_like(zero))
+
+
 def test_fp16_initial_state_and_odd_tail(cpu_kernel):
     q, k, v, g, beta, state = _inputs(1, 133, 2, 4, seed=5, dtype=torch.float16)
     o, final = op.gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True)

@@ -40,6 +40,9 @@ def gdn_prefill(
     initial state's layout. Last dims contiguous, token strides multiples of 8 elements."""
     if final_state.shape[0] == 0:
         return
+    if q.shape[0] == 0:  # every sequence empty: no TMA descriptor over zero tokens
+        final_state.copy_(initial_state) if initial_state is not None else final_state.zero_()
+        return
     params = params_for(
         dtype_name(q.dtype), (q.shape[-1], v.shape[-1]), k_last=k_last, l2norm=l2norm,
         initial_state=initial_state is not None,
