@@ -71,6 +71,7 @@ def _check(q, k, v, g, beta, state, cu, *, k_last=False, l2norm=False, with_stat
         ([300, 301], 16, 16, True, False, True),
         ([1], 1, 1, False, False, True),
         ([17, 5, 0, 0, 40], 1, 3, True, False, False),
+        ([0, 0], 1, 2, True, False, True),  # T = 0: no launch, the initial state returned
     ],
 )
 def test_prefill_matches_the_recurrence(dtype, lens, h, hv, k_last, l2norm, with_state):
