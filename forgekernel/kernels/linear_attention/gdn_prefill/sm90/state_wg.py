@@ -91,8 +91,8 @@ class StateWg:
             vt = cute.local_tile(sVt[None, None, vs.index], (ROWS, CHUNK), (w, 0))
             r_v = cute.make_rmem_tensor(acc_shape, Float32)
             r_v.store(mma_ks.get_slice(tid).partition_C(vt).load().to(Float32))
-            v_pipe.consumer_release(vs)  # v is in registers: its stage may load chunk c + 2
             self._correct(acc_x, acc_o, r_v, coords, sTab, ax.index)
+            v_pipe.consumer_release(vs)  # v consumed: its stage may load chunk c + 2
             acc_to_operand_a(acc_x, tXrX)
             gemm(mma_ks, acc_u, tXrX, tBrT[None, None, None, ax.index], True, 0)
             acc_to_operand_a(acc_u, tUrU)
