@@ -247,6 +247,15 @@ def test_varlen_needs_batch_one_and_head_dims_128(cpu_kernel):
         op.gated_delta_rule(q[..., :64], k[..., :64], v, g, beta)
 
 
+def test_too_many_sequences_are_refused(cpu_kernel):
+    """The grid is (HV, N): N above gridDim.y's 65535 would fail the launch itself."""
+    q, k, v, g, beta, _ = _inputs(1, 65536, 1, 1)
+    cu = torch.arange(65537, dtype=torch.int32)
+    with pytest.raises(ValueError, match="at most 65535 sequences"):
+        op.gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu)
+    assert not cpu_kernel
+
+
 def test_cpu_tensors_are_refused():
     q, k, v, g, beta, _ = _inputs(1, 5, 1, 1)
     with pytest.raises(ValueError, match="CUDA"):

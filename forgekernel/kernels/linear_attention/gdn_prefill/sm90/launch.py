@@ -11,6 +11,7 @@ from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import dtype_name, on_device
 
 ALIGN = 16  # bytes: TMA boxes (q, k, v), 16-byte O stores, the state's vector accesses
+MAX_SEQUENCES = 65535  # the grid is (HV, N): N is gridDim.y, at most 65535
 
 
 def _aligned(x: torch.Tensor) -> torch.Tensor:
