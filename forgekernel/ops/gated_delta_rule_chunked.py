@@ -125,6 +125,8 @@ def gated_delta_rule(
     check_shaped("g", g, (b, t, hv), F32)
     check_shaped("beta", beta, (b, t, hv), (torch.float32, q.dtype))
     n = b if cu_seqlens is None else _check_offsets(cu_seqlens, b, t)
+    if n > prefill_sm90.MAX_SEQUENCES:  # one CTA row per sequence: gridDim.y
+        raise ValueError(f"at most {prefill_sm90.MAX_SEQUENCES} sequences, got {n}")
     if initial_state is not None:
         check_shaped("initial_state", initial_state, _state_shape(n, hv, dk, dv, k_last), F32)
     check_cuda("q", q)

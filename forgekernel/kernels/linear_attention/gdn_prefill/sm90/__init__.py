@@ -1,6 +1,6 @@
 """Chunked Gated DeltaNet forward (prefill), sm_90a. DSL-free declaration; the kernel is
-`recurrent_fwd.py` (interim: token by token; the chunked WGMMA kernel is designed in
-docs/linear_attention/NOTES.md); the op is
+`chunked_fwd.py` (TMA + WGMMA, 64-token chunks, the state on chip; its warpgroups in
+`aux_wy.py`, `inverse.py`, `state_wg.py`); the op is
 `forgekernel.ops.gated_delta_rule_chunked.gated_delta_rule`."""
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ SPEC = KernelSpec(
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
-    mma=False,  # the interim kernel is SIMT; True once the chunked WGMMA kernel lands
 )
 
 __all__ = ["SPEC", "params_for"]

@@ -10,6 +10,15 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import params_
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import dtype_name, on_device
 
+ALIGN = 16  # bytes: TMA boxes (q, k, v), 16-byte O stores, the state's vector accesses
+MAX_SEQUENCES = 65535  # the grid is (HV, N): N is gridDim.y, at most 65535
+
+
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    """x itself when its base is 16-byte aligned, else a fresh (aligned) copy: a contiguous
+    view at an odd offset of a larger buffer would otherwise be refused at the call."""
+    return x if x.data_ptr() % ALIGN == 0 else x.clone()
+
 
 def gdn_prefill(
     q: torch.Tensor,
@@ -29,13 +38,21 @@ def gdn_prefill(
     """Varlen form: q, k (T, H, K), v (T, HV, V) 16-bit, g (log decay) and beta fp32 (T, HV),
     cu_seqlens int32 (N + 1,); initial_state (N, HV, K, V) fp32, or (N, HV, V, K) with k_last,
     or None (zeros). Writes out (T, HV, V) in q's dtype and final_state (N, HV, ...) in the
-    initial state's layout. Last dims contiguous."""
+    initial state's layout. Last dims contiguous, token strides multiples of 8 elements."""
     if final_state.shape[0] == 0:
+        return
+    if q.shape[0] == 0:  # every sequence empty: no TMA descriptor over zero tokens
+        final_state.copy_(initial_state) if initial_state is not None else final_state.zero_()
         return
     params = params_for(
         dtype_name(q.dtype), (q.shape[-1], v.shape[-1]), k_last=k_last, l2norm=l2norm,
         initial_state=initial_state is not None,
     )  # fmt: skip
     fn = get_kernel(SPEC, params)
+    q, k, v = (_aligned(x) for x in (q, k, v))
+    init = None if initial_state is None else _aligned(initial_state)
+    dst = out if out.data_ptr() % ALIGN == 0 else torch.empty_like(out)
     with on_device(q.device):
-        fn(q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale)
+        fn(q, k, v, g, beta, init, cu_seqlens, dst, final_state, scale)
+    if dst is not out:
+        out.copy_(dst)

@@ -1,0 +1,386 @@
+"""Chunked Gated DeltaNet forward (prefill) for Hopper (sm_90a): TMA + WGMMA, one CTA per
+(sequence, value head), the state on chip for the whole sequence.
+
+Per value head hv of sequence n, state S (K, V) fp32, chunks of C = 64 tokens; inside a chunk
+G2 = log2(e) cumsum(g) (all exponents below are differences G2_i - G2_j with j <= i, G2_C -
+G2_j or G2_j: never positive), with l2norm the inverse row norms rq_i, rk_j folded into the
+factors (the bf16 q / k tiles are never rewritten):
+
+    L   = beta_i rk_i rk_j 2^(G2_i - G2_j) (K K^T)_ij            j < i, else 0
+    T   = (I + L)^-1                                              fp32, blocked (inverse.py)
+    P   = scale rq_i rk_j 2^(G2_i - G2_j) (Q K^T)_ij              j <= i, else 0
+    U   = T diag(beta) (V - diag(rk 2^G2) K S)                   the chunk's corrected values
+    O   = diag(scale rq 2^G2) Q S + P U
+    S  <- 2^G2_C S + K^T diag(rk 2^(G2_C - G2)) U
+
+The state side is computed transposed, S^T (V, K) with the value rows on the MMA's M: each
+state warpgroup keeps 64 rows of S^T as a WGMMA accumulator (64 fp32 registers a thread) and
+feeds them to the next chunk's products as a 16-bit register A operand, so S never goes
+through shared memory (FlashInfer's sm90 prefill does the same). Per chunk and state
+warpgroup, A operands from registers, B from shared memory:
+
+    X^T = S^T K^T, O^T = S^T Q^T           (64 x 64 x K each)
+    U^T = [V^T - X^T diag(rk 2^G2)] (T diag(beta))^T          (64 x 64 x 64)
+    O^T = diag(..) O^T + U^T P^T           (64 x 64 x 64)
+    S^T = 2^G2_C S^T + [U^T diag(rk 2^(G2_C - G2))] K         (64 x K x 64, K an MN-major B)
+
+Warp roles (4 warpgroups, 512 threads, setmaxnreg split in config.py):
+- warpgroup 0, warp 0 (producer): TMA loads of q, k (head hv // (HV / H)) and v, one 64-token
+  box each per chunk, into the `qk` and `v` rings.
+- warpgroup 0, warp 1 (gates): g and beta of the chunk (0 past the sequence's end), the
+  cumulative G2 by a warp scan, into the `gate` ring.
+- warpgroup 1 (aux, `aux_wy.py`): Q K^T and K K^T (SS WGMMA), the row norms (l2norm), the
+  masks and decays; P to shared memory (stmatrix), L to an fp32 scratch, T = (I + L)^-1 in
+  fp32 on the CUDA cores (`inverse.py`), T diag(beta) to shared memory; per-token factor tables
+  for the state warpgroups. Runs a chunk ahead of them through the `aux` ring.
+- warpgroups 2, 3 (state, `state_wg.py`): value rows [64 w, 64 w + 64) of S^T; the products
+  above; O^T to shared memory (transposed stmatrix) and to global memory with 16-byte stores
+  of the rows inside the sequence; the initial state read and the final state written from
+  the accumulator.
+
+Pipelines (mbarrier rings, depths in config.py): `qk` (TMA, producer warp -> the aux and state
+warps; 3 deep, so that the aux warpgroup loads and works up to two chunks ahead), `v` (TMA ->
+the state warps), `gate` (gate warp -> aux), `aux` (aux -> state warpgroups; the aux takes its
+stage only to write P, T and the tables, after the inverse). Named barriers: `Bar`.
+
+Ragged edges: a chunk that runs past its sequence loads the next sequence's rows (or TMA's
+zero fill past T): their g and beta are 0 (so G2 is flat and those rows of L, T - I and U
+vanish, and their columns are above every valid row's diagonal), and their O rows are not
+stored; every factor stays finite, so nothing of theirs reaches a valid output or the state.
+
+Constraints: K = V = 128, 16-bit q / k / v / o with unit last strides, token strides multiples
+of 8 elements and 16-byte aligned bases (TMA); g, beta fp32 (T, HV); states fp32.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from forgekernel.kernels.common.sm90.constants import LOG2E, THREADS_PER_WG, WARP_SIZE
+from forgekernel.kernels.common.sm90.layout import packed_as_sdhb
+from forgekernel.kernels.common.sm90.pipeline import (
+    init_arrive,
+    init_wait,
+    producer_state,
+    smem_tensor,
+    tma_pipeline,
+)
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.aux_wy import AuxWy
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
+    AUX_REGS,
+    BLOCK,
+    CHUNK,
+    PRODUCER_REGS,
+    QK_STAGES,
+    ROWS_PER_STATE_WG,
+    STAGES,
+    STATE_REGS,
+    STATE_WGS,
+    THREADS,
+    V_STAGES,
+    W_STRIDE,
+    X_STRIDE,
+)
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import (
+    GATE_WARP,
+    PRODUCER_WARP,
+    QK_CONSUMER_WARPS,
+    V_CONSUMER_WARPS,
+)
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.state_wg import StateWg
+
+
+def _async_ring(barriers, producers: int, consumers: int) -> pipeline.PipelineAsync:
+    """A STAGES-deep ring of plain mbarrier hand-overs where every producer and every consumer
+    thread arrives (each thread's own shared-memory writes are released by its arrival)."""
+    return pipeline.PipelineAsync.create(
+        barrier_storage=barriers.data_ptr(),
+        num_stages=STAGES,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producers),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumers),
+        defer_sync=True,
+    )
+
+
+class GdnChunkedFwdSm90(AuxWy, StateWg):
+    """Warp-specialized chunked Gated DeltaNet forward; see the module docstring."""
+
+    def __init__(self, k: int, v: int, *, k_last: bool, l2norm: bool, initial_state: bool):
+        if (k, v) != (128, 128):
+            raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
+        self.k, self.v = k, v
+        self.k_last = k_last
+        self.l2norm = l2norm
+        self.initial_state = initial_state
+
+    # ---------------------------------------------------------------- host-side setup
+    def _setup(self):
+        dt = self.dtype
+        k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
+        one_wg = (1, 1, 1)
+        rmem = warpgroup.OperandSource.RMEM
+        # aux: Q K^T and K K^T, (C, C) over K, both operands K-major in shared memory
+        self.mma_aux = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, k_major, Float32, one_wg, (CHUNK, CHUNK)
+        )
+        # state: (64 value rows, C tokens), A from registers, B K-major (k, q, T diag(beta), P)
+        self.mma_ks = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, k_major, Float32, one_wg, (ROWS_PER_STATE_WG, CHUNK), a_source=rmem
+        )
+        # state update: (64 value rows, K), B = the k tile's transposed (MN-major) view
+        self.mma_st = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, mn_major, Float32, one_wg, (ROWS_PER_STATE_WG, self.k),
+            a_source=rmem,
+        )  # fmt: skip
+        row = LayoutEnum.ROW_MAJOR
+        # q, k, v: (C tokens, D), K-major 128-byte swizzle; one layout serves as the aux GEMMs'
+        # A and B, the state GEMMs' K-major B and (transposed) the update's MN-major B.
+        self.sQK_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, self.k), dt, QK_STAGES)
+        self.sV_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, self.v), dt, V_STAGES)
+        # P and T diag(beta): (i, j) row-major, the K-major B of U^T = (..) T^T and O^T += U^T P^T
+        self.sPT_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, CHUNK), dt, STAGES)
+        # O tiles: (C tokens, 64 value columns) row-major, two per state warpgroup
+        self.sO_layout = sm90_utils.make_smem_layout_a(
+            row, (CHUNK, ROWS_PER_STATE_WG, ROWS_PER_STATE_WG), dt, 2 * STATE_WGS
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mG: cute.Tensor,
+        mBeta: cute.Tensor,
+        mInit: cute.Tensor | None,
+        mCu: cute.Tensor,
+        mO: cute.Tensor,
+        mFinal: cute.Tensor,
+        scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        """mQ, mK (T, H, K); mV, mO (T, HV, V); mG, mBeta fp32 (T, HV); mCu int32 (N + 1,);
+        mInit (or None) and mFinal fp32 (N, HV, K, V), or (N, HV, V, K) with k_last."""
+        self.dtype = mQ.element_type
+        for t in (mK, mV, mO):
+            if const_expr(t.element_type != self.dtype):
+                raise TypeError(f"q, k, v, o must share one dtype, got {t.element_type}")
+        self._setup()
+        mQ4, mK4, mV4 = (packed_as_sdhb(t) for t in (mQ, mK, mV))  # (T, D, H, 1)
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        sQK_tile = cute.slice_(self.sQK_layout, (None, None, 0))
+        sV_tile = cute.slice_(self.sV_layout, (None, None, 0))
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ4, sQK_tile, (CHUNK, self.k))
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK4, sQK_tile, (CHUNK, self.k))
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV4, sV_tile, (CHUNK, self.v))
+        self.qk_bytes = 2 * cute.size_in_bytes(self.dtype, sQK_tile)
+        self.v_bytes = cute.size_in_bytes(self.dtype, sV_tile)
+
+        @cute.struct
+        class SharedStorage:
+            qk_barriers: cute.struct.MemRange[cutlass.Int64, 2 * QK_STAGES]
+            v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * V_STAGES]
+            gate_barriers: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
+            aux_barriers: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
+            sG: cute.struct.Align[cute.struct.MemRange[Float32, STAGES * CHUNK], 16]
+            sBeta: cute.struct.Align[cute.struct.MemRange[Float32, STAGES * CHUNK], 16]
+            sTab: cute.struct.Align[cute.struct.MemRange[Float32, STAGES * 4 * CHUNK], 16]
+            sNorm: cute.struct.Align[cute.struct.MemRange[Float32, STAGES * 3 * CHUNK], 16]
+            sW: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * W_STRIDE], 16]
+            sX: cute.struct.Align[cute.struct.MemRange[Float32, 2 * BLOCK * X_STRIDE], 16]
+            sQ: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(self.sQK_layout)], 1024
+            ]
+            sK: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(self.sQK_layout)], 1024
+            ]
+            sV: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(self.sV_layout)], 1024
+            ]
+            sP: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(self.sPT_layout)], 1024
+            ]
+            sT: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(self.sPT_layout)], 1024
+            ]
+            sO: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(self.sO_layout)], 1024
+            ]
+
+        self.shared_storage = SharedStorage
+        self.kernel(
+            tma_q,
+            tma_mQ,
+            tma_k,
+            tma_mK,
+            tma_v,
+            tma_mV,
+            mG,
+            mBeta,
+            mInit,
+            mCu,
+            mO,
+            mFinal,
+            scale,
+            self.mma_aux,
+            self.mma_ks,
+            self.mma_st,
+            self.sQK_layout,
+            self.sV_layout,
+            self.sPT_layout,
+            self.sO_layout,
+        ).launch(  # fmt: skip
+            grid=(mV.shape[1], mCu.shape[0] - 1, 1),
+            block=[THREADS, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    # ---------------------------------------------------------------- device code
+    @cute.kernel
+    def kernel(
+        self,
+        tma_q: cute.CopyAtom,
+        mQ4: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        mK4: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        mV4: cute.Tensor,
+        mG: cute.Tensor,
+        mBeta: cute.Tensor,
+        mInit: cute.Tensor | None,
+        mCu: cute.Tensor,
+        mO: cute.Tensor,
+        mFinal: cute.Tensor,
+        scale: Float32,
+        mma_aux: cute.TiledMma,
+        mma_ks: cute.TiledMma,
+        mma_st: cute.TiledMma,
+        sQK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sPT_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == PRODUCER_WARP:
+            for atom in (tma_q, tma_k, tma_v):
+                cpasync.prefetch_descriptor(atom)
+        storage = SmemAllocator().allocate(self.shared_storage)
+        qk_pipe = tma_pipeline(storage.qk_barriers, QK_STAGES, self.qk_bytes, QK_CONSUMER_WARPS)
+        v_pipe = tma_pipeline(storage.v_barriers, V_STAGES, self.v_bytes, V_CONSUMER_WARPS)
+        gate_pipe = _async_ring(storage.gate_barriers, WARP_SIZE, THREADS_PER_WG)
+        aux_pipe = _async_ring(storage.aux_barriers, THREADS_PER_WG, STATE_WGS * THREADS_PER_WG)
+        init_arrive()
+        sQ = smem_tensor(storage.sQ, sQK_layout)
+        sK = smem_tensor(storage.sK, sQK_layout)
+        sV = smem_tensor(storage.sV, sV_layout)
+        sP = smem_tensor(storage.sP, sPT_layout)
+        sT = smem_tensor(storage.sT, sPT_layout)
+        sO = smem_tensor(storage.sO, sO_layout)
+        sG = storage.sG.get_tensor(cute.make_layout((CHUNK, STAGES)))
+        sBeta = storage.sBeta.get_tensor(cute.make_layout((CHUNK, STAGES)))
+        sTab = storage.sTab.get_tensor(cute.make_layout((CHUNK, 4, STAGES)))
+        sNorm = storage.sNorm.get_tensor(cute.make_layout((CHUNK, 3, STAGES)))
+        sW = storage.sW.get_tensor(cute.make_layout((CHUNK, CHUNK), stride=(W_STRIDE, 1)))
+        sX = storage.sX.get_tensor(cute.make_layout((2 * BLOCK, 2 * BLOCK), stride=(X_STRIDE, 1)))
+        init_wait()
+
+        hv, n, _ = cute.arch.block_idx()
+        head = hv // (mV4.shape[2] // mQ4.shape[2])
+        bos = mCu[n]
+        seqlen = mCu[n + 1] - bos
+        nchunks = (seqlen + CHUNK - 1) // CHUNK
+        wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp_idx == PRODUCER_WARP:
+                self._produce(
+                    tma_q, tma_k, tma_v, mQ4, mK4, mV4, sQ, sK, sV, qk_pipe, v_pipe, head, hv,
+                    bos, nchunks,
+                )  # fmt: skip
+            elif warp_idx == GATE_WARP:
+                self._gates(mG, mBeta, sG, sBeta, gate_pipe, hv, bos, seqlen, nchunks)
+        elif wg == 1:
+            cute.arch.setmaxregister_decrease(AUX_REGS)
+            self._aux(
+                mma_aux, sQ, sK, sP, sT, sG, sBeta, sTab, sNorm, sW, sX,
+                qk_pipe, gate_pipe, aux_pipe, scale, nchunks,
+            )  # fmt: skip
+        else:
+            cute.arch.setmaxregister_increase(STATE_REGS)
+            self._state(
+                wg - 2, tidx - (wg * THREADS_PER_WG), mma_ks, mma_st, sQ, sK, sV, sP, sT, sTab,
+                sO, mInit, mFinal, mO, qk_pipe, v_pipe, aux_pipe, hv, n, bos, seqlen, nchunks,
+            )  # fmt: skip
+
+    # ---------------------------------------------------------------- producer warps
+    @cute.jit
+    def _produce(
+        self, tma_q, tma_k, tma_v, mQ4, mK4, mV4, sQ, sK, sV, qk_pipe, v_pipe, head, hv, bos,
+        nchunks,
+    ):  # fmt: skip
+        """TMA: per chunk one (C, D) box of q, k (head `head`) into the q / k ring, then of v
+        (head hv) into the v ring. Boxes past the sequence read the next one's rows (masked by
+        the zero gates), past T zeros."""
+        one = cute.make_layout(1)
+        loads = []
+        for atom, m, s, h, d in ((tma_q, mQ4, sQ, head, self.k), (tma_k, mK4, sK, head, self.k),
+                                 (tma_v, mV4, sV, hv, self.v)):  # fmt: skip
+            g = cute.local_tile(
+                cute.domain_offset((bos, 0), m[None, None, h, 0]), (CHUNK, d), (None, 0)
+            )
+            ts, tg = cpasync.tma_partition(
+                atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
+            )
+            loads.append((atom, ts, tg))
+        qk = producer_state(QK_STAGES)
+        vs = producer_state(V_STAGES)
+        for c in cutlass.range(nchunks, unroll=1):
+            qk_pipe.producer_acquire(qk)
+            bar = qk_pipe.producer_get_barrier(qk)
+            for atom, ts, tg in loads[:2]:
+                cute.copy(atom, tg[(None, c)], ts[(None, qk.index)], tma_bar_ptr=bar)
+            qk.advance()
+            v_pipe.producer_acquire(vs)
+            atom, ts, tg = loads[2]
+            cute.copy(atom, tg[(None, c)], ts[(None, vs.index)],
+                      tma_bar_ptr=v_pipe.producer_get_barrier(vs))  # fmt: skip
+            vs.advance()
+
+    @cute.jit
+    def _gates(self, mG, mBeta, sG, sBeta, gate_pipe, hv, bos, seqlen, nchunks):
+        """Per chunk: lane l takes tokens 2 l and 2 l + 1; g and beta (0 past the sequence), the
+        inclusive cumulative sum of g over the chunk by a warp scan, times log2(e)."""
+        lane = cute.arch.lane_idx()
+        st = producer_state(STAGES)
+        for c in cutlass.range(nchunks, unroll=1):
+            t0 = c * CHUNK + 2 * lane
+            vals = []
+            for e in cutlass.range_constexpr(2):
+                t = cutlass.min(t0 + e, seqlen - 1)  # in bounds; masked below
+                inside = t0 + e < seqlen
+                g = cutlass.select_(inside, Float32(mG[bos + t, hv]), Float32(0.0))
+                b = cutlass.select_(inside, Float32(mBeta[bos + t, hv]), Float32(0.0))
+                vals.append((g, b))
+            pair = vals[0][0] + vals[1][0]
+            incl = pair
+            for i in cutlass.range_constexpr(5):
+                up = cute.arch.shuffle_sync_up(incl, 1 << i)
+                incl = cutlass.select_(lane >= (1 << i), incl + up, incl)
+            before = incl - pair
+            gate_pipe.producer_acquire(st)
+            sG[2 * lane, st.index] = (before + vals[0][0]) * LOG2E
+            sG[2 * lane + 1, st.index] = incl * LOG2E
+            sBeta[2 * lane, st.index] = vals[0][1]
+            sBeta[2 * lane + 1, st.index] = vals[1][1]
+            gate_pipe.producer_commit(st)
+            st.advance()

@@ -1,0 +1,173 @@
+"""The state warpgroups of the chunked prefill kernel (mixed into GdnChunkedFwdSm90).
+
+State warpgroup w holds value rows [64 w, 64 w + 64) of S^T (V, K) as an fp32 WGMMA
+accumulator for the whole sequence. Per chunk (A operands from registers, B from shared
+memory; the factor tables from the aux warpgroup):
+
+    X^T, O^T = S^T K^T, S^T Q^T                 one commit group, S^T as a 16-bit A operand
+    X^T     <- V^T - X^T diag(fK)               V^T read from the v tile (transposed view)
+    O^T     <- O^T diag(fQ)
+    U^T      = X^T (T diag(beta))^T             waited for at once (the next two read it)
+    O^T     += U^T P^T
+    S^T     <- 2^G2_C S^T + [U^T diag(fU)] K     K as an MN-major B (the k tile transposed)
+
+then O^T -> 16 bits -> transposed stmatrix into this warpgroup's O tile (token-major, two
+alternating) -> the rows inside the sequence to global memory, 16 bytes a thread and copy.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, const_expr
+
+from forgekernel.kernels.common.sm90 import softmax
+from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
+from forgekernel.kernels.common.sm90.layout import acc_to_operand_a, rows_cols, transposed
+from forgekernel.kernels.common.sm90.mma import gemm
+from forgekernel.kernels.common.sm90.pipeline import consumer_state
+from forgekernel.kernels.common.sm90.ptx import opaque_tid_x
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
+    CHUNK,
+    QK_STAGES,
+    ROWS_PER_STATE_WG,
+    STAGES,
+    V_STAGES,
+)
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import Bar
+
+ROWS = ROWS_PER_STATE_WG
+VEC = 8  # 16-bit elements per 16-byte copy of the O epilogue
+
+
+class StateWg:
+    """The state recurrence and the outputs (warpgroups 2 and 3)."""
+
+    @cute.jit
+    def _state(
+        self, w, stid, mma_ks, mma_st, sQ, sK, sV, sP, sT, sTab, sO, mInit, mFinal, mO,
+        qk_pipe, v_pipe, aux_pipe, hv, n, bos, seqlen, nchunks,
+    ):  # fmt: skip
+        thr_st = mma_st.get_slice(stid)
+        acc_st = cute.make_rmem_tensor(thr_st.partition_shape_C((ROWS, self.k)), Float32)
+        if const_expr(self.initial_state):
+            self._state_io(mInit, acc_st, thr_st, n, hv, w, True)
+        else:
+            acc_st.fill(0.0)
+        # Operand descriptors are warpgroup-uniform; thread-dependent views (V^T and stmatrix
+        # addresses, coordinates) are rebuilt each chunk from a threadIdx the compiler may not
+        # hoist (hoisted, they are live registers across the loop: spills at 192).
+        wg_ks = mma_ks.get_slice(0)
+        wg_st = mma_st.get_slice(0)
+        acc_shape = wg_ks.partition_shape_C((ROWS, CHUNK))
+        tSrS = wg_ks.make_fragment_A(wg_ks.partition_shape_A((ROWS, self.k)))
+        tXrX = wg_ks.make_fragment_A(wg_ks.partition_shape_A((ROWS, CHUNK)))
+        tUrU = wg_ks.make_fragment_A(wg_ks.partition_shape_A((ROWS, CHUNK)))
+        tUrUd = wg_ks.make_fragment_A(wg_ks.partition_shape_A((ROWS, CHUNK)))
+        tBrK = wg_ks.make_fragment_B(wg_ks.partition_B(sK))
+        tBrQ = wg_ks.make_fragment_B(wg_ks.partition_B(sQ))
+        tBrT = wg_ks.make_fragment_B(wg_ks.partition_B(sT))
+        tBrP = wg_ks.make_fragment_B(wg_ks.partition_B(sP))
+        tBrKt = wg_st.make_fragment_B(wg_st.partition_B(transposed(sK)))
+        sVt = transposed(sV)  # (V, C, stages)
+        out_bar = pipeline.NamedBarrier(barrier_id=int(Bar.OUT) + w, num_threads=THREADS_PER_WG)
+        ld = consumer_state(QK_STAGES)
+        vs = consumer_state(V_STAGES)
+        ax = consumer_state(STAGES)
+        for c in cutlass.range(nchunks, unroll=1):
+            acc_x = cute.make_rmem_tensor(acc_shape, Float32)
+            acc_o = cute.make_rmem_tensor(acc_shape, Float32)
+            acc_u = cute.make_rmem_tensor(acc_shape, Float32)
+            qk_pipe.consumer_wait(ld)
+            acc_to_operand_a(acc_st, tSrS)
+            gemm(mma_ks, acc_x, tSrS, tBrK[None, None, None, ld.index], True, -1)
+            gemm(mma_ks, acc_o, tSrS, tBrQ[None, None, None, ld.index], True, -1)
+            aux_pipe.consumer_wait(ax)
+            v_pipe.consumer_wait(vs)
+            cute.nvgpu.warpgroup.wait_group(0)
+            tid = opaque_tid_x() % THREADS_PER_WG
+            coords = softmax.acc_coords(mma_ks, tid, (ROWS, CHUNK))
+            vt = cute.local_tile(sVt[None, None, vs.index], (ROWS, CHUNK), (w, 0))
+            r_v = cute.make_rmem_tensor(acc_shape, Float32)
+            r_v.store(mma_ks.get_slice(tid).partition_C(vt).load().to(Float32))
+            self._correct(acc_x, acc_o, r_v, coords, sTab, ax.index)
+            v_pipe.consumer_release(vs)  # v consumed: its stage may load chunk c + 2
+            acc_to_operand_a(acc_x, tXrX)
+            gemm(mma_ks, acc_u, tXrX, tBrT[None, None, None, ax.index], True, 0)
+            acc_to_operand_a(acc_u, tUrU)
+            gemm(mma_ks, acc_o, tUrU, tBrP[None, None, None, ax.index], False, -1)
+            self._scale_by_table(acc_u, coords, sTab, 2, ax.index)
+            acc_to_operand_a(acc_u, tUrUd)
+            acc_st.store(acc_st.load() * sTab[0, 3, ax.index])
+            gemm(mma_st, acc_st, tUrUd, tBrKt[None, None, None, ld.index], False, 0)
+            qk_pipe.consumer_release(ld)
+            aux_pipe.consumer_release(ax)
+            self._store_o(acc_o, mma_ks, sO, mO, out_bar, w, tid, hv, bos, c, seqlen)
+            ld.advance()
+            vs.advance()
+            ax.advance()
+        self._state_io(mFinal, acc_st, thr_st, n, hv, w, False)
+
+    @cute.jit
+    def _correct(self, acc_x, acc_o, r_v, coords, sTab, s):
+        """X^T <- V^T - X^T diag(fK), O^T <- O^T diag(fQ)."""
+        t0, _, col_base = coords
+        x = rows_cols(acc_x)
+        o = rows_cols(acc_o)
+        v = rows_cols(r_v)
+        for c in cutlass.range_constexpr(cute.size(x, mode=[1])):
+            j = col_base + t0[0, c][1]
+            fk = sTab[j, 0, s]
+            fq = sTab[j, 1, s]
+            for r in cutlass.range_constexpr(cute.size(x, mode=[0])):
+                x[r, c] = v[r, c] - x[r, c] * fk
+                o[r, c] = o[r, c] * fq
+
+    @cute.jit
+    def _scale_by_table(self, acc, coords, sTab, table: cutlass.Constexpr[int], s):
+        t0, _, col_base = coords
+        a = rows_cols(acc)
+        for c in cutlass.range_constexpr(cute.size(a, mode=[1])):
+            f = sTab[col_base + t0[0, c][1], table, s]
+            for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
+                a[r, c] = a[r, c] * f
+
+    @cute.jit
+    def _store_o(self, acc_o, mma_ks, sO, mO, out_bar, w, stid, hv, bos, c, seqlen):
+        """O^T -> 16 bits -> this warpgroup's O tile c % 2 (transposed stmatrix: token-major)
+        -> its rows < the chunk's valid length to global memory (value columns 64 w ..).
+        The tile written two chunks ago was read before this chunk's barrier."""
+        r_o = cute.make_rmem_tensor(acc_o.shape, self.dtype)
+        r_o.store(acc_o.load().to(self.dtype))
+        buf = 2 * w + c % 2
+        r2s = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(True, 4), self.dtype), mma_ks
+        )
+        thr_r2s = r2s.get_slice(stid)
+        # the (value, token) view of the token-major tile
+        cute.copy(r2s, thr_r2s.retile(r_o), thr_r2s.partition_D(transposed(sO[None, None, buf])))
+        out_bar.arrive_and_wait()
+        valid = cutlass.min(seqlen - c * CHUNK, CHUNK)
+        tile = sO[None, None, buf]
+        per_row = ROWS // VEC
+        for k in cutlass.range_constexpr(CHUNK * per_row // THREADS_PER_WG):
+            row = stid // per_row + k * (THREADS_PER_WG // per_row)
+            col = stid % per_row
+            if row < valid:
+                src = cute.local_tile(tile[row, None], (VEC,), (col,))
+                dst_row = mO[bos + c * CHUNK + row, hv, None]
+                dst = cute.local_tile(dst_row, (VEC,), (w * per_row + col,))
+                dst.store(src.load())
+
+    @cute.jit
+    def _state_io(self, mS, acc_st, thr_st, n, hv, w, load: cutlass.Constexpr[bool]):
+        """Value rows [64 w, 64 w + 64) of (sequence n, head hv)'s state, seen as S^T (V, K)
+        (k-last: as stored; fla's (K, V): transposed), to or from the accumulator."""
+        head = mS[n, hv, None, None]
+        st = head if const_expr(self.k_last) else transposed(head)
+        part = thr_st.partition_C(cute.local_tile(st, (ROWS, self.k), (w, 0)))
+        if const_expr(load):
+            acc_st.store(part.load())
+        else:
+            part.store(acc_st.load())

@@ -1,0 +1,222 @@
+"""A torch replay of the chunked prefill kernel's tile math (forgekernel/kernels/linear_attention/
+gdn_prefill/sm90): the same per-chunk schedule, factor tables, masks and 16-bit roundings of
+the WGMMA operands, the blocked fp32 inverse phase by phase with the lanes' data movement, and
+the transposed state S^T; the tests run it behind the real launcher and compare with the fp64
+recurrence. Not a test module (imported by tests/test_gdn_prefill.py)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
+    BLOCK,
+    CHUNK,
+    L2NORM_EPS,
+    ROWS_PER_STATE_WG,
+)
+
+HALF = BLOCK // 2
+LOG2E = math.log2(math.e)
+
+
+# ----------------------------------------------------------------------------- the inverse
+
+
+class Scratch:
+    """The aux warpgroup's fp32 scratch (W 64 x 64, X 32 x 32) with the phase each block was
+    last written in, so that a read of a block another warp writes in the same phase (a
+    missing barrier) fails."""
+
+    def __init__(self, lower: torch.Tensor):
+        self.w = lower.clone()
+        self.x = torch.zeros(2 * BLOCK, 2 * BLOCK)
+        self.owner: dict[tuple[str, int, int], tuple[int, int]] = {}  # block -> (phase, warp)
+        self.readers: dict[tuple[str, int, int], set[int]] = {}  # this phase's readers
+        self.phase = 0
+
+    def _view(self, name: str, i: int, j: int) -> torch.Tensor:
+        t = self.w if name == "w" else self.x
+        return t[BLOCK * i : BLOCK * (i + 1), BLOCK * j : BLOCK * (j + 1)]
+
+    def read(self, name: str, i: int, j: int, warp: int) -> torch.Tensor:
+        phase, writer = self.owner.get((name, i, j), (-1, warp))
+        assert phase < self.phase or writer == warp, (
+            f"warp {warp} reads {name}{i}{j}, written by warp {writer} in this phase"
+        )
+        self.readers.setdefault((name, i, j), set()).add(warp)
+        return self._view(name, i, j).clone()
+
+    def write(self, name: str, i: int, j: int, warp: int, value: torch.Tensor) -> None:
+        others = self.readers.get((name, i, j), set()) - {warp}
+        assert not others, f"warp {warp} overwrites {name}{i}{j}, read by {others} in this phase"
+        self._view(name, i, j).copy_(value)
+        self.owner[(name, i, j)] = (self.phase, warp)
+
+    def barrier(self) -> None:
+        self.phase += 1
+        self.readers.clear()
+
+
+def diagonal_inverse(lower: torch.Tensor) -> torch.Tensor:
+    """Phase 0 of one warp: lane (r, h) holds row r, columns 8 h .. 8 h + 7 of T_ww, starting
+    from e_r; at step s every lane takes row s (lane s's, final) by shuffles and subtracts
+    L[r, s] times it (a no-op for rows r <= s, whose L[r, s] is 0)."""
+    acc = torch.eye(BLOCK)
+    for s in range(BLOCK - 1):
+        row_s = acc[s].clone()  # the shuffles read lane s's registers before the update
+        acc -= lower[:, s : s + 1] * row_s[None, :]
+    return acc
+
+
+def blocked_inverse(lower: torch.Tensor) -> torch.Tensor:
+    """T = (I + L)^-1 of a strictly lower 64 x 64 fp32 L by the kernel's schedule
+    (inverse.invert): phase 0 the diagonal blocks, phase 1 T_10, T_32, X_21, X_31 (X_20, X_30
+    kept in registers), phase 2a X_20, X_30, phase 2b T_20, T_21, T_30, T_31."""
+    sc = Scratch(lower)
+    for w in range(4):
+        sc.write("w", w, w, w, diagonal_inverse(sc.read("w", w, w, w)))
+    sc.barrier()
+    kept = {}
+    for w in range(4):
+        if w >= 2:
+            sc.write("x", w - 2, 1, w, sc.read("w", w, 1, w) @ sc.read("w", 1, 1, w))
+            kept[w] = sc.read("w", w, 0, w) @ sc.read("w", 0, 0, w)
+        else:
+            b = 2 * w
+            z = sc.read("w", b + 1, b, w) @ sc.read("w", b, b, w)
+            sc.write("w", b + 1, b, w, z)
+            sc.write("w", b + 1, b, w, -(sc.read("w", b + 1, b + 1, w) @ z))
+    sc.barrier()
+    for w in (2, 3):
+        kept[w] = kept[w] + sc.read("w", w, 1, w) @ sc.read("w", 1, 0, w)
+        sc.write("x", w - 2, 0, w, kept[w])
+    sc.barrier()
+    for w in range(4):
+        i, j = 2 + w // 2, w % 2
+        acc = sc.read("w", i, 2, w) @ sc.read("x", 0, j, w)
+        if w >= 2:
+            acc = acc + sc.read("w", 3, 3, w) @ sc.read("x", 1, j, w)
+        sc.write("w", i, j, w, -acc)
+    sc.barrier()
+    return sc.w
+
+
+# ----------------------------------------------------------------------------- one chunk
+
+
+def _round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A 16-bit WGMMA operand (or the stored output): rounded, computed on in fp32."""
+    return x.to(dtype).float()
+
+
+def gates(g: torch.Tensor) -> torch.Tensor:
+    """The gate warp: G2 = log2(e) cumsum(g) over the chunk (lane l: tokens 2 l, 2 l + 1, an
+    inclusive warp scan of the pair sums)."""
+    pairs = g.view(-1, 2)
+    incl = pairs.sum(1).cumsum(0)
+    before = incl - pairs.sum(1)
+    return torch.stack([before + pairs[:, 0], incl], 1).reshape(-1) * LOG2E
+
+
+def aux_chunk(q, k, g, beta, scale, dtype, l2norm):
+    """The aux warpgroup: (P, T diag(beta), tables fK, fQ, fU, 2^G2_C) of one chunk (C rows;
+    q, k the 16-bit tiles as fp32, g and beta 0 past the sequence)."""
+    g2 = gates(g)
+    rows = torch.arange(CHUNK)
+    if l2norm:
+        rq = torch.rsqrt((q * q).sum(1) + L2NORM_EPS)
+        rk = torch.rsqrt((k * k).sum(1) + L2NORM_EPS)
+        h = g2 - torch.log2(rk)  # rk_j 2^-G2_j as one exponent
+    else:
+        rq = rk = torch.ones(CHUNK)
+        h = g2
+    below = rows[None, :] < rows[:, None]  # j < i
+    seen = rows[None, :] <= rows[:, None]  # j <= i
+    power = torch.exp2(g2[:, None] - h[None, :])
+    d_l = torch.where(below, power, torch.zeros(()))
+    d_p = torch.where(seen, power, torch.zeros(()))
+    lower = (k @ k.t()) * d_l * (beta * rk)[:, None]
+    t = blocked_inverse(lower)
+    p = _round((q @ k.t()) * d_p * (scale * rq)[:, None], dtype)
+    tb = _round(t * beta[None, :], dtype)
+    gc = g2[-1]
+    tables = (rk * torch.exp2(g2), scale * rq * torch.exp2(g2), rk * torch.exp2(gc - g2))
+    return p, tb, tables, torch.exp2(gc)
+
+
+def state_chunk(st, q, k, v, aux, dtype):
+    """The state warpgroups (value rows split 64 / 64, each row independent): S^T (V, K) fp32
+    -> (O^T (V, C) rounded, the next S^T)."""
+    p, tb, (fk, fq, fu), gcp = aux
+    sb = _round(st, dtype)  # the accumulator as a 16-bit A operand
+    x = sb @ k.t()
+    o = sb @ q.t()
+    x = v.t() - x * fk[None, :]
+    o = o * fq[None, :]
+    u = _round(x, dtype) @ tb.t()
+    o = o + _round(u, dtype) @ p.t()
+    st = st * gcp + _round(u * fu[None, :], dtype) @ k
+    return _round(o, dtype), st
+
+
+def _tile(x, pad, c0, c1):
+    """Rows c0 .. c1 of x padded to a chunk with the rows TMA would read past the end (pad, then
+    zeros)."""
+    rest = CHUNK - (c1 - c0)
+    fill = torch.zeros(rest, x.shape[1])
+    if pad is not None:
+        fill[: min(rest, pad.shape[0])] = pad[:rest]
+    return torch.cat([x[c0:c1], fill])
+
+
+def sequence(q, k, v, g, beta, st, scale, dtype, l2norm, tail_rows=None):
+    """One (sequence, value head): q, k (L, K), v (L, V) 16-bit values as fp32, g, beta (L,),
+    st = S^T (V, K) fp32 -> (o (L, V), S^T). Chunks past the end are padded with tail_rows
+    (the rows TMA would load there: the next sequence's, or zeros past T), gates with 0."""
+    n = q.shape[0]
+    out = torch.empty(n, v.shape[1])
+    for c0 in range(0, n, CHUNK):
+        c1 = min(c0 + CHUNK, n)
+
+        pads = (None, None, None) if tail_rows is None else tail_rows
+        qt, kt, vt = (_tile(x, pad, c0, c1) for x, pad in zip((q, k, v), pads))
+        gt = torch.cat([g[c0:c1], torch.zeros(CHUNK - (c1 - c0))])
+        bt = torch.cat([beta[c0:c1], torch.zeros(CHUNK - (c1 - c0))])
+        aux = aux_chunk(qt, kt, gt, bt, scale, dtype, l2norm)
+        halves = []
+        for w in range(v.shape[1] // ROWS_PER_STATE_WG):
+            rows = slice(ROWS_PER_STATE_WG * w, ROWS_PER_STATE_WG * (w + 1))
+            o_w, st_w = state_chunk(st[rows], qt, kt, vt[:, rows], aux, dtype)
+            halves.append((o_w, st_w))
+        out[c0:c1] = torch.cat([o for o, _ in halves]).t()[: c1 - c0]
+        st = torch.cat([s for _, s in halves])
+    return out, st
+
+
+def kernel(params: dict):
+    """The launcher's compiled-function stand-in: fn(q, k, v, g, beta, init, cu_seqlens, out,
+    final, scale) over varlen tensors, as the kernel computes it (a tail chunk sees the next
+    sequence's rows, as its TMA boxes do)."""
+    dtype = torch.float16 if params["dtype"] == "float16" else torch.bfloat16
+
+    def fn(q, k, v, g, beta, init, cu_seqlens, out, final, scale):
+        group = v.shape[1] // q.shape[1]
+        edges = cu_seqlens.tolist()
+        for n, (t0, t1) in enumerate(zip(edges[:-1], edges[1:])):
+            for hv in range(v.shape[1]):
+                if init is None:
+                    st = torch.zeros(params["v"], params["k"])
+                else:
+                    st = init[n, hv].float() if params["k_last"] else init[n, hv].t().float()
+                h = hv // group
+                qs, ks = (x[t0:t1, h].float() for x in (q, k))
+                vs = v[t0:t1, hv].float()
+                tail = tuple(x[t1 : t1 + CHUNK].float() for x in (q[:, h], k[:, h], v[:, hv]))
+                o, st = sequence(qs, ks, vs, g[t0:t1, hv], beta[t0:t1, hv], st, scale, dtype,
+                                 params["l2norm"], tail)  # fmt: skip
+                out[t0:t1, hv] = o.to(out.dtype)
+                final[n, hv] = st if params["k_last"] else st.t()
+
+    return fn

@@ -1,0 +1,185 @@
+"""The chunked Gated DeltaNet prefill kernel compiled for sm_90a on the CPU (the DSL compiles,
+ptxas assembles, cuobjdump reads the cubin), its resources as config.py and the kernel state:
+
+- 512 threads, 128 registers at launch (one CTA per SM), split by setmaxnreg 24 / 104 / 192
+  (producer / aux / state warpgroups), nothing spilled (no local memory);
+- the setmaxnreg split within the registers the CTA is launched with (else the state
+  warpgroups' increase would wait forever);
+- shared memory (the kernel's SharedStorage, plus the static) within the 227 KB opt-in, under
+  config's bound;
+- each mbarrier's arrive count as the roles arrive (PTX), the named barriers' ids and thread
+  counts, the WGMMA shared-memory descriptors' swizzle and strides;
+- the WGMMAs: K K^T, Q K^T (64x64x16, 8 each) in the aux warpgroup; X^T, O^T (8 each), U^T,
+  O^T += U^T P^T (4 each, 64x64x16) and the state update (4 x 64x128x16, B transposed) in a
+  state warpgroup, each product one commit group and none serialized (a wait per group, not
+  per instruction: ptxas serializes when registers run short);
+- three TMA boxes of two 64-column halves per chunk, the P / T tiles by stmatrix, O^T by the
+  transposed stmatrix."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+from forgekernel.kernels.common.sm90.constants import (  # noqa: E402
+    SMEM_CAPACITY,
+    THREADS_PER_WG,
+    WARP_SIZE,
+)
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90 import config  # noqa: E402
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.compile import (  # noqa: E402
+    compile_gdn_prefill,
+    kernel_for,
+)
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import (  # noqa: E402
+    QK_CONSUMER_WARPS,
+    V_CONSUMER_WARPS,
+    Bar,
+)
+from forgekernel.runtime.resources import find_tool, inspect_cubin  # noqa: E402
+
+if find_tool("cuobjdump") is None:
+    pytest.skip("cuobjdump not found", allow_module_level=True)
+
+_INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
+
+CONFIGS = {
+    "bf16": {"dtype": "bfloat16"},
+    "bf16_l2norm_klast_state": {
+        "dtype": "bfloat16",
+        "l2norm": True,
+        "k_last": True,
+        "initial_state": True,
+    },  # fmt: skip
+    "fp16_l2norm_state": {"dtype": "float16", "l2norm": True, "initial_state": True},
+}
+
+
+def _compile(dtype: str, **kw) -> tuple[dict, list[tuple[str, str]], int, str]:
+    """(resources, SASS (opcode, operands) in program order, shared memory bytes, PTX)."""
+    params = dict(config.params_for(dtype, **kw))
+    kernel = kernel_for(params)
+    with tempfile.TemporaryDirectory() as d:
+        compiled = compile_gdn_prefill(params, "sm_90a", f"--keep-cubin --keep-ptx --dump-dir {d}",
+                                       kernel=kernel)  # fmt: skip
+        ptx = compiled.artifacts.PTX
+        ptx = ptx if isinstance(ptx, str) else ptx.decode()
+        cubin = getattr(compiled.artifacts, "CUBIN", None)
+        if isinstance(cubin, bytes):
+            path = Path(d) / "k.cubin"
+            path.write_bytes(cubin)
+            cubin = path
+        res = inspect_cubin(cubin)
+        sass = subprocess.run([find_tool("cuobjdump"), "-sass", str(cubin)],
+                              capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return res, _INSTR.findall(sass), kernel.shared_storage.size_in_bytes(), ptx
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            kw = dict(CONFIGS[name])
+            cache[name] = _compile(kw.pop("dtype"), **kw)
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_registers_and_no_spills(compiled, name):
+    res, instrs, _, _ = compiled(name)
+    ops = [op for op, _ in instrs]
+    assert res["registers"] <= 65536 // config.THREADS
+    assert res["spill_bytes"] == 0
+    assert not [op for op in ops if op.startswith(("LDL", "STL"))]
+    maxreg = [int(a.split(",")[-1], 16) for op, a in instrs if op.startswith("USETMAXREG")]
+    assert sorted(maxreg) == sorted([config.PRODUCER_REGS, config.AUX_REGS, config.STATE_REGS])
+    assert max(maxreg) <= 255
+    # the split must fit the registers the CTA is launched with: else setmaxnreg.inc of the
+    # state warpgroups waits forever for registers the others never free
+    split = config.PRODUCER_REGS + config.AUX_REGS + config.STATE_WGS * config.STATE_REGS
+    assert split * THREADS_PER_WG <= res["registers"] * config.THREADS
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_shared_memory_fits(compiled, name):
+    res, _, smem, _ = compiled(name)
+    assert smem <= config.smem_bytes() <= SMEM_CAPACITY
+    assert smem + res["smem_bytes"] <= SMEM_CAPACITY  # the DSL's static shared memory (1 KB) too
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_wgmma_groups_are_not_serialized(compiled, name):
+    _, instrs, _, _ = compiled(name)
+    hgmma = [a for op, a in instrs if op.startswith("HGMMA")]
+    shapes = [op for op, _ in instrs if op.startswith("HGMMA")]
+    assert sum(s.startswith("HGMMA.64x64x16") for s in shapes) == 16 + 24
+    assert sum(s.startswith("HGMMA.64x128x16") for s in shapes) == 4
+    assert all("tnspB" in a for s, a in zip(shapes, hgmma) if s.startswith("HGMMA.64x128x16"))
+    groups = sum("gsb0" in a for a in hgmma)
+    assert groups == 2 + 5  # K K^T, Q K^T; X^T, O^T, U^T, U^T P^T, the state update
+    waits = sum(op == "WARPGROUP.DEPBAR.LE" for op, _ in instrs)
+    assert waits <= groups
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_tma_loads_and_matrix_stores(compiled, name):
+    _, instrs, _, _ = compiled(name)
+    ops = [op for op, _ in instrs]
+    assert ops.count("UTMALDG.3D") == 6  # q, k, v: two 64-column boxes each
+    assert ops.count("STSM.16.M88.4") == 8  # P, T diag(beta): 4 each per aux thread
+    assert ops.count("STSM.16.MT88.4") == 4  # O^T, transposed into the token-major tile
+
+
+def _mbarrier_init_counts(ptx: str) -> list[int]:
+    """The arrive counts of the mbarrier.init instructions, in program order."""
+    regs = dict(re.findall(r"mov\.b32\s+(%r\d+), (\d+);", ptx))
+    return [
+        int(regs.get(c, c))
+        for c in re.findall(r"mbarrier\.init\.shared\.b64\s+\[[^]]+\], ([^;]+);", ptx)
+    ]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_pipeline_arrive_counts_and_named_barriers(compiled, name):
+    """Each ring's full / empty barriers expect the arrivals its roles make per stage: TMA one
+    expect-tx (q / k, v), the consumers' lane 0 of each warp (12 warps q / k, 8 v), the gate
+    warp's 32 lanes and the aux warpgroup's 128 threads (gate ring), the aux warpgroup's 128 and
+    both state warpgroups' 256 (aux ring). Named barriers: only the aux warpgroup's id (static)
+    and the state warpgroups' OUT + w (computed), each over 128 threads."""
+    *_, ptx = compiled(name)
+    wg, stages = THREADS_PER_WG, config.STAGES
+    want = (
+        [1] * config.QK_STAGES + [QK_CONSUMER_WARPS] * config.QK_STAGES
+        + [1] * config.V_STAGES + [V_CONSUMER_WARPS] * config.V_STAGES
+        + [WARP_SIZE] * stages + [wg] * stages
+        + [wg] * stages + [config.STATE_WGS * wg] * stages
+    )  # fmt: skip
+    assert _mbarrier_init_counts(ptx) == want
+    syncs = re.findall(r"bar\.sync\s+([^,;]+)(?:,\s*(\d+))?;", ptx)
+    assert {(i, n) for i, n in syncs if i.isdigit()} == {("0", ""), (str(int(Bar.AUX)), str(wg))}
+    assert {n for i, n in syncs if not i.isdigit()} == {str(wg)}  # OUT + w
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_wgmma_descriptor_templates(compiled, name):
+    """The shared-memory descriptors' constant fields: 128-byte swizzle, 1024-byte stride
+    between 8-row groups; the K-major operands (q, k, P, T diag(beta)) a 16-byte leading
+    offset (unused), the state update's MN-major k (its tile transposed) 8192 bytes between
+    its two 64-column halves (the TMA boxes)."""
+    *_, ptx = compiled(name)
+    consts = {int(c) for c in re.findall(r"or\.b64\s+%rd\d+, %rd\d+, (\d+);", ptx)}
+
+    def desc(lbo: int, sbo: int) -> int:
+        return (1 << 62) | ((sbo >> 4) << 32) | ((lbo >> 4) << 16)
+
+    assert consts == {desc(16, 1024), desc(8192, 1024)}
