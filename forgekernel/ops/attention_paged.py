@@ -322,6 +322,9 @@ def _prefill_by_gather(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_
             rows = (rows.float() * scale[:, None]).to(q.dtype)
         buf = torch.zeros(room + 1, hkv, d, dtype=q.dtype, device=q.device)
         buf[dst.flatten()] = rows.reshape(-1, hkv, d)
+        # the slots past the sequences landed in row `room`, which the last sequence's tail
+        # tile may read (masked): whatever they held, no NaN there may reach O through P = 0
+        buf[room] = 0
         return buf
 
     o_out = None if out is None else (out, q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32))
