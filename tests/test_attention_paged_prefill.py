@@ -298,12 +298,12 @@ def test_routing_between_the_paged_mode_and_the_gather(monkeypatch, page_size, d
 
 
 def test_standard_params_cover_the_paged_op():
-    """Every paged-op head dim, dtype and mask with a box per page size 16 .. 128."""
+    """Every paged-op head dim, dtype and mask with a box per page size 8 .. 256."""
     paged = [p for p in map(dict, SPEC.standard_params()) if p.get("page_box")]
     keys = {(p["dtype"], p["head_dim"], p["causal"], p["page_box"]) for p in paged}
     for d in PAGED_HEAD_DIMS:
         tile_n = default_config(d, d).tile_n
-        boxes = {page_box_for(ps, tile_n) for ps in PAGE_BOXES}
+        boxes = {page_box_for(ps, tile_n) for ps in (*PAGE_BOXES, 256)}
         for dtype in ("bfloat16", "float16"):
             for causal in (False, True):
                 assert {(dtype, d, causal, b) for b in boxes} <= keys

@@ -11,7 +11,8 @@ cu_seqlens_q, cu_seqlens_k, softmax_scale_log2, max_seqlen_q, 1, num_ctas, None)
 (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv), o (Tq, Hq, Dv), lse (Hq, Tq), int32 offsets
 (B + 1,). Paged (params page_box > 0): fn(q, k_cache, v_cache, o, lse, cu_seqlens_q,
 seqlens_k, softmax_scale_log2, max_seqlen_q, 1, num_ctas, page_table) with caches (pages,
-page_size, Hkv, D / Dv) (page_size a multiple of page_box), seqlens_k int32 (B,), page_table
+page_size, Hkv, D / Dv) (page_box = min(page_size, tile_n), page_size a multiple of tile_n
+when it is not below it: `config.page_box_for`), seqlens_k int32 (B,), page_table
 int32 (B, max_pages), the rest as varlen. The stream is the TVM-FFI environment stream.
 """
 
@@ -49,7 +50,7 @@ def _standard_params() -> list[Params]:
 
 
 def _paged_params() -> list[Params]:
-    """The paged op's prefill kernels: its head dims, both masks, a box per page size 16 to
+    """The paged op's prefill kernels: its head dims, both masks, a box per page size 8 to
     128 (boxes up to the tile: a 128-row page under 64-key tiles loads as 64-row boxes)."""
     return [
         params_for(dtype, d, d, causal, varlen=True, page_box=box)

@@ -78,9 +78,9 @@ _DEFAULTS = {
 
 
 # Head dims of the paged mode (the paged op's) and the page boxes built ahead of time: pages
-# of 16 to 128 rows (a page longer than the tile: boxes of tile_n rows).
+# of 8 to 128 rows (a page longer than the tile: boxes of tile_n rows).
 PAGED_HEAD_DIMS = (64, 128, 256)
-PAGE_BOXES = (16, 32, 64, 128)
+PAGE_BOXES = (8, 16, 32, 64, 128)
 
 
 def page_box_for(page_size: int, tile_n: int) -> int:

@@ -206,8 +206,9 @@ class AttentionFwdSm90:
         mK (Tk, Hkv, D), mV (Tk, Hkv, Dv), mO (Tq, Hq, Dv), mLSE (Hq, Tq), mCuQ / mCuK int32
         (B + 1,) offsets, max_seqlen_q the longest query sequence. Paged (page_box > 0): as
         varlen, but mK / mV are caches (pages, page_size, Hkv, D / Dv), mCuK the int32 key
-        lengths (B,) and mPageTable int32 (B, max_pages) (None otherwise); page_size a
-        multiple of page_box (page_box = min(page_size, tile_n)). qgroup: query rows per query
+        lengths (B,) and mPageTable int32 (B, max_pages) (None otherwise); page_box =
+        min(page_size, tile_n), page_size a multiple of tile_n when it is not below it (the
+        page size itself is dynamic). qgroup: query rows per query
         position (pack-GQA: the caller packs G query heads of one kv head as rows s * G + g of
         one head, so row r is query r // G for the causal mask; 1 otherwise). num_ctas: CTAs
         to launch (at most one per SM: the kernel is persistent)."""
