@@ -621,7 +621,7 @@ class AttentionFwdSm90:
                 m0 = m_block * self.tile_m
                 n_block_max, n_unmasked = self._key_blocks(m0, (seqlen_q, qgroup), seqlen_k)
                 if const_expr(self.paged):
-                    self._clear_stale_v(sV_chunks, v_pipe, kv, n_block_max, seqlen_k, tidx, wg)
+                    self._clear_stale_v(sV_chunks, v_pipe, kv, n_block_max, seqlen_k, wg)
                 row_max.fill(-Float32.inf)
                 row_sum.fill(0.0)
                 acc_O.fill(0.0)
@@ -664,24 +664,31 @@ class AttentionFwdSm90:
         )
 
     @cute.jit
-    def _clear_stale_v(self, sV_chunks, v_pipe, kv, n_block_max, seqlen_k, tidx, wg):
+    def _clear_stale_v(self, sV_chunks, v_pipe, kv, n_block_max, seqlen_k, wg):
         """Zero V's rows past the sequence in the last page of key block n_block_max - 1 (at
         stage kv): that page's slots past seqlen_k hold whatever the cache held (NaN or inf
         would survive P = 0 in P V; their scores are masked). Boxes wholly past the sequence
         came zero-filled. Each warpgroup zeroes them before its first P V of the block (the
-        same zeros twice), fenced for WGMMA's async proxy reads and the next TMA's writes."""
+        same zeros twice), fenced for WGMMA's async proxy reads and the next TMA's writes:
+        at most page_box - 1 rows, a static number of predicated 16-byte stores a thread."""
         n = n_block_max - 1
         first = seqlen_k - n * self.tile_n
         box_end = (seqlen_k + self.page_box - 1) // self.page_box * self.page_box
         end = cutlass.min(box_end - n * self.tile_n, self.tile_n)
         if n_block_max > 0 and first < end:
             v_pipe.consumer_wait(kv)
-            t = tidx % THREADS_PER_WG
+            # The thread index read here, not the consumers' tidx: with that one, ptxas moved
+            # D 256's causal kernel off the uniform datapath (every producer TMA in a per-lane
+            # loop, 8 bytes spilled); this form compiles as the others do.
+            t = cute.arch.thread_idx()[0] % THREADS_PER_WG
             zero = cute.make_rmem_tensor(4, Int32)
             zero.fill(0)
+            rows_per_pass = THREADS_PER_WG // 8
             for c in cutlass.range_constexpr(self.head_dim_v // 64):
-                for r in cutlass.range(first + t // 8, end, THREADS_PER_WG // 8, unroll=1):
-                    cute.autovec_copy(zero, sV_chunks[None, t % 8, r, c, kv.index])
+                for i in cutlass.range_constexpr(-(-self.page_box // rows_per_pass)):
+                    r = first + t // 8 + i * rows_per_pass
+                    if r < end:
+                        cute.autovec_copy(zero, sV_chunks[None, t % 8, r, c, kv.index])
             cute.arch.fence_view_async_shared()
             pipeline.NamedBarrier(
                 barrier_id=Bar.STALE + wg, num_threads=THREADS_PER_WG
