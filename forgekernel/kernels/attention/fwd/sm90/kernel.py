@@ -88,7 +88,7 @@ class Bar(IntEnum):
 
     EPILOGUE = FIRST_FREE  # every consumer thread, around O's staging in shared memory
     TURN = FIRST_FREE + 1  # TURN + wg (2, 3, 4): consumer warpgroup wg's turn to issue GEMMs
-    STALE = FIRST_FREE + 4  # STALE + wg (5, 6, 7), paged: warpgroup wg zeroed stale V rows
+    STALE = FIRST_FREE + 4  # paged: every consumer thread, after zeroing stale V rows
 
 
 # The first consumer warp issues the O store and waits for it.
@@ -668,9 +668,10 @@ class AttentionFwdSm90:
         """Zero V's rows past the sequence in the last page of key block n_block_max - 1 (at
         stage kv): that page's slots past seqlen_k hold whatever the cache held (NaN or inf
         would survive P = 0 in P V; their scores are masked). Boxes wholly past the sequence
-        came zero-filled. Each warpgroup zeroes them before its first P V of the block (the
-        same zeros twice), fenced for WGMMA's async proxy reads and the next TMA's writes:
-        at most page_box - 1 rows, a static number of predicated 16-byte stores a thread."""
+        came zero-filled. The consumer threads split the rows' 16-byte chunks (each chunk one
+        writer: no write race for racecheck to flag), fence them for WGMMA's async-proxy reads
+        and the next TMA's writes, and meet before any P V of the block: at most page_box - 1
+        rows, a static number of predicated stores a thread."""
         n = n_block_max - 1
         first = seqlen_k - n * self.tile_n
         box_end = (seqlen_k + self.page_box - 1) // self.page_box * self.page_box
@@ -683,16 +684,16 @@ class AttentionFwdSm90:
             t = cute.arch.thread_idx()[0] % THREADS_PER_WG
             zero = cute.make_rmem_tensor(4, Int32)
             zero.fill(0)
-            rows_per_pass = THREADS_PER_WG // 8
+            rows_per_wg = THREADS_PER_WG // 8
+            rows_per_pass = rows_per_wg * self.num_wg
+            row0 = first + wg * rows_per_wg + t // 8
             for c in cutlass.range_constexpr(self.head_dim_v // 64):
                 for i in cutlass.range_constexpr(-(-self.page_box // rows_per_pass)):
-                    r = first + t // 8 + i * rows_per_pass
+                    r = row0 + i * rows_per_pass
                     if r < end:
                         cute.autovec_copy(zero, sV_chunks[None, t % 8, r, c, kv.index])
             cute.arch.fence_view_async_shared()
-            pipeline.NamedBarrier(
-                barrier_id=Bar.STALE + wg, num_threads=THREADS_PER_WG
-            ).arrive_and_wait()
+            named_barrier(Bar.STALE, self.num_mma_threads).arrive_and_wait()
 
     @cute.jit
     def _mainloop(
