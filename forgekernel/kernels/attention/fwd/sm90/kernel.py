@@ -183,6 +183,12 @@ class AttentionFwdSm90:
             LayoutEnum.COL_MAJOR, (tm, dv, tn), dt, self.stages
         )
         self.sO_layout = sm90_utils.make_smem_layout_a(row, (tm, dv, dv), dt, 1)
+        if self.paged:  # `_v_chunks` addresses V's stages as 128-byte key rows: check it
+            lay = self.sV_layout.outer  # (Dv, tile_n, stages), elements, before the swizzle
+            next_key, next_stage = cute.crd2idx((0, 1, 0), lay), cute.crd2idx((0, 0, 1), lay)
+            next_block = cute.crd2idx((64, 0, 0), lay) if dv > 64 else 64 * tn
+            if (next_key, next_block, next_stage) != (64, 64 * tn, tn * dv):
+                raise ValueError(f"V's stages are not 128-byte key rows: {lay}")
 
     @cute.jit
     def __call__(
