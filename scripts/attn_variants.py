@@ -76,7 +76,7 @@ def main() -> None:
             except Exception as e:  # a config that does not build
                 errs[cfg.tag()] = f"build: {type(e).__name__}: {e}"[:200]
                 continue
-            args = (q, k, v, o, lse, None, None, scale * LOG2E, 0, 1, num_sms(q.device.index))
+            args = (q, k, v, o, lse, None, None, scale * LOG2E, 0, 1, num_sms(q.device.index), None)
             o.fill_(math.nan)
             fn(*args)
             torch.cuda.synchronize()

@@ -146,8 +146,9 @@ def cpu_kernel(monkeypatch):
     def get_kernel(spec, params):
         p = dict(params)
 
-        def fn(q, k, v, o, lse, cu_q, cu_k, scale_log2, max_q, qgroup, num_ctas):
+        def fn(q, k, v, o, lse, cu_q, cu_k, scale_log2, max_q, qgroup, num_ctas, page_table):
             assert all(tma_ready(t) for t in (q, k, v, o)) and lse.stride(-1) == 1
+            assert page_table is None and not p["page_box"]
             scale = scale_log2 / LOG2E
             if p["varlen"]:
                 assert qgroup == 1

@@ -263,10 +263,12 @@ def test_speculative_decoding(cpu_kernels, causal, q_lens, k_lens):
     assert params.get("qtokens", 1) == next(t for t in (2, 4) if t >= max(q_lens))
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_chunked_prefill_gathers_into_the_varlen_forward(monkeypatch, fp8):
-    """More than 4 query tokens: the pages gathered into packed K / V and the varlen forward
-    (here its reference, standing in for the GPU kernel)."""
+@pytest.mark.parametrize(("fp8", "page_size"), [(True, 16), (False, 1)])
+def test_chunked_prefill_gathers_into_the_varlen_forward(monkeypatch, fp8, page_size):
+    """More than 4 query tokens where the forward's paged mode does not reach (an FP8 cache,
+    pages of 1; the paged mode: tests/test_attention_paged_prefill.py): the pages gathered
+    into packed K / V and the varlen forward (here its reference, standing in for the GPU
+    kernel)."""
     from forgekernel.reference.attention import attention_varlen_ref
 
     def varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, return_lse, out):
@@ -277,7 +279,7 @@ def test_chunked_prefill_gathers_into_the_varlen_forward(monkeypatch, fp8):
     monkeypatch.setattr(op_module, "_attention_varlen", varlen)
     monkeypatch.setattr(op_module, "check_cuda", lambda name, t: None)
     q_lens, k_lens = [5, 0, 9, 1], [40, 0, 9, 70]
-    _, k, v, pt, seq = _problem(4, 8, 2, 64, 16, k_lens, fp8=fp8)
+    _, k, v, pt, seq = _problem(4, 8, 2, 64, page_size, k_lens, fp8=fp8)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     qq = torch.randn(int(cu[-1]), 8, 64, generator=torch.Generator().manual_seed(5))
     qq = qq.to(torch.bfloat16)

@@ -18,6 +18,7 @@ import types
 import pytest
 import torch
 from test_attention_paged import cpu_kernels  # noqa: F401  (the fixture, used by name)
+from test_attention_paged_prefill import cpu_paged_kernel  # noqa: F401  (the fixture)
 from test_paged_suite_fp8 import _DecodeWrapper
 
 from forgekernel.bench import check
@@ -65,7 +66,7 @@ def test_prefill_bench_cases_are_chunked_prefill_batches():
     for c in PREFILL:
         p = c.params
         q, kv = p["q_lens"], p["lens"]
-        assert max(q) > op_module.MAX_QUERY_TOKENS  # the gather + varlen path
+        assert max(q) > op_module.MAX_QUERY_TOKENS  # the forward's paged mode
         assert q.count(1) >= 3 and all(n >= s for n, s in zip(kv, q))  # decode rows beside
         chunks = [(s, n - s) for s, n in zip(q, kv) if s > 1]
         assert all(s <= 4096 and cached <= 16384 for s, cached in chunks)
@@ -107,6 +108,9 @@ def test_check_cases_cover_every_mode():
     assert any(s > n for s, n in rows)  # rows that see no key
     assert {c.params["scale"] for c in PACKED_CHECKS if "scale" in c.params} == set(paged.SCALES)
     assert paged.SPEC_CHECK_CASES[1] in SUITE.sanitize_cases
+    # the forward's paged mode under the sanitizers: D 128 / page 16, D 256 / page 32
+    sanitized = [c for c in SUITE.sanitize_cases if c in paged.PREFILL_CHECK_CASES]
+    assert {(c.params["d"], c.params["page"]) for c in sanitized} == {(128, 16), (256, 32)}
     assert SUITE.dtypes == (torch.bfloat16, torch.float16)
 
 
@@ -263,9 +267,9 @@ def _varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, r
 
 
 @pytest.fixture
-def cpu_paths(cpu_kernels, monkeypatch):  # noqa: F811  (the imported fixture)
+def cpu_paths(cpu_kernels, cpu_paged_kernel, monkeypatch):  # noqa: F811  (imported fixtures)
     monkeypatch.setattr(op_module, "_attention_varlen", _varlen_stand_in)
-    return cpu_kernels
+    return cpu_kernels, cpu_paged_kernel
 
 
 @pytest.mark.parametrize("case", [*PACKED_CHECKS, MINI_PREFILL], ids=lambda c: c.name)
@@ -273,10 +277,14 @@ def cpu_paths(cpu_kernels, monkeypatch):  # noqa: F811  (the imported fixture)
 def test_check_passes_on_the_cpu_paths(cpu_paths, case, dtype):
     rec = check.check_case(SUITE, case, dtype, CPU, seed=7)
     assert rec["passed"], rec["message"]
+    decode, prefill = cpu_paths
     spec = max(case.params["q_lens"]) <= op_module.MAX_QUERY_TOKENS
-    assert bool(cpu_paths) == spec  # the paged kernel's replay ran exactly for the spec cases
+    assert bool(decode) == spec  # the paged kernel's replay ran exactly for the spec cases
+    # the forward's paged mode for the 16-bit prefill cases (pages 16 / 32 / 64), the gather
+    # for the FP8 one at page 1
+    assert bool(prefill) == (not spec and "kv" not in case.params)
     if spec:
-        assert cpu_paths[-1][0].get("qtokens") == (2 if max(case.params["q_lens"]) <= 2 else 4)
+        assert decode[-1][0].get("qtokens") == (2 if max(case.params["q_lens"]) <= 2 else 4)
     for name, run in SUITE.variants_for(case).items():
         cmps = check.verify(SUITE, _inputs(case, dtype, seed=3), CPU, run=run)[1]
         assert all(c.ok for c in cmps), (name, [c.message for c in cmps])

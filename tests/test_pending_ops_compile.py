@@ -1,6 +1,6 @@
-"""torch.compile / tracing support of the FP8 GEMM, paged decode and GDN step ops, on the CPU
-with fake CUDA tensors: each custom op's fake implementation gives shapes, nothing runs, and
-make_fx records the op (the GDN step's state mutation too)."""
+"""torch.compile / tracing support of the FP8 GEMM, paged decode / prefill and GDN step ops, on
+the CPU with fake CUDA tensors: each custom op's fake implementation gives shapes, nothing runs,
+and make_fx records the op (the GDN step's state mutation too)."""
 
 from __future__ import annotations
 
@@ -54,6 +54,26 @@ def test_paged_decode_records_its_op():
         assert o.shape == (3, 8, 128) and lse.shape == (3, 8) and lse.dtype == torch.float32
     graph = _graph(lambda *x: paged.attention_paged(*x) + 1, _paged_inputs)
     assert "forgekernel.attention_paged_decode" in graph
+
+
+def _paged_prefill_inputs():
+    q, k, _, table, lens = _paged_inputs()
+    q = torch.empty(40, 8, 128, dtype=torch.bfloat16, **CUDA)
+    return q, k, k, table, lens, torch.tensor([0, 5, 5, 40], dtype=torch.int32, **CUDA)
+
+
+def test_paged_prefill_records_its_op():
+    """More than 4 query tokens on a 16-bit cache: the forward's paged mode, its own op."""
+
+    def f(q, k, v, table, lens, cu):
+        return paged.attention_paged(q, k, v, table, lens, cu_seqlens_q=cu, max_seqlen_q=35,
+                                     return_lse=True)  # fmt: skip
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        o, lse = f(*_paged_prefill_inputs())
+        assert o.shape == (40, 8, 128) and lse.shape == (8, 40) and lse.dtype == torch.float32
+    graph = _graph(lambda *x: f(*x)[0] + 1, _paged_prefill_inputs)
+    assert "forgekernel.attention_paged_prefill" in graph
 
 
 def test_gdn_step_records_its_op_and_the_state_mutation():

@@ -1,15 +1,21 @@
 """`forgekernel.ops.attention_paged.attention_paged`: attention over a paged KV cache (vLLM /
 FlashAttention layout), GQA decode and speculative decoding / MTP (up to 4 query tokens per
 sequence), 16-bit or FP8 (e4m3) caches, FlashInfer's CSR page lists (kernels:
-kernels/attention/paged/sm90). Chunked prefill (more than 4 query tokens per sequence) has no
-paged kernel yet: it gathers the sequences' pages into packed K / V (FP8 dequantized) and runs
-the varlen attention forward (`ops.attention_varlen`, GPU-checked): correct, paying one copy of
-the keys and values it reads."""
+kernels/attention/paged/sm90).
+
+Chunked prefill (more than 4 query tokens per sequence) runs the attention forward's paged mode
+(kernels/attention/fwd/sm90, page_box > 0): the pages are read in place, one TMA box per page
+of a key tile, for 16-bit caches whose page size the mode covers (a multiple of 8 rows that
+divides the key tile or that the tile divides: 8 to 128 and beyond, `launch.paged_box`). The
+rest, FP8 caches and pages of 1 (or of a size like 24), gather the sequences' pages into packed
+K / V (FP8 dequantized) and run the varlen forward (`ops.attention_varlen`): correct, paying
+one copy of the keys and values the batch's table spans."""
 
 from __future__ import annotations
 
 import torch
 
+from forgekernel.kernels.attention.fwd.sm90 import launch as fwd_sm90
 from forgekernel.kernels.attention.paged.sm90 import launch as paged_sm90
 from forgekernel.kernels.attention.paged.sm90.config import HEAD_DIMS
 from forgekernel.ops._dispatch import plain, tracing
@@ -27,7 +33,7 @@ from forgekernel.ops._validate import (
 from forgekernel.ops.attention_varlen import attention_varlen as _attention_varlen
 
 INDEX = (torch.int32,)
-MAX_QUERY_TOKENS = 4  # per sequence in the paged kernel; more: the gather + varlen path
+MAX_QUERY_TOKENS = 4  # per sequence in the decode kernel; more: the forward's paged mode
 CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 
 
@@ -168,6 +174,32 @@ def _(q, k_cache, v_cache, page_table, seqlens_k, softmax_scale, k_scale, v_scal
     return _outputs(q, cu_seqlens_q, None)
 
 
+@torch.library.custom_op("forgekernel::attention_paged_prefill", mutates_args=())
+def _prefill_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    softmax_scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_rows_in_place("k_cache", k_cache)
+    check_rows_in_place("v_cache", v_cache)
+    out, lse = _outputs(q, cu_seqlens_q, None)
+    fwd_sm90.attention_paged_fwd(q, k_cache, v_cache, out, lse, page_table, seqlens_k,
+                                 cu_seqlens_q, max_seqlen_q, softmax_scale, causal)  # fmt: skip
+    return out, lse
+
+
+@_prefill_op.register_fake
+def _(q, k_cache, v_cache, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, softmax_scale,
+      causal):  # fmt: skip
+    return _outputs(q, cu_seqlens_q, None)
+
+
 def _outputs(q, cu_seqlens_q, out):
     """(out, lse): lse (rows, Hq) for decode, (Hq, total_q) for the packed form (OPS.md)."""
     rows, hq, _ = q.shape
@@ -199,8 +231,8 @@ def attention_paged(
     length 0 gives 0 and -inf. Speculative decoding / MTP and chunked prefill: q (total_q, Hq,
     D) packed by cu_seqlens_q int32 (batch + 1,) with max_seqlen_q (a host int) at least the
     longest, each sequence's queries its last tokens (causal: bottom-right), out (total_q, Hq,
-    D), LSE (Hq, total_q); up to 4 query tokens per sequence run the paged kernel, more the
-    gather + varlen forward path (module docstring).
+    D), LSE (Hq, total_q); up to 4 query tokens per sequence run the decode kernel, more the
+    forward's paged mode (or the gather path: module docstring).
     GQA: query head h reads KV head h // (Hq / Hkv). An FP8 (e4m3) cache holds K / k_scale and
     V / v_scale: each scale a float (per tensor) or a float32 tensor (Hkv,) (per KV head)."""
     if (cu_seqlens_q is None) != (max_seqlen_q is None):
@@ -220,8 +252,12 @@ def attention_paged(
         vs = _scale_tensor("v_scale", v_scale, k.shape[2], q.device)
     mq = 1 if max_seqlen_q is None else int(max_seqlen_q)
     if mq > MAX_QUERY_TOKENS:
-        o, lse = _prefill_by_gather(q, k, v, page_table, seqlens_k, cu_seqlens_q, mq, causal,
-                                    scale, ks, vs, out)  # fmt: skip
+        if ks is None and fwd_sm90.paged_box(k.shape[1], d):
+            o, lse = _prefill(q, k, v, page_table, seqlens_k, cu_seqlens_q, mq, bool(causal),
+                              scale, out, traced)  # fmt: skip
+        else:
+            o, lse = _prefill_by_gather(q, k, v, page_table, seqlens_k, cu_seqlens_q, mq,
+                                        causal, scale, ks, vs, out)  # fmt: skip
         return (o, lse) if return_lse else o
     if traced:
         o, lse = torch.ops.forgekernel.attention_paged_decode(
@@ -241,11 +277,33 @@ def attention_paged(
     return (o, lse) if return_lse else o
 
 
+def _prefill(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, causal, scale, out,
+             traced):  # fmt: skip
+    """Chunked prefill on the forward's paged mode: the caches read in place (their rows
+    contiguous and 16-byte aligned, outer strides multiples of 8 elements)."""
+    if traced:
+        o, lse = torch.ops.forgekernel.attention_paged_prefill(
+            q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, scale, causal
+        )
+        if out is not None:
+            out.copy_(o)
+            o = out
+        return o, lse
+    check_rows_in_place("k_cache", k)  # (a data pointer: real tensors only)
+    check_rows_in_place("v_cache", v)
+    o, lse = _outputs(q, cu_seqlens_q, out)
+    fwd_sm90.attention_paged_fwd(q, k, v, o, lse, page_table, seqlens_k, cu_seqlens_q,
+                                 max_seqlen_q, scale, causal)  # fmt: skip
+    return o, lse
+
+
 def _prefill_by_gather(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, causal,
                        scale, ks, vs, out):  # fmt: skip
-    """Chunked prefill until its paged kernel exists: every sequence's keys and values
-    gathered from their pages into packed (total_k, Hkv, D) tensors (room for the page table's
-    full width per sequence: no device read), FP8 dequantized, then the varlen forward."""
+    """Chunked prefill where the paged mode does not reach (FP8 caches, pages of 1 or of a
+    size that neither divides the key tile nor is divided by it): every sequence's keys and
+    values gathered from their pages into packed (total_k, Hkv, D) tensors (room for the page
+    table's full width per sequence: no device read), FP8 dequantized, then the varlen
+    forward."""
     b, max_pages = page_table.shape
     page_size, hkv, d = k.shape[1], k.shape[2], k.shape[3]
     width = max_pages * page_size
@@ -264,6 +322,9 @@ def _prefill_by_gather(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_
             rows = (rows.float() * scale[:, None]).to(q.dtype)
         buf = torch.zeros(room + 1, hkv, d, dtype=q.dtype, device=q.device)
         buf[dst.flatten()] = rows.reshape(-1, hkv, d)
+        # the slots past the sequences landed in row `room`, which the last sequence's tail
+        # tile may read (masked): whatever they held, no NaN there may reach O through P = 0
+        buf[room] = 0
         return buf
 
     o_out = None if out is None else (out, q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32))

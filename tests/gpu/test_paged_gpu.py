@@ -1,7 +1,10 @@
 """Paged GQA decode on the GPU against the fp32 reference (issue 18): page sizes 1 / 16 / 64,
 GQA 1 / 4 / 8 / 3, head dims 64 / 128 / 256, empty and long sequences, the combined cache
 view, fp16 and bf16, NaN-poisoned outputs; FP8 (e4m3) caches over the same shapes, e4m3
-subnormals, speculative decoding."""
+subnormals, speculative decoding. Chunked prefill on the attention forward's paged mode: page
+sizes 8 to 256, D 64 / 128 / 256, GQA 1 / 3 / 4 / 8, odd lengths, sequences without queries or
+keys, more queries than keys, NaN in every cache slot no sequence owns and garbage table entries
+past each sequence's pages, the combined view, both dtypes and masks."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import importlib
 import pytest
 import torch
 
+from forgekernel.kernels.attention.fwd.sm90 import launch as fwd_launch
 from forgekernel.reference.paged_attention import paged_attention_ref
 
 pytestmark = pytest.mark.gpu
@@ -196,3 +200,95 @@ def test_paged_speculative_decoding(causal, q_lens, k_lens, hq, hkv, d):
     finite = torch.isfinite(want_lse)
     assert torch.equal(finite, torch.isfinite(lse))
     assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
+
+
+def _prefill_problem(hq, hkv, d, ps, q_lens, k_lens, dtype, combined, seed):
+    """NaN in every slot no sequence owns (pages of no sequence, the last page's slots past the
+    length); the table exactly as wide as the longest sequence, its entries past a sequence's
+    pages garbage (NaN pages, ids past the cache, -1); packed queries."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    b = len(k_lens)
+    width = max(1, max(-(-n // ps) for n in k_lens))
+    pages = b * width + 3
+    if combined:
+        k = torch.full((pages, 2, ps, hkv, d), float("nan"), device="cuda", dtype=dtype)
+        v, views = None, (k[:, 0], k[:, 1])
+    else:
+        k, v = (torch.full((pages, ps, hkv, d), float("nan"), device="cuda", dtype=dtype)
+                for _ in "kv")  # fmt: skip
+        views = (k, v)
+    perm = torch.randperm(pages, device="cuda", generator=g)[: b * width].view(b, width)
+    pick = torch.randint(0, 3, (b, width), device="cuda", generator=g)
+    table = torch.where(pick == 0, perm, torch.where(pick == 1, pages + 7, -1))
+    for s_, n in enumerate(k_lens):
+        owned = -(-n // ps)
+        table[s_, :owned] = perm[s_, :owned]
+        for i in range(owned):
+            rows = min(ps, n - i * ps)
+            for view in views:
+                view[perm[s_, i], :rows] = torch.randn(rows, hkv, d, device="cuda", dtype=dtype,
+                                                       generator=g)  # fmt: skip
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
+                      device="cuda")  # fmt: skip
+    q = torch.randn(int(cu[-1]), hq, d, device="cuda", dtype=dtype, generator=g)
+    seq = torch.tensor(k_lens, dtype=torch.int32, device="cuda")
+    return q, k, v, table.to(torch.int32), seq, cu
+
+
+PREFILL_CASES = [
+    # hq, hkv, d, page_size, q_lens, k_lens, combined
+    (32, 8, 128, 16, [5, 0, 130, 1, 7], [40, 9, 257, 300, 7], False),
+    (32, 8, 128, 64, [2048, 1, 1, 513], [16384, 4000, 77, 513], False),
+    (8, 8, 64, 32, [200, 17, 5, 300], [250, 17, 385, 1000], False),  # MHA, 192-row tiles
+    (16, 2, 256, 128, [70, 6, 129], [190, 6, 4096], False),  # 64-row boxes of 128-row pages
+    (12, 4, 128, 8, [12, 40, 100], [21, 40, 1001], True),  # GQA 3, page 8, combined view
+    (32, 8, 128, 256, [7, 140, 1000], [300, 140, 2000], False),  # 2 tiles a page
+    (32, 4, 64, 16, [40, 6, 9], [20, 3, 0], False),  # more queries than keys, no keys
+    (32, 8, 256, 16, [33, 600], [33, 601], False),
+    (64, 8, 128, 128, [4096, 1024] + [1] * 16, [4096, 17408] + [3000] * 16, True),
+]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "case", PREFILL_CASES, ids=lambda c: f"h{c[0]}_{c[1]}_d{c[2]}_p{c[3]}_q{max(c[4])}"
+)
+def test_paged_prefill_matches_the_reference(monkeypatch, case, dtype, causal):
+    hq, hkv, d, ps, q_lens, k_lens, combined = case
+    q, k, v, table, seq, cu = _prefill_problem(hq, hkv, d, ps, q_lens, k_lens, dtype, combined,
+                                               seed=len(q_lens) + ps)  # fmt: skip
+    looked_up = []
+    real = fwd_launch.get_kernel
+    monkeypatch.setattr(
+        fwd_launch,
+        "get_kernel",
+        lambda spec, params: looked_up.append(dict(params)) or real(spec, params),
+    )
+    out = torch.full_like(q, float("nan"))
+    _, lse = op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu, max_seqlen_q=max(q_lens),
+                                causal=causal, return_lse=True, out=out)  # fmt: skip
+    assert [p["page_box"] for p in looked_up] == [fwd_launch.paged_box(ps, d)]  # the paged mode
+    kk, vv = (k[:, 0], k[:, 1]) if combined else (k, v)
+    args = (q, kk, vv, table, seq)
+    want, want_lse = paged_attention_ref(*args, cu_seqlens_q=cu, causal=causal)
+    low, _ = paged_attention_ref(*args, cu_seqlens_q=cu, causal=causal, upcast=False)
+    bound = 2 * float((low.float() - want).abs().max()) + 1e-3
+    assert torch.isfinite(out).all()
+    assert float((out.float() - want).abs().max()) <= bound
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
+    assert not out[~finite.T].any()
+
+
+def test_paged_prefill_agrees_with_the_gather_path():
+    """The paged mode and the gather + varlen forward on one batch (a NaN-free cache: the
+    gather reads every slot of a page): the same attention, to rounding."""
+    q, k, v, table, seq, cu = _prefill_problem(32, 8, 128, 16, [300, 1, 77], [1000, 50, 77],
+                                               torch.bfloat16, False, seed=5)  # fmt: skip
+    k, v = k.nan_to_num(), v.nan_to_num()
+    got = op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu, max_seqlen_q=300)
+    ref, _ = op._prefill_by_gather(q, k, v, table.clamp(0, k.shape[0] - 1), seq, cu, 300, True,
+                                   128**-0.5, None, None, None)  # fmt: skip
+    assert float((got.float() - ref.float()).abs().max()) < 2e-2

@@ -9,8 +9,9 @@ included):
   tokens a sequence (speculative decoding / MTP verification: the paged kernel's packed form),
   and group "prefill", vLLM / SGLang chunked-prefill batches (chunks of 512-4096 new tokens over
   0-16k cached ones, one-token decode rows beside them, a sequence without new tokens):
-  more than 4 tokens route the whole batch through the page gather + varlen forward
-  (ops/attention_paged._prefill_by_gather).
+  more than 4 tokens route the whole batch to the attention forward's paged mode (16-bit
+  caches, pages of 8 rows or more: kernels/attention/fwd/sm90, page_box), else (FP8 caches,
+  page 1) through the page gather + varlen forward (ops/attention_paged._prefill_by_gather).
 
 FLOPs: 4 x Hq x D per visible (query, key) pair, query i of s_q seeing kv_len - s_q + i + 1
 keys (attention suite's `causal_pairs`; kv_len per decode row). GB/s: the K and V rows read once
@@ -57,6 +58,7 @@ import torch
 
 from forgekernel.bench.suite import Case, Inputs, OpSuite
 from forgekernel.bench.suites.attention import causal_pairs
+from forgekernel.kernels.attention.fwd.sm90 import SPEC as FWD_SPEC
 from forgekernel.kernels.attention.paged.sm90 import SPEC
 from forgekernel.reference.flashinfer_paged import page_table_to_csr
 
@@ -162,7 +164,8 @@ FP8_CHECK_CASES = (
 )
 # The packed form, small and odd: GQA 4 / 3 / 8 / 1 / 2, D 64 / 128 / 256, pages 1 / 16 / 32 / 64,
 # KV lengths off the tiles; sequences without queries, rows that see no key (2 queries over an
-# empty cache: O = 0, LSE = -inf), queries beyond the paged kernel's 4 (the gather + varlen path)
+# empty cache: O = 0, LSE = -inf), queries beyond the paged kernel's 4 (the forward's paged mode;
+# the gather + varlen path for the FP8 cache at page 1)
 # mixed with one-token rows, a fresh prompt (queries = keys), FP8 caches per head and per tensor.
 SPEC_CHECK_CASES = (
     _case(4, 8, 2, 64, 16, (40, 3, 700, 130), q_lens=(1, 3, 2, 4)),
@@ -187,8 +190,16 @@ CHECK_CASES = (
     *PREFILL_CHECK_CASES,
 )
 # every kernel variant under the sanitizers: the 16-bit partial at D 64 / 128 / 256, the FP8 one,
-# the packed one at 4 query tokens (page 1, a sequence without queries, rows that see no key)
-SANITIZE_CASES = (*CHECK_CASES[:3], FP8_CHECK_CASES[0], SPEC_CHECK_CASES[1])
+# the packed one at 4 query tokens (page 1, a sequence without queries, rows that see no key),
+# the forward's paged mode at D 128 / page 16 (a sequence without queries, a decode row, a
+# partial last page) and D 256 / page 32
+SANITIZE_CASES = (
+    *CHECK_CASES[:3],
+    FP8_CHECK_CASES[0],
+    SPEC_CHECK_CASES[1],
+    PREFILL_CHECK_CASES[0],
+    PREFILL_CHECK_CASES[2],
+)
 
 
 def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, gen: torch.Generator):
@@ -460,7 +471,8 @@ def nbytes(case: Case, dtype: torch.dtype) -> float:
 def suite() -> OpSuite:
     return OpSuite(
         name="attention_paged",
-        kernel_sources=SPEC.sources,
+        # the decode kernels, and the forward whose paged mode runs the prefill cases
+        kernel_sources=tuple(dict.fromkeys((*SPEC.sources, *FWD_SPEC.sources))),
         dtypes=(torch.bfloat16, torch.float16),
         check_cases=CHECK_CASES,
         bench_cases=BENCH_CASES,

@@ -2,14 +2,18 @@
 `kernel.py`.
 
 Compiled function, fixed length: fn(q, k, v, o, lse, None, None, softmax_scale_log2, 0,
-qgroup, num_ctas) with q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv),
+qgroup, num_ctas, None) with q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv),
 o (B, Sq, Hq, Dv) in bf16/fp16 (last dim contiguous), lse (B, Hq, Sq) fp32 contiguous,
 softmax_scale_log2 = softmax_scale * log2(e), qgroup the query rows per position (pack-GQA:
 G query heads of a kv head packed as rows s * G + g of one head; else 1), num_ctas the
 persistent grid (the SM count). Varlen (params varlen=True): fn(q, k, v, o, lse,
-cu_seqlens_q, cu_seqlens_k, softmax_scale_log2, max_seqlen_q, 1, num_ctas) with q (Tq, Hq, D),
-k (Tk, Hkv, D), v (Tk, Hkv, Dv), o (Tq, Hq, Dv), lse (Hq, Tq), int32 offsets (B + 1,). The
-stream is the TVM-FFI environment stream.
+cu_seqlens_q, cu_seqlens_k, softmax_scale_log2, max_seqlen_q, 1, num_ctas, None) with q
+(Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv), o (Tq, Hq, Dv), lse (Hq, Tq), int32 offsets
+(B + 1,). Paged (params page_box > 0): fn(q, k_cache, v_cache, o, lse, cu_seqlens_q,
+seqlens_k, softmax_scale_log2, max_seqlen_q, 1, num_ctas, page_table) with caches (pages,
+page_size, Hkv, D / Dv) (page_box = min(page_size, tile_n), page_size a multiple of tile_n
+when it is not below it: `config.page_box_for`), seqlens_k int32 (B,), page_table
+int32 (B, max_pages), the rest as varlen. The stream is the TVM-FFI environment stream.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from pathlib import Path
 from forgekernel.kernels.attention.fwd.sm90.config import (
     DTYPES,
     HEAD_DIMS,
+    PAGE_BOXES,
+    PAGED_HEAD_DIMS,
     AttnConfig,
     default_config,
     params_for,
@@ -33,12 +39,26 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    return [
+    dense = [
         params_for(dtype, d, dv, causal, varlen=varlen)
         for dtype in DTYPES
         for d, dv in HEAD_DIMS
         for causal in (False, True)
         for varlen in (False, True)
+    ]
+    return dense + _paged_params()
+
+
+def _paged_params() -> list[Params]:
+    """The paged op's prefill kernels: its head dims, both masks, a box per page size 8 to
+    128 (boxes up to the tile: a 128-row page under 64-key tiles loads as 64-row boxes)."""
+    return [
+        params_for(dtype, d, d, causal, varlen=True, page_box=box)
+        for dtype in DTYPES
+        for d in PAGED_HEAD_DIMS
+        for causal in (False, True)
+        for box in PAGE_BOXES
+        if box <= default_config(d, d).tile_n
     ]
 
 

@@ -1,10 +1,14 @@
-"""Compile the sm90 attention forward against fake tensors: batch, lengths, heads and every stride
-but the innermost are dynamic; dtype, head dims, causal, varlen and the tile config are baked in.
+"""Compile the sm90 attention forward against fake tensors: batch, lengths, heads, pages, the
+page size and every stride but the innermost are dynamic; dtype, head dims, causal, varlen,
+the page box and the tile config are baked in.
 
-Fixed length: fn(q, k, v, o, lse, None, None, scale_log2, 0, qgroup, num_ctas) with q
+Fixed length: fn(q, k, v, o, lse, None, None, scale_log2, 0, qgroup, num_ctas, None) with q
 (B, Sq, Hq, D), lse (B, Hq, Sq). Varlen: fn(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
-scale_log2, max_seqlen_q, 1, num_ctas) with q (Tq, Hq, D), lse (Hq, Tq), offsets int32
-(B + 1,)."""
+scale_log2, max_seqlen_q, 1, num_ctas, None) with q (Tq, Hq, D), lse (Hq, Tq), offsets int32
+(B + 1,). Paged: fn(q, k_cache, v_cache, o, lse, cu_seqlens_q, seqlens_k, scale_log2,
+max_seqlen_q, 1, num_ctas, page_table) with caches (pages, page_size, Hkv, D) (any outer
+strides: a combined cache's halves), seqlens_k int32 (B,), page_table int32 (B, max_pages)
+(any row stride)."""
 
 from __future__ import annotations
 
@@ -20,8 +24,20 @@ def compile_attention_fwd(params: dict, arch: str = "sm_90a", extra_options: str
     dtype = fake.dtype_of(params["dtype"])
     d, dv = params["head_dim"], params["head_dim_v"]
     varlen = bool(params.get("varlen", False))
+    page_box = int(params.get("page_box", 0))
     hq, hkv = cute.sym_int32(), cute.sym_int32()
-    if varlen:
+    page_table = None
+    if page_box:
+        tq, pages, page_size = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+        q, o = fake.rowmajor(dtype, (tq, hq, d)), fake.rowmajor(dtype, (tq, hq, dv))
+        k = fake.rowmajor(dtype, (pages, page_size, hkv, d))
+        v = fake.rowmajor(dtype, (pages, page_size, hkv, dv))
+        lse = fake.rowmajor(cutlass.Float32, (hq, tq), divisibility=1, align=None)
+        cu_q, cu_k = fake.offsets(), fake.offsets()  # cu_k: the key lengths (B,)
+        page_table = fake.rowmajor(
+            cutlass.Int32, (cute.sym_int32(), cute.sym_int32()), divisibility=1, align=4
+        )
+    elif varlen:
         tq, tk = cute.sym_int32(), cute.sym_int32()
         q, o = fake.rowmajor(dtype, (tq, hq, d)), fake.rowmajor(dtype, (tq, hq, dv))
         k, v = fake.rowmajor(dtype, (tk, hkv, d)), fake.rowmajor(dtype, (tk, hkv, dv))
@@ -34,8 +50,9 @@ def compile_attention_fwd(params: dict, arch: str = "sm_90a", extra_options: str
         lse = fake.rowmajor(cutlass.Float32, (b, hq, sq), divisibility=1, align=None)
         cu_q = cu_k = None
     kernel = AttentionFwdSm90(
-        d, dv, causal=params["causal"], config=AttnConfig.from_params(params), varlen=varlen
-    )
+        d, dv, causal=params["causal"], config=AttnConfig.from_params(params), varlen=varlen,
+        page_box=page_box,
+    )  # fmt: skip
     return cute.compile(
         kernel,
         q,
@@ -49,6 +66,7 @@ def compile_attention_fwd(params: dict, arch: str = "sm_90a", extra_options: str
         cutlass.Int32(0),
         cutlass.Int32(1),
         cutlass.Int32(1),
+        page_table,
         fake.stream(),
         options=fake.options(arch, extra_options),
     )

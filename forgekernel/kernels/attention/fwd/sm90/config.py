@@ -77,6 +77,22 @@ _DEFAULTS = {
 }
 
 
+# Head dims of the paged mode (the paged op's) and the page boxes built ahead of time: pages
+# of 8 to 128 rows (a page longer than the tile: boxes of tile_n rows).
+PAGED_HEAD_DIMS = (64, 128, 256)
+PAGE_BOXES = (8, 16, 32, 64, 128)
+
+
+def page_box_for(page_size: int, tile_n: int) -> int:
+    """The TMA box rows for a paged cache of `page_size` rows under key tiles of `tile_n`: the
+    page (it divides the tile) or the tile (it divides the page); 0 where neither holds or
+    the page is shorter than a swizzle atom's 8 rows (those caches are gathered instead)."""
+    box = min(page_size, tile_n)
+    if box % 8 or tile_n % box or page_size % box:
+        return 0
+    return box
+
+
 def default_config(head_dim: int, head_dim_v: int) -> AttnConfig:
     """The analytical default for a head-dim pair (no tuning at call time)."""
     try:
@@ -94,15 +110,19 @@ def params_for(
     causal: bool,
     cfg: AttnConfig | None = None,
     varlen: bool = False,
+    page_box: int = 0,
 ) -> tuple:
-    """The compile key's baked-in part, as a sorted tuple of (name, value)."""
+    """The compile key's baked-in part, as a sorted tuple of (name, value). page_box > 0: K
+    and V from a paged cache, one TMA box of page_box rows per page of a tile (varlen
+    queries; `page_box_for`)."""
     cfg = cfg or default_config(head_dim, head_dim_v)
     key = {
         "dtype": dtype,
         "head_dim": head_dim,
         "head_dim_v": head_dim_v,
         "causal": bool(causal),
-        "varlen": bool(varlen),
+        "varlen": bool(varlen) or page_box > 0,
+        "page_box": int(page_box),
         **asdict(cfg),
     }
     return tuple(sorted(key.items()))

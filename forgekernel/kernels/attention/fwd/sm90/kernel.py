@@ -3,12 +3,17 @@
 Persistent: one CTA per SM walks the tiles (a block of tile_m query rows of one query head and
 batch) in the toolkit's longest-first order (`scheduler.longest_first`); fixed length or
 varlen (packed sequences, offsets from cu_seqlens, each sequence its own causal alignment and
-key bound).
+key bound), or paged (varlen queries; keys and values in a paged cache, each sequence's pages
+listed by its page-table row, its length from seqlens_k).
 
 Warp roles (one CTA = 1 + tile_m / 64 warpgroups):
 - producer, warp 0 of warpgroup 0 (setmaxnreg down; warps 1-3 exit at once). Per tile: the
   last key block's K and V, then the Q tile, then K and V of the other key blocks, last to
-  first. Blocks entirely above the causal diagonal are never loaded.
+  first. Blocks entirely above the causal diagonal are never loaded. Paged: a K or V tile is
+  tile_n / page_box TMA boxes of (page_box, D), one per page (page_box = min(page size,
+  tile_n)), all on the tile's mbarrier; lane j of the producer warp reads box j's page id
+  from the page table before the wait for a free stage; boxes past the sequence (or its
+  table) get page -1, which TMA zero-fills while counting the box's bytes.
 - consumer warpgroups (setmaxnreg up), 64 query rows each. Key block n_max - 1: S = Q K^T,
   mask, online softmax (fp32, exp2; P stays in the S registers). Each later block: issue
   S_j = Q K_j^T (both operands in shared memory) and O += P V_prev (P from registers as the
@@ -36,6 +41,9 @@ o (B, Sq, Hq, Dv), lse (B, Hq, Sq) fp32; varlen q (Tq, Hq, D) ... lse (Hq, Tq). 
 bottom-right aligned (query i sees key j iff j <= i + Sk - Sq); rows that see no key get
 O = 0 and LSE = -inf. Ragged edges: TMA zero-fills loads (or reads the next sequence's rows,
 masked) and clips the O store; score columns >= Sk are masked to -inf before the softmax.
+Paged: the last page's slots past the sequence hold whatever the cache held; their scores are
+masked and their V rows zeroed in shared memory by the consumers (`_clear_stale_v`), so that
+no NaN or inf there reaches O through P = 0.
 Measured variants that left the kernel: docs/attention/NOTES.md ("Measured and dropped").
 """
 
@@ -80,6 +88,7 @@ class Bar(IntEnum):
 
     EPILOGUE = FIRST_FREE  # every consumer thread, around O's staging in shared memory
     TURN = FIRST_FREE + 1  # TURN + wg (2, 3, 4): consumer warpgroup wg's turn to issue GEMMs
+    STALE = FIRST_FREE + 4  # paged: every consumer thread, after zeroing stale V rows
 
 
 # The first consumer warp issues the O store and waits for it.
@@ -96,6 +105,7 @@ class AttentionFwdSm90:
         causal: bool,
         config: AttnConfig,
         varlen: bool = False,
+        page_box: int = 0,
     ):
         if config.tile_m not in (128, 192):
             raise ValueError(
@@ -108,6 +118,11 @@ class AttentionFwdSm90:
                 raise ValueError(f"{name} must be a multiple of 32 in [64, 256], got {d}")
         if config.stages < 1:
             raise ValueError(f"stages must be >= 1, got {config.stages}")
+        if page_box and (not varlen or page_box % 8 or config.tile_n % page_box):
+            raise ValueError(
+                f"page_box must be a multiple of 8 dividing tile_n ({config.tile_n}), with "
+                f"varlen queries; got {page_box}"
+            )
         need = smem_bytes(config, head_dim, head_dim_v)
         if need > SMEM_CAPACITY:
             raise ValueError(f"{config} needs {need} B of shared memory, > {SMEM_CAPACITY}")
@@ -115,6 +130,10 @@ class AttentionFwdSm90:
         self.head_dim_v = head_dim_v
         self.causal = causal
         self.varlen = varlen
+        # Paged K / V: one TMA box of page_box rows (the page, or the tile's share of a page
+        # longer than the tile) per page of a K or V tile.
+        self.page_box = page_box
+        self.paged = page_box > 0
         self.tile_m = config.tile_m
         self.tile_n = config.tile_n
         self.stages = config.stages
@@ -134,8 +153,9 @@ class AttentionFwdSm90:
         self.late_rescale = config.late_rescale and not self.pingpong
         # K + V bytes of one key row (16-bit elements) decide the tile order's L2 sections.
         self.scheduler = LongestFirst(
-            self.tile_m, causal, varlen, kv_row_bytes=(head_dim + head_dim_v) * 2
-        )
+            self.tile_m, causal, varlen, kv_row_bytes=(head_dim + head_dim_v) * 2,
+            paged=self.paged,
+        )  # fmt: skip
 
     # ---------------------------------------------------------------- host-side setup
     def _setup(self):
@@ -163,6 +183,12 @@ class AttentionFwdSm90:
             LayoutEnum.COL_MAJOR, (tm, dv, tn), dt, self.stages
         )
         self.sO_layout = sm90_utils.make_smem_layout_a(row, (tm, dv, dv), dt, 1)
+        if self.paged:  # `_v_chunks` addresses V's stages as 128-byte key rows: check it
+            lay = self.sV_layout.outer  # (Dv, tile_n, stages), elements, before the swizzle
+            next_key, next_stage = cute.crd2idx((0, 1, 0), lay), cute.crd2idx((0, 0, 1), lay)
+            next_block = cute.crd2idx((64, 0, 0), lay) if dv > 64 else 64 * tn
+            if (next_key, next_block, next_stage) != (64, 64 * tn, tn * dv):
+                raise ValueError(f"V's stages are not 128-byte key rows: {lay}")
 
     @cute.jit
     def __call__(
@@ -178,12 +204,17 @@ class AttentionFwdSm90:
         max_seqlen_q: Int32,
         qgroup: Int32,
         num_ctas: Int32,
+        mPageTable: cute.Tensor | None,
         stream: cuda.CUstream,
     ):
         """Fixed length: mQ (B, Sq, Hq, D), mK (B, Sk, Hkv, D), mV (B, Sk, Hkv, Dv),
         mO (B, Sq, Hq, Dv), mLSE (B, Hq, Sq) fp32; mCuQ, mCuK None. Varlen: mQ (Tq, Hq, D),
         mK (Tk, Hkv, D), mV (Tk, Hkv, Dv), mO (Tq, Hq, Dv), mLSE (Hq, Tq), mCuQ / mCuK int32
-        (B + 1,) offsets, max_seqlen_q the longest query sequence. qgroup: query rows per query
+        (B + 1,) offsets, max_seqlen_q the longest query sequence. Paged (page_box > 0): as
+        varlen, but mK / mV are caches (pages, page_size, Hkv, D / Dv), mCuK the int32 key
+        lengths (B,) and mPageTable int32 (B, max_pages) (None otherwise); page_box =
+        min(page_size, tile_n), page_size a multiple of tile_n when it is not below it (the
+        page size itself is dynamic). qgroup: query rows per query
         position (pack-GQA: the caller packs G query heads of one kv head as rows s * G + g of
         one head, so row r is query r // G for the causal mask; 1 otherwise). num_ctas: CTAs
         to launch (at most one per SM: the kernel is persistent)."""
@@ -197,8 +228,14 @@ class AttentionFwdSm90:
 
         # Everything as (S, D, H, B): TMA boxes over (S, D), coordinates for head and batch.
         # Varlen tensors get a unit batch mode; each sequence is a row offset into them.
-        if const_expr(self.varlen):
+        # Paged caches (pages, page_size, Hkv, D) become (page_size, D, Hkv, pages): a page is
+        # a batch of the fixed-length view.
+        if const_expr(self.paged):
+            mQ, mO = packed_as_sdhb(mQ), packed_as_sdhb(mO)
+            mK, mV = select(mK, [1, 3, 2, 0]), select(mV, [1, 3, 2, 0])
+        elif const_expr(self.varlen):
             mQ, mK, mV, mO = (packed_as_sdhb(t) for t in (mQ, mK, mV, mO))
+        if const_expr(self.varlen):
             mLSE = cute.make_tensor(
                 mLSE.iterator,
                 cute.make_layout(
@@ -220,10 +257,22 @@ class AttentionFwdSm90:
         sV_tile = cute.slice_(self.sV_layout, (None, None, 0))
         sO_tile = cute.slice_(self.sO_layout, (None, None, 0))
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_tile, (self.tile_m, self.head_dim))
-        tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, sK_tile, (self.tile_n, self.head_dim))
-        tma_v, tma_mV = cpasync.make_tiled_tma_atom(
-            g2s, mVt, sV_tile, (self.head_dim_v, self.tile_n)
-        )
+        if const_expr(self.paged):
+            # One box: page_box rows of the tile (K), of the tile's columns (V^T).
+            k_box, v_box = (self.page_box, self.head_dim), (self.head_dim_v, self.page_box)
+            tma_k, tma_mK = cpasync.make_tiled_tma_atom(
+                g2s, mK, cute.slice_(cute.zipped_divide(sK_tile, k_box), ((None, None), 0)), k_box
+            )
+            tma_v, tma_mV = cpasync.make_tiled_tma_atom(
+                g2s, mVt, cute.slice_(cute.zipped_divide(sV_tile, v_box), ((None, None), 0)), v_box
+            )
+        else:
+            tma_k, tma_mK = cpasync.make_tiled_tma_atom(
+                g2s, mK, sK_tile, (self.tile_n, self.head_dim)
+            )
+            tma_v, tma_mV = cpasync.make_tiled_tma_atom(
+                g2s, mVt, sV_tile, (self.head_dim_v, self.tile_n)
+            )
         tma_o, tma_mO = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO, sO_tile, (self.tile_m, self.head_dim_v)
         )
@@ -276,6 +325,7 @@ class AttentionFwdSm90:
             self.sK_layout,
             self.sV_layout,
             self.sO_layout,
+            mPageTable,
         ).launch(
             grid=(cutlass.max(cutlass.min(num_ctas, num_tiles), 1), 1, 1),
             block=[self.threads_per_cta, 1, 1],
@@ -309,6 +359,7 @@ class AttentionFwdSm90:
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
         sO_layout: cute.ComposedLayout,
+        mPageTable: cute.Tensor | None,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -341,14 +392,17 @@ class AttentionFwdSm90:
             if warp_idx == 0:
                 self._produce(
                     tma_q, tma_k, tma_v, mQ, mK, mVt, sQ, sK, sV, q_pipe, k_pipe, v_pipe, grid,
-                    num_tiles, qgroup,
+                    num_tiles, qgroup, mPageTable,
                 )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
+            sV_chunks = None
+            if const_expr(self.paged):
+                sV_chunks = self._v_chunks(storage.sV.data_ptr())
             self._consume(
                 tidx - THREADS_PER_WG, wg_idx - 1, warp_idx, mma_qk, mma_pv, sQ, sK, sV, sO,
                 q_pipe, k_pipe, v_pipe, tma_o, mO_tma, mO, mLSE, scale_log2, grid, num_tiles,
-                qgroup,
+                qgroup, sV_chunks,
             )  # fmt: skip
 
     # ---------------------------------------------------------------- tiles
@@ -386,18 +440,19 @@ class AttentionFwdSm90:
     @cute.jit
     def _produce(
         self, tma_q, tma_k, tma_v, mQ, mK, mVt, sQ, sK, sV, q_pipe, k_pipe, v_pipe, grid,
-        num_tiles, qgroup,
+        num_tiles, qgroup, mPageTable,
     ):  # fmt: skip
         """Warp 0: per tile, the last key block's K and V, then Q (its buffer frees when the
-        consumers finish the previous tile), then the other key blocks last to first."""
+        consumers finish the previous tile), then the other key blocks last to first. Paged:
+        each K / V tile is tile_n / page_box boxes, one per page (`_page_boxes`)."""
         one = cute.make_layout(1)
         q_state = producer_state(1)
         kv = producer_state(self.stages)
         t = cute.arch.block_idx()[0]
         step = cute.arch.grid_dim()[0]
         while t < num_tiles:
-            valid, m_block, head, batch, q_off, k_off, seqlen_q, seqlen_k = self.scheduler.tile(
-                t, grid
+            valid, m_block, head, batch, q_off, k_off, seqlen_q, seqlen_k, seq = (
+                self.scheduler.tile(t, grid)
             )
             if valid:
                 head_kv = head // (mQ.shape[2] // mK.shape[2])
@@ -405,35 +460,59 @@ class AttentionFwdSm90:
                     m_block * self.tile_m, (seqlen_q, qgroup), seqlen_k
                 )
                 gQ = self._views(mQ, head, batch, q_off, (self.tile_m, self.head_dim), (None, 0))
-                gK = self._views(mK, head_kv, batch, k_off, (self.tile_n, self.head_dim), (None, 0))
-                gV = self._views(
-                    mVt, head_kv, batch, k_off, (self.head_dim_v, self.tile_n), (0, None), 1
-                )
+                if const_expr(self.paged):
+                    # Boxes: (page_box, D) of a page of this kv head: (row box, page) coordinates;
+                    # (page_box, D) of the tile's stages: (box, stage).
+                    k_box, v_box = (self.page_box, self.head_dim), (self.head_dim_v, self.page_box)
+                    gK = cute.local_tile(mK[None, None, head_kv, None], k_box, (None, 0, None))
+                    gV = cute.local_tile(mVt[None, None, head_kv, None], v_box, (0, None, None))
+                    sK_ = cute.local_tile(sK, k_box, (None, 0, None))
+                    sV_ = cute.local_tile(sV, v_box, (0, None, None))
+                else:
+                    gK = self._views(
+                        mK, head_kv, batch, k_off, (self.tile_n, self.head_dim), (None, 0)
+                    )
+                    gV = self._views(
+                        mVt, head_kv, batch, k_off, (self.head_dim_v, self.tile_n), (0, None), 1
+                    )
+                    sK_, sV_ = sK, sV
                 tQsQ, tQgQ = cpasync.tma_partition(
                     tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
                 )
                 tKsK, tKgK = cpasync.tma_partition(
-                    tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+                    tma_k, 0, one, cute.group_modes(sK_, 0, 2), cute.group_modes(gK, 0, 2)
                 )
                 tVsV, tVgV = cpasync.tma_partition(
-                    tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+                    tma_v, 0, one, cute.group_modes(sV_, 0, 2), cute.group_modes(gV, 0, 2)
                 )
                 for i in cutlass.range(n_block_max, unroll=1):
                     n = n_block_max - 1 - i
-                    k_pipe.producer_acquire(kv)
-                    cute.copy(
-                        tma_k,
-                        tKgK[(None, n)],
-                        tKsK[(None, kv.index)],
-                        tma_bar_ptr=k_pipe.producer_get_barrier(kv),
-                    )
-                    v_pipe.producer_acquire(kv)
-                    cute.copy(
-                        tma_v,
-                        tVgV[(None, n)],
-                        tVsV[(None, kv.index)],
-                        tma_bar_ptr=v_pipe.producer_get_barrier(kv),
-                    )
+                    if const_expr(self.paged):
+                        # Before the wait for a free stage: the page-table read lands under it.
+                        page, box = self._page_of_lane(mPageTable, mK.shape[0], seq, n, seqlen_k)
+                        k_pipe.producer_acquire(kv)
+                        self._page_boxes(
+                            tma_k, tKgK, tKsK, kv.index, page, box, k_pipe.producer_get_barrier(kv)
+                        )
+                        v_pipe.producer_acquire(kv)
+                        self._page_boxes(
+                            tma_v, tVgV, tVsV, kv.index, page, box, v_pipe.producer_get_barrier(kv)
+                        )
+                    else:
+                        k_pipe.producer_acquire(kv)
+                        cute.copy(
+                            tma_k,
+                            tKgK[(None, n)],
+                            tKsK[(None, kv.index)],
+                            tma_bar_ptr=k_pipe.producer_get_barrier(kv),
+                        )
+                        v_pipe.producer_acquire(kv)
+                        cute.copy(
+                            tma_v,
+                            tVgV[(None, n)],
+                            tVsV[(None, kv.index)],
+                            tma_bar_ptr=v_pipe.producer_get_barrier(kv),
+                        )
                     kv.advance()
                     if i == 0:
                         # Q after the first K and V: they may land while the consumers finish
@@ -444,6 +523,42 @@ class AttentionFwdSm90:
                     self._load_q(tma_q, tQgQ, tQsQ, q_pipe, q_state, m_block)
                     q_state.advance()
             t += step
+
+    @cute.jit
+    def _page_of_lane(self, mPageTable, page_size, seq, n, seqlen_k):
+        """(page, box) of key block n. Several boxes a tile (page_box < tile_n: the page is
+        the box): lane j < tile_n / page_box holds the page of box j, page_table[seq, n *
+        tile_n / page_box + j] (-1 past the sequence's last key: TMA zero-fills the box and
+        still counts its bytes), box 0. One box a tile (page_box = tile_n divides the page):
+        every lane holds the page and the tile's row box within it. A length past the table's
+        width reads no entry past it (-1: zeros); a page id past the cache, none of the cache
+        (TMA bounds every box by the cache's extent: zeros)."""
+        if const_expr(self.page_box < self.tile_n):
+            lane = cute.arch.lane_idx()
+            col = n * (self.tile_n // self.page_box) + lane
+            page = Int32(-1)
+            in_table = col < mPageTable.shape[1]
+            if lane < self.tile_n // self.page_box and col * self.page_box < seqlen_k and in_table:
+                page = mPageTable[seq, col]
+            return page, Int32(0)
+        key = n * self.tile_n
+        col = key // page_size
+        page = Int32(-1)
+        if col < mPageTable.shape[1]:
+            page = mPageTable[seq, col]
+        return page, (key - col * page_size) // self.tile_n
+
+    @cute.jit
+    def _page_boxes(self, tma, tXgX, tXsX, stage, page, box, bar):
+        """The tile_n / page_box boxes of one K or V tile into `stage`, all on barrier `bar`
+        (which expects the whole tile's bytes): box j from lane j's page."""
+        if const_expr(self.page_box < self.tile_n):
+            # A loop, not unrolled: one page id live at a time in the producer's 24 registers.
+            for j in cutlass.range(self.tile_n // self.page_box, unroll=1):
+                page_j = cute.arch.make_warp_uniform(cute.arch.shuffle_sync(page, j))
+                cute.copy(tma, tXgX[(None, 0, page_j)], tXsX[(None, j, stage)], tma_bar_ptr=bar)
+        else:
+            cute.copy(tma, tXgX[(None, box, page)], tXsX[(None, 0, stage)], tma_bar_ptr=bar)
 
     @cute.jit
     def _load_q(self, tma_q, tQgQ, tQsQ, q_pipe, q_state, m_block):
@@ -459,10 +574,11 @@ class AttentionFwdSm90:
     @cute.jit
     def _consume(
         self, tidx, wg, warp_idx, mma_qk, mma_pv, sQ, sK, sV, sO, q_pipe, k_pipe, v_pipe,
-        tma_o, mO_tma, mO, mLSE, scale_log2, grid, num_tiles, qgroup,
+        tma_o, mO_tma, mO, mLSE, scale_log2, grid, num_tiles, qgroup, sV_chunks,
     ):  # fmt: skip
         """Consumer warpgroup `wg` (rows 64 wg .. 64 wg + 63 of each tile); tidx counts the
-        consumer threads from 0."""
+        consumer threads from 0. sV_chunks: paged, V's stages as 16-byte chunks
+        (`_v_chunks`); else None."""
         # Operand fragments come from the warpgroup's slice (WGMMA descriptors), coordinates
         # from the thread's own slice.
         wg_qk = mma_qk.get_slice(wg * THREADS_PER_WG)
@@ -504,12 +620,14 @@ class AttentionFwdSm90:
         t = cute.arch.block_idx()[0]
         step = cute.arch.grid_dim()[0]
         while t < num_tiles:
-            valid, m_block, head, batch, q_off, k_off, seqlen_q, seqlen_k = self.scheduler.tile(
+            valid, m_block, head, batch, q_off, k_off, seqlen_q, seqlen_k, _ = self.scheduler.tile(
                 t, grid
             )
             if valid:
                 m0 = m_block * self.tile_m
                 n_block_max, n_unmasked = self._key_blocks(m0, (seqlen_q, qgroup), seqlen_k)
+                if const_expr(self.paged):
+                    self._clear_stale_v(sV_chunks, v_pipe, kv, n_block_max, seqlen_k, wg)
                 row_max.fill(-Float32.inf)
                 row_sum.fill(0.0)
                 acc_O.fill(0.0)
@@ -536,6 +654,52 @@ class AttentionFwdSm90:
         if warp_idx == STORER_WARP:
             # The CTA may not exit (freeing sO) before the last store has read it.
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    def _v_chunks(self, base) -> cute.Tensor:
+        """V's stages as 16-byte chunks of 4 words, 8 chunks per 128-byte row (64 columns of
+        V^T: 64 dims of one key): (word, chunk, key, dim block, stage). The swizzle permutes
+        the chunks of one 128-byte row among themselves, so a key's whole row is the same
+        bytes either way."""
+        tn, blocks = self.tile_n, self.head_dim_v // 64
+        return cute.make_tensor(
+            cute.recast_ptr(base, dtype=Int32),
+            cute.make_layout(
+                (4, 8, tn, blocks, self.stages),
+                stride=(1, 4, 32, 32 * tn, 32 * tn * blocks),
+            ),
+        )
+
+    @cute.jit
+    def _clear_stale_v(self, sV_chunks, v_pipe, kv, n_block_max, seqlen_k, wg):
+        """Zero V's rows past the sequence in the last page of key block n_block_max - 1 (at
+        stage kv): that page's slots past seqlen_k hold whatever the cache held (NaN or inf
+        would survive P = 0 in P V; their scores are masked). Boxes wholly past the sequence
+        came zero-filled. The consumer threads split the rows' 16-byte chunks (each chunk one
+        writer: no write race for racecheck to flag), fence them for WGMMA's async-proxy reads
+        and the next TMA's writes, and meet before any P V of the block: at most page_box - 1
+        rows, a static number of predicated stores a thread."""
+        n = n_block_max - 1
+        first = seqlen_k - n * self.tile_n
+        box_end = (seqlen_k + self.page_box - 1) // self.page_box * self.page_box
+        end = cutlass.min(box_end - n * self.tile_n, self.tile_n)
+        if n_block_max > 0 and first < end:
+            v_pipe.consumer_wait(kv)
+            # The thread index read here, not the consumers' tidx: with that one, ptxas moved
+            # D 256's causal kernel off the uniform datapath (every producer TMA in a per-lane
+            # loop, 8 bytes spilled); this form compiles as the others do.
+            t = cute.arch.thread_idx()[0] % THREADS_PER_WG
+            zero = cute.make_rmem_tensor(4, Int32)
+            zero.fill(0)
+            rows_per_wg = THREADS_PER_WG // 8
+            rows_per_pass = rows_per_wg * self.num_wg
+            row0 = first + wg * rows_per_wg + t // 8
+            for c in cutlass.range_constexpr(self.head_dim_v // 64):
+                for i in cutlass.range_constexpr(-(-self.page_box // rows_per_pass)):
+                    r = row0 + i * rows_per_pass
+                    if r < end:
+                        cute.autovec_copy(zero, sV_chunks[None, t % 8, r, c, kv.index])
+            cute.arch.fence_view_async_shared()
+            named_barrier(Bar.STALE, self.num_mma_threads).arrive_and_wait()
 
     @cute.jit
     def _mainloop(

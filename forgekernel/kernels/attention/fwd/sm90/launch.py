@@ -1,7 +1,8 @@
 """Host launcher of the sm90 attention forward: torch only (no DSL), the kernel through the
-compile cache. Callers validate first (`forgekernel.attention` / `attention_varlen`); the
-launcher skips empty problems, makes the tensors TMA-ready, packs short GQA queries and calls
-the compiled function in its argument order (see the leaf's `__init__`)."""
+compile cache. Callers validate first (`forgekernel.attention` / `attention_varlen` /
+`attention_paged`); the launcher skips empty problems, makes the tensors TMA-ready, packs short
+GQA queries and calls the compiled function in its argument order (see the leaf's
+`__init__`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import functools
 import torch
 
 from forgekernel.kernels.attention.fwd.sm90 import SPEC
-from forgekernel.kernels.attention.fwd.sm90.config import params_for
+from forgekernel.kernels.attention.fwd.sm90.config import default_config, page_box_for, params_for
 from forgekernel.kernels.common.sm90.constants import LOG2E
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import (
@@ -45,10 +46,19 @@ def unpack_gqa(o: torch.Tensor, lse: torch.Tensor, group: int) -> tuple[torch.Te
 
 
 @functools.cache
-def _params(dtype: torch.dtype, head_dim: int, head_dim_v: int, causal: bool, varlen: bool):
+def _params(
+    dtype: torch.dtype, head_dim: int, head_dim_v: int, causal: bool, varlen: bool, box: int = 0
+):
     """The compile params of the head dims' analytical default, once per key (params_for's
     dataclass walk cost 4.4 us per call on the CPU)."""
-    return params_for(dtype_name(dtype), head_dim, head_dim_v, causal, varlen=varlen)
+    return params_for(dtype_name(dtype), head_dim, head_dim_v, causal, varlen=varlen, page_box=box)
+
+
+@functools.cache
+def paged_box(page_size: int, head_dim: int) -> int:
+    """The TMA box rows the paged mode loads a cache of `page_size` rows with, under the head
+    dim's key tiles; 0: not a paged-kernel page size (config.page_box_for)."""
+    return page_box_for(page_size, default_config(head_dim, head_dim).tile_n)
 
 
 def _no_keys(o: torch.Tensor, lse: torch.Tensor) -> None:
@@ -92,12 +102,13 @@ def _launch(q, k, v, o, lse, scale: float, causal: bool) -> None:
             b, rows, hkv, _ = qp.shape
             op = q.new_empty(b, rows, hkv, v.shape[-1])
             lsep = q.new_empty(b, hkv, rows, dtype=torch.float32)
-            fn(qp, k, v, op, lsep, None, None, scale * LOG2E, 0, group, num_sms(q.device.index))
+            ctas = num_sms(q.device.index)
+            fn(qp, k, v, op, lsep, None, None, scale * LOG2E, 0, group, ctas, None)
             op, lsep = unpack_gqa(op, lsep, group)
             o.copy_(op)
             lse.copy_(lsep)
         else:
-            fn(q, k, v, o, lse, None, None, scale * LOG2E, 0, 1, num_sms(q.device.index))
+            fn(q, k, v, o, lse, None, None, scale * LOG2E, 0, 1, num_sms(q.device.index), None)
 
 
 def attention_varlen_fwd(
@@ -126,5 +137,44 @@ def attention_varlen_fwd(
     fn = get_kernel(SPEC, _params(q.dtype, q.shape[-1], v.shape[-1], causal, True))
     with on_device(q.device):
         ctas = num_sms(q.device.index)
-        fn(q, k, v, o_dst, lse_dst, cu_q, cu_k, softmax_scale * LOG2E, max_seqlen_q, 1, ctas)
+        fn(q, k, v, o_dst, lse_dst, cu_q, cu_k, softmax_scale * LOG2E, max_seqlen_q, 1, ctas, None)
+    copy_back((o, lse), (o_dst, lse_dst))
+
+
+def attention_paged_fwd(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    page_table: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    softmax_scale: float,
+    causal: bool,
+) -> None:
+    """o (Tq, Hq, D) and lse (Hq, Tq) fp32, any views, for validated packed q (Tq, Hq, D)
+    against 16-bit caches (num_pages, page_size, Hkv, D) read in place (rows contiguous and
+    16-byte aligned, outer strides multiples of 8 elements: a combined cache's halves qualify;
+    `paged_box(page_size, D)` > 0), page_table int32 (B, max_pages), seqlens_k int32 (B,),
+    cu_seqlens_q int32 (B + 1,), all on q's device. Causal: bottom-right aligned to each
+    sequence's key length."""
+    if o.numel() == 0 or max_seqlen_q == 0:
+        return
+    if k_cache.shape[0] == 0:  # no pages: every length is 0
+        _no_keys(o, lse)
+        return
+    d = q.shape[-1]
+    box = paged_box(k_cache.shape[1], d)
+    q = as_tma_ready(q)
+    table = page_table if page_table.stride(-1) == 1 else page_table.contiguous()
+    cu_q, lens = cu_seqlens_q.contiguous(), seqlens_k.contiguous()
+    o_dst = tma_target(o)
+    lse_dst = lse if lse.stride(-1) == 1 else torch.empty(lse.shape, device=lse.device)
+    fn = get_kernel(SPEC, _params(q.dtype, d, d, causal, True, box))
+    with on_device(q.device):
+        ctas = num_sms(q.device.index)
+        fn(q, k_cache, v_cache, o_dst, lse_dst, cu_q, lens, softmax_scale * LOG2E, max_seqlen_q,
+           1, ctas, table)  # fmt: skip
     copy_back((o, lse), (o_dst, lse_dst))

@@ -34,12 +34,13 @@ class TileGrid(NamedTuple):
     mQ: cute.Tensor  # queries: heads, batch, fixed-length Sq
     mK: cute.Tensor  # keys: kv heads, fixed-length Sk
     cu_seqlens_q: cute.Tensor | None  # varlen: int32 (B + 1,) offsets; else None
-    cu_seqlens_k: cute.Tensor | None
+    cu_seqlens_k: cute.Tensor | None  # varlen: offsets (B + 1,); paged: lengths (B,)
 
 
 class WorkTile(NamedTuple):
     """One tile: `valid` is false for a varlen row block past its sequence's end; batch indexes
-    the tensors (0 for varlen, whose sequences are row offsets q_off / k_off)."""
+    the tensors (0 for varlen, whose sequences are row offsets q_off / k_off); seq is the
+    sequence (its page-table row when the keys are paged)."""
 
     valid: cutlass.Boolean
     m_block: Int32
@@ -49,17 +50,22 @@ class WorkTile(NamedTuple):
     k_off: Int32
     seqlen_q: Int32
     seqlen_k: Int32
+    seq: Int32
 
 
 class LongestFirst:
     """The order of tiles of `tile_m` query rows. kv_row_bytes: K + V bytes of one key row
-    (decides the L2 sections of fixed-length problems)."""
+    (decides the L2 sections of fixed-length problems). paged (with varlen): the keys live in
+    pages, cu_seqlens_k holds each sequence's length (no key offsets)."""
 
-    def __init__(self, tile_m: int, causal: bool, varlen: bool, kv_row_bytes: int):
+    def __init__(
+        self, tile_m: int, causal: bool, varlen: bool, kv_row_bytes: int, paged: bool = False
+    ):
         self.tile_m = tile_m
         self.causal = causal
         self.varlen = varlen
         self.kv_row_bytes = kv_row_bytes
+        self.paged = paged
 
     @cute.jit
     def tile(self, t: Int32, grid: TileGrid) -> WorkTile:
@@ -93,14 +99,21 @@ class LongestFirst:
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
         m_blocks = num_m_blocks
+        seq = batch
         if const_expr(self.varlen):
             q_off = cu_q[batch]
             k_off = cu_k[batch]
             seqlen_q = cu_q[batch + 1] - q_off
-            seqlen_k = cu_k[batch + 1] - k_off
+            if const_expr(self.paged):
+                seqlen_k = k_off  # a length (the keys are in pages: no offset)
+                k_off = Int32(0)
+            else:
+                seqlen_k = cu_k[batch + 1] - k_off
             m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
             batch = Int32(0)  # the packed tensors' unit batch mode; the sequence is an offset
         m_block = m_rev
         if const_expr(self.causal):
             m_block = m_blocks - 1 - m_rev
-        return WorkTile(m_rev < m_blocks, m_block, head, batch, q_off, k_off, seqlen_q, seqlen_k)
+        return WorkTile(
+            m_rev < m_blocks, m_block, head, batch, q_off, k_off, seqlen_q, seqlen_k, seq
+        )

@@ -1,0 +1,312 @@
+"""Chunked prefill on the attention forward's paged mode, on the CPU (the GPU's checks:
+tests/gpu/test_paged_gpu.py). The producer's page / box walk (`kernel._page_of_lane`,
+`_page_boxes`) and the consumers' stale-row clearing (`_clear_stale_v`) are replayed tile by
+tile against the reference gather: which page and rows every box loads, for pages of 8 to 256
+rows under 64- and 128-key tiles, tails, tables exactly as wide as the longest sequence, NaN in
+every slot no sequence owns. A CPU stand-in for the compiled kernel built on that replay (and
+on the kernel's key-block bounds) runs through the real op and launcher against the fp32
+reference; the routing between the paged mode and the gather path; the compile params."""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+
+from forgekernel.kernels.attention.fwd.sm90 import SPEC
+from forgekernel.kernels.attention.fwd.sm90 import launch as fwd_launch
+from forgekernel.kernels.attention.fwd.sm90.config import (
+    PAGE_BOXES,
+    PAGED_HEAD_DIMS,
+    default_config,
+    page_box_for,
+)
+from forgekernel.reference.paged_attention import paged_attention_ref
+
+op_module = importlib.import_module("forgekernel.ops.attention_paged")
+
+
+# ------------------------------------------------------------------ the kernel, replayed
+def box_walk(table_row, width, seqlen_k, n, tile_n, box, page_size):
+    """[(page, first row in the page)] of the boxes of key block n, in smem order, as the
+    producer issues them (`_page_of_lane` + `_page_boxes`); page -1: TMA zero-fills."""
+    if box < tile_n:  # lane j: the page of box j; the box is the whole page
+        walk = []
+        for j in range(tile_n // box):
+            col = n * (tile_n // box) + j
+            ok = col * box < seqlen_k and col < width
+            walk.append((int(table_row[col]) if ok else -1, 0))
+        return walk
+    key = n * tile_n  # one box: the tile's share of a page at least as long
+    col = key // page_size
+    page = int(table_row[col]) if col < width else -1
+    return [(page, (key - col * page_size) // tile_n * tile_n)]
+
+
+def load_tile(cache, walk, box):
+    """The tile the boxes land: each box page_box rows of its page, zeros for a page outside
+    the cache (TMA bounds every box by the tensor's extent)."""
+    parts = []
+    for page, row0 in walk:
+        if 0 <= page < cache.shape[0]:
+            parts.append(cache[page, row0 : row0 + box])
+        else:
+            parts.append(torch.zeros_like(cache[0, :box]))
+    return torch.cat(parts)
+
+
+def clear_stale(v_tile, n, seqlen_k, tile_n, box):
+    """`_clear_stale_v` on block n's V tile (the first block a query tile processes)."""
+    first = seqlen_k - n * tile_n
+    end = min(-(-seqlen_k // box) * box - n * tile_n, tile_n)
+    if first < end:
+        v_tile[first:end] = 0
+
+
+def key_blocks(m0, seqlen_q, seqlen_k, tile_m, tile_n, causal):
+    """`_key_blocks`' n_block_max (qgroup 1): the key blocks a query tile loads."""
+    n_max = -(-seqlen_k // tile_n)
+    if causal:
+        q_last = min(m0 + tile_m, seqlen_q) - 1
+        n_max = min(n_max, (q_last + seqlen_k - seqlen_q + tile_n) // tile_n)
+    return max(n_max, 0)
+
+
+def loaded_keys(k, v, table_row, seqlen_k, n_max, cfg, box):
+    """K and V of blocks 0 .. n_max - 1 as they sit in shared memory when the consumers use
+    them (the last block's stale V rows cleared)."""
+    width, page_size = table_row.shape[0], k.shape[1]
+    ks, vs = [], []
+    for n in range(n_max):
+        walk = box_walk(table_row, width, seqlen_k, n, cfg.tile_n, box, page_size)
+        ks.append(load_tile(k, walk, box))
+        vt = load_tile(v, walk, box).clone()
+        if n == n_max - 1:
+            clear_stale(vt, n, seqlen_k, cfg.tile_n, box)
+        vs.append(vt)
+    return torch.cat(ks), torch.cat(vs)
+
+
+def replayed_kernel(params):
+    """A CPU stand-in for the compiled paged kernel, in its argument order: per sequence and
+    query tile, the keys its walk loads, scores masked past the length and (causal) the
+    bottom-right diagonal, softmax in fp64; O and the natural-log LSE."""
+    p = dict(params)
+    cfg, box, causal = default_config(p["head_dim"], p["head_dim_v"]), p["page_box"], p["causal"]
+    assert p["varlen"] and box > 0
+
+    def fn(q, k, v, o, lse, cu_q, lens, scale_log2, max_q, qgroup, ctas, table):
+        assert qgroup == 1 and ctas == 132 and max_q >= int((cu_q[1:] - cu_q[:-1]).max())
+        scale = scale_log2 / math.log2(math.e)
+        group = q.shape[1] // k.shape[2]
+        for b in range(lens.shape[0]):
+            q0, sq, sk = int(cu_q[b]), int(cu_q[b + 1] - cu_q[b]), int(lens[b])
+            for m0 in range(0, sq, cfg.tile_m):
+                n_max = key_blocks(m0, sq, sk, cfg.tile_m, cfg.tile_n, causal)
+                rows = torch.arange(m0, min(m0 + cfg.tile_m, sq))
+                if n_max == 0:  # no key block: the epilogue of empty sums
+                    o[q0 + rows] = 0
+                    lse[:, q0 + rows] = -math.inf
+                    continue
+                kk, vv = loaded_keys(k, v, table[b], sk, n_max, cfg, box)
+                qq = q[q0 + rows].double()  # (rows, Hq, D)
+                kh = kk.double().repeat_interleave(group, dim=1)  # (keys, Hq, D)
+                vh = vv.double().repeat_interleave(group, dim=1)
+                s = torch.einsum("rhd,khd->hrk", qq, kh) * scale
+                key = torch.arange(kk.shape[0])
+                ok = key[None, :] < sk
+                if causal:
+                    ok = ok & (key[None, :] <= rows[:, None] + sk - sq)
+                s = torch.where(ok[None], s, -math.inf)  # overwrites NaN, as the mask does
+                top = s.amax(-1, keepdim=True)
+                e = torch.where(ok[None], torch.exp(s - top), 0.0)
+                total = e.sum(-1)
+                out = torch.einsum("hrk,khd->rhd", e, vh) / total.T[..., None].clamp_min(1e-300)
+                seen = total.T > 0
+                o[q0 + rows] = torch.where(seen[..., None], out, 0.0).to(o.dtype)
+                lse[:, q0 + rows] = torch.where(
+                    seen.T, (top[..., 0] + torch.log(total)), -math.inf
+                ).float()
+
+    return fn
+
+
+@pytest.fixture
+def cpu_paged_kernel(monkeypatch):
+    calls = []
+
+    def get_kernel(spec, params):
+        assert spec is SPEC
+        calls.append(dict(params))
+        return replayed_kernel(params)
+
+    monkeypatch.setattr(fwd_launch, "get_kernel", get_kernel)
+    monkeypatch.setattr(fwd_launch, "num_sms", lambda device: 132)
+    monkeypatch.setattr(op_module, "check_cuda", lambda name, t: None)
+    return calls
+
+
+# ------------------------------------------------------------------ problems
+def prefill_problem(hq, hkv, d, page_size, q_lens, k_lens, seed=0, combined=False,
+                    dtype=torch.bfloat16):  # fmt: skip
+    """Caches with NaN in every slot no sequence owns (pages of no sequence, the last page's
+    slots past the length), a table exactly as wide as the longest sequence whose entries past
+    a sequence's pages are garbage (NaN pages, ids past the cache, -1), packed queries."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(k_lens)
+    width = max(1, max(-(-n // page_size) for n in k_lens))
+    pages = b * width + 3
+    if combined:
+        kv = torch.full((pages, 2, page_size, hkv, d), math.nan, dtype=dtype)
+        k, v, views = kv, None, (kv[:, 0], kv[:, 1])
+    else:
+        k, v = (torch.full((pages, page_size, hkv, d), math.nan, dtype=dtype) for _ in "kv")
+        views = (k, v)
+    perm = torch.randperm(pages, generator=g)[: b * width].view(b, width)
+    # past a sequence's pages: pages no sequence owns (all NaN), ids past the cache, -1
+    pick = torch.randint(0, 3, (b, width), generator=g)
+    table = torch.where(pick == 0, perm, torch.where(pick == 1, pages + 7, -1))
+    for s, n in enumerate(k_lens):
+        owned = -(-n // page_size)
+        table[s, :owned] = perm[s, :owned]
+        for i in range(owned):
+            rows = min(page_size, n - i * page_size)
+            for view in views:
+                view[perm[s, i], :rows] = torch.randn(rows, hkv, d, generator=g).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), hq, d, generator=g).to(dtype)
+    return q, k, v, table.int(), torch.tensor(k_lens, dtype=torch.int32), cu
+
+
+# ------------------------------------------------------------------ the walk
+@pytest.mark.parametrize("tile_n", [64, 128])
+@pytest.mark.parametrize("page_size", [8, 16, 32, 64, 128, 256])
+def test_box_walk_loads_the_reference_gather(tile_n, page_size):
+    """Every loaded block: the rows of keys < seqlen_k are the sequence's keys (the
+    reference's gather), V rows past it are zero after the clearing, and a box past the
+    sequence is zeros (page -1 or an id past the cache)."""
+    box = page_box_for(page_size, tile_n)
+    assert box == min(page_size, tile_n)
+    for sk in (1, 7, box - 1, box, box + 1, tile_n - 1, tile_n, tile_n + 1, 3 * tile_n + 5, 611):
+        _, k, v, table, _, _ = prefill_problem(2, 1, 8, page_size, [1], [sk], seed=sk)
+        want_k = k[table[0, torch.arange(sk) // page_size].long(), torch.arange(sk) % page_size]
+        n_max = -(-sk // tile_n)
+        cfg = type("Cfg", (), {"tile_n": tile_n})
+        kk, vv = loaded_keys(k, v, table[0], sk, n_max, cfg, box)
+        assert kk.shape[0] == n_max * tile_n
+        assert torch.equal(kk[:sk], want_k), (page_size, tile_n, sk)
+        assert torch.isfinite(vv).all() and not vv[sk:].any(), (page_size, tile_n, sk)
+        # boxes wholly past the sequence: zeros (the table's entries there are garbage)
+        first_empty = -(-sk // box) * box
+        assert not kk[first_empty:].any()
+
+
+def test_box_walk_reads_no_table_entry_past_the_width():
+    """A length beyond the table's capacity (an invalid input) reads no entry past the row:
+    the boxes there load zeros."""
+    table = prefill_problem(2, 1, 8, 16, [1], [40])[3]
+    walk = box_walk(table[0], 1, 40, 0, 128, 16, 16)
+    assert [p for p, _ in walk[1:]] == [-1] * 7
+    walk = box_walk(table[0], 1, 300, 2, 128, 128, 256)  # one box: block 2 is page 1
+    assert walk == [(-1, 0)]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_stale_rows_only_in_the_first_processed_block(causal):
+    """The only block holding slots past the sequence is the last one loaded, which a query
+    tile processes first: the one whose V `_clear_stale_v` zeroes."""
+    for tile_n in (64, 128):
+        for sq, sk in ((5, 40), (300, 1000), (128, 77), (1, 1), (200, 129)):
+            for m0 in range(0, sq, 128):
+                n_max = key_blocks(m0, sq, sk, 128, tile_n, causal)
+                for n in range(n_max - 1):  # processed after it: no slot past the length
+                    assert (n + 1) * tile_n <= sk, (tile_n, sq, sk, m0, n)
+
+
+# ------------------------------------------------------------------ the whole pass
+CASES = [
+    # hq, hkv, d, page_size, q_lens, k_lens, causal, combined
+    # 257 keys: the last query sees exactly the first key of block 2 (the causal bound)
+    (8, 2, 128, 16, [5, 0, 130, 7], [40, 9, 257, 7], True, False),
+    (8, 2, 128, 16, [9, 20], [9, 0], True, False),  # a sequence without keys
+    (6, 2, 64, 32, [200, 17, 5], [250, 17, 385], True, False),  # 192-row tiles
+    (4, 1, 256, 128, [70, 6], [190, 6], True, False),  # 64-row boxes of 128-row pages
+    (8, 8, 128, 64, [33, 150], [100, 150], False, False),
+    (4, 2, 128, 8, [12, 40], [21, 40], True, True),
+    (12, 4, 128, 256, [7, 140], [300, 140], True, False),  # 128-row boxes, 2 tiles a page
+    (8, 2, 64, 16, [40, 6], [20, 3], True, False),  # more queries than keys: empty rows
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", CASES)
+def test_paged_prefill_matches_the_reference(cpu_paged_kernel, case, dtype):
+    hq, hkv, d, ps, q_lens, k_lens, causal, combined = case
+    q, k, v, table, lens, cu = prefill_problem(hq, hkv, d, ps, q_lens, k_lens,
+                                               combined=combined, dtype=dtype)  # fmt: skip
+    out, lse = op_module.attention_paged(q, k, v, table, lens, cu_seqlens_q=cu,
+                                         max_seqlen_q=max(q_lens), causal=causal,
+                                         return_lse=True)  # fmt: skip
+    kk, vv = (k[:, 0], k[:, 1]) if combined else (k, v)
+    want, want_lse = paged_attention_ref(q, kk, vv, table, lens, cu_seqlens_q=cu, causal=causal)
+    assert out.shape == q.shape and lse.shape == (hq, q.shape[0])
+    assert torch.isfinite(out).all()
+    assert float((out.float() - want).abs().max()) < 2e-2
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-4
+    assert not out[~finite.T].any()
+    params = cpu_paged_kernel[-1]
+    want_box = page_box_for(ps, default_config(d, d).tile_n)
+    assert params["page_box"] == want_box and params["causal"] == causal
+    assert params["dtype"] == ("bfloat16" if dtype == torch.bfloat16 else "float16")
+
+
+def test_out_is_written_in_place(cpu_paged_kernel):
+    q, k, v, table, lens, cu = prefill_problem(8, 2, 128, 32, [9, 30], [50, 31])
+    out = torch.full_like(q, math.nan)
+    got = op_module.attention_paged(q, k, v, table, lens, cu_seqlens_q=cu, max_seqlen_q=30,
+                                    out=out)  # fmt: skip
+    assert got is out and torch.isfinite(out).all()
+
+
+# ------------------------------------------------------------------ routing, params
+@pytest.mark.parametrize(
+    ("page_size", "d", "fp8", "box"),
+    [(16, 128, False, 16), (128, 128, False, 128), (128, 256, False, 64), (8, 64, False, 8),
+     (1, 128, False, 0), (24, 128, False, 0), (16, 128, True, 0)],
+)  # fmt: skip
+def test_routing_between_the_paged_mode_and_the_gather(monkeypatch, page_size, d, fp8, box):
+    """16-bit caches with a page the mode covers run the paged kernel; FP8 caches and pages of
+    1 (or 24) gather into the varlen forward."""
+    taken = []
+    monkeypatch.setattr(op_module, "_prefill", lambda *a: taken.append("paged") or (None, None))
+    monkeypatch.setattr(op_module, "_prefill_by_gather",
+                        lambda *a: taken.append("gather") or (None, None))  # fmt: skip
+    monkeypatch.setattr(op_module, "check_cuda", lambda name, t: None)
+    q, k, v, table, lens, cu = prefill_problem(4, 2, d, page_size, [6], [30])
+    scales = {}
+    if fp8:
+        k, v = k.nan_to_num().to(torch.float8_e4m3fn), v.nan_to_num().to(torch.float8_e4m3fn)
+        scales = {"k_scale": 1.0, "v_scale": 1.0}
+    op_module.attention_paged(q, k, v, table, lens, cu_seqlens_q=cu, max_seqlen_q=6, **scales)
+    assert taken == ["paged" if box else "gather"]
+    if not fp8:
+        assert fwd_launch.paged_box(page_size, d) == box
+
+
+def test_standard_params_cover_the_paged_op():
+    """Every paged-op head dim, dtype and mask with a box per page size 8 .. 256."""
+    paged = [p for p in map(dict, SPEC.standard_params()) if p.get("page_box")]
+    keys = {(p["dtype"], p["head_dim"], p["causal"], p["page_box"]) for p in paged}
+    for d in PAGED_HEAD_DIMS:
+        tile_n = default_config(d, d).tile_n
+        boxes = {page_box_for(ps, tile_n) for ps in (*PAGE_BOXES, 256)}
+        for dtype in ("bfloat16", "float16"):
+            for causal in (False, True):
+                assert {(dtype, d, causal, b) for b in boxes} <= keys
+    assert all(p["varlen"] and p["head_dim_v"] == p["head_dim"] for p in paged)
+    dense = [p for p in map(dict, SPEC.standard_params()) if not p.get("page_box")]
+    assert len(dense) == 40 and all(p["page_box"] == 0 for p in dense)
