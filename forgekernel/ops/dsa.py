@@ -47,7 +47,6 @@ from forgekernel.kernels.attention.mla.sm90.config import D_LATENT, D_ROPE
 from forgekernel.ops._dispatch import plain, tracing
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import (
-    FLOAT16_TYPES,
     check_cuda,
     check_same_device,
     check_shaped,
@@ -55,9 +54,8 @@ from forgekernel.ops._validate import (
     on_one_device,
 )
 from forgekernel.ops.mla import (
-    FP8_QUERY,
-    FP8_SCALES,
     INDEX,
+    caches_at_a_glance,
     check_caches,
     check_caches_in_place,
     check_softmax_scale,
@@ -103,21 +101,14 @@ def _valid_at_a_glance(q_nope, q_pe, ckv, kpe, sparse_indices, out, ckv_scale=No
     through `_validate`, whose named checks raise (issue 17)."""
     if not plain(q_nope, q_pe, ckv, kpe, sparse_indices, optional=(out,)):
         return False
-    dtype, shape = q_nope.dtype, q_nope.shape
-    if ckv_scale is not None and not (
-        dtype == FP8_QUERY and type(ckv_scale) is torch.Tensor and ckv_scale.dtype == torch.float32
-        and ckv_scale.shape == (*ckv.shape[:2], FP8_SCALES)
-    ):  # fmt: skip
+    if not caches_at_a_glance(q_nope, ckv, kpe, ckv_scale):
         return False
-    pe, latent, rope, idx = q_pe.shape, ckv.shape, kpe.shape, sparse_indices.shape
+    dtype, shape = q_nope.dtype, q_nope.shape
+    pe, latent, idx = q_pe.shape, ckv.shape, sparse_indices.shape
     if not (
-        dtype in FLOAT16_TYPES
-        and q_pe.dtype == dtype and kpe.dtype == dtype
-        and ckv.dtype == (dtype if ckv_scale is None else torch.uint8)
+        q_pe.dtype == dtype
         and len(shape) == 3 and shape[2] == D_LATENT
         and len(pe) == 3 and pe[2] == D_ROPE and pe[:2] == shape[:2]
-        and len(latent) == 3 and latent[2] == D_LATENT and latent[1] >= 1
-        and len(rope) == 3 and rope[2] == D_ROPE and rope[:2] == latent[:2]
         and latent[0] * latent[1] <= MAX_SLOTS
         and sparse_indices.dtype == torch.int32 and len(idx) == 2 and idx[0] == shape[0]
         and (out is None or (out.dtype == dtype and out.shape == shape))

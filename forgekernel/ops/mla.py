@@ -241,7 +241,7 @@ def _valid_at_a_glance(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens
     through `_validate`, whose named checks raise. 2.9 us against 4.9 on the CPU (issue 17)."""
     if not plain(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, optional=(cu_seqlens_q, out)):
         return False
-    if ckv_scale is not None and not _fp8_views_at_a_glance(q_nope, ckv, ckv_scale):
+    if not caches_at_a_glance(q_nope, ckv, kpe, ckv_scale):
         return False
     dtype, shape = q_nope.dtype, q_nope.shape
     if cu_seqlens_q is None:
@@ -252,15 +252,11 @@ def _valid_at_a_glance(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens
         return False
     else:
         b = cu_seqlens_q.shape[0] - 1
-    pe, latent, rope = q_pe.shape, ckv.shape, kpe.shape
+    pe = q_pe.shape
     if not (
-        dtype in FLOAT16_TYPES
-        and q_pe.dtype == dtype and kpe.dtype == dtype
-        and ckv.dtype == (dtype if ckv_scale is None else torch.uint8)
+        q_pe.dtype == dtype
         and shape[-1] == D_LATENT and len(pe) == len(shape) and pe[-1] == D_ROPE
         and pe[:-1] == shape[:-1]
-        and len(latent) == 3 and latent[2] == D_LATENT and latent[1] >= 1
-        and len(rope) == 3 and rope[2] == D_ROPE and rope[:2] == latent[:2]
         and page_table.dtype == torch.int32 and page_table.dim() == 2
         and page_table.shape[0] == b
         and seqlens_k.dtype == torch.int32 and seqlens_k.shape == (b,)
@@ -271,14 +267,24 @@ def _valid_at_a_glance(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens
     return on_one_device(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out)
 
 
-def _fp8_views_at_a_glance(q_nope, ckv, ckv_scale) -> bool:
-    """`check_caches`' FP8 part in one pass (the rest is the 16-bit checks')."""
-    return (
+def caches_at_a_glance(q_nope, ckv, kpe, ckv_scale) -> bool:
+    """`check_caches`' conditions (q's dtype, the latent / RoPE caches, FlashMLA's FP8 views) in
+    one pass, for the one-pass checks of mla_decode and dsa_sparse_attention."""
+    dtype, latent, rope = q_nope.dtype, ckv.shape, kpe.shape
+    if ckv_scale is not None and not (
         type(ckv_scale) is torch.Tensor
-        and q_nope.dtype == FP8_QUERY
+        and dtype == FP8_QUERY
         and ckv_scale.dtype == torch.float32
-        and ckv_scale.shape == (*ckv.shape[:2], FP8_SCALES)
-    )
+        and ckv_scale.shape == (*latent[:2], FP8_SCALES)
+    ):  # fmt: skip
+        return False
+    return (
+        dtype in FLOAT16_TYPES
+        and kpe.dtype == dtype
+        and ckv.dtype == (dtype if ckv_scale is None else torch.uint8)
+        and len(latent) == 3 and latent[2] == D_LATENT and latent[1] >= 1
+        and len(rope) == 3 and rope[2] == D_ROPE and rope[:2] == latent[:2]
+    )  # fmt: skip
 
 
 def _outputs(q_nope, cu_seqlens_q, out):
