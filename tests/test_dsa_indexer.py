@@ -230,6 +230,27 @@ def test_plans_cover_every_tile_and_fit_the_chip():
     assert logits_width(5) == 8 and logits_width(0) == 4
 
 
+def test_prefill_chunks_fit_the_logits_grid_y():
+    """A chunk's row groups (QTOKENS[-1] rows each) are the logits' grid y (at most 65535):
+    many queries against few keys would otherwise pass the budget alone."""
+    top = config.MAX_GRID_Y * config.QTOKENS[-1]
+    assert config.prefill_chunk_rows(300_000, 8, 1 << 28) == top
+    assert config.prefill_chunk_rows(1000, 131072, 1 << 28) == 1000
+    assert config.prefill_chunk_rows(5000, 131072, 1 << 28) == 2048
+    assert config.prefill_chunk_rows(3, 1 << 30, 1 << 28) == 1
+
+
+def test_paged_batch_fits_the_logits_grid_y():
+    q, cache, w, seq_lens, table = _paged_inputs("cpu")
+    b = config.MAX_GRID_Y + 1
+    q = q[:1].expand(b, *q.shape[1:])
+    w = torch.empty(1, 64).expand(b, 64)
+    seq_lens = torch.empty(1, dtype=torch.int32).expand(b)
+    table = table[:1].expand(b, table.shape[1])
+    with pytest.raises(ValueError, match="65535"):
+        op.dsa_indexer_paged(q, cache, w, seq_lens, table)
+
+
 # ---------------------------------------------------------------- validation and tracing
 
 

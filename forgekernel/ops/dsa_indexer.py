@@ -40,9 +40,11 @@ from forgekernel.kernels.attention.dsa_indexer.sm90 import launch as indexer_sm9
 from forgekernel.kernels.attention.dsa_indexer.sm90.config import (
     HEAD_DIM,
     HEADS,
+    MAX_GRID_Y,
     MAX_KEYS,
     PAGE,
     QTOKENS,
+    prefill_chunk_rows,
 )
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import check_cuda, check_same_device, check_shaped, check_tensor
@@ -122,7 +124,7 @@ def key_windows(
 def _prefill(q, k, k_scale, weights, starts, ends, out) -> torch.Tensor:
     """Logits then top-k, in row chunks of at most LOGITS_BUDGET logits."""
     rows, width = q.shape[0], indexer_sm90.logits_width(k.shape[0])
-    chunk = max(1, min(rows, LOGITS_BUDGET // width))
+    chunk = prefill_chunk_rows(rows, width, LOGITS_BUDGET)
     q2d = q.reshape(rows * HEADS, HEAD_DIM)
     logits = torch.empty(min(rows, chunk), width, dtype=torch.float32, device=q.device)
     for r0 in range(0, rows, chunk):
@@ -220,6 +222,8 @@ def _validate_paged(q, cache, weights, seq_lens, table, out, topk) -> int:
     check_tensor("block_table", table, ndim=2, dtypes=INDEX, cuda=False)
     if table.shape[0] != b:
         raise ValueError(f"block_table must be (B = {b}, max_pages), got {tuple(table.shape)}")
+    if b > MAX_GRID_Y:  # the logits' grid y: one sequence a row of CTAs
+        raise ValueError(f"B = {b} sequences: at most {MAX_GRID_Y} are supported")
     if table.shape[1] * PAGE > MAX_KEYS:
         raise ValueError(f"block_table's {table.shape[1]} pages exceed {MAX_KEYS} keys a row")
     if out is not None:

@@ -91,3 +91,31 @@ def test_deep_gemm_comparator_agrees_where_installed():
         inputs = _inputs(case, seed=3)
         (verdict,) = S.judge(inputs, (run(inputs),))
         assert verdict["ok"], verdict["message"]
+
+
+def test_topk_rows_past_the_grid_y_limit():
+    """70000 rows (grid y stops at 65535: the rows are on x), distinct values: the top-k is
+    torch.topk's set, ascending."""
+    gen = torch.Generator(CUDA).manual_seed(2)
+    rows, width, topk = 70000, 64, 8
+    logits = torch.randn(rows, width, device=CUDA, generator=gen)
+    starts = torch.zeros(rows, dtype=torch.int32, device=CUDA)
+    ends = torch.full((rows,), width, dtype=torch.int32, device=CUDA)
+    out = torch.empty(rows, topk, dtype=torch.int32, device=CUDA)
+    launch.topk_windows(logits, starts, ends, width, out)
+    want = logits.topk(topk, dim=1).indices.sort(dim=1).values.int()
+    assert torch.equal(out, want)
+
+
+def test_paged_seq_lens_past_the_table_are_clipped():
+    """seq_lens beyond max_pages x 64 select as max_pages x 64 (the logits never read the block
+    table past its row)."""
+    inputs = _inputs(S.CHECK_CASES[0])
+    q, table = inputs["q"], inputs["table"]
+    if q.dim() == 4 and q.shape[1] != 1:
+        pytest.skip("a next_n 1 case")
+    full = torch.full_like(inputs["seq_lens"], table.shape[1] * 64)
+    args = (q, inputs["cache"], inputs["weights"])
+    want = op.dsa_indexer_paged(*args, full, table)
+    got = op.dsa_indexer_paged(*args, full + 100, table)
+    assert torch.equal(got, want)

@@ -36,6 +36,7 @@ CACHE = 16384  # row values a top-k CTA holds (64 KB; 2 CTAs per SM)
 CLUSTERS = (1, 2, 4, 8)  # CTAs per row (portable cluster sizes)
 MAX_KEYS = CACHE * CLUSTERS[-1]  # 131072: the longest window a row may have
 ALIGN = 4  # logits row stride multiple (16-byte rows for the bulk copies)
+MAX_GRID_Y = 65535  # the logits' grid y (row groups; decode: sequences) stops here
 
 
 def logits_smem_bytes(qtokens: int) -> int:
@@ -59,6 +60,12 @@ def topk_params(cluster: int, paged: bool) -> tuple:
     if cluster not in CLUSTERS:
         raise ValueError(f"cluster must be one of {CLUSTERS}, got {cluster}")
     return tuple(sorted({"kind": "topk", "cluster": cluster, "paged": paged}.items()))
+
+
+def prefill_chunk_rows(rows: int, width: int, budget: int) -> int:
+    """Rows of one prefill chunk: within the logits budget and the logits' grid y (groups of
+    QTOKENS[-1] rows)."""
+    return max(1, min(rows, budget // max(1, width), MAX_GRID_Y * QTOKENS[-1]))
 
 
 def logits_qtokens(next_n: int | None) -> int:

@@ -202,7 +202,7 @@ class IndexerLogitsSm90:
 
         row0 = group * self.qtokens
         first, count, key0 = self._range(
-            mW, mLogits, mSeqLens, mKStart, mKEnd, row0, group, split, per_split
+            mW, mLogits, mTable, mSeqLens, mKStart, mKEnd, row0, group, split, per_split
         )
         init_wait()
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
@@ -222,14 +222,16 @@ class IndexerLogitsSm90:
                 )  # fmt: skip
 
     @cute.jit
-    def _range(self, mW, mLogits, mSeqLens, mKStart, mKEnd, row0, group, split, per_split):
+    def _range(self, mW, mLogits, mTable, mSeqLens, mKStart, mKEnd, row0, group, split, per_split):
         """(first tile, tiles, key of tile 0's first row) of this CTA. Paged: the sequence's
         pages; contiguous: the 64-key tiles from the rows' smallest start to their largest end
         (rows past the last one ignored)."""
         total = Int32(0)
         key0 = Int32(0)
         if const_expr(self.paged):
-            total = (mSeqLens[group] + TILE - 1) // TILE
+            # seq_lens past max_pages x 64 are clipped there (the op's contract): the producer
+            # never reads the block table past its row
+            total = cutlass.min((mSeqLens[group] + TILE - 1) // TILE, mTable.shape[1])
         else:
             rows = mW.shape[0]
             lo = mKStart[row0]

@@ -6,7 +6,7 @@ Keys: each value x as an order-preserving uint32 (x + 0.0, so -0 is +0; sign bit
 | 2^31, set: ~bits); -inf and NaN take key 0 and are never selected ("hidden", as the
 reference's -inf). V = the row's valid values; min(topk, V) are selected.
 
-One row per cluster of `cluster` CTAs (grid (cluster, rows)); CTA r holds the r-th part of
+One row per cluster of `cluster` CTAs (grid (cluster x rows,)); CTA r holds the r-th part of
 the window (ceil(n / cluster) rounded up to 4 values, at most CACHE) in shared memory, brought
 in by one bulk copy (its start aligned down to 16 bytes: rows are 16-byte aligned). Every pass
 after that reads shared memory only; the CTAs exchange small summaries through distributed
@@ -95,7 +95,7 @@ class IndexerTopkSm90:
 
         self.shared_storage = SharedStorage
         self.kernel(mLogits, mTable, mSeqLens, mKStart, mKEnd, mOut, next_n).launch(
-            grid=[self.cluster, mOut.shape[0], 1],
+            grid=[self.cluster * mOut.shape[0], 1, 1],  # rows on x: y stops at 65535
             block=[TOPK_THREADS, 1, 1],
             cluster=[self.cluster, 1, 1],
             stream=stream,
@@ -105,7 +105,8 @@ class IndexerTopkSm90:
     @cute.kernel
     def kernel(self, mLogits, mTable, mSeqLens, mKStart, mKEnd, mOut, next_n: Int32):
         tidx, _, _ = cute.arch.thread_idx()
-        _, row, _ = cute.arch.block_idx()
+        bx, _, _ = cute.arch.block_idx()
+        row = bx // self.cluster
         rank = Int32(0)
         if const_expr(self.cluster > 1):
             rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
