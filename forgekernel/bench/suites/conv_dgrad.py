@@ -9,8 +9,6 @@ Registered since its first GPU check passed (2026-12-01).
 
 from __future__ import annotations
 
-import torch
-
 from forgekernel.bench.suite import OpSuite
 from forgekernel.bench.suites import conv_layers as L
 from forgekernel.kernels.conv.sm90 import SPEC
@@ -46,21 +44,4 @@ SANITIZE_CASES = (CHECK_CASES[0], CHECK_CASES[1], CHECK_CASES[5], CHECK_CASES[8]
 
 
 def suite() -> OpSuite:
-    return OpSuite(
-        name="conv_dgrad",
-        kernel_sources=SPEC.sources,
-        dtypes=(torch.bfloat16, torch.float16),
-        check_cases=CHECK_CASES,
-        bench_cases=BENCH_CASES,
-        make_inputs=L.make_inputs,
-        alloc_out=L.alloc_out,
-        run_ours=L.run_ours,
-        reference=L.reference,
-        low_precision=L.torch_conv,
-        comparators=L.comparators,
-        flops=L.flops,
-        bytes=L.nbytes,
-        atol=1e-3,
-        bench_dtypes=(torch.bfloat16,),
-        sanitize_cases=SANITIZE_CASES,
-    )
+    return L.conv_suite("conv_dgrad", SPEC.sources, CHECK_CASES, BENCH_CASES, SANITIZE_CASES)

@@ -8,8 +8,6 @@ Registered since its first GPU check passed (2026-12-01).
 
 from __future__ import annotations
 
-import torch
-
 from forgekernel.bench.suite import OpSuite
 from forgekernel.bench.suites import conv_layers as L
 from forgekernel.kernels.conv.sm90 import SPEC
@@ -54,21 +52,4 @@ SANITIZE_CASES = (CHECK_CASES[0], CHECK_CASES[2], CHECK_CASES[7], CHECK_CASES[11
 
 
 def suite() -> OpSuite:
-    return OpSuite(
-        name="conv_fwd",
-        kernel_sources=SPEC.sources,
-        dtypes=(torch.bfloat16, torch.float16),
-        check_cases=CHECK_CASES,
-        bench_cases=BENCH_CASES,
-        make_inputs=L.make_inputs,
-        alloc_out=L.alloc_out,
-        run_ours=L.run_ours,
-        reference=L.reference,
-        low_precision=L.torch_conv,
-        comparators=L.comparators,
-        flops=L.flops,
-        bytes=L.nbytes,
-        atol=1e-3,
-        bench_dtypes=(torch.bfloat16,),
-        sanitize_cases=SANITIZE_CASES,
-    )
+    return L.conv_suite("conv_fwd", SPEC.sources, CHECK_CASES, BENCH_CASES, SANITIZE_CASES)

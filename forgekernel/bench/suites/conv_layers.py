@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from forgekernel.bench.suite import Case, Inputs
+from forgekernel.bench.suite import Case, Inputs, OpSuite
 
 OPS = ("fwd", "dgrad", "wgrad")
 
@@ -335,3 +335,26 @@ def unique(cases: tuple[Case, ...]) -> tuple[Case, ...]:
     for c in cases:
         seen.setdefault(c.name, c)
     return tuple(seen.values())
+
+
+def conv_suite(name: str, kernel_sources, check_cases, bench_cases, sanitize_cases) -> OpSuite:
+    """The convolution suites' common form: one of fwd / dgrad / wgrad (the case's `op`), the
+    parts above, cuDNN as comparator."""
+    return OpSuite(
+        name=name,
+        kernel_sources=kernel_sources,
+        dtypes=(torch.bfloat16, torch.float16),
+        check_cases=check_cases,
+        bench_cases=bench_cases,
+        make_inputs=make_inputs,
+        alloc_out=alloc_out,
+        run_ours=run_ours,
+        reference=reference,
+        low_precision=torch_conv,
+        comparators=comparators,
+        flops=flops,
+        bytes=nbytes,
+        atol=1e-3,
+        bench_dtypes=(torch.bfloat16,),
+        sanitize_cases=sanitize_cases,
+    )

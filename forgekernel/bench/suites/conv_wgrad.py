@@ -10,8 +10,6 @@ kernel with dY^T and the im2col of x as operands, split over the pixels); the fi
 
 from __future__ import annotations
 
-import torch
-
 from forgekernel.bench.suite import OpSuite
 from forgekernel.bench.suites import conv_layers as L
 from forgekernel.kernels.conv.sm90 import WGRAD_SPEC
@@ -42,21 +40,4 @@ SANITIZE_CASES = (CHECK_CASES[0], CHECK_CASES[2], CHECK_CASES[6])
 
 
 def suite() -> OpSuite:
-    return OpSuite(
-        name="conv_wgrad",
-        kernel_sources=WGRAD_SPEC.sources,
-        dtypes=(torch.bfloat16, torch.float16),
-        check_cases=CHECK_CASES,
-        bench_cases=BENCH_CASES,
-        make_inputs=L.make_inputs,
-        alloc_out=L.alloc_out,
-        run_ours=L.run_ours,
-        reference=L.reference,
-        low_precision=L.torch_conv,
-        comparators=L.comparators,
-        flops=L.flops,
-        bytes=L.nbytes,
-        atol=1e-3,
-        bench_dtypes=(torch.bfloat16,),
-        sanitize_cases=SANITIZE_CASES,
-    )
+    return L.conv_suite("conv_wgrad", WGRAD_SPEC.sources, CHECK_CASES, BENCH_CASES, SANITIZE_CASES)

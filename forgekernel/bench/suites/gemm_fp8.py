@@ -234,3 +234,10 @@ def suite() -> OpSuite:
         bench_dtypes=(torch.bfloat16,),
         sanitize_cases=SANITIZE_CASES,
     )
+
+
+def deepgemm_scales(deep_gemm, sa: torch.Tensor) -> torch.Tensor:
+    """A's scales as DeepGEMM's grouped GEMMs take them: MN-major and TMA-aligned where the
+    installed version has the helper (sgl-deep-gemm 0.1.4), else as they are."""
+    align = getattr(deep_gemm, "get_mn_major_tma_aligned_tensor", None)
+    return align(sa) if align else sa

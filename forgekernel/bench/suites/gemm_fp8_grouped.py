@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from forgekernel.bench.suite import Case, Inputs, OpSuite
-from forgekernel.bench.suites.gemm_fp8 import _quantize
+from forgekernel.bench.suites.gemm_fp8 import _quantize, deepgemm_scales
 from forgekernel.kernels.gemm.fp8.sm90 import SPEC
 
 ALIGN = 128  # each expert's segment: whole tiles, DeepGEMM's contiguous-layout alignment
@@ -212,9 +212,7 @@ def _deepgemm():
 
     def run(inputs: Inputs) -> torch.Tensor:
         if "deepgemm" not in inputs:
-            sa = inputs["sa"]
-            align = getattr(deep_gemm, "get_mn_major_tma_aligned_tensor", None)
-            inputs["deepgemm"] = (align(sa) if align else sa, alloc_out(inputs))
+            inputs["deepgemm"] = (deepgemm_scales(deep_gemm, inputs["sa"]), alloc_out(inputs))
         sa, d = inputs["deepgemm"]
         deep_gemm.m_grouped_fp8_gemm_nt_contiguous(
             (inputs["a"], sa), (inputs["b"], inputs["sb"]), d, inputs["m_indices"]

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from forgekernel.bench.suite import Case, Inputs, OpSuite
-from forgekernel.bench.suites.gemm_fp8 import _quantize
+from forgekernel.bench.suites.gemm_fp8 import _quantize, deepgemm_scales
 from forgekernel.kernels.gemm.dense.sm90 import MASKED_SPEC
 from forgekernel.kernels.gemm.dense.sm90.masked_config import (
     STANDARD_CONFIGS,
@@ -249,9 +249,10 @@ def _deepgemm():
 
     def run(inputs: Inputs) -> torch.Tensor:
         if "deepgemm" not in inputs:
-            sa = inputs["sa"]
-            align = getattr(deep_gemm, "get_mn_major_tma_aligned_tensor", None)
-            inputs["deepgemm"] = (align(sa) if align else sa, full_output(alloc_out(inputs)))
+            inputs["deepgemm"] = (
+                deepgemm_scales(deep_gemm, inputs["sa"]),
+                full_output(alloc_out(inputs)),
+            )
         sa, d = inputs["deepgemm"]
         masked(
             (inputs["a"], sa), (inputs["b"], inputs["sb"]), d, inputs["masked_m"],
