@@ -173,6 +173,47 @@ def test_key_windows_are_bottom_right_causal_per_sequence():
     assert ends.tolist() == [8, 8, 8, 8]
 
 
+def _packed_windows(lens_q, lens_k, causal=True):
+    cu = [torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
+          for n in (lens_q, lens_k)]  # fmt: skip
+    packed = cu if len(lens_q) > 1 else (None, None)
+    return op.key_windows(sum(lens_q), sum(lens_k), causal, *packed, torch.device("cpu"))
+
+
+PREFILL_SHAPES = [  # the check's prefill cases (q342: the first H200 run's illegal instruction)
+    ([300], [300], True), ([5, 0, 37, 300], [9, 4, 37, 2100], True), ([17], [20000], True),
+    ([7, 9], [5000, 1], False), ([3, 1, 6], [13, 6, 70], True), ([2, 5], [1, 33], False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("lens_q, lens_k, causal", PREFILL_SHAPES)
+def test_prefill_logits_ctas_start_scale_boxes_16_byte_aligned(lens_q, lens_k, causal):
+    """TMA raises "illegal instruction" for a box whose innermost start is not 16-byte aligned:
+    the prefill scales (keys,) fp32 are a 1-D box at key0 + 64 j, so key0 (the group's smallest
+    window start, 13 and 50 in the q342 case) is rounded down to 4 keys; the CTAs' tiles still
+    cover every row's window, and every split's tiles lie in its group's range."""
+    starts, ends = _packed_windows(lens_q, lens_k, causal)
+    keys = sum(lens_k)
+    width = logits_width(keys)
+    groups = -(-starts.shape[0] // 4)
+    splits, per = config.split_plan(groups, -(-keys // config.TILE) + 1, 4, 132)
+    ctas = em.logits_ctas(starts, ends, width, 4, per, splits)
+    assert all(box % config.SCALE_ALIGN == 0 for c in ctas for box in c["scale_box"])
+    for group in range(groups):
+        tiles = sorted(box for c in ctas if c["group"] == group for box in c["scale_box"])
+        covered = {k for box in tiles for k in range(box, box + config.TILE)}
+        for r in {r for c in ctas if c["group"] == group for r in c["rows"]}:
+            assert set(range(int(starts[r]), int(ends[r]))) <= covered, (group, r)
+        assert len(tiles) == len(set(tiles))  # each tile by one split
+
+
+def test_key_origin_rounds_down_to_16_bytes_of_scales():
+    assert config.SCALE_ALIGN * 4 == 16
+    assert [config.key_origin(x) for x in (0, 1, 3, 4, 13, 50, 5000)] == [0, 0, 0, 4, 12, 48, 5000]
+    starts, _ = _packed_windows([5, 0, 37, 300], [9, 4, 37, 2100])
+    assert {int(s) % 4 for s in starts} == {0, 1, 2}  # the failing case's unaligned starts
+
+
 def test_paged_cache_views_read_deep_gemms_layout():
     inputs = indexer_inputs([70, 1, 130], generator=GEN)
     cache = inputs["k_index_cache_fp8"]

@@ -68,3 +68,78 @@ def test_topk_kernel(cluster):
     else:
         assert ops["UCGABAR_ARV"] == 0
     assert 2 * config.topk_smem_bytes() <= config.SMEM_PER_SM
+
+
+# ---------------------------------------------------------------- TMA box starts (PTX dataflow)
+
+_TMA = re.compile(r"cp\.async\.bulk\.tensor\.(\d)d\.\S+\s+\[[^\]]+\],\s*\[[^,\]]+,\s*\{([^}]*)\}")
+_DEF = re.compile(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.]*)\s+(%r\d+),\s*([^;]*);", re.M)
+_INF = 1 << 32
+
+
+def _pow2(v: int) -> int:
+    """The largest power of two dividing v (v = 0: any)."""
+    return _INF if v == 0 else v & -v
+
+
+def _divisors(ptx: str) -> dict[str, int]:
+    """Per 32-bit register, a power of two that divides every value it takes: the greatest
+    fixpoint over its definitions (mov / add / sub / shl / mul / and / selp with registers or
+    immediates; anything else divides by 1)."""
+    defs: dict[str, list[tuple[str, list[str]]]] = {}
+    for op, dst, args in _DEF.findall(ptx):
+        defs.setdefault(dst, []).append((op, [a.strip() for a in args.split(",")]))
+    div = dict.fromkeys(defs, _INF)
+
+    def of(a: str) -> int:
+        if a.startswith("%r"):
+            return div.get(a, 1)
+        return _pow2(int(a, 0)) if re.fullmatch(r"-?(0x[0-9a-fA-F]+|\d+)", a) else 1
+
+    def step(op: str, a: list[str]) -> int:
+        kind = op.split(".")[0]
+        if kind == "mov":
+            return of(a[0])
+        if kind in ("add", "sub"):
+            return min(of(a[0]), of(a[1]))
+        if kind == "shl" and not a[1].startswith("%"):
+            return min(_INF, of(a[0]) << int(a[1], 0))
+        if op.startswith("mul.lo"):
+            return min(_INF, of(a[0]) * of(a[1]))
+        if kind == "and":
+            return max(of(a[0]), of(a[1]))
+        if kind == "selp":
+            return min(of(a[0]), of(a[1]))
+        return 1
+
+    changed = True
+    while changed:
+        changed = False
+        for reg, ds in defs.items():
+            new = min(step(op, a) for op, a in ds)
+            if new < div[reg]:
+                div[reg], changed = new, True
+    return div
+
+
+def _innermost_box_starts(ptx: str) -> list[tuple[int, int]]:
+    """(dims, a power of two dividing the innermost start coordinate) of each TMA load."""
+    div = _divisors(ptx)
+    out = []
+    for dims, coords in _TMA.findall(ptx):
+        first = coords.split(",")[0].strip()
+        out.append((int(dims), div.get(first, 1) if first.startswith("%r") else 1))
+    return out
+
+
+@pytest.mark.parametrize("qtokens, paged", [(4, False), (1, True)])
+def test_logits_tma_boxes_start_16_byte_aligned(qtokens, paged):
+    """TMA raises "illegal instruction" for a box whose innermost start is not 16-byte aligned
+    (the first H200 run, prefill with packed sequences: a 1-D k_scale box at the group's
+    smallest k_start, 13). Proven on the PTX: fp8 boxes (Q, K: 2-D) start at a multiple of 16
+    elements, the fp32 scales' 1-D box (prefill) at a multiple of 4 (key_origin's rounding)."""
+    compiled = SPEC.compile(config.logits_params(qtokens, paged), "--keep-ptx")
+    boxes = _innermost_box_starts(compiled.artifacts.PTX)
+    assert len(boxes) == 3  # Q, the key tile, its scales
+    for dims, divisor in boxes:
+        assert divisor >= (4 if dims == 1 else 16), boxes

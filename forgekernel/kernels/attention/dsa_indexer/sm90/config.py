@@ -37,6 +37,10 @@ CLUSTERS = (1, 2, 4, 8)  # CTAs per row (portable cluster sizes)
 MAX_KEYS = CACHE * CLUSTERS[-1]  # 131072: the longest window a row may have
 ALIGN = 4  # logits row stride multiple (16-byte rows for the bulk copies)
 MAX_GRID_Y = 65535  # the logits' grid y (row groups; decode: sequences) stops here
+# A TMA box's start along its innermost (contiguous) dimension must be 16-byte aligned, or the
+# load raises "illegal instruction" (Triton's TMA sanitizer checks the same rule). The prefill
+# scales (keys,) fp32 are a 1-D box starting at the CTA's first key: a multiple of 4 keys.
+SCALE_ALIGN = 16 // 4
 
 
 def logits_smem_bytes(qtokens: int) -> int:
@@ -66,6 +70,13 @@ def prefill_chunk_rows(rows: int, width: int, budget: int) -> int:
     """Rows of one prefill chunk: within the logits budget and the logits' grid y (groups of
     QTOKENS[-1] rows)."""
     return max(1, min(rows, budget // max(1, width), MAX_GRID_Y * QTOKENS[-1]))
+
+
+def key_origin(lo):
+    """The first key of a prefill logits CTA's tiles: its rows' smallest window start (>= 0)
+    rounded down to SCALE_ALIGN, so that every scale box (key_origin + TILE j) starts 16-byte
+    aligned. Python int or DSL Int32 (the kernel calls it)."""
+    return lo // SCALE_ALIGN * SCALE_ALIGN
 
 
 def logits_qtokens(next_n: int | None) -> int:

@@ -4,6 +4,8 @@ parts, histogram rounds and their decisions, the ranks of the compaction), so th
 algorithm and its arithmetic are checked against the references on a CPU.
 
 What it models:
+- the logits' CTAs of prefill (`logits_ctas`): each one's first key, tiles and the start of
+  every TMA box it loads, as `logits.py`'s `_range` and producer compute them;
 - logits: q . k per (key, head) in fp64 (the tensor core's sum of 128 exact fp8 products; its
   rounding is not modelled), then per row and token: over head groups g = 0..7 of each quad
   lane (heads 8 g + 2 lane + e), two fp32 partial sums (e = 0, 1) of relu x w in g order,
@@ -18,7 +20,14 @@ from __future__ import annotations
 
 import torch
 
-from forgekernel.kernels.attention.dsa_indexer.sm90.config import CACHE, HEADS, HIST_BITS, PAGE
+from forgekernel.kernels.attention.dsa_indexer.sm90.config import (
+    CACHE,
+    HEADS,
+    HIST_BITS,
+    PAGE,
+    TILE,
+    key_origin,
+)
 
 BINS = 1 << HIST_BITS
 ROUNDS = 3
@@ -27,6 +36,29 @@ HIDDEN = -(1 << 31)
 
 
 # ---------------------------------------------------------------- logits
+
+
+def logits_ctas(
+    starts: torch.Tensor, ends: torch.Tensor, width: int, qtokens: int, per: int, splits: int
+) -> list[dict]:
+    """Prefill logits CTAs (split x, group y) as `_range` plans them: the group's rows (the
+    last one repeated past the end), their key range [key0, key0 + TILE x total) with key0 =
+    key_origin(smallest start), this split's tiles [first, first + count) of it, and `scale_box`,
+    the start key of each of its 1-D k_scale TMA boxes (must be a multiple of 4: 16 bytes)."""
+    rows = starts.shape[0]
+    out = []
+    for group in range(-(-rows // qtokens)):
+        members = [min(group * qtokens + q, rows - 1) for q in range(qtokens)]
+        lo = key_origin(max(min(int(starts[r]) for r in members), 0))
+        hi = min(max(int(ends[r]) for r in members), width)
+        total = max(hi - lo + TILE - 1, 0) // TILE
+        for split in range(splits):
+            first = split * per
+            count = max(min(first + per, total) - first, 0)
+            boxes = [lo + TILE * (first + i) for i in range(count)]
+            out.append({"split": split, "group": group, "rows": members, "key0": lo,
+                        "first": first, "count": count, "scale_box": boxes})  # fmt: skip
+    return out
 
 
 def logits_model(

@@ -15,8 +15,9 @@ One CTA = `qtokens` query rows (the WGMMA's B, loaded once) x one split of their
   k_scale (64, pages), strides 128 / 8448 and 1 / 2112 of its int8 (pages, 64, 1, 132);
   logits columns are the sequence's positions j * 64 + row; all pages up to seq_lens[b];
 - prefill (contiguous): rows qtokens x blockIdx.y .. of k (keys, 128), k_scale (keys,), the
-  rows' windows k_start / k_end (rows,) int32, tiles of 64 keys from the smallest start to
-  the largest end; logits columns are key ids.
+  rows' windows k_start / k_end (rows,) int32, tiles of 64 keys from the smallest start
+  (rounded down to 4 keys: a TMA box's innermost start must be 16-byte aligned, and the
+  scales' box is 1-D) to the largest end; logits columns are key ids.
 Splits: blockIdx.x takes tiles [x * per, (x + 1) * per) of that range (per: the launcher's).
 Columns of a tile outside a row's own window are written too (they are the same math); the
 top-k reads only the window. Rows past the last one (prefill tail) are not written.
@@ -51,6 +52,7 @@ from forgekernel.kernels.attention.dsa_indexer.sm90.config import (
     LOGITS_THREADS,
     STAGES,
     TILE,
+    key_origin,
 )
 from forgekernel.kernels.common.sm90 import mma
 from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
@@ -240,7 +242,8 @@ class IndexerLogitsSm90:
                 r = cutlass.min(row0 + q, rows - 1)
                 lo = cutlass.min(lo, mKStart[r])
                 hi = cutlass.max(hi, mKEnd[r])
-            lo = cutlass.max(lo, 0)
+            # rounded down: the scales' 1-D TMA box must start 16-byte aligned (config)
+            lo = key_origin(cutlass.max(lo, 0))
             hi = cutlass.min(hi, mLogits.shape[1])
             total = cutlass.max(hi - lo + TILE - 1, 0) // TILE
             key0 = lo
