@@ -1,9 +1,10 @@
 """The lightning indexer on the GPU (issue 22): the paged decode form and the prefill form
 against the fp64 logits through the suite's order-free judge (odd lengths, empty sequences,
 rows shorter than topk, next_n 2 and 4, a 70001-key row on a cluster of 8 CTAs, packed causal
-sequences, non-causal), the kernels' selection exactly equal to their CPU model's on the same
-fp32 logits (the top-k alone), FlashInfer-Bench's definition through its adapter, CUDA-graph
-capture, and DeepGEMM's logits where it is installed."""
+sequences, non-causal, windows starting at keys that are not multiples of 4), the kernels'
+selection exactly equal to their CPU model's on the same fp32 logits (the top-k alone),
+FlashInfer-Bench's definition through its adapter, CUDA-graph capture, and DeepGEMM's logits
+where it is installed."""
 
 from __future__ import annotations
 
@@ -35,6 +36,27 @@ def test_check_cases_pass_the_judge(case):
     assert not (out == -7).any()
     picked = torch.where(out >= 0, out, torch.iinfo(torch.int32).max)
     assert bool((picked[:, 1:] >= picked[:, :-1]).all())  # ascending ids, padding last
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        S._prefill([4, 4], [13, 64], topk=16),
+        S._prefill([5, 37], [9, 37], topk=256),
+        S._prefill([7, 9], [4999, 6], causal=False),
+        S._prefill([3, 1, 6], [13, 6, 70], topk=8),
+    ],
+    ids=lambda c: c.name,
+)
+def test_prefill_windows_starting_at_unaligned_keys(case):
+    """Packed sequences whose first key is not a multiple of 4: the logits' k_scale TMA box
+    (1-D) starts at the row group's key_origin, 16-byte aligned (the first H200 run's
+    "illegal instruction" in prefill-q342-k2150-s4-k256)."""
+    inputs = _inputs(case)
+    out = torch.full_like(S.alloc_out(inputs), -7)
+    S.run_ours(inputs, out)
+    (verdict,) = S.judge(inputs, (out,))
+    assert verdict["ok"], verdict["message"]
 
 
 @pytest.mark.parametrize("rows, width, topk", [(3, 5000, 2048), (2, 70001, 2048), (5, 300, 7)])
