@@ -138,8 +138,9 @@ def test_logits_tma_boxes_start_16_byte_aligned(qtokens, paged):
     (the first H200 run, prefill with packed sequences: a 1-D k_scale box at the group's
     smallest k_start, 13). Proven on the PTX: fp8 boxes (Q, K: 2-D) start at a multiple of 16
     elements, the fp32 scales' 1-D box (prefill) at a multiple of 4 (key_origin's rounding)."""
-    compiled = SPEC.compile(config.logits_params(qtokens, paged), "--keep-ptx")
-    boxes = _innermost_box_starts(compiled.artifacts.PTX)
+    with tempfile.TemporaryDirectory() as d:  # --keep-ptx writes a file: not into the tree
+        compiled = SPEC.compile(config.logits_params(qtokens, paged), f"--keep-ptx --dump-dir {d}")
+        boxes = _innermost_box_starts(compiled.artifacts.PTX)
     assert len(boxes) == 3  # Q, the key tile, its scales
     for dims, divisor in boxes:
         assert divisor >= (4 if dims == 1 else 16), boxes
