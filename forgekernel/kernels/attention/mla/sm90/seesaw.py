@@ -31,6 +31,9 @@ Buffers: K chunk i (columns 64 i .. 64 i + 63 of the 576, i = 8: RoPE) of buffer
 of 64 rows x 128 bytes on its own mbarrier (one arrival + 8 KB), so S starts on the chunks that
 landed and a refill goes out as soon as its chunks' last reader is done: the left chunks (V_L,
 0 .. 3) after warpgroup 0's P V, the right ones (V_R and RoPE, 4 .. 8) after warpgroup 1's.
+Loads are issued by a whole warp (warp 0 of the CTA for tiles 0 and 1, then warp 0 of the
+refilling warpgroup): the DSL's TMA copy elects its lane among all 32 (elect.sync), so a copy
+under a one-thread branch deadlocks the warp (`_load_chunks`).
 Shared memory: Q (72 KB), two buffers (144 KB), P_a (8 KB); P_c lives in Q's RoPE tile, whose
 values each warpgroup keeps in registers from the prologue on (224 KB in all).
 
@@ -65,7 +68,7 @@ from forgekernel.kernels.attention.mla.sm90.config import (
     TILE,
 )
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
-from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
+from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG, WARP_SIZE
 from forgekernel.kernels.common.sm90.layout import (
     acc_as_operand_a,
     rows_cols,
@@ -89,6 +92,7 @@ K_BLOCKS = CHUNK // 16  # WGMMA k-blocks per chunk
 COLS = D_LATENT // 2  # output columns per warpgroup
 LEFT = tuple(range(COLS // CHUNK))  # the chunks of V_L (warpgroup 0's P V reads them)
 RIGHT = tuple(range(COLS // CHUNK, CHUNKS))  # V_R and the RoPE columns
+WARPS_PER_WG = THREADS_PER_WG // WARP_SIZE
 
 
 class Bar(IntEnum):
@@ -259,10 +263,15 @@ class MlaSeesawSm90:
             tma=(tma_kl, tma_kr), src=(tKgKl, tKgKr), dst=(tKsKl, tKsKr), bars=bars,
             pt=mPT, b=b, t0=t0, page_size=page_size, nbytes=self.chunk_bytes,
         )  # fmt: skip
-        if tidx == 0:
-            for i in cutlass.range_constexpr(STAGES * CHUNKS):
-                cute.arch.mbarrier_init(bars + i, 1)
-            cute.arch.mbarrier_init_fence()
+        # Warp 0, whole (see _load_chunks): one elected lane initializes the mbarriers (the
+        # same lane that arms them below: elect.sync picks the same lane for the same mask),
+        # the warp issues tiles 0 and 1.
+        warp = cute.arch.make_warp_uniform(tidx // WARP_SIZE)
+        if warp == 0:
+            with cute.arch.elect_one():
+                for i in cutlass.range_constexpr(STAGES * CHUNKS):
+                    cute.arch.mbarrier_init(bars + i, 1)
+                cute.arch.mbarrier_init_fence()
             for atom in (tma_kl, tma_kr):
                 cpasync.prefetch_descriptor(atom)
             for j in cutlass.range_constexpr(STAGES):  # tiles 0 and 1, every chunk
@@ -294,6 +303,7 @@ class MlaSeesawSm90:
             acc_o=acc_o, row_sum=row_sum, limits=limits, sM=sM, sScale=sScale, tid=tid,
             scale_log2=scale_log2, sk=sk, t0=t0, tiles=tiles, sKl=sKl,
             mask_from=self._mask_from(t1, kv_end, sq, causal),
+            loader=warp % WARPS_PER_WG == 0,  # the warp of this warpgroup that issues refills
         )  # fmt: skip
         if wg == 0:
             self._warpgroup0(ops, st, kv)
@@ -421,14 +431,20 @@ class MlaSeesawSm90:
 
     @cute.jit
     def _load_chunks(self, kv, buf, chunks: cutlass.Constexpr, page, rb):
-        """One thread: TMA of `chunks` of a tile (page `page`, row block `rb`) into buffer
-        `buf` (static or not), each box on its own mbarrier with its byte count."""
+        """One whole warp (all 32 lanes, converged): TMA of `chunks` of a tile (page `page`,
+        row block `rb`) into buffer `buf` (static or not), each box on its own mbarrier with
+        its byte count. The DSL's TMA copy elects its issuing lane itself (elect.sync over the
+        full warp): reached by one lane alone (under `tid == 0`) that lane waits for the other
+        31 forever while they wait for it at the branch's reconvergence (ptxas: BRA.DIV to a
+        WARPSYNC.COLLECTIVE of all 32 lanes), the hang of the first GPU run. The arrival with
+        the expected bytes is one elected lane's (the mbarriers count one arrival)."""
         tma_kl, tma_kr = kv.tma
         (src_l, src_r), (dst_l, dst_r) = kv.src, kv.dst
         for c in cutlass.range_constexpr(len(chunks)):
             chunk = chunks[c]
             bar = kv.bars + buf * CHUNKS + chunk
-            cute.arch.mbarrier_arrive_and_expect_tx(bar, kv.nbytes)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, kv.nbytes)
             if const_expr(chunk < LATENT_CHUNKS):
                 cute.copy(
                     tma_kl, src_l[None, (rb, chunk, page)], dst_l[None, (0, chunk, buf)],
@@ -441,9 +457,9 @@ class MlaSeesawSm90:
 
     @cute.jit
     def _refill(self, kv, st, buf: cutlass.Constexpr, chunks: cutlass.Constexpr, target):
-        """Thread 0 of the warpgroup: `chunks` of tile `target` (page read beforehand into
-        target[1:]) into buffer `buf`."""
-        if st.tid == 0:
+        """Warp 0 of the warpgroup, whole (`_load_chunks`): `chunks` of tile `target` (its page
+        and row block read beforehand) into buffer `buf`."""
+        if st.loader:
             self._load_chunks(kv, buf, chunks, target[0], target[1])
 
     @cute.jit
