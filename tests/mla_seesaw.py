@@ -11,6 +11,10 @@ With vector clocks (one component per warpgroup, joined at barrier completions a
 waits) every write must come after the end of every earlier access to the same bytes and every
 read after the end of the write it reads; S and P V must read the tile the schedule says.
 
+`warp_collective(reaches, threads)`: below the warpgroup, which warps issue a warp-collective
+operation (a TMA copy) that the threads with reaches(t) reach: all 32 lanes of a warp or none,
+else the warp deadlocks (the schedule's "tma" steps are issued by such a warp).
+
 `seesaw_partial(...)`: the pass's arithmetic in fp64 with the kernel's roundings: per pair,
 warpgroup 0's softmax of tile a against the running max, warpgroup 1's of tile c against a's,
 O's left half += P_a V_L(a) (P_a rounded relative to a's max), then x c's rescale += P_c V_L(c);
@@ -288,6 +292,31 @@ def _blocked(m, wg, progs, pcs) -> bool:
     if pcs[wg] >= len(progs[wg]):
         return True
     return not _step(copy.deepcopy(m), wg, progs[wg][pcs[wg]])
+
+
+# ---------------------------------------------------------------- warp convergence
+
+WARP = 32
+
+
+def warp_collective(reaches, threads: int) -> list[int]:
+    """The warps that run a warp-collective operation (the DSL's TMA copy: elect.sync over all
+    32 lanes picks the issuing lane; elect_one likewise) reached by the threads t < `threads`
+    with reaches(t). A warp runs it only if all 32 lanes reach it: a lane that reaches it
+    alone waits for the other 31 at the elect while they wait for it where the branch
+    reconverges (ptxas: BRA.DIV to a WARPSYNC.COLLECTIVE of all 32 lanes), so the CTA never
+    finishes: ScheduleError."""
+    warps = []
+    for w in range(threads // WARP):
+        lanes = sum(bool(reaches(w * WARP + lane)) for lane in range(WARP))
+        if 0 < lanes < WARP:
+            raise ScheduleError(
+                f"deadlock: warp {w} reaches a warp-collective operation with {lanes} of its "
+                f"{WARP} lanes (elect.sync waits for the others, parked at the reconvergence)"
+            )
+        if lanes:
+            warps.append(w)
+    return warps
 
 
 # ---------------------------------------------------------------- the arithmetic

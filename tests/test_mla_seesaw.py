@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from forgekernel.kernels.attention.mla.sm90 import seesaw
+from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG, WARP_SIZE
 
 
 @pytest.mark.parametrize("tiles", range(0, 12))
@@ -174,3 +175,114 @@ def test_row_limits_take_the_blocks_key_bound():
     (limits,) = _calls(seesaw.MlaSeesawSm90.kernel, "query_row_limits")
     (mask_from,) = _calls(seesaw.MlaSeesawSm90.kernel, "_mask_from")
     assert ast.unparse(limits.args[4]) == ast.unparse(mask_from.args[1]) == "kv_end"
+
+
+# ---------------------------------------------------------------- who issues the loads
+
+_THREAD_NAMES = re.compile(r"\b(tidx|tid|warp|lane)\b|st\.(tid|loader)")
+
+
+def _enclosing(fn, name: str) -> list[tuple[list[str], list[str]]]:
+    """Per call of `name` in fn's source: (the tests of the `if`s around it that depend on the
+    thread (tidx, warp, tid, st.tid, st.loader: the others are CTA-uniform), the context
+    managers of the `with`s around it), as source text."""
+    found = []
+
+    def walk(node, tests, withs):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == name:
+            found.append((tests, withs))
+        if isinstance(node, ast.If) and _THREAD_NAMES.search(ast.unparse(node.test)):
+            for child in node.body:
+                walk(child, [*tests, ast.unparse(node.test)], withs)
+            for child in node.orelse:
+                walk(child, [*tests, f"not ({ast.unparse(node.test)})"], withs)
+            return
+        if isinstance(node, ast.With):
+            ctx = [ast.unparse(item.context_expr) for item in node.items]
+            for child in node.body:
+                walk(child, tests, [*withs, *ctx])
+            return
+        for child in ast.iter_child_nodes(node):
+            walk(child, tests, withs)
+
+    walk(ast.parse(textwrap.dedent(inspect.getsource(fn))), [], [])
+    return found
+
+
+def _state_field(field: str) -> str:
+    """The expression the kernel assigns to st.<field> (its SimpleNamespace of loop state)."""
+    (call,) = (
+        c for c in _calls(seesaw.MlaSeesawSm90.kernel, "SimpleNamespace")
+        if any(k.arg == "scale_log2" for k in c.keywords)
+    )  # fmt: skip
+    values = [ast.unparse(k.value) for k in call.keywords if k.arg == field]
+    return values[0] if values else "None"
+
+
+def _reaches(tests: list[str]):
+    """reaches(tidx): whether thread tidx of the CTA passes every test."""
+    loader = _state_field("loader")
+    consts = {"WARP_SIZE": WARP_SIZE, "THREADS_PER_WG": THREADS_PER_WG}
+    consts["WARPS_PER_WG"] = THREADS_PER_WG // WARP_SIZE
+
+    def reaches(tidx: int) -> bool:
+        env = {**consts, "tidx": tidx, "warp": tidx // 32, "wg": tidx // 128, "tid": tidx % 128}
+        if loader != "None":
+            env["loader"] = eval(loader, {}, env)
+        env["st"] = type("St", (), {"tid": tidx % 128, "loader": env.get("loader")})
+        return all(eval(t, {}, env) for t in tests)
+
+    return reaches
+
+
+def test_tma_loads_are_issued_by_whole_warps():
+    """The DSL's TMA copy (cute.copy with a TMA atom) elects its issuing lane with elect.sync
+    over all 32 lanes: each load site must be reached by whole warps only, one warp of the CTA
+    for tiles 0 and 1 (`kernel`) and one warp of the refilling warpgroup (`_refill`, run by
+    one warpgroup at a time), else the model's warp-convergence rule reports the deadlock that
+    hung the first GPU run (the loads were under `tidx == 0` and `st.tid == 0`). The copies
+    themselves are in `_load_chunks`, reached only from those two sites, outside any
+    elect_one (a copy inside one is the same one-lane elect)."""
+    cls = seesaw.MlaSeesawSm90
+    sites = _enclosing(cls.kernel, "_load_chunks")
+    assert len(sites) == 1
+    ((tests, _),) = sites
+    assert ms.warp_collective(_reaches(tests), seesaw.THREADS) == [0]
+    ((tests, _),) = _enclosing(cls._refill, "_load_chunks")
+    reaches = _reaches(tests)
+    for wg in (0, 1):
+        lo = wg * THREADS_PER_WG
+        warps = ms.warp_collective(lambda t, lo=lo: reaches(t) and lo <= t, lo + THREADS_PER_WG)
+        assert len(warps) == 1 and warps[0] * 32 >= lo
+    copies = _enclosing(cls._load_chunks, "copy")
+    assert len(copies) == 2 and all(not withs for _, withs in copies)
+    methods = {
+        n: f for n, f in vars(cls).items() if inspect.isfunction(getattr(f, "__wrapped__", f))
+    }
+    callers = sorted(n for n, f in methods.items() if _calls(f, "_load_chunks"))
+    assert callers == ["_refill", "kernel"]
+
+
+def test_mbarriers_are_armed_and_initialized_once():
+    """Each box's mbarrier counts one arrival (init count 1): the arrival with its expected
+    bytes, in the warp that issues the box, is one elected lane's; the init is one elected
+    lane's of warp 0 (the same lane: elect.sync elects deterministically), fenced."""
+    cls = seesaw.MlaSeesawSm90
+    ((tests, withs),) = _enclosing(cls._load_chunks, "mbarrier_arrive_and_expect_tx")
+    assert not tests and withs == ["cute.arch.elect_one()"]
+    inits = _enclosing(cls.kernel, "mbarrier_init")
+    assert len(inits) == 1 and inits[0][1] == ["cute.arch.elect_one()"]
+    assert ms.warp_collective(_reaches(inits[0][0]), seesaw.THREADS) == [0]
+    (init,) = _calls(cls.kernel, "mbarrier_init")
+    assert ast.unparse(init.args[1]) == "1"
+    assert len(_calls(cls.kernel, "mbarrier_init_fence")) == 1
+
+
+def test_warp_convergence_rule():
+    """The model's rule itself: one lane (the old `tidx == 0`) deadlocks, half a warp too, a
+    whole warp issues."""
+    with pytest.raises(ms.ScheduleError, match="deadlock"):
+        ms.warp_collective(lambda t: t == 0, 256)
+    with pytest.raises(ms.ScheduleError, match="deadlock"):
+        ms.warp_collective(lambda t: t < 16, 256)
+    assert ms.warp_collective(lambda t: t // 32 == 4, 256) == [4]
