@@ -793,3 +793,33 @@ def test_fake_implementation_under_make_fx(form, out_shape, lse_shape):
     with FakeTensorMode(allow_non_fake_inputs=True):
         graph = make_fx(lambda *x: _call(*x) * 2, tracing_mode="fake")(*_fake_inputs(**form))
     assert "forgekernel.mla_decode" in str(graph.graph)
+
+
+# ---------------------------------------------------------------- the seesaw diagnosis ladder
+
+
+def _diag_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "diag_mla_seesaw.py"
+    spec = importlib.util.spec_from_file_location("diag_mla_seesaw", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", list(_diag_script().CASES))
+def test_diag_ladder_on_the_replay(cpu_kernels, name):
+    """scripts/diag_mla_seesaw.py's cases run in-process through the real launcher and op with
+    the replay in place of the kernels (the seesaw model for `tma` keys): each passes its own
+    criterion, takes the route it is meant to (the seesaw pass but for the control case) and
+    the split counts it is meant to exercise (one split but for the split cases)."""
+    diag = _diag_script()
+    r = diag.run_one(name, device="cpu")
+    assert r["ok"], r
+    assert r["route"] == ("roles" if name.startswith("control") else "tma")
+    assert [p["kind"] for p, *_ in cpu_kernels] == ["partial"]
+    assert (r["splits"] > 1) == (
+        name.startswith("split") or name in ("p128-L300", "h128-sq2-p128-L700-nan")
+    )
