@@ -26,7 +26,9 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's forgekernel
 SCALE = (0.1 * math.log(40.0) + 1.0) ** 2 / math.sqrt(192.0)  # DeepSeek-V3's
 # name: (batch, heads, page size, lengths, s_q, dtype, combined cache, NaN stale slots, schedule)
 CASES = {
