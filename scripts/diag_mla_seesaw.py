@@ -137,7 +137,7 @@ def run_ladder(names: list[str], timeout: float) -> bool:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-            print(f"HANG   {name}: no exit in {timeout:.0f} s", flush=True)
+            print(f"HANG   {name}: no exit in {timeout:g} s", flush=True)
             all_ok = False
             continue
         lines = [ln for ln in out.splitlines() if ln.startswith("{")]
