@@ -108,7 +108,7 @@ def _pair1(k, has_c, more_a, more_c):
 
 def schedule(tiles: int) -> tuple[list, list]:
     """(warpgroup 0's operations, warpgroup 1's) of a split of `tiles` tiles, the prologue
-    (thread 0's TMA of tiles 0 and 1, Q by both, __syncthreads, Q's RoPE tile to registers)
+    (warp 0's TMA of tiles 0 and 1, Q by both, __syncthreads, Q's RoPE tile to registers)
     and the epilogue (the final max and row sums) included."""
 
     def pro(wg):
