@@ -11,6 +11,13 @@ assembles, cuobjdump reads the cubin): the facts its schedule and the CPU model 
 - PTX: 18 mbarriers of one arrival, every box armed with 8192 bytes (64 rows x 64 columns x 2
   bytes, the TMA atom's 65536 bits), named barriers 0 .. 6 only (SCALE0 .. P1 over 256
   threads, WG0 / WG1 over 128), no setmaxnreg.
+- Every generic write of a WGMMA operand tile (stmatrix of P, st.shared of the zeroed stale
+  rows and of Q's zero rows, cp.async of Q) is followed by fence.proxy.async.shared::cta before
+  the next named barrier or bar.sync that hands it to a WGMMA (the async proxy): the CPU model
+  orders accesses by barriers and mbarriers but has no proxies. (TMA-written K read by the
+  warpgroup that did not wait on the chunk's mbarrier needs no fence: both sides are the async
+  proxy, ordered through the waiter's acquire and the named barrier after it, as FlashMLA's
+  warpgroup 1 reads sV0R.)
 - No spills; registers under 256 x 255."""
 
 from __future__ import annotations
@@ -32,6 +39,13 @@ from forgekernel.runtime.resources import find_tool, inspect_cubin  # noqa: E402
 if find_tool("cuobjdump") is None:
     pytest.skip("cuobjdump not found", allow_module_level=True)
 
+# generic shared-memory writes of 16-bit operand tiles (sM / sScale / sTotal are st.shared.b32:
+# read by loads, not by WGMMA), the proxy fence, and the barriers that publish them
+_TILE_STORE = re.compile(
+    r"^\s*(?:@!?%p\d+\s+)?(?:stmatrix\.|st\.shared\.(?:b16|u16|v[248]\.)|cp\.async\.c[ag]\.shared)"
+)
+_PROXY_FENCE = re.compile(r"^\s*fence\.proxy\.async\.shared::cta")
+_BARRIER = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:bar|barrier)(?:\.cta)?\.(?:sync|arrive|red)\b")
 _OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
 
 
@@ -97,3 +111,29 @@ def test_mbarriers_and_named_barriers(compiled):
     allowed |= {(int(Bar.WG0), 128), (int(Bar.WG1), 128)}
     assert set(ids) <= allowed and max(i for i, _ in ids) < 16
     assert "setmaxnreg" not in ptx
+
+
+def _unfenced_tile_stores(ptx: str) -> list[tuple[int, int]]:
+    """(store line, barrier line) for each barrier reached, in the PTX's order, with a 16-bit
+    tile store since the last fence.proxy.async.shared::cta."""
+    pending, bad = None, []
+    for n, line in enumerate(ptx.splitlines(), 1):
+        if _TILE_STORE.match(line):
+            pending = pending or n
+        elif _PROXY_FENCE.match(line):
+            pending = None
+        elif _BARRIER.match(line) and pending:
+            bad.append((pending, n))
+            pending = None
+    return bad
+
+
+def test_generic_tile_writes_are_proxy_fenced_before_their_barrier(compiled):
+    _, _, ptx = compiled
+    lines = ptx.splitlines()
+    assert sum(bool(_TILE_STORE.match(ln)) for ln in lines) > 0
+    assert _unfenced_tile_stores(ptx) == []
+    fences = [i for i, ln in enumerate(lines) if _PROXY_FENCE.match(ln)]
+    assert len(fences) == 9  # Q; P_a and P_c per pair variant; the stale rows of both roles
+    for i in fences:  # each is needed: without it a store reaches its barrier unfenced
+        assert _unfenced_tile_stores("\n".join(lines[:i] + lines[i + 1 :])), i
