@@ -1,7 +1,9 @@
 """ncu target for the MLA decode (a few `forgekernel.mla_decode` calls on one serving shape, page
 size 64, bf16, FlashMLA's combined cache):
 
-    ncu -k regex:MlaDecode -s 2 -c 1 ... python3 scripts/profile_mla.py BATCH HEADS TOKENS [S_Q]
+    ncu -k regex:MlaSeesaw -s 2 -c 1 ... python3 scripts/profile_mla.py BATCH HEADS TOKENS [S_Q]
+
+(the seesaw pass; regex:MlaDecode with FORGEKERNEL_MLA_SCHEDULE=roles for decode.py's)
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import math
 
 import pytest
 import torch
+from mla_seesaw import seesaw_partial
 from split_combine import combine_splits
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -32,10 +33,12 @@ from forgekernel.kernels.attention.mla.sm90.config import (
     HEADS,
     QTOKENS,
     ROWS,
+    SPLIT_OVERHEAD_TILES,
     TILE,
     heads_per_cta,
     params_for,
     split_plan,
+    tile_split_plan,
 )
 from forgekernel.kernels.attention.paged.sm90 import config as paged_config
 from forgekernel.reference.flashinfer_paged import page_table_to_csr
@@ -77,10 +80,18 @@ def test_compile_keys():
     assert dict(params_for("partial", "bfloat16", 16, 2, fp8=True)) == {
         "kind": "partial", "dtype": "bfloat16", "heads": 16, "qtokens": 2, "fp8": True,
     }  # fmt: skip
+    assert dict(params_for("partial", "float16", 16, tma=True)) == {
+        "kind": "partial", "dtype": "float16", "heads": 16, "tma": True,
+    }  # fmt: skip
+    for bad in ({"kind": "sparse", "dtype": "bfloat16"}, {"kind": "partial", "fp8": True}):
+        with pytest.raises(ValueError, match="16-bit paged"):
+            params_for(**{"dtype": "bfloat16", "heads": 16, **bad}, tma=True)
     partial = [dict(p) for p in SPEC.standard_params() if dict(p)["kind"] == "partial"]
     per_pass = sum(1 for h in HEADS for t in QTOKENS if h * t <= ROWS)
-    assert len(partial) == 3 * per_pass  # fp16, bf16, FP8 cache with bf16 queries
+    # fp16 and bf16 (the seesaw pass and decode.py's), FP8 cache with bf16 queries
+    assert len(partial) == 5 * per_pass
     assert sum(1 for p in partial if p.get("fp8")) == per_pass
+    assert sum(1 for p in partial if p.get("tma")) == 2 * per_pass
     assert all(p["dtype"] == "bfloat16" for p in partial if p.get("fp8"))
     assert all(p["heads"] * p.get("qtokens", 1) <= ROWS for p in partial)
     with pytest.raises(ValueError, match="kind"):
@@ -99,6 +110,33 @@ def test_split_plan_is_the_paged_leafs(b, blocks, tokens):
     if splits < -(-tokens // paged_config.MIN_TOKENS_PER_SPLIT):
         ctas = b * blocks * splits
         assert ctas / 132 / -(-ctas // 132) >= paged_config.WAVE_FILL
+
+
+@pytest.mark.parametrize(("b", "blocks", "tokens"), [(1, 1, 65536), (64, 1, 4096), (1, 2, 16384),
+                                                     (128, 2, 8192), (48, 1, 4096), (3, 1, 17),
+                                                     (1, 1, 1), (200, 1, 300)])  # fmt: skip
+def test_tile_split_plan(b, blocks, tokens):
+    """The seesaw pass's plan: whole tiles per split, covering the keys, at least 256 a split
+    (or all of them), and no other tile count with a smaller makespan (waves x (tiles +
+    overhead)) or an equal one with fewer splits."""
+    splits, per = tile_split_plan(b, blocks, tokens, 132, 1)
+    tiles = -(-tokens // TILE)
+    assert per % TILE == 0 and splits == -(-tiles // (per // TILE))
+    assert splits * per >= tokens and (splits - 1) * per < tokens
+    assert per >= min(256, tiles * TILE)
+
+    def cost(n):
+        s = -(-tiles // n)
+        return -(-b * blocks * s // 132) * (n + SPLIT_OVERHEAD_TILES), s
+
+    assert all(cost(per // TILE) <= cost(n) for n in range(min(4, tiles), tiles + 1))
+
+
+def test_tile_split_plan_fills_the_wave():
+    """One long sequence: 128 CTAs of 8 tiles (the paged plan rounded to tiles gave 114 of
+    9); 128 sequences at 128 heads: one split each, not 32 of 4 tiles."""
+    assert tile_split_plan(1, 1, 65536, 132, 1) == (128, 512)
+    assert tile_split_plan(128, 2, 8192, 132, 1) == (1, 8192)
 
 
 # ---------------------------------------------------------------- FP8 dequantization
@@ -249,7 +287,8 @@ def cpu_kernels(monkeypatch):
             fp8 = p.get("fp8", False)
             assert (args[4] is not None) == fp8 and (args[2].dtype == torch.uint8) == fp8
             calls.append((p, args[9:12], args[12] is not None))
-            _partial(*args, heads=p["heads"], qtokens=p.get("qtokens", 1))
+            replay = seesaw_partial if p.get("tma", False) else _partial
+            replay(*args, heads=p["heads"], qtokens=p.get("qtokens", 1))
 
         return partial
 
@@ -271,6 +310,12 @@ def _problem(b, hq, page_size, lens, s_q=1, combined=False, dtype=torch.bfloat16
         ckv = torch.randn(pages, page_size, LATENT, generator=g).to(dtype)
         kpe = torch.randn(pages, page_size, 64, generator=g).to(dtype)
     table = torch.randperm(pages, generator=g)[: b * max_pages].view(b, max_pages).int()
+    for i, n in enumerate(lens):  # the slots past each sequence: stale (NaN: never read as keys)
+        for j in range(max_pages):
+            stale = slice(max(n - j * page_size, 0), page_size)
+            ckv[table[i, j], stale] = float("nan")
+            if kpe is not None:
+                kpe[table[i, j], stale] = float("nan")
     qn = torch.randn(b, s_q, hq, LATENT, generator=g).to(dtype)
     qp = torch.randn(b, s_q, hq, 64, generator=g).to(dtype)
     return qn, qp, ckv, kpe, table, torch.tensor(lens, dtype=torch.int32)
@@ -310,7 +355,9 @@ def test_decode_matches_the_reference(cpu_kernels, b, hq, page_size, lens, s_q, 
     assert params["heads"] == heads_per_cta(hq, qtokens) and ps == page_size
     assert abs(scale_log2 - SCALE * math.log2(math.e)) < 1e-9
     max_tokens = table.shape[1] * page_size
-    assert per == split_plan(b, hq // params["heads"], max_tokens, 132, 1)[1]
+    plan = tile_split_plan if page_size % TILE == 0 else split_plan
+    assert params.get("tma", False) == (page_size % TILE == 0)
+    assert per == plan(b, hq // params["heads"], max_tokens, 132, 1)[1]
 
 
 def _fp8_cache(pages, page_size, gen, *, padded=False, as_bytes=False):
@@ -443,12 +490,13 @@ def test_packed_form(cpu_kernels, causal, q_lens, k_lens):
     ("hq", "q_lens", "k_lens"),
     [(16, [9, 1, 0, 13], [40, 3, 10, 13]), (128, [6, 2], [70, 2]), (32, [5, 7], [4, 150])],
 )
-def test_prefill(cpu_kernels, causal, hq, q_lens, k_lens):
+@pytest.mark.parametrize("page_size", [16, 64])  # decode.py's pass, the seesaw pass's model
+def test_prefill(cpu_kernels, causal, hq, q_lens, k_lens, page_size):
     """mla_prefill: more than 4 query tokens per sequence, in blocks of query tokens per CTA
     (the block count from max_seqlen_q; blocks past a sequence's tokens write nothing); more
     queries than keys (sq > sk) see none of the first ones' keys under the causal mask."""
     b = len(q_lens)
-    _, _, ckv, kpe, table, seq = _problem(b, hq, 16, k_lens)
+    _, _, ckv, kpe, table, seq = _problem(b, hq, page_size, k_lens)
     g = torch.Generator().manual_seed(5)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     qn = torch.randn(int(cu[-1]), hq, LATENT, generator=g).to(torch.bfloat16)
@@ -462,6 +510,7 @@ def test_prefill(cpu_kernels, causal, hq, q_lens, k_lens):
     params, _, packed = cpu_kernels[-1]
     rows = params["heads"] * params["qtokens"]
     assert packed and rows == min(64, hq * 4) and params["qtokens"] in QTOKENS
+    assert params.get("tma", False) == (page_size % TILE == 0)
 
 
 def test_prefill_wants_the_packed_form(cpu_kernels):
@@ -744,3 +793,33 @@ def test_fake_implementation_under_make_fx(form, out_shape, lse_shape):
     with FakeTensorMode(allow_non_fake_inputs=True):
         graph = make_fx(lambda *x: _call(*x) * 2, tracing_mode="fake")(*_fake_inputs(**form))
     assert "forgekernel.mla_decode" in str(graph.graph)
+
+
+# ---------------------------------------------------------------- the seesaw diagnosis ladder
+
+
+def _diag_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "diag_mla_seesaw.py"
+    spec = importlib.util.spec_from_file_location("diag_mla_seesaw", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", list(_diag_script().CASES))
+def test_diag_ladder_on_the_replay(cpu_kernels, name):
+    """scripts/diag_mla_seesaw.py's cases run in-process through the real launcher and op with
+    the replay in place of the kernels (the seesaw model for `tma` keys): each passes its own
+    criterion, takes the route it is meant to (the seesaw pass but for the control case) and
+    the split counts it is meant to exercise (one split but for the split cases)."""
+    diag = _diag_script()
+    r = diag.run_one(name, device="cpu")
+    assert r["ok"], r
+    assert r["route"] == ("roles" if name.startswith("control") else "tma")
+    assert [p["kind"] for p, *_ in cpu_kernels] == ["partial"]
+    assert (r["splits"] > 1) == (
+        name.startswith("split") or name in ("p128-L300", "h128-sq2-p128-L700-nan")
+    )

@@ -2,14 +2,15 @@
 16 / 32 / 128 heads, page sizes 1 / 16 / 64, empty and long sequences, FlashMLA's combined cache
 read through its views, MTP s_q 2 and 4, the packed form, fp16 and bf16, NaN-poisoned outputs
 (criterion: 2x the same math in the input dtype + 1e-3); a CUDA graph replayed on new inputs;
-mla_prefill (blocks of query tokens per CTA); FlashInfer-Bench's mla_paged_decode definitions
-through the adapter, by their own criterion
-(|ours - theirs| <= 1e-2 or relative 1e-2 per element, bench/flashinfer_defs.py). FlashMLA's FP8
-cache (bf16 queries; e4m3 or uint8, pages packed or padded): decode, MTP, the packed form and
-mla_prefill against the reference on the latent e4m3 x its scales (same criterion), in a CUDA
-graph, and the dequantization bit for bit on the device: with one key per sequence the output
-is that key's latent, e4m3 x scale exactly, over all 254 finite codes and the scales 2^-117 ..
-2^7 (fp32 normals all the way through the combine)."""
+mla_prefill (blocks of query tokens per CTA); the seesaw pass (page sizes multiples of 64) with
+NaN in every stale page slot, beside decode.py's pass on the same inputs; FlashInfer-Bench's
+mla_paged_decode definitions through the adapter, by their own criterion (|ours - theirs| <=
+1e-2 or relative 1e-2 per element, bench/flashinfer_defs.py). FlashMLA's FP8 cache (bf16
+queries; e4m3 or uint8, pages packed or padded): decode, MTP, the packed form and mla_prefill
+against the reference on the latent e4m3 x its scales (same criterion), in a CUDA graph, and
+the dequantization bit for bit on the device: with one key per sequence the output is that
+key's latent, e4m3 x scale exactly, over all 254 finite codes and the scales 2^-117 .. 2^7
+(fp32 normals all the way through the combine)."""
 
 from __future__ import annotations
 
@@ -107,9 +108,11 @@ def test_mla_decode_packed(causal):
 )  # fmt: skip
 def test_mla_prefill(causal, hq, q_lens, k_lens):
     """mla_prefill: blocks of query tokens per CTA over long query runs (sq = sk, sq > sk,
-    a chunk after a cached prefix), 16 / 32 / 128 heads; NaN-poisoned out."""
+    a chunk after a cached prefix), 16 / 32 / 128 heads; NaN-poisoned out and stale page slots
+    (page 64: the seesaw pass, every causal block but the last bounded below the sequence)."""
     b = len(q_lens)
     _, _, ckv, kpe, table, seq = _problem(b, hq, 64, k_lens, 1, True, torch.bfloat16)
+    _poison_stale(ckv, kpe, table, k_lens, 64)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
                       device="cuda")  # fmt: skip
     g = torch.Generator(device="cuda").manual_seed(2)
@@ -144,6 +147,58 @@ def test_mla_decode_in_a_cuda_graph():
     low, _ = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE, upcast=False)
     bound = 2 * float((low.float() - want).abs().max()) + 1e-3
     assert float((out.float() - want).abs().max()) <= bound
+
+
+SEESAW_CASES = [
+    # b, hq, page_size, lens, s_q: the seesaw pass (16-bit, page_size % 64 == 0)
+    (6, 16, 64, [1, 63, 64, 65, 190, 450], 1),  # 1 .. 8 tiles, odd and even, partial last
+    (3, 16, 128, [100, 128, 700], 1),  # page 128: row blocks 0 and 1 of a page
+    (2, 16, 256, [300, 5000], 1),
+    (2, 128, 64, [130, 9000], 1),  # two head blocks, splits
+    (3, 16, 64, [3, 200, 4100], 2),  # MTP, causal
+    (2, 32, 64, [5, 3000], 4),
+    (1, 16, 64, [65536], 1),  # 128 splits of 8 tiles
+]
+
+
+def _poison_stale(ckv, kpe, table, lens, ps):
+    """The slots of each sequence's pages past its length: NaN (stale slots; the seesaw pass
+    reads whole 64-row boxes of a page and must mask them in S and zero them before P V)."""
+    for i, n in enumerate(lens):
+        for j in range(table.shape[1]):
+            stale = slice(max(n - j * ps, 0), ps)
+            ckv[table[i, j], stale] = float("nan")
+            if kpe is not None:
+                kpe[table[i, j], stale] = float("nan")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "case", SEESAW_CASES, ids=lambda c: f"b{c[0]}_h{c[1]}_p{c[2]}_sq{c[4]}_n{max(c[3])}"
+)
+def test_seesaw_matches_the_reference_and_the_roles_pass(case, dtype, monkeypatch):
+    """The seesaw pass (tma compile keys) against the reference with NaN in every stale page
+    slot, and decode.py's role-split pass (FORGEKERNEL_MLA_SCHEDULE=roles) on the same inputs
+    by the same criterion."""
+    launch = importlib.import_module("forgekernel.kernels.attention.mla.sm90.launch")
+    b, hq, ps, lens, s_q = case
+    qn, qp, ckv, kpe, table, seq = _problem(b, hq, ps, lens, s_q, False, dtype)
+    _poison_stale(ckv, kpe, table, lens, ps)
+    want, want_lse = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
+    low, _ = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE, upcast=False)
+    keys = []
+    real = launch.get_kernel
+    monkeypatch.setattr(launch, "get_kernel", lambda spec, p: keys.append(dict(p)) or real(spec, p))
+    for schedule, tma in (("seesaw", True), ("roles", False)):
+        monkeypatch.setenv("FORGEKERNEL_MLA_SCHEDULE", schedule)
+        launch._plans.clear()
+        out = torch.full((*qn.shape[:-1], 512), float("nan"), device="cuda", dtype=dtype)
+        _, lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, out=out,
+                               return_lse=True)  # fmt: skip
+        torch.cuda.synchronize()
+        assert [k.get("tma", False) for k in keys if k["kind"] == "partial"][-1] == tma
+        _check(out, lse, want, want_lse, low)
+    launch._plans.clear()
 
 
 def _definition_inputs(defn, seqlens_k, seed=0):

@@ -4,7 +4,7 @@ declaration; the kernels are `decode.py` (the partial pass) and the paged leaf's
 (`PagedCombineSm90` at head dim 512); the op is `forgekernel.ops.mla.mla_decode` (issue 19).
 The partial pass's sparse mode (kind "sparse") is DeepSeek sparse attention's kernel, op
 `forgekernel.ops.dsa.dsa_sparse_attention` (issue 22). `fp8` keys read FlashMLA's FP8 cache
-(fp8.py)."""
+(fp8.py); `tma` keys are seesaw.py's partial pass (16-bit pages of whole 64-key tiles)."""
 
 from __future__ import annotations
 
@@ -29,17 +29,23 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    """Every 16-bit partial / sparse pass, the same heads x tokens over FlashMLA's FP8 cache
-    (bf16 queries), and the combines."""
-    passes = [(dtype, False) for dtype in DTYPES] + [(FP8_DTYPE, True)]
+    """Every 16-bit partial pass (seesaw.py's for whole-tile pages, decode.py's for the others),
+    the same heads x tokens over FlashMLA's FP8 cache (bf16 queries), the sparse passes and the
+    combines."""
+    passes = [(d, False, tma) for d in DTYPES for tma in (True, False)] + [(FP8_DTYPE, True, False)]
     partial = [
-        params_for("partial", dtype, h, qt, fp8)
-        for dtype, fp8 in passes
+        params_for("partial", dtype, h, qt, fp8, tma)
+        for dtype, fp8, tma in passes
         for qt in QTOKENS
         for h in HEADS
         if h * qt <= ROWS
     ]
-    sparse = [params_for("sparse", d, h, fp8=fp8) for d, fp8 in passes for h in sparse_heads()]
+    sparse = [
+        params_for("sparse", d, h, fp8=fp8)
+        for d, fp8, tma in passes
+        if not tma
+        for h in sparse_heads()
+    ]
     return partial + sparse + [params_for("combine", dtype) for dtype in DTYPES]
 
 
@@ -50,7 +56,7 @@ SPEC = KernelSpec(
     compile=_compile,
     standard_params=_standard_params,
     mma=False,  # as the paged leaf's; True once decode.py's MMAs are WGMMA (the build checks)
-    representative=lambda: params_for("partial", "bfloat16", 16),
+    representative=lambda: params_for("partial", "bfloat16", 16, tma=True),
 )
 
 __all__ = ["SPEC", "params_for"]

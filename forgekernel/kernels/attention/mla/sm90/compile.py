@@ -15,6 +15,7 @@ from cutlass.cute.runtime import make_fake_tensor
 
 from forgekernel.kernels.attention.mla.sm90.config import D_LATENT, D_ROPE, FP8_SCALE_COLUMNS
 from forgekernel.kernels.attention.mla.sm90.decode import MlaDecodeSm90
+from forgekernel.kernels.attention.mla.sm90.seesaw import MlaSeesawSm90
 from forgekernel.kernels.attention.paged.sm90.combine import PagedCombineSm90
 from forgekernel.kernels.common.sm90 import fake
 
@@ -96,8 +97,12 @@ def compile_mla(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     b, hq = cute.sym_int32(), cute.sym_int32()
     rows = cute.sym_int32() if qtokens > 1 else b  # total_q packed by cu_seqlens_q, else B
     pages, page_size = cute.sym_int32(), cute.sym_int32()
+    if params.get("tma", False):
+        kernel = MlaSeesawSm90(params["heads"], qtokens)
+    else:
+        kernel = MlaDecodeSm90(params["heads"], qtokens, fp8=fp8)
     return cute.compile(
-        MlaDecodeSm90(params["heads"], qtokens, fp8=fp8),
+        kernel,
         fake.rowmajor(dtype, (rows, hq, D_LATENT)),
         fake.rowmajor(dtype, (rows, hq, D_ROPE)),
         *_caches(dtype, fp8, pages, page_size),

@@ -19,7 +19,10 @@ columns, powers of two), [528, 656) the RoPE columns in bf16 (fp8.py has the deq
 from __future__ import annotations
 
 # the split plan is the paged leaf's (re-exported for the launcher and the tests)
-from forgekernel.kernels.attention.paged.sm90.config import split_plan  # noqa: F401
+from forgekernel.kernels.attention.paged.sm90.config import (  # noqa: F401
+    MIN_TOKENS_PER_SPLIT,
+    split_plan,
+)
 
 DTYPES = ("float16", "bfloat16")
 HEADS = (1, 2, 4, 8, 16, 32, 64)  # query heads per CTA (a divisor of Hq)
@@ -29,6 +32,9 @@ WARPGROUPS = 2  # side by side: S along the keys, P V along the output columns
 THREADS = 128 * WARPGROUPS
 TILE = 64  # keys per pipeline stage
 STAGES = 2
+# The seesaw pass's split plan: a split's fixed cost in tiles' time (Q's load and the first
+# scores before the pipeline fills, the partial's write and its share of the combine)
+SPLIT_OVERHEAD_TILES = 2
 RESIDENT = 1  # CTAs per SM
 D_LATENT = 512  # kv_lora_rank: the value and the first key columns
 D_ROPE = 64  # qk_rope_head_dim: the key's last columns
@@ -39,6 +45,29 @@ FP8_CHUNK = 16  # e4m3 bytes per global load
 E4M3_TO_BF16_EXPONENT = 120  # bf16's exponent bias 127 less e4m3's 7
 FP8_DTYPE = "bfloat16"  # an FP8 cache's queries (e4m3 x a power-of-two scale is exact in bf16)
 SPARSE_HQ = (16, 128)  # DeepSeek-V3.2's query heads per GPU at TP8 and TP1 (the prebuilt DSA)
+
+
+def tile_split_plan(
+    batch: int, head_blocks: int, max_tokens: int, num_sms: int, resident: int
+) -> tuple[int, int]:
+    """(splits, tokens per split) in whole TILE-key tiles (the seesaw pass loads 64-row TMA
+    boxes of one page: a split starts on a tile boundary): the tiles per split minimizing the
+    makespan waves x (tiles + SPLIT_OVERHEAD_TILES) over units of batch x head_blocks CTAs each
+    ceil(tiles / per) splits, waves of num_sms x resident CTAs; ties to fewer splits. At least
+    MIN_TOKENS_PER_SPLIT keys a split (the paged leaf's bound) unless the sequence is
+    shorter. (The paged leaf's plan rounded up to tiles loses CTAs: b1 x 65536 keys ran 114
+    CTAs of 9 tiles where 128 of 8 fit one wave.)"""
+    units = max(1, batch * head_blocks)
+    tiles = max(1, -(-max_tokens // TILE))
+    slots = num_sms * resident
+    fewest = min(tiles, max(1, MIN_TOKENS_PER_SPLIT // TILE))
+
+    def cost(per: int) -> tuple[int, int]:
+        splits = -(-tiles // per)
+        return -(-units * splits // slots) * (per + SPLIT_OVERHEAD_TILES), splits
+
+    per = min(range(fewest, tiles + 1), key=cost)
+    return -(-tiles // per), per * TILE
 
 
 def heads_per_cta(hq: int, qtokens: int = 1) -> int:
@@ -55,18 +84,24 @@ def sparse_heads() -> tuple[int, ...]:
     return tuple(sorted(common | {heads_per_cta(hq) for hq in SPARSE_HQ}))
 
 
-def params_for(kind: str, dtype: str, heads: int = 1, qtokens: int = 1, fp8: bool = False) -> tuple:
+def params_for(
+    kind: str, dtype: str, heads: int = 1, qtokens: int = 1, fp8: bool = False, tma: bool = False
+) -> tuple:
     """Compile key: kind "partial" (one split of `heads` query heads x `qtokens` tokens, fp32
     out; qtokens > 1 the packed form with cu_seqlens_q), "sparse" (DSA: one split of one query
     token's top-k list, `heads` query heads; qtokens 1) or "combine" (the paged leaf's
     `PagedCombineSm90` at head dim D_LATENT, under the key the paged leaf would give it). fp8:
-    the partial / sparse pass over FlashMLA's FP8 cache (dtype FP8_DTYPE only)."""
+    the partial / sparse pass over FlashMLA's FP8 cache (dtype FP8_DTYPE only). tma: the partial
+    pass over a 16-bit cache whose pages are multiples of TILE rows (seesaw.py: TMA boxes of
+    whole tiles, the seesaw schedule)."""
     if kind == "combine":
         return tuple(sorted({"kind": kind, "dtype": dtype, "head_dim": D_LATENT}.items()))
     if kind not in ("partial", "sparse"):
         raise ValueError(f"kind must be 'partial', 'sparse' or 'combine', got {kind!r}")
     if fp8 and dtype != FP8_DTYPE:
         raise ValueError(f"an FP8 cache takes {FP8_DTYPE} queries, got {dtype}")
+    if tma and (kind != "partial" or fp8):
+        raise ValueError("the TMA (seesaw) pass is the 16-bit paged partial pass")
     if kind == "sparse" and qtokens != 1:
         raise ValueError(f"sparse attention takes one query token per CTA, got {qtokens}")
     keys = {"kind": kind, "dtype": dtype, "heads": heads}
@@ -74,4 +109,6 @@ def params_for(kind: str, dtype: str, heads: int = 1, qtokens: int = 1, fp8: boo
         keys["qtokens"] = qtokens
     if fp8:
         keys["fp8"] = True
+    if tma:
+        keys["tma"] = True
     return tuple(sorted(keys.items()))

@@ -72,6 +72,7 @@ from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
 from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
 from forgekernel.kernels.common.sm90.layout import acc_as_operand_a, rows_cols, transposed
 from forgekernel.kernels.common.sm90.mma import gemm
+from forgekernel.kernels.common.sm90.opaque import opaque_i32
 from forgekernel.kernels.common.sm90.pipeline import smem_tensor
 from forgekernel.kernels.common.sm90.softmax import exp2_row, quad_row_max, rescale_o, scaled_max
 from forgekernel.kernels.common.sm90.warp_mma import (
@@ -602,7 +603,9 @@ class MlaDecodeSm90:
         split, q_off, sq, head0, wg, tidx = at
         o = rows_cols(acc_o)
         for r in cutlass.range_constexpr(2):
-            row = o_crd[r, 0][0]
+            # (opaque: with G <= 8 rows the compiler would prove rows r + 8 never written, and
+            # ptxas then serialized every WGMMA of the kernel)
+            row = opaque_i32(o_crd[r, 0][0])
             token = row // self.h
             if row < self.g and token < sq:
                 inv = Float32(0.0)

@@ -3,9 +3,15 @@ pass's sparse mode): torch only (no DSL), the partial pass and the paged leaf's 
 (compiled under this leaf's SPEC) through the compile cache. Callers validate first
 (`forgekernel.ops.mla`, `forgekernel.ops.dsa`). FlashMLA's FP8 cache comes as its three views
 (`ckv_cache` uint8 latent bytes, `kpe_cache` bf16 RoPE, `ckv_scale` fp32 (num_pages, page_size,
-4)) and runs the `fp8` compile of the partial pass; 16-bit caches pass ckv_scale None."""
+4)) and runs the `fp8` compile of the partial pass; 16-bit caches pass ckv_scale None.
+
+16-bit paged caches whose page size is a multiple of TILE run the seesaw pass (`tma` compile keys,
+seesaw.py); FORGEKERNEL_MLA_SCHEDULE=roles (read when a problem's plan is first built) keeps them
+on decode.py's role-split pass, the design the seesaw replaces, for side-by-side timing."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -18,18 +24,27 @@ from forgekernel.runtime.plans import PlanCache
 _plans = PlanCache()
 
 
-def _plan(kind, dtype, units, hq, max_tokens, qtokens, device_index, fp8):
+def seesaw_enabled() -> bool:
+    """The seesaw pass serves 16-bit paged caches of whole-tile pages (unless
+    FORGEKERNEL_MLA_SCHEDULE=roles)."""
+    schedule = os.environ.get("FORGEKERNEL_MLA_SCHEDULE", "seesaw")
+    if schedule not in ("seesaw", "roles"):
+        raise ValueError(f"FORGEKERNEL_MLA_SCHEDULE must be 'seesaw' or 'roles', got {schedule!r}")
+    return schedule == "seesaw"
+
+
+def _plan(kind, dtype, units, hq, max_tokens, qtokens, device_index, fp8, page_size):
     """(partial kernel, combine kernel, splits, keys per split): kind "partial" (units =
     sequences, max_tokens their bound) or "sparse" (units = query tokens, max_tokens the top-k
-    width), over an FP8 cache if fp8; the paged leaf's split plan over units x head blocks. The
-    kernels are looked up here, once per problem (two compile-cache lookups cost 0.8 us a call
-    on the CPU)."""
+    width), over an FP8 cache if fp8; the paged leaf's split plan over units x head blocks (the
+    seesaw pass's in whole tiles). The kernels are looked up here, once per problem (two
+    compile-cache lookups cost 0.8 us a call on the CPU)."""
     name = dtype_name(dtype)
     heads = config.heads_per_cta(hq, qtokens)
-    splits, per = config.split_plan(
-        units, hq // heads, max_tokens, num_sms(device_index), config.RESIDENT
-    )
-    partial = get_kernel(SPEC, config.params_for(kind, name, heads, qtokens, fp8))
+    tma = kind == "partial" and not fp8 and page_size % config.TILE == 0 and seesaw_enabled()
+    plan = config.tile_split_plan if tma else config.split_plan
+    splits, per = plan(units, hq // heads, max_tokens, num_sms(device_index), config.RESIDENT)
+    partial = get_kernel(SPEC, config.params_for(kind, name, heads, qtokens, fp8, tma))
     return partial, get_kernel(SPEC, config.params_for("combine", name)), splits, per
 
 
@@ -88,7 +103,7 @@ def mla_decode(
     page_size = ckv_cache.shape[1]
     device = q_nope.device
     key = ("partial", q_nope.dtype, b * q_blocks, hq, page_table.shape[1] * page_size, qtokens,
-           device.index, ckv_scale is not None)  # fmt: skip
+           device.index, ckv_scale is not None, page_size)  # fmt: skip
     partial, combine, splits, per = _plans.get_or_build(key, _plan)
     partial_o, partial_lse = _partials(splits, rows, hq, device)
     cu = None if cu_seqlens_q is None else cu_seqlens_q.contiguous()
@@ -125,7 +140,7 @@ def dsa_sparse_attention(
         lse.fill_(float("-inf"))
         return
     device = q_nope.device
-    key = ("sparse", q_nope.dtype, tokens, hq, topk, 1, device.index, ckv_scale is not None)
+    key = ("sparse", q_nope.dtype, tokens, hq, topk, 1, device.index, ckv_scale is not None, 1)
     partial, combine, splits, per = _plans.get_or_build(key, _plan)
     partial_o, partial_lse = _partials(splits, tokens, hq, device)
     with on_device(device):

@@ -1,0 +1,736 @@
+"""DeepSeek MLA paged decode, the partial pass over 16-bit caches whose pages hold whole 64-key
+tiles (page_size a multiple of TILE): the "seesaw" schedule of FlashMLA's sm90 decode, TMA loads
+on mbarriers. The math is decode.py's (reference.mla): MQA over one 576-wide latent row per
+token (512 latent + 64 RoPE columns), the key all 576, the value the first 512.
+
+A CTA of two warpgroups takes H query heads x Q query tokens (G = H Q rows, zero rows up to the
+WGMMA's 64) and one split of one sequence's keys, in tiles of TILE keys: tile j sits in buffer
+j % 2, and warpgroup j % 2 scores it (S = Q K^T, 64 x 64, K = 576: the latent columns with Q
+from shared memory, the RoPE columns with Q from registers) and runs its softmax. Each
+warpgroup owns half of O's columns (COLS = 256) and multiplies both tiles of a pair by its half
+of V, its own tile's P from registers, the other's from shared memory. Per pair (a = 2k in
+buffer 0, c = a + 1 in buffer 1):
+
+  warpgroup 0                                  warpgroup 1
+  softmax(a) against the running max           (S(c) done)
+  -> SCALE0                                    SCALE0 -> softmax(c) against a's max
+  O_L += P_a V_L(a)                            -> SCALE1; P_c -> shared; O_R += P_c V_R(c)
+  SCALE1 -> refill buffer 0's left chunks      P0 -> O_R += P_a V_R(a) -> P1
+  P_a x the rescale of c -> shared -> P0       (P V of c done) refill buffer 1's right chunks
+  P1 -> O_L *= rescale(c); O_L += P_c V_L(c)   (P V of a done) refill buffer 0's right chunks
+  S(a + 2): left chunks, (P V done) refill     S(c + 2), right chunks first
+  buffer 1's left chunks, right chunks
+
+so one warpgroup's softmax runs under the other's WGMMAs. Both keep the same running max (sM,
+scaled by scale_log2; -inf before any key): a's rescale of O is corr0 = exp2(m_old - m_a),
+c's corr1 = exp2(m_a - m_c); warpgroup 0 rescales P_a by corr1 before handing it over (both
+halves then add P relative to m_c), warpgroup 1 scales its O by corr0 corr1. Each keeps its
+own row sums (its tiles' P), added at the end.
+
+Buffers: K chunk i (columns 64 i .. 64 i + 63 of the 576, i = 8: RoPE) of buffer s is one TMA box
+of 64 rows x 128 bytes on its own mbarrier (one arrival + 8 KB), so S starts on the chunks that
+landed and a refill goes out as soon as its chunks' last reader is done: the left chunks (V_L,
+0 .. 3) after warpgroup 0's P V, the right ones (V_R and RoPE, 4 .. 8) after warpgroup 1's.
+Loads are issued by a whole warp (warp 0 of the CTA for tiles 0 and 1, then warp 0 of the
+refilling warpgroup): the DSL's TMA copy elects its lane among all 32 (elect.sync), so a copy
+under a one-thread branch deadlocks the warp (`_load_chunks`).
+Shared memory: Q (72 KB), two buffers (144 KB), P_a (8 KB); P_c lives in Q's RoPE tile, whose
+values each warpgroup keeps in registers from the prologue on (224 KB in all).
+
+A tile's rows past the sequence's end (TMA reads whole 64-row boxes of the page) are stale
+cache slots: masked out of S, and their latent zeroed before P V by the warpgroup that scored
+the tile (P = 0 times a NaN would be NaN).
+
+At the end the two warpgroups' row sums meet in shared memory; each writes its columns of the
+split's normalized O (fp32) and warpgroup 0 the rows' LSE in log2 units (-inf where the split saw
+no key), the paged decode's partial format, merged by its combine."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from types import SimpleNamespace
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cute.nvgpu.warp import LdMatrix8x8x16bOp, StMatrix8x8x16bOp
+from cutlass.tensor_utils import LayoutEnum
+
+from forgekernel.kernels.attention.mla.sm90.config import (
+    D_LATENT,
+    D_ROPE,
+    ROWS,
+    STAGES,
+    THREADS,
+    TILE,
+)
+from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
+from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG, WARP_SIZE
+from forgekernel.kernels.common.sm90.layout import (
+    acc_as_operand_a,
+    rows_cols,
+    select,
+    transposed,
+)
+from forgekernel.kernels.common.sm90.mma import gemm
+from forgekernel.kernels.common.sm90.opaque import opaque_i32
+from forgekernel.kernels.common.sm90.pipeline import smem_tensor
+from forgekernel.kernels.common.sm90.softmax import exp2_row, quad_row_max, rescale_o
+from forgekernel.kernels.common.sm90.warp_mma import (
+    copy_row_async,
+    query_row_limits,
+    tiled_row_copy,
+)
+
+CHUNK = 64  # key columns per TMA box and mbarrier: 128 bytes, one swizzle span
+LATENT_CHUNKS = D_LATENT // CHUNK
+CHUNKS = LATENT_CHUNKS + D_ROPE // CHUNK  # + the RoPE columns
+K_BLOCKS = CHUNK // 16  # WGMMA k-blocks per chunk
+COLS = D_LATENT // 2  # output columns per warpgroup
+LEFT = tuple(range(COLS // CHUNK))  # the chunks of V_L (warpgroup 0's P V reads them)
+RIGHT = tuple(range(COLS // CHUNK, CHUNKS))  # V_R and the RoPE columns
+WARPS_PER_WG = THREADS_PER_WG // WARP_SIZE
+
+
+class Bar(IntEnum):
+    """The kernel's named barriers (id 0 is __syncthreads)."""
+
+    SCALE0 = FIRST_FREE  # warpgroup 0's max and rescale of tile a out: 0 arrives, 1 syncs
+    SCALE1 = FIRST_FREE + 1  # warpgroup 1's of tile c: 1 arrives, 0 syncs
+    P0 = FIRST_FREE + 2  # P of tile a (rescaled to c's max) in shared memory: 0 arrives, 1 syncs
+    P1 = FIRST_FREE + 3  # P of tile c in shared memory, 1's P V on it issued: 1 arrives, 0 syncs
+    WG0 = FIRST_FREE + 4  # warpgroup 0 alone (its zeroed stale rows before its own P V)
+    WG1 = FIRST_FREE + 5  # warpgroup 1 alone
+
+
+class MlaSeesawSm90:
+    """The partial pass over a 16-bit paged cache with page_size % TILE == 0; see the module
+    docstring. Same arguments as `decode.MlaDecodeSm90` (mScale None)."""
+
+    def __init__(self, heads: int, qtokens: int = 1):
+        if heads * qtokens > ROWS:
+            raise ValueError(f"heads x query tokens must be <= {ROWS}, got {heads} x {qtokens}")
+        self.h = heads
+        self.qt = qtokens
+        self.g = heads * qtokens
+
+    def _setup(self, dtype):
+        k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
+        rmem = warpgroup.OperandSource.RMEM
+        tiled = sm90_utils.make_trivial_tiled_mma
+        self.mma_s = tiled(dtype, dtype, k_major, k_major, Float32, (1, 1, 1), (ROWS, TILE))
+        self.mma_s_rs = tiled(
+            dtype, dtype, k_major, k_major, Float32, (1, 1, 1), (ROWS, TILE), a_source=rmem
+        )
+        self.mma_pv = tiled(dtype, dtype, k_major, mn_major, Float32, (1, 1, 1), (ROWS, COLS))
+        self.mma_pv_rs = tiled(
+            dtype, dtype, k_major, mn_major, Float32, (1, 1, 1), (ROWS, COLS), a_source=rmem
+        )
+        row = LayoutEnum.ROW_MAJOR
+        self.lay_ql = sm90_utils.make_smem_layout_a(row, (ROWS, TILE, D_LATENT), dtype, 1)
+        self.lay_qr = sm90_utils.make_smem_layout_a(row, (ROWS, TILE, D_ROPE), dtype, 1)
+        self.lay_kl = sm90_utils.make_smem_layout_b(row, (ROWS, TILE, D_LATENT), dtype, STAGES)
+        self.lay_kr = sm90_utils.make_smem_layout_b(row, (ROWS, TILE, D_ROPE), dtype, STAGES)
+        self.lay_p = sm90_utils.make_smem_layout_a(row, (ROWS, D_LATENT, TILE), dtype, 1)
+        self.chunk_bytes = TILE * CHUNK * dtype.width // 8
+
+    @cute.jit
+    def __call__(
+        self,
+        mQn: cute.Tensor,
+        mQp: cute.Tensor,
+        mCkv: cute.Tensor,
+        mKpe: cute.Tensor,
+        mScale: cute.Tensor | None,
+        mPT: cute.Tensor,
+        mSeq: cute.Tensor,
+        mOp: cute.Tensor,
+        mLp: cute.Tensor,
+        scale_log2: Float32,
+        per_split: Int32,
+        page_size: Int32,
+        mCuQ: cute.Tensor | None,
+        causal: Int32,
+        q_blocks: Int32,
+        stream: cuda.CUstream,
+    ):
+        """decode.MlaDecodeSm90's arguments: mQn (rows, Hq, 512), mQp (rows, Hq, 64), mCkv
+        (num_pages, page_size, 512), mKpe (num_pages, page_size, 64), one 16-bit dtype; mScale
+        None; mPT int32 (batch, max_pages); mSeq int32 (batch,); mOp fp32 (splits, rows, Hq,
+        512), mLp fp32 (splits, rows, Hq) log2; per_split a multiple of TILE and page_size of
+        TILE (the launcher's contract: a tile is 64 consecutive rows of one page); mCuQ,
+        causal, q_blocks as there."""
+        dtype = mQn.element_type
+        if const_expr(not (dtype == mQp.element_type == mCkv.element_type == mKpe.element_type)):
+            raise TypeError("q_nope, q_pe and the caches must share one 16-bit dtype")
+        if const_expr(mScale is not None):
+            raise ValueError("the seesaw pass reads 16-bit caches (FP8: decode.MlaDecodeSm90)")
+        if const_expr((mCuQ is None) != (self.qt == 1)):
+            raise ValueError("cu_seqlens_q comes with qtokens > 1, and only then")
+        self._setup(dtype)
+        # TMA boxes of 64 rows x 64 columns over (rows of a page, columns, pages)
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        box = cute.slice_(self.lay_kr, (None, None, 0))
+        tma_kl, mKl = cpasync.make_tiled_tma_atom(g2s, select(mCkv, [1, 2, 0]), box, (TILE, CHUNK))
+        tma_kr, mKr = cpasync.make_tiled_tma_atom(g2s, select(mKpe, [1, 2, 0]), box, (TILE, CHUNK))
+
+        @cute.struct
+        class Shared:
+            kl: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(self.lay_kl)], 1024]
+            kr: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(self.lay_kr)], 1024]
+            ql: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(self.lay_ql)], 1024]
+            qr: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(self.lay_qr)], 1024]
+            p: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(self.lay_p)], 1024]
+            m: cute.struct.MemRange[Float32, ROWS]  # the running max, scaled
+            scale: cute.struct.MemRange[Float32, 2 * ROWS]  # rescale factors of tiles a, c
+            total: cute.struct.MemRange[Float32, 2 * ROWS]  # the warpgroups' final row sums
+            bars: cute.struct.MemRange[cutlass.Int64, STAGES * CHUNKS]
+
+        self.shared = Shared
+        self.kernel(
+            mQn, mQp, mPT, mSeq, mOp, mLp, scale_log2, per_split, page_size, mCuQ, causal,
+            q_blocks, tma_kl, mKl, tma_kr, mKr, self.mma_s, self.mma_s_rs, self.mma_pv,
+            self.mma_pv_rs, self.lay_kl, self.lay_kr, self.lay_ql, self.lay_qr, self.lay_p,
+        ).launch(
+            grid=(mSeq.shape[0] * q_blocks, mQn.shape[1] // self.h, mOp.shape[0]),
+            block=[THREADS, 1, 1],
+            stream=stream,
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQn: cute.Tensor,
+        mQp: cute.Tensor,
+        mPT: cute.Tensor,
+        mSeq: cute.Tensor,
+        mOp: cute.Tensor,
+        mLp: cute.Tensor,
+        scale_log2: Float32,
+        per_split: Int32,
+        page_size: Int32,
+        mCuQ: cute.Tensor | None,
+        causal: Int32,
+        q_blocks: Int32,
+        tma_kl: cute.CopyAtom,
+        mKl: cute.Tensor,
+        tma_kr: cute.CopyAtom,
+        mKr: cute.Tensor,
+        mma_s: cute.TiledMma,
+        mma_s_rs: cute.TiledMma,
+        mma_pv: cute.TiledMma,
+        mma_pv_rs: cute.TiledMma,
+        lay_kl: cute.ComposedLayout,
+        lay_kr: cute.ComposedLayout,
+        lay_ql: cute.ComposedLayout,
+        lay_qr: cute.ComposedLayout,
+        lay_p: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        unit, head_block, split = cute.arch.block_idx()
+        head0 = head_block * self.h
+        b, q_off, sq, sk, kv_end = self._unit(mSeq, mCuQ, causal, q_blocks, unit)
+        t0 = split * per_split
+        t1 = cutlass.min(t0 + per_split, kv_end)
+        tiles = cute.ceil_div(cutlass.max(t1 - t0, 0), TILE)
+        wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
+
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared)
+        sKl = smem_tensor(storage.kl, lay_kl)
+        sKr = smem_tensor(storage.kr, lay_kr)
+        sQl = smem_tensor(storage.ql, lay_ql)[None, None, 0]
+        sQr = smem_tensor(storage.qr, lay_qr)[None, None, 0]
+        sP0 = smem_tensor(storage.p, lay_p)[None, None, 0]
+        sP1 = smem_tensor(storage.qr, lay_p)[None, None, 0]  # Q's RoPE tile, once in registers
+        sM = storage.m.get_tensor(cute.make_layout(ROWS))
+        sScale = storage.scale.get_tensor(cute.make_layout((ROWS, 2), stride=(1, ROWS)))
+        sTotal = storage.total.get_tensor(cute.make_layout((ROWS, 2), stride=(1, ROWS)))
+        bars = storage.bars.data_ptr()
+
+        # (TMA atom, (row block, chunk, page)) boxes and their shared-memory slots
+        one = cute.make_layout(1)
+        box = (TILE, CHUNK)
+        tKsKl, tKgKl = cpasync.tma_partition(
+            tma_kl, 0, one, cute.zipped_divide(sKl, box), cute.zipped_divide(mKl, box)
+        )
+        tKsKr, tKgKr = cpasync.tma_partition(
+            tma_kr, 0, one, cute.zipped_divide(sKr, box), cute.zipped_divide(mKr, box)
+        )
+        kv = SimpleNamespace(
+            tma=(tma_kl, tma_kr), src=(tKgKl, tKgKr), dst=(tKsKl, tKsKr), bars=bars,
+            pt=mPT, b=b, t0=t0, page_size=page_size, nbytes=self.chunk_bytes,
+        )  # fmt: skip
+        # Warp 0, whole (see _load_chunks): one elected lane initializes the mbarriers (the
+        # same lane that arms them below: elect.sync picks the same lane for the same mask),
+        # the warp issues tiles 0 and 1.
+        warp = cute.arch.make_warp_uniform(tidx // WARP_SIZE)
+        if warp == 0:
+            with cute.arch.elect_one():
+                for i in cutlass.range_constexpr(STAGES * CHUNKS):
+                    cute.arch.mbarrier_init(bars + i, 1)
+                cute.arch.mbarrier_init_fence()
+            for atom in (tma_kl, tma_kr):
+                cpasync.prefetch_descriptor(atom)
+            for j in cutlass.range_constexpr(STAGES):  # tiles 0 and 1, every chunk
+                if j < tiles:
+                    page, rb = self._page(kv, j)
+                    self._load_chunks(kv, j, LEFT + RIGHT, page, rb)
+        if tidx < ROWS:
+            sM[tidx] = -Float32.inf
+        self._load_query(mQn, mQp, sQl, sQr, q_off, sq, head0, tidx)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.fence_view_async_shared()  # cp.async writes, then WGMMA reads
+        cute.arch.sync_threads()
+
+        tid = tidx % THREADS_PER_WG
+        ops = self._operands(
+            (mma_s, mma_s_rs, mma_pv, mma_pv_rs), (sQl, sQr, sKl, sKr, sP0, sP1), tid
+        )
+        acc_o = cute.make_rmem_tensor(
+            mma_pv.get_slice(tid).partition_shape_C((ROWS, COLS)), Float32
+        )
+        acc_o.fill(0.0)
+        row_sum = cute.make_rmem_tensor(2, Float32)
+        row_sum.fill(0.0)
+        # causal rows see keys < kv_end - sq + token + 1: the block's key bound, not the
+        # sequence's length (they differ for every query block of a prefill but the last)
+        limits = query_row_limits(ops.coords, self.h, self.qt, sq, kv_end, t1, causal)
+        st = SimpleNamespace(
+            acc_o=acc_o, row_sum=row_sum, limits=limits, sM=sM, sScale=sScale, tid=tid,
+            scale_log2=scale_log2, sk=sk, t0=t0, tiles=tiles, sKl=sKl,
+            mask_from=self._mask_from(t1, kv_end, sq, causal),
+            loader=warp % WARPS_PER_WG == 0,  # the warp of this warpgroup that issues refills
+        )  # fmt: skip
+        if wg == 0:
+            self._warpgroup0(ops, st, kv)
+        else:
+            self._warpgroup1(ops, st, kv)
+
+        # the row sums of both warpgroups (relative to the final max) meet in shared memory
+        for r in cutlass.range_constexpr(2):
+            part = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
+            if tid % 4 == 0:
+                sTotal[ops.coords[r, 0][0], wg] = part
+        cute.arch.sync_threads()
+        row_max = cute.make_rmem_tensor(2, Float32)
+        for r in cutlass.range_constexpr(2):
+            row = ops.coords[r, 0][0]
+            row_max[r] = sM[row]
+            row_sum[r] = sTotal[row, 0] + sTotal[row, 1]
+        o_crd = rows_cols(
+            mma_pv.get_slice(tid).partition_C(cute.make_identity_tensor((ROWS, COLS)))
+        )
+        self._write_split(
+            (mOp, mLp), acc_o, row_max, row_sum, o_crd, (split, q_off, sq, head0, wg, tid)
+        )
+
+    # ---------------------------------------------------------------- set-up
+
+    @cute.jit
+    def _unit(self, mSeq, mCuQ, causal, q_blocks, unit):
+        """(batch b, first query row, query tokens sq, keys sk, key bound kv_end) of CTA x
+        `unit`: one sequence (decode), or block `unit % q_blocks` of a sequence's query tokens
+        (`qtokens` each; causal, they see keys < kv_end; a block past the end has sq 0 and
+        reads no key)."""
+        if const_expr(mCuQ is None):
+            sk = mSeq[unit]
+            return unit, unit, Int32(1), sk, sk
+        b = unit // q_blocks
+        token0 = (unit - b * q_blocks) * self.qt
+        sk = mSeq[b]
+        q_all = mCuQ[b + 1] - mCuQ[b]
+        sq = cutlass.max(cutlass.min(q_all - token0, self.qt), 0)
+        kv_end = Int32(cutlass.select_(causal != 0, sk - q_all + token0 + sq, sk))
+        kv_end = Int32(cutlass.select_(sq > 0, kv_end, 0))
+        return b, mCuQ[b] + token0, sq, sk, kv_end
+
+    @cute.jit
+    def _mask_from(self, t1, kv_end, sq, causal):
+        """The first key some written row may not see (the split's end; with query tokens and
+        causal, token 0's bound): tiles before it need no mask. (Rows of tokens past sq, not
+        written, may then see keys past their bound: their zero queries give finite scores.)"""
+        bound = t1
+        if const_expr(self.qt > 1):
+            bound = Int32(cutlass.select_(causal != 0, cutlass.min(t1, kv_end - sq + 1), t1))
+        return bound
+
+    @cute.jit
+    def _operands(self, mmas, smem, tid):
+        """One warpgroup's WGMMA operands: S's (Q's latent columns from shared memory, its RoPE
+        columns loaded into registers here, K chunks), P V's (P from registers or from shared
+        memory; V halves by buffer), the S accumulator and its (row, column) coordinates."""
+        mma_s, mma_s_rs, mma_pv, mma_pv_rs = mmas
+        sQl, sQr, sKl, sKr, sP0, sP1 = smem
+        thr_s, thr_sr = mma_s.get_slice(tid), mma_s_rs.get_slice(tid)
+        q_rope = thr_sr.make_fragment_A(thr_sr.partition_shape_A((ROWS, CHUNK)))
+        s2r = cute.make_tiled_copy_A(
+            cute.make_copy_atom(LdMatrix8x8x16bOp(False, 4), sQr.element_type), mma_s_rs
+        )
+        thr_s2r = s2r.get_slice(tid)
+        cute.copy(s2r, thr_s2r.partition_S(sQr), thr_s2r.retile(q_rope))
+        acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((ROWS, TILE)), Float32)
+        thr_pv, thr_pv_rs = mma_pv.get_slice(tid), mma_pv_rs.get_slice(tid)
+        v_all = transposed(sKl)  # (512, TILE, STAGES): the latent tile as an MN-major operand
+        halves = [cute.local_tile(v_all, (COLS, TILE, STAGES), (h, 0, 0)) for h in range(2)]
+        r2s = cute.make_tiled_copy_C(
+            cute.make_copy_atom(StMatrix8x8x16bOp(False, 4), sP0.element_type), mma_s
+        )
+        thr_r2s = r2s.get_slice(tid)
+        return SimpleNamespace(
+            mma=mmas,
+            q_latent=thr_s.make_fragment_A(thr_s.partition_A(sQl)),
+            q_rope=q_rope,
+            k_latent=thr_s.make_fragment_B(thr_s.partition_B(sKl)),
+            k_rope=thr_sr.make_fragment_B(thr_sr.partition_B(sKr)),
+            acc_s=acc_s,
+            coords=rows_cols(thr_s.partition_C(cute.make_identity_tensor((ROWS, TILE)))),
+            p_regs=thr_pv_rs.make_fragment_A(thr_pv_rs.partition_shape_A((ROWS, TILE))),
+            p_smem=(
+                thr_pv.make_fragment_A(thr_pv.partition_A(sP0)),
+                thr_pv.make_fragment_A(thr_pv.partition_A(sP1)),
+            ),
+            v_rs=[thr_pv_rs.make_fragment_B(thr_pv_rs.partition_B(v)) for v in halves],
+            v_ss=[thr_pv.make_fragment_B(thr_pv.partition_B(v)) for v in halves],
+            r2s=r2s,
+            p_dst=(thr_r2s.partition_D(sP0), thr_r2s.partition_D(sP1)),
+            thr_r2s=thr_r2s,
+            p16=cute.make_rmem_tensor(acc_s.shape, sP0.element_type),
+        )
+
+    @cute.jit
+    def _load_query(self, mQn, mQp, sQl, sQr, q_off, sq, head0, tidx):
+        """Query rows r = (token r // H, head head0 + r % H) for r < G and token < sq, by
+        cp.async (the caller commits); zeros elsewhere."""
+        for mQ, sQ, width in ((mQn, sQl, D_LATENT), (mQp, sQr, D_ROPE)):
+            gcopy = tiled_row_copy(mQ.element_type, width, THREADS)
+            thr = gcopy.get_slice(tidx)
+            tQsQ = thr.partition_D(sQ)
+            tQcQ = thr.partition_S(cute.make_identity_tensor((ROWS, width)))
+            for m in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
+                r = tQcQ[0, m, 0][0]
+                token = r // self.h
+                if r < self.g and token < sq:
+                    row = mQ[q_off + token, head0 + r % self.h, None]
+                    copy_row_async(gcopy, row, width, tQsQ[None, m, None], tQcQ[None, m, None])
+                else:
+                    tQsQ[None, m, None].fill(0.0)
+
+    # ---------------------------------------------------------------- loads
+
+    @cute.jit
+    def _page(self, kv, tile):
+        """(page, 64-row block of the page) of tile `tile` of the split (the caller keeps
+        `tile` inside the split: page-table entries past the sequence are not read)."""
+        token = kv.t0 + tile * TILE
+        index = token // kv.page_size
+        return kv.pt[kv.b, index], (token - index * kv.page_size) // TILE
+
+    @cute.jit
+    def _load_chunks(self, kv, buf, chunks: cutlass.Constexpr, page, rb):
+        """One whole warp (all 32 lanes, converged): TMA of `chunks` of a tile (page `page`,
+        row block `rb`) into buffer `buf` (static or not), each box on its own mbarrier with
+        its byte count. The DSL's TMA copy elects its issuing lane itself (elect.sync over the
+        full warp): reached by one lane alone (under `tid == 0`) that lane waits for the other
+        31 forever while they wait for it at the branch's reconvergence (ptxas: BRA.DIV to a
+        WARPSYNC.COLLECTIVE of all 32 lanes), the hang of the first GPU run. The arrival with
+        the expected bytes is one elected lane's (the mbarriers count one arrival)."""
+        tma_kl, tma_kr = kv.tma
+        (src_l, src_r), (dst_l, dst_r) = kv.src, kv.dst
+        for c in cutlass.range_constexpr(len(chunks)):
+            chunk = chunks[c]
+            bar = kv.bars + buf * CHUNKS + chunk
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, kv.nbytes)
+            if const_expr(chunk < LATENT_CHUNKS):
+                cute.copy(
+                    tma_kl, src_l[None, (rb, chunk, page)], dst_l[None, (0, chunk, buf)],
+                    tma_bar_ptr=bar,
+                )  # fmt: skip
+            else:
+                cute.copy(
+                    tma_kr, src_r[None, (rb, 0, page)], dst_r[None, (0, 0, buf)], tma_bar_ptr=bar
+                )
+
+    @cute.jit
+    def _refill(self, kv, st, buf: cutlass.Constexpr, chunks: cutlass.Constexpr, target):
+        """Warp 0 of the warpgroup, whole (`_load_chunks`): `chunks` of tile `target` (its page
+        and row block read beforehand) into buffer `buf`."""
+        if st.loader:
+            self._load_chunks(kv, buf, chunks, target[0], target[1])
+
+    @cute.jit
+    def _scores(self, ops, buf: cutlass.Constexpr, chunks: cutlass.Constexpr, phase, fresh):
+        """Issue S (+)= Q K^T over `chunks` of buffer `buf`, each after its mbarrier's phase
+        `phase`; one commit group. fresh: the first chunk starts the accumulator."""
+        atom_ss = cute.make_mma_atom(ops.mma[0].op)
+        atom_rs = cute.make_mma_atom(ops.mma[1].op)
+        acc = ops.acc_s
+        accumulate = not fresh
+        for c in cutlass.range_constexpr(len(chunks)):
+            chunk = chunks[c]
+            cute.arch.mbarrier_wait(self._bar(ops, buf, chunk), phase)
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(K_BLOCKS):
+                if const_expr(chunk < LATENT_CHUNKS):
+                    kb = chunk * K_BLOCKS + k
+                    atom_ss.set(warpgroup.Field.ACCUMULATE, accumulate)
+                    a, bk = ops.q_latent[None, None, kb], ops.k_latent[None, None, kb, buf]
+                    cute.gemm(atom_ss, acc, a, bk, acc)
+                else:
+                    atom_rs.set(warpgroup.Field.ACCUMULATE, accumulate)
+                    a, bk = ops.q_rope[None, None, k], ops.k_rope[None, None, k, buf]
+                    cute.gemm(atom_rs, acc, a, bk, acc)
+                accumulate = True
+        warpgroup.commit_group()
+
+    def _bar(self, ops, buf, chunk):
+        return ops.bars + buf * CHUNKS + chunk
+
+    # ---------------------------------------------------------------- the two roles
+
+    @cute.jit
+    def _warpgroup0(self, ops, st, kv):
+        """Tiles a = 2k: S(0), then per pair its softmax, P V of a and c on columns 0 .. 255,
+        S(a + 2). Steady pairs (a + 2 exists) in the loop, the last pair after it."""
+        ops.bars = kv.bars
+        if 0 < st.tiles:
+            self._scores(ops, 0, LEFT + RIGHT, 0, True)
+            warpgroup.wait_group(0)
+        steady = cutlass.max((st.tiles - 1) // 2, 0)
+        for k in cutlass.range(steady, unroll=1):
+            self._pair0(ops, st, kv, k, True, True)
+        a = 2 * steady
+        if a + 1 < st.tiles:
+            self._pair0(ops, st, kv, steady, True, False)
+        elif a < st.tiles:
+            self._pair0(ops, st, kv, steady, False, False)
+
+    @cute.jit
+    def _warpgroup1(self, ops, st, kv):
+        """Tiles c = 2k + 1: S(1), then per pair its softmax after a's, P V of c and a on
+        columns 256 .. 511, S(c + 2)."""
+        ops.bars = kv.bars
+        if 1 < st.tiles:
+            self._scores(ops, 1, RIGHT + LEFT, 0, True)
+            warpgroup.wait_group(0)
+        steady = cutlass.max((st.tiles - 2) // 2, 0)
+        for k in cutlass.range(steady, unroll=1):
+            self._pair1(ops, st, kv, k, True, True, True)
+        a = 2 * steady
+        if a + 2 < st.tiles:  # c exists, c + 2 does not; then a + 2 alone
+            self._pair1(ops, st, kv, steady, True, True, False)
+            self._pair1(ops, st, kv, steady + 1, False, False, False)
+        elif a + 1 < st.tiles:
+            self._pair1(ops, st, kv, steady, True, False, False)
+        elif a < st.tiles:
+            self._pair1(ops, st, kv, steady, False, False, False)
+
+    @cute.jit
+    def _pair0(self, ops, st, kv, k, has_c: cutlass.Constexpr, more: cutlass.Constexpr):
+        """Warpgroup 0's turn of pair k (a = 2k; has_c: tile a + 1 exists; more: a + 2
+        exists, whence c too)."""
+        a = 2 * k
+        if const_expr(more):
+            nxt_a = self._page(kv, a + 2)
+            nxt_c = self._page(kv, cutlass.min(a + 3, st.tiles - 1))
+        if const_expr(not has_c):  # a is the last tile
+            self._zero_stale(ops, st, 0, a, Bar.WG0)
+        corr, part = self._softmax(ops, st, a, 0, not more)
+        named_barrier(Bar.SCALE0, THREADS).arrive()
+        for r in cutlass.range_constexpr(2):
+            st.row_sum[r] = st.row_sum[r] * corr[r] + part[r]
+        self._rescale(st.acc_o, corr)
+        self._p16(ops, None)
+        self._p_regs(ops)
+        gemm(ops.mma[3], st.acc_o, ops.p_regs, ops.v_rs[0][None, None, None, 0], False, 0)
+        named_barrier(Bar.SCALE1, THREADS).arrive_and_wait()
+        if const_expr(more):
+            self._refill(kv, st, 0, LEFT, nxt_a)
+        corr1 = cute.make_rmem_tensor(2, Float32)
+        for r in cutlass.range_constexpr(2):
+            corr1[r] = st.sScale[ops.coords[r, 0][0], 1]
+        self._p16(ops, corr1)
+        self._p_smem(ops, 0)
+        cute.arch.fence_view_async_shared()  # P's stores, then the other warpgroup's WGMMA
+        named_barrier(Bar.P0, THREADS).arrive()
+        if const_expr(has_c):
+            named_barrier(Bar.P1, THREADS).arrive_and_wait()
+            self._rescale(st.acc_o, corr1)
+            for r in cutlass.range_constexpr(2):
+                st.row_sum[r] = st.row_sum[r] * corr1[r]
+            gemm(ops.mma[2], st.acc_o, ops.p_smem[1], ops.v_ss[0][None, None, None, 1], False, -1)
+        if const_expr(more):
+            self._scores(ops, 0, LEFT, (k + 1) % 2, True)
+            if a + 3 < st.tiles:
+                warpgroup.wait_group(1)  # P V of c done: buffer 1's left chunks are free
+                self._refill(kv, st, 1, LEFT, nxt_c)
+            self._scores(ops, 0, RIGHT, (k + 1) % 2, False)
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def _pair1(
+        self,
+        ops,
+        st,
+        kv,
+        k,
+        has_c: cutlass.Constexpr,
+        more_a: cutlass.Constexpr,
+        more_c: cutlass.Constexpr,
+    ):
+        """Warpgroup 1's turn of pair k (c = 2k + 1; has_c: c exists; more_a / more_c: a + 2 /
+        c + 2 exist)."""
+        a = 2 * k
+        c = a + 1
+        if const_expr(more_a):
+            nxt_a = self._page(kv, a + 2)
+        if const_expr(more_c):
+            nxt_c = self._page(kv, c + 2)
+        if const_expr(has_c and not more_a):  # c is the last tile
+            self._zero_stale(ops, st, 1, c, Bar.WG1)
+        named_barrier(Bar.SCALE0, THREADS).arrive_and_wait()
+        corr, part = self._softmax(ops, st, c, 1, not more_c)  # (no tile c: all masked, corr 1)
+        named_barrier(Bar.SCALE1, THREADS).arrive()
+        both = cute.make_rmem_tensor(2, Float32)  # a's and c's rescales
+        for r in cutlass.range_constexpr(2):
+            both[r] = st.sScale[ops.coords[r, 0][0], 0] * corr[r]
+            st.row_sum[r] = st.row_sum[r] * both[r] + part[r]
+        self._rescale(st.acc_o, both)
+        if const_expr(has_c):
+            self._p16(ops, None)
+            self._p_smem(ops, 1)
+            self._p_regs(ops)
+            gemm(ops.mma[3], st.acc_o, ops.p_regs, ops.v_rs[1][None, None, None, 1], False, -1)
+            cute.arch.fence_view_async_shared()  # P's stores, then the other warpgroup's WGMMA
+        named_barrier(Bar.P0, THREADS).arrive_and_wait()
+        gemm(ops.mma[2], st.acc_o, ops.p_smem[0], ops.v_ss[1][None, None, None, 0], False, -1)
+        if const_expr(has_c):
+            named_barrier(Bar.P1, THREADS).arrive()
+        if const_expr(more_c):
+            warpgroup.wait_group(1)  # P V of c done: buffer 1's right chunks are free
+            self._refill(kv, st, 1, RIGHT, nxt_c)
+        if const_expr(more_a):
+            warpgroup.wait_group(0)  # P V of a done: buffer 0's right chunks are free
+            self._refill(kv, st, 0, RIGHT, nxt_a)
+        if const_expr(more_c):
+            self._scores(ops, 1, RIGHT + LEFT, (k + 1) % 2, True)
+        warpgroup.wait_group(0)
+
+    # ---------------------------------------------------------------- softmax and P
+
+    @cute.jit
+    def _softmax(self, ops, st, tile, slot: cutlass.Constexpr, tail: cutlass.Constexpr):
+        """S of `tile` (this warpgroup's, done) -> P (fp32, in place) against the running max;
+        tail (one of the split's last two tiles): the mask applied where the tile reaches past
+        a written row's bound (keys past the row's limit, or past the split). (Earlier tiles
+        lie wholly before every written row's bound: a causal bound trails the split's end by
+        at most qtokens - 1 < TILE keys.) The max and this tile's rescale factor exp2(m_old -
+        m_new) go to shared memory (slot 0 / 1). Returns (the rescale factors, this thread's
+        part of P's row sums)."""
+        s = rows_cols(ops.acc_s)
+        first_key = st.t0 + tile * TILE
+        corr = cute.make_rmem_tensor(2, Float32)
+        part = cute.make_rmem_tensor(2, Float32)
+        m_new = cute.make_rmem_tensor(2, Float32)
+        coords, limits = ops.coords, st.limits
+        if const_expr(tail):
+            if first_key + TILE > st.mask_from:  # the last tile (or, causal, the last two)
+                for r in cutlass.range_constexpr(2):
+                    for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                        if first_key + coords[r, c][1] >= limits[r]:
+                            s[r, c] = -Float32.inf
+        for r in cutlass.range_constexpr(2):
+            m_old = st.sM[ops.coords[r, 0][0]]
+            top = quad_row_max(s, r, -Float32.inf) * st.scale_log2
+            m_new[r] = cute.arch.fmax(m_old, top)
+            base = m_new[r]
+            if base == -Float32.inf:
+                base = Float32(0.0)
+            corr[r] = cute.math.exp2(m_old - base, fastmath=True)
+            part[r] = exp2_row(s, r, st.scale_log2, base)
+        cute.arch.sync_warp()  # the quad's reads of the old max, then its leader's write
+        s_max, s_scale, coords = st.sM, st.sScale, ops.coords  # (locals: stores in a branch)
+        if st.tid % 4 == 0:
+            for r in cutlass.range_constexpr(2):
+                s_max[coords[r, 0][0]] = m_new[r]
+                s_scale[coords[r, 0][0], slot] = corr[r]
+        return corr, part
+
+    @cute.jit
+    def _rescale(self, acc_o, corr):
+        """O's rows times their rescale factors, unless every one of the warp's is 1 (the max
+        did not move: rows of zero queries always, the others ever more often)."""
+        moved = (corr[0] != Float32(1.0)) | (corr[1] != Float32(1.0))
+        if cute.arch.vote_any_sync(moved):
+            rescale_o(acc_o, corr)
+
+    @cute.jit
+    def _p16(self, ops, corr):
+        """P (fp32, times corr per row if given) -> 16 bits (ops.p16)."""
+        if const_expr(corr is not None):
+            s = rows_cols(ops.acc_s)
+            for r in cutlass.range_constexpr(2):
+                for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                    s[r, c] = s[r, c] * corr[r]
+        ops.p16.store(ops.acc_s.load().to(ops.p16.element_type))
+
+    @cute.jit
+    def _p_regs(self, ops):
+        """ops.p16 as the register A operand of P V (the same registers, in order)."""
+        p_as_a = acc_as_operand_a(ops.p16)
+        for i in cutlass.range_constexpr(cute.size(ops.p_regs)):
+            ops.p_regs[i] = p_as_a[i]
+
+    @cute.jit
+    def _p_smem(self, ops, slot: cutlass.Constexpr):
+        """ops.p16 -> shared memory slot 0 (sP0) / 1 (sP1), by stmatrix (4 per thread)."""
+        cute.copy(ops.r2s, ops.thr_r2s.retile(ops.p16), ops.p_dst[slot])
+
+    @cute.jit
+    def _zero_stale(self, ops, st, buf: cutlass.Constexpr, tile, wg_bar):
+        """Rows of `tile` (in buffer `buf`) past the sequence's end hold stale cache slots:
+        their latent columns are zeroed (P V would multiply them by P = 0) by this warpgroup,
+        which scored the tile; fenced and synced before its own P V (the other warpgroup's
+        comes after a barrier this one arrives at later)."""
+        valid = st.sk - (st.t0 + tile * TILE)
+        s_k = st.sKl  # (a local: stores in a branch)
+        vec = 128 // s_k.element_type.width  # elements per 16-byte chunk
+        per_row = D_LATENT // vec
+        if valid < TILE:
+            for i in cutlass.range(st.tid, (TILE - valid) * per_row, THREADS_PER_WG, unroll=1):
+                row = valid + i // per_row
+                col = (i % per_row) * vec
+                for e in cutlass.range_constexpr(vec):
+                    s_k[row, col + e, buf] = s_k.element_type(0.0)
+            cute.arch.fence_view_async_shared()
+            named_barrier(wg_bar, THREADS_PER_WG).arrive_and_wait()
+
+    # ---------------------------------------------------------------- output
+
+    @cute.jit
+    def _write_split(self, outs, acc_o, row_max, row_sum, o_crd, at):
+        """This thread's columns of the split's O and, from warpgroup 0, the rows' LSE (log2:
+        the max is kept scaled); 0 and -inf where the split saw no key. Rows past G or of
+        tokens past sq are not written."""
+        mOp, mLp = outs
+        split, q_off, sq, head0, wg, tid = at
+        o = rows_cols(acc_o)
+        for r in cutlass.range_constexpr(2):
+            # (opaque: with G <= 8 rows the compiler would prove rows r + 8 never written)
+            row = opaque_i32(o_crd[r, 0][0])
+            token = row // self.h
+            if row < self.g and token < sq:
+                inv = Float32(0.0)
+                lse = -Float32.inf
+                if row_sum[r] > 0.0:
+                    inv = 1.0 / row_sum[r]
+                    lse = row_max[r] + cute.math.log2(row_sum[r], fastmath=True)
+                head = head0 + row % self.h
+                for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+                    mOp[split, q_off + token, head, wg * COLS + o_crd[r, c][1]] = o[r, c] * inv
+                if wg == 0 and tid % 4 == 0:
+                    mLp[split, q_off + token, head] = lse

@@ -1,0 +1,433 @@
+"""CPU models of the MLA seesaw pass (forgekernel/kernels/attention/mla/sm90/seesaw.py).
+
+`schedule(tiles)`: the two warpgroups' operations per pair of tiles, in the order the kernel
+issues them (named barriers, TMA refills per chunk, mbarrier waits, WGMMA issue / commit / wait,
+shared-memory reads and writes). `simulate(tiles, first)` runs them against the hardware's
+rules: a named barrier completes when both warpgroups arrived (a second arrival of one in the
+same generation is an error), an mbarrier phase completes when its TMA is issued (a wait on
+parity p while two phases are ahead would alias), a WGMMA's reads last from its issue to the
+`wait_group` that retires it, a TMA write from its issue to the mbarrier wait that observes it.
+With vector clocks (one component per warpgroup, joined at barrier completions and mbarrier
+waits) every write must come after the end of every earlier access to the same bytes and every
+read after the end of the write it reads; S and P V must read the tile the schedule says.
+
+`warp_collective(reaches, threads)`: below the warpgroup, which warps issue a warp-collective
+operation (a TMA copy) that the threads with reaches(t) reach: all 32 lanes of a warp or none,
+else the warp deadlocks (the schedule's "tma" steps are issued by such a warp).
+
+`seesaw_partial(...)`: the pass's arithmetic in fp64 with the kernel's roundings: per pair,
+warpgroup 0's softmax of tile a against the running max, warpgroup 1's of tile c against a's,
+O's left half += P_a V_L(a) (P_a rounded relative to a's max), then x c's rescale += P_c V_L(c);
+the right half x both rescales += P_c V_R(c) + (P_a x c's rescale, rounded) V_R(a); each half's
+row sums of its own tiles, added at the end. Tiles are whole 64-row boxes of one page, stale
+rows (past the sequence) read as they are, masked in S and zeroed as V."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+
+TILE = 64
+CHUNKS = 9  # 8 latent chunks of 64 columns + the RoPE chunk
+LEFT = (0, 1, 2, 3)  # V_L: latent columns 0 .. 255
+RIGHT = (4, 5, 6, 7, 8)  # V_R and the RoPE chunk
+V_HALF = ((0, 1, 2, 3), (4, 5, 6, 7))
+LATENT = 512
+
+
+# ---------------------------------------------------------------- the schedule
+
+
+def _scores(tile, buf, chunks, use):
+    """S over `chunks` of `buf` (the mbarrier's use-th phase), one commit group."""
+    ops = []
+    for c in chunks:
+        ops += [("mbar_wait", buf, c, use), ("read_async", ("K", buf, c), tile)]
+    return ops + [("commit",)]
+
+
+def _p(slot):
+    """The bytes of P's shared-memory slot: sP0, or sP1 = Q's RoPE tile (whose halves the two
+    warpgroups' cp.async wrote)."""
+    return [("P0",)] if slot == 0 else [("QR", 0), ("QR", 1)]
+
+
+def _pv(buf, half, tile, p_slot=None):
+    """P V over V half `half` of `buf` (tile `tile`), P from shared memory slot p_slot or
+    registers; one commit group."""
+    ops = [("read_async", ("K", buf, c), tile) for c in V_HALF[half]]
+    if p_slot is not None:
+        ops += [("read_async", res, None) for res in _p(p_slot)]
+    return ops + [("commit",)]
+
+
+def _pair0(k, tiles, has_c, more):
+    a = 2 * k
+    ops = []
+    if not has_c:  # a is the last tile: its stale rows zeroed (latent chunks)
+        ops += [("write", ("K", 0, c), a) for c in range(8)]
+    ops += [("read", ("M",)), ("write", ("M",), None), ("write", ("SCALE", 0), None)]
+    ops += [("arrive", "SCALE0")]
+    ops += _pv(0, 0, a) + [("wait_group", 0)]
+    ops += [("sync", "SCALE1")]
+    if more:
+        ops += [("tma", 0, c, a + 2) for c in LEFT]
+    ops += [("read", ("SCALE", 1))] + [("write", res, None) for res in _p(0)] + [("arrive", "P0")]
+    if has_c:
+        ops += [("sync", "P1")] + _pv(1, 0, a + 1, p_slot=1)
+    if more:
+        ops += _scores(a + 2, 0, LEFT, k + 1)
+        if a + 3 < tiles:
+            ops += [("wait_group", 1)] + [("tma", 1, c, a + 3) for c in LEFT]
+        ops += _scores(a + 2, 0, RIGHT, k + 1)
+    return ops + [("wait_group", 0)]
+
+
+def _pair1(k, has_c, more_a, more_c):
+    a, c = 2 * k, 2 * k + 1
+    ops = []
+    if has_c and not more_a:  # c is the last tile
+        ops += [("write", ("K", 1, ch), c) for ch in range(8)]
+    ops += [("sync", "SCALE0"), ("read", ("M",)), ("write", ("M",), None)]
+    ops += [("write", ("SCALE", 1), None), ("arrive", "SCALE1"), ("read", ("SCALE", 0))]
+    if has_c:
+        ops += [("write", res, None) for res in _p(1)] + _pv(1, 1, c)
+    ops += [("sync", "P0")] + _pv(0, 1, a, p_slot=0)
+    if has_c:
+        ops += [("arrive", "P1")]
+    if more_c:
+        ops += [("wait_group", 1)] + [("tma", 1, ch, c + 2) for ch in RIGHT]
+    if more_a:
+        ops += [("wait_group", 0)] + [("tma", 0, ch, a + 2) for ch in RIGHT]
+    if more_c:
+        ops += _scores(c + 2, 1, RIGHT + LEFT, k + 1)
+    return ops + [("wait_group", 0)]
+
+
+def schedule(tiles: int) -> tuple[list, list]:
+    """(warpgroup 0's operations, warpgroup 1's) of a split of `tiles` tiles, the prologue
+    (warp 0's TMA of tiles 0 and 1, Q by both, __syncthreads, Q's RoPE tile to registers)
+    and the epilogue (the final max and row sums) included."""
+
+    def pro(wg):
+        q = [("write", ("QR", wg), None), ("sync", "ALL")]
+        return q + [("read", ("QR", 0)), ("read", ("QR", 1))]
+
+    loads = [("tma", j, c, j) for j in range(min(tiles, 2)) for c in range(CHUNKS)]
+    wg0 = loads + [("write", ("M",), None)] + pro(0)
+    wg1 = pro(1)
+    if tiles > 0:
+        wg0 += _scores(0, 0, LEFT + RIGHT, 0) + [("wait_group", 0)]
+    steady = max((tiles - 1) // 2, 0)
+    for k in range(steady):
+        wg0 += _pair0(k, tiles, True, True)
+    a = 2 * steady
+    if a + 1 < tiles:
+        wg0 += _pair0(steady, tiles, True, False)
+    elif a < tiles:
+        wg0 += _pair0(steady, tiles, False, False)
+    if tiles > 1:
+        wg1 += _scores(1, 1, RIGHT + LEFT, 0) + [("wait_group", 0)]
+    steady = max((tiles - 2) // 2, 0)
+    for k in range(steady):
+        wg1 += _pair1(k, True, True, True)
+    a = 2 * steady
+    if a + 2 < tiles:
+        wg1 += _pair1(steady, True, True, False) + _pair1(steady + 1, False, False, False)
+    elif a + 1 < tiles:
+        wg1 += _pair1(steady, True, False, False)
+    elif a < tiles:
+        wg1 += _pair1(steady, False, False, False)
+    end = [("sync", "END"), ("read", ("M",))]
+    return wg0 + end, wg1 + end
+
+
+# ---------------------------------------------------------------- the hardware's rules
+
+
+class ScheduleError(AssertionError):
+    pass
+
+
+def _leq(a, b):
+    return all(x <= y for x, y in zip(a, b, strict=True))
+
+
+def _join(a, b):
+    return tuple(max(x, y) for x, y in zip(a, b, strict=True))
+
+
+class _Machine:
+    """Named barriers, mbarriers, WGMMA groups and the access log; see the module docstring."""
+
+    def __init__(self):
+        self.vc = [(1, 0), (0, 1)]
+        self.arrived = defaultdict(dict)  # barrier -> {wg: vc at arrival}
+        self.done = defaultdict(list)  # barrier -> [join of the arrivals] per generation
+        self.gen = defaultdict(lambda: [0, 0])  # barrier -> generation each wg is at
+        self.phases = defaultdict(list)  # (buf, chunk) -> [(tile, issuer vc)] per phase
+        self.groups = [[], []]  # wg -> committed groups (lists of access records)
+        self.open = [[], []]  # wg -> accesses of the group not yet committed
+        self.log = defaultdict(list)  # resource -> access records
+        self.content = {}  # resource -> tile it holds
+        self.observed = {}  # (buf, chunk, phase) -> vc of the wait that first saw it
+
+    def tick(self, wg):
+        v = list(self.vc[wg])
+        v[wg] += 1
+        self.vc[wg] = tuple(v)
+
+    def access(self, wg, kind, res, tile=None, end=True):
+        """Record an access starting now; check it against earlier conflicting ones."""
+        rec = {"wg": wg, "kind": kind, "start": self.vc[wg], "end": self.vc[wg] if end else None}
+        for old in self.log[res]:
+            if old["kind"] == "read" and kind == "read":
+                continue
+            if old["end"] is None or not _leq(old["end"], rec["start"]):
+                raise ScheduleError(f"race on {res}: {old} then {rec}")
+        if kind == "read" and res[0] == "K" and tile is not None and self.content.get(res) != tile:
+            raise ScheduleError(f"{res} holds tile {self.content.get(res)}, read as {tile}")
+        self.log[res].append(rec)
+        return rec
+
+
+def _step(m, wg, op):
+    """Run one operation; False if it blocks."""
+    kind = op[0]
+    if kind in ("arrive", "sync"):
+        bar = op[1]
+        gen = m.gen[bar][wg]
+        if len(m.done[bar]) < gen:
+            raise ScheduleError(f"{bar}: warpgroup {wg} arrives twice in one generation")
+        if len(m.done[bar]) == gen:  # this generation still open
+            if wg not in m.arrived[bar]:
+                m.arrived[bar][wg] = m.vc[wg]
+                if len(m.arrived[bar]) == 2:
+                    vcs = list(m.arrived[bar].values())
+                    m.done[bar].append(_join(*vcs))
+                    m.arrived[bar] = {}
+            if len(m.done[bar]) <= gen:
+                if kind == "arrive":
+                    m.gen[bar][wg] += 1
+                    return True
+                return False  # sync: wait for the other warpgroup
+        if kind == "sync":
+            m.vc[wg] = _join(m.vc[wg], m.done[bar][gen])
+        m.gen[bar][wg] += 1
+        return True
+    if kind == "tma":
+        _, buf, chunk, tile = op
+        res = ("K", buf, chunk)
+        m.access(wg, "write", res, end=False)
+        m.content[res] = tile
+        m.phases[(buf, chunk)].append((tile, m.vc[wg], m.log[res][-1]))
+        return True
+    if kind == "mbar_wait":
+        _, buf, chunk, use = op
+        done = m.phases[(buf, chunk)]
+        if len(done) <= use:
+            return False
+        if len(done) > use + 1:
+            raise ScheduleError(f"mbarrier {(buf, chunk)}: phase {use} waited, {len(done)} done")
+        _, issuer_vc, write = done[use]
+        m.vc[wg] = _join(m.vc[wg], issuer_vc)
+        if write["end"] is None:
+            write["end"] = m.vc[wg]
+        return True
+    if kind == "read_async":
+        _, res, tile = op
+        m.open[wg].append(m.access(wg, "read", res, tile, end=False))
+        return True
+    if kind == "commit":
+        m.groups[wg].append(m.open[wg])
+        m.open[wg] = []
+        return True
+    if kind == "wait_group":
+        keep = op[1]
+        while len(m.groups[wg]) > keep:
+            for rec in m.groups[wg].pop(0):
+                rec["end"] = m.vc[wg]
+        return True
+    if kind in ("read", "write"):
+        res, tile = op[1], (op[2] if len(op) > 2 else None)
+        m.access(wg, kind, res, tile)
+        if kind == "write" and res[0] == "K":
+            m.content[res] = tile
+        return True
+    raise ValueError(op)
+
+
+def simulate(tiles: int, first: int = 0, switch_every: int = 1) -> _Machine:
+    """Run `schedule(tiles)` with warpgroup `first` starting, switching to the other one after
+    `switch_every` operations or when blocked; ScheduleError on a deadlock or a broken rule."""
+    progs = schedule(tiles)
+    pcs = [0, 0]
+    m = _Machine()
+    wg = first
+    while pcs[0] < len(progs[0]) or pcs[1] < len(progs[1]):
+        ran = 0
+        while pcs[wg] < len(progs[wg]) and ran < switch_every:
+            if not _step(m, wg, progs[wg][pcs[wg]]):
+                break
+            m.tick(wg)
+            pcs[wg] += 1
+            ran += 1
+        other = 1 - wg
+        if ran == 0 and (pcs[other] >= len(progs[other]) or _blocked(m, other, progs, pcs)):
+            raise ScheduleError(f"deadlock at {pcs}: {progs[0][pcs[0]:pcs[0] + 1]}, "
+                                f"{progs[1][pcs[1]:pcs[1] + 1]}")  # fmt: skip
+        wg = other
+    for w in (0, 1):
+        if m.open[w] or m.groups[w]:
+            raise ScheduleError(f"warpgroup {w} ends with WGMMAs in flight")
+    return m
+
+
+def _blocked(m, wg, progs, pcs) -> bool:
+    """Whether warpgroup wg's next operation blocks (probed on a copy of the state)."""
+    import copy
+
+    if pcs[wg] >= len(progs[wg]):
+        return True
+    return not _step(copy.deepcopy(m), wg, progs[wg][pcs[wg]])
+
+
+# ---------------------------------------------------------------- warp convergence
+
+WARP = 32
+
+
+def warp_collective(reaches, threads: int) -> list[int]:
+    """The warps that run a warp-collective operation (the DSL's TMA copy: elect.sync over all
+    32 lanes picks the issuing lane; elect_one likewise) reached by the threads t < `threads`
+    with reaches(t). A warp runs it only if all 32 lanes reach it: a lane that reaches it
+    alone waits for the other 31 at the elect while they wait for it where the branch
+    reconverges (ptxas: BRA.DIV to a WARPSYNC.COLLECTIVE of all 32 lanes), so the CTA never
+    finishes: ScheduleError."""
+    warps = []
+    for w in range(threads // WARP):
+        lanes = sum(bool(reaches(w * WARP + lane)) for lane in range(WARP))
+        if 0 < lanes < WARP:
+            raise ScheduleError(
+                f"deadlock: warp {w} reaches a warp-collective operation with {lanes} of its "
+                f"{WARP} lanes (elect.sync waits for the others, parked at the reconvergence)"
+            )
+        if lanes:
+            warps.append(w)
+    return warps
+
+
+# ---------------------------------------------------------------- the arithmetic
+
+
+def _base(m: torch.Tensor) -> torch.Tensor:
+    return torch.where(m > -math.inf, m, 0.0)
+
+
+def seesaw_split(q, keys, values, key_index, limit, mask_from, scale_log2, dtype):
+    """One split of one CTA: q (rows, 576) fp64; keys (tiles, 64, 576) and values (tiles, 64,
+    512) fp64 as the buffers hold them (stale rows included: values zeroed there by the
+    caller); key_index (tiles, 64) the keys' positions; limit (rows,) the first position a row
+    may not see, applied to the tiles reaching past mask_from (the kernel's `_mask_from`: rows
+    not written may see more). Returns (O (rows, 512) normalized, LSE (rows,) log2; 0 / -inf
+    without keys)."""
+    rows = q.shape[0]
+    tiles = keys.shape[0]
+    m = torch.full((rows,), -math.inf, dtype=torch.float64)
+    sums = [torch.zeros(rows, dtype=torch.float64) for _ in range(2)]
+    o = [torch.zeros(rows, LATENT // 2, dtype=torch.float64) for _ in range(2)]
+    halves = (slice(0, LATENT // 2), slice(LATENT // 2, LATENT))
+
+    def softmax(tile):
+        if tile >= tiles:  # no tile c: every key masked
+            s = torch.full((rows, TILE), -math.inf, dtype=torch.float64)
+        else:
+            s = q @ keys[tile].T
+            if int(key_index[tile][-1]) >= mask_from:
+                s = torch.where(key_index[tile][None, :] < limit[:, None], s, -math.inf)
+        top = s.max(1).values * scale_log2
+        m_new = torch.maximum(m, top)
+        corr = torch.exp2(m - _base(m_new))
+        return torch.exp2(s * scale_log2 - _base(m_new)[:, None]), corr, m_new
+
+    def rounded(p):
+        return p.to(dtype).double()
+
+    for a in range(0, tiles, 2):
+        c = a + 1
+        p_a, corr0, m = softmax(a)
+        sums[0] = sums[0] * corr0 + p_a.sum(1)
+        o[0] = o[0] * corr0[:, None] + rounded(p_a) @ values[a][:, halves[0]]
+        p_c, corr1, m = softmax(c)
+        both = corr0 * corr1
+        sums[1] = sums[1] * both + p_c.sum(1)
+        o[1] = o[1] * both[:, None]
+        if c < tiles:
+            o[1] += rounded(p_c) @ values[c][:, halves[1]]
+        o[1] += rounded(p_a * corr1[:, None]) @ values[a][:, halves[1]]
+        if c < tiles:
+            o[0] = o[0] * corr1[:, None] + rounded(p_c) @ values[c][:, halves[0]]
+            sums[0] = sums[0] * corr1
+    total = sums[0] + sums[1]
+    seen = total > 0
+    out = torch.cat(o, 1) / torch.where(seen, total, 1.0)[:, None]
+    lse = torch.where(seen, m + torch.log2(torch.where(seen, total, 1.0)), -math.inf)
+    return torch.where(seen[:, None], out, 0.0), lse
+
+
+def seesaw_partial(qn, qp, ckv, kpe, ckv_scale, pt, seq, op_, lp, scale_log2, per, page_size,
+                   cu, causal, q_blocks, *, heads, qtokens):  # fmt: skip
+    """The seesaw pass (seesaw.py) with the partial pass's arguments (test_mla_decode's
+    `_partial`): CTA (sequence x query block, head block, split) reads its split's tiles as
+    whole 64-row boxes of one page each (the launcher's contract: per and page_size multiples
+    of 64), the rows past the sequence as stale slots (masked in S, zeroed as V), and runs
+    `seesaw_split`. Only pages of the sequence are read."""
+    assert ckv_scale is None and per % TILE == 0 and page_size % TILE == 0
+    _, hq, _ = qn.shape
+    rows = [(i, h) for i in range(qtokens) for h in range(heads)]
+    for b, blk in ((b, blk) for b in range(seq.shape[0]) for blk in range(q_blocks)):
+        sk = int(seq[b])
+        if cu is None:
+            q_off, sq, kv_end = b, 1, sk
+        else:
+            q_all, token0 = int(cu[b + 1] - cu[b]), blk * qtokens
+            q_off, sq = int(cu[b]) + token0, max(min(q_all - token0, qtokens), 0)
+            kv_end = (sk - q_all + token0 + sq if causal else sk) if sq > 0 else 0
+        for h0 in range(0, hq, heads):
+            zero = torch.zeros(LATENT + 64, dtype=torch.float64)
+            q = torch.stack([
+                torch.cat([qn[q_off + i, h0 + h], qp[q_off + i, h0 + h]]).double()
+                if i < sq else zero for i, h in rows
+            ])  # fmt: skip
+            for s in range(op_.shape[0]):
+                t0, t1 = s * per, min(s * per + per, kv_end)
+                tiles = max(-(-(t1 - t0) // TILE), 0)
+                limit = torch.tensor([
+                    (min(t1, kv_end - sq + i + 1) if causal else t1) if i < sq else 0
+                    for i, _ in rows
+                ])  # fmt: skip
+                mask_from = min(t1, kv_end - sq + 1) if causal and qtokens > 1 else t1
+                keys, values, index = [], [], []
+                for j in range(tiles):
+                    first = t0 + j * TILE
+                    page = first // page_size
+                    assert page < -(-sk // page_size), (b, s, j, sk)  # a page of the sequence
+                    slots = torch.arange(first - page * page_size, first - page * page_size + TILE)
+                    row = pt[b, page].long()
+                    k = torch.cat([ckv[row, slots], kpe[row, slots]], -1).double()
+                    pos = torch.arange(first, first + TILE)
+                    keys.append(k)
+                    values.append(torch.where((pos < sk)[:, None], k[:, :LATENT], 0.0))
+                    index.append(pos)
+                if tiles:
+                    stacked = [torch.stack(t) for t in (keys, values, index)]
+                    o, lse = seesaw_split(q, *stacked, limit, mask_from, scale_log2, qn.dtype)
+                else:
+                    o = torch.zeros(len(rows), LATENT, dtype=torch.float64)
+                    lse = torch.full((len(rows),), -math.inf, dtype=torch.float64)
+                for r, (i, h) in enumerate(rows):
+                    if i < sq:
+                        op_[s, q_off + i, h0 + h] = o[r]
+                        lp[s, q_off + i, h0 + h] = lse[r]

@@ -1,0 +1,288 @@
+"""The MLA seesaw pass's CPU models (tests/mla_seesaw.py): its schedule runs clean against the
+hardware's rules for every tile count and interleaving tried, breaks when a wait or barrier of
+it is dropped, and matches the kernel's source order; its arithmetic (two column halves, P
+handed over rescaled) equals one softmax over all keys in exact arithmetic."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import math
+import re
+import textwrap
+
+import mla_seesaw as ms
+import pytest
+import torch
+
+from forgekernel.kernels.attention.mla.sm90 import seesaw
+from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG, WARP_SIZE
+
+
+@pytest.mark.parametrize("tiles", range(0, 12))
+def test_schedule_runs_clean(tiles):
+    """No deadlock, no double arrival, no mbarrier phase aliasing; every S and P V reads the
+    tile it means and every refill, P, scale and max store follows the last read of what it
+    overwrites, whichever warpgroup runs ahead and however finely they interleave."""
+    for first in (0, 1):
+        for switch_every in (1, 2, 5, 1000):
+            ms.simulate(tiles, first, switch_every)
+
+
+def _drop(op):
+    def wrap(f):
+        def g(*args):
+            return [o for o in f(*args) if o != op]
+
+        return g
+
+    return wrap
+
+
+@pytest.mark.parametrize(
+    ("role", "op"),
+    [
+        (0, ("wait_group", 1)),  # buffer 1's left refill before P V of c is done
+        (0, ("sync", "SCALE1")),  # P_a rescaled before c's factor is out
+        (0, ("sync", "P1")),  # P V of c before P_c is in shared memory
+        (0, ("wait_group", 0)),
+        (1, ("sync", "P0")),
+        (1, ("arrive", "P1")),
+        (1, ("wait_group", 1)),
+        (1, ("wait_group", 0)),
+        (1, ("sync", "SCALE0")),
+    ],
+)
+def test_schedule_model_catches_a_dropped_step(monkeypatch, role, op):
+    name = ("_pair0", "_pair1")[role]
+    monkeypatch.setattr(ms, name, _drop(op)(getattr(ms, name)))
+    with pytest.raises(ms.ScheduleError):
+        for tiles in range(2, 8):
+            for first in (0, 1):
+                for switch_every in (1, 3, 1000):
+                    ms.simulate(tiles, first, switch_every)
+
+
+def _kernel_events(fn) -> list[str]:
+    """A pair function's synchronization steps in source order."""
+    src = inspect.getsource(fn)
+    pattern = (
+        r"named_barrier\(Bar\.(\w+), THREADS\)\.(arrive_and_wait|arrive)\(\)"
+        r"|_refill\(kv, st, (\d), (LEFT|RIGHT)"
+        r"|_scores\(ops, (\d), ([A-Z +]+),"
+        r"|wait_group\((\d)\)"
+        r"|gemm\(ops\.mma\[\d\].*?, (False), (-?\d)\)"
+    )
+    out = []
+    for m in re.finditer(pattern, src):
+        bar, kind, rbuf, rchunks, sbuf, schunks, wait, _, gwait = m.groups()
+        if bar:
+            out.append(f"{'sync' if kind == 'arrive_and_wait' else 'arrive'} {bar}")
+        elif rbuf:
+            out.append(f"tma {rbuf} {rchunks}")
+        elif sbuf:
+            out.append(f"scores {sbuf} {schunks.replace(' ', '')}")
+        elif wait:
+            out.append(f"wait {wait}")
+        else:
+            out += ["pv"] + ([f"wait {gwait}"] if gwait != "-1" else [])
+    return out
+
+
+def _model_events(fn) -> list[str]:
+    """The model's pair function's steps in source order (same vocabulary)."""
+    src = inspect.getsource(fn)
+    pattern = (
+        r'\("(arrive|sync)", "(\w+)"\)'
+        r'|\("tma", (\d), c\w*, [^)]*\) for c\w* in (LEFT|RIGHT)'
+        r"|_scores\([^,]+, (\d), ([A-Z +]+),"
+        r'|\("wait_group", (\d)\)'
+        r"|_pv\("
+    )
+    out = []
+    for m in re.finditer(pattern, src):
+        kind, bar, tbuf, tchunks, sbuf, schunks, wait = m.groups()
+        if kind:
+            out.append(f"{kind} {bar}")
+        elif tbuf:
+            out.append(f"tma {tbuf} {tchunks}")
+        elif sbuf:
+            out.append(f"scores {sbuf} {schunks.replace(' ', '')}")
+        elif wait:
+            out.append(f"wait {wait}")
+        else:
+            out.append("pv")
+    return out
+
+
+@pytest.mark.parametrize("pair", ["_pair0", "_pair1"])
+def test_model_follows_the_kernel(pair):
+    """The kernel's pair functions and the model's issue the same barriers, refills, scores,
+    P V and waits in the same order (conditions aside: both keep them in the same places)."""
+    kernel = _kernel_events(getattr(seesaw.MlaSeesawSm90, pair))
+    model = _model_events(getattr(ms, pair))
+    assert kernel == model and len(kernel) > 8
+
+
+def test_arithmetic_is_one_softmax():
+    """Without P's rounding (fp64 throughout), the pair arithmetic equals softmax over all of a
+    split's keys: O and LSE to 1e-12, masked keys and stale rows (NaN keys, zero values)
+    included, for odd and even tile counts."""
+    g = torch.Generator().manual_seed(3)
+    rows, scale_log2 = 8, 0.2
+    for tiles in (1, 2, 3, 4, 5):
+        keys = torch.randn(tiles, ms.TILE, 576, generator=g, dtype=torch.float64)
+        values = keys[..., : ms.LATENT].clone()
+        index = torch.arange(tiles * ms.TILE).view(tiles, ms.TILE)
+        t1 = tiles * ms.TILE - 7  # the last tile partly past the split
+        keys[-1, -3:] = math.nan  # stale rows: masked in S ...
+        values[-1, -3:] = 0.0  # ... zeroed as V
+        limit = torch.tensor([t1 - 20 * (r % 3) for r in range(rows)])
+        limit[5] = 0  # a row that sees no key
+        q = torch.randn(rows, 576, generator=g, dtype=torch.float64)
+        o, lse = ms.seesaw_split(q, keys, values, index, limit, 0, scale_log2, torch.float64)
+        s = q @ keys.reshape(-1, 576).T * scale_log2
+        s = torch.where(index.reshape(1, -1) < limit[:, None], s, -math.inf)
+        top = s.max(1, keepdim=True).values
+        p = torch.where(top > -math.inf, torch.exp2(s - top), 0.0)
+        total = p.sum(1)
+        want = torch.where(total[:, None] > 0, p @ values.reshape(-1, ms.LATENT), 0.0)
+        want = want / torch.where(total > 0, total, 1.0)[:, None]
+        assert torch.allclose(o, want, atol=1e-12, rtol=0)
+        seen = total > 0
+        assert torch.equal(seen, lse > -math.inf)
+        assert torch.allclose(lse[seen], (top[:, 0] + torch.log2(total))[seen], atol=1e-12)
+
+
+def _calls(fn, name: str) -> list:
+    """The calls of `name` (a function or method name) in fn's source, as ast.Call nodes."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", getattr(node.func, "attr", None)) == name
+    ]
+
+
+def test_row_limits_take_the_blocks_key_bound():
+    """The rows' causal limits (`query_row_limits`' fifth argument, the key bound the causal
+    diagonal hangs from: key < bound - sq + token + 1) are the query block's kv_end, the one
+    `_mask_from` takes, not the sequence's length sk: they differ for every block of a prefill
+    but the last (sk - q_all + token0 + sq), and with sk token 0 of block 0 saw keys up to
+    sk - sq instead of sk - q_all. (The kernel passed sk; the model, which computes its limits
+    itself, could not see it; decode.py passes kv_end.)"""
+    (limits,) = _calls(seesaw.MlaSeesawSm90.kernel, "query_row_limits")
+    (mask_from,) = _calls(seesaw.MlaSeesawSm90.kernel, "_mask_from")
+    assert ast.unparse(limits.args[4]) == ast.unparse(mask_from.args[1]) == "kv_end"
+
+
+# ---------------------------------------------------------------- who issues the loads
+
+_THREAD_NAMES = re.compile(r"\b(tidx|tid|warp|lane)\b|st\.(tid|loader)")
+
+
+def _enclosing(fn, name: str) -> list[tuple[list[str], list[str]]]:
+    """Per call of `name` in fn's source: (the tests of the `if`s around it that depend on the
+    thread (tidx, warp, tid, st.tid, st.loader: the others are CTA-uniform), the context
+    managers of the `with`s around it), as source text."""
+    found = []
+
+    def walk(node, tests, withs):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == name:
+            found.append((tests, withs))
+        if isinstance(node, ast.If) and _THREAD_NAMES.search(ast.unparse(node.test)):
+            for child in node.body:
+                walk(child, [*tests, ast.unparse(node.test)], withs)
+            for child in node.orelse:
+                walk(child, [*tests, f"not ({ast.unparse(node.test)})"], withs)
+            return
+        if isinstance(node, ast.With):
+            ctx = [ast.unparse(item.context_expr) for item in node.items]
+            for child in node.body:
+                walk(child, tests, [*withs, *ctx])
+            return
+        for child in ast.iter_child_nodes(node):
+            walk(child, tests, withs)
+
+    walk(ast.parse(textwrap.dedent(inspect.getsource(fn))), [], [])
+    return found
+
+
+def _state_field(field: str) -> str:
+    """The expression the kernel assigns to st.<field> (its SimpleNamespace of loop state)."""
+    (call,) = (
+        c for c in _calls(seesaw.MlaSeesawSm90.kernel, "SimpleNamespace")
+        if any(k.arg == "scale_log2" for k in c.keywords)
+    )  # fmt: skip
+    values = [ast.unparse(k.value) for k in call.keywords if k.arg == field]
+    return values[0] if values else "None"
+
+
+def _reaches(tests: list[str]):
+    """reaches(tidx): whether thread tidx of the CTA passes every test."""
+    loader = _state_field("loader")
+    consts = {"WARP_SIZE": WARP_SIZE, "THREADS_PER_WG": THREADS_PER_WG}
+    consts["WARPS_PER_WG"] = THREADS_PER_WG // WARP_SIZE
+
+    def reaches(tidx: int) -> bool:
+        env = {**consts, "tidx": tidx, "warp": tidx // 32, "wg": tidx // 128, "tid": tidx % 128}
+        if loader != "None":
+            env["loader"] = eval(loader, {}, env)
+        env["st"] = type("St", (), {"tid": tidx % 128, "loader": env.get("loader")})
+        return all(eval(t, {}, env) for t in tests)
+
+    return reaches
+
+
+def test_tma_loads_are_issued_by_whole_warps():
+    """The DSL's TMA copy (cute.copy with a TMA atom) elects its issuing lane with elect.sync
+    over all 32 lanes: each load site must be reached by whole warps only, one warp of the CTA
+    for tiles 0 and 1 (`kernel`) and one warp of the refilling warpgroup (`_refill`, run by
+    one warpgroup at a time), else the model's warp-convergence rule reports the deadlock that
+    hung the first GPU run (the loads were under `tidx == 0` and `st.tid == 0`). The copies
+    themselves are in `_load_chunks`, reached only from those two sites, outside any
+    elect_one (a copy inside one is the same one-lane elect)."""
+    cls = seesaw.MlaSeesawSm90
+    sites = _enclosing(cls.kernel, "_load_chunks")
+    assert len(sites) == 1
+    ((tests, _),) = sites
+    assert ms.warp_collective(_reaches(tests), seesaw.THREADS) == [0]
+    ((tests, _),) = _enclosing(cls._refill, "_load_chunks")
+    reaches = _reaches(tests)
+    for wg in (0, 1):
+        lo = wg * THREADS_PER_WG
+        warps = ms.warp_collective(lambda t, lo=lo: reaches(t) and lo <= t, lo + THREADS_PER_WG)
+        assert len(warps) == 1 and warps[0] * 32 >= lo
+    copies = _enclosing(cls._load_chunks, "copy")
+    assert len(copies) == 2 and all(not withs for _, withs in copies)
+    methods = {
+        n: f for n, f in vars(cls).items() if inspect.isfunction(getattr(f, "__wrapped__", f))
+    }
+    callers = sorted(n for n, f in methods.items() if _calls(f, "_load_chunks"))
+    assert callers == ["_refill", "kernel"]
+
+
+def test_mbarriers_are_armed_and_initialized_once():
+    """Each box's mbarrier counts one arrival (init count 1): the arrival with its expected
+    bytes, in the warp that issues the box, is one elected lane's; the init is one elected
+    lane's of warp 0 (the same lane: elect.sync elects deterministically), fenced."""
+    cls = seesaw.MlaSeesawSm90
+    ((tests, withs),) = _enclosing(cls._load_chunks, "mbarrier_arrive_and_expect_tx")
+    assert not tests and withs == ["cute.arch.elect_one()"]
+    inits = _enclosing(cls.kernel, "mbarrier_init")
+    assert len(inits) == 1 and inits[0][1] == ["cute.arch.elect_one()"]
+    assert ms.warp_collective(_reaches(inits[0][0]), seesaw.THREADS) == [0]
+    (init,) = _calls(cls.kernel, "mbarrier_init")
+    assert ast.unparse(init.args[1]) == "1"
+    assert len(_calls(cls.kernel, "mbarrier_init_fence")) == 1
+
+
+def test_warp_convergence_rule():
+    """The model's rule itself: one lane (the old `tidx == 0`) deadlocks, half a warp too, a
+    whole warp issues."""
+    with pytest.raises(ms.ScheduleError, match="deadlock"):
+        ms.warp_collective(lambda t: t == 0, 256)
+    with pytest.raises(ms.ScheduleError, match="deadlock"):
+        ms.warp_collective(lambda t: t < 16, 256)
+    assert ms.warp_collective(lambda t: t // 32 == 4, 256) == [4]

@@ -1,0 +1,139 @@
+"""The MLA seesaw pass (seesaw.py) compiled for sm_90a on the CPU (the DSL compiles, ptxas
+assembles, cuobjdump reads the cubin): the facts its schedule and the CPU model take for granted.
+
+- Every warp-collective instruction is reached by converged warps: no BRA.DIV / WARPSYNC.COLLECTIVE
+  in the SASS. The DSL's TMA copy elects its issuing lane with elect.sync over all 32 lanes;
+  issued under `tidx == 0` (the first GPU run, which hung) ptxas branched each of the 41 copies
+  to a WARPSYNC.COLLECTIVE of all 32 lanes, which the lane waited on forever (75 UTMALDG: the
+  41 and their collective copies).
+- 41 UTMALDG (tiles 0 and 1: 18 boxes; the steady pairs' refills 8 + 10; warpgroup 1's pair
+  with a + 2 alone: 5), 196 HGMMA, 17 WARPGROUP.DEPBAR (one per wait_group in the source).
+- PTX: 18 mbarriers of one arrival, every box armed with 8192 bytes (64 rows x 64 columns x 2
+  bytes, the TMA atom's 65536 bits), named barriers 0 .. 6 only (SCALE0 .. P1 over 256
+  threads, WG0 / WG1 over 128), no setmaxnreg.
+- Every generic write of a WGMMA operand tile (stmatrix of P, st.shared of the zeroed stale
+  rows and of Q's zero rows, cp.async of Q) is followed by fence.proxy.async.shared::cta before
+  the next named barrier or bar.sync that hands it to a WGMMA (the async proxy): the CPU model
+  orders accesses by barriers and mbarriers but has no proxies. (TMA-written K read by the
+  warpgroup that did not wait on the chunk's mbarrier needs no fence: both sides are the async
+  proxy, ordered through the waiter's acquire and the named barrier after it, as FlashMLA's
+  warpgroup 1 reads sV0R.)
+- No spills; registers under 256 x 255."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+from forgekernel.kernels.attention.mla.sm90 import SPEC, params_for  # noqa: E402
+from forgekernel.kernels.attention.mla.sm90.seesaw import Bar  # noqa: E402
+from forgekernel.runtime.resources import find_tool, inspect_cubin  # noqa: E402
+
+if find_tool("cuobjdump") is None:
+    pytest.skip("cuobjdump not found", allow_module_level=True)
+
+# generic shared-memory writes of 16-bit operand tiles (sM / sScale / sTotal are st.shared.b32:
+# read by loads, not by WGMMA), the proxy fence, and the barriers that publish them
+_TILE_STORE = re.compile(
+    r"^\s*(?:@!?%p\d+\s+)?(?:stmatrix\.|st\.shared\.(?:b16|u16|v[248]\.)|cp\.async\.c[ag]\.shared)"
+)
+_PROXY_FENCE = re.compile(r"^\s*fence\.proxy\.async\.shared::cta")
+_BARRIER = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:bar|barrier)(?:\.cta)?\.(?:sync|arrive|red)\b")
+_OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
+
+
+def _compiled(params) -> tuple[dict, Counter, str]:
+    """(resource usage, SASS opcode counts with modifiers, PTX) of one compile."""
+    with tempfile.TemporaryDirectory() as d:
+        compiled = SPEC.compile(params, f"--keep-cubin --keep-ptx --dump-dir {d}")
+        cubin = compiled.artifacts.CUBIN
+        if isinstance(cubin, bytes):
+            path = Path(d) / "k.cubin"
+            path.write_bytes(cubin)
+            cubin = str(path)
+        res = inspect_cubin(cubin)
+        sass = subprocess.run([find_tool("cuobjdump"), "-sass", cubin], capture_output=True,
+                              text=True, check=True).stdout  # fmt: skip
+        ptx = "".join(p.read_text() for p in Path(d).glob("*.ptx"))
+    return res, Counter(_OP.findall(sass)), ptx
+
+
+@pytest.fixture(scope="module", params=[("bfloat16", 16, 1), ("float16", 1, 1)])
+def compiled(request):
+    dtype, heads, qtokens = request.param
+    return _compiled(params_for("partial", dtype, heads, qtokens, tma=True))
+
+
+def test_warp_collectives_are_reached_by_converged_warps(compiled):
+    _, ops, _ = compiled
+    assert ops["BRA.DIV"] == 0  # the old source: 7 (the divergent paths of its load sites)
+    assert ops["WARPSYNC.COLLECTIVE"] == 0  # the old source: 41, one per TMA copy
+    assert ops["ELECT"] > 0
+
+
+def test_loads_and_mmas(compiled):
+    res, ops, _ = compiled
+    assert ops["UTMALDG.3D"] == 41
+    assert ops["SYNCS.ARRIVE.TRANS64"] == 41  # each box armed once, by its issuing warp
+    assert sum(n for op, n in ops.items() if op.startswith("HGMMA")) == 196
+    assert ops["WARPGROUP.DEPBAR.LE"] == 17
+    assert res["spill_bytes"] == 0 and ops["LDL"] == ops["STL"] == 0
+    assert res["registers"] <= 255
+
+
+def test_mbarriers_and_named_barriers(compiled):
+    _, _, ptx = compiled
+    assert ptx, "no PTX kept"
+    inits = re.findall(r"mbarrier\.init\.shared\.b64\s+\[[^\]]+\],\s*(%r\d+|\d+);", ptx)
+    assert len(inits) == 18
+    for reg in set(inits):  # the count, moved into a register once
+        assert re.search(rf"mov\.b32\s+{re.escape(reg)},\s*1;", ptx), reg
+    armed = re.findall(
+        r"mbarrier\.arrive\.expect_tx\.shared\.b64\s+\S+,\s*\[[^\]]+\],\s*(%r\d+)", ptx
+    )
+    assert len(armed) == 41
+    for reg in armed:
+        assert re.search(rf"mov\.b32\s+{re.escape(reg)},\s*8192;", ptx), reg
+    ids = Counter(
+        (int(i), int(n) if n else None)
+        for i, n in re.findall(
+            r"\bbar(?:rier)?\.(?:sync|arrive)(?:\.aligned)?\s+(\d+)(?:,\s*(\d+))?;", ptx
+        )
+    )
+    allowed = {(0, None)} | {(int(b), 256) for b in (Bar.SCALE0, Bar.SCALE1, Bar.P0, Bar.P1)}
+    allowed |= {(int(Bar.WG0), 128), (int(Bar.WG1), 128)}
+    assert set(ids) <= allowed and max(i for i, _ in ids) < 16
+    assert "setmaxnreg" not in ptx
+
+
+def _unfenced_tile_stores(ptx: str) -> list[tuple[int, int]]:
+    """(store line, barrier line) for each barrier reached, in the PTX's order, with a 16-bit
+    tile store since the last fence.proxy.async.shared::cta."""
+    pending, bad = None, []
+    for n, line in enumerate(ptx.splitlines(), 1):
+        if _TILE_STORE.match(line):
+            pending = pending or n
+        elif _PROXY_FENCE.match(line):
+            pending = None
+        elif _BARRIER.match(line) and pending:
+            bad.append((pending, n))
+            pending = None
+    return bad
+
+
+def test_generic_tile_writes_are_proxy_fenced_before_their_barrier(compiled):
+    _, _, ptx = compiled
+    lines = ptx.splitlines()
+    assert sum(bool(_TILE_STORE.match(ln)) for ln in lines) > 0
+    assert _unfenced_tile_stores(ptx) == []
+    fences = [i for i, ln in enumerate(lines) if _PROXY_FENCE.match(ln)]
+    assert len(fences) == 9  # Q; P_a and P_c per pair variant; the stale rows of both roles
+    for i in fences:  # each is needed: without it a store reaches its barrier unfenced
+        assert _unfenced_tile_stores("\n".join(lines[:i] + lines[i + 1 :])), i
