@@ -58,7 +58,11 @@ def fake_timer(monkeypatch):
     monkeypatch.setattr(harness, "time_eager_flushed", _fake(calls, "eager-flushed", EAGER_MS))
     monkeypatch.setattr(harness, "host_us_per_call", host)
     monkeypatch.setattr(harness, "l2_bytes", lambda: 1000)
+    monkeypatch.setattr(harness, "device_contention", lambda: dict(PROBE))
     return calls
+
+
+PROBE = {"alone_ms": 0.17, "burst_ms": 0.16, "ratio": 0.94, "contended": False, "other_pids": []}
 
 
 def timed(calls: Calls, method: str) -> list:
@@ -103,6 +107,23 @@ def test_bench_records(tmp_path, sources, fake_suite, fake_timer, capsys):
     }
     assert (tmp_path / "rep" / "fake.md").exists() and (tmp_path / "rep" / "fake.json").exists()
     assert "missing" in capsys.readouterr().out
+
+
+def test_a_shared_device_is_shouted_and_recorded(
+    tmp_path, sources, fake_suite, fake_timer, monkeypatch, capsys
+):
+    """The device check runs before and after a suite's timing; a contended probe (the H200's
+    call 4 of 2026-12-01 23:00: every 10 ms replay ~2x the lone launch) is printed as such and
+    kept in the ledger's bench section."""
+    probes = iter([dict(PROBE), {**PROBE, "burst_ms": 0.35, "ratio": 2.06, "contended": True}])
+    monkeypatch.setattr(harness, "device_contention", lambda: next(probes))
+    suite = fake_suite(sources, comparators=_comparators, dtypes=(torch.bfloat16,))
+    harness.run_bench([suite], results_dir=tmp_path, report_dir=tmp_path, arch="sm_90a",
+                      device="cpu")  # fmt: skip
+    out = capsys.readouterr().out
+    assert "device check before" in out and "DEVICE SHARED" in out.split("device check after")[1]
+    check = json.loads((tmp_path / "sm_90a" / "fake.json").read_text())["bench"]["device_check"]
+    assert not check["before"]["contended"] and check["after"]["contended"]
 
 
 def test_wrong_kernel_is_never_timed(tmp_path, sources, fake_suite, fake_timer):

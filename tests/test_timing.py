@@ -39,6 +39,22 @@ def test_work_missing_only_when_the_eager_burst_was_device_bound():
     assert not timing.work_missing(eager_ms=0.8, host_ms=0.02, graph_ms=0.5)
 
 
+def test_contended_when_a_burst_runs_slower_per_launch_than_one_launch():
+    """The H200's call 4 of 2026-12-01 23:00 (a hung process on the GPU): FP8 GEMM 8192^3 took
+    2.28 ms per launch in 10 ms replays against 1.04 ms launched alone; an unshared device runs
+    a burst at the single launch's pace or faster (1.16 vs 1.11 ms at 20:35)."""
+    assert timing.contended(alone_ms=1.0434, burst_ms=2.2837)
+    assert not timing.contended(alone_ms=1.1085, burst_ms=1.1636)
+    assert not timing.contended(alone_ms=0.2, burst_ms=0.12)  # gaps and a cold clock alone
+    assert not timing.contended(alone_ms=0.0, burst_ms=1.0)  # nothing measured alone
+
+
+def test_other_compute_pids_parses_nvidia_smi():
+    out = "4242\n 17 \n\n[N/A]\n99\n"
+    assert timing.other_compute_pids(out, own_pid=17) == [4242, 99]
+    assert timing.other_compute_pids("", own_pid=17) == []
+
+
 def test_host_us_per_call_on_the_cpu():
     """The real loop with a fake sync: calls counted, rounds interleaved, syncs bracket each."""
     log = []
@@ -172,3 +188,11 @@ def test_host_us_per_call_on_the_device():
     x = torch.zeros(16, device="cuda")
     us = timing.host_us_per_call({"add": lambda: x.add_(1.0)}, calls=200)["add"]
     assert len(us) == 5 and 0.5 < timing.median(us) < 500
+
+
+@cuda
+def test_device_contention_on_a_device_of_our_own():
+    """Run alone on the device (as the bench must be), the burst keeps the lone launch's pace."""
+    probe = timing.device_contention(n=2048, burst_ms=10.0)
+    assert probe["alone_ms"] > 0 and probe["burst_ms"] > 0
+    assert not probe["contended"], probe

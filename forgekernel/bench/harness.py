@@ -29,6 +29,7 @@ from forgekernel.bench.suite import Case, Inputs, OpSuite, Runner
 from forgekernel.runtime.arch import resolve_arch
 from forgekernel.runtime.timing import (
     Samples,
+    device_contention,
     host_us_per_call,
     l2_bytes,
     median,
@@ -360,6 +361,20 @@ def bench_section(records: list[dict], methods: Sequence[str], host: dict | None
     return data
 
 
+def _device_check(suite: OpSuite, when: str) -> dict[str, Any]:
+    """`device_contention` around a suite's timing, printed; a shared device is shouted (its
+    times are not the kernels': runtime/timing.py's docstring)."""
+    probe = device_contention()
+    pids = probe["other_pids"]
+    line = (f"{suite.name} device check {when}: matmul {probe['alone_ms']:.4f} ms alone, "
+            f"{probe['burst_ms']:.4f} ms per launch in a burst ({probe['ratio']:.2f}x)"
+            f"{f'; other processes on the GPU: {pids}' if pids else ''}")  # fmt: skip
+    if probe["contended"] or pids:
+        line += " -- DEVICE SHARED: times below are not the kernels' own"
+    print(line, flush=True)
+    return probe
+
+
 def _progress(i: int, n: int, suite: OpSuite, rec: dict) -> str:
     times = [
         f"{m} {report.view(rec, m)['ours']['ms']:.4f} ms"
@@ -387,6 +402,7 @@ def run_bench(
     env = ledger.environment()
     all_records = []
     for suite in suites:
+        before = _device_check(suite, "before")
         comps, missing = resolve_comparators(suite)
         host = _suite_host(suite, comps, missing, seed, device, timing)
         jobs = [(c, d) for c in suite.bench_cases for d in suite.dtypes_for_bench()]
@@ -405,6 +421,7 @@ def run_bench(
             print(_progress(i, len(jobs), suite, rec), flush=True)
             records.append(rec)
         data = bench_section(records, timing.methods, host)
+        data["device_check"] = {"before": before, "after": _device_check(suite, "after")}
         path = ledger.write_section(
             suite, "bench", data, arch=arch, results_dir=results_dir, env=env
         )

@@ -18,12 +18,26 @@ and each launch is timed alone with CUDA events (one sample = one launch). A GPU
 before each flush keeps the device ahead of the host, so the sample is device time, not the
 host time of the call. `host_us_per_call` measures that host time: a CPU-timed loop of
 back-to-back eager calls, synchronized only at its end.
+
+`device_contention` tells whether the device is shared while we time: another context on the
+GPU (a process left spinning by a hung kernel, another tenant) gets time slices, so any window
+of several ms (a graph replay of ~10 ms, one long kernel) runs at about 1 / (contexts) of the
+speed while a short launch mostly fits in one of our slices. That was the H200 run of
+2026-12-01 23:00 (call 4, after mla_decode's bench hung): every suite's graph replays took
+~2x its eager launches, ours and cuDNN's alike, and every kernel over ~4 ms took 2.0x its time
+of the 20:35 run in both methods (gemm_fp8 16384x7168x18432: 4.51 -> 9.02 ms). The probe times
+one compute-bound matmul alone and in a back-to-back burst of ~`burst_ms`: alone the device
+needs no less time per launch than in the burst, so a burst much slower per launch means lost
+slices.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -384,3 +398,77 @@ def host_us_per_call(
             issued[name].append((t1 - t0) / calls * 1e6)
             totals[name].append((t2 - t0) / calls * 1e6)
     return {name: HostTimes(totals[name], issued[name]) for name in fns}
+
+
+CONTENDED_RATIO = 1.4  # burst time per launch / alone time per launch above which time was lost
+
+
+def contended(alone_ms: float, burst_ms: float, ratio: float = CONTENDED_RATIO) -> bool:
+    """Whether a back-to-back burst taking `burst_ms` per launch, against `alone_ms` for the same
+    launch timed alone, lost device time to another context: a burst only removes launch gaps
+    and warms caches, so per launch it is never much slower on a device of our own."""
+    return alone_ms > 0 and burst_ms > ratio * alone_ms
+
+
+def other_compute_pids(smi_csv: str, own_pid: int) -> list[int]:
+    """PIDs in `nvidia-smi --query-compute-apps=pid --format=csv,noheader` output other than
+    ours (blank lines and non-numeric entries, e.g. "[N/A]" in a container, skipped)."""
+    pids = (line.strip() for line in smi_csv.splitlines())
+    return [int(p) for p in pids if p.isdigit() and int(p) != own_pid]
+
+
+def _other_compute_processes() -> list[int] | None:
+    """Other processes with a context on the GPUs (None where nvidia-smi cannot say)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-compute-apps=pid", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=True)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return other_compute_pids(out.stdout, os.getpid())
+
+
+def device_contention(*, n: int = 4096, alone: int = 9, burst_ms: float = 30.0) -> dict[str, Any]:
+    """Probe whether the current device is shared: an n x n x n bf16 matmul timed alone (median
+    of `alone` launches, each after a sync) and in a burst of about `burst_ms`. Returns
+    {"alone_ms", "burst_ms", "ratio", "contended", "other_pids"} (other_pids: None where
+    nvidia-smi cannot list them; a container may list none even when shared: the ratio is the
+    verdict)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("the contention probe needs a CUDA device")
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b, c = torch.randn_like(a), torch.empty_like(a)
+    for _ in range(3):
+        torch.mm(a, b, out=c)
+    times = []
+    for _ in range(alone):
+        torch.cuda.synchronize()
+        times.append(time_one(lambda: torch.mm(a, b, out=c)))
+    alone_ms = median(times)
+    launches = max(3, math.ceil(burst_ms / max(alone_ms, 1e-3)))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(launches):
+        torch.mm(a, b, out=c)
+    end.record()
+    end.synchronize()
+    per_launch = start.elapsed_time(end) / launches
+    return {
+        "alone_ms": round(alone_ms, 4),
+        "burst_ms": round(per_launch, 4),
+        "ratio": round(per_launch / max(alone_ms, 1e-6), 3),
+        "contended": contended(alone_ms, per_launch),
+        "other_pids": _other_compute_processes(),
+    }
+
+
+def time_one(launch: Callable[[], Any]) -> float:
+    """Milliseconds of one launch between two CUDA events (synchronized)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    launch()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
