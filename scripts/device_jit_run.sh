@@ -46,20 +46,34 @@ pack() {
   tar -cf "$OUT/reports.tar" -C "$REPORTS" . 2>/dev/null
   tar -cf "$OUT/logs.tar" -C "$LOGS" . 2>/dev/null
 }
+# A step cut by its timeout must leave the GPU: `timeout -k 15` KILLs what ignores the TERM, and
+# before each bench a forgekernel process still holding a context (a hung kernel: mla_decode on
+# 2026-12-01 23:00 left every later bench of that call timed at half speed, graph ~2x eager) is
+# named and killed; bench's own device check then says whether the device is ours.
+free_gpu() {
+  local pid
+  for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do
+    [ "$pid" = "$$" ] || ! grep -qa forgekernel "/proc/$pid/cmdline" 2>/dev/null && continue
+    echo "left on the GPU: pid $pid ($(tr '\0' ' ' < "/proc/$pid/cmdline" | cut -c1-80)): killed"
+    kill -9 "$pid" 2>/dev/null
+  done
+  sleep 1
+}
 for op in "$@"; do
   check_rc=skipped bench_rc=skipped sanitize_rc=skipped
   if [ "${SANITIZE:-0}" != only ] && [ "${CHECK:-1}" != 0 ]; then
-    timeout "${CHECK_TIMEOUT:-200}" python3 -m forgekernel check "$op" 2>&1 \
+    timeout -k 15 "${CHECK_TIMEOUT:-200}" python3 -m forgekernel check "$op" 2>&1 \
       | tee "$LOGS/check-$op.log" | grep -v " PASS$"
     check_rc=${PIPESTATUS[0]}
   fi
   if [ "${SANITIZE:-0}" != only ] && [ "${BENCH:-1}" != 0 ] && [ "${SKIP_BENCH:-}" != "$op" ]; then
-    timeout "${BENCH_TIMEOUT:-300}" python3 -m forgekernel bench --report-dir "$REPORTS" ${BENCH_ARGS:-} "$op" \
+    free_gpu
+    timeout -k 15 "${BENCH_TIMEOUT:-300}" python3 -m forgekernel bench --report-dir "$REPORTS" ${BENCH_ARGS:-} "$op" \
       2>&1 | tee "$LOGS/bench-$op.log" | grep -v "^\[" | tail -40
     bench_rc=${PIPESTATUS[0]}
   fi
   if [ "${SANITIZE:-0}" != 0 ]; then
-    timeout "${SANITIZE_TIMEOUT:-300}" python3 -m forgekernel check --sanitize "$op" \
+    timeout -k 15 "${SANITIZE_TIMEOUT:-300}" python3 -m forgekernel check --sanitize "$op" \
       --sanitize-log-dir "$LOGS/sanitize" --sanitize-timeout "${SANITIZE_RUN_TIMEOUT:-200}" \
       2>&1 | tee "$LOGS/sanitize-$op.log"
     sanitize_rc=${PIPESTATUS[0]}
@@ -68,15 +82,15 @@ for op in "$@"; do
   pack
 done
 if [ "${GPU_TESTS:-0}" = 1 ]; then
-  timeout "${GPU_TESTS_TIMEOUT:-200}" python3 -m pytest -q -m gpu ${GPU_TESTS_PATHS:-tests/gpu} 2>&1 \
+  timeout -k 15 "${GPU_TESTS_TIMEOUT:-200}" python3 -m pytest -q -m gpu ${GPU_TESTS_PATHS:-tests/gpu} 2>&1 \
     | tee "$LOGS/pytest-gpu.log" | tail -5
 fi
 if [ -n "${VARIANTS:-}" ]; then
-  PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout "${VARIANTS_TIMEOUT:-200}" python3 scripts/attn_variants.py \
+  PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout -k 15 "${VARIANTS_TIMEOUT:-200}" python3 scripts/attn_variants.py \
     "$OUT/variants.json" 2>&1 | tail -40
 fi
 if [ -n "${BWD_VARIANTS:-}" ]; then
-  PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout "${BWD_VARIANTS_TIMEOUT:-200}" \
+  PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout -k 15 "${BWD_VARIANTS_TIMEOUT:-200}" \
     python3 scripts/bwd_variants.py "$OUT/bwd_variants.json" 2>&1 | tee "$LOGS/bwd_variants.log" \
     | tail -40
 fi

@@ -23,15 +23,15 @@ pack() {
     --format=csv; timeout 120 bash .bundle/run.sh selftest; } 2>&1 | tee "$LOGS/selftest.log"
 check_rc=skipped bench_rc=skipped sanitize_rc=skipped
 if [ "${SANITIZE:-0}" != only ]; then
-  timeout "${CHECK_TIMEOUT:-240}" bash .bundle/run.sh check "$@" 2>&1 | tee "$LOGS/check.log"
+  timeout -k 15 "${CHECK_TIMEOUT:-240}" bash .bundle/run.sh check "$@" 2>&1 | tee "$LOGS/check.log"
   check_rc=${PIPESTATUS[0]}
-  timeout "${BENCH_TIMEOUT:-300}" bash .bundle/run.sh bench --report-dir "$REPORTS" "$@" \
+  timeout -k 15 "${BENCH_TIMEOUT:-300}" bash .bundle/run.sh bench --report-dir "$REPORTS" "$@" \
     2>&1 | tee "$LOGS/bench.log"
   bench_rc=${PIPESTATUS[0]}
   pack
 fi
 if [ "${SANITIZE:-0}" != 0 ]; then
-  timeout "${SANITIZE_TIMEOUT:-420}" bash .bundle/run.sh check --sanitize \
+  timeout -k 15 "${SANITIZE_TIMEOUT:-420}" bash .bundle/run.sh check --sanitize \
     --sanitize-log-dir "$LOGS/sanitize" --sanitize-timeout "${SANITIZE_RUN_TIMEOUT:-200}" "$@" \
     2>&1 | tee "$LOGS/sanitize.log"
   sanitize_rc=${PIPESTATUS[0]}
@@ -39,7 +39,7 @@ if [ "${SANITIZE:-0}" != 0 ]; then
 fi
 echo "check rc=$check_rc bench rc=$bench_rc sanitize rc=$sanitize_rc"
 if [ -n "${SWEEP:-}" ]; then
-  timeout "${SWEEP_TIMEOUT:-200}" bash .bundle/run.sh python scripts/gemm_sweep.py \
+  timeout -k 15 "${SWEEP_TIMEOUT:-200}" bash .bundle/run.sh python scripts/gemm_sweep.py \
     "$OUT/sweep.json" 2>&1 | tail -80
 fi
 if [ -n "${TUNE:-}" ]; then
