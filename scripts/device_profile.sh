@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One JIT-path device call (after `dsl-install.sh stash`, see device_jit_run.sh): ncu over
-# scripts/profile_attention.py, the second round of ours and FA4's forward / backward kernels.
+# scripts/profile_attention.py, the second round of ours and FA4's forward / backward kernels,
+# or over PROFILE_SCRIPT with its arguments (e.g. the GDN prefill: PROFILE_SCRIPT=
+# scripts/profile_gdn_prefill.py KERNELS=GdnChunked SKIP=2 COUNT=1 SOURCE=1 SUMMARY=1).
 #   bash scripts/device_profile.sh [b hq hkv s d]
 set -uo pipefail
 OUT=${OUT:-/tmp/forgekernel-out}
@@ -17,7 +19,7 @@ timeout "${PROFILE_TIMEOUT:-400}" "$NCU" --clock-control none ${NCU_EXTRA:-} -k 
   --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
   --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy \
   --section InstructionStats ${SOURCE:+--section SourceCounters --import-source no} \
-  -o "$P" -f python3 scripts/profile_attention.py "$@" 2>&1 | tail -20
+  -o "$P" -f python3 "${PROFILE_SCRIPT:-scripts/profile_attention.py}" "$@" 2>&1 | tail -20
 "$NCU" --import "$P.ncu-rep" --page details --print-units base > "$P.txt" 2>&1
 "$NCU" --import "$P.ncu-rep" --page raw --csv > "$P-raw.csv" 2>&1
 if [ -n "${SOURCE:-}" ]; then
