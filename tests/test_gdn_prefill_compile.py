@@ -3,7 +3,7 @@ ptxas assembles, cuobjdump reads the cubin), its resources as config.py and the 
 
 - 512 threads, 128 registers at launch (one CTA per SM), split by setmaxnreg 24 / 104 / 192
   (producer / aux / state warpgroups), nothing spilled (no local memory); with a V split of 2,
-  384 threads (one state warpgroup), 168 registers at launch, the same split;
+  one state warpgroup and two aux warpgroups (alternate chunks), 512 threads again;
 - the setmaxnreg split within the registers the CTA is launched with (else the state
   warpgroups' increase would wait forever);
 - shared memory (the kernel's SharedStorage, plus the static) within the 227 KB opt-in, under
@@ -84,6 +84,10 @@ def _threads(name: str) -> int:
     return config.threads(128, CONFIGS[name].get("v_split", 1))
 
 
+def _aux_wgs(name: str) -> int:
+    return config.aux_wgs(CONFIGS[name].get("v_split", 1))
+
+
 def _compile(dtype: str, **kw) -> tuple[dict, list[tuple[str, str]], int, str]:
     """(resources, SASS (opcode, operands) in program order, shared memory bytes, PTX)."""
     params = dict(config.params_for(dtype, **kw))
@@ -129,7 +133,8 @@ def test_registers_and_no_spills(compiled, name):
     assert max(maxreg) <= 255
     # the split must fit the registers the CTA is launched with: else setmaxnreg.inc of the
     # state warpgroups waits forever for registers the others never free
-    split = config.PRODUCER_REGS + config.AUX_REGS + _wgs(name) * config.STATE_REGS
+    split = (config.PRODUCER_REGS + _aux_wgs(name) * config.AUX_REGS
+             + _wgs(name) * config.STATE_REGS)  # fmt: skip
     assert split * THREADS_PER_WG <= res["registers"] * _threads(name)
 
 
@@ -179,8 +184,8 @@ def test_pipeline_arrive_counts_and_named_barriers(compiled, name):
     expect-tx (q / k, v), the consumers' lane 0 of each warp (12 warps q / k, 8 v), the gate
     warp's 32 lanes and the aux warpgroup's 128 threads (gate ring), the aux warpgroup's 128 and
     the state warpgroups' 128 each (aux ring; one with a V split: 4 + 4 warps q / k, 4 v).
-    Named barriers: only the aux warpgroup's id (static) and the state warpgroups' OUT + w
-    (computed), each over 128 threads."""
+    Named barriers: only the aux warpgroup's id (static; computed with two aux warpgroups,
+    AUX or AUX2) and the state warpgroups' OUT + w (computed), each over 128 threads."""
     *_, ptx = compiled(name)
     wg, stages, wgs = THREADS_PER_WG, config.STAGES, _wgs(name)
     want = (
@@ -191,7 +196,8 @@ def test_pipeline_arrive_counts_and_named_barriers(compiled, name):
     )  # fmt: skip
     assert _mbarrier_init_counts(ptx) == want
     syncs = re.findall(r"bar\.sync\s+([^,;]+)(?:,\s*(\d+))?;", ptx)
-    assert {(i, n) for i, n in syncs if i.isdigit()} == {("0", ""), (str(int(Bar.AUX)), str(wg))}
+    static = {("0", ""), (str(int(Bar.AUX)), str(wg))} if _aux_wgs(name) == 1 else {("0", "")}
+    assert {(i, n) for i, n in syncs if i.isdigit()} == static
     assert {n for i, n in syncs if not i.isdigit()} == {str(wg)}  # OUT + w
 
 

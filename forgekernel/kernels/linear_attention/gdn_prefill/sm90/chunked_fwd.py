@@ -25,8 +25,9 @@ warpgroup, A operands from registers, B from shared memory:
     O^T = diag(..) O^T + U^T P^T           (64 x 64 x 64)
     S^T = 2^G2_C S^T + [U^T diag(rk 2^(G2_C - G2))] K         (64 x K x 64, K an MN-major B)
 
-Warp roles (4 warpgroups, 512 threads, setmaxnreg split in config.py; with a V split of 2, 3
-warpgroups, 384 threads, one state warpgroup):
+Warp roles (4 warpgroups, 512 threads, setmaxnreg split in config.py; with a V split of 2, one
+state warpgroup and two aux warpgroups that take alternate chunks, each with its own scratch
+and named barrier, its ring states starting at its index and stepping by two):
 - warpgroup 0, warp 0 (producer): TMA loads of q, k (head hv // (HV / H)) and v, one 64-token
   box each per chunk, into the `qk` and `v` rings.
 - warpgroup 0, warp 1 (gates): g and beta of the chunk (0 past the sequence's end), the
@@ -89,6 +90,7 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     V_STAGES,
     W_STRIDE,
     X_STRIDE,
+    aux_wgs,
     state_wgs,
     threads,
 )
@@ -127,6 +129,7 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
         self.initial_state = initial_state
         self.v_split = v_split
         self.state_wgs = state_wgs(v, v_split)
+        self.aux_wgs = aux_wgs(v_split)
         self.v_cols = self.state_wgs * ROWS_PER_STATE_WG  # value columns of one CTA
         self.threads = threads(v, v_split)
 
@@ -205,8 +208,12 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
             sBeta: cute.struct.Align[cute.struct.MemRange[Float32, STAGES * CHUNK], 16]
             sTab: cute.struct.Align[cute.struct.MemRange[Float32, STAGES * 4 * CHUNK], 16]
             sNorm: cute.struct.Align[cute.struct.MemRange[Float32, STAGES * 3 * CHUNK], 16]
-            sW: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * W_STRIDE], 16]
-            sX: cute.struct.Align[cute.struct.MemRange[Float32, 2 * BLOCK * X_STRIDE], 16]
+            sW: cute.struct.Align[
+                cute.struct.MemRange[Float32, self.aux_wgs * CHUNK * W_STRIDE], 16
+            ]
+            sX: cute.struct.Align[
+                cute.struct.MemRange[Float32, self.aux_wgs * 2 * BLOCK * X_STRIDE], 16
+            ]
             sQ: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(self.sQK_layout)], 1024
             ]
@@ -327,20 +334,27 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
                 )  # fmt: skip
             elif warp_idx == GATE_WARP:
                 self._gates(mG, mBeta, sG, sBeta, gate_pipe, hv, bos, seqlen, nchunks)
-        elif wg == 1:
+        elif wg == 1 if const_expr(self.aux_wgs == 1) else wg <= self.aux_wgs:
             cute.arch.setmaxregister_decrease(AUX_REGS)
             nchunks = (seqlen + CHUNK - 1) // CHUNK
+            a = 0  # aux warpgroup a takes chunks a, a + aux_wgs, ...
+            sW_a, sX_a = sW, sX
+            if const_expr(self.aux_wgs > 1):  # then each its own scratch
+                a = wg - 1
+                sW_a = cute.make_tensor(sW.iterator + a * (CHUNK * W_STRIDE), sW.layout)
+                sX_a = cute.make_tensor(sX.iterator + a * (2 * BLOCK * X_STRIDE), sX.layout)
             self._aux(
-                mma_aux, sQ, sK, sP, sT, sG, sBeta, sTab, sNorm, sW, sX,
-                qk_pipe, gate_pipe, aux_pipe, scale, nchunks,
+                mma_aux, sQ, sK, sP, sT, sG, sBeta, sTab, sNorm, sW_a, sX_a,
+                qk_pipe, gate_pipe, aux_pipe, scale, nchunks, a,
             )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(STATE_REGS)
             nchunks = (seqlen + CHUNK - 1) // CHUNK
+            first = 1 + self.aux_wgs  # the first state warpgroup
             self._state(
-                wg - 2, tidx - (wg * THREADS_PER_WG), mma_ks, mma_st, sQ, sK, sV, sP, sT, sTab,
-                sO, mInit, mFinal, mO, qk_pipe, v_pipe, aux_pipe, hv, part, n, bos, seqlen,
-                nchunks,
+                wg - first, tidx - (wg * THREADS_PER_WG), mma_ks, mma_st, sQ, sK, sV, sP, sT,
+                sTab, sO, mInit, mFinal, mO, qk_pipe, v_pipe, aux_pipe, hv, part, n, bos,
+                seqlen, nchunks,
             )  # fmt: skip
 
     # ---------------------------------------------------------------- producer warps

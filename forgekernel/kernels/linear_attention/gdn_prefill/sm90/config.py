@@ -14,8 +14,9 @@ L2NORM_EPS = 1e-6  # fla's l2norm: x / sqrt(sum x^2 + eps)
 # Warpgroups: 0 producer (warp 0 TMA, warp 1 gates), 1 aux (scores, masks, inverse),
 # 2 .. state (64 value rows of the state each). V split: the value rows of one (sequence, head)
 # spread over V_SPLIT CTAs (adjacent in the grid), each with V / (64 V_SPLIT) state warpgroups
-# and its own copy of the aux work (which depends on q, k, g, beta only): 2 doubles the CTAs of
-# a problem too small to fill the GPU (1 x 65536 tokens x 32 heads: 32 CTAs on 132 SMs).
+# and its own copy of the aux work (which depends on q, k, g, beta only; two aux warpgroups in a
+# split CTA, `aux_wgs`): 2 doubles the CTAs of a problem too small to fill the GPU (1 x 65536
+# tokens x 32 heads: 32 CTAs on 132 SMs).
 ROWS_PER_STATE_WG = 64
 V_SPLITS = (1, 2)
 STATE_WGS = 2  # at V = 128 without a split
@@ -30,8 +31,16 @@ def state_wgs(v: int = 128, v_split: int = 1) -> int:
     return v // (ROWS_PER_STATE_WG * v_split)
 
 
+def aux_wgs(v_split: int = 1) -> int:
+    """Aux warpgroups of a CTA: two in a split CTA, taking alternate chunks (its one state
+    warpgroup leaves the registers: 24 + 2 x 104 + 192 of 512 a thread slot), so that the aux
+    chain (the inverse above all, ~2 k instructions a warp and chunk against a state warp's
+    ~750) has two chunks' time; one in an unsplit CTA (no registers left: 24 + 104 + 2 x 192)."""
+    return 2 if v_split == 2 else 1
+
+
 def threads(v: int = 128, v_split: int = 1) -> int:
-    return (2 + state_wgs(v, v_split)) * THREADS_PER_WG
+    return (1 + aux_wgs(v_split) + state_wgs(v, v_split)) * THREADS_PER_WG
 
 
 def value_row_block(part, w, wgs):
@@ -42,14 +51,15 @@ def value_row_block(part, w, wgs):
 
 def v_split_for(sequences: int, value_heads: int, sms: int) -> int:
     """2 when the CTAs of an unsplit launch (one per sequence and value head) would leave half
-    the SMs idle even doubled (2 N HV <= SMs), else 1: a split CTA's chunks take about as long
-    as an unsplit one's (the aux warpgroup, repeated, bounds both), so splitting pays only
-    where it adds SMs; beyond one wave it would add a wave."""
+    the SMs idle even doubled (2 N HV <= SMs), else 1: splitting pays where it adds SMs; beyond
+    one wave it would add a wave (unless a split CTA's chunk, with its two aux warpgroups,
+    takes under half an unsplit one's: to be measured, docs/linear_attention/NOTES.md)."""
     return 2 if 2 * sequences * value_heads <= sms else 1
 
 
-for _wgs in (state_wgs(128, s) for s in V_SPLITS):
-    assert (PRODUCER_REGS + AUX_REGS + _wgs * STATE_REGS) * THREADS_PER_WG <= REGISTERS_PER_SM
+for _s in V_SPLITS:
+    _regs = PRODUCER_REGS + aux_wgs(_s) * AUX_REGS + state_wgs(128, _s) * STATE_REGS
+    assert _regs * THREADS_PER_WG <= REGISTERS_PER_SM
 THREADS = threads()  # the unsplit CTA's
 
 # Ring depths (chunks in flight). q / k: 3, so that the aux warpgroup can load and work on
@@ -70,7 +80,7 @@ def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2, v_split: int = 1
     tiles = CHUNK * (QK_STAGES * 2 * k + V_STAGES * v_cols) * elem_bytes  # q, k, v rings
     aux = 2 * STAGES * CHUNK * CHUNK * elem_bytes  # P and T diag(beta) rings
     out = wgs * 2 * CHUNK * ROWS_PER_STATE_WG * elem_bytes  # O tiles, double-buffered
-    scratch = (CHUNK * W_STRIDE + 2 * BLOCK * X_STRIDE) * 4
+    scratch = aux_wgs(v_split) * (CHUNK * W_STRIDE + 2 * BLOCK * X_STRIDE) * 4
     tables = (2 * STAGES * CHUNK + STAGES * 4 * CHUNK + STAGES * 3 * CHUNK) * 4
     barriers = 2 * (QK_STAGES + V_STAGES + 2 * STAGES) * 8
     return tiles + aux + out + scratch + tables + barriers + 1024 * 4

@@ -13,6 +13,12 @@ class Bar(IntEnum):
 
     AUX = FIRST_FREE  # the aux warpgroup's 128 threads (inverse phases, scratch reuse)
     OUT = FIRST_FREE + 1  # OUT + w: the CTA's state warpgroup w's 128 threads (its O tile)
+    AUX2 = FIRST_FREE + 3  # the second aux warpgroup's (a split CTA's: config.aux_wgs)
+
+
+def aux_barrier_id(a):
+    """Aux warpgroup a's named barrier (a: 0 or 1, a device value)."""
+    return int(Bar.AUX) + a * (int(Bar.AUX2) - int(Bar.AUX))
 
 
 PRODUCER_WARP = 0  # warpgroup 0: TMA loads
