@@ -321,12 +321,10 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
         head = hv // (mV4.shape[2] // mQ4.shape[2])
         bos = mCu[n]
         seqlen = mCu[n + 1] - bos
-        # the chunk count is formed in each role after its setmaxnreg: formed before, it was one
-        # value ptxas kept in local memory across the split (STL / LDL, 384-thread CTAs)
+        nchunks = (seqlen + CHUNK - 1) // CHUNK
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            nchunks = (seqlen + CHUNK - 1) // CHUNK
             if warp_idx == PRODUCER_WARP:
                 self._produce(
                     tma_q, tma_k, tma_v, mQ4, mK4, mV4, sQ, sK, sV, qk_pipe, v_pipe, head, hv,
@@ -336,7 +334,6 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
                 self._gates(mG, mBeta, sG, sBeta, gate_pipe, hv, bos, seqlen, nchunks)
         elif wg == 1 if const_expr(self.aux_wgs == 1) else wg <= self.aux_wgs:
             cute.arch.setmaxregister_decrease(AUX_REGS)
-            nchunks = (seqlen + CHUNK - 1) // CHUNK
             a = 0  # aux warpgroup a takes chunks a, a + aux_wgs, ...
             sW_a, sX_a = sW, sX
             if const_expr(self.aux_wgs > 1):  # then each its own scratch
@@ -349,7 +346,6 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
             )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(STATE_REGS)
-            nchunks = (seqlen + CHUNK - 1) // CHUNK
             first = 1 + self.aux_wgs  # the first state warpgroup
             self._state(
                 wg - first, tidx - (wg * THREADS_PER_WG), mma_ks, mma_st, sQ, sK, sV, sP, sT,
