@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One JIT-path device call (after `dsl-install.sh stash`, see device_jit_run.sh): ncu over
 # scripts/profile_attention.py, the second round of ours and FA4's forward / backward kernels
-# (SCRIPT= another target, e.g. scripts/profile_mla.py with KERNELS=MlaSeesaw SKIP=2 COUNT=1).
+# (SCRIPT= another target, e.g. scripts/profile_mla.py with KERNELS=MlaSeesaw SKIP=2 COUNT=1, or
+# scripts/profile_gdn_prefill.py with KERNELS=GdnChunked SKIP=2 COUNT=1 SOURCE=1 SUMMARY=1).
 #   bash scripts/device_profile.sh [b hq hkv s d]
 set -uo pipefail
 OUT=${OUT:-/tmp/forgekernel-out}

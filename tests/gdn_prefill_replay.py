@@ -15,6 +15,8 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     CHUNK,
     L2NORM_EPS,
     ROWS_PER_STATE_WG,
+    state_wgs,
+    value_row_block,
 )
 
 HALF = BLOCK // 2
@@ -195,11 +197,25 @@ def sequence(q, k, v, g, beta, st, scale, dtype, l2norm, tail_rows=None):
     return out, st
 
 
+def split_parts(v_dim: int, v_split: int) -> list[slice]:
+    """The value rows each CTA of a V split holds: part p's state warpgroups w take the 64-row
+    blocks `value_row_block(p, w, wgs)` (the kernel's own helper), which must tile [0, V)."""
+    wgs = state_wgs(v_dim, v_split)
+    parts = []
+    for p in range(v_split):
+        blocks = [value_row_block(p, w, wgs) for w in range(wgs)]
+        assert blocks == list(range(blocks[0], blocks[0] + wgs))  # contiguous in the v tile
+        parts.append(slice(ROWS_PER_STATE_WG * blocks[0], ROWS_PER_STATE_WG * (blocks[-1] + 1)))
+    return parts
+
+
 def kernel(params: dict):
     """The launcher's compiled-function stand-in: fn(q, k, v, g, beta, init, cu_seqlens, out,
     final, scale) over varlen tensors, as the kernel computes it (a tail chunk sees the next
-    sequence's rows, as its TMA boxes do)."""
+    sequence's rows, as its TMA boxes do; with a V split each CTA's value rows on their own, the
+    aux work recomputed per CTA)."""
     dtype = torch.float16 if params["dtype"] == "float16" else torch.bfloat16
+    parts = split_parts(params["v"], params.get("v_split", 1))
 
     def fn(q, k, v, g, beta, init, cu_seqlens, out, final, scale):
         group = v.shape[1] // q.shape[1]
@@ -212,11 +228,16 @@ def kernel(params: dict):
                     st = init[n, hv].float() if params["k_last"] else init[n, hv].t().float()
                 h = hv // group
                 qs, ks = (x[t0:t1, h].float() for x in (q, k))
-                vs = v[t0:t1, hv].float()
-                tail = tuple(x[t1 : t1 + CHUNK].float() for x in (q[:, h], k[:, h], v[:, hv]))
-                o, st = sequence(qs, ks, vs, g[t0:t1, hv], beta[t0:t1, hv], st, scale, dtype,
-                                 params["l2norm"], tail)  # fmt: skip
-                out[t0:t1, hv] = o.to(out.dtype)
-                final[n, hv] = st if params["k_last"] else st.t()
+                for cols in parts:  # one CTA each
+                    vs = v[t0:t1, hv, cols].float()
+                    tail = tuple(x[t1 : t1 + CHUNK].float()
+                                 for x in (q[:, h], k[:, h], v[:, hv, cols]))  # fmt: skip
+                    o, st_p = sequence(qs, ks, vs, g[t0:t1, hv], beta[t0:t1, hv], st[cols],
+                                       scale, dtype, params["l2norm"], tail)  # fmt: skip
+                    out[t0:t1, hv, cols] = o.to(out.dtype)
+                    if params["k_last"]:
+                        final[n, hv, cols] = st_p
+                    else:
+                        final[n, hv, :, cols] = st_p.t()
 
     return fn

@@ -28,17 +28,28 @@ op = importlib.import_module("forgekernel.ops.gated_delta_rule_chunked")
 STATE_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
-@pytest.fixture
-def cpu_kernel(monkeypatch):
-    calls = []
+SPLIT_SMS = {1: 1, 2: 10**6}  # SM counts under which the launcher chooses V split 1 / 2
+
+
+@pytest.fixture(params=sorted(SPLIT_SMS), ids=lambda s: f"vsplit{s}")
+def cpu_kernel(monkeypatch, request):
+    """The replay as the compiled kernel, on a device of 1 SM (never split) or of a million
+    (always split: each state's value rows over two CTAs); `.v_split` says which."""
+    calls = CallLog()
+    calls.v_split = request.param
 
     def get(spec, params):
         calls.append(dict(params))
         return replay.kernel(dict(params))
 
     monkeypatch.setattr(prefill_launch, "get_kernel", get)
+    monkeypatch.setattr(prefill_launch, "_sms", lambda device: SPLIT_SMS[request.param])
     monkeypatch.setattr(op, "check_cuda", lambda name, t: None)
     return calls
+
+
+class CallLog(list):
+    v_split = 1
 
 
 def _inputs(b, t, h, hv, *, n=None, seed=0, beta_dtype=torch.float32, dtype=torch.bfloat16):
@@ -84,7 +95,8 @@ def test_varlen_matches_the_recurrence(cpu_kernel, lens, h, hv, l2norm, with_sta
     _close(o, want_o, 2e-2)
     _close(final.transpose(-1, -2) if k_last else final, want_s, STATE_TOL[torch.bfloat16])
     assert cpu_kernel == [dict(op.prefill_sm90.params_for(
-        "bfloat16", k_last=k_last, l2norm=l2norm, initial_state=with_state))]  # fmt: skip
+        "bfloat16", k_last=k_last, l2norm=l2norm, initial_state=with_state,
+        v_split=cpu_kernel.v_split))]  # fmt: skip
 
 
 def test_fixed_length_batch_and_no_final_state(cpu_kernel):
@@ -248,12 +260,45 @@ def test_varlen_needs_batch_one_and_head_dims_128(cpu_kernel):
 
 
 def test_too_many_sequences_are_refused(cpu_kernel):
-    """The grid is (HV, N): N above gridDim.y's 65535 would fail the launch itself."""
+    """The grid is (HV x V split, N): N above gridDim.y's 65535 would fail the launch."""
     q, k, v, g, beta, _ = _inputs(1, 65536, 1, 1)
     cu = torch.arange(65537, dtype=torch.int32)
     with pytest.raises(ValueError, match="at most 65535 sequences"):
         op.gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu)
     assert not cpu_kernel
+
+
+@pytest.mark.parametrize(("n", "hv", "sms", "split"), [
+    (1, 32, 132, 2),  # 1 x 65536 h16 hv32: 32 CTAs -> 64
+    (2, 32, 132, 2),  # 64 CTAs -> 128, one wave still
+    (4, 32, 132, 1),  # 128 CTAs: doubled, a second wave
+    (3, 32, 132, 1),  # 96: 192 would not fit one wave
+    (1, 8, 114, 2),  # H100 PCIe
+    (64, 32, 132, 1),
+])  # fmt: skip
+def test_v_split_only_where_it_adds_sms(n, hv, sms, split):
+    assert op.prefill_sm90.v_split_for(n, hv, sms) == split
+
+
+def test_v_split_parts_tile_the_value_rows():
+    """Each CTA of a split holds contiguous value rows (its v tile's columns), together all V."""
+    assert replay.split_parts(128, 1) == [slice(0, 128)]
+    assert replay.split_parts(128, 2) == [slice(0, 64), slice(64, 128)]
+
+
+def test_v_split_is_exact(monkeypatch):
+    """The value rows of S^T never mix (each row's products read only itself, q, k and the
+    aux pieces): the split kernel's outputs and states equal the unsplit one's bit for bit."""
+    q, k, v, g, beta, state = _inputs(1, 150, 2, 4, n=2, seed=9)
+    cu = torch.tensor([0, 61, 150])
+    monkeypatch.setattr(op, "check_cuda", lambda name, t: None)
+    got = {}
+    for split, sms in SPLIT_SMS.items():
+        monkeypatch.setattr(prefill_launch, "_sms", lambda device, sms=sms: sms)
+        monkeypatch.setattr(prefill_launch, "get_kernel", lambda spec, p: replay.kernel(dict(p)))
+        got[split] = op.gated_delta_rule(q, k, v, g, beta, initial_state=state,
+                                         output_final_state=True, cu_seqlens=cu)  # fmt: skip
+    assert torch.equal(got[1][0], got[2][0]) and torch.equal(got[1][1], got[2][1])
 
 
 def test_cpu_tensors_are_refused():

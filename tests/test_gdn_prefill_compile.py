@@ -2,7 +2,8 @@
 ptxas assembles, cuobjdump reads the cubin), its resources as config.py and the kernel state:
 
 - 512 threads, 128 registers at launch (one CTA per SM), split by setmaxnreg 24 / 104 / 192
-  (producer / aux / state warpgroups), nothing spilled (no local memory);
+  (producer / aux / state warpgroups), nothing spilled (no local memory); with a V split of 2,
+  one state warpgroup and two aux warpgroups (alternate chunks), 512 threads again;
 - the setmaxnreg split within the registers the CTA is launched with (else the state
   warpgroups' increase would wait forever);
 - shared memory (the kernel's SharedStorage, plus the static) within the 227 KB opt-in, under
@@ -13,8 +14,8 @@ ptxas assembles, cuobjdump reads the cubin), its resources as config.py and the 
   O^T += U^T P^T (4 each, 64x64x16) and the state update (4 x 64x128x16, B transposed) in a
   state warpgroup, each product one commit group and none serialized (a wait per group, not
   per instruction: ptxas serializes when registers run short);
-- three TMA boxes of two 64-column halves per chunk, the P / T tiles by stmatrix, O^T by the
-  transposed stmatrix."""
+- three TMA boxes of two 64-column halves per chunk (v one half with a V split), the P / T
+  tiles by stmatrix, O^T by the transposed stmatrix."""
 
 from __future__ import annotations
 
@@ -38,9 +39,9 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.compile import (  # n
     kernel_for,
 )
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import (  # noqa: E402
-    QK_CONSUMER_WARPS,
-    V_CONSUMER_WARPS,
     Bar,
+    qk_consumer_warps,
+    v_consumer_warps,
 )
 from forgekernel.runtime.resources import find_tool, inspect_cubin  # noqa: E402
 
@@ -58,7 +59,33 @@ CONFIGS = {
         "initial_state": True,
     },  # fmt: skip
     "fp16_l2norm_state": {"dtype": "float16", "l2norm": True, "initial_state": True},
+    "bf16_vsplit": {"dtype": "bfloat16", "v_split": 2},
+    "fp16_l2norm_state_vsplit": {
+        "dtype": "float16",
+        "l2norm": True,
+        "initial_state": True,
+        "v_split": 2,
+    },  # fmt: skip
+    "bf16_klast_state_vsplit": {
+        "dtype": "bfloat16",
+        "k_last": True,
+        "initial_state": True,
+        "v_split": 2,
+    },  # fmt: skip
 }
+
+
+def _wgs(name: str) -> int:
+    """State warpgroups of a configuration's CTA."""
+    return config.state_wgs(128, CONFIGS[name].get("v_split", 1))
+
+
+def _threads(name: str) -> int:
+    return config.threads(128, CONFIGS[name].get("v_split", 1))
+
+
+def _aux_wgs(name: str) -> int:
+    return config.aux_wgs(CONFIGS[name].get("v_split", 1))
 
 
 def _compile(dtype: str, **kw) -> tuple[dict, list[tuple[str, str]], int, str]:
@@ -98,7 +125,7 @@ def compiled():
 def test_registers_and_no_spills(compiled, name):
     res, instrs, _, _ = compiled(name)
     ops = [op for op, _ in instrs]
-    assert res["registers"] <= 65536 // config.THREADS
+    assert res["registers"] <= 65536 // _threads(name)
     assert res["spill_bytes"] == 0
     assert not [op for op in ops if op.startswith(("LDL", "STL"))]
     maxreg = [int(a.split(",")[-1], 16) for op, a in instrs if op.startswith("USETMAXREG")]
@@ -106,14 +133,15 @@ def test_registers_and_no_spills(compiled, name):
     assert max(maxreg) <= 255
     # the split must fit the registers the CTA is launched with: else setmaxnreg.inc of the
     # state warpgroups waits forever for registers the others never free
-    split = config.PRODUCER_REGS + config.AUX_REGS + config.STATE_WGS * config.STATE_REGS
-    assert split * THREADS_PER_WG <= res["registers"] * config.THREADS
+    split = (config.PRODUCER_REGS + _aux_wgs(name) * config.AUX_REGS
+             + _wgs(name) * config.STATE_REGS)  # fmt: skip
+    assert split * THREADS_PER_WG <= res["registers"] * _threads(name)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_shared_memory_fits(compiled, name):
     res, _, smem, _ = compiled(name)
-    assert smem <= config.smem_bytes() <= SMEM_CAPACITY
+    assert smem <= config.smem_bytes(v_split=CONFIGS[name].get("v_split", 1)) <= SMEM_CAPACITY
     assert smem + res["smem_bytes"] <= SMEM_CAPACITY  # the DSL's static shared memory (1 KB) too
 
 
@@ -135,7 +163,8 @@ def test_wgmma_groups_are_not_serialized(compiled, name):
 def test_tma_loads_and_matrix_stores(compiled, name):
     _, instrs, _, _ = compiled(name)
     ops = [op for op, _ in instrs]
-    assert ops.count("UTMALDG.3D") == 6  # q, k, v: two 64-column boxes each
+    # q, k: two 64-column boxes each; v: the CTA's value columns (one box a state warpgroup)
+    assert ops.count("UTMALDG.3D") == 4 + _wgs(name)
     assert ops.count("STSM.16.M88.4") == 8  # P, T diag(beta): 4 each per aux thread
     assert ops.count("STSM.16.MT88.4") == 4  # O^T, transposed into the token-major tile
 
@@ -154,19 +183,21 @@ def test_pipeline_arrive_counts_and_named_barriers(compiled, name):
     """Each ring's full / empty barriers expect the arrivals its roles make per stage: TMA one
     expect-tx (q / k, v), the consumers' lane 0 of each warp (12 warps q / k, 8 v), the gate
     warp's 32 lanes and the aux warpgroup's 128 threads (gate ring), the aux warpgroup's 128 and
-    both state warpgroups' 256 (aux ring). Named barriers: only the aux warpgroup's id (static)
-    and the state warpgroups' OUT + w (computed), each over 128 threads."""
+    the state warpgroups' 128 each (aux ring; one with a V split: 4 + 4 warps q / k, 4 v).
+    Named barriers: only the aux warpgroup's id (static; computed with two aux warpgroups,
+    AUX or AUX2) and the state warpgroups' OUT + w (computed), each over 128 threads."""
     *_, ptx = compiled(name)
-    wg, stages = THREADS_PER_WG, config.STAGES
+    wg, stages, wgs = THREADS_PER_WG, config.STAGES, _wgs(name)
     want = (
-        [1] * config.QK_STAGES + [QK_CONSUMER_WARPS] * config.QK_STAGES
-        + [1] * config.V_STAGES + [V_CONSUMER_WARPS] * config.V_STAGES
+        [1] * config.QK_STAGES + [qk_consumer_warps(wgs)] * config.QK_STAGES
+        + [1] * config.V_STAGES + [v_consumer_warps(wgs)] * config.V_STAGES
         + [WARP_SIZE] * stages + [wg] * stages
-        + [wg] * stages + [config.STATE_WGS * wg] * stages
+        + [wg] * stages + [wgs * wg] * stages
     )  # fmt: skip
     assert _mbarrier_init_counts(ptx) == want
     syncs = re.findall(r"bar\.sync\s+([^,;]+)(?:,\s*(\d+))?;", ptx)
-    assert {(i, n) for i, n in syncs if i.isdigit()} == {("0", ""), (str(int(Bar.AUX)), str(wg))}
+    static = {("0", ""), (str(int(Bar.AUX)), str(wg))} if _aux_wgs(name) == 1 else {("0", "")}
+    assert {(i, n) for i, n in syncs if i.isdigit()} == static
     assert {n for i, n in syncs if not i.isdigit()} == {str(wg)}  # OUT + w
 
 

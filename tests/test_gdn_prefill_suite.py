@@ -37,3 +37,22 @@ def test_registered_since_its_first_gpu_check():
     """Registered since its first GPU check passed (2026-12-01)."""
     assert suites.SUITE_MODULES["gdn_prefill"] == "forgekernel.bench.suites.gdn_prefill"
     assert "gdn_prefill" not in suites.PENDING_SUITE_MODULES
+
+
+def test_variants_force_the_other_v_split(cpu_kernel):  # noqa: F811
+    """The bench times the other V split beside the launcher's choice (at most two waves of
+    split CTAs); each variant is the kernel with that split, as the check sees it."""
+    by_name = {c.name: c for c in gdn_prefill.BENCH_CASES}
+    assert set(gdn_prefill.variants(by_name["1x65536-h16-hv32"])) == {"v_split_1"}
+    assert set(gdn_prefill.variants(by_name["4x8192-h16-hv32"])) == {"v_split_2"}
+    assert gdn_prefill.variants(by_name["mix64-t32768-h16-hv32"]) == {}
+    suite = gdn_prefill.suite()
+    case = gdn_prefill.CHECK_CASES[0]
+    inputs = suite.make_inputs(case, torch.bfloat16, torch.device("cpu"),
+                               torch.Generator().manual_seed(1))  # fmt: skip
+    want = suite.reference(inputs)
+    for split in (1, 2):
+        out = gdn_prefill.alloc_out(inputs)
+        got = gdn_prefill._run_v_split(split)(inputs, out)
+        assert got is out and float((got.float() - want).abs().max()) < 2e-2
+        assert cpu_kernel[-1]["v_split"] == split

@@ -2,7 +2,8 @@
 the fp64 recurrence: varlen with empty, single-token, sub-chunk and odd sequences (tail chunks
 that read the next sequence's rows), one long sequence (64 chunks), both state layouts, with and
 without an initial state, l2norm on unnormalized keys, grouped value heads, fp16 and bf16, more
-CTAs than SMs, strong / no decay, misaligned inputs (the launcher's copies); torch.compile; the
+CTAs than SMs, the V split (two CTAs per head, bitwise the unsplit kernel), strong / no decay,
+misaligned inputs (the launcher's copies); torch.compile; the
 FlashInfer-Bench definition through its adapter; fla's chunk_gated_delta_rule where installed.
 
 Tolerances: o within 2e-2 of max |o|; the final state within 2e-2 (bf16) / 4e-3 (fp16) of
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from forgekernel.bench import flashinfer_defs as defs
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90 import launch as prefill_launch
 from forgekernel.reference.delta_rule import gated_delta_rule_recurrent
 
 pytestmark = pytest.mark.gpu
@@ -90,6 +92,30 @@ def test_one_long_sequence():
 def test_more_ctas_than_sms():
     lens = [33 + 7 * (i % 9) for i in range(48)]
     _check(*_inputs(lens, 4, 8, torch.bfloat16, seed=2), k_last=True)
+
+
+@pytest.mark.parametrize(
+    ("lens", "h", "hv", "k_last", "l2norm", "with_state"),
+    [
+        ([1, 63, 0, 64, 65, 130], 2, 4, False, False, True),
+        ([700], 16, 32, True, True, True),
+        ([129, 3], 4, 8, False, True, False),
+    ],
+)
+def test_v_split_is_bitwise_the_unsplit_kernel(
+    monkeypatch, lens, h, hv, k_last, l2norm, with_state
+):
+    """Two CTAs per (sequence, head), each holding 64 value rows of the state (the launcher's
+    choice when N HV <= SMs / 2), compute every row exactly as the one CTA does: outputs and
+    final states equal bit for bit; each also matches the recurrence."""
+    knorm = 4.0 if l2norm else 1.0  # unnormalized keys only where the kernel normalizes
+    q, k, v, g, beta, state, cu = _inputs(lens, h, hv, torch.bfloat16, seed=11, knorm=knorm)
+    got = []
+    for sms in (1, 10**6):  # never split, always split
+        monkeypatch.setattr(prefill_launch, "_sms", lambda device, sms=sms: sms)
+        got.append(_check(q, k, v, g, beta, state, cu, k_last=k_last, l2norm=l2norm,
+                          with_state=with_state))  # fmt: skip
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
 
 
 @pytest.mark.parametrize("decay", [0.0, -20.0])

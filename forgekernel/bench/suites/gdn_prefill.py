@@ -118,6 +118,40 @@ def _reference(inputs: Inputs, upcast: bool) -> torch.Tensor:
     return o.float() if upcast else o.to(i["q"].dtype)
 
 
+H200_SMS = 132
+
+
+def _run_v_split(split: int):
+    """Ours through the launcher with the V split forced (1: one CTA per sequence and head; 2:
+    two, each with 64 value rows of the state and two aux warpgroups)."""
+
+    def run(inputs: Inputs, out):
+        launch = importlib.import_module(
+            "forgekernel.kernels.linear_attention.gdn_prefill.sm90.launch"
+        )
+        i = inputs
+        n, hv = len(i["cu_seqlens"]) - 1, i["v"].shape[2]
+        final = torch.empty(n, hv, HEAD, HEAD, dtype=torch.float32, device=i["v"].device)
+        launch.gdn_prefill(i["q"][0], i["k"][0], i["v"][0], i["g"][0], i["beta"][0], i["state"],
+                           i["cu_seqlens"], out[0], final, HEAD**-0.5, k_last=False,
+                           l2norm=False, v_split=split)  # fmt: skip
+        return out
+
+    return run
+
+
+def variants(case: Case) -> dict[str, Any]:
+    """The other V split beside the launcher's choice, where the problem has at most two waves
+    of split CTAs: whether a split CTA's chunk costs under half an unsplit one's (its two aux
+    warpgroups) decides where the split pays (config.v_split_for)."""
+    from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import v_split_for
+
+    n, hv = len(case.params["lens"]), case.params["hv"]
+    if v_split_for(n, hv, H200_SMS) == 2:
+        return {"v_split_1": _run_v_split(1)}
+    return {"v_split_2": _run_v_split(2)} if 2 * n * hv <= 2 * H200_SMS else {}
+
+
 def reference(inputs: Inputs) -> torch.Tensor:
     return _reference(inputs, True)
 
@@ -207,4 +241,5 @@ def suite() -> OpSuite:
         atol=1e-2,
         bench_dtypes=(torch.bfloat16,),
         sanitize_cases=SANITIZE_CASES,
+        variants=variants,
     )

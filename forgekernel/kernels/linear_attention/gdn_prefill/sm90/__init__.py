@@ -10,6 +10,7 @@ from pathlib import Path
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     DTYPES,
     HEAD_DIMS,
+    V_SPLITS,
     params_for,
 )
 from forgekernel.runtime.spec import KernelSpec, Params
@@ -23,12 +24,13 @@ def _compile(params: Params, extra_options: str = ""):
 
 def _standard_params() -> list[Params]:
     return [
-        params_for(dtype, dims, k_last=kl, l2norm=l2, initial_state=init)
+        params_for(dtype, dims, k_last=kl, l2norm=l2, initial_state=init, v_split=split)
         for dtype in DTYPES
         for dims in HEAD_DIMS
         for kl in (False, True)
         for l2 in (False, True)
         for init in (False, True)
+        for split in V_SPLITS
     ]
 
 

@@ -34,7 +34,7 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     STAGES,
 )
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse import invert
-from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import Bar
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import Bar, aux_barrier_id
 
 VEC = 8  # 16-bit elements per 16-byte shared-memory read
 
@@ -45,8 +45,10 @@ class AuxWy:
     @cute.jit
     def _aux(
         self, mma_aux, sQ, sK, sP, sT, sG, sBeta, sTab, sNorm, sW, sX, qk_pipe, gate_pipe,
-        aux_pipe, scale, nchunks,
+        aux_pipe, scale, nchunks, a,
     ):  # fmt: skip
+        """Chunks a, a + aux_wgs, ... (a: this aux warpgroup, 0 unless the CTA has two, which
+        alternate: each ring state starts at a and steps by aux_wgs; sW, sX its own scratch)."""
         # Thread-dependent views (stmatrix and scratch addresses, coordinates, the inverse's
         # identity rows) are rebuilt each chunk from a threadIdx the compiler may not hoist:
         # hoisted out of the loop they are ~20 live registers, which spilled at 104.
@@ -59,8 +61,15 @@ class AuxWy:
         ld = consumer_state(QK_STAGES)
         gt = consumer_state(STAGES)
         ax = producer_state(STAGES)
-        for _ in cutlass.range(nchunks, unroll=1):
-            atid = opaque_tid_x() - THREADS_PER_WG
+        first = 0
+        if const_expr(self.aux_wgs > 1):
+            bar = named_barrier(aux_barrier_id(a), THREADS_PER_WG)
+            ld.advance(a)
+            gt.advance(a)
+            ax.advance(a)
+            first = a
+        for _ in cutlass.range(first, nchunks, self.aux_wgs, unroll=1):
+            atid = opaque_tid_x() - THREADS_PER_WG * (1 + a)
             qk_pipe.consumer_wait(ld)
             kb = tSrKb[None, None, None, ld.index]
             acc = cute.make_rmem_tensor(acc_shape, Float32)
@@ -106,9 +115,9 @@ class AuxWy:
             cute.arch.fence_view_async_shared()
             gate_pipe.consumer_release(gt)
             aux_pipe.producer_commit(ax)
-            ld.advance()
-            gt.advance()
-            ax.advance()
+            ld.advance(self.aux_wgs)
+            gt.advance(self.aux_wgs)
+            ax.advance(self.aux_wgs)
 
     @cute.jit
     def _row_norm(self, atid, sQ, sK, sG, sNorm, stage, gs):

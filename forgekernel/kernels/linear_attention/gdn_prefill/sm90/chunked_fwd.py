@@ -1,5 +1,6 @@
 """Chunked Gated DeltaNet forward (prefill) for Hopper (sm_90a): TMA + WGMMA, one CTA per
-(sequence, value head), the state on chip for the whole sequence.
+(sequence, value head), or V_SPLIT CTAs each holding V / V_SPLIT value rows of its state (the
+aux work repeated in each), the state on chip for the whole sequence.
 
 Per value head hv of sequence n, state S (K, V) fp32, chunks of C = 64 tokens; inside a chunk
 G2 = log2(e) cumsum(g) (all exponents below are differences G2_i - G2_j with j <= i, G2_C -
@@ -24,7 +25,9 @@ warpgroup, A operands from registers, B from shared memory:
     O^T = diag(..) O^T + U^T P^T           (64 x 64 x 64)
     S^T = 2^G2_C S^T + [U^T diag(rk 2^(G2_C - G2))] K         (64 x K x 64, K an MN-major B)
 
-Warp roles (4 warpgroups, 512 threads, setmaxnreg split in config.py):
+Warp roles (4 warpgroups, 512 threads, setmaxnreg split in config.py; with a V split of 2, one
+state warpgroup and two aux warpgroups that take alternate chunks, each with its own scratch
+and named barrier, its ring states starting at its index and stepping by two):
 - warpgroup 0, warp 0 (producer): TMA loads of q, k (head hv // (HV / H)) and v, one 64-token
   box each per chunk, into the `qk` and `v` rings.
 - warpgroup 0, warp 1 (gates): g and beta of the chunk (0 past the sequence's end), the
@@ -33,10 +36,11 @@ Warp roles (4 warpgroups, 512 threads, setmaxnreg split in config.py):
   masks and decays; P to shared memory (stmatrix), L to an fp32 scratch, T = (I + L)^-1 in
   fp32 on the CUDA cores (`inverse.py`), T diag(beta) to shared memory; per-token factor tables
   for the state warpgroups. Runs a chunk ahead of them through the `aux` ring.
-- warpgroups 2, 3 (state, `state_wg.py`): value rows [64 w, 64 w + 64) of S^T; the products
-  above; O^T to shared memory (transposed stmatrix) and to global memory with 16-byte stores
-  of the rows inside the sequence; the initial state read and the final state written from
-  the accumulator.
+- warpgroups 2, 3 (state, `state_wg.py`): value rows [64 b, 64 b + 64) of S^T, b = part x
+  state warpgroups + w (`config.value_row_block`; part: the CTA's share of the split); the
+  products above; O^T to shared memory (transposed stmatrix) and to global memory with
+  16-byte stores of the rows inside the sequence; the initial state read and the final state
+  written from the accumulator.
 
 Pipelines (mbarrier rings, depths in config.py): `qk` (TMA, producer warp -> the aux and state
 warps; 3 deep, so that the aux warpgroup loads and works up to two chunks ahead), `v` (TMA ->
@@ -83,17 +87,18 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     ROWS_PER_STATE_WG,
     STAGES,
     STATE_REGS,
-    STATE_WGS,
-    THREADS,
     V_STAGES,
     W_STRIDE,
     X_STRIDE,
+    aux_wgs,
+    state_wgs,
+    threads,
 )
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import (
     GATE_WARP,
     PRODUCER_WARP,
-    QK_CONSUMER_WARPS,
-    V_CONSUMER_WARPS,
+    qk_consumer_warps,
+    v_consumer_warps,
 )
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.state_wg import StateWg
 
@@ -113,13 +118,20 @@ def _async_ring(barriers, producers: int, consumers: int) -> pipeline.PipelineAs
 class GdnChunkedFwdSm90(AuxWy, StateWg):
     """Warp-specialized chunked Gated DeltaNet forward; see the module docstring."""
 
-    def __init__(self, k: int, v: int, *, k_last: bool, l2norm: bool, initial_state: bool):
+    def __init__(
+        self, k: int, v: int, *, k_last: bool, l2norm: bool, initial_state: bool, v_split: int = 1
+    ):
         if (k, v) != (128, 128):
             raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
         self.k, self.v = k, v
         self.k_last = k_last
         self.l2norm = l2norm
         self.initial_state = initial_state
+        self.v_split = v_split
+        self.state_wgs = state_wgs(v, v_split)
+        self.aux_wgs = aux_wgs(v_split)
+        self.v_cols = self.state_wgs * ROWS_PER_STATE_WG  # value columns of one CTA
+        self.threads = threads(v, v_split)
 
     # ---------------------------------------------------------------- host-side setup
     def _setup(self):
@@ -144,12 +156,14 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
         # q, k, v: (C tokens, D), K-major 128-byte swizzle; one layout serves as the aux GEMMs'
         # A and B, the state GEMMs' K-major B and (transposed) the update's MN-major B.
         self.sQK_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, self.k), dt, QK_STAGES)
-        self.sV_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, self.v), dt, V_STAGES)
+        self.sV_layout = sm90_utils.make_smem_layout_b(
+            row, (CHUNK, CHUNK, self.v_cols), dt, V_STAGES
+        )
         # P and T diag(beta): (i, j) row-major, the K-major B of U^T = (..) T^T and O^T += U^T P^T
         self.sPT_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, CHUNK), dt, STAGES)
         # O tiles: (C tokens, 64 value columns) row-major, two per state warpgroup
         self.sO_layout = sm90_utils.make_smem_layout_a(
-            row, (CHUNK, ROWS_PER_STATE_WG, ROWS_PER_STATE_WG), dt, 2 * STATE_WGS
+            row, (CHUNK, ROWS_PER_STATE_WG, ROWS_PER_STATE_WG), dt, 2 * self.state_wgs
         )
 
     @cute.jit
@@ -180,7 +194,7 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
         sV_tile = cute.slice_(self.sV_layout, (None, None, 0))
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ4, sQK_tile, (CHUNK, self.k))
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK4, sQK_tile, (CHUNK, self.k))
-        tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV4, sV_tile, (CHUNK, self.v))
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV4, sV_tile, (CHUNK, self.v_cols))
         self.qk_bytes = 2 * cute.size_in_bytes(self.dtype, sQK_tile)
         self.v_bytes = cute.size_in_bytes(self.dtype, sV_tile)
 
@@ -194,8 +208,12 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
             sBeta: cute.struct.Align[cute.struct.MemRange[Float32, STAGES * CHUNK], 16]
             sTab: cute.struct.Align[cute.struct.MemRange[Float32, STAGES * 4 * CHUNK], 16]
             sNorm: cute.struct.Align[cute.struct.MemRange[Float32, STAGES * 3 * CHUNK], 16]
-            sW: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * W_STRIDE], 16]
-            sX: cute.struct.Align[cute.struct.MemRange[Float32, 2 * BLOCK * X_STRIDE], 16]
+            sW: cute.struct.Align[
+                cute.struct.MemRange[Float32, self.aux_wgs * CHUNK * W_STRIDE], 16
+            ]
+            sX: cute.struct.Align[
+                cute.struct.MemRange[Float32, self.aux_wgs * 2 * BLOCK * X_STRIDE], 16
+            ]
             sQ: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(self.sQK_layout)], 1024
             ]
@@ -238,8 +256,8 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
             self.sPT_layout,
             self.sO_layout,
         ).launch(  # fmt: skip
-            grid=(mV.shape[1], mCu.shape[0] - 1, 1),
-            block=[THREADS, 1, 1],
+            grid=(mV.shape[1] * self.v_split, mCu.shape[0] - 1, 1),
+            block=[self.threads, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
         )
@@ -275,10 +293,13 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
             for atom in (tma_q, tma_k, tma_v):
                 cpasync.prefetch_descriptor(atom)
         storage = SmemAllocator().allocate(self.shared_storage)
-        qk_pipe = tma_pipeline(storage.qk_barriers, QK_STAGES, self.qk_bytes, QK_CONSUMER_WARPS)
-        v_pipe = tma_pipeline(storage.v_barriers, V_STAGES, self.v_bytes, V_CONSUMER_WARPS)
+        wgs = self.state_wgs
+        qk_pipe = tma_pipeline(
+            storage.qk_barriers, QK_STAGES, self.qk_bytes, qk_consumer_warps(wgs)
+        )
+        v_pipe = tma_pipeline(storage.v_barriers, V_STAGES, self.v_bytes, v_consumer_warps(wgs))
         gate_pipe = _async_ring(storage.gate_barriers, WARP_SIZE, THREADS_PER_WG)
-        aux_pipe = _async_ring(storage.aux_barriers, THREADS_PER_WG, STATE_WGS * THREADS_PER_WG)
+        aux_pipe = _async_ring(storage.aux_barriers, THREADS_PER_WG, wgs * THREADS_PER_WG)
         init_arrive()
         sQ = smem_tensor(storage.sQ, sQK_layout)
         sK = smem_tensor(storage.sK, sQK_layout)
@@ -294,7 +315,9 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
         sX = storage.sX.get_tensor(cute.make_layout((2 * BLOCK, 2 * BLOCK), stride=(X_STRIDE, 1)))
         init_wait()
 
-        hv, n, _ = cute.arch.block_idx()
+        bx, n, _ = cute.arch.block_idx()
+        hv = bx // self.v_split  # the split's CTAs adjacent: q / k read twice close in time
+        part = bx % self.v_split
         head = hv // (mV4.shape[2] // mQ4.shape[2])
         bos = mCu[n]
         seqlen = mCu[n + 1] - bos
@@ -305,38 +328,47 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
             if warp_idx == PRODUCER_WARP:
                 self._produce(
                     tma_q, tma_k, tma_v, mQ4, mK4, mV4, sQ, sK, sV, qk_pipe, v_pipe, head, hv,
-                    bos, nchunks,
+                    part, bos, nchunks,
                 )  # fmt: skip
             elif warp_idx == GATE_WARP:
                 self._gates(mG, mBeta, sG, sBeta, gate_pipe, hv, bos, seqlen, nchunks)
-        elif wg == 1:
+        elif wg == 1 if const_expr(self.aux_wgs == 1) else wg <= self.aux_wgs:
             cute.arch.setmaxregister_decrease(AUX_REGS)
+            a = 0  # aux warpgroup a takes chunks a, a + aux_wgs, ...
+            sW_a, sX_a = sW, sX
+            if const_expr(self.aux_wgs > 1):  # then each its own scratch
+                a = wg - 1
+                sW_a = cute.make_tensor(sW.iterator + a * (CHUNK * W_STRIDE), sW.layout)
+                sX_a = cute.make_tensor(sX.iterator + a * (2 * BLOCK * X_STRIDE), sX.layout)
             self._aux(
-                mma_aux, sQ, sK, sP, sT, sG, sBeta, sTab, sNorm, sW, sX,
-                qk_pipe, gate_pipe, aux_pipe, scale, nchunks,
+                mma_aux, sQ, sK, sP, sT, sG, sBeta, sTab, sNorm, sW_a, sX_a,
+                qk_pipe, gate_pipe, aux_pipe, scale, nchunks, a,
             )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(STATE_REGS)
+            first = 1 + self.aux_wgs  # the first state warpgroup
             self._state(
-                wg - 2, tidx - (wg * THREADS_PER_WG), mma_ks, mma_st, sQ, sK, sV, sP, sT, sTab,
-                sO, mInit, mFinal, mO, qk_pipe, v_pipe, aux_pipe, hv, n, bos, seqlen, nchunks,
+                wg - first, tidx - (wg * THREADS_PER_WG), mma_ks, mma_st, sQ, sK, sV, sP, sT,
+                sTab, sO, mInit, mFinal, mO, qk_pipe, v_pipe, aux_pipe, hv, part, n, bos,
+                seqlen, nchunks,
             )  # fmt: skip
 
     # ---------------------------------------------------------------- producer warps
     @cute.jit
     def _produce(
-        self, tma_q, tma_k, tma_v, mQ4, mK4, mV4, sQ, sK, sV, qk_pipe, v_pipe, head, hv, bos,
-        nchunks,
+        self, tma_q, tma_k, tma_v, mQ4, mK4, mV4, sQ, sK, sV, qk_pipe, v_pipe, head, hv, part,
+        bos, nchunks,
     ):  # fmt: skip
         """TMA: per chunk one (C, D) box of q, k (head `head`) into the q / k ring, then of v
-        (head hv) into the v ring. Boxes past the sequence read the next one's rows (masked by
-        the zero gates), past T zeros."""
+        (head hv, this CTA's value columns: part `part` of the split) into the v ring. Boxes
+        past the sequence read the next one's rows (masked by the zero gates), past T zeros."""
         one = cute.make_layout(1)
         loads = []
-        for atom, m, s, h, d in ((tma_q, mQ4, sQ, head, self.k), (tma_k, mK4, sK, head, self.k),
-                                 (tma_v, mV4, sV, hv, self.v)):  # fmt: skip
+        for atom, m, s, h, d, col in ((tma_q, mQ4, sQ, head, self.k, 0),
+                                      (tma_k, mK4, sK, head, self.k, 0),
+                                      (tma_v, mV4, sV, hv, self.v_cols, part)):  # fmt: skip
             g = cute.local_tile(
-                cute.domain_offset((bos, 0), m[None, None, h, 0]), (CHUNK, d), (None, 0)
+                cute.domain_offset((bos, 0), m[None, None, h, 0]), (CHUNK, d), (None, col)
             )
             ts, tg = cpasync.tma_partition(
                 atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)

@@ -1,5 +1,6 @@
 """Compile the chunked Gated DeltaNet prefill forward against fake tensors: T, H, HV, N and every
-outer stride dynamic; K, V, dtype, the state layout, l2norm and the initial state baked in. q,
+outer stride dynamic; K, V, dtype, the state layout, l2norm, the initial state and the V split
+baked in. q,
 k, v, o: unit last strides, token and head strides multiples of 8 elements, 16-byte aligned
 (TMA boxes and 16-byte O stores); g, beta fp32 (T, HV); states fp32 with unit last strides."""
 
@@ -16,7 +17,7 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.chunked_fwd import Gd
 def kernel_for(params: dict) -> GdnChunkedFwdSm90:
     return GdnChunkedFwdSm90(
         params["k"], params["v"], k_last=params["k_last"], l2norm=params["l2norm"],
-        initial_state=params["initial_state"],
+        initial_state=params["initial_state"], v_split=params.get("v_split", 1),
     )  # fmt: skip
 
 

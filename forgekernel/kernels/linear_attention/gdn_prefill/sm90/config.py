@@ -12,15 +12,55 @@ BLOCK = 16  # the triangular inverse's diagonal blocks (4 per chunk, one per aux
 L2NORM_EPS = 1e-6  # fla's l2norm: x / sqrt(sum x^2 + eps)
 
 # Warpgroups: 0 producer (warp 0 TMA, warp 1 gates), 1 aux (scores, masks, inverse),
-# 2 and 3 state (64 value rows of the state each).
-STATE_WGS = 2
+# 2 .. state (64 value rows of the state each). V split: the value rows of one (sequence, head)
+# spread over V_SPLIT CTAs (adjacent in the grid), each with V / (64 V_SPLIT) state warpgroups
+# and its own copy of the aux work (which depends on q, k, g, beta only; two aux warpgroups in a
+# split CTA, `aux_wgs`): 2 doubles the CTAs of a problem too small to fill the GPU (1 x 65536
+# tokens x 32 heads: 32 CTAs on 132 SMs).
 ROWS_PER_STATE_WG = 64
-THREADS = (2 + STATE_WGS) * THREADS_PER_WG
+V_SPLITS = (1, 2)
+STATE_WGS = 2  # at V = 128 without a split
 # setmaxnreg split, multiples of 8, summing to at most the register file per CTA thread slot
 PRODUCER_REGS = 24
 AUX_REGS = 104
 STATE_REGS = 192
-assert (PRODUCER_REGS + AUX_REGS + STATE_WGS * STATE_REGS) * THREADS_PER_WG <= REGISTERS_PER_SM
+
+
+def state_wgs(v: int = 128, v_split: int = 1) -> int:
+    """State warpgroups of a CTA: its V / v_split value rows, 64 each."""
+    return v // (ROWS_PER_STATE_WG * v_split)
+
+
+def aux_wgs(v_split: int = 1) -> int:
+    """Aux warpgroups of a CTA: two in a split CTA, taking alternate chunks (its one state
+    warpgroup leaves the registers: 24 + 2 x 104 + 192 of 512 a thread slot), so that the aux
+    chain (the inverse above all, ~2 k instructions a warp and chunk against a state warp's
+    ~750) has two chunks' time; one in an unsplit CTA (no registers left: 24 + 104 + 2 x 192)."""
+    return 2 if v_split == 2 else 1
+
+
+def threads(v: int = 128, v_split: int = 1) -> int:
+    return (1 + aux_wgs(v_split) + state_wgs(v, v_split)) * THREADS_PER_WG
+
+
+def value_row_block(part, w, wgs):
+    """The 64-row block of S^T (V, K) (and of the o columns) that state warpgroup w of the CTA
+    taking part `part` of a V split holds (DSL integers or ints)."""
+    return part * wgs + w
+
+
+def v_split_for(sequences: int, value_heads: int, sms: int) -> int:
+    """2 when the CTAs of an unsplit launch (one per sequence and value head) would leave half
+    the SMs idle even doubled (2 N HV <= SMs), else 1: splitting pays where it adds SMs; beyond
+    one wave it would add a wave (unless a split CTA's chunk, with its two aux warpgroups,
+    takes under half an unsplit one's: to be measured, docs/linear_attention/NOTES.md)."""
+    return 2 if 2 * sequences * value_heads <= sms else 1
+
+
+for _s in V_SPLITS:
+    _regs = PRODUCER_REGS + aux_wgs(_s) * AUX_REGS + state_wgs(128, _s) * STATE_REGS
+    assert _regs * THREADS_PER_WG <= REGISTERS_PER_SM
+THREADS = threads()  # the unsplit CTA's
 
 # Ring depths (chunks in flight). q / k: 3, so that the aux warpgroup can load and work on
 # chunk c + 2 while the state warpgroups are on chunk c (with 2 it could start chunk c + 1 only
@@ -33,12 +73,14 @@ W_STRIDE = CHUNK + 8  # fp32 words per row of the inverse's scratch (8-byte stor
 X_STRIDE = 2 * BLOCK + 8  # the 32 x 32 scratch of the 32 -> 64 merge
 
 
-def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2) -> int:
+def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2, v_split: int = 1) -> int:
     """Shared memory of one CTA (the kernel's SharedStorage, alignment padding included)."""
-    tiles = CHUNK * (QK_STAGES * 2 * k + V_STAGES * v) * elem_bytes  # q, k, v rings
+    wgs = state_wgs(v, v_split)
+    v_cols = wgs * ROWS_PER_STATE_WG  # the CTA's value columns
+    tiles = CHUNK * (QK_STAGES * 2 * k + V_STAGES * v_cols) * elem_bytes  # q, k, v rings
     aux = 2 * STAGES * CHUNK * CHUNK * elem_bytes  # P and T diag(beta) rings
-    out = STATE_WGS * 2 * CHUNK * ROWS_PER_STATE_WG * elem_bytes  # O tiles, double-buffered
-    scratch = (CHUNK * W_STRIDE + 2 * BLOCK * X_STRIDE) * 4
+    out = wgs * 2 * CHUNK * ROWS_PER_STATE_WG * elem_bytes  # O tiles, double-buffered
+    scratch = aux_wgs(v_split) * (CHUNK * W_STRIDE + 2 * BLOCK * X_STRIDE) * 4
     tables = (2 * STAGES * CHUNK + STAGES * 4 * CHUNK + STAGES * 3 * CHUNK) * 4
     barriers = 2 * (QK_STAGES + V_STAGES + 2 * STAGES) * 8
     return tiles + aux + out + scratch + tables + barriers + 1024 * 4
@@ -51,13 +93,17 @@ def params_for(
     k_last: bool = False,
     l2norm: bool = False,
     initial_state: bool = False,
+    v_split: int = 1,
 ) -> tuple:
     """Compile key: the q / k / v dtype, (K, V), the state's layout (k_last: (N, HV, V, K),
-    FlashInfer's; else (N, HV, K, V), fla's), the q / k l2norm in the kernel, and whether an
-    initial state is read (without one every sequence starts from zero). The final state is
-    always written: 64 KB per (sequence, head), against the 64 KB per 128 tokens the inputs
-    read, it is not worth a variant."""
+    FlashInfer's; else (N, HV, K, V), fla's), the q / k l2norm in the kernel, whether an
+    initial state is read (without one every sequence starts from zero), and the V split
+    (CTAs per sequence and head, `v_split_for`). The final state is always written: 64 KB per
+    (sequence, head), against the 64 KB per 128 tokens the inputs read, it is not worth a
+    variant."""
+    if v_split not in V_SPLITS:
+        raise ValueError(f"v_split must be one of {V_SPLITS}, got {v_split}")
     k, v = head_dims
     key = {"dtype": dtype, "k": k, "v": v, "k_last": k_last, "l2norm": l2norm,
-           "initial_state": initial_state}  # fmt: skip
+           "initial_state": initial_state, "v_split": v_split}  # fmt: skip
     return tuple(sorted(key.items()))

@@ -6,19 +6,30 @@ from enum import IntEnum
 
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE
 from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG, WARP_SIZE
-from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import STATE_WGS
 
 
 class Bar(IntEnum):
     """Named barriers (id 0 is __syncthreads)."""
 
     AUX = FIRST_FREE  # the aux warpgroup's 128 threads (inverse phases, scratch reuse)
-    OUT = FIRST_FREE + 1  # OUT + w: state warpgroup w's 128 threads (its O tile)
+    OUT = FIRST_FREE + 1  # OUT + w: the CTA's state warpgroup w's 128 threads (its O tile)
+    AUX2 = FIRST_FREE + 3  # the second aux warpgroup's (a split CTA's: config.aux_wgs)
+
+
+def aux_barrier_id(a):
+    """Aux warpgroup a's named barrier (a: 0 or 1, a device value)."""
+    return int(Bar.AUX) + a * (int(Bar.AUX2) - int(Bar.AUX))
 
 
 PRODUCER_WARP = 0  # warpgroup 0: TMA loads
 GATE_WARP = 1  # warpgroup 0: g, beta and the chunk's cumulative decay
-# The q / k ring is released by lane 0 of every aux and state warp, the v ring by the state
-# warps'.
-QK_CONSUMER_WARPS = (1 + STATE_WGS) * THREADS_PER_WG // WARP_SIZE
-V_CONSUMER_WARPS = STATE_WGS * THREADS_PER_WG // WARP_SIZE
+
+
+def qk_consumer_warps(state_wgs: int) -> int:
+    """The q / k ring is released by lane 0 of every aux and state warp."""
+    return (1 + state_wgs) * THREADS_PER_WG // WARP_SIZE
+
+
+def v_consumer_warps(state_wgs: int) -> int:
+    """The v ring is released by lane 0 of every state warp."""
+    return state_wgs * THREADS_PER_WG // WARP_SIZE

@@ -1,8 +1,9 @@
 """The state warpgroups of the chunked prefill kernel (mixed into GdnChunkedFwdSm90).
 
-State warpgroup w holds value rows [64 w, 64 w + 64) of S^T (V, K) as an fp32 WGMMA
-accumulator for the whole sequence. Per chunk (A operands from registers, B from shared
-memory; the factor tables from the aux warpgroup):
+State warpgroup w of the CTA holds value rows [64 b, 64 b + 64) of S^T (V, K) as an fp32 WGMMA
+accumulator for the whole sequence, b = `config.value_row_block(part, w, state warpgroups)`
+(part: the CTA's share of a V split; its v tile holds only its own value columns). Per chunk
+(A operands from registers, B from shared memory; the factor tables from the aux warpgroup):
 
     X^T, O^T = S^T K^T, S^T Q^T                 one commit group, S^T as a 16-bit A operand
     X^T     <- V^T - X^T diag(fK)               V^T read from the v tile (transposed view)
@@ -34,6 +35,7 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     ROWS_PER_STATE_WG,
     STAGES,
     V_STAGES,
+    value_row_block,
 )
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import Bar
 
@@ -47,12 +49,13 @@ class StateWg:
     @cute.jit
     def _state(
         self, w, stid, mma_ks, mma_st, sQ, sK, sV, sP, sT, sTab, sO, mInit, mFinal, mO,
-        qk_pipe, v_pipe, aux_pipe, hv, n, bos, seqlen, nchunks,
+        qk_pipe, v_pipe, aux_pipe, hv, part, n, bos, seqlen, nchunks,
     ):  # fmt: skip
+        blk = value_row_block(part, w, self.state_wgs)  # this warpgroup's 64 rows of S^T
         thr_st = mma_st.get_slice(stid)
         acc_st = cute.make_rmem_tensor(thr_st.partition_shape_C((ROWS, self.k)), Float32)
         if const_expr(self.initial_state):
-            self._state_io(mInit, acc_st, thr_st, n, hv, w, True)
+            self._state_io(mInit, acc_st, thr_st, n, hv, blk, True)
         else:
             acc_st.fill(0.0)
         # Operand descriptors are warpgroup-uniform; thread-dependent views (V^T and stmatrix
@@ -103,11 +106,11 @@ class StateWg:
             gemm(mma_st, acc_st, tUrUd, tBrKt[None, None, None, ld.index], False, 0)
             qk_pipe.consumer_release(ld)
             aux_pipe.consumer_release(ax)
-            self._store_o(acc_o, mma_ks, sO, mO, out_bar, w, tid, hv, bos, c, seqlen)
+            self._store_o(acc_o, mma_ks, sO, mO, out_bar, w, blk, tid, hv, bos, c, seqlen)
             ld.advance()
             vs.advance()
             ax.advance()
-        self._state_io(mFinal, acc_st, thr_st, n, hv, w, False)
+        self._state_io(mFinal, acc_st, thr_st, n, hv, blk, False)
 
     @cute.jit
     def _correct(self, acc_x, acc_o, r_v, coords, sTab, s):
@@ -134,9 +137,9 @@ class StateWg:
                 a[r, c] = a[r, c] * f
 
     @cute.jit
-    def _store_o(self, acc_o, mma_ks, sO, mO, out_bar, w, stid, hv, bos, c, seqlen):
+    def _store_o(self, acc_o, mma_ks, sO, mO, out_bar, w, blk, stid, hv, bos, c, seqlen):
         """O^T -> 16 bits -> this warpgroup's O tile c % 2 (transposed stmatrix: token-major)
-        -> its rows < the chunk's valid length to global memory (value columns 64 w ..).
+        -> its rows < the chunk's valid length to global memory (value columns 64 blk ..).
         The tile written two chunks ago was read before this chunk's barrier."""
         r_o = cute.make_rmem_tensor(acc_o.shape, self.dtype)
         r_o.store(acc_o.load().to(self.dtype))
@@ -157,16 +160,16 @@ class StateWg:
             if row < valid:
                 src = cute.local_tile(tile[row, None], (VEC,), (col,))
                 dst_row = mO[bos + c * CHUNK + row, hv, None]
-                dst = cute.local_tile(dst_row, (VEC,), (w * per_row + col,))
+                dst = cute.local_tile(dst_row, (VEC,), (blk * per_row + col,))
                 dst.store(src.load())
 
     @cute.jit
-    def _state_io(self, mS, acc_st, thr_st, n, hv, w, load: cutlass.Constexpr[bool]):
-        """Value rows [64 w, 64 w + 64) of (sequence n, head hv)'s state, seen as S^T (V, K)
+    def _state_io(self, mS, acc_st, thr_st, n, hv, blk, load: cutlass.Constexpr[bool]):
+        """Value rows [64 blk, 64 blk + 64) of (sequence n, head hv)'s state, seen as S^T (V, K)
         (k-last: as stored; fla's (K, V): transposed), to or from the accumulator."""
         head = mS[n, hv, None, None]
         st = head if const_expr(self.k_last) else transposed(head)
-        part = thr_st.partition_C(cute.local_tile(st, (ROWS, self.k), (w, 0)))
+        part = thr_st.partition_C(cute.local_tile(st, (ROWS, self.k), (blk, 0)))
         if const_expr(load):
             acc_st.store(part.load())
         else:

@@ -1,0 +1,46 @@
+"""Run the chunked Gated DeltaNet forward on the suite's inputs a few times, for a profiler
+wrapped around this script (scripts/device_profile.sh with SCRIPT set to it):
+
+    python scripts/profile_gdn_prefill.py [n t h hv [state]]   (default 4 8192 16 32 1)
+
+n sequences of t tokens (varlen, B = 1), q / k heads h, value heads hv, an fp32 initial state
+unless state is 0; k unit-norm and g = logsigmoid(N(0, 1)) as in bench/suites/gdn_prefill.py.
+The launcher picks the V split (n hv <= SMs / 2: two CTAs per head). Launches: 3 (profile the
+last: -s 2 -c 1). In ncu's source page the roles are address ranges of the one kernel: the
+state warpgroups' loop lies between USETMAXREG.TRY_ALLOC 0xc0 and USETMAXREG.DEALLOC 0x68, the
+aux warpgroup's after the latter (tests/test_gdn_prefill_compile.py compiles the same code)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import torch
+import torch.nn.functional as F
+
+
+def main() -> None:
+    dims = [int(x) for x in sys.argv[1:6]] if len(sys.argv) > 4 else [4, 8192, 16, 32, 1]
+    n, t, h, hv = dims[:4]
+    state = dims[4] if len(dims) > 4 else 1
+    op = importlib.import_module("forgekernel.ops.gated_delta_rule_chunked")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen)
+
+    q = rnd(1, n * t, h, 128).bfloat16()
+    k = F.normalize(rnd(1, n * t, h, 128), dim=-1).bfloat16()
+    v = rnd(1, n * t, hv, 128).bfloat16()
+    g, beta = F.logsigmoid(rnd(1, n * t, hv)), torch.sigmoid(rnd(1, n * t, hv))
+    init = rnd(n, hv, 128, 128) * 0.1 if state else None
+    cu = torch.arange(0, (n + 1) * t, t, dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        op.gated_delta_rule(q, k, v, g, beta, initial_state=init, output_final_state=True,
+                            cu_seqlens=cu)  # fmt: skip
+    torch.cuda.synchronize()
+    print("done", n, t, h, hv, state)
+
+
+if __name__ == "__main__":
+    main()
