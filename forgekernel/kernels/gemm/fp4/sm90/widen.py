@@ -1,0 +1,98 @@
+"""e2m1 -> e4m3 widening of packed FP4 weights in registers (docs/gemm/NOTES.md "FP4 weights").
+
+Four e2m1 codes (16 bits, the first K element in the low nibble; code = sign << 3 | magnitude
+index, magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6) become one 32-bit register of four e4m3 bytes,
+the first in the low byte (a WGMMA A fragment register: four consecutive K values):
+
+    mag  = prmt(t0, t1, x & 0x7777)        the magnitude indices select bytes of a table
+    sgn  = prmt(0x80808080, 0x80808080, x) sign-replicate mode: 0xFF where the code's sign
+                                           bit (selector bit 3) is set, 0x80 where not
+    out  = mag | ((sgn << 7) & 0x80808080)
+
+The table (t0 bytes 0..3, t1 bytes 4..7) holds the e4m3 encodings of the eight magnitudes times
+2^d, d the sub-block's exponent shift (`tables`): e4m3's exponent field is bits 3..6, so the
+shift adds d x 8 to every nonzero byte; for -5 <= d <= 6 no byte leaves [0x08, 0x7C] (no carry,
+no borrow, no NaN encoding). A shift below -5 flushes the sub-block to zero (both tables 0).
+"""
+
+from __future__ import annotations
+
+import cutlass
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+# e4m3 encodings of the e2m1 magnitudes 0, 0.5, 1, 1.5 (T0) and 2, 3, 4, 6 (T1), low byte first
+TABLE_LO = 0x3C383000
+TABLE_HI = 0x4C484440
+STEP_LO = 0x08080800  # one exponent step on T0's nonzero bytes (its byte 0 is the zero)
+STEP_HI = 0x08080808
+SHIFT_MIN = -5  # 0.5 x 2^-5 = 2^-6: e4m3's smallest normal
+SHIFT_MAX = 6  # 6 x 2^6 = 384 < 448: e4m3's largest finite
+HEADROOM = SHIFT_MAX  # the k-tile exponent sits this far below the largest sub-block's
+
+
+@dsl_user_op
+def prmt(a: Int32, b: Int32, sel: Int32, *, loc=None, ip=None) -> Int32:
+    """PTX `prmt.b32` (default mode): byte i of the result is byte (sel >> 4i) & 7 of the pair
+    {b, a} (a bytes 0..3, b bytes 4..7), or that byte's sign replicated where bit 4i + 3 of
+    `sel` is set."""
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [
+                Int32(a).ir_value(loc=loc, ip=ip),
+                Int32(b).ir_value(loc=loc, ip=ip),
+                Int32(sel).ir_value(loc=loc, ip=ip),
+            ],
+            "prmt.b32 $0, $1, $2, $3;",
+            "=r,r,r,r",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+def widen4(codes: Int32, t0: Int32, t1: Int32) -> Int32:
+    """Four e2m1 codes (the low 16 bits of `codes`) -> four e4m3 bytes, through the table."""
+    mag = prmt(t0, t1, codes & 0x7777)
+    sgn = prmt(Int32(-0x7F7F7F80), Int32(-0x7F7F7F80), codes)  # 0x80808080 as an int32
+    return mag | ((sgn << 7) & Int32(-0x7F7F7F80))
+
+
+def tables(shift: Int32) -> tuple[Int32, Int32]:
+    """The magnitude table of a sub-block whose values are scaled by 2^shift (shift <= 6):
+    (T0, T1) stepped by `shift` exponents, both zero below SHIFT_MIN (flushed)."""
+    keep = Int32(shift >= SHIFT_MIN)
+    lo = (Int32(TABLE_LO) + shift * STEP_LO) * keep
+    hi = (Int32(TABLE_HI) + shift * STEP_HI) * keep
+    return lo, hi
+
+
+@dsl_user_op
+def as_float(bits: Int32, *, loc=None, ip=None) -> Float32:
+    """The fp32 whose bit pattern is `bits`."""
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [Int32(bits).ir_value(loc=loc, ip=ip)],
+            "mov.b32 $0, $1;",
+            "=f,r",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+def fold(word: Int32):
+    """One weight row's k-tile exponent word (four UE8M0 bytes, sub-block i in byte i) ->
+    (the row's fp32 k-tile scale 2^(s - 127), the four sub-blocks' (T0, T1) tables), with
+    s = max(max_i e_i - HEADROOM, 1) and shift e_i - s per sub-block."""
+    exps = [(word >> (8 * i)) & 0xFF for i in range(4)]
+    top = exps[0]
+    for e in exps[1:]:
+        top = cutlass.max(top, e)
+    s = cutlass.max(top - HEADROOM, 1)
+    return as_float(s << 23), [tables(e - s) for e in exps]
