@@ -359,3 +359,73 @@ def test_tiled_mma_fragments_are_the_maps_the_kernel_assumes(tokens):
             for j in range(4)
         ]
         assert maps[("c", t)] == want
+
+
+# ---------------------------------------------------------------- the suite
+def test_suite_is_pending_and_its_cases_are_valid():
+    from forgekernel.bench.suites import PENDING_SUITE_MODULES, SUITE_MODULES
+    from forgekernel.bench.suites import gemm_fp4_masked as mod
+
+    assert "gemm_fp4_masked" in PENDING_SUITE_MODULES
+    assert "gemm_fp4_masked" not in SUITE_MODULES or PENDING_SUITE_MODULES["gemm_fp4_masked"]
+    suite = mod.suite()
+    cases = (*suite.check_cases, *suite.bench_cases, *suite.sanitize_cases)
+    assert len({c.name for c in cases}) == len(cases)
+    for c in cases:
+        p = c.params
+        assert p["n"] % 128 == 0 and p["k"] % 128 == 0
+        assert all(0 <= x <= mod.max_rows(p) for x in mod.expert_counts(p))
+    tiles = {config.choose_tokens(mod.expected_rows(c.params)) for c in suite.check_cases}
+    assert tiles == set(config.TOKENS)
+    k_tiles = {c.params["k"] // 128 % 2 for c in suite.check_cases}
+    assert k_tiles == {0, 1} and any(c.params["k"] == 128 for c in suite.check_cases)
+    assert any(c.params.get("spread") for c in suite.check_cases)
+    assert {c.group for c in suite.bench_cases} == {"e32", "e256"}
+    dsv3 = suite.bench_cases[0].params
+    weights = 32 * 4096 * 7168 // 2 + 32 * 4096 * 56 * 4
+    assert mod.nbytes(suite.bench_cases[0], torch.bfloat16) > weights * 0.99
+    assert dsv3["n"] == 4096 and dsv3["k"] == 7168
+    assert set(mod.variants(suite.check_cases[0])) == {"tokens16", "tokens32", "tokens64"}
+
+
+def test_suite_inputs_reference_and_fp8_weights_on_the_host():
+    from forgekernel.bench.suites import gemm_fp4_masked as mod
+
+    case = mod._case(3, 256, 640, counts=(5, 0, 9), max_m=12, expected_m=8, spread=True)
+    gen = torch.Generator().manual_seed(5)
+    inputs = mod.make_inputs(case, torch.bfloat16, torch.device("cpu"), gen)
+    assert inputs["b"].dtype == torch.int8 and inputs["sb"].stride(1) == 1
+    ref = mod.reference(inputs)
+    low = mod.low_precision(inputs)
+    for r, lo, c in zip(ref, low, inputs["counts"]):
+        assert r.shape == (c, 256) and not r.isnan().any()
+        if c:
+            assert torch.allclose(lo.float(), r, rtol=0.05, atol=0.05 * r.abs().max().item() + 1e-6)
+    b8, s8 = mod.fp8_weights(inputs)
+    deq = dequantize_fp4(inputs["b"], inputs["sb"]).float()
+    fp8 = b8.float() * s8.repeat_interleave(128, 1).repeat_interleave(128, 2)
+    assert (fp8 - deq).abs().max() <= 2**-3 * deq.abs().amax()
+
+
+def test_fake_tensors_take_the_custom_op_and_make_fx_records_it():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from forgekernel.ops.gemm_fp4_grouped_masked import gemm_fp4_grouped_masked
+
+    def inputs():
+        cuda = {"device": "cuda"}
+        a = torch.empty(3, 16, 256, dtype=torch.float8_e4m3fn, **cuda)
+        b = torch.empty(3, 384, 128, dtype=torch.int8, **cuda)
+        sa = torch.empty(3, 16, 2, **cuda)
+        words = torch.empty(3, 384, 2, dtype=torch.int32, **cuda)
+        return a, b, sa, words, torch.empty(3, dtype=torch.int32, **cuda)
+
+    with FakeTensorMode():
+        out = gemm_fp4_grouped_masked(*inputs(), 8, out_dtype=torch.float16)
+        assert out.shape == (3, 16, 384) and out.dtype == torch.float16
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        graph = make_fx(lambda *x: gemm_fp4_grouped_masked(*x, 8) * 2, tracing_mode="fake")(
+            *inputs()
+        ).graph
+    assert "forgekernel.gemm_fp4_grouped_masked" in str(graph)
