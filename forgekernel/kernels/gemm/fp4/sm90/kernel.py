@@ -311,14 +311,15 @@ class GemmFp4MaskedSm90:
     def _issue(self, tiled_mma, operands, frag, ab_pipe, read, at):
         """Wait for k-tile `at` = (sources, k-tile) in stage `read`; widen this thread's packed
         weights into the A registers, issue the k-tile's WGMMAs into `frag` (one commit group).
-        Returns its scales (used at its promotion one step later)."""
+        Returns its scales as one flat tuple (the rows' k-tile scales, then the tokens'), used
+        at its promotion one step later: a loop-carried value of the caller's loop."""
         ra, tCrB = operands
         ((w16, sE), sfa, cols, row0, quad), kt = at
         ab_pipe.consumer_wait(read)
         stage = read.index
         scale_lo, tabs_lo = fold(sE[row0, 0, stage])
         scale_hi, tabs_hi = fold(sE[row0 + 8, 0, stage])
-        sa = [sfa[c, kt] for c in cols]
+        sa = tuple(sfa[c, kt] for c in cols)
         packed = cute.recast_tensor(ra, Int32)
         # 16-bit word of (row, step, half): byte row * 64 + 16 step + 8 half + 2 quad, its
         # 16-byte chunk (= step) swizzled by (row >> 1) & 3, the same for row0 and row0 + 8
@@ -337,7 +338,7 @@ class GemmFp4MaskedSm90:
             cute.gemm(tiled_mma, frag, ra[crd_a], tCrB[(None, None, step, stage)], frag)
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
-        return scale_lo, scale_hi, sa
+        return (scale_lo, scale_hi, *sa)
 
     @cute.jit
     def _retire(self, pending, ab_pipe, release):
@@ -350,7 +351,7 @@ class GemmFp4MaskedSm90:
     def _promote(self, acc, frag, scales):
         """acc += frag x the row's k-tile scale x the token's: value 4i + j sits on row
         row0 + 8 (j / 2), token column 8i + 2 quad + j % 2."""
-        lo, hi, sa = scales
+        lo, hi, *sa = scales
         for i in cutlass.range_constexpr(self.h // 8):
             for j in cutlass.range_constexpr(4):
                 s = (hi if j // 2 else lo) * sa[2 * i + j % 2]
