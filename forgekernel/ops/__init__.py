@@ -17,6 +17,7 @@ from forgekernel.ops.fp4_pack import quantize_fp4_weights
 from forgekernel.ops.gated_delta_rule import gated_delta_rule_step
 from forgekernel.ops.gated_delta_rule_chunked import gated_delta_rule
 from forgekernel.ops.gemm import gemm, tune_gemm
+from forgekernel.ops.gemm_fp4_grouped import gemm_fp4_grouped
 from forgekernel.ops.gemm_fp4_grouped_masked import gemm_fp4_grouped_masked
 from forgekernel.ops.gemm_fp8 import gemm_fp8
 from forgekernel.ops.gemm_fp8_grouped import gemm_fp8_grouped
@@ -40,6 +41,7 @@ __all__ = [
     "gated_delta_rule",
     "gated_delta_rule_step",
     "gemm",
+    "gemm_fp4_grouped",
     "gemm_fp4_grouped_masked",
     "gemm_fp8",
     "gemm_fp8_grouped",

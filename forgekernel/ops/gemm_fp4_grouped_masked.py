@@ -37,6 +37,17 @@ def _multiple(name: str, value: int, what: str) -> None:
         raise ValueError(f"{name} must be a positive multiple of {BLOCK} ({what}), got {value}")
 
 
+def check_weight_scales(scale_b, experts: int, n: int, k: int) -> None:
+    """int32 (E, N, K/128) UE8M0 words or fp32 (E, N, K/32) scales."""
+    if not isinstance(scale_b, torch.Tensor) or scale_b.dtype not in (torch.int32, torch.float32):
+        raise TypeError(
+            "scale_b must be int32 (E, N, K/128) packed UE8M0 words or fp32 (E, N, K/32) "
+            f"powers of two, got {getattr(scale_b, 'dtype', type(scale_b).__name__)}"
+        )
+    per = k // BLOCK if scale_b.dtype == torch.int32 else k // SUB
+    check_shaped("scale_b", scale_b, (experts, n, per), (scale_b.dtype,))
+
+
 def _validate(a, b, scale_a, scale_b, masked_m, expected_m, out_dtype, out) -> None:
     check_tensor("a", a, ndim=3, dtypes=FP8, cuda=False)
     check_tensor("b", b, ndim=3, dtypes=PACKED, cuda=False)
@@ -54,13 +65,7 @@ def _validate(a, b, scale_a, scale_b, masked_m, expected_m, out_dtype, out) -> N
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
     check_shaped("scale_a", scale_a, (experts, max_m, k // BLOCK), (torch.float32,))
-    if not isinstance(scale_b, torch.Tensor) or scale_b.dtype not in (torch.int32, torch.float32):
-        raise TypeError(
-            "scale_b must be int32 (E, N, K/128) packed UE8M0 words or fp32 (E, N, K/32) "
-            f"powers of two, got {getattr(scale_b, 'dtype', type(scale_b).__name__)}"
-        )
-    per = k // BLOCK if scale_b.dtype == torch.int32 else k // SUB
-    check_shaped("scale_b", scale_b, (experts, n, per), (scale_b.dtype,))
+    check_weight_scales(scale_b, experts, n, k)
     check_shaped("masked_m", masked_m, (experts,), (torch.int32,))
     if out is not None:
         check_shaped("out", out, (experts, max_m, n), (out_dtype,))
@@ -69,7 +74,7 @@ def _validate(a, b, scale_a, scale_b, masked_m, expected_m, out_dtype, out) -> N
     check_same_device(a=a, b=b, scale_a=scale_a, scale_b=scale_b, masked_m=masked_m, **extra)
 
 
-def _words(scale_b: torch.Tensor) -> torch.Tensor:
+def weight_words(scale_b: torch.Tensor) -> torch.Tensor:
     """The exponent words N-major: fp32 scales packed (a copy per call: keep the packed form),
     int32 words re-laid where their strides are not the kernel's."""
     if scale_b.dtype == torch.float32:
@@ -82,7 +87,7 @@ def _launch(a, b, scale_a, scale_b, masked_m, expected_m, out) -> None:
     address goes through a copy of it."""
     target = out if tma_ready(out) else out.clone(memory_format=torch.contiguous_format)
     fp4_launch.gemm_fp4_masked(
-        a, b, _words(scale_b), scale_a, masked_m.contiguous(), expected_m, target
+        a, b, weight_words(scale_b), scale_a, masked_m.contiguous(), expected_m, target
     )
     if target is not out:
         out.copy_(target)

@@ -122,3 +122,28 @@ def gemm_fp4_masked_ref(
             a64 = a[e, :c].double() * scale_a[e, :c].double().repeat_interleave(128, dim=1)
             out[e, :c] = (a64 @ dequantize_fp4(b[e], scale_b[e]).t()).float()
     return out
+
+
+def gemm_fp4_grouped_ref(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    m_indices: torch.Tensor,
+) -> torch.Tensor:
+    """Grouped (MoE, contiguous layout) GEMM with FP4 weights in fp64, returned as fp32 (M, N):
+    row r of a (M, K) float8_e4m3fn times scale_a (M, K/128) per 1x128 group, against expert
+    e = m_indices[r] of b (E, N, K/2) packed e2m1 dequantized with scale_b (`dequantize_fp4`).
+    Rows with a negative index (padding) are 0; an index >= E raises ValueError."""
+    m = a.shape[0]
+    experts, n, _ = b.shape
+    idx = m_indices.long()
+    if m and int(idx.max()) >= experts:
+        raise ValueError(f"m_indices holds {int(idx.max())}, but b has {experts} experts")
+    a64 = a.double() * scale_a.double().repeat_interleave(128, dim=1)
+    out = torch.zeros(m, n, dtype=torch.float64, device=a.device)
+    for e in range(experts):
+        rows = (idx == e).nonzero().squeeze(1)
+        if rows.numel():
+            out[rows] = a64[rows] @ dequantize_fp4(b[e], scale_b[e]).t()
+    return out.float()

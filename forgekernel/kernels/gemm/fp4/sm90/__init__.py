@@ -1,5 +1,6 @@
-"""FP4-weight (e2m1, UE8M0 per 1x32) masked grouped GEMM for MoE decode, sm_90a: the weights
-widened to e4m3 in WGMMA's A register fragments (`kernel.py`). DSL-free declaration."""
+"""FP4-weight (e2m1, UE8M0 per 1x32) grouped GEMM for MoE decode, sm_90a, masked and contiguous
+layouts: the weights widened to e4m3 in WGMMA's A register fragments (`kernel.py`). DSL-free
+declaration."""
 
 from __future__ import annotations
 
@@ -10,17 +11,22 @@ from forgekernel.runtime.spec import KernelSpec, Params
 
 
 def _compile(params: Params, extra_options: str = ""):
-    from forgekernel.kernels.gemm.fp4.sm90.compile import compile_gemm_fp4_masked
+    from forgekernel.kernels.gemm.fp4.sm90.compile import compile_gemm_fp4_grouped
 
-    return compile_gemm_fp4_masked(dict(params), "sm_90a", extra_options)
+    return compile_gemm_fp4_grouped(dict(params), "sm_90a", extra_options)
 
 
 def _standard_params() -> list[Params]:
-    return [params_for(out, h) for out in OUT_DTYPES for h in STANDARD_TOKENS]
+    return [
+        params_for(out, h, contiguous)
+        for out in OUT_DTYPES
+        for h in STANDARD_TOKENS
+        for contiguous in (False, True)
+    ]
 
 
 SPEC = KernelSpec(
-    name="gemm_fp4_masked_sm90",
+    name="gemm_fp4_grouped_sm90",
     arch="sm_90a",
     directory=Path(__file__).parent,
     compile=_compile,

@@ -9,22 +9,25 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_tensor
 
 from forgekernel.kernels.common.sm90 import fake
-from forgekernel.kernels.gemm.fp4.sm90.kernel import GemmFp4MaskedSm90
+from forgekernel.kernels.gemm.fp4.sm90.kernel import GemmFp4GroupedSm90
 
 
-def compile_gemm_fp4_masked(params: dict, arch: str = "sm_90a", extra_options: str = ""):
-    """The kernel of `params` (a compile key: out dtype, tokens per tile)."""
+def compile_gemm_fp4_grouped(params: dict, arch: str = "sm_90a", extra_options: str = ""):
+    """The kernel of `params` (a compile key: out dtype, tokens per tile, layout). The
+    contiguous layout's A, C and sa have one batch (E = 1), its counts are m_indices (M,)."""
+    contiguous = bool(params.get("contiguous"))
     m = cute.sym_int32()  # max_m
     n = cute.sym_int32(divisibility=128)
     k = cute.sym_int32(divisibility=128)
     half_k = cute.sym_int32(divisibility=64)
     blocks = cute.sym_int32()  # K / 128
     experts = cute.sym_int32()
+    batches = 1 if contiguous else experts
 
-    def batched(dtype, rows, cols, divisibility):
+    def batched(dtype, rows, cols, divisibility, batch=None):
         row, expert = (cute.sym_int64(divisibility=divisibility) for _ in range(2))
         return make_fake_tensor(
-            dtype, (rows, cols, experts), stride=(row, 1, expert), assumed_align=16
+            dtype, (rows, cols, batch or experts), stride=(row, 1, expert), assumed_align=16
         )
 
     exps = make_fake_tensor(
@@ -35,18 +38,18 @@ def compile_gemm_fp4_masked(params: dict, arch: str = "sm_90a", extra_options: s
     )
     sfa = make_fake_tensor(
         cutlass.Float32,
-        (m, blocks, experts),
+        (m, blocks, batches),
         stride=(cute.sym_int64(), cute.sym_int64(), cute.sym_int64()),
         assumed_align=4,
     )
     return cute.compile(
-        GemmFp4MaskedSm90(params["tokens"]),
-        batched(cutlass.Float8E4M3FN, m, k, 16),
+        GemmFp4GroupedSm90(params["tokens"], contiguous=contiguous),
+        batched(cutlass.Float8E4M3FN, m, k, 16, batches),
         batched(cutlass.Uint8, n, half_k, 16),
         exps,
-        batched(fake.dtype_of(params["out"]), m, n, 8),
+        batched(fake.dtype_of(params["out"]), m, n, 8, batches),
         sfa,
-        make_fake_tensor(cutlass.Int32, (experts,), stride=(1,)),
+        make_fake_tensor(cutlass.Int32, (m if contiguous else experts,), stride=(1,)),
         cutlass.Int32(1),
         fake.stream(),
         options=fake.options(arch, extra_options),

@@ -11,6 +11,9 @@ TILE_W = 128  # weight rows per tile (N): two warpgroups of WGMMA's M = 64
 TILE_K = 128  # one k-tile: one fp32 promotion, four 1x32 scale sub-blocks (one per k32 WGMMA)
 SUB_K = 32  # the weights' scale granularity along K (UE8M0 per 1x32, DeepGEMM's recipe_b)
 STANDARD_TOKENS = TOKENS
+# The contiguous layout has no expected_m: each expert's 128-row segment is cut into tiles of
+# this many tokens unless the caller passes a hint (tiles of padding rows only are skipped).
+CONTIGUOUS_TOKENS = 32
 
 
 def choose_tokens(expected_m: int) -> int:
@@ -24,8 +27,10 @@ def stage_bytes(tokens: int) -> int:
     return TILE_W * TILE_K // 2 + 4 * TILE_W + tokens * TILE_K
 
 
-def params_for(out_dtype: str, tokens: int) -> tuple:
-    """The compile key's baked-in part: the output dtype and the tokens per tile."""
+def params_for(out_dtype: str, tokens: int, contiguous: bool = False) -> tuple:
+    """The compile key's baked-in part: the output dtype, the tokens per tile and, for the
+    contiguous layout, contiguous=True (absent for the masked one)."""
     if tokens not in TOKENS:
         raise ValueError(f"tokens per tile must be one of {TOKENS}, got {tokens}")
-    return (("out", out_dtype), ("tokens", tokens))
+    layout = (("contiguous", True),) if contiguous else ()
+    return (("out", out_dtype), ("tokens", tokens), *layout)

@@ -53,19 +53,23 @@ from forgekernel.kernels.common.sm90.pipeline import (
 )
 from forgekernel.kernels.gemm.dense.sm90.masked import MaskedWalk
 from forgekernel.kernels.gemm.fp4.sm90.config import TILE_K, TILE_W, TOKENS, stage_bytes
+from forgekernel.kernels.gemm.fp4.sm90.contiguous import ContiguousWalk
 from forgekernel.kernels.gemm.fp4.sm90.widen import fold, widen4
 
 PACKED_ROW = TILE_K // 2  # bytes of one weight row's k-tile
 K_STEPS = TILE_K // 32  # WGMMA k32 steps per k-tile = scale sub-blocks per k-tile
 
 
-class GemmFp4MaskedSm90:
+class GemmFp4GroupedSm90:
     """See the module docstring. `tokens`: h, the tokens per tile (WGMMA's N)."""
 
-    def __init__(self, tokens: int, stages: int = 0):
+    def __init__(self, tokens: int, stages: int = 0, contiguous: bool = False):
         if tokens not in TOKENS:
             raise ValueError(f"tokens per tile must be one of {TOKENS}, got {tokens}")
         self.h = tokens
+        # the contiguous layout (`contiguous.py`): A (M, K, 1), C (M, N, 1), sa (M, K/128, 1)
+        # and mCount the rows' experts m_indices (M,) instead of the counts
+        self.contiguous = contiguous
         self.num_mma_wg = TILE_W // 64
         self.num_mma_threads = self.num_mma_wg * THREADS_PER_WG
         self.threads_per_cta = (1 + self.num_mma_wg) * THREADS_PER_WG
@@ -183,6 +187,8 @@ class GemmFp4MaskedSm90:
         sB = smem_tensor(storage.sB, sB_layout)
         k_tiles = load_b[1].shape[1] // TILE_K
         walk_args = (mCount, mC.shape[0], mC.shape[1] // TILE_W)
+        if cutlass.const_expr(self.contiguous):
+            walk_args = (mCount, mC.shape[1] // TILE_W)
 
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         init_wait()
@@ -208,7 +214,18 @@ class GemmFp4MaskedSm90:
             row0 = t // 32 * 16 + lane // 4  # warp q of the two warpgroups: rows 16q ..
             mma = (tiled_mma, regs_a, tCrB, accs)
             smem = (w16, sE)
-            self._consume(mma, smem, ab_pipe, (mC, mSFA), walk_args, k_tiles, (row0, lane % 4))
+            out = (mC, mSFA, mCount)
+            self._consume(mma, smem, ab_pipe, out, walk_args, k_tiles, (row0, lane % 4))
+
+    def _walk(self, walk_args):
+        """The layout's tile walk (every role walks the same)."""
+        if cutlass.const_expr(self.contiguous):
+            return ContiguousWalk(*walk_args, self.h)
+        return MaskedWalk(*walk_args, self.h)
+
+    def _batch(self, expert):
+        """The index of the tile's slice of A, C and sa: its expert's (masked), else the one."""
+        return 0 if cutlass.const_expr(self.contiguous) else expert
 
     @cute.jit
     def _produce(self, loads, smem, ab_pipe, walk_args, k_tiles):
@@ -216,13 +233,15 @@ class GemmFp4MaskedSm90:
         (tma_w, mW), (tma_e, mE), (tma_b, mB) = loads
         sW, sE, sB = smem
         prod = producer_state(self.stages)
-        walk = MaskedWalk(*walk_args, self.h)
+        walk = self._walk(walk_args)
         work, expert, before, rows = walk.first()
         while walk.valid(expert):
             tile_t, tile_n, _ = walk.tile(work, before, rows)
             gW = cute.local_tile(mW[None, None, expert], (TILE_W, PACKED_ROW), (tile_n, None))
             gE = cute.local_tile(mE[None, None, expert], (TILE_W, 1), (tile_n, None))
-            gB = cute.local_tile(mB[None, None, expert], (self.h, TILE_K), (tile_t, None))
+            gB = cute.local_tile(
+                mB[None, None, self._batch(expert)], (self.h, TILE_K), (tile_t, None)
+            )
             parts = []
             for atom, s, g in ((tma_w, sW, gW), (tma_e, sE, gE), (tma_b, sB, gB)):
                 ts, tg = cute.nvgpu.cpasync.tma_partition(
@@ -243,28 +262,33 @@ class GemmFp4MaskedSm90:
     @cute.jit
     def _consume(self, mma, smem, ab_pipe, out, walk_args, k_tiles, who):
         """The consumer warpgroups: each tile's mainloop, then its counted tokens' stores."""
-        mC, mSFA = out
+        mC, mSFA, mCount = out
         row0, quad = who
         read = consumer_state(self.stages)
         release = consumer_state(self.stages)
         tiled_mma, regs_a, tCrB, (acc, frag0, frag1) = mma
-        walk = MaskedWalk(*walk_args, self.h)
+        walk = self._walk(walk_args)
         work, expert, before, rows = walk.first()
         while walk.valid(expert):
             tile_t, tile_n, tile_rows = walk.tile(work, before, rows)
             first = tile_t * self.h
-            # this thread's token columns' activation scales: rows past the count read the
-            # last counted row's (their columns are never stored)
+            batch = self._batch(expert)
+            # this thread's token columns (8 (i / 2) + 2 quad + i % 2) and their activation
+            # scales' rows: rows past the count (past M) read the last counted row's (their
+            # columns are never stored)
             last = first + tile_rows - 1
-            sfa = mSFA[None, None, expert]
-            cols = [cutlass.min(first + 8 * (i // 2) + 2 * quad + i % 2, last)
-                    for i in range(self.h // 4)]  # fmt: skip
+            sfa = mSFA[None, None, batch]
+            offsets = [8 * (i // 2) + 2 * quad + i % 2 for i in range(self.h // 4)]
+            cols = [cutlass.min(first + c, last) for c in offsets]
+            keep = [c < tile_rows for c in offsets]
+            if cutlass.const_expr(self.contiguous):  # padding rows (index < 0) are skipped
+                keep = [k & (mCount[r] >= 0) for k, r in zip(keep, cols)]
             src = (smem, sfa, cols, row0, quad)
             read, release, tiled_mma = self._mainloop(
                 k_tiles, (tiled_mma, regs_a, tCrB, acc, (frag0, frag1)), src, ab_pipe, read,
                 release,
             )  # fmt: skip
-            self._store(acc, mC[None, None, expert], (first, tile_rows), tile_n, row0, quad)
+            self._store(acc, mC[None, None, batch], (first, keep), tile_n, row0, quad)
             work, expert, before, rows = walk.next(work, expert, before, rows)
 
     @cute.jit
@@ -360,11 +384,12 @@ class GemmFp4MaskedSm90:
 
     @cute.jit
     def _store(self, acc, gC, tokens, tile_n, row0, quad):
-        """The tile's counted tokens' outputs from registers: gC (max_m, N) the expert's C."""
-        first, count = tokens
+        """The tile's counted tokens' outputs from registers: gC (rows, N) the tile's slice of
+        C; `tokens`: the tile's first row and whether each of the thread's columns is stored."""
+        first, keep = tokens
         col0 = tile_n * TILE_W + row0
         for i in cutlass.range_constexpr(self.h // 8):
             for j in cutlass.range_constexpr(4):
                 col = 8 * i + 2 * quad + j % 2
-                if col < count:
+                if keep[2 * i + j % 2]:
                     gC[first + col, col0 + 8 * (j // 2)] = acc[4 * i + j].to(self.c_dtype)
