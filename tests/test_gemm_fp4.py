@@ -429,3 +429,58 @@ def test_fake_tensors_take_the_custom_op_and_make_fx_records_it():
             *inputs()
         ).graph
     assert "forgekernel.gemm_fp4_grouped_masked" in str(graph)
+
+
+# ---------------------------------------------------------------- the contiguous layout
+def _contiguous_args(e=2, m=256, n=128, k=256):
+    a = torch.randn(m, k).to(torch.float8_e4m3fn)
+    b, words = quantize_fp4_weights(torch.randn(e, n, k))
+    idx = torch.cat([torch.full((100,), 0), torch.full((28,), -1), torch.full((128,), 1)])
+    return a, b, torch.rand(m, k // 128), words, idx.to(torch.int32)
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (lambda x: {**x, "a": x["a"][:200]}, ValueError, "M must be"),
+        (lambda x: {**x, "b": x["b"][:, :, :64]}, ValueError, "K mismatch"),
+        (lambda x: {**x, "scale_b": x["scale_b"][:1]}, ValueError, "scale_b"),
+        (lambda x: {**x, "m_indices": x["m_indices"][:128]}, ValueError, "m_indices"),
+        (lambda x: {**x, "expected_m": -1}, TypeError, "expected_m"),
+        (lambda x: x, ValueError, "CUDA"),
+    ],
+)
+def test_contiguous_op_rejects_bad_inputs(change, error, match):
+    from forgekernel.ops.gemm_fp4_grouped import gemm_fp4_grouped
+
+    a, b, sa, words, idx = _contiguous_args()
+    args = {"a": a, "b": b, "scale_a": sa, "scale_b": words, "m_indices": idx}
+    with pytest.raises(error, match=match):
+        gemm_fp4_grouped(**change(args))
+
+
+def test_contiguous_reference_zeroes_padding_and_matches_masked():
+    from forgekernel.reference.gemm import gemm_fp4_grouped_ref
+
+    a, b, sa, words, idx = _contiguous_args()
+    ref = gemm_fp4_grouped_ref(a, b, sa, words, idx)
+    assert bool((ref[100:128] == 0).all())
+    masked = gemm_fp4_masked_ref(
+        torch.stack([a[:128], a[128:]]), b, torch.stack([sa[:128], sa[128:]]), words,
+        torch.tensor([100, 128]),
+    )  # fmt: skip
+    assert torch.equal(ref[:100], masked[0, :100]) and torch.equal(ref[128:], masked[1])
+
+
+def test_contiguous_kernel_compiles_without_spills(tmp_path):
+    pytest.importorskip("cutlass")
+    from forgekernel.kernels.gemm.fp4.sm90 import SPEC
+    from forgekernel.runtime.resources import find_tool, inspect_cubin
+
+    if find_tool("cuobjdump") is None:
+        pytest.skip("cuobjdump not installed")
+    params = config.params_for("float16", config.CONTIGUOUS_TOKENS, contiguous=True)
+    assert params in SPEC.standard_params()
+    compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {tmp_path}")
+    info = inspect_cubin(compiled.artifacts.CUBIN)
+    assert info["spill_bytes"] == 0 and info["sass"]["QGMMA"] == 16
