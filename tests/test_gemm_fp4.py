@@ -484,3 +484,25 @@ def test_contiguous_kernel_compiles_without_spills(tmp_path):
     compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {tmp_path}")
     info = inspect_cubin(compiled.artifacts.CUBIN)
     assert info["spill_bytes"] == 0 and info["sass"]["QGMMA"] == 16
+
+
+def test_contiguous_suite_on_the_host():
+    from forgekernel.bench.suites import PENDING_SUITE_MODULES
+    from forgekernel.bench.suites import gemm_fp4_grouped as mod
+
+    assert "gemm_fp4_grouped" in PENDING_SUITE_MODULES
+    suite = mod.suite()
+    cases = (*suite.check_cases, *suite.bench_cases, *suite.sanitize_cases)
+    assert len({c.name for c in cases}) == len(cases)
+    assert all(max(mod.expert_counts(c.params)) <= 128 for c in suite.bench_cases)
+    case = mod._case(3, 256, 384, counts=(5, 0, 128), tail=128)
+    inputs = mod.make_inputs(case, torch.float16, torch.device("cpu"), torch.Generator())
+    assert inputs["a"].shape == (384, 384) and inputs["segments"] == [(0, 5), (128, 0), (128, 128)]
+    out = mod.alloc_out(inputs)
+    assert [o.shape[0] for o in out] == [5, 0, 128]
+    assert mod.full_output(out).shape == (384, 256)
+    ref, low = mod.reference(inputs), mod.low_precision(inputs)
+    for r, lo in zip(ref, low):
+        if r.numel():
+            assert torch.allclose(lo.float(), r, rtol=0.05, atol=0.05 * r.abs().max().item())
+    assert set(mod.variants(case)) == {"tokens8", "tokens16", "tokens64"}
