@@ -95,8 +95,9 @@ def test_store_writes_each_value_at_its_coordinate_for_kept_tokens(host_dsl, tok
                     row = row0 + 8 * (j // 2)
                     col = 8 * i + 2 * quad + j % 2
                     acc[4 * i + j] = cutlass.Float32(row * 1000 + col)
-            offsets = [8 * (i // 2) + 2 * quad + i % 2 for i in range(tokens // 4)]
-            keep = [c < count for c in offsets]
+            keep = Int32(0)
+            for i in cutlass.range_constexpr(tokens // 4):
+                keep = keep | (Int32(8 * (i // 2) + 2 * quad + i % 2 < count) << i)
             gemm._store(acc, mC, (first, keep), tile_n, row0, quad)
 
     first, tile_n = 3, 1

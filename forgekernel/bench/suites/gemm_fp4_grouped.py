@@ -12,8 +12,8 @@ Comparators on the same problem: "fp8_ours", our FP8-weight contiguous GEMM
 (`gemm_fp8_grouped`) on the weights re-quantized to e4m3 per 128x128 block (the bar: >= 1.3x);
 "deepgemm_fp8", DeepGEMM's `m_grouped_fp8_gemm_nt_contiguous` on those; "deepgemm_fp4",
 `m_grouped_fp8_fp4_gemm_nt_contiguous` on the packed weights (reported missing where the build
-rejects packed FP4 on sm90). Variants "tokens8" ... "tokens64": the tile forced through
-`expected_m` (the default tile is 32 tokens).
+rejects packed FP4 on sm90). Variants "tokens8", "tokens16": the tile forced through
+`expected_m` (the default and largest contiguous tile is 32 tokens).
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ from forgekernel.bench.suites.gemm_fp8_grouped import (
     total_rows,
 )
 from forgekernel.kernels.gemm.fp4.sm90 import SPEC
-from forgekernel.kernels.gemm.fp4.sm90.config import CONTIGUOUS_TOKENS, TOKENS
+from forgekernel.kernels.gemm.fp4.sm90.config import (
+    CONTIGUOUS_STANDARD_TOKENS,
+    CONTIGUOUS_TOKENS,
+)
 
 
 def _dsv3(experts: int, tokens: int, proj: str, skew: float = 0.0) -> Case:
@@ -130,7 +133,7 @@ def run_ours(inputs: Inputs, out: tuple | None) -> tuple[torch.Tensor, ...]:
 def variants(case: Case) -> dict[str, Any]:
     return {
         f"tokens{h}": (lambda inputs, out, h=h: _run(inputs, out, h))
-        for h in TOKENS
+        for h in CONTIGUOUS_STANDARD_TOKENS
         if h != CONTIGUOUS_TOKENS
     }
 

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from forgekernel.kernels.gemm.fp4.sm90.config import OUT_DTYPES, STANDARD_TOKENS, params_for
+from forgekernel.kernels.gemm.fp4.sm90.config import (
+    CONTIGUOUS_STANDARD_TOKENS,
+    OUT_DTYPES,
+    STANDARD_TOKENS,
+    params_for,
+)
 from forgekernel.runtime.spec import KernelSpec, Params
 
 
@@ -17,12 +22,13 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    return [
-        params_for(out, h, contiguous)
+    masked = [params_for(out, h) for out in OUT_DTYPES for h in STANDARD_TOKENS]
+    contiguous = [
+        params_for(out, h, contiguous=True)
         for out in OUT_DTYPES
-        for h in STANDARD_TOKENS
-        for contiguous in (False, True)
+        for h in CONTIGUOUS_STANDARD_TOKENS
     ]
+    return masked + contiguous
 
 
 SPEC = KernelSpec(

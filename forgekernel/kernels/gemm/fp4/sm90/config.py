@@ -14,12 +14,17 @@ STANDARD_TOKENS = TOKENS
 # The contiguous layout has no expected_m: each expert's 128-row segment is cut into tiles of
 # this many tokens unless the caller passes a hint (tiles of padding rows only are skipped).
 CONTIGUOUS_TOKENS = 32
+# ... and at most this many: at 64 the contiguous walk's few extra live values spill 16 bytes
+# per tile (compiled 2026-12-01; the masked layout's 64 does not)
+CONTIGUOUS_MAX_TOKENS = 32
+CONTIGUOUS_STANDARD_TOKENS = tuple(h for h in TOKENS if h <= CONTIGUOUS_MAX_TOKENS)
 
 
-def choose_tokens(expected_m: int) -> int:
+def choose_tokens(expected_m: int, contiguous: bool = False) -> int:
     """The fewest tokens per tile that cover `expected_m` (experts with more take several
     token tiles, their weight tile re-read from L2 by CTAs running side by side)."""
-    return next((h for h in TOKENS if expected_m <= h), TOKENS[-1])
+    tiles = CONTIGUOUS_STANDARD_TOKENS if contiguous else TOKENS
+    return next((h for h in tiles if expected_m <= h), tiles[-1])
 
 
 def stage_bytes(tokens: int) -> int:
@@ -30,7 +35,8 @@ def stage_bytes(tokens: int) -> int:
 def params_for(out_dtype: str, tokens: int, contiguous: bool = False) -> tuple:
     """The compile key's baked-in part: the output dtype, the tokens per tile and, for the
     contiguous layout, contiguous=True (absent for the masked one)."""
-    if tokens not in TOKENS:
-        raise ValueError(f"tokens per tile must be one of {TOKENS}, got {tokens}")
+    tiles = CONTIGUOUS_STANDARD_TOKENS if contiguous else TOKENS
+    if tokens not in tiles:
+        raise ValueError(f"tokens per tile must be one of {tiles}, got {tokens}")
     layout = (("contiguous", True),) if contiguous else ()
     return (("out", out_dtype), ("tokens", tokens), *layout)

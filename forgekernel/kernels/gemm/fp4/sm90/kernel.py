@@ -273,21 +273,21 @@ class GemmFp4GroupedSm90:
             tile_t, tile_n, tile_rows = walk.tile(work, before, rows)
             first = tile_t * self.h
             batch = self._batch(expert)
-            # this thread's token columns (8 (i / 2) + 2 quad + i % 2) and their activation
-            # scales' rows: rows past the count (past M) read the last counted row's (their
-            # columns are never stored)
-            last = first + tile_rows - 1
-            sfa = mSFA[None, None, batch]
-            offsets = [8 * (i // 2) + 2 * quad + i % 2 for i in range(self.h // 4)]
-            cols = [cutlass.min(first + c, last) for c in offsets]
-            keep = [c < tile_rows for c in offsets]
-            if cutlass.const_expr(self.contiguous):  # padding rows (index < 0) are skipped
-                keep = [k & (mCount[r] >= 0) for k, r in zip(keep, cols)]
-            src = (smem, sfa, cols, row0, quad)
+            tokens = (first, first + tile_rows - 1)
+            src = (smem, mSFA[None, None, batch], tokens, row0, quad)
             read, release, tiled_mma = self._mainloop(
                 k_tiles, (tiled_mma, regs_a, tCrB, acc, (frag0, frag1)), src, ab_pipe, read,
                 release,
             )  # fmt: skip
+            # which of this thread's token columns are stored: bit i for column 8 (i / 2) +
+            # 2 quad + i % 2, inside the count (contiguous: and not padding, index < 0)
+            keep = Int32(0)
+            for i in cutlass.range_constexpr(self.h // 4):
+                col = 8 * (i // 2) + 2 * quad + i % 2
+                stored = col < tile_rows
+                if cutlass.const_expr(self.contiguous):
+                    stored = stored & (mCount[cutlass.min(first + col, tokens[1])] >= 0)
+                keep = keep | (Int32(stored) << i)
             self._store(acc, mC[None, None, batch], (first, keep), tile_n, row0, quad)
             work, expert, before, rows = walk.next(work, expert, before, rows)
 
@@ -338,12 +338,17 @@ class GemmFp4GroupedSm90:
         Returns its scales as one flat tuple (the rows' k-tile scales, then the tokens'), used
         at its promotion one step later: a loop-carried value of the caller's loop."""
         ra, tCrB = operands
-        ((w16, sE), sfa, cols, row0, quad), kt = at
+        ((w16, sE), sfa, (first, last), row0, quad), kt = at
         ab_pipe.consumer_wait(read)
         stage = read.index
         scale_lo, tabs_lo = fold(sE[row0, 0, stage])
         scale_hi, tabs_hi = fold(sE[row0 + 8, 0, stage])
-        sa = tuple(sfa[c, kt] for c in cols)
+        # this thread's token columns' activation scales (column 8 (i / 2) + 2 quad + i % 2):
+        # rows past the count read the last counted row's (their columns are never stored)
+        sa = tuple(
+            sfa[cutlass.min(first + 8 * (i // 2) + 2 * quad + i % 2, last), kt]
+            for i in range(self.h // 4)
+        )
         packed = cute.recast_tensor(ra, Int32)
         # 16-bit word of (row, step, half): byte row * 64 + 16 step + 8 half + 2 quad, its
         # 16-byte chunk (= step) swizzled by (row >> 1) & 3, the same for row0 and row0 + 8
@@ -385,11 +390,12 @@ class GemmFp4GroupedSm90:
     @cute.jit
     def _store(self, acc, gC, tokens, tile_n, row0, quad):
         """The tile's counted tokens' outputs from registers: gC (rows, N) the tile's slice of
-        C; `tokens`: the tile's first row and whether each of the thread's columns is stored."""
+        C; `tokens`: the tile's first row and the thread's columns to store (bit 2i + j % 2 for
+        value 4i + j)."""
         first, keep = tokens
         col0 = tile_n * TILE_W + row0
         for i in cutlass.range_constexpr(self.h // 8):
             for j in cutlass.range_constexpr(4):
                 col = 8 * i + 2 * quad + j % 2
-                if keep[2 * i + j % 2]:
+                if (keep >> (2 * i + j % 2)) & 1:
                     gC[first + col, col0 + 8 * (j // 2)] = acc[4 * i + j].to(self.c_dtype)

@@ -101,7 +101,7 @@ def gemm_fp4_contiguous(
     n = b.shape[1]
     if m == 0:
         return
-    h = choose_tokens(tokens) if tokens else CONTIGUOUS_TOKENS
+    h = choose_tokens(tokens, contiguous=True) if tokens else CONTIGUOUS_TOKENS
     fn = get_kernel(SPEC, params_for(dtype_name(out.dtype), h, contiguous=True))
     ctas = max(1, min(num_sms(a.device.index), -(-m // h) * (n // TILE_W)))
     with on_device(a.device):
