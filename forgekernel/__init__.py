@@ -17,14 +17,11 @@ from forgekernel.ops import (
     gated_delta_rule,
     gated_delta_rule_step,
     gemm,
-    gemm_fp4_grouped,
-    gemm_fp4_grouped_masked,
     gemm_fp8,
     gemm_fp8_grouped,
     gemm_fp8_grouped_masked,
     mla_decode,
     mla_prefill,
-    quantize_fp4_weights,
     tune_gemm,
 )
 
@@ -46,13 +43,10 @@ __all__ = [
     "gated_delta_rule",
     "gated_delta_rule_step",
     "gemm",
-    "gemm_fp4_grouped",
-    "gemm_fp4_grouped_masked",
     "gemm_fp8",
     "gemm_fp8_grouped",
     "gemm_fp8_grouped_masked",
     "mla_decode",
     "mla_prefill",
-    "quantize_fp4_weights",
     "tune_gemm",
 ]

@@ -1,4 +1,4 @@
-"""`forgekernel.gemm_fp4_grouped`: the grouped (MoE, contiguous layout) GEMM with FP8 activations
+"""`forgekernel.ops.gemm_fp4_grouped`: the grouped (MoE, contiguous layout) GEMM with FP8 activations
 and FP4 weights on Hopper, DeepGEMM's `m_grouped_fp8_fp4_gemm_nt_contiguous` with packed e2m1
 weights. Row r of A is multiplied by expert e = m_indices[r]: C[r] = (A[r] x scale_a[r]) @
 dequant(B[e], scale_b[e])^T; the tensors as `gemm_fp4_grouped_masked` (`fp4_pack.py` has the

@@ -154,7 +154,7 @@ def gemm_fp4_grouped_masked(
     tokens an expert is expected to hold (picks the tile). N and K positive multiples of 128;
     out (E, max_m, N) out_dtype (bf16 or fp16), any view: rows r >= masked_m[e] keep what they
     held. Returns out (a new tensor when None: its rows past the counts are uninitialized).
-    `forgekernel.quantize_fp4_weights` makes b and scale_b from bf16 / fp32 weights.
+    `forgekernel.ops.fp4_pack.quantize_fp4_weights` makes b and scale_b from bf16 / fp32 weights.
     """
     _validate(a, b, scale_a, scale_b, masked_m, expected_m, out_dtype, out)
     args = (a, b, scale_a, scale_b, masked_m)
