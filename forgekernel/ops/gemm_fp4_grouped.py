@@ -1,15 +1,16 @@
-"""`forgekernel.ops.gemm_fp4_grouped`: the grouped (MoE, contiguous layout) GEMM with FP8 activations
-and FP4 weights on Hopper, DeepGEMM's `m_grouped_fp8_fp4_gemm_nt_contiguous` with packed e2m1
-weights. Row r of A is multiplied by expert e = m_indices[r]: C[r] = (A[r] x scale_a[r]) @
-dequant(B[e], scale_b[e])^T; the tensors as `gemm_fp4_grouped_masked` (`fp4_pack.py` has the
-weights' format) and `gemm_fp8_grouped` (the layout: every expert's rows contiguous and padded
-to a multiple of 128, padding rows' index negative). Padding rows of the output are not written.
+"""`forgekernel.ops.gemm_fp4_grouped`: the grouped (MoE, contiguous layout) GEMM with FP8
+activations and FP4 weights on Hopper, DeepGEMM's `m_grouped_fp8_fp4_gemm_nt_contiguous` with
+packed e2m1 weights. Row r of A is multiplied by expert e = m_indices[r]:
+C[r] = (A[r] x scale_a[r]) @ dequant(B[e], scale_b[e])^T; the tensors as
+`gemm_fp4_grouped_masked` (`fp4_pack.py` has the weights' format) and `gemm_fp8_grouped` (the
+layout: every expert's rows contiguous and padded to a multiple of 128, padding rows' index
+negative). Padding rows of the output are not written.
 
 Built for decode-sized segments (the kernel cuts each segment into tiles of h tokens, weights
 as WGMMA's M: docs/gemm/NOTES.md "FP4 weights"); `expected_m`, a host-side hint of the tokens
-an expert holds, picks h (default 32). Eager calls go straight to the leaf's launcher
-(`kernels/gemm/fp4/sm90/launch.py`); under `torch.compile` (or when autograd would record the
-call) the custom op `forgekernel::gemm_fp4_grouped` / `..._out` runs instead.
+an expert holds, picks h (8, 16 or 32; default 32). Eager calls go straight to the leaf's
+launcher (`kernels/gemm/fp4/sm90/launch.py`); under `torch.compile` (or when autograd would
+record the call) the custom op `forgekernel::gemm_fp4_grouped` / `..._out` runs instead.
 """
 
 from __future__ import annotations
