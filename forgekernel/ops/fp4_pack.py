@@ -55,7 +55,7 @@ def quantize_fp4_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.exp2(torch.ceil(torch.log2(amax / E2M1_MAX)))
     x = groups / scale.unsqueeze(-1)
     bounds = torch.tensor(_BOUNDARIES, device=w.device, dtype=torch.float32)
-    index = torch.bucketize(x.abs().clamp_max(E2M1_MAX), bounds).to(torch.uint8)
+    index = torch.bucketize(x.abs().clamp_max(E2M1_MAX), bounds, out_int32=True).to(torch.uint8)
     codes = index | (((x < 0) & (index != 0)).to(torch.uint8) << 3)
     codes = codes.reshape(*lead, n, k // 2, 2)
     packed = (codes[..., 0] | (codes[..., 1] << 4)).view(torch.int8)
