@@ -509,3 +509,32 @@ def test_contiguous_suite_on_the_host():
         if r.numel():
             assert torch.allclose(lo.float(), r, rtol=0.05, atol=0.05 * r.abs().max().item())
     assert set(mod.variants(case)) == {"tokens8", "tokens16"}
+
+
+def test_launcher_views_meet_the_compiled_assumptions():
+    """What the launchers hand the kernel has the strides its fake tensors were compiled for
+    (compile.py): unit inner strides, 16-byte multiples (A, W), 8 elements (C), N-major words
+    with 4-int strides, a unit batch whose stride is a 16-byte multiple."""
+    from forgekernel.kernels.gemm.fp4.sm90.launch import (
+        _batched,
+        _one_batch,
+        n_major_words,
+        scale_words_ready,
+    )
+
+    e, m, n, k = 3, 40, 384, 640
+    a = torch.zeros(e, m, k, dtype=torch.float8_e4m3fn)
+    b = torch.zeros(e, n, k // 2, dtype=torch.int8).view(torch.uint8)
+    c = torch.zeros(e, m, n, dtype=torch.bfloat16)
+    for t, div in ((a, 16), (b, 16), (c, 8)):
+        rs, unit, es = _batched(t).stride()
+        assert unit == 1 and rs % div == 0 and es % div == 0
+    words = torch.zeros(e, n, k // 128, dtype=torch.int32)
+    assert not scale_words_ready(words)
+    nm = n_major_words(words)
+    assert scale_words_ready(nm) and _batched(nm).stride()[0] == 1
+    assert n_major_words(nm) is nm
+    for t in (a[0], c[0], torch.zeros(m, k // 128)):
+        one = _one_batch(t)
+        assert one.shape == (*t.shape, 1) and one.stride()[:2] == t.stride()
+        assert one.stride(2) % (16 // t.element_size()) == 0 and one.stride(2) > 0
