@@ -538,3 +538,24 @@ def test_launcher_views_meet_the_compiled_assumptions():
         one = _one_batch(t)
         assert one.shape == (*t.shape, 1) and one.stride()[:2] == t.stride()
         assert one.stride(2) % (16 // t.element_size()) == 0 and one.stride(2) > 0
+
+
+@pytest.mark.parametrize("tokens", config.TOKENS)
+def test_shared_memory_budget(tokens):
+    """The stages the kernel takes, laid out as its SharedStorage (barriers, then the packed
+    weights, exponent words and tokens rings at 1024 / 128 / 1024-byte alignment), plus the 1 KB
+    of static shared memory the compiled kernel reports, fit in the 227 KB a CTA may opt into,
+    with at least 1 KB to spare."""
+    pytest.importorskip("cutlass")
+    from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY
+    from forgekernel.kernels.gemm.fp4.sm90.kernel import GemmFp4GroupedSm90
+
+    def up(x, a):
+        return -(-x // a) * a
+
+    s = GemmFp4GroupedSm90(tokens).stages
+    used = up(16 * s, 1024) + 8192 * s
+    used = up(used, 128) + 512 * s
+    used = up(used, 1024) + 128 * tokens * s
+    assert s >= 12 and used + 1024 + 1024 <= SMEM_CAPACITY
+    assert s == {8: 23, 16: 21, 32: 17, 64: 13}[tokens]
