@@ -38,15 +38,17 @@ def prmt(a: int, b: int, sel: int) -> int:
     return out
 
 
-def tables(shift: int) -> tuple[int, int]:
-    keep = int(shift >= W.SHIFT_MIN)
-    return ((W.TABLE_LO + shift * W.STEP_LO) * keep) & U32, (
-        (W.TABLE_HI + shift * W.STEP_HI) * keep
-    ) & U32
+def table(e: int, s: int) -> tuple[int, int, int]:
+    """widen.py `fold`'s (t0, t1, keep) of a sub-block with exponent e in a k-tile at s, its
+    arithmetic (32-bit wrap-around) replayed."""
+    base_lo, base_hi = W.TABLE_LO - s * W.STEP_LO, W.TABLE_HI - s * W.STEP_HI
+    keep = W.KEEP if e >= s + W.SHIFT_MIN else 0
+    return (base_lo + e * W.STEP_LO) & U32, (base_hi + e * W.STEP_HI) & U32, keep
 
 
-def widen4(codes: int, t0: int, t1: int) -> int:
-    mag = prmt(t0, t1, codes & 0x7777)
+def widen4(codes: int, tab: tuple[int, int, int]) -> int:
+    t0, t1, keep = tab
+    mag = prmt(t0, t1, codes & keep)
     sgn = prmt(0x80808080, 0x80808080, codes)
     return mag | ((sgn << 7) & 0x80808080)
 
@@ -61,13 +63,15 @@ def e2m1(code: int) -> float:
     return -v if code & 8 else v
 
 
-@pytest.mark.parametrize("shift", list(range(-7, 7)))
+@pytest.mark.parametrize("shift", list(range(-12, 7)))
 def test_widening_is_exact_for_every_code_and_shift(shift):
     """Every 16-bit pattern of four codes, each shift: the e4m3 bytes are the e2m1 values x
-    2^shift exactly (-0 kept as -0), or zero where the shift flushes the sub-block."""
-    t0, t1 = tables(shift)
+    2^shift exactly (-0 kept as -0), or zero where the shift flushes the sub-block (whatever
+    the wrapped-around table holds then)."""
+    s = 100
+    tab = table(s + shift, s)
     for codes in range(0, 1 << 16, 7):  # every nibble value in every position, 9363 patterns
-        got = e4m3(widen4(codes, t0, t1))
+        got = e4m3(widen4(codes, tab))
         for i in range(4):
             code = (codes >> (4 * i)) & 0xF
             want = e2m1(code) * 2.0**shift if shift >= W.SHIFT_MIN else 0.0
@@ -75,11 +79,11 @@ def test_widening_is_exact_for_every_code_and_shift(shift):
     assert W.SHIFT_MAX == 6 and 6 * 2.0**W.SHIFT_MAX < 448
 
 
-def fold(word: int) -> tuple[float, list[tuple[int, int]], list[int]]:
+def fold(word: int) -> tuple[float, list[tuple[int, int, int]], list[int]]:
     exps = [(word >> (8 * i)) & 0xFF for i in range(4)]
     s = max(max(exps) - W.HEADROOM, 1)
     shifts = [e - s for e in exps]
-    return 2.0 ** (s - 127), [tables(d) for d in shifts], shifts
+    return 2.0 ** (s - 127), [table(e, s) for e in exps], shifts
 
 
 def test_fold_scales_times_shifts_are_the_sub_block_scales():
@@ -184,12 +188,11 @@ def kernel_model(a, sa, packed, words):
             scale, tabs, _ = fold(int(words[r, kt]) & U32)
             row_scale[r, kt] = scale
             for step in range(4):
-                t0, t1 = tabs[step]
                 for q in range(8):  # 8 registers of 4 codes per 32-wide sub-block
                     byte0 = kt * 64 + step * 16 + 2 * q
                     codes = int(p[r, byte0]) | (int(p[r, byte0 + 1]) << 8)
                     k0 = kt * 128 + step * 32 + 4 * q
-                    w8[r, k0 : k0 + 4] = torch.tensor(e4m3(widen4(codes, t0, t1)))
+                    w8[r, k0 : k0 + 4] = torch.tensor(e4m3(widen4(codes, tabs[step])))
     acc = torch.zeros(a.shape[0], n, dtype=torch.float32)
     af = a.float()
     for kt in range(k_tiles):

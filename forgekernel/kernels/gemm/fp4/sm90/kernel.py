@@ -361,8 +361,8 @@ class GemmFp4GroupedSm90:
             chunk = base + ((step ^ swz) << 3)
             for j in cutlass.range_constexpr(4):
                 word = chunk + (j % 2) * (8 * PACKED_ROW // 2) + (j // 2) * 4
-                t0, t1 = (tabs_hi if j % 2 else tabs_lo)[step]
-                packed[j + 4 * step] = widen4(Int32(w16[word]), t0, t1)
+                table = (tabs_hi if j % 2 else tabs_lo)[step]
+                packed[j + 4 * step] = widen4(Int32(w16[word]), table)
         # the fragment's registers were last read by the promotion FFMAs
         warpgroup.fence()
         for step in cutlass.range_constexpr(K_STEPS):

@@ -4,15 +4,18 @@ Four e2m1 codes (16 bits, the first K element in the low nibble; code = sign << 
 index, magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6) become one 32-bit register of four e4m3 bytes,
 the first in the low byte (a WGMMA A fragment register: four consecutive K values):
 
-    mag  = prmt(t0, t1, x & 0x7777)        the magnitude indices select bytes of a table
+    mag  = prmt(t0, t1, x & keep)          the magnitude indices select bytes of a table
+                                           (keep = 0x7777; 0 flushes: index 0 is 0x00)
     sgn  = prmt(0x80808080, 0x80808080, x) sign-replicate mode: 0xFF where the code's sign
                                            bit (selector bit 3) is set, 0x80 where not
     out  = mag | ((sgn << 7) & 0x80808080)
 
 The table (t0 bytes 0..3, t1 bytes 4..7) holds the e4m3 encodings of the eight magnitudes times
-2^d, d the sub-block's exponent shift (`tables`): e4m3's exponent field is bits 3..6, so the
+2^d, d the sub-block's exponent shift (`fold`): e4m3's exponent field is bits 3..6, so the
 shift adds d x 8 to every nonzero byte; for -5 <= d <= 6 no byte leaves [0x08, 0x7C] (no carry,
-no borrow, no NaN encoding). A shift below -5 flushes the sub-block to zero (both tables 0).
+no borrow, no NaN encoding). A shift below -5 flushes the sub-block to zero: its selector mask
+`keep` is 0, so every code selects byte 0 of t0, which is 0x00 whatever the shift (the table's
+and the step's byte 0 are 0, and borrows only travel up); the sign stays (-0).
 """
 
 from __future__ import annotations
@@ -54,20 +57,16 @@ def prmt(a: Int32, b: Int32, sel: Int32, *, loc=None, ip=None) -> Int32:
     )
 
 
-def widen4(codes: Int32, t0: Int32, t1: Int32) -> Int32:
-    """Four e2m1 codes (the low 16 bits of `codes`) -> four e4m3 bytes, through the table."""
-    mag = prmt(t0, t1, codes & 0x7777)
+KEEP = 0x7777  # the selector mask of a kept sub-block (the magnitude bits of four codes)
+
+
+def widen4(codes: Int32, table: tuple) -> Int32:
+    """Four e2m1 codes (the low 16 bits of `codes`) -> four e4m3 bytes, through `table` =
+    (t0, t1, keep) of their sub-block (`fold`)."""
+    t0, t1, keep = table
+    mag = prmt(t0, t1, codes & keep)
     sgn = prmt(Int32(-0x7F7F7F80), Int32(-0x7F7F7F80), codes)  # 0x80808080 as an int32
     return mag | ((sgn << 7) & Int32(-0x7F7F7F80))
-
-
-def tables(shift: Int32) -> tuple[Int32, Int32]:
-    """The magnitude table of a sub-block whose values are scaled by 2^shift (shift <= 6):
-    (T0, T1) stepped by `shift` exponents, both zero below SHIFT_MIN (flushed)."""
-    keep = Int32(shift >= SHIFT_MIN)
-    lo = (Int32(TABLE_LO) + shift * STEP_LO) * keep
-    hi = (Int32(TABLE_HI) + shift * STEP_HI) * keep
-    return lo, hi
 
 
 @dsl_user_op
@@ -88,11 +87,18 @@ def as_float(bits: Int32, *, loc=None, ip=None) -> Float32:
 
 def fold(word: Int32):
     """One weight row's k-tile exponent word (four UE8M0 bytes, sub-block i in byte i) ->
-    (the row's fp32 k-tile scale 2^(s - 127), the four sub-blocks' (T0, T1) tables), with
-    s = max(max_i e_i - HEADROOM, 1) and shift e_i - s per sub-block."""
+    (the row's fp32 k-tile scale 2^(s - 127), the four sub-blocks' (t0, t1, keep)), with
+    s = max(max_i e_i - HEADROOM, 1) and shift e_i - s per sub-block: t = TABLE + (e_i - s) x
+    STEP, as (TABLE - s x STEP) + e_i x STEP (one multiply-add per word and sub-block), keep
+    KEEP for e_i - s >= SHIFT_MIN, else 0 (flushed)."""
     exps = [(word >> (8 * i)) & 0xFF for i in range(4)]
     top = exps[0]
     for e in exps[1:]:
         top = cutlass.max(top, e)
     s = cutlass.max(top - HEADROOM, 1)
-    return as_float(s << 23), [tables(e - s) for e in exps]
+    base_lo = Int32(TABLE_LO) - s * STEP_LO
+    base_hi = Int32(TABLE_HI) - s * STEP_HI
+    lowest = s + SHIFT_MIN
+    keeps = [cutlass.select_(e >= lowest, Int32(KEEP), Int32(0)) for e in exps]
+    subs = [(base_lo + e * STEP_LO, base_hi + e * STEP_HI, k) for e, k in zip(exps, keeps)]
+    return as_float(s << 23), subs
