@@ -49,8 +49,8 @@ def table(e: int, s: int) -> tuple[int, int, int]:
 def widen4(codes: int, tab: tuple[int, int, int]) -> int:
     t0, t1, keep = tab
     mag = prmt(t0, t1, codes & keep)
-    sgn = prmt(0x80808080, 0x80808080, codes)
-    return mag | ((sgn << 7) & 0x80808080)
+    neg = prmt((codes << 4) & U32, codes, W.SIGN_SELECT)
+    return mag | (neg & 0x80808080)
 
 
 def e4m3(word: int) -> list[float]:
@@ -71,7 +71,8 @@ def test_widening_is_exact_for_every_code_and_shift(shift):
     s = 100
     tab = table(s + shift, s)
     for codes in range(0, 1 << 16, 7):  # every nibble value in every position, 9363 patterns
-        got = e4m3(widen4(codes, tab))
+        # the kernel's 16-bit load sign-extends: the upper half is 0 or all ones
+        got = e4m3(widen4(codes | (0xFFFF0000 if codes & 0x8000 else 0), tab))
         for i in range(4):
             code = (codes >> (4 * i)) & 0xF
             want = e2m1(code) * 2.0**shift if shift >= W.SHIFT_MIN else 0.0

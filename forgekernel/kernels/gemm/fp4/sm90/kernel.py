@@ -362,7 +362,7 @@ class GemmFp4GroupedSm90:
             for j in cutlass.range_constexpr(4):
                 word = chunk + (j % 2) * (8 * PACKED_ROW // 2) + (j // 2) * 4
                 table = (tabs_hi if j % 2 else tabs_lo)[step]
-                packed[j + 4 * step] = widen4(Int32(w16[word]), table)
+                packed[j + 4 * step] = widen4(Int32(w16[word]) & 0xFFFF, table)
         # the fragment's registers were last read by the promotion FFMAs
         warpgroup.fence()
         for step in cutlass.range_constexpr(K_STEPS):

@@ -6,9 +6,10 @@ the first in the low byte (a WGMMA A fragment register: four consecutive K value
 
     mag  = prmt(t0, t1, x & keep)          the magnitude indices select bytes of a table
                                            (keep = 0x7777; 0 flushes: index 0 is 0x00)
-    sgn  = prmt(0x80808080, 0x80808080, x) sign-replicate mode: 0xFF where the code's sign
-                                           bit (selector bit 3) is set, 0x80 where not
-    out  = mag | ((sgn << 7) & 0x80808080)
+    neg  = prmt(x << 4, x, 0xD9C8)         sign-replicate mode on the bytes whose bit 7 is a
+                                           code's sign (x << 4: codes 0 and 2; x: 1 and 3):
+                                           0xFF per negative code, 0x00 per positive
+    out  = mag | (neg & 0x80808080)        one LOP3
 
 The table (t0 bytes 0..3, t1 bytes 4..7) holds the e4m3 encodings of the eight magnitudes times
 2^d, d the sub-block's exponent shift (`fold`): e4m3's exponent field is bits 3..6, so the
@@ -58,6 +59,9 @@ def prmt(a: Int32, b: Int32, sel: Int32, *, loc=None, ip=None) -> Int32:
 
 
 KEEP = 0x7777  # the selector mask of a kept sub-block (the magnitude bits of four codes)
+# result byte i <- the sign of code i: bytes 0 (x << 4: code 0), 4 (x: code 1), 1 (x << 4:
+# code 2), 5 (x: code 3), each selector nibble's bit 3 set (sign-replicate)
+SIGN_SELECT = 0xD9C8
 
 
 def widen4(codes: Int32, table: tuple) -> Int32:
@@ -65,8 +69,10 @@ def widen4(codes: Int32, table: tuple) -> Int32:
     (t0, t1, keep) of their sub-block (`fold`)."""
     t0, t1, keep = table
     mag = prmt(t0, t1, codes & keep)
-    sgn = prmt(Int32(-0x7F7F7F80), Int32(-0x7F7F7F80), codes)  # 0x80808080 as an int32
-    return mag | ((sgn << 7) & Int32(-0x7F7F7F80))
+    # no constant operand: PRMT's first source is a register, a constant there is copied into
+    # a fresh one per use (16 copies per k-tile)
+    neg = prmt(codes << 4, codes, Int32(SIGN_SELECT))
+    return mag | (neg & Int32(-0x7F7F7F80))  # 0x80808080 as an int32
 
 
 @dsl_user_op
