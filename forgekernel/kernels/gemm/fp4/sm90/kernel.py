@@ -1,5 +1,7 @@
-"""Masked grouped GEMM with FP4 weights for MoE decode, sm_90a (docs/gemm/NOTES.md "FP4
-weights"): out[e, t] = (A[e, t] x sa[e, t]) @ dequant(W[e])^T for t < count[e].
+"""Grouped GEMM with FP4 weights for MoE decode, sm_90a (docs/gemm/NOTES.md "FP4 weights"),
+masked layout: out[e, t] = (A[e, t] x sa[e, t]) @ dequant(W[e])^T for t < count[e]; with
+`contiguous` the contiguous layout: out[r] = (A[r] x sa[r]) @ dequant(W[m_indices[r]])^T for
+the rows whose index is >= 0 (A, C, sa with one batch; `contiguous.py` has the walk).
 
 A (max_m, K, E) float8_e4m3fn tokens with fp32 scales sa (max_m, K/128, E) per 1x128; W
 (N, K/2, E) uint8, two e2m1 codes per byte (the even K element in the low nibble), with UE8M0
@@ -21,8 +23,8 @@ a fresh fp32 fragment, and promote the previous k-tile's fragment into the accum
 the row's k-tile scale 2^(s - 127) and the token's activation scale (two fragments and two
 A register sets alternate: k-tile j is issued before j - 1 is waited for). Every role walks
 the same tile sequence (`MaskedWalk`: expert, then the 128-row weight tile, then the token
-tile of h); a tile's tokens past its expert's count are computed on whatever the stage holds
-and never stored. Stores from registers, 16-bit scalars.
+tile of h; or `ContiguousWalk`); a tile's tokens past its expert's count (padding rows) are
+computed on whatever the stage holds and never stored. Stores from registers, 16-bit scalars.
 
 Fragment maps (PTX ISA, wgmma register fragments; tests/test_gemm_fp4.py replays them): A,
 8-bit, per k32 step: consumer thread t of warpgroup w (t in 0..127), warp q = t / 32, lane
