@@ -16,6 +16,9 @@ from forgekernel.bench.suite import OpSuite
 # tests/test_ledger_gate.py does not ask CI for a ledger that no GPU has written yet.
 PENDING_SUITE_MODULES: dict[str, str] = {
     "dsa_indexer": "forgekernel.bench.suites.dsa_indexer",  # issue 22: the FP8 lightning indexer
+    # issue 21: FP4 weights (masked and contiguous grouped, decode sizes)
+    "gemm_fp4_masked": "forgekernel.bench.suites.gemm_fp4_masked",
+    "gemm_fp4_grouped": "forgekernel.bench.suites.gemm_fp4_grouped",
 }
 SUITE_MODULES = {
     "gemm": "forgekernel.bench.suites.gemm",

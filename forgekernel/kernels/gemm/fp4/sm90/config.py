@@ -1,0 +1,42 @@
+"""The FP4-weight masked grouped GEMM's configurations (`kernel.py`): tokens per tile h (WGMMA's
+N, the weights being its A: 128 weight rows per tile, two consumer warpgroups), the standard set
+and the chooser by the caller's expected tokens per expert (DeepGEMM's `expected_m`). DSL-free.
+"""
+
+from __future__ import annotations
+
+OUT_DTYPES = ("bfloat16", "float16")
+TOKENS = (8, 16, 32, 64)  # h: WGMMA n8 .. n64; fragment h / 2 fp32 per thread, three of them
+TILE_W = 128  # weight rows per tile (N): two warpgroups of WGMMA's M = 64
+TILE_K = 128  # one k-tile: one fp32 promotion, four 1x32 scale sub-blocks (one per k32 WGMMA)
+SUB_K = 32  # the weights' scale granularity along K (UE8M0 per 1x32, DeepGEMM's recipe_b)
+STANDARD_TOKENS = TOKENS
+# The contiguous layout has no expected_m: each expert's 128-row segment is cut into tiles of
+# this many tokens unless the caller passes a hint (tiles of padding rows only are skipped).
+CONTIGUOUS_TOKENS = 32
+# ... and at most this many: at 64 the contiguous walk's few extra live values spill 16 bytes
+# per tile (compiled 2026-12-01; the masked layout's 64 does not)
+CONTIGUOUS_MAX_TOKENS = 32
+CONTIGUOUS_STANDARD_TOKENS = tuple(h for h in TOKENS if h <= CONTIGUOUS_MAX_TOKENS)
+
+
+def choose_tokens(expected_m: int, contiguous: bool = False) -> int:
+    """The fewest tokens per tile that cover `expected_m` (experts with more take several
+    token tiles, their weight tile re-read from L2 by CTAs running side by side)."""
+    tiles = CONTIGUOUS_STANDARD_TOKENS if contiguous else TOKENS
+    return next((h for h in tiles if expected_m <= h), tiles[-1])
+
+
+def stage_bytes(tokens: int) -> int:
+    """One pipeline stage: the packed weight tile, its exponent words, the tokens' e4m3 rows."""
+    return TILE_W * TILE_K // 2 + 4 * TILE_W + tokens * TILE_K
+
+
+def params_for(out_dtype: str, tokens: int, contiguous: bool = False) -> tuple:
+    """The compile key's baked-in part: the output dtype, the tokens per tile and, for the
+    contiguous layout, contiguous=True (absent for the masked one)."""
+    tiles = CONTIGUOUS_STANDARD_TOKENS if contiguous else TOKENS
+    if tokens not in tiles:
+        raise ValueError(f"tokens per tile must be one of {tiles}, got {tokens}")
+    layout = (("contiguous", True),) if contiguous else ()
+    return (("out", out_dtype), ("tokens", tokens), *layout)
