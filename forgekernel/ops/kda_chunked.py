@@ -1,0 +1,160 @@
+"""`forgekernel.kimi_delta_attention`: Kimi Delta Attention's chunked forward (prefill) with
+fla's calling convention (`fla.ops.kda.chunk_kda`). Gated DeltaNet with a per-key-channel
+decay: per value head, state S (K, V) fp32, g_t (K,) the log decay of token t,
+
+    S_t = (I - beta_t k_t k_t^T) diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T
+    o_t = scale S_t^T q_t
+
+q, k (B, T, H, K), v (B, T, HV, V) with value head hv reading q / k head hv // (HV / H) (fla's
+KDA has HV = H; grouped value heads are accepted as in `gated_delta_rule`), g (B, T, HV, K),
+beta (B, T, HV); varlen as B = 1 with cu_seqlens (N + 1,); initial / final state fp32 (N, HV,
+K, V) (fla's layout); use_qk_l2norm_in_kernel divides q and k by sqrt(sum x^2 + 1e-6).
+
+Implementation, for now: the chunked algorithm of the coming tensor-core kernel
+(`reference/kda_chunked.py`: 64-token chunks, sub-chunk reference points so no factor
+overflows) in torch, fp32, on the inputs' device, in segments of SEGMENT tokens per sequence
+(memory), the state passed between segments. The WGMMA kernel (leaf
+kernels/linear_attention/kda_prefill/sm90, docs/linear_attention/NOTES.md) replaces it behind
+this same function. Forward only: the result carries an autograd node whose backward raises
+NotImplementedError (the backward is issue 20's next part), so that a training graph fails
+loudly instead of differentiating the interim torch path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from forgekernel.ops._validate import check_cuda, check_same_device, check_shaped, check_tensor
+from forgekernel.reference.kda_chunked import kimi_delta_attention_subchunked
+
+F32 = (torch.float32,)
+OFFSETS = (torch.int32, torch.int64)
+HEAD_DIMS = ((128, 128),)  # (K, V): Kimi Linear; the kernel's only geometry
+SEGMENT = 8192  # tokens per torch segment: bounds the interim path's (.., C, K) fp32 temporaries
+
+
+class _ForwardOnly(torch.autograd.Function):
+    """Marks the outputs as produced by a forward-only op: backward raises."""
+
+    @staticmethod
+    def forward(ctx, o, final, *inputs):
+        return o, final
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            "forgekernel.kimi_delta_attention has no backward yet (issue 20): differentiate "
+            "forgekernel.reference.delta_rule.kimi_delta_attention_recurrent, or call fla's "
+            "chunk_kda, until the backward kernel lands"
+        )
+
+
+def _segments(length: int) -> list[tuple[int, int]]:
+    return [(a, min(a + SEGMENT, length)) for a in range(0, length, SEGMENT)] or [(0, 0)]
+
+
+def _run_span(q, k, v, g, beta, state, scale, l2norm):
+    """One batch of equal-length sequences (B, L, ...) from `state` (B, HV, K, V) fp32, segment
+    by segment -> (o (B, L, HV, V) fp32, final state fp32)."""
+    outs = []
+    for a, z in _segments(q.shape[1]):
+        o, state = kimi_delta_attention_subchunked(
+            q[:, a:z], k[:, a:z], v[:, a:z], g[:, a:z], beta[:, a:z], scale=scale,
+            initial_state=state, output_final_state=True, use_qk_l2norm=l2norm,
+            dtype=torch.float32,
+        )  # fmt: skip
+        outs.append(o)
+    return torch.cat(outs, dim=1), state
+
+
+def _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, l2norm):
+    """Validated tensors -> (o (B, T, HV, V) in q's dtype, final state (N, HV, K, V) fp32)."""
+    b, t, hv, dv = v.shape
+    dk = q.shape[3]
+    n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    state = initial_state
+    if state is None:
+        state = torch.zeros(n, hv, dk, dv, dtype=torch.float32, device=q.device)
+    with torch.no_grad():
+        if cu_seqlens is None:
+            o, final = _run_span(q, k, v, g, beta, state, scale, l2norm)
+            return o.to(q.dtype), final
+        o = torch.empty(b, t, hv, dv, dtype=q.dtype, device=q.device)
+        finals = []
+        edges = cu_seqlens.tolist()
+        for i, (a, z) in enumerate(zip(edges[:-1], edges[1:])):
+            span = (x[:, a:z] for x in (q, k, v, g, beta))
+            o_i, s_i = _run_span(*span, state[i : i + 1], scale, l2norm)
+            o[:, a:z] = o_i.to(q.dtype)
+            finals.append(s_i)
+        return o, torch.cat(finals)
+
+
+def _check_offsets(cu_seqlens: torch.Tensor, b: int, t: int) -> int:
+    check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=OFFSETS, cuda=False)
+    if b != 1:
+        raise ValueError(f"varlen (cu_seqlens given) needs B = 1, got B = {b}")
+    if cu_seqlens.shape[0] < 2:
+        raise ValueError("cu_seqlens must hold N + 1 >= 2 offsets")
+    if cu_seqlens.device.type == "cpu":  # values checked only where reading them is free
+        edges = cu_seqlens.tolist()
+        if edges[0] != 0 or edges[-1] != t or any(a > z for a, z in zip(edges, edges[1:])):
+            raise ValueError(f"cu_seqlens must rise from 0 to T = {t}, got {edges}")
+    return cu_seqlens.shape[0] - 1
+
+
+def _validate(q, k, v, g, beta, initial_state, cu_seqlens, *, device_check: bool = True) -> None:
+    check_tensor("q", q, ndim=4, cuda=False)
+    check_shaped("k", k, tuple(q.shape), (q.dtype,))
+    b, t, h, dk = q.shape
+    check_tensor("v", v, ndim=4, cuda=False)
+    hv, dv = v.shape[2], v.shape[3]
+    if v.shape[:2] != (b, t) or v.dtype != q.dtype or hv % h:
+        raise ValueError(f"v must be (B, T, HV, V) in q's dtype with HV a multiple of H = {h}, "
+                         f"got {tuple(v.shape)} {v.dtype}")  # fmt: skip
+    if (dk, dv) not in HEAD_DIMS:
+        raise ValueError(f"(K, V) must be one of {HEAD_DIMS}, got {(dk, dv)}")
+    check_shaped("g", g, (b, t, hv, dk), (torch.float32, q.dtype))
+    check_shaped("beta", beta, (b, t, hv), (torch.float32, q.dtype))
+    n = b if cu_seqlens is None else _check_offsets(cu_seqlens, b, t)
+    if initial_state is not None:
+        check_shaped("initial_state", initial_state, (n, hv, dk, dv), F32)
+    if device_check:
+        check_cuda("q", q)
+    others = {"initial_state": initial_state, "cu_seqlens": cu_seqlens}
+    check_same_device(q=q, k=k, v=v, g=g, beta=beta,
+                      **{name: x for name, x in others.items() if x is not None})  # fmt: skip
+
+
+def kimi_delta_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fla's `chunk_kda` forward: q, k (B, T, H, 128) and v (B, T, HV, 128) bf16 / fp16 (HV a
+    multiple of H); g (B, T, HV, 128) log decay per key channel (fp32 or q's dtype); beta (B,
+    T, HV) (fp32 or q's dtype); scale default K ** -0.5; initial_state fp32 (N, HV, K, V), N =
+    B or the number of sequences; cu_seqlens int32 / int64 (N + 1,) with B = 1 for varlen.
+    Returns (o (B, T, HV, V) in q's dtype, the final state fp32 (N, HV, K, V) or None unless
+    output_final_state). Accurate for per-step log decays down to about -5 per channel (the
+    kernel's sub-chunk factors; reference/kda_chunked.py). Backward: raises
+    NotImplementedError (module docstring)."""
+    _validate(q, k, v, g, beta, initial_state, cu_seqlens)
+    scale = float(q.shape[3] ** -0.5 if scale is None else scale)
+    o, final = _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens,
+                        use_qk_l2norm_in_kernel)  # fmt: skip
+    inputs = (q, k, v, g, beta) + (() if initial_state is None else (initial_state,))
+    if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
+        o, final = _ForwardOnly.apply(o, final, *inputs)
+    return o, (final if output_final_state else None)
+
+
+chunk_kda = kimi_delta_attention  # fla's name

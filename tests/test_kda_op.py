@@ -1,0 +1,133 @@
+"""`forgekernel.kimi_delta_attention` on the CPU: argument validation (clear messages), the
+interim path's plumbing (segments, varlen, initial states, GQA, l2norm) against the fp64
+recurrence, and the forward-only autograd node."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import forgekernel
+import forgekernel.ops.kda_chunked as op
+from forgekernel.reference.delta_rule import kimi_delta_attention_recurrent
+
+D = 128
+
+
+def make(b=1, t=70, h=2, hv=2, dtype=torch.bfloat16, n=None, seed=0, decay=(-2.0, 0.0)):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*s):
+        return torch.randn(*s, generator=gen)
+
+    lo, hi = decay
+    return {
+        "q": rnd(b, t, h, D).to(dtype),
+        "k": F.normalize(rnd(b, t, h, D), dim=-1).to(dtype),
+        "v": rnd(b, t, hv, D).to(dtype),
+        "g": lo + (hi - lo) * torch.rand(b, t, hv, D, generator=gen),
+        "beta": torch.sigmoid(rnd(b, t, hv)),
+        "state": 0.1 * rnd(b if n is None else n, hv, D, D),
+    }
+
+
+def run_forward(x, cu=None, l2norm=False, state=True):
+    init = x["state"] if state else None
+    return op._forward(x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, init, cu, l2norm)
+
+
+def reference(x, cu=None, l2norm=False, state=True):
+    return kimi_delta_attention_recurrent(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["state"] if state else None,
+        output_final_state=True, cu_seqlens=cu, use_qk_l2norm=l2norm,
+    )  # fmt: skip
+
+
+def close(got, want, tol):
+    err = (got.double() - want).abs().max() / want.abs().max().clamp_min(1.0)
+    assert err < tol, err.item()
+
+
+def test_exported():
+    assert forgekernel.kimi_delta_attention is op.kimi_delta_attention
+    assert op.chunk_kda is op.kimi_delta_attention
+
+
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_batch_across_segments(monkeypatch, l2norm):
+    monkeypatch.setattr(op, "SEGMENT", 64)  # three segments and a tail: the state handed on
+    x = make(b=2, t=150, h=1, hv=2, seed=1, decay=(-5.0, 0.0))
+    o, s = run_forward(x, l2norm=l2norm)
+    o_ref, s_ref = reference(x, l2norm=l2norm)
+    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+    close(o, o_ref, 1e-2)
+    close(s, s_ref, 1e-4)
+
+
+def test_varlen_with_an_empty_sequence():
+    lens = [5, 0, 64, 71]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    x = make(t=sum(lens), h=2, hv=4, n=len(lens), seed=2)
+    for state in (True, False):
+        o, s = run_forward(x, cu=cu, state=state)
+        o_ref, s_ref = reference(x, cu=cu, state=state)
+        close(o, o_ref, 1e-2)
+        close(s, s_ref, 1e-4)
+        want = x["state"][1] if state else torch.zeros_like(s[1])
+        assert torch.equal(s[1], want)  # an empty sequence keeps its state
+
+
+def _call(x, **kw):
+    return op.kimi_delta_attention(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda x: x.update(k=x["k"][..., :64]), "k must have shape"),
+        (lambda x: x.update(v=x["v"][:, :, :1]), "HV a multiple of H"),
+        (lambda x: x.update(g=x["g"][..., 0]), "g must be 4-D"),
+        (lambda x: x.update(g=x["g"].double()), "g must have dtype"),
+        (lambda x: x.update(beta=x["beta"][..., None]), "beta must be 3-D"),
+        (lambda x: x.update(q=x["q"].float(), k=x["k"].float()), "q must have dtype"),
+        (lambda x: x.update(state=x["state"][:, :1]), "initial_state must have shape"),
+        (lambda x: x.update(state=x["state"].half()), "initial_state must have dtype"),
+    ],
+)
+def test_bad_arguments_are_named(change, message):
+    x = make(b=1, t=8)
+    change(x)
+    with pytest.raises((ValueError, TypeError), match=message):
+        _call(x, initial_state=x["state"])
+
+
+def test_bad_offsets_and_head_dims():
+    x = make(b=2, t=8)
+    with pytest.raises(ValueError, match="B = 1"):
+        _call(x, cu_seqlens=torch.tensor([0, 8], dtype=torch.int32))
+    x = make(b=1, t=8)
+    with pytest.raises(ValueError, match="rise from 0 to T"):
+        _call(x, cu_seqlens=torch.tensor([0, 9], dtype=torch.int32))
+    with pytest.raises(TypeError, match="cu_seqlens must have dtype"):
+        _call(x, cu_seqlens=torch.tensor([0.0, 8.0]))
+    small = {key: val[..., :64] if key in "qkvg" else val for key, val in x.items()}
+    with pytest.raises(ValueError, match=r"\(K, V\) must be one of"):
+        _call(small)
+
+
+def test_cpu_tensors_are_refused():
+    with pytest.raises(ValueError, match="q must be a CUDA tensor"):
+        _call(make(t=8))
+
+
+def test_backward_raises(monkeypatch):
+    monkeypatch.setattr(op, "check_cuda", lambda name, t: None)  # the interim path runs here
+    x = make(t=20, seed=3)
+    q = x["q"].float().requires_grad_()
+    x["q"], x["k"], x["v"] = q, x["k"].float(), x["v"].float()
+    monkeypatch.setattr(op, "_validate", lambda *a, **k: None)
+    o, s = _call(x, initial_state=x["state"], output_final_state=True)
+    assert o.requires_grad and s is not None
+    with pytest.raises(NotImplementedError, match="no backward yet"):
+        o.sum().backward()
