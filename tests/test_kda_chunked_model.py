@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from forgekernel.reference.delta_rule import kimi_delta_attention_recurrent
 from forgekernel.reference.kda_chunked import (
+    kimi_delta_attention_segmented,
     kimi_delta_attention_subchunked,
     naive_factor_overflows,
 )
@@ -40,8 +41,7 @@ def rel_err(got, want) -> float:
     return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1.0)).item()
 
 
-def check(inputs, tols=((torch.float64, None, FP64_TOL), (torch.float32, None, FP32_TOL)),
-          **kw):  # fmt: skip
+def check(inputs, tols=((torch.float64, None, FP64_TOL), (torch.float32, None, FP32_TOL)), **kw):
     q, k, v, g, beta, h0 = inputs
     args = dict(initial_state=h0, output_final_state=True, **kw)
     o_ref, s_ref = kimi_delta_attention_recurrent(q, k, v, g, beta, **args)
@@ -57,9 +57,14 @@ def check(inputs, tols=((torch.float64, None, FP64_TOL), (torch.float32, None, F
 
 @pytest.mark.parametrize(
     "b, t, h, hv, d, l2norm",
-    [(2, 1, 2, 2, 64, False), (1, 63, 2, 4, 64, True), (2, 65, 1, 1, 128, False),
-     (1, 131, 2, 2, 128, True), (1, 16, 1, 1, 32, False)],
-)  # fmt: skip
+    [
+        (2, 1, 2, 2, 64, False),
+        (1, 63, 2, 4, 64, True),
+        (2, 65, 1, 1, 128, False),
+        (1, 131, 2, 2, 128, True),
+        (1, 16, 1, 1, 32, False),
+    ],
+)
 def test_matches_recurrence(b, t, h, hv, d, l2norm):
     inputs = make_inputs(b, t, h, hv, d, seed=b * 1000 + t, l2norm=l2norm)
     check(inputs, use_qk_l2norm=l2norm, scale=0.3 if l2norm else None)
@@ -71,8 +76,14 @@ def test_strong_decay_over_a_long_sequence():
     exact in fp64, fp32-close in fp32 and finite and bf16-close with 16-bit operands."""
     inputs = make_inputs(1, 1537, 1, 2, 128, seed=3, decay=(-5.0, -4.0))
     assert naive_factor_overflows(inputs[3])
-    check(inputs, tols=((torch.float64, None, FP64_TOL), (torch.float32, None, FP32_TOL),
-                        (torch.float32, torch.bfloat16, BF16_TOL)))  # fmt: skip
+    check(
+        inputs,
+        tols=(
+            (torch.float64, None, FP64_TOL),
+            (torch.float32, None, FP32_TOL),
+            (torch.float32, torch.bfloat16, BF16_TOL),
+        ),
+    )
 
 
 def test_mixed_decays_with_bf16_operands():
@@ -80,8 +91,7 @@ def test_mixed_decays_with_bf16_operands():
     sequence, some forget at once), l2norm, GQA, varlen with initial states."""
     lengths = [1, 64, 200, 17, 129]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    inputs = make_inputs(1, sum(lengths), 2, 4, 128, seed=5, decay=(-5.0, 0.0), n=5,
-                         l2norm=True)  # fmt: skip
+    inputs = make_inputs(1, sum(lengths), 2, 4, 128, seed=5, decay=(-5.0, 0.0), n=5, l2norm=True)
     tols = ((torch.float64, None, FP64_TOL), (torch.float32, torch.bfloat16, BF16_TOL))
     check(inputs, cu_seqlens=cu, use_qk_l2norm=True, tols=tols)
 
@@ -91,8 +101,9 @@ def test_varlen_equals_sequences_run_alone():
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
     q, k, v, g, beta, h0 = make_inputs(1, sum(lengths), 2, 2, 32, seed=7, n=3, decay=(-3, 0))
     args = dict(output_final_state=True, dtype=torch.float64)
-    o, s = kimi_delta_attention_subchunked(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu,
-                                           **args)  # fmt: skip
+    o, s = kimi_delta_attention_subchunked(
+        q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, **args
+    )
     for i, (t0, t1) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         one = (x[:, t0:t1] for x in (q, k, v, g, beta))
         o_i, s_i = kimi_delta_attention_subchunked(*one, initial_state=h0[i : i + 1], **args)
@@ -115,3 +126,18 @@ def test_bad_chunk_size():
     inputs = make_inputs(1, 8, 1, 1, 16, seed=1)
     with pytest.raises(ValueError, match="multiple of 16"):
         kimi_delta_attention_subchunked(*inputs[:5], chunk_size=24)
+
+
+def test_segments_hand_the_state_on():
+    """The segmented form (the interim op's and the suite's long-sequence reference): segments
+    of 50 tokens (chunks restarting mid-sequence), varlen with an empty sequence."""
+    lengths = [120, 0, 77]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    q, k, v, g, beta, h0 = make_inputs(1, sum(lengths), 1, 2, 32, seed=9, n=3, decay=(-5, 0))
+    o, s = kimi_delta_attention_segmented(
+        q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, segment=50, dtype=torch.float64
+    )
+    o_ref, s_ref = kimi_delta_attention_recurrent(
+        q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, output_final_state=True
+    )
+    assert rel_err(o, o_ref) < FP64_TOL and rel_err(s, s_ref) < FP64_TOL

@@ -19,7 +19,6 @@ from forgekernel.ops.gemm import gemm, tune_gemm
 from forgekernel.ops.gemm_fp8 import gemm_fp8
 from forgekernel.ops.gemm_fp8_grouped import gemm_fp8_grouped
 from forgekernel.ops.gemm_fp8_grouped_masked import gemm_fp8_grouped_masked
-from forgekernel.ops.kda_chunked import kimi_delta_attention
 from forgekernel.ops.mla import mla_decode, mla_prefill
 
 __all__ = [
@@ -42,7 +41,6 @@ __all__ = [
     "gemm_fp8",
     "gemm_fp8_grouped",
     "gemm_fp8_grouped_masked",
-    "kimi_delta_attention",
     "mla_decode",
     "mla_prefill",
     "tune_gemm",

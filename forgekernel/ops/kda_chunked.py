@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from forgekernel.ops._validate import check_cuda, check_same_device, check_shaped, check_tensor
-from forgekernel.reference.kda_chunked import kimi_delta_attention_subchunked
+from forgekernel.reference.kda_chunked import kimi_delta_attention_segmented
 
 F32 = (torch.float32,)
 OFFSETS = (torch.int32, torch.int64)
@@ -49,45 +49,14 @@ class _ForwardOnly(torch.autograd.Function):
         )
 
 
-def _segments(length: int) -> list[tuple[int, int]]:
-    return [(a, min(a + SEGMENT, length)) for a in range(0, length, SEGMENT)] or [(0, 0)]
-
-
-def _run_span(q, k, v, g, beta, state, scale, l2norm):
-    """One batch of equal-length sequences (B, L, ...) from `state` (B, HV, K, V) fp32, segment
-    by segment -> (o (B, L, HV, V) fp32, final state fp32)."""
-    outs = []
-    for a, z in _segments(q.shape[1]):
-        o, state = kimi_delta_attention_subchunked(
-            q[:, a:z], k[:, a:z], v[:, a:z], g[:, a:z], beta[:, a:z], scale=scale,
-            initial_state=state, output_final_state=True, use_qk_l2norm=l2norm,
-            dtype=torch.float32,
-        )  # fmt: skip
-        outs.append(o)
-    return torch.cat(outs, dim=1), state
-
-
 def _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, l2norm):
     """Validated tensors -> (o (B, T, HV, V) in q's dtype, final state (N, HV, K, V) fp32)."""
-    b, t, hv, dv = v.shape
-    dk = q.shape[3]
-    n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    state = initial_state
-    if state is None:
-        state = torch.zeros(n, hv, dk, dv, dtype=torch.float32, device=q.device)
     with torch.no_grad():
-        if cu_seqlens is None:
-            o, final = _run_span(q, k, v, g, beta, state, scale, l2norm)
-            return o.to(q.dtype), final
-        o = torch.empty(b, t, hv, dv, dtype=q.dtype, device=q.device)
-        finals = []
-        edges = cu_seqlens.tolist()
-        for i, (a, z) in enumerate(zip(edges[:-1], edges[1:])):
-            span = (x[:, a:z] for x in (q, k, v, g, beta))
-            o_i, s_i = _run_span(*span, state[i : i + 1], scale, l2norm)
-            o[:, a:z] = o_i.to(q.dtype)
-            finals.append(s_i)
-        return o, torch.cat(finals)
+        o, final = kimi_delta_attention_segmented(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+            use_qk_l2norm=l2norm, segment=SEGMENT, dtype=torch.float32,
+        )  # fmt: skip
+    return o.to(q.dtype), final
 
 
 def _check_offsets(cu_seqlens: torch.Tensor, b: int, t: int) -> int:

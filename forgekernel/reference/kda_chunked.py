@@ -85,6 +85,51 @@ def kimi_delta_attention_subchunked(
     )  # fmt: skip
 
 
+def kimi_delta_attention_segmented(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm: bool = False,
+    segment: int = 8192,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kimi_delta_attention_subchunked` over at most `segment` tokens at a time, the state
+    handed from segment to segment (and every varlen sequence run alone): the same result with
+    its (.., C, K) temporaries bounded, for long sequences on a device. Returns (o (B, T, HV,
+    V) in `dtype`, the final state (N, HV, K, V) in `dtype`)."""
+    _check(q, k, v, g, beta, initial_state, cu_seqlens, per_channel=True)
+    b, t, hv, dv = v.shape
+    n = b if cu_seqlens is None else cu_seqlens.numel() - 1
+    state = initial_state
+    if state is None:
+        state = torch.zeros(n, hv, q.shape[3], dv, dtype=dtype, device=q.device)
+    args = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, dtype=dtype, output_final_state=True)
+    spans = [(slice(None), 0, t)] if cu_seqlens is None else [
+        (slice(i, i + 1), a, z) for i, (a, z) in enumerate(_edges(cu_seqlens))
+    ]  # fmt: skip
+    out = torch.zeros(b, t, hv, dv, dtype=dtype, device=q.device)
+    finals = []
+    for rows, a, z in spans:
+        s = state[rows].to(dtype)
+        for lo in range(a, z, segment):
+            hi = min(lo + segment, z)
+            part = (x[:, lo:hi] for x in (q, k, v, g, beta))
+            out[:, lo:hi], s = kimi_delta_attention_subchunked(*part, initial_state=s, **args)
+        finals.append(s)
+    return out, torch.cat(finals)
+
+
+def _edges(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
+    edges = [int(x) for x in cu_seqlens.tolist()]
+    return list(zip(edges[:-1], edges[1:]))
+
+
 def naive_factor_overflows(g: torch.Tensor, chunk_size: int = 64) -> bool:
     """Whether the naive split K exp(G), K exp(-G) of a chunk overflows fp32 for these log
     decays (B, T, H, K) (the situation the sub-chunk references exist for)."""
