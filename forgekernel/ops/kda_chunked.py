@@ -107,22 +107,30 @@ def kimi_delta_attention(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = False,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fla's `chunk_kda` forward: q, k (B, T, H, 128) and v (B, T, HV, 128) bf16 / fp16 (HV a
     multiple of H); g (B, T, HV, 128) log decay per key channel (fp32 or q's dtype); beta (B,
     T, HV) (fp32 or q's dtype); scale default K ** -0.5; initial_state fp32 (N, HV, K, V), N =
     B or the number of sequences; cu_seqlens int32 / int64 (N + 1,) with B = 1 for varlen.
     Returns (o (B, T, HV, V) in q's dtype, the final state fp32 (N, HV, K, V) or None unless
-    output_final_state). Accurate for per-step log decays down to about -5 per channel (the
+    output_final_state); o is written into `out` when given (a contiguous (B, T, HV, V) tensor
+    in q's dtype). Accurate for per-step log decays down to about -5 per channel (the
     kernel's sub-chunk factors; reference/kda_chunked.py). Backward: raises
     NotImplementedError (module docstring)."""
     _validate(q, k, v, g, beta, initial_state, cu_seqlens)
+    if out is not None:
+        check_shaped("out", out, tuple(v.shape), (q.dtype,))
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
     scale = float(q.shape[3] ** -0.5 if scale is None else scale)
     o, final = _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens,
                         use_qk_l2norm_in_kernel)  # fmt: skip
     inputs = (q, k, v, g, beta) + (() if initial_state is None else (initial_state,))
     if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
         o, final = _ForwardOnly.apply(o, final, *inputs)
+    if out is not None:
+        o = out.copy_(o)
     return o, (final if output_final_state else None)
 
 

@@ -16,6 +16,8 @@ from forgekernel.bench.suite import OpSuite
 # tests/test_ledger_gate.py does not ask CI for a ledger that no GPU has written yet.
 PENDING_SUITE_MODULES: dict[str, str] = {
     "dsa_indexer": "forgekernel.bench.suites.dsa_indexer",  # issue 22: the FP8 lightning indexer
+    # issue 20: Kimi Delta Attention forward (the op on its interim torch path; kernel to come)
+    "kda_prefill": "forgekernel.bench.suites.kda_prefill",
 }
 SUITE_MODULES = {
     "gemm": "forgekernel.bench.suites.gemm",
