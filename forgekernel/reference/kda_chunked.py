@@ -176,6 +176,28 @@ def _block_scores(left, right, e, block, strict: bool, operand_dtype) -> torch.T
     return scores.masked_fill(~keep, 0.0)
 
 
+def chunk_operands(q, k, g, beta, operand_dtype=None) -> dict[str, torch.Tensor]:
+    """Everything of a chunk that does not depend on the state, for chunks (..., C, K): q
+    (already scaled), k, g (log decay per channel; 0 on padding), beta (..., C) (0 on
+    padding). Returns k_g (K exp(G)), q_g (Q exp(G)), k_d (K exp(G_C - G)) (..., C, K), t_beta
+    (T diag(beta)) and p (the masked decayed Q K^T) (..., C, C), each rounded to
+    `operand_dtype` as the tensor cores take them, and decay (exp(G_C), (..., K)). The state
+    pass is then O = q_g S + p U, U = t_beta (V - k_g S), S <- diag(decay) S + k_d^T U."""
+    big_g = g.cumsum(dim=-2)
+    ea, eb, r_row, e, block = _sub_chunk_factors(big_g)
+    k_left, k_right, q_left = k * ea, k * eb, q * ea
+    akk = beta.unsqueeze(-1) * _block_scores(k_left, k_right, e, block, True, operand_dtype)
+    g_last = big_g[..., -1:, :]
+    return {
+        "k_g": _round(k_left * r_row.exp(), operand_dtype),
+        "q_g": _round(q_left * r_row.exp(), operand_dtype),
+        "k_d": _round(k_right * (g_last - r_row).exp(), operand_dtype),
+        "t_beta": _round(_unit_lower_inverse(akk) * beta.unsqueeze(-2), operand_dtype),
+        "p": _round(_block_scores(q_left, k_right, e, block, False, operand_dtype), operand_dtype),
+        "decay": g_last.squeeze(-2).exp(),
+    }
+
+
 def _sequence(q, k, v, g, beta, s, c: int, operand_dtype):
     """q (scaled), k (B, HV, L, K), v (B, HV, L, V), g (B, HV, L, K), beta (B, HV, L), s (B, HV,
     K, V): intra-chunk work batched over the chunks, the state passed sequentially."""
@@ -183,21 +205,12 @@ def _sequence(q, k, v, g, beta, s, c: int, operand_dtype):
     if length == 0:
         return v.clone(), s
     q, k, v, g, beta = (_split_chunks(x, c) for x in (q, k, v, g, beta))
-    big_g = g.cumsum(dim=3)  # (B, HV, NC, C, K)
-    ea, eb, r_row, e, block = _sub_chunk_factors(big_g)
-    k_left, k_right, q_left = k * ea, k * eb, q * ea
-    akk = beta.unsqueeze(-1) * _block_scores(k_left, k_right, e, block, True, operand_dtype)
-    p = _round(_block_scores(q_left, k_right, e, block, False, operand_dtype), operand_dtype)
-    t_beta = _round(_unit_lower_inverse(akk) * beta.unsqueeze(-2), operand_dtype)
-    g_last = big_g[..., -1:, :]  # (B, HV, NC, 1, K)
-    k_g = _round(k_left * r_row.exp(), operand_dtype)
-    q_g = _round(q_left * r_row.exp(), operand_dtype)
-    k_d = _round(k_right * (g_last - r_row).exp(), operand_dtype)
+    ops = chunk_operands(q, k, g, beta, operand_dtype)
     out = torch.empty_like(v)
     for n in range(q.shape[2]):
         s_op = _round(s, operand_dtype)
-        x = k_g[:, :, n] @ s_op
-        u = _round(t_beta[:, :, n] @ _round(v[:, :, n] - x, operand_dtype), operand_dtype)
-        out[:, :, n] = q_g[:, :, n] @ s_op + p[:, :, n] @ u
-        s = s * g_last[:, :, n].exp().transpose(-1, -2) + k_d[:, :, n].transpose(-1, -2) @ u
+        x = ops["k_g"][:, :, n] @ s_op
+        u = _round(ops["t_beta"][:, :, n] @ _round(v[:, :, n] - x, operand_dtype), operand_dtype)
+        out[:, :, n] = ops["q_g"][:, :, n] @ s_op + ops["p"][:, :, n] @ u
+        s = s * ops["decay"][:, :, n].unsqueeze(-1) + ops["k_d"][:, :, n].transpose(-1, -2) @ u
     return out.flatten(2, 3)[:, :, :length], s
