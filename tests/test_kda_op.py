@@ -1,15 +1,19 @@
-"""`forgekernel.kimi_delta_attention` on the CPU: argument validation (clear messages), the
-interim path's plumbing (segments, varlen, initial states, GQA, l2norm) against the fp64
-recurrence, and the forward-only autograd node."""
+"""`forgekernel.ops.kda_chunked.kimi_delta_attention` on the CPU: argument validation (clear
+messages); the real launcher with its torch first pass and a torch replay of the recurrence
+kernel (tests/kda_prefill_replay.py: the kernel's reads, roundings and stores) against the fp64
+recurrence (batches, varlen with empty / single-token / odd sequences, initial states, GQA,
+l2norm, strong per-channel decays, fp16); the forward-only autograd node."""
 
 from __future__ import annotations
 
+import kda_prefill_replay as replay
 import pytest
 import torch
 import torch.nn.functional as F
 
 import forgekernel
 import forgekernel.ops.kda_chunked as op
+from forgekernel.kernels.linear_attention.kda_prefill.sm90 import launch, operands
 from forgekernel.reference.delta_rule import kimi_delta_attention_recurrent
 
 D = 128
@@ -32,9 +36,24 @@ def make(b=1, t=70, h=2, hv=2, dtype=torch.bfloat16, n=None, seed=0, decay=(-2.0
     }
 
 
-def run_forward(x, cu=None, l2norm=False, state=True):
-    init = x["state"] if state else None
-    return op._forward(x["q"], x["k"], x["v"], x["g"], x["beta"], D**-0.5, init, cu, l2norm)
+@pytest.fixture
+def cpu_kernel(monkeypatch):
+    calls = []
+
+    def get(spec, params):
+        calls.append(dict(params))
+        return replay.kernel(dict(params))
+
+    monkeypatch.setattr(launch, "get_kernel", get)
+    monkeypatch.setattr(op, "check_cuda", lambda name, t: None)
+    return calls
+
+
+def run_op(x, cu=None, l2norm=False, state=True):
+    return op.kimi_delta_attention(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["state"] if state else None,
+        output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2norm,
+    )  # fmt: skip
 
 
 def reference(x, cu=None, l2norm=False, state=True):
@@ -56,27 +75,55 @@ def test_not_exported_until_checked_on_a_gpu():
 
 
 @pytest.mark.parametrize("l2norm", [False, True])
-def test_batch_across_segments(monkeypatch, l2norm):
-    monkeypatch.setattr(op, "SEGMENT", 64)  # three segments and a tail: the state handed on
+def test_batch_with_strong_decay(cpu_kernel, monkeypatch, l2norm):
+    monkeypatch.setattr(operands, "CHUNKS_PER_GROUP", 2)  # the first pass in three groups
     x = make(b=2, t=150, h=1, hv=2, seed=1, decay=(-5.0, 0.0))
-    o, s = run_forward(x, l2norm=l2norm)
+    o, s = run_op(x, l2norm=l2norm)
     o_ref, s_ref = reference(x, l2norm=l2norm)
     assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
-    close(o, o_ref, 1e-2)
-    close(s, s_ref, 1e-4)
+    close(o, o_ref, 2e-2)
+    close(s, s_ref, 2e-2)
+    assert cpu_kernel == [{"dtype": "bfloat16", "k": 128, "v": 128, "initial_state": True}]
 
 
-def test_varlen_with_an_empty_sequence():
-    lens = [5, 0, 64, 71]
+@pytest.mark.parametrize("state", [True, False])
+def test_varlen_with_empty_and_odd_sequences(cpu_kernel, state):
+    lens = [5, 0, 64, 71, 1, 130]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     x = make(t=sum(lens), h=2, hv=4, n=len(lens), seed=2)
-    for state in (True, False):
-        o, s = run_forward(x, cu=cu, state=state)
-        o_ref, s_ref = reference(x, cu=cu, state=state)
-        close(o, o_ref, 1e-2)
-        close(s, s_ref, 1e-4)
-        want = x["state"][1] if state else torch.zeros_like(s[1])
-        assert torch.equal(s[1], want)  # an empty sequence keeps its state
+    o, s = run_op(x, cu=cu, state=state)
+    o_ref, s_ref = reference(x, cu=cu, state=state)
+    close(o, o_ref, 2e-2)
+    close(s, s_ref, 2e-2)
+    want = x["state"][1] if state else torch.zeros_like(s[1])
+    assert torch.equal(s[1], want)  # an empty sequence keeps its state
+
+
+def test_fp16_and_gates_in_q_dtype(cpu_kernel):
+    x = make(t=90, h=2, hv=2, dtype=torch.float16, seed=8, decay=(-4.0, 0.0))
+    x["g"], x["beta"] = x["g"].half(), x["beta"].half()
+    o, s = run_op(x)
+    o_ref, s_ref = reference(x)
+    assert o.dtype == torch.float16
+    close(o, o_ref, 2e-2)
+    close(s, s_ref, 2e-2)
+    assert cpu_kernel[0]["dtype"] == "float16"
+
+
+def test_out_is_written(cpu_kernel):
+    x = make(t=33, seed=9)
+    out = torch.empty_like(x["v"])
+    o, s = op.kimi_delta_attention(x["q"], x["k"], x["v"], x["g"], x["beta"], out=out)
+    assert o.data_ptr() == out.data_ptr() and s is None
+    close(out, reference(x, state=False)[0], 2e-2)
+
+
+def test_all_sequences_empty(cpu_kernel):
+    x = make(t=0, n=2, seed=10)
+    cu = torch.tensor([0, 0, 0], dtype=torch.int32)
+    o, s = run_op(x, cu=cu)
+    assert o.shape == x["v"].shape and torch.equal(s, x["state"])
+    assert cpu_kernel == []  # nothing launched
 
 
 def _call(x, **kw):
@@ -122,12 +169,9 @@ def test_cpu_tensors_are_refused():
         _call(make(t=8))
 
 
-def test_backward_raises(monkeypatch):
-    monkeypatch.setattr(op, "check_cuda", lambda name, t: None)  # the interim path runs here
+def test_backward_raises(cpu_kernel):
     x = make(t=20, seed=3)
-    q = x["q"].float().requires_grad_()
-    x["q"], x["k"], x["v"] = q, x["k"].float(), x["v"].float()
-    monkeypatch.setattr(op, "_validate", lambda *a, **k: None)
+    x["q"] = x["q"].requires_grad_()
     o, s = _call(x, initial_state=x["state"], output_final_state=True)
     assert o.requires_grad and s is not None
     with pytest.raises(NotImplementedError, match="no backward yet"):

@@ -1,9 +1,10 @@
 """The pending kda_prefill suite on the CPU: its own check (`bench.check.verify`) passes on every
-check case with the op's interim path, its cases are well formed, it is registered as pending
-only, and its comparators are absent without a GPU."""
+check case through the op's launcher with a torch replay of the recurrence kernel, its cases are
+well formed, it is registered as pending only, and its comparators are absent without a GPU."""
 
 from __future__ import annotations
 
+import kda_prefill_replay as replay
 import pytest
 import torch
 
@@ -11,11 +12,14 @@ import forgekernel.ops.kda_chunked as op
 from forgekernel.bench import suites
 from forgekernel.bench.check import verify
 from forgekernel.bench.suites import kda_prefill
+from forgekernel.kernels.linear_attention.kda_prefill.sm90 import launch
 
 
 @pytest.fixture
 def on_cpu(monkeypatch):
+    """The op on the CPU: the recurrence kernel replayed in torch (tests/kda_prefill_replay.py)."""
     monkeypatch.setattr(op, "check_cuda", lambda name, t: None)
+    monkeypatch.setattr(launch, "get_kernel", lambda spec, params: replay.kernel(dict(params)))
 
 
 @pytest.mark.parametrize("case", kda_prefill.CHECK_CASES, ids=lambda c: c.name)

@@ -10,27 +10,26 @@ KDA has HV = H; grouped value heads are accepted as in `gated_delta_rule`), g (B
 beta (B, T, HV); varlen as B = 1 with cu_seqlens (N + 1,); initial / final state fp32 (N, HV,
 K, V) (fla's layout); use_qk_l2norm_in_kernel divides q and k by sqrt(sum x^2 + 1e-6).
 
-Implementation, for now: the chunked algorithm of the coming tensor-core kernel
-(`reference/kda_chunked.py`: 64-token chunks, sub-chunk reference points so no factor
-overflows) in torch, fp32, on the inputs' device, in segments of SEGMENT tokens per sequence
-(memory), the state passed between segments. The WGMMA kernel (leaf
-kernels/linear_attention/kda_prefill/sm90, docs/linear_attention/NOTES.md) replaces it behind
-this same function. Forward only: the result carries an autograd node whose backward raises
-NotImplementedError (the backward is issue 20's next part), so that a training graph fails
-loudly instead of differentiating the interim torch path.
+Implementation: kernels/linear_attention/kda_prefill/sm90 in two passes, as FlashKDA and
+fla split the work: the token-parallel first pass (every chunk's state-independent operands,
+the per-channel decays folded into bf16 tiles around sub-chunk reference points so that no
+factor overflows: `reference/kda_chunked.py`) runs in torch for now (`operands.py`); the
+recurrence runs on the tensor cores (`recurrence.py`: TMA + WGMMA, the state on chip). The
+launcher reads cu_seqlens on the host (one sync a call). Forward only: the result carries an
+autograd node whose backward raises NotImplementedError (the backward is issue 20's next
+part), so that a training graph fails loudly.
 """
 
 from __future__ import annotations
 
 import torch
 
+from forgekernel.kernels.linear_attention.kda_prefill.sm90 import launch as kda_sm90
+from forgekernel.kernels.linear_attention.kda_prefill.sm90.config import HEAD_DIMS
 from forgekernel.ops._validate import check_cuda, check_same_device, check_shaped, check_tensor
-from forgekernel.reference.kda_chunked import kimi_delta_attention_segmented
 
 F32 = (torch.float32,)
 OFFSETS = (torch.int32, torch.int64)
-HEAD_DIMS = ((128, 128),)  # (K, V): Kimi Linear; the kernel's only geometry
-SEGMENT = 8192  # tokens per torch segment: bounds the interim path's (.., C, K) fp32 temporaries
 
 
 class _ForwardOnly(torch.autograd.Function):
@@ -49,14 +48,20 @@ class _ForwardOnly(torch.autograd.Function):
         )
 
 
-def _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, l2norm):
+def _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, l2norm, out=None):
     """Validated tensors -> (o (B, T, HV, V) in q's dtype, final state (N, HV, K, V) fp32)."""
+    b, t, hv, dv = v.shape
+    if cu_seqlens is None:
+        cu_seqlens = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=q.device)
+    n = cu_seqlens.shape[0] - 1
+    flat = [x.reshape(b * t, *x.shape[2:]).contiguous() for x in (q, k, v, g, beta)]
+    o = torch.empty(b * t, hv, dv, dtype=q.dtype, device=q.device) if out is None else out
+    final = torch.empty(n, hv, q.shape[3], dv, dtype=torch.float32, device=q.device)
+    init = None if initial_state is None else initial_state.contiguous()
     with torch.no_grad():
-        o, final = kimi_delta_attention_segmented(
-            q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
-            use_qk_l2norm=l2norm, segment=SEGMENT, dtype=torch.float32,
-        )  # fmt: skip
-    return o.to(q.dtype), final
+        kda_sm90.kda_prefill(*flat, init, cu_seqlens.to(torch.int32), o.view(b * t, hv, dv),
+                             final, scale, l2norm=l2norm)  # fmt: skip
+    return o.view(b, t, hv, dv), final
 
 
 def _check_offsets(cu_seqlens: torch.Tensor, b: int, t: int) -> int:
@@ -86,6 +91,8 @@ def _validate(q, k, v, g, beta, initial_state, cu_seqlens, *, device_check: bool
     check_shaped("g", g, (b, t, hv, dk), (torch.float32, q.dtype))
     check_shaped("beta", beta, (b, t, hv), (torch.float32, q.dtype))
     n = b if cu_seqlens is None else _check_offsets(cu_seqlens, b, t)
+    if n > kda_sm90.MAX_SEQUENCES:  # one CTA row per sequence: gridDim.y
+        raise ValueError(f"at most {kda_sm90.MAX_SEQUENCES} sequences, got {n}")
     if initial_state is not None:
         check_shaped("initial_state", initial_state, (n, hv, dk, dv), F32)
     if device_check:
@@ -124,12 +131,13 @@ def kimi_delta_attention(
         if not out.is_contiguous():
             raise ValueError("out must be contiguous")
     scale = float(q.shape[3] ** -0.5 if scale is None else scale)
+    flat_out = None if out is None else out.view(-1, *out.shape[2:])
     o, final = _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens,
-                        use_qk_l2norm_in_kernel)  # fmt: skip
+                        use_qk_l2norm_in_kernel, flat_out)  # fmt: skip
     inputs = (q, k, v, g, beta) + (() if initial_state is None else (initial_state,))
     if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
         o, final = _ForwardOnly.apply(o, final, *inputs)
-    if out is not None:
+    if out is not None and o.data_ptr() != out.data_ptr():
         o = out.copy_(o)
     return o, (final if output_final_state else None)
 

@@ -3,8 +3,9 @@ on the GPU against the fp64 recurrence: varlen with empty, single-token, sub-chu
 sequences, a long sequence, with and without an initial state, l2norm on unnormalized keys,
 grouped value heads, fp16 and bf16, strong per-channel decays (g in [-5, -4] per step: the
 case the sub-chunk references exist for), g in q's dtype; `out=`; the backward raising; fla's
-chunk_kda where installed. Today the op runs its interim torch path (fp32); the same tests
-hold the WGMMA kernel to the bf16-operand tolerances of tests/test_kda_chunked_model.py.
+chunk_kda where installed; the recurrence kernel against its CPU replay (tests/
+kda_prefill_replay.py) on the same first-pass operands. The op runs the first pass in torch
+and the recurrence on the WGMMA kernel (kernels/linear_attention/kda_prefill/sm90).
 
 Tolerances: o within 2e-2 of max |o|, the final state within 2e-2 of max |S| (the kernel's
 16-bit operands; the CPU model sits below 7e-3 at g down to -5)."""
@@ -124,3 +125,31 @@ def test_against_fla():
                                  cu_seqlens=cu)  # fmt: skip
     _close(o, o_f.to(o.dtype), 3 * TOL)
     _close(s, s_f.float(), 3 * TOL)
+
+
+def test_kernel_equals_its_replay():
+    """The recurrence kernel and tests/kda_prefill_replay.py on the same operands (the torch
+    first pass): equal up to fp32 summation order and 16-bit roundings of the output."""
+    import kda_prefill_replay as replay
+
+    from forgekernel.kernels.linear_attention.kda_prefill.sm90 import SPEC, launch, operands
+    from forgekernel.kernels.linear_attention.kda_prefill.sm90.config import params_for
+    from forgekernel.runtime.cache import get_kernel
+
+    q, k, v, g, beta, h0, cu = _inputs([1, 63, 64, 65, 300], 2, 4, torch.bfloat16, seed=11)
+    q, k, v, g, beta = (x[0] for x in (q, k, v, g, beta))
+    edges = cu.tolist()
+    ops = operands.kda_chunk_operands(q, k, g, beta, edges, 128**-0.5, False)
+    args = (ops["q_g"], ops["k_g"], ops["k_d"], ops["t_beta"], ops["p"], ops["decay"], v, h0,
+            cu.to(torch.int32), ops["first"])  # fmt: skip
+    outs = []
+    for fn in (get_kernel(SPEC, params_for("bfloat16", initial_state=True)),
+               replay.kernel({"initial_state": True})):  # fmt: skip
+        o, s = torch.zeros_like(v), torch.empty_like(h0)
+        fn(*args, o, s)
+        torch.cuda.synchronize()
+        outs.append((o, s))
+    (o, s), (o_r, s_r) = outs
+    _close(o, o_r, 1e-2)
+    _close(s, s_r, 1e-3)
+    assert launch.ALIGN == 16

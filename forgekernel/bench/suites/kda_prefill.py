@@ -24,9 +24,10 @@ Comparators, each on the same inputs:
           session can wire the right one. Run on -nostate cases only until its state layout is
           confirmed on the device.
 
-Ours, for now: the interim torch path of `forgekernel.ops.kda_chunked` (the kernel's chunked
-algorithm in fp32 torch), so `check` proves the op's plumbing and the comparators' records give
-the baseline; the WGMMA kernel replaces it behind the same op.
+Ours: `forgekernel.ops.kda_chunked.kimi_delta_attention`: the first pass (the chunks'
+state-independent operands) in torch for now, the recurrence on the WGMMA kernel
+(kernels/linear_attention/kda_prefill/sm90); its time includes the torch pass and one host
+sync (the offsets).
 """
 
 from __future__ import annotations
@@ -39,14 +40,16 @@ import torch
 import torch.nn.functional as F
 
 from forgekernel.bench.suite import Case, Inputs, OpSuite
+from forgekernel.kernels.linear_attention.kda_prefill.sm90 import SPEC
 
 HEAD = 128
 CHUNK = 64
 RECURRENT_UP_TO = 4096  # tokens: above, the fp64 sub-chunked form by segments (speed)
 _ROOT = Path(__file__).resolve().parents[2]
-# What `ours` runs until the kernel leaf exists (then: its SPEC.sources).
+# The recurrence kernel and the torch first pass (operands.py and the reference it runs).
 SOURCES = (
-    _ROOT / "ops" / "kda_chunked.py",
+    *SPEC.sources,
+    SPEC.directory / "operands.py",
     _ROOT / "reference" / "kda_chunked.py",
     _ROOT / "reference" / "delta_rule.py",
 )

@@ -1,0 +1,58 @@
+"""Host launcher of the KDA forward: the first pass (`operands.py`, torch for now), then the
+recurrence kernel. Torch only (no DSL). Callers validate first
+(`forgekernel.ops.kda_chunked.kimi_delta_attention`)."""
+
+from __future__ import annotations
+
+import torch
+
+from forgekernel.kernels.linear_attention.kda_prefill.sm90 import SPEC
+from forgekernel.kernels.linear_attention.kda_prefill.sm90.config import params_for
+from forgekernel.kernels.linear_attention.kda_prefill.sm90.operands import kda_chunk_operands
+from forgekernel.runtime.cache import get_kernel
+from forgekernel.runtime.device import dtype_name, on_device
+
+ALIGN = 16  # bytes: TMA boxes, 16-byte O stores
+MAX_SEQUENCES = 65535  # the grid is (HV, N): N is gridDim.y
+
+
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    return x if x.data_ptr() % ALIGN == 0 else x.clone()
+
+
+def kda_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    out: torch.Tensor,
+    final_state: torch.Tensor,
+    scale: float,
+    *,
+    l2norm: bool,
+) -> None:
+    """Varlen form: q, k (T, H, K), v (T, HV, V) 16-bit, g (T, HV, K) and beta (T, HV),
+    cu_seqlens int32 (N + 1,); initial_state fp32 (N, HV, K, V) or None (zeros). Writes out
+    (T, HV, V) in v's dtype and final_state (N, HV, K, V) fp32. Contiguous tensors. Reads the
+    offsets on the host (the first pass lays its chunks out from them: one sync)."""
+    if final_state.shape[0] == 0:
+        return
+    edges = [int(x) for x in cu_seqlens.tolist()]
+    if edges[-1] == edges[0]:  # every sequence empty: no TMA descriptor over zero rows
+        final_state.copy_(initial_state) if initial_state is not None else final_state.zero_()
+        return
+    ops = kda_chunk_operands(q, k, g, beta, edges, scale, l2norm)
+    params = params_for(dtype_name(v.dtype), (q.shape[-1], v.shape[-1]),
+                        initial_state=initial_state is not None)  # fmt: skip
+    fn = get_kernel(SPEC, params)
+    v = _aligned(v)
+    init = None if initial_state is None else _aligned(initial_state)
+    dst = out if out.data_ptr() % ALIGN == 0 else torch.empty_like(out)
+    with on_device(v.device):
+        fn(ops["q_g"], ops["k_g"], ops["k_d"], ops["t_beta"], ops["p"], ops["decay"], v, init,
+           cu_seqlens, ops["first"], dst, final_state)  # fmt: skip
+    if dst is not out:
+        out.copy_(dst)
