@@ -20,7 +20,7 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
 
 def _v_box(v: torch.Tensor, row0: int) -> torch.Tensor:
     """(64, HV, V) rows row0 .. of v as the TMA box loads them: zeros past T."""
-    box = torch.zeros(CHUNK, *v.shape[1:], dtype=torch.float32)
+    box = torch.zeros(CHUNK, *v.shape[1:], dtype=torch.float32, device=v.device)
     rows = v[row0 : row0 + CHUNK].float()
     box[: rows.shape[0]] = rows
     return box
@@ -35,7 +35,11 @@ def kernel(params: dict):
         edges = cu.tolist()
         hv = v.shape[1]
         for n, (a, z) in enumerate(zip(edges[:-1], edges[1:])):
-            s = torch.zeros(hv, 128, 128) if init is None else init[n].float().clone()
+            s = (
+                torch.zeros(hv, 128, 128, device=v.device)
+                if init is None
+                else init[n].float().clone()
+            )
             for c in range(-(-(z - a) // CHUNK)):
                 gc = int(first[n]) + c
                 r = slice(gc * CHUNK, (gc + 1) * CHUNK)
