@@ -83,7 +83,15 @@ def test_batch_with_strong_decay(cpu_kernel, monkeypatch, l2norm):
     assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
     close(o, o_ref, 2e-2)
     close(s, s_ref, 2e-2)
-    assert cpu_kernel == [{"dtype": "bfloat16", "k": 128, "v": 128, "initial_state": True}]
+    # 2 sequences x 2 heads leave SMs idle: each (sequence, head) split over two CTAs
+    want = {"dtype": "bfloat16", "k": 128, "v": 128, "initial_state": True, "value_split": True}
+    assert cpu_kernel == [want]
+
+
+def test_value_split_only_where_sms_would_idle():
+    cpu = torch.device("cpu")  # counted as 132 SMs
+    assert launch.value_split(4, 16, cpu) and launch.value_split(1, 131, cpu)
+    assert not launch.value_split(4, 33, cpu) and not launch.value_split(8, 16, cpu)
 
 
 @pytest.mark.parametrize("state", [True, False])

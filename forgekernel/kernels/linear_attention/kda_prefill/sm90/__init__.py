@@ -25,10 +25,11 @@ def _compile(params: Params, extra_options: str = ""):
 
 def _standard_params() -> list[Params]:
     return [
-        params_for(dtype, dims, initial_state=init)
+        params_for(dtype, dims, initial_state=init, value_split=split)
         for dtype in DTYPES
         for dims in HEAD_DIMS
         for init in (False, True)
+        for split in (False, True)
     ]
 
 

@@ -14,7 +14,8 @@ from forgekernel.kernels.linear_attention.kda_prefill.sm90.recurrence import Kda
 
 
 def kernel_for(params: dict) -> KdaRecurrenceSm90:
-    return KdaRecurrenceSm90(params["k"], params["v"], initial_state=params["initial_state"])
+    return KdaRecurrenceSm90(params["k"], params["v"], initial_state=params["initial_state"],
+                             value_split=params["value_split"])  # fmt: skip
 
 
 def compile_kda_recurrence(params: dict, arch: str = "sm_90a", extra_options: str = "",

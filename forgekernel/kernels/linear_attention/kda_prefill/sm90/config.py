@@ -20,7 +20,8 @@ CHUNK = 64  # tokens per chunk
 # Warpgroups: 0 producer (warp 0: TMA), 1 and 2 state (64 value rows of S^T each).
 STATE_WGS = 2
 ROWS_PER_STATE_WG = 64
-THREADS = (1 + STATE_WGS) * THREADS_PER_WG
+THREADS = (1 + STATE_WGS) * THREADS_PER_WG  # without value_split; with it one state WG
+SPLIT_THREADS = 2 * THREADS_PER_WG
 LAUNCH_REGS = REGISTERS_PER_SM // THREADS // 8 * 8  # 168: what the launch may ask per thread
 PRODUCER_REGS = 40
 STATE_REGS = 232
@@ -48,10 +49,13 @@ def params_for(
     head_dims: tuple[int, int] = (128, 128),
     *,
     initial_state: bool = False,
+    value_split: bool = False,
 ) -> tuple:
-    """Compile key: the q / v / o dtype (the chunk operands are bf16), (K, V), and whether an
+    """Compile key: the q / v / o dtype (the chunk operands are bf16), (K, V), whether an
     initial state is read (fla's (N, HV, K, V) layout; without one every sequence starts from
-    zero). The final state is always written."""
+    zero), and value_split (two CTAs per (sequence, head), one state warpgroup each: chosen
+    where sequences x heads leave SMs idle). The final state is always written."""
     k, v = head_dims
-    key = {"dtype": dtype, "k": k, "v": v, "initial_state": initial_state}
+    key = {"dtype": dtype, "k": k, "v": v, "initial_state": initial_state,
+           "value_split": value_split}  # fmt: skip
     return tuple(sorted(key.items()))

@@ -4,6 +4,8 @@ recurrence kernel. Torch only (no DSL). Callers validate first
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from forgekernel.kernels.linear_attention.kda_prefill.sm90 import SPEC
@@ -14,6 +16,18 @@ from forgekernel.runtime.device import dtype_name, on_device
 
 ALIGN = 16  # bytes: TMA boxes, 16-byte O stores
 MAX_SEQUENCES = 65535  # the grid is (HV, N): N is gridDim.y
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def value_split(sequences: int, heads: int, device: torch.device) -> bool:
+    """Two CTAs per (sequence, head) (one state warpgroup each) where one per pair would leave
+    SMs idle: the recurrence is one CTA's sequential walk, so CTAs are its parallelism."""
+    sms = _sm_count(device.index or 0) if device.type == "cuda" else 132
+    return sequences * heads < sms
 
 
 def _aligned(x: torch.Tensor) -> torch.Tensor:
@@ -45,8 +59,9 @@ def kda_prefill(
         final_state.copy_(initial_state) if initial_state is not None else final_state.zero_()
         return
     ops = kda_chunk_operands(q, k, g, beta, edges, scale, l2norm)
+    split = value_split(final_state.shape[0], v.shape[1], v.device)
     params = params_for(dtype_name(v.dtype), (q.shape[-1], v.shape[-1]),
-                        initial_state=initial_state is not None)  # fmt: skip
+                        initial_state=initial_state is not None, value_split=split)  # fmt: skip
     fn = get_kernel(SPEC, params)
     v = _aligned(v)
     init = None if initial_state is None else _aligned(initial_state)

@@ -71,13 +71,11 @@ from forgekernel.kernels.linear_attention.kda_prefill.sm90.config import (
     ROWS_PER_STATE_WG,
     STATE_REGS,
     STATE_WGS,
-    THREADS,
     V_STAGES,
 )
 
 ROWS = ROWS_PER_STATE_WG
 PRODUCER_WARP = 0
-CONSUMER_WARPS = STATE_WGS * THREADS_PER_WG // WARP_SIZE  # every ring: the state warps
 
 
 class KdaRecurrenceSm90(StateWg):
@@ -85,12 +83,19 @@ class KdaRecurrenceSm90(StateWg):
     transposed stmatrix to the rows inside the sequence) and `_state_io` (the state to or from
     the accumulator), which read self.dtype (here the v / o dtype), self.k and self.k_last."""
 
-    def __init__(self, k: int, v: int, *, initial_state: bool):
+    def __init__(self, k: int, v: int, *, initial_state: bool, value_split: bool = False):
         if (k, v) != (128, 128):
             raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
         self.k, self.v = k, v
         self.k_last = False  # fla's (N, HV, K, V) state layout
         self.initial_state = initial_state
+        # value_split: grid z = 2, each CTA one state warpgroup for value rows 64 z .. (twice
+        # the CTAs where (sequences x heads) would leave SMs idle; the operands load twice)
+        self.value_split = value_split
+        self.state_wgs = 1 if value_split else STATE_WGS
+        self.threads = (1 + self.state_wgs) * THREADS_PER_WG
+        self.consumer_warps = self.state_wgs * THREADS_PER_WG // WARP_SIZE
+        self.v_cols = ROWS if value_split else v  # value columns of the v tile
 
     def _setup(self):
         op_dt, io_dt = self.op_dtype, self.dtype
@@ -112,7 +117,7 @@ class KdaRecurrenceSm90(StateWg):
                                                         AUX_STAGES)  # fmt: skip
         self.sPT_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, CHUNK), op_dt,
                                                         AUX_STAGES)  # fmt: skip
-        self.sV_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, self.v), io_dt,
+        self.sV_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, self.v_cols), io_dt,
                                                        V_STAGES)  # fmt: skip
         self.sO_layout = sm90_utils.make_smem_layout_a(
             row, (CHUNK, ROWS, ROWS), io_dt, 2 * STATE_WGS
@@ -161,7 +166,7 @@ class KdaRecurrenceSm90(StateWg):
         tma_t, tma_mT = cpasync.make_tiled_tma_atom(g2s, mT4, pt_tile, (CHUNK, CHUNK))
         tma_p, tma_mP = cpasync.make_tiled_tma_atom(g2s, mP4, pt_tile, (CHUNK, CHUNK))
         tma_d, tma_mD = cpasync.make_tiled_tma_atom(g2s, mD4, d_tile, (1, self.k))
-        tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV4, v_tile, (CHUNK, self.v))
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV4, v_tile, (CHUNK, self.v_cols))
         self.qk_bytes = 2 * cute.size_in_bytes(self.op_dtype, qk_tile)
         self.v_bytes = cute.size_in_bytes(self.dtype, v_tile)
         self.aux_bytes = (
@@ -205,8 +210,8 @@ class KdaRecurrenceSm90(StateWg):
             self.mma_ks, self.mma_st, self.sQK_layout, self.sKd_layout, self.sPT_layout,
             self.sV_layout, self.sO_layout, self.sD_layout,
         ).launch(
-            grid=(mV.shape[1], mCu.shape[0] - 1, 1),
-            block=[THREADS, 1, 1],
+            grid=(mV.shape[1], mCu.shape[0] - 1, 2 if self.value_split else 1),
+            block=[self.threads, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
         )  # fmt: skip
@@ -248,9 +253,10 @@ class KdaRecurrenceSm90(StateWg):
             for atom in (tma_qg, tma_kg, tma_kd, tma_t, tma_p, tma_d, tma_v):
                 cpasync.prefetch_descriptor(atom)
         storage = SmemAllocator().allocate(self.shared_storage)
-        qk_pipe = tma_pipeline(storage.qk_barriers, QK_STAGES, self.qk_bytes, CONSUMER_WARPS)
-        v_pipe = tma_pipeline(storage.v_barriers, V_STAGES, self.v_bytes, CONSUMER_WARPS)
-        aux_pipe = tma_pipeline(storage.aux_barriers, AUX_STAGES, self.aux_bytes, CONSUMER_WARPS)
+        warps = self.consumer_warps
+        qk_pipe = tma_pipeline(storage.qk_barriers, QK_STAGES, self.qk_bytes, warps)
+        v_pipe = tma_pipeline(storage.v_barriers, V_STAGES, self.v_bytes, warps)
+        aux_pipe = tma_pipeline(storage.aux_barriers, AUX_STAGES, self.aux_bytes, warps)
         init_arrive()
         smem = {
             "qg": smem_tensor(storage.sQg, sQK_layout),
@@ -264,7 +270,7 @@ class KdaRecurrenceSm90(StateWg):
         }
         init_wait()
 
-        hv, n, _ = cute.arch.block_idx()
+        hv, n, half = cute.arch.block_idx()
         bos = mCu[n]
         seqlen = mCu[n + 1] - bos
         nchunks = (seqlen + CHUNK - 1) // CHUNK
@@ -275,25 +281,27 @@ class KdaRecurrenceSm90(StateWg):
             if warp_idx == PRODUCER_WARP:
                 loads = ((tma_qg, mQg4), (tma_kg, mKg4), (tma_kd, mKd4), (tma_t, mT4),
                          (tma_p, mP4), (tma_d, mD4), (tma_v, mV4))  # fmt: skip
-                self._produce(loads, smem, qk_pipe, v_pipe, aux_pipe, hv, bos, first, nchunks)
+                self._produce(loads, smem, qk_pipe, v_pipe, aux_pipe, hv, bos, first, nchunks,
+                              half)  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(STATE_REGS)
+            w = half if const_expr(self.value_split) else wg - 1
             self._recur(
-                wg - 1, tidx - wg * THREADS_PER_WG, mma_ks, mma_st, smem, mInit, mFinal, mO,
+                w, tidx - wg * THREADS_PER_WG, mma_ks, mma_st, smem, mInit, mFinal, mO,
                 qk_pipe, v_pipe, aux_pipe, hv, n, bos, seqlen, nchunks,
             )  # fmt: skip
 
     @cute.jit
-    def _produce(self, loads, smem, qk_pipe, v_pipe, aux_pipe, hv, bos, first, nchunks):
+    def _produce(self, loads, smem, qk_pipe, v_pipe, aux_pipe, hv, bos, first, nchunks, half):
         """TMA, per chunk: Qg, Kg (global chunk first + c) into the qk ring; v (rows bos + 64
         c) into the v ring; Kd, Tb, P and D into the aux ring."""
         one = cute.make_layout(1)
         qg, kg, kd, tb, pp, dd, vv = loads
 
-        def view(pair, s, tile, row0):
+        def view(pair, s, tile, row0, col=0):
             atom, m = pair
             g = cute.local_tile(
-                cute.domain_offset((row0, 0), m[None, None, hv, 0]), tile, (None, 0)
+                cute.domain_offset((row0, 0), m[None, None, hv, 0]), tile, (None, col)
             )
             ts, tg = cpasync.tma_partition(
                 atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
@@ -307,7 +315,8 @@ class KdaRecurrenceSm90(StateWg):
                      view(tb, smem["t"], (CHUNK, CHUNK), rows0),
                      view(pp, smem["p"], (CHUNK, CHUNK), rows0),
                      view(dd, smem["d"], (1, self.k), first)]  # fmt: skip
-        v_load = view(vv, smem["v"], (CHUNK, self.v), bos)
+        v_col = half if const_expr(self.value_split) else 0
+        v_load = view(vv, smem["v"], (CHUNK, self.v_cols), bos, v_col)
         qs = producer_state(QK_STAGES)
         vs = producer_state(V_STAGES)
         xs = producer_state(AUX_STAGES)
@@ -367,7 +376,8 @@ class KdaRecurrenceSm90(StateWg):
             warpgroup.wait_group(0)
             qk_pipe.consumer_release(ld)  # Qg, Kg consumed: the stage may load chunk c + 2
             tid = opaque_tid_x() % THREADS_PER_WG
-            vt = cute.local_tile(sVt[None, None, vs.index], (ROWS, CHUNK), (w, 0))
+            vt = cute.local_tile(sVt[None, None, vs.index], (ROWS, CHUNK),
+                                 (0 if const_expr(self.value_split) else w, 0))  # fmt: skip
             r_v = mma_ks.get_slice(tid).partition_C(vt).load().to(Float32)
             acc_x.store(r_v - acc_x.load())
             v_pipe.consumer_release(vs)
