@@ -90,8 +90,8 @@ def test_batch_with_strong_decay(cpu_kernel, monkeypatch, l2norm):
 
 def test_value_split_only_where_sms_would_idle():
     cpu = torch.device("cpu")  # counted as 132 SMs
-    assert launch.value_split(4, 16, cpu) and launch.value_split(1, 131, cpu)
-    assert not launch.value_split(4, 33, cpu) and not launch.value_split(8, 16, cpu)
+    assert launch.value_split(4, 16, cpu) and launch.value_split(1, 66, cpu)
+    assert not launch.value_split(1, 67, cpu) and not launch.value_split(8, 16, cpu)
 
 
 @pytest.mark.parametrize("state", [True, False])

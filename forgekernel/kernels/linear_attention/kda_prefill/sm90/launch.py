@@ -24,10 +24,12 @@ def _sm_count(index: int) -> int:
 
 
 def value_split(sequences: int, heads: int, device: torch.device) -> bool:
-    """Two CTAs per (sequence, head) (one state warpgroup each) where one per pair would leave
-    SMs idle: the recurrence is one CTA's sequential walk, so CTAs are its parallelism."""
+    """Two CTAs per (sequence, head) (one state warpgroup each) where the split grid still fits
+    one wave: the recurrence is one CTA's sequential walk, so CTAs are its parallelism; past one
+    wave two warpgroups sharing a CTA's loads and tensor cores (filling each other's bubbles)
+    are the better use of an SM."""
     sms = _sm_count(device.index or 0) if device.type == "cuda" else 132
-    return sequences * heads < sms
+    return 2 * sequences * heads <= sms
 
 
 def _aligned(x: torch.Tensor) -> torch.Tensor:
