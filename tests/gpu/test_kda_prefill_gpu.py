@@ -127,7 +127,8 @@ def test_against_fla():
     _close(s, s_f.float(), 3 * TOL)
 
 
-def test_kernel_equals_its_replay():
+@pytest.mark.parametrize("split", [False, True], ids=["one-cta", "value-split"])
+def test_kernel_equals_its_replay(split):
     """The recurrence kernel and tests/kda_prefill_replay.py on the same operands (the torch
     first pass): equal up to fp32 summation order and 16-bit roundings of the output."""
     import kda_prefill_replay as replay
@@ -143,7 +144,8 @@ def test_kernel_equals_its_replay():
     args = (ops["q_g"], ops["k_g"], ops["k_d"], ops["t_beta"], ops["p"], ops["decay"], v, h0,
             cu.to(torch.int32), ops["first"])  # fmt: skip
     outs = []
-    for fn in (get_kernel(SPEC, params_for("bfloat16", initial_state=True)),
+    params = params_for("bfloat16", initial_state=True, value_split=split)
+    for fn in (get_kernel(SPEC, params),
                replay.kernel({"initial_state": True})):  # fmt: skip
         o, s = torch.zeros_like(v), torch.empty_like(h0)
         fn(*args, o, s)
