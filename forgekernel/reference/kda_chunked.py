@@ -176,7 +176,7 @@ def _block_scores(left, right, e, block, strict: bool, operand_dtype) -> torch.T
     return scores.masked_fill(~keep, 0.0)
 
 
-def chunk_operands(q, k, g, beta, operand_dtype=None) -> dict[str, torch.Tensor]:
+def chunk_operands(q, k, g, beta, operand_dtype=None, inverse=None) -> dict[str, torch.Tensor]:
     """Everything of a chunk that does not depend on the state, for chunks (..., C, K): q
     (already scaled), k, g (log decay per channel; 0 on padding), beta (..., C) (0 on
     padding). Returns k_g (K exp(G)), q_g (Q exp(G)), k_d (K exp(G_C - G)) (..., C, K), t_beta
@@ -192,7 +192,7 @@ def chunk_operands(q, k, g, beta, operand_dtype=None) -> dict[str, torch.Tensor]
         "k_g": _round(k_left * r_row.exp(), operand_dtype),
         "q_g": _round(q_left * r_row.exp(), operand_dtype),
         "k_d": _round(k_right * (g_last - r_row).exp(), operand_dtype),
-        "t_beta": _round(_unit_lower_inverse(akk) * beta.unsqueeze(-2), operand_dtype),
+        "t_beta": _round((inverse or _unit_lower_inverse)(akk) * beta.unsqueeze(-2), operand_dtype),
         "p": _round(_block_scores(q_left, k_right, e, block, False, operand_dtype), operand_dtype),
         "decay": g_last.squeeze(-2).exp(),
     }

@@ -44,6 +44,12 @@ def _gather(x: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
     return x.float()[token.clamp(min=0)] * keep
 
 
+def unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
+    """(I + A)^-1 for strictly lower-triangular A (..., C, C): one batched triangular solve."""
+    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device).expand_as(a)
+    return torch.linalg.solve_triangular(eye + a, eye, upper=False, unitriangular=True)
+
+
 def _chunks(x: torch.Tensor) -> torch.Tensor:
     """(rows, HV, ...) -> (chunks, HV, 64, ...)."""
     return x.unflatten(0, (-1, CHUNK)).transpose(1, 2)
@@ -82,6 +88,7 @@ def kda_chunk_operands(q, k, g, beta, edges: list[int], scale: float, l2norm: bo
             _chunks(_gather(kf, part)[:, heads]),
             _chunks(_gather(g, part)),
             _chunks(_gather(beta, part)),
+            inverse=unit_lower_inverse,
         )
         for name in ("q_g", "k_g", "k_d", "t_beta", "p"):
             out[name][a : a + span] = _rows(ops[name])
