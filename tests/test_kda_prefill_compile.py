@@ -144,3 +144,22 @@ def test_ring_arrive_counts(compiled, name):
     for stages in (config.QK_STAGES, config.V_STAGES, config.AUX_STAGES):
         want += [1] * stages + [warps] * stages
     assert _mbarrier_init_counts(ptx) == want
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_wgmma_descriptors_and_named_barriers(compiled, name):
+    """The shared-memory descriptors' constant fields: 128-byte swizzle, 1024 bytes between
+    8-row groups; the K-major B operands (Kg, Qg, T diag(beta), P) a 16-byte leading offset,
+    the update's MN-major Kd (its tile transposed) 8192 bytes between its two 64-column halves
+    (the TMA boxes). Named barriers: only the state warpgroups' OUT + w (computed ids), 128
+    threads each, besides __syncthreads."""
+    *_, ptx = compiled(name)
+    consts = {int(c) for c in re.findall(r"or\.b64\s+%rd\d+, %rd\d+, (\d+);", ptx)}
+
+    def desc(lbo: int, sbo: int) -> int:
+        return (1 << 62) | ((sbo >> 4) << 32) | ((lbo >> 4) << 16)
+
+    assert consts == {desc(16, 1024), desc(8192, 1024)}
+    syncs = re.findall(r"bar\.sync\s+([^,;]+)(?:,\s*(\d+))?;", ptx)
+    assert {(i, n) for i, n in syncs if i.isdigit()} == {("0", "")}
+    assert {n for i, n in syncs if not i.isdigit()} == {str(THREADS_PER_WG)}
