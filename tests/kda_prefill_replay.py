@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from forgekernel.kernels.linear_attention.kda_prefill.sm90.config import CHUNK
+from forgekernel.reference.kda_chunked import chunk_operands
 
 OPERAND = torch.bfloat16
 
@@ -54,5 +55,32 @@ def kernel(params: dict):
                 valid = min(z - a - c * CHUNK, CHUNK)
                 out[a + c * CHUNK : a + c * CHUNK + valid] = o.transpose(0, 1)[:valid].to(out.dtype)
             final[n] = s
+
+    return run
+
+
+def intra_kernel(params: dict):
+    """A callable with the first-pass kernel's (`intra.py`) signature: per chunk (its first
+    token and length), the kernel's math (`chunk_operands` with its bf16 operand roundings:
+    Kl E, Kr, Ql E before the products, the outputs after) written where the kernel writes."""
+
+    def run(q, k, g, beta, starts, lengths, q_g, k_g, k_d, t_beta, p, decay, scale):
+        hv = g.shape[1]
+        heads = torch.arange(hv, device=q.device) // (hv // q.shape[1])
+        for gc, (t0, n) in enumerate(zip(starts.tolist(), lengths.tolist())):
+
+            def rows(x, heads=None, t0=t0, n=n):
+                y = torch.zeros(CHUNK, *x.shape[1:], dtype=torch.float32, device=x.device)
+                y[:n] = x[t0 : t0 + n].float()
+                y = y if heads is None else y[:, heads]
+                return y.transpose(0, 1)  # (HV, 64, ...)
+
+            ops = chunk_operands(rows(q, heads) * scale, rows(k, heads), rows(g), rows(beta),
+                                 operand_dtype=OPERAND)  # fmt: skip
+            r = slice(gc * CHUNK, (gc + 1) * CHUNK)
+            for name, dst in (("q_g", q_g), ("k_g", k_g), ("k_d", k_d), ("t_beta", t_beta),
+                              ("p", p)):  # fmt: skip
+                dst[r] = ops[name].transpose(0, 1).to(dst.dtype)
+            decay[gc] = ops["decay"]
 
     return run

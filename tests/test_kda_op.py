@@ -42,6 +42,8 @@ def cpu_kernel(monkeypatch):
 
     def get(spec, params):
         calls.append(dict(params))
+        if spec.name == "kda_intra_sm90":
+            return replay.intra_kernel(dict(params))
         return replay.kernel(dict(params))
 
     monkeypatch.setattr(launch, "get_kernel", get)
@@ -184,3 +186,45 @@ def test_backward_raises(cpu_kernel):
     assert o.requires_grad and s is not None
     with pytest.raises(NotImplementedError, match="no backward yet"):
         o.sum().backward()
+
+
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_first_pass_on_its_kernel(cpu_kernel, l2norm):
+    """The launcher's tables for the first-pass kernel (chunk starts and lengths, the chunk
+    layout) with a replay of its math: the same result as the torch first pass, both close to
+    the fp64 recurrence."""
+    lens = [5, 0, 64, 71, 1, 130]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    x = make(t=sum(lens), h=2, hv=4, n=len(lens), seed=12, decay=(-5.0, 0.0))
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.1, x["state"], cu, l2norm)
+    o_k, s_k = op._forward(*args, first_pass="kernel")
+    o_t, s_t = op._forward(*args, first_pass="torch")
+    o_ref, s_ref = kimi_delta_attention_recurrent(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], scale=0.1, initial_state=x["state"],
+        output_final_state=True, cu_seqlens=cu, use_qk_l2norm=l2norm,
+    )  # fmt: skip
+    close(o_k, o_ref, 2e-2)
+    close(s_k, s_ref, 2e-2)
+    close(o_k, o_t.double(), 2e-2)
+    assert {"dtype": "bfloat16", "k": 128} in cpu_kernel  # the first-pass kernel was asked for
+
+
+def test_unknown_first_pass():
+    x = {key: val[0] for key, val in make(t=8).items()}
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    final = torch.empty(1, 2, 128, 128)
+    with pytest.raises(ValueError, match="first_pass must be one of"):
+        launch.kda_prefill(
+            x["q"],
+            x["k"],
+            x["v"],
+            x["g"],
+            x["beta"],
+            None,
+            cu,
+            torch.empty_like(x["v"]),
+            final,
+            0.1,
+            l2norm=False,
+            first_pass="cuda",
+        )

@@ -163,3 +163,49 @@ def test_wgmma_descriptors_and_named_barriers(compiled, name):
     syncs = re.findall(r"bar\.sync\s+([^,;]+)(?:,\s*(\d+))?;", ptx)
     assert {(i, n) for i, n in syncs if i.isdigit()} == {("0", "")}
     assert {n for i, n in syncs if not i.isdigit()} == {str(THREADS_PER_WG)}
+
+
+# ----------------------------------------------------------------------------- the first pass
+
+
+@pytest.fixture(scope="module")
+def compiled_intra():
+    from forgekernel.kernels.linear_attention.kda_prefill.sm90.compile import compile_kda_intra
+    from forgekernel.kernels.linear_attention.kda_prefill.sm90.intra import KdaIntraSm90
+
+    cache = {}
+
+    def get(dtype):
+        if dtype not in cache:
+            kernel = KdaIntraSm90(128)
+            with tempfile.TemporaryDirectory() as d:
+                opts = f"--keep-cubin --dump-dir {d}"
+                compiled = compile_kda_intra({"dtype": dtype, "k": 128}, "sm_90a", opts,
+                                             kernel=kernel)  # fmt: skip
+                cubin = compiled.artifacts.CUBIN
+                if isinstance(cubin, bytes):
+                    path = Path(d) / "k.cubin"
+                    path.write_bytes(cubin)
+                    cubin = path
+                res = inspect_cubin(cubin)
+                cmd = [find_tool("cuobjdump"), "-sass", str(cubin)]
+                sass = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            cache[dtype] = (res, _INSTR.findall(sass), kernel.shared_storage.size_in_bytes())
+        return cache[dtype]
+
+    return get
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_first_pass_resources(compiled_intra, dtype):
+    """128 threads, no spills, two CTAs an SM by shared memory (~104 KB each); 64 HGMMA
+    64x16x16 (4 column blocks x 8 k-steps, k side and q side), in 8 commit groups with 2 waits
+    (not serialized: ptxas serialized them all while the inverse ran under the q side)."""
+    res, instrs, smem = compiled_intra(dtype)
+    ops = [op for op, _ in instrs]
+    assert res["registers"] <= 255 and res["spill_bytes"] == 0
+    assert not [op for op in ops if op.startswith(("LDL", "STL"))]
+    assert 2 * (smem + res["smem_bytes"]) <= SMEM_CAPACITY
+    assert sum(op.startswith("HGMMA.64x16x16.F32.BF16") for op in ops) == 64
+    assert ops.count("WARPGROUP.DEPBAR.LE") == 2
+    assert ops.count("WARPGROUP.ARRIVE") == 8

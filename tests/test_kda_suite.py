@@ -19,7 +19,11 @@ from forgekernel.kernels.linear_attention.kda_prefill.sm90 import launch
 def on_cpu(monkeypatch):
     """The op on the CPU: the recurrence kernel replayed in torch (tests/kda_prefill_replay.py)."""
     monkeypatch.setattr(op, "check_cuda", lambda name, t: None)
-    monkeypatch.setattr(launch, "get_kernel", lambda spec, params: replay.kernel(dict(params)))
+    def get(spec, params):
+        pick = replay.intra_kernel if spec.name == "kda_intra_sm90" else replay.kernel
+        return pick(dict(params))
+
+    monkeypatch.setattr(launch, "get_kernel", get)
 
 
 @pytest.mark.parametrize("case", kda_prefill.CHECK_CASES, ids=lambda c: c.name)
@@ -28,6 +32,16 @@ def test_check_passes_on_the_interim_path(on_cpu, case):
     inputs = suite.make_inputs(case, torch.bfloat16, torch.device("cpu"),
                                torch.Generator().manual_seed(0))  # fmt: skip
     _, cmps = verify(suite, inputs, torch.device("cpu"))
+    assert cmps and all(c.ok for c in cmps), [c.message for c in cmps]
+
+
+@pytest.mark.parametrize("case", kda_prefill.CHECK_CASES[:4], ids=lambda c: c.name)
+def test_the_first_pass_kernel_variant_passes_check(on_cpu, case):
+    suite = kda_prefill.suite()
+    inputs = suite.make_inputs(case, torch.bfloat16, torch.device("cpu"),
+                               torch.Generator().manual_seed(1))  # fmt: skip
+    run = suite.variants(case)["first-pass-kernel"]
+    _, cmps = verify(suite, inputs, torch.device("cpu"), run=run)
     assert cmps and all(c.ok for c in cmps), [c.message for c in cmps]
 
 

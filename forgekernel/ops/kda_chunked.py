@@ -22,12 +22,17 @@ part), so that a training graph fails loudly.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from forgekernel.kernels.linear_attention.kda_prefill.sm90 import launch as kda_sm90
 from forgekernel.kernels.linear_attention.kda_prefill.sm90.config import HEAD_DIMS
 from forgekernel.ops._validate import check_cuda, check_same_device, check_shaped, check_tensor
 
+# The first pass: "torch" (checked on the CPU and, next session, the GPU) or "kernel" (intra.py:
+# compiled, not yet run on a GPU; the suite times it as the variant "first-pass-kernel").
+FIRST_PASS = os.environ.get("FORGEKERNEL_KDA_FIRST_PASS", "torch")
 F32 = (torch.float32,)
 OFFSETS = (torch.int32, torch.int64)
 
@@ -48,7 +53,8 @@ class _ForwardOnly(torch.autograd.Function):
         )
 
 
-def _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, l2norm, out=None):
+def _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, l2norm, out=None,
+             first_pass=None):  # fmt: skip
     """Validated tensors -> (o (B, T, HV, V) in q's dtype, final state (N, HV, K, V) fp32)."""
     b, t, hv, dv = v.shape
     if cu_seqlens is None:
@@ -60,7 +66,8 @@ def _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, l2norm, out=Non
     init = None if initial_state is None else initial_state.contiguous()
     with torch.no_grad():
         kda_sm90.kda_prefill(*flat, init, cu_seqlens.to(torch.int32), o.view(b * t, hv, dv),
-                             final, scale, l2norm=l2norm)  # fmt: skip
+                             final, scale, l2norm=l2norm,
+                             first_pass=first_pass or FIRST_PASS)  # fmt: skip
     return o.view(b, t, hv, dv), final
 
 

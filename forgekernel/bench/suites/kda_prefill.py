@@ -27,7 +27,8 @@ Comparators, each on the same inputs:
 Ours: `forgekernel.ops.kda_chunked.kimi_delta_attention`: the first pass (the chunks'
 state-independent operands) in torch for now, the recurrence on the WGMMA kernel
 (kernels/linear_attention/kda_prefill/sm90); its time includes the torch pass and one host
-sync (the offsets).
+sync (the offsets). Variant `first-pass-kernel`: the first pass on its own kernel (`intra.py`,
+compiled, first run on the device with this suite), verified and timed beside ours.
 """
 
 from __future__ import annotations
@@ -128,6 +129,20 @@ def run_ours(inputs: Inputs, out):
                                    initial_state=i["state"], output_final_state=True,
                                    cu_seqlens=i["cu_seqlens"], out=out)  # fmt: skip
     return o
+
+
+def run_first_pass_kernel(inputs: Inputs, out):
+    """Ours with the first pass on its kernel (`intra.py`) instead of torch."""
+    op = importlib.import_module("forgekernel.ops.kda_chunked")
+    i = inputs
+    o, _ = op._forward(i["q"], i["k"], i["v"], i["g"], i["beta"], HEAD**-0.5, i["state"],
+                       i["cu_seqlens"], False, out.view(-1, *out.shape[2:]),
+                       first_pass="kernel")  # fmt: skip
+    return out
+
+
+def variants(case: Case) -> dict[str, Any]:
+    return {"first-pass-kernel": run_first_pass_kernel}
 
 
 def _reference(inputs: Inputs, upcast: bool) -> torch.Tensor:
@@ -243,4 +258,5 @@ def suite() -> OpSuite:
         atol=1e-2,
         bench_dtypes=(torch.bfloat16,),
         sanitize_cases=SANITIZE_CASES,
+        variants=variants,
     )

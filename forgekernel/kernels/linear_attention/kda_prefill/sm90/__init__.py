@@ -23,6 +23,17 @@ def _compile(params: Params, extra_options: str = ""):
     return compile_kda_recurrence(dict(params), "sm_90a", extra_options)
 
 
+def _compile_intra(params: Params, extra_options: str = ""):
+    from forgekernel.kernels.linear_attention.kda_prefill.sm90.compile import compile_kda_intra
+
+    return compile_kda_intra(dict(params), "sm_90a", extra_options)
+
+
+def intra_params_for(dtype: str, k: int = 128) -> Params:
+    """The first pass's compile key: the q / k dtype and K."""
+    return tuple(sorted({"dtype": dtype, "k": k}.items()))
+
+
 def _standard_params() -> list[Params]:
     return [
         params_for(dtype, dims, initial_state=init, value_split=split)
@@ -41,4 +52,15 @@ SPEC = KernelSpec(
     standard_params=_standard_params,
 )
 
-__all__ = ["SPEC", "params_for"]
+# The first (token-parallel) pass, `intra.py`: compiled, not yet run on a GPU (the launcher
+# uses it when asked: `launch.kda_prefill(first_pass="kernel")`).
+INTRA_SPEC = KernelSpec(
+    name="kda_intra_sm90",
+    arch="sm_90a",
+    directory=Path(__file__).parent,
+    compile=_compile_intra,
+    standard_params=lambda: [intra_params_for(dtype) for dtype in DTYPES],
+)
+SPECS = (SPEC, INTRA_SPEC)
+
+__all__ = ["INTRA_SPEC", "SPEC", "SPECS", "intra_params_for", "params_for"]

@@ -45,3 +45,41 @@ def compile_kda_recurrence(params: dict, arch: str = "sm_90a", extra_options: st
         fake.stream(),
         options=fake.options(arch, extra_options),
     )
+
+
+def compile_kda_intra(params: dict, arch: str = "sm_90a", extra_options: str = "",
+                      kernel=None):  # fmt: skip
+    """The first pass: q, k (T, H, K) in the io dtype, g fp32 (T, HV, K), beta fp32 (T, HV),
+    per-chunk first tokens and lengths (NC,) int32; outputs as `operands.py`."""
+    from cutlass.cute.runtime import make_fake_tensor
+
+    from forgekernel.kernels.linear_attention.kda_prefill.sm90.intra import KdaIntraSm90
+
+    io = fake.dtype_of(params["dtype"])
+    op = cutlass.BFloat16
+    kd = params["k"]
+    t, h, hv, r, nc = (cute.sym_int32() for _ in range(5))
+    f32 = cutlass.Float32
+    kernel = KdaIntraSm90(kd) if kernel is None else kernel
+
+    def per_chunk():
+        return make_fake_tensor(cutlass.Int32, (nc,), stride=(1,))
+
+    return cute.compile(
+        kernel,
+        fake.rowmajor(io, (t, h, kd)),
+        fake.rowmajor(io, (t, h, kd)),
+        fake.rowmajor(f32, (t, hv, kd), divisibility=4),
+        make_fake_tensor(f32, (t, hv), stride=(cute.sym_int64(), 1), assumed_align=4),
+        per_chunk(),
+        per_chunk(),
+        fake.rowmajor(op, (r, hv, kd)),
+        fake.rowmajor(op, (r, hv, kd)),
+        fake.rowmajor(op, (r, hv, kd)),
+        fake.rowmajor(op, (r, hv, CHUNK)),
+        fake.rowmajor(op, (r, hv, CHUNK)),
+        fake.rowmajor(f32, (nc, hv, kd), divisibility=4),
+        cutlass.Float32(1.0),
+        fake.stream(),
+        options=fake.options(arch, extra_options),
+    )

@@ -8,9 +8,18 @@ import functools
 
 import torch
 
-from forgekernel.kernels.linear_attention.kda_prefill.sm90 import SPEC
-from forgekernel.kernels.linear_attention.kda_prefill.sm90.config import params_for
-from forgekernel.kernels.linear_attention.kda_prefill.sm90.operands import kda_chunk_operands
+from forgekernel.kernels.linear_attention.kda_prefill.sm90 import (
+    INTRA_SPEC,
+    SPEC,
+    intra_params_for,
+)
+from forgekernel.kernels.linear_attention.kda_prefill.sm90.config import CHUNK, params_for
+from forgekernel.kernels.linear_attention.kda_prefill.sm90.operands import (
+    L2NORM_EPS,
+    OPERAND_DTYPE,
+    chunk_layout,
+    kda_chunk_operands,
+)
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import dtype_name, on_device
 
@@ -36,6 +45,38 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
     return x if x.data_ptr() % ALIGN == 0 else x.clone()
 
 
+FIRST_PASSES = ("torch", "kernel")
+
+
+def _unit_rows(x: torch.Tensor) -> torch.Tensor:
+    f = x.float()
+    return (f / torch.sqrt((f * f).sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)
+
+
+def first_pass_kernel(q, k, g, beta, edges: list[int], scale: float, l2norm: bool) -> dict:
+    """The first pass on `intra.py` (one CTA per chunk and value head): the same outputs as
+    `operands.kda_chunk_operands`. Compiled, not yet run on a GPU."""
+    if l2norm:  # the kernel reads unit rows: normalized here, in fp32, back in q's dtype
+        q, k = (_unit_rows(x) for x in (q, k))
+    first, token = chunk_layout(edges, q.device)
+    rows, hv, dk = token.numel(), g.shape[1], q.shape[2]
+    starts = token.view(-1, CHUNK)[:, 0].to(torch.int32)
+    lengths = (token.view(-1, CHUNK) >= 0).sum(1).to(torch.int32)
+    out = {
+        name: q.new_empty(rows, hv, width, dtype=OPERAND_DTYPE)
+        for name, width in (("q_g", dk), ("k_g", dk), ("k_d", dk), ("t_beta", CHUNK),
+                            ("p", CHUNK))
+    }  # fmt: skip
+    out["decay"] = q.new_empty(rows // CHUNK, hv, dk, dtype=torch.float32)
+    out["first"] = first
+    fn = get_kernel(INTRA_SPEC, intra_params_for(dtype_name(q.dtype), dk))
+    with on_device(q.device):
+        fn(_aligned(q), _aligned(k), g.float().contiguous(), beta.float().contiguous(), starts,
+           lengths, out["q_g"], out["k_g"], out["k_d"], out["t_beta"], out["p"], out["decay"],
+           scale)  # fmt: skip
+    return out
+
+
 def kda_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -49,18 +90,23 @@ def kda_prefill(
     scale: float,
     *,
     l2norm: bool,
+    first_pass: str = "torch",
 ) -> None:
     """Varlen form: q, k (T, H, K), v (T, HV, V) 16-bit, g (T, HV, K) and beta (T, HV),
     cu_seqlens int32 (N + 1,); initial_state fp32 (N, HV, K, V) or None (zeros). Writes out
     (T, HV, V) in v's dtype and final_state (N, HV, K, V) fp32. Contiguous tensors. Reads the
-    offsets on the host (the first pass lays its chunks out from them: one sync)."""
+    offsets on the host (the first pass lays its chunks out from them: one sync). first_pass:
+    "torch" (`operands.py`, checked) or "kernel" (`intra.py`, compiled, not yet run)."""
+    if first_pass not in FIRST_PASSES:
+        raise ValueError(f"first_pass must be one of {FIRST_PASSES}, got {first_pass!r}")
     if final_state.shape[0] == 0:
         return
     edges = [int(x) for x in cu_seqlens.tolist()]
     if edges[-1] == edges[0]:  # every sequence empty: no TMA descriptor over zero rows
         final_state.copy_(initial_state) if initial_state is not None else final_state.zero_()
         return
-    ops = kda_chunk_operands(q, k, g, beta, edges, scale, l2norm)
+    make = kda_chunk_operands if first_pass == "torch" else first_pass_kernel
+    ops = make(q, k, g, beta, edges, scale, l2norm)
     split = value_split(final_state.shape[0], v.shape[1], v.device)
     params = params_for(dtype_name(v.dtype), (q.shape[-1], v.shape[-1]),
                         initial_state=initial_state is not None, value_split=split)  # fmt: skip
