@@ -71,9 +71,9 @@ def first_pass_kernel(q, k, g, beta, edges: list[int], scale: float, l2norm: boo
     out["first"] = first
     fn = get_kernel(INTRA_SPEC, intra_params_for(dtype_name(q.dtype), dk))
     with on_device(q.device):
-        fn(_aligned(q), _aligned(k), g.float().contiguous(), beta.float().contiguous(), starts,
-           lengths, out["q_g"], out["k_g"], out["k_d"], out["t_beta"], out["p"], out["decay"],
-           scale)  # fmt: skip
+        fn(_aligned(q), _aligned(k), _aligned(g.float().contiguous()), beta.float().contiguous(),
+           starts, lengths, out["q_g"], out["k_g"], out["k_d"], out["t_beta"], out["p"],
+           out["decay"], scale)  # fmt: skip
     return out
 
 
