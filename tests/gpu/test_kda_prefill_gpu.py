@@ -155,3 +155,32 @@ def test_kernel_equals_its_replay(split):
     _close(o, o_r, 1e-2)
     _close(s, s_r, 1e-3)
     assert launch.ALIGN == 16
+
+
+def test_first_pass_kernel_equals_torch_first_pass():
+    """intra.py (first GPU run) against operands.py on the same inputs, output by output: the
+    bf16 operand tiles within a few bf16 roundings of their largest entry, D to fp32 exp2."""
+    from forgekernel.kernels.linear_attention.kda_prefill.sm90 import launch, operands
+
+    q, k, v, g, beta, _, cu = _inputs([1, 63, 64, 65, 300], 2, 4, torch.bfloat16, seed=13,
+                                      strong=True)  # fmt: skip
+    q, k, g, beta = (x[0] for x in (q, k, g, beta))
+    edges = cu.tolist()
+    want = operands.kda_chunk_operands(q, k, g, beta, edges, 0.1, False)
+    got = launch.first_pass_kernel(q, k, g, beta, edges, 0.1, False)
+    assert torch.equal(got["first"], want["first"])
+    for name in ("q_g", "k_g", "k_d", "t_beta", "p", "decay"):
+        _close(got[name].float(), want[name].float(), 3e-2)
+
+
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_op_with_the_first_pass_kernel(l2norm):
+    q, k, v, g, beta, h0, cu = _inputs([1, 0, 64, 65, 700], 2, 4, torch.bfloat16, seed=14,
+                                       strong=True, knorm=2.0 if l2norm else 1.0)  # fmt: skip
+    o, s = op._forward(q, k, v, g, beta, 128**-0.5, h0, cu.to(torch.int32), l2norm,
+                       first_pass="kernel")  # fmt: skip
+    o_ref, s_ref = kimi_delta_attention_recurrent(q, k, v, g, beta, initial_state=h0,
+                                                  output_final_state=True, cu_seqlens=cu,
+                                                  use_qk_l2norm=l2norm)  # fmt: skip
+    _close(o, o_ref, TOL)
+    _close(s, s_ref, TOL)
