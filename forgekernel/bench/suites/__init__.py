@@ -19,6 +19,8 @@ PENDING_SUITE_MODULES: dict[str, str] = {
     # issue 21: FP4 weights (masked and contiguous grouped, decode sizes)
     "gemm_fp4_masked": "forgekernel.bench.suites.gemm_fp4_masked",
     "gemm_fp4_grouped": "forgekernel.bench.suites.gemm_fp4_grouped",
+    # issue 20: Kimi Delta Attention forward (recurrence kernel; first pass in torch by default)
+    "kda_prefill": "forgekernel.bench.suites.kda_prefill",
 }
 SUITE_MODULES = {
     "gemm": "forgekernel.bench.suites.gemm",

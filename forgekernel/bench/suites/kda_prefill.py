@@ -1,0 +1,262 @@
+"""Kimi Delta Attention forward (prefill) suite (issue 20): fla's `chunk_kda` form, q, k (1, T,
+H, 128), v (1, T, HV, 128) bf16, g (1, T, HV, 128) fp32 log decay per key channel, beta fp32,
+varlen as B = 1 with cu_seqlens (fixed-length batches are varlen with equal lengths, as the
+comparators take them), with or without an fp32 initial state (N, HV, K, V), the final state
+returned; k unit-norm (no l2norm in the kernel); g = logsigmoid(N(0, 1)) per channel (fla's
+test gate), and on the `-strong` check cases uniform in [-5, -4] per step and channel (the
+decays the sub-chunk references exist for: reference/kda_chunked.py).
+
+Output compared: o (1, T, HV, V). Reference: the fp64 token recurrence up to 4096 tokens,
+above it the fp64 sub-chunked form by segments (exact in fp64: tests/test_kda_chunked_model.py
+checks it against the recurrence at g down to -5).
+
+Shapes: Kimi Linear per shard (H = HV = 16: fla's KDA has one head count) and grouped value
+heads (H 16, HV 32, as `gated_delta_rule`; fla 0.6.0 may refuse them: its record then says
+so), B x T from 1 x 2k to 8 x 32k and 1 x 128k, serving-like varlen mixes.
+
+Comparators, each on the same inputs:
+  fla     fla-core 0.6.0 `fla.ops.kda.chunk_kda(q, k, v, g, beta, initial_state=,
+          output_final_state=True, cu_seqlens=int64)` (Triton; state (N, HV, K, V) as ours).
+  cudnn   cuDNN-frontend's KDA where a Python entry point is found: FlashInfer's
+          `flashinfer.cudnn.cudnn_recurrent_kda` (documented for cuDNN's SM100 engine; on sm90
+          it is expected to refuse, and the record keeps its message), else a NotImplementedError
+          naming the KDA-looking attributes of the installed `cudnn` module, so that the next
+          session can wire the right one. Run on -nostate cases only until its state layout is
+          confirmed on the device.
+
+Ours: `forgekernel.ops.kda_chunked.kimi_delta_attention`: the first pass (the chunks'
+state-independent operands) in torch for now, the recurrence on the WGMMA kernel
+(kernels/linear_attention/kda_prefill/sm90); its time includes the torch pass and one host
+sync (the offsets). Variant `first-pass-kernel`: the first pass on its own kernel (`intra.py`,
+compiled, first run on the device with this suite), verified and timed beside ours.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from forgekernel.bench.suite import Case, Inputs, OpSuite
+from forgekernel.kernels.linear_attention.kda_prefill.sm90 import SPEC
+
+HEAD = 128
+CHUNK = 64
+RECURRENT_UP_TO = 4096  # tokens: above, the fp64 sub-chunked form by segments (speed)
+_ROOT = Path(__file__).resolve().parents[2]
+# The recurrence kernel and the torch first pass (operands.py and the reference it runs).
+SOURCES = (
+    *SPEC.sources,
+    SPEC.directory / "operands.py",
+    _ROOT / "reference" / "kda_chunked.py",
+    _ROOT / "reference" / "delta_rule.py",
+)
+
+
+def _case(lens, h, hv, *, state=True, strong=False, group="") -> Case:
+    lens = tuple(lens)
+    shape = f"{len(lens)}x{lens[0]}" if len(set(lens)) == 1 else f"mix{len(lens)}-t{sum(lens)}"
+    name = f"{shape}-h{h}-hv{hv}" + ("" if state else "-nostate") + ("-strong" if strong else "")
+    params = {"lens": lens, "h": h, "hv": hv, "state": state, "strong": strong}
+    return Case(name, params, group)
+
+
+def _mix(n: int, total: int) -> tuple[int, ...]:
+    """n lengths summing to total: a quarter of the tokens in n - 2 short sequences (odd sizes),
+    the rest in two long ones (serving's prefill mixes)."""
+    short = max(1, total // 4 // (n - 2))
+    lens = [short + (i % 7) * 3 - 9 if short > 12 else short for i in range(n - 2)]
+    rest = total - sum(lens)
+    return (*lens, rest // 2, rest - rest // 2)
+
+
+BENCH_CASES = (
+    *(_case([t], 16, 16, group="single") for t in (2048, 8192, 32768, 131072)),
+    _case([8192] * 4, 16, 16, group="batch"),
+    _case([8192] * 4, 16, 16, state=False, group="batch"),
+    _case([8192] * 4, 16, 32, group="batch"),
+    _case([32768] * 8, 16, 16, group="batch"),
+    _case(_mix(16, 16384), 16, 16, group="varlen"),
+    _case(_mix(64, 32768), 16, 16, group="varlen"),
+    _case(_mix(64, 32768), 16, 32, state=False, group="varlen"),
+)
+CHECK_CASES = (
+    _case([1, 63, 64, 65, 130], 2, 2),
+    _case([257], 4, 8, state=False),
+    _case([100, 0, 37], 16, 16),
+    _case([300, 301], 16, 32),
+    _case([1000, 77], 4, 4, strong=True),
+    _case([5000], 2, 2, state=False, strong=True),
+)
+SANITIZE_CASES = CHECK_CASES[:3]  # the third has an empty sequence
+
+
+def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, gen: torch.Generator):
+    p = case.params
+    total, h, hv, n = sum(p["lens"]), p["h"], p["hv"], len(p["lens"])
+
+    def rnd(*shape):
+        return torch.randn(*shape, device=device, generator=gen)
+
+    if p["strong"]:
+        g = -4.0 - torch.rand(1, total, hv, HEAD, device=device, generator=gen)
+    else:
+        g = F.logsigmoid(rnd(1, total, hv, HEAD))
+    cu = torch.tensor([0, *torch.tensor(p["lens"]).cumsum(0).tolist()], device=device)
+    return {
+        "q": rnd(1, total, h, HEAD).to(dtype),
+        "k": F.normalize(rnd(1, total, h, HEAD), dim=-1).to(dtype),
+        "v": rnd(1, total, hv, HEAD).to(dtype),
+        "g": g,
+        "beta": torch.sigmoid(rnd(1, total, hv)),
+        "state": rnd(n, hv, HEAD, HEAD) * 0.1 if p["state"] else None,
+        "cu_seqlens": cu.to(torch.int32),
+        "cu_seqlens_long": cu,
+    }
+
+
+def alloc_out(inputs: Inputs) -> torch.Tensor:
+    return torch.empty_like(inputs["v"])
+
+
+def run_ours(inputs: Inputs, out):
+    op = importlib.import_module("forgekernel.ops.kda_chunked")
+    i = inputs
+    o, _ = op.kimi_delta_attention(i["q"], i["k"], i["v"], i["g"], i["beta"],
+                                   initial_state=i["state"], output_final_state=True,
+                                   cu_seqlens=i["cu_seqlens"], out=out)  # fmt: skip
+    return o
+
+
+def run_first_pass_kernel(inputs: Inputs, out):
+    """Ours with the first pass on its kernel (`intra.py`) instead of torch."""
+    op = importlib.import_module("forgekernel.ops.kda_chunked")
+    i = inputs
+    o, _ = op._forward(i["q"], i["k"], i["v"], i["g"], i["beta"], HEAD**-0.5, i["state"],
+                       i["cu_seqlens"], False, out.view(-1, *out.shape[2:]),
+                       first_pass="kernel")  # fmt: skip
+    return out
+
+
+def variants(case: Case) -> dict[str, Any]:
+    return {"first-pass-kernel": run_first_pass_kernel}
+
+
+def _reference(inputs: Inputs, upcast: bool) -> torch.Tensor:
+    from forgekernel.reference.delta_rule import kimi_delta_attention_recurrent
+    from forgekernel.reference.kda_chunked import kimi_delta_attention_segmented
+
+    i = inputs
+    args = (i["q"], i["k"], i["v"], i["g"], i["beta"])
+    kw = {"initial_state": i["state"], "cu_seqlens": i["cu_seqlens_long"], "dtype": torch.float64}
+    if i["q"].shape[1] > RECURRENT_UP_TO:
+        o, _ = kimi_delta_attention_segmented(*args, segment=4096, **kw)
+    else:
+        o, _ = kimi_delta_attention_recurrent(*args, **kw)
+    return o.float() if upcast else o.to(i["q"].dtype)
+
+
+def reference(inputs: Inputs) -> torch.Tensor:
+    return _reference(inputs, True)
+
+
+def low_precision(inputs: Inputs) -> torch.Tensor:
+    """The fp64 result rounded to the output dtype: the yardstick is the rounding."""
+    return _reference(inputs, False)
+
+
+def _fla():
+    try:
+        from fla.ops.kda import chunk_kda
+    except Exception:  # not installed, or its Triton import fails
+        return None
+
+    def run(inputs: Inputs):
+        i = inputs
+        o, _ = chunk_kda(i["q"], i["k"], i["v"], i["g"], i["beta"], initial_state=i["state"],
+                         output_final_state=True, cu_seqlens=i["cu_seqlens_long"])  # fmt: skip
+        return o
+
+    return run
+
+
+def _cudnn():
+    """FlashInfer's cuDNN KDA entry point if importable, else a runner that reports what the
+    installed cuDNN frontend offers (None where neither package is installed)."""
+    try:
+        from flashinfer.cudnn import cudnn_recurrent_kda
+    except Exception:
+        cudnn_recurrent_kda = None
+    if cudnn_recurrent_kda is None:
+        try:
+            import cudnn
+        except Exception:
+            return None
+        found = [n for n in dir(cudnn) if "kda" in n.lower() or "delta" in n.lower()]
+        version = getattr(cudnn, "__version__", "?")
+
+        def missing(inputs: Inputs):
+            raise NotImplementedError(
+                f"cudnn-frontend {version}: no KDA entry point wired; KDA-looking names: {found}"
+            )
+
+        return missing
+
+    def run(inputs: Inputs):
+        i = inputs
+        if i["state"] is not None:
+            raise NotImplementedError("initial-state case: cuDNN's KDA state layout unconfirmed")
+        o = cudnn_recurrent_kda(i["q"], i["k"], i["v"], i["g"], i["beta"],
+                                use_qk_l2norm_in_kernel=False,
+                                cu_seqlens=i["cu_seqlens_long"])  # fmt: skip
+        o = o[0] if isinstance(o, tuple) else o
+        return o.reshape(i["v"].shape)
+
+    return run
+
+
+def comparators() -> dict[str, Any]:
+    if not torch.cuda.is_available():
+        return {"fla": None, "cudnn": None}
+    return {"fla": _fla(), "cudnn": _cudnn()}
+
+
+def flops(case: Case) -> float:
+    """The chunked algorithm's multiply-adds per token and value head (K = V = 128, chunk C),
+    as GDN's (the per-channel decays change the operands, not the products)."""
+    p = case.params
+    per_token = 6.0 * HEAD * HEAD + 2.0 * CHUNK * (3 * HEAD + 2 * HEAD)
+    return per_token * sum(p["lens"]) * p["hv"]
+
+
+def nbytes(case: Case, dtype: torch.dtype) -> float:
+    """q, k, v read and o written (16-bit), g (fp32, per channel) and beta, the states."""
+    p = case.params
+    t, h, hv, n = sum(p["lens"]), p["h"], p["hv"], len(p["lens"])
+    tokens = t * (2 * h * HEAD + 2 * hv * HEAD) * dtype.itemsize + t * hv * (4 * HEAD + 4)
+    return tokens + (2 if p["state"] else 1) * n * hv * HEAD * HEAD * 4.0
+
+
+def suite() -> OpSuite:
+    return OpSuite(
+        name="kda_prefill",
+        kernel_sources=SOURCES,
+        dtypes=(torch.bfloat16, torch.float16),
+        check_cases=CHECK_CASES,
+        bench_cases=BENCH_CASES,
+        make_inputs=make_inputs,
+        alloc_out=alloc_out,
+        run_ours=run_ours,
+        reference=reference,
+        low_precision=low_precision,
+        comparators=comparators,
+        flops=flops,
+        bytes=nbytes,
+        atol=1e-2,
+        bench_dtypes=(torch.bfloat16,),
+        sanitize_cases=SANITIZE_CASES,
+        variants=variants,
+    )

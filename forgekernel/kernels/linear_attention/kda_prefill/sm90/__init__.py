@@ -1,0 +1,66 @@
+"""Kimi Delta Attention forward (prefill), sm_90a. DSL-free declaration; the kernel is
+`recurrence.py` (the state pass: TMA + WGMMA, the state on chip, Gated DeltaNet's state
+warpgroups with the per-channel decays in the operands); the first, token-parallel pass
+(`operands.py`) runs in torch for now; the op is `forgekernel.ops.kda_chunked`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from forgekernel.kernels.linear_attention.kda_prefill.sm90.config import (
+    DTYPES,
+    HEAD_DIMS,
+    params_for,
+)
+from forgekernel.runtime.spec import KernelSpec, Params
+
+
+def _compile(params: Params, extra_options: str = ""):
+    from forgekernel.kernels.linear_attention.kda_prefill.sm90.compile import (
+        compile_kda_recurrence,
+    )
+
+    return compile_kda_recurrence(dict(params), "sm_90a", extra_options)
+
+
+def _compile_intra(params: Params, extra_options: str = ""):
+    from forgekernel.kernels.linear_attention.kda_prefill.sm90.compile import compile_kda_intra
+
+    return compile_kda_intra(dict(params), "sm_90a", extra_options)
+
+
+def intra_params_for(dtype: str, k: int = 128) -> Params:
+    """The first pass's compile key: the q / k dtype and K."""
+    return tuple(sorted({"dtype": dtype, "k": k}.items()))
+
+
+def _standard_params() -> list[Params]:
+    return [
+        params_for(dtype, dims, initial_state=init, value_split=split)
+        for dtype in DTYPES
+        for dims in HEAD_DIMS
+        for init in (False, True)
+        for split in (False, True)
+    ]
+
+
+SPEC = KernelSpec(
+    name="kda_prefill_sm90",
+    arch="sm_90a",
+    directory=Path(__file__).parent,
+    compile=_compile,
+    standard_params=_standard_params,
+)
+
+# The first (token-parallel) pass, `intra.py`: compiled, not yet run on a GPU (the launcher
+# uses it when asked: `launch.kda_prefill(first_pass="kernel")`).
+INTRA_SPEC = KernelSpec(
+    name="kda_intra_sm90",
+    arch="sm_90a",
+    directory=Path(__file__).parent,
+    compile=_compile_intra,
+    standard_params=lambda: [intra_params_for(dtype) for dtype in DTYPES],
+)
+SPECS = (SPEC, INTRA_SPEC)
+
+__all__ = ["INTRA_SPEC", "SPEC", "SPECS", "intra_params_for", "params_for"]

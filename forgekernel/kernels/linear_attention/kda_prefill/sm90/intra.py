@@ -1,0 +1,278 @@
+"""Kimi Delta Attention forward, the first (token-parallel) pass on sm_90a: one CTA (one
+warpgroup, 128 threads) per (global chunk, value head) writes the chunk's state-independent
+operands for the recurrence kernel (`recurrence.py`), as `reference.kda_chunked.chunk_operands`
+defines them and `operands.py` lays them out (rows past the sequence exact zeros).
+
+Thread t owns key channel t. With G2 = log2(e) cumsum(g) over the chunk (a running sum, run
+three times: for the references, the k side, the q side), sub-chunk references r_I = G2 at
+token 16 I + 8, a = G2 - r_I(i) (at most 8 steps):
+
+    Kl = k 2^a, Ql = scale q 2^a, Kr = k 2^-a                 (one exp2 each way a token)
+    Kg = Kl 2^r_I, Qg = Ql 2^r_I, Kd = Kr 2^(G2_C - r_I)      -> global (bf16), D = 2^G2_C
+    A_J = Kl * E_{I(i) J} (rows I >= J; 0 above), E_IJ = 2^(r_I - r_J) <= 1
+                                                              -> shared tile J (bf16)
+    L[:, J] = A_J Kr_J^T                        4 SS WGMMAs 64 x 16 x K, one commit group
+    L = beta_i L (j < i) -> fp32 scratch; then the q side into the same four tiles:
+    P[:, J] = (Ql * E) Kr_J^T (j <= i)          4 more WGMMAs
+    T = (I + L)^-1 on the CUDA cores (`gdn_prefill/sm90/inverse.invert`);
+    P -> global (bf16); T diag(beta) -> global (bf16).
+
+Rows past the sequence (i >= len) read nothing: k = q = g = beta = 0 there, so their rows
+and columns of every output are exact zeros. With l2norm the launcher normalizes q and k
+first (torch).
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float32, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from forgekernel.kernels.common.sm90 import softmax
+from forgekernel.kernels.common.sm90.barriers import named_barrier
+from forgekernel.kernels.common.sm90.constants import LOG2E, THREADS_PER_WG
+from forgekernel.kernels.common.sm90.layout import rows_cols
+from forgekernel.kernels.common.sm90.mma import gemm
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
+    BLOCK,
+    W_STRIDE,
+    X_STRIDE,
+)
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse import invert
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import Bar
+from forgekernel.kernels.linear_attention.kda_prefill.sm90.config import CHUNK
+
+SUB = 16  # tokens per sub-chunk (one reference each)
+NSUB = CHUNK // SUB
+
+
+class KdaIntraSm90:
+    """The first pass; see the module docstring."""
+
+    def __init__(self, k: int):
+        if k != 128:
+            raise ValueError(f"K must be 128 (one channel a thread), got {k}")
+        self.k = k
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mG: cute.Tensor,
+        mBeta: cute.Tensor,
+        mTok0: cute.Tensor,
+        mLen: cute.Tensor,
+        mQg: cute.Tensor,
+        mKg: cute.Tensor,
+        mKd: cute.Tensor,
+        mT: cute.Tensor,
+        mP: cute.Tensor,
+        mD: cute.Tensor,
+        scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        """mQ, mK (T, H, K) 16-bit; mG fp32 (T, HV, K); mBeta fp32 (T, HV); mTok0, mLen int32
+        (NC,) each chunk's first token and valid length; outputs as `operands.py`."""
+        k_major = OperandMajorMode.K
+        self.mma = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, k_major, k_major, Float32, (1, 1, 1), (CHUNK, SUB)
+        )
+        row = LayoutEnum.ROW_MAJOR
+        # four A tiles (64 x K), one per column block J; Kr as four (16 x K) B tiles
+        self.sA_layout = sm90_utils.make_smem_layout_a(row, (CHUNK, SUB, self.k), BFloat16,
+                                                       NSUB)  # fmt: skip
+        self.sB_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, SUB, self.k), BFloat16,
+                                                       NSUB)  # fmt: skip
+
+        @cute.struct
+        class SharedStorage:
+            sBeta: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
+            sW: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * W_STRIDE], 16]
+            sX: cute.struct.Align[cute.struct.MemRange[Float32, 2 * BLOCK * X_STRIDE], 16]
+            sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(self.sA_layout)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(self.sB_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        self.kernel(
+            mQ, mK, mG, mBeta, mTok0, mLen, mQg, mKg, mKd, mT, mP, mD, scale, self.mma,
+            self.sA_layout, self.sB_layout,
+        ).launch(
+            grid=(mTok0.shape[0], mG.shape[1], 1),
+            block=[THREADS_PER_WG, 1, 1],
+            stream=stream,
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mG: cute.Tensor,
+        mBeta: cute.Tensor,
+        mTok0: cute.Tensor,
+        mLen: cute.Tensor,
+        mQg: cute.Tensor,
+        mKg: cute.Tensor,
+        mKd: cute.Tensor,
+        mT: cute.Tensor,
+        mP: cute.Tensor,
+        mD: cute.Tensor,
+        scale: Float32,
+        mma: cute.TiledMma,
+        sA_layout: cute.ComposedLayout,
+        sB_layout: cute.ComposedLayout,
+    ):
+        ch, _, _ = cute.arch.thread_idx()
+        gc, hv, _ = cute.arch.block_idx()
+        storage = SmemAllocator().allocate(self.shared_storage)
+        sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+        sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        sBeta = storage.sBeta.get_tensor(cute.make_layout(CHUNK))
+        sW = storage.sW.get_tensor(cute.make_layout((CHUNK, CHUNK), stride=(W_STRIDE, 1)))
+        sX = storage.sX.get_tensor(cute.make_layout((2 * BLOCK, 2 * BLOCK), stride=(X_STRIDE, 1)))
+        bar = named_barrier(Bar.AUX, THREADS_PER_WG)
+
+        tok0 = mTok0[gc]
+        valid = mLen[gc]
+        head = hv // (mG.shape[1] // mQ.shape[1])
+        row0 = gc * CHUNK
+        if ch < CHUNK:
+            inside = ch < valid
+            t = tok0 + cutlass.min(ch, valid - 1)
+            sBeta[ch] = cutlass.select_(inside, Float32(mBeta[t, hv]), Float32(0.0))
+
+        # pass 0: the references r_b = G2 at token 16 b + 8 and G2_C (a running sum; the k and
+        # q passes below run it again: g re-read from L2 instead of 64 live registers)
+        run = Float32(0.0)
+        ref = []
+        for b in cutlass.range_constexpr(NSUB):
+            for s in cutlass.range(SUB // 2 + 1, unroll=1):
+                run = run + self._g(mG, tok0, valid, hv, ch, SUB * b + s)
+            ref.append(run)
+            for s in cutlass.range(SUB // 2 + 1, SUB, unroll=1):
+                run = run + self._g(mG, tok0, valid, hv, ch, SUB * b + s)
+        gc2 = run
+        mD[gc, hv, ch] = cute.math.exp2(gc2, fastmath=True)
+        pow_r = [cute.math.exp2(r, fastmath=True) for r in ref]
+        pow_cr = [cute.math.exp2(gc2 - r, fastmath=True) for r in ref]
+        # E[b][J] = 2^(r_b - r_J) for J < b (<= 1: r decreases along the chunk)
+        e_tab = [[cute.math.exp2(ref[b] - ref[j], fastmath=True) for j in range(b)]
+                 for b in range(NSUB)]  # fmt: skip
+
+        # k side: Kg, Kd to global; Kr (B tiles) and Kl * E (A tiles) to shared memory
+        run = Float32(0.0)
+        for b in cutlass.range_constexpr(NSUB):
+            for s in cutlass.range(SUB, unroll=2):
+                i = SUB * b + s
+                run = run + self._g(mG, tok0, valid, hv, ch, i)
+                t = tok0 + cutlass.min(i, valid - 1)
+                kv = cutlass.select_(i < valid, Float32(mK[t, head, ch]), Float32(0.0))
+                a = run - ref[b]
+                kl = kv * cute.math.exp2(a, fastmath=True)
+                kr = kv * cute.math.exp2(-a, fastmath=True)
+                mKg[row0 + i, hv, ch] = (kl * pow_r[b]).to(BFloat16)
+                mKd[row0 + i, hv, ch] = (kr * pow_cr[b]).to(BFloat16)
+                sB[s, ch, b] = kr.to(BFloat16)
+                self._put_scaled(sA, i, ch, kl, e_tab[b], b)
+        cute.arch.fence_view_async_shared()
+        bar.arrive_and_wait()
+        acc_shape = mma.get_slice(0).partition_shape_C((CHUNK, SUB))
+        accs = [cute.make_rmem_tensor(acc_shape, Float32) for _ in range(NSUB)]
+        self._products(mma, sA, sB, accs)
+        warpgroup.wait_group(0)
+        coords = softmax.acc_coords(mma, ch, (CHUNK, SUB))
+        for j in cutlass.range_constexpr(NSUB):
+            self._lower_to_scratch(mma, accs[j], coords, sW, sBeta, ch, j)
+        bar.arrive_and_wait()  # the k-side WGMMAs are done with the A tiles
+
+        # q side: Qg to global, Ql * E into the same A tiles
+        run = Float32(0.0)
+        for b in cutlass.range_constexpr(NSUB):
+            for s in cutlass.range(SUB, unroll=2):
+                i = SUB * b + s
+                run = run + self._g(mG, tok0, valid, hv, ch, i)
+                t = tok0 + cutlass.min(i, valid - 1)
+                qv = cutlass.select_(i < valid, Float32(mQ[t, head, ch]), Float32(0.0))
+                ql = qv * scale * cute.math.exp2(run - ref[b], fastmath=True)
+                mQg[row0 + i, hv, ch] = (ql * pow_r[b]).to(BFloat16)
+                self._put_scaled(sA, i, ch, ql, e_tab[b], b)
+        cute.arch.fence_view_async_shared()
+        bar.arrive_and_wait()
+        accp = [cute.make_rmem_tensor(acc_shape, Float32) for _ in range(NSUB)]
+        self._products(mma, sA, sB, accp)
+        # the inverse after the wait: under the WGMMAs ptxas serialized every one of them
+        # (C7514; GDN's aux overlaps them, with one accumulator in flight)
+        warpgroup.wait_group(0)
+        cute.arch.sync_warp()
+        invert(sW, sX, ch, bar)
+        for j in cutlass.range_constexpr(NSUB):
+            self._store_p(accp[j], coords, mP, row0, hv, j)
+        self._store_t_beta(sW, sBeta, mT, row0, hv, ch)
+
+    @cute.jit
+    def _g(self, mG, tok0, valid, hv, ch, i) -> Float32:
+        """log2(e) g of token i of the chunk for this channel; 0 past the sequence."""
+        t = tok0 + cutlass.min(i, valid - 1)
+        return Float32(cutlass.select_(i < valid, Float32(mG[t, hv, ch]), Float32(0.0))) * LOG2E
+
+    @cute.jit
+    def _put_scaled(self, sA, i, ch, x, e_row, b):
+        """Row i of the four A tiles: x E_{bJ} for J < b, x for J = b, 0 for J > b."""
+        for j in cutlass.range_constexpr(NSUB):
+            if const_expr(j < b):
+                sA[i, ch, j] = (x * e_row[j]).to(BFloat16)
+            elif const_expr(j == b):
+                sA[i, ch, j] = x.to(BFloat16)
+            else:
+                sA[i, ch, j] = BFloat16(0.0)
+
+    @cute.jit
+    def _products(self, mma, sA, sB, accs):
+        """accs[J] = A_J Kr_J^T (64 x 16 over K), one commit group."""
+        thr = mma.get_slice(0)
+        tA = thr.make_fragment_A(thr.partition_A(sA))
+        tB = thr.make_fragment_B(thr.partition_B(sB))
+        for j in cutlass.range_constexpr(NSUB):
+            gemm(mma, accs[j], tA[None, None, None, j], tB[None, None, None, j], True, -1)
+
+    @cute.jit
+    def _lower_to_scratch(self, mma, acc, coords, sW, sBeta, tid, j):
+        """Column block j of L = beta_i (K K^T)_ij for j < i, else 0, into the fp32 scratch."""
+        t0, row_base, col_base = coords
+        a = rows_cols(acc)
+        diff = SUB * j + col_base - row_base
+        for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
+            bi = sBeta[row_base + t0[r, 0][0]]
+            for c in cutlass.range_constexpr(cute.size(a, mode=[1])):
+                off = t0[r, 0][0] - t0[r, c][1]
+                a[r, c] = cutlass.select_(diff < off, a[r, c] * bi, Float32(0.0))
+        part = mma.get_slice(tid).partition_C(cute.local_tile(sW, (CHUNK, SUB), (0, j)))
+        part.store(acc.load())
+
+    @cute.jit
+    def _store_p(self, acc, coords, mP, row0, hv, j):
+        """Column block j of P (j <= i, else 0) to global, bf16."""
+        t0, row_base, col_base = coords
+        a = rows_cols(acc)
+        diff = SUB * j + col_base - row_base
+        for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
+            i = row_base + t0[r, 0][0]
+            for c in cutlass.range_constexpr(cute.size(a, mode=[1])):
+                off = t0[r, 0][0] - t0[r, c][1]
+                val = Float32(cutlass.select_(diff <= off, a[r, c], Float32(0.0)))
+                mP[row0 + i, hv, SUB * j + col_base + t0[r, c][1]] = val.to(BFloat16)
+
+    @cute.jit
+    def _store_t_beta(self, sW, sBeta, mT, row0, hv, tid):
+        """T diag(beta) to global, bf16: thread t row t // 2, columns 32 (t % 2) ..."""
+        i = tid // 2
+        half = (tid % 2) * (CHUNK // 2)
+        for c in cutlass.range_constexpr(CHUNK // 2):
+            j = half + c
+            mT[row0 + i, hv, j] = (sW[i, j] * sBeta[j]).to(BFloat16)

@@ -1,0 +1,152 @@
+"""`forgekernel.kimi_delta_attention`: Kimi Delta Attention's chunked forward (prefill) with
+fla's calling convention (`fla.ops.kda.chunk_kda`). Gated DeltaNet with a per-key-channel
+decay: per value head, state S (K, V) fp32, g_t (K,) the log decay of token t,
+
+    S_t = (I - beta_t k_t k_t^T) diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T
+    o_t = scale S_t^T q_t
+
+q, k (B, T, H, K), v (B, T, HV, V) with value head hv reading q / k head hv // (HV / H) (fla's
+KDA has HV = H; grouped value heads are accepted as in `gated_delta_rule`), g (B, T, HV, K),
+beta (B, T, HV); varlen as B = 1 with cu_seqlens (N + 1,); initial / final state fp32 (N, HV,
+K, V) (fla's layout); use_qk_l2norm_in_kernel divides q and k by sqrt(sum x^2 + 1e-6).
+
+Implementation: kernels/linear_attention/kda_prefill/sm90 in two passes, as FlashKDA and
+fla split the work: the token-parallel first pass (every chunk's state-independent operands,
+the per-channel decays folded into bf16 tiles around sub-chunk reference points so that no
+factor overflows: `reference/kda_chunked.py`) runs in torch for now (`operands.py`); the
+recurrence runs on the tensor cores (`recurrence.py`: TMA + WGMMA, the state on chip). The
+launcher reads cu_seqlens on the host (one sync a call). Forward only: the result carries an
+autograd node whose backward raises NotImplementedError (the backward is issue 20's next
+part), so that a training graph fails loudly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from forgekernel.kernels.linear_attention.kda_prefill.sm90 import launch as kda_sm90
+from forgekernel.kernels.linear_attention.kda_prefill.sm90.config import HEAD_DIMS
+from forgekernel.ops._validate import check_cuda, check_same_device, check_shaped, check_tensor
+
+# The first pass: "torch" (checked on the CPU and, next session, the GPU) or "kernel" (intra.py:
+# compiled, not yet run on a GPU; the suite times it as the variant "first-pass-kernel").
+FIRST_PASS = os.environ.get("FORGEKERNEL_KDA_FIRST_PASS", "torch")
+F32 = (torch.float32,)
+OFFSETS = (torch.int32, torch.int64)
+
+
+class _ForwardOnly(torch.autograd.Function):
+    """Marks the outputs as produced by a forward-only op: backward raises."""
+
+    @staticmethod
+    def forward(ctx, o, final, *inputs):
+        return o, final
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            "forgekernel.kimi_delta_attention has no backward yet (issue 20): differentiate "
+            "forgekernel.reference.delta_rule.kimi_delta_attention_recurrent, or call fla's "
+            "chunk_kda, until the backward kernel lands"
+        )
+
+
+def _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, l2norm, out=None,
+             first_pass=None):  # fmt: skip
+    """Validated tensors -> (o (B, T, HV, V) in q's dtype, final state (N, HV, K, V) fp32)."""
+    b, t, hv, dv = v.shape
+    if cu_seqlens is None:
+        cu_seqlens = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=q.device)
+    n = cu_seqlens.shape[0] - 1
+    flat = [x.reshape(b * t, *x.shape[2:]).contiguous() for x in (q, k, v, g, beta)]
+    o = torch.empty(b * t, hv, dv, dtype=q.dtype, device=q.device) if out is None else out
+    final = torch.empty(n, hv, q.shape[3], dv, dtype=torch.float32, device=q.device)
+    init = None if initial_state is None else initial_state.contiguous()
+    with torch.no_grad():
+        kda_sm90.kda_prefill(*flat, init, cu_seqlens.to(torch.int32), o.view(b * t, hv, dv),
+                             final, scale, l2norm=l2norm,
+                             first_pass=first_pass or FIRST_PASS)  # fmt: skip
+    return o.view(b, t, hv, dv), final
+
+
+def _check_offsets(cu_seqlens: torch.Tensor, b: int, t: int) -> int:
+    check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=OFFSETS, cuda=False)
+    if b != 1:
+        raise ValueError(f"varlen (cu_seqlens given) needs B = 1, got B = {b}")
+    if cu_seqlens.shape[0] < 2:
+        raise ValueError("cu_seqlens must hold N + 1 >= 2 offsets")
+    if cu_seqlens.device.type == "cpu":  # values checked only where reading them is free
+        edges = cu_seqlens.tolist()
+        if edges[0] != 0 or edges[-1] != t or any(a > z for a, z in zip(edges, edges[1:])):
+            raise ValueError(f"cu_seqlens must rise from 0 to T = {t}, got {edges}")
+    return cu_seqlens.shape[0] - 1
+
+
+def _validate(q, k, v, g, beta, initial_state, cu_seqlens, *, device_check: bool = True) -> None:
+    check_tensor("q", q, ndim=4, cuda=False)
+    check_shaped("k", k, tuple(q.shape), (q.dtype,))
+    b, t, h, dk = q.shape
+    check_tensor("v", v, ndim=4, cuda=False)
+    hv, dv = v.shape[2], v.shape[3]
+    if v.shape[:2] != (b, t) or v.dtype != q.dtype or hv % h:
+        raise ValueError(f"v must be (B, T, HV, V) in q's dtype with HV a multiple of H = {h}, "
+                         f"got {tuple(v.shape)} {v.dtype}")  # fmt: skip
+    if (dk, dv) not in HEAD_DIMS:
+        raise ValueError(f"(K, V) must be one of {HEAD_DIMS}, got {(dk, dv)}")
+    check_shaped("g", g, (b, t, hv, dk), (torch.float32, q.dtype))
+    check_shaped("beta", beta, (b, t, hv), (torch.float32, q.dtype))
+    n = b if cu_seqlens is None else _check_offsets(cu_seqlens, b, t)
+    if n > kda_sm90.MAX_SEQUENCES:  # one CTA row per sequence: gridDim.y
+        raise ValueError(f"at most {kda_sm90.MAX_SEQUENCES} sequences, got {n}")
+    if initial_state is not None:
+        check_shaped("initial_state", initial_state, (n, hv, dk, dv), F32)
+    if device_check:
+        check_cuda("q", q)
+    others = {"initial_state": initial_state, "cu_seqlens": cu_seqlens}
+    check_same_device(q=q, k=k, v=v, g=g, beta=beta,
+                      **{name: x for name, x in others.items() if x is not None})  # fmt: skip
+
+
+def kimi_delta_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fla's `chunk_kda` forward: q, k (B, T, H, 128) and v (B, T, HV, 128) bf16 / fp16 (HV a
+    multiple of H); g (B, T, HV, 128) log decay per key channel (fp32 or q's dtype); beta (B,
+    T, HV) (fp32 or q's dtype); scale default K ** -0.5; initial_state fp32 (N, HV, K, V), N =
+    B or the number of sequences; cu_seqlens int32 / int64 (N + 1,) with B = 1 for varlen.
+    Returns (o (B, T, HV, V) in q's dtype, the final state fp32 (N, HV, K, V) or None unless
+    output_final_state); o is written into `out` when given (a contiguous (B, T, HV, V) tensor
+    in q's dtype). Accurate for per-step log decays down to about -5 per channel (the
+    kernel's sub-chunk factors; reference/kda_chunked.py). Backward: raises
+    NotImplementedError (module docstring)."""
+    _validate(q, k, v, g, beta, initial_state, cu_seqlens)
+    if out is not None:
+        check_shaped("out", out, tuple(v.shape), (q.dtype,))
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
+    scale = float(q.shape[3] ** -0.5 if scale is None else scale)
+    flat_out = None if out is None else out.view(-1, *out.shape[2:])
+    o, final = _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens,
+                        use_qk_l2norm_in_kernel, flat_out)  # fmt: skip
+    inputs = (q, k, v, g, beta) + (() if initial_state is None else (initial_state,))
+    if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
+        o, final = _ForwardOnly.apply(o, final, *inputs)
+    if out is not None and o.data_ptr() != out.data_ptr():
+        o = out.copy_(o)
+    return o, (final if output_final_state else None)
+
+
+chunk_kda = kimi_delta_attention  # fla's name

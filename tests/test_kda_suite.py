@@ -1,0 +1,69 @@
+"""The pending kda_prefill suite on the CPU: its own check (`bench.check.verify`) passes on every
+check case through the op's launcher with a torch replay of the recurrence kernel, its cases are
+well formed, it is registered as pending only, and its comparators are absent without a GPU."""
+
+from __future__ import annotations
+
+import kda_prefill_replay as replay
+import pytest
+import torch
+
+import forgekernel.ops.kda_chunked as op
+from forgekernel.bench import suites
+from forgekernel.bench.check import verify
+from forgekernel.bench.suites import kda_prefill
+from forgekernel.kernels.linear_attention.kda_prefill.sm90 import launch
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    """The op on the CPU: the recurrence kernel replayed in torch (tests/kda_prefill_replay.py)."""
+    monkeypatch.setattr(op, "check_cuda", lambda name, t: None)
+    def get(spec, params):
+        pick = replay.intra_kernel if spec.name == "kda_intra_sm90" else replay.kernel
+        return pick(dict(params))
+
+    monkeypatch.setattr(launch, "get_kernel", get)
+
+
+@pytest.mark.parametrize("case", kda_prefill.CHECK_CASES, ids=lambda c: c.name)
+def test_check_passes_on_the_interim_path(on_cpu, case):
+    suite = kda_prefill.suite()
+    inputs = suite.make_inputs(case, torch.bfloat16, torch.device("cpu"),
+                               torch.Generator().manual_seed(0))  # fmt: skip
+    _, cmps = verify(suite, inputs, torch.device("cpu"))
+    assert cmps and all(c.ok for c in cmps), [c.message for c in cmps]
+
+
+@pytest.mark.parametrize("case", kda_prefill.CHECK_CASES[:4], ids=lambda c: c.name)
+def test_the_first_pass_kernel_variant_passes_check(on_cpu, case):
+    suite = kda_prefill.suite()
+    inputs = suite.make_inputs(case, torch.bfloat16, torch.device("cpu"),
+                               torch.Generator().manual_seed(1))  # fmt: skip
+    run = suite.variants(case)["first-pass-kernel"]
+    _, cmps = verify(suite, inputs, torch.device("cpu"), run=run)
+    assert cmps and all(c.ok for c in cmps), [c.message for c in cmps]
+
+
+def test_cases_are_well_formed():
+    names = [c.name for c in (*kda_prefill.BENCH_CASES, *kda_prefill.CHECK_CASES)]
+    assert len(names) == len(set(names))
+    for case in kda_prefill.BENCH_CASES:
+        lens = case.params["lens"]
+        assert all(n > 0 for n in lens) and 2048 <= sum(lens) <= 262144, case.name
+        assert case.params["hv"] % case.params["h"] == 0
+        assert kda_prefill.flops(case) > 0 and kda_prefill.nbytes(case, torch.bfloat16) > 0
+    heads = {(c.params["h"], c.params["hv"]) for c in kda_prefill.BENCH_CASES}
+    assert heads == {(16, 16), (16, 32)}
+    states = {c.params["state"] for c in kda_prefill.BENCH_CASES}
+    assert states == {True, False}
+    assert all(path.is_file() for path in kda_prefill.SOURCES)
+
+
+def test_registered_as_pending():
+    assert suites.PENDING_SUITE_MODULES["kda_prefill"] == "forgekernel.bench.suites.kda_prefill"
+
+
+def test_no_comparators_without_a_gpu():
+    if not torch.cuda.is_available():
+        assert kda_prefill.comparators() == {"fla": None, "cudnn": None}
