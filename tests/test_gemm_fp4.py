@@ -273,6 +273,17 @@ def test_n_major_words_in_place_or_copied():
     assert n_major(nm).data_ptr() == nm.data_ptr()
 
 
+def test_word_readers_take_n_major_words_at_k128():
+    """K = 128: one word per row, and N-major words (the kernel's layout, the suites' inputs:
+    an (E, K/128, N) buffer transposed) have stride N on their size-1 K/128 dim, which
+    `.contiguous()` keeps; the reference and the unpacker read them as the K-major ones."""
+    packed, words = quantize_fp4_weights(torch.randn(2, 128, 128))
+    nm = torch.empty(2, 1, 128, dtype=torch.int32).transpose(1, 2).copy_(words)
+    assert nm.stride(-1) == 128 and nm.is_contiguous()
+    assert torch.equal(unpack_scale_words(nm), unpack_scale_words(words.contiguous()))
+    assert torch.equal(dequantize_fp4(packed, nm), dequantize_fp4(packed, words.contiguous()))
+
+
 # ---------------------------------------------------------------- op validation, chooser
 def _op_args(e=2, m=8, n=128, k=256):
     a = torch.randn(e, m, k).to(torch.float8_e4m3fn)
@@ -542,6 +553,26 @@ def test_launcher_views_meet_the_compiled_assumptions():
         one = _one_batch(t)
         assert one.shape == (*t.shape, 1) and one.stride()[:2] == t.stride()
         assert one.stride(2) % (16 // t.element_size()) == 0 and one.stride(2) > 0
+
+
+@pytest.mark.parametrize("e, n, k", [(2, 128, 128), (1, 256, 128), (1, 128, 512), (3, 384, 256)])
+def test_every_scale_form_reaches_the_kernel_with_its_compiled_strides(e, n, k):
+    """The words each scale form hands the kernel (the ops' `weight_words`): quantize's own
+    words, K-major words and fp32 scales, at K = 128 too (one word per row: torch calls a
+    size-1 dim contiguous whatever its stride, and `.contiguous()` keeps a 4-byte one there)
+    and one expert. compile.py declares the K/128 and E strides multiples of 4 ints (TVM-FFI
+    rejects the call otherwise; TMA needs 16-byte strides): every form must meet it, same
+    values."""
+    from forgekernel.kernels.gemm.fp4.sm90.launch import _batched, scale_words_ready
+    from forgekernel.ops.gemm_fp4_grouped_masked import weight_words
+
+    _, words = quantize_fp4_weights(torch.randn(e, n, k))
+    for form in (words, words.contiguous(), unpack_scale_words(words)):
+        got = weight_words(form)
+        assert scale_words_ready(got), (tuple(form.shape), form.stride(), got.stride())
+        rows, blocks, experts = _batched(got).stride()
+        assert rows == 1 and blocks % 4 == 0 and experts % 4 == 0
+        assert torch.equal(got, words)
 
 
 @pytest.mark.parametrize("tokens", config.TOKENS)
