@@ -354,6 +354,35 @@ def test_kernel_compiles_for_sm90a_without_spills(tokens, tmp_path):
     assert info["spill_bytes"] == 0 and sass.get("LDL", 0) == sass.get("STL", 0) == 0
     assert sass["QGMMA"] == 16  # 4 issue sites x 4 k32 steps, A from registers
     assert info["registers"] == 168  # the entry cap of 3 warpgroups (setmaxnreg 232 inside)
+    _assert_warp_collectives_converged(compiled.artifacts.CUBIN)
+
+
+def _assert_warp_collectives_converged(cubin) -> None:
+    """No divergent-path fallbacks (BRA.DIV / WARPSYNC: the DSL's TMA copy elects a lane over
+    the whole warp, so issuing it from one lane hangs; the producer must be the whole warp 0)
+    and no wgmma serialization (one WARPGROUP.ARRIVE per issue site, one DEPBAR per retire
+    site: ptxas adds more where it cannot keep in-flight A registers apart)."""
+    import os
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from forgekernel.runtime.resources import find_tool
+
+    if isinstance(cubin, bytes):
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(cubin)
+        cubin = f.name
+    path = os.pathsep.join([str(Path(find_tool("nvdisasm")).parent), os.environ["PATH"]])
+    sass = subprocess.run(
+        [find_tool("cuobjdump"), "-sass", str(cubin)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PATH": path},
+    ).stdout
+    assert sass.count("QGMMA") == 16
+    assert "BRA.DIV" not in sass and "WARPSYNC" not in sass
+    assert sass.count("WARPGROUP.ARRIVE") == 4 and sass.count("WARPGROUP.DEPBAR") == 5
 
 
 @pytest.mark.parametrize("tokens", [8, 32])
@@ -502,6 +531,7 @@ def test_contiguous_kernel_compiles_without_spills(tmp_path):
     compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {tmp_path}")
     info = inspect_cubin(compiled.artifacts.CUBIN)
     assert info["spill_bytes"] == 0 and info["sass"]["QGMMA"] == 16
+    _assert_warp_collectives_converged(compiled.artifacts.CUBIN)
 
 
 def test_contiguous_suite_on_the_host():
