@@ -273,6 +273,17 @@ def test_n_major_words_in_place_or_copied():
     assert n_major(nm).data_ptr() == nm.data_ptr()
 
 
+def test_word_readers_take_n_major_words_at_k128():
+    """K = 128: one word per row, and N-major words (the kernel's layout, the suites' inputs:
+    an (E, K/128, N) buffer transposed) have stride N on their size-1 K/128 dim, which
+    `.contiguous()` keeps; the reference and the unpacker read them as the K-major ones."""
+    packed, words = quantize_fp4_weights(torch.randn(2, 128, 128))
+    nm = torch.empty(2, 1, 128, dtype=torch.int32).transpose(1, 2).copy_(words)
+    assert nm.stride(-1) == 128 and nm.is_contiguous()
+    assert torch.equal(unpack_scale_words(nm), unpack_scale_words(words.contiguous()))
+    assert torch.equal(dequantize_fp4(packed, nm), dequantize_fp4(packed, words.contiguous()))
+
+
 # ---------------------------------------------------------------- op validation, chooser
 def _op_args(e=2, m=8, n=128, k=256):
     a = torch.randn(e, m, k).to(torch.float8_e4m3fn)
@@ -343,6 +354,35 @@ def test_kernel_compiles_for_sm90a_without_spills(tokens, tmp_path):
     assert info["spill_bytes"] == 0 and sass.get("LDL", 0) == sass.get("STL", 0) == 0
     assert sass["QGMMA"] == 16  # 4 issue sites x 4 k32 steps, A from registers
     assert info["registers"] == 168  # the entry cap of 3 warpgroups (setmaxnreg 232 inside)
+    _assert_warp_collectives_converged(compiled.artifacts.CUBIN)
+
+
+def _assert_warp_collectives_converged(cubin) -> None:
+    """No divergent-path fallbacks (BRA.DIV / WARPSYNC: the DSL's TMA copy elects a lane over
+    the whole warp, so issuing it from one lane hangs; the producer must be the whole warp 0)
+    and no wgmma serialization (one WARPGROUP.ARRIVE per issue site, one DEPBAR per retire
+    site: ptxas adds more where it cannot keep in-flight A registers apart)."""
+    import os
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from forgekernel.runtime.resources import find_tool
+
+    if isinstance(cubin, bytes):
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(cubin)
+        cubin = f.name
+    path = os.pathsep.join([str(Path(find_tool("nvdisasm")).parent), os.environ["PATH"]])
+    sass = subprocess.run(
+        [find_tool("cuobjdump"), "-sass", str(cubin)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PATH": path},
+    ).stdout
+    assert sass.count("QGMMA") == 16
+    assert "BRA.DIV" not in sass and "WARPSYNC" not in sass
+    assert sass.count("WARPGROUP.ARRIVE") == 4 and sass.count("WARPGROUP.DEPBAR") == 5
 
 
 @pytest.mark.parametrize("tokens", [8, 32])
@@ -491,6 +531,7 @@ def test_contiguous_kernel_compiles_without_spills(tmp_path):
     compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {tmp_path}")
     info = inspect_cubin(compiled.artifacts.CUBIN)
     assert info["spill_bytes"] == 0 and info["sass"]["QGMMA"] == 16
+    _assert_warp_collectives_converged(compiled.artifacts.CUBIN)
 
 
 def test_contiguous_suite_on_the_host():
@@ -542,6 +583,26 @@ def test_launcher_views_meet_the_compiled_assumptions():
         one = _one_batch(t)
         assert one.shape == (*t.shape, 1) and one.stride()[:2] == t.stride()
         assert one.stride(2) % (16 // t.element_size()) == 0 and one.stride(2) > 0
+
+
+@pytest.mark.parametrize("e, n, k", [(2, 128, 128), (1, 256, 128), (1, 128, 512), (3, 384, 256)])
+def test_every_scale_form_reaches_the_kernel_with_its_compiled_strides(e, n, k):
+    """The words each scale form hands the kernel (the ops' `weight_words`): quantize's own
+    words, K-major words and fp32 scales, at K = 128 too (one word per row: torch calls a
+    size-1 dim contiguous whatever its stride, and `.contiguous()` keeps a 4-byte one there)
+    and one expert. compile.py declares the K/128 and E strides multiples of 4 ints (TVM-FFI
+    rejects the call otherwise; TMA needs 16-byte strides): every form must meet it, same
+    values."""
+    from forgekernel.kernels.gemm.fp4.sm90.launch import _batched, scale_words_ready
+    from forgekernel.ops.gemm_fp4_grouped_masked import weight_words
+
+    _, words = quantize_fp4_weights(torch.randn(e, n, k))
+    for form in (words, words.contiguous(), unpack_scale_words(words)):
+        got = weight_words(form)
+        assert scale_words_ready(got), (tuple(form.shape), form.stride(), got.stride())
+        rows, blocks, experts = _batched(got).stride()
+        assert rows == 1 and blocks % 4 == 0 and experts % 4 == 0
+        assert torch.equal(got, words)
 
 
 @pytest.mark.parametrize("tokens", config.TOKENS)

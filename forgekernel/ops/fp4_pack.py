@@ -19,10 +19,12 @@ _BOUNDARIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
 def n_major(t: torch.Tensor) -> torch.Tensor:
-    """(..., N, C) with stride 1 along N (a copy unless it already is)."""
-    if t.stride(-2) == 1:
+    """(..., N, C) with stride 1 along N and N along C (a copy unless it already is; C = 1
+    included: a fresh buffer, as `.contiguous()` keeps a size-1 dim's unit stride)."""
+    if t.stride(-2) == 1 and (t.shape[-1] > 1 or t.stride(-1) == t.shape[-2]):
         return t
-    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    out = torch.empty(*t.shape[:-2], t.shape[-1], t.shape[-2], dtype=t.dtype, device=t.device)
+    return out.transpose(-1, -2).copy_(t)
 
 
 def pack_scale_words(scale: torch.Tensor) -> torch.Tensor:
@@ -40,8 +42,11 @@ def pack_scale_words(scale: torch.Tensor) -> torch.Tensor:
 
 def unpack_scale_words(words: torch.Tensor) -> torch.Tensor:
     """int32 (..., N, K/128) UE8M0 words -> fp32 (..., N, K/32) scales."""
-    exps = words.contiguous().view(torch.uint8).to(torch.int32)
-    return (exps << 23).view(torch.float32)
+    # bytes by shifts (any strides: a uint8 view needs stride 1 on K/128, which N-major words
+    # at K = 128 lack)
+    w = words.to(torch.int64)
+    exps = torch.stack([(w >> (8 * i)) & 0xFF for i in range(4)], dim=-1).flatten(-2)
+    return (exps.to(torch.int32) << 23).view(torch.float32)
 
 
 def quantize_fp4_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -78,7 +78,7 @@ def weight_words(scale_b: torch.Tensor) -> torch.Tensor:
     """The exponent words N-major: fp32 scales packed (a copy per call: keep the packed form),
     int32 words re-laid where their strides are not the kernel's."""
     if scale_b.dtype == torch.float32:
-        return pack_scale_words(scale_b)
+        scale_b = pack_scale_words(scale_b)
     return fp4_launch.n_major_words(scale_b)
 
 

@@ -92,7 +92,10 @@ def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     vals = table[codes & 7]
     vals = torch.where((codes & 8) != 0, -vals, vals)
     if scale.dtype == torch.int32:
-        exps = scale.contiguous().view(torch.uint8).long()
+        # bytes by shifts, not a uint8 view: a view needs stride 1 on K/128, and N-major words
+        # at K = 128 have a size-1 K/128 dim whose stride is N (.contiguous() keeps it)
+        w = scale.long()
+        exps = torch.stack([(w >> (8 * i)) & 0xFF for i in range(4)], dim=-1).flatten(-2)
         sub = torch.exp2((exps - 127).double())
     else:
         sub = scale.double()

@@ -41,10 +41,14 @@ def scale_words_ready(words: torch.Tensor) -> bool:
 
 def n_major_words(words: torch.Tensor) -> torch.Tensor:
     """(E, N, K/128) int32 with stride 1 along N (DeepGEMM's MN-major layout): `words` itself
-    when it already is (`scale_words_ready`), else an N-major copy."""
+    when it already is (`scale_words_ready`), else an N-major copy. The copy goes into a fresh
+    (E, K/128, N) buffer: `.contiguous()` would keep a size-1 dim's stride (K = 128 leaves 4
+    bytes on K/128), which the compiled kernel rejects and TMA cannot take."""
     if scale_words_ready(words):
         return words
-    return words.transpose(1, 2).contiguous().transpose(1, 2)
+    experts, n, blocks = words.shape
+    out = torch.empty(experts, blocks, n, dtype=words.dtype, device=words.device)
+    return out.transpose(1, 2).copy_(words)
 
 
 def gemm_fp4_masked(
