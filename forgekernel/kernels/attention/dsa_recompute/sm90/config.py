@@ -22,6 +22,11 @@ TILE = 64  # keys per tile: the WGMMA's M (one warpgroup)
 CONSUMERS = 2  # consumer warpgroups, alternating key tiles (one's epilogue under the other's MMA)
 THREADS = (1 + CONSUMERS) * THREADS_PER_WG  # warpgroup 0 gathers
 MAX_SLOTS = 16
+# A consumer's first wait of a tile is for chunk c0, while chunk c0 - slots (the slot's previous
+# round) may belong to the other warpgroup's tile: unless it is already committed, the parity
+# wait would pass on that older phase. It is committed (commits are in order) when it is no later
+# than the warpgroup's own last chunk, c0 - NCHUNK (CONSUMERS - 1) - 1: so at least MIN_SLOTS.
+MIN_SLOTS = NCHUNK * (CONSUMERS - 1) + 1
 BARRIER_BYTES = 1024  # the ring's full / empty mbarriers and the totals, rounded up
 # Producer: chunk c's arrival is signalled once chunk c + LAG is issued (cp.async groups
 # complete in order, so waiting for all but the newest LAG groups proves chunk c landed).
@@ -38,16 +43,24 @@ def slot_bytes() -> int:
     return TILE * CHUNK * BYTES
 
 
+def _slots_at(heads: int, ctas: int) -> int:
+    room = SMEM_CAPACITY // ctas - q_bytes(heads) - BARRIER_BYTES
+    return min(MAX_SLOTS, room // slot_bytes())
+
+
 def resident(heads: int) -> int:
-    """CTAs per SM the plan aims at: two while Q is small (their tails and Q loads overlap)."""
-    return 2 if heads <= 32 else 1
+    """CTAs per SM the plan aims at: two where their rings still hold MIN_SLOTS (their tails
+    and Q loads overlap), else one."""
+    return 2 if _slots_at(heads, 2) >= MIN_SLOTS else 1
 
 
 def ring_slots(heads: int) -> int:
     """Slots of the ring: what shared memory leaves beside Q for `resident` CTAs, at most
-    MAX_SLOTS."""
-    room = SMEM_CAPACITY // resident(heads) - q_bytes(heads) - BARRIER_BYTES
-    return min(MAX_SLOTS, room // slot_bytes())
+    MAX_SLOTS (at least MIN_SLOTS: the plan raises otherwise)."""
+    slots = _slots_at(heads, resident(heads))
+    if slots < MIN_SLOTS:
+        raise ValueError(f"{heads} heads leave {slots} ring slots, fewer than {MIN_SLOTS}")
+    return slots
 
 
 def smem_bytes(heads: int) -> int:

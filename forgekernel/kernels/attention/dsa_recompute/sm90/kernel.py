@@ -37,6 +37,7 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from forgekernel.kernels.attention.dsa_recompute.sm90.config import (
@@ -153,7 +154,7 @@ class DsaRecomputeSm90:
         base = batch * s_kv  # the batch's first kv row
         where = (token, limit, tiles, base, base * global_indices, s_kv)
 
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared)
+        storage = SmemAllocator().allocate(self.shared)
         sQ = smem_tensor(storage.q, lay_q)
         sKV = smem_tensor(storage.kv, lay_kv)
         full, empty = storage.full.data_ptr(), storage.empty.data_ptr()
