@@ -29,7 +29,8 @@ sum_t KL(p[t, S_t] || softmax(I[t, S_t])); the indexer's input is detached from 
 target, `dsa_score_target_ref` the target exactly as cuDNN's sparse_attn_score_recompute
 returns it (from q, kv, lse and the indices; its L1 sum carries an eps of 1e-10),
 `dsa_indexer_backward_ref` the gradients of the loss with respect to q, k and the weights
-(autograd of the sparse scores; cross-entropy -sum p log softmax(I) has the same gradients, as cuDNN's reference uses).
+(autograd of the sparse scores; cross-entropy -sum p log softmax(I) has the same gradients,
+as cuDNN's reference uses).
 
 Sparse attention [paper eq. (2); FlashMLA flash_mla_sparse_fwd; cuDNN-frontend DSA backward]:
 MQA over one latent KV head of D = 576 (512 compressed + 64 RoPE); V is kv[:, :d_v] (d_v=512).
