@@ -16,6 +16,7 @@ from forgekernel.bench.suite import OpSuite
 # tests/test_ledger_gate.py does not ask CI for a ledger that no GPU has written yet.
 PENDING_SUITE_MODULES: dict[str, str] = {
     "dsa_indexer": "forgekernel.bench.suites.dsa_indexer",  # issue 22: the FP8 lightning indexer
+    "dsa_recompute": "forgekernel.bench.suites.dsa_recompute",  # issue 22: the score recompute
 }
 SUITE_MODULES = {
     "gemm": "forgekernel.bench.suites.gemm",
