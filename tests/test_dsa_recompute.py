@@ -13,6 +13,7 @@ import torch
 
 from forgekernel.kernels.attention.dsa_recompute.sm90 import config
 from forgekernel.kernels.attention.dsa_recompute.sm90.emulate import (
+    Deadlock,
     emulate_target,
     run_protocol,
 )
@@ -59,6 +60,7 @@ def test_rows_without_entries_and_dead_heads_give_zero():
 def test_ring_plan_fits_and_holds_min_slots(heads):
     slots = config.ring_slots(heads)
     assert config.MIN_SLOTS <= slots <= config.MAX_SLOTS
+    assert 1 <= config.lag(heads) <= slots - 2
     assert config.resident(heads) * config.smem_bytes(heads) <= 233472 - 1024 * config.resident(
         heads
     )
@@ -68,7 +70,18 @@ def test_ring_plan_fits_and_holds_min_slots(heads):
 @pytest.mark.parametrize("tiles", [0, 1, 2, 3, 7, 32])
 def test_protocol_replays_without_deadlock_or_early_reads(heads, tiles):
     for seed in range(20):
-        run_protocol(tiles, config.ring_slots(heads), seed=seed)
+        run_protocol(tiles, config.ring_slots(heads), config.lag(heads), seed=seed)
+
+
+@pytest.mark.parametrize("slots", [10, 11, 16])
+def test_protocol_deadlocks_only_with_lag_past_the_ring(slots):
+    """lag <= slots - 2 walks through (any interleaving); lag = slots - 1 deadlocks: a consumer
+    releases a chunk's slot only once the next chunk's MMA is issued, so the producer, waiting
+    for that slot, holds the next chunk unsignalled (config.lag's bound)."""
+    for lag in range(slots - 1):
+        run_protocol(9, slots, lag, seed=lag)
+    with pytest.raises(Deadlock):
+        run_protocol(9, slots, slots - 1)
 
 
 def test_protocol_catches_parity_aliasing_below_min_slots():
@@ -76,7 +89,7 @@ def test_protocol_catches_parity_aliasing_below_min_slots():
     older phase (the other warpgroup's chunk not yet committed): the model sees it."""
     with pytest.raises(AssertionError, match="too early"):
         for seed in range(400):
-            run_protocol(8, config.MIN_SLOTS - 1, seed=seed)
+            run_protocol(8, config.MIN_SLOTS - 1, (config.MIN_SLOTS - 1) // 2, seed=seed)
 
 
 CASES = [

@@ -13,7 +13,6 @@ from forgekernel.ops.conv import (
     conv3d_wgrad,
 )
 from forgekernel.ops.dsa import dsa_sparse_attention
-from forgekernel.ops.dsa_recompute import dsa_score_recompute
 from forgekernel.ops.gated_delta_rule import gated_delta_rule_step
 from forgekernel.ops.gated_delta_rule_chunked import gated_delta_rule
 from forgekernel.ops.gemm import gemm, tune_gemm
@@ -35,7 +34,6 @@ __all__ = [
     "conv3d",
     "conv3d_dgrad",
     "conv3d_wgrad",
-    "dsa_score_recompute",
     "dsa_sparse_attention",
     "gated_delta_rule",
     "gated_delta_rule_step",

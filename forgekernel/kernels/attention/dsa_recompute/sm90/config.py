@@ -28,9 +28,6 @@ MAX_SLOTS = 16
 # than the warpgroup's own last chunk, c0 - NCHUNK (CONSUMERS - 1) - 1: so at least MIN_SLOTS.
 MIN_SLOTS = NCHUNK * (CONSUMERS - 1) + 1
 BARRIER_BYTES = 1024  # the ring's full / empty mbarriers and the totals, rounded up
-# Producer: chunk c's arrival is signalled once chunk c + LAG is issued (cp.async groups
-# complete in order, so waiting for all but the newest LAG groups proves chunk c landed).
-LAG = 3
 L1_EPS = 1e-10  # cuDNN-frontend's L1 normalization: target = S / (sum S + 1e-10)
 BYTES = 2  # 16-bit inputs
 
@@ -61,6 +58,17 @@ def ring_slots(heads: int) -> int:
     if slots < MIN_SLOTS:
         raise ValueError(f"{heads} heads leave {slots} ring slots, fewer than {MIN_SLOTS}")
     return slots
+
+
+def lag(heads: int) -> int:
+    """The producer signals chunk c once chunk c + lag is issued (cp.async groups complete in
+    order: waiting for all but the newest `lag` groups proves chunk c landed), so lag + 1
+    chunks are in flight per CTA (8 KB each: 48-72 KB, what HBM's latency x an SM's share of
+    its bandwidth asks). Half the ring: the other half holds landed chunks the consumers may
+    take while the producer waits for a free slot. lag <= slots - 2, or it deadlocks: a
+    consumer frees a chunk's slot once the next chunk's MMA is issued, so the producer waiting
+    for that slot must have signalled the next chunk already (emulate.run_protocol shows it)."""
+    return ring_slots(heads) // 2
 
 
 def smem_bytes(heads: int) -> int:

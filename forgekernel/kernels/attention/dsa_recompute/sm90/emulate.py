@@ -22,7 +22,6 @@ from forgekernel.kernels.attention.dsa_recompute.sm90.config import (
     CHUNK,
     CONSUMERS,
     L1_EPS,
-    LAG,
     NCHUNK,
     TILE,
 )
@@ -68,7 +67,7 @@ def _consumer(w: int, tiles: int, slots: int):
         yield ("release", i * NCHUNK + NCHUNK - 1)
 
 
-def run_protocol(tiles: int, slots: int, lag: int = LAG, seed: int = 0) -> int:
+def run_protocol(tiles: int, slots: int, lag: int, seed: int = 0) -> int:
     """Replays the walk in a random interleaving; returns the steps taken."""
     rng = random.Random(seed)
     full = [_Barrier(1) for _ in range(slots)]

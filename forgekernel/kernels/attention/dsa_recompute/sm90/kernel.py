@@ -14,8 +14,8 @@ One CTA per query token, three warpgroups (config.py has the plan):
   shared memory, then for each key tile the TILE listed rows, K-chunk by K-chunk, into the ring
   (cp.async of 16 bytes, 8 threads a row, 4 rows a thread; invalid entries are not read: their
   rows hold stale bytes, which the epilogue discards). All heads share the one gather. Chunk c
-  is signalled (full[slot], 128 arrivals) once chunk c + LAG is issued: a thread waits for its
-  own older groups, fences them for the async proxy (WGMMA reads), then arrives.
+  is signalled (full[slot], 128 arrivals) once chunk c + lag is issued (config.lag): a thread
+  waits for its own older groups, fences them for the async proxy (WGMMA reads), then arrives.
 - warpgroups 1 and 2 take alternate key tiles: per tile, NCHUNK WGMMAs 64 x H x 64 (A: the
   chunk's 64 keys, B: Q's chunk; swap-AB, so a key is an accumulator row and the head sum a
   row reduction), each chunk's slot released (empty[slot], one arrival per warp) once the next
@@ -44,11 +44,11 @@ from forgekernel.kernels.attention.dsa_recompute.sm90.config import (
     CHUNK,
     CONSUMERS,
     L1_EPS,
-    LAG,
     NCHUNK,
     THREADS,
     TILE,
     WIDTH,
+    lag,
     ring_slots,
 )
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
@@ -73,6 +73,7 @@ class DsaRecomputeSm90:
     def __init__(self, heads: int):
         self.h = heads
         self.slots = ring_slots(heads)
+        self.lag = lag(heads)
 
     def _setup(self, dtype):
         k_major = OperandMajorMode.K
@@ -208,14 +209,14 @@ class DsaRecomputeSm90:
                         seg = cute.make_tensor(row.iterator + k * CHUNK, cute.make_layout(CHUNK))
                         copy_row_async(gcopy, seg, CHUNK, dst[None, m, None], kv_crd[None, m, None])
                 cute.arch.cp_async_commit_group()
-                if c >= LAG:
-                    cute.arch.cp_async_wait_group(LAG)
+                if c >= self.lag:
+                    cute.arch.cp_async_wait_group(self.lag)
                     cute.arch.fence_view_async_shared()  # cp.async writes, then WGMMA reads
-                    cute.arch.mbarrier_arrive(full + (c - LAG) % self.slots)
+                    cute.arch.mbarrier_arrive(full + (c - self.lag) % self.slots)
         chunks = tiles * NCHUNK
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_view_async_shared()
-        for c in cutlass.range(cutlass.max(chunks - LAG, 0), chunks, unroll=1):
+        for c in cutlass.range(cutlass.max(chunks - self.lag, 0), chunks, unroll=1):
             cute.arch.mbarrier_arrive(full + c % self.slots)
 
     @cute.jit
