@@ -50,3 +50,26 @@ def test_recompute_kernel(heads, length):
     ctas = config.resident(heads)
     assert res["registers"] * config.THREADS * ctas <= REGISTERS
     assert ctas * config.smem_bytes(heads) <= 233472 - 1024 * ctas
+
+
+def _ptx(params) -> str:
+    with tempfile.TemporaryDirectory() as d:  # --keep-ptx writes a file: not into the tree
+        return SPEC.compile(params, f"--keep-ptx --dump-dir {d}").artifacts.PTX
+
+
+def test_every_signal_follows_a_wait_and_a_proxy_fence():
+    """The producer's hand-over (kernel.py): every cp.async.wait_group is followed by a
+    fence.proxy.async before the next mbarrier arrive (the landed bytes are made visible to the
+    WGMMAs' async proxy by the thread that wrote them, then released)."""
+    ptx = _ptx(config.params_for("bfloat16", 16))
+    events = re.findall(r"(cp\.async\.wait_group|fence\.proxy\.async|mbarrier\.arrive)", ptx)
+    waits = events.count("cp.async.wait_group")
+    assert waits == events.count("fence.proxy.async") == config.NCHUNK + 1
+    pending = False
+    for e in events:
+        if e == "cp.async.wait_group":
+            pending = True
+        elif e == "fence.proxy.async":
+            pending = False
+        else:
+            assert not pending, "an arrive between a cp.async wait and its proxy fence"

@@ -42,6 +42,7 @@ from forgekernel.ops.mla import check_softmax_scale
 
 INDEX = (torch.int32,)
 FP32 = (torch.float32,)
+MAX_ROWS = 2**31  # kv rows are int32 in the kernel, query tokens its grid x
 
 
 def _validate(q, kv, lse, topk_indices, topk_length, out) -> bool:
@@ -98,6 +99,8 @@ def dsa_score_recompute(
     s_kv = kv.shape[-2]
     tokens = q.shape[0] * s_q if batched else s_q
     topk = topk_indices.shape[-1]
+    if kv.numel() // WIDTH >= MAX_ROWS or tokens >= MAX_ROWS:
+        raise ValueError("kv rows and query tokens must be below 2^31 (int32 rows, grid x)")
     q2 = q.reshape(tokens, heads, WIDTH)
     kv2 = kv.reshape(-1, WIDTH)
     lse2 = lse.reshape(tokens, heads)
