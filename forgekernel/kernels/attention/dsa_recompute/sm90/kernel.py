@@ -12,8 +12,9 @@ token's batch, offset = b s_kv for global indices, else 0.
 One CTA per query token, three warpgroups (config.py has the plan):
 - warpgroup 0 gathers: Q (H x 576, all heads of the token) by cp.async into NCHUNK K-chunks of
   shared memory, then for each key tile the TILE listed rows, K-chunk by K-chunk, into the ring
-  (cp.async of 16 bytes, 8 threads a row, 4 rows a thread; invalid entries are not read: their
-  rows hold stale bytes, which the epilogue discards). All heads share the one gather. Chunk c
+  (cp.async of 16 bytes, 8 threads a row, 4 rows a thread, their list entries loaded during
+  the previous tile; invalid entries are not read: their rows hold stale bytes, which the
+  epilogue discards). All heads share the one gather. Chunk c
   is signalled (full[slot], 128 arrivals) once chunk c + lag is issued (config.lag): a thread
   waits for its own older groups, fences them for the async proxy (WGMMA reads), then arrives.
 - warpgroups 1 and 2 take alternate key tiles: per tile, NCHUNK WGMMAs 64 x H x 64 (A: the
@@ -192,12 +193,16 @@ class DsaRecomputeSm90:
         kv_crd = thr.partition_S(cute.make_identity_tensor((TILE, CHUNK)))
         rows_per_thread = cute.size(kv_crd, mode=[1])
         rows = cute.make_rmem_tensor(rows_per_thread, Int32)  # kv row, or -1: not read
+        listed = cute.make_rmem_tensor(rows_per_thread, Int32)  # the next tile's entries
+        self._load_entries(mIdx, token, 0, limit, kv_crd, listed)
         for i in cutlass.range(tiles, unroll=1):
             for m in cutlass.range_constexpr(rows_per_thread):
                 pos = i * TILE + kv_crd[0, m, 0][0]
-                entry = mIdx[token, cutlass.min(pos, limit - 1)] - offset
+                entry = listed[m] - offset
                 ok = (pos < limit) & (entry >= 0) & (entry < s_kv)
                 rows[m] = Int32(cutlass.select_(ok, base + entry, -1))
+            # tile i + 1's entries, loaded under this tile's chunks (used next iteration)
+            self._load_entries(mIdx, token, i + 1, limit, kv_crd, listed)
             for k in cutlass.range_constexpr(NCHUNK):
                 c = i * NCHUNK + k
                 slot = c % self.slots
@@ -218,6 +223,15 @@ class DsaRecomputeSm90:
         cute.arch.fence_view_async_shared()
         for c in cutlass.range(cutlass.max(chunks - self.lag, 0), chunks, unroll=1):
             cute.arch.mbarrier_arrive(full + c % self.slots)
+
+    @cute.jit
+    def _load_entries(self, mIdx, token, tile, limit, kv_crd, listed):
+        """This thread's list entries of key tile `tile`, positions clamped into [0, limit - 1]
+        (0 when limit is 0: topk >= 1, launch returns before a 0-wide list), so every address
+        lies inside the row; the caller tests the position."""
+        for m in cutlass.range_constexpr(cute.size(listed)):
+            pos = tile * TILE + kv_crd[0, m, 0][0]
+            listed[m] = mIdx[token, cutlass.max(cutlass.min(pos, limit - 1), 0)]
 
     @cute.jit
     def _score(self, mLse, mIdx, mOut, sQ, sKV, full, empty, mma, where, scale_log2, w, tidx):
