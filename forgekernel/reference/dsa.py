@@ -26,9 +26,11 @@ Indexer training [paper eqs. (3), (4)]: the target p[t, :] is the main attention
 probabilities summed over heads and L1-normalized over the selected set S_t; the loss is
 sum_t KL(p[t, S_t] || softmax(I[t, S_t])); the indexer's input is detached from the main model.
 `dsa_score_recompute_ref` gives the per-head probabilities, `dsa_attention_target_ref` the
-target (what cuDNN's sparse_attn_score_recompute returns), `dsa_indexer_backward_ref` the
-gradients of the loss with respect to q, k and the weights (autograd of the sparse scores;
-cross-entropy -sum p log softmax(I) has the same gradients, as cuDNN's reference uses).
+target, `dsa_score_target_ref` the target exactly as cuDNN's sparse_attn_score_recompute
+returns it (from q, kv, lse and the indices; its L1 sum carries an eps of 1e-10),
+`dsa_indexer_backward_ref` the gradients of the loss with respect to q, k and the weights
+(autograd of the sparse scores; cross-entropy -sum p log softmax(I) has the same gradients,
+as cuDNN's reference uses).
 
 Sparse attention [paper eq. (2); FlashMLA flash_mla_sparse_fwd; cuDNN-frontend DSA backward]:
 MQA over one latent KV head of D = 576 (512 compressed + 64 RoPE); V is kv[:, :d_v] (d_v=512).
@@ -516,6 +518,33 @@ def dsa_score_recompute_ref(
         s = (s * softmax_scale).masked_fill(~valid[r0:r1, None, :], float("-inf"))
         parts.append(torch.exp(s - lse[r0:r1, :, None]))
     return torch.cat(parts) if parts else qf.new_zeros(0, q.shape[1], topk_indices.shape[1])
+
+
+TARGET_EPS = 1e-10  # cuDNN-frontend's L1 normalization: S / (sum S + 1e-10)
+
+
+def dsa_score_target_ref(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    lse: torch.Tensor,
+    topk_indices: torch.Tensor,
+    softmax_scale: float,
+    *,
+    topk_length: torch.Tensor | None = None,
+    eps: float = TARGET_EPS,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The indexer's target as cuDNN-frontend 1.32's `sparse_attn_score_recompute_wrapper`
+    returns it (sm90 kernel `SparseScoreRecomputeSm90`, L1 path), (S, topk) in `dtype`:
+    S[t, j] = sum_h exp(scale q[t, h] . kv[idx[t, j]] - lse[t, h]) (natural-log lse, the
+    forward's KV-only one), target = S / (sum_j S[t, j] + eps); 0 at padding, past
+    topk_length, and for heads whose lse is -inf. With eps 0 and each head's lse from the same
+    indices, this is `dsa_attention_target_ref(dsa_score_recompute_ref(...))` (paper eq. (3))."""
+    probs = dsa_score_recompute_ref(
+        q, kv, lse, topk_indices, softmax_scale, topk_length=topk_length, dtype=dtype
+    )
+    total = probs.sum(1)
+    return total / (total.sum(-1, keepdim=True) + eps)
 
 
 def lse_with_sink(lse: torch.Tensor, attn_sink: torch.Tensor) -> torch.Tensor:

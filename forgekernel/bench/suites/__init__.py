@@ -21,6 +21,7 @@ PENDING_SUITE_MODULES: dict[str, str] = {
     "gemm_fp4_grouped": "forgekernel.bench.suites.gemm_fp4_grouped",
     # issue 20: Kimi Delta Attention forward (recurrence kernel; first pass in torch by default)
     "kda_prefill": "forgekernel.bench.suites.kda_prefill",
+    "dsa_recompute": "forgekernel.bench.suites.dsa_recompute",  # issue 22: the score recompute
 }
 SUITE_MODULES = {
     "gemm": "forgekernel.bench.suites.gemm",
