@@ -15,6 +15,8 @@
 # attention_bwd`), under its own time limits; SANITIZE=1 then runs `check --sanitize OP`
 # (compute-sanitizer memcheck and racecheck, under SANITIZE_TIMEOUT; SANITIZE=only skips check
 # and bench); CHECK=0 / BENCH=0 skip check / bench; BENCH_ARGS (e.g. --timing graph) go to bench; GPU_TESTS=1 runs `pytest -m gpu tests/gpu` (or GPU_TESTS_PATHS);
+# DIAGS="mla_seesaw dsa_indexer" first runs those scripts/diag_NAME.py ladders (each case in its own
+# process under a timeout: a hang costs seconds), logs in logs.tar as diag-NAME.log;
 # VARIANTS=1 then times attention-forward configurations (scripts/attn_variants.py),
 # BWD_VARIANTS=1 scripts/bwd_variants.py.
 set -uo pipefail
@@ -41,6 +43,10 @@ if [ "${BUILD:-0}" = 1 ]; then
 fi
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,power.draw --format=csv
 timeout 120 python3 -m forgekernel selftest 2>&1 | tail -3
+for d in ${DIAGS:-}; do
+  PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} FORGEKERNEL_PENDING_SUITES=1 timeout -k 15 \
+    "${DIAG_TIMEOUT:-300}" python3 "scripts/diag_$d.py" 2>&1 | tee "$LOGS/diag-$d.log" | tail -30
+done
 pack() {
   cp -r "$RESULTS"/. "$OUT/results/" 2>/dev/null
   tar -cf "$OUT/reports.tar" -C "$REPORTS" . 2>/dev/null
