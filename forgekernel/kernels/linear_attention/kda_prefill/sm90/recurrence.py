@@ -389,7 +389,8 @@ class KdaRecurrenceSm90(StateWg):
             self._decay_state(acc_st, mma_st, smem["d"], ax.index)
             gemm(mma_st, acc_st, tUrU, tBrKd[None, None, None, ax.index], False, 0)
             aux_pipe.consumer_release(ax)
-            self._store_o(acc_o, mma_ks, smem["o"], mO, out_bar, w, tid, hv, bos, c, seqlen)
+            self._store_o(acc_o, mma_ks, smem["o"], mO, out_bar, w, w, tid, hv, bos, c,
+                          seqlen)  # fmt: skip
             ld.advance()
             vs.advance()
             ax.advance()
