@@ -19,6 +19,7 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     aux_wgs,
     state_wgs,
 )
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import gate_warp_witnesses_qk
 
 
 def advance(state: tuple[int, int], count: int, stages: int) -> tuple[int, int]:
@@ -124,3 +125,132 @@ def test_pipeline_state_advance_by_two_matches_one_by_one():
             one = advance(advance(one, 1, stages), 1, stages)
             two = advance(two, 2, stages)
             assert one == two
+
+
+# ---------------------------------------------------------------- mbarrier parities
+# The replay above waits on "the stage holds chunk c". The hardware waits on a parity: a
+# consumer's wait for chunk c of a `stages`-deep ring passes once the stage's full barrier has
+# completed a number of phases of the other parity than c // stages; PTX defines it only for
+# the current or the preceding phase. Below, the same roles on barrier phase counts, with TMA
+# boxes landing whenever the scheduler chooses (out of issue order): a wait that passes while
+# its stage does not hold its chunk (a stale parity) fails the test.
+
+
+class Barriers:
+    """A ring's full and empty mbarriers as completed-phase counts, and the stages' chunks."""
+
+    def __init__(self, stages: int, consumers: int):
+        self.stages, self.consumers = stages, consumers
+        self.full = [0] * stages
+        self.empty = [0] * stages
+        self.arrived = [0] * stages
+        self.holds = [None] * stages
+
+    def can_acquire(self, c: int) -> bool:  # producer_state: phase 1 first, empty parity wait
+        s, lap = c % self.stages, c // self.stages
+        return self.empty[s] % 2 != (lap % 2) ^ 1
+
+    def fill(self, c: int) -> None:  # a commit, or a TMA box landing
+        s = c % self.stages
+        self.full[s] += 1
+        self.holds[s] = c
+
+    def can_wait(self, c: int) -> bool:
+        return self.full[c % self.stages] % 2 != (c // self.stages) % 2
+
+    def check(self, c: int, who: str) -> None:
+        assert self.holds[c % self.stages] == c, f"{who} passed its wait for chunk {c} stale"
+
+    def release(self, c: int) -> None:
+        s = c % self.stages
+        self.arrived[s] += 1
+        if self.arrived[s] == self.consumers:
+            self.arrived[s] = 0
+            self.empty[s] += 1
+
+
+def _parity_agents(nchunks, auxes, states, rings, in_flight, witness):
+    """The kernel's waits and arrivals in program order (chunked_fwd.py `_produce`, `_gates`;
+    aux_wy.py `_aux`; state_wg.py `_state`), each wait checked when it passes."""
+    qk, v, gate, aux = rings["qk"], rings["v"], rings["gate"], rings["aux"]
+
+    def wait(ring, c, who):
+        return lambda: ring.can_wait(c), lambda: ring.check(c, who)
+
+    def producer():
+        for c in range(nchunks):
+            yield lambda c=c: qk.can_acquire(c), lambda c=c: in_flight.append((qk, c))
+            yield lambda c=c: v.can_acquire(c), lambda c=c: in_flight.append((v, c))
+
+    def gates():
+        for c in range(nchunks):
+            yield lambda c=c: gate.can_acquire(c), lambda: None
+            if witness:
+                yield wait(qk, c, "gate warp")
+            yield lambda: True, lambda c=c: gate.fill(c)
+
+    def aux_wg(a):
+        for c in range(a, nchunks, auxes):
+            who = f"aux warpgroup {a}"
+            if witness:
+                yield wait(gate, c, who)
+            yield wait(qk, c, who)
+            if not witness:
+                yield wait(gate, c, who)
+            yield lambda: True, lambda c=c: qk.release(c)
+            yield lambda c=c: aux.can_acquire(c), lambda c=c: (aux.fill(c), gate.release(c))
+
+    def state_wg(w):
+        for c in range(nchunks):
+            who = f"state warpgroup {w}"
+            yield wait(qk, c, who)
+            yield wait(aux, c, who)
+            yield wait(v, c, who)
+            yield lambda: True, lambda c=c: v.release(c)
+            yield lambda: True, lambda c=c: (qk.release(c), aux.release(c))
+
+    return [producer(), gates(), *(aux_wg(a) for a in range(auxes)),
+            *(state_wg(w) for w in range(states))]  # fmt: skip
+
+
+def _run_parities(nchunks: int, v_split: int, witness: bool, newest_first: bool) -> None:
+    """Step every agent that can move; only when none can, land one TMA box in flight (the
+    newest first: landings as far out of issue order as the roles allow, or the oldest)."""
+    auxes, states = aux_wgs(v_split), state_wgs(128, v_split)
+    rings = {
+        "qk": Barriers(QK_STAGES, 1 + states),
+        "v": Barriers(V_STAGES, states),
+        "gate": Barriers(STAGES, 1),
+        "aux": Barriers(STAGES, states),
+    }
+    in_flight = []
+    agents = [iter(a) for a in _parity_agents(nchunks, auxes, states, rings, in_flight, witness)]
+    pending = [next(a, None) for a in agents]
+    while any(p is not None for p in pending) or in_flight:
+        moved = False
+        for i, step in enumerate(pending):
+            if step is not None and step[0]():
+                step[1]()
+                pending[i] = next(agents[i], None)
+                moved = True
+        if not moved:
+            assert in_flight, f"deadlock at {nchunks} chunks, V split {v_split}"
+            ring, c = in_flight.pop(-1 if newest_first else 0)
+            ring.fill(c)
+
+
+@pytest.mark.parametrize("newest_first", [True, False])
+@pytest.mark.parametrize("v_split", [1, 2])
+@pytest.mark.parametrize("nchunks", range(12))
+def test_parity_waits_never_pass_stale(v_split, nchunks, newest_first):
+    """The kernel's protocol (the gate warp's witness where `gate_warp_witnesses_qk` says)."""
+    witness = gate_warp_witnesses_qk(aux_wgs(v_split))
+    _run_parities(nchunks, v_split, witness, newest_first)
+
+
+def test_two_aux_warpgroups_without_the_witness_pass_a_stale_parity():
+    """Why the witness: with two aux warpgroups and an odd q / k ring, a box that lands after
+    the next one lets the other aux warpgroup's wait three chunks on pass on the old phase."""
+    with pytest.raises(AssertionError, match="aux warpgroup 1 passed its wait for chunk 3 stale"):
+        _run_parities(6, 2, witness=False, newest_first=True)
+    _run_parities(6, 1, witness=False, newest_first=True)  # one aux warpgroup: in order

@@ -34,7 +34,11 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     STAGES,
 )
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse import invert
-from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import Bar, aux_barrier_id
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import (
+    Bar,
+    aux_barrier_id,
+    gate_warp_witnesses_qk,
+)
 
 VEC = 8  # 16-bit elements per 16-byte shared-memory read
 
@@ -62,6 +66,7 @@ class AuxWy:
         gt = consumer_state(STAGES)
         ax = producer_state(STAGES)
         first = 0
+        witness = gate_warp_witnesses_qk(self.aux_wgs)  # gate stage first (roles.py says why)
         if const_expr(self.aux_wgs > 1):
             bar = named_barrier(aux_barrier_id(a), THREADS_PER_WG)
             ld.advance(a)
@@ -70,11 +75,14 @@ class AuxWy:
             first = a
         for _ in cutlass.range(first, nchunks, self.aux_wgs, unroll=1):
             atid = opaque_tid_x() - THREADS_PER_WG * (1 + a)
+            if const_expr(witness):  # the gate warp saw this chunk's q / k land: no stale parity
+                gate_pipe.consumer_wait(gt)
             qk_pipe.consumer_wait(ld)
             kb = tSrKb[None, None, None, ld.index]
             acc = cute.make_rmem_tensor(acc_shape, Float32)
             gemm(mma_aux, acc, tSrKa[None, None, None, ld.index], kb, True, -1)
-            gate_pipe.consumer_wait(gt)
+            if const_expr(not witness):
+                gate_pipe.consumer_wait(gt)
             if const_expr(self.l2norm):
                 self._row_norm(atid, sQ, sK, sG, sNorm, ld.index, gt.index)
             # the norms are visible; every thread is past the previous chunk's scratch reads

@@ -71,6 +71,7 @@ from cutlass.tensor_utils import LayoutEnum
 from forgekernel.kernels.common.sm90.constants import LOG2E, THREADS_PER_WG, WARP_SIZE
 from forgekernel.kernels.common.sm90.layout import packed_as_sdhb
 from forgekernel.kernels.common.sm90.pipeline import (
+    consumer_state,
     init_arrive,
     init_wait,
     producer_state,
@@ -97,6 +98,7 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import (
     GATE_WARP,
     PRODUCER_WARP,
+    gate_warp_witnesses_qk,
     qk_consumer_warps,
     v_consumer_warps,
 )
@@ -331,7 +333,7 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
                     part, bos, nchunks,
                 )  # fmt: skip
             elif warp_idx == GATE_WARP:
-                self._gates(mG, mBeta, sG, sBeta, gate_pipe, hv, bos, seqlen, nchunks)
+                self._gates(mG, mBeta, sG, sBeta, gate_pipe, qk_pipe, hv, bos, seqlen, nchunks)
         elif wg == 1 if const_expr(self.aux_wgs == 1) else wg <= self.aux_wgs:
             cute.arch.setmaxregister_decrease(AUX_REGS)
             a = 0  # aux warpgroup a takes chunks a, a + aux_wgs, ...
@@ -389,11 +391,14 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
             vs.advance()
 
     @cute.jit
-    def _gates(self, mG, mBeta, sG, sBeta, gate_pipe, hv, bos, seqlen, nchunks):
+    def _gates(self, mG, mBeta, sG, sBeta, gate_pipe, qk_pipe, hv, bos, seqlen, nchunks):
         """Per chunk: lane l takes tokens 2 l and 2 l + 1; g and beta (0 past the sequence), the
-        inclusive cumulative sum of g over the chunk by a warp scan, times log2(e)."""
+        inclusive cumulative sum of g over the chunk by a warp scan, times log2(e). With two
+        aux warpgroups, committed only once the chunk's q / k have landed (waited on in chunk
+        order, never released: `roles.gate_warp_witnesses_qk`)."""
         lane = cute.arch.lane_idx()
         st = producer_state(STAGES)
+        ld = consumer_state(QK_STAGES)
         for c in cutlass.range(nchunks, unroll=1):
             t0 = c * CHUNK + 2 * lane
             vals = []
@@ -414,5 +419,8 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
             sG[2 * lane + 1, st.index] = incl * LOG2E
             sBeta[2 * lane, st.index] = vals[0][1]
             sBeta[2 * lane + 1, st.index] = vals[1][1]
+            if const_expr(gate_warp_witnesses_qk(self.aux_wgs)):
+                qk_pipe.consumer_wait(ld)
+                ld.advance()
             gate_pipe.producer_commit(st)
             st.advance()

@@ -25,6 +25,20 @@ PRODUCER_WARP = 0  # warpgroup 0: TMA loads
 GATE_WARP = 1  # warpgroup 0: g, beta and the chunk's cumulative decay
 
 
+def gate_warp_witnesses_qk(aux_wgs: int) -> bool:
+    """Whether the gate warp waits (in chunk order, without arriving) on the q / k ring's full
+    barrier of chunk c before it commits chunk c's gates, and the aux warpgroups wait for their
+    gate stage before their q / k wait. Needed with two aux warpgroups: QK_STAGES is odd, so
+    the chunk a stage held before c (c - 3) belongs to the other aux warpgroup, which an aux
+    warpgroup never waited on; an mbarrier parity wait names the current or the preceding
+    phase only, and if c - 3's TMA had not landed yet, the wait for c (parity of c - 3's phase
+    plus one) would pass at once on the stage still holding c - 3 (and its release would count
+    toward c - 3's empty phase). The gate warp sees every chunk in order, so once it has seen c
+    land, the aux warpgroup's parity wait names the preceding phase (tests/
+    test_gdn_prefill_rings.py replays the parities with TMA landings out of order)."""
+    return aux_wgs > 1
+
+
 def qk_consumer_warps(state_wgs: int) -> int:
     """The q / k ring is released by lane 0 of every aux and state warp."""
     return (1 + state_wgs) * THREADS_PER_WG // WARP_SIZE
