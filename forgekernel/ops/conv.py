@@ -265,21 +265,21 @@ def _meta(t: torch.Tensor | None) -> tuple | None:
 
 
 def _fwd_key(x, w, bias, stride, padding, dilation, out, dims) -> tuple:
-    return ("fwd", dims, x.shape, x.dtype, w.shape, w.dtype, _meta(bias), _meta(out),
-            _arg_key(stride), _arg_key(padding), _arg_key(dilation))  # fmt: skip
+    args = (_arg_key(stride), _arg_key(padding), _arg_key(dilation))
+    return ("fwd", dims, x.shape, x.dtype, w.shape, w.dtype, _meta(bias), _meta(out), args)
 
 
 def _grad_key(op, dims, dy, other, shape, stride, padding, dilation, out) -> tuple:
     """dgrad (other = w, shape = x_shape) or wgrad (other = x, shape = w_shape)."""
-    return (op, dims, dy.shape, dy.dtype, other.shape, other.dtype, _meta(out),
-            _arg_key(shape), _arg_key(stride), _arg_key(padding), _arg_key(dilation))  # fmt: skip
+    args = (_arg_key(shape), _arg_key(stride), _arg_key(padding), _arg_key(dilation))
+    return (op, dims, dy.shape, dy.dtype, other.shape, other.dtype, _meta(out), args)
 
 
 def _remember(key: tuple, passed: tuple) -> None:
     """What the named checks returned for a plain eager call of `key` (arguments that make no
-    key, None in its last four places, are left to the named checks)."""
-    for part in key[-4:]:
-        if part is None:
+    key, None in its last entry, are left to the named checks)."""
+    for arg in key[-1]:
+        if arg is None:
             return
     if len(_PASSED) >= _PASSED.max_entries:
         _PASSED.clear()
@@ -298,6 +298,24 @@ def _seen(key: tuple, groups: object, padding_mode: object, first, *others) -> t
 
 
 _FIRST = {"fwd": "x", "dgrad": "dy", "wgrad": "dy"}
+
+
+def _fwd_seen(x, w, bias, stride, padding, dilation, groups, padding_mode, out, dims):
+    """(key, passed) of a forward call: key None when it is traced or its tensors are not plain
+    (the named checks and the custom op), passed None when the named checks must decide."""
+    if tracing() or not plain(x, w, optional=(bias, out)):
+        return None, None
+    key = _fwd_key(x, w, bias, stride, padding, dilation, out, dims)
+    return key, _seen(key, groups, padding_mode, x, w, bias, out)
+
+
+def _grad_seen(op, dy, other, shape, stride, padding, dilation, groups, out, dims):
+    """`_fwd_seen` of a data (other = w, shape = x_shape) or weight (other = x, shape =
+    w_shape) gradient call."""
+    if tracing() or not plain(dy, other, optional=(out,)):
+        return None, None
+    key = _grad_key(op, dims, dy, other, shape, stride, padding, dilation, out)
+    return key, _seen(key, groups, "zeros", dy, other, out)
 
 
 # ---------------------------------------------------------------- layouts
@@ -478,10 +496,7 @@ def _finish(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 
 
 def _conv(x, w, bias, stride, padding, dilation, groups, padding_mode, out, dims):
-    key = passed = None
-    if not tracing() and plain(x, w, optional=(bias, out)):
-        key = _fwd_key(x, w, bias, stride, padding, dilation, out, dims)
-        passed = _seen(key, groups, padding_mode, x, w, bias, out)
+    key, passed = _fwd_seen(x, w, bias, stride, padding, dilation, groups, padding_mode, out, dims)
     if passed is None:
         g = _validate_fwd(x, w, bias, stride, padding, dilation, groups, padding_mode, out, dims)
         passed = g, None
@@ -531,10 +546,7 @@ def conv3d(
 
 
 def _dgrad_api(dy, w, x_shape, stride, padding, dilation, groups, out, dims) -> torch.Tensor:
-    key = passed = None
-    if not tracing() and plain(dy, w, optional=(out,)):
-        key = _grad_key("dgrad", dims, dy, w, x_shape, stride, padding, dilation, out)
-        passed = _seen(key, groups, "zeros", dy, w, out)
+    key, passed = _grad_seen("dgrad", dy, w, x_shape, stride, padding, dilation, groups, out, dims)
     if passed is None:
         passed = _validate_dgrad(dy, w, x_shape, stride, padding, dilation, groups, out, dims)
         if key is not None:  # plain tensors and no mode: not traced
@@ -547,10 +559,7 @@ def _dgrad_api(dy, w, x_shape, stride, padding, dilation, groups, out, dims) -> 
 
 
 def _wgrad_api(dy, x, w_shape, stride, padding, dilation, groups, out, dims) -> torch.Tensor:
-    key = passed = None
-    if not tracing() and plain(dy, x, optional=(out,)):
-        key = _grad_key("wgrad", dims, dy, x, w_shape, stride, padding, dilation, out)
-        passed = _seen(key, groups, "zeros", dy, x, out)
+    key, passed = _grad_seen("wgrad", dy, x, w_shape, stride, padding, dilation, groups, out, dims)
     if passed is None:
         passed = _validate_wgrad(dy, x, w_shape, stride, padding, dilation, groups, out, dims)
         if key is not None:
