@@ -13,6 +13,12 @@ must not come back (the dispatcher on the eager path, the named checks on every 
 lookup per launch) is tested exactly. The one-pass checks must accept exactly what the named
 checks accept: tested on one mutation per check.
 
+The convolutions (conv_fwd / conv_dgrad / conv_wgrad on n32-c64-56x56-k64-1x1 bf16; the H200's
+bench: 68.6 / 68.6 / 80.8 us against cuDNN's 31.2 / 42.9 / 45.8), on the same machine and
+timer: 36.4 / 38.2 / 36.2 -> 14.4 / 16.3 / 15.3 us. Their one-pass check is the named checks'
+result remembered per plain eager call's key (shapes, dtypes, exact-typed geometry arguments;
+the device checks run per call), tested on mutations after the valid call was remembered.
+
 On a GPU (`pytest -m gpu`), the same calls with the real kernels, split into the time spent in
 the kernels' own calls (TVM-FFI conversion and launch) and the rest (the op side)."""
 
@@ -43,7 +49,7 @@ SERVING = {
 CONV = {name: (conv, conv_launch) for name in ("conv_fwd", "conv_dgrad", "conv_wgrad")}
 SUITES = {**SERVING, **CONV}
 BUDGET_US = {"mla_decode": 60.0, "dsa_sparse": 50.0, "attention_paged": 30.0,
-             "conv_fwd": 40.0, "conv_dgrad": 45.0, "conv_wgrad": 40.0}  # fmt: skip
+             "conv_fwd": 36.0, "conv_dgrad": 41.0, "conv_wgrad": 38.0}  # fmt: skip
 # the checks that must not run on a repeated eager call
 NAMED_CHECKS = {**{name: ("_validate", "_traced") for name in SERVING},
                 "conv_fwd": ("_validate_fwd",), "conv_dgrad": ("_validate_dgrad",),

@@ -10,7 +10,11 @@ every output (y, dx, dw) is allocated channels-last, which is what torch's cuDNN
 for channels-last inputs.
 
 This module validates; eager calls then go straight to the leaf's host launcher
-(`kernels/conv/sm90/launch.py`: forward kernel, data gradient by output phase, weight gradient);
+(`kernels/conv/sm90/launch.py`: forward kernel, data gradient by output phase, weight gradient).
+A plain eager call whose key (the tensors' shapes and dtypes, the geometry arguments with their
+exact types) passed the named checks before takes their result from one dict lookup, its
+device checks made as they make them (issue 17: host time per call; tests/test_host_overhead.py
+proves on mutations that a key never stands for a call the named checks reject);
 under `torch.compile`, or when autograd records the call, the same work runs through the custom
 ops `forgekernel::conv_fwd` / `conv_dgrad` / `conv_wgrad`, whose fake implementations give the
 compiler shapes and strides. `conv_fwd`'s autograd formula computes dx with `conv_dgrad`, dw
