@@ -135,7 +135,8 @@ def test_eager_call_skips_the_dispatcher_and_the_named_checks(no_op_kernels, mon
         raise AssertionError("the common eager call took the named checks")
 
     _, call = _bench_call(name, torch.device("cpu"))
-    call()
+    if name in CONV:  # a problem's first call runs the named checks (and remembers them)
+        call()
     for check in NAMED_CHECKS[name]:
         monkeypatch.setattr(module, check, must_not_run)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
