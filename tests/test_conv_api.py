@@ -27,6 +27,7 @@ def cpu_kernel(monkeypatch):
     """Device checks off, the compiled functions the kernel models; returns the list of
     launcher entry points called."""
     calls = []
+    launch.clear_plans()  # plans hold the function they looked up
     monkeypatch.setattr(op, "check_cuda", lambda name, t: None)
     monkeypatch.setattr(launch, "get_kernel", emulate.stand_in)
     for name in ("fprop", "dgrad", "wgrad"):
@@ -37,7 +38,8 @@ def cpu_kernel(monkeypatch):
             return _real(*args, **kw)
 
         monkeypatch.setattr(launch, name, traced)
-    return calls
+    yield calls
+    launch.clear_plans()
 
 
 def rnd(*shape, dtype=BF16):

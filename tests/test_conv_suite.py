@@ -123,8 +123,11 @@ def test_no_cudnn_without_a_gpu():
 
 @pytest.fixture
 def model_kernel(monkeypatch):
+    launch.clear_plans()  # plans hold the function they looked up
     monkeypatch.setattr(op, "check_cuda", lambda name, t: None)
     monkeypatch.setattr(launch, "get_kernel", emulate.stand_in)
+    yield
+    launch.clear_plans()
 
 
 # the odd check cases (the moderate per-class ones take the kernel model too long on a CPU)

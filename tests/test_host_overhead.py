@@ -13,6 +13,12 @@ must not come back (the dispatcher on the eager path, the named checks on every 
 lookup per launch) is tested exactly. The one-pass checks must accept exactly what the named
 checks accept: tested on one mutation per check.
 
+The convolutions (conv_fwd / conv_dgrad / conv_wgrad on n32-c64-56x56-k64-1x1 bf16; the H200's
+bench: 68.6 / 68.6 / 80.8 us against cuDNN's 31.2 / 42.9 / 45.8), on the same machine and
+timer: 36.4 / 38.2 / 36.2 -> 14.4 / 16.3 / 15.3 us. Their one-pass check is the named checks'
+result remembered per plain eager call's key (shapes, dtypes, exact-typed geometry arguments;
+the device checks run per call), tested on mutations after the valid call was remembered.
+
 On a GPU (`pytest -m gpu`), the same calls with the real kernels, split into the time spent in
 the kernels' own calls (TVM-FFI conversion and launch) and the rest (the op side)."""
 
@@ -28,19 +34,29 @@ import torch
 from forgekernel.bench.harness import host_case
 from forgekernel.kernels.attention.mla.sm90 import launch as mla_launch
 from forgekernel.kernels.attention.paged.sm90 import launch as paged_launch
+from forgekernel.kernels.conv.sm90 import launch as conv_launch
 
 mla = importlib.import_module("forgekernel.ops.mla")
 dsa = importlib.import_module("forgekernel.ops.dsa")
 paged = importlib.import_module("forgekernel.ops.attention_paged")
+conv = importlib.import_module("forgekernel.ops.conv")
 
-SUITES = {
+SERVING = {
     "mla_decode": (mla, mla_launch),
     "dsa_sparse": (dsa, mla_launch),
     "attention_paged": (paged, paged_launch),
 }
-BUDGET_US = {"mla_decode": 60.0, "dsa_sparse": 50.0, "attention_paged": 30.0}
+CONV = {name: (conv, conv_launch) for name in ("conv_fwd", "conv_dgrad", "conv_wgrad")}
+SUITES = {**SERVING, **CONV}
+BUDGET_US = {"mla_decode": 60.0, "dsa_sparse": 50.0, "attention_paged": 30.0,
+             "conv_fwd": 36.0, "conv_dgrad": 41.0, "conv_wgrad": 38.0}  # fmt: skip
+# the checks that must not run on a repeated eager call
+NAMED_CHECKS = {**{name: ("_validate", "_traced") for name in SERVING},
+                "conv_fwd": ("_validate_fwd",), "conv_dgrad": ("_validate_dgrad",),
+                "conv_wgrad": ("_validate_wgrad",)}  # fmt: skip
 CUSTOM_OPS = ("forgekernel::mla_decode", "forgekernel::dsa_sparse_attention",
-              "forgekernel::attention_paged_decode")  # fmt: skip
+              "forgekernel::attention_paged_decode", "forgekernel::conv_fwd",
+              "forgekernel::conv_dgrad", "forgekernel::conv_wgrad")  # fmt: skip
 
 
 def _no_op(*args) -> None:
@@ -57,13 +73,19 @@ def no_op_kernels(monkeypatch):
         return _no_op
 
     for module, launch in SUITES.values():
-        launch._plans.clear()
+        _clear_plans(launch)
         monkeypatch.setattr(launch, "get_kernel", get_kernel)
         monkeypatch.setattr(launch, "num_sms", lambda device: 132)
         monkeypatch.setattr(module, "check_cuda", lambda name, t: None)
     yield looked_up
     for _, launch in SUITES.values():
-        launch._plans.clear()
+        _clear_plans(launch)
+
+
+def _clear_plans(launch) -> None:
+    """Every plan of a launcher (plans hold the functions they looked up)."""
+    clear = getattr(launch, "clear_plans", None)
+    clear() if clear is not None else launch._plans.clear()
 
 
 def _bench_call(name: str, device: torch.device) -> tuple[str, Callable[[], object]]:
@@ -104,16 +126,19 @@ def test_host_time_per_call(no_op_kernels, capsys, name):
 
 @pytest.mark.parametrize("name", SUITES)
 def test_eager_call_skips_the_dispatcher_and_the_named_checks(no_op_kernels, monkeypatch, name):
-    """The bench's call passes the one-pass check (the named checks and `traced` never run),
-    and no custom op is dispatched."""
+    """The bench's call passes the one-pass check (the named checks and `traced` never run;
+    the convolutions': from the second call of a problem on), and no custom op is
+    dispatched."""
     module, _ = SUITES[name]
 
     def must_not_run(*args):
         raise AssertionError("the common eager call took the named checks")
 
-    monkeypatch.setattr(module, "_validate", must_not_run)
-    monkeypatch.setattr(module, "_traced", must_not_run)
     _, call = _bench_call(name, torch.device("cpu"))
+    if name in CONV:  # a problem's first call runs the named checks (and remembers them)
+        call()
+    for check in NAMED_CHECKS[name]:
+        monkeypatch.setattr(module, check, must_not_run)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         call()
     ran = {e.name for e in prof.events()}
@@ -125,6 +150,9 @@ def test_plans_look_their_kernels_up_once(no_op_kernels, name):
     _, call = _bench_call(name, torch.device("cpu"))
     for _ in range(5):
         call()
+    if name in CONV:  # one launch per call (1x1, stride 1: one data-gradient phase)
+        assert len(no_op_kernels) == 1
+        return
     kinds = sorted(dict(params)["kind"] for params in no_op_kernels)
     assert kinds == ["combine", "sparse" if name == "dsa_sparse" else "partial"]
 
@@ -312,6 +340,206 @@ def test_one_pass_check_still_demands_cuda(module):
         module._valid_at_a_glance(*args.values())
 
 
+# ---------------------------------------------------------------- conv: the remembered checks
+# The convolutions remember the named checks' result per plain eager call's key (shapes,
+# dtypes, exact-typed geometry arguments); the device checks, groups and padding_mode run per
+# call. A key must never match a call the named checks reject: each mutation below is called
+# once through the op (a valid one is remembered), after the valid base call; then the
+# remembered verdict must be the named checks' (ALSO_NAMED: valid, but an argument makes no
+# key, so the named checks run every time).
+
+
+def _conv_fwd_args(**change):
+    args = {"x": _bf16(2, 8, 9, 9), "w": _bf16(16, 8, 3, 3), "bias": _bf16(16), "stride": 1,
+            "padding": 1, "dilation": 1, "groups": 1, "padding_mode": "zeros",
+            "out": _bf16(2, 16, 9, 9), "dims": 2}  # fmt: skip
+    return {**args, **change}
+
+
+def _conv_dgrad_args(**change):
+    args = {"dy": _bf16(2, 16, 9, 9), "w": _bf16(16, 8, 3, 3), "x_shape": (2, 8, 9, 9),
+            "stride": 1, "padding": 1, "dilation": 1, "groups": 1, "out": _bf16(2, 8, 9, 9),
+            "dims": 2}  # fmt: skip
+    return {**args, **change}
+
+
+def _conv_wgrad_args(**change):
+    args = {"dy": _bf16(2, 16, 9, 9), "x": _bf16(2, 8, 9, 9), "w_shape": (16, 8, 3, 3),
+            "stride": 1, "padding": 1, "dilation": 1, "groups": 1, "out": _bf16(16, 8, 3, 3),
+            "dims": 2}  # fmt: skip
+    return {**args, **change}
+
+
+META = {"device": "meta", "dtype": torch.bfloat16}
+CONV_FWD_CHANGES = {
+    "base": {},
+    "no bias, no out": {"bias": None, "out": None},
+    "fp16": {"x": _bf16(2, 8, 9, 9).half(), "w": _bf16(16, 8, 3, 3).half(),
+             "bias": _bf16(16).half(), "out": _bf16(2, 16, 9, 9).half()},
+    "stride 2": {"stride": (2, 2), "out": _bf16(2, 16, 5, 5)},
+    "padding list": {"padding": [1, 1]},
+    "padding same": {"padding": "same"},
+    "padding valid": {"padding": "valid", "out": _bf16(2, 16, 7, 7)},
+    "conv3d": {"x": _bf16(2, 8, 3, 9, 9), "w": _bf16(16, 8, 3, 3, 3),
+               "out": _bf16(2, 16, 3, 9, 9), "dims": 3},
+    "groups 1.0": {"groups": 1.0},
+    "stride True": {"stride": True},
+    "stride 1.0": {"stride": 1.0},
+    "stride (1, True)": {"stride": (1, True)},
+    "padding (1, 1.0)": {"padding": (1, 1.0)},
+    "dilation [1, 1.5]": {"dilation": [1, 1.5]},
+    "stride 0": {"stride": 0},
+    "stride 3 ints": {"stride": (1, 1, 1)},
+    "padding -1": {"padding": -1},
+    "padding full": {"padding": "full"},
+    "same stride 2": {"padding": "same", "stride": 2},
+    "padding 17": {"padding": 17, "out": _bf16(2, 16, 41, 41)},
+    "stride 9": {"stride": 9, "out": _bf16(2, 16, 2, 2)},
+    "groups 2": {"groups": 2},
+    "padding_mode reflect": {"padding_mode": "reflect"},
+    "x fp32": {"x": _bf16(2, 8, 9, 9, dtype=torch.float32)},
+    "w fp16": {"w": _bf16(16, 8, 3, 3).half()},
+    "x 3-D": {"x": _bf16(8, 9, 9)},
+    "x a list": {"x": _bf16(2, 8, 9, 9).tolist()},
+    "w channels": {"w": _bf16(16, 6, 3, 3)},
+    "w grouped": {"w": _bf16(16, 4, 3, 3)},
+    "kernel 0": {"w": _bf16(16, 8, 0, 3)},
+    "kernel too big": {"w": _bf16(16, 8, 12, 3)},
+    "bias shape": {"bias": _bf16(8)},
+    "bias fp16": {"bias": _bf16(16).half()},
+    "bias 2-D": {"bias": _bf16(16, 1)},
+    "out shape": {"out": _bf16(2, 16, 9, 8)},
+    "out fp16": {"out": _bf16(2, 16, 9, 9).half()},
+    "out a list": {"out": [0.0]},
+    "w on meta": {"w": torch.empty(16, 8, 3, 3, **META)},
+    "out on meta": {"out": torch.empty(2, 16, 9, 9, **META)},
+}  # fmt: skip
+CONV_DGRAD_CHANGES = {
+    "base": {},
+    "no out": {"out": None},
+    "x_shape list": {"x_shape": [2, 8, 9, 9]},
+    "x_shape torch.Size": {"x_shape": torch.Size((2, 8, 9, 9))},
+    "fp16": {"dy": _bf16(2, 16, 9, 9).half(), "w": _bf16(16, 8, 3, 3).half(),
+             "out": _bf16(2, 8, 9, 9).half()},
+    "stride 2": {"dy": _bf16(2, 16, 5, 5), "stride": 2},
+    "x_shape (True, ...)": {"dy": _bf16(1, 16, 9, 9), "x_shape": (True, 8, 9, 9),
+                            "out": _bf16(1, 8, 9, 9)},
+    "x_shape 1.0": {"x_shape": (2, 8, 9, 9.0)},
+    "x_shape -1": {"x_shape": (2, 8, 9, -1)},
+    "x_shape 3 ints": {"x_shape": (8, 9, 9)},
+    "x_shape a str": {"x_shape": "2899"},
+    "x_shape channels": {"x_shape": (2, 4, 9, 9), "out": _bf16(2, 4, 9, 9)},
+    "stride True": {"stride": True},
+    "padding 1.0": {"padding": 1.0},
+    "groups 2": {"groups": 2},
+    "dy fp32": {"dy": _bf16(2, 16, 9, 9, dtype=torch.float32)},
+    "w fp16": {"w": _bf16(16, 8, 3, 3).half()},
+    "dy shape": {"dy": _bf16(2, 16, 9, 8)},
+    "dy channels": {"dy": _bf16(2, 12, 9, 9)},
+    "out shape": {"out": _bf16(2, 8, 9, 8)},
+    "out fp16": {"out": _bf16(2, 8, 9, 9).half()},
+    "w on meta": {"w": torch.empty(16, 8, 3, 3, **META)},
+}  # fmt: skip
+CONV_WGRAD_CHANGES = {
+    "base": {},
+    "no out": {"out": None},
+    "w_shape list": {"w_shape": [16, 8, 3, 3]},
+    "fp16": {"dy": _bf16(2, 16, 9, 9).half(), "x": _bf16(2, 8, 9, 9).half(),
+             "out": _bf16(16, 8, 3, 3).half()},
+    "stride 2": {"dy": _bf16(2, 16, 5, 5), "stride": 2},
+    "w_shape (16, 8, 3, True)": {"w_shape": (16, 8, 3, True), "padding": (1, 0),
+                                 "out": _bf16(16, 8, 3, 1)},
+    "w_shape 3.0": {"w_shape": (16, 8, 3, 3.0)},
+    "w_shape kernel 0": {"w_shape": (16, 8, 0, 3)},
+    "w_shape channels": {"w_shape": (16, 4, 3, 3), "out": _bf16(16, 4, 3, 3)},
+    "w_shape 3 ints": {"w_shape": (16, 8, 3)},
+    "dilation True": {"dilation": True},
+    "groups 2": {"groups": 2},
+    "x fp32": {"x": _bf16(2, 8, 9, 9, dtype=torch.float32)},
+    "dy fp16": {"dy": _bf16(2, 16, 9, 9).half()},
+    "dy shape": {"dy": _bf16(2, 16, 9, 8)},
+    "out shape": {"out": _bf16(16, 8, 3, 2)},
+    "out fp16": {"out": _bf16(16, 8, 3, 3).half()},
+    "x on meta": {"x": torch.empty(2, 8, 9, 9, **META)},
+}  # fmt: skip
+CONV_VALID = {"base", "no bias, no out", "fp16", "stride 2", "padding list", "padding same",
+              "padding valid", "conv3d", "groups 1.0", "no out", "x_shape list",
+              "x_shape torch.Size", "w_shape list"}  # fmt: skip
+ALSO_NAMED = {"x_shape (True, ...)", "w_shape (16, 8, 3, True)"}
+
+
+def _conv_fwd_public(a):
+    fn = conv.conv2d if a["dims"] == 2 else conv.conv3d
+    return fn(a["x"], a["w"], a["bias"], a["stride"], a["padding"], a["dilation"], a["groups"],
+              a["padding_mode"], out=a["out"])  # fmt: skip
+
+
+def _conv_grad_public(fn, first, second, shape):
+    def call(a):
+        return fn(a[first], a[second], a[shape], a["stride"], a["padding"], a["dilation"],
+                  a["groups"], out=a["out"])  # fmt: skip
+
+    return call
+
+
+# (make, the named checks, the remembered verdict, the public op)
+CONV_OPS = {
+    "fwd": (_conv_fwd_args, conv._validate_fwd, conv._fwd_seen, _conv_fwd_public),
+    "dgrad": (_conv_dgrad_args, conv._validate_dgrad,
+              lambda *a: conv._grad_seen("dgrad", *a),
+              _conv_grad_public(conv.conv2d_dgrad, "dy", "w", "x_shape")),
+    "wgrad": (_conv_wgrad_args, conv._validate_wgrad,
+              lambda *a: conv._grad_seen("wgrad", *a),
+              _conv_grad_public(conv.conv2d_wgrad, "dy", "x", "w_shape")),
+}  # fmt: skip
+CONV_AGREEMENT = [
+    *[("fwd", name, change) for name, change in CONV_FWD_CHANGES.items()],
+    *[("dgrad", name, change) for name, change in CONV_DGRAD_CHANGES.items()],
+    *[("wgrad", name, change) for name, change in CONV_WGRAD_CHANGES.items()],
+]
+
+
+@pytest.mark.parametrize(
+    ("op", "name", "change"), CONV_AGREEMENT, ids=[f"conv_{a[0]}-{a[1]}" for a in CONV_AGREEMENT]
+)
+def test_remembered_checks_accept_what_the_named_checks_accept(no_op_kernels, op, name, change):
+    make, named, seen, public = CONV_OPS[op]
+    conv._PASSED.clear()
+    public(make())  # the valid base call, remembered
+    args = make(**change)
+    try:
+        named(*args.values())
+        passes = True
+    except (TypeError, ValueError):
+        passes = False
+    assert passes == (name in CONV_VALID | ALSO_NAMED)
+    if passes:
+        public(args)
+    else:
+        with pytest.raises((TypeError, ValueError)):
+            public(args)
+    try:
+        _, remembered = seen(*args.values())
+    except (TypeError, ValueError):  # a meta tensor's shape passed: the device checks raise
+        remembered = None
+    assert (remembered is not None) == (passes and name not in ALSO_NAMED)
+    if remembered is not None:  # the same geometry (the forward's: and its output shape)
+        want = named(*args.values())
+        assert remembered[0] == (want if op == "fwd" else want[0])
+
+
+def test_remembered_checks_still_demand_cuda(no_op_kernels, monkeypatch):
+    conv._PASSED.clear()
+    args = _conv_fwd_args()
+    _conv_fwd_public(args)  # remembered with the device check off
+    monkeypatch.setattr(conv, "check_cuda", importlib.import_module(
+        "forgekernel.ops._validate").check_cuda)  # fmt: skip
+    with pytest.raises(ValueError, match="x must be a CUDA tensor"):
+        conv._fwd_seen(*args.values())
+    with pytest.raises(ValueError, match="x must be a CUDA tensor"):
+        _conv_fwd_public(args)
+
+
 # ---------------------------------------------------------------- on the GPU
 
 
@@ -328,6 +556,29 @@ class _TimedKernel:
         self.total[0] += time.perf_counter() - t0
 
 
+def _time_the_kernels(name: str, launch, total: list[float]) -> None:
+    """Each plan's compiled function(s) replaced by a _TimedKernel adding to `total`."""
+    if name in CONV:  # (fn, clusters, plan) and the weight gradient's (fn, plan)
+        for plans in (launch._plans, launch._wgrad_plans):
+            for key, (fn, *rest) in list(plans.items()):
+                plans[key] = (_TimedKernel(fn, total), *rest)
+        return
+    for key, (partial, combine, *rest) in list(launch._plans.items()):
+        timed = None if combine is None else _TimedKernel(combine, total)
+        launch._plans[key] = (_TimedKernel(partial, total), timed, *rest)
+
+
+def _cudnn_us(name: str, device: torch.device) -> str:
+    """The bench's cuDNN call on a conv suite's host case: its host us per call, as text."""
+    if name not in CONV:
+        return ""
+    suite = importlib.import_module(f"forgekernel.bench.suites.{name}").suite()
+    gen = torch.Generator(device=device).manual_seed(0)
+    inputs = suite.make_inputs(host_case(suite), torch.bfloat16, device, gen)
+    cudnn = suite.comparators()["cudnn"]
+    return f"; cuDNN {_us_per_call(lambda: cudnn(inputs), rounds=5):.1f} us"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", SUITES)
 def test_host_time_breakdown_on_the_gpu(capsys, name):
@@ -340,9 +591,7 @@ def test_host_time_breakdown_on_the_gpu(capsys, name):
     call()
     torch.cuda.synchronize()
     total = [0.0]
-    for key, (partial, combine, *rest) in list(launch._plans.items()):
-        timed = None if combine is None else _TimedKernel(combine, total)
-        launch._plans[key] = (_TimedKernel(partial, total), timed, *rest)
+    _time_the_kernels(name, launch, total)
     calls, rounds = 200, 5
     per_round = []
     for _ in range(rounds):
@@ -353,7 +602,7 @@ def test_host_time_breakdown_on_the_gpu(capsys, name):
             call()
         per_round.append(((time.perf_counter() - t0) / calls * 1e6, total[0] / calls * 1e6))
         torch.cuda.synchronize()
-    launch._plans.clear()
+    _clear_plans(launch)
     us, kernels_us = sorted(per_round)[rounds // 2]
     empty_us = _us_per_call(lambda: torch.empty(64, 16, 512, device=device), rounds=5)
     x = torch.empty(4, 1, 16, 512, device=device)
@@ -362,6 +611,6 @@ def test_host_time_breakdown_on_the_gpu(capsys, name):
         print(
             f"\n{name} {case} on {torch.cuda.get_device_name()}: {us:.1f} us per eager call ="
             f" kernels' calls {kernels_us:.1f} + op side {us - kernels_us:.1f} (a CUDA"
-            f" torch.empty {empty_us:.2f} us, a view {view_us:.2f} us)"
+            f" torch.empty {empty_us:.2f} us, a view {view_us:.2f} us){_cudnn_us(name, device)}"
         )
     assert us - kernels_us < 2 * BUDGET_US[name]

@@ -10,7 +10,11 @@ every output (y, dx, dw) is allocated channels-last, which is what torch's cuDNN
 for channels-last inputs.
 
 This module validates; eager calls then go straight to the leaf's host launcher
-(`kernels/conv/sm90/launch.py`: forward kernel, data gradient by output phase, weight gradient);
+(`kernels/conv/sm90/launch.py`: forward kernel, data gradient by output phase, weight gradient).
+A plain eager call whose key (the tensors' shapes and dtypes, the geometry arguments with their
+exact types) passed the named checks before takes their result from one dict lookup, its
+device checks made as they make them (issue 17: host time per call; tests/test_host_overhead.py
+proves on mutations that a key never stands for a call the named checks reject);
 under `torch.compile`, or when autograd records the call, the same work runs through the custom
 ops `forgekernel::conv_fwd` / `conv_dgrad` / `conv_wgrad`, whose fake implementations give the
 compiler shapes and strides. `conv_fwd`'s autograd formula computes dx with `conv_dgrad`, dw
@@ -27,15 +31,16 @@ import torch
 
 from forgekernel.kernels.conv.sm90 import INT32_MAX, Geometry, dgrad_geometry_problem
 from forgekernel.kernels.conv.sm90 import launch as conv_sm90
-from forgekernel.ops._dispatch import traced as _traced
-from forgekernel.ops._dispatch import wants_grad
+from forgekernel.ops._dispatch import plain, tracing, wants_grad
 from forgekernel.ops._validate import (
     check_cuda,
     check_same_device,
     check_same_dtype,
     check_shaped,
     check_tensor,
+    on_one_device,
 )
+from forgekernel.runtime.plans import PlanCache
 
 IntArg = int | Sequence[int]
 Padding = int | Sequence[int] | str
@@ -236,6 +241,87 @@ def _check_grad_out(dy: torch.Tensor, shape: tuple[int, ...]) -> None:
         )
 
 
+# ---------------------------------------------------------------- the common eager call
+# Every named check above but the device ones (and groups / padding_mode, compared as they
+# compare them) is a function of the arguments' types, shapes, dtypes and geometry values: a
+# plain eager call whose key equals one that passed them passes them. One key and one dict
+# lookup per call where the named checks cost ~25 us on the CPU (issue 17).
+_PASSED = PlanCache()
+
+
+def _arg_key(value: object) -> object:
+    """A geometry or shape argument (an int, a str, or a tuple / list / torch.Size of ints) as
+    a key, None for anything else (the named checks decide). Exact types: True and 1.0 compare
+    equal to 1 but the named checks reject them; a list and a tuple they read alike."""
+    kind = type(value)
+    if kind is int or kind is str:
+        return value
+    if kind is tuple or kind is list or kind is torch.Size:
+        for v in value:
+            if type(v) is not int:
+                return None
+        return tuple(value)
+    return None
+
+
+def _meta(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.dtype)
+
+
+def _fwd_key(x, w, bias, stride, padding, dilation, out, dims) -> tuple:
+    args = (_arg_key(stride), _arg_key(padding), _arg_key(dilation))
+    return ("fwd", dims, x.shape, x.dtype, w.shape, w.dtype, _meta(bias), _meta(out), args)
+
+
+def _grad_key(op, dims, dy, other, shape, stride, padding, dilation, out) -> tuple:
+    """dgrad (other = w, shape = x_shape) or wgrad (other = x, shape = w_shape)."""
+    args = (_arg_key(shape), _arg_key(stride), _arg_key(padding), _arg_key(dilation))
+    return (op, dims, dy.shape, dy.dtype, other.shape, other.dtype, _meta(out), args)
+
+
+def _remember(key: tuple, passed: tuple) -> None:
+    """What the named checks returned for a plain eager call of `key` (arguments that make no
+    key, None in its last entry, are left to the named checks)."""
+    for arg in key[-1]:
+        if arg is None:
+            return
+    if len(_PASSED) >= _PASSED.max_entries:
+        _PASSED.clear()
+    _PASSED[key] = passed
+
+
+def _seen(key: tuple, groups: object, padding_mode: object, first, *others) -> tuple | None:
+    """The named checks' result for a call of `key` that passed them before, the device checks
+    made as they make them (last: check_cuda of the first tensor, then one device); None sends
+    the call through the named checks."""
+    passed = _PASSED.get(key)
+    if passed is None or groups != 1 or padding_mode != "zeros":
+        return None
+    check_cuda(_FIRST[key[0]], first)
+    return passed if on_one_device(first, *others) else None
+
+
+_FIRST = {"fwd": "x", "dgrad": "dy", "wgrad": "dy"}
+
+
+def _fwd_seen(x, w, bias, stride, padding, dilation, groups, padding_mode, out, dims):
+    """(key, passed) of a forward call: key None when it is traced or its tensors are not plain
+    (the named checks and the custom op), passed None when the named checks must decide."""
+    if tracing() or not plain(x, w, optional=(bias, out)):
+        return None, None
+    key = _fwd_key(x, w, bias, stride, padding, dilation, out, dims)
+    return key, _seen(key, groups, padding_mode, x, w, bias, out)
+
+
+def _grad_seen(op, dy, other, shape, stride, padding, dilation, groups, out, dims):
+    """`_fwd_seen` of a data (other = w, shape = x_shape) or weight (other = x, shape =
+    w_shape) gradient call."""
+    if tracing() or not plain(dy, other, optional=(out,)):
+        return None, None
+    key = _grad_key(op, dims, dy, other, shape, stride, padding, dilation, out)
+    return key, _seen(key, groups, "zeros", dy, other, out)
+
+
 # ---------------------------------------------------------------- layouts
 def _memory_format(dims: int) -> torch.memory_format:
     return torch.channels_last if dims == 2 else torch.channels_last_3d
@@ -243,10 +329,16 @@ def _memory_format(dims: int) -> torch.memory_format:
 
 def _view5d(t: torch.Tensor) -> torch.Tensor:
     """(N, C, *spatial) as the kernels' (N, D, H, W, C) view (2-D: D = 1), no copy: contiguous
-    when t is in channels-last memory (what the launchers write in place)."""
-    dims = t.dim() - 2
-    v = t.permute(0, *range(2, dims + 2), 1)
-    return v.unsqueeze(1) if dims == 2 else v
+    when t is in channels-last memory (what the launchers write in place). One as_strided
+    (1.0 us on the CPU; permute and unsqueeze 1.8)."""
+    shape, stride = t.shape, t.stride()
+    if len(shape) == 4:
+        n, c, h, w = shape
+        sn, sc, sh, sw = stride
+        return t.as_strided((n, 1, h, w, c), (sn, h * sh, sh, sw, sc))
+    n, c, d, h, w = shape
+    sn, sc, sd, sh, sw = stride
+    return t.as_strided((n, d, h, w, c), (sn, sd, sh, sw, sc))
 
 
 def _as5d(t: torch.Tensor) -> torch.Tensor:
@@ -293,8 +385,10 @@ def _out_shape(x_shape, w_shape, g: Geometry) -> tuple[int, ...]:
 # ---------------------------------------------------------------- eager work
 # Each writes into `out` (any view of the result's shape: in place when it is in channels-last
 # memory, else through a scratch buffer) or a fresh channels-last tensor.
-def _fwd(x, w, bias, g: Geometry, out=None) -> torch.Tensor:
-    y = _empty(_out_shape(x.shape, w.shape, g), x) if out is None else out
+def _fwd(x, w, bias, g: Geometry, out=None, y_shape=None) -> torch.Tensor:
+    if out is None:
+        y_shape = _out_shape(x.shape, w.shape, g) if y_shape is None else y_shape
+    y = _empty(y_shape, x) if out is None else out
     conv_sm90.fprop(_as5d(x), _as5d(w), bias, _view5d(y), g)
     return y
 
@@ -406,10 +500,17 @@ def _finish(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 
 
 def _conv(x, w, bias, stride, padding, dilation, groups, padding_mode, out, dims):
-    g = _validate_fwd(x, w, bias, stride, padding, dilation, groups, padding_mode, out, dims)
-    if _traced(x, w, bias, out) or wants_grad(x, w, bias):
+    key, passed = _fwd_seen(x, w, bias, stride, padding, dilation, groups, padding_mode, out, dims)
+    if passed is None:
+        g = _validate_fwd(x, w, bias, stride, padding, dilation, groups, padding_mode, out, dims)
+        passed = g, None
+        if key is not None:  # plain tensors and no mode: not traced
+            passed = g, _out_shape(x.shape, w.shape, g)
+            _remember(key, passed)
+    g, y_shape = passed
+    if key is None or wants_grad(x, w, bias):
         return _finish(torch.ops.forgekernel.conv_fwd(x, w, bias, *_lists(g, dims)), out)
-    return _fwd(x, w, bias, g, out)
+    return _fwd(x, w, bias, g, out, y_shape)
 
 
 def conv2d(
@@ -449,16 +550,26 @@ def conv3d(
 
 
 def _dgrad_api(dy, w, x_shape, stride, padding, dilation, groups, out, dims) -> torch.Tensor:
-    g, x_shape = _validate_dgrad(dy, w, x_shape, stride, padding, dilation, groups, out, dims)
-    if _traced(dy, w, out) or wants_grad(dy, w):
+    key, passed = _grad_seen("dgrad", dy, w, x_shape, stride, padding, dilation, groups, out, dims)
+    if passed is None:
+        passed = _validate_dgrad(dy, w, x_shape, stride, padding, dilation, groups, out, dims)
+        if key is not None:  # plain tensors and no mode: not traced
+            _remember(key, passed)
+    g, x_shape = passed
+    if key is None or wants_grad(dy, w):
         dx = torch.ops.forgekernel.conv_dgrad(dy, w, list(x_shape), *_lists(g, dims))
         return _finish(dx, out)
     return _dgrad(dy, w, x_shape, g, out)
 
 
 def _wgrad_api(dy, x, w_shape, stride, padding, dilation, groups, out, dims) -> torch.Tensor:
-    g, w_shape = _validate_wgrad(dy, x, w_shape, stride, padding, dilation, groups, out, dims)
-    if _traced(dy, x, out) or wants_grad(dy, x):
+    key, passed = _grad_seen("wgrad", dy, x, w_shape, stride, padding, dilation, groups, out, dims)
+    if passed is None:
+        passed = _validate_wgrad(dy, x, w_shape, stride, padding, dilation, groups, out, dims)
+        if key is not None:
+            _remember(key, passed)
+    g, w_shape = passed
+    if key is None or wants_grad(dy, x):
         dw = torch.ops.forgekernel.conv_wgrad(dy, x, list(w_shape), *_lists(g, dims))
         return _finish(dw, out)
     return _wgrad(dy, x, w_shape, g, out)

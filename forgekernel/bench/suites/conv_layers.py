@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -155,19 +156,27 @@ def _geometry(p: dict) -> dict[str, Any]:
     return {"stride": p["stride"], "padding": p["padding"], "dilation": p["dilation"]}
 
 
+def _conv_ops():
+    """forgekernel.ops.conv, imported on first use (listing the suites imports no kernels);
+    after that a dict lookup: `run_ours` is what the bench's host time per call times."""
+    return sys.modules.get("forgekernel.ops.conv") or importlib.import_module(
+        "forgekernel.ops.conv"
+    )
+
+
 def run_ours(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
-    op = importlib.import_module("forgekernel.ops.conv")
+    op = _conv_ops()
     p = inputs["params"]
     d = len(p["spatial"])
-    s, g = shapes(p), _geometry(p)
+    g = {"stride": p["stride"], "padding": p["padding"], "dilation": p["dilation"]}
     if p["op"] == "fwd":
         fn = op.conv2d if d == 2 else op.conv3d
         return fn(inputs["x"], inputs["w"], inputs.get("bias"), **g, out=out)
     if p["op"] == "dgrad":
         fn = op.conv2d_dgrad if d == 2 else op.conv3d_dgrad
-        return fn(inputs["dy"], inputs["w"], s["x"], **g, out=out)
+        return fn(inputs["dy"], inputs["w"], (p["n"], p["c"], *p["spatial"]), **g, out=out)
     fn = op.conv2d_wgrad if d == 2 else op.conv3d_wgrad
-    return fn(inputs["dy"], inputs["x"], s["w"], **g, out=out)
+    return fn(inputs["dy"], inputs["x"], (p["k"], p["c"], *p["kernel"]), **g, out=out)
 
 
 def reference(inputs: Inputs) -> torch.Tensor:

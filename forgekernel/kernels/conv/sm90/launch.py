@@ -26,6 +26,7 @@ T = 1).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -59,8 +60,9 @@ def _round_up(x: int) -> int:
 
 
 def _choose(dtype, bias, m, k, c, taps, device_index, config, dgrad):
-    """(compile key, clusters of the persistent grid, the SplitPlan) of one launch. `config`:
-    None (chosen), a ConvConfig (a split one cut into FORCED_PARTS parts) or a SplitPlan."""
+    """(the compiled function, clusters of the persistent grid, the SplitPlan) of one launch.
+    `config`: None (chosen), a ConvConfig (a split one cut into FORCED_PARTS parts) or a
+    SplitPlan. The function is looked up here, once per problem, not per launch."""
     sms = num_sms(device_index) if device_index is not None else NUM_SMS_H100_H200
     if config is None:
         plan = choose_plan(m, k, c, taps, sms)
@@ -78,7 +80,7 @@ def _choose(dtype, bias, m, k, c, taps, device_index, config, dgrad):
     cfg = plan.config
     params = params_for(dtype_name(dtype), bias, cfg, dgrad=dgrad)
     # one CTA per SM (the pipeline takes nearly all shared memory)
-    return params, sms // (cfg.cluster_m * cfg.cluster_n), plan
+    return get_kernel(SPEC, params), sms // (cfg.cluster_m * cfg.cluster_n), plan
 
 
 FORCED_PARTS = 3  # a split configuration asked for by name cuts its reduction this many ways
@@ -109,6 +111,8 @@ def _cropped(x: torch.Tensor, geometry: Geometry) -> tuple[torch.Tensor, Geometr
     """x and the geometry with negative padding (a data-gradient phase's: its windows start
     inside the input, or stop short of its end) turned into a crop of x: the kernel and its
     descriptor only ever see padding >= 0. The cropped view keeps x's strides (TMA-ready)."""
+    if min(geometry.pad_lo) >= 0 and min(geometry.pad_hi) >= 0:  # every forward convolution
+        return x, geometry
     lo, hi = list(geometry.pad_lo), list(geometry.pad_hi)
     for i in range(3):
         if lo[i] < 0:
@@ -153,11 +157,14 @@ def few_channels(x: torch.Tensor, w: torch.Tensor, geometry: Geometry) -> bool:
     """Whether the convolution of x (N, D, H, W, C) with w (K, T, R, S, C) takes the explicit
     im2col (2-D only: D = T = 1 and one output plane; a conv3d of one input plane padded in
     depth has Z > 1 output planes, which the 2-D im2col does not make)."""
+    # the channel count first: it rules out nearly every call for the price of one compare
+    if _round_up(x.shape[-1]) > FEW_CHANNELS:
+        return False
     if x.numel() == 0 or w.numel() == 0:  # nothing to unfold (the launchers' empty cases)
         return False
     taps = w.shape[1] * w.shape[2] * w.shape[3]
     flat = x.shape[1] == 1 and w.shape[1] == 1 and geometry.output((1, 1, 1))[0] == 1
-    return flat and _round_up(x.shape[-1]) <= FEW_CHANNELS and taps >= FEW_CHANNELS_TAPS
+    return flat and taps >= FEW_CHANNELS_TAPS
 
 
 def _im2col(x: torch.Tensor, geometry: Geometry, out_dhw) -> tuple[torch.Tensor, Geometry]:
@@ -222,15 +229,15 @@ def _launch(x, w, bias, y, geometry: Geometry, config, dgrad: bool) -> None:
         bias = _channels_padded(bias, kp)
     in_place = kp == k and y.is_contiguous() and tma_ready(y)
     y2 = y.view(m, k) if in_place else y.new_empty(m, kp)
-    taps = w.shape[1] * w.shape[2] * w.shape[3]
-    params, max_clusters, plan = _plans.get_or_build(
-        (x.dtype, bias is not None, m, kp, cp, taps, x.device.index, config, dgrad), _choose
+    _, t, r, s, _ = w.shape  # one shape read (each costs 0.1-0.2 us on every launch)
+    device = x.device
+    fn, max_clusters, plan = _plans.get_or_build(
+        (x.dtype, bias is not None, m, kp, cp, t * r * s, device.index, config, dgrad), _choose
     )
-    fn = get_kernel(SPEC, params)
     work = flags = None
     if plan.config.split:
-        work, flags = stream_k_workspace(x.device, plan.tiles, plan.workspace_floats)
-    with on_device(x.device):
+        work, flags = stream_k_workspace(device, plan.tiles, plan.workspace_floats)
+    with on_device(device):
         fn(x, w, y2, bias, work, flags, *geometry.kernel_args(), plan.per_split, max_clusters)
     if not in_place:
         y.copy_(y2[:, :k].reshape(y.shape))
@@ -266,25 +273,41 @@ def dgrad(
     """dx (N, D, H, W, C) = the data gradient at dy (N, Z, P, Q, K) of the convolution with w
     (K, T, R, S, C) and `geometry`, one stride-1 forward convolution per output phase, each a
     launch of the kernel's data-gradient mode on w's phase taps (no copy of w)."""
-    phases = dgrad_phases(geometry, tuple(dx.shape[1:4]), tuple(dy.shape[1:4]))
+    phases, empties = _phases(geometry, tuple(dx.shape[1:4]), tuple(dy.shape[1:4]))
     sd, sh, sw = geometry.stride
-    empty = sum(phase.empty() for phase in phases)
+    empty = sum(empties)
     if empty > 1:  # one fill of dx rather than one strided fill per empty phase
         dx.zero_()
-    for phase in phases:
+    for phase, phase_empty in zip(phases, empties):
         ad, ah, aw = phase.offset
         view = dx if len(phases) == 1 else dx[:, ad::sd, ah::sh, aw::sw]
-        if phase.empty():
+        if phase_empty:
             if empty == 1:
                 view.zero_()
             continue
         _launch(dy, phase_taps(w, phase), None, view, phase.fprop, config, dgrad=True)
 
 
+@functools.lru_cache(maxsize=1024)
+def _phases(geometry: Geometry, input_dhw, output_dhw) -> tuple[tuple[Phase, ...], tuple]:
+    """The data gradient's phases and whether each is empty: the same on every call."""
+    phases = dgrad_phases(geometry, input_dhw, output_dhw)
+    return phases, tuple(phase.empty() for phase in phases)
+
+
 _wgrad_plans = PlanCache()
 
 
-def _wgrad_plan(dtype, k, c, taps, pixels, device_index, plan) -> tuple[tuple, WgradPlan]:
+def clear_plans() -> None:
+    """Forget every plan (each holds the compiled function it looked up: tests that swap
+    `get_kernel` start from none)."""
+    _plans.clear()
+    _wgrad_plans.clear()
+    _phases.cache_clear()
+
+
+def _wgrad_plan(dtype, k, c, taps, pixels, device_index, plan) -> tuple[object, WgradPlan]:
+    """(the compiled function, the WgradPlan) of one problem: looked up once, not per call."""
     sms = num_sms(device_index) if device_index is not None else NUM_SMS_H100_H200
     if plan is None:
         plan = choose_wgrad(k, c, taps, pixels, sms)
@@ -292,7 +315,7 @@ def _wgrad_plan(dtype, k, c, taps, pixels, device_index, plan) -> tuple[tuple, W
         k_tiles = -(-pixels // K_TILE)
         splits = -(-k_tiles // plan.per_split)
         plan = WgradPlan(plan.config, plan.per_split, splits, wgrad_tiles(plan.config, k, c, taps))
-    return wgrad_params(dtype_name(dtype), plan.config), plan
+    return get_kernel(WGRAD_SPEC, wgrad_params(dtype_name(dtype), plan.config)), plan
 
 
 def wgrad(
@@ -323,20 +346,19 @@ def wgrad(
 
 def _wgrad_launch(dy, x, dw, geometry: Geometry, plan) -> None:
     """One launch of the weight-gradient kernel (`wgrad`'s arguments, dw not empty)."""
-    k, c = dw.shape[0], dw.shape[-1]
+    k, t, r, s, c = dw.shape  # one shape read (each costs 0.1-0.2 us on every launch)
     m = dy.numel() // k
     cp, kp = _round_up(c), _round_up(k)
     x = _channels_padded(x, cp)
     dy2 = _channels_padded(dy.reshape(m, k), kp)
     in_place = kp == k and cp == c and dw.is_contiguous() and tma_ready(dw)
-    dw2 = dw if in_place else dw.new_empty(kp, *dw.shape[1:4], cp)
-    taps = dw.shape[1] * dw.shape[2] * dw.shape[3]
-    params, plan = _wgrad_plans.get_or_build(
-        (dy.dtype, kp, cp, taps, m, dy.device.index, plan), _wgrad_plan
+    dw2 = dw if in_place else dw.new_empty(kp, t, r, s, cp)
+    device = dy.device
+    fn, plan = _wgrad_plans.get_or_build(
+        (dy.dtype, kp, cp, t * r * s, m, device.index, plan), _wgrad_plan
     )
-    fn = get_kernel(WGRAD_SPEC, params)
-    work, flags = stream_k_workspace(dy.device, plan.tiles, plan.workspace_floats)
-    with on_device(dy.device):
+    work, flags = stream_k_workspace(device, plan.tiles, plan.workspace_floats)
+    with on_device(device):
         fn(dy2, x, dw2, work, flags, *geometry.kernel_args(), plan.per_split)
     if not in_place:
         dw.copy_(dw2[:k, ..., :c])
