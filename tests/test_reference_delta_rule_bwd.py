@@ -155,3 +155,14 @@ def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="d_final_state"):
         gated_delta_rule_chunked_backward(*inputs[:5], torch.ones_like(inputs[2]), cu_seqlens=cu,
                                           d_final_state=inputs[5][:1])  # fmt: skip
+
+
+def test_head_passes_change_nothing():
+    """Heads in passes (bounded temporaries) give the one-pass result exactly."""
+    inputs, cu = make_inputs([30, 0, 70], 3, 6, 8, 8, l2norm=True, decay=-2.0, seed=7)
+    do = torch.randn(inputs[2].shape, dtype=torch.float64)
+    kwargs = {"initial_state": inputs[5], "cu_seqlens": cu, "use_qk_l2norm": True}
+    whole = gated_delta_rule_chunked_backward(*inputs[:5], do, **kwargs)
+    passes = gated_delta_rule_chunked_backward(*inputs[:5], do, heads_per_pass=1, **kwargs)
+    for name, a, b in zip(NAMES, whole, passes):
+        assert torch.equal(a, b), name

@@ -52,6 +52,9 @@ import torch
 from forgekernel.reference.delta_rule import L2NORM_EPS, _check, _scale
 
 Grads = tuple[torch.Tensor, ...]
+# Token x value-head count of one pass: ~20 GB of fp32 temporaries at K = V = 128 (the chunk
+# states h and dh, the (C, C) and (C, K) pieces of every chunk).
+TOKEN_HEADS_PER_PASS = 2**21
 
 
 def gated_delta_rule_chunked_backward(
@@ -69,12 +72,15 @@ def gated_delta_rule_chunked_backward(
     use_qk_l2norm: bool = False,
     chunk_size: int = 64,
     dtype: torch.dtype = torch.float32,
+    heads_per_pass: int | None = None,
 ) -> Grads:
     """(dq, dk (B, T, H, K), dv (B, T, HV, V), dg, dbeta (B, T, HV), d_initial_state
     (N, HV, K, V)) of `gated_delta_rule_recurrent(...)`'s (o, final state) given do (B, T, HV, V)
     and d_final_state (N, HV, K, V) or None (zero); in `dtype` (fp32: the interim op path,
     fp64: the check against autograd). The initial state's gradient comes back even when
-    initial_state is None (the zero state's)."""
+    initial_state is None (the zero state's). q / k heads go through in passes of
+    `heads_per_pass` (default: TOKEN_HEADS_PER_PASS token-heads of value heads a pass), which
+    bounds the fp32 temporaries (~10 KB a token and value head at K = V = 128)."""
     _check(q, k, v, g, beta, initial_state, cu_seqlens, per_channel=False)
     b, t, h, dk_dim = q.shape
     hv, dv_dim = v.shape[2], v.shape[3]
@@ -85,17 +91,20 @@ def gated_delta_rule_chunked_backward(
     if d_final_state is not None and d_final_state.shape != state_shape:
         raise ValueError(f"d_final_state must be {state_shape}, got {tuple(d_final_state.shape)}")
     edges = list(range(0, (b + 1) * t, t)) if cu_seqlens is None else cu_seqlens.tolist()
+    layout = ChunkLayout([int(e) for e in edges], chunk_size, q.device)
     flat = [x.reshape(b * t, *x.shape[2:]).to(dtype) for x in (q, k, v, g, beta, do)]
-    grads = _flat_backward(
-        *flat,
-        scale=_scale(scale, dk_dim),
-        h0=None if initial_state is None else initial_state.to(dtype),
-        dht=None if d_final_state is None else d_final_state.to(dtype),
-        edges=[int(e) for e in edges],
-        l2norm=use_qk_l2norm,
-        chunk=chunk_size,
-    )
-    dq, dk, dv, dg, dbeta, dh0 = grads
+    zeros = flat[0].new_zeros(state_shape)
+    h0 = zeros if initial_state is None else initial_state.to(dtype)
+    dht = zeros if d_final_state is None else d_final_state.to(dtype)
+    group = hv // h
+    step = heads_per_pass or max(1, TOKEN_HEADS_PER_PASS // max(1, b * t * group))
+    parts = []
+    for first in range(0, h, step):
+        qh, vh = slice(first, first + step), slice(first * group, (first + step) * group)
+        q_side, v_side = (x[:, qh] for x in flat[:2]), (x[:, vh] for x in flat[2:])
+        parts.append(_flat_backward(*q_side, *v_side, h0[:, vh], dht[:, vh], layout=layout,
+                                    scale=_scale(scale, dk_dim), l2norm=use_qk_l2norm))  # fmt: skip
+    dq, dk, dv, dg, dbeta, dh0 = (torch.cat(grads, dim=1) for grads in zip(*parts))
     shaped = (x.reshape(b, t, *x.shape[1:]) for x in (dq, dk, dv, dg, dbeta))
     return (*shaped, dh0)
 
@@ -103,19 +112,14 @@ def gated_delta_rule_chunked_backward(
 # ----------------------------------------------------------------------------- token level
 
 
-def _flat_backward(q, k, v, g, beta, do, *, scale, h0, dht, edges, l2norm, chunk):
-    """Tokens flat: q, k (T, H, K), v, do (T, HV, V), g, beta (T, HV); edges [0, ..., T]."""
+def _flat_backward(q, k, v, g, beta, do, h0, dht, *, layout, scale, l2norm):
+    """Tokens flat: q, k (T, H, K), v, do (T, HV, V), g, beta (T, HV); h0, dht (N, HV, K, V)."""
     h, hv = q.shape[1], v.shape[1]
     group = hv // h
     qn, q_norm = _l2norm(q) if l2norm else (q, None)
     kn, k_norm = _l2norm(k) if l2norm else (k, None)
     qs = (qn * scale).repeat_interleave(group, dim=1)
     ks = kn.repeat_interleave(group, dim=1)
-    layout = ChunkLayout(edges, chunk, q.device)
-    n, dk_dim, dv_dim = len(edges) - 1, q.shape[2], v.shape[2]
-    zeros = q.new_zeros(n, hv, dk_dim, dv_dim)
-    h0 = zeros if h0 is None else h0
-    dht = zeros if dht is None else dht
     pieces = [layout.gather(x) for x in (qs, ks, v, g, beta, do)]
     dqs, dks, dv, dg, dbeta, dh0 = _chunked_backward(*pieces, layout.sort(h0),
                                                      layout.sort(dht), layout.steps)  # fmt: skip
