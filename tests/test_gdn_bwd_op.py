@@ -243,3 +243,14 @@ def test_opcheck_of_the_differentiable_forward_op(cpu_forward):
     flat = _leaves([x[0] for x in inputs[:5]])
     args = (*flat, inputs[5].requires_grad_(), cu, 0.1, False, False)
     torch.library.opcheck(torch.ops.forgekernel.gated_delta_rule_chunked.default, args)
+
+
+def test_no_tokens_passes_the_state_gradient_through(cpu_forward):
+    inputs, cu = _inputs([0, 0], 1, 2, seed=13)
+    leaves = _leaves(inputs)
+    _, final = forgekernel.gated_delta_rule(*leaves[:5], initial_state=leaves[5],
+                                            output_final_state=True, cu_seqlens=cu)  # fmt: skip
+    d_final = torch.randn(final.shape, generator=torch.Generator().manual_seed(14))
+    (final * d_final).sum().backward()
+    assert torch.equal(leaves[5].grad, d_final)
+    assert all(x.grad.numel() == 0 for x in leaves[:5])

@@ -166,3 +166,15 @@ def test_head_passes_change_nothing():
     passes = gated_delta_rule_chunked_backward(*inputs[:5], do, heads_per_pass=1, **kwargs)
     for name, a, b in zip(NAMES, whole, passes):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("varlen", [True, False])
+def test_no_tokens(varlen):
+    """T = 0: no chunk at all; the initial state's gradient is the final state's."""
+    inputs, cu = make_inputs([0, 0], 1, 2, 4, 4, varlen=varlen, b=2)
+    d_final = torch.randn(inputs[5].shape, dtype=torch.float64)
+    got = gated_delta_rule_chunked_backward(*inputs[:5], torch.zeros_like(inputs[2]),
+                                            initial_state=inputs[5], d_final_state=d_final,
+                                            cu_seqlens=cu)  # fmt: skip
+    assert all(x.numel() == 0 for x in got[:5])
+    assert torch.equal(got[5], d_final.float())

@@ -149,7 +149,7 @@ def gated_delta_rule_backward(
         check_shaped("d_final_state", d_final_state, state_shape, fwd.F32)
     check_cuda("q", q)
     if cu_seqlens is None:
-        cu_seqlens = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=q.device)
+        cu_seqlens = torch.arange(b + 1, dtype=torch.int32, device=q.device) * t
     scale = float(dk**-0.5 if scale is None else scale)
     flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta, do)]
     grads = _backward(*flat[:5], initial_state, cu_seqlens.to(torch.int32), flat[5],

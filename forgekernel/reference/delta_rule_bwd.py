@@ -90,7 +90,7 @@ def gated_delta_rule_chunked_backward(
     state_shape = (n, hv, dk_dim, dv_dim)
     if d_final_state is not None and d_final_state.shape != state_shape:
         raise ValueError(f"d_final_state must be {state_shape}, got {tuple(d_final_state.shape)}")
-    edges = list(range(0, (b + 1) * t, t)) if cu_seqlens is None else cu_seqlens.tolist()
+    edges = [i * t for i in range(b + 1)] if cu_seqlens is None else cu_seqlens.tolist()
     layout = ChunkLayout([int(e) for e in edges], chunk_size, q.device)
     flat = [x.reshape(b * t, *x.shape[2:]).to(dtype) for x in (q, k, v, g, beta, do)]
     zeros = flat[0].new_zeros(state_shape)
