@@ -14,6 +14,7 @@ from forgekernel.ops.conv import (
 )
 from forgekernel.ops.dsa import dsa_sparse_attention
 from forgekernel.ops.gated_delta_rule import gated_delta_rule_step
+from forgekernel.ops.gated_delta_rule_bwd import gated_delta_rule_backward
 from forgekernel.ops.gated_delta_rule_chunked import gated_delta_rule
 from forgekernel.ops.gemm import gemm, tune_gemm
 from forgekernel.ops.gemm_fp8 import gemm_fp8
@@ -36,6 +37,7 @@ __all__ = [
     "conv3d_wgrad",
     "dsa_sparse_attention",
     "gated_delta_rule",
+    "gated_delta_rule_backward",
     "gated_delta_rule_step",
     "gemm",
     "gemm_fp8",

@@ -11,7 +11,12 @@ Per value head, state S (K, V) fp32, decay exp(g_t), g_t the log decay (<= 0):
 computed chunk by chunk (64 tokens; WY / UT transform; reference.delta_rule documents the
 chunked form and its overflow-free exponents). Value head hv reads q / k head hv // (HV / H).
 Varlen: B = 1 and cu_seqlens (N + 1,), every sequence starting from its own initial-state row
-(zeros without one). Forward only: no autograd yet (the backward is issue 20's next part)."""
+(zeros without one). Differentiable in q, k, v, g, beta and the initial state (gradients on o
+and on the final state): the custom op's autograd formula is ops/gated_delta_rule_bwd.py's,
+whose backward is for now an interim fp32 torch path (the chunked backward of
+reference/delta_rule_bwd.py) until a backward kernel replaces it (registered when the package
+imports: ops/__init__ imports that module). Calls autograd would record take the custom op;
+forward-only calls pay for no bookkeeping."""
 
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import torch
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90 import launch as prefill_sm90
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import HEAD_DIMS
 from forgekernel.ops._dispatch import traced as _traced
+from forgekernel.ops._dispatch import wants_grad
 from forgekernel.ops._validate import check_cuda, check_same_device, check_shaped, check_tensor
 
 F32 = (torch.float32,)
@@ -120,7 +126,9 @@ def gated_delta_rule(
     with B = 1 for varlen; use_qk_l2norm_in_kernel: q and k divided by sqrt(sum x^2 + 1e-6).
     Returns (o (B, T, HV, V) in q's dtype, the final state (N, HV, ...) fp32 in the initial
     state's layout, or None unless output_final_state); o is written into `out` when given (a
-    contiguous (B, T, HV, V) tensor in q's dtype)."""
+    contiguous (B, T, HV, V) tensor in q's dtype). Differentiable in q, k, v, g, beta and
+    initial_state (the interim torch backward: ops/gated_delta_rule_bwd.py); with `out=` and
+    grad, o is computed first and copied into out (autograd records the copy)."""
     b, t, h, hv, dk, dv = _check_heads(q, k, v)
     check_shaped("g", g, (b, t, hv), F32)
     check_shaped("beta", beta, (b, t, hv), (torch.float32, q.dtype))
@@ -142,7 +150,12 @@ def gated_delta_rule(
         cu_seqlens = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=q.device)
     flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta.float())]
     offsets = cu_seqlens.to(torch.int32)
-    if _traced(*flat, initial_state, offsets, out):
+    if wants_grad(*flat, initial_state):
+        o, final = torch.ops.forgekernel.gated_delta_rule_chunked(
+            *flat, initial_state, offsets, scale, k_last, use_qk_l2norm_in_kernel
+        )
+        o = o.view(b, t, hv, dv) if out is None else out.copy_(o.view(b, t, hv, dv))
+    elif _traced(*flat, initial_state, offsets, out):
         o, final = torch.ops.forgekernel.gated_delta_rule_chunked(
             *flat, initial_state, offsets, scale, k_last, use_qk_l2norm_in_kernel
         )

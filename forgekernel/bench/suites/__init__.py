@@ -22,6 +22,8 @@ PENDING_SUITE_MODULES: dict[str, str] = {
     # issue 20: Kimi Delta Attention forward (recurrence kernel; first pass in torch by default)
     "kda_prefill": "forgekernel.bench.suites.kda_prefill",
     "dsa_recompute": "forgekernel.bench.suites.dsa_recompute",  # issue 22: the score recompute
+    # issue 20: Gated DeltaNet backward (the interim fp32 torch path until its kernel)
+    "gdn_bwd": "forgekernel.bench.suites.gdn_bwd",
 }
 SUITE_MODULES = {
     "gemm": "forgekernel.bench.suites.gemm",

@@ -1,0 +1,197 @@
+"""Gated DeltaNet backward suite (issue 20): the gradients of `gated_delta_rule` in q, k, v, g,
+beta (and the initial state where the case has one) from dO and the final state's gradient,
+fla's form as the forward suite (gdn_prefill.py: q, k (1, T, H, 128), k unit-norm, v (1, T, HV,
+128), g = logsigmoid(N(0, 1)) fp32, beta fp32, varlen as B = 1 with cu_seqlens).
+
+Timed: the backward alone (`gated_delta_rule_backward`: today the INTERIM fp32 torch path of
+ops/gated_delta_rule_bwd.py, which recomputes the forward's chunk states itself); fla's
+backward through autograd of a forward recorded once per input set (`torch.autograd.grad` with
+retain_graph: its own recompute included, as ours). Pending (suites/__init__.py) until a GPU
+check passes.
+
+Outputs: (dq, dk, dv, dg, dbeta[, d_initial_state]). Judged, not compared element-wise by the
+2x-low-precision rule (the fp32 gradients have no 16-bit yardstick): each within 2e-2 of its
+reference's largest entry; reference = torch.autograd through the fp64 recurrence up to 4096
+tokens, the fp64 chunked backward (reference/delta_rule_bwd.py, itself checked against that
+autograd in tests/test_reference_delta_rule_bwd.py) above.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from forgekernel.bench.suite import Case, Inputs, OpSuite
+from forgekernel.bench.suites import gdn_prefill
+from forgekernel.bench.suites.gdn_prefill import HEAD, _mix
+
+RECURRENT_UP_TO = 4096  # tokens: above, the fp64 chunked backward is the reference (speed)
+REL_TOL = 2e-2
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "d_initial_state")
+_case = gdn_prefill._case
+
+
+def kernel_sources() -> list[Path]:
+    """The forward kernel's sources and the interim backward's modules (the ledger key)."""
+    import forgekernel.ops.gated_delta_rule_bwd as bwd_op
+    import forgekernel.reference.delta_rule_bwd as bwd_ref
+
+    return [*gdn_prefill.SPEC.sources, Path(bwd_op.__file__), Path(bwd_ref.__file__)]
+
+
+BENCH_CASES = (
+    _case([2048], 16, 32, group="single"),
+    _case([8192], 16, 32, group="single"),
+    _case([8192] * 4, 16, 32, group="batch"),
+    _case([8192] * 4, 16, 16, group="batch"),
+    _case([8192] * 4, 16, 32, state=False, group="batch"),
+    _case([32768] * 8, 16, 32, group="batch"),
+    _case(_mix(16, 16384), 16, 32, group="varlen"),
+    _case(_mix(64, 32768), 16, 32, group="varlen"),
+)
+CHECK_CASES = (
+    _case([1, 63, 64, 65, 130], 2, 4),
+    _case([257], 4, 8, state=False),
+    _case([100, 0, 37], 16, 32),
+    _case([300, 301], 16, 16),
+)
+
+
+def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, gen: torch.Generator):
+    inputs = gdn_prefill.make_inputs(case, dtype, device, gen)
+    v, n = inputs["v"], len(case.params["lens"])
+    inputs["do"] = torch.randn(v.shape, device=device, generator=gen).to(dtype)
+    inputs["d_final"] = torch.randn(n, v.shape[2], HEAD, HEAD, device=device, generator=gen)
+    return inputs
+
+
+def _likes(inputs: Inputs) -> tuple[torch.Tensor, ...]:
+    names = ("q", "k", "v", "g", "beta") + (("state",) if inputs["state"] is not None else ())
+    return tuple(inputs[n] for n in names)
+
+
+def alloc_out(inputs: Inputs) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.empty_like(x) for x in _likes(inputs))
+
+
+def run_ours(inputs: Inputs, out: tuple | None) -> tuple:
+    from forgekernel.ops.gated_delta_rule_bwd import gated_delta_rule_backward
+
+    i = inputs
+    grads = gated_delta_rule_backward(i["q"], i["k"], i["v"], i["g"], i["beta"], i["do"],
+                                      initial_state=i["state"], d_final_state=i["d_final"],
+                                      cu_seqlens=i["cu_seqlens"])  # fmt: skip
+    grads = grads[: len(_likes(i))]
+    if out is None:
+        return grads
+    for o, x in zip(out, grads):
+        o.copy_(x)
+    return out
+
+
+def reference(inputs: Inputs) -> tuple:
+    """fp64 gradients (upcast to fp32 by the caller's comparison)."""
+    from forgekernel.reference.delta_rule import gated_delta_rule_recurrent
+    from forgekernel.reference.delta_rule_bwd import gated_delta_rule_chunked_backward
+
+    i = inputs
+    n_out = len(_likes(i))
+    if i["q"].shape[1] > RECURRENT_UP_TO:
+        grads = gated_delta_rule_chunked_backward(
+            i["q"], i["k"], i["v"], i["g"], i["beta"], i["do"], initial_state=i["state"],
+            d_final_state=i["d_final"], cu_seqlens=i["cu_seqlens_long"], dtype=torch.float64,
+        )  # fmt: skip
+        return grads[:n_out]
+    leaves = [x.double().requires_grad_() for x in _likes(i)]
+    state = leaves[5] if n_out == 6 else None
+    o, final = gated_delta_rule_recurrent(*leaves[:5], initial_state=state,
+                                          output_final_state=True,
+                                          cu_seqlens=i["cu_seqlens_long"])  # fmt: skip
+    loss = (o * i["do"].double()).sum() + (final * i["d_final"].double()).sum()
+    return torch.autograd.grad(loss, leaves)
+
+
+def judge(inputs: Inputs, outs: tuple) -> list[dict[str, Any]]:
+    """Each gradient within REL_TOL of its reference's largest entry."""
+    verdicts = []
+    for name, got, want in zip(GRAD_NAMES, outs, reference(inputs)):
+        scale = float(want.abs().max()) if want.numel() else 0.0
+        err = float((got.double() - want.double()).abs().max()) if want.numel() else 0.0
+        finite = bool(torch.isfinite(got).all())
+        bound = REL_TOL * scale + 1e-5
+        rel = err / max(scale, 1e-30)
+        ok = finite and err <= bound
+        message = (
+            ""
+            if ok
+            else f"{name}: error {err:.3g} > {bound:.3g}"
+            + ("" if finite else " (non-finite values)")
+        )
+        verdicts.append({"ok": ok, "err": err, "lowprec_err": 0.0, "rel_err": rel,
+                         "bound": bound, "message": message})  # fmt: skip
+    return verdicts
+
+
+def _fla():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+
+    def run(inputs: Inputs):
+        i = inputs
+        if "fla_graph" not in i:  # the forward recorded once per input set, never timed
+            leaves = [x.detach().clone().requires_grad_() for x in _likes(i)]
+            state = leaves[5] if len(leaves) == 6 else None
+            o, final = chunk_gated_delta_rule(*leaves[:5], initial_state=state,
+                                              output_final_state=True,
+                                              cu_seqlens=i["cu_seqlens_long"])  # fmt: skip
+            i["fla_graph"] = ((o, final), leaves)
+        outputs, leaves = i["fla_graph"]
+        return torch.autograd.grad(outputs, leaves, (i["do"], i["d_final"]), retain_graph=True)
+
+    return run
+
+
+def comparators() -> dict[str, Any]:
+    if not torch.cuda.is_available():
+        return {"fla": None}
+    return {"fla": _fla()}
+
+
+def flops(case: Case) -> float:
+    """About 2.5x the forward's count (fla's backward: the state recompute, the reverse state
+    recurrence, dq / dk / dw from the states, the WY transpose): a convention, as attention's."""
+    return 2.5 * gdn_prefill.flops(case)
+
+
+def nbytes(case: Case, dtype: torch.dtype) -> float:
+    """q, k, v, dO read and dq, dk, dv written (16-bit), g / beta and their gradients (fp32),
+    the states (initial, its gradient, the final state's gradient)."""
+    p = case.params
+    t, h, hv, n = sum(p["lens"]), p["h"], p["hv"], len(p["lens"])
+    tokens = t * (4 * h * HEAD + 4 * hv * HEAD) * dtype.itemsize + t * hv * 16
+    return tokens + (3 if p["state"] else 1) * n * hv * HEAD * HEAD * 4.0
+
+
+def suite() -> OpSuite:
+    return OpSuite(
+        name="gdn_bwd",
+        kernel_sources=kernel_sources(),
+        dtypes=(torch.bfloat16, torch.float16),
+        check_cases=CHECK_CASES,
+        bench_cases=BENCH_CASES,
+        make_inputs=make_inputs,
+        alloc_out=alloc_out,
+        run_ours=run_ours,
+        reference=reference,
+        low_precision=reference,  # unused: the judge holds the yardstick
+        comparators=comparators,
+        flops=flops,
+        bytes=nbytes,
+        bench_dtypes=(torch.bfloat16,),
+        sanitize_cases=CHECK_CASES[:3],
+        judge=judge,
+    )
