@@ -66,6 +66,7 @@ CHECK_CASES = (
 SANITIZE_CASES = (
     _case(2, 256, 256, counts=(0, 65), tail=128),
     _case(3, 384, 128, counts=(1, 0, 128)),
+    _case(2, 128, 256, counts=(33, 7)),
 )
 
 

@@ -82,6 +82,7 @@ CHECK_CASES = (
 SANITIZE_CASES = (
     _case(3, 256, 256, counts=(0, 20, 3), max_m=24, expected_m=8),
     _case(3, 384, 384, counts=(64, 0, 30), max_m=72, expected_m=64),
+    _case(2, 128, 128, counts=(1, 17), max_m=17, expected_m=16),  # K = 128: one scale word
 )
 
 
