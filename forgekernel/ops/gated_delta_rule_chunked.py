@@ -147,7 +147,7 @@ def gated_delta_rule(
             raise ValueError("out must be contiguous")
     scale = float(dk**-0.5 if scale is None else scale)
     if cu_seqlens is None:
-        cu_seqlens = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=q.device)
+        cu_seqlens = torch.arange(b + 1, dtype=torch.int32, device=q.device) * t  # T = 0 too
     flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta.float())]
     offsets = cu_seqlens.to(torch.int32)
     if wants_grad(*flat, initial_state):
