@@ -19,6 +19,7 @@ from forgekernel.kernels.linear_attention.kda_prefill.sm90 import launch
 def on_cpu(monkeypatch):
     """The op on the CPU: the recurrence kernel replayed in torch (tests/kda_prefill_replay.py)."""
     monkeypatch.setattr(op, "check_cuda", lambda name, t: None)
+
     def get(spec, params):
         pick = replay.intra_kernel if spec.name == "kda_intra_sm90" else replay.kernel
         return pick(dict(params))
