@@ -81,7 +81,21 @@ def gated_delta_rule_chunked_backward(
     initial_state is None (the zero state's). q / k heads go through in passes of
     `heads_per_pass` (default: TOKEN_HEADS_PER_PASS token-heads of value heads a pass), which
     bounds the fp32 temporaries (~10 KB a token and value head at K = V = 128)."""
-    _check(q, k, v, g, beta, initial_state, cu_seqlens, per_channel=False)
+    return chunked_backward_driver(
+        _chunked_backward, q, k, v, g, beta, do, scale=scale, initial_state=initial_state,
+        d_final_state=d_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
+        chunk_size=chunk_size, dtype=dtype, heads_per_pass=heads_per_pass, per_channel=False,
+    )  # fmt: skip
+
+
+def chunked_backward_driver(chunk_backward, q, k, v, g, beta, do, *, scale, initial_state,
+                            d_final_state, cu_seqlens, use_qk_l2norm, chunk_size, dtype,
+                            heads_per_pass, per_channel,
+                            token_heads=TOKEN_HEADS_PER_PASS) -> Grads:  # fmt: skip
+    """Everything around the chunk-level backward `chunk_backward` (shared with Kimi Delta
+    Attention's, reference/kda_bwd.py): checks, the chunk layout, passes over q / k heads,
+    scale, l2norm, the group sum. g is (B, T, HV) or, per_channel, (B, T, HV, K)."""
+    _check(q, k, v, g, beta, initial_state, cu_seqlens, per_channel=per_channel)
     b, t, h, dk_dim = q.shape
     hv, dv_dim = v.shape[2], v.shape[3]
     n = b if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -97,13 +111,14 @@ def gated_delta_rule_chunked_backward(
     h0 = zeros if initial_state is None else initial_state.to(dtype)
     dht = zeros if d_final_state is None else d_final_state.to(dtype)
     group = hv // h
-    step = heads_per_pass or max(1, TOKEN_HEADS_PER_PASS // max(1, b * t * group))
+    step = heads_per_pass or max(1, token_heads // max(1, b * t * group))
     parts = []
     for first in range(0, h, step):
         qh, vh = slice(first, first + step), slice(first * group, (first + step) * group)
         q_side, v_side = (x[:, qh] for x in flat[:2]), (x[:, vh] for x in flat[2:])
         parts.append(_flat_backward(*q_side, *v_side, h0[:, vh], dht[:, vh], layout=layout,
-                                    scale=_scale(scale, dk_dim), l2norm=use_qk_l2norm))  # fmt: skip
+                                    scale=_scale(scale, dk_dim), l2norm=use_qk_l2norm,
+                                    chunk_backward=chunk_backward))  # fmt: skip
     dq, dk, dv, dg, dbeta, dh0 = (torch.cat(grads, dim=1) for grads in zip(*parts))
     shaped = (x.reshape(b, t, *x.shape[1:]) for x in (dq, dk, dv, dg, dbeta))
     return (*shaped, dh0)
@@ -112,8 +127,9 @@ def gated_delta_rule_chunked_backward(
 # ----------------------------------------------------------------------------- token level
 
 
-def _flat_backward(q, k, v, g, beta, do, h0, dht, *, layout, scale, l2norm):
-    """Tokens flat: q, k (T, H, K), v, do (T, HV, V), g, beta (T, HV); h0, dht (N, HV, K, V)."""
+def _flat_backward(q, k, v, g, beta, do, h0, dht, *, layout, scale, l2norm, chunk_backward):
+    """Tokens flat: q, k (T, H, K), v, do (T, HV, V), g (T, HV[, K]), beta (T, HV); h0, dht (N,
+    HV, K, V)."""
     h, hv = q.shape[1], v.shape[1]
     group = hv // h
     qn, q_norm = _l2norm(q) if l2norm else (q, None)
@@ -121,8 +137,8 @@ def _flat_backward(q, k, v, g, beta, do, h0, dht, *, layout, scale, l2norm):
     qs = (qn * scale).repeat_interleave(group, dim=1)
     ks = kn.repeat_interleave(group, dim=1)
     pieces = [layout.gather(x) for x in (qs, ks, v, g, beta, do)]
-    dqs, dks, dv, dg, dbeta, dh0 = _chunked_backward(*pieces, layout.sort(h0),
-                                                     layout.sort(dht), layout.steps)  # fmt: skip
+    dqs, dks, dv, dg, dbeta, dh0 = chunk_backward(*pieces, layout.sort(h0), layout.sort(dht),
+                                                  layout.steps)  # fmt: skip
     dqs, dks, dv, dg, dbeta = (layout.scatter(x, len(q)) for x in (dqs, dks, dv, dg, dbeta))
     dqn = dqs.unflatten(1, (h, group)).sum(2) * scale
     dkn = dks.unflatten(1, (h, group)).sum(2)
