@@ -2,7 +2,8 @@
 messages); the real launcher with its torch first pass and a torch replay of the recurrence
 kernel (tests/kda_prefill_replay.py: the kernel's reads, roundings and stores) against the fp64
 recurrence (batches, varlen with empty / single-token / odd sequences, initial states, GQA,
-l2norm, strong per-channel decays, fp16); the forward-only autograd node."""
+l2norm, strong per-channel decays, fp16); a call autograd records goes through the custom op
+and back (the backward itself: tests/test_kda_bwd_op.py)."""
 
 from __future__ import annotations
 
@@ -179,13 +180,14 @@ def test_cpu_tensors_are_refused():
         _call(make(t=8))
 
 
-def test_backward_raises(cpu_kernel):
+def test_grad_goes_through_the_custom_op(cpu_kernel, monkeypatch):
+    monkeypatch.setattr("forgekernel.ops.kda_bwd.check_cuda", lambda name, t: None)
     x = make(t=20, seed=3)
     x["q"] = x["q"].requires_grad_()
     o, s = _call(x, initial_state=x["state"], output_final_state=True)
     assert o.requires_grad and s is not None
-    with pytest.raises(NotImplementedError, match="no backward yet"):
-        o.sum().backward()
+    o.float().sum().backward()
+    assert x["q"].grad.shape == x["q"].shape and torch.isfinite(x["q"].grad).all()
 
 
 @pytest.mark.parametrize("l2norm", [False, True])

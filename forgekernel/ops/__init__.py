@@ -1,5 +1,8 @@
 """The torch-facing API."""
 
+# Kimi Delta Attention (issue 20): imported for its autograd registration only (the forward
+# custom op's backward); not exported until its GPU check (docs/PENDING.md).
+from forgekernel.ops import kda_bwd as _kda_bwd  # noqa: F401
 from forgekernel.ops.attention import attention
 from forgekernel.ops.attention_bwd import attention_backward, attention_varlen_backward
 from forgekernel.ops.attention_paged import attention_paged, attention_paged_csr

@@ -28,6 +28,8 @@ import torch
 
 from forgekernel.kernels.linear_attention.kda_prefill.sm90 import launch as kda_sm90
 from forgekernel.kernels.linear_attention.kda_prefill.sm90.config import HEAD_DIMS
+from forgekernel.ops._dispatch import traced as _traced
+from forgekernel.ops._dispatch import wants_grad
 from forgekernel.ops._validate import check_cuda, check_same_device, check_shaped, check_tensor
 
 # The first pass: "torch" (checked on the CPU and, next session, the GPU) or "kernel" (intra.py:
@@ -37,37 +39,61 @@ F32 = (torch.float32,)
 OFFSETS = (torch.int32, torch.int64)
 
 
-class _ForwardOnly(torch.autograd.Function):
-    """Marks the outputs as produced by a forward-only op: backward raises."""
+def _launch(q, k, v, g, beta, initial_state, cu_seqlens, scale, l2norm, out=None,
+            first_pass=None):  # fmt: skip
+    """Flat contiguous tensors q, k (T, H, K) ..., cu_seqlens int32 -> (o (T, HV, V) in q's
+    dtype, final state (N, HV, K, V) fp32)."""
+    n, hv, dv = cu_seqlens.shape[0] - 1, v.shape[1], v.shape[2]
+    o = q.new_empty(*v.shape) if out is None else out
+    final = torch.empty(n, hv, q.shape[2], dv, dtype=torch.float32, device=q.device)
+    with torch.no_grad():
+        kda_sm90.kda_prefill(q, k, v, g, beta, initial_state, cu_seqlens, o, final, scale,
+                             l2norm=l2norm, first_pass=first_pass or FIRST_PASS)  # fmt: skip
+    return o, final
 
-    @staticmethod
-    def forward(ctx, o, final, *inputs):
-        return o, final
 
-    @staticmethod
-    def backward(ctx, *grads):
-        raise NotImplementedError(
-            "forgekernel.kimi_delta_attention has no backward yet (issue 20): differentiate "
-            "forgekernel.reference.delta_rule.kimi_delta_attention_recurrent, or call fla's "
-            "chunk_kda, until the backward kernel lands"
-        )
+@torch.library.custom_op("forgekernel::kda_chunked", mutates_args=())
+def _chunked_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    l2norm: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    args = (x.contiguous() for x in (q, k, v, g, beta))
+    init = None if initial_state is None else initial_state.contiguous()
+    return _launch(*args, init, cu_seqlens.contiguous(), scale, l2norm)
+
+
+@_chunked_op.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, l2norm):
+    n = cu_seqlens.shape[0] - 1
+    final = q.new_empty(n, v.shape[1], q.shape[2], v.shape[2], dtype=torch.float32)
+    return q.new_empty(*v.shape), final
 
 
 def _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, l2norm, out=None,
              first_pass=None):  # fmt: skip
-    """Validated tensors -> (o (B, T, HV, V) in q's dtype, final state (N, HV, K, V) fp32)."""
+    """Validated tensors -> (o (B, T, HV, V) in q's dtype, final state (N, HV, K, V) fp32):
+    through the custom op where autograd records the call or it is traced, else the launcher
+    directly (o written into `out`, flat (B T, HV, V), when given)."""
     b, t, hv, dv = v.shape
     if cu_seqlens is None:
-        cu_seqlens = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=q.device)
-    n = cu_seqlens.shape[0] - 1
-    flat = [x.reshape(b * t, *x.shape[2:]).contiguous() for x in (q, k, v, g, beta)]
-    o = torch.empty(b * t, hv, dv, dtype=q.dtype, device=q.device) if out is None else out
-    final = torch.empty(n, hv, q.shape[3], dv, dtype=torch.float32, device=q.device)
+        cu_seqlens = torch.arange(b + 1, dtype=torch.int32, device=q.device) * t  # T = 0 too
+    offsets = cu_seqlens.to(torch.int32)
+    flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    if wants_grad(*flat, initial_state) or _traced(*flat, initial_state, offsets, out):
+        o, final = torch.ops.forgekernel.kda_chunked(*flat, initial_state, offsets, scale, l2norm)
+        if out is not None:
+            o = out.copy_(o)
+        return o.view(b, t, hv, dv), final
+    flat = [x.contiguous() for x in flat]
     init = None if initial_state is None else initial_state.contiguous()
-    with torch.no_grad():
-        kda_sm90.kda_prefill(*flat, init, cu_seqlens.to(torch.int32), o.view(b * t, hv, dv),
-                             final, scale, l2norm=l2norm,
-                             first_pass=first_pass or FIRST_PASS)  # fmt: skip
+    o, final = _launch(*flat, init, offsets, scale, l2norm, out, first_pass)
     return o.view(b, t, hv, dv), final
 
 
@@ -130,8 +156,9 @@ def kimi_delta_attention(
     Returns (o (B, T, HV, V) in q's dtype, the final state fp32 (N, HV, K, V) or None unless
     output_final_state); o is written into `out` when given (a contiguous (B, T, HV, V) tensor
     in q's dtype). Accurate for per-step log decays down to about -5 per channel (the
-    kernel's sub-chunk factors; reference/kda_chunked.py). Backward: raises
-    NotImplementedError (module docstring)."""
+    kernel's sub-chunk factors; reference/kda_chunked.py). Differentiable in q, k, v, g, beta
+    and initial_state (the interim torch backward: ops/kda_bwd.py); with `out=` and grad, o is
+    computed first and copied into out (autograd records the copy)."""
     _validate(q, k, v, g, beta, initial_state, cu_seqlens)
     if out is not None:
         check_shaped("out", out, tuple(v.shape), (q.dtype,))
@@ -141,9 +168,6 @@ def kimi_delta_attention(
     flat_out = None if out is None else out.view(-1, *out.shape[2:])
     o, final = _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens,
                         use_qk_l2norm_in_kernel, flat_out)  # fmt: skip
-    inputs = (q, k, v, g, beta) + (() if initial_state is None else (initial_state,))
-    if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
-        o, final = _ForwardOnly.apply(o, final, *inputs)
     if out is not None and o.data_ptr() != out.data_ptr():
         o = out.copy_(o)
     return o, (final if output_final_state else None)
