@@ -24,6 +24,8 @@ PENDING_SUITE_MODULES: dict[str, str] = {
     "dsa_recompute": "forgekernel.bench.suites.dsa_recompute",  # issue 22: the score recompute
     # issue 20: Gated DeltaNet backward (the interim fp32 torch path until its kernel)
     "gdn_bwd": "forgekernel.bench.suites.gdn_bwd",
+    # issue 20: Kimi Delta Attention backward (the interim fp32 torch path until its kernel)
+    "kda_bwd": "forgekernel.bench.suites.kda_bwd",
 }
 SUITE_MODULES = {
     "gemm": "forgekernel.bench.suites.gemm",

@@ -115,8 +115,14 @@ def reference(inputs: Inputs) -> tuple:
 
 def judge(inputs: Inputs, outs: tuple) -> list[dict[str, Any]]:
     """Each gradient within REL_TOL of its reference's largest entry."""
+    return judge_gradients(outs, reference(inputs))
+
+
+def judge_gradients(outs: tuple, wants: tuple) -> list[dict[str, Any]]:
+    """The verdict on each gradient (GRAD_NAMES order) against its fp64 reference (shared with
+    the kda_bwd suite)."""
     verdicts = []
-    for name, got, want in zip(GRAD_NAMES, outs, reference(inputs)):
+    for name, got, want in zip(GRAD_NAMES, outs, wants):
         scale = float(want.abs().max()) if want.numel() else 0.0
         err = float((got.double() - want.double()).abs().max()) if want.numel() else 0.0
         finite = bool(torch.isfinite(got).all())

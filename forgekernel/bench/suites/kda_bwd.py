@@ -1,0 +1,171 @@
+"""Kimi Delta Attention backward suite (issue 20): the gradients of `kimi_delta_attention` in
+q, k, v, g (per key channel), beta (and the initial state where the case has one) from dO and
+the final state's gradient, in the forward suite's form (kda_prefill.py: q, k (1, T, H, 128),
+k unit-norm, v (1, T, HV, 128), g (1, T, HV, 128) = logsigmoid(N(0, 1)) fp32, or uniform in
+[-5, -4] per step and channel on the `-strong` cases, beta fp32, varlen as B = 1).
+
+Timed: the backward alone (`kimi_delta_attention_backward`: today the INTERIM fp32 torch path
+of ops/kda_bwd.py, which recomputes the forward's chunk states itself); fla's chunk_kda
+backward through autograd of a forward recorded once per input set (`torch.autograd.grad`
+with retain_graph: its own recompute included, as ours). Pending (suites/__init__.py) until
+a GPU check passes.
+
+Outputs: (dq, dk, dv, dg, dbeta[, d_initial_state]). Judged as gdn_bwd's (`judge_gradients`):
+each within 2e-2 of its reference's largest entry; reference = torch.autograd through the fp64
+recurrence up to 4096 tokens, the fp64 chunked backward (reference/kda_bwd.py, itself checked
+against that autograd in tests/test_reference_kda_bwd.py) above.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from forgekernel.bench.suite import Case, Inputs, OpSuite
+from forgekernel.bench.suites import gdn_bwd, kda_prefill
+from forgekernel.bench.suites.kda_prefill import HEAD, _case, _mix
+
+RECURRENT_UP_TO = 4096  # tokens: above, the fp64 chunked backward is the reference (speed)
+_likes = gdn_bwd._likes
+alloc_out = gdn_bwd.alloc_out
+
+
+def kernel_sources() -> list[Path]:
+    """The forward's sources and the interim backward's modules (the ledger key)."""
+    import forgekernel.ops.kda_bwd as bwd_op
+    import forgekernel.reference.delta_rule_bwd as gdn_ref
+    import forgekernel.reference.kda_bwd as bwd_ref
+
+    return [*kda_prefill.SOURCES, *(Path(m.__file__) for m in (bwd_op, bwd_ref, gdn_ref))]
+
+
+BENCH_CASES = (
+    _case([2048], 16, 16, group="single"),
+    _case([8192], 16, 16, group="single"),
+    _case([8192] * 4, 16, 16, group="batch"),
+    _case([8192] * 4, 16, 16, state=False, group="batch"),
+    _case([8192] * 4, 16, 32, group="batch"),
+    _case(_mix(16, 16384), 16, 16, group="varlen"),
+    _case(_mix(64, 32768), 16, 16, group="varlen"),
+)
+CHECK_CASES = (
+    _case([1, 15, 16, 17, 63, 64, 65, 130], 2, 2),
+    _case([257], 4, 8, state=False),
+    _case([100, 0, 37], 16, 16, strong=True),
+    _case([300, 301], 16, 32),
+    _case([1000, 77], 4, 4, strong=True),
+)
+SANITIZE_CASES = CHECK_CASES[:3]  # the third has an empty sequence and strong decays
+
+
+def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, gen: torch.Generator):
+    inputs = kda_prefill.make_inputs(case, dtype, device, gen)
+    v, n = inputs["v"], len(case.params["lens"])
+    inputs["do"] = torch.randn(v.shape, device=device, generator=gen).to(dtype)
+    inputs["d_final"] = torch.randn(n, v.shape[2], HEAD, HEAD, device=device, generator=gen)
+    return inputs
+
+
+def run_ours(inputs: Inputs, out: tuple | None) -> tuple:
+    from forgekernel.ops.kda_bwd import kimi_delta_attention_backward
+
+    i = inputs
+    grads = kimi_delta_attention_backward(i["q"], i["k"], i["v"], i["g"], i["beta"], i["do"],
+                                          initial_state=i["state"], d_final_state=i["d_final"],
+                                          cu_seqlens=i["cu_seqlens"])  # fmt: skip
+    grads = grads[: len(_likes(i))]
+    if out is None:
+        return grads
+    for o, x in zip(out, grads):
+        o.copy_(x)
+    return out
+
+
+def reference(inputs: Inputs) -> tuple:
+    """fp64 gradients (upcast to fp32 by the caller's comparison)."""
+    from forgekernel.reference.delta_rule import kimi_delta_attention_recurrent
+    from forgekernel.reference.kda_bwd import kimi_delta_attention_chunked_backward
+
+    i = inputs
+    n_out = len(_likes(i))
+    if i["q"].shape[1] > RECURRENT_UP_TO:
+        grads = kimi_delta_attention_chunked_backward(
+            i["q"], i["k"], i["v"], i["g"], i["beta"], i["do"], initial_state=i["state"],
+            d_final_state=i["d_final"], cu_seqlens=i["cu_seqlens_long"], dtype=torch.float64,
+        )  # fmt: skip
+        return grads[:n_out]
+    leaves = [x.double().requires_grad_() for x in _likes(i)]
+    state = leaves[5] if n_out == 6 else None
+    o, final = kimi_delta_attention_recurrent(*leaves[:5], initial_state=state,
+                                              output_final_state=True,
+                                              cu_seqlens=i["cu_seqlens_long"])  # fmt: skip
+    loss = (o * i["do"].double()).sum() + (final * i["d_final"].double()).sum()
+    return torch.autograd.grad(loss, leaves)
+
+
+def judge(inputs: Inputs, outs: tuple) -> list[dict[str, Any]]:
+    """Each gradient within gdn_bwd.REL_TOL of its reference's largest entry."""
+    return gdn_bwd.judge_gradients(outs, reference(inputs))
+
+
+def _fla():
+    try:
+        from fla.ops.kda import chunk_kda
+    except Exception:  # not installed, or its Triton import fails
+        return None
+
+    def run(inputs: Inputs):
+        i = inputs
+        if "fla_graph" not in i:  # the forward recorded once per input set, never timed
+            leaves = [x.detach().clone().requires_grad_() for x in _likes(i)]
+            state = leaves[5] if len(leaves) == 6 else None
+            o, final = chunk_kda(*leaves[:5], initial_state=state, output_final_state=True,
+                                 cu_seqlens=i["cu_seqlens_long"])  # fmt: skip
+            i["fla_graph"] = ((o, final), leaves)
+        outputs, leaves = i["fla_graph"]
+        return torch.autograd.grad(outputs, leaves, (i["do"], i["d_final"]), retain_graph=True)
+
+    return run
+
+
+def comparators() -> dict[str, Any]:
+    if not torch.cuda.is_available():
+        return {"fla": None}
+    return {"fla": _fla()}
+
+
+def flops(case: Case) -> float:
+    """2.5x the forward's count, as gdn_bwd's convention."""
+    return 2.5 * kda_prefill.flops(case)
+
+
+def nbytes(case: Case, dtype: torch.dtype) -> float:
+    """q, k, v, dO read and dq, dk, dv written (16-bit), g and dg (fp32, per channel), beta
+    and dbeta, the states (initial, its gradient, the final state's gradient)."""
+    p = case.params
+    t, h, hv, n = sum(p["lens"]), p["h"], p["hv"], len(p["lens"])
+    tokens = t * (4 * h * HEAD + 4 * hv * HEAD) * dtype.itemsize + t * hv * (8 * HEAD + 8)
+    return tokens + (3 if p["state"] else 1) * n * hv * HEAD * HEAD * 4.0
+
+
+def suite() -> OpSuite:
+    return OpSuite(
+        name="kda_bwd",
+        kernel_sources=kernel_sources(),
+        dtypes=(torch.bfloat16, torch.float16),
+        check_cases=CHECK_CASES,
+        bench_cases=BENCH_CASES,
+        make_inputs=make_inputs,
+        alloc_out=alloc_out,
+        run_ours=run_ours,
+        reference=reference,
+        low_precision=reference,  # unused: the judge holds the yardstick
+        comparators=comparators,
+        flops=flops,
+        bytes=nbytes,
+        bench_dtypes=(torch.bfloat16,),
+        sanitize_cases=SANITIZE_CASES,
+        judge=judge,
+    )

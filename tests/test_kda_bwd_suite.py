@@ -1,0 +1,75 @@
+"""The pending kda_bwd suite on the CPU: its judge passes on the sanitize cases with the op's
+interim backward (the forward kernel is not run: the suite times the backward alone), refuses
+a wrong gradient, the fp64 reference switches to the chunked backward above RECURRENT_UP_TO
+tokens, its cases are well formed (unique names, >= 3 sanitize cases), and it is registered as
+pending only."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from forgekernel.bench import suites
+from forgekernel.bench.check import verify
+from forgekernel.bench.suites import kda_bwd
+from forgekernel.ops import kda_bwd as bwd_op
+
+
+@pytest.fixture
+def cpu(monkeypatch):
+    monkeypatch.setattr(bwd_op, "check_cuda", lambda name, t: None)
+
+
+def _inputs(case, seed=0):
+    return kda_bwd.make_inputs(case, torch.bfloat16, torch.device("cpu"),
+                               torch.Generator().manual_seed(seed))  # fmt: skip
+
+
+@pytest.mark.parametrize("case", kda_bwd.SANITIZE_CASES, ids=lambda c: c.name)
+def test_check_passes_with_the_interim_backward(cpu, case):
+    suite = kda_bwd.suite()
+    out, cmps = verify(suite, _inputs(case), torch.device("cpu"))
+    want = 6 if case.params["state"] else 5
+    assert len(out) == len(cmps) == want
+    assert all(c.ok for c in cmps), [c.message for c in cmps]
+
+
+def test_judge_refuses_a_wrong_gradient(cpu):
+    case = kda_bwd._case([40, 3], 1, 2)
+    inputs = _inputs(case, seed=1)
+    outs = list(kda_bwd.run_ours(inputs, None))
+    outs[3] = outs[3] * 1.1  # dg 10% off
+    verdicts = kda_bwd.judge(inputs, tuple(outs))
+    assert [v["ok"] for v in verdicts] == [True, True, True, False, True, True]
+    assert "dg" in verdicts[3]["message"]
+
+
+def test_long_cases_take_the_chunked_reference(cpu, monkeypatch):
+    case = kda_bwd._case([70, 5], 1, 2, strong=True)
+    inputs = _inputs(case, seed=2)
+    short = kda_bwd.reference(inputs)
+    monkeypatch.setattr(kda_bwd, "RECURRENT_UP_TO", 10)
+    long = kda_bwd.reference(inputs)
+    for a, b in zip(short, long):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_cases_are_well_formed():
+    names = [c.name for c in (*kda_bwd.BENCH_CASES, *kda_bwd.CHECK_CASES)]
+    assert len(names) == len(set(names))
+    assert len(kda_bwd.SANITIZE_CASES) >= 3
+    assert any(0 in c.params["lens"] for c in kda_bwd.SANITIZE_CASES)
+    assert any(c.params["strong"] for c in kda_bwd.SANITIZE_CASES)
+    for case in kda_bwd.BENCH_CASES:
+        assert all(n > 0 for n in case.params["lens"]), case.name
+        assert case.params["hv"] % case.params["h"] == 0
+        assert kda_bwd.flops(case) > 0 and kda_bwd.nbytes(case, torch.bfloat16) > 0
+    assert all(p.is_file() for p in kda_bwd.kernel_sources())
+
+
+def test_registered_as_pending_only():
+    assert suites.PENDING_SUITE_MODULES["kda_bwd"] == "forgekernel.bench.suites.kda_bwd"
+    if not os.environ.get("FORGEKERNEL_PENDING_SUITES"):
+        assert "kda_bwd" not in suites.SUITE_MODULES
