@@ -93,6 +93,19 @@ def _close(got, want) -> bool:
     return torch.allclose(got, want, rtol=1e-6, atol=1e-5)
 
 
+def _fprop_and_wgrad_agree(x, w, bias, g: Geometry) -> None:
+    """The launcher's forward and weight gradient (NaN-poisoned outputs) against torch's."""
+    want = _torch_conv(x, w, bias, g)
+    y = torch.full(_cl5(want).shape, float("nan"), dtype=F64)
+    launch.fprop(_cl5(x), _cl5(w.detach()), bias, y, g)
+    assert _close(y, _cl5(want))
+    dy = torch.randn_like(want)
+    (dw_want,) = torch.autograd.grad(want, w, dy)
+    dw = torch.full(_cl5(w).shape, float("nan"), dtype=F64)
+    launch.wgrad(_cl5(dy), _cl5(x), dw, g)
+    assert _close(dw, _cl5(dw_want))
+
+
 # ---------------------------------------------------------------- geometry
 @pytest.mark.parametrize("size, g", _random_geometries(40))
 def test_output_extents_and_the_im2col_walk_agree_with_torch(size, g):
@@ -380,15 +393,7 @@ def test_few_channels_run_as_a_1x1_convolution_of_the_im2col(monkeypatch, c, f, 
     x = torch.randn(2, c, 1, 13, 12, dtype=F64)
     w = torch.randn(24, c, *f, dtype=F64, requires_grad=True)
     bias = torch.randn(24, dtype=F64)
-    want = _torch_conv(x, w, bias, g)
-    y = torch.full(_cl5(want).shape, float("nan"), dtype=F64)
-    launch.fprop(_cl5(x), _cl5(w.detach()), bias, y, g)
-    assert _close(y, _cl5(want))
-    dy = torch.randn_like(want)
-    (dw_want,) = torch.autograd.grad(want, w, dy)
-    dw = torch.full(_cl5(w).shape, float("nan"), dtype=F64)
-    launch.wgrad(_cl5(dy), _cl5(x), dw, g)
-    assert _close(dw, _cl5(dw_want))
+    _fprop_and_wgrad_agree(x, w, bias, g)
     width = -(-(f[1] * f[2] * c) // 8) * 8
     assert [(name, ch) for name, ch, _ in seen] == [
         ("conv_fprop_sm90", width),
@@ -405,16 +410,9 @@ def test_one_plane_padded_in_depth_is_not_the_2d_im2col(model_kernel):
     g = _geometry((1, 3, 3), (1, 1, 1))
     x = torch.randn(2, 3, 1, 7, 6, dtype=F64)
     w = torch.randn(8, 3, 1, 3, 3, dtype=F64, requires_grad=True)
-    want = _torch_conv(x, w, None, g)
-    assert want.shape[2] == 3 and not launch.few_channels(_cl5(x), _cl5(w), g)
-    y = torch.full(_cl5(want).shape, float("nan"), dtype=F64)
-    launch.fprop(_cl5(x), _cl5(w.detach()), None, y, g)
-    assert _close(y, _cl5(want))
-    dy = torch.randn_like(want)
-    (dw_want,) = torch.autograd.grad(want, w, dy)
-    dw = torch.full(_cl5(w).shape, float("nan"), dtype=F64)
-    launch.wgrad(_cl5(dy), _cl5(x), dw, g)
-    assert _close(dw, _cl5(dw_want))
+    assert _torch_conv(x, w, None, g).shape[2] == 3
+    assert not launch.few_channels(_cl5(x), _cl5(w), g)
+    _fprop_and_wgrad_agree(x, w, None, g)
 
 
 def test_one_split_plan_for_every_phase_is_sized_per_phase(model_kernel):

@@ -115,6 +115,18 @@ def k_tile_coords(kt: int, c_blocks: int, taps: tuple[int, int, int]) -> tuple[i
     return cb, (t, r, s)
 
 
+def split_sum(acc, slots, flags, tile: int, tiles: int, part: int, parts: int):
+    """The split reduction both kernels run: part `part` of `tile` stores its partial sum in slot
+    part x tiles + tile (in the workspace's dtype) and counts itself in flags[tile]; the last of
+    the `parts` to arrive resets the flag and gets the sum of every slot (fp64), the others None."""
+    slots[part * tiles + tile] = acc.to(slots.dtype)
+    flags[tile] += 1
+    if int(flags[tile]) < parts:
+        return None
+    flags[tile] = 0
+    return sum(slots[p * tiles + tile].double() for p in range(parts))
+
+
 def run(x, w, y, bias, geometry: Geometry, cfg: ConvConfig, dgrad: bool = False,
         split=None) -> None:  # fmt: skip
     """y (M, K) = the forward convolution as the kernel computes it (module docstring);
@@ -158,12 +170,9 @@ def run(x, w, y, bias, geometry: Geometry, cfg: ConvConfig, dgrad: bool = False,
             b = box_b(w, n0, cfg.tile_n, tap_b, cb_b * cfg.tile_k, cfg.tile_k)
             acc += a @ b.T
         if parts > 1:
-            slots[part * tiles + tile] = acc.to(slots.dtype)
-            flags[tile] += 1
-            if int(flags[tile]) < parts:
+            acc = split_sum(acc, slots, flags, tile, tiles, part, parts)
+            if acc is None:
                 continue
-            flags[tile] = 0
-            acc = sum(slots[p * tiles + tile].double() for p in range(parts))
         if bias is not None:
             cols = torch.arange(n0, n0 + cfg.tile_n).clamp(max=bias.shape[0] - 1)
             acc += bias[cols].double()[None, :]
@@ -257,12 +266,9 @@ def wgrad_run(dy, x, dw, work, flags, geometry: Geometry, cfg, per_split: int, o
                            for cb in blocks], dim=1)  # fmt: skip
             acc += a.T @ b
         if splits > 1:
-            slots[split * tiles + tile] = acc.to(work.dtype)
-            flags[tile] += 1
-            if int(flags[tile]) < splits:
+            acc = split_sum(acc, slots, flags, tile, tiles, split, splits)
+            if acc is None:
                 continue
-            flags[tile] = 0
-            acc = sum(slots[s * tiles + tile].double() for s in range(splits))
         rows = max(0, min(tm, k - tile_m * tm))
         cols = min(tn, c - c_tile * tn)
         t, r, s = tap
