@@ -18,11 +18,14 @@ from forgekernel.ops import (
     gated_delta_rule_backward,
     gated_delta_rule_step,
     gemm,
+    gemm_fp4_grouped,
+    gemm_fp4_grouped_masked,
     gemm_fp8,
     gemm_fp8_grouped,
     gemm_fp8_grouped_masked,
     mla_decode,
     mla_prefill,
+    quantize_fp4_weights,
     tune_gemm,
 )
 
@@ -45,10 +48,13 @@ __all__ = [
     "gated_delta_rule_backward",
     "gated_delta_rule_step",
     "gemm",
+    "gemm_fp4_grouped",
+    "gemm_fp4_grouped_masked",
     "gemm_fp8",
     "gemm_fp8_grouped",
     "gemm_fp8_grouped_masked",
     "mla_decode",
     "mla_prefill",
+    "quantize_fp4_weights",
     "tune_gemm",
 ]

@@ -33,8 +33,11 @@ if [ -n "${WHEELS:-}" ]; then
   source "$WHEELS/wheels.sh" install "$WHEELS" >/dev/null || exit 1
 elif [ -d .payload/p2 ]; then
   source .payload/p2/dsl-install.sh install .payload/p2 || exit 1
-else
-  export PYTHONPATH=/root/wheels-site${PYTHONPATH:+:$PYTHONPATH}  # installed by an earlier call
+else  # installed by an earlier call: the same path as wheels.sh install (the DSL's packages
+  # too, or every kernel missing from $KERNELS fails on `import cutlass`, as on 2026-12-02)
+  extra=/root/wheels-site
+  [ -d $extra/nvidia_cutlass_dsl/dsl_packages ] && extra=$extra:$extra/nvidia_cutlass_dsl/dsl_packages
+  export PYTHONPATH=$extra${PYTHONPATH:+:$PYTHONPATH}
 fi
 export FORGEKERNEL_KERNEL_DIR="$KERNELS" FORGEKERNEL_RESULTS_DIR="$RESULTS"
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore

@@ -409,12 +409,11 @@ def test_tiled_mma_fragments_are_the_maps_the_kernel_assumes(tokens):
 
 
 # ---------------------------------------------------------------- the suite
-def test_suite_is_pending_and_its_cases_are_valid():
+def test_suite_is_registered_and_its_cases_are_valid():
     from forgekernel.bench.suites import PENDING_SUITE_MODULES, SUITE_MODULES
     from forgekernel.bench.suites import gemm_fp4_masked as mod
 
-    assert "gemm_fp4_masked" in PENDING_SUITE_MODULES
-    assert "gemm_fp4_masked" not in SUITE_MODULES or PENDING_SUITE_MODULES["gemm_fp4_masked"]
+    assert "gemm_fp4_masked" in SUITE_MODULES and "gemm_fp4_masked" not in PENDING_SUITE_MODULES
     suite = mod.suite()
     cases = (*suite.check_cases, *suite.bench_cases, *suite.sanitize_cases)
     assert len({c.name for c in cases}) == len(cases)
@@ -535,10 +534,10 @@ def test_contiguous_kernel_compiles_without_spills(tmp_path):
 
 
 def test_contiguous_suite_on_the_host():
-    from forgekernel.bench.suites import PENDING_SUITE_MODULES
+    from forgekernel.bench.suites import PENDING_SUITE_MODULES, SUITE_MODULES
     from forgekernel.bench.suites import gemm_fp4_grouped as mod
 
-    assert "gemm_fp4_grouped" in PENDING_SUITE_MODULES
+    assert "gemm_fp4_grouped" in SUITE_MODULES and "gemm_fp4_grouped" not in PENDING_SUITE_MODULES
     suite = mod.suite()
     cases = (*suite.check_cases, *suite.bench_cases, *suite.sanitize_cases)
     assert len({c.name for c in cases}) == len(cases)

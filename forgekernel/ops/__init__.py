@@ -16,10 +16,13 @@ from forgekernel.ops.conv import (
     conv3d_wgrad,
 )
 from forgekernel.ops.dsa import dsa_sparse_attention
+from forgekernel.ops.fp4_pack import quantize_fp4_weights
 from forgekernel.ops.gated_delta_rule import gated_delta_rule_step
 from forgekernel.ops.gated_delta_rule_bwd import gated_delta_rule_backward
 from forgekernel.ops.gated_delta_rule_chunked import gated_delta_rule
 from forgekernel.ops.gemm import gemm, tune_gemm
+from forgekernel.ops.gemm_fp4_grouped import gemm_fp4_grouped
+from forgekernel.ops.gemm_fp4_grouped_masked import gemm_fp4_grouped_masked
 from forgekernel.ops.gemm_fp8 import gemm_fp8
 from forgekernel.ops.gemm_fp8_grouped import gemm_fp8_grouped
 from forgekernel.ops.gemm_fp8_grouped_masked import gemm_fp8_grouped_masked
@@ -43,10 +46,13 @@ __all__ = [
     "gated_delta_rule_backward",
     "gated_delta_rule_step",
     "gemm",
+    "gemm_fp4_grouped",
+    "gemm_fp4_grouped_masked",
     "gemm_fp8",
     "gemm_fp8_grouped",
     "gemm_fp8_grouped_masked",
     "mla_decode",
     "mla_prefill",
+    "quantize_fp4_weights",
     "tune_gemm",
 ]

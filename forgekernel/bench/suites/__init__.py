@@ -16,14 +16,9 @@ from forgekernel.bench.suite import OpSuite
 # tests/test_ledger_gate.py does not ask CI for a ledger that no GPU has written yet.
 PENDING_SUITE_MODULES: dict[str, str] = {
     "dsa_indexer": "forgekernel.bench.suites.dsa_indexer",  # issue 22: the FP8 lightning indexer
-    # issue 21: FP4 weights (masked and contiguous grouped, decode sizes)
-    "gemm_fp4_masked": "forgekernel.bench.suites.gemm_fp4_masked",
-    "gemm_fp4_grouped": "forgekernel.bench.suites.gemm_fp4_grouped",
     # issue 20: Kimi Delta Attention forward (recurrence kernel; first pass in torch by default)
     "kda_prefill": "forgekernel.bench.suites.kda_prefill",
     "dsa_recompute": "forgekernel.bench.suites.dsa_recompute",  # issue 22: the score recompute
-    # issue 20: Gated DeltaNet backward (the interim fp32 torch path until its kernel)
-    "gdn_bwd": "forgekernel.bench.suites.gdn_bwd",
     # issue 20: Kimi Delta Attention backward (the interim fp32 torch path until its kernel)
     "kda_bwd": "forgekernel.bench.suites.kda_bwd",
 }
@@ -46,6 +41,11 @@ SUITE_MODULES = {
     "conv_dgrad": "forgekernel.bench.suites.conv_dgrad",
     "conv_wgrad": "forgekernel.bench.suites.conv_wgrad",
     "gdn_prefill": "forgekernel.bench.suites.gdn_prefill",  # issue 20
+    # issue 21: FP4 (e2m1) weights, masked and contiguous grouped (checked 2026-12-02)
+    "gemm_fp4_masked": "forgekernel.bench.suites.gemm_fp4_masked",
+    "gemm_fp4_grouped": "forgekernel.bench.suites.gemm_fp4_grouped",
+    # issue 20: Gated DeltaNet backward (the interim fp32 torch path until its kernel)
+    "gdn_bwd": "forgekernel.bench.suites.gdn_bwd",
 }
 if os.environ.get("FORGEKERNEL_PENDING_SUITES"):
     SUITE_MODULES.update(PENDING_SUITE_MODULES)
