@@ -115,6 +115,29 @@ def test_topk_model_windows_and_slots():
         assert paged[r].tolist() == want
 
 
+H200_SMS = 132
+
+
+@pytest.mark.parametrize("rows, width, topk", [(3, 5000, 2048), (2, 70001, 2048), (5, 300, 7)])
+def test_gpu_topk_test_replays_on_the_model_at_the_launchers_cluster(rows, width, topk):
+    """tests/gpu's top-k-versus-model shapes at the cluster the launcher plans on an H200: the
+    model at its default cluster 1 refused the 70001-key row ("a part larger than the cache",
+    2026-12-02); the selection does not depend on the cluster (every one that holds the row)."""
+    logits = _rand(rows, logits_width(width))
+    logits[:, ::97] = float("-inf")
+    logits[0, 5:900] = 0.5  # ties
+    starts = torch.tensor([0, 3, 0, 11, 0][:rows])
+    ends = torch.tensor([width, width - 1, 1, width, 0][:rows])
+    cluster = config.topk_cluster(rows, width, H200_SMS)
+    if width > config.CACHE:
+        with pytest.raises(AssertionError, match="larger than the cache"):
+            em.topk_model(logits, starts, ends, topk)
+    want = em.topk_model(logits, starts, ends, topk, cluster)
+    for other in config.CLUSTERS:
+        if other != cluster and other * config.CACHE >= width:
+            assert torch.equal(em.topk_model(logits, starts, ends, topk, other), want), other
+
+
 # ---------------------------------------------------------------- logits decomposition
 
 

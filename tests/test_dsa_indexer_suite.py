@@ -5,6 +5,9 @@ counts; the harness calling the judge instead of an element-wise reference."""
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import torch
 
@@ -55,6 +58,23 @@ def test_the_judge_passes_the_kernels_model(case):
     (verdict,) = S.judge(inputs, (ids,))
     assert verdict["ok"], verdict["message"]
     assert verdict["err"] <= 1.0
+    assert S.in_position_order(inputs, ids)
+
+
+def test_paged_order_is_by_position_not_by_slot():
+    """The kernels' paged rows ascend in sequence position; their slot ids follow the shuffled
+    pages (the 2026-12-02 GPU test asserted ascending slots and failed every decode case)."""
+    inputs = _inputs(S.CHECK_CASES[0])
+    ids = _model_ids(inputs)
+    slots = torch.where(ids >= 0, ids, torch.iinfo(torch.int32).max)
+    assert not bool((slots[:, 1:] >= slots[:, :-1]).all())
+    assert S.in_position_order(inputs, ids)
+    swapped = ids.clone()
+    swapped[6, [0, 1]] = ids[6, [1, 0]]
+    assert not S.in_position_order(inputs, swapped)
+    padded_first = ids.clone()
+    padded_first[1] = ids[1].roll(1)  # 70 keys of 2048: -1 before them
+    assert not S.in_position_order(inputs, padded_first)
 
 
 def test_the_judge_refuses_wrong_selections():
@@ -82,6 +102,60 @@ def test_the_judge_refuses_wrong_selections():
     bad[row, 0] = slot
     verdict = S.judge(inputs, (bad,))[0]
     assert not verdict["ok"] and verdict["err"] > 1.0
+
+
+def test_deep_gemm_context_lens_are_each_rows_visible_keys():
+    for case in S.CHECK_CASES[:5]:
+        p = case.params
+        lens = S.deep_gemm_context_lens(torch.tensor(p["lens"], dtype=torch.int32), p["next_n"])
+        assert lens.dtype == torch.int32 and lens.is_contiguous()
+        assert lens.shape == (len(p["lens"]), p["next_n"])
+        assert lens.flatten().tolist() == [seen for _, seen in S._visible(case)], case.name
+
+
+def _fake_deep_gemm(inputs) -> types.ModuleType:
+    """sgl-deep-gemm 0.1.4's calling contract on the CPU: 2-D context_lens (its
+    `context_lens.dim() == 2`), no clean_logits with them, and logits past each row's length
+    left as garbage (huge, so that an unmasked one would be picked)."""
+    fake = types.ModuleType("deep_gemm")
+    sms = 7
+
+    def metadata(context_lens, block_kv, num_sms, indices=None):
+        assert context_lens.dim() == 2 and context_lens.dtype == torch.int32
+        assert context_lens.is_contiguous() and block_kv == 64 and num_sms == sms
+        return torch.zeros(num_sms + 1, 2, dtype=torch.int32)
+
+    def paged(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
+              clean_logits=False, indices=None):  # fmt: skip
+        b, next_n = q.shape[:2]
+        assert q.dim() == 4 and q.is_contiguous() and kv_cache.dtype == torch.uint8
+        assert context_lens.shape == (b, next_n) and not clean_logits
+        assert schedule_meta.shape == (sms + 1, 2) and weights.shape == (b * next_n, 64)
+        assert max_context_len == block_table.shape[1] * 64
+        real = S._scores(inputs).float()
+        cols = torch.arange(max_context_len)
+        return torch.where(cols[None, :] < context_lens.reshape(-1, 1), real, 1e30)
+
+    def contiguous(q, kv, weights, ks, ke, clean_logits=False, max_seqlen_k=0):
+        assert clean_logits and kv[0].shape[0] == kv[1].shape[0]
+        return S._scores(inputs).float()
+
+    fake.get_num_sms = lambda: sms
+    fake.get_paged_mqa_logits_metadata = metadata
+    fake.fp8_paged_mqa_logits = paged
+    fake.fp8_mqa_logits = contiguous
+    return fake
+
+
+@pytest.mark.parametrize("case", [S.CHECK_CASES[0], S.CHECK_CASES[1], S.CHECK_CASES[6]],
+                         ids=lambda c: c.name)  # fmt: skip
+def test_deep_gemm_comparator_calls_the_2d_context_lens_api(case, monkeypatch):
+    inputs = _inputs(case, seed=3)
+    monkeypatch.setitem(sys.modules, "deep_gemm", _fake_deep_gemm(inputs))
+    run = S._deep_gemm()
+    ids = run(inputs)
+    (verdict,) = S.judge(inputs, (ids,))
+    assert verdict["ok"], verdict["message"]
 
 
 def test_work_counts():

@@ -17,7 +17,8 @@ no check of ids can call wrong. err is the worst row's shortfall in tolerances (
 
 Comparator: DeepGEMM (sgl-deep-gemm 0.1.4.post1, whose sources hold the sm90 kernels
 `sm90_fp8_paged_mqa_logits` and `sm90_fp8_mqa_logits`): `fp8_paged_mqa_logits` (with
-`get_paged_mqa_logits_metadata`, clean_logits) / `fp8_mqa_logits` (cu_seq_len_k start / end,
+`get_paged_mqa_logits_metadata`; context_lens 2-D (B, next_n), each row's own length, so no
+clean_logits: the columns past it are masked here) / `fp8_mqa_logits` (cu_seq_len_k start / end,
 clean_logits) for the logits, then torch.topk and the -1 / slot mapping, the way a serving stack
 without its own top-k kernel calls them. Work: 2 x 64 x 128 FLOPs per visible (row, key);
 bytes: each sequence's keys once (132 B each), q, weights, the ids.
@@ -233,6 +234,16 @@ def _positions(inputs: Inputs, ids: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def in_position_order(inputs: Inputs, ids: torch.Tensor) -> bool:
+    """The kernels' order, beyond the order-free contract: per row the selected keys by ascending
+    position, then the -1 padding. Paged ids are slots in the rows' pages, which the block table
+    shuffles: ascending positions, not ascending slot ids (the 2026-12-02 GPU run's test read
+    the slots)."""
+    pos = _positions(inputs, ids).long()
+    key = torch.where(pos >= 0, pos, torch.iinfo(torch.int64).max)
+    return bool((key[:, 1:] >= key[:, :-1]).all())
+
+
 def judge(inputs: Inputs, outs: tuple) -> list[dict[str, Any]]:
     """One verdict for the ids (module docstring)."""
     from forgekernel.reference.dsa import topk_selection_error
@@ -259,6 +270,22 @@ def reference(inputs: Inputs) -> torch.Tensor:
 # ---------------------------------------------------------------- DeepGEMM + torch.topk
 
 
+def deep_gemm_context_lens(seq_lens: torch.Tensor, next_n: int) -> torch.Tensor:
+    """DeepGEMM's context_lens int32 (B, next_n), contiguous: each query row's own visible
+    length, seq_lens[b] - next_n + 1 + i for token i (ours and the 1-D form's rule). sgl-deep-gemm
+    0.1.4 takes only this 2-D form (`context_lens.dim() == 2` in get_paged_mqa_logits_metadata
+    and fp8_paged_mqa_logits; a (B,) tensor raised there in the 2026-12-02 run)."""
+    tokens = torch.arange(next_n, dtype=seq_lens.dtype, device=seq_lens.device)
+    return (seq_lens[:, None] - next_n + 1 + tokens).clamp(min=0).int().contiguous()
+
+
+def _deep_gemm_sms(deep_gemm, q: torch.Tensor) -> int:
+    """The SMs DeepGEMM schedules over: its metadata must have get_num_sms() + 1 rows."""
+    if hasattr(deep_gemm, "get_num_sms"):
+        return int(deep_gemm.get_num_sms())
+    return torch.cuda.get_device_properties(q.device).multi_processor_count
+
+
 def _deep_gemm():
     try:
         import deep_gemm
@@ -270,15 +297,20 @@ def _deep_gemm():
     def setup(inputs: Inputs):
         p = inputs["case"]
         if p["mode"] == "paged":
-            q, lens, table = inputs["q"], inputs["seq_lens"], inputs["table"]
-            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-            meta = deep_gemm.get_paged_mqa_logits_metadata(lens, PAGE, sms)
+            q, table = inputs["q"], inputs["table"]
+            lens = deep_gemm_context_lens(inputs["seq_lens"], p["next_n"])
+            meta = deep_gemm.get_paged_mqa_logits_metadata(lens, PAGE, _deep_gemm_sms(deep_gemm, q))
             cache = inputs["cache"].view(torch.uint8)
             width = table.shape[1] * PAGE
+            cols = torch.arange(width, device=q.device)
+            hidden = cols[None, :] >= lens.reshape(-1, 1)
 
             def logits():
-                return deep_gemm.fp8_paged_mqa_logits(q, cache, inputs["weights"], lens, table,
-                                                      meta, width, clean_logits=True)  # fmt: skip
+                # clean_logits asserts 1-D context_lens: the columns past a row's length hold
+                # whatever the kernel left there, hidden here
+                raw = deep_gemm.fp8_paged_mqa_logits(q, cache, inputs["weights"], lens, table,
+                                                     meta, width, clean_logits=False)  # fmt: skip
+                return raw.masked_fill(hidden, float("-inf"))
 
             def ids(values, cols):
                 slots = table.repeat_interleave(p["next_n"], 0).gather(1, cols // PAGE)
