@@ -162,7 +162,9 @@ def _join(a, b):
 class _Machine:
     """Named barriers, mbarriers, WGMMA groups and the access log; see the module docstring."""
 
-    def __init__(self):
+    def __init__(self, tool: bool = False):
+        self.tool = tool  # racecheck's apparent rule (see simulate); races collected, not raised
+        self.races = []  # (resource, earlier record, later record) under that rule
         self.vc = [(1, 0), (0, 1)]
         self.arrived = defaultdict(dict)  # barrier -> {wg: vc at arrival}
         self.done = defaultdict(list)  # barrier -> [join of the arrivals] per generation
@@ -179,13 +181,18 @@ class _Machine:
         v[wg] += 1
         self.vc[wg] = tuple(v)
 
-    def access(self, wg, kind, res, tile=None, end=True):
-        """Record an access starting now; check it against earlier conflicting ones."""
+    def access(self, wg, kind, res, tile=None, end=True, generic=False):
+        """Record an access starting now; check it against earlier conflicting ones. generic:
+        a plain load / store (not a WGMMA's or TMA's)."""
         rec = {"wg": wg, "kind": kind, "start": self.vc[wg], "end": self.vc[wg] if end else None}
+        rec["generic"] = generic
         for old in self.log[res]:
             if old["kind"] == "read" and kind == "read":
                 continue
             if old["end"] is None or not _leq(old["end"], rec["start"]):
+                if self.tool:
+                    self.races.append((res, old, rec))
+                    continue
                 raise ScheduleError(f"race on {res}: {old} then {rec}")
         if kind == "read" and res[0] == "K" and tile is not None and self.content.get(res) != tile:
             raise ScheduleError(f"{res} holds tile {self.content.get(res)}, read as {tile}")
@@ -203,7 +210,9 @@ def _step(m, wg, op):
             raise ScheduleError(f"{bar}: warpgroup {wg} arrives twice in one generation")
         if len(m.done[bar]) == gen:  # this generation still open
             if wg not in m.arrived[bar]:
-                m.arrived[bar][wg] = m.vc[wg]
+                # the tool's rule: an arrive that leaves the barrier open releases nothing
+                lost = m.tool and kind == "arrive" and not m.arrived[bar]
+                m.arrived[bar][wg] = (0, 0) if lost else m.vc[wg]
                 if len(m.arrived[bar]) == 2:
                     vcs = list(m.arrived[bar].values())
                     m.done[bar].append(_join(*vcs))
@@ -252,23 +261,30 @@ def _step(m, wg, op):
         return True
     if kind in ("read", "write"):
         res, tile = op[1], (op[2] if len(op) > 2 else None)
-        m.access(wg, kind, res, tile)
+        m.access(wg, kind, res, tile, generic=True)
         if kind == "write" and res[0] == "K":
             m.content[res] = tile
         return True
     raise ValueError(op)
 
 
-def simulate(tiles: int, first: int = 0, switch_every: int = 1) -> _Machine:
+def simulate(
+    tiles: int, first: int = 0, switch_every: int | tuple = 1, tool: bool = False
+) -> _Machine:
     """Run `schedule(tiles)` with warpgroup `first` starting, switching to the other one after
-    `switch_every` operations or when blocked; ScheduleError on a deadlock or a broken rule."""
+    `switch_every` operations (per warpgroup if a pair) or when blocked; ScheduleError on a
+    deadlock or a broken rule. tool: racecheck's apparent rule instead of the hardware's (the
+    2026-12-02 H200 report, scripts/diag_racecheck_arrive.py): a named barrier's arrive orders
+    the arriver's earlier accesses only when that arrive completes the barrier; the races that
+    rule sees are collected in `races` rather than raised."""
     progs = schedule(tiles)
     pcs = [0, 0]
-    m = _Machine()
+    m = _Machine(tool)
+    every = switch_every if isinstance(switch_every, tuple) else (switch_every, switch_every)
     wg = first
     while pcs[0] < len(progs[0]) or pcs[1] < len(progs[1]):
         ran = 0
-        while pcs[wg] < len(progs[wg]) and ran < switch_every:
+        while pcs[wg] < len(progs[wg]) and ran < every[wg]:
             if not _step(m, wg, progs[wg][pcs[wg]]):
                 break
             m.tick(wg)

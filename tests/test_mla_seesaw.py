@@ -63,6 +63,25 @@ def test_schedule_model_catches_a_dropped_step(monkeypatch, role, op):
                     ms.simulate(tiles, first, switch_every)
 
 
+@pytest.mark.parametrize("tiles", range(1, 12))
+def test_racecheck_report_is_the_lost_arrive(tiles):
+    """The 2026-12-02 racecheck report (RAW on sScale[:, 1] only: stored by warpgroup 1 before
+    its bar.arrive SCALE1, loaded by warpgroup 0 after its bar.sync SCALE1) is what a checker
+    that drops the release of an arrive leaving the barrier open sees when warpgroup 1 runs
+    ahead (it waits at SCALE0, arrives at SCALE1 while warpgroup 0 is in its P V WGMMA): that
+    hand-over, once per pair, and no other plain access; under the hardware's rule the same run
+    is clean (test_schedule_runs_clean). (scripts/diag_racecheck_arrive.py tests the rule.)"""
+    ahead = (1, 10**6)  # warpgroup 0 one step at a time, warpgroup 1 until it blocks
+    m = ms.simulate(tiles, 1, ahead, tool=True)
+    flagged = [
+        (res, old["wg"], old["kind"], new["wg"], new["kind"])
+        for res, old, new in m.races
+        if old["generic"] and new["generic"]  # racecheck sees no WGMMA or TMA access
+    ]
+    assert flagged == [(("SCALE", 1), 1, "write", 0, "read")] * ((tiles + 1) // 2)
+    ms.simulate(tiles, 1, ahead)  # the hardware's rule: no race
+
+
 def _kernel_events(fn) -> list[str]:
     """A pair function's synchronization steps in source order."""
     src = inspect.getsource(fn)
