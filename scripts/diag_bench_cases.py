@@ -22,8 +22,7 @@ in the timeout: the stage it was in) / ERROR (a Python exception: a missing comp
 NotImplementedError) / MISSING (a comparator the process does not have). Comparators and
 variants are the suite's own (`OpSuite.comparators`, `OpSuite.variants`). Inputs: the bench's
 (`make_inputs`, seed --seed). No reference is computed (the large cases' fp64 references take
-minutes); `call` reports whether the output is finite. Needs FORGEKERNEL_PENDING_SUITES=1 for
-a pending suite (set here)."""
+minutes); `call` reports whether the output is finite. Pending suites are found too."""
 
 from __future__ import annotations
 
@@ -46,10 +45,16 @@ OURS = "ours"
 
 
 def _suite(name: str):
-    os.environ.setdefault("FORGEKERNEL_PENDING_SUITES", "1")
-    from forgekernel.bench.suites import get_suite
+    """The suite, registered or pending (whether or not FORGEKERNEL_PENDING_SUITES was set when
+    the registry was imported)."""
+    import importlib
 
-    return get_suite(name)
+    from forgekernel.bench.suites import PENDING_SUITE_MODULES, SUITE_MODULES
+
+    modules = {**SUITE_MODULES, **PENDING_SUITE_MODULES}
+    if name not in modules:
+        raise SystemExit(f"unknown suite {name!r}; known: {', '.join(modules)}")
+    return importlib.import_module(modules[name]).suite()
 
 
 def candidate_names(suite, case) -> list[str]:
