@@ -31,7 +31,8 @@ for CTA c's first unit, 2c + 1 for its last; register-fragment order: each threa
 the reducer's same thread reads, its own 16-byte vectors) and counts itself in the tile's flag
 (fetch-add, acquire-release); the unit that arrives last sums every part of the tile from the
 workspace in k order (deterministic), clears the flag for the next launch and runs the
-epilogue. Nobody waits on another CTA. For problems whose tiles do not fill the chip in whole
+epilogue. Nobody waits on another CTA. Parking, counting and summing are the toolkit's split-K
+protocol (kernels/common/sm90/splitk.py, the convolutions' too). For problems whose tiles do not fill the chip in whole
 waves (decode: M <= 64 against a weight).
 
 Ragged edges: the last tile row (column) of an M (N) that is no tile multiple starts at
@@ -88,7 +89,7 @@ from cutlass.cute.nvgpu import OperandMajorMode
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from forgekernel.kernels.common.sm90.atomics import atom_add_acq_rel_gpu
+from forgekernel.kernels.common.sm90 import splitk
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY, THREADS_PER_WG
 from forgekernel.kernels.common.sm90.pipeline import (
@@ -731,58 +732,24 @@ class GemmSm90:
             (tile_m, tile_n),
         )
 
-    def _partial(self, mWork, acc, slot, tidx):
-        """This thread's view of the parked accumulator in `slot`: element 4i + j at
-        [i][thread][j] of the slot, so that each warp's 16-byte vectors are contiguous (every
-        stride static and a multiple of 4: the vectors stay aligned)."""
-        frag = cute.size(acc)
-        threads = self.num_mma_threads
-        slots = cute.make_tensor(
-            mWork.iterator,
-            cute.make_layout(
-                (4, frag // 4, threads, mWork.shape[0] // (frag * threads)),
-                stride=(1, threads * 4, 4, frag * threads),
-            ),
-        )
-        return slots[(None, None, tidx - THREADS_PER_WG, slot)]
-
     @cute.jit
     def _reduce_parts(self, acc, split_io, tile, parts, slot, streamk, tidx, epi_barrier):
-        """Park this unit's partial and count it in the tile's flag; the last of the tile's
-        parts to arrive sums all of them from the workspace in k order into `acc`, clears the
-        flag and returns True (every consumer thread learns it through shared memory)."""
+        """Park this unit's partial in `slot` and count it in the tile's flag; the last of the
+        tile's parts to arrive sums all of them from the workspace in k order into `acc` and
+        returns True (kernels/common/sm90/splitk.py). Part p >= 1 is CTA first + p's first
+        unit (slot 2 (first + p)); part 0 is CTA first's first unit where that CTA began at the
+        tile, else its last (slot 2 first + 1)."""
         mWork, mFlags, s_last = split_io
         per_cta, k_tiles, _, _ = streamk
-        dst = self._partial(mWork, acc, slot, tidx)
-        cute.autovec_copy(cute.make_tensor(acc.iterator, dst.layout.shape), dst)
-        # Every thread's partial is written before the fetch-add releases them.
-        epi_barrier.arrive_and_wait()
-        if tidx == THREADS_PER_WG:
-            arrived = atom_add_acq_rel_gpu(mFlags.iterator + tile, 1)
-            last = arrived == parts - 1
-            if last:
-                mFlags[tile] = 0
-            s_last[0] = cutlass.Int32(last)
-        epi_barrier.arrive_and_wait()
-        last = s_last[0] != 0
+        thread = tidx - THREADS_PER_WG
+        threads = self.num_mma_threads
+        where = (slot, tile, parts)
+        last = splitk.park(acc, mWork, mFlags, where, threads, thread, epi_barrier, s_last)
         if last:
-            # Part p is CTA first + p's: its first unit's slot, or for p = 0 its last unit's
-            # where that CTA began before the tile.
             tile_begin = tile * k_tiles
             first = tile_begin // per_cta
-            acc_flat = cute.make_tensor(acc.iterator, dst.layout.shape)
-            part = cute.make_rmem_tensor(dst.layout.shape, self.acc_dtype)
-            for p in range(parts):
-                cta = first + p
-                src = self._partial(
-                    mWork, acc, 2 * cta + cutlass.Int32(cta * per_cta < tile_begin), tidx
-                )
-                if p == 0:
-                    cute.autovec_copy(src, acc_flat)
-                else:
-                    cute.autovec_copy(src, part)
-                    for v in cutlass.range_constexpr(cute.size(acc)):
-                        acc[v] = acc[v] + part[v]
+            head = 2 * first + cutlass.Int32(first * per_cta < tile_begin)
+            splitk.sum_parts(acc, mWork, (2 * first, 2, parts), threads, thread, head=head)
         return last
 
     @cute.jit
