@@ -31,9 +31,9 @@ for CTA c's first unit, 2c + 1 for its last; register-fragment order: each threa
 the reducer's same thread reads, its own 16-byte vectors) and counts itself in the tile's flag
 (fetch-add, acquire-release); the unit that arrives last sums every part of the tile from the
 workspace in k order (deterministic), clears the flag for the next launch and runs the
-epilogue. Nobody waits on another CTA. Parking, counting and summing are the toolkit's split-K
-protocol (kernels/common/sm90/splitk.py, the convolutions' too). For problems whose tiles do not fill the chip in whole
-waves (decode: M <= 64 against a weight).
+epilogue. Nobody waits on another CTA. Parking, counting and summing are the toolkit's
+split-K protocol (kernels/common/sm90/splitk.py, the convolutions' too). For problems whose
+tiles do not fill the chip in whole waves (decode: M <= 64 against a weight).
 
 Ragged edges: the last tile row (column) of an M (N) that is no tile multiple starts at
 M - tile_m (N - tile_n) instead, so that its TMA boxes stay in bounds (a box reaching past the
@@ -162,9 +162,13 @@ class GemmSm90:
         self.epi_tile = (cfg.tile_m, cfg.epi_n)
 
         self.a_rows = cfg.a_rows or cfg.tile_m
-        ab_bytes = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * self.a_dtype.width // 8
+        # A's stages lie a_rows rows apart (`_compact_ring`); the last one's WGMMA reads
+        # tile_m - a_rows rows past it: that much more after the ring.
+        row_bytes = cfg.tile_k * self.a_dtype.width // 8
+        ab_bytes = (self.a_rows + cfg.tile_n) * row_bytes
+        a_tail = (cfg.tile_m - self.a_rows) * row_bytes
         epi_bytes = cfg.epi_stages * math.prod(self.epi_tile) * self.c_dtype.width // 8
-        fit = (SMEM_CAPACITY - 1024 - epi_bytes) // ab_bytes
+        fit = (SMEM_CAPACITY - 1024 - epi_bytes - a_tail) // ab_bytes
         self.stages = cfg.stages or fit
         if self.stages > fit or self.stages < 2:
             raise ValueError(f"{self.stages} stages of {ab_bytes} B do not fit in shared memory")
@@ -179,7 +183,9 @@ class GemmSm90:
                 atom, (rows, cfg.tile_k, stages), order=(0, 1, 2) if k_major else (1, 0, 2)
             )
 
-        self.sA_layout = staged(self.a_major, self.a_dtype, cfg.tile_m, self.stages)
+        self.sA_layout = self._compact_ring(
+            staged(self.a_major, self.a_dtype, cfg.tile_m, self.stages)
+        )
         # What A's TMA writes: the first a_rows rows of each stage, at the full ring's offsets.
         self.sA_load_layout = cute.make_composed_layout(
             self.sA_layout.inner,
@@ -199,6 +205,24 @@ class GemmSm90:
         )
         self.sC_layout = cute.tile_to_shape(
             c_atom, (*self.epi_tile, cfg.epi_stages), order=(0, 1, 2)
+        )
+
+    def _compact_ring(self, ring: cute.ComposedLayout) -> cute.ComposedLayout:
+        """A's ring with its stages a_rows rows apart instead of tile_m. WGMMA reads tile_m
+        rows from a stage's base: rows a_rows .. tile_m - 1 are then the next stages' (or past
+        the last stage, the tail) and land in accumulator rows that are never stored, as stale
+        rows did before; TMA writes only each stage's a_rows. Shared memory per stage shrinks
+        from (tile_m + tile_n) to (a_rows + tile_n) rows: at 64x64 with 8 rows, 22 stages
+        (176 KB of B in flight) instead of 13 (104 KB). a_rows is a multiple of 8: every stage
+        starts on a whole 8-row swizzle atom (1 KB)."""
+        if self.a_rows == self.cfg.tile_m:
+            return ring
+        outer = ring.outer
+        # the stage mode's stride, (0, tile_m x tile_k) as tile_to_shape nests it, scaled
+        stage = tuple(d * self.a_rows // self.cfg.tile_m for d in outer.stride[2])
+        stride = (*outer.stride[:2], stage)
+        return cute.make_composed_layout(
+            ring.inner, 0, cute.make_layout(outer.shape, stride=stride)
         )
 
     @cute.jit
