@@ -91,7 +91,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from forgekernel.kernels.common.sm90 import splitk
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
-from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY, THREADS_PER_WG
+from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
 from forgekernel.kernels.common.sm90.pipeline import (
     consumer_state,
     init_arrive,
@@ -101,7 +101,7 @@ from forgekernel.kernels.common.sm90.pipeline import (
     tma_pipeline,
 )
 from forgekernel.kernels.common.sm90.scheduler.static import StaticSchedule, StaticScheduler
-from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
+from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig, ring_stages
 from forgekernel.kernels.gemm.dense.sm90.masked import MaskedWalk
 
 
@@ -162,16 +162,11 @@ class GemmSm90:
         self.epi_tile = (cfg.tile_m, cfg.epi_n)
 
         self.a_rows = cfg.a_rows or cfg.tile_m
-        # A's stages lie a_rows rows apart (`_compact_ring`); the last one's WGMMA reads
-        # tile_m - a_rows rows past it: that much more after the ring.
-        row_bytes = cfg.tile_k * self.a_dtype.width // 8
-        ab_bytes = (self.a_rows + cfg.tile_n) * row_bytes
-        a_tail = (cfg.tile_m - self.a_rows) * row_bytes
-        epi_bytes = cfg.epi_stages * math.prod(self.epi_tile) * self.c_dtype.width // 8
-        fit = (SMEM_CAPACITY - 1024 - epi_bytes - a_tail) // ab_bytes
+        # A's stages lie a_rows rows apart (`_compact_ring`)
+        fit = ring_stages(cfg, self.a_dtype.width // 8, self.c_dtype.width // 8)
         self.stages = cfg.stages or fit
         if self.stages > fit or self.stages < 2:
-            raise ValueError(f"{self.stages} stages of {ab_bytes} B do not fit in shared memory")
+            raise ValueError(f"{self.stages} AB stages do not fit in shared memory ({fit} do)")
 
         def staged(major, dtype, rows, stages):
             k_major = major.sm90_mma_major_mode() == OperandMajorMode.K
