@@ -39,10 +39,10 @@ def run(cfg, a, b, c, ctas=None):
     fn = get_kernel(SPEC, params_for("bfloat16", False, cfg))
     clusters = SMS // (cfg.cluster_m * cfg.cluster_n)
     if not cfg.stream_k:
-        return fn(a, b, c, None, None, 0, None, None, clusters)
+        return fn(a, b, c, None, None, 0, None, None, None, clusters)
     per, g, tiles = stream_plan(cfg, m, n, k, SMS if ctas is None else ctas)
     work, flags = L.stream_k_workspace(a.device, tiles, 2 * g * cfg.tile_m * cfg.tile_n)
-    fn(a, b, c, work, flags, per, None, None, clusters)
+    fn(a, b, c, work, flags, per, None, None, None, clusters)
 
 
 def check(out):
@@ -106,6 +106,10 @@ DECODE = [
     (64, 8192, 8192),
     (64, 14336, 4096),
     (32, 51200, 5120),
+    (1, 10240, 8192),
+    (1, 1536, 7168),
+    (1, 9216, 4096),
+    (1, 512, 16384),
 ]
 RAGGED = [
     (129, 10240, 8192),
@@ -126,6 +130,14 @@ def decode_cfgs(m):
     ar = 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 0
     return {
         "64x64c12_a": GemmConfig(tile_m=64, tile_n=64, cluster_m=1, cluster_n=2, a_rows=ar),
+        # the 13 stages (104 KB of B in flight) of the ring before it was compacted: the
+        # per-CTA rate against bytes in flight (config.py's decode model)
+        "64x64c12_a_s13": GemmConfig(
+            tile_m=64, tile_n=64, cluster_m=1, cluster_n=2, a_rows=ar, stages=13
+        ),
+        "sk64x64_s13": GemmConfig(
+            tile_m=64, tile_n=64, cluster_m=1, stream_k=True, a_rows=ar, stages=13
+        ),
         "sk64x64": split_cfg(64, 64, ar),
         "sk64x128": split_cfg(64, 128, ar),
         "sk64x256": split_cfg(64, 256, ar),

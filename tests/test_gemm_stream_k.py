@@ -6,9 +6,12 @@ the launcher's workspace, and the reducer finds the slots the writers used."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from forgekernel.kernels.gemm.dense.sm90 import config
 from forgekernel.kernels.gemm.dense.sm90 import launch as gemm_sm90
 from forgekernel.kernels.gemm.dense.sm90.config import (
     DECODE,
@@ -17,6 +20,7 @@ from forgekernel.kernels.gemm.dense.sm90.config import (
     WIDE,
     GemmConfig,
     choose_config,
+    decode_time,
     stream_plan,
 )
 
@@ -103,3 +107,30 @@ def check_walk(cfg: GemmConfig, m: int, n: int, k: int, sms: int, min_k: int | N
         first = tile * k_tiles // per
         want = [2 * c + int(c * per < tile * k_tiles) for c in range(first, first + parts)]
         assert slots == want
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "cfg", "us"),
+    [
+        (1, 4096, 4096, DECODE[0], 10.7),  # 64 CTAs
+        (16, 10240, 8192, DECODE[1], 47.1),  # 160 tiles: a second round of 28 CTAs
+        (1, 24576, 4096, DECODE[0], 49.6),
+        (1, 24576, 4096, DECODE_STREAM[0], 52.5),
+        (1, 576, 7168, DECODE_STREAM[0], 9.7),
+        (1, 576, 7168, DECODE[0], 15.7),
+    ],
+)
+def test_decode_model_reproduces_its_fit(m, n, k, cfg, us):
+    """The chooser's time model, with the 13-stage ring the H200 figures of 2026-12-01 were
+    measured with, within 15% of them (docs/gemm/NOTES.md, "Decode, stream K")."""
+    old_ring = dataclasses.replace(cfg, stages=13)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(config, "ring_stages", lambda c, *a: c.stages or config.ring_stages(c))
+        assert decode_time(old_ring, m, n, k) == pytest.approx(us, rel=0.15)
+
+
+def test_decode_model_prefers_balance():
+    """Stream K where the tiles leave most SMs idle, tiled where they fill whole rounds."""
+    assert choose_config(1, 576, 7168).stream_k and choose_config(1, 512, 16384).stream_k
+    assert not choose_config(1, 24576, 4096).stream_k
+    assert not choose_config(4, 28672, 4096).stream_k

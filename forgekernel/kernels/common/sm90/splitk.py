@@ -11,6 +11,11 @@ Protocol, per part (every consumer thread of the CTA):
 2. the last part's threads `sum_parts`: every part's slot, in part order (part 0 first: the
    same sum whatever order the parts finished in), into the accumulator; then the epilogue.
 
+Users: the convolutions' split K (a grid dimension of splits; part p of tile t in slot
+p x tiles + t) and the GEMM's stream K (kernels/gemm/dense/sm90/kernel.py, the dense and the
+FP8 GEMM: CTA c parks its first unit in slot 2c and its last in 2c + 1, so a tile's parts
+p >= 1 lie at 2 (first + p) and part 0 at 2 first or 2 first + 1: `sum_parts`'s `head`).
+
 Slot layout (the dense GEMM's stream-K layout, kernels/gemm/dense/sm90/kernel.py `_partial`):
 element 4i + j of thread t's fragment at [i][t][j] of the slot, so that each warp's 16-byte
 vectors are contiguous and each thread reads back exactly what the same thread of another
@@ -61,14 +66,15 @@ def park(acc, mWork, mFlags, where, threads: cutlass.Constexpr, thread, barrier,
 
 
 @cute.jit
-def sum_parts(acc, mWork, slots, threads: cutlass.Constexpr, thread):
+def sum_parts(acc, mWork, slots, threads: cutlass.Constexpr, thread, head=None):
     """acc = the sum of the parts parked in slots first, first + step, ... (`slots`: (first,
-    step, parts)), in that order, fp32. Each later part is added a chunk of CHUNK floats at a
-    time, so that a large accumulator (128 floats a thread for a 128x256 tile) does not need a
-    second one beside it in registers."""
+    step, parts)), in that order, fp32; `head`, where given, is part 0's slot instead of
+    `first`. Each later part is added a chunk of CHUNK floats at a time, so that a large
+    accumulator (128 floats a thread for a 128x256 tile) does not need a second one beside it
+    in registers."""
     first, step, parts = slots
     frag = cute.size(acc)
-    src = slot_view(mWork, frag, threads, first, thread)
+    src = slot_view(mWork, frag, threads, first if head is None else head, thread)
     cute.autovec_copy(src, cute.make_tensor(acc.iterator, src.layout.shape))
     vecs = CHUNK // 4
     part = cute.make_rmem_tensor((4, vecs), cutlass.Float32)

@@ -6,7 +6,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass, fields
 
-from forgekernel.kernels.common.sm90.constants import DTYPE_NAMES, NUM_SMS_H100_H200
+from forgekernel.kernels.common.sm90.constants import (
+    DTYPE_NAMES,
+    NUM_SMS_H100_H200,
+    SMEM_CAPACITY,
+)
 
 DTYPES = DTYPE_NAMES  # every standard kernel is built for each
 
@@ -65,9 +69,9 @@ class GemmConfig:
 # Skinny M is bound by the L2->SM traffic, so it takes narrow tiles that put 128 CTAs on the
 # chip with one operand multicast: M <= 64 64x64 with A shared by 2 CTAs, and A's box only
 # as tall as M (a box reaching past M, zero-filled, halved the streaming rate: 1x24576x4096
-# 0.62 -> 0.98 of cuBLAS); where N gives fewer than `_STREAM_BELOW_TILES` such tiles, stream K
-# over `_STREAM_MIN_K`-long ranges (1x576x7168: 0.57 -> 0.94); M <= 128 64x128 with B shared
-# by the 2 row tiles (0.97 at 128x8192x8192).
+# 0.62 -> 0.98 of cuBLAS); where `decode_time` predicts it faster, stream K over
+# `_STREAM_MIN_K`-long ranges (1x576x7168: 0.57 -> 0.94); M <= 128 64x128 with B shared by the
+# 2 row tiles (0.97 at 128x8192x8192).
 LARGE = GemmConfig()
 WIDE = GemmConfig(tile_n=192)
 SMALL = GemmConfig(tile_n=128, cluster_m=1)
@@ -131,18 +135,71 @@ def stream_plan(
 
 
 _STREAM_MIN_K = 16
-_STREAM_BELOW_TILES = 32
+
+
+def ring_stages(cfg: GemmConfig, elem_bytes: int = 2, c_bytes: int = 2) -> int:
+    """AB stages that fit in shared memory (the kernel's `stages` when cfg.stages is 0): A's
+    ring holds a_rows rows a stage plus tile_m - a_rows once after the last (kernel.py
+    `_compact_ring`), B's tile_n; 1 KB for the barriers, the epilogue ring besides."""
+    row = cfg.tile_k * elem_bytes
+    a_rows = cfg.a_rows or cfg.tile_m
+    epilogue = cfg.epi_stages * cfg.tile_m * cfg.epi_n * c_bytes
+    free = SMEM_CAPACITY - 1024 - epilogue - (cfg.tile_m - a_rows) * row
+    return free // ((a_rows + cfg.tile_n) * row)
+
+
+# Decode time model (us, MB): the weight streams at min(chip rate, active CTAs x per-CTA rate),
+# a CTA's rate being its bytes of B in flight over the loaded latency. Fitted to the H200 suite
+# of 2026-12-01 (13-stage 64x64 ring, 104 KB in flight): 1x4096x4096 (64 CTAs) 10.7 us,
+# 16x10240x8192 (160 tiles: a second round of 28 CTAs) 47.1 us, 1x24576x4096 49.6 us tiled
+# against 52.5 streamed, 1x576x7168 streamed 9.7 against tiled 15.7 us: chip 4.1 TB/s, 78 GB/s
+# a CTA (latency 1.33 us), 2.3 us launch and ramp, 1.3 us for each unit a CTA parks and 0.5 us
+# for each part the last one sums (a tile-sized fp32 read back from L2).
+# The compact A ring (22 stages at 8 rows, 176 KB) predicts 132 GB/s a CTA at that latency;
+# until an H200 run measures it (scripts/gemm_split_probe.py), a CTA's rate is capped at the
+# 78 GB/s measured, so the choices stay those the figures above support.
+_CHIP_MB_PER_US = 4.1
+_LATENCY_US = 1.33
+_CTA_MAX_MB_PER_US = 0.078
+_START_US = 2.3
+_PARK_US = 1.3
+_SUM_US = 0.5
+
+
+def decode_time(cfg: GemmConfig, m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200):
+    """Predicted time (us) of a 64-row decode configuration on (M <= 64, N, K): the tiled
+    one's rounds of tiles (the last with fewer CTAs), or stream K's one even wave plus the
+    units each CTA parks."""
+    in_flight = ring_stages(cfg) * cfg.tile_n * cfg.tile_k * 2 / 1e6
+    cta_rate = min(in_flight / _LATENCY_US, _CTA_MAX_MB_PER_US)
+
+    def stream_time(mb: float, ctas: int) -> float:
+        return mb / min(_CHIP_MB_PER_US, ctas * cta_rate)
+
+    tile_mb = cfg.tile_n * k * 2 / 1e6
+    if not cfg.stream_k:
+        tiles = _ceil(m, cfg.tile_m) * _ceil(n, cfg.tile_n)
+        rounds, rest = divmod(tiles, num_sms)
+        t = rounds * stream_time(num_sms * tile_mb, num_sms)
+        return _START_US + t + (stream_time(rest * tile_mb, rest) if rest else 0.0)
+    per, ctas, tiles = stream_plan(cfg, m, n, k, num_sms)
+    k_tiles = _ceil(k, cfg.tile_k)
+    parked = 0 if per % k_tiles == 0 else 1 if k_tiles % per == 0 else 2
+    parts = 1 if not parked else _ceil(k_tiles, per) + (parked == 2)
+    split = _PARK_US * parked + _SUM_US * parts * (parked > 0)
+    return _START_US + stream_time(tiles * tile_mb, ctas) + split
 
 
 def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> GemmConfig:
-    """Analytical default (no tuning at call time): skinny M by M (decode by N as well);
-    otherwise the large tile that keeps the most SMs busy on the most useful area, weighted by
-    how fast each tile runs once they are."""
+    """Analytical default (no tuning at call time): M <= 64 the faster by `decode_time` of the
+    tiled and the stream-K decode configuration for M's A box; otherwise skinny M by M, then
+    the large tile that keeps the most SMs busy on the most useful area, weighted by how fast
+    each tile runs once they are."""
     if m <= 64:
         rows = next(i for i, r in enumerate(A_ROWS) if not r or m <= r)
-        if _ceil(n, 64) < _STREAM_BELOW_TILES:
-            return DECODE_STREAM[rows]
-        return DECODE[rows] if rows < len(DECODE) else SKINNY_64
+        tiled = DECODE[rows] if rows < len(DECODE) else SKINNY_64
+        pair = (tiled, DECODE_STREAM[rows])
+        return min(pair, key=lambda c: decode_time(c, m, n, k, num_sms))
     if m <= 128:
         return SKINNY_128
     if m <= 256:

@@ -31,8 +31,9 @@ for CTA c's first unit, 2c + 1 for its last; register-fragment order: each threa
 the reducer's same thread reads, its own 16-byte vectors) and counts itself in the tile's flag
 (fetch-add, acquire-release); the unit that arrives last sums every part of the tile from the
 workspace in k order (deterministic), clears the flag for the next launch and runs the
-epilogue. Nobody waits on another CTA. For problems whose tiles do not fill the chip in whole
-waves (decode: M <= 64 against a weight).
+epilogue. Nobody waits on another CTA. Parking, counting and summing are the toolkit's
+split-K protocol (kernels/common/sm90/splitk.py, the convolutions' too). For problems whose
+tiles do not fill the chip in whole waves (decode: M <= 64 against a weight).
 
 Ragged edges: the last tile row (column) of an M (N) that is no tile multiple starts at
 M - tile_m (N - tile_n) instead, so that its TMA boxes stay in bounds (a box reaching past the
@@ -88,9 +89,9 @@ from cutlass.cute.nvgpu import OperandMajorMode
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from forgekernel.kernels.common.sm90.atomics import atom_add_acq_rel_gpu
+from forgekernel.kernels.common.sm90 import splitk
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
-from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY, THREADS_PER_WG
+from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
 from forgekernel.kernels.common.sm90.pipeline import (
     consumer_state,
     init_arrive,
@@ -100,7 +101,7 @@ from forgekernel.kernels.common.sm90.pipeline import (
     tma_pipeline,
 )
 from forgekernel.kernels.common.sm90.scheduler.static import StaticSchedule, StaticScheduler
-from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
+from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig, ring_stages
 from forgekernel.kernels.gemm.dense.sm90.masked import MaskedWalk
 
 
@@ -161,12 +162,11 @@ class GemmSm90:
         self.epi_tile = (cfg.tile_m, cfg.epi_n)
 
         self.a_rows = cfg.a_rows or cfg.tile_m
-        ab_bytes = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * self.a_dtype.width // 8
-        epi_bytes = cfg.epi_stages * math.prod(self.epi_tile) * self.c_dtype.width // 8
-        fit = (SMEM_CAPACITY - 1024 - epi_bytes) // ab_bytes
+        # A's stages lie a_rows rows apart (`_compact_ring`)
+        fit = ring_stages(cfg, self.a_dtype.width // 8, self.c_dtype.width // 8)
         self.stages = cfg.stages or fit
         if self.stages > fit or self.stages < 2:
-            raise ValueError(f"{self.stages} stages of {ab_bytes} B do not fit in shared memory")
+            raise ValueError(f"{self.stages} AB stages do not fit in shared memory ({fit} do)")
 
         def staged(major, dtype, rows, stages):
             k_major = major.sm90_mma_major_mode() == OperandMajorMode.K
@@ -178,7 +178,9 @@ class GemmSm90:
                 atom, (rows, cfg.tile_k, stages), order=(0, 1, 2) if k_major else (1, 0, 2)
             )
 
-        self.sA_layout = staged(self.a_major, self.a_dtype, cfg.tile_m, self.stages)
+        self.sA_layout = self._compact_ring(
+            staged(self.a_major, self.a_dtype, cfg.tile_m, self.stages)
+        )
         # What A's TMA writes: the first a_rows rows of each stage, at the full ring's offsets.
         self.sA_load_layout = cute.make_composed_layout(
             self.sA_layout.inner,
@@ -198,6 +200,24 @@ class GemmSm90:
         )
         self.sC_layout = cute.tile_to_shape(
             c_atom, (*self.epi_tile, cfg.epi_stages), order=(0, 1, 2)
+        )
+
+    def _compact_ring(self, ring: cute.ComposedLayout) -> cute.ComposedLayout:
+        """A's ring with its stages a_rows rows apart instead of tile_m. WGMMA reads tile_m
+        rows from a stage's base: rows a_rows .. tile_m - 1 are then the next stages' (or past
+        the last stage, the tail) and land in accumulator rows that are never stored, as stale
+        rows did before; TMA writes only each stage's a_rows. Shared memory per stage shrinks
+        from (tile_m + tile_n) to (a_rows + tile_n) rows: at 64x64 with 8 rows, 22 stages
+        (176 KB of B in flight) instead of 13 (104 KB). a_rows is a multiple of 8: every stage
+        starts on a whole 8-row swizzle atom (1 KB)."""
+        if self.a_rows == self.cfg.tile_m:
+            return ring
+        outer = ring.outer
+        # the stage mode's stride, (0, tile_m x tile_k) as tile_to_shape nests it, scaled
+        stage = tuple(d * self.a_rows // self.cfg.tile_m for d in outer.stride[2])
+        stride = (*outer.stride[:2], stage)
+        return cute.make_composed_layout(
+            ring.inner, 0, cute.make_layout(outer.shape, stride=stride)
         )
 
     @cute.jit
@@ -731,58 +751,24 @@ class GemmSm90:
             (tile_m, tile_n),
         )
 
-    def _partial(self, mWork, acc, slot, tidx):
-        """This thread's view of the parked accumulator in `slot`: element 4i + j at
-        [i][thread][j] of the slot, so that each warp's 16-byte vectors are contiguous (every
-        stride static and a multiple of 4: the vectors stay aligned)."""
-        frag = cute.size(acc)
-        threads = self.num_mma_threads
-        slots = cute.make_tensor(
-            mWork.iterator,
-            cute.make_layout(
-                (4, frag // 4, threads, mWork.shape[0] // (frag * threads)),
-                stride=(1, threads * 4, 4, frag * threads),
-            ),
-        )
-        return slots[(None, None, tidx - THREADS_PER_WG, slot)]
-
     @cute.jit
     def _reduce_parts(self, acc, split_io, tile, parts, slot, streamk, tidx, epi_barrier):
-        """Park this unit's partial and count it in the tile's flag; the last of the tile's
-        parts to arrive sums all of them from the workspace in k order into `acc`, clears the
-        flag and returns True (every consumer thread learns it through shared memory)."""
+        """Park this unit's partial in `slot` and count it in the tile's flag; the last of the
+        tile's parts to arrive sums all of them from the workspace in k order into `acc` and
+        returns True (kernels/common/sm90/splitk.py). Part p >= 1 is CTA first + p's first
+        unit (slot 2 (first + p)); part 0 is CTA first's first unit where that CTA began at the
+        tile, else its last (slot 2 first + 1)."""
         mWork, mFlags, s_last = split_io
         per_cta, k_tiles, _, _ = streamk
-        dst = self._partial(mWork, acc, slot, tidx)
-        cute.autovec_copy(cute.make_tensor(acc.iterator, dst.layout.shape), dst)
-        # Every thread's partial is written before the fetch-add releases them.
-        epi_barrier.arrive_and_wait()
-        if tidx == THREADS_PER_WG:
-            arrived = atom_add_acq_rel_gpu(mFlags.iterator + tile, 1)
-            last = arrived == parts - 1
-            if last:
-                mFlags[tile] = 0
-            s_last[0] = cutlass.Int32(last)
-        epi_barrier.arrive_and_wait()
-        last = s_last[0] != 0
+        thread = tidx - THREADS_PER_WG
+        threads = self.num_mma_threads
+        where = (slot, tile, parts)
+        last = splitk.park(acc, mWork, mFlags, where, threads, thread, epi_barrier, s_last)
         if last:
-            # Part p is CTA first + p's: its first unit's slot, or for p = 0 its last unit's
-            # where that CTA began before the tile.
             tile_begin = tile * k_tiles
             first = tile_begin // per_cta
-            acc_flat = cute.make_tensor(acc.iterator, dst.layout.shape)
-            part = cute.make_rmem_tensor(dst.layout.shape, self.acc_dtype)
-            for p in range(parts):
-                cta = first + p
-                src = self._partial(
-                    mWork, acc, 2 * cta + cutlass.Int32(cta * per_cta < tile_begin), tidx
-                )
-                if p == 0:
-                    cute.autovec_copy(src, acc_flat)
-                else:
-                    cute.autovec_copy(src, part)
-                    for v in cutlass.range_constexpr(cute.size(acc)):
-                        acc[v] = acc[v] + part[v]
+            head = 2 * first + cutlass.Int32(first * per_cta < tile_begin)
+            splitk.sum_parts(acc, mWork, (2 * first, 2, parts), threads, thread, head=head)
         return last
 
     @cute.jit
