@@ -75,7 +75,8 @@ def _walk(cfg: GemmConfig, m: int, n: int, k: int, sms: int, min_k: int | None =
 @pytest.mark.parametrize(
     ("m", "n", "k", "sms"),
     [(1, 576, 7168, 132), (2, 512, 16384, 132), (24, 1000, 4104, 132), (1, 8, 8, 132),
-     (3, 200, 520, 114), (64, 1984, 65536, 132), (17, 136, 72, 7)],
+     (3, 200, 520, 114), (64, 1984, 65536, 132), (17, 136, 72, 7),
+     (16, 10240, 8192, 132), (32, 51200, 5120, 132), (5, 8704, 2496, 132), (3, 128, 4160, 132)],
 )  # fmt: skip
 def test_stream_k_walk(m, n, k, sms):
     check_walk(DECODE_STREAM[0], m, n, k, sms)
@@ -107,6 +108,50 @@ def check_walk(cfg: GemmConfig, m: int, n: int, k: int, sms: int, min_k: int | N
         first = tile * k_tiles // per
         want = [2 * c + int(c * per < tile * k_tiles) for c in range(first, first + parts)]
         assert slots == want
+        # what `_reduce_parts` hands splitk.sum_parts: part 0 at `head`, part p at
+        # first' + p step with (first', step) = (2 first, 2)
+        head = 2 * first + int(first * per < tile * k_tiles)
+        assert slots == [head] + [2 * first + 2 * p for p in range(1, parts)]
+
+
+def _walk_classes(cfg: GemmConfig, m: int, n: int, k: int, sms: int) -> set[str]:
+    """Which stream-K situations the walk of (m, n, k) meets: "head_last" a split tile whose
+    part 0 is its CTA's last unit (slot 2c + 1), "whole_between" a CTA with a whole tile
+    between its two parked units."""
+    units = _walk(cfg, m, n, k, sms)[4]
+    found = set()
+    for _tile, k0, _count, parts, slot, _cta in units:
+        if parts > 1 and k0 == 0 and slot % 2:
+            found.add("head_last")
+    for cta in {u[5] for u in units}:
+        if sum(u[5] == cta for u in units) >= 3:
+            found.add("whole_between")
+    return found
+
+
+def test_the_suite_checks_every_decode_stream_k_walk():
+    """Each stream-K decode configuration (one compiled kernel per A box) is what the chooser
+    picks for some case of the GEMM suite's check, on a walk with both situations only a GPU
+    run proves (`_walk_classes`), and for some sanitizer case; every decode configuration the
+    chooser can pick is sanitized."""
+    from forgekernel.bench.suites import gemm as suite
+
+    def picks(cases):
+        out = {}
+        for c in cases:
+            m, n, k = (c.params[x] for x in "mnk")
+            if m <= 64:
+                cfg = choose_config(m, n, k, 132)
+                out.setdefault(cfg, set()).update(
+                    _walk_classes(cfg, m, n, k, 132) if cfg.stream_k else ()
+                )
+        return out
+
+    checked, sanitized = picks(suite.CHECK_CASES), picks(suite.SANITIZE_CASES)
+    for cfg in DECODE_STREAM:
+        assert checked.get(cfg, set()) >= {"head_last", "whole_between"}, cfg.tag()
+        assert "head_last" in sanitized.get(cfg, set()), cfg.tag()
+    assert set(sanitized) >= {*DECODE, *DECODE_STREAM, SKINNY_64}
 
 
 @pytest.mark.parametrize(

@@ -153,15 +153,26 @@ EDGE_CASES = (
     _case(97, 1000, 4104, "kn"),
     _case(1000, 2000, 4104, "kn"),
     _case(33, 328, 4096),
-    # decode: stream K with 16 CTAs on each tile (and the kn layout), the short A box
+    # decode: stream K with 16 CTAs on each tile, the short A box tiled (and the kn layout)
     _case(2, 512, 16384),
     _case(24, 1000, 4104, "kn"),
     _case(5, 4096, 1024, "kn"),
+    # decode stream K, each A box (8 / 16 / 32 / 64 rows): CTAs whose range crosses a tile
+    # boundary (part 0 parked as its CTA's last unit, slot 2c + 1), a CTA with a whole tile
+    # between two parked units (136 tiles of 39 k-tiles, 41 a CTA), and two tiles of 65
+    # k-tiles over 8 CTAs of 17
+    _case(5, 8704, 2496),
+    _case(13, 8704, 2496, "kn"),
+    _case(24, 8704, 2496),
+    _case(40, 8704, 2496, "kn"),
+    _case(3, 128, 4160),
+    _case(24, 128, 4160, "kn"),
 )
 # One moderate case per class the bench samples besides the legacy ones (checked in full above).
 CLASS_CHECK_CASES = (
     _case(16, 6144, 4096, group="decode", source="llama3-8b.qkv"),
     _case(1, 576, 7168, "kn", group="decode", source="deepseek-v3.kv_a"),
+    _case(16, 10240, 8192, group="decode", source="llama3-70b.qkv"),  # stream K, 160 tiles
     _case(1024, 4608, 3584, group="prefill", source="qwen2.5-7b.qkv"),
     _case(333, 1536, 7168, group="ragged", source="deepseek-v3.q_a"),
 )
@@ -186,6 +197,10 @@ SANITIZE_CASES = (
     _case(2, 512, 16384),
     _case(24, 1000, 4104, "kn"),
     _case(5, 4096, 1024, "kn"),
+    _case(13, 128, 4160),
+    _case(24, 128, 4160, "kn"),
+    _case(40, 128, 4160),
+    _case(5, 8704, 2496),
     _case(12, 2048, 1032),
     _case(20, 2056, 520, "kn"),
     _case(16, 520, 1032),
