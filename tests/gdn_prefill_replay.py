@@ -62,20 +62,24 @@ class Scratch:
 
 
 def diagonal_inverse(lower: torch.Tensor) -> torch.Tensor:
-    """Phase 0 of one warp: lane (r, h) holds row r, columns 8 h .. 8 h + 7 of T_ww, starting
-    from e_r; at step s every lane takes row s (lane s's, final) by shuffles and subtracts
-    L[r, s] times it (a no-op for rows r <= s, whose L[r, s] is 0)."""
-    acc = torch.eye(BLOCK)
-    for s in range(BLOCK - 1):
-        row_s = acc[s].clone()  # the shuffles read lane s's registers before the update
-        acc -= lower[:, s : s + 1] * row_s[None, :]
-    return acc
+    """Phase 0 of one warp: lane c solves (I + L) x = e_c down the column, x_i = [i = c] -
+    sum_{j < i} L_ij x_j in ascending j (every lane reads row i of L, none another lane's
+    registers); the columns side by side."""
+    x: list[torch.Tensor] = []
+    eye = torch.eye(BLOCK)
+    for i in range(BLOCK):
+        acc = eye[i].clone()
+        for j in range(i):
+            acc = acc - lower[i, j] * x[j]
+        x.append(acc)
+    return torch.stack(x)
 
 
 def blocked_inverse(lower: torch.Tensor) -> torch.Tensor:
     """T = (I + L)^-1 of a strictly lower 64 x 64 fp32 L by the kernel's schedule
-    (inverse.invert): phase 0 the diagonal blocks, phase 1 T_10, T_32, X_21, X_31 (X_20, X_30
-    kept in registers), phase 2a X_20, X_30, phase 2b T_20, T_21, T_30, T_31."""
+    (inverse.invert_diagonal, invert_merge): phase 0 the diagonal blocks, phase 1 T_10, T_32,
+    X_21, X_31 (X_20, X_30 kept in registers), phase 2a X_20, X_30, phase 2b T_20, T_21, T_30,
+    T_31."""
     sc = Scratch(lower)
     for w in range(4):
         sc.write("w", w, w, w, diagonal_inverse(sc.read("w", w, w, w)))

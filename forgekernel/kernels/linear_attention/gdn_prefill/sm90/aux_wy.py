@@ -8,7 +8,8 @@ everything that does not depend on the state, a chunk ahead of the state warpgro
 3. In the accumulator, d_ij = 2^(G2_i - G2_j) for j < i (0 elsewhere: selected, never an
    overflowing product): L = beta_i rk_i rk_j d (K K^T) -> the fp32 scratch (zero above the
    diagonal, rewritten whole each chunk).
-4. Q K^T issued, T = (I + L)^-1 in the scratch (`inverse.invert`) under it; then
+4. T = (I + L)^-1 in the scratch: the diagonal blocks (`inverse.invert_diagonal`), Q K^T
+   issued, the merges (`inverse.invert_merge`) under it; then
    P = scale rq_i rk_j d (Q K^T) for j <= i -> 16 bits -> stmatrix into the aux ring's P tile;
    T read back in the accumulator layout, T diag(beta) -> 16 bits -> its T tile.
 """
@@ -33,7 +34,10 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     QK_STAGES,
     STAGES,
 )
-from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse import invert
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse import (
+    invert_diagonal,
+    invert_merge,
+)
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import (
     Bar,
     aux_barrier_id,
@@ -92,12 +96,14 @@ class AuxWy:
             self._decay_mask(acc, coords, sG, sBeta, sNorm, gt.index, scale, True)
             tWsW = mma_aux.get_slice(atid).partition_C(sW)
             tWsW.store(acc.load())
-            # Q K^T on the tensor cores under the inverse (one accumulator in flight at a time:
-            # both at once were 64 registers beside the masks' operands, which spilled)
+            cute.arch.sync_warp()
+            invert_diagonal(sW, atid)
+            # Q K^T on the tensor cores under the inverse's merges (one accumulator in flight
+            # at a time: both at once were 64 registers beside the masks' operands, which
+            # spilled; in flight during phase 0, its 32 beside the 16 columns, 8 B spilled)
             acc_p = cute.make_rmem_tensor(acc_shape, Float32)
             gemm(mma_aux, acc_p, tSrQ[None, None, None, ld.index], kb, True, -1)
-            cute.arch.sync_warp()
-            invert(sW, sX, atid, bar)
+            invert_merge(sW, sX, atid, bar)
             warpgroup.wait_group(0)
             qk_pipe.consumer_release(ld)
             self._decay_mask(acc_p, coords, sG, sBeta, sNorm, gt.index, scale, False)
