@@ -95,3 +95,57 @@ def test_phase0_against_fp64(decay, correlated):
             doubled = _by_doubling(blk).double()
             worst = max(worst, float((doubled - want).abs().max()) / top)
     assert worst <= (2e-5 if decay == 0.0 else 1e-7)
+
+
+def test_mask_forms_every_power_it_keeps():
+    """The masks' plan (aux_wy._decay_mask, modelled by replay.decay_form): a power is formed
+    for every j <= i, none is needed above the diagonal, the factored form only where row
+    i - 8 of the same thread is below the diagonal too (so its own power is finite), and warp
+    w forms 7 + 4 w powers a thread (32 before)."""
+    rows = torch.arange(CHUNK)
+    seen = rows[None, :] <= rows[:, None]
+    zero = replay.form_mask("zero")
+    factored = replay.form_mask("factored")
+    assert not (zero & seen).any()
+    i, j = factored.nonzero().unbind(1)
+    assert (j < i - 8).all() and (i % 16 >= 8).all()
+    for w in range(4):
+        # thread (t, q) of warp w: rows 16 w + t, + 8; columns 8 n + 2 q + e
+        t, q = 0, 0
+        cols = [8 * n + 2 * q + e for n in range(8) for e in range(2)]
+        formed = 1  # the row ratio
+        for jj in cols:
+            forms = [replay.decay_form(16 * w + t + 8 * r, jj) for r in range(2)]
+            formed += sum(f == "direct" for f in forms)  # a factored one reuses row 0's
+        assert formed == 7 + 4 * w
+
+
+@pytest.mark.parametrize("decay", [None, 0.0, -3.0, -30.0])
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_factored_powers_are_the_direct_ones(decay, l2norm):
+    """Where the kernel forms d_ij = 2^(G2_i - G2_i0) 2^(G2_i0 - h_j) instead of 2^(G2_i - h_j):
+    against the fp64 power on and below the diagonal, within twice the direct fp32 power's
+    error (its exponent's rounding) and a few roundings (relative; where fp32 underflows, at
+    most 2^-119), finite there (above it the masks select 0)."""
+    gen = torch.Generator().manual_seed(11)
+    if decay is None:
+        g = torch.nn.functional.logsigmoid(torch.randn(CHUNK, generator=gen))
+    else:
+        g = decay + 0.01 * torch.randn(CHUNK, generator=gen).clamp(max=0)
+    g2 = replay.gates(g)
+    h = g2
+    if l2norm:  # 1 / |k_j| from 1e-3 to 1e3: log2 rk_j within +-10
+        h = g2 - torch.empty(CHUNK).uniform_(-10, 10, generator=gen)
+    got = replay.decay_powers(g2, h).tril()
+    assert torch.isfinite(got).all()
+    rows = torch.arange(CHUNK)
+    want = torch.exp2(g2.double()[:, None] - h.double()[None, :]).tril()
+    direct = torch.exp2(g2[:, None] - h[None, :]).tril()  # every power formed directly
+    normal = want >= 2.0**-120
+
+    def rel(x):
+        return float(((x.double() - want).abs() / want.clamp(min=1e-300))[normal].max())
+
+    # the direct power's own error is its fp32 exponent's rounding (|G2| up to ~100 here)
+    assert rel(got) <= 2 * rel(direct) + 4 * 2.0**-24
+    assert (got.double()[~normal & (rows[None, :] <= rows[:, None])] <= 2.0**-119).all()
