@@ -62,20 +62,24 @@ class Scratch:
 
 
 def diagonal_inverse(lower: torch.Tensor) -> torch.Tensor:
-    """Phase 0 of one warp: lane (r, h) holds row r, columns 8 h .. 8 h + 7 of T_ww, starting
-    from e_r; at step s every lane takes row s (lane s's, final) by shuffles and subtracts
-    L[r, s] times it (a no-op for rows r <= s, whose L[r, s] is 0)."""
-    acc = torch.eye(BLOCK)
-    for s in range(BLOCK - 1):
-        row_s = acc[s].clone()  # the shuffles read lane s's registers before the update
-        acc -= lower[:, s : s + 1] * row_s[None, :]
-    return acc
+    """Phase 0 of one warp: lane c solves (I + L) x = e_c down the column, x_i = [i = c] -
+    sum_{j < i} L_ij x_j in ascending j (every lane reads row i of L, none another lane's
+    registers); the columns side by side."""
+    x: list[torch.Tensor] = []
+    eye = torch.eye(BLOCK)
+    for i in range(BLOCK):
+        acc = eye[i].clone()
+        for j in range(i):
+            acc = acc - lower[i, j] * x[j]
+        x.append(acc)
+    return torch.stack(x)
 
 
 def blocked_inverse(lower: torch.Tensor) -> torch.Tensor:
     """T = (I + L)^-1 of a strictly lower 64 x 64 fp32 L by the kernel's schedule
-    (inverse.invert): phase 0 the diagonal blocks, phase 1 T_10, T_32, X_21, X_31 (X_20, X_30
-    kept in registers), phase 2a X_20, X_30, phase 2b T_20, T_21, T_30, T_31."""
+    (inverse.invert_diagonal, invert_merge): phase 0 the diagonal blocks, phase 1 T_10, T_32,
+    X_21, X_31 (X_20, X_30 kept in registers), phase 2a X_20, X_30, phase 2b T_20, T_21, T_30,
+    T_31."""
     sc = Scratch(lower)
     for w in range(4):
         sc.write("w", w, w, w, diagonal_inverse(sc.read("w", w, w, w)))
@@ -122,6 +126,45 @@ def gates(g: torch.Tensor) -> torch.Tensor:
     return torch.stack([before + pairs[:, 0], incl], 1).reshape(-1) * LOG2E
 
 
+WARP_ROWS = 16  # accumulator rows per aux warp (aux_wy.WARP_ROWS)
+
+
+def decay_form(i: int, j: int) -> str:
+    """How the kernel's masks form d_ij = 2^(G2_i - h_j) (aux_wy._decay_mask): by the 8-column
+    group n = j // 8 against the warp w = i // 16, the row i0 = i - 8 of the same thread for
+    the second row band: 'factored' (2^(G2_i - G2_i0) d_i0j), 'direct', or 'zero' (none)."""
+    w, n, second = i // WARP_ROWS, j // 8, i % WARP_ROWS >= 8
+    if n < 2 * w:
+        return "factored" if second else "direct"
+    if n == 2 * w:
+        return "direct"
+    if n == 2 * w + 1:
+        return "direct" if second else "zero"
+    return "zero"
+
+
+_NAMES = ("direct", "factored", "zero")
+_FORM_IDS = torch.tensor(
+    [[_NAMES.index(decay_form(i, j)) for j in range(CHUNK)] for i in range(CHUNK)]
+)
+
+
+def form_mask(name: str) -> torch.Tensor:
+    """The (C, C) elements whose power the kernel forms as `name` (decay_form)."""
+    return _FORM_IDS == _NAMES.index(name)
+
+
+def decay_powers(g2: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """d (C x C) as the kernel forms it (decay_form); 0 where it forms none (every such (i, j)
+    has j > i: masked in both L and P)."""
+    direct = torch.exp2(g2[:, None] - h[None, :])
+    rows = torch.arange(CHUNK)
+    i0 = (rows - 8).clamp(min=0)
+    factored = torch.exp2(g2 - g2[i0])[:, None] * torch.exp2(g2[i0][:, None] - h[None, :])
+    d = torch.where(form_mask("factored"), factored, direct)
+    return torch.where(form_mask("zero"), torch.zeros(()), d)
+
+
 def aux_chunk(q, k, g, beta, scale, dtype, l2norm):
     """The aux warpgroup: (P, T diag(beta), tables fK, fQ, fU, 2^G2_C) of one chunk (C rows;
     q, k the 16-bit tiles as fp32, g and beta 0 past the sequence)."""
@@ -136,7 +179,7 @@ def aux_chunk(q, k, g, beta, scale, dtype, l2norm):
         h = g2
     below = rows[None, :] < rows[:, None]  # j < i
     seen = rows[None, :] <= rows[:, None]  # j <= i
-    power = torch.exp2(g2[:, None] - h[None, :])
+    power = decay_powers(g2, h)
     d_l = torch.where(below, power, torch.zeros(()))
     d_p = torch.where(seen, power, torch.zeros(()))
     lower = (k @ k.t()) * d_l * (beta * rk)[:, None]

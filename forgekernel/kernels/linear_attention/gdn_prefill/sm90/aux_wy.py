@@ -8,7 +8,8 @@ everything that does not depend on the state, a chunk ahead of the state warpgro
 3. In the accumulator, d_ij = 2^(G2_i - G2_j) for j < i (0 elsewhere: selected, never an
    overflowing product): L = beta_i rk_i rk_j d (K K^T) -> the fp32 scratch (zero above the
    diagonal, rewritten whole each chunk).
-4. Q K^T issued, T = (I + L)^-1 in the scratch (`inverse.invert`) under it; then
+4. T = (I + L)^-1 in the scratch: the diagonal blocks (`inverse.invert_diagonal`), Q K^T
+   issued, the merges (`inverse.invert_merge`) under it; then
    P = scale rq_i rk_j d (Q K^T) for j <= i -> 16 bits -> stmatrix into the aux ring's P tile;
    T read back in the accumulator layout, T diag(beta) -> 16 bits -> its T tile.
 """
@@ -33,7 +34,10 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     QK_STAGES,
     STAGES,
 )
-from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse import invert
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse import (
+    invert_diagonal,
+    invert_merge,
+)
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import (
     Bar,
     aux_barrier_id,
@@ -41,6 +45,7 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import (
 )
 
 VEC = 8  # 16-bit elements per 16-byte shared-memory read
+WARP_ROWS = 16  # accumulator rows a warp holds (WGMMA M = 64 over 4 warps)
 
 
 class AuxWy:
@@ -92,12 +97,14 @@ class AuxWy:
             self._decay_mask(acc, coords, sG, sBeta, sNorm, gt.index, scale, True)
             tWsW = mma_aux.get_slice(atid).partition_C(sW)
             tWsW.store(acc.load())
-            # Q K^T on the tensor cores under the inverse (one accumulator in flight at a time:
-            # both at once were 64 registers beside the masks' operands, which spilled)
+            cute.arch.sync_warp()
+            invert_diagonal(sW, atid)
+            # Q K^T on the tensor cores under the inverse's merges (one accumulator in flight
+            # at a time: both at once were 64 registers beside the masks' operands, which
+            # spilled; in flight during phase 0, its 32 beside the 16 columns, 8 B spilled)
             acc_p = cute.make_rmem_tensor(acc_shape, Float32)
             gemm(mma_aux, acc_p, tSrQ[None, None, None, ld.index], kb, True, -1)
-            cute.arch.sync_warp()
-            invert(sW, sX, atid, bar)
+            invert_merge(sW, sX, atid, bar)
             warpgroup.wait_group(0)
             qk_pipe.consumer_release(ld)
             self._decay_mask(acc_p, coords, sG, sBeta, sNorm, gt.index, scale, False)
@@ -180,13 +187,23 @@ class AuxWy:
         self, acc, coords, sG, sBeta, sNorm, gs, scale, strict: cutlass.Constexpr[bool]
     ):
         """In place: strict, K K^T -> L = beta_i rk_i rk_j 2^(G2_i - G2_j) (.) for j < i;
-        else Q K^T -> P = scale rq_i rk_j 2^(G2_i - G2_j) (.) for j <= i; 0 elsewhere (a
-        select: above the diagonal the power may be inf, it is never multiplied)."""
+        else Q K^T -> P = scale rq_i rk_j 2^(G2_i - G2_j) (.) for j <= i; 0 elsewhere.
+
+        Warp w holds rows i0 = 16 w + t and i1 = i0 + 8 (t < 8) and, per 8-column group n,
+        two columns; by group (n against the warp-uniform w: no lane divergence):
+          n < 2 w      both rows below the diagonal: d_i0j = 2^(G2_i0 - h_j) and d_i1j =
+                       2^(G2_i1 - G2_i0) d_i0j (the first factor <= 1, the second <= rk_j)
+          n = 2 w      row i0 crosses its diagonal (selected), row i1 below it: both direct
+          n = 2 w + 1  row i0 above it (0), row i1 crosses it: direct, selected
+          n > 2 w + 1  above both rows: 0, no power formed
+        so warp w forms 7 + 4 w powers instead of 32 (warp 3, the last to finish, 19). Above
+        the diagonal a power may be inf: it is selected away, never multiplied, and the
+        factored form is used only below it."""
         t0, row_base, col_base = coords
         a = rows_cols(acc)
-        rows = cute.size(a, mode=[0])
+        w = cute.arch.make_warp_uniform(row_base // WARP_ROWS)
         gi, fi = [], []
-        for r in cutlass.range_constexpr(rows):
+        for r in cutlass.range_constexpr(2):
             i = row_base + t0[r, 0][0]
             gi.append(sG[i, gs])
             if const_expr(strict):
@@ -198,17 +215,37 @@ class AuxWy:
                 if const_expr(self.l2norm):
                     f = f * sNorm[i, 0, gs]
             fi.append(f)
+        ratio = cute.math.exp2(gi[1] - gi[0], fastmath=True)
         # element (r, c) sits at (row_base + t0r, col_base + t0c): j <= i iff
         # col_base - row_base <= t0r - t0c
         diff = col_base - row_base
-        for c in cutlass.range_constexpr(cute.size(a, mode=[1])):
-            j = col_base + t0[0, c][1]
-            hj = sNorm[j, 2, gs] if const_expr(self.l2norm) else sG[j, gs]
-            for r in cutlass.range_constexpr(rows):
-                off = t0[r, 0][0] - t0[r, c][1]
-                seen = diff < off if const_expr(strict) else diff <= off
-                d = cute.math.exp2(gi[r] - hj, fastmath=True)
-                a[r, c] = cutlass.select_(seen, a[r, c] * (d * fi[r]), Float32(0.0))
+        for n in cutlass.range_constexpr(cute.size(a, mode=[1]) // 2):
+            for c in cutlass.range_constexpr(2 * n, 2 * n + 2):
+                j = col_base + t0[0, c][1]
+                off = [t0[r, 0][0] - t0[r, c][1] for r in range(2)]
+                seen = [diff < o if const_expr(strict) else diff <= o for o in off]
+                if n < 2 * w:
+                    d = cute.math.exp2(gi[0] - self._col_exponent(sG, sNorm, j, gs), fastmath=True)
+                    a[0, c] = a[0, c] * (d * fi[0])
+                    a[1, c] = a[1, c] * ((ratio * d) * fi[1])
+                elif n == 2 * w:
+                    hj = self._col_exponent(sG, sNorm, j, gs)
+                    d0 = cute.math.exp2(gi[0] - hj, fastmath=True)
+                    d1 = cute.math.exp2(gi[1] - hj, fastmath=True)
+                    a[0, c] = cutlass.select_(seen[0], a[0, c] * (d0 * fi[0]), Float32(0.0))
+                    a[1, c] = a[1, c] * (d1 * fi[1])
+                elif n == 2 * w + 1:
+                    d1 = cute.math.exp2(gi[1] - self._col_exponent(sG, sNorm, j, gs), fastmath=True)
+                    a[0, c] = Float32(0.0)
+                    a[1, c] = cutlass.select_(seen[1], a[1, c] * (d1 * fi[1]), Float32(0.0))
+                else:
+                    a[0, c] = Float32(0.0)
+                    a[1, c] = Float32(0.0)
+
+    @cute.jit
+    def _col_exponent(self, sG, sNorm, j, gs):
+        """h_j: G2_j, with l2norm G2_j - log2 rk_j (rk_j folded into the column's exponent)."""
+        return sNorm[j, 2, gs] if const_expr(self.l2norm) else sG[j, gs]
 
     @cute.jit
     def _scale_by_beta(self, acc, coords, sBeta, gs):

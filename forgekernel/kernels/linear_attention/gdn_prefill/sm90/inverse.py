@@ -2,12 +2,16 @@
 in place, by the aux warpgroup's four warps on the CUDA cores in fp32 (the tensor cores are the
 kernel's bottleneck; the inverse is state-independent and runs a chunk ahead).
 
-L is split into 16 x 16 blocks L_IJ (I, J < 4). A warp's lane (r, h) = (lane % 16, lane // 16)
-owns row r, columns 8 h .. 8 h + 7 of the 16 x 16 block it computes.
+L is split into 16 x 16 blocks L_IJ (I, J < 4). In phases 1 and 2 a warp's lane (r, h) =
+(lane % 16, lane // 16) owns row r, columns 8 h .. 8 h + 7 of the 16 x 16 block it computes.
 
-    phase 0   warp w: T_ww = (I + L_ww)^-1 by forward substitution; at step s lane s holds row
-              s of T_ww final and broadcasts it (shuffles): T_r -= L_rs T_s (rows r > s; the
-              zero upper triangle of L makes the update a no-op for the others)
+    phase 0   warp w: T_ww = (I + L_ww)^-1 by forward substitution down the columns: lane c
+              (both halves alike) solves (I + L_ww) x = e_c in registers, x_i = [i = c] -
+              sum_{j < i} L_ij x_j in ascending j, reading the rows of L_ww by broadcast loads
+              (every lane the same address) and never another lane's registers: 120 FFMAs on a
+              chain of 15 (no shuffles). Each x_i is the same FFMA sequence as the row form's
+              (T_r -= L_rs T_s, s ascending, whose terms with s >= r are exact no-ops: L_rs = 0),
+              so T_ww is bitwise the row form's.
     phase 1   warps 0, 1 (b = 2 w): T_{b+1,b} = -T_{b+1,b+1} (L_{b+1,b} T_bb) (16 -> 32)
               warps 2, 3 (a = w): X_a1 = L_a1 T_11, X_a0 = L_a0 T_00 (kept)
     phase 2a  warps 2, 3: X_a0 += L_a1 T_10
@@ -28,7 +32,8 @@ from cutlass import Float32, Int32, const_expr
 
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import BLOCK
 
-HALF = BLOCK // 2  # columns per lane
+HALF = BLOCK // 2  # columns per lane (block products)
+VEC = 4  # fp32 words per 16-byte shared-memory read
 
 
 @cute.jit
@@ -69,34 +74,42 @@ def store_half_row(
 
 @cute.jit
 def diagonal_inverse(sW: cute.Tensor, w: Int32, lane: Int32):
-    """Phase 0: block (w, w) of sW, L_ww -> T_ww in place (one warp)."""
-    r = lane % BLOCK
-    h = lane // BLOCK
+    """Phase 0: block (w, w) of sW, L_ww -> T_ww in place (one warp; column lane % 16 in each
+    half, the first half stores it). Right-looking by panels of 4 columns of L: once x_j is
+    final (j in the panel) every row below takes its term, each row's panel one 16-byte read;
+    per x_i the terms still come in ascending j. Live: the 16 x_i and one panel row (the
+    left-looking order, row i's dot product at a time, held the rows too: spills at 104)."""
+    c = lane % BLOCK
     diag = block(sW, w, w)
-    lrow = cute.make_rmem_tensor(BLOCK, Float32)
-    cute.autovec_copy(diag[r, None], lrow)
-    acc = cute.make_rmem_tensor(HALF, Float32)
-    for c in cutlass.range_constexpr(HALF):
-        acc[c] = cutlass.select_(h * HALF + c == r, Float32(1.0), Float32(0.0))
-    src = lane - r  # lane 0 or 16 of this half: the row's owner is src + s
-    for s in cutlass.range_constexpr(BLOCK - 1):
-        for c in cutlass.range_constexpr(HALF):
-            t = cute.arch.shuffle_sync(acc[c], src + s)
-            acc[c] = acc[c] - lrow[s] * t
-    cute.arch.sync_warp()
-    store_half_row(acc, diag, r, h, False)
+    x = [cutlass.select_(c == i, Float32(1.0), Float32(0.0)) for i in range(BLOCK)]
+    for p in cutlass.range_constexpr(BLOCK // VEC):
+        for i in cutlass.range_constexpr(VEC * p + 1, BLOCK):
+            panel = cute.make_rmem_tensor(VEC, Float32)
+            cute.autovec_copy(cute.local_tile(diag[i, None], (VEC,), (p,)), panel)
+            for j in cutlass.range_constexpr(VEC * p, min(VEC * p + VEC, i)):
+                x[i] = x[i] - panel[j - VEC * p] * x[j]
+    cute.arch.sync_warp()  # every lane's reads of L_ww before any overwrite
+    if lane < BLOCK:
+        for i in cutlass.range_constexpr(BLOCK):
+            diag[i, c] = x[i]
 
 
 @cute.jit
-def invert(sW: cute.Tensor, sX: cute.Tensor, atid: Int32, bar):
-    """sW (64 x 64 fp32, L strictly lower, zero above) -> T = (I + L)^-1 in place (zero above
-    stays zero). atid: the aux warpgroup's thread index; bar: its named barrier. The caller
-    syncs each warp after writing its rows of L."""
+def invert_diagonal(sW: cute.Tensor, atid: Int32):
+    """Phase 0 (each warp its own diagonal block, the rows it wrote itself: the caller syncs
+    the warp after writing its rows of L)."""
+    w = cute.arch.make_warp_uniform(atid // 32)
+    diagonal_inverse(sW, w, atid % 32)
+
+
+@cute.jit
+def invert_merge(sW: cute.Tensor, sX: cute.Tensor, atid: Int32, bar):
+    """Phases 1, 2a, 2b after `invert_diagonal`: sW -> T = (I + L)^-1 in place (zero above
+    stays zero). atid: the aux warpgroup's thread index; bar: its named barrier."""
     w = cute.arch.make_warp_uniform(atid // 32)
     lane = atid % 32
     r = lane % BLOCK
     h = lane // BLOCK
-    diagonal_inverse(sW, w, lane)
     bar.arrive_and_wait()
 
     kept = cute.make_rmem_tensor(HALF, Float32)  # warps 2, 3: X_w0 between phases 1 and 2a
@@ -129,3 +142,10 @@ def invert(sW: cute.Tensor, sX: cute.Tensor, atid: Int32, bar):
         block_product(acc, block(sW, 3, 3), block(sX, 1, j), r, h, False)
     store_half_row(acc, block(sW, i, j), r, h, True)
     bar.arrive_and_wait()
+
+
+@cute.jit
+def invert(sW: cute.Tensor, sX: cute.Tensor, atid: Int32, bar):
+    """All phases at once (KDA's intra kernel; GDN's aux issues Q K^T between them)."""
+    invert_diagonal(sW, atid)
+    invert_merge(sW, sX, atid, bar)
