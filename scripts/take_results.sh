@@ -4,6 +4,10 @@
 set -euo pipefail
 src=${1:?usage: take_results.sh DIR (where the device run OUT was fetched)}
 root=$(cd "$(dirname "$0")/.." && pwd)
+if [ -f "$src/results.tar" ] && [ ! -d "$src/results" ]; then  # scripts/device_streams.sh
+  mkdir -p "$src/results" 2>/dev/null || { tmp=$(mktemp -d); cp -r "$src"/. "$tmp"; src=$tmp; mkdir -p "$src/results"; }
+  tar -xf "$src/results.tar" -C "$src/results"
+fi
 for f in "$src"/results/*/*.json; do
   [ -e "$f" ] || continue
   arch=$(basename "$(dirname "$f")")

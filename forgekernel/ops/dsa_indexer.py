@@ -1,7 +1,8 @@
 """`forgekernel.ops.dsa_indexer`: DeepSeek sparse attention's FP8 lightning indexer (DSA,
 DeepSeek-V3.2, issue 22) with its top-k, for prefill (`dsa_indexer`, contiguous keys, causal)
 and decode over deep_gemm's paged cache (`dsa_indexer_paged`); `dsa_topk_indexer_flashinfer`
-serves FlashInfer-Bench's `dsa_topk_indexer_fp8_h64_d128_topk2048_ps64` as it is.
+serves FlashInfer-Bench's `dsa_topk_indexer_fp8_h64_d128_topk2048_ps64` as it is;
+`dsa_indexer_backward` (ops/dsa_indexer_bwd.py) is the training backward (cuDNN's semantics).
 
 Math (reference/dsa.py, lightning indexer): for query row t and key s,
 
@@ -48,6 +49,9 @@ from forgekernel.kernels.attention.dsa_indexer.sm90.config import (
 )
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import check_cuda, check_same_device, check_shaped, check_tensor
+
+# the training backward (ops/dsa_indexer_bwd.py), re-exported here
+from forgekernel.ops.dsa_indexer_bwd import dsa_indexer_backward as dsa_indexer_backward
 
 FP8 = (torch.float8_e4m3fn,)
 F32 = (torch.float32,)
