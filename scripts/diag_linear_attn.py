@@ -4,6 +4,11 @@ under a timeout, so that one device call says which kernel form passes, fails or
 the GPU test files run them all:
 
     python3 scripts/diag_linear_attn.py [--timeout 20] [--only NAME ...]
+    python3 scripts/diag_linear_attn.py --bench-cases [kda_prefill] [diag_bench_cases options]
+
+`--bench-cases`: instead of the ladder, a suite's bench cases x the bench's candidates (ours,
+its variants, the comparators), each in its own process with blocking launches
+(scripts/diag_bench_cases.py: the options and verdicts are there).
 
 Each line: PASS / FAIL(err > bound) / HANG (no exit in the timeout) / ERROR (an exception), the
 kernel's compile key as the launcher chose it. The ladder, control first: GDN unsplit (the
@@ -173,6 +178,10 @@ def run_ladder(names: list[str], timeout: float) -> bool:
 
 
 def main() -> int:
+    if "--bench-cases" in sys.argv[1:]:
+        from diag_bench_cases import main as bench_cases
+
+        return bench_cases([a for a in sys.argv[1:] if a != "--bench-cases"])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--timeout", type=float, default=20.0, help="seconds per case")
     parser.add_argument("--only", nargs="+", choices=sorted(CASES), help="these cases")

@@ -230,3 +230,59 @@ def test_unknown_first_pass():
             l2norm=False,
             first_pass="cuda",
         )
+
+
+def _loop_layout(edges):
+    """The per-sequence chunk layout as the launcher built it before (the yardstick)."""
+    first, rows, start = [], [], 0
+    for a, z in zip(edges[:-1], edges[1:]):
+        nc = -(-(z - a) // 64)
+        first.append(start)
+        start += nc
+        t = torch.arange(nc * 64)
+        rows.append(torch.where(t < z - a, t + a, torch.full_like(t, -1)))
+    return torch.tensor(first, dtype=torch.int32), torch.cat(rows)
+
+
+@pytest.mark.parametrize(
+    "lens", [[5, 0, 64, 71, 1, 130], [2048], [64, 0, 128], [0, 0, 3], [63, 65, 64 * 7 + 1]]
+)
+def test_chunk_tables_match_the_per_sequence_loop(lens):
+    edges = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    first, token = operands.chunk_layout(edges, "cpu")
+    want_first, want_token = _loop_layout(edges)
+    assert torch.equal(first, want_first)
+    if token is None:  # every length a multiple of 64: the identity
+        assert torch.equal(want_token, torch.arange(edges[-1]))
+    else:
+        assert torch.equal(token, want_token)
+    starts, lengths = operands.chunk_table(edges, "cpu")
+    chunks = want_token.view(-1, 64)
+    assert torch.equal(starts, chunks[:, 0].to(torch.int32))
+    assert torch.equal(lengths, (chunks >= 0).sum(1).to(torch.int32))
+
+
+@pytest.mark.parametrize("hv", [2, 4])
+def test_first_pass_without_a_gather_is_the_gathered_one(monkeypatch, hv):
+    """Lengths that are multiples of 64 skip the row gather (and H = HV the head gather): the
+    operands are bitwise those of the gathered path."""
+    x = {key: val[0] for key, val in make(t=192, h=2, hv=hv, seed=5, decay=(-5.0, 0.0)).items()}
+    edges = [0, 64, 192]
+    args = (x["q"], x["k"], x["g"], x["beta"], edges, 0.1, False)
+    fast = operands.kda_chunk_operands(*args)
+    first, token = _loop_layout(edges)
+    monkeypatch.setattr(operands, "chunk_layout", lambda e, d: (first, token))
+    slow = operands.kda_chunk_operands(*args)
+    for name in ("q_g", "k_g", "k_d", "t_beta", "p", "decay", "first"):
+        assert torch.equal(fast[name], slow[name]), name
+
+
+def test_capture_is_refused_before_any_work(cpu_kernel, monkeypatch):
+    """Inside a CUDA-graph capture the op raises before its host read of the offsets (which
+    the driver would reject, invalidating the capture: launch.refuse_capture)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    x = make(t=70)
+    with pytest.raises(RuntimeError, match="cannot be captured"):
+        run_op(x)
+    assert cpu_kernel == []  # no kernel asked for

@@ -43,6 +43,7 @@ def _launch(q, k, v, g, beta, initial_state, cu_seqlens, scale, l2norm, out=None
             first_pass=None):  # fmt: skip
     """Flat contiguous tensors q, k (T, H, K) ..., cu_seqlens int32 -> (o (T, HV, V) in q's
     dtype, final state (N, HV, K, V) fp32)."""
+    kda_sm90.refuse_capture()  # before the allocations below join a capture's pool
     n, hv, dv = cu_seqlens.shape[0] - 1, v.shape[1], v.shape[2]
     o = q.new_empty(*v.shape) if out is None else out
     final = torch.empty(n, hv, q.shape[2], dv, dtype=torch.float32, device=q.device)

@@ -18,6 +18,7 @@ from forgekernel.kernels.linear_attention.kda_prefill.sm90.operands import (
     L2NORM_EPS,
     OPERAND_DTYPE,
     chunk_layout,
+    chunk_table,
     kda_chunk_operands,
 )
 from forgekernel.runtime.cache import get_kernel
@@ -41,6 +42,20 @@ def value_split(sequences: int, heads: int, device: torch.device) -> bool:
     return 2 * sequences * heads <= sms
 
 
+def refuse_capture() -> None:
+    """Raise before any CUDA work inside a CUDA-graph capture: the launcher reads cu_seqlens on
+    the host, a device-to-host copy the driver rejects while the stream captures. Rejected
+    there, it invalidates the capture, and torch before 2.12 (pytorch#180395) then skips
+    `endAllocateToPool`, leaving its caching allocator routing to the dead graph's pool for the
+    rest of the process (and `empty_cache` failing); raised here, the capture ends cleanly
+    (empty) and the caller (the bench's timing) falls back to eager launches."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "kimi_delta_attention reads cu_seqlens on the host (one sync a call): it cannot be "
+            "captured in a CUDA graph"
+        )
+
+
 def _aligned(x: torch.Tensor) -> torch.Tensor:
     return x if x.data_ptr() % ALIGN == 0 else x.clone()
 
@@ -58,10 +73,9 @@ def first_pass_kernel(q, k, g, beta, edges: list[int], scale: float, l2norm: boo
     `operands.kda_chunk_operands`. Compiled, not yet run on a GPU."""
     if l2norm:  # the kernel reads unit rows: normalized here, in fp32, back in q's dtype
         q, k = (_unit_rows(x) for x in (q, k))
-    first, token = chunk_layout(edges, q.device)
-    rows, hv, dk = token.numel(), g.shape[1], q.shape[2]
-    starts = token.view(-1, CHUNK)[:, 0].to(torch.int32)
-    lengths = (token.view(-1, CHUNK) >= 0).sum(1).to(torch.int32)
+    first, _ = chunk_layout(edges, q.device)
+    starts, lengths = chunk_table(edges, q.device)
+    rows, hv, dk = starts.numel() * CHUNK, g.shape[1], q.shape[2]
     out = {
         name: q.new_empty(rows, hv, width, dtype=OPERAND_DTYPE)
         for name, width in (("q_g", dk), ("k_g", dk), ("k_d", dk), ("t_beta", CHUNK),
@@ -97,6 +111,7 @@ def kda_prefill(
     (T, HV, V) in v's dtype and final_state (N, HV, K, V) fp32. Contiguous tensors. Reads the
     offsets on the host (the first pass lays its chunks out from them: one sync). first_pass:
     "torch" (`operands.py`, checked) or "kernel" (`intra.py`, compiled, not yet run)."""
+    refuse_capture()
     if first_pass not in FIRST_PASSES:
         raise ValueError(f"first_pass must be one of {FIRST_PASSES}, got {first_pass!r}")
     if final_state.shape[0] == 0:

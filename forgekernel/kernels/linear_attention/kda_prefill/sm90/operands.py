@@ -24,24 +24,50 @@ CHUNKS_PER_GROUP = 1024  # chunks whose fp32 temporaries are alive at once (memo
 L2NORM_EPS = 1e-6
 
 
-def chunk_layout(edges: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_layout(edges: list[int], device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(first (N,) int32, token (R,) int64: the token of every padded row, -1 past a
-    sequence's end) from the host offsets."""
-    first, rows, start = [], [], 0
-    for a, z in zip(edges[:-1], edges[1:]):
-        nc = -(-(z - a) // CHUNK)
-        first.append(start)
-        start += nc
-        t = torch.arange(nc * CHUNK, dtype=torch.int64)
-        rows.append(torch.where(t < z - a, t + a, torch.full_like(t, -1)))
-    token = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
-    return torch.tensor(first, dtype=torch.int32, device=device), token.to(device)
+    sequence's end) from the host offsets; token None where it is the identity (every length
+    a multiple of the chunk: rows = tokens, nothing to gather). Built on the host in a fixed
+    number of ops (a per-sequence loop cost ~10 us a sequence of host time) and copied once."""
+    lens = torch.tensor(edges, dtype=torch.int64).diff()
+    chunks = (lens + CHUNK - 1) // CHUNK
+    first = (chunks.cumsum(0) - chunks).to(torch.int32).to(device)
+    if not bool((lens % CHUNK).any()):
+        return first, None
+    seq = torch.repeat_interleave(torch.arange(lens.numel()), chunks * CHUNK)
+    row = torch.arange(seq.numel()) - (chunks.cumsum(0) - chunks)[seq] * CHUNK
+    start = torch.tensor(edges[:-1], dtype=torch.int64)[seq]
+    token = torch.where(row < lens[seq], start + row, torch.full_like(row, -1))
+    return first, token.to(device)
 
 
-def _gather(x: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-    """Rows of x (T, ...) at `token`, zeros where token < 0; fp32."""
+def chunk_table(edges: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(starts, lengths) (NC,) int32: every global chunk's first token and valid length (1 ..
+    64; empty sequences have no chunk), built on the host (the first-pass kernel's grid)."""
+    lens = torch.tensor(edges, dtype=torch.int64).diff()
+    chunks = (lens + CHUNK - 1) // CHUNK
+    seq = torch.repeat_interleave(torch.arange(lens.numel()), chunks)
+    local = torch.arange(seq.numel()) - (chunks.cumsum(0) - chunks)[seq]
+    starts = torch.tensor(edges[:-1], dtype=torch.int64)[seq] + local * CHUNK
+    lengths = (lens[seq] - local * CHUNK).clamp(max=CHUNK)
+    return tuple(x.to(torch.int32).to(device) for x in (starts, lengths))
+
+
+def _gather(x: torch.Tensor, token: torch.Tensor | None) -> torch.Tensor:
+    """Rows of x (T, ...) at `token`, zeros where token < 0 (x itself where token is None:
+    the identity); fp32."""
+    if token is None:
+        return x.float()
     keep = (token >= 0).view(-1, *([1] * (x.dim() - 1)))
     return x.float()[token.clamp(min=0)] * keep
+
+
+def _rows_of(token: torch.Tensor | None, a: int, span: int, total: int):
+    """The group of padded rows a .. a + span: a slice of token, or of the identity."""
+    if token is None:
+        return None, min(span, total - a)
+    part = token[a : a + span]
+    return part, part.numel()
 
 
 def unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
@@ -64,9 +90,10 @@ def kda_chunk_operands(q, k, g, beta, edges: list[int], scale: float, l2norm: bo
     """q, k (T, H, K) 16-bit, g (T, HV, K), beta (T, HV) (fp32 or q's dtype); edges the host
     offsets (N + 1). Returns the dict of the module docstring."""
     hv = g.shape[1]
-    heads = torch.arange(hv, device=q.device) // (hv // q.shape[1])
+    grouped = hv != q.shape[1]
+    heads = torch.arange(hv, device=q.device) // (hv // q.shape[1]) if grouped else None
     first, token = chunk_layout(edges, q.device)
-    rows, dk = token.numel(), q.shape[2]
+    rows, dk = (q.shape[0] if token is None else token.numel()), q.shape[2]
     out = {
         "q_g": q.new_empty(rows, hv, dk, dtype=OPERAND_DTYPE),
         "k_g": q.new_empty(rows, hv, dk, dtype=OPERAND_DTYPE),
@@ -82,14 +109,14 @@ def kda_chunk_operands(q, k, g, beta, edges: list[int], scale: float, l2norm: bo
     qf = qf * scale
     span = CHUNKS_PER_GROUP * CHUNK
     for a in range(0, rows, span):
-        part = token[a : a + span]
-        ops = chunk_operands(
-            _chunks(_gather(qf, part)[:, heads]),
-            _chunks(_gather(kf, part)[:, heads]),
-            _chunks(_gather(g, part)),
-            _chunks(_gather(beta, part)),
-            inverse=unit_lower_inverse,
-        )
+        part, n = _rows_of(token, a, span, rows)
+
+        def rows_of(x, per_head=False, a=a, n=n, part=part):
+            y = _gather(x if part is not None else x[a : a + n], part)
+            return _chunks(y[:, heads] if per_head and grouped else y)
+
+        ops = chunk_operands(rows_of(qf, True), rows_of(kf, True), rows_of(g), rows_of(beta),
+                             inverse=unit_lower_inverse)  # fmt: skip
         for name in ("q_g", "k_g", "k_d", "t_beta", "p"):
             out[name][a : a + span] = _rows(ops[name])
         out["decay"][a // CHUNK : (a + span) // CHUNK] = ops["decay"]
