@@ -68,6 +68,8 @@ def intra_kernel(params: dict):
         hv = g.shape[1]
         heads = torch.arange(hv, device=q.device) // (hv // q.shape[1])
         for gc, (t0, n) in enumerate(zip(starts.tolist(), lengths.tolist())):
+            if n == 0:  # past the last real chunk: the kernel returns at once
+                continue
 
             def rows(x, heads=None, t0=t0, n=n):
                 y = torch.zeros(CHUNK, *x.shape[1:], dtype=torch.float32, device=x.device)

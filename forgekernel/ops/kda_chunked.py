@@ -15,7 +15,9 @@ fla split the work: the token-parallel first pass (every chunk's state-independe
 the per-channel decays folded into bf16 tiles around sub-chunk reference points so that no
 factor overflows: `reference/kda_chunked.py`) runs in torch for now (`operands.py`); the
 recurrence runs on the tensor cores (`recurrence.py`: TMA + WGMMA, the state on chip). The
-launcher reads cu_seqlens on the host (one sync a call). Forward only: the result carries an
+offsets are never read on the host (no sync; the call can be captured in a CUDA graph): the
+first pass lays its chunks out on the device over an upper bound of chunks known from T and N
+(exact for a batch or one sequence). Forward only: the result carries an
 autograd node whose backward raises NotImplementedError (the backward is issue 20's next
 part), so that a training graph fails loudly.
 """
@@ -40,16 +42,17 @@ OFFSETS = (torch.int32, torch.int64)
 
 
 def _launch(q, k, v, g, beta, initial_state, cu_seqlens, scale, l2norm, out=None,
-            first_pass=None):  # fmt: skip
+            first_pass=None, seq_len=None):  # fmt: skip
     """Flat contiguous tensors q, k (T, H, K) ..., cu_seqlens int32 -> (o (T, HV, V) in q's
-    dtype, final state (N, HV, K, V) fp32)."""
-    kda_sm90.refuse_capture()  # before the allocations below join a capture's pool
+    dtype, final state (N, HV, K, V) fp32). seq_len: every sequence's length where the host
+    knows it (a batch without offsets)."""
     n, hv, dv = cu_seqlens.shape[0] - 1, v.shape[1], v.shape[2]
     o = q.new_empty(*v.shape) if out is None else out
     final = torch.empty(n, hv, q.shape[2], dv, dtype=torch.float32, device=q.device)
     with torch.no_grad():
         kda_sm90.kda_prefill(q, k, v, g, beta, initial_state, cu_seqlens, o, final, scale,
-                             l2norm=l2norm, first_pass=first_pass or FIRST_PASS)  # fmt: skip
+                             l2norm=l2norm, first_pass=first_pass or FIRST_PASS,
+                             seq_len=seq_len)  # fmt: skip
     return o, final
 
 
@@ -83,6 +86,7 @@ def _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, l2norm, out=Non
     through the custom op where autograd records the call or it is traced, else the launcher
     directly (o written into `out`, flat (B T, HV, V), when given)."""
     b, t, hv, dv = v.shape
+    seq_len = t if cu_seqlens is None else None  # known on the host: exact chunk tables
     if cu_seqlens is None:
         cu_seqlens = torch.arange(b + 1, dtype=torch.int32, device=q.device) * t  # T = 0 too
     offsets = cu_seqlens.to(torch.int32)
@@ -94,7 +98,7 @@ def _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, l2norm, out=Non
         return o.view(b, t, hv, dv), final
     flat = [x.contiguous() for x in flat]
     init = None if initial_state is None else initial_state.contiguous()
-    o, final = _launch(*flat, init, offsets, scale, l2norm, out, first_pass)
+    o, final = _launch(*flat, init, offsets, scale, l2norm, out, first_pass, seq_len)
     return o.view(b, t, hv, dv), final
 
 

@@ -140,6 +140,17 @@ class KdaIntraSm90:
 
         tok0 = mTok0[gc]
         valid = mLen[gc]
+        # a chunk of length 0 (past the last real one: the launcher's grid is an upper bound
+        # of chunks built without reading the offsets on the host) has nothing to write
+        if valid > 0:
+            self._chunk(mQ, mK, mG, mBeta, mQg, mKg, mKd, mT, mP, mD, scale, mma, sA, sB, sBeta,
+                        sW, sX, bar, ch, gc, hv, tok0, valid)  # fmt: skip
+
+    @cute.jit
+    def _chunk(self, mQ, mK, mG, mBeta, mQg, mKg, mKd, mT, mP, mD, scale, mma, sA, sB, sBeta,
+               sW, sX, bar, ch, gc, hv, tok0, valid):  # fmt: skip
+        """Chunk gc of value head hv (tokens tok0 .. tok0 + valid, valid >= 1): the module
+        docstring's math."""
         head = hv // (mG.shape[1] // mQ.shape[1])
         row0 = gc * CHUNK
         if ch < CHUNK:

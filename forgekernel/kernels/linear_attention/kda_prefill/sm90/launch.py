@@ -1,5 +1,7 @@
 """Host launcher of the KDA forward: the first pass (`operands.py`, torch for now), then the
-recurrence kernel. Torch only (no DSL). Callers validate first
+recurrence kernel. Torch only (no DSL). Nothing here reads a device value on the host: the
+offsets stay on the device (the kernels read them; the chunk tables are torch ops over an
+upper bound of chunks), so a call can be captured in a CUDA graph. Callers validate first
 (`forgekernel.ops.kda_chunked.kimi_delta_attention`)."""
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from forgekernel.kernels.linear_attention.kda_prefill.sm90.config import CHUNK, 
 from forgekernel.kernels.linear_attention.kda_prefill.sm90.operands import (
     L2NORM_EPS,
     OPERAND_DTYPE,
-    chunk_layout,
-    chunk_table,
+    chunk_bound,
+    chunk_tables,
     kda_chunk_operands,
 )
 from forgekernel.runtime.cache import get_kernel
@@ -42,20 +44,6 @@ def value_split(sequences: int, heads: int, device: torch.device) -> bool:
     return 2 * sequences * heads <= sms
 
 
-def refuse_capture() -> None:
-    """Raise before any CUDA work inside a CUDA-graph capture: the launcher reads cu_seqlens on
-    the host, a device-to-host copy the driver rejects while the stream captures. Rejected
-    there, it invalidates the capture, and torch before 2.12 (pytorch#180395) then skips
-    `endAllocateToPool`, leaving its caching allocator routing to the dead graph's pool for the
-    rest of the process (and `empty_cache` failing); raised here, the capture ends cleanly
-    (empty) and the caller (the bench's timing) falls back to eager launches."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "kimi_delta_attention reads cu_seqlens on the host (one sync a call): it cannot be "
-            "captured in a CUDA graph"
-        )
-
-
 def _aligned(x: torch.Tensor) -> torch.Tensor:
     return x if x.data_ptr() % ALIGN == 0 else x.clone()
 
@@ -68,20 +56,23 @@ def _unit_rows(x: torch.Tensor) -> torch.Tensor:
     return (f / torch.sqrt((f * f).sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)
 
 
-def first_pass_kernel(q, k, g, beta, edges: list[int], scale: float, l2norm: bool) -> dict:
-    """The first pass on `intra.py` (one CTA per chunk and value head): the same outputs as
-    `operands.kda_chunk_operands`. Compiled, not yet run on a GPU."""
+def first_pass_kernel(q, k, g, beta, cu_seqlens: torch.Tensor, scale: float, l2norm: bool,
+                      seq_len: int | None = None) -> dict:  # fmt: skip
+    """The first pass on `intra.py` (one CTA per chunk and value head; a chunk of length 0, past
+    the last real one, returns at once): the same outputs as `operands.kda_chunk_operands`,
+    with the rows of those empty chunks left unwritten (the recurrence never reads them).
+    Compiled, not yet run on a GPU."""
     if l2norm:  # the kernel reads unit rows: normalized here, in fp32, back in q's dtype
         q, k = (_unit_rows(x) for x in (q, k))
-    first, _ = chunk_layout(edges, q.device)
-    starts, lengths = chunk_table(edges, q.device)
-    rows, hv, dk = starts.numel() * CHUNK, g.shape[1], q.shape[2]
+    bound = chunk_bound(q.shape[0], cu_seqlens.shape[0] - 1, seq_len)
+    first, starts, lengths = chunk_tables(cu_seqlens, bound)
+    rows, hv, dk = bound * CHUNK, g.shape[1], q.shape[2]
     out = {
         name: q.new_empty(rows, hv, width, dtype=OPERAND_DTYPE)
         for name, width in (("q_g", dk), ("k_g", dk), ("k_d", dk), ("t_beta", CHUNK),
                             ("p", CHUNK))
     }  # fmt: skip
-    out["decay"] = q.new_empty(rows // CHUNK, hv, dk, dtype=torch.float32)
+    out["decay"] = q.new_empty(bound, hv, dk, dtype=torch.float32)
     out["first"] = first
     fn = get_kernel(INTRA_SPEC, intra_params_for(dtype_name(q.dtype), dk))
     with on_device(q.device):
@@ -105,24 +96,29 @@ def kda_prefill(
     *,
     l2norm: bool,
     first_pass: str = "torch",
+    seq_len: int | None = None,
 ) -> None:
     """Varlen form: q, k (T, H, K), v (T, HV, V) 16-bit, g (T, HV, K) and beta (T, HV),
-    cu_seqlens int32 (N + 1,); initial_state fp32 (N, HV, K, V) or None (zeros). Writes out
-    (T, HV, V) in v's dtype and final_state (N, HV, K, V) fp32. Contiguous tensors. Reads the
-    offsets on the host (the first pass lays its chunks out from them: one sync). first_pass:
+    cu_seqlens int32 (N + 1,) rising from 0 to T; initial_state fp32 (N, HV, K, V) or None
+    (zeros). Writes out (T, HV, V) in v's dtype and final_state (N, HV, K, V) fp32. Contiguous
+    tensors. Never reads the offsets on the host (no sync; CUDA-graph capturable): the chunk
+    tables are built on the device over an upper bound of chunks (`operands.chunk_bound`).
+    seq_len: every sequence's length where the caller knows it on the host (a batch without
+    offsets): exact tables, and no row gather where it is a multiple of 64. first_pass:
     "torch" (`operands.py`, checked) or "kernel" (`intra.py`, compiled, not yet run)."""
-    refuse_capture()
     if first_pass not in FIRST_PASSES:
         raise ValueError(f"first_pass must be one of {FIRST_PASSES}, got {first_pass!r}")
-    if final_state.shape[0] == 0:
+    n = final_state.shape[0]
+    if n == 0:
         return
-    edges = [int(x) for x in cu_seqlens.tolist()]
-    if edges[-1] == edges[0]:  # every sequence empty: no TMA descriptor over zero rows
+    if q.shape[0] == 0:  # T = 0, every sequence empty: no TMA descriptor over zero rows
         final_state.copy_(initial_state) if initial_state is not None else final_state.zero_()
         return
+    if n == 1:  # the offsets are (0, T)
+        seq_len = q.shape[0]
     make = kda_chunk_operands if first_pass == "torch" else first_pass_kernel
-    ops = make(q, k, g, beta, edges, scale, l2norm)
-    split = value_split(final_state.shape[0], v.shape[1], v.device)
+    ops = make(q, k, g, beta, cu_seqlens, scale, l2norm, seq_len)
+    split = value_split(n, v.shape[1], v.device)
     params = params_for(dtype_name(v.dtype), (q.shape[-1], v.shape[-1]),
                         initial_state=initial_state is not None, value_split=split)  # fmt: skip
     fn = get_kernel(SPEC, params)

@@ -4,9 +4,12 @@ recurrence kernel. Torch only (no DSL).
 
 Layout: sequence n's chunk c is global chunk first[n] + c, first = the exclusive prefix sum of
 ceil(len / 64); its 64 rows are rows 64 (first[n] + c) .. of the row-major tensors below, the
-rows past the sequence's end exact zeros (so nothing of theirs reaches a valid output):
+rows past the sequence's end exact zeros (so nothing of theirs reaches a valid output). The
+offsets stay on the device (no host read: CUDA-graph capturable), so the number of chunks NC
+is an upper bound known from host sizes (`chunk_bound`: exact for a batch or one sequence);
+the chunks past the last real one are zeros that the recurrence never reads.
 
-    q_g, k_g, k_d   (R, HV, K) bf16       R = 64 x the number of chunks
+    q_g, k_g, k_d   (R, HV, K) bf16       R = 64 NC
     t_beta, p       (R, HV, 64) bf16      row i of the chunk, column j
     decay           (NC, HV, K) fp32      e^(G_C) per key channel
     first           (N,) int32
@@ -24,33 +27,55 @@ CHUNKS_PER_GROUP = 1024  # chunks whose fp32 temporaries are alive at once (memo
 L2NORM_EPS = 1e-6
 
 
-def chunk_layout(edges: list[int], device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(first (N,) int32, token (R,) int64: the token of every padded row, -1 past a
-    sequence's end) from the host offsets; token None where it is the identity (every length
-    a multiple of the chunk: rows = tokens, nothing to gather). Built on the host in a fixed
-    number of ops (a per-sequence loop cost ~10 us a sequence of host time) and copied once."""
-    lens = torch.tensor(edges, dtype=torch.int64).diff()
+def chunk_bound(tokens: int, sequences: int, seq_len: int | None = None) -> int:
+    """An upper bound on the number of chunks, from host sizes only: sum ceil(len / 64) <=
+    (T + 63 N) / 64 (tight: N - 1 one-token sequences and a long one) and <= T (every chunk
+    holds a token); exact, N ceil(L / 64), where every sequence's length L is known."""
+    if seq_len is not None:
+        return sequences * -(-seq_len // CHUNK)
+    return min(tokens, (tokens + (CHUNK - 1) * sequences) // CHUNK)
+
+
+def chunk_tables(cu_seqlens: torch.Tensor, bound: int):
+    """(first (N,), starts (NC,), lengths (NC,)) int32 on cu_seqlens' device, in torch ops that
+    never read a value on the host (CUDA-graph capturable): first the exclusive prefix sum of
+    ceil(len / 64), every global chunk's first token and valid length (1 .. 64). NC = `bound`
+    (`chunk_bound`): the chunks past the last real one have length 0 (their start is
+    meaningless), so nothing of theirs is read."""
+    cu = cu_seqlens.long()
+    lens = cu.diff()
     chunks = (lens + CHUNK - 1) // CHUNK
-    first = (chunks.cumsum(0) - chunks).to(torch.int32).to(device)
-    if not bool((lens % CHUNK).any()):
+    ends = chunks.cumsum(0)
+    first = ends - chunks
+    gc = torch.arange(bound, device=cu.device)
+    # the sequence owning global chunk gc: the first whose chunks end past it (empty ones end
+    # where their predecessor does, so they own none); past the last chunk: the last sequence
+    seq = torch.searchsorted(ends, gc, right=True).clamp_(max=lens.numel() - 1)
+    local = (gc - first[seq]) * CHUNK
+    starts = cu[seq] + local
+    lengths = (lens[seq] - local).clamp_(0, CHUNK)
+    return tuple(x.to(torch.int32) for x in (first, starts, lengths))
+
+
+def row_tokens(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """(64 NC,) int64: the token of every padded row, -1 past its chunk's valid length."""
+    i = torch.arange(CHUNK, device=starts.device)
+    token = starts.long()[:, None] + i
+    return torch.where(i < lengths[:, None], token, -1).flatten()
+
+
+def chunk_layout(cu_seqlens: torch.Tensor, tokens: int, seq_len: int | None = None):
+    """(first (N,) int32, token (R,) int64 or None) on the device, without a host read: token
+    None where rows are tokens (every length the known multiple `seq_len` of 64: nothing to
+    gather), else the padded rows of `chunk_tables` (R = 64 `chunk_bound`). seq_len: every
+    sequence's length where the host knows it (a batch; one sequence: T, by the offsets'
+    contract 0 .. T)."""
+    n = cu_seqlens.shape[0] - 1
+    if seq_len is not None and seq_len % CHUNK == 0:
+        first = torch.arange(n, dtype=torch.int32, device=cu_seqlens.device) * (seq_len // CHUNK)
         return first, None
-    seq = torch.repeat_interleave(torch.arange(lens.numel()), chunks * CHUNK)
-    row = torch.arange(seq.numel()) - (chunks.cumsum(0) - chunks)[seq] * CHUNK
-    start = torch.tensor(edges[:-1], dtype=torch.int64)[seq]
-    token = torch.where(row < lens[seq], start + row, torch.full_like(row, -1))
-    return first, token.to(device)
-
-
-def chunk_table(edges: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(starts, lengths) (NC,) int32: every global chunk's first token and valid length (1 ..
-    64; empty sequences have no chunk), built on the host (the first-pass kernel's grid)."""
-    lens = torch.tensor(edges, dtype=torch.int64).diff()
-    chunks = (lens + CHUNK - 1) // CHUNK
-    seq = torch.repeat_interleave(torch.arange(lens.numel()), chunks)
-    local = torch.arange(seq.numel()) - (chunks.cumsum(0) - chunks)[seq]
-    starts = torch.tensor(edges[:-1], dtype=torch.int64)[seq] + local * CHUNK
-    lengths = (lens[seq] - local * CHUNK).clamp(max=CHUNK)
-    return tuple(x.to(torch.int32).to(device) for x in (starts, lengths))
+    first, starts, lengths = chunk_tables(cu_seqlens, chunk_bound(tokens, n, seq_len))
+    return first, row_tokens(starts, lengths)
 
 
 def _gather(x: torch.Tensor, token: torch.Tensor | None) -> torch.Tensor:
@@ -86,13 +111,15 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).flatten(0, 1).to(OPERAND_DTYPE)
 
 
-def kda_chunk_operands(q, k, g, beta, edges: list[int], scale: float, l2norm: bool) -> dict:
-    """q, k (T, H, K) 16-bit, g (T, HV, K), beta (T, HV) (fp32 or q's dtype); edges the host
-    offsets (N + 1). Returns the dict of the module docstring."""
+def kda_chunk_operands(q, k, g, beta, cu_seqlens: torch.Tensor, scale: float, l2norm: bool,
+                       seq_len: int | None = None) -> dict:  # fmt: skip
+    """q, k (T, H, K) 16-bit, g (T, HV, K), beta (T, HV) (fp32 or q's dtype); cu_seqlens
+    (N + 1,) on q's device (never read on the host); seq_len as `chunk_layout`. Returns the
+    dict of the module docstring."""
     hv = g.shape[1]
     grouped = hv != q.shape[1]
     heads = torch.arange(hv, device=q.device) // (hv // q.shape[1]) if grouped else None
-    first, token = chunk_layout(edges, q.device)
+    first, token = chunk_layout(cu_seqlens, q.shape[0], seq_len)
     rows, dk = (q.shape[0] if token is None else token.numel()), q.shape[2]
     out = {
         "q_g": q.new_empty(rows, hv, dk, dtype=OPERAND_DTYPE),
