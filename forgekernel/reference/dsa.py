@@ -88,12 +88,12 @@ Scales = torch.Tensor | None
 # ---------------------------------------------------------------- shared helpers
 
 
-def _rows_per_chunk(elements_per_row: int) -> int:
-    return max(1, CHUNK_BUDGET // max(1, elements_per_row))
+def _rows_per_chunk(elements_per_row: int, budget: int | None = None) -> int:
+    return max(1, (budget or CHUNK_BUDGET) // max(1, elements_per_row))
 
 
-def _chunks(rows: int, elements_per_row: int):
-    step = _rows_per_chunk(elements_per_row)
+def _chunks(rows: int, elements_per_row: int, budget: int | None = None):
+    step = _rows_per_chunk(elements_per_row, budget)
     return ((r0, min(rows, r0 + step)) for r0 in range(0, rows, step))
 
 
@@ -456,6 +456,7 @@ def dsa_sparse_attention_bwd_ref(
     d_v: int = 512,
     dtype: torch.dtype = torch.float32,
     dq_dtype: torch.dtype | None = None,
+    chunk_elements: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(dq (S, H, D), dkv (S_kv, D), d_sink (H,) or None): the gradients of
     sum(out * dout) + sum(lse * dlse) (dlse None: 0), written out as a kernel computes them
@@ -463,7 +464,8 @@ def dsa_sparse_attention_bwd_ref(
     selected rows (every head, every query that listed the row; a duplicate entry is one more
     term, as in the forward's gather). dkv and d_sink come back in `dtype`, dq in dq_dtype
     (default `dtype`; each chunk is rounded as it is written, so nothing S x H x D wide is held
-    in `dtype` beyond dq itself).
+    in `dtype` beyond dq itself). chunk_elements: the chunk's intermediates' size (default
+    CHUNK_BUDGET; a GPU caller widens it).
 
     out (S, H, d_v) and lse (S, H) (the forward's: KV-only natural-log LSE, -inf for an empty
     row), when given, are used as a kernel uses them (P = exp(s - logaddexp(lse, sink)),
@@ -484,7 +486,7 @@ def dsa_sparse_attention_bwd_ref(
     d_sink = None if sink is None else torch.zeros_like(sink)
     saved = {"out": out, "lse": lse, "dlse": dlse}
     per_row = topk_indices.shape[1] * (kv.shape[1] + 5 * q.shape[1])
-    for r0, r1 in _chunks(q.shape[0], per_row):
+    for r0, r1 in _chunks(q.shape[0], per_row, chunk_elements):
         part = {k: None if v is None else v[r0:r1].to(dtype) for k, v in saved.items()}
         grads = _sparse_backward_chunk(
             q[r0:r1].to(dtype), kvf, safe[r0:r1], valid[r0:r1], softmax_scale, sink,
