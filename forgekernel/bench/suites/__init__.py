@@ -21,6 +21,8 @@ PENDING_SUITE_MODULES: dict[str, str] = {
     "dsa_recompute": "forgekernel.bench.suites.dsa_recompute",  # issue 22: the score recompute
     # issue 20: Kimi Delta Attention backward (the interim fp32 torch path until its kernel)
     "kda_bwd": "forgekernel.bench.suites.kda_bwd",
+    # issue 22: DSA sparse attention backward (the interim fp32 torch path until its kernel)
+    "dsa_sparse_bwd": "forgekernel.bench.suites.dsa_sparse_bwd",
 }
 SUITE_MODULES = {
     "gemm": "forgekernel.bench.suites.gemm",
