@@ -206,6 +206,72 @@ def test_gradients_match_finite_differences():
     assert torch.autograd.gradcheck(fn, (q, kv, sink), eps=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("sink_kind", ["random", "none", "-inf", "+inf"])
+def test_backward_from_saved_out_and_lse_with_lse_gradient(sink_kind, monkeypatch):
+    """The kernel's contract: P from the forward's KV-only LSE (and the sink), Delta from its
+    output, dLSE folded in; against autograd of sum(out dout) + sum(lse dlse) in fp64 (1e-10).
+    Rows of -1 only (out 0, LSE -inf) get zero dq; a duplicate entry (outside the indexers'
+    contract) is one more term, as in the forward's gather."""
+    s, h, s_kv, topk = 6, 16, 29, 12
+    q, kv, idx, sink = make_case(s, h, s_kv, topk, seed=41, counts=[12, 0, 5, 12, 1, 0])
+    idx[3, 1] = idx[3, 0]  # a duplicate
+    sink = {"random": sink, "none": None, "-inf": torch.full((h,), NEG_INF, dtype=F64),
+            "+inf": torch.full((h,), math.inf, dtype=F64)}[sink_kind]  # fmt: skip
+    gen = _gen(7)
+    dout = torch.randn(s, h, 512, generator=gen, dtype=F64)
+    dlse = torch.randn(s, h, generator=gen, dtype=F64)
+    leaves = [x.clone().requires_grad_(True) for x in (q, kv)]
+    if sink is not None:
+        leaves.append(sink.clone().requires_grad_(True))
+    out, lse = dsa.dsa_sparse_attention_ref(
+        *leaves[:2], idx, 0.05, attn_sink=None if sink is None else leaves[2], dtype=F64
+    )
+    loss = (out * dout).sum() + torch.where(torch.isfinite(lse), lse * dlse, 0.0).sum()
+    want = torch.autograd.grad(loss, leaves)
+    monkeypatch.setattr(dsa, "CHUNK_BUDGET", 2 * topk * (576 + 5 * h))  # two rows a chunk
+    saved = {"out": out.detach(), "lse": lse.detach()}
+    for kwargs in ({}, saved):
+        dq, dkv, d_sink = dsa.dsa_sparse_attention_bwd_ref(
+            q, kv, idx, 0.05, dout, attn_sink=sink, dlse=dlse, dtype=F64, **kwargs
+        )
+        torch.testing.assert_close(dq, want[0], atol=1e-10, rtol=0)
+        torch.testing.assert_close(dkv, want[1], atol=1e-10, rtol=0)
+        assert (d_sink is None) == (sink is None)
+        if sink is not None:
+            assert torch.isfinite(d_sink).all()
+            torch.testing.assert_close(d_sink, want[2].nan_to_num(0.0), atol=1e-10, rtol=0)
+        assert torch.equal(dq[[1, 5]], torch.zeros_like(dq[[1, 5]]))
+    # dq written in a 16-bit dtype chunk by chunk: the fp64 answer rounded once.
+    dq16, _, _ = dsa.dsa_sparse_attention_bwd_ref(
+        q, kv, idx, 0.05, dout, attn_sink=sink, dlse=dlse, dtype=F64, dq_dtype=torch.bfloat16
+    )
+    assert dq16.dtype == torch.bfloat16 and torch.equal(dq16, want[0].bfloat16())
+
+
+def test_lse_gradient_matches_finite_differences():
+    gen = _gen(32)
+    q = torch.randn(3, 2, 12, generator=gen, dtype=F64, requires_grad=True)
+    kv = torch.randn(9, 12, generator=gen, dtype=F64, requires_grad=True)
+    sink = torch.randn(2, generator=gen, dtype=F64, requires_grad=True)
+    idx = make_indices(3, 9, 5, gen, counts=[5, 3, 1])
+    w = torch.randn(3, 2, generator=gen, dtype=F64)
+
+    def fn(a, b, c):
+        out, lse = dsa.dsa_sparse_attention_ref(a, b, idx, 0.4, attn_sink=c, d_v=8, dtype=F64)
+        return out, lse * w
+
+    assert torch.autograd.gradcheck(fn, (q, kv, sink), eps=1e-6, atol=1e-7)
+    dout = torch.randn(3, 2, 8, generator=gen, dtype=F64)
+    out, lse = fn(q, kv, sink)
+    want = torch.autograd.grad((out * dout).sum() + lse.sum(), (q, kv, sink))
+    got = dsa.dsa_sparse_attention_bwd_ref(
+        q.detach(), kv.detach(), idx, 0.4, dout, attn_sink=sink.detach(), dlse=w, d_v=8,
+        dtype=F64,
+    )  # fmt: skip
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
 # ---------------------------------------------------------------- score recompute
 
 

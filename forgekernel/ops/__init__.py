@@ -1,7 +1,9 @@
 """The torch-facing API."""
 
-# Kimi Delta Attention (issue 20): imported for its autograd registration only (the forward
-# custom op's backward); not exported until its GPU check (docs/PENDING.md).
+# Imported for their autograd registrations (the forward custom ops' backward); the explicit
+# backwards are not exported until their GPU check (docs/PENDING.md): Kimi Delta Attention
+# (issue 20) and DSA sparse attention (issue 22, ops.dsa_bwd.dsa_sparse_attention_backward).
+from forgekernel.ops import dsa_bwd as _dsa_bwd  # noqa: F401
 from forgekernel.ops import kda_bwd as _kda_bwd  # noqa: F401
 from forgekernel.ops.attention import attention
 from forgekernel.ops.attention_bwd import attention_backward, attention_varlen_backward

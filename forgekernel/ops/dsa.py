@@ -12,7 +12,16 @@ every head. For head h, over the valid entries j of row t (idx[t, j] >= 0):
     out[t, h]  = sum_j softmax(s[t, h])_j c_idx[t, j]     (512 wide; the caller applies W_UV)
 
 Each listed entry is one term (an indexer never lists a slot twice). A row with no valid entry
-gives out 0 and lse -inf. No attention sink, no topk_length (pad with -1 instead).
+gives out 0 and lse -inf. No topk_length (pad with -1 instead).
+
+Attention sink (attn_sink (H,) fp32, optional): a per-head logit in the softmax denominator
+only, out * exp(lse) / (exp(lse) + exp(sink[h])), lse unchanged (the KV-only LSE: FlashMLA's
+statement, cuDNN's backward input). INTERIM: applied after the kernel in fp32 torch (one
+elementwise pass over out; the kernel's epilogue will fold it).
+
+Differentiable (ops/dsa_bwd.py registers the backward of the custom op, issue 22) in q_nope,
+q_pe, the 16-bit caches (or the combined cache they view) and attn_sink, through out and lse:
+a call that autograd records goes through the custom op; FP8 caches have no backward.
 
 Layouts:
     q_nope (tokens, H, 512), q_pe (tokens, H, 64), bf16 / fp16 (tokens: a decode batch, one
@@ -44,7 +53,7 @@ import torch
 
 from forgekernel.kernels.attention.mla.sm90 import launch as mla_sm90
 from forgekernel.kernels.attention.mla.sm90.config import D_LATENT, D_ROPE
-from forgekernel.ops._dispatch import plain, tracing
+from forgekernel.ops._dispatch import plain, tracing, wants_grad
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import (
     check_cuda,
@@ -125,11 +134,32 @@ def _outputs(q_nope, out):
     return o, q_nope.new_empty((tokens, hq), dtype=torch.float32)
 
 
-def _forward(q_nope, q_pe, ckv, kpe, sparse_indices, scale, out, ckv_scale=None):
+def _forward(q_nope, q_pe, ckv, kpe, sparse_indices, scale, out, ckv_scale=None,
+             attn_sink=None):  # fmt: skip
     o, lse = _outputs(q_nope, out)
     mla_sm90.dsa_sparse_attention(q_nope, q_pe, ckv, kpe, sparse_indices, scale, o, lse,
                                   ckv_scale)  # fmt: skip
+    if attn_sink is not None:
+        apply_sink(o, lse, attn_sink)
     return o, lse
+
+
+def apply_sink(o: torch.Tensor, lse: torch.Tensor, attn_sink: torch.Tensor) -> None:
+    """INTERIM (the kernel's epilogue will fold it): o *= exp(lse) / (exp(lse) + exp(sink)) =
+    sigmoid(lse - sink) in fp32, rounded once, in place; a row of lse -inf stays 0 (its
+    sigmoid is NaN against a -inf sink)."""
+    w = torch.sigmoid(lse - attn_sink.float()[None, :])
+    w = torch.where(torch.isneginf(lse), 0.0, w)
+    o.copy_(o.float() * w[..., None])
+
+
+def check_sink(attn_sink, q_nope) -> None:
+    """attn_sink: (H,) fp32 on q's device, or None."""
+    if attn_sink is None:
+        return
+    check_shaped("attn_sink", attn_sink, q_nope.shape[1:2], (torch.float32,))
+    if attn_sink.device != q_nope.device:
+        raise ValueError(f"attn_sink is on {attn_sink.device}, q_nope on {q_nope.device}")
 
 
 @torch.library.custom_op("forgekernel::dsa_sparse_attention", mutates_args=())
@@ -141,14 +171,16 @@ def _sparse_op(
     sparse_indices: torch.Tensor,
     softmax_scale: float,
     ckv_scale: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_caches_in_place(ckv_cache, kpe_cache, ckv_scale)
     return _forward(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, softmax_scale, None,
-                    ckv_scale)  # fmt: skip
+                    ckv_scale, attn_sink)  # fmt: skip
 
 
 @_sparse_op.register_fake
-def _(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, softmax_scale, ckv_scale=None):
+def _(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices, softmax_scale, ckv_scale=None,
+      attn_sink=None):  # fmt: skip
     return _outputs(q_nope, None)
 
 
@@ -160,6 +192,7 @@ def dsa_sparse_attention(
     sparse_indices: torch.Tensor,
     *,
     softmax_scale: float,
+    attn_sink: torch.Tensor | None = None,
     return_lse: bool = False,
     out: torch.Tensor | None = None,
 ):
@@ -170,30 +203,37 @@ def dsa_sparse_attention(
     each token attending to the slots sparse_indices int32 (tokens, topk) lists (page *
     page_size + offset; -1 padding anywhere). Returns out (tokens, H, 512) in q's dtype and,
     with return_lse, the natural-log LSE (tokens, H) fp32 (0 / -inf where a row lists no slot).
-    softmax_scale (required): the un-absorbed scale. out: written in place when given. No
-    device read: CUDA-graph capturable."""
+    softmax_scale (required): the un-absorbed scale. attn_sink: (H,) fp32 logits or None
+    (module docstring). out: written in place when given. No device read: CUDA-graph
+    capturable. Differentiable (module docstring)."""
     scale = check_softmax_scale(softmax_scale)
     ckv, kpe, fp8 = latent_cache_views(ckv_cache, kpe_cache)
     if _valid_at_a_glance(q_nope, q_pe, ckv, kpe, sparse_indices, out, fp8):
         traced = tracing()  # the tensors are plain: only a mode can trace
     else:
         _validate(q_nope, q_pe, ckv, kpe, sparse_indices, out, fp8)
-        traced = _traced(q_nope, q_pe, ckv, kpe, sparse_indices, out)
+        traced = _traced(q_nope, q_pe, ckv, kpe, sparse_indices, out, attn_sink)
+    if attn_sink is not None:
+        check_sink(attn_sink, q_nope)
+    grad = wants_grad(q_nope, q_pe, ckv, kpe, attn_sink)
+    if grad and fp8 is not None:
+        raise NotImplementedError("the FP8 cache has no backward: pass 16-bit caches to train")
     if out is not None and out.stride(-1) != 1:  # the combine writes rows of 512 contiguous
         o, lse = dsa_sparse_attention(q_nope, q_pe, ckv_cache, kpe_cache, sparse_indices,
-                                      softmax_scale=scale, return_lse=True)  # fmt: skip
+                                      softmax_scale=scale, attn_sink=attn_sink,
+                                      return_lse=True)  # fmt: skip
         out.copy_(o)
         return (out, lse) if return_lse else out
-    if traced:
+    if traced or grad:
         o, lse = torch.ops.forgekernel.dsa_sparse_attention(
-            q_nope, q_pe, ckv, kpe, sparse_indices, scale, fp8
+            q_nope, q_pe, ckv, kpe, sparse_indices, scale, fp8, attn_sink
         )
         if out is not None:
             out.copy_(o)
             o = out
     else:
         check_caches_in_place(ckv, kpe, fp8)  # (a data pointer: real tensors only)
-        o, lse = _forward(q_nope, q_pe, ckv, kpe, sparse_indices, scale, out, fp8)
+        o, lse = _forward(q_nope, q_pe, ckv, kpe, sparse_indices, scale, out, fp8, attn_sink)
     return (o, lse) if return_lse else o
 
 

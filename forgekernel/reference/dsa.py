@@ -54,10 +54,11 @@ paged caches address slot = page * page_size + offset (FlashMLA, FlashInfer).
 
 Backward (`dsa_sparse_attention_bwd_ref`, the kernel's math, checked against autograd of the
 differentiable forward): with P = exp(s - lse_all), lse_all = logaddexp(lse, sink), O = out,
-Delta = rowsum(dO * O), dS = P * (dO V^T - Delta):
-dq = scale dS K, dkv[idx] += scale dS^T q (all 576) + P^T dO (first d_v), d_sink = -sum P_sink
-Delta with P_sink = exp(sink - lse_all); dkv sums over every head and every query that picked
-the row.
+Delta = rowsum(dO * O), dS = P * (dO V^T - Delta) (+ dLSE P_kv when the KV-only LSE has a
+gradient, P_kv = exp(s - lse)): dq = scale dS K, dkv[idx] += scale dS^T q (all 576) + P^T dO
+(first d_v), d_sink = -sum P_sink Delta with P_sink = exp(sink - lse_all); dkv sums over every
+head and every query that picked the row. O and lse may be the forward's saved ones (the
+kernel's inputs, as cuDNN's backward takes them) or recomputed.
 
 RoPE [inference/model.py `apply_rotary_emb`, FlashMLA fused_norm_rope_attn_rope_cast]: MLA's
 64 RoPE dims (the last 64 of q's 576) are rotated in interleaved pairs (x[2i], x[2i + 1])
@@ -87,12 +88,12 @@ Scales = torch.Tensor | None
 # ---------------------------------------------------------------- shared helpers
 
 
-def _rows_per_chunk(elements_per_row: int) -> int:
-    return max(1, CHUNK_BUDGET // max(1, elements_per_row))
+def _rows_per_chunk(elements_per_row: int, budget: int | None = None) -> int:
+    return max(1, (budget or CHUNK_BUDGET) // max(1, elements_per_row))
 
 
-def _chunks(rows: int, elements_per_row: int):
-    step = _rows_per_chunk(elements_per_row)
+def _chunks(rows: int, elements_per_row: int, budget: int | None = None):
+    step = _rows_per_chunk(elements_per_row, budget)
     return ((r0, min(rows, r0 + step)) for r0 in range(0, rows, step))
 
 
@@ -449,47 +450,82 @@ def dsa_sparse_attention_bwd_ref(
     *,
     attn_sink: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    dlse: torch.Tensor | None = None,
     d_v: int = 512,
     dtype: torch.dtype = torch.float32,
+    dq_dtype: torch.dtype | None = None,
+    chunk_elements: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(dq (S, H, D), dkv (S_kv, D), d_sink (H,) or None) in `dtype`: the gradients of
-    sum(out * dout), written out as a kernel computes them (module docstring), chunk by chunk,
-    dkv accumulated by index_add over the selected rows."""
+    """(dq (S, H, D), dkv (S_kv, D), d_sink (H,) or None): the gradients of
+    sum(out * dout) + sum(lse * dlse) (dlse None: 0), written out as a kernel computes them
+    (module docstring), chunk by chunk in `dtype`, dkv accumulated by index_add over the
+    selected rows (every head, every query that listed the row; a duplicate entry is one more
+    term, as in the forward's gather). dkv and d_sink come back in `dtype`, dq in dq_dtype
+    (default `dtype`; each chunk is rounded as it is written, so nothing S x H x D wide is held
+    in `dtype` beyond dq itself). chunk_elements: the chunk's intermediates' size (default
+    CHUNK_BUDGET; a GPU caller widens it).
+
+    out (S, H, d_v) and lse (S, H) (the forward's: KV-only natural-log LSE, -inf for an empty
+    row), when given, are used as a kernel uses them (P = exp(s - logaddexp(lse, sink)),
+    Delta = rowsum(dout * out)) instead of recomputing them from the chunk's scores. The LSE's
+    gradient adds dlse P_kv to dS (P_kv = exp(s - lse): the KV-only softmax) and nothing to
+    d_sink: kernels fold it into Delta, Delta' = Delta - dlse exp(lse_all - lse)."""
     valid = _check_sparse(q, kv, topk_indices, attn_sink, topk_length, d_v)
-    if dout.shape != (*q.shape[:2], d_v):
-        raise ValueError(f"dout: expected {(*q.shape[:2], d_v)}, got {tuple(dout.shape)}")
+    rows = (*q.shape[:2], d_v)
+    for name, t, shape in (("dout", dout, rows), ("out", out, rows), ("lse", lse, rows[:2]),
+                           ("dlse", dlse, rows[:2])):  # fmt: skip
+        if t is not None and t.shape != shape:
+            raise ValueError(f"{name}: expected {shape}, got {tuple(t.shape)}")
     safe = torch.where(valid, topk_indices, 0).long()
-    qf, kvf, dof = q.to(dtype), kv.to(dtype), dout.to(dtype)
+    kvf = kv.to(dtype)
     sink = None if attn_sink is None else attn_sink.to(dtype)
-    dq = torch.zeros_like(qf)
+    dq = torch.zeros(q.shape, dtype=dq_dtype or dtype, device=q.device)
     dkv = torch.zeros_like(kvf)
     d_sink = None if sink is None else torch.zeros_like(sink)
-    per_row = topk_indices.shape[1] * (kv.shape[1] + 4 * q.shape[1])
-    for r0, r1 in _chunks(q.shape[0], per_row):
-        kv_rows = _gather_rows(kvf, safe[r0:r1])
-        p, lse_all = _probabilities(qf[r0:r1], kv_rows, valid[r0:r1], softmax_scale, sink)
-        do = dof[r0:r1]
-        delta = (do * torch.einsum("rhk,rkv->rhv", p, kv_rows[..., :d_v])).sum(-1)  # (R, H)
-        ds = p * (torch.einsum("rhv,rkv->rhk", do, kv_rows[..., :d_v]) - delta[..., None])
-        dq[r0:r1] = torch.einsum("rhk,rkd->rhd", ds, kv_rows) * softmax_scale
-        dkv_rows = torch.einsum("rhk,rhd->rkd", ds, qf[r0:r1]) * softmax_scale
-        dkv_rows[..., :d_v] += torch.einsum("rhk,rhv->rkv", p, do)
-        dkv.index_add_(0, safe[r0:r1].reshape(-1), dkv_rows.flatten(0, 1))
+    saved = {"out": out, "lse": lse, "dlse": dlse}
+    per_row = topk_indices.shape[1] * (kv.shape[1] + 5 * q.shape[1])
+    for r0, r1 in _chunks(q.shape[0], per_row, chunk_elements):
+        part = {k: None if v is None else v[r0:r1].to(dtype) for k, v in saved.items()}
+        grads = _sparse_backward_chunk(
+            q[r0:r1].to(dtype), kvf, safe[r0:r1], valid[r0:r1], softmax_scale, sink,
+            dout[r0:r1].to(dtype), d_v, **part,
+        )  # fmt: skip
+        dq[r0:r1] = grads[0]
+        dkv.index_add_(0, safe[r0:r1].reshape(-1), grads[1].flatten(0, 1))
         if d_sink is not None:
-            d_sink -= (torch.exp(sink[None, :] - lse_all) * delta).sum(0)
+            d_sink -= grads[2]
     return dq, dkv, d_sink
 
 
-def _probabilities(q, kv_rows, valid, scale, sink):
-    """P = exp(s - lse_all) (R, H, K), 0 off the valid entries, and lse_all (R, H) with the
-    sink included; rows with nothing in the denominator get lse_all +inf (so P = 0)."""
+def _sparse_backward_chunk(q, kv, safe, valid, scale, sink, do, d_v, out, lse, dlse):
+    """One chunk of rows: (dq (R, H, D), the gradients of its gathered rows (R, K, D), the
+    chunk's share of -d_sink (H,) or None)."""
+    kv_rows = _gather_rows(kv, safe)  # (R, K, D)
     s = torch.einsum("rhd,rkd->rhk", q, kv_rows) * scale
     s = s.masked_fill(~valid[:, None, :], float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    if sink is not None:
-        lse = torch.logaddexp(lse, sink[None, :].expand_as(lse))
-    lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
-    return torch.exp(s - lse[..., None]), lse
+    lse_kv = torch.logsumexp(s, dim=-1) if lse is None else lse
+    lse_all = lse_kv if sink is None else torch.logaddexp(lse_kv, sink[None, :].expand_as(lse_kv))
+    # Nothing in the denominator: +inf makes P 0 (never NaN) and the row's gradients 0.
+    lse_all = lse_all.masked_fill(torch.isneginf(lse_all), float("inf"))
+    p = torch.exp(s - lse_all[..., None])
+    v_rows = kv_rows[..., :d_v]
+    o = torch.einsum("rhk,rkv->rhv", p, v_rows) if out is None else out
+    delta = (do * o).sum(-1)  # (R, H)
+    ds = p * (torch.einsum("rhv,rkv->rhk", do, v_rows) - delta[..., None])
+    if dlse is not None:
+        p_kv = torch.exp(s - lse_kv.masked_fill(torch.isneginf(lse_kv), float("inf"))[..., None])
+        ds = ds + dlse[..., None] * p_kv
+    dq = torch.einsum("rhk,rkd->rhd", ds, kv_rows) * scale
+    d_rows = torch.einsum("rhk,rhd->rkd", ds, q) * scale
+    d_rows[..., :d_v] += torch.einsum("rhk,rhv->rkv", p, do)
+    if sink is None:
+        return dq, d_rows, None
+    # P_sink = exp(sink - lse_all); a +inf sink has P_sink 1 (and an output of 0, Delta 0).
+    p_sink = torch.exp(sink[None, :] - lse_all)
+    p_sink = torch.where(torch.isposinf(sink)[None, :], 1.0, p_sink)
+    return dq, d_rows, (p_sink * delta).sum(0)
 
 
 def dsa_score_recompute_ref(

@@ -23,6 +23,8 @@ PENDING_SUITE_MODULES: dict[str, str] = {
     "kda_bwd": "forgekernel.bench.suites.kda_bwd",
     # issue 22: the indexer's training backward (the interim fp32 torch path until its kernel)
     "dsa_indexer_bwd": "forgekernel.bench.suites.dsa_indexer_bwd",
+    # issue 22: DSA sparse attention backward (the interim fp32 torch path until its kernel)
+    "dsa_sparse_bwd": "forgekernel.bench.suites.dsa_sparse_bwd",
 }
 SUITE_MODULES = {
     "gemm": "forgekernel.bench.suites.gemm",

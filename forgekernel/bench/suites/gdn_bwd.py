@@ -118,11 +118,13 @@ def judge(inputs: Inputs, outs: tuple) -> list[dict[str, Any]]:
     return judge_gradients(outs, reference(inputs))
 
 
-def judge_gradients(outs: tuple, wants: tuple) -> list[dict[str, Any]]:
-    """The verdict on each gradient (GRAD_NAMES order) against its fp64 reference (shared with
-    the kda_bwd suite)."""
+def judge_gradients(
+    outs: tuple, wants: tuple, names: tuple[str, ...] = GRAD_NAMES
+) -> list[dict[str, Any]]:
+    """The verdict on each gradient (`names` order) against its fp64 reference (shared with
+    the kda_bwd and dsa_sparse_bwd suites)."""
     verdicts = []
-    for name, got, want in zip(GRAD_NAMES, outs, wants):
+    for name, got, want in zip(names, outs, wants):
         scale = float(want.abs().max()) if want.numel() else 0.0
         err = float((got.double() - want.double()).abs().max()) if want.numel() else 0.0
         finite = bool(torch.isfinite(got).all())
