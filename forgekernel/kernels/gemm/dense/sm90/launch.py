@@ -54,15 +54,16 @@ def config_for(
 
 
 class _Plans(PlanCache):
-    """(dtype, b_kn, M, N, K, device index, forced config) -> (compile params, max_clusters,
-    stream K: (k-iterations per CTA, output tiles, workspace floats) or None).
+    """(dtype, b_kn, M, N, K, device index, forced config) -> (the compiled function,
+    max_clusters, stream K: (k-iterations per CTA, output tiles, workspace floats) or None):
+    one kernel lookup per problem.
     Choosing it per call (tuning key, config, params_for's dataclass walk) cost 9 us of a 18 us
     launch on the CPU. The plans follow the tuning table: a new table (tuning.record reloads
     it) drops them."""
 
     table: dict | None = None
 
-    def plan(self, key: tuple) -> tuple[tuple, int, tuple | None]:
+    def plan(self, key: tuple) -> tuple[object, int, tuple | None]:
         table = tuning.load(SPEC.name)
         if table is not self.table:
             self.clear()
@@ -70,7 +71,7 @@ class _Plans(PlanCache):
         return self.get_or_build(key, _choose)
 
 
-def _choose(dtype, b_kn, m, n, k, device_index, config) -> tuple[tuple, int, tuple | None]:
+def _choose(dtype, b_kn, m, n, k, device_index, config) -> tuple[object, int, tuple | None]:
     sms = num_sms(device_index)
     cfg = config or config_for(dtype, b_kn, m, n, k, sms)
     if not cfg.fits(m):
@@ -82,10 +83,15 @@ def _choose(dtype, b_kn, m, n, k, device_index, config) -> tuple[tuple, int, tup
         split = (per, tiles, 2 * ctas * cfg.tile_m * cfg.tile_n)
     # One CTA per SM (the pipeline takes nearly all shared memory).
     max_clusters = sms // (cfg.cluster_m * cfg.cluster_n)
-    return params_for(dtype_name(dtype), b_kn, cfg), max_clusters, split
+    return get_kernel(SPEC, params_for(dtype_name(dtype), b_kn, cfg)), max_clusters, split
 
 
 _plans = _Plans()
+
+
+def clear_plans() -> None:
+    """Every plan (they hold the functions they looked up)."""
+    _plans.clear()
 
 
 def gemm(
@@ -106,8 +112,7 @@ def gemm(
         out.zero_()
         return
     # The configuration of the problem as asked (a tuning record for an odd N or K applies).
-    params, max_clusters, split = _plans.plan((a.dtype, b_kn, m, n, k, a.device.index, config))
-    fn = get_kernel(SPEC, params)
+    fn, max_clusters, split = _plans.plan((a.dtype, b_kn, m, n, k, a.device.index, config))
     if n % ALIGN or k % ALIGN:
         a, b, c = padded_operands(a, b, out, b_kn)
     else:
