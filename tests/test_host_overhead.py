@@ -645,7 +645,9 @@ DENSE_LOOKUPS = {"gemm": 1, "attention": 1, "attention_autograd": 4}
 
 @pytest.fixture
 def dense_no_ops(monkeypatch):
-    """The dense launchers' kernels no-ops (CPU tensors accepted), their plans fresh."""
+    """The dense launchers' kernels no-ops (CPU tensors accepted), their plans and stream-K
+    workspaces fresh: the gemm suite's odd-size probe runs on meta tensors, which the no-op
+    kernels and the patched device checks let through to the workspace cache."""
     looked_up = []
 
     def get_kernel(spec, params):
@@ -656,6 +658,7 @@ def dense_no_ops(monkeypatch):
         monkeypatch.setattr(launch, "get_kernel", get_kernel)
         monkeypatch.setattr(launch, "num_sms", lambda device: 132)
         monkeypatch.setattr(launch, "_plans", type(launch._plans)())
+    monkeypatch.setattr(gemm_launch, "_WORKSPACES", {})
     for module in (gemm_ops, attn, attn_bwd):
         monkeypatch.setattr(module, "check_cuda", lambda name, t: None)
     monkeypatch.setattr(gemm_ops, "_PASSED", type(gemm_ops._PASSED)())

@@ -128,7 +128,7 @@ def gemm(
         out.copy_(c if c.shape[1] == n else c[:, :n])
 
 
-# (device index, stream) -> (fp32 partials, int32 flags) of the stream-K kernels. A launch leaves
+# (device, stream) -> (fp32 partials, int32 flags) of the stream-K kernels. A launch leaves
 # the flags zero, so the next launch on the same stream reuses them; streams do not share (two
 # GEMMs running at once would mix their partials). Outgrown buffers stay referenced: a CUDA
 # graph captured with them keeps using them. A capture that needs a bigger one gets its own.
@@ -141,7 +141,9 @@ def stream_k_workspace(device: torch.device, tiles: int, floats: int):
     flags (zero)."""
     # The raw stream handle: torch.cuda.current_stream builds a Stream object (microseconds).
     stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
-    key = (device.index, stream)
+    # The device itself, not its index: the CPU's and meta's are both None (the CPU emulation's
+    # flags must not be a meta run's), and a torch.device hashes faster than .index reads.
+    key = (device, stream)
     ws = _WORKSPACES.get(key)
     if ws is None or ws[0].numel() < floats or ws[1].numel() < tiles:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
