@@ -165,6 +165,7 @@ def cpu_kernel(monkeypatch):
     for module in (attention_module, varlen_module):
         monkeypatch.setattr(module, "check_cuda", lambda name, t: None)
     monkeypatch.setattr(fwd_sm90, "get_kernel", get_kernel)
+    monkeypatch.setattr(fwd_sm90, "_plans", type(fwd_sm90._plans)())  # plans hold kernels
     monkeypatch.setattr(fwd_sm90, "num_sms", lambda device: 132)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     return calls

@@ -286,7 +286,7 @@ def cpu_backward(monkeypatch):
     """The public op's eager path on the CPU, with the reference as the kernel."""
     calls = []
 
-    def launch(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, seqs):
+    def launch(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, seqs, compact=False):
         inputs = {"q": q, "k": k, "v": v, "do": do, "causal": causal, "softmax_scale": scale}
         if seqs is not None:
             inputs["varlen"] = seqs

@@ -143,6 +143,7 @@ def cpu_paged_kernel(monkeypatch):
         return replayed_kernel(params)
 
     monkeypatch.setattr(fwd_launch, "get_kernel", get_kernel)
+    monkeypatch.setattr(fwd_launch, "_plans", type(fwd_launch._plans)())  # plans hold kernels
     monkeypatch.setattr(fwd_launch, "num_sms", lambda device: 132)
     monkeypatch.setattr(op_module, "check_cuda", lambda name, t: None)
     return calls

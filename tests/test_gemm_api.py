@@ -77,6 +77,7 @@ def cpu_kernel(monkeypatch, tmp_path):
     gemm_sm90.tuning.load.cache_clear()
     monkeypatch.setattr(gemm_module, "check_cuda", lambda name, t: None)
     monkeypatch.setattr(gemm_sm90, "get_kernel", get_kernel)
+    monkeypatch.setattr(gemm_sm90, "_plans", gemm_sm90._Plans())  # plans hold their kernels
     monkeypatch.setattr(gemm_sm90, "num_sms", lambda device: 132)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     yield calls

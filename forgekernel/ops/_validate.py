@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
+
+from forgekernel.runtime.plans import PlanCache
 
 FLOAT16_TYPES = (torch.float16, torch.bfloat16)
 
@@ -100,3 +102,45 @@ def check_rows_in_place(name: str, t: torch.Tensor, stride_multiple: int = 8) ->
         f"{name} must have contiguous, 16-byte-aligned rows (strides {tuple(t.stride())},"
         f" data pointer % 16 = {t.data_ptr() % 16})"
     )
+
+
+# ---------------------------------------------------------------- the remembered checks
+# Issue 17 (host time per eager call): a plain eager call (tensors of no subclass, no mode,
+# `ops._dispatch.plain` / `tracing`) whose key (its tensors' shapes and dtypes, its other
+# arguments with their exact types) passed an op's named checks before passes them again: one
+# key and one dict lookup stand for them, the device checks made per call as they make them.
+# Only calls that passed are remembered, so a key never stands for a rejected call, and every
+# error message is the named checks' own (tests/test_host_overhead.py: one mutation per check).
+
+
+class PassedChecks(PlanCache):
+    """Key of a plain eager call -> what the named checks returned for it."""
+
+    def remember(self, key: Hashable, passed: object) -> None:
+        if len(self) >= self.max_entries:
+            self.clear()
+        self[key] = passed
+
+
+def arg_key(value: object) -> object:
+    """A scalar or shape argument (None, a bool, an int, a float, a str, or a tuple / list /
+    torch.Size of ints) as part of a key, with its exact type: True and 1.0 compare equal to 1
+    but named checks may reject them; a list and a tuple of ints the checks read alike. An
+    unhashable or other argument gives _UNKEYED (the named checks decide every time)."""
+    kind = type(value)
+    if kind is int or kind is str or kind is bool or kind is float or value is None:
+        return (kind, value)
+    if kind is tuple or kind is list or kind is torch.Size:
+        for v in value:
+            if type(v) is not int:
+                return _UNKEYED
+        return tuple(value)
+    return _UNKEYED
+
+
+_UNKEYED = None
+
+
+def tensor_key(t: torch.Tensor | None) -> tuple | None:
+    """A plain tensor's part of a key (shape, dtype); None for None."""
+    return None if t is None else (t.shape, t.dtype)

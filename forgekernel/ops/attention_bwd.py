@@ -39,14 +39,18 @@ def _check_head_dims(q: torch.Tensor, v: torch.Tensor) -> None:
         )
 
 
-def _launch_kernel(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, seqs) -> None:
+def _launch_kernel(
+    q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, seqs, compact=False
+) -> None:
     """The leaf's launcher (the one name the CPU tests replace with a reference): empty
-    problems, TMA-ready copies and strided gradients are its business."""
+    problems, TMA-ready copies and strided gradients are its business; `compact`: o, lse and
+    the gradients are the autograd's own compact buffers (no layout checks)."""
+    grads = (dq, dk, dv)
     if seqs is None:
-        bwd_sm90.attention_bwd(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic)
-    else:
-        grads = (dq, dk, dv)
-        bwd_sm90.attention_bwd(q, k, v, o, lse, do, *grads, scale, causal, deterministic, *seqs)
+        seqs = (None, None, None, None)
+    bwd_sm90.attention_bwd(
+        q, k, v, o, lse, do, *grads, scale, causal, deterministic, *seqs, compact=compact
+    )
 
 
 def _empty_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Grads:
@@ -145,7 +149,8 @@ def _backward(q, k, v, o, lse, do, causal, scale, deterministic, seqs: Seqs) -> 
             q, k, v, o, lse, do, *seqs, causal, scale, deterministic
         )
     grads = _empty_grads(q, k, v)
-    _launch_kernel(q, k, v, o, lse, do, *grads, scale, causal, deterministic, seqs)
+    # o and lse: the forward's outputs, saved (compact, this process's); the gradients fresh
+    _launch_kernel(q, k, v, o, lse, do, *grads, scale, causal, deterministic, seqs, compact=True)
     return grads
 
 

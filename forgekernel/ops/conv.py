@@ -33,14 +33,16 @@ from forgekernel.kernels.conv.sm90 import INT32_MAX, Geometry, dgrad_geometry_pr
 from forgekernel.kernels.conv.sm90 import launch as conv_sm90
 from forgekernel.ops._dispatch import plain, tracing, wants_grad
 from forgekernel.ops._validate import (
+    PassedChecks,
+    arg_key,
     check_cuda,
     check_same_device,
     check_same_dtype,
     check_shaped,
     check_tensor,
     on_one_device,
+    tensor_key,
 )
-from forgekernel.runtime.plans import PlanCache
 
 IntArg = int | Sequence[int]
 Padding = int | Sequence[int] | str
@@ -246,26 +248,10 @@ def _check_grad_out(dy: torch.Tensor, shape: tuple[int, ...]) -> None:
 # compare them) is a function of the arguments' types, shapes, dtypes and geometry values: a
 # plain eager call whose key equals one that passed them passes them. One key and one dict
 # lookup per call where the named checks cost ~25 us on the CPU (issue 17).
-_PASSED = PlanCache()
+_PASSED = PassedChecks()
 
 
-def _arg_key(value: object) -> object:
-    """A geometry or shape argument (an int, a str, or a tuple / list / torch.Size of ints) as
-    a key, None for anything else (the named checks decide). Exact types: True and 1.0 compare
-    equal to 1 but the named checks reject them; a list and a tuple they read alike."""
-    kind = type(value)
-    if kind is int or kind is str:
-        return value
-    if kind is tuple or kind is list or kind is torch.Size:
-        for v in value:
-            if type(v) is not int:
-                return None
-        return tuple(value)
-    return None
-
-
-def _meta(t: torch.Tensor | None) -> tuple | None:
-    return None if t is None else (t.shape, t.dtype)
+_arg_key, _meta = arg_key, tensor_key
 
 
 def _fwd_key(x, w, bias, stride, padding, dilation, out, dims) -> tuple:
@@ -285,9 +271,7 @@ def _remember(key: tuple, passed: tuple) -> None:
     for arg in key[-1]:
         if arg is None:
             return
-    if len(_PASSED) >= _PASSED.max_entries:
-        _PASSED.clear()
-    _PASSED[key] = passed
+    _PASSED.remember(key, passed)
 
 
 def _seen(key: tuple, groups: object, padding_mode: object, first, *others) -> tuple | None:

@@ -56,6 +56,7 @@ def attention_bwd(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
     config: BwdConfig | None = None,
+    compact: bool = False,
 ) -> None:
     """dq, dk, dv (written in place, any views shaped and typed as q, k, v) of
     o = softmax(scale q k^T + mask) v, given o, lse (B, Hq, Sq) fp32 (natural log, -inf for rows
@@ -67,7 +68,11 @@ def attention_bwd(
     Varlen (cu_seqlens_q / cu_seqlens_k int32 (B + 1,) on q's device, max_seqlen_q /
     max_seqlen_k >= every sequence's length): q, o, do (Tq, Hq, *), k, v (Tk, Hkv, *), lse
     (Hq, Tq); each sequence its own causal alignment; sequences with no queries or no keys
-    give zero gradients."""
+    give zero gradients.
+
+    `compact`: o, lse, dq, dk, dv are compact buffers of this process (the autograd's: the
+    forward's outputs and fresh gradients), used as they are without layout checks (12 of a
+    launch's checks and copies-if-needed, ~4 us on the CPU)."""
     seqs = None
     if cu_seqlens_q is not None:
         seqs = (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
@@ -76,14 +81,17 @@ def attention_bwd(
             g.zero_()
         return
     # one call per tensor, no generators (this runs on every backward)
-    q, k, v = as_tma_ready(q), as_tma_ready(k), as_tma_ready(v)
-    o, do, lse = as_tma_ready(o), as_tma_ready(do), lse.contiguous()
+    q, k, v, do = as_tma_ready(q), as_tma_ready(k), as_tma_ready(v), as_tma_ready(do)
+    flags = (float(softmax_scale), causal, deterministic, seqs, config)
+    if compact:
+        _launch_kernels(q, k, v, o, lse, do, dq, dk, dv, *flags)
+        return
+    o, lse = as_tma_ready(o), lse.contiguous()
     dst = (
         tma_target(dq, contiguous=True),
         tma_target(dk, contiguous=True),
         tma_target(dv, contiguous=True),
     )
-    flags = (float(softmax_scale), causal, deterministic, seqs, config)
     _launch_kernels(q, k, v, o, lse, do, *dst, *flags)
     copy_back((dq, dk, dv), dst)
 
@@ -110,14 +118,16 @@ def _launch_kernels(
 
 class _Plan:
     """What a launch needs that depends only on the problem, chosen once per problem: the
-    three kernels' compile params, the persistent CTA count, whether dK / dV go through fp32
-    accumulators (head_split), and the workspace layout (fixed length; varlen's is keyed by
-    its token count apart)."""
+    three compiled kernels (one lookup per problem), the persistent CTA count, whether dK / dV
+    go through fp32 accumulators (head_split), and the workspace layout (fixed length;
+    varlen's is keyed by its token count apart)."""
 
     __slots__ = ("pre", "main", "post", "ctas", "head_split", "workspace")
 
     def __init__(self, pre, main, post, ctas: int, head_split: bool, workspace: _Workspace | None):
-        self.pre, self.main, self.post = pre, main, post
+        self.pre = get_kernel(SPEC_PRE, pre)
+        self.main = get_kernel(SPEC_MAIN, main)
+        self.post = get_kernel(SPEC_POST, post)
         self.ctas, self.head_split, self.workspace = ctas, head_split, workspace
 
 
@@ -125,25 +135,29 @@ _plans = PlanCache()
 _varlen_workspaces = PlanCache()
 
 
+def clear_plans() -> None:
+    """Every plan (they hold the kernels they looked up) and varlen workspace layout."""
+    _plans.clear()
+    _varlen_workspaces.clear()
+
+
 def _fixed_length(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, config) -> None:
     b, sq, hq, d = q.shape
     _, sk, hkv, _ = k.shape
-    key = (q.dtype, b, sq, sk, hq, hkv, d, v.shape[-1], causal, deterministic)
-    plan = _plans.get_or_build((*key, q.device.index, config), _fixed_plan)
+    key = (q.dtype, b, sq, sk, hq, hkv, d, v.shape[-1], causal, deterministic, q.device.index,
+           config)  # fmt: skip
+    plan = _plans.get_or_build(key, _fixed_plan)
     if plan.head_split:
         lse2, dsum, dq_acc, sem, dk_main, dv_main = plan.workspace.allocate(q.device)
     else:
         lse2, dsum, dq_acc, sem = plan.workspace.allocate(q.device)
         dk_main, dv_main = dk, dv
-    pre = get_kernel(SPEC_PRE, plan.pre)
-    main = get_kernel(SPEC_MAIN, plan.main)
-    post = get_kernel(SPEC_POST, plan.post)
-    pre(o, do, lse, lse2, dsum, None, dq_acc, 0)
-    main(
+    plan.pre(o, do, lse, lse2, dsum, None, dq_acc, 0)
+    plan.main(
         q, k, v, do, lse2, dsum, dq_acc, dk_main, dv_main, sem, None, None, plan.ctas, scale,
         scale * LOG2E,
     )  # fmt: skip
-    post(dq_acc, dq, None, 0, scale)
+    plan.post(dq_acc, dq, None, 0, scale)
     if plan.head_split:
         dk.copy_(dk_main)
         dv.copy_(dv_main)
@@ -201,14 +215,11 @@ def _varlen(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, seqs,
     workspace = _varlen_workspaces.get_or_build((hq, rows, d, deterministic), _varlen_workspace)
     cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()
     lse2, dsum, dq_acc, sem = workspace.allocate(q.device)
-    pre = get_kernel(SPEC_PRE, plan.pre)
-    main = get_kernel(SPEC_MAIN, plan.main)
-    post = get_kernel(SPEC_POST, plan.post)
-    pre(o, do, lse, lse2, dsum, cu_q, None, mq)
-    main(
+    plan.pre(o, do, lse, lse2, dsum, cu_q, None, mq)
+    plan.main(
         q, k, v, do, lse2, dsum, dq_acc, dk, dv, sem, cu_q, cu_k, mk, scale, scale * LOG2E,
     )  # fmt: skip
-    post(dq_acc, dq, cu_q, mq, scale)
+    plan.post(dq_acc, dq, cu_q, mq, scale)
 
 
 def _varlen_plan(dtype, d, dv_dim, causal, deterministic, config) -> _Plan:

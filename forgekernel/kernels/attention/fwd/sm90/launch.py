@@ -22,6 +22,7 @@ from forgekernel.runtime.device import (
     on_device,
     tma_target,
 )
+from forgekernel.runtime.plans import PlanCache
 
 # Pack-GQA below this many query rows: a short query's tile of one head would be mostly empty
 # rows, and every head of a group would stream the same K/V.
@@ -45,13 +46,30 @@ def unpack_gqa(o: torch.Tensor, lse: torch.Tensor, group: int) -> tuple[torch.Te
     return o, lse
 
 
-@functools.cache
-def _params(
-    dtype: torch.dtype, head_dim: int, head_dim_v: int, causal: bool, varlen: bool, box: int = 0
-):
-    """The compile params of the head dims' analytical default, once per key (params_for's
-    dataclass walk cost 4.4 us per call on the CPU)."""
-    return params_for(dtype_name(dtype), head_dim, head_dim_v, causal, varlen=varlen, page_box=box)
+def _kernel(
+    dtype: torch.dtype, head_dim: int, head_dim_v: int, causal: bool, varlen: bool, box: int,
+    device_index: int | None,
+) -> tuple:  # fmt: skip
+    """(the compiled function of the head dims' analytical default, the device's SM count):
+    a plan, built once per key (params_for's dataclass walk cost 4.4 us per call on the CPU,
+    the kernel lookup and the SM count 1-2 more)."""
+    params = params_for(dtype_name(dtype), head_dim, head_dim_v, causal, varlen=varlen,
+                        page_box=box)  # fmt: skip
+    return get_kernel(SPEC, params), num_sms(device_index)
+
+
+_plans = PlanCache()
+
+
+def _plan(dtype, head_dim, head_dim_v, causal, varlen, device, box=0) -> tuple:
+    return _plans.get_or_build(
+        (dtype, head_dim, head_dim_v, causal, varlen, box, device.index), _kernel
+    )
+
+
+def clear_plans() -> None:
+    """Every plan (they hold the functions they looked up)."""
+    _plans.clear()
 
 
 @functools.cache
@@ -94,21 +112,21 @@ def _launch(q, k, v, o, lse, scale: float, causal: bool) -> None:
     """The kernel call: inputs and outputs TMA-ready, sizes non-zero. Short queries with GQA
     run packed: the G query heads of a kv head become G rows per position of one head (qgroup
     = G tells the kernel's causal mask)."""
-    fn = get_kernel(SPEC, _params(q.dtype, q.shape[-1], v.shape[-1], causal, False))
+    device = q.device
+    fn, ctas = _plan(q.dtype, q.shape[-1], v.shape[-1], causal, False, device)
     group = q.shape[2] // k.shape[2]
-    with on_device(q.device):
+    with on_device(device):
         if group > 1 and q.shape[1] < PACK_GQA_MAX_SQ:
             qp = pack_gqa_q(q, group)
             b, rows, hkv, _ = qp.shape
             op = q.new_empty(b, rows, hkv, v.shape[-1])
             lsep = q.new_empty(b, hkv, rows, dtype=torch.float32)
-            ctas = num_sms(q.device.index)
             fn(qp, k, v, op, lsep, None, None, scale * LOG2E, 0, group, ctas, None)
             op, lsep = unpack_gqa(op, lsep, group)
             o.copy_(op)
             lse.copy_(lsep)
         else:
-            fn(q, k, v, o, lse, None, None, scale * LOG2E, 0, 1, num_sms(q.device.index), None)
+            fn(q, k, v, o, lse, None, None, scale * LOG2E, 0, 1, ctas, None)
 
 
 def attention_varlen_fwd(
@@ -134,9 +152,8 @@ def attention_varlen_fwd(
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     o_dst = tma_target(o)
     lse_dst = lse if lse.stride(-1) == 1 else torch.empty(lse.shape, device=lse.device)
-    fn = get_kernel(SPEC, _params(q.dtype, q.shape[-1], v.shape[-1], causal, True))
+    fn, ctas = _plan(q.dtype, q.shape[-1], v.shape[-1], causal, True, q.device)
     with on_device(q.device):
-        ctas = num_sms(q.device.index)
         fn(q, k, v, o_dst, lse_dst, cu_q, cu_k, softmax_scale * LOG2E, max_seqlen_q, 1, ctas, None)
     copy_back((o, lse), (o_dst, lse_dst))
 
@@ -172,9 +189,8 @@ def attention_paged_fwd(
     cu_q, lens = cu_seqlens_q.contiguous(), seqlens_k.contiguous()
     o_dst = tma_target(o)
     lse_dst = lse if lse.stride(-1) == 1 else torch.empty(lse.shape, device=lse.device)
-    fn = get_kernel(SPEC, _params(q.dtype, d, d, causal, True, box))
+    fn, ctas = _plan(q.dtype, d, d, causal, True, q.device, box)
     with on_device(q.device):
-        ctas = num_sms(q.device.index)
         fn(q, k_cache, v_cache, o_dst, lse_dst, cu_q, lens, softmax_scale * LOG2E, max_seqlen_q,
            1, ctas, table)  # fmt: skip
     copy_back((o, lse), (o_dst, lse_dst))

@@ -54,15 +54,16 @@ def config_for(
 
 
 class _Plans(PlanCache):
-    """(dtype, b_kn, M, N, K, device index, forced config) -> (compile params, max_clusters,
-    stream K: (k-iterations per CTA, output tiles, workspace floats) or None).
+    """(dtype, b_kn, M, N, K, device index, forced config) -> (the compiled function,
+    max_clusters, stream K: (k-iterations per CTA, output tiles, workspace floats) or None):
+    one kernel lookup per problem.
     Choosing it per call (tuning key, config, params_for's dataclass walk) cost 9 us of a 18 us
     launch on the CPU. The plans follow the tuning table: a new table (tuning.record reloads
     it) drops them."""
 
     table: dict | None = None
 
-    def plan(self, key: tuple) -> tuple[tuple, int, tuple | None]:
+    def plan(self, key: tuple) -> tuple[object, int, tuple | None]:
         table = tuning.load(SPEC.name)
         if table is not self.table:
             self.clear()
@@ -70,7 +71,7 @@ class _Plans(PlanCache):
         return self.get_or_build(key, _choose)
 
 
-def _choose(dtype, b_kn, m, n, k, device_index, config) -> tuple[tuple, int, tuple | None]:
+def _choose(dtype, b_kn, m, n, k, device_index, config) -> tuple[object, int, tuple | None]:
     sms = num_sms(device_index)
     cfg = config or config_for(dtype, b_kn, m, n, k, sms)
     if not cfg.fits(m):
@@ -82,10 +83,15 @@ def _choose(dtype, b_kn, m, n, k, device_index, config) -> tuple[tuple, int, tup
         split = (per, tiles, 2 * ctas * cfg.tile_m * cfg.tile_n)
     # One CTA per SM (the pipeline takes nearly all shared memory).
     max_clusters = sms // (cfg.cluster_m * cfg.cluster_n)
-    return params_for(dtype_name(dtype), b_kn, cfg), max_clusters, split
+    return get_kernel(SPEC, params_for(dtype_name(dtype), b_kn, cfg)), max_clusters, split
 
 
 _plans = _Plans()
+
+
+def clear_plans() -> None:
+    """Every plan (they hold the functions they looked up)."""
+    _plans.clear()
 
 
 def gemm(
@@ -106,8 +112,7 @@ def gemm(
         out.zero_()
         return
     # The configuration of the problem as asked (a tuning record for an odd N or K applies).
-    params, max_clusters, split = _plans.plan((a.dtype, b_kn, m, n, k, a.device.index, config))
-    fn = get_kernel(SPEC, params)
+    fn, max_clusters, split = _plans.plan((a.dtype, b_kn, m, n, k, a.device.index, config))
     if n % ALIGN or k % ALIGN:
         a, b, c = padded_operands(a, b, out, b_kn)
     else:
@@ -123,7 +128,7 @@ def gemm(
         out.copy_(c if c.shape[1] == n else c[:, :n])
 
 
-# (device index, stream) -> (fp32 partials, int32 flags) of the stream-K kernels. A launch leaves
+# (device, stream) -> (fp32 partials, int32 flags) of the stream-K kernels. A launch leaves
 # the flags zero, so the next launch on the same stream reuses them; streams do not share (two
 # GEMMs running at once would mix their partials). Outgrown buffers stay referenced: a CUDA
 # graph captured with them keeps using them. A capture that needs a bigger one gets its own.
@@ -136,7 +141,9 @@ def stream_k_workspace(device: torch.device, tiles: int, floats: int):
     flags (zero)."""
     # The raw stream handle: torch.cuda.current_stream builds a Stream object (microseconds).
     stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
-    key = (device.index, stream)
+    # The device itself, not its index: the CPU's and meta's are both None (the CPU emulation's
+    # flags must not be a meta run's), and a torch.device hashes faster than .index reads.
+    key = (device, stream)
     ws = _WORKSPACES.get(key)
     if ws is None or ws[0].numel() < floats or ws[1].numel() < tiles:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
