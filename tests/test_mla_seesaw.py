@@ -305,3 +305,80 @@ def test_warp_convergence_rule():
     with pytest.raises(ms.ScheduleError, match="deadlock"):
         ms.warp_collective(lambda t: t < 16, 256)
     assert ms.warp_collective(lambda t: t // 32 == 4, 256) == [4]
+
+
+# ---------------------------------------------------------------- which CTA does what
+
+
+def _grid_and_block():
+    """(grid(b, q_blocks, hq, heads, splits), block(x, z, hq, heads)) evaluated from the
+    kernel's source: the launch's grid expression and `_block`'s body, on plain integers."""
+    (launch,) = _calls(seesaw.MlaSeesawSm90.__call__, "launch")
+    (grid,) = (k.value for k in launch.keywords if k.arg == "grid")
+    grid_src = ast.unparse(grid)
+    src = textwrap.dedent(inspect.getsource(seesaw.MlaSeesawSm90._block))
+    fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef))
+    fn.decorator_list = []
+    body = ast.unparse(fn)
+
+    def ns(**kw):
+        return type("NS", (), kw)
+
+    def grid_of(b, q_blocks, hq, heads, splits):
+        env = {
+            "mSeq": ns(shape=(b,)), "mQn": ns(shape=(b, hq)), "mOp": ns(shape=(splits,)),
+            "q_blocks": q_blocks, "self": ns(h=heads),
+        }  # fmt: skip
+        return eval(grid_src, {}, env)
+
+    def block_of(x, z, hq, heads):
+        env = {"cute": ns(arch=ns(block_idx=staticmethod(lambda: (x, 0, z))))}
+        exec(body, env)
+        return env["_block"](ns(h=heads), hq)
+
+    return grid_of, block_of
+
+
+@pytest.mark.parametrize(
+    "b, q_blocks, hq, heads, splits",
+    [(128, 1, 128, 64, 1), (64, 1, 128, 32, 1), (3, 5, 128, 16, 2), (1, 1, 128, 64, 64),
+     (7, 1, 16, 16, 3), (2, 3, 64, 8, 1)],
+)  # fmt: skip
+def test_grid_covers_every_unit_head_block_and_split_once(b, q_blocks, hq, heads, splits):
+    """Every (unit, head block, split) is one CTA, and the head blocks of a unit (which read
+    the same latent tiles) are consecutive in launch order (x fastest, then z)."""
+    grid_of, block_of = _grid_and_block()
+    gx, gy, gz = grid_of(b, q_blocks, hq, heads, splits)
+    assert gy == 1
+    order = [block_of(x, z, hq, heads) for z in range(gz) for x in range(gx)]
+    blocks = hq // heads
+    assert sorted(order) == [
+        (u, h, s) for u in range(b * q_blocks) for h in range(blocks) for s in range(splits)
+    ]
+    for i in range(0, len(order), blocks):
+        group = order[i : i + blocks]
+        assert [h for _, h, _ in group] == list(range(blocks))
+        assert len({(u, s) for u, _, s in group}) == 1
+
+
+def _cache_reads(order, sms: int) -> int:
+    """Latent-cache reads from DRAM when CTAs run in waves of `sms` in launch order and the
+    CTAs of one wave sharing a (unit, split) read its tiles once (L2), those of later waves
+    again (the cache of a 128-head decode step is far larger than L2)."""
+    return sum(len({(u, s) for u, _, s in order[i : i + sms]}) for i in range(0, len(order), sms))
+
+
+@pytest.mark.parametrize("b, hq, heads, waves", [(128, 128, 64, 2), (64, 128, 32, 2)])
+def test_head_blocks_of_a_unit_share_a_wave(b, hq, heads, waves):
+    """b128 h128 (2 head blocks of 64) and b64 h128 s_q 2 (4 blocks of 32 heads x 2 tokens),
+    one split each (the tile plan's), 256 CTAs on 132 SMs: the cache is read about once (the
+    sequence straddling the wave boundary twice), not once per wave a unit's blocks span
+    (units fastest: 2x)."""
+    grid_of, block_of = _grid_and_block()
+    gx, _, gz = grid_of(b, 1, hq, heads, 1)
+    order = [block_of(x, z, hq, heads) for z in range(gz) for x in range(gx)]
+    assert -(-len(order) // 132) == waves
+    assert _cache_reads(order, 132) <= b + waves - 1
+    blocks = hq // heads
+    units_fastest = [(u, h, 0) for h in range(blocks) for u in range(b)]
+    assert _cache_reads(units_fastest, 132) >= 2 * b - 4

@@ -195,7 +195,7 @@ class MlaSeesawSm90:
             q_blocks, tma_kl, mKl, tma_kr, mKr, self.mma_s, self.mma_s_rs, self.mma_pv,
             self.mma_pv_rs, self.lay_kl, self.lay_kr, self.lay_ql, self.lay_qr, self.lay_p,
         ).launch(
-            grid=(mSeq.shape[0] * q_blocks, mQn.shape[1] // self.h, mOp.shape[0]),
+            grid=(mSeq.shape[0] * q_blocks * (mQn.shape[1] // self.h), 1, mOp.shape[0]),
             block=[THREADS, 1, 1],
             stream=stream,
         )  # fmt: skip
@@ -230,7 +230,7 @@ class MlaSeesawSm90:
         lay_p: cute.ComposedLayout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        unit, head_block, split = cute.arch.block_idx()
+        unit, head_block, split = self._block(mOp.shape[2])
         head0 = head_block * self.h
         b, q_off, sq, sk, kv_end = self._unit(mSeq, mCuQ, causal, q_blocks, unit)
         t0 = split * per_split
@@ -329,6 +329,19 @@ class MlaSeesawSm90:
         )
 
     # ---------------------------------------------------------------- set-up
+
+    @cute.jit
+    def _block(self, hq):
+        """(unit, head block, split) of this CTA. The head blocks of one unit are adjacent in
+        grid x (head block fastest, as FlashMLA's m blocks): they read the same latent tiles,
+        so they start in the same wave and stay abreast, the later reader of each tile hitting
+        L2. (Units fastest put a unit's second head block a whole batch later: at 128 heads x
+        128 sequences, 256 CTAs on 132 SMs, it ran in the second wave and read the cache from
+        DRAM again.)"""
+        x, _, split = cute.arch.block_idx()
+        blocks = hq // self.h
+        unit = x // blocks
+        return unit, x - unit * blocks, split
 
     @cute.jit
     def _unit(self, mSeq, mCuQ, causal, q_blocks, unit):
