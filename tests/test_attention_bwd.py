@@ -125,6 +125,49 @@ def test_autograd_gives_the_reference_gradients(kernels, shape, causal):
         torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
 
 
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a view one element past an allocation's start (base not 16-byte
+    aligned): what an offloading hook's unpack may return."""
+    return torch.empty(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape).copy_(t)
+
+
+def _transposed(t: torch.Tensor) -> torch.Tensor:
+    """t's values with its last two dims' strides swapped (not contiguous)."""
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_saved_tensor_hooks_strides_reach_the_kernel_ready(kernels, varlen):
+    """Saved-tensor hooks may hand back o at any base address and lse with any strides: the
+    autograd's backward (compact: no layout checks) still gives the kernel TMA-ready o and
+    contiguous lse (the stand-in asserts both) and the reference gradients."""
+    q, k, v = qkv(2, 9, 13, 8, 2, 64)
+    if varlen:
+        q, k, v = (t.detach().flatten(0, 1).requires_grad_() for t in (q, k, v))
+        cu_q, cu_k = torch.tensor([0, 4, 18], dtype=torch.int32), torch.tensor([0, 13, 26])
+        cu_k = cu_k.to(torch.int32)
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype == torch.float32 and t.dim() >= 2:
+            return _transposed(t)  # lse
+        return _misaligned(t) if t.dtype == torch.bfloat16 else t
+
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+        if varlen:
+            o = forgekernel.attention_varlen(q, k, v, cu_q, cu_k, 14, 13, causal=True)
+        else:
+            o = forgekernel.attention(q, k, v, causal=True)
+    do = bf16(*o.shape)
+    o.backward(do)
+    assert len(kernels) == 1
+    if varlen:
+        want = attention_varlen_bwd_ref(q, k, v, do, cu_q, cu_k, True, None)
+    else:
+        want = attention_bwd_ref(q, k, v, do, True, None)
+    for got, w in zip((q.grad, k.grad, v.grad), want):
+        torch.testing.assert_close(got, w.to(got.dtype), rtol=0, atol=0)
+
+
 def test_only_some_inputs_require_grad_and_the_scale_reaches_the_kernel(kernels):
     q, k, v = qkv(grad=False)
     k.requires_grad_()

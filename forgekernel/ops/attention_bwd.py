@@ -149,7 +149,7 @@ def _backward(q, k, v, o, lse, do, causal, scale, deterministic, seqs: Seqs) -> 
             q, k, v, o, lse, do, *seqs, causal, scale, deterministic
         )
     grads = _empty_grads(q, k, v)
-    # o and lse: the forward's outputs, saved (compact, this process's); the gradients fresh
+    # the gradients fresh; o and lse the forward's saved outputs (one check each: hooks)
     _launch_kernel(q, k, v, o, lse, do, *grads, scale, causal, deterministic, seqs, compact=True)
     return grads
 

@@ -30,6 +30,7 @@ from forgekernel.runtime.device import (
     dtype_name,
     num_sms,
     on_device,
+    tma_ready,
     tma_target,
 )
 from forgekernel.runtime.plans import PlanCache
@@ -70,9 +71,12 @@ def attention_bwd(
     (Hq, Tq); each sequence its own causal alignment; sequences with no queries or no keys
     give zero gradients.
 
-    `compact`: o, lse, dq, dk, dv are compact buffers of this process (the autograd's: the
-    forward's outputs and fresh gradients), used as they are without layout checks (12 of a
-    launch's checks and copies-if-needed, ~4 us on the CPU)."""
+    `compact`: dq, dk, dv are fresh compact buffers and o, lse the forward's saved outputs
+    (the autograd's), used as they are: the gradients without layout checks (12 of a
+    launch's checks and copies-if-needed, ~4 us on the CPU); o and lse with one check each,
+    since saved-tensor hooks (`torch.autograd.graph.saved_tensors_hooks`: offloading,
+    compression) may hand back any strides or base address, and the kernels would misread
+    them (a failing check takes the full path)."""
     seqs = None
     if cu_seqlens_q is not None:
         seqs = (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
@@ -83,7 +87,7 @@ def attention_bwd(
     # one call per tensor, no generators (this runs on every backward)
     q, k, v, do = as_tma_ready(q), as_tma_ready(k), as_tma_ready(v), as_tma_ready(do)
     flags = (float(softmax_scale), causal, deterministic, seqs, config)
-    if compact:
+    if compact and tma_ready(o) and lse.is_contiguous():
         _launch_kernels(q, k, v, o, lse, do, dq, dk, dv, *flags)
         return
     o, lse = as_tma_ready(o), lse.contiguous()
