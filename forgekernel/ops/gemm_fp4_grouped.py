@@ -29,7 +29,7 @@ from forgekernel.ops.gemm_fp4_grouped_masked import (
     check_weight_scales,
     weight_words,
 )
-from forgekernel.runtime.device import tma_ready
+from forgekernel.runtime.device import copy_back, tma_target
 
 
 def _validate(a, b, scale_a, scale_b, m_indices, expected_m, out_dtype, out) -> None:
@@ -64,12 +64,11 @@ def _validate(a, b, scale_a, scale_b, m_indices, expected_m, out_dtype, out) -> 
 
 
 def _launch(a, b, scale_a, scale_b, m_indices, expected_m, out) -> None:
-    target = out if tma_ready(out) else out.clone(memory_format=torch.contiguous_format)
+    target = tma_target(out, keep=True)
     fp4_launch.gemm_fp4_contiguous(
         a, b, weight_words(scale_b), scale_a, m_indices.contiguous(), target, expected_m
     )
-    if target is not out:
-        out.copy_(target)
+    copy_back((out,), (target,))
 
 
 @torch.library.custom_op("forgekernel::gemm_fp4_grouped", mutates_args=())

@@ -23,7 +23,7 @@ from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._dispatch import wants_grad
 from forgekernel.ops._validate import check_cuda, check_same_device, check_shaped, check_tensor
 from forgekernel.ops.fp4_pack import pack_scale_words
-from forgekernel.runtime.device import tma_ready
+from forgekernel.runtime.device import copy_back, tma_target
 
 FP8 = (torch.float8_e4m3fn,)
 PACKED = (torch.int8, torch.uint8)
@@ -85,12 +85,11 @@ def weight_words(scale_b: torch.Tensor) -> torch.Tensor:
 def _launch(a, b, scale_a, scale_b, masked_m, expected_m, out) -> None:
     """The kernel writes `out` in place (rows past the counts left alone): a view it cannot
     address goes through a copy of it."""
-    target = out if tma_ready(out) else out.clone(memory_format=torch.contiguous_format)
+    target = tma_target(out, keep=True)
     fp4_launch.gemm_fp4_masked(
         a, b, weight_words(scale_b), scale_a, masked_m.contiguous(), expected_m, target
     )
-    if target is not out:
-        out.copy_(target)
+    copy_back((out,), (target,))
 
 
 @torch.library.custom_op("forgekernel::gemm_fp4_grouped_masked", mutates_args=())

@@ -30,7 +30,7 @@ from forgekernel.ops._validate import (
     check_shaped,
     check_tensor,
 )
-from forgekernel.runtime.device import tma_ready
+from forgekernel.runtime.device import copy_back, tma_target
 
 FP8 = (torch.float8_e4m3fn,)
 OUT_DTYPES = (torch.bfloat16, torch.float16)
@@ -73,10 +73,9 @@ def _validate(a, b, scale_a, scale_b, masked_m, expected_m, out_dtype, out) -> N
 def _launch(a, b, scale_a, scale_b, masked_m, expected_m, out) -> None:
     """The kernel writes `out` in place (rows past the counts left alone): a view TMA cannot
     address goes through a copy of it (the rows left alone come back unchanged)."""
-    target = out if tma_ready(out) else out.clone(memory_format=torch.contiguous_format)
+    target = tma_target(out, keep=True)
     dense_launch.gemm_fp8_masked(a, b, scale_a, scale_b, masked_m.contiguous(), expected_m, target)
-    if target is not out:
-        out.copy_(target)
+    copy_back((out,), (target,))
 
 
 @torch.library.custom_op("forgekernel::gemm_fp8_grouped_masked", mutates_args=())

@@ -66,11 +66,15 @@ def _unit_dims_restrided(t: torch.Tensor) -> torch.Tensor | None:
     return t.as_strided(sizes, strides, t.storage_offset())
 
 
-def tma_target(t: torch.Tensor, *, contiguous: bool = False) -> torch.Tensor:
+def tma_target(t: torch.Tensor, *, contiguous: bool = False, keep: bool = False) -> torch.Tensor:
     """An output: `t` itself when the kernel can write it in place (TMA-ready, and contiguous
-    when asked), else a compact buffer whose result the launcher copies into `t`."""
+    when asked), else a compact buffer whose result the launcher copies into `t`; keep: the
+    buffer starts as a copy of `t` (kernels that leave some rows alone, as the masked and
+    grouped GEMMs' padding rows, give them back unchanged)."""
     if tma_ready(t) and (not contiguous or t.is_contiguous()):
         return t
+    if keep:
+        return t.clone(memory_format=torch.contiguous_format)
     return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 

@@ -18,6 +18,7 @@ autograd in tests/test_reference_delta_rule_bwd.py) above.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +61,14 @@ CHECK_CASES = (
 
 
 def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, gen: torch.Generator):
-    inputs = gdn_prefill.make_inputs(case, dtype, device, gen)
+    return with_output_grads(gdn_prefill.make_inputs(case, dtype, device, gen), case, gen)
+
+
+def with_output_grads(inputs: Inputs, case: Case, gen: torch.Generator) -> Inputs:
+    """A forward suite's inputs plus dO and the final state's gradient (shared with kda_bwd)."""
     v, n = inputs["v"], len(case.params["lens"])
-    inputs["do"] = torch.randn(v.shape, device=device, generator=gen).to(dtype)
-    inputs["d_final"] = torch.randn(n, v.shape[2], HEAD, HEAD, device=device, generator=gen)
+    inputs["do"] = torch.randn(v.shape, device=v.device, generator=gen).to(v.dtype)
+    inputs["d_final"] = torch.randn(n, v.shape[2], HEAD, HEAD, device=v.device, generator=gen)
     return inputs
 
 
@@ -79,10 +84,15 @@ def alloc_out(inputs: Inputs) -> tuple[torch.Tensor, ...]:
 def run_ours(inputs: Inputs, out: tuple | None) -> tuple:
     from forgekernel.ops.gated_delta_rule_bwd import gated_delta_rule_backward
 
+    return run_backward(gated_delta_rule_backward, inputs, out)
+
+
+def run_backward(backward: Callable, inputs: Inputs, out: tuple | None) -> tuple:
+    """An explicit backward entry (GDN's or KDA's) on the suite's inputs, into `out` if given."""
     i = inputs
-    grads = gated_delta_rule_backward(i["q"], i["k"], i["v"], i["g"], i["beta"], i["do"],
-                                      initial_state=i["state"], d_final_state=i["d_final"],
-                                      cu_seqlens=i["cu_seqlens"])  # fmt: skip
+    grads = backward(i["q"], i["k"], i["v"], i["g"], i["beta"], i["do"],
+                     initial_state=i["state"], d_final_state=i["d_final"],
+                     cu_seqlens=i["cu_seqlens"])  # fmt: skip
     grads = grads[: len(_likes(i))]
     if out is None:
         return grads
@@ -96,19 +106,26 @@ def reference(inputs: Inputs) -> tuple:
     from forgekernel.reference.delta_rule import gated_delta_rule_recurrent
     from forgekernel.reference.delta_rule_bwd import gated_delta_rule_chunked_backward
 
+    return reference_gradients(
+        gated_delta_rule_recurrent, gated_delta_rule_chunked_backward, inputs
+    )
+
+
+def reference_gradients(recurrent: Callable, chunked_backward: Callable, inputs: Inputs) -> tuple:
+    """fp64 gradients: autograd through the fp64 recurrence up to RECURRENT_UP_TO tokens, the
+    fp64 chunked backward above (shared with kda_bwd, whose recurrence and backward differ)."""
     i = inputs
     n_out = len(_likes(i))
     if i["q"].shape[1] > RECURRENT_UP_TO:
-        grads = gated_delta_rule_chunked_backward(
+        grads = chunked_backward(
             i["q"], i["k"], i["v"], i["g"], i["beta"], i["do"], initial_state=i["state"],
             d_final_state=i["d_final"], cu_seqlens=i["cu_seqlens_long"], dtype=torch.float64,
         )  # fmt: skip
         return grads[:n_out]
     leaves = [x.double().requires_grad_() for x in _likes(i)]
     state = leaves[5] if n_out == 6 else None
-    o, final = gated_delta_rule_recurrent(*leaves[:5], initial_state=state,
-                                          output_final_state=True,
-                                          cu_seqlens=i["cu_seqlens_long"])  # fmt: skip
+    o, final = recurrent(*leaves[:5], initial_state=state, output_final_state=True,
+                         cu_seqlens=i["cu_seqlens_long"])  # fmt: skip
     loss = (o * i["do"].double()).sum() + (final * i["d_final"].double()).sum()
     return torch.autograd.grad(loss, leaves)
 

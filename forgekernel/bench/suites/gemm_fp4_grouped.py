@@ -25,7 +25,7 @@ import torch
 from forgekernel.bench.suite import Case, Inputs, OpSuite
 from forgekernel.bench.suites import gemm_fp8_grouped as fp8_grouped
 from forgekernel.bench.suites.gemm_fp4_masked import _weights
-from forgekernel.bench.suites.gemm_fp8 import _quantize, deepgemm_scales
+from forgekernel.bench.suites.gemm_fp8 import DSV3_MOE, _quantize, deepgemm_scales
 from forgekernel.bench.suites.gemm_fp8_grouped import (
     _case,
     _padded,
@@ -42,7 +42,7 @@ from forgekernel.kernels.gemm.fp4.sm90.config import (
 
 def _dsv3(experts: int, tokens: int, proj: str, skew: float = 0.0) -> Case:
     """DeepSeek-V3's routed experts: up (N 4096, K 7168), down (N 7168, K 2048)."""
-    n, k = {"up": (4096, 7168), "down": (7168, 2048)}[proj]
+    n, k = DSV3_MOE[proj]
     return _case(experts, n, k, tokens=tokens, skew=skew, group=f"e{experts}",
                  source=f"deepseek-v3.moe_{proj}")  # fmt: skip
 

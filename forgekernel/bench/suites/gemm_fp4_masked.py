@@ -27,7 +27,7 @@ import torch
 
 from forgekernel.bench.suite import Case, Inputs, OpSuite
 from forgekernel.bench.suites import gemm_fp8_masked as fp8_masked
-from forgekernel.bench.suites.gemm_fp8 import _quantize, deepgemm_scales
+from forgekernel.bench.suites.gemm_fp8 import DSV3_MOE, _quantize, deepgemm_scales
 from forgekernel.bench.suites.gemm_fp8_masked import (
     alloc_out,
     expected_rows,
@@ -53,7 +53,7 @@ def _case(experts: int, n: int, k: int, *, spread: bool = False, **kw: Any) -> C
 def _dsv3(experts: int, tokens: int, proj: str) -> Case:
     """DeepSeek-V3's routed experts: up = gate and up fused (N 4096, K 7168), down (N 7168,
     K 2048)."""
-    n, k = {"up": (4096, 7168), "down": (7168, 2048)}[proj]
+    n, k = DSV3_MOE[proj]
     return _case(experts, n, k, tokens=tokens, group=f"e{experts}",
                  source=f"deepseek-v3.moe_{proj}")  # fmt: skip
 

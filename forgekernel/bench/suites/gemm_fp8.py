@@ -236,6 +236,11 @@ def suite() -> OpSuite:
     )
 
 
+# DeepSeek-V3's routed experts (hidden 7168, moe_intermediate 2048): (N, K) of the fused gate
+# and up projection and of the down projection, the MoE GEMM suites' shapes.
+DSV3_MOE = {"up": (4096, 7168), "down": (7168, 2048)}
+
+
 def deepgemm_scales(deep_gemm, sa: torch.Tensor) -> torch.Tensor:
     """A's scales as DeepGEMM's grouped GEMMs take them: MN-major and TMA-aligned where the
     installed version has the helper (sgl-deep-gemm 0.1.4), else as they are."""

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from forgekernel.bench.suite import Case, Inputs, OpSuite
-from forgekernel.bench.suites.gemm_fp8 import _quantize, deepgemm_scales
+from forgekernel.bench.suites.gemm_fp8 import DSV3_MOE, _quantize, deepgemm_scales
 from forgekernel.kernels.gemm.fp8.sm90 import SPEC
 
 ALIGN = 128  # each expert's segment: whole tiles, DeepGEMM's contiguous-layout alignment
@@ -92,7 +92,8 @@ def _dsv3(experts: int, tokens: int, proj: str, group: str, skew: float = 0.0) -
     """DeepSeek-V3's routed experts (hidden 7168, moe_intermediate 2048): up = gate and up
     fused (N 4096, K 7168), down (N 7168, K 2048); TP8 shards them (N 512; K 256)."""
     tp = 8 if group == "tp8" else 1
-    n, k = {"up": (4096 // tp, 7168), "down": (7168, 2048 // tp)}[proj]
+    n, k = DSV3_MOE[proj]
+    n, k = (n // tp, k) if proj == "up" else (n, k // tp)
     return _case(experts, n, k, tokens=tokens, skew=skew, group=group,
                  source=f"deepseek-v3.moe_{proj}")  # fmt: skip
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from forgekernel.bench.suite import Case, Inputs, OpSuite
-from forgekernel.bench.suites.gemm_fp8 import _quantize, deepgemm_scales
+from forgekernel.bench.suites.gemm_fp8 import DSV3_MOE, _quantize, deepgemm_scales
 from forgekernel.kernels.gemm.dense.sm90 import MASKED_SPEC
 from forgekernel.kernels.gemm.dense.sm90.masked_config import (
     STANDARD_CONFIGS,
@@ -106,7 +106,7 @@ def expected_rows(params: dict[str, Any]) -> int:
 def _dsv3(experts: int, tokens: int, proj: str) -> Case:
     """DeepSeek-V3's routed experts (hidden 7168, moe_intermediate 2048): up = gate and up
     fused (N 4096, K 7168), down (N 7168, K 2048)."""
-    n, k = {"up": (4096, 7168), "down": (7168, 2048)}[proj]
+    n, k = DSV3_MOE[proj]
     return _case(experts, n, k, tokens=tokens, group=f"e{experts}",
                  source=f"deepseek-v3.moe_{proj}")  # fmt: skip
 

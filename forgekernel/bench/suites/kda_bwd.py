@@ -27,7 +27,7 @@ from forgekernel.bench.suite import Case, Inputs, OpSuite
 from forgekernel.bench.suites import gdn_bwd, kda_prefill
 from forgekernel.bench.suites.kda_prefill import HEAD, _case, _mix
 
-RECURRENT_UP_TO = 4096  # tokens: above, the fp64 chunked backward is the reference (speed)
+RECURRENT_UP_TO = gdn_bwd.RECURRENT_UP_TO
 _likes = gdn_bwd._likes
 alloc_out = gdn_bwd.alloc_out
 
@@ -61,26 +61,13 @@ SANITIZE_CASES = CHECK_CASES[:3]  # the third has an empty sequence and strong d
 
 
 def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, gen: torch.Generator):
-    inputs = kda_prefill.make_inputs(case, dtype, device, gen)
-    v, n = inputs["v"], len(case.params["lens"])
-    inputs["do"] = torch.randn(v.shape, device=device, generator=gen).to(dtype)
-    inputs["d_final"] = torch.randn(n, v.shape[2], HEAD, HEAD, device=device, generator=gen)
-    return inputs
+    return gdn_bwd.with_output_grads(kda_prefill.make_inputs(case, dtype, device, gen), case, gen)
 
 
 def run_ours(inputs: Inputs, out: tuple | None) -> tuple:
     from forgekernel.ops.kda_bwd import kimi_delta_attention_backward
 
-    i = inputs
-    grads = kimi_delta_attention_backward(i["q"], i["k"], i["v"], i["g"], i["beta"], i["do"],
-                                          initial_state=i["state"], d_final_state=i["d_final"],
-                                          cu_seqlens=i["cu_seqlens"])  # fmt: skip
-    grads = grads[: len(_likes(i))]
-    if out is None:
-        return grads
-    for o, x in zip(out, grads):
-        o.copy_(x)
-    return out
+    return gdn_bwd.run_backward(kimi_delta_attention_backward, inputs, out)
 
 
 def reference(inputs: Inputs) -> tuple:
@@ -88,21 +75,9 @@ def reference(inputs: Inputs) -> tuple:
     from forgekernel.reference.delta_rule import kimi_delta_attention_recurrent
     from forgekernel.reference.kda_bwd import kimi_delta_attention_chunked_backward
 
-    i = inputs
-    n_out = len(_likes(i))
-    if i["q"].shape[1] > RECURRENT_UP_TO:
-        grads = kimi_delta_attention_chunked_backward(
-            i["q"], i["k"], i["v"], i["g"], i["beta"], i["do"], initial_state=i["state"],
-            d_final_state=i["d_final"], cu_seqlens=i["cu_seqlens_long"], dtype=torch.float64,
-        )  # fmt: skip
-        return grads[:n_out]
-    leaves = [x.double().requires_grad_() for x in _likes(i)]
-    state = leaves[5] if n_out == 6 else None
-    o, final = kimi_delta_attention_recurrent(*leaves[:5], initial_state=state,
-                                              output_final_state=True,
-                                              cu_seqlens=i["cu_seqlens_long"])  # fmt: skip
-    loss = (o * i["do"].double()).sum() + (final * i["d_final"].double()).sum()
-    return torch.autograd.grad(loss, leaves)
+    return gdn_bwd.reference_gradients(
+        kimi_delta_attention_recurrent, kimi_delta_attention_chunked_backward, inputs
+    )
 
 
 def judge(inputs: Inputs, outs: tuple) -> list[dict[str, Any]]:
