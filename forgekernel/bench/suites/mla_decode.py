@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from forgekernel.bench.suite import Case, Explained, Inputs, OpSuite
+from forgekernel.bench.suite import Case, Inputs, OpSuite
 from forgekernel.kernels.attention.mla.sm90 import SPEC
 from forgekernel.kernels.attention.mla.sm90.config import FP8_ROW_BYTES
 
@@ -117,25 +117,6 @@ CHECK_CASES = (
 # every compiled variant: 16 heads x 1 token, 8 x 2, 4 x 4 (packed), both cache forms; the fp8
 # compiles at 16 x 1 and 16 x 4
 SANITIZE_CASES = (CHECK_CASES[0], CHECK_CASES[5], CHECK_CASES[6], CHECK_CASES[9], CHECK_CASES[13])
-
-# Sanitizer findings shown to be tool artifacts (attention_bwd's convention): the seesaw pass's
-# 16-bit cases (the first and the s_q 4 one) report RAW hazards on sScale[:, 1] only, a count that
-# varies run to run (704-736, 1632-1696 on the H200 2026-12-02: about 340 a pair of tiles).
-_SEESAW_RAW = (
-    "RAW on sScale[:, 1] (c's rescale factors, shared offset 0x38200 + 4 row), a tool artifact: "
-    "warpgroup 1 stores them (seesaw._softmax, slot 1; SASS STS [R+0x38200 / 0x38220]) before "
-    "its bar.arrive SCALE1 (named barrier 2, 256 threads), warpgroup 0 loads them (_pair0's "
-    "corr1) after its bar.sync SCALE1, one arrive and one sync per pair (PTX: the arrive "
-    "synchronizes with the sync that completes the generation). racecheck drops the release of "
-    "an arrive that leaves the barrier open, and warpgroup 1 arrives while warpgroup 0 is still "
-    "in its P V WGMMA: tests/test_mla_seesaw.py::test_racecheck_report_is_the_lost_arrive "
-    "predicts exactly these hazards (that hand-over once per pair, no other access); "
-    "scripts/diag_racecheck_arrive.py shows the tool rule on an 8-instruction kernel."
-)
-SANITIZE_EXPLAINED = tuple(
-    Explained("racecheck", c.name, None, _SEESAW_RAW, ("RAW",))
-    for c in (CHECK_CASES[0], CHECK_CASES[6])
-)
 
 
 def fp8(case: Case) -> bool:
@@ -415,5 +396,4 @@ def suite() -> OpSuite:
         atol=1e-3,
         bench_dtypes=(torch.bfloat16,),
         sanitize_cases=SANITIZE_CASES,
-        sanitize_explained=SANITIZE_EXPLAINED,
     )
