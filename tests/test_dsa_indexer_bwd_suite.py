@@ -4,12 +4,10 @@ passing the suite's judge, the work counts, and the suite registered as pending.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from forgekernel.bench.suites import PENDING_SUITE_MODULES, SUITE_MODULES
+from forgekernel.bench.suites import SUITE_MODULES
 from forgekernel.bench.suites import dsa_indexer_bwd as S
 from forgekernel.ops import dsa_indexer_bwd as op
 
@@ -62,9 +60,7 @@ def test_work_counts_and_registration():
     assert S.flops(c) == 6 * 64 * 128 * 4096 * 2048
     early = S._case(4096, 4096)  # row i sees i + 1 keys
     assert S.valid_slots(early) == sum(min(i + 1, 2048) for i in range(4096))
-    assert PENDING_SUITE_MODULES["dsa_indexer_bwd"] == "forgekernel.bench.suites.dsa_indexer_bwd"
-    if not os.environ.get("FORGEKERNEL_PENDING_SUITES"):
-        assert "dsa_indexer_bwd" not in SUITE_MODULES
+    assert SUITE_MODULES["dsa_indexer_bwd"] == "forgekernel.bench.suites.dsa_indexer_bwd"
     suite = S.suite()
     assert suite.name == "dsa_indexer_bwd" and all(p.exists() for p in suite.kernel_sources)
     assert all(c.params["topk"] % 128 == 0 for c in (*S.BENCH_CASES, *S.CHECK_CASES))

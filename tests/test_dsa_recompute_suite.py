@@ -5,13 +5,11 @@ the suite registered as pending."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from forgekernel.bench import check
-from forgekernel.bench.suites import PENDING_SUITE_MODULES, SUITE_MODULES
+from forgekernel.bench.suites import SUITE_MODULES
 from forgekernel.bench.suites import dsa_recompute as S
 from forgekernel.kernels.attention.dsa_recompute.sm90.emulate import emulate_target
 
@@ -72,8 +70,6 @@ def test_work_counts():
     assert S.flops(big) == 2 * 576 * 16 * sum(min(v, 2048) for v in S.visible(big))
 
 
-def test_registered_as_pending():
-    assert PENDING_SUITE_MODULES["dsa_recompute"] == "forgekernel.bench.suites.dsa_recompute"
-    if not os.environ.get("FORGEKERNEL_PENDING_SUITES"):
-        assert "dsa_recompute" not in SUITE_MODULES
+def test_registered():
+    assert SUITE_MODULES["dsa_recompute"] == "forgekernel.bench.suites.dsa_recompute"
     assert set(S.comparators()) == {"cudnn"}

@@ -84,10 +84,6 @@ def test_cases_and_work_counts():
     assert {c.params["topk"] for c in suite_mod.BENCH_CASES} == {512, 2048}
 
 
-def test_registered_as_pending_only():
-    assert suites.PENDING_SUITE_MODULES["dsa_sparse_bwd"].endswith("dsa_sparse_bwd")
-    if "dsa_sparse_bwd" not in suites.PENDING_SUITE_MODULES or not suites.os.environ.get(
-        "FORGEKERNEL_PENDING_SUITES"
-    ):
-        assert "dsa_sparse_bwd" not in suites.SUITE_MODULES
+def test_registered():
+    assert suites.SUITE_MODULES["dsa_sparse_bwd"].endswith("dsa_sparse_bwd")
     assert suite_mod.suite().name == "dsa_sparse_bwd"

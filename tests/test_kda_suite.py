@@ -61,8 +61,8 @@ def test_cases_are_well_formed():
     assert all(path.is_file() for path in kda_prefill.SOURCES)
 
 
-def test_registered_as_pending():
-    assert suites.PENDING_SUITE_MODULES["kda_prefill"] == "forgekernel.bench.suites.kda_prefill"
+def test_registered():
+    assert suites.SUITE_MODULES["kda_prefill"] == "forgekernel.bench.suites.kda_prefill"
 
 
 def test_no_comparators_without_a_gpu():

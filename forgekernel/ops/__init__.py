@@ -1,10 +1,5 @@
 """The torch-facing API."""
 
-# Imported for their autograd registrations (the forward custom ops' backward); the explicit
-# backwards are not exported until their GPU check (docs/PENDING.md): Kimi Delta Attention
-# (issue 20) and DSA sparse attention (issue 22, ops.dsa_bwd.dsa_sparse_attention_backward).
-from forgekernel.ops import dsa_bwd as _dsa_bwd  # noqa: F401
-from forgekernel.ops import kda_bwd as _kda_bwd  # noqa: F401
 from forgekernel.ops.attention import attention
 from forgekernel.ops.attention_bwd import attention_backward, attention_varlen_backward
 from forgekernel.ops.attention_paged import attention_paged, attention_paged_csr
@@ -18,6 +13,10 @@ from forgekernel.ops.conv import (
     conv3d_wgrad,
 )
 from forgekernel.ops.dsa import dsa_sparse_attention
+from forgekernel.ops.dsa_bwd import dsa_sparse_attention_backward
+from forgekernel.ops.dsa_indexer import dsa_indexer, dsa_indexer_paged, dsa_topk_indexer_flashinfer
+from forgekernel.ops.dsa_indexer_bwd import dsa_indexer_backward
+from forgekernel.ops.dsa_recompute import dsa_score_recompute
 from forgekernel.ops.fp4_pack import quantize_fp4_weights
 from forgekernel.ops.gated_delta_rule import gated_delta_rule_step
 from forgekernel.ops.gated_delta_rule_bwd import gated_delta_rule_backward
@@ -28,6 +27,8 @@ from forgekernel.ops.gemm_fp4_grouped_masked import gemm_fp4_grouped_masked
 from forgekernel.ops.gemm_fp8 import gemm_fp8
 from forgekernel.ops.gemm_fp8_grouped import gemm_fp8_grouped
 from forgekernel.ops.gemm_fp8_grouped_masked import gemm_fp8_grouped_masked
+from forgekernel.ops.kda_bwd import kimi_delta_attention_backward
+from forgekernel.ops.kda_chunked import kimi_delta_attention
 from forgekernel.ops.mla import mla_decode, mla_prefill
 
 __all__ = [
@@ -43,7 +44,13 @@ __all__ = [
     "conv3d",
     "conv3d_dgrad",
     "conv3d_wgrad",
+    "dsa_indexer",
+    "dsa_indexer_backward",
+    "dsa_indexer_paged",
+    "dsa_score_recompute",
     "dsa_sparse_attention",
+    "dsa_sparse_attention_backward",
+    "dsa_topk_indexer_flashinfer",
     "gated_delta_rule",
     "gated_delta_rule_backward",
     "gated_delta_rule_step",
@@ -53,6 +60,8 @@ __all__ = [
     "gemm_fp8",
     "gemm_fp8_grouped",
     "gemm_fp8_grouped_masked",
+    "kimi_delta_attention",
+    "kimi_delta_attention_backward",
     "mla_decode",
     "mla_prefill",
     "quantize_fp4_weights",

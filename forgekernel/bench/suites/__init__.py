@@ -14,18 +14,7 @@ from forgekernel.bench.suite import OpSuite
 # Suites whose kernels have not yet passed a GPU check (docs/PENDING.md): registered only where
 # FORGEKERNEL_PENDING_SUITES is set (a device run that checks and benches them first), so that
 # tests/test_ledger_gate.py does not ask CI for a ledger that no GPU has written yet.
-PENDING_SUITE_MODULES: dict[str, str] = {
-    "dsa_indexer": "forgekernel.bench.suites.dsa_indexer",  # issue 22: the FP8 lightning indexer
-    # issue 20: Kimi Delta Attention forward (recurrence kernel; first pass in torch by default)
-    "kda_prefill": "forgekernel.bench.suites.kda_prefill",
-    "dsa_recompute": "forgekernel.bench.suites.dsa_recompute",  # issue 22: the score recompute
-    # issue 20: Kimi Delta Attention backward (the interim fp32 torch path until its kernel)
-    "kda_bwd": "forgekernel.bench.suites.kda_bwd",
-    # issue 22: the indexer's training backward (the interim fp32 torch path until its kernel)
-    "dsa_indexer_bwd": "forgekernel.bench.suites.dsa_indexer_bwd",
-    # issue 22: DSA sparse attention backward (the interim fp32 torch path until its kernel)
-    "dsa_sparse_bwd": "forgekernel.bench.suites.dsa_sparse_bwd",
-}
+PENDING_SUITE_MODULES: dict[str, str] = {}
 SUITE_MODULES = {
     "gemm": "forgekernel.bench.suites.gemm",
     "attention": "forgekernel.bench.suites.attention",
@@ -50,6 +39,17 @@ SUITE_MODULES = {
     "gemm_fp4_grouped": "forgekernel.bench.suites.gemm_fp4_grouped",
     # issue 20: Gated DeltaNet backward (the interim fp32 torch path until its kernel)
     "gdn_bwd": "forgekernel.bench.suites.gdn_bwd",
+    # checked on the H200 2026-12-02 (next/integration3):
+    "dsa_indexer": "forgekernel.bench.suites.dsa_indexer",  # issue 22: the FP8 lightning indexer
+    # issue 20: Kimi Delta Attention forward (recurrence kernel; first pass in torch by default)
+    "kda_prefill": "forgekernel.bench.suites.kda_prefill",
+    "dsa_recompute": "forgekernel.bench.suites.dsa_recompute",  # issue 22: the score recompute
+    # issue 20: Kimi Delta Attention backward (the interim fp32 torch path until its kernel)
+    "kda_bwd": "forgekernel.bench.suites.kda_bwd",
+    # issue 22: the indexer's training backward (the interim fp32 torch path until its kernel)
+    "dsa_indexer_bwd": "forgekernel.bench.suites.dsa_indexer_bwd",
+    # issue 22: DSA sparse attention backward (the interim fp32 torch path until its kernel)
+    "dsa_sparse_bwd": "forgekernel.bench.suites.dsa_sparse_bwd",
 }
 if os.environ.get("FORGEKERNEL_PENDING_SUITES"):
     SUITE_MODULES.update(PENDING_SUITE_MODULES)
