@@ -5,6 +5,7 @@ validation and torch.compile tracing (fake CUDA tensors)."""
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -15,9 +16,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from forgekernel.kernels.attention.dsa_indexer.sm90 import config
 from forgekernel.kernels.attention.dsa_indexer.sm90 import emulate as em
 from forgekernel.kernels.attention.dsa_indexer.sm90.launch import logits_width, paged_cache_views
-from forgekernel.ops import dsa_indexer as op
 from forgekernel.reference import dsa
 from forgekernel.reference.dsa_flashinfer import indexer_inputs, unpack_indexer_k_cache
+
+# the module (forgekernel.ops exports its function dsa_indexer under the same name)
+op = importlib.import_module("forgekernel.ops.dsa_indexer")
 
 GEN = torch.Generator().manual_seed(22)
 

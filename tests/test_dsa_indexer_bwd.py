@@ -5,6 +5,8 @@ through its interim path."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -166,6 +168,8 @@ def test_the_op_validates_its_arguments():
 
 
 def test_exported_from_the_indexer_op():
-    from forgekernel.ops import dsa_indexer
+    import forgekernel
 
-    assert dsa_indexer.dsa_indexer_backward is op.dsa_indexer_backward
+    module = importlib.import_module("forgekernel.ops.dsa_indexer")
+    assert module.dsa_indexer_backward is op.dsa_indexer_backward
+    assert forgekernel.dsa_indexer_backward is op.dsa_indexer_backward

@@ -265,6 +265,6 @@ def suite() -> OpSuite:
         flops=flops,
         bytes=nbytes,
         bench_dtypes=(torch.bfloat16,),
-        sanitize_cases=CHECK_CASES[:2],
+        sanitize_cases=CHECK_CASES[:3],
         judge=judge,
     )
