@@ -74,11 +74,13 @@ def _zero_stale(buf, tile, wg):
     return [("write", ("K", buf, c), tile) for c in range(8)] + [("sync", f"WG{wg}")]
 
 
-def _pair0(k, tiles, has_c, more, stale=True):
+def _pair0(k, tiles, has_c, more, stale=True, balanced=True):
     a = 2 * k
     ops = []
     if not has_c and stale:  # a is the last tile, partly past the sequence
         ops += _zero_stale(0, a, 0)
+    if has_c and not more and stale and balanced:  # c is: warpgroup 1's zeroing matched
+        ops += [("sync", "WG0")]
     ops += [("read", ("M",)), ("write", ("M",), None), ("write", ("SCALE", 0), None)]
     ops += [("arrive", "SCALE0")]
     ops += _pv(0, 0, a) + [("wait_group", 0)]
@@ -96,11 +98,13 @@ def _pair0(k, tiles, has_c, more, stale=True):
     return ops + [("wait_group", 0)]
 
 
-def _pair1(k, has_c, more_a, more_c, stale=True):
+def _pair1(k, has_c, more_a, more_c, stale=True, balanced=True):
     a, c = 2 * k, 2 * k + 1
     ops = []
     if has_c and not more_a and stale:  # c is the last tile, partly past the sequence
         ops += _zero_stale(1, c, 1)
+    if not has_c and stale and balanced:  # a is: warpgroup 0's zeroing matched
+        ops += [("sync", "WG1")]
     ops += [("sync", "SCALE0"), ("read", ("M",)), ("write", ("M",), None)]
     ops += [("write", ("SCALE", 1), None), ("arrive", "SCALE1"), ("read", ("SCALE", 0))]
     if has_c:
@@ -117,12 +121,14 @@ def _pair1(k, has_c, more_a, more_c, stale=True):
     return ops + [("wait_group", 0)]
 
 
-def schedule(tiles: int, stale: bool = True) -> tuple[list, list]:
+def schedule(tiles: int, stale: bool = True, balanced: bool = True) -> tuple[list, list]:
     """(warpgroup 0's operations, warpgroup 1's) of a split of `tiles` tiles, the prologue
     (warp 0's TMA of tiles 0 and 1, Q by both, __syncthreads, Q's RoPE tile to registers)
     and the epilogue (the row sums' hand-over through sTotal, __syncthreads, the final max and
     row sums read) included. stale: the last tile reaches past the sequence (its scorer zeroes
-    the stale rows and passes its own barrier, `_zero_stale`); else it is whole."""
+    the stale rows and passes its own barrier, `_zero_stale`; with `balanced` the other
+    warpgroup passes its own too, `_match_stale`, as the kernel does since the 2026-12-02
+    racecheck reports; False: the kernel those reports are of); else it is whole."""
 
     def pro(wg):
         q = [("write", ("QR", wg), None), ("sync", "ALL")]
@@ -138,7 +144,7 @@ def schedule(tiles: int, stale: bool = True) -> tuple[list, list]:
         wg0 += _pair0(k, tiles, True, True)
     a = 2 * steady
     if a + 1 < tiles:
-        wg0 += _pair0(steady, tiles, True, False, stale)
+        wg0 += _pair0(steady, tiles, True, False, stale, balanced)
     elif a < tiles:
         wg0 += _pair0(steady, tiles, False, False, stale)
     if tiles > 1:
@@ -148,11 +154,12 @@ def schedule(tiles: int, stale: bool = True) -> tuple[list, list]:
         wg1 += _pair1(k, True, True, True)
     a = 2 * steady
     if a + 2 < tiles:
-        wg1 += _pair1(steady, True, True, False) + _pair1(steady + 1, False, False, False)
+        wg1 += _pair1(steady, True, True, False)
+        wg1 += _pair1(steady + 1, False, False, False, stale, balanced)
     elif a + 1 < tiles:
         wg1 += _pair1(steady, True, False, False, stale)
     elif a < tiles:
-        wg1 += _pair1(steady, False, False, False)
+        wg1 += _pair1(steady, False, False, False, stale, balanced)
 
     def end(wg):
         ops = [("write", ("TOTAL", wg), None), ("sync", "END"), ("read", ("M",))]
@@ -304,9 +311,10 @@ def simulate(
     switch_every: int | tuple = 1,
     tool: bool = False,
     stale: bool = True,
+    balanced: bool = True,
 ) -> _Machine:
-    """Run `schedule(tiles, stale)` (see `run`)."""
-    return run(schedule(tiles, stale), first, switch_every, tool)
+    """Run `schedule(tiles, stale, balanced)` (see `run`)."""
+    return run(schedule(tiles, stale, balanced), first, switch_every, tool)
 
 
 def run(progs, first: int = 0, switch_every: int | tuple = 1, tool: bool = False) -> _Machine:
