@@ -1,15 +1,20 @@
 """CPU models of the MLA seesaw pass (forgekernel/kernels/attention/mla/sm90/seesaw.py).
 
-`schedule(tiles)`: the two warpgroups' operations per pair of tiles, in the order the kernel
-issues them (named barriers, TMA refills per chunk, mbarrier waits, WGMMA issue / commit / wait,
-shared-memory reads and writes). `simulate(tiles, first)` runs them against the hardware's
-rules: a named barrier completes when both warpgroups arrived (a second arrival of one in the
-same generation is an error), an mbarrier phase completes when its TMA is issued (a wait on
-parity p while two phases are ahead would alias), a WGMMA's reads last from its issue to the
-`wait_group` that retires it, a TMA write from its issue to the mbarrier wait that observes it.
-With vector clocks (one component per warpgroup, joined at barrier completions and mbarrier
-waits) every write must come after the end of every earlier access to the same bytes and every
-read after the end of the write it reads; S and P V must read the tile the schedule says.
+`schedule(tiles, stale)`: the two warpgroups' operations per pair of tiles, in the order the
+kernel issues them (named barriers, TMA refills per chunk, mbarrier waits, WGMMA issue / commit /
+wait, shared-memory reads and writes; with `stale` the last tile's stale rows zeroed by its
+scorer and that warpgroup's own barrier WG0 / WG1; the row sums' hand-over at the end).
+`simulate(tiles, first)` runs them against the hardware's rules (`run` any such programs): a
+named barrier completes when its warpgroups arrived (both, or the one of WG0 / WG1; a second
+arrival of one in the same generation is an error), an mbarrier phase completes when its TMA is
+issued (a wait on parity p while two phases are ahead would alias), a WGMMA's reads last from
+its issue to the `wait_group` that retires it, a TMA write from its issue to the mbarrier wait
+that observes it. With vector clocks (one component per warpgroup, joined at barrier
+completions and mbarrier waits) every write must come after the end of every earlier access to
+the same bytes and every read after the end of the write it reads; S and P V must read the tile
+the schedule says. `tool=True` also lists the pairs of plain accesses that the barrier-interval
+rule takes for unordered (ordering by the count of barriers each warpgroup has passed, the rule
+suspected of compute-sanitizer racecheck: scripts/diag_racecheck_arrive.py).
 
 `warp_collective(reaches, threads)`: below the warpgroup, which warps issue a warp-collective
 operation (a TMA copy) that the threads with reaches(t) reach: all 32 lanes of a warp or none,
@@ -63,11 +68,19 @@ def _pv(buf, half, tile, p_slot=None):
     return ops + [("commit",)]
 
 
-def _pair0(k, tiles, has_c, more):
+def _zero_stale(buf, tile, wg):
+    """The last tile's stale rows zeroed (latent chunks) by the warpgroup that scored it, then
+    that warpgroup's own barrier (WG0 / WG1, 128 threads) before its P V."""
+    return [("write", ("K", buf, c), tile) for c in range(8)] + [("sync", f"WG{wg}")]
+
+
+def _pair0(k, tiles, has_c, more, stale=True, balanced=True):
     a = 2 * k
     ops = []
-    if not has_c:  # a is the last tile: its stale rows zeroed (latent chunks)
-        ops += [("write", ("K", 0, c), a) for c in range(8)]
+    if not has_c and stale:  # a is the last tile, partly past the sequence
+        ops += _zero_stale(0, a, 0)
+    if has_c and not more and stale and balanced:  # c is: warpgroup 1's zeroing matched
+        ops += [("sync", "WG0")]
     ops += [("read", ("M",)), ("write", ("M",), None), ("write", ("SCALE", 0), None)]
     ops += [("arrive", "SCALE0")]
     ops += _pv(0, 0, a) + [("wait_group", 0)]
@@ -85,11 +98,13 @@ def _pair0(k, tiles, has_c, more):
     return ops + [("wait_group", 0)]
 
 
-def _pair1(k, has_c, more_a, more_c):
+def _pair1(k, has_c, more_a, more_c, stale=True, balanced=True):
     a, c = 2 * k, 2 * k + 1
     ops = []
-    if has_c and not more_a:  # c is the last tile
-        ops += [("write", ("K", 1, ch), c) for ch in range(8)]
+    if has_c and not more_a and stale:  # c is the last tile, partly past the sequence
+        ops += _zero_stale(1, c, 1)
+    if not has_c and stale and balanced:  # a is: warpgroup 0's zeroing matched
+        ops += [("sync", "WG1")]
     ops += [("sync", "SCALE0"), ("read", ("M",)), ("write", ("M",), None)]
     ops += [("write", ("SCALE", 1), None), ("arrive", "SCALE1"), ("read", ("SCALE", 0))]
     if has_c:
@@ -106,10 +121,14 @@ def _pair1(k, has_c, more_a, more_c):
     return ops + [("wait_group", 0)]
 
 
-def schedule(tiles: int) -> tuple[list, list]:
+def schedule(tiles: int, stale: bool = True, balanced: bool = True) -> tuple[list, list]:
     """(warpgroup 0's operations, warpgroup 1's) of a split of `tiles` tiles, the prologue
     (warp 0's TMA of tiles 0 and 1, Q by both, __syncthreads, Q's RoPE tile to registers)
-    and the epilogue (the final max and row sums) included."""
+    and the epilogue (the row sums' hand-over through sTotal, __syncthreads, the final max and
+    row sums read) included. stale: the last tile reaches past the sequence (its scorer zeroes
+    the stale rows and passes its own barrier, `_zero_stale`; with `balanced` the other
+    warpgroup passes its own too, `_match_stale`, as the kernel does since the 2026-12-02
+    racecheck reports; False: the kernel those reports are of); else it is whole."""
 
     def pro(wg):
         q = [("write", ("QR", wg), None), ("sync", "ALL")]
@@ -125,9 +144,9 @@ def schedule(tiles: int) -> tuple[list, list]:
         wg0 += _pair0(k, tiles, True, True)
     a = 2 * steady
     if a + 1 < tiles:
-        wg0 += _pair0(steady, tiles, True, False)
+        wg0 += _pair0(steady, tiles, True, False, stale, balanced)
     elif a < tiles:
-        wg0 += _pair0(steady, tiles, False, False)
+        wg0 += _pair0(steady, tiles, False, False, stale)
     if tiles > 1:
         wg1 += _scores(1, 1, RIGHT + LEFT, 0) + [("wait_group", 0)]
     steady = max((tiles - 2) // 2, 0)
@@ -135,13 +154,18 @@ def schedule(tiles: int) -> tuple[list, list]:
         wg1 += _pair1(k, True, True, True)
     a = 2 * steady
     if a + 2 < tiles:
-        wg1 += _pair1(steady, True, True, False) + _pair1(steady + 1, False, False, False)
+        wg1 += _pair1(steady, True, True, False)
+        wg1 += _pair1(steady + 1, False, False, False, stale, balanced)
     elif a + 1 < tiles:
-        wg1 += _pair1(steady, True, False, False)
+        wg1 += _pair1(steady, True, False, False, stale)
     elif a < tiles:
-        wg1 += _pair1(steady, False, False, False)
-    end = [("sync", "END"), ("read", ("M",))]
-    return wg0 + end, wg1 + end
+        wg1 += _pair1(steady, False, False, False, stale, balanced)
+
+    def end(wg):
+        ops = [("write", ("TOTAL", wg), None), ("sync", "END"), ("read", ("M",))]
+        return ops + [("read", ("TOTAL", 0)), ("read", ("TOTAL", 1))]
+
+    return wg0 + end(0), wg1 + end(1)
 
 
 # ---------------------------------------------------------------- the hardware's rules
@@ -155,16 +179,20 @@ def _leq(a, b):
     return all(x <= y for x, y in zip(a, b, strict=True))
 
 
-def _join(a, b):
-    return tuple(max(x, y) for x, y in zip(a, b, strict=True))
+def _join(*vcs):
+    return tuple(max(xs) for xs in zip(*vcs, strict=True))
+
+
+PRIVATE = ("WG0", "WG1")  # one warpgroup's own barriers (128 threads); the others take both
 
 
 class _Machine:
     """Named barriers, mbarriers, WGMMA groups and the access log; see the module docstring."""
 
     def __init__(self, tool: bool = False):
-        self.tool = tool  # racecheck's apparent rule (see simulate); races collected, not raised
-        self.races = []  # (resource, earlier record, later record) under that rule
+        self.tool = tool  # also apply the barrier-interval rule (see simulate)
+        self.races = []  # (resource, earlier record, later record) that rule flags
+        self.passed = [0, 0]  # wg -> barrier operations (arrive or sync, any id) it has passed
         self.vc = [(1, 0), (0, 1)]
         self.arrived = defaultdict(dict)  # barrier -> {wg: vc at arrival}
         self.done = defaultdict(list)  # barrier -> [join of the arrivals] per generation
@@ -185,19 +213,26 @@ class _Machine:
         """Record an access starting now; check it against earlier conflicting ones. generic:
         a plain load / store (not a WGMMA's or TMA's)."""
         rec = {"wg": wg, "kind": kind, "start": self.vc[wg], "end": self.vc[wg] if end else None}
-        rec["generic"] = generic
+        rec["generic"], rec["interval"] = generic, self.passed[wg]
         for old in self.log[res]:
             if old["kind"] == "read" and kind == "read":
                 continue
             if old["end"] is None or not _leq(old["end"], rec["start"]):
-                if self.tool:
-                    self.races.append((res, old, rec))
-                    continue
                 raise ScheduleError(f"race on {res}: {old} then {rec}")
+            if self.tool and self._interval_hazard(old, rec):
+                self.races.append((res, old, rec))
         if kind == "read" and res[0] == "K" and tile is not None and self.content.get(res) != tile:
             raise ScheduleError(f"{res} holds tile {self.content.get(res)}, read as {tile}")
         self.log[res].append(rec)
         return rec
+
+    @staticmethod
+    def _interval_hazard(old, new) -> bool:
+        """The barrier-interval rule: two plain accesses of different warpgroups count as
+        ordered only if the later one's warpgroup has passed more barriers than the earlier
+        one's had (which barriers, and with whom, not considered)."""
+        both = old["generic"] and new["generic"] and old["wg"] != new["wg"]
+        return both and new["interval"] <= old["interval"]
 
 
 def _step(m, wg, op):
@@ -210,21 +245,21 @@ def _step(m, wg, op):
             raise ScheduleError(f"{bar}: warpgroup {wg} arrives twice in one generation")
         if len(m.done[bar]) == gen:  # this generation still open
             if wg not in m.arrived[bar]:
-                # the tool's rule: an arrive that leaves the barrier open releases nothing
-                lost = m.tool and kind == "arrive" and not m.arrived[bar]
-                m.arrived[bar][wg] = (0, 0) if lost else m.vc[wg]
-                if len(m.arrived[bar]) == 2:
+                m.arrived[bar][wg] = m.vc[wg]
+                if len(m.arrived[bar]) == (1 if bar in PRIVATE else 2):
                     vcs = list(m.arrived[bar].values())
                     m.done[bar].append(_join(*vcs))
                     m.arrived[bar] = {}
             if len(m.done[bar]) <= gen:
                 if kind == "arrive":
                     m.gen[bar][wg] += 1
+                    m.passed[wg] += 1
                     return True
                 return False  # sync: wait for the other warpgroup
         if kind == "sync":
             m.vc[wg] = _join(m.vc[wg], m.done[bar][gen])
         m.gen[bar][wg] += 1
+        m.passed[wg] += 1
         return True
     if kind == "tma":
         _, buf, chunk, tile = op
@@ -265,19 +300,30 @@ def _step(m, wg, op):
         if kind == "write" and res[0] == "K":
             m.content[res] = tile
         return True
+    if kind == "spin":  # a delay (the racecheck probe's): no access
+        return True
     raise ValueError(op)
 
 
 def simulate(
-    tiles: int, first: int = 0, switch_every: int | tuple = 1, tool: bool = False
+    tiles: int,
+    first: int = 0,
+    switch_every: int | tuple = 1,
+    tool: bool = False,
+    stale: bool = True,
+    balanced: bool = True,
 ) -> _Machine:
-    """Run `schedule(tiles)` with warpgroup `first` starting, switching to the other one after
-    `switch_every` operations (per warpgroup if a pair) or when blocked; ScheduleError on a
-    deadlock or a broken rule. tool: racecheck's apparent rule instead of the hardware's (the
-    2026-12-02 H200 report, scripts/diag_racecheck_arrive.py): a named barrier's arrive orders
-    the arriver's earlier accesses only when that arrive completes the barrier; the races that
-    rule sees are collected in `races` rather than raised."""
-    progs = schedule(tiles)
+    """Run `schedule(tiles, stale, balanced)` (see `run`)."""
+    return run(schedule(tiles, stale, balanced), first, switch_every, tool)
+
+
+def run(progs, first: int = 0, switch_every: int | tuple = 1, tool: bool = False) -> _Machine:
+    """Run the two warpgroups' programs with warpgroup `first` starting, switching to the other
+    one after `switch_every` operations (per warpgroup if a pair) or when blocked; ScheduleError
+    on a deadlock or a broken hardware rule. tool: also collect in `races` the pairs of plain
+    accesses that the barrier-interval rule (`_Machine._interval_hazard`) takes for unordered,
+    the rule suspected of compute-sanitizer racecheck after the 2026-12-02 H200 runs (see
+    scripts/diag_racecheck_arrive.py)."""
     pcs = [0, 0]
     m = _Machine(tool)
     every = switch_every if isinstance(switch_every, tuple) else (switch_every, switch_every)

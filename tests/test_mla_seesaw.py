@@ -1,15 +1,20 @@
 """The MLA seesaw pass's CPU models (tests/mla_seesaw.py): its schedule runs clean against the
-hardware's rules for every tile count and interleaving tried, breaks when a wait or barrier of
-it is dropped, and matches the kernel's source order; its arithmetic (two column halves, P
-handed over rescaled) equals one softmax over all keys in exact arithmetic."""
+hardware's rules for every tile count and interleaving tried, whole or partial last tile, breaks
+when a wait or barrier of it is dropped, and matches the kernel's source order; what the
+barrier-interval rule (suspected of racecheck) flags in it is what racecheck reported, and the
+racecheck probe's seesaw replicas (scripts/diag_racecheck_arrive.py) are the schedule's
+barriers and plain accesses; its arithmetic (two column halves, P handed over rescaled) equals
+one softmax over all keys in exact arithmetic."""
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import inspect
 import math
 import re
 import textwrap
+from pathlib import Path
 
 import mla_seesaw as ms
 import pytest
@@ -19,14 +24,17 @@ from forgekernel.kernels.attention.mla.sm90 import seesaw
 from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG, WARP_SIZE
 
 
+@pytest.mark.parametrize("stale", [True, False])
 @pytest.mark.parametrize("tiles", range(0, 12))
-def test_schedule_runs_clean(tiles):
+def test_schedule_runs_clean(tiles, stale):
     """No deadlock, no double arrival, no mbarrier phase aliasing; every S and P V reads the
-    tile it means and every refill, P, scale and max store follows the last read of what it
-    overwrites, whichever warpgroup runs ahead and however finely they interleave."""
+    tile it means and every refill, P, scale, max and row-sum store follows the last read of
+    what it overwrites (and every load the store it reads), whichever warpgroup runs ahead and
+    however finely they interleave; with the last tile partial (its stale rows zeroed, the
+    scorer's own barrier) or whole."""
     for first in (0, 1):
-        for switch_every in (1, 2, 5, 1000):
-            ms.simulate(tiles, first, switch_every)
+        for switch_every in (1, 2, 5, 1000, (1, 10**6), (10**6, 1)):
+            ms.simulate(tiles, first, switch_every, stale=stale)
 
 
 def _drop(op):
@@ -63,23 +71,104 @@ def test_schedule_model_catches_a_dropped_step(monkeypatch, role, op):
                     ms.simulate(tiles, first, switch_every)
 
 
+def _flagged(m) -> list[tuple]:
+    """(resource, earlier warpgroup, kind, later warpgroup, kind) of the pairs of plain accesses
+    the barrier-interval rule flags in a run (racecheck sees no WGMMA or TMA access)."""
+    pairs = {(res, old["wg"], old["kind"], new["wg"], new["kind"]) for res, old, new in m.races}
+    return sorted(pairs)
+
+
+# what the rule flags when the last tile is partial: by the parity of the tile count
+_ODD_FLAGS = [
+    (("M",), 0, "read", 1, "write"),  # WAR: 0's softmax load of the old max, 1's store
+    (("M",), 0, "write", 1, "read"),  # RAW: the case-2 report (+0xd5e0 -> +0x1c520, sM)
+    (("M",), 0, "write", 1, "write"),  # WAW
+    (("TOTAL", 0), 0, "write", 1, "read"),  # RAW after the final __syncthreads
+]
+_EVEN_FLAGS = [
+    (("SCALE", 1), 1, "write", 0, "read"),  # RAW: the case-1 report (+0x19370 -> +0x9de0)
+    (("TOTAL", 1), 1, "write", 0, "read"),  # RAW after the final __syncthreads
+]
+
+
 @pytest.mark.parametrize("tiles", range(1, 12))
-def test_racecheck_report_is_the_lost_arrive(tiles):
-    """The 2026-12-02 racecheck report (RAW on sScale[:, 1] only: stored by warpgroup 1 before
-    its bar.arrive SCALE1, loaded by warpgroup 0 after its bar.sync SCALE1) is what a checker
-    that drops the release of an arrive leaving the barrier open sees when warpgroup 1 runs
-    ahead (it waits at SCALE0, arrives at SCALE1 while warpgroup 0 is in its P V WGMMA): that
-    hand-over, once per pair, and no other plain access; under the hardware's rule the same run
-    is clean (test_schedule_runs_clean). (scripts/diag_racecheck_arrive.py tests the rule.)"""
-    ahead = (1, 10**6)  # warpgroup 0 one step at a time, warpgroup 1 until it blocks
-    m = ms.simulate(tiles, 1, ahead, tool=True)
-    flagged = [
-        (res, old["wg"], old["kind"], new["wg"], new["kind"])
-        for res, old, new in m.races
-        if old["generic"] and new["generic"]  # racecheck sees no WGMMA or TMA access
-    ]
-    assert flagged == [(("SCALE", 1), 1, "write", 0, "read")] * ((tiles + 1) // 2)
-    ms.simulate(tiles, 1, ahead)  # the hardware's rule: no race
+def test_racecheck_reports_are_the_barrier_interval_rule(tiles):
+    """The 2026-12-02 racecheck reports (RAW on sScale[:, 1], stored by warpgroup 1, loaded by
+    warpgroup 0, in b3-h16-p64-L0-100's CTA of 100 keys = 2 tiles; on sM, stored by warpgroup
+    0, loaded by warpgroup 1, in b3-h16-p64-L4-300-sq4's split of 44 keys = 1 tile; none in
+    CTAs whose last tile is whole) are what a checker sees that orders two threads' accesses by
+    how many barriers each has passed: in the kernel they are of (balanced=False) the storing
+    warpgroup passed its own barrier after zeroing the stale rows (`_zero_stale`: WG0 / WG1,
+    128 threads), one more than the loading one, at the hand-overs after it. The same runs are
+    clean under the hardware's rule (simulate raises otherwise). The kernel now matches that
+    barrier in the other warpgroup (`_match_stale`): the rule flags nothing, whole or partial."""
+    for first, every in ((0, 1), (1, 1), (1, (1, 10**6)), (0, (10**6, 1))):
+        for stale in (False, True):
+            fixed = ms.simulate(tiles, first, every, tool=True, stale=stale)
+            assert _flagged(fixed) == []
+        whole = ms.simulate(tiles, first, every, tool=True, stale=False, balanced=False)
+        assert _flagged(whole) == []
+        reported = ms.simulate(tiles, first, every, tool=True, stale=True, balanced=False)
+        assert _flagged(reported) == (_ODD_FLAGS if tiles % 2 else _EVEN_FLAGS)
+
+
+def test_interval_rule_on_the_probes_simple_variants():
+    """The rule's verdicts on scripts/diag_racecheck_arrive.py's hand-overs: `early` clean (as
+    the H200 found it, 2026-12-02 04:10), `private` (the producer first passes bar.sync 6, 128
+    alone) flagged, `balanced` (the consumer passes bar.sync 5, 128 too) clean."""
+    store, load = ("write", "X"), ("read", "X")
+    early = ([("spin",), ("sync", "SCALE1"), load], [store, ("arrive", "SCALE1")])
+    private = (early[0], [("sync", "WG1"), *early[1]])
+    balanced = ([("sync", "WG0"), *early[0]], private[1])
+    verdicts = [_flagged(ms.run(progs, 1, 1, tool=True)) for progs in (early, private, balanced)]
+    assert verdicts == [[], [("X", 1, "write", 0, "read")], []]
+
+
+def _probe():
+    path = Path(__file__).resolve().parents[1] / "scripts" / "diag_racecheck_arrive.py"
+    spec = importlib.util.spec_from_file_location("diag_racecheck_arrive", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _projection(progs) -> tuple[list, list]:
+    """The schedule's named-barrier steps (bar 0's two uses as ALL), plain accesses of sM,
+    sScale and sTotal (as the probe names them) and WGMMA waits (as spins)."""
+    out = ([], [])
+    for wg, prog in enumerate(progs):
+        for op in prog:
+            if op[0] in ("sync", "arrive"):
+                out[wg].append((op[0], "ALL" if op[1] == "END" else op[1]))
+            elif op[0] in ("read", "write") and op[1][0] in ("M", "SCALE", "TOTAL"):
+                out[wg].append((op[0], "".join(str(x) for x in op[1])))
+            elif op[0] == "wait_group":
+                out[wg].append(("spin",))
+    return out
+
+
+def test_probe_replicas_are_the_schedule():
+    """The probe's seesaw replicas (scripts/diag_racecheck_arrive.py) are the model's schedule
+    of the reported kernel (before `_match_stale`) of 2 tiles (even) and 1 tile (odd), last
+    tile partial or whole (-full), reduced to what
+    racecheck sees, with the kernel's barrier ids and counts; their expected loads replay
+    without deadlock; the rule flags in them what it flags in the schedule."""
+    probe = _probe()
+    for name, tiles, stale in (("even", 2, True), ("even-full", 2, False), ("odd", 1, True),
+                               ("odd-full", 1, False)):  # fmt: skip
+        table = probe.TABLES[name]
+        assert tuple(table) == _projection(ms.schedule(tiles, stale, balanced=False)), name
+        assert len(probe.expected_sums(table)) == probe.THREADS
+        want = (_ODD_FLAGS if tiles % 2 else _EVEN_FLAGS) if stale else []
+        want = sorted(("".join(str(x) for x in res), *rest) for res, *rest in want)
+        assert _flagged(ms.run(table, 1, 1, tool=True)) == want, name
+    assert {name: bar for name, (bar, _) in probe.BARRIERS.items()} == {
+        b.name: b for b in seesaw.Bar
+    }
+    counts = {name: n for name, (_, n) in probe.BARRIERS.items()}
+    assert counts == {"SCALE0": 256, "SCALE1": 256, "P0": 256, "P1": 256, "WG0": 128, "WG1": 128}
+    rows = [probe.row_of(t, r) for t in (0, 4, 36, 127) for r in (0, 1)]
+    assert rows == [0, 8, 1, 9, 17, 25, 55, 63]
 
 
 def _kernel_events(fn) -> list[str]:
@@ -87,6 +176,7 @@ def _kernel_events(fn) -> list[str]:
     src = inspect.getsource(fn)
     pattern = (
         r"named_barrier\(Bar\.(\w+), THREADS\)\.(arrive_and_wait|arrive)\(\)"
+        r"|_(?:zero|match)_stale\([^)]*Bar\.(WG\d)\)"
         r"|_refill\(kv, st, (\d), (LEFT|RIGHT)"
         r"|_scores\(ops, (\d), ([A-Z +]+),"
         r"|wait_group\((\d)\)"
@@ -94,9 +184,11 @@ def _kernel_events(fn) -> list[str]:
     )
     out = []
     for m in re.finditer(pattern, src):
-        bar, kind, rbuf, rchunks, sbuf, schunks, wait, _, gwait = m.groups()
+        bar, kind, own, rbuf, rchunks, sbuf, schunks, wait, _, gwait = m.groups()
         if bar:
             out.append(f"{'sync' if kind == 'arrive_and_wait' else 'arrive'} {bar}")
+        elif own:  # the warpgroup's own barrier (after zeroing the stale rows, or matching it)
+            out.append(f"sync {own}")
         elif rbuf:
             out.append(f"tma {rbuf} {rchunks}")
         elif sbuf:
@@ -113,6 +205,7 @@ def _model_events(fn) -> list[str]:
     src = inspect.getsource(fn)
     pattern = (
         r'\("(arrive|sync)", "(\w+)"\)'
+        r"|_zero_stale\(\d, \w+, (\d)\)"
         r'|\("tma", (\d), c\w*, [^)]*\) for c\w* in (LEFT|RIGHT)'
         r"|_scores\([^,]+, (\d), ([A-Z +]+),"
         r'|\("wait_group", (\d)\)'
@@ -120,9 +213,11 @@ def _model_events(fn) -> list[str]:
     )
     out = []
     for m in re.finditer(pattern, src):
-        kind, bar, tbuf, tchunks, sbuf, schunks, wait = m.groups()
+        kind, bar, own, tbuf, tchunks, sbuf, schunks, wait = m.groups()
         if kind:
             out.append(f"{kind} {bar}")
+        elif own:
+            out.append(f"sync WG{own}")
         elif tbuf:
             out.append(f"tma {tbuf} {tchunks}")
         elif sbuf:

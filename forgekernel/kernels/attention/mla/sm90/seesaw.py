@@ -39,7 +39,9 @@ values each warpgroup keeps in registers from the prologue on (224 KB in all).
 
 A tile's rows past the sequence's end (TMA reads whole 64-row boxes of the page) are stale
 cache slots: masked out of S, and their latent zeroed before P V by the warpgroup that scored
-the tile (P = 0 times a NaN would be NaN).
+the tile (P = 0 times a NaN would be NaN), which then passes a barrier of its own; the other
+warpgroup passes one of its own at the same point (no data: racecheck orders the warpgroups'
+hand-overs by how many barriers each has passed, `_match_stale`).
 
 At the end the two warpgroups' row sums meet in shared memory; each writes its columns of the
 split's normalized O (fp32) and warpgroup 0 the rows' LSE in log2 units (-inf where the split saw
@@ -552,6 +554,8 @@ class MlaSeesawSm90:
             nxt_c = self._page(kv, cutlass.min(a + 3, st.tiles - 1))
         if const_expr(not has_c):  # a is the last tile
             self._zero_stale(ops, st, 0, a, Bar.WG0)
+        if const_expr(has_c and not more):  # c is the last tile (warpgroup 1 zeroes it)
+            self._match_stale(st, a + 1, Bar.WG0)
         corr, part = self._softmax(ops, st, a, 0, not more)
         named_barrier(Bar.SCALE0, THREADS).arrive()
         for r in cutlass.range_constexpr(2):
@@ -605,6 +609,8 @@ class MlaSeesawSm90:
             nxt_c = self._page(kv, c + 2)
         if const_expr(has_c and not more_a):  # c is the last tile
             self._zero_stale(ops, st, 1, c, Bar.WG1)
+        if const_expr(not has_c):  # a is the last tile (warpgroup 0 zeroes it)
+            self._match_stale(st, a, Bar.WG1)
         named_barrier(Bar.SCALE0, THREADS).arrive_and_wait()
         corr, part = self._softmax(ops, st, c, 1, not more_c)  # (no tile c: all masked, corr 1)
         named_barrier(Bar.SCALE1, THREADS).arrive()
@@ -720,6 +726,19 @@ class MlaSeesawSm90:
                 for e in cutlass.range_constexpr(vec):
                     s_k[row, col + e, buf] = s_k.element_type(0.0)
             cute.arch.fence_view_async_shared()
+            named_barrier(wg_bar, THREADS_PER_WG).arrive_and_wait()
+
+    @cute.jit
+    def _match_stale(self, st, tile, wg_bar):
+        """The other warpgroup zeroes `tile` (the split's last) and passes its own barrier
+        (`_zero_stale`) when the tile reaches past the sequence: this warpgroup then passes its
+        own too (no data), at the same point of the pair, so that both have passed as many
+        barriers at every hand-over after it. The hardware needs none: compute-sanitizer's
+        racecheck (H200, 2026-12-02) reported the hand-overs after an unmatched one, ordering
+        two warpgroups' accesses by the count of barriers each had passed (the barrier-interval
+        rule: tests/mla_seesaw.py, scripts/diag_racecheck_arrive.py). One 128-thread bar.sync
+        per CTA whose last tile is partial."""
+        if st.sk - (st.t0 + tile * TILE) < TILE:
             named_barrier(wg_bar, THREADS_PER_WG).arrive_and_wait()
 
     # ---------------------------------------------------------------- output
