@@ -32,6 +32,7 @@ import torch
 
 from forgekernel.kernels.attention.mla.sm90.config import D_LATENT, D_ROPE
 from forgekernel.ops import dsa as fwd
+from forgekernel.ops._dispatch import capturing as _capturing
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import check_same_device, check_shaped
 from forgekernel.ops.mla import check_softmax_scale, latent_cache_views
@@ -42,11 +43,6 @@ F32 = (torch.float32,)
 # Elements of one chunk's intermediates (gathered rows + scores), fp32: 512 MiB. 4096 queries x
 # 16 heads x top-2048 run as ~40 chunks of ~100 queries.
 INTERIM_CHUNK_ELEMENTS = 1 << 27
-
-
-def _capturing(t: torch.Tensor) -> bool:
-    """Whether t's device stream is capturing a CUDA graph (nothing may be read back)."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _backward_interim(q_nope, q_pe, ckv, kpe, sparse_indices, scale, out, lse, dout, dlse,
