@@ -12,7 +12,8 @@ varlen mixes (many short sequences, a few long).
 
 Comparators, each on the same inputs:
   fla         fla-core 0.6.0 `chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state,
-              output_final_state, cu_seqlens)` (Triton; state (N, HV, K, V) as ours).
+              output_final_state, cu_seqlens)` (Triton; state (N, HV, K, V) as ours), the input
+              sets sharing one cu_seqlens tensor (bench/suites/fla_varlen.py).
   flashinfer  FlashInfer 0.7.2.post1 `flashinfer.chunk_gated_delta_rule(q, k, v, g=exp(g),
               beta, cu_seqlens=int64)` on (T, H, K) tensors (its g is the linear decay, not the
               log); run without an initial state (its state layout, read in its source, is to be
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from forgekernel.bench.suite import Case, Inputs, OpSuite
+from forgekernel.bench.suites import fla_varlen
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90 import SPEC
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import CHUNK
 
@@ -169,9 +171,10 @@ def _fla():
 
     def run(inputs: Inputs):
         i = inputs
-        o, _ = chunk_gated_delta_rule(i["q"], i["k"], i["v"], i["g"], i["beta"],
-                                      initial_state=i["state"], output_final_state=True,
-                                      cu_seqlens=i["cu_seqlens_long"])  # fmt: skip
+        cu = fla_varlen.shared_offsets(i)
+        o, _ = fla_varlen.call(chunk_gated_delta_rule, cu, i["q"], i["k"], i["v"], i["g"],
+                               i["beta"], initial_state=i["state"], output_final_state=True,
+                               cu_seqlens=cu)  # fmt: skip
         return o
 
     return run

@@ -16,7 +16,9 @@ so), B x T from 1 x 2k to 8 x 32k and 1 x 128k, serving-like varlen mixes.
 
 Comparators, each on the same inputs:
   fla     fla-core 0.6.0 `fla.ops.kda.chunk_kda(q, k, v, g, beta, initial_state=,
-          output_final_state=True, cu_seqlens=int64)` (Triton; state (N, HV, K, V) as ours).
+          output_final_state=True, cu_seqlens=int64)` (Triton; state (N, HV, K, V) as ours;
+          scale K^-1/2 as ours), the input sets sharing one cu_seqlens tensor so that fla's
+          chunk tables are made once and its pass can be captured (bench/suites/fla_varlen.py).
   cudnn   cuDNN-frontend's KDA where a Python entry point is found: FlashInfer's
           `flashinfer.cudnn.cudnn_recurrent_kda` (documented for cuDNN's SM100 engine; on sm90
           it is expected to refuse, and the record keeps its message), else a NotImplementedError
@@ -41,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from forgekernel.bench.suite import Case, Inputs, OpSuite
+from forgekernel.bench.suites import fla_varlen
 from forgekernel.kernels.linear_attention.kda_prefill.sm90 import SPEC
 
 HEAD = 128
@@ -176,8 +179,10 @@ def _fla():
 
     def run(inputs: Inputs):
         i = inputs
-        o, _ = chunk_kda(i["q"], i["k"], i["v"], i["g"], i["beta"], initial_state=i["state"],
-                         output_final_state=True, cu_seqlens=i["cu_seqlens_long"])  # fmt: skip
+        cu = fla_varlen.shared_offsets(i)
+        o, _ = fla_varlen.call(chunk_kda, cu, i["q"], i["k"], i["v"], i["g"], i["beta"],
+                               initial_state=i["state"], output_final_state=True,
+                               cu_seqlens=cu)  # fmt: skip
         return o
 
     return run
