@@ -4,8 +4,8 @@ that their one-off costs land in the on-disk caches before the bench runs:
     python3 scripts/warm_comparators.py gdn_prefill kda_prefill [--list]
 
 fla 0.6.0's Triton kernels autotune on their first call per key (heads and dims, not T): for
-`chunk_gated_delta_rule`'s forward on Hopper ~55 configs, each compiled then timed, and
-`chunk_kda`'s ~70; gdn_prefill's bench has three (H, HV), kda_prefill's two. Triton keeps the
+`chunk_gated_delta_rule`'s forward on Hopper 28 configs over its 5 kernels, each compiled then
+timed, for `chunk_kda`'s 82 over 6; gdn_prefill's bench has three (H, HV), kda_prefill's two. Triton keeps the
 compiled kernels and (fla's `cache_results`) the tuned configs on disk, so the bench's own
 process then loads them instead of tuning again. The calls are the bench's own, in its order
 (the host probe's case first, then every bench case in its bench dtype) on the bench's inputs
