@@ -216,3 +216,18 @@ def test_interim_backward_reads_nothing_on_the_host(batched, indices_global):
     grad_loss = torch.tensor([1.3])
     args = meta(q.bfloat16(), w.bfloat16(), k.bfloat16(), target, p, idx, grad_loss)
     assert_capturable(op._backward_interim, *args, 0.9, 2.0, indices_global)
+
+
+def test_the_suites_call_reads_nothing_on_the_host(monkeypatch):
+    """What tests/gpu's capture test captures (the suite's run_ours: the public op with
+    grad_loss on the device) on meta tensors, every check case: nothing read back."""
+    from capture_safety import assert_capturable
+
+    from forgekernel.bench.suites import dsa_indexer_bwd as suite
+
+    monkeypatch.setattr(op, "_traced", lambda *t: False)  # the eager path, as on the GPU
+    monkeypatch.setattr(op, "check_cuda", lambda name, t: None)
+    for case in suite.CHECK_CASES:
+        i = suite.make_inputs(case, torch.bfloat16, torch.device("cpu"), _gen(7))
+        i = {k: x.to("meta") if isinstance(x, torch.Tensor) else x for k, x in i.items()}
+        assert_capturable(suite.run_ours, i, None)

@@ -323,3 +323,20 @@ def test_interim_reads_nothing_on_the_host_under_capture(monkeypatch, combined):
     args = meta(inputs[0], inputs[1], ckv, kpe, idx)
     assert_capturable(bwd._backward_interim, *args, SCALE,
                       *meta(out, lse, out, dlse, inputs[4]))  # fmt: skip
+
+
+def test_the_suites_call_reads_nothing_on_the_host_under_capture(monkeypatch):
+    """The suite's run_ours (the explicit backward, validation included) on meta tensors
+    under a simulated capture, every check case: nothing read back."""
+    from capture_safety import assert_capturable
+
+    from forgekernel.bench.suites import dsa_sparse_bwd as suite
+
+    monkeypatch.setattr(bwd, "_capturing", lambda t: True)
+    monkeypatch.setattr(bwd, "_traced", lambda *t: False)  # the eager path, as on the GPU
+    monkeypatch.setattr(fwd, "check_cuda", lambda name, t: None)
+    for case in suite.CHECK_CASES:
+        i = suite.make_inputs(case, torch.bfloat16, torch.device("cpu"),
+                              torch.Generator().manual_seed(8))  # fmt: skip
+        i = {k: x.to("meta") if isinstance(x, torch.Tensor) else x for k, x in i.items()}
+        assert_capturable(suite.run_ours, i, None)
