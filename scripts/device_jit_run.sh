@@ -15,6 +15,7 @@
 # attention_bwd`), under its own time limits; SANITIZE=1 then runs `check --sanitize OP`
 # (compute-sanitizer memcheck and racecheck, under SANITIZE_TIMEOUT; SANITIZE=only skips check
 # and bench); CHECK=0 / BENCH=0 skip check / bench; BENCH_ARGS (e.g. --timing graph) go to bench; GPU_TESTS=1 runs `pytest -m gpu tests/gpu` (or GPU_TESTS_PATHS);
+# WARM="SUITE ..." warms those benches' comparators in the background (below);
 # DIAGS="mla_seesaw dsa_indexer" first runs those scripts/diag_NAME.py ladders (each case in its own
 # process under a timeout: a hang costs seconds), logs in logs.tar as diag-NAME.log;
 # VARIANTS=1 then times attention-forward configurations (scripts/attn_variants.py),
@@ -46,6 +47,16 @@ if [ "${BUILD:-0}" = 1 ]; then
 fi
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,power.draw --format=csv
 timeout 120 python3 -m forgekernel selftest 2>&1 | tail -3
+# WARM="gdn_prefill kda_prefill": those benches' comparator first calls (fla's Triton autotuning:
+# 28 (GDN) / 82 (KDA) configs compiled and timed per head count) made in the background by
+# scripts/warm_comparators.py while the checks run, into the on-disk caches the bench then loads;
+# the first bench waits for it (log: warm.log).
+warm_pid=
+if [ -n "${WARM:-}" ]; then
+  PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout -k 15 "${WARM_TIMEOUT:-400}" \
+    python3 scripts/warm_comparators.py $WARM > "$LOGS/warm.log" 2>&1 &
+  warm_pid=$!
+fi
 for d in ${DIAGS:-}; do
   PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} FORGEKERNEL_PENDING_SUITES=1 timeout -k 15 \
     "${DIAG_TIMEOUT:-300}" python3 "scripts/diag_$d.py" 2>&1 | tee "$LOGS/diag-$d.log" | tail -30
@@ -76,6 +87,9 @@ for op in "$@"; do
     check_rc=${PIPESTATUS[0]}
   fi
   if [ "${SANITIZE:-0}" != only ] && [ "${BENCH:-1}" != 0 ] && [ "${SKIP_BENCH:-}" != "$op" ]; then
+    if [ -n "$warm_pid" ]; then  # no timing while the warm-up tunes on the same GPU
+      wait "$warm_pid"; echo "warm-up rc=$?"; tail -20 "$LOGS/warm.log"; warm_pid=
+    fi
     free_gpu
     timeout -k 15 "${BENCH_TIMEOUT:-300}" python3 -m forgekernel bench --report-dir "$REPORTS" ${BENCH_ARGS:-} "$op" \
       2>&1 | tee "$LOGS/bench-$op.log" | grep -v "^\[" | tail -40

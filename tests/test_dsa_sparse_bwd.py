@@ -302,3 +302,41 @@ def test_opcheck_of_the_differentiable_forward_op(cpu_forward):
     leaves = _leaves(inputs)
     args = (*leaves[:4], idx, SCALE, None, leaves[4])
     torch.library.opcheck(torch.ops.forgekernel.dsa_sparse_attention.default, args)
+
+
+@pytest.mark.parametrize("combined", [False, True])
+def test_interim_reads_nothing_on_the_host_under_capture(monkeypatch, combined):
+    """Under CUDA-graph capture (simulated) the interim backward on meta tensors
+    (tests/capture_safety.py): no host read (the eager check of the largest index skipped), no
+    data-sized op, no host table; eagerly the check still raises (the test above)."""
+    from capture_safety import assert_capturable, meta
+
+    from forgekernel.ops.mla import latent_cache_views
+
+    inputs, idx = _problem(4, 16, 16, [33, 0, 9, 33], 33, scattered=True, combined=combined,
+                           seed=11)  # fmt: skip
+    ckv, kpe, _ = latent_cache_views(inputs[2], inputs[3])
+    g = torch.Generator().manual_seed(12)
+    out = torch.randn(4, 16, LATENT, generator=g).bfloat16()
+    lse, dlse = torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)
+    monkeypatch.setattr(bwd, "_capturing", lambda t: True)
+    args = meta(inputs[0], inputs[1], ckv, kpe, idx)
+    assert_capturable(bwd._backward_interim, *args, SCALE,
+                      *meta(out, lse, out, dlse, inputs[4]))  # fmt: skip
+
+
+def test_the_suites_call_reads_nothing_on_the_host_under_capture(monkeypatch):
+    """The suite's run_ours (the explicit backward, validation included) on meta tensors
+    under a simulated capture, every check case: nothing read back."""
+    from capture_safety import assert_capturable
+
+    from forgekernel.bench.suites import dsa_sparse_bwd as suite
+
+    monkeypatch.setattr(bwd, "_capturing", lambda t: True)
+    monkeypatch.setattr(bwd, "_traced", lambda *t: False)  # the eager path, as on the GPU
+    monkeypatch.setattr(fwd, "check_cuda", lambda name, t: None)
+    for case in suite.CHECK_CASES:
+        i = suite.make_inputs(case, torch.bfloat16, torch.device("cpu"),
+                              torch.Generator().manual_seed(8))  # fmt: skip
+        i = {k: x.to("meta") if isinstance(x, torch.Tensor) else x for k, x in i.items()}
+        assert_capturable(suite.run_ours, i, None)

@@ -56,3 +56,24 @@ def test_variants_force_the_other_v_split(cpu_kernel):  # noqa: F811
         got = gdn_prefill._run_v_split(split)(inputs, out)
         assert got is out and float((got.float() - want).abs().max()) < 2e-2
         assert cpu_kernel[-1]["v_split"] == split
+
+
+@pytest.mark.parametrize("module", ["gdn_prefill", "kda_prefill"])
+def test_one_fp64_pass_gives_both_yardsticks(monkeypatch, module):
+    """check.expected's reference and low_precision share one fp64 pass (the fp64 output
+    handed over through the inputs and taken back out); low_precision alone still runs one."""
+    import importlib
+
+    from forgekernel.bench.check import expected
+
+    mod = importlib.import_module(f"forgekernel.bench.suites.{module}")
+    suite = mod.suite()
+    inputs = suite.make_inputs(mod.CHECK_CASES[1], torch.bfloat16, torch.device("cpu"),
+                               torch.Generator().manual_seed(2))  # fmt: skip
+    real, runs = mod._reference, []
+    monkeypatch.setattr(mod, "_reference", lambda i: runs.append(1) or real(i))
+    (ref,), (low,) = expected(suite, inputs)
+    assert len(runs) == 1 and mod.FP64_KEY not in inputs
+    assert ref.dtype == torch.float32 and low.dtype == torch.bfloat16
+    assert torch.allclose(low.float(), ref, rtol=1e-2, atol=1e-2)  # its bf16 rounding
+    assert torch.equal(suite.low_precision(inputs), low) and len(runs) == 2

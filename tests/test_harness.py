@@ -343,3 +343,23 @@ def test_timing_methods_are_checked():
         harness.BenchTiming(methods=("graph", "wall"))
     with pytest.raises(ValueError, match="timing methods"):
         harness.BenchTiming(methods=())
+
+
+def test_wall_seconds_per_phase_are_recorded_and_printed(
+    tmp_path, sources, fake_suite, fake_timer, capsys
+):
+    """Each case records where its wall time went (the reference, verification, the
+    comparators' first calls with their JIT / autotuning, each timing method) and prints it on
+    its progress line; the host probe its own (a bench cut by its timeout then says why)."""
+    suite = fake_suite(sources, comparators=_comparators, dtypes=(torch.bfloat16,))
+    records = _bench(suite, tmp_path)
+    phases = ["reference", "verify", "first calls", "graph", "eager"]
+    for rec in records:
+        assert list(rec["seconds"]) == phases and all(s >= 0 for s in rec["seconds"].values())
+    assert list(_ledger(tmp_path)["host"]["seconds"]) == ["host probe"]
+    out = capsys.readouterr().out
+    progress = [ln for ln in out.splitlines() if ln.startswith("[1/")][0]
+    assert " s: reference " in progress and ", first calls " in progress
+    assert "(" in [ln for ln in out.splitlines() if " host: " in ln][0]
+    assert harness._wall({"a": 1.0, "b": 2.5}) == "(3.5 s: a 1.0, b 2.5)"
+    assert harness._wall({}) == ""

@@ -266,3 +266,25 @@ def test_no_tokens_passes_the_state_gradient_through(cpu_forward):
     (final * d_final).sum().backward()
     assert torch.equal(leaves[5].grad, d_final)
     assert all(x.grad.numel() == 0 for x in leaves[:5])
+
+
+def test_interim_refuses_a_capture_before_any_work(monkeypatch):
+    """Under a CUDA-graph capture (simulated) the interim backward, which reads the offsets on
+    the host, raises before its first op (an invalidated capture would leave torch < 2.12's
+    allocator routing to the dead graph's pool), and runs eagerly otherwise."""
+    from capture_safety import _host_ops
+
+    dispatch = importlib.import_module("forgekernel.ops._dispatch")
+    (q, k, v, g, beta, state), cu = _inputs([70, 3], 2, 4, seed=31)
+    flat = [x[0] for x in (q, k, v, g, beta)]
+    do = torch.randn_like(flat[2])
+    args = (*flat, state, cu, do, None, 128**-0.5)
+    extra = (False,)  # l2norm
+    monkeypatch.setattr(dispatch, "capturing", lambda t: True)
+    mode = _host_ops().HostOps("cpu")
+    with mode, pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+        bwd._backward_interim(*args, *extra)
+    assert mode.names == []
+    monkeypatch.setattr(dispatch, "capturing", lambda t: False)
+    grads = bwd._backward_interim(*args, *extra)
+    assert [x.shape for x in grads] == [*(x.shape for x in flat), state.shape]

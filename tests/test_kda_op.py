@@ -74,8 +74,9 @@ def close(got, want, tol):
     assert err < tol, err.item()
 
 
-def test_exported_after_its_gpu_check():
-    """Checked on the H200 2026-12-02: in the public API."""
+def test_exported_since_its_gpu_check():
+    """docs/PENDING.md: a pending op stays out of the public API until its GPU check, which
+    kda_prefill passed on the H200 on 2026-12-02 (exported by de8331c)."""
     assert forgekernel.kimi_delta_attention is op.kimi_delta_attention
     assert op.chunk_kda is op.kimi_delta_attention
 
@@ -366,6 +367,31 @@ def test_first_pass_without_a_gather_is_the_gathered_one(monkeypatch):
     for name in ("q_g", "k_g", "k_d", "t_beta", "p", "decay", "first"):
         cut = fast[name].shape[0]
         assert torch.equal(fast[name], slow[name][:cut]), name
+
+
+def test_first_pass_kernel_layout_is_the_torch_first_pass_layout(cpu_kernel):
+    """The first-pass kernel's launcher (its replay) and the torch first pass lay out the same
+    chunk_bound(T, N) chunks: 12 for [1, 63, 64, 65, 300] (T 493, N 5), 2 past the 10 real
+    ones (the CPU twin of tests/gpu's test_first_pass_kernel_equals_torch_first_pass, which
+    expected 5 past them); the real chunks' operands agree within a few bf16 roundings."""
+    lens = [1, 63, 64, 65, 300]
+    edges = _edges(lens)
+    x = {key: val[0] for key, val in make(t=edges[-1], h=2, hv=4, seed=13, decay=(-5.0, -4.0),
+                                          n=len(lens)).items()}  # fmt: skip
+    cu = torch.tensor(edges, dtype=torch.int32)
+    args = (x["q"], x["k"], x["g"], x["beta"], cu, 0.1, False)
+    want = operands.kda_chunk_operands(*args)
+    got = launch.first_pass_kernel(*args)
+    real = sum(-(-n // 64) for n in lens)
+    bound = operands.chunk_bound(edges[-1], len(lens))
+    assert (real, bound) == (10, 12)
+    assert got["decay"].shape[0] == want["decay"].shape[0] == bound
+    assert got["q_g"].shape[0] == want["q_g"].shape[0] == 64 * bound
+    assert torch.equal(got["first"], want["first"])
+    for name in ("q_g", "k_g", "k_d", "t_beta", "p", "decay"):
+        cut = real if name == "decay" else 64 * real
+        g, w = got[name][:cut].float(), want[name][:cut].float()
+        assert (g - w).abs().max() <= 2e-2 * w.abs().max(), name
 
 
 def _host_ops():

@@ -16,6 +16,7 @@ it) on the suite's `host_case` (default: the bench case with the fewest flops).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,10 +201,26 @@ def _time_method(method, fns, sets, variants, rec, device, timing: BenchTiming) 
     return None
 
 
+def _laps(rec: dict) -> Callable[[str], None]:
+    """lap(name): the wall seconds since the previous lap (the first: since this call) into
+    rec["seconds"][name], so that a slow bench says where its time went."""
+    rec["seconds"] = {}
+    last = [time.perf_counter()]
+
+    def lap(name: str) -> None:
+        now = time.perf_counter()
+        rec["seconds"][name] = round(now - last[0], 3)
+        last[0] = now
+
+    return lap
+
+
 def _time_case(suite, case, dtype, comps, rec, seed, device, timing: BenchTiming) -> None:
+    lap = _laps(rec)
     gen = torch.Generator(device=device).manual_seed(seed)
     inputs = suite.make_inputs(case, dtype, device, gen)
     expect = expected(suite, inputs)
+    lap("reference")
     out, cmps = verify(suite, inputs, device, factor=VERIFY_FACTOR, expect=expect)
     rec["verified"] = all(c.ok for c in cmps)
     if not rec["verified"]:
@@ -211,7 +228,9 @@ def _time_case(suite, case, dtype, comps, rec, seed, device, timing: BenchTiming
         return
     variants = _verified_variants(suite, case, inputs, device, expect, rec)
     del expect  # the fp32 reference can take GBs the timed input sets need
+    lap("verify")
     fns = _candidates(suite, inputs, variants, comps, rec, device)
+    lap("first calls")  # the comparators' first calls: their JIT compiles and autotuning
     for method in timing.methods:
         # Graph replays rotate inputs past L2; eager launches flush it, one input set does.
         if method == "graph":
@@ -220,6 +239,7 @@ def _time_case(suite, case, dtype, comps, rec, seed, device, timing: BenchTiming
             sets = [(inputs, out)]
         error = _time_method(method, fns, sets, list(variants), rec, device, timing)
         del sets  # the graph's input sets, before the next method allocates
+        lap(method)
         if error:
             rec["status"] = error
             return
@@ -319,11 +339,13 @@ def host_record(
         "us_per_call": {},
         "missing": dict(missing),
     }
+    lap = _laps(rec)
     try:
         gen = torch.Generator(device=device).manual_seed(seed)
         _time_host(suite, suite.make_inputs(case, dtype, device, gen), comps, rec, device)
     except Exception as e:
         rec["status"] = f"error: {type(e).__name__}: {e}"[:500]
+    lap("host probe")
     free(device)
     return rec
 
@@ -340,7 +362,8 @@ def _suite_host(suite, comps, missing, seed, device, timing: BenchTiming) -> dic
         seed=seed,
         device=device,
     )
-    print(f"{suite.name} host: " + "; ".join(report.host_lines(host)), flush=True)
+    lines = "; ".join(report.host_lines(host))
+    print(f"{suite.name} host: {lines} {_wall(host['seconds'])}", flush=True)
     return host
 
 
@@ -375,6 +398,14 @@ def _device_check(suite: OpSuite, when: str) -> dict[str, Any]:
     return probe
 
 
+def _wall(seconds: dict[str, float]) -> str:
+    """Where a case's or probe's wall time went: (12.3 s: reference 0.4, verify 0.2, ...)."""
+    if not seconds:
+        return ""
+    parts = ", ".join(f"{name} {s:.1f}" for name, s in seconds.items())
+    return f"({sum(seconds.values()):.1f} s: {parts})"
+
+
 def _progress(i: int, n: int, suite: OpSuite, rec: dict) -> str:
     times = [
         f"{m} {report.view(rec, m)['ours']['ms']:.4f} ms"
@@ -382,7 +413,7 @@ def _progress(i: int, n: int, suite: OpSuite, rec: dict) -> str:
         if report.view(rec, m).get("ours")
     ]
     text = f"[{i + 1}/{n}] {suite.name} {rec['case']} {rec['dtype']}: {rec['status']}"
-    return " ".join([text, *times])
+    return " ".join([text, *times, _wall(rec.get("seconds", {}))]).rstrip()
 
 
 def run_bench(

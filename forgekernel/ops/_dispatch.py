@@ -51,3 +51,19 @@ def wants_grad(*tensors: torch.Tensor | None) -> bool:
         if t is not None and t.requires_grad:
             return True
     return False
+
+
+def capturing(t: torch.Tensor) -> bool:
+    """Whether t's device stream is capturing a CUDA graph (nothing may be read back)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def refuse_capture(what: str, t: torch.Tensor) -> None:
+    """Raise before any CUDA work when t's stream captures a CUDA graph, for a path that must
+    read device data on the host (`what` says which). The driver rejects that read while the
+    stream captures and the capture is then invalidated: torch before 2.12 (pytorch#180395)
+    skips `endAllocateToPool` after it, leaving the caching allocator routing to the dead
+    graph's pool for the rest of the process. Raised here, the capture ends cleanly (empty) and
+    a caller such as the bench's timing falls back to eager launches."""
+    if capturing(t):
+        raise RuntimeError(f"{what}: it cannot be captured in a CUDA graph")

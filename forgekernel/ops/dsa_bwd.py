@@ -17,8 +17,9 @@ gradients. dq, dkv come back in q's dtype (fp32 accumulation), d_sink fp32 (zero
 
 INTERIM PATH: the backward op runs the reference's chunked backward in fp32 on the GPU with
 torch ops (`_backward_interim`: chunks of queries whose gathered rows and scores fit
-INTERIM_CHUNK_ELEMENTS, dkv by index_add; it reads the indices' max on the host, one sync a
-call, and raises ValueError for an index past the cache's slots). Correct, not fast: the
+INTERIM_CHUNK_ELEMENTS, dkv by index_add; an eager call reads the indices' max on the host,
+one sync, and raises ValueError for an index past the cache's slots; under CUDA-graph capture
+that check is skipped and nothing is read back). Correct, not fast: the
 backward kernel (docs/attention/DSA_BWD_NOTES.md) replaces `_backward_interim` and nothing else.
 
 `dsa_sparse_attention_backward` is the same backward for callers with their own autograd (the
@@ -31,6 +32,7 @@ import torch
 
 from forgekernel.kernels.attention.mla.sm90.config import D_LATENT, D_ROPE
 from forgekernel.ops import dsa as fwd
+from forgekernel.ops._dispatch import capturing as _capturing
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import check_same_device, check_shaped
 from forgekernel.ops.mla import check_softmax_scale, latent_cache_views
@@ -46,13 +48,15 @@ INTERIM_CHUNK_ELEMENTS = 1 << 27
 def _backward_interim(q_nope, q_pe, ckv, kpe, sparse_indices, scale, out, lse, dout, dlse,
                       attn_sink) -> Grads:  # fmt: skip
     """INTERIM: the chunked backward in fp32 torch (the kernel's stand-in). One copy of q and
-    of the cache as (S, H, 576) / (slots, 576) in q's dtype; dkv fp32 over every slot."""
+    of the cache as (S, H, 576) / (slots, 576) in q's dtype; dkv fp32 over every slot. Under
+    CUDA-graph capture nothing is read back: the eager call's check of the largest index (a
+    host read) is skipped, an index past the cache is the caller's error (as the forward's)."""
     q = torch.cat((q_nope, q_pe), -1)
     kv = torch.cat((ckv.flatten(0, 1), kpe.flatten(0, 1)), -1)
     dq, dkv, d_sink = ref.dsa_sparse_attention_bwd_ref(
         q, kv, sparse_indices, scale, dout, attn_sink=attn_sink, out=out, lse=lse, dlse=dlse,
         d_v=D_LATENT, dtype=torch.float32, dq_dtype=q.dtype,
-        chunk_elements=INTERIM_CHUNK_ELEMENTS if q.is_cuda else None,
+        chunk_elements=INTERIM_CHUNK_ELEMENTS if q.is_cuda else None, check_range=not _capturing(q),
     )  # fmt: skip
     dq_nope, dq_pe = dq.split_with_sizes((D_LATENT, D_ROPE), -1)
     dkv = dkv.to(q.dtype).view(*ckv.shape[:2], D_LATENT + D_ROPE)

@@ -11,8 +11,9 @@ q / k head; l2norm's backward included; k_last: the state gradients in FlashInfe
 INTERIM PATH: the backward op runs `reference.delta_rule_bwd.gated_delta_rule_chunked_backward`
 in fp32 on the GPU with torch ops (`_backward_interim`: recompute of the chunk states, the
 reverse state recurrence as one batched GEMM step per chunk, every chunk's gradients batched;
-it reads the offsets on the host, one sync a call). Correct, not fast: a backward kernel
-replaces `_backward_interim` and nothing else (docs/linear_attention/NOTES.md "Backward").
+it reads the offsets on the host, one sync a call: a CUDA-graph capture is refused before any
+work, `ops._dispatch.refuse_capture`). Correct, not fast: a backward kernel replaces
+`_backward_interim` and nothing else (docs/linear_attention/NOTES.md "Backward").
 
 Eager calls take the custom op when autograd records them (the dispatcher's ~30 us are nothing
 beside this backward); under torch.compile the backward graph records the backward custom op,
@@ -25,11 +26,16 @@ from __future__ import annotations
 import torch
 
 from forgekernel.ops import gated_delta_rule_chunked as fwd
+from forgekernel.ops._dispatch import refuse_capture
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import check_cuda, check_shaped
 from forgekernel.reference.delta_rule_bwd import gated_delta_rule_chunked_backward
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+NOT_CAPTURABLE = (
+    "gated_delta_rule's interim backward reads the offsets on the host (its chunk layout, "
+    "one sync a call) and builds its tables there"
+)
 
 
 def _to_kv(state: torch.Tensor | None, k_last: bool) -> torch.Tensor | None:
@@ -41,6 +47,7 @@ def _backward_interim(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, 
                       l2norm) -> Grads:  # fmt: skip
     """INTERIM: the chunked backward in fp32 torch (the kernel's stand-in). Flat tensors:
     q, k (T, H, K), v, do (T, HV, V), g, beta (T, HV); states in the op's layout."""
+    refuse_capture(NOT_CAPTURABLE, q)
     grads = gated_delta_rule_chunked_backward(
         *(x.unsqueeze(0) for x in (q, k, v, g, beta, do)), scale=scale,
         initial_state=_to_kv(initial_state, k_last), d_final_state=_to_kv(d_final, k_last),

@@ -13,8 +13,10 @@ INTERIM PATH: the backward op runs `reference.kda_bwd.kimi_delta_attention_chunk
 in fp32 on the GPU with torch ops (`_backward_interim`: recompute of the chunk states, the
 reverse state recurrence as one batched GEMM step per chunk, every chunk's gradients batched,
 the per-channel decays factored around sub-chunk reference points; it reads the offsets on
-the host, one sync a call). Correct, not fast: a backward kernel replaces `_backward_interim`
-and nothing else (docs/linear_attention/NOTES.md "Kimi Delta Attention backward").
+the host, one sync a call: a CUDA-graph capture is refused before any work,
+`ops._dispatch.refuse_capture`). Correct, not fast: a backward kernel replaces
+`_backward_interim` and nothing else (docs/linear_attention/NOTES.md "Kimi Delta Attention
+backward").
 
 `kimi_delta_attention_backward` is the same backward for callers with their own autograd and
 for the suite's backward timing.
@@ -25,17 +27,23 @@ from __future__ import annotations
 import torch
 
 from forgekernel.ops import kda_chunked as fwd
+from forgekernel.ops._dispatch import refuse_capture
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import check_cuda, check_shaped
 from forgekernel.reference.kda_bwd import kimi_delta_attention_chunked_backward
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+NOT_CAPTURABLE = (
+    "kimi_delta_attention's interim backward reads the offsets on the host (its chunk layout, "
+    "one sync a call) and builds its tables there"
+)
 
 
 def _backward_interim(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale,
                       l2norm) -> Grads:  # fmt: skip
     """INTERIM: the chunked backward in fp32 torch (the kernel's stand-in). Flat tensors:
     q, k (T, H, K), v, do (T, HV, V), g (T, HV, K), beta (T, HV); states (N, HV, K, V)."""
+    refuse_capture(NOT_CAPTURABLE, q)
     grads = kimi_delta_attention_chunked_backward(
         *(x.unsqueeze(0) for x in (q, k, v, g, beta, do)), scale=scale,
         initial_state=initial_state, d_final_state=d_final, cu_seqlens=cu_seqlens,

@@ -120,11 +120,13 @@ def _check_int(name: str, t: torch.Tensor) -> None:
 
 
 def _valid_slots(
-    indices: torch.Tensor, s_kv: int, topk_length: torch.Tensor | None
+    indices: torch.Tensor, s_kv: int, topk_length: torch.Tensor | None, check_range: bool = True
 ) -> torch.Tensor:
-    """(S, topk) bool: entries that take part (index >= 0, inside topk_length)."""
+    """(S, topk) bool: entries that take part (index >= 0, inside topk_length). check_range:
+    raise on an entry >= s_kv (a host read of the largest entry; False where nothing may be
+    read back, as under CUDA-graph capture: such an entry is then the caller's error)."""
     _check_int("topk_indices", indices)
-    if indices.numel() and int(indices.max()) >= s_kv:
+    if check_range and indices.numel() and int(indices.max()) >= s_kv:
         raise ValueError(f"topk_indices: an entry is >= the {s_kv} keys (padding is -1)")
     valid = indices >= 0
     if topk_length is not None:
@@ -457,6 +459,7 @@ def dsa_sparse_attention_bwd_ref(
     dtype: torch.dtype = torch.float32,
     dq_dtype: torch.dtype | None = None,
     chunk_elements: int | None = None,
+    check_range: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(dq (S, H, D), dkv (S_kv, D), d_sink (H,) or None): the gradients of
     sum(out * dout) + sum(lse * dlse) (dlse None: 0), written out as a kernel computes them
@@ -465,14 +468,15 @@ def dsa_sparse_attention_bwd_ref(
     term, as in the forward's gather). dkv and d_sink come back in `dtype`, dq in dq_dtype
     (default `dtype`; each chunk is rounded as it is written, so nothing S x H x D wide is held
     in `dtype` beyond dq itself). chunk_elements: the chunk's intermediates' size (default
-    CHUNK_BUDGET; a GPU caller widens it).
+    CHUNK_BUDGET; a GPU caller widens it). check_range False: no host read at all (an index
+    >= S_kv not checked: the caller's under CUDA-graph capture).
 
     out (S, H, d_v) and lse (S, H) (the forward's: KV-only natural-log LSE, -inf for an empty
     row), when given, are used as a kernel uses them (P = exp(s - logaddexp(lse, sink)),
     Delta = rowsum(dout * out)) instead of recomputing them from the chunk's scores. The LSE's
     gradient adds dlse P_kv to dS (P_kv = exp(s - lse): the KV-only softmax) and nothing to
     d_sink: kernels fold it into Delta, Delta' = Delta - dlse exp(lse_all - lse)."""
-    valid = _check_sparse(q, kv, topk_indices, attn_sink, topk_length, d_v)
+    valid = _check_sparse(q, kv, topk_indices, attn_sink, topk_length, d_v, check_range)
     rows = (*q.shape[:2], d_v)
     for name, t, shape in (("dout", dout, rows), ("out", out, rows), ("lse", lse, rows[:2]),
                            ("dlse", dlse, rows[:2])):  # fmt: skip
@@ -588,7 +592,7 @@ def lse_with_sink(lse: torch.Tensor, attn_sink: torch.Tensor) -> torch.Tensor:
     return torch.logaddexp(lse, attn_sink.to(lse.dtype)[None, :].expand_as(lse))
 
 
-def _check_sparse(q, kv, indices, attn_sink, topk_length, d_v) -> torch.Tensor:
+def _check_sparse(q, kv, indices, attn_sink, topk_length, d_v, check_range=True) -> torch.Tensor:
     """The valid-entry mask, after ValueErrors naming the argument for misread shapes."""
     if q.dim() != 3 or kv.dim() != 2 or kv.shape[1] != q.shape[2]:
         raise ValueError(f"q (S, H, D), kv (S_kv, D): got {tuple(q.shape)}, {tuple(kv.shape)}")
@@ -598,7 +602,7 @@ def _check_sparse(q, kv, indices, attn_sink, topk_length, d_v) -> torch.Tensor:
         raise ValueError(f"topk_indices: expected ({q.shape[0]}, topk), got {tuple(indices.shape)}")
     if attn_sink is not None and attn_sink.shape != (q.shape[1],):
         raise ValueError(f"attn_sink: expected ({q.shape[1]},), got {tuple(attn_sink.shape)}")
-    return _valid_slots(indices, kv.shape[0], topk_length)
+    return _valid_slots(indices, kv.shape[0], topk_length, check_range)
 
 
 # ---------------------------------------------------------------- paged forms

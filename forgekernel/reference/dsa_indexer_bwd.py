@@ -151,12 +151,18 @@ def dsa_indexer_kl_backward_ref(
     docstring), from q (S, H, D), k (S_kv, D), weights (S, H), topk_indices int (S, topk),
     target and predict (S, topk) fp32. grad_scale = grad_loss * loss_coeff / (B * S_q)."""
     _check(q, k, weights, topk_indices, ("target", target), ("predict", predict))
-    valid = valid_slots(topk_indices, k.shape[0])
+    s_kv = k.shape[0]
+    valid = valid_slots(topk_indices, s_kv)
     safe = torch.where(valid, topk_indices, 0).long()
+    # dk's scatter: an invalid slot lands in a scratch row past the keys (row S_kv), dropped at
+    # the end. A boolean mask over the slots instead sizes its result by their values: a host
+    # read, which a CUDA-graph capture rejects (nothing here reads the device on the host).
+    sink = torch.where(valid, topk_indices, s_kv).long()
     q, k, w = q.to(dtype), k.to(dtype), weights.to(dtype)
     grad = dsa_indexer_grad_signal_ref(target.to(dtype), predict.to(dtype), grad_scale)
     grad = torch.where(valid, grad, 0.0)
-    dq, dw, dk = torch.zeros_like(q), torch.zeros_like(w), torch.zeros_like(k)
+    dq, dw = torch.zeros_like(q), torch.zeros_like(w)
+    dk = k.new_zeros(s_kv + 1, k.shape[1])
     for r0, r1 in _chunks(q.shape[0], topk_indices.shape[1] * (q.shape[1] + q.shape[2])):
         s = _scores(q[r0:r1], k, safe[r0:r1], sm_scale)
         g = grad[r0:r1, None, :]
@@ -164,9 +170,8 @@ def dsa_indexer_kl_backward_ref(
         ds = torch.where(s > 0, g * w[r0:r1, :, None], 0.0)  # (rows, H, topk)
         dq[r0:r1] = sm_scale * torch.einsum("rhk,rkd->rhd", ds, _gather_rows(k, safe[r0:r1]))
         rows_dk = sm_scale * torch.einsum("rhk,rhd->rkd", ds, q[r0:r1])
-        keep = valid[r0:r1].reshape(-1)
-        dk.index_add_(0, safe[r0:r1].reshape(-1)[keep], rows_dk.reshape(-1, k.shape[1])[keep])
-    return dq, dw, dk
+        dk.index_add_(0, sink[r0:r1].reshape(-1), rows_dk.reshape(-1, k.shape[1]))
+    return dq, dw, dk[:s_kv]
 
 
 def dsa_indexer_kl_backward_autograd(

@@ -151,10 +151,12 @@ def test_kernel_equals_its_replay(split):
 
 
 def test_first_pass_kernel_equals_torch_first_pass():
-    """intra.py (first GPU run) against operands.py on the same inputs, output by output: the
-    bf16 operand tiles within a few bf16 roundings of their largest entry, D to fp32 exp2,
-    over the real chunks (the grid's bound has 5 more, of length 0: the kernel leaves their
-    rows unwritten; the recurrence never reads them)."""
+    """intra.py against operands.py on the same inputs, output by output: the bf16 operand
+    tiles within a few bf16 roundings of their largest entry, D to fp32 exp2, over the real
+    chunks. Both lay out `chunk_bound` chunks, min(T, (T + 63 N) // 64) = 12 for T = 493,
+    N = 5: 2 past the 10 real ones, of length 0 (the kernel leaves their rows unwritten; the
+    recurrence never reads them). The CPU twin with the kernel's replay:
+    tests/test_kda_op.py::test_first_pass_kernel_layout_is_the_torch_first_pass_layout."""
     from forgekernel.kernels.linear_attention.kda_prefill.sm90 import launch, operands
 
     q, k, v, g, beta, _, cu = _inputs([1, 63, 64, 65, 300], 2, 4, torch.bfloat16, seed=13,
@@ -165,7 +167,10 @@ def test_first_pass_kernel_equals_torch_first_pass():
     got = launch.first_pass_kernel(q, k, g, beta, cu, 0.1, False)
     assert torch.equal(got["first"], want["first"])
     real = 1 + 1 + 1 + 2 + 5  # ceil(len / 64) of [1, 63, 64, 65, 300]
-    assert got["decay"].shape[0] == want["decay"].shape[0] == real + 5
+    bound = operands.chunk_bound(493, 5)
+    assert bound == (493 + 63 * 5) // 64 == real + 2
+    assert got["decay"].shape[0] == want["decay"].shape[0] == bound
+    assert got["q_g"].shape[0] == want["q_g"].shape[0] == 64 * bound
     for name in ("q_g", "k_g", "k_d", "t_beta", "p", "decay"):
         cut = real if name == "decay" else 64 * real
         _close(got[name][:cut].float(), want[name][:cut].float(), 3e-2)

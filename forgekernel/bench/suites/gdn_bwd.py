@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from forgekernel.bench.suite import Case, Inputs, OpSuite
-from forgekernel.bench.suites import gdn_prefill
+from forgekernel.bench.suites import fla_varlen, gdn_prefill
 from forgekernel.bench.suites.gdn_prefill import HEAD, _mix
 
 RECURRENT_UP_TO = 4096  # tokens: above, the fp64 chunked backward is the reference (speed)
@@ -165,17 +165,20 @@ def _fla():
     except ImportError:
         return None
 
-    def run(inputs: Inputs):
-        i = inputs
+    def grads(i: Inputs, cu: torch.Tensor):
         if "fla_graph" not in i:  # the forward recorded once per input set, never timed
             leaves = [x.detach().clone().requires_grad_() for x in _likes(i)]
             state = leaves[5] if len(leaves) == 6 else None
             o, final = chunk_gated_delta_rule(*leaves[:5], initial_state=state,
                                               output_final_state=True,
-                                              cu_seqlens=i["cu_seqlens_long"])  # fmt: skip
+                                              cu_seqlens=cu)  # fmt: skip
             i["fla_graph"] = ((o, final), leaves)
         outputs, leaves = i["fla_graph"]
         return torch.autograd.grad(outputs, leaves, (i["do"], i["d_final"]), retain_graph=True)
+
+    def run(inputs: Inputs):
+        cu = fla_varlen.shared_offsets(inputs)
+        return fla_varlen.call(grads, cu, inputs, cu, capturable=False)
 
     return run
 

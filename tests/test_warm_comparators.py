@@ -1,0 +1,58 @@
+"""scripts/warm_comparators.py on the CPU: its calls are the bench's first calls in the bench's
+order (the host probe's case, then each bench case once, in the bench dtype), every comparator
+once per case, a raising one named and skipped."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from forgekernel.bench.harness import host_case
+from forgekernel.bench.suites import gdn_prefill, kda_prefill
+
+_PATH = Path(__file__).resolve().parents[1] / "scripts" / "warm_comparators.py"
+_SPEC = importlib.util.spec_from_file_location("warm_comparators", _PATH)
+warm = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(warm)
+
+
+def test_plan_is_the_bench_order_of_first_calls():
+    for module in (gdn_prefill, kda_prefill):
+        suite = module.suite()
+        got = warm.plan(suite)
+        assert [c for c, _ in got][0] == host_case(suite)
+        assert [c.name for c, _ in got][1:] == [
+            c.name for c in suite.bench_cases if c != host_case(suite)
+        ]
+        assert {d for _, d in got} == {torch.bfloat16}
+
+
+def test_every_comparator_once_per_case(monkeypatch, capsys):
+    suite = gdn_prefill.suite()
+    small = [gdn_prefill.CHECK_CASES[1], gdn_prefill.CHECK_CASES[0]]
+    monkeypatch.setattr(warm, "plan", lambda s: [(c, torch.bfloat16) for c in small])
+    calls = []
+
+    def fine(inputs):
+        calls.append(inputs["q"].shape[1])
+
+    def broken(inputs):
+        raise NotImplementedError("not this case")
+
+    import forgekernel.bench.harness as harness
+
+    monkeypatch.setattr(harness, "resolve_comparators",
+                        lambda s: ({"fla": fine, "flashinfer": broken}, {}))  # fmt: skip
+    warm.warm(suite, 0, torch.device("cpu"))
+    assert calls == [sum(c.params["lens"]) for c in small]
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and all("raised: flashinfer (NotImplementedError)" in ln for ln in out)
+
+
+def test_list(capsys):
+    assert warm.main(["kda_prefill", "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"kda_prefill {host_case(kda_prefill.suite()).name} bfloat16"
+    assert len(lines) == len(kda_prefill.BENCH_CASES)  # the host case is the first bench case
