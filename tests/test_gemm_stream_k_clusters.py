@@ -55,8 +55,8 @@ CASES = [
 
 
 def model_walk(cfg, m, n, k, sms=SMS):
-    """{CTA: [(tile_m, tile_n, k0, count, parts)]} from the plan alone, with the launcher's
-    numbering of CTAs (cluster z, rank r: CTA z S + r)."""
+    """(plan, {CTA: [(tile_m, tile_n, k0, count, parts, streamed)]}) from the plan alone, with
+    the launcher's numbering of CTAs (cluster z, rank r: CTA z S + r)."""
     plan = split_for(cfg, m, n, k, sms)
     cm, cn = cfg.cluster_m, cfg.cluster_n
     tiles_m = -(-m // cfg.tile_m)
@@ -77,17 +77,18 @@ def model_walk(cfg, m, n, k, sms=SMS):
 
     units = {}
     for z in range(plan.clusters):
-        seq = [(b, 0, kt) for b in range(z, dp_blocks, wave)]
+        seq = [(b, 0, kt, False) for b in range(z, dp_blocks, wave)]
         it = dp_blocks * kt + z * plan.per
         end = min(it + plan.per, total)
         while it < end:
             b, k0 = divmod(it, kt)
             count = min(end - it, kt - k0)
-            seq.append((b, k0, count))
+            seq.append((b, k0, count, True))
             it += count
         for r in range(cm * cn):
             units[z * cm * cn + r] = [
-                (*tiles_of(b)[r], k0, count, parts_of(b)) for b, k0, count in seq
+                (*tiles_of(b)[r], k0, count, parts_of(b), streamed)
+                for b, k0, count, streamed in seq
             ]
     return plan, units
 
@@ -165,7 +166,7 @@ def test_kernel_walk_is_the_plan(cfg, m, n, k, host_dsl):
     for cta in range(plan.ctas):
         rows = [r for r in out[cta].tolist() if r[0] >= 0]
         assert len(rows) < UNITS and len(rows) == len(model[cta])
-        assert [tuple(r[:4]) + (r[5],) for r in rows] == model[cta]
+        assert [(*r[:4], r[5]) for r in rows] == [u[:5] for u in model[cta]]
         cluster = cta // plan.cluster_size
         mates = [c for c in range(plan.ctas) if c // plan.cluster_size == cluster]
         for mate in mates:  # the cluster in lockstep: the same k-tiles, unit after unit
@@ -215,3 +216,78 @@ def test_the_kernel_derives_the_plans_data_parallel_rounds():
                     assert plan.clusters <= wave and plan.per >= 1
                     if m <= 64:
                         assert plan.dp_rounds == 0
+
+
+def walk_classes(cfg, m, n, k) -> set[str]:
+    """Which situations the stream-K walk of (M, N, K) meets: "dp" data-parallel rounds,
+    "dead_parked" a cut tile past M or N (its CTA skips the park), "parts3" a tile of three
+    parts or more, "head_last" a cut tile whose part 0 is its cluster's last unit (cluster slot
+    2z + 1), "whole_between" a cluster with a whole block between its two cut ones."""
+    plan, units = model_walk(cfg, m, n, k)
+    tiles_m, tiles_n = -(-m // cfg.tile_m), -(-n // cfg.tile_n)
+    found = {"dp"} if plan.dp_rounds else set()
+    for us in units.values():
+        streamed = [u for u in us if u[5]]
+        for tm, tn, _k0, _count, parts, _ in streamed:
+            if parts > 1 and (tm >= tiles_m or tn >= tiles_n):
+                found.add("dead_parked")
+            if parts >= 3:
+                found.add("parts3")
+        if len(streamed) >= 2 and streamed[-1][2] == 0 and streamed[-1][4] > 1:
+            found.add("head_last")
+        if len(streamed) >= 3:
+            found.add("whole_between")
+    return found
+
+
+def test_the_suite_checks_every_prefill_walk():
+    """Each prefill stream-K configuration is what the chooser picks for check cases of the
+    GEMM suite that together meet every situation of `walk_classes` a GPU run must prove, and
+    for sanitizer cases where a dead CTA skips its part and part 0 is a last unit; MID (the
+    64-row tile) is checked and sanitized on an N whose last cluster block is half past it."""
+    from forgekernel.bench.suites import gemm as suite
+
+    def picks(cases):
+        out: dict = {}
+        for c in cases:
+            m, n, k = (c.params[x] for x in "mnk")
+            cfg = config.choose_config(m, n, k, SMS)
+            if m > 128 and (cfg.stream_k or cfg == config.MID):
+                out.setdefault(cfg, set()).update(
+                    walk_classes(cfg, m, n, k) if cfg.stream_k else {"tiled"}
+                )
+        return out
+
+    checked, sanitized = picks(suite.CHECK_CASES), picks(suite.SANITIZE_CASES)
+    need = {"dp", "dead_parked", "head_last"}
+    for cfg in config.PREFILL_STREAM:
+        assert checked.get(cfg, set()) >= need, cfg.tag()
+    assert config.MID in checked and config.MID in sanitized
+    assert set().union(*(sanitized.get(c, set()) for c in config.PREFILL_STREAM)) >= {
+        *need,
+        "parts3",
+        "whole_between",
+    }
+    assert set(sanitized) >= {config.MID, *config.PREFILL_STREAM}
+
+
+@pytest.mark.parametrize(
+    ("cfg", "b_kn"),
+    [(LARGE_STREAM, False), (MID_STREAM, True), (config.MID, False)],
+    ids=lambda x: getattr(x, "tag", lambda: str(x))(),
+)
+def test_prefill_configs_compile_without_spills(cfg, b_kn, tmp_path):
+    """sm_90a: no stack or local memory, one mainloop (the tiled kernel's 12 HGMMA: the
+    data-parallel and the streamed units share it), the entry register caps."""
+    from forgekernel.kernels.gemm.dense.sm90 import SPEC
+    from forgekernel.runtime.resources import find_tool, inspect_cubin
+
+    if find_tool("cuobjdump") is None:
+        pytest.skip("cuobjdump not installed")
+    params = config.params_for("bfloat16", b_kn, cfg)
+    info = inspect_cubin(
+        SPEC.compile(params, f"--keep-cubin --dump-dir {tmp_path}").artifacts.CUBIN
+    )
+    sass = info["sass"]
+    assert info["spill_bytes"] == 0 and sass.get("LDL", 0) == sass.get("STL", 0) == 0
+    assert sass["HGMMA"] == 12 and info["registers"] == (168 if cfg.tile_m == 128 else 232)

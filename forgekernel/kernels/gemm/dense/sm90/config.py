@@ -141,15 +141,6 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def occupancy(cfg: GemmConfig, m: int, n: int, num_sms: int) -> float:
-    """Busy fraction of the SMs over the whole run: tiles over (waves x CTAs per wave)."""
-    cm, cn = cfg.cluster_m, cfg.cluster_n
-    clusters = _ceil(_ceil(m, cfg.tile_m), cm) * _ceil(_ceil(n, cfg.tile_n), cn)
-    per_wave = num_sms // (cm * cn)
-    tiles = _ceil(m, cfg.tile_m) * _ceil(n, cfg.tile_n)
-    return tiles / (_ceil(clusters, per_wave) * per_wave * cm * cn)
-
-
 def stream_plan(
     cfg: GemmConfig,
     m: int,
@@ -253,15 +244,29 @@ _CHALLENGER_MARGIN = 0.95
 
 
 def prefill_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> GemmConfig:
-    """M > 128: the measured tiles as before (SMALL up to 256 rows; above, the one of LARGE,
-    WIDE, SQUARE that `prefill_time` predicts fastest: the rounds of tiles and useful area the
-    earlier occupancy x utilization x efficiency rule weighed), unless a challenger (MID, the
-    stream-K tiles) is predicted `_CHALLENGER_MARGIN` faster."""
+    """M > 128: the measured tile (`prefill_rivals`' "tile") unless the challenger is
+    predicted `_CHALLENGER_MARGIN` faster."""
+    rivals = prefill_rivals(m, n, k, num_sms)
+    tile, challenger = rivals["tile"], rivals["challenger"]
+    faster = prefill_time(challenger, m, n, k, num_sms) < (
+        _CHALLENGER_MARGIN * prefill_time(tile, m, n, k, num_sms)
+    )
+    return challenger if faster else tile
+
+
+def prefill_rivals(
+    m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200
+) -> dict[str, GemmConfig]:
+    """The two prefill configurations `prefill_config` weighs on (M > 128, N, K), each the
+    fastest of its kind by `prefill_time`: "tile", of the measured tiles as before (SMALL up
+    to 256 rows; above, LARGE, WIDE or SQUARE: the rounds of tiles and useful area the earlier
+    occupancy x utilization x efficiency rule weighed), and "challenger", of MID and the
+    stream-K tiles. The bench times the one not chosen beside the chosen (suite variants)."""
     measured = (SMALL,) if m <= 256 else (LARGE, WIDE, SQUARE)
-    base = min(measured, key=lambda c: prefill_time(c, m, n, k, num_sms))
-    best = min((MID, *PREFILL_STREAM), key=lambda c: prefill_time(c, m, n, k, num_sms))
-    challenge = prefill_time(best, m, n, k, num_sms)
-    return best if challenge < _CHALLENGER_MARGIN * prefill_time(base, m, n, k, num_sms) else base
+    return {
+        kind: min(group, key=lambda c: prefill_time(c, m, n, k, num_sms))
+        for kind, group in (("tile", measured), ("challenger", (MID, *PREFILL_STREAM)))
+    }
 
 
 def prefill_time(cfg: GemmConfig, m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200):
@@ -278,10 +283,3 @@ def prefill_time(cfg: GemmConfig, m: int, n: int, k: int, num_sms: int = NUM_SMS
 def prefill_times(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200):
     """{configuration: `prefill_time`} over every prefill configuration."""
     return {c: prefill_time(c, m, n, k, num_sms) for c in PREFILL + PREFILL_STREAM}
-
-
-def utilization(cfg: GemmConfig, m: int, n: int) -> float:
-    """Useful fraction of the tiles' area: a ragged last tile computes its whole area (moved
-    back in bounds, it recomputes its neighbour's rows), so N = 576 wastes a quarter of 3
-    tiles of 256 and none of 3 tiles of 192."""
-    return m * n / (_ceil(m, cfg.tile_m) * cfg.tile_m * _ceil(n, cfg.tile_n) * cfg.tile_n)
