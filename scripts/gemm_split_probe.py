@@ -17,9 +17,14 @@ import torch
 from forgekernel.kernels.gemm.dense.sm90 import SPEC
 from forgekernel.kernels.gemm.dense.sm90 import launch as L
 from forgekernel.kernels.gemm.dense.sm90.config import (
+    LARGE_STREAM,
+    MID,
+    MID_STREAM,
+    WIDE_STREAM,
     GemmConfig,
     choose_config,
     params_for,
+    split_for,
     stream_plan,
 )
 from forgekernel.runtime.cache import get_kernel
@@ -40,7 +45,11 @@ def run(cfg, a, b, c, ctas=None):
     clusters = SMS // (cfg.cluster_m * cfg.cluster_n)
     if not cfg.stream_k:
         return fn(a, b, c, None, None, 0, None, None, None, clusters)
-    per, g, tiles = stream_plan(cfg, m, n, k, SMS if ctas is None else ctas)
+    if ctas is None:  # the launcher's plan (cluster blocks, data-parallel rounds for M > 64)
+        plan = split_for(cfg, m, n, k, SMS)
+        per, g, tiles = plan.per, plan.ctas, plan.tiles
+    else:  # every block streamed over `ctas` CTAs (clusters of one)
+        per, g, tiles = stream_plan(cfg, m, n, k, ctas)
     work, flags = L.stream_k_workspace(a.device, tiles, 2 * g * cfg.tile_m * cfg.tile_n)
     fn(a, b, c, work, flags, per, None, None, None, clusters)
 
@@ -152,6 +161,11 @@ def ragged_cfgs(m, n, k):
         "sk128x128": split_cfg(128, 128),
         "sk128x192": split_cfg(128, 192),
         "sk128x256": split_cfg(128, 256),
+        # issue 17's prefill configurations (stream K over 2-CTA clusters, the 64-row tile)
+        "mid64x256c12": MID,
+        "skmid64x256c12": MID_STREAM,
+        "sk128x256c21": LARGE_STREAM,
+        "sk128x192c21": WIDE_STREAM,
     }
 
 

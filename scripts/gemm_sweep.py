@@ -41,7 +41,11 @@ SHAPES = (
 
 
 def _fits(cfg, m: int) -> bool:
-    """Skinny tiles only for skinny M; LARGE and SMALL everywhere."""
+    """Skinny tiles only for skinny M; LARGE and SMALL everywhere. Not the stream-K ones (a
+    workspace and a plan: the launcher's, timed by `forgekernel bench gemm`'s variants and
+    scripts/gemm_split_probe.py)."""
+    if cfg.stream_k:
+        return False
     skinny = cfg.tile_m * cfg.tile_n < 128 * 128
     return cfg in (LARGE, SMALL) or skinny == (m <= 256)
 

@@ -168,6 +168,21 @@ EDGE_CASES = (
     _case(3, 128, 4160),
     _case(24, 128, 4160, "kn"),
 )
+# Prefill stream K and the 64-row tile (config.py MID, PREFILL_STREAM), each walk the chooser
+# picks on odd sizes: a cluster block over the edge of M or N whose dead CTA skips its part
+# ("dead parked"), a tile cut into three parts and more, part 0 parked as its cluster's last unit,
+# data-parallel rounds before the streamed ones (tests/test_gemm_stream_k_clusters.py
+# `test_the_suite_checks_every_prefill_walk` keeps it so).
+PREFILL_STREAM_CASES = (
+    _case(129, 10248, 520, "kn"),  # MID tiled: 41 tile columns, the last block's CTA 1 past N
+    _case(129, 520, 4104),  # MID stream K: dead parked, 3 parts
+    _case(1026, 3592, 2056, "kn"),  # MID stream K: data-parallel rounds, dead parked
+    _case(301, 28680, 4104, group="ragged", source="llama3-8b.gate_up"),  # MID stream K, dp
+    _case(1091, 10248, 4104),  # LARGE stream K: 9 tile rows (dead CTA row), dp rounds
+    _case(714, 3000, 8200, "kn"),  # LARGE stream K: 3 parts
+    _case(1026, 520, 4104),  # WIDE stream K: dead parked, 3 parts
+    _case(4095, 1544, 4104, "kn"),  # WIDE stream K: data-parallel rounds
+)
 # One moderate case per class the bench samples besides the legacy ones (checked in full above).
 CLASS_CHECK_CASES = (
     _case(16, 6144, 4096, group="decode", source="llama3-8b.qkv"),
@@ -176,7 +191,7 @@ CLASS_CHECK_CASES = (
     _case(1024, 4608, 3584, group="prefill", source="qwen2.5-7b.qkv"),
     _case(333, 1536, 7168, group="ragged", source="deepseek-v3.q_a"),
 )
-CHECK_CASES = _unique(LEGACY_BENCH_CASES + EDGE_CASES + CLASS_CHECK_CASES)
+CHECK_CASES = _unique(LEGACY_BENCH_CASES + EDGE_CASES + CLASS_CHECK_CASES + PREFILL_STREAM_CASES)
 # N or K not a multiple of 8 (cuBLAS takes any shape): checked once forgekernel.gemm takes them
 # (`odd_sizes_accepted`), with GPT-2's LM head (vocabulary 50257) as the real-model one.
 ODD_CASES = (
@@ -190,8 +205,10 @@ ODD_CASES = (
 )
 # compute-sanitizer (`forgekernel check --sanitize`) and tests/gpu/: every kind of standard
 # configuration the chooser picks (decode stream K and short A box, 64x64 skinny, 64x128
-# skinny, 128x128 with and without a cluster, 128x192 wide, 128x256 large), each on ragged
-# edges, both B layouts, and the smallest problem (M = 1, N = K = 8).
+# skinny, 128x128 with and without a cluster, 128x192 wide, 128x256 large, 64x256 mid, prefill
+# stream K over 2-CTA clusters), each on ragged edges, both B layouts, and the smallest problem
+# (M = 1, N = K = 8). Prefill stream K: parts parked and summed by CTAs of clusters, a dead CTA
+# skipping its part, data-parallel rounds before the streamed ones.
 SANITIZE_CASES = (
     _case(1, 8, 8),
     _case(2, 512, 16384),
@@ -212,6 +229,12 @@ SANITIZE_CASES = (
     _case(255, 136, 72),
     _case(1000, 1000, 1032, "kn"),
     _case(1500, 2504, 520),
+    _case(129, 10248, 520, "kn"),  # MID
+    _case(129, 264, 4104),  # MID stream K, 3 parts
+    _case(129, 520, 4104, "kn"),  # MID stream K, dead parked
+    _case(1026, 3592, 2056),  # MID stream K, data-parallel rounds, dead parked
+    _case(1026, 520, 4104, "kn"),  # WIDE stream K, dead parked
+    _case(460, 12744, 2056),  # LARGE stream K, part 0 parked as a cluster's last unit
 )
 
 
@@ -265,6 +288,31 @@ def run_ours(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
     from forgekernel.ops.gemm import gemm
 
     return gemm(inputs["a"], inputs["b"], out=out, b_layout=inputs["b_layout"])
+
+
+def variants(case: Case) -> dict[str, Any]:
+    """M > 128: the prefill configuration the chooser weighed against its pick and left
+    (config.py `prefill_rivals`: "tile", the measured tile, or "challenger", the 64-row tile
+    or a stream-K one), forced through the op: variant time / our time says whether the
+    choice paid (docs/gemm/NOTES.md "Mid-size M"). None for decode and skinny M."""
+    from forgekernel.kernels.gemm.dense.sm90.config import choose_config, prefill_rivals
+
+    p = case.params
+    m, n, k = p["m"], p["n"], p["k"]
+    if m <= 128:
+        return {}
+    chosen = choose_config(m, n, k)
+    return {
+        kind: (lambda inputs, out, cfg=cfg: _forced(inputs, out, cfg))
+        for kind, cfg in prefill_rivals(m, n, k).items()
+        if cfg != chosen
+    }
+
+
+def _forced(inputs: Inputs, out: torch.Tensor | None, cfg) -> torch.Tensor:
+    from forgekernel.ops.gemm import gemm
+
+    return gemm(inputs["a"], inputs["b"], out=out, b_layout=inputs["b_layout"], config=cfg)
 
 
 def reference(inputs: Inputs) -> torch.Tensor:
@@ -336,4 +384,5 @@ def suite() -> OpSuite:
         sanitize_cases=SANITIZE_CASES,
         host_case=HOST_CASE,
         host_comparators=host_comparators,
+        variants=variants,
     )

@@ -11,6 +11,13 @@ from forgekernel.kernels.common.sm90.constants import (
     NUM_SMS_H100_H200,
     SMEM_CAPACITY,
 )
+from forgekernel.kernels.gemm.dense.sm90.plan import (
+    StreamSplit,
+    hbm_us,
+    stream_split,
+    stream_us,
+    tiled_us,
+)
 
 DTYPES = DTYPE_NAMES  # every standard kernel is built for each
 
@@ -83,9 +90,36 @@ DECODE = tuple(dataclasses.replace(SKINNY_64, a_rows=r) for r in A_ROWS[:-1])
 DECODE_STREAM = tuple(
     GemmConfig(tile_m=64, tile_n=64, cluster_m=1, stream_k=True, a_rows=r) for r in A_ROWS
 )
-STANDARD_CONFIGS = (LARGE, WIDE, SMALL, SQUARE, SKINNY_64, SKINNY_128, *DECODE, *DECODE_STREAM)
-# Tile efficiency relative to LARGE at full occupancy (8192^3 class shapes, H200).
-_EFFICIENCY = {LARGE: 1.0, WIDE: 0.965, SQUARE: 0.93}
+# M > 128 past a multiple of 128 (129, 300, 777 rows): 64-row tiles waste at most 63 rows where
+# 128-row tiles waste up to 127. A 2x1 cluster of 64-row tiles is a 128-row block again (its
+# dead CTA row), so the two N tiles of a 1x2 cluster share A instead (B, the wide operand, is
+# read by each: 36 KB a k-tile and CTA, SMALL's 32 KB at the same FLOP rate).
+MID = GemmConfig(tile_m=64, tile_n=256, cluster_m=1, cluster_n=2)
+# Stream K on the prefill tiles, cluster blocks as units (both CTAs of a cluster walk the same
+# k-ranges, the multicast kept; kernel.py): for tile counts that leave a wave mostly empty
+# (4096x576x7168: 96 tiles of 128x192, 512x7168x16384: 112 of 128x256).
+LARGE_STREAM = dataclasses.replace(LARGE, stream_k=True)
+WIDE_STREAM = dataclasses.replace(WIDE, stream_k=True)
+MID_STREAM = dataclasses.replace(MID, stream_k=True)
+PREFILL = (LARGE, WIDE, SQUARE, SMALL, MID)
+PREFILL_STREAM = (LARGE_STREAM, WIDE_STREAM, MID_STREAM)
+STANDARD_CONFIGS = (
+    LARGE,
+    WIDE,
+    SMALL,
+    SQUARE,
+    SKINNY_64,
+    SKINNY_128,
+    *DECODE,
+    *DECODE_STREAM,
+    MID,
+    *PREFILL_STREAM,
+)
+# Tile rate relative to LARGE with every SM busy (8192^3 class shapes, H200): WIDE and SQUARE
+# from the sweeps of 2026-11-30, SMALL from 256x8192x8192 (one round of 128 tiles, 57.7 us on
+# 2026-12-02); MID assumed (no compute-bound measurement of a 64-row tile yet: the bench's
+# variants measure it, docs/gemm/NOTES.md "Mid-size M").
+_EFFICIENCY = {LARGE: 1.0, WIDE: 0.965, SQUARE: 0.93, SMALL: 0.92, MID: 0.90}
 # Further configurations for tuning (`forgekernel build --candidates`, `forgekernel.tune_gemm`,
 # scripts/gemm_sweep.py); bf16 "nk" prebuilt, anything else compiles on first use.
 CANDIDATES = (
@@ -107,15 +141,6 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def occupancy(cfg: GemmConfig, m: int, n: int, num_sms: int) -> float:
-    """Busy fraction of the SMs over the whole run: tiles over (waves x CTAs per wave)."""
-    cm, cn = cfg.cluster_m, cfg.cluster_n
-    clusters = _ceil(_ceil(m, cfg.tile_m), cm) * _ceil(_ceil(n, cfg.tile_n), cn)
-    per_wave = num_sms // (cm * cn)
-    tiles = _ceil(m, cfg.tile_m) * _ceil(n, cfg.tile_n)
-    return tiles / (_ceil(clusters, per_wave) * per_wave * cm * cn)
-
-
 def stream_plan(
     cfg: GemmConfig,
     m: int,
@@ -124,14 +149,21 @@ def stream_plan(
     num_sms: int = NUM_SMS_H100_H200,
     min_k: int | None = None,
 ) -> tuple[int, int, int]:
-    """(k-iterations per CTA, CTAs, tiles) of a stream-K configuration: all tiles' k-tiles
-    cut into equal ranges, one per SM, none shorter than `min_k` k-tiles (default
-    `_STREAM_MIN_K`: a part parks a tile-sized fp32 partial)."""
-    tiles = _ceil(m, cfg.tile_m) * _ceil(n, cfg.tile_n)
-    total = tiles * _ceil(k, cfg.tile_k)
-    ctas = max(1, min(num_sms, total // (min_k or _STREAM_MIN_K)))
-    per = _ceil(total, ctas)
-    return per, _ceil(total, per), tiles
+    """(k-iterations per cluster, CTAs, tiles) of a stream-K configuration with every block
+    streamed (the decode and FP8 plans): all blocks' k-tiles cut into equal ranges, one per
+    cluster of a wave, none shorter than `min_k` k-tiles (default `_STREAM_MIN_K`: a part
+    parks a tile-sized fp32 partial)."""
+    split = stream_split(cfg, m, n, k, num_sms, min_k or _STREAM_MIN_K, data_parallel=False)
+    return split.per, split.ctas, split.tiles
+
+
+def split_for(
+    cfg: GemmConfig, m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200
+) -> StreamSplit:
+    """The launch plan of a stream-K configuration (`plan.stream_split`): decode (M <= 64)
+    streams every block, as `decode_time` models it; larger M streams only the last two rounds,
+    as `plan.stream_us` models it."""
+    return stream_split(cfg, m, n, k, num_sms, _STREAM_MIN_K, data_parallel=m > 64)
 
 
 _STREAM_MIN_K = 16
@@ -192,9 +224,8 @@ def decode_time(cfg: GemmConfig, m: int, n: int, k: int, num_sms: int = NUM_SMS_
 
 def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> GemmConfig:
     """Analytical default (no tuning at call time): M <= 64 the faster by `decode_time` of the
-    tiled and the stream-K decode configuration for M's A box; otherwise skinny M by M, then
-    the large tile that keeps the most SMs busy on the most useful area, weighted by how fast
-    each tile runs once they are."""
+    tiled and the stream-K decode configuration for M's A box; 64 < M <= 128 the skinny
+    64x128 tile (bound by streaming B); larger M `prefill_config`."""
     if m <= 64:
         rows = next(i for i, r in enumerate(A_ROWS) if not r or m <= r)
         tiled = DECODE[rows] if rows < len(DECODE) else SKINNY_64
@@ -202,16 +233,53 @@ def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> G
         return min(pair, key=lambda c: decode_time(c, m, n, k, num_sms))
     if m <= 128:
         return SKINNY_128
-    if m <= 256:
-        return SMALL
-    return max(
-        _EFFICIENCY,
-        key=lambda c: _EFFICIENCY[c] * occupancy(c, m, n, num_sms) * utilization(c, m, n),
+    return prefill_config(m, n, k, num_sms)
+
+
+# A challenger replaces the measured tile only if `prefill_time` predicts it this much faster:
+# its efficiency (MID) or its partials and the L2 reuse of concurrent blocks it gives up
+# (stream K) are the least measured parts of the model, which reproduces the measured tiles
+# within +-4% on most of the suite (docs/gemm/NOTES.md "Mid-size M").
+_CHALLENGER_MARGIN = 0.95
+
+
+def prefill_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> GemmConfig:
+    """M > 128: the measured tile (`prefill_rivals`' "tile") unless the challenger is
+    predicted `_CHALLENGER_MARGIN` faster."""
+    rivals = prefill_rivals(m, n, k, num_sms)
+    tile, challenger = rivals["tile"], rivals["challenger"]
+    faster = prefill_time(challenger, m, n, k, num_sms) < (
+        _CHALLENGER_MARGIN * prefill_time(tile, m, n, k, num_sms)
     )
+    return challenger if faster else tile
 
 
-def utilization(cfg: GemmConfig, m: int, n: int) -> float:
-    """Useful fraction of the tiles' area: a ragged last tile computes its whole area (moved
-    back in bounds, it recomputes its neighbour's rows), so N = 576 wastes a quarter of 3
-    tiles of 256 and none of 3 tiles of 192."""
-    return m * n / (_ceil(m, cfg.tile_m) * cfg.tile_m * _ceil(n, cfg.tile_n) * cfg.tile_n)
+def prefill_rivals(
+    m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200
+) -> dict[str, GemmConfig]:
+    """The two prefill configurations `prefill_config` weighs on (M > 128, N, K), each the
+    fastest of its kind by `prefill_time`: "tile", of the measured tiles as before (SMALL up
+    to 256 rows; above, LARGE, WIDE or SQUARE: the rounds of tiles and useful area the earlier
+    occupancy x utilization x efficiency rule weighed), and "challenger", of MID and the
+    stream-K tiles. The bench times the one not chosen beside the chosen (suite variants)."""
+    measured = (SMALL,) if m <= 256 else (LARGE, WIDE, SQUARE)
+    return {
+        kind: min(group, key=lambda c: prefill_time(c, m, n, k, num_sms))
+        for kind, group in (("tile", measured), ("challenger", (MID, *PREFILL_STREAM)))
+    }
+
+
+def prefill_time(cfg: GemmConfig, m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200):
+    """Predicted time (us) of a prefill configuration (`PREFILL`, `PREFILL_STREAM`) on (M, N,
+    K): its rounds of tiles, or its stream-K plan (`plan.py`), and never under its bytes."""
+    eff = _EFFICIENCY[dataclasses.replace(cfg, stream_k=False)]
+    if cfg.stream_k:
+        t = stream_us(split_for(cfg, m, n, k, num_sms), cfg, k, num_sms, eff)
+    else:
+        t = tiled_us(cfg, m, n, k, num_sms, eff)
+    return max(t, hbm_us(m, n, k))
+
+
+def prefill_times(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200):
+    """{configuration: `prefill_time`} over every prefill configuration."""
+    return {c: prefill_time(c, m, n, k, num_sms) for c in PREFILL + PREFILL_STREAM}

@@ -23,17 +23,24 @@ Pipelines:
   `stmatrix` writes are in shared memory before the store warp's TMA store reads them, and
   nobody writes the next buffer before the store warp has seen its last store read it.
 
-Stream K (`stream_k`): the tiles' k-iterations, tile after tile, are cut into equal ranges of
-`per_cta` (chosen by the launcher), one per CTA of a one-wave grid (cluster 1x1); a CTA walks
-its range as units, each the part of one tile it covers. A unit that covers its whole tile
-runs the epilogue directly. Otherwise it parks its fp32 accumulator in the workspace (slot 2c
-for CTA c's first unit, 2c + 1 for its last; register-fragment order: each thread writes, and
-the reducer's same thread reads, its own 16-byte vectors) and counts itself in the tile's flag
-(fetch-add, acquire-release); the unit that arrives last sums every part of the tile from the
-workspace in k order (deterministic), clears the flag for the next launch and runs the
-epilogue. Nobody waits on another CTA. Parking, counting and summing are the toolkit's
-split-K protocol (kernels/common/sm90/splitk.py, the convolutions' too). For problems whose
-tiles do not fill the chip in whole waves (decode: M <= 64 against a weight).
+Stream K (`stream_k`, plan.py): the work units are the static schedule's cluster blocks
+(cluster_m x cluster_n tiles; 1x1: tiles), and a k-iteration is one k-tile of a block, which
+every CTA of the cluster computes on its own tile of the block: the CTAs of a cluster load the
+same k-tiles, so the multicast stays as in the tiled walk (a CTA whose tile lies past M or N
+computes zeros, parks and stores nothing). The first `dp_blocks` blocks run whole, in the tiled
+order (cluster z: blocks z, z + P, ... of a P-cluster grid); the k-iterations of the others,
+block after block, are cut into equal ranges of `per_cta` (chosen by the launcher), one per
+cluster; a CTA walks its range as units, each the part of one tile it covers. A unit that
+covers its whole tile runs the epilogue directly. Otherwise it parks its fp32 accumulator in
+the workspace (slot (2z) S + r for the first unit of cluster z's CTA of rank r, (2z + 1) S + r
+for its last, S CTAs a cluster; register-fragment order: each thread writes, and the reducer's
+same thread reads, its own 16-byte vectors) and counts itself in the tile's flag (fetch-add,
+acquire-release); the unit that arrives last sums every part of the tile from the workspace in
+k order (deterministic), clears the flag for the next launch and runs the epilogue. Nobody
+waits on another CTA. Parking, counting and summing are the toolkit's split-K protocol
+(kernels/common/sm90/splitk.py, the convolutions' too). For problems whose tiles do not fill
+the chip in whole waves (decode: M <= 64 against a weight; prefill tiles that leave the last
+wave mostly empty).
 
 Ragged edges: the last tile row (column) of an M (N) that is no tile multiple starts at
 M - tile_m (N - tile_n) instead, so that its TMA boxes stay in bounds (a box reaching past the
@@ -123,8 +130,6 @@ class GemmSm90:
             raise ValueError(f"epi_n must be 32 or 64 and divide tile_n, got {config.epi_n}")
         if config.cluster_m * config.cluster_n > 4:
             raise ValueError("a cluster holds at most 4 CTAs here")
-        if config.stream_k and config.cluster_m * config.cluster_n != 1:
-            raise ValueError("stream K runs without clusters: cluster_m = cluster_n = 1")
         if config.a_rows and (config.a_rows % 8 or config.a_rows > config.tile_m):
             raise ValueError(f"a_rows must be a multiple of 8 up to tile_m, got {config.a_rows}")
         if masked and (config.cluster_m * config.cluster_n != 1 or config.stream_k):
@@ -236,9 +241,10 @@ class GemmSm90:
         stream: cuda.CUstream,
     ):
         """mA (M, K); mB (N, K) or, N-major, its (K, N) transpose; mC (M, N). Stream K only:
-        `per_cta` k-iterations per CTA (the grid: all of them over per_cta), mWork fp32
-        (>= 2 x CTAs x tile_m x tile_n,) 16-byte aligned, mFlags int32 (>= tiles,) zero
-        (every launch leaves it zero); otherwise None, None, 0. FP8: mSFA, mSFB the block scales
+        `per_cta` k-iterations per cluster (`_stream_grid`: the grid and the data-parallel
+        blocks follow from it and max_active_clusters), mWork fp32 (>= 2 x CTAs x tile_m x
+        tile_n,) 16-byte aligned, mFlags int32 (>= tiles,) zero (every launch leaves it zero);
+        otherwise None, None, 0. FP8: mSFA, mSFB the block scales
         (module docstring); otherwise None, None. mGroup int32 (M,): the grouped (MoE,
         contiguous) layout, FP8 only (module docstring); otherwise None. The masked layout
         (`masked`): mA (max_m, K, E), mB (N, K, E), mC (max_m, N, E), mSFA (max_m, K/128, E),
@@ -303,9 +309,9 @@ class GemmSm90:
             (tiles_m, tiles_n), self.cluster_shape_mn, self.cfg.swizzle, self.cfg.raster_along_m
         )
         grid = schedule.grid(max_active_clusters)
+        dp_blocks = cutlass.Int32(0)
         if cutlass.const_expr(self.cfg.stream_k):
-            total = tiles_m * tiles_n * cute.ceil_div(mA.shape[1], self.cfg.tile_k)
-            grid = (1, 1, cute.ceil_div(total, per_cta))
+            grid, dp_blocks = self._stream_grid(schedule, mA.shape[1], per_cta, max_active_clusters)
 
         @cute.struct
         class SharedStorage:
@@ -338,7 +344,7 @@ class GemmSm90:
             schedule,
             mWork,
             mFlags,
-            per_cta,
+            (per_cta, dp_blocks),
             mSFA,
             mSFB,
             mGroup,
@@ -350,6 +356,20 @@ class GemmSm90:
             min_blocks_per_mp=1,
             stream=stream,
         )
+
+    def _stream_grid(self, schedule, k, per_cta, wave):
+        """Stream K's grid and data-parallel blocks (plan.py `dp_rounds_of`, `stream_grid`):
+        the whole blocks that `wave` clusters of per_cta k-iterations leave uncovered run
+        first, in rounds of the whole wave; the rest are streamed, ceil(rest / per_cta)
+        clusters (a whole wave where there are data-parallel rounds)."""
+        k_tiles = cute.ceil_div(k, self.cfg.tile_k)
+        total = schedule.blocks * k_tiles
+        uncovered = cutlass.max(total - wave * per_cta, 0)
+        dp_rounds = (uncovered + wave * k_tiles - 1) // (wave * k_tiles)
+        streamed = total - dp_rounds * wave * k_tiles
+        ranges = (streamed + per_cta - 1) // per_cta
+        clusters = cutlass.max(ranges, wave * cutlass.min(dp_rounds, 1))
+        return (*self.cluster_shape_mn, clusters), dp_rounds * wave
 
     # ---------------------------------------------------------------- device code
     @cute.kernel
@@ -370,13 +390,14 @@ class GemmSm90:
         schedule: StaticSchedule,
         mWork: cute.Tensor | None,
         mFlags: cute.Tensor | None,
-        per_cta: cutlass.Int32,
+        stream: tuple,
         mSFA: cute.Tensor | None,
         mSFB: cute.Tensor | None,
         mGroup: cute.Tensor | None,
         mC_rows: cute.Tensor | None,
     ):
-        """mC_rows: the masked layout's C itself (row-predicated stores), else None."""
+        """stream: stream K's (k-iterations per cluster, data-parallel blocks); mC_rows: the
+        masked layout's C itself (row-predicated stores), else None."""
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -417,7 +438,9 @@ class GemmSm90:
         gC = cute.local_tile(tiled_c, (self.cfg.tile_m, self.cfg.tile_n), (None, None))
         k_tiles = cute.size(gA, mode=[3])
         tiles_m = cute.size(gC, mode=[2])
-        streamk = (per_cta, k_tiles, tiles_m, tiles_m * cute.size(gC, mode=[3]) * k_tiles)
+        per_cta, dp_blocks = stream
+        total = schedule.blocks * k_tiles  # k-iterations of every block
+        streamk = (per_cta, k_tiles, tiles_m, total, dp_blocks)
 
         if cutlass.const_expr(self.masked):
             # the walk's arguments: counts, rows per expert, column tiles (see masked.py)
@@ -477,25 +500,37 @@ class GemmSm90:
 
     @cute.jit
     def _cta_range(self, streamk):
-        """Stream K: this CTA's k-iterations [begin, end) of all tiles'."""
-        per_cta, _, _, total = streamk
-        begin = cute.arch.block_idx()[2] * per_cta
+        """Stream K: this cluster's k-iterations [begin, end) of all blocks' (the streamed part
+        starts after the data-parallel blocks'; a range may be empty)."""
+        per_cta, k_tiles, _, total, dp_blocks = streamk
+        begin = dp_blocks * k_tiles + cute.arch.block_idx()[2] * per_cta
         return begin, cutlass.min(begin + per_cta, total)
 
     @cute.jit
-    def _stream_unit(self, it, end, streamk):
-        """Stream K: the unit starting at k-iteration `it` of a range ending at `end`:
-        (tile_m, tile_n, first k-tile, k-tiles, tile index, its parts, this part's slot)."""
-        per_cta, k_tiles, tiles_m, _ = streamk
-        tile = it // k_tiles
-        tile_begin = tile * k_tiles
-        k0 = it - tile_begin
-        count = cutlass.min(end - it, k_tiles - k0)
-        first = tile_begin // per_cta
-        parts = (tile_begin + k_tiles - 1) // per_cta - first + 1
-        cta = cute.arch.block_idx()[2]
-        slot = 2 * cta + cutlass.Int32(cta * per_cta < tile_begin)
-        return tile % tiles_m, tile // tiles_m, k0, count, tile, parts, slot
+    def _next_unit(self, work, it, end, streamk, sched):
+        """Stream K: this cluster's next unit and its walk advanced past it: data-parallel
+        block `work`, whole, while it is one (work moves on by the grid's clusters), then the
+        streamed unit at k-iteration `it` of the range ending at `end` (it moves on past the
+        unit). The unit: (this CTA's tile_m, tile_n of the block, first k-tile, k-tiles, the
+        tile's index, its parts, (this part's cluster slot, the block's first cluster, its
+        first streamed k-iteration)); a data-parallel block has one part."""
+        per_cta, k_tiles, tiles_m, _, dp_blocks = streamk
+        whole = work < dp_blocks
+        block = cutlass.select_(whole, work, it // k_tiles)
+        block_begin = block * k_tiles
+        k0 = cutlass.select_(whole, cutlass.Int32(0), it - block_begin)
+        count = cutlass.select_(whole, k_tiles, cutlass.min(end - it, k_tiles - k0))
+        offset = block_begin - dp_blocks * k_tiles  # negative for a data-parallel block
+        first = offset // per_cta
+        parts = (offset + k_tiles - 1) // per_cta - first + 1
+        parts = cutlass.select_(whole, cutlass.Int32(1), parts)
+        cluster = cute.arch.block_idx()[2]
+        slot = 2 * cluster + cutlass.Int32(cluster * per_cta < offset)
+        tile_m, tile_n = sched.tile(block)
+        unit = (tile_m, tile_n, k0, count, tile_m + tile_n * tiles_m, parts, (slot, first, offset))
+        work = cutlass.select_(whole, sched.next(work), work)
+        it = cutlass.select_(whole, it, it + count)
+        return unit, work, it
 
     @cute.jit
     def _produce(self, load_a, load_b, ab_pipe, schedule, streamk, where):
@@ -514,12 +549,13 @@ class GemmSm90:
                 prod = self._load(load_a, load_b, ab_pipe, prod, tile, 0, streamk[1])
                 work, expert, before, rows = walk.next(work, expert, before, rows)
         elif cutlass.const_expr(self.cfg.stream_k):
+            sched = StaticScheduler(schedule)
+            work = sched.first()
             it, end = self._cta_range(streamk)
-            while it < end:
-                tile_m, tile_n, k0, count, _, _, _ = self._stream_unit(it, end, streamk)
-                tile = (tile_m, tile_n, shift, groups)
-                prod = self._load(load_a, load_b, ab_pipe, prod, tile, k0, count)
-                it += count
+            while work < streamk[4] or it < end:
+                unit, work, it = self._next_unit(work, it, end, streamk, sched)
+                tile = (unit[0], unit[1], shift, groups)
+                prod = self._load(load_a, load_b, ab_pipe, prod, tile, unit[2], unit[3])
         else:
             sched = StaticScheduler(schedule)
             work = sched.first()
@@ -641,26 +677,25 @@ class GemmSm90:
             out = (tma_c, sC, epi)
             self._consume_masked(streamk[1], mma, ab_pipe, (read, release), c_src, out, warp_idx)
         elif cutlass.const_expr(self.cfg.stream_k):
+            sched = StaticScheduler(schedule)
+            work = sched.first()
             it, end = self._cta_range(streamk)
-            while it < end:
-                tile_m, tile_n, k0, count, tile, parts, slot = self._stream_unit(it, end, streamk)
-                it += count
-                if cutlass.const_expr(self.scaled):
-                    first_row = tile_m * self.cfg.tile_m  # no tail shift with stream K
-                    blocks = self._scale_blocks(c_src, first_row)
-                    where = (first_row, tile_n, c_src[0].shape[0], blocks)
-                    read, release, tiled_mma = self._mainloop_scaled(
-                        k0, count, (tiled_mma, *mma[1:]), where, ab_pipe, read, release
-                    )
-                else:
-                    read, release, tiled_mma = self._mainloop(
-                        count, tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release
-                    )
+            while work < streamk[4] or it < end:
+                unit, work, it = self._next_unit(work, it, end, streamk, sched)
+                tile_m, tile_n, k0, count, tile, parts, where = unit
+                read, release, tiled_mma = self._unit_mainloop(
+                    (tile_m, tile_n, k0, count), (tiled_mma, *mma[1:]), c_src, ab_pipe, read,
+                    release,
+                )  # fmt: skip
                 last = cutlass.Boolean(True)
                 if parts > 1:
-                    last = self._reduce_parts(
-                        acc, split_io, tile, parts, slot, streamk, tidx, epi_barrier
-                    )
+                    # a CTA whose tile lies past M or N (its cluster's block over the edge)
+                    # parks nothing and stores nothing
+                    last = cutlass.Boolean(False)
+                    if self._tile_exists(tile_m, tile_n, c_src[0].shape):
+                        last = self._reduce_parts(
+                            acc, split_io, tile, parts, where, streamk, tidx, epi_barrier
+                        )
                 if last:
                     gC_tile = self._c_tile(c_src, tile_m, tile_n)
                     self._epilogue(gC_tile, tma_c, sC, epi, warp_idx, tiles_done)
@@ -752,24 +787,68 @@ class GemmSm90:
         )
 
     @cute.jit
-    def _reduce_parts(self, acc, split_io, tile, parts, slot, streamk, tidx, epi_barrier):
-        """Park this unit's partial in `slot` and count it in the tile's flag; the last of the
-        tile's parts to arrive sums all of them from the workspace in k order into `acc` and
-        returns True (kernels/common/sm90/splitk.py). Part p >= 1 is CTA first + p's first
-        unit (slot 2 (first + p)); part 0 is CTA first's first unit where that CTA began at the
-        tile, else its last (slot 2 first + 1)."""
+    def _unit_mainloop(self, unit, mma, c_src, ab_pipe, read, release):
+        """Stream K: acc = k-tiles k0 .. k0 + count - 1 of tile (tile_m, tile_n) (`unit`), the
+        block-scaled mainloop for FP8. `mma`: the loop's own tiled_mma first (the helpers
+        mutate it: not the one the consumer started with). Returns the states (`_mainloop`)."""
+        tile_m, tile_n, k0, count = unit
+        tiled_mma, tCrA, tCrB, acc = mma[:4]
+        if cutlass.const_expr(self.scaled):
+            first_row = tile_m * self.cfg.tile_m  # no tail shift with stream K
+            blocks = self._scale_blocks(c_src, first_row)
+            where = (first_row, tile_n, c_src[0].shape[0], blocks)
+            read, release, tiled_mma = self._mainloop_scaled(
+                k0, count, mma, where, ab_pipe, read, release
+            )
+        else:
+            read, release, tiled_mma = self._mainloop(
+                count, tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release
+            )
+        return read, release, tiled_mma
+
+    @cute.jit
+    def _tile_exists(self, tile_m, tile_n, mn):
+        """Whether tile (tile_m, tile_n) lies in C, (M, N) = `mn` (a cluster block over the
+        edge of M or N holds CTAs whose tile does not: they load and compute with their
+        cluster, whose multicast needs them, but own no flag and no output)."""
+        m, n = mn
+        return tile_m * self.cfg.tile_m < m and tile_n * self.cfg.tile_n < n
+
+    @cute.jit
+    def _reduce_parts(self, acc, split_io, tile, parts, where, streamk, tidx, epi_barrier):
+        """Park this unit's partial and count it in the tile's flag; the last of the tile's
+        parts to arrive sums all of them from the workspace in k order into `acc` and returns
+        True (kernels/common/sm90/splitk.py; slots: `_part_slots`)."""
         mWork, mFlags, s_last = split_io
-        per_cta, k_tiles, _, _ = streamk
+        slot, head, first, step = self._part_slots(where, streamk[0])
         thread = tidx - THREADS_PER_WG
         threads = self.num_mma_threads
-        where = (slot, tile, parts)
-        last = splitk.park(acc, mWork, mFlags, where, threads, thread, epi_barrier, s_last)
+        at = (slot, tile, parts)
+        last = splitk.park(acc, mWork, mFlags, at, threads, thread, epi_barrier, s_last)
         if last:
-            tile_begin = tile * k_tiles
-            first = tile_begin // per_cta
-            head = 2 * first + cutlass.Int32(first * per_cta < tile_begin)
-            splitk.sum_parts(acc, mWork, (2 * first, 2, parts), threads, thread, head=head)
+            splitk.sum_parts(acc, mWork, (first, step, parts), threads, thread, head=head)
         return last
+
+    @cute.jit
+    def _part_slots(self, where, per_cta):
+        """Workspace slots of a streamed unit `where` = (its cluster slot, its block's first
+        cluster, the block's first streamed k-iteration): (this part's slot, part 0's, part 1's,
+        the step to part p + 1's). Cluster slot s of the CTA of rank r is slot s S + r (S CTAs
+        a cluster). Part p >= 1 is cluster first + p's first unit (cluster slot
+        2 (first + p)); part 0 is cluster first's first unit where that cluster began at the
+        block, else its last (2 first + 1)."""
+        slot, first, offset = where
+        size = self.cfg.cluster_m * self.cfg.cluster_n
+        rank = self._cluster_rank()
+        head = (2 * first + cutlass.Int32(first * per_cta < offset)) * size + rank
+        return slot * size + rank, head, 2 * first * size + rank, 2 * size
+
+    @cute.jit
+    def _cluster_rank(self):
+        """This CTA's rank in its cluster, M first (the grid's x and y: the rank's M and N
+        coordinates, the static scheduler's `cta_mn`)."""
+        cta_m, cta_n, _ = cute.arch.block_idx()
+        return cute.arch.make_warp_uniform(cta_m + cta_n * self.cfg.cluster_m)
 
     @cute.jit
     def _mainloop(self, k_tiles, tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release):

@@ -21,7 +21,7 @@ from forgekernel.kernels.gemm.dense.sm90.config import (
     GemmConfig,
     choose_config,
     params_for,
-    stream_plan,
+    split_for,
 )
 from forgekernel.runtime import tuning
 from forgekernel.runtime.cache import get_kernel
@@ -78,9 +78,10 @@ def _choose(dtype, b_kn, m, n, k, device_index, config) -> tuple[object, int, tu
         raise ValueError(f"GEMM config {cfg.tag()} loads {cfg.a_rows} rows of A: M = {m} is more")
     split = None
     if cfg.stream_k:
-        # N and K as the kernel sees them (padded up to multiples of 8 where they are not).
-        per, ctas, tiles = stream_plan(cfg, m, _round_up(n), _round_up(k), sms)
-        split = (per, tiles, 2 * ctas * cfg.tile_m * cfg.tile_n)
+        # N and K as the kernel sees them (padded up to multiples of 8 where they are not);
+        # the kernel derives the grid and the data-parallel blocks from per and max_clusters.
+        plan = split_for(cfg, m, _round_up(n), _round_up(k), sms)
+        split = (plan.per, plan.tiles, 2 * plan.ctas * cfg.tile_m * cfg.tile_n)
     # One CTA per SM (the pipeline takes nearly all shared memory).
     max_clusters = sms // (cfg.cluster_m * cfg.cluster_n)
     return get_kernel(SPEC, params_for(dtype_name(dtype), b_kn, cfg)), max_clusters, split
