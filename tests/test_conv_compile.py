@@ -34,14 +34,8 @@ from forgekernel.kernels.conv.sm90 import (  # noqa: E402
     wgrad_compile,
 )
 from forgekernel.kernels.conv.sm90 import compile as fprop_compile  # noqa: E402
-from forgekernel.kernels.conv.sm90.config import (  # noqa: E402
-    FUSED_CONFIGS,
-    LARGE,
-    NARROW,
-    SQUARE,
-    fused_params,
-    params_for,
-)
+from forgekernel.kernels.conv.sm90.config import LARGE, NARROW, SQUARE, params_for  # noqa: E402
+from forgekernel.kernels.conv.sm90.dgrad_config import FUSED_CONFIGS, fused_params  # noqa: E402
 from forgekernel.kernels.conv.sm90.wgrad_config import WGRAD_CONFIGS, wgrad_params  # noqa: E402
 from forgekernel.runtime.resources import find_tool, inspect_cubin  # noqa: E402
 

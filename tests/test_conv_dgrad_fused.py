@@ -18,15 +18,16 @@ import torch
 import torch.nn.functional as F
 
 from forgekernel.kernels.conv.sm90 import emulate, launch
-from forgekernel.kernels.conv.sm90.config import (
+from forgekernel.kernels.conv.sm90.config import MAX_WORKSPACE, ConvConfig
+from forgekernel.kernels.conv.sm90.dgrad_config import (
     FUSED_BASE,
     FUSED_CONFIGS,
-    MAX_WORKSPACE,
-    ConvConfig,
     FusedPlan,
     choose_fused,
     fused_config,
+    fused_cost,
     fused_layout,
+    fused_plan,
 )
 from forgekernel.kernels.conv.sm90.geometry import (
     Geometry,
@@ -284,8 +285,6 @@ def test_the_fused_chooser(m, n, k_tiles):
     """A fused tile with the split variant exactly when some phase is cut into parts, the
     workspace within bounds, every unit at most per_split k-tiles, and a plan never costlier
     than the unsplit one of its tile."""
-    from forgekernel.kernels.conv.sm90.config import fused_cost, fused_plan
-
     plan = choose_fused(m, n, k_tiles, 132)
     base = replace(plan.config, split=False)
     assert base in FUSED_BASE and plan.config in FUSED_CONFIGS

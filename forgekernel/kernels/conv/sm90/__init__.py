@@ -10,13 +10,12 @@ from pathlib import Path
 from forgekernel.kernels.conv.sm90.config import (
     CANDIDATES,
     DTYPES,
-    FUSED_CONFIGS,
     STANDARD_CONFIGS,
     ConvConfig,
     choose_config,
-    fused_params,
     params_for,
 )
+from forgekernel.kernels.conv.sm90.dgrad_config import FUSED_CONFIGS, fused_params
 from forgekernel.kernels.conv.sm90.geometry import (
     INT32_MAX,
     Geometry,

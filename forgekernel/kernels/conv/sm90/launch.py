@@ -40,15 +40,17 @@ from forgekernel.kernels.conv.sm90.config import (
     K_TILE,
     NUM_SMS_H100_H200,
     ConvConfig,
-    FusedPlan,
     SplitPlan,
-    choose_fused,
     choose_plan,
+    params_for,
+    split_tiles,
+)
+from forgekernel.kernels.conv.sm90.dgrad_config import (
+    FusedPlan,
+    choose_fused,
     fused_config,
     fused_params,
     fused_plan,
-    params_for,
-    split_tiles,
 )
 from forgekernel.kernels.conv.sm90.geometry import (
     FusedDgrad,
