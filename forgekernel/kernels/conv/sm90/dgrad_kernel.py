@@ -128,6 +128,7 @@ class ConvDgradSm90(ConvFpropSm90):
             slot_tiles,
             (mW.shape[1], mW.shape[2], mW.shape[3]),
             walk_trs,
+            (mDx.shape[1], mDx.shape[2], mDx.shape[3]),
         )
         units_m = walk.units_m()
         tiles_n = cute.ceil_div(mDx.shape[4], self.cfg.tile_n)

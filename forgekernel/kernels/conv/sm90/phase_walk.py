@@ -43,7 +43,8 @@ class PhaseWalk:
     the loops that use it, as the static scheduler's do)."""
 
     _dynamic = ("codes", "taps", "order", "c_blocks", "per_split", "slot_tiles", "w_trs",
-                "walk_trs", "slot_k_tiles", "slot_parts", "slot_first")  # fmt: skip
+                "walk_trs", "slot_k_tiles", "slot_parts", "slot_first", "slot_div",
+                "row_div")  # fmt: skip
 
     def __extract_mlir_values__(self) -> list:
         return extract_mlir_values(tuple(getattr(self, name) for name in self._dynamic))
@@ -55,7 +56,9 @@ class PhaseWalk:
             setattr(rebuilt, name, value)
         return rebuilt
 
-    def __init__(self, codes, taps, order, c_blocks, per_split, slot_tiles, w_trs, walk_trs):
+    def __init__(
+        self, codes, taps, order, c_blocks, per_split, slot_tiles, w_trs, walk_trs, dx_dhw
+    ):
         self.codes = tuple(Int32(c) for c in codes)
         self.taps = tuple(Int32(t) for t in taps)
         self.order = Int32(order)
@@ -68,6 +71,13 @@ class PhaseWalk:
         # hold a 128 x 256 accumulator): k-tiles, parts, first row of the M axis (past the
         # last slot: never reached)
         self.slot_k_tiles, self.slot_parts, self.slot_first = self._slots()
+        # divisors of the per-unit and per-row divisions (multiply-shift, made once on the host)
+        self.slot_div = cute.fast_divmod_create_divisor_v2(self.slot_tiles)
+        j = tuple((size + self.stride(i) - 1) // self.stride(i) for i, size in enumerate(dx_dhw))
+        self.row_div = tuple(
+            cute.fast_divmod_create_divisor_v2(Int32(x))
+            for x in (j[2], j[2] * j[1], j[2] * j[1] * j[0])
+        )
 
     def _slots(self) -> tuple:
         k_tiles, parts, first = [], [], []
@@ -133,10 +143,10 @@ class PhaseWalk:
                 first = self.slot_first[p]
                 k = self.slot_k_tiles[p]
                 parts = self.slot_parts[p]
-        part = (u - first) // self.slot_tiles
+        part, local = divmod(u - first, self.slot_div)
         k0 = part * self.per_split
         count = cutlass.max(cutlass.min(self.per_split, k - k0), Int32(0))
-        return slot, part, (u - first) % self.slot_tiles, first, parts, k0, count
+        return slot, part, local, first, parts, k0, count
 
     def tap_of(self, kt, counts) -> tuple:
         """K-tile kt of a phase with tap `counts` per dim as (channel block, (it, ir, is))."""
@@ -161,11 +171,10 @@ class PhaseWalk:
     def row(self, m, a, mDx):
         """(element offset of dX's row for walk row m of phase a, whether it exists)."""
         n_img, d, h, w, _ = mDx.shape
-        j = tuple((size + self.stride(i) - 1) // self.stride(i) for i, size in enumerate((d, h, w)))
-        jw = m % j[2]
-        jh = m // j[2] % j[1]
-        jd = m // (j[2] * j[1]) % j[0]
-        n = m // (j[2] * j[1] * j[0])
+        per_row, per_plane, per_image = self.row_div
+        n, rest = divmod(m, per_image)
+        jd, rest = divmod(rest, per_plane)
+        jh, jw = divmod(rest, per_row)
         crd = (a[0] + self.stride(0) * jd, a[1] + self.stride(1) * jh, a[2] + self.stride(2) * jw)
         inside = (n < n_img) & (crd[0] < d) & (crd[1] < h) & (crd[2] < w)
         s_n, s_d, s_h, s_w, _ = mDx.layout.stride
