@@ -6,6 +6,9 @@ multiply-adds are HGMMA; the representative (bias, 128x128, weight multicast ove
 cluster), the largest accumulator (128x256), the data-gradient mode (W N-major: `.tnspB`), a
 split reduction with the largest accumulator and bias, the data-gradient mode split (the
 parts counted with a global atomic).
+Fused data gradient (every tile, plain and split): the same im2col TMA and transposed-B HGMMA,
+no TMA store: the rows go out as 16-byte st.global (STG.E.128) after 16-byte shared loads of the
+staged sub-tile; a split counts its parts with a global atomic.
 Weight gradient (every standard tile): A = dY^T through a tiled TMA, B = the im2col boxes, both
 read transposed by WGMMA (`.tnspA.tnspB`), the split's flag counted with a global atomic."""
 
@@ -23,9 +26,16 @@ pytest.importorskip("cutlass")
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY  # noqa: E402
-from forgekernel.kernels.conv.sm90 import SPEC, WGRAD_SPEC, wgrad_compile  # noqa: E402
+from forgekernel.kernels.conv.sm90 import (  # noqa: E402
+    DGRAD_SPEC,
+    SPEC,
+    WGRAD_SPEC,
+    dgrad_compile,
+    wgrad_compile,
+)
 from forgekernel.kernels.conv.sm90 import compile as fprop_compile  # noqa: E402
 from forgekernel.kernels.conv.sm90.config import LARGE, NARROW, SQUARE, params_for  # noqa: E402
+from forgekernel.kernels.conv.sm90.dgrad_config import FUSED_CONFIGS, fused_params  # noqa: E402
 from forgekernel.kernels.conv.sm90.wgrad_config import WGRAD_CONFIGS, wgrad_params  # noqa: E402
 from forgekernel.runtime.resources import find_tool, inspect_cubin  # noqa: E402
 
@@ -82,6 +92,19 @@ def test_forward_builds_with_im2col_tma_hgmma_and_no_spills(params, tmp_path, mo
     assert ("tnspB" in sass) == dict(params)["dgrad"]
     # a split counts its parts in the tile's flag
     assert bool(re.search(r"\bATOMG?\.E\.ADD", sass)) == dict(params)["split"]
+
+
+@pytest.mark.parametrize("cfg", FUSED_CONFIGS, ids=lambda c: c.tag())
+def test_fused_dgrad_builds_every_tile_without_spills(cfg, tmp_path, monkeypatch):
+    params = fused_params("bfloat16", cfg)
+    sass, found, kernel = _build(
+        DGRAD_SPEC, params, dgrad_compile, "ConvDgradSm90", tmp_path, monkeypatch
+    )
+    _no_spills_and_fits(sass, found, kernel)
+    assert re.search(r"UTMALDG\.5D\.IM2COL", sass) and "tnspB" in sass
+    assert "UTMASTG" not in sass  # the rows are stored by the threads
+    assert "STG.E.128" in sass and "LDS.128" in sass
+    assert bool(re.search(r"\bATOMG?\.E\.ADD", sass)) == cfg.split
 
 
 @pytest.mark.parametrize("cfg", WGRAD_CONFIGS, ids=lambda c: f"{c.tile_m}x{c.tile_n}")

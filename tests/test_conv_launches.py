@@ -6,7 +6,9 @@ Why (H200, 2026-12-01): the data gradient's graph figures were a flat ~0.3 ms pe
 because its eager burst measured 0.3-0.9 ms of host time (the timer then refused its graph,
 runtime/timing.py `work_missing`); each call also copied and flipped the filter twice per phase
 (two launches each). The data-gradient mode now reads W in place: a stride-1 gradient is one
-kernel launch and nothing else, a stride-2 3x3 one four launches and four scratch copies."""
+kernel launch and nothing else; a stride-2 one is one launch of the fused kernel and nothing
+else (every phase, the zero ones too, straight into dx); stride 3 a launch and a scratch copy
+per phase."""
 
 from __future__ import annotations
 
@@ -95,21 +97,56 @@ def test_stride1_dgrad_is_one_launch_of_w_in_place(kernel_calls):
     assert x.data_ptr() == dy.data_ptr() and y.data_ptr() == dx.data_ptr()  # dx in place
 
 
-def test_stride2_dgrad_launches_per_phase_and_copies_no_filter(kernel_calls):
-    dy, w, dx, g = _dgrad_operands(2, 64, 32, 10, 3, 2)
+@pytest.mark.parametrize("f", [3, 1, 2, 4])
+def test_stride2_dgrad_is_one_fused_launch_into_dx(kernel_calls, f):
+    """Every phase in one launch of the fused kernel (1x1: three phases of no tap, zero-filled
+    by the same launch): no scratch buffer, no copy, no fill, w and dx themselves."""
+    dy, w, dx, g = _dgrad_operands(2, 64, 32, 10, f, 2)
+    launch.dgrad(dy, w, dx, g)  # the first call may make the stream's split workspace
+    kernel_calls.clear()
     with _Ops() as ops:
         launch.dgrad(dy, w, dx, g)
     assert not set(ops.names) & SYNCS
-    # four phases: a kernel launch each, a scratch copy into dx's strided view each
-    assert len(kernel_calls) == 4
-    assert ops.launching() == ["copy_"] * 4
+    assert ops.launching() == []
+    assert len(kernel_calls) == 1
+    params, args = kernel_calls[0]
+    assert "dgrad" not in params and params["epi_n"] == 64  # the fused kernel's compile key
+    dy_seen, w_seen, dx_seen = args[:3]
+    assert w_seen.data_ptr() == w.data_ptr() and w_seen.shape == w.shape  # W whole, no copy
+    assert dx_seen.data_ptr() == dx.data_ptr() and dx_seen.shape == dx.shape  # dx in place
+    assert _in_storage(dy_seen, dy)  # dy itself or a crop of it
+
+
+def test_stride2_dgrad_pads_channels_off_8_through_one_copy(kernel_calls):
+    """C = 36 output channels: the kernel writes 40-channel rows into a scratch dx, one copy
+    into dx; K = 20 reduction channels padded to 24 (dy: a copy; w, padded in both: two)."""
+    dy, w, dx, g = _dgrad_operands(1, 36, 20, 9, 3, 2)
+    launch.dgrad(dy, w, dx, g)
+    kernel_calls.clear()
+    with _Ops() as ops:
+        launch.dgrad(dy, w, dx, g)
+    assert len(kernel_calls) == 1
+    assert kernel_calls[0][1][2].shape[-1] == 40
+    assert ops.launching().count("copy_") == 4
+
+
+def test_stride3_dgrad_launches_per_phase_and_copies_no_filter(kernel_calls):
+    """Strides past 2 keep the launch per phase: nine phases of 3x3 stride 3, a launch each
+    and a scratch copy into dx's strided view each; no filter copy."""
+    dy, w, dx, g = _dgrad_operands(2, 64, 32, 12, 3, 3)
+    with _Ops() as ops:
+        launch.dgrad(dy, w, dx, g)
+    assert not set(ops.names) & SYNCS
+    assert len(kernel_calls) == 9
+    assert ops.launching() == ["copy_"] * 9
     for params, args in kernel_calls:
         assert params["dgrad"] and _in_storage(args[1], w)  # the phase's taps: a view of w
 
 
 def test_dgrad_fills_dx_once_where_phases_see_no_tap(kernel_calls):
-    """1x1 stride 2: three of four phases are zero: one fill of dx, one launch."""
-    dy, w, dx, g = _dgrad_operands(2, 64, 32, 10, 1, 2)
+    """1x1 stride 3 (the launch per phase): eight of nine phases are zero: one fill of dx, one
+    launch."""
+    dy, w, dx, g = _dgrad_operands(2, 64, 32, 10, 1, 3)
     with _Ops() as ops:
         launch.dgrad(dy, w, dx, g)
     assert len(kernel_calls) == 1

@@ -6,6 +6,7 @@ their odd-sized check cases with the kernel model standing in for the compiled k
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -142,9 +143,20 @@ def test_check_passes_on_the_odd_cases(model_kernel, name, case):
 
 
 def test_check_catches_a_skipped_phase(model_kernel, monkeypatch):
-    """A data gradient that leaves its last phase unwritten fails the suite's check."""
+    """A data gradient that leaves its last phase unwritten fails the suite's check: the fused
+    launch's order naming its first phase again in the last slot, and the launch per phase
+    (stride 3) one launch short."""
+    suite = SUITES["conv_dgrad"]
+    real_fused = launch.fused_dgrad
+
+    def fused(*args):
+        plan = real_fused(*args)
+        return dataclasses.replace(plan, order=(*plan.order[:-1], plan.order[0]))
+
+    monkeypatch.setattr(launch, "fused_dgrad", fused)
     real = launch.dgrad_phases
     monkeypatch.setattr(launch, "dgrad_phases", lambda *args: real(*args)[:-1])
-    case = SUITES["conv_dgrad"].check_cases[0]
-    rec = check.check_case(SUITES["conv_dgrad"], case, torch.bfloat16, CPU, seed=1)
-    assert not rec["passed"] and "NaN where the reference is finite" in rec["message"]
+    stride3 = next(c for c in suite.check_cases if c.params["stride"] == (3, 3))
+    for case in (suite.check_cases[0], stride3):
+        rec = check.check_case(suite, case, torch.bfloat16, CPU, seed=1)
+        assert not rec["passed"] and "NaN where the reference is finite" in rec["message"]

@@ -4,12 +4,15 @@ with bias, padding "same", strides, dilation; the data gradient by output phase 
 3, dilation); the weight gradient; autograd end to end; CUDA graph capture (what the
 bench times); torch.compile; inputs in other layouts; the data-gradient mode and the
 weight-gradient kernel with every tile (and split). Criterion: our error <= 2 x the error of
-the same op by PyTorch (cuDNN) in the input dtype + 1e-3, outputs NaN-poisoned first."""
+the same op by PyTorch (cuDNN) in the input dtype + 1e-3, outputs NaN-poisoned first. The
+fused strided data gradient (every phase in one launch, rows stored into dX's strided views)
+with every tile, unsplit and split, into a channel slice of a wider buffer."""
 
 from __future__ import annotations
 
 import importlib
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ import torch.nn.functional as F
 
 from forgekernel.kernels.conv.sm90 import launch
 from forgekernel.kernels.conv.sm90.config import CANDIDATES, STANDARD_CONFIGS
+from forgekernel.kernels.conv.sm90.dgrad_config import FUSED_BASE, FusedPlan
 from forgekernel.kernels.conv.sm90.wgrad_config import WGRAD_CONFIGS
 from forgekernel.reference.conv import conv_dgrad_ref, conv_ref, conv_wgrad_ref
 
@@ -65,6 +69,46 @@ def test_dgrad_mode_every_tile(cfg, stride):
     launch.dgrad(op._as5d(dy), op._as5d(w), op._view5d(dx), geometry, cfg)
     x = torch.empty(x_shape, device="cuda", dtype=torch.bfloat16)
     assert_good(dx, conv_dgrad_ref(dy, w, x_shape, **kw), _torch_grads(dy, x, w, kw, "dx"))
+
+
+FUSED_SHAPES = [
+    ((2, 200, 13, 11), (72, 200, 3, 3), {"stride": 2, "padding": 1}),  # phases of 4 / 2 / 1 taps
+    ((2, 200, 15, 13), (72, 200, 1, 1), {"stride": 2}),  # three phases of no tap: zero stores
+    ((1, 200, 5, 7, 6), (72, 200, 3, 3, 3), {"stride": 2, "padding": 1}),  # eight phases
+]
+
+
+@pytest.mark.parametrize("per_split", [None, 1, 3])
+@pytest.mark.parametrize("cfg", FUSED_BASE, ids=lambda c: c.tag())
+@pytest.mark.parametrize("shape", range(len(FUSED_SHAPES)))
+def test_fused_dgrad_every_tile_and_split(cfg, per_split, shape):
+    """The fused data gradient with each tile, unsplit (None) and split (1 or 3 k-tiles a part:
+    every phase in parts, parked and summed by the last): C = 200 output channels (a ragged N
+    tile), K = 72 (a part-filled channel block), odd sizes (phases one row short); dx the first
+    200 channels of a 208-channel buffer (rows addressed through its strides; the other 8
+    channels must stay untouched); twice, bitwise equal."""
+    x_shape, w_shape, kw = FUSED_SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    d = len(x_shape) - 2
+    w = rnd(*w_shape, gen=g)
+    ref = conv_ref(rnd(*x_shape, gen=g), w, **kw)
+    dy = rnd(*ref.shape, gen=g)
+    want = conv_dgrad_ref(dy, w, x_shape, **kw)
+    x = torch.empty(x_shape, device="cuda", dtype=torch.bfloat16)
+    low = _torch_grads(dy, x, w, kw, "dx")
+    plan = cfg if per_split is None else FusedPlan(replace(cfg, split=True), per_split, 0, 0, 0, 0)
+    geometry = op._geometry(d, w_shape[2:], kw["stride"], kw.get("padding", 0), 1)
+    runs = []
+    for _ in range(2):
+        wide = torch.full((x_shape[0], *x_shape[2:], 208), float("nan"), device="cuda",
+                          dtype=torch.bfloat16)  # fmt: skip
+        dx5 = wide[..., :200] if d == 3 else wide[..., :200].unsqueeze(1)
+        launch.dgrad(op._as5d(dy), op._as5d(w), dx5, geometry, plan)
+        dx = wide[..., :200].permute(0, d + 1, *range(1, d + 1))
+        assert_good(dx, want, low)
+        assert torch.isnan(wide[..., 200:]).all()
+        runs.append(dx.clone())
+    assert torch.equal(runs[0], runs[1])
 
 
 @pytest.mark.parametrize("cfg", WGRAD_CONFIGS, ids=lambda c: f"{c.tile_m}x{c.tile_n}")
@@ -131,6 +175,11 @@ GRADIENTS = [
     ((2, 40, 9, 11), (24, 40, 3, 3), {"padding": 1}),
     ((4, 128, 28, 28), (256, 128, 3, 3), {"stride": 2, "padding": 1}),
     ((1, 8, 5, 6, 7), (16, 8, 3, 3, 3), {"stride": (1, 2, 2), "padding": 1}),
+    ((1, 16, 5, 7, 6), (24, 16, 3, 3, 3), {"stride": 2, "padding": 1}),  # eight phases fused
+    ((1, 24, 5, 7, 6), (16, 24, 1, 1, 1), {"stride": 2}),  # seven phases of no tap
+    ((2, 72, 17, 15), (136, 72, 4, 4), {"stride": 2, "padding": 1}),
+    ((1, 16, 13, 11), (24, 16, 7, 7), {"stride": 2, "padding": 3}),
+    ((1, 16, 9, 8), (8, 16, 3, 3), {"stride": (2, 1), "padding": 1}),
     ((2, 3, 30, 30), (64, 3, 7, 7), {"stride": 2, "padding": 3}),  # the stem: the im2col path
     ((2, 3, 1, 9, 8), (16, 3, 1, 3, 3), {"padding": 1}),  # not the stem's path: Z = 3 planes
 ]

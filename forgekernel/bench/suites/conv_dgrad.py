@@ -1,8 +1,10 @@
 """Conv2d data-gradient suite (issue 23): the stride-2 downsampling layers of ResNet-50,
 ConvNeXt-T and SD's UNet encoder (group "stride2", the bar: >= 1.05x cuDNN at the median, no
 case below 0.95x), and stride-1 ResNet-50 and SD VAE decoder layers (group "stride1"). The
-data gradient runs on the forward kernel, one stride-1 convolution per output phase
-(kernels/conv/sm90/launch.py); the shared parts are `conv_layers`.
+data gradient is a stride-1 convolution per output phase (kernels/conv/sm90/launch.py): stride 1
+on the forward kernel's data-gradient mode, strides of 1 or 2 (not all 1) every phase in one
+launch of the fused kernel (dgrad_kernel.py), stride 3 and up a launch per phase; the shared
+parts are `conv_layers`.
 
 Registered since its first GPU check passed (2026-12-01).
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 from forgekernel.bench.suite import OpSuite
 from forgekernel.bench.suites import conv_layers as L
-from forgekernel.kernels.conv.sm90 import SPEC
+from forgekernel.kernels.conv.sm90 import DGRAD_SPEC, SPEC
 
 # the issue's point (N32 C256 112x112 K512, 3x3 stride 2), then the models' layers
 STRIDE2 = (
@@ -26,7 +28,12 @@ BENCH_CASES = L.unique(STRIDE2 + STRIDE1)
 
 # Every phase shape: 3x3 / 2x2 / 1x1 / 5x5 at stride 2 (phases of 2x2, 2x1, 1x1 taps and none),
 # stride 3, dilation 2 with stride 2 (gcd 2: two phases without taps), odd sizes whose last
-# phase is shorter, channels off the tiles; stride 1; a 3-D gradient.
+# phase is shorter, channels off the tiles; stride 1; a 3-D gradient. The fused walks (every
+# phase in one launch): 4x4 (every phase 2x2 taps, the walk's padding above 2) with C = 200 and
+# K = 72 off the tiles; 7x7 (4 / 3 taps a dim); 3-D stride 2 (eight phases of 8 to 1 taps) and
+# its 1x1x1 (seven phases of none); stride 2 along H only; C and K off 8 (padded, dx through a
+# scratch buffer); 2x2 padding 1 (phases of negative padding); few pixels and a long reduction
+# (the phases split into parts).
 CHECK_CASES = (
     L.conv_case("dgrad", 2, 24, 40, (13, 13), 3, 2),
     L.conv_case("dgrad", 1, 8, 16, (10, 9), 2, 2, 0),
@@ -39,9 +46,27 @@ CHECK_CASES = (
     L.conv_case("dgrad", 1, 8, 16, (5, 6, 7), 3, (1, 2, 2)),
     L.conv_case("dgrad", 4, 128, 256, (28, 28), 3, 2, group="stride2"),
     L.conv_case("dgrad", 4, 64, 64, (28, 28), 3, group="stride1"),
+    L.conv_case("dgrad", 2, 200, 72, (17, 15), 4, 2, 1),
+    L.conv_case("dgrad", 1, 16, 24, (13, 11), 7, 2),
+    L.conv_case("dgrad", 1, 16, 24, (5, 7, 6), 3, 2),
+    L.conv_case("dgrad", 1, 24, 16, (5, 7, 6), 1, 2),
+    L.conv_case("dgrad", 1, 16, 8, (9, 8), 3, (2, 1)),
+    L.conv_case("dgrad", 1, 36, 20, (9, 11), 3, 2),
+    L.conv_case("dgrad", 1, 8, 16, (9, 8), 2, 2, 1),
+    L.conv_case("dgrad", 1, 64, 256, (7, 7), 3, 2),
+    L.conv_case("dgrad", 2, 256, 512, (14, 14), 3, 2, group="stride2"),
 )
-SANITIZE_CASES = (CHECK_CASES[0], CHECK_CASES[1], CHECK_CASES[5], CHECK_CASES[8])
+# The fused kernel's protocols under memcheck / racecheck: split phases with a ragged channel
+# tile (3x3, C = 24), a phase of no tap's zero stores (1x1), eight phases (3-D), a long split
+# reduction with parts parked and summed (C = 64, K = 256); the launch per phase (stride 3).
+SANITIZE_CASES = tuple(CHECK_CASES[i] for i in (0, 2, 4, 5, 8, 13, 18))
+
+
+def kernel_sources() -> list:
+    """The forward kernel's leaf (its data-gradient mode: stride 1 and 3+) and the fused
+    kernel's: the ledger key."""
+    return sorted({*SPEC.sources, *DGRAD_SPEC.sources})
 
 
 def suite() -> OpSuite:
-    return L.conv_suite("conv_dgrad", SPEC.sources, CHECK_CASES, BENCH_CASES, SANITIZE_CASES)
+    return L.conv_suite("conv_dgrad", kernel_sources(), CHECK_CASES, BENCH_CASES, SANITIZE_CASES)

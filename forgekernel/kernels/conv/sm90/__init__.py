@@ -1,6 +1,7 @@
 """Implicit-GEMM convolution forward (conv2d / conv3d, channels-last) and, in its data-gradient
-mode, the phases of the data gradient, sm_90a. DSL-free declaration; the kernel itself is
-`kernel.py`, the geometry it is driven with `geometry.py`."""
+mode, the stride-1 data gradient; the strided data gradient with every phase in one launch
+(`dgrad_kernel.py`); the weight gradient (`wgrad.py`), sm_90a. DSL-free declaration; the
+forward kernel is `kernel.py`, the geometry it is driven with `geometry.py`."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from forgekernel.kernels.conv.sm90.config import (
     choose_config,
     params_for,
 )
+from forgekernel.kernels.conv.sm90.dgrad_config import FUSED_CONFIGS, fused_params
 from forgekernel.kernels.conv.sm90.geometry import (
     INT32_MAX,
     Geometry,
@@ -81,9 +83,38 @@ WGRAD_SPEC = KernelSpec(
     standard_params=_wgrad_params,
     entry=Path(__file__).parent / "wgrad_compile.py",
 )
-SPECS = [SPEC, WGRAD_SPEC]
+
+
+def _compile_dgrad(params: Params, extra_options: str = ""):
+    from forgekernel.kernels.conv.sm90.dgrad_compile import compile_conv_dgrad
+
+    return compile_conv_dgrad(dict(params), "sm_90a", extra_options)
+
+
+def _dgrad_params() -> list[Params]:
+    return [fused_params(dtype, cfg) for dtype in DTYPES for cfg in FUSED_CONFIGS]
+
+
+def _dgrad_representative() -> Params:
+    # a split over a 2x1 cluster: the most code in one build
+    return fused_params("bfloat16", FUSED_CONFIGS[len(FUSED_CONFIGS) // 2])
+
+
+# The strided data gradient, every phase in one launch (dgrad_kernel.py: the forward kernel's
+# data-gradient mode with a phase walk and a row-addressed epilogue); its own entry and ledger.
+DGRAD_SPEC = KernelSpec(
+    name="conv_dgrad_sm90",
+    arch="sm_90a",
+    directory=Path(__file__).parent,
+    compile=_compile_dgrad,
+    standard_params=_dgrad_params,
+    entry=Path(__file__).parent / "dgrad_compile.py",
+    representative=_dgrad_representative,
+)
+SPECS = [SPEC, WGRAD_SPEC, DGRAD_SPEC]
 
 __all__ = [
+    "DGRAD_SPEC",
     "INT32_MAX",
     "SPEC",
     "SPECS",

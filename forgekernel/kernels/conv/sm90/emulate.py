@@ -15,6 +15,11 @@ What it models (kernel.py's docstring):
 - the data-gradient mode (params "dgrad"): W (K, T', R', S', C) read as B = (C, (K, S, R, T)),
   B's k-tiles walking the taps in reverse with the producer's own countdown.
 
+The fused data gradient (dgrad_kernel.py, `fused_run` / `compiled_fused`): every phase in one
+launch over the shared walk, decoded from the packed arguments the way the kernel decodes them
+(the schedule's M axis (phase slot, part, M tile), each phase's k-tiles on the walk's offsets and
+W's taps, the split parked per unit) and stored row by row into dX's strided phase view.
+
 Accumulation is in fp64 (the kernel's is fp32): the model checks indexing, not rounding.
 """
 
@@ -310,9 +315,161 @@ def compiled_wgrad(params, order_seed: int | None = None) -> Callable[..., None]
     return fn
 
 
-def stand_in(spec, params) -> Callable[..., None]:
-    """The model of the leaf's kernel `spec` (forward / data gradient, or weight gradient) for
-    compile key `params`: what the tests put in place of `runtime.cache.get_kernel`."""
+# ---------------------------------------------------------------- the fused data gradient
+def unpack_fused(args) -> dict:
+    """The fused kernel's geometry arguments (geometry.FusedDgrad.kernel_args) decoded with the
+    kernel's shifts and masks: the walk, per dim stride / w_step / offset_step, each slot's
+    phase (ad, ah, aw) and per phase and dim (count, walk offset, W's tap)."""
+    pad_lo, pad_hi, codes, taps, order = args[0:3], args[3:6], args[6:9], args[9:12], args[12]
+    stride = [c & 0xF for c in codes]
+    walk = Geometry(tuple((c >> 16) & 0xFF for c in codes), tuple(pad_lo), tuple(pad_hi))
+    slots = stride[0] * stride[1] * stride[2]
+    phases = [((order >> 4 * p) >> 2 & 1, (order >> 4 * p) >> 1 & 1, order >> 4 * p & 1)
+              for p in range(slots)]  # fmt: skip
+
+    def phase_taps(dim: int, a: int) -> tuple[int, int, int]:
+        code = taps[dim] >> 16 * a & 0xFFFF
+        return code & 0xF, code >> 8 & 0xFF, code >> 4 & 0xF
+
+    return {
+        "walk": walk,
+        "stride": stride,
+        "w_step": [c >> 4 & 0xF for c in codes],
+        "offset_step": [c >> 8 & 0xFF for c in codes],
+        "phases": phases,
+        "taps": {ph: [phase_taps(i, a) for i, a in enumerate(ph)] for ph in phases},
+    }
+
+
+def fused_units(cfg, m_rows: int, c_blocks: int, per_split: int, t: dict):
+    """The schedule's M axis as the kernel walks it: for each slot (phase, in order), its parts
+    (a phase of k k-tiles: max(1, ceil(k / per_split))), each `slot_tiles` M tiles (padded to
+    whole clusters). Returns (slot_tiles, [(phase, k-tiles, parts, first M index)])."""
+    cm = cfg.cluster_m
+    tiles_m = -(-m_rows // cfg.tile_m)
+    slot_tiles = -(-tiles_m // cm) * cm
+    slots, base = [], 0
+    for ph in t["phases"]:
+        k = c_blocks * t["taps"][ph][0][0] * t["taps"][ph][1][0] * t["taps"][ph][2][0]
+        parts = max(1, -(-k // per_split))
+        slots.append((ph, k, parts, base))
+        base += parts * slot_tiles
+    return slot_tiles, slots
+
+
+def _phase_rows(dx_shape, m0: int, rows: int, j_dhw, phase, stride):
+    """dX coordinates (n, d, h, w) of walk rows m0 .. m0 + rows - 1 of `phase`, and which of
+    them exist (n < N, every coordinate inside dX): the row-addressed epilogue's decode."""
+    m = torch.arange(m0, m0 + rows)
+    jd, jh, jw = j_dhw
+    coords = [m // (jw * jh * jd), m // (jw * jh) % jd, m // jw % jh, m % jw]
+    coords[1:] = [a + s * j for a, s, j in zip(phase, stride, coords[1:])]
+    valid = coords[0] < dx_shape[0]
+    for crd, extent in zip(coords[1:], dx_shape[1:4]):
+        valid &= crd < extent
+    return coords, valid
+
+
+def fused_run(dy, w, dx, work, flags, args, cfg: ConvConfig, per_split: int, order=None):
+    """dx (N, D, H, W, C) = the data gradient as the fused kernel computes it (module
+    docstring): dy (N, Z', P', Q', K) the walk's input (cropped), w (K, T, R, S, C) whole;
+    `order`: the units in the order they run (default the schedule's). Each unit (M-axis index
+    u_m, N tile) of a split phase parks in slot n x units_m + u_m and counts itself in the
+    flag of its output tile; the last sums the phase's parts in part order."""
+    t = unpack_fused(args)
+    walk = t["walk"]
+    n_img, k_red = dy.shape[0], dy.shape[-1]
+    c_out = dx.shape[-1]
+    j_dhw = tuple(-(-dx.shape[1 + i] // t["stride"][i]) for i in range(3))
+    z, p, q = traversal(tuple(dy.shape[1:4]), walk)
+    if (z, p, q) != j_dhw:
+        raise AssertionError(f"the walk visits {(z, p, q)}, the longest phase is {j_dhw}")
+    if w.shape[0] != k_red or w.shape[-1] != c_out:
+        raise AssertionError(f"W {tuple(w.shape)} is not ({k_red}, taps, {c_out})")
+    m_rows = n_img * z * p * q
+    tm, tn = cfg.tile_m, cfg.tile_n
+    c_blocks = -(-k_red // cfg.tile_k)
+    slot_tiles, slots = fused_units(cfg, m_rows, c_blocks, per_split, t)
+    units_m = sum(parts * slot_tiles for _, _, parts, _ in slots)
+    tiles_n = -(-c_out // tn)
+    tiles = len(slots) * slot_tiles * tiles_n
+    split = units_m > len(slots) * slot_tiles
+    if split != cfg.split and split:
+        raise AssertionError("a phase in parts needs the split configuration")
+    if split:
+        if work.numel() < units_m * tiles_n * tm * tn or flags.numel() < tiles:
+            raise AssertionError("the split needs a workspace slot per unit and a flag per tile")
+        if bool(flags[:tiles].any()):
+            raise AssertionError("the flags must be zero")
+        parked = work[: units_m * tiles_n * tm * tn].view(units_m * tiles_n, tm, tn)
+    for unit in order if order is not None else range(units_m * tiles_n):
+        u_m, tile_n = unit % units_m, unit // units_m
+        slot = max(i for i, s in enumerate(slots) if s[3] <= u_m)
+        phase, k, parts, base = slots[slot]
+        part, local = divmod(u_m - base, slot_tiles)
+        (nt, ot, ft), (nr, orr, fr), (ns, os_, fs) = t["taps"][phase]
+        k0 = part * per_split
+        count = min(per_split, k - k0) if k else 0
+        acc = torch.zeros(tm, tn, dtype=torch.float64)
+        for kt in range(k0, k0 + count):
+            cb, (it, ir, is_) = k_tile_coords(kt, c_blocks, (nt, nr, ns))
+            steps, wsteps = t["offset_step"], t["w_step"]
+            tap = (ot + it * steps[0], orr + ir * steps[1], os_ + is_ * steps[2])
+            w_tap = (ft - it * wsteps[0], fr - ir * wsteps[1], fs - is_ * wsteps[2])
+            a = im2col_box(dy, walk, local * tm, tm, tap, cb * cfg.tile_k, cfg.tile_k)
+            b = filter_box_dgrad(w, tile_n * tn, tn, w_tap, cb * cfg.tile_k, cfg.tile_k)
+            acc += a @ b.T
+        if parts > 1:
+            parked[tile_n * units_m + u_m] = acc.to(parked.dtype)
+            tile = tile_n * len(slots) * slot_tiles + slot * slot_tiles + local
+            flags[tile] += 1
+            if int(flags[tile]) < parts:
+                continue
+            flags[tile] = 0
+            first = tile_n * units_m + base + local
+            acc = sum(parked[first + r * slot_tiles].double() for r in range(parts))
+        coords, valid = _phase_rows(dx.shape, local * tm, tm, j_dhw, phase, t["stride"])
+        rows = valid.nonzero().squeeze(1)
+        c0, width = tile_n * tn, min(tn, c_out - tile_n * tn)
+        n, d, h, w_ = (crd[rows] for crd in coords)
+        dx[n, d, h, w_, c0 : c0 + width] = acc[rows, :width].to(dx.dtype)
+
+
+def compiled_fused(params, order_seed: int | None = None) -> Callable[..., None]:
+    """A stand-in for the fused data-gradient kernel's compiled function of compile key
+    `params` (`order_seed`: its units run in a random order, as a GPU may)."""
+    cfg = ConvConfig.from_params(dict(params))
+
+    def fn(dy, w, dx, work, flags, *args):
+        geometry_args, per_split = args[:13], args[13]
+        if (work is not None) != cfg.split or (flags is not None) != cfg.split:
+            raise AssertionError("the workspace and flags go with a split configuration")
+        for name, t in (("dy", dy), ("w", w), ("dx", dx)):
+            if t.data_ptr() % 16 or t.stride(-1) != 1 or any(st % 8 for st in t.stride()[:-1]):
+                raise AssertionError(f"{name} is not 16-byte aligned in rows: {t.stride()}")
+        if min(geometry_args[:6]) < 0:
+            raise AssertionError(f"negative padding reached the kernel: {geometry_args[:6]}")
+        order = None
+        if order_seed is not None:
+            t = unpack_fused(geometry_args)
+            c_blocks = -(-dy.shape[-1] // cfg.tile_k)
+            j = [-(-dx.shape[1 + i] // t["stride"][i]) for i in range(3)]
+            m_rows = dy.shape[0] * j[0] * j[1] * j[2]
+            slot_tiles, slots = fused_units(cfg, m_rows, c_blocks, per_split, t)
+            units = sum(s[2] for s in slots) * slot_tiles * -(-dx.shape[-1] // cfg.tile_n)
+            gen = torch.Generator().manual_seed(order_seed)
+            order = torch.randperm(units, generator=gen).tolist()
+        fused_run(dy, w, dx, work, flags, geometry_args, cfg, per_split, order)
+
+    return fn
+
+
+def stand_in(spec, params, order_seed: int | None = None) -> Callable[..., None]:
+    """The model of the leaf's kernel `spec` (forward / data gradient, fused data gradient, or
+    weight gradient) for compile key `params`: what the tests put in place of
+    `runtime.cache.get_kernel` (`order_seed`: its units in a random order)."""
     if spec.name == "conv_wgrad_sm90":
-        return compiled_wgrad(params)
-    return compiled(params)
+        return compiled_wgrad(params, order_seed)
+    if spec.name == "conv_dgrad_sm90":
+        return compiled_fused(params, order_seed)
+    return compiled(params, order_seed)

@@ -17,6 +17,15 @@ dout. Read in reverse tap order, that is a stride-1 forward convolution of dout 
 flipped taps, dilation dil/g, padding below -(a + pad_lo - f_last*dil)/stride, writing
 J = ceil((I - a) / stride) outputs: no multiply-add on the zeros a transposed convolution
 would insert. A phase that no tap reaches is zero. Stride 1 is one phase with every tap.
+
+The fused data gradient (`fused_dgrad`, strides 1 or 2 per dim, not all 1) runs every phase in
+one launch over one im2col walk of dout: per dim, tap f of phase a reads dout[j + e] with
+e = (a + pad_lo - f*dil) / stride; with L the least e over all phases, every phase is a
+stride-1 forward convolution whose window for output j starts at j + L and whose taps sit at
+offsets e - L of a shared "walk" filter of max(e) - L + 1 taps (padding below -L). The walk
+visits J = ceil(I / stride) outputs per dim, the longest phase's extent; a phase one shorter
+(I odd) computes one extra output per row there, never stored. Phase a's i-th tap (its taps
+reversed, as above) is at walk offset o0 + i*(dil/g) and reads W's tap f_last - i*(stride/g).
 """
 
 from __future__ import annotations
@@ -174,3 +183,135 @@ def dgrad_geometry_problem(geometry: Geometry, input_dhw: Triple, output_dhw: Tr
             if problem:
                 return f"data gradient phase {phase.offset}: {problem}"
     return None
+
+
+# ---------------------------------------------------------------- the fused data gradient
+MAX_FUSED_STRIDE = 2  # phases per dim the fused kernel's tables hold
+MAX_PHASE_TAPS = 15  # 4-bit fields of the packed tables (kernel sizes <= 7: <= 4 taps a phase)
+
+
+@dataclass(frozen=True)
+class PhaseTaps:
+    """The taps of one phase along one dim in the fused walk: `count` (0: the phase is zero),
+    the walk offset of its first tap (its last one in W: `w_tap`), taps reversed."""
+
+    count: int
+    offset: int
+    w_tap: int
+
+    def packed(self) -> int:
+        """count (bits 0-3), W's tap (4-7), walk offset (8-15; < 32: the descriptor's reach, so
+        phase 1's copy << 16 stays clear of the sign bit)."""
+        return self.count | self.w_tap << 4 | self.offset << 8
+
+
+@dataclass(frozen=True)
+class FusedDgrad:
+    """Every phase of a strided data gradient as one launch (module docstring): `walk`, the
+    stride-1 forward geometry over dout with the shared walk filter; per dim (D, H, W) the
+    phases (stride) and, per phase, its taps; `order`: the phases (ad, ah, aw) heaviest first
+    (the kernel's schedule takes them in this order: a static round robin wants the long
+    tiles first), phases with no tap last."""
+
+    walk: Geometry
+    stride: Triple
+    w_step: Triple  # W's taps of a phase: w_tap, w_tap - w_step, ...
+    offset_step: Triple  # their walk offsets: offset, offset + offset_step, ...
+    taps: tuple[tuple[PhaseTaps, ...], tuple[PhaseTaps, ...], tuple[PhaseTaps, ...]]
+    order: tuple[Triple, ...]
+
+    def phase_taps(self, phase: Triple) -> tuple[PhaseTaps, PhaseTaps, PhaseTaps]:
+        return tuple(self.taps[i][a] for i, a in enumerate(phase))
+
+    def tap_count(self, phase: Triple) -> int:
+        return math.prod(t.count for t in self.phase_taps(phase))
+
+    def kernel_args(self, walk: Geometry | None = None) -> tuple[int, ...]:
+        """The fused kernel's geometry arguments: the walk's padding below and above (d, h, w;
+        `walk`: the walk as the launcher cropped it, default self.walk), per dim the walk code
+        (stride | w_step << 4 | offset_step << 8 | walk filter << 16), per dim the taps code
+        (phase 0's `PhaseTaps.packed` | phase 1's << 16), and the order code (phase
+        ad*4 + ah*2 + aw of slot p in bits 4p..4p+3)."""
+        walk = walk or self.walk
+        codes = tuple(
+            s | ws << 4 | os << 8 | f << 16
+            for s, ws, os, f in zip(self.stride, self.w_step, self.offset_step, walk.filter)
+        )
+        taps = tuple(
+            sum(t.packed() << (16 * a) for a, t in enumerate(per_dim)) for per_dim in self.taps
+        )
+        order = sum((ad * 4 + ah * 2 + aw) << (4 * p) for p, (ad, ah, aw) in enumerate(self.order))
+        return (*walk.pad_lo, *walk.pad_hi, *codes, *taps, order)
+
+
+def _fused_1d(size: int, out: int, f: int, lo: int, s: int, d: int):
+    """One dim of `fused_dgrad`: (walk filter, walk padding below / above, w_step,
+    offset_step, the phases' PhaseTaps)."""
+    g = math.gcd(d, s)
+    per_phase = []  # (a, taps, e of the phase's last tap, e of its first)
+    for a in range(s):
+        taps = [t for t in range(f) if (t * d - a - lo) % s == 0]
+        if taps:
+            per_phase.append((a, taps, (a + lo - taps[-1] * d) // s, (a + lo - taps[0] * d) // s))
+        else:
+            per_phase.append((a, taps, None, None))
+    least = min(e_last for _, t, e_last, _ in per_phase if t)
+    most = max(e_first for _, t, _, e_first in per_phase if t)
+    walk_taps = most - least + 1
+    extent = -(-size // s)  # phase 0's: the longest
+    pad_hi = extent - out + least + walk_taps - 1
+    phases = tuple(
+        PhaseTaps(len(taps), e_last - least, taps[-1]) if taps else PhaseTaps(0, 0, 0)
+        for _, taps, e_last, _ in per_phase
+    )
+    return walk_taps, -least, pad_hi, s // g, d // g, phases
+
+
+def _fused_dgrad(geometry: Geometry, input_dhw: Triple, output_dhw: Triple) -> FusedDgrad:
+    g = geometry
+    dims = [
+        _fused_1d(input_dhw[i], output_dhw[i], g.filter[i], g.pad_lo[i], g.stride[i],
+                  g.dilation[i])
+        for i in range(3)
+    ]  # fmt: skip
+    walk = Geometry(
+        filter=tuple(d[0] for d in dims),
+        pad_lo=tuple(d[1] for d in dims),
+        pad_hi=tuple(d[2] for d in dims),
+    )
+    taps = tuple(d[5] for d in dims)
+    phases = [
+        (ad, ah, aw)
+        for ad in range(g.stride[0])
+        for ah in range(g.stride[1])
+        for aw in range(g.stride[2])
+    ]
+    count = [math.prod(taps[i][a].count for i, a in enumerate(p)) for p in phases]
+    order = tuple(p for _, p in sorted(zip(count, phases), key=lambda cp: -cp[0]))
+    return FusedDgrad(
+        walk=walk,
+        stride=tuple(g.stride),
+        w_step=tuple(d[3] for d in dims),
+        offset_step=tuple(d[4] for d in dims),
+        taps=taps,
+        order=order,
+    )
+
+
+def fused_dgrad_problem(geometry: Geometry, input_dhw: Triple, output_dhw: Triple):
+    """Why the data gradient cannot run as one fused launch, or None: strides 1 or 2 per dim
+    (not all 1: a stride-1 gradient is one plain launch), the walk on the im2col TMA, and the
+    packed tables' fields."""
+    if max(geometry.stride) == 1 or max(geometry.stride) > MAX_FUSED_STRIDE:
+        return f"stride {geometry.stride}: the fused kernel takes strides 1 or 2, not all 1"
+    plan = _fused_dgrad(geometry, input_dhw, output_dhw)
+    if max(t.count for per_dim in plan.taps for t in per_dim) > MAX_PHASE_TAPS:
+        return f"more than {MAX_PHASE_TAPS} taps in a phase"
+    if max(geometry.filter) > 16:
+        return "W's taps past the packed tables' 4-bit fields"
+    problem = plan.walk.descriptor_problem()
+    return f"the fused walk: {problem}" if problem else None
+
+
+# The launcher's, cached like `dgrad_phases`.
+fused_dgrad = functools.lru_cache(maxsize=1024)(_fused_dgrad)

@@ -207,6 +207,59 @@ class ConvFpropSm90:
             (dil_d, dil_h, dil_w),
         )
         taps = (mW.shape[1], mW.shape[2], mW.shape[3])  # (T, R, S)
+        tma_a, tma_mA, tma_b, tma_mB, c_blocks = self._operands(mX, mW, taps, geometry)
+        tma_c, tma_mC = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(),
+            mY,
+            cute.slice_(self.sC_layout, (None, None, 0)),
+            self.epi_tile,
+        )
+
+        tiles_m = cute.ceil_div(mY.shape[0], self.cfg.tile_m)
+        tiles_n = cute.ceil_div(mY.shape[1], self.cfg.tile_n)
+        k_tiles = c_blocks * taps[0] * taps[1] * taps[2]
+        parts = cutlass.Int32(1)
+        if cutlass.const_expr(self.cfg.split):
+            parts = cute.ceil_div(k_tiles, per_split)
+        else:
+            per_split = k_tiles
+        # the N axis of the schedule: (N tile, part), the part slowest
+        schedule = StaticSchedule(
+            (tiles_m, tiles_n * parts),
+            self.cluster_shape_mn,
+            self.cfg.swizzle,
+            self.cfg.raster_along_m,
+        )
+
+        self.shared_storage = self._shared_storage()
+        self.kernel(
+            tma_a,
+            tma_mA,
+            tma_b,
+            tma_mB,
+            tma_c,
+            tma_mC,
+            mBias,
+            self.tiled_mma,
+            self.cta_layout_mnk,
+            self.sA_layout,
+            self.sB_layout,
+            self.sC_layout,
+            schedule,
+            (c_blocks, per_split, parts),
+            (mWork, mFlags),
+        ).launch(
+            grid=schedule.grid(max_active_clusters),
+            block=[self.threads_per_cta, 1, 1],
+            cluster=(*self.cluster_shape_mn, 1),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    def _operands(self, mX, mW, taps, geometry):
+        """(A's im2col atom and coordinate tensor, B's tiled atom and coordinate tensor, B's
+        channel blocks per tap) for activations mX, filter mW, the im2col walk's filter `taps`
+        (T, R, S) and `geometry` (its padding below / above, stride, dilation)."""
         tma_a, tma_mA = im2col_atom(
             mX,
             taps,
@@ -231,67 +284,25 @@ class ConvFpropSm90:
             (self.cfg.tile_n, (self.cfg.tile_k,)),
             num_multicast=self.mcast_b,
         )
-        tma_c, tma_mC = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(),
-            mY,
-            cute.slice_(self.sC_layout, (None, None, 0)),
-            self.epi_tile,
-        )
+        return tma_a, tma_mA, tma_b, tma_mB, c_blocks
 
-        tiles_m = cute.ceil_div(mY.shape[0], self.cfg.tile_m)
-        tiles_n = cute.ceil_div(mY.shape[1], self.cfg.tile_n)
-        k_tiles = c_blocks * taps[0] * taps[1] * taps[2]
-        parts = cutlass.Int32(1)
-        if cutlass.const_expr(self.cfg.split):
-            parts = cute.ceil_div(k_tiles, per_split)
-        else:
-            per_split = k_tiles
-        # the N axis of the schedule: (N tile, part), the part slowest
-        schedule = StaticSchedule(
-            (tiles_m, tiles_n * parts),
-            self.cluster_shape_mn,
-            self.cfg.swizzle,
-            self.cfg.raster_along_m,
-        )
+    def _shared_storage(self):
+        """The CTA's shared memory: the AB ring's barriers, the split's flag, the staged A and B
+        tiles and the epilogue ring. (Its fields' types are given evaluated: this module's
+        annotations are strings, which `cute.struct` does not resolve outside a traced
+        function.)"""
 
-        @cute.struct
-        class SharedStorage:
-            ab_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-            split_last: cute.struct.MemRange[cutlass.Int32, 2]
-            sA: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(self.sA_layout)], 1024
-            ]
-            sB: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(self.sB_layout)], 1024
-            ]
-            sC: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(self.sC_layout)], 1024
-            ]
+        def staged(layout):
+            return cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], 1024]
 
-        self.shared_storage = SharedStorage
-        self.kernel(
-            tma_a,
-            tma_mA,
-            tma_b,
-            tma_mB,
-            tma_c,
-            tma_mC,
-            mBias,
-            self.tiled_mma,
-            self.cta_layout_mnk,
-            self.sA_layout,
-            self.sB_layout,
-            self.sC_layout,
-            schedule,
-            (c_blocks, per_split, parts),
-            (mWork, mFlags),
-        ).launch(
-            grid=schedule.grid(max_active_clusters),
-            block=[self.threads_per_cta, 1, 1],
-            cluster=(*self.cluster_shape_mn, 1),
-            min_blocks_per_mp=1,
-            stream=stream,
-        )
+        fields = {
+            "ab_barriers": cute.struct.MemRange[cutlass.Int64, self.stages * 2],
+            "split_last": cute.struct.MemRange[cutlass.Int32, 2],
+            "sA": staged(self.sA_layout),
+            "sB": staged(self.sB_layout),
+            "sC": staged(self.sC_layout),
+        }
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     # ---------------------------------------------------------------- device code
     @cute.kernel
@@ -322,25 +333,7 @@ class ConvFpropSm90:
             cpasync.prefetch_descriptor(tma_b)
             cpasync.prefetch_descriptor(tma_c)
 
-        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        cluster_coord = cta_layout_mnk.get_flat_coord(cta_rank)
-        a_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=1)
-        b_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=0)
-        a_mask = a_mask if self.mcast_a > 1 else 0
-        b_mask = b_mask if self.mcast_b > 1 else 0
-
-        storage = SmemAllocator().allocate(self.shared_storage)
-        # Each consumer warp releases a stage to every CTA that multicast into it.
-        consumer_arrivals = (self.mcast_a + self.mcast_b - 1) * (self.num_mma_threads // 32)
-        ab_pipe = tma_pipeline(
-            storage.ab_barriers,
-            self.stages,
-            self.stage_bytes,
-            consumer_arrivals,
-            cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
-        )
-        init_arrive(self.cluster_shape_mn)
-
+        cluster_coord, masks, storage, ab_pipe = self._ring(cta_layout_mnk)
         sA = smem_tensor(storage.sA, sA_layout)
         sB = smem_tensor(storage.sB, sB_layout)
         sC = smem_tensor(storage.sC, sC_layout)
@@ -366,22 +359,9 @@ class ConvFpropSm90:
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                tAsA, tAgA = cpasync.tma_partition(
-                    tma_a,
-                    cluster_coord[1],
-                    cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape),
-                    cute.group_modes(sA, 0, 2),
-                    cute.group_modes(gA, 0, 2),
+                load_a, load_b = self._loads(
+                    (tma_a, gA, sA), (tma_b, gB, sB), cluster_coord, cta_layout_mnk, masks
                 )
-                tBsB, tBgB = cpasync.tma_partition(
-                    tma_b,
-                    cluster_coord[0],
-                    cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape),
-                    cute.group_modes(sB, 0, 2),
-                    cute.group_modes(gB, 0, 2),
-                )
-                load_a = (tma_a, tAgA, tAsA, a_mask)
-                load_b = (tma_b, tBgB, tBsB, b_mask)
                 self._produce(load_a, load_b, ab_pipe, schedule, (units, c_blocks))
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -389,6 +369,50 @@ class ConvFpropSm90:
             split = (*split_io, storage.split_last.get_tensor(cute.make_layout(2)), parts)
             out = (sC, gC, tma_c, mBias)
             self._consume(tidx, warp_idx, mma, ab_pipe, out, schedule, (units, split))
+
+    def _ring(self, cta_layout_mnk):
+        """Device side, every thread: (this CTA's coordinate in its cluster, the A and B
+        multicast masks, the shared storage, the AB ring); `init_arrive` done (`init_wait`
+        must follow before the ring is used)."""
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_coord = cta_layout_mnk.get_flat_coord(cta_rank)
+        a_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=1)
+        b_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=0)
+        a_mask = a_mask if self.mcast_a > 1 else 0
+        b_mask = b_mask if self.mcast_b > 1 else 0
+
+        storage = SmemAllocator().allocate(self.shared_storage)
+        # Each consumer warp releases a stage to every CTA that multicast into it.
+        consumer_arrivals = (self.mcast_a + self.mcast_b - 1) * (self.num_mma_threads // 32)
+        ab_pipe = tma_pipeline(
+            storage.ab_barriers,
+            self.stages,
+            self.stage_bytes,
+            consumer_arrivals,
+            cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
+        )
+        init_arrive(self.cluster_shape_mn)
+        return cluster_coord, (a_mask, b_mask), storage, ab_pipe
+
+    def _loads(self, a, b, cluster_coord, cta_layout_mnk, masks):
+        """The producer warp's (atom, global tiles, smem stages, multicast mask) of A and B:
+        `a`, `b` = (atom, gA / gB, sA / sB)."""
+        (tma_a, gA, sA), (tma_b, gB, sB) = a, b
+        tAsA, tAgA = cpasync.tma_partition(
+            tma_a,
+            cluster_coord[1],
+            cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape),
+            cute.group_modes(sA, 0, 2),
+            cute.group_modes(gA, 0, 2),
+        )
+        tBsB, tBgB = cpasync.tma_partition(
+            tma_b,
+            cluster_coord[0],
+            cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape),
+            cute.group_modes(sB, 0, 2),
+            cute.group_modes(gB, 0, 2),
+        )
+        return (tma_a, tAgA, tAsA, masks[0]), (tma_b, tBgB, tBsB, masks[1])
 
     @cute.jit
     def _unit(self, tile_ns, units):
@@ -466,17 +490,7 @@ class ConvFpropSm90:
         release = consumer_state(self.stages)
 
         # Epilogue: registers -> stmatrix -> swizzled smem ring -> TMA store.
-        r2s_atom = sm90_utils.sm90_get_smem_store_op(
-            self.major, elem_ty_d=self.dtype, elem_ty_acc=self.acc_dtype
-        )
-        stm_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype)
-        r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma))
-        thr_r2s = r2s.get_slice(tidx - THREADS_PER_WG)
-        tRS_sC = thr_r2s.partition_D(sC)
-        tRS_acc = r2s.retile(acc)
-        rC_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
-        tRS_rAcc = cute.make_rmem_tensor(rC_shape, self.acc_dtype)
-        tRS_rC = cute.make_rmem_tensor(rC_shape, self.dtype)
+        r2s, tRS_sC, tRS_acc, tRS_rAcc, tRS_rC = self._staging(tidx, tiled_mma, sC, acc)
         store_pipe = pipeline.PipelineTmaStore.create(
             num_stages=self.cfg.epi_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
@@ -517,6 +531,32 @@ class ConvFpropSm90:
                 tiles_done += 1
         store_pipe.producer_tail()
 
+    def _staging(self, tidx, tiled_mma, sC, acc):
+        """The epilogue's stmatrix path: (the copy, this thread's epilogue-ring partition, the
+        accumulator retiled to it, fp32 and 16-bit fragments of one sub-tile)."""
+        r2s_atom = sm90_utils.sm90_get_smem_store_op(
+            self.major, elem_ty_d=self.dtype, elem_ty_acc=self.acc_dtype
+        )
+        stm_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype)
+        r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma))
+        thr_r2s = r2s.get_slice(tidx - THREADS_PER_WG)
+        tRS_sC = thr_r2s.partition_D(sC)
+        tRS_acc = r2s.retile(acc)
+        rC_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
+        tRS_rAcc = cute.make_rmem_tensor(rC_shape, self.acc_dtype)
+        tRS_rC = cute.make_rmem_tensor(rC_shape, self.dtype)
+        return r2s, tRS_sC, tRS_acc, tRS_rAcc, tRS_rC
+
+    def _stage(self, epi, e: int, buf):
+        """Sub-tile e of the accumulator, converted, into epilogue-ring buffer `buf` (stmatrix;
+        generic-proxy writes)."""
+        r2s, tRS_sC, tRS_acc, tRS_rAcc, tRS_rC = epi[:5]
+        frag = cute.size(tRS_rAcc)
+        for v in range(frag):  # unrolled at trace time (a plain method: no preprocessor)
+            tRS_rAcc[v] = tRS_acc[e * frag + v]
+        tRS_rC.store(tRS_rAcc.load().to(self.dtype))
+        cute.copy(r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
+
     @cute.jit
     def _add_bias(self, acc, cols, mBias, tile_n):
         """acc[., j] += bias[j] for this thread's columns j of output-channel tile `tile_n`;
@@ -555,22 +595,18 @@ class ConvFpropSm90:
     @cute.jit
     def _epilogue(self, gC_tile, tma_c, sC, epi, warp_idx, tiles_done):
         """acc -> Y, one (tile_m, epi_n) sub-tile at a time through the epilogue ring."""
-        r2s, tRS_sC, tRS_acc, tRS_rAcc, tRS_rC, store_pipe, epi_barrier = epi
+        store_pipe, epi_barrier = epi[5:]
         gC_t = cute.zipped_divide(gC_tile, self.epi_tile)
         bSG_sC, bSG_gC = cpasync.tma_partition(
             tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_t
         )
         epi_count = cute.size(gC_t, mode=[1])
         epi_grid = cute.make_layout(gC_t.shape[1], stride=(gC_t.shape[1][1], 1))
-        frag = cute.size(tRS_rAcc)
         done_before = tiles_done * epi_count
         store_warp = THREADS_PER_WG // 32  # the first consumer warp issues the TMA stores
         for e in cutlass.range_constexpr(epi_count):
-            for v in cutlass.range_constexpr(frag):
-                tRS_rAcc[v] = tRS_acc[e * frag + v]
-            tRS_rC.store(tRS_rAcc.load().to(self.dtype))
             buf = (done_before + e) % self.cfg.epi_stages
-            cute.copy(r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
+            self._stage(epi, e, buf)
             # stmatrix writes are generic-proxy; the TMA store reads through the async proxy.
             cute.arch.fence_proxy("async.shared", space="cta")
             epi_barrier.arrive_and_wait()

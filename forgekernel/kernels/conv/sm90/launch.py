@@ -11,11 +11,14 @@ T = 1).
   2-D convolution of few channels (the stem) runs as a 1x1 one over its im2col
   (`few_channels`), in the forward and the weight gradient.
 - `dgrad`: the data gradient as stride-1 forward convolutions of dy, one per output phase
-  (`geometry.dgrad_phases`), on the kernel's data-gradient mode: it reads W (K, T, R, S, C)
-  itself through a strided view naming the phase's taps (N-major, taps reversed in the kernel),
-  so no filter is copied. A phase of a strided gradient is written through a scratch buffer into
-  its strided view of dx (the kernel stores compact rows); phases no tap reaches are zero (one
-  fill of dx where two or more are).
+  (`geometry.dgrad_phases`). Stride 1: one launch of the kernel's data-gradient mode, which
+  reads W (K, T, R, S, C) itself (N-major, taps reversed in the kernel). Strides 1 or 2 per dim
+  (not all 1): one launch of the fused kernel (dgrad_kernel.py) over every phase and its tiles,
+  on one im2col walk of dy (`geometry.fused_dgrad`), W whole, each phase's rows stored straight
+  into their strided view of dx and the phases no tap reaches zero-filled by the same launch.
+  Other strides (3 and up): a launch of the data-gradient mode per phase on a strided view of
+  its taps, written through a scratch buffer into its strided view of dx (phases no tap reaches
+  are zero: one fill of dx where two or more are).
 - `wgrad`: one launch of the weight-gradient kernel (wgrad.py: the dense GEMM's kernel with
   dY^T and the im2col of x as operands, the N x Z x P x Q reduction split over CTAs and summed
   in split order by the last part); tile and split from `wgrad_config.choose_wgrad`, the fp32
@@ -31,7 +34,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from forgekernel.kernels.conv.sm90 import SPEC, WGRAD_SPEC
+from forgekernel.kernels.conv.sm90 import DGRAD_SPEC, SPEC, WGRAD_SPEC
 from forgekernel.kernels.conv.sm90.config import (
     CHANNEL_ALIGN,
     K_TILE,
@@ -42,7 +45,21 @@ from forgekernel.kernels.conv.sm90.config import (
     params_for,
     split_tiles,
 )
-from forgekernel.kernels.conv.sm90.geometry import Geometry, Phase, dgrad_phases
+from forgekernel.kernels.conv.sm90.dgrad_config import (
+    FusedPlan,
+    choose_fused,
+    fused_config,
+    fused_params,
+    fused_plan,
+)
+from forgekernel.kernels.conv.sm90.geometry import (
+    FusedDgrad,
+    Geometry,
+    Phase,
+    dgrad_phases,
+    fused_dgrad,
+    fused_dgrad_problem,
+)
 from forgekernel.kernels.conv.sm90.wgrad_config import (
     WgradPlan,
     choose_wgrad,
@@ -271,9 +288,16 @@ def dgrad(
     config: ConvConfig | SplitPlan | None = None,
 ) -> None:
     """dx (N, D, H, W, C) = the data gradient at dy (N, Z, P, Q, K) of the convolution with w
-    (K, T, R, S, C) and `geometry`, one stride-1 forward convolution per output phase, each a
-    launch of the kernel's data-gradient mode on w's phase taps (no copy of w)."""
-    phases, empties = _phases(geometry, tuple(dx.shape[1:4]), tuple(dy.shape[1:4]))
+    (K, T, R, S, C) and `geometry`, one stride-1 forward convolution per output phase: with
+    strides 1 or 2 (not all 1) every phase in one launch of the fused kernel, otherwise a
+    launch of the kernel's data-gradient mode per phase on w's phase taps (no copy of w).
+    `config`: a forward configuration (the fused kernel takes its `fused_config` variant), a
+    SplitPlan (per phase) or a FusedPlan (fused), or None (chosen)."""
+    input_dhw, output_dhw = tuple(dx.shape[1:4]), tuple(dy.shape[1:4])
+    if _fuses(geometry, input_dhw, output_dhw) and not isinstance(config, SplitPlan):
+        _fused(dy, w, dx, fused_dgrad(geometry, input_dhw, output_dhw), config)
+        return
+    phases, empties = _phases(geometry, input_dhw, output_dhw)
     sd, sh, sw = geometry.stride
     empty = sum(empties)
     if empty > 1:  # one fill of dx rather than one strided fill per empty phase
@@ -295,6 +319,68 @@ def _phases(geometry: Geometry, input_dhw, output_dhw) -> tuple[tuple[Phase, ...
     return phases, tuple(phase.empty() for phase in phases)
 
 
+@functools.lru_cache(maxsize=1024)
+def _fuses(geometry: Geometry, input_dhw, output_dhw) -> bool:
+    """Whether the data gradient runs as one fused launch (`fused_dgrad_problem`)."""
+    return fused_dgrad_problem(geometry, input_dhw, output_dhw) is None
+
+
+def _fused(dy, w, dx, fused: FusedDgrad, config) -> None:
+    """One launch of the fused data-gradient kernel: dx = every phase of the gradient at dy
+    of the convolution with w. K or C not a multiple of 8 run zero-padded (a dx of padded
+    channels through a scratch buffer); dy cropped where the walk's padding is negative."""
+    k, c = dy.shape[-1], dx.shape[-1]
+    if dx.numel() == 0:
+        return
+    if k == 0 or dy.numel() == 0 or w.numel() == 0:  # no reduction: every entry is zero
+        dx.zero_()
+        return
+    kp, cp = _round_up(k), _round_up(c)
+    dy, walk = _cropped(_channels_padded(dy, kp), fused.walk)
+    w = _channels_padded(_rows_padded(w, kp), cp)
+    in_place = cp == c and tma_ready(dx)
+    dx2 = dx if in_place else dx.new_empty(*dx.shape[:4], cp)
+    device = dy.device
+    fn, max_clusters, plan, args = _plans.get_or_build(
+        (dy.dtype, tuple(dx.shape[:4]), kp, cp, fused, walk, device.index, config),
+        _choose_fused,
+    )
+    work = flags = None
+    if plan.config.split:
+        work, flags = stream_k_workspace(device, plan.tiles, plan.workspace_floats)
+    with on_device(device):
+        fn(dy, w, dx2, work, flags, *args, plan.per_split, max_clusters)
+    if not in_place:
+        dx.copy_(dx2[..., :c])
+
+
+def _choose_fused(dtype, dx_ndhw, kp, cp, fused: FusedDgrad, walk, device_index, config):
+    """(the compiled function, clusters of the persistent grid, the FusedPlan, the geometry
+    arguments) of one fused launch. `config`: None (chosen), a forward ConvConfig (its fused
+    variant, a split one cut into FORCED_PARTS parts per phase) or a FusedPlan (its tile and
+    k-tiles per part, recounted for this problem)."""
+    sms = num_sms(device_index) if device_index is not None else NUM_SMS_H100_H200
+    n_img, *input_dhw = dx_ndhw
+    m = n_img
+    for size, s in zip(input_dhw, fused.stride):
+        m *= -(-size // s)
+    c_blocks = -(-kp // K_TILE)
+    k_tiles = tuple(c_blocks * fused.tap_count(phase) for phase in fused.order)
+    if config is None:
+        plan = choose_fused(m, cp, k_tiles, sms)
+    else:
+        given = config.per_split if isinstance(config, FusedPlan) else None
+        cfg = fused_config(config.config if isinstance(config, FusedPlan) else config)
+        most = max(k_tiles)
+        per = given or (-(-most // min(FORCED_PARTS, most)) if cfg.split and most else most)
+        plan = fused_plan(cfg, m, cp, k_tiles, max(per, 1))
+        if plan.split and not cfg.split:
+            raise ValueError(f"{cfg.tag()} does not split, but {per} k-tiles a part does")
+    fn = get_kernel(DGRAD_SPEC, fused_params(dtype_name(dtype), plan.config))
+    cfg = plan.config
+    return fn, sms // (cfg.cluster_m * cfg.cluster_n), plan, fused.kernel_args(walk)
+
+
 _wgrad_plans = PlanCache()
 
 
@@ -304,6 +390,7 @@ def clear_plans() -> None:
     _plans.clear()
     _wgrad_plans.clear()
     _phases.cache_clear()
+    _fuses.cache_clear()
 
 
 def _wgrad_plan(dtype, k, c, taps, pixels, device_index, plan) -> tuple[object, WgradPlan]:
