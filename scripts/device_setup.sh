@@ -1,0 +1,37 @@
+# The first lines of every device call, sourced (not run) so that its exports stay:
+#   source scripts/device_setup.sh || exit 1; bash scripts/device_streams.sh ...
+# A separate file because the setup written inline as `a && b && c && { x; } & y` backgrounds
+# the whole AND-list (2026-12-02 04:10: the streams ran before the DSL was installed, every check
+# failed on `import tvm_ffi`). Idempotent: a warm host keeps what an earlier call installed.
+#   - the prebuilt kernels: .bundle/kernels.tgz (when carried) unpacked into /root/fk-kernels;
+#   - the wheels: the last chunk .wheels/cN carried (after `stash` of the others), installed by
+#     its wheels.sh (the DSL, its tvm-ffi, the comparators) into /root/wheels-site;
+#   - FK_BUILD=1: `forgekernel build` of every kernel missing from /root/fk-kernels (the ones
+#     whose sources changed since the tarball), all cores, log in /tmp/forgekernel-logs/build.log;
+#   - exports KERNELS / FORGEKERNEL_KERNEL_DIR, FORGEKERNEL_PENDING_SUITES=1, PYTHONPATH (this
+#     tree first) for scripts/device_streams.sh, device_jit_run.sh and the diag scripts.
+fk_setup() {
+  local chunk
+  mkdir -p /root/fk-kernels /tmp/forgekernel-logs
+  if [ -f .bundle/kernels.tgz ] && [ ! -f /root/fk-kernels/.unpacked ]; then
+    tar -xzf .bundle/kernels.tgz -C /root/fk-kernels && touch /root/fk-kernels/.unpacked || return 1
+  fi
+  chunk=$(ls -d .wheels/c* 2>/dev/null | sort -V | tail -1)
+  if [ -n "$chunk" ]; then
+    # shellcheck disable=SC1090  # the carried chunk's installer
+    source "$chunk/wheels.sh" install "$chunk" > /tmp/forgekernel-logs/wheels.log 2>&1 || {
+      tail -5 /tmp/forgekernel-logs/wheels.log; return 1; }
+  else  # installed by an earlier call of this host
+    export PYTHONPATH=/root/wheels-site:/root/wheels-site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  export KERNELS=/root/fk-kernels FORGEKERNEL_KERNEL_DIR=/root/fk-kernels
+  export FORGEKERNEL_PENDING_SUITES=1 PYTHONPATH=$PWD:$PYTHONPATH
+  python3 -c "import tvm_ffi, cutlass, torch; assert torch.cuda.is_available()" || return 1
+  if [ "${FK_BUILD:-0}" = 1 ]; then
+    python3 -m forgekernel build --arch sm_90a -j "$(nproc)" --out /root/fk-kernels \
+      > /tmp/forgekernel-logs/build.log 2>&1 || { tail -20 /tmp/forgekernel-logs/build.log; return 1; }
+    tail -2 /tmp/forgekernel-logs/build.log
+  fi
+  echo "device_setup: kernels $(ls /root/fk-kernels | grep -c '\.so$'), DSL ok"
+}
+fk_setup
