@@ -155,11 +155,49 @@ def kernel_walk(cfg, m, n, k, where, sms=SMS):
 
 @pytest.mark.parametrize(("cfg", "m", "n", "k"), CASES, ids=lambda x: getattr(x, "tag", str)())
 def test_kernel_walk_is_the_plan(cfg, m, n, k, host_dsl):
-    plan, (clusters, dp_blocks), out = kernel_walk(cfg, m, n, k, host_dsl)
-    wave = SMS // (cfg.cluster_m * cfg.cluster_n)
+    check_walk(cfg, m, n, k, host_dsl, SMS)
+
+
+def random_walk_cases(count: int, seed: int) -> list:
+    """(config, M, N, K, SMs): random shapes on every stream-K configuration (and two cluster
+    shapes no standard one has) for chips of 132, 114 and odd SM counts (131: a 2-CTA cluster
+    leaves one SM idle; 7: fewer clusters than blocks), small enough to trace."""
+    import random
+
+    rng = random.Random(seed)
+    cfgs = [
+        *config.PREFILL_STREAM,
+        DECODE_STREAM[0],
+        DECODE_STREAM[3],
+        dataclasses.replace(MID_STREAM, cluster_m=2, cluster_n=1),
+        dataclasses.replace(LARGE_STREAM, cluster_m=1, cluster_n=2),
+    ]
+    cases = []
+    while len(cases) < count:
+        cfg, sms = rng.choice(cfgs), rng.choice([132, 114, 131, 7])
+        m = rng.choice([rng.randint(1, 64), rng.randint(65, 1100), rng.randint(1000, 6000)])
+        if cfg.a_rows:
+            m = rng.randint(1, cfg.a_rows)
+        n, k = 8 * rng.randint(1, 2000), 8 * rng.randint(1, 2000)
+        plan = split_for(cfg, m, n, k, sms)
+        if plan.ctas <= 300 and plan.dp_rounds + plan.per // plan.k_tiles + 4 < UNITS:
+            cases.append((cfg, m, n, k, sms))
+    return cases
+
+
+@pytest.mark.parametrize(("cfg", "m", "n", "k", "sms"), random_walk_cases(24, 17), ids=str)
+def test_kernel_walk_is_the_plan_on_random_shapes_and_chips(cfg, m, n, k, sms, host_dsl):
+    check_walk(cfg, m, n, k, host_dsl, sms)
+
+
+def check_walk(cfg, m, n, k, host_dsl, sms):
+    """The kernel's traced walk of (M, N, K) on a chip of `sms` SMs against `model_walk` and
+    the split-K protocol's needs (module docstring)."""
+    plan, (clusters, dp_blocks), out = kernel_walk(cfg, m, n, k, host_dsl, sms)
+    wave = sms // (cfg.cluster_m * cfg.cluster_n)
     assert clusters == plan.clusters == stream_grid(plan.blocks, plan.k_tiles, wave, plan.per)
-    assert dp_blocks == plan.dp_rounds * wave
-    _, model = model_walk(cfg, m, n, k)
+    assert dp_blocks == plan.dp_rounds * wave and plan.clusters <= wave
+    _, model = model_walk(cfg, m, n, k, sms)
     tiles_m, tiles_n = -(-m // cfg.tile_m), -(-n // cfg.tile_n)
     covered: dict = {}
     parked: dict = {}

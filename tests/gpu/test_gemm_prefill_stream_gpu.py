@@ -55,21 +55,35 @@ def test_forced_prefill_config_matches_the_reference(cfg, m, n, k, layout):
         assert plan.clusters * plan.cluster_size <= 132
 
 
+@pytest.mark.parametrize("warmed", [False, True], ids=["fresh-stream", "warmed-stream"])
 @pytest.mark.parametrize("cfg", PREFILL_STREAM, ids=lambda c: c.tag())
-def test_cluster_stream_k_replays_in_a_graph(cfg):
-    m, n, k = 1026, 3592, 2056  # data-parallel rounds and streamed blocks for every one
+def test_cluster_stream_k_replays_in_a_graph(cfg, warmed):
+    """Captured on a fresh stream, the graph owns its workspace and zeroes the flags before
+    each launch (a memset node); captured on a stream that already ran the GEMM eagerly, it
+    takes that stream's cached workspace and no memset: each replay then finds the flags as
+    the previous one left them, which only the kernel's own reset makes zero."""
+    # for each of the three: data-parallel rounds, then cut tiles (a cluster's last unit as a
+    # tile's part 0, a whole block between two cut ones) and a dead CTA skipping its part
+    m, n, k = 1540, 5128, 1032
     torch.manual_seed(0)
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     first = forgekernel.gemm(a, b, config=cfg)
     side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):
+        if warmed:
+            forgekernel.gemm(a, b, config=cfg)  # caches the side stream's workspace
+            torch.cuda.synchronize()
+            assert (a.device, side.cuda_stream) in gemm_launch._WORKSPACES
         with torch.cuda.graph(graph, stream=side):
             got = forgekernel.gemm(a, b, config=cfg)
+            again = forgekernel.gemm(a, b, config=cfg)  # a second launch on the same flags
     for _ in range(3):
         got.fill_(float("nan"))
+        again.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(got, first)
+        assert torch.equal(got, first) and torch.equal(again, first)
     assert _flags_zero()
