@@ -66,8 +66,8 @@ from forgekernel.kernels.common.sm90.pipeline import (
     tma_pipeline,
 )
 from forgekernel.kernels.conv.sm90.im2col import im2col_atom
-from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
 from forgekernel.kernels.gemm.dense.sm90.kernel import Bar, GemmSm90
+from forgekernel.kernels.gemm.dense.sm90.tile import GemmConfig
 
 BOX_CHANNELS = 64  # channels per im2col box: one 128-byte swizzle row of 16-bit elements
 

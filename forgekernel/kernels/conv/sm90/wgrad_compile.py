@@ -15,7 +15,7 @@ from cutlass.cute.runtime import make_fake_tensor
 from forgekernel.kernels.common.sm90 import fake
 from forgekernel.kernels.conv.sm90.config import CHANNEL_ALIGN
 from forgekernel.kernels.conv.sm90.wgrad import ConvWgradSm90
-from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
+from forgekernel.kernels.gemm.dense.sm90.tile import GemmConfig
 
 
 def compile_conv_wgrad(params: dict, arch: str = "sm_90a", extra_options: str = ""):

@@ -8,8 +8,8 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_tensor
 
 from forgekernel.kernels.common.sm90 import fake
-from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
 from forgekernel.kernels.gemm.dense.sm90.kernel import GemmSm90
+from forgekernel.kernels.gemm.dense.sm90.tile import GemmConfig
 
 
 def compile_gemm(params: dict, arch: str = "sm_90a", extra_options: str = ""):

@@ -1,15 +1,16 @@
-"""GEMM configurations: the frozen config, the standard set built ahead of time, and the
-analytical chooser. DSL-free, so the torch layer can pick a kernel without the compiler."""
+"""GEMM configurations: the standard set built ahead of time and the analytical chooser (the
+frozen config itself is `tile.py`'s, re-exported here). DSL-free, so the torch layer can pick a
+kernel without the compiler. Device code imports `tile.py`, never this module: refitting the
+chooser's model leaves every kernel's source hash (and its GPU record) as it is."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 
 from forgekernel.kernels.common.sm90.constants import (
     DTYPE_NAMES,
     NUM_SMS_H100_H200,
-    SMEM_CAPACITY,
 )
 from forgekernel.kernels.gemm.dense.sm90.plan import (
     StreamSplit,
@@ -18,56 +19,9 @@ from forgekernel.kernels.gemm.dense.sm90.plan import (
     stream_us,
     tiled_us,
 )
+from forgekernel.kernels.gemm.dense.sm90.tile import GemmConfig, ring_stages
 
 DTYPES = DTYPE_NAMES  # every standard kernel is built for each
-
-# Knobs measured and dropped (docs/gemm/NOTES.md) with the value that meant "off": a tuning
-# record written before they left and turning one on names a kernel that no longer exists.
-DROPPED_KNOBS = {"split_k": 1, "pingpong": False}
-
-
-@dataclass(frozen=True)
-class GemmConfig:
-    """Everything baked into one compiled GEMM besides dtypes and operand majors."""
-
-    tile_m: int = 128
-    tile_n: int = 256
-    tile_k: int = 64
-    cluster_m: int = 2
-    cluster_n: int = 1
-    stages: int = 0  # 0: as many as fit in shared memory
-    epi_stages: int = 4
-    epi_n: int = 32  # epilogue sub-tile = (tile_m, epi_n), staged through shared memory
-    swizzle: int = 1  # raster group size, in clusters (L2 reuse)
-    raster_along_m: bool = True
-    stream_k: bool = False  # k-iterations cut evenly over one wave of CTAs (kernel.py)
-    a_rows: int = 0  # rows of A each stage loads (0: tile_m); small M only (kernel.py)
-
-    def fits(self, m: int) -> bool:
-        """Whether this configuration computes M rows: a short A box (a_rows) covers one
-        tile row of at most a_rows rows."""
-        return not self.a_rows or m <= self.a_rows
-
-    def tag(self) -> str:
-        """Short name for tables: 128x256_c2x1_s0_e4x32_w1m."""
-        return (
-            f"{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}_s{self.stages}"
-            f"_e{self.epi_stages}x{self.epi_n}_w{self.swizzle}{'m' if self.raster_along_m else 'n'}"
-            + ("_sk" if self.stream_k else "")
-            + (f"_a{self.a_rows}" if self.a_rows else "")
-        )
-
-    @classmethod
-    def from_params(cls, params: dict) -> GemmConfig:
-        return cls(**{f.name: params[f.name] for f in fields(cls) if f.name in params})
-
-    @classmethod
-    def from_record(cls, record: dict) -> GemmConfig | None:
-        """A recorded tuning winner's config; None if it turns on a dropped knob."""
-        if any(record.get(name, off) != off for name, off in DROPPED_KNOBS.items()):
-            return None
-        return cls.from_params(record)
-
 
 # Measured on the H200 (bf16, docs/gemm/NOTES.md): 128x256 cooperative with B multicast over a
 # 2x1 cluster is the best large-shape tile; 128x192 keeps 128 of 132 SMs busy where 128x256
@@ -167,17 +121,6 @@ def split_for(
 
 
 _STREAM_MIN_K = 16
-
-
-def ring_stages(cfg: GemmConfig, elem_bytes: int = 2, c_bytes: int = 2) -> int:
-    """AB stages that fit in shared memory (the kernel's `stages` when cfg.stages is 0): A's
-    ring holds a_rows rows a stage plus tile_m - a_rows once after the last (kernel.py
-    `_compact_ring`), B's tile_n; 1 KB for the barriers, the epilogue ring besides."""
-    row = cfg.tile_k * elem_bytes
-    a_rows = cfg.a_rows or cfg.tile_m
-    epilogue = cfg.epi_stages * cfg.tile_m * cfg.epi_n * c_bytes
-    free = SMEM_CAPACITY - 1024 - epilogue - (cfg.tile_m - a_rows) * row
-    return free // ((a_rows + cfg.tile_n) * row)
 
 
 # Decode time model (us, MB): the weight streams at min(chip rate, active CTAs x per-CTA rate),

@@ -108,8 +108,8 @@ from forgekernel.kernels.common.sm90.pipeline import (
     tma_pipeline,
 )
 from forgekernel.kernels.common.sm90.scheduler.static import StaticSchedule, StaticScheduler
-from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig, ring_stages
 from forgekernel.kernels.gemm.dense.sm90.masked import MaskedWalk
+from forgekernel.kernels.gemm.dense.sm90.tile import GemmConfig, ring_stages
 
 
 class Bar(IntEnum):

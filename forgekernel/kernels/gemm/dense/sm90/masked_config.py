@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict
 
-from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
+from forgekernel.kernels.gemm.dense.sm90.tile import GemmConfig
 
 OUT_DTYPES = ("bfloat16", "float16")
 _ROWS = GemmConfig(tile_m=64, tile_n=128, tile_k=128, cluster_m=1, cluster_n=1)

@@ -1,0 +1,69 @@
+"""The frozen GEMM configuration (`GemmConfig`: everything baked into one compiled kernel
+besides dtypes and operand majors) and the shared-memory ring it implies. The only part of the
+configuration code that device code imports (kernel.py, compile.py, the FP8 and convolution
+kernels on the same mainloop), so that the chooser (`config.py`, `plan.py`) can be refitted
+without changing any kernel's source hash."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY
+
+# Knobs measured and dropped (docs/gemm/NOTES.md) with the value that meant "off": a tuning
+# record written before they left and turning one on names a kernel that no longer exists.
+DROPPED_KNOBS = {"split_k": 1, "pingpong": False}
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Everything baked into one compiled GEMM besides dtypes and operand majors."""
+
+    tile_m: int = 128
+    tile_n: int = 256
+    tile_k: int = 64
+    cluster_m: int = 2
+    cluster_n: int = 1
+    stages: int = 0  # 0: as many as fit in shared memory
+    epi_stages: int = 4
+    epi_n: int = 32  # epilogue sub-tile = (tile_m, epi_n), staged through shared memory
+    swizzle: int = 1  # raster group size, in clusters (L2 reuse)
+    raster_along_m: bool = True
+    stream_k: bool = False  # k-iterations cut evenly over one wave of CTAs (kernel.py)
+    a_rows: int = 0  # rows of A each stage loads (0: tile_m); small M only (kernel.py)
+
+    def fits(self, m: int) -> bool:
+        """Whether this configuration computes M rows: a short A box (a_rows) covers one
+        tile row of at most a_rows rows."""
+        return not self.a_rows or m <= self.a_rows
+
+    def tag(self) -> str:
+        """Short name for tables: 128x256_c2x1_s0_e4x32_w1m."""
+        return (
+            f"{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}_s{self.stages}"
+            f"_e{self.epi_stages}x{self.epi_n}_w{self.swizzle}{'m' if self.raster_along_m else 'n'}"
+            + ("_sk" if self.stream_k else "")
+            + (f"_a{self.a_rows}" if self.a_rows else "")
+        )
+
+    @classmethod
+    def from_params(cls, params: dict) -> GemmConfig:
+        return cls(**{f.name: params[f.name] for f in fields(cls) if f.name in params})
+
+    @classmethod
+    def from_record(cls, record: dict) -> GemmConfig | None:
+        """A recorded tuning winner's config; None if it turns on a dropped knob."""
+        if any(record.get(name, off) != off for name, off in DROPPED_KNOBS.items()):
+            return None
+        return cls.from_params(record)
+
+
+def ring_stages(cfg: GemmConfig, elem_bytes: int = 2, c_bytes: int = 2) -> int:
+    """AB stages that fit in shared memory (the kernel's `stages` when cfg.stages is 0): A's
+    ring holds a_rows rows a stage plus tile_m - a_rows once after the last (kernel.py
+    `_compact_ring`), B's tile_n; 1 KB for the barriers, the epilogue ring besides."""
+    row = cfg.tile_k * elem_bytes
+    a_rows = cfg.a_rows or cfg.tile_m
+    epilogue = cfg.epi_stages * cfg.tile_m * cfg.epi_n * c_bytes
+    free = SMEM_CAPACITY - 1024 - epilogue - (cfg.tile_m - a_rows) * row
+    return free // ((a_rows + cfg.tile_n) * row)
