@@ -75,6 +75,10 @@ FUSED_SHAPES = [
     ((2, 200, 13, 11), (72, 200, 3, 3), {"stride": 2, "padding": 1}),  # phases of 4 / 2 / 1 taps
     ((2, 200, 15, 13), (72, 200, 1, 1), {"stride": 2}),  # three phases of no tap: zero stores
     ((1, 200, 5, 7, 6), (72, 200, 3, 3, 3), {"stride": 2, "padding": 1}),  # eight phases
+    # the walk's upper corner +1 along H and W (its boxes run one pixel past dY: zero fill)
+    ((2, 200, 13, 11), (72, 200, 2, 2), {"stride": 2}),
+    # the walk's padding below -1: dY cropped (a view at an offset), phase 0 of no tap
+    ((2, 200, 13, 11), (72, 200, 1, 1), {"stride": 2, "padding": 1}),
 ]
 
 
