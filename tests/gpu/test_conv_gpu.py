@@ -98,8 +98,8 @@ def test_fused_dgrad_every_tile_and_split(cfg, per_split, shape):
 # runs several units of different phases (4 / 2 / 2 / 1 taps; 1x1: a phase of one tap and
 # three of none, zero units between stored ones), so the epilogue ring's position carried
 # across tiles (`tiles_done`), the AB ring's states across units of different lengths and a
-# split part parked after a stored tile are exercised; the small shapes above run at most one
-# unit a CTA.
+# split part parked after a stored tile are exercised; the small shapes above give a CTA one
+# unit (two at most: the 3-D one in parts of one k-tile on 128x64 tiles, all of them split).
 PERSISTENT_SHAPES = [
     ((16, 200, 40, 36), (72, 200, 3, 3), {"stride": 2, "padding": 1}),
     ((16, 200, 40, 36), (72, 200, 1, 1), {"stride": 2}),
