@@ -298,3 +298,14 @@ def test_the_fused_chooser(m, n, k_tiles):
 def test_a_forward_configuration_names_its_fused_variant():
     for cfg in FUSED_BASE:
         assert fused_config(replace(cfg, epi_n=32, epi_stages=4)) == cfg
+
+
+def test_a_fused_plan_for_a_gradient_that_does_not_fuse_is_refused(model):
+    """A FusedPlan handed to a data gradient the fused kernel does not take (stride 3: a launch
+    per phase) is a ValueError naming why, not an AttributeError from the per-phase chooser."""
+    g = _geometry((1, 3, 3), (0, 1, 1), (1, 3, 3))
+    dy = torch.randn(1, 1, 3, 3, 16, dtype=F64)
+    w = torch.randn(16, 1, 3, 3, 8, dtype=F64)
+    dx = torch.zeros(1, 1, 9, 9, 8, dtype=F64)
+    with pytest.raises(ValueError, match="stride"):
+        launch.dgrad(dy, w, dx, g, FusedPlan(FUSED_BASE[0], 1, 0, 0, 0, 0))

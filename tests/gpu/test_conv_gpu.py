@@ -75,6 +75,10 @@ FUSED_SHAPES = [
     ((2, 200, 13, 11), (72, 200, 3, 3), {"stride": 2, "padding": 1}),  # phases of 4 / 2 / 1 taps
     ((2, 200, 15, 13), (72, 200, 1, 1), {"stride": 2}),  # three phases of no tap: zero stores
     ((1, 200, 5, 7, 6), (72, 200, 3, 3, 3), {"stride": 2, "padding": 1}),  # eight phases
+    # the walk's upper corner +1 along H and W (its boxes run one pixel past dY: zero fill)
+    ((2, 200, 13, 11), (72, 200, 2, 2), {"stride": 2}),
+    # the walk's padding below -1: dY cropped (a view at an offset), phase 0 of no tap
+    ((2, 200, 13, 11), (72, 200, 1, 1), {"stride": 2, "padding": 1}),
 ]
 
 
@@ -87,7 +91,32 @@ def test_fused_dgrad_every_tile_and_split(cfg, per_split, shape):
     tile), K = 72 (a part-filled channel block), odd sizes (phases one row short); dx the first
     200 channels of a 208-channel buffer (rows addressed through its strides; the other 8
     channels must stay untouched); twice, bitwise equal."""
-    x_shape, w_shape, kw = FUSED_SHAPES[shape]
+    _fused_twice(cfg, per_split, *FUSED_SHAPES[shape])
+
+
+# Problems of more units than the grid has CTAs (every tile, 2x1 clusters included): each CTA
+# runs several units of different phases (4 / 2 / 2 / 1 taps; 1x1: a phase of one tap and
+# three of none, zero units between stored ones), so the epilogue ring's position carried
+# across tiles (`tiles_done`), the AB ring's states across units of different lengths and a
+# split part parked after a stored tile are exercised; the small shapes above give a CTA one
+# unit (two at most: the 3-D one in parts of one k-tile on 128x64 tiles, all of them split).
+PERSISTENT_SHAPES = [
+    ((16, 200, 40, 36), (72, 200, 3, 3), {"stride": 2, "padding": 1}),
+    ((16, 200, 40, 36), (72, 200, 1, 1), {"stride": 2}),
+]
+
+
+@pytest.mark.parametrize("per_split", [None, 1])
+@pytest.mark.parametrize("cfg", FUSED_BASE, ids=lambda c: c.tag())
+@pytest.mark.parametrize("shape", range(len(PERSISTENT_SHAPES)))
+def test_fused_dgrad_several_units_a_cta(cfg, per_split, shape):
+    """`test_fused_dgrad_every_tile_and_split`'s checks on PERSISTENT_SHAPES."""
+    _fused_twice(cfg, per_split, *PERSISTENT_SHAPES[shape])
+
+
+def _fused_twice(cfg, per_split, x_shape, w_shape, kw):
+    """The fused data gradient with `cfg` (split in parts of `per_split` k-tiles unless None)
+    into the first 200 of 208 channels, against the fp64 reference, twice, bitwise equal."""
     g = torch.Generator(device="cuda").manual_seed(3)
     d = len(x_shape) - 2
     w = rnd(*w_shape, gen=g)

@@ -294,9 +294,13 @@ def dgrad(
     `config`: a forward configuration (the fused kernel takes its `fused_config` variant), a
     SplitPlan (per phase) or a FusedPlan (fused), or None (chosen)."""
     input_dhw, output_dhw = tuple(dx.shape[1:4]), tuple(dy.shape[1:4])
-    if _fuses(geometry, input_dhw, output_dhw) and not isinstance(config, SplitPlan):
+    fuses = _fuses(geometry, input_dhw, output_dhw)
+    if fuses and not isinstance(config, SplitPlan):
         _fused(dy, w, dx, fused_dgrad(geometry, input_dhw, output_dhw), config)
         return
+    if isinstance(config, FusedPlan):
+        problem = fused_dgrad_problem(geometry, input_dhw, output_dhw)
+        raise ValueError(f"a FusedPlan for a data gradient that does not fuse: {problem}")
     phases, empties = _phases(geometry, input_dhw, output_dhw)
     sd, sh, sw = geometry.stride
     empty = sum(empties)
