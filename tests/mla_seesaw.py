@@ -40,6 +40,7 @@ LEFT = (0, 1, 2, 3)  # V_L: latent columns 0 .. 255
 RIGHT = (4, 5, 6, 7, 8)  # V_R and the RoPE chunk
 V_HALF = ((0, 1, 2, 3), (4, 5, 6, 7))
 LATENT = 512
+LN2_FP32 = torch.tensor(math.log(2.0), dtype=torch.float32)  # the kernel's LN2, an fp32 immediate
 
 
 # ---------------------------------------------------------------- the schedule
@@ -440,12 +441,17 @@ def seesaw_split(q, keys, values, key_index, limit, mask_from, scale_log2, dtype
 
 
 def seesaw_partial(qn, qp, ckv, kpe, ckv_scale, pt, seq, op_, lp, scale_log2, per, page_size,
-                   cu, causal, q_blocks, *, heads, qtokens):  # fmt: skip
+                   cu, causal, q_blocks, *, heads, qtokens, direct=False):  # fmt: skip
     """The seesaw pass (seesaw.py) with the partial pass's arguments (test_mla_decode's
     `_partial`): CTA (sequence x query block, head block, split) reads its split's tiles as
     whole 64-row boxes of one page each (the launcher's contract: per and page_size multiples
     of 64), the rows past the sequence as stale slots (masked in S, zeroed as V), and runs
-    `seesaw_split`. Only pages of the sequence are read."""
+    `seesaw_split`. Only pages of the sequence are read. direct (the direct form): one split,
+    op_ / lp the op's out (rows, Hq, 512) in q's dtype and natural LSE (rows, Hq), written as
+    `_write_split` does (O rounded to out's dtype, log2 LSE x ln 2)."""
+    splits = 1 if direct else op_.shape[0]
+    if direct:
+        assert op_.dtype == qn.dtype and lp.dtype == torch.float32
     assert ckv_scale is None and per % TILE == 0 and page_size % TILE == 0
     _, hq, _ = qn.shape
     rows = [(i, h) for i in range(qtokens) for h in range(heads)]
@@ -463,8 +469,10 @@ def seesaw_partial(qn, qp, ckv, kpe, ckv_scale, pt, seq, op_, lp, scale_log2, pe
                 torch.cat([qn[q_off + i, h0 + h], qp[q_off + i, h0 + h]]).double()
                 if i < sq else zero for i, h in rows
             ])  # fmt: skip
-            for s in range(op_.shape[0]):
+            for s in range(splits):
                 t0, t1 = s * per, min(s * per + per, kv_end)
+                if direct:
+                    assert t1 == kv_end, "the direct form's one split covers every key"
                 tiles = max(-(-(t1 - t0) // TILE), 0)
                 limit = torch.tensor([
                     (min(t1, kv_end - sq + i + 1) if causal else t1) if i < sq else 0
@@ -490,6 +498,9 @@ def seesaw_partial(qn, qp, ckv, kpe, ckv_scale, pt, seq, op_, lp, scale_log2, pe
                     o = torch.zeros(len(rows), LATENT, dtype=torch.float64)
                     lse = torch.full((len(rows),), -math.inf, dtype=torch.float64)
                 for r, (i, h) in enumerate(rows):
-                    if i < sq:
+                    if i < sq and direct:
+                        op_[q_off + i, h0 + h] = o[r].float().to(op_.dtype)
+                        lp[q_off + i, h0 + h] = lse[r].float() * LN2_FP32
+                    elif i < sq:
                         op_[s, q_off + i, h0 + h] = o[r]
                         lp[s, q_off + i, h0 + h] = lse[r]

@@ -35,6 +35,7 @@ from forgekernel.kernels.attention.mla.sm90.config import (
     ROWS,
     SPLIT_OVERHEAD_TILES,
     TILE,
+    direct_blocks,
     heads_per_cta,
     params_for,
     split_plan,
@@ -88,11 +89,16 @@ def test_compile_keys():
             params_for(**{"dtype": "bfloat16", "heads": 16, **bad}, tma=True)
     partial = [dict(p) for p in SPEC.standard_params() if dict(p)["kind"] == "partial"]
     per_pass = sum(1 for h in HEADS for t in QTOKENS if h * t <= ROWS)
-    # fp16 and bf16 (the seesaw pass and decode.py's), FP8 cache with bf16 queries
-    assert len(partial) == 5 * per_pass
+    # fp16 and bf16 (the seesaw pass and decode.py's), FP8 cache with bf16 queries, the
+    # seesaw's direct form of the served head blocks in both dtypes
+    direct = [p for p in partial if p.get("direct")]
+    assert len(direct) == 2 * len(direct_blocks()) == 12 and all(p["tma"] for p in direct)
+    assert len(partial) == 5 * per_pass + len(direct)
     assert sum(1 for p in partial if p.get("fp8")) == per_pass
-    assert sum(1 for p in partial if p.get("tma")) == 2 * per_pass
+    assert sum(1 for p in partial if p.get("tma") and not p.get("direct")) == 2 * per_pass
     assert all(p["dtype"] == "bfloat16" for p in partial if p.get("fp8"))
+    with pytest.raises(ValueError, match="direct form"):
+        params_for("partial", "bfloat16", 16, direct=True)
     assert all(p["heads"] * p.get("qtokens", 1) <= ROWS for p in partial)
     with pytest.raises(ValueError, match="kind"):
         params_for("decode", "bfloat16")
@@ -137,6 +143,95 @@ def test_tile_split_plan_fills_the_wave():
     9); 128 sequences at 128 heads: one split each, not 32 of 4 tiles."""
     assert tile_split_plan(1, 1, 65536, 132, 1) == (128, 512)
     assert tile_split_plan(128, 2, 8192, 132, 1) == (1, 8192)
+
+
+# ---------------------------------------------------------------- the direct form
+
+
+def test_direct_blocks_are_the_served_head_blocks():
+    """128 heads over TP 8 / 4 / 2 / 1 at 1, 2 and 4 query tokens."""
+    assert direct_blocks() == ((16, 1), (32, 1), (64, 1), (16, 2), (32, 2), (16, 4))
+
+
+DIRECT_PLANS = [
+    # (kind, units, hq, max tokens, qtokens, fp8, page size), direct: the suite's and serving's
+    (("partial", 128, 16, 8192, 1, False, 64), True),  # b128 h16: 128 CTAs, one split
+    (("partial", 64, 16, 4096, 1, False, 64), False),  # b64 h16: two splits fill the wave
+    (("partial", 64, 128, 4096, 1, False, 64), True),  # b64 h128: 128 CTAs
+    (("partial", 128, 128, 65536, 1, False, 64), True),  # b128 h128 x 64k: 256 CTAs
+    (("partial", 32, 128, 65536, 1, False, 64), False),  # b32 h128: 64 CTAs, 2 splits
+    (("partial", 64, 128, 8192, 2, False, 64), True),  # MTP 2 at 128 heads: 256 CTAs
+    (("partial", 256, 16, 8192, 4, False, 64), True),  # prefill b1 x 1024 tokens, h16
+    (("partial", 3, 16, 128, 1, False, 64), True),  # short sequences: one split whatever B
+    (("partial", 3, 16, 320, 4, False, 64), False),  # MTP 4 over 320 keys: 2 splits
+    (("partial", 3, 24, 128, 1, False, 64), False),  # 8-head blocks: not prebuilt direct
+    (("partial", 3, 16, 128, 1, False, 16), False),  # page 16: decode.py
+    (("partial", 200, 16, 8192, 1, True, 64), False),  # FP8 cache: decode.py
+    (("sparse", 200, 16, 2048, 1, False, 1), False),  # DSA
+]
+
+
+@pytest.mark.parametrize(("key", "direct"), DIRECT_PLANS)
+def test_launcher_takes_the_direct_form_for_one_split(monkeypatch, key, direct):
+    """Direct exactly when the plan gives one split, the seesaw pass runs and the head block is
+    prebuilt direct; then no combine. FORGEKERNEL_MLA_DIRECT=0 keeps the combine."""
+    monkeypatch.setattr(mla_launch, "get_kernel", lambda spec, params: dict(params))
+    monkeypatch.setattr(mla_launch, "num_sms", lambda device: 132)
+    kind, units, hq, tokens, qtokens, fp8, ps = key
+    kernel, combine, splits, per = mla_launch._plan(
+        kind, torch.bfloat16, units, hq, tokens, qtokens, 0, fp8, ps
+    )
+    assert kernel.get("direct", False) == direct and (combine is None) == direct
+    if direct:
+        assert splits == 1 and per >= tokens and kernel["tma"]
+        monkeypatch.setenv("FORGEKERNEL_MLA_DIRECT", "0")
+        kernel, combine, splits, _ = mla_launch._plan(
+            kind, torch.bfloat16, units, hq, tokens, qtokens, 0, fp8, ps
+        )
+        assert "direct" not in kernel and combine["kind"] == "combine" and splits == 1
+    monkeypatch.setenv("FORGEKERNEL_MLA_DIRECT", "yes")
+    with pytest.raises(ValueError, match="FORGEKERNEL_MLA_DIRECT"):
+        mla_launch.direct_enabled()
+
+
+@pytest.mark.parametrize(
+    ("b", "hq", "lens", "s_q", "dtype"),
+    [
+        (3, 16, [37, 0, 100], 1, torch.bfloat16),
+        (3, 16, [37, 0, 100], 1, torch.float16),
+        (4, 128, [1, 63, 65, 200], 1, torch.bfloat16),
+        (3, 16, [5, 0, 130], 2, torch.float16),
+        (2, 32, [3, 90], 3, torch.bfloat16),
+        (3, 16, [4, 0, 129], 4, torch.bfloat16),
+    ],
+)
+def test_direct_form_is_the_split_path_of_one_split(cpu_kernels, monkeypatch, b, hq, lens, s_q,
+                                                     dtype):  # fmt: skip
+    """Plans of one split (short sequences, page 64): the direct form's one launch (no partials
+    allocated, no combine) gives the reference, and the same O bits as the partial pass + the
+    combine of that plan (FORGEKERNEL_MLA_DIRECT=0); sequences of 0 keys 0 / -inf."""
+    qn, qp, ckv, kpe, table, seq = _problem(b, hq, 64, lens, s_q, True, dtype, seed=b + s_q)
+
+    def no_partials(*args):
+        raise AssertionError("the direct form allocates no partials")
+
+    with monkeypatch.context() as m:
+        m.setattr(mla_launch, "_partials", no_partials)
+        out, lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE,
+                                 return_lse=True)  # fmt: skip
+    assert [c[0].get("direct", False) for c in cpu_kernels] == [True]
+    want, want_lse = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
+    _assert_close(out, lse, want, want_lse)
+    assert torch.all(out.transpose(1, 2)[torch.isneginf(want_lse)] == 0)
+    mla_launch._plans.clear()
+    monkeypatch.setenv("FORGEKERNEL_MLA_DIRECT", "0")
+    split_out, split_lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE,
+                                         return_lse=True)  # fmt: skip
+    assert "direct" not in cpu_kernels[-1][0]
+    assert torch.equal(out, split_out)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(split_lse))
+    finite = torch.isfinite(lse)
+    assert torch.allclose(lse[finite], split_lse[finite], rtol=1e-6, atol=1e-6)
 
 
 # ---------------------------------------------------------------- FP8 dequantization
@@ -287,8 +382,14 @@ def cpu_kernels(monkeypatch):
             fp8 = p.get("fp8", False)
             assert (args[4] is not None) == fp8 and (args[2].dtype == torch.uint8) == fp8
             calls.append((p, args[9:12], args[12] is not None))
-            replay = seesaw_partial if p.get("tma", False) else _partial
-            replay(*args, heads=p["heads"], qtokens=p.get("qtokens", 1))
+            kw = {"heads": p["heads"], "qtokens": p.get("qtokens", 1)}
+            if p.get("direct", False):
+                assert args[7].dtype == args[0].dtype and args[8].dtype == torch.float32
+                seesaw_partial(*args, **kw, direct=True)
+            elif p.get("tma", False):
+                seesaw_partial(*args, **kw)
+            else:
+                _partial(*args, **kw)
 
         return partial
 

@@ -419,10 +419,13 @@ def _grid_and_block():
     def ns(**kw):
         return type("NS", (), kw)
 
-    def grid_of(b, q_blocks, hq, heads, splits):
+    def grid_of(b, q_blocks, hq, heads, splits, direct=False):
+        kernel = ns(direct=direct)
+        out = ns(shape=(b * q_blocks, hq) if direct else (splits,))
         env = {
-            "mSeq": ns(shape=(b,)), "mQn": ns(shape=(b, hq)), "mOp": ns(shape=(splits,)),
-            "q_blocks": q_blocks, "self": ns(h=heads),
+            "mSeq": ns(shape=(b,)), "mQn": ns(shape=(b, hq)), "mOp": out,
+            "q_blocks": q_blocks,
+            "self": ns(h=heads, _splits=lambda m: seesaw.MlaSeesawSm90._splits(kernel, m)),
         }  # fmt: skip
         return eval(grid_src, {}, env)
 
@@ -477,3 +480,88 @@ def test_head_blocks_of_a_unit_share_a_wave(b, hq, heads, waves):
     blocks = hq // heads
     units_fastest = [(u, h, 0) for h in range(blocks) for u in range(b)]
     assert _cache_reads(units_fastest, 132) >= 2 * b - 4
+
+
+@pytest.mark.parametrize(
+    "b, q_blocks, hq, heads", [(3, 1, 16, 16), (2, 3, 128, 32), (5, 1, 128, 64)]
+)
+def test_direct_grid_is_one_split(b, q_blocks, hq, heads):
+    """The direct form's grid: every unit and head block once, one split (mOp is the op's out,
+    whose leading mode is the rows, not splits)."""
+    grid_of, _ = _grid_and_block()
+    assert grid_of(b, q_blocks, hq, heads, 7, direct=True) == (b * q_blocks * hq // heads, 1, 1)
+    assert grid_of(b, q_blocks, hq, heads, 7)[2] == 7
+
+
+def _direct_epilogue(coords, heads, qtokens, sq, q_off, head0, o, lse_log2, out, lse, writes):
+    """`_write_split`'s direct branch on the traced fragment: thread tid of warpgroup wg writes
+    its rows' columns of O (rounded to out's dtype) and, warpgroup 0's quad leaders, the rows'
+    LSE x ln 2; rows past G or of tokens past sq are not written. Counts every store."""
+    g = heads * qtokens
+    for wg in range(2):
+        for tid, rows in coords.items():
+            for crd in rows:
+                row = crd[0][0]
+                token = row // heads
+                if not (row < g and token < sq):
+                    continue
+                head = head0 + row % heads
+                for _, col in crd:
+                    c = wg * seesaw.COLS + col
+                    out[q_off + token, head, c] = o[row, c].to(out.dtype)
+                    writes[q_off + token, head, c] += 1
+                if wg == 0 and tid % 4 == 0:
+                    lse[q_off + token, head] = lse_log2[row] * ms.LN2_FP32
+                    writes[q_off + token, head, -1] += 1
+
+
+@pytest.mark.parametrize(
+    "heads, qtokens, sq", [(16, 1, 1), (32, 1, 1), (64, 1, 1), (16, 2, 2), (32, 2, 1),
+                           (16, 4, 4), (16, 4, 3), (16, 4, 0)],
+)  # fmt: skip
+def test_direct_epilogue_writes_every_output_once(heads, qtokens, sq):
+    """The P V accumulator's fragment (traced from the kernel's own tiled MMA) through the direct
+    epilogue: out[q_off + i, head0 + h] = O row i H + h in out's dtype and lse = its log2 LSE x
+    ln 2, for every token i < sq and head of the block, each element stored exactly once, by one
+    thread; nothing else in out / lse touched (other rows, other heads, tokens past sq)."""
+    pytest.importorskip("cutlass")
+    from mla_seesaw_probe import output_coords
+
+    coords = output_coords(heads, qtokens)
+    assert all(len(r) == 2 and len(r[0]) == seesaw.COLS // 4 for r in coords.values())
+    g = torch.Generator().manual_seed(heads + qtokens + sq)
+    rows, hq, q_off, head0 = 9, 3 * heads, 2, heads
+    o = torch.randn(64, 512, generator=g)
+    lse_log2 = torch.randn(64, generator=g) * 10
+    lse_log2[1] = -math.inf  # a row that saw no key (its O is 0)
+    o[1] = 0.0
+    for dtype in (torch.bfloat16, torch.float16):
+        out = torch.full((rows, hq, 512), float("nan"), dtype=dtype)
+        lse = torch.full((rows, hq), float("nan"))
+        writes = torch.zeros(rows, hq, 513, dtype=torch.int32)
+        _direct_epilogue(coords, heads, qtokens, sq, q_off, head0, o, lse_log2, out, lse, writes)
+        want = torch.zeros(rows, hq, 513, dtype=torch.int32)
+        want[q_off : q_off + sq, head0 : head0 + heads] = 1
+        assert torch.equal(writes, want)
+        block = out[q_off : q_off + sq, head0 : head0 + heads]
+        assert torch.equal(block, o[: sq * heads].view(sq, heads, 512).to(dtype))
+        got_lse = lse[q_off : q_off + sq, head0 : head0 + heads]
+        want_lse = (lse_log2[: sq * heads] * ms.LN2_FP32).view(sq, heads)
+        assert torch.equal(got_lse, want_lse)
+        untouched = writes[..., :512] == 0
+        assert out[untouched].isnan().all() and lse[writes[..., -1] == 0].isnan().all()
+
+
+def test_direct_epilogue_is_the_kernels():
+    """The replayed epilogue's stores are `_write_split`'s direct branch: O x 1 / sum rounded to
+    the output's dtype at (q_off + token, head, wg COLS + column), the LSE x LN2 from warpgroup
+    0's quad leaders; the partial form's stores unchanged."""
+    src = inspect.getsource(seesaw.MlaSeesawSm90._write_split)
+    direct, partial = src.split("else:\n                    for c")
+    assert "if const_expr(self.direct):" in direct
+    assert "value = (o[r, c] * inv).to(mOp.element_type)" in direct
+    assert "mOp[q_off + token, head, wg * COLS + o_crd[r, c][1]] = value" in direct
+    lse_store = re.search(r"if wg == 0 and tid % 4 == 0:\s+mLp\[(.*)\] = (.*)\n", direct)
+    assert lse_store.groups() == ("q_off + token, head", "lse * LN2")
+    assert "mOp[split, q_off + token, head, wg * COLS + o_crd[r, c][1]] = o[r, c] * inv" in partial
+    assert "mLp[split, q_off + token, head] = lse" in partial

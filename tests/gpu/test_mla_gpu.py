@@ -373,3 +373,48 @@ def test_mla_decode_fp8_in_a_cuda_graph():
     want, _, low = _fp8_refs(qn, qp, packed, table, seq)
     bound = 2 * float((low.float() - want).abs().max()) + 1e-3
     assert float((out.float() - want).abs().max()) <= bound
+
+
+DIRECT_CASES = [  # (b, hq, page, lens, s_q): plans of one split at every prebuilt direct block
+    (3, 16, 64, [37, 0, 100], 1),  # 16 x 1
+    (4, 128, 64, [1, 63, 65, 200], 1),  # 64 x 1
+    (2, 32, 64, [0, 250], 1),  # 32 x 1
+    (3, 16, 64, [5, 0, 130], 2),  # 16 x 2
+    (2, 128, 64, [70, 190], 2),  # 32 x 2
+    (3, 16, 64, [4, 0, 129], 4),  # 16 x 4
+    (132, 16, 64, [(i * 7919) % 1000 for i in range(132)], 1),  # 132 CTAs, up to 16 tiles
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", DIRECT_CASES, ids=lambda c: f"b{c[0]}_h{c[1]}_sq{c[4]}")
+def test_direct_form_is_the_combine_of_one_split(case, dtype, monkeypatch):
+    """The seesaw pass's direct form (one launch writing out and lse) against the reference with
+    NaN-poisoned outputs and stale slots, and bit for bit against the partial pass + combine of
+    the same one-split plan (FORGEKERNEL_MLA_DIRECT=0): O equal, LSE equal (both x ln 2 of the
+    same fp32 log2 value)."""
+    launch = importlib.import_module("forgekernel.kernels.attention.mla.sm90.launch")
+    b, hq, ps, lens, s_q = case
+    qn, qp, ckv, kpe, table, seq = _problem(b, hq, ps, lens, s_q, False, dtype)
+    _poison_stale(ckv, kpe, table, lens, ps)
+    want, want_lse = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
+    low, _ = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE, upcast=False)
+    keys = []
+    real = launch.get_kernel
+    monkeypatch.setattr(launch, "get_kernel", lambda spec, p: keys.append(dict(p)) or real(spec, p))
+    results = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("FORGEKERNEL_MLA_DIRECT", flag)
+        launch._plans.clear()
+        out = torch.full((*qn.shape[:-1], 512), float("nan"), device="cuda", dtype=dtype)
+        _, lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, out=out,
+                               return_lse=True)  # fmt: skip
+        torch.cuda.synchronize()
+        partial = [k for k in keys if k["kind"] == "partial"][-1]
+        assert partial.get("direct", False) == (flag == "1")
+        _check(out, lse, want, want_lse, low)
+        results.append((out, lse))
+    launch._plans.clear()
+    (out, lse), (split_out, split_lse) = results
+    assert torch.equal(out, split_out)
+    assert torch.equal(lse, split_lse)

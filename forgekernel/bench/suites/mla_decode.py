@@ -113,6 +113,17 @@ CHECK_CASES = (
     _case(3, 16, 64, (4, 300, 65), s_q=4, cache="fp8"),
     _case(4, 16, 16, (40, 3, 10, 0), q_lens=(1, 3, 0, 2), cache="fp8"),
     _case(4, 16, 64, (40, 9, 10, 200), q_lens=(9, 9, 0, 70), cache="fp8", tag="prefill"),
+    # the seesaw pass's direct form (plans of one split: O and LSE written by the pass, no
+    # combine) at every prebuilt block: 64 x 1 (h128), 32 x 1, 16 x 2, 32 x 2 (h128 MTP 2),
+    # 16 x 4 (h32 s_q 3, h16 s_q 4); lengths off the 64-key tiles, sequences of 0 keys; and a
+    # batch of 132 sequences (one split each by the plan, up to 16 tiles: steady pairs)
+    _case(4, 128, 64, (1, 63, 65, 200)),
+    _case(2, 32, 64, (0, 250)),
+    _case(3, 16, 64, (5, 0, 130), s_q=2),
+    _case(2, 128, 64, (70, 190), s_q=2),
+    _case(2, 32, 64, (3, 90), s_q=3),
+    _case(3, 16, 64, (4, 0, 129), s_q=4),
+    _case(132, 16, 64, tuple((i * 7919) % 1000 for i in range(132)), tag="direct"),
 )
 # every compiled variant: 16 heads x 1 token, 8 x 2, 4 x 4 (packed), both cache forms; the fp8
 # compiles at 16 x 1 and 16 x 4

@@ -4,7 +4,8 @@ declaration; the kernels are `decode.py` (the partial pass) and the paged leaf's
 (`PagedCombineSm90` at head dim 512); the op is `forgekernel.ops.mla.mla_decode` (issue 19).
 The partial pass's sparse mode (kind "sparse") is DeepSeek sparse attention's kernel, op
 `forgekernel.ops.dsa.dsa_sparse_attention` (issue 22). `fp8` keys read FlashMLA's FP8 cache
-(fp8.py); `tma` keys are seesaw.py's partial pass (16-bit pages of whole 64-key tiles)."""
+(fp8.py); `tma` keys are seesaw.py's partial pass (16-bit pages of whole 64-key tiles), `direct`
+ones its form for a plan of one split (O and LSE written in place, no combine)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from forgekernel.kernels.attention.mla.sm90.config import (
     HEADS,
     QTOKENS,
     ROWS,
+    direct_blocks,
     params_for,
     sparse_heads,
 )
@@ -30,7 +32,8 @@ def _compile(params: Params, extra_options: str = ""):
 
 def _standard_params() -> list[Params]:
     """Every 16-bit partial pass (seesaw.py's for whole-tile pages, decode.py's for the others),
-    the same heads x tokens over FlashMLA's FP8 cache (bf16 queries), the sparse passes and the
+    the same heads x tokens over FlashMLA's FP8 cache (bf16 queries), the seesaw pass's direct
+    form for the served head blocks (`config.direct_blocks`), the sparse passes and the
     combines."""
     passes = [(d, False, tma) for d in DTYPES for tma in (True, False)] + [(FP8_DTYPE, True, False)]
     partial = [
@@ -40,13 +43,18 @@ def _standard_params() -> list[Params]:
         for h in HEADS
         if h * qt <= ROWS
     ]
+    direct = [
+        params_for("partial", dtype, h, qt, tma=True, direct=True)
+        for dtype in DTYPES
+        for h, qt in direct_blocks()
+    ]
     sparse = [
         params_for("sparse", d, h, fp8=fp8)
         for d, fp8, tma in passes
         if not tma
         for h in sparse_heads()
     ]
-    return partial + sparse + [params_for("combine", dtype) for dtype in DTYPES]
+    return partial + direct + sparse + [params_for("combine", dtype) for dtype in DTYPES]
 
 
 SPEC = KernelSpec(

@@ -5,7 +5,9 @@ in. The combine is the paged leaf's, at head dim 512. The sparse (DSA) partial t
 (tokens, topk) int32 top-k lists in place of the page table, tokens and topk dynamic, and None
 for seqlens_k and cu_seqlens_q. An `fp8` key's caches are the three views of FlashMLA's FP8
 rows (uint8 latent, fp32 scales, bf16 RoPE; rows 656 bytes apart, 16-byte aligned); a 16-bit
-key's scales None."""
+key's scales None. A `direct` key (the seesaw pass of a plan of one split) takes the op's
+out (rows, Hq, 512) in q's dtype and natural LSE (rows, Hq) in place of the partials: the
+combine's own output contract (rows of 512 contiguous, the LSE any (rows, Hq) view)."""
 
 from __future__ import annotations
 
@@ -26,11 +28,16 @@ def _dense(dtype, rank: int) -> cute.Tensor:
     return fake.rowmajor(dtype, shape, divisibility=1, align=4)
 
 
-def _combine(dtype, opts: str):
-    rows, hq = cute.sym_int32(), cute.sym_int32()
+def _outputs(dtype, rows, hq) -> tuple:
+    """The op's out (rows, Hq, 512) and LSE (rows, Hq) fp32, any view of it (the combine's
+    outputs, and the direct pass's)."""
     o = fake.rowmajor(dtype, (rows, hq, D_LATENT), divisibility=1, align=None)
     lse_strides = (cute.sym_int64(), cute.sym_int64())  # any (rows, Hq) view
-    lse = make_fake_tensor(cutlass.Float32, (rows, hq), stride=lse_strides, assumed_align=4)
+    return o, make_fake_tensor(cutlass.Float32, (rows, hq), stride=lse_strides, assumed_align=4)
+
+
+def _combine(dtype, opts: str):
+    o, lse = _outputs(dtype, cute.sym_int32(), cute.sym_int32())
     return cute.compile(
         PagedCombineSm90(D_LATENT),
         _dense(cutlass.Float32, 4),
@@ -97,19 +104,28 @@ def compile_mla(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     b, hq = cute.sym_int32(), cute.sym_int32()
     rows = cute.sym_int32() if qtokens > 1 else b  # total_q packed by cu_seqlens_q, else B
     pages, page_size = cute.sym_int32(), cute.sym_int32()
+    direct = params.get("direct", False)
     if params.get("tma", False):
-        kernel = MlaSeesawSm90(params["heads"], qtokens)
+        kernel = MlaSeesawSm90(params["heads"], qtokens, direct)
     else:
         kernel = MlaDecodeSm90(params["heads"], qtokens, fp8=fp8)
+    q_nope = fake.rowmajor(dtype, (rows, hq, D_LATENT))
+    q_pe = fake.rowmajor(dtype, (rows, hq, D_ROPE))
+    caches = _caches(dtype, fp8, pages, page_size)
+    page_table = _dense(cutlass.Int32, 2)
+    seqlens_k = make_fake_tensor(cutlass.Int32, (b,), stride=(1,))  # the batch
+    if direct:
+        outs = _outputs(dtype, rows, hq)
+    else:
+        outs = (_dense(cutlass.Float32, 4), _dense(cutlass.Float32, 3))
     return cute.compile(
         kernel,
-        fake.rowmajor(dtype, (rows, hq, D_LATENT)),
-        fake.rowmajor(dtype, (rows, hq, D_ROPE)),
-        *_caches(dtype, fp8, pages, page_size),
-        _dense(cutlass.Int32, 2),
-        make_fake_tensor(cutlass.Int32, (b,), stride=(1,)),  # seqlens_k: the batch
-        _dense(cutlass.Float32, 4),
-        _dense(cutlass.Float32, 3),
+        q_nope,
+        q_pe,
+        *caches,
+        page_table,
+        seqlens_k,
+        *outs,
         cutlass.Float32(1.0),
         cutlass.Int32(1),
         cutlass.Int32(1),

@@ -45,6 +45,11 @@ FP8_CHUNK = 16  # e4m3 bytes per global load
 E4M3_TO_BF16_EXPONENT = 120  # bf16's exponent bias 127 less e4m3's 7
 FP8_DTYPE = "bfloat16"  # an FP8 cache's queries (e4m3 x a power-of-two scale is exact in bf16)
 SPARSE_HQ = (16, 128)  # DeepSeek-V3.2's query heads per GPU at TP8 and TP1 (the prebuilt DSA)
+# The seesaw pass's direct form (compile key `direct`): a plan of one split writes O in q's dtype
+# and the natural LSE itself, no partials and no combine. Prebuilt for the head blocks of
+# DeepSeek's 128 heads sharded over TP 8 / 4 / 2 / 1 (`direct_blocks`); any other head block
+# keeps the partial pass and the combine rather than compile at call time.
+DIRECT_HQ = (16, 32, 64, 128)
 
 
 def tile_split_plan(
@@ -84,8 +89,34 @@ def sparse_heads() -> tuple[int, ...]:
     return tuple(sorted(common | {heads_per_cta(hq) for hq in SPARSE_HQ}))
 
 
+def direct_blocks() -> tuple[tuple[int, int], ...]:
+    """The (heads per CTA, query tokens) prebuilt in the direct form: each DIRECT_HQ's block at
+    every QTOKENS (16 x 1, 32 x 1, 64 x 1, 16 x 2, 32 x 2, 16 x 4). Any of them can get a plan
+    of one split: `tile_split_plan` gives one for every batch x head blocks >= num_sms / 2 (two
+    splits' waves then cost more than one's) and for every sequence of at most
+    MIN_TOKENS_PER_SPLIT keys."""
+    return tuple(
+        sorted(
+            {(heads_per_cta(hq, qt), qt) for qt in QTOKENS for hq in DIRECT_HQ},
+            key=lambda x: x[::-1],
+        )
+    )
+
+
+def runs_direct(splits: int, heads: int, qtokens: int, tma: bool) -> bool:
+    """Whether the launcher takes the seesaw pass's direct form: a plan of one split of a
+    prebuilt direct block (`direct_blocks`)."""
+    return tma and splits == 1 and (heads, qtokens) in direct_blocks()
+
+
 def params_for(
-    kind: str, dtype: str, heads: int = 1, qtokens: int = 1, fp8: bool = False, tma: bool = False
+    kind: str,
+    dtype: str,
+    heads: int = 1,
+    qtokens: int = 1,
+    fp8: bool = False,
+    tma: bool = False,
+    direct: bool = False,
 ) -> tuple:
     """Compile key: kind "partial" (one split of `heads` query heads x `qtokens` tokens, fp32
     out; qtokens > 1 the packed form with cu_seqlens_q), "sparse" (DSA: one split of one query
@@ -93,7 +124,8 @@ def params_for(
     `PagedCombineSm90` at head dim D_LATENT, under the key the paged leaf would give it). fp8:
     the partial / sparse pass over FlashMLA's FP8 cache (dtype FP8_DTYPE only). tma: the partial
     pass over a 16-bit cache whose pages are multiples of TILE rows (seesaw.py: TMA boxes of
-    whole tiles, the seesaw schedule)."""
+    whole tiles, the seesaw schedule). direct (tma only): the pass of a plan of one split, writing
+    O in q's dtype and the natural LSE into the op's outputs (no partials, no combine)."""
     if kind == "combine":
         return tuple(sorted({"kind": kind, "dtype": dtype, "head_dim": D_LATENT}.items()))
     if kind not in ("partial", "sparse"):
@@ -102,6 +134,8 @@ def params_for(
         raise ValueError(f"an FP8 cache takes {FP8_DTYPE} queries, got {dtype}")
     if tma and (kind != "partial" or fp8):
         raise ValueError("the TMA (seesaw) pass is the 16-bit paged partial pass")
+    if direct and not tma:
+        raise ValueError("the direct form is the seesaw (tma) pass's")
     if kind == "sparse" and qtokens != 1:
         raise ValueError(f"sparse attention takes one query token per CTA, got {qtokens}")
     keys = {"kind": kind, "dtype": dtype, "heads": heads}
@@ -111,4 +145,6 @@ def params_for(
         keys["fp8"] = True
     if tma:
         keys["tma"] = True
+    if direct:
+        keys["direct"] = True
     return tuple(sorted(keys.items()))

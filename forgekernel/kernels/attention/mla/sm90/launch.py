@@ -7,7 +7,13 @@ pass's sparse mode): torch only (no DSL), the partial pass and the paged leaf's 
 
 16-bit paged caches whose page size is a multiple of TILE run the seesaw pass (`tma` compile keys,
 seesaw.py); FORGEKERNEL_MLA_SCHEDULE=roles (read when a problem's plan is first built) keeps them
-on decode.py's role-split pass, the design the seesaw replaces, for side-by-side timing."""
+on decode.py's role-split pass, the design the seesaw replaces, for side-by-side timing.
+
+A seesaw plan of one split (`config.runs_direct`: every (sequence, head block) in one CTA; the
+serving batches of 128+ head blocks, short sequences) runs the pass's direct form: one launch
+writing out and lse itself, no fp32 partials allocated, no combine. FORGEKERNEL_MLA_DIRECT=0
+(read when a problem's plan is first built) keeps such plans on the partial pass and the
+combine, for side-by-side timing and the GPU tests' comparison (the same bits)."""
 
 from __future__ import annotations
 
@@ -33,17 +39,29 @@ def seesaw_enabled() -> bool:
     return schedule == "seesaw"
 
 
+def direct_enabled() -> bool:
+    """Plans of one split run the seesaw pass's direct form (unless FORGEKERNEL_MLA_DIRECT=0)."""
+    flag = os.environ.get("FORGEKERNEL_MLA_DIRECT", "1")
+    if flag not in ("0", "1"):
+        raise ValueError(f"FORGEKERNEL_MLA_DIRECT must be '0' or '1', got {flag!r}")
+    return flag == "1"
+
+
 def _plan(kind, dtype, units, hq, max_tokens, qtokens, device_index, fp8, page_size):
-    """(partial kernel, combine kernel, splits, keys per split): kind "partial" (units =
+    """(pass kernel, combine kernel or None, splits, keys per split): kind "partial" (units =
     sequences, max_tokens their bound) or "sparse" (units = query tokens, max_tokens the top-k
     width), over an FP8 cache if fp8; the paged leaf's split plan over units x head blocks (the
-    seesaw pass's in whole tiles). The kernels are looked up here, once per problem (two
+    seesaw pass's in whole tiles). Combine None: the seesaw pass's direct form (one split, out
+    and lse written by the pass). The kernels are looked up here, once per problem (two
     compile-cache lookups cost 0.8 us a call on the CPU)."""
     name = dtype_name(dtype)
     heads = config.heads_per_cta(hq, qtokens)
     tma = kind == "partial" and not fp8 and page_size % config.TILE == 0 and seesaw_enabled()
     plan = config.tile_split_plan if tma else config.split_plan
     splits, per = plan(units, hq // heads, max_tokens, num_sms(device_index), config.RESIDENT)
+    if config.runs_direct(splits, heads, qtokens, tma) and direct_enabled():
+        params = config.params_for(kind, name, heads, qtokens, tma=True, direct=True)
+        return get_kernel(SPEC, params), None, splits, per
     partial = get_kernel(SPEC, config.params_for(kind, name, heads, qtokens, fp8, tma))
     return partial, get_kernel(SPEC, config.params_for("combine", name)), splits, per
 
@@ -85,9 +103,10 @@ def mla_decode(
     causal: bool = True,
     ckv_scale: torch.Tensor | None = None,
 ) -> None:
-    """out (rows, Hq, 512) in q's dtype and lse (rows, Hq) fp32 (natural log; any strides) of
-    absorbed MLA: q_nope (rows, Hq, 512), q_pe (rows, Hq, 64); ckv_cache (num_pages,
-    page_size, 512) and kpe_cache (num_pages, page_size, 64) in q's dtype, rows contiguous and
+    """out (rows, Hq, 512) in q's dtype (rows of 512 contiguous) and lse (rows, Hq) fp32
+    (natural log; any strides) of absorbed MLA: q_nope (rows, Hq, 512), q_pe (rows, Hq, 64);
+    ckv_cache (num_pages, page_size, 512) and kpe_cache (num_pages, page_size, 64) in q's
+    dtype, rows contiguous and
     16-byte aligned (views of FlashMLA's combined cache qualify); page_table int32 (B,
     max_pages); seqlens_k int32 (B,) counting the new tokens. rows = B (one query per
     sequence), or total_q packed by cu_seqlens_q int32 (B + 1,) with at most max_seqlen_q
@@ -105,13 +124,15 @@ def mla_decode(
     key = ("partial", q_nope.dtype, b * q_blocks, hq, page_table.shape[1] * page_size, qtokens,
            device.index, ckv_scale is not None, page_size)  # fmt: skip
     partial, combine, splits, per = _plans.get_or_build(key, _plan)
-    partial_o, partial_lse = _partials(splits, rows, hq, device)
+    # the direct form (combine None) writes out and lse itself
+    outs = (out, lse) if combine is None else _partials(splits, rows, hq, device)
     cu = None if cu_seqlens_q is None else cu_seqlens_q.contiguous()
     with on_device(device):
         partial(as_tma_ready(q_nope), as_tma_ready(q_pe), ckv_cache, kpe_cache, ckv_scale,
-                page_table.contiguous(), seqlens_k.contiguous(), partial_o, partial_lse,
+                page_table.contiguous(), seqlens_k.contiguous(), *outs,
                 softmax_scale * LOG2E, per, page_size, cu, int(causal), q_blocks)  # fmt: skip
-        combine(partial_o, partial_lse, out, lse)
+        if combine is not None:
+            combine(*outs, out, lse)
 
 
 def dsa_sparse_attention(

@@ -45,7 +45,10 @@ hand-overs by how many barriers each has passed, `_match_stale`).
 
 At the end the two warpgroups' row sums meet in shared memory; each writes its columns of the
 split's normalized O (fp32) and warpgroup 0 the rows' LSE in log2 units (-inf where the split saw
-no key), the paged decode's partial format, merged by its combine."""
+no key), the paged decode's partial format, merged by its combine. The direct form (`direct`, a
+plan of one split: the grid's one split covers every key) writes instead the final O, rounded to
+q's dtype, and the natural LSE (log2 x ln 2) into the op's outputs: what the combine makes of one
+split (weight exp2(0) = 1, sum 1), bit for bit, with no fp32 partials and no combine launch."""
 
 from __future__ import annotations
 
@@ -70,7 +73,7 @@ from forgekernel.kernels.attention.mla.sm90.config import (
     TILE,
 )
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
-from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG, WARP_SIZE
+from forgekernel.kernels.common.sm90.constants import LN2, THREADS_PER_WG, WARP_SIZE
 from forgekernel.kernels.common.sm90.layout import (
     acc_as_operand_a,
     rows_cols,
@@ -110,14 +113,16 @@ class Bar(IntEnum):
 
 class MlaSeesawSm90:
     """The partial pass over a 16-bit paged cache with page_size % TILE == 0; see the module
-    docstring. Same arguments as `decode.MlaDecodeSm90` (mScale None)."""
+    docstring. Same arguments as `decode.MlaDecodeSm90` (mScale None); direct: the form of a
+    plan of one split (mOp, mLp the op's out and natural LSE)."""
 
-    def __init__(self, heads: int, qtokens: int = 1):
+    def __init__(self, heads: int, qtokens: int = 1, direct: bool = False):
         if heads * qtokens > ROWS:
             raise ValueError(f"heads x query tokens must be <= {ROWS}, got {heads} x {qtokens}")
         self.h = heads
         self.qt = qtokens
         self.g = heads * qtokens
+        self.direct = direct
 
     def _setup(self, dtype):
         k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
@@ -164,7 +169,8 @@ class MlaSeesawSm90:
         None; mPT int32 (batch, max_pages); mSeq int32 (batch,); mOp fp32 (splits, rows, Hq,
         512), mLp fp32 (splits, rows, Hq) log2; per_split a multiple of TILE and page_size of
         TILE (the launcher's contract: a tile is 64 consecutive rows of one page); mCuQ,
-        causal, q_blocks as there."""
+        causal, q_blocks as there. Direct form: mOp (rows, Hq, 512) in q's dtype, mLp fp32
+        (rows, Hq) natural log (any strides), one split (per_split covers every key)."""
         dtype = mQn.element_type
         if const_expr(not (dtype == mQp.element_type == mCkv.element_type == mKpe.element_type)):
             raise TypeError("q_nope, q_pe and the caches must share one 16-bit dtype")
@@ -172,6 +178,8 @@ class MlaSeesawSm90:
             raise ValueError("the seesaw pass reads 16-bit caches (FP8: decode.MlaDecodeSm90)")
         if const_expr((mCuQ is None) != (self.qt == 1)):
             raise ValueError("cu_seqlens_q comes with qtokens > 1, and only then")
+        if const_expr(self.direct and mOp.element_type != dtype):
+            raise TypeError("the direct form writes O in q's dtype")
         self._setup(dtype)
         # TMA boxes of 64 rows x 64 columns over (rows of a page, columns, pages)
         g2s = cpasync.CopyBulkTensorTileG2SOp()
@@ -197,7 +205,7 @@ class MlaSeesawSm90:
             q_blocks, tma_kl, mKl, tma_kr, mKr, self.mma_s, self.mma_s_rs, self.mma_pv,
             self.mma_pv_rs, self.lay_kl, self.lay_kr, self.lay_ql, self.lay_qr, self.lay_p,
         ).launch(
-            grid=(mSeq.shape[0] * q_blocks * (mQn.shape[1] // self.h), 1, mOp.shape[0]),
+            grid=(mSeq.shape[0] * q_blocks * (mQn.shape[1] // self.h), 1, self._splits(mOp)),
             block=[THREADS, 1, 1],
             stream=stream,
         )  # fmt: skip
@@ -232,7 +240,7 @@ class MlaSeesawSm90:
         lay_p: cute.ComposedLayout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        unit, head_block, split = self._block(mOp.shape[2])
+        unit, head_block, split = self._block(mOp.shape[1] if self.direct else mOp.shape[2])
         head0 = head_block * self.h
         b, q_off, sq, sk, kv_end = self._unit(mSeq, mCuQ, causal, q_blocks, unit)
         t0 = split * per_split
@@ -331,6 +339,10 @@ class MlaSeesawSm90:
         )
 
     # ---------------------------------------------------------------- set-up
+
+    def _splits(self, mOp):
+        """The grid's splits: the partials' leading mode; one in the direct form."""
+        return 1 if self.direct else mOp.shape[0]
 
     @cute.jit
     def _block(self, hq):
@@ -747,7 +759,7 @@ class MlaSeesawSm90:
     def _write_split(self, outs, acc_o, row_max, row_sum, o_crd, at):
         """This thread's columns of the split's O and, from warpgroup 0, the rows' LSE (log2:
         the max is kept scaled); 0 and -inf where the split saw no key. Rows past G or of
-        tokens past sq are not written."""
+        tokens past sq are not written. Direct form: O in q's dtype and the LSE natural."""
         mOp, mLp = outs
         split, q_off, sq, head0, wg, tid = at
         o = rows_cols(acc_o)
@@ -762,7 +774,14 @@ class MlaSeesawSm90:
                     inv = 1.0 / row_sum[r]
                     lse = row_max[r] + cute.math.log2(row_sum[r], fastmath=True)
                 head = head0 + row % self.h
-                for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
-                    mOp[split, q_off + token, head, wg * COLS + o_crd[r, c][1]] = o[r, c] * inv
-                if wg == 0 and tid % 4 == 0:
-                    mLp[split, q_off + token, head] = lse
+                if const_expr(self.direct):
+                    for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+                        value = (o[r, c] * inv).to(mOp.element_type)
+                        mOp[q_off + token, head, wg * COLS + o_crd[r, c][1]] = value
+                    if wg == 0 and tid % 4 == 0:
+                        mLp[q_off + token, head] = lse * LN2
+                else:
+                    for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+                        mOp[split, q_off + token, head, wg * COLS + o_crd[r, c][1]] = o[r, c] * inv
+                    if wg == 0 and tid % 4 == 0:
+                        mLp[split, q_off + token, head] = lse
