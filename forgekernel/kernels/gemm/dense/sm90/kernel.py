@@ -975,8 +975,12 @@ class GemmSm90:
         row1 = cutlass.min(first_row + r1, m - 1)
         blk = blk_base + tile_n * (self.cfg.tile_n // 128)
         # a half past N (N mod 256 <= 128) reads the last block's scales: never stored
-        blks = (cutlass.min(blk, blk_last), cutlass.min(blk + 1, blk_last))
-        src = (mSFA, mSFB, row0, row1, blks)
+        blk0, blk1 = cutlass.min(blk, blk_last), cutlass.min(blk + 1, blk_last)
+        # each scale's row of k-tiles, its base address computed once: the loop adds kt x the
+        # stride (B's rows per thread: row0 >> 31 is 0, not provably so, `_scales`)
+        uniform = row0 >> 31
+        src = (mSFA[row0, None], mSFA[row1, None], mSFB[blk0 + uniform, None],
+               mSFB[blk1 + uniform, None])  # fmt: skip
         last = k0 + count - 1
         acc.fill(0.0)
         scales = self._scales_halves(src, k0)
@@ -1018,16 +1022,9 @@ class GemmSm90:
 
     @cute.jit
     def _scales_halves(self, src, kt):
-        """k-tile kt's scales for `_mainloop_halves`: this thread's two rows' of A, the two
-        blocks of B (the halves'); B's per thread for the reason `_scales` gives."""
-        mSFA, mSFB, row0, row1, (blk0, blk1) = src
-        uniform = row0 >> 31  # 0, not provably so (`_scales`)
-        return (
-            mSFA[row0, kt],
-            mSFA[row1, kt],
-            mSFB[blk0 + uniform, kt],
-            mSFB[blk1 + uniform, kt],
-        )
+        """k-tile kt's scales for `_mainloop_halves` from `src`, the four rows of k-tiles: this
+        thread's two rows' of A, the halves' two blocks of B."""
+        return tuple(row[kt] for row in src)
 
     @cute.jit
     def _promote_half(self, acc, frag, h, scales):
