@@ -5,10 +5,10 @@ that their one-off costs land in the on-disk caches before the bench runs:
 
 fla 0.6.0's Triton kernels autotune on their first call per key (heads and dims, not T): for
 `chunk_gated_delta_rule`'s forward on Hopper 28 configs over its 5 kernels, each compiled then
-timed, for `chunk_kda`'s 82 over 6; gdn_prefill's bench has three (H, HV), kda_prefill's two. Triton keeps the
-compiled kernels and (fla's `cache_results`) the tuned configs on disk, so the bench's own
-process then loads them instead of tuning again. The calls are the bench's own, in its order
-(the host probe's case first, then every bench case in its bench dtype) on the bench's inputs
+timed, for `chunk_kda`'s 82 over 6; gdn_prefill's bench has three (H, HV), kda_prefill's two. Triton
+keeps the compiled kernels and (fla's `cache_results`) the tuned configs on disk, so the bench's own
+process then loads them instead of tuning again. The calls are the bench's own, in its order (the
+host probe's case first, then every bench case in its bench dtype) on the bench's inputs
 (`make_inputs`, seed --seed), so each key is tuned on the shape the bench would tune it on.
 Started in the background at the beginning of a device call (scripts/device_jit_run.sh: WARM)
 it overlaps the checks; the bench waits for it. One line per case: the seconds its first calls
