@@ -418,3 +418,92 @@ def test_direct_form_is_the_combine_of_one_split(case, dtype, monkeypatch):
     (out, lse), (split_out, split_lse) = results
     assert torch.equal(out, split_out)
     assert torch.equal(lse, split_lse)
+
+
+def _packed_problem(hq, q_lens, k_lens, seed):
+    """Packed queries by cu_seqlens_q over a 16-bit page-64 cache with NaN-poisoned stale
+    slots: (qn, qp, ckv, kpe, table, seq, cu)."""
+    _, _, ckv, kpe, table, seq = _problem(len(q_lens), hq, 64, k_lens, 1, False, torch.bfloat16)
+    _poison_stale(ckv, kpe, table, k_lens, 64)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
+                      device="cuda")  # fmt: skip
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(int(cu[-1]), hq, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    return q[..., :512], q[..., 512:], ckv, kpe, table, seq, cu
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("max_q", [2, 4])
+def test_direct_form_packed_into_a_strided_out(causal, max_q, monkeypatch):
+    """The direct form through the user's cu_seqlens_q (the op's lse (H, total_q) reaches the
+    pass transposed: strides (1, total_q)) into an out that is a window of a NaN buffer (head
+    stride 640, rows offset by 8 heads): every window element written, nothing around it
+    touched; a sequence of no query token, one of no key, and causal tokens that see no key
+    (sq > sk) give O = +-0 exactly and LSE -inf; bit for bit the combine's of the same plan."""
+    launch = importlib.import_module("forgekernel.kernels.attention.mla.sm90.launch")
+    hq = 128
+    q_lens, k_lens = [max_q, 0, max_q - 1, 1], [1, 50, 130, 0]
+    qn, qp, ckv, kpe, table, seq, cu = _packed_problem(hq, q_lens, k_lens, max_q)
+    rows = int(cu[-1])
+    want, want_lse = mla_prefill_ref(qn, qp, ckv, kpe, table, seq, cu, SCALE, causal)
+    low, _ = mla_prefill_ref(qn, qp, ckv, kpe, table, seq, cu, SCALE, causal, upcast=False)
+    keys = []
+    real = launch.get_kernel
+    monkeypatch.setattr(launch, "get_kernel", lambda spec, p: keys.append(dict(p)) or real(spec, p))
+    results = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("FORGEKERNEL_MLA_DIRECT", flag)
+        launch._plans.clear()
+        buf = torch.full((rows + 1, hq + 16, 640), float("nan"), device="cuda",
+                         dtype=torch.bfloat16)  # fmt: skip
+        out = buf[:rows, 8 : 8 + hq, :512]
+        _, lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, cu_seqlens_q=cu,
+                               max_seqlen_q=max_q, causal=causal, out=out,
+                               return_lse=True)  # fmt: skip
+        torch.cuda.synchronize()
+        assert [k for k in keys if k["kind"] == "partial"][-1].get("direct", False) == (flag == "1")
+        _check(out, lse, want, want_lse, low)
+        around = torch.ones_like(buf, dtype=torch.bool)
+        around[:rows, 8 : 8 + hq, :512] = False
+        assert buf[around].isnan().all()
+        none = torch.isneginf(want_lse.t())  # (rows, H): tokens that see no key
+        assert torch.isneginf(lse.t()[none]).all() and (out[none] == 0).all()
+        results.append((out.clone(), lse))
+    launch._plans.clear()
+    (out, lse), (split_out, split_lse) = results
+    assert torch.equal(out, split_out) and torch.equal(lse, split_lse)
+
+
+def test_direct_form_in_a_cuda_graph(monkeypatch):
+    """A plan of one split (132 sequences of at most 256 keys: one launch, no partials) captured
+    once and replayed on new queries and lengths (0, 1, 64, 65, 256): out and lse in place."""
+    launch = importlib.import_module("forgekernel.kernels.attention.mla.sm90.launch")
+    keys = []
+    real = launch.get_kernel
+    monkeypatch.setattr(launch, "get_kernel", lambda spec, p: keys.append(dict(p)) or real(spec, p))
+    launch._plans.clear()
+    b = 132
+    qn, qp, ckv, kpe, table, seq = _problem(b, 16, 64, [256] * b, 1, False, torch.bfloat16)
+    out = torch.empty(*qn.shape[:-1], 512, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    assert [k for k in keys if k["kind"] == "partial"][-1].get("direct", False)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, out=out,
+                               return_lse=True)  # fmt: skip
+    lens = [(0, 1, 64, 65, 256, 200, 130)[i % 7] for i in range(b)]
+    qn.copy_(torch.randn_like(qn))
+    seq.copy_(torch.tensor(lens, device="cuda"))
+    _poison_stale(ckv, kpe, table, lens, 64)
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    launch._plans.clear()
+    want, want_lse = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
+    low, _ = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE, upcast=False)
+    _check(out, lse, want, want_lse, low)
