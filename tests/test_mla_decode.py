@@ -924,3 +924,43 @@ def test_diag_ladder_on_the_replay(cpu_kernels, name):
     assert (r["splits"] > 1) == (
         name.startswith("split") or name in ("p128-L300", "h128-sq2-p128-L700-nan")
     )
+
+
+@pytest.mark.parametrize("max_q", [2, 4])
+def test_direct_form_packed_into_a_strided_out(cpu_kernels, monkeypatch, max_q):
+    """The direct form through the user's cu_seqlens_q: the pass gets the caller's out window
+    itself (no copy, no partials) and the op's lse (H, total_q) seen transposed; the window's
+    surroundings untouched; causal tokens that see no key 0 / -inf; the split path's O."""
+    q_lens, k_lens = [max_q, 0, max_q - 1, 1], [1, 50, 130, 0]
+    _, _, ckv, kpe, table, seq = _problem(len(q_lens), 128, 64, k_lens, seed=max_q)
+    g = torch.Generator().manual_seed(7)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    rows = int(cu[-1])
+    qn = torch.randn(rows, 128, LATENT, generator=g).to(torch.bfloat16)
+    qp = torch.randn(rows, 128, 64, generator=g).to(torch.bfloat16)
+    buf = torch.full((rows + 1, 144, 640), float("nan"), dtype=torch.bfloat16)
+    out = buf[:rows, 8:136, :LATENT]
+
+    def no_partials(*args):
+        raise AssertionError("the direct form allocates no partials")
+
+    with monkeypatch.context() as m:
+        m.setattr(mla_launch, "_partials", no_partials)
+        got, lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE,
+                                 cu_seqlens_q=cu, max_seqlen_q=max_q, out=out,
+                                 return_lse=True)  # fmt: skip
+    assert got is out and [c[0].get("direct", False) for c in cpu_kernels] == [True]
+    want, want_lse = mla_prefill_ref(qn, qp, ckv, kpe, table, seq, cu, SCALE)
+    _assert_close(out, lse, want, want_lse)
+    around = torch.ones_like(buf, dtype=torch.bool)
+    around[:rows, 8:136, :LATENT] = False
+    assert buf[around].isnan().all()
+    none = torch.isneginf(want_lse.t())
+    assert none.any() and (out[none] == 0).all() and torch.isneginf(lse.t()[none]).all()
+    mla_launch._plans.clear()
+    monkeypatch.setenv("FORGEKERNEL_MLA_DIRECT", "0")
+    split_out, _ = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE,
+                                 cu_seqlens_q=cu, max_seqlen_q=max_q,
+                                 return_lse=True)  # fmt: skip
+    assert "direct" not in cpu_kernels[-1][0]
+    assert torch.equal(out, split_out)
