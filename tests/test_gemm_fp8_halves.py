@@ -216,3 +216,37 @@ def test_sass_wait_and_promote_per_half(cluster, tmp_path):
     assert _wgmma_violations(sass) == []
     used = max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) + 1
     assert used <= 232
+
+
+def test_no_config_set_routes_stream_k_grouped_or_masked_through_the_halves():
+    """The halves loop is verified only for data-parallel dense tiles: no standard, candidate,
+    grouped or masked configuration has tile_n = 256 together with stream K or a grouped
+    layout."""
+    from forgekernel.kernels.gemm.dense.sm90 import masked_config
+    from forgekernel.kernels.gemm.fp8.sm90 import SPEC
+    from forgekernel.kernels.gemm.fp8.sm90 import config as fp8_config
+
+    for params in map(dict, SPEC.standard_params()):
+        if params["tile_n"] == 256:
+            assert not params["stream_k"] and not params.get("grouped")
+    assert fp8_config.GROUPED.tile_n == 128
+    assert all(c.tile_n <= 128 for c in masked_config.STANDARD_CONFIGS)
+    assert all(c.tile_n <= 128 for c in (*fp8_config.STREAM_DECODE, fp8_config.STREAM))
+
+
+@pytest.mark.parametrize(
+    ("cfg", "grouped"),
+    [
+        (GemmConfig(tile_m=128, tile_n=256, tile_k=128, cluster_m=1, stream_k=True), False),
+        (GemmConfig(tile_m=128, tile_n=256, tile_k=128, cluster_m=1, cluster_n=2), True),
+    ],
+)
+def test_halves_refuse_stream_k_and_the_grouped_layout(cfg, grouped):
+    """A forced stream-K or grouped 128x256 FP8 configuration is refused while tracing (the
+    halves loop has run neither: stream K's parked 128-register partial, an expert's B rows
+    past its N in the second half), not compiled into an unverified kernel."""
+    from forgekernel.kernels.gemm.fp8.sm90.compile import compile_gemm_fp8
+    from forgekernel.kernels.gemm.fp8.sm90.config import params_for
+
+    with pytest.raises(ValueError, match="128x256"):
+        compile_gemm_fp8(dict(params_for("bfloat16", cfg, grouped)))
