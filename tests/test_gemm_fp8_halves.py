@@ -216,3 +216,91 @@ def test_sass_wait_and_promote_per_half(cluster, tmp_path):
     assert _wgmma_violations(sass) == []
     used = max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) + 1
     assert used <= 232
+
+
+def test_no_config_set_routes_stream_k_grouped_or_masked_through_the_halves():
+    """The halves loop is verified only for data-parallel dense tiles: no standard, candidate,
+    grouped or masked configuration has tile_n = 256 together with stream K or a grouped
+    layout."""
+    from forgekernel.kernels.gemm.dense.sm90 import masked_config
+    from forgekernel.kernels.gemm.fp8.sm90 import SPEC
+    from forgekernel.kernels.gemm.fp8.sm90 import config as fp8_config
+
+    for params in map(dict, SPEC.standard_params()):
+        if params["tile_n"] == 256:
+            assert not params["stream_k"] and not params.get("grouped")
+    assert fp8_config.GROUPED.tile_n == 128
+    assert all(c.tile_n <= 128 for c in masked_config.STANDARD_CONFIGS)
+    assert all(c.tile_n <= 128 for c in (*fp8_config.STREAM_DECODE, fp8_config.STREAM))
+
+
+@pytest.mark.parametrize(
+    ("cfg", "grouped"),
+    [
+        (GemmConfig(tile_m=128, tile_n=256, tile_k=128, cluster_m=1, stream_k=True), False),
+        (GemmConfig(tile_m=128, tile_n=256, tile_k=128, cluster_m=1, cluster_n=2), True),
+    ],
+)
+def test_halves_refuse_stream_k_and_the_grouped_layout(cfg, grouped):
+    """A forced stream-K or grouped 128x256 FP8 configuration is refused while tracing (the
+    halves loop has run neither: stream K's parked 128-register partial, an expert's B rows
+    past its N in the second half), not compiled into an unverified kernel."""
+    from forgekernel.kernels.gemm.fp8.sm90.compile import compile_gemm_fp8
+    from forgekernel.kernels.gemm.fp8.sm90.config import params_for
+
+    with pytest.raises(ValueError, match="128x256"):
+        compile_gemm_fp8(dict(params_for("bfloat16", cfg, grouped)))
+
+
+def test_epilogue_sub_tiles_read_the_halves_accumulator_in_order(host_dsl):
+    """The epilogue (`_consume`'s r2s, `_epilogue`'s tRS_acc[e x frag + v]) built on the halves'
+    64x128 tiled MMA, run on the host for every consumer thread: value v of sub-tile e is the
+    accumulator value at the stmatrix source coordinate v of the (128, epi_n) sub-tile, moved
+    e x epi_n columns on (sub-tiles 4-7 the second half's); and the (V, 1, 2) accumulator's value
+    64 h + i is the half's 64x128 fragment value i, 128 h columns on (`_promote_half`)."""
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.tensor_utils import LayoutEnum
+
+    cfg = WIDE
+    fp8, c_dtype = cutlass.Float8E4M3FN, cutlass.BFloat16
+    k_major = LayoutEnum.ROW_MAJOR.sm90_mma_major_mode()
+    c_major = LayoutEnum.ROW_MAJOR
+    threads, epi_n = cfg.tile_m // 64 * 128, cfg.epi_n
+    subtiles = cfg.tile_n // epi_n
+    bad = torch.zeros(2, dtype=torch.int32)
+
+    @cute.jit
+    def run(bad: cute.Tensor):
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            fp8, fp8, k_major, k_major, Float32, (cfg.tile_m // 64, 1, 1), tiler_mn=(64, 128)
+        )
+        r2s_atom = sm90_utils.sm90_get_smem_store_op(
+            c_major, elem_ty_d=c_dtype, elem_ty_acc=Float32
+        )
+        stm = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), c_dtype)
+        r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stm, tiled_mma))
+        sub_tile = cute.make_identity_tensor((cfg.tile_m, epi_n))
+        for t in cutlass.range(threads):
+            slice_ = tiled_mma.get_slice(t)
+            coords = slice_.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
+            half = slice_.partition_C(cute.make_identity_tensor((cfg.tile_m, 128)))
+            acc = cute.make_rmem_tensor(coords.shape, Float32)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                acc[i] = Float32(coords[i][0] * 1000 + coords[i][1])
+            size = cute.size(half)
+            for h in cutlass.range_constexpr(2):
+                for i in cutlass.range_constexpr(size):
+                    row, col = coords[size * h + i]
+                    if row != half[i][0] or col != half[i][1] + 128 * h:
+                        bad[1] = bad[1] + 1
+            tRS_acc = r2s.retile(acc)
+            source = r2s.get_slice(t).partition_S(sub_tile)
+            frag = cute.size(source)
+            for e in cutlass.range_constexpr(subtiles):
+                for v in cutlass.range_constexpr(frag):
+                    row, col = source[v]
+                    if tRS_acc[e * frag + v] != Float32(row * 1000 + col + e * epi_n):
+                        bad[0] = bad[0] + 1
+
+    run(from_dlpack(bad))
+    assert bad.tolist() == [0, 0]

@@ -281,6 +281,10 @@ class GemmSm90:
             )
         if cutlass.const_expr(self.halves and self.masked):
             raise ValueError("the masked layout takes FP8 tiles of at most 128 columns")
+        # The halves loop is verified for data-parallel dense tiles only (no config set pairs
+        # it with stream K or the grouped layout): a forced one is refused, not compiled.
+        if cutlass.const_expr(self.halves and (self.cfg.stream_k or mGroup is not None)):
+            raise ValueError("the FP8 128x256 tile (halves) takes neither stream K nor groups")
         if cutlass.const_expr(mGroup is not None and self.cfg.stream_k):
             raise ValueError("the grouped layouts do not take stream K")
         if cutlass.const_expr(mGroup is not None and (not self.scaled or self.cfg.cluster_m > 1)):
