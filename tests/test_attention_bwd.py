@@ -8,8 +8,7 @@ import math
 
 import pytest
 import torch
-from functorch.compile import make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
+from compile_graphs import graphs_backend
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -328,14 +327,6 @@ def test_bad_varlen_backward_inputs_raise():
         forgekernel.attention_varlen_backward(q, k, v, o, lse, do, cu_q, cu_k, mq, mk)
 
 
-def _graphs_backend(graphs):
-    def keep(gm, example_inputs):
-        graphs.append(str(gm.graph))
-        return make_boxed_func(gm.forward)
-
-    return aot_autograd(fw_compiler=keep, bw_compiler=keep)
-
-
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_compile_fullgraph_records_forward_and_backward_ops(kernels, deterministic):
     def loss(q, k, v):
@@ -351,7 +342,7 @@ def test_compile_fullgraph_records_forward_and_backward_ops(kernels, determinist
         t.grad = None
     graphs = []
     torch._dynamo.reset()
-    torch.compile(loss, fullgraph=True, backend=_graphs_backend(graphs))(q, k, v).backward()
+    torch.compile(loss, fullgraph=True, backend=graphs_backend(graphs))(q, k, v).backward()
     assert len(graphs) == 2
     assert "forgekernel.attention_fwd.default" in graphs[0]
     assert "forgekernel.attention_bwd.default" in graphs[1]
@@ -367,7 +358,7 @@ def test_compile_fullgraph_varlen(kernels):
     q, k, v, cu_q, cu_k, _, _ = varlen_args()
     graphs = []
     torch._dynamo.reset()
-    compiled = torch.compile(loss, fullgraph=True, backend=_graphs_backend(graphs))
+    compiled = torch.compile(loss, fullgraph=True, backend=graphs_backend(graphs))
     compiled(q, k, v, cu_q, cu_k).backward()
     assert "forgekernel.attention_varlen_bwd.default" in graphs[1]
     do = torch.ones(12, 8, 128, dtype=torch.bfloat16)

@@ -17,8 +17,8 @@ import importlib
 
 import pytest
 import torch
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.aot_autograd import make_boxed_func
+from compile_graphs import assert_compiled_grads_match_eager
+from compile_graphs import leaves as _leaves
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -70,10 +70,6 @@ def _problem(tokens, hq, page_size, counts, topk, *, scattered=False, combined=F
     qp = torch.randn(tokens, hq, ROPE, generator=g).bfloat16()
     attn_sink = torch.randn(hq, generator=g) if sink else None
     return [qn, qp, ckv, kpe, attn_sink], idx
-
-
-def _leaves(tensors):
-    return [None if x is None else x.clone().requires_grad_() for x in tensors]
 
 
 def _flat_kv(ckv, kpe):
@@ -232,14 +228,6 @@ def test_index_past_the_cache_raises_in_the_interim(cpu_forward):
                                           lse=lse)  # fmt: skip
 
 
-def _graphs_backend(graphs):
-    def keep(gm, example_inputs):
-        graphs.append(str(gm.graph))
-        return make_boxed_func(gm.forward)
-
-    return aot_autograd(fw_compiler=keep, bw_compiler=keep)
-
-
 def test_compile_fullgraph_records_forward_and_backward_ops(cpu_forward):
     inputs, idx = _problem(3, 16, 16, [20, 4, 0], 20, combined=True, seed=10)
 
@@ -249,18 +237,12 @@ def test_compile_fullgraph_records_forward_and_backward_ops(cpu_forward):
         return out.float().square().sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum()
 
     args = [inputs[0], inputs[1], inputs[2], inputs[4]]
-    leaves = _leaves(args)
-    loss(*leaves).backward()
-    eager = [x.grad.clone() for x in leaves]
-    leaves = _leaves(args)
-    graphs = []
-    torch._dynamo.reset()
-    torch.compile(loss, fullgraph=True, backend=_graphs_backend(graphs))(*leaves).backward()
-    assert len(graphs) == 2
-    assert "forgekernel.dsa_sparse_attention.default" in graphs[0]
-    assert "forgekernel.dsa_sparse_attention_bwd.default" in graphs[1]
-    for got, want in zip((x.grad for x in leaves), eager):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert_compiled_grads_match_eager(
+        loss,
+        args,
+        "forgekernel.dsa_sparse_attention.default",
+        "forgekernel.dsa_sparse_attention_bwd.default",
+    )
 
 
 def test_fake_tensors_take_the_backward_op():

@@ -16,8 +16,8 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.aot_autograd import make_boxed_func
+from compile_graphs import assert_compiled_grads_match_eager
+from compile_graphs import leaves as _leaves
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -69,10 +69,6 @@ def _inputs(lens, h, hv, *, l2norm=False, decay=-1.0, seed=0, beta_dtype=torch.f
     state = torch.randn(n, hv, 128, 128, generator=gen) * 0.1
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     return [q, k, v, g, beta, state], (cu if b == 1 else None)
-
-
-def _leaves(tensors):
-    return [x.clone().requires_grad_() for x in tensors]
 
 
 def _fp64_grads(inputs, cu, do, d_final, *, l2norm, with_state):
@@ -180,14 +176,6 @@ def test_explicit_backward_refuses_bad_arguments(cpu_forward):
                                               d_final_state=inputs[5][:1])  # fmt: skip
 
 
-def _graphs_backend(graphs):
-    def keep(gm, example_inputs):
-        graphs.append(str(gm.graph))
-        return make_boxed_func(gm.forward)
-
-    return aot_autograd(fw_compiler=keep, bw_compiler=keep)
-
-
 def test_compile_fullgraph_records_forward_and_backward_ops(cpu_forward):
     def loss(q, k, v, g, beta, state):
         o, final = forgekernel.gated_delta_rule(q, k, v, g, beta, initial_state=state,
@@ -195,18 +183,12 @@ def test_compile_fullgraph_records_forward_and_backward_ops(cpu_forward):
         return o.float().square().sum() + final.sum()
 
     inputs, _ = _inputs([33], 1, 2, b=2, seed=10)
-    leaves = _leaves(inputs)
-    loss(*leaves).backward()
-    eager = [x.grad.clone() for x in leaves]
-    leaves = _leaves(inputs)
-    graphs = []
-    torch._dynamo.reset()
-    torch.compile(loss, fullgraph=True, backend=_graphs_backend(graphs))(*leaves).backward()
-    assert len(graphs) == 2
-    assert "forgekernel.gated_delta_rule_chunked.default" in graphs[0]
-    assert "forgekernel.gated_delta_rule_chunked_bwd.default" in graphs[1]
-    for got, want in zip((x.grad for x in leaves), eager):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert_compiled_grads_match_eager(
+        loss,
+        inputs,
+        "forgekernel.gated_delta_rule_chunked.default",
+        "forgekernel.gated_delta_rule_chunked_bwd.default",
+    )
 
 
 def test_fake_tensors_take_the_backward_op():

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from forgekernel.bench.suite import Case, Inputs, OpSuite
+from forgekernel.bench.suites import dsa_recompute
 
 HEADS, DIM = 64, 128
 TOPK = 2048
@@ -191,11 +192,7 @@ def judge(inputs: Inputs, outs: tuple) -> list[dict[str, Any]]:
 
 
 def _cudnn():
-    try:
-        from cudnn import deepseek_sparse_attention as dsa
-    except Exception:
-        return None
-    wrapper = getattr(dsa, "indexer_backward_wrapper", None)
+    wrapper = dsa_recompute.cudnn_dsa_wrapper("indexer_backward_wrapper")
     if wrapper is None:
         return None
 

@@ -191,12 +191,19 @@ def low_precision(inputs: Inputs):
     return _reference(inputs, inputs["q"].dtype).float()
 
 
-def _cudnn():
+def cudnn_dsa_wrapper(name: str):
+    """cuDNN-frontend's DeepSeek sparse attention wrapper `name`
+    (`cudnn.deepseek_sparse_attention`), or None where that frontend or the wrapper is missing
+    (the comparator is then reported missing). Shared by the DSA suites' cuDNN comparators."""
     try:
         from cudnn import deepseek_sparse_attention as dsa
     except Exception:
         return None
-    wrapper = getattr(dsa, "sparse_attn_score_recompute_wrapper", None)
+    return getattr(dsa, name, None)
+
+
+def _cudnn():
+    wrapper = cudnn_dsa_wrapper("sparse_attn_score_recompute_wrapper")
     if wrapper is None:
         return None
 

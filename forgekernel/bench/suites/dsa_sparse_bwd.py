@@ -167,11 +167,7 @@ def cudnn_inputs(inputs: Inputs) -> dict[str, torch.Tensor]:
 
 
 def _cudnn():
-    try:
-        from cudnn import deepseek_sparse_attention as dsa
-    except Exception:
-        return None
-    wrapper = getattr(dsa, "sparse_attention_backward_wrapper", None)
+    wrapper = dsa_recompute.cudnn_dsa_wrapper("sparse_attention_backward_wrapper")
     if wrapper is None:
         return None
 
