@@ -127,6 +127,11 @@ _PARK_BASE_US = 1.0
 _SUM_BASE_US = 0.35
 _PARTIAL_KB_PER_US = 110.0
 _HBM_MB_PER_US = 4.1
+# The streamed part runs `_STREAM_SLOWDOWN` slower a k-iteration than a data-parallel round
+# (fit over the 25 stream-K plans timed beside their tile on 2026-12-02 07:00, streamed part
+# 1.16-1.33 slower where nothing else moves: concurrent clusters at different k offsets of
+# different blocks share no operand in L2, so each range reads its panels from HBM).
+_STREAM_SLOWDOWN = 1.2
 
 
 def _boost(busy: float) -> float:
@@ -169,7 +174,8 @@ def stream_us(plan: StreamSplit, cfg, k: int, num_sms: int, efficiency: float) -
     park, part = partial_us(cfg)
     fixup = (park * parked + part * parts) if parked else 0.0
     busy = plan.ctas / num_sms if not plan.dp_rounds else 1.0
-    return _LAUNCH_US + plan.dp_rounds * t + plan.per * t / kt / _boost(busy) + fixup
+    streamed = _STREAM_SLOWDOWN * plan.per * t / kt / _boost(busy)
+    return _LAUNCH_US + plan.dp_rounds * t + streamed + fixup
 
 
 def hbm_us(m: int, n: int, k: int, elem_bytes: int = 2) -> float:
