@@ -26,14 +26,13 @@ from forgekernel.kernels.gemm.fp8.sm90.config import (
     STANDARD_CONFIGS,
     STREAM,
     STREAM_DECODE,
-    WIDE,
     choose_config,
     params_for,
     tiled_config,
 )
 from forgekernel.reference.gemm import gemm_fp8_ref
 
-PREFILL_CANDIDATES = (LARGE_MCAST_A, STREAM, WIDE)
+PREFILL_CANDIDATES = (LARGE_MCAST_A, STREAM)
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fp8_tiles.py"
 
 
@@ -61,11 +60,9 @@ def test_standard_compile_keys_are_distinct():
 
 
 def test_candidates_keep_the_fp8_tile_shape():
-    """What the dense kernel takes with FP8: 128-column tiles or WIDE's two halves, K steps
-    of one scale block."""
+    """What the dense kernel takes with FP8: 128-column tiles, K steps of one scale block."""
     for cfg in PREFILL_CANDIDATES:
-        assert (cfg.tile_m, cfg.tile_k) == (128, 128) and not cfg.a_rows
-        assert cfg.tile_n == (256 if cfg == WIDE else 128)
+        assert (cfg.tile_m, cfg.tile_n, cfg.tile_k) == (128, 128, 128) and not cfg.a_rows
 
 
 def test_chooser_takes_the_a_multicast_from_large_m():
@@ -74,7 +71,7 @@ def test_chooser_takes_the_a_multicast_from_large_m():
               for _ in range(300)]  # fmt: skip
     for m, n, k in shapes:
         assert tiled_config(m) == (LARGE_MCAST_A if m >= LARGE_M_MCAST_A else LARGE)
-        assert choose_config(m, n, k) in (tiled_config(m), STREAM, WIDE)
+        assert choose_config(m, n, k) in (tiled_config(m), STREAM)
 
 
 def test_script_shapes(script):

@@ -56,14 +56,13 @@ CHECK_CASES = (
     _case(300, 2048, 16384),
     _case(1, 576, 7168),
     _case(1000, 3000, 4096),
-    # the 128x256 tile (WIDE): N 136 past a multiple of 256 (the last tile's second half 8
-    # columns, a partial scale block), odd k-tiles, ragged M; N 92 past (that half wholly past
-    # N) and off 8
+    # ragged M with N 136 past a multiple of 256 (a partial scale block in the last tile),
+    # odd k-tiles; N 92 past and off 8 (cases kept from the 128x256 tile, measured and dropped)
     _case(2000, 5000, 640),
     _case(1500, 4700, 1024),
 )
 # compute-sanitizer: every standard configuration the chooser takes (decode a8 / a16 / a32,
-# skinny, mid, large, the 128x256 WIDE; stream K with the 64-row a8 box and with 128x128
+# skinny, mid, large; stream K with the 64-row a8 box and with 128x128
 # tiles).
 SANITIZE_CASES = (
     _case(1, 256, 256),

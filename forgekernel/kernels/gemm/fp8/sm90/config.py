@@ -39,13 +39,14 @@ STREAM_DECODE = tuple(
 )
 STREAM = GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=1, stream_k=True)
 STREAM_MIN_K = 8
-# 128x256 in two 128-column halves (kernel.py `_mainloop_halves`: one fragment, wait and
-# promote per half, the other warpgroup's batch on the tensor pipe meanwhile; DeepGEMM's
-# 256x128 schedule transposed) with B multicast over a 2x1 cluster: per FLOP 2/3 of the L2 ->
-# SM bytes of 128x128 and 3/4 of the TMA writes into shared memory (docs/gemm/NOTES.md "FP8
-# prefill: the 128x256 tile").
+# Measured and dropped (H200, 2026-12-02 07:00): 128x256 in two 128-column halves with B
+# multicast over a 2x1 cluster (kernel.py `_mainloop_halves`, DeepGEMM's 256x128 schedule
+# transposed) ran 947-1002 TFLOP/s a tile against the 1270 predicted, 2-5% behind the
+# 128-column tile on all six prefill shapes (docs/gemm/NOTES.md "FP8 prefill: the 128x256
+# tile"). Not built ahead, never chosen; `config=WIDE` still compiles it. Its kernel path goes
+# with the next edit of kernel.py (removing it alone would void the FP8 suites' GPU records).
 WIDE = GemmConfig(tile_m=128, tile_n=256, tile_k=128, cluster_m=2)
-STANDARD_CONFIGS = (LARGE, MID, SKINNY, *DECODE, LARGE_MCAST_A, *STREAM_DECODE, STREAM, WIDE)
+STANDARD_CONFIGS = (LARGE, MID, SKINNY, *DECODE, LARGE_MCAST_A, *STREAM_DECODE, STREAM)
 
 
 # The grouped (MoE, contiguous) layout: B holds every expert's (N, K) and each 128-row tile of
@@ -71,34 +72,6 @@ def tiled_config(m: int) -> GemmConfig:
     if m <= 128:
         return MID
     return LARGE_MCAST_A if m >= LARGE_M_MCAST_A else LARGE
-
-
-# Steady-state TFLOP/s of a 128-row tile with every SM busy (H200): LARGE / LARGE_MCAST_A
-# measured (2026-12-02 04:30: 8192^3 and the four prefill shapes reproduced within 1% by
-# `tile_time`); WIDE predicted, not measured: DeepGEMM's rate on the same shapes (its 256x128
-# tile, the same per-warpgroup instruction stream), 1266-1276 once its rounds are taken out.
-TILE_TFLOPS = {LARGE: 1000.0, LARGE_MCAST_A: 1000.0, WIDE: 1270.0}
-# WIDE replaces the 128-column tile only if predicted this much faster (its rate unmeasured).
-WIDE_MARGIN = 0.95
-
-
-def tile_time(cfg: GemmConfig, m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200):
-    """Predicted time (us) of a data-parallel 128-row configuration (`TILE_TFLOPS`): the
-    persistent clusters walk the cluster blocks in rounds, each a tile's FLOP at the tile's
-    per-SM rate (launch and the last tile's epilogue left out: ~3-5 us)."""
-    cm, cn = cfg.cluster_m, cfg.cluster_n
-    blocks = _ceil(_ceil(m, cfg.tile_m), cm) * _ceil(_ceil(n, cfg.tile_n), cn)
-    rounds = _ceil(blocks, num_sms // (cm * cn))
-    tile_flop = 2.0 * cfg.tile_m * cfg.tile_n * k
-    return rounds * tile_flop / (TILE_TFLOPS[cfg] * 1e6 / num_sms)
-
-
-def prefill_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> GemmConfig:
-    """M > 128: WIDE where `tile_time` predicts it WIDE_MARGIN faster than the 128-column
-    tile, else that tile."""
-    narrow = tiled_config(m)
-    wide = tile_time(WIDE, m, n, k, num_sms) < WIDE_MARGIN * tile_time(narrow, m, n, k, num_sms)
-    return WIDE if wide else narrow
 
 
 def streamed_config(m: int) -> GemmConfig:
@@ -127,4 +100,4 @@ def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> G
         _, ctas, _ = stream_plan(stream, m, n, k, num_sms, STREAM_MIN_K)
         if ctas >= 2 * busy:
             return stream
-    return prefill_config(m, n, k, num_sms) if m > 128 else tiled
+    return tiled
