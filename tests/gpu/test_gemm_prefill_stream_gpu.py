@@ -1,11 +1,15 @@
-"""The prefill configurations of issue 17 (config.py MID, PREFILL_STREAM) forced through the op
-on problems their walks meet every situation on (tests/test_gemm_stream_k_clusters.py
-`walk_classes`): cluster blocks over the edge of M and N, tiles cut into three parts and more,
-data-parallel rounds before the streamed ones. Each against the fp64 reference with the suite's
-tolerance, every output element written (NaN-poisoned), bitwise the same on a second call (the
-parts summed in k order), the stream-K flags left zero, and replayed from a CUDA graph."""
+"""The prefill configurations of issue 17 (config.py MID, PREFILL_STREAM, and MID streamed: out
+of the standard set since the refit of 2026-12-02, its 1x2-cluster walk kept tested) forced
+through the op on problems their walks meet every situation on
+(tests/test_gemm_stream_k_clusters.py `walk_classes`): cluster blocks over the edge of M and N,
+tiles cut into three parts and more, data-parallel rounds before the streamed ones. Each against
+the fp64 reference with the suite's tolerance, every output element written (NaN-poisoned),
+bitwise the same on a second call (the parts summed in k order), the stream-K flags left zero,
+and replayed from a CUDA graph."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -17,6 +21,8 @@ from forgekernel.kernels.gemm.dense.sm90 import launch as gemm_launch
 from forgekernel.kernels.gemm.dense.sm90.config import MID, PREFILL_STREAM, split_for
 
 pytestmark = pytest.mark.gpu
+
+MID_STREAMED = dataclasses.replace(MID, stream_k=True)  # stream K on the 1x2 cluster
 
 SUITE = gemm_suite.suite()
 PROBLEMS = [
@@ -33,7 +39,7 @@ def _flags_zero() -> bool:
 
 
 @pytest.mark.parametrize("m, n, k, layout", PROBLEMS, ids=lambda x: str(x))
-@pytest.mark.parametrize("cfg", [MID, *PREFILL_STREAM], ids=lambda c: c.tag())
+@pytest.mark.parametrize("cfg", [MID, MID_STREAMED, *PREFILL_STREAM], ids=lambda c: c.tag())
 def test_forced_prefill_config_matches_the_reference(cfg, m, n, k, layout):
     case = gemm_suite._case(m, n, k, layout)
     gen = torch.Generator(device="cuda").manual_seed(m + n + k)
@@ -56,7 +62,7 @@ def test_forced_prefill_config_matches_the_reference(cfg, m, n, k, layout):
 
 
 @pytest.mark.parametrize("warmed", [False, True], ids=["fresh-stream", "warmed-stream"])
-@pytest.mark.parametrize("cfg", PREFILL_STREAM, ids=lambda c: c.tag())
+@pytest.mark.parametrize("cfg", [*PREFILL_STREAM, MID_STREAMED], ids=lambda c: c.tag())
 def test_cluster_stream_k_replays_in_a_graph(cfg, warmed):
     """Captured on a fresh stream, the graph owns its workspace and zeroes the flags before
     each launch (a memset node); captured on a stream that already ran the GEMM eagerly, it
