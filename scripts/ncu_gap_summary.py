@@ -133,6 +133,8 @@ _PREFIX = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1.0, "K": 1e3, "M": 1e6, "G": 1e
 def in_base(value: str, unit: str) -> tuple[float | None, str]:
     """(value in the base unit, base unit: "second", "byte", "hz" or the unit as it is)."""
     x = number(value)
+    if x is not None and (per := re.fullmatch(r"cycle/([numKMGT]?)second", unit.strip())):
+        return x / _PREFIX[per.group(1)], "hz"  # a clock counted as cycles per second
     m = re.fullmatch(r"([numKMGT]?)(second|byte|hz)", unit.strip(), re.I)
     if x is None or not m:
         return x, unit

@@ -243,6 +243,13 @@ def test_tensor_rows_skip_other_pipes_and_idle_ones():
     assert shown == cols[:2]
 
 
+def test_units_in_base_and_auto_forms():
+    assert summary.fmt("75000", "nsecond") == summary.fmt("75", "usecond") == "75.0 us"
+    assert summary.fmt("3.2", "Gbyte") == summary.fmt("3200000000", "byte") == "3.20 GB"
+    assert summary.fmt("1.98", "cycle/nsecond") == summary.fmt("1.98", "Ghz") == "1.98 GHz"
+    assert summary.fmt("1,024", "") == "1024" and summary.fmt("(132, 1, 1)", "") == "(132, 1, 1)"
+
+
 def test_summary_of_a_missing_page_says_so(tmp_path):
     text = summary.summarize(tmp_path / "none.csv", None, _plan(), "gemm")
     assert "no raw page" in text
