@@ -105,7 +105,10 @@ for op in "$@"; do
   pack
 done
 if [ "${GPU_TESTS:-0}" = 1 ]; then
-  timeout -k 15 "${GPU_TESTS_TIMEOUT:-200}" python3 -m pytest -q -m gpu ${GPU_TESTS_PATHS:-tests/gpu} 2>&1 \
+  # unbuffered (-u): a run killed by its limit still leaves every test it finished in the log
+  # (2026-12-02 06:40: the stream's limit killed pytest with its whole output still buffered)
+  timeout -k 15 "${GPU_TESTS_TIMEOUT:-200}" python3 -u -m pytest -q -rfE -m gpu \
+    ${GPU_TESTS_PATHS:-tests/gpu} 2>&1 \
     | tee "$LOGS/pytest-gpu.log" | tail -5
 fi
 if [ -n "${VARIANTS:-}" ]; then
