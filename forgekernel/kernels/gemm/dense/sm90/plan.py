@@ -128,9 +128,9 @@ _SUM_BASE_US = 0.35
 _PARTIAL_KB_PER_US = 110.0
 _HBM_MB_PER_US = 4.1
 # The streamed part runs `_STREAM_SLOWDOWN` slower a k-iteration than a data-parallel round
-# (fit over the 25 stream-K plans timed beside their tile on 2026-12-02 07:00, streamed part
-# 1.16-1.33 slower where nothing else moves: concurrent clusters at different k offsets of
-# different blocks share no operand in L2, so each range reads its panels from HBM).
+# (fit over the 28 LARGE / WIDE stream-K plans timed beside their tile on 2026-12-02 07:00; the
+# streamed part 1.16-1.33x slower where no round is data-parallel): the ranges of concurrent
+# clusters sit at different k offsets of different blocks and share no operand in L2.
 _STREAM_SLOWDOWN = 1.2
 
 
