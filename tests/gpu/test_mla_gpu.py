@@ -161,6 +161,19 @@ SEESAW_CASES = [
 ]
 
 
+def _recorded_keys(launch, monkeypatch) -> list[dict]:
+    """The compile keys the launcher asks for from now on, in order."""
+    keys = _recorded_keys(launch, monkeypatch)
+    return keys
+
+
+def _poisoned_case(case, dtype):
+    """A decode case's inputs with NaN in every stale page slot, and its references: fp64
+    (out, lse) and the one in the inputs' precision."""
+    (qn, qp, ckv, kpe, table, seq), (want, want_lse, low) = _poisoned_case(case, dtype)
+    return (qn, qp, ckv, kpe, table, seq), (want, want_lse, low)
+
+
 def _poison_stale(ckv, kpe, table, lens, ps):
     """The slots of each sequence's pages past its length: NaN (stale slots; the seesaw pass
     reads whole 64-row boxes of a page and must mask them in S and zero them before P V)."""
@@ -181,14 +194,8 @@ def test_seesaw_matches_the_reference_and_the_roles_pass(case, dtype, monkeypatc
     slot, and decode.py's role-split pass (FORGEKERNEL_MLA_SCHEDULE=roles) on the same inputs
     by the same criterion."""
     launch = importlib.import_module("forgekernel.kernels.attention.mla.sm90.launch")
-    b, hq, ps, lens, s_q = case
-    qn, qp, ckv, kpe, table, seq = _problem(b, hq, ps, lens, s_q, False, dtype)
-    _poison_stale(ckv, kpe, table, lens, ps)
-    want, want_lse = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
-    low, _ = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE, upcast=False)
-    keys = []
-    real = launch.get_kernel
-    monkeypatch.setattr(launch, "get_kernel", lambda spec, p: keys.append(dict(p)) or real(spec, p))
+    (qn, qp, ckv, kpe, table, seq), (want, want_lse, low) = _poisoned_case(case, dtype)
+    keys = _recorded_keys(launch, monkeypatch)
     for schedule, tma in (("seesaw", True), ("roles", False)):
         monkeypatch.setenv("FORGEKERNEL_MLA_SCHEDULE", schedule)
         launch._plans.clear()
@@ -394,14 +401,8 @@ def test_direct_form_is_the_combine_of_one_split(case, dtype, monkeypatch):
     the same one-split plan (FORGEKERNEL_MLA_DIRECT=0): O equal, LSE equal (both x ln 2 of the
     same fp32 log2 value)."""
     launch = importlib.import_module("forgekernel.kernels.attention.mla.sm90.launch")
-    b, hq, ps, lens, s_q = case
-    qn, qp, ckv, kpe, table, seq = _problem(b, hq, ps, lens, s_q, False, dtype)
-    _poison_stale(ckv, kpe, table, lens, ps)
-    want, want_lse = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
-    low, _ = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE, upcast=False)
-    keys = []
-    real = launch.get_kernel
-    monkeypatch.setattr(launch, "get_kernel", lambda spec, p: keys.append(dict(p)) or real(spec, p))
+    (qn, qp, ckv, kpe, table, seq), (want, want_lse, low) = _poisoned_case(case, dtype)
+    keys = _recorded_keys(launch, monkeypatch)
     results = []
     for flag in ("1", "0"):
         monkeypatch.setenv("FORGEKERNEL_MLA_DIRECT", flag)
@@ -447,9 +448,7 @@ def test_direct_form_packed_into_a_strided_out(causal, max_q, monkeypatch):
     rows = int(cu[-1])
     want, want_lse = mla_prefill_ref(qn, qp, ckv, kpe, table, seq, cu, SCALE, causal)
     low, _ = mla_prefill_ref(qn, qp, ckv, kpe, table, seq, cu, SCALE, causal, upcast=False)
-    keys = []
-    real = launch.get_kernel
-    monkeypatch.setattr(launch, "get_kernel", lambda spec, p: keys.append(dict(p)) or real(spec, p))
+    keys = _recorded_keys(launch, monkeypatch)
     results = []
     for flag in ("1", "0"):
         monkeypatch.setenv("FORGEKERNEL_MLA_DIRECT", flag)
@@ -478,9 +477,7 @@ def test_direct_form_in_a_cuda_graph(monkeypatch):
     """A plan of one split (132 sequences of at most 256 keys: one launch, no partials) captured
     once and replayed on new queries and lengths (0, 1, 64, 65, 256): out and lse in place."""
     launch = importlib.import_module("forgekernel.kernels.attention.mla.sm90.launch")
-    keys = []
-    real = launch.get_kernel
-    monkeypatch.setattr(launch, "get_kernel", lambda spec, p: keys.append(dict(p)) or real(spec, p))
+    keys = _recorded_keys(launch, monkeypatch)
     launch._plans.clear()
     b = 132
     qn, qp, ckv, kpe, table, seq = _problem(b, 16, 64, [256] * b, 1, False, torch.bfloat16)
