@@ -4,10 +4,9 @@
 #   source scripts/device_setup.sh || exit 1; bash scripts/device_profile.sh [target args]
 # It installs nothing: without the DSL importable it stops and says so.
 # Default target: scripts/profile_attention.py, the second round of ours and FA4's forward /
-# backward kernels. SCRIPT= another target, e.g. scripts/profile_mla.py with KERNELS=MlaSeesaw
-# SKIP=2 COUNT=1, scripts/profile_gdn_prefill.py with KERNELS=GdnChunked SKIP=2 COUNT=1 SOURCE=1
-# SUMMARY=1; the gap targets (profile_gemm_fp8.py, profile_gemm.py, profile_conv.py) through
-# scripts/device_profile_gaps.sh.
+# backward kernels. SCRIPT= another target, e.g. scripts/profile_gdn_prefill.py with KERNELS=GdnChunked SKIP=2 COUNT=1 SOURCE=1
+# SUMMARY=1; the gap targets (profile_gemm_fp8.py, profile_mla.py, profile_gemm.py,
+# profile_conv.py) through scripts/device_profile_gaps.sh.
 # Knobs: KERNELS (ncu -k regex; an absolute path there, as device_setup.sh exports KERNELS,
 # means unset: Bwd|Backward), SKIP / COUNT (-s / -c), SOURCE=1 (source counters, and the per-SASS
 # page gzipped; SUMMARY=1 summarises it, TOP lines), PROFILE_NAME (files $OUT/NAME*),

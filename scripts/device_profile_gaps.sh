@@ -3,6 +3,8 @@
 #   source scripts/device_setup.sh || exit 1; bash scripts/device_profile_gaps.sh [--dry-run] [TARGET...]
 # TARGETs, in this order by default (each one ncu process, scripts/device_profile.sh):
 #   gemm_fp8    scripts/profile_gemm_fp8.py: ours vs DeepGEMM, 16384x7168x18432, 4096x7168x2048
+#   mla         scripts/profile_mla.py: ours vs FlashMLA, b16-h128-p64-L4096, b48-h16-p64-mixed,
+#               b128-h16-p64-L4096
 #   gemm        scripts/profile_gemm.py: ours vs cuBLAS, 129x10240x8192, 4096x576x7168,
 #               512x10240x5120
 #   conv_wgrad  scripts/profile_conv.py --suite conv_wgrad: ours vs cuDNN, worst / median cases
@@ -23,7 +25,7 @@ set -uo pipefail
 FINAL=${OUT:-/tmp/forgekernel-out}
 WORK=${GAPS_WORK:-/tmp/forgekernel-gaps}
 BUDGET=${GAPS_BUDGET:-450}
-ALL=(gemm_fp8 gemm conv_wgrad conv_fwd)
+ALL=(gemm_fp8 mla gemm conv_wgrad conv_fwd)
 dry=
 targets=()
 for a in "$@"; do
@@ -39,6 +41,7 @@ done
 spec() {
   case $1 in
     gemm_fp8) echo "scripts/profile_gemm_fp8.py||170" ;;  # DeepGEMM's JIT on a fresh host
+    mla) echo "scripts/profile_mla.py||110" ;;
     gemm) echo "scripts/profile_gemm.py||100" ;;
     conv_wgrad) echo "scripts/profile_conv.py|--suite conv_wgrad|110" ;;
     conv_fwd) echo "scripts/profile_conv.py|--suite conv_fwd|110" ;;

@@ -1,34 +1,37 @@
-"""ncu target for the MLA decode (a few `forgekernel.mla_decode` calls on one serving shape, page
-size 64, bf16, FlashMLA's combined cache):
+"""ncu target: the MLA decode, ours (`forgekernel.mla_decode`: the seesaw pass over 16-bit caches
+of 64-token pages, the split combine where the plan splits) against FlashMLA's
+`flash_mla_with_kvcache` (sgl-flash-mla) on the bench's largest gaps (benchmarks/reports/sm_90a/
+mla_decode.md, 2026-12-02 06:55, graph): b16-h128-p64-L4096 0.670x (compute-bound, few CTAs),
+b48-h16-p64-mixed 0.651x (ragged lengths), b128-h16-p64-L4096 0.885x (memory-bound: the cache
+stream against FlashMLA's). The suite's `make_inputs` and comparator callable
+(bench/suites/mla_decode.py), so what is profiled is what was benched.
 
-    ncu -k regex:MlaSeesaw -s 2 -c 1 ... python3 scripts/profile_mla.py BATCH HEADS TOKENS [S_Q]
+    python3 scripts/profile_mla.py [--which ours|comparator|both] [--case NAME ...]
 
-(the seesaw pass; regex:MlaDecode with FORGEKERNEL_MLA_SCHEDULE=roles for decode.py's)
+scripts/device_profile_gaps.sh runs it (target `mla`). Kernel names: ours `MlaSeesaw`,
+`MlaDecode` (decode.py), `MlaCombine`; FlashMLA `flash_fwd_splitkv_mla|flash_mla|combine`.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
-import torch
+_HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(_HERE), str(_HERE.parent)]  # profile_suite, this tree's forgekernel
 
-import forgekernel
+import profile_suite  # noqa: E402
 
-
-def main(batch: int, heads: int, tokens: int, s_q: int = 1) -> None:
-    page, dev, bf16 = 64, "cuda", torch.bfloat16
-    pages = batch * -(-tokens // page)
-    cache = torch.randn(pages, page, 1, 576, device=dev, dtype=bf16)
-    table = torch.randperm(pages, device=dev, dtype=torch.int32).view(batch, -1)
-    seqlens = torch.full((batch,), tokens, device=dev, dtype=torch.int32)
-    q = torch.randn(batch, s_q, heads, 576, device=dev, dtype=bf16)
-    ckv, kpe = cache[..., 0, :512], cache[..., 0, 512:]
-    for _ in range(3):
-        forgekernel.mla_decode(
-            q[..., :512], q[..., 512:], ckv, kpe, table, seqlens, softmax_scale=0.1
-        )
-    torch.cuda.synchronize()
-
+TARGET = profile_suite.Target(
+    name="mla",
+    suites=("mla_decode",),
+    default_cases=(
+        "mla_decode:b16-h128-p64-L4096",
+        "mla_decode:b48-h16-p64-mixed",
+        "mla_decode:b128-h16-p64-L4096",
+    ),
+    comparator={"mla_decode": "flashmla"},
+)
 
 if __name__ == "__main__":
-    main(*map(int, sys.argv[1:]))
+    sys.exit(profile_suite.main(TARGET))

@@ -1,9 +1,9 @@
-"""The ncu gap targets on the CPU (scripts/profile_gemm_fp8.py, profile_gemm.py, profile_conv.py,
-their shared scripts/profile_suite.py, scripts/ncu_gap_summary.py and the shell wrappers): the
-argument parsing, the cases (the suites' own, by name), the order of warm-ups, markers and
-profiled calls (torch.cuda faked), the summary's attribution of kernels to (case, side) on a
-synthetic ncu raw page, and the shell scripts' syntax and dry run. The GPU part runs in the
-device call (scripts/device_profile_gaps.sh)."""
+"""The ncu gap targets on the CPU (scripts/profile_gemm_fp8.py, profile_mla.py, profile_gemm.py,
+profile_conv.py, their shared scripts/profile_suite.py, scripts/ncu_gap_summary.py and the shell
+wrappers): the argument parsing, the cases (the suites' own, by name), the order of warm-ups,
+markers and profiled calls (torch.cuda faked), the summary's attribution of kernels to (case,
+side) on a synthetic ncu raw page, and the shell scripts' syntax and dry run. The GPU part runs
+in the device call (scripts/device_profile_gaps.sh)."""
 
 from __future__ import annotations
 
@@ -32,9 +32,10 @@ def _load(name: str):
 fp8 = _load("profile_gemm_fp8")
 dense = _load("profile_gemm")
 conv = _load("profile_conv")
+mla = _load("profile_mla")
 summary = _load("ncu_gap_summary")
 ps = fp8.profile_suite
-TARGETS = (fp8, dense, conv)
+TARGETS = (fp8, mla, dense, conv)
 
 
 def _cases(module, *argv):
@@ -69,6 +70,12 @@ def test_gemm_fp8_cases_and_chooser():
     assert got["4096x7168x2048"][1] == LARGE.tag()
     assert ps.parse_args(fp8.TARGET, []).comparator is None
     assert fp8.TARGET.comparator == {"gemm_fp8": "deepgemm"}
+
+
+def test_mla_cases_are_the_largest_flashmla_gaps():
+    assert [c.name for _, c in _cases(mla)] == [
+        "b16-h128-p64-L4096", "b48-h16-p64-mixed", "b128-h16-p64-L4096"]  # fmt: skip
+    assert mla.TARGET.comparator == {"mla_decode": "flashmla"}
 
 
 def test_gemm_cases_keep_the_suites_layout():
