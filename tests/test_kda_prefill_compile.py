@@ -198,7 +198,8 @@ def compiled_intra():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_first_pass_resources(compiled_intra, dtype):
-    """128 threads, no spills, two CTAs an SM by shared memory (~104 KB each); 64 HGMMA
+    """128 threads, no spills (164 registers with the sub-chunk loads), two CTAs an SM by shared
+    memory (~104 KB each, unchanged by them); 64 HGMMA
     64x16x16 (4 column blocks x 8 k-steps, k side and q side), in 8 commit groups with 2 waits
     (not serialized: ptxas serialized them all while the inverse ran under the q side)."""
     res, instrs, smem = compiled_intra(dtype)
@@ -209,3 +210,21 @@ def test_first_pass_resources(compiled_intra, dtype):
     assert sum(op.startswith("HGMMA.64x16x16.F32.BF16") for op in ops) == 64
     assert ops.count("WARPGROUP.DEPBAR.LE") == 2
     assert ops.count("WARPGROUP.ARRIVE") == 8
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_first_pass_loads_a_sub_chunk_before_its_stores(compiled_intra, dtype):
+    """Loads in flight: pass 0's 64 g loads all issued before the first global store (D), and
+    in each run-time sub-chunk loop (k side, q side) its 16 q / k loads (2-byte, one channel a
+    thread) with its 16 g loads before the loop's first global store (the loops of before had
+    one token's loads behind the previous token's stores: one load in flight)."""
+    _, instrs, _ = compiled_intra(dtype)
+    ops = [op for op, _ in instrs]
+    first_store = next(i for i, op in enumerate(ops) if op.startswith("STG"))
+    assert sum(op == "LDG.E" for op in ops[:first_store]) >= 64 + 2  # g, chunk start / length
+    narrow = [i for i, op in enumerate(ops) if op == "LDG.E.U16"]
+    assert len(narrow) == 2 * 16
+    for run in (narrow[:16], narrow[16:]):
+        between = ops[run[0] : run[-1]]
+        assert not [op for op in between if op.startswith("STG")]
+        assert sum(op == "LDG.E" for op in between) >= 8
