@@ -18,8 +18,10 @@ token 16 I + 8, a = G2 - r_I(i) (at most 8 steps):
     P -> global (bf16); T diag(beta) -> global (bf16).
 
 Loads: per sub-chunk, its 16 tokens' g (and k or q) are loaded before any of its math and
-stores (`_load_sub`), so that 16-32 loads a thread are in flight (one channel a thread: 2-byte
-q / k loads, 64 contiguous bytes a warp, whole sectors).
+stores (`_load_sub`); the k and q sides load sub-chunk b + 1 at the top of sub-chunk b (the
+values carried by the run-time loop; the q side's first under the k-side WGMMAs), so that 32
+loads a thread fly under a sub-chunk's math (one channel a thread: 2-byte q / k loads, 64
+contiguous bytes a warp, whole sectors).
 
 Rows past the sequence (i >= len) read nothing: k = q = g = beta = 0 there, so their rows
 and columns of every output are exact zeros. With l2norm the launcher normalizes q and k
@@ -171,9 +173,9 @@ class KdaIntraSm90:
         # pass 0: the references r_b = G2 at token 16 b + 8 and G2_C (a running sum; the k and
         # q passes below run it again: g re-read from L2 instead of 64 live registers). Every
         # pass loads a sub-chunk's 16 tokens before their math and stores (`_load_sub`): SASS
-        # issues pass 0's 64 loads at once, each k / q sub-chunk's 32 before its first store (the
-        # q side's before its first exp2, the k side's in 4 or 5 groups), where the token loops
-        # of before had one load in flight (the next token's behind this one's stores)
+        # issues pass 0's 64 loads at once, and the k / q sides' loads of sub-chunk b + 1 at the
+        # top of sub-chunk b, before its stores, where the token loops of before had one load in
+        # flight (the next token's behind this one's stores)
         run = Float32(0.0)
         ref = []
         for b in cutlass.range_constexpr(NSUB):
@@ -191,13 +193,17 @@ class KdaIntraSm90:
                  for b in range(NSUB)]  # fmt: skip
         # the k and q passes loop over the sub-chunks at run time, the sub-chunk's factors
         # picked by b (unrolled at compile time: 255 registers and 2.5 KB spilled, mostly 64-bit
-        # values, the tokens' addresses shared by the three passes; at run time: 164, none)
+        # values, the tokens' addresses shared by the three passes; at run time: 164, none; with
+        # the next sub-chunk's 32 values carried: 208, none). The last iteration loads 16 tokens
+        # past the chunk, clamped to its last token (cache hits, unused)
         e_rows = _columns_of(e_tab)
 
         # k side: Kg, Kd to global; Kr (B tiles) and Kl * E (A tiles) to shared memory
         run = Float32(0.0)
+        gn, kn = self._load_sub(mK, mG, tok0, valid, hv, head, ch, 0)
         for b in cutlass.range(NSUB, unroll=1):
-            gs, ks = self._load_sub(mK, mG, tok0, valid, hv, head, ch, b)
+            gs, ks = gn, kn
+            gn, kn = self._load_sub(mK, mG, tok0, valid, hv, head, ch, b + 1)
             ref_b, pow_rb, pow_crb = (self._pick(x, b) for x in (ref, pow_r, pow_cr))
             e_row = [self._pick(e, b) for e in e_rows]
             for s in cutlass.range_constexpr(SUB):
@@ -215,6 +221,7 @@ class KdaIntraSm90:
         acc_shape = mma.get_slice(0).partition_shape_C((CHUNK, SUB))
         accs = [cute.make_rmem_tensor(acc_shape, Float32) for _ in range(NSUB)]
         self._products(mma, sA, sB, accs)
+        gn, qn = self._load_sub(mQ, mG, tok0, valid, hv, head, ch, 0)  # under the WGMMAs
         warpgroup.wait_group(0)
         coords = softmax.acc_coords(mma, ch, (CHUNK, SUB))
         for j in cutlass.range_constexpr(NSUB):
@@ -224,7 +231,8 @@ class KdaIntraSm90:
         # q side: Qg to global, Ql * E into the same A tiles
         run = Float32(0.0)
         for b in cutlass.range(NSUB, unroll=1):
-            gs, qs = self._load_sub(mQ, mG, tok0, valid, hv, head, ch, b)
+            gs, qs = gn, qn
+            gn, qn = self._load_sub(mQ, mG, tok0, valid, hv, head, ch, b + 1)
             ref_b, pow_rb = (self._pick(x, b) for x in (ref, pow_r))
             e_row = [self._pick(e, b) for e in e_rows]
             for s in cutlass.range_constexpr(SUB):
