@@ -1,5 +1,5 @@
 """A ladder of tiny chunked linear-attention cases (the GDN prefill kernel unsplit and V-split,
-the KDA recurrence in both grid forms and its first-pass kernel), each in its own subprocess
+the KDA op, its first-pass kernel and the recurrence in both grid forms), each in its own subprocess
 under a timeout, so that one device call says which kernel form passes, fails or hangs before
 the GPU test files run them all:
 
@@ -14,13 +14,13 @@ Each line: PASS / FAIL(err > bound) / HANG (no exit in the timeout) / ERROR (an 
 kernel's compile key as the launcher chose it. The ladder, control first: GDN unsplit (the
 kernel checked on the H200), then V-split CTAs with 1, 2, 3, 4 and 8 chunks (the two aux
 warpgroups: one with no chunk, alternating, odd counts, the 3-deep q / k ring wrapped) and a
-varlen mix (empty, 1-token, 63 / 64 / 65, l2norm, k-last state); KDA's recurrence in one CTA
-and in the value split (1, 3, 8 chunks, varlen), then the op on the first-pass kernel
-(`intra.py`, l2norm). Criterion (the GPU tests'): o and the final state within 2e-2 of their
-largest entry against the fp64 token recurrence (forgekernel.reference.delta_rule). Build
-the kernels first (`python3 -m forgekernel build --only gdn_prefill_sm90 --only
-kda_prefill_sm90 --only kda_intra_sm90`): a JIT compile inside a case can outlast its timeout
-(then raise --timeout)."""
+varlen mix (empty, 1-token, 63 / 64 / 65, l2norm, k-last state); KDA (the first-pass kernel,
+`intra.py`, then the recurrence) in one CTA and in the value split (1, 3, 8 chunks, varlen),
+then a varlen mix with l2norm in the launcher's grid form. Criterion (the GPU tests'): o and
+the final state within 2e-2 of their largest entry against the fp64 token recurrence
+(forgekernel.reference.delta_rule). Build the kernels first (`python3 -m forgekernel build
+--only gdn_prefill_sm90 --only kda_prefill_sm90 --only kda_intra_sm90`): a JIT compile inside
+a case can outlast its timeout (then raise --timeout)."""
 
 from __future__ import annotations
 
@@ -35,21 +35,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's forgekernel
 TOL = 2e-2
-# name: (op, lengths, H, HV, split, l2norm, k_last, first pass); split None: the launcher's
+# name: (op, lengths, H, HV, split, l2norm, k_last); split None: the launcher's
 CASES = {
-    "gdn-one-cta-L150": ("gdn", (150,), 2, 2, False, False, False, None),
-    "gdn-split-L37": ("gdn", (37,), 2, 2, True, False, False, None),
-    "gdn-split-L100": ("gdn", (100,), 2, 2, True, False, False, None),
-    "gdn-split-L150": ("gdn", (150,), 2, 2, True, False, False, None),
-    "gdn-split-L250": ("gdn", (250,), 2, 2, True, False, False, None),
-    "gdn-split-L500": ("gdn", (500,), 2, 4, True, False, False, None),
-    "gdn-split-varlen": ("gdn", (1, 0, 63, 64, 65, 130), 2, 4, True, True, True, None),
-    "kda-one-cta-L150": ("kda", (150,), 2, 2, False, False, False, "torch"),
-    "kda-split-L37": ("kda", (37,), 2, 2, True, False, False, "torch"),
-    "kda-split-L150": ("kda", (150,), 2, 2, True, False, False, "torch"),
-    "kda-split-L500": ("kda", (500,), 2, 4, True, False, False, "torch"),
-    "kda-split-varlen": ("kda", (1, 0, 63, 64, 65, 130), 2, 4, True, False, False, "torch"),
-    "kda-intra-varlen": ("kda", (1, 0, 64, 65, 200), 2, 4, None, True, False, "kernel"),
+    "gdn-one-cta-L150": ("gdn", (150,), 2, 2, False, False, False),
+    "gdn-split-L37": ("gdn", (37,), 2, 2, True, False, False),
+    "gdn-split-L100": ("gdn", (100,), 2, 2, True, False, False),
+    "gdn-split-L150": ("gdn", (150,), 2, 2, True, False, False),
+    "gdn-split-L250": ("gdn", (250,), 2, 2, True, False, False),
+    "gdn-split-L500": ("gdn", (500,), 2, 4, True, False, False),
+    "gdn-split-varlen": ("gdn", (1, 0, 63, 64, 65, 130), 2, 4, True, True, True),
+    "kda-one-cta-L150": ("kda", (150,), 2, 2, False, False, False),
+    "kda-split-L37": ("kda", (37,), 2, 2, True, False, False),
+    "kda-split-L150": ("kda", (150,), 2, 2, True, False, False),
+    "kda-split-L500": ("kda", (500,), 2, 4, True, False, False),
+    "kda-split-varlen": ("kda", (1, 0, 63, 64, 65, 130), 2, 4, True, False, False),
+    "kda-varlen-l2norm": ("kda", (1, 0, 64, 65, 200), 2, 4, None, True, False),
 }
 
 
@@ -109,7 +109,7 @@ def run_one(name: str, device: str = "cuda") -> dict:
 
     from forgekernel.reference import delta_rule as ref
 
-    op, lens, h, hv, split, l2norm, k_last, first_pass = CASES[name]
+    op, lens, h, hv, split, l2norm, k_last = CASES[name]
     q, k, v, g, beta, state, cu = _inputs(op, lens, h, hv, device)
     keys, restore = _keys(op)
     restore += _force_split(op, split)
@@ -127,8 +127,7 @@ def run_one(name: str, device: str = "cuda") -> dict:
         else:
             from forgekernel.ops import kda_chunked as kda
 
-            o, s = kda._forward(q, k, v, g, beta, 128**-0.5, state, cu, l2norm,
-                                first_pass=first_pass)  # fmt: skip
+            o, s = kda._forward(q, k, v, g, beta, 128**-0.5, state, cu, l2norm)
             recurrent = ref.kimi_delta_attention_recurrent
         if device == "cuda":
             torch.cuda.synchronize()

@@ -38,7 +38,7 @@ def cpu_forward(monkeypatch):
     calls = []
 
     def launch(q, k, v, g, beta, initial_state, cu_seqlens, scale, l2norm, out=None,
-               first_pass=None, seq_len=None):  # fmt: skip
+               seq_len=None):  # fmt: skip
         calls.append(l2norm)
         o, final = kimi_delta_attention_subchunked(
             *(x.unsqueeze(0) for x in (q, k, v, g, beta)), scale=scale,

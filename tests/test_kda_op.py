@@ -1,6 +1,6 @@
 """`forgekernel.ops.kda_chunked.kimi_delta_attention` on the CPU: argument validation (clear
-messages); the real launcher with its torch first pass and a torch replay of the recurrence
-kernel (tests/kda_prefill_replay.py: the kernel's reads, roundings and stores) against the fp64
+messages); the real launcher with torch replays of its two kernels, the first pass and the
+recurrence (tests/kda_prefill_replay.py: the kernels' reads, roundings and stores) against the fp64
 recurrence (batches, varlen with empty / single-token / odd sequences, initial states, GQA,
 l2norm, strong per-channel decays, fp16); a call autograd records goes through the custom op
 and back (the backward itself: tests/test_kda_bwd_op.py)."""
@@ -82,8 +82,7 @@ def test_exported_since_its_gpu_check():
 
 
 @pytest.mark.parametrize("l2norm", [False, True])
-def test_batch_with_strong_decay(cpu_kernel, monkeypatch, l2norm):
-    monkeypatch.setattr(operands, "CHUNKS_PER_GROUP", 2)  # the first pass in three groups
+def test_batch_with_strong_decay(cpu_kernel, l2norm):
     x = make(b=2, t=150, h=1, hv=2, seed=1, decay=(-5.0, 0.0))
     o, s = run_op(x, l2norm=l2norm)
     o_ref, s_ref = reference(x, l2norm=l2norm)
@@ -92,7 +91,7 @@ def test_batch_with_strong_decay(cpu_kernel, monkeypatch, l2norm):
     close(s, s_ref, 2e-2)
     # 2 sequences x 2 heads leave SMs idle: each (sequence, head) split over two CTAs
     want = {"dtype": "bfloat16", "k": 128, "v": 128, "initial_state": True, "value_split": True}
-    assert cpu_kernel == [want]
+    assert cpu_kernel == [{"dtype": "bfloat16", "k": 128}, want]  # first pass, recurrence
 
 
 def test_value_split_only_where_sms_would_idle():
@@ -122,7 +121,7 @@ def test_fp16_and_gates_in_q_dtype(cpu_kernel):
     assert o.dtype == torch.float16
     close(o, o_ref, 2e-2)
     close(s, s_ref, 2e-2)
-    assert cpu_kernel[0]["dtype"] == "float16"
+    assert [p["dtype"] for p in cpu_kernel] == ["float16", "float16"]
 
 
 def test_out_is_written(cpu_kernel):
@@ -195,45 +194,23 @@ def test_grad_goes_through_the_custom_op(cpu_kernel, monkeypatch):
 
 
 @pytest.mark.parametrize("l2norm", [False, True])
-def test_first_pass_on_its_kernel(cpu_kernel, l2norm):
+def test_first_pass_kernel_with_l2norm_and_strong_decay(cpu_kernel, l2norm):
     """The launcher's tables for the first-pass kernel (chunk starts and lengths, the chunk
-    layout) with a replay of its math: the same result as the torch first pass, both close to
-    the fp64 recurrence."""
+    layout; q and k normalized before it where asked) with a replay of its math, g down to -5
+    per step: close to the fp64 recurrence."""
     lens = [5, 0, 64, 71, 1, 130]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     x = make(t=sum(lens), h=2, hv=4, n=len(lens), seed=12, decay=(-5.0, 0.0))
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.1, x["state"], cu, l2norm)
-    o_k, s_k = op._forward(*args, first_pass="kernel")
-    o_t, s_t = op._forward(*args, first_pass="torch")
+    if l2norm:
+        x["q"], x["k"] = 3 * x["q"], 2 * x["k"]
+    o, s = op._forward(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.1, x["state"], cu, l2norm)
     o_ref, s_ref = kimi_delta_attention_recurrent(
         x["q"], x["k"], x["v"], x["g"], x["beta"], scale=0.1, initial_state=x["state"],
         output_final_state=True, cu_seqlens=cu, use_qk_l2norm=l2norm,
     )  # fmt: skip
-    close(o_k, o_ref, 2e-2)
-    close(s_k, s_ref, 2e-2)
-    close(o_k, o_t.double(), 2e-2)
+    close(o, o_ref, 2e-2)
+    close(s, s_ref, 2e-2)
     assert {"dtype": "bfloat16", "k": 128} in cpu_kernel  # the first-pass kernel was asked for
-
-
-def test_unknown_first_pass():
-    x = {key: val[0] for key, val in make(t=8).items()}
-    cu = torch.tensor([0, 8], dtype=torch.int32)
-    final = torch.empty(1, 2, 128, 128)
-    with pytest.raises(ValueError, match="first_pass must be one of"):
-        launch.kda_prefill(
-            x["q"],
-            x["k"],
-            x["v"],
-            x["g"],
-            x["beta"],
-            None,
-            cu,
-            torch.empty_like(x["v"]),
-            final,
-            0.1,
-            l2norm=False,
-            first_pass="cuda",
-        )
 
 
 def _loop_layout(edges):
@@ -403,27 +380,25 @@ def _host_ops():
 
 
 @pytest.mark.parametrize("lens", [[2048], [5, 0, 64, 71, 1, 130], [0, 0, 3], [64, 128]])
-@pytest.mark.parametrize("first_pass", ["torch", "kernel"])
-def test_launch_path_reads_nothing_on_the_host(monkeypatch, lens, first_pass):
+def test_launch_path_reads_nothing_on_the_host(lens):
     """The op's eager call on meta tensors (the device path with no data behind it: a
     .tolist() / .item() / bool() / nonzero / repeat_interleave without a size raises there)
     with no-op kernels: no op that reads back or sizes by device values, no CPU tensor of a
     dimension or more (a host-built table copied over), the kernels asked for: the call can
     be captured in a CUDA graph (no refusal left either)."""
-    monkeypatch.setattr(op, "FIRST_PASS", first_pass)
     host = _host_ops()
     got = host.count(host.inputs(lens, h=2, hv=4, device="meta"))
     assert got["syncs"] == [] and got["host_reads"] == [] and got["on_host"] == []
-    intra = ["kda_intra_sm90"] if first_pass == "kernel" else []
-    assert got["kernels"] == [*intra, "kda_prefill_sm90"]
+    assert got["kernels"] == ["kda_intra_sm90", "kda_prefill_sm90"]
     assert not hasattr(launch, "refuse_capture")
 
 
-def test_host_ops_per_call_on_one_sequence():
-    """1 x 2048 (the bench's shape, offsets given): no row gather (one sequence is 0 .. T)
-    and a fixed, small count of ops (102 launching at this commit; 111 with the host tables
-    and their reads before)."""
+@pytest.mark.parametrize("lens", [[2048], [5, 0, 64, 71, 1, 130]])
+def test_host_ops_per_call(lens):
+    """Around the two kernels only the chunk tables (`operands.chunk_tables`: 21 launching ops,
+    the same for one sequence and a varlen mix; 102 at 1 x 2048 with the torch first pass,
+    111 with the host tables before that): no row gather, no fp32 temporaries."""
     host = _host_ops()
-    got = host.count(host.inputs([2048], device="meta"))
-    assert "searchsorted" not in got["by_name"]  # no chunk tables, no row gather
-    assert got["launching"] <= 102
+    got = host.count(host.inputs(lens, device="meta"))
+    assert got["launching"] <= 21
+    assert got["by_name"]["searchsorted"] == 1 and got["by_name"]["index"] == 3

@@ -198,7 +198,8 @@ def compiled_intra():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_first_pass_resources(compiled_intra, dtype):
-    """128 threads, no spills, two CTAs an SM by shared memory (~104 KB each); 64 HGMMA
+    """128 threads, no spills (208 registers with the sub-chunk loads), two CTAs an SM by shared
+    memory (~104 KB each, unchanged by them); 64 HGMMA
     64x16x16 (4 column blocks x 8 k-steps, k side and q side), in 8 commit groups with 2 waits
     (not serialized: ptxas serialized them all while the inverse ran under the q side)."""
     res, instrs, smem = compiled_intra(dtype)
@@ -209,3 +210,22 @@ def test_first_pass_resources(compiled_intra, dtype):
     assert sum(op.startswith("HGMMA.64x16x16.F32.BF16") for op in ops) == 64
     assert ops.count("WARPGROUP.DEPBAR.LE") == 2
     assert ops.count("WARPGROUP.ARRIVE") == 8
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_first_pass_loads_a_sub_chunk_ahead(compiled_intra, dtype):
+    """Loads in flight: pass 0's 64 g loads all issued before the first global store (D); the
+    k and q sides load sub-chunk b + 1 (16 k or q loads, 2-byte, one channel a thread, and 16
+    of g) at the top of sub-chunk b's run-time loop, before its stores, so that they fly
+    under its math; the q side's first sub-chunk before the k-side WGMMAs' wait. The token
+    loops of before had one load in flight (the next token's behind this one's stores)."""
+    _, instrs, _ = compiled_intra(dtype)
+    ops = [op for op, _ in instrs]
+    first_store = next(i for i, op in enumerate(ops) if op.startswith("STG"))
+    assert sum(op == "LDG.E" for op in ops[:first_store]) >= 64 + 2  # g, chunk start / length
+    narrow = [i for i, op in enumerate(ops) if op == "LDG.E.U16"]
+    assert len(narrow) == 4 * 16  # k: first, in the loop; q: first, in the loop
+    groups = [narrow[16 * n : 16 * n + 16] for n in range(4)]
+    for group in groups:
+        assert not [op for op in ops[group[0] : group[-1]] if op.startswith("STG")]
+    assert groups[2][-1] < ops.index("WARPGROUP.DEPBAR.LE")

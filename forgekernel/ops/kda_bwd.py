@@ -1,7 +1,7 @@
 """The backward of `forgekernel.ops.kda_chunked.kimi_delta_attention` (issue 20) and its
 autograd, built as Gated DeltaNet's (ops/gated_delta_rule_bwd.py).
 
-`forgekernel::kda_chunked` (ops/kda_chunked.py, the forward: torch first pass + the WGMMA
+`forgekernel::kda_chunked` (ops/kda_chunked.py, the forward: the first-pass kernel + the WGMMA
 recurrence kernel) gets a backward formula here (`torch.library.register_autograd`): it saves
 the forward's inputs (q, k, v, g, beta in their flat (T, heads, ...) form, the initial state,
 the offsets) and nothing the kernel produced, and calls `forgekernel::kda_chunked_bwd`, which

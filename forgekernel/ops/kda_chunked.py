@@ -13,7 +13,8 @@ K, V) (fla's layout); use_qk_l2norm_in_kernel divides q and k by sqrt(sum x^2 + 
 Implementation: kernels/linear_attention/kda_prefill/sm90 in two passes, as FlashKDA and
 fla split the work: the token-parallel first pass (every chunk's state-independent operands,
 the per-channel decays folded into bf16 tiles around sub-chunk reference points so that no
-factor overflows: `reference/kda_chunked.py`) runs in torch for now (`operands.py`); the
+factor overflows: `reference/kda_chunked.py`) on its own kernel (`intra.py`: one warpgroup per
+chunk and value head; `operands.py` is its torch model, the tests' yardstick); the
 recurrence runs on the tensor cores (`recurrence.py`: TMA + WGMMA, the state on chip). The
 offsets are never read on the host (no sync; the call can be captured in a CUDA graph): the
 first pass lays its chunks out on the device over an upper bound of chunks known from T and N
@@ -24,8 +25,6 @@ part), so that a training graph fails loudly.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from forgekernel.kernels.linear_attention.kda_prefill.sm90 import launch as kda_sm90
@@ -34,15 +33,12 @@ from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._dispatch import wants_grad
 from forgekernel.ops._validate import check_cuda, check_same_device, check_shaped, check_tensor
 
-# The first pass: "torch" (checked on the CPU and, next session, the GPU) or "kernel" (intra.py:
-# compiled, not yet run on a GPU; the suite times it as the variant "first-pass-kernel").
-FIRST_PASS = os.environ.get("FORGEKERNEL_KDA_FIRST_PASS", "torch")
 F32 = (torch.float32,)
 OFFSETS = (torch.int32, torch.int64)
 
 
 def _launch(q, k, v, g, beta, initial_state, cu_seqlens, scale, l2norm, out=None,
-            first_pass=None, seq_len=None):  # fmt: skip
+            seq_len=None):  # fmt: skip
     """Flat contiguous tensors q, k (T, H, K) ..., cu_seqlens int32 -> (o (T, HV, V) in q's
     dtype, final state (N, HV, K, V) fp32). seq_len: every sequence's length where the host
     knows it (a batch without offsets)."""
@@ -51,8 +47,7 @@ def _launch(q, k, v, g, beta, initial_state, cu_seqlens, scale, l2norm, out=None
     final = torch.empty(n, hv, q.shape[2], dv, dtype=torch.float32, device=q.device)
     with torch.no_grad():
         kda_sm90.kda_prefill(q, k, v, g, beta, initial_state, cu_seqlens, o, final, scale,
-                             l2norm=l2norm, first_pass=first_pass or FIRST_PASS,
-                             seq_len=seq_len)  # fmt: skip
+                             l2norm=l2norm, seq_len=seq_len)  # fmt: skip
     return o, final
 
 
@@ -80,8 +75,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, l2norm):
     return q.new_empty(*v.shape), final
 
 
-def _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, l2norm, out=None,
-             first_pass=None):  # fmt: skip
+def _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, l2norm, out=None):
     """Validated tensors -> (o (B, T, HV, V) in q's dtype, final state (N, HV, K, V) fp32):
     through the custom op where autograd records the call or it is traced, else the launcher
     directly (o written into `out`, flat (B T, HV, V), when given)."""
@@ -98,7 +92,7 @@ def _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, l2norm, out=Non
         return o.view(b, t, hv, dv), final
     flat = [x.contiguous() for x in flat]
     init = None if initial_state is None else initial_state.contiguous()
-    o, final = _launch(*flat, init, offsets, scale, l2norm, out, first_pass, seq_len)
+    o, final = _launch(*flat, init, offsets, scale, l2norm, out, seq_len)
     return o.view(b, t, hv, dv), final
 
 

@@ -6,8 +6,9 @@ case the sub-chunk references exist for), g in q's dtype; `out=`; fla's
 chunk_kda where installed; the recurrence kernel against its CPU replay (tests/
 kda_prefill_replay.py) on the same first-pass operands; the op captured in a CUDA graph and
 replayed on new inputs (new offsets too) against eager calls, and no synchronizing op in an
-eager call (torch's sync debug mode). The op runs the first pass in torch
-and the recurrence on the WGMMA kernel (kernels/linear_attention/kda_prefill/sm90).
+eager call (torch's sync debug mode). The op runs the first pass on its kernel (`intra.py`;
+against its torch model `operands.py` output by output below) and the recurrence on the WGMMA
+kernel (kernels/linear_attention/kda_prefill/sm90).
 
 Tolerances: o within 2e-2 of max |o|, the final state within 2e-2 of max |S| (the kernel's
 16-bit operands; the CPU model sits below 7e-3 at g down to -5)."""
@@ -177,11 +178,10 @@ def test_first_pass_kernel_equals_torch_first_pass():
 
 
 @pytest.mark.parametrize("l2norm", [False, True])
-def test_op_with_the_first_pass_kernel(l2norm):
+def test_strong_decay_with_l2norm_and_empty_sequences(l2norm):
     q, k, v, g, beta, h0, cu = _inputs([1, 0, 64, 65, 700], 2, 4, torch.bfloat16, seed=14,
                                        strong=True, knorm=2.0 if l2norm else 1.0)  # fmt: skip
-    o, s = op._forward(q, k, v, g, beta, 128**-0.5, h0, cu.to(torch.int32), l2norm,
-                       first_pass="kernel")  # fmt: skip
+    o, s = op._forward(q, k, v, g, beta, 128**-0.5, h0, cu.to(torch.int32), l2norm)
     o_ref, s_ref = kimi_delta_attention_recurrent(q, k, v, g, beta, initial_state=h0,
                                                   output_final_state=True, cu_seqlens=cu,
                                                   use_qk_l2norm=l2norm)  # fmt: skip
@@ -225,7 +225,6 @@ def _refill(x, new):
             t.copy_(new[name])
 
 
-@pytest.mark.parametrize("first_pass", ["torch", "kernel"])
 @pytest.mark.parametrize(
     "lens, lens_next, hv",
     [
@@ -234,13 +233,11 @@ def _refill(x, new):
         ([2048], [2048], 2),  # one sequence: the exact layout, no row gather
     ],
 )
-def test_captured_in_a_cuda_graph_and_replayed_with_new_inputs(monkeypatch, first_pass, lens,
-                                                                lens_next, hv):  # fmt: skip
+def test_captured_in_a_cuda_graph_and_replayed_with_new_inputs(lens, lens_next, hv):
     """The op (offsets never read on the host) captured once, then replayed on new values of
     every input, new offsets included (same T and N): o and the final state equal the eager
     call on those inputs (the same kernels on the same shapes: bitwise expected; asserted to
     1e-6 of the largest entry), and both within TOL of the fp64 recurrence."""
-    monkeypatch.setattr(op, "FIRST_PASS", first_pass)
     x = _static(lens, 2, hv, seed=21)
     graph, (o_g, s_g) = _capture(x)
     for seed, new_lens in ((22, lens_next), (23, lens)):
@@ -286,11 +283,9 @@ def test_captured_batch_without_offsets():
     _close(s_g, s_e, 1e-6)
 
 
-@pytest.mark.parametrize("first_pass", ["torch", "kernel"])
-def test_no_synchronizing_op_in_an_eager_call(monkeypatch, first_pass):
+def test_no_synchronizing_op_in_an_eager_call():
     """torch's sync debug mode "error" raises on any op that synchronizes with the host (an
     .item(), a nonzero, a device-to-host copy): none in a (warmed-up) eager call."""
-    monkeypatch.setattr(op, "FIRST_PASS", first_pass)
     x = _static([1, 0, 63, 64, 65, 300], 2, 4, seed=26)
     _call(x)  # compiled, warmed up
     torch.cuda.synchronize()

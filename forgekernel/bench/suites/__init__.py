@@ -41,7 +41,7 @@ SUITE_MODULES = {
     "gdn_bwd": "forgekernel.bench.suites.gdn_bwd",
     # checked on the H200 2026-12-02 (next/integration3):
     "dsa_indexer": "forgekernel.bench.suites.dsa_indexer",  # issue 22: the FP8 lightning indexer
-    # issue 20: Kimi Delta Attention forward (recurrence kernel; first pass in torch by default)
+    # issue 20: Kimi Delta Attention forward (first-pass kernel + recurrence kernel)
     "kda_prefill": "forgekernel.bench.suites.kda_prefill",
     "dsa_recompute": "forgekernel.bench.suites.dsa_recompute",  # issue 22: the score recompute
     # issue 20: Kimi Delta Attention backward (the interim fp32 torch path until its kernel)

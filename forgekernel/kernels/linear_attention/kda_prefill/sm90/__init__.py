@@ -1,7 +1,8 @@
 """Kimi Delta Attention forward (prefill), sm_90a. DSL-free declaration; the kernel is
 `recurrence.py` (the state pass: TMA + WGMMA, the state on chip, Gated DeltaNet's state
-warpgroups with the per-channel decays in the operands); the first, token-parallel pass
-(`operands.py`) runs in torch for now; the op is `forgekernel.ops.kda_chunked`."""
+warpgroups with the per-channel decays in the operands) and `intra.py` (the first,
+token-parallel pass: every chunk's operands; its torch model is `operands.py`); the op is
+`forgekernel.ops.kda_chunked`."""
 
 from __future__ import annotations
 
@@ -52,8 +53,8 @@ SPEC = KernelSpec(
     standard_params=_standard_params,
 )
 
-# The first (token-parallel) pass, `intra.py`: compiled, not yet run on a GPU (the launcher
-# uses it when asked: `launch.kda_prefill(first_pass="kernel")`).
+# The first (token-parallel) pass, `intra.py` (checked on the H200 2026-12-02; the launcher's
+# only first pass since).
 INTRA_SPEC = KernelSpec(
     name="kda_intra_sm90",
     arch="sm_90a",

@@ -6,7 +6,7 @@ Two passes, as FlashKDA and fla split the work: a token-parallel first pass writ
 (`reference.kda_chunked.chunk_operands`: the per-channel decays folded into 16-bit operand
 tiles Kg = K e^G, Qg = scale Q e^G, Kd = K e^(G_C - G), T diag(beta), P, and e^(G_C)); the
 recurrence kernel (`recurrence.py`) then walks each sequence's chunks in order with the
-state on chip. The first pass runs in torch for now (`operands.py`); its kernel is next.
+state on chip. The first pass runs on its kernel (`intra.py`; `operands.py` is its torch model).
 """
 
 from __future__ import annotations

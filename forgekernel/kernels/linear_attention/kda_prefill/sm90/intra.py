@@ -17,6 +17,12 @@ token 16 I + 8, a = G2 - r_I(i) (at most 8 steps):
     T = (I + L)^-1 on the CUDA cores (`gdn_prefill/sm90/inverse.invert`);
     P -> global (bf16); T diag(beta) -> global (bf16).
 
+Loads: per sub-chunk, its 16 tokens' g (and k or q) are loaded before any of its math and
+stores (`_load_sub`); the k and q sides load sub-chunk b + 1 at the top of sub-chunk b (the
+values carried by the run-time loop; the q side's first under the k-side WGMMAs), so that 32
+loads a thread fly under a sub-chunk's math (one channel a thread: 2-byte q / k loads, 64
+contiguous bytes a warp, whole sectors).
+
 Rows past the sequence (i >= len) read nothing: k = q = g = beta = 0 there, so their rows
 and columns of every output are exact zeros. With l2norm the launcher normalizes q and k
 first (torch).
@@ -49,6 +55,12 @@ from forgekernel.kernels.linear_attention.kda_prefill.sm90.config import CHUNK
 
 SUB = 16  # tokens per sub-chunk (one reference each)
 NSUB = CHUNK // SUB
+
+
+def _columns_of(e_tab):
+    """E by columns over all four rows: [J][b] = E_bJ for J < b, 1 for J = b, 0 for J > b."""
+    return [[e_tab[b][j] if j < b else Float32(1.0 if j == b else 0.0) for b in range(NSUB)]
+            for j in range(NSUB)]  # fmt: skip
 
 
 class KdaIntraSm90:
@@ -159,15 +171,19 @@ class KdaIntraSm90:
             sBeta[ch] = cutlass.select_(inside, Float32(mBeta[t, hv]), Float32(0.0))
 
         # pass 0: the references r_b = G2 at token 16 b + 8 and G2_C (a running sum; the k and
-        # q passes below run it again: g re-read from L2 instead of 64 live registers)
+        # q passes below run it again: g re-read from L2 instead of 64 live registers). Every
+        # pass loads a sub-chunk's 16 tokens before their math and stores (`_load_sub`): SASS
+        # issues pass 0's 64 loads at once, and the k / q sides' loads of sub-chunk b + 1 at the
+        # top of sub-chunk b, before its stores, where the token loops of before had one load in
+        # flight (the next token's behind this one's stores)
         run = Float32(0.0)
         ref = []
         for b in cutlass.range_constexpr(NSUB):
-            for s in cutlass.range(SUB // 2 + 1, unroll=1):
-                run = run + self._g(mG, tok0, valid, hv, ch, SUB * b + s)
-            ref.append(run)
-            for s in cutlass.range(SUB // 2 + 1, SUB, unroll=1):
-                run = run + self._g(mG, tok0, valid, hv, ch, SUB * b + s)
+            gs, _ = self._load_sub(None, mG, tok0, valid, hv, 0, ch, b)
+            for s in cutlass.range_constexpr(SUB):
+                run = run + gs[s]
+                if const_expr(s == SUB // 2):
+                    ref.append(run)
         gc2 = run
         mD[gc, hv, ch] = cute.math.exp2(gc2, fastmath=True)
         pow_r = [cute.math.exp2(r, fastmath=True) for r in ref]
@@ -175,27 +191,37 @@ class KdaIntraSm90:
         # E[b][J] = 2^(r_b - r_J) for J < b (<= 1: r decreases along the chunk)
         e_tab = [[cute.math.exp2(ref[b] - ref[j], fastmath=True) for j in range(b)]
                  for b in range(NSUB)]  # fmt: skip
+        # the k and q passes loop over the sub-chunks at run time, the sub-chunk's factors
+        # picked by b (unrolled at compile time: 255 registers and 2.5 KB spilled, mostly 64-bit
+        # values, the tokens' addresses shared by the three passes; at run time: 164, none; with
+        # the next sub-chunk's 32 values carried: 208, none). The last iteration loads 16 tokens
+        # past the chunk, clamped to its last token (cache hits, unused)
+        e_rows = _columns_of(e_tab)
 
         # k side: Kg, Kd to global; Kr (B tiles) and Kl * E (A tiles) to shared memory
         run = Float32(0.0)
-        for b in cutlass.range_constexpr(NSUB):
-            for s in cutlass.range(SUB, unroll=2):
+        gn, kn = self._load_sub(mK, mG, tok0, valid, hv, head, ch, 0)
+        for b in cutlass.range(NSUB, unroll=1):
+            gs, ks = gn, kn
+            gn, kn = self._load_sub(mK, mG, tok0, valid, hv, head, ch, b + 1)
+            ref_b, pow_rb, pow_crb = (self._pick(x, b) for x in (ref, pow_r, pow_cr))
+            e_row = [self._pick(e, b) for e in e_rows]
+            for s in cutlass.range_constexpr(SUB):
                 i = SUB * b + s
-                run = run + self._g(mG, tok0, valid, hv, ch, i)
-                t = tok0 + cutlass.min(i, valid - 1)
-                kv = cutlass.select_(i < valid, Float32(mK[t, head, ch]), Float32(0.0))
-                a = run - ref[b]
-                kl = kv * cute.math.exp2(a, fastmath=True)
-                kr = kv * cute.math.exp2(-a, fastmath=True)
-                mKg[row0 + i, hv, ch] = (kl * pow_r[b]).to(BFloat16)
-                mKd[row0 + i, hv, ch] = (kr * pow_cr[b]).to(BFloat16)
+                run = run + gs[s]
+                a = run - ref_b
+                kl = ks[s] * cute.math.exp2(a, fastmath=True)
+                kr = ks[s] * cute.math.exp2(-a, fastmath=True)
+                mKg[row0 + i, hv, ch] = (kl * pow_rb).to(BFloat16)
+                mKd[row0 + i, hv, ch] = (kr * pow_crb).to(BFloat16)
                 sB[s, ch, b] = kr.to(BFloat16)
-                self._put_scaled(sA, i, ch, kl, e_tab[b], b)
+                self._put_scaled(sA, i, ch, kl, e_row)
         cute.arch.fence_view_async_shared()
         bar.arrive_and_wait()
         acc_shape = mma.get_slice(0).partition_shape_C((CHUNK, SUB))
         accs = [cute.make_rmem_tensor(acc_shape, Float32) for _ in range(NSUB)]
         self._products(mma, sA, sB, accs)
+        gn, qn = self._load_sub(mQ, mG, tok0, valid, hv, head, ch, 0)  # under the WGMMAs
         warpgroup.wait_group(0)
         coords = softmax.acc_coords(mma, ch, (CHUNK, SUB))
         for j in cutlass.range_constexpr(NSUB):
@@ -204,15 +230,17 @@ class KdaIntraSm90:
 
         # q side: Qg to global, Ql * E into the same A tiles
         run = Float32(0.0)
-        for b in cutlass.range_constexpr(NSUB):
-            for s in cutlass.range(SUB, unroll=2):
+        for b in cutlass.range(NSUB, unroll=1):
+            gs, qs = gn, qn
+            gn, qn = self._load_sub(mQ, mG, tok0, valid, hv, head, ch, b + 1)
+            ref_b, pow_rb = (self._pick(x, b) for x in (ref, pow_r))
+            e_row = [self._pick(e, b) for e in e_rows]
+            for s in cutlass.range_constexpr(SUB):
                 i = SUB * b + s
-                run = run + self._g(mG, tok0, valid, hv, ch, i)
-                t = tok0 + cutlass.min(i, valid - 1)
-                qv = cutlass.select_(i < valid, Float32(mQ[t, head, ch]), Float32(0.0))
-                ql = qv * scale * cute.math.exp2(run - ref[b], fastmath=True)
-                mQg[row0 + i, hv, ch] = (ql * pow_r[b]).to(BFloat16)
-                self._put_scaled(sA, i, ch, ql, e_tab[b], b)
+                run = run + gs[s]
+                ql = qs[s] * scale * cute.math.exp2(run - ref_b, fastmath=True)
+                mQg[row0 + i, hv, ch] = (ql * pow_rb).to(BFloat16)
+                self._put_scaled(sA, i, ch, ql, e_row)
         cute.arch.fence_view_async_shared()
         bar.arrive_and_wait()
         accp = [cute.make_rmem_tensor(acc_shape, Float32) for _ in range(NSUB)]
@@ -233,15 +261,33 @@ class KdaIntraSm90:
         return Float32(cutlass.select_(i < valid, Float32(mG[t, hv, ch]), Float32(0.0))) * LOG2E
 
     @cute.jit
-    def _put_scaled(self, sA, i, ch, x, e_row, b):
-        """Row i of the four A tiles: x E_{bJ} for J < b, x for J = b, 0 for J > b."""
+    def _load_sub(self, mX, mG, tok0, valid, hv, head, ch, b):
+        """Sub-chunk b's 16 tokens for this channel, every load issued before any use: (log2(e)
+        g, x) as lists of 16 fp32, x from mX (k or q; None: g only, x empty); 0 past the
+        sequence (the loads themselves clamped to its last token)."""
+        gs, xs = [], []
+        for s in cutlass.range_constexpr(SUB):
+            i = SUB * b + s
+            gs.append(self._g(mG, tok0, valid, hv, ch, i))
+            if const_expr(mX is not None):
+                t = tok0 + cutlass.min(i, valid - 1)
+                xs.append(cutlass.select_(i < valid, Float32(mX[t, head, ch]), Float32(0.0)))
+        return gs, xs
+
+    @cute.jit
+    def _pick(self, values, b) -> Float32:
+        """values[b] for a run-time sub-chunk index b (three selects)."""
+        out = values[0]
+        for c in cutlass.range_constexpr(1, NSUB):
+            out = cutlass.select_(b == c, values[c], out)
+        return Float32(out)
+
+    @cute.jit
+    def _put_scaled(self, sA, i, ch, x, e_row):
+        """Row i of the four A tiles (sub-chunk b): x E_{bJ}, with E_{bJ} = 1 for J = b and 0
+        for J > b (e_row: E_{b.})."""
         for j in cutlass.range_constexpr(NSUB):
-            if const_expr(j < b):
-                sA[i, ch, j] = (x * e_row[j]).to(BFloat16)
-            elif const_expr(j == b):
-                sA[i, ch, j] = x.to(BFloat16)
-            else:
-                sA[i, ch, j] = BFloat16(0.0)
+            sA[i, ch, j] = (x * e_row[j]).to(BFloat16)
 
     @cute.jit
     def _products(self, mma, sA, sB, accs):

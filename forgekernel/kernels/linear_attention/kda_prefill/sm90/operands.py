@@ -1,6 +1,8 @@
-"""The first (token-parallel) pass of the KDA forward, in torch for now: every chunk's
-state-independent operands (`reference.kda_chunked.chunk_operands`, fp32) laid out for the
-recurrence kernel. Torch only (no DSL).
+"""The first (token-parallel) pass of the KDA forward in torch, the model of its kernel
+(`intra.py`, the op's first pass since 2026-12-02) and the tests' yardstick, and the chunk
+tables both use: every chunk's state-independent operands
+(`reference.kda_chunked.chunk_operands`, fp32) laid out for the recurrence kernel. Torch only
+(no DSL).
 
 Layout: sequence n's chunk c is global chunk first[n] + c, first = the exclusive prefix sum of
 ceil(len / 64); its 64 rows are rows 64 (first[n] + c) .. of the row-major tensors below, the
