@@ -169,6 +169,24 @@ def test_tma_loads_and_matrix_stores(compiled, name):
     assert ops.count("STSM.16.MT88.4") == 4  # O^T, transposed into the token-major tile
 
 
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_aux_masks_branch_once_per_warp(compiled, name):
+    """The aux warpgroup's masks pick their warp's row band once (one uniform branch a mask),
+    not per column group: chosen per group, every group's load -> ex2 -> multiply chain sat
+    alone between branches. The region runs to the next role's setmaxnreg or the end (the
+    unsplit kernel's aux comes last, with every role's out-of-line barrier retry loops): bf16
+    157 branches before, 37 now (split: 18; the band dispatch, the inverse's phases, the
+    retries)."""
+    _, instrs, _, _ = compiled(name)
+    regs = [(i, int(a.split(",")[-1], 16)) for i, (op, a) in enumerate(instrs)
+            if op.startswith("USETMAXREG")]  # fmt: skip
+    aux = next(i for i, r in regs if r == config.AUX_REGS)
+    end = min([i for i, _ in regs if i > aux] or [len(instrs)])
+    ops = [op for op, _ in instrs[aux:end]]
+    assert sum(op.startswith("BRA") for op in ops) <= 48
+    assert not [op for op in ops if op.startswith(("BRA.DIV", "WARPSYNC"))]
+
+
 def _mbarrier_init_counts(ptx: str) -> list[int]:
     """The arrive counts of the mbarrier.init instructions, in program order."""
     regs = dict(re.findall(r"mov\.b32\s+(%r\d+), (\d+);", ptx))

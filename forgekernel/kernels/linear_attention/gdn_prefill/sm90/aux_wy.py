@@ -198,9 +198,12 @@ class AuxWy:
           n > 2 w + 1  above both rows: 0, no power formed
         so warp w forms 7 + 4 w powers instead of 32 (warp 3, the last to finish, 19). Above
         the diagonal a power may be inf: it is selected away, never multiplied, and the
-        factored form is used only below it."""
-        t0, row_base, col_base = coords
-        a = rows_cols(acc)
+        factored form is used only below it.
+
+        The band is chosen once per warp (`_band_mask` compiled for each w, one uniform branch
+        here): chosen per column group, each group's load -> ex2 -> multiply chain sat alone
+        between branches and the 16 column chains ran one after another."""
+        t0, row_base, _ = coords
         w = cute.arch.make_warp_uniform(row_base // WARP_ROWS)
         gi, fi = [], []
         for r in cutlass.range_constexpr(2):
@@ -216,6 +219,18 @@ class AuxWy:
                     f = f * sNorm[i, 0, gs]
             fi.append(f)
         ratio = cute.math.exp2(gi[1] - gi[0], fastmath=True)
+        for band in cutlass.range_constexpr(CHUNK // WARP_ROWS):
+            if w == band:
+                self._band_mask(acc, coords, sG, sNorm, gs, gi, fi, ratio, strict, band)
+
+    @cute.jit
+    def _band_mask(
+        self, acc, coords, sG, sNorm, gs, gi, fi, ratio, strict: cutlass.Constexpr[bool],
+        band: cutlass.Constexpr[int],
+    ):  # fmt: skip
+        """`_decay_mask` for the warp holding rows 16 band .. 16 band + 15: straight-line."""
+        t0, row_base, col_base = coords
+        a = rows_cols(acc)
         # element (r, c) sits at (row_base + t0r, col_base + t0c): j <= i iff
         # col_base - row_base <= t0r - t0c
         diff = col_base - row_base
@@ -224,17 +239,17 @@ class AuxWy:
                 j = col_base + t0[0, c][1]
                 off = [t0[r, 0][0] - t0[r, c][1] for r in range(2)]
                 seen = [diff < o if const_expr(strict) else diff <= o for o in off]
-                if n < 2 * w:
+                if const_expr(n < 2 * band):
                     d = cute.math.exp2(gi[0] - self._col_exponent(sG, sNorm, j, gs), fastmath=True)
                     a[0, c] = a[0, c] * (d * fi[0])
                     a[1, c] = a[1, c] * ((ratio * d) * fi[1])
-                elif n == 2 * w:
+                elif const_expr(n == 2 * band):
                     hj = self._col_exponent(sG, sNorm, j, gs)
                     d0 = cute.math.exp2(gi[0] - hj, fastmath=True)
                     d1 = cute.math.exp2(gi[1] - hj, fastmath=True)
                     a[0, c] = cutlass.select_(seen[0], a[0, c] * (d0 * fi[0]), Float32(0.0))
                     a[1, c] = a[1, c] * (d1 * fi[1])
-                elif n == 2 * w + 1:
+                elif const_expr(n == 2 * band + 1):
                     d1 = cute.math.exp2(gi[1] - self._col_exponent(sG, sNorm, j, gs), fastmath=True)
                     a[0, c] = Float32(0.0)
                     a[1, c] = cutlass.select_(seen[1], a[1, c] * (d1 * fi[1]), Float32(0.0))
