@@ -1,5 +1,6 @@
-"""Host launcher of the paged GQA decode: torch only (no DSL), the two kernels through the
-compile cache. Callers validate first (`forgekernel.ops.attention_paged`)."""
+"""Host launcher of the paged GQA decode: torch only (no DSL), one kernel through the compile
+cache (a plan of several splits merges them in its last split per unit: merge.py). Callers
+validate first (`forgekernel.ops.attention_paged`)."""
 
 from __future__ import annotations
 
@@ -15,17 +16,53 @@ _plans = PlanCache()
 
 
 def _plan(dtype, kv_dtype, batch, hq, hkv, d, max_tokens, qtokens, device_index):
-    """(partial kernel, combine kernel or None, splits, tokens per split). One split: the
-    partial pass writes out and lse itself, and no combine runs. The kernels are looked up
-    here, once per problem (two compile-cache lookups cost 0.8 us a call on the CPU)."""
+    """(partial kernel, splits, tokens per split, units). One split: the pass writes out and
+    lse itself; more: its last split of each of the `units` (sequence, head block) pairs merges
+    them (merge.py). The kernel is looked up here, once per problem (a compile-cache lookup
+    costs 0.4 us a call on the CPU)."""
     name = dtype_name(dtype)
     kv = "float8_e4m3fn" if kv_dtype == torch.float8_e4m3fn else ""
     heads = config.heads_per_cta(hq // hkv, qtokens)
     resident = (config.RESIDENT_FP8 if kv else config.RESIDENT)[d]
     splits, per = config.split_plan(batch, hq // heads, max_tokens, num_sms(device_index), resident)
     partial = get_kernel(SPEC, config.params_for("partial", name, d, heads, kv, qtokens))
-    combine = None if splits == 1 else get_kernel(SPEC, config.params_for("combine", name, d))
-    return partial, combine, splits, per
+    return partial, splits, per, batch * (hq // heads)
+
+
+# (device, stream) -> int32 flags of the splits' arrivals, zero between launches (each launch's
+# last split clears its unit's). Streams do not share (two launches at once would mix their
+# counts); outgrown flags stay referenced (a captured graph keeps using them). A capture on a
+# stream without flags makes its own under the capture's id: zero-filled once per replay, not
+# once per call (kernels/gemm/dense/sm90/launch.py's workspace fills per call in a capture),
+# and never used outside that capture.
+_FLAGS: dict[tuple, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []
+
+
+def _capture_id(stream: int) -> int:
+    """The id of the capture under way on `stream` (unique in the process)."""
+    from cuda.bindings import runtime
+
+    err, _, capture = runtime.cudaStreamGetCaptureInfo(stream)[:3]
+    if err != runtime.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"cudaStreamGetCaptureInfo: {err}")
+    return int(capture)
+
+
+def split_flags(device: torch.device, units: int) -> torch.Tensor:
+    """The current stream's arrival flags, at least `units` (zero)."""
+    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+    key = (device, stream)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if key not in _FLAGS:
+            key = (device, stream, _capture_id(stream))
+    flags = _FLAGS.get(key)
+    if flags is None or flags.numel() < units:
+        if flags is not None:
+            _OUTGROWN.append(flags)
+            units = max(units, flags.numel())
+        flags = _FLAGS[key] = torch.zeros(max(units, 256), dtype=torch.int32, device=device)
+    return flags
 
 
 def paged_decode(
@@ -64,18 +101,17 @@ def paged_decode(
     device = q.device
     key = (q.dtype, k_cache.dtype, b, hq, hkv, d, page_table.shape[1] * page_size, qtokens,
            device.index)  # fmt: skip
-    partial, combine, splits, per = _plans.get_or_build(key, _plan)
-    # one split: the partials are placeholders giving the grid its one split
-    direct = combine is None
+    partial, splits, per, units = _plans.get_or_build(key, _plan)
+    # one split: the partials and flags are placeholders giving the grid its one split
+    direct = splits == 1
     shape = (1, 1, 1) if direct else (splits, rows, hq)
     partial_o = torch.empty(*shape, 1 if direct else d, dtype=torch.float32, device=device)
     partial_lse = torch.empty(shape, dtype=torch.float32, device=device)
+    flags = split_flags(device, 1 if direct else units)
     cu = None if cu_seqlens_q is None else cu_seqlens_q.contiguous()
     with on_device(device):
         partial(
             as_tma_ready(q), k_cache, v_cache, page_table.contiguous(), seqlens_k.contiguous(),
-            partial_o, partial_lse, out, lse, int(direct), softmax_scale * LOG2E, per, page_size,
-            hq // hkv, k_scale, v_scale, cu, int(causal),
+            partial_o, partial_lse, flags, out, lse, int(direct), softmax_scale * LOG2E, per,
+            page_size, hq // hkv, k_scale, v_scale, cu, int(causal),
         )  # fmt: skip
-        if not direct:
-            combine(partial_o, partial_lse, out, lse)
