@@ -328,3 +328,17 @@ def test_float_scales_are_made_once():
     b = op_module._scale_tensor("k_scale", 0.75, 8, "cpu")
     assert a is b and a.shape == (8,) and torch.all(a == 0.75)
     assert op_module._scale_tensor("k_scale", 0.5, 8, "cpu") is not a
+
+
+def test_split_flags_are_one_zero_buffer_per_stream():
+    """The arrival flags (launch.split_flags): made zero once per (device, stream), grown when a
+    plan has more units (the outgrown ones kept: a captured graph may hold them)."""
+    device = torch.device("cpu")
+    paged_launch._FLAGS.pop((device, 0), None)
+    first = paged_launch.split_flags(device, 8)
+    assert first.dtype == torch.int32 and first.numel() >= 8 and not first.any()
+    assert paged_launch.split_flags(device, 8) is first
+    grown = paged_launch.split_flags(device, first.numel() + 1)
+    assert grown.numel() > first.numel() and not grown.any()
+    assert any(t is first for t in paged_launch._OUTGROWN)
+    assert paged_launch.split_flags(device, 4) is grown
