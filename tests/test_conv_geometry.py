@@ -31,6 +31,7 @@ from forgekernel.kernels.conv.sm90.config import (
     split_tiles,
 )
 from forgekernel.kernels.conv.sm90.geometry import Geometry, dgrad_geometry_problem, dgrad_phases
+from forgekernel.runtime import scratch
 
 F64 = torch.float64
 SMALL_TILES = ConvConfig(tile_m=64, tile_n=64)
@@ -420,9 +421,7 @@ def test_one_split_plan_for_every_phase_is_sized_per_phase(model_kernel):
     """A SplitPlan given to the data gradient serves every phase (4, 2, 2 and 1 taps at 3x3
     stride 2): each launch's parts and tiles are counted for its own phase, so the workspace
     is big enough for each (the model checks the size; a fresh workspace here)."""
-    from forgekernel.kernels.gemm.dense.sm90 import launch as gemm_launch
-
-    gemm_launch._WORKSPACES.clear()
+    scratch.release()
     g = _geometry((1, 3, 3), (0, 1, 1), (1, 2, 2))
     x = torch.randn(2, 24, 1, 11, 9, dtype=F64, requires_grad=True)
     w = torch.randn(72, 24, 1, 3, 3, dtype=F64)
@@ -433,4 +432,4 @@ def test_one_split_plan_for_every_phase_is_sized_per_phase(model_kernel):
     dx = torch.full(_cl5(x).shape, float("nan"), dtype=F64)
     launch.dgrad(_cl5(dy), _cl5(w), dx, g, plan)
     assert _close(dx, _cl5(dx_want))
-    gemm_launch._WORKSPACES.clear()
+    scratch.release()

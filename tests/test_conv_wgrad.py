@@ -26,7 +26,7 @@ from forgekernel.kernels.conv.sm90.wgrad_config import (
     choose_wgrad,
     wgrad_tiles,
 )
-from forgekernel.kernels.gemm.dense.sm90 import launch as gemm_launch
+from forgekernel.runtime import scratch
 
 F64 = torch.float64
 
@@ -49,6 +49,13 @@ def _problem(n, c, k, size, g: Geometry, seed=0):
     dy = torch.randn(y.shape, dtype=F64, generator=gen)
     (dw,) = torch.autograd.grad(y, w, dy)
     return _cl5(x).contiguous(), _cl5(dy).contiguous(), _cl5(dw)
+
+
+def _stream_k_workspace():
+    """The stream-K partials and flags the last launches used (runtime/scratch.py's entries)."""
+    work = next(v[0] for key, v in scratch._SLOTS.items() if key[0] == "stream_k.partials")
+    flags = next(v for key, v in scratch._FLAGS.items() if key[0] == "stream_k.flags")
+    return work, flags
 
 
 def _close(got, want) -> bool:
@@ -123,11 +130,11 @@ def model_kernel(monkeypatch):
         return recorded
 
     launch._wgrad_plans.clear()
-    gemm_launch._WORKSPACES.clear()
+    scratch.release()
     monkeypatch.setattr(launch, "get_kernel", get_kernel)
     yield launches
     launch._wgrad_plans.clear()
-    gemm_launch._WORKSPACES.clear()
+    scratch.release()
 
 
 @pytest.mark.parametrize(
@@ -160,7 +167,7 @@ def test_launcher_splits_and_reuses_its_workspace(model_kernel):
         assert _close(dw, want)
     assert len({(w, f) for _, w, f, _ in model_kernel}) == 1
     assert {per for *_, per in model_kernel} == {3}
-    work, flags = next(iter(gemm_launch._WORKSPACES.values()))
+    work, flags = _stream_k_workspace()
     assert not flags.any() and work.numel() >= 6 * 9 * 64 * 64
 
 
@@ -173,7 +180,7 @@ def test_a_given_plan_is_sized_for_the_problem(model_kernel):
     dw = torch.full(want.shape, float("nan"), dtype=F64)
     launch.wgrad(dy, x, dw, g, WgradPlan(WGRAD_SMALL, per_split=3, parts=1, tiles=1))
     assert _close(dw, want)
-    work, flags = next(iter(gemm_launch._WORKSPACES.values()))
+    work, flags = _stream_k_workspace()
     assert work.numel() >= 6 * 9 * 64 * 64 and flags.numel() >= 9
 
 

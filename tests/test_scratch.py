@@ -1,7 +1,8 @@
 """runtime/scratch.py on the CPU: one buffer per (name, dtype, device, stream) reused across
 calls, never shared between names or streams, grown when a call needs more, and never handed
 out (nor cached) while the stream captures a CUDA graph (the stream lookup replaced by a fake
-current stream); and the split-KV launchers (MLA decode, DSA, paged decode) reusing theirs.
+current stream); the zero flags of the stream-K and split-KV kernels (`flags`); and the
+split-KV launchers (MLA decode, DSA, paged decode) reusing theirs.
 The CUDA side (a captured graph owning its scratch, two streams at once) is
 tests/gpu/test_scratch_gpu.py."""
 
@@ -66,6 +67,21 @@ def test_a_capture_gets_fresh_memory_and_caches_nothing(streams):
     assert len(scratch_module._SLOTS) == 1
 
 
+def test_flags_are_one_zero_buffer_per_name_and_stream():
+    """`flags`: made zero once per (name, device, stream), the same tensor on every later call
+    that fits, a new zero one when a launch needs more (the kernels leave them zero)."""
+    scratch_module.release()
+    first = scratch_module.flags("f", 8, CPU)
+    assert first.dtype == torch.int32 and first.numel() >= 8 and not first.any()
+    assert scratch_module.flags("f", 8, CPU) is first
+    assert scratch_module.flags("g", 8, CPU) is not first
+    grown = scratch_module.flags("f", first.numel() + 1, CPU)
+    assert grown.numel() > first.numel() and not grown.any()
+    assert scratch_module.flags("f", 4, CPU) is grown
+    scratch_module.release()
+    assert not scratch_module._FLAGS
+
+
 def test_bounded(streams, monkeypatch):
     monkeypatch.setattr(scratch_module, "MAX_SHAPES", 3)
     monkeypatch.setattr(scratch_module, "MAX_SLOTS", 2)
@@ -99,7 +115,8 @@ def _recording_kernels(monkeypatch, launch, seen):
 
 def test_split_kv_launchers_reuse_their_partials(streams, monkeypatch):
     """Two MLA decodes (a split plan: partial pass + combine) on one stream hand the combine
-    the same partial buffers; on another stream, others; the paged decode likewise."""
+    the same partial buffers; on another stream, others; the paged decode's one launch
+    likewise."""
     seen = []
     _recording_kernels(monkeypatch, mla_launch, seen)
     bf = torch.bfloat16
@@ -129,8 +146,8 @@ def test_split_kv_launchers_reuse_their_partials(streams, monkeypatch):
     def paged():
         seen.clear()
         paged_launch.paged_decode(q, k, v, table, lens, 0.1, out, lse)
-        assert [kind for kind, _ in seen] == ["partial", "combine"]
-        return seen[1][1][:2]
+        assert [kind for kind, _ in seen] == ["partial"]  # its last split per unit merges
+        return seen[0][1][5:7]  # the partial O and LSE (after q, the caches, table, lengths)
 
     first = paged()
     assert paged() == first

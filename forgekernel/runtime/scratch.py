@@ -15,13 +15,20 @@ gets a fresh `torch.empty`, which comes from the graph's private pool, so the gr
 scratch (a replay on any stream cannot race an eager call on the cached buffer), and nothing
 made during a capture is cached for eager calls.
 
-Never hand a scratch buffer back to the caller: the next call on the stream overwrites it."""
+Never hand a scratch buffer back to the caller: the next call on the stream overwrites it.
+
+`flags`: int32 arrival counters that the kernels using them leave zero when they finish (the
+stream-K GEMMs' and convolutions' tile flags, the paged decode's split flags): zeroed once per
+(name, device, stream) and reused by every later launch on that stream. Inside a capture they
+are the capture's own (keyed by its id, so the graph zero-fills them once per replay, not once
+per captured call, and never shares them with eager calls)."""
 
 from __future__ import annotations
 
 import torch
 
 # (name, dtype, device, stream) -> (flat buffer, {shape: view of its first elements})
+_FLAGS: dict[tuple, torch.Tensor] = {}  # (name, device, stream[, capture id]) -> zero int32
 _SLOTS: dict[tuple, tuple[torch.Tensor, dict[tuple, torch.Tensor]]] = {}
 MAX_SLOTS = 256  # then every buffer is dropped (a process cycling through streams)
 MAX_SHAPES = 64  # views per buffer (a server's changing batch sizes), then its views rebuilt
@@ -75,6 +82,38 @@ def _view(key, slot, shape, dtype, device) -> torch.Tensor:
     return view
 
 
+def flags(name: str, numel: int, device: torch.device) -> torch.Tensor:
+    """At least `numel` int32 zeros for the current stream's next kernel, which must leave them
+    zero; the same tensor again on the next call with this name on this stream (grown: a new
+    one, the old one's memory back to the allocator in stream order). Call it with `device`
+    current, as `scratch`."""
+    if device.type != "cuda":
+        key = (name, device, 0)
+    else:
+        stream = torch._C._cuda_getCurrentRawStream(device.index)
+        key = (name, device, stream)
+        if torch._C._cuda_isCurrentStreamCapturing():
+            key = (*key, _capture_id(stream))
+    buf = _FLAGS.get(key)
+    if buf is None or buf.numel() < numel:
+        if len(_FLAGS) >= MAX_SLOTS and key not in _FLAGS:
+            _FLAGS.clear()
+        size = max(numel, 256 if buf is None else buf.numel())
+        buf = _FLAGS[key] = torch.zeros(size, dtype=torch.int32, device=device)
+    return buf
+
+
+def _capture_id(stream: int) -> int:
+    """The id of the capture under way on `stream` (unique in the process)."""
+    from cuda.bindings import runtime
+
+    err, _, capture = runtime.cudaStreamGetCaptureInfo(stream)[:3]
+    if err != runtime.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"cudaStreamGetCaptureInfo: {err}")
+    return int(capture)
+
+
 def release() -> None:
     """Drop every cached buffer (their memory goes back to torch's caching allocator)."""
     _SLOTS.clear()
+    _FLAGS.clear()

@@ -17,8 +17,8 @@ import torch
 import forgekernel
 from forgekernel.bench.check import verify
 from forgekernel.bench.suites import gemm as gemm_suite
-from forgekernel.kernels.gemm.dense.sm90 import launch as gemm_launch
 from forgekernel.kernels.gemm.dense.sm90.config import MID, PREFILL_STREAM, split_for
+from forgekernel.runtime import scratch
 
 pytestmark = pytest.mark.gpu
 
@@ -35,7 +35,9 @@ PROBLEMS = [
 
 
 def _flags_zero() -> bool:
-    return all(int(ws[1].abs().sum()) == 0 for ws in gemm_launch._WORKSPACES.values())
+    return all(
+        int(f.abs().sum()) == 0 for key, f in scratch._FLAGS.items() if key[0] == "stream_k.flags"
+    )
 
 
 @pytest.mark.parametrize("m, n, k, layout", PROBLEMS, ids=lambda x: str(x))
@@ -82,7 +84,7 @@ def test_cluster_stream_k_replays_in_a_graph(cfg, warmed):
         if warmed:
             forgekernel.gemm(a, b, config=cfg)  # caches the side stream's workspace
             torch.cuda.synchronize()
-            assert (a.device, side.cuda_stream) in gemm_launch._WORKSPACES
+            assert ("stream_k.flags", a.device, side.cuda_stream) in scratch._FLAGS
         with torch.cuda.graph(graph, stream=side):
             got = forgekernel.gemm(a, b, config=cfg)
             again = forgekernel.gemm(a, b, config=cfg)  # a second launch on the same flags

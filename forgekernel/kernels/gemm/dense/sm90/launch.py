@@ -33,6 +33,7 @@ from forgekernel.runtime.device import (
     tma_target,
 )
 from forgekernel.runtime.plans import PlanCache
+from forgekernel.runtime.scratch import flags, scratch
 
 # TMA rows are 16-byte multiples: the kernel is compiled for N and K divisible by 8 (16 bits).
 ALIGN = 8
@@ -129,39 +130,15 @@ def gemm(
         out.copy_(c if c.shape[1] == n else c[:, :n])
 
 
-# (device, stream) -> (fp32 partials, int32 flags) of the stream-K kernels. A launch leaves
-# the flags zero, so the next launch on the same stream reuses them; streams do not share (two
-# GEMMs running at once would mix their partials). Outgrown buffers stay referenced: a CUDA
-# graph captured with them keeps using them. A capture that needs a bigger one gets its own.
-_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-_OUTGROWN: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-
 def stream_k_workspace(device: torch.device, tiles: int, floats: int):
-    """The stream-K workspace of the current stream, at least `floats` partials and `tiles`
-    flags (zero)."""
-    # The raw stream handle: torch.cuda.current_stream builds a Stream object (microseconds).
-    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
-    # The device itself, not its index: the CPU's and meta's are both None (the CPU emulation's
-    # flags must not be a meta run's), and a torch.device hashes faster than .index reads.
-    key = (device, stream)
-    ws = _WORKSPACES.get(key)
-    if ws is None or ws[0].numel() < floats or ws[1].numel() < tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # Inside a capture the zero fill only runs on replay: a buffer made here is the
-            # graph's own (zeroed by each replay), never cached for eager calls.
-            return (
-                torch.empty(floats, dtype=torch.float32, device=device),
-                torch.zeros(tiles, dtype=torch.int32, device=device),
-            )
-        if ws is not None:
-            _OUTGROWN.append(ws)
-            floats, tiles = max(floats, ws[0].numel()), max(tiles, ws[1].numel())
-        ws = _WORKSPACES[key] = (
-            torch.empty(floats, dtype=torch.float32, device=device),
-            torch.zeros(tiles, dtype=torch.int32, device=device),
+    """The stream-K workspace of `device`'s current stream: at least `floats` fp32 partials
+    (contents undefined) and `tiles` int32 flags (zero; every launch leaves them zero), from
+    runtime/scratch.py (reused per stream; a capture's own)."""
+    with on_device(device):
+        return (
+            scratch("stream_k.partials", (floats,), torch.float32, device),
+            flags("stream_k.flags", tiles, device),
         )
-    return ws
 
 
 def padded_operands(
