@@ -40,14 +40,14 @@ def replays(monkeypatch):
 
 
 CHEAP = ["gdn-one-cta-L150", "gdn-split-L150", "gdn-split-varlen", "kda-one-cta-L150",
-         "kda-split-varlen", "kda-intra-varlen"]  # fmt: skip
+         "kda-split-varlen", "kda-varlen-l2norm"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", CHEAP)
 def test_case_passes_on_the_replays(replays, name):
     r = diag.run_one(name, device="cpu")
     assert r["ok"], r
-    op, *_, split, _, k_last, _ = diag.CASES[name]
+    op, *_, split, _, k_last = diag.CASES[name]
     if op == "gdn":
         assert r["key"]["v_split"] == (2 if split else 1)
         assert r["key"]["k_last"] == k_last
