@@ -182,6 +182,25 @@ def test_decode_algorithm_matches_the_reference(cpu_kernels, b, hq, hkv, d, page
     )
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_lse_is_written_in_place(cpu_kernels, packed):
+    """A NaN-poisoned lse= is the returned LSE ((batch, Hq); packed (Hq, total_q)); a strided
+    one gets the result copied in."""
+    q, k, v, pt, seq = _problem(3, 8, 2, 64, 16, [37, 0, 100])
+    want, want_lse = paged_attention_ref(q, k, v, pt, seq)
+    kw = {}
+    if packed:
+        want_lse = want_lse.t()
+        kw = {"cu_seqlens_q": torch.tensor([0, 1, 2, 3], dtype=torch.int32), "max_seqlen_q": 1}
+    finite = torch.isfinite(want_lse)
+    for lse in (torch.full_like(want_lse, float("nan")),
+                torch.full((*want_lse.shape, 2), float("nan"))[..., 1]):  # fmt: skip
+        out, got = op_module.attention_paged(q, k, v, pt, seq, return_lse=True, lse=lse, **kw)
+        assert got is lse and float((out.float() - want).abs().max()) < 2e-2
+        assert torch.equal(finite, torch.isfinite(lse))
+        assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-4
+
+
 @pytest.mark.parametrize("per_head", [False, True])
 def test_fp8_cache_scales(cpu_kernels, per_head):
     q, k, v, pt, seq = _problem(2, 8, 2, 128, 16, [40, 90], fp8=True)
@@ -222,6 +241,8 @@ def test_fp8_plan_fills_the_fp8_residency(cpu_kernels, b, d, tokens):
         ({"seqlens_k": torch.zeros(3, dtype=torch.int32)}, ValueError, "seqlens_k must have"),
         ({"cu_seqlens_q": torch.zeros(3, dtype=torch.int32)}, ValueError, "come together"),
         ({"q": torch.zeros(2, 6, 128, dtype=torch.bfloat16)}, ValueError, "multiple of KV"),
+        ({"lse": torch.zeros(8, 2)}, ValueError, r"lse must have shape \(2, 8\)"),
+        ({"lse": torch.zeros(2, 8, dtype=torch.float16)}, TypeError, "lse must have dtype"),
     ],
 )
 def test_bad_arguments(kwargs, err, match):
@@ -232,7 +253,7 @@ def test_bad_arguments(kwargs, err, match):
         "page_table": torch.zeros(2, 4, dtype=torch.int32),
         "seqlens_k": torch.zeros(2, dtype=torch.int32),
     }
-    extra = {k_: kwargs.pop(k_) for k_ in ("cu_seqlens_q",) if k_ in kwargs}
+    extra = {k_: kwargs.pop(k_) for k_ in ("cu_seqlens_q", "lse") if k_ in kwargs}
     args.update(kwargs)
     with pytest.raises(err, match=match):
         op_module.attention_paged(args["q"], args["k"], args["v"], args["page_table"],

@@ -147,6 +147,7 @@ def test_launcher_arguments(monkeypatch, m, n, k):
 
     monkeypatch.setattr(op_module, "check_cuda", lambda name, t: None)
     monkeypatch.setattr(fp8_sm90, "get_kernel", get_kernel)
+    monkeypatch.setattr(fp8_sm90, "_plans", type(fp8_sm90._plans)())  # plans hold kernels
     monkeypatch.setattr(fp8_sm90, "num_sms", lambda device: 132)
     a, b, sa, sb = _operands(m, n, k)
     c = op_module.gemm_fp8(a, b, sa, sb)

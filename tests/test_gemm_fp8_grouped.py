@@ -62,6 +62,7 @@ def stand_in(monkeypatch):
 
     monkeypatch.setattr(op_module, "check_cuda", lambda name, t: None)
     monkeypatch.setattr(fp8_sm90, "get_kernel", get_kernel)
+    monkeypatch.setattr(fp8_sm90, "_plans", type(fp8_sm90._plans)())  # plans hold kernels
     monkeypatch.setattr(fp8_sm90, "num_sms", lambda device: 132)
     return calls
 

@@ -112,6 +112,7 @@ def test_script_rows_on_cpu(script, monkeypatch):
         return {name: [2.0 if name == "deepgemm" else 1.0] for name in fns}
 
     monkeypatch.setattr(fp8_sm90, "get_kernel", get_kernel)
+    monkeypatch.setattr(fp8_sm90, "_plans", type(fp8_sm90._plans)())  # plans hold kernels
     monkeypatch.setattr(fp8_sm90, "num_sms", lambda index: 132)
     monkeypatch.setattr(script, "time_interleaved", timer)
     monkeypatch.setattr(script, "rotation_sets", lambda nbytes: 2)

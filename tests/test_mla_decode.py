@@ -670,6 +670,29 @@ def test_out_is_written_in_place(cpu_kernels, s_q):
         assert got is view and float((view.float() - want).abs().max()) < 2e-2
 
 
+@pytest.mark.parametrize("s_q", [1, 2, "packed"])
+def test_lse_is_written_in_place(cpu_kernels, s_q):
+    """A NaN-poisoned lse= is the returned LSE, every element written; a strided one (a
+    column of a wider tensor) gets the result copied in."""
+    qn, qp, ckv, kpe, table, seq = _problem(3, 16, 16, [5, 0, 70], s_q=2 if s_q == 2 else 1)
+    want, want_lse = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
+    kw = {}
+    if s_q == "packed":  # one token per sequence: (H, total_q)
+        qn, qp, want = qn[:, 0], qp[:, 0], want[:, 0]
+        want_lse = want_lse[..., 0].t()
+        kw = {"cu_seqlens_q": torch.tensor([0, 1, 2, 3], dtype=torch.int32), "max_seqlen_q": 1}
+    lse = torch.full_like(want_lse, float("nan"))
+    out, got = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, lse=lse,
+                             return_lse=True, **kw)  # fmt: skip
+    assert got is lse
+    _assert_close(out, lse, want, want_lse)
+    wide = torch.full((*want_lse.shape, 2), float("nan"))
+    out, got = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE,
+                             lse=wide[..., 1], return_lse=True, **kw)  # fmt: skip
+    assert got.data_ptr() == wide[..., 1].data_ptr() and torch.isnan(wide[..., 0]).all()
+    _assert_close(out, wide[..., 1], want, want_lse)
+
+
 @pytest.mark.parametrize("page_size", [1, 64])
 def test_flashinfer_bench_adapter(cpu_kernels, page_size):
     """FlashInfer-Bench's decode definition's inputs as they are: against reference.mla's run
@@ -771,6 +794,8 @@ def _args(**change):
         ({"softmax_scale": None}, TypeError, "no default"),
         ({"softmax_scale": -1.0}, ValueError, "softmax_scale"),
         ({"out": torch.zeros(2, 1, 16, 512)}, TypeError, "out must have dtype"),
+        ({"lse": torch.zeros(2, 16, 1, dtype=torch.bfloat16)}, TypeError, "lse must have dtype"),
+        ({"lse": torch.zeros(2, 1, 16)}, ValueError, r"lse must have shape \(2, 16, 1\)"),
     ],
 )  # fmt: skip
 def test_bad_arguments(monkeypatch, change, err, match):

@@ -81,7 +81,13 @@ def _constant_scale(value: float, hkv: int, device: torch.device) -> torch.Tenso
     return t
 
 
-def _validate(q, k, v, page_table, seqlens_k, out, cu_seqlens_q=None):
+def lse_shape(q, cu_seqlens_q) -> tuple[int, int]:
+    """The LSE's shape (OPS.md): (batch, Hq) for decode, (Hq, total_q) packed."""
+    rows, hq = q.shape[0], q.shape[1]
+    return (rows, hq) if cu_seqlens_q is None else (hq, rows)
+
+
+def _validate(q, k, v, page_table, seqlens_k, out, cu_seqlens_q=None, lse=None):
     check_tensor("q", q, ndim=3, cuda=False)
     check_tensor("k_cache", k, ndim=4, dtypes=CACHE_DTYPES, cuda=False)
     check_tensor("v_cache", v, ndim=4, dtypes=CACHE_DTYPES, cuda=False)
@@ -108,18 +114,22 @@ def _validate(q, k, v, page_table, seqlens_k, out, cu_seqlens_q=None):
     check_shaped("seqlens_k", seqlens_k, (b,), INDEX)
     if out is not None:
         check_shaped("out", out, (rows, hq, d), (q.dtype,))
+    if lse is not None:
+        check_shaped("lse", lse, lse_shape(q, cu_seqlens_q), (torch.float32,))
     check_cuda("q", q)
     extra = {} if out is None else {"out": out}
+    if lse is not None:
+        extra["lse"] = lse
     check_same_device(q=q, k_cache=k, v_cache=v, page_table=page_table, seqlens_k=seqlens_k,
                       **extra)  # fmt: skip
     return rows, hq, d
 
 
-def _valid_at_a_glance(q, k, v, page_table, seqlens_k, out, cu_seqlens_q) -> bool:
+def _valid_at_a_glance(q, k, v, page_table, seqlens_k, out, cu_seqlens_q, lse=None) -> bool:
     """`_validate`'s checks in one pass over plain tensors (the common eager call): True when
     every check passes (check_cuda, which raises, last as in `_validate`); False sends the call
     through `_validate`, whose named checks raise (issue 17)."""
-    if not plain(q, k, v, page_table, seqlens_k, optional=(out, cu_seqlens_q)):
+    if not plain(q, k, v, page_table, seqlens_k, optional=(out, cu_seqlens_q, lse)):
         return False
     dtype, shape, kv_dtype, kv = q.dtype, q.shape, k.dtype, k.shape
     if cu_seqlens_q is None:
@@ -137,10 +147,12 @@ def _valid_at_a_glance(q, k, v, page_table, seqlens_k, out, cu_seqlens_q) -> boo
         and page_table.shape[0] == b
         and seqlens_k.dtype == torch.int32 and seqlens_k.shape == (b,)
         and (out is None or (out.dtype == dtype and out.shape == shape))
+        and (lse is None or (lse.dtype == torch.float32
+                             and lse.shape == lse_shape(q, cu_seqlens_q)))
     ):  # fmt: skip
         return False
     check_cuda("q", q)
-    return on_one_device(q, k, v, page_table, seqlens_k, out)
+    return on_one_device(q, k, v, page_table, seqlens_k, out, lse)
 
 
 @torch.library.custom_op("forgekernel::attention_paged_decode", mutates_args=())
@@ -200,12 +212,13 @@ def _(q, k_cache, v_cache, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, so
     return _outputs(q, cu_seqlens_q, None)
 
 
-def _outputs(q, cu_seqlens_q, out):
-    """(out, lse): lse (rows, Hq) for decode, (Hq, total_q) for the packed form (OPS.md)."""
-    rows, hq, _ = q.shape
+def _outputs(q, cu_seqlens_q, out, lse=None):
+    """(out, lse): lse (rows, Hq) for decode, (Hq, total_q) for the packed form (OPS.md); the
+    caller's where given."""
     o = out if out is not None else torch.empty_like(q)
-    shape = (rows, hq) if cu_seqlens_q is None else (hq, rows)
-    return o, q.new_empty(shape, dtype=torch.float32)
+    if lse is not None:
+        return o, lse
+    return o, q.new_empty(lse_shape(q, cu_seqlens_q), dtype=torch.float32)
 
 
 def attention_paged(
@@ -223,6 +236,7 @@ def attention_paged(
     out: torch.Tensor | None = None,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ):
     """Decode: q (batch, Hq, D), one query per sequence, against caches (num_pages,
     page_size, Hkv, D) (or one combined (num_pages, 2, page_size, Hkv, D) cache as k_cache with
@@ -234,17 +248,27 @@ def attention_paged(
     D), LSE (Hq, total_q); up to 4 query tokens per sequence run the decode kernel, more the
     forward's paged mode (or the gather path: module docstring).
     GQA: query head h reads KV head h // (Hq / Hkv). An FP8 (e4m3) cache holds K / k_scale and
-    V / v_scale: each scale a float (per tensor) or a float32 tensor (Hkv,) (per KV head)."""
+    V / v_scale: each scale a float (per tensor) or a float32 tensor (Hkv,) (per KV head).
+    out / lse: buffers of the outputs' shapes (out in q's dtype, lse fp32) written in place
+    (the bench's call: no allocation, no copy; lse is returned with return_lse)."""
     if (cu_seqlens_q is None) != (max_seqlen_q is None):
         raise ValueError("cu_seqlens_q and max_seqlen_q come together")
     if max_seqlen_q is not None and max_seqlen_q < 1:
         raise ValueError(f"max_seqlen_q must be >= 1, got {max_seqlen_q}")
     k, v = _split_cache(k_cache, v_cache)
-    if _valid_at_a_glance(q, k, v, page_table, seqlens_k, out, cu_seqlens_q):
+    if _valid_at_a_glance(q, k, v, page_table, seqlens_k, out, cu_seqlens_q, lse):
         d, traced = q.shape[2], tracing()  # the tensors are plain: only a mode can trace
     else:
-        _, _, d = _validate(q, k, v, page_table, seqlens_k, out, cu_seqlens_q)
-        traced = _traced(q, k, v, page_table, seqlens_k, out, cu_seqlens_q)
+        _, _, d = _validate(q, k, v, page_table, seqlens_k, out, cu_seqlens_q, lse)
+        traced = _traced(q, k, v, page_table, seqlens_k, out, cu_seqlens_q, lse)
+    if lse is not None and not lse.is_contiguous():  # in place only where it is compact
+        o, fresh = attention_paged(
+            q, k, v, page_table, seqlens_k, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+            causal=causal, softmax_scale=softmax_scale, return_lse=True, out=out,
+            k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
+        lse.copy_(fresh)
+        return (o, lse) if return_lse else o
     scale = float(softmax_scale) if softmax_scale is not None else d**-0.5
     ks = vs = None
     if k.dtype == torch.float8_e4m3fn:
@@ -254,22 +278,20 @@ def attention_paged(
     if mq > MAX_QUERY_TOKENS:
         if ks is None and fwd_sm90.paged_box(k.shape[1], d):
             o, lse = _prefill(q, k, v, page_table, seqlens_k, cu_seqlens_q, mq, bool(causal),
-                              scale, out, traced)  # fmt: skip
+                              scale, out, traced, lse)  # fmt: skip
         else:
             o, lse = _prefill_by_gather(q, k, v, page_table, seqlens_k, cu_seqlens_q, mq,
-                                        causal, scale, ks, vs, out)  # fmt: skip
+                                        causal, scale, ks, vs, out, lse)  # fmt: skip
         return (o, lse) if return_lse else o
     if traced:
-        o, lse = torch.ops.forgekernel.attention_paged_decode(
+        o, fresh = torch.ops.forgekernel.attention_paged_decode(
             q, k, v, page_table, seqlens_k, scale, ks, vs, cu_seqlens_q, mq, bool(causal)
         )
-        if out is not None:
-            out.copy_(o)
-            o = out
+        o, lse = _into(o, fresh, out, lse)
     else:
         check_rows_in_place("k_cache", k, 16)  # (a data pointer: real tensors only)
         check_rows_in_place("v_cache", v, 16)
-        o, lse = _outputs(q, cu_seqlens_q, out)
+        o, lse = _outputs(q, cu_seqlens_q, out, lse)
         paged_sm90.paged_decode(
             q, k, v, page_table, seqlens_k, scale, o, lse if cu_seqlens_q is None else lse.t(),
             ks, vs, cu_seqlens_q, mq, bool(causal),
@@ -277,28 +299,36 @@ def attention_paged(
     return (o, lse) if return_lse else o
 
 
+def _into(o, lse, out, lse_out):
+    """A custom op's fresh (o, lse) copied into the caller's buffers where given."""
+    if out is not None:
+        out.copy_(o)
+        o = out
+    if lse_out is not None:
+        lse_out.copy_(lse)
+        lse = lse_out
+    return o, lse
+
+
 def _prefill(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, causal, scale, out,
-             traced):  # fmt: skip
+             traced, lse=None):  # fmt: skip
     """Chunked prefill on the forward's paged mode: the caches read in place (their rows
     contiguous and 16-byte aligned, outer strides multiples of 8 elements)."""
     if traced:
-        o, lse = torch.ops.forgekernel.attention_paged_prefill(
+        o, fresh = torch.ops.forgekernel.attention_paged_prefill(
             q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, scale, causal
         )
-        if out is not None:
-            out.copy_(o)
-            o = out
-        return o, lse
+        return _into(o, fresh, out, lse)
     check_rows_in_place("k_cache", k)  # (a data pointer: real tensors only)
     check_rows_in_place("v_cache", v)
-    o, lse = _outputs(q, cu_seqlens_q, out)
+    o, lse = _outputs(q, cu_seqlens_q, out, lse)
     fwd_sm90.attention_paged_fwd(q, k, v, o, lse, page_table, seqlens_k, cu_seqlens_q,
                                  max_seqlen_q, scale, causal)  # fmt: skip
     return o, lse
 
 
 def _prefill_by_gather(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, causal,
-                       scale, ks, vs, out):  # fmt: skip
+                       scale, ks, vs, out, lse=None):  # fmt: skip
     """Chunked prefill where the paged mode does not reach (FP8 caches, pages of 1 or of a
     size that neither divides the key tile nor is divided by it): every sequence's keys and
     values gathered from their pages into packed (total_k, Hkv, D) tensors (room for the page
@@ -327,7 +357,12 @@ def _prefill_by_gather(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_
         buf[room] = 0
         return buf
 
-    o_out = None if out is None else (out, q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32))
+    o_out = None
+    if out is not None or lse is not None:  # the caller's buffers, written by the forward
+        o_out = (
+            torch.empty_like(q) if out is None else out,
+            q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32) if lse is None else lse,
+        )
     o, lse = _attention_varlen(
         q, packed(k, ks), packed(v, vs), cu_seqlens_q, cu_k.int(), max_seqlen_q, width,
         causal=causal, softmax_scale=scale, return_lse=True, out=o_out,

@@ -12,13 +12,16 @@ from __future__ import annotations
 import torch
 
 from forgekernel.kernels.gemm.fp8.sm90 import launch as fp8_sm90
+from forgekernel.ops._dispatch import plain, tracing, wants_grad
 from forgekernel.ops._dispatch import traced as _traced
-from forgekernel.ops._dispatch import wants_grad
 from forgekernel.ops._validate import (
+    PassedChecks,
     check_cuda,
     check_same_device,
     check_shaped,
     check_tensor,
+    on_one_device,
+    tensor_key,
 )
 
 FP8 = (torch.float8_e4m3fn,)
@@ -47,6 +50,29 @@ def _validate(a, b, scale_a, scale_b, out_dtype, out) -> tuple[int, int, int]:
     extra = {} if out is None else {"out": out}
     check_same_device(a=a, b=b, scale_a=scale_a, scale_b=scale_b, **extra)
     return m, n, k
+
+
+# The named checks' (M, N, K) per plain eager call's key (issue 17): `_validate` depends on the
+# shapes and dtypes alone but for its device checks, which `_seen` makes per call.
+_PASSED = PassedChecks()
+
+
+def _seen(a, b, scale_a, scale_b, out_dtype, out) -> tuple:
+    """(key, (M, N, K)) of a call: key None when it is traced or an argument is not a plain
+    tensor (the named checks, then `traced` decides), (M, N, K) None when the named checks
+    must decide."""
+    if tracing() or not plain(a, b, scale_a, scale_b, optional=(out,)):
+        return None, None
+    if type(out_dtype) is not torch.dtype:
+        return None, None
+    key = (a.shape, a.dtype, b.shape, b.dtype, scale_a.shape, scale_a.dtype, scale_b.shape,
+           scale_b.dtype, out_dtype, tensor_key(out))  # fmt: skip
+    passed = _PASSED.get(key)
+    if passed is None:
+        return key, None
+    check_cuda("a", a)
+    # a tensor on another device: the named checks name it
+    return key, passed if on_one_device(a, b, scale_a, scale_b, out) else None
 
 
 @torch.library.custom_op("forgekernel::gemm_fp8", mutates_args=())
@@ -85,8 +111,14 @@ def gemm_fp8(
     (bf16 or fp16). The tensor cores' FP8 accumulation is promoted into fp32 registers every
     128 of K. Scales are not checked for non-finite values (that would cost a device sync).
     """
-    m, n, _ = _validate(a, b, scale_a, scale_b, out_dtype, out)
-    if _traced(a, b, scale_a, scale_b, out) or wants_grad(a, b, scale_a, scale_b):
+    key, passed = _seen(a, b, scale_a, scale_b, out_dtype, out)
+    if passed is None:
+        passed = _validate(a, b, scale_a, scale_b, out_dtype, out)
+        if key is not None:
+            _PASSED.remember(key, passed)
+    m, n, _ = passed
+    # a key: plain tensors, no mode
+    if (key is None and _traced(a, b, scale_a, scale_b, out)) or wants_grad(a, b, scale_a, scale_b):
         result = torch.ops.forgekernel.gemm_fp8(a, b, scale_a, scale_b, out_dtype)
         if out is None:
             return result

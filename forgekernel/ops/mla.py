@@ -197,8 +197,16 @@ def check_caches(q_nope, ckv, kpe, ckv_scale) -> None:
         )
 
 
+def lse_shape(q_nope, cu_seqlens_q) -> tuple[int, ...]:
+    """The LSE's shape (OPS.md): (batch, H, s_q), packed (H, total_q)."""
+    shape = q_nope.shape
+    if cu_seqlens_q is not None:
+        return (shape[1], shape[0])
+    return (shape[0], shape[2], shape[1])
+
+
 def _validate(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out,
-              ckv_scale=None) -> None:  # fmt: skip
+              ckv_scale=None, lse=None) -> None:  # fmt: skip
     packed = cu_seqlens_q is not None
     ndim = 3 if packed else 4
     form = "(total_q, H, D) packed by cu_seqlens_q" if packed else "(batch, s_q, H, D)"
@@ -226,8 +234,12 @@ def _validate(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out,
     check_shaped("seqlens_k", seqlens_k, (b,), INDEX)
     if out is not None:
         check_shaped("out", out, tuple(q_nope.shape), (q_nope.dtype,))
+    if lse is not None:
+        check_shaped("lse", lse, lse_shape(q_nope, cu_seqlens_q), (torch.float32,))
     check_cuda("q_nope", q_nope)
     extra = {"out": out} if out is not None else {}
+    if lse is not None:
+        extra["lse"] = lse
     if packed:
         extra["cu_seqlens_q"] = cu_seqlens_q
     check_same_device(q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv, kpe_cache=kpe,
@@ -235,11 +247,12 @@ def _validate(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out,
 
 
 def _valid_at_a_glance(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out,
-                       ckv_scale=None) -> bool:  # fmt: skip
+                       ckv_scale=None, lse=None) -> bool:  # fmt: skip
     """`_validate`'s checks in one pass over plain tensors (the common eager call): True when
     every check passes (check_cuda, which raises, last as in `_validate`); False sends the call
     through `_validate`, whose named checks raise. 2.9 us against 4.9 on the CPU (issue 17)."""
-    if not plain(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, optional=(cu_seqlens_q, out)):
+    if not plain(q_nope, q_pe, ckv, kpe, page_table, seqlens_k,
+                 optional=(cu_seqlens_q, out, lse)):  # fmt: skip
         return False
     if not caches_at_a_glance(q_nope, ckv, kpe, ckv_scale):
         return False
@@ -261,10 +274,12 @@ def _valid_at_a_glance(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens
         and page_table.shape[0] == b
         and seqlens_k.dtype == torch.int32 and seqlens_k.shape == (b,)
         and (out is None or (out.dtype == dtype and out.shape == shape))
+        and (lse is None or (lse.dtype == torch.float32
+                             and lse.shape == lse_shape(q_nope, cu_seqlens_q)))
     ):  # fmt: skip
         return False
     check_cuda("q_nope", q_nope)
-    return on_one_device(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out)
+    return on_one_device(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out, lse)
 
 
 def caches_at_a_glance(q_nope, ckv, kpe, ckv_scale) -> bool:
@@ -287,9 +302,12 @@ def caches_at_a_glance(q_nope, ckv, kpe, ckv_scale) -> bool:
     )  # fmt: skip
 
 
-def _outputs(q_nope, cu_seqlens_q, out):
-    """(out, lse): lse (batch, H, s_q) for the decode form, (H, total_q) packed (OPS.md)."""
+def _outputs(q_nope, cu_seqlens_q, out, lse=None):
+    """(out, lse): lse (batch, H, s_q) for the decode form, (H, total_q) packed (OPS.md); the
+    caller's where given."""
     o = out if out is not None else q_nope.new_empty(q_nope.shape)
+    if lse is not None:
+        return o, lse
     if cu_seqlens_q is not None:
         rows, hq, _ = q_nope.shape
         return o, q_nope.new_empty((hq, rows), dtype=torch.float32)
@@ -305,11 +323,12 @@ def _flat_rows(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def _forward(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, scale, max_seqlen_q,
-             causal, out, ckv_scale=None):  # fmt: skip
+             causal, out, ckv_scale=None, lse=None):  # fmt: skip
     """The kernels on validated arguments: the decode form becomes the kernel's (rows, H, D) by
     views; s_q > 1 runs as the packed form (cu_seqlens_q = 0, s_q, 2 s_q, ...), its LSE rows
-    transposed into (batch, H, s_q) after. ckv_scale: FlashMLA's FP8 views."""
-    o, lse = _outputs(q_nope, cu_seqlens_q, out)
+    transposed into (batch, H, s_q) after. ckv_scale: FlashMLA's FP8 views. out / lse: the
+    caller's (written in place: no allocation, no copy) or None."""
+    o, lse = _outputs(q_nope, cu_seqlens_q, out, lse)
     launch = mla_sm90.mla_decode
     if cu_seqlens_q is not None:
         launch(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, scale, o, lse.t(), cu_seqlens_q,
@@ -371,6 +390,7 @@ def mla_decode(
     causal: bool = True,
     return_lse: bool = False,
     out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ):
     """Absorbed MLA decode (module docstring): q_nope (batch, s_q, H, 512), q_pe (batch, s_q,
     H, 64), s_q <= 4, against ckv_cache (num_pages, page_size, 512) and kpe_cache (num_pages,
@@ -381,11 +401,13 @@ def mla_decode(
     fp32. Packed form: q (total_q, H, *) by cu_seqlens_q int32 (batch + 1,) with max_seqlen_q
     (a host int, <= 4) at least the longest, out (total_q, H, 512), LSE (H, total_q).
     softmax_scale (required): the un-absorbed scale. The split plan bounds the KV lengths by
-    the page table's width (no device read: CUDA-graph capturable)."""
+    the page table's width (no device read: CUDA-graph capturable). out / lse: buffers of the
+    outputs' shapes (out in q's dtype, lse fp32) written in place (the bench's call: no
+    allocation, no copy; lse is returned with return_lse)."""
     if (cu_seqlens_q is None) != (max_seqlen_q is None):
         raise ValueError("cu_seqlens_q and max_seqlen_q come together")
     return _attend(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, softmax_scale,
-                   cu_seqlens_q, max_seqlen_q, causal, return_lse, out,
+                   cu_seqlens_q, max_seqlen_q, causal, return_lse, out, lse,
                    MAX_QUERY_TOKENS)  # fmt: skip
 
 
@@ -403,6 +425,7 @@ def mla_prefill(
     causal: bool = True,
     return_lse: bool = False,
     out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ):
     """Absorbed MLA prefill against the paged latent cache (chunked prefill: each sequence's
     new tokens are the last of its seqlens_k cached ones, causal bottom-right): the packed
@@ -411,45 +434,58 @@ def mla_prefill(
     caches (FP8 included), page_table, seqlens_k and softmax_scale as `mla_decode`'s. Returns
     out (total_q,
     H, 512) in q's dtype and, with return_lse, the natural-log LSE (H, total_q). A CTA takes
-    64 // H (at most 4) query tokens of H heads: every CTA reads the keys its tokens see."""
+    64 // H (at most 4) query tokens of H heads: every CTA reads the keys its tokens see.
+    out / lse: as `mla_decode`'s."""
     if cu_seqlens_q is None or max_seqlen_q is None:
         raise ValueError("mla_prefill takes the packed form: cu_seqlens_q and max_seqlen_q")
     return _attend(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, softmax_scale,
-                   cu_seqlens_q, max_seqlen_q, causal, return_lse, out, None)  # fmt: skip
+                   cu_seqlens_q, max_seqlen_q, causal, return_lse, out, lse, None)  # fmt: skip
 
 
 def _attend(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, softmax_scale,
-            cu_seqlens_q, max_seqlen_q, causal, return_lse, out, max_tokens):  # fmt: skip
+            cu_seqlens_q, max_seqlen_q, causal, return_lse, out, lse, max_tokens):  # fmt: skip
     """mla_decode / mla_prefill after their form checks: validation, then the custom op
     (traced) or the kernels; max_tokens bounds the query tokens per sequence (None: any)."""
     scale = check_softmax_scale(softmax_scale)
     ckv, kpe, fp8 = latent_cache_views(ckv_cache, kpe_cache)
-    if _valid_at_a_glance(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out, fp8):
+    args = (q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out, fp8, lse)
+    if _valid_at_a_glance(*args):
         traced = tracing()  # the tensors are plain: only a mode can trace
     else:
-        _validate(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out, fp8)
-        traced = _traced(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out)
+        _validate(*args)
+        traced = _traced(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out, lse)
     mq = q_nope.shape[1] if cu_seqlens_q is None else int(max_seqlen_q)
     if mq < 1 or (max_tokens is not None and mq > max_tokens):
         bound = "" if max_tokens is None else f"..{max_tokens} (mla_prefill takes more)"
         raise ValueError(f"max_seqlen_q must be 1{bound}, got {mq}")
     if out is not None and out.stride(-1) != 1:  # the kernel writes rows of 512 contiguous
         o, lse = _attend(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, scale,
-                         cu_seqlens_q, max_seqlen_q, causal, True, None, max_tokens)  # fmt: skip
+                         cu_seqlens_q, max_seqlen_q, causal, True, None, lse,
+                         max_tokens)  # fmt: skip
         out.copy_(o)
         return (out, lse) if return_lse else out
+    if lse is not None and not lse.is_contiguous():  # in place only where it is compact
+        o, fresh = _attend(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, scale,
+                           cu_seqlens_q, max_seqlen_q, causal, True, out, None,
+                           max_tokens)  # fmt: skip
+        lse.copy_(fresh)
+        return (o, lse) if return_lse else o
     if traced:
-        o, lse = torch.ops.forgekernel.mla_decode(
+        o, fresh = torch.ops.forgekernel.mla_decode(
             q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, scale, mq, bool(causal),
             fp8,
         )  # fmt: skip
         if out is not None:
             out.copy_(o)
             o = out
+        if lse is not None:
+            lse.copy_(fresh)
+        else:
+            lse = fresh
     else:
         check_caches_in_place(ckv, kpe, fp8)  # (a data pointer: real tensors only)
         o, lse = _forward(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, scale,
-                          mq, bool(causal), out, fp8)  # fmt: skip
+                          mq, bool(causal), out, fp8, lse)  # fmt: skip
     return (o, lse) if return_lse else o
 
 

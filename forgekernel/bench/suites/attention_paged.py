@@ -271,15 +271,12 @@ def alloc_out(inputs: Inputs):
 
 def _run(inputs: Inputs, out, k_scale, v_scale):
     op = importlib.import_module("forgekernel.ops.attention_paged")
-    o = None if out is None else out[0]
+    o, lse = (None, None) if out is None else out
     res = op.attention_paged(
         inputs["q"], inputs["k"], inputs["v"], inputs["table"], inputs["seqlens"],
-        return_lse=True, out=o, k_scale=k_scale, v_scale=v_scale, **_packed(inputs),
+        return_lse=True, out=o, lse=lse, k_scale=k_scale, v_scale=v_scale, **_packed(inputs),
     )  # fmt: skip
-    if out is None:
-        return res
-    out[1].copy_(res[1])
-    return out
+    return res if out is None else out
 
 
 def run_ours(inputs: Inputs, out):

@@ -192,12 +192,10 @@ def run_ours(inputs: Inputs, out):
     res = (op.mla_prefill if prefill else op.mla_decode)(
         q[..., :LATENT], q[..., LATENT:], inputs["ckv"], inputs["kpe"], inputs["table"],
         inputs["seqlens"], softmax_scale=SOFTMAX_SCALE, return_lse=True,
-        out=None if out is None else out[0], **_packed(inputs),
+        out=None if out is None else out[0], lse=None if out is None else out[1],
+        **_packed(inputs),
     )  # fmt: skip
-    if out is None:
-        return res
-    out[1].copy_(res[1])
-    return out
+    return res if out is None else out
 
 
 def _is_fp8_cache(inputs: Inputs) -> bool:

@@ -26,6 +26,7 @@ from forgekernel.kernels.common.sm90.constants import LOG2E
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms, on_device
 from forgekernel.runtime.plans import PlanCache
+from forgekernel.runtime.scratch import scratch
 
 _plans = PlanCache()
 
@@ -68,10 +69,11 @@ def _plan(kind, dtype, units, hq, max_tokens, qtokens, device_index, fp8, page_s
 
 def _partials(splits: int, rows: int, hq: int, device: torch.device):
     """The partial pass's fp32 (splits, rows, Hq, 512) outputs and (splits, rows, Hq) LSEs,
-    which the combine reduces into out / lse."""
+    which the combine reduces into out / lse: the current stream's scratch (runtime/scratch.py;
+    two CUDA allocations a call before)."""
     return (
-        torch.empty(splits, rows, hq, config.D_LATENT, dtype=torch.float32, device=device),
-        torch.empty(splits, rows, hq, dtype=torch.float32, device=device),
+        scratch("mla.partial_o", (splits, rows, hq, config.D_LATENT), torch.float32, device),
+        scratch("mla.partial_lse", (splits, rows, hq), torch.float32, device),
     )
 
 
@@ -124,10 +126,10 @@ def mla_decode(
     key = ("partial", q_nope.dtype, b * q_blocks, hq, page_table.shape[1] * page_size, qtokens,
            device.index, ckv_scale is not None, page_size)  # fmt: skip
     partial, combine, splits, per = _plans.get_or_build(key, _plan)
-    # the direct form (combine None) writes out and lse itself
-    outs = (out, lse) if combine is None else _partials(splits, rows, hq, device)
     cu = None if cu_seqlens_q is None else cu_seqlens_q.contiguous()
-    with on_device(device):
+    with on_device(device):  # (the scratch is the device's current stream's)
+        # the direct form (combine None) writes out and lse itself
+        outs = (out, lse) if combine is None else _partials(splits, rows, hq, device)
         partial(as_tma_ready(q_nope), as_tma_ready(q_pe), ckv_cache, kpe_cache, ckv_scale,
                 page_table.contiguous(), seqlens_k.contiguous(), *outs,
                 softmax_scale * LOG2E, per, page_size, cu, int(causal), q_blocks)  # fmt: skip
@@ -163,8 +165,8 @@ def dsa_sparse_attention(
     device = q_nope.device
     key = ("sparse", q_nope.dtype, tokens, hq, topk, 1, device.index, ckv_scale is not None, 1)
     partial, combine, splits, per = _plans.get_or_build(key, _plan)
-    partial_o, partial_lse = _partials(splits, tokens, hq, device)
     with on_device(device):
+        partial_o, partial_lse = _partials(splits, tokens, hq, device)
         partial(as_tma_ready(q_nope), as_tma_ready(q_pe), ckv_cache, kpe_cache, ckv_scale,
                 sparse_indices.contiguous(), None, partial_o, partial_lse, softmax_scale * LOG2E,
                 per, ckv_cache.shape[1], None, 0, 1)  # fmt: skip

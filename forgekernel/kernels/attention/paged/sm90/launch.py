@@ -10,6 +10,7 @@ from forgekernel.kernels.common.sm90.constants import LOG2E
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms, on_device
 from forgekernel.runtime.plans import PlanCache
+from forgekernel.runtime.scratch import scratch
 
 _plans = PlanCache()
 
@@ -68,10 +69,10 @@ def paged_decode(
     # one split: the partials are placeholders giving the grid its one split
     direct = combine is None
     shape = (1, 1, 1) if direct else (splits, rows, hq)
-    partial_o = torch.empty(*shape, 1 if direct else d, dtype=torch.float32, device=device)
-    partial_lse = torch.empty(shape, dtype=torch.float32, device=device)
     cu = None if cu_seqlens_q is None else cu_seqlens_q.contiguous()
-    with on_device(device):
+    with on_device(device):  # the current stream's scratch (runtime/scratch.py)
+        partial_o = scratch("paged.partial_o", (*shape, 1 if direct else d), torch.float32, device)
+        partial_lse = scratch("paged.partial_lse", shape, torch.float32, device)
         partial(
             as_tma_ready(q), k_cache, v_cache, page_table.contiguous(), seqlens_k.contiguous(),
             partial_o, partial_lse, out, lse, int(direct), softmax_scale * LOG2E, per, page_size,

@@ -22,6 +22,11 @@ from forgekernel.runtime.plans import PlanCache
 _plans = PlanCache()
 
 
+def clear_plans() -> None:
+    """Every plan (they hold the functions they looked up)."""
+    _plans.clear()
+
+
 def _choose(out_dtype, m, n, k, device_index, config) -> tuple[tuple, int, tuple | None]:
     """(compile params, max clusters, stream K: (k-tiles per CTA, tiles, workspace floats) or
     None) for an (M, N, K) problem whose C has N columns (a multiple of 8)."""
@@ -37,6 +42,13 @@ def _choose(out_dtype, m, n, k, device_index, config) -> tuple[tuple, int, tuple
         split = (per, tiles, 2 * ctas * cfg.tile_m * cfg.tile_n)
     # One CTA per SM (the pipeline takes nearly all shared memory).
     return params_for(dtype_name(out_dtype), cfg), sms // (cfg.cluster_m * cfg.cluster_n), split
+
+
+def _plan(out_dtype, m, n, k, device_index, config) -> tuple:
+    """`_choose`'s plan with its kernel looked up, once per problem (a compile-cache lookup
+    per call before)."""
+    params, max_clusters, split = _choose(out_dtype, m, n, k, device_index, config)
+    return get_kernel(SPEC, params), max_clusters, split
 
 
 def gemm_fp8(
@@ -56,10 +68,9 @@ def gemm_fp8(
     if m == 0 or n == 0:
         return
     n8 = -(-n // 8) * 8
-    params, max_clusters, split = _plans.get_or_build(
-        (out.dtype, m, n8, k, a.device.index, config), _choose
+    fn, max_clusters, split = _plans.get_or_build(
+        (out.dtype, m, n8, k, a.device.index, config), _plan
     )
-    fn = get_kernel(SPEC, params)
     c = out.new_empty(m, n8) if n % 8 else tma_target(out)
     work = flags = None
     per = 0
@@ -71,6 +82,15 @@ def gemm_fp8(
            max_clusters)  # fmt: skip
     if c is not out:
         out.copy_(c if c.shape[1] == n else c[:, :n])
+
+
+def _grouped_plan(_, out_dtype, device_index) -> tuple:
+    """(the grouped kernel, max clusters): one config (GROUPED), looked up once per output
+    dtype and device (params_for, the compile-cache lookup and the SM count cost ~6 us a call
+    on the CPU)."""
+    cfg = GROUPED
+    fn = get_kernel(SPEC, params_for(dtype_name(out_dtype), cfg, grouped=True))
+    return fn, num_sms(device_index) // (cfg.cluster_m * cfg.cluster_n)
 
 
 def gemm_fp8_grouped(
@@ -90,9 +110,7 @@ def gemm_fp8_grouped(
     e, n, _ = b.shape
     if m == 0 or n == 0:
         return
-    cfg = GROUPED
-    fn = get_kernel(SPEC, params_for(dtype_name(out.dtype), cfg, grouped=True))
-    clusters = num_sms(a.device.index) // (cfg.cluster_m * cfg.cluster_n)
+    fn, clusters = _plans.get_or_build(("grouped", out.dtype, a.device.index), _grouped_plan)
     flat_b = b.reshape(e * n, k)
     flat_sb = scale_b.reshape(e * scale_b.shape[1], scale_b.shape[2])
     with on_device(a.device):

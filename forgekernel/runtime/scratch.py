@@ -1,0 +1,80 @@
+"""Scratch buffers a launcher reuses across calls: what a call needs only while its kernels run
+(the split-KV partial outputs and LSEs that a combine reduces, an LSE the caller does not take),
+kept per (name, dtype, device, stream) instead of a `torch.empty` per call (issue 17: a CUDA
+allocation is ~2-4 us of host time on the H200's host, two per split-KV decode).
+
+Why reuse is safe: a buffer is handed out only to calls on the stream it was made for, and the
+work of one stream runs in issue order, so call 2's kernels overwrite call 1's scratch only
+after call 1's kernels read it; this is the guarantee torch's caching allocator gives a block
+freed and reallocated on one stream. Streams never share a buffer (two decodes running at once
+on two streams get two). A buffer that grows is dropped, never written again by this module:
+the allocator reuses its memory on the same stream only, in order.
+
+CUDA-graph capture: nothing cached is handed out while the current stream captures; the call
+gets a fresh `torch.empty`, which comes from the graph's private pool, so the graph owns its
+scratch (a replay on any stream cannot race an eager call on the cached buffer), and nothing
+made during a capture is cached for eager calls.
+
+Never hand a scratch buffer back to the caller: the next call on the stream overwrites it."""
+
+from __future__ import annotations
+
+import torch
+
+# (name, dtype, device, stream) -> (flat buffer, {shape: view of its first elements})
+_SLOTS: dict[tuple, tuple[torch.Tensor, dict[tuple, torch.Tensor]]] = {}
+MAX_SLOTS = 256  # then every buffer is dropped (a process cycling through streams)
+MAX_SHAPES = 64  # views per buffer (a server's changing batch sizes), then its views rebuilt
+
+
+def scratch(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A (shape, dtype) tensor on `device` for the current stream's next kernels, contents
+    undefined; the same memory again on the next call with this name on this stream. `name`
+    keeps a call's buffers apart (two of one shape and dtype must not alias). Inside a
+    CUDA-graph capture: a fresh tensor of the graph's pool. Call it with `device` current (the
+    launchers do, under `on_device`): the capture check reads the current device's stream."""
+    stream = current_stream(device)
+    if stream is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    key = (name, dtype, device, stream)
+    slot = _SLOTS.get(key)
+    if slot is not None:
+        view = slot[1].get(shape)
+        if view is not None:
+            return view
+    return _view(key, slot, shape, dtype, device)
+
+
+def current_stream(device: torch.device) -> int | None:
+    """The key of the stream `device`'s next kernels run on: its raw handle (0 off CUDA), None
+    while that stream captures a CUDA graph (the caller must not share memory then)."""
+    if device.type != "cuda":
+        return 0
+    if torch._C._cuda_isCurrentStreamCapturing():
+        return None
+    # the raw handle: torch.cuda.current_stream builds a Stream object (microseconds)
+    return torch._C._cuda_getCurrentRawStream(device.index)
+
+
+def _view(key, slot, shape, dtype, device) -> torch.Tensor:
+    """The slow path: the slot's buffer, grown to hold `shape` when it is short, viewed."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    if slot is None or slot[0].numel() < numel:
+        if len(_SLOTS) >= MAX_SLOTS:
+            _SLOTS.clear()
+        size = numel if slot is None else max(numel, slot[0].numel())
+        slot = _SLOTS[key] = (torch.empty(size, dtype=dtype, device=device), {})
+    flat, views = slot
+    if len(views) >= MAX_SHAPES:
+        views.clear()
+    view = views[shape] = flat[:numel].view(shape)
+    return view
+
+
+def release() -> None:
+    """Drop every cached buffer (their memory goes back to torch's caching allocator)."""
+    _SLOTS.clear()
