@@ -23,6 +23,7 @@ from forgekernel.kernels.gemm.fp8.sm90.config import (
     STREAM_MIN_K,
     busy_ctas,
     choose_config,
+    params_for,
     tiled_config,
 )
 from forgekernel.reference.gemm import gemm_fp8_ref
@@ -192,12 +193,20 @@ def test_fp8_stream_k_walk(m, n, k):
     check_walk(cfg, m, n, k, 132, STREAM_MIN_K)
 
 
-def test_the_wide_tile_is_neither_standard_nor_chosen():
+def test_fp8_tiles_are_at_most_128_columns():
     """The 128x256 two-halves tile ran 2-5% behind 128x128 on every prefill shape of the H200
-    run of 2026-12-02 07:00 (config.py): out of the prebuilt set and the chooser."""
-    from forgekernel.kernels.gemm.fp8.sm90.config import STANDARD_CONFIGS, WIDE
+    run of 2026-12-02 07:00 and its mainloop was removed (docs/gemm/NOTES.md): no standard,
+    grouped, masked or chosen FP8 configuration is wider than one block of B's scales, and a
+    forced 256-column one is refused while tracing, not compiled."""
+    from forgekernel.kernels.gemm.dense.sm90 import MASKED_SPEC
+    from forgekernel.kernels.gemm.fp8.sm90.compile import compile_gemm_fp8
 
-    assert WIDE not in STANDARD_CONFIGS
+    for params in map(dict, [*SPEC.standard_params(), *MASKED_SPEC.standard_params()]):
+        assert params["tile_n"] <= 128
     for m, n, k in [(8192, 8192, 8192), (4096, 36864, 7168), (16384, 7168, 18432),
                     (512, 51200, 5120), (4096, 7168, 2048), (1000, 3000, 4096)]:  # fmt: skip
         assert choose_config(m, n, k) == tiled_config(m)
+    wide = GemmConfig(tile_m=128, tile_n=256, tile_k=128, cluster_m=2)
+    pytest.importorskip("cutlass")
+    with pytest.raises(ValueError, match="tile_n <= 128"):
+        compile_gemm_fp8(dict(params_for("bfloat16", wide)))

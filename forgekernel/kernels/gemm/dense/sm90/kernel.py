@@ -61,11 +61,7 @@ fragments alternate: k-tile j's WGMMAs are issued before k-tile j - 1's fragment
 and promoted, so every warpgroup keeps one WGMMA batch queued on the tensor pipe through its
 promotion FFMAs (with one fragment the pipe idled through them: wait, promote, issue). Three
 tile_n / 2 fp32 fragments per thread: tile_n <= 128 (a tile inside one block of B's scales; its
-N edge is not moved back, the blocks stay aligned). tile_n = 256 (`halves`, not masked): the
-tiled MMA is 64x128 per warpgroup and each k-tile runs as two 128-column halves, one block of
-B's scales each, through one fragment: issue, wait_group(0), promote, per half; the other
-warpgroup's batch keeps the tensor pipe busy meanwhile (`_mainloop_halves`; 128 + 64 fp32
-registers a thread). B "nk" only (8-bit WGMMA operands are
+N edge is not moved back, the blocks stay aligned). B "nk" only (8-bit WGMMA operands are
 K-major). Stream K as above (each unit's promoted fp32 partial is what is parked and summed).
 
 Masked grouped layout (`masked=True`, the `gemm_fp8_masked_sm90` kernel: MoE decode, DeepGEMM's
@@ -83,7 +79,7 @@ Constraints: A (M, K) K-major; B (N, K) K-major ("nk") or (K, N) N-major ("kn");
 row-major; every leading stride a multiple of 8 elements (16 bytes, TMA) and base addresses
 16-byte aligned. M, N, K are dynamic; ragged edges are handled by TMA bounds (zero-filled
 loads, clipped stores); K > 0. tile_m in {64, 128}, tile_n in {64, 128, 192, 256} (FP8: 64,
-128, 256), tile_k = 64 (FP8: 128).
+128), tile_k = 64 (FP8: 128).
 """
 
 from __future__ import annotations
@@ -154,12 +150,6 @@ class GemmSm90:
         self.producer_regs = 40
         self.consumer_regs = 232
 
-    @property
-    def halves(self) -> bool:
-        """FP8 with tile_n = 256: two 128-column halves, one block of B's scales each
-        (`_mainloop_halves`). Subclasses that set `scaled` = False keep the 16-bit path."""
-        return self.scaled and self.cfg.tile_n == 256
-
     # ---------------------------------------------------------------- host-side setup
     def _setup(self):
         cfg = self.cfg
@@ -170,8 +160,7 @@ class GemmSm90:
             self.b_major.sm90_mma_major_mode(),
             self.acc_dtype,
             self.atom_layout_mnk,
-            # FP8 halves: a 64x128 WGMMA per warpgroup, issued once per half of the tile
-            tiler_mn=(64, 128 if self.halves else cfg.tile_n),
+            tiler_mn=(64, cfg.tile_n),
         )
         self.cta_layout_mnk = cute.make_layout((*self.cluster_shape_mn, 1))
         self.mcast_a = cfg.cluster_n  # CTAs sharing one A tile (same M row of the cluster)
@@ -273,18 +262,11 @@ class GemmSm90:
         self.scaled = mSFA is not None
         if cutlass.const_expr(self.cfg.tile_k * self.a_dtype.width != 128 * 8):
             raise ValueError(f"tile_k = {self.cfg.tile_k} is not 128 bytes of {self.a_dtype}")
-        if cutlass.const_expr(self.scaled and self.cfg.tile_n > 128 and not self.halves):
+        if cutlass.const_expr(self.scaled and self.cfg.tile_n > 128):
             raise ValueError(
                 f"block-scaled FP8 takes tile_n <= 128 (three tile_n / 2 fp32 fragments per "
-                f"thread, one block of B's scales per tile) or 256 (two halves), got "
-                f"{self.cfg.tile_n}"
+                f"thread, one block of B's scales per tile), got {self.cfg.tile_n}"
             )
-        if cutlass.const_expr(self.halves and self.masked):
-            raise ValueError("the masked layout takes FP8 tiles of at most 128 columns")
-        # The halves loop is verified for data-parallel dense tiles only (no config set pairs
-        # it with stream K or the grouped layout): a forced one is refused, not compiled.
-        if cutlass.const_expr(self.halves and (self.cfg.stream_k or mGroup is not None)):
-            raise ValueError("the FP8 128x256 tile (halves) takes neither stream K nor groups")
         if cutlass.const_expr(mGroup is not None and self.cfg.stream_k):
             raise ValueError("the grouped layouts do not take stream K")
         if cutlass.const_expr(mGroup is not None and (not self.scaled or self.cfg.cluster_m > 1)):
@@ -487,13 +469,6 @@ class GemmSm90:
         thr_mma = tiled_mma.get_slice((wg_idx - 1) * THREADS_PER_WG)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        if cutlass.const_expr(self.halves):
-            # each half's (V, 1, k-blocks, stages) descriptors: rows 0-127 and 128-255 of B
-            halves = cute.flat_divide(sB, (128, self.cfg.tile_k))
-            tCrB = tuple(
-                tiled_mma.make_fragment_B(thr_mma.partition_B(halves[None, None, h, 0, None]))
-                for h in range(2)
-            )
         acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape[:3], self.acc_dtype)
 
         init_wait(self.cluster_shape_mn)
@@ -513,9 +488,6 @@ class GemmSm90:
                 frags = tuple(
                     cute.make_rmem_tensor(acc.layout.shape, self.acc_dtype) for _ in range(2)
                 )
-                if cutlass.const_expr(self.halves):  # one fragment: a half's 64x128 WGMMA
-                    half = (acc.layout.shape[0], 1, 1)
-                    frags = (cute.make_rmem_tensor(half, self.acc_dtype),)
                 mma = (tiled_mma, tCrA, tCrB, acc, (frags, *self._scale_rows(rows), mSFA, mSFB))
             split_io = (mWork, mFlags, storage.split_last.get_tensor(cute.make_layout(2)))
             c_src = (mC, shift, groups)
@@ -912,8 +884,6 @@ class GemmSm90:
         in the second): k-tile j is issued, then j - 1 is waited for (`wait_group(1)`: j stays
         in flight on the tensor pipe), its stage released and its fragment promoted. Returns
         the states (see `_mainloop`)."""
-        if cutlass.const_expr(self.halves):
-            return self._mainloop_halves(k0, count, mma, where, ab_pipe, read, release)
         tiled_mma, tCrA, tCrB, acc, (frags, r0, r1, mSFA, mSFB) = mma
         first, second = frags
         first_row, tile_n, m, (blk_base, blk_last) = where
@@ -961,88 +931,6 @@ class GemmSm90:
             release.advance()
             self._promote(acc, first, even)
         return read, release, tiled_mma
-
-    @cute.jit
-    def _mainloop_halves(self, k0, count, mma, where, ab_pipe, read, release):
-        """Block-scaled FP8, tile_n = 256, over k-tiles k0 .. k0 + count - 1: per k-tile and
-        half h (columns 128 h .. 128 h + 127, B's scale block 2 tile_n + h) the half's WGMMAs
-        go into the one fragment, are waited for (`wait_group(0)`) and promoted into the
-        accumulator's values 64 h .. 64 h + 63 (`_promote_half`); the stage is released after
-        the second half's wait. A warpgroup leaves the tensor pipe idle through its own wait and
-        promotion; the other warpgroup's batch fills it (DeepGEMM's schedule, its 256x128 tile
-        transposed: 128 accumulator + 64 fragment registers). Each k-tile's scales are loaded a
-        k-tile ahead. Returns the states (see `_mainloop`)."""
-        tiled_mma, tCrA, tCrBs, acc, (frags, r0, r1, mSFA, mSFB) = mma
-        frag = frags[0]
-        first_row, tile_n, m, (blk_base, blk_last) = where
-        row0 = cutlass.min(first_row + r0, m - 1)
-        row1 = cutlass.min(first_row + r1, m - 1)
-        blk = blk_base + tile_n * (self.cfg.tile_n // 128)
-        # a half past N (N mod 256 <= 128) reads the last block's scales: never stored
-        blk0, blk1 = cutlass.min(blk, blk_last), cutlass.min(blk + 1, blk_last)
-        # each scale's row of k-tiles, its base address computed once: the loop adds kt x the
-        # stride (B's rows per thread: row0 >> 31 is 0, not provably so, `_scales`)
-        uniform = row0 >> 31
-        src = (mSFA[row0, None], mSFA[row1, None], mSFB[blk0 + uniform, None],
-               mSFB[blk1 + uniform, None])  # fmt: skip
-        last = k0 + count - 1
-        acc.fill(0.0)
-        scales = self._scales_halves(src, k0)
-        for kt in range(k0, k0 + count):
-            ahead = self._scales_halves(src, cutlass.min(kt + 1, last))
-            for h in cutlass.range_constexpr(2):
-                # ACCUMULATE cleared: the half's first WGMMA overwrites the fragment
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                self._issue_half(tiled_mma, (tCrA, tCrBs[h]), frag, ab_pipe, read, (kt, h))
-                self._retire_half(h, ab_pipe, release)
-                self._promote_half(acc, frag, h, scales)
-            read.advance()
-            release.advance()
-            scales = ahead
-        return read, release, tiled_mma
-
-    @cute.jit
-    def _issue_half(self, tiled_mma, operands, frag, ab_pipe, read, at):
-        """Half h of k-tile kt (`at`) in stage `read`: the first half waits for the stage;
-        the half's WGMMAs into `frag` as one commit group."""
-        tCrA, tCrB = operands
-        if cutlass.const_expr(at[1] == 0):
-            ab_pipe.consumer_wait(read)
-        # the fragment's registers were last read by the promotion FFMAs
-        cute.nvgpu.warpgroup.fence()
-        for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
-            crd = (None, None, kb, read.index)
-            cute.gemm(tiled_mma, frag, tCrA[crd], tCrB[crd], frag)
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-        cute.nvgpu.warpgroup.commit_group()
-
-    @cute.jit
-    def _retire_half(self, h, ab_pipe, release):
-        """Wait for the half's group (none stays in flight: one fragment); after the second
-        half the stage is read no more and is released."""
-        cute.nvgpu.warpgroup.wait_group(0)
-        if cutlass.const_expr(h == 1):
-            ab_pipe.consumer_release(release)
-
-    @cute.jit
-    def _scales_halves(self, src, kt):
-        """k-tile kt's scales for `_mainloop_halves` from `src`, the four rows of k-tiles: this
-        thread's two rows' of A, the halves' two blocks of B."""
-        return tuple(row[kt] for row in src)
-
-    @cute.jit
-    def _promote_half(self, acc, frag, h, scales):
-        """acc's half h += frag x the scales: fragment value i is accumulator value
-        64 h + i (the (V, 1, 2) accumulator's second N mode is the half); values 4g + 0/1
-        sit on row r0, 4g + 2/3 on r0 + 8."""
-        sa0, sa1, sb0, sb1 = scales
-        sb = sb1 if h else sb0
-        lo, hi = sa0 * sb, sa1 * sb
-        size = cute.size(frag)
-        for g in cutlass.range_constexpr(size // 4):
-            for j in cutlass.range_constexpr(4):
-                i = 4 * g + j
-                acc[size * h + i] = acc[size * h + i] + frag[i] * (hi if j // 2 else lo)
 
     @cute.jit
     def _issue_scaled(self, tiled_mma, operands, frag, ab_pipe, read, at):

@@ -40,12 +40,9 @@ STREAM_DECODE = tuple(
 STREAM = GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=1, stream_k=True)
 STREAM_MIN_K = 8
 # Measured and dropped (H200, 2026-12-02 07:00): 128x256 in two 128-column halves with B
-# multicast over a 2x1 cluster (kernel.py `_mainloop_halves`, DeepGEMM's 256x128 schedule
-# transposed) ran 947-1002 TFLOP/s a tile against the 1270 predicted, 2-5% behind the
-# 128-column tile on all six prefill shapes (docs/gemm/NOTES.md "FP8 prefill: the 128x256
-# tile"). Not built ahead, never chosen; `config=WIDE` still compiles it. Its kernel path goes
-# with the next edit of kernel.py (removing it alone would void the FP8 suites' GPU records).
-WIDE = GemmConfig(tile_m=128, tile_n=256, tile_k=128, cluster_m=2)
+# multicast over a 2x1 cluster (DeepGEMM's 256x128 schedule transposed) ran 947-1002 TFLOP/s a
+# tile against the 1270 predicted, 2-5% behind the 128-column tile on all six prefill shapes;
+# its mainloop is removed (docs/gemm/NOTES.md "FP8 prefill: the 128x256 tile").
 STANDARD_CONFIGS = (LARGE, MID, SKINNY, *DECODE, LARGE_MCAST_A, *STREAM_DECODE, STREAM)
 
 
