@@ -163,14 +163,20 @@ SEESAW_CASES = [
 
 def _recorded_keys(launch, monkeypatch) -> list[dict]:
     """The compile keys the launcher asks for from now on, in order."""
-    keys = _recorded_keys(launch, monkeypatch)
+    keys = []
+    real = launch.get_kernel
+    monkeypatch.setattr(launch, "get_kernel", lambda spec, p: keys.append(dict(p)) or real(spec, p))
     return keys
 
 
 def _poisoned_case(case, dtype):
     """A decode case's inputs with NaN in every stale page slot, and its references: fp64
     (out, lse) and the one in the inputs' precision."""
-    (qn, qp, ckv, kpe, table, seq), (want, want_lse, low) = _poisoned_case(case, dtype)
+    b, hq, ps, lens, s_q = case
+    qn, qp, ckv, kpe, table, seq = _problem(b, hq, ps, lens, s_q, False, dtype)
+    _poison_stale(ckv, kpe, table, lens, ps)
+    want, want_lse = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
+    low, _ = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE, upcast=False)
     return (qn, qp, ckv, kpe, table, seq), (want, want_lse, low)
 
 
