@@ -166,9 +166,6 @@ def test_plans_look_their_kernels_up_once(no_op_kernels, name):
         assert len(no_op_kernels) == 1
         return
     kinds = sorted(dict(params)["kind"] for params in no_op_kernels)
-    if name == "attention_paged":  # one launch: the last split merges (paged/sm90/merge.py)
-        assert kinds == ["partial"]
-        return
     assert kinds == ["combine", "sparse" if name == "dsa_sparse" else "partial"]
 
 

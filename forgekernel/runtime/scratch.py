@@ -18,7 +18,7 @@ made during a capture is cached for eager calls.
 Never hand a scratch buffer back to the caller: the next call on the stream overwrites it.
 
 `flags`: int32 arrival counters that the kernels using them leave zero when they finish (the
-stream-K GEMMs' and convolutions' tile flags, the paged decode's split flags): zeroed once per
+stream-K GEMMs' and convolutions' tile flags): zeroed once per
 (name, device, stream) and reused by every later launch on that stream. Inside a capture they
 are the capture's own (keyed by its id, so the graph zero-fills them once per replay, not once
 per captured call, and never shares them with eager calls)."""

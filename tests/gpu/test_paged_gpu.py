@@ -15,7 +15,6 @@ import torch
 
 from forgekernel.kernels.attention.fwd.sm90 import launch as fwd_launch
 from forgekernel.reference.paged_attention import paged_attention_ref
-from forgekernel.runtime import scratch
 
 pytestmark = pytest.mark.gpu
 op = importlib.import_module("forgekernel.ops.attention_paged")
@@ -56,48 +55,6 @@ def test_paged_decode_matches_the_reference(case, dtype):
     finite = torch.isfinite(want_lse)
     assert torch.equal(finite, torch.isfinite(lse))
     assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
-
-
-def test_paged_decode_last_split_merges_in_graphs():
-    """The split combine in the last split (paged/sm90/merge.py): plans of 30 / 8 splits one
-    after the other on one stream's flags, each leaving them zero; the same result bitwise on
-    every call (the merge runs the splits in order whichever finished last) and from a CUDA
-    graph replayed three times (flags made inside the capture)."""
-    g = torch.Generator(device="cuda").manual_seed(3)
-    problems = []
-    for b, n in ((1, 16384), (4, 8192), (1, 3000)):
-        ps, pages = 16, b * (n // 16) + 4
-        k = torch.randn(pages, ps, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-        v = torch.randn(pages, ps, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-        table = torch.randperm(pages, device="cuda", generator=g)[: b * (n // 16)].view(b, -1)
-        seq = torch.full((b,), n, dtype=torch.int32, device="cuda")
-        q = torch.randn(b, 32, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-        problems.append((q, k, v, table.to(torch.int32), seq))
-    firsts = [op.attention_paged(*p, return_lse=True) for p in problems]
-    for (q, k, v, table, seq), (out, lse) in zip(problems, firsts):
-        want, want_lse = paged_attention_ref(q, k, v, table, seq)
-        assert float((out.float() - want).abs().max()) < 2e-2
-        assert float((lse - want_lse).abs().max()) < 1e-3
-    for _ in range(3):
-        for p, (out, lse) in zip(problems, firsts):
-            again, again_lse = op.attention_paged(*p, return_lse=True)
-            assert torch.equal(again, out) and torch.equal(again_lse, lse)
-    stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
-    assert not scratch._FLAGS[("paged.split_flags", problems[0][0].device, stream)].any()
-    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        graph.capture_begin()
-        outs = [op.attention_paged(*p, return_lse=True) for p in problems]
-        graph.capture_end()
-    torch.cuda.current_stream().wait_stream(side)
-    for _ in range(3):
-        for o, _l in outs:
-            o.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        for (o, lse_), (out, lse) in zip(outs, firsts):
-            assert torch.equal(o, out) and torch.equal(lse_, lse)
 
 
 @pytest.mark.parametrize("per_head", [False, True])

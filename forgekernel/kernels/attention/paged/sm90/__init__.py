@@ -1,6 +1,6 @@
-"""Paged GQA attention decode, sm_90a (split-KV, one launch: the last split of a unit merges the
-splits). DSL-free declaration; the kernel is `decode.py` (tensor cores; `merge.py` the fused
-combine); the op is `forgekernel.attention_paged`."""
+"""Paged GQA attention decode, sm_90a (split-KV partial pass + combine). DSL-free declaration;
+the kernels are `decode.py` (the partial pass, tensor cores) and `combine.py`; the op is
+`forgekernel.attention_paged`."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    return [
+    partial = [
         params_for("partial", dtype, d, h, kv, qt)
         for dtype in DTYPES
         for d in HEAD_DIMS
@@ -34,6 +34,8 @@ def _standard_params() -> list[Params]:
         if h * qt <= ROWS
         for kv in KV_DTYPES
     ]
+    combine = [params_for("combine", dtype, d) for dtype in DTYPES for d in HEAD_DIMS]
+    return partial + combine
 
 
 SPEC = KernelSpec(

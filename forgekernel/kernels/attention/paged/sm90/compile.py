@@ -8,6 +8,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_tensor
 
+from forgekernel.kernels.attention.paged.sm90.combine import PagedCombineSm90
 from forgekernel.kernels.attention.paged.sm90.decode import PagedDecodeSm90
 from forgekernel.kernels.common.sm90 import fake
 
@@ -32,6 +33,17 @@ def compile_paged(params: dict, arch: str = "sm_90a", extra_options: str = ""):
         lse_strides = (cute.sym_int64(), cute.sym_int64())
         return o, make_fake_tensor(cutlass.Float32, (rows, hq), stride=lse_strides, assumed_align=4)
 
+    if params["kind"] == "combine":
+        o, lse = final(b)
+        return cute.compile(
+            PagedCombineSm90(d),
+            _dense(cutlass.Float32, 4),
+            _dense(cutlass.Float32, 3),
+            o,
+            lse,
+            fake.stream(),
+            options=opts,
+        )
     qtokens = params.get("qtokens", 1)
     rows = cute.sym_int32() if qtokens > 1 else b
     q = fake.rowmajor(dtype, (rows, hq, d))
@@ -50,7 +62,6 @@ def compile_paged(params: dict, arch: str = "sm_90a", extra_options: str = ""):
         make_fake_tensor(cutlass.Int32, (b,), stride=(1,)),  # seqlens_k: the batch
         _dense(cutlass.Float32, 4),
         _dense(cutlass.Float32, 3),
-        make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), stride=(1,)),  # the splits' flags
         *final(rows),
         cutlass.Int32(0),
         cutlass.Float32(1.0),

@@ -42,7 +42,6 @@ from forgekernel.kernels.attention.paged.sm90.config import (
     TILE,
     WARPS,
 )
-from forgekernel.kernels.attention.paged.sm90.merge import last_split, merge_splits
 from forgekernel.kernels.common.sm90.layout import acc_to_operand_a, rows_cols, transposed
 from forgekernel.kernels.common.sm90.softmax import online_softmax, rescale_o
 from forgekernel.kernels.common.sm90.warp_mma import (
@@ -73,8 +72,7 @@ class PagedDecodeSm90:
 
     def _fp8_shared(self, dtype):
         """Shared memory of an FP8 cache: K's and V's byte tiles in one range (seen 16-bit:
-        `fp8.byte_tiles`), the merge's fp32 O over it, Q (columns permuted), max and sum, the
-        last-split flag."""
+        `fp8.byte_tiles`), the merge's fp32 O over it, Q (columns permuted), max and sum."""
         tiles = cute.cosize(fp8.byte_tiles(TILE, self.d, self.stages))
         q_cosize = cute.cosize(swizzled_rows(ROWS, self.d))
         fields = {  # annotations built here: this module's are strings (no local scope)
@@ -82,7 +80,6 @@ class PagedDecodeSm90:
             "q": cute.struct.Align[cute.struct.MemRange[dtype, q_cosize], 1024],
             "m": cute.struct.MemRange[Float32, WARPS * ROWS],
             "lsum": cute.struct.MemRange[Float32, WARPS * ROWS],
-            "last": cute.struct.MemRange[Int32, 1],
         }
         return cute.struct(type("SharedFp8", (), {"__annotations__": fields}))
 
@@ -96,7 +93,6 @@ class PagedDecodeSm90:
         mSeq: cute.Tensor,
         mOp: cute.Tensor,
         mLp: cute.Tensor,
-        mFlags: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
         direct: Int32,
@@ -113,11 +109,9 @@ class PagedDecodeSm90:
         """mQ (B, Hq, D) or, with mCuQ int32 (B + 1,), (total_q, Hq, D); mK, mV (num_pages,
         page_size, Hkv, D) in q's dtype, or float8_e4m3fn with mKScale, mVScale fp32 (Hkv,)
         (else None); mPT int32 (B, max_pages); mSeq int32 (B,); mOp fp32 (splits, rows, Hq,
-        D); mLp fp32 (splits, rows, Hq) log2; mFlags int32 (>= B x Hq / H,), zero (left zero:
-        the last split of a (sequence, head block) merges the splits into mO and mLSE, merge.py);
-        mO (rows, Hq, D) in q's dtype and mLSE fp32 (rows, Hq) (any strides), written directly
-        when `direct` != 0 (one split: no partials, no flags); group = Hq / Hkv; causal 0 / 1
-        (query tokens among themselves, bottom-right)."""
+        D); mLp fp32 (splits, rows, Hq) log2; mO (rows, Hq, D) in q's dtype and mLSE fp32
+        (rows, Hq) (any strides), written instead when `direct` != 0 (one split: no combine);
+        group = Hq / Hkv; causal 0 / 1 (query tokens among themselves, bottom-right)."""
         if const_expr(mK.element_type != mV.element_type):
             raise TypeError("k_cache and v_cache must share one dtype")
         if const_expr(self.fp8 != (mK.element_type == cutlass.Float8E4M3FN)):
@@ -140,13 +134,12 @@ class PagedDecodeSm90:
             q: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(q_layout)], 1024]
             m: cute.struct.MemRange[Float32, WARPS * ROWS]
             lsum: cute.struct.MemRange[Float32, WARPS * ROWS]
-            last: cute.struct.MemRange[Int32, 1]
 
         self.shared = Shared
         grid = (mOp.shape[0], mQ.shape[1] // self.h, mSeq.shape[0])
         args = (
-            mQ, mK, mV, mPT, mSeq, mOp, mLp, mFlags, mO, mLSE, direct, scale_log2, per_split,
-            page_size, group, mKScale, mVScale, mCuQ, causal,
+            mQ, mK, mV, mPT, mSeq, mOp, mLp, mO, mLSE, direct, scale_log2, per_split, page_size,
+            group, mKScale, mVScale, mCuQ, causal,
         )  # fmt: skip
         if const_expr(self.fp8):
             self.shared = self._fp8_shared(dtype)
@@ -170,7 +163,6 @@ class PagedDecodeSm90:
         mSeq: cute.Tensor,
         mOp: cute.Tensor,
         mLp: cute.Tensor,
-        mFlags: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
         direct: Int32,
@@ -332,22 +324,10 @@ class PagedDecodeSm90:
                 acc_o[j] = acc_o[j] * v_scale
         self._stage_warp(storage, o_wide, row_max, row_sum, exp_scale, thr_mma, warp_idx)
         cute.arch.sync_threads()
-        merge = self._merge_views(storage)
         write_split(
-            merge, (mOp, mLp, mO, mLSE, direct), split, (q_off, sq), head0, self.h, self.g,
-            self.d, tidx,
+            self._merge_views(storage), (mOp, mLp, mO, mLSE, direct), split, (q_off, sq), head0,
+            self.h, self.g, self.d, tidx,
         )  # fmt: skip
-        if direct == 0:
-            blocks = cute.arch.grid_dim()[1]
-            unit = b * blocks + head_block
-            s_last = storage.last.get_tensor(cute.make_layout(1))
-            if last_split(mFlags, unit, mOp.shape[0], tidx, s_last):
-                # the warps' max and sum are read: their first rows hold the merge's stats
-                stats = (merge[0][0, None], merge[1][0, None])
-                merge_splits(
-                    mOp, mLp, mO, mLSE, (q_off, sq), head0, self.h, self.g, self.d, tidx, stats,
-                    self.fp8,
-                )  # fmt: skip
 
     @cute.jit
     def _load_query(self, mQ, sQ, gcopy, thr_g, q_off, sq, head0):

@@ -1,6 +1,5 @@
-"""Host launcher of the paged GQA decode: torch only (no DSL), one kernel through the compile
-cache (a plan of several splits merges them in its last split per unit: merge.py). Callers
-validate first (`forgekernel.ops.attention_paged`)."""
+"""Host launcher of the paged GQA decode: torch only (no DSL), the two kernels through the
+compile cache. Callers validate first (`forgekernel.ops.attention_paged`)."""
 
 from __future__ import annotations
 
@@ -11,23 +10,23 @@ from forgekernel.kernels.common.sm90.constants import LOG2E
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms, on_device
 from forgekernel.runtime.plans import PlanCache
-from forgekernel.runtime.scratch import flags, scratch
+from forgekernel.runtime.scratch import scratch
 
 _plans = PlanCache()
 
 
 def _plan(dtype, kv_dtype, batch, hq, hkv, d, max_tokens, qtokens, device_index):
-    """(partial kernel, splits, tokens per split, units). One split: the pass writes out and
-    lse itself; more: its last split of each of the `units` (sequence, head block) pairs merges
-    them (merge.py). The kernel is looked up here, once per problem (a compile-cache lookup
-    costs 0.4 us a call on the CPU)."""
+    """(partial kernel, combine kernel or None, splits, tokens per split). One split: the
+    partial pass writes out and lse itself, and no combine runs. The kernels are looked up
+    here, once per problem (two compile-cache lookups cost 0.8 us a call on the CPU)."""
     name = dtype_name(dtype)
     kv = "float8_e4m3fn" if kv_dtype == torch.float8_e4m3fn else ""
     heads = config.heads_per_cta(hq // hkv, qtokens)
     resident = (config.RESIDENT_FP8 if kv else config.RESIDENT)[d]
     splits, per = config.split_plan(batch, hq // heads, max_tokens, num_sms(device_index), resident)
     partial = get_kernel(SPEC, config.params_for("partial", name, d, heads, kv, qtokens))
-    return partial, splits, per, batch * (hq // heads)
+    combine = None if splits == 1 else get_kernel(SPEC, config.params_for("combine", name, d))
+    return partial, combine, splits, per
 
 
 def paged_decode(
@@ -66,17 +65,18 @@ def paged_decode(
     device = q.device
     key = (q.dtype, k_cache.dtype, b, hq, hkv, d, page_table.shape[1] * page_size, qtokens,
            device.index)  # fmt: skip
-    partial, splits, per, units = _plans.get_or_build(key, _plan)
-    # one split: the partials and flags are placeholders giving the grid its one split
-    direct = splits == 1
+    partial, combine, splits, per = _plans.get_or_build(key, _plan)
+    # one split: the partials are placeholders giving the grid its one split
+    direct = combine is None
     shape = (1, 1, 1) if direct else (splits, rows, hq)
     cu = None if cu_seqlens_q is None else cu_seqlens_q.contiguous()
-    with on_device(device):  # the current stream's scratch and flags (runtime/scratch.py)
-        arrivals = flags("paged.split_flags", 1 if direct else units, device)
+    with on_device(device):  # the current stream's scratch (runtime/scratch.py)
         partial_o = scratch("paged.partial_o", (*shape, 1 if direct else d), torch.float32, device)
         partial_lse = scratch("paged.partial_lse", shape, torch.float32, device)
         partial(
             as_tma_ready(q), k_cache, v_cache, page_table.contiguous(), seqlens_k.contiguous(),
-            partial_o, partial_lse, arrivals, out, lse, int(direct), softmax_scale * LOG2E, per,
-            page_size, hq // hkv, k_scale, v_scale, cu, int(causal),
+            partial_o, partial_lse, out, lse, int(direct), softmax_scale * LOG2E, per, page_size,
+            hq // hkv, k_scale, v_scale, cu, int(causal),
         )  # fmt: skip
+        if not direct:
+            combine(partial_o, partial_lse, out, lse)
