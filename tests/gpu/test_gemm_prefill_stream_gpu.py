@@ -66,10 +66,11 @@ def test_forced_prefill_config_matches_the_reference(cfg, m, n, k, layout):
 @pytest.mark.parametrize("warmed", [False, True], ids=["fresh-stream", "warmed-stream"])
 @pytest.mark.parametrize("cfg", [*PREFILL_STREAM, MID_STREAMED], ids=lambda c: c.tag())
 def test_cluster_stream_k_replays_in_a_graph(cfg, warmed):
-    """Captured on a fresh stream, the graph owns its workspace and zeroes the flags before
-    each launch (a memset node); captured on a stream that already ran the GEMM eagerly, it
-    takes that stream's cached workspace and no memset: each replay then finds the flags as
-    the previous one left them, which only the kernel's own reset makes zero."""
+    """Captured on a fresh stream or on one that already ran the GEMM eagerly, the graph owns
+    its workspace (runtime/scratch.py): partials from its pool, flags of its own made zero once
+    in the capture (keyed by the capture's id) and shared by its two launches, so the second
+    launch and every replay find them as the previous launch left them, which only the
+    kernel's own reset makes zero; the warmed stream's eager workspace stays the eager calls'."""
     # for each of the three: data-parallel rounds, then cut tiles (a cluster's last unit as a
     # tile's part 0, a whole block between two cut ones) and a dead CTA skipping its part
     m, n, k = 1540, 5128, 1032
