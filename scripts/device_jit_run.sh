@@ -14,7 +14,13 @@
 # Each OP is checked, then benchmarked (the backward's deterministic mode with it: `bench
 # attention_bwd`), under its own time limits; SANITIZE=1 then runs `check --sanitize OP`
 # (compute-sanitizer memcheck and racecheck, under SANITIZE_TIMEOUT; SANITIZE=only skips check
-# and bench); CHECK=0 / BENCH=0 skip check / bench; BENCH_ARGS (e.g. --timing graph) go to bench; GPU_TESTS=1 runs `pytest -m gpu tests/gpu` (or GPU_TESTS_PATHS);
+# and bench); CHECK=0 / BENCH=0 skip check / bench; BENCH_ARGS (e.g. --timing graph) go to bench;
+# GPU_TESTS=1 runs `pytest -m gpu` over GPU_TESTS_PATHS (default tests/gpu: folders, files, node
+# ids) one test file per pytest process, in order, GPU_TESTS_TIMEOUT (default 200 s) the limit of
+# them all: each file gets an equal share of the time left (what one leaves unused goes to the
+# rest), so a slow file cannot starve the others; each file's failures are printed as they happen
+# (tests/gpu/conftest.py), then its summary line and rc (124: cut by its share); the whole output
+# in logs.tar as pytest-gpu.log, packed after every file;
 # WARM="SUITE ..." warms those benches' comparators in the background (below);
 # DIAGS="mla_seesaw dsa_indexer" first runs those scripts/diag_NAME.py ladders (each case in its own
 # process under a timeout: a hang costs seconds), logs in logs.tar as diag-NAME.log;
@@ -24,7 +30,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/forgekernel-out}
 # At most 8 files come back: the ledgers, reports.tar, logs.tar (every log, the sanitizers' full
 # output under sanitize/), variants.json, bwd_variants.json.
-LOGS=/tmp/forgekernel-logs REPORTS=/tmp/forgekernel-reports
+LOGS=${LOGS:-/tmp/forgekernel-logs} REPORTS=${REPORTS:-/tmp/forgekernel-reports}
 RESULTS=${RESULTS:-/tmp/forgekernel-results} KERNELS=${KERNELS:-$PWD/.bundle/kernels}
 mkdir -p "$OUT/results" "$LOGS" "$REPORTS" "$RESULTS"
 # Start from the committed ledgers: a section this run does not write (say the sanitizers') stays
@@ -104,12 +110,54 @@ for op in "$@"; do
   echo "$op: check rc=$check_rc bench rc=$bench_rc sanitize rc=$sanitize_rc"
   pack
 done
+# One pytest process per test file (node ids of one file together), in the order given, a folder
+# as its test_*.py files sorted. 2026-12-02 10:20: one process over tests/gpu was killed by its
+# limit after 239 of 633 tests, the files after the slow ones never run and no summary printed.
+gpu_tests() {
+  local arg f key files=() keys=() i=0 n share left rc start
+  declare -A args=()
+  for arg in ${GPU_TESTS_PATHS:-tests/gpu}; do
+    if [ -d "$arg" ]; then
+      mapfile -t files < <(find "$arg" -name 'test_*.py' | sort)
+    else
+      files=("$arg")
+    fi
+    for f in "${files[@]}"; do
+      key=${f%%::*}
+      [ -n "${args[$key]+x}" ] || keys+=("$key")
+      args[$key]="${args[$key]:-} $f"
+    done
+  done
+  n=${#keys[@]}
+  local end=$((SECONDS + ${GPU_TESTS_TIMEOUT:-200}))
+  : > "$LOGS/pytest-gpu.log"
+  for key in "${keys[@]}"; do
+    left=$((end - SECONDS))
+    share=$((left / (n - i))) i=$((i + 1))
+    if [ "$share" -lt 1 ]; then
+      echo "$key: not run (GPU_TESTS_TIMEOUT spent)" | tee -a "$LOGS/pytest-gpu.log"
+      continue
+    fi
+    echo "=== $key: limit $share s of the $left s left" >> "$LOGS/pytest-gpu.log"
+    start=$SECONDS
+    # unbuffered (-u): a run killed by its limit still leaves every test it finished in the log
+    # (2026-12-02 06:40: the stream's limit killed pytest with its whole output still buffered);
+    # shown here: the failures as they happen (conftest's `FAILED <nodeid>: <reason>`, not the
+    # summary's repeat of them), collection errors, the summary line
+    # shellcheck disable=SC2086  # the node ids of one file, split
+    timeout -k 15 "$share" python3 -u -m pytest -q -rfE -m gpu ${args[$key]} 2>&1 \
+      | tee -a "$LOGS/pytest-gpu.log" \
+      | grep --line-buffered -E '^FAILED [^ ]+: |^ERROR |^[0-9]+ [a-z]+.* in [0-9.]+s|^no tests ran'
+    rc=${PIPESTATUS[0]}
+    case $rc in
+      124 | 137) echo "$key: cut by its limit ($share s), rc=$rc" ;;
+      *) echo "$key: pytest rc=$rc in $((SECONDS - start)) s (limit $share s)" ;;
+    esac | tee -a "$LOGS/pytest-gpu.log"
+    pack
+  done
+}
 if [ "${GPU_TESTS:-0}" = 1 ]; then
-  # unbuffered (-u): a run killed by its limit still leaves every test it finished in the log
-  # (2026-12-02 06:40: the stream's limit killed pytest with its whole output still buffered)
-  timeout -k 15 "${GPU_TESTS_TIMEOUT:-200}" python3 -u -m pytest -q -rfE -m gpu \
-    ${GPU_TESTS_PATHS:-tests/gpu} 2>&1 \
-    | tee "$LOGS/pytest-gpu.log" | tail -5
+  gpu_tests
 fi
 if [ -n "${VARIANTS:-}" ]; then
   PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout -k 15 "${VARIANTS_TIMEOUT:-200}" python3 scripts/attn_variants.py \

@@ -128,17 +128,23 @@ def short(name: str, width: int = 60) -> str:
 
 
 _PREFIX = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+# ncu's unit names, base and auto: "nsecond" / "usecond" / "msecond" (older ncu), "ns" / "us" /
+# "ms" (later ones: a duration of 4,098,912 "ns" read as seconds once printed a per call of
+# 4098912000000.0 us), "byte" / "Kbyte" / "Gbyte", "hz" / "Ghz", clocks as "cycle/nsecond".
+_BASE = {"second": "second", "s": "second", "byte": "byte", "hz": "hz"}
+_UNIT = re.compile(r"([numKMGT]?)((?i:second|s|byte|hz))")
+_PER_SECOND = re.compile(r"cycle/([numKMGT]?)s(econd)?")
 
 
 def in_base(value: str, unit: str) -> tuple[float | None, str]:
     """(value in the base unit, base unit: "second", "byte", "hz" or the unit as it is)."""
     x = number(value)
-    if x is not None and (per := re.fullmatch(r"cycle/([numKMGT]?)second", unit.strip())):
+    if x is not None and (per := _PER_SECOND.fullmatch(unit.strip())):
         return x / _PREFIX[per.group(1)], "hz"  # a clock counted as cycles per second
-    m = re.fullmatch(r"([numKMGT]?)(second|byte|hz)", unit.strip(), re.I)
+    m = _UNIT.fullmatch(unit.strip())
     if x is None or not m:
         return x, unit
-    return x * _PREFIX[m.group(1)], m.group(2).lower()
+    return x * _PREFIX[m.group(1)], _BASE[m.group(2).lower()]
 
 
 def fmt(value: str, unit: str) -> str:
@@ -189,14 +195,17 @@ def case_table(columns, units, group: list[tuple[dict, list[dict]]]) -> list[str
     lines = []
     totals: dict[str, float] = {}  # seconds per call
     dur_col = "gpu__time_duration.sum"
+    dur_unit = units.get(dur_col) or "nsecond"  # ncu's own unit of the metric
     for i, (seg, k) in enumerate(kernels, 1):
-        dur = in_base(k.get(dur_col, ""), units.get(dur_col, "nsecond"))[0] or 0.0
+        dur = in_base(k.get(dur_col, ""), dur_unit)[0] or 0.0
         totals[seg["side"]] = totals.get(seg["side"], 0.0) + dur / max(1, seg.get("calls", 1))
         where = f"grid {k.get('Grid Size', '?')} block {k.get('Block Size', '?')}"
         lines.append(
             f"  [{i}] {seg['side']:<10} {seg['impl']:<9} {short(k.get(NAME, ''))}  {where}"
         )
-    if "ours" in totals and "comparator" in totals and totals["ours"]:
+    if in_base("1", dur_unit)[1] != "second":  # no per-call figure rather than a wrong one
+        lines.append(f"  per call: the duration's unit {dur_unit!r} not understood")
+    elif "ours" in totals and "comparator" in totals and totals["ours"]:
         ratio = totals["comparator"] / totals["ours"]
         lines.append(
             f"  per call: ours {totals['ours'] * 1e6:.1f} us, comparator "

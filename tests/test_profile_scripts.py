@@ -171,13 +171,13 @@ UNITS = ["", "", "", "", "", "nsecond", "%", "byte", "%", "inst", "inst"]
 OURS = "kernel_cutlass_kernel_forgekernelkernelsgemmdensesm90kernelGemmSm90_object_at__x"
 
 
-def _raw(path: Path, kernels: list[tuple[str, float]]) -> Path:
+def _raw(path: Path, kernels: list[tuple[str, float]], duration_unit: str = "nsecond") -> Path:
     import csv
 
     with path.open("w", newline="") as f:
         w = csv.writer(f, quoting=csv.QUOTE_ALL)
         w.writerow(COLUMNS)
-        w.writerow(UNITS)
+        w.writerow([duration_unit if u == "nsecond" else u for u in UNITS])
         for i, (name, ns) in enumerate(kernels):
             w.writerow([i, 7, name, "(384, 1, 1)", "(132, 1, 1)", ns, 61.5, 3.2e9, 70.25,
                         1.5 + i, 0.25])  # fmt: skip
@@ -216,12 +216,33 @@ def test_summary_splits_kernels_at_the_markers(tmp_path):
 def test_summary_table_ratio_and_metrics(tmp_path):
     text = summary.summarize(_raw(tmp_path / "raw.csv", SEQUENCE), None, _plan(), "gemm")
     first = text.split("--- gemm:129x10240x8192 ---")[1].split("--- gemm:4096")[0]
-    assert "comparator / ours 0.680x" in first  # (50 + 1) / 75 us
+    assert "per call: ours 75.0 us, comparator 51.0 us: comparator / ours 0.680x" in first
     assert "fk:gemmdensesm90kernelGemmSm90" in first and "spin_kernel" not in first
     assert "75.0 us" in first and "3.20 GB" in first and "70.25" in first
     lines = first.splitlines()
     stalls = [ln.split()[1] for ln in lines if ln.strip().startswith("stall")]
     assert stalls[0] == "long_scoreboard"  # the larger stall first
+
+
+def test_summary_per_call_in_microseconds_from_ns(tmp_path):
+    """Later ncu versions name the base unit "ns": a 4.10 ms kernel read as 4,098,912 s once
+    printed "per call: ours 4098912000000.0 us" (and "4.10M" in the table)."""
+    sequence = [("spin_kernel", 3000.0), (OURS, 4098912.0),
+                ("spin_kernel", 3000.0), ("nvjet_hsh_256x128_2x1_v_bz", 3085696.0)]  # fmt: skip
+    plan = _plan()
+    plan["segments"] = plan["segments"][:2]
+    for unit, scale in (("ns", 1.0), ("nsecond", 1.0), ("us", 1e-3), ("ms", 1e-6)):
+        raw = _raw(tmp_path / f"{unit}.csv", [(n, t * scale) for n, t in sequence], unit)
+        text = summary.summarize(raw, None, plan, "gemm")
+        assert "per call: ours 4098.9 us, comparator 3085.7 us: comparator / ours 0.753x" in text
+        duration = next(ln for ln in text.splitlines() if ln.strip().startswith("duration"))
+        assert duration.split()[1:] == ["4098.9", "us", "3085.7", "us"]
+
+
+def test_summary_of_a_duration_unit_not_understood_gives_no_figure(tmp_path):
+    raw = _raw(tmp_path / "raw.csv", SEQUENCE, "fortnight")
+    text = summary.summarize(raw, None, _plan(), "gemm")
+    assert "the duration's unit 'fortnight' not understood" in text and " us, comp" not in text
 
 
 def test_summary_without_markers_tells_ours_by_name(tmp_path):
@@ -252,6 +273,9 @@ def test_tensor_rows_skip_other_pipes_and_idle_ones():
 
 def test_units_in_base_and_auto_forms():
     assert summary.fmt("75000", "nsecond") == summary.fmt("75", "usecond") == "75.0 us"
+    assert summary.fmt("75000", "ns") == summary.fmt("75", "us") == "75.0 us"
+    assert summary.fmt("4.1", "ms") == summary.fmt("0.0041", "s") == "4100.0 us"
+    assert summary.fmt("1980000000", "hz") == summary.fmt("1.98", "cycle/ns") == "1.98 GHz"
     assert summary.fmt("3.2", "Gbyte") == summary.fmt("3200000000", "byte") == "3.20 GB"
     assert summary.fmt("1.98", "cycle/nsecond") == summary.fmt("1.98", "Ghz") == "1.98 GHz"
     assert summary.fmt("1,024", "") == "1024" and summary.fmt("(132, 1, 1)", "") == "(132, 1, 1)"
