@@ -18,18 +18,18 @@ made during a capture is cached for eager calls.
 Never hand a scratch buffer back to the caller: the next call on the stream overwrites it.
 
 `flags`: int32 arrival counters that the kernels using them leave zero when they finish (the
-stream-K GEMMs' and convolutions' tile flags): zeroed once per
-(name, device, stream) and reused by every later launch on that stream. Inside a capture they
-are the capture's own (keyed by its id, so the graph zero-fills them once per replay, not once
-per captured call, and never shares them with eager calls)."""
+stream-K GEMMs' and convolutions' tile flags): zeroed once per (name, device, stream) and reused
+by every later launch on that stream. Inside a capture they are the capture's own (keyed by its
+id, so the graph zero-fills them once per replay, not once per captured call, and never shares
+them with eager calls); the capture's entries stay cached (a few hundred bytes each)."""
 
 from __future__ import annotations
 
 import torch
 
 # (name, dtype, device, stream) -> (flat buffer, {shape: view of its first elements})
-_FLAGS: dict[tuple, torch.Tensor] = {}  # (name, device, stream[, capture id]) -> zero int32
 _SLOTS: dict[tuple, tuple[torch.Tensor, dict[tuple, torch.Tensor]]] = {}
+_FLAGS: dict[tuple, torch.Tensor] = {}  # (name, device, stream[, capture id]) -> zero int32
 MAX_SLOTS = 256  # then every buffer is dropped (a process cycling through streams)
 MAX_SHAPES = 64  # views per buffer (a server's changing batch sizes), then its views rebuilt
 
