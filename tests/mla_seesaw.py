@@ -25,14 +25,22 @@ warpgroup 0's softmax of tile a against the running max, warpgroup 1's of tile c
 O's left half += P_a V_L(a) (P_a rounded relative to a's max), then x c's rescale += P_c V_L(c);
 the right half x both rescales += P_c V_R(c) + (P_a x c's rescale, rounded) V_R(a); each half's
 row sums of its own tiles, added at the end. Tiles are whole 64-row boxes of one page, stale
-rows (past the sequence) read as they are, masked in S and zeroed as V."""
+rows (past the sequence) read as they are, masked in S and zeroed as V.
+
+`line_schedule(kv_end, parts, fixed_cost)`: the persistent, balanced schedule's prologue (the
+design in docs/attention/MLA_NOTES.md, "The persistent, balanced schedule"): the pieces each
+part walks, their partial slots (or a direct write) and, `combine_slots`, what the combine
+reads back from the prefix alone."""
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
+
+from forgekernel.kernels.attention.mla.sm90.config import MIN_TOKENS_PER_SPLIT
 
 TILE = 64
 CHUNKS = 9  # 8 latent chunks of 64 columns + the RoPE chunk
@@ -504,3 +512,118 @@ def seesaw_partial(qn, qp, ckv, kpe, ckv_scale, pt, seq, op_, lp, scale_log2, pe
                     elif i < sq:
                         op_[s, q_off + i, h0 + h] = o[r]
                         lp[s, q_off + i, h0 + h] = lse[r]
+
+
+# ---------------------------------------------------------------- the persistent, balanced schedule
+
+MIN_PART_TILES = MIN_TOKENS_PER_SPLIT // TILE  # P's floor: the tile plan's shortest split
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Tiles [k0, k1) of sequence `seq`, walked by one part; slot (part, 0 / 1) of the partials,
+    or None: the sequence's only piece, written final (bf16 O and the natural LSE)."""
+
+    seq: int
+    k0: int
+    k1: int
+    slot: tuple[int, int] | None
+
+
+@dataclass(frozen=True)
+class LineSchedule:
+    prefix: tuple[int, ...]  # W: the exclusive prefix of the weights (B + 1), CTA 0's scratch
+    per: int  # P: the line's tiles per part
+    fixed_cost: int  # F: a piece's fixed cost in tiles
+    parts: tuple[tuple[Piece, ...], ...]  # the pieces each part walks, in order
+
+    def load(self, part: int) -> int:
+        """The part's tiles plus F a piece."""
+        return sum(p.k1 - p.k0 + self.fixed_cost for p in self.parts[part])
+
+
+def _lower_bound(n: int, pred) -> int:
+    """The least i in [0, n] with pred(i) (pred false then true over 0 .. n - 1): the prologue's
+    binary search, one pred (two reads of W) a step."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if pred(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def line_per(total: int, parts: int, min_part_tiles: int = MIN_PART_TILES) -> int:
+    """P = max(ceil(W_B / parts), the floor)."""
+    return max(-(-total // parts), min_part_tiles)
+
+
+def first_part(prefix, b: int, fixed_cost: int, per: int) -> int:
+    """The part of sequence b's first piece: its tile 0's at W_b + F; a sequence of 0 keys
+    (w_b = F) has one piece of 0 tiles, at its last unit W_b + F - 1 (0 if that is -1: F = 0
+    at the line's start)."""
+    empty = prefix[b + 1] - prefix[b] == fixed_cost
+    return max(prefix[b] + fixed_cost - empty, 0) // per
+
+
+def last_part(prefix, b: int, per: int) -> int:
+    """The part of sequence b's last piece: its last unit's, W_{b+1} - 1 (0 keys included)."""
+    return max(prefix[b + 1] - 1, 0) // per
+
+
+def line_schedule(
+    kv_end, parts: int, fixed_cost: int, min_part_tiles: int = MIN_PART_TILES
+) -> LineSchedule:
+    """What every CTA's prologue computes from the key bounds kv_end (B,) (a sequence's keys,
+    0 where it has no query): w_b = ceil(kv_end_b / 64) + F, W their exclusive prefix, P =
+    `line_per(W_B)`; tile k of b at W_b + F + k on a line cut every P; part p binary-searches
+    its first sequence (the first whose last piece is at p or later) and its last (the last
+    whose first piece is at p or earlier), then walks tiles [max(pP - W_b - F, 0), min((p + 1)P
+    - W_b - F, t_b)) of each. Slots: a sequence of one piece none (written final); else its
+    first piece (the last item of its part) (p, 1), the others (the first item of theirs)
+    (p, 0)."""
+    tiles = [-(-max(int(k), 0) // TILE) for k in kv_end]
+    prefix = [0]
+    for t in tiles:
+        prefix.append(prefix[-1] + t + fixed_cost)
+    n = len(tiles)
+    per = line_per(prefix[-1], parts, min_part_tiles)
+    walks = []
+    for p in range(parts):
+        first = _lower_bound(n, lambda b, p=p: last_part(prefix, b, per) >= p)
+        last = _lower_bound(n, lambda b, p=p: first_part(prefix, b, fixed_cost, per) > p) - 1
+        pieces = []
+        for b in range(first, last + 1):
+            start = prefix[b] + fixed_cost  # tile 0's place on the line
+            t = prefix[b + 1] - start
+            k0, k1 = min(max(p * per - start, 0), t), min((p + 1) * per - start, t)
+            lo, hi = first_part(prefix, b, fixed_cost, per), last_part(prefix, b, per)
+            slot = None if lo == hi else (p, 1 if p == lo else 0)
+            pieces.append(Piece(b, k0, k1, slot))
+        walks.append(tuple(pieces))
+    return LineSchedule(tuple(prefix), per, fixed_cost, tuple(walks))
+
+
+def combine_slots(prefix, parts: int, fixed_cost: int, min_part_tiles: int = MIN_PART_TILES):
+    """Per sequence, the slots the combine reduces, found from W (CTA 0's scratch) alone: None
+    for a sequence of one piece (the pass wrote it final: the combine returns), else (first, 1),
+    (first + 1, 0) .. (last, 0)."""
+    per = line_per(prefix[-1], parts, min_part_tiles)
+    out = []
+    for b in range(len(prefix) - 1):
+        lo, hi = first_part(prefix, b, fixed_cost, per), last_part(prefix, b, per)
+        out.append(None if lo == hi else [(lo, 1)] + [(p, 0) for p in range(lo + 1, hi + 1)])
+    return out
+
+
+def grid_makespan(costs, slots: int) -> int:
+    """The makespan of CTAs of these costs launched in order onto `slots` SMs, each taking the
+    next CTA when it frees (greedy list scheduling)."""
+    import heapq
+
+    free = [0] * slots
+    for c in costs:
+        heapq.heappush(free, heapq.heappop(free) + c)
+    return max(free)
