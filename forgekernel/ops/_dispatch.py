@@ -53,6 +53,18 @@ def wants_grad(*tensors: torch.Tensor | None) -> bool:
     return False
 
 
+def into_buffers(o, lse, out, lse_out):
+    """A custom op's fresh (o, lse) copied into the caller's out / lse buffers where given (the
+    traced path of an op that writes them in place when eager)."""
+    if out is not None:
+        out.copy_(o)
+        o = out
+    if lse_out is not None:
+        lse_out.copy_(lse)
+        lse = lse_out
+    return o, lse
+
+
 def capturing(t: torch.Tensor) -> bool:
     """Whether t's device stream is capturing a CUDA graph (nothing may be read back)."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()

@@ -18,7 +18,7 @@ import torch
 from forgekernel.kernels.attention.fwd.sm90 import launch as fwd_sm90
 from forgekernel.kernels.attention.paged.sm90 import launch as paged_sm90
 from forgekernel.kernels.attention.paged.sm90.config import HEAD_DIMS
-from forgekernel.ops._dispatch import plain, tracing
+from forgekernel.ops._dispatch import into_buffers, plain, tracing
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import (
     FLOAT16_TYPES,
@@ -287,7 +287,7 @@ def attention_paged(
         o, fresh = torch.ops.forgekernel.attention_paged_decode(
             q, k, v, page_table, seqlens_k, scale, ks, vs, cu_seqlens_q, mq, bool(causal)
         )
-        o, lse = _into(o, fresh, out, lse)
+        o, lse = into_buffers(o, fresh, out, lse)
     else:
         check_rows_in_place("k_cache", k, 16)  # (a data pointer: real tensors only)
         check_rows_in_place("v_cache", v, 16)
@@ -299,17 +299,6 @@ def attention_paged(
     return (o, lse) if return_lse else o
 
 
-def _into(o, lse, out, lse_out):
-    """A custom op's fresh (o, lse) copied into the caller's buffers where given."""
-    if out is not None:
-        out.copy_(o)
-        o = out
-    if lse_out is not None:
-        lse_out.copy_(lse)
-        lse = lse_out
-    return o, lse
-
-
 def _prefill(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, causal, scale, out,
              traced, lse=None):  # fmt: skip
     """Chunked prefill on the forward's paged mode: the caches read in place (their rows
@@ -318,7 +307,7 @@ def _prefill(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, causal,
         o, fresh = torch.ops.forgekernel.attention_paged_prefill(
             q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, scale, causal
         )
-        return _into(o, fresh, out, lse)
+        return into_buffers(o, fresh, out, lse)
     check_rows_in_place("k_cache", k)  # (a data pointer: real tensors only)
     check_rows_in_place("v_cache", v)
     o, lse = _outputs(q, cu_seqlens_q, out, lse)

@@ -47,7 +47,7 @@ from forgekernel.kernels.attention.mla.sm90.config import (
     FP8_ROW_BYTES,
     FP8_SCALE_COLUMNS,
 )
-from forgekernel.ops._dispatch import plain, tracing
+from forgekernel.ops._dispatch import into_buffers, plain, tracing
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import (
     FLOAT16_TYPES,
@@ -475,13 +475,7 @@ def _attend(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, softmax_s
             q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, scale, mq, bool(causal),
             fp8,
         )  # fmt: skip
-        if out is not None:
-            out.copy_(o)
-            o = out
-        if lse is not None:
-            lse.copy_(fresh)
-        else:
-            lse = fresh
+        o, lse = into_buffers(o, fresh, out, lse)
     else:
         check_caches_in_place(ckv, kpe, fp8)  # (a data pointer: real tensors only)
         o, lse = _forward(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, scale,
