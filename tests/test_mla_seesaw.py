@@ -677,11 +677,12 @@ def test_partial_epilogue_is_the_kernels():
     assert ms.warp_collective(_reaches(tests), seesaw.THREADS) == [0]
     send = inspect.getsource(seesaw.MlaSeesawSm90._send_split)
     order = [
+        "bulk = cute.make_copy_atom(cpasync.CopyBulkS2GOp(), Float32)",
         "for r in cutlass.range(self.g, unroll=1):",
         "token = r // self.h",
         "if token < sq:",
-        "row = mOp[split, q_off + token, head0 + r % self.h, None]",
-        "bulk_s2g(row.iterator, sO[r, None].iterator, D_LATENT * Float32.width // 8)",
+        "row = mOp[split, q_off + token, head0 + r % self.h, None].iterator",
+        "cute.copy(bulk, sO[r, None], cute.make_tensor(row, cute.make_layout(D_LATENT)))",
         "cute.arch.cp_async_bulk_commit_group()",
         "cute.arch.cp_async_bulk_wait_group(0, read=True)",
     ]

@@ -1,7 +1,6 @@
 """PTX instructions the DSL does not wrap, as inline assembly: a packed 16-bit convert, 1-D
-bulk copy (global -> shared, shared -> global) / bulk reduce-add, acquire / release on a global
-int, a generic-to-async proxy fence for global memory, and a threadIdx read the compiler may not
-hoist."""
+bulk copy / bulk reduce-add, acquire / release on a global int, a generic-to-async proxy
+fence for global memory, and a threadIdx read the compiler may not hoist."""
 
 from __future__ import annotations
 
@@ -41,25 +40,6 @@ def bulk_g2s(dst_smem, src_gmem, nbytes: int, mbar, *, loc=None, ip=None) -> Non
         ],
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
         "r,l,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-@dsl_user_op
-def bulk_s2g(dst_gmem, src_smem, nbytes: int, *, loc=None, ip=None) -> None:
-    """cp.async.bulk shared -> global of `nbytes` (multiple of 16, both addresses 16-byte
-    aligned), async (bulk group: the issuing thread commits and waits)."""
-    llvm.inline_asm(
-        None,
-        [
-            dst_gmem.llvm_ptr,
-            src_smem.toint(loc=loc, ip=ip).ir_value(),
-            Int32(nbytes).ir_value(loc=loc, ip=ip),
-        ],
-        "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;",
-        "l,r,r",
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,

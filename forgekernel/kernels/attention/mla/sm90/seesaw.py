@@ -86,7 +86,6 @@ from forgekernel.kernels.common.sm90.layout import (
 from forgekernel.kernels.common.sm90.mma import gemm
 from forgekernel.kernels.common.sm90.opaque import opaque_i32
 from forgekernel.kernels.common.sm90.pipeline import smem_tensor
-from forgekernel.kernels.common.sm90.ptx import bulk_s2g
 from forgekernel.kernels.common.sm90.softmax import exp2_row, quad_row_max, rescale_o
 from forgekernel.kernels.common.sm90.warp_mma import (
     copy_row_async,
@@ -820,10 +819,11 @@ class MlaSeesawSm90:
         contiguous fp32 scratch: rows 2 KB apart, 16-byte aligned), one bulk group, waited
         until read (the CTA's shared memory must outlive the reads; the writes reach global
         memory before the grid completes, so the combine's launch sees them)."""
+        bulk = cute.make_copy_atom(cpasync.CopyBulkS2GOp(), Float32)  # (elects no lane)
         for r in cutlass.range(self.g, unroll=1):
             token = r // self.h
             if token < sq:
-                row = mOp[split, q_off + token, head0 + r % self.h, None]
-                bulk_s2g(row.iterator, sO[r, None].iterator, D_LATENT * Float32.width // 8)
+                row = mOp[split, q_off + token, head0 + r % self.h, None].iterator
+                cute.copy(bulk, sO[r, None], cute.make_tensor(row, cute.make_layout(D_LATENT)))
         cute.arch.cp_async_bulk_commit_group()
         cute.arch.cp_async_bulk_wait_group(0, read=True)
