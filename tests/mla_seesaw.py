@@ -3,7 +3,9 @@
 `schedule(tiles, stale)`: the two warpgroups' operations per pair of tiles, in the order the
 kernel issues them (named barriers, TMA refills per chunk, mbarrier waits, WGMMA issue / commit /
 wait, shared-memory reads and writes; with `stale` the last tile's stale rows zeroed by its
-scorer and that warpgroup's own barrier WG0 / WG1; the row sums' hand-over at the end).
+scorer and that warpgroup's own barrier WG0 / WG1; the row sums' hand-over at the end, then the
+partial O staged over the K buffers by both, a second __syncthreads and warp 0's bulk copies
+reading it).
 `simulate(tiles, first)` runs them against the hardware's rules (`run` any such programs): a
 named barrier completes when its warpgroups arrived (both, or the one of WG0 / WG1; a second
 arrival of one in the same generation is an error), an mbarrier phase completes when its TMA is
@@ -130,14 +132,23 @@ def _pair1(k, has_c, more_a, more_c, stale=True, balanced=True):
     return ops + [("wait_group", 0)]
 
 
-def schedule(tiles: int, stale: bool = True, balanced: bool = True) -> tuple[list, list]:
+# the K buffers' chunks the staged partial O (64 rows of 520 fp32 from kl's start) overwrites:
+# all of kl (both buffers' latent chunks) and the first 2 KB of kr, in buffer 0's RoPE chunk
+STAGED = [("K", buf, c) for buf in range(2) for c in range(CHUNKS - 1)] + [("K", 0, CHUNKS - 1)]
+
+
+def schedule(
+    tiles: int, stale: bool = True, balanced: bool = True, staged: bool = True
+) -> tuple[list, list]:
     """(warpgroup 0's operations, warpgroup 1's) of a split of `tiles` tiles, the prologue
     (warp 0's TMA of tiles 0 and 1, Q by both, __syncthreads, Q's RoPE tile to registers)
     and the epilogue (the row sums' hand-over through sTotal, __syncthreads, the final max and
     row sums read) included. stale: the last tile reaches past the sequence (its scorer zeroes
     the stale rows and passes its own barrier, `_zero_stale`; with `balanced` the other
     warpgroup passes its own too, `_match_stale`, as the kernel does since the 2026-12-02
-    racecheck reports; False: the kernel those reports are of); else it is whole."""
+    racecheck reports; False: the kernel those reports are of); else it is whole. staged: the
+    partial O's epilogue through shared memory (each warpgroup's O written over STAGED, bar 0
+    again, warp 0's bulk copies read it; False: the scalar global stores before it)."""
 
     def pro(wg):
         q = [("write", ("QR", wg), None), ("sync", "ALL")]
@@ -172,7 +183,12 @@ def schedule(tiles: int, stale: bool = True, balanced: bool = True) -> tuple[lis
 
     def end(wg):
         ops = [("write", ("TOTAL", wg), None), ("sync", "END"), ("read", ("M",))]
-        return ops + [("read", ("TOTAL", 0)), ("read", ("TOTAL", 1))]
+        ops += [("read", ("TOTAL", 0)), ("read", ("TOTAL", 1))]
+        if staged:
+            # (each warpgroup its half of every row's columns: the halves do not conflict)
+            ops += [("write_part", res, wg) for res in STAGED] + [("sync", "STAGED")]
+            ops += [("read", res) for res in STAGED] if wg == 0 else []
+        return ops
 
     return wg0 + end(0), wg1 + end(1)
 
@@ -218,13 +234,16 @@ class _Machine:
         v[wg] += 1
         self.vc[wg] = tuple(v)
 
-    def access(self, wg, kind, res, tile=None, end=True, generic=False):
+    def access(self, wg, kind, res, tile=None, end=True, generic=False, part=None):
         """Record an access starting now; check it against earlier conflicting ones. generic:
-        a plain load / store (not a WGMMA's or TMA's)."""
+        a plain load / store (not a WGMMA's or TMA's); part: of the resource's bytes, those of
+        one part only (accesses of two different parts do not conflict; None: all of them)."""
         rec = {"wg": wg, "kind": kind, "start": self.vc[wg], "end": self.vc[wg] if end else None}
-        rec["generic"], rec["interval"] = generic, self.passed[wg]
+        rec["generic"], rec["interval"], rec["part"] = generic, self.passed[wg], part
         for old in self.log[res]:
             if old["kind"] == "read" and kind == "read":
+                continue
+            if None not in (old.get("part"), part) and old["part"] != part:
                 continue
             if old["end"] is None or not _leq(old["end"], rec["start"]):
                 raise ScheduleError(f"race on {res}: {old} then {rec}")
@@ -309,6 +328,10 @@ def _step(m, wg, op):
         if kind == "write" and res[0] == "K":
             m.content[res] = tile
         return True
+    if kind == "write_part":  # a store of part op[2] of the resource (the staged O's halves)
+        m.access(wg, "write", op[1], generic=True, part=op[2])
+        m.content[op[1]] = None
+        return True
     if kind == "spin":  # a delay (the racecheck probe's): no access
         return True
     raise ValueError(op)
@@ -321,9 +344,10 @@ def simulate(
     tool: bool = False,
     stale: bool = True,
     balanced: bool = True,
+    staged: bool = True,
 ) -> _Machine:
-    """Run `schedule(tiles, stale, balanced)` (see `run`)."""
-    return run(schedule(tiles, stale, balanced), first, switch_every, tool)
+    """Run `schedule(tiles, stale, balanced, staged)` (see `run`)."""
+    return run(schedule(tiles, stale, balanced, staged), first, switch_every, tool)
 
 
 def run(progs, first: int = 0, switch_every: int | tuple = 1, tool: bool = False) -> _Machine:

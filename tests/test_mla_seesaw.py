@@ -37,6 +37,22 @@ def test_schedule_runs_clean(tiles, stale):
             ms.simulate(tiles, first, switch_every, stale=stale)
 
 
+@pytest.mark.parametrize("tiles", [0, 1, 2, 5])
+def test_staged_epilogue_needs_its_barriers(tiles):
+    """The partial O staged over the K buffers: clean after the last S / P V (wait_group 0)
+    and the __syncthreads of the row sums; without the __syncthreads between the staging
+    stores and warp 0's bulk copies (or without the one before the stores: the other
+    warpgroup's WGMMAs may still read K) the model reports the race."""
+    for first, every in ((0, 1), (1, 1), (0, 1000), (1, 1000)):
+        ms.simulate(tiles, first, every, staged=True)
+    for drop in ("STAGED", "END"):
+        progs = ms.schedule(tiles)
+        progs = tuple([op for op in p if op != ("sync", drop)] for p in progs)
+        with pytest.raises(ms.ScheduleError, match="race"):
+            for first, every in ((0, 1000), (1, 1000), (0, (1, 10**6)), (1, (10**6, 1))):
+                ms.run(progs, first, every)
+
+
 def _drop(op):
     def wrap(f):
         def g(*args):
@@ -108,7 +124,9 @@ def test_racecheck_reports_are_the_barrier_interval_rule(tiles):
             assert _flagged(fixed) == []
         whole = ms.simulate(tiles, first, every, tool=True, stale=False, balanced=False)
         assert _flagged(whole) == []
-        reported = ms.simulate(tiles, first, every, tool=True, stale=True, balanced=False)
+        reported = ms.simulate(
+            tiles, first, every, tool=True, stale=True, balanced=False, staged=False
+        )  # (the kernel of the reports stored O to global memory directly)
         assert _flagged(reported) == (_ODD_FLAGS if tiles % 2 else _EVEN_FLAGS)
 
 
@@ -157,7 +175,9 @@ def test_probe_replicas_are_the_schedule():
     for name, tiles, stale in (("even", 2, True), ("even-full", 2, False), ("odd", 1, True),
                                ("odd-full", 1, False)):  # fmt: skip
         table = probe.TABLES[name]
-        assert tuple(table) == _projection(ms.schedule(tiles, stale, balanced=False)), name
+        assert tuple(table) == _projection(
+            ms.schedule(tiles, stale, balanced=False, staged=False)
+        ), name
         assert len(probe.expected_sums(table)) == probe.THREADS
         want = (_ODD_FLAGS if tiles % 2 else _EVEN_FLAGS) if stale else []
         want = sorted(("".join(str(x) for x in res), *rest) for res, *rest in want)
@@ -555,13 +575,116 @@ def test_direct_epilogue_writes_every_output_once(heads, qtokens, sq):
 def test_direct_epilogue_is_the_kernels():
     """The replayed epilogue's stores are `_write_split`'s direct branch: O x 1 / sum rounded to
     the output's dtype at (q_off + token, head, wg COLS + column), the LSE x LN2 from warpgroup
-    0's quad leaders; the partial form's stores unchanged."""
+    0's quad leaders; the partial form's LSE store as before, its O staged (below)."""
     src = inspect.getsource(seesaw.MlaSeesawSm90._write_split)
-    direct, partial = src.split("else:\n                    for c")
+    direct, partial = src.split("else:\n                    if wg == 0")
     assert "if const_expr(self.direct):" in direct
     assert "value = (o[r, c] * inv).to(mOp.element_type)" in direct
     assert "mOp[q_off + token, head, wg * COLS + o_crd[r, c][1]] = value" in direct
     lse_store = re.search(r"if wg == 0 and tid % 4 == 0:\s+mLp\[(.*)\] = (.*)\n", direct)
     assert lse_store.groups() == ("q_off + token, head", "lse * LN2")
-    assert "mOp[split, q_off + token, head, wg * COLS + o_crd[r, c][1]] = o[r, c] * inv" in partial
     assert "mLp[split, q_off + token, head] = lse" in partial
+    assert "if const_expr(not self.direct):" in direct and "o[r, c] = o[r, c] * inv" in direct
+
+
+def _partial_epilogue(coords, heads, qtokens, sq, q_off, head0, o, out, writes):
+    """The partial form's O on the traced fragment: every thread of both warpgroups stages its
+    normalized O at (row, wg COLS + column) of the rows O_STRIDE floats apart over the K
+    buffers (the kernel's `local_tile(sO, (ROWS, COLS), (0, wg))` and `partition_C`), then
+    `_send_split`'s loop copies staged row r < G of token r // H < sq, 512 floats, to out[q_off
+    + token, head0 + r % H]. Counts every staged float and every float sent. Returns the
+    staged floats' last offset + 1 (bytes / 4)."""
+    g = heads * qtokens
+    staged = torch.full((seesaw.ROWS * seesaw.O_STRIDE,), float("nan"))
+    staged_count = torch.zeros_like(staged, dtype=torch.int32)
+    for wg in range(2):
+        for rows in coords.values():
+            for crd in rows:
+                for row, col in crd:
+                    at = row * seesaw.O_STRIDE + wg * seesaw.COLS + col
+                    staged[at] = o[row, wg * seesaw.COLS + col]
+                    staged_count[at] += 1
+    assert int(staged_count.max()) == 1
+    for r in range(g):  # _send_split
+        token = r // heads
+        if token < sq:
+            row = staged[r * seesaw.O_STRIDE : r * seesaw.O_STRIDE + seesaw.D_LATENT]
+            out[q_off + token, head0 + r % heads] = row
+            writes[q_off + token, head0 + r % heads] += 1
+    return int(torch.nonzero(staged_count).max()) + 1
+
+
+@pytest.mark.parametrize(
+    "heads, qtokens, sq", [(16, 1, 1), (64, 1, 1), (1, 1, 1), (16, 2, 2), (16, 4, 3), (16, 4, 0)],
+)  # fmt: skip
+def test_partial_epilogue_stages_and_sends_every_row_once(heads, qtokens, sq):
+    """The staged partial O through the bulk copies: partial O[split, q_off + i, head0 + h] =
+    O row i H + h (fp32, bit for bit) for every token i < sq and head of the block, each float
+    written once, nothing else touched; every 64 x 512 float of the fragment staged once, the
+    staging inside the K buffers (2 x 64 x 576 16-bit values: kl then kr), rows 16-byte
+    aligned and 2 KB (one bulk copy each); the bank spread of the padded rows."""
+    pytest.importorskip("cutlass")
+    from mla_seesaw_probe import output_coords
+
+    coords = output_coords(heads, qtokens)
+    g = torch.Generator().manual_seed(heads * 7 + qtokens + sq)
+    rows, hq, q_off, head0 = 9, 3 * heads, 2, heads
+    o = torch.randn(64, 512, generator=g)
+    out = torch.full((rows, hq, 512), float("nan"))
+    writes = torch.zeros(rows, hq, dtype=torch.int32)
+    end = _partial_epilogue(coords, heads, qtokens, sq, q_off, head0, o, out, writes)
+    assert end * 4 <= 2 * 64 * 576 * 2
+    assert seesaw.O_STRIDE * 4 % 16 == 0 and seesaw.D_LATENT * 4 == 2048
+    want = torch.zeros(rows, hq, dtype=torch.int32)
+    want[q_off : q_off + sq, head0 : head0 + heads] = 1
+    assert torch.equal(writes, want)
+    block = out[q_off : q_off + sq, head0 : head0 + heads]
+    assert torch.equal(block, o[: sq * heads].view(sq, heads, 512))
+    assert out[writes == 0].isnan().all()
+    # a warp's 64-bit stores (rows lane // 4, column pairs lane % 4): each half-warp's 16 on
+    # 32 distinct banks with the padded stride, 4 ways on the same 8 banks without it
+    for stride, ways in ((seesaw.O_STRIDE, 1), (seesaw.D_LATENT, 4)):
+        for half in range(2):
+            banks = [
+                ((lane // 4) * stride + 2 * (lane % 4) + e) % 32
+                for lane in range(16 * half, 16 * half + 16)
+                for e in range(2)
+            ]
+            assert max(banks.count(b) for b in set(banks)) == ways
+
+
+def test_partial_epilogue_is_the_kernels():
+    """The source the replay follows: the staging over kl with the padded rows, each
+    warpgroup's half by the P V fragment, the proxy fence and __syncthreads before warp 0's
+    elected lane sends; `_send_split`'s loop and its bulk group, waited until read."""
+    src = inspect.getsource(seesaw.MlaSeesawSm90.kernel)
+    staged = src[src.index("if const_expr(not self.direct):") :]
+    order = [
+        "cute.recast_ptr(storage.kl.data_ptr(), dtype=Float32)",
+        "cute.make_layout((ROWS, D_LATENT), stride=(O_STRIDE, 1))",
+        "half = cute.local_tile(sO, (ROWS, COLS), (0, wg))",
+        "cute.autovec_copy(acc_o, thr_pv.partition_C(half))",
+        "cute.arch.fence_view_async_shared()",
+        "cute.arch.sync_threads()",
+        "if warp == 0:",
+        "with cute.arch.elect_one():",
+        "self._send_split(mOp, sO, split, q_off, sq, head0)",
+    ]
+    at = [staged.index(x) for x in order]
+    assert at == sorted(at)
+    ((tests, withs),) = _enclosing(seesaw.MlaSeesawSm90.kernel, "_send_split")
+    assert withs == ["cute.arch.elect_one()"]
+    assert ms.warp_collective(_reaches(tests), seesaw.THREADS) == [0]
+    send = inspect.getsource(seesaw.MlaSeesawSm90._send_split)
+    order = [
+        "bulk = cute.make_copy_atom(cpasync.CopyBulkS2GOp(), Float32)",
+        "for r in cutlass.range(self.g, unroll=1):",
+        "token = r // self.h",
+        "if token < sq:",
+        "row = mOp[split, q_off + token, head0 + r % self.h, None].iterator",
+        "cute.copy(bulk, sO[r, None], cute.make_tensor(row, cute.make_layout(D_LATENT)))",
+        "cute.arch.cp_async_bulk_commit_group()",
+        "cute.arch.cp_async_bulk_wait_group(0, read=True)",
+    ]
+    at = [send.index(x) for x in order]
+    assert at == sorted(at)

@@ -18,7 +18,11 @@ assembles, cuobjdump reads the cubin): the facts its schedule and the CPU model 
   warpgroup that did not wait on the chunk's mbarrier needs no fence: both sides are the async
   proxy, ordered through the waiter's acquire and the named barrier after it, as FlashMLA's
   warpgroup 1 reads sV0R.)
-- No spills; registers under 256 x 255."""
+- No spills; registers under 256 x 255.
+- The partial O leaves through shared memory: 64 STS.64 a thread (its 128 fp32 values, padded
+  rows), one fence and __syncthreads, then one bulk-copy loop (UBLKCP, a 2 KB row each) by warp
+  0's elected lane, waited until read before it exits; the only global stores left are the
+  LSE's (2 STG a thread; 128 scalar STG of O a thread before)."""
 
 from __future__ import annotations
 
@@ -88,6 +92,18 @@ def test_loads_and_mmas(compiled):
     assert res["registers"] <= 255
 
 
+def test_partial_o_leaves_by_bulk_copies(compiled):
+    _, ops, ptx = compiled
+    assert ops["STS.64"] == 64  # the staged O: 128 fp32 a thread, 2 a store
+    assert ops["UBLKCP.G.S"] == 1  # one loop over the rows, one elected lane
+    assert ops["STG.E"] == 2 and not any(
+        op.startswith("STG") and op != "STG.E" for op in ops
+    )  # the LSE's rows only
+    assert ptx.count("cp.async.bulk.global.shared::cta.bulk_group") == 1
+    assert ptx.count("cp.async.bulk.commit_group") == 1
+    assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx)
+
+
 def test_mbarriers_and_named_barriers(compiled):
     _, _, ptx = compiled
     assert ptx, "no PTX kept"
@@ -134,6 +150,7 @@ def test_generic_tile_writes_are_proxy_fenced_before_their_barrier(compiled):
     assert sum(bool(_TILE_STORE.match(ln)) for ln in lines) > 0
     assert _unfenced_tile_stores(ptx) == []
     fences = [i for i, ln in enumerate(lines) if _PROXY_FENCE.match(ln)]
-    assert len(fences) == 9  # Q; P_a and P_c per pair variant; the stale rows of both roles
+    # Q; P_a and P_c per pair variant; the stale rows of both roles; the staged partial O
+    assert len(fences) == 10
     for i in fences:  # each is needed: without it a store reaches its barrier unfenced
         assert _unfenced_tile_stores("\n".join(lines[:i] + lines[i + 1 :])), i

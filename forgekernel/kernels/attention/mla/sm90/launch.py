@@ -70,7 +70,8 @@ def _plan(kind, dtype, units, hq, max_tokens, qtokens, device_index, fp8, page_s
 def _partials(splits: int, rows: int, hq: int, device: torch.device):
     """The partial pass's fp32 (splits, rows, Hq, 512) outputs and (splits, rows, Hq) LSEs,
     which the combine reduces into out / lse: the current stream's scratch (runtime/scratch.py;
-    two CUDA allocations a call before)."""
+    two CUDA allocations a call before). Contiguous from an aligned base: the seesaw pass sends
+    each 2 KB row of O by one bulk copy, which needs its address 16-byte aligned."""
     return (
         scratch("mla.partial_o", (splits, rows, hq, config.D_LATENT), torch.float32, device),
         scratch("mla.partial_lse", (splits, rows, hq), torch.float32, device),

@@ -43,9 +43,12 @@ the tile (P = 0 times a NaN would be NaN), which then passes a barrier of its ow
 warpgroup passes one of its own at the same point (no data: racecheck orders the warpgroups'
 hand-overs by how many barriers each has passed, `_match_stale`).
 
-At the end the two warpgroups' row sums meet in shared memory; each writes its columns of the
-split's normalized O (fp32) and warpgroup 0 the rows' LSE in log2 units (-inf where the split saw
-no key), the paged decode's partial format, merged by its combine. The direct form (`direct`, a
+At the end the two warpgroups' row sums meet in shared memory; each stages its columns of the
+split's normalized O (fp32) in shared memory over the K buffers (every WGMMA and TMA load has
+retired: rows O_STRIDE floats apart), and after a __syncthreads one elected lane of warp 0 sends
+each written row to global memory by one 2 KB bulk copy (`_send_split`; 128 scalar stores a
+thread before); warpgroup 0 stores the rows' LSE in log2 units (-inf where the split saw no key),
+the paged decode's partial format, merged by its combine. The direct form (`direct`, a
 plan of one split: the grid's one split covers every key) writes instead the final O, rounded to
 q's dtype, and the natural LSE (log2 x ln 2) into the op's outputs: what the combine makes of one
 split (weight exp2(0) = 1, sum 1), bit for bit, with no fp32 partials and no combine launch."""
@@ -98,6 +101,10 @@ COLS = D_LATENT // 2  # output columns per warpgroup
 LEFT = tuple(range(COLS // CHUNK))  # the chunks of V_L (warpgroup 0's P V reads them)
 RIGHT = tuple(range(COLS // CHUNK, CHUNKS))  # V_R and the RoPE columns
 WARPS_PER_WG = THREADS_PER_WG // WARP_SIZE
+# The staged partial O's row stride (fp32): 8 floats of padding put the 8 rows of a warp's
+# 64-bit accumulator stores 8 banks apart (each half-warp's 16 stores hit 32 distinct banks;
+# 512 would put every row on the same 8); rows stay 16-byte aligned for the bulk copies.
+O_STRIDE = D_LATENT + 8
 
 
 class Bar(IntEnum):
@@ -143,6 +150,9 @@ class MlaSeesawSm90:
         self.lay_kr = sm90_utils.make_smem_layout_b(row, (ROWS, TILE, D_ROPE), dtype, STAGES)
         self.lay_p = sm90_utils.make_smem_layout_a(row, (ROWS, D_LATENT, TILE), dtype, 1)
         self.chunk_bytes = TILE * CHUNK * dtype.width // 8
+        k_bytes = (cute.cosize(self.lay_kl) + cute.cosize(self.lay_kr)) * dtype.width // 8
+        if ROWS * O_STRIDE * Float32.width // 8 > k_bytes:  # (kl then kr: `Shared`)
+            raise ValueError("the staged partial O must fit over the K buffers")
 
     @cute.jit
     def __call__(
@@ -331,12 +341,25 @@ class MlaSeesawSm90:
             row = ops.coords[r, 0][0]
             row_max[r] = sM[row]
             row_sum[r] = sTotal[row, 0] + sTotal[row, 1]
-        o_crd = rows_cols(
-            mma_pv.get_slice(tid).partition_C(cute.make_identity_tensor((ROWS, COLS)))
-        )
+        thr_pv = mma_pv.get_slice(tid)
+        o_crd = rows_cols(thr_pv.partition_C(cute.make_identity_tensor((ROWS, COLS))))
         self._write_split(
             (mOp, mLp), acc_o, row_max, row_sum, o_crd, (split, q_off, sq, head0, wg, tid)
         )
+        if const_expr(not self.direct):
+            # every WGMMA (wait_group 0 in each warpgroup's last pair) and TMA load (each box
+            # waited on by its scorer) of the K buffers retired before the __syncthreads above
+            sO = cute.make_tensor(
+                cute.recast_ptr(storage.kl.data_ptr(), dtype=Float32),
+                cute.make_layout((ROWS, D_LATENT), stride=(O_STRIDE, 1)),
+            )
+            half = cute.local_tile(sO, (ROWS, COLS), (0, wg))
+            cute.autovec_copy(acc_o, thr_pv.partition_C(half))
+            cute.arch.fence_view_async_shared()  # the stores, then the bulk copies' reads
+            cute.arch.sync_threads()
+            if warp == 0:
+                with cute.arch.elect_one():
+                    self._send_split(mOp, sO, split, q_off, sq, head0)
 
     # ---------------------------------------------------------------- set-up
 
@@ -757,9 +780,10 @@ class MlaSeesawSm90:
 
     @cute.jit
     def _write_split(self, outs, acc_o, row_max, row_sum, o_crd, at):
-        """This thread's columns of the split's O and, from warpgroup 0, the rows' LSE (log2:
-        the max is kept scaled); 0 and -inf where the split saw no key. Rows past G or of
-        tokens past sq are not written. Direct form: O in q's dtype and the LSE natural."""
+        """The rows' LSE (log2: the max is kept scaled), from warpgroup 0's quad leaders, and
+        this thread's columns of O normalized in place (0 where the split saw no key, LSE
+        -inf), staged and sent by the caller (`_send_split`). Rows past G or of tokens past sq
+        are not written. Direct form: O in q's dtype stored here, the LSE natural."""
         mOp, mLp = outs
         split, q_off, sq, head0, wg, tid = at
         o = rows_cols(acc_o)
@@ -767,12 +791,15 @@ class MlaSeesawSm90:
             # (opaque: with G <= 8 rows the compiler would prove rows r + 8 never written)
             row = opaque_i32(o_crd[r, 0][0])
             token = row // self.h
+            inv = Float32(0.0)
+            lse = -Float32.inf
+            if row_sum[r] > 0.0:
+                inv = 1.0 / row_sum[r]
+                lse = row_max[r] + cute.math.log2(row_sum[r], fastmath=True)
+            if const_expr(not self.direct):  # every row, in place (`_send_split` picks)
+                for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+                    o[r, c] = o[r, c] * inv
             if row < self.g and token < sq:
-                inv = Float32(0.0)
-                lse = -Float32.inf
-                if row_sum[r] > 0.0:
-                    inv = 1.0 / row_sum[r]
-                    lse = row_max[r] + cute.math.log2(row_sum[r], fastmath=True)
                 head = head0 + row % self.h
                 if const_expr(self.direct):
                     for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
@@ -781,7 +808,22 @@ class MlaSeesawSm90:
                     if wg == 0 and tid % 4 == 0:
                         mLp[q_off + token, head] = lse * LN2
                 else:
-                    for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
-                        mOp[split, q_off + token, head, wg * COLS + o_crd[r, c][1]] = o[r, c] * inv
                     if wg == 0 and tid % 4 == 0:
                         mLp[split, q_off + token, head] = lse
+
+    @cute.jit
+    def _send_split(self, mOp, sO, split, q_off, sq, head0):
+        """One thread (warp 0's elected lane, after the __syncthreads that follows every
+        thread's staging stores and proxy fence): the staged rows r < G of tokens < sq, each
+        one 2 KB bulk copy to mOp[split, q_off + token, head0 + r % H] (the launcher's
+        contiguous fp32 scratch: rows 2 KB apart, 16-byte aligned), one bulk group, waited
+        until read (the CTA's shared memory must outlive the reads; the writes reach global
+        memory before the grid completes, so the combine's launch sees them)."""
+        bulk = cute.make_copy_atom(cpasync.CopyBulkS2GOp(), Float32)  # (elects no lane)
+        for r in cutlass.range(self.g, unroll=1):
+            token = r // self.h
+            if token < sq:
+                row = mOp[split, q_off + token, head0 + r % self.h, None].iterator
+                cute.copy(bulk, sO[r, None], cute.make_tensor(row, cute.make_layout(D_LATENT)))
+        cute.arch.cp_async_bulk_commit_group()
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
