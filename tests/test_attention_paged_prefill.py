@@ -10,7 +10,9 @@ reference; the routing between the paged mode and the gather path; the compile p
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -311,3 +313,28 @@ def test_standard_params_cover_the_paged_op():
     assert all(p["varlen"] and p["head_dim_v"] == p["head_dim"] for p in paged)
     dense = [p for p in map(dict, SPEC.standard_params()) if not p.get("page_box")]
     assert len(dense) == 40 and all(p["page_box"] == 0 for p in dense)
+
+
+def _gpu_test_module():
+    path = Path(__file__).parent / "gpu" / "test_paged_gpu.py"
+    spec = importlib.util.spec_from_file_location("paged_gpu_tests", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_each_gpu_prefill_case_looks_its_kernel_up(cpu_paged_kernel):
+    """The GPU test asserts the paged mode by the kernel it looks up; pages 256 and 128 at D 128
+    share one plan (box 128), so the second case looked nothing up through the launcher's
+    shared plan cache and failed (2026-12-02 10:20, h64_8_d128_p128 x 4). Its recorder keeps a
+    plan cache per test: the GPU cases in order, on the stand-in kernel, each see their box."""
+    gpu = _gpu_test_module()
+    cases = [c for c in gpu.PREFILL_CASES if c[2] == 128 and c[3] in (128, 256)]
+    assert len(cases) == 2 and fwd_launch.paged_box(128, 128) == fwd_launch.paged_box(256, 128)
+    for hq, hkv, d, ps, _, _, combined in sorted(cases, key=lambda c: -c[3]):
+        with pytest.MonkeyPatch.context() as mp:  # one GPU test's monkeypatch
+            looked_up = gpu.record_kernel_lookups(mp)
+            q, k, v, table, lens, cu = prefill_problem(hq // 8, hkv // 4, d, ps, [6, 1], [300, 9],
+                                                       combined=combined)  # fmt: skip
+            op_module.attention_paged(q, k, v, table, lens, cu_seqlens_q=cu, max_seqlen_q=6)
+        assert [p["page_box"] for p in looked_up] == [fwd_launch.paged_box(ps, d)]
