@@ -653,6 +653,12 @@ def test_partial_epilogue_stages_and_sends_every_row_once(heads, qtokens, sq):
             assert max(banks.count(b) for b in set(banks)) == ways
 
 
+def _assert_in_order(src: str, lines: list[str]) -> None:
+    """Each of `lines` occurs in `src`, in this order."""
+    at = [src.index(x) for x in lines]
+    assert at == sorted(at)
+
+
 def test_partial_epilogue_is_the_kernels():
     """The source the replay follows: the staging over kl with the padded rows, each
     warpgroup's half by the P V fragment, the proxy fence and __syncthreads before warp 0's
@@ -670,8 +676,7 @@ def test_partial_epilogue_is_the_kernels():
         "with cute.arch.elect_one():",
         "self._send_split(mOp, sO, split, q_off, sq, head0)",
     ]
-    at = [staged.index(x) for x in order]
-    assert at == sorted(at)
+    _assert_in_order(staged, order)
     ((tests, withs),) = _enclosing(seesaw.MlaSeesawSm90.kernel, "_send_split")
     assert withs == ["cute.arch.elect_one()"]
     assert ms.warp_collective(_reaches(tests), seesaw.THREADS) == [0]
@@ -686,5 +691,4 @@ def test_partial_epilogue_is_the_kernels():
         "cute.arch.cp_async_bulk_commit_group()",
         "cute.arch.cp_async_bulk_wait_group(0, read=True)",
     ]
-    at = [send.index(x) for x in order]
-    assert at == sorted(at)
+    _assert_in_order(send, order)
