@@ -23,6 +23,7 @@ from forgekernel.kernels.attention.paged.sm90.config import (
     heads_per_cta,
     split_plan,
 )
+from forgekernel.kernels.attention.paged.sm90.rows import MAX_ROWS, heads_for, row_cap
 from forgekernel.reference.paged_attention import paged_attention_ref
 
 op_module = importlib.import_module("forgekernel.ops.attention_paged")
@@ -36,6 +37,25 @@ UNROLL = 4
 def test_heads_per_cta(group, qtokens, want):
     h = heads_per_cta(group, qtokens)
     assert h == want and group % h == 0 and h in HEADS and h * qtokens <= ROWS
+
+
+@pytest.mark.parametrize(
+    ("group", "qtokens", "want"),
+    [(8, 4, 8), (16, 2, 16), (16, 4, 8), (8, 2, 8), (4, 4, 4), (16, 1, 16), (32, 1, 16),
+     (3, 4, 1), (6, 4, 2)],
+)  # fmt: skip
+def test_heads_per_cta_with_two_row_blocks(group, qtokens, want):
+    """Up to 32 (token, head) rows a CTA: every head of a KV head in one CTA at GQA 8 x 4
+    tokens and GQA 16 x 2 (one K / V stream a KV head, not two)."""
+    h = heads_for(group, qtokens, 128)
+    assert h == want and group % h == 0 and h in HEADS and h * qtokens <= MAX_ROWS
+
+
+def test_row_cap():
+    """Two row blocks on 16-bit caches at D 64 / 128 only: O at D 256 would be 256 registers a
+    thread; the FP8 pass's registers are capped for RESIDENT_FP8 CTAs."""
+    assert [row_cap(d) for d in (64, 128, 256)] == [MAX_ROWS, MAX_ROWS, ROWS]
+    assert {row_cap(d, "float8_e4m3fn") for d in (64, 128, 256)} == {ROWS}
 
 
 @pytest.mark.parametrize(("b", "blocks", "tokens"), [(1, 8, 16384), (64, 8, 4096), (3, 1, 17),
@@ -260,28 +280,33 @@ def test_bad_arguments(kwargs, err, match):
                                   args["seqlens_k"], **extra)  # fmt: skip
 
 
+@pytest.mark.parametrize("hq", [8, 16, 32])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize(("q_lens", "k_lens"), [([1, 3, 2], [40, 3, 70]), ([4, 4], [4, 130]),
                                                 ([2, 1, 4], [0, 17, 2]),
                                                 ([1, 1, 1], [9, 0, 300])])  # fmt: skip
-def test_speculative_decoding(cpu_kernels, causal, q_lens, k_lens):
+def test_speculative_decoding(cpu_kernels, causal, q_lens, k_lens, hq):
+    """GQA 4 / 8 / 16 (two KV heads): at 8 x 4 tokens and 16 x 2 the CTA takes 32 rows."""
     b = len(q_lens)
-    q, k, v, pt, seq = _problem(b, 8, 2, 64, 16, k_lens)
+    q, k, v, pt, seq = _problem(b, hq, 2, 64, 16, k_lens)
     g = torch.Generator().manual_seed(3)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    qq = torch.randn(int(cu[-1]), 8, 64, generator=g).to(torch.bfloat16)
+    qq = torch.randn(int(cu[-1]), hq, 64, generator=g).to(torch.bfloat16)
     out, lse = op_module.attention_paged(qq, k, v, pt, seq, cu_seqlens_q=cu,
                                          max_seqlen_q=max(q_lens), causal=causal,
                                          return_lse=True)  # fmt: skip
     want, want_lse = paged_attention_ref(qq, k, v, pt, seq, cu_seqlens_q=cu, causal=causal)
-    assert out.shape == qq.shape and lse.shape == (8, qq.shape[0])
+    assert out.shape == qq.shape and lse.shape == (hq, qq.shape[0])
     assert float((out.float() - want).abs().max()) < 2e-2
     finite = torch.isfinite(want_lse)
     assert torch.equal(finite, torch.isfinite(lse))
     assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-4
     params = cpu_kernels[-1][0]
     # the packed form takes a kernel built for cu_seqlens_q: 2 tokens or more
-    assert params.get("qtokens", 1) == next(t for t in (2, 4) if t >= max(q_lens))
+    qtokens = next(t for t in (2, 4) if t >= max(q_lens))
+    assert params.get("qtokens", 1) == qtokens
+    # one CTA a KV head while its heads x tokens fit two row blocks
+    assert params["heads"] == min(hq // 2, MAX_ROWS // qtokens, max(HEADS))
 
 
 @pytest.mark.parametrize(("fp8", "page_size"), [(True, 16), (False, 1)])
@@ -347,3 +372,113 @@ def test_float_scales_are_made_once():
     b = op_module._scale_tensor("k_scale", 0.75, 8, "cpu")
     assert a is b and a.shape == (8,) and torch.all(a == 0.75)
     assert op_module._scale_tensor("k_scale", 0.5, 8, "cpu") is not a
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_two_row_blocks_fragments(d):
+    """The 32-row pass's register facts, traced through the DSL's mma.sync m16n8k16 partitions
+    for every lane: a thread's score rows are r, r + 8, r + 16, r + 24 (4 row statistics), P's
+    registers are the A operand's (row, key) of both row blocks, and `_pv_in_pieces`' views of
+    piece j (V_COLS columns), O's accumulator and V's B operand, are the whole tile's registers
+    j x piece .. (j + 1) x piece - 1 holding the same rows and columns shifted by j x V_COLS."""
+    cute = pytest.importorskip("cutlass.cute")
+    import cutlass
+    from cutlass.cute.nvgpu import warp
+
+    from forgekernel.kernels.attention.paged.sm90.decode import KEYS, V_COLS
+    from forgekernel.kernels.common.sm90.layout import acc_as_operand_a, rows_cols
+    from forgekernel.kernels.common.sm90.warp_mma import as_wide_acc
+
+    got = {}
+
+    @cute.jit
+    def trace():
+        op = warp.MmaF16BF16Op(cutlass.BFloat16, cutlass.Float32, (16, 8, 16))
+        mma = cute.make_tiled_mma(op, (1, 1, 1))
+        for lane in cutlass.range_constexpr(32):
+            thr = mma.get_slice(lane)
+            full = thr.partition_C(cute.make_identity_tensor((MAX_ROWS, d)))
+            piece = thr.partition_C(cute.make_identity_tensor((MAX_ROWS, V_COLS)))
+            scores = cute.make_identity_tensor((MAX_ROWS, KEYS))
+            s = rows_cols(as_wide_acc(thr.partition_C(scores)))
+            # P as the A operand (`acc_to_operand_a`: element i of this view into A's i)
+            p_src = acc_as_operand_a(as_wide_acc(thr.partition_C(scores)))
+            a = thr.partition_A(scores)
+            o, p, rows = [], [], []
+            for i in cutlass.range_constexpr(cute.size(full)):
+                o.append(full[i])
+            for i in cutlass.range_constexpr(cute.size(piece)):
+                p.append(piece[i])
+            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                rows.append(s[r, 0][0])
+            pa = [(p_src[i], a[i]) for i in range(cute.size(a))]
+            # V's B operand: the whole tile's registers, piece j's view j x 16 .. (`tOrV_j`)
+            v_full = thr.partition_B(cute.make_identity_tensor((d, KEYS)))
+            v_piece = thr.partition_B(cute.make_identity_tensor((V_COLS, KEYS)))
+            vs = ([v_full[i] for i in range(cute.size(v_full))],
+                  [v_piece[i] for i in range(cute.size(v_piece))])  # fmt: skip
+            got[lane] = (o, p, rows, pa, vs)
+
+    cute.compile(trace)
+    assert len(got) == 32
+    for lane, (o, p, rows, pa, (v_full, v_piece)) in got.items():
+        assert rows == [lane // 4 + 8 * i for i in range(MAX_ROWS // 8)]
+        # each P register lands where the MMA reads that (row, key), both row blocks
+        assert len(pa) == MAX_ROWS * KEYS // 32 and all(s == a for s, a in pa)
+        nv = len(v_piece)
+        assert len(v_full) == nv * (d // V_COLS)
+        for j in range(d // V_COLS):
+            assert v_full[j * nv : (j + 1) * nv] == [(c + j * V_COLS, k) for c, k in v_piece]
+        n = len(o) // (d // V_COLS)  # `_pv_in_pieces`' piece size
+        assert len(p) == n and len(o) == MAX_ROWS * d // 32
+        for j in range(d // V_COLS):
+            assert o[j * n : (j + 1) * n] == [(r, c + j * V_COLS) for r, c in p]
+
+
+@pytest.mark.parametrize(("d", "heads", "qtokens"), [(64, 8, 4), (128, 16, 2), (64, 4, 4),
+                                                     (128, 4, 4)])  # fmt: skip
+def test_shared_addresses_in_the_ptx(tmp_path, d, heads, qtokens):
+    """Every lane's V ldmatrix (transposed, one per 8 columns of O) reads key row lane % 16 of
+    its warp's slice, 16-byte chunk n XOR-swizzled by the row; Q's ldmatrix its rows of each
+    16-row block; the merge's O stores its rows: off the compiled PTX, 32 rows as 16. The
+    2026-12-02 13:49 GPU failures of 32 rows: pieces cut by `local_tile` of the swizzled view
+    read every piece past the first 64 bytes off (the DSL put the piece's offset in the pointer
+    and inside the swizzle), which no layout trace shows."""
+    pytest.importorskip("cutlass.cute")
+    from paged_ptx import shared_addresses
+
+    from forgekernel.kernels.attention.paged.sm90.compile import compile_paged
+
+    params = {"kind": "partial", "dtype": "bfloat16", "head_dim": d, "heads": heads,
+              "qtokens": qtokens}  # fmt: skip
+    compile_paged(params, extra_options=f"--keep-ptx --dump-dir {tmp_path}")
+    (ptx,) = [p.read_text() for p in tmp_path.glob("*.ptx")]
+    trans = "ldmatrix.sync.aligned.m8n8.x4.trans"
+    got = [shared_addresses(ptx, lane, trans) for lane in range(32)]
+    origin = got[0][0]
+    for lane, addrs in enumerate(got):
+        row = lane % 16
+        want = [2 * (row * d + _chunk(n, row)) for n in range(d // 8)]
+        assert [a - origin for a in addrs] == want, lane
+    # Q's (A operand) of every 16-row block: rows 16 m + lane % 16, chunk 2 k + lane // 16, k
+    # outer, m inner (the shared memory past the K / V buffers: the largest addresses)
+    blocks = -(-heads * qtokens // 16)
+    plain = [shared_addresses(ptx, lane, "ldmatrix.sync.aligned.m8n8.x4.shared") for lane in
+             range(32)]  # fmt: skip
+    q0 = plain[0][0]
+    for lane, addrs in enumerate(plain):
+        want = [2 * ((16 * m + lane % 16) * d + _chunk(2 * k + lane // 16, lane % 16))
+                for k in range(d // 16) for m in range(blocks)]  # fmt: skip
+        assert [a - q0 for a in addrs if a >= q0] == want, lane
+    # the warps' O for the merge (warp 0): fp32 (rows, D) from the K buffer's start, over V's
+    # past it at 32 rows, D 128; a lane's rows lane // 4 + 8 i, column pairs 2 (lane % 4) + 8 n
+    for lane in range(32):
+        got = shared_addresses(ptx, lane, "st.shared.v2.b32")
+        want = [4 * ((lane // 4 + 8 * i) * d + 2 * (lane % 4) + 8 * n)
+                for i in range(2 * blocks) for n in range(d // 8)]  # fmt: skip
+        assert sorted(got) == want, lane
+
+
+def _chunk(n: int, row: int) -> int:
+    """The element offset in its row of 8-element chunk n of a `swizzled_rows` tile row."""
+    return 8 * ((n & ~7) | ((n ^ row) & 7))

@@ -9,8 +9,9 @@ parts counted with a global atomic).
 Fused data gradient (every tile, plain and split): the same im2col TMA and transposed-B HGMMA,
 no TMA store: the rows go out as 16-byte st.global (STG.E.128) after 16-byte shared loads of the
 staged sub-tile; a split counts its parts with a global atomic.
-Weight gradient (every standard tile): A = dY^T through a tiled TMA, B = the im2col boxes, both
-read transposed by WGMMA (`.tnspA.tnspB`), the split's flag counted with a global atomic."""
+Weight gradient (every standard tile, each pixel walk): A = dY^T through a tiled TMA, B = the
+im2col boxes (or, the stride-1 rectangles, A and B both 5-D tiled boxes), both read transposed
+by WGMMA (`.tnspA.tnspB`), the split's flag counted with a global atomic."""
 
 from __future__ import annotations
 
@@ -36,7 +37,11 @@ from forgekernel.kernels.conv.sm90 import (  # noqa: E402
 from forgekernel.kernels.conv.sm90 import compile as fprop_compile  # noqa: E402
 from forgekernel.kernels.conv.sm90.config import LARGE, NARROW, SQUARE, params_for  # noqa: E402
 from forgekernel.kernels.conv.sm90.dgrad_config import FUSED_CONFIGS, fused_params  # noqa: E402
-from forgekernel.kernels.conv.sm90.wgrad_config import WGRAD_CONFIGS, wgrad_params  # noqa: E402
+from forgekernel.kernels.conv.sm90.wgrad_config import (  # noqa: E402
+    WGRAD_CONFIGS,
+    WGRAD_RECTS,
+    wgrad_params,
+)
 from forgekernel.runtime.resources import find_tool, inspect_cubin  # noqa: E402
 
 
@@ -94,6 +99,38 @@ def test_forward_builds_with_im2col_tma_hgmma_and_no_spills(params, tmp_path, mo
     assert bool(re.search(r"\bATOMG?\.E\.ADD", sass)) == dict(params)["split"]
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        params_for("bfloat16", True, SQUARE, rect=8),
+        params_for("float16", False, LARGE, rect=16),
+        params_for("bfloat16", True, replace(LARGE, split=True), rect=8),
+        params_for("bfloat16", False, replace(NARROW, split=True), rect=16),
+        params_for("bfloat16", False, SQUARE, dgrad=True, rect=8),
+        params_for("float16", False, replace(LARGE, split=True), dgrad=True, rect=16),
+    ],
+    ids=[
+        "128x128c2x1-bias-r8",
+        "128x256-r16",
+        "128x256-split-bias-r8",
+        "128x64-split-r16",
+        "dgrad-128x128c2x1-r8",
+        "dgrad-128x256-split-r16",
+    ],
+)
+def test_forward_rectangles_build_tiled_5d_and_no_spills(params, tmp_path, monkeypatch):
+    """Stride 1: A a 5-D tiled box of X (no IM2COL), Y stored as 5-D rectangles."""
+    sass, found, kernel = _build(
+        SPEC, params, fprop_compile, "ConvFpropSm90", tmp_path, monkeypatch
+    )
+    _no_spills_and_fits(sass, found, kernel)
+    assert "IM2COL" not in sass and re.search(r"UTMALDG\.5D\b", sass)
+    assert re.search(r"UTMASTG\.5D\b", sass) and "HGMMA" in sass
+    assert bool(re.search(r"\bATOMG?\.E\.ADD", sass)) == dict(params)["split"]
+    assert ("tnspB" in sass) == dict(params)["dgrad"]  # the dgrad mode reads W N-major
+    print(dict(params)["rect"], kernel.cfg.tag(), found)
+
+
 @pytest.mark.parametrize("cfg", FUSED_CONFIGS, ids=lambda c: c.tag())
 def test_fused_dgrad_builds_every_tile_without_spills(cfg, tmp_path, monkeypatch):
     params = fused_params("bfloat16", cfg)
@@ -107,13 +144,19 @@ def test_fused_dgrad_builds_every_tile_without_spills(cfg, tmp_path, monkeypatch
     assert bool(re.search(r"\bATOMG?\.E\.ADD", sass)) == cfg.split
 
 
+@pytest.mark.parametrize("rect", WGRAD_RECTS)
 @pytest.mark.parametrize("cfg", WGRAD_CONFIGS, ids=lambda c: f"{c.tile_m}x{c.tile_n}")
-def test_wgrad_builds_every_tile_without_spills(cfg, tmp_path, monkeypatch):
-    params = wgrad_params("bfloat16", cfg)
+def test_wgrad_builds_every_tile_without_spills(cfg, rect, tmp_path, monkeypatch):
+    params = wgrad_params("bfloat16", cfg, rect)
     sass, found, kernel = _build(
         WGRAD_SPEC, params, wgrad_compile, "ConvWgradSm90", tmp_path, monkeypatch
     )
     _no_spills_and_fits(sass, found, kernel)
-    assert re.search(r"UTMALDG\.5D\.IM2COL", sass) and re.search(r"UTMALDG\.2D", sass)
+    if rect:  # the stride-1 rectangles: A and B both 5-D tiled boxes, B multicast by a cluster
+        assert "IM2COL" not in sass and not re.search(r"UTMALDG\.2D", sass)
+        assert re.search(r"UTMALDG\.5D\b", sass)
+        assert bool(re.search(r"UTMALDG\.5D\.MULTICAST", sass)) == (cfg.cluster_m > 1)
+    else:
+        assert re.search(r"UTMALDG\.5D\.IM2COL", sass) and re.search(r"UTMALDG\.2D", sass)
     assert re.search(r"HGMMA\.64x\d+x16\.F32\.BF16 \S+, gdesc\[\w+\]\.tnspA\.tnspB", sass)
     assert "UTMASTG" in sass and re.search(r"\bATOMG?\.E\.ADD", sass)

@@ -132,25 +132,27 @@ def test_stride2_dgrad_pads_channels_off_8_through_one_copy(kernel_calls):
 
 def test_stride3_dgrad_launches_per_phase_and_copies_no_filter(kernel_calls):
     """Strides past 2 keep the launch per phase: nine phases of 3x3 stride 3, a launch each
-    and a scratch copy into dx's strided view each; no filter copy."""
+    on output rectangles written straight into dx's strided view (no scratch, no copy); no
+    filter copy."""
     dy, w, dx, g = _dgrad_operands(2, 64, 32, 12, 3, 3)
     with _Ops() as ops:
         launch.dgrad(dy, w, dx, g)
     assert not set(ops.names) & SYNCS
     assert len(kernel_calls) == 9
-    assert ops.launching() == ["copy_"] * 9
+    assert ops.launching() == []
     for params, args in kernel_calls:
         assert params["dgrad"] and _in_storage(args[1], w)  # the phase's taps: a view of w
+        assert params["rect"] and _in_storage(args[2], dx)  # the phase's view of dx
 
 
 def test_dgrad_fills_dx_once_where_phases_see_no_tap(kernel_calls):
     """1x1 stride 3 (the launch per phase): eight of nine phases are zero: one fill of dx, one
-    launch."""
+    launch (on rectangles, into dx's strided view: no copy)."""
     dy, w, dx, g = _dgrad_operands(2, 64, 32, 10, 1, 3)
     with _Ops() as ops:
         launch.dgrad(dy, w, dx, g)
     assert len(kernel_calls) == 1
-    assert ops.launching() == ["zero_", "copy_"]
+    assert ops.launching() == ["zero_"]
 
 
 def test_as_tma_ready_restrides_unit_dims_instead_of_copying():

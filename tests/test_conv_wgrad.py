@@ -4,7 +4,9 @@ channels at the tile's tap, the block index clamped, the split's pixel range, th
 and summed in split order by the last to arrive) against autograd's weight gradient, for every
 tile and several splits over ragged geometries; the sum independent of the CTAs' order and the
 flags left zero; the launcher (channel padding, scratch dw, one launch, the workspace reused);
-the chooser of tile and split."""
+the chooser of tile and split. The stride-1 walk's rectangles (geometry.rect_*): every output
+pixel in exactly one, the rest zero-filled outside the output; the model with rectangles
+against autograd; the launcher takes them at stride 1, the im2col walk otherwise."""
 
 from __future__ import annotations
 
@@ -17,11 +19,19 @@ import torch.nn.functional as F
 
 from forgekernel.kernels.conv.sm90 import emulate, launch
 from forgekernel.kernels.conv.sm90.config import MAX_WORKSPACE
-from forgekernel.kernels.conv.sm90.geometry import Geometry
+from forgekernel.kernels.conv.sm90.geometry import (
+    RECT_PIXELS,
+    RECT_WIDTHS,
+    Geometry,
+    rect_k_tiles,
+    rect_origin,
+    rect_width,
+)
 from forgekernel.kernels.conv.sm90.wgrad_config import (
     WGRAD_CONFIGS,
     WGRAD_MAX_SPLITS,
     WGRAD_SMALL,
+    WGRAD_SQUARE,
     WgradPlan,
     choose_wgrad,
     wgrad_tiles,
@@ -63,17 +73,21 @@ def _close(got, want) -> bool:
     return torch.allclose(got, want, rtol=1e-6, atol=1e-5)
 
 
-def _run_model(x, dy, dw_shape, g, cfg, per_split, order=None):
+def _k_tiles(dy, rect):
+    n, z, p, q, k = dy.shape
+    return rect_k_tiles(n, z, p, q, rect) if rect else math.ceil(dy.numel() // k / 64)
+
+
+def _run_model(x, dy, dw_shape, g, cfg, per_split, order=None, rect=0):
     k = dw_shape[0]
     dw = torch.full(dw_shape, float("nan"), dtype=F64)
     taps = math.prod(dw_shape[1:4])
     tiles = wgrad_tiles(cfg, k, dw_shape[-1], taps)
-    m = dy.numel() // k
-    k_tiles = math.ceil(m / 64)
-    splits = math.ceil(k_tiles / per_split)
+    splits = math.ceil(_k_tiles(dy, rect) / per_split)
     work = torch.zeros(max(4, splits * tiles * cfg.tile_m * cfg.tile_n), dtype=torch.float32)
     flags = torch.zeros(tiles, dtype=torch.int32)
-    emulate.wgrad_run(dy.reshape(m, k), x, dw, work, flags, g, cfg, per_split, order)
+    a = dy if rect else dy.reshape(-1, k)
+    emulate.wgrad_run(a, x, dw, work, flags, g, cfg, per_split, order, rect)
     return dw, flags
 
 
@@ -83,6 +97,16 @@ PROBLEMS = [
     (2, 24, 40, (1, 13, 11), _geometry((1, 5, 5), (0, 2, 2), (1, 2, 2))),
     (1, 8, 16, (4, 6, 6), _geometry((3, 3, 3), (1, 1, 1))),
     (3, 200, 8, (1, 6, 5), _geometry((1, 2, 3), (0, 0, 1), pad_hi=(0, 1, 0))),
+]
+# stride 1, the rectangles' cases besides PROBLEMS' stride-1 ones: a plane past 8 x 8 in both
+# dims with padding larger than the filter's reach (rectangles reading only zeros of x), no
+# padding (x wider than the output: B nonzero past Q, A zero there) with dilation 3, a 3-D
+# filter dilated in depth
+RECT_PROBLEMS = [
+    *(problem for problem in PROBLEMS if problem[-1].stride == (1, 1, 1)),
+    (2, 16, 24, (1, 19, 21), _geometry((1, 3, 3), (0, 3, 2), pad_hi=(0, 0, 4))),
+    (1, 24, 16, (1, 18, 13), _geometry((1, 3, 2), (0, 0, 0), dil=(1, 3, 2))),
+    (2, 8, 8, (3, 5, 9), _geometry((2, 3, 3), (1, 1, 1), dil=(2, 1, 1))),
 ]
 
 
@@ -95,6 +119,52 @@ def test_the_model_is_the_weight_gradient_for_every_tile_and_split(cfg, n, c, k,
         dw, flags = _run_model(x, dy, want.shape, g, cfg, per_split)
         assert _close(dw, want), (per_split, (dw - want).abs().max())
         assert not flags.any()  # every launch leaves the flags zero
+
+
+@pytest.mark.parametrize("cfg", [WGRAD_SQUARE, WGRAD_SMALL], ids=lambda c: c.tag())
+@pytest.mark.parametrize("rect", RECT_WIDTHS)
+@pytest.mark.parametrize("n, c, k, size, g", RECT_PROBLEMS)
+def test_the_rectangles_model_is_the_weight_gradient(cfg, rect, n, c, k, size, g):
+    """The stride-1 walk (a 2x1 cluster's tile and a 64x64 one), unsplit and split."""
+    x, dy, want = _problem(n, c, k, size, g)
+    k_tiles = _k_tiles(dy, rect)
+    for per_split in sorted({k_tiles, max(1, k_tiles // 3)}):
+        dw, flags = _run_model(x, dy, want.shape, g, cfg, per_split, rect=rect)
+        assert _close(dw, want), (per_split, (dw - want).abs().max())
+        assert not flags.any()
+
+
+@pytest.mark.parametrize("rq", RECT_WIDTHS)
+@pytest.mark.parametrize("n, z, p, q", [(1, 1, 7, 7), (2, 1, 14, 14), (3, 2, 28, 5), (1, 3, 9, 17)])
+def test_the_rectangles_cover_every_output_pixel_once(rq, n, z, p, q):
+    """rect_origin's walk (the kernel's `_rect`) over rect_k_tiles rectangles: each output pixel
+    of (N, Z, P, Q) in exactly one rectangle, every other position of a rectangle past P or Q
+    (zero-filled by the TMA in dY: it adds nothing), none past N or Z."""
+    rp = RECT_PIXELS // rq
+    hits = torch.zeros(n, z, p, q, dtype=torch.int64)
+    outside = 0
+    for kt in range(rect_k_tiles(n, z, p, q, rq)):
+        ni, zi, p0, q0 = rect_origin(kt, z, p, q, rq)
+        assert 0 <= ni < n and 0 <= zi < z and p0 < p and q0 < q
+        assert p0 % rp == 0 and q0 % rq == 0
+        for i in range(RECT_PIXELS):
+            pi, qi = p0 + i // rq, q0 + i % rq
+            if pi < p and qi < q:
+                hits[ni, zi, pi, qi] += 1
+            else:
+                outside += 1
+    assert bool((hits == 1).all())
+    padded = n * z * -(-p // rp) * rp * -(-q // rq) * rq
+    assert outside == padded - n * z * p * q
+
+
+def test_the_rectangle_width_wastes_the_least():
+    for q in range(1, 130):
+        rq = rect_width(q, q)
+        area = rect_k_tiles(1, 1, q, q, rq)
+        assert all(area <= rect_k_tiles(1, 1, q, q, w) for w in RECT_WIDTHS)
+    assert rect_width(56, 56) == 8 and rect_width(7, 7) == 8 and rect_width(28, 28) == 16
+    assert rect_k_tiles(32, 1, 56, 56, 8) == 32 * 49  # 56 x 56: no zero-filled pixel
 
 
 def test_the_sum_does_not_depend_on_the_order_the_parts_finish():
@@ -124,7 +194,8 @@ def model_kernel(monkeypatch):
         model = emulate.compiled_wgrad(params, order_seed=len(launches))
 
         def recorded(dy, x, dw, work, flags, *args):
-            launches.append((dict(params), work.data_ptr(), flags.data_ptr(), args[-1]))
+            key = dict(params, dy_shape=tuple(dy.shape))
+            launches.append((key, work.data_ptr(), flags.data_ptr(), args[-1]))
             return model(dy, x, dw, work, flags, *args)
 
         return recorded
@@ -143,6 +214,8 @@ def model_kernel(monkeypatch):
         (2, 3, 5, (1, 17, 19), _geometry((1, 3, 3), (0, 1, 1))),  # C, K padded to 8
         (1, 3, 16, (1, 30, 30), _geometry((1, 7, 7), (0, 3, 3), (1, 2, 2))),  # the stem
         (2, 64, 64, (1, 9, 9), _geometry((1, 1, 1), (0, 0, 0))),  # 1x1
+        (2, 16, 24, (1, 7, 4), _geometry((1, 1, 1), (0, 0, 0))),  # 1x1, 56 pixels: one plane
+        (2, 16, 24, (1, 7, 4), _geometry((1, 1, 1), (0, 1, 0))),  # 1x1 padded: its own plane
         *PROBLEMS,
     ],
 )
@@ -152,6 +225,18 @@ def test_launcher_gives_the_weight_gradient(model_kernel, n, c, k, size, g):
     launch.wgrad(dy, x, dw, g)
     assert _close(dw, want)
     assert len(model_kernel) == 1
+    # stride 1 (the stem: its 1x1 over the im2col) walks rectangles, other strides the im2col
+    stem = launch.few_channels(x, want, g)
+    key = model_kernel[0][0]
+    if g.stride == (1, 1, 1) or stem:
+        assert key["rect"] == rect_width(*key["dy_shape"][2:4])
+    else:
+        assert key["rect"] == 0
+    m = dy.numel() // k
+    # an unpadded 1x1 (the stem's included) over a multiple of 8 pixels: one plane of 8-pixel rows
+    flat = math.prod(g.filter) == 1 or stem
+    if flat and m % 8 == 0 and not any(g.pad_lo + g.pad_hi):
+        assert key["dy_shape"][:4] == (1, 1, m // 8, 8)
 
 
 def test_launcher_splits_and_reuses_its_workspace(model_kernel):
@@ -188,17 +273,18 @@ def test_the_chooser_fills_the_chip_within_its_limits():
     for k, c, taps, pixels in itertools.product(
         (8, 64, 136, 512, 2048), (8, 64, 96, 256, 1280), (1, 4, 9, 27, 49), (64, 1568, 100352)
     ):
-        plan = choose_wgrad(k, c, taps, pixels, 132)
-        cfg = plan.config
         k_tiles = -(-pixels // 64)
+        plan = choose_wgrad(k, c, taps, k_tiles, 132, tiled=bool(taps % 2))
+        cfg = plan.config
         assert cfg in WGRAD_CONFIGS and plan.tiles == wgrad_tiles(cfg, k, c, taps)
         assert 1 <= plan.parts <= WGRAD_MAX_SPLITS
         # every split non-empty, together exactly the reduction
         assert (plan.parts - 1) * plan.per_split < k_tiles <= plan.parts * plan.per_split
         assert plan.parts == 1 or plan.workspace_floats <= MAX_WORKSPACE
     # the issue's point: 18 tiles of 128x256 would fill 14% of the chip unsplit
-    plan = choose_wgrad(256, 256, 9, 32 * 56 * 56, 132)
-    assert plan.tiles * plan.parts > 0.9 * 132
-    # a long reduction into one 64x64 tile is spread over many CTAs
-    plan = choose_wgrad(64, 64, 1, 32 * 56 * 56, 132)
-    assert plan.config == WGRAD_SMALL and plan.parts >= 16
+    for tiled in (False, True):
+        plan = choose_wgrad(256, 256, 9, 32 * 56 * 56 // 64, 132, tiled=tiled)
+        assert plan.tiles * plan.parts > 0.9 * 132
+        # a long reduction into one 64x64 tile is spread over many CTAs
+        plan = choose_wgrad(64, 64, 1, 32 * 56 * 56 // 64, 132, tiled=tiled)
+        assert plan.config == WGRAD_SMALL and plan.parts >= 16

@@ -59,17 +59,22 @@ class Launches(list):
 def cpu_kernel(monkeypatch, tmp_path):
     """The eager path on the CPU: no device check, 132 SMs, no tuning records, and as the
     compiled function the reference, which insists on what the compiled one does (TMA-ready
-    operands, N and K multiples of 8) and records (params, max_clusters) per launch, and the
-    operands of the last one in `calls.operands`."""
+    operands, N and K multiples of 8; swapped: the output's transposed view) and records
+    (params, max_clusters) per launch, and the operands of the last one, as the launcher's
+    (A, B, C) before any swap, in `calls.operands`."""
     calls = Launches()
 
     def get_kernel(spec, params):
+        swap = dict(params).get("swap", False)
+
         def fn(a, b, c, work, flags, per_cta, sfa, sfb, group, max_clusters):
-            assert all(tma_ready(t) for t in (a, b, c))
-            assert c.shape[1] % 8 == 0 and a.shape[1] % 8 == 0
+            # swapped: C^T = B A^T, C the (N, M) transpose of a row-major (M, N) buffer
+            row_major_c = c.t() if swap else c
+            assert all(tma_ready(t) for t in (a, b, row_major_c))
+            assert row_major_c.shape[1] % 8 == 0 and a.shape[1] % 8 == 0
             c.copy_(gemm_ref(a, b, "kn" if dict(params)["b_kn"] else "nk"))
             calls.append((params, max_clusters))
-            calls.operands = (a, b, c)
+            calls.operands = (b, a, c.t()) if swap else (a, b, c)  # the launcher's A, B, C
 
         return fn
 
@@ -91,7 +96,7 @@ def test_eager_path_launches_the_analytical_config(cpu_kernel, m, n, k, b_layout
     b = bf16(n, k) if b_layout == "nk" else bf16(k, n)
     c = forgekernel.gemm(a, b, b_layout=b_layout)
     torch.testing.assert_close(c, gemm_ref(a, b, b_layout).to(c.dtype), rtol=0, atol=0)
-    cfg = choose_config(m, n, k, 132)
+    cfg = choose_config(m, n, k, 132, b_kn=b_layout == "kn")
     want = params_for("bfloat16", b_layout == "kn", cfg)
     assert cpu_kernel == [(want, 132 // (cfg.cluster_m * cfg.cluster_n))]
 
@@ -142,7 +147,7 @@ def test_any_n_and_k_run_padded(cpu_kernel, m, n, k, b_layout, dtype):
     c = forgekernel.gemm(a, b, b_layout=b_layout)
     assert c.shape == (m, n) and c.dtype == dtype
     assert_rounded_from(c, gemm_ref(a, b, b_layout), gemm_ref(a.abs(), b.abs(), b_layout))
-    cfg = choose_config(m, n, k, 132)
+    cfg = choose_config(m, n, k, 132, b_kn=b_layout == "kn")
     want = params_for(str(dtype).removeprefix("torch."), b_layout == "kn", cfg)
     assert cpu_kernel == [(want, 132 // (cfg.cluster_m * cfg.cluster_n))]
     a_k, b_k, c_k = cpu_kernel.operands
@@ -211,3 +216,44 @@ def test_launchers_enter_a_device_only_when_it_is_not_current(monkeypatch, curre
     with on_device(torch.device("cpu")):
         pass
     assert entered == ([torch.device("cuda", 0)] if enters else [])
+
+
+@pytest.mark.parametrize("m", [129, 300, 777])
+@pytest.mark.parametrize("n", [264, 261])  # 261: N padded to 264, C a scratch copied back
+def test_the_swap_hands_the_kernel_the_transposed_problem(monkeypatch, cpu_kernel, m, n):
+    """The swap (config `swap`, B "nk"): the kernel's A is the weight, its B the tokens, its C
+    the output's (N, M) transpose with unit stride along the kernel's M and the output's row
+    stride along its N (no copy); the result is the reference's."""
+    from forgekernel.kernels.gemm.dense.sm90.config import SWAP
+
+    seen = []
+    real = gemm_sm90.kernel_operands
+    monkeypatch.setattr(gemm_sm90, "kernel_operands", lambda *x: seen.append(real(*x)) or seen[-1])
+    k = 520
+    a, b = bf16(m, k), bf16(n, k)
+    np_ = -(-n // 8) * 8
+    for cfg in SWAP:
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+        forgekernel.gemm(a, b, out=out, config=cfg)
+        torch.testing.assert_close(out, gemm_ref(a, b).to(out.dtype), rtol=0, atol=0)
+        a_k, b_k, c_k = seen[-1]
+        assert a_k.shape == (np_, k) and b_k.shape == (m, k)
+        assert b_k.data_ptr() == a.data_ptr() and torch.all(a_k[n:] == 0)
+        assert (a_k.data_ptr() == b.data_ptr()) == (n == np_)  # the weight padded to 8 rows
+        assert c_k.shape == (np_, m) and c_k.stride() == (1, np_)
+        assert (c_k.data_ptr() == out.data_ptr()) == (n == np_)  # written in place
+        assert cpu_kernel[-1][0] == params_for("bfloat16", False, cfg)
+
+
+def test_the_swap_is_nk_only_and_picked_for_a_few_hundred_tokens(cpu_kernel):
+    from forgekernel.kernels.gemm.dense.sm90.config import SWAP, SWAP_80, SWAP_MAX_M
+
+    with pytest.raises(ValueError, match="B 'nk' only"):
+        forgekernel.gemm(bf16(300, 64), bf16(64, 256), b_layout="kn", config=SWAP_80)
+    assert choose_config(300, 28672, 4096, 132) in SWAP
+    assert choose_config(300, 28672, 4096, 132, b_kn=True) not in SWAP
+    assert gemm_sm90.config_for(torch.bfloat16, True, 300, 28672, 4096, 132) not in SWAP
+    assert gemm_sm90.config_for(torch.bfloat16, False, 300, 28672, 4096, 132) in SWAP
+    for m in (64, 128, SWAP_MAX_M + 1, 4096):  # decode, skinny and large M keep their plans
+        assert choose_config(m, 28672, 4096, 132) not in SWAP
+    assert choose_config(300, 264, 4096, 132) not in SWAP  # tokens not the shorter side

@@ -1,11 +1,14 @@
 """The block-scaled FP8 mainloop's own code run on the host (a `cute.jit` function runs on the
 CPU with CPU tensors): `GemmSm90._mainloop_scaled` with its two alternating fragments, the
-per-thread scale rows (`_thread_coords`, `_scale_rows`), the scale loads and `_promote`, for
-every consumer thread of a tile, against the fp64 reference (`gemm_fp8_ref`). Only the two
-device steps are stand-ins: `_issue_scaled` writes the k-tile's exact fp32 product A_k B_k^T
-into the fragment at the thread's coordinates (what its WGMMAs compute; added to it instead
-where the MMA was left accumulating, as a WGMMA with scale-d = 1 would) and `_retire` waits for
-nothing; both log what they were asked, so the schedule is checked too: k-tiles issued in
+per-thread scale rows (`_thread_coords`, `_scale_rows`), the staged scales' reads and
+`_promote`, for every consumer thread of a tile, against the fp64 reference (`gemm_fp8_ref`);
+and the producer's scale staging (`_tile_scales`, `_fetch_scales`, `_stage_scales`, for each
+of the 32 producer lanes into the k-tile's stage of the ring). Only the two device steps are
+stand-ins: `_issue_scaled` stages the k-tile's scales as the producer would (the producer's
+own helpers), then writes the k-tile's exact fp32 product A_k B_k^T into the fragment at the
+thread's coordinates (what its WGMMAs compute; added to it instead where the MMA was left
+accumulating, as a WGMMA with scale-d = 1 would) and `_retire` waits for nothing; both log
+what they were asked, so the schedule is checked too: k-tiles issued in
 order, each stage released once, in ring order, and only after its k-tile's group retired
 (`wait_group(1)` leaves exactly the newest one in flight), a fragment promoted only once its
 k-tile's group is retired and never reissued while in flight or unpromoted, and the pipeline
@@ -50,9 +53,13 @@ def _host_gemm(cfg: GemmConfig):
 
     class HostGemm(GemmSm90):
         @cute.jit
-        def _issue_scaled(self, tiled_mma, operands, frag, ab_pipe, read, at):
-            products, coords, log = self.host
-            kt = at[1]
+        def _issue_scaled(self, tiled_mma, operands, frag, ab_pipe, read, src):
+            products, coords, log, staged = self.host
+            kt = log[0, 1]  # the k-tiles are issued in order: the next one's index
+            log[0, 1] = kt + 1
+            for lane in cutlass.range_constexpr(32):
+                fetched = self._fetch_scales(staged, kt, lane)
+                self._stage_scales(fetched, staged[2], read.index, lane)
             # the first WGMMA of the batch overwrites the fragment unless left accumulating
             onto = tiled_mma.get(accumulate_field)
             for i in cutlass.range_constexpr(cute.size(frag)):
@@ -61,7 +68,7 @@ def _host_gemm(cfg: GemmConfig):
                 frag[i] = cutlass.Float32(cutlass.select_(onto, frag[i] + product, product))
             tiled_mma.set(accumulate_field, True)
             _log(log, ISSUE, kt, read.index, _tag(frag))
-            return self._scales(*at)
+            return self._scales(src, read.index)
 
         @cute.jit
         def _retire(self, pending, ab_pipe, release):
@@ -121,17 +128,17 @@ def _run_tile(cfg, a, b, sa, sb, tile, k0, count, lead=None):
     k_major = LayoutEnum.ROW_MAJOR.sm90_mma_major_mode()
 
     @cute.jit
-    def unit(k0, count, mma, where, read, release, thread_log):
-        read, release, tiled_mma = gemm._mainloop_scaled(k0, count, mma, where, None, read,
-                                                         release)  # fmt: skip
+    def unit(k0, count, mma, read, release, thread_log):
+        thread_log[0, 1] = k0
+        read, release, tiled_mma = gemm._mainloop_scaled(count, mma, None, read, release)
         _log(thread_log, DONE, read.index, read.phase, 0)
         _log(thread_log, DONE, release.index, release.phase, 1)
         return read, release, tiled_mma
 
     @cute.jit
-    def run(products: cute.Tensor, mSFA: cute.Tensor, mSFB: cute.Tensor, out: cute.Tensor,
-            log: cute.Tensor, m: Int32, k0: Int32, count: Int32, tm: Int32, tn: Int32,
-            lead_k0: Int32, lead_count: Int32):  # fmt: skip
+    def run(products: cute.Tensor, mSFA: cute.Tensor, mSFB: cute.Tensor, sSF: cute.Tensor,
+            out: cute.Tensor, log: cute.Tensor, m: Int32, k0: Int32, count: Int32, tm: Int32,
+            tn: Int32, lead_k0: Int32, lead_count: Int32):  # fmt: skip
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             fp8, fp8, k_major, k_major, Float32, (cfg.tile_m // 64, 1, 1),
             tiler_mn=(64, cfg.tile_n),
@@ -144,22 +151,28 @@ def _run_tile(cfg, a, b, sa, sb, tile, k0, count, lead=None):
                      cute.make_rmem_tensor(coords.shape, Float32))  # fmt: skip
             for f in cutlass.range_constexpr(2):  # registers nobody wrote: NaN where read
                 frags[f].fill(float("nan"))
+            for i in cutlass.range(cute.size(sSF)):  # each thread's run stages its own
+                sSF[i] = Float32(float("nan"))
             thread_log = log[t, None, None]
             thread_log[0, 0] = Int32(1)
-            gemm.host = (products, coords, thread_log)
-            where = (tm * cfg.tile_m, tn, m, (Int32(0), mSFB.shape[0] - 1))
+            blocks = (Int32(0), mSFB.shape[0] - 1)
+            staged = gemm._tile_scales((mSFA, mSFB, sSF), tm * cfg.tile_m, tn, m, blocks)
+            gemm.host = (products, coords, thread_log, staged)
             read, release = consumer_state(STAGES), consumer_state(STAGES)
             if lead_count > 0:
-                mma = (tiled_mma, None, None, acc, (frags, r0, r1, mSFA, mSFB))
-                read, release, tiled_mma = unit(lead_k0, lead_count, mma, where, read, release,
+                mma = (tiled_mma, None, None, acc, (frags, r0, r1, sSF))
+                read, release, tiled_mma = unit(lead_k0, lead_count, mma, read, release,
                                                 thread_log)  # fmt: skip
-            mma = (tiled_mma, None, None, acc, (frags, r0, r1, mSFA, mSFB))
-            unit(k0, count, mma, where, read, release, thread_log)
+            mma = (tiled_mma, None, None, acc, (frags, r0, r1, sSF))
+            unit(k0, count, mma, read, release, thread_log)
             for i in cutlass.range_constexpr(cute.size(acc)):
                 row, col = coords[i]
                 out[row, col] = acc[i]
 
-    run(from_dlpack(products), from_dlpack(sa), from_dlpack(sb), from_dlpack(out),
+    # the ring's staged scales (NaN where nothing was staged: a stale read shows)
+    staged = torch.full((cfg.tile_m, STAGES), float("nan"))
+    run(from_dlpack(products), from_dlpack(sa), from_dlpack(sb), from_dlpack(staged),
+        from_dlpack(out),
         from_dlpack(log), m, k0, count, tm, tn, lead_k0, lead_count)  # fmt: skip
     return out, log
 

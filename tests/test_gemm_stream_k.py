@@ -16,8 +16,8 @@ from forgekernel.kernels.gemm.dense.sm90 import launch as gemm_sm90
 from forgekernel.kernels.gemm.dense.sm90.config import (
     DECODE,
     DECODE_STREAM,
+    FIT_144,
     SKINNY_64,
-    WIDE,
     GemmConfig,
     choose_config,
     decode_time,
@@ -43,9 +43,9 @@ def test_decode_choice(m, n, want):
 
 
 def test_ragged_n_takes_the_tile_that_divides_it():
-    # 3 x 192, where 128 x 256 wastes a quarter (96 tiles of 128x192: tiled since the refit of
-    # 2026-12-02, 69.0 us against 69.4 streamed on the H200)
-    assert dataclasses.replace(choose_config(4096, 576, 7168), stream_k=False) == WIDE
+    # 4 x 144, where 128 x 256 wastes a quarter and 3 x 192 leaves 36 of 132 SMs idle (96 tiles
+    # of 128x192: 69.0 us on the H200; 128 of 128x144 predicted 55.6, config.FIT, unmeasured)
+    assert choose_config(4096, 576, 7168) == FIT_144
 
 
 def test_short_a_box_refuses_taller_problems(monkeypatch):

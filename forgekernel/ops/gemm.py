@@ -158,7 +158,9 @@ def tune_gemm(
     default) interleaved on fresh random inputs, record the winner for later `gemm` calls,
     and return it. Configurations that are not prebuilt compile first (needs the DSL)."""
     b_kn = b_layout == "kn"
-    configs = tuple(c for c in configs or STANDARD_CONFIGS + CANDIDATES if c.fits(m))
+    configs = tuple(
+        c for c in configs or STANDARD_CONFIGS + CANDIDATES if c.fits(m) and not (c.swap and b_kn)
+    )
     elems = m * k + n * k + m * n
     sets = [
         (
@@ -177,8 +179,8 @@ def tune_gemm(
         {
             "config": dataclasses.asdict(best),
             "ms": median(samples[best]),
-            "default_ms": median(samples[choose_config(m, n, k)])
-            if choose_config(m, n, k) in samples
+            "default_ms": median(samples[choose_config(m, n, k, b_kn=b_kn)])
+            if choose_config(m, n, k, b_kn=b_kn) in samples
             else None,
             "source_hash": SPEC.source_hash,
         },

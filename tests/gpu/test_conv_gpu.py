@@ -52,6 +52,50 @@ def test_every_tile_on_a_ragged_problem(cfg):
     assert_good(y, conv_ref(x, w, b, padding=1), F.conv2d(x, w, b, padding=1))
 
 
+@pytest.mark.parametrize("cfg", STANDARD_CONFIGS + CANDIDATES, ids=lambda c: c.tag())
+@pytest.mark.parametrize(
+    "x_shape, f, kw, rect",
+    [
+        ((2, 72, 29, 31), (3, 3), {"padding": 1}, 8),  # 8 x 16, ragged in P and Q
+        ((1, 72, 30, 30), (3, 3), {"padding": 2, "dilation": 2}, 16),  # 16 x 8 over 30 x 30
+        ((2, 72, 7, 9), (3, 3), {"padding": (2, 0)}, 8),  # padding past the filter's reach
+        ((1, 72, 5, 9, 10), (3, 3, 3), {"padding": 1}, 16),  # 3-D, 16 x 8 over 9 x 10
+        ((2, 72, 14, 8), (1, 1), {"padding": 0}, 8),  # 1x1: one plane of 8-pixel rows
+    ],
+    ids=["rect8", "rect16-dil2", "rect8-pad2", "rect16-3d", "flat1x1"],
+)
+def test_forward_rectangles_every_tile_and_split(cfg, x_shape, f, kw, rect):
+    """The stride-1 forward on output rectangles (A a tiled box of x at the tap's offset, the
+    TMA's zero fill the padding; y stored as rectangles, clipped at P and Q) with each tile,
+    the split ones in 1 and 4 k-tiles a part: K = 200 (a ragged N tile), C = 72 (a part-filled
+    channel block), bias, into a channel slice of a wider buffer (the 8 extra channels stay
+    NaN)."""
+    from forgekernel.kernels.conv.sm90.config import SplitPlan, split_tiles
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    dims = len(f)
+    w_shape = (200, 72, *f)
+    x, w, b = rnd(*x_shape, gen=g), rnd(*w_shape, gen=g), rnd(200, gen=g)
+    want = conv_ref(x, w, b, **kw)
+    low = (F.conv3d if dims == 3 else F.conv2d)(x, w, b, **kw)
+    fmt = torch.channels_last_3d if dims == 3 else torch.channels_last
+    wide = torch.full((want.shape[0], 208, *want.shape[2:]), float("nan"), device="cuda")
+    wide = wide.to(torch.bfloat16).contiguous(memory_format=fmt)
+    y = wide[:, :200]
+    geometry = op._geometry(dims, f, 1, kw["padding"], kw.get("dilation", 1))
+    y5 = op._view5d(y)
+    m = want[:, 0].numel()
+    pixels = tuple(y5.shape[:4]) if f[0] * f[-1] > 1 else (1, 1, m // 8, 8)
+    k_tiles = 2 * math.prod(f)
+    for per_split in (k_tiles, 4, 1) if cfg.split else (k_tiles,):
+        tiles = split_tiles(cfg, m, 200, pixels, rect)
+        plan = SplitPlan(cfg, per_split, math.ceil(k_tiles / per_split), tiles, rect)
+        wide.fill_(float("nan"))
+        launch.fprop(op._as5d(x), op._as5d(w), b, y5, geometry, plan)
+        assert_good(y, want, low)
+        assert bool(wide[:, 200:].isnan().all())
+
+
 @pytest.mark.parametrize("stride", [1, 2])
 @pytest.mark.parametrize("cfg", STANDARD_CONFIGS, ids=lambda c: c.tag())
 def test_dgrad_mode_every_tile(cfg, stride):
@@ -157,6 +201,49 @@ def test_wgrad_every_tile_and_split(cfg):
     tiles = wgrad_tiles(cfg, 136, 200, 9)
     k_tiles = math.ceil(dy.numel() // 136 / 64)
     geometry = op._geometry(2, (3, 3), 2, 1, 1)
+    for per_split in (k_tiles, 2, 1):
+        plan = WgradPlan(cfg, per_split, math.ceil(k_tiles / per_split), tiles)
+        runs = []
+        for _ in range(2):
+            dw = torch.full(w_shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+            dw = dw.contiguous(memory_format=torch.channels_last)
+            launch.wgrad(op._as5d(dy), op._as5d(x), op._view5d(dw), geometry, plan)
+            assert_good(dw, want, low)
+            runs.append(dw)
+        assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("cfg", WGRAD_CONFIGS, ids=lambda c: f"{c.tile_m}x{c.tile_n}")
+@pytest.mark.parametrize(
+    "x_shape, f, kw, rect",
+    [
+        ((2, 200, 29, 31), 3, {"padding": 1}, 8),  # 8 x 8 rectangles, ragged in P and Q
+        ((1, 200, 30, 30), 3, {"padding": 1, "dilation": 2}, 16),  # 16 x 4 over 28 x 28
+        ((2, 200, 7, 9), 3, {"padding": (2, 0)}, 8),  # padding past the filter's reach
+        ((2, 200, 14, 8), 1, {"padding": 0}, 8),  # 1x1: one plane of 8-pixel rows
+    ],
+    ids=["rect8", "rect16", "rect8-pad2", "flat1x1"],
+)
+def test_wgrad_rectangles_every_tile_and_split(cfg, x_shape, f, kw, rect):
+    """The stride-1 weight gradient (rectangles of output pixels through tiled TMAs; the TMA's
+    zero fill is the padding and the rectangles' part past P and Q) with each tile, unsplit
+    and split: K = 136, C = 200, 3x3 (and an unpadded 1x1 over 224 pixels, dy and x seen as
+    one plane 8 pixels wide); twice, bitwise equal."""
+    from forgekernel.kernels.conv.sm90.wgrad_config import WgradPlan, wgrad_tiles
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w_shape = (136, 200, f, f)
+    x = rnd(*x_shape, gen=g)
+    dy = rnd(*conv_ref(x, rnd(*w_shape, gen=g), **kw).shape, gen=g)
+    want = conv_wgrad_ref(dy, x, w_shape, **kw)
+    low = _torch_grads(dy, x, torch.empty(w_shape, device="cuda", dtype=x.dtype), kw, "dw")
+    tiles = wgrad_tiles(cfg, 136, 200, f * f)
+    n, _, p, q = dy.shape
+    plane = (1, 1, n * p * q // 8, 8) if f == 1 else (n, 1, p, q)
+    walk = launch._wgrad_walk(True, *plane)
+    assert walk[0] == rect
+    k_tiles = walk[1]
+    geometry = op._geometry(2, (f, f), 1, kw["padding"], kw.get("dilation", 1))
     for per_split in (k_tiles, 2, 1):
         plan = WgradPlan(cfg, per_split, math.ceil(k_tiles / per_split), tiles)
         runs = []

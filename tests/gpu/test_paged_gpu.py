@@ -174,7 +174,10 @@ def test_paged_speculative_decoding_fp8_cache(q_lens, k_lens, hq, hkv, d, dtype)
 @pytest.mark.parametrize(
     ("q_lens", "k_lens", "hq", "hkv", "d"),
     [([1, 3, 2, 4], [40, 3, 700, 4096], 32, 8, 128), ([2, 2], [0, 129], 16, 2, 256),
-     ([4] * 16, [2048] * 16, 64, 8, 128)],
+     ([4] * 16, [2048] * 16, 64, 8, 128),
+     # 32 rows a CTA (GQA 8 x 4 tokens, GQA 16 x 2): split plans of many splits and of one
+     ([4, 1, 3, 2], [700, 5, 64, 4096], 16, 2, 64), ([2, 1, 2], [33, 0, 3000], 32, 2, 128),
+     ([4] * 32, [300] * 32, 64, 8, 128)],
 )  # fmt: skip
 def test_paged_speculative_decoding(causal, q_lens, k_lens, hq, hkv, d):
     g = torch.Generator(device="cuda").manual_seed(3)

@@ -131,9 +131,9 @@ DECODE_BENCH_CASES = (
     _case(64, 32, 8, 128, 16, 4096, group="fp8", fp8="head"),
 )
 # Speculative decoding / MTP verification (2-4 query tokens a sequence: the paged kernel's
-# packed form): Llama-3 8B at batch 32-64 x 2k-8k keys, Llama-3 70B at tp 1 (64 / 8 heads:
-# heads_per_cta(8, 4) = 4, so at 4 tokens two CTAs stream each KV head), and a batch verifying
-# 1-4 tokens a sequence over the mixed decode lengths.
+# packed form): Llama-3 8B at batch 32-64 x 2k-8k keys, Llama-3 70B at tp 1 (64 / 8 heads: at 4
+# tokens 32 rows, one CTA of two row blocks a KV head; with 16 rows two CTAs each), and a batch
+# verifying 1-4 tokens a sequence over the mixed decode lengths.
 SPEC_BENCH_CASES = (
     _case(64, 32, 8, 128, 16, 4096, q_lens=2, group="spec"),
     _case(64, 32, 8, 128, 16, 4096, q_lens=4, group="spec"),
@@ -172,6 +172,9 @@ SPEC_CHECK_CASES = (
     _case(4, 12, 4, 128, 1, (5, 0, 70, 33), q_lens=(2, 2, 0, 3)),
     _case(2, 16, 2, 256, 64, (129, 2048), q_lens=4),
     _case(3, 32, 8, 128, 16, (37, 300, 4), q_lens=(3, 1, 4), fp8="head"),
+    # 32 rows a CTA (GQA 8 x 4 tokens at D 128: two row blocks, the warps' O merged over K's
+    # and V's buffers), a sequence without keys
+    _case(3, 32, 4, 128, 16, (33, 0, 700), q_lens=(4, 2, 3)),
 )
 PREFILL_CHECK_CASES = (
     _case(4, 8, 2, 128, 16, (300, 17, 77, 1000), q_lens=(100, 1, 0, 513)),
@@ -190,13 +193,14 @@ CHECK_CASES = (
     *PREFILL_CHECK_CASES,
 )
 # every kernel variant under the sanitizers: the 16-bit partial at D 64 / 128 / 256, the FP8 one,
-# the packed one at 4 query tokens (page 1, a sequence without queries, rows that see no key),
-# the forward's paged mode at D 128 / page 16 (a sequence without queries, a decode row, a
-# partial last page) and D 256 / page 32
+# the packed one at 4 query tokens (page 1, a sequence without queries, rows that see no key)
+# and at 32 rows a CTA (the merge over K's and V's buffers), the forward's paged mode at D 128 /
+# page 16 (a sequence without queries, a decode row, a partial last page) and D 256 / page 32
 SANITIZE_CASES = (
     *CHECK_CASES[:3],
     FP8_CHECK_CASES[0],
     SPEC_CHECK_CASES[1],
+    SPEC_CHECK_CASES[4],
     PREFILL_CHECK_CASES[0],
     PREFILL_CHECK_CASES[2],
 )

@@ -174,16 +174,40 @@ EDGE_CASES = (
 # data-parallel rounds before the streamed ones (tests/test_gemm_stream_k_clusters.py
 # `test_the_suite_checks_every_prefill_walk` keeps it so). Since the refit of 2026-12-02 07:00
 # (a streamed k-iteration 1.2x slower) the chooser streams data-parallel rounds only where the
-# last round of cluster blocks is nearly empty: 3.05 and 4.09 rounds here.
+# last round of cluster blocks is nearly empty. Since the one-wave tiles (config.py FIT, their
+# efficiencies assumed) the chooser takes a 192-row tile where it took MID (MID is forced by
+# tests/gpu/test_gemm_prefill_stream_gpu.py), and the first four cases below check those.
 PREFILL_STREAM_CASES = (
-    _case(129, 10248, 520, "kn"),  # MID tiled: 41 tile columns, the last block's CTA 1 past N
-    _case(301, 28680, 4104, group="ragged", source="llama3-8b.gate_up"),  # MID tiled, 5 tile rows
+    _case(129, 10248, 520, "kn"),  # 192x80: 129 columns, the last block's CTA 1 past N
+    _case(301, 28680, 4104, group="ragged", source="llama3-8b.gate_up"),  # 128x80 swapped
+    _case(519, 17024, 2312, "kn"),  # 192x80: 3 tile rows, 213 columns (a dead CTA of a 1x2)
+    _case(1091, 10248, 4104),  # 192x96: 6 tile rows, 107 columns
     _case(2057, 216, 6344),  # LARGE stream K: 17 tile rows (dead parked), 3 parts, N < a tile
-    _case(519, 17024, 2312, "kn"),  # LARGE stream K: 5 tile rows (dead parked), 2 dp rounds
-    _case(1091, 10248, 4104),  # WIDE stream K: 9 tile rows (dead parked), 3 dp rounds
+    _case(2832, 4336, 3840, "kn"),  # LARGE stream K: 23 tile rows (dead parked), dp rounds
+    _case(3250, 4032, 6040),  # WIDE stream K: data-parallel rounds, part 0 as a last unit
     _case(1026, 520, 4104),  # WIDE stream K: dead parked, 3 parts
 )
+# The one-wave tiles (config.py FIT), each on the shapes the chooser picks it for, M and N off
+# its tile (both B layouts over the set): 128x224, 128x160, 128x144 and 128x112 with 16-column
+# epilogue sub-tiles (N smaller than a tile), 192x80 and 192x96 (three consumer warpgroups).
+FIT_CASES = (
+    _case(130, 13864, 136),  # 128x80 swapped (128x224's before the swap; kn below)
+    _case(1000, 6720, 168, "kn"),  # 128x224
+    _case(511, 4840, 160, "kn"),  # 128x160
+    _case(333, 8824, 128),  # 128x144
+    _case(257, 40, 288, "kn"),  # 128x112, N under one tile
+    _case(129, 8848, 136, "kn"),  # 192x80
+    _case(129, 11120, 136),  # 192x96
+)
 # One moderate case per class the bench samples besides the legacy ones (checked in full above).
+# The swapped tiles (config.py SWAP: C^T = B A^T, C through its M-major view), B "nk", on the
+# shapes the chooser picks each for: tokens off the 16-row steps and off the token tile (the last
+# token tile moved back), the weight's N off 128 / 192, 1x2 clusters with an odd tile count.
+SWAP_CASES = (
+    _case(777, 4104, 520),  # 128x208 swapped: 4 token tiles (the last moved back), 33 N tiles
+    _case(129, 10248, 520),  # 192x80 swapped: 2 token tiles (49 rows recomputed), 54 N tiles
+    _case(300, 6152, 136),  # 192x80 swapped: 4 token tiles, 33 N tiles (the last moved back)
+)  # 128x80 swapped: 301x28680x4104 and 130x13864x136 above
 CLASS_CHECK_CASES = (
     _case(16, 6144, 4096, group="decode", source="llama3-8b.qkv"),
     _case(1, 576, 7168, "kn", group="decode", source="deepseek-v3.kv_a"),
@@ -191,7 +215,14 @@ CLASS_CHECK_CASES = (
     _case(1024, 4608, 3584, group="prefill", source="qwen2.5-7b.qkv"),
     _case(333, 1536, 7168, group="ragged", source="deepseek-v3.q_a"),
 )
-CHECK_CASES = _unique(LEGACY_BENCH_CASES + EDGE_CASES + CLASS_CHECK_CASES + PREFILL_STREAM_CASES)
+CHECK_CASES = _unique(
+    LEGACY_BENCH_CASES
+    + EDGE_CASES
+    + CLASS_CHECK_CASES
+    + PREFILL_STREAM_CASES
+    + FIT_CASES
+    + SWAP_CASES
+)
 # N or K not a multiple of 8 (cuBLAS takes any shape): checked once forgekernel.gemm takes them
 # (`odd_sizes_accepted`), with GPT-2's LM head (vocabulary 50257) as the real-model one.
 ODD_CASES = (
@@ -205,10 +236,10 @@ ODD_CASES = (
 )
 # compute-sanitizer (`forgekernel check --sanitize`) and tests/gpu/: every kind of standard
 # configuration the chooser picks (decode stream K and short A box, 64x64 skinny, 64x128
-# skinny, 128x128 with and without a cluster, 128x192 wide, 128x256 large, 64x256 mid, prefill
-# stream K over 2-CTA clusters), each on ragged edges, both B layouts, and the smallest problem
-# (M = 1, N = K = 8). Prefill stream K: parts parked and summed by CTAs of clusters, a dead CTA
-# skipping its part, data-parallel rounds before the streamed ones.
+# skinny, 128x128 with and without a cluster, 128x192 wide, 128x256 large, prefill stream K
+# over 2-CTA clusters, the one-wave tiles), each on ragged edges, both B layouts, and the
+# smallest problem (M = 1, N = K = 8). Prefill stream K: parts parked and summed by CTAs of
+# clusters, a dead CTA skipping its part, data-parallel rounds before the streamed ones.
 SANITIZE_CASES = (
     _case(1, 8, 8),
     _case(2, 512, 16384),
@@ -222,19 +253,31 @@ SANITIZE_CASES = (
     _case(20, 2056, 520, "kn"),
     _case(16, 520, 1032),
     _case(64, 4096, 1024),
-    _case(640, 1024, 1032),
+    _case(640, 1024, 1032),  # 128x80 swapped (was 128x112's, 128x128's)
+    _case(929, 80, 128),  # 128x128 c2x1, N under a tile
     _case(2000, 1400, 520, "kn"),
     _case(33, 264, 520),
     _case(100, 264, 1000, "kn"),
     _case(255, 136, 72),
-    _case(1000, 1000, 1032, "kn"),
+    _case(1000, 1000, 1032, "kn"),  # 128x112
     _case(1500, 2504, 520),
-    _case(129, 10248, 520, "kn"),  # MID
-    _case(129, 264, 4104),  # WIDE stream K, 3 parts
+    _case(129, 10248, 520, "kn"),  # 192x80 (was MID's)
+    _case(129, 264, 4104),  # 128x80 swapped (was WIDE stream K's)
     _case(1026, 520, 4104, "kn"),  # WIDE stream K, dead parked, 3 parts
+    _case(331, 25584, 2312),  # 192x80 (was LARGE stream K's)
     # LARGE stream K: data-parallel rounds, dead parked, part 0 parked as a cluster's last unit,
     # a whole block between two cut ones
-    _case(331, 25584, 2312),
+    _case(2827, 4336, 3896),
+    # the one-wave tiles (FIT_CASES): 128x160, 128x144, 192x96, 128x224; 128x112 above (1000
+    # rows), 192x80 above; 130x13864x136 128x80 swapped
+    _case(130, 13864, 136),
+    _case(511, 4840, 160, "kn"),
+    _case(333, 8824, 128, "kn"),
+    _case(129, 11120, 136),
+    _case(1000, 6720, 168, "kn"),
+    # the swapped tiles (SWAP_CASES): 128x208, 192x80
+    _case(777, 4104, 520),
+    _case(129, 10248, 520),
 )
 
 
@@ -291,20 +334,23 @@ def run_ours(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
 
 
 def variants(case: Case) -> dict[str, Any]:
-    """M > 128: the prefill configuration the chooser weighed against its pick and left
-    (config.py `prefill_rivals`: "tile", the measured tile, or "challenger", the 64-row tile
-    or a stream-K one), forced through the op: variant time / our time says whether the
-    choice paid (docs/gemm/NOTES.md "Mid-size M"). None for decode and skinny M."""
+    """M > 128: the prefill configurations the chooser weighed against its pick and left
+    (config.py `prefill_rivals`: "tile", the measured tile, "challenger", the 64-row tile or a
+    stream-K one, "fit", the fastest one-wave tile by the model, "swap", the fastest swapped
+    tile on B "nk" up to `SWAP_MAX_M` rows), forced through the op: variant time / our time
+    says whether the choice paid (docs/gemm/NOTES.md "Mid-size M", "One-wave tiles", "The
+    swap"). None for decode and skinny M."""
     from forgekernel.kernels.gemm.dense.sm90.config import choose_config, prefill_rivals
 
     p = case.params
     m, n, k = p["m"], p["n"], p["k"]
+    b_kn = p["b_layout"] == "kn"
     if m <= 128:
         return {}
-    chosen = choose_config(m, n, k)
+    chosen = choose_config(m, n, k, b_kn=b_kn)
     return {
         kind: (lambda inputs, out, cfg=cfg: _forced(inputs, out, cfg))
-        for kind, cfg in prefill_rivals(m, n, k).items()
+        for kind, cfg in prefill_rivals(m, n, k, b_kn=b_kn).items()
         if cfg != chosen
     }
 

@@ -18,10 +18,11 @@ from forgekernel.kernels.conv.sm90.config import (
 from forgekernel.kernels.conv.sm90.dgrad_config import FUSED_CONFIGS, fused_params
 from forgekernel.kernels.conv.sm90.geometry import (
     INT32_MAX,
+    RECT_WIDTHS,
     Geometry,
     dgrad_geometry_problem,
 )
-from forgekernel.kernels.conv.sm90.wgrad_config import WGRAD_CONFIGS, wgrad_params
+from forgekernel.kernels.conv.sm90.wgrad_config import WGRAD_CONFIGS, WGRAD_RECTS, wgrad_params
 from forgekernel.runtime.spec import KernelSpec, Params
 
 
@@ -32,15 +33,20 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
+    # each tile on the im2col walk (any stride) and on the stride-1 output rectangles
     forward = [
-        params_for(dtype, bias, cfg)
+        params_for(dtype, bias, cfg, rect=rect)
         for dtype in DTYPES
         for bias in (False, True)
         for cfg in STANDARD_CONFIGS
+        for rect in (0, *RECT_WIDTHS)
     ]
     # the data-gradient mode (W read N-major, taps reversed; no bias)
     dgrad = [
-        params_for(dtype, False, cfg, dgrad=True) for dtype in DTYPES for cfg in STANDARD_CONFIGS
+        params_for(dtype, False, cfg, dgrad=True, rect=rect)
+        for dtype in DTYPES
+        for cfg in STANDARD_CONFIGS
+        for rect in (0, *RECT_WIDTHS)
     ]
     return forward + dgrad
 
@@ -52,7 +58,12 @@ def _compile_wgrad(params: Params, extra_options: str = ""):
 
 
 def _wgrad_params() -> list[Params]:
-    return [wgrad_params(dtype, cfg) for dtype in DTYPES for cfg in WGRAD_CONFIGS]
+    return [
+        wgrad_params(dtype, cfg, rect)
+        for dtype in DTYPES
+        for cfg in WGRAD_CONFIGS
+        for rect in WGRAD_RECTS
+    ]
 
 
 def _candidate_params() -> list[Params]:

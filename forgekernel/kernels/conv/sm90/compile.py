@@ -6,7 +6,7 @@ stride_d, stride_h, stride_w, dil_d, dil_h, dil_w, per_split, max_clusters) with
 C), w (K, T, R, S, C), y (N x Z x P x Q, K), bias (K,) or None as compiled; work fp32 and flags
 int32 with a split reduction (params "split"), else None. The data-gradient mode (params "dgrad"):
 x = dY (N, Z, P, Q, K), w = W (K, T', R', S', C) (any strides: a phase's taps), y (M, C), no
-bias."""
+bias. Stride-1 rectangles (params "rect" 8 / 16, kernel.py): y (N, Z, P, Q, K)."""
 
 from __future__ import annotations
 
@@ -30,10 +30,12 @@ def compile_conv_fprop(params: dict, arch: str = "sm_90a", extra_options: str = 
     x = fake.rowmajor(dtype, tuple(cute.sym_int32() for _ in range(4)) + (c,))
     # c: the reduction's channels, k: the output's; the data gradient's W is (c, taps, k)
     w = fake.rowmajor(dtype, (c, *taps, k) if dgrad else (k, *taps, c))
-    y = fake.rowmajor(dtype, (cute.sym_int32(), k))
+    rect = params.get("rect", 0)
+    # y (M, K) for the im2col walk, (N, Z, P, Q, K) for the stride-1 rectangles
+    y = fake.rowmajor(dtype, tuple(cute.sym_int32() for _ in range(4 if rect else 1)) + (k,))
     bias = make_fake_tensor(dtype, (k,), stride=(1,), assumed_align=16) if params["bias"] else None
     cfg = ConvConfig.from_params(params)
-    kernel = ConvFpropSm90(cfg, bias=params["bias"], dgrad=dgrad)
+    kernel = ConvFpropSm90(cfg, bias=params["bias"], dgrad=dgrad, rect=rect)
     work = flags = None
     if cfg.split:
         work = make_fake_tensor(cutlass.Float32, (cute.sym_int32(),), stride=(1,), assumed_align=16)

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from forgekernel.kernels.common.sm90.constants import DTYPE_NAMES, NUM_SMS_H100_H200
+from forgekernel.kernels.conv.sm90.geometry import RECT_WIDTHS, rect_count
 
 DTYPES = DTYPE_NAMES
 CHANNEL_ALIGN = 8  # TMA rows are 16-byte multiples: C and K are multiples of 8 (16 bits)
@@ -75,10 +76,13 @@ MAX_WORKSPACE = 64 << 20  # fp32 partials (256 MB)
 K_TILE = 64  # the reduction's k-tile (channels of a tap; pixels for the weight gradient)
 
 
-def params_for(dtype: str, bias: bool, cfg: ConvConfig, dgrad: bool = False) -> tuple:
+def params_for(
+    dtype: str, bias: bool, cfg: ConvConfig, dgrad: bool = False, rect: int = 0
+) -> tuple:
     """The compile key's baked-in part, as a sorted tuple of (name, value); `dgrad`: the
-    data-gradient mode (kernel.py: W read N-major, taps reversed; no bias)."""
-    key = {"dtype": dtype, "bias": bias, "dgrad": dgrad, **asdict(cfg)}
+    data-gradient mode (kernel.py: W read N-major, taps reversed; no bias); `rect`: the
+    stride-1 output rectangles' width (0: the im2col walk; geometry.RECT_WIDTHS)."""
+    key = {"dtype": dtype, "bias": bias, "dgrad": dgrad, "rect": rect, **asdict(cfg)}
     return tuple(sorted(key.items()))
 
 
@@ -96,6 +100,7 @@ class SplitPlan:
     per_split: int
     parts: int
     tiles: int
+    rect: int = 0  # the forward's stride-1 output rectangles' width (0: the im2col walk)
 
     @property
     def workspace_floats(self) -> int:
@@ -136,43 +141,61 @@ def split_cost(
     return waves * (per * k_tile + park + epilogue) + parts * park, per, parts
 
 
-def split_tiles(cfg: ConvConfig, m: int, n: int) -> int:
+def m_tiles(cfg: ConvConfig, m: int, pixels=None, rect: int = 0) -> int:
+    """The output tiles along M: tile_m pixels of the im2col walk, or (`rect` > 0) the
+    rectangles of tile_m pixels covering `pixels` (N, Z, P, Q) (geometry.rect_count)."""
+    if rect:
+        return rect_count(*pixels, rect, cfg.tile_m)
+    return _ceil(m, cfg.tile_m)
+
+
+def split_tiles(cfg: ConvConfig, m: int, n: int, pixels=None, rect: int = 0) -> int:
     """The flags a split needs: output tiles with M's padded to whole clusters (the schedule's
-    last cluster may hold a tile past M: it parks a part of its own)."""
+    last cluster may hold a tile past M: it parks a part of its own); M's tiles are rectangles
+    where `rect` > 0 (`m_tiles`)."""
     cm = cfg.cluster_m
-    return _ceil(_ceil(m, cfg.tile_m), cm) * cm * _ceil(n, cfg.tile_n)
+    return _ceil(m_tiles(cfg, m, pixels, rect), cm) * cm * _ceil(n, cfg.tile_n)
 
 
-def choose_plan(m: int, n: int, c: int, taps: int = 1, num_sms: int = NUM_SMS_H100_H200):
+def choose_plan(
+    m: int, n: int, c: int, taps: int = 1, num_sms: int = NUM_SMS_H100_H200, pixels=None
+):
     """The forward (or data-gradient phase) launch for M output pixels, N output channels, C
-    input channels and `taps` filter taps: the standard tile and split of the least
-    `split_cost` (a split runs on the tile's split variant)."""
+    input channels and `taps` filter taps: the standard tile, walk and split of the least
+    `split_cost` (a split runs on the tile's split variant). `pixels` (N, Z, P, Q): a stride-1
+    forward, whose output tiles may also be rectangles of each width of RECT_WIDTHS (A through
+    a tiled TMA: no im2col-rate term; tiles counted in rectangles, their zero-filled pixels
+    paid as multiply-adds); None: the im2col walk only."""
     k_tiles = _ceil(c, K_TILE) * taps
+    walks = (0,) + (RECT_WIDTHS if pixels is not None else ())
     best = None
     for cfg in BASE_CONFIGS:
-        tiles_mn = (_ceil(m, cfg.tile_m), _ceil(n, cfg.tile_n))
-        tiles = split_tiles(cfg, m, n)
-        limit = min(MAX_PARTS, max(1, k_tiles // MIN_PER_PART))
-        limit = min(limit, max(1, MAX_WORKSPACE // (tiles * cfg.tile_m * cfg.tile_n)))
-        for want in range(1, limit + 1):
-            cost, per, parts = split_cost(
-                (cfg.tile_m, cfg.tile_n),
-                tiles_mn,
-                (cfg.cluster_m, cfg.cluster_n),
-                k_tiles,
-                want,
-                num_sms,
-                _EFFICIENCY[cfg],
-                im2col_rows=cfg.tile_m / cfg.cluster_n,  # A's box, shared by a cluster's row
-            )
-            if best is None or cost < best[0]:
-                chosen = replace(cfg, split=True) if parts > 1 else cfg
-                best = (cost, SplitPlan(chosen, per, parts, tiles))
+        for rect in walks:
+            tiles_mn = (m_tiles(cfg, m, pixels, rect), _ceil(n, cfg.tile_n))
+            tiles = split_tiles(cfg, m, n, pixels, rect)
+            limit = min(MAX_PARTS, max(1, k_tiles // MIN_PER_PART))
+            limit = min(limit, max(1, MAX_WORKSPACE // (tiles * cfg.tile_m * cfg.tile_n)))
+            # A's im2col box, shared by a cluster's row; a tiled box has no such rate
+            rows = 0.0 if rect else cfg.tile_m / cfg.cluster_n
+            for want in range(1, limit + 1):
+                cost, per, parts = split_cost(
+                    (cfg.tile_m, cfg.tile_n),
+                    tiles_mn,
+                    (cfg.cluster_m, cfg.cluster_n),
+                    k_tiles,
+                    want,
+                    num_sms,
+                    _EFFICIENCY[cfg],
+                    im2col_rows=rows,
+                )
+                if best is None or cost < best[0]:
+                    chosen = replace(cfg, split=True) if parts > 1 else cfg
+                    best = (cost, SplitPlan(chosen, per, parts, tiles, rect))
     return best[1]
 
 
 def choose_config(m: int, n: int, c: int, num_sms: int = NUM_SMS_H100_H200, taps: int = 1):
-    """The configuration `choose_plan` picks."""
+    """The configuration `choose_plan` picks (the im2col walk)."""
     return choose_plan(m, n, c, taps, num_sms).config
 
 

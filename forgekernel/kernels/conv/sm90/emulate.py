@@ -30,7 +30,13 @@ from collections.abc import Callable
 import torch
 
 from forgekernel.kernels.conv.sm90.config import ConvConfig
-from forgekernel.kernels.conv.sm90.geometry import Geometry
+from forgekernel.kernels.conv.sm90.geometry import (
+    RECT_PIXELS,
+    Geometry,
+    rect_count,
+    rect_k_tiles,
+    rect_origin,
+)
 
 
 def traversal(x_dhw: tuple[int, int, int], geometry: Geometry) -> tuple[int, int, int]:
@@ -67,6 +73,24 @@ def im2col_box(
         sel = inside.nonzero().squeeze(1)
         gathered = x[ni[sel], coords[0][sel], coords[1][sel], coords[2][sel]][:, ch]
         box[sel[:, None], (ch - c0)[None, :]] = gathered.double()
+    return box
+
+
+def rect_box(
+    t: torch.Tensor, origin: tuple, rq: int, c0: int, cols: int, pixels: int = RECT_PIXELS
+) -> torch.Tensor:
+    """The (pixels, cols) tile one tiled TMA load of a rectangle writes from t (N, D, H, W, C):
+    rows the rq x pixels / rq positions at origin (n, d, h0, w0), w fastest; channels c0 ..
+    c0 + cols - 1; zero outside t (coordinates below 0 included)."""
+    n_img, d, h, w, c = t.shape
+    i = torch.arange(pixels)
+    n, di, hi, wi = origin[0], origin[1], origin[2] + i // rq, origin[3] + i % rq
+    inside = (hi >= 0) & (hi < h) & (wi >= 0) & (wi < w) & (0 <= di < d) & (0 <= n < n_img)
+    box = torch.zeros(pixels, cols, dtype=torch.float64)
+    ch = torch.arange(c0, max(c0, min(c0 + cols, c)))  # none past C (a tile past K)
+    if inside.any() and len(ch):
+        sel = inside.nonzero().squeeze(1)
+        box[sel[:, None], (ch - c0)[None, :]] = t[n, di, hi[sel], wi[sel]][:, ch].double()
     return box
 
 
@@ -133,18 +157,27 @@ def split_sum(acc, slots, flags, tile: int, tiles: int, part: int, parts: int):
 
 
 def run(x, w, y, bias, geometry: Geometry, cfg: ConvConfig, dgrad: bool = False,
-        split=None) -> None:  # fmt: skip
+        split=None, rect: int = 0) -> None:  # fmt: skip
     """y (M, K) = the forward convolution as the kernel computes it (module docstring);
     `dgrad`: the data-gradient mode (w (K, T, R, S, C) read N-major, taps reversed); `split`:
     (k-tiles per part, workspace, flags, the order the units run in or None), each tile's
     k-tiles cut into parts, each parked in slot part x tiles + tile and counted in
-    flags[tile], the last to arrive summing them in part order (wgrad_run's protocol)."""
+    flags[tile], the last to arrive summing them in part order (wgrad_run's protocol). `rect`
+    > 0 (stride 1): y is (N, Z, P, Q, K) and M tile i the rectangle `geometry.rect_origin(i)`
+    of rect x tile_m / rect outputs, A's box x's rectangle shifted by the tap (`rect_box`:
+    zero outside x), its rows stored to the rectangle's pixels inside Y (the rest clipped)."""
+    y5 = y
+    if rect:
+        if geometry.stride != (1, 1, 1) or y.dim() != 5:
+            raise AssertionError(f"the rectangles walk stride 1, y (N, Z, P, Q, K): {y.shape}")
+        y = y.reshape(-1, y.shape[-1])
     m_rows, k = y.shape
     n_img, d, h, wd, c = x.shape
     taps = tuple(w.shape[1:4])
     z, p, q = traversal((d, h, wd), geometry)
     if n_img * z * p * q != m_rows:
         raise AssertionError(f"the walk visits {n_img}x{z}x{p}x{q} pixels, y has {m_rows} rows")
+    m_tiles = rect_count(n_img, z, p, q, rect, cfg.tile_m) if rect else -(-m_rows // cfg.tile_m)
     if dgrad and (w.shape[0] != c or w.shape[-1] != k):
         raise AssertionError(f"dgrad: W {tuple(w.shape)} is not ({c}, taps, {k})")
     c_blocks = -(-c // cfg.tile_k)
@@ -153,7 +186,7 @@ def run(x, w, y, bias, geometry: Geometry, cfg: ConvConfig, dgrad: bool = False,
     parts = -(-k_tiles // per)
     # M tiles padded to whole clusters: a tile past M reads zeros, stores nothing (kernel.py)
     cm = cfg.cluster_m
-    tiles_m, tiles_n = -(-m_rows // (cfg.tile_m * cm)) * cm, -(-k // cfg.tile_n)
+    tiles_m, tiles_n = -(-m_tiles // cm) * cm, -(-k // cfg.tile_n)
     tiles = tiles_m * tiles_n
     if parts > 1 and (work.numel() < parts * tiles * cfg.tile_m * cfg.tile_n or
                       flags.numel() < tiles or bool(flags[:tiles].any())):  # fmt: skip
@@ -168,9 +201,18 @@ def run(x, w, y, bias, geometry: Geometry, cfg: ConvConfig, dgrad: bool = False,
         count = min(k0 + per, k_tiles) - k0
         b_tiles = dgrad_b_k_tiles(k_tiles, c_blocks, k0, count) if dgrad else range(k0, k0 + count)
         acc = torch.zeros(cfg.tile_m, cfg.tile_n, dtype=torch.float64)
+        if rect:
+            corner = rect_origin(tile % tiles_m, z, p, q, rect, cfg.tile_m)
         for kt, kt_b in zip(range(k0, k0 + count), b_tiles):
             cb, tap = k_tile_coords(kt, c_blocks, taps)
-            a = im2col_box(x, geometry, m0, cfg.tile_m, tap, cb * cfg.tile_k, cfg.tile_k)
+            if rect:
+                at = [
+                    o + t_ * dil - lo
+                    for o, t_, dil, lo in zip(corner[1:], tap, geometry.dilation, geometry.pad_lo)
+                ]
+                a = rect_box(x, (corner[0], *at), rect, cb * cfg.tile_k, cfg.tile_k, cfg.tile_m)
+            else:
+                a = im2col_box(x, geometry, m0, cfg.tile_m, tap, cb * cfg.tile_k, cfg.tile_k)
             cb_b, tap_b = k_tile_coords(kt_b, c_blocks, taps)
             b = box_b(w, n0, cfg.tile_n, tap_b, cb_b * cfg.tile_k, cfg.tile_k)
             acc += a @ b.T
@@ -181,7 +223,16 @@ def run(x, w, y, bias, geometry: Geometry, cfg: ConvConfig, dgrad: bool = False,
         if bias is not None:
             cols = torch.arange(n0, n0 + cfg.tile_n).clamp(max=bias.shape[0] - 1)
             acc += bias[cols].double()[None, :]
-        rows, width = max(0, min(cfg.tile_m, m_rows - m0)), min(cfg.tile_n, k - n0)
+        width = min(cfg.tile_n, k - n0)
+        if rect:  # the rectangle's rows inside Y (the TMA store clips the rest)
+            n, zo, p0, q0 = corner
+            i = torch.arange(cfg.tile_m)
+            pi, qi = p0 + i // rect, q0 + i % rect
+            sel = ((pi < p) & (qi < q)).nonzero().squeeze(1)
+            if n < n_img:  # a tile past the last image (cluster padding) stores nothing
+                y5[n, zo, pi[sel], qi[sel], n0 : n0 + width] = acc[sel, :width].to(y.dtype)
+            continue
+        rows = max(0, min(cfg.tile_m, m_rows - m0))
         y[m0 : m0 + rows, n0 : n0 + width] = acc[:rows, :width].to(y.dtype)
 
 
@@ -189,6 +240,7 @@ def compiled(params, order_seed: int | None = None) -> Callable[..., None]:
     """A stand-in for the compiled function of compile key `params` (`order_seed`: a split's
     units run in a random order, as a GPU may)."""
     cfg = ConvConfig.from_params(dict(params))
+    rect = dict(params).get("rect", 0)
 
     def fn(x, w, y, bias, work, flags, *args):
         geometry_args, per_split, _max_clusters = args[:12], args[12], args[13]
@@ -219,37 +271,54 @@ def compiled(params, order_seed: int | None = None) -> Callable[..., None]:
                 c_blocks = -(-x.shape[-1] // cfg.tile_k)
                 k_tiles = c_blocks * w.shape[1] * w.shape[2] * w.shape[3]
                 cm = cfg.cluster_m
-                tiles = -(-y.shape[0] // (cfg.tile_m * cm)) * cm * -(-y.shape[1] // cfg.tile_n)
+                m_tiles = -(-y.shape[0] // cfg.tile_m)
+                if rect:
+                    m_tiles = rect_count(*y.shape[:4], rect, cfg.tile_m)
+                tiles = -(-m_tiles // cm) * cm * -(-y.shape[-1] // cfg.tile_n)
                 units = tiles * -(-k_tiles // per_split)
                 gen = torch.Generator().manual_seed(order_seed)
                 order = torch.randperm(units, generator=gen).tolist()
             split = (per_split, work, flags, order)
-        run(x, w, y, bias, g, cfg, bool(dict(params).get("dgrad", False)), split)
+        if (y.dim() == 5) != bool(rect):
+            raise AssertionError(f"y {tuple(y.shape)}: (M, K) for im2col, 5-D for rectangles")
+        run(x, w, y, bias, g, cfg, bool(dict(params).get("dgrad", False)), split, rect)
 
     return fn
 
 
 # ---------------------------------------------------------------- the weight gradient
-def wgrad_run(dy, x, dw, work, flags, geometry: Geometry, cfg, per_split: int, order=None):
+def wgrad_run(dy, x, dw, work, flags, geometry: Geometry, cfg, per_split: int, order=None,
+              rect: int = 0):  # fmt: skip
     """dw (K, T, R, S, C) = the weight gradient as the kernel (wgrad.py) computes it: CTA
     (tile, split) of the grid sums its pixel k-tiles of A = dY^T (tile_m x 64 boxes, zero past
     K and M) times B = im2col(x) (`tile_n / 64` boxes of 64 pixels x 64 channels at the tap,
-    the block index clamped to the last one); with several splits, each part is parked in
+    the block index clamped to the last one). `rect` > 0 (stride 1): dy is (N, Z, P, Q, K)
+    and a k-tile is the rectangle `geometry.rect_origin` of rect x 64 / rect outputs, A's box
+    dy's rectangle, B's x's rectangle shifted by the tap (`rect_box`: zero outside, the
+    padding). With several splits, each part is parked in
     slot split x tiles + tile of `work` and counted in `flags[tile]`, and the last part to
     arrive (CTAs run in `order`, default the launch order) sums the slots in split order and
     stores; the flag is left zero. fp64 accumulation (indexing, not rounding)."""
-    m_rows, k = dy.shape
+    k = dy.shape[-1]
+    m_rows = dy.numel() // max(k, 1)
     taps = tuple(dw.shape[1:4])
     c = dw.shape[-1]
     z, p, q = traversal(tuple(x.shape[1:4]), geometry)
     if x.shape[0] * z * p * q != m_rows:
         raise AssertionError(f"the walk visits {x.shape[0]}x{z}x{p}x{q} pixels, dy has {m_rows}")
+    if rect:
+        if geometry.stride != (1, 1, 1) or dy.dim() != 5 or tuple(dy.shape[1:4]) != (z, p, q):
+            raise AssertionError(f"the rectangles walk stride 1, dy (N, Z, P, Q, K): {dy.shape}")
+        k_tiles = rect_k_tiles(x.shape[0], z, p, q, rect)
+    elif dy.dim() != 2:
+        raise AssertionError(f"the im2col walk reads dy as (M, K), got {tuple(dy.shape)}")
+    else:
+        k_tiles = -(-m_rows // 64)
     tm, tn, box = cfg.tile_m, cfg.tile_n, 64
     boxes, c_boxes = tn // box, -(-c // box)
     cm = cfg.cluster_m  # K tiles padded to whole clusters (a tile past K stores nothing)
     tiles_m, c_tiles = -(-k // (tm * cm)) * cm, -(-c // tn)
     tiles = tiles_m * c_tiles * taps[0] * taps[1] * taps[2]
-    k_tiles = -(-m_rows // box)
     splits = -(-k_tiles // per_split)
     if splits > 1 and work.numel() < splits * tiles * tm * tn:
         raise AssertionError(f"workspace {work.numel()} < {splits} x {tiles} tiles")
@@ -262,13 +331,20 @@ def wgrad_run(dy, x, dw, work, flags, geometry: Geometry, cfg, per_split: int, o
         c_tile, tap_index = tile_n % c_tiles, tile_n // c_tiles
         _, tap = k_tile_coords(tap_index, 1, taps)
         acc = torch.zeros(tm, tn, dtype=torch.float64)
+        blocks = [min(c_tile * boxes + j, c_boxes - 1) for j in range(boxes)]
         for kt in range(split * per_split, min((split + 1) * per_split, k_tiles)):
-            a = torch.zeros(box, tm, dtype=torch.float64)
-            part = dy[kt * box : (kt + 1) * box, tile_m * tm : (tile_m + 1) * tm]
-            a[: part.shape[0], : part.shape[1]] = part.double()
-            blocks = [min(c_tile * boxes + j, c_boxes - 1) for j in range(boxes)]
-            b = torch.cat([im2col_box(x, geometry, kt * box, box, tap, cb * box, box)
-                           for cb in blocks], dim=1)  # fmt: skip
+            if rect:
+                n, zo, p0, q0 = rect_origin(kt, z, p, q, rect)
+                a = rect_box(dy, (n, zo, p0, q0), rect, tile_m * tm, tm)
+                lo, dil = geometry.pad_lo, geometry.dilation
+                at = [o + f * dl - pd for o, f, dl, pd in zip((zo, p0, q0), tap, dil, lo)]
+                b = torch.cat([rect_box(x, (n, *at), rect, cb * box, box) for cb in blocks], 1)
+            else:
+                a = torch.zeros(box, tm, dtype=torch.float64)
+                part = dy[kt * box : (kt + 1) * box, tile_m * tm : (tile_m + 1) * tm]
+                a[: part.shape[0], : part.shape[1]] = part.double()
+                b = torch.cat([im2col_box(x, geometry, kt * box, box, tap, cb * box, box)
+                               for cb in blocks], dim=1)  # fmt: skip
             acc += a.T @ b
         if splits > 1:
             acc = split_sum(acc, slots, flags, tile, tiles, split, splits)
@@ -287,6 +363,7 @@ def compiled_wgrad(params, order_seed: int | None = None) -> Callable[..., None]
     from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
 
     cfg = GemmConfig.from_params(dict(params))
+    rect = dict(params)["rect"]
 
     def fn(dy, x, dw, work, flags, *args):
         geometry_args, per_split = args[:12], args[12]
@@ -300,17 +377,18 @@ def compiled_wgrad(params, order_seed: int | None = None) -> Callable[..., None]
         for name, t in (("dy", dy), ("x", x), ("dw", dw)):
             if t.data_ptr() % 16 or t.stride(-1) != 1 or any(st % 8 for st in t.stride()[:-1]):
                 raise AssertionError(f"{name} is not TMA-ready: {t.stride()}")
-        if dy.shape[1] != dw.shape[0] or x.shape[-1] != dw.shape[-1]:
+        if dy.shape[-1] != dw.shape[0] or x.shape[-1] != dw.shape[-1]:
             raise AssertionError("dy, x and dw disagree on the channels")
         order = None
         if order_seed is not None:
-            k_tiles = -(-dy.shape[0] // 64)
+            n, z, p, q, _ = dy.shape if rect else (1, 1, 1, dy.shape[0], 0)
+            k_tiles = rect_k_tiles(n, z, p, q, rect) if rect else -(-dy.shape[0] // 64)
             cm = cfg.cluster_m
             tiles = -(-dw.shape[0] // (cfg.tile_m * cm)) * cm * -(-dw.shape[-1] // cfg.tile_n)
             ctas = tiles * dw.shape[1] * dw.shape[2] * dw.shape[3] * -(-k_tiles // per_split)
             gen = torch.Generator().manual_seed(order_seed)
             order = torch.randperm(ctas, generator=gen).tolist()
-        wgrad_run(dy, x, dw, work, flags, g, cfg, per_split, order)
+        wgrad_run(dy, x, dw, work, flags, g, cfg, per_split, order, rect)
 
     return fn
 

@@ -46,6 +46,47 @@ MAX_STRIDE = 8
 INT32_MAX = 2**31 - 1
 
 
+# The stride-1 walks over output pixels in rectangles of one (image, output plane), rq along Q
+# by pixels // rq along P, loaded by tiled TMAs (zero past P and Q): the weight gradient's
+# reduction k-tiles (wgrad.py, RECT_PIXELS = 64 pixels) and the forward's output tiles
+# (kernel.py, tile_m = 128 pixels).
+RECT_PIXELS = 64
+RECT_WIDTHS = (8, 16)  # rq: the compiled rectangles (wgrad 8x8, 16x4; forward 8x16, 16x8)
+
+
+def rect_shape(pixels: int, rq: int) -> tuple[int, int, int, int]:
+    """A rectangle's box over (Q, P, Z, N): rq columns x pixels / rq rows of one plane."""
+    return (rq, pixels // rq, 1, 1)
+
+
+def rect_width(p: int, q: int, pixels: int = RECT_PIXELS) -> int:
+    """The rectangle width rq of RECT_WIDTHS for a P x Q output plane: the fewest rectangles
+    of `pixels` (the least zero-filled fraction), the first on a tie."""
+    return min(RECT_WIDTHS, key=lambda rq: rect_count(1, 1, p, q, rq, pixels))
+
+
+def rect_count(n: int, z: int, p: int, q: int, rq: int, pixels: int = RECT_PIXELS) -> int:
+    """The number of rectangles of `pixels` covering N images of Z x P x Q outputs."""
+    return n * z * -(-p // (pixels // rq)) * -(-q // rq)
+
+
+def rect_k_tiles(n: int, z: int, p: int, q: int, rq: int) -> int:
+    """The number of rectangles (pixel k-tiles) covering N images of Z x P x Q outputs."""
+    return rect_count(n, z, p, q, rq)
+
+
+def rect_origin(
+    kt: int, z: int, p: int, q: int, rq: int, pixels: int = RECT_PIXELS
+) -> tuple[int, int, int, int]:
+    """(n, z, p0, q0): rectangle kt's image, output plane and first output row and column, Q's
+    rectangles fastest, then P's, Z, N (the kernels' `_rect`)."""
+    rp = pixels // rq
+    tq, tp = -(-q // rq), -(-p // rp)
+    qt, rest = kt % tq, kt // tq
+    pt, rest = rest % tp, rest // tp
+    return rest // z, rest % z, pt * rp, qt * rq
+
+
 @dataclass(frozen=True)
 class Geometry:
     """One convolution's geometry, each field per (D, H, W): filter extents (T, R, S), padding

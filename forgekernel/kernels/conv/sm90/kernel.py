@@ -17,6 +17,17 @@ Loads:
   the convolution's, so padding and ragged edges are the TMA's zero fill: no predicate in the
   kernel. Descriptor limits (rank 5): corners in [-16, 15], (F - 1) x dilation <= 31, stride
   <= 8 (`geometry.check_descriptor`).
+- A at stride 1 (compile key `rect` = 8 or 16; any padding and dilation; not the data-gradient
+  mode): an output tile is a rectangle of `rect` columns x tile_m / rect rows of one (image,
+  output plane), Q's rectangles fastest, then P's, Z, N (`_rect`, geometry.rect_origin), and A
+  is a TILED box of X seen as ((W, H, D, N), C) at the rectangle shifted by the tap, (q0 + s x
+  dil_w - pad_w, p0 + r x dil_h - pad_h, z + t x dil_d - pad_d, n) (`cute.domain_offset` on
+  the coordinate tensor; coordinates below 0 or past the extents are the TMA's zero fill: the
+  padding): no im2col rate. The box's rows are the rectangle's pixels, Q fastest, in the im2col
+  box's staged layout (the same bytes: printed at trace time, `((8192,1),(1,6)):((1,0),
+  (0,8192))` on both), so the consumers are unchanged; Y is seen as ((Q, P, Z, N), K) and each
+  epilogue sub-tile stored as (rectangle, epi_n) (`_epilogue_rect`), the rows past P or Q
+  clipped by the TMA store.
 - B (filter W (K, T, R, S, C) seen as (K, (C, S, R, T))): tiled TMA, box tile_n x tile_k.
 
 Warp roles and pipelines are the dense GEMM's (kernels/gemm/dense/sm90/kernel.py): warpgroup 0
@@ -49,7 +60,8 @@ reversing T, R and S at once reverses the linear tap index.
 
 Constraints: padding >= 0 (the launcher turns a data-gradient phase's negative padding into a
 crop of the input); X (N, D, H, W, C), W (K, T, R, S, C) and Y (M, K) with C and K multiples of 8
-(16-byte rows) and 16-byte aligned bases; Y compact (M = N x Z x P x Q rows of K); tile_k = 64
+(16-byte rows) and 16-byte aligned bases; Y compact (M = N x Z x P x Q rows of K) on the im2col
+walk, any TMA-ready (N, Z, P, Q, K) view on the rectangles; tile_k = 64
 (a last channel block that C does not fill is zero-filled); M and K ragged edges are clipped
 by the TMA store. tile_m in {64, 128}, tile_n in {64, 128, 256}.
 """
@@ -81,6 +93,7 @@ from forgekernel.kernels.common.sm90.pipeline import (
 )
 from forgekernel.kernels.common.sm90.scheduler.static import StaticSchedule, StaticScheduler
 from forgekernel.kernels.conv.sm90.config import ConvConfig
+from forgekernel.kernels.conv.sm90.geometry import rect_shape
 from forgekernel.kernels.conv.sm90.im2col import im2col_atom
 
 
@@ -91,7 +104,7 @@ class Bar(IntEnum):
 class ConvFpropSm90:
     """Persistent, warp-specialized im2col-TMA + WGMMA convolution; see the module docstring."""
 
-    def __init__(self, config: ConvConfig, bias: bool = False, dgrad: bool = False):
+    def __init__(self, config: ConvConfig, bias: bool = False, dgrad: bool = False, rect: int = 0):
         if config.tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {config.tile_m}")
         if config.tile_n not in (64, 128, 256):
@@ -123,6 +136,10 @@ class ConvFpropSm90:
         # except in the data-gradient mode, where W's contiguous channels are B's N.
         self.major = LayoutEnum.ROW_MAJOR
         self.b_major = LayoutEnum.COL_MAJOR if dgrad else LayoutEnum.ROW_MAJOR
+        # stride 1: an output tile is a rectangle of `rect` columns x tile_m / rect rows of one
+        # (image, plane) (Q, P, Z, N extents), A a tiled box of X at the tap's offset; 0: im2col
+        self.rect = rect
+        self.rect_shape = rect_shape(config.tile_m, rect) if rect else None
 
     # ---------------------------------------------------------------- host-side setup
     def _setup(self, dtype):
@@ -208,15 +225,32 @@ class ConvFpropSm90:
         )
         taps = (mW.shape[1], mW.shape[2], mW.shape[3])  # (T, R, S)
         tma_a, tma_mA, tma_b, tma_mB, c_blocks = self._operands(mX, mW, taps, geometry)
+        mC = mY
+        epi_box = self.epi_tile
+        rects = (1, 1, 1)  # the rectangles' grid (per Q, per P, Z); the im2col walk: none
+        if cutlass.const_expr(self.rect):
+            # Y (N, Z, P, Q, K) as ((Q, P, Z, N), K): a sub-tile is one rectangle x epi_n
+            # channels, its rows the rectangle's pixels Q fastest (A's box order); rows past
+            # P or Q are clipped by the TMA store
+            mC = cute.make_tensor(mY.iterator, cute.select(mY.layout, mode=[3, 2, 1, 0, 4]))
+            mC = cute.group_modes(mC, 0, 4)
+            epi_box = (self.rect_shape, self.cfg.epi_n)
+            rects = (
+                cute.ceil_div(mY.shape[3], self.rect_shape[0]),
+                cute.ceil_div(mY.shape[2], self.rect_shape[1]),
+                mY.shape[1],
+            )
+            tiles_m = rects[0] * rects[1] * rects[2] * mY.shape[0]
+            tiles_n = cute.ceil_div(mY.shape[4], self.cfg.tile_n)
+        else:
+            tiles_m = cute.ceil_div(mY.shape[0], self.cfg.tile_m)
+            tiles_n = cute.ceil_div(mY.shape[1], self.cfg.tile_n)
         tma_c, tma_mC = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(),
-            mY,
+            mC,
             cute.slice_(self.sC_layout, (None, None, 0)),
-            self.epi_tile,
+            epi_box,
         )
-
-        tiles_m = cute.ceil_div(mY.shape[0], self.cfg.tile_m)
-        tiles_n = cute.ceil_div(mY.shape[1], self.cfg.tile_n)
         k_tiles = c_blocks * taps[0] * taps[1] * taps[2]
         parts = cutlass.Int32(1)
         if cutlass.const_expr(self.cfg.split):
@@ -248,6 +282,7 @@ class ConvFpropSm90:
             schedule,
             (c_blocks, per_split, parts),
             (mWork, mFlags),
+            ((tiles_m, tiles_n), rects, (taps, geometry[0], geometry[3])),
         ).launch(
             grid=schedule.grid(max_active_clusters),
             block=[self.threads_per_cta, 1, 1],
@@ -259,15 +294,32 @@ class ConvFpropSm90:
     def _operands(self, mX, mW, taps, geometry):
         """(A's im2col atom and coordinate tensor, B's tiled atom and coordinate tensor, B's
         channel blocks per tap) for activations mX, filter mW, the im2col walk's filter `taps`
-        (T, R, S) and `geometry` (its padding below / above, stride, dilation)."""
-        tma_a, tma_mA = im2col_atom(
-            mX,
-            taps,
-            geometry,
-            cute.slice_(self.sA_layout, (None, None, 0)),
-            (self.cfg.tile_m, self.cfg.tile_k),
-            self.mcast_a,
-        )
+        (T, R, S) and `geometry` (its padding below / above, stride, dilation). Rectangles
+        (stride 1): A's atom is tiled over X (N, D, H, W, C) seen as ((W, H, D, N), C), a box one
+        rectangle x tile_k channels in the im2col box's staged layout (the same smem bytes:
+        pixels as rows, Q fastest, channels swizzled), moved per k-tile to the rectangle's
+        corner shifted by the tap (`_produce`)."""
+        if cutlass.const_expr(self.rect):
+            mA = cute.make_tensor(mX.iterator, cute.select(mX.layout, mode=[3, 2, 1, 0, 4]))
+            mA = cute.group_modes(mA, 0, 4)
+            tma_a, tma_mA = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SMulticastOp()
+                if self.mcast_a > 1
+                else cpasync.CopyBulkTensorTileG2SOp(),
+                mA,
+                cute.slice_(self.sA_layout, (None, None, 0)),
+                (self.rect_shape, self.cfg.tile_k),
+                num_multicast=self.mcast_a,
+            )
+        else:
+            tma_a, tma_mA = im2col_atom(
+                mX,
+                taps,
+                geometry,
+                cute.slice_(self.sA_layout, (None, None, 0)),
+                (self.cfg.tile_m, self.cfg.tile_k),
+                self.mcast_a,
+            )
         # W (K, T, R, S, C) as (K, (C, S, R, T)): the k-tiles' order, channel block fastest;
         # data gradient: as (C, (K, S, R, T)), C (B's N) contiguous.
         modes = [4, 0, 3, 2, 1] if cutlass.const_expr(self.dgrad) else [0, 4, 3, 2, 1]
@@ -323,9 +375,11 @@ class ConvFpropSm90:
         schedule: StaticSchedule,
         k_walk: tuple,
         split_io: tuple,
+        walk: tuple,
     ):
         """`k_walk`: (channel blocks per tap, k-tiles per part, parts); `split_io`: the split's
-        (workspace, flags) or (None, None)."""
+        (workspace, flags) or (None, None); `walk`: ((M tiles, N tiles), the rectangles' grid
+        (per Q, per P, Z), the taps' offsets ((T, R, S), padding below, dilation))."""
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -340,19 +394,25 @@ class ConvFpropSm90:
 
         # (bM, bK, tiles_m, k-tiles ((C blocks), S, R, T)), (bN, bK, tiles_n, k-tiles)
         tiler_k = (self.cfg.tile_k,)
-        gA = cute.local_tile(mA, (self.cfg.tile_m, tiler_k), (None, None))
         gB = cute.local_tile(mB, (self.cfg.tile_n, tiler_k), (None, None))
-        gC = cute.local_tile(mC, (self.cfg.tile_m, self.cfg.tile_n), (None, None))
-        k_tiles = cute.size(gA, mode=[3])
+        k_tiles = cute.size(gB, mode=[3])
+        tiles_mn, rects, offsets = walk
+        if cutlass.const_expr(self.rect):
+            # the coordinate tensors themselves: a box is placed per tile and k-tile
+            gA, gC = mA, mC
+        else:
+            gA = cute.local_tile(mA, (self.cfg.tile_m, tiler_k), (None, None))
+            gC = cute.local_tile(mC, (self.cfg.tile_m, self.cfg.tile_n), (None, None))
         c_blocks, per_split, parts = k_walk
         # (k-tiles, k-tiles per part, N tiles): a unit's part and its k-tiles (`_unit`)
-        units = (k_tiles, per_split, cute.size(gC, mode=[3]))
+        units = (k_tiles, per_split, tiles_mn[1])
 
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         thr_mma = tiled_mma.get_slice((wg_idx - 1) * THREADS_PER_WG)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape[:3], self.acc_dtype)
+        tile_mn = cute.make_identity_tensor((self.cfg.tile_m, self.cfg.tile_n))
+        acc = cute.make_rmem_tensor(thr_mma.partition_C(tile_mn).shape, self.acc_dtype)
 
         init_wait(self.cluster_shape_mn)
 
@@ -362,12 +422,17 @@ class ConvFpropSm90:
                 load_a, load_b = self._loads(
                     (tma_a, gA, sA), (tma_b, gB, sB), cluster_coord, cta_layout_mnk, masks
                 )
-                self._produce(load_a, load_b, ab_pipe, schedule, (units, c_blocks))
+                if cutlass.const_expr(self.rect):
+                    # A's boxes are placed per k-tile (`_load_a_rect`)
+                    load_a = (tma_a, mA, sA, masks[0], cluster_coord[1])
+                self._produce(
+                    load_a, load_b, ab_pipe, schedule, (units, c_blocks), (rects, offsets)
+                )
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             mma = (tiled_mma, tCrA, tCrB, acc)
             split = (*split_io, storage.split_last.get_tensor(cute.make_layout(2)), parts)
-            out = (sC, gC, tma_c, mBias)
+            out = (sC, gC, tma_c, mBias, tiles_mn[0], rects)
             self._consume(tidx, warp_idx, mma, ab_pipe, out, schedule, (units, split))
 
     def _ring(self, cta_layout_mnk):
@@ -396,15 +461,17 @@ class ConvFpropSm90:
 
     def _loads(self, a, b, cluster_coord, cta_layout_mnk, masks):
         """The producer warp's (atom, global tiles, smem stages, multicast mask) of A and B:
-        `a`, `b` = (atom, gA / gB, sA / sB)."""
+        `a`, `b` = (atom, gA / gB, sA / sB). Rectangles: A's (None: placed per k-tile)."""
         (tma_a, gA, sA), (tma_b, gB, sB) = a, b
-        tAsA, tAgA = cpasync.tma_partition(
-            tma_a,
-            cluster_coord[1],
-            cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape),
-            cute.group_modes(sA, 0, 2),
-            cute.group_modes(gA, 0, 2),
-        )
+        tAsA = tAgA = None
+        if cutlass.const_expr(not self.rect):
+            tAsA, tAgA = cpasync.tma_partition(
+                tma_a,
+                cluster_coord[1],
+                cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape),
+                cute.group_modes(sA, 0, 2),
+                cute.group_modes(gA, 0, 2),
+            )
         tBsB, tBgB = cpasync.tma_partition(
             tma_b,
             cluster_coord[0],
@@ -425,10 +492,10 @@ class ConvFpropSm90:
         return tile_n, part, k0, cutlass.min(k0 + per_split, k_tiles) - k0
 
     @cute.jit
-    def _produce(self, load_a, load_b, ab_pipe, schedule, k_walk):
+    def _produce(self, load_a, load_b, ab_pipe, schedule, k_walk, rect_walk):
         """The producer warp: every k-tile of A and B of each of the CTA's tiles into the ring.
-        `k_walk`: (k-tiles, channel blocks per tap)."""
-        tma_a, tAgA, tAsA, a_mask = load_a
+        `k_walk`: (k-tiles, channel blocks per tap); `rect_walk`: (the rectangles' grid, the
+        taps' offsets) (rectangles only)."""
         tma_b, tBgB, tBsB, b_mask = load_b
         units, c_blocks = k_walk
         prod = producer_state(self.stages)
@@ -437,6 +504,9 @@ class ConvFpropSm90:
         while sched.valid(work):
             tile_m, tile_ns = sched.tile(work)
             tile_n, _, k0, count = self._unit(tile_ns, units)
+            corner = None
+            if cutlass.const_expr(self.rect):
+                corner = self._rect(tile_m, rect_walk[0])
             # B's k-tile: kt itself, or with the taps reversed (dgrad) the channel block cb of
             # tap (taps - 1 - j) for A's (cb, j): `tap_b` counts down one tap per c_blocks,
             # from the part's first k-tile k0 = (j0, cb0).
@@ -453,13 +523,17 @@ class ConvFpropSm90:
                         tap_b -= c_blocks
                 ab_pipe.producer_acquire(prod)
                 bar = ab_pipe.producer_get_barrier(prod)
-                cute.copy(
-                    tma_a,
-                    tAgA[(None, tile_m, kt)],
-                    tAsA[(None, prod.index)],
-                    tma_bar_ptr=bar,
-                    mcast_mask=a_mask,
-                )
+                if cutlass.const_expr(self.rect):
+                    self._load_a_rect(load_a, corner, (kt, c_blocks), rect_walk[1], bar, prod)
+                else:
+                    tma_a, tAgA, tAsA, a_mask = load_a
+                    cute.copy(
+                        tma_a,
+                        tAgA[(None, tile_m, kt)],
+                        tAsA[(None, prod.index)],
+                        tma_bar_ptr=bar,
+                        mcast_mask=a_mask,
+                    )
                 cute.copy(
                     tma_b,
                     tBgB[(None, tile_n, kt_b)],
@@ -472,18 +546,60 @@ class ConvFpropSm90:
             work = sched.next(work)
         ab_pipe.producer_tail(prod)
 
+    def _load_a_rect(self, load_a, corner, k_tile, offsets, bar, prod):
+        """A's k-tile kt = (tap j, channel block cb) of the rectangle at `corner` (n, z, p0, q0):
+        the box of X ((W, H, D, N), C) at (q0 + s x dil_w - pad_w, p0 + r x dil_h - pad_h, z +
+        t x dil_d - pad_d, n) and channel cb x tile_k, placed by `cute.domain_offset` on the
+        coordinate tensor (coordinates below 0 or past the extents: the TMA's zero fill, the
+        padding); a cluster's CTAs along N each load a slice, multicast to all."""
+        tma_a, mA, sA, a_mask, rank = load_a
+        kt, c_blocks = k_tile
+        (_, taps_r, taps_s), pad, dil = offsets
+        n, z, p0, q0 = corner
+        cb = kt % c_blocks
+        j = kt // c_blocks
+        s_ = j % taps_s
+        r_ = (j // taps_s) % taps_r
+        t_ = j // (taps_s * taps_r)
+        origin = (
+            (q0 + s_ * dil[2] - pad[2], p0 + r_ * dil[1] - pad[1], z + t_ * dil[0] - pad[0], n),
+            cb * self.cfg.tile_k,
+        )
+        gA = cute.local_tile(
+            cute.domain_offset(origin, mA), (self.rect_shape, self.cfg.tile_k), (0, 0)
+        )
+        tAsA, tAgA = cpasync.tma_partition(
+            tma_a,
+            rank,
+            cute.make_layout(self.mcast_a),
+            cute.group_modes(sA, 0, 2),
+            cute.group_modes(gA, 0, 2),
+        )
+        cute.copy(tma_a, tAgA, tAsA[(None, prod.index)], tma_bar_ptr=bar, mcast_mask=a_mask)
+
+    @cute.jit
+    def _rect(self, tile, rects):
+        """Rectangle `tile`'s (image, output plane, first row, first column): Q's rectangles
+        fastest, then P's, Z, N (geometry.rect_origin)."""
+        per_q, per_p, planes = rects
+        qt = tile % per_q
+        rest = tile // per_q
+        pt = rest % per_p
+        rest = rest // per_p
+        return rest // planes, rest % planes, pt * self.rect_shape[1], qt * self.rect_shape[0]
+
     @cute.jit
     def _consume(self, tidx, warp_idx, mma, ab_pipe, out, schedule, k_split):
         """The consumer warpgroups: each unit's mainloop; split, the part parked and, by the
         tile's last part, all of them summed; then the bias and the epilogue. `out`: (sC, gC,
         the store atom, bias); `k_split`: (units, (workspace, flags, the shared flag, parts))."""
         tiled_mma, tCrA, tCrB, acc = mma
-        sC, gC, tma_c, mBias = out
+        sC, gC, tma_c, mBias, tiles_m, rects = out
         units, (mWork, mFlags, s_last, parts) = k_split
         # M tiles padded to whole clusters: the schedule's last cluster may hold a tile past M
         # (it loads zeros and stores nothing), whose split parts need a flag of their own
         cm = self.cfg.cluster_m
-        tiles_m = cute.ceil_div(cute.size(gC, mode=[2]), cm) * cm
+        tiles_m = cute.ceil_div(tiles_m, cm) * cm
         tiles = tiles_m * units[2]
         epi_barrier = named_barrier(Bar.EPILOGUE, self.num_mma_threads)
         read = consumer_state(self.stages)
@@ -526,8 +642,12 @@ class ConvFpropSm90:
             if last:
                 if cutlass.const_expr(self.bias):
                     self._add_bias(acc, cols, mBias, tile_n)
-                gC_tile = gC[(None, None, tile_m, tile_n)]
-                self._epilogue(gC_tile, tma_c, sC, epi, warp_idx, tiles_done)
+                if cutlass.const_expr(self.rect):
+                    corner = self._rect(tile_m, rects)
+                    self._epilogue_rect(gC, corner, tile_n, tma_c, sC, epi, warp_idx, tiles_done)
+                else:
+                    gC_tile = gC[(None, None, tile_m, tile_n)]
+                    self._epilogue(gC_tile, tma_c, sC, epi, warp_idx, tiles_done)
                 tiles_done += 1
         store_pipe.producer_tail()
 
@@ -613,6 +733,40 @@ class ConvFpropSm90:
             if warp_idx == store_warp:
                 gmem_crd = epi_grid.get_hier_coord(e)
                 cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, gmem_crd)])
+                store_pipe.producer_commit()
+                store_pipe.producer_acquire()
+            epi_barrier.arrive_and_wait()
+
+    @cute.jit
+    def _epilogue_rect(self, mC, corner, tile_n, tma_c, sC, epi, warp_idx, tiles_done):
+        """acc -> Y seen as ((Q, P, Z, N), K), one (rectangle, epi_n) sub-tile at a time through
+        the epilogue ring: sub-tile e is channels tile_n x tile_n + e x epi_n.. of the rectangle
+        at `corner` (n, z, p0, q0), its rows the rectangle's pixels Q fastest (the order A's box
+        gave the accumulator's rows); rows past P or Q and channels past K clipped by the TMA."""
+        store_pipe, epi_barrier = epi[5:]
+        n, z, p0, q0 = corner
+        epi_count = self.cfg.tile_n // self.cfg.epi_n
+        done_before = tiles_done * epi_count
+        store_warp = THREADS_PER_WG // 32  # the first consumer warp issues the TMA stores
+        for e in cutlass.range_constexpr(epi_count):
+            buf = (done_before + e) % self.cfg.epi_stages
+            self._stage(epi, e, buf)
+            # stmatrix writes are generic-proxy; the TMA store reads through the async proxy.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            epi_barrier.arrive_and_wait()
+            if warp_idx == store_warp:
+                origin = ((q0, p0, z, n), tile_n * self.cfg.tile_n + e * self.cfg.epi_n)
+                gSub = cute.local_tile(
+                    cute.domain_offset(origin, mC), (self.rect_shape, self.cfg.epi_n), (0, 0)
+                )
+                bSG_sC, bSG_gC = cpasync.tma_partition(
+                    tma_c,
+                    0,
+                    cute.make_layout(1),
+                    cute.group_modes(sC, 0, 2),
+                    cute.group_modes(gSub, 0, 2),
+                )
+                cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC)
                 store_pipe.producer_commit()
                 store_pipe.producer_acquire()
             epi_barrier.arrive_and_wait()

@@ -4,24 +4,31 @@ views: x (N, D, H, W, C), w (K, T, R, S, C), y (N, Z, P, Q, K) (a 2-D convolutio
 T = 1).
 
 - `fprop`: one launch of the forward kernel, its tile and split (the reduction cut into parts
-  for problems of few tiles) from `config.choose_plan`. C or K not a multiple of 8 (16-byte
-  rows) run zero-padded (zero channels add nothing; extra output channels are dropped), and an
-  output the kernel cannot write in place (not compact, or padded) goes through a scratch
-  buffer. A split's fp32 partials and per-tile flags are the stream's stream-K workspace. A
-  2-D convolution of few channels (the stem) runs as a 1x1 one over its im2col
-  (`few_channels`), in the forward and the weight gradient.
+  for problems of few tiles) from `config.choose_plan`. At stride 1 the output tiles may be
+  rectangles (`geometry.rect_width`), but a 1x1 filter's walk im2col rows unless the caller
+  asks for rectangles (`_launch`'s `rect_1x1`; the H200's 1x1 layers lost up to half their rate
+  on rectangles: docs/conv/NOTES.md, "Measured: rectangles"). C or K not a multiple of 8
+  (16-byte rows) run zero-padded (zero channels add nothing; extra output channels are
+  dropped), and an output the kernel cannot write in place (not compact, or padded) goes
+  through a scratch buffer. A split's fp32 partials and per-tile flags are the stream's
+  stream-K workspace. A 2-D convolution of few channels (the stem) runs as a 1x1 one over its
+  im2col (`few_channels`), in the forward (rectangles allowed) and the weight gradient.
 - `dgrad`: the data gradient as stride-1 forward convolutions of dy, one per output phase
   (`geometry.dgrad_phases`). Stride 1: one launch of the kernel's data-gradient mode, which
-  reads W (K, T, R, S, C) itself (N-major, taps reversed in the kernel). Strides 1 or 2 per dim
-  (not all 1): one launch of the fused kernel (dgrad_kernel.py) over every phase and its tiles,
-  on one im2col walk of dy (`geometry.fused_dgrad`), W whole, each phase's rows stored straight
-  into their strided view of dx and the phases no tap reaches zero-filled by the same launch.
+  reads W (K, T, R, S, C) itself (N-major, taps reversed in the kernel); a 1x1 filter's on the
+  im2col walk, as in the forward. Strides 1 or 2 per dim (not all 1): one launch of the fused
+  kernel (dgrad_kernel.py) over every phase and its tiles, on one im2col walk of dy
+  (`geometry.fused_dgrad`), W whole, each phase's rows stored straight into their strided view
+  of dx and the phases no tap reaches zero-filled by the same launch.
   Other strides (3 and up): a launch of the data-gradient mode per phase on a strided view of
-  its taps, written through a scratch buffer into its strided view of dx (phases no tap reaches
-  are zero: one fill of dx where two or more are).
+  its taps, on rectangles (a 1x1 phase's too, where the chooser takes them) written straight
+  into its strided view of dx, else through a scratch buffer (phases no tap reaches are zero:
+  one fill of dx where two or more are).
 - `wgrad`: one launch of the weight-gradient kernel (wgrad.py: the dense GEMM's kernel with
   dY^T and the im2col of x as operands, the N x Z x P x Q reduction split over CTAs and summed
-  in split order by the last part); tile and split from `wgrad_config.choose_wgrad`, the fp32
+  in split order by the last part). Stride 1: the reduction's k-tiles are rectangles of output
+  pixels (`geometry.rect_width`), dY and x through tiled TMAs (no im2col rate); other strides:
+  the im2col walk. Tile and split from `wgrad_config.choose_wgrad`, the fp32
   partials and per-tile flags in the stream's stream-K workspace (the dense GEMM launcher's:
   reused across calls, a capture's own when it needs a bigger one).
 """
@@ -59,6 +66,8 @@ from forgekernel.kernels.conv.sm90.geometry import (
     dgrad_phases,
     fused_dgrad,
     fused_dgrad_problem,
+    rect_k_tiles,
+    rect_width,
 )
 from forgekernel.kernels.conv.sm90.wgrad_config import (
     WgradPlan,
@@ -76,14 +85,21 @@ def _round_up(x: int) -> int:
     return -(-x // CHANNEL_ALIGN) * CHANNEL_ALIGN
 
 
-def _choose(dtype, bias, m, k, c, taps, device_index, config, dgrad):
+def _choose(dtype, bias, m, k, c, taps, device_index, config, dgrad, pixels):
     """(the compiled function, clusters of the persistent grid, the SplitPlan) of one launch.
-    `config`: None (chosen), a ConvConfig (a split one cut into FORCED_PARTS parts) or a
-    SplitPlan. The function is looked up here, once per problem, not per launch."""
+    `config`: None (chosen), a ConvConfig (a split one cut into FORCED_PARTS parts; at stride
+    1 on rectangles of `rect_width`) or a SplitPlan (its own walk). `pixels`: (N, Z, P, Q) of a
+    stride-1 forward whose output tiles may be rectangles (`_launch`), else None. The function
+    is looked up here, once per problem, not per launch."""
     sms = num_sms(device_index) if device_index is not None else NUM_SMS_H100_H200
     if config is None:
-        plan = choose_plan(m, k, c, taps, sms)
+        plan = choose_plan(m, k, c, taps, sms, pixels)
     else:
+        rect = config.rect if isinstance(config, SplitPlan) else 0
+        if pixels is not None and not isinstance(config, SplitPlan):
+            rect = rect_width(*pixels[2:], config.tile_m)
+        if rect and pixels is None:
+            raise ValueError("a plan of output rectangles for a strided or dgrad launch")
         given = config.per_split if isinstance(config, SplitPlan) else None
         config = config.config if isinstance(config, SplitPlan) else config
         k_tiles = -(-c // K_TILE) * taps
@@ -93,9 +109,10 @@ def _choose(dtype, bias, m, k, c, taps, device_index, config, dgrad):
         # parts and tiles as the kernel counts them for this problem: the workspace and flags
         # are sized by them (a plan made for another problem, e.g. one SplitPlan for every
         # phase of a data gradient, would have the kernel write past its workspace)
-        plan = SplitPlan(config, per, -(-k_tiles // per), split_tiles(config, m, k))
+        tiles = split_tiles(config, m, k, pixels, rect)
+        plan = SplitPlan(config, per, -(-k_tiles // per), tiles, rect)
     cfg = plan.config
-    params = params_for(dtype_name(dtype), bias, cfg, dgrad=dgrad)
+    params = params_for(dtype_name(dtype), bias, cfg, dgrad=dgrad, rect=plan.rect)
     # one CTA per SM (the pipeline takes nearly all shared memory)
     return get_kernel(SPEC, params), sms // (cfg.cluster_m * cfg.cluster_n), plan
 
@@ -158,9 +175,10 @@ def fprop(
     (`few_channels`)."""
     if few_channels(x, w, geometry):
         cols, one = _im2col(x, geometry, tuple(y.shape[1:4]))
-        _launch(cols, _taps_as_channels(w, cols.shape[-1]), bias, y, one, config, dgrad=False)
+        w_cols = _taps_as_channels(w, cols.shape[-1])
+        _launch(cols, w_cols, bias, y, one, config, dgrad=False, rect_1x1=True)
         return
-    _launch(x, w, bias, y, geometry, config, dgrad=False)
+    _launch(x, w, bias, y, geometry, config, dgrad=False, rect_1x1=False)
 
 
 # A 2-D convolution with at most this many input channels (padded to 8) and at least
@@ -222,10 +240,13 @@ def _taps_as_channels(w: torch.Tensor, channels: int) -> torch.Tensor:
     return out
 
 
-def _launch(x, w, bias, y, geometry: Geometry, config, dgrad: bool) -> None:
+def _launch(x, w, bias, y, geometry: Geometry, config, dgrad: bool, rect_1x1: bool) -> None:
     """One launch of the kernel: y = conv(x, W) (+ bias) into y (any (N, Z, P, Q, K') view).
     W is w (K', T, R, S, C), or in the data-gradient mode w (C, T, R, S, K') read N-major with
-    its taps reversed (C: x's channels, the reduction's; K': y's)."""
+    its taps reversed (C: x's channels, the reduction's; K': y's). At stride 1 the output tiles
+    may be rectangles; a 1x1 filter's only where `rect_1x1` (the stem's im2col; a strided data
+    gradient's phases, whose rectangles write dx's strided views in place) or where `config` is
+    a SplitPlan of rectangles: a user's 1x1 walks im2col rows."""
     c = x.shape[-1]
     k = w.shape[-1] if dgrad else w.shape[0]
     m = y.numel() // max(k, 1)
@@ -244,20 +265,37 @@ def _launch(x, w, bias, y, geometry: Geometry, config, dgrad: bool) -> None:
         # the compiled function takes bias 16-byte aligned (it checks: "Misaligned Tensor
         # data"), which a view such as b[1:] is not: a copy then
         bias = _channels_padded(bias, kp)
-    in_place = kp == k and y.is_contiguous() and tma_ready(y)
-    y2 = y.view(m, k) if in_place else y.new_empty(m, kp)
     _, t, r, s, _ = w.shape  # one shape read (each costs 0.1-0.2 us on every launch)
+    pixels = None
+    one = t * r * s == 1
+    if one and not rect_1x1:  # a plan of rectangles asked for by name still gets them
+        rect_1x1 = isinstance(config, SplitPlan) and config.rect > 0
+    if geometry.stride == (1, 1, 1) and (rect_1x1 or not one):  # output tiles may be rectangles
+        pixels = tuple(y.shape[:4])
+        if one and m % 8 == 0 and not any(geometry.pad_lo + geometry.pad_hi):
+            # an unpadded 1x1: x's pixels are y's, both seen as one plane 8 pixels wide (the
+            # rectangles then tile_m consecutive pixels: no zero fill on small maps)
+            flat = _one_plane(x, m), _one_plane(y, m)
+            if flat[0] is not None and flat[1] is not None:
+                (x, y), pixels = flat, (1, 1, m // 8, 8)
     device = x.device
     fn, max_clusters, plan = _plans.get_or_build(
-        (x.dtype, bias is not None, m, kp, cp, t * r * s, device.index, config, dgrad), _choose
+        (x.dtype, bias is not None, m, kp, cp, t * r * s, device.index, config, dgrad, pixels),
+        _choose,
     )
+    if plan.rect:  # y (N, Z, P, Q, K), any TMA-ready view
+        in_place = kp == k and tma_ready(y)
+        y2 = y if in_place else y.new_empty(*y.shape[:4], kp)
+    else:
+        in_place = kp == k and y.is_contiguous() and tma_ready(y)
+        y2 = y.view(m, k) if in_place else y.new_empty(m, kp)
     work = flags = None
     if plan.config.split:
         work, flags = stream_k_workspace(device, plan.tiles, plan.workspace_floats)
     with on_device(device):
         fn(x, w, y2, bias, work, flags, *geometry.kernel_args(), plan.per_split, max_clusters)
     if not in_place:
-        y.copy_(y2[:, :k].reshape(y.shape))
+        y.copy_(y2[..., :k].reshape(y.shape))
 
 
 def phase_taps(w: torch.Tensor, phase: Phase) -> torch.Tensor:
@@ -303,17 +341,20 @@ def dgrad(
         raise ValueError(f"a FusedPlan for a data gradient that does not fuse: {problem}")
     phases, empties = _phases(geometry, input_dhw, output_dhw)
     sd, sh, sw = geometry.stride
-    empty = sum(empties)
+    empty, phased = sum(empties), len(phases) > 1
     if empty > 1:  # one fill of dx rather than one strided fill per empty phase
         dx.zero_()
     for phase, phase_empty in zip(phases, empties):
         ad, ah, aw = phase.offset
-        view = dx if len(phases) == 1 else dx[:, ad::sd, ah::sh, aw::sw]
+        view = dx[:, ad::sd, ah::sh, aw::sw] if phased else dx
         if phase_empty:
             if empty == 1:
                 view.zero_()
             continue
-        _launch(dy, phase_taps(w, phase), None, view, phase.fprop, config, dgrad=True)
+        # a strided gradient's phases (1x1 ones too) write dx's strided views in place on
+        # rectangles; a stride-1 gradient (one phase) of a 1x1 filter walks im2col rows
+        w_phase = phase_taps(w, phase)
+        _launch(dy, w_phase, None, view, phase.fprop, config, dgrad=True, rect_1x1=phased)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -394,19 +435,21 @@ def clear_plans() -> None:
     _plans.clear()
     _wgrad_plans.clear()
     _phases.cache_clear()
+    _wgrad_walk.cache_clear()
     _fuses.cache_clear()
 
 
-def _wgrad_plan(dtype, k, c, taps, pixels, device_index, plan) -> tuple[object, WgradPlan]:
-    """(the compiled function, the WgradPlan) of one problem: looked up once, not per call."""
+def _wgrad_plan(dtype, k, c, taps, walk, device_index, plan) -> tuple[object, WgradPlan]:
+    """(the compiled function, the WgradPlan) of one problem: looked up once, not per call.
+    `walk`: (the compile key's rect, pixel k-tiles)."""
+    rect, k_tiles = walk
     sms = num_sms(device_index) if device_index is not None else NUM_SMS_H100_H200
     if plan is None:
-        plan = choose_wgrad(k, c, taps, pixels, sms)
+        plan = choose_wgrad(k, c, taps, k_tiles, sms, tiled=rect > 0)
     else:  # its splits and tiles as the kernel counts them (the workspace's size)
-        k_tiles = -(-pixels // K_TILE)
         splits = -(-k_tiles // plan.per_split)
         plan = WgradPlan(plan.config, plan.per_split, splits, wgrad_tiles(plan.config, k, c, taps))
-    return get_kernel(WGRAD_SPEC, wgrad_params(dtype_name(dtype), plan.config)), plan
+    return get_kernel(WGRAD_SPEC, wgrad_params(dtype_name(dtype), plan.config, rect)), plan
 
 
 def wgrad(
@@ -435,18 +478,49 @@ def wgrad(
     _wgrad_launch(dy, x, dw, geometry, plan)
 
 
+def _one_plane(t: torch.Tensor, m: int) -> torch.Tensor | None:
+    """t (N, D, H, W, C) of m pixels viewed as (1, 1, m / 8, 8, C), or None where its pixel
+    strides do not merge (no copy)."""
+    try:
+        return t.view(1, 1, m // 8, 8, t.shape[-1])
+    except RuntimeError:
+        return None
+
+
+@functools.lru_cache(maxsize=256)
+def _wgrad_walk(stride1: bool, n: int, z: int, p: int, q: int) -> tuple[int, int]:
+    """(the compile key's rect, pixel k-tiles) of the weight gradient's reduction over N x Z x P
+    x Q outputs: stride 1, rectangles (geometry.rect_width); else the im2col walk's 64 pixels."""
+    if stride1:
+        rect = rect_width(p, q)
+        return rect, rect_k_tiles(n, z, p, q, rect)
+    return 0, -(-(n * z * p * q) // K_TILE)
+
+
 def _wgrad_launch(dy, x, dw, geometry: Geometry, plan) -> None:
     """One launch of the weight-gradient kernel (`wgrad`'s arguments, dw not empty)."""
     k, t, r, s, c = dw.shape  # one shape read (each costs 0.1-0.2 us on every launch)
-    m = dy.numel() // k
+    n, z, p, q, _ = dy.shape
+    m = n * z * p * q
     cp, kp = _round_up(c), _round_up(k)
     x = _channels_padded(x, cp)
-    dy2 = _channels_padded(dy.reshape(m, k), kp)
+    stride1 = geometry.stride == (1, 1, 1)
+    if stride1 and t * r * s == 1 and m % 8 == 0 and not any(geometry.pad_lo + geometry.pad_hi):
+        # a 1x1 without padding reads x's pixels as dy's: both as one plane of 8-pixel rows,
+        # the rectangles then 64 consecutive pixels (no zero fill on small maps)
+        flat = _one_plane(dy, m), _one_plane(x, m)
+        if flat[0] is not None and flat[1] is not None:
+            (dy, x), (n, z, p, q) = flat, (1, 1, m // 8, 8)
+    walk = _wgrad_walk(stride1, n, z, p, q)
+    if walk[0]:  # rectangles of output pixels, dy (N, Z, P, Q, K)
+        dy2 = _channels_padded(dy, kp)
+    else:  # the im2col walk, dy (M, K)
+        dy2 = _channels_padded(dy.reshape(m, k), kp)
     in_place = kp == k and cp == c and dw.is_contiguous() and tma_ready(dw)
     dw2 = dw if in_place else dw.new_empty(kp, t, r, s, cp)
     device = dy.device
     fn, plan = _wgrad_plans.get_or_build(
-        (dy.dtype, kp, cp, t * r * s, m, device.index, plan), _wgrad_plan
+        (dy.dtype, kp, cp, t * r * s, walk, device.index, plan), _wgrad_plan
     )
     work, flags = stream_k_workspace(device, plan.tiles, plan.workspace_floats)
     with on_device(device):

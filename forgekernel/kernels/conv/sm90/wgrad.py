@@ -22,6 +22,19 @@ tap). The dense GEMM's kernel (kernels/gemm/dense/sm90/kernel.py) with other ope
 - D through the GEMM's epilogue (stmatrix, TMA store into W's 5-D gradient, clipped at K and
   C).
 
+Stride 1 (compile key `rect` = 8 or 16; any padding and dilation): the pixel k-tiles are
+rectangles of `rect` output columns x 64 / rect rows of one (image, output plane), Q's
+rectangles fastest, then P's, Z, N (`_rect`, geometry.rect_origin), and both operands come
+through TILED TMAs, which have no im2col rate: A's box is dY (K, (Q, P, Z, N)) at (K tile,
+rectangle), B's X ((W, H, D, N), C) at the rectangle shifted by the tap, (q0 + s x dil_w -
+pad_w, p0 + r x dil_h - pad_h, z + t x dil_d - pad_d, n) (`cute.domain_offset` on the TMA
+coordinate tensors; coordinates below 0 or past the extents are the TMA's zero fill, which is
+exactly the padding). A rectangle's pixels past P or Q are zero in dY (A), so they add nothing
+whatever B holds there. The shared-memory layouts are the im2col path's (the same staged
+layouts handed to the atoms; the box's rows are the rectangle's pixels, columns fastest, in A
+and B alike), so the consumers are unchanged. A 2x1 cluster's CTA loads half of each B box
+(rect x 32 / rect rows), multicast to both.
+
 Split: the grid is (tiles, splits); CTA (tile, s) sums the pixel k-tiles [s x per, (s + 1) x
 per) of its tile (`per` from the launcher, every split non-empty). With splits > 1 each part
 parks its fp32 accumulator and the last of the tile's parts sums them in split order and stores
@@ -65,6 +78,7 @@ from forgekernel.kernels.common.sm90.pipeline import (
     smem_tensor,
     tma_pipeline,
 )
+from forgekernel.kernels.conv.sm90.geometry import RECT_PIXELS, RECT_WIDTHS
 from forgekernel.kernels.conv.sm90.im2col import im2col_atom
 from forgekernel.kernels.gemm.dense.sm90.kernel import Bar, GemmSm90
 from forgekernel.kernels.gemm.dense.sm90.tile import GemmConfig
@@ -75,15 +89,21 @@ BOX_CHANNELS = 64  # channels per im2col box: one 128-byte swizzle row of 16-bit
 class ConvWgradSm90(GemmSm90):
     """The weight gradient on the dense GEMM's kernel; see the module docstring."""
 
-    def __init__(self, config: GemmConfig):
+    def __init__(self, config: GemmConfig, rect: int = 0):
         if config.cluster_m not in (1, 2) or config.cluster_n != 1:
             raise ValueError("the weight gradient's clusters are 1x1 or 2x1 (B multicast)")
         if config.stream_k or config.a_rows:
             raise ValueError("the weight gradient runs without stream K or a_rows")
         if config.tile_n % BOX_CHANNELS:
             raise ValueError(f"tile_n must be a multiple of {BOX_CHANNELS}, got {config.tile_n}")
+        if rect and (rect not in RECT_WIDTHS):
+            raise ValueError(f"rect must be 0 (im2col) or one of {RECT_WIDTHS}, got {rect}")
         super().__init__(config)
-        self.boxes = config.tile_n // BOX_CHANNELS  # im2col boxes per B stage
+        self.boxes = config.tile_n // BOX_CHANNELS  # B boxes per stage
+        # stride 1: k-tiles are rectangles of (rect along Q, 64 / rect along P) output pixels of
+        # one (image, plane), A and B through tiled TMAs; 0: im2col (any stride)
+        self.rect = rect
+        self.rect_shape = (rect, RECT_PIXELS // rect, 1, 1) if rect else None
 
     @cute.jit
     def __call__(
@@ -128,13 +148,23 @@ class ConvWgradSm90(GemmSm90):
             (stride_d, stride_h, stride_w),
             (dil_d, dil_h, dil_w),
         )
-        # A: dY (M, K) seen as (K, M)
-        mA = cute.make_tensor(mDY.iterator, cute.select(mDY.layout, mode=[1, 0]))
+        if cutlass.const_expr(self.rect):
+            # A: dY (N, Z, P, Q, K) seen as (K, (Q, P, Z, N)), a box tile_m channels x one
+            # rectangle (its pixels Q fastest: the B box's row order)
+            mA = cute.make_tensor(mDY.iterator, cute.select(mDY.layout, mode=[4, 3, 2, 1, 0]))
+            mA = cute.group_modes(mA, 1, 5)
+            a_box = (cfg.tile_m, self.rect_shape)
+            pixels = mDY.shape[0] * mDY.shape[1] * mDY.shape[2] * mDY.shape[3]
+        else:
+            # A: dY (M, K) seen as (K, M)
+            mA = cute.make_tensor(mDY.iterator, cute.select(mDY.layout, mode=[1, 0]))
+            a_box = (cfg.tile_m, cfg.tile_k)
+            pixels = mDY.shape[0]
         tma_a, tma_mA = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(),
             mA,
             cute.slice_(self.sA_load_layout, (None, None, 0)),
-            (cfg.tile_m, cfg.tile_k),
+            a_box,
         )
         # B: im2col boxes (tile_k pixels, 64 channels), `boxes` of them per stage, in the
         # K-major layout that is the N-major stage's 64-channel blocks (module docstring)
@@ -146,14 +176,33 @@ class ConvWgradSm90(GemmSm90):
             box_atom, (cfg.tile_k, BOX_CHANNELS, self.boxes * self.stages), order=(0, 1, 2)
         )
         taps = (mW.shape[1], mW.shape[2], mW.shape[3])  # (T, R, S)
-        tma_b, tma_mB = im2col_atom(
-            mX,
-            taps,
-            geometry,
-            cute.slice_(self.sB_box_layout, (None, None, 0)),
-            (cfg.tile_k, BOX_CHANNELS),
-            self.mcast_b,
-        )
+        if cutlass.const_expr(self.rect):
+            # B: X (N, D, H, W, C) seen as ((W, H, D, N), C), a box one rectangle x 64
+            # channels at the tap's offset (coordinates below 0 or past the extents: the TMA's
+            # zero fill, the padding)
+            mB = cute.make_tensor(mX.iterator, cute.select(mX.layout, mode=[3, 2, 1, 0, 4]))
+            mB = cute.group_modes(mB, 0, 4)
+            op = (
+                cpasync.CopyBulkTensorTileG2SMulticastOp()
+                if self.mcast_b > 1
+                else cpasync.CopyBulkTensorTileG2SOp()
+            )
+            tma_b, tma_mB = cpasync.make_tiled_tma_atom(
+                op,
+                mB,
+                cute.slice_(self.sB_box_layout, (None, None, 0)),
+                (self.rect_shape, BOX_CHANNELS),
+                num_multicast=self.mcast_b,
+            )
+        else:
+            tma_b, tma_mB = im2col_atom(
+                mX,
+                taps,
+                geometry,
+                cute.slice_(self.sB_box_layout, (None, None, 0)),
+                (cfg.tile_k, BOX_CHANNELS),
+                self.mcast_b,
+            )
         # D: W (K, T, R, S, C) as (K, (C, S, R, T)), a tile tile_n channels of one tap
         mC = cute.make_tensor(mW.iterator, cute.select(mW.layout, mode=[0, 4, 3, 2, 1]))
         mC = cute.group_modes(mC, 1, 5)
@@ -168,9 +217,21 @@ class ConvWgradSm90(GemmSm90):
         tiles_m = cute.ceil_div(mW.shape[0], cfg.tile_m * cfg.cluster_m) * cfg.cluster_m
         c_tiles = cute.ceil_div(mW.shape[4], cfg.tile_n)  # channel tiles per tap
         tiles = tiles_m * c_tiles * taps[0] * taps[1] * taps[2]
-        k_tiles = cute.ceil_div(mDY.shape[0], cfg.tile_k)
+        # the rectangles' grid: (per Q, per P, Z) rectangles (the im2col walk: none)
+        rects = (1, 1, 1)
+        if cutlass.const_expr(self.rect):
+            rects = (
+                cute.ceil_div(mDY.shape[3], self.rect_shape[0]),
+                cute.ceil_div(mDY.shape[2], self.rect_shape[1]),
+                mDY.shape[1],
+            )
+            k_tiles = rects[0] * rects[1] * rects[2] * mDY.shape[0]
+        else:
+            k_tiles = cute.ceil_div(pixels, cfg.tile_k)
         splits = cute.ceil_div(k_tiles, per_split)
         walk = (tiles_m, c_tiles, cute.ceil_div(mW.shape[4], BOX_CHANNELS), k_tiles, per_split)
+        # the tiled walk's tap offsets: (taps (T, R, S), padding below, dilation) per (D, H, W)
+        offsets = (taps, geometry[0], geometry[3])
 
         @cute.struct
         class SharedStorage:
@@ -194,6 +255,7 @@ class ConvWgradSm90(GemmSm90):
             self.tiled_mma,
             (self.sA_load_layout, self.sB_layout, self.sB_box_layout, self.sC_layout),
             walk,
+            (rects, offsets),
             mWork,
             mFlags,
         ).launch(
@@ -214,11 +276,13 @@ class ConvWgradSm90(GemmSm90):
         tiled_mma: cute.TiledMma,
         layouts: tuple,
         walk: tuple,
+        rect_walk: tuple,
         mWork: cute.Tensor,
         mFlags: cute.Tensor,
     ):
         """`walk`: (K tiles, channel tiles per tap, 64-channel blocks, pixel k-tiles, k-tiles
-        per split)."""
+        per split); `rect_walk` (the tiled path's): ((rectangles per Q, per P, Z), ((T, R, S),
+        padding below, dilation))."""
         tma_a, mA = load_a
         tma_b, mB = load_b
         tma_c, mC = store_c
@@ -266,7 +330,20 @@ class ConvWgradSm90(GemmSm90):
 
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            if warp_idx == 0:
+            if cutlass.const_expr(self.rect):
+                if warp_idx == 0:
+                    tile_m, tile_n, k0, count = self._unit(walk)
+                    _, c_tiles, c_boxes, _, _ = walk
+                    where = ((tile_m, tile_n % c_tiles, tile_n // c_tiles), c_boxes, (k0, count))
+                    self._produce_rects(
+                        (tma_a, mA, sA),
+                        (tma_b, mB, smem_tensor(storage.sB, sB_box_layout), b_mask),
+                        cluster_coord[0],
+                        ab_pipe,
+                        where,
+                        rect_walk,
+                    )
+            elif warp_idx == 0:
                 tile_m, tile_n, k0, count = self._unit(walk)
                 gA = cute.local_tile(mA, (self.cfg.tile_m, self.cfg.tile_k), (tile_m, None))
                 tAsA, tAgA = cpasync.tma_partition(
@@ -358,6 +435,75 @@ class ConvWgradSm90(GemmSm90):
             ab_pipe.producer_commit(prod)
             prod.advance()
         ab_pipe.producer_tail(prod)
+
+    @cute.jit
+    def _produce_rects(self, load_a, load_b, cta, ab_pipe, where, rect_walk):
+        """The producer warp of the stride-1 path: per k-tile, one rectangle of output pixels
+        (`_rect`): A's box at (K tile, rectangle) of dY, B's `boxes` boxes at the rectangle
+        shifted by the tap's offset (s x dilation - padding per dim) in X, channel blocks
+        first.. of the tile (clamped to the last); a 2x1 cluster's CTA `cta` loads its half of
+        each B box, multicast to both. `where`: ((K tile, channel tile, tap), 64-channel blocks,
+        (first k-tile, k-tiles))."""
+        tma_a, mA, sA = load_a
+        tma_b, mB, sB, b_mask = load_b
+        (tile_m, c_tile, tap), c_boxes, (k0, count) = where
+        rects, ((_, taps_r, taps_s), pad, dil) = rect_walk
+        s_ = tap % taps_s
+        r_ = (tap // taps_s) % taps_r
+        t_ = tap // (taps_s * taps_r)
+        # the tap's offset in X from the output pixel, per (W, H, D)
+        off_w = s_ * dil[2] - pad[2]
+        off_h = r_ * dil[1] - pad[1]
+        off_d = t_ * dil[0] - pad[0]
+        one = cute.make_layout(1)
+        a_tile = (self.cfg.tile_m, self.rect_shape)
+        b_tile = (self.rect_shape, BOX_CHANNELS)
+        prod = producer_state(self.stages)
+        for i in range(count):
+            n, z, p0, q0 = self._rect(k0 + i, rects)
+            ab_pipe.producer_acquire(prod)
+            bar = ab_pipe.producer_get_barrier(prod)
+            gA = cute.local_tile(
+                cute.domain_offset((tile_m * self.cfg.tile_m, (q0, p0, z, n)), mA),
+                a_tile,
+                (0, 0),
+            )
+            tAsA, tAgA = cpasync.tma_partition(
+                tma_a, 0, one, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+            )
+            cute.copy(tma_a, tAgA, tAsA[(None, prod.index)], tma_bar_ptr=bar)
+            for j in cutlass.range_constexpr(self.boxes):
+                block = cutlass.min(c_tile * self.boxes + j, c_boxes - 1)
+                origin = ((q0 + off_w, p0 + off_h, z + off_d, n), block * BOX_CHANNELS)
+                gB = cute.local_tile(cute.domain_offset(origin, mB), b_tile, (0, 0))
+                tBsB, tBgB = cpasync.tma_partition(
+                    tma_b,
+                    cta,
+                    cute.make_layout(self.cfg.cluster_m),
+                    cute.group_modes(sB, 0, 2),
+                    cute.group_modes(gB, 0, 2),
+                )
+                cute.copy(
+                    tma_b,
+                    tBgB,
+                    tBsB[(None, prod.index * self.boxes + j)],
+                    tma_bar_ptr=bar,
+                    mcast_mask=b_mask,
+                )
+            ab_pipe.producer_commit(prod)
+            prod.advance()
+        ab_pipe.producer_tail(prod)
+
+    @cute.jit
+    def _rect(self, kt, rects):
+        """Rectangle kt's (image, output plane, first row, first column): Q's rectangles
+        fastest, then P's, Z, N (geometry.rect_origin)."""
+        per_q, per_p, planes = rects
+        qt = kt % per_q
+        rest = kt // per_q
+        pt = rest % per_p
+        rest = rest // per_p
+        return rest // planes, rest % planes, pt * self.rect_shape[1], qt * self.rect_shape[0]
 
     def _epilogue_parts(self, tidx, tiled_mma, acc, sC, epi_barrier):
         """The GEMM epilogue's copies and ring (`GemmSm90._epilogue`'s `epi` tuple): registers

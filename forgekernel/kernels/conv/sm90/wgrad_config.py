@@ -6,10 +6,9 @@ consumer warpgroups), the reduction over the N x Z x P x Q output pixels in k-ti
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 from forgekernel.kernels.common.sm90.constants import NUM_SMS_H100_H200
-from forgekernel.kernels.conv.sm90.config import K_TILE, MAX_WORKSPACE, SplitPlan, split_cost
+from forgekernel.kernels.conv.sm90.config import MAX_WORKSPACE, SplitPlan, split_cost
+from forgekernel.kernels.conv.sm90.geometry import RECT_WIDTHS
 from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
 
 
@@ -46,6 +45,10 @@ _WGRAD_EFFICIENCY = {
     WGRAD_SHORT: 0.8,
     WGRAD_SMALL: 0.6,
 }
+# The pixel walk of a compile key (`rect`): the stride-1 path's rectangles of `rect` output
+# columns x 64 / rect rows (geometry.rect_width), or 0, the im2col TMA's linear walk (other
+# strides). The first standard key (the representative build) walks rectangles.
+WGRAD_RECTS = (*RECT_WIDTHS, 0)
 WGRAD_MAX_SPLITS = 64
 WGRAD_MIN_PER_SPLIT = 4  # pixel k-tiles
 
@@ -59,13 +62,14 @@ def wgrad_tiles(cfg: GemmConfig, k: int, c: int, taps: int) -> int:
     return _ceil(k, cfg.tile_m * cfg.cluster_m) * cfg.cluster_m * _ceil(c, cfg.tile_n) * taps
 
 
-def wgrad_cost(cfg: GemmConfig, k: int, c: int, taps: int, pixels: int, splits: int,
-               num_sms: int) -> tuple[float, int, int]:  # fmt: skip
+def wgrad_cost(cfg: GemmConfig, k: int, c: int, taps: int, k_tiles: int, splits: int,
+               num_sms: int, tiled: bool = False) -> tuple[float, int, int]:  # fmt: skip
     """`config.split_cost` of `cfg` on the weight gradient (K output channels, C input
-    channels, `taps` taps, `pixels` = N x Z x P x Q) with its reduction cut `splits` ways."""
+    channels, `taps` taps, `k_tiles` pixel k-tiles) with its reduction cut `splits` ways; B's
+    rows count against the im2col TMA's rate unless `tiled` (the stride-1 rectangles: tiled
+    TMAs, no such rate)."""
     cm = cfg.cluster_m
     tiles_mn = (_ceil(k, cfg.tile_m * cm) * cm, _ceil(c, cfg.tile_n) * taps)
-    k_tiles = _ceil(pixels, K_TILE)
     tile = (cfg.tile_m, cfg.tile_n)
     return split_cost(
         tile,
@@ -75,28 +79,29 @@ def wgrad_cost(cfg: GemmConfig, k: int, c: int, taps: int, pixels: int, splits: 
         splits,
         num_sms,
         _WGRAD_EFFICIENCY[cfg],
-        im2col_rows=cfg.tile_n / cm,  # B's boxes, shared by the cluster
+        im2col_rows=0.0 if tiled else cfg.tile_n / cm,  # B's boxes, shared by the cluster
     )
 
 
-def choose_wgrad(k: int, c: int, taps: int, pixels: int,
-                 num_sms: int = NUM_SMS_H100_H200) -> WgradPlan:  # fmt: skip
+def choose_wgrad(k: int, c: int, taps: int, k_tiles: int, num_sms: int = NUM_SMS_H100_H200,
+                 tiled: bool = False) -> WgradPlan:  # fmt: skip
     """The weight gradient's tile and split (K output channels, C input channels, `taps` filter
-    taps, `pixels` = N x Z x P x Q the reduction): the cheapest by `wgrad_cost` over the tiles
+    taps, `k_tiles` pixel k-tiles the reduction: ceil(N x Z x P x Q / 64) on the im2col walk,
+    the rectangles on the stride-1 `tiled` one): the cheapest by `wgrad_cost` over the tiles
     and splits whose workspace fits."""
-    k_tiles = _ceil(pixels, K_TILE)
     best = None
     for cfg in WGRAD_CONFIGS:
         tiles = wgrad_tiles(cfg, k, c, taps)
         limit = min(WGRAD_MAX_SPLITS, max(1, k_tiles // WGRAD_MIN_PER_SPLIT))
         limit = min(limit, max(1, MAX_WORKSPACE // (tiles * cfg.tile_m * cfg.tile_n)))
         for s in range(1, limit + 1):
-            cost, per, splits = wgrad_cost(cfg, k, c, taps, pixels, s, num_sms)
+            cost, per, splits = wgrad_cost(cfg, k, c, taps, k_tiles, s, num_sms, tiled)
             if best is None or cost < best[0]:
                 best = (cost, WgradPlan(cfg, per, splits, tiles))
     return best[1]
 
 
-def wgrad_params(dtype: str, cfg: GemmConfig) -> tuple:
-    """The weight-gradient kernel's compile key: the dtype and the tile's GemmConfig fields."""
-    return tuple(sorted({"dtype": dtype, **asdict(cfg)}.items()))
+def wgrad_params(dtype: str, cfg: GemmConfig, rect: int = 0) -> tuple:
+    """The weight-gradient kernel's compile key: the dtype, the pixel walk (`WGRAD_RECTS`) and
+    the tile's GemmConfig fields."""
+    return tuple(sorted({"dtype": dtype, "rect": rect, **cfg.key()}.items()))

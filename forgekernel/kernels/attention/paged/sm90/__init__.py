@@ -12,9 +12,9 @@ from forgekernel.kernels.attention.paged.sm90.config import (
     HEADS,
     KV_DTYPES,
     QTOKENS,
-    ROWS,
     params_for,
 )
+from forgekernel.kernels.attention.paged.sm90.rows import row_cap
 from forgekernel.runtime.spec import KernelSpec, Params
 
 
@@ -31,8 +31,8 @@ def _standard_params() -> list[Params]:
         for d in HEAD_DIMS
         for qt in QTOKENS
         for h in HEADS
-        if h * qt <= ROWS
         for kv in KV_DTYPES
+        if h * qt <= row_cap(d, kv)
     ]
     combine = [params_for("combine", dtype, d) for dtype in DTYPES for d in HEAD_DIMS]
     return partial + combine

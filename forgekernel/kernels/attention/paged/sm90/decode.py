@@ -3,7 +3,9 @@ the split-KV plan (combine.py has the plan's bookkeeping, the speculative rows a
 pass), 16-bit or FP8 (e4m3) caches.
 
 A CTA takes the H query heads of one KV head (H x Q (token, head) rows, Q query tokens, padded
-with zero rows to the MMA's 16) and one split of one sequence's keys. The keys stream through
+with zero rows to the MMA's 16, or to two row blocks of 16 past 16 rows: `rows.row_cap`, so
+that GQA 8 x 4 tokens and GQA 16 x 2 stream each KV head once) and one split of one sequence's
+keys. The keys stream through
 shared memory in tiles of TILE tokens, STAGES deep: every thread issues cp.async copies of 16
 bytes for its rows of the tile (page page_table[b, t // page_size], slot t % page_size, the
 token clamped into the split so that masked columns hold finite values), one commit group per
@@ -11,7 +13,8 @@ tile, one CTA barrier per tile. Warp w takes keys 16w .. 16w + 15 of every tile 
 online softmax: S = Q K_w^T (16 x 16, D / 16 MMAs of K = 16, Q and K by ldmatrix from the
 swizzled tiles), scaled inside the exponent (the toolkit's base-2 online softmax), P to
 16-bit registers as the A operand of O += P V_w (V by transposed ldmatrix; one K = 16 step,
-D / 8 MMAs). The warps' (max, sum, O) meet in shared memory at the end (`combine.write_split`).
+D / 8 MMAs; with 32 rows every MMA twice, V's fragment loaded 32 columns at a time). The
+warps' (max, sum, O) meet in shared memory at the end (`combine.write_split`).
 
 FP8 caches: the tiles stay bytes in shared memory (half the 16-bit tiles: `config.STAGES_FP8`
 stages and `config.RESIDENT_FP8` CTAs per SM), read by ldmatrix and widened in registers into
@@ -42,6 +45,7 @@ from forgekernel.kernels.attention.paged.sm90.config import (
     TILE,
     WARPS,
 )
+from forgekernel.kernels.attention.paged.sm90.rows import MAX_ROWS, row_cap
 from forgekernel.kernels.common.sm90.layout import acc_to_operand_a, rows_cols, transposed
 from forgekernel.kernels.common.sm90.softmax import online_softmax, rescale_o
 from forgekernel.kernels.common.sm90.warp_mma import (
@@ -53,6 +57,7 @@ from forgekernel.kernels.common.sm90.warp_mma import (
 )
 
 KEYS = TILE // WARPS  # keys per warp per tile: one K = 16 step of P V
+V_COLS = 32  # O's columns a piece of P V with 32 rows (`_pv_in_pieces`)
 
 
 class PagedDecodeSm90:
@@ -61,12 +66,15 @@ class PagedDecodeSm90:
     def __init__(self, head_dim: int, heads: int, qtokens: int = 1, fp8: bool = False):
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim must be 64, 128 or 256, got {head_dim}")
-        if heads * qtokens > ROWS:
-            raise ValueError(f"heads x query tokens must be <= {ROWS}, got {heads} x {qtokens}")
+        cap = row_cap(head_dim, "float8_e4m3fn" if fp8 else "")
+        if heads * qtokens > cap:
+            raise ValueError(f"heads x query tokens must be <= {cap}, got {heads} x {qtokens}")
         self.d = head_dim
         self.h = heads
         self.qt = qtokens
         self.g = heads * qtokens
+        # the MMA's rows: one m16 block, or two (a warp's S and O twice as tall) past 16 rows
+        self.rows = ROWS if self.g <= ROWS else MAX_ROWS
         self.stages = STAGES_FP8[head_dim] if fp8 else STAGES[head_dim]
         self.fp8 = fp8
 
@@ -74,12 +82,12 @@ class PagedDecodeSm90:
         """Shared memory of an FP8 cache: K's and V's byte tiles in one range (seen 16-bit:
         `fp8.byte_tiles`), the merge's fp32 O over it, Q (columns permuted), max and sum."""
         tiles = cute.cosize(fp8.byte_tiles(TILE, self.d, self.stages))
-        q_cosize = cute.cosize(swizzled_rows(ROWS, self.d))
+        q_cosize = cute.cosize(swizzled_rows(self.rows, self.d))
         fields = {  # annotations built here: this module's are strings (no local scope)
             "kv": cute.struct.Align[cute.struct.MemRange[dtype, 2 * tiles], 1024],
             "q": cute.struct.Align[cute.struct.MemRange[dtype, q_cosize], 1024],
-            "m": cute.struct.MemRange[Float32, WARPS * ROWS],
-            "lsum": cute.struct.MemRange[Float32, WARPS * ROWS],
+            "m": cute.struct.MemRange[Float32, WARPS * self.rows],
+            "lsum": cute.struct.MemRange[Float32, WARPS * self.rows],
         }
         return cute.struct(type("SharedFp8", (), {"__annotations__": fields}))
 
@@ -123,8 +131,13 @@ class PagedDecodeSm90:
         if const_expr((mCuQ is None) != (self.qt == 1)):
             raise ValueError("cu_seqlens_q comes with qtokens > 1, and only then")
         dtype, cache = mQ.element_type, mK.element_type
-        q_layout = swizzled_rows(ROWS, self.d)
+        q_layout = swizzled_rows(self.rows, self.d)
         kv_cosize = cute.cosize(swizzled_rows(TILE, self.d, self.stages))
+        # the warps' O meets over K's buffer, and V's right after it past 16 rows (K's bytes
+        # a multiple of the 1024-byte alignment: V follows with no gap)
+        merge_bytes = WARPS * self.rows * self.d * 4
+        if const_expr(not self.fp8 and self.rows > ROWS):
+            assert kv_cosize * 2 % 1024 == 0 and merge_bytes <= 2 * kv_cosize * 2
 
         @cute.struct
         class Shared:
@@ -132,8 +145,8 @@ class PagedDecodeSm90:
             v: cute.struct.Align[cute.struct.MemRange[cache, kv_cosize], 1024]
             wide: cute.struct.Align[cute.struct.MemRange[dtype, 1], 1024]
             q: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(q_layout)], 1024]
-            m: cute.struct.MemRange[Float32, WARPS * ROWS]
-            lsum: cute.struct.MemRange[Float32, WARPS * ROWS]
+            m: cute.struct.MemRange[Float32, WARPS * self.rows]
+            lsum: cute.struct.MemRange[Float32, WARPS * self.rows]
 
         self.shared = Shared
         grid = (mOp.shape[0], mQ.shape[1] // self.h, mSeq.shape[0])
@@ -193,7 +206,7 @@ class PagedDecodeSm90:
         tiles = cute.ceil_div(cutlass.max(t1 - t0, 0), TILE)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared)
-        sQ = storage.q.get_tensor(swizzled_rows(ROWS, self.d))
+        sQ = storage.q.get_tensor(swizzled_rows(self.rows, self.d))
         if const_expr(self.fp8):
             sK, sV = self._fp8_views(storage)
             self._load_query_fp8(mQ, sQ, tidx, q_off, sq, head0)
@@ -230,17 +243,18 @@ class PagedDecodeSm90:
         pv_type = cutlass.Float16 if const_expr(self.fp8) else dtype
         mma_pv = cute.make_tiled_mma(warp.MmaF16BF16Op(pv_type, Float32, (16, 8, 16)), (1, 1, 1))
 
-        acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS, self.d)), Float32)
+        acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.rows, self.d)), Float32)
         acc_o.fill(0.0)
         o_wide = as_wide_acc(acc_o)
-        row_max = cute.make_rmem_tensor(2, Float32)
-        row_sum = cute.make_rmem_tensor(2, Float32)
-        rescale = cute.make_rmem_tensor(2, Float32)
+        # a thread's rows: r and r + 8 of each 16-row block
+        row_max = cute.make_rmem_tensor(self.rows // 8, Float32)
+        row_sum = cute.make_rmem_tensor(self.rows // 8, Float32)
+        rescale = cute.make_rmem_tensor(self.rows // 8, Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
         # (row, key) of this thread's score registers, keys relative to the warp's first
         coords = rows_cols(
-            as_wide_acc(thr_mma.partition_C(cute.make_identity_tensor((ROWS, KEYS))))
+            as_wide_acc(thr_mma.partition_C(cute.make_identity_tensor((self.rows, KEYS))))
         )
         if const_expr(self.fp8):
             coords = self._real_rows(coords, mode=0)
@@ -268,7 +282,7 @@ class PagedDecodeSm90:
             stage = i % self.stages
             sKw = cute.local_tile(sK[None, None, stage], (KEYS, width), (warp_idx, 0))
             sVw = cute.local_tile(sV[None, None, stage], (KEYS, width), (warp_idx, 0))
-            acc_s = cute.make_rmem_tensor(thr_mma.partition_shape_C((ROWS, KEYS)), Float32)
+            acc_s = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.rows, KEYS)), Float32)
             acc_s.fill(0.0)
             tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sKw))
             tSsK = copy_k.partition_S(sKw)
@@ -301,19 +315,25 @@ class PagedDecodeSm90:
                 self._mask(s_wide, coords, limits, first_key)
                 online_softmax(s_wide, row_max, row_sum, rescale, exp_scale)
                 rescale_o(o_wide, rescale)
-            tOrP = cute.make_rmem_tensor(thr_mma.partition_shape_A((ROWS, KEYS)), pv_type)
+            tOrP = cute.make_rmem_tensor(thr_mma.partition_shape_A((self.rows, KEYS)), pv_type)
             acc_to_operand_a(s_wide, tOrP)
 
             sVt = transposed(sVw)
-            tOrV = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
-            cute.copy(copy_v, copy_v.partition_S(sVt), copy_v.retile(tOrV))
-            if const_expr(self.fp8):
+            if const_expr(self.rows > ROWS):
+                # 32 rows: O is 128 registers at D 128; V's fragment in pieces of V_COLS
+                # columns (8 registers, not 32) keeps the pass under 255 with no spill
+                self._pv_in_pieces(mma, thr_mma, copy_v, acc_o, tOrP, sVt)
+            elif const_expr(self.fp8):
+                tOrV = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
+                cute.copy(copy_v, copy_v.partition_S(sVt), copy_v.retile(tOrV))
                 tOrV_wide = cute.make_rmem_tensor(
                     thr_mma.partition_shape_B((self.d, KEYS)), pv_type
                 )
                 fp8.widen_v(tOrV, tOrV_wide)
                 cute.gemm(mma_pv, acc_o, tOrP, tOrV_wide, acc_o)
             else:
+                tOrV = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
+                cute.copy(copy_v, copy_v.partition_S(sVt), copy_v.retile(tOrV))
                 cute.gemm(mma, acc_o, tOrP, tOrV, acc_o)
 
         cute.arch.cp_async_wait_group(0)
@@ -330,11 +350,34 @@ class PagedDecodeSm90:
         )  # fmt: skip
 
     @cute.jit
+    def _pv_in_pieces(self, mma, thr_mma, copy_v, acc_o, tOrP, sVt):
+        """O += P V over D in pieces of V_COLS columns: each piece's V fragment loaded, then its
+        MMAs on the piece's accumulator registers (O's columns are its outermost mode).
+
+        The pieces are slices of the whole tile's ldmatrix partition, never a `local_tile` of
+        sVt: a tile of the swizzled view at column 32 j gets its offset both in the pointer and
+        inside the swizzle (DSL 4.8.1 lowering: every piece past the first read 32 columns, i.e.
+        64 bytes, off; the 2026-12-02 13:49 GPU failures of 32 rows)."""
+        pieces = self.d // V_COLS
+        tOrV = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
+        tOsV = copy_v.partition_S(sVt)
+        tOrV_copy = copy_v.retile(tOrV)
+        per_copy = cute.size(tOsV, mode=[1]) // pieces
+        acc_layout = cute.make_layout(thr_mma.partition_shape_C((self.rows, V_COLS)))
+        v_layout = cute.make_layout(thr_mma.partition_shape_B((V_COLS, KEYS)))
+        for j in cutlass.range_constexpr(pieces):
+            for n in cutlass.range_constexpr(j * per_copy, (j + 1) * per_copy):
+                cute.copy(copy_v, tOsV[None, n, None], tOrV_copy[None, n, None])
+            acc_j = cute.make_tensor(acc_o.iterator + j * cute.size(acc_layout), acc_layout)
+            tOrV_j = cute.make_tensor(tOrV.iterator + j * cute.size(v_layout), v_layout)
+            cute.gemm(mma, acc_j, tOrP, tOrV_j, acc_j)
+
+    @cute.jit
     def _load_query(self, mQ, sQ, gcopy, thr_g, q_off, sq, head0):
-        """The ROWS x D query tile: row r = (token r // H, head head0 + r % H) for r < G and
+        """The rows x D query tile: row r = (token r // H, head head0 + r % H) for r < G and
         token < sq, cp.async in the first commit group; zeros elsewhere."""
         tQsQ = thr_g.partition_D(sQ)
-        tQcQ = thr_g.partition_S(cute.make_identity_tensor((ROWS, self.d)))
+        tQcQ = thr_g.partition_S(cute.make_identity_tensor((self.rows, self.d)))
         for m in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
             r = tQcQ[0, m, 0][0]
             token = r // self.h
@@ -394,7 +437,7 @@ class PagedDecodeSm90:
         )  # fmt: skip
         pairs = self.d // 2
         slots = fp8.q_pair_slots(self.d)
-        for j in cutlass.range_constexpr(ROWS * pairs // THREADS):
+        for j in cutlass.range_constexpr(self.rows * pairs // THREADS):
             p = tidx + j * THREADS
             r = p // pairs
             c = p - r * pairs
@@ -434,14 +477,14 @@ class PagedDecodeSm90:
     def _merge_views(self, storage):
         """(max, sum, O) of every warp's rows in shared memory: m, lsum (WARPS, G) fp32 and O
         (WARPS, G, D) fp32 over the K pipeline's buffer (16-bit: >= 2 stages of TILE x D x 2
-        bytes) or K's and V's (FP8: 2 x >= 3 stages of TILE x D bytes), WARPS x 16 x D x 4
-        bytes."""
-        sm = storage.m.get_tensor(cute.make_layout((WARPS, ROWS)))
-        sl = storage.lsum.get_tensor(cute.make_layout((WARPS, ROWS)))
+        bytes; with 32 rows K's and V's, >= 4 stages) or K's and V's (FP8: 2 x >= 3 stages of
+        TILE x D bytes), WARPS x rows x D x 4 bytes."""
+        sm = storage.m.get_tensor(cute.make_layout((WARPS, self.rows)))
+        sl = storage.lsum.get_tensor(cute.make_layout((WARPS, self.rows)))
         merge = storage.kv if const_expr(self.fp8) else storage.k
         o_ptr = cute.recast_ptr(merge.data_ptr(), dtype=Float32)
-        so = cute.make_tensor(o_ptr, cute.make_layout((WARPS, ROWS, self.d), stride=(
-            ROWS * self.d, self.d, 1)))  # fmt: skip
+        so = cute.make_tensor(o_ptr, cute.make_layout((WARPS, self.rows, self.d), stride=(
+            self.rows * self.d, self.d, 1)))  # fmt: skip
         return sm, sl, so
 
     @cute.jit
@@ -451,9 +494,11 @@ class PagedDecodeSm90:
         sm, sl, so = self._merge_views(storage)
         if const_expr(self.fp8):  # O's registers hold permuted columns (fp8.o_columns)
             so = cute.make_tensor(so.iterator, cute.make_layout(
-                (WARPS, ROWS, fp8.o_columns(self.d).shape),
-                stride=(ROWS * self.d, self.d, fp8.o_columns(self.d).stride)))  # fmt: skip
-        crd = rows_cols(as_wide_acc(thr_mma.partition_C(cute.make_identity_tensor((ROWS, self.d)))))
+                (WARPS, self.rows, fp8.o_columns(self.d).shape),
+                stride=(self.rows * self.d, self.d, fp8.o_columns(self.d).stride)))  # fmt: skip
+        crd = rows_cols(
+            as_wide_acc(thr_mma.partition_C(cute.make_identity_tensor((self.rows, self.d))))
+        )
         o = rows_cols(o_wide)
         lane = cute.arch.lane_idx()
         for r in cutlass.range_constexpr(cute.size(o, mode=[0])):

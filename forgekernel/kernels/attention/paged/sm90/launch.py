@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from forgekernel.kernels.attention.paged.sm90 import SPEC, config
+from forgekernel.kernels.attention.paged.sm90.rows import heads_for
 from forgekernel.kernels.common.sm90.constants import LOG2E
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms, on_device
@@ -21,7 +22,7 @@ def _plan(dtype, kv_dtype, batch, hq, hkv, d, max_tokens, qtokens, device_index)
     here, once per problem (two compile-cache lookups cost 0.8 us a call on the CPU)."""
     name = dtype_name(dtype)
     kv = "float8_e4m3fn" if kv_dtype == torch.float8_e4m3fn else ""
-    heads = config.heads_per_cta(hq // hkv, qtokens)
+    heads = heads_for(hq // hkv, qtokens, d, kv)
     resident = (config.RESIDENT_FP8 if kv else config.RESIDENT)[d]
     splits, per = config.split_plan(batch, hq // heads, max_tokens, num_sms(device_index), resident)
     partial = get_kernel(SPEC, config.params_for("partial", name, d, heads, kv, qtokens))

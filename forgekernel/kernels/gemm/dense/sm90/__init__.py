@@ -30,6 +30,7 @@ def _standard_params() -> list[Params]:
         for dtype in DTYPES
         for b_kn in (False, True)
         for cfg in STANDARD_CONFIGS
+        if not (cfg.swap and b_kn)  # the swap takes B "nk" only (config.py `SWAP`)
     ]
 
 

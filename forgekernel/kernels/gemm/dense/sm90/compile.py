@@ -15,13 +15,28 @@ from forgekernel.kernels.gemm.dense.sm90.tile import GemmConfig
 def compile_gemm(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     """The GEMM of `params` (a compile key: dtype, b_kn and the GemmConfig fields) for `arch`."""
     dtype = fake.dtype_of(params["dtype"])
-    m = cute.sym_int32()
-    n = cute.sym_int32(divisibility=8)
-    k = cute.sym_int32(divisibility=8)
-    a = fake.rowmajor(dtype, (m, k))
-    b = fake.rowmajor(dtype, (k, n) if params["b_kn"] else (n, k))
-    c = fake.rowmajor(dtype, (m, n))
     cfg = GemmConfig.from_params(params)
+    k = cute.sym_int32(divisibility=8)
+    if cfg.swap:
+        # C^T = B A^T (launch.py): A the weight (N, K), B the tokens (M, K), C the (N, M)
+        # view of the (M, N) row-major output: unit stride along the kernel's M.
+        if params["b_kn"]:
+            raise ValueError("the swap takes B 'nk' (a 'kn' weight would be an M-major A)")
+        weight, tokens = cute.sym_int32(divisibility=8), cute.sym_int32()
+        a = fake.rowmajor(dtype, (weight, k))
+        b = fake.rowmajor(dtype, (tokens, k))
+        c = make_fake_tensor(
+            dtype,
+            (weight, tokens),
+            stride=(1, cute.sym_int64(divisibility=8)),
+            assumed_align=16,
+        )
+    else:
+        m = cute.sym_int32()
+        n = cute.sym_int32(divisibility=8)
+        a = fake.rowmajor(dtype, (m, k))
+        b = fake.rowmajor(dtype, (k, n) if params["b_kn"] else (n, k))
+        c = fake.rowmajor(dtype, (m, n))
     gemm = GemmSm90(cfg, b_kn=params["b_kn"])
     if cfg.stream_k:
         work = make_fake_tensor(cutlass.Float32, (cute.sym_int32(),), stride=(1,), assumed_align=16)

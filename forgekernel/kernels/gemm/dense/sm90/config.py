@@ -6,7 +6,6 @@ chooser's model leaves every kernel's source hash (and its GPU record) as it is.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import asdict
 
 from forgekernel.kernels.common.sm90.constants import (
     DTYPE_NAMES,
@@ -56,7 +55,34 @@ MID = GemmConfig(tile_m=64, tile_n=256, cluster_m=1, cluster_n=2)
 # 2026-12-02): out of the standard set (docs/gemm/NOTES.md "Mid-size M").
 LARGE_STREAM = dataclasses.replace(LARGE, stream_k=True)
 WIDE_STREAM = dataclasses.replace(WIDE, stream_k=True)
-PREFILL = (LARGE, WIDE, SQUARE, SMALL, MID)
+# Tiles sized so that about 128 of them cover a one-wave problem (cuBLAS's widths read in our
+# orientation, docs/gemm/NOTES.md "Tiles for the one-wave and few-hundred-row shapes"): 128x224
+# (512x7168x16384, 1024x3584x18944: 128 tiles where 128x256 gives 112), 128x144 (4096x576x7168:
+# 4 N tiles of 576), 128x112 (512x3584x3584), 128x160 (512x10240x5120), with B multicast over a
+# 2x1 cluster as LARGE; 144 / 112 columns take 16-column epilogue sub-tiles. 192-row tiles (three
+# consumer warpgroups at 152 registers) with A multicast over a 1x2 cluster: 129 rows in one
+# tile row (129x10240x8192), 3000 rows in 16 (3000x576x7168).
+FIT_224 = GemmConfig(tile_n=224)
+FIT_160 = GemmConfig(tile_n=160)
+FIT_144 = GemmConfig(tile_n=144, epi_n=16)
+# FIT_112 and SWAP_208 fill shared memory to the byte by `tile.ring_stages` (7 x 30 KB and 5 x 42
+# KB + a 16 KB epilogue = 215,040 of 215,040 free): the launch asked 233,472 of 232,448 bytes (the
+# buffers' 1 KB alignment) and failed on the H200 (2026-12-02 13:50), so they take a stage less.
+FIT_112 = GemmConfig(tile_n=112, epi_n=16, stages=6)
+TALL_80 = GemmConfig(tile_m=192, tile_n=80, cluster_m=1, cluster_n=2, epi_n=16)
+TALL_96 = GemmConfig(tile_m=192, tile_n=96, cluster_m=1, cluster_n=2)
+FIT = (FIT_224, FIT_160, FIT_144, FIT_112, TALL_80, TALL_96)
+# The swap (docs/gemm/NOTES.md "The swap"): C^T = B A^T for a few hundred tokens, the weight's N
+# rows as the kernel's M and the tokens as WGMMA's N, so tokens cost 16 rows at a time, not 64
+# or 128 (300 rows: 3 x 80 + 60; 777: 4 x 208 - 55); the weight's tile multicast over a 1x2
+# cluster to two token tiles; C through an M-major view (64 x 16 boxes). B "nk" only (a "kn"
+# weight would be an M-major A, untested). For 64 < M <= `SWAP_MAX_M`, M < N (`swap_applies`).
+SWAP_80 = GemmConfig(tile_n=80, cluster_m=1, cluster_n=2, epi_n=16, swap=True)
+SWAP_208 = GemmConfig(tile_n=208, cluster_m=1, cluster_n=2, epi_n=16, swap=True, stages=4)
+SWAP_TALL_80 = dataclasses.replace(TALL_80, swap=True)
+SWAP = (SWAP_80, SWAP_208, SWAP_TALL_80)
+SWAP_MAX_M = 1024
+PREFILL = (LARGE, WIDE, SQUARE, SMALL, MID, *FIT, *SWAP)
 PREFILL_STREAM = (LARGE_STREAM, WIDE_STREAM)
 STANDARD_CONFIGS = (
     LARGE,
@@ -69,12 +95,31 @@ STANDARD_CONFIGS = (
     *DECODE_STREAM,
     MID,
     *PREFILL_STREAM,
+    *FIT,
+    *SWAP,  # "nk" only (__init__.py `_standard_params`)
 )
 # Tile rate relative to LARGE with every SM busy (8192^3 class shapes, H200): WIDE and SQUARE
 # from the sweeps of 2026-11-30, SMALL from 256x8192x8192 (one round of 128 tiles, 57.7 us on
 # 2026-12-02); MID from the bench's variants of 2026-12-02 07:00 (0.67-0.78 over 129x10240x8192,
 # 256x8192x8192, 512x3584x3584: one round each; docs/gemm/NOTES.md "Mid-size M").
 _EFFICIENCY = {LARGE: 1.0, WIDE: 0.965, SQUARE: 0.93, SMALL: 0.92, MID: 0.70}
+
+
+def assumed_efficiency(cfg: GemmConfig) -> float:
+    """A tile's rate relative to LARGE before any measurement, by its arithmetic intensity
+    I = tile_m tile_n / (tile_m + tile_n) between SQUARE (I 64, 0.93) and LARGE (85.3, 1.0):
+    0.93 + 0.0033 (I - 64), at most 1.0 (0.97 for 192 rows). It gives WIDE 0.972 (fitted
+    0.965); not for 64-row tiles (MID: 0.89 by it, 0.70 measured)."""
+    intensity = cfg.tile_m * cfg.tile_n / (cfg.tile_m + cfg.tile_n)
+    return min(0.97 if cfg.tile_m > 128 else 1.0, 0.93 + 0.0033 * (intensity - 64))
+
+
+# ASSUMED, none measured yet (FIT_224 0.988, FIT_160 0.953, FIT_144 0.942, FIT_112 0.916,
+# TALL_80 0.905, TALL_96 0.930): refit each from the bench's "fit" variants.
+_EFFICIENCY.update({c: assumed_efficiency(c) for c in FIT})
+# ASSUMED as well, by the same rule on the kernel's tile (SWAP_80 0.881, SWAP_208 0.980,
+# SWAP_TALL_80 0.905): refit from the bench's "swap" variants.
+_EFFICIENCY.update({c: assumed_efficiency(c) for c in SWAP})
 # Further configurations for tuning (`forgekernel build --candidates`, `forgekernel.tune_gemm`,
 # scripts/gemm_sweep.py); bf16 "nk" prebuilt, anything else compiles on first use.
 CANDIDATES = (
@@ -89,7 +134,7 @@ CANDIDATES = (
 
 def params_for(dtype: str, b_kn: bool, cfg: GemmConfig) -> tuple:
     """The compile key's baked-in part, as a sorted tuple of (name, value)."""
-    return tuple(sorted({"dtype": dtype, "b_kn": b_kn, **asdict(cfg)}.items()))
+    return tuple(sorted({"dtype": dtype, "b_kn": b_kn, **cfg.key()}.items()))
 
 
 def _ceil(a: int, b: int) -> int:
@@ -166,10 +211,12 @@ def decode_time(cfg: GemmConfig, m: int, n: int, k: int, num_sms: int = NUM_SMS_
     return _START_US + stream_time(tiles * tile_mb, ctas) + split
 
 
-def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> GemmConfig:
+def choose_config(
+    m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200, b_kn: bool = False
+) -> GemmConfig:
     """Analytical default (no tuning at call time): M <= 64 the faster by `decode_time` of the
     tiled and the stream-K decode configuration for M's A box; 64 < M <= 128 the skinny
-    64x128 tile (bound by streaming B); larger M `prefill_config`."""
+    64x128 tile (bound by streaming B); larger M `prefill_config` (b_kn: no swap)."""
     if m <= 64:
         rows = next(i for i, r in enumerate(A_ROWS) if not r or m <= r)
         tiled = DECODE[rows] if rows < len(DECODE) else SKINNY_64
@@ -177,7 +224,7 @@ def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> G
         return min(pair, key=lambda c: decode_time(c, m, n, k, num_sms))
     if m <= 128:
         return SKINNY_128
-    return prefill_config(m, n, k, num_sms)
+    return prefill_config(m, n, k, num_sms, b_kn)
 
 
 # A challenger replaces the measured tile only if `prefill_time` predicts it this much faster.
@@ -188,37 +235,54 @@ def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> G
 _CHALLENGER_MARGIN = 0.97
 
 
-def prefill_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> GemmConfig:
-    """M > 128: the measured tile (`prefill_rivals`' "tile") unless the challenger is
+def prefill_config(
+    m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200, b_kn: bool = False
+) -> GemmConfig:
+    """M > 128: the measured tile (`prefill_rivals`' "tile") unless the fastest of the
+    challenger, the fitted tile ("fit") and the swapped one ("swap", where it applies) is
     predicted `_CHALLENGER_MARGIN` faster."""
-    rivals = prefill_rivals(m, n, k, num_sms)
-    tile, challenger = rivals["tile"], rivals["challenger"]
-    faster = prefill_time(challenger, m, n, k, num_sms) < (
+    rivals = prefill_rivals(m, n, k, num_sms, b_kn)
+    tile = rivals.pop("tile")
+    best = min(rivals.values(), key=lambda c: prefill_time(c, m, n, k, num_sms))
+    faster = prefill_time(best, m, n, k, num_sms) < (
         _CHALLENGER_MARGIN * prefill_time(tile, m, n, k, num_sms)
     )
-    return challenger if faster else tile
+    return best if faster else tile
+
+
+def swap_applies(m: int, n: int, b_kn: bool) -> bool:
+    """Whether the swapped tiles (`SWAP`) are candidates: 64 < M <= `SWAP_MAX_M` tokens, the
+    shorter side (M < N: the weight's rows fill the kernel's 128-row tiles), B "nk"."""
+    return not b_kn and 64 < m <= SWAP_MAX_M and m < n
 
 
 def prefill_rivals(
-    m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200
+    m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200, b_kn: bool = False
 ) -> dict[str, GemmConfig]:
-    """The two prefill configurations `prefill_config` weighs on (M > 128, N, K), each the
+    """The prefill configurations `prefill_config` weighs on (M > 128, N, K), each the
     fastest of its kind by `prefill_time`: "tile", of the measured tiles as before (SMALL up
     to 256 rows; above, LARGE, WIDE or SQUARE: the rounds of tiles and useful area the earlier
-    occupancy x utilization x efficiency rule weighed), and "challenger", of MID and the
-    stream-K tiles. The bench times the one not chosen beside the chosen (suite variants)."""
+    occupancy x utilization x efficiency rule weighed), "challenger", of MID and the stream-K
+    tiles, "fit", of the tiles sized for one wave (`FIT`, efficiencies assumed), and where
+    `swap_applies`, "swap", of the swapped tiles (`SWAP`, efficiencies assumed). The bench
+    times the ones not chosen beside the chosen (suite variants)."""
     measured = (SMALL,) if m <= 256 else (LARGE, WIDE, SQUARE)
+    groups = (("tile", measured), ("challenger", (MID, *PREFILL_STREAM)), ("fit", FIT))
+    if swap_applies(m, n, b_kn):
+        groups += (("swap", SWAP),)
     return {
-        kind: min(group, key=lambda c: prefill_time(c, m, n, k, num_sms))
-        for kind, group in (("tile", measured), ("challenger", (MID, *PREFILL_STREAM)))
+        kind: min(group, key=lambda c: prefill_time(c, m, n, k, num_sms)) for kind, group in groups
     }
 
 
 def prefill_time(cfg: GemmConfig, m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200):
     """Predicted time (us) of a prefill configuration (`PREFILL`, `PREFILL_STREAM`) on (M, N,
-    K): its rounds of tiles, or its stream-K plan (`plan.py`), and never under its bytes."""
+    K): its rounds of tiles (swapped: over the (N, M) output the kernel sees), or its stream-K
+    plan (`plan.py`), and never under its bytes."""
     eff = _EFFICIENCY[dataclasses.replace(cfg, stream_k=False)]
-    if cfg.stream_k:
+    if cfg.swap:
+        t = tiled_us(cfg, n, m, k, num_sms, eff)
+    elif cfg.stream_k:
         t = stream_us(split_for(cfg, m, n, k, num_sms), cfg, k, num_sms, eff)
     else:
         t = tiled_us(cfg, m, n, k, num_sms, eff)

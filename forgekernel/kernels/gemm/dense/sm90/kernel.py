@@ -7,8 +7,9 @@ tile schedule (kernels/common/sm90/scheduler/static.py).
 
 Warp roles:
 - producer, warp 0 of warpgroup 0 (setmaxnreg 40; the group's other warps have no work): TMA
-  loads of A and B k-tiles into the AB ring. With a cluster, each A tile is multicast to the
-  cluster's CTAs along N (same M rows) and each B tile to those along M (same N columns).
+  loads of A and B k-tiles into the AB ring (FP8: and the k-tile's row scales, below). With a
+  cluster, each A tile is multicast to the cluster's CTAs along N (same M rows) and each B tile
+  to those along M (same N columns).
 - consumers, warpgroups 1..W (setmaxnreg 232): WGMMA (both operands from shared memory) into
   fp32 registers, one k-tile batch kept in flight and the stage behind it released; then the
   epilogue converts each (tile_m, epi_n) sub-tile, writes it with `stmatrix` into the epilogue
@@ -56,7 +57,10 @@ Block-scaled FP8 (`forgekernel.gemm_fp8`, the `gemm_fp8_sm90` leaf): A and B flo
 tile_k = 128 = the scale block; mSFA (M, K/128) fp32 per 1x128 group of A, mSFB
 (ceil(N/128), K/128) per 128x128 block of B. Each k-tile's WGMMAs accumulate into a fresh fp32
 fragment, which is added into the tile's accumulator times its rows' scales and its block of
-B's (the tensor core's FP8 accumulation keeps ~14 bits: promoted every 128 of K). Two such
+B's (the tensor core's FP8 accumulation keeps ~14 bits: promoted every 128 of K). The producer
+warp stages each k-tile's tile_m row scales (A's x B's, fp32) in shared memory with the stage,
+published by the stage's full barrier (`_load`): the consumers read two of them per k-tile
+(LDS) after their wait, no global load on their path. Two per-k-tile
 fragments alternate: k-tile j's WGMMAs are issued before k-tile j - 1's fragment is waited for
 and promoted, so every warpgroup keeps one WGMMA batch queued on the tensor pipe through its
 promotion FFMAs (with one fragment the pipe idled through them: wait, promote, issue). Three
@@ -76,10 +80,13 @@ epilogue ring and TMA; any other from registers, its rows past the count skipped
 thread's two-column bf16 pairs, one predicate per row): rows past a count are never written.
 
 Constraints: A (M, K) K-major; B (N, K) K-major ("nk") or (K, N) N-major ("kn"); C (M, N)
-row-major; every leading stride a multiple of 8 elements (16 bytes, TMA) and base addresses
-16-byte aligned. M, N, K are dynamic; ragged edges are handled by TMA bounds (zero-filled
-loads, clipped stores); K > 0. tile_m in {64, 128}, tile_n in {64, 128, 192, 256} (FP8: 64,
-128), tile_k = 64 (FP8: 128).
+row-major, or M-major (the launcher's swap, C^T = B A^T: C the transpose of a row-major
+output, written in 64 x epi_n boxes); every leading stride a multiple of 8 elements (16 bytes,
+TMA) and base addresses 16-byte aligned. M, N, K are dynamic; ragged edges are handled by TMA
+bounds (zero-filled loads, clipped stores); K > 0. tile_m in {64, 128, 192} (W = 1, 2, 3
+consumer warpgroups; setmaxnreg gives them 232 registers a thread up to W = 2, 152 at 3),
+tile_n a multiple of 16 up to 256 (FP8: 64, 128), epi_n 16, 32 or 64 dividing tile_n, tile_k =
+64 (FP8: 128).
 """
 
 from __future__ import annotations
@@ -98,7 +105,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from forgekernel.kernels.common.sm90 import splitk
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
-from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
+from forgekernel.kernels.common.sm90.constants import REGISTERS_PER_SM, THREADS_PER_WG
 from forgekernel.kernels.common.sm90.pipeline import (
     consumer_state,
     init_arrive,
@@ -120,14 +127,14 @@ class GemmSm90:
     """Persistent, warp-specialized TMA + WGMMA GEMM; see the module docstring."""
 
     def __init__(self, config: GemmConfig, b_kn: bool = False, masked: bool = False):
-        if config.tile_m not in (64, 128):
-            raise ValueError(f"tile_m must be 64 or 128, got {config.tile_m}")
-        if config.tile_n not in (64, 128, 192, 256):
-            raise ValueError(f"tile_n must be 64/128/192/256, got {config.tile_n}")
+        if config.tile_m not in (64, 128, 192):
+            raise ValueError(f"tile_m must be 64, 128 or 192, got {config.tile_m}")
+        if config.tile_n % 16 or not 16 <= config.tile_n <= 256:
+            raise ValueError(f"tile_n must be a multiple of 16 up to 256, got {config.tile_n}")
         if config.tile_k not in (64, 128):
             raise ValueError(f"tile_k must be 64 (16-bit) or 128 (8-bit), got {config.tile_k}")
-        if config.tile_n % config.epi_n or config.epi_n not in (32, 64):
-            raise ValueError(f"epi_n must be 32 or 64 and divide tile_n, got {config.epi_n}")
+        if config.tile_n % config.epi_n or config.epi_n not in (16, 32, 64):
+            raise ValueError(f"epi_n must be 16, 32 or 64 and divide tile_n, got {config.epi_n}")
         if config.cluster_m * config.cluster_n > 4:
             raise ValueError("a cluster holds at most 4 CTAs here")
         if config.a_rows and (config.a_rows % 8 or config.a_rows > config.tile_m):
@@ -148,7 +155,11 @@ class GemmSm90:
         self.num_mma_threads = self.num_mma_wg * THREADS_PER_WG
         self.threads_per_cta = (1 + self.num_mma_wg) * THREADS_PER_WG
         self.producer_regs = 40
-        self.consumer_regs = 232
+        # What the register file leaves each consumer thread once the producer warpgroup holds
+        # 40 (setmaxnreg takes multiples of 8): 232 up to two consumer warpgroups, 152 at three
+        # (a 192-row tile: 232 would ask 40 x 128 + 232 x 384 = 94,208 of 65,536).
+        budget = (REGISTERS_PER_SM - self.producer_regs * THREADS_PER_WG) // self.num_mma_threads
+        self.consumer_regs = min(232, budget // 8 * 8)
 
     # ---------------------------------------------------------------- host-side setup
     def _setup(self):
@@ -169,7 +180,9 @@ class GemmSm90:
 
         self.a_rows = cfg.a_rows or cfg.tile_m
         # A's stages lie a_rows rows apart (`_compact_ring`)
-        fit = ring_stages(cfg, self.a_dtype.width // 8, self.c_dtype.width // 8)
+        # FP8: each stage also holds its k-tile's tile_m row scales (`_stage_scales`)
+        scale_bytes = cfg.tile_m * 4 if self.scaled else 0
+        fit = ring_stages(cfg, self.a_dtype.width // 8, self.c_dtype.width // 8, scale_bytes)
         self.stages = cfg.stages or fit
         if self.stages > fit or self.stages < 2:
             raise ValueError(f"{self.stages} AB stages do not fit in shared memory ({fit} do)")
@@ -200,13 +213,17 @@ class GemmSm90:
             ),
         )
         self.sB_layout = staged(self.b_major, self.b_dtype, cfg.tile_n, self.stages)
+        # The atom spans C's contiguous mode: epi_n columns of a row-major C; tile_m rows of an
+        # M-major C (the swap), whose atoms of one 64-row band lie next to each other along N,
+        # so that a sub-tile is tile_m / 64 whole 64 x epi_n TMA boxes (an atom sized by
+        # epi_n = 16 and tiled along M first stored it in 8-element boxes: 64-208 a tile).
+        contiguous = self.epi_tile[0] if self.c_major.is_m_major_c() else self.epi_tile[1]
+        c_order = (1, 0, 2) if self.c_major.is_m_major_c() else (0, 1, 2)
         c_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(self.c_major, self.c_dtype, self.epi_tile[1]),
+            sm90_utils.get_smem_layout_atom(self.c_major, self.c_dtype, contiguous),
             self.c_dtype,
         )
-        self.sC_layout = cute.tile_to_shape(
-            c_atom, (*self.epi_tile, cfg.epi_stages), order=(0, 1, 2)
-        )
+        self.sC_layout = cute.tile_to_shape(c_atom, (*self.epi_tile, cfg.epi_stages), order=c_order)
 
     def _compact_ring(self, ring: cute.ComposedLayout) -> cute.ComposedLayout:
         """A's ring with its stages a_rows rows apart instead of tile_m. WGMMA reads tile_m
@@ -327,6 +344,10 @@ class GemmSm90:
             sC: cute.struct.Align[
                 cute.struct.MemRange[self.c_dtype, cute.cosize(self.sC_layout)], 1024
             ]
+            # FP8: (tile_m, stages) products of A's row scales and B's block scale
+            sSF: cute.struct.MemRange[
+                cutlass.Float32, self.cfg.tile_m * self.stages if self.scaled else 1
+            ]
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -430,6 +451,7 @@ class GemmSm90:
         sA = smem_tensor(storage.sA, sA_layout)
         sB = smem_tensor(storage.sB, sB_layout)
         sC = smem_tensor(storage.sC, sC_layout)
+        sSF = storage.sSF.get_tensor(cute.make_layout((self.cfg.tile_m, self.stages)))
 
         # (bM, bK, tiles_m, tiles_k), (bM, bN, tiles_m, tiles_n)
         tiled_a, tiled_c = mA, mC
@@ -478,7 +500,10 @@ class GemmSm90:
             if warp_idx == 0:
                 load_a = (tma_a, a_src, a_mask)
                 load_b = (tma_b, b_src, b_mask)
-                self._produce(load_a, load_b, ab_pipe, schedule, streamk, (shift, groups))
+                scales = None
+                if cutlass.const_expr(self.scaled):
+                    scales = (mSFA, mSFB, sSF, (mC.shape[0], mC.shape[1]))
+                self._produce(load_a, load_b, ab_pipe, schedule, streamk, (shift, groups), scales)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             mma = (tiled_mma, tCrA, tCrB, acc)
@@ -488,7 +513,7 @@ class GemmSm90:
                 frags = tuple(
                     cute.make_rmem_tensor(acc.layout.shape, self.acc_dtype) for _ in range(2)
                 )
-                mma = (tiled_mma, tCrA, tCrB, acc, (frags, *self._scale_rows(rows), mSFA, mSFB))
+                mma = (tiled_mma, tCrA, tCrB, acc, (frags, *self._scale_rows(rows), sSF))
             split_io = (mWork, mFlags, storage.split_last.get_tensor(cute.make_layout(2)))
             c_src = (mC, shift, groups)
             if cutlass.const_expr(self.masked):
@@ -534,20 +559,28 @@ class GemmSm90:
         return unit, work, it
 
     @cute.jit
-    def _produce(self, load_a, load_b, ab_pipe, schedule, streamk, where):
-        """The producer warp: every k-tile of A and B of each unit into the AB ring. `load_x`:
-        the TMA atom, its global and shared partitions and its multicast mask; `where`: the
-        tail shift and the grouped layout's (mGroup, N) or None (masked layout: None and the
-        walk's (counts, max_m, column tiles))."""
+    def _produce(self, load_a, load_b, ab_pipe, schedule, streamk, where, scales):
+        """The producer warp: every k-tile of A and B of each unit into the AB ring (FP8: and
+        its scales, `_stage_scales`). `load_x`: the TMA atom, its global and shared partitions
+        and its multicast mask; `where`: the tail shift and the grouped layout's (mGroup, N) or
+        None (masked layout: None and the walk's (counts, max_m, column tiles)); `scales`: FP8's
+        (mSFA, mSFB, the staged scales' ring, C's (M, N)), else None."""
         shift, groups = where
         prod = producer_state(self.stages)
         if cutlass.const_expr(self.masked):
             walk = MaskedWalk(*groups, self.a_rows)
             work, expert, before, rows = walk.first()
             while walk.valid(expert):
-                tile_m, tile_n, _ = walk.tile(work, before, rows)
+                tile_m, tile_n, tile_rows = walk.tile(work, before, rows)
                 tile = (tile_m, tile_n, expert, None)
-                prod = self._load(load_a, load_b, ab_pipe, prod, tile, 0, streamk[1])
+                src = None
+                if cutlass.const_expr(scales is not None):
+                    mSFA, mSFB, sSF, (_, n) = scales
+                    first_row = tile_m * self.a_rows
+                    blocks = (cutlass.Int32(0), cute.ceil_div(n, 128) - 1)
+                    src = (mSFA[None, None, expert], mSFB[None, None, expert], sSF)
+                    src = self._tile_scales(src, first_row, tile_n, first_row + tile_rows, blocks)
+                prod = self._load(load_a, load_b, ab_pipe, prod, tile, 0, streamk[1], src)
                 work, expert, before, rows = walk.next(work, expert, before, rows)
         elif cutlass.const_expr(self.cfg.stream_k):
             sched = StaticScheduler(schedule)
@@ -556,24 +589,71 @@ class GemmSm90:
             while work < streamk[4] or it < end:
                 unit, work, it = self._next_unit(work, it, end, streamk, sched)
                 tile = (unit[0], unit[1], shift, groups)
-                prod = self._load(load_a, load_b, ab_pipe, prod, tile, unit[2], unit[3])
+                src = self._scales_of(scales, tile)
+                prod = self._load(load_a, load_b, ab_pipe, prod, tile, unit[2], unit[3], src)
         else:
             sched = StaticScheduler(schedule)
             work = sched.first()
             while sched.valid(work):
                 tile_m, tile_n = sched.tile(work)
                 tile = (tile_m, tile_n, shift, groups)
-                prod = self._load(load_a, load_b, ab_pipe, prod, tile, 0, streamk[1])
+                src = self._scales_of(scales, tile)
+                prod = self._load(load_a, load_b, ab_pipe, prod, tile, 0, streamk[1], src)
                 work = sched.next(work)
         ab_pipe.producer_tail(prod)
 
     @cute.jit
-    def _load(self, load_a, load_b, ab_pipe, prod, tile, k0, count):
+    def _scales_of(self, scales, tile):
+        """The scale source of tile (tile_m, tile_n, the tail shift, groups) (`_tile_scales`;
+        stream K's shift is none), or None without scales."""
+        src = None
+        if cutlass.const_expr(scales is not None):
+            mSFA, mSFB, sSF, (m, n) = scales
+            tile_m, tile_n, shift, groups = tile
+            row0, _ = self._tail_shift(tile_m, tile_n, shift)
+            first_row = row0 + tile_m * self.cfg.tile_m
+            blocks = self._scale_blocks(n, groups, first_row)
+            src = self._tile_scales((mSFA, mSFB, sSF), first_row, tile_n, m, blocks)
+        return src
+
+    @cute.jit
+    def _tile_scales(self, scales, first_row, tile_n, rows_end, blocks):
+        """What the producer stages for a tile at `first_row`, column tile `tile_n`: (mSFA,
+        mSFB, the ring, first row, last row to read, B's block). Rows past `rows_end` (M, or
+        the masked tile's counted rows) read the last one: never stored. A tile past N (a
+        cluster's CTA past N) reads B's last block `blocks[1]`: never stored."""
+        mSFA, mSFB, sSF = scales
+        blk = cutlass.min(blocks[0] + tile_n * self.cfg.tile_n // 128, blocks[1])
+        return mSFA, mSFB, sSF, first_row, rows_end - 1, blk
+
+    @cute.jit
+    def _fetch_scales(self, src, kt, lane):
+        """k-tile kt's scales for producer lane `lane`: A's of tile rows lane + 32 i, then the
+        tile's block of B's (registers, stored one k-tile later by `_stage_scales`)."""
+        mSFA, mSFB, _, first_row, last_row, blk = src
+        rows = range(self.cfg.tile_m // 32)  # static
+        sa = tuple(mSFA[cutlass.min(first_row + lane + 32 * i, last_row), kt] for i in rows)
+        return (*sa, mSFB[blk, kt])
+
+    @cute.jit
+    def _stage_scales(self, fetched, sSF, stage, lane):
+        """The k-tile's row scales into the ring's `stage`: A's row scale x B's block scale
+        (`_promote` multiplies by one number a row)."""
+        sb = fetched[-1]
+        for i in cutlass.range_constexpr(self.cfg.tile_m // 32):
+            sSF[lane + 32 * i, stage] = fetched[i] * sb
+
+    @cute.jit
+    def _load(self, load_a, load_b, ab_pipe, prod, tile, k0, count, scales):
         """k-tiles k0 .. k0 + count - 1 of tile (tile_m, tile_n) into the ring. `load_x`: the
         TMA atom, (its coordinate tensor, the CTA's rank among those sharing the tile, their
         layout, the shared-memory ring), the multicast mask. `tile`: (tile_m, tile_n, the tail
         shift, the grouped layout's groups or None), or with the masked layout (m-tile, n-tile,
-        expert, None)."""
+        expert, None). `scales`: FP8's (`_tile_scales`), else None: the warp's lanes load each
+        k-tile's scales one k-tile ahead (the latency off the stage's path) and store them into
+        the stage after its empty wait, before the full barrier's arrive (`producer_acquire`
+        split in two), which publishes them with the TMA bytes: the consumers read them from
+        shared memory once the stage is full."""
         tile_m, tile_n, shift, groups = tile
         tma_a, (mA, a_rank, a_ctas, sA), a_mask = load_a
         tma_b, (mB, b_rank, b_ctas, sB), b_mask = load_b
@@ -605,15 +685,28 @@ class GemmSm90:
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
             tma_b, b_rank, b_ctas, sB, cute.group_modes(gB, 0, 2)
         )
+        lane = cute.arch.lane_idx()
+        fetched = None
+        if cutlass.const_expr(scales is not None):
+            fetched = self._fetch_scales(scales, k0, lane)
         for i in range(count):
             kt = k0 + i
-            ab_pipe.producer_acquire(prod)
+            if cutlass.const_expr(scales is not None):
+                ab_pipe.sync_object_empty.wait(prod.index, prod.phase)
+                self._stage_scales(fetched, scales[2], prod.index, lane)
+                cute.arch.sync_warp()  # every lane's stores before the elected lane's arrive
+                ab_pipe.sync_object_full.arrive(prod.index, ab_pipe.producer_mask)
+            else:
+                ab_pipe.producer_acquire(prod)
             bar = ab_pipe.producer_get_barrier(prod)
             stage = (None, prod.index)
             cute.copy(tma_a, tAgA[(None, kt)], tAsA[stage], tma_bar_ptr=bar, mcast_mask=a_mask)
             cute.copy(tma_b, tBgB[(None, kt)], tBsB[stage], tma_bar_ptr=bar, mcast_mask=b_mask)
             ab_pipe.producer_commit(prod)
             prod.advance()
+            if cutlass.const_expr(scales is not None):
+                # the next k-tile's (the last one's again at the end: no branch)
+                fetched = self._fetch_scales(scales, cutlass.min(kt + 1, k0 + count - 1), lane)
         return prod
 
     @cute.jit
@@ -685,9 +778,8 @@ class GemmSm90:
                 unit, work, it = self._next_unit(work, it, end, streamk, sched)
                 tile_m, tile_n, k0, count, tile, parts, where = unit
                 read, release, tiled_mma = self._unit_mainloop(
-                    (tile_m, tile_n, k0, count), (tiled_mma, *mma[1:]), c_src, ab_pipe, read,
-                    release,
-                )  # fmt: skip
+                    count, (tiled_mma, *mma[1:]), ab_pipe, read, release
+                )
                 last = cutlass.Boolean(True)
                 if parts > 1:
                     # a CTA whose tile lies past M or N (its cluster's block over the edge)
@@ -708,13 +800,9 @@ class GemmSm90:
                 tile_m, tile_n = sched.tile(work)
                 work = sched.next(work)
                 if cutlass.const_expr(self.scaled):
-                    row0, _ = self._tail_shift(tile_m, tile_n, c_src[1])
-                    first_row = row0 + tile_m * self.cfg.tile_m
-                    blocks = self._scale_blocks(c_src, first_row)
-                    where = (first_row, tile_n, c_src[0].shape[0], blocks)
                     # the loop's own tiled_mma (the helper mutates it: not the one in `mma`)
                     read, release, tiled_mma = self._mainloop_scaled(
-                        0, streamk[1], (tiled_mma, *mma[1:]), where, ab_pipe, read, release
+                        streamk[1], (tiled_mma, *mma[1:]), ab_pipe, read, release
                     )
                 else:
                     read, release, tiled_mma = self._mainloop(
@@ -730,21 +818,18 @@ class GemmSm90:
         """The masked layout's consumer loop (masked.py's walk): each tile's scaled mainloop
         on its expert's scales, then a tile of whole rows through the epilogue ring and TMA,
         a tile with rows past its expert's count from registers, those rows left alone."""
-        tiled_mma, tCrA, tCrB, acc, (frags, r0, r1, mSFA, mSFB) = mma
+        tiled_mma, acc = mma[0], mma[3]
         mC, (mC_rows, thr_c, coords), groups = c_src
         tma_c, sC, epi = out
         read, release = states
-        last_block = cute.ceil_div(mC.shape[1], 128) - 1
         tiles_done = cutlass.Int32(0)  # the epilogue ring's position
         walk = MaskedWalk(*groups, self.a_rows)
         work, expert, before, rows = walk.first()
         while walk.valid(expert):
             tile_m, tile_n, tile_rows = walk.tile(work, before, rows)
             first_row = tile_m * self.a_rows
-            scales = (frags, r0, r1, mSFA[None, None, expert], mSFB[None, None, expert])
-            where = (first_row, tile_n, first_row + tile_rows, (cutlass.Int32(0), last_block))
             read, release, tiled_mma = self._mainloop_scaled(
-                0, k_tiles, (tiled_mma, tCrA, tCrB, acc, scales), where, ab_pipe, read, release
+                k_tiles, (tiled_mma, *mma[1:]), ab_pipe, read, release
             )
             whole = cutlass.Boolean(False)
             if cutlass.const_expr(self.a_rows == self.cfg.tile_m):
@@ -788,19 +873,14 @@ class GemmSm90:
         )
 
     @cute.jit
-    def _unit_mainloop(self, unit, mma, c_src, ab_pipe, read, release):
-        """Stream K: acc = k-tiles k0 .. k0 + count - 1 of tile (tile_m, tile_n) (`unit`), the
-        block-scaled mainloop for FP8. `mma`: the loop's own tiled_mma first (the helpers
-        mutate it: not the one the consumer started with). Returns the states (`_mainloop`)."""
-        tile_m, tile_n, k0, count = unit
+    def _unit_mainloop(self, count, mma, ab_pipe, read, release):
+        """Stream K: acc = the unit's `count` k-tiles (their stages, the scales staged with
+        them), the block-scaled mainloop for FP8. `mma`: the loop's own tiled_mma first (the
+        helpers mutate it: not the one the consumer started with). Returns the states
+        (`_mainloop`)."""
         tiled_mma, tCrA, tCrB, acc = mma[:4]
         if cutlass.const_expr(self.scaled):
-            first_row = tile_m * self.cfg.tile_m  # no tail shift with stream K
-            blocks = self._scale_blocks(c_src, first_row)
-            where = (first_row, tile_n, c_src[0].shape[0], blocks)
-            read, release, tiled_mma = self._mainloop_scaled(
-                k0, count, mma, where, ab_pipe, read, release
-            )
+            read, release, tiled_mma = self._mainloop_scaled(count, mma, ab_pipe, read, release)
         else:
             read, release, tiled_mma = self._mainloop(
                 count, tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release
@@ -877,48 +957,40 @@ class GemmSm90:
         return read, release, tiled_mma
 
     @cute.jit
-    def _mainloop_scaled(self, k0, count, mma, where, ab_pipe, read, release):
-        """Block-scaled FP8 over k-tiles k0 .. k0 + count - 1: acc = the sum of each k-tile's
-        A B^T (WGMMA into a fresh fragment) x the scales of its rows' 1x128 groups and of its
-        128x128 block of B. The fragments alternate (k-tiles k0 + 2i in the first, k0 + 2i + 1
-        in the second): k-tile j is issued, then j - 1 is waited for (`wait_group(1)`: j stays
-        in flight on the tensor pipe), its stage released and its fragment promoted. Returns
-        the states (see `_mainloop`)."""
-        tiled_mma, tCrA, tCrB, acc, (frags, r0, r1, mSFA, mSFB) = mma
+    def _mainloop_scaled(self, count, mma, ab_pipe, read, release):
+        """Block-scaled FP8 over the next `count` k-tiles of the ring: acc = the sum of each
+        k-tile's A B^T (WGMMA into a fresh fragment) x its rows' scales (A's 1x128 group x B's
+        128x128 block, staged with the k-tile by the producer). The fragments alternate
+        (k-tiles 2i in the first, 2i + 1 in the second): k-tile j is issued, then j - 1 is
+        waited for (`wait_group(1)`: j stays in flight on the tensor pipe), its stage released
+        and its fragment promoted. Returns the states (see `_mainloop`)."""
+        tiled_mma, tCrA, tCrB, acc, (frags, r0, r1, sSF) = mma
         first, second = frags
-        first_row, tile_n, m, (blk_base, blk_last) = where
-        # rows past M (a problem shorter than one tile) read row M - 1: they are never stored;
-        # a tile past N (a cluster's CTA past N) reads the last block's scales: never stored
-        row0 = cutlass.min(first_row + r0, m - 1)
-        row1 = cutlass.min(first_row + r1, m - 1)
-        blk = cutlass.min(blk_base + tile_n * self.cfg.tile_n // 128, blk_last)
-        src = (mSFA, mSFB, row0, row1, blk)
+        src = (sSF, r0, r1)
         acc.fill(0.0)
         # Each step's calls on `read`, `release` and `tiled_mma` (ACCUMULATE cleared: the first
         # WGMMA of a k-tile overwrites its fragment) stay in the loop's and branches' own
         # bodies: the DSL carries objects mutated there out of the region in place.
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-        even = self._issue_scaled(tiled_mma, (tCrA, tCrB), first, ab_pipe, read, (src, k0))
+        even = self._issue_scaled(tiled_mma, (tCrA, tCrB), first, ab_pipe, read, src)
         read.advance()
-        for i in range((count - 1) // 2):
-            kt = k0 + 2 * i + 1  # into `second`; k-tile kt - 1 is promoted from `first`
+        for _ in range((count - 1) // 2):
+            # into `second`; the k-tile before is promoted from `first`
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-            odd = self._issue_scaled(tiled_mma, (tCrA, tCrB), second, ab_pipe, read, (src, kt))
+            odd = self._issue_scaled(tiled_mma, (tCrA, tCrB), second, ab_pipe, read, src)
             read.advance()
             self._retire(1, ab_pipe, release)
             release.advance()
             self._promote(acc, first, even)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-            even = self._issue_scaled(tiled_mma, (tCrA, tCrB), first, ab_pipe, read, (src, kt + 1))
+            even = self._issue_scaled(tiled_mma, (tCrA, tCrB), first, ab_pipe, read, src)
             read.advance()
             self._retire(1, ab_pipe, release)
             release.advance()
             self._promote(acc, second, odd)
         if count % 2 == 0:
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-            odd = self._issue_scaled(
-                tiled_mma, (tCrA, tCrB), second, ab_pipe, read, (src, k0 + count - 1)
-            )
+            odd = self._issue_scaled(tiled_mma, (tCrA, tCrB), second, ab_pipe, read, src)
             read.advance()
             self._retire(1, ab_pipe, release)
             release.advance()
@@ -933,15 +1005,14 @@ class GemmSm90:
         return read, release, tiled_mma
 
     @cute.jit
-    def _issue_scaled(self, tiled_mma, operands, frag, ab_pipe, read, at):
-        """Wait for k-tile `at` = (scale source, k-tile) in stage `read`, load its scales, then
-        issue its WGMMAs into `frag` as one commit group (ACCUMULATE cleared by the caller: the
-        first overwrites the fragment). Returns the scales, used at its promotion one step
-        later: loaded past the wait's retry branch, they have a WGMMA batch and a promotion to
-        arrive before the next branch (where ptxas moves B's, uniform, to a uniform register)."""
+    def _issue_scaled(self, tiled_mma, operands, frag, ab_pipe, read, src):
+        """Wait for the k-tile in stage `read`, read its scales (`src`: the staged ring and
+        this thread's two rows), then issue its WGMMAs into `frag` as one commit group
+        (ACCUMULATE cleared by the caller: the first overwrites the fragment). Returns the
+        scales, used at its promotion one step later."""
         tCrA, tCrB = operands
         ab_pipe.consumer_wait(read)
-        scales = self._scales(*at)
+        scales = self._scales(src, read.index)
         # the fragment's registers were last read by the promotion FFMAs
         cute.nvgpu.warpgroup.fence()
         for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
@@ -959,19 +1030,15 @@ class GemmSm90:
         ab_pipe.consumer_release(release)
 
     @cute.jit
-    def _scales(self, src, kt):
-        """k-tile kt's scales: this thread's two rows' of A, the tile's block of B."""
-        mSFA, mSFB, row0, row1, blk = src
-        # row0 >> 31 is 0 (row0 >= 0), but not provably so: B's scale is loaded per thread
-        # (one transaction for the warp) and stays in a vector register, where ptxas would
-        # otherwise move it to a uniform one right after the load and stall there
-        return mSFA[row0, kt], mSFA[row1, kt], mSFB[blk + (row0 >> 31), kt]
+    def _scales(self, src, stage):
+        """The scales of this thread's two rows (A's x B's) staged in ring stage `stage`."""
+        sSF, r0, r1 = src
+        return sSF[r0, stage], sSF[r1, stage]
 
     @cute.jit
     def _promote(self, acc, frag, scales):
         """acc += frag x the scales: values 4g + 0/1 sit on row r0, 4g + 2/3 on r0 + 8."""
-        sa0, sa1, sb = scales
-        lo, hi = sa0 * sb, sa1 * sb
+        lo, hi = scales
         for g in cutlass.range_constexpr(cute.size(acc) // 4):
             for j in cutlass.range_constexpr(4):
                 acc[4 * g + j] = acc[4 * g + j] + frag[4 * g + j] * (hi if j // 2 else lo)
@@ -997,13 +1064,12 @@ class GemmSm90:
         return cutlass.max(groups[0][row], 0)
 
     @cute.jit
-    def _scale_blocks(self, c_src, first_row):
-        """(first, last) row of B's block scales for the tile row at `first_row`: all of them,
-        or with the grouped layout its expert's ceil(N / 128)."""
-        mC, _, groups = c_src
+    def _scale_blocks(self, n, groups, first_row):
+        """(first, last) row of B's block scales for the tile row at `first_row` of a C with
+        `n` columns: all of them, or with the grouped layout its expert's ceil(N / 128)."""
         first, last = cutlass.Int32(0), cutlass.Int32(0)
         if cutlass.const_expr(groups is None):
-            last = cute.ceil_div(mC.shape[1], 128) - 1
+            last = cute.ceil_div(n, 128) - 1
         else:
             per = cute.ceil_div(groups[1], 128)
             first = self._expert(groups, first_row) * per

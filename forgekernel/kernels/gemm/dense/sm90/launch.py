@@ -51,12 +51,13 @@ def config_for(
     chip with `num_sms` multiprocessors (132 on H100 SXM and H200, 114 on H100 PCIe)."""
     tuned = tuning.load(SPEC.name).get(tuning_key(dtype, b_kn, m, n, k))
     cfg = GemmConfig.from_record(tuned["config"]) if tuned else None
-    return cfg or choose_config(m, n, k, num_sms)
+    return cfg or choose_config(m, n, k, num_sms, b_kn)
 
 
 class _Plans(PlanCache):
     """(dtype, b_kn, M, N, K, device index, forced config) -> (the compiled function,
-    max_clusters, stream K: (k-iterations per CTA, output tiles, workspace floats) or None):
+    max_clusters, stream K: (k-iterations per CTA, output tiles, workspace floats) or None,
+    whether the operands are swapped: `kernel_operands`):
     one kernel lookup per problem.
     Choosing it per call (tuning key, config, params_for's dataclass walk) cost 9 us of a 18 us
     launch on the CPU. The plans follow the tuning table: a new table (tuning.record reloads
@@ -64,7 +65,7 @@ class _Plans(PlanCache):
 
     table: dict | None = None
 
-    def plan(self, key: tuple) -> tuple[object, int, tuple | None]:
+    def plan(self, key: tuple) -> tuple[object, int, tuple | None, bool]:
         table = tuning.load(SPEC.name)
         if table is not self.table:
             self.clear()
@@ -72,11 +73,13 @@ class _Plans(PlanCache):
         return self.get_or_build(key, _choose)
 
 
-def _choose(dtype, b_kn, m, n, k, device_index, config) -> tuple[object, int, tuple | None]:
+def _choose(dtype, b_kn, m, n, k, device_index, config) -> tuple[object, int, tuple | None, bool]:
     sms = num_sms(device_index)
     cfg = config or config_for(dtype, b_kn, m, n, k, sms)
     if not cfg.fits(m):
         raise ValueError(f"GEMM config {cfg.tag()} loads {cfg.a_rows} rows of A: M = {m} is more")
+    if cfg.swap and b_kn:
+        raise ValueError(f"GEMM config {cfg.tag()} swaps the operands: B 'nk' only")
     split = None
     if cfg.stream_k:
         # N and K as the kernel sees them (padded up to multiples of 8 where they are not);
@@ -85,7 +88,8 @@ def _choose(dtype, b_kn, m, n, k, device_index, config) -> tuple[object, int, tu
         split = (plan.per, plan.tiles, 2 * plan.ctas * cfg.tile_m * cfg.tile_n)
     # One CTA per SM (the pipeline takes nearly all shared memory).
     max_clusters = sms // (cfg.cluster_m * cfg.cluster_n)
-    return get_kernel(SPEC, params_for(dtype_name(dtype), b_kn, cfg)), max_clusters, split
+    kernel = get_kernel(SPEC, params_for(dtype_name(dtype), b_kn, cfg))
+    return kernel, max_clusters, split, cfg.swap
 
 
 _plans = _Plans()
@@ -114,20 +118,29 @@ def gemm(
         out.zero_()
         return
     # The configuration of the problem as asked (a tuning record for an odd N or K applies).
-    fn, max_clusters, split = _plans.plan((a.dtype, b_kn, m, n, k, a.device.index, config))
+    fn, max_clusters, split, swap = _plans.plan((a.dtype, b_kn, m, n, k, a.device.index, config))
     if n % ALIGN or k % ALIGN:
         a, b, c = padded_operands(a, b, out, b_kn)
     else:
         a, b, c = as_tma_ready(a), as_tma_ready(b), tma_target(out)
     with on_device(a.device):
         if split is None:
-            fn(a, b, c, None, None, 0, None, None, None, max_clusters)
+            fn(*kernel_operands(a, b, c, swap), None, None, 0, None, None, None, max_clusters)
         else:
             per, tiles, floats = split
             work, flags = stream_k_workspace(a.device, tiles, floats)
             fn(a, b, c, work, flags, per, None, None, None, max_clusters)
     if c is not out:
         out.copy_(c if c.shape[1] == n else c[:, :n])
+
+
+def kernel_operands(
+    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, swap: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's (A, B, C) for C = A B^T (B "nk"; c row-major, TMA-ready): as given, or
+    swapped (config `swap`), C^T = B A^T: the weight (N, K) as A, the tokens (M, K) as B and
+    C's (N, M) transpose, unit stride along the kernel's M, as C (no copy)."""
+    return (b, a, c.t()) if swap else (a, b, c)
 
 
 def stream_k_workspace(device: torch.device, tiles: int, floats: int):

@@ -14,7 +14,6 @@ experts and a skipped tile leaves no peer waiting.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import asdict
 
 from forgekernel.kernels.gemm.dense.sm90.tile import GemmConfig
 
@@ -39,4 +38,4 @@ def choose_config(expected_m: int) -> GemmConfig:
 
 def params_for(out_dtype: str, cfg: GemmConfig) -> tuple:
     """The compile key's baked-in part: the output dtype and the GemmConfig fields."""
-    return tuple(sorted({"out": out_dtype, **asdict(cfg)}.items()))
+    return tuple(sorted({"out": out_dtype, **cfg.key()}.items()))

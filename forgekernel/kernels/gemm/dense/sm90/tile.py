@@ -6,7 +6,7 @@ without changing any kernel's source hash."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY
 
@@ -31,11 +31,22 @@ class GemmConfig:
     raster_along_m: bool = True
     stream_k: bool = False  # k-iterations cut evenly over one wave of CTAs (kernel.py)
     a_rows: int = 0  # rows of A each stage loads (0: tile_m); small M only (kernel.py)
+    # Operands swapped (dense 16-bit, B "nk" only): the launcher computes C^T = B A^T, the
+    # weight's N rows as the kernel's M, the tokens as its N, C written through its (N, M)
+    # M-major view (launch.py `gemm`). In the compile key only when set.
+    swap: bool = False
 
     def fits(self, m: int) -> bool:
         """Whether this configuration computes M rows: a short A box (a_rows) covers one
         tile row of at most a_rows rows."""
         return not self.a_rows or m <= self.a_rows
+
+    def key(self) -> dict:
+        """The fields as a compile key's part: `swap` only when set (older keys stay valid)."""
+        fields_ = asdict(self)
+        if not self.swap:
+            del fields_["swap"]
+        return fields_
 
     def tag(self) -> str:
         """Short name for tables: 128x256_c2x1_s0_e4x32_w1m."""
@@ -44,6 +55,7 @@ class GemmConfig:
             f"_e{self.epi_stages}x{self.epi_n}_w{self.swizzle}{'m' if self.raster_along_m else 'n'}"
             + ("_sk" if self.stream_k else "")
             + (f"_a{self.a_rows}" if self.a_rows else "")
+            + ("_swap" if self.swap else "")
         )
 
     @classmethod
@@ -58,12 +70,15 @@ class GemmConfig:
         return cls.from_params(record)
 
 
-def ring_stages(cfg: GemmConfig, elem_bytes: int = 2, c_bytes: int = 2) -> int:
+def ring_stages(
+    cfg: GemmConfig, elem_bytes: int = 2, c_bytes: int = 2, scale_bytes: int = 0
+) -> int:
     """AB stages that fit in shared memory (the kernel's `stages` when cfg.stages is 0): A's
     ring holds a_rows rows a stage plus tile_m - a_rows once after the last (kernel.py
-    `_compact_ring`), B's tile_n; 1 KB for the barriers, the epilogue ring besides."""
+    `_compact_ring`), B's tile_n, and `scale_bytes` of block scales (FP8: tile_m fp32); 1 KB
+    for the barriers, the epilogue ring besides."""
     row = cfg.tile_k * elem_bytes
     a_rows = cfg.a_rows or cfg.tile_m
     epilogue = cfg.epi_stages * cfg.tile_m * cfg.epi_n * c_bytes
     free = SMEM_CAPACITY - 1024 - epilogue - (cfg.tile_m - a_rows) * row
-    return free // ((a_rows + cfg.tile_n) * row)
+    return free // ((a_rows + cfg.tile_n) * row + scale_bytes)

@@ -5,7 +5,6 @@ DSL-free."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import asdict
 
 from forgekernel.kernels.gemm.dense.sm90.config import (
     NUM_SMS_H100_H200,
@@ -54,7 +53,7 @@ GROUPED = LARGE_MCAST_A
 def params_for(out_dtype: str, cfg: GemmConfig, grouped: bool = False) -> tuple:
     """The compile key's baked-in part: the output dtype, the GemmConfig fields and, for the
     grouped layout, grouped=True (absent otherwise: older keys stay valid)."""
-    key = {"out": out_dtype, **asdict(cfg), **({"grouped": True} if grouped else {})}
+    key = {"out": out_dtype, **cfg.key(), **({"grouped": True} if grouped else {})}
     return tuple(sorted(key.items()))
 
 

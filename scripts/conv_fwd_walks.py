@@ -1,0 +1,71 @@
+"""The stride-1 forward's two A walks timed against each other on the GPU (docs/conv/NOTES.md,
+"The stride-1 forward on output rectangles"): for each stride-1 conv_fwd bench case, the
+chooser's plan, then its tile and split on the im2col walk and on each rectangle width, timed
+interleaved (runtime/timing.py, graph replays). Decides the chooser's tie rule (128x256 c2x1:
+the model sees the two walks equal) and checks the model's predicted ratios.
+
+    python3 scripts/conv_fwd_walks.py [CASE ...]    (default: every stride-1 bench case)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from forgekernel.bench.suites import conv_layers as L  # noqa: E402
+from forgekernel.bench.suites.conv_fwd import BENCH_CASES  # noqa: E402
+from forgekernel.kernels.conv.sm90 import launch  # noqa: E402
+from forgekernel.kernels.conv.sm90.config import choose_plan  # noqa: E402
+from forgekernel.kernels.conv.sm90.geometry import RECT_WIDTHS  # noqa: E402
+from forgekernel.ops import conv as op  # noqa: E402
+from forgekernel.runtime.device import num_sms  # noqa: E402
+from forgekernel.runtime.timing import median, time_interleaved  # noqa: E402
+
+
+def _plan(x5, w5, y5, g):
+    """The chooser's plan for the launch `launch._launch` makes (stride 1, C and K multiples of
+    8: the bench's stride-1 cases), with its pixels (an unpadded 1x1 as one plane)."""
+    n, z, p, q, k = y5.shape
+    m, taps, c = n * z * p * q, w5.shape[1] * w5.shape[2] * w5.shape[3], x5.shape[-1]
+    pixels = (n, z, p, q)
+    if taps == 1 and m % 8 == 0 and not any(g.pad_lo + g.pad_hi):
+        pixels = (1, 1, m // 8, 8)
+    return choose_plan(m, k, c, taps, num_sms(torch.cuda.current_device()), pixels)
+
+
+def main(names: list[str]) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for case in BENCH_CASES:
+        p = dict(case.params)
+        if (names and case.name not in names) or set(p["stride"]) != {1}:
+            continue
+        if p["c"] % 8 or p["k"] % 8:
+            continue
+        inputs = L.make_inputs(case, torch.bfloat16, torch.device("cuda"), gen)
+        y = L.alloc_out(inputs)
+        d = len(p["spatial"])
+        x5, w5, y5 = op._as5d(inputs["x"]), op._as5d(inputs["w"]), op._view5d(y)
+        g = op._geometry(d, p["kernel"], p["stride"], p["padding"], p["dilation"])
+        plan = _plan(x5, w5, y5, g)
+        fns = {}
+        for rect in (0, *RECT_WIDTHS):
+            forced = dataclasses.replace(plan, rect=rect)
+            name = f"rect{rect}" + ("*" if rect == plan.rect else "")
+            fns[name] = functools.partial(launch.fprop, x5, w5, inputs.get("bias"), y5, g, forced)
+        samples = time_interleaved(fns, reps=10)
+        flop = L.flops(case)
+        line = "  ".join(
+            f"{name} {median(s):.4f} ms {flop / median(s) / 1e9:.0f} TF/s"
+            for name, s in samples.items()
+        )
+        print(f"{case.name:40s} {plan.config.tag():20s} parts {plan.parts}  {line}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
