@@ -8,6 +8,7 @@
 #     its wheels.sh (the DSL, its tvm-ffi, the comparators) into /root/wheels-site;
 #   - FK_BUILD=1: `forgekernel build` of every kernel missing from /root/fk-kernels (the ones
 #     whose sources changed since the tarball), all cores, log in /tmp/forgekernel-logs/build.log;
+#     FK_BUILD_ARGS="--only KERNEL ..." restricts it to the kernels the call needs;
 #   - exports KERNELS / FORGEKERNEL_KERNEL_DIR, FORGEKERNEL_PENDING_SUITES=1, PYTHONPATH (this
 #     tree first) for scripts/device_streams.sh, device_jit_run.sh and the diag scripts.
 fk_setup() {
@@ -28,7 +29,8 @@ fk_setup() {
   export FORGEKERNEL_PENDING_SUITES=1 PYTHONPATH=$PWD:$PYTHONPATH
   python3 -c "import tvm_ffi, cutlass, torch; assert torch.cuda.is_available()" || return 1
   if [ "${FK_BUILD:-0}" = 1 ]; then
-    python3 -m forgekernel build --arch sm_90a -j "$(nproc)" --out /root/fk-kernels \
+    # shellcheck disable=SC2086  # FK_BUILD_ARGS: e.g. "--only gemm_dense_sm90 --only ..."
+    python3 -m forgekernel build --arch sm_90a -j "$(nproc)" --out /root/fk-kernels ${FK_BUILD_ARGS:-} \
       > /tmp/forgekernel-logs/build.log 2>&1 || { tail -20 /tmp/forgekernel-logs/build.log; return 1; }
     tail -2 /tmp/forgekernel-logs/build.log
   fi
