@@ -9,6 +9,8 @@ ones."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 
 import pytest
 
@@ -111,14 +113,15 @@ def test_the_measured_tile_stays_unless_a_challenger_wins_by_the_margin(m, n, k)
         assert prefill_time(chosen, m, n, k) < margin * prefill_time(rivals["tile"], m, n, k)
 
 
-def test_the_fit_tiles_take_the_assumed_efficiency_and_are_built():
-    """Not measured yet: each FIT tile's rate is the intensity rule's (NOTES "Tiles for the
-    one-wave ..."), and `forgekernel build` prebuilds them."""
-    assumed = {FIT_224: 0.988, FIT_160: 0.953, FIT_144: 0.942, FIT_112: 0.916}
-    assumed |= {TALL_80: 0.905, TALL_96: 0.930}
-    for cfg, eff in assumed.items():
+def test_the_fit_tiles_take_the_measured_efficiency_and_are_built():
+    """Refit from the H200 bench of 2026-12-02 13:49 (`MEASURED_RIVALS`), FIT_112 not timed
+    (its launch failed) keeps the intensity rule's rate; `forgekernel build` prebuilds them."""
+    measured = {FIT_224: 0.997, FIT_160: 0.982, FIT_144: 0.966, FIT_112: 0.916}
+    measured |= {TALL_80: 0.942, TALL_96: 0.939}
+    for cfg, eff in measured.items():
         assert config._EFFICIENCY[cfg] == pytest.approx(eff, abs=5e-4), cfg.tag()
         assert cfg in config.STANDARD_CONFIGS and cfg in config.PREFILL
+    assert config._EFFICIENCY[FIT_112] == config.assumed_efficiency(FIT_112)
     assert config.assumed_efficiency(WIDE) == pytest.approx(0.972, abs=5e-4)
     assert config.assumed_efficiency(LARGE) == 1.0
 
@@ -141,9 +144,11 @@ def test_the_fit_tiles_take_the_assumed_efficiency_and_are_built():
         (512, 7168, 16384, FIT_224),  # 4 x 32 = 128 tiles: 182.7 vs LARGE 201.6 us (217.9)
         (1024, 3584, 18944, FIT_224),  # 8 x 16 = 128 tiles: 210.9 vs LARGE 232.7 us (242.4)
         (2048, 7168, 5120, FIT_224),  # 227.8 vs SQUARE 241.8 us (241.2)
-        (2048, 5120, 25600, SQUARE),  # 835.1 vs LARGE_STREAM 996.8 us
+        # 4 x 32 tiles of 128x160: 811.7 vs SQUARE 857.0 us by the model (measured 832.1 vs
+        # 822.7 graph, 787.4 vs 790.8 eager: a tie)
+        (2048, 5120, 25600, FIT_160),
         (1024, 51200, 5120, FIT_224),  # 794.1 vs LARGE_STREAM 799.2 us (806.0; LARGE 877.8)
-        (3000, 576, 7168, SQUARE),  # WIDE_STREAM 13% slower by the model, 192x80 within 3%
+        (3000, 576, 7168, TALL_80),  # 16 x 8 tiles: 46.8 vs SQUARE 49.8 (measured 47.7 / 50.1)
         (512, 3584, 3584, FIT_112),  # 4 x 32 = 128 tiles: 23.8 vs SQUARE 25.9 us (24.2)
         (5000, 6144, 4096, WIDE),  # LARGE_STREAM 0.6% faster by the model: under the margin
         (8192, 8192, 8192, LARGE),  # 1706.5 vs LARGE_STREAM 1683.2 us: under the margin
@@ -154,22 +159,24 @@ def test_issue_17_cases(m, n, k, want):
     assert choose_config(m, n, k, SMS) == want
 
 
-# B "kn": no swap (a "kn" weight as the kernel's A would be M-major): the unswapped picks.
+# B "kn": no swap (a "kn" weight as the kernel's A would be M-major): the unswapped picks (129
+# rows: not a 192-row tile, whose box would read past M, `_PAST_EDGE_SLOWDOWN`).
 @pytest.mark.parametrize(
     ("m", "n", "k", "want"),
-    [(300, 28672, 4096, TALL_96), (129, 10240, 8192, TALL_80), (777, 4096, 14336, LARGE)],
+    [(300, 28672, 4096, TALL_80), (129, 10240, 8192, FIT_160), (777, 4096, 14336, LARGE)],
 )
 def test_b_kn_keeps_the_unswapped_pick(m, n, k, want):
     assert choose_config(m, n, k, SMS, b_kn=True) == want
     assert "swap" not in prefill_rivals(m, n, k, SMS, b_kn=True)
 
 
-def test_the_swap_takes_the_assumed_efficiency_and_is_built_nk_only():
-    """Not measured yet (the intensity rule on the kernel's tile); `forgekernel build`
-    prebuilds each swapped tile for B "nk" in both dtypes, never "kn"."""
+def test_the_swap_takes_the_measured_efficiency_and_is_built_nk_only():
+    """Refit from the bench of 2026-12-02 13:49 (SWAP_208, not timed: the intensity rule's
+    0.980 x 0.951, the timed swapped tiles' ratio to it); `forgekernel build` prebuilds each
+    swapped tile for B "nk" in both dtypes, never "kn"."""
     from forgekernel.kernels.gemm.dense.sm90 import _standard_params
 
-    assumed = {SWAP_80: 0.881, SWAP_208: 0.980, SWAP_TALL_80: 0.905}
+    assumed = {SWAP_80: 0.842, SWAP_208: 0.932, SWAP_TALL_80: 0.856}
     built = [dict(p) for p in _standard_params() if dict(p).get("swap")]
     assert sorted((p["dtype"], p["b_kn"], p["tile_m"], p["tile_n"]) for p in built) == sorted(
         (d, False, c.tile_m, c.tile_n) for d in ("bfloat16", "float16") for c in SWAP
@@ -226,6 +233,332 @@ def test_the_chooser_picks_the_measured_faster_or_within_2_5_percent(m, n, k, us
     assert us[measured_pick] <= 1.025 * min(us.values())
     chosen = choose_config(m, n, k, SMS)
     assert chosen in (measured_pick, rivals["fit"], rivals.get("swap"))
+
+
+# The H200 bench of 2026-12-02 13:49 (benchmarks/results/sm_90a/gemm.json; log
+# benchmarks/logs/sm_90a/2026-12-02T1349-integration7-device-run.log): every M > 128 case with
+# the chooser's pick of then and each rival it left ("tile", "challenger", "fit", "swap"; the
+# configurations as `prefill_rivals` named them before this refit), us (graph, eager). Left
+# out: 4096x4096x4096, 512x3584x3584 and 777x4096x14336 (FIT_112 / SWAP_208 failed to launch).
+MEASURED_RIVALS = [
+    (
+        8192,
+        8192,
+        8192,
+        False,
+        {LARGE: (1681.8, 1693.5), LARGE_STREAM: (1647.2, 1671.7), FIT_224: (1662.3, 1664.5)},
+    ),
+    (
+        8192,
+        28672,
+        8192,
+        False,
+        {LARGE: (5991.5, 5920.9), LARGE_STREAM: (5908.8, 5894.7), FIT_224: (6060.2, 5936.9)},
+    ),
+    (
+        8192,
+        8192,
+        28672,
+        False,
+        {LARGE: (5939.5, 5901.7), LARGE_STREAM: (5868.4, 5818.9), FIT_224: (5891.6, 5846.4)},
+    ),
+    (
+        8192,
+        10240,
+        8192,
+        False,
+        {LARGE: (2123.0, 2111.1), LARGE_STREAM: (2085.4, 2072.5), FIT_224: (2150.4, 2125.0)},
+    ),
+    (
+        256,
+        8192,
+        8192,
+        False,
+        {
+            SMALL: (60.9, 64.0),
+            WIDE_STREAM: (76.6, 70.5),
+            FIT_144: (68.3, 60.4),
+            SWAP_80: (78.9, 83.7),
+        },
+    ),
+    (
+        1000,
+        3000,
+        4104,
+        False,
+        {
+            WIDE: (42.5, 43.2),
+            LARGE_STREAM: (62.3, 59.9),
+            FIT_224: (49.5, 46.7),
+            SWAP_TALL_80: (56.9, 58.3),
+        },
+    ),
+    (
+        8192,
+        8192,
+        8192,
+        True,
+        {LARGE: (1701.7, 1690.8), LARGE_STREAM: (1673.0, 1661.6), FIT_224: (1679.3, 1679.0)},
+    ),
+    (
+        512,
+        6144,
+        4096,
+        False,
+        {
+            WIDE: (43.3, 43.6),
+            LARGE_STREAM: (61.3, 59.1),
+            FIT_224: (49.5, 47.4),
+            SWAP_TALL_80: (55.1, 60.8),
+        },
+    ),
+    (
+        1024,
+        28672,
+        4096,
+        False,
+        {
+            LARGE: (380.8, 364.1),
+            LARGE_STREAM: (386.7, 372.1),
+            FIT_224: (376.3, 365.3),
+            SWAP_TALL_80: (486.7, 483.5),
+        },
+    ),
+    (
+        2048,
+        4096,
+        14336,
+        False,
+        {LARGE: (362.4, 350.3), WIDE_STREAM: (428.6, 421.0), FIT_144: (414.7, 397.3)},
+    ),
+    (
+        4096,
+        8192,
+        8192,
+        False,
+        {LARGE: (840.9, 813.0), LARGE_STREAM: (847.7, 816.9), FIT_224: (825.2, 801.7)},
+    ),
+    (
+        8192,
+        57344,
+        8192,
+        False,
+        {LARGE: (11870.3, 11873.5), LARGE_STREAM: (11975.8, 11869.8), FIT_224: (12057.5, 11885.7)},
+    ),
+    (
+        16384,
+        4608,
+        3584,
+        False,
+        {LARGE: (886.1, 872.9), LARGE_STREAM: (885.7, 867.4), FIT_224: (934.3, 899.5)},
+    ),
+    (
+        1024,
+        3584,
+        18944,
+        False,
+        {
+            FIT_224: (218.3, 195.5),
+            LARGE: (248.7, 216.4),
+            LARGE_STREAM: (273.7, 264.0),
+            SWAP_80: (261.0, 257.3),
+        },
+    ),
+    (
+        2048,
+        7168,
+        5120,
+        False,
+        {FIT_224: (238.1, 216.4), SQUARE: (236.4, 220.5), LARGE_STREAM: (249.7, 231.7)},
+    ),
+    (
+        4096,
+        55296,
+        5120,
+        False,
+        {LARGE: (3514.1, 3516.6), LARGE_STREAM: (3504.9, 3507.6), FIT_224: (3479.9, 3488.1)},
+    ),
+    (
+        8192,
+        5120,
+        27648,
+        False,
+        {LARGE: (3627.2, 3588.6), LARGE_STREAM: (3621.1, 3597.1), FIT_160: (3634.5, 3604.4)},
+    ),
+    (
+        16384,
+        4096,
+        12288,
+        False,
+        {LARGE: (2664.4, 2643.8), LARGE_STREAM: (2585.1, 2593.6), FIT_224: (2815.7, 2765.5)},
+    ),
+    (
+        512,
+        10240,
+        5120,
+        False,
+        {
+            FIT_160: (87.7, 81.0),
+            WIDE: (103.9, 94.9),
+            LARGE_STREAM: (104.9, 98.5),
+            SWAP_80: (129.6, 130.9),
+        },
+    ),
+    (
+        1024,
+        51200,
+        5120,
+        False,
+        {
+            FIT_224: (826.6, 799.3),
+            LARGE: (879.8, 845.2),
+            LARGE_STREAM: (829.3, 809.5),
+            SWAP_TALL_80: (1105.9, 1082.5),
+        },
+    ),
+    (
+        2048,
+        5120,
+        25600,
+        False,
+        {SQUARE: (822.7, 790.8), LARGE_STREAM: (1001.1, 953.6), FIT_160: (832.1, 787.4)},
+    ),
+    (
+        4096,
+        576,
+        7168,
+        False,
+        {FIT_144: (53.7, 51.5), WIDE: (70.4, 63.8), WIDE_STREAM: (69.5, 67.6)},
+    ),
+    (
+        8192,
+        1536,
+        7168,
+        False,
+        {LARGE: (286.7, 264.3), LARGE_STREAM: (300.4, 281.7), FIT_160: (300.2, 286.0)},
+    ),
+    (
+        16384,
+        32768,
+        512,
+        False,
+        {LARGE: (959.6, 986.1), LARGE_STREAM: (1023.8, 1043.7), FIT_224: (965.1, 982.4)},
+    ),
+    (
+        512,
+        7168,
+        16384,
+        False,
+        {
+            FIT_224: (190.4, 176.8),
+            LARGE: (215.3, 194.2),
+            LARGE_STREAM: (210.7, 205.7),
+            SWAP_80: (310.7, 297.9),
+        },
+    ),
+    (
+        1024,
+        7168,
+        18432,
+        False,
+        {
+            FIT_224: (417.0, 386.1),
+            LARGE: (475.4, 437.3),
+            WIDE_STREAM: (500.2, 486.7),
+            SWAP_80: (518.7, 508.9),
+        },
+    ),
+    (
+        300,
+        28672,
+        4096,
+        False,
+        {
+            SWAP_80: (137.1, 141.5),
+            SQUARE: (217.6, 218.6),
+            MID: (189.6, 175.7),
+            TALL_96: (167.3, 156.3),
+        },
+    ),
+    (
+        129,
+        10240,
+        8192,
+        False,
+        {
+            SWAP_TALL_80: (56.1, 61.8),
+            SMALL: (109.3, 111.2),
+            MID: (77.5, 80.3),
+            TALL_80: (74.9, 78.3),
+        },
+    ),
+    (
+        5000,
+        6144,
+        4096,
+        False,
+        {WIDE: (408.2, 381.3), LARGE_STREAM: (414.2, 383.2), FIT_160: (407.8, 383.9)},
+    ),
+    (
+        3000,
+        576,
+        7168,
+        False,
+        {SQUARE: (50.1, 46.9), WIDE_STREAM: (59.9, 60.7), TALL_80: (47.7, 47.7)},
+    ),
+]
+# The two cases whose measured best the chooser does not reach within `_REPLAY_TOLERANCE`: 16384x
+# 4096x12288 graph (LARGE 3.1% behind LARGE_STREAM; the margin keeps the tile, eager 1.9%),
+# 256x8192x8192 eager (SMALL 6% behind FIT_144, which is 12% behind in graph timing).
+_REPLAY_TOLERANCE = 1.03
+_REPLAY_MISSES = {(16384, 4096, 12288, 0), (256, 8192, 8192, 1)}
+
+
+def _replay(m, n, k, b_kn, us, timing) -> float:
+    """The chooser's pick's measured time over the fastest measured configuration's."""
+    chosen = choose_config(m, n, k, SMS, b_kn)
+    assert chosen in us, f"{chosen.tag()} not measured"
+    return us[chosen][timing] / min(t[timing] for t in us.values())
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "b_kn", "us"),
+    MEASURED_RIVALS,
+    ids=[f"{m}x{n}x{k}{'-kn' if kn else ''}" for m, n, k, kn, _ in MEASURED_RIVALS],
+)
+def test_the_chooser_picks_the_measured_fastest_of_its_rivals(m, n, k, b_kn, us):
+    """Replayed from the bench: the chooser's pick is one of the configurations timed on the
+    case and, graph and eager, the fastest or within 3% of it (but the listed misses); before
+    this refit it was so on 28 of the 30 graph and 29 of the 30 eager figures, after 29 / 29."""
+    for timing in (0, 1):
+        ratio = _replay(m, n, k, b_kn, us, timing)
+        miss = (m, n, k, timing) in _REPLAY_MISSES
+        assert (ratio > _REPLAY_TOLERANCE) == miss, (timing, round(ratio, 3))
+
+
+def test_the_model_orders_the_measured_rivals():
+    """Each pair of configurations timed on one case more than 3% apart (graph and eager, the
+    same way): the model orders all 74 as measured (before this refit: all but 1). Each rival's
+    time over the pick of then, the model's against the measured: 4.3% / 4.7% rms off (graph /
+    eager; before: 5.3% / 6.5%), none more than 20% (before: 30%, 192x80 over 129 rows)."""
+    pairs = wrong = 0
+    errors = {0: [], 1: []}
+    for m, n, k, _kn, us in MEASURED_RIVALS:
+        for a, b in itertools.combinations(us, 2):
+            faster = [us[a][t] < us[b][t] / _REPLAY_TOLERANCE for t in (0, 1)]
+            slower = [us[b][t] < us[a][t] / _REPLAY_TOLERANCE for t in (0, 1)]
+            if all(faster) or all(slower):
+                pairs += 1
+                wrong += (prefill_time(a, m, n, k) < prefill_time(b, m, n, k)) != all(faster)
+        pick = next(iter(us))
+        for cfg in set(us) - {pick}:
+            predicted = prefill_time(cfg, m, n, k) / prefill_time(pick, m, n, k)
+            for t in (0, 1):
+                errors[t].append(math.log(predicted * us[pick][t] / us[cfg][t]))
+    assert (pairs, wrong) == (74, 0)
+    for t, rms in ((0, 0.044), (1, 0.048)):
+        assert math.sqrt(sum(e * e for e in errors[t]) / len(errors[t])) < rms
+        assert max(abs(e) for e in errors[t]) < math.log(1.2)
 
 
 def _earlier_stream_plan(cfg, m, n, k, num_sms, min_k):

@@ -304,7 +304,10 @@ def test_the_suite_checks_every_prefill_walk():
     checked, sanitized = picks(suite.CHECK_CASES), picks(suite.SANITIZE_CASES)
     need = {"dp", "dead_parked", "head_last"}
     for cfg in config.PREFILL_STREAM:
-        assert checked.get(cfg, set()) >= need, cfg.tag()
+        # WIDE stream K's data-parallel rounds: no pick since the FIT tiles' refit (2026-12-02
+        # 13:49 bench); the GPU test forces them (4095x1544x4104), the walk is LARGE's
+        want = need - {"dp"} if cfg == config.WIDE_STREAM else need
+        assert checked.get(cfg, set()) >= want, cfg.tag()
     assert set().union(*(sanitized.get(c, set()) for c in config.PREFILL_STREAM)) >= {
         *need,
         "parts3",

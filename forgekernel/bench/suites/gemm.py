@@ -178,13 +178,16 @@ EDGE_CASES = (
 # efficiencies assumed) the chooser takes a 192-row tile where it took MID (MID is forced by
 # tests/gpu/test_gemm_prefill_stream_gpu.py), and the first four cases below check those.
 PREFILL_STREAM_CASES = (
-    _case(129, 10248, 520, "kn"),  # 192x80: 129 columns, the last block's CTA 1 past N
+    _case(129, 10248, 520, "kn"),  # 128x160 (192x80 until a tile past M was priced: NOTES)
     _case(301, 28680, 4104, group="ragged", source="llama3-8b.gate_up"),  # 128x80 swapped
     _case(519, 17024, 2312, "kn"),  # 192x80: 3 tile rows, 213 columns (a dead CTA of a 1x2)
-    _case(1091, 10248, 4104),  # 192x96: 6 tile rows, 107 columns
+    _case(1091, 10248, 4104),  # 192x80 since the refit (was 192x96): 6 tile rows
     _case(2057, 216, 6344),  # LARGE stream K: 17 tile rows (dead parked), 3 parts, N < a tile
-    _case(2832, 4336, 3840, "kn"),  # LARGE stream K: 23 tile rows (dead parked), dp rounds
-    _case(3250, 4032, 6040),  # WIDE stream K: data-parallel rounds, part 0 as a last unit
+    _case(3680, 5832, 3840, "kn"),  # LARGE stream K: 29 tile rows (dead parked), dp rounds
+    # WIDE stream K: dead parked, part 0 as a last unit, 3 parts (its data-parallel rounds are
+    # no pick since the refit of the FIT tiles: tests/gpu/test_gemm_prefill_stream_gpu.py
+    # forces them, 4095x1544x4104)
+    _case(1104, 512, 8192),
     _case(1026, 520, 4104),  # WIDE stream K: dead parked, 3 parts
 )
 # The one-wave tiles (config.py FIT), each on the shapes the chooser picks it for, M and N off
@@ -194,10 +197,11 @@ FIT_CASES = (
     _case(130, 13864, 136),  # 128x80 swapped (128x224's before the swap; kn below)
     _case(1000, 6720, 168, "kn"),  # 128x224
     _case(511, 4840, 160, "kn"),  # 128x160
-    _case(333, 8824, 128),  # 128x144
+    _case(333, 8824, 128),  # 128x160 since the refit (was 128x144's)
     _case(257, 40, 288, "kn"),  # 128x112, N under one tile
-    _case(129, 8848, 136, "kn"),  # 192x80
-    _case(129, 11120, 136),  # 192x96
+    _case(129, 8848, 136, "kn"),  # 128x144 (192x80 until a tile past M was priced)
+    _case(129, 11120, 136),  # 192x80 swapped (192x96 until a tile past M was priced)
+    _case(344, 11960, 520),  # 192x96: 2 tile rows, 125 columns
 )
 # One moderate case per class the bench samples besides the legacy ones (checked in full above).
 # The swapped tiles (config.py SWAP: C^T = B A^T, C through its M-major view), B "nk", on the
@@ -254,27 +258,30 @@ SANITIZE_CASES = (
     _case(16, 520, 1032),
     _case(64, 4096, 1024),
     _case(640, 1024, 1032),  # 128x80 swapped (was 128x112's, 128x128's)
-    _case(929, 80, 128),  # 128x128 c2x1, N under a tile
+    _case(929, 80, 128),  # 192x80: N one tile (128x128 c2x1, N under a tile, before the refit)
+    _case(1868, 4184, 520),  # 128x128 c2x1
     _case(2000, 1400, 520, "kn"),
     _case(33, 264, 520),
     _case(100, 264, 1000, "kn"),
     _case(255, 136, 72),
     _case(1000, 1000, 1032, "kn"),  # 128x112
     _case(1500, 2504, 520),
-    _case(129, 10248, 520, "kn"),  # 192x80 (was MID's)
+    _case(129, 10248, 520, "kn"),  # 128x160 (was 192x80's, MID's)
     _case(129, 264, 4104),  # 128x80 swapped (was WIDE stream K's)
     _case(1026, 520, 4104, "kn"),  # WIDE stream K, dead parked, 3 parts
     _case(331, 25584, 2312),  # 192x80 (was LARGE stream K's)
     # LARGE stream K: data-parallel rounds, dead parked, part 0 parked as a cluster's last unit,
     # a whole block between two cut ones
-    _case(2827, 4336, 3896),
-    # the one-wave tiles (FIT_CASES): 128x160, 128x144, 192x96, 128x224; 128x112 above (1000
-    # rows), 192x80 above; 130x13864x136 128x80 swapped
+    _case(3680, 5832, 3896),
+    # the one-wave tiles (FIT_CASES): 128x160 (two), 192x80 swapped, 128x224, 128x144, 192x96;
+    # 128x112 above (1000 rows), 192x80 above; 130x13864x136 128x80 swapped
     _case(130, 13864, 136),
     _case(511, 4840, 160, "kn"),
     _case(333, 8824, 128, "kn"),
     _case(129, 11120, 136),
     _case(1000, 6720, 168, "kn"),
+    _case(1120, 3672, 160, "kn"),
+    _case(344, 11960, 520),
     # the swapped tiles (SWAP_CASES): 128x208, 192x80
     _case(777, 4104, 520),
     _case(129, 10248, 520),
