@@ -399,6 +399,25 @@ def _wgmma_violations(sass: str) -> list[str]:
     return found
 
 
+def _producer_arrivals(sass: str) -> list[tuple[str, int]]:
+    """The producer's full-barrier arrivals (SYNCS.ARRIVE.TRANS64 without a suffix: the
+    consumers' releases are ...ART0) in address order: each one's predicate ("" when every
+    lane arrives) and the STS since the last barrier wait (the stage's staged scales)."""
+    found, stores = [], 0
+    for line in sass.splitlines():
+        match = re.search(r"/\*[0-9a-f]{4}\*/\s+(@!?U?P\w+\s+)?(\S+)", line)
+        if not match:
+            continue
+        predicate, op = (match.group(1) or "").strip(), match.group(2)
+        if "TRYWAIT" in op:
+            stores = 0
+        elif op.startswith("STS"):
+            stores += 1
+        elif op == "SYNCS.ARRIVE.TRANS64":
+            found.append((predicate, stores))
+    return found
+
+
 @pytest.mark.parametrize("which", ["large", "stream_decode"])
 def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_path):
     """Compiled for sm_90a: no spills, and the schedule the mainloop asks for survives ptxas:
@@ -406,7 +425,9 @@ def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_pa
     the previous one is waited for with DEPBAR.LE 1 and its 64 FFMAs run (the tensor pipe keeps
     the new batch); the tails wait with DEPBAR.LE 0. No DEPBAR inside a batch (ptxas did not
     serialize the WGMMAs), no register of a batch in flight touched, no stage released before
-    a wait (`_wgmma_violations`)."""
+    a wait (`_wgmma_violations`). The producer's every lane arrives on the stage's full
+    barrier right after its own scale stores (no ELECT-predicated arrive: racecheck follows each
+    store's own thread's release, `_load`)."""
     from forgekernel.kernels.gemm.fp8.sm90 import SPEC
     from forgekernel.kernels.gemm.fp8.sm90.config import LARGE, STREAM_DECODE, params_for
     from forgekernel.runtime.resources import find_tool, inspect_cubin
@@ -431,3 +452,5 @@ def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_pa
     step = f"{batch}D1F64"
     assert _mainloop_sequence(sass) == batch + step * 3 + "D0F64" * 2
     assert _wgmma_violations(sass) == []
+    arrivals = _producer_arrivals(sass)
+    assert arrivals and all(a == ("", cfg.tile_m // 32) for a in arrivals), arrivals

@@ -17,8 +17,8 @@ Warp roles:
 
 Pipelines:
 - AB ring (`PipelineTmaAsync`, `stages` deep, as many as fit): full barriers count the TMA
-  bytes of A + B; empty barriers take one arrival per consumer warp and CTA that multicast into
-  the stage.
+  bytes of A + B (FP8: and one arrival per producer lane, `_load`); empty barriers take one
+  arrival per consumer warp and CTA that multicast into the stage.
 - epilogue ring (`PipelineTmaStore`, `epi_stages` deep): one TMA-store commit group per
   sub-tile. Named barrier `Bar.EPILOGUE` (all consumer threads), twice per sub-tile: the
   `stmatrix` writes are in shared memory before the store warp's TMA store reads them, and
@@ -105,14 +105,13 @@ from cutlass.tensor_utils import LayoutEnum
 
 from forgekernel.kernels.common.sm90 import splitk
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
-from forgekernel.kernels.common.sm90.constants import REGISTERS_PER_SM, THREADS_PER_WG
+from forgekernel.kernels.common.sm90.constants import REGISTERS_PER_SM, THREADS_PER_WG, WARP_SIZE
 from forgekernel.kernels.common.sm90.pipeline import (
     consumer_state,
     init_arrive,
     init_wait,
     producer_state,
     smem_tensor,
-    tma_pipeline,
 )
 from forgekernel.kernels.common.sm90.scheduler.static import StaticSchedule, StaticScheduler
 from forgekernel.kernels.gemm.dense.sm90.masked import MaskedWalk
@@ -439,12 +438,20 @@ class GemmSm90:
         storage = SmemAllocator().allocate(self.shared_storage)
         # Each consumer warp releases a stage to every CTA that multicast into it.
         consumer_arrivals = (self.mcast_a + self.mcast_b - 1) * (self.num_mma_threads // 32)
-        ab_pipe = tma_pipeline(
-            storage.ab_barriers,
-            self.stages,
-            stage_bytes,
-            consumer_arrivals,
+        # `tma_pipeline`'s ring, but for FP8 a full barrier takes an arrival from each producer
+        # lane, after its own stores of the stage's scales (`_load`): one lane's arrive is all
+        # the toolkit's helper counts (taking the count there would move the source hash of
+        # every kernel that imports it).
+        ab_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ab_barriers.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, WARP_SIZE if self.scaled else 1
+            ),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_arrivals),
+            tx_count=stage_bytes,
             cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
+            defer_sync=True,
         )
         init_arrive(self.cluster_shape_mn)
 
@@ -651,9 +658,12 @@ class GemmSm90:
         shift, the grouped layout's groups or None), or with the masked layout (m-tile, n-tile,
         expert, None). `scales`: FP8's (`_tile_scales`), else None: the warp's lanes load each
         k-tile's scales one k-tile ahead (the latency off the stage's path) and store them into
-        the stage after its empty wait, before the full barrier's arrive (`producer_acquire`
-        split in two), which publishes them with the TMA bytes: the consumers read them from
-        shared memory once the stage is full."""
+        the stage after its empty wait; then each lane arrives on the full barrier (32
+        arrivals, each expecting 1/32 of the TMA bytes, in place of `producer_acquire`'s one),
+        so that every store is released by its own thread's arrive: the consumers read them
+        from shared memory once the stage is full. (One elected arrive after `sync_warp` is
+        ordered too, but racecheck follows only the arriving thread's stores: RAW reports on
+        lanes 1-31, H200 2026-12-02.)"""
         tile_m, tile_n, shift, groups = tile
         tma_a, (mA, a_rank, a_ctas, sA), a_mask = load_a
         tma_b, (mB, b_rank, b_ctas, sB), b_mask = load_b
@@ -691,14 +701,17 @@ class GemmSm90:
             fetched = self._fetch_scales(scales, k0, lane)
         for i in range(count):
             kt = k0 + i
+            bar = ab_pipe.producer_get_barrier(prod)
             if cutlass.const_expr(scales is not None):
                 ab_pipe.sync_object_empty.wait(prod.index, prod.phase)
                 self._stage_scales(fetched, scales[2], prod.index, lane)
-                cute.arch.sync_warp()  # every lane's stores before the elected lane's arrive
-                ab_pipe.sync_object_full.arrive(prod.index, ab_pipe.producer_mask)
+                # every lane releases its own stores and expects its share of the TMA bytes
+                # (a stage is a multiple of 128 bytes: tile_k = 128 FP8 bytes a row)
+                cute.arch.mbarrier_arrive_and_expect_tx(
+                    bar, ab_pipe.sync_object_full.tx_count // WARP_SIZE
+                )
             else:
                 ab_pipe.producer_acquire(prod)
-            bar = ab_pipe.producer_get_barrier(prod)
             stage = (None, prod.index)
             cute.copy(tma_a, tAgA[(None, kt)], tAsA[stage], tma_bar_ptr=bar, mcast_mask=a_mask)
             cute.copy(tma_b, tBgB[(None, kt)], tBsB[stage], tma_bar_ptr=bar, mcast_mask=b_mask)
