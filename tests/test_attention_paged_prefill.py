@@ -16,15 +16,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_attention_paged import install_cpu_decode
 
 from forgekernel.kernels.attention.fwd.sm90 import SPEC
 from forgekernel.kernels.attention.fwd.sm90 import launch as fwd_launch
 from forgekernel.kernels.attention.fwd.sm90.config import (
     PAGE_BOXES,
     PAGED_HEAD_DIMS,
+    PAGED_MIN_SEQLEN_Q,
     default_config,
     page_box_for,
 )
+from forgekernel.kernels.attention.paged.sm90 import launch as paged_launch
 from forgekernel.reference.paged_attention import paged_attention_ref
 
 op_module = importlib.import_module("forgekernel.ops.attention_paged")
@@ -91,10 +94,12 @@ def loaded_keys(k, v, table_row, seqlen_k, n_max, cfg, box):
     return torch.cat(ks), torch.cat(vs)
 
 
-def replayed_kernel(params):
-    """A CPU stand-in for the compiled paged kernel, in its argument order: per sequence and
-    query tile, the keys its walk loads, scores masked past the length and (causal) the
-    bottom-right diagonal, softmax in fp64; O and the natural-log LSE."""
+def replayed_kernel(params, ran=None):
+    """A CPU stand-in for the compiled paged kernel, in its argument order: per sequence of at
+    least PAGED_MIN_SEQLEN_Q query tokens (the scheduler's tiles skip the others: the decode
+    kernel's) and query tile, the keys its walk loads, scores masked past the length and
+    (causal) the bottom-right diagonal, softmax in fp64; O and the natural-log LSE. ran: the
+    sequences it computed are appended there."""
     p = dict(params)
     cfg, box, causal = default_config(p["head_dim"], p["head_dim_v"]), p["page_box"], p["causal"]
     assert p["varlen"] and box > 0
@@ -105,6 +110,10 @@ def replayed_kernel(params):
         group = q.shape[1] // k.shape[2]
         for b in range(lens.shape[0]):
             q0, sq, sk = int(cu_q[b]), int(cu_q[b + 1] - cu_q[b]), int(lens[b])
+            if sq < PAGED_MIN_SEQLEN_Q:
+                continue
+            if ran is not None:
+                ran.append(b)
             for m0 in range(0, sq, cfg.tile_m):
                 n_max = key_blocks(m0, sq, sk, cfg.tile_m, cfg.tile_n, causal)
                 rows = torch.arange(m0, min(m0 + cfg.tile_m, sq))
@@ -135,20 +144,27 @@ def replayed_kernel(params):
     return fn
 
 
+class Calls(list):
+    """The forward's kernel lookups (params dicts); .ran: the sequences its stand-in computed,
+    .decode: the decode stand-in's partial-pass calls."""
+
+
 @pytest.fixture
 def cpu_paged_kernel(monkeypatch):
-    calls = []
+    calls = Calls()
+    calls.ran = []
 
     def get_kernel(spec, params):
         assert spec is SPEC
         calls.append(dict(params))
-        return replayed_kernel(params)
+        return replayed_kernel(params, calls.ran)
 
     monkeypatch.setattr(fwd_launch, "get_kernel", get_kernel)
     monkeypatch.setattr(fwd_launch, "_plans", type(fwd_launch._plans)())  # plans hold kernels
     monkeypatch.setattr(fwd_launch, "num_sms", lambda device: 132)
-    monkeypatch.setattr(op_module, "check_cuda", lambda name, t: None)
-    return calls
+    calls.decode = install_cpu_decode(monkeypatch)  # the batch's short sequences
+    yield calls
+    paged_launch._plans.clear()
 
 
 # ------------------------------------------------------------------ problems
@@ -273,6 +289,65 @@ def test_out_is_written_in_place(cpu_paged_kernel):
     got = op_module.attention_paged(q, k, v, table, lens, cu_seqlens_q=cu, max_seqlen_q=30,
                                     out=out)  # fmt: skip
     assert got is out and torch.isfinite(out).all()
+
+
+# ------------------------------------------------------------------ the batch split
+def test_decode_lengths_give_the_forwards_sequences_no_keys():
+    """The decode kernel's key lengths: a sequence's own up to MAX_QUERY_TOKENS query tokens
+    (0 included), 0 past it; int32, no host read (a device op on cu_seqlens_q)."""
+    lens = torch.tensor([40, 9, 257, 300, 7, 5000], dtype=torch.int32)
+    cu = torch.tensor([0, 1, 1, 5, 9, 14, 2062], dtype=torch.int32)  # 1, 0, 4, 4, 5, 2048
+    got = op_module.decode_lengths(lens, cu)
+    assert got.dtype == torch.int32 and got.tolist() == [40, 9, 257, 300, 0, 0]
+    assert op_module.MAX_QUERY_TOKENS + 1 == PAGED_MIN_SEQLEN_Q
+
+
+MIXED_CASES = [
+    # hq, hkv, d, page_size, q_lens, k_lens: decode rows and 2-4 speculative tokens beside
+    # chunks, sequences without queries or keys, more queries than keys
+    (8, 2, 128, 16, [1, 3, 0, 200, 4, 1, 5], [40, 300, 9, 257, 4, 0, 7]),
+    (6, 2, 64, 32, [2, 130, 1], [2, 385, 1000]),  # GQA 3: one head a CTA
+    (4, 1, 256, 128, [70, 1, 6, 4], [190, 129, 6, 3]),
+    (8, 8, 128, 64, [150, 1, 1], [150, 100, 65]),  # MHA, the chunk first
+]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("case", MIXED_CASES)
+def test_mixed_batch_splits_between_the_kernels(cpu_paged_kernel, case, causal):
+    """Every row written once by its kernel (out and lse NaN-poisoned): the sequences of up to
+    4 query tokens by the decode (one call, its 4-token packed kernel, one split, the others
+    given no keys), the rest by the forward (its tiles skip the short ones), both in place;
+    the batch matches the reference."""
+    hq, hkv, d, ps, q_lens, k_lens = case
+    q, k, v, table, lens, cu = prefill_problem(hq, hkv, d, ps, q_lens, k_lens)
+    out = torch.full_like(q, math.nan)
+    lse = torch.full((hq, q.shape[0]), math.nan)
+    got, got_lse = op_module.attention_paged(q, k, v, table, lens, cu_seqlens_q=cu,
+                                             max_seqlen_q=max(q_lens), causal=causal,
+                                             return_lse=True, out=out, lse=lse)  # fmt: skip
+    assert got is out and got_lse is lse
+    want, want_lse = paged_attention_ref(q, k, v, table, lens, cu_seqlens_q=cu, causal=causal)
+    assert torch.isfinite(out).all()
+    assert float((out.float() - want).abs().max()) < 2e-2
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse)) and not lse.isnan().any()
+    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-4
+    assert cpu_paged_kernel.ran == [b for b, n in enumerate(q_lens) if n > 4]
+    [(params, _, direct)] = cpu_paged_kernel.decode
+    assert params["qtokens"] == op_module.MAX_QUERY_TOKENS and direct == 1
+
+
+def test_mixed_batch_into_an_out_the_forward_cannot_write_in_place(cpu_paged_kernel):
+    """An out TMA cannot write (a misaligned view): the forward's buffer starts as out, so the
+    decode's rows, written first, come back with the forward's copy."""
+    q, k, v, table, lens, cu = prefill_problem(8, 2, 128, 16, [1, 40, 2], [70, 60, 33])
+    buf = torch.full((q.numel() + 1,), math.nan, dtype=q.dtype)
+    out = buf[1:].view(q.shape)
+    assert fwd_launch.tma_target(out) is not out
+    op_module.attention_paged(q, k, v, table, lens, cu_seqlens_q=cu, max_seqlen_q=40, out=out)
+    want, _ = paged_attention_ref(q, k, v, table, lens, cu_seqlens_q=cu)
+    assert torch.isfinite(out).all() and float((out.float() - want).abs().max()) < 2e-2
 
 
 # ------------------------------------------------------------------ routing, params

@@ -61,7 +61,12 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from forgekernel.kernels.attention.fwd.sm90.config import AttnConfig, separate_o, smem_bytes
+from forgekernel.kernels.attention.fwd.sm90.config import (
+    PAGED_MIN_SEQLEN_Q,
+    AttnConfig,
+    separate_o,
+    smem_bytes,
+)
 from forgekernel.kernels.common.sm90 import softmax
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY, THREADS_PER_WG, WARP_SIZE
@@ -154,7 +159,7 @@ class AttentionFwdSm90:
         # K + V bytes of one key row (16-bit elements) decide the tile order's L2 sections.
         self.scheduler = LongestFirst(
             self.tile_m, causal, varlen, kv_row_bytes=(head_dim + head_dim_v) * 2,
-            paged=self.paged,
+            paged=self.paged, min_seqlen_q=PAGED_MIN_SEQLEN_Q if self.paged else 0,
         )  # fmt: skip
 
     # ---------------------------------------------------------------- host-side setup

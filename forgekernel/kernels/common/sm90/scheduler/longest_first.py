@@ -56,16 +56,19 @@ class WorkTile(NamedTuple):
 class LongestFirst:
     """The order of tiles of `tile_m` query rows. kv_row_bytes: K + V bytes of one key row
     (decides the L2 sections of fixed-length problems). paged (with varlen): the keys live in
-    pages, cu_seqlens_k holds each sequence's length (no key offsets)."""
+    pages, cu_seqlens_k holds each sequence's length (no key offsets); min_seqlen_q (paged):
+    the tiles of sequences with fewer query tokens are not valid (another kernel's rows)."""
 
     def __init__(
-        self, tile_m: int, causal: bool, varlen: bool, kv_row_bytes: int, paged: bool = False
-    ):
+        self, tile_m: int, causal: bool, varlen: bool, kv_row_bytes: int, paged: bool = False,
+        min_seqlen_q: int = 0,
+    ):  # fmt: skip
         self.tile_m = tile_m
         self.causal = causal
         self.varlen = varlen
         self.kv_row_bytes = kv_row_bytes
         self.paged = paged
+        self.min_seqlen_q = min_seqlen_q
 
     @cute.jit
     def tile(self, t: Int32, grid: TileGrid) -> WorkTile:
@@ -110,6 +113,8 @@ class LongestFirst:
             else:
                 seqlen_k = cu_k[batch + 1] - k_off
             m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
+            if const_expr(self.paged and self.min_seqlen_q > 1):
+                m_blocks = Int32(cutlass.select_(seqlen_q < self.min_seqlen_q, 0, m_blocks))
             batch = Int32(0)  # the packed tensors' unit batch mode; the sequence is an offset
         m_block = m_rev
         if const_expr(self.causal):
