@@ -351,6 +351,18 @@ def test_mixed_batch_into_an_out_the_forward_cannot_write_in_place(cpu_paged_ker
     assert torch.isfinite(out).all() and float((out.float() - want).abs().max()) < 2e-2
 
 
+def test_mixed_batch_through_the_registered_op(cpu_paged_kernel):
+    """The traced path's custom op (`forgekernel::attention_paged_prefill`, what torch.compile
+    and the tracing modes call) runs the same two launches into fresh outputs."""
+    q, k, v, table, lens, cu = prefill_problem(8, 2, 128, 16, [1, 40, 3, 0], [70, 60, 33, 5])
+    out, lse = torch.ops.forgekernel.attention_paged_prefill(q, k, v, table, lens, cu, 40,
+                                                             128**-0.5, True)  # fmt: skip
+    want, want_lse = paged_attention_ref(q, k, v, table, lens, cu_seqlens_q=cu)
+    assert float((out.float() - want).abs().max()) < 2e-2
+    assert float((lse - want_lse).abs().max()) < 1e-4
+    assert cpu_paged_kernel.ran == [1] and len(cpu_paged_kernel.decode) == 1
+
+
 def tile_of(t, m_blocks, heads, batch, paged):
     """`LongestFirst.tile`'s (m_rev, head, sequence) of tile t (varlen): the paged mode
     sequence by sequence (heads fastest, then the row block), else the row block slowest."""
