@@ -410,6 +410,38 @@ def test_paged_order_deals_every_prefill_bench_case_evenly():
     assert max(before) > 2.9 * sum(before) / len(before)
 
 
+def cta_walk(q_lens, heads, c, grid=132, skip=True):
+    """(the valid tiles CTA c takes, its loop's iterations) in the paged order; skip:
+    `LongestFirst.next_tile`, which past an invalid tile goes to the CTA's first t in the
+    next sequence."""
+    m_blocks, b_count = -(-max(q_lens) // 128), len(q_lens)
+    t, taken, steps = c, [], 0
+    while t < m_blocks * heads * b_count:
+        m_rev, _, b = tile_of(t, m_blocks, heads, b_count, True)
+        mine = -(-q_lens[b] // 128) if q_lens[b] >= PAGED_MIN_SEQLEN_Q else 0
+        valid, nxt, steps = m_rev < mine, t + grid, steps + 1
+        if valid:
+            taken.append(t)
+        elif skip:
+            end = (b + 1) * heads * m_blocks
+            nxt = max(nxt, nxt + (end - nxt + grid - 1) // grid * grid)
+        t = nxt
+    return taken, steps
+
+
+def test_next_tile_skips_only_invalid_tiles():
+    """Each CTA takes the same valid tiles with the skip as without; at c2048of16k+32dec its
+    loop runs 36 iterations at most instead of 128."""
+    cases = [(c.params["q_lens"], c.params["hq"]) for c in PREFILL_BENCH_CASES]
+    cases += [(c[4], c[0]) for c in MIXED_CASES]
+    for q_lens, heads in cases:
+        for c in range(0, 132, 5):
+            assert cta_walk(q_lens, heads, c)[0] == cta_walk(q_lens, heads, c, skip=False)[0]
+    q_lens, heads = cases[0]
+    assert max(cta_walk(q_lens, heads, c)[1] for c in range(132)) <= 36
+    assert max(cta_walk(q_lens, heads, c, skip=False)[1] for c in range(132)) == 128
+
+
 # ------------------------------------------------------------------ routing, params
 @pytest.mark.parametrize(
     ("page_size", "d", "fp8", "box"),

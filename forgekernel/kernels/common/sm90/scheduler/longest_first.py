@@ -136,3 +136,18 @@ class LongestFirst:
         return WorkTile(
             m_rev < m_blocks, m_block, head, batch, q_off, k_off, seqlen_q, seqlen_k, seq
         )
+
+    @cute.jit
+    def next_tile(self, t: Int32, step: Int32, work: WorkTile, grid: TileGrid) -> Int32:
+        """The CTA's tile after t = `work`'s: t + step; paged, past an invalid tile (its
+        sequence has none valid later in t: its row blocks ran out, or it is skipped), the
+        CTA's first t in the next sequence (a decode row's 512 slots at 16 row blocks x 32
+        heads were 3-4 empty iterations of every CTA, 124 of its 128 at c2048of16k+32dec).
+        The paged kernel computes it at the tile's start (one register live through the tile,
+        not work's: at the end, D 256's consumers spilled 16 bytes)."""
+        nxt = t + step
+        if const_expr(self.paged):
+            end = (work.seq + 1) * (grid.mQ.shape[2] * grid.num_m_blocks)
+            ahead = (end - nxt + step - 1) // step * step
+            nxt = Int32(cutlass.select_(work.valid, nxt, cutlass.max(nxt, nxt + ahead)))
+        return nxt
