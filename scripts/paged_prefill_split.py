@@ -24,6 +24,7 @@ decode outputs (bitwise: the same kernels on the same tiles).
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 import sys
@@ -34,8 +35,9 @@ from forgekernel.bench.suites import attention_paged as suite_module
 from forgekernel.kernels.attention.fwd.sm90 import launch as fwd_sm90
 from forgekernel.kernels.attention.fwd.sm90.config import PAGED_MIN_SEQLEN_Q
 from forgekernel.kernels.attention.paged.sm90 import launch as paged_sm90
-from forgekernel.ops import attention_paged as op
 from forgekernel.runtime.timing import median, time_interleaved
+
+op = importlib.import_module("forgekernel.ops.attention_paged")  # the module (ops exports the op)
 
 
 def _sub_batch(inputs, keep: list[int], q_lens: list[int], pad_to: int = 0):
@@ -66,8 +68,8 @@ def _outputs(q):
     return torch.empty_like(q), torch.empty(q.shape[1], q.shape[0], device=q.device)
 
 
-def run_case(case) -> dict:
-    device = torch.device("cuda")
+def run_case(case, device: torch.device | None = None) -> dict:
+    device = device or torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     inputs = suite_module.make_inputs(case, torch.bfloat16, device, gen)
     q, k, v = inputs["q"], inputs["k"], inputs["v"]

@@ -442,6 +442,31 @@ def test_next_tile_skips_only_invalid_tiles():
     assert max(cta_walk(q_lens, heads, c, skip=False)[1] for c in range(132)) == 128
 
 
+def test_split_script_runs_on_the_stand_ins(cpu_paged_kernel, monkeypatch):
+    """scripts/paged_prefill_split.py's case (its sub-batches, the op, the checks) on the CPU
+    stand-ins, the timer replaced by one call each: ours matches the reference and its rows
+    equal the compacted forward's and decode's."""
+    from forgekernel.bench.suites import attention_paged as suite_module
+    from forgekernel.runtime.timing import Samples
+
+    path = Path(__file__).parent.parent / "scripts" / "paged_prefill_split.py"
+    spec = importlib.util.spec_from_file_location("paged_prefill_split", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def one_call(fns, **_):
+        return {name: Samples([(fn(), 1.0)[1]], method="cpu") for name, fn in fns.items()}
+
+    monkeypatch.setattr(script, "time_interleaved", one_call)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(suite_module, "comparators", lambda: {"flashinfer": None})
+    case = suite_module._prefill_case(8, 2, 16, (40, 7), (60, 0), (30, 50, 3), "cpu")
+    r = script.run_case(case, torch.device("cpu"))
+    assert set(r["ms"]) == {"before", "fwd", "decode", "decode_plan", "decode_in_op", "ours"}
+    assert r["checks"]["ours_max_err"] < 2e-2 and r["checks"]["ours_finite"]
+    assert r["checks"]["fwd_rows_bitwise"] and r["checks"]["decode_rows_bitwise"]
+
+
 # ------------------------------------------------------------------ routing, params
 @pytest.mark.parametrize(
     ("page_size", "d", "fp8", "box"),
