@@ -442,6 +442,21 @@ def test_next_tile_skips_only_invalid_tiles():
     assert max(cta_walk(q_lens, heads, c, skip=False)[1] for c in range(132)) == 128
 
 
+def test_mixed_batch_over_a_cache_without_pages(cpu_paged_kernel):
+    """No pages: the forward's launcher fills only its sequences' rows (0, -inf), the decode
+    its own; every row written."""
+    q = torch.randn(1 + 6 + 2, 8, 128).to(torch.bfloat16)
+    k = v = torch.empty(0, 16, 2, 128, dtype=torch.bfloat16)
+    table, lens = torch.zeros(3, 1, dtype=torch.int32), torch.zeros(3, dtype=torch.int32)
+    cu = torch.tensor([0, 1, 7, 9], dtype=torch.int32)
+    out = torch.full_like(q, math.nan)
+    lse = torch.full((8, 9), math.nan)
+    op_module.attention_paged(q, k, v, table, lens, cu_seqlens_q=cu, max_seqlen_q=6, out=out,
+                              lse=lse)  # fmt: skip
+    assert not out.isnan().any() and not out.any() and (lse == -math.inf).all()
+    assert cpu_paged_kernel.ran == []
+
+
 def test_split_script_runs_on_the_stand_ins(cpu_paged_kernel, monkeypatch):
     """scripts/paged_prefill_split.py's case (its sub-batches, the op, the checks) on the CPU
     stand-ins, the timer replaced by one call each: ours matches the reference and its rows
