@@ -131,8 +131,19 @@ def _partial(q, k, v, pt, seq, op, lp, scale_log2, per, page_size, group, ks, vs
                         )  # fmt: skip
 
 
-@pytest.fixture
-def cpu_kernels(monkeypatch):
+def _written_rows(seq, cu, qtokens) -> list[int]:
+    """The rows a pass writes (combine.write_split): each sequence's tokens below both its
+    query length and the kernel's query tokens."""
+    if cu is None:
+        return list(range(seq.shape[0]))
+    return [int(cu[b]) + i for b in range(seq.shape[0])
+            for i in range(min(int(cu[b + 1] - cu[b]), qtokens))]  # fmt: skip
+
+
+def install_cpu_decode(monkeypatch) -> list:
+    """The paged decode's kernels replaced by their CPU stand-ins (`_partial`, the combine);
+    returns the list the partial pass's calls are recorded in. One split (direct) writes only
+    the rows the pass writes (`_written_rows`), as the kernel; a combine writes every row."""
     calls = []
 
     def get_kernel(spec, params):
@@ -143,12 +154,16 @@ def cpu_kernels(monkeypatch):
         def partial(*args):
             q, k, v, pt, seq, op, lp, out, lse, direct, *rest = args
             calls.append((p, tuple(rest[:4]), direct))
+            qtokens = p.get("qtokens", 1)
             if direct:  # one split: the pass writes out and lse itself
                 op = torch.empty(1, *out.shape, dtype=torch.float32)
                 lp = torch.empty(1, *out.shape[:2], dtype=torch.float32)
-            _partial(q, k, v, pt, seq, op, lp, *rest, heads=p["heads"], qtokens=p.get("qtokens", 1))
+            _partial(q, k, v, pt, seq, op, lp, *rest, heads=p["heads"], qtokens=qtokens)
             if direct:
-                combine_splits(op, lp, out, lse)
+                o, ls = torch.empty_like(out), torch.empty(out.shape[:2])
+                combine_splits(op, lp, o, ls)
+                rows = _written_rows(seq, rest[-2], qtokens)
+                out[rows], lse[rows] = o[rows], ls[rows]
 
         return partial
 
@@ -156,7 +171,12 @@ def cpu_kernels(monkeypatch):
     monkeypatch.setattr(paged_launch, "get_kernel", get_kernel)
     monkeypatch.setattr(paged_launch, "num_sms", lambda device: 132)
     monkeypatch.setattr(op_module, "check_cuda", lambda name, t: None)
-    yield calls
+    return calls
+
+
+@pytest.fixture
+def cpu_kernels(monkeypatch):
+    yield install_cpu_decode(monkeypatch)
     paged_launch._plans.clear()
 
 

@@ -16,15 +16,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_attention_paged import install_cpu_decode
 
+from forgekernel.bench.suites.attention_paged import PREFILL_BENCH_CASES
 from forgekernel.kernels.attention.fwd.sm90 import SPEC
 from forgekernel.kernels.attention.fwd.sm90 import launch as fwd_launch
 from forgekernel.kernels.attention.fwd.sm90.config import (
     PAGE_BOXES,
     PAGED_HEAD_DIMS,
+    PAGED_MIN_SEQLEN_Q,
     default_config,
     page_box_for,
 )
+from forgekernel.kernels.attention.paged.sm90 import launch as paged_launch
 from forgekernel.reference.paged_attention import paged_attention_ref
 
 op_module = importlib.import_module("forgekernel.ops.attention_paged")
@@ -91,10 +95,12 @@ def loaded_keys(k, v, table_row, seqlen_k, n_max, cfg, box):
     return torch.cat(ks), torch.cat(vs)
 
 
-def replayed_kernel(params):
-    """A CPU stand-in for the compiled paged kernel, in its argument order: per sequence and
-    query tile, the keys its walk loads, scores masked past the length and (causal) the
-    bottom-right diagonal, softmax in fp64; O and the natural-log LSE."""
+def replayed_kernel(params, ran=None):
+    """A CPU stand-in for the compiled paged kernel, in its argument order: per sequence of at
+    least PAGED_MIN_SEQLEN_Q query tokens (the scheduler's tiles skip the others: the decode
+    kernel's) and query tile, the keys its walk loads, scores masked past the length and
+    (causal) the bottom-right diagonal, softmax in fp64; O and the natural-log LSE. ran: the
+    sequences it computed are appended there."""
     p = dict(params)
     cfg, box, causal = default_config(p["head_dim"], p["head_dim_v"]), p["page_box"], p["causal"]
     assert p["varlen"] and box > 0
@@ -105,6 +111,10 @@ def replayed_kernel(params):
         group = q.shape[1] // k.shape[2]
         for b in range(lens.shape[0]):
             q0, sq, sk = int(cu_q[b]), int(cu_q[b + 1] - cu_q[b]), int(lens[b])
+            if sq < PAGED_MIN_SEQLEN_Q:
+                continue
+            if ran is not None:
+                ran.append(b)
             for m0 in range(0, sq, cfg.tile_m):
                 n_max = key_blocks(m0, sq, sk, cfg.tile_m, cfg.tile_n, causal)
                 rows = torch.arange(m0, min(m0 + cfg.tile_m, sq))
@@ -135,20 +145,27 @@ def replayed_kernel(params):
     return fn
 
 
+class Calls(list):
+    """The forward's kernel lookups (params dicts); .ran: the sequences its stand-in computed,
+    .decode: the decode stand-in's partial-pass calls."""
+
+
 @pytest.fixture
 def cpu_paged_kernel(monkeypatch):
-    calls = []
+    calls = Calls()
+    calls.ran = []
 
     def get_kernel(spec, params):
         assert spec is SPEC
         calls.append(dict(params))
-        return replayed_kernel(params)
+        return replayed_kernel(params, calls.ran)
 
     monkeypatch.setattr(fwd_launch, "get_kernel", get_kernel)
     monkeypatch.setattr(fwd_launch, "_plans", type(fwd_launch._plans)())  # plans hold kernels
     monkeypatch.setattr(fwd_launch, "num_sms", lambda device: 132)
-    monkeypatch.setattr(op_module, "check_cuda", lambda name, t: None)
-    return calls
+    calls.decode = install_cpu_decode(monkeypatch)  # the batch's short sequences
+    yield calls
+    paged_launch._plans.clear()
 
 
 # ------------------------------------------------------------------ problems
@@ -273,6 +290,196 @@ def test_out_is_written_in_place(cpu_paged_kernel):
     got = op_module.attention_paged(q, k, v, table, lens, cu_seqlens_q=cu, max_seqlen_q=30,
                                     out=out)  # fmt: skip
     assert got is out and torch.isfinite(out).all()
+
+
+# ------------------------------------------------------------------ the batch split
+def test_decode_lengths_give_the_forwards_sequences_no_keys():
+    """The decode kernel's key lengths: a sequence's own up to MAX_QUERY_TOKENS query tokens
+    (0 included), 0 past it; int32, no host read (a device op on cu_seqlens_q)."""
+    lens = torch.tensor([40, 9, 257, 300, 7, 5000], dtype=torch.int32)
+    cu = torch.tensor([0, 1, 1, 5, 9, 14, 2062], dtype=torch.int32)  # 1, 0, 4, 4, 5, 2048
+    got = op_module.decode_lengths(lens, cu)
+    assert got.dtype == torch.int32 and got.tolist() == [40, 9, 257, 300, 0, 0]
+    assert op_module.MAX_QUERY_TOKENS + 1 == PAGED_MIN_SEQLEN_Q
+
+
+MIXED_CASES = [
+    # hq, hkv, d, page_size, q_lens, k_lens: decode rows and 2-4 speculative tokens beside
+    # chunks, sequences without queries or keys, more queries than keys
+    (8, 2, 128, 16, [1, 3, 0, 200, 4, 1, 5], [40, 300, 9, 257, 4, 0, 7]),
+    (6, 2, 64, 32, [2, 130, 1], [2, 385, 1000]),  # GQA 3: one head a CTA
+    (4, 1, 256, 128, [70, 1, 6, 4], [190, 129, 6, 3]),
+    (8, 8, 128, 64, [150, 1, 1], [150, 100, 65]),  # MHA, the chunk first
+]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("case", MIXED_CASES)
+def test_mixed_batch_splits_between_the_kernels(cpu_paged_kernel, case, causal):
+    """Every row written once by its kernel (out and lse NaN-poisoned): the sequences of up to
+    4 query tokens by the decode (one call, its 4-token packed kernel, one split, the others
+    given no keys), the rest by the forward (its tiles skip the short ones), both in place;
+    the batch matches the reference."""
+    hq, hkv, d, ps, q_lens, k_lens = case
+    q, k, v, table, lens, cu = prefill_problem(hq, hkv, d, ps, q_lens, k_lens)
+    out = torch.full_like(q, math.nan)
+    lse = torch.full((hq, q.shape[0]), math.nan)
+    got, got_lse = op_module.attention_paged(q, k, v, table, lens, cu_seqlens_q=cu,
+                                             max_seqlen_q=max(q_lens), causal=causal,
+                                             return_lse=True, out=out, lse=lse)  # fmt: skip
+    assert got is out and got_lse is lse
+    want, want_lse = paged_attention_ref(q, k, v, table, lens, cu_seqlens_q=cu, causal=causal)
+    assert torch.isfinite(out).all()
+    assert float((out.float() - want).abs().max()) < 2e-2
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse)) and not lse.isnan().any()
+    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-4
+    assert cpu_paged_kernel.ran == [b for b, n in enumerate(q_lens) if n > 4]
+    [(params, _, direct)] = cpu_paged_kernel.decode
+    assert params["qtokens"] == op_module.MAX_QUERY_TOKENS and direct == 1
+
+
+def test_mixed_batch_into_an_out_the_forward_cannot_write_in_place(cpu_paged_kernel):
+    """An out TMA cannot write (a misaligned view): the forward's buffer starts as out, so the
+    decode's rows, written first, come back with the forward's copy."""
+    q, k, v, table, lens, cu = prefill_problem(8, 2, 128, 16, [1, 40, 2], [70, 60, 33])
+    buf = torch.full((q.numel() + 1,), math.nan, dtype=q.dtype)
+    out = buf[1:].view(q.shape)
+    assert fwd_launch.tma_target(out) is not out
+    op_module.attention_paged(q, k, v, table, lens, cu_seqlens_q=cu, max_seqlen_q=40, out=out)
+    want, _ = paged_attention_ref(q, k, v, table, lens, cu_seqlens_q=cu)
+    assert torch.isfinite(out).all() and float((out.float() - want).abs().max()) < 2e-2
+
+
+def test_mixed_batch_through_the_registered_op(cpu_paged_kernel):
+    """The traced path's custom op (`forgekernel::attention_paged_prefill`, what torch.compile
+    and the tracing modes call) runs the same two launches into fresh outputs."""
+    q, k, v, table, lens, cu = prefill_problem(8, 2, 128, 16, [1, 40, 3, 0], [70, 60, 33, 5])
+    out, lse = torch.ops.forgekernel.attention_paged_prefill(q, k, v, table, lens, cu, 40,
+                                                             128**-0.5, True)  # fmt: skip
+    want, want_lse = paged_attention_ref(q, k, v, table, lens, cu_seqlens_q=cu)
+    assert float((out.float() - want).abs().max()) < 2e-2
+    assert float((lse - want_lse).abs().max()) < 1e-4
+    assert cpu_paged_kernel.ran == [1] and len(cpu_paged_kernel.decode) == 1
+
+
+def tile_of(t, m_blocks, heads, batch, paged):
+    """`LongestFirst.tile`'s (m_rev, head, sequence) of tile t (varlen): the paged mode
+    sequence by sequence (heads fastest, then the row block), else the row block slowest."""
+    if paged:
+        b, r = divmod(t, heads * m_blocks)
+        m_rev, h = divmod(r, heads)
+    else:
+        m_rev, rest = divmod(t, heads * batch)
+        b, h = divmod(rest, heads)
+    return m_rev, h, b
+
+
+def cta_key_blocks(case, paged, grid=132):
+    """Each CTA's key blocks (D 128: 128 x 128 tiles, causal) over the tiles it takes, t = c,
+    c + grid, ...; paged: the split (sequences of < PAGED_MIN_SEQLEN_Q query tokens skipped)
+    and the paged order, else the order and tiles before them."""
+    q_lens, k_lens, heads = case.params["q_lens"], case.params["lens"], case.params["hq"]
+    m_blocks = -(-max(q_lens) // 128)
+    load = [0] * grid
+    for t in range(m_blocks * heads * len(q_lens)):
+        m_rev, _, b = tile_of(t, m_blocks, heads, len(q_lens), paged)
+        sq, mine = q_lens[b], -(-q_lens[b] // 128)
+        if m_rev >= mine or (paged and sq < PAGED_MIN_SEQLEN_Q):
+            continue
+        load[t % grid] += key_blocks((mine - 1 - m_rev) * 128, sq, k_lens[b], 128, 128, True)
+    return load
+
+
+def test_paged_order_deals_every_prefill_bench_case_evenly():
+    """The bench's chunked-prefill batches (a 132-CTA grid): with the row block slowest, the
+    2048-row chunk beside 32 decode rows put all its tiles on 32 CTAs (33 x 32 tiles a row
+    block, a multiple of 132): the busiest CTA 2.95x the mean, the 4.07 ms of the H200. The
+    paged order (and the split) keeps every case within 1.12x; every valid tile once."""
+    for case in PREFILL_BENCH_CASES:
+        load = cta_key_blocks(case, paged=True)
+        assert max(load) <= 1.12 * sum(load) / len(load), case.name
+        q_lens, heads = case.params["q_lens"], case.params["hq"]
+        m_blocks = -(-max(q_lens) // 128)
+        tiles = [tile_of(t, m_blocks, heads, len(q_lens), True)
+                 for t in range(m_blocks * heads * len(q_lens))]  # fmt: skip
+        assert sorted(tiles) == sorted(
+            (m, h, b) for b in range(len(q_lens)) for m in range(m_blocks) for h in range(heads)
+        )
+    before = cta_key_blocks(PREFILL_BENCH_CASES[0], paged=False)
+    assert max(before) > 2.9 * sum(before) / len(before)
+
+
+def cta_walk(q_lens, heads, c, grid=132, skip=True):
+    """(the valid tiles CTA c takes, its loop's iterations) in the paged order; skip:
+    `LongestFirst.next_tile`, which past an invalid tile goes to the CTA's first t in the
+    next sequence."""
+    m_blocks, b_count = -(-max(q_lens) // 128), len(q_lens)
+    t, taken, steps = c, [], 0
+    while t < m_blocks * heads * b_count:
+        m_rev, _, b = tile_of(t, m_blocks, heads, b_count, True)
+        mine = -(-q_lens[b] // 128) if q_lens[b] >= PAGED_MIN_SEQLEN_Q else 0
+        valid, nxt, steps = m_rev < mine, t + grid, steps + 1
+        if valid:
+            taken.append(t)
+        elif skip:
+            end = (b + 1) * heads * m_blocks
+            nxt = max(nxt, nxt + (end - nxt + grid - 1) // grid * grid)
+        t = nxt
+    return taken, steps
+
+
+def test_next_tile_skips_only_invalid_tiles():
+    """Each CTA takes the same valid tiles with the skip as without; at c2048of16k+32dec its
+    loop runs 36 iterations at most instead of 128."""
+    cases = [(c.params["q_lens"], c.params["hq"]) for c in PREFILL_BENCH_CASES]
+    cases += [(c[4], c[0]) for c in MIXED_CASES]
+    for q_lens, heads in cases:
+        for c in range(0, 132, 5):
+            assert cta_walk(q_lens, heads, c)[0] == cta_walk(q_lens, heads, c, skip=False)[0]
+    q_lens, heads = cases[0]
+    assert max(cta_walk(q_lens, heads, c)[1] for c in range(132)) <= 36
+    assert max(cta_walk(q_lens, heads, c, skip=False)[1] for c in range(132)) == 128
+
+
+def test_mixed_batch_over_a_cache_without_pages(cpu_paged_kernel):
+    """No pages: the forward's launcher fills only its sequences' rows (0, -inf), the decode
+    its own; every row written."""
+    q = torch.randn(1 + 6 + 2, 8, 128).to(torch.bfloat16)
+    k = v = torch.empty(0, 16, 2, 128, dtype=torch.bfloat16)
+    table, lens = torch.zeros(3, 1, dtype=torch.int32), torch.zeros(3, dtype=torch.int32)
+    cu = torch.tensor([0, 1, 7, 9], dtype=torch.int32)
+    out = torch.full_like(q, math.nan)
+    lse = torch.full((8, 9), math.nan)
+    op_module.attention_paged(q, k, v, table, lens, cu_seqlens_q=cu, max_seqlen_q=6, out=out,
+                              lse=lse)  # fmt: skip
+    assert not out.isnan().any() and not out.any() and (lse == -math.inf).all()
+    assert cpu_paged_kernel.ran == []
+
+
+def test_split_script_runs_on_the_stand_ins(cpu_paged_kernel, monkeypatch):
+    """scripts/paged_prefill_split.py's case (its sub-batches, the op, the checks) on the CPU
+    stand-ins, the timer replaced by one call each: ours matches the reference and its rows
+    equal the compacted forward's and decode's."""
+    from forgekernel.bench.suites import attention_paged as suite_module
+    from forgekernel.runtime.timing import Samples
+
+    path = Path(__file__).parent.parent / "scripts" / "paged_prefill_split.py"
+    spec = importlib.util.spec_from_file_location("paged_prefill_split", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def one_call(fns, **_):
+        return {name: Samples([(fn(), 1.0)[1]], method="cpu") for name, fn in fns.items()}
+
+    monkeypatch.setattr(script, "time_interleaved", one_call)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(suite_module, "comparators", lambda: {"flashinfer": None})
+    case = suite_module._prefill_case(8, 2, 16, (40, 7), (60, 0), (30, 50, 3), "cpu")
+    r = script.run_case(case, torch.device("cpu"))
+    assert set(r["ms"]) == {"before", "fwd", "decode", "decode_plan", "decode_in_op", "ours"}
+    assert r["checks"]["ours_max_err"] < 2e-2 and r["checks"]["ours_finite"]
+    assert r["checks"]["fwd_rows_bitwise"] and r["checks"]["decode_rows_bitwise"]
 
 
 # ------------------------------------------------------------------ routing, params

@@ -3,19 +3,23 @@ FlashAttention layout), GQA decode and speculative decoding / MTP (up to 4 query
 sequence), 16-bit or FP8 (e4m3) caches, FlashInfer's CSR page lists (kernels:
 kernels/attention/paged/sm90).
 
-Chunked prefill (more than 4 query tokens per sequence) runs the attention forward's paged mode
-(kernels/attention/fwd/sm90, page_box > 0): the pages are read in place, one TMA box per page
-of a key tile, for 16-bit caches whose page size the mode covers (a multiple of 8 rows that
-divides the key tile or that the tile divides: 8 to 128 and beyond, `launch.paged_box`). The
-rest, FP8 caches and pages of 1 (or of a size like 24), gather the sequences' pages into packed
-K / V (FP8 dequantized) and run the varlen forward (`ops.attention_varlen`): correct, paying
-one copy of the keys and values the batch's table spans."""
+Chunked prefill (more than 4 query tokens in some sequence) splits the batch on the device:
+the sequences of up to 4 query tokens (decode rows beside the chunks) run the decode kernel,
+the others the attention forward's paged mode (kernels/attention/fwd/sm90, page_box > 0), each
+kernel skipping the other's sequences, both writing their rows of the same out and lse
+(`_split_prefill`). The paged mode reads the pages in place, one TMA box per page of a key
+tile, for 16-bit caches whose page size it covers (a multiple of 8 rows that divides the key
+tile or that the tile divides: 8 to 128 and beyond, `launch.paged_box`). The rest, FP8 caches
+and pages of 1 (or of a size like 24), gather the sequences' pages into packed K / V (FP8
+dequantized) and run the varlen forward (`ops.attention_varlen`) on the whole batch: correct,
+paying one copy of the keys and values the batch's table spans."""
 
 from __future__ import annotations
 
 import torch
 
 from forgekernel.kernels.attention.fwd.sm90 import launch as fwd_sm90
+from forgekernel.kernels.attention.fwd.sm90.config import PAGED_MIN_SEQLEN_Q
 from forgekernel.kernels.attention.paged.sm90 import launch as paged_sm90
 from forgekernel.kernels.attention.paged.sm90.config import HEAD_DIMS
 from forgekernel.ops._dispatch import into_buffers, plain, tracing
@@ -34,6 +38,7 @@ from forgekernel.ops.attention_varlen import attention_varlen as _attention_varl
 
 INDEX = (torch.int32,)
 MAX_QUERY_TOKENS = 4  # per sequence in the decode kernel; more: the forward's paged mode
+assert PAGED_MIN_SEQLEN_Q == MAX_QUERY_TOKENS + 1  # the two kernels' sequences partition a batch
 CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 
 
@@ -198,11 +203,11 @@ def _prefill_op(
     softmax_scale: float,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_rows_in_place("k_cache", k_cache)
-    check_rows_in_place("v_cache", v_cache)
+    check_rows_in_place("k_cache", k_cache, 16)
+    check_rows_in_place("v_cache", v_cache, 16)
     out, lse = _outputs(q, cu_seqlens_q, None)
-    fwd_sm90.attention_paged_fwd(q, k_cache, v_cache, out, lse, page_table, seqlens_k,
-                                 cu_seqlens_q, max_seqlen_q, softmax_scale, causal)  # fmt: skip
+    _split_prefill(q, k_cache, v_cache, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q,
+                   softmax_scale, causal, out, lse)  # fmt: skip
     return out, lse
 
 
@@ -301,19 +306,46 @@ def attention_paged(
 
 def _prefill(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, causal, scale, out,
              traced, lse=None):  # fmt: skip
-    """Chunked prefill on the forward's paged mode: the caches read in place (their rows
-    contiguous and 16-byte aligned, outer strides multiples of 8 elements)."""
+    """Chunked prefill on the decode kernel and the forward's paged mode (`_split_prefill`):
+    the caches read in place (rows contiguous and 16-byte aligned, outer strides multiples of
+    16 elements, the decode's)."""
     if traced:
         o, fresh = torch.ops.forgekernel.attention_paged_prefill(
             q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, scale, causal
         )
         return into_buffers(o, fresh, out, lse)
-    check_rows_in_place("k_cache", k)  # (a data pointer: real tensors only)
-    check_rows_in_place("v_cache", v)
+    check_rows_in_place("k_cache", k, 16)  # (a data pointer: real tensors only)
+    check_rows_in_place("v_cache", v, 16)
     o, lse = _outputs(q, cu_seqlens_q, out, lse)
+    _split_prefill(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, scale, causal, o,
+                   lse)  # fmt: skip
+    return o, lse
+
+
+def decode_lengths(seqlens_k: torch.Tensor, cu_seqlens_q: torch.Tensor) -> torch.Tensor:
+    """The key lengths the decode kernel sees in a chunked-prefill batch: the sequence's own
+    where it has at most MAX_QUERY_TOKENS query tokens, else 0 (the forward's sequence: the
+    decode reads none of its keys and writes only 0 / -inf into its first rows, which the
+    forward, running after it, overwrites). On the device: no host read."""
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    return seqlens_k.masked_fill(q_lens > MAX_QUERY_TOKENS, 0)
+
+
+def _split_prefill(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, scale, causal, o,
+                   lse):  # fmt: skip
+    """A chunked-prefill batch in two launches on the current stream, in this order (they
+    share the longer sequences' first rows): the decode kernel on the sequences of up to
+    MAX_QUERY_TOKENS query tokens (its packed form; the others given no keys, `decode_lengths`;
+    one split, whose pass writes only each sequence's first rows where a combine would write
+    every row), then the forward's paged mode, whose tiles skip those sequences (config.
+    PAGED_MIN_SEQLEN_Q) and which writes every row of the others. Before the split the forward
+    ran the whole batch: each decode row a 128-row query tile a head over all its keys."""
+    paged_sm90.paged_decode(
+        q, k, v, page_table, decode_lengths(seqlens_k, cu_seqlens_q), scale, o, lse.t(),
+        None, None, cu_seqlens_q, MAX_QUERY_TOKENS, causal, one_split=True,
+    )  # fmt: skip
     fwd_sm90.attention_paged_fwd(q, k, v, o, lse, page_table, seqlens_k, cu_seqlens_q,
                                  max_seqlen_q, scale, causal)  # fmt: skip
-    return o, lse
 
 
 def _prefill_by_gather(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, causal,

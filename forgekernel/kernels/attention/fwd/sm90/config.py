@@ -81,6 +81,11 @@ _DEFAULTS = {
 # of 8 to 128 rows (a page longer than the tile: boxes of tile_n rows).
 PAGED_HEAD_DIMS = (64, 128, 256)
 PAGE_BOXES = (8, 16, 32, 64, 128)
+# The paged mode runs the sequences of at least this many query tokens; those of fewer (decode
+# rows beside the chunks of a chunked-prefill batch, speculative tokens) are the paged decode
+# kernel's, whose limit is 4 (ops.attention_paged runs it first): the mode's tiles skip them,
+# leaving their rows of O and LSE as they are.
+PAGED_MIN_SEQLEN_Q = 5
 
 
 def page_box_for(page_size: int, tile_n: int) -> int:

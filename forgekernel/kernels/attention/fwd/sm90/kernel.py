@@ -61,7 +61,12 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from forgekernel.kernels.attention.fwd.sm90.config import AttnConfig, separate_o, smem_bytes
+from forgekernel.kernels.attention.fwd.sm90.config import (
+    PAGED_MIN_SEQLEN_Q,
+    AttnConfig,
+    separate_o,
+    smem_bytes,
+)
 from forgekernel.kernels.common.sm90 import softmax
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY, THREADS_PER_WG, WARP_SIZE
@@ -154,7 +159,7 @@ class AttentionFwdSm90:
         # K + V bytes of one key row (16-bit elements) decide the tile order's L2 sections.
         self.scheduler = LongestFirst(
             self.tile_m, causal, varlen, kv_row_bytes=(head_dim + head_dim_v) * 2,
-            paged=self.paged,
+            paged=self.paged, min_seqlen_q=PAGED_MIN_SEQLEN_Q if self.paged else 0,
         )  # fmt: skip
 
     # ---------------------------------------------------------------- host-side setup
@@ -451,9 +456,10 @@ class AttentionFwdSm90:
         t = cute.arch.block_idx()[0]
         step = cute.arch.grid_dim()[0]
         while t < num_tiles:
-            valid, m_block, head, batch, q_off, k_off, seqlen_q, seqlen_k, seq = (
-                self.scheduler.tile(t, grid)
-            )
+            work = self.scheduler.tile(t, grid)
+            valid, m_block, head, batch, q_off, k_off, seqlen_q, seqlen_k, seq = work
+            if const_expr(self.paged):  # live instead of t through the tile
+                t_next = self.scheduler.next_tile(t, step, work, grid)
             if valid:
                 head_kv = head // (mQ.shape[2] // mK.shape[2])
                 n_block_max, _ = self._key_blocks(
@@ -522,7 +528,10 @@ class AttentionFwdSm90:
                 if n_block_max == 0:
                     self._load_q(tma_q, tQgQ, tQsQ, q_pipe, q_state, m_block)
                     q_state.advance()
-            t += step
+            if const_expr(self.paged):
+                t = t_next
+            else:
+                t += step
 
     @cute.jit
     def _page_of_lane(self, mPageTable, page_size, seq, n, seqlen_k):
@@ -620,9 +629,10 @@ class AttentionFwdSm90:
         t = cute.arch.block_idx()[0]
         step = cute.arch.grid_dim()[0]
         while t < num_tiles:
-            valid, m_block, head, batch, q_off, k_off, seqlen_q, seqlen_k, _ = self.scheduler.tile(
-                t, grid
-            )
+            work = self.scheduler.tile(t, grid)
+            valid, m_block, head, batch, q_off, k_off, seqlen_q, seqlen_k, _ = work
+            if const_expr(self.paged):  # live instead of t through the tile
+                t_next = self.scheduler.next_tile(t, step, work, grid)
             if valid:
                 m0 = m_block * self.tile_m
                 n_block_max, n_unmasked = self._key_blocks(m0, (seqlen_q, qgroup), seqlen_k)
@@ -650,7 +660,10 @@ class AttentionFwdSm90:
                     q_pipe.consumer_release(q_state)
                 q_state.advance()
                 self._store_lse(tidx, mma_pv, row_lse, mLSE, m0, head, batch, q_off, seqlen_q)
-            t += step
+            if const_expr(self.paged):
+                t = t_next
+            else:
+                t += step
         if warp_idx == STORER_WARP:
             # The CTA may not exit (freeing sO) before the last store has read it.
             cute.arch.cp_async_bulk_wait_group(0, read=True)

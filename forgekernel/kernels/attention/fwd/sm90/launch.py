@@ -11,7 +11,12 @@ import functools
 import torch
 
 from forgekernel.kernels.attention.fwd.sm90 import SPEC
-from forgekernel.kernels.attention.fwd.sm90.config import default_config, page_box_for, params_for
+from forgekernel.kernels.attention.fwd.sm90.config import (
+    PAGED_MIN_SEQLEN_Q,
+    default_config,
+    page_box_for,
+    params_for,
+)
 from forgekernel.kernels.common.sm90.constants import LOG2E
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import (
@@ -83,6 +88,17 @@ def _no_keys(o: torch.Tensor, lse: torch.Tensor) -> None:
     """Every row sees no key: o 0, lse -inf."""
     o.zero_()
     lse.fill_(float("-inf"))
+
+
+def _no_keys_paged(o: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor) -> None:
+    """The paged mode's rows when the cache has no pages: o 0, lse -inf on the rows of the
+    sequences it runs (no host read: a row mask from cu_seqlens_q)."""
+    cu = cu_seqlens_q.long()
+    rows = torch.arange(o.shape[0], device=o.device)
+    seq = torch.searchsorted(cu[1:], rows, right=True).clamp(max=cu.shape[0] - 2)
+    mine = (cu[seq + 1] - cu[seq]) >= PAGED_MIN_SEQLEN_Q
+    o.masked_fill_(mine[:, None, None], 0)
+    lse.masked_fill_(mine[None, :], float("-inf"))
 
 
 def attention_fwd(
@@ -176,19 +192,21 @@ def attention_paged_fwd(
     16-byte aligned, outer strides multiples of 8 elements: a combined cache's halves qualify;
     `paged_box(page_size, D)` > 0), page_table int32 (B, max_pages), seqlens_k int32 (B,),
     cu_seqlens_q int32 (B + 1,), all on q's device. Causal: bottom-right aligned to each
-    sequence's key length."""
-    if o.numel() == 0 or max_seqlen_q == 0:
+    sequence's key length. Sequences of fewer than PAGED_MIN_SEQLEN_Q query tokens are
+    skipped (the paged decode's: their rows of o and lse are left as they are)."""
+    if o.numel() == 0 or max_seqlen_q < PAGED_MIN_SEQLEN_Q:
         return
     if k_cache.shape[0] == 0:  # no pages: every length is 0
-        _no_keys(o, lse)
+        _no_keys_paged(o, lse, cu_seqlens_q)
         return
     d = q.shape[-1]
     box = paged_box(k_cache.shape[1], d)
     q = as_tma_ready(q)
     table = page_table if page_table.stride(-1) == 1 else page_table.contiguous()
     cu_q, lens = cu_seqlens_q.contiguous(), seqlens_k.contiguous()
-    o_dst = tma_target(o)
-    lse_dst = lse if lse.stride(-1) == 1 else torch.empty(lse.shape, device=lse.device)
+    # buffers start as o and lse: the rows of the skipped sequences come back unchanged
+    o_dst = tma_target(o, keep=True)
+    lse_dst = lse if lse.stride(-1) == 1 else lse.contiguous()
     fn, ctas = _plan(q.dtype, d, d, causal, True, q.device, box)
     with on_device(q.device):
         fn(q, k_cache, v_cache, o_dst, lse_dst, cu_q, lens, softmax_scale * LOG2E, max_seqlen_q,

@@ -16,7 +16,7 @@ from forgekernel.runtime.scratch import scratch
 _plans = PlanCache()
 
 
-def _plan(dtype, kv_dtype, batch, hq, hkv, d, max_tokens, qtokens, device_index):
+def _plan(dtype, kv_dtype, batch, hq, hkv, d, max_tokens, qtokens, device_index, one_split):
     """(partial kernel, combine kernel or None, splits, tokens per split). One split: the
     partial pass writes out and lse itself, and no combine runs. The kernels are looked up
     here, once per problem (two compile-cache lookups cost 0.8 us a call on the CPU)."""
@@ -24,7 +24,12 @@ def _plan(dtype, kv_dtype, batch, hq, hkv, d, max_tokens, qtokens, device_index)
     kv = "float8_e4m3fn" if kv_dtype == torch.float8_e4m3fn else ""
     heads = heads_for(hq // hkv, qtokens, d, kv)
     resident = (config.RESIDENT_FP8 if kv else config.RESIDENT)[d]
-    splits, per = config.split_plan(batch, hq // heads, max_tokens, num_sms(device_index), resident)
+    if one_split:
+        splits, per = 1, max(max_tokens, 1)
+    else:
+        splits, per = config.split_plan(
+            batch, hq // heads, max_tokens, num_sms(device_index), resident
+        )
     partial = get_kernel(SPEC, config.params_for("partial", name, d, heads, kv, qtokens))
     combine = None if splits == 1 else get_kernel(SPEC, config.params_for("combine", name, d))
     return partial, combine, splits, per
@@ -44,6 +49,7 @@ def paged_decode(
     cu_seqlens_q: torch.Tensor | None = None,
     max_seqlen_q: int = 1,
     causal: bool = True,
+    one_split: bool = False,
 ) -> None:
     """out (B, Hq, D) and lse (B, Hq) fp32 (natural log) of one query per sequence against its
     pages: q (B, Hq, D); k_cache, v_cache (num_pages, page_size, Hkv, D) views whose rows are
@@ -52,7 +58,10 @@ def paged_decode(
     v_scale. Speculative decoding / MTP: q (total_q, Hq, D) packed by cu_seqlens_q int32
     (B + 1,), at most max_seqlen_q <= 4 tokens per sequence (causal: bottom-right), out
     (total_q, Hq, D), lse any (total_q, Hq) view (OPS.md's (Hq, total_q) storage transposed).
-    The split plan bounds the lengths by the table's width (no device read)."""
+    The split plan bounds the lengths by the table's width (no device read). one_split: no
+    split-KV, the pass writes out and lse itself, each sequence's first rows only (up to the
+    kernel's query tokens), where a combine writes every row (the chunked-prefill call takes
+    one: the forward writes the longer sequences' rows after it)."""
     rows, hq, d = q.shape
     b = seqlens_k.shape[0]
     if rows == 0 or b == 0:
@@ -65,7 +74,7 @@ def paged_decode(
     _, page_size, hkv, _ = k_cache.shape
     device = q.device
     key = (q.dtype, k_cache.dtype, b, hq, hkv, d, page_table.shape[1] * page_size, qtokens,
-           device.index)  # fmt: skip
+           device.index, one_split)  # fmt: skip
     partial, combine, splits, per = _plans.get_or_build(key, _plan)
     # one split: the partials are placeholders giving the grid its one split
     direct = combine is None
