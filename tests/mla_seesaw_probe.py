@@ -5,6 +5,8 @@ direct epilogue on them). A module of its own: `cute.jit` needs the source."""
 
 from __future__ import annotations
 
+import functools
+
 import cutlass
 import cutlass.cute as cute
 
@@ -25,8 +27,11 @@ def _collect(found: dict, heads: int, qtokens: int) -> None:
         found[tid] = [[tuple(crd[r, c]) for c in range(cols)] for r in range(2)]
 
 
+@functools.cache
 def output_coords(heads: int, qtokens: int) -> dict[int, list[list[tuple[int, int]]]]:
-    """Thread (0 .. 127 of a warpgroup) -> its two rows' [(row, column)] of O's 64 x 256 half."""
+    """Thread (0 .. 127 of a warpgroup) -> its two rows' [(row, column)] of O's 64 x 256 half.
+    Traced once per (heads, qtokens) in a session (~5 s each on CI's CPU; the direct and the
+    staged epilogue tests share their configurations): callers only read it."""
     found: dict = {}
 
     @cute.jit
