@@ -39,6 +39,7 @@ def test_registered_since_its_first_gpu_check():
     assert "gdn_prefill" not in suites.PENDING_SUITE_MODULES
 
 
+@pytest.mark.parametrize("cpu_kernel", [1], indirect=True)  # the test forces each split itself
 def test_variants_force_the_other_v_split(cpu_kernel):  # noqa: F811
     """The bench times the other V split beside the launcher's choice (at most two waves of
     split CTAs); each variant is the kernel with that split, as the check sees it."""
