@@ -36,6 +36,7 @@ reads back from the prefix alone."""
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -229,6 +230,17 @@ class _Machine:
         self.content = {}  # resource -> tile it holds
         self.observed = {}  # (buf, chunk, phase) -> vc of the wait that first saw it
 
+    def barrier_copy(self) -> _Machine:
+        """A copy whose barrier state (all that a sync reads or writes) is its own, the rest
+        shared: what `_blocked` probes a sync on (a deep copy of the access log cost most of the
+        simulations' time)."""
+        c = copy.copy(self)
+        c.vc, c.passed = list(self.vc), list(self.passed)
+        c.arrived = defaultdict(dict, {b: dict(a) for b, a in self.arrived.items()})
+        c.done = defaultdict(list, {b: list(d) for b, d in self.done.items()})
+        c.gen = defaultdict(lambda: [0, 0], {b: list(g) for b, g in self.gen.items()})
+        return c
+
     def tick(self, wg):
         v = list(self.vc[wg])
         v[wg] += 1
@@ -297,10 +309,10 @@ def _step(m, wg, op):
         m.phases[(buf, chunk)].append((tile, m.vc[wg], m.log[res][-1]))
         return True
     if kind == "mbar_wait":
+        if _mbar_pending(m, op):
+            return False
         _, buf, chunk, use = op
         done = m.phases[(buf, chunk)]
-        if len(done) <= use:
-            return False
         if len(done) > use + 1:
             raise ScheduleError(f"mbarrier {(buf, chunk)}: phase {use} waited, {len(done)} done")
         _, issuer_vc, write = done[use]
@@ -380,13 +392,24 @@ def run(progs, first: int = 0, switch_every: int | tuple = 1, tool: bool = False
     return m
 
 
-def _blocked(m, wg, progs, pcs) -> bool:
-    """Whether warpgroup wg's next operation blocks (probed on a copy of the state)."""
-    import copy
+def _mbar_pending(m, op) -> bool:
+    """Whether an mbar_wait's phase is not complete yet (the wait blocks)."""
+    _, buf, chunk, use = op
+    return len(m.phases.get((buf, chunk), ())) <= use
 
+
+def _blocked(m, wg, progs, pcs) -> bool:
+    """Whether warpgroup wg's next operation blocks: only a sync or an mbarrier wait can
+    (`_step`); a sync is probed on a copy of the barrier state. (An operation that would raise
+    raises at its real step, which comes next on the same state.)"""
     if pcs[wg] >= len(progs[wg]):
         return True
-    return not _step(copy.deepcopy(m), wg, progs[wg][pcs[wg]])
+    op = progs[wg][pcs[wg]]
+    if op[0] == "mbar_wait":
+        return _mbar_pending(m, op)
+    if op[0] != "sync":
+        return False
+    return not _step(m.barrier_copy(), wg, op)
 
 
 # ---------------------------------------------------------------- warp convergence
