@@ -15,9 +15,11 @@ import torch
 from forgekernel.bench.suite import Case
 from forgekernel.bench.suites import gemm_fp8 as suite_module
 from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
+from forgekernel.kernels.gemm.dense.sm90.tile import ring_stages
 from forgekernel.kernels.gemm.fp8.sm90 import SPEC
 from forgekernel.kernels.gemm.fp8.sm90 import launch as fp8_sm90
 from forgekernel.kernels.gemm.fp8.sm90.config import (
+    GROUPED,
     LARGE,
     LARGE_M_MCAST_A,
     LARGE_MCAST_A,
@@ -65,6 +67,21 @@ def test_candidates_keep_the_fp8_tile_shape():
         assert (cfg.tile_m, cfg.tile_n, cfg.tile_k) == (128, 128, 128) and not cfg.a_rows
 
 
+def test_tiled_128_row_tiles_take_six_stages_beside_a_3_deep_epilogue():
+    """The sixth AB stage (measured faster at large K, H200 15:48): the tiled 128-row standard
+    tiles fit 6 stages of A, B and their 512 B of staged scales beside a 3-deep epilogue ring
+    (5 beside the 4-deep one); stream K and the grouped layout keep 4 deep and 5 stages (the
+    grouped compile key as before: LARGE_MCAST_A's fields with epi_stages 4)."""
+    scales = 128 * 4
+    for cfg in (LARGE, LARGE_MCAST_A):
+        assert cfg.epi_stages == 3 and not cfg.stages and not cfg.stream_k
+        assert ring_stages(cfg, 1, 2, scales) == 6
+        assert ring_stages(dataclasses.replace(cfg, epi_stages=4), 1, 2, scales) == 5
+    for cfg in (STREAM, GROUPED):
+        assert cfg.epi_stages == 4 and ring_stages(cfg, 1, 2, scales) == 5
+    assert GROUPED == dataclasses.replace(LARGE_MCAST_A, epi_stages=4)
+
+
 def test_chooser_takes_the_a_multicast_from_large_m():
     rng = random.Random(21)
     shapes = [(rng.randint(129, 20000), rng.randint(1, 60000), 128 * rng.randint(1, 200))
@@ -90,6 +107,9 @@ def test_script_configs(script, m, n, k):
     assert {LARGE, *PREFILL_CANDIDATES} <= set(configs)
     assert all(cfg.fits(m) for cfg in configs)
     assert (MID in configs) == (m <= script.SMALL_TILES_UP_TO)
+    # the tiled 128-row tiles at the other epilogue depth (4 deep, 5 stages), not stream K's
+    other = {c for c in configs if c.epi_stages == 4 and c.tile_m == 128 and not c.stream_k}
+    assert other == {dataclasses.replace(c, epi_stages=4) for c in (LARGE, LARGE_MCAST_A)}
 
 
 def test_script_rows_on_cpu(script, monkeypatch):

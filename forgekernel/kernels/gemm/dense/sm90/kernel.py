@@ -18,7 +18,8 @@ Warp roles:
 Pipelines:
 - AB ring (`PipelineTmaAsync`, `stages` deep, as many as fit): full barriers count the TMA
   bytes of A + B (FP8: and one arrival per producer lane, `_load`); empty barriers take one
-  arrival per consumer warp and CTA that multicast into the stage.
+  arrival per consumer warp and CTA that multicast into the stage (FP8: and one per local
+  consumer thread, `_retire`).
 - epilogue ring (`PipelineTmaStore`, `epi_stages` deep): one TMA-store commit group per
   sub-tile. Named barrier `Bar.EPILOGUE` (all consumer threads), twice per sub-tile: the
   `stmatrix` writes are in shared memory before the store warp's TMA store reads them, and
@@ -438,6 +439,11 @@ class GemmSm90:
         storage = SmemAllocator().allocate(self.shared_storage)
         # Each consumer warp releases a stage to every CTA that multicast into it.
         consumer_arrivals = (self.mcast_a + self.mcast_b - 1) * (self.num_mma_threads // 32)
+        if cutlass.const_expr(self.scaled):
+            # FP8: every consumer thread arrives on its own CTA's (`_retire`); with a cluster,
+            # the per-warp arrivals above as well
+            peers = consumer_arrivals if self._clustered() else 0
+            consumer_arrivals = self.num_mma_threads + peers
         # `tma_pipeline`'s ring, but for FP8 a full barrier takes an arrival from each producer
         # lane, after its own stores of the stage's scales (`_load`): one lane's arrive is all
         # the toolkit's helper counts (taking the count there would move the source hash of
@@ -1038,9 +1044,18 @@ class GemmSm90:
     @cute.jit
     def _retire(self, pending, ab_pipe, release):
         """Wait until at most `pending` WGMMA groups are in flight, then release the stage of
-        the oldest k-tile still held."""
+        the oldest k-tile still held: every thread arrives on its CTA's empty barrier, so that
+        each one's reads of the stage's scales (`_scales`) are released by its own arrive
+        (racecheck follows only the arriving thread's accesses: the toolkit's one lane a warp
+        left 18,432 WAR reports on the staged scales, H200 2026-12-02 15:48); with a cluster,
+        also the toolkit's one lane a warp on each CTA that multicast into the stage."""
         cute.nvgpu.warpgroup.wait_group(pending)
-        ab_pipe.consumer_release(release)
+        cute.arch.mbarrier_arrive(ab_pipe.consumer_get_barrier(release))
+        if cutlass.const_expr(self._clustered()):
+            ab_pipe.consumer_release(release)
+
+    def _clustered(self) -> bool:
+        return self.cfg.cluster_m * self.cfg.cluster_n > 1
 
     @cute.jit
     def _scales(self, src, stage):
