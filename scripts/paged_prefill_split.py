@@ -19,6 +19,7 @@ attention_paged suite (its inputs, bf16), device time per call (graph replays in
                   partial pass and combine over B x 4 rows, the copy into out / lse included)
     ours          the op (decode_in_op, then the forward over the whole batch)
     flashinfer_fa3 / flashinfer   FlashInfer's paged prefill (fa3, fa2), where installed
+    fa4           FlashAttention-4's paged varlen forward (the suite's `fa4` comparator)
 
 and checks: ours against the fp32 reference, and ours' rows against the compacted fwd /
 decode outputs (bitwise: the same kernels on the same tiles; the decode's rows only where the
@@ -166,7 +167,7 @@ def main() -> None:
         for name, t in ms.items():
             extra = ""
             if name == "ours":
-                for comp in ("flashinfer_fa3", "flashinfer"):
+                for comp in ("flashinfer_fa3", "flashinfer", "fa4"):
                     if comp in ms:
                         extra += f"  {comp}/ours {ms[comp] / t:.3f}x"
                 if "before" in ms:
