@@ -332,9 +332,11 @@ def test_prefill_decode_slots_replay_in_a_graph_and_compile():
     want, _ = paged_attention_ref(q, k, v, table, seq, cu_seqlens_q=cu)
     assert float((out.float() - want).abs().max()) < 2e-2
     compiled = torch.compile(
-        lambda *a: op.attention_paged(*a, cu_seqlens_q=cu, max_seqlen_q=2000), fullgraph=True
-    )
-    got = compiled(q, k, v, table, seq)
+        lambda q, k, v, t, s, c: op.attention_paged(q, k, v, t, s, cu_seqlens_q=c,
+                                                    max_seqlen_q=2000),
+        fullgraph=True,
+    )  # fmt: skip
+    got = compiled(q, k, v, table, seq, cu)
     assert float((got.float() - eager.float()).abs().max()) < 1e-2
 
 
