@@ -31,6 +31,7 @@ from forgekernel.kernels.gemm.dense.sm90.config import (
     DECODE_STREAM,
     FIT_144,
     SQUARE,
+    STAGE_BACK,
     SWAP_N,
     SWAP_STREAM_144,
     SWAP_TALL_80,
@@ -44,7 +45,8 @@ from forgekernel.kernels.gemm.dense.sm90.config import (
 PROBES = {
     (300, 28672, 4096): (("swap80_n", SWAP_N[0]), ("swaptall_n", SWAP_N[2])),
     (512, 10240, 5120): (("swap80_n", SWAP_N[0]),),
-    (777, 4096, 14336): (("swap208_n", SWAP_N[1]),),
+    (777, 4096, 14336): (("swap208_n", SWAP_N[1]), ("swap208_s5", STAGE_BACK[1])),
+    (512, 3584, 3584): (("fit112_s7", STAGE_BACK[0]),),
     (129, 10240, 8192): (
         ("swaptall_n", SWAP_N[2]),
         ("swap_sk144", SWAP_STREAM_144),
