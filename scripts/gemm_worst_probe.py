@@ -35,6 +35,7 @@ from forgekernel.kernels.gemm.dense.sm90.config import (
     SWAP_N,
     SWAP_STREAM_144,
     SWAP_TALL_80,
+    WIDE,
     choose_config,
 )
 
@@ -68,6 +69,11 @@ PROBES = {
         ("sk_a8", DECODE_STREAM[0]),
     ),
     (16, 32768, 512): (("n256_a16", DECODE_256),),
+    # WIDE in bands of 4 cluster rows walked N-first: a round's A rows 8 MB and B columns 25 MB
+    # where M-first touches all 41 MB of A and 5 MB of B (the L2 holds 50 MB)
+    (5000, 6144, 4096): (
+        ("wide_band4", dataclasses.replace(WIDE, raster_along_m=False, swizzle=4)),
+    ),
 }
 
 
