@@ -19,7 +19,8 @@ Warp roles (one CTA = 1 + tile_m / 64 warpgroups):
   S_j = Q K_j^T (both operands in shared memory) and O += P V_prev (P from registers as the
   A operand, V an MN-major B operand) as two async WGMMA groups -> wait for S_j -> release
   K -> mask (only blocks that cross the diagonal or the key bound) -> softmax -> wait for
-  P V -> release V -> P to 16 bits -> O rescaled by exp2(old - new max). A last P V closes
+  P V -> release V -> P to 16 bits -> O rescaled by exp2(old - new max) (`split_softmax`:
+  the wait between the softmax's two rows, held there by a one-trip loop). A last P V closes
   the tile. For D <= 128 the warpgroups take turns issuing their GEMMs (named barriers,
   ping-pong), so one's softmax runs under another's GEMMs.
 - epilogue (the consumers): O / rowsum -> 16 bits -> `stmatrix` into the O buffer (its own,
@@ -769,8 +770,9 @@ class AttentionFwdSm90:
     ):  # fmt: skip
         """acc_S holds P of the block at state `kv` (its V not yet used): issue S = Q K_n^T and
         O += P V_kv, run the softmax of S_n under that P V, then land it. Returns the state of
-        block n. (The assembler hoists the P V wait above the softmax's exp2s: a warpgroup's
-        softmax runs under the other warpgroup's GEMMs, not its own; see the notes.)"""
+        block n. (Without `split_softmax` the assembler hoists the P V wait above most of the
+        softmax's exp2s: a warpgroup's softmax runs under the other warpgroup's GEMMs, not its
+        own; see the notes.)"""
         kv_s = kv.clone()
         kv_s.advance()
         k_pipe.consumer_wait(kv_s)
