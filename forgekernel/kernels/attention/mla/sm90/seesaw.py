@@ -3,13 +3,13 @@ tiles (page_size a multiple of TILE): the "seesaw" schedule of FlashMLA's sm90 d
 on mbarriers. The math is decode.py's (reference.mla): MQA over one 576-wide latent row per
 token (512 latent + 64 RoPE columns), the key all 576, the value the first 512.
 
-A CTA of two warpgroups takes H query heads x Q query tokens (G = H Q rows, zero rows up to the
-WGMMA's 64) and one split of one sequence's keys, in tiles of TILE keys: tile j sits in buffer
-j % 2, and warpgroup j % 2 scores it (S = Q K^T, 64 x 64, K = 576: the latent columns with Q
-from shared memory, the RoPE columns with Q from registers) and runs its softmax. Each
-warpgroup owns half of O's columns (COLS = 256) and multiplies both tiles of a pair by its half
-of V, its own tile's P from registers, the other's from shared memory. Per pair (a = 2k in
-buffer 0, c = a + 1 in buffer 1):
+A CTA of two warpgroups takes H query heads x Q query tokens (G = pitch Q rows, pitch = max(H,
+8); zero rows up to the WGMMA's 64) and one split of one sequence's keys, in tiles of TILE keys:
+tile j sits in buffer j % 2, and warpgroup j % 2 scores it (S = Q K^T, 64 x 64, K = 576: the
+latent columns with Q from shared memory, the RoPE columns with Q from registers) and runs its
+softmax. Each warpgroup owns half of O's columns (COLS = 256) and multiplies both tiles of a
+pair by its half of V, its own tile's P from registers, the other's from shared memory. Per pair
+(a = 2k in buffer 0, c = a + 1 in buffer 1):
 
   warpgroup 0                                  warpgroup 1
   softmax(a) against the running max           (S(c) done)
@@ -34,8 +34,12 @@ landed and a refill goes out as soon as its chunks' last reader is done: the lef
 Loads are issued by a whole warp (warp 0 of the CTA for tiles 0 and 1, then warp 0 of the
 refilling warpgroup): the DSL's TMA copy elects its lane among all 32 (elect.sync), so a copy
 under a one-thread branch deadlocks the warp (`_load_chunks`).
-Shared memory: Q (72 KB), two buffers (144 KB), P_a (8 KB); P_c lives in Q's RoPE tile, whose
-values each warpgroup keeps in registers from the prologue on (224 KB in all).
+Q arrives the same way, on a 19th mbarrier: warp 0 issues its boxes (a token's `pitch` heads x
+64 columns, 9 a token; pitch = max(H, 8), the swizzle atom's rows, so token t's rows start at
+t x pitch) before tiles 0 and 1, and every thread waits on it after the prologue's
+__syncthreads, before loading Q's RoPE columns into registers; rows past G are zeroed by plain
+stores. Shared memory: Q (72 KB), two buffers (144 KB), P_a (8 KB); P_c lives in Q's RoPE tile,
+whose values each warpgroup keeps in registers from the prologue on (224 KB in all).
 
 A tile's rows past the sequence's end (TMA reads whole 64-row boxes of the page) are stale
 cache slots: masked out of S, and their latent zeroed before P V by the warpgroup that scored
@@ -429,7 +433,8 @@ class MlaSeesawSm90:
     def _mask_from(self, t1, kv_end, sq, causal):
         """The first key some written row may not see (the split's end; with query tokens and
         causal, token 0's bound): tiles before it need no mask. (Rows of tokens past sq, not
-        written, may then see keys past their bound: their zero queries give finite scores.)"""
+        written, may then see keys past their bound: their queries, the next sequence's or
+        TMA's zero fill, give finite scores, row by row.)"""
         bound = t1
         if const_expr(self.qt > 1):
             bound = Int32(cutlass.select_(causal != 0, cutlass.min(t1, kv_end - sq + 1), t1))
