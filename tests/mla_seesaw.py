@@ -65,9 +65,12 @@ def _scores(tile, buf, chunks, use):
     return ops + [("commit",)]
 
 
+Q_TILES = [("QR", 0), ("QR", 1)]  # Q's RoPE tile (sP1's bytes), in two halves
+
+
 def _p(slot):
-    """The bytes of P's shared-memory slot: sP0, or sP1 = Q's RoPE tile (whose halves the two
-    warpgroups' cp.async wrote)."""
+    """The bytes of P's shared-memory slot: sP0, or sP1 = Q's RoPE tile (written by Q's TMA
+    boxes, `Q_TILES`)."""
     return [("P0",)] if slot == 0 else [("QR", 0), ("QR", 1)]
 
 
@@ -142,7 +145,8 @@ def schedule(
     tiles: int, stale: bool = True, balanced: bool = True, staged: bool = True
 ) -> tuple[list, list]:
     """(warpgroup 0's operations, warpgroup 1's) of a split of `tiles` tiles, the prologue
-    (warp 0's TMA of tiles 0 and 1, Q by both, __syncthreads, Q's RoPE tile to registers)
+    (warp 0's TMA of Q on its own mbarrier and of tiles 0 and 1, __syncthreads, every thread's
+    wait for Q, Q's RoPE tile to registers)
     and the epilogue (the row sums' hand-over through sTotal, __syncthreads, the final max and
     row sums read) included. stale: the last tile reaches past the sequence (its scorer zeroes
     the stale rows and passes its own barrier, `_zero_stale`; with `balanced` the other
@@ -152,10 +156,11 @@ def schedule(
     again, warp 0's bulk copies read it; False: the scalar global stores before it)."""
 
     def pro(wg):
-        q = [("write", ("QR", wg), None), ("sync", "ALL")]
+        q = [("sync", "ALL")] + ([("mbar_wait", "Q", 0, 0)] if tiles > 0 else [])
         return q + [("read", ("QR", 0)), ("read", ("QR", 1))]
 
-    loads = [("tma", j, c, j) for j in range(min(tiles, 2)) for c in range(CHUNKS)]
+    loads = [("tma", "Q", 0, None)] if tiles > 0 else []  # (no key: no Q, no wait)
+    loads += [("tma", j, c, j) for j in range(min(tiles, 2)) for c in range(CHUNKS)]
     wg0 = loads + [("write", ("M",), None)] + pro(0)
     wg1 = pro(1)
     if tiles > 0:
@@ -223,7 +228,7 @@ class _Machine:
         self.arrived = defaultdict(dict)  # barrier -> {wg: vc at arrival}
         self.done = defaultdict(list)  # barrier -> [join of the arrivals] per generation
         self.gen = defaultdict(lambda: [0, 0])  # barrier -> generation each wg is at
-        self.phases = defaultdict(list)  # (buf, chunk) -> [(tile, issuer vc)] per phase
+        self.phases = defaultdict(list)  # (buf, chunk) -> [(tile, issuer vc, writes)] a phase
         self.groups = [[], []]  # wg -> committed groups (lists of access records)
         self.open = [[], []]  # wg -> accesses of the group not yet committed
         self.log = defaultdict(list)  # resource -> access records
@@ -257,7 +262,9 @@ class _Machine:
                 continue
             if None not in (old.get("part"), part) and old["part"] != part:
                 continue
-            if old["end"] is None or not _leq(old["end"], rec["start"]):
+            # (a TMA write is ordered before what each waiter on its mbarrier does next)
+            acquired = any(_leq(vc, rec["start"]) for vc in old.get("acquired", ()))
+            if not acquired and (old["end"] is None or not _leq(old["end"], rec["start"])):
                 raise ScheduleError(f"race on {res}: {old} then {rec}")
             if self.tool and self._interval_hazard(old, rec):
                 self.races.append((res, old, rec))
@@ -301,12 +308,13 @@ def _step(m, wg, op):
         m.gen[bar][wg] += 1
         m.passed[wg] += 1
         return True
-    if kind == "tma":
+    if kind == "tma":  # K chunk (buf, chunk), or Q's boxes (buf "Q") on their own mbarrier
         _, buf, chunk, tile = op
-        res = ("K", buf, chunk)
-        m.access(wg, "write", res, end=False)
-        m.content[res] = tile
-        m.phases[(buf, chunk)].append((tile, m.vc[wg], m.log[res][-1]))
+        resources = Q_TILES if buf == "Q" else [("K", buf, chunk)]
+        writes = [m.access(wg, "write", res, end=False) for res in resources]
+        if buf != "Q":
+            m.content[resources[0]] = tile
+        m.phases[(buf, chunk)].append((tile, m.vc[wg], writes))
         return True
     if kind == "mbar_wait":
         if _mbar_pending(m, op):
@@ -315,10 +323,12 @@ def _step(m, wg, op):
         done = m.phases[(buf, chunk)]
         if len(done) > use + 1:
             raise ScheduleError(f"mbarrier {(buf, chunk)}: phase {use} waited, {len(done)} done")
-        _, issuer_vc, write = done[use]
+        _, issuer_vc, writes = done[use]
         m.vc[wg] = _join(m.vc[wg], issuer_vc)
-        if write["end"] is None:
-            write["end"] = m.vc[wg]
+        for write in writes:
+            if write["end"] is None:
+                write["end"] = m.vc[wg]
+            write.setdefault("acquired", []).append(m.vc[wg])
         return True
     if kind == "read_async":
         _, res, tile = op

@@ -395,6 +395,12 @@ def test_tma_loads_are_issued_by_whole_warps():
     }
     callers = sorted(n for n, f in methods.items() if _calls(f, "_load_chunks"))
     assert callers == ["_refill", "kernel"]
+    # Q's boxes: warp 0, whole, in the prologue only (`_load_query`), copies outside elect_one
+    ((tests, _),) = _enclosing(cls.kernel, "_load_query")
+    assert ms.warp_collective(_reaches(tests), seesaw.THREADS) == [0]
+    copies = _enclosing(cls._load_query, "copy")
+    assert len(copies) == 2 and all(not withs for _, withs in copies)
+    assert [n for n, f in methods.items() if _calls(f, "_load_query")] == ["kernel"]
 
 
 def test_mbarriers_are_armed_and_initialized_once():
@@ -402,8 +408,9 @@ def test_mbarriers_are_armed_and_initialized_once():
     bytes, in the warp that issues the box, is one elected lane's; the init is one elected
     lane's of warp 0 (the same lane: elect.sync elects deterministically), fenced."""
     cls = seesaw.MlaSeesawSm90
-    ((tests, withs),) = _enclosing(cls._load_chunks, "mbarrier_arrive_and_expect_tx")
-    assert not tests and withs == ["cute.arch.elect_one()"]
+    for fn in (cls._load_chunks, cls._load_query):  # K's boxes, Q's (one arming for all)
+        ((tests, withs),) = _enclosing(fn, "mbarrier_arrive_and_expect_tx")
+        assert not tests and withs == ["cute.arch.elect_one()"]
     inits = _enclosing(cls.kernel, "mbarrier_init")
     assert len(inits) == 1 and inits[0][1] == ["cute.arch.elect_one()"]
     assert ms.warp_collective(_reaches(inits[0][0]), seesaw.THREADS) == [0]
@@ -591,10 +598,12 @@ def _partial_epilogue(coords, heads, qtokens, sq, q_off, head0, o, out, writes):
     """The partial form's O on the traced fragment: every thread of both warpgroups stages its
     normalized O at (row, wg COLS + column) of the rows O_STRIDE floats apart over the K
     buffers (the kernel's `local_tile(sO, (ROWS, COLS), (0, wg))` and `partition_C`), then
-    `_send_split`'s loop copies staged row r < G of token r // H < sq, 512 floats, to out[q_off
-    + token, head0 + r % H]. Counts every staged float and every float sent. Returns the
-    staged floats' last offset + 1 (bytes / 4)."""
-    g = heads * qtokens
+    `_send_split`'s loop copies staged row r < G of token r // pitch < sq and head r % pitch <
+    H (pitch = max(H, 8): Q's boxes), 512 floats, to out[q_off + token, head0 + r % pitch].
+    Counts every staged float and every float sent. Returns the staged floats' last offset + 1
+    (bytes / 4)."""
+    pitch = max(heads, seesaw.Q_BOX_MIN)
+    g = pitch * qtokens
     staged = torch.full((seesaw.ROWS * seesaw.O_STRIDE,), float("nan"))
     staged_count = torch.zeros_like(staged, dtype=torch.int32)
     for wg in range(2):
@@ -606,20 +615,22 @@ def _partial_epilogue(coords, heads, qtokens, sq, q_off, head0, o, out, writes):
                     staged_count[at] += 1
     assert int(staged_count.max()) == 1
     for r in range(g):  # _send_split
-        token = r // heads
-        if token < sq:
+        token = r // pitch
+        if token < sq and r % pitch < heads:
             row = staged[r * seesaw.O_STRIDE : r * seesaw.O_STRIDE + seesaw.D_LATENT]
-            out[q_off + token, head0 + r % heads] = row
-            writes[q_off + token, head0 + r % heads] += 1
+            out[q_off + token, head0 + r % pitch] = row
+            writes[q_off + token, head0 + r % pitch] += 1
     return int(torch.nonzero(staged_count).max()) + 1
 
 
 @pytest.mark.parametrize(
-    "heads, qtokens, sq", [(16, 1, 1), (64, 1, 1), (1, 1, 1), (16, 2, 2), (16, 4, 3), (16, 4, 0)],
+    "heads, qtokens, sq",
+    [(16, 1, 1), (64, 1, 1), (1, 1, 1), (16, 2, 2), (16, 4, 3), (16, 4, 0), (2, 4, 3), (8, 2, 1)],
 )  # fmt: skip
 def test_partial_epilogue_stages_and_sends_every_row_once(heads, qtokens, sq):
     """The staged partial O through the bulk copies: partial O[split, q_off + i, head0 + h] =
-    O row i H + h (fp32, bit for bit) for every token i < sq and head of the block, each float
+    O row i pitch + h (fp32, bit for bit; pitch = max(H, 8)) for every token i < sq and head of
+    the block, each float
     written once, nothing else touched; every 64 x 512 float of the fragment staged once, the
     staging inside the K buffers (2 x 64 x 576 16-bit values: kl then kr), rows 16-byte
     aligned and 2 KB (one bulk copy each); the bank spread of the padded rows."""
@@ -639,7 +650,8 @@ def test_partial_epilogue_stages_and_sends_every_row_once(heads, qtokens, sq):
     want[q_off : q_off + sq, head0 : head0 + heads] = 1
     assert torch.equal(writes, want)
     block = out[q_off : q_off + sq, head0 : head0 + heads]
-    assert torch.equal(block, o[: sq * heads].view(sq, heads, 512))
+    pitch = max(heads, seesaw.Q_BOX_MIN)
+    assert torch.equal(block, o[: sq * pitch].view(sq, pitch, 512)[:, :heads])
     assert out[writes == 0].isnan().all()
     # a warp's 64-bit stores (rows lane // 4, column pairs lane % 4): each half-warp's 16 on
     # 32 distinct banks with the padded stride, 4 ways on the same 8 banks without it
@@ -684,9 +696,9 @@ def test_partial_epilogue_is_the_kernels():
     order = [
         "bulk = cute.make_copy_atom(cpasync.CopyBulkS2GOp(), Float32)",
         "for r in cutlass.range(self.g, unroll=1):",
-        "token = r // self.h",
-        "if token < sq:",
-        "row = mOp[split, q_off + token, head0 + r % self.h, None].iterator",
+        "token = r // self.pitch",
+        "if self._written(r, token, sq):",
+        "row = mOp[split, q_off + token, head0 + r % self.pitch, None].iterator",
         "cute.copy(bulk, sO[r, None], cute.make_tensor(row, cute.make_layout(D_LATENT)))",
         "cute.arch.cp_async_bulk_commit_group()",
         "cute.arch.cp_async_bulk_wait_group(0, read=True)",
