@@ -18,6 +18,7 @@ a CTA's units, starts where it left them). And the compiled kernel's SASS keeps 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -434,7 +435,7 @@ def _consumer_releases(sass: str) -> list[tuple[str, str]]:
     return found
 
 
-@pytest.mark.parametrize("which", ["large", "stream_decode"])
+@pytest.mark.parametrize("which", ["large", "stream_decode", "large_ahead2"])
 def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_path):
     """Compiled for sm_90a: no spills, and the schedule the mainloop asks for survives ptxas:
     k-tile 0 issued; in the loop (two k-tiles per trip) each batch of 4 QGMMAs is issued before
@@ -445,14 +446,20 @@ def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_pa
     barrier right after its own scale stores (no ELECT-predicated arrive: racecheck follows each
     store's own thread's release, `_load`), and every consumer thread on the stage's empty
     barrier once it is done with it (unpredicated: each one's reads of the staged scales are
-    released by its own arrive, `_retire`), with a cluster also one lane a warp on the peers'."""
+    released by its own arrive, `_retire`), with a cluster also one lane a warp on the peers'.
+    `large_ahead2`: the candidate loading the scales two k-tiles ahead (`scale_ahead`, timed by
+    scripts/fp8_tiles.py) within the producer's 40 registers, the consumers' SASS schedule kept."""
     from forgekernel.kernels.gemm.fp8.sm90 import SPEC
     from forgekernel.kernels.gemm.fp8.sm90.config import LARGE, STREAM_DECODE, params_for
     from forgekernel.runtime.resources import find_tool, inspect_cubin
 
     if find_tool("nvdisasm") is None:
         pytest.skip("cuobjdump/nvdisasm not installed")
-    cfg, out = (LARGE, "bfloat16") if which == "large" else (STREAM_DECODE[0], "float16")
+    cfg, out = {
+        "large": (LARGE, "bfloat16"),
+        "stream_decode": (STREAM_DECODE[0], "float16"),
+        "large_ahead2": (dataclasses.replace(LARGE, scale_ahead=2), "bfloat16"),
+    }[which]
     compiled = SPEC.compile(params_for(out, cfg), f"--keep-cubin --dump-dir {tmp_path}")
     cubin = compiled.artifacts.CUBIN
     if isinstance(cubin, bytes):

@@ -35,6 +35,7 @@ from forgekernel.kernels.gemm.fp8.sm90.config import (
 from forgekernel.reference.gemm import gemm_fp8_ref
 
 PREFILL_CANDIDATES = (LARGE_MCAST_A, STREAM)
+F2 = dataclasses.replace(LARGE, scale_ahead=2)  # the scales two k-tiles ahead (a candidate)
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fp8_tiles.py"
 
 
@@ -97,6 +98,9 @@ def test_script_shapes(script):
     assert {"4096x36864x7168", "2048x7168x4096", "128x1536x7168"} <= set(names)
     assert all(c.params["n"] % 8 == 0 for c in script.cases(script.GROUPS))
     assert [c.group for c in script.cases(("extra",))] == ["extra"] * len(script.EXTRA)
+    # the square case beside a K whose scale rows are not a power of two bytes apart
+    assert [c.name for c in script.cases(("stride",))] == ["8192x8192x7680"]
+    assert "8192x8192x7680" not in {c.name for c in script.cases(("square", "extra"))}
 
 
 @pytest.mark.parametrize(("m", "n", "k"), [(4096, 36864, 7168), (128, 1536, 7168), (513, 576, 256)])
@@ -110,6 +114,20 @@ def test_script_configs(script, m, n, k):
     # the tiled 128-row tiles at the other epilogue depth (4 deep, 5 stages), not stream K's
     other = {c for c in configs if c.epi_stages == 4 and c.tile_m == 128 and not c.stream_k}
     assert other == {dataclasses.replace(c, epi_stages=4) for c in (LARGE, LARGE_MCAST_A)}
+    # and with the scales loaded two k-tiles ahead (the standard loads them one ahead)
+    ahead = {c for c in configs if c.scale_ahead != 1}
+    assert ahead == {dataclasses.replace(c, scale_ahead=2) for c in (LARGE, LARGE_MCAST_A)}
+    assert all(c.scale_ahead == 1 for c in STANDARD_CONFIGS)
+
+
+def test_scale_ahead_keys_and_tags():
+    """The candidate's compile key and tag differ from the standard's; the standard's key has no
+    `scale_ahead` (every existing compile key, record and ledger stays valid)."""
+    f2 = dataclasses.replace(LARGE_MCAST_A, scale_ahead=2)
+    assert "scale_ahead" not in LARGE_MCAST_A.key() and f2.key()["scale_ahead"] == 2
+    assert f2.tag() == LARGE_MCAST_A.tag() + "_f2"
+    assert params_for("bfloat16", f2) != params_for("bfloat16", LARGE_MCAST_A)
+    assert GemmConfig.from_params(dict(params_for("bfloat16", f2))) == f2
 
 
 def test_script_rows_on_cpu(script, monkeypatch):
@@ -142,7 +160,7 @@ def test_script_rows_on_cpu(script, monkeypatch):
     rows = script.measure(case, suite, torch.Generator().manual_seed(3), torch.device("cpu"))
     by_config = {r["config"]: r for r in rows}
     assert by_config[choose_config(300, 264, 384).tag()]["chosen"]
-    for cfg in (*PREFILL_CANDIDATES, MID, STREAM_DECODE[-1]):
+    for cfg in (*PREFILL_CANDIDATES, MID, STREAM_DECODE[-1], F2):
         row = by_config[cfg.tag()]
         assert row["status"] == "ok" and row["ratio"] == 2.0 and row["max_err"] <= row["bound"]
     assert by_config["deepgemm"]["max_err"] <= by_config[PREFILL_CANDIDATES[0].tag()]["bound"]
