@@ -459,8 +459,13 @@ class ConvWgradSm90(GemmSm90):
         a_tile = (self.cfg.tile_m, self.rect_shape)
         b_tile = (self.rect_shape, BOX_CHANNELS)
         prod = producer_state(self.stages)
-        for i in range(count):
-            n, z, p0, q0 = self._rect(k0 + i, rects)
+        # the part's first rectangle, then an odometer (Q's rectangles fastest, then P's, Z,
+        # N): no run-time division per k-tile in the producer thread
+        per_q, per_p, planes = rects
+        n, z, pt, qt = self._rect(k0, rects)
+        for _ in range(count):
+            p0 = pt * self.rect_shape[1]
+            q0 = qt * self.rect_shape[0]
             ab_pipe.producer_acquire(prod)
             bar = ab_pipe.producer_get_barrier(prod)
             gA = cute.local_tile(
@@ -492,18 +497,29 @@ class ConvWgradSm90(GemmSm90):
                 )
             ab_pipe.producer_commit(prod)
             prod.advance()
+            qt += 1
+            if qt == per_q:
+                qt = cutlass.Int32(0)
+                pt += 1
+                if pt == per_p:
+                    pt = cutlass.Int32(0)
+                    z += 1
+                    if z == planes:
+                        z = cutlass.Int32(0)
+                        n += 1
         ab_pipe.producer_tail(prod)
 
     @cute.jit
     def _rect(self, kt, rects):
-        """Rectangle kt's (image, output plane, first row, first column): Q's rectangles
-        fastest, then P's, Z, N (geometry.rect_origin)."""
+        """Rectangle kt's (image, output plane, rectangle row, rectangle column): Q's
+        rectangles fastest, then P's, Z, N (geometry.rect_origin; the row and column in
+        rectangles, not pixels)."""
         per_q, per_p, planes = rects
         qt = kt % per_q
         rest = kt // per_q
         pt = rest % per_p
         rest = rest // per_p
-        return rest // planes, rest % planes, pt * self.rect_shape[1], qt * self.rect_shape[0]
+        return rest // planes, rest % planes, pt, qt
 
     def _epilogue_parts(self, tidx, tiled_mma, acc, sC, epi_barrier):
         """The GEMM epilogue's copies and ring (`GemmSm90._epilogue`'s `epi` tuple): registers
