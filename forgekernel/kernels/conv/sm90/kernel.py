@@ -19,7 +19,7 @@ Loads:
   <= 8 (`geometry.check_descriptor`).
 - A at stride 1 (compile key `rect` = 8 or 16; any padding and dilation; not the data-gradient
   mode): an output tile is a rectangle of `rect` columns x tile_m / rect rows of one (image,
-  output plane), Q's rectangles fastest, then P's, Z, N (`_rect`, geometry.rect_origin), and A
+  output plane), Q's rectangles fastest, then P's, Z, N (`rect_index`, geometry.rect_origin), and A
   is a TILED box of X seen as ((W, H, D, N), C) at the rectangle shifted by the tap, (q0 + s x
   dil_w - pad_w, p0 + r x dil_h - pad_h, z + t x dil_d - pad_d, n) (`cute.domain_offset` on
   the coordinate tensor; coordinates below 0 or past the extents are the TMA's zero fill: the
@@ -95,6 +95,19 @@ from forgekernel.kernels.common.sm90.scheduler.static import StaticSchedule, Sta
 from forgekernel.kernels.conv.sm90.config import ConvConfig
 from forgekernel.kernels.conv.sm90.geometry import rect_shape
 from forgekernel.kernels.conv.sm90.im2col import im2col_atom
+
+
+@cute.jit
+def rect_index(index, rects):
+    """Rectangle `index`'s (image, output plane, rectangle row, rectangle column) for `rects` =
+    (rectangles along Q, along P, output planes): Q's rectangles fastest, then P's, Z, N
+    (geometry.rect_origin). The forward's M tiles and the weight gradient's k-tiles walk them."""
+    per_q, per_p, planes = rects
+    qt = index % per_q
+    rest = index // per_q
+    pt = rest % per_p
+    rest = rest // per_p
+    return rest // planes, rest % planes, pt, qt
 
 
 class Bar(IntEnum):
@@ -592,14 +605,9 @@ class ConvFpropSm90:
 
     @cute.jit
     def _rect(self, tile, rects):
-        """Rectangle `tile`'s (image, output plane, first row, first column): Q's rectangles
-        fastest, then P's, Z, N (geometry.rect_origin)."""
-        per_q, per_p, planes = rects
-        qt = tile % per_q
-        rest = tile // per_q
-        pt = rest % per_p
-        rest = rest // per_p
-        return rest // planes, rest % planes, pt * self.rect_shape[1], qt * self.rect_shape[0]
+        """Rectangle `tile`'s (image, output plane, first row, first column) in pixels."""
+        n, z, pt, qt = rect_index(tile, rects)
+        return n, z, pt * self.rect_shape[1], qt * self.rect_shape[0]
 
     @cute.jit
     def _consume(self, tidx, warp_idx, mma, ab_pipe, out, schedule, k_split):
