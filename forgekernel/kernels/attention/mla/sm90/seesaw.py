@@ -117,6 +117,7 @@ class Bar(IntEnum):
     P1 = FIRST_FREE + 3  # P of tile c in shared memory, 1's P V on it issued: both sync
     WG0 = FIRST_FREE + 4  # warpgroup 0 alone (its zeroed stale rows before its own P V; racecheck)
     WG1 = FIRST_FREE + 5  # warpgroup 1 alone
+    INIT = FIRST_FREE + 6  # warp 0 alone, after its elected lane's mbarrier inits (racecheck)
 
 
 class MlaSeesawSm90:
@@ -320,6 +321,11 @@ class MlaSeesawSm90:
                 for i in cutlass.range_constexpr(STAGES * CHUNKS + 1):
                     cute.arch.mbarrier_init(bars + i, 1)
                 cute.arch.mbarrier_init_fence()
+            # (no data: racecheck attributes the inits, uniform-datapath SYNCS.EXCH, to lane
+            # 31 and the arming to the elected lane 0, and reported each armed mbarrier's 8
+            # bytes as a warp-level hazard, 216 + 432 warnings on 2026-12-02 13:49; a wait of
+            # the whole warp between them puts the arming in a later interval)
+            named_barrier(Bar.INIT, WARP_SIZE).arrive_and_wait()
             for atom in (tma_ql, tma_qr, tma_kl, tma_kr):
                 cpasync.prefetch_descriptor(atom)
             if 0 < tiles:
