@@ -17,6 +17,13 @@ and passed a barrier of its own (`_zero_stale`: bar.sync WG0 = 5 / WG1 = 6, 128 
    warpgroup one interval ahead, so the load after the hand-over looks unordered. In `early`
    both sides pass the same number of barriers: clean.
 
+3. The H200's verdicts (2026-12-02 06:40): private 512, balanced 0, even 256, even-full 256,
+   odd 512, odd-full 256. The -full twins refute rule 2 as first written (arrives counted);
+   every verdict fits it when only a thread's bar.sync waits count (bar.arrive none) and bar 0
+   (__syncthreads) separates epochs: the replicas then flag sScale[:, 1] (even, even-full,
+   odd-full: 64 rows x 4 bytes = 256) and sM + sScale[:, 0] (odd: 512). The kernel's answer
+   (seesaw.py `_own_barrier`) and the model (tests/mla_seesaw.py `_interval_hazard`) follow it.
+
 Variants (one CTA of 256 threads; warpgroup 1 = threads 128..255 stores, warpgroup 0 loads
 after the hand-over and writes what it read out; `spin` busy-waits about 2 ms (an FMA chain) to
 fix who reaches a barrier first):

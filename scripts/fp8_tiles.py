@@ -8,13 +8,15 @@ error <= 2 x cuBLASLt's + atol), then timed beside DeepGEMM's fp8_gemm_nt (where
 imports) with the bench's timer (`time_interleaved`: CUDA-graph replays over the rotated sets).
 ratio = DeepGEMM ms / ours (> 1: ours is faster). Configs: the chooser's pick first, then every
 prebuilt 128-row tile (data-parallel and stream K) and, up to M = 512, the 64-row ones (MID,
-SKINNY, the decode boxes that fit, their stream-K twins), then the tiled 128-row ones with a
-3-deep epilogue ring (6 AB stages instead of 5: `configs_for`). A config that fails gets a row with
-its error. The JSON is rewritten after every shape.
+SKINNY, the decode boxes that fit, their stream-K twins), then the tiled 128-row ones with the
+other epilogue ring depth (4 deep and 5 AB stages against the standard 3 and 6) and with the
+scales loaded SCALE_AHEAD k-tiles ahead (`_f2`; `configs_for`).
+A config that fails gets a row with its error. The JSON is rewritten after every shape.
 
     PYTHONPATH=$PWD:$PYTHONPATH python3 scripts/fp8_tiles.py OUT.json [GROUP ...]
-GROUP: decode, mid, prefill, square, extra (default all). Kernels from a bundle made after the
-configs changed (`forgekernel bundle .bundle`; FORGEKERNEL_KERNEL_DIR=$PWD/.bundle/kernels).
+GROUP: decode, mid, prefill, square, extra, stride (default all). Kernels from a bundle made
+after the configs changed (`forgekernel bundle .bundle`;
+FORGEKERNEL_KERNEL_DIR=$PWD/.bundle/kernels).
 """
 
 from __future__ import annotations
@@ -35,15 +37,21 @@ from forgekernel.kernels.gemm.fp8.sm90.config import STANDARD_CONFIGS, choose_co
 from forgekernel.runtime.timing import median, rotation_sets, time_interleaved
 
 DTYPE = torch.bfloat16
-GROUPS = ("decode", "mid", "prefill", "square", "extra")
+GROUPS = ("decode", "mid", "prefill", "square", "extra", "stride")
 EXTRA = ((2048, 7168, 4096), (8192, 4608, 7168), (4096, 1536, 7168))
+# 8192^3 beside K = 7680 (A's scale rows 240 bytes apart instead of 256, every other dimension
+# alike): whether the square case's per-k-tile time comes from the scales' power-of-two stride
+STRIDE = ((8192, 8192, 7680),)
+SCALE_AHEAD = 2
 SMALL_TILES_UP_TO = 512  # M up to which the 64-row configurations are timed too
 
 
 def cases(groups: tuple[str, ...]) -> list[Case]:
     suite_cases = [c for c in fp8_suite.BENCH_CASES if c.group in groups]
-    extra = [Case(f"{m}x{n}x{k}", {"m": m, "n": n, "k": k}, "extra") for m, n, k in EXTRA]
-    return suite_cases + (extra if "extra" in groups else [])
+    more = [(g, shape) for g, shapes in (("extra", EXTRA), ("stride", STRIDE)) for shape in shapes]
+    return suite_cases + [
+        Case(f"{m}x{n}x{k}", {"m": m, "n": n, "k": k}, g) for g, (m, n, k) in more if g in groups
+    ]
 
 
 def configs_for(m: int, n: int, k: int) -> list[GemmConfig]:
@@ -53,10 +61,14 @@ def configs_for(m: int, n: int, k: int) -> list[GemmConfig]:
     for cfg in STANDARD_CONFIGS:
         if cfg.fits(m) and (cfg.tile_m == 128 or m <= SMALL_TILES_UP_TO) and cfg not in found:
             found.append(cfg)
-    # The staged scales (tile_m fp32 a stage) cost the 128-row tiles their sixth AB stage; a
-    # 3-deep epilogue ring gives it back (compiled on first use): which is faster is measured.
-    deep = [dataclasses.replace(c, epi_stages=3) for c in found if c.tile_m == 128]
-    return found + [c for c in deep if not c.stream_k and c not in found]
+    # The staged scales (tile_m fp32 a stage) leave a 128-row tile 6 AB stages beside a 3-deep
+    # epilogue ring (the tiled standard since the 15:48 run), 5 beside a 4-deep one: the other
+    # depth of each tiled 128-row config (compiled on first use) is timed too.
+    other = [dataclasses.replace(c, epi_stages=7 - c.epi_stages) for c in found if c.tile_m == 128]
+    # The scales loaded SCALE_AHEAD k-tiles ahead by the producer (1 standard) for each tiled
+    # 128-row standard: the 8192^3 floor (docs/gemm/NOTES.md "Why 8192^3 runs at 850 TFLOP/s").
+    ahead = [dataclasses.replace(c, scale_ahead=SCALE_AHEAD) for c in found if c.tile_m == 128]
+    return found + [c for c in other + ahead if not c.stream_k and c not in found]
 
 
 def forced(cfg: GemmConfig):

@@ -43,8 +43,9 @@ SHAPES = (
 def _fits(cfg, m: int) -> bool:
     """Skinny tiles only for skinny M; LARGE and SMALL everywhere. Not the stream-K ones (a
     workspace and a plan: the launcher's, timed by `forgekernel bench gemm`'s variants and
-    scripts/gemm_split_probe.py)."""
-    if cfg.stream_k:
+    scripts/gemm_split_probe.py), nor the swapped ones (their operands and C view: the
+    launcher's) or an A box shorter than M (this calls the kernel directly)."""
+    if cfg.stream_k or cfg.swap or not cfg.fits(m):
         return False
     skinny = cfg.tile_m * cfg.tile_n < 128 * 128
     return cfg in (LARGE, SMALL) or skinny == (m <= 256)

@@ -303,6 +303,45 @@ def test_decode_lengths_give_the_forwards_sequences_no_keys():
     assert op_module.MAX_QUERY_TOKENS + 1 == PAGED_MIN_SEQLEN_Q
 
 
+@pytest.mark.parametrize(
+    "q_lens",
+    [[0, 2, 1, 9, 3, 0], [1, 40, 4, 3], [7, 0, 5], [2], [0, 0, 3, 0, 0], [300, 1, 1, 1, 1]],
+)
+def test_decode_slots_write_each_decode_row_once_with_its_token(q_lens):
+    """The compact decode batch (`decode_slots`): every row of a sequence of 1-4 query tokens
+    is the destination of exactly the slot computing it (its token: the slot's place among the
+    sequence's last 4, bottom-right), keys only for those sequences; every other slot writes a
+    row of the forward's sequences (overwritten after) or duplicates the slot of the batch's
+    last row (one value a destination); every index in range; no host read (device ops)."""
+    t = op_module.MAX_QUERY_TOKENS
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seqlens = torch.arange(100, 100 + len(q_lens), dtype=torch.int32)
+    rows = int(cu[-1])
+    keys, dst, src = op_module.decode_slots(seqlens, cu, rows)
+    assert keys.dtype == torch.int32 and dst.dtype == src.dtype == torch.int64
+    assert keys.tolist() == [int(seqlens[b]) if 1 <= n <= t else 0 for b, n in enumerate(q_lens)]
+    assert dst.shape == src.shape == (len(q_lens) * t,)
+    assert 0 <= int(dst.min()) and int(dst.max()) < rows and 0 <= int(src.min())
+    owner = {}  # row -> (sequence, token)
+    for b, n in enumerate(q_lens):
+        for i in range(n):
+            owner[int(cu[b]) + i] = (b, i, n)
+    by_row = {}
+    for slot, (r, s) in enumerate(zip(dst.tolist(), src.tolist())):
+        by_row.setdefault(r, set()).add(s)
+        if s == slot:  # a slot writing its own result: its sequence's row, its token
+            b, j = divmod(slot, t)
+            ob, i, n = owner[r]
+            assert ob == b and i == n - t + j
+    for r, srcs in by_row.items():
+        assert len(srcs) == 1, f"row {r} written from slots {srcs}"
+        b, i, n = owner[r]
+        if n <= t:  # a decode row: from the slot of its sequence and token
+            assert srcs == {b * t + t - n + i}
+    decode_rows = {r for r, (_, _, n) in owner.items() if n <= t}
+    assert decode_rows <= set(by_row)
+
+
 MIXED_CASES = [
     # hq, hkv, d, page_size, q_lens, k_lens: decode rows and 2-4 speculative tokens beside
     # chunks, sequences without queries or keys, more queries than keys
@@ -310,17 +349,25 @@ MIXED_CASES = [
     (6, 2, 64, 32, [2, 130, 1], [2, 385, 1000]),  # GQA 3: one head a CTA
     (4, 1, 256, 128, [70, 1, 6, 4], [190, 129, 6, 3]),
     (8, 8, 128, 64, [150, 1, 1], [150, 100, 65]),  # MHA, the chunk first
+    # the decode's split plan (2-3 splits) on the compact slots: a first sequence of 2 tokens
+    # (padding slots before row 0), sequences without queries (first, middle, last), the
+    # batch's last row a 3-token decode row's; a batch without decode rows, a chunk last
+    (8, 2, 128, 16, [0, 2, 1, 9, 3, 0], [50, 600, 5, 700, 33, 70]),
+    (4, 2, 64, 16, [6, 0, 9], [300, 40, 500]),
 ]
+# the cases whose decode rows take the split plan over the compact slots (the others one split)
+SLOT_CASES = {0, 1, 4, 5}
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("case", MIXED_CASES)
+@pytest.mark.parametrize("case", range(len(MIXED_CASES)))
 def test_mixed_batch_splits_between_the_kernels(cpu_paged_kernel, case, causal):
-    """Every row written once by its kernel (out and lse NaN-poisoned): the sequences of up to
-    4 query tokens by the decode (one call, its 4-token packed kernel, one split, the others
-    given no keys), the rest by the forward (its tiles skip the short ones), both in place;
-    the batch matches the reference."""
-    hq, hkv, d, ps, q_lens, k_lens = case
+    """Every row written by its kernel (out and lse NaN-poisoned): the sequences of up to 4
+    query tokens by the decode (one call, its 4-token packed kernel: one split over the batch,
+    the others given no keys, where the plan has one; else the plan's splits over the compact
+    slots, `decode_slots`), the rest by the forward (its tiles skip the short ones), both in
+    place; the batch matches the reference."""
+    hq, hkv, d, ps, q_lens, k_lens = MIXED_CASES[case]
     q, k, v, table, lens, cu = prefill_problem(hq, hkv, d, ps, q_lens, k_lens)
     out = torch.full_like(q, math.nan)
     lse = torch.full((hq, q.shape[0]), math.nan)
@@ -336,7 +383,9 @@ def test_mixed_batch_splits_between_the_kernels(cpu_paged_kernel, case, causal):
     assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-4
     assert cpu_paged_kernel.ran == [b for b, n in enumerate(q_lens) if n > 4]
     [(params, _, direct)] = cpu_paged_kernel.decode
-    assert params["qtokens"] == op_module.MAX_QUERY_TOKENS and direct == 1
+    assert params["qtokens"] == op_module.MAX_QUERY_TOKENS
+    splits = paged_launch.packed_splits(q, k, table, len(q_lens), op_module.MAX_QUERY_TOKENS)
+    assert (splits > 1) == (case in SLOT_CASES) and direct == (splits == 1)
 
 
 def test_mixed_batch_into_an_out_the_forward_cannot_write_in_place(cpu_paged_kernel):
@@ -457,10 +506,12 @@ def test_mixed_batch_over_a_cache_without_pages(cpu_paged_kernel):
     assert cpu_paged_kernel.ran == []
 
 
-def test_split_script_runs_on_the_stand_ins(cpu_paged_kernel, monkeypatch):
+@pytest.mark.parametrize(("decode_lens", "splits"), [((30, 50, 3), 1), ((30, 500, 3), 2)])
+def test_split_script_runs_on_the_stand_ins(cpu_paged_kernel, monkeypatch, decode_lens, splits):
     """scripts/paged_prefill_split.py's case (its sub-batches, the op, the checks) on the CPU
     stand-ins, the timer replaced by one call each: ours matches the reference and its rows
-    equal the compacted forward's and decode's."""
+    equal the compacted forward's and decode's (the decode's bitwise at one split), at one
+    split and at the decode's split plan over the compact slots."""
     from forgekernel.bench.suites import attention_paged as suite_module
     from forgekernel.runtime.timing import Samples
 
@@ -475,11 +526,18 @@ def test_split_script_runs_on_the_stand_ins(cpu_paged_kernel, monkeypatch):
     monkeypatch.setattr(script, "time_interleaved", one_call)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(suite_module, "comparators", lambda: {"flashinfer": None})
-    case = suite_module._prefill_case(8, 2, 16, (40, 7), (60, 0), (30, 50, 3), "cpu")
+    case = suite_module._prefill_case(8, 2, 16, (40, 7), (60, 0), decode_lens, "cpu")
     r = script.run_case(case, torch.device("cpu"))
-    assert set(r["ms"]) == {"before", "fwd", "decode", "decode_plan", "decode_in_op", "ours"}
-    assert r["checks"]["ours_max_err"] < 2e-2 and r["checks"]["ours_finite"]
-    assert r["checks"]["fwd_rows_bitwise"] and r["checks"]["decode_rows_bitwise"]
+    assert set(r["ms"]) == {"before", "fwd", "decode", "decode_plan", "decode_one_split",
+                            "decode_in_op", "ours"}  # fmt: skip
+    checks = r["checks"]
+    assert checks["ours_max_err"] < 2e-2 and checks["ours_finite"]
+    assert checks["fwd_rows_bitwise"] and checks["decode_in_op_rows_bitwise"]
+    assert checks["decode_splits"] == splits
+    if splits == 1:
+        assert checks["decode_rows_bitwise"]
+    else:
+        assert checks["decode_rows_max_diff"] < 2e-2
 
 
 # ------------------------------------------------------------------ routing, params

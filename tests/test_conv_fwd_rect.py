@@ -183,17 +183,20 @@ def test_launcher_forward_on_rectangles(model_kernel, case):
 )
 def test_the_data_gradient_mode_on_rectangles(model_kernel, size, f, pad, stride, dil):
     """The stride-1 data gradient (and each phase of a stride-3 one: a stride-1 forward of dy
-    with the phase's taps) walks rectangles of dx's pixels: dy a tiled box at the tap's
-    offset, B's reversed taps unchanged; against autograd."""
+    with the phase's taps) walks rectangles of dx's pixels where its plan says so (a SplitPlan
+    of rectangles here: the chooser takes the im2col walk on problems this small, config.py
+    RECT_START): dy a tiled box at the tap's offset, B's reversed taps unchanged; against
+    autograd, the chosen plan too."""
     g = Geometry(f, pad, pad, stride, dil)
     x = torch.randn(2, 16, *size, dtype=F64, requires_grad=True)
     w = torch.randn(24, 16, *f, dtype=F64)
     want = _torch_conv(x, w, None, g)
     dy = torch.randn_like(want)
     (dx_want,) = torch.autograd.grad(want, x, dy)
-    dx = torch.full(_cl5(x).shape, float("nan"), dtype=F64)
-    launch.dgrad(_cl5(dy), _cl5(w), dx, g)
-    assert torch.allclose(dx, _cl5(dx_want), rtol=1e-6, atol=1e-5)
+    for plan in (None, SplitPlan(SQUARE, 10**6, 1, 0, 8)):
+        dx = torch.full(_cl5(x).shape, float("nan"), dtype=F64)
+        launch.dgrad(_cl5(dy), _cl5(w), dx, g, plan)
+        assert torch.allclose(dx, _cl5(dx_want), rtol=1e-6, atol=1e-5)
     assert any(key["dgrad"] and key["rect"] for key in model_kernel)
 
 
@@ -249,19 +252,22 @@ def test_a_users_1x1_at_stride_1_walks_im2col_rows(model_kernel, monkeypatch, pa
 
 
 def test_the_stem_and_stride3_1x1_phases_keep_rectangles(model_kernel, monkeypatch):
-    """The callers that ask for rectangles on a 1x1: the few-channel stem (a 1x1 over its
-    im2col, one plane 8 pixels wide) and a strided data gradient's 1x1 phases (each written
-    straight into its strided view of dx); a forced ConvConfig too."""
+    """The callers that may take rectangles on a 1x1: the few-channel stem (a 1x1 over its
+    im2col, one plane 8 pixels wide: the chooser's walk, im2col rows on one this small
+    (config.py RECT_START), rectangles when forced) and a strided data gradient's 1x1 phases
+    (each written straight into its strided view of dx: rectangles only, chosen or forced)."""
     calls = _calls(monkeypatch)
     g = Geometry((1, 3, 3), (0, 1, 1), (0, 1, 1), (1, 1, 1))
     x = torch.randn(2, 3, 1, 8, 8, dtype=F64)
     w = torch.randn(16, 3, 1, 3, 3, dtype=F64)
-    for cfg in (None, STANDARD_CONFIGS[0]):
+    chosen = choose_plan(128, 16, 32, 1, 132, (1, 1, 16, 8))  # the stem's 1x1: C 27 -> 32
+    assert chosen.rect == 0
+    for cfg, rect, shape in ((None, 0, (128,)), (STANDARD_CONFIGS[0], 8, (1, 1, 16, 8))):
         y = torch.full((2, 1, 8, 8, 16), float("nan"), dtype=F64)
         launch.fprop(_cl5(x), _cl5(w), None, y, g, cfg)
         assert torch.allclose(y, _cl5(_torch_conv(x, w, None, g)), rtol=1e-6, atol=1e-5)
         key, y_seen = calls[-1]
-        assert key["rect"] == 8 and tuple(y_seen.shape[:4]) == (1, 1, 16, 8)
+        assert key["rect"] == rect and tuple(y_seen.shape[: len(shape)]) == shape
     calls.clear()
     g = Geometry((1, 3, 3), (0, 1, 1), (0, 1, 1), (1, 3, 3))  # nine 1x1 phases
     x = torch.randn(2, 16, 1, 14, 13, dtype=F64, requires_grad=True)

@@ -401,8 +401,10 @@ def test_few_channels_run_as_a_1x1_convolution_of_the_im2col(monkeypatch, c, f, 
         ("conv_fprop_sm90", width),
         ("conv_wgrad_sm90", width),
     ]
-    # y (N, Z, P, Q, K): the 1x1 at stride 1 walks output rectangles; dw 1x1
-    assert len(seen[0][2]) == 5 and seen[0][2][-1] == 24 and tuple(seen[1][2][1:4]) == (1, 1, 1)
+    # y: the 1x1 at stride 1 on the chooser's walk (im2col rows on a problem this small:
+    # config.py RECT_START; (N, Z, P, Q, K) on rectangles); dw 1x1
+    assert len(seen[0][2]) in (2, 5) and seen[0][2][-1] == 24
+    assert tuple(seen[1][2][1:4]) == (1, 1, 1)
 
 
 def test_one_plane_padded_in_depth_is_not_the_2d_im2col(model_kernel):

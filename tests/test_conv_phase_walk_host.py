@@ -70,9 +70,10 @@ def _walk_tables(
         cb, tap = walk.tap_of(k0, tap_counts)
         it, ir, is_ = tap
         for i in range(count):
-            kt_a, kt_b = walk.tiles_of(cb, (it, ir, is_), offsets, w_taps)
-            k_out[u, i, 0] = kt_a
-            k_out[u, i, 1] = kt_b
+            crd_a, crd_b = walk.tiles_of(cb, (it, ir, is_), offsets, w_taps)
+            # the coordinates (cb, s, r, t) as flat k-tiles of (C blocks, S, R, T)
+            for side, (cb_, s_, r_, t_), trs in ((0, crd_a, walk.walk_trs), (1, crd_b, walk.w_trs)):
+                k_out[u, i, side] = cb_ + walk.c_blocks * (s_ + trs[2] * (r_ + trs[1] * t_))
             cb += 1
             if cb == walk.c_blocks:
                 cb = Int32(0)

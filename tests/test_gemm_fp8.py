@@ -11,6 +11,7 @@ import torch
 
 from forgekernel.bench.suites import gemm_fp8 as suite_module
 from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig, stream_plan
+from forgekernel.kernels.gemm.dense.sm90.tile import ring_stages
 from forgekernel.kernels.gemm.fp8.sm90 import SPEC
 from forgekernel.kernels.gemm.fp8.sm90 import launch as fp8_sm90
 from forgekernel.kernels.gemm.fp8.sm90.config import (
@@ -210,3 +211,19 @@ def test_fp8_tiles_are_at_most_128_columns():
     pytest.importorskip("cutlass")
     with pytest.raises(ValueError, match="tile_n <= 128"):
         compile_gemm_fp8(dict(params_for("bfloat16", wide)))
+
+
+def test_sanitize_cases_refill_the_ring_with_and_without_a_cluster():
+    """racecheck judges a stage's release (the consumers' arrivals, kernel.py `_retire`) only
+    where a CTA refills a stage: among the sanitize cases, one whose CTAs run more k-tiles than
+    their ring holds for stream K without a cluster, the 128-row tile over a 2x1 cluster and the
+    decode box over a 1x2 one."""
+    refilled = set()
+    for case in suite_module.SANITIZE_CASES:
+        m, n, k = (case.params[x] for x in "mnk")
+        cfg = choose_config(m, n, k)
+        stages = ring_stages(cfg, 1, 2, cfg.tile_m * 4)
+        per_cta = stream_plan(cfg, m, n, k, 132, STREAM_MIN_K)[0] if cfg.stream_k else k // 128
+        if per_cta > stages:
+            refilled.add((cfg.tile_m, cfg.cluster_m, cfg.cluster_n, cfg.stream_k))
+    assert {(128, 1, 1, True), (128, 2, 1, False), (64, 1, 2, False)} <= refilled

@@ -18,6 +18,7 @@ a CTA's units, starts where it left them). And the compiled kernel's SASS keeps 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -367,8 +368,9 @@ def _wgmma_violations(sass: str) -> list[str]:
     blind only across the back edge and between the tails): an instruction reading or writing
     a register of a QGMMA batch still in flight (committed with gsb0, not yet retired by a
     WARPGROUP.DEPBAR.LE that leaves fewer groups), and a stage's release (the consumers'
-    SYNCS.ARRIVE...ART0) not preceded by a wait of its own (releases never outnumber waits:
-    the producer may overwrite a stage only once the WGMMAs reading it completed)."""
+    local SYNCS.ARRIVE.TRANS64.ART0) not preceded by a wait of its own (releases never
+    outnumber waits: the producer may overwrite a stage only once the WGMMAs reading it
+    completed)."""
     groups: list[set[int]] = []  # committed, in flight, oldest first
     batch: set[int] = set()
     waits = releases = 0
@@ -387,7 +389,7 @@ def _wgmma_violations(sass: str) -> list[str]:
             keep = int(args.split(",")[-1], 16)
             groups = groups[len(groups) - keep :] if keep else []
             waits += 1
-        elif op.startswith("SYNCS.ARRIVE.TRANS64.") and op.endswith("ART0"):
+        elif op == "SYNCS.ARRIVE.TRANS64.ART0":  # the local release (peers': ...RED.ART0)
             releases += 1
             if releases > waits:
                 found.append(f"stage released before its wait: {op} {args}")
@@ -418,7 +420,22 @@ def _producer_arrivals(sass: str) -> list[tuple[str, int]]:
     return found
 
 
-@pytest.mark.parametrize("which", ["large", "stream_decode"])
+def _consumer_releases(sass: str) -> list[tuple[str, str]]:
+    """The consumers' stage releases (SYNCS.ARRIVE.TRANS64...ART0) in address order: each one's
+    predicate ("" when every thread arrives) and whether it is the local arrive ("local") or a
+    multicast peer's (...RED.ART0: "peer")."""
+    found = []
+    for line in sass.splitlines():
+        match = re.search(r"/\*[0-9a-f]{4}\*/\s+(@!?U?P\w+\s+)?(\S+)", line)
+        if match and match.group(2).startswith("SYNCS.ARRIVE.TRANS64."):
+            op = match.group(2)
+            if op.endswith("ART0"):
+                kind = "peer" if ".RED." in op else "local"
+                found.append(((match.group(1) or "").strip(), kind))
+    return found
+
+
+@pytest.mark.parametrize("which", ["large", "stream_decode", "large_ahead2"])
 def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_path):
     """Compiled for sm_90a: no spills, and the schedule the mainloop asks for survives ptxas:
     k-tile 0 issued; in the loop (two k-tiles per trip) each batch of 4 QGMMAs is issued before
@@ -427,14 +444,22 @@ def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_pa
     serialize the WGMMAs), no register of a batch in flight touched, no stage released before
     a wait (`_wgmma_violations`). The producer's every lane arrives on the stage's full
     barrier right after its own scale stores (no ELECT-predicated arrive: racecheck follows each
-    store's own thread's release, `_load`)."""
+    store's own thread's release, `_load`), and every consumer thread on the stage's empty
+    barrier once it is done with it (unpredicated: each one's reads of the staged scales are
+    released by its own arrive, `_retire`), with a cluster also one lane a warp on the peers'.
+    `large_ahead2`: the candidate loading the scales two k-tiles ahead (`scale_ahead`, timed by
+    scripts/fp8_tiles.py) within the producer's 40 registers, the consumers' SASS schedule kept."""
     from forgekernel.kernels.gemm.fp8.sm90 import SPEC
     from forgekernel.kernels.gemm.fp8.sm90.config import LARGE, STREAM_DECODE, params_for
     from forgekernel.runtime.resources import find_tool, inspect_cubin
 
     if find_tool("nvdisasm") is None:
         pytest.skip("cuobjdump/nvdisasm not installed")
-    cfg, out = (LARGE, "bfloat16") if which == "large" else (STREAM_DECODE[0], "float16")
+    cfg, out = {
+        "large": (LARGE, "bfloat16"),
+        "stream_decode": (STREAM_DECODE[0], "float16"),
+        "large_ahead2": (dataclasses.replace(LARGE, scale_ahead=2), "bfloat16"),
+    }[which]
     compiled = SPEC.compile(params_for(out, cfg), f"--keep-cubin --dump-dir {tmp_path}")
     cubin = compiled.artifacts.CUBIN
     if isinstance(cubin, bytes):
@@ -454,3 +479,9 @@ def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_pa
     assert _wgmma_violations(sass) == []
     arrivals = _producer_arrivals(sass)
     assert arrivals and all(a == ("", cfg.tile_m // 32) for a in arrivals), arrivals
+    releases = _consumer_releases(sass)
+    local = [r for r in releases if r[1] == "local"]
+    peers = [r for r in releases if r[1] == "peer"]
+    assert local and all(r == ("", "local") for r in local), releases
+    clustered = cfg.cluster_m * cfg.cluster_n > 1
+    assert len(peers) == (len(local) if clustered else 0), releases

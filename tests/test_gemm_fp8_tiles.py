@@ -15,9 +15,11 @@ import torch
 from forgekernel.bench.suite import Case
 from forgekernel.bench.suites import gemm_fp8 as suite_module
 from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
+from forgekernel.kernels.gemm.dense.sm90.tile import ring_stages
 from forgekernel.kernels.gemm.fp8.sm90 import SPEC
 from forgekernel.kernels.gemm.fp8.sm90 import launch as fp8_sm90
 from forgekernel.kernels.gemm.fp8.sm90.config import (
+    GROUPED,
     LARGE,
     LARGE_M_MCAST_A,
     LARGE_MCAST_A,
@@ -33,6 +35,7 @@ from forgekernel.kernels.gemm.fp8.sm90.config import (
 from forgekernel.reference.gemm import gemm_fp8_ref
 
 PREFILL_CANDIDATES = (LARGE_MCAST_A, STREAM)
+F2 = dataclasses.replace(LARGE, scale_ahead=2)  # the scales two k-tiles ahead (a candidate)
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fp8_tiles.py"
 
 
@@ -65,6 +68,21 @@ def test_candidates_keep_the_fp8_tile_shape():
         assert (cfg.tile_m, cfg.tile_n, cfg.tile_k) == (128, 128, 128) and not cfg.a_rows
 
 
+def test_tiled_128_row_tiles_take_six_stages_beside_a_3_deep_epilogue():
+    """The sixth AB stage (measured faster at large K, H200 15:48): the tiled 128-row standard
+    tiles fit 6 stages of A, B and their 512 B of staged scales beside a 3-deep epilogue ring
+    (5 beside the 4-deep one); stream K and the grouped layout keep 4 deep and 5 stages (the
+    grouped compile key as before: LARGE_MCAST_A's fields with epi_stages 4)."""
+    scales = 128 * 4
+    for cfg in (LARGE, LARGE_MCAST_A):
+        assert cfg.epi_stages == 3 and not cfg.stages and not cfg.stream_k
+        assert ring_stages(cfg, 1, 2, scales) == 6
+        assert ring_stages(dataclasses.replace(cfg, epi_stages=4), 1, 2, scales) == 5
+    for cfg in (STREAM, GROUPED):
+        assert cfg.epi_stages == 4 and ring_stages(cfg, 1, 2, scales) == 5
+    assert GROUPED == dataclasses.replace(LARGE_MCAST_A, epi_stages=4)
+
+
 def test_chooser_takes_the_a_multicast_from_large_m():
     rng = random.Random(21)
     shapes = [(rng.randint(129, 20000), rng.randint(1, 60000), 128 * rng.randint(1, 200))
@@ -80,6 +98,9 @@ def test_script_shapes(script):
     assert {"4096x36864x7168", "2048x7168x4096", "128x1536x7168"} <= set(names)
     assert all(c.params["n"] % 8 == 0 for c in script.cases(script.GROUPS))
     assert [c.group for c in script.cases(("extra",))] == ["extra"] * len(script.EXTRA)
+    # the square case beside a K whose scale rows are not a power of two bytes apart
+    assert [c.name for c in script.cases(("stride",))] == ["8192x8192x7680"]
+    assert "8192x8192x7680" not in {c.name for c in script.cases(("square", "extra"))}
 
 
 @pytest.mark.parametrize(("m", "n", "k"), [(4096, 36864, 7168), (128, 1536, 7168), (513, 576, 256)])
@@ -90,6 +111,23 @@ def test_script_configs(script, m, n, k):
     assert {LARGE, *PREFILL_CANDIDATES} <= set(configs)
     assert all(cfg.fits(m) for cfg in configs)
     assert (MID in configs) == (m <= script.SMALL_TILES_UP_TO)
+    # the tiled 128-row tiles at the other epilogue depth (4 deep, 5 stages), not stream K's
+    other = {c for c in configs if c.epi_stages == 4 and c.tile_m == 128 and not c.stream_k}
+    assert other == {dataclasses.replace(c, epi_stages=4) for c in (LARGE, LARGE_MCAST_A)}
+    # and with the scales loaded two k-tiles ahead (the standard loads them one ahead)
+    ahead = {c for c in configs if c.scale_ahead != 1}
+    assert ahead == {dataclasses.replace(c, scale_ahead=2) for c in (LARGE, LARGE_MCAST_A)}
+    assert all(c.scale_ahead == 1 for c in STANDARD_CONFIGS)
+
+
+def test_scale_ahead_keys_and_tags():
+    """The candidate's compile key and tag differ from the standard's; the standard's key has no
+    `scale_ahead` (every existing compile key, record and ledger stays valid)."""
+    f2 = dataclasses.replace(LARGE_MCAST_A, scale_ahead=2)
+    assert "scale_ahead" not in LARGE_MCAST_A.key() and f2.key()["scale_ahead"] == 2
+    assert f2.tag() == LARGE_MCAST_A.tag() + "_f2"
+    assert params_for("bfloat16", f2) != params_for("bfloat16", LARGE_MCAST_A)
+    assert GemmConfig.from_params(dict(params_for("bfloat16", f2))) == f2
 
 
 def test_script_rows_on_cpu(script, monkeypatch):
@@ -122,7 +160,7 @@ def test_script_rows_on_cpu(script, monkeypatch):
     rows = script.measure(case, suite, torch.Generator().manual_seed(3), torch.device("cpu"))
     by_config = {r["config"]: r for r in rows}
     assert by_config[choose_config(300, 264, 384).tag()]["chosen"]
-    for cfg in (*PREFILL_CANDIDATES, MID, STREAM_DECODE[-1]):
+    for cfg in (*PREFILL_CANDIDATES, MID, STREAM_DECODE[-1], F2):
         row = by_config[cfg.tag()]
         assert row["status"] == "ok" and row["ratio"] == 2.0 and row["max_err"] <= row["bound"]
     assert by_config["deepgemm"]["max_err"] <= by_config[PREFILL_CANDIDATES[0].tag()]["bound"]

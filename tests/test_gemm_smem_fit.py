@@ -66,3 +66,10 @@ def test_only_the_two_overridden_tiles_would_overfill():
             over.add(cfg)
             assert cfg.stages == ring_stages(free, elem_bytes, 2) - 1, cfg.tag()
     assert over == {dense.FIT_112, dense.SWAP_208}
+
+
+@pytest.mark.parametrize("cfg", dense.CANDIDATES, ids=lambda c: c.tag())
+def test_every_dense_candidate_fits(cfg):
+    """The tuning candidates (`forgekernel build --candidates`, scripts/gemm_worst_probe.py)
+    launch too: DECODE_256 takes a stage less than `ring_stages`' 6."""
+    assert allocated(cfg) <= SMEM_CAPACITY

@@ -6,13 +6,16 @@ assembles, cuobjdump reads the cubin): the facts its schedule and the CPU model 
   issued under `tidx == 0` (the first GPU run, which hung) ptxas branched each of the 41 copies
   to a WARPSYNC.COLLECTIVE of all 32 lanes, which the lane waited on forever (75 UTMALDG: the
   41 and their collective copies).
-- 41 UTMALDG (tiles 0 and 1: 18 boxes; the steady pairs' refills 8 + 10; warpgroup 1's pair
-  with a + 2 alone: 5), 196 HGMMA, 17 WARPGROUP.DEPBAR (one per wait_group in the source).
-- PTX: 18 mbarriers of one arrival, every box armed with 8192 bytes (64 rows x 64 columns x 2
-  bytes, the TMA atom's 65536 bits), named barriers 0 .. 6 only (SCALE0 .. P1 over 256
-  threads, WG0 / WG1 over 128), no setmaxnreg.
+- 50 UTMALDG (Q: 9 boxes, a token's 8 latent chunks and its RoPE columns; tiles 0 and 1: 18
+  boxes; the steady pairs' refills 8 + 10; warpgroup 1's pair with a + 2 alone: 5), no
+  LDGSTS (Q's cp.async before), 196 HGMMA, 17 WARPGROUP.DEPBAR (one per wait_group).
+- PTX: 19 mbarriers of one arrival, every K box armed with 8192 bytes (64 rows x 64 columns x
+  2 bytes, the TMA atom's 65536 bits), Q's once with its 9 boxes' (9 x pitch x 128 bytes,
+  pitch = max(H, 8)), named barriers 0 .. 7 only (SCALE0 .. P1 over 256 threads, WG0 / WG1
+  over 128, INIT over warp 0 between its mbarrier inits and their first arming), no
+  setmaxnreg.
 - Every generic write of a WGMMA operand tile (stmatrix of P, st.shared of the zeroed stale
-  rows and of Q's zero rows, cp.async of Q) is followed by fence.proxy.async.shared::cta before
+  rows and of Q's zero rows) is followed by fence.proxy.async.shared::cta before
   the next named barrier or bar.sync that hands it to a WGMMA (the async proxy): the CPU model
   orders accesses by barriers and mbarriers but has no proxies. (TMA-written K read by the
   warpgroup that did not wait on the chunk's mbarrier needs no fence: both sides are the async
@@ -37,7 +40,7 @@ import pytest
 pytest.importorskip("cutlass")
 
 from forgekernel.kernels.attention.mla.sm90 import SPEC, params_for  # noqa: E402
-from forgekernel.kernels.attention.mla.sm90.seesaw import Bar  # noqa: E402
+from forgekernel.kernels.attention.mla.sm90.seesaw import CHUNKS, Q_BOX_MIN, Bar  # noqa: E402
 from forgekernel.runtime.resources import find_tool, inspect_cubin  # noqa: E402
 
 if find_tool("cuobjdump") is None:
@@ -72,20 +75,22 @@ def _compiled(params) -> tuple[dict, Counter, str]:
 @pytest.fixture(scope="module", params=[("bfloat16", 16, 1), ("float16", 1, 1)])
 def compiled(request):
     dtype, heads, qtokens = request.param
-    return _compiled(params_for("partial", dtype, heads, qtokens, tma=True))
+    res, ops, ptx = _compiled(params_for("partial", dtype, heads, qtokens, tma=True))
+    return res, ops, ptx, max(heads, Q_BOX_MIN)
 
 
 def test_warp_collectives_are_reached_by_converged_warps(compiled):
-    _, ops, _ = compiled
+    _, ops, _, _ = compiled
     assert ops["BRA.DIV"] == 0  # the old source: 7 (the divergent paths of its load sites)
     assert ops["WARPSYNC.COLLECTIVE"] == 0  # the old source: 41, one per TMA copy
     assert ops["ELECT"] > 0
 
 
 def test_loads_and_mmas(compiled):
-    res, ops, _ = compiled
-    assert ops["UTMALDG.3D"] == 41
-    assert ops["SYNCS.ARRIVE.TRANS64"] == 41  # each box armed once, by its issuing warp
+    res, ops, _, _ = compiled
+    assert ops["UTMALDG.3D"] == 41 + CHUNKS  # K's boxes, then Q's (one query token)
+    assert ops["SYNCS.ARRIVE.TRANS64"] == 41 + 1  # each K box armed once; Q's boxes at once
+    assert not any(op.startswith("LDGSTS") for op in ops)  # (Q's cp.async before)
     assert sum(n for op, n in ops.items() if op.startswith("HGMMA")) == 196
     assert ops["WARPGROUP.DEPBAR.LE"] == 17
     assert res["spill_bytes"] == 0 and ops["LDL"] == ops["STL"] == 0
@@ -93,7 +98,7 @@ def test_loads_and_mmas(compiled):
 
 
 def test_partial_o_leaves_by_bulk_copies(compiled):
-    _, ops, ptx = compiled
+    _, ops, ptx, _ = compiled
     assert ops["STS.64"] == 64  # the staged O: 128 fp32 a thread, 2 a store
     assert ops["UBLKCP.G.S"] == 1  # one loop over the rows, one elected lane
     assert ops["STG.E"] == 2 and not any(
@@ -105,18 +110,20 @@ def test_partial_o_leaves_by_bulk_copies(compiled):
 
 
 def test_mbarriers_and_named_barriers(compiled):
-    _, _, ptx = compiled
+    _, _, ptx, pitch = compiled
     assert ptx, "no PTX kept"
     inits = re.findall(r"mbarrier\.init\.shared\.b64\s+\[[^\]]+\],\s*(%r\d+|\d+);", ptx)
-    assert len(inits) == 18
+    assert len(inits) == 19  # 2 x 9 K chunks, Q
     for reg in set(inits):  # the count, moved into a register once
         assert re.search(rf"mov\.b32\s+{re.escape(reg)},\s*1;", ptx), reg
     armed = re.findall(
         r"mbarrier\.arrive\.expect_tx\.shared\.b64\s+\S+,\s*\[[^\]]+\],\s*(%r\d+)", ptx
     )
-    assert len(armed) == 41
-    for reg in armed:
-        assert re.search(rf"mov\.b32\s+{re.escape(reg)},\s*8192;", ptx), reg
+    assert len(armed) == 42
+    values = Counter(
+        int(re.search(rf"mov\.b32\s+{re.escape(reg)},\s*(\d+);", ptx).group(1)) for reg in armed
+    )
+    assert values == {8192: 41, CHUNKS * pitch * 128: 1}  # (16-bit: 64 columns, 128 bytes)
     ids = Counter(
         (int(i), int(n) if n else None)
         for i, n in re.findall(
@@ -124,8 +131,16 @@ def test_mbarriers_and_named_barriers(compiled):
         )
     )
     allowed = {(0, None)} | {(int(b), 256) for b in (Bar.SCALE0, Bar.SCALE1, Bar.P0, Bar.P1)}
-    allowed |= {(int(Bar.WG0), 128), (int(Bar.WG1), 128)}
+    allowed |= {(int(Bar.WG0), 128), (int(Bar.WG1), 128), (int(Bar.INIT), 32)}
     assert set(ids) <= allowed and max(i for i, _ in ids) < 16
+    init = [
+        m.start()
+        for m in re.finditer(rf"\bbar(?:rier)?\.sync(?:\.aligned)?\s+{int(Bar.INIT)},", ptx)
+    ]
+    assert len(init) == 1
+    last_init = max(m.start() for m in re.finditer(r"mbarrier\.init\.shared", ptx))
+    first_arm = min(m.start() for m in re.finditer(r"mbarrier\.arrive\.expect_tx", ptx))
+    assert last_init < init[0] < first_arm  # (racecheck: the arming a wait after the inits)
     assert "setmaxnreg" not in ptx
 
 
@@ -145,7 +160,7 @@ def _unfenced_tile_stores(ptx: str) -> list[tuple[int, int]]:
 
 
 def test_generic_tile_writes_are_proxy_fenced_before_their_barrier(compiled):
-    _, _, ptx = compiled
+    _, _, ptx, _ = compiled
     lines = ptx.splitlines()
     assert sum(bool(_TILE_STORE.match(ln)) for ln in lines) > 0
     assert _unfenced_tile_stores(ptx) == []

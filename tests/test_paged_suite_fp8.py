@@ -153,11 +153,13 @@ def test_check_fails_a_kernel_that_reads_per_head_scales_as_one():
 
 
 def test_comparators_without_flashinfer(monkeypatch):
-    none = {"flashinfer": None, "flashinfer_fa3": None}
+    none = {"flashinfer": None, "flashinfer_fa3": None, "fa4": None}
     assert paged.comparators() == none  # no GPU here
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # import flashinfer: ImportError
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)  # FA4 absent too
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert paged._flashinfer() is None and paged._flashinfer_fa3() is None
+    assert paged._fa4() is None
     assert paged.comparators() == none
 
 

@@ -6,7 +6,9 @@ counts, the suite's own check through the paged kernel's replay (tests/test_atte
 `cpu_kernels`) and the gather path (the varlen forward's reference standing in for its kernel),
 and the FlashInfer comparators wired to a stand-in of FlashInfer 0.7.2.post1's prefill wrapper
 that computes what its source computes (the fa2 kernel's causal mask condition verbatim, base-2
-LSE (total_q, Hq), k_scale folded into sm_scale, out *= v_scale)."""
+LSE (total_q, Hq), k_scale folded into sm_scale, out *= v_scale); the FA4 comparator's paged
+varlen arguments through a stand-in of `flash_attn_varlen_func` that reads them as FA4's
+interface documents them (pages by table row up to seqused_k, bottom-right causal)."""
 
 from __future__ import annotations
 
@@ -439,3 +441,101 @@ def test_flashinfer_decode_cases_keep_the_decode_wrapper(fake_flashinfer):
     assert float((o.float() - want).abs().max()) < 2e-2
     finite = torch.isfinite(want_lse)
     assert torch.allclose(lse[finite] / LOG2E, want_lse[finite], atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- FA4
+
+
+def _fa4_varlen(q, k, v, *, cu_seqlens_q, max_seqlen_q, seqused_k, page_table, causal,
+                softmax_scale, return_lse):  # fmt: skip
+    """flash_attn.cute.flash_attn_varlen_func (flash-attn-4 4.0.0b36) as its interface
+    documents the paged varlen call: sequence b's queries q[cu[b]:cu[b + 1]], its keys the first
+    seqused_k[b] rows of its pages page_table[b] (k / v (num_pages, page_size, Hkv, D)), GQA
+    head h on KV head h // (Hq / Hkv), causal bottom-right; (out, lse (Hq, total_q) natural)."""
+    assert page_table.dtype == seqused_k.dtype == cu_seqlens_q.dtype == torch.int32
+    assert page_table.stride(-1) == 1 and return_lse
+    ps, hkv = k.shape[1], k.shape[2]
+    group = q.shape[1] // hkv
+    out = torch.zeros(q.shape, dtype=q.dtype)
+    lse = torch.full((q.shape[1], q.shape[0]), -math.inf)
+    for b in range(page_table.shape[0]):
+        q0, q1, sk = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(seqused_k[b])
+        assert q1 - q0 <= max_seqlen_q
+        if q1 == q0 or sk == 0:
+            continue
+        pages = page_table[b, : -(-sk // ps)].long()
+        kk = k[pages].flatten(0, 1)[:sk].double().repeat_interleave(group, 1)
+        vv = v[pages].flatten(0, 1)[:sk].double().repeat_interleave(group, 1)
+        s = torch.einsum("qhd,khd->hqk", q[q0:q1].double(), kk) * softmax_scale
+        if causal:
+            i = torch.arange(q1 - q0)[:, None]
+            s = s.masked_fill(torch.arange(sk)[None, :] > i + sk - (q1 - q0), -math.inf)
+        top = s.amax(-1, keepdim=True).clamp_min(-1e300)
+        e = torch.exp(s - top)
+        total = e.sum(-1)
+        o = torch.einsum("hqk,khd->qhd", e, vv) / total.T[..., None].clamp_min(1e-300)
+        out[q0:q1] = o.to(q.dtype)
+        lse[:, q0:q1] = torch.where(total > 0, top[..., 0] + torch.log(total), -math.inf).float()
+    return out, lse
+
+
+@pytest.fixture
+def fake_fa4(monkeypatch):
+    calls = []
+
+    def flash_attn_varlen_func(q, k, v, **kw):
+        calls.append(kw)
+        return _fa4_varlen(q, k, v, **kw)
+
+    mod = types.ModuleType("flash_attn.cute")
+    mod.flash_attn_varlen_func = flash_attn_varlen_func
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", mod)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "case",
+    [paged.CHECK_CASES[0], paged.CHECK_CASES[1], paged.SPEC_CHECK_CASES[0],
+     paged.PREFILL_CHECK_CASES[0], paged.PREFILL_CHECK_CASES[1], MINI_PREFILL],
+    ids=lambda c: c.name,
+)  # fmt: skip
+def test_fa4_paged_varlen_arguments_compute_the_reference(fake_fa4, case):
+    """FA4's arguments from the case (`fa4_args`): the packed form's cu_seqlens_q and
+    max_seqlen_q (decode: 0 .. batch and 1), seqused_k the KV lengths, the suite's table (pages
+    1 / 16 / 64, a sequence without keys, one without queries), built once per input set; read
+    as FA4 reads them they give the suite's reference."""
+    i = _inputs(case)
+    run = paged._fa4()
+    o, lse = run(i)
+    o2, _ = run(i)
+    (kw, kw2) = fake_fa4
+    # built once per input set (the first call, outside any timed one)
+    assert kw == kw2 == i["fa4"] and kw["cu_seqlens_q"] is kw2["cu_seqlens_q"]
+    assert kw["seqused_k"] is i["seqlens"] and kw["page_table"] is i["table"]
+    if "cu_seqlens_q" in i:
+        assert kw["cu_seqlens_q"] is i["cu_seqlens_q"]
+        assert kw["max_seqlen_q"] == i["max_seqlen_q"]
+    else:
+        assert kw["cu_seqlens_q"].tolist() == list(range(case.params["b"] + 1))
+        assert kw["max_seqlen_q"] == 1
+    assert kw["causal"] and kw["softmax_scale"] == case.params["d"] ** -0.5
+    want, want_lse = paged.reference(i)
+    want_lse = want_lse if "cu_seqlens_q" in i else want_lse.T  # decode's (batch, Hq)
+    assert float((o.float() - want).abs().max()) < 2e-2 and torch.equal(o, o2)
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert torch.allclose(lse[finite], want_lse[finite], atol=1e-4)
+
+
+def test_fa4_refuses_fp8_caches_with_the_reason(fake_fa4):
+    for case in (paged.FP8_CHECK_CASES[0], paged.PREFILL_CHECK_CASES[3]):
+        with pytest.raises(NotImplementedError, match="SM100"):
+            paged._fa4()(_inputs(case))
+    assert not fake_fa4
+
+
+def test_fa4_runs_every_16bit_bench_group():
+    """FA4 is a comparator of every group but the FP8 one's (refused there with the reason)."""
+    groups = {c.group for c in paged.BENCH_CASES if "kv" not in c.params}
+    assert {"prefill", "spec"} <= groups
+    assert all("kv" in c.params for c in paged.BENCH_CASES if c.group == "fp8")

@@ -35,6 +35,8 @@ from forgekernel.ops._validate import (
     on_one_device,
 )
 from forgekernel.ops.attention_varlen import attention_varlen as _attention_varlen
+from forgekernel.runtime.device import on_device
+from forgekernel.runtime.scratch import scratch
 
 INDEX = (torch.int32,)
 MAX_QUERY_TOKENS = 4  # per sequence in the decode kernel; more: the forward's paged mode
@@ -333,19 +335,75 @@ def decode_lengths(seqlens_k: torch.Tensor, cu_seqlens_q: torch.Tensor) -> torch
 
 def _split_prefill(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, scale, causal, o,
                    lse):  # fmt: skip
-    """A chunked-prefill batch in two launches on the current stream, in this order (they
-    share the longer sequences' first rows): the decode kernel on the sequences of up to
-    MAX_QUERY_TOKENS query tokens (its packed form; the others given no keys, `decode_lengths`;
-    one split, whose pass writes only each sequence's first rows where a combine would write
-    every row), then the forward's paged mode, whose tiles skip those sequences (config.
-    PAGED_MIN_SEQLEN_Q) and which writes every row of the others. Before the split the forward
-    ran the whole batch: each decode row a 128-row query tile a head over all its keys."""
-    paged_sm90.paged_decode(
-        q, k, v, page_table, decode_lengths(seqlens_k, cu_seqlens_q), scale, o, lse.t(),
-        None, None, cu_seqlens_q, MAX_QUERY_TOKENS, causal, one_split=True,
-    )  # fmt: skip
+    """A chunked-prefill batch in two parts on the current stream, in this order (the decode
+    part writes rows of the longer sequences too, which the forward overwrites): the decode
+    kernel on the sequences of up to MAX_QUERY_TOKENS query tokens (`_decode_part`), then the
+    forward's paged mode, whose tiles skip those sequences (config.PAGED_MIN_SEQLEN_Q) and which
+    writes every row of the others. Before the split the forward ran the whole batch: each
+    decode row a 128-row query tile a head over all its keys."""
+    _decode_part(q, k, v, page_table, seqlens_k, cu_seqlens_q, scale, causal, o, lse)
     fwd_sm90.attention_paged_fwd(q, k, v, o, lse, page_table, seqlens_k, cu_seqlens_q,
                                  max_seqlen_q, scale, causal)  # fmt: skip
+
+
+def _decode_part(q, k, v, page_table, seqlens_k, cu_seqlens_q, scale, causal, o, lse):
+    """The decode rows of a chunked-prefill batch (sequences of 1 .. MAX_QUERY_TOKENS query
+    tokens) into o / lse (Hq, total_q), no host read. Where the decode's split plan for the
+    batch has one split (the batch's CTAs fill the GPU: host-known), the whole batch in its
+    packed form at one split, the forward's sequences given no keys (`decode_lengths`; the
+    pass writes only each sequence's first rows). Else the split plan over a compact batch of
+    MAX_QUERY_TOKENS slots a sequence (`decode_slots`), whose combine writes only its slots'
+    rows (a combine over the packed batch would write every row of it: 7696 rows x 32 heads
+    at c512-4096), then its rows copied into o / lse: the ragged bench case's 12,345-key
+    decode row at one split was 8 CTAs streaming it (0.27 ms against 0.04 with the plan)."""
+    b, rows = seqlens_k.shape[0], q.shape[0]
+    if rows == 0 or b == 0:
+        return
+    t = MAX_QUERY_TOKENS
+    if paged_sm90.packed_splits(q, k, page_table, b, t) == 1:
+        paged_sm90.paged_decode(
+            q, k, v, page_table, decode_lengths(seqlens_k, cu_seqlens_q), scale, o, lse.t(),
+            None, None, cu_seqlens_q, t, causal, one_split=True,
+        )  # fmt: skip
+        return
+    keys, dst, src = decode_slots(seqlens_k, cu_seqlens_q, rows)
+    hq, d = q.shape[1], q.shape[2]
+    with on_device(q.device):  # the current stream's scratch: read only by this call
+        q_c = torch.index_select(q, 0, dst, out=scratch("paged.slots_q", (b * t, hq, d),
+                                                             q.dtype, q.device))  # fmt: skip
+        o_c = scratch("paged.slots_o", (b * t, hq, d), q.dtype, q.device)
+        lse_c = scratch("paged.slots_lse", (b * t, hq), torch.float32, q.device)
+    cu_c = torch.arange(0, b * t + 1, t, dtype=torch.int32, device=q.device)
+    paged_sm90.paged_decode(q_c, k, v, page_table, keys, scale, o_c, lse_c, None, None, cu_c, t,
+                            causal)  # fmt: skip
+    o.index_copy_(0, dst, o_c.index_select(0, src))
+    lse.t().index_copy_(0, dst, lse_c.index_select(0, src))
+
+
+def decode_slots(seqlens_k: torch.Tensor, cu_seqlens_q: torch.Tensor, rows: int):
+    """The compact decode batch of a chunked-prefill batch of `rows` query rows, on the device
+    (no host read; static shapes: CUDA graphs, torch.compile). Sequence b gets T =
+    MAX_QUERY_TOKENS slots, slot j on its packed row cu[b + 1] - T + j: a sequence of sq <= T
+    tokens has them in its last sq slots, where the bottom-right causal mask of T tokens gives
+    each token its own keys; the first T - sq slots are padding. Returns (keys, rows_of,
+    src): keys int32 (B,), each sequence's key length where it has 1 .. T query tokens, else
+    0 (the forward's sequences and those without queries load no key); rows_of int64 (B T,),
+    a slot's packed row, where it reads its query and which `o[rows_of] = o_slots[src]`
+    writes; src int64 (B T,). A slot on a row of its own sequence reads and writes that row
+    (the forward's sequences' last rows too: the forward, running after, overwrites them); a
+    padding slot, or one of a sequence without queries, takes row rows - 1 and src the slot
+    that computes that row (the batch's last row: some sequence's), so that row is written
+    twice with one value and no copy races another of a different value."""
+    t = MAX_QUERY_TOKENS
+    start = cu_seqlens_q[:-1]
+    row = cu_seqlens_q[1:, None] + torch.arange(-t, 0, device=cu_seqlens_q.device)  # int64
+    valid = row >= start[:, None]  # the slot's row is its sequence's
+    keys = torch.where((row[:, 0] <= start) & valid[:, -1], seqlens_k, 0)  # 1 .. T tokens
+    flat, ok = torch.where(valid, row, -1).flatten(), valid.flatten()
+    last = flat.argmax()  # the first slot on row rows - 1 (some sequence's last row)
+    src = torch.where(ok, torch.arange(flat.numel(), device=row.device), last)
+    dst = torch.where(ok, flat, rows - 1)
+    return keys, dst, src
 
 
 def _prefill_by_gather(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, causal,

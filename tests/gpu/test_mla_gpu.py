@@ -158,6 +158,10 @@ SEESAW_CASES = [
     (3, 16, 64, [3, 200, 4100], 2),  # MTP, causal
     (2, 32, 64, [5, 3000], 4),
     (1, 16, 64, [65536], 1),  # 128 splits of 8 tiles
+    # fewer than 8 heads a CTA: Q's TMA boxes take 8 (pitch), token t at rows 8 t
+    (3, 1, 64, [1, 130, 700], 1),
+    (2, 12, 64, [70, 3000], 1),  # 3 head blocks of 4: boxes reach the next block / past Hq
+    (2, 2, 64, [5, 300], 4),  # 4 tokens at pitch 8, causal
 ]
 
 

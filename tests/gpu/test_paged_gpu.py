@@ -295,6 +295,51 @@ def test_paged_prefill_matches_the_reference(monkeypatch, case, dtype, causal):
     assert not out[~finite.T].any()
 
 
+def test_prefill_decode_slots_replay_in_a_graph_and_compile():
+    """The decode rows on the split plan over the compact slots (`ops.attention_paged.
+    _decode_part`: device index ops, no host read): a CUDA graph captured on one batch replays
+    on new queries, lengths and query splits (the same shapes) as the eager call gives them,
+    and torch.compile (the registered op) matches eager. The batch: a 12k-key decode row
+    (its plan: several splits), a sequence without queries, one of 3 tokens last."""
+    q_lens, k_lens = [300, 1, 0, 2000, 1, 3], [800, 12345, 5000, 3000, 78, 40]
+    q, k, v, table, seq, cu = _prefill_problem(32, 8, 128, 64, q_lens, k_lens, torch.bfloat16,
+                                               False, seed=3)  # fmt: skip
+    k, v = k.nan_to_num(), v.nan_to_num()
+    assert op.paged_sm90.packed_splits(q, k, table, len(q_lens), op.MAX_QUERY_TOKENS) > 1
+
+    def call(out, lse):
+        return op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu, max_seqlen_q=2000,
+                                  out=out, lse=lse, return_lse=True)  # fmt: skip
+
+    out, lse = torch.empty_like(q), torch.empty(q.shape[1], q.shape[0], device="cuda")
+    call(out, lse)  # plans and compiles outside the capture
+    want, want_lse = paged_attention_ref(q, k, v, table, seq, cu_seqlens_q=cu)
+    assert float((out.float() - want).abs().max()) < 2e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(out, lse)
+    # new values of the same shapes: the chunk one token shorter, the 1-token row 2 tokens
+    q.copy_(torch.randn_like(q))
+    cu.copy_(torch.tensor([0, 300, 301, 301, 2300, 2302, 2305], dtype=torch.int32))
+    seq.copy_(torch.tensor([800, 9000, 5000, 3000, 78, 40], dtype=torch.int32))
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager, eager_lse = torch.empty_like(out), torch.empty_like(lse)
+    call(eager, eager_lse)
+    assert torch.equal(out, eager) and torch.equal(lse, eager_lse)
+    want, _ = paged_attention_ref(q, k, v, table, seq, cu_seqlens_q=cu)
+    assert float((out.float() - want).abs().max()) < 2e-2
+    compiled = torch.compile(
+        lambda q, k, v, t, s, c: op.attention_paged(q, k, v, t, s, cu_seqlens_q=c,
+                                                    max_seqlen_q=2000),
+        fullgraph=True,
+    )  # fmt: skip
+    got = compiled(q, k, v, table, seq, cu)
+    assert float((got.float() - eager.float()).abs().max()) < 1e-2
+
+
 def test_paged_prefill_agrees_with_the_gather_path():
     """The paged mode and the gather + varlen forward on one batch (a NaN-free cache: the
     gather reads every slot of a page): the same attention, to rounding."""

@@ -28,7 +28,11 @@ Comparators, planned once per input set outside any timing (their first call on 
   backend="auto" runs on the H200 (utils.determine_attention_backend: fa3 on sm90 for 16-bit
   q / kv, D 64 / 128 / 256); decode cases are the decode wrapper's (its fa3 backend ran 4.2x
   slower than fa2 at B64 L4096: ../shared/anchors).
-FlashInfer compiles each module with nvcc on first use (13-90 s each), inside that first call.
+- fa4: FlashAttention-4's `flash_attn_varlen_func` with `page_table` / `seqused_k` on every
+  16-bit case (decode cases as one query token a sequence; FP8 caches missing: FA4 reads FP8 on
+  SM100 only; `fa4_args`, the notes above `_fa4`).
+FlashInfer compiles each module with nvcc on first use (13-90 s each), inside that first call
+(FA4 its CuTe DSL kernels, one per head dim / GQA group / TMA-or-gather pages).
 Its causal mask is bottom-right aligned as ours, read in the wheel (flashinfer/data/include/
 flashinfer/attention/): the fa2 kernel masks `kv_idx + qo_len > kv_len + q_idx` (prefill.cuh,
 logits_mask), the fa3 one keeps the columns below `qo_idx + 1 + kv_len - qo_len`
@@ -440,10 +444,53 @@ def _flashinfer_fa3():
     return run
 
 
+# FlashAttention-4 (flash-attn-4 4.0.0b36, flash_attn/cute/interface.py, read in the wheel):
+# `flash_attn_varlen_func(q, k, v, cu_seqlens_q=, max_seqlen_q=, seqused_k=, page_table=, ...)`
+# takes a paged cache (num_pages, page_size, Hkv, D) with an int32 (batch, max_pages) table
+# (last dim contiguous) and no cu_seqlens_k; max_seqlen_k defaults to the table's width x page
+# size. On sm90 (FlashAttentionForwardSm90) any page size: pages of exactly the key tile (128
+# rows at D 128, 80 at D 256) load by TMA, others by cp.async row gathers (paged_kv.py,
+# `paged_kv_non_tma = page_size not in (None, tile_n)`); its causal mask is bottom-right as
+# ours. It refuses FP8 on sm90 ("FP8 is only supported on SM100") and split-KV on sm90
+# ("SplitKV not supported on SM 9.0": num_splits stays 1, decode cases included, so a few long
+# sequences run on few CTAs there: FA4's sm90 limit, not an input of ours).
+FA4_FP8 = "FA4 (flash-attn-4 4.0.0b36) reads FP8 only on SM100; on sm90 a 16-bit cache only"
+
+
+def fa4_args(inputs: Inputs) -> dict[str, Any]:
+    """FA4's paged varlen arguments for the inputs, besides q, k, v: the packed form's
+    cu_seqlens_q / max_seqlen_q (decode: one token a sequence, cu_seqlens_q = 0 .. batch),
+    seqused_k the KV lengths, the page table as is, causal (bottom-right) at ours' scale."""
+    q = inputs["q"]
+    packed = _packed(inputs)
+    if not packed:
+        cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+        packed = {"cu_seqlens_q": cu, "max_seqlen_q": 1}
+    return {**packed, "seqused_k": inputs["seqlens"], "page_table": inputs["table"],
+            "causal": True, "softmax_scale": q.shape[-1] ** -0.5, "return_lse": True}  # fmt: skip
+
+
+def _fa4():
+    """FA4's paged varlen forward on every 16-bit case (decode as one token a sequence)."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except Exception:
+        return None
+
+    def run(inputs: Inputs):
+        if inputs["k"].dtype == torch.float8_e4m3fn:
+            raise NotImplementedError(FA4_FP8)
+        if "fa4" not in inputs:
+            inputs["fa4"] = fa4_args(inputs)
+        return flash_attn_varlen_func(inputs["q"], inputs["k"], inputs["v"], **inputs["fa4"])
+
+    return run
+
+
 def comparators() -> dict[str, Any]:
     if not torch.cuda.is_available():
-        return {"flashinfer": None, "flashinfer_fa3": None}
-    return {"flashinfer": _flashinfer(), "flashinfer_fa3": _flashinfer_fa3()}
+        return {"flashinfer": None, "flashinfer_fa3": None, "fa4": None}
+    return {"flashinfer": _flashinfer(), "flashinfer_fa3": _flashinfer_fa3(), "fa4": _fa4()}
 
 
 def _query_rows(case: Case) -> list[tuple[int, int]]:

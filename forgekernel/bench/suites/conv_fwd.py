@@ -48,8 +48,9 @@ CHECK_CASES = (
     L.conv_case("fwd", 2, 256, 512, (14, 14), 1, 2, group="conv2d"),
 )
 # every standard tile the chooser picks (64, 128 and 256 output channels), bias, 3-D, ragged;
-# the first four walk stride-1 output rectangles, the fifth (stride 2, split) the im2col walk
-SANITIZE_CASES = (CHECK_CASES[0], CHECK_CASES[2], CHECK_CASES[7], CHECK_CASES[11], CHECK_CASES[1])
+# the stride-1 ones walk im2col rows on problems this small (config.py RECT_START) but the
+# sixth, the conv3d C = 128 (rectangles 8 wide, split); the fifth (stride 2, split) im2col
+SANITIZE_CASES = tuple(CHECK_CASES[i] for i in (0, 2, 7, 11, 1, 10))
 
 
 def suite() -> OpSuite:

@@ -63,7 +63,9 @@ CHECK_CASES = (
 )
 # compute-sanitizer: every standard configuration the chooser takes (decode a8 / a16 / a32,
 # skinny, mid, large; stream K with the 64-row a8 box and with 128x128
-# tiles).
+# tiles), and CTAs that refill their ring's stages (racecheck sees a stage's release only there:
+# 150x256x3072 stream K without a cluster, 8 k-tiles a CTA on 5 stages; 1100x1024x1280 LARGE
+# over 2x1, 10 on 6; 8x9216x4096 decode a8 over 1x2, 32 on 11).
 SANITIZE_CASES = (
     _case(1, 256, 256),
     _case(12, 264, 384),
@@ -74,6 +76,8 @@ SANITIZE_CASES = (
     _case(3, 256, 4096),
     _case(150, 256, 3072),
     _case(1100, 2200, 256),
+    _case(1100, 1024, 1280),
+    _case(8, 9216, 4096),
 )
 
 

@@ -70,6 +70,20 @@ _EFFICIENCY = {LARGE: 1.0, SQUARE: 0.93, SMALL: 0.9, NARROW: 0.8}
 # at 360 (conv3d C = 128 -> K = 128), 128x64 at 160-200, whatever M was. In units of a 128x128
 # k-tile at full speed, 128 rows cost:
 IM2COL_ROWS_128 = 2.0
+# The stride-1 forward's two A walks (choose_plan), refit from both walks timed on one tile each
+# (H200, 2026-12-02 15:48, scripts/conv_fwd_walks.py; tests/test_conv_walks_model.py replays
+# the table). The im2col box at stride 1: 128x256 c2x1 tiles ran at 0.93-0.96 of the
+# rectangles' rate where the multiply-adds bound the rectangles (597-660 against 624-691
+# TFLOP/s), so its 128 rows cost 2.12, not the multiply-adds' 2.0 (strided rows, timed against
+# no other walk, keep IM2COL_ROWS_128). A tiled box (the rectangles):
+# its 128 rows cost TILED_ROWS_128, and each rectangle tile pays RECT_START once (its origin,
+# its 5-D boxes and stores): at 128x64 on C = 64 maps the rectangles lost 8-32% with 1 to 9
+# k-tiles a tile and were level at 16 (the cost per tile, not per k-tile). The two are fitted
+# together (with a cheaper box the start has to be dearer: docs/conv/NOTES.md, "The walks
+# refit").
+FWD_IM2COL_ROWS_128 = 2.12
+TILED_ROWS_128 = 1.4
+RECT_START = 4.0
 MAX_PARTS = 16  # a split's parts (the last reads them all back)
 MIN_PER_PART = 2  # k-tiles
 MAX_WORKSPACE = 64 << 20  # fp32 partials (256 MB)
@@ -118,6 +132,8 @@ def split_cost(
     num_sms: int,
     efficiency: float,
     im2col_rows: float = 0.0,
+    row_rate: float = IM2COL_ROWS_128,
+    start: float = 0.0,
 ) -> tuple[float, int, int]:
     """(time in units of one 128x128 k-tile at full speed, k-tiles per part, parts) of a tile
     (tile_m, tile_n) over tiles_mn output tiles with the reduction of `k_tiles` cut `parts`
@@ -126,7 +142,8 @@ def split_cost(
     its fp32 tile and the last one reading all of them back, plus the epilogue (a stored
     128x128 16-bit tile or a parked fp32 one is as many bytes as one or two k-tiles of
     operands). A k-tile takes the longer of its multiply-adds and its `im2col_rows` pixel rows
-    through the im2col TMA (IM2COL_ROWS_128 per 128)."""
+    through A's box (`row_rate` per 128: IM2COL_ROWS_128, the im2col TMA); a tile pays `start`
+    once (the forward's rectangles: RECT_START)."""
     tm, tn = tile
     per = _ceil(k_tiles, parts)
     parts = _ceil(k_tiles, per)  # every part non-empty
@@ -134,11 +151,11 @@ def split_cost(
     blocks = _ceil(tiles_mn[0], cm) * _ceil(tiles_mn[1] * parts, cn)
     waves = _ceil(blocks, num_sms // (cm * cn))
     area = tm * tn / (128 * 128) / efficiency
-    k_tile = max(area, IM2COL_ROWS_128 * im2col_rows / 128)
+    k_tile = max(area, row_rate * im2col_rows / 128)
     operand = (tm + tn) * K_TILE * 2  # bytes of one k-tile of A and B
     epilogue = tm * tn * 2 / operand * area
     park = tm * tn * 4 / operand * area if parts > 1 else 0.0
-    return waves * (per * k_tile + park + epilogue) + parts * park, per, parts
+    return waves * (per * k_tile + park + epilogue + start) + parts * park, per, parts
 
 
 def m_tiles(cfg: ConvConfig, m: int, pixels=None, rect: int = 0) -> int:
@@ -158,16 +175,30 @@ def split_tiles(cfg: ConvConfig, m: int, n: int, pixels=None, rect: int = 0) -> 
 
 
 def choose_plan(
-    m: int, n: int, c: int, taps: int = 1, num_sms: int = NUM_SMS_H100_H200, pixels=None
+    m: int,
+    n: int,
+    c: int,
+    taps: int = 1,
+    num_sms: int = NUM_SMS_H100_H200,
+    pixels=None,
+    im2col: bool = True,
 ):
     """The forward (or data-gradient phase) launch for M output pixels, N output channels, C
     input channels and `taps` filter taps: the standard tile, walk and split of the least
     `split_cost` (a split runs on the tile's split variant). `pixels` (N, Z, P, Q): a stride-1
     forward, whose output tiles may also be rectangles of each width of RECT_WIDTHS (A through
-    a tiled TMA: no im2col-rate term; tiles counted in rectangles, their zero-filled pixels
-    paid as multiply-adds); None: the im2col walk only."""
+    a tiled box: TILED_ROWS_128 per 128 rows against the im2col box's FWD_IM2COL_ROWS_128, and
+    RECT_START a tile; tiles counted in rectangles, their zero-filled pixels paid as
+    multiply-adds); None: the im2col walk only, its rows at IM2COL_ROWS_128. The im2col walk on
+    a tie; not offered with pixels where `im2col` is False (the launcher: an output the im2col
+    walk's (M, K) rows would write through a scratch buffer and a copy, e.g. a strided data
+    gradient's phase into its strided view of dx)."""
     k_tiles = _ceil(c, K_TILE) * taps
     walks = (0,) + (RECT_WIDTHS if pixels is not None else ())
+    if pixels is not None and not im2col:
+        walks = RECT_WIDTHS
+    # the stride-1 im2col rows, timed against the rectangles; strided ones keep the 12-01 fit
+    im2col_rate = FWD_IM2COL_ROWS_128 if pixels is not None else IM2COL_ROWS_128
     best = None
     for cfg in BASE_CONFIGS:
         for rect in walks:
@@ -175,8 +206,8 @@ def choose_plan(
             tiles = split_tiles(cfg, m, n, pixels, rect)
             limit = min(MAX_PARTS, max(1, k_tiles // MIN_PER_PART))
             limit = min(limit, max(1, MAX_WORKSPACE // (tiles * cfg.tile_m * cfg.tile_n)))
-            # A's im2col box, shared by a cluster's row; a tiled box has no such rate
-            rows = 0.0 if rect else cfg.tile_m / cfg.cluster_n
+            # A's box (im2col or tiled), shared by a cluster's row
+            rate, start = (TILED_ROWS_128, RECT_START) if rect else (im2col_rate, 0.0)
             for want in range(1, limit + 1):
                 cost, per, parts = split_cost(
                     (cfg.tile_m, cfg.tile_n),
@@ -186,7 +217,9 @@ def choose_plan(
                     want,
                     num_sms,
                     _EFFICIENCY[cfg],
-                    im2col_rows=rows,
+                    im2col_rows=cfg.tile_m / cfg.cluster_n,
+                    row_rate=rate,
+                    start=start,
                 )
                 if best is None or cost < best[0]:
                     chosen = replace(cfg, split=True) if parts > 1 else cfg

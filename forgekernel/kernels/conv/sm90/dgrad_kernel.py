@@ -234,6 +234,7 @@ class ConvDgradSm90(ConvFpropSm90):
             cb, tap = walk.tap_of(k0, counts)
             it, ir, is_ = tap
             for _ in range(count):
+                # coordinates (cb, s, r, t), not flat k-tiles: no division per k-tile
                 kt_a, kt_b = walk.tiles_of(cb, (it, ir, is_), offsets, w_taps)
                 ab_pipe.producer_acquire(prod)
                 bar = ab_pipe.producer_get_barrier(prod)

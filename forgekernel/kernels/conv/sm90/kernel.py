@@ -19,7 +19,7 @@ Loads:
   <= 8 (`geometry.check_descriptor`).
 - A at stride 1 (compile key `rect` = 8 or 16; any padding and dilation; not the data-gradient
   mode): an output tile is a rectangle of `rect` columns x tile_m / rect rows of one (image,
-  output plane), Q's rectangles fastest, then P's, Z, N (`_rect`, geometry.rect_origin), and A
+  output plane), Q's rectangles fastest, then P's, Z, N (`rect_index`, geometry.rect_origin), and A
   is a TILED box of X seen as ((W, H, D, N), C) at the rectangle shifted by the tap, (q0 + s x
   dil_w - pad_w, p0 + r x dil_h - pad_h, z + t x dil_d - pad_d, n) (`cute.domain_offset` on
   the coordinate tensor; coordinates below 0 or past the extents are the TMA's zero fill: the
@@ -95,6 +95,19 @@ from forgekernel.kernels.common.sm90.scheduler.static import StaticSchedule, Sta
 from forgekernel.kernels.conv.sm90.config import ConvConfig
 from forgekernel.kernels.conv.sm90.geometry import rect_shape
 from forgekernel.kernels.conv.sm90.im2col import im2col_atom
+
+
+@cute.jit
+def rect_index(index, rects):
+    """Rectangle `index`'s (image, output plane, rectangle row, rectangle column) for `rects` =
+    (rectangles along Q, along P, output planes): Q's rectangles fastest, then P's, Z, N
+    (geometry.rect_origin). The forward's M tiles and the weight gradient's k-tiles walk them."""
+    per_q, per_p, planes = rects
+    qt = index % per_q
+    rest = index // per_q
+    pt = rest % per_p
+    rest = rest // per_p
+    return rest // planes, rest % planes, pt, qt
 
 
 class Bar(IntEnum):
@@ -495,9 +508,17 @@ class ConvFpropSm90:
     def _produce(self, load_a, load_b, ab_pipe, schedule, k_walk, rect_walk):
         """The producer warp: every k-tile of A and B of each of the CTA's tiles into the ring.
         `k_walk`: (k-tiles, channel blocks per tap); `rect_walk`: (the rectangles' grid, the
-        taps' offsets) (rectangles only)."""
+        taps' offsets ((T, R, S), padding below, dilation)).
+
+        A k-tile is named by its coordinate (channel block, s, r, t) in the k-tile mode of A's
+        and B's coordinate tensors, kept by an odometer (channel block fastest, then S, R, T):
+        a flat k-tile index there costs the producer thread a chain of run-time divisions per
+        k-tile (the tensors' (C blocks, S, R, T) shapes are dynamic; ~270 instructions and
+        seven I2F / MUFU.RCP / F2I divisions a k-tile in the 128x128 build), longer than a
+        128x128 k-tile's multiply-adds (docs/conv/NOTES.md, "The producer's k-tile walk")."""
         tma_b, tBgB, tBsB, b_mask = load_b
         units, c_blocks = k_walk
+        taps_t, taps_r, taps_s = rect_walk[1][0]
         prod = producer_state(self.stages)
         sched = StaticScheduler(schedule)
         work = sched.first()
@@ -507,60 +528,65 @@ class ConvFpropSm90:
             corner = None
             if cutlass.const_expr(self.rect):
                 corner = self._rect(tile_m, rect_walk[0])
-            # B's k-tile: kt itself, or with the taps reversed (dgrad) the channel block cb of
-            # tap (taps - 1 - j) for A's (cb, j): `tap_b` counts down one tap per c_blocks,
-            # from the part's first k-tile k0 = (j0, cb0).
+            # the part's first k-tile k0 as (cb, s, r, t): divisions once per unit
             cb = k0 % c_blocks
-            tap_b = units[0] - c_blocks - (k0 - cb)
-            for i in range(count):
-                kt = k0 + i
-                kt_b = kt
+            j = k0 // c_blocks
+            s_ = j % taps_s
+            r_ = (j // taps_s) % taps_r
+            t_ = j // (taps_s * taps_r)
+            for _ in range(count):
+                crd = (cb, s_, r_, t_)
+                # B's k-tile: A's, or with the taps reversed (dgrad) the same channel block of
+                # tap (taps - 1 - j): reversing T, R and S at once reverses the linear tap
+                crd_b = crd
                 if cutlass.const_expr(self.dgrad):
-                    kt_b = tap_b + cb
-                    cb += 1
-                    if cb == c_blocks:
-                        cb = cutlass.Int32(0)
-                        tap_b -= c_blocks
+                    crd_b = (cb, taps_s - 1 - s_, taps_r - 1 - r_, taps_t - 1 - t_)
                 ab_pipe.producer_acquire(prod)
                 bar = ab_pipe.producer_get_barrier(prod)
                 if cutlass.const_expr(self.rect):
-                    self._load_a_rect(load_a, corner, (kt, c_blocks), rect_walk[1], bar, prod)
+                    self._load_a_rect(load_a, corner, crd, rect_walk[1], bar, prod)
                 else:
                     tma_a, tAgA, tAsA, a_mask = load_a
                     cute.copy(
                         tma_a,
-                        tAgA[(None, tile_m, kt)],
+                        tAgA[(None, tile_m, crd)],
                         tAsA[(None, prod.index)],
                         tma_bar_ptr=bar,
                         mcast_mask=a_mask,
                     )
                 cute.copy(
                     tma_b,
-                    tBgB[(None, tile_n, kt_b)],
+                    tBgB[(None, tile_n, crd_b)],
                     tBsB[(None, prod.index)],
                     tma_bar_ptr=bar,
                     mcast_mask=b_mask,
                 )
                 ab_pipe.producer_commit(prod)
                 prod.advance()
+                cb += 1
+                if cb == c_blocks:
+                    cb = cutlass.Int32(0)
+                    s_ += 1
+                    if s_ == taps_s:
+                        s_ = cutlass.Int32(0)
+                        r_ += 1
+                        if r_ == taps_r:
+                            r_ = cutlass.Int32(0)
+                            t_ += 1
             work = sched.next(work)
         ab_pipe.producer_tail(prod)
 
-    def _load_a_rect(self, load_a, corner, k_tile, offsets, bar, prod):
-        """A's k-tile kt = (tap j, channel block cb) of the rectangle at `corner` (n, z, p0, q0):
-        the box of X ((W, H, D, N), C) at (q0 + s x dil_w - pad_w, p0 + r x dil_h - pad_h, z +
-        t x dil_d - pad_d, n) and channel cb x tile_k, placed by `cute.domain_offset` on the
-        coordinate tensor (coordinates below 0 or past the extents: the TMA's zero fill, the
-        padding); a cluster's CTAs along N each load a slice, multicast to all."""
+    def _load_a_rect(self, load_a, corner, crd, offsets, bar, prod):
+        """A's k-tile `crd` = (channel block cb, tap (s, r, t)) of the rectangle at `corner`
+        (n, z, p0, q0): the box of X ((W, H, D, N), C) at (q0 + s x dil_w - pad_w, p0 + r x
+        dil_h - pad_h, z + t x dil_d - pad_d, n) and channel cb x tile_k, placed by
+        `cute.domain_offset` on the coordinate tensor (coordinates below 0 or past the extents:
+        the TMA's zero fill, the padding); a cluster's CTAs along N each load a slice,
+        multicast to all."""
         tma_a, mA, sA, a_mask, rank = load_a
-        kt, c_blocks = k_tile
-        (_, taps_r, taps_s), pad, dil = offsets
+        cb, s_, r_, t_ = crd
+        _, pad, dil = offsets
         n, z, p0, q0 = corner
-        cb = kt % c_blocks
-        j = kt // c_blocks
-        s_ = j % taps_s
-        r_ = (j // taps_s) % taps_r
-        t_ = j // (taps_s * taps_r)
         origin = (
             (q0 + s_ * dil[2] - pad[2], p0 + r_ * dil[1] - pad[1], z + t_ * dil[0] - pad[0], n),
             cb * self.cfg.tile_k,
@@ -579,14 +605,9 @@ class ConvFpropSm90:
 
     @cute.jit
     def _rect(self, tile, rects):
-        """Rectangle `tile`'s (image, output plane, first row, first column): Q's rectangles
-        fastest, then P's, Z, N (geometry.rect_origin)."""
-        per_q, per_p, planes = rects
-        qt = tile % per_q
-        rest = tile // per_q
-        pt = rest % per_p
-        rest = rest // per_p
-        return rest // planes, rest % planes, pt * self.rect_shape[1], qt * self.rect_shape[0]
+        """Rectangle `tile`'s (image, output plane, first row, first column) in pixels."""
+        n, z, pt, qt = rect_index(tile, rects)
+        return n, z, pt * self.rect_shape[1], qt * self.rect_shape[0]
 
     @cute.jit
     def _consume(self, tidx, warp_idx, mma, ab_pipe, out, schedule, k_split):

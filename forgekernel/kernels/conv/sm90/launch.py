@@ -85,15 +85,17 @@ def _round_up(x: int) -> int:
     return -(-x // CHANNEL_ALIGN) * CHANNEL_ALIGN
 
 
-def _choose(dtype, bias, m, k, c, taps, device_index, config, dgrad, pixels):
+def _choose(dtype, bias, m, k, c, taps, device_index, config, dgrad, pixels, rows):
     """(the compiled function, clusters of the persistent grid, the SplitPlan) of one launch.
     `config`: None (chosen), a ConvConfig (a split one cut into FORCED_PARTS parts; at stride
     1 on rectangles of `rect_width`) or a SplitPlan (its own walk). `pixels`: (N, Z, P, Q) of a
-    stride-1 forward whose output tiles may be rectangles (`_launch`), else None. The function
-    is looked up here, once per problem, not per launch."""
+    stride-1 forward whose output tiles may be rectangles (`_launch`), else None; `rows`:
+    whether the chooser may take the im2col walk there (False: y is a view its (M, K) rows would
+    reach only through a scratch copy). The function is looked up here, once per problem, not
+    per launch."""
     sms = num_sms(device_index) if device_index is not None else NUM_SMS_H100_H200
     if config is None:
-        plan = choose_plan(m, k, c, taps, sms, pixels)
+        plan = choose_plan(m, k, c, taps, sms, pixels, im2col=rows)
     else:
         rect = config.rect if isinstance(config, SplitPlan) else 0
         if pixels is not None and not isinstance(config, SplitPlan):
@@ -278,11 +280,13 @@ def _launch(x, w, bias, y, geometry: Geometry, config, dgrad: bool, rect_1x1: bo
             flat = _one_plane(x, m), _one_plane(y, m)
             if flat[0] is not None and flat[1] is not None:
                 (x, y), pixels = flat, (1, 1, m // 8, 8)
+    # the im2col walk writes y as (M, K) rows: a y not contiguous (a strided data gradient's
+    # phase, a channel slice) would go through a scratch buffer and a copy, the rectangles
+    # write it in place
+    rows = pixels is None or y.is_contiguous()
     device = x.device
-    fn, max_clusters, plan = _plans.get_or_build(
-        (x.dtype, bias is not None, m, kp, cp, t * r * s, device.index, config, dgrad, pixels),
-        _choose,
-    )
+    key = (x.dtype, bias is not None, m, kp, cp, t * r * s, device.index, config, dgrad)
+    fn, max_clusters, plan = _plans.get_or_build((*key, pixels, rows), _choose)
     if plan.rect:  # y (N, Z, P, Q, K), any TMA-ready view
         in_place = kp == k and tma_ready(y)
         y2 = y if in_place else y.new_empty(*y.shape[:4], kp)

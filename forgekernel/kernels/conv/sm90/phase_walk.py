@@ -157,15 +157,13 @@ class PhaseWalk:
         return cb, (tap // (n_s * n_r), tap // n_s % n_r, tap % n_s)
 
     def tiles_of(self, cb, i, offsets, w_taps) -> tuple:
-        """(A's k-tile in the walk's (C blocks, S, R, T), B's in W's) of channel block cb of
-        the phase's tap i = (it, ir, is)."""
+        """(A's k-tile in the walk's (C blocks, S, R, T), B's in W's), each as that mode's
+        coordinate (cb, s, r, t), of channel block cb of the phase's tap i = (it, ir, is): a
+        coordinate, not a flat k-tile index, so that the producer's TMA coordinates take no
+        run-time division per k-tile (kernel.py `_produce`)."""
         walk = tuple(offsets[d] + i[d] * self.offset_step(d) for d in range(3))
         w = tuple(w_taps[d] - i[d] * self.w_step(d) for d in range(3))
-        _, r_walk, s_walk = self.walk_trs
-        _, r_w, s_w = self.w_trs
-        a = cb + self.c_blocks * (walk[2] + s_walk * (walk[1] + r_walk * walk[0]))
-        b = cb + self.c_blocks * (w[2] + s_w * (w[1] + r_w * w[0]))
-        return a, b
+        return (cb, walk[2], walk[1], walk[0]), (cb, w[2], w[1], w[0])
 
     # ------------------------------------------------------------ the result's rows
     def row(self, m, a, mDx):

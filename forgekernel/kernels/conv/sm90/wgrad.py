@@ -24,10 +24,10 @@ tap). The dense GEMM's kernel (kernels/gemm/dense/sm90/kernel.py) with other ope
 
 Stride 1 (compile key `rect` = 8 or 16; any padding and dilation): the pixel k-tiles are
 rectangles of `rect` output columns x 64 / rect rows of one (image, output plane), Q's
-rectangles fastest, then P's, Z, N (`_rect`, geometry.rect_origin), and both operands come
-through TILED TMAs, which have no im2col rate: A's box is dY (K, (Q, P, Z, N)) at (K tile,
-rectangle), B's X ((W, H, D, N), C) at the rectangle shifted by the tap, (q0 + s x dil_w -
-pad_w, p0 + r x dil_h - pad_h, z + t x dil_d - pad_d, n) (`cute.domain_offset` on the TMA
+rectangles fastest, then P's, Z, N (`kernel.rect_index`, geometry.rect_origin), and both
+operands come through TILED TMAs, which have no im2col rate: A's box is dY (K, (Q, P, Z, N))
+at (K tile, rectangle), B's X ((W, H, D, N), C) at the rectangle shifted by the tap, (q0 + s x
+dil_w - pad_w, p0 + r x dil_h - pad_h, z + t x dil_d - pad_d, n) (`cute.domain_offset` on the TMA
 coordinate tensors; coordinates below 0 or past the extents are the TMA's zero fill, which is
 exactly the padding). A rectangle's pixels past P or Q are zero in dY (A), so they add nothing
 whatever B holds there. The shared-memory layouts are the im2col path's (the same staged
@@ -80,6 +80,7 @@ from forgekernel.kernels.common.sm90.pipeline import (
 )
 from forgekernel.kernels.conv.sm90.geometry import RECT_PIXELS, RECT_WIDTHS
 from forgekernel.kernels.conv.sm90.im2col import im2col_atom
+from forgekernel.kernels.conv.sm90.kernel import rect_index
 from forgekernel.kernels.gemm.dense.sm90.kernel import Bar, GemmSm90
 from forgekernel.kernels.gemm.dense.sm90.tile import GemmConfig
 
@@ -439,7 +440,7 @@ class ConvWgradSm90(GemmSm90):
     @cute.jit
     def _produce_rects(self, load_a, load_b, cta, ab_pipe, where, rect_walk):
         """The producer warp of the stride-1 path: per k-tile, one rectangle of output pixels
-        (`_rect`): A's box at (K tile, rectangle) of dY, B's `boxes` boxes at the rectangle
+        (`rect_index`): A's box at (K tile, rectangle) of dY, B's `boxes` boxes at the rectangle
         shifted by the tap's offset (s x dilation - padding per dim) in X, channel blocks
         first.. of the tile (clamped to the last); a 2x1 cluster's CTA `cta` loads its half of
         each B box, multicast to both. `where`: ((K tile, channel tile, tap), 64-channel blocks,
@@ -459,8 +460,13 @@ class ConvWgradSm90(GemmSm90):
         a_tile = (self.cfg.tile_m, self.rect_shape)
         b_tile = (self.rect_shape, BOX_CHANNELS)
         prod = producer_state(self.stages)
-        for i in range(count):
-            n, z, p0, q0 = self._rect(k0 + i, rects)
+        # the part's first rectangle, then an odometer (Q's rectangles fastest, then P's, Z,
+        # N): no run-time division per k-tile in the producer thread
+        per_q, per_p, planes = rects
+        n, z, pt, qt = rect_index(k0, rects)
+        for _ in range(count):
+            p0 = pt * self.rect_shape[1]
+            q0 = qt * self.rect_shape[0]
             ab_pipe.producer_acquire(prod)
             bar = ab_pipe.producer_get_barrier(prod)
             gA = cute.local_tile(
@@ -492,18 +498,17 @@ class ConvWgradSm90(GemmSm90):
                 )
             ab_pipe.producer_commit(prod)
             prod.advance()
+            qt += 1
+            if qt == per_q:
+                qt = cutlass.Int32(0)
+                pt += 1
+                if pt == per_p:
+                    pt = cutlass.Int32(0)
+                    z += 1
+                    if z == planes:
+                        z = cutlass.Int32(0)
+                        n += 1
         ab_pipe.producer_tail(prod)
-
-    @cute.jit
-    def _rect(self, kt, rects):
-        """Rectangle kt's (image, output plane, first row, first column): Q's rectangles
-        fastest, then P's, Z, N (geometry.rect_origin)."""
-        per_q, per_p, planes = rects
-        qt = kt % per_q
-        rest = kt // per_q
-        pt = rest % per_p
-        rest = rest // per_p
-        return rest // planes, rest % planes, pt * self.rect_shape[1], qt * self.rect_shape[0]
 
     def _epilogue_parts(self, tidx, tiled_mma, acc, sC, epi_barrier):
         """The GEMM epilogue's copies and ring (`GemmSm90._epilogue`'s `epi` tuple): registers

@@ -35,6 +35,25 @@ def _plan(dtype, kv_dtype, batch, hq, hkv, d, max_tokens, qtokens, device_index,
     return partial, combine, splits, per
 
 
+def _plan_for(q, k_cache, page_table, batch, packed, max_seqlen_q, one_split):
+    """`_plan`'s (partial, combine, splits, tokens per split) for the call, cached. The packed
+    form takes a kernel built for cu_seqlens_q (2 or more tokens) even when every sequence
+    brings one query token."""
+    qtokens = 1 if not packed else next(t for t in config.QTOKENS if t >= max(max_seqlen_q, 2))
+    _, page_size, hkv, _ = k_cache.shape
+    _, hq, d = q.shape
+    key = (q.dtype, k_cache.dtype, batch, hq, hkv, d, page_table.shape[1] * page_size, qtokens,
+           q.device.index, one_split)  # fmt: skip
+    return _plans.get_or_build(key, _plan)
+
+
+def packed_splits(q, k_cache, page_table, batch: int, max_seqlen_q: int) -> int:
+    """The split plan's number of splits for `batch` sequences of the packed form at up to
+    max_seqlen_q tokens each (what `paged_decode` runs on them without one_split): host only,
+    the plan cached with the call's."""
+    return _plan_for(q, k_cache, page_table, batch, True, max_seqlen_q, False)[2]
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -66,16 +85,10 @@ def paged_decode(
     b = seqlens_k.shape[0]
     if rows == 0 or b == 0:
         return
-    # the packed form takes a kernel built for cu_seqlens_q (2 or more tokens) even when every
-    # sequence brings one query token
-    qtokens = (
-        1 if cu_seqlens_q is None else next(t for t in config.QTOKENS if t >= max(max_seqlen_q, 2))
-    )
     _, page_size, hkv, _ = k_cache.shape
     device = q.device
-    key = (q.dtype, k_cache.dtype, b, hq, hkv, d, page_table.shape[1] * page_size, qtokens,
-           device.index, one_split)  # fmt: skip
-    partial, combine, splits, per = _plans.get_or_build(key, _plan)
+    partial, combine, splits, per = _plan_for(q, k_cache, page_table, b, cu_seqlens_q is not None,
+                                              max_seqlen_q, one_split)  # fmt: skip
     # one split: the partials are placeholders giving the grid its one split
     direct = combine is None
     shape = (1, 1, 1) if direct else (splits, rows, hq)

@@ -122,10 +122,37 @@ def assumed_efficiency(cfg: GemmConfig) -> float:
 # The intensity rule above had them 0.4-4% low for the FIT tiles, 5% high for the swapped ones.
 _EFFICIENCY.update({FIT_224: 0.997, FIT_160: 0.982, FIT_144: 0.966, TALL_80: 0.942, TALL_96: 0.939})
 _EFFICIENCY.update({SWAP_80: 0.842, SWAP_TALL_80: 0.856})
-# ASSUMED (not timed: the bench's launch failure, docs/gemm/NOTES.md "Measured: the FIT tiles"):
-# FIT_112 the intensity rule's 0.916; SWAP_208 the rule's 0.980 x 0.951, the measured swapped
-# tiles' ratio to the rule.
-_EFFICIENCY.update({FIT_112: assumed_efficiency(FIT_112), SWAP_208: 0.932})
+# FIT_112 and SWAP_208 (launched at 6 / 4 stages) from the bench of 2026-12-02 15:48, the same
+# way: 512x3584x3584 and 4096x4096x4096 (FIT_112 0.872 / 0.843, 0.974 / 0.872 graph / eager;
+# the intensity rule had 0.916), 777x4096x14336 (SWAP_208 0.934 / 0.943; assumed 0.932).
+_EFFICIENCY.update({FIT_112: 0.889, SWAP_208: 0.938})
+# Candidates for the slowest cases of the H200 bench of 2026-12-02 15:48, none chosen until
+# scripts/gemm_worst_probe.py times them (docs/gemm/NOTES.md "The slowest cases of the 15:48
+# bench"). The swapped tiles walked with the tokens (the kernel's N) fastest: the token tiles of
+# one weight tile then run in one round and the weight leaves HBM once, not once per cluster
+# column of tokens (the standard raster, M fastest: twice at 300 tokens, four times at 512).
+SWAP_N = tuple(dataclasses.replace(c, raster_along_m=False) for c in SWAP)
+# Swapped stream K: 129 tokens in one 144-wide tile, the weight's 80 tiles over all 132 SMs
+# (SWAP_TALL_80 leaves 24 idle and no tiling of 10240 x 129 fills them).
+SWAP_STREAM_144 = GemmConfig(tile_n=144, cluster_m=1, epi_n=16, swap=True, stream_k=True)
+# The one-round decode cases (64-80 tiles) ran ~1.1 us slower from the first run with the compact
+# A ring on (22 / 17 stages at a8 / a32; 2026-12-02 04:21 onward) than at 13 stages before it.
+DECODE_13 = tuple(dataclasses.replace(c, stages=13) for c in (DECODE[0], DECODE[2]))
+# Decode widths: 48 columns put 96-107 CTAs on N = 4608-5120 (64 columns: 72-80), 112 make
+# 4x28672x4096 two even rounds (64: 3.4), 256 one round of 128 tiles at K = 512 (64: 3.9 rounds
+# of 8 k-tiles each).
+DECODE_48 = tuple(
+    GemmConfig(tile_m=64, tile_n=48, cluster_m=1, cluster_n=2, epi_n=16, a_rows=r) for r in (8, 32)
+)
+DECODE_112 = GemmConfig(tile_m=64, tile_n=112, cluster_m=1, cluster_n=2, epi_n=16, a_rows=8)
+# (6 stages by `ring_stages` would ask 233,472 bytes: tests/test_gemm_smem_fit.py)
+DECODE_256 = GemmConfig(tile_m=64, tile_n=256, cluster_m=1, cluster_n=2, a_rows=16, stages=5)
+# FIT_112 and SWAP_208 with the stage they gave up back, the epilogue ring 3 deep instead of 4
+# (229,376 bytes each; the FP8 tiles' sixth stage so gained 2.6-5% at large K on 2026-12-02).
+STAGE_BACK = (
+    dataclasses.replace(FIT_112, epi_stages=3, stages=7),
+    dataclasses.replace(SWAP_208, epi_stages=3, stages=5),
+)
 # Further configurations for tuning (`forgekernel build --candidates`, `forgekernel.tune_gemm`,
 # scripts/gemm_sweep.py); bf16 "nk" prebuilt, anything else compiles on first use.
 CANDIDATES = (
@@ -135,6 +162,13 @@ CANDIDATES = (
     GemmConfig(tile_m=128, tile_n=64, cluster_m=1, cluster_n=2),
     GemmConfig(tile_n=128, cluster_m=1, cluster_n=2),
     GemmConfig(tile_m=64, tile_n=256, cluster_m=2),
+    *SWAP_N,
+    SWAP_STREAM_144,
+    *DECODE_13,
+    *DECODE_48,
+    DECODE_112,
+    DECODE_256,
+    *STAGE_BACK,
 )
 
 
@@ -296,12 +330,10 @@ def prefill_time(cfg: GemmConfig, m: int, n: int, k: int, num_sms: int = NUM_SMS
     km, kn = (n, m) if cfg.swap else (m, n)  # the problem the kernel sees
     if not cfg.stream_k and (km < cfg.tile_m or kn < cfg.tile_n):
         eff /= _PAST_EDGE_SLOWDOWN
-    if cfg.swap:
-        t = tiled_us(cfg, n, m, k, num_sms, eff)
-    elif cfg.stream_k:
-        t = stream_us(split_for(cfg, m, n, k, num_sms), cfg, k, num_sms, eff)
+    if cfg.stream_k:
+        t = stream_us(split_for(cfg, km, kn, k, num_sms), cfg, k, num_sms, eff)
     else:
-        t = tiled_us(cfg, m, n, k, num_sms, eff)
+        t = tiled_us(cfg, km, kn, k, num_sms, eff)
     return max(t, hbm_us(m, n, k))
 
 

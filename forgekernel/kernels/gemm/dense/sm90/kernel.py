@@ -18,7 +18,8 @@ Warp roles:
 Pipelines:
 - AB ring (`PipelineTmaAsync`, `stages` deep, as many as fit): full barriers count the TMA
   bytes of A + B (FP8: and one arrival per producer lane, `_load`); empty barriers take one
-  arrival per consumer warp and CTA that multicast into the stage.
+  arrival per consumer warp and CTA that multicast into the stage (FP8: and one per local
+  consumer thread, `_retire`).
 - epilogue ring (`PipelineTmaStore`, `epi_stages` deep): one TMA-store commit group per
   sub-tile. Named barrier `Bar.EPILOGUE` (all consumer threads), twice per sub-tile: the
   `stmatrix` writes are in shared memory before the store warp's TMA store reads them, and
@@ -283,6 +284,10 @@ class GemmSm90:
                 f"block-scaled FP8 takes tile_n <= 128 (three tile_n / 2 fp32 fragments per "
                 f"thread, one block of B's scales per tile), got {self.cfg.tile_n}"
             )
+        if cutlass.const_expr(
+            self.cfg.scale_ahead != 1 and not (self.scaled and self.cfg.scale_ahead > 1)
+        ):
+            raise ValueError(f"scale_ahead {self.cfg.scale_ahead}: FP8's, at least 1")
         if cutlass.const_expr(mGroup is not None and self.cfg.stream_k):
             raise ValueError("the grouped layouts do not take stream K")
         if cutlass.const_expr(mGroup is not None and (not self.scaled or self.cfg.cluster_m > 1)):
@@ -438,6 +443,11 @@ class GemmSm90:
         storage = SmemAllocator().allocate(self.shared_storage)
         # Each consumer warp releases a stage to every CTA that multicast into it.
         consumer_arrivals = (self.mcast_a + self.mcast_b - 1) * (self.num_mma_threads // 32)
+        if cutlass.const_expr(self.scaled):
+            # FP8: every consumer thread arrives on its own CTA's (`_retire`); with a cluster,
+            # the per-warp arrivals above as well
+            peers = consumer_arrivals if self._clustered() else 0
+            consumer_arrivals = self.num_mma_threads + peers
         # `tma_pipeline`'s ring, but for FP8 a full barrier takes an arrival from each producer
         # lane, after its own stores of the stage's scales (`_load`): one lane's arrive is all
         # the toolkit's helper counts (taking the count there would move the source hash of
@@ -636,7 +646,8 @@ class GemmSm90:
     @cute.jit
     def _fetch_scales(self, src, kt, lane):
         """k-tile kt's scales for producer lane `lane`: A's of tile rows lane + 32 i, then the
-        tile's block of B's (registers, stored one k-tile later by `_stage_scales`)."""
+        tile's block of B's (registers, stored `cfg.scale_ahead` k-tiles later by
+        `_stage_scales`)."""
         mSFA, mSFB, _, first_row, last_row, blk = src
         rows = range(self.cfg.tile_m // 32)  # static
         sa = tuple(mSFA[cutlass.min(first_row + lane + 32 * i, last_row), kt] for i in rows)
@@ -657,13 +668,13 @@ class GemmSm90:
         layout, the shared-memory ring), the multicast mask. `tile`: (tile_m, tile_n, the tail
         shift, the grouped layout's groups or None), or with the masked layout (m-tile, n-tile,
         expert, None). `scales`: FP8's (`_tile_scales`), else None: the warp's lanes load each
-        k-tile's scales one k-tile ahead (the latency off the stage's path) and store them into
-        the stage after its empty wait; then each lane arrives on the full barrier (32
-        arrivals, each expecting 1/32 of the TMA bytes, in place of `producer_acquire`'s one),
-        so that every store is released by its own thread's arrive: the consumers read them
-        from shared memory once the stage is full. (One elected arrive after `sync_warp` is
-        ordered too, but racecheck follows only the arriving thread's stores: RAW reports on
-        lanes 1-31, H200 2026-12-02.)"""
+        k-tile's scales `cfg.scale_ahead` k-tiles ahead (1 standard: the latency behind the next
+        empty wait; 2 a candidate) and store them into the stage after its empty wait; then each
+        lane arrives on the full barrier (32 arrivals, each expecting 1/32 of the TMA bytes, in
+        place of `producer_acquire`'s one), so that every store is released by its own thread's
+        arrive: the consumers read them from shared memory once the stage is full. (One elected
+        arrive after `sync_warp` is ordered too, but racecheck follows only the arriving
+        thread's stores: RAW reports on lanes 1-31, H200 2026-12-02.)"""
         tile_m, tile_n, shift, groups = tile
         tma_a, (mA, a_rank, a_ctas, sA), a_mask = load_a
         tma_b, (mB, b_rank, b_ctas, sB), b_mask = load_b
@@ -696,15 +707,22 @@ class GemmSm90:
             tma_b, b_rank, b_ctas, sB, cute.group_modes(gB, 0, 2)
         )
         lane = cute.arch.lane_idx()
+        # FP8: the scales of the next `scale_ahead` k-tiles in registers, k-tile kt's first
+        # (flat: `width` values a k-tile; past the unit's last k-tile its last one again)
+        ahead = self.cfg.scale_ahead
+        width = self.cfg.tile_m // 32 + 1
         fetched = None
         if cutlass.const_expr(scales is not None):
             fetched = self._fetch_scales(scales, k0, lane)
+            for j in cutlass.range_constexpr(1, ahead):
+                kj = cutlass.min(k0 + j, k0 + count - 1)
+                fetched = (*fetched, *self._fetch_scales(scales, kj, lane))
         for i in range(count):
             kt = k0 + i
             bar = ab_pipe.producer_get_barrier(prod)
             if cutlass.const_expr(scales is not None):
                 ab_pipe.sync_object_empty.wait(prod.index, prod.phase)
-                self._stage_scales(fetched, scales[2], prod.index, lane)
+                self._stage_scales(fetched[:width], scales[2], prod.index, lane)
                 # every lane releases its own stores and expects its share of the TMA bytes
                 # (a stage is a multiple of 128 bytes: tile_k = 128 FP8 bytes a row)
                 cute.arch.mbarrier_arrive_and_expect_tx(
@@ -718,8 +736,9 @@ class GemmSm90:
             ab_pipe.producer_commit(prod)
             prod.advance()
             if cutlass.const_expr(scales is not None):
-                # the next k-tile's (the last one's again at the end: no branch)
-                fetched = self._fetch_scales(scales, cutlass.min(kt + 1, k0 + count - 1), lane)
+                # k-tile kt + scale_ahead's (the last one's again at the end: no branch)
+                nxt = self._fetch_scales(scales, cutlass.min(kt + ahead, k0 + count - 1), lane)
+                fetched = (*fetched[width:], *nxt)
         return prod
 
     @cute.jit
@@ -1038,9 +1057,18 @@ class GemmSm90:
     @cute.jit
     def _retire(self, pending, ab_pipe, release):
         """Wait until at most `pending` WGMMA groups are in flight, then release the stage of
-        the oldest k-tile still held."""
+        the oldest k-tile still held: every thread arrives on its CTA's empty barrier, so that
+        each one's reads of the stage's scales (`_scales`) are released by its own arrive
+        (racecheck follows only the arriving thread's accesses: the toolkit's one lane a warp
+        left 18,432 WAR reports on the staged scales, H200 2026-12-02 15:48); with a cluster,
+        also the toolkit's one lane a warp on each CTA that multicast into the stage."""
         cute.nvgpu.warpgroup.wait_group(pending)
-        ab_pipe.consumer_release(release)
+        cute.arch.mbarrier_arrive(ab_pipe.consumer_get_barrier(release))
+        if cutlass.const_expr(self._clustered()):
+            ab_pipe.consumer_release(release)
+
+    def _clustered(self) -> bool:
+        return self.cfg.cluster_m * self.cfg.cluster_n > 1
 
     @cute.jit
     def _scales(self, src, stage):

@@ -82,9 +82,11 @@ def _choose(dtype, b_kn, m, n, k, device_index, config) -> tuple[object, int, tu
         raise ValueError(f"GEMM config {cfg.tag()} swaps the operands: B 'nk' only")
     split = None
     if cfg.stream_k:
-        # N and K as the kernel sees them (padded up to multiples of 8 where they are not);
-        # the kernel derives the grid and the data-parallel blocks from per and max_clusters.
-        plan = split_for(cfg, m, _round_up(n), _round_up(k), sms)
+        # The problem as the kernel sees it (N and K padded up to multiples of 8 where they are
+        # not; swapped: the weight's N rows as its M, the tokens as its N); the kernel derives
+        # the grid and the data-parallel blocks from per and max_clusters.
+        km, kn = (_round_up(n), m) if cfg.swap else (m, _round_up(n))
+        plan = split_for(cfg, km, kn, _round_up(k), sms)
         split = (plan.per, plan.tiles, 2 * plan.ctas * cfg.tile_m * cfg.tile_n)
     # One CTA per SM (the pipeline takes nearly all shared memory).
     max_clusters = sms // (cfg.cluster_m * cfg.cluster_n)
@@ -129,7 +131,7 @@ def gemm(
         else:
             per, tiles, floats = split
             work, flags = stream_k_workspace(a.device, tiles, floats)
-            fn(a, b, c, work, flags, per, None, None, None, max_clusters)
+            fn(*kernel_operands(a, b, c, swap), work, flags, per, None, None, None, max_clusters)
     if c is not out:
         out.copy_(c if c.shape[1] == n else c[:, :n])
 

@@ -35,6 +35,9 @@ class GemmConfig:
     # weight's N rows as the kernel's M, the tokens as its N, C written through its (N, M)
     # M-major view (launch.py `gemm`). In the compile key only when set.
     swap: bool = False
+    # FP8: how many k-tiles ahead the producer loads the scales it stages (kernel.py `_load`).
+    # In the compile key only when not 1 (a candidate, docs/gemm/NOTES.md "8192^3").
+    scale_ahead: int = 1
 
     def fits(self, m: int) -> bool:
         """Whether this configuration computes M rows: a short A box (a_rows) covers one
@@ -42,10 +45,13 @@ class GemmConfig:
         return not self.a_rows or m <= self.a_rows
 
     def key(self) -> dict:
-        """The fields as a compile key's part: `swap` only when set (older keys stay valid)."""
+        """The fields as a compile key's part: `swap` only when set, `scale_ahead` only when
+        not 1 (older keys stay valid)."""
         fields_ = asdict(self)
         if not self.swap:
             del fields_["swap"]
+        if self.scale_ahead == 1:
+            del fields_["scale_ahead"]
         return fields_
 
     def tag(self) -> str:
@@ -56,6 +62,7 @@ class GemmConfig:
             + ("_sk" if self.stream_k else "")
             + (f"_a{self.a_rows}" if self.a_rows else "")
             + ("_swap" if self.swap else "")
+            + (f"_f{self.scale_ahead}" if self.scale_ahead != 1 else "")
         )
 
     @classmethod
