@@ -5,24 +5,17 @@ times (the weight's tiles of one token column adjacent in the raster)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from script_modules import load_script  # tests/ is on the path
 from test_gemm_smem_fit import allocated  # tests/ is on the path (pytest, rootdir-less)
 
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY
 from forgekernel.kernels.gemm.dense.sm90.config import SWAP, SWAP_N, choose_config
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gemm_worst_probe.py"
-
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("gemm_worst_probe", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gemm_worst_probe")
 
 
 def test_every_row_launches_on_its_case(script):
