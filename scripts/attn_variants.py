@@ -22,16 +22,13 @@ from forgekernel.runtime.timing import median, time_interleaved
 
 C = AttnConfig
 EARLY = {"late_rescale": False}
-SPLIT = {"split_softmax": True}
-D256 = [C(128, 64, 2), C(128, 64, 2, **SPLIT), C(128, 64, 2, **EARLY, **SPLIT)]
-D192 = [C(**EARLY, **SPLIT), C(**EARLY), C(**SPLIT)]
 CASES = [
     # (b, hq, hkv, s, d, causal, configs); d = (D, Dv) when they differ. First: the default.
-    # The D=128 case is a control (prebuilt, no JIT); the earlier D=128 / D=64 variants were
-    # decided (figures in docs/attention/NOTES.md, configs in this file's history).
     (16, 64, 4, 2048, 128, True, [C()]),
-    (4, 16, 16, 4096, 256, True, D256),
-    (2, 128, 128, 8192, (192, 128), True, D192),
+    (8, 64, 4, 4096, 128, False, [C(), C(128, 160, 2)]),
+    (8, 32, 32, 4096, 64, True, [C(192, 128, 3), C(192, 128, 2), C(128, 128, 3)]),
+    (4, 16, 16, 4096, 256, True, [C(128, 64, 2), C(128, 64, 2, **EARLY), C(128, 80, 2)]),
+    (2, 128, 128, 8192, (192, 128), True, [C(**EARLY), C()]),
 ]
 
 

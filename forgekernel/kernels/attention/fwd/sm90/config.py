@@ -26,26 +26,17 @@ class AttnConfig:
     tiles) 0.896 late against 0.865 before; 192/128 0.876 late against 0.923 before, so it is
     off there. Ignored with ping-pong (D <= 128), where it would hold the GEMM turn.
 
-    split_softmax: each step's softmax in two halves (the thread's two rows) with the wait
-    for the previous P V between them, so that P V runs under the first half's exponentials
-    and O's rescale and P's conversion interleave with the second half's (FA4's sm90 SASS
-    order). Without it ptxas hoists that wait to just after the first row maxima (192/128:
-    after 6 of 66 MUFU.EX2; with it after 33, +2 instructions a step). Not yet measured.
-
     Variants measured and dropped from the kernel are listed in docs/attention/NOTES.md."""
 
     tile_m: int = 128
     tile_n: int = 128
     stages: int = 2
     late_rescale: bool = True
-    split_softmax: bool = False
 
     def tag(self) -> str:
-        """Short name for tables: 128x128_s2 (plus _early without the late rescale, _split
-        with the split softmax)."""
+        """Short name for tables: 128x128_s2 (plus _early without the late rescale)."""
         tag = f"{self.tile_m}x{self.tile_n}_s{self.stages}"
-        tag = tag if self.late_rescale else tag + "_early"
-        return tag + "_split" if self.split_softmax else tag
+        return tag if self.late_rescale else tag + "_early"
 
     @classmethod
     def from_params(cls, params: dict) -> AttnConfig:
@@ -76,14 +67,13 @@ def smem_bytes(cfg: AttnConfig, head_dim: int, head_dim_v: int, elem_bytes: int 
 # only bounds stages. D=64: three consumer warpgroups (192-row tiles, FA3's choice), 3 stages
 # (1.022 of FA4 against 0.932 for 128x128); D=96 and D=128: two, 2 stages, O in its own
 # buffer; D=256: 64-key tiles (80 keys: 2% slower); D=192/Dv=128: O shares Q's buffer, O
-# rescaled before the S GEMM issue (after it: 5% slower), the split softmax (P V waited on
-# after half the exponentials; not yet measured). H200 figures: docs/attention/NOTES.md.
+# rescaled before the S GEMM issue (after it: 5% slower). H200 figures: docs/attention/NOTES.md.
 _DEFAULTS = {
     (64, 64): AttnConfig(tile_m=192, tile_n=128, stages=3),
     (96, 96): AttnConfig(tile_n=128, stages=2),
     (128, 128): AttnConfig(tile_n=128, stages=2),
     (256, 256): AttnConfig(tile_n=64, stages=2),
-    (192, 128): AttnConfig(tile_n=128, stages=2, late_rescale=False, split_softmax=True),
+    (192, 128): AttnConfig(tile_n=128, stages=2, late_rescale=False),
 }
 
 

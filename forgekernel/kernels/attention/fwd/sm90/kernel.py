@@ -19,8 +19,7 @@ Warp roles (one CTA = 1 + tile_m / 64 warpgroups):
   S_j = Q K_j^T (both operands in shared memory) and O += P V_prev (P from registers as the
   A operand, V an MN-major B operand) as two async WGMMA groups -> wait for S_j -> release
   K -> mask (only blocks that cross the diagonal or the key bound) -> softmax -> wait for
-  P V -> release V -> P to 16 bits -> O rescaled by exp2(old - new max) (`split_softmax`:
-  the wait between the softmax's two rows, held there by a one-trip loop). A last P V closes
+  P V -> release V -> P to 16 bits -> O rescaled by exp2(old - new max). A last P V closes
   the tile. For D <= 128 the warpgroups take turns issuing their GEMMs (named barriers,
   ping-pong), so one's softmax runs under another's GEMMs.
 - epilogue (the consumers): O / rowsum -> 16 bits -> `stmatrix` into the O buffer (its own,
@@ -78,7 +77,6 @@ from forgekernel.kernels.common.sm90.layout import (
     select,
 )
 from forgekernel.kernels.common.sm90.mma import gemm
-from forgekernel.kernels.common.sm90.opaque import opaque_i32
 from forgekernel.kernels.common.sm90.pipeline import (
     consumer_state,
     init_arrive,
@@ -158,7 +156,6 @@ class AttentionFwdSm90:
         # Without ping-pong, O's rescale may wait for the next S GEMM's issue (see AttnConfig);
         # with ping-pong it would hold the GEMM turn instead.
         self.late_rescale = config.late_rescale and not self.pingpong
-        self.split_softmax = config.split_softmax
         # K + V bytes of one key row (16-bit elements) decide the tile order's L2 sections.
         self.scheduler = LongestFirst(
             self.tile_m, causal, varlen, kv_row_bytes=(head_dim + head_dim_v) * 2,
@@ -770,9 +767,8 @@ class AttentionFwdSm90:
     ):  # fmt: skip
         """acc_S holds P of the block at state `kv` (its V not yet used): issue S = Q K_n^T and
         O += P V_kv, run the softmax of S_n under that P V, then land it. Returns the state of
-        block n. (Without `split_softmax` the assembler hoists the P V wait above most of the
-        softmax's exp2s: a warpgroup's softmax runs under the other warpgroup's GEMMs, not its
-        own; see the notes.)"""
+        block n. (The assembler hoists the P V wait above the softmax's exp2s: a warpgroup's
+        softmax runs under the other warpgroup's GEMMs, not its own; see the notes.)"""
         kv_s = kv.clone()
         kv_s.advance()
         k_pipe.consumer_wait(kv_s)
@@ -791,63 +787,9 @@ class AttentionFwdSm90:
         k_pipe.consumer_release(kv_s)
         if const_expr(masked):
             self._mask(acc_S, tScS, n, m0, seqlen_q, seqlen_k)
-        if const_expr(self.split_softmax):
-            self._split_softmax_land(
-                kv, tOrP, acc_S, acc_O, row_max, row_sum, rescale, scale_log2, v_pipe, seqlen_k
-            )
-        else:
-            softmax.online_softmax(acc_S, row_max, row_sum, rescale, scale_log2)
-            self._land(kv, tOrP, acc_S, acc_O, rescale, v_pipe)
+        softmax.online_softmax(acc_S, row_max, row_sum, rescale, scale_log2)
+        self._land(kv, tOrP, acc_S, acc_O, rescale, v_pipe)
         return kv_s
-
-    @cute.jit
-    def _split_softmax_land(
-        self, kv, tOrP, acc_S, acc_O, row_max, row_sum, rescale, scale_log2, v_pipe, seqlen_k
-    ):
-        """`split_softmax`: the softmax of the thread's first row, then the wait for the P V
-        in flight (V released), then the second row with O's first-row rescale and P's
-        conversion under its exponentials. The first row runs inside a loop of one trip whose
-        count the assembler cannot fold (1 + (seqlen_k >> 31), seqlen_k >= 0): ptxas does not
-        schedule across a loop's boundary, so the wait stays after that row's exp2s (written
-        after the whole softmax, it is hoisted to just after the first row maxima)."""
-        s = rows_cols(acc_S)
-        rows = cute.size(s, mode=[0])
-        half = rows // 2
-        for _ in cutlass.range(1 + (opaque_i32(seqlen_k) >> 31), unroll=1):
-            self._softmax_rows(s, 0, half, row_max, row_sum, rescale, scale_log2)
-        warpgroup.wait_group(0)
-        v_pipe.consumer_release(kv)
-        if const_expr(not self.late_rescale):
-            self._rescale_rows(acc_O, rescale, 0, half)
-        self._softmax_rows(s, half, rows, row_max, row_sum, rescale, scale_log2)
-        acc_to_operand_a(acc_S, tOrP)
-        if const_expr(not self.late_rescale):
-            self._rescale_rows(acc_O, rescale, half, rows)
-
-    @cute.jit
-    def _softmax_rows(
-        self, s, r0: cutlass.Constexpr[int], r1: cutlass.Constexpr[int], row_max, row_sum,
-        rescale, scale_log2,
-    ):  # fmt: skip
-        """`softmax.online_softmax` on rows r0..r1 - 1 of the (rows, cols) view s (a copy of
-        its row body: changing the toolkit's would move the source hash of every kernel that
-        imports it)."""
-        for r in cutlass.range_constexpr(r0, r1):
-            prev = row_max[r]
-            cur = softmax.quad_row_max(s, r, prev)
-            row_max[r] = cur
-            cur_scaled = softmax.scaled_max(cur, scale_log2)
-            rescale[r] = cute.math.exp2(prev * scale_log2 - cur_scaled, fastmath=True)
-            total = softmax.exp2_row(s, r, scale_log2, cur_scaled)
-            row_sum[r] = row_sum[r] * rescale[r] + total
-
-    @cute.jit
-    def _rescale_rows(self, acc_O, rescale, r0: cutlass.Constexpr[int], r1: cutlass.Constexpr[int]):
-        """O's rows r0..r1 - 1 multiplied by their rescale factors."""
-        o = rows_cols(acc_O)
-        for r in cutlass.range_constexpr(r0, r1):
-            for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
-                o[r, c] = o[r, c] * rescale[r]
 
     @cute.jit
     def _land(self, kv_pv, tOrP, acc_S, acc_O, rescale, v_pipe):
