@@ -3,6 +3,7 @@ any kernel runs, the launcher hands the compiled function TMA-ready operands, th
 config and the cluster count, and the reference is the spec."""
 
 import contextlib
+import dataclasses
 import importlib
 
 import pytest
@@ -223,19 +224,16 @@ def test_launchers_enter_a_device_only_when_it_is_not_current(monkeypatch, curre
 def test_the_swap_hands_the_kernel_the_transposed_problem(monkeypatch, cpu_kernel, m, n):
     """The swap (config `swap`, B "nk"): the kernel's A is the weight, its B the tokens, its C
     the output's (N, M) transpose with unit stride along the kernel's M and the output's row
-    stride along its N (no copy); the result is the reference's. Swapped stream K (a tuning
-    candidate) the same, its plan over the (N, M) problem the kernel sees."""
-    from forgekernel.kernels.gemm.dense.sm90.config import SWAP, SWAP_STREAM_144, split_for
+    stride along its N (no copy); the result is the reference's."""
+    from forgekernel.kernels.gemm.dense.sm90.config import SWAP
 
-    seen, plans = [], []
-    real_plan = gemm_sm90.split_for
-    monkeypatch.setattr(gemm_sm90, "split_for", lambda *x: plans.append(x[1:4]) or real_plan(*x))
+    seen = []
     real = gemm_sm90.kernel_operands
     monkeypatch.setattr(gemm_sm90, "kernel_operands", lambda *x: seen.append(real(*x)) or seen[-1])
     k = 520
     a, b = bf16(m, k), bf16(n, k)
     np_ = -(-n // 8) * 8
-    for cfg in (*SWAP, SWAP_STREAM_144):
+    for cfg in SWAP:
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
         forgekernel.gemm(a, b, out=out, config=cfg)
         torch.testing.assert_close(out, gemm_ref(a, b).to(out.dtype), rtol=0, atol=0)
@@ -246,9 +244,15 @@ def test_the_swap_hands_the_kernel_the_transposed_problem(monkeypatch, cpu_kerne
         assert c_k.shape == (np_, m) and c_k.stride() == (1, np_)
         assert (c_k.data_ptr() == out.data_ptr()) == (n == np_)  # written in place
         assert cpu_kernel[-1][0] == params_for("bfloat16", False, cfg)
-    assert plans == [(np_, m, k)]  # the stream-K plan: the weight's rows as the kernel's M
-    # 129x10240x8192: the weight's 80 tiles of 128 rows cut over all 132 SMs
-    assert split_for(SWAP_STREAM_144, 10240, 129, 8192).ctas == 132
+
+
+def test_swapped_stream_k_is_refused(cpu_kernel):
+    """Swapped stream K gave wrong output on the H200 (2026-12-02 18:47): refused, clearly."""
+    from forgekernel.kernels.gemm.dense.sm90.config import SWAP_80
+
+    cfg = dataclasses.replace(SWAP_80, stream_k=True)
+    with pytest.raises(ValueError, match="swapped stream K is not supported"):
+        forgekernel.gemm(bf16(300, 64), bf16(256, 64), config=cfg)
 
 
 def test_the_swap_is_nk_only_and_picked_for_a_few_hundred_tokens(cpu_kernel):
