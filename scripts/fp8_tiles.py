@@ -10,7 +10,7 @@ ratio = DeepGEMM ms / ours (> 1: ours is faster). Configs: the chooser's pick fi
 prebuilt 128-row tile (data-parallel and stream K) and, up to M = 512, the 64-row ones (MID,
 SKINNY, the decode boxes that fit, their stream-K twins), then the tiled 128-row ones with the
 other epilogue ring depth (4 deep and 5 AB stages against the standard 3 and 6) and with the
-scales loaded SCALE_AHEAD k-tiles ahead (`_f2`; `configs_for`).
+scales loaded the other distance ahead (`configs_for`).
 A config that fails gets a row with its error. The JSON is rewritten after every shape.
 
     PYTHONPATH=$PWD:$PYTHONPATH python3 scripts/fp8_tiles.py OUT.json [GROUP ...]
@@ -42,7 +42,6 @@ EXTRA = ((2048, 7168, 4096), (8192, 4608, 7168), (4096, 1536, 7168))
 # 8192^3 beside K = 7680 (A's scale rows 240 bytes apart instead of 256, every other dimension
 # alike): whether the square case's per-k-tile time comes from the scales' power-of-two stride
 STRIDE = ((8192, 8192, 7680),)
-SCALE_AHEAD = 2
 SMALL_TILES_UP_TO = 512  # M up to which the 64-row configurations are timed too
 
 
@@ -65,9 +64,14 @@ def configs_for(m: int, n: int, k: int) -> list[GemmConfig]:
     # epilogue ring (the tiled standard since the 15:48 run), 5 beside a 4-deep one: the other
     # depth of each tiled 128-row config (compiled on first use) is timed too.
     other = [dataclasses.replace(c, epi_stages=7 - c.epi_stages) for c in found if c.tile_m == 128]
-    # The scales loaded SCALE_AHEAD k-tiles ahead by the producer (1 standard) for each tiled
-    # 128-row standard: the 8192^3 floor (docs/gemm/NOTES.md "Why 8192^3 runs at 850 TFLOP/s").
-    ahead = [dataclasses.replace(c, scale_ahead=SCALE_AHEAD) for c in found if c.tile_m == 128]
+    # Each tiled 128-row standard with the scales loaded the other distance ahead (2 standard
+    # since 18:47, 1 before): the 8192^3 floor (docs/gemm/NOTES.md "Why 8192^3 runs at 850
+    # TFLOP/s"); stream K's tiles load them one ahead only.
+    ahead = [
+        dataclasses.replace(c, scale_ahead=3 - c.scale_ahead)
+        for c in found
+        if c.tile_m == 128 and not c.stream_k
+    ]
     return found + [c for c in other + ahead if not c.stream_k and c not in found]
 
 

@@ -35,7 +35,7 @@ from forgekernel.kernels.gemm.fp8.sm90.config import (
 from forgekernel.reference.gemm import gemm_fp8_ref
 
 PREFILL_CANDIDATES = (LARGE_MCAST_A, STREAM)
-F2 = dataclasses.replace(LARGE, scale_ahead=2)  # the scales two k-tiles ahead (a candidate)
+F1 = dataclasses.replace(LARGE, scale_ahead=1)  # the scales one k-tile ahead (before 18:47)
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fp8_tiles.py"
 
 
@@ -72,7 +72,7 @@ def test_tiled_128_row_tiles_take_six_stages_beside_a_3_deep_epilogue():
     """The sixth AB stage (measured faster at large K, H200 15:48): the tiled 128-row standard
     tiles fit 6 stages of A, B and their 512 B of staged scales beside a 3-deep epilogue ring
     (5 beside the 4-deep one); stream K and the grouped layout keep 4 deep and 5 stages (the
-    grouped compile key as before: LARGE_MCAST_A's fields with epi_stages 4)."""
+    grouped compile key as before: LARGE_MCAST_A's fields with epi_stages 4, the scales one ahead)."""
     scales = 128 * 4
     for cfg in (LARGE, LARGE_MCAST_A):
         assert cfg.epi_stages == 3 and not cfg.stages and not cfg.stream_k
@@ -80,7 +80,7 @@ def test_tiled_128_row_tiles_take_six_stages_beside_a_3_deep_epilogue():
         assert ring_stages(dataclasses.replace(cfg, epi_stages=4), 1, 2, scales) == 5
     for cfg in (STREAM, GROUPED):
         assert cfg.epi_stages == 4 and ring_stages(cfg, 1, 2, scales) == 5
-    assert GROUPED == dataclasses.replace(LARGE_MCAST_A, epi_stages=4)
+    assert GROUPED == dataclasses.replace(LARGE_MCAST_A, epi_stages=4, scale_ahead=1)
 
 
 def test_chooser_takes_the_a_multicast_from_large_m():
@@ -114,20 +114,22 @@ def test_script_configs(script, m, n, k):
     # the tiled 128-row tiles at the other epilogue depth (4 deep, 5 stages), not stream K's
     other = {c for c in configs if c.epi_stages == 4 and c.tile_m == 128 and not c.stream_k}
     assert other == {dataclasses.replace(c, epi_stages=4) for c in (LARGE, LARGE_MCAST_A)}
-    # and with the scales loaded two k-tiles ahead (the standard loads them one ahead)
-    ahead = {c for c in configs if c.scale_ahead != 1}
-    assert ahead == {dataclasses.replace(c, scale_ahead=2) for c in (LARGE, LARGE_MCAST_A)}
-    assert all(c.scale_ahead == 1 for c in STANDARD_CONFIGS)
+    # and with the scales loaded one k-tile ahead (the tiled standards load them two ahead)
+    ahead = {c for c in configs if c.scale_ahead == 1 and c.tile_m == 128 and not c.stream_k}
+    ahead -= {c for c in STANDARD_CONFIGS}
+    assert ahead == {dataclasses.replace(c, scale_ahead=1) for c in (LARGE, LARGE_MCAST_A)}
+    assert {c for c in STANDARD_CONFIGS if c.scale_ahead != 1} == {LARGE, LARGE_MCAST_A}
 
 
 def test_scale_ahead_keys_and_tags():
-    """The candidate's compile key and tag differ from the standard's; the standard's key has no
-    `scale_ahead` (every existing compile key, record and ledger stays valid)."""
-    f2 = dataclasses.replace(LARGE_MCAST_A, scale_ahead=2)
-    assert "scale_ahead" not in LARGE_MCAST_A.key() and f2.key()["scale_ahead"] == 2
-    assert f2.tag() == LARGE_MCAST_A.tag() + "_f2"
-    assert params_for("bfloat16", f2) != params_for("bfloat16", LARGE_MCAST_A)
-    assert GemmConfig.from_params(dict(params_for("bfloat16", f2))) == f2
+    """A config loading the scales one k-tile ahead has no `scale_ahead` in its compile key (the
+    keys, records and ledgers from before the knob stay valid); two ahead (the tiled standards
+    since 18:47) keys and tags it."""
+    f1 = dataclasses.replace(LARGE_MCAST_A, scale_ahead=1)
+    assert "scale_ahead" not in f1.key() and LARGE_MCAST_A.key()["scale_ahead"] == 2
+    assert LARGE_MCAST_A.tag() == f1.tag() + "_f2"
+    assert params_for("bfloat16", f1) != params_for("bfloat16", LARGE_MCAST_A)
+    assert GemmConfig.from_params(dict(params_for("bfloat16", LARGE_MCAST_A))) == LARGE_MCAST_A
 
 
 def test_script_rows_on_cpu(script, monkeypatch):
@@ -160,7 +162,7 @@ def test_script_rows_on_cpu(script, monkeypatch):
     rows = script.measure(case, suite, torch.Generator().manual_seed(3), torch.device("cpu"))
     by_config = {r["config"]: r for r in rows}
     assert by_config[choose_config(300, 264, 384).tag()]["chosen"]
-    for cfg in (*PREFILL_CANDIDATES, MID, STREAM_DECODE[-1], F2):
+    for cfg in (*PREFILL_CANDIDATES, MID, STREAM_DECODE[-1], F1):
         row = by_config[cfg.tag()]
         assert row["status"] == "ok" and row["ratio"] == 2.0 and row["max_err"] <= row["bound"]
     assert by_config["deepgemm"]["max_err"] <= by_config[PREFILL_CANDIDATES[0].tag()]["bound"]
