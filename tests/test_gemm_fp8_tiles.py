@@ -72,7 +72,7 @@ def test_tiled_128_row_tiles_take_six_stages_beside_a_3_deep_epilogue():
     """The sixth AB stage (measured faster at large K, H200 15:48): the tiled 128-row standard
     tiles fit 6 stages of A, B and their 512 B of staged scales beside a 3-deep epilogue ring
     (5 beside the 4-deep one); stream K and the grouped layout keep 4 deep and 5 stages (the
-    grouped compile key as before: LARGE_MCAST_A's fields with epi_stages 4, the scales one ahead)."""
+    grouped compile key as before: LARGE_MCAST_A's fields, epi_stages 4, the scales one ahead)."""
     scales = 128 * 4
     for cfg in (LARGE, LARGE_MCAST_A):
         assert cfg.epi_stages == 3 and not cfg.stages and not cfg.stream_k
