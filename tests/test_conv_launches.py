@@ -12,8 +12,9 @@ per phase."""
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -195,30 +196,12 @@ def test_the_5d_view_is_the_permuted_one(dims):
 
 
 # ---------------------------------------------------------------- the stem's im2col
-def _im2col_unfold(x, geometry, out_dhw):
-    """The im2col before the strided copy (launch.py until 2026-12-02): torch's unfold on the
-    (N, C, H, W) view and a permuted copy into the padded buffer. The reference, bitwise."""
-    import torch.nn.functional as F
-
-    n, _, h, w_, c = x.shape
-    _, p, q = out_dhw
-    (_, r, s_), lo, hi = geometry.filter, geometry.pad_lo, geometry.pad_hi
-    planes = x[:, 0].permute(0, 3, 1, 2)
-    if lo[1:] != hi[1:]:
-        planes = F.pad(planes, (lo[2], hi[2], lo[1], hi[1]))
-        pad = (0, 0)
-    else:
-        pad = lo[1:]
-    unf = F.unfold(
-        planes, (r, s_), dilation=geometry.dilation[1:], padding=pad, stride=geometry.stride[1:]
-    )
-    width = r * s_ * c
-    cols = x.new_empty(n, 1, p, q, -(-width // 8) * 8)
-    cols[..., :width].view(n, p * q, r * s_, c).copy_(
-        unf.view(n, c, r * s_, p * q).permute(0, 3, 2, 1)
-    )
-    cols[..., width:].zero_()
-    return cols
+# the im2col before the strided copy (torch's unfold and a permuted copy), the reference: the
+# GPU probe's (scripts/conv_stem_probe.py), which times the two
+_PROBE = Path(__file__).resolve().parents[1] / "scripts" / "conv_stem_probe.py"
+_SPEC = importlib.util.spec_from_file_location("conv_stem_probe", _PROBE)
+probe = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(probe)
 
 
 def _im2col_loop(x, geometry, out_dhw):
@@ -269,7 +252,7 @@ def test_the_im2col_is_the_unfold_one_bitwise(c, dtype):
         for g in _im2col_cases():
             out = g.output((1, 13, 11))
             cols, one = launch._im2col(x, g, out)
-            want = _im2col_unfold(x, g, out)
+            want = probe.im2col_unfold(x, g, out)
             assert cols.shape == want.shape and cols.is_contiguous(), g
             assert torch.equal(cols.view(torch.int16), want.view(torch.int16)), g
             assert one == Geometry((1, 1, 1), (0, 0, 0), (0, 0, 0))
@@ -313,3 +296,26 @@ def test_the_stem_im2col_is_one_copy(kernel_calls, pad):
     (_, fwd), (_, grad) = kernel_calls
     for seen in (fwd[0], grad[1]):
         assert seen.shape[-1] == 152 and seen.numel() == cols.numel()
+
+
+def test_the_probe_cases_take_the_few_channel_path():
+    """scripts/conv_stem_probe.py's cases: the brief's four by their bench names, each on the
+    few-channel path; at batch 1 on the CPU the two im2cols it times agree bitwise."""
+    names = [f.name for f, _ in probe.cases()]
+    assert names == [
+        "n32-c3-224x224-k64-7x7-s2",
+        "n8-c3-512x512-k64-7x7-s2",
+        "n32-c3-224x224-k64-3x3",  # stride 1: no suffix
+        "n16-c4-256x256-k32-3x3",
+    ]
+    assert [f.name for f, _ in probe.cases(names[1:2])] == names[1:2]
+    for fwd, wgrad in probe.cases():
+        p = fwd.params
+        assert wgrad.params == {**p, "op": "wgrad"}
+        g, out = probe.geometry(fwd)
+        (h, w_), c, k = p["spatial"], p["c"], p["k"]
+        x = torch.randn(1, 1, h, w_, c, dtype=BF16)
+        w = torch.empty(k, 1, *p["kernel"], c, dtype=BF16, device="meta")
+        assert launch.few_channels(x, w, g)
+        cols, _ = launch._im2col(x, g, out)
+        assert torch.equal(cols, probe.im2col_unfold(x, g, out)), fwd.name
