@@ -71,16 +71,15 @@ def test_candidates_keep_the_fp8_tile_shape():
 def test_tiled_128_row_tiles_take_six_stages_beside_a_3_deep_epilogue():
     """The sixth AB stage (measured faster at large K, H200 15:48): the tiled 128-row standard
     tiles fit 6 stages of A, B and their 512 B of staged scales beside a 3-deep epilogue ring
-    (5 beside the 4-deep one); stream K and the grouped layout keep 4 deep and 5 stages (the
-    grouped compile key as before: LARGE_MCAST_A's fields, epi_stages 4, the scales one ahead)."""
+    (5 beside the 4-deep one); stream K keeps 4 deep and 5 stages, the grouped layout takes
+    LARGE_MCAST_A's."""
     scales = 128 * 4
     for cfg in (LARGE, LARGE_MCAST_A):
         assert cfg.epi_stages == 3 and not cfg.stages and not cfg.stream_k
         assert ring_stages(cfg, 1, 2, scales) == 6
         assert ring_stages(dataclasses.replace(cfg, epi_stages=4), 1, 2, scales) == 5
-    for cfg in (STREAM, GROUPED):
-        assert cfg.epi_stages == 4 and ring_stages(cfg, 1, 2, scales) == 5
-    assert GROUPED == dataclasses.replace(LARGE_MCAST_A, epi_stages=4, scale_ahead=1)
+    assert STREAM.epi_stages == 4 and ring_stages(STREAM, 1, 2, scales) == 5
+    assert GROUPED == LARGE_MCAST_A  # the grouped layout takes the dense tile's ring (18:47)
 
 
 def test_chooser_takes_the_a_multicast_from_large_m():

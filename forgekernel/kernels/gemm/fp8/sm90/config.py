@@ -53,10 +53,12 @@ STANDARD_CONFIGS = (LARGE, MID, SKINNY, *DECODE, LARGE_MCAST_A, *STREAM_DECODE, 
 
 
 # The grouped (MoE, contiguous) layout: B holds every expert's (N, K) and each 128-row tile of
-# A one expert's rows, so B is never multicast across tile rows (A over a 1x2 cluster). Still
-# the 5-stage ring with the 4-deep epilogue and the scales one k-tile ahead (its compile key and
-# records as before): the sixth stage and `scale_ahead` were measured on the dense layout only.
-GROUPED = dataclasses.replace(LARGE_MCAST_A, epi_stages=4, scale_ahead=1)
+# A one expert's rows, so B is never multicast across tile rows (A over a 1x2 cluster). The dense
+# tile's ring since 18:47 (6 stages beside a 3-deep epilogue, the scales two k-tiles ahead): at
+# 0.818x DeepGEMM (2026-12-02 18:47) it ran the 5-stage, 4-deep, one-ahead ring, 7% behind the
+# dense layout's ratio on like shapes; the dense tile gained 2.6-5% (sixth stage) and 7-9%
+# (scales ahead) there. Not yet measured grouped: check + bench gemm_fp8_grouped decide.
+GROUPED = LARGE_MCAST_A
 
 
 def params_for(out_dtype: str, cfg: GemmConfig, grouped: bool = False) -> tuple:
