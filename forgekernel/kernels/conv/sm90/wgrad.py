@@ -364,11 +364,13 @@ class ConvWgradSm90(GemmSm90):
                     cute.group_modes(smem_tensor(storage.sB, sB_box_layout), 0, 2),
                     cute.group_modes(gB, 0, 2),
                 )
-                # this tile's first box: block (channel tile x boxes) of its tap
+                # this tile's first box: block (channel tile x boxes) of its tap (s, r, t)
                 _, c_tiles, c_boxes, _, _ = walk
                 c_tile = tile_n % c_tiles
                 tap = tile_n // c_tiles
-                where = (c_tile * self.boxes, c_boxes, tap * c_boxes, (k0, count))
+                _, taps_r, taps_s = rect_walk[1][0]
+                srt = (tap % taps_s, (tap // taps_s) % taps_r, tap // (taps_s * taps_r))
+                where = (c_tile * self.boxes, c_boxes, srt, (k0, count))
                 b_src = (tma_b, tBgB, tBsB, b_mask)
                 self._produce_wgrad((tma_a, tAgA, tAsA), b_src, ab_pipe, where)
         else:
@@ -413,11 +415,16 @@ class ConvWgradSm90(GemmSm90):
     def _produce_wgrad(self, load_a, load_b, ab_pipe, where):
         """The producer warp: the split's k-tiles of A (one box) and B (`boxes` im2col boxes,
         channel blocks first_box.. of the tap, clamped to the last block) into the ring.
-        `where`: (first box, 64-channel blocks, the tap's first flat block index, (first
-        k-tile, k-tiles))."""
+        `where`: (first box, 64-channel blocks, the tap (s, r, t), (first k-tile, k-tiles)).
+
+        B's boxes are named by their coordinate (channel block, s, r, t) in the (C blocks, S,
+        R, T) mode of the im2col coordinate tensor, fixed for the CTA: a flat block index there
+        cost the producer thread three run-time divisions per box and k-tile (docs/conv/NOTES.md,
+        "The weight gradient's worst cases, 18:47")."""
         tma_a, tAgA, tAsA = load_a
         tma_b, tBgB, tBsB, b_mask = load_b
-        first_box, c_boxes, tap_base, (k0, count) = where
+        first_box, c_boxes, (s_, r_, t_), (k0, count) = where
+        blocks = [cutlass.min(first_box + j, c_boxes - 1) for j in range(self.boxes)]
         prod = producer_state(self.stages)
         for i in range(count):
             kt = k0 + i
@@ -425,10 +432,9 @@ class ConvWgradSm90(GemmSm90):
             bar = ab_pipe.producer_get_barrier(prod)
             cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, prod.index)], tma_bar_ptr=bar)
             for j in cutlass.range_constexpr(self.boxes):
-                block = tap_base + cutlass.min(first_box + j, c_boxes - 1)
                 cute.copy(
                     tma_b,
-                    tBgB[(None, kt, block)],
+                    tBgB[(None, kt, (blocks[j], s_, r_, t_))],
                     tBsB[(None, prod.index * self.boxes + j)],
                     tma_bar_ptr=bar,
                     mcast_mask=b_mask,
