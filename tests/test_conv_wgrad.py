@@ -336,3 +336,43 @@ def test_the_strided_sd_unet_layers_leave_the_padded_cluster():
     for (k, kt), new in zip(((320, 128), (640, 32), (1280, 8)), (c320, c640, c1280)):
         old = wgrad_cost(WGRAD_SQUARE, k, k, 9, kt, 2 if k == 640 else 1, 132)[0]
         assert wgrad_cost(new.config, k, k, 9, kt, new.parts, 132)[0] < old
+
+
+def _probe():
+    """scripts/conv_wgrad_probe.py as a module (its plans and its launch, no GPU needed)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "conv_wgrad_probe.py"
+    spec = importlib.util.spec_from_file_location("conv_wgrad_probe", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "n, c, k, hw, f, stride, pad",
+    [
+        (2, 24, 40, 9, 3, 2, 1),  # the im2col walk (old / tile / parts rows)
+        (2, 16, 24, 7, 3, 1, 1),  # stride 1: rectangles, and the im2col row forced
+        (2, 16, 16, 8, 1, 1, 0),  # an unpadded 1x1: one plane 8 wide, and im2col forced
+    ],
+)
+def test_every_probe_plan_computes_the_gradient(model_kernel, n, c, k, hw, f, stride, pad):
+    """Each plan scripts/conv_wgrad_probe.py times, through its own launch (`_call`: the
+    im2col walk forced at stride 1 by a patched `launch._wgrad_walk`), gives autograd's dW on
+    the CPU models, and the forced rows ran the im2col key (rect 0)."""
+    probe = _probe()
+    g = _geometry((1, f, f), (0, pad, pad), (1, stride, stride))
+    x, dy, want = _problem(n, c, k, (1, hw, hw), g)
+    p = dict(n=n, c=c, k=k, spatial=(hw, hw), kernel=(f, f), stride=(stride, stride))
+    p["padding"] = (pad, pad)
+    rows = probe.variants(p)
+    assert rows[0][0] == "pick" and any(im2col for _, im2col, _, _ in rows) == (stride == 1)
+    for name, im2col, plan, _ in rows:
+        dw = torch.full(want.shape, float("nan"), dtype=F64)
+        probe._call(dy, x, dw, g, plan, im2col)
+        assert _close(dw, want), (name, plan)
+        rect = model_kernel[-1][0]["rect"]
+        assert (rect == 0) == (im2col or stride > 1), (name, rect)
+    assert launch._wgrad_walk.__name__ == "_wgrad_walk"  # the patch undone
