@@ -417,14 +417,27 @@ class ConvWgradSm90(GemmSm90):
         channel blocks first_box.. of the tap, clamped to the last block) into the ring.
         `where`: (first box, 64-channel blocks, the tap (s, r, t), (first k-tile, k-tiles)).
 
-        B's boxes are named by their coordinate (channel block, s, r, t) in the (C blocks, S,
-        R, T) mode of the im2col coordinate tensor, fixed for the CTA: a flat block index there
-        cost the producer thread three run-time divisions per box and k-tile (docs/conv/NOTES.md,
-        "The weight gradient's worst cases, 18:47")."""
+        No run-time division per k-tile in the producer thread (docs/conv/NOTES.md, "The weight
+        gradient's worst cases, 18:47": nine a k-tile on 128x128, ~340 SASS instructions, held
+        the walk to ~0.9 us a k-tile): B's boxes are named by their coordinate (channel block,
+        s, r, t), fixed for the CTA, and their pixel by (q, p, z, n), kept by an odometer and
+        handed to the im2col TMA's coordinate layout as a tuple (a flat pixel index there is
+        decomposed by three divisions at every copy)."""
         tma_a, tAgA, tAsA = load_a
         tma_b, tBgB, tBsB, b_mask = load_b
         first_box, c_boxes, (s_, r_, t_), (k0, count) = where
         blocks = [cutlass.min(first_box + j, c_boxes - 1) for j in range(self.boxes)]
+        # each box's coordinate tensor at the part's first k-tile: inner (the im2col TMA's
+        # ((Q, P, Z, N), (C, S, R, T)) -> coordinates) o offset (pixel m, (c, s, r, t)) o box
+        first = [tBgB[(None, k0, (blocks[j], s_, r_, t_))] for j in range(self.boxes)]
+        extents = first[0].layout.inner.shape[0]  # (Q, P, Z, N)
+        # the first pixel (the cluster's share included) as (q, p, z, n) and the 64-pixel step
+        # as mixed-radix digits: divisions once per CTA, then an odometer (one carry a digit)
+        q, p, z, n = self._digits(first[0].layout.offset[0], extents)
+        dq, dp, dz, dn = self._digits(cutlass.Int32(self.cfg.tile_k), extents)
+        # the box with its pixel along q: the offset's pixel is then the tuple (q, p, z, n)
+        box = first[0].layout.outer
+        box_qpzn = cute.make_layout(box.shape, stride=(((cute.E([1, 0]), cute.E([0, 0])), 0),))
         prod = producer_state(self.stages)
         for i in range(count):
             kt = k0 + i
@@ -432,16 +445,41 @@ class ConvWgradSm90(GemmSm90):
             bar = ab_pipe.producer_get_barrier(prod)
             cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, prod.index)], tma_bar_ptr=bar)
             for j in cutlass.range_constexpr(self.boxes):
+                at = first[j].layout
+                offset = ((q, p, z, n), at.offset[1])
+                src = cute.make_tensor(
+                    first[j].iterator, cute.make_composed_layout(at.inner, offset, box_qpzn)
+                )
                 cute.copy(
                     tma_b,
-                    tBgB[(None, kt, (blocks[j], s_, r_, t_))],
+                    src,
                     tBsB[(None, prod.index * self.boxes + j)],
                     tma_bar_ptr=bar,
                     mcast_mask=b_mask,
                 )
             ab_pipe.producer_commit(prod)
             prod.advance()
+            q, p, z, n = q + dq, p + dp, z + dz, n + dn
+            if q >= extents[0]:
+                q = q - extents[0]
+                p = p + 1
+            if p >= extents[1]:
+                p = p - extents[1]
+                z = z + 1
+            if z >= extents[2]:
+                z = z - extents[2]
+                n = n + 1
         ab_pipe.producer_tail(prod)
+
+    @staticmethod
+    def _digits(m, extents):
+        """Pixel m (or a step of m pixels) as (q, p, z, n) over extents (Q, P, Z, N), Q fastest:
+        three run-time divisions."""
+        q = m % extents[0]
+        rest = m // extents[0]
+        p = rest % extents[1]
+        rest = rest // extents[1]
+        return q, p, rest % extents[2], rest // extents[2]
 
     @cute.jit
     def _produce_rects(self, load_a, load_b, cta, ab_pipe, where, rect_walk):
