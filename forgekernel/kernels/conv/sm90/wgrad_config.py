@@ -57,15 +57,17 @@ WGRAD_MIN_PER_SPLIT = 4  # pixel k-tiles
 # - B's 128 im2col rows cost WGRAD_IM2COL_ROWS_128 = 1.0, not config.IM2COL_ROWS_128 = 2.0: the
 #   forward's 128x128 c2x1 tile ran its 128 im2col rows a k-tile at 656 TF/s (conv_k128_probe,
 #   18:47), so the "rate" was the producer's arithmetic, which the old 2.0 had absorbed;
-# - the producer thread's k-tile costs at least WGRAD_IM2COL_FLOOR: ~160 SASS instructions with
-#   three run-time divisions (the pixel's (Q, P, Z, N) coordinate) at ~2.7 ns each, the rate the
-#   18:47 figures give its old 339-instruction loop (0.89 us a k-tile on 128x128 c2x1);
+# - the producer thread's k-tile costs at least WGRAD_IM2COL_FLOOR: its old loop (339 SASS
+#   instructions, nine run-time divisions on 128x128 c2x1) ran ~0.89 us a k-tile at 18:47; the
+#   odometer's (wgrad.py `_produce_wgrad`, no division, 44-139 instructions by tile) is taken
+#   at the forward's after its own odometer: ~0.26 us a 128x64 im2col k-tile (c64-56x56 3x3,
+#   conv_fwd_walks 18:47, less its epilogue's share), 0.6 here: a guess for the probe to fit;
 # - a CTA pays WGRAD_START once beyond its epilogue (launch, barriers, the ring's first fill):
 #   ~2.4 us, from n8-c1280-16x16 (900 CTAs of 8 k-tiles: 66.8 us) against n8-c320-64x64 (108
 #   CTAs of 128: 116.8 us).
 # The tiled walk (stride 1) keeps the old terms: none of these was fitted on it.
 WGRAD_IM2COL_ROWS_128 = 1.0
-WGRAD_IM2COL_FLOOR = 1.0
+WGRAD_IM2COL_FLOOR = 0.6
 WGRAD_START = 5.5
 
 # The weight gradient's plan: its GemmConfig, pixel k-tiles per part, parts, output tiles.
