@@ -42,12 +42,14 @@ parks its fp32 accumulator and the last of the tile's parts sums them in split o
 their splits' pixel ranges: A's and B's boxes come from L2 for all the tiles (dY and X read
 from HBM about once a wave, not once a tile).
 
-The im2col TMA delivers about 128 pixel rows per 0.8 us to an SM (config.IM2COL_ROWS_128): B's
-tile_n rows per k-tile would hold a 128-row tile to half speed. A 2x1 cluster (cluster_m = 2)
-shares them: the two CTAs of a cluster are two K tiles of one (tap, channel tile) and split,
-each loads half of every B box and multicasts it to both (the GEMM's B multicast), so a CTA
-takes tile_n / 2 rows per k-tile. The grid's K tiles are then padded to even: a CTA past K
-loads zero rows of A, stores nothing and parks a zero part of a tile nobody stores.
+B's rows per k-tile were taken for the bound of the im2col walk (config.IM2COL_ROWS_128: ~128
+per 0.8 us an SM); the 18:47 figures put it on the producer thread's run-time divisions instead
+(docs/conv/NOTES.md, "The weight gradient's worst cases, 18:47"; `_produce_wgrad` has none
+now). A 2x1 cluster (cluster_m = 2) shares the rows: the two CTAs of a cluster are two K
+tiles of one (tap, channel tile) and split, each loads half of every B box and multicasts it to
+both (the GEMM's B multicast), so a CTA takes tile_n / 2 rows per k-tile. The grid's K tiles
+are then padded to even: a CTA past K loads zero rows of A, stores nothing and parks a zero part
+of a tile nobody stores.
 
 Warp roles, pipelines and registers are the GEMM's (producer warp 0 of warpgroup 0, setmaxnreg
 40; tile_m / 64 consumer warpgroups, 232). One tile per CTA.
