@@ -184,23 +184,11 @@ def _fused_twice(cfg, per_split, x_shape, w_shape, kw):
     assert torch.equal(runs[0], runs[1])
 
 
-@pytest.mark.parametrize("cfg", WGRAD_CONFIGS, ids=lambda c: f"{c.tile_m}x{c.tile_n}")
-def test_wgrad_every_tile_and_split(cfg):
-    """The weight-gradient kernel with each tile, unsplit and split (the parts parked and
-    summed by the last): K = 136 (a ragged K tile), C = 200 (a ragged channel tile and, for
-    tile_n 256, a box past C), 3x3 stride 2 over 2 x 29 x 31 (463 pixels: a ragged k-tile);
-    twice, bitwise equal (the parts are summed in split order whatever order they finish)."""
-    from forgekernel.kernels.conv.sm90.wgrad_config import WgradPlan, wgrad_tiles
+def _wgrad_every_split(cfg, tiles, k_tiles, dy, x, w_shape, geometry, want, low):
+    """The weight gradient unsplit, at 2 k-tiles a part and at 1, each twice into a NaN-filled
+    dw: good against the reference, and bitwise equal run to run."""
+    from forgekernel.kernels.conv.sm90.wgrad_config import WgradPlan
 
-    g = torch.Generator(device="cuda").manual_seed(2)
-    x_shape, w_shape, kw = (2, 200, 29, 31), (136, 200, 3, 3), {"stride": 2, "padding": 1}
-    x = rnd(*x_shape, gen=g)
-    dy = rnd(*conv_ref(x, rnd(*w_shape, gen=g), **kw).shape, gen=g)
-    want = conv_wgrad_ref(dy, x, w_shape, **kw)
-    low = _torch_grads(dy, x, torch.empty(w_shape, device="cuda", dtype=x.dtype), kw, "dw")
-    tiles = wgrad_tiles(cfg, 136, 200, 9)
-    k_tiles = math.ceil(dy.numel() // 136 / 64)
-    geometry = op._geometry(2, (3, 3), 2, 1, 1)
     for per_split in (k_tiles, 2, 1):
         plan = WgradPlan(cfg, per_split, math.ceil(k_tiles / per_split), tiles)
         runs = []
@@ -211,6 +199,26 @@ def test_wgrad_every_tile_and_split(cfg):
             assert_good(dw, want, low)
             runs.append(dw)
         assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("cfg", WGRAD_CONFIGS, ids=lambda c: f"{c.tile_m}x{c.tile_n}")
+def test_wgrad_every_tile_and_split(cfg):
+    """The weight-gradient kernel with each tile, unsplit and split (the parts parked and
+    summed by the last): K = 136 (a ragged K tile), C = 200 (a ragged channel tile and, for
+    tile_n 256, a box past C), 3x3 stride 2 over 2 x 29 x 31 (463 pixels: a ragged k-tile);
+    twice, bitwise equal (the parts are summed in split order whatever order they finish)."""
+    from forgekernel.kernels.conv.sm90.wgrad_config import wgrad_tiles
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x_shape, w_shape, kw = (2, 200, 29, 31), (136, 200, 3, 3), {"stride": 2, "padding": 1}
+    x = rnd(*x_shape, gen=g)
+    dy = rnd(*conv_ref(x, rnd(*w_shape, gen=g), **kw).shape, gen=g)
+    want = conv_wgrad_ref(dy, x, w_shape, **kw)
+    low = _torch_grads(dy, x, torch.empty(w_shape, device="cuda", dtype=x.dtype), kw, "dw")
+    tiles = wgrad_tiles(cfg, 136, 200, 9)
+    k_tiles = math.ceil(dy.numel() // 136 / 64)
+    geometry = op._geometry(2, (3, 3), 2, 1, 1)
+    _wgrad_every_split(cfg, tiles, k_tiles, dy, x, w_shape, geometry, want, low)
 
 
 @pytest.mark.parametrize("cfg", WGRAD_CONFIGS, ids=lambda c: f"{c.tile_m}x{c.tile_n}")
@@ -229,7 +237,7 @@ def test_wgrad_rectangles_every_tile_and_split(cfg, x_shape, f, kw, rect):
     zero fill is the padding and the rectangles' part past P and Q) with each tile, unsplit
     and split: K = 136, C = 200, 3x3 (and an unpadded 1x1 over 224 pixels, dy and x seen as
     one plane 8 pixels wide); twice, bitwise equal."""
-    from forgekernel.kernels.conv.sm90.wgrad_config import WgradPlan, wgrad_tiles
+    from forgekernel.kernels.conv.sm90.wgrad_config import wgrad_tiles
 
     g = torch.Generator(device="cuda").manual_seed(3)
     w_shape = (136, 200, f, f)
@@ -244,16 +252,7 @@ def test_wgrad_rectangles_every_tile_and_split(cfg, x_shape, f, kw, rect):
     assert walk[0] == rect
     k_tiles = walk[1]
     geometry = op._geometry(2, (f, f), 1, kw["padding"], kw.get("dilation", 1))
-    for per_split in (k_tiles, 2, 1):
-        plan = WgradPlan(cfg, per_split, math.ceil(k_tiles / per_split), tiles)
-        runs = []
-        for _ in range(2):
-            dw = torch.full(w_shape, float("nan"), device="cuda", dtype=torch.bfloat16)
-            dw = dw.contiguous(memory_format=torch.channels_last)
-            launch.wgrad(op._as5d(dy), op._as5d(x), op._view5d(dw), geometry, plan)
-            assert_good(dw, want, low)
-            runs.append(dw)
-        assert torch.equal(runs[0], runs[1])
+    _wgrad_every_split(cfg, tiles, k_tiles, dy, x, w_shape, geometry, want, low)
 
 
 FORWARD = [
