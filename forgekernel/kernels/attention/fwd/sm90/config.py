@@ -26,17 +26,28 @@ class AttnConfig:
     tiles) 0.896 late against 0.865 before; 192/128 0.876 late against 0.923 before, so it is
     off there. Ignored with ping-pong (D <= 128), where it would hold the GEMM turn.
 
+    snake: the persistent CTAs take the longest-first tiles in snake order (odd full rounds of
+    one tile a CTA reversed: `LongestFirst.snake`), so the CTA that took a round's longest
+    tile takes the next one's shortest; fixed length outside L2 sections only (ignored for
+    varlen and paged). A load-balance model puts the busiest CTA of D=256 b4 hq16 s4096
+    causal at 6.2% over the mean plain, 0.8% snaked (FA4, not persistent, gets the
+    hardware's dynamic dispatch). Unmeasured: docs/attention/NOTES.md, "D=256 and 192/128
+    after split_softmax".
+
     Variants measured and dropped from the kernel are listed in docs/attention/NOTES.md."""
 
     tile_m: int = 128
     tile_n: int = 128
     stages: int = 2
     late_rescale: bool = True
+    snake: bool = False
 
     def tag(self) -> str:
-        """Short name for tables: 128x128_s2 (plus _early without the late rescale)."""
+        """Short name for tables: 128x128_s2 (plus _early without the late rescale, _snake
+        with the snake order)."""
         tag = f"{self.tile_m}x{self.tile_n}_s{self.stages}"
-        return tag if self.late_rescale else tag + "_early"
+        tag = tag if self.late_rescale else tag + "_early"
+        return tag + "_snake" if self.snake else tag
 
     @classmethod
     def from_params(cls, params: dict) -> AttnConfig:

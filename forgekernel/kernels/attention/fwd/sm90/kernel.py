@@ -156,6 +156,9 @@ class AttentionFwdSm90:
         # Without ping-pong, O's rescale may wait for the next S GEMM's issue (see AttnConfig);
         # with ping-pong it would hold the GEMM turn instead.
         self.late_rescale = config.late_rescale and not self.pingpong
+        # Tiles dealt to the CTAs in snake order (odd full rounds reversed: see AttnConfig);
+        # the paged mode keeps its own walk (`LongestFirst.next_tile`).
+        self.snake = config.snake and not self.paged
         # K + V bytes of one key row (16-bit elements) decide the tile order's L2 sections.
         self.scheduler = LongestFirst(
             self.tile_m, causal, varlen, kv_row_bytes=(head_dim + head_dim_v) * 2,
@@ -456,7 +459,10 @@ class AttentionFwdSm90:
         t = cute.arch.block_idx()[0]
         step = cute.arch.grid_dim()[0]
         while t < num_tiles:
-            work = self.scheduler.tile(t, grid)
+            tile_id = t
+            if const_expr(self.snake):
+                tile_id = self.scheduler.snake(t, step, num_tiles, grid)
+            work = self.scheduler.tile(tile_id, grid)
             valid, m_block, head, batch, q_off, k_off, seqlen_q, seqlen_k, seq = work
             if const_expr(self.paged):  # live instead of t through the tile
                 t_next = self.scheduler.next_tile(t, step, work, grid)
@@ -629,7 +635,10 @@ class AttentionFwdSm90:
         t = cute.arch.block_idx()[0]
         step = cute.arch.grid_dim()[0]
         while t < num_tiles:
-            work = self.scheduler.tile(t, grid)
+            tile_id = t
+            if const_expr(self.snake):
+                tile_id = self.scheduler.snake(t, step, num_tiles, grid)
+            work = self.scheduler.tile(tile_id, grid)
             valid, m_block, head, batch, q_off, k_off, seqlen_q, seqlen_k, _ = work
             if const_expr(self.paged):  # live instead of t through the tile
                 t_next = self.scheduler.next_tile(t, step, work, grid)
