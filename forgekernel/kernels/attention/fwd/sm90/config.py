@@ -34,6 +34,12 @@ class AttnConfig:
     hardware's dynamic dispatch). Unmeasured: docs/attention/NOTES.md, "D=256 and 192/128
     after split_softmax".
 
+    o_direct: O goes from registers straight to global memory (32-bit stores of column
+    pairs, rows past Sq skipped) instead of through shared memory and one TMA store, so
+    Q's buffer frees once the mainloop ends and the next tile's Q loads under the epilogue,
+    as when O has its own buffer; it matters where O would share Q's buffer (D=256 always,
+    192/128 at 128x128). Unmeasured, like `snake`.
+
     Variants measured and dropped from the kernel are listed in docs/attention/NOTES.md."""
 
     tile_m: int = 128
@@ -41,13 +47,15 @@ class AttnConfig:
     stages: int = 2
     late_rescale: bool = True
     snake: bool = False
+    o_direct: bool = False
 
     def tag(self) -> str:
         """Short name for tables: 128x128_s2 (plus _early without the late rescale, _snake
-        with the snake order)."""
+        with the snake order, _odirect with O stored from registers)."""
         tag = f"{self.tile_m}x{self.tile_n}_s{self.stages}"
         tag = tag if self.late_rescale else tag + "_early"
-        return tag + "_snake" if self.snake else tag
+        tag = tag + "_snake" if self.snake else tag
+        return tag + "_odirect" if self.o_direct else tag
 
     @classmethod
     def from_params(cls, params: dict) -> AttnConfig:
