@@ -28,13 +28,15 @@ D256 = [C(128, 64, 2), C(128, 64, 2, **SNAKE), C(128, 80, 2), C(128, 80, 2, **SN
 D256 += [C(128, 64, 2, **DIRECT), C(128, 64, 2, **SNAKE, **DIRECT)]
 D192 = [C(**EARLY), C(**EARLY, **DIRECT), C(128, 112, 2, **EARLY), C(128, 96, 2, **EARLY)]
 D192 += [C(128, 64, 3, **EARLY), C(192, 64, 2, **EARLY), C(192, 64, 3, **EARLY)]
+D192 += [C(**EARLY, l2_kv_mib=40)]
 CASES = [
     # (b, hq, hkv, s, d, causal, configs); d = (D, Dv) when they differ. First: the default.
     # docs/attention/NOTES.md, "D=256 and 192/128 after split_softmax": snake = the tiles
     # dealt in snake order (a load-balance model: D=256 6.2% -> 0.8% over the mean);
     # odirect = O stored from registers, so Q's buffer frees before the epilogue (the next
     # tile's Q loads under it); 192/128 128x112 / 128x96 / 128x64 s3 give O its own buffer
-    # (the same effect by tile shape), 192x64 is three consumer warpgroups (160 registers).
+    # (the same effect by tile shape), 192x64 is three consumer warpgroups (160 registers);
+    # sec40 = L2 sections of 40 MiB: 8 heads (FA4's) instead of 4.
     (16, 64, 4, 2048, 128, True, [C(), C(**SNAKE)]),
     (8, 64, 4, 4096, 128, False, [C()]),
     (8, 32, 32, 4096, 64, True, [C(192, 128, 3), C(192, 128, 3, **SNAKE)]),
@@ -72,7 +74,7 @@ def _compile(job):
 
 def precompile() -> None:
     """Every variant compiled in parallel into the cache first, one process a core (one by
-    one, 18 variants could outlast VARIANTS_TIMEOUT); already built ones (a carried bundle)
+    one, 19 variants could outlast VARIANTS_TIMEOUT); already built ones (a carried bundle)
     just load. A variant that fails to build fails again, its error recorded, in `main`."""
     import os
     import time

@@ -40,6 +40,10 @@ class AttnConfig:
     as when O has its own buffer; it matters where O would share Q's buffer (D=256 always,
     192/128 at 128x128). Unmeasured, like `snake`.
 
+    l2_kv_mib: the K and V MiB of one L2 section of heads, where the tile order uses sections
+    (`scheduler.longest_first`, L2_KV_BUDGET = 24 MiB: 4 heads at 192/128 s8192; FA4 takes
+    8, 40 MiB here). Unmeasured.
+
     Variants measured and dropped from the kernel are listed in docs/attention/NOTES.md."""
 
     tile_m: int = 128
@@ -48,14 +52,17 @@ class AttnConfig:
     late_rescale: bool = True
     snake: bool = False
     o_direct: bool = False
+    l2_kv_mib: int = 24
 
     def tag(self) -> str:
         """Short name for tables: 128x128_s2 (plus _early without the late rescale, _snake
-        with the snake order, _odirect with O stored from registers)."""
+        with the snake order, _odirect with O stored from registers, _secN with N MiB L2
+        sections)."""
         tag = f"{self.tile_m}x{self.tile_n}_s{self.stages}"
         tag = tag if self.late_rescale else tag + "_early"
         tag = tag + "_snake" if self.snake else tag
-        return tag + "_odirect" if self.o_direct else tag
+        tag = tag + "_odirect" if self.o_direct else tag
+        return tag if self.l2_kv_mib == 24 else tag + f"_sec{self.l2_kv_mib}"
 
     @classmethod
     def from_params(cls, params: dict) -> AttnConfig:

@@ -167,6 +167,7 @@ class AttentionFwdSm90:
         self.scheduler = LongestFirst(
             self.tile_m, causal, varlen, kv_row_bytes=(head_dim + head_dim_v) * 2,
             paged=self.paged, min_seqlen_q=PAGED_MIN_SEQLEN_Q if self.paged else 0,
+            l2_kv_budget=config.l2_kv_mib * 2**20,
         )  # fmt: skip
 
     # ---------------------------------------------------------------- host-side setup

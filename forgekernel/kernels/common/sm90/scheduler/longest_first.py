@@ -60,11 +60,12 @@ class LongestFirst:
     (decides the L2 sections of fixed-length problems). paged (with varlen): the keys live in
     pages, cu_seqlens_k holds each sequence's length (no key offsets), and the tiles go
     sequence by sequence (`tile`); min_seqlen_q (paged): the tiles of sequences with fewer
-    query tokens are not valid (another kernel's rows)."""
+    query tokens are not valid (another kernel's rows); l2_kv_budget: the K and V bytes of
+    one L2 section (L2_KV_BUDGET; FA4 sections 8 heads, up to 50 MB)."""
 
     def __init__(
         self, tile_m: int, causal: bool, varlen: bool, kv_row_bytes: int, paged: bool = False,
-        min_seqlen_q: int = 0,
+        min_seqlen_q: int = 0, l2_kv_budget: int = L2_KV_BUDGET,
     ):  # fmt: skip
         self.tile_m = tile_m
         self.causal = causal
@@ -72,6 +73,7 @@ class LongestFirst:
         self.kv_row_bytes = kv_row_bytes
         self.paged = paged
         self.min_seqlen_q = min_seqlen_q
+        self.l2_kv_budget = l2_kv_budget
 
     @cute.jit
     def tile(self, t: Int32, grid: TileGrid) -> WorkTile:
@@ -103,7 +105,9 @@ class LongestFirst:
                 per_batch = num_heads * num_m_blocks
                 batch = t // per_batch
                 r = t - batch * per_batch
-                section = cutlass.min(cutlass.max(L2_KV_BUDGET // kv_bytes, 1) * group, num_heads)
+                section = cutlass.min(
+                    cutlass.max(self.l2_kv_budget // kv_bytes, 1) * group, num_heads
+                )
                 first_head = (r // (section * num_m_blocks)) * section
                 heads_here = cutlass.min(section, num_heads - first_head)
                 idx = r - first_head * num_m_blocks
@@ -159,8 +163,9 @@ class LongestFirst:
         first = s // step * step
         t = s
         if const_expr(not self.varlen):
-            if (s // step) % 2 == 1 and first + step <= num_tiles and not self._in_sections(grid):
-                t = first + step - 1 - (s - first)
+            if (s // step) % 2 == 1 and first + step <= num_tiles:
+                mirrored = first + step - 1 - (s - first)
+                t = Int32(cutlass.select_(self._in_sections(grid), s, mirrored))
         return t
 
     @cute.jit
