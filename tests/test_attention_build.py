@@ -15,6 +15,7 @@ from forgekernel.kernels.attention.fwd.sm90 import SPEC  # noqa: E402
 from forgekernel.kernels.attention.fwd.sm90.config import (  # noqa: E402
     HEAD_DIMS,
     SMEM_CAPACITY,
+    AttnConfig,
     default_config,
     params_for,
     smem_bytes,
@@ -95,6 +96,36 @@ def test_paged_mode_builds_with_uniform_tma_issue_and_no_spills(tmp_path):
         assert rec["sass"].get("LDL", 0) == 0 and rec["sass"].get("STL", 0) == 0, params
         assert rec["sass"]["UTMALDG"] > 0 and rec["sass"]["STS"] > 0, params  # boxes, clearing
         assert "BRA.U.ANY" not in sass, params  # no TMA issued in a per-lane loop
+
+
+# Variants off by default (docs/attention/NOTES.md, "D=256 and 192/128 after split_softmax"):
+# D=256 is where an epilogue detail once took the whole kernel off the uniform datapath (a
+# branch around o_direct's row stores: 72 R2UR a step, every producer TMA in a per-lane loop).
+VARIANT_SAMPLE = [
+    params_for("bfloat16", 256, 256, True, AttnConfig(tile_n=64, snake=True, o_direct=True)),
+]
+
+
+@pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
+def test_snake_and_direct_o_build_on_the_uniform_datapath(tmp_path):
+    cuobjdump = find_tool("cuobjdump")
+    env = dict(os.environ, PATH=os.pathsep.join([str(Path(cuobjdump).parent), os.environ["PATH"]]))
+    for params in VARIANT_SAMPLE:
+        with tempfile.TemporaryDirectory(prefix="forgekernel-cubin-") as keep:
+            rec = compile_to(SPEC, params, tmp_path, keep_dir=Path(keep))
+            cubin = rec.pop("cubin")
+            if isinstance(cubin, bytes):
+                (Path(keep) / "variant.cubin").write_bytes(cubin)
+                cubin = Path(keep) / "variant.cubin"
+            sass = subprocess.run(
+                [cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, env=env
+            ).stdout
+            rec.update(inspect_cubin(cubin))
+        assert rec["spill_bytes"] == 0 and rec["hgmma"], params
+        assert rec["sass"].get("LDL", 0) == 0 and rec["sass"].get("STL", 0) == 0, params
+        # 14 R2UR outside the loops here, as in the standard build (15); the branching one had 388.
+        assert "BRA.U.ANY" not in sass and sass.count("R2UR") < 32, params
+        assert rec["sass"].get("UTMASTG", 0) == 0, params  # O from registers: no TMA store
 
 
 def test_unsupported_head_dims_are_refused():

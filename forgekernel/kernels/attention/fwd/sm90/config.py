@@ -26,17 +26,43 @@ class AttnConfig:
     tiles) 0.896 late against 0.865 before; 192/128 0.876 late against 0.923 before, so it is
     off there. Ignored with ping-pong (D <= 128), where it would hold the GEMM turn.
 
+    snake: the persistent CTAs take the longest-first tiles in snake order (odd full rounds of
+    one tile a CTA reversed: `LongestFirst.snake`), so the CTA that took a round's longest
+    tile takes the next one's shortest; fixed length outside L2 sections only (ignored for
+    varlen and paged). A load-balance model puts the busiest CTA of D=256 b4 hq16 s4096
+    causal at 6.2% over the mean plain, 0.8% snaked (FA4, not persistent, gets the
+    hardware's dynamic dispatch). Unmeasured: docs/attention/NOTES.md, "D=256 and 192/128
+    after split_softmax".
+
+    o_direct: O goes from registers straight to global memory (32-bit stores of column
+    pairs, rows past Sq skipped) instead of through shared memory and one TMA store, so
+    Q's buffer frees once the mainloop ends and the next tile's Q loads under the epilogue,
+    as when O has its own buffer; it matters where O would share Q's buffer (D=256 always,
+    192/128 at 128x128). Unmeasured, like `snake`.
+
+    l2_kv_mib: the K and V MiB of one L2 section of heads, where the tile order uses sections
+    (`scheduler.longest_first`, L2_KV_BUDGET = 24 MiB: 4 heads at 192/128 s8192; FA4 takes
+    8, 40 MiB here). Unmeasured.
+
     Variants measured and dropped from the kernel are listed in docs/attention/NOTES.md."""
 
     tile_m: int = 128
     tile_n: int = 128
     stages: int = 2
     late_rescale: bool = True
+    snake: bool = False
+    o_direct: bool = False
+    l2_kv_mib: int = 24
 
     def tag(self) -> str:
-        """Short name for tables: 128x128_s2 (plus _early without the late rescale)."""
+        """Short name for tables: 128x128_s2 (plus _early without the late rescale, _snake
+        with the snake order, _odirect with O stored from registers, _secN with N MiB L2
+        sections)."""
         tag = f"{self.tile_m}x{self.tile_n}_s{self.stages}"
-        return tag if self.late_rescale else tag + "_early"
+        tag = tag if self.late_rescale else tag + "_early"
+        tag = tag + "_snake" if self.snake else tag
+        tag = tag + "_odirect" if self.o_direct else tag
+        return tag if self.l2_kv_mib == 24 else tag + f"_sec{self.l2_kv_mib}"
 
     @classmethod
     def from_params(cls, params: dict) -> AttnConfig:
