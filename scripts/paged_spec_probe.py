@@ -47,7 +47,6 @@ from forgekernel.kernels.attention.paged.sm90 import SPEC, config
 from forgekernel.kernels.attention.paged.sm90 import launch as paged_sm90
 from forgekernel.kernels.attention.paged.sm90.rows import heads_for
 from forgekernel.kernels.common.sm90.constants import LOG2E
-from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name
 from forgekernel.runtime.timing import median, time_eager_flushed, time_interleaved
 
@@ -107,7 +106,7 @@ def mirror(q, k, v, table, seq, cu, max_q, out, lse_view, inline: bool):
                                                          False)  # fmt: skip
     qt = 1 if cu is None else next(t for t in config.QTOKENS if t >= max(max_q, 2))
     if inline:
-        partial = get_kernel(SPEC, inline_params(q, k, qt))
+        partial = paged_sm90.get_kernel(SPEC, inline_params(q, k, qt))  # (the launcher's lookup)
     rows, hq, d = q.shape
     direct = combine is None
     shape = (1, 1, 1) if direct else (splits, rows, hq)

@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from forgekernel.bench.suites import attention_paged as suite
 from forgekernel.kernels.attention.paged.sm90 import SPEC, config
@@ -198,3 +199,41 @@ def test_main_loop_copies_wait_on_no_page_read_of_their_iteration(tmp_path, d, h
         old, _ = _compile_sass(tmp_path, params | {"page_ids": "inline"})
         loads = _main_loop_loads(old)
         assert re.fullmatch(r"G+S+G+S+", loads) and loads.count("G") == rows, loads
+
+
+@pytest.mark.parametrize("q_lens", [(2, 1, 2), (4, 3, 4, 1)])
+def test_probe_runs_on_the_stand_ins(monkeypatch, q_lens):
+    """scripts/paged_spec_probe.py's case (the op, the inline mirror, the decode twins, the
+    checks) on the CPU stand-ins of the paged decode (test_attention_paged's), the timers
+    replaced by one call each: ours matches the reference, the inline pass (its candidate
+    params looked up through the launcher) and the mirror launch equal the op bitwise, and the
+    decode twin matches its reference."""
+    from test_attention_paged import install_cpu_decode
+
+    from forgekernel.kernels.attention.paged.sm90 import launch as paged_launch
+    from forgekernel.runtime.timing import Samples
+
+    calls = install_cpu_decode(monkeypatch)
+    probe = _probe()
+
+    def one_call(fns, rotate, **_):
+        return {name: Samples([(fn(*rotate[0]), 1.0)[1]], method="cpu") for name, fn in
+                fns.items()}  # fmt: skip
+
+    monkeypatch.setattr(probe, "time_interleaved", one_call)
+    monkeypatch.setattr(probe, "time_eager_flushed", one_call)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(suite, "comparators", lambda: {"flashinfer": None})
+    lens = (40, 300, 77, 129)[: len(q_lens)]
+    case = suite._case(len(q_lens), 8, 2, 128, 16, lens, q_lens=q_lens, group="spec")
+    args = type("Args", (), {"fa3": False, "fa4": False, "preroll": False})
+    try:
+        r = probe.run_case(case, args, torch.device("cpu"))
+    finally:
+        paged_launch._plans.clear()
+    assert set(r["graph"]) == {"ours", "inline", "decode", "decode_inline"}
+    checks = r["checks"]
+    assert checks["ours_max_err"] < 2e-2 and checks["ours_finite"]
+    assert checks["inline_bitwise_ours"] and checks["mirror_bitwise_ours"]
+    assert checks["decode_max_err"] < 2e-2 and checks["decode_inline_bitwise"]
+    assert any(dict(p).get("page_ids") == "inline" for p, _, _ in calls)
