@@ -270,8 +270,7 @@ def _report(r: dict) -> None:
                 extra += f"  flashinfer/this {ref / t:.3f}x"
             if "ours" in ms and name == "inline":
                 extra += f"  inline/ours {t / ms['ours']:.3f}x"
-            gbps = r["bytes"] / (t * 1e-3) / 1e9 if not name.endswith("decode") else None
-            rate = f"{gbps:7.0f} GB/s" if gbps else " " * 12
+            rate = f"{r['bytes'] / (t * 1e-3) / 1e9:7.0f} GB/s"  # the KV bytes: all alike
             print(f"    {name:18s} {t * 1e3:8.1f} us {rate} [{r[method + '_methods'][name]}]"
                   f"{extra}")  # fmt: skip
     print(f"  checks {r['checks']}")

@@ -237,3 +237,4 @@ def test_probe_runs_on_the_stand_ins(monkeypatch, q_lens):
     assert checks["inline_bitwise_ours"] and checks["mirror_bitwise_ours"]
     assert checks["decode_max_err"] < 2e-2 and checks["decode_inline_bitwise"]
     assert any(dict(p).get("page_ids") == "inline" for p, _, _ in calls)
+    probe._report(r)  # the printout runs on these fields
