@@ -2,18 +2,18 @@
 the split-KV plan (combine.py has the plan's bookkeeping, the speculative rows and the combine
 pass), 16-bit or FP8 (e4m3) caches.
 
-A CTA takes the H query heads of one KV head (H x Q (token, head) rows, Q query tokens, padded
-with zero rows to the MMA's 16, or to two row blocks of 16 past 16 rows: `rows.row_cap`, so
-that GQA 8 x 4 tokens and GQA 16 x 2 stream each KV head once) and one split of one sequence's
-keys. The keys stream through
-shared memory in tiles of TILE tokens, STAGES deep: every thread issues cp.async copies of 16
-bytes for its rows of the tile (page page_table[b, t // page_size], slot t % page_size, the
-token clamped into the split so that masked columns hold finite values), one commit group per
-tile, one CTA barrier per tile. Warp w takes keys 16w .. 16w + 15 of every tile with its own
-online softmax: S = Q K_w^T (16 x 16, D / 16 MMAs of K = 16, Q and K by ldmatrix from the
-swizzled tiles), scaled inside the exponent (the toolkit's base-2 online softmax), P to
-16-bit registers as the A operand of O += P V_w (V by transposed ldmatrix; one K = 16 step,
-D / 8 MMAs; with 32 rows every MMA twice, V's fragment loaded 32 columns at a time). The
+A CTA takes the H query heads of one KV head (H x Q (token, head) rows, Q query tokens, padded with
+zero rows to the MMA's 16, or to two row blocks of 16 past 16 rows: `rows.row_cap`, so that GQA 8 x
+4 tokens and GQA 16 x 2 stream each KV head once) and one split of one sequence's keys. The keys
+stream through shared memory in tiles of TILE tokens, STAGES deep: every thread issues cp.async
+copies of 16 bytes for its rows of the tile (page page_table[b, t // page_size], slot t %
+page_size, the token clamped into the split so that masked columns hold finite values; 16-bit
+caches at D 128, and D 64 at one row block, read a tile's page ids an iteration before its copies:
+`page_ahead`), one commit group per tile, one CTA barrier per tile. Warp w takes keys 16w .. 16w +
+15 of every tile with its own online softmax: S = Q K_w^T (16 x 16, D / 16 MMAs of K = 16, Q and K
+by ldmatrix from the swizzled tiles), scaled inside the exponent (the toolkit's base-2 online
+softmax), P to 16-bit registers as the A operand of O += P V_w (V by transposed ldmatrix; one K =
+16 step, D / 8 MMAs; with 32 rows every MMA twice, V's fragment loaded 32 columns at a time). The
 warps' (max, sum, O) meet in shared memory at the end (`combine.write_split`).
 
 FP8 caches: the tiles stay bytes in shared memory (half the 16-bit tiles: `config.STAGES_FP8`
