@@ -70,19 +70,23 @@ _EFFICIENCY = {LARGE: 1.0, SQUARE: 0.93, SMALL: 0.9, NARROW: 0.8}
 # at 360 (conv3d C = 128 -> K = 128), 128x64 at 160-200, whatever M was. In units of a 128x128
 # k-tile at full speed, 128 rows cost:
 IM2COL_ROWS_128 = 2.0
-# The stride-1 forward's two A walks (choose_plan), refit from both walks timed on one tile each
-# twice (H200, 2026-12-02 15:48 and 18:47, scripts/conv_fwd_walks.py; tests/test_conv_walks_model.py
-# replays both tables; docs/conv/NOTES.md, "The walks refit from 18:47"). Since the producer lost
-# its run-time divisions (18:47) 128x128 c2x1 runs at 630-650 TFLOP/s on either walk and 128x64
-# at ~1 unit a k-tile: A's 128 rows through either stride-1 box cost about FWD_ROWS_128 (not the
-# 12-01 rate; strided rows, timed against no other walk, keep IM2COL_ROWS_128). Where nothing
-# else differs (conv3d, 64 x 64 and larger planes: no zero fill, as many tiles) the im2col walk
-# ran 1-3% behind the rectangles on every tile (15:48: 2-7%): its k-tile costs FWD_IM2COL_K_TILE
-# times theirs. A rectangle tile pays RECT_START once (its origin, 5-D boxes and stores: ~0.15 us
-# at 128x64 with one k-tile a tile). And its zero-filled pixels (planes the rectangles do not
-# divide) cost more than the multiply-adds of the waves they fill: at 28 x 28 and 14 x 14
-# (23% zero) the rectangles ran 6-7% behind im2col in as many waves as it; a rectangle's k-tile
-# costs 1 + RECT_FILL x the zero-filled share of the rectangles' pixels (the new term of 18:47).
+# The stride-1 forward's two A walks (choose_plan, plan_cost), refit from both walks timed on one
+# tile each, twice (H200, 2026-12-02 15:48 and 18:47, scripts/conv_fwd_walks.py;
+# tests/test_conv_walks_model.py replays both tables; docs/conv/NOTES.md, "The walks refit from
+# 18:47"). Since the producer lost its run-time divisions (18:47) 128x128 c2x1 runs 630-650
+# TFLOP/s on either walk and 128x64 ~1 unit a k-tile: A's 128 rows through either stride-1 box
+# cost about FWD_ROWS_128, not the 12-01 rate (strided rows, timed against no other walk, keep
+# IM2COL_ROWS_128). Where nothing else differs (conv3d, planes of 64 x 64 and more: no zero fill,
+# as many tiles) the im2col walk ran 1-3% behind the rectangles on every tile (15:48: 2-7%): its
+# k-tile costs FWD_IM2COL_K_TILE times theirs. A rectangle tile pays RECT_START once (its origin,
+# 5-D boxes and stores; ~0.2 us, 128x64 with one k-tile a tile ran 10% behind). And the
+# rectangles' zero-filled pixels (planes they do not divide) cost more than the multiply-adds of
+# the waves they fill: at 28 x 28 and 14 x 14 (23% zero) the rectangles ran 6-7% behind im2col
+# in as many waves; a rectangle's k-tile costs 1 + RECT_FILL x that zero-filled share (the term
+# 18:47 added). Model against both tables (log time ratio of the walks, rms): 0.279 with the
+# 15:48 fit (2.12 / 1.4 / 4.0), 0.138 now (0.038 without the 1x1 rows); the picks that moved:
+# 28 x 28 and 14 x 14 3x3 to im2col (1.05-1.06x predicted, 6-7% measured), the split 7x7 to
+# 128x128 split 2 (1.40x predicted by split_cost, untimed).
 FWD_ROWS_128 = 1.0
 FWD_IM2COL_K_TILE = 1.03
 RECT_START = 0.5
@@ -233,8 +237,9 @@ def choose_plan(
     forward, whose output tiles may also be rectangles of each width of RECT_WIDTHS (tiles
     counted in rectangles, their zero-filled pixels paid as multiply-adds in waves and as
     RECT_FILL on every k-tile); None: the im2col walk only. The im2col walk on a tie, rect 8
-    before 16 (the two ran within 1% where they tile alike, but one case); not offered with pixels where `im2col` is False (the launcher: an output the im2col
-    walk's (M, K) rows would write through a scratch buffer and a copy, e.g. a strided data
+    before 16 (the two ran within 1% where they tile alike, but one case); the im2col walk not
+    offered with pixels where `im2col` is False (the launcher: an output the im2col walk's
+    (M, K) rows would write through a scratch buffer and a copy, e.g. a strided data
     gradient's phase into its strided view of dx)."""
     k_tiles = _ceil(c, K_TILE) * taps
     walks = (0,) + (RECT_WIDTHS if pixels is not None else ())
