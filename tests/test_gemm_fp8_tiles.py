@@ -110,14 +110,24 @@ def test_script_configs(script, m, n, k):
     assert {LARGE, *PREFILL_CANDIDATES} <= set(configs)
     assert all(cfg.fits(m) for cfg in configs)
     assert (MID in configs) == (m <= script.SMALL_TILES_UP_TO)
-    # the tiled 128-row tiles at the other epilogue depth (4 deep, 5 stages), not stream K's
-    other = {c for c in configs if c.epi_stages == 4 and c.tile_m == 128 and not c.stream_k}
-    assert other == {dataclasses.replace(c, epi_stages=4) for c in (LARGE, LARGE_MCAST_A)}
-    # and with the scales loaded one k-tile ahead (the tiled standards load them two ahead)
+    # the other epilogue depth (decided at 15:48) no longer timed
+    assert {c.epi_stages for c in configs if c.tile_m == 128 and not c.stream_k} == {3}
+    # the tiled 128-row tiles with the scales loaded one k-tile ahead (the standards: two)
     ahead = {c for c in configs if c.scale_ahead == 1 and c.tile_m == 128 and not c.stream_k}
     ahead -= {c for c in STANDARD_CONFIGS}
     assert ahead == {dataclasses.replace(c, scale_ahead=1) for c in (LARGE, LARGE_MCAST_A)}
     assert {c for c in STANDARD_CONFIGS if c.scale_ahead != 1} == {LARGE, LARGE_MCAST_A}
+    # and reading A's scales M-major (the standards as they are otherwise): nothing else does
+    mn = {c for c in configs if c.scale_mn_major}
+    assert mn == {dataclasses.replace(c, scale_mn_major=True) for c in (LARGE, LARGE_MCAST_A)}
+    assert not any(c.scale_mn_major for c in STANDARD_CONFIGS)
+    # the chooser's pick also given M-major scales, where it is a tiled 128-row tile
+    given = script.given_mn_major(m, n, k)
+    pick = choose_config(m, n, k)
+    if pick.tile_m == 128 and not pick.stream_k:
+        assert given == dataclasses.replace(pick, scale_mn_major=True) and given in configs
+    else:
+        assert given is None
 
 
 def test_scale_ahead_keys_and_tags():
@@ -135,12 +145,15 @@ def test_script_rows_on_cpu(script, monkeypatch):
     """measure() end to end with stand-ins: a kernel computing the reference (insisting on the
     stream-K workspace exactly where the config streams), a DeepGEMM twice as slow, a fake
     timer; every config through the launcher."""
+    seen_scales = {}
 
     def get_kernel(spec, params):
         cfg = GemmConfig.from_params(dict(params))
 
         def fn(a, b, c, work, flags, per, sa, sb, group, clusters):
             assert (work is not None and per > 0) == cfg.stream_k
+            mn = fp8_sm90.takes_mn_major(sa)
+            seen_scales.setdefault(cfg.tag(), []).append((*sa.stride(), mn))
             c.copy_(gemm_fp8_ref(a, b, sa, sb).to(c.dtype))
 
         return fn
@@ -161,7 +174,13 @@ def test_script_rows_on_cpu(script, monkeypatch):
     rows = script.measure(case, suite, torch.Generator().manual_seed(3), torch.device("cpu"))
     by_config = {r["config"]: r for r in rows}
     assert by_config[choose_config(300, 264, 384).tag()]["chosen"]
-    for cfg in (*PREFILL_CANDIDATES, MID, STREAM_DECODE[-1], F1):
-        row = by_config[cfg.tag()]
+    mn = dataclasses.replace(choose_config(300, 264, 384), scale_mn_major=True)
+    for tag in (*(c.tag() for c in (*PREFILL_CANDIDATES, MID, STREAM_DECODE[-1], F1, mn)),
+                mn.tag() + "+sa_mn"):  # fmt: skip
+        row = by_config[tag]
         assert row["status"] == "ok" and row["ratio"] == 2.0 and row["max_err"] <= row["bound"]
+    # A's scales as each kernel takes them: M-major (4-padded) where the config says so,
+    # through the launcher's copy or, `+sa_mn`, as the script made them; else the suite's
+    assert seen_scales[mn.tag()] == [(1, 300, True)] * len(seen_scales[mn.tag()])
+    assert all(s == (3, 1, False) for s in seen_scales[LARGE.tag()])
     assert by_config["deepgemm"]["max_err"] <= by_config[PREFILL_CANDIDATES[0].tag()]["bound"]

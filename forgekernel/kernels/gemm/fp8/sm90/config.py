@@ -23,7 +23,21 @@ OUT_DTYPES = ("bfloat16", "float16")
 # Their producer loads the scales two k-tiles ahead (`scale_ahead`, docs/gemm/NOTES.md "Why
 # 8192^3 runs at 850 TFLOP/s"): on the H200 (2026-12-02 18:47) 8192^3 1.308 -> 1.200 ms (c1x2)
 # and 1.301 -> 1.208 (c2x1), 8192x8192x7680 1.082 -> 1.011; the prefill shapes not yet timed.
-LARGE = GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=2, epi_stages=3, scale_ahead=2)
+# A's scales read M-major (`scale_mn_major`: one 16-byte load a producer lane per k-tile instead
+# of 4 from 128 rows K/128 x 4 bytes apart; docs/gemm/NOTES.md "A's scales M-major"): the rule
+# is on for the 128-row tiled tiles (LARGE, LARGE_MCAST_A and with it GROUPED), off for stream
+# K and the 64-row tiles. Off until scripts/fp8_tiles.py's `_mn` rows decide: adopting it is
+# this line (new compile keys: rebuild gemm_fp8_sm90, check gemm_fp8 and gemm_fp8_grouped).
+SCALE_MN_MAJOR = False
+LARGE = GemmConfig(
+    tile_m=128,
+    tile_n=128,
+    tile_k=128,
+    cluster_m=2,
+    epi_stages=3,
+    scale_ahead=2,
+    scale_mn_major=SCALE_MN_MAJOR,
+)
 MID = GemmConfig(tile_m=64, tile_n=128, tile_k=128, cluster_m=2)
 SKINNY = GemmConfig(tile_m=64, tile_n=128, tile_k=128, cluster_m=1, cluster_n=2)
 A_ROWS = (8, 16, 32)
