@@ -61,7 +61,9 @@ fragment, which is added into the tile's accumulator times its rows' scales and 
 B's (the tensor core's FP8 accumulation keeps ~14 bits: promoted every 128 of K). The producer
 warp stages each k-tile's tile_m row scales (A's x B's, fp32) in shared memory with the stage,
 published by the stage's full barrier (`_load`): the consumers read two of them per k-tile
-(LDS) after their wait, no global load on their path. Two per-k-tile
+(LDS) after their wait, no global load on their path. mSFA is read K-major (any strides, a
+lane's rows 32 apart) or, `scale_mn_major`, M-major (unit stride along M, the launcher's
+contract: a lane's tile_m / 32 rows in one vector load). Two per-k-tile
 fragments alternate: k-tile j's WGMMAs are issued before k-tile j - 1's fragment is waited for
 and promoted, so every warpgroup keeps one WGMMA batch queued on the tensor pipe through its
 promotion FFMAs (with one fragment the pipe idled through them: wait, promote, issue). Three
