@@ -246,13 +246,30 @@ def test_the_swap_hands_the_kernel_the_transposed_problem(monkeypatch, cpu_kerne
         assert cpu_kernel[-1][0] == params_for("bfloat16", False, cfg)
 
 
-def test_swapped_stream_k_is_refused(cpu_kernel):
-    """Swapped stream K gave wrong output on the H200 (2026-12-02 18:47): refused, clearly."""
-    from forgekernel.kernels.gemm.dense.sm90.config import SWAP_80
+@pytest.mark.parametrize("m", [129, 300, 777])
+@pytest.mark.parametrize("n", [3584, 3581, 10240])
+@pytest.mark.parametrize("k", [3584, 8192])
+def test_swapped_stream_k_plans_the_kernels_problem(cpu_kernel, m, n, k):
+    """Swapped stream K (refused after the H200's wrong output of 2026-12-02 18:47, whose cause
+    was splitk.sum_parts: tests/test_splitk_host.py): the plan is over the problem the kernel
+    sees, (N padded, M), so that its per, flags and workspace are the kernel's own (kernel.py
+    `_stream_grid`: every tile a flag, every CTA of the grid two slots)."""
+    from forgekernel.kernels.gemm.dense.sm90.config import SWAP_TALL_80, GemmConfig, split_for
+    from forgekernel.kernels.gemm.dense.sm90.plan import grid_blocks, stream_grid
 
-    cfg = dataclasses.replace(SWAP_80, stream_k=True)
-    with pytest.raises(ValueError, match="swapped stream K is not supported"):
-        forgekernel.gemm(bf16(300, 64), bf16(256, 64), config=cfg)
+    np_, kp = -(-n // 8) * 8, -(-k // 8) * 8
+    stream_144 = GemmConfig(tile_n=144, cluster_m=1, epi_n=16, swap=True, stream_k=True)
+    for cfg in (stream_144, dataclasses.replace(SWAP_TALL_80, stream_k=True)):
+        _, max_clusters, split, swap = gemm_sm90._choose(torch.bfloat16, False, m, n, k, None, cfg)
+        assert swap
+        plan = split_for(cfg, np_, m, kp, 132)
+        per, tiles, floats = split
+        assert (per, tiles) == (plan.per, plan.tiles)
+        tiles_m, tiles_n, blocks = grid_blocks(cfg, np_, m)  # the kernel's (M, N) = (Np, M)
+        k_tiles = -(-kp // cfg.tile_k)
+        size = cfg.cluster_m * cfg.cluster_n
+        ctas = stream_grid(blocks, k_tiles, max_clusters, per) * size
+        assert tiles >= tiles_m * tiles_n and floats >= 2 * ctas * cfg.tile_m * cfg.tile_n
 
 
 def test_the_swap_is_nk_only_and_picked_for_a_few_hundred_tokens(cpu_kernel):

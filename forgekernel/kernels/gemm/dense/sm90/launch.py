@@ -80,14 +80,14 @@ def _choose(dtype, b_kn, m, n, k, device_index, config) -> tuple[object, int, tu
         raise ValueError(f"GEMM config {cfg.tag()} loads {cfg.a_rows} rows of A: M = {m} is more")
     if cfg.swap and b_kn:
         raise ValueError(f"GEMM config {cfg.tag()} swaps the operands: B 'nk' only")
-    if cfg.swap and cfg.stream_k:
-        # wrong output on the H200 (2026-12-02 18:47, 128x144 and 192x80 over 129 x 10240)
-        raise ValueError(f"GEMM config {cfg.tag()}: swapped stream K is not supported")
     split = None
     if cfg.stream_k:
         # The problem as the kernel sees it (N and K padded up to multiples of 8 where they are
-        # not); the kernel derives the grid and the data-parallel blocks from per and max_clusters.
-        plan = split_for(cfg, m, _round_up(n), _round_up(k), sms)
+        # not; swapped: the weight's N rows as its M, the tokens as its N); the kernel derives
+        # the grid and the data-parallel blocks from per and max_clusters, and indexes the
+        # flags and the workspace by its own tiles and CTAs.
+        km, kn = (_round_up(n), m) if cfg.swap else (m, _round_up(n))
+        plan = split_for(cfg, km, kn, _round_up(k), sms)
         split = (plan.per, plan.tiles, 2 * plan.ctas * cfg.tile_m * cfg.tile_n)
     # One CTA per SM (the pipeline takes nearly all shared memory).
     max_clusters = sms // (cfg.cluster_m * cfg.cluster_n)
