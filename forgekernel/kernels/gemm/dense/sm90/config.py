@@ -142,7 +142,8 @@ _EFFICIENCY.update({FIT_112: 0.889, SWAP_208: 0.938})
 # chooser weighs widths (`decode_time` cannot tell them apart). Measured there and dropped
 # (docs/gemm/NOTES.md "The slowest cases of the 15:48 bench"): 64x48 decode tiles, 64x256 a16,
 # FIT_112 / SWAP_208 with a stage back, WIDE swizzled N-first, and swapped stream K (wrong
-# output on the H200: the launcher refuses it).
+# output on the H200: splitk.sum_parts dropped the last floats of 72- and 40-float fragments,
+# fixed on next/swap-sk; its timing, 52.1 / 60.1 us to beat on 129x10240x8192, is not redone).
 DECODE_112 = GemmConfig(tile_m=64, tile_n=112, cluster_m=1, cluster_n=2, epi_n=16, a_rows=8)
 # Further configurations for tuning (`forgekernel build --candidates`, `forgekernel.tune_gemm`,
 # scripts/gemm_sweep.py); bf16 "nk" prebuilt, anything else compiles on first use.
