@@ -8,21 +8,15 @@ capture rejects as well)."""
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
-
-_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "kda_host_ops.py"
+from script_modules import load_script  # tests/ is on the path
 
 
 def _host_ops():
-    spec = importlib.util.spec_from_file_location("kda_host_ops", _SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("kda_host_ops")
 
 
 def meta(*tensors: torch.Tensor | None) -> tuple:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from script_modules import load_script  # tests/ is on the path
 from test_attention_paged import install_cpu_decode
 
 from forgekernel.bench.suites.attention_paged import PREFILL_BENCH_CASES
@@ -515,10 +516,7 @@ def test_split_script_runs_on_the_stand_ins(cpu_paged_kernel, monkeypatch, decod
     from forgekernel.bench.suites import attention_paged as suite_module
     from forgekernel.runtime.timing import Samples
 
-    path = Path(__file__).parent.parent / "scripts" / "paged_prefill_split.py"
-    spec = importlib.util.spec_from_file_location("paged_prefill_split", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("paged_prefill_split")
 
     def one_call(fns, **_):
         return {name: Samples([(fn(), 1.0)[1]], method="cpu") for name, fn in fns.items()}
@@ -581,11 +579,7 @@ def test_standard_params_cover_the_paged_op():
 
 
 def _gpu_test_module():
-    path = Path(__file__).parent / "gpu" / "test_paged_gpu.py"
-    spec = importlib.util.spec_from_file_location("paged_gpu_tests", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("paged_gpu_tests", Path(__file__).parent / "gpu" / "test_paged_gpu.py")
 
 
 def test_each_gpu_prefill_case_looks_its_kernel_up(cpu_paged_kernel):

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-from pathlib import Path
 
 import pytest
 import torch
+from script_modules import load_script  # tests/ is on the path
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from forgekernel.kernels.conv.sm90 import launch
@@ -198,10 +198,7 @@ def test_the_5d_view_is_the_permuted_one(dims):
 # ---------------------------------------------------------------- the stem's im2col
 # the im2col before the strided copy (torch's unfold and a permuted copy), the reference: the
 # GPU probe's (scripts/conv_stem_probe.py), which times the two
-_PROBE = Path(__file__).resolve().parents[1] / "scripts" / "conv_stem_probe.py"
-_SPEC = importlib.util.spec_from_file_location("conv_stem_probe", _PROBE)
-probe = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(probe)
+probe = load_script("conv_stem_probe")
 
 
 def _im2col_loop(x, geometry, out_dhw):

@@ -340,14 +340,9 @@ def test_the_strided_sd_unet_layers_leave_the_padded_cluster():
 
 def _probe():
     """scripts/conv_wgrad_probe.py as a module (its plans and its launch, no GPU needed)."""
-    import importlib.util
-    from pathlib import Path
+    from script_modules import load_script
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "conv_wgrad_probe.py"
-    spec = importlib.util.spec_from_file_location("conv_wgrad_probe", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("conv_wgrad_probe")
 
 
 @pytest.mark.parametrize(

@@ -6,21 +6,14 @@ smallest bench case through the real op and launcher with the kernels' torch rep
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import kda_prefill_replay
 import pytest
+from script_modules import load_script  # tests/ is on the path
 
 from forgekernel.kernels.linear_attention.kda_prefill.sm90 import launch as kda_launch
 from forgekernel.ops import kda_chunked as kda_op
 
-_PATH = Path(__file__).resolve().parents[1] / "scripts" / "diag_bench_cases.py"
-_SPEC = importlib.util.spec_from_file_location("diag_bench_cases", _PATH)
-diag = importlib.util.module_from_spec(_SPEC)
-sys.modules["diag_bench_cases"] = diag
-_SPEC.loader.exec_module(diag)
+diag = load_script("diag_bench_cases", register=True)
 
 IMA = "torch.AcceleratorError: CUDA error: an illegal memory access was encountered"
 

@@ -6,24 +6,17 @@ spends device time; the compile keys it reports are the forms it names."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import gdn_prefill_replay
 import kda_prefill_replay
 import pytest
+from script_modules import load_script  # tests/ is on the path
 
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90 import launch as gdn_launch
 from forgekernel.kernels.linear_attention.kda_prefill.sm90 import launch as kda_launch
 from forgekernel.ops import gated_delta_rule_chunked as gdn_op
 from forgekernel.ops import kda_chunked as kda_op
 
-_PATH = Path(__file__).resolve().parents[1] / "scripts" / "diag_linear_attn.py"
-_SPEC = importlib.util.spec_from_file_location("diag_linear_attn", _PATH)
-diag = importlib.util.module_from_spec(_SPEC)
-sys.modules["diag_linear_attn"] = diag
-_SPEC.loader.exec_module(diag)
+diag = load_script("diag_linear_attn", register=True)
 
 
 @pytest.fixture

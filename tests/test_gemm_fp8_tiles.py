@@ -5,12 +5,11 @@ shape and config lists and its rows (scripts/fp8_tiles.py, loaded from its file)
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 import torch
+from script_modules import load_script  # tests/ is on the path
 
 from forgekernel.bench.suite import Case
 from forgekernel.bench.suites import gemm_fp8 as suite_module
@@ -36,15 +35,11 @@ from forgekernel.reference.gemm import gemm_fp8_ref
 
 PREFILL_CANDIDATES = (LARGE_MCAST_A, STREAM)
 F1 = dataclasses.replace(LARGE, scale_ahead=1)  # the scales one k-tile ahead (before 18:47)
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fp8_tiles.py"
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("fp8_tiles", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("fp8_tiles")
 
 
 def test_candidates_are_prebuilt_for_both_outputs():

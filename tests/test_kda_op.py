@@ -7,13 +7,11 @@ and back (the backward itself: tests/test_kda_bwd_op.py)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import kda_prefill_replay as replay
 import pytest
 import torch
 import torch.nn.functional as F
+from script_modules import load_script  # tests/ is on the path
 
 import forgekernel
 import forgekernel.ops.kda_chunked as op
@@ -372,11 +370,7 @@ def test_first_pass_kernel_layout_is_the_torch_first_pass_layout(cpu_kernel):
 
 
 def _host_ops():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "kda_host_ops.py"
-    spec = importlib.util.spec_from_file_location("kda_host_ops", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("kda_host_ops")
 
 
 @pytest.mark.parametrize("lens", [[2048], [5, 0, 64, 71, 1, 130], [0, 0, 3], [64, 128]])

@@ -925,14 +925,9 @@ def test_fake_implementation_under_make_fx(form, out_shape, lse_shape):
 
 
 def _diag_script():
-    import importlib.util
-    from pathlib import Path
+    from script_modules import load_script
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "diag_mla_seesaw.py"
-    spec = importlib.util.spec_from_file_location("diag_mla_seesaw", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("diag_mla_seesaw")
 
 
 @pytest.mark.parametrize("name", list(_diag_script().CASES))

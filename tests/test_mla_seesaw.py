@@ -9,16 +9,15 @@ one softmax over all keys in exact arithmetic."""
 from __future__ import annotations
 
 import ast
-import importlib.util
 import inspect
 import math
 import re
 import textwrap
-from pathlib import Path
 
 import mla_seesaw as ms
 import pytest
 import torch
+from script_modules import load_script  # tests/ is on the path
 
 from forgekernel.kernels.attention.mla.sm90 import seesaw
 from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG, WARP_SIZE
@@ -152,11 +151,7 @@ def test_interval_rule_on_the_probes_simple_variants():
 
 
 def _probe():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "diag_racecheck_arrive.py"
-    spec = importlib.util.spec_from_file_location("diag_racecheck_arrive", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("diag_racecheck_arrive")
 
 
 def _projection(progs) -> tuple[list, list]:

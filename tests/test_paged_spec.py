@@ -6,7 +6,6 @@ and the 18:47 pass kept as candidate params."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -14,20 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from script_modules import load_script  # tests/ is on the path
 
 from forgekernel.bench.suites import attention_paged as suite
 from forgekernel.kernels.attention.paged.sm90 import SPEC, config
 from forgekernel.runtime.resources import find_tool, inspect_cubin
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _probe():
-    path = ROOT / "scripts" / "paged_spec_probe.py"
-    spec = importlib.util.spec_from_file_location("paged_spec_probe", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("paged_spec_probe")
 
 
 def test_spec_bench_plans_are_their_decode_twins():

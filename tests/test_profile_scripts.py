@@ -7,7 +7,6 @@ in the device call (scripts/device_profile_gaps.sh)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -17,16 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from script_modules import load_script  # tests/ is on the path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(name)
 
 
 fp8 = _load("profile_gemm_fp8")

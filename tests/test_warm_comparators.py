@@ -4,18 +4,13 @@ once per case, a raising one named and skipped."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import torch
+from script_modules import load_script  # tests/ is on the path
 
 from forgekernel.bench.harness import host_case
 from forgekernel.bench.suites import gdn_prefill, kda_prefill
 
-_PATH = Path(__file__).resolve().parents[1] / "scripts" / "warm_comparators.py"
-_SPEC = importlib.util.spec_from_file_location("warm_comparators", _PATH)
-warm = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(warm)
+warm = load_script("warm_comparators")
 
 
 def test_plan_is_the_bench_order_of_first_calls():
