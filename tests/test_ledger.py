@@ -187,3 +187,28 @@ def test_readme_without_eager_or_host_has_no_such_block(tmp_path, sources, fake_
     results = tmp_path / "results"
     _write(fake_suite(sources, name="gemm"), "bench", {"cases": [], "median_ratio": {}}, results)
     assert "Second timing method" not in ledger.readme_table(results)
+
+
+def test_take_keeps_an_earlier_calls_sections_on_the_same_sources(tmp_path, sources, fake_suite):
+    """scripts/take_results.sh: a later call's ledger (bench only: its fresh host started from
+    the committed ledgers) does not drop the check an earlier call wrote on the same sources;
+    a section on other sources is not kept, and a ledger with nothing to keep is copied as is."""
+    suite = fake_suite(sources)
+    first, second, repo = tmp_path / "a", tmp_path / "b", tmp_path / "repo"
+    ledger.write_section(suite, "check", {"passed": True}, arch="sm_90a", results_dir=first)
+    ledger.write_section(
+        suite, "bench", {"median_ratio": {"x": 1.0}}, arch="sm_90a", results_dir=second
+    )
+    dst = ledger.ledger_path(repo, "sm_90a", suite.name)
+    ledger.take(ledger.ledger_path(first, "sm_90a", suite.name), dst)
+    ledger.take(ledger.ledger_path(second, "sm_90a", suite.name), dst)
+    doc = json.loads(dst.read_text())
+    assert doc["check"]["passed"] is True and doc["bench"]["median_ratio"] == {"x": 1.0}
+    assert ledger.ledger_status(suite, repo, "sm_90a")[0]
+    sources[0].write_text("KERNEL = 2\n")
+    ledger.write_section(
+        suite, "bench", {"median_ratio": {"x": 2.0}}, arch="sm_90a", results_dir=second
+    )
+    src = ledger.ledger_path(second, "sm_90a", suite.name)
+    ledger.take(src, dst)
+    assert "check" not in json.loads(dst.read_text()) and dst.read_bytes() == src.read_bytes()

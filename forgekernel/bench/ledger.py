@@ -140,6 +140,34 @@ def write_section(
     return path
 
 
+def take(src: Path, dst: Path) -> Path:
+    """Copy the ledger `src` (written on a GPU host) to `dst`, keeping the sections of the ledger
+    already at `dst` that `src` lacks and that were written on `src`'s source hash: a later call
+    on a fresh host starts from the committed ledgers and drops what an earlier call of the same
+    session wrote on newer sources (write_section's rule, applied across the two files)."""
+    doc = load(src)
+    if doc is None:
+        raise ValueError(f"{src}: not a ledger")
+    old = load(dst) or {}
+    current = doc.get("source_hash")
+    kept = {
+        s: old[s]
+        for s in SECTIONS
+        if s not in doc and isinstance(old.get(s), dict) and old[s].get("source_hash") == current
+    }
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if not kept:
+        shutil.copyfile(src, dst)
+        return dst
+    merged = {k: v for k, v in doc.items() if k not in SECTIONS}
+    for s in SECTIONS:
+        if s in doc or s in kept:
+            merged[s] = doc.get(s, kept.get(s))
+    dst.write_text(json.dumps(merged, indent=1, default=str) + "\n")
+    return dst
+
+
 def ledger_status(
     suite: OpSuite, results_dir: Path | None = None, arch: str | None = None
 ) -> tuple[bool, str]:
