@@ -10,8 +10,8 @@
 #   bash scripts/device_session.sh probes "NAME=python3 SCRIPT ARGS" ...   each under PROBE_T s
 #        (default 100), logs (and JSON written to /tmp/probes) packed into $OUT/probes.tar
 #   bash scripts/device_session.sh benches OP ...   one stream of benches (BENCH_TIMEOUT each)
-# Then here: scripts/take_results.sh on each call's files IN CALL ORDER; a later call on a fresh
-# host starts its ledgers from the committed ones: merge an earlier call's check sections back.
+# Then here: scripts/take_results.sh on each call's files IN CALL ORDER (it keeps an earlier
+# call's sections on the same sources where a later call on a fresh host lacks them).
 set -uo pipefail
 mode=${1:?checks, probes or benches}
 shift
