@@ -11,10 +11,12 @@ the one-pass checks: mla_decode 32.8 -> 23, dsa_sparse_attention 25.8 -> 18, att
 15.7 -> 12 us; before -> after the reused split-KV scratch and lse= in place
 (next/host-overhead, min of three alternated processes on a loaded machine): mla_decode 30.2 ->
 25.0, attention_paged 14.5 -> 10.3 us (a CPU allocation is cheap: the H200 saves more). The
-budgets below are about 2.5x those, so that a loaded CI machine passes; what must not come back
-(the dispatcher on the eager path, the named checks on every call, a kernel lookup per launch)
-is tested exactly. The one-pass checks must accept exactly what the named checks accept: tested
-on one mutation per check.
+budgets below are about 1.8x this machine's 2026-12-02 figures (the same calls cost 1.3-2x the
+figures above by then), scaled by a reference call's time on the machine that runs them, so that
+a slower or loaded CI machine passes; what must not come back (the dispatcher on the eager
+path, the named checks on every call, a kernel lookup per launch) is tested exactly. The
+one-pass checks must accept exactly what the named checks accept: tested on one mutation per
+check.
 
 The convolutions (conv_fwd / conv_dgrad / conv_wgrad on n32-c64-56x56-k64-1x1 bf16; the H200's
 bench: 68.6 / 68.6 / 80.8 us against cuDNN's 31.2 / 42.9 / 45.8), on the same machine and
@@ -53,8 +55,10 @@ SERVING = {
 }
 CONV = {name: (conv, conv_launch) for name in ("conv_fwd", "conv_dgrad", "conv_wgrad")}
 SUITES = {**SERVING, **CONV}
-BUDGET_US = {"mla_decode": 60.0, "dsa_sparse": 50.0, "attention_paged": 30.0,
-             "conv_fwd": 36.0, "conv_dgrad": 41.0, "conv_wgrad": 38.0}  # fmt: skip
+# about 1.8x the 2026-12-02 figures on the project machine (reference 4.9 us): mla_decode 44,
+# dsa_sparse 44-48, attention_paged 15.5, conv_fwd 25-26, conv_dgrad 32-33, conv_wgrad 32 us
+BUDGET_US = {"mla_decode": 80.0, "dsa_sparse": 85.0, "attention_paged": 30.0,
+             "conv_fwd": 46.0, "conv_dgrad": 58.0, "conv_wgrad": 58.0}  # fmt: skip
 # the checks that must not run on a repeated eager call
 NAMED_CHECKS = {**{name: ("_validate", "_traced") for name in SERVING},
                 "conv_fwd": ("_validate_fwd",), "conv_dgrad": ("_validate_dgrad",),
@@ -110,6 +114,27 @@ def _bench_inputs(name: str, device: torch.device) -> tuple:
     return suite, case, inputs, suite.alloc_out(inputs)
 
 
+# The budgets are microseconds on this project's 2-core machine, where the reference below (an
+# op side's typical torch calls: an allocation, views, attribute reads) takes REF_US per call.
+# A slower or busier machine (CI's: 1.8-3.9x this one's figures on 2026-12-02) scales them by
+# its own reference time, measured next to each figure.
+REF_US = 4.9
+_REF_INPUT = torch.empty(8, 64, 16, dtype=torch.bfloat16)
+
+
+def _reference_call() -> tuple:
+    a = _REF_INPUT
+    out = torch.empty_like(a)
+    v = a.view(8, 1024).transpose(0, 1)
+    return out.data_ptr(), v.stride(), a.shape[1], a.dtype is torch.bfloat16, a.is_contiguous()
+
+
+def _pace() -> float:
+    """This machine's slowness against the project machine's, at least 1: the reference's time
+    per call over REF_US, taken right after the figure it scales."""
+    return max(1.0, _us_per_call(_reference_call) / REF_US)
+
+
 def _us_per_call(fn: Callable[[], object], calls: int = 200, rounds: int = 25) -> float:
     """Microseconds per call in the quietest round: others' work on a shared machine only adds
     time, so the minimum is the figure that repeats."""
@@ -130,10 +155,10 @@ def _us_per_call(fn: Callable[[], object], calls: int = 200, rounds: int = 25) -
 @pytest.mark.parametrize("name", SUITES)
 def test_host_time_per_call(no_op_kernels, capsys, name):
     case, call = _bench_call(name, torch.device("cpu"))
-    us = _us_per_call(call)
+    us, pace = _us_per_call(call), _pace()
     with capsys.disabled():
-        print(f"\n{name} {case}: {us:.1f} us per eager call (CPU, no-op kernels)")
-    assert us < BUDGET_US[name]
+        print(f"\n{name} {case}: {us:.1f} us per eager call (CPU, no-op kernels; pace {pace:.2f})")
+    assert us < BUDGET_US[name] * pace
 
 
 @pytest.mark.parametrize("name", SUITES)
@@ -667,8 +692,10 @@ DENSE_LAUNCHERS = (gemm_launch, fwd_launch, bwd_launch, fp8_launch)
 DENSE = {"gemm": (gemm_ops, gemm_launch), "attention": (attn, fwd_launch),
          "attention_autograd": (attn, fwd_launch), "gemm_fp8": (fp8_ops, fp8_launch),
          "gemm_fp8_grouped": (grouped_ops, fp8_launch)}  # fmt: skip
-DENSE_BUDGET_US = {"gemm": 18.0, "attention": 27.0, "attention_autograd": 300.0,
-                   "gemm_fp8": 20.0, "gemm_fp8_grouped": 22.0}  # fmt: skip
+# 2026-12-02 on the project machine: gemm 9.0, attention 14.1-14.7, the autograd step 207-212,
+# gemm_fp8 9.3, gemm_fp8_grouped 14.1 us
+DENSE_BUDGET_US = {"gemm": 18.0, "attention": 27.0, "attention_autograd": 380.0,
+                   "gemm_fp8": 18.0, "gemm_fp8_grouped": 26.0}  # fmt: skip
 # the kernels' lookups of a problem: gemm one, the forward one, the backward's three more
 DENSE_LOOKUPS = {"gemm": 1, "attention": 1, "attention_autograd": 4, "gemm_fp8": 1,
                  "gemm_fp8_grouped": 1}  # fmt: skip
@@ -725,9 +752,10 @@ def _dense_call(name: str, device: torch.device) -> tuple[str, Callable[[], obje
 def test_dense_host_time_per_call(dense_no_ops, capsys, name):
     case, call = _dense_call(name, torch.device("cpu"))
     us = _us_per_call(call, calls=100 if name == "attention_autograd" else 200)
+    pace = _pace()
     with capsys.disabled():
-        print(f"\n{name} {case}: {us:.1f} us per eager call (CPU, no-op kernels)")
-    assert us < DENSE_BUDGET_US[name]
+        print(f"\n{name} {case}: {us:.1f} us per eager call (CPU, no-op kernels; pace {pace:.2f})")
+    assert us < DENSE_BUDGET_US[name] * pace
 
 
 @pytest.mark.parametrize("name", DENSE)
