@@ -37,6 +37,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 from forgekernel.kernels.attention.paged.sm90 import fp8
 from forgekernel.kernels.attention.paged.sm90.combine import write_split
 from forgekernel.kernels.attention.paged.sm90.config import (
+    RESIDENT,
     RESIDENT_FP8,
     ROWS,
     STAGES,
@@ -173,6 +174,15 @@ class PagedDecodeSm90:
             self.kernel(*args).launch(
                 grid=grid, block=[THREADS, 1, 1], stream=stream,
                 min_blocks_per_mp=RESIDENT_FP8[self.d], preferred_smem_carveout=100,
+            )  # fmt: skip
+        elif const_expr(self.d == 128):
+            # 16-bit D 128: RESIDENT CTAs per SM told to ptxas (shared memory allows no more).
+            # Left to itself, the cu13 ptxas (the GPU host's) held bf16 8 heads x 1 token with
+            # the page ids read ahead at 168 registers and spilled 8 bytes a tile (2026-12-02;
+            # the cu12 one did not); capped at 255 for 2 CTAs it takes 254, no stack.
+            self.kernel(*args).launch(
+                grid=grid, block=[THREADS, 1, 1], stream=stream,
+                min_blocks_per_mp=RESIDENT[self.d], preferred_smem_carveout=100,
             )  # fmt: skip
         else:
             self.kernel(*args).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
