@@ -175,11 +175,13 @@ class PagedDecodeSm90:
                 grid=grid, block=[THREADS, 1, 1], stream=stream,
                 min_blocks_per_mp=RESIDENT_FP8[self.d], preferred_smem_carveout=100,
             )  # fmt: skip
-        elif const_expr(self.d == 128):
-            # 16-bit D 128: RESIDENT CTAs per SM told to ptxas (shared memory allows no more).
-            # Left to itself, the cu13 ptxas (the GPU host's) held bf16 8 heads x 1 token with
-            # the page ids read ahead at 168 registers and spilled 8 bytes a tile (2026-12-02;
-            # the cu12 one did not); capped at 255 for 2 CTAs it takes 254, no stack.
+        elif const_expr(self.d == 128 and self.rows == ROWS):
+            # 16-bit D 128, one row block: RESIDENT CTAs per SM told to ptxas (shared memory
+            # allows no more). Left to itself, the cu13 ptxas (the GPU host's) held bf16 8 heads
+            # x 1 token with the page ids read ahead at 168 registers and spilled 8 bytes a tile
+            # (2026-12-02; the cu12 one did not); capped at 255 for 2 CTAs it takes 254, no
+            # stack. Not with two row blocks: told the same, the 32-row leaves took 255 and
+            # spilled 40-48 bytes, left alone 250-252 and none.
             self.kernel(*args).launch(
                 grid=grid, block=[THREADS, 1, 1], stream=stream,
                 min_blocks_per_mp=RESIDENT[self.d], preferred_smem_carveout=100,
