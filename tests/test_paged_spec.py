@@ -179,7 +179,8 @@ def test_main_loop_copies_wait_on_no_page_read_of_their_iteration(tmp_path, d, h
     row: K and V) before any page-table read, and reads the next tile's ids after them, one per
     row; registers within the plan's residency (RESIDENT CTAs an SM: 255 at D 128, 170 at D 64),
     no spill. The 18:47 pass of the 4 x 2 leaf (page_ids inline) read its ids in two dependent
-    rounds beside the copies: G+ S+ G+ S+."""
+    rounds beside the copies (G+ S+ G+ S+); compiled since with the D 128 residency told to
+    ptxas (254 registers where it held 168), it reads all of them first, in one round."""
     pytest.importorskip("cutlass.cute")
     params = {"kind": "partial", "dtype": "bfloat16", "head_dim": d, "heads": heads}
     if qtokens > 1:
@@ -192,7 +193,7 @@ def test_main_loop_copies_wait_on_no_page_read_of_their_iteration(tmp_path, d, h
     if (d, heads, qtokens) == (128, 4, 2):
         old, _ = _compile_sass(tmp_path, params | {"page_ids": "inline"})
         loads = _main_loop_loads(old)
-        assert re.fullmatch(r"G+S+G+S+", loads) and loads.count("G") == rows, loads
+        assert loads == "G" * rows + "S" * (2 * rows), loads
 
 
 @pytest.mark.parametrize("q_lens", [(2, 1, 2), (4, 3, 4, 1)])
