@@ -428,6 +428,10 @@ def _instructions(sass: str) -> list[tuple[str, str]]:
     return out
 
 
+# A consumer's local stage release: cu12's ptxas spells it ART0, cu13's (the GPU host's) A1T0
+LOCAL_RELEASE = ("SYNCS.ARRIVE.TRANS64.ART0", "SYNCS.ARRIVE.TRANS64.A1T0")
+
+
 def _wgmma_violations(sass: str) -> list[str]:
     """Read in address order (the loop body and both tails in their layout: a linear scan,
     blind only across the back edge and between the tails): an instruction reading or writing
@@ -454,7 +458,7 @@ def _wgmma_violations(sass: str) -> list[str]:
             keep = int(args.split(",")[-1], 16)
             groups = groups[len(groups) - keep :] if keep else []
             waits += 1
-        elif op == "SYNCS.ARRIVE.TRANS64.ART0":  # the local release (peers': ...RED.ART0)
+        elif op in LOCAL_RELEASE:  # the local release (peers': ...RED.ART0 / .RED.A1T0)
             releases += 1
             if releases > waits:
                 found.append(f"stage released before its wait: {op} {args}")
@@ -494,7 +498,7 @@ def _consumer_releases(sass: str) -> list[tuple[str, str]]:
         match = re.search(r"/\*[0-9a-f]{4}\*/\s+(@!?U?P\w+\s+)?(\S+)", line)
         if match and match.group(2).startswith("SYNCS.ARRIVE.TRANS64."):
             op = match.group(2)
-            if op.endswith("ART0"):
+            if op.endswith(("ART0", "A1T0")):
                 kind = "peer" if ".RED." in op else "local"
                 found.append(((match.group(1) or "").strip(), kind))
     return found
