@@ -168,26 +168,19 @@ class PagedDecodeSm90:
         )  # fmt: skip
         if const_expr(self.fp8):
             self.shared = self._fp8_shared(dtype)
-            # registers capped for RESIDENT_FP8 CTAs per SM (.minnctapersm). The carveout only
-            # reaches the DSL's JIT loader (an exported kernel sets none: the driver's default
-            # choice), and given, the compile needs no device query for min_blocks_per_mp
-            self.kernel(*args).launch(
-                grid=grid, block=[THREADS, 1, 1], stream=stream,
-                min_blocks_per_mp=RESIDENT_FP8[self.d], preferred_smem_carveout=100,
-            )  # fmt: skip
-        elif const_expr(self.d == 128 and self.rows == ROWS):
-            # 16-bit D 128, one row block: RESIDENT CTAs per SM told to ptxas (shared memory
-            # allows no more). Left to itself, the cu13 ptxas (the GPU host's) held bf16 8 heads
-            # x 1 token with the page ids read ahead at 168 registers and spilled 8 bytes a tile
-            # (2026-12-02; the cu12 one did not); capped at 255 for 2 CTAs it takes 254, no
-            # stack. Not with two row blocks: told the same, the 32-row leaves took 255 and
-            # spilled 40-48 bytes, left alone 250-252 and none.
-            self.kernel(*args).launch(
-                grid=grid, block=[THREADS, 1, 1], stream=stream,
-                min_blocks_per_mp=RESIDENT[self.d], preferred_smem_carveout=100,
-            )  # fmt: skip
-        else:
-            self.kernel(*args).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
+        # Registers capped for the CTAs per SM shared memory allows (.minnctapersm): FP8
+        # always (RESIDENT_FP8); 16-bit D 128 with one row block too (RESIDENT: left to itself
+        # the cu13 ptxas, the GPU host's, held bf16 8 heads x 1 token with the page ids read
+        # ahead at 168 registers and spilled 8 bytes a tile, 2026-12-02; told, 254 and no
+        # stack), not its 32-row leaves (told, they took 255 and spilled 40-48 bytes; left
+        # alone 250-252 and none). The carveout only reaches the DSL's JIT loader (an exported
+        # kernel sets none: the driver's default choice), and given, the compile needs no
+        # device query for min_blocks_per_mp.
+        hint = {}
+        if const_expr(self.fp8 or (self.d == 128 and self.rows == ROWS)):
+            resident = (RESIDENT_FP8 if self.fp8 else RESIDENT)[self.d]
+            hint = {"min_blocks_per_mp": resident, "preferred_smem_carveout": 100}
+        self.kernel(*args).launch(grid=grid, block=[THREADS, 1, 1], stream=stream, **hint)
 
     @cute.kernel
     def kernel(
