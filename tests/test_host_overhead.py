@@ -41,7 +41,7 @@ from forgekernel.bench.harness import host_case
 from forgekernel.kernels.attention.mla.sm90 import launch as mla_launch
 from forgekernel.kernels.attention.paged.sm90 import launch as paged_launch
 from forgekernel.kernels.conv.sm90 import launch as conv_launch
-from forgekernel.runtime import scratch
+from forgekernel.runtime import scratch, timing
 
 mla = importlib.import_module("forgekernel.ops.mla")
 dsa = importlib.import_module("forgekernel.ops.dsa")
@@ -129,24 +129,24 @@ def _reference_call() -> tuple:
     return out.data_ptr(), v.stride(), a.shape[1], a.dtype is torch.bfloat16, a.is_contiguous()
 
 
-def _pace() -> float:
-    """This machine's slowness against the project machine's, at least 1: the reference's time
-    per call over REF_US, taken right after the figure it scales."""
-    return max(1.0, _us_per_call(_reference_call) / REF_US)
+def _quietest(fns: dict[str, Callable[[], object]], calls: int, rounds: int) -> dict[str, float]:
+    """Microseconds per call of each in its quietest round (timing.host_us_per_call's rounds, up
+    to the last call's return; candidates alternate): others' work on a shared machine only adds
+    time, so the minimum is the figure that repeats."""
+    times = timing.host_us_per_call(fns, calls=calls, rounds=rounds)
+    return {name: min(t.issued) for name, t in times.items()}
 
 
 def _us_per_call(fn: Callable[[], object], calls: int = 200, rounds: int = 25) -> float:
-    """Microseconds per call in the quietest round: others' work on a shared machine only adds
-    time, so the minimum is the figure that repeats."""
-    for _ in range(20):
-        fn()
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, time.perf_counter() - t0)
-    return best / calls * 1e6
+    return _quietest({"fn": fn}, calls, rounds)["fn"]
+
+
+def _paced(fn: Callable[[], object], calls: int = 200) -> tuple[float, float]:
+    """(fn's microseconds per call, this machine's pace): fn and the reference in alternating
+    rounds, so that both see the same load; the pace is the reference's time per call over
+    REF_US, at least 1."""
+    us = _quietest({"fn": fn, "reference": _reference_call}, calls, 25)
+    return us["fn"], max(1.0, us["reference"] / REF_US)
 
 
 # ---------------------------------------------------------------- the CPU figures
@@ -155,7 +155,7 @@ def _us_per_call(fn: Callable[[], object], calls: int = 200, rounds: int = 25) -
 @pytest.mark.parametrize("name", SUITES)
 def test_host_time_per_call(no_op_kernels, capsys, name):
     case, call = _bench_call(name, torch.device("cpu"))
-    us, pace = _us_per_call(call), _pace()
+    us, pace = _paced(call)
     with capsys.disabled():
         print(f"\n{name} {case}: {us:.1f} us per eager call (CPU, no-op kernels; pace {pace:.2f})")
     assert us < BUDGET_US[name] * pace
@@ -751,8 +751,7 @@ def _dense_call(name: str, device: torch.device) -> tuple[str, Callable[[], obje
 @pytest.mark.parametrize("name", DENSE)
 def test_dense_host_time_per_call(dense_no_ops, capsys, name):
     case, call = _dense_call(name, torch.device("cpu"))
-    us = _us_per_call(call, calls=100 if name == "attention_autograd" else 200)
-    pace = _pace()
+    us, pace = _paced(call, calls=100 if name == "attention_autograd" else 200)
     with capsys.disabled():
         print(f"\n{name} {case}: {us:.1f} us per eager call (CPU, no-op kernels; pace {pace:.2f})")
     assert us < DENSE_BUDGET_US[name] * pace

@@ -126,13 +126,25 @@ def write_section(
     path = ledger_path(results_dir or default_results_dir(), arch, suite.name)
     current = source_hash(suite.kernel_sources)
     env = env or environment()
-    old = load(path) or {}
     doc: dict[str, Any] = {"op": suite.name, "arch": arch, "source_hash": current, **env}
-    for other in SECTIONS:
-        kept = old.get(other)
-        if other != section and isinstance(kept, dict) and kept.get("source_hash") == current:
-            doc[other] = kept
+    doc |= _sections_on(load(path) or {}, current, skip={section})
     doc[section] = {"source_hash": current, **env, **data}
+    return _write(path, doc)
+
+
+def _sections_on(doc: dict[str, Any], source: Any, skip=()) -> dict[str, Any]:
+    """The sections of `doc` written on `source` (a source hash), in SECTIONS order, but `skip`:
+    what a ledger keeps when another section is written on that source."""
+    return {
+        s: doc[s]
+        for s in SECTIONS
+        if s not in skip and isinstance(doc.get(s), dict) and doc[s].get("source_hash") == source
+    }
+
+
+def _write(path: Path, doc: dict[str, Any]) -> Path:
+    """Write a ledger atomically (a reader never sees half a file)."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
@@ -148,24 +160,10 @@ def take(src: Path, dst: Path) -> Path:
     doc = load(src)
     if doc is None:
         raise ValueError(f"{src}: not a ledger")
-    old = load(dst) or {}
-    current = doc.get("source_hash")
-    kept = {
-        s: old[s]
-        for s in SECTIONS
-        if s not in doc and isinstance(old.get(s), dict) and old[s].get("source_hash") == current
-    }
-    dst = Path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    if not kept:
-        shutil.copyfile(src, dst)
-        return dst
+    kept = _sections_on(load(dst) or {}, doc.get("source_hash"), skip=doc.keys())
     merged = {k: v for k, v in doc.items() if k not in SECTIONS}
-    for s in SECTIONS:
-        if s in doc or s in kept:
-            merged[s] = doc.get(s, kept.get(s))
-    dst.write_text(json.dumps(merged, indent=1, default=str) + "\n")
-    return dst
+    merged |= {s: doc[s] if s in doc else kept[s] for s in SECTIONS if s in doc or s in kept}
+    return _write(dst, merged)
 
 
 def ledger_status(
