@@ -9,8 +9,10 @@ imports) with the bench's timer (`time_interleaved`: CUDA-graph replays over the
 ratio = DeepGEMM ms / ours (> 1: ours is faster). Configs: the chooser's pick first, then every
 prebuilt 128-row tile (data-parallel and stream K) and, up to M = 512, the 64-row ones (MID,
 SKINNY, the decode boxes that fit, their stream-K twins), then the tiled 128-row ones with the
-other epilogue ring depth (4 deep and 5 AB stages against the standard 3 and 6) and with the
-scales loaded SCALE_AHEAD k-tiles ahead (`_f2`; `configs_for`).
+scales loaded the other distance ahead and with A's scales read the other way (M-major, `_mn`:
+from the suite's K-major scales, so through the launcher's transpose) (`configs_for`); and the
+chosen tile's M-major twin given M-major scales made outside the timing, as DeepGEMM's are
+(`+sa_mn`, `given_mn_major`).
 A config that fails gets a row with its error. The JSON is rewritten after every shape.
 
     PYTHONPATH=$PWD:$PYTHONPATH python3 scripts/fp8_tiles.py OUT.json [GROUP ...]
@@ -42,7 +44,6 @@ EXTRA = ((2048, 7168, 4096), (8192, 4608, 7168), (4096, 1536, 7168))
 # 8192^3 beside K = 7680 (A's scale rows 240 bytes apart instead of 256, every other dimension
 # alike): whether the square case's per-k-tile time comes from the scales' power-of-two stride
 STRIDE = ((8192, 8192, 7680),)
-SCALE_AHEAD = 2
 SMALL_TILES_UP_TO = 512  # M up to which the 64-row configurations are timed too
 
 
@@ -61,21 +62,36 @@ def configs_for(m: int, n: int, k: int) -> list[GemmConfig]:
     for cfg in STANDARD_CONFIGS:
         if cfg.fits(m) and (cfg.tile_m == 128 or m <= SMALL_TILES_UP_TO) and cfg not in found:
             found.append(cfg)
-    # The staged scales (tile_m fp32 a stage) leave a 128-row tile 6 AB stages beside a 3-deep
-    # epilogue ring (the tiled standard since the 15:48 run), 5 beside a 4-deep one: the other
-    # depth of each tiled 128-row config (compiled on first use) is timed too.
-    other = [dataclasses.replace(c, epi_stages=7 - c.epi_stages) for c in found if c.tile_m == 128]
-    # The scales loaded SCALE_AHEAD k-tiles ahead by the producer (1 standard) for each tiled
-    # 128-row standard: the 8192^3 floor (docs/gemm/NOTES.md "Why 8192^3 runs at 850 TFLOP/s").
-    ahead = [dataclasses.replace(c, scale_ahead=SCALE_AHEAD) for c in found if c.tile_m == 128]
-    return found + [c for c in other + ahead if not c.stream_k and c not in found]
+    tiled = [c for c in found if c.tile_m == 128 and not c.stream_k]
+    # (The other epilogue depth of each tiled 128-row config, 4 deep and 5 AB stages against
+    # the standard 3 and 6, was timed from 15:48 to 18:47 and is no longer: it lost or tied on
+    # every shape, and the rows below keep one call of `square stride prefill` in 10 minutes.)
+    # Each tiled 128-row standard with the scales loaded the other distance ahead (2 standard
+    # since 18:47, 1 before): the 8192^3 floor (docs/gemm/NOTES.md "Why 8192^3 runs at 850
+    # TFLOP/s"); stream K's tiles load them one ahead only.
+    ahead = [dataclasses.replace(c, scale_ahead=3 - c.scale_ahead) for c in tiled]
+    # ... and reading A's scales the other way (`scale_mn_major`, docs/gemm/NOTES.md "A's
+    # scales M-major"): K-major inputs, so these rows pay the launcher's transpose.
+    mn = [dataclasses.replace(c, scale_mn_major=not c.scale_mn_major) for c in tiled]
+    return found + [c for c in ahead + mn if c not in found]
 
 
-def forced(cfg: GemmConfig):
-    """run(inputs, out): the launcher with `cfg` forced (N is a multiple of 8: out is C)."""
+def given_mn_major(m: int, n: int, k: int) -> GemmConfig | None:
+    """The one config also timed with A's scales handed over M-major (DeepGEMM's layout, made
+    once outside the timing as DeepGEMM's are: no transpose in the call): the chooser's pick
+    reading them M-major, if it is a tiled 128-row tile. Its row is tagged `+sa_mn`."""
+    pick = choose_config(m, n, k)
+    if pick.tile_m != 128 or pick.stream_k:
+        return None
+    return dataclasses.replace(pick, scale_mn_major=True)
+
+
+def forced(cfg: GemmConfig, scales: str = "sa"):
+    """run(inputs, out): the launcher with `cfg` forced (N is a multiple of 8: out is C), A's
+    scales inputs[scales] ("sa_mn": the M-major copy `measure` made)."""
 
     def run(inputs, out):
-        launch.gemm_fp8(inputs["a"], inputs["b"], inputs["sa"], inputs["sb"], out, config=cfg)
+        launch.gemm_fp8(inputs["a"], inputs["b"], inputs[scales], inputs["sb"], out, config=cfg)
         return out
 
     return run
@@ -88,12 +104,17 @@ def measure(case: Case, suite, gen, device) -> list[dict]:
     sets += [fp8_suite.make_inputs(case, DTYPE, device, gen)
              for _ in range(rotation_sets(suite.bytes(case, DTYPE)) - 1)]  # fmt: skip
     expect = expected(suite, sets[0])
+    runs = [(cfg.tag(), forced(cfg)) for cfg in configs_for(m, n, k)]
+    mn = given_mn_major(m, n, k)
+    if mn is not None:
+        for inputs in sets:
+            inputs["sa_mn"] = launch.mn_major_copy(inputs["sa"])
+        runs.append((mn.tag() + "+sa_mn", forced(mn, "sa_mn")))
     rows, fns = [], {}
-    for i, cfg in enumerate(configs_for(m, n, k)):
-        row = {"shape": case.name, "group": case.group, "config": cfg.tag(), "chosen": i == 0}
+    for i, (tag, run) in enumerate(runs):
+        row = {"shape": case.name, "group": case.group, "config": tag, "chosen": i == 0}
         rows.append(row)
         try:
-            run = forced(cfg)
             cmp = verify(suite, sets[0], device, run=run, expect=expect)[1][0]
         except Exception as e:  # noqa: BLE001 (a config the kernel rejects: recorded)
             row["status"] = f"not built: {type(e).__name__}: {e}"[:200]

@@ -12,10 +12,12 @@ per phase."""
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
+import itertools
 
 import pytest
 import torch
+from script_modules import load_script  # tests/ is on the path
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from forgekernel.kernels.conv.sm90 import launch
@@ -56,11 +58,11 @@ def kernel_calls(monkeypatch):
     def get_kernel(spec, params):
         return lambda *args: calls.append((dict(params), args))
 
-    launch._plans.clear()
+    launch.clear_plans()  # the weight gradient's plans hold their function too
     monkeypatch.setattr(launch, "get_kernel", get_kernel)
     monkeypatch.setattr(launch, "num_sms", lambda device: 132)
     yield calls
-    launch._plans.clear()
+    launch.clear_plans()
 
 
 def _geometry(f, pad, stride) -> Geometry:
@@ -191,3 +193,126 @@ def test_the_5d_view_is_the_permuted_one(dims):
         got = op._view5d(t)
         assert got.shape == want.shape and got.stride() == want.stride()
         assert got.storage_offset() == want.storage_offset() and torch.equal(got, want)
+
+
+# ---------------------------------------------------------------- the stem's im2col
+# the im2col before the strided copy (torch's unfold and a permuted copy), the reference: the
+# GPU probe's (scripts/conv_stem_probe.py), which times the two
+probe = load_script("conv_stem_probe")
+
+
+def _im2col_loop(x, geometry, out_dhw):
+    """The windows element by element (the definition): column (r, s, c) of output pixel
+    (n, p, q) is x[n, p * stride - pad + r * dil, q * stride - pad + s * dil, c], zero outside."""
+    n, _, h, w_, c = x.shape
+    _, p, q = out_dhw
+    (_, r, s_), lo = geometry.filter, geometry.pad_lo
+    (_, uh, uw), (_, dh, dw) = geometry.stride, geometry.dilation
+    width = r * s_ * c
+    cols = torch.zeros(n, 1, p, q, -(-width // 8) * 8, dtype=x.dtype)
+    for i in range(p):
+        for j in range(q):
+            for a in range(r):
+                for b in range(s_):
+                    hh, ww = i * uh - lo[1] + a * dh, j * uw - lo[2] + b * dw
+                    if 0 <= hh < h and 0 <= ww < w_:
+                        k = (a * s_ + b) * c
+                        cols[:, 0, i, j, k : k + c] = x[:, 0, hh, ww]
+    return cols
+
+
+_PADS = [(0, 0), (1, 1), (3, 3), ((1, 2), (2, 0)), ((2, 1), (-1, 3))]  # (lo, hi) per H / W
+
+
+def _im2col_cases():
+    """(filter, pad_lo, pad_hi, stride, dilation) with a non-empty output on 13 x 11."""
+    for f, (lo, hi), stride, dil in itertools.product(
+        [(7, 7), (3, 3), (2, 3)], _PADS, [1, 2, 3], [1, 2]
+    ):
+        lo = (lo, lo) if isinstance(lo, int) else lo
+        hi = (hi, hi) if isinstance(hi, int) else hi
+        g = Geometry((1, *f), (0, *lo), (0, *hi), (1, stride, stride), (1, dil, dil))
+        if min(g.output((1, 13, 11))) > 0:
+            yield g
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+@pytest.mark.parametrize("c", [1, 3, 4, 8, 16])
+def test_the_im2col_is_the_unfold_one_bitwise(c, dtype):
+    """The strided copy (launch._im2col) against the unfold it replaced, bitwise: 7x7, 3x3
+    and 2x3 filters, strides 1 / 2 / 3, dilations 1 / 2, padding 0 / 1 / 3 and asymmetric
+    (one side negative: a crop), odd H and W; x compact and a channel slice of a wider one
+    (its pixel strides are not C's: the view takes x's strides)."""
+    gen = torch.Generator().manual_seed(c)
+    wide = torch.randn(2, 1, 13, 11, c + 5, generator=gen).to(dtype)
+    for x in (wide[..., :c].contiguous(), wide[..., 2 : 2 + c]):
+        for g in _im2col_cases():
+            out = g.output((1, 13, 11))
+            cols, one = launch._im2col(x, g, out)
+            want = probe.im2col_unfold(x, g, out)
+            assert cols.shape == want.shape and cols.is_contiguous(), g
+            assert torch.equal(cols.view(torch.int16), want.view(torch.int16)), g
+            assert one == Geometry((1, 1, 1), (0, 0, 0), (0, 0, 0))
+
+
+@pytest.mark.parametrize("c", [3, 16])
+def test_the_im2col_is_its_definition(c):
+    """Against the element-by-element windows (independent of torch's unfold): the stem's
+    7x7 stride 2 padding 3, and 3x3 dilation 2 stride 3 with asymmetric padding."""
+    x = torch.randn(2, 1, 13, 11, c, dtype=BF16)
+    for g in (
+        Geometry((1, 7, 7), (0, 3, 3), (0, 3, 3), (1, 2, 2)),
+        Geometry((1, 3, 3), (0, 1, 2), (0, 2, 0), (1, 3, 3), (1, 2, 2)),
+    ):
+        out = g.output((1, 13, 11))
+        cols, _ = launch._im2col(x, g, out)
+        assert torch.equal(cols, _im2col_loop(x, g, out)), g
+
+
+@pytest.mark.parametrize("pad", [3, 0])
+def test_the_stem_im2col_is_one_copy(kernel_calls, pad):
+    """The stem's im2col on the device's ops: the padded input (a fill and a copy: ~10 MB at
+    n32-224x224) where it pads, one strided copy into the buffer, the tail's fill (147
+    channels of 152); no unfold, no host sync. The forward and the weight gradient: one kernel
+    launch each on the same (N, 1, P, Q, 152) columns."""
+    g = Geometry((1, 7, 7), (0, pad, pad), (0, pad, pad), (1, 2, 2))
+    x = torch.randn(2, 1, 16, 16, 3, dtype=BF16)
+    out = g.output((1, 16, 16))
+    with _Ops() as ops:
+        cols, _ = launch._im2col(x, g, out)
+    assert not set(ops.names) & SYNCS
+    # constant_pad_nd: one op here, a fill and a copy of the padded input on the device
+    assert ops.launching() == ["constant_pad_nd"] * (pad > 0) + ["copy_", "zero_"]
+    assert cols.shape == (2, 1, *out[1:], 152)
+    w = torch.randn(64, 1, 7, 7, 3, dtype=BF16)
+    y = torch.empty(2, *out, 64, dtype=BF16)
+    launch.fprop(x, w, None, y, g)
+    launch.wgrad(torch.randn_like(y), x, w.clone(), g)
+    # the forward reads (x, w, y, ...), the weight gradient (dy, x, dw, ...): the columns, or
+    # their view as one plane of 8-pixel rows (an unpadded 1x1 over a multiple of 8 pixels)
+    (_, fwd), (_, grad) = kernel_calls
+    for seen in (fwd[0], grad[1]):
+        assert seen.shape[-1] == 152 and seen.numel() == cols.numel()
+
+
+def test_the_probe_cases_take_the_few_channel_path():
+    """scripts/conv_stem_probe.py's cases: the brief's four by their bench names, each on the
+    few-channel path; at batch 1 on the CPU the two im2cols it times agree bitwise."""
+    names = [f.name for f, _ in probe.cases()]
+    assert names == [
+        "n32-c3-224x224-k64-7x7-s2",
+        "n8-c3-512x512-k64-7x7-s2",
+        "n32-c3-224x224-k64-3x3",  # stride 1: no suffix
+        "n16-c4-256x256-k32-3x3",
+    ]
+    assert [f.name for f, _ in probe.cases(names[1:2])] == names[1:2]
+    for fwd, wgrad in probe.cases():
+        p = fwd.params
+        assert wgrad.params == {**p, "op": "wgrad"}
+        g, out = probe.geometry(fwd)
+        (h, w_), c, k = p["spatial"], p["c"], p["k"]
+        x = torch.randn(1, 1, h, w_, c, dtype=BF16)
+        w = torch.empty(k, 1, *p["kernel"], c, dtype=BF16, device="meta")
+        assert launch.few_channels(x, w, g)
+        cols, _ = launch._im2col(x, g, out)
+        assert torch.equal(cols, probe.im2col_unfold(x, g, out)), fwd.name

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from forgekernel.kernels.conv.sm90 import emulate, launch
-from forgekernel.kernels.conv.sm90.config import MAX_WORKSPACE
+from forgekernel.kernels.conv.sm90.config import MAX_WORKSPACE, split_cost
 from forgekernel.kernels.conv.sm90.geometry import (
     RECT_PIXELS,
     RECT_WIDTHS,
@@ -28,12 +28,18 @@ from forgekernel.kernels.conv.sm90.geometry import (
     rect_width,
 )
 from forgekernel.kernels.conv.sm90.wgrad_config import (
+    _WGRAD_EFFICIENCY,
     WGRAD_CONFIGS,
+    WGRAD_IM2COL_FLOOR,
+    WGRAD_LARGE,
     WGRAD_MAX_SPLITS,
     WGRAD_SMALL,
+    WGRAD_SMALL_SQUARE,
     WGRAD_SQUARE,
+    WGRAD_START,
     WgradPlan,
     choose_wgrad,
+    wgrad_cost,
     wgrad_tiles,
 )
 from forgekernel.runtime import scratch
@@ -288,3 +294,80 @@ def test_the_chooser_fills_the_chip_within_its_limits():
         # a long reduction into one 64x64 tile is spread over many CTAs
         plan = choose_wgrad(64, 64, 1, 32 * 56 * 56 // 64, 132, tiled=tiled)
         assert plan.config == WGRAD_SMALL and plan.parts >= 16
+
+
+def test_the_tiled_walk_keeps_its_cost():
+    """The 18:47 refit (WGRAD_IM2COL_ROWS_128, WGRAD_IM2COL_FLOOR, WGRAD_START) is the im2col
+    walk's: the stride-1 rectangles' cost is still the multiply-adds alone (their picks, the
+    SD VAE cases at 1.2-1.8x cuDNN, unchanged)."""
+    for cfg, splits in itertools.product(WGRAD_CONFIGS, (1, 3, 8)):
+        cm = cfg.cluster_m
+        tiles_mn = (-(-512 // (cfg.tile_m * cm)) * cm, -(-320 // cfg.tile_n) * 9)
+        want = split_cost(
+            (cfg.tile_m, cfg.tile_n), tiles_mn, (cm, 1), 400, splits, 132, _WGRAD_EFFICIENCY[cfg]
+        )
+        assert wgrad_cost(cfg, 512, 320, 9, 400, splits, 132, tiled=True) == want
+
+
+def test_the_im2col_walk_pays_the_producer_floor_and_a_start():
+    """On the im2col walk a k-tile costs at least WGRAD_IM2COL_FLOOR (the producer's) and each
+    wave of CTAs WGRAD_START: a 64x64 tile's k-tile (a quarter of the multiply-adds) costs the
+    floor, and one more k-tile a CTA adds the floor per wave."""
+    one = wgrad_cost(WGRAD_SMALL, 64, 64, 1, 40, 1, 132)[0]
+    two = wgrad_cost(WGRAD_SMALL, 64, 64, 1, 41, 1, 132)[0]
+    assert two - one == pytest.approx(WGRAD_IM2COL_FLOOR)
+    assert one > 40 * WGRAD_IM2COL_FLOOR + WGRAD_START - 1e-9
+
+
+def test_the_strided_sd_unet_layers_leave_the_padded_cluster():
+    """The SD UNet downsampling layers (3x3 stride 2, batch 8; 18:47: 0.26-0.43x cuDNN on
+    128x128 c2x1): C = K = 320 padded K to 512 on the 2x1 cluster's two K tiles (52% of the
+    multiply-adds useful, 108 CTAs of 128 k-tiles in one wave); the refit takes 128x128 without
+    a cluster (K padded to 384), cut in 3 (243 CTAs of 43 k-tiles); C = K = 640 128x128 unsplit
+    (225 CTAs of 32); C = K = 1280 (8 k-tiles a tile) 128x256 c2x1 (450 CTAs, 4 waves, not
+    900 in 7)."""
+    c320 = choose_wgrad(320, 320, 9, 8 * 32 * 32 // 64, 132)
+    assert (c320.config, c320.parts, c320.per_split) == (WGRAD_SMALL_SQUARE, 3, 43)
+    c640 = choose_wgrad(640, 640, 9, 8 * 16 * 16 // 64, 132)
+    assert (c640.config, c640.parts) == (WGRAD_SMALL_SQUARE, 1)
+    c1280 = choose_wgrad(1280, 1280, 9, 8 * 8 * 8 // 64, 132)
+    assert (c1280.config, c1280.parts, c1280.tiles) == (WGRAD_LARGE, 1, 450)
+    # the 18:47 pick, costed by the refit, is the dearer one in each case
+    for (k, kt), new in zip(((320, 128), (640, 32), (1280, 8)), (c320, c640, c1280)):
+        old = wgrad_cost(WGRAD_SQUARE, k, k, 9, kt, 2 if k == 640 else 1, 132)[0]
+        assert wgrad_cost(new.config, k, k, 9, kt, new.parts, 132)[0] < old
+
+
+def _probe():
+    """scripts/conv_wgrad_probe.py as a module (its plans and its launch, no GPU needed)."""
+    from script_modules import load_script
+
+    return load_script("conv_wgrad_probe")
+
+
+@pytest.mark.parametrize(
+    "n, c, k, hw, f, stride, pad",
+    [
+        (2, 24, 40, 9, 3, 2, 1),  # the im2col walk (old / tile / parts rows)
+        (2, 16, 24, 7, 3, 1, 1),  # stride 1: rectangles, and the im2col row forced
+        (2, 16, 16, 8, 1, 1, 0),  # an unpadded 1x1: one plane 8 wide, and im2col forced
+    ],
+)
+def test_every_probe_plan_computes_the_gradient(model_kernel, n, c, k, hw, f, stride, pad):
+    """Each plan scripts/conv_wgrad_probe.py times, through its own launch (`_call`: the
+    im2col walk forced at stride 1 by a patched `launch._wgrad_walk`), gives autograd's dW on
+    the CPU models, and the forced rows ran the im2col key (rect 0)."""
+    probe = _probe()
+    g = _geometry((1, f, f), (0, pad, pad), (1, stride, stride))
+    x, dy, want = _problem(n, c, k, (1, hw, hw), g)
+    p = dict(n=n, c=c, k=k, spatial=(hw, hw), kernel=(f, f), stride=(stride, stride))
+    p["padding"] = (pad, pad)
+    rows = probe.variants(p)
+    assert rows[0][0] == "pick" and any(im2col for _, im2col, _, _ in rows) == (stride == 1)
+    for name, im2col, plan, _ in rows:
+        dw = torch.full(want.shape, float("nan"), dtype=F64)
+        probe._call(dy, x, dw, g, plan, im2col)
+        assert _close(dw, want), (name, plan)
+        rect = model_kernel[-1][0]["rect"]
+        assert (rect == 0) == (im2col or stride > 1), (name, rect)
+    assert launch._wgrad_walk.__name__ == "_wgrad_walk"  # the patch undone

@@ -3,6 +3,7 @@ any kernel runs, the launcher hands the compiled function TMA-ready operands, th
 config and the cluster count, and the reference is the spec."""
 
 import contextlib
+import dataclasses
 import importlib
 
 import pytest
@@ -223,19 +224,16 @@ def test_launchers_enter_a_device_only_when_it_is_not_current(monkeypatch, curre
 def test_the_swap_hands_the_kernel_the_transposed_problem(monkeypatch, cpu_kernel, m, n):
     """The swap (config `swap`, B "nk"): the kernel's A is the weight, its B the tokens, its C
     the output's (N, M) transpose with unit stride along the kernel's M and the output's row
-    stride along its N (no copy); the result is the reference's. Swapped stream K (a tuning
-    candidate) the same, its plan over the (N, M) problem the kernel sees."""
-    from forgekernel.kernels.gemm.dense.sm90.config import SWAP, SWAP_STREAM_144, split_for
+    stride along its N (no copy); the result is the reference's."""
+    from forgekernel.kernels.gemm.dense.sm90.config import SWAP
 
-    seen, plans = [], []
-    real_plan = gemm_sm90.split_for
-    monkeypatch.setattr(gemm_sm90, "split_for", lambda *x: plans.append(x[1:4]) or real_plan(*x))
+    seen = []
     real = gemm_sm90.kernel_operands
     monkeypatch.setattr(gemm_sm90, "kernel_operands", lambda *x: seen.append(real(*x)) or seen[-1])
     k = 520
     a, b = bf16(m, k), bf16(n, k)
     np_ = -(-n // 8) * 8
-    for cfg in (*SWAP, SWAP_STREAM_144):
+    for cfg in SWAP:
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
         forgekernel.gemm(a, b, out=out, config=cfg)
         torch.testing.assert_close(out, gemm_ref(a, b).to(out.dtype), rtol=0, atol=0)
@@ -246,9 +244,32 @@ def test_the_swap_hands_the_kernel_the_transposed_problem(monkeypatch, cpu_kerne
         assert c_k.shape == (np_, m) and c_k.stride() == (1, np_)
         assert (c_k.data_ptr() == out.data_ptr()) == (n == np_)  # written in place
         assert cpu_kernel[-1][0] == params_for("bfloat16", False, cfg)
-    assert plans == [(np_, m, k)]  # the stream-K plan: the weight's rows as the kernel's M
-    # 129x10240x8192: the weight's 80 tiles of 128 rows cut over all 132 SMs
-    assert split_for(SWAP_STREAM_144, 10240, 129, 8192).ctas == 132
+
+
+@pytest.mark.parametrize("m", [129, 300, 777])
+@pytest.mark.parametrize("n", [3584, 3581, 10240])
+@pytest.mark.parametrize("k", [3584, 8192])
+def test_swapped_stream_k_plans_the_kernels_problem(cpu_kernel, m, n, k):
+    """Swapped stream K (refused after the H200's wrong output of 2026-12-02 18:47, whose cause
+    was splitk.sum_parts: tests/test_splitk_host.py): the plan is over the problem the kernel
+    sees, (N padded, M), so that its per, flags and workspace are the kernel's own (kernel.py
+    `_stream_grid`: every tile a flag, every CTA of the grid two slots)."""
+    from forgekernel.kernels.gemm.dense.sm90.config import SWAP_TALL_80, GemmConfig, split_for
+    from forgekernel.kernels.gemm.dense.sm90.plan import grid_blocks, stream_grid
+
+    np_, kp = -(-n // 8) * 8, -(-k // 8) * 8
+    stream_144 = GemmConfig(tile_n=144, cluster_m=1, epi_n=16, swap=True, stream_k=True)
+    for cfg in (stream_144, dataclasses.replace(SWAP_TALL_80, stream_k=True)):
+        _, max_clusters, split, swap = gemm_sm90._choose(torch.bfloat16, False, m, n, k, None, cfg)
+        assert swap
+        plan = split_for(cfg, np_, m, kp, 132)
+        per, tiles, floats = split
+        assert (per, tiles) == (plan.per, plan.tiles)
+        tiles_m, tiles_n, blocks = grid_blocks(cfg, np_, m)  # the kernel's (M, N) = (Np, M)
+        k_tiles = -(-kp // cfg.tile_k)
+        size = cfg.cluster_m * cfg.cluster_n
+        ctas = stream_grid(blocks, k_tiles, max_clusters, per) * size
+        assert tiles >= tiles_m * tiles_n and floats >= 2 * ctas * cfg.tile_m * cfg.tile_n
 
 
 def test_the_swap_is_nk_only_and_picked_for_a_few_hundred_tokens(cpu_kernel):

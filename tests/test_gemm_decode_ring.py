@@ -91,4 +91,7 @@ def test_compact_ring(cfg, kind):
     used = 1024 + (got["cosize_a"] + got["cosize_b"]) * width + got["cosize_c"] * 2
     assert used <= SMEM_CAPACITY
     full_height = (SMEM_CAPACITY - 1024 - got["cosize_c"] * 2) // ((tile_m + cfg.tile_n) * 128)
-    assert stages >= full_height + (rows < tile_m)  # the short box buys stages
+    if cfg.stages:  # a count set in config.py (the tiled decode tiles: 13, measured faster)
+        assert stages == cfg.stages
+    else:
+        assert stages >= full_height + (rows < tile_m)  # the short box buys stages

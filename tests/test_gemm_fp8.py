@@ -4,6 +4,7 @@ their fp32 source, and the custom op's fake implementation."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -19,6 +20,7 @@ from forgekernel.kernels.gemm.fp8.sm90.config import (
     LARGE,
     MID,
     SKINNY,
+    STANDARD_CONFIGS,
     STREAM,
     STREAM_DECODE,
     STREAM_MIN_K,
@@ -227,3 +229,89 @@ def test_sanitize_cases_refill_the_ring_with_and_without_a_cluster():
         if per_cta > stages:
             refilled.add((cfg.tile_m, cfg.cluster_m, cfg.cluster_n, cfg.stream_k))
     assert {(128, 1, 1, True), (128, 2, 1, False), (64, 1, 2, False)} <= refilled
+
+
+# ---------------------------------------------------------------- A's scales M-major
+
+
+@pytest.mark.parametrize(("m", "kb"), [(1, 1), (5, 3), (128, 2), (300, 7), (301, 56)])
+def test_mn_major_copy_and_what_is_taken_as_is(m, kb):
+    """`scale_mn_major` kernels read A's scales in 4-row vectors from an (M, K/128) view with
+    unit stride along M and a K/128 stride of a multiple of 4 (16-byte columns), M rounded up
+    to 4 readable in each: the launcher's copy is that (values equal, padding rows past M),
+    DeepGEMM's TMA-aligned layout is passed as is, anything else is copied."""
+    sa = torch.rand(m, kb, generator=torch.Generator().manual_seed(m))
+    m4 = -(-m // 4) * 4
+    assert not fp8_sm90.takes_mn_major(sa) or m == 1 == kb  # K-major
+    mn = fp8_sm90.mn_major_copy(sa)
+    assert mn.shape == (m, kb) and mn.stride() == (1, m4) and torch.equal(mn, sa)
+    assert fp8_sm90.takes_mn_major(mn)
+    assert fp8_sm90.mn_major_scales(mn) is mn  # as is: DeepGEMM's layout
+    # else a copy into the stream's scratch, equal, M-major
+    copied = fp8_sm90.mn_major_scales(sa.t().contiguous().t() if kb > 1 else sa * 1)
+    assert torch.equal(copied, sa) and fp8_sm90.takes_mn_major(copied)
+    if kb > 1:
+        # a K/128 stride that is no multiple of 4, or less than M rounded up to 4
+        odd = torch.empty(kb, m4 + 1).t()[:m]
+        assert not fp8_sm90.takes_mn_major(odd) or (m4 + 1) % 4 == 0
+        if m4 > 4:  # columns overlapping: 4 floats short of M rounded up
+            overlapping = torch.empty(kb * m4).as_strided((m, kb), (1, m4 - 4))
+            assert not fp8_sm90.takes_mn_major(overlapping)
+        # the last column's padding rows past the storage
+        short = torch.empty((kb - 1) * m4 + m).as_strided((m, kb), (1, m4))
+        assert fp8_sm90.takes_mn_major(short) == (m == m4)
+    # a base off 16 bytes
+    flat = torch.empty(kb * m4 + 1)
+    assert not fp8_sm90.takes_mn_major(flat[1:].as_strided((m, kb), (1, m4)))
+
+
+def test_mn_major_compile_key_and_tag():
+    """Off, the knob is in no compile key (every existing key, record and ledger stays valid)
+    and in no standard configuration; on, it keys and tags the config (`_mn`)."""
+    for cfg in STANDARD_CONFIGS:
+        assert not cfg.scale_mn_major and "scale_mn_major" not in cfg.key()
+    mn = dataclasses.replace(LARGE, scale_mn_major=True)
+    assert mn.key()["scale_mn_major"] is True and mn.tag() == LARGE.tag() + "_mn"
+    assert params_for("bfloat16", mn) != params_for("bfloat16", LARGE)
+    assert GemmConfig.from_params(dict(params_for("bfloat16", mn))) == mn
+    assert all("scale_mn_major" not in dict(p) for p in SPEC.standard_params())
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "given"),
+    [(300, 264, 384, "k"), (301, 128, 1024, "k"), (130, 256, 256, "mn"), (5, 136, 128, "mn")],
+)  # fmt: skip
+def test_launcher_hands_an_mn_major_config_mn_major_scales(monkeypatch, m, n, k, given):
+    """A forced `scale_mn_major` configuration gets A's scales M-major: the caller's own where
+    they are (the same tensor), else the launcher's copy; the rest of the call as before."""
+    seen = []
+
+    def get_kernel(spec, params):
+        def fn(a, b, c, work, flags, per, sa, sb, group, clusters):
+            assert fp8_sm90.takes_mn_major(sa) and sa.stride(0) == 1
+            seen.append(sa)
+            c[:, : b.shape[0]].copy_(gemm_fp8_ref(a, b, sa, sb).to(c.dtype))
+
+        return fn
+
+    monkeypatch.setattr(fp8_sm90, "get_kernel", get_kernel)
+    monkeypatch.setattr(fp8_sm90, "_plans", type(fp8_sm90._plans)())  # plans hold kernels
+    monkeypatch.setattr(fp8_sm90, "num_sms", lambda device: 132)
+    a, b, sa, sb = _operands(m, n, k)
+    if given == "mn":
+        sa = fp8_sm90.mn_major_copy(sa)
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    cfg = dataclasses.replace(LARGE, scale_mn_major=True)
+    fp8_sm90.gemm_fp8(a, b, sa, sb, out, config=cfg)
+    assert torch.equal(out, gemm_fp8_ref(a, b, sa, sb).to(torch.bfloat16))
+    assert (seen[-1] is sa) == (given == "mn")
+
+
+def test_mn_major_is_refused_where_a_lane_holds_no_whole_vector():
+    """A 192-row tile would give a lane 6 rows (24 bytes): refused while tracing."""
+    pytest.importorskip("cutlass")
+    from forgekernel.kernels.gemm.fp8.sm90.compile import compile_gemm_fp8
+
+    cfg = GemmConfig(tile_m=192, tile_n=128, tile_k=128, cluster_m=1, scale_mn_major=True)
+    with pytest.raises(ValueError, match="scale_mn_major"):
+        compile_gemm_fp8(dict(params_for("bfloat16", cfg)))

@@ -311,6 +311,71 @@ def test_units_back_to_back_hand_on_the_pipeline_states(host_dsl, tile_m, shape,
     _check_log(log, k0, count, lead)
 
 
+@pytest.mark.parametrize(
+    ("tile_m", "shape", "tile", "k0", "count"),
+    [
+        (128, (300, 256, 5 * 128), (2, 1), 0, 5),  # rows past M: lanes read M's last vector
+        (128, (301, 256, 3 * 128), (2, 0), 1, 2),  # M not a multiple of 4: the 4-padded rows
+        (128, (256, 128, 4 * 128), (1, 0), 0, 4),  # a whole tile
+        (64, (70, 128, 3 * 128), (1, 0), 0, 3),  # 8-byte vectors (2 rows a lane)
+    ],
+)  # fmt: skip
+def test_mn_major_scales_stage_the_same_rows(host_dsl, tile_m, shape, tile, k0, count):
+    """`scale_mn_major`: the producer's lanes read A's scales as vectors of tile_m / 32 rows from
+    the launcher's M-major copy (`mn_major_scales`: K/128 x M rounded up to 4, NaN in the
+    padding here) and stage them where the K-major path does: the tile matches the reference
+    and nothing staged for a row inside M is NaN."""
+    from forgekernel.kernels.gemm.fp8.sm90.launch import mn_major_copy
+
+    m, n, k = shape
+    a, b, sa, sb = _operands(m, n, k, seed=tile_m + m)
+    m4 = -(-m // 4) * 4
+    sa_mn = mn_major_copy(sa, torch.full((k // 128, m4), float("nan")))
+    assert sa_mn.stride() == (1, m4) and torch.equal(sa_mn, sa)
+    cfg = GemmConfig(tile_m=tile_m, tile_n=128, tile_k=128, cluster_m=1, scale_mn_major=True)
+    out, log = _run_tile(cfg, a, b, sa_mn, sb, tile, k0, count)
+    keep = slice(k0 * 128, (k0 + count) * 128)
+    want = gemm_fp8_ref(a[:, keep], b[:, keep], sa[:, k0 : k0 + count], sb[:, k0 : k0 + count])
+    r0, c0 = tile[0] * tile_m, tile[1] * 128
+    rows, cols = min(tile_m, m - r0), min(128, n - c0)
+    got, ref = out[:rows, :cols], want[r0 : r0 + rows, c0 : c0 + cols]
+    assert not got.isnan().any()
+    assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max()) * count
+    _check_log(log, k0, count)
+
+
+@pytest.mark.parametrize("mn_major", [False, True])
+def test_the_last_tile_row_starts_on_a_whole_scale_vector(host_dsl, mn_major):
+    """The last tile row of a ragged M is moved back to end at M (`_tail_pads`); reading A's
+    scales M-major it is moved back by a multiple of 4 rows only (its scales start on a whole
+    vector, `_fetch_mn_major`): it ends within M rounded up to 4, never before M."""
+    from forgekernel.kernels.gemm.dense.sm90.kernel import GemmSm90
+
+    cfg = GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=1, scale_mn_major=mn_major)
+    gemm = GemmSm90(cfg)
+    gemm.scaled = True
+
+    @cute.jit
+    def pads(mC: cute.Tensor, out: cute.Tensor):
+        pad_m, pad_n, _, _ = gemm._tail_pads(mC)
+        out[0] = pad_m
+        out[1] = pad_n
+
+    for m in (64, 128, 129, 130, 131, 132, 300, 301, 302, 303, 8191):
+        out = torch.zeros(2, dtype=torch.int32)
+        pads(from_dlpack(torch.empty(m, 256)), from_dlpack(out))
+        pad, tiles = int(out[0]), -(-m // 128)
+        end = tiles * 128 - pad  # where the last tile row ends
+        first = end - 128
+        assert int(out[1]) == 0  # N is never moved back with FP8 (B's scale blocks)
+        if m < 128:
+            assert pad == 0
+        elif mn_major:
+            assert first % 4 == 0 and m <= end < m + 4
+        else:
+            assert end == m
+
+
 def test_the_promotion_uses_each_k_tiles_own_scales(host_dsl):
     """Scales that differ by k-tile by powers of two (exact): a fragment promoted with its
     neighbour's scales would be off by a factor of 2 or more somewhere."""
@@ -439,7 +504,7 @@ def _consumer_releases(sass: str) -> list[tuple[str, str]]:
     return found
 
 
-@pytest.mark.parametrize("which", ["large", "stream_decode", "large_ahead2"])
+@pytest.mark.parametrize("which", ["large", "stream_decode", "large_ahead2", "mcast_a_mn"])
 def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_path):
     """Compiled for sm_90a: no spills, and the schedule the mainloop asks for survives ptxas:
     k-tile 0 issued; in the loop (two k-tiles per trip) each batch of 4 QGMMAs is issued before
@@ -452,9 +517,17 @@ def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_pa
     barrier once it is done with it (unpredicated: each one's reads of the staged scales are
     released by its own arrive, `_retire`), with a cluster also one lane a warp on the peers'.
     `large_ahead2`: the candidate loading the scales two k-tiles ahead (`scale_ahead`, timed by
-    scripts/fp8_tiles.py) within the producer's 40 registers, the consumers' SASS schedule kept."""
+    scripts/fp8_tiles.py) within the producer's 40 registers, the consumers' SASS schedule kept.
+    `mcast_a_mn`: the candidate reading A's scales M-major (`scale_mn_major`): per k-tile one
+    LDG.E.128 a lane for A's and one LDG.E for B's (4 + 1 LDG.E K-major), one STS.128 staging
+    them, the consumers' schedule kept."""
     from forgekernel.kernels.gemm.fp8.sm90 import SPEC
-    from forgekernel.kernels.gemm.fp8.sm90.config import LARGE, STREAM_DECODE, params_for
+    from forgekernel.kernels.gemm.fp8.sm90.config import (
+        LARGE,
+        LARGE_MCAST_A,
+        STREAM_DECODE,
+        params_for,
+    )
     from forgekernel.runtime.resources import find_tool, inspect_cubin
 
     if find_tool("nvdisasm") is None:
@@ -463,6 +536,7 @@ def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_pa
         "large": (LARGE, "bfloat16"),
         "stream_decode": (STREAM_DECODE[0], "float16"),
         "large_ahead2": (dataclasses.replace(LARGE, scale_ahead=2), "bfloat16"),
+        "mcast_a_mn": (dataclasses.replace(LARGE_MCAST_A, scale_mn_major=True), "bfloat16"),
     }[which]
     compiled = SPEC.compile(params_for(out, cfg), f"--keep-cubin --dump-dir {tmp_path}")
     cubin = compiled.artifacts.CUBIN
@@ -482,7 +556,12 @@ def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_pa
     assert _mainloop_sequence(sass) == batch + step * 3 + "D0F64" * 2
     assert _wgmma_violations(sass) == []
     arrivals = _producer_arrivals(sass)
-    assert arrivals and all(a == ("", cfg.tile_m // 32) for a in arrivals), arrivals
+    stores = 1 if cfg.scale_mn_major else cfg.tile_m // 32  # STS.128 / STS a k-tile
+    assert arrivals and all(a == ("", stores) for a in arrivals), arrivals
+    if cfg.scale_mn_major:  # A's 4 rows a lane in one vector, B's block scale (no stream K)
+        loads = [op for op, _ in _instructions(sass) if op.startswith("LDG")]
+        assert set(loads) == {"LDG.E.128", "LDG.E"}
+        assert loads.count("LDG.E.128") == loads.count("LDG.E")
     releases = _consumer_releases(sass)
     local = [r for r in releases if r[1] == "local"]
     peers = [r for r in releases if r[1] == "peer"]

@@ -34,7 +34,7 @@ from forgekernel.kernels.gemm.fp8.sm90.config import (
 from forgekernel.reference.gemm import gemm_fp8_ref
 
 PREFILL_CANDIDATES = (LARGE_MCAST_A, STREAM)
-F2 = dataclasses.replace(LARGE, scale_ahead=2)  # the scales two k-tiles ahead (a candidate)
+F1 = dataclasses.replace(LARGE, scale_ahead=1)  # the scales one k-tile ahead (before 18:47)
 
 
 @pytest.fixture(scope="module")
@@ -66,16 +66,15 @@ def test_candidates_keep_the_fp8_tile_shape():
 def test_tiled_128_row_tiles_take_six_stages_beside_a_3_deep_epilogue():
     """The sixth AB stage (measured faster at large K, H200 15:48): the tiled 128-row standard
     tiles fit 6 stages of A, B and their 512 B of staged scales beside a 3-deep epilogue ring
-    (5 beside the 4-deep one); stream K and the grouped layout keep 4 deep and 5 stages (the
-    grouped compile key as before: LARGE_MCAST_A's fields with epi_stages 4)."""
+    (5 beside the 4-deep one); stream K keeps 4 deep and 5 stages, the grouped layout takes
+    LARGE_MCAST_A's."""
     scales = 128 * 4
     for cfg in (LARGE, LARGE_MCAST_A):
         assert cfg.epi_stages == 3 and not cfg.stages and not cfg.stream_k
         assert ring_stages(cfg, 1, 2, scales) == 6
         assert ring_stages(dataclasses.replace(cfg, epi_stages=4), 1, 2, scales) == 5
-    for cfg in (STREAM, GROUPED):
-        assert cfg.epi_stages == 4 and ring_stages(cfg, 1, 2, scales) == 5
-    assert GROUPED == dataclasses.replace(LARGE_MCAST_A, epi_stages=4)
+    assert STREAM.epi_stages == 4 and ring_stages(STREAM, 1, 2, scales) == 5
+    assert GROUPED == LARGE_MCAST_A  # the grouped layout takes the dense tile's ring (18:47)
 
 
 def test_chooser_takes_the_a_multicast_from_large_m():
@@ -106,35 +105,50 @@ def test_script_configs(script, m, n, k):
     assert {LARGE, *PREFILL_CANDIDATES} <= set(configs)
     assert all(cfg.fits(m) for cfg in configs)
     assert (MID in configs) == (m <= script.SMALL_TILES_UP_TO)
-    # the tiled 128-row tiles at the other epilogue depth (4 deep, 5 stages), not stream K's
-    other = {c for c in configs if c.epi_stages == 4 and c.tile_m == 128 and not c.stream_k}
-    assert other == {dataclasses.replace(c, epi_stages=4) for c in (LARGE, LARGE_MCAST_A)}
-    # and with the scales loaded two k-tiles ahead (the standard loads them one ahead)
-    ahead = {c for c in configs if c.scale_ahead != 1}
-    assert ahead == {dataclasses.replace(c, scale_ahead=2) for c in (LARGE, LARGE_MCAST_A)}
-    assert all(c.scale_ahead == 1 for c in STANDARD_CONFIGS)
+    # the other epilogue depth (decided at 15:48) no longer timed
+    assert {c.epi_stages for c in configs if c.tile_m == 128 and not c.stream_k} == {3}
+    # the tiled 128-row tiles with the scales loaded one k-tile ahead (the standards: two)
+    ahead = {c for c in configs if c.scale_ahead == 1 and c.tile_m == 128 and not c.stream_k}
+    ahead -= {c for c in STANDARD_CONFIGS}
+    assert ahead == {dataclasses.replace(c, scale_ahead=1) for c in (LARGE, LARGE_MCAST_A)}
+    assert {c for c in STANDARD_CONFIGS if c.scale_ahead != 1} == {LARGE, LARGE_MCAST_A}
+    # and reading A's scales M-major (the standards as they are otherwise): nothing else does
+    mn = {c for c in configs if c.scale_mn_major}
+    assert mn == {dataclasses.replace(c, scale_mn_major=True) for c in (LARGE, LARGE_MCAST_A)}
+    assert not any(c.scale_mn_major for c in STANDARD_CONFIGS)
+    # the chooser's pick also given M-major scales, where it is a tiled 128-row tile
+    given = script.given_mn_major(m, n, k)
+    pick = choose_config(m, n, k)
+    if pick.tile_m == 128 and not pick.stream_k:
+        assert given == dataclasses.replace(pick, scale_mn_major=True) and given in configs
+    else:
+        assert given is None
 
 
 def test_scale_ahead_keys_and_tags():
-    """The candidate's compile key and tag differ from the standard's; the standard's key has no
-    `scale_ahead` (every existing compile key, record and ledger stays valid)."""
-    f2 = dataclasses.replace(LARGE_MCAST_A, scale_ahead=2)
-    assert "scale_ahead" not in LARGE_MCAST_A.key() and f2.key()["scale_ahead"] == 2
-    assert f2.tag() == LARGE_MCAST_A.tag() + "_f2"
-    assert params_for("bfloat16", f2) != params_for("bfloat16", LARGE_MCAST_A)
-    assert GemmConfig.from_params(dict(params_for("bfloat16", f2))) == f2
+    """A config loading the scales one k-tile ahead has no `scale_ahead` in its compile key (the
+    keys, records and ledgers from before the knob stay valid); two ahead (the tiled standards
+    since 18:47) keys and tags it."""
+    f1 = dataclasses.replace(LARGE_MCAST_A, scale_ahead=1)
+    assert "scale_ahead" not in f1.key() and LARGE_MCAST_A.key()["scale_ahead"] == 2
+    assert LARGE_MCAST_A.tag() == f1.tag() + "_f2"
+    assert params_for("bfloat16", f1) != params_for("bfloat16", LARGE_MCAST_A)
+    assert GemmConfig.from_params(dict(params_for("bfloat16", LARGE_MCAST_A))) == LARGE_MCAST_A
 
 
 def test_script_rows_on_cpu(script, monkeypatch):
     """measure() end to end with stand-ins: a kernel computing the reference (insisting on the
     stream-K workspace exactly where the config streams), a DeepGEMM twice as slow, a fake
     timer; every config through the launcher."""
+    seen_scales = {}
 
     def get_kernel(spec, params):
         cfg = GemmConfig.from_params(dict(params))
 
         def fn(a, b, c, work, flags, per, sa, sb, group, clusters):
             assert (work is not None and per > 0) == cfg.stream_k
+            mn = fp8_sm90.takes_mn_major(sa)
+            seen_scales.setdefault(cfg.tag(), []).append((*sa.stride(), mn))
             c.copy_(gemm_fp8_ref(a, b, sa, sb).to(c.dtype))
 
         return fn
@@ -155,7 +169,13 @@ def test_script_rows_on_cpu(script, monkeypatch):
     rows = script.measure(case, suite, torch.Generator().manual_seed(3), torch.device("cpu"))
     by_config = {r["config"]: r for r in rows}
     assert by_config[choose_config(300, 264, 384).tag()]["chosen"]
-    for cfg in (*PREFILL_CANDIDATES, MID, STREAM_DECODE[-1], F2):
-        row = by_config[cfg.tag()]
+    mn = dataclasses.replace(choose_config(300, 264, 384), scale_mn_major=True)
+    for tag in (*(c.tag() for c in (*PREFILL_CANDIDATES, MID, STREAM_DECODE[-1], F1, mn)),
+                mn.tag() + "+sa_mn"):  # fmt: skip
+        row = by_config[tag]
         assert row["status"] == "ok" and row["ratio"] == 2.0 and row["max_err"] <= row["bound"]
+    # A's scales as each kernel takes them: M-major (4-padded) where the config says so,
+    # through the launcher's copy or, `+sa_mn`, as the script made them; else the suite's
+    assert seen_scales[mn.tag()] == [(1, 300, True)] * len(seen_scales[mn.tag()])
+    assert all(s == (3, 1, False) for s in seen_scales[LARGE.tag()])
     assert by_config["deepgemm"]["max_err"] <= by_config[PREFILL_CANDIDATES[0].tag()]["bound"]

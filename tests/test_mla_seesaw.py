@@ -186,7 +186,7 @@ def test_probe_replicas_are_the_schedule():
         want = _ODD_FLAGS if (tiles % 2 and stale) else [_SCALE1]  # (H200: 512, 256 each)
         want = sorted(("".join(str(x) for x in res), *rest) for res, *rest in want)
         assert _flagged(ms.run(table, 1, 1, tool=True)) == want, name
-    pairs = {b.name: b for b in seesaw.Bar if b != seesaw.Bar.INIT}  # (INIT: warp 0's prologue)
+    pairs = {b.name: b for b in seesaw.Bar}
     assert {name: bar for name, (bar, _) in probe.BARRIERS.items()} == pairs
     counts = {name: n for name, (_, n) in probe.BARRIERS.items()}
     assert counts == {"SCALE0": 256, "SCALE1": 256, "P0": 256, "P1": 256, "WG0": 128, "WG1": 128}

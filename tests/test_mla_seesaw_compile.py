@@ -12,7 +12,7 @@ assembles, cuobjdump reads the cubin): the facts its schedule and the CPU model 
 - PTX: 19 mbarriers of one arrival, every K box armed with 8192 bytes (64 rows x 64 columns x
   2 bytes, the TMA atom's 65536 bits), Q's once with its 9 boxes' (9 x pitch x 128 bytes,
   pitch = max(H, 8)), named barriers 0 .. 7 only (SCALE0 .. P1 over 256 threads, WG0 / WG1
-  over 128, INIT over warp 0 between its mbarrier inits and their first arming), no
+  over 128; a __syncthreads between warp 0's mbarrier inits and their first arming), no
   setmaxnreg.
 - Every generic write of a WGMMA operand tile (stmatrix of P, st.shared of the zeroed stale
   rows and of Q's zero rows) is followed by fence.proxy.async.shared::cta before
@@ -131,16 +131,16 @@ def test_mbarriers_and_named_barriers(compiled):
         )
     )
     allowed = {(0, None)} | {(int(b), 256) for b in (Bar.SCALE0, Bar.SCALE1, Bar.P0, Bar.P1)}
-    allowed |= {(int(Bar.WG0), 128), (int(Bar.WG1), 128), (int(Bar.INIT), 32)}
+    allowed |= {(int(Bar.WG0), 128), (int(Bar.WG1), 128)}
     assert set(ids) <= allowed and max(i for i, _ in ids) < 16
-    init = [
-        m.start()
-        for m in re.finditer(rf"\bbar(?:rier)?\.sync(?:\.aligned)?\s+{int(Bar.INIT)},", ptx)
-    ]
-    assert len(init) == 1
     last_init = max(m.start() for m in re.finditer(r"mbarrier\.init\.shared", ptx))
     first_arm = min(m.start() for m in re.finditer(r"mbarrier\.arrive\.expect_tx", ptx))
-    assert last_init < init[0] < first_arm  # (racecheck: the arming a wait after the inits)
+    sync = r"\bbar(?:rier)?\.sync(?:\.aligned)?\s+(\d+)[,;]"
+    between = re.findall(sync, ptx[last_init:first_arm])
+    # racecheck: the arming a wait after the inits, and that wait every thread's (bar 0), so
+    # that warp 0 has waited at no more barriers than the others (a wait of its own put its
+    # stores one behind every reader's: 320 + 544 RAW reports on 2026-12-02 18:47)
+    assert between == ["0"]
     assert "setmaxnreg" not in ptx
 
 

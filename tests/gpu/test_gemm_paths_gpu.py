@@ -1,9 +1,12 @@
 """GEMM paths the suite checks do not reach: the stream-K workspace first made inside a CUDA
 graph capture (its zero fill runs on replay), the block-scaled FP8 GEMM's suite cases, every
 standard FP8 configuration forced on one problem (odd and even k-tile counts: both tails of the
-two-fragment mainloop), and FP8 stream K deterministic and replayable in a CUDA graph."""
+two-fragment mainloop), FP8 stream K deterministic and replayable in a CUDA graph, and the
+candidates reading A's scales M-major on ragged M."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -90,3 +93,44 @@ def test_fp8_stream_k_is_deterministic_and_replays_in_a_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(got, first)
+
+
+MN_MAJOR = [
+    dataclasses.replace(c, scale_mn_major=True)
+    for c in STANDARD_CONFIGS
+    if c.tile_m == 128 and not c.stream_k
+]
+
+
+@pytest.mark.parametrize("given", ["k_major", "mn_major"])
+@pytest.mark.parametrize("m", [200, 301, 1027])
+@pytest.mark.parametrize("cfg", MN_MAJOR, ids=lambda c: c.tag())
+def test_fp8_mn_major_scales_match_the_reference(cfg, m, given):
+    """The candidates reading A's scales M-major (`scale_mn_major`, JIT-compiled: not prebuilt)
+    on ragged M (301, 1027: the last tile row moved back by a multiple of 4 only, its box past
+    M), from the suite's K-major scales (the launcher's copy) and from an M-major copy (as is);
+    then captured in a graph (the copy inside the capture) and replayed."""
+    case = fp8_suite_module._case(m, 520, 128 * 21)
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    inputs = FP8.make_inputs(case, torch.bfloat16, torch.device("cuda"), gen)
+    if given == "mn_major":
+        inputs["sa"] = fp8_launch.mn_major_copy(inputs["sa"])
+        assert fp8_launch.takes_mn_major(inputs["sa"])
+
+    def run(inputs, out):
+        fp8_launch.gemm_fp8(inputs["a"], inputs["b"], inputs["sa"], inputs["sb"], out, config=cfg)
+        return out
+
+    _, cmps = verify(FP8, inputs, torch.device("cuda"), run=run)
+    assert all(c.ok for c in cmps), [c.message for c in cmps]
+    first = run(inputs, FP8.alloc_out(inputs)).clone()
+    out = FP8.alloc_out(inputs)
+    side = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        with torch.cuda.graph(graph, stream=side):
+            run(inputs, out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, first)

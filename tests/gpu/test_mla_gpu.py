@@ -358,15 +358,23 @@ def test_fp8_dequantization_is_exact_on_the_device():
     packed[:, 0, 0, 512:528] = tile_scales.view(torch.uint8).view(tokens, 16)
     packed[:, 0, 0, 528:] = torch.randn(tokens, 64).bfloat16().view(torch.uint8)
     packed = packed.cuda()
-    g = torch.Generator(device="cuda").manual_seed(5)
-    q = torch.randn(tokens, 1, 16, 576, device="cuda", generator=g).bfloat16()
+    # q = 0: every score 0, so P = exp2(0 - 0) = 1 exactly and l = 1. With random q the one key's
+    # P is exp2 of an FFMA's rounding residue (s x scale - round(s x scale)), not 1, and out is
+    # V x bf16(P) / P: not exact (the first run, 2026-12-02 18:47, failed so).
+    q = torch.zeros(tokens, 1, 16, 576, device="cuda", dtype=torch.bfloat16)
     table = torch.arange(tokens, dtype=torch.int32, device="cuda")[:, None]
     seq = torch.ones(tokens, dtype=torch.int32, device="cuda")
     out = op.mla_decode(q[..., :512], q[..., 512:], packed, None, table, seq, softmax_scale=SCALE)
     q8, scale, _ = flashmla_fp8_views(packed)
     exact = (q8[:, 0].float() * scale[:, 0].repeat_interleave(128, -1)).bfloat16()
     # Values, not bits: the fp32 accumulator starts at +0, so a -0 latent (code 0x80) comes out +0.
-    assert torch.equal(out[:, 0].float(), exact[:, None].expand(-1, 16, -1).float())
+    want = exact[:, None].expand(-1, 16, -1).float()
+    bad = (out[:, 0].float() != want).nonzero()
+    assert bad.numel() == 0, (
+        f"{bad.shape[0]} of {want.numel()} differ; first (token, head, column): "
+        f"{bad[:4].tolist()} got {out[:, 0].float()[tuple(bad[:4].T)].tolist()} "
+        f"want {want[tuple(bad[:4].T)].tolist()}"
+    )
 
 
 def test_mla_decode_fp8_in_a_cuda_graph():

@@ -71,7 +71,9 @@ def sum_parts(acc, mWork, slots, threads: cutlass.Constexpr, thread, head=None):
     step, parts)), in that order, fp32; `head`, where given, is part 0's slot instead of
     `first`. Each later part is added a chunk of CHUNK floats at a time, so that a large
     accumulator (128 floats a thread for a 128x256 tile) does not need a second one beside it
-    in registers."""
+    in registers; a fragment that is no multiple of CHUNK (tile_n 144: 72 floats a thread, 80:
+    40) adds its last floats one 16-byte vector at a time (they were dropped: swapped stream
+    K's wrong output of 2026-12-02 18:47)."""
     first, step, parts = slots
     frag = cute.size(acc)
     src = slot_view(mWork, frag, threads, first if head is None else head, thread)
@@ -84,6 +86,12 @@ def sum_parts(acc, mWork, slots, threads: cutlass.Constexpr, thread, head=None):
             cute.autovec_copy(cute.local_tile(src, (4, vecs), (0, c)), part)
             for v in cutlass.range_constexpr(CHUNK):
                 acc[c * CHUNK + v] = acc[c * CHUNK + v] + part[v]
+        # the vectors past the last whole chunk (none where CHUNK divides the fragment)
+        for i in cutlass.range_constexpr(frag // CHUNK * CHUNK // 4, frag // 4):
+            tail = cute.make_rmem_tensor((4, 1), cutlass.Float32)
+            cute.autovec_copy(cute.local_tile(src, (4, 1), (0, i)), tail)
+            for j in cutlass.range_constexpr(4):
+                acc[4 * i + j] = acc[4 * i + j] + tail[j]
 
 
 CHUNK = 16  # floats of a later part added at a time (four 16-byte vectors)

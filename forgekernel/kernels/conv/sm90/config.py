@@ -70,20 +70,27 @@ _EFFICIENCY = {LARGE: 1.0, SQUARE: 0.93, SMALL: 0.9, NARROW: 0.8}
 # at 360 (conv3d C = 128 -> K = 128), 128x64 at 160-200, whatever M was. In units of a 128x128
 # k-tile at full speed, 128 rows cost:
 IM2COL_ROWS_128 = 2.0
-# The stride-1 forward's two A walks (choose_plan), refit from both walks timed on one tile each
-# (H200, 2026-12-02 15:48, scripts/conv_fwd_walks.py; tests/test_conv_walks_model.py replays
-# the table). The im2col box at stride 1: 128x256 c2x1 tiles ran at 0.93-0.96 of the
-# rectangles' rate where the multiply-adds bound the rectangles (597-660 against 624-691
-# TFLOP/s), so its 128 rows cost 2.12, not the multiply-adds' 2.0 (strided rows, timed against
-# no other walk, keep IM2COL_ROWS_128). A tiled box (the rectangles):
-# its 128 rows cost TILED_ROWS_128, and each rectangle tile pays RECT_START once (its origin,
-# its 5-D boxes and stores): at 128x64 on C = 64 maps the rectangles lost 8-32% with 1 to 9
-# k-tiles a tile and were level at 16 (the cost per tile, not per k-tile). The two are fitted
-# together (with a cheaper box the start has to be dearer: docs/conv/NOTES.md, "The walks
-# refit").
-FWD_IM2COL_ROWS_128 = 2.12
-TILED_ROWS_128 = 1.4
-RECT_START = 4.0
+# The stride-1 forward's two A walks (choose_plan, plan_cost), refit from both walks timed on one
+# tile each, twice (H200, 2026-12-02 15:48 and 18:47, scripts/conv_fwd_walks.py;
+# tests/test_conv_walks_model.py replays both tables; docs/conv/NOTES.md, "The walks refit from
+# 18:47"). Since the producer lost its run-time divisions (18:47) 128x128 c2x1 runs 630-650
+# TFLOP/s on either walk and 128x64 ~1 unit a k-tile: A's 128 rows through either stride-1 box
+# cost about FWD_ROWS_128, not the 12-01 rate (strided rows, timed against no other walk, keep
+# IM2COL_ROWS_128). Where nothing else differs (conv3d, planes of 64 x 64 and more: no zero fill,
+# as many tiles) the im2col walk ran 1-3% behind the rectangles on every tile (15:48: 2-7%): its
+# k-tile costs FWD_IM2COL_K_TILE times theirs. A rectangle tile pays RECT_START once (its origin,
+# 5-D boxes and stores; ~0.2 us, 128x64 with one k-tile a tile ran 10% behind). And the
+# rectangles' zero-filled pixels (planes they do not divide) cost more than the multiply-adds of
+# the waves they fill: at 28 x 28 and 14 x 14 (23% zero) the rectangles ran 6-7% behind im2col
+# in as many waves; a rectangle's k-tile costs 1 + RECT_FILL x that zero-filled share (the term
+# 18:47 added). Model against both tables (log time ratio of the walks, rms): 0.279 with the
+# 15:48 fit (2.12 / 1.4 / 4.0), 0.138 now (0.038 without the 1x1 rows); the picks that moved:
+# 28 x 28 and 14 x 14 3x3 to im2col (1.05-1.06x predicted, 6-7% measured), the split 7x7 to
+# 128x128 split 2 (1.40x predicted by split_cost, untimed).
+FWD_ROWS_128 = 1.0
+FWD_IM2COL_K_TILE = 1.03
+RECT_START = 0.5
+RECT_FILL = 0.3
 MAX_PARTS = 16  # a split's parts (the last reads them all back)
 MIN_PER_PART = 2  # k-tiles
 MAX_WORKSPACE = 64 << 20  # fp32 partials (256 MB)
@@ -134,6 +141,7 @@ def split_cost(
     im2col_rows: float = 0.0,
     row_rate: float = IM2COL_ROWS_128,
     start: float = 0.0,
+    scale: float = 1.0,
 ) -> tuple[float, int, int]:
     """(time in units of one 128x128 k-tile at full speed, k-tiles per part, parts) of a tile
     (tile_m, tile_n) over tiles_mn output tiles with the reduction of `k_tiles` cut `parts`
@@ -142,7 +150,8 @@ def split_cost(
     its fp32 tile and the last one reading all of them back, plus the epilogue (a stored
     128x128 16-bit tile or a parked fp32 one is as many bytes as one or two k-tiles of
     operands). A k-tile takes the longer of its multiply-adds and its `im2col_rows` pixel rows
-    through A's box (`row_rate` per 128: IM2COL_ROWS_128, the im2col TMA); a tile pays `start`
+    through A's box (`row_rate` per 128: IM2COL_ROWS_128, the im2col TMA), times `scale` (the
+    stride-1 forward's walks: FWD_IM2COL_K_TILE, the rectangles' zero fill); a tile pays `start`
     once (the forward's rectangles: RECT_START)."""
     tm, tn = tile
     per = _ceil(k_tiles, parts)
@@ -151,7 +160,7 @@ def split_cost(
     blocks = _ceil(tiles_mn[0], cm) * _ceil(tiles_mn[1] * parts, cn)
     waves = _ceil(blocks, num_sms // (cm * cn))
     area = tm * tn / (128 * 128) / efficiency
-    k_tile = max(area, row_rate * im2col_rows / 128)
+    k_tile = max(area, row_rate * im2col_rows / 128) * scale
     operand = (tm + tn) * K_TILE * 2  # bytes of one k-tile of A and B
     epilogue = tm * tn * 2 / operand * area
     park = tm * tn * 4 / operand * area if parts > 1 else 0.0
@@ -174,6 +183,45 @@ def split_tiles(cfg: ConvConfig, m: int, n: int, pixels=None, rect: int = 0) -> 
     return _ceil(m_tiles(cfg, m, pixels, rect), cm) * cm * _ceil(n, cfg.tile_n)
 
 
+def plan_cost(
+    cfg: ConvConfig,
+    rect: int,
+    parts: int,
+    m: int,
+    n: int,
+    c: int,
+    taps: int = 1,
+    num_sms: int = NUM_SMS_H100_H200,
+    pixels=None,
+) -> tuple[float, int, int]:
+    """`split_cost` (time, k-tiles per part, parts) of tile `cfg` on walk `rect` (0: im2col)
+    with the reduction cut `parts` ways, for `choose_plan`'s problem (its arguments). Stride 1
+    (`pixels`): either box's rows at FWD_ROWS_128, the im2col walk's k-tile FWD_IM2COL_K_TILE
+    times the rectangles', a rectangle tile's start RECT_START and its k-tiles 1 + RECT_FILL x
+    the zero-filled share of the rectangles' pixels; otherwise the im2col walk at
+    IM2COL_ROWS_128 (the 12-01 fit: strided rows were timed against no other walk)."""
+    tiles_mn = (m_tiles(cfg, m, pixels, rect), _ceil(n, cfg.tile_n))
+    rate, start, scale = IM2COL_ROWS_128, 0.0, 1.0
+    if rect:
+        zero = 1 - m / (tiles_mn[0] * cfg.tile_m)
+        rate, start, scale = FWD_ROWS_128, RECT_START, 1 + RECT_FILL * zero
+    elif pixels is not None:
+        rate, scale = FWD_ROWS_128, FWD_IM2COL_K_TILE
+    return split_cost(
+        (cfg.tile_m, cfg.tile_n),
+        tiles_mn,
+        (cfg.cluster_m, cfg.cluster_n),
+        _ceil(c, K_TILE) * taps,
+        parts,
+        num_sms,
+        _EFFICIENCY[cfg],
+        im2col_rows=cfg.tile_m / cfg.cluster_n,  # A's box shared by a cluster's row
+        row_rate=rate,
+        start=start,
+        scale=scale,
+    )
+
+
 def choose_plan(
     m: int,
     n: int,
@@ -185,42 +233,26 @@ def choose_plan(
 ):
     """The forward (or data-gradient phase) launch for M output pixels, N output channels, C
     input channels and `taps` filter taps: the standard tile, walk and split of the least
-    `split_cost` (a split runs on the tile's split variant). `pixels` (N, Z, P, Q): a stride-1
-    forward, whose output tiles may also be rectangles of each width of RECT_WIDTHS (A through
-    a tiled box: TILED_ROWS_128 per 128 rows against the im2col box's FWD_IM2COL_ROWS_128, and
-    RECT_START a tile; tiles counted in rectangles, their zero-filled pixels paid as
-    multiply-adds); None: the im2col walk only, its rows at IM2COL_ROWS_128. The im2col walk on
-    a tie; not offered with pixels where `im2col` is False (the launcher: an output the im2col
-    walk's (M, K) rows would write through a scratch buffer and a copy, e.g. a strided data
+    `plan_cost` (a split runs on the tile's split variant). `pixels` (N, Z, P, Q): a stride-1
+    forward, whose output tiles may also be rectangles of each width of RECT_WIDTHS (tiles
+    counted in rectangles, their zero-filled pixels paid as multiply-adds in waves and as
+    RECT_FILL on every k-tile); None: the im2col walk only. The im2col walk on a tie, rect 8
+    before 16 (the two ran within 1% where they tile alike, but one case); the im2col walk not
+    offered with pixels where `im2col` is False (the launcher: an output the im2col walk's
+    (M, K) rows would write through a scratch buffer and a copy, e.g. a strided data
     gradient's phase into its strided view of dx)."""
     k_tiles = _ceil(c, K_TILE) * taps
     walks = (0,) + (RECT_WIDTHS if pixels is not None else ())
     if pixels is not None and not im2col:
         walks = RECT_WIDTHS
-    # the stride-1 im2col rows, timed against the rectangles; strided ones keep the 12-01 fit
-    im2col_rate = FWD_IM2COL_ROWS_128 if pixels is not None else IM2COL_ROWS_128
     best = None
     for cfg in BASE_CONFIGS:
         for rect in walks:
-            tiles_mn = (m_tiles(cfg, m, pixels, rect), _ceil(n, cfg.tile_n))
             tiles = split_tiles(cfg, m, n, pixels, rect)
             limit = min(MAX_PARTS, max(1, k_tiles // MIN_PER_PART))
             limit = min(limit, max(1, MAX_WORKSPACE // (tiles * cfg.tile_m * cfg.tile_n)))
-            # A's box (im2col or tiled), shared by a cluster's row
-            rate, start = (TILED_ROWS_128, RECT_START) if rect else (im2col_rate, 0.0)
             for want in range(1, limit + 1):
-                cost, per, parts = split_cost(
-                    (cfg.tile_m, cfg.tile_n),
-                    tiles_mn,
-                    (cfg.cluster_m, cfg.cluster_n),
-                    k_tiles,
-                    want,
-                    num_sms,
-                    _EFFICIENCY[cfg],
-                    im2col_rows=cfg.tile_m / cfg.cluster_n,
-                    row_rate=rate,
-                    start=start,
-                )
+                cost, per, parts = plan_cost(cfg, rect, want, m, n, c, taps, num_sms, pixels)
                 if best is None or cost < best[0]:
                     chosen = replace(cfg, split=True) if parts > 1 else cfg
                     best = (cost, SplitPlan(chosen, per, parts, tiles, rect))

@@ -55,7 +55,7 @@ from forgekernel.kernels.common.sm90.pipeline import (
 )
 from forgekernel.kernels.common.sm90.scheduler.static import StaticSchedule, StaticScheduler
 from forgekernel.kernels.conv.sm90.config import ConvConfig
-from forgekernel.kernels.conv.sm90.kernel import Bar, ConvFpropSm90
+from forgekernel.kernels.conv.sm90.kernel import Bar, ConvFpropSm90, at_pixel, pixel_digits
 from forgekernel.kernels.conv.sm90.phase_walk import PhaseWalk
 
 CHUNK_BITS = 128  # one st.global.v4 of the row-addressed epilogue
@@ -233,6 +233,9 @@ class ConvDgradSm90(ConvFpropSm90):
             # then the taps along W, H, D
             cb, tap = walk.tap_of(k0, counts)
             it, ir, is_ = tap
+            # A's tile's first pixel as (q, p, z, n): divisions once per unit, not per copy
+            first = tAgA[(None, local, (0, 0, 0, 0))]
+            qpzn = pixel_digits(first.layout.offset[0], first.layout.inner.shape[0])
             for _ in range(count):
                 # coordinates (cb, s, r, t), not flat k-tiles: no division per k-tile
                 kt_a, kt_b = walk.tiles_of(cb, (it, ir, is_), offsets, w_taps)
@@ -240,7 +243,7 @@ class ConvDgradSm90(ConvFpropSm90):
                 bar = ab_pipe.producer_get_barrier(prod)
                 cute.copy(
                     tma_a,
-                    tAgA[(None, local, kt_a)],
+                    at_pixel(tAgA[(None, local, kt_a)], qpzn),
                     tAsA[(None, prod.index)],
                     tma_bar_ptr=bar,
                     mcast_mask=a_mask,

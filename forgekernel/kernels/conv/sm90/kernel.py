@@ -110,6 +110,29 @@ def rect_index(index, rects):
     return rest // planes, rest % planes, pt, qt
 
 
+def pixel_digits(m, extents):
+    """Flat output pixel m as (q, p, z, n) over `extents` (Q, P, Z, N), Q fastest: three run-time
+    divisions."""
+    q = m % extents[0]
+    rest = m // extents[0]
+    p = rest % extents[1]
+    rest = rest // extents[1]
+    return q, p, rest % extents[2], rest // extents[2]
+
+
+def at_pixel(tile, qpzn):
+    """The im2col TMA's coordinate tile `tile` (inner ((Q, P, Z, N), (C, S, R, T)) -> the TMA's
+    coordinates, o offset (flat pixel m, (c, s, r, t)), o the box) with its pixel given as the
+    tuple `qpzn` (`pixel_digits` of the offset's m) and the box's pixels along q: the copy's
+    coordinates then need no division (a flat m is decomposed by three at every copy)."""
+    at = tile.layout
+    box = at.outer
+    box_qpzn = cute.make_layout(box.shape, stride=(((cute.E([1, 0]), cute.E([0, 0])), 0),))
+    return cute.make_tensor(
+        tile.iterator, cute.make_composed_layout(at.inner, (qpzn, at.offset[1]), box_qpzn)
+    )
+
+
 class Bar(IntEnum):
     EPILOGUE = FIRST_FREE  # the consumer threads around each epilogue sub-tile's TMA store
 
@@ -525,9 +548,13 @@ class ConvFpropSm90:
         while sched.valid(work):
             tile_m, tile_ns = sched.tile(work)
             tile_n, _, k0, count = self._unit(tile_ns, units)
-            corner = None
+            corner = qpzn = None
             if cutlass.const_expr(self.rect):
                 corner = self._rect(tile_m, rect_walk[0])
+            else:
+                # A's tile's first pixel as (q, p, z, n): divisions once per unit, not per copy
+                first = load_a[1][(None, tile_m, (0, 0, 0, 0))]
+                qpzn = pixel_digits(first.layout.offset[0], first.layout.inner.shape[0])
             # the part's first k-tile k0 as (cb, s, r, t): divisions once per unit
             cb = k0 % c_blocks
             j = k0 // c_blocks
@@ -549,7 +576,7 @@ class ConvFpropSm90:
                     tma_a, tAgA, tAsA, a_mask = load_a
                     cute.copy(
                         tma_a,
-                        tAgA[(None, tile_m, crd)],
+                        at_pixel(tAgA[(None, tile_m, crd)], qpzn),
                         tAsA[(None, prod.index)],
                         tma_bar_ptr=bar,
                         mcast_mask=a_mask,

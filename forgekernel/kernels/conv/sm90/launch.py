@@ -207,25 +207,28 @@ def few_channels(x: torch.Tensor, w: torch.Tensor, geometry: Geometry) -> bool:
 def _im2col(x: torch.Tensor, geometry: Geometry, out_dhw) -> tuple[torch.Tensor, Geometry]:
     """x (N, 1, H, W, C) as its windows (N, 1, P, Q, R x S x C rounded up to 8), taps in (r, s)
     order with the channels fastest (W's (K, T, R, S, C) order), zero padding and zero tail
-    channels, and the 1x1 geometry that convolves them. torch's unfold (one launch), a permuted
-    copy into the padded buffer and the tail's fill: three launches, no host sync."""
-    n, _, h, w_, c = x.shape
+    channels, and the 1x1 geometry that convolves them. One strided copy: the windows are a
+    view (N, P, Q, R, S, C) of x (of x padded spatially once, channels-last, where the geometry
+    pads), copied into the buffer's first R x S x C channels; the tail's fill. Two to four
+    launches (pad: fill and copy), no host sync, no data-dependent shape (capture-safe).
+    docs/conv/NOTES.md, "The stem's im2col as one strided copy"."""
+    x, geometry = _cropped(x, geometry)  # negative padding (none from the ops) as a crop
+    n, c = x.shape[0], x.shape[-1]
     _, p, q = out_dhw
     (_, r, s_), lo, hi = geometry.filter, geometry.pad_lo, geometry.pad_hi
-    planes = x[:, 0].permute(0, 3, 1, 2)  # (N, C, H, W), a view
-    if lo[1:] != hi[1:]:
-        planes = F.pad(planes, (lo[2], hi[2], lo[1], hi[1]))
-        pad = (0, 0)
-    else:
-        pad = lo[1:]
-    unf = F.unfold(
-        planes, (r, s_), dilation=geometry.dilation[1:], padding=pad, stride=geometry.stride[1:]
-    )  # (N, C x R x S, P x Q), channels slowest
+    planes = x[:, 0]  # (N, H, W, C), a view
+    if any(lo[1:] + hi[1:]):
+        planes = F.pad(planes, (0, 0, lo[2], hi[2], lo[1], hi[1]))  # a fresh contiguous copy
+    sn, sh, sw, sc = planes.stride()
+    (_, uh, uw), (_, dh, dw) = geometry.stride, geometry.dilation
+    windows = planes.as_strided(
+        (n, p, q, r, s_, c),
+        (sn, uh * sh, uw * sw, dh * sh, dw * sw, sc),
+        planes.storage_offset(),
+    )
     width = r * s_ * c
     cols = x.new_empty(n, 1, p, q, _round_up(width))
-    cols[..., :width].view(n, p * q, r * s_, c).copy_(
-        unf.view(n, c, r * s_, p * q).permute(0, 3, 2, 1)
-    )
+    cols[..., :width].view(n, p, q, r, s_, c).copy_(windows)
     if cols.shape[-1] > width:
         cols[..., width:].zero_()
     one = Geometry((1, 1, 1), (0, 0, 0), (0, 0, 0))

@@ -42,12 +42,14 @@ parks its fp32 accumulator and the last of the tile's parts sums them in split o
 their splits' pixel ranges: A's and B's boxes come from L2 for all the tiles (dY and X read
 from HBM about once a wave, not once a tile).
 
-The im2col TMA delivers about 128 pixel rows per 0.8 us to an SM (config.IM2COL_ROWS_128): B's
-tile_n rows per k-tile would hold a 128-row tile to half speed. A 2x1 cluster (cluster_m = 2)
-shares them: the two CTAs of a cluster are two K tiles of one (tap, channel tile) and split,
-each loads half of every B box and multicasts it to both (the GEMM's B multicast), so a CTA
-takes tile_n / 2 rows per k-tile. The grid's K tiles are then padded to even: a CTA past K
-loads zero rows of A, stores nothing and parks a zero part of a tile nobody stores.
+B's rows per k-tile were taken for the bound of the im2col walk (config.IM2COL_ROWS_128: ~128
+per 0.8 us an SM); the 18:47 figures put it on the producer thread's run-time divisions instead
+(docs/conv/NOTES.md, "The weight gradient's worst cases, 18:47"; `_produce_wgrad` has none
+now). A 2x1 cluster (cluster_m = 2) shares the rows: the two CTAs of a cluster are two K
+tiles of one (tap, channel tile) and split, each loads half of every B box and multicasts it to
+both (the GEMM's B multicast), so a CTA takes tile_n / 2 rows per k-tile. The grid's K tiles
+are then padded to even: a CTA past K loads zero rows of A, stores nothing and parks a zero part
+of a tile nobody stores.
 
 Warp roles, pipelines and registers are the GEMM's (producer warp 0 of warpgroup 0, setmaxnreg
 40; tile_m / 64 consumer warpgroups, 232). One tile per CTA.
@@ -364,11 +366,13 @@ class ConvWgradSm90(GemmSm90):
                     cute.group_modes(smem_tensor(storage.sB, sB_box_layout), 0, 2),
                     cute.group_modes(gB, 0, 2),
                 )
-                # this tile's first box: block (channel tile x boxes) of its tap
+                # this tile's first box: block (channel tile x boxes) of its tap (s, r, t)
                 _, c_tiles, c_boxes, _, _ = walk
                 c_tile = tile_n % c_tiles
                 tap = tile_n // c_tiles
-                where = (c_tile * self.boxes, c_boxes, tap * c_boxes, (k0, count))
+                _, taps_r, taps_s = rect_walk[1][0]
+                srt = (tap % taps_s, (tap // taps_s) % taps_r, tap // (taps_s * taps_r))
+                where = (c_tile * self.boxes, c_boxes, srt, (k0, count))
                 b_src = (tma_b, tBgB, tBsB, b_mask)
                 self._produce_wgrad((tma_a, tAgA, tAsA), b_src, ab_pipe, where)
         else:
@@ -413,11 +417,29 @@ class ConvWgradSm90(GemmSm90):
     def _produce_wgrad(self, load_a, load_b, ab_pipe, where):
         """The producer warp: the split's k-tiles of A (one box) and B (`boxes` im2col boxes,
         channel blocks first_box.. of the tap, clamped to the last block) into the ring.
-        `where`: (first box, 64-channel blocks, the tap's first flat block index, (first
-        k-tile, k-tiles))."""
+        `where`: (first box, 64-channel blocks, the tap (s, r, t), (first k-tile, k-tiles)).
+
+        No run-time division per k-tile in the producer thread (docs/conv/NOTES.md, "The weight
+        gradient's worst cases, 18:47": nine a k-tile on 128x128, ~340 SASS instructions, held
+        the walk to ~0.9 us a k-tile): B's boxes are named by their coordinate (channel block,
+        s, r, t), fixed for the CTA, and their pixel by (q, p, z, n), kept by an odometer and
+        handed to the im2col TMA's coordinate layout as a tuple (a flat pixel index there is
+        decomposed by three divisions at every copy)."""
         tma_a, tAgA, tAsA = load_a
         tma_b, tBgB, tBsB, b_mask = load_b
-        first_box, c_boxes, tap_base, (k0, count) = where
+        first_box, c_boxes, (s_, r_, t_), (k0, count) = where
+        blocks = [cutlass.min(first_box + j, c_boxes - 1) for j in range(self.boxes)]
+        # each box's coordinate tensor at the part's first k-tile: inner (the im2col TMA's
+        # ((Q, P, Z, N), (C, S, R, T)) -> coordinates) o offset (pixel m, (c, s, r, t)) o box
+        first = [tBgB[(None, k0, (blocks[j], s_, r_, t_))] for j in range(self.boxes)]
+        extents = first[0].layout.inner.shape[0]  # (Q, P, Z, N)
+        # the first pixel (the cluster's share included) as (q, p, z, n) and the 64-pixel step
+        # as mixed-radix digits: divisions once per CTA, then an odometer (one carry a digit)
+        q, p, z, n = self._digits(first[0].layout.offset[0], extents)
+        dq, dp, dz, dn = self._digits(cutlass.Int32(self.cfg.tile_k), extents)
+        # the box with its pixel along q: the offset's pixel is then the tuple (q, p, z, n)
+        box = first[0].layout.outer
+        box_qpzn = cute.make_layout(box.shape, stride=(((cute.E([1, 0]), cute.E([0, 0])), 0),))
         prod = producer_state(self.stages)
         for i in range(count):
             kt = k0 + i
@@ -425,17 +447,41 @@ class ConvWgradSm90(GemmSm90):
             bar = ab_pipe.producer_get_barrier(prod)
             cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, prod.index)], tma_bar_ptr=bar)
             for j in cutlass.range_constexpr(self.boxes):
-                block = tap_base + cutlass.min(first_box + j, c_boxes - 1)
+                at = first[j].layout
+                offset = ((q, p, z, n), at.offset[1])
+                src = cute.make_tensor(
+                    first[j].iterator, cute.make_composed_layout(at.inner, offset, box_qpzn)
+                )
                 cute.copy(
                     tma_b,
-                    tBgB[(None, kt, block)],
+                    src,
                     tBsB[(None, prod.index * self.boxes + j)],
                     tma_bar_ptr=bar,
                     mcast_mask=b_mask,
                 )
             ab_pipe.producer_commit(prod)
             prod.advance()
+            q, p, z, n = q + dq, p + dp, z + dz, n + dn
+            if q >= extents[0]:
+                q = q - extents[0]
+                p = p + 1
+            if p >= extents[1]:
+                p = p - extents[1]
+                z = z + 1
+            if z >= extents[2]:
+                z = z - extents[2]
+                n = n + 1
         ab_pipe.producer_tail(prod)
+
+    @staticmethod
+    def _digits(m, extents):
+        """Pixel m (or a step of m pixels) as (q, p, z, n) over extents (Q, P, Z, N), Q fastest:
+        three run-time divisions."""
+        q = m % extents[0]
+        rest = m // extents[0]
+        p = rest % extents[1]
+        rest = rest // extents[1]
+        return q, p, rest % extents[2], rest // extents[2]
 
     @cute.jit
     def _produce_rects(self, load_a, load_b, cta, ab_pipe, where, rect_walk):

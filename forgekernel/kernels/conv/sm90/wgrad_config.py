@@ -17,9 +17,9 @@ def _ceil(a: int, b: int) -> int:
 
 
 # Not yet measured: the efficiencies below are the GEMM's (docs/gemm/NOTES.md) for its large
-# tiles, guesses for the small ones (bandwidth-bound: more operand bytes per multiply-add). B's
-# im2col rows bound every tile (config.IM2COL_ROWS_128): tile_n rows per k-tile, halved by a 2x1
-# cluster's multicast, so the clustered tiles are the fast ones where K has two K tiles.
+# tiles, guesses for the small ones (bandwidth-bound: more operand bytes per multiply-add). On
+# the im2col walk B's rows (tile_n per k-tile, halved by a 2x1 cluster's multicast) and the
+# producer's k-tile bound the small tiles (`wgrad_cost`).
 WGRAD_LARGE = GemmConfig(tile_m=128, tile_n=256, cluster_m=2)
 WGRAD_SQUARE = GemmConfig(tile_m=128, tile_n=128, cluster_m=2)
 WGRAD_WIDE = GemmConfig(tile_m=128, tile_n=256, cluster_m=1)
@@ -51,6 +51,24 @@ _WGRAD_EFFICIENCY = {
 WGRAD_RECTS = (*RECT_WIDTHS, 0)
 WGRAD_MAX_SPLITS = 64
 WGRAD_MIN_PER_SPLIT = 4  # pixel k-tiles
+# The im2col walk's (strides other than 1) k-tile and CTA costs, refit 2026-12-02 from the 18:47
+# bench (docs/conv/NOTES.md, "The weight gradient's worst cases, 18:47"), in split_cost's unit
+# (a 128x128 k-tile's multiply-adds at full speed, ~0.43 us on the H200):
+# - B's 128 im2col rows cost WGRAD_IM2COL_ROWS_128 = 1.0, not config.IM2COL_ROWS_128 = 2.0: the
+#   forward's 128x128 c2x1 tile ran its 128 im2col rows a k-tile at 656 TF/s (conv_k128_probe,
+#   18:47), so the "rate" was the producer's arithmetic, which the old 2.0 had absorbed;
+# - the producer thread's k-tile costs at least WGRAD_IM2COL_FLOOR: its old loop (339 SASS
+#   instructions, nine run-time divisions on 128x128 c2x1) ran ~0.89 us a k-tile at 18:47; the
+#   odometer's (wgrad.py `_produce_wgrad`, no division, 44-139 instructions by tile) is taken
+#   at the forward's after its own odometer: ~0.26 us a 128x64 im2col k-tile (c64-56x56 3x3,
+#   conv_fwd_walks 18:47, less its epilogue's share), 0.6 here: a guess for the probe to fit;
+# - a CTA pays WGRAD_START once beyond its epilogue (launch, barriers, the ring's first fill):
+#   ~2.4 us, from n8-c1280-16x16 (900 CTAs of 8 k-tiles: 66.8 us) against n8-c320-64x64 (108
+#   CTAs of 128: 116.8 us).
+# The tiled walk (stride 1) keeps the old terms: none of these was fitted on it.
+WGRAD_IM2COL_ROWS_128 = 1.0
+WGRAD_IM2COL_FLOOR = 0.6
+WGRAD_START = 5.5
 
 # The weight gradient's plan: its GemmConfig, pixel k-tiles per part, parts, output tiles.
 WgradPlan = SplitPlan
@@ -65,12 +83,17 @@ def wgrad_tiles(cfg: GemmConfig, k: int, c: int, taps: int) -> int:
 def wgrad_cost(cfg: GemmConfig, k: int, c: int, taps: int, k_tiles: int, splits: int,
                num_sms: int, tiled: bool = False) -> tuple[float, int, int]:  # fmt: skip
     """`config.split_cost` of `cfg` on the weight gradient (K output channels, C input
-    channels, `taps` taps, `k_tiles` pixel k-tiles) with its reduction cut `splits` ways; B's
-    rows count against the im2col TMA's rate unless `tiled` (the stride-1 rectangles: tiled
-    TMAs, no such rate)."""
+    channels, `taps` taps, `k_tiles` pixel k-tiles) with its reduction cut `splits` ways. The
+    im2col walk: a k-tile takes the longest of its multiply-adds, B's rows (tile_n / cluster_m
+    a CTA, WGRAD_IM2COL_ROWS_128 per 128) and the producer's WGRAD_IM2COL_FLOOR, and a CTA pays
+    WGRAD_START; `tiled` (the stride-1 rectangles: tiled TMAs) the multiply-adds alone."""
     cm = cfg.cluster_m
     tiles_mn = (_ceil(k, cfg.tile_m * cm) * cm, _ceil(c, cfg.tile_n) * taps)
     tile = (cfg.tile_m, cfg.tile_n)
+    rows, start = 0.0, 0.0
+    if not tiled:  # in units of 128 rows at 1.0 a row-block: split_cost's row_rate 1.0
+        rows = 128 * max(WGRAD_IM2COL_ROWS_128 * cfg.tile_n / cm / 128, WGRAD_IM2COL_FLOOR)
+        start = WGRAD_START
     return split_cost(
         tile,
         tiles_mn,
@@ -79,7 +102,9 @@ def wgrad_cost(cfg: GemmConfig, k: int, c: int, taps: int, k_tiles: int, splits:
         splits,
         num_sms,
         _WGRAD_EFFICIENCY[cfg],
-        im2col_rows=0.0 if tiled else cfg.tile_n / cm,  # B's boxes, shared by the cluster
+        im2col_rows=rows,
+        row_rate=1.0,
+        start=start,
     )
 
 

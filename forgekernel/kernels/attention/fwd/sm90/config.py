@@ -26,11 +26,23 @@ class AttnConfig:
     tiles) 0.896 late against 0.865 before; 192/128 0.876 late against 0.923 before, so it is
     off there. Ignored with ping-pong (D <= 128), where it would hold the GEMM turn.
 
-    split_softmax: each step's softmax in two halves (the thread's two rows) with the wait
-    for the previous P V between them, so that P V runs under the first half's exponentials
-    and O's rescale and P's conversion interleave with the second half's (FA4's sm90 SASS
-    order). Without it ptxas hoists that wait to just after the first row maxima (192/128:
-    after 6 of 66 MUFU.EX2; with it after 33, +2 instructions a step). Not yet measured.
+    snake: the persistent CTAs take the longest-first tiles in snake order (odd full rounds of
+    one tile a CTA reversed: `LongestFirst.snake`), so the CTA that took a round's longest
+    tile takes the next one's shortest; fixed length outside L2 sections only (ignored for
+    varlen and paged). A load-balance model puts the busiest CTA of D=256 b4 hq16 s4096
+    causal at 6.2% over the mean plain, 0.8% snaked (FA4, not persistent, gets the
+    hardware's dynamic dispatch). Unmeasured: docs/attention/NOTES.md, "D=256 and 192/128
+    after split_softmax".
+
+    o_direct: O goes from registers straight to global memory (32-bit stores of column
+    pairs, rows past Sq skipped) instead of through shared memory and one TMA store, so
+    Q's buffer frees once the mainloop ends and the next tile's Q loads under the epilogue,
+    as when O has its own buffer; it matters where O would share Q's buffer (D=256 always,
+    192/128 at 128x128). Unmeasured, like `snake`.
+
+    l2_kv_mib: the K and V MiB of one L2 section of heads, where the tile order uses sections
+    (`scheduler.longest_first`, L2_KV_BUDGET = 24 MiB: 4 heads at 192/128 s8192; FA4 takes
+    8, 40 MiB here). Unmeasured.
 
     Variants measured and dropped from the kernel are listed in docs/attention/NOTES.md."""
 
@@ -38,14 +50,19 @@ class AttnConfig:
     tile_n: int = 128
     stages: int = 2
     late_rescale: bool = True
-    split_softmax: bool = False
+    snake: bool = False
+    o_direct: bool = False
+    l2_kv_mib: int = 24
 
     def tag(self) -> str:
-        """Short name for tables: 128x128_s2 (plus _early without the late rescale, _split
-        with the split softmax)."""
+        """Short name for tables: 128x128_s2 (plus _early without the late rescale, _snake
+        with the snake order, _odirect with O stored from registers, _secN with N MiB L2
+        sections)."""
         tag = f"{self.tile_m}x{self.tile_n}_s{self.stages}"
         tag = tag if self.late_rescale else tag + "_early"
-        return tag + "_split" if self.split_softmax else tag
+        tag = tag + "_snake" if self.snake else tag
+        tag = tag + "_odirect" if self.o_direct else tag
+        return tag if self.l2_kv_mib == 24 else tag + f"_sec{self.l2_kv_mib}"
 
     @classmethod
     def from_params(cls, params: dict) -> AttnConfig:
@@ -76,14 +93,13 @@ def smem_bytes(cfg: AttnConfig, head_dim: int, head_dim_v: int, elem_bytes: int 
 # only bounds stages. D=64: three consumer warpgroups (192-row tiles, FA3's choice), 3 stages
 # (1.022 of FA4 against 0.932 for 128x128); D=96 and D=128: two, 2 stages, O in its own
 # buffer; D=256: 64-key tiles (80 keys: 2% slower); D=192/Dv=128: O shares Q's buffer, O
-# rescaled before the S GEMM issue (after it: 5% slower), the split softmax (P V waited on
-# after half the exponentials; not yet measured). H200 figures: docs/attention/NOTES.md.
+# rescaled before the S GEMM issue (after it: 5% slower). H200 figures: docs/attention/NOTES.md.
 _DEFAULTS = {
     (64, 64): AttnConfig(tile_m=192, tile_n=128, stages=3),
     (96, 96): AttnConfig(tile_n=128, stages=2),
     (128, 128): AttnConfig(tile_n=128, stages=2),
     (256, 256): AttnConfig(tile_n=64, stages=2),
-    (192, 128): AttnConfig(tile_n=128, stages=2, late_rescale=False, split_softmax=True),
+    (192, 128): AttnConfig(tile_n=128, stages=2, late_rescale=False),
 }
 
 

@@ -19,15 +19,15 @@ Warp roles (one CTA = 1 + tile_m / 64 warpgroups):
   S_j = Q K_j^T (both operands in shared memory) and O += P V_prev (P from registers as the
   A operand, V an MN-major B operand) as two async WGMMA groups -> wait for S_j -> release
   K -> mask (only blocks that cross the diagonal or the key bound) -> softmax -> wait for
-  P V -> release V -> P to 16 bits -> O rescaled by exp2(old - new max) (`split_softmax`:
-  the wait between the softmax's two rows, held there by a one-trip loop). A last P V closes
+  P V -> release V -> P to 16 bits -> O rescaled by exp2(old - new max). A last P V closes
   the tile. For D <= 128 the warpgroups take turns issuing their GEMMs (named barriers,
   ping-pong), so one's softmax runs under another's GEMMs.
 - epilogue (the consumers): O / rowsum -> 16 bits -> `stmatrix` into the O buffer (its own,
   or Q's when shared memory is short) -> one TMA store of the (tile_m, Dv) tile, left in
   flight under the next tile; the LSE from the thread holding column 0 of each row. A varlen
   tile that ends inside its sequence is written from registers row by row (a TMA box would
-  spill into the next sequence).
+  spill into the next sequence); with `o_direct` (AttnConfig) every tile is, and Q's buffer
+  frees before the epilogue.
 
 Pipelines (TMA producer -> consumer, mbarrier full / empty, released by one arrival per
 consumer warp): `q` (1 stage: it frees when the consumers are done with the previous tile's
@@ -78,7 +78,6 @@ from forgekernel.kernels.common.sm90.layout import (
     select,
 )
 from forgekernel.kernels.common.sm90.mma import gemm
-from forgekernel.kernels.common.sm90.opaque import opaque_i32
 from forgekernel.kernels.common.sm90.pipeline import (
     consumer_state,
     init_arrive,
@@ -146,6 +145,9 @@ class AttentionFwdSm90:
         self.stages = config.stages
         self.num_wg = config.tile_m // 64
         self.own_o = separate_o(config, head_dim, head_dim_v)
+        # O from registers straight to global memory (see AttnConfig): Q's buffer frees at
+        # the end of the mainloop even where O would have shared it.
+        self.o_direct = config.o_direct
         self.threads_per_cta = (1 + self.num_wg) * THREADS_PER_WG
         self.num_mma_threads = self.num_wg * THREADS_PER_WG
         # Registers per thread, multiples of 8: producer 24 and consumers 240 with two consumer
@@ -158,11 +160,14 @@ class AttentionFwdSm90:
         # Without ping-pong, O's rescale may wait for the next S GEMM's issue (see AttnConfig);
         # with ping-pong it would hold the GEMM turn instead.
         self.late_rescale = config.late_rescale and not self.pingpong
-        self.split_softmax = config.split_softmax
+        # Tiles dealt to the CTAs in snake order (odd full rounds reversed: see AttnConfig);
+        # the paged mode keeps its own walk (`LongestFirst.next_tile`).
+        self.snake = config.snake and not self.paged
         # K + V bytes of one key row (16-bit elements) decide the tile order's L2 sections.
         self.scheduler = LongestFirst(
             self.tile_m, causal, varlen, kv_row_bytes=(head_dim + head_dim_v) * 2,
             paged=self.paged, min_seqlen_q=PAGED_MIN_SEQLEN_Q if self.paged else 0,
+            l2_kv_budget=config.l2_kv_mib * 2**20,
         )  # fmt: skip
 
     # ---------------------------------------------------------------- host-side setup
@@ -459,7 +464,10 @@ class AttentionFwdSm90:
         t = cute.arch.block_idx()[0]
         step = cute.arch.grid_dim()[0]
         while t < num_tiles:
-            work = self.scheduler.tile(t, grid)
+            tile_id = t
+            if const_expr(self.snake):
+                tile_id = self.scheduler.snake(t, step, num_tiles, grid)
+            work = self.scheduler.tile(tile_id, grid)
             valid, m_block, head, batch, q_off, k_off, seqlen_q, seqlen_k, seq = work
             if const_expr(self.paged):  # live instead of t through the tile
                 t_next = self.scheduler.next_tile(t, step, work, grid)
@@ -632,7 +640,10 @@ class AttentionFwdSm90:
         t = cute.arch.block_idx()[0]
         step = cute.arch.grid_dim()[0]
         while t < num_tiles:
-            work = self.scheduler.tile(t, grid)
+            tile_id = t
+            if const_expr(self.snake):
+                tile_id = self.scheduler.snake(t, step, num_tiles, grid)
+            work = self.scheduler.tile(tile_id, grid)
             valid, m_block, head, batch, q_off, k_off, seqlen_q, seqlen_k, _ = work
             if const_expr(self.paged):  # live instead of t through the tile
                 t_next = self.scheduler.next_tile(t, step, work, grid)
@@ -649,7 +660,7 @@ class AttentionFwdSm90:
                     kv, m0, (seqlen_q, qgroup), seqlen_k, n_block_max, n_unmasked, *step_args
                 )
                 row_lse = softmax.finalize(acc_O, row_max, row_sum, scale_log2)
-                if const_expr(self.own_o):
+                if const_expr(self.own_o or self.o_direct):
                     # Every QK^T of this tile is done (the last P V was waited on): the
                     # producer may load the next tile's Q during this epilogue.
                     q_pipe.consumer_release(q_state)
@@ -657,7 +668,7 @@ class AttentionFwdSm90:
                     tidx, warp_idx, mma_pv, acc_O, sO, tma_o, mO_tma, mO, epilogue,
                     m_block, head, batch, q_off, seqlen_q,
                 )  # fmt: skip
-                if const_expr(not self.own_o):
+                if const_expr(not self.own_o and not self.o_direct):
                     # O was read out of Q's buffer (the storing thread waited): Q may reload.
                     epilogue.arrive_and_wait()
                     q_pipe.consumer_release(q_state)
@@ -770,9 +781,8 @@ class AttentionFwdSm90:
     ):  # fmt: skip
         """acc_S holds P of the block at state `kv` (its V not yet used): issue S = Q K_n^T and
         O += P V_kv, run the softmax of S_n under that P V, then land it. Returns the state of
-        block n. (Without `split_softmax` the assembler hoists the P V wait above most of the
-        softmax's exp2s: a warpgroup's softmax runs under the other warpgroup's GEMMs, not its
-        own; see the notes.)"""
+        block n. (The assembler hoists the P V wait above the softmax's exp2s: a warpgroup's
+        softmax runs under the other warpgroup's GEMMs, not its own; see the notes.)"""
         kv_s = kv.clone()
         kv_s.advance()
         k_pipe.consumer_wait(kv_s)
@@ -791,63 +801,9 @@ class AttentionFwdSm90:
         k_pipe.consumer_release(kv_s)
         if const_expr(masked):
             self._mask(acc_S, tScS, n, m0, seqlen_q, seqlen_k)
-        if const_expr(self.split_softmax):
-            self._split_softmax_land(
-                kv, tOrP, acc_S, acc_O, row_max, row_sum, rescale, scale_log2, v_pipe, seqlen_k
-            )
-        else:
-            softmax.online_softmax(acc_S, row_max, row_sum, rescale, scale_log2)
-            self._land(kv, tOrP, acc_S, acc_O, rescale, v_pipe)
+        softmax.online_softmax(acc_S, row_max, row_sum, rescale, scale_log2)
+        self._land(kv, tOrP, acc_S, acc_O, rescale, v_pipe)
         return kv_s
-
-    @cute.jit
-    def _split_softmax_land(
-        self, kv, tOrP, acc_S, acc_O, row_max, row_sum, rescale, scale_log2, v_pipe, seqlen_k
-    ):
-        """`split_softmax`: the softmax of the thread's first row, then the wait for the P V
-        in flight (V released), then the second row with O's first-row rescale and P's
-        conversion under its exponentials. The first row runs inside a loop of one trip whose
-        count the assembler cannot fold (1 + (seqlen_k >> 31), seqlen_k >= 0): ptxas does not
-        schedule across a loop's boundary, so the wait stays after that row's exp2s (written
-        after the whole softmax, it is hoisted to just after the first row maxima)."""
-        s = rows_cols(acc_S)
-        rows = cute.size(s, mode=[0])
-        half = rows // 2
-        for _ in cutlass.range(1 + (opaque_i32(seqlen_k) >> 31), unroll=1):
-            self._softmax_rows(s, 0, half, row_max, row_sum, rescale, scale_log2)
-        warpgroup.wait_group(0)
-        v_pipe.consumer_release(kv)
-        if const_expr(not self.late_rescale):
-            self._rescale_rows(acc_O, rescale, 0, half)
-        self._softmax_rows(s, half, rows, row_max, row_sum, rescale, scale_log2)
-        acc_to_operand_a(acc_S, tOrP)
-        if const_expr(not self.late_rescale):
-            self._rescale_rows(acc_O, rescale, half, rows)
-
-    @cute.jit
-    def _softmax_rows(
-        self, s, r0: cutlass.Constexpr[int], r1: cutlass.Constexpr[int], row_max, row_sum,
-        rescale, scale_log2,
-    ):  # fmt: skip
-        """`softmax.online_softmax` on rows r0..r1 - 1 of the (rows, cols) view s (a copy of
-        its row body: changing the toolkit's would move the source hash of every kernel that
-        imports it)."""
-        for r in cutlass.range_constexpr(r0, r1):
-            prev = row_max[r]
-            cur = softmax.quad_row_max(s, r, prev)
-            row_max[r] = cur
-            cur_scaled = softmax.scaled_max(cur, scale_log2)
-            rescale[r] = cute.math.exp2(prev * scale_log2 - cur_scaled, fastmath=True)
-            total = softmax.exp2_row(s, r, scale_log2, cur_scaled)
-            row_sum[r] = row_sum[r] * rescale[r] + total
-
-    @cute.jit
-    def _rescale_rows(self, acc_O, rescale, r0: cutlass.Constexpr[int], r1: cutlass.Constexpr[int]):
-        """O's rows r0..r1 - 1 multiplied by their rescale factors."""
-        o = rows_cols(acc_O)
-        for r in cutlass.range_constexpr(r0, r1):
-            for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
-                o[r, c] = o[r, c] * rescale[r]
 
     @cute.jit
     def _land(self, kv_pv, tOrP, acc_S, acc_O, rescale, v_pipe):
@@ -877,61 +833,91 @@ class AttentionFwdSm90:
     ):  # fmt: skip
         """O (fp32 registers) -> input dtype -> `stmatrix` into sO -> one TMA store (rows past
         Sq clipped). A varlen tile that ends inside its sequence's last row block is written
-        from registers instead, row by row (a TMA box would spill into the next sequence)."""
+        from registers instead, row by row (a TMA box would spill into the next sequence);
+        with `o_direct` every tile is (`_store_o_rows`)."""
         rO = cute.make_rmem_tensor(acc_O.shape, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         m0 = m_block * self.tile_m
         partial = False
         if const_expr(self.varlen):
             partial = m0 + self.tile_m > seqlen_q
-        if partial:
-            gO = cute.local_tile(
-                cute.domain_offset((q_off, 0), mO[None, None, head, batch]),
-                (self.tile_m, self.head_dim_v),
-                (m_block, 0),
-            )
-            thr = mma_pv.get_slice(tidx)
-            tOgO = thr.partition_C(gO)
-            tOcO = thr.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v)))
-            for i in cutlass.range_constexpr(cute.size(rO)):
-                if m0 + tOcO[i][0] < seqlen_q:
-                    tOgO[i] = rO[i]
+        if const_expr(self.o_direct):
+            self._store_o_rows(mma_pv, rO, mO, m_block, head, batch, q_off, seqlen_q)
         else:
-            r2s = cute.make_tiled_copy_C(
-                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype),
-                mma_pv,
-            )
-            thr_r2s = r2s.get_slice(tidx)
-            sO_tile = sO[None, None, 0]
-            storer = warp_idx == STORER_WARP
-            if storer:
-                # The previous tile's store must have read sO (own buffer), and
-                # (shared buffer) every warpgroup's last QK^T must be done with sQ.
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            epilogue.arrive_and_wait()
-            cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO_tile))
-            # stmatrix writes are generic-proxy; the TMA store reads through the async proxy.
-            cute.arch.fence_view_async_shared()
-            epilogue.arrive_and_wait()
-            if storer:
+            if partial:
                 gO = cute.local_tile(
-                    cute.domain_offset((q_off, 0), mO_tma[None, None, head, batch])
-                    if const_expr(self.varlen)
-                    else mO_tma[None, None, head, batch],
+                    cute.domain_offset((q_off, 0), mO[None, None, head, batch]),
                     (self.tile_m, self.head_dim_v),
-                    (None, 0),
+                    (m_block, 0),
                 )
-                tOsO, tOgO = cpasync.tma_partition(
-                    tma_o,
-                    0,
-                    cute.make_layout(1),
-                    cute.group_modes(sO, 0, 2),
-                    cute.group_modes(gO, 0, 2),
+                thr = mma_pv.get_slice(tidx)
+                tOgO = thr.partition_C(gO)
+                tOcO = thr.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v)))
+                for i in cutlass.range_constexpr(cute.size(rO)):
+                    if m0 + tOcO[i][0] < seqlen_q:
+                        tOgO[i] = rO[i]
+            else:
+                r2s = cute.make_tiled_copy_C(
+                    cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype),
+                    mma_pv,
                 )
-                cute.copy(tma_o, tOsO[(None, 0)], tOgO[(None, m_block)])
-                cute.arch.cp_async_bulk_commit_group()
-                if const_expr(not self.own_o):
+                thr_r2s = r2s.get_slice(tidx)
+                sO_tile = sO[None, None, 0]
+                storer = warp_idx == STORER_WARP
+                if storer:
+                    # The previous tile's store must have read sO (own buffer), and
+                    # (shared buffer) every warpgroup's last QK^T must be done with sQ.
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
+                epilogue.arrive_and_wait()
+                cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO_tile))
+                # stmatrix writes are generic-proxy; the TMA store reads through the async proxy.
+                cute.arch.fence_view_async_shared()
+                epilogue.arrive_and_wait()
+                if storer:
+                    gO = cute.local_tile(
+                        cute.domain_offset((q_off, 0), mO_tma[None, None, head, batch])
+                        if const_expr(self.varlen)
+                        else mO_tma[None, None, head, batch],
+                        (self.tile_m, self.head_dim_v),
+                        (None, 0),
+                    )
+                    tOsO, tOgO = cpasync.tma_partition(
+                        tma_o,
+                        0,
+                        cute.make_layout(1),
+                        cute.group_modes(sO, 0, 2),
+                        cute.group_modes(gO, 0, 2),
+                    )
+                    cute.copy(tma_o, tOsO[(None, 0)], tOgO[(None, m_block)])
+                    cute.arch.cp_async_bulk_commit_group()
+                    if const_expr(not self.own_o):
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _store_o_rows(self, mma_pv, rO, mO, m_block, head, batch, q_off, seqlen_q):
+        """`o_direct`: O (16-bit registers) straight to global memory, each pair of adjacent
+        columns of the thread's rows below Sq one predicated 32-bit store, no shared memory.
+        (One branch around each row's stores instead moved D=256's kernel off the uniform
+        datapath: 72 R2UR a step, every producer TMA in a per-lane loop. The thread index is
+        read here, as in `_clear_stale_v`.)"""
+        tidx = cute.arch.thread_idx()[0] - THREADS_PER_WG
+        m0 = m_block * self.tile_m
+        gO = cute.local_tile(
+            cute.domain_offset((q_off, 0), mO[None, None, head, batch]),
+            (self.tile_m, self.head_dim_v),
+            (m_block, 0),
+        )
+        thr = mma_pv.get_slice(tidx)
+        # ((1, rows), (2, pairs)): a pair is 2 adjacent columns (`rows_cols`).
+        rO_rc = rows_cols(rO)
+        rOp = cute.logical_divide(rO_rc, (1, 2))
+        tOgO = cute.logical_divide(rows_cols(thr.partition_C(gO)), (1, 2))
+        tOcO = rows_cols(thr.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
+        for r in cutlass.range_constexpr(cute.size(rO_rc, mode=[0])):
+            row_ok = m0 + tOcO[r, 0][0] < seqlen_q
+            for j in cutlass.range_constexpr(cute.size(rO_rc, mode=[1]) // 2):
+                if row_ok:
+                    cute.autovec_copy(rOp[(0, r), (None, j)], tOgO[(0, r), (None, j)])
 
     @cute.jit
     def _store_lse(self, tidx, mma_pv, row_lse, mLSE, m0, head, batch, q_off, seqlen_q):

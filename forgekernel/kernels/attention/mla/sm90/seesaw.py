@@ -117,7 +117,6 @@ class Bar(IntEnum):
     P1 = FIRST_FREE + 3  # P of tile c in shared memory, 1's P V on it issued: both sync
     WG0 = FIRST_FREE + 4  # warpgroup 0 alone (its zeroed stale rows before its own P V; racecheck)
     WG1 = FIRST_FREE + 5  # warpgroup 1 alone
-    INIT = FIRST_FREE + 6  # warp 0 alone, after its elected lane's mbarrier inits (racecheck)
 
 
 class MlaSeesawSm90:
@@ -321,11 +320,16 @@ class MlaSeesawSm90:
                 for i in cutlass.range_constexpr(STAGES * CHUNKS + 1):
                     cute.arch.mbarrier_init(bars + i, 1)
                 cute.arch.mbarrier_init_fence()
-            # (no data: racecheck attributes the inits, uniform-datapath SYNCS.EXCH, to lane
-            # 31 and the arming to the elected lane 0, and reported each armed mbarrier's 8
-            # bytes as a warp-level hazard, 216 + 432 warnings on 2026-12-02 13:49; a wait of
-            # the whole warp between them puts the arming in a later interval)
-            named_barrier(Bar.INIT, WARP_SIZE).arrive_and_wait()
+        # Every thread waits here, warp 0 between the inits and their first arming. (No data:
+        # racecheck attributes the inits, uniform-datapath SYNCS.EXCH, to lane 31 and the
+        # arming to the elected lane 0, and reported each armed mbarrier's 8 bytes as a
+        # warp-level hazard, 216 + 432 warnings on 2026-12-02 13:49, until warp 0 waited
+        # between them. It orders threads by how many barriers each has waited at: a wait of
+        # warp 0 alone put its later shared-memory stores one wait behind every reader's,
+        # 320 + 544 RAW reports at 18:47, every writer in warp 0: Q's zero rows and its sM
+        # rows. The other warps reach this first and wait out the inits, off the loads' path.)
+        cute.arch.sync_threads()
+        if warp == 0:
             for atom in (tma_ql, tma_qr, tma_kl, tma_kr):
                 cpasync.prefetch_descriptor(atom)
             if 0 < tiles:

@@ -38,12 +38,26 @@ def _standard_params() -> list[Params]:
     return partial + combine
 
 
+def _candidate_params() -> list[Params]:
+    """The 18:47 partial pass (page ids read beside the copies: compile.py's page_ids
+    "inline", `PagedDecodeSm90(page_ahead=False)`) for the bf16 D 128 leaves the decode, spec
+    and mixed bench cases run, which scripts/paged_spec_probe.py times against the standard
+    ones (`forgekernel build --candidates --only attention_paged_decode_sm90`)."""
+    return [
+        tuple(sorted((*params_for("partial", "bfloat16", 128, h, "", qt), ("page_ids", "inline"))))
+        for qt in QTOKENS
+        for h in HEADS
+        if h * qt <= row_cap(128)
+    ]
+
+
 SPEC = KernelSpec(
     name="attention_paged_decode_sm90",
     arch="sm_90a",
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
+    candidate_params=_candidate_params,
     mma=False,
     representative=lambda: params_for("partial", "bfloat16", 128, 4),
 )

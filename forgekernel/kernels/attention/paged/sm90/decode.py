@@ -2,18 +2,18 @@
 the split-KV plan (combine.py has the plan's bookkeeping, the speculative rows and the combine
 pass), 16-bit or FP8 (e4m3) caches.
 
-A CTA takes the H query heads of one KV head (H x Q (token, head) rows, Q query tokens, padded
-with zero rows to the MMA's 16, or to two row blocks of 16 past 16 rows: `rows.row_cap`, so
-that GQA 8 x 4 tokens and GQA 16 x 2 stream each KV head once) and one split of one sequence's
-keys. The keys stream through
-shared memory in tiles of TILE tokens, STAGES deep: every thread issues cp.async copies of 16
-bytes for its rows of the tile (page page_table[b, t // page_size], slot t % page_size, the
-token clamped into the split so that masked columns hold finite values), one commit group per
-tile, one CTA barrier per tile. Warp w takes keys 16w .. 16w + 15 of every tile with its own
-online softmax: S = Q K_w^T (16 x 16, D / 16 MMAs of K = 16, Q and K by ldmatrix from the
-swizzled tiles), scaled inside the exponent (the toolkit's base-2 online softmax), P to
-16-bit registers as the A operand of O += P V_w (V by transposed ldmatrix; one K = 16 step,
-D / 8 MMAs; with 32 rows every MMA twice, V's fragment loaded 32 columns at a time). The
+A CTA takes the H query heads of one KV head (H x Q (token, head) rows, Q query tokens, padded with
+zero rows to the MMA's 16, or to two row blocks of 16 past 16 rows: `rows.row_cap`, so that GQA 8 x
+4 tokens and GQA 16 x 2 stream each KV head once) and one split of one sequence's keys. The keys
+stream through shared memory in tiles of TILE tokens, STAGES deep: every thread issues cp.async
+copies of 16 bytes for its rows of the tile (page page_table[b, t // page_size], slot t %
+page_size, the token clamped into the split so that masked columns hold finite values; 16-bit
+caches at D 128, and D 64 at one row block, read a tile's page ids an iteration before its copies:
+`page_ahead`), one commit group per tile, one CTA barrier per tile. Warp w takes keys 16w .. 16w +
+15 of every tile with its own online softmax: S = Q K_w^T (16 x 16, D / 16 MMAs of K = 16, Q and K
+by ldmatrix from the swizzled tiles), scaled inside the exponent (the toolkit's base-2 online
+softmax), P to 16-bit registers as the A operand of O += P V_w (V by transposed ldmatrix; one K =
+16 step, D / 8 MMAs; with 32 rows every MMA twice, V's fragment loaded 32 columns at a time). The
 warps' (max, sum, O) meet in shared memory at the end (`combine.write_split`).
 
 FP8 caches: the tiles stay bytes in shared memory (half the 16-bit tiles: `config.STAGES_FP8`
@@ -37,6 +37,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 from forgekernel.kernels.attention.paged.sm90 import fp8
 from forgekernel.kernels.attention.paged.sm90.combine import write_split
 from forgekernel.kernels.attention.paged.sm90.config import (
+    RESIDENT,
     RESIDENT_FP8,
     ROWS,
     STAGES,
@@ -63,7 +64,10 @@ V_COLS = 32  # O's columns a piece of P V with 32 rows (`_pv_in_pieces`)
 class PagedDecodeSm90:
     """The partial pass on tensor cores; see the module docstring."""
 
-    def __init__(self, head_dim: int, heads: int, qtokens: int = 1, fp8: bool = False):
+    def __init__(
+        self, head_dim: int, heads: int, qtokens: int = 1, fp8: bool = False,
+        page_ahead: bool = True,
+    ):  # fmt: skip
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim must be 64, 128 or 256, got {head_dim}")
         cap = row_cap(head_dim, "float8_e4m3fn" if fp8 else "")
@@ -77,6 +81,14 @@ class PagedDecodeSm90:
         self.rows = ROWS if self.g <= ROWS else MAX_ROWS
         self.stages = STAGES_FP8[head_dim] if fp8 else STAGES[head_dim]
         self.fp8 = fp8
+        # 16-bit caches: a tile's page ids read one loop iteration before its copies
+        # (`_page_ids`; 8 more registers), where the registers allow it: D 128 (2 CTAs an SM,
+        # up to 255: 164-252 with them) and D 64 at one row block (105-132, under the 170 of
+        # 3 CTAs an SM); not at D 256 (255 and spills) nor D 64 with 32 rows (227; capped at
+        # 170 it spilled 40-48 bytes). False: read beside the copies (the 18:47 pass)
+        self.page_ahead = (
+            page_ahead and not fp8 and (head_dim == 128 or (head_dim == 64 and self.rows == ROWS))
+        )
 
     def _fp8_shared(self, dtype):
         """Shared memory of an FP8 cache: K's and V's byte tiles in one range (seen 16-bit:
@@ -156,15 +168,19 @@ class PagedDecodeSm90:
         )  # fmt: skip
         if const_expr(self.fp8):
             self.shared = self._fp8_shared(dtype)
-            # registers capped for RESIDENT_FP8 CTAs per SM (.minnctapersm). The carveout only
-            # reaches the DSL's JIT loader (an exported kernel sets none: the driver's default
-            # choice), and given, the compile needs no device query for min_blocks_per_mp
-            self.kernel(*args).launch(
-                grid=grid, block=[THREADS, 1, 1], stream=stream,
-                min_blocks_per_mp=RESIDENT_FP8[self.d], preferred_smem_carveout=100,
-            )  # fmt: skip
-        else:
-            self.kernel(*args).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
+        # Registers capped for the CTAs per SM shared memory allows (.minnctapersm): FP8
+        # always (RESIDENT_FP8); 16-bit D 128 with one row block too (RESIDENT: left to itself
+        # the cu13 ptxas, the GPU host's, held bf16 8 heads x 1 token with the page ids read
+        # ahead at 168 registers and spilled 8 bytes a tile, 2026-12-02; told, 254 and no
+        # stack), not its 32-row leaves (told, they took 255 and spilled 40-48 bytes; left
+        # alone 250-252 and none). The carveout only reaches the DSL's JIT loader (an exported
+        # kernel sets none: the driver's default choice), and given, the compile needs no
+        # device query for min_blocks_per_mp.
+        hint = {}
+        if const_expr(self.fp8 or (self.d == 128 and self.rows == ROWS)):
+            resident = (RESIDENT_FP8 if self.fp8 else RESIDENT)[self.d]
+            hint = {"min_blocks_per_mp": resident, "preferred_smem_carveout": 100}
+        self.kernel(*args).launch(grid=grid, block=[THREADS, 1, 1], stream=stream, **hint)
 
     @cute.kernel
     def kernel(
@@ -221,12 +237,20 @@ class PagedDecodeSm90:
             self._load_query(mQ, sQ, gcopy_q, gcopy_q.get_slice(tidx), q_off, sq, head0)
             gcopy = tiled_row_copy(mK.element_type, self.d, THREADS)
             pages = page_size
+            if const_expr(self.page_ahead):
+                pages = cute.fast_divmod_create_divisor_v2(page_size)
         thr_g = gcopy.get_slice(tidx)
         kv = (mK, mV, sK, sV, mPT, b, kvh, pages)
         for s in cutlass.range_constexpr(self.stages - 1):
             if s < tiles:
                 self._load_tile(kv, gcopy, thr_g, t0 + s * TILE, t1, s)
             cute.arch.cp_async_commit_group()
+        # the page ids of the next tile to load, read a loop iteration ahead of its copies
+        page_ids = None
+        if const_expr(self.page_ahead):
+            page_ids = cute.make_rmem_tensor(self._rows_per_thread(thr_g), Int32)
+            if self.stages - 1 < tiles:
+                self._page_ids(kv, thr_g, t0 + (self.stages - 1) * TILE, t1, page_ids)
         # an FP8 cache's K scale rides in the exponent, V's on O at the end
         exp_scale = scale_log2
         if const_expr(self.fp8):
@@ -276,7 +300,9 @@ class PagedDecodeSm90:
             cute.arch.sync_threads()
             nxt = i + self.stages - 1
             if nxt < tiles:
-                self._load_tile(kv, gcopy, thr_g, t0 + nxt * TILE, t1, nxt % self.stages)
+                self._load_tile(kv, gcopy, thr_g, t0 + nxt * TILE, t1, nxt % self.stages, page_ids)
+                if const_expr(self.page_ahead):  # the next one's (past the last: clamped)
+                    self._page_ids(kv, thr_g, t0 + (nxt + 1) * TILE, t1, page_ids)
             cute.arch.cp_async_commit_group()
 
             stage = i % self.stages
@@ -387,10 +413,30 @@ class PagedDecodeSm90:
             else:
                 tQsQ[None, m, None].fill(0.0)
 
+    def _rows_per_thread(self, thr_g) -> int:
+        """The K / V tile rows a thread copies (16-bit caches: TILE x D / 8 chunks of 16 bytes
+        over THREADS threads, one chunk column per thread: 8 at D 128)."""
+        return cute.size(thr_g.partition_D(cute.make_identity_tensor((TILE, self.d))), mode=[1])
+
     @cute.jit
-    def _load_tile(self, kv, gcopy, thr_g, first, t1, stage):
+    def _page_ids(self, kv, thr_g, first, t1, page_ids):
+        """The page ids of this thread's rows of the tile at key `first` (tokens clamped to
+        t1 - 1, as `_load_tile` clamps them: always a page of the sequence) into page_ids,
+        registers read by the tile's `_load_tile` one loop iteration later: the page-table
+        reads are off the copies' path (read beside them, ptxas issued them in two or three
+        dependent rounds a tile in the speculative kernels, one in decode's: 2026-12-02)."""
+        mK, mV, sK, sV, mPT, b, kvh, pages = kv
+        crd = thr_g.partition_S(cute.make_identity_tensor((TILE, self.d)))
+        for m in cutlass.range_constexpr(cute.size(crd, mode=[1])):
+            token = cutlass.min(first + crd[0, m, 0][0], t1 - 1)
+            page, _ = divmod(token, pages)
+            page_ids[m] = mPT[b, page]
+
+    @cute.jit
+    def _load_tile(self, kv, gcopy, thr_g, first, t1, stage, page_ids=None):
         """Keys first .. first + TILE - 1 (clamped to t1 - 1: finite, masked later) of K and V
-        into pipeline stage `stage`."""
+        into pipeline stage `stage`; page_ids: this thread's rows' page ids (`_page_ids`),
+        else read here."""
         mK, mV, sK, sV, mPT, b, kvh, page_size = kv
         tKsK = thr_g.partition_D(sK[None, None, stage])
         tVsV = thr_g.partition_D(sV[None, None, stage])
@@ -407,9 +453,16 @@ class PagedDecodeSm90:
             crd = thr_g.partition_S(cute.make_identity_tensor((TILE, self.d)))
             for m in cutlass.range_constexpr(cute.size(tKsK, mode=[1])):
                 token = cutlass.min(first + crd[0, m, 0][0], t1 - 1)
-                page = token // page_size
-                slot = token - page * page_size
-                page_id = mPT[b, page]
+                if const_expr(self.page_ahead):  # page_size a fast divisor
+                    page, slot = divmod(token, page_size)
+                    if const_expr(page_ids is not None):
+                        page_id = page_ids[m]
+                    else:  # the prologue's tiles
+                        page_id = mPT[b, page]
+                else:
+                    page = token // page_size
+                    slot = token - page * page_size
+                    page_id = mPT[b, page]
                 copy_row_async(gcopy, mK[page_id, slot, kvh, None], self.d, tKsK[None, m, None],
                                crd[None, m, None])  # fmt: skip
                 copy_row_async(gcopy, mV[page_id, slot, kvh, None], self.d, tVsV[None, m, None],

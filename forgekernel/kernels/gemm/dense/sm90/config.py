@@ -39,7 +39,11 @@ SQUARE = GemmConfig(tile_n=128, cluster_m=2)
 SKINNY_64 = GemmConfig(tile_m=64, tile_n=64, cluster_m=1, cluster_n=2)
 SKINNY_128 = GemmConfig(tile_m=64, tile_n=128, cluster_m=2)
 A_ROWS = (8, 16, 32, 0)  # A box heights of the decode configurations (0: the whole tile)
-DECODE = tuple(dataclasses.replace(SKINNY_64, a_rows=r) for r in A_ROWS[:-1])
+# The tiled decode configurations at 13 stages: with the compact A ring's count (22 / 17 stages at
+# a8 / a32, 2026-12-02 04:21 to 15:48) the one-round cases ran ~1.1 us slower; 13 again on the
+# H200 (2026-12-02 18:47, scripts/gemm_worst_probe.py, since removed): 1x4608x3584 12.5 -> 11.3 us,
+# 1x4096x4096 12.5 -> 11.1, 32x5120x5120 (a32) 16.7 -> 15.7, 4x28672x4096 59.9 -> 59.0.
+DECODE = tuple(dataclasses.replace(SKINNY_64, a_rows=r, stages=13) for r in A_ROWS[:-1])
 DECODE_STREAM = tuple(
     GemmConfig(tile_m=64, tile_n=64, cluster_m=1, stream_k=True, a_rows=r) for r in A_ROWS
 )
@@ -79,9 +83,16 @@ FIT = (FIT_224, FIT_160, FIT_144, FIT_112, TALL_80, TALL_96)
 # or 128 (300 rows: 3 x 80 + 60; 777: 4 x 208 - 55); the weight's tile multicast over a 1x2
 # cluster to two token tiles; C through an M-major view (64 x 16 boxes). B "nk" only (a "kn"
 # weight would be an M-major A, untested). For 64 < M <= `SWAP_MAX_M`, M < N (`swap_applies`).
-SWAP_80 = GemmConfig(tile_n=80, cluster_m=1, cluster_n=2, epi_n=16, swap=True)
-SWAP_208 = GemmConfig(tile_n=208, cluster_m=1, cluster_n=2, epi_n=16, swap=True, stages=4)
-SWAP_TALL_80 = dataclasses.replace(TALL_80, swap=True)
+# Walked with the tokens (the kernel's N) fastest: the token tiles of one weight tile run in one
+# round and the weight leaves HBM once (M fastest read it once per cluster column of tokens):
+# 300x28672x4096 140.2 -> 126.6 us graph, 140.9 -> 123.6 eager (2026-12-02 18:47); 129 and 777
+# tokens (one column) unchanged. Their rates below stay the M-fastest fits (conservative: at 512
+# tokens, 512x10240x5120, tokens-first SWAP_80 ran 129 us, the pick 83.8).
+SWAP_80 = GemmConfig(tile_n=80, cluster_m=1, cluster_n=2, epi_n=16, swap=True, raster_along_m=False)
+SWAP_208 = GemmConfig(
+    tile_n=208, cluster_m=1, cluster_n=2, epi_n=16, swap=True, stages=4, raster_along_m=False
+)
+SWAP_TALL_80 = dataclasses.replace(TALL_80, swap=True, raster_along_m=False)
 SWAP = (SWAP_80, SWAP_208, SWAP_TALL_80)
 SWAP_MAX_M = 1024
 PREFILL = (LARGE, WIDE, SQUARE, SMALL, MID, *FIT, *SWAP)
@@ -126,33 +137,14 @@ _EFFICIENCY.update({SWAP_80: 0.842, SWAP_TALL_80: 0.856})
 # way: 512x3584x3584 and 4096x4096x4096 (FIT_112 0.872 / 0.843, 0.974 / 0.872 graph / eager;
 # the intensity rule had 0.916), 777x4096x14336 (SWAP_208 0.934 / 0.943; assumed 0.932).
 _EFFICIENCY.update({FIT_112: 0.889, SWAP_208: 0.938})
-# Candidates for the slowest cases of the H200 bench of 2026-12-02 15:48, none chosen until
-# scripts/gemm_worst_probe.py times them (docs/gemm/NOTES.md "The slowest cases of the 15:48
-# bench"). The swapped tiles walked with the tokens (the kernel's N) fastest: the token tiles of
-# one weight tile then run in one round and the weight leaves HBM once, not once per cluster
-# column of tokens (the standard raster, M fastest: twice at 300 tokens, four times at 512).
-SWAP_N = tuple(dataclasses.replace(c, raster_along_m=False) for c in SWAP)
-# Swapped stream K: 129 tokens in one 144-wide tile, the weight's 80 tiles over all 132 SMs
-# (SWAP_TALL_80 leaves 24 idle and no tiling of 10240 x 129 fills them).
-SWAP_STREAM_144 = GemmConfig(tile_n=144, cluster_m=1, epi_n=16, swap=True, stream_k=True)
-# The one-round decode cases (64-80 tiles) ran ~1.1 us slower from the first run with the compact
-# A ring on (22 / 17 stages at a8 / a32; 2026-12-02 04:21 onward) than at 13 stages before it.
-DECODE_13 = tuple(dataclasses.replace(c, stages=13) for c in (DECODE[0], DECODE[2]))
-# Decode widths: 48 columns put 96-107 CTAs on N = 4608-5120 (64 columns: 72-80), 112 make
-# 4x28672x4096 two even rounds (64: 3.4), 256 one round of 128 tiles at K = 512 (64: 3.9 rounds
-# of 8 k-tiles each).
-DECODE_48 = tuple(
-    GemmConfig(tile_m=64, tile_n=48, cluster_m=1, cluster_n=2, epi_n=16, a_rows=r) for r in (8, 32)
-)
+# Decode 64x112 (a8): 4x28672x4096 in two even rounds of 256 tiles (64 columns: 3.4 rounds):
+# 60.1 -> 56.9 us graph, 71.3 -> 68.6 eager on 2026-12-02 18:47; a candidate until the decode
+# chooser weighs widths (`decode_time` cannot tell them apart). Measured there and dropped
+# (docs/gemm/NOTES.md "The slowest cases of the 15:48 bench"): 64x48 decode tiles, 64x256 a16,
+# FIT_112 / SWAP_208 with a stage back, WIDE swizzled N-first, and swapped stream K (wrong
+# output on the H200: splitk.sum_parts dropped the last floats of 72- and 40-float fragments,
+# fixed on next/swap-sk; its timing, 52.1 / 60.1 us to beat on 129x10240x8192, is not redone).
 DECODE_112 = GemmConfig(tile_m=64, tile_n=112, cluster_m=1, cluster_n=2, epi_n=16, a_rows=8)
-# (6 stages by `ring_stages` would ask 233,472 bytes: tests/test_gemm_smem_fit.py)
-DECODE_256 = GemmConfig(tile_m=64, tile_n=256, cluster_m=1, cluster_n=2, a_rows=16, stages=5)
-# FIT_112 and SWAP_208 with the stage they gave up back, the epilogue ring 3 deep instead of 4
-# (229,376 bytes each; the FP8 tiles' sixth stage so gained 2.6-5% at large K on 2026-12-02).
-STAGE_BACK = (
-    dataclasses.replace(FIT_112, epi_stages=3, stages=7),
-    dataclasses.replace(SWAP_208, epi_stages=3, stages=5),
-)
 # Further configurations for tuning (`forgekernel build --candidates`, `forgekernel.tune_gemm`,
 # scripts/gemm_sweep.py); bf16 "nk" prebuilt, anything else compiles on first use.
 CANDIDATES = (
@@ -162,13 +154,7 @@ CANDIDATES = (
     GemmConfig(tile_m=128, tile_n=64, cluster_m=1, cluster_n=2),
     GemmConfig(tile_n=128, cluster_m=1, cluster_n=2),
     GemmConfig(tile_m=64, tile_n=256, cluster_m=2),
-    *SWAP_N,
-    SWAP_STREAM_144,
-    *DECODE_13,
-    *DECODE_48,
     DECODE_112,
-    DECODE_256,
-    *STAGE_BACK,
 )
 
 

@@ -61,7 +61,9 @@ fragment, which is added into the tile's accumulator times its rows' scales and 
 B's (the tensor core's FP8 accumulation keeps ~14 bits: promoted every 128 of K). The producer
 warp stages each k-tile's tile_m row scales (A's x B's, fp32) in shared memory with the stage,
 published by the stage's full barrier (`_load`): the consumers read two of them per k-tile
-(LDS) after their wait, no global load on their path. Two per-k-tile
+(LDS) after their wait, no global load on their path. mSFA is read K-major (any strides, a
+lane's rows 32 apart) or, `scale_mn_major`, M-major (unit stride along M, the launcher's
+contract: a lane's tile_m / 32 rows in one vector load). Two per-k-tile
 fragments alternate: k-tile j's WGMMAs are issued before k-tile j - 1's fragment is waited for
 and promoted, so every warpgroup keeps one WGMMA batch queued on the tensor pipe through its
 promotion FFMAs (with one fragment the pipe idled through them: wait, promote, issue). Three
@@ -288,6 +290,12 @@ class GemmSm90:
             self.cfg.scale_ahead != 1 and not (self.scaled and self.cfg.scale_ahead > 1)
         ):
             raise ValueError(f"scale_ahead {self.cfg.scale_ahead}: FP8's, at least 1")
+        if cutlass.const_expr(self.cfg.scale_mn_major):
+            # one vector of tile_m / 32 rows a lane (`_fetch_scales`): 16 or 8 bytes
+            if cutlass.const_expr(not self.scaled or self.masked or self.cfg.tile_m == 192):
+                raise ValueError("scale_mn_major: FP8's, not masked, tile_m 64 or 128")
+            if cutlass.const_expr(not (cute.is_static(mSFA.stride[0]) and mSFA.stride[0] == 1)):
+                raise ValueError("scale_mn_major takes scale_a with unit stride along M")
         if cutlass.const_expr(mGroup is not None and self.cfg.stream_k):
             raise ValueError("the grouped layouts do not take stream K")
         if cutlass.const_expr(mGroup is not None and (not self.scaled or self.cfg.cluster_m > 1)):
@@ -650,16 +658,41 @@ class GemmSm90:
         `_stage_scales`)."""
         mSFA, mSFB, _, first_row, last_row, blk = src
         rows = range(self.cfg.tile_m // 32)  # static
-        sa = tuple(mSFA[cutlass.min(first_row + lane + 32 * i, last_row), kt] for i in rows)
+        if cutlass.const_expr(self.cfg.scale_mn_major):
+            sa = self._fetch_mn_major(mSFA, first_row, last_row, kt, lane)
+        else:
+            sa = tuple(mSFA[cutlass.min(first_row + lane + 32 * i, last_row), kt] for i in rows)
         return (*sa, mSFB[blk, kt])
+
+    @cute.jit
+    def _fetch_mn_major(self, mSFA, first_row, last_row, kt, lane):
+        """`scale_mn_major`: A's scales of tile rows v lane .. v lane + v - 1 (v = tile_m / 32),
+        one v x 4-byte vector load from mSFA's unit-stride M mode (one k-tile's tile_m scales
+        are tile_m x 4 contiguous bytes, against tile_m lines K/128 x 4 bytes apart K-major).
+        first_row is a multiple of v (`_tail_pads`) and the scale tensor's K/128 stride a
+        multiple of 4 (the launcher's contract): every vector is aligned. A lane whose rows lie
+        wholly past last_row reads the vector holding it instead (its rows are never stored),
+        so nothing past the 4-padded M is read."""
+        v = self.cfg.tile_m // 32
+        vec = cutlass.min(first_row // v + lane, last_row // v)
+        src = cute.local_tile(mSFA[None, kt], (v,), (vec,))
+        frag = cute.make_rmem_tensor(v, cutlass.Float32)
+        cute.autovec_copy(src, frag)
+        return tuple(frag[i] for i in range(v))
 
     @cute.jit
     def _stage_scales(self, fetched, sSF, stage, lane):
         """The k-tile's row scales into the ring's `stage`: A's row scale x B's block scale
         (`_promote` multiplies by one number a row)."""
         sb = fetched[-1]
-        for i in cutlass.range_constexpr(self.cfg.tile_m // 32):
-            sSF[lane + 32 * i, stage] = fetched[i] * sb
+        if cutlass.const_expr(self.cfg.scale_mn_major):
+            # lane l holds rows v l .. v l + v - 1 (`_fetch_mn_major`)
+            v = self.cfg.tile_m // 32
+            for i in cutlass.range_constexpr(v):
+                sSF[v * lane + i, stage] = fetched[i] * sb
+        else:
+            for i in cutlass.range_constexpr(self.cfg.tile_m // 32):
+                sSF[lane + 32 * i, stage] = fetched[i] * sb
 
     @cute.jit
     def _load(self, load_a, load_b, ab_pipe, prod, tile, k0, count, scales):
@@ -754,6 +787,10 @@ class GemmSm90:
         if cutlass.const_expr(not self.cfg.stream_k):
             if m >= self.cfg.tile_m:
                 pad_m = tiles_m * self.cfg.tile_m - m
+                if cutlass.const_expr(self.cfg.scale_mn_major):
+                    # the last tile row starts on a whole vector of A's scales (`_fetch_scales`):
+                    # it may reach up to 3 rows past M (A's box zero-fills them, C's clips them)
+                    pad_m = pad_m - pad_m % (self.cfg.tile_m // 32)
             if cutlass.const_expr(not self.scaled):  # B's scales come in aligned 128 blocks
                 if n >= self.cfg.tile_n:
                     pad_n = tiles_n * self.cfg.tile_n - n

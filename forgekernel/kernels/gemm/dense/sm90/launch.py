@@ -84,7 +84,8 @@ def _choose(dtype, b_kn, m, n, k, device_index, config) -> tuple[object, int, tu
     if cfg.stream_k:
         # The problem as the kernel sees it (N and K padded up to multiples of 8 where they are
         # not; swapped: the weight's N rows as its M, the tokens as its N); the kernel derives
-        # the grid and the data-parallel blocks from per and max_clusters.
+        # the grid and the data-parallel blocks from per and max_clusters, and indexes the
+        # flags and the workspace by its own tiles and CTAs.
         km, kn = (_round_up(n), m) if cfg.swap else (m, _round_up(n))
         plan = split_for(cfg, km, kn, _round_up(k), sms)
         split = (plan.per, plan.tiles, 2 * plan.ctas * cfg.tile_m * cfg.tile_n)

@@ -38,6 +38,11 @@ class GemmConfig:
     # FP8: how many k-tiles ahead the producer loads the scales it stages (kernel.py `_load`).
     # In the compile key only when not 1 (a candidate, docs/gemm/NOTES.md "8192^3").
     scale_ahead: int = 1
+    # FP8: A's scales read M-major, a (M, K/128) view with unit stride along M (the launcher
+    # passes DeepGEMM's TMA-aligned layout as is, transposes any other): one vector load a lane
+    # per k-tile (kernel.py `_fetch_scales`). In the compile key only when set (a candidate,
+    # docs/gemm/NOTES.md "A's scales M-major").
+    scale_mn_major: bool = False
 
     def fits(self, m: int) -> bool:
         """Whether this configuration computes M rows: a short A box (a_rows) covers one
@@ -45,13 +50,15 @@ class GemmConfig:
         return not self.a_rows or m <= self.a_rows
 
     def key(self) -> dict:
-        """The fields as a compile key's part: `swap` only when set, `scale_ahead` only when
-        not 1 (older keys stay valid)."""
+        """The fields as a compile key's part: `swap` and `scale_mn_major` only when set,
+        `scale_ahead` only when not 1 (older keys stay valid)."""
         fields_ = asdict(self)
         if not self.swap:
             del fields_["swap"]
         if self.scale_ahead == 1:
             del fields_["scale_ahead"]
+        if not self.scale_mn_major:
+            del fields_["scale_mn_major"]
         return fields_
 
     def tag(self) -> str:
@@ -63,6 +70,7 @@ class GemmConfig:
             + (f"_a{self.a_rows}" if self.a_rows else "")
             + ("_swap" if self.swap else "")
             + (f"_f{self.scale_ahead}" if self.scale_ahead != 1 else "")
+            + ("_mn" if self.scale_mn_major else "")
         )
 
     @classmethod

@@ -1,5 +1,6 @@
 """Compile the block-scaled FP8 GEMM against fake tensors: M, N, K and every stride dynamic
-(the scales' too: row- or column-major alike); stream-K configurations with the fp32
+(the scales' too: row- or column-major alike; A's with unit stride along M where the config
+reads them M-major, `scale_mn_major`); stream-K configurations with the fp32
 workspace and the int32 tile flags (as the dense GEMM's)."""
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ def compile_gemm_fp8(params: dict, arch: str = "sm_90a", extra_options: str = ""
         stride = (cute.sym_int64(), cute.sym_int64())
         return make_fake_tensor(cutlass.Float32, shape, stride=stride, assumed_align=4)
 
+    def scales_mn_major():
+        # `scale_mn_major`: A's (M, K/128) with unit stride along M, the K/128 stride a
+        # multiple of 4 and the base 16-byte aligned (launch.py `mn_major_scales`)
+        shape = (cute.sym_int32(), cute.sym_int32())
+        stride = (1, cute.sym_int64(divisibility=4))
+        return make_fake_tensor(cutlass.Float32, shape, stride=stride, assumed_align=16)
+
     cfg = GemmConfig.from_params(
         {k_: v for k_, v in params.items() if k_ not in ("out", "grouped")}
     )
@@ -44,7 +52,7 @@ def compile_gemm_fp8(params: dict, arch: str = "sm_90a", extra_options: str = ""
         work,
         flags,
         cutlass.Int32(0),
-        scales(),
+        scales_mn_major() if cfg.scale_mn_major else scales(),
         scales(),
         make_fake_tensor(cutlass.Int32, (m,), stride=(1,)) if params.get("grouped") else None,
         cutlass.Int32(1),

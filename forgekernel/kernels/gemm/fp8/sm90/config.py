@@ -20,7 +20,24 @@ OUT_DTYPES = ("bfloat16", "float16")
 # scales, 512 B a stage, left room for 5 beside a 4-deep one): measured on the H200
 # (scripts/fp8_tiles.py, 2026-12-02 15:48) 16384x7168x18432 4.517 -> 4.399 ms, 16384x5120x25600
 # 4.430 -> 4.210, 4096x36864x7168 2.098 -> 2.000; 4096x7168x2048 and 8192^3 within 0.3%.
-LARGE = GemmConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=2, epi_stages=3)
+# Their producer loads the scales two k-tiles ahead (`scale_ahead`, docs/gemm/NOTES.md "Why
+# 8192^3 runs at 850 TFLOP/s"): on the H200 (2026-12-02 18:47) 8192^3 1.308 -> 1.200 ms (c1x2)
+# and 1.301 -> 1.208 (c2x1), 8192x8192x7680 1.082 -> 1.011; the prefill shapes not yet timed.
+# A's scales read M-major (`scale_mn_major`: one 16-byte load a producer lane per k-tile instead
+# of 4 from 128 rows K/128 x 4 bytes apart; docs/gemm/NOTES.md "A's scales M-major"): the rule
+# is on for the 128-row tiled tiles (LARGE, LARGE_MCAST_A and with it GROUPED), off for stream
+# K and the 64-row tiles. Off until scripts/fp8_tiles.py's `_mn` rows decide: adopting it is
+# this line (new compile keys: rebuild gemm_fp8_sm90, check gemm_fp8 and gemm_fp8_grouped).
+SCALE_MN_MAJOR = False
+LARGE = GemmConfig(
+    tile_m=128,
+    tile_n=128,
+    tile_k=128,
+    cluster_m=2,
+    epi_stages=3,
+    scale_ahead=2,
+    scale_mn_major=SCALE_MN_MAJOR,
+)
 MID = GemmConfig(tile_m=64, tile_n=128, tile_k=128, cluster_m=2)
 SKINNY = GemmConfig(tile_m=64, tile_n=128, tile_k=128, cluster_m=1, cluster_n=2)
 A_ROWS = (8, 16, 32)
@@ -50,10 +67,12 @@ STANDARD_CONFIGS = (LARGE, MID, SKINNY, *DECODE, LARGE_MCAST_A, *STREAM_DECODE, 
 
 
 # The grouped (MoE, contiguous) layout: B holds every expert's (N, K) and each 128-row tile of
-# A one expert's rows, so B is never multicast across tile rows (A over a 1x2 cluster). Still
-# the 5-stage ring with the 4-deep epilogue (its compile key and records as before): the sixth
-# stage was measured on the dense layout only.
-GROUPED = dataclasses.replace(LARGE_MCAST_A, epi_stages=4)
+# A one expert's rows, so B is never multicast across tile rows (A over a 1x2 cluster). The dense
+# tile's ring since 18:47 (6 stages beside a 3-deep epilogue, the scales two k-tiles ahead): at
+# 0.818x DeepGEMM (2026-12-02 18:47) it ran the 5-stage, 4-deep, one-ahead ring, 7% behind the
+# dense layout's ratio on like shapes; the dense tile gained 2.6-5% (sixth stage) and 7-9%
+# (scales ahead) there. Not yet measured grouped: check + bench gemm_fp8_grouped decide.
+GROUPED = LARGE_MCAST_A
 
 
 def params_for(out_dtype: str, cfg: GemmConfig, grouped: bool = False) -> tuple:

@@ -18,8 +18,11 @@ from forgekernel.kernels.gemm.fp8.sm90.config import (
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms, on_device, tma_target
 from forgekernel.runtime.plans import PlanCache
+from forgekernel.runtime.scratch import scratch
 
 _plans = PlanCache()
+# `scale_mn_major`: A's scales are read in vectors of 4 fp32 rows (kernel.py `_fetch_mn_major`)
+SCALE_VECTOR = 4
 
 
 def clear_plans() -> None:
@@ -46,9 +49,52 @@ def _choose(out_dtype, m, n, k, device_index, config) -> tuple[tuple, int, tuple
 
 def _plan(out_dtype, m, n, k, device_index, config) -> tuple:
     """`_choose`'s plan with its kernel looked up, once per problem (a compile-cache lookup
-    per call before)."""
+    per call before), and whether it reads A's scales M-major."""
     params, max_clusters, split = _choose(out_dtype, m, n, k, device_index, config)
-    return get_kernel(SPEC, params), max_clusters, split
+    mn_major = dict(params).get("scale_mn_major", False)
+    return get_kernel(SPEC, params), max_clusters, split, mn_major
+
+
+def takes_mn_major(scale_a: torch.Tensor) -> bool:
+    """Whether A's scales (M, K/128) fp32 are what a `scale_mn_major` kernel reads as they are:
+    unit stride along M, the K/128 stride a multiple of 4 and at least M rounded up to 4, the
+    base 16-byte aligned and M rounded up to 4 floats in storage in every column (the kernel
+    reads whole 4-row vectors). DeepGEMM's TMA-aligned layout is that: an (M, K/128) view of a
+    (K/128, M') buffer, M' = M rounded up to 4 (`get_mn_major_tma_aligned_tensor`)."""
+    m, kb = scale_a.shape
+    m4 = -(-m // SCALE_VECTOR) * SCALE_VECTOR
+    ld = scale_a.stride(1)
+    if scale_a.stride(0) != 1 or ld % SCALE_VECTOR or (kb > 1 and ld < m4):
+        return False
+    if scale_a.data_ptr() % (4 * SCALE_VECTOR):
+        return False
+    end = scale_a.storage_offset() + (kb - 1) * ld + m4  # floats the kernel may read
+    return scale_a.untyped_storage().nbytes() >= 4 * end
+
+
+def mn_major_copy(scale_a: torch.Tensor, buf: torch.Tensor | None = None) -> torch.Tensor:
+    """A's scales (M, K/128) copied M-major: the (M, K/128) view of `buf`, a (K/128, M rounded
+    up to 4) fp32 buffer (a new one when None), whose padding rows are left as they are (read,
+    never stored). What a caller may make once and pass to every call (`takes_mn_major`)."""
+    m, kb = scale_a.shape
+    m4 = -(-m // SCALE_VECTOR) * SCALE_VECTOR
+    if buf is None:
+        buf = torch.empty(kb, m4, dtype=torch.float32, device=scale_a.device)
+    buf[:, :m].copy_(scale_a.t())
+    return buf.t()[:m]
+
+
+def mn_major_scales(scale_a: torch.Tensor) -> torch.Tensor:
+    """A's scales as a `scale_mn_major` kernel reads them (`takes_mn_major`): the caller's
+    tensor where it already is, else `mn_major_copy` into a scratch (runtime/scratch.py: reused
+    per stream, a capture's own): one small copy kernel (K/128 x M x 8 bytes of traffic). Call
+    it with the device current."""
+    if takes_mn_major(scale_a):
+        return scale_a
+    m, kb = scale_a.shape
+    m4 = -(-m // SCALE_VECTOR) * SCALE_VECTOR
+    buf = scratch("gemm_fp8.scale_a_mn", (kb, m4), torch.float32, scale_a.device)
+    return mn_major_copy(scale_a, buf)
 
 
 def gemm_fp8(
@@ -62,13 +108,15 @@ def gemm_fp8(
     """out = (a x scale_a) @ (b x scale_b)^T: a (M, K), b (N, K) float8_e4m3fn, scale_a
     (M, K/128) and scale_b (ceil(N/128), K/128) fp32 (any strides), out (M, N) 16-bit (any
     view; N not a multiple of 8 goes through an (M, N rounded up) scratch). `config`: force a
-    configuration (tuning scripts), else `choose_config`'s."""
+    configuration (tuning scripts), else `choose_config`'s. A configuration that reads A's
+    scales M-major (`scale_mn_major`) takes DeepGEMM's TMA-aligned scale_a as it is and copies
+    any other once (`mn_major_scales`)."""
     m, k = a.shape
     n = b.shape[0]
     if m == 0 or n == 0:
         return
     n8 = -(-n // 8) * 8
-    fn, max_clusters, split = _plans.get_or_build(
+    fn, max_clusters, split, mn_major = _plans.get_or_build(
         (out.dtype, m, n8, k, a.device.index, config), _plan
     )
     c = out.new_empty(m, n8) if n % 8 else tma_target(out)
@@ -78,6 +126,8 @@ def gemm_fp8(
         per, tiles, floats = split
         work, flags = stream_k_workspace(a.device, tiles, floats)
     with on_device(a.device):
+        if mn_major:
+            scale_a = mn_major_scales(scale_a)
         fn(as_tma_ready(a), as_tma_ready(b), c, work, flags, per, scale_a, scale_b, None,
            max_clusters)  # fmt: skip
     if c is not out:
@@ -85,12 +135,12 @@ def gemm_fp8(
 
 
 def _grouped_plan(_, out_dtype, device_index) -> tuple:
-    """(the grouped kernel, max clusters): one config (GROUPED), looked up once per output
-    dtype and device (params_for, the compile-cache lookup and the SM count cost ~6 us a call
-    on the CPU)."""
+    """(the grouped kernel, max clusters, whether it reads A's scales M-major): one config
+    (GROUPED), looked up once per output dtype and device (params_for, the compile-cache lookup
+    and the SM count cost ~6 us a call on the CPU)."""
     cfg = GROUPED
     fn = get_kernel(SPEC, params_for(dtype_name(out_dtype), cfg, grouped=True))
-    return fn, num_sms(device_index) // (cfg.cluster_m * cfg.cluster_n)
+    return fn, num_sms(device_index) // (cfg.cluster_m * cfg.cluster_n), cfg.scale_mn_major
 
 
 def gemm_fp8_grouped(
@@ -110,9 +160,13 @@ def gemm_fp8_grouped(
     e, n, _ = b.shape
     if m == 0 or n == 0:
         return
-    fn, clusters = _plans.get_or_build(("grouped", out.dtype, a.device.index), _grouped_plan)
+    fn, clusters, mn_major = _plans.get_or_build(
+        ("grouped", out.dtype, a.device.index), _grouped_plan
+    )
     flat_b = b.reshape(e * n, k)
     flat_sb = scale_b.reshape(e * scale_b.shape[1], scale_b.shape[2])
     with on_device(a.device):
+        if mn_major:
+            scale_a = mn_major_scales(scale_a)
         fn(as_tma_ready(a), as_tma_ready(flat_b), out, None, None, 0, scale_a, flat_sb, groups,
            clusters)  # fmt: skip

@@ -1,0 +1,224 @@
+"""The weight gradient's worst cases (H200 2026-12-02 18:47 bench: 0.26-0.61x cuDNN) against
+cuDNN, after the im2col walk's producer lost six of its nine run-time divisions a k-tile and the
+chooser's im2col terms were refit (docs/conv/NOTES.md, "The weight gradient's worst cases,
+18:47"). For each case: the chooser's plan (`pick`), the 18:47 chooser's (`old`, where it
+differs), each standard tile at the split the chooser's model likes best for it, the pick's
+tile at half and twice its parts, and at stride 1 the im2col walk (`im2col`, the launcher takes
+the rectangles there); every plan's dW checked against cuDNN's first, then all timed interleaved
+(runtime/timing.py, graph replays). One line a plan: tile, parts x k-tiles a part, CTAs, the
+model's figure (cost x UNIT_US), the time, cudnn/this.
+
+    python3 scripts/conv_wgrad_probe.py [CASE ...]    (default: the cases below)
+    python3 scripts/conv_wgrad_probe.py --plans [CASE ...]    (the plans and the model, no GPU)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from forgekernel.bench.suites.conv_wgrad import BENCH_CASES  # noqa: E402
+from forgekernel.kernels.conv.sm90 import launch  # noqa: E402
+from forgekernel.kernels.conv.sm90 import wgrad_config as W  # noqa: E402
+from forgekernel.kernels.conv.sm90.config import (  # noqa: E402
+    IM2COL_ROWS_128,
+    MAX_WORKSPACE,
+    split_cost,
+)
+from forgekernel.kernels.conv.sm90.geometry import rect_k_tiles, rect_width  # noqa: E402
+
+CASES = (
+    "n8-c640-32x32-k640-3x3-s2",
+    "n8-c320-64x64-k320-3x3-s2",
+    "n8-c1280-16x16-k1280-3x3-s2",
+    "n32-c512-14x14-k512-3x3-s2",
+    "n32-c256-28x28-k256-3x3-s2",
+    "n32-c512-7x7-k512-3x3",
+    "n32-c1024-14x14-k2048-1x1-s2",
+    "n32-c384-14x14-k768-2x2-s2",
+    "n32-c64-56x56-k64-1x1",
+    # guard rows: plans the refit moves (c512-28x28 1x1 0.645x, c192 2x2 0.609x at 18:47) and
+    # the stride-2 case at 1.012x (its plan kept, its producer changed)
+    "n32-c512-28x28-k1024-1x1-s2",
+    "n32-c192-28x28-k384-2x2-s2",
+    "n32-c96-56x56-k192-2x2-s2",
+)
+UNIT_US = 0.426  # split_cost's unit: a 128x128 k-tile's multiply-adds at 650 TF/s on 132 SMs
+SMS = 132
+
+
+def _walk(p: dict, im2col: bool = False) -> tuple[int, int]:
+    """(rect, pixel k-tiles) of the launch `launch._wgrad_launch` makes for the case (C and K
+    multiples of 8), or of the im2col walk where `im2col`."""
+    (h, w_), (r, s) = p["spatial"], p["kernel"]
+    pad, (sh, sw) = p["padding"], p["stride"]
+    ph, pw = (pad, pad) if isinstance(pad, int) else tuple(pad)
+    out_p = (h + 2 * ph - r) // sh + 1
+    out_q = (w_ + 2 * pw - s) // sw + 1
+    n, m = p["n"], p["n"] * out_p * out_q
+    if im2col or (sh, sw) != (1, 1):
+        return 0, -(-m // 64)
+    if r * s == 1 and m % 8 == 0 and not (ph or pw):  # an unpadded 1x1: one plane 8 wide
+        n, out_p, out_q = 1, m // 8, 8
+    rect = rect_width(out_p, out_q)
+    return rect, rect_k_tiles(n, 1, out_p, out_q, rect)
+
+
+def _old_cost(cfg, k, c, taps, k_tiles, splits):
+    """The 18:47 chooser's `wgrad_cost` on the im2col walk (B's rows at IM2COL_ROWS_128)."""
+    cm = cfg.cluster_m
+    tiles_mn = (-(-k // (cfg.tile_m * cm)) * cm, -(-c // cfg.tile_n) * taps)
+    tile = (cfg.tile_m, cfg.tile_n)
+    eff = W._WGRAD_EFFICIENCY[cfg]
+    rows = cfg.tile_n / cm
+    return split_cost(
+        tile, tiles_mn, (cm, 1), k_tiles, splits, SMS, eff, rows, row_rate=IM2COL_ROWS_128
+    )
+
+
+def _best(cost, cfgs, k, c, taps, k_tiles):
+    """(cost, WgradPlan) of the least `cost` over `cfgs` and the chooser's split limits."""
+    best = None
+    for cfg in cfgs:
+        tiles = W.wgrad_tiles(cfg, k, c, taps)
+        limit = min(W.WGRAD_MAX_SPLITS, max(1, k_tiles // W.WGRAD_MIN_PER_SPLIT))
+        limit = min(limit, max(1, MAX_WORKSPACE // (tiles * cfg.tile_m * cfg.tile_n)))
+        for s in range(1, limit + 1):
+            value, per, parts = cost(cfg, k, c, taps, k_tiles, s)
+            if best is None or value < best[0]:
+                best = (value, W.WgradPlan(cfg, per, parts, tiles))
+    return best
+
+
+def variants(p: dict) -> list[tuple[str, bool, object, float]]:
+    """(name, on the im2col walk at stride 1, WgradPlan, the model's us) of each plan timed."""
+    k, c = p["k"], p["c"]
+    taps = p["kernel"][0] * p["kernel"][1]
+    rect, k_tiles = _walk(p)
+    tiled = rect > 0
+
+    def cost(cfg, k, c, taps, kt, s, tiled=tiled):
+        return W.wgrad_cost(cfg, k, c, taps, kt, s, SMS, tiled)
+
+    def us(plan, tiled=tiled, kt=k_tiles):
+        return cost(plan.config, k, c, taps, kt, plan.parts, tiled)[0] * UNIT_US
+
+    pick = W.choose_wgrad(k, c, taps, k_tiles, SMS, tiled=tiled)
+    out = [("pick", False, pick, us(pick))]
+    seen = {(pick.config, pick.per_split, False)}
+
+    def add(name, plan, im2col=False, model=None):
+        key = (plan.config, plan.per_split, im2col)
+        if key not in seen:
+            seen.add(key)
+            out.append((name, im2col, plan, us(plan) if model is None else model))
+
+    if not tiled:
+        add("old", _best(_old_cost, W.WGRAD_CONFIGS, k, c, taps, k_tiles)[1])
+    for cfg in W.WGRAD_CONFIGS:
+        add("tile", _best(cost, (cfg,), k, c, taps, k_tiles)[1])
+    for parts in (max(1, pick.parts // 2), pick.parts * 2):
+        per = -(-k_tiles // parts)
+        plan = W.WgradPlan(pick.config, per, -(-k_tiles // per), pick.tiles)
+        add("parts", plan)
+    if tiled:  # the im2col walk at stride 1, its own best plan by the im2col terms
+        _, kt0 = _walk(p, im2col=True)
+
+        def cost0(cfg, k, c, taps, kt, s):
+            return cost(cfg, k, c, taps, kt, s, tiled=False)
+
+        plan = _best(cost0, W.WGRAD_CONFIGS, k, c, taps, kt0)[1]
+        add("im2col", plan, True, us(plan, tiled=False, kt=kt0))
+    return out
+
+
+def _label(name, plan) -> str:
+    cfg = plan.config
+    ctas = plan.tiles * plan.parts
+    tag = f"{cfg.tile_m}x{cfg.tile_n}_c{cfg.cluster_m}x1 {plan.parts}x{plan.per_split}"
+    return f"{name:7s} {tag:22s} {ctas:5d} CTAs"
+
+
+@contextlib.contextmanager
+def _im2col_walk():
+    """The launcher's walk forced to im2col rows (stride 1 takes the rectangles)."""
+    real = launch._wgrad_walk
+    launch._wgrad_walk = lambda stride1, n, z, p, q: (0, -(-(n * z * p * q) // 64))
+    try:
+        yield
+    finally:
+        launch._wgrad_walk = real
+
+
+def _call(dy5, x5, dw5, g, plan, im2col):
+    if im2col:
+        with _im2col_walk():
+            launch.wgrad(dy5, x5, dw5, g, plan)
+    else:
+        launch.wgrad(dy5, x5, dw5, g, plan)
+
+
+def plans(names: list[str]) -> None:
+    for case in BENCH_CASES:
+        if case.name in (names or CASES):
+            print(case.name)
+            for name, _, plan, model in variants(dict(case.params)):
+                print(f"  {_label(name, plan)}  model {model:6.1f} us")
+
+
+def main(names: list[str]) -> None:
+    import torch
+
+    from forgekernel.bench.suites import conv_layers as L
+    from forgekernel.ops import conv as op
+    from forgekernel.runtime.timing import median, time_interleaved
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for case in BENCH_CASES:
+        if case.name not in (names or CASES):
+            continue
+        p = dict(case.params)
+        inputs = L.make_inputs(case, torch.bfloat16, torch.device("cuda"), gen)
+        d = len(p["spatial"])
+        dy5, x5 = op._as5d(inputs["dy"]), op._as5d(inputs["x"])
+        g = op._geometry(d, p["kernel"], p["stride"], p["padding"], p["dilation"])
+        ref = L.cudnn(inputs).float()
+        scale = ref.abs().max().item()
+        fns = {"cudnn": functools.partial(L.cudnn, inputs)}
+        models = {}
+        for name, im2col, plan, model in variants(p):
+            dw = L.alloc_out(inputs)
+            fn = functools.partial(_call, dy5, x5, op._view5d(dw), g, plan, im2col)
+            fn()
+            torch.cuda.synchronize()
+            err = (dw.float() - ref).abs().max().item() / scale
+            label = _label(name, plan)
+            if not err < 2e-2:
+                print(f"{case.name} {label}: WRONG (rel err {err:.3g})", flush=True)
+                continue
+            fns[label], models[label] = fn, model
+        samples = time_interleaved(fns, reps=10)
+        flop = L.flops(case)
+        base = median(samples["cudnn"])
+        print(case.name, flush=True)
+        for label, s in samples.items():
+            ms = median(s)
+            model = f"model {models[label]:6.1f} us" if label in models else " " * 15
+            rate = flop / ms / 1e9
+            print(
+                f"  {label:42s} {model}  {ms * 1e3:7.1f} us {rate:4.0f} TF/s"
+                f"  cudnn/this {base / ms:.3f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    if args[:1] == ["--plans"]:
+        plans(args[1:])
+    else:
+        main(args)

@@ -1,0 +1,235 @@
+"""Speculative decoding over the paged cache (issue 18, docs/attention/PAGED_NOTES.md
+"Speculative decoding at 0.82-0.90x, 18:47"): the plans of the spec bench cases (the probe's
+`plan_of`), the page ids read a loop iteration ahead (`PagedDecodeSm90.page_ahead`: the schedule
+replayed, and the compiled main loops: no copy waits on a page-table read of its own iteration)
+and the 18:47 pass kept as candidate params."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from script_modules import load_script  # tests/ is on the path
+
+from forgekernel.bench.suites import attention_paged as suite
+from forgekernel.kernels.attention.paged.sm90 import SPEC, config
+from forgekernel.runtime.resources import find_tool, inspect_cubin
+
+
+def _probe():
+    return load_script("paged_spec_probe")
+
+
+def test_spec_bench_plans_are_their_decode_twins():
+    """Every spec case streams each KV head's pages from one CTA, at one split (mixed: 2, its
+    decode twin's), on its decode twin's grid: the cache is read once, not once per query token
+    or head block, so the 18:47 gap is not in the plan."""
+    probe = _probe()
+    twins = {c.name: c for c in suite.DECODE_BENCH_CASES}
+    for case in suite.SPEC_BENCH_CASES:
+        p = probe.plan_of(case)
+        assert p["ctas_per_kv_page"] == 1, case.name
+        assert p["splits"] == (2 if "mixed" in case.name else 1), case.name
+        twin = twins.get(case.name.rsplit("-", 1)[0])
+        if twin is not None:
+            t = probe.plan_of(twin)
+            assert (p["ctas"], p["splits"], p["kv_bytes_per_cta"]) == (
+                t["ctas"], t["splits"], t["kv_bytes_per_cta"]
+            ), case.name  # fmt: skip
+    b64 = probe.plan_of(suite.SPEC_BENCH_CASES[0])  # b64 x 4k x sq2: 4 heads x 2 tokens
+    assert (b64["heads"], b64["rows"], b64["ctas"], b64["kv_bytes_per_cta"]) == (4, 8, 512, 2 << 20)
+    hq64 = probe.plan_of(suite.SPEC_BENCH_CASES[5])  # 64 / 8 heads x sq4: two row blocks
+    assert (hq64["heads"], hq64["rows"], hq64["row_blocks"], hq64["ctas"]) == (8, 32, 2, 256)
+
+
+SPLITS = [(4096, 4096, 0), (700, 256, 2), (33, 40, 0), (130, 64, 1), (64, 64, 0), (65, 4096, 0)]
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64, 48])
+@pytest.mark.parametrize(("sk", "per", "split"), SPLITS)
+@pytest.mark.parametrize("stages", [3, 4])
+def test_page_ahead_schedule(page_size, sk, per, split, stages):
+    """The kernel's order replayed (16-bit cache, TILE keys a tile, a thread's rows r + 8 m):
+    the prologue's S - 1 tiles read their page ids inline, then tile S - 1's ids are read, and
+    iteration i copies tile i + S - 1 with the ids read before it and reads tile i + S's. Every
+    tile's copies get their own tokens' pages, and no read leaves the sequence's pages (tokens
+    clamped to t1 - 1, past the last tile too)."""
+    tile, rows = config.TILE, 8
+    t0 = split * per
+    t1 = min(t0 + per, sk)
+    tiles = -(-max(t1 - t0, 0) // tile)
+    table = list(range(100, 100 + -(-sk // page_size)))  # page ids; reading past raises
+    reads = []
+
+    def ids(first, r):
+        out = []
+        for m in range(rows):
+            token = min(first + r + 8 * m, t1 - 1)
+            assert 0 <= token < sk
+            reads.append(token // page_size)
+            out.append(table[token // page_size])
+        return out
+
+    for r in (0, 3, 7):
+        copies = {}
+        for s in range(stages - 1):
+            if s < tiles:
+                copies[s] = ids(t0 + s * tile, r)
+        ahead = ids(t0 + (stages - 1) * tile, r) if stages - 1 < tiles else None
+        for i in range(tiles):
+            nxt = i + stages - 1
+            if nxt < tiles:
+                copies[nxt] = ahead
+                ahead = ids(t0 + (nxt + 1) * tile, r)
+        assert sorted(copies) == list(range(tiles))
+        for n, got in copies.items():
+            want = [table[min(t0 + n * tile + r + 8 * m, t1 - 1) // page_size] for m in range(rows)]
+            assert got == want, (n, r)
+    assert all(0 <= p < len(table) for p in reads)
+
+
+def test_candidates_are_the_standard_leaves_read_inline():
+    """The candidate params: the bf16 D 128 standard leaves with page_ids "inline" (compile.py:
+    `PagedDecodeSm90(page_ahead=False)`, the 18:47 pass), one per standard leaf."""
+    standard = set(SPEC.standard_params())
+    cands = SPEC.candidate_params()
+    assert cands and len(set(cands)) == len(cands)
+    for c in cands:
+        d = dict(c)
+        assert d.pop("page_ids") == "inline"
+        assert (d["dtype"], d["head_dim"]) == ("bfloat16", 128)
+        assert tuple(sorted(d.items())) in standard
+    wanted = {config.params_for("partial", "bfloat16", 128, h, "", q)
+              for h, q in ((4, 1), (4, 2), (4, 4), (8, 2), (8, 4), (8, 1))}  # fmt: skip
+    assert wanted <= {tuple(sorted((k, v) for k, v in c if k != "page_ids")) for c in cands}
+
+
+_INS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
+
+
+def _main_loop_loads(sass: str) -> str:
+    """The main loop's global loads in issue order, 'G' a page-table read (LDG), 'S' a
+    cp.async copy (LDGSTS): the backward branch whose body holds the HMMAs, out-of-line blocks
+    it branches to (the 18:47 loads) spliced in where it branches."""
+    ins = [(int(a, 16), t.strip()) for a, t in _INS.findall(sass)]
+    at = {a: i for i, (a, _) in enumerate(ins)}
+
+    def target(t):
+        m = re.search(r"BRA\s+(?:!?U?P\w+,\s*)?0x([0-9a-f]+)", t)
+        return int(m.group(1), 16) if m else None
+
+    loops = []
+    for i, (a, t) in enumerate(ins):
+        tgt = target(t) if "BRA" in t else None
+        if tgt is not None and tgt < a and tgt in at:
+            body = range(at[tgt], i + 1)
+            if sum("HMMA" in ins[j][1] for j in body) and any("BAR.SYNC" in ins[j][1]
+                                                                for j in body):  # fmt: skip
+                loops.append(body)
+    body = max(loops, key=len)
+    lo, hi = ins[body[0]][0], ins[body[-1]][0]
+    seq = []
+
+    def emit(t):
+        op = re.sub(r"^@!?U?P\w+\s+", "", t).split()[0]
+        if op.startswith("LDGSTS"):
+            seq.append("S")
+        elif op.startswith("LDG."):
+            seq.append("G")
+
+    for j in body:
+        t = ins[j][1]
+        emit(t)
+        tgt = target(t) if "BRA" in t else None
+        if tgt is not None and not lo <= tgt <= hi and tgt in at:  # an out-of-line block
+            k = at[tgt]
+            while True:
+                emit(ins[k][1])
+                if "BRA" in ins[k][1] and not ins[k][1].startswith("@"):
+                    break
+                k += 1
+    return "".join(seq)
+
+
+def _compile_sass(tmp_path, params: dict) -> tuple[str, dict]:
+    from forgekernel.kernels.attention.paged.sm90.compile import compile_paged
+
+    out = tmp_path / "_".join(f"{k}{v}" for k, v in sorted(params.items()))
+    out.mkdir()
+    compile_paged(params, extra_options=f"--keep-cubin --dump-dir {out}")
+    (cubin,) = out.glob("*.cubin")
+    cuobjdump = find_tool("cuobjdump")
+    env = dict(os.environ, PATH=os.pathsep.join([str(Path(cuobjdump).parent), os.environ["PATH"]]))
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True,
+                          env=env).stdout  # fmt: skip
+    return sass, inspect_cubin(cubin)
+
+
+LEAVES = [(128, 4, 1), (128, 4, 2), (128, 4, 4), (128, 8, 2), (128, 8, 4), (64, 4, 4)]
+
+
+@pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
+@pytest.mark.parametrize(("d", "heads", "qtokens"), LEAVES)
+def test_main_loop_copies_wait_on_no_page_read_of_their_iteration(tmp_path, d, heads, qtokens):
+    """Compiled (sm_90a), page ids ahead: the main loop issues its tile's 16-byte copies (2 a
+    row: K and V) before any page-table read, and reads the next tile's ids after them, one per
+    row; registers within the plan's residency (RESIDENT CTAs an SM: 255 at D 128, 170 at D 64),
+    no spill. The 18:47 pass of the 4 x 2 leaf (page_ids inline) read its ids in two dependent
+    rounds beside the copies (G+ S+ G+ S+); compiled since with the D 128 residency told to
+    ptxas (254 registers where it held 168), it reads all of them first, in one round."""
+    pytest.importorskip("cutlass.cute")
+    params = {"kind": "partial", "dtype": "bfloat16", "head_dim": d, "heads": heads}
+    if qtokens > 1:
+        params["qtokens"] = qtokens
+    sass, res = _compile_sass(tmp_path, params)
+    rows = config.TILE * d // 8 // config.THREADS
+    assert _main_loop_loads(sass) == "S" * (2 * rows) + "G" * rows
+    assert res["spill_bytes"] == 0
+    assert res["registers"] <= min(255, 65536 // (config.THREADS * config.RESIDENT[d]))
+    if (d, heads, qtokens) == (128, 4, 2):
+        old, _ = _compile_sass(tmp_path, params | {"page_ids": "inline"})
+        loads = _main_loop_loads(old)
+        assert loads == "G" * rows + "S" * (2 * rows), loads
+
+
+@pytest.mark.parametrize("q_lens", [(2, 1, 2), (4, 3, 4, 1)])
+def test_probe_runs_on_the_stand_ins(monkeypatch, q_lens):
+    """scripts/paged_spec_probe.py's case (the op, the inline mirror, the decode twins, the
+    checks) on the CPU stand-ins of the paged decode (test_attention_paged's), the timers
+    replaced by one call each: ours matches the reference, the inline pass (its candidate
+    params looked up through the launcher) and the mirror launch equal the op bitwise, and the
+    decode twin matches its reference."""
+    from test_attention_paged import install_cpu_decode
+
+    from forgekernel.kernels.attention.paged.sm90 import launch as paged_launch
+    from forgekernel.runtime.timing import Samples
+
+    calls = install_cpu_decode(monkeypatch)
+    probe = _probe()
+
+    def one_call(fns, rotate, **_):
+        return {name: Samples([(fn(*rotate[0]), 1.0)[1]], method="cpu") for name, fn in
+                fns.items()}  # fmt: skip
+
+    monkeypatch.setattr(probe, "time_interleaved", one_call)
+    monkeypatch.setattr(probe, "time_eager_flushed", one_call)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(suite, "comparators", lambda: {"flashinfer": None})
+    lens = (40, 300, 77, 129)[: len(q_lens)]
+    case = suite._case(len(q_lens), 8, 2, 128, 16, lens, q_lens=q_lens, group="spec")
+    args = type("Args", (), {"fa3": False, "fa4": False, "preroll": False})
+    try:
+        r = probe.run_case(case, args, torch.device("cpu"))
+    finally:
+        paged_launch._plans.clear()
+    assert set(r["graph"]) == {"ours", "inline", "decode", "decode_inline"}
+    checks = r["checks"]
+    assert checks["ours_max_err"] < 2e-2 and checks["ours_finite"]
+    assert checks["inline_bitwise_ours"] and checks["mirror_bitwise_ours"]
+    assert checks["decode_max_err"] < 2e-2 and checks["decode_inline_bitwise"]
+    assert any(dict(p).get("page_ids") == "inline" for p, _, _ in calls)
+    probe._report(r)  # the printout runs on these fields
