@@ -26,6 +26,7 @@ from forgekernel.kernels.conv.sm90.config import (
     RECT_START,
     SMALL,
     SQUARE,
+    STRIDED_ROWS_128,
     choose_plan,
     plan_cost,
 )
@@ -227,11 +228,43 @@ def test_zero_fill_decides_between_equal_waves():
     )
 
 
-def test_strided_plans_keep_the_im2col_rate():
-    """Without pixels (strided, a user's 1x1) the chooser is the 12-01 one: rows at 2.0 (the
-    refit's stride-1 rate would split 3136 x 1024 x 1024 3x3 five ways, untimed)."""
+# The ResNet stride-2 3x3 forwards and their stride-1 twins (the same M, K, C, taps), graph ms on
+# the H200 (2026-12-03 03:50 bench, conv_fwd.json): (s2 case, its problem, the plan it ran, ms,
+# twin case, twin's pixels, twin's ms). The twins ran the plans the stride-1 model picks.
+STRIDED_TWINS = [
+    ("n32-c128-56x56-k128-3x3-s2", (25088, 128, 128, 9), (SQUARE, 2), 0.0275,
+     "n32-c128-28x28-k128-3x3", (32, 1, 28, 28), 0.0176),
+    ("n32-c256-28x28-k256-3x3-s2", (6272, 256, 256, 9), (LARGE, 2), 0.0224,
+     "n32-c256-14x14-k256-3x3", (32, 1, 14, 14), 0.0159),
+    ("n32-c512-14x14-k512-3x3-s2", (1568, 512, 512, 9), (LARGE, 4), 0.0242,
+     "n32-c512-7x7-k512-3x3", (32, 1, 7, 7), 0.0205),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("row", STRIDED_TWINS, ids=[t[0] for t in STRIDED_TWINS])
+def test_a_strided_forward_takes_its_stride_one_twins_plan(row):
+    """A strided forward (`strided`: rows at STRIDED_ROWS_128 = FWD_ROWS_128, the k-tile
+    FWD_IM2COL_K_TILE) takes the tile and split its stride-1 twin runs on the im2col walk (15.9-
+    20.5 us), not the 12-01 rate's (IM2COL_ROWS_128: splits, 22.4-27.5 us); the twin c512-7x7
+    ran the s2 case's old plan in 24.3 us at 18:47 (MEASURED_WALKS), the s2 case 24.2."""
+    _, problem, (was_cfg, was_parts), _, _, pixels, _ = row
+    old = choose_plan(*problem, SMS)
+    assert _same_tile(old, was_cfg) and old.parts == was_parts  # the 12-01 chooser's plan
+    plan = choose_plan(*problem, SMS, strided=True)
+    twin = choose_plan(*problem, SMS, pixels)
+    assert twin.rect == 0 and plan.rect == 0
+    assert (plan.config, plan.parts, plan.per_split) == (twin.config, twin.parts, twin.per_split)
+    assert STRIDED_ROWS_128 == FWD_ROWS_128
+
+
+def test_a_users_1x1_keeps_the_im2col_rate():
+    """Without pixels and not strided (a user's 1x1) the chooser is the 12-01 one: rows at 2.0
+    (the stride-1 rate would split 3136 x 1024 x 1024 five ways, untimed); the strided rate
+    takes 128x128 split 3 there (a strided 3x3 on 7 x 7 outputs at batch 64: untimed too)."""
     plan = choose_plan(3136, 1024, 1024, 9, SMS)
     assert plan.rect == 0 and plan.parts == 1 and plan.config == LARGE
+    plan = choose_plan(3136, 1024, 1024, 9, SMS, strided=True)
+    assert _same_tile(plan, SQUARE) and plan.parts == 3
 
 
 def test_data_gradient_stride_one_uses_the_same_walks():

@@ -75,7 +75,7 @@ IM2COL_ROWS_128 = 2.0
 # tests/test_conv_walks_model.py replays both tables; docs/conv/NOTES.md, "The walks refit from
 # 18:47"). Since the producer lost its run-time divisions (18:47) 128x128 c2x1 runs 630-650
 # TFLOP/s on either walk and 128x64 ~1 unit a k-tile: A's 128 rows through either stride-1 box
-# cost about FWD_ROWS_128, not the 12-01 rate (strided rows, timed against no other walk, keep
+# cost about FWD_ROWS_128, not the 12-01 rate (a user's 1x1, timed against no other walk, keeps
 # IM2COL_ROWS_128). Where nothing else differs (conv3d, planes of 64 x 64 and more: no zero fill,
 # as many tiles) the im2col walk ran 1-3% behind the rectangles on every tile (15:48: 2-7%): its
 # k-tile costs FWD_IM2COL_K_TILE times theirs. A rectangle tile pays RECT_START once (its origin,
@@ -89,6 +89,16 @@ IM2COL_ROWS_128 = 2.0
 # 128x128 split 2 (1.40x predicted by split_cost, untimed).
 FWD_ROWS_128 = 1.0
 FWD_IM2COL_K_TILE = 1.03
+# A strided forward's im2col rows (choose_plan's `strided`): the stride-1 im2col walk's terms
+# (FWD_ROWS_128 x FWD_IM2COL_K_TILE), not the 12-01 IM2COL_ROWS_128, which predates the
+# producer's odometers and was never timed on strided boxes against anything else. The
+# evidence is the strided forwards' stride-1 twins (the same GEMM: M, K, C, taps): one plan ran
+# both n32-c512-14x14-k512-3x3-s2 and n32-c512-7x7-k512-3x3 (128x256 c2x1 split 4, im2col) in
+# 24.2 / 24.3 us (H200, 2026-12-03 03:50 / 2026-12-02 18:47): the stride cost nothing there.
+# At 2.0 the chooser split the three ResNet stride-2 3x3s (0.66-0.79x cuDNN), whose twins
+# unsplit (or split 2 on 128x128) run 15.9-20.5 us; docs/conv/NOTES.md, "The stride-2
+# forwards at 0.66-0.79x". scripts/conv_fwd_walks.py times each strided case's plans.
+STRIDED_ROWS_128 = FWD_ROWS_128
 RECT_START = 0.5
 RECT_FILL = 0.3
 MAX_PARTS = 16  # a split's parts (the last reads them all back)
@@ -193,13 +203,15 @@ def plan_cost(
     taps: int = 1,
     num_sms: int = NUM_SMS_H100_H200,
     pixels=None,
+    strided: bool = False,
 ) -> tuple[float, int, int]:
     """`split_cost` (time, k-tiles per part, parts) of tile `cfg` on walk `rect` (0: im2col)
     with the reduction cut `parts` ways, for `choose_plan`'s problem (its arguments). Stride 1
     (`pixels`): either box's rows at FWD_ROWS_128, the im2col walk's k-tile FWD_IM2COL_K_TILE
     times the rectangles', a rectangle tile's start RECT_START and its k-tiles 1 + RECT_FILL x
-    the zero-filled share of the rectangles' pixels; otherwise the im2col walk at
-    IM2COL_ROWS_128 (the 12-01 fit: strided rows were timed against no other walk)."""
+    the zero-filled share of the rectangles' pixels; `strided` (a strided forward, im2col
+    only): rows at STRIDED_ROWS_128, the k-tile FWD_IM2COL_K_TILE times; otherwise (a user's
+    1x1) the im2col walk at IM2COL_ROWS_128 (the 12-01 fit)."""
     tiles_mn = (m_tiles(cfg, m, pixels, rect), _ceil(n, cfg.tile_n))
     rate, start, scale = IM2COL_ROWS_128, 0.0, 1.0
     if rect:
@@ -207,6 +219,8 @@ def plan_cost(
         rate, start, scale = FWD_ROWS_128, RECT_START, 1 + RECT_FILL * zero
     elif pixels is not None:
         rate, scale = FWD_ROWS_128, FWD_IM2COL_K_TILE
+    elif strided:
+        rate, scale = STRIDED_ROWS_128, FWD_IM2COL_K_TILE
     return split_cost(
         (cfg.tile_m, cfg.tile_n),
         tiles_mn,
@@ -230,6 +244,7 @@ def choose_plan(
     num_sms: int = NUM_SMS_H100_H200,
     pixels=None,
     im2col: bool = True,
+    strided: bool = False,
 ):
     """The forward (or data-gradient phase) launch for M output pixels, N output channels, C
     input channels and `taps` filter taps: the standard tile, walk and split of the least
@@ -240,7 +255,8 @@ def choose_plan(
     before 16 (the two ran within 1% where they tile alike, but one case); the im2col walk not
     offered with pixels where `im2col` is False (the launcher: an output the im2col walk's
     (M, K) rows would write through a scratch buffer and a copy, e.g. a strided data
-    gradient's phase into its strided view of dx)."""
+    gradient's phase into its strided view of dx). `strided` (no pixels): a strided forward,
+    its rows at STRIDED_ROWS_128; without (a user's 1x1) at IM2COL_ROWS_128."""
     k_tiles = _ceil(c, K_TILE) * taps
     walks = (0,) + (RECT_WIDTHS if pixels is not None else ())
     if pixels is not None and not im2col:
@@ -252,7 +268,9 @@ def choose_plan(
             limit = min(MAX_PARTS, max(1, k_tiles // MIN_PER_PART))
             limit = min(limit, max(1, MAX_WORKSPACE // (tiles * cfg.tile_m * cfg.tile_n)))
             for want in range(1, limit + 1):
-                cost, per, parts = plan_cost(cfg, rect, want, m, n, c, taps, num_sms, pixels)
+                cost, per, parts = plan_cost(
+                    cfg, rect, want, m, n, c, taps, num_sms, pixels, strided
+                )
                 if best is None or cost < best[0]:
                     chosen = replace(cfg, split=True) if parts > 1 else cfg
                     best = (cost, SplitPlan(chosen, per, parts, tiles, rect))

@@ -85,17 +85,18 @@ def _round_up(x: int) -> int:
     return -(-x // CHANNEL_ALIGN) * CHANNEL_ALIGN
 
 
-def _choose(dtype, bias, m, k, c, taps, device_index, config, dgrad, pixels, rows):
+def _choose(dtype, bias, m, k, c, taps, device_index, config, dgrad, pixels, rows, strided):
     """(the compiled function, clusters of the persistent grid, the SplitPlan) of one launch.
     `config`: None (chosen), a ConvConfig (a split one cut into FORCED_PARTS parts; at stride
     1 on rectangles of `rect_width`) or a SplitPlan (its own walk). `pixels`: (N, Z, P, Q) of a
     stride-1 forward whose output tiles may be rectangles (`_launch`), else None; `rows`:
     whether the chooser may take the im2col walk there (False: y is a view its (M, K) rows would
-    reach only through a scratch copy). The function is looked up here, once per problem, not
-    per launch."""
+    reach only through a scratch copy); `strided`: a strided forward (the chooser's strided
+    rows, config.STRIDED_ROWS_128). The function is looked up here, once per problem, not per
+    launch."""
     sms = num_sms(device_index) if device_index is not None else NUM_SMS_H100_H200
     if config is None:
-        plan = choose_plan(m, k, c, taps, sms, pixels, im2col=rows)
+        plan = choose_plan(m, k, c, taps, sms, pixels, im2col=rows, strided=strided)
     else:
         rect = config.rect if isinstance(config, SplitPlan) else 0
         if pixels is not None and not isinstance(config, SplitPlan):
@@ -273,9 +274,10 @@ def _launch(x, w, bias, y, geometry: Geometry, config, dgrad: bool, rect_1x1: bo
     _, t, r, s, _ = w.shape  # one shape read (each costs 0.1-0.2 us on every launch)
     pixels = None
     one = t * r * s == 1
+    strided = geometry.stride != (1, 1, 1)
     if one and not rect_1x1:  # a plan of rectangles asked for by name still gets them
         rect_1x1 = isinstance(config, SplitPlan) and config.rect > 0
-    if geometry.stride == (1, 1, 1) and (rect_1x1 or not one):  # output tiles may be rectangles
+    if not strided and (rect_1x1 or not one):  # output tiles may be rectangles
         pixels = tuple(y.shape[:4])
         if one and m % 8 == 0 and not any(geometry.pad_lo + geometry.pad_hi):
             # an unpadded 1x1: x's pixels are y's, both seen as one plane 8 pixels wide (the
@@ -289,7 +291,7 @@ def _launch(x, w, bias, y, geometry: Geometry, config, dgrad: bool, rect_1x1: bo
     rows = pixels is None or y.is_contiguous()
     device = x.device
     key = (x.dtype, bias is not None, m, kp, cp, t * r * s, device.index, config, dgrad)
-    fn, max_clusters, plan = _plans.get_or_build((*key, pixels, rows), _choose)
+    fn, max_clusters, plan = _plans.get_or_build((*key, pixels, rows, strided), _choose)
     if plan.rect:  # y (N, Z, P, Q, K), any TMA-ready view
         in_place = kp == k and tma_ready(y)
         y2 = y if in_place else y.new_empty(*y.shape[:4], kp)
