@@ -5,7 +5,14 @@ interleaved (runtime/timing.py, graph replays), and where the 18:47 refit moved 
 (PREVIOUS) the plan it left ("was", its walk), timed with them. Checks the walk model's picks
 (config.py plan_cost; tests/test_conv_walks_model.py replays its tables).
 
-    python3 scripts/conv_fwd_walks.py [CASE ...]    (default: every stride-1 bench case)
+Then ("split table", docs/conv/NOTES.md "The stride-2 forwards at 0.66-0.79x") each strided
+bench case and its stride-1 twin (the same M, K, C, taps: SPLIT_TABLE) on the im2col walk over
+SPLIT_GRID's tiles and parts, inputs rotated past L2 as the bench does: the chooser's plan
+(`*`, config.STRIDED_ROWS_128 at stride 2), the 12-01 rate's plan it left (`was`), and the
+rest of the grid.
+
+    python3 scripts/conv_fwd_walks.py [CASE ...]    (default: every stride-1 bench case, then
+                                                     every SPLIT_TABLE case)
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from forgekernel.kernels.conv.sm90 import launch  # noqa: E402
 from forgekernel.kernels.conv.sm90.config import (  # noqa: E402
     K_TILE,
     LARGE,
+    SMALL,
+    SQUARE,
     SplitPlan,
     choose_plan,
     split_tiles,
@@ -32,11 +41,40 @@ from forgekernel.kernels.conv.sm90.config import (  # noqa: E402
 from forgekernel.kernels.conv.sm90.geometry import RECT_WIDTHS  # noqa: E402
 from forgekernel.ops import conv as op  # noqa: E402
 from forgekernel.runtime.device import num_sms  # noqa: E402
-from forgekernel.runtime.timing import median, time_interleaved  # noqa: E402
+from forgekernel.runtime.timing import (  # noqa: E402
+    l2_bytes,
+    median,
+    rotation_sets,
+    time_interleaved,
+)
 
 # The plans the 18:47 refit moved off (tile, parts, walk), timed there: n32-c512-7x7 3x3
 # 128x256 c2x1 split 4 on im2col 0.0243 ms (now 128x128 c2x1 split 2, untimed).
 PREVIOUS = {"n32-c512-7x7-k512-3x3": (LARGE, 4, 0)}
+
+
+# The split table's cases: the ResNet stride-2 3x3 forwards (0.66-0.79x cuDNN at 2026-12-03
+# 03:50) and their stride-1 twins; the tiles and parts timed on each (im2col walk).
+SPLIT_TABLE = (
+    "n32-c128-56x56-k128-3x3-s2",
+    "n32-c128-28x28-k128-3x3",
+    "n32-c256-28x28-k256-3x3-s2",
+    "n32-c256-14x14-k256-3x3",
+    "n32-c512-14x14-k512-3x3-s2",
+    "n32-c512-7x7-k512-3x3",
+)
+SPLIT_GRID = ((SQUARE, (1, 2, 3, 4)), (LARGE, (1, 2, 4)), (SMALL, (1, 2)))
+
+
+def _forced(cfg, parts, m, k, c, taps, pixels=None, rect=0):
+    """The SplitPlan of tile `cfg` with the reduction cut `parts` ways (fewer where parts of
+    ceil(k-tiles / parts) leave one empty), on walk `rect`."""
+    k_tiles = -(-c // K_TILE) * taps
+    per = -(-k_tiles // parts)
+    parts = -(-k_tiles // per)
+    tiles = split_tiles(cfg, m, k, pixels, rect)
+    cfg = dataclasses.replace(cfg, split=parts > 1)
+    return SplitPlan(cfg, per, parts, tiles, rect)
 
 
 def _previous(name, m, k, c, taps, pixels):
@@ -44,10 +82,7 @@ def _previous(name, m, k, c, taps, pixels):
     if name not in PREVIOUS:
         return None
     cfg, parts, rect = PREVIOUS[name]
-    per = -(-(-(-c // K_TILE) * taps) // parts)
-    tiles = split_tiles(cfg, m, k, pixels, rect)
-    cfg = dataclasses.replace(cfg, split=parts > 1)
-    return SplitPlan(cfg, per, parts, tiles, rect)
+    return _forced(cfg, parts, m, k, c, taps, pixels, rect)
 
 
 def _plan(x5, w5, y5, g):
@@ -63,8 +98,71 @@ def _plan(x5, w5, y5, g):
     return choose_plan(*problem[:4], num_sms(torch.cuda.current_device()), pixels), problem
 
 
+def split_plans(m, k, c, taps, sms, pixels=None) -> dict[str, SplitPlan]:
+    """{name: plan} of the split table's row for problem (M, K, C, taps), strided where `pixels`
+    is None: SPLIT_GRID's tiles and parts on the im2col walk, the chooser's plan marked `*`, and
+    (strided) the 12-01 rate's plan, `was`, added where the grid lacks it."""
+    chosen = choose_plan(m, k, c, taps, sms, pixels, strided=pixels is None)
+    was = choose_plan(m, k, c, taps, sms) if pixels is None else None
+    plans = {}
+    for cfg, parts_list in SPLIT_GRID:
+        for parts in parts_list if cfg.tile_n < 2 * k else ():  # no half-empty tiles
+            plan = _forced(cfg, parts, m, k, c, taps, pixels)
+            plans.setdefault((plan.config, plan.parts), plan)
+    for plan in (was, chosen):
+        if plan is not None:
+            plans[(plan.config, plan.parts)] = dataclasses.replace(plan, rect=0)
+    named = {}
+    for (cfg, parts), plan in plans.items():
+        name = f"{cfg.tag()}:p{parts}"
+        if was is not None and (cfg, parts) == (was.config, was.parts):
+            name = "was" + name
+        if (cfg, parts) == (chosen.config, chosen.parts):
+            name += "*"
+        named[name] = plan
+    return named
+
+
+def _split_row(case, gen) -> None:
+    """One SPLIT_TABLE case: the grid's plans on the im2col walk, timed interleaved on input sets
+    rotated past L2 (as the bench's graph figures)."""
+    p = dict(case.params)
+    sets = []
+    for _ in range(rotation_sets(L.nbytes(case, torch.bfloat16), l2=l2_bytes())):
+        inputs = L.make_inputs(case, torch.bfloat16, torch.device("cuda"), gen)
+        sets.append((inputs, L.alloc_out(inputs)))
+    inputs, y = sets[0]
+    d = len(p["spatial"])
+    g = op._geometry(d, p["kernel"], p["stride"], p["padding"], p["dilation"])
+    x5, w5, y5 = op._as5d(inputs["x"]), op._as5d(inputs["w"]), op._view5d(y)
+    n, z, pp, q, k = y5.shape
+    m, taps, c = n * z * pp * q, w5.shape[1] * w5.shape[2] * w5.shape[3], x5.shape[-1]
+    strided = set(p["stride"]) != {1}
+    pixels = None if strided else (n, z, pp, q)
+    fns = {}
+    sms = num_sms(torch.cuda.current_device())
+    for name, plan in split_plans(m, k, c, taps, sms, pixels).items():
+
+        def run(inp, out, plan=plan):
+            launch.fprop(
+                op._as5d(inp["x"]), op._as5d(inp["w"]), inp.get("bias"), op._view5d(out), g, plan
+            )
+
+        fns[name] = run
+    samples = time_interleaved(fns, rotate=sets, reps=10)
+    flop = L.flops(case)
+    line = "  ".join(
+        f"{name} {median(s):.4f} ms {flop / median(s) / 1e9:.0f} TF/s"
+        for name, s in sorted(samples.items(), key=lambda kv: median(kv[1]))
+    )
+    print(f"split {case.name:40s} {line}", flush=True)
+
+
 def main(names: list[str]) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
+    for case in BENCH_CASES:
+        if case.name in SPLIT_TABLE and (not names or case.name in names):
+            _split_row(case, gen)
     for case in BENCH_CASES:
         p = dict(case.params)
         if (names and case.name not in names) or set(p["stride"]) != {1}:
