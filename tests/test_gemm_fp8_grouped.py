@@ -17,7 +17,7 @@ from forgekernel.bench.check import verify
 from forgekernel.bench.suites import PENDING_SUITE_MODULES, SUITE_MODULES
 from forgekernel.bench.suites import gemm_fp8_grouped as suite_module
 from forgekernel.kernels.gemm.fp8.sm90 import launch as fp8_sm90
-from forgekernel.kernels.gemm.fp8.sm90.config import GROUPED
+from forgekernel.kernels.gemm.fp8.sm90.config import GROUPED, params_for
 from forgekernel.reference.gemm import gemm_fp8_grouped_ref
 
 F8 = torch.float8_e4m3fn
@@ -281,7 +281,24 @@ def test_suite_is_registered_and_has_no_comparator_on_the_cpu():
     assert SUITE.name == "gemm_fp8_grouped" and SUITE.sanitize_cases
     if not torch.cuda.is_available():
         assert SUITE.comparators() == {"deepgemm": None}
-    assert SUITE.variants_for(SUITE.bench_cases[0]) == {}
+    assert set(SUITE.variants_for(SUITE.bench_cases[0])) == {"band6", "band8"}
+
+
+@pytest.mark.parametrize("case", SMALL[:2], ids=lambda c: c.name)
+def test_band_variants_force_their_walk_through_the_launcher(stand_in, case):
+    """Each variant launches its banded config (`GROUPED_BANDS`: GROUPED but for the swizzle)
+    and passes the suite's check; the op itself still launches GROUPED."""
+    inputs = _inputs(case)
+    for name, run in SUITE.variants_for(case).items():
+        _, cmps = verify(SUITE, inputs, CPU, run=run)
+        assert all(c.ok for c in cmps), (name, [c.message for c in cmps])
+        params, clusters = stand_in[-1]
+        assert params["swizzle"] == int(name.removeprefix("band")) and params["grouped"]
+        rest = {k: v for k, v in params.items() if k != "swizzle"}
+        assert rest == {k: v for k, v in params_for("bfloat16", GROUPED, True) if k != "swizzle"}
+        assert clusters == 66
+    SUITE.run_ours(inputs, None)
+    assert stand_in[-1][0] == dict(params_for("bfloat16", GROUPED, True))
 
 
 def _fake_inputs():

@@ -73,6 +73,16 @@ STANDARD_CONFIGS = (LARGE, MID, SKINNY, *DECODE, LARGE_MCAST_A, *STREAM_DECODE, 
 # dense layout's ratio on like shapes; the dense tile gained 2.6-5% (sixth stage) and 7-9%
 # (scales ahead) there. Not yet measured grouped: check + bench gemm_fp8_grouped decide.
 GROUPED = LARGE_MCAST_A
+# The grouped layout walked in bands (`swizzle`: s cluster columns, 2s n-tiles, swept down M with
+# N fastest inside a band) instead of M first (docs/gemm/NOTES.md "The grouped FP8 GEMM at
+# 0.86x DeepGEMM"). M first sweeps all of A (up to 940 MB) once per cluster column against a
+# 50 MB L2: an LRU model of the walk (scripts/fp8_grouped_walk.py, L2 keeping 30-45 MB) reads
+# 2.2-10.8x the bytes of A and B on 13 of the 24 bench cases, which ran 0.72-0.89x DeepGEMM
+# (H200, 2026-12-03 03:50), against 0.84-1.08x on the other 11 (1.0-1.5x); bands of 6
+# (DeepGEMM's 8 blocks of 192 columns) read 1.0-2.5x, bands of 8 1.0-2.1x. Candidates until
+# timed beside GROUPED (suite variants `band6` / `band8`); adopting one is this line:
+# GROUPED = GROUPED_BANDS[i].
+GROUPED_BANDS = tuple(dataclasses.replace(GROUPED, swizzle=s) for s in (6, 8))
 
 
 def params_for(out_dtype: str, cfg: GemmConfig, grouped: bool = False) -> tuple:

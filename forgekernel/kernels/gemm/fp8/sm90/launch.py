@@ -134,11 +134,11 @@ def gemm_fp8(
         out.copy_(c if c.shape[1] == n else c[:, :n])
 
 
-def _grouped_plan(_, out_dtype, device_index) -> tuple:
+def _grouped_plan(_, out_dtype, device_index, config) -> tuple:
     """(the grouped kernel, max clusters, whether it reads A's scales M-major): one config
-    (GROUPED), looked up once per output dtype and device (params_for, the compile-cache lookup
-    and the SM count cost ~6 us a call on the CPU)."""
-    cfg = GROUPED
+    (GROUPED, or the one forced), looked up once per output dtype and device (params_for, the
+    compile-cache lookup and the SM count cost ~6 us a call on the CPU)."""
+    cfg = config or GROUPED
     fn = get_kernel(SPEC, params_for(dtype_name(out_dtype), cfg, grouped=True))
     return fn, num_sms(device_index) // (cfg.cluster_m * cfg.cluster_n), cfg.scale_mn_major
 
@@ -150,18 +150,21 @@ def gemm_fp8_grouped(
     scale_b: torch.Tensor,
     groups: torch.Tensor,
     out: torch.Tensor,
+    config: GemmConfig | None = None,
 ) -> None:
     """The grouped (MoE, contiguous) layout: out = (a x scale_a) @ (b[e] x scale_b[e])^T per
     row, e = groups[row]: a (M, K) float8_e4m3fn with every expert's rows contiguous and padded
     to multiples of 128 (padding rows' groups[row] = -1: their output rows are computed with
     expert 0, not the caller's), b (E, N, K) float8_e4m3fn, scale_a (M, K/128), scale_b
-    (E, N/128, K/128) fp32, groups int32 (M,), out (M, N) 16-bit; N a multiple of 128."""
+    (E, N/128, K/128) fp32, groups int32 (M,), out (M, N) 16-bit; N a multiple of 128.
+    `config`: force a configuration of the grouped kind (128 rows, no B multicast, not stream
+    K: `GROUPED_BANDS`, the suite's variants), else GROUPED."""
     m, k = a.shape
     e, n, _ = b.shape
     if m == 0 or n == 0:
         return
     fn, clusters, mn_major = _plans.get_or_build(
-        ("grouped", out.dtype, a.device.index), _grouped_plan
+        ("grouped", out.dtype, a.device.index, config), _grouped_plan
     )
     flat_b = b.reshape(e * n, k)
     flat_sb = scale_b.reshape(e * scale_b.shape[1], scale_b.shape[2])
