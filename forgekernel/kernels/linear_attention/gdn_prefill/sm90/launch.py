@@ -40,13 +40,15 @@ def gdn_prefill(
     k_last: bool,
     l2norm: bool,
     v_split: int | None = None,
+    inverse: str = "fma",
 ) -> None:
     """Varlen form: q, k (T, H, K), v (T, HV, V) 16-bit, g (log decay) and beta fp32 (T, HV),
     cu_seqlens int32 (N + 1,); initial_state (N, HV, K, V) fp32, or (N, HV, V, K) with k_last,
     or None (zeros). Writes out (T, HV, V) in q's dtype and final_state (N, HV, ...) in the
     initial state's layout. Last dims contiguous, token strides multiples of 8 elements. Problems
     of N x HV <= SMs / 2 CTAs split each state's value rows over two CTAs (`v_split_for`; or
-    as `v_split` says: the bench's variants time both on a case)."""
+    as `v_split` says: the bench's variants time both on a case). inverse: the block products
+    of the WY inverse (config.INVERSES; "fma" the standard kernels, the others opt-in)."""
     if final_state.shape[0] == 0:
         return
     if q.shape[0] == 0:  # every sequence empty: no TMA descriptor over zero tokens
@@ -55,7 +57,7 @@ def gdn_prefill(
     split = v_split or v_split_for(final_state.shape[0], v.shape[1], _sms(q.device))
     params = params_for(
         dtype_name(q.dtype), (q.shape[-1], v.shape[-1]), k_last=k_last, l2norm=l2norm,
-        initial_state=initial_state is not None, v_split=split,
+        initial_state=initial_state is not None, v_split=split, inverse=inverse,
     )  # fmt: skip
     fn = get_kernel(SPEC, params)
     q, k, v = (_aligned(x) for x in (q, k, v))
