@@ -318,3 +318,40 @@ def test_fake_gives_the_shapes():
                                                                0.1, True, False)  # fmt: skip
     assert o.shape == (7, 4, 128) and o.dtype == torch.bfloat16
     assert s.shape == (2, 4, 128, 128) and s.dtype == torch.float32
+
+
+@pytest.mark.parametrize("inverse", ["tf32", "tf32x3"])
+def test_tensor_core_inverse_matches_the_recurrence(monkeypatch, inverse):
+    """The opt-in merges on the tensor cores (config.INVERSES), replayed lane by lane
+    (replay.mma_product), through the launcher's `inverse`: varlen with a tail chunk, l2norm,
+    an initial state; o and the final state within the suite's bounds, as the standard kernel;
+    3xTF32 within 1e-3 of max |o| of the FFMA form, one tf32 pass within its bf16 rounding."""
+    lens = [70, 130]
+    q, k, v, g, beta, state = _inputs(1, sum(lens), 2, 4, n=2, seed=5)
+    cu = torch.tensor([0, 70, 200], dtype=torch.int32)
+    monkeypatch.setattr(prefill_launch, "get_kernel", lambda spec, p: replay.kernel(dict(p)))
+    got = {}
+    for inv in ("fma", inverse):
+        o = torch.empty_like(v[0])
+        final = torch.empty_like(state)
+        prefill_launch.gdn_prefill(q[0], k[0], v[0], g[0], beta[0], state, cu, o, final,
+                                   128**-0.5, k_last=False, l2norm=True, v_split=1,
+                                   inverse=inv)  # fmt: skip
+        got[inv] = (o, final)
+    want_o, want_s = gated_delta_rule_recurrent(q, k, v, g, beta, initial_state=state,
+                                                output_final_state=True, cu_seqlens=cu,
+                                                use_qk_l2norm=True)  # fmt: skip
+    _close(got[inverse][0][None], want_o, 2e-2)
+    _close(got[inverse][1], want_s, STATE_TOL[torch.bfloat16])
+    _close(got[inverse][0], got["fma"][0], 1e-3 if inverse == "tf32x3" else 8e-3)
+
+
+def test_inverse_key_leaves_the_standard_keys():
+    """The compile key names `inverse` only off the standard "fma" (the standard kernels keep
+    their keys and records); unknown forms are refused."""
+    base = op.prefill_sm90.params_for("bfloat16")
+    assert "inverse" not in dict(base)
+    assert op.prefill_sm90.params_for("bfloat16", inverse="fma") == base
+    assert dict(op.prefill_sm90.params_for("bfloat16", inverse="tf32"))["inverse"] == "tf32"
+    with pytest.raises(ValueError, match="inverse"):
+        op.prefill_sm90.params_for("bfloat16", inverse="fp16")
