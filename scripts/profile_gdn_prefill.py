@@ -6,7 +6,7 @@ wrapped around this script (scripts/device_profile.sh with SCRIPT set to it):
 n sequences of t tokens (varlen, B = 1), q / k heads h, value heads hv, an fp32 initial state
 unless state is 0; k unit-norm and g = logsigmoid(N(0, 1)) as in bench/suites/gdn_prefill.py.
 The launcher picks the V split (n hv <= SMs / 2: two CTAs per head); inverse: the WY
-inverse's block products (config.INVERSES: fma, the standard kernel; tf32 / tf32x3 opt-in).
+inverse's block products (inverse_forms.INVERSES: fma, the standard kernel; tf32 / tf32x3 opt-in).
 Launches: 3 (profile the last: -s 2 -c 1). In ncu's source page the roles are address ranges
 of the one kernel: the state warpgroups' loop lies between USETMAXREG.TRY_ALLOC 0xc0 and
 USETMAXREG.DEALLOC 0x68, the aux warpgroup's after the latter (tests/

@@ -120,7 +120,7 @@ def blocked_inverse(lower: torch.Tensor, passes: int = 0) -> torch.Tensor:
     (inverse.invert_diagonal, invert_merge): phase 0 the diagonal blocks, phase 1 T_10, T_32,
     X_21, X_31 (X_20, X_30 kept in registers), phase 2a X_20, X_30, phase 2b T_20, T_21, T_30,
     T_31. passes: the merges' block products in fp32 (0) or on the tensor cores in tf32 (1, 3:
-    `inverse_mma`, config.INVERSES)."""
+    `inverse_mma`, inverse_forms.INVERSES)."""
 
     def mul(x, y):
         return x @ y if passes == 0 else mma_product(x, y, passes)

@@ -22,6 +22,7 @@ import torch
 from forgekernel.bench import flashinfer_defs as defs
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90 import launch as prefill_launch
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import CHUNK
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse_forms import with_inverse
 from forgekernel.reference.delta_rule import gated_delta_rule_recurrent
 
 op = importlib.import_module("forgekernel.ops.gated_delta_rule_chunked")
@@ -322,7 +323,7 @@ def test_fake_gives_the_shapes():
 
 @pytest.mark.parametrize("inverse", ["tf32", "tf32x3"])
 def test_tensor_core_inverse_matches_the_recurrence(monkeypatch, inverse):
-    """The opt-in merges on the tensor cores (config.INVERSES), replayed lane by lane
+    """The opt-in merges on the tensor cores (inverse_forms.INVERSES), replayed lane by lane
     (replay.mma_product), through the launcher's `inverse`: varlen with a tail chunk, l2norm,
     an initial state; o and the final state within the suite's bounds, as the standard kernel;
     3xTF32 within 1e-3 of max |o| of the FFMA form, one tf32 pass within its bf16 rounding."""
@@ -351,7 +352,7 @@ def test_inverse_key_leaves_the_standard_keys():
     their keys and records); unknown forms are refused."""
     base = op.prefill_sm90.params_for("bfloat16")
     assert "inverse" not in dict(base)
-    assert op.prefill_sm90.params_for("bfloat16", inverse="fma") == base
-    assert dict(op.prefill_sm90.params_for("bfloat16", inverse="tf32"))["inverse"] == "tf32"
+    assert with_inverse(base, "fma") == base
+    assert dict(with_inverse(base, "tf32")) == {**dict(base), "inverse": "tf32"}
     with pytest.raises(ValueError, match="inverse"):
-        op.prefill_sm90.params_for("bfloat16", inverse="fp16")
+        with_inverse(base, "fp16")

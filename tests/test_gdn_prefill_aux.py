@@ -153,7 +153,7 @@ def test_factored_powers_are_the_direct_ones(decay, l2norm):
 
 @pytest.mark.parametrize(("decay", "correlated"), CASES)
 def test_tensor_core_merges_against_fp64(decay, correlated):
-    """The opt-in merges of `inverse_mma` (config.INVERSES), modelled lane by lane
+    """The opt-in merges of `inverse_mma` (inverse_forms.INVERSES), modelled lane by lane
     (replay.mma_product: the fragments each lane reads, tf32 rounding, 3xTF32's split),
     relative to max |T| against fp64. Measured: FFMA <= 1.7e-7, 3xTF32 <= 2.9e-7, one tf32
     pass <= 6.6e-4 (no decay, keys alike; the suite's gates <= 9.3e-5): under a third of the

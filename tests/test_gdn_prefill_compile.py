@@ -38,6 +38,10 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.compile import (  # n
     compile_gdn_prefill,
     kernel_for,
 )
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse_forms import (  # noqa: E402
+    INVERSES,
+    with_inverse,
+)
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import (  # noqa: E402
     Bar,
     qk_consumer_warps,
@@ -72,7 +76,7 @@ CONFIGS = {
         "initial_state": True,
         "v_split": 2,
     },  # fmt: skip
-    # opt-in: the inverse's merges on the tensor cores (config.INVERSES)
+    # opt-in: the inverse's merges on the tensor cores (inverse_forms.INVERSES)
     "bf16_tf32": {"dtype": "bfloat16", "inverse": "tf32"},
     "bf16_l2norm_state_tf32x3": {
         "dtype": "bfloat16",
@@ -99,7 +103,8 @@ def _aux_wgs(name: str) -> int:
 
 def _compile(dtype: str, **kw) -> tuple[dict, list[tuple[str, str]], int, str]:
     """(resources, SASS (opcode, operands) in program order, shared memory bytes, PTX)."""
-    params = dict(config.params_for(dtype, **kw))
+    inverse = kw.pop("inverse", "fma")
+    params = dict(with_inverse(config.params_for(dtype, **kw), inverse))
     kernel = kernel_for(params)
     with tempfile.TemporaryDirectory() as d:
         compiled = compile_gdn_prefill(params, "sm_90a", f"--keep-cubin --keep-ptx --dump-dir {d}",
@@ -213,7 +218,7 @@ def test_inverse_merges_where_configured(compiled, name):
     (bf16: the aux region 2801 -> 1926 / 2239 instructions, static)."""
     _, instrs, _, _ = compiled(name)
     ops = _aux_region(instrs)
-    passes = config.INVERSES[CONFIGS[name].get("inverse", "fma")]
+    passes = INVERSES[CONFIGS[name].get("inverse", "fma")]
     hmma = sum(op == "HMMA.1688.F32.TF32" for op, _ in instrs)
     assert hmma == sum(op == "HMMA.1688.F32.TF32" for op in ops)  # the aux warpgroup's only
     assert hmma == 7 * 4 * passes

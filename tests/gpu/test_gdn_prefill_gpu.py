@@ -216,7 +216,7 @@ def test_fla_agrees():
     ],
 )
 def test_tensor_core_inverse(monkeypatch, inverse, split, lens, h, hv, l2norm, with_state, decay):
-    """The opt-in merges on the tensor cores (config.INVERSES: mma.sync m16n8k8 tf32, one or
+    """The opt-in merges on the tensor cores (inverse_forms.INVERSES: mma.sync m16n8k8 tf32, one or
     three passes) against the recurrence, and against the standard kernel: 3xTF32 within
     1e-3 of max |o|, one tf32 pass within 8e-3 (CPU model: tests/test_gdn_prefill.py
     test_tensor_core_inverse_matches_the_recurrence; the lane -> fragment map:

@@ -128,7 +128,7 @@ H200_SMS = 132
 def _run_v_split(split: int | None, inverse: str = "fma"):
     """Ours through the launcher with the V split forced (1: one CTA per sequence and head; 2:
     two, each with 64 value rows of the state and two aux warpgroups; None: the launcher's
-    choice) and the inverse's block products (config.INVERSES: "fma" standard, "tf32" /
+    choice) and the inverse's block products (inverse_forms.INVERSES: "fma" standard, "tf32" /
     "tf32x3" opt-in, on the tensor cores)."""
 
     def run(inputs: Inputs, out):

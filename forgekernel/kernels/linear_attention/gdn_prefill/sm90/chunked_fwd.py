@@ -83,7 +83,6 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     AUX_REGS,
     BLOCK,
     CHUNK,
-    INVERSES,
     PRODUCER_REGS,
     QK_STAGES,
     ROWS_PER_STATE_WG,
@@ -96,6 +95,7 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     state_wgs,
     threads,
 )
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse_forms import INVERSES
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import (
     GATE_WARP,
     PRODUCER_WARP,
@@ -132,7 +132,7 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
         self.l2norm = l2norm
         self.initial_state = initial_state
         self.v_split = v_split
-        self.inverse_passes = INVERSES[inverse]  # 0: FFMA block products (config.INVERSES)
+        self.inverse_passes = INVERSES[inverse]  # 0: FFMA block products (inverse_forms.INVERSES)
         self.state_wgs = state_wgs(v, v_split)
         self.aux_wgs = aux_wgs(v_split)
         self.v_cols = self.state_wgs * ROWS_PER_STATE_WG  # value columns of one CTA

@@ -19,11 +19,6 @@ L2NORM_EPS = 1e-6  # fla's l2norm: x / sqrt(sum x^2 + eps)
 # tokens x 32 heads: 32 CTAs on 132 SMs).
 ROWS_PER_STATE_WG = 64
 V_SPLITS = (1, 2)
-# The inverse's block products (phases 1, 2a, 2b: `inverse.invert_merge*`): "fma" on the CUDA
-# cores in fp32 (the standard kernels); opt-in "tf32" / "tf32x3", mma.sync m16n8k8 with 1 / 3
-# tf32 passes (the aux warp's longest stretch on the tensor cores; docs/linear_attention/
-# NOTES.md, "The prefill at 0.57x FlashInfer"). The value: tf32 passes (0: FFMA).
-INVERSES = {"fma": 0, "tf32": 1, "tf32x3": 3}
 STATE_WGS = 2  # at V = 128 without a split
 # setmaxnreg split, multiples of 8, summing to at most the register file per CTA thread slot
 PRODUCER_REGS = 24
@@ -99,22 +94,16 @@ def params_for(
     l2norm: bool = False,
     initial_state: bool = False,
     v_split: int = 1,
-    inverse: str = "fma",
 ) -> tuple:
     """Compile key: the q / k / v dtype, (K, V), the state's layout (k_last: (N, HV, V, K),
     FlashInfer's; else (N, HV, K, V), fla's), the q / k l2norm in the kernel, whether an
     initial state is read (without one every sequence starts from zero), and the V split
-    (CTAs per sequence and head, `v_split_for`); `inverse` (INVERSES) only where not the
-    standard "fma", so that the standard keys stay as they were. The final state is always
-    written: 64 KB per (sequence, head), against the 64 KB per 128 tokens the inputs read, it
-    is not worth a variant."""
+    (CTAs per sequence and head, `v_split_for`). The final state is always written: 64 KB per
+    (sequence, head), against the 64 KB per 128 tokens the inputs read, it is not worth a
+    variant."""
     if v_split not in V_SPLITS:
         raise ValueError(f"v_split must be one of {V_SPLITS}, got {v_split}")
-    if inverse not in INVERSES:
-        raise ValueError(f"inverse must be one of {tuple(INVERSES)}, got {inverse!r}")
     k, v = head_dims
     key = {"dtype": dtype, "k": k, "v": v, "k_last": k_last, "l2norm": l2norm,
            "initial_state": initial_state, "v_split": v_split}  # fmt: skip
-    if inverse != "fma":
-        key["inverse"] = inverse
     return tuple(sorted(key.items()))

@@ -1,6 +1,6 @@
 """The merges of the WY inverse (phases 1, 2a, 2b of `inverse.invert_merge`) with each 16 x 16
-fp32 block product on the tensor cores: opt-in (config.INVERSES, the compile key's `inverse`);
-the standard kernels keep the FFMA form.
+fp32 block product on the tensor cores: opt-in (inverse_forms.INVERSES, the compile key's
+`inverse`); the standard kernels keep the FFMA form.
 
 Why: the aux warpgroup's chunk is one latency-bound instruction stream per warp (warp 3, the
 last at every barrier, ~1.8 k instructions a chunk, ~1 k of them the inverse; five 16 x 16

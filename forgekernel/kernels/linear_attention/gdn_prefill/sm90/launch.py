@@ -7,6 +7,7 @@ import torch
 
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90 import SPEC
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import params_for, v_split_for
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse_forms import with_inverse
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import dtype_name, num_sms, on_device
 
@@ -48,7 +49,7 @@ def gdn_prefill(
     initial state's layout. Last dims contiguous, token strides multiples of 8 elements. Problems
     of N x HV <= SMs / 2 CTAs split each state's value rows over two CTAs (`v_split_for`; or
     as `v_split` says: the bench's variants time both on a case). inverse: the block products
-    of the WY inverse (config.INVERSES; "fma" the standard kernels, the others opt-in)."""
+    of the WY inverse (inverse_forms.INVERSES; "fma" the standard kernels, the others opt-in)."""
     if final_state.shape[0] == 0:
         return
     if q.shape[0] == 0:  # every sequence empty: no TMA descriptor over zero tokens
@@ -57,8 +58,9 @@ def gdn_prefill(
     split = v_split or v_split_for(final_state.shape[0], v.shape[1], _sms(q.device))
     params = params_for(
         dtype_name(q.dtype), (q.shape[-1], v.shape[-1]), k_last=k_last, l2norm=l2norm,
-        initial_state=initial_state is not None, v_split=split, inverse=inverse,
+        initial_state=initial_state is not None, v_split=split,
     )  # fmt: skip
+    params = with_inverse(params, inverse)
     fn = get_kernel(SPEC, params)
     q, k, v = (_aligned(x) for x in (q, k, v))
     init = None if initial_state is None else _aligned(initial_state)
