@@ -326,7 +326,9 @@ def test_tensor_core_inverse_matches_the_recurrence(monkeypatch, inverse):
     """The opt-in merges on the tensor cores (inverse_forms.INVERSES), replayed lane by lane
     (replay.mma_product), through the launcher's `inverse`: varlen with a tail chunk, l2norm,
     an initial state; o and the final state within the suite's bounds, as the standard kernel;
-    3xTF32 within 1e-3 of max |o| of the FFMA form, one tf32 pass within its bf16 rounding."""
+    against the FFMA form o differs by bf16 rounding flips (one ulp of max |o|: 3.9e-3): 3xTF32
+    within 5e-3 of max |o|, one tf32 pass within 1e-2 (measured 2.1e-3 / 4.1e-3 with no
+    decay); a wrong fragment map is off by O(1)."""
     lens = [70, 130]
     q, k, v, g, beta, state = _inputs(1, sum(lens), 2, 4, n=2, seed=5)
     cu = torch.tensor([0, 70, 200], dtype=torch.int32)
@@ -344,7 +346,7 @@ def test_tensor_core_inverse_matches_the_recurrence(monkeypatch, inverse):
                                                 use_qk_l2norm=True)  # fmt: skip
     _close(got[inverse][0][None], want_o, 2e-2)
     _close(got[inverse][1], want_s, STATE_TOL[torch.bfloat16])
-    _close(got[inverse][0], got["fma"][0], 1e-3 if inverse == "tf32x3" else 8e-3)
+    _close(got[inverse][0], got["fma"][0], 5e-3 if inverse == "tf32x3" else 1e-2)
 
 
 def test_inverse_key_leaves_the_standard_keys():

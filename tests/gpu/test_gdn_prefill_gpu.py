@@ -215,12 +215,13 @@ def test_fla_agrees():
         ([129, 3], 4, 8, False, False, 0.0),  # no decay: T's largest entries
     ],
 )
-def test_tensor_core_inverse(monkeypatch, inverse, split, lens, h, hv, l2norm, with_state, decay):
-    """The opt-in merges on the tensor cores (inverse_forms.INVERSES: mma.sync m16n8k8 tf32, one or
-    three passes) against the recurrence, and against the standard kernel: 3xTF32 within
-    1e-3 of max |o|, one tf32 pass within 8e-3 (CPU model: tests/test_gdn_prefill.py
-    test_tensor_core_inverse_matches_the_recurrence; the lane -> fragment map:
-    tests/test_gdn_prefill_aux.py)."""
+def test_tensor_core_inverse(inverse, split, lens, h, hv, l2norm, with_state, decay):
+    """The opt-in merges on the tensor cores (inverse_forms.INVERSES: mma.sync m16n8k8 tf32,
+    one or three passes) against the recurrence, and against the standard kernel up to bf16
+    rounding flips of o (one ulp of max |o|: 3.9e-3): 3xTF32 within 5e-3, one tf32 pass within
+    1e-2 (the CPU replay: 2.1e-3 / 4.1e-3 on the no-decay case); a wrong lane map is off by
+    O(1). CPU model: tests/test_gdn_prefill.py test_tensor_core_inverse_matches_the_recurrence,
+    the lane -> fragment map tests/test_gdn_prefill_aux.py."""
     knorm = 4.0 if l2norm else 1.0
     q, k, v, g, beta, state, cu = _inputs(lens, h, hv, torch.bfloat16, seed=13, knorm=knorm)
     if decay is not None:
@@ -240,4 +241,4 @@ def test_tensor_core_inverse(monkeypatch, inverse, split, lens, h, hv, l2norm, w
         got[inv] = o
         _close(o[None], want_o, 2e-2)
         _close(final, want_s, STATE_TOL[torch.bfloat16])
-    _close(got[inverse], got["fma"], 1e-3 if inverse == "tf32x3" else 8e-3)
+    _close(got[inverse], got["fma"], 5e-3 if inverse == "tf32x3" else 1e-2)
