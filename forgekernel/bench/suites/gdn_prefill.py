@@ -149,10 +149,11 @@ def _run_v_split(split: int | None, inverse: str = "fma"):
 def variants(case: Case) -> dict[str, Any]:
     """The other V split beside the launcher's choice, where the problem has at most two waves
     of split CTAs: whether a split CTA's chunk costs under half an unsplit one's (its two aux
-    warpgroups) decides where the split pays (config.v_split_for). On every case but the
-    longest, the inverse's merges on the tensor cores (`inverse_tf32`, `inverse_tf32x3`, the
-    launcher's split): whether the aux warpgroup's chain bounds the chunk (docs/
-    linear_attention/NOTES.md, "The prefill at 0.57x FlashInfer")."""
+    warpgroups) decides where the split pays (config.v_split_for). On the fixed-length cases
+    up to 32k tokens (not the varlen mixes: bench time), the inverse's merges on the tensor
+    cores (`inverse_tf32`, `inverse_tf32x3`, the launcher's split): whether the aux
+    warpgroup's chain bounds the chunk (docs/linear_attention/NOTES.md, "The prefill at 0.57x
+    FlashInfer")."""
     from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import v_split_for
 
     n, hv = len(case.params["lens"]), case.params["hv"]
@@ -161,7 +162,7 @@ def variants(case: Case) -> dict[str, Any]:
         out["v_split_1"] = _run_v_split(1)
     elif 2 * n * hv <= 2 * H200_SMS:
         out["v_split_2"] = _run_v_split(2)
-    if sum(case.params["lens"]) <= 32768:
+    if sum(case.params["lens"]) <= 32768 and len(set(case.params["lens"])) == 1:
         out.update({f"inverse_{f}": _run_v_split(None, f) for f in ("tf32", "tf32x3")})
     return out
 
