@@ -22,6 +22,7 @@ import torch
 from forgekernel.bench import flashinfer_defs as defs
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90 import launch as prefill_launch
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import CHUNK
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse_forms import with_inverse
 from forgekernel.reference.delta_rule import gated_delta_rule_recurrent
 
 op = importlib.import_module("forgekernel.ops.gated_delta_rule_chunked")
@@ -318,3 +319,42 @@ def test_fake_gives_the_shapes():
                                                                0.1, True, False)  # fmt: skip
     assert o.shape == (7, 4, 128) and o.dtype == torch.bfloat16
     assert s.shape == (2, 4, 128, 128) and s.dtype == torch.float32
+
+
+@pytest.mark.parametrize("inverse", ["tf32", "tf32x3"])
+def test_tensor_core_inverse_matches_the_recurrence(monkeypatch, inverse):
+    """The opt-in merges on the tensor cores (inverse_forms.INVERSES), replayed lane by lane
+    (replay.mma_product), through the launcher's `inverse`: varlen with a tail chunk, l2norm,
+    an initial state; o and the final state within the suite's bounds, as the standard kernel;
+    against the FFMA form o differs by bf16 rounding flips (one ulp of max |o|: 3.9e-3): 3xTF32
+    within 5e-3 of max |o|, one tf32 pass within 1e-2 (measured 2.1e-3 / 4.1e-3 with no
+    decay); a wrong fragment map is off by O(1)."""
+    lens = [70, 130]
+    q, k, v, g, beta, state = _inputs(1, sum(lens), 2, 4, n=2, seed=5)
+    cu = torch.tensor([0, 70, 200], dtype=torch.int32)
+    monkeypatch.setattr(prefill_launch, "get_kernel", lambda spec, p: replay.kernel(dict(p)))
+    got = {}
+    for inv in ("fma", inverse):
+        o = torch.empty_like(v[0])
+        final = torch.empty_like(state)
+        prefill_launch.gdn_prefill(q[0], k[0], v[0], g[0], beta[0], state, cu, o, final,
+                                   128**-0.5, k_last=False, l2norm=True, v_split=1,
+                                   inverse=inv)  # fmt: skip
+        got[inv] = (o, final)
+    want_o, want_s = gated_delta_rule_recurrent(q, k, v, g, beta, initial_state=state,
+                                                output_final_state=True, cu_seqlens=cu,
+                                                use_qk_l2norm=True)  # fmt: skip
+    _close(got[inverse][0][None], want_o, 2e-2)
+    _close(got[inverse][1], want_s, STATE_TOL[torch.bfloat16])
+    _close(got[inverse][0], got["fma"][0], 5e-3 if inverse == "tf32x3" else 1e-2)
+
+
+def test_inverse_key_leaves_the_standard_keys():
+    """The compile key names `inverse` only off the standard "fma" (the standard kernels keep
+    their keys and records); unknown forms are refused."""
+    base = op.prefill_sm90.params_for("bfloat16")
+    assert "inverse" not in dict(base)
+    assert with_inverse(base, "fma") == base
+    assert dict(with_inverse(base, "tf32")) == {**dict(base), "inverse": "tf32"}
+    with pytest.raises(ValueError, match="inverse"):
+        with_inverse(base, "fp16")

@@ -13,6 +13,7 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     V_SPLITS,
     params_for,
 )
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse_forms import with_inverse
 from forgekernel.runtime.spec import KernelSpec, Params
 
 
@@ -34,12 +35,25 @@ def _standard_params() -> list[Params]:
     ]
 
 
+def _candidate_params() -> list[Params]:
+    """The bench's opt-in variants (`inverse_tf32`, `inverse_tf32x3`: the inverse's merges on
+    the tensor cores) in the forms the suite launches them: bf16, fla's layout, no l2norm,
+    with and without a state, either V split (`build --candidates`)."""
+    return [
+        with_inverse(params_for("bfloat16", initial_state=init, v_split=split), inverse)
+        for inverse in ("tf32", "tf32x3")
+        for init in (False, True)
+        for split in V_SPLITS
+    ]
+
+
 SPEC = KernelSpec(
     name="gdn_prefill_sm90",
     arch="sm_90a",
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
+    candidate_params=_candidate_params,
 )
 
 __all__ = ["SPEC", "params_for"]

@@ -38,6 +38,7 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse import (
     invert_diagonal,
     invert_merge,
 )
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse_mma import invert_merge_mma
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import (
     Bar,
     aux_barrier_id,
@@ -104,7 +105,10 @@ class AuxWy:
             # spilled; in flight during phase 0, its 32 beside the 16 columns, 8 B spilled)
             acc_p = cute.make_rmem_tensor(acc_shape, Float32)
             gemm(mma_aux, acc_p, tSrQ[None, None, None, ld.index], kb, True, -1)
-            invert_merge(sW, sX, atid, bar)
+            if const_expr(self.inverse_passes == 0):
+                invert_merge(sW, sX, atid, bar)
+            else:
+                invert_merge_mma(sW, sX, atid, bar, self.inverse_passes)
             warpgroup.wait_group(0)
             qk_pipe.consumer_release(ld)
             self._decay_mask(acc_p, coords, sG, sBeta, sNorm, gt.index, scale, False)

@@ -95,6 +95,7 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     state_wgs,
     threads,
 )
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse_forms import INVERSES
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import (
     GATE_WARP,
     PRODUCER_WARP,
@@ -121,8 +122,9 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
     """Warp-specialized chunked Gated DeltaNet forward; see the module docstring."""
 
     def __init__(
-        self, k: int, v: int, *, k_last: bool, l2norm: bool, initial_state: bool, v_split: int = 1
-    ):
+        self, k: int, v: int, *, k_last: bool, l2norm: bool, initial_state: bool, v_split: int = 1,
+        inverse: str = "fma",
+    ):  # fmt: skip
         if (k, v) != (128, 128):
             raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
         self.k, self.v = k, v
@@ -130,6 +132,7 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
         self.l2norm = l2norm
         self.initial_state = initial_state
         self.v_split = v_split
+        self.inverse_passes = INVERSES[inverse]  # 0: FFMA block products (inverse_forms.INVERSES)
         self.state_wgs = state_wgs(v, v_split)
         self.aux_wgs = aux_wgs(v_split)
         self.v_cols = self.state_wgs * ROWS_PER_STATE_WG  # value columns of one CTA
