@@ -85,13 +85,9 @@ COLS = D_LATENT // WARPGROUPS  # output columns per warpgroup in P V
 FP8_CHUNKS_PER_ROW = D_LATENT // FP8_CHUNK  # 16-byte e4m3 loads per latent row
 FP8_HALF = FP8_CHUNKS_PER_ROW // 2  # a half row: 16 threads, 256 bytes
 FP8_LOADS_IN_FLIGHT = 16  # a thread's 16-byte latent loads issued before it converts any
-# `fp8_staged`: a tile's e4m3 bytes land by cp.async in the upper half of its own (free) stage,
-# [FP8_RAW_BASE, 2 FP8_RAW_BASE) bytes = the 16-bit tile's column blocks 4 .. 7, and are
-# dequantized in place a turn later (`_dequant_stage_fp8`): byte (row r, 16-byte chunk c) at
-# FP8_RAW_BASE + (c // 8) FP8_RAW_BLOCK + 128 r + 16 (c % 8), one 8 KB block per scale group
-FP8_RAW_BASE = TILE * D_LATENT  # bytes: half of a stage's 16-bit latent tile
-FP8_RAW_BLOCK = TILE * (D_LATENT // 4)  # one scale group's bytes of a tile (128 columns)
-FP8_STAGE_BYTES = 2 * FP8_RAW_BASE
+# `fp8_staged`: a tile's e4m3 bytes wait in the upper half of its own stage (fp8.py
+# `staged_raw_offset`), dequantized in place a turn later (`_dequant_stage_fp8`)
+FP8_STAGE_BYTES = 2 * fp8_cache.STAGED_RAW_BASE  # a stage of the 16-bit latent tile
 FP8_SCALES = 4  # per row
 
 
@@ -297,11 +293,14 @@ class MlaDecodeSm90:
         sValid = storage.valid.get_tensor(cute.make_layout((2, STAGES)))
         staged = None
         if const_expr(self.staged):
-            raw = cute.recast_ptr(storage.kl.data_ptr(), dtype=cutlass.Uint8) + FP8_RAW_BASE
+            raw = cute.recast_ptr(storage.kl.data_ptr(), dtype=cutlass.Uint8)
+            raw = raw + fp8_cache.STAGED_RAW_BASE
+            # (byte, chunk % 8, row, chunk // 8, stage): fp8.py's `staged_raw_offset`
             raw_lay = cute.make_layout(
                 (FP8_CHUNK, 8, TILE, FP8_SCALES, STAGES),
-                stride=(1, FP8_CHUNK, 128, FP8_RAW_BLOCK, FP8_STAGE_BYTES),
-            )
+                stride=(1, FP8_CHUNK, fp8_cache.STAGED_ROW_BYTES, fp8_cache.STAGED_RAW_BLOCK,
+                        FP8_STAGE_BYTES),
+            )  # fmt: skip
             staged = (
                 cute.make_tensor(raw, raw_lay),
                 storage.scl.get_tensor(cute.make_layout((FP8_SCALES, TILE))),
@@ -555,7 +554,7 @@ class MlaDecodeSm90:
     def _issue_fp8(self, kv, sRaw, sScl, sValid, first, t1, stage, tid):
         """fp8_staged: keys first .. first + TILE - 1 (clamped as `_load_tile`) into stage
         `stage` by warpgroup 1's thread `tid`, all cp.async: the RoPE columns as `_load_tile`'s,
-        the e4m3 bytes into the stage's upper half (FP8_RAW_BASE), the rows' four scales into
+        the e4m3 bytes into the stage's upper half (fp8.py `staged_raw_offset`), the scales into
         sScl (one tile's; threads tid < TILE, row tid; 0 for -1 padding), and the valid bits
         (sparse)."""
         mCkv, mPT, b, page_size = kv[0], kv[8], kv[9], kv[10]
@@ -567,11 +566,11 @@ class MlaDecodeSm90:
         )  # fmt: skip
         loads = TILE * FP8_CHUNKS_PER_ROW // THREADS_PER_WG
         for j in cutlass.range_constexpr(0, loads, 2):  # one row, both halves
-            r, _ = self._fp8_row(tid, THREADS_PER_WG, j)
+            r, _ = fp8_cache.staged_issue_job(tid, j)
             token = cutlass.min(first + r, t1 - 1)
             page, slot = self._cache_row(mPT, b, token, page_size)
             for half in cutlass.range_constexpr(2):
-                _, c = self._fp8_row(tid, THREADS_PER_WG, j + half)
+                _, c = fp8_cache.staged_issue_job(tid, j + half)
                 rptr = cute.make_ptr(cutlass.Uint8, mCkv[page, slot, None].iterator.toint(),
                                      cute.AddressSpace.gmem, assumed_align=FP8_CHUNK)  # fmt: skip
                 src = cute.make_tensor(rptr, cute.make_layout((FP8_CHUNK, FP8_CHUNKS_PER_ROW)))
@@ -614,19 +613,23 @@ class MlaDecodeSm90:
         thread: lanes 0-15 / 16-31 (0-7, ...) on one row's consecutive chunks."""
         sK = sKl[None, None, stage]
         warp, lane = tid // 32, tid % 32
-        for j in cutlass.range_constexpr(8):
-            self._dequant_chunk(sRaw, sScl, sK, j * 8 + 2 * warp + lane // 16, lane % 16, stage)
+        jobs = fp8_cache.STAGED_JOBS
+        for j in cutlass.range_constexpr(jobs[0]):
+            r, c = fp8_cache.staged_job(0, j, warp, lane)
+            self._dequant_chunk(sRaw, sScl, sK, r, c, stage)
         wg1.arrive_and_wait()  # blocks 4, 5 read by every thread
-        last = cute.make_rmem_tensor((FP8_CHUNK, 4), cutlass.Uint8)
-        for j in cutlass.range_constexpr(4):
-            r = j * 16 + 4 * warp + lane // 8
-            cute.autovec_copy(sRaw[None, lane % 8, r, 3, stage], last[None, j])
-            self._dequant_chunk(sRaw, sScl, sK, r, 16 + lane % 8, stage)
+        last = cute.make_rmem_tensor((FP8_CHUNK, jobs[2]), cutlass.Uint8)
+        for j in cutlass.range_constexpr(jobs[2]):
+            r, c = fp8_cache.staged_job(2, j, warp, lane)
+            cute.autovec_copy(sRaw[None, c % 8, r, c // 8, stage], last[None, j])
+        for j in cutlass.range_constexpr(jobs[1]):
+            r, c = fp8_cache.staged_job(1, j, warp, lane)
+            self._dequant_chunk(sRaw, sScl, sK, r, c, stage)
         wg1.arrive_and_wait()  # blocks 6, 7 read by every thread
-        for j in cutlass.range_constexpr(4):
-            r = j * 16 + 4 * warp + lane // 8
-            mult = fp8_cache.bf16_multiplier(sScl[3, r])
-            fp8_cache.store_chunk(last[None, j], mult, sK[r, None], 24 + lane % 8)
+        for j in cutlass.range_constexpr(jobs[2]):
+            r, c = fp8_cache.staged_job(2, j, warp, lane)
+            mult = fp8_cache.bf16_multiplier(sScl[c // 8, r])
+            fp8_cache.store_chunk(last[None, j], mult, sK[r, None], c)
 
     @cute.jit
     def _load_query(self, mQ, sQ, thr_g, width: cutlass.Constexpr[int], q_off, sq, head0, gcopy):
