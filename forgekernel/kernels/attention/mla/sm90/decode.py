@@ -523,8 +523,11 @@ class MlaDecodeSm90:
         sRaw, sScl = staged
         wg1 = named_barrier(Bar.STAGED, THREADS_PER_WG)
         corr = cute.make_rmem_tensor(2, Float32)
+        # the rows' page / slot by multiply-shift (an integer division was ~20 instructions)
+        div = cute.fast_divmod_create_divisor_v2(kv[10])
+        staged = (sRaw, sScl, div)
         if 1 < tiles:
-            self._issue_fp8(kv, sRaw, sScl, sValid, t0 + TILE, t1, 1, tid1)
+            self._issue_fp8(kv, staged, sValid, t0 + TILE, t1, 1, tid1)
         cute.arch.cp_async_commit_group()
         self._prefetch_fp8(kv, t0 + STAGES * TILE, t1, tid1)  # tile 2 into L2
         for i in cutlass.range(tiles, unroll=1):
@@ -547,18 +550,19 @@ class MlaDecodeSm90:
             nxt = i + STAGES
             self._prefetch_fp8(kv, t0 + (nxt + 1) * TILE, t1, tid1)  # a turn ahead, into L2
             if nxt < tiles:
-                self._issue_fp8(kv, sRaw, sScl, sValid, t0 + nxt * TILE, t1, stage, tid1)
+                self._issue_fp8(kv, staged, sValid, t0 + nxt * TILE, t1, stage, tid1)
             cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def _issue_fp8(self, kv, sRaw, sScl, sValid, first, t1, stage, tid):
+    def _issue_fp8(self, kv, staged, sValid, first, t1, stage, tid):
         """fp8_staged: keys first .. first + TILE - 1 (clamped as `_load_tile`) into stage
         `stage` by warpgroup 1's thread `tid`, all cp.async: the RoPE columns as `_load_tile`'s,
         the e4m3 bytes into the stage's upper half (fp8.py `staged_raw_offset`), the scales into
         sScl (one tile's; threads tid < TILE, row tid; 0 for -1 padding), and the valid bits
         (sparse)."""
-        mCkv, mPT, b, page_size = kv[0], kv[8], kv[9], kv[10]
+        mCkv, mPT, b = kv[0], kv[8], kv[9]
         mScale = kv[11][0]
+        sRaw, sScl, div = staged
         self._load_tile(kv, first, t1, stage, False)
         atom = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Uint8,
@@ -568,7 +572,7 @@ class MlaDecodeSm90:
         for j in cutlass.range_constexpr(0, loads, 2):  # one row, both halves
             r, _ = fp8_cache.staged_issue_job(tid, j)
             token = cutlass.min(first + r, t1 - 1)
-            page, slot = self._cache_row(mPT, b, token, page_size)
+            page, slot = self._cache_row_by(mPT, b, token, div)
             for half in cutlass.range_constexpr(2):
                 _, c = fp8_cache.staged_issue_job(tid, j + half)
                 rptr = cute.make_ptr(cutlass.Uint8, mCkv[page, slot, None].iterator.toint(),
@@ -577,7 +581,7 @@ class MlaDecodeSm90:
                 cute.copy(atom, src[None, c], sRaw[None, c % 8, r, c // 8, stage])
         if tid < TILE:
             token = cutlass.min(first + tid, t1 - 1)
-            page, slot = self._cache_row(mPT, b, token, page_size)
+            page, slot = self._cache_row_by(mPT, b, token, div)
             dst = sScl[None, tid]
             listed = Int32(0)
             if const_expr(self.sparse):
@@ -710,6 +714,15 @@ class MlaDecodeSm90:
             return page, entry - page * page_size
         page = token // page_size
         return mPT[b, page], token - page * page_size
+
+    @cute.jit
+    def _cache_row_by(self, mPT, b, token, div):
+        """`_cache_row` with the page size as a fast divisor (`fast_divmod_create_divisor_v2`)."""
+        if const_expr(self.sparse):
+            page, slot = divmod(cutlass.max(mPT[b, token], 0), div)
+            return page, slot
+        page, within = divmod(token, div)
+        return mPT[b, page], within
 
     @cute.jit
     def _load_latent_fp8(self, mCkv, mScale, sK, rows, first, t1, tid, threads):
