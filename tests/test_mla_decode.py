@@ -89,12 +89,18 @@ def test_compile_keys():
             params_for(**{"dtype": "bfloat16", "heads": 16, **bad}, tma=True)
     partial = [dict(p) for p in SPEC.standard_params() if dict(p)["kind"] == "partial"]
     per_pass = sum(1 for h in HEADS for t in QTOKENS if h * t <= ROWS)
-    # fp16 and bf16 (the seesaw pass and decode.py's), FP8 cache with bf16 queries, the
-    # seesaw's direct form of the served head blocks in both dtypes
+    # fp16 and bf16 (the seesaw pass and decode.py's), FP8 cache with bf16 queries (registers
+    # and fp8_staged), the seesaw's direct form of the served head blocks in both dtypes
     direct = [p for p in partial if p.get("direct")]
     assert len(direct) == 2 * len(direct_blocks()) == 12 and all(p["tma"] for p in direct)
-    assert len(partial) == 5 * per_pass + len(direct)
-    assert sum(1 for p in partial if p.get("fp8")) == per_pass
+    assert len(partial) == 6 * per_pass + len(direct)
+    assert sum(1 for p in partial if p.get("fp8") and not p.get("fp8_staged")) == per_pass
+    staged = [p for p in partial if p.get("fp8_staged")]
+    assert {(p["heads"], p.get("qtokens", 1)) for p in staged} == {
+        (h, t) for h in HEADS for t in QTOKENS if h * t <= ROWS
+    } and all(p["fp8"] for p in staged)
+    with pytest.raises(ValueError, match="fp8_staged"):
+        params_for("partial", "bfloat16", 16, fp8_staged=True)
     assert sum(1 for p in partial if p.get("tma") and not p.get("direct")) == 2 * per_pass
     assert all(p["dtype"] == "bfloat16" for p in partial if p.get("fp8"))
     with pytest.raises(ValueError, match="direct form"):

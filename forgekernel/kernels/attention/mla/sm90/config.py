@@ -117,6 +117,7 @@ def params_for(
     fp8: bool = False,
     tma: bool = False,
     direct: bool = False,
+    fp8_staged: bool = False,
 ) -> tuple:
     """Compile key: kind "partial" (one split of `heads` query heads x `qtokens` tokens, fp32
     out; qtokens > 1 the packed form with cu_seqlens_q), "sparse" (DSA: one split of one query
@@ -125,7 +126,9 @@ def params_for(
     the partial / sparse pass over FlashMLA's FP8 cache (dtype FP8_DTYPE only). tma: the partial
     pass over a 16-bit cache whose pages are multiples of TILE rows (seesaw.py: TMA boxes of
     whole tiles, the seesaw schedule). direct (tma only): the pass of a plan of one split, writing
-    O in q's dtype and the natural LSE into the op's outputs (no partials, no combine)."""
+    O in q's dtype and the natural LSE into the op's outputs (no partials, no combine).
+    fp8_staged (fp8 only): the FP8 bytes by cp.async into their own stage, dequantized there a
+    turn later (decode.py `_load_wg_staged`), against the register path."""
     if kind == "combine":
         return tuple(sorted({"kind": kind, "dtype": dtype, "head_dim": D_LATENT}.items()))
     if kind not in ("partial", "sparse"):
@@ -134,6 +137,8 @@ def params_for(
         raise ValueError(f"an FP8 cache takes {FP8_DTYPE} queries, got {dtype}")
     if tma and (kind != "partial" or fp8):
         raise ValueError("the TMA (seesaw) pass is the 16-bit paged partial pass")
+    if fp8_staged and not fp8:
+        raise ValueError("fp8_staged is a form of the FP8 cache's pass")
     if direct and not tma:
         raise ValueError("the direct form is the seesaw (tma) pass's")
     if kind == "sparse" and qtokens != 1:
@@ -143,6 +148,8 @@ def params_for(
         keys["qtokens"] = qtokens
     if fp8:
         keys["fp8"] = True
+    if fp8_staged:
+        keys["fp8_staged"] = True
     if tma:
         keys["tma"] = True
     if direct:

@@ -53,7 +53,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 from cutlass.tensor_utils import LayoutEnum
 
@@ -85,6 +85,10 @@ COLS = D_LATENT // WARPGROUPS  # output columns per warpgroup in P V
 FP8_CHUNKS_PER_ROW = D_LATENT // FP8_CHUNK  # 16-byte e4m3 loads per latent row
 FP8_HALF = FP8_CHUNKS_PER_ROW // 2  # a half row: 16 threads, 256 bytes
 FP8_LOADS_IN_FLIGHT = 16  # a thread's 16-byte latent loads issued before it converts any
+# `fp8_staged`: a tile's e4m3 bytes wait in the upper half of its own stage (fp8.py
+# `staged_raw_offset`), dequantized in place a turn later (`_dequant_stage_fp8`)
+FP8_STAGE_BYTES = 2 * fp8_cache.STAGED_RAW_BASE  # a stage of the 16-bit latent tile
+FP8_SCALES = 4  # per row
 
 
 class Bar(IntEnum):
@@ -94,12 +98,22 @@ class Bar(IntEnum):
     P_READY = FIRST_FREE + 1  # P and the rescale factors written: 0 arrives, 1 waits
     P_FREE = FIRST_FREE + 2  # warpgroup 1 has read P: 1 arrives, 0 waits
     STAGE_FREE = FIRST_FREE + 3  # warpgroup 0's P V done: 0 arrives, 1 waits
+    STAGED = FIRST_FREE + 4  # fp8_staged: warpgroup 1 alone, between the in-place phases
 
 
 class MlaDecodeSm90:
     """The partial pass; see the module docstring."""
 
-    def __init__(self, heads: int, qtokens: int = 1, sparse: bool = False, fp8: bool = False):
+    def __init__(
+        self,
+        heads: int,
+        qtokens: int = 1,
+        sparse: bool = False,
+        fp8: bool = False,
+        fp8_staged: bool = False,
+    ):
+        if fp8_staged and not fp8:
+            raise ValueError("fp8_staged is a form of the FP8 cache's pass")
         if heads * qtokens > ROWS:
             raise ValueError(f"heads x query tokens must be <= {ROWS}, got {heads} x {qtokens}")
         if sparse and qtokens != 1:
@@ -109,6 +123,7 @@ class MlaDecodeSm90:
         self.g = heads * qtokens
         self.sparse = sparse
         self.fp8 = fp8
+        self.staged = fp8_staged
 
     def _setup(self, dtype):
         k_major = OperandMajorMode.K
@@ -187,7 +202,20 @@ class MlaDecodeSm90:
             red: cute.struct.MemRange[Float32, 3 * ROWS]  # rescale factors; final max and sum
             valid: cute.struct.MemRange[cutlass.Uint32, STAGES * 2]  # sparse: keys by stage
 
-        self.shared = Shared
+        @cute.struct
+        class SharedStaged:  # 231424 bytes (padded to 1 KB) + 1 KB static: all of the 227 KB
+            kl: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(self.lay_kl)], 1024]
+            kr: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(self.lay_kr)], 1024]
+            ql: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(self.lay_ql)], 1024]
+            qr: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(self.lay_qr)], 1024]
+            p: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(self.lay_p)], 1024]
+            # one tile's scales: tile i + 1's are read (turn i, before STAGE_FREE) before tile
+            # i + 2's land (issued after it); two stages' would not fit
+            scl: cute.struct.Align[cute.struct.MemRange[Float32, TILE * FP8_SCALES], 16]
+            red: cute.struct.MemRange[Float32, 3 * ROWS]
+            valid: cute.struct.MemRange[cutlass.Uint32, STAGES * 2]
+
+        self.shared = SharedStaged if const_expr(self.staged) else Shared
         self.kernel(
             mQn, mQp, mCkv, mKpe, mScale, mPT, mSeq, mOp, mLp, scale_log2, per_split, page_size,
             mCuQ, causal, q_blocks, self.mma_s, self.mma_o, self.mma_o_rs, self.lay_kl,
@@ -263,6 +291,20 @@ class MlaDecodeSm90:
         sP = smem_tensor(storage.p, lay_p)
         sRed = storage.red.get_tensor(cute.make_layout((3, ROWS)))
         sValid = storage.valid.get_tensor(cute.make_layout((2, STAGES)))
+        staged = None
+        if const_expr(self.staged):
+            raw = cute.recast_ptr(storage.kl.data_ptr(), dtype=cutlass.Uint8)
+            raw = raw + fp8_cache.STAGED_RAW_BASE
+            # (byte, chunk % 8, row, chunk // 8, stage): fp8.py's `staged_raw_offset`
+            raw_lay = cute.make_layout(
+                (FP8_CHUNK, 8, TILE, FP8_SCALES, STAGES),
+                stride=(1, FP8_CHUNK, fp8_cache.STAGED_ROW_BYTES, fp8_cache.STAGED_RAW_BLOCK,
+                        FP8_STAGE_BYTES),
+            )  # fmt: skip
+            staged = (
+                cute.make_tensor(raw, raw_lay),
+                storage.scl.get_tensor(cute.make_layout((FP8_SCALES, TILE))),
+            )
 
         # Q and tile 0 by every thread, tile 1 then by warpgroup 1 (its loads from there on)
         copy_lat = tiled_row_copy(dtype, D_LATENT, THREADS)
@@ -314,9 +356,13 @@ class MlaDecodeSm90:
                 mCkv, mKpe, sKl, sKr, copy_lat1, copy_rope1, copy_lat1.get_slice(tid1),
                 copy_rope1.get_slice(tid1), mPT, b, page_size, (mScale, tid1, THREADS_PER_WG),
             )  # fmt: skip
-            self._load_wg(
-                kv_wg, (tOrP, tOrV, acc_o), mma_o, bars, sRed, sValid, o_crd, (t0, t1, tiles), tid1
-            )
+            o_ops, span = (tOrP, tOrV, acc_o), (t0, t1, tiles)
+            if const_expr(self.staged):
+                self._load_wg_staged(
+                    kv_wg, o_ops, mma_o, bars, sRed, sValid, o_crd, span, tid1, staged
+                )
+            else:
+                self._load_wg(kv_wg, o_ops, mma_o, bars, sRed, sValid, o_crd, span, tid1)
         # the rows' final max and sum, from warpgroup 0 (which holds them) to both
         if wg == 0:
             for r in cutlass.range_constexpr(2):
@@ -408,7 +454,8 @@ class MlaDecodeSm90:
     @cute.jit
     def _load_wg(self, kv, o_ops, mma_o, bars, sRed, sValid, o_crd, span, tid1):
         """Warpgroup 1: per tile, its half of P V once P is out, then the tile after next into
-        the freed stage, then the next tile handed over once landed."""
+        the freed stage, then the next tile handed over once landed (fp8_staged:
+        `_load_wg_staged`)."""
         tOrP, tOrV, acc_o = o_ops
         full, p_ready, p_free, stage_free = bars
         t0, t1, tiles = span
@@ -461,6 +508,132 @@ class MlaDecodeSm90:
                     cute.arch.cp_async_wait_group(1)  # tile i + 1 (the group before this one)
                     cute.arch.fence_view_async_shared()
                     full.arrive()
+
+    @cute.jit
+    def _load_wg_staged(self, kv, o_ops, mma_o, bars, sRed, sValid, o_crd, span, tid1, staged):
+        """Warpgroup 1 of `fp8_staged`, per tile i: its half of P V issued once P is out; under
+        it tile i + 1 (its bytes cp.async'd a turn ago into its stage) dequantized in place and
+        handed over; once the stage of tile i is free, tile i + 2's bytes, scales and RoPE
+        columns issued into it by cp.async, no register waiting on them. Memory latency leaves
+        this warpgroup's turn (the register path waits ~3 round trips a tile, MLA_NOTES.md); the
+        dequantization runs beside both halves of P V on the tensor cores."""
+        tOrP, tOrV, acc_o = o_ops
+        full, p_ready, p_free, stage_free = bars
+        t0, t1, tiles = span
+        sRaw, sScl = staged
+        wg1 = named_barrier(Bar.STAGED, THREADS_PER_WG)
+        corr = cute.make_rmem_tensor(2, Float32)
+        # the rows' page / slot by multiply-shift (an integer division was ~20 instructions)
+        div = cute.fast_divmod_create_divisor_v2(kv[10])
+        staged = (sRaw, sScl, div)
+        if 1 < tiles:
+            self._issue_fp8(kv, staged, sValid, t0 + TILE, t1, 1, tid1)
+        cute.arch.cp_async_commit_group()
+        self._prefetch_fp8(kv, t0 + STAGES * TILE, t1, tid1)  # tile 2 into L2
+        for i in cutlass.range(tiles, unroll=1):
+            stage = i % STAGES
+            p_ready.arrive_and_wait()
+            for r in cutlass.range_constexpr(2):
+                corr[r] = sRed[0, o_crd[r, 0][0]]
+            rescale_o(acc_o, corr)
+            gemm(mma_o, acc_o, tOrP, tOrV[None, None, None, stage], False, -1)
+            if i + 1 < tiles:  # its cp.async group is the one in flight
+                cute.arch.cp_async_wait_group(0)
+                wg1.arrive_and_wait()  # every thread's bytes landed
+                self._dequant_stage_fp8(kv[2], sRaw, sScl, 1 - stage, tid1, wg1)
+                cute.arch.fence_view_async_shared()  # st.shared and cp.async, then WGMMA
+                full.arrive()
+            warpgroup.wait_group(0)
+            if i + 1 < tiles:
+                p_free.arrive()
+            stage_free.arrive_and_wait()  # both warpgroups are done with this stage
+            nxt = i + STAGES
+            self._prefetch_fp8(kv, t0 + (nxt + 1) * TILE, t1, tid1)  # a turn ahead, into L2
+            if nxt < tiles:
+                self._issue_fp8(kv, staged, sValid, t0 + nxt * TILE, t1, stage, tid1)
+            cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def _issue_fp8(self, kv, staged, sValid, first, t1, stage, tid):
+        """fp8_staged: keys first .. first + TILE - 1 (clamped as `_load_tile`) into stage
+        `stage` by warpgroup 1's thread `tid`, all cp.async: the RoPE columns as `_load_tile`'s,
+        the e4m3 bytes into the stage's upper half (fp8.py `staged_raw_offset`), the scales into
+        sScl (one tile's; threads tid < TILE, row tid; 0 for -1 padding), and the valid bits
+        (sparse)."""
+        mCkv, mPT, b = kv[0], kv[8], kv[9]
+        mScale = kv[11][0]
+        sRaw, sScl, div = staged
+        self._load_tile(kv, first, t1, stage, False)
+        atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Uint8,
+            num_bits_per_copy=FP8_CHUNK * 8,
+        )  # fmt: skip
+        loads = TILE * FP8_CHUNKS_PER_ROW // THREADS_PER_WG
+        for j in cutlass.range_constexpr(0, loads, 2):  # one row, both halves
+            r, _ = fp8_cache.staged_issue_job(tid, j)
+            token = cutlass.min(first + r, t1 - 1)
+            page, slot = self._cache_row_by(mPT, b, token, div)
+            for half in cutlass.range_constexpr(2):
+                _, c = fp8_cache.staged_issue_job(tid, j + half)
+                rptr = cute.make_ptr(cutlass.Uint8, mCkv[page, slot, None].iterator.toint(),
+                                     cute.AddressSpace.gmem, assumed_align=FP8_CHUNK)  # fmt: skip
+                src = cute.make_tensor(rptr, cute.make_layout((FP8_CHUNK, FP8_CHUNKS_PER_ROW)))
+                cute.copy(atom, src[None, c], sRaw[None, c % 8, r, c // 8, stage])
+        if tid < TILE:
+            token = cutlass.min(first + tid, t1 - 1)
+            page, slot = self._cache_row_by(mPT, b, token, div)
+            dst = sScl[None, tid]
+            listed = Int32(0)
+            if const_expr(self.sparse):
+                listed = mPT[b, token]
+            if listed >= 0:
+                sptr = cute.make_ptr(Float32, mScale[page, slot, None].iterator.toint(),
+                                     cute.AddressSpace.gmem, assumed_align=FP8_CHUNK)  # fmt: skip
+                satom = cute.make_copy_atom(
+                    cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Float32,
+                    num_bits_per_copy=FP8_CHUNK * 8,
+                )  # fmt: skip
+                cute.copy(satom, cute.make_tensor(sptr, cute.make_layout(FP8_SCALES)), dst)
+            else:  # -1 padding: scale 0 (row 0's e4m3 bytes read as finite values)
+                dst.fill(0.0)
+            if const_expr(self.sparse):
+                self._store_valid(mPT, b, first, t1, stage, sValid, tid)
+
+    @cute.jit
+    def _dequant_chunk(self, sRaw, sScl, sK, r, c, stage):
+        """Chunk c (16 e4m3 bytes) of tile row r, from the stage's upper half to the 16-bit
+        tile sK (the stage's), times its scale."""
+        raw = cute.make_rmem_tensor(FP8_CHUNK, cutlass.Uint8)
+        cute.autovec_copy(sRaw[None, c % 8, r, c // 8, stage], raw)
+        mult = fp8_cache.bf16_multiplier(sScl[c // 8, r])
+        fp8_cache.store_chunk(raw, mult, sK[r, None], c)
+
+    @cute.jit
+    def _dequant_stage_fp8(self, sKl, sRaw, sScl, stage, tid, wg1):
+        """fp8_staged: the e4m3 bytes of stage `stage` (landed, every thread's) into its 16-bit
+        tile, in place, by warpgroup 1 (thread tid): columns 0 .. 255 (blocks 0 .. 3, the bytes
+        in blocks 4, 5); after a barrier 256 .. 383 (blocks 4, 5, from block 6), holding
+        384 .. 511 (block 7) in registers; after a barrier those into blocks 6, 7. 16 chunks a
+        thread: lanes 0-15 / 16-31 (0-7, ...) on one row's consecutive chunks."""
+        sK = sKl[None, None, stage]
+        warp, lane = tid // 32, tid % 32
+        jobs = fp8_cache.STAGED_JOBS
+        for j in cutlass.range_constexpr(jobs[0]):
+            r, c = fp8_cache.staged_job(0, j, warp, lane)
+            self._dequant_chunk(sRaw, sScl, sK, r, c, stage)
+        wg1.arrive_and_wait()  # blocks 4, 5 read by every thread
+        last = cute.make_rmem_tensor((FP8_CHUNK, jobs[2]), cutlass.Uint8)
+        for j in cutlass.range_constexpr(jobs[2]):
+            r, c = fp8_cache.staged_job(2, j, warp, lane)
+            cute.autovec_copy(sRaw[None, c % 8, r, c // 8, stage], last[None, j])
+        for j in cutlass.range_constexpr(jobs[1]):
+            r, c = fp8_cache.staged_job(1, j, warp, lane)
+            self._dequant_chunk(sRaw, sScl, sK, r, c, stage)
+        wg1.arrive_and_wait()  # blocks 6, 7 read by every thread
+        for j in cutlass.range_constexpr(jobs[2]):
+            r, c = fp8_cache.staged_job(2, j, warp, lane)
+            mult = fp8_cache.bf16_multiplier(sScl[c // 8, r])
+            fp8_cache.store_chunk(last[None, j], mult, sK[r, None], c)
 
     @cute.jit
     def _load_query(self, mQ, sQ, thr_g, width: cutlass.Constexpr[int], q_off, sq, head0, gcopy):
@@ -541,6 +714,15 @@ class MlaDecodeSm90:
             return page, entry - page * page_size
         page = token // page_size
         return mPT[b, page], token - page * page_size
+
+    @cute.jit
+    def _cache_row_by(self, mPT, b, token, div):
+        """`_cache_row` with the page size as a fast divisor (`fast_divmod_create_divisor_v2`)."""
+        if const_expr(self.sparse):
+            page, slot = divmod(cutlass.max(mPT[b, token], 0), div)
+            return page, slot
+        page, within = divmod(token, div)
+        return mPT[b, page], within
 
     @cute.jit
     def _load_latent_fp8(self, mCkv, mScale, sK, rows, first, t1, tid, threads):

@@ -27,7 +27,15 @@ torch over all 256 codes and the scales 2^-124 .. 2^7.
 
 Rows are also prefetched into L2 a turn ahead (`prefetch_row_l2`, cp.async.bulk.prefetch: no
 register or shared memory): the register loads, which warpgroup 1 waits for, then wait for L2
-rather than DRAM."""
+rather than DRAM.
+
+The staged form (decode.py `fp8_staged`) moves the bytes by cp.async instead: a tile's 32 KB of
+e4m3 land in the upper half of its own stage (the 16-bit tile's column blocks 4 .. 7, free until
+the dequantization), its scales in a 1 KB buffer, and warpgroup 1 dequantizes them in place a
+turn later in three phases (`staged_job`, `staged_raw_offset`; tests/test_mla_fp8_staged.py
+replays the byte ranges): columns 0 .. 255 into blocks 0 .. 3 (the bytes read from blocks 4,
+5); a barrier; 256 .. 383 into blocks 4, 5 (read from block 6) while 384 .. 511 (block 7) go
+into registers; a barrier; those into blocks 6, 7."""
 
 from __future__ import annotations
 
@@ -46,6 +54,12 @@ from forgekernel.kernels.attention.mla.sm90.config import (
 from forgekernel.kernels.common.sm90.ptx import cvt_pair
 
 BF16_CHUNK = 8  # bf16 elements per 16-byte shared-memory store (one swizzle chunk)
+# fp8_staged: where a tile's bytes wait in its stage (bytes from the stage's start): row r's
+# 16-byte chunk c at STAGED_RAW_BASE + (c // 8) STAGED_RAW_BLOCK + 128 r + 16 (c % 8)
+STAGED_RAW_BASE = 64 * 512  # TILE rows x D_LATENT bf16 columns / 2: the stage's upper half
+STAGED_RAW_BLOCK = 64 * FP8_SCALE_COLUMNS  # one scale group of a tile, 8 KB
+STAGED_ROW_BYTES = 128  # of one row within a scale group
+STAGED_JOBS = (8, 4, 4)  # chunks per thread (128 threads) in each dequantization phase
 _SELECT = ("0x9180", "0xB3A2")  # prmt: bytes 0, 1 / 2, 3 of the word, each sign-extended
 
 
@@ -123,3 +137,29 @@ def store_chunk(raw: cute.Tensor, mult: Int32, dst_row: cute.Tensor, chunk):
             wide[2 * k + 1] = e4m3x2_to_bf16x2(word, mult, True)
         dst = cute.local_tile(dst_row, (BF16_CHUNK,), (2 * chunk + half,))
         cute.autovec_copy(cute.recast_tensor(wide, dst_row.element_type), dst)
+
+
+def staged_raw_offset(row, chunk):
+    """fp8_staged: the byte offset, from its stage's start, of tile row `row`'s 16-byte chunk
+    `chunk` (latent columns [16 chunk, 16 chunk + 16)) while it waits for the dequantization."""
+    group = chunk // (FP8_SCALE_COLUMNS // FP8_CHUNK)
+    within = chunk % (FP8_SCALE_COLUMNS // FP8_CHUNK)
+    return STAGED_RAW_BASE + group * STAGED_RAW_BLOCK + STAGED_ROW_BYTES * row + FP8_CHUNK * within
+
+
+def staged_issue_job(tid, load):
+    """fp8_staged: (tile row, chunk) of warpgroup-1 thread `tid`'s cp.async `load` (0 .. 15):
+    warp w's lanes 0-15 / 16-31 take rows 2w / 2w + 1 (+ 8 per pair of loads), half a row
+    (256 contiguous bytes of the cache row) per instruction."""
+    warp, lane = tid // 32, tid % 32
+    return (load // 2) * 8 + 2 * warp + lane // 16, (load % 2) * 16 + lane % 16
+
+
+def staged_job(phase: int, j: int, warp, lane):
+    """fp8_staged: (tile row, chunk) of job `j` of dequantization phase `phase` (0, 1, 2;
+    STAGED_JOBS[phase] jobs) for warp `warp` (0 .. 3) of warpgroup 1, lane `lane`: phase 0
+    chunks 0 .. 15 (lanes 0-15 / 16-31 on one row each), phases 1 / 2 chunks 16 .. 23 /
+    24 .. 31 (8 lanes a row). Phase 2's bytes are read during phase 1."""
+    if phase == 0:
+        return j * 8 + 2 * warp + lane // 16, lane % 16
+    return j * 16 + 4 * warp + lane // 8, 8 + 8 * phase + lane % 8

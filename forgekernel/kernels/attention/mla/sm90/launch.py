@@ -13,11 +13,18 @@ A seesaw plan of one split (`config.runs_direct`: every (sequence, head block) i
 serving batches of 128+ head blocks, short sequences) runs the pass's direct form: one launch
 writing out and lse itself, no fp32 partials allocated, no combine. FORGEKERNEL_MLA_DIRECT=0
 (read when a problem's plan is first built) keeps such plans on the partial pass and the
-combine, for side-by-side timing and the GPU tests' comparison (the same bits)."""
+combine, for side-by-side timing and the GPU tests' comparison (the same bits).
+
+FP8 caches run the pass's register form by default; FORGEKERNEL_MLA_FP8=staged (read when a
+problem's plan is first built; `fp8_form` for a block of calls, the bench's `fp8_staged`
+variant) takes its `fp8_staged` compile: the bytes by cp.async into their own stage,
+dequantized in place a turn later (decode.py; MLA_NOTES.md has the case for it)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -29,6 +36,8 @@ from forgekernel.runtime.plans import PlanCache
 from forgekernel.runtime.scratch import scratch
 
 _plans = PlanCache()
+FP8_FORMS = ("registers", "staged")
+_fp8_form: list[str | None] = [None]  # `fp8_form`'s, else FORGEKERNEL_MLA_FP8 (part of plan keys)
 
 
 def seesaw_enabled() -> bool:
@@ -48,13 +57,36 @@ def direct_enabled() -> bool:
     return flag == "1"
 
 
-def _plan(kind, dtype, units, hq, max_tokens, qtokens, device_index, fp8, page_size):
+def fp8_staged() -> bool:
+    """FP8 caches take the pass's `fp8_staged` compile: `fp8_form`'s, else
+    FORGEKERNEL_MLA_FP8 ("registers", the default, or "staged")."""
+    form = _fp8_form[0] or os.environ.get("FORGEKERNEL_MLA_FP8", "registers")
+    if form not in FP8_FORMS:
+        raise ValueError(f"FORGEKERNEL_MLA_FP8 must be one of {FP8_FORMS}, got {form!r}")
+    return form == "staged"
+
+
+@contextmanager
+def fp8_form(form: str) -> Iterator[None]:
+    """FP8 caches in the form `form` (FP8_FORMS) for the calls inside (their plans keyed
+    apart): the bench's variant, timed beside the default in one process."""
+    if form not in FP8_FORMS:
+        raise ValueError(f"fp8 form must be one of {FP8_FORMS}, got {form!r}")
+    before, _fp8_form[0] = _fp8_form[0], form
+    try:
+        yield
+    finally:
+        _fp8_form[0] = before
+
+
+def _plan(kind, dtype, units, hq, max_tokens, qtokens, device_index, fp8, page_size, _form=None):
     """(pass kernel, combine kernel or None, splits, keys per split): kind "partial" (units =
     sequences, max_tokens their bound) or "sparse" (units = query tokens, max_tokens the top-k
     width), over an FP8 cache if fp8; the paged leaf's split plan over units x head blocks (the
     seesaw pass's in whole tiles). Combine None: the seesaw pass's direct form (one split, out
     and lse written by the pass). The kernels are looked up here, once per problem (two
-    compile-cache lookups cost 0.8 us a call on the CPU)."""
+    compile-cache lookups cost 0.8 us a call on the CPU). _form: `fp8_form`'s (in the key
+    only)."""
     name = dtype_name(dtype)
     heads = config.heads_per_cta(hq, qtokens)
     tma = kind == "partial" and not fp8 and page_size % config.TILE == 0 and seesaw_enabled()
@@ -63,7 +95,10 @@ def _plan(kind, dtype, units, hq, max_tokens, qtokens, device_index, fp8, page_s
     if config.runs_direct(splits, heads, qtokens, tma) and direct_enabled():
         params = config.params_for(kind, name, heads, qtokens, tma=True, direct=True)
         return get_kernel(SPEC, params), None, splits, per
-    partial = get_kernel(SPEC, config.params_for(kind, name, heads, qtokens, fp8, tma))
+    staged = fp8 and fp8_staged()
+    partial = get_kernel(
+        SPEC, config.params_for(kind, name, heads, qtokens, fp8, tma, fp8_staged=staged)
+    )
     return partial, get_kernel(SPEC, config.params_for("combine", name)), splits, per
 
 
@@ -125,7 +160,7 @@ def mla_decode(
     page_size = ckv_cache.shape[1]
     device = q_nope.device
     key = ("partial", q_nope.dtype, b * q_blocks, hq, page_table.shape[1] * page_size, qtokens,
-           device.index, ckv_scale is not None, page_size)  # fmt: skip
+           device.index, ckv_scale is not None, page_size, _fp8_form[0])  # fmt: skip
     partial, combine, splits, per = _plans.get_or_build(key, _plan)
     cu = None if cu_seqlens_q is None else cu_seqlens_q.contiguous()
     with on_device(device):  # (the scratch is the device's current stream's)
@@ -164,7 +199,8 @@ def dsa_sparse_attention(
         lse.fill_(float("-inf"))
         return
     device = q_nope.device
-    key = ("sparse", q_nope.dtype, tokens, hq, topk, 1, device.index, ckv_scale is not None, 1)
+    key = ("sparse", q_nope.dtype, tokens, hq, topk, 1, device.index, ckv_scale is not None, 1,
+           _fp8_form[0])  # fmt: skip
     partial, combine, splits, per = _plans.get_or_build(key, _plan)
     with on_device(device):
         partial_o, partial_lse = _partials(splits, tokens, hq, device)
