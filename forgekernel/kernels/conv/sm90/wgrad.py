@@ -612,6 +612,7 @@ def _sum_parts(acc, mWork, slots, threads: cutlass.Constexpr, thread):
                 for v in cutlass.range_constexpr(frag):
                     acc[v] = acc[v] + bufs[u][v]
         for p in range(1 + groups * ahead, parts):  # the last (parts - 1) % ahead, one by one
-            cute.autovec_copy(splitk.slot_view(mWork, frag, threads, first + p * step, thread), bufs[0])
+            src = splitk.slot_view(mWork, frag, threads, first + p * step, thread)
+            cute.autovec_copy(src, bufs[0])
             for v in cutlass.range_constexpr(frag):
                 acc[v] = acc[v] + bufs[0][v]
