@@ -95,21 +95,36 @@ def _best(cost, cfgs, k, c, taps, k_tiles):
 
 
 def variants(p: dict) -> list[tuple[str, bool, object, float]]:
-    """(name, on the im2col walk at stride 1, WgradPlan, the model's us) of each plan timed."""
+    """(name, on the im2col walk, WgradPlan, the model's us) of each plan timed. At stride 1
+    `pick` is the launcher's walk (`wgrad_prefers_im2col`), `rect` the rectangles' plan where
+    the pick is the im2col walk, `im2col` the im2col walk's plan where the pick is rectangles;
+    the rectangles' model with WGRAD_START a wave (as the walks are compared)."""
     k, c = p["k"], p["c"]
     taps = p["kernel"][0] * p["kernel"][1]
     rect, k_tiles = _walk(p)
+    _, kt0 = _walk(p, im2col=True)
     tiled = rect > 0
+    to_im2col = tiled and W.wgrad_prefers_im2col(k, c, taps, k_tiles, kt0, SMS)
 
     def cost(cfg, k, c, taps, kt, s, tiled=tiled):
-        return W.wgrad_cost(cfg, k, c, taps, kt, s, SMS, tiled)
+        return W.wgrad_cost(cfg, k, c, taps, kt, s, SMS, tiled, started=True)
 
     def us(plan, tiled=tiled, kt=k_tiles):
         return cost(plan.config, k, c, taps, kt, plan.parts, tiled)[0] * UNIT_US
 
-    pick = W.choose_wgrad(k, c, taps, k_tiles, SMS, tiled=tiled)
-    out = [("pick", False, pick, us(pick))]
-    seen = {(pick.config, pick.per_split, False)}
+    def best_im2col():
+        def cost0(cfg, k, c, taps, kt, s):
+            return cost(cfg, k, c, taps, kt, s, tiled=False)
+
+        return _best(cost0, W.WGRAD_CONFIGS, k, c, taps, kt0)[1]
+
+    if to_im2col:
+        pick = best_im2col()
+        out = [("pick", True, pick, us(pick, tiled=False, kt=kt0))]
+    else:
+        pick = W.choose_wgrad(k, c, taps, k_tiles, SMS, tiled=tiled)
+        out = [("pick", False, pick, us(pick))]
+    seen = {(pick.config, pick.per_split, to_im2col)}
 
     def add(name, plan, im2col=False, model=None):
         key = (plan.config, plan.per_split, im2col)
@@ -117,21 +132,27 @@ def variants(p: dict) -> list[tuple[str, bool, object, float]]:
             seen.add(key)
             out.append((name, im2col, plan, us(plan) if model is None else model))
 
+    if to_im2col:  # the rectangles' plan the launcher had before the walks were compared
+        add("rect", W.choose_wgrad(k, c, taps, k_tiles, SMS, tiled=True))
     if not tiled:
         add("old", _best(_old_cost, W.WGRAD_CONFIGS, k, c, taps, k_tiles)[1])
-    for cfg in W.WGRAD_CONFIGS:
-        add("tile", _best(cost, (cfg,), k, c, taps, k_tiles)[1])
-    for parts in (max(1, pick.parts // 2), pick.parts * 2):
-        per = -(-k_tiles // parts)
-        plan = W.WgradPlan(pick.config, per, -(-k_tiles // per), pick.tiles)
-        add("parts", plan)
-    if tiled:  # the im2col walk at stride 1, its own best plan by the im2col terms
-        _, kt0 = _walk(p, im2col=True)
 
-        def cost0(cfg, k, c, taps, kt, s):
-            return cost(cfg, k, c, taps, kt, s, tiled=False)
+    def chooser(cfg, k, c, taps, kt, s):  # choose_wgrad's cost on the rectangles' walk
+        return W.wgrad_cost(cfg, k, c, taps, kt, s, SMS, tiled)
 
-        plan = _best(cost0, W.WGRAD_CONFIGS, k, c, taps, kt0)[1]
+    for cfg in W.WGRAD_CONFIGS:  # each tile at the split the chooser likes best for it
+        add("tile", _best(chooser, (cfg,), k, c, taps, k_tiles)[1])
+    # the pick's tile at half, twice and (a split sum of many parts: _sum_parts's loads
+    # ahead) three times its parts, on its walk, where three times fits in two waves
+    kt = kt0 if to_im2col else k_tiles
+    many = (3,) if pick.tiles * pick.parts * 3 <= 2 * SMS else ()
+    for parts in (max(1, pick.parts // 2), *(pick.parts * f for f in (2, *many))):
+        per = -(-kt // parts)
+        plan = W.WgradPlan(pick.config, per, -(-kt // per), pick.tiles)
+        model = us(plan, tiled=tiled and not to_im2col, kt=kt)
+        add("parts", plan, to_im2col, model)
+    if tiled and not to_im2col:  # the im2col walk at stride 1, its own best plan
+        plan = best_im2col()
         add("im2col", plan, True, us(plan, tiled=False, kt=kt0))
     return out
 
@@ -154,11 +175,20 @@ def _im2col_walk():
         launch._wgrad_walk = real
 
 
+@contextlib.contextmanager
+def _rect_walk():
+    """The launcher's stride-1 walk forced to rectangles (no comparison with the im2col
+    walk)."""
+    real = launch._wgrad_im2col
+    launch._wgrad_im2col = lambda *args: False
+    try:
+        yield
+    finally:
+        launch._wgrad_im2col = real
+
+
 def _call(dy5, x5, dw5, g, plan, im2col):
-    if im2col:
-        with _im2col_walk():
-            launch.wgrad(dy5, x5, dw5, g, plan)
-    else:
+    with _im2col_walk() if im2col else _rect_walk():
         launch.wgrad(dy5, x5, dw5, g, plan)
 
 
