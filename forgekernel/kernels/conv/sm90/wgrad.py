@@ -591,7 +591,8 @@ class ConvWgradSm90(GemmSm90):
 def _sum_parts(acc, mWork, slots, threads: cutlass.Constexpr, thread):
     """splitk.sum_parts (acc = the parts parked in slots first, first + step, ..., in that
     order, fp32) with the slots of `ahead` = SUM_AHEAD // fragment parts loaded before any of
-    them is added: one L2 round trip per `ahead` parts instead of per part. The additions are
+    them is added (the last (parts - 1) % ahead too, predicated): one L2 round trip per `ahead`
+    parts instead of per part. The additions are
     splitk.sum_parts's, in the same order (bitwise the same sum). A fragment of more than
     SUM_AHEAD / 2 floats (128x256: 128 a thread) takes splitk.sum_parts itself."""
     frag = cute.size(acc)
@@ -611,8 +612,13 @@ def _sum_parts(acc, mWork, slots, threads: cutlass.Constexpr, thread):
             for u in cutlass.range_constexpr(ahead):
                 for v in cutlass.range_constexpr(frag):
                     acc[v] = acc[v] + bufs[u][v]
-        for p in range(1 + groups * ahead, parts):  # the last (parts - 1) % ahead, one by one
-            src = splitk.slot_view(mWork, frag, threads, first + p * step, thread)
-            cute.autovec_copy(src, bufs[0])
-            for v in cutlass.range_constexpr(frag):
-                acc[v] = acc[v] + bufs[0][v]
+        # the last (parts - 1) % ahead parts, loaded together too (predicated)
+        rest = 1 + groups * ahead
+        for u in cutlass.range_constexpr(ahead - 1):
+            if rest + u < parts:
+                slot = first + (rest + u) * step
+                cute.autovec_copy(splitk.slot_view(mWork, frag, threads, slot, thread), bufs[u])
+        for u in cutlass.range_constexpr(ahead - 1):
+            if rest + u < parts:
+                for v in cutlass.range_constexpr(frag):
+                    acc[v] = acc[v] + bufs[u][v]
