@@ -1,12 +1,14 @@
-"""The weight gradient's worst cases (H200 2026-12-02 18:47 bench: 0.26-0.61x cuDNN) against
-cuDNN, after the im2col walk's producer lost six of its nine run-time divisions a k-tile and the
-chooser's im2col terms were refit (docs/conv/NOTES.md, "The weight gradient's worst cases,
-18:47"). For each case: the chooser's plan (`pick`), the 18:47 chooser's (`old`, where it
-differs), each standard tile at the split the chooser's model likes best for it, the pick's
-tile at half and twice its parts, and at stride 1 the im2col walk (`im2col`, the launcher takes
-the rectangles there); every plan's dW checked against cuDNN's first, then all timed interleaved
-(runtime/timing.py, graph replays). One line a plan: tile, parts x k-tiles a part, CTAs, the
-model's figure (cost x UNIT_US), the time, cudnn/this.
+"""The weight gradient's floor (H200 2026-12-03 03:50 bench: 0.54-0.78x cuDNN) against cuDNN,
+after the last part's split sum loads several parts ahead (wgrad.py `_sum_parts`) and stride 1
+compares the rectangles with the im2col walk (`wgrad_config.wgrad_prefers_im2col`;
+docs/conv/NOTES.md, "The weight gradient's floor after 03:50"). For each case: the launcher's
+plan (`pick`, on the walk the launcher takes), at stride 1 the other walk's (`rect` where the
+pick is the im2col walk, `im2col` where it is the rectangles), the 18:47 chooser's (`old`,
+stride 2, where it differs), each standard tile at the split the chooser likes best for it, the
+pick's tile at half, twice and (where it fits two waves) three times its parts; every plan's dW
+checked against cuDNN's first, then all timed interleaved (runtime/timing.py, graph replays).
+One line a plan: tile, parts x k-tiles a part, CTAs, the model's figure (cost x UNIT_US, the
+rectangles with WGRAD_START a wave), the time, cudnn/this.
 
     python3 scripts/conv_wgrad_probe.py [CASE ...]    (default: the cases below)
     python3 scripts/conv_wgrad_probe.py --plans [CASE ...]    (the plans and the model, no GPU)
@@ -32,20 +34,21 @@ from forgekernel.kernels.conv.sm90.config import (  # noqa: E402
 from forgekernel.kernels.conv.sm90.geometry import rect_k_tiles, rect_width  # noqa: E402
 
 CASES = (
-    "n8-c640-32x32-k640-3x3-s2",
-    "n8-c320-64x64-k320-3x3-s2",
-    "n8-c1280-16x16-k1280-3x3-s2",
+    # the 1x1 floor (64x64 / 128x64 tiles, 8-42 parts: the split sum's tail)
+    "n32-c64-56x56-k64-1x1",
+    "n32-c64-56x56-k256-1x1",
+    "n32-c256-56x56-k64-1x1",
+    "n32-c256-56x56-k128-1x1",
+    "n32-c512-28x28-k256-1x1",
+    "n32-c512-28x28-k128-1x1",
+    # stride 1 moved to the im2col walk (23% zero-filled rectangles)
+    "n32-c512-7x7-k512-3x3",
+    "n32-c256-14x14-k256-3x3",
+    # guards: kept on rectangles at a model margin of 9% (1.266x at 03:50); the stride-2 twins
+    # of the two moved cases (the same GEMM and plan on the im2col walk)
+    "n32-c128-28x28-k128-3x3",
     "n32-c512-14x14-k512-3x3-s2",
     "n32-c256-28x28-k256-3x3-s2",
-    "n32-c512-7x7-k512-3x3",
-    "n32-c1024-14x14-k2048-1x1-s2",
-    "n32-c384-14x14-k768-2x2-s2",
-    "n32-c64-56x56-k64-1x1",
-    # guard rows: plans the refit moves (c512-28x28 1x1 0.645x, c192 2x2 0.609x at 18:47) and
-    # the stride-2 case at 1.012x (its plan kept, its producer changed)
-    "n32-c512-28x28-k1024-1x1-s2",
-    "n32-c192-28x28-k384-2x2-s2",
-    "n32-c96-56x56-k192-2x2-s2",
 )
 UNIT_US = 0.426  # split_cost's unit: a 128x128 k-tile's multiply-adds at 650 TF/s on 132 SMs
 SMS = 132
