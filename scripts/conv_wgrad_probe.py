@@ -1,12 +1,14 @@
-"""The weight gradient's worst cases (H200 2026-12-02 18:47 bench: 0.26-0.61x cuDNN) against
-cuDNN, after the im2col walk's producer lost six of its nine run-time divisions a k-tile and the
-chooser's im2col terms were refit (docs/conv/NOTES.md, "The weight gradient's worst cases,
-18:47"). For each case: the chooser's plan (`pick`), the 18:47 chooser's (`old`, where it
-differs), each standard tile at the split the chooser's model likes best for it, the pick's
-tile at half and twice its parts, and at stride 1 the im2col walk (`im2col`, the launcher takes
-the rectangles there); every plan's dW checked against cuDNN's first, then all timed interleaved
-(runtime/timing.py, graph replays). One line a plan: tile, parts x k-tiles a part, CTAs, the
-model's figure (cost x UNIT_US), the time, cudnn/this.
+"""The weight gradient's floor (H200 2026-12-03 03:50 bench: 0.54-0.78x cuDNN) against cuDNN,
+after the last part's split sum loads several parts ahead (wgrad.py `_sum_parts`) and stride 1
+compares the rectangles with the im2col walk (`wgrad_config.wgrad_prefers_im2col`;
+docs/conv/NOTES.md, "The weight gradient's floor after 03:50"). For each case: the launcher's
+plan (`pick`, on the walk the launcher takes), at stride 1 the other walk's (`rect` where the
+pick is the im2col walk, `im2col` where it is the rectangles), the 18:47 chooser's (`old`,
+stride 2, where it differs), each standard tile at the split the chooser likes best for it, the
+pick's tile at half, twice and (where it fits two waves) three times its parts; every plan's dW
+checked against cuDNN's first, then all timed interleaved (runtime/timing.py, graph replays).
+One line a plan: tile, parts x k-tiles a part, CTAs, the model's figure (cost x UNIT_US, the
+rectangles with WGRAD_START a wave), the time, cudnn/this.
 
     python3 scripts/conv_wgrad_probe.py [CASE ...]    (default: the cases below)
     python3 scripts/conv_wgrad_probe.py --plans [CASE ...]    (the plans and the model, no GPU)
@@ -32,20 +34,21 @@ from forgekernel.kernels.conv.sm90.config import (  # noqa: E402
 from forgekernel.kernels.conv.sm90.geometry import rect_k_tiles, rect_width  # noqa: E402
 
 CASES = (
-    "n8-c640-32x32-k640-3x3-s2",
-    "n8-c320-64x64-k320-3x3-s2",
-    "n8-c1280-16x16-k1280-3x3-s2",
+    # the 1x1 floor (64x64 / 128x64 tiles, 8-42 parts: the split sum's tail)
+    "n32-c64-56x56-k64-1x1",
+    "n32-c64-56x56-k256-1x1",
+    "n32-c256-56x56-k64-1x1",
+    "n32-c256-56x56-k128-1x1",
+    "n32-c512-28x28-k256-1x1",
+    "n32-c512-28x28-k128-1x1",
+    # stride 1 moved to the im2col walk (23% zero-filled rectangles)
+    "n32-c512-7x7-k512-3x3",
+    "n32-c256-14x14-k256-3x3",
+    # guards: kept on rectangles at a model margin of 9% (1.266x at 03:50); the stride-2 twins
+    # of the two moved cases (the same GEMM and plan on the im2col walk)
+    "n32-c128-28x28-k128-3x3",
     "n32-c512-14x14-k512-3x3-s2",
     "n32-c256-28x28-k256-3x3-s2",
-    "n32-c512-7x7-k512-3x3",
-    "n32-c1024-14x14-k2048-1x1-s2",
-    "n32-c384-14x14-k768-2x2-s2",
-    "n32-c64-56x56-k64-1x1",
-    # guard rows: plans the refit moves (c512-28x28 1x1 0.645x, c192 2x2 0.609x at 18:47) and
-    # the stride-2 case at 1.012x (its plan kept, its producer changed)
-    "n32-c512-28x28-k1024-1x1-s2",
-    "n32-c192-28x28-k384-2x2-s2",
-    "n32-c96-56x56-k192-2x2-s2",
 )
 UNIT_US = 0.426  # split_cost's unit: a 128x128 k-tile's multiply-adds at 650 TF/s on 132 SMs
 SMS = 132
@@ -95,21 +98,36 @@ def _best(cost, cfgs, k, c, taps, k_tiles):
 
 
 def variants(p: dict) -> list[tuple[str, bool, object, float]]:
-    """(name, on the im2col walk at stride 1, WgradPlan, the model's us) of each plan timed."""
+    """(name, on the im2col walk, WgradPlan, the model's us) of each plan timed. At stride 1
+    `pick` is the launcher's walk (`wgrad_prefers_im2col`), `rect` the rectangles' plan where
+    the pick is the im2col walk, `im2col` the im2col walk's plan where the pick is rectangles;
+    the rectangles' model with WGRAD_START a wave (as the walks are compared)."""
     k, c = p["k"], p["c"]
     taps = p["kernel"][0] * p["kernel"][1]
     rect, k_tiles = _walk(p)
+    _, kt0 = _walk(p, im2col=True)
     tiled = rect > 0
+    to_im2col = tiled and W.wgrad_prefers_im2col(k, c, taps, k_tiles, kt0, SMS)
 
     def cost(cfg, k, c, taps, kt, s, tiled=tiled):
-        return W.wgrad_cost(cfg, k, c, taps, kt, s, SMS, tiled)
+        return W.wgrad_cost(cfg, k, c, taps, kt, s, SMS, tiled, started=True)
 
     def us(plan, tiled=tiled, kt=k_tiles):
         return cost(plan.config, k, c, taps, kt, plan.parts, tiled)[0] * UNIT_US
 
-    pick = W.choose_wgrad(k, c, taps, k_tiles, SMS, tiled=tiled)
-    out = [("pick", False, pick, us(pick))]
-    seen = {(pick.config, pick.per_split, False)}
+    def best_im2col():
+        def cost0(cfg, k, c, taps, kt, s):
+            return cost(cfg, k, c, taps, kt, s, tiled=False)
+
+        return _best(cost0, W.WGRAD_CONFIGS, k, c, taps, kt0)[1]
+
+    if to_im2col:
+        pick = best_im2col()
+        out = [("pick", True, pick, us(pick, tiled=False, kt=kt0))]
+    else:
+        pick = W.choose_wgrad(k, c, taps, k_tiles, SMS, tiled=tiled)
+        out = [("pick", False, pick, us(pick))]
+    seen = {(pick.config, pick.per_split, to_im2col)}
 
     def add(name, plan, im2col=False, model=None):
         key = (plan.config, plan.per_split, im2col)
@@ -117,21 +135,27 @@ def variants(p: dict) -> list[tuple[str, bool, object, float]]:
             seen.add(key)
             out.append((name, im2col, plan, us(plan) if model is None else model))
 
+    if to_im2col:  # the rectangles' plan the launcher had before the walks were compared
+        add("rect", W.choose_wgrad(k, c, taps, k_tiles, SMS, tiled=True))
     if not tiled:
         add("old", _best(_old_cost, W.WGRAD_CONFIGS, k, c, taps, k_tiles)[1])
-    for cfg in W.WGRAD_CONFIGS:
-        add("tile", _best(cost, (cfg,), k, c, taps, k_tiles)[1])
-    for parts in (max(1, pick.parts // 2), pick.parts * 2):
-        per = -(-k_tiles // parts)
-        plan = W.WgradPlan(pick.config, per, -(-k_tiles // per), pick.tiles)
-        add("parts", plan)
-    if tiled:  # the im2col walk at stride 1, its own best plan by the im2col terms
-        _, kt0 = _walk(p, im2col=True)
 
-        def cost0(cfg, k, c, taps, kt, s):
-            return cost(cfg, k, c, taps, kt, s, tiled=False)
+    def chooser(cfg, k, c, taps, kt, s):  # choose_wgrad's cost on the rectangles' walk
+        return W.wgrad_cost(cfg, k, c, taps, kt, s, SMS, tiled)
 
-        plan = _best(cost0, W.WGRAD_CONFIGS, k, c, taps, kt0)[1]
+    for cfg in W.WGRAD_CONFIGS:  # each tile at the split the chooser likes best for it
+        add("tile", _best(chooser, (cfg,), k, c, taps, k_tiles)[1])
+    # the pick's tile at half, twice and (a split sum of many parts: _sum_parts's loads
+    # ahead) three times its parts, on its walk, where three times fits in two waves
+    kt = kt0 if to_im2col else k_tiles
+    many = (3,) if pick.tiles * pick.parts * 3 <= 2 * SMS else ()
+    for parts in (max(1, pick.parts // 2), *(pick.parts * f for f in (2, *many))):
+        per = -(-kt // parts)
+        plan = W.WgradPlan(pick.config, per, -(-kt // per), pick.tiles)
+        model = us(plan, tiled=tiled and not to_im2col, kt=kt)
+        add("parts", plan, to_im2col, model)
+    if tiled and not to_im2col:  # the im2col walk at stride 1, its own best plan
+        plan = best_im2col()
         add("im2col", plan, True, us(plan, tiled=False, kt=kt0))
     return out
 
@@ -154,11 +178,20 @@ def _im2col_walk():
         launch._wgrad_walk = real
 
 
+@contextlib.contextmanager
+def _rect_walk():
+    """The launcher's stride-1 walk forced to rectangles (no comparison with the im2col
+    walk)."""
+    real = launch._wgrad_im2col
+    launch._wgrad_im2col = lambda *args: False
+    try:
+        yield
+    finally:
+        launch._wgrad_im2col = real
+
+
 def _call(dy5, x5, dw5, g, plan, im2col):
-    if im2col:
-        with _im2col_walk():
-            launch.wgrad(dy5, x5, dw5, g, plan)
-    else:
+    with _im2col_walk() if im2col else _rect_walk():
         launch.wgrad(dy5, x5, dw5, g, plan)
 
 

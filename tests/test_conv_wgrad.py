@@ -40,6 +40,7 @@ from forgekernel.kernels.conv.sm90.wgrad_config import (
     WgradPlan,
     choose_wgrad,
     wgrad_cost,
+    wgrad_prefers_im2col,
     wgrad_tiles,
 )
 from forgekernel.runtime import scratch
@@ -296,6 +297,55 @@ def test_the_chooser_fills_the_chip_within_its_limits():
         assert plan.config == WGRAD_SMALL and plan.parts >= 16
 
 
+def test_small_maps_take_the_im2col_walk_at_stride_1():
+    """The walks compared at stride 1 (each plan with WGRAD_START a wave, the im2col walk's
+    below WGRAD_WALK_MARGIN x the rectangles'): of conv_wgrad's 24 stride-1 cases only the two
+    whose rectangles are 23% zero (7x7 and 14x14 maps under a 3x3) leave the rectangles; the
+    unpadded 1x1s (one plane, no zero fill) and the large maps keep them."""
+    from forgekernel.bench.suites.conv_wgrad import BENCH_CASES
+
+    probe = _probe()  # its `_walk`: the launcher's walks of a bench case
+    moved = set()
+    for case in BENCH_CASES:
+        p = dict(case.params)
+        rect, kt = probe._walk(p)
+        if rect == 0:  # strides other than 1
+            continue
+        taps = p["kernel"][0] * p["kernel"][1]
+        im2col = probe._walk(p, im2col=True)[1]
+        if wgrad_prefers_im2col(p["k"], p["c"], taps, kt, im2col, 132):
+            moved.add(case.name)
+    assert moved == {"n32-c512-7x7-k512-3x3", "n32-c256-14x14-k256-3x3"}
+    # the issue's 7x7 case: 128x256 c2x1 over the 25 k-tiles of 64 pixels, one part (its
+    # stride-2 twin n32-c512-14x14-k512-3x3-s2's plan, 19.6 us at 03:50)
+    plan = choose_wgrad(512, 512, 9, 25, 132)
+    assert (plan.config, plan.parts) == (WGRAD_LARGE, 1)
+
+
+def test_the_launcher_takes_the_im2col_walk_the_chooser_prefers(model_kernel, monkeypatch):
+    """A stride-1 problem whose walks the chooser compares in favour of the im2col walk (here
+    forced) launches the im2col key (rect 0) with dy as (M, K), and gives the gradient; the
+    decision is cached per problem and forgotten by clear_plans."""
+    n, c, k, size, g = 2, 16, 24, (1, 7, 7), _geometry((1, 3, 3), (0, 1, 1))
+    x, dy, want = _problem(n, c, k, size, g)
+    asked = []
+
+    def prefers(*args):
+        asked.append(args)
+        return True
+
+    monkeypatch.setattr(launch, "wgrad_prefers_im2col", prefers)
+    launch.clear_plans()
+    for _ in range(2):
+        dw = torch.full(want.shape, float("nan"), dtype=F64)
+        launch.wgrad(dy, x, dw, g)
+        assert _close(dw, want)
+    assert len(asked) == 1  # cached
+    for key, *_ in model_kernel:
+        assert key["rect"] == 0 and key["dy_shape"] == (n * 7 * 7, k)
+    launch.clear_plans()
+
+
 def test_the_tiled_walk_keeps_its_cost():
     """The 18:47 refit (WGRAD_IM2COL_ROWS_128, WGRAD_IM2COL_FLOOR, WGRAD_START) is the im2col
     walk's: the stride-1 rectangles' cost is still the multiply-adds alone (their picks, the
@@ -346,18 +396,26 @@ def _probe():
 
 
 @pytest.mark.parametrize(
-    "n, c, k, hw, f, stride, pad",
+    "n, c, k, hw, f, stride, pad, im2col_preferred",
     [
-        (2, 24, 40, 9, 3, 2, 1),  # the im2col walk (old / tile / parts rows)
-        (2, 16, 24, 7, 3, 1, 1),  # stride 1: rectangles, and the im2col row forced
-        (2, 16, 16, 8, 1, 1, 0),  # an unpadded 1x1: one plane 8 wide, and im2col forced
+        (2, 24, 40, 9, 3, 2, 1, False),  # the im2col walk (old / tile / parts rows)
+        (2, 16, 24, 7, 3, 1, 1, False),  # stride 1: rectangles, and the im2col row forced
+        (2, 16, 16, 8, 1, 1, 0, False),  # an unpadded 1x1: one plane 8 wide, and im2col forced
+        (2, 16, 24, 7, 3, 1, 1, True),  # stride 1 preferring the im2col walk: the rect row
     ],
 )
-def test_every_probe_plan_computes_the_gradient(model_kernel, n, c, k, hw, f, stride, pad):
+def test_every_probe_plan_computes_the_gradient(
+    model_kernel, monkeypatch, n, c, k, hw, f, stride, pad, im2col_preferred
+):
     """Each plan scripts/conv_wgrad_probe.py times, through its own launch (`_call`: the
-    im2col walk forced at stride 1 by a patched `launch._wgrad_walk`), gives autograd's dW on
-    the CPU models, and the forced rows ran the im2col key (rect 0)."""
+    im2col walk forced at stride 1 by a patched `launch._wgrad_walk`, the rectangles by a
+    patched `launch._wgrad_im2col`), gives autograd's dW on the CPU models, and each row ran
+    its walk's key (rect 0 on the im2col walk)."""
     probe = _probe()
+    if im2col_preferred:  # the chooser's comparison of the walks, forced both sides
+        monkeypatch.setattr(probe.W, "wgrad_prefers_im2col", lambda *args: True)
+        monkeypatch.setattr(launch, "wgrad_prefers_im2col", lambda *args: True)
+        launch.clear_plans()
     g = _geometry((1, f, f), (0, pad, pad), (1, stride, stride))
     x, dy, want = _problem(n, c, k, (1, hw, hw), g)
     p = dict(n=n, c=c, k=k, spatial=(hw, hw), kernel=(f, f), stride=(stride, stride))
@@ -370,4 +428,7 @@ def test_every_probe_plan_computes_the_gradient(model_kernel, n, c, k, hw, f, st
         assert _close(dw, want), (name, plan)
         rect = model_kernel[-1][0]["rect"]
         assert (rect == 0) == (im2col or stride > 1), (name, rect)
-    assert launch._wgrad_walk.__name__ == "_wgrad_walk"  # the patch undone
+    assert (rows[0][1], any(name == "rect" for name, *_ in rows)) == (im2col_preferred,) * 2
+    assert launch._wgrad_walk.__name__ == "_wgrad_walk"  # the patches undone
+    assert launch._wgrad_im2col.__name__ == "_wgrad_im2col"
+    launch.clear_plans()

@@ -27,8 +27,9 @@ T = 1).
 - `wgrad`: one launch of the weight-gradient kernel (wgrad.py: the dense GEMM's kernel with
   dY^T and the im2col of x as operands, the N x Z x P x Q reduction split over CTAs and summed
   in split order by the last part). Stride 1: the reduction's k-tiles are rectangles of output
-  pixels (`geometry.rect_width`), dY and x through tiled TMAs (no im2col rate); other strides:
-  the im2col walk. Tile and split from `wgrad_config.choose_wgrad`, the fp32
+  pixels (`geometry.rect_width`), dY and x through tiled TMAs (no im2col rate), unless the
+  chooser prefers the im2col walk (`_wgrad_im2col`: zero-filled rectangles of small maps);
+  other strides: the im2col walk. Tile and split from `wgrad_config.choose_wgrad`, the fp32
   partials and per-tile flags in the stream's stream-K workspace (the dense GEMM launcher's:
   reused across calls, a capture's own when it needs a bigger one).
 """
@@ -73,6 +74,7 @@ from forgekernel.kernels.conv.sm90.wgrad_config import (
     WgradPlan,
     choose_wgrad,
     wgrad_params,
+    wgrad_prefers_im2col,
     wgrad_tiles,
 )
 from forgekernel.kernels.gemm.dense.sm90.launch import stream_k_workspace
@@ -445,6 +447,7 @@ def clear_plans() -> None:
     _wgrad_plans.clear()
     _phases.cache_clear()
     _wgrad_walk.cache_clear()
+    _wgrad_im2col.cache_clear()
     _fuses.cache_clear()
 
 
@@ -506,6 +509,15 @@ def _wgrad_walk(stride1: bool, n: int, z: int, p: int, q: int) -> tuple[int, int
     return 0, -(-(n * z * p * q) // K_TILE)
 
 
+@functools.lru_cache(maxsize=256)
+def _wgrad_im2col(k: int, c: int, taps: int, walk: tuple[int, int], m: int, device_index) -> bool:
+    """Whether the stride-1 weight gradient of `walk` (its rectangles) over m pixels takes the
+    im2col walk instead (`wgrad_config.wgrad_prefers_im2col`: the 7x7 / 14x14 maps' 23%
+    zero-filled rectangles)."""
+    sms = num_sms(device_index) if device_index is not None else NUM_SMS_H100_H200
+    return wgrad_prefers_im2col(k, c, taps, walk[1], -(-m // K_TILE), sms)
+
+
 def _wgrad_launch(dy, x, dw, geometry: Geometry, plan) -> None:
     """One launch of the weight-gradient kernel (`wgrad`'s arguments, dw not empty)."""
     k, t, r, s, c = dw.shape  # one shape read (each costs 0.1-0.2 us on every launch)
@@ -520,14 +532,16 @@ def _wgrad_launch(dy, x, dw, geometry: Geometry, plan) -> None:
         flat = _one_plane(dy, m), _one_plane(x, m)
         if flat[0] is not None and flat[1] is not None:
             (dy, x), (n, z, p, q) = flat, (1, 1, m // 8, 8)
+    device = dy.device
     walk = _wgrad_walk(stride1, n, z, p, q)
+    if walk[0] and _wgrad_im2col(kp, cp, t * r * s, walk, m, device.index):
+        walk = (0, -(-m // K_TILE))
     if walk[0]:  # rectangles of output pixels, dy (N, Z, P, Q, K)
         dy2 = _channels_padded(dy, kp)
     else:  # the im2col walk, dy (M, K)
         dy2 = _channels_padded(dy.reshape(m, k), kp)
     in_place = kp == k and cp == c and dw.is_contiguous() and tma_ready(dw)
     dw2 = dw if in_place else dw.new_empty(kp, t, r, s, cp)
-    device = dy.device
     fn, plan = _wgrad_plans.get_or_build(
         (dy.dtype, kp, cp, t * r * s, walk, device.index, plan), _wgrad_plan
     )

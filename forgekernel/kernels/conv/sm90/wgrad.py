@@ -87,6 +87,12 @@ from forgekernel.kernels.gemm.dense.sm90.kernel import Bar, GemmSm90
 from forgekernel.kernels.gemm.dense.sm90.tile import GemmConfig
 
 BOX_CHANNELS = 64  # channels per im2col box: one 128-byte swizzle row of 16-bit elements
+# Floats a thread of the tile's last part loads ahead of its sum (`_sum_parts`): the fragments
+# of SUM_AHEAD // fragment parts in flight at once. splitk.sum_parts waits one L2 round trip a
+# part (SASS of 64x64: eight LDG.E.128 then their FADDs, a loop iteration a part), and a 1x1's
+# single 64x64 tile sums 42 parts that way (n32-c64-56x56-k64-1x1: 21.0 us against cuDNN's
+# 12.8; docs/conv/NOTES.md, "The weight gradient's floor after 03:50").
+SUM_AHEAD = 128
 
 
 class ConvWgradSm90(GemmSm90):
@@ -397,7 +403,7 @@ class ConvWgradSm90(GemmSm90):
                 )
                 if last:
                     slots = (tile, tiles, splits)  # the tile's parts in split order
-                    splitk.sum_parts(acc, mWork, slots, self.num_mma_threads, thread)
+                    _sum_parts(acc, mWork, slots, self.num_mma_threads, thread)
             if last:
                 epi = self._epilogue_parts(tidx, tiled_mma, acc, sC, epi_barrier)
                 gC_tile = gC[(None, None, tile_m, tile_n)]
@@ -579,3 +585,40 @@ class ConvWgradSm90(GemmSm90):
             store_pipe,
             epi_barrier,
         )
+
+
+@cute.jit
+def _sum_parts(acc, mWork, slots, threads: cutlass.Constexpr, thread):
+    """splitk.sum_parts (acc = the parts parked in slots first, first + step, ..., in that
+    order, fp32) with the slots of `ahead` = SUM_AHEAD // fragment parts loaded before any of
+    them is added (the last (parts - 1) % ahead too, predicated): one L2 round trip per `ahead`
+    parts instead of per part. The additions are
+    splitk.sum_parts's, in the same order (bitwise the same sum). A fragment of more than
+    SUM_AHEAD / 2 floats (128x256: 128 a thread) takes splitk.sum_parts itself."""
+    frag = cute.size(acc)
+    ahead = SUM_AHEAD // frag
+    if cutlass.const_expr(ahead < 2):
+        splitk.sum_parts(acc, mWork, slots, threads, thread)
+    else:
+        first, step, parts = slots
+        src = splitk.slot_view(mWork, frag, threads, first, thread)
+        cute.autovec_copy(src, cute.make_tensor(acc.iterator, src.layout.shape))
+        bufs = [cute.make_rmem_tensor(src.layout.shape, cutlass.Float32) for _ in range(ahead)]
+        groups = (parts - 1) // ahead
+        for g in range(groups):
+            for u in cutlass.range_constexpr(ahead):
+                slot = first + (1 + g * ahead + u) * step
+                cute.autovec_copy(splitk.slot_view(mWork, frag, threads, slot, thread), bufs[u])
+            for u in cutlass.range_constexpr(ahead):
+                for v in cutlass.range_constexpr(frag):
+                    acc[v] = acc[v] + bufs[u][v]
+        # the last (parts - 1) % ahead parts, loaded together too (predicated)
+        rest = 1 + groups * ahead
+        for u in cutlass.range_constexpr(ahead - 1):
+            if rest + u < parts:
+                slot = first + (rest + u) * step
+                cute.autovec_copy(splitk.slot_view(mWork, frag, threads, slot, thread), bufs[u])
+        for u in cutlass.range_constexpr(ahead - 1):
+            if rest + u < parts:
+                for v in cutlass.range_constexpr(frag):
+                    acc[v] = acc[v] + bufs[u][v]

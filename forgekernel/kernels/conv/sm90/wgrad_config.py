@@ -69,6 +69,15 @@ WGRAD_MIN_PER_SPLIT = 4  # pixel k-tiles
 WGRAD_IM2COL_ROWS_128 = 1.0
 WGRAD_IM2COL_FLOOR = 0.6
 WGRAD_START = 5.5
+# Stride 1 takes the im2col walk where its plan's cost is below WGRAD_WALK_MARGIN x the
+# rectangles' (`wgrad_prefers_im2col`), each with WGRAD_START a wave: the rectangles' model
+# without it ran 1.31x under the 03:50 times of the 24 stride-1 cases (median), 0.99x with it.
+# The margin keeps n32-c128-28x28-k128-3x3 on rectangles (its stride-2 twin
+# n32-c128-56x56-k128-3x3-s2, the same GEMM on the im2col walk, ran 21.2 us against its 20.3);
+# n32-c512-7x7-k512-3x3 (36.2 us, 0.539x cuDNN) and n32-c256-14x14-k256-3x3 (21.1 us) move to
+# the im2col walk, whose twins (n32-c512-14x14-k512-3x3-s2, n32-c256-28x28-k256-3x3-s2: the
+# same plans) ran 19.6 and 18.4 us: the rectangles of a 7x7 or 14x14 map are 23% zero.
+WGRAD_WALK_MARGIN = 0.875
 
 # The weight gradient's plan: its GemmConfig, pixel k-tiles per part, parts, output tiles.
 WgradPlan = SplitPlan
@@ -81,16 +90,18 @@ def wgrad_tiles(cfg: GemmConfig, k: int, c: int, taps: int) -> int:
 
 
 def wgrad_cost(cfg: GemmConfig, k: int, c: int, taps: int, k_tiles: int, splits: int,
-               num_sms: int, tiled: bool = False) -> tuple[float, int, int]:  # fmt: skip
+               num_sms: int, tiled: bool = False,
+               started: bool = False) -> tuple[float, int, int]:  # fmt: skip
     """`config.split_cost` of `cfg` on the weight gradient (K output channels, C input
     channels, `taps` taps, `k_tiles` pixel k-tiles) with its reduction cut `splits` ways. The
     im2col walk: a k-tile takes the longest of its multiply-adds, B's rows (tile_n / cluster_m
     a CTA, WGRAD_IM2COL_ROWS_128 per 128) and the producer's WGRAD_IM2COL_FLOOR, and a CTA pays
-    WGRAD_START; `tiled` (the stride-1 rectangles: tiled TMAs) the multiply-adds alone."""
+    WGRAD_START; `tiled` (the stride-1 rectangles: tiled TMAs) the multiply-adds alone, and
+    WGRAD_START too where `started` (the walks compared: `wgrad_prefers_im2col`)."""
     cm = cfg.cluster_m
     tiles_mn = (_ceil(k, cfg.tile_m * cm) * cm, _ceil(c, cfg.tile_n) * taps)
     tile = (cfg.tile_m, cfg.tile_n)
-    rows, start = 0.0, 0.0
+    rows, start = 0.0, WGRAD_START if started else 0.0
     if not tiled:  # in units of 128 rows at 1.0 a row-block: split_cost's row_rate 1.0
         rows = 128 * max(WGRAD_IM2COL_ROWS_128 * cfg.tile_n / cm / 128, WGRAD_IM2COL_FLOOR)
         start = WGRAD_START
@@ -124,6 +135,19 @@ def choose_wgrad(k: int, c: int, taps: int, k_tiles: int, num_sms: int = NUM_SMS
             if best is None or cost < best[0]:
                 best = (cost, WgradPlan(cfg, per, splits, tiles))
     return best[1]
+
+
+def wgrad_prefers_im2col(k: int, c: int, taps: int, rect_k_tiles: int, im2col_k_tiles: int,
+                         num_sms: int = NUM_SMS_H100_H200) -> bool:  # fmt: skip
+    """Whether a stride-1 weight gradient runs faster on the im2col walk (`im2col_k_tiles`
+    of 64 pixels) than on the rectangles (`rect_k_tiles`, zero-filled where the map is no
+    multiple of them): each walk's `choose_wgrad` plan, the rectangles' with WGRAD_START a
+    wave as the im2col walk's, the im2col walk's below WGRAD_WALK_MARGIN x the rectangles'."""
+    rect = choose_wgrad(k, c, taps, rect_k_tiles, num_sms, tiled=True)
+    rect_cost = wgrad_cost(rect.config, k, c, taps, rect_k_tiles, rect.parts, num_sms, True, True)
+    im2col = choose_wgrad(k, c, taps, im2col_k_tiles, num_sms)
+    im2col_cost = wgrad_cost(im2col.config, k, c, taps, im2col_k_tiles, im2col.parts, num_sms)
+    return im2col_cost[0] < WGRAD_WALK_MARGIN * rect_cost[0]
 
 
 def wgrad_params(dtype: str, cfg: GemmConfig, rect: int = 0) -> tuple:
