@@ -136,6 +136,36 @@ def run_ours(inputs: Inputs, out):
     return o
 
 
+def _run_inverse(inverse: str):
+    """Ours through the launcher with the first pass's inverse merges as `inverse`
+    (`gdn_prefill/sm90/inverse_forms.INVERSES`: "tf32" / "tf32x3" on the tensor cores)."""
+
+    def run(inputs: Inputs, out):
+        launch = importlib.import_module(
+            "forgekernel.kernels.linear_attention.kda_prefill.sm90.launch"
+        )
+        i = inputs
+        n, hv = len(i["cu_seqlens"]) - 1, i["v"].shape[2]
+        final = torch.empty(n, hv, HEAD, HEAD, dtype=torch.float32, device=i["v"].device)
+        launch.kda_prefill(i["q"][0], i["k"][0], i["v"][0], i["g"][0], i["beta"][0], i["state"],
+                           i["cu_seqlens"], out[0], final, HEAD**-0.5, l2norm=False,
+                           inverse=inverse)  # fmt: skip
+        return out
+
+    return run
+
+
+def variants(case: Case) -> dict[str, Any]:
+    """The first pass's inverse merges on the tensor cores (`inverse_tf32`, `inverse_tf32x3`)
+    on the fixed-length cases up to 32k tokens (bench time): whether the first pass, ~86 % of
+    4 x 8192 h16 (docs/linear_attention/NOTES.md, "KDA prefill at 0.28x cuDNN"), is shortened by
+    its inverse's serial chain."""
+    lens = case.params["lens"]
+    if sum(lens) > 32768 or len(set(lens)) != 1:
+        return {}
+    return {f"inverse_{f}": _run_inverse(f) for f in ("tf32", "tf32x3")}
+
+
 def _reference(inputs: Inputs) -> torch.Tensor:
     """The fp64 output."""
     from forgekernel.reference.delta_rule import kimi_delta_attention_recurrent
@@ -256,4 +286,5 @@ def suite() -> OpSuite:
         atol=1e-2,
         bench_dtypes=(torch.bfloat16,),
         sanitize_cases=SANITIZE_CASES,
+        variants=variants,
     )

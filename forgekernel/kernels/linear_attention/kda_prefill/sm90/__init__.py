@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse_forms import with_inverse
 from forgekernel.kernels.linear_attention.kda_prefill.sm90.config import (
     DTYPES,
     HEAD_DIMS,
@@ -30,9 +31,10 @@ def _compile_intra(params: Params, extra_options: str = ""):
     return compile_kda_intra(dict(params), "sm_90a", extra_options)
 
 
-def intra_params_for(dtype: str, k: int = 128) -> Params:
-    """The first pass's compile key: the q / k dtype and K."""
-    return tuple(sorted({"dtype": dtype, "k": k}.items()))
+def intra_params_for(dtype: str, k: int = 128, inverse: str = "fma") -> Params:
+    """The first pass's compile key: the q / k dtype, K, and the inverse's merges (named only
+    off the standard "fma": `inverse_forms.with_inverse`; "tf32" / "tf32x3" opt-in)."""
+    return with_inverse(tuple(sorted({"dtype": dtype, "k": k}.items())), inverse)
 
 
 def _standard_params() -> list[Params]:
@@ -61,6 +63,8 @@ INTRA_SPEC = KernelSpec(
     directory=Path(__file__).parent,
     compile=_compile_intra,
     standard_params=lambda: [intra_params_for(dtype) for dtype in DTYPES],
+    # the bench variants' kernels (`build --only kda_intra_sm90 --candidates`)
+    candidate_params=lambda: [intra_params_for("bfloat16", 128, f) for f in ("tf32", "tf32x3")],
 )
 SPECS = (SPEC, INTRA_SPEC)
 

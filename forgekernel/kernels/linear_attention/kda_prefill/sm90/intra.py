@@ -14,7 +14,8 @@ token 16 I + 8, a = G2 - r_I(i) (at most 8 steps):
     L[:, J] = A_J Kr_J^T                        4 SS WGMMAs 64 x 16 x K, one commit group
     L = beta_i L (j < i) -> fp32 scratch; then the q side into the same four tiles:
     P[:, J] = (Ql * E) Kr_J^T (j <= i)          4 more WGMMAs
-    T = (I + L)^-1 on the CUDA cores (`gdn_prefill/sm90/inverse.invert`);
+    T = (I + L)^-1 on the CUDA cores (`gdn_prefill/sm90/inverse`; opt-in, compile key
+    `inverse`: the merges by mma.sync tf32, `inverse_mma.invert_merge_mma`);
     P -> global (bf16); T diag(beta) -> global (bf16).
 
 Loads: per sub-chunk, its 16 tokens' g (and k or q) are loaded before any of its math and
@@ -49,7 +50,11 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     W_STRIDE,
     X_STRIDE,
 )
-from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse import invert
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse import (
+    invert_diagonal,
+    invert_merge,
+)
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse_mma import invert_merge_mma
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import Bar
 from forgekernel.kernels.linear_attention.kda_prefill.sm90.config import CHUNK
 
@@ -66,10 +71,13 @@ def _columns_of(e_tab):
 class KdaIntraSm90:
     """The first pass; see the module docstring."""
 
-    def __init__(self, k: int):
+    def __init__(self, k: int, inverse_passes: int = 0):
+        """inverse_passes: the inverse's merges on the CUDA cores (0, the standard kernel) or as
+        mma.sync tf32 with 1 / 3 passes (`gdn_prefill/sm90/inverse_forms.INVERSES`)."""
         if k != 128:
             raise ValueError(f"K must be 128 (one channel a thread), got {k}")
         self.k = k
+        self.inverse_passes = inverse_passes
 
     @cute.jit
     def __call__(
@@ -249,7 +257,11 @@ class KdaIntraSm90:
         # (C7514; GDN's aux overlaps them, with one accumulator in flight)
         warpgroup.wait_group(0)
         cute.arch.sync_warp()
-        invert(sW, sX, ch, bar)
+        invert_diagonal(sW, ch)
+        if const_expr(self.inverse_passes == 0):
+            invert_merge(sW, sX, ch, bar)
+        else:  # opt-in: the merges' 16 x 16 block products on the tensor cores
+            invert_merge_mma(sW, sX, ch, bar, self.inverse_passes)
         for j in cutlass.range_constexpr(NSUB):
             self._store_p(accp[j], coords, mP, row0, hv, j)
         self._store_t_beta(sW, sBeta, mT, row0, hv, ch)
