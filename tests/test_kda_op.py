@@ -92,6 +92,21 @@ def test_batch_with_strong_decay(cpu_kernel, l2norm):
     assert cpu_kernel == [{"dtype": "bfloat16", "k": 128}, want]  # first pass, recurrence
 
 
+def test_first_pass_addr32_key(cpu_kernel):
+    """addr32 (the first pass's 32-bit views: addresses only, the replay's math unchanged)
+    reaches the first pass's compile key, with the inverse's; the recurrence's key stays."""
+    x = make(t=70, h=1, hv=2, seed=12)
+    flat = {name: x[name][0].contiguous() for name in ("q", "k", "v", "g", "beta")}
+    o = torch.empty_like(flat["v"])
+    s = torch.empty(1, 2, D, D)
+    cu = torch.tensor([0, 70], dtype=torch.int32)
+    launch.kda_prefill(flat["q"], flat["k"], flat["v"], flat["g"], flat["beta"], x["state"], cu,
+                       o, s, D**-0.5, l2norm=False, inverse="tf32", addr32=True)  # fmt: skip
+    assert cpu_kernel[0] == {"dtype": "bfloat16", "k": 128, "inverse": "tf32", "addr32": True}
+    assert "addr32" not in cpu_kernel[1] and "inverse" not in cpu_kernel[1]
+    close(o[None], reference(x)[0], 2e-2)
+
+
 @pytest.mark.parametrize("inverse", ["tf32", "tf32x3"])
 def test_first_pass_with_the_tensor_core_inverse(cpu_kernel, inverse):
     """The first pass's inverse merges on the tensor cores (the bench variants; the replay's T by

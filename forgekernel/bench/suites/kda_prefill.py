@@ -136,9 +136,10 @@ def run_ours(inputs: Inputs, out):
     return o
 
 
-def _run_inverse(inverse: str):
+def _run_first_pass(inverse: str, addr32: bool = False):
     """Ours through the launcher with the first pass's inverse merges as `inverse`
-    (`gdn_prefill/sm90/inverse_forms.INVERSES`: "tf32" / "tf32x3" on the tensor cores)."""
+    (`gdn_prefill/sm90/inverse_forms.INVERSES`: "tf32" / "tf32x3" on the tensor cores) and
+    addr32 (its per-token addresses from views with 32-bit row strides)."""
 
     def run(inputs: Inputs, out):
         launch = importlib.import_module(
@@ -149,21 +150,27 @@ def _run_inverse(inverse: str):
         final = torch.empty(n, hv, HEAD, HEAD, dtype=torch.float32, device=i["v"].device)
         launch.kda_prefill(i["q"][0], i["k"][0], i["v"][0], i["g"][0], i["beta"][0], i["state"],
                            i["cu_seqlens"], out[0], final, HEAD**-0.5, l2norm=False,
-                           inverse=inverse)  # fmt: skip
+                           inverse=inverse, addr32=addr32)  # fmt: skip
         return out
 
     return run
 
 
 def variants(case: Case) -> dict[str, Any]:
-    """The first pass's inverse merges on the tensor cores (`inverse_tf32`, `inverse_tf32x3`)
-    on the fixed-length cases up to 32k tokens (bench time): whether the first pass, ~86 % of
-    4 x 8192 h16 (docs/linear_attention/NOTES.md, "KDA prefill at 0.28x cuDNN"), is shortened by
-    its inverse's serial chain."""
+    """The first pass's opt-in forms on the fixed-length cases up to 32k tokens (bench time):
+    its inverse merges on the tensor cores (`inverse_tf32`, `inverse_tf32x3`), its addresses
+    from 32-bit views (`addr32`: -18 % of its SASS a warp), both (`addr32_inverse_tf32`): how
+    much of the first pass, ~86 % of 4 x 8192 h16 (docs/linear_attention/NOTES.md, "KDA
+    prefill at 0.28x cuDNN"), each removes."""
     lens = case.params["lens"]
     if sum(lens) > 32768 or len(set(lens)) != 1:
         return {}
-    return {f"inverse_{f}": _run_inverse(f) for f in ("tf32", "tf32x3")}
+    return {
+        "inverse_tf32": _run_first_pass("tf32"),
+        "inverse_tf32x3": _run_first_pass("tf32x3"),
+        "addr32": _run_first_pass("fma", True),
+        "addr32_inverse_tf32": _run_first_pass("tf32", True),
+    }
 
 
 def _reference(inputs: Inputs) -> torch.Tensor:
