@@ -1,5 +1,6 @@
 """The KDA prefill's time split between its two kernels, measured (docs/linear_attention/
-NOTES.md, "KDA prefill at 0.28x cuDNN": the CPU-side fit says ~86 % first pass at 4 x 8192 h16):
+NOTES.md, "KDA prefill at 0.28x cuDNN": the fit from the bench says 80-85 % first pass at 4 x
+8192 h16):
 
     python3 scripts/time_kda_passes.py [B T H HV]        (default 4 8192 16 16, no state)
 

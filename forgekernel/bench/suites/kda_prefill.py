@@ -160,7 +160,7 @@ def variants(case: Case) -> dict[str, Any]:
     """The first pass's opt-in forms on the fixed-length cases up to 32k tokens (bench time):
     its inverse merges on the tensor cores (`inverse_tf32`, `inverse_tf32x3`), its addresses
     from 32-bit views (`addr32`: -18 % of its SASS a warp), both (`addr32_inverse_tf32`): how
-    much of the first pass, ~86 % of 4 x 8192 h16 (docs/linear_attention/NOTES.md, "KDA
+    much of the first pass, ~80-85 % of 4 x 8192 h16 (docs/linear_attention/NOTES.md, "KDA
     prefill at 0.28x cuDNN"), each removes."""
     lens = case.params["lens"]
     if sum(lens) > 32768 or len(set(lens)) != 1:
