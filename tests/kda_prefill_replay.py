@@ -7,8 +7,10 @@ and stored only for rows inside the sequence. Not a test module (tests/test_kda_
 
 from __future__ import annotations
 
+import gdn_prefill_replay
 import torch
 
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse_forms import INVERSES
 from forgekernel.kernels.linear_attention.kda_prefill.sm90.config import CHUNK
 from forgekernel.reference.kda_chunked import chunk_operands
 
@@ -62,7 +64,13 @@ def kernel(params: dict):
 def intra_kernel(params: dict):
     """A callable with the first-pass kernel's (`intra.py`) signature: per chunk (its first
     token and length), the kernel's math (`chunk_operands` with its bf16 operand roundings:
-    Kl E, Kr, Ql E before the products, the outputs after) written where the kernel writes."""
+    Kl E, Kr, Ql E before the products, the outputs after) written where the kernel writes.
+    params["inverse"] "tf32" / "tf32x3": T by the tensor-core merges' model
+    (gdn_prefill_replay.blocked_inverse: the lanes' fragments, tf32 roundings); else the solve."""
+    passes = INVERSES[params.get("inverse", "fma")]
+
+    def blocked(akk: torch.Tensor) -> torch.Tensor:  # (HV, 64, 64)
+        return torch.stack([gdn_prefill_replay.blocked_inverse(a, passes) for a in akk])
 
     def run(q, k, g, beta, starts, lengths, q_g, k_g, k_d, t_beta, p, decay, scale):
         hv = g.shape[1]
@@ -78,7 +86,8 @@ def intra_kernel(params: dict):
                 return y.transpose(0, 1)  # (HV, 64, ...)
 
             ops = chunk_operands(rows(q, heads) * scale, rows(k, heads), rows(g), rows(beta),
-                                 operand_dtype=OPERAND)  # fmt: skip
+                                 operand_dtype=OPERAND,
+                                 inverse=blocked if passes else None)  # fmt: skip
             r = slice(gc * CHUNK, (gc + 1) * CHUNK)
             for name, dst in (("q_g", q_g), ("k_g", k_g), ("k_d", k_d), ("t_beta", t_beta),
                               ("p", p)):  # fmt: skip
