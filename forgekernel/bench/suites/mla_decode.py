@@ -126,8 +126,12 @@ CHECK_CASES = (
     _case(132, 16, 64, tuple((i * 7919) % 1000 for i in range(132)), tag="direct"),
 )
 # every compiled variant: 16 heads x 1 token, 8 x 2, 4 x 4 (packed), both cache forms; the fp8
-# compiles at 16 x 1 and 16 x 4
-SANITIZE_CASES = (CHECK_CASES[0], CHECK_CASES[5], CHECK_CASES[6], CHECK_CASES[9], CHECK_CASES[13])
+# compiles at 16 x 1 and 16 x 4; the 128-head seesaw blocks, partial (splits) and direct (what
+# FORGEKERNEL_MLA_PAIR=1 runs as clusters of 2)
+SANITIZE_CASES = (
+    CHECK_CASES[0], CHECK_CASES[5], CHECK_CASES[6], CHECK_CASES[9], CHECK_CASES[13],
+    CHECK_CASES[4], CHECK_CASES[16],
+)  # fmt: skip
 
 
 def fp8(case: Case) -> bool:
