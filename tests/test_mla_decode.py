@@ -28,9 +28,11 @@ from forgekernel.bench.suites import PENDING_SUITE_MODULES, SUITE_MODULES, mla_d
 from forgekernel.kernels.attention.mla.sm90 import SPEC
 from forgekernel.kernels.attention.mla.sm90 import launch as mla_launch
 from forgekernel.kernels.attention.mla.sm90.config import (
+    DTYPES,
     E4M3_TO_BF16_EXPONENT,
     FP8_ROW_BYTES,
     HEADS,
+    PAIR_BLOCKS,
     QTOKENS,
     ROWS,
     SPLIT_OVERHEAD_TILES,
@@ -91,9 +93,15 @@ def test_compile_keys():
     per_pass = sum(1 for h in HEADS for t in QTOKENS if h * t <= ROWS)
     # fp16 and bf16 (the seesaw pass and decode.py's), FP8 cache with bf16 queries (registers
     # and fp8_staged), the seesaw's direct form of the served head blocks in both dtypes
-    direct = [p for p in partial if p.get("direct")]
+    direct = [p for p in partial if p.get("direct") and not p.get("pair")]
     assert len(direct) == 2 * len(direct_blocks()) == 12 and all(p["tma"] for p in direct)
-    assert len(partial) == 6 * per_pass + len(direct)
+    # the pair form (candidate): the pair blocks, partial and direct, both dtypes
+    pair = [p for p in partial if p.get("pair")]
+    assert sorted((p["dtype"], p["heads"], p.get("qtokens", 1), p.get("direct", False))
+                  for p in pair) == sorted(
+        (d, h, t, direct) for d in DTYPES for h, t in PAIR_BLOCKS for direct in (False, True)
+    ) and all(p["tma"] for p in pair)  # fmt: skip
+    assert len(partial) == 6 * per_pass + len(direct) + len(pair)
     assert sum(1 for p in partial if p.get("fp8") and not p.get("fp8_staged")) == per_pass
     staged = [p for p in partial if p.get("fp8_staged")]
     assert {(p["heads"], p.get("qtokens", 1)) for p in staged} == {
@@ -101,7 +109,10 @@ def test_compile_keys():
     } and all(p["fp8"] for p in staged)
     with pytest.raises(ValueError, match="fp8_staged"):
         params_for("partial", "bfloat16", 16, fp8_staged=True)
-    assert sum(1 for p in partial if p.get("tma") and not p.get("direct")) == 2 * per_pass
+    assert (
+        sum(1 for p in partial if p.get("tma") and not p.get("direct") and not p.get("pair"))
+        == 2 * per_pass
+    )
     assert all(p["dtype"] == "bfloat16" for p in partial if p.get("fp8"))
     with pytest.raises(ValueError, match="direct form"):
         params_for("partial", "bfloat16", 16, direct=True)

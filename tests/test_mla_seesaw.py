@@ -415,10 +415,11 @@ def test_mbarriers_are_armed_and_initialized_once():
         ((tests, withs),) = _enclosing(fn, "mbarrier_arrive_and_expect_tx")
         assert not tests and withs == ["cute.arch.elect_one()"]
     inits = _enclosing(cls.kernel, "mbarrier_init")
-    assert len(inits) == 1 and inits[0][1] == ["cute.arch.elect_one()"]
-    assert ms.warp_collective(_reaches(inits[0][0]), seesaw.THREADS) == [0]
-    (init,) = _calls(cls.kernel, "mbarrier_init")
-    assert ast.unparse(init.args[1]) == "1"
+    assert len(inits) == 2 and all(withs == ["cute.arch.elect_one()"] for _, withs in inits)
+    assert all(ms.warp_collective(_reaches(t), seesaw.THREADS) == [0] for t, _ in inits)
+    # K's boxes and Q's count one arrival; the pair form's releases one from each CTA
+    counts = [ast.unparse(init.args[1]) for init in _calls(cls.kernel, "mbarrier_init")]
+    assert counts == ["1", "PAIR"]
     assert len(_calls(cls.kernel, "mbarrier_init_fence")) == 1
 
 

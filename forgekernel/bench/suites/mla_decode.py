@@ -126,8 +126,12 @@ CHECK_CASES = (
     _case(132, 16, 64, tuple((i * 7919) % 1000 for i in range(132)), tag="direct"),
 )
 # every compiled variant: 16 heads x 1 token, 8 x 2, 4 x 4 (packed), both cache forms; the fp8
-# compiles at 16 x 1 and 16 x 4
-SANITIZE_CASES = (CHECK_CASES[0], CHECK_CASES[5], CHECK_CASES[6], CHECK_CASES[9], CHECK_CASES[13])
+# compiles at 16 x 1 and 16 x 4; the 128-head seesaw blocks, partial (splits) and direct (what
+# FORGEKERNEL_MLA_PAIR=1 runs as clusters of 2)
+SANITIZE_CASES = (
+    CHECK_CASES[0], CHECK_CASES[5], CHECK_CASES[6], CHECK_CASES[9], CHECK_CASES[13],
+    CHECK_CASES[4], CHECK_CASES[16],
+)  # fmt: skip
 
 
 def fp8(case: Case) -> bool:
@@ -394,9 +398,37 @@ def _run_fp8_staged(inputs: Inputs, out):
         return run_ours(inputs, out)
 
 
+def _run_pair(inputs: Inputs, out):
+    """ours with the seesaw pass's `pair` compile (launch.pair_form): 128 heads' head blocks as
+    clusters of 2 sharing each tile's loads by TMA multicast."""
+    from forgekernel.kernels.attention.mla.sm90.launch import pair_form
+
+    with pair_form(True):
+        return run_ours(inputs, out)
+
+
+def _pairs(case: Case) -> bool:
+    """The case runs a seesaw plan of a pair block (16-bit cache, pages of whole tiles, 128
+    heads; the config's rule on the compiled block)."""
+    from forgekernel.kernels.attention.mla.sm90 import config
+    from forgekernel.kernels.attention.mla.sm90.launch import query_tokens
+
+    p = case.params
+    if fp8(case) or p["page"] % config.TILE:
+        return False
+    q_lens = p.get("q_lens")
+    qtokens = query_tokens(q_lens is not None or p["s_q"] > 1, max(q_lens or (p["s_q"],)), p["hq"])
+    heads = config.heads_per_cta(p["hq"], qtokens)
+    return config.runs_pair(p["hq"], heads, qtokens, True)
+
+
 def variants(case: Case) -> dict[str, Any]:
-    """FP8 cases: the staged form beside the register one (MLA_NOTES.md, the 0.67x section)."""
-    return {"fp8_staged": _run_fp8_staged} if fp8(case) else {}
+    """FP8 cases: the staged form beside the register one (MLA_NOTES.md, the 0.67x section);
+    cases of the pair blocks (128 heads, page 64): the pair form (MLA_NOTES.md, "The 128-head
+    floor")."""
+    if fp8(case):
+        return {"fp8_staged": _run_fp8_staged}
+    return {"pair": _run_pair} if _pairs(case) else {}
 
 
 def suite() -> OpSuite:

@@ -7,7 +7,8 @@ The partial pass's sparse mode (kind "sparse") is DeepSeek sparse attention's ke
 (fp8.py), `fp8_staged` ones its bytes by cp.async into their own stage (the candidate that
 FORGEKERNEL_MLA_FP8=staged selects); `tma` keys are seesaw.py's partial pass (16-bit pages of
 whole 64-key tiles), `direct` ones its form for a plan of one split (O and LSE written in place,
-no combine)."""
+no combine), `pair` ones its head blocks as clusters of 2 sharing each tile's loads by TMA
+multicast (the candidate that FORGEKERNEL_MLA_PAIR=1 selects)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from forgekernel.kernels.attention.mla.sm90.config import (
     DTYPES,
     FP8_DTYPE,
     HEADS,
+    PAIR_BLOCKS,
     QTOKENS,
     ROWS,
     direct_blocks,
@@ -60,7 +62,14 @@ def _standard_params() -> list[Params]:
         params_for(kind, FP8_DTYPE, heads, qtokens, True, fp8_staged=True)
         for kind, heads, qtokens in _fp8_blocks(partial + sparse)
     ]
-    return partial + direct + sparse + staged + [params_for("combine", d) for d in DTYPES]
+    pair = [
+        params_for("partial", dtype, h, qt, tma=True, direct=d, pair=True)
+        for dtype in DTYPES
+        for h, qt in PAIR_BLOCKS
+        for d in (False, True)
+    ]
+    combine = [params_for("combine", d) for d in DTYPES]
+    return partial + direct + sparse + staged + pair + combine
 
 
 def _fp8_blocks(params: list[Params]) -> list[tuple[str, int, int]]:

@@ -107,7 +107,7 @@ def compile_mla(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     pages, page_size = cute.sym_int32(), cute.sym_int32()
     direct = params.get("direct", False)
     if params.get("tma", False):
-        kernel = MlaSeesawSm90(params["heads"], qtokens, direct)
+        kernel = MlaSeesawSm90(params["heads"], qtokens, direct, params.get("pair", False))
     else:
         kernel = MlaDecodeSm90(params["heads"], qtokens, fp8=fp8, fp8_staged=staged)
     q_nope = fake.rowmajor(dtype, (rows, hq, D_LATENT))

@@ -50,6 +50,17 @@ SPARSE_HQ = (16, 128)  # DeepSeek-V3.2's query heads per GPU at TP8 and TP1 (the
 # DeepSeek's 128 heads sharded over TP 8 / 4 / 2 / 1 (`direct_blocks`); any other head block
 # keeps the partial pass and the combine rather than compile at call time.
 DIRECT_HQ = (16, 32, 64, 128)
+# The seesaw pass's pair form (compile key `pair`, candidate behind FORGEKERNEL_MLA_PAIR): the
+# head blocks of a unit as clusters of 2, each CTA loading half of every K box's rows by TMA
+# multicast into both (MLA_NOTES.md, "The 128-head floor"). Prebuilt for DeepSeek's 128 heads at
+# TP1 (64 x 1; 32 x 2 with MTP 2, four blocks, two pairs), partial and direct.
+PAIR_BLOCKS = ((64, 1), (32, 2))
+
+
+def runs_pair(hq: int, heads: int, qtokens: int, tma: bool) -> bool:
+    """Whether a seesaw plan can take the pair form: a prebuilt pair block and an even number
+    of head blocks (a cluster is two adjacent CTAs of one unit)."""
+    return tma and (heads, qtokens) in PAIR_BLOCKS and (hq // heads) % 2 == 0
 
 
 def tile_split_plan(
@@ -118,6 +129,7 @@ def params_for(
     tma: bool = False,
     direct: bool = False,
     fp8_staged: bool = False,
+    pair: bool = False,
 ) -> tuple:
     """Compile key: kind "partial" (one split of `heads` query heads x `qtokens` tokens, fp32
     out; qtokens > 1 the packed form with cu_seqlens_q), "sparse" (DSA: one split of one query
@@ -128,7 +140,8 @@ def params_for(
     whole tiles, the seesaw schedule). direct (tma only): the pass of a plan of one split, writing
     O in q's dtype and the natural LSE into the op's outputs (no partials, no combine).
     fp8_staged (fp8 only): the FP8 bytes by cp.async into their own stage, dequantized there a
-    turn later (decode.py `_load_wg_staged`), against the register path."""
+    turn later (decode.py `_load_wg_staged`), against the register path. pair (tma only): the
+    head blocks as clusters of 2 sharing each tile's loads by TMA multicast (seesaw.py)."""
     if kind == "combine":
         return tuple(sorted({"kind": kind, "dtype": dtype, "head_dim": D_LATENT}.items()))
     if kind not in ("partial", "sparse"):
@@ -141,6 +154,8 @@ def params_for(
         raise ValueError("fp8_staged is a form of the FP8 cache's pass")
     if direct and not tma:
         raise ValueError("the direct form is the seesaw (tma) pass's")
+    if pair and not tma:
+        raise ValueError("the pair form is the seesaw (tma) pass's")
     if kind == "sparse" and qtokens != 1:
         raise ValueError(f"sparse attention takes one query token per CTA, got {qtokens}")
     keys = {"kind": kind, "dtype": dtype, "heads": heads}
@@ -154,4 +169,6 @@ def params_for(
         keys["tma"] = True
     if direct:
         keys["direct"] = True
+    if pair:
+        keys["pair"] = True
     return tuple(sorted(keys.items()))

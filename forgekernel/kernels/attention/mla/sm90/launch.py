@@ -18,7 +18,12 @@ combine, for side-by-side timing and the GPU tests' comparison (the same bits).
 FP8 caches run the pass's register form by default; FORGEKERNEL_MLA_FP8=staged (read when a
 problem's plan is first built; `fp8_form` for a block of calls, the bench's `fp8_staged`
 variant) takes its `fp8_staged` compile: the bytes by cp.async into their own stage,
-dequantized in place a turn later (decode.py; MLA_NOTES.md has the case for it)."""
+dequantized in place a turn later (decode.py; MLA_NOTES.md has the case for it).
+
+FORGEKERNEL_MLA_PAIR=1 (read when a problem's plan is first built; `pair_form` for a block of
+calls, the bench's `pair` variant) runs the seesaw plans of the pair blocks (`config.runs_pair`:
+64 x 1 and 32 x 2 at 128 heads) in their `pair` compile: a unit's head blocks as clusters of 2
+sharing each tile's loads by TMA multicast (MLA_NOTES.md, "The 128-head floor")."""
 
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ from forgekernel.runtime.scratch import scratch
 _plans = PlanCache()
 FP8_FORMS = ("registers", "staged")
 _fp8_form: list[str | None] = [None]  # `fp8_form`'s, else FORGEKERNEL_MLA_FP8 (part of plan keys)
+_pair_form: list[bool | None] = [None]  # `pair_form`'s, else FORGEKERNEL_MLA_PAIR (in plan keys)
 
 
 def seesaw_enabled() -> bool:
@@ -79,25 +85,52 @@ def fp8_form(form: str) -> Iterator[None]:
         _fp8_form[0] = before
 
 
-def _plan(kind, dtype, units, hq, max_tokens, qtokens, device_index, fp8, page_size, _form=None):
+def pair_enabled() -> bool:
+    """Seesaw plans of the pair blocks take the `pair` compile: `pair_form`'s, else
+    FORGEKERNEL_MLA_PAIR ("0", the default, or "1")."""
+    if _pair_form[0] is not None:
+        return _pair_form[0]
+    flag = os.environ.get("FORGEKERNEL_MLA_PAIR", "0")
+    if flag not in ("0", "1"):
+        raise ValueError(f"FORGEKERNEL_MLA_PAIR must be '0' or '1', got {flag!r}")
+    return flag == "1"
+
+
+@contextmanager
+def pair_form(on: bool) -> Iterator[None]:
+    """The pair form on or off for the calls inside (their plans keyed apart): the bench's
+    variant, timed beside the default in one process."""
+    before, _pair_form[0] = _pair_form[0], bool(on)
+    try:
+        yield
+    finally:
+        _pair_form[0] = before
+
+
+def _plan(
+    kind, dtype, units, hq, max_tokens, qtokens, device_index, fp8, page_size, _form=None,
+    _pair=None,
+):  # fmt: skip
     """(pass kernel, combine kernel or None, splits, keys per split): kind "partial" (units =
     sequences, max_tokens their bound) or "sparse" (units = query tokens, max_tokens the top-k
     width), over an FP8 cache if fp8; the paged leaf's split plan over units x head blocks (the
     seesaw pass's in whole tiles). Combine None: the seesaw pass's direct form (one split, out
     and lse written by the pass). The kernels are looked up here, once per problem (two
-    compile-cache lookups cost 0.8 us a call on the CPU). _form: `fp8_form`'s (in the key
-    only)."""
+    compile-cache lookups cost 0.8 us a call on the CPU). _form, _pair: `fp8_form`'s and
+    `pair_form`'s (in the key only)."""
     name = dtype_name(dtype)
     heads = config.heads_per_cta(hq, qtokens)
     tma = kind == "partial" and not fp8 and page_size % config.TILE == 0 and seesaw_enabled()
     plan = config.tile_split_plan if tma else config.split_plan
     splits, per = plan(units, hq // heads, max_tokens, num_sms(device_index), config.RESIDENT)
+    pair = config.runs_pair(hq, heads, qtokens, tma) and pair_enabled()
     if config.runs_direct(splits, heads, qtokens, tma) and direct_enabled():
-        params = config.params_for(kind, name, heads, qtokens, tma=True, direct=True)
+        params = config.params_for(kind, name, heads, qtokens, tma=True, direct=True, pair=pair)
         return get_kernel(SPEC, params), None, splits, per
     staged = fp8 and fp8_staged()
     partial = get_kernel(
-        SPEC, config.params_for(kind, name, heads, qtokens, fp8, tma, fp8_staged=staged)
+        SPEC,
+        config.params_for(kind, name, heads, qtokens, fp8, tma, fp8_staged=staged, pair=pair),
     )
     return partial, get_kernel(SPEC, config.params_for("combine", name)), splits, per
 
@@ -160,7 +193,7 @@ def mla_decode(
     page_size = ckv_cache.shape[1]
     device = q_nope.device
     key = ("partial", q_nope.dtype, b * q_blocks, hq, page_table.shape[1] * page_size, qtokens,
-           device.index, ckv_scale is not None, page_size, _fp8_form[0])  # fmt: skip
+           device.index, ckv_scale is not None, page_size, _fp8_form[0], _pair_form[0])  # fmt: skip
     partial, combine, splits, per = _plans.get_or_build(key, _plan)
     cu = None if cu_seqlens_q is None else cu_seqlens_q.contiguous()
     with on_device(device):  # (the scratch is the device's current stream's)
@@ -200,7 +233,7 @@ def dsa_sparse_attention(
         return
     device = q_nope.device
     key = ("sparse", q_nope.dtype, tokens, hq, topk, 1, device.index, ckv_scale is not None, 1,
-           _fp8_form[0])  # fmt: skip
+           _fp8_form[0], _pair_form[0])  # fmt: skip
     partial, combine, splits, per = _plans.get_or_build(key, _plan)
     with on_device(device):
         partial_o, partial_lse = _partials(splits, tokens, hq, device)

@@ -101,6 +101,7 @@ COLS = D_LATENT // 2  # output columns per warpgroup
 LEFT = tuple(range(COLS // CHUNK))  # the chunks of V_L (warpgroup 0's P V reads them)
 RIGHT = tuple(range(COLS // CHUNK, CHUNKS))  # V_R and the RoPE columns
 WARPS_PER_WG = THREADS_PER_WG // WARP_SIZE
+PAIR = 2  # CTAs of a pair's cluster (`pair`)
 Q_BOX_MIN = 8  # rows of a 128-byte swizzle atom: the fewest heads a Q box (and token) takes
 # The staged partial O's row stride (fp32): 8 floats of padding put the 8 rows of a warp's
 # 64-bit accumulator stores 8 banks apart (each half-warp's 16 stores hit 32 distinct banks;
@@ -124,11 +125,14 @@ class MlaSeesawSm90:
     docstring. Same arguments as `decode.MlaDecodeSm90` (mScale None); direct: the form of a
     plan of one split (mOp, mLp the op's out and natural LSE)."""
 
-    def __init__(self, heads: int, qtokens: int = 1, direct: bool = False):
+    def __init__(self, heads: int, qtokens: int = 1, direct: bool = False, pair: bool = False):
         if heads * qtokens > ROWS:
             raise ValueError(f"heads x query tokens must be <= {ROWS}, got {heads} x {qtokens}")
         self.h = heads
         self.qt = qtokens
+        # pair: the two head blocks of a unit (adjacent in grid x) as a cluster of 2, each CTA
+        # loading half of every K box's rows by TMA multicast into both (`_release`)
+        self.pair = pair
         # Q's rows: token t's heads at rows t x pitch .. (one TMA box of `pitch` heads a token
         # and chunk: at least the 8 rows of a 128-byte swizzle atom; with H < 8 rows H .. 7 of
         # a token hold the next heads or TMA's zero fill, never written)
@@ -202,8 +206,15 @@ class MlaSeesawSm90:
         # TMA boxes of 64 rows x 64 columns over (rows of a page, columns, pages)
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         box = cute.slice_(self.lay_kr, (None, None, 0))
-        tma_kl, mKl = cpasync.make_tiled_tma_atom(g2s, select(mCkv, [1, 2, 0]), box, (TILE, CHUNK))
-        tma_kr, mKr = cpasync.make_tiled_tma_atom(g2s, select(mKpe, [1, 2, 0]), box, (TILE, CHUNK))
+        k_op, k_mc = g2s, {}
+        if const_expr(self.pair):  # each CTA of the pair loads 32 of a box's 64 rows into both
+            k_op, k_mc = cpasync.CopyBulkTensorTileG2SMulticastOp(), {"num_multicast": PAIR}
+        tma_kl, mKl = cpasync.make_tiled_tma_atom(
+            k_op, select(mCkv, [1, 2, 0]), box, (TILE, CHUNK), **k_mc
+        )
+        tma_kr, mKr = cpasync.make_tiled_tma_atom(
+            k_op, select(mKpe, [1, 2, 0]), box, (TILE, CHUNK), **k_mc
+        )
         # Q's boxes: `pitch` heads x CHUNK columns of one token, over (heads, columns, rows)
         qbox, qtile = cute.slice_(self.lay_qbox, (None, None, 0)), (self.pitch, CHUNK)
         tma_ql, mQl = cpasync.make_tiled_tma_atom(g2s, select(mQn, [1, 2, 0]), qbox, qtile)
@@ -219,7 +230,8 @@ class MlaSeesawSm90:
             m: cute.struct.MemRange[Float32, ROWS]  # the running max, scaled
             scale: cute.struct.MemRange[Float32, 2 * ROWS]  # rescale factors of tiles a, c
             total: cute.struct.MemRange[Float32, 2 * ROWS]  # the warpgroups' final row sums
-            bars: cute.struct.MemRange[cutlass.Int64, STAGES * CHUNKS + 1]  # K chunks, then Q
+            # K chunks, then Q; pair: then the (buffer, side) releases (`_release`)
+            bars: cute.struct.MemRange[cutlass.Int64, STAGES * CHUNKS + 1 + self._releases()]
 
         self.shared = Shared
         self.kernel(
@@ -231,6 +243,7 @@ class MlaSeesawSm90:
             grid=(mSeq.shape[0] * q_blocks * (mQn.shape[1] // self.h), 1, self._splits(mOp)),
             block=[THREADS, 1, 1],
             stream=stream,
+            **self._cluster(),
         )  # fmt: skip
 
     @cute.kernel
@@ -288,15 +301,19 @@ class MlaSeesawSm90:
         # (TMA atom, (row block, chunk, page)) boxes and their shared-memory slots
         one = cute.make_layout(1)
         box = (TILE, CHUNK)
+        rank, ctas = 0, one
+        if const_expr(self.pair):  # this CTA's rows of each box: rank x 32 .. rank x 32 + 31
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            ctas = cute.make_layout(PAIR)
         tKsKl, tKgKl = cpasync.tma_partition(
-            tma_kl, 0, one, cute.zipped_divide(sKl, box), cute.zipped_divide(mKl, box)
+            tma_kl, rank, ctas, cute.zipped_divide(sKl, box), cute.zipped_divide(mKl, box)
         )
         tKsKr, tKgKr = cpasync.tma_partition(
-            tma_kr, 0, one, cute.zipped_divide(sKr, box), cute.zipped_divide(mKr, box)
+            tma_kr, rank, ctas, cute.zipped_divide(sKr, box), cute.zipped_divide(mKr, box)
         )
         kv = SimpleNamespace(
             tma=(tma_kl, tma_kr), src=(tKgKl, tKgKr), dst=(tKsKl, tKsKr), bars=bars,
-            pt=mPT, b=b, t0=t0, page_size=page_size, nbytes=self.chunk_bytes,
+            pt=mPT, b=b, t0=t0, page_size=page_size, nbytes=self.chunk_bytes, rank=rank,
         )  # fmt: skip
         # Q: (box, (token, chunk)) slots; boxes at (head0, column, q_off + token) onwards
         qtile = (self.pitch, CHUNK)
@@ -319,6 +336,8 @@ class MlaSeesawSm90:
             with cute.arch.elect_one():
                 for i in cutlass.range_constexpr(STAGES * CHUNKS + 1):
                     cute.arch.mbarrier_init(bars + i, 1)
+                for i in cutlass.range_constexpr(self._releases()):  # this CTA's and the peer's
+                    cute.arch.mbarrier_init(bars + STAGES * CHUNKS + 1 + i, PAIR)
                 cute.arch.mbarrier_init_fence()
         # Every thread waits here, warp 0 between the inits and their first arming. (No data:
         # racecheck attributes the inits, uniform-datapath SYNCS.EXCH, to lane 31 and the
@@ -328,7 +347,8 @@ class MlaSeesawSm90:
         # warp 0 alone put its later shared-memory stores one wait behind every reader's,
         # 320 + 544 RAW reports at 18:47, every writer in warp 0: Q's zero rows and its sM
         # rows. The other warps reach this first and wait out the inits, off the loads' path.)
-        cute.arch.sync_threads()
+        # pair: the cluster's barrier, so that the peer's first multicast finds the inits.
+        self._sync_cluster()
         if warp == 0:
             for atom in (tma_ql, tma_qr, tma_kl, tma_kr):
                 cpasync.prefetch_descriptor(atom)
@@ -401,8 +421,34 @@ class MlaSeesawSm90:
             if warp == 0:
                 with cute.arch.elect_one():
                     self._send_split(mOp, sO, split, q_off, sq, head0)
+        if const_expr(self.pair):  # neither CTA leaves while the other may still signal it
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
 
     # ---------------------------------------------------------------- set-up
+
+    def _multicast(self) -> dict:
+        """The K copies' multicast argument: pair, into both CTAs of the cluster."""
+        return {"mcast_mask": cutlass.Int16((1 << PAIR) - 1)} if self.pair else {}
+
+    def _cluster(self) -> dict:
+        """The launch's cluster argument: pair, two CTAs adjacent in grid x (one unit's head
+        blocks, `_block`)."""
+        return {"cluster": [PAIR, 1, 1]} if self.pair else {}
+
+    def _releases(self) -> int:
+        """The pair's release mbarriers: one per buffer and side (LEFT / RIGHT chunks)."""
+        return 2 * STAGES if self.pair else 0
+
+    @cute.jit
+    def _sync_cluster(self):
+        """After the mbarrier inits: __syncthreads, or the cluster's barrier for a pair (relaxed:
+        the inits' fence.mbarrier_init is the release at cluster scope, as CUTLASS's pipelines)."""
+        if const_expr(self.pair):
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
 
     def _splits(self, mOp):
         """The grid's splits: the partials' leading mode; one in the direct form."""
@@ -548,24 +594,46 @@ class MlaSeesawSm90:
         for c in cutlass.range_constexpr(len(chunks)):
             chunk = chunks[c]
             bar = kv.bars + buf * CHUNKS + chunk
+            # (pair: the whole box's bytes, half from this CTA's copy and half from the peer's)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(bar, kv.nbytes)
+            mc = self._multicast()
             if const_expr(chunk < LATENT_CHUNKS):
                 cute.copy(
                     tma_kl, src_l[None, (rb, chunk, page)], dst_l[None, (0, chunk, buf)],
-                    tma_bar_ptr=bar,
+                    tma_bar_ptr=bar, **mc,
                 )  # fmt: skip
             else:
                 cute.copy(
-                    tma_kr, src_r[None, (rb, 0, page)], dst_r[None, (0, 0, buf)], tma_bar_ptr=bar
-                )
+                    tma_kr, src_r[None, (rb, 0, page)], dst_r[None, (0, 0, buf)], tma_bar_ptr=bar,
+                    **mc,
+                )  # fmt: skip
 
     @cute.jit
-    def _refill(self, kv, st, buf: cutlass.Constexpr, chunks: cutlass.Constexpr, target):
+    def _refill(self, kv, st, buf: cutlass.Constexpr, chunks: cutlass.Constexpr, target, k):
         """Warp 0 of the warpgroup, whole (`_load_chunks`): `chunks` of tile `target` (its page
-        and row block read beforehand) into buffer `buf`."""
+        and row block read beforehand) into buffer `buf`, the refill of pair k (pair: after
+        both CTAs released the chunks, `_release`)."""
         if st.loader:
+            if const_expr(self.pair):
+                self._release(kv, buf, chunks, k)
             self._load_chunks(kv, buf, chunks, target[0], target[1])
+
+    @cute.jit
+    def _release(self, kv, buf: cutlass.Constexpr, chunks: cutlass.Constexpr, k):
+        """The pair's cluster-wide release of `chunks` of buffer `buf` before their refill of
+        pair k: both CTAs' copies write into both CTAs' buffers, so neither may issue until the
+        last reader in each is done. The refilling warp is its CTA's last reader of those
+        chunks (the schedule's rule, as without the pair); its elected lane arrives on its own
+        release mbarrier and on the peer's (count 2: one arrival from each CTA), and the warp
+        waits for the phase of pair k (each (buffer, side) is refilled once a pair, in pair
+        order, by the same role in both CTAs: the peer's arrival for pair k + 1 needs tile
+        data this CTA sends after this wait, so a phase never runs two ahead)."""
+        bar = kv.bars + STAGES * CHUNKS + 1 + buf * 2 + (0 if const_expr(chunks == LEFT) else 1)
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive(bar)
+            cute.arch.mbarrier_arrive(bar, peer_cta_rank_in_cluster=kv.rank ^ 1)
+        cute.arch.mbarrier_wait(bar, k % 2)
 
     @cute.jit
     def _scores(self, ops, buf: cutlass.Constexpr, chunks: cutlass.Constexpr, phase, fresh):
@@ -657,7 +725,7 @@ class MlaSeesawSm90:
         named_barrier(Bar.SCALE1, THREADS).arrive_and_wait()
         self._own_barrier(Bar.WG0)  # (racecheck: sScale[:, 1]'s loads a wait past its stores)
         if const_expr(more):
-            self._refill(kv, st, 0, LEFT, nxt_a)
+            self._refill(kv, st, 0, LEFT, nxt_a, k)
         corr1 = cute.make_rmem_tensor(2, Float32)
         for r in cutlass.range_constexpr(2):
             corr1[r] = st.sScale[ops.coords[r, 0][0], 1]
@@ -675,7 +743,7 @@ class MlaSeesawSm90:
             self._scores(ops, 0, LEFT, (k + 1) % 2, True)
             if a + 3 < st.tiles:
                 warpgroup.wait_group(1)  # P V of c done: buffer 1's left chunks are free
-                self._refill(kv, st, 1, LEFT, nxt_c)
+                self._refill(kv, st, 1, LEFT, nxt_c, k)
             self._scores(ops, 0, RIGHT, (k + 1) % 2, False)
         warpgroup.wait_group(0)
 
@@ -722,10 +790,10 @@ class MlaSeesawSm90:
             named_barrier(Bar.P1, THREADS).arrive_and_wait()  # there already: no stall)
         if const_expr(more_c):
             warpgroup.wait_group(1)  # P V of c done: buffer 1's right chunks are free
-            self._refill(kv, st, 1, RIGHT, nxt_c)
+            self._refill(kv, st, 1, RIGHT, nxt_c, k)
         if const_expr(more_a):
             warpgroup.wait_group(0)  # P V of a done: buffer 0's right chunks are free
-            self._refill(kv, st, 0, RIGHT, nxt_a)
+            self._refill(kv, st, 0, RIGHT, nxt_a, k)
         if const_expr(more_c):
             self._scores(ops, 1, RIGHT + LEFT, (k + 1) % 2, True)
         warpgroup.wait_group(0)
