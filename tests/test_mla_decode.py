@@ -32,6 +32,7 @@ from forgekernel.kernels.attention.mla.sm90.config import (
     E4M3_TO_BF16_EXPONENT,
     FP8_ROW_BYTES,
     HEADS,
+    OSTORE_BLOCKS,
     PAIR_BLOCKS,
     QTOKENS,
     ROWS,
@@ -93,7 +94,7 @@ def test_compile_keys():
     per_pass = sum(1 for h in HEADS for t in QTOKENS if h * t <= ROWS)
     # fp16 and bf16 (the seesaw pass and decode.py's), FP8 cache with bf16 queries (registers
     # and fp8_staged), the seesaw's direct form of the served head blocks in both dtypes
-    direct = [p for p in partial if p.get("direct") and not p.get("pair")]
+    direct = [p for p in partial if p.get("direct") and not p.get("pair") and not p.get("ostore")]
     assert len(direct) == 2 * len(direct_blocks()) == 12 and all(p["tma"] for p in direct)
     # the pair form (candidate): the pair blocks, partial and direct, both dtypes
     pair = [p for p in partial if p.get("pair")]
@@ -101,7 +102,12 @@ def test_compile_keys():
                   for p in pair) == sorted(
         (d, h, t, direct) for d in DTYPES for h, t in PAIR_BLOCKS for direct in (False, True)
     ) and all(p["tma"] for p in pair)  # fmt: skip
-    assert len(partial) == 6 * per_pass + len(direct) + len(pair)
+    # the direct form's O store through shared memory (candidate): the ostore blocks, both dtypes
+    ostore = [p for p in partial if p.get("ostore")]
+    assert sorted((p["dtype"], p["heads"], p.get("qtokens", 1)) for p in ostore) == sorted(
+        (d, h, t) for d in DTYPES for h, t in OSTORE_BLOCKS
+    ) and all(p["direct"] and not p.get("pair") for p in ostore)  # fmt: skip
+    assert len(partial) == 6 * per_pass + len(direct) + len(pair) + len(ostore)
     assert sum(1 for p in partial if p.get("fp8") and not p.get("fp8_staged")) == per_pass
     staged = [p for p in partial if p.get("fp8_staged")]
     assert {(p["heads"], p.get("qtokens", 1)) for p in staged} == {

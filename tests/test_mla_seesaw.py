@@ -586,7 +586,8 @@ def test_direct_epilogue_writes_every_output_once(heads, qtokens, sq):
 def test_direct_epilogue_is_the_kernels():
     """The replayed epilogue's stores are `_write_split`'s direct branch: O x 1 / sum rounded to
     the output's dtype at (q_off + token, head, wg COLS + column), the LSE x LN2 from warpgroup
-    0's quad leaders; the partial form's LSE store as before, its O staged (below)."""
+    0's quad leaders; the partial form's LSE store as before, its O staged (below). The ostore
+    form (tests/test_mla_ostore.py) normalizes in place as the partial and stores no O here."""
     src = inspect.getsource(seesaw.MlaSeesawSm90._write_split)
     direct, partial = src.split("else:\n                    if wg == 0")
     assert "if const_expr(self.direct):" in direct
@@ -595,7 +596,9 @@ def test_direct_epilogue_is_the_kernels():
     lse_store = re.search(r"if wg == 0 and tid % 4 == 0:\s+mLp\[(.*)\] = (.*)\n", direct)
     assert lse_store.groups() == ("q_off + token, head", "lse * LN2")
     assert "mLp[split, q_off + token, head] = lse" in partial
-    assert "if const_expr(not self.direct):" in direct and "o[r, c] = o[r, c] * inv" in direct
+    assert "if const_expr(not self.direct or self.ostore):" in direct
+    assert "o[r, c] = o[r, c] * inv" in direct
+    assert "0 if self.ostore else cute.size(o, mode=[1])" in direct
 
 
 def _partial_epilogue(coords, heads, qtokens, sq, q_off, head0, o, out, writes):

@@ -407,28 +407,46 @@ def _run_pair(inputs: Inputs, out):
         return run_ours(inputs, out)
 
 
-def _pairs(case: Case) -> bool:
-    """The case runs a seesaw plan of a pair block (16-bit cache, pages of whole tiles, 128
-    heads; the config's rule on the compiled block)."""
+def _run_ostore(inputs: Inputs, out):
+    """ours with the direct form's `ostore` compile (launch.ostore_form): O staged in shared
+    memory and sent by 16-byte stores (plans of one split; split plans run the default)."""
+    from forgekernel.kernels.attention.mla.sm90.launch import ostore_form
+
+    with ostore_form(True):
+        return run_ours(inputs, out)
+
+
+def _seesaw_block(case: Case) -> tuple[int, int, int] | None:
+    """(Hq, heads per CTA, query tokens) of the case's seesaw plan (16-bit cache, pages of
+    whole tiles), else None."""
     from forgekernel.kernels.attention.mla.sm90 import config
     from forgekernel.kernels.attention.mla.sm90.launch import query_tokens
 
     p = case.params
     if fp8(case) or p["page"] % config.TILE:
-        return False
+        return None
     q_lens = p.get("q_lens")
     qtokens = query_tokens(q_lens is not None or p["s_q"] > 1, max(q_lens or (p["s_q"],)), p["hq"])
-    heads = config.heads_per_cta(p["hq"], qtokens)
-    return config.runs_pair(p["hq"], heads, qtokens, True)
+    return p["hq"], config.heads_per_cta(p["hq"], qtokens), qtokens
 
 
 def variants(case: Case) -> dict[str, Any]:
     """FP8 cases: the staged form beside the register one (MLA_NOTES.md, the 0.67x section);
     cases of the pair blocks (128 heads, page 64): the pair form (MLA_NOTES.md, "The 128-head
-    floor")."""
+    floor"); cases of the ostore blocks (the same): the direct form's O store through shared
+    memory (MLA_NOTES.md, "The direct form's O store")."""
+    from forgekernel.kernels.attention.mla.sm90 import config
+
     if fp8(case):
         return {"fp8_staged": _run_fp8_staged}
-    return {"pair": _run_pair} if _pairs(case) else {}
+    block = _seesaw_block(case)
+    if block is None:
+        return {}
+    hq, heads, qtokens = block
+    out = {"pair": _run_pair} if config.runs_pair(hq, heads, qtokens, True) else {}
+    if config.runs_ostore(heads, qtokens):
+        out["ostore"] = _run_ostore
+    return out
 
 
 def suite() -> OpSuite:

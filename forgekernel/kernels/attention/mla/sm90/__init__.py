@@ -8,7 +8,8 @@ The partial pass's sparse mode (kind "sparse") is DeepSeek sparse attention's ke
 FORGEKERNEL_MLA_FP8=staged selects); `tma` keys are seesaw.py's partial pass (16-bit pages of
 whole 64-key tiles), `direct` ones its form for a plan of one split (O and LSE written in place,
 no combine), `pair` ones its head blocks as clusters of 2 sharing each tile's loads by TMA
-multicast (the candidate that FORGEKERNEL_MLA_PAIR=1 selects)."""
+multicast (the candidate that FORGEKERNEL_MLA_PAIR=1 selects), `ostore` direct ones their O
+through shared memory and 16-byte stores (FORGEKERNEL_MLA_OSTORE=1)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from forgekernel.kernels.attention.mla.sm90.config import (
     DTYPES,
     FP8_DTYPE,
     HEADS,
+    OSTORE_BLOCKS,
     PAIR_BLOCKS,
     QTOKENS,
     ROWS,
@@ -68,8 +70,13 @@ def _standard_params() -> list[Params]:
         for h, qt in PAIR_BLOCKS
         for d in (False, True)
     ]
+    ostore = [
+        params_for("partial", dtype, h, qt, tma=True, direct=True, ostore=True)
+        for dtype in DTYPES
+        for h, qt in OSTORE_BLOCKS
+    ]
     combine = [params_for("combine", d) for d in DTYPES]
-    return partial + direct + sparse + staged + pair + combine
+    return partial + direct + sparse + staged + pair + ostore + combine
 
 
 def _fp8_blocks(params: list[Params]) -> list[tuple[str, int, int]]:

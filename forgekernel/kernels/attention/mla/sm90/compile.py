@@ -7,7 +7,8 @@ for seqlens_k and cu_seqlens_q. An `fp8` key's caches are the three views of Fla
 rows (uint8 latent, fp32 scales, bf16 RoPE; rows 656 bytes apart, 16-byte aligned); a 16-bit
 key's scales None. A `direct` key (the seesaw pass of a plan of one split) takes the op's
 out (rows, Hq, 512) in q's dtype and natural LSE (rows, Hq) in place of the partials: the
-combine's own output contract (rows of 512 contiguous, the LSE any (rows, Hq) view)."""
+combine's own output contract (rows of 512 contiguous, the LSE any (rows, Hq) view); an `ostore`
+key's out has rows 16-byte aligned (base and strides)."""
 
 from __future__ import annotations
 
@@ -28,10 +29,13 @@ def _dense(dtype, rank: int) -> cute.Tensor:
     return fake.rowmajor(dtype, shape, divisibility=1, align=4)
 
 
-def _outputs(dtype, rows, hq) -> tuple:
+def _outputs(dtype, rows, hq, wide: bool = False) -> tuple:
     """The op's out (rows, Hq, 512) and LSE (rows, Hq) fp32, any view of it (the combine's
-    outputs, and the direct pass's)."""
-    o = fake.rowmajor(dtype, (rows, hq, D_LATENT), divisibility=1, align=None)
+    outputs, and the direct pass's); wide (`ostore`): out's rows 16-byte aligned."""
+    if wide:
+        o = fake.rowmajor(dtype, (rows, hq, D_LATENT))
+    else:
+        o = fake.rowmajor(dtype, (rows, hq, D_LATENT), divisibility=1, align=None)
     lse_strides = (cute.sym_int64(), cute.sym_int64())  # any (rows, Hq) view
     return o, make_fake_tensor(cutlass.Float32, (rows, hq), stride=lse_strides, assumed_align=4)
 
@@ -107,7 +111,9 @@ def compile_mla(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     pages, page_size = cute.sym_int32(), cute.sym_int32()
     direct = params.get("direct", False)
     if params.get("tma", False):
-        kernel = MlaSeesawSm90(params["heads"], qtokens, direct, params.get("pair", False))
+        kernel = MlaSeesawSm90(
+            params["heads"], qtokens, direct, params.get("pair", False), params.get("ostore", False)
+        )
     else:
         kernel = MlaDecodeSm90(params["heads"], qtokens, fp8=fp8, fp8_staged=staged)
     q_nope = fake.rowmajor(dtype, (rows, hq, D_LATENT))
@@ -116,7 +122,7 @@ def compile_mla(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     page_table = _dense(cutlass.Int32, 2)
     seqlens_k = make_fake_tensor(cutlass.Int32, (b,), stride=(1,))  # the batch
     if direct:
-        outs = _outputs(dtype, rows, hq)
+        outs = _outputs(dtype, rows, hq, params.get("ostore", False))
     else:
         outs = (_dense(cutlass.Float32, 4), _dense(cutlass.Float32, 3))
     return cute.compile(

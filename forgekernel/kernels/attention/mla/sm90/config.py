@@ -63,6 +63,17 @@ def runs_pair(hq: int, heads: int, qtokens: int, tma: bool) -> bool:
     return tma and (heads, qtokens) in PAIR_BLOCKS and (hq // heads) % 2 == 0
 
 
+# The direct form's O through shared memory and 16-byte stores (compile key `ostore`, candidate
+# behind FORGEKERNEL_MLA_OSTORE, MLA_NOTES.md "The direct form's O store"): the 128-head blocks,
+# whose 128 scalar stores a thread are the epilogue's cost (64 rows of O a CTA).
+OSTORE_BLOCKS = ((64, 1), (32, 2))
+
+
+def runs_ostore(heads: int, qtokens: int) -> bool:
+    """Whether a direct plan's block is prebuilt in the `ostore` form."""
+    return (heads, qtokens) in OSTORE_BLOCKS
+
+
 def tile_split_plan(
     batch: int, head_blocks: int, max_tokens: int, num_sms: int, resident: int
 ) -> tuple[int, int]:
@@ -130,6 +141,7 @@ def params_for(
     direct: bool = False,
     fp8_staged: bool = False,
     pair: bool = False,
+    ostore: bool = False,
 ) -> tuple:
     """Compile key: kind "partial" (one split of `heads` query heads x `qtokens` tokens, fp32
     out; qtokens > 1 the packed form with cu_seqlens_q), "sparse" (DSA: one split of one query
@@ -141,7 +153,9 @@ def params_for(
     O in q's dtype and the natural LSE into the op's outputs (no partials, no combine).
     fp8_staged (fp8 only): the FP8 bytes by cp.async into their own stage, dequantized there a
     turn later (decode.py `_load_wg_staged`), against the register path. pair (tma only): the
-    head blocks as clusters of 2 sharing each tile's loads by TMA multicast (seesaw.py)."""
+    head blocks as clusters of 2 sharing each tile's loads by TMA multicast (seesaw.py). ostore
+    (direct only): O staged in shared memory and sent by 16-byte stores (out rows 16-byte
+    aligned: the compile assumes it)."""
     if kind == "combine":
         return tuple(sorted({"kind": kind, "dtype": dtype, "head_dim": D_LATENT}.items()))
     if kind not in ("partial", "sparse"):
@@ -156,6 +170,8 @@ def params_for(
         raise ValueError("the direct form is the seesaw (tma) pass's")
     if pair and not tma:
         raise ValueError("the pair form is the seesaw (tma) pass's")
+    if ostore and not direct:
+        raise ValueError("ostore is a form of the direct pass")
     if kind == "sparse" and qtokens != 1:
         raise ValueError(f"sparse attention takes one query token per CTA, got {qtokens}")
     keys = {"kind": kind, "dtype": dtype, "heads": heads}
@@ -171,4 +187,6 @@ def params_for(
         keys["direct"] = True
     if pair:
         keys["pair"] = True
+    if ostore:
+        keys["ostore"] = True
     return tuple(sorted(keys.items()))

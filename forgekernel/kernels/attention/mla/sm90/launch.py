@@ -23,7 +23,13 @@ dequantized in place a turn later (decode.py; MLA_NOTES.md has the case for it).
 FORGEKERNEL_MLA_PAIR=1 (read when a problem's plan is first built; `pair_form` for a block of
 calls, the bench's `pair` variant) runs the seesaw plans of the pair blocks (`config.runs_pair`:
 64 x 1 and 32 x 2 at 128 heads) in their `pair` compile: a unit's head blocks as clusters of 2
-sharing each tile's loads by TMA multicast (MLA_NOTES.md, "The 128-head floor")."""
+sharing each tile's loads by TMA multicast (MLA_NOTES.md, "The 128-head floor").
+
+FORGEKERNEL_MLA_OSTORE=1 (read every call, with out's alignment, into the plan key; `ostore_form`
+for a block of calls, the bench's `ostore` variant) runs the direct plans of `config.
+OSTORE_BLOCKS` (64 x 1, 32 x 2) in their `ostore` compile when out's rows are 16-byte aligned:
+O staged in bf16 / fp16 over the K buffers and sent by 16-byte stores (MLA_NOTES.md, "The direct
+form's O store")."""
 
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ _plans = PlanCache()
 FP8_FORMS = ("registers", "staged")
 _fp8_form: list[str | None] = [None]  # `fp8_form`'s, else FORGEKERNEL_MLA_FP8 (part of plan keys)
 _pair_form: list[bool | None] = [None]  # `pair_form`'s, else FORGEKERNEL_MLA_PAIR (in plan keys)
+_ostore_form: list[bool | None] = [None]  # `ostore_form`'s, else FORGEKERNEL_MLA_OSTORE
 
 
 def seesaw_enabled() -> bool:
@@ -107,9 +114,38 @@ def pair_form(on: bool) -> Iterator[None]:
         _pair_form[0] = before
 
 
+def ostore_enabled() -> bool:
+    """Direct plans of the OSTORE_BLOCKS take the `ostore` compile where out's rows are 16-byte
+    aligned: `ostore_form`'s, else FORGEKERNEL_MLA_OSTORE ("0", the default, or "1")."""
+    if _ostore_form[0] is not None:
+        return _ostore_form[0]
+    flag = os.environ.get("FORGEKERNEL_MLA_OSTORE", "0")
+    if flag not in ("0", "1"):
+        raise ValueError(f"FORGEKERNEL_MLA_OSTORE must be '0' or '1', got {flag!r}")
+    return flag == "1"
+
+
+@contextmanager
+def ostore_form(on: bool) -> Iterator[None]:
+    """The direct form's O store through shared memory on or off for the calls inside (their
+    plans keyed apart): the bench's variant, timed beside the default in one process."""
+    before, _ostore_form[0] = _ostore_form[0], bool(on)
+    try:
+        yield
+    finally:
+        _ostore_form[0] = before
+
+
+def _wide_rows(out: torch.Tensor) -> bool:
+    """out's rows of 512 start 16-byte aligned (base and both outer strides): the `ostore`
+    compile's contract (its 16-byte stores)."""
+    vec = 16 // out.element_size()
+    return out.data_ptr() % 16 == 0 and out.stride(0) % vec == 0 and out.stride(1) % vec == 0
+
+
 def _plan(
     kind, dtype, units, hq, max_tokens, qtokens, device_index, fp8, page_size, _form=None,
-    _pair=None,
+    _pair=None, _wide=False,
 ):  # fmt: skip
     """(pass kernel, combine kernel or None, splits, keys per split): kind "partial" (units =
     sequences, max_tokens their bound) or "sparse" (units = query tokens, max_tokens the top-k
@@ -117,7 +153,8 @@ def _plan(
     seesaw pass's in whole tiles). Combine None: the seesaw pass's direct form (one split, out
     and lse written by the pass). The kernels are looked up here, once per problem (two
     compile-cache lookups cost 0.8 us a call on the CPU). _form, _pair: `fp8_form`'s and
-    `pair_form`'s (in the key only)."""
+    `pair_form`'s (in the key only); _wide: the `ostore` form asked for and out's rows 16-byte
+    aligned (the pair form, when it runs, keeps its own store)."""
     name = dtype_name(dtype)
     heads = config.heads_per_cta(hq, qtokens)
     tma = kind == "partial" and not fp8 and page_size % config.TILE == 0 and seesaw_enabled()
@@ -125,7 +162,10 @@ def _plan(
     splits, per = plan(units, hq // heads, max_tokens, num_sms(device_index), config.RESIDENT)
     pair = config.runs_pair(hq, heads, qtokens, tma) and pair_enabled()
     if config.runs_direct(splits, heads, qtokens, tma) and direct_enabled():
-        params = config.params_for(kind, name, heads, qtokens, tma=True, direct=True, pair=pair)
+        ostore = _wide and not pair and config.runs_ostore(heads, qtokens)
+        params = config.params_for(
+            kind, name, heads, qtokens, tma=True, direct=True, pair=pair, ostore=ostore
+        )
         return get_kernel(SPEC, params), None, splits, per
     staged = fp8 and fp8_staged()
     partial = get_kernel(
@@ -193,7 +233,8 @@ def mla_decode(
     page_size = ckv_cache.shape[1]
     device = q_nope.device
     key = ("partial", q_nope.dtype, b * q_blocks, hq, page_table.shape[1] * page_size, qtokens,
-           device.index, ckv_scale is not None, page_size, _fp8_form[0], _pair_form[0])  # fmt: skip
+           device.index, ckv_scale is not None, page_size, _fp8_form[0], _pair_form[0],
+           ostore_enabled() and _wide_rows(out))  # fmt: skip
     partial, combine, splits, per = _plans.get_or_build(key, _plan)
     cu = None if cu_seqlens_q is None else cu_seqlens_q.contiguous()
     with on_device(device):  # (the scratch is the device's current stream's)

@@ -107,6 +107,11 @@ Q_BOX_MIN = 8  # rows of a 128-byte swizzle atom: the fewest heads a Q box (and 
 # 64-bit accumulator stores 8 banks apart (each half-warp's 16 stores hit 32 distinct banks;
 # 512 would put every row on the same 8); rows stay 16-byte aligned for the bulk copies.
 O_STRIDE = D_LATENT + 8
+# The direct form's staged O (`ostore`, 16-bit): 8 elements (16 bytes) of padding a row put
+# the 8 rows of a warp's 32-bit accumulator stores 4 banks apart (32 distinct banks; at 512
+# every row starts on bank 0, 8-way conflicts); rows stay 16-byte aligned for the LDS.128.
+O16_STRIDE = D_LATENT + 8
+OSTORE_VEC = 8  # 16-bit elements a thread moves per 16-byte vector (LDS.128 / STG.E.128)
 
 
 class Bar(IntEnum):
@@ -125,7 +130,10 @@ class MlaSeesawSm90:
     docstring. Same arguments as `decode.MlaDecodeSm90` (mScale None); direct: the form of a
     plan of one split (mOp, mLp the op's out and natural LSE)."""
 
-    def __init__(self, heads: int, qtokens: int = 1, direct: bool = False, pair: bool = False):
+    def __init__(
+        self, heads: int, qtokens: int = 1, direct: bool = False, pair: bool = False,
+        ostore: bool = False,
+    ):  # fmt: skip
         if heads * qtokens > ROWS:
             raise ValueError(f"heads x query tokens must be <= {ROWS}, got {heads} x {qtokens}")
         self.h = heads
@@ -139,6 +147,11 @@ class MlaSeesawSm90:
         self.pitch = max(heads, Q_BOX_MIN)
         self.g = self.pitch * qtokens
         self.direct = direct
+        # ostore (direct only): O in q's dtype staged in shared memory over the K buffers, then
+        # sent by 16-byte vector stores (out rows 16-byte aligned), not 128 scalar stores a thread
+        if ostore and not direct:
+            raise ValueError("ostore is a form of the direct pass")
+        self.ostore = ostore
 
     def _setup(self, dtype):
         k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
@@ -165,6 +178,8 @@ class MlaSeesawSm90:
         k_bytes = (cute.cosize(self.lay_kl) + cute.cosize(self.lay_kr)) * dtype.width // 8
         if ROWS * O_STRIDE * Float32.width // 8 > k_bytes:  # (kl then kr: `Shared`)
             raise ValueError("the staged partial O must fit over the K buffers")
+        if ROWS * O16_STRIDE * dtype.width // 8 > k_bytes:
+            raise ValueError("the staged direct O must fit over the K buffers")
 
     @cute.jit
     def __call__(
@@ -421,6 +436,18 @@ class MlaSeesawSm90:
             if warp == 0:
                 with cute.arch.elect_one():
                     self._send_split(mOp, sO, split, q_off, sq, head0)
+        if const_expr(self.ostore):
+            # the same retirement argument: no WGMMA or TMA load on the K buffers is in flight
+            # after the __syncthreads above, so generic stores may overwrite them
+            sO = cute.make_tensor(
+                cute.recast_ptr(storage.kl.data_ptr(), dtype=mOp.element_type),
+                cute.make_layout((ROWS, D_LATENT), stride=(O16_STRIDE, 1)),
+            )
+            tOrO = cute.make_rmem_tensor_like(acc_o, mOp.element_type)
+            tOrO.store(acc_o.load().to(mOp.element_type))  # normalized in `_write_split`
+            cute.autovec_copy(tOrO, thr_pv.partition_C(cute.local_tile(sO, (ROWS, COLS), (0, wg))))
+            cute.arch.sync_threads()  # every row staged before any thread reads one
+            self._send_direct(mOp, sO, q_off, sq, head0, tidx)
         if const_expr(self.pair):  # neither CTA leaves while the other may still signal it
             cute.arch.cluster_arrive_relaxed()
             cute.arch.cluster_wait()
@@ -933,13 +960,15 @@ class MlaSeesawSm90:
             if row_sum[r] > 0.0:
                 inv = 1.0 / row_sum[r]
                 lse = row_max[r] + cute.math.log2(row_sum[r], fastmath=True)
-            if const_expr(not self.direct):  # every row, in place (`_send_split` picks)
+            if const_expr(not self.direct or self.ostore):  # every row, in place (staged)
                 for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
                     o[r, c] = o[r, c] * inv
             if self._written(row, token, sq):
                 head = head0 + row % self.pitch
                 if const_expr(self.direct):
-                    for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+                    for c in cutlass.range_constexpr(
+                        0 if self.ostore else cute.size(o, mode=[1])
+                    ):  # ostore: staged and sent by the caller (`_send_direct`)
                         value = (o[r, c] * inv).to(mOp.element_type)
                         mOp[q_off + token, head, wg * COLS + o_crd[r, c][1]] = value
                     if wg == 0 and tid % 4 == 0:
@@ -956,6 +985,25 @@ class MlaSeesawSm90:
         if const_expr(self.pitch > self.h):
             ours = ours & (row % self.pitch < self.h)
         return ours
+
+    @cute.jit
+    def _send_direct(self, mOp, sO, q_off, sq, head0, tidx):
+        """Every thread (after the __syncthreads that follows the staging): 16-byte vectors
+        i = tidx + k x THREADS of the staged rows, row i // 64, columns 8 (i % 64) .. + 7 (a
+        warp: half a row, 512 contiguous bytes), to out[q_off + token, head0 + r % H] for the
+        rows r < G of tokens < sq (`_written`); out's rows 16-byte aligned (the compile's)."""
+        per_row = D_LATENT // OSTORE_VEC
+        for k in cutlass.range_constexpr(ROWS * per_row // THREADS):
+            i = tidx + k * THREADS
+            r = i // per_row
+            token = r // self.pitch
+            if self._written(r, token, sq):
+                dst = mOp[q_off + token, head0 + r % self.pitch, None]
+                col = i % per_row
+                cute.autovec_copy(
+                    cute.local_tile(sO[r, None], (OSTORE_VEC,), (col,)),
+                    cute.local_tile(dst, (OSTORE_VEC,), (col,)),
+                )
 
     @cute.jit
     def _send_split(self, mOp, sO, split, q_off, sq, head0):
