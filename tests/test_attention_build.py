@@ -2,8 +2,6 @@
 configuration, exports a loadable-shaped .so, and (when cuobjdump/nvdisasm are installed: the
 `dev` extra) uses HGMMA and TMA with no local memory."""
 
-import os
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -21,7 +19,7 @@ from forgekernel.kernels.attention.fwd.sm90.config import (  # noqa: E402
     smem_bytes,
 )
 from forgekernel.runtime.cache import compile_to  # noqa: E402
-from forgekernel.runtime.resources import find_tool, inspect_cubin  # noqa: E402
+from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text  # noqa: E402
 
 # tests/test_build_sm90.py builds every standard kernel; here the bf16 fixed-length ones get
 # the attention-specific SASS checks (TMA loads and store), keeping CI's compile time down.
@@ -68,6 +66,15 @@ def test_sass_uses_hgmma_tma_and_no_local_memory(records):
         assert rec["sass"].get("LDL", 0) == 0 and rec["sass"].get("STL", 0) == 0, rec["params"]
 
 
+def _build_with_sass(params, out: Path) -> tuple[dict, str]:
+    """One configuration built into `out`: its record with the cubin's resources, and its SASS."""
+    with tempfile.TemporaryDirectory(prefix="forgekernel-cubin-") as keep:
+        rec = compile_to(SPEC, params, out, keep_dir=Path(keep))
+        cubin = rec.pop("cubin")
+        rec.update(inspect_cubin(cubin))
+        return rec, sass_text(cubin)
+
+
 # The paged mode (issue 18): the D 256 causal kernel is the one where a consumer-side detail
 # once moved ptxas off the uniform datapath (every producer TMA in a per-lane loop, a spill).
 PAGED_SAMPLE = [
@@ -79,19 +86,8 @@ PAGED_SAMPLE = [
 
 @pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
 def test_paged_mode_builds_with_uniform_tma_issue_and_no_spills(tmp_path):
-    cuobjdump = find_tool("cuobjdump")
-    env = dict(os.environ, PATH=os.pathsep.join([str(Path(cuobjdump).parent), os.environ["PATH"]]))
     for params in PAGED_SAMPLE:
-        with tempfile.TemporaryDirectory(prefix="forgekernel-cubin-") as keep:
-            rec = compile_to(SPEC, params, tmp_path, keep_dir=Path(keep))
-            cubin = rec.pop("cubin")
-            if isinstance(cubin, bytes):  # some DSL paths hand back the image, not its file
-                (Path(keep) / "paged.cubin").write_bytes(cubin)
-                cubin = Path(keep) / "paged.cubin"
-            sass = subprocess.run(
-                [cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, env=env
-            ).stdout
-            rec.update(inspect_cubin(cubin))
+        rec, sass = _build_with_sass(params, tmp_path)
         assert rec["spill_bytes"] == 0 and rec["hgmma"], params
         assert rec["sass"].get("LDL", 0) == 0 and rec["sass"].get("STL", 0) == 0, params
         assert rec["sass"]["UTMALDG"] > 0 and rec["sass"]["STS"] > 0, params  # boxes, clearing
@@ -108,19 +104,8 @@ VARIANT_SAMPLE = [
 
 @pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
 def test_snake_and_direct_o_build_on_the_uniform_datapath(tmp_path):
-    cuobjdump = find_tool("cuobjdump")
-    env = dict(os.environ, PATH=os.pathsep.join([str(Path(cuobjdump).parent), os.environ["PATH"]]))
     for params in VARIANT_SAMPLE:
-        with tempfile.TemporaryDirectory(prefix="forgekernel-cubin-") as keep:
-            rec = compile_to(SPEC, params, tmp_path, keep_dir=Path(keep))
-            cubin = rec.pop("cubin")
-            if isinstance(cubin, bytes):
-                (Path(keep) / "variant.cubin").write_bytes(cubin)
-                cubin = Path(keep) / "variant.cubin"
-            sass = subprocess.run(
-                [cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, env=env
-            ).stdout
-            rec.update(inspect_cubin(cubin))
+        rec, sass = _build_with_sass(params, tmp_path)
         assert rec["spill_bytes"] == 0 and rec["hgmma"], params
         assert rec["sass"].get("LDL", 0) == 0 and rec["sass"].get("STL", 0) == 0, params
         # 14 R2UR outside the loops here, as in the standard build (15); the branching one had 388.

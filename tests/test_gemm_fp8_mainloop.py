@@ -19,10 +19,7 @@ a CTA's units, starts where it left them). And the compiled kernel's SASS keeps 
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -532,7 +529,7 @@ def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_pa
         STREAM_DECODE,
         params_for,
     )
-    from forgekernel.runtime.resources import find_tool, inspect_cubin
+    from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text
 
     if find_tool("nvdisasm") is None:
         pytest.skip("cuobjdump/nvdisasm not installed")
@@ -546,17 +543,9 @@ def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_pa
     params = params_for(out, cfg, grouped=which.startswith("grouped"))
     compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {tmp_path}")
     cubin = compiled.artifacts.CUBIN
-    if isinstance(cubin, bytes):
-        path = tmp_path / "k.cubin"
-        path.write_bytes(cubin)
-        cubin = str(path)
     info = inspect_cubin(cubin)
     assert info["spill_bytes"] == 0 and info["sass"].get("LDL", 0) == 0
-    nvdisasm = find_tool("nvdisasm")
-    env = dict(os.environ, PATH=os.pathsep.join([str(Path(nvdisasm).parent), os.environ["PATH"]]))
-    sass = subprocess.run(
-        [find_tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True, env=env
-    ).stdout
+    sass = sass_text(cubin)
     batch = "AQQQQ"
     step = f"{batch}D1F64"
     assert _mainloop_sequence(sass) == batch + step * 3 + "D0F64" * 2

@@ -30,7 +30,6 @@ assembles, cuobjdump reads the cubin): the facts its schedule and the CPU model 
 from __future__ import annotations
 
 import re
-import subprocess
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -41,7 +40,7 @@ pytest.importorskip("cutlass")
 
 from forgekernel.kernels.attention.mla.sm90 import SPEC, params_for  # noqa: E402
 from forgekernel.kernels.attention.mla.sm90.seesaw import CHUNKS, Q_BOX_MIN, Bar  # noqa: E402
-from forgekernel.runtime.resources import find_tool, inspect_cubin  # noqa: E402
+from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text  # noqa: E402
 
 if find_tool("cuobjdump") is None:
     pytest.skip("cuobjdump not found", allow_module_level=True)
@@ -61,13 +60,7 @@ def _compiled(params) -> tuple[dict, Counter, str]:
     with tempfile.TemporaryDirectory() as d:
         compiled = SPEC.compile(params, f"--keep-cubin --keep-ptx --dump-dir {d}")
         cubin = compiled.artifacts.CUBIN
-        if isinstance(cubin, bytes):
-            path = Path(d) / "k.cubin"
-            path.write_bytes(cubin)
-            cubin = str(path)
-        res = inspect_cubin(cubin)
-        sass = subprocess.run([find_tool("cuobjdump"), "-sass", cubin], capture_output=True,
-                              text=True, check=True).stdout  # fmt: skip
+        res, sass = inspect_cubin(cubin), sass_text(cubin)
         ptx = "".join(p.read_text() for p in Path(d).glob("*.ptx"))
     return res, Counter(_OP.findall(sass)), ptx
 

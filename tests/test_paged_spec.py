@@ -6,10 +6,7 @@ and the 18:47 pass kept as candidate params."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +14,7 @@ from script_modules import load_script  # tests/ is on the path
 
 from forgekernel.bench.suites import attention_paged as suite
 from forgekernel.kernels.attention.paged.sm90 import SPEC, config
-from forgekernel.runtime.resources import find_tool, inspect_cubin
+from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text
 
 
 def _probe():
@@ -162,11 +159,7 @@ def _compile_sass(tmp_path, params: dict) -> tuple[str, dict]:
     out.mkdir()
     compile_paged(params, extra_options=f"--keep-cubin --dump-dir {out}")
     (cubin,) = out.glob("*.cubin")
-    cuobjdump = find_tool("cuobjdump")
-    env = dict(os.environ, PATH=os.pathsep.join([str(Path(cuobjdump).parent), os.environ["PATH"]]))
-    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True,
-                          env=env).stdout  # fmt: skip
-    return sass, inspect_cubin(cubin)
+    return sass_text(cubin), inspect_cubin(cubin)
 
 
 LEAVES = [(128, 4, 1), (128, 4, 2), (128, 4, 4), (128, 8, 2), (128, 8, 4), (64, 4, 4)]

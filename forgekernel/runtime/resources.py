@@ -32,6 +32,24 @@ def find_tool(name: str) -> str | None:
     return shutil.which(name, path=os.pathsep.join(_tool_dirs()))
 
 
+def sass_text(cubin: str | os.PathLike | bytes | None) -> str:
+    """The SASS listing of a cubin (a file, or the image some DSL paths hand back) as cuobjdump
+    prints it with nvdisasm on its PATH; "" without the tools or the cubin."""
+    if isinstance(cubin, bytes):
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(cubin)
+        try:
+            return sass_text(f.name)
+        finally:
+            os.unlink(f.name)
+    cuobjdump, nvdisasm = find_tool("cuobjdump"), find_tool("nvdisasm")
+    if cubin is None or not Path(cubin).is_file() or cuobjdump is None or nvdisasm is None:
+        return ""
+    env = dict(os.environ, PATH=os.pathsep.join([str(Path(nvdisasm).parent), os.environ["PATH"]]))
+    cmd = [cuobjdump, "-sass", str(cubin)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env).stdout
+
+
 def inspect_cubin(cubin: str | os.PathLike | None) -> dict[str, Any]:
     """registers, stack/spill bytes, static smem, and SASS counts of HGMMA / TMA / local memory."""
     out: dict[str, Any] = {
@@ -56,12 +74,9 @@ def inspect_cubin(cubin: str | os.PathLike | None) -> dict[str, Any]:
     if m:
         reg, stack, shared, local = map(int, m.groups())
         out.update(registers=reg, smem_bytes=shared, spill_bytes=stack + local)
-    nvdisasm = find_tool("nvdisasm")
-    if nvdisasm is None:
+    if find_tool("nvdisasm") is None:
         return out
-    env = dict(os.environ, PATH=os.pathsep.join([str(Path(nvdisasm).parent), os.environ["PATH"]]))
-    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, env=env)
-    ops = Counter(_OPCODE.findall(sass.stdout))
+    ops = Counter(_OPCODE.findall(sass_text(cubin)))
     keep = (
         "HGMMA",
         "QGMMA",
