@@ -1,8 +1,9 @@
 """The grouped FP8 GEMM's walk against the L2 (issue 21, docs/gemm/NOTES.md "The grouped FP8
 GEMM at 0.86x DeepGEMM"): for each gemm_fp8_grouped bench case, the HBM bytes the persistent
 walk reads under a least-recently-used L2 model, as a multiple of what A and B hold (A once,
-each expert's B once), for the standard walk (M first) and the banded candidates
-(`config.GROUPED_BANDS`), beside the last measured ratio against DeepGEMM (> 1: ours faster).
+each expert's B once), for the M-first walk (the standard until 2026-12-03, the dense FP8
+tiles' walk) and the standard's bands (`config.GROUPED`, swizzle 8), beside the last measured
+ratio against DeepGEMM (> 1: ours faster).
 
 Model (CPU only, no GPU): the static schedule's order of cluster blocks (kernels/common/sm90/
 scheduler/static.py, mirrored in `walk`), taken a wave of co-resident clusters at a time; a
@@ -16,6 +17,7 @@ wave stream their K in step. L2 sizes are what it keeps of its 50 MB for these o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections import OrderedDict
@@ -23,11 +25,12 @@ from pathlib import Path
 
 from forgekernel.bench.suites.gemm_fp8_grouped import BENCH_CASES, expert_counts
 from forgekernel.kernels.common.sm90.constants import NUM_SMS_H100_H200
-from forgekernel.kernels.gemm.fp8.sm90.config import GROUPED, GROUPED_BANDS
+from forgekernel.kernels.gemm.fp8.sm90.config import GROUPED
 
 RESULTS = Path("benchmarks/results/sm_90a/gemm_fp8_grouped.json")
 L2_BYTES = (20e6, 30e6, 45e6)
 TILE = 128
+M_FIRST = dataclasses.replace(GROUPED, swizzle=1)
 
 
 def walk(blocks_m: int, blocks_n: int, swizzle: int, along_m: bool = True) -> list:
@@ -93,7 +96,7 @@ def measured(path: Path) -> dict:
 
 def main(argv: list[str]) -> None:
     ratios = measured(Path(argv[0]) if argv else RESULTS)
-    cfgs = (GROUPED, *GROUPED_BANDS)
+    cfgs = (M_FIRST, GROUPED)
     names = ["M first" if c.swizzle == 1 else f"band{c.swizzle}" for c in cfgs]
     print("HBM reads / (A + B) at L2 " + ", ".join(f"{b / 1e6:.0f}" for b in L2_BYTES) + " MB")
     head = " ".join(f"{x:>14s}" for x in names)
@@ -103,7 +106,7 @@ def main(argv: list[str]) -> None:
         for cfg in cfgs:
             runs = [hbm_reads(case.params, cfg, b) for b in L2_BYTES]
             cols.append("/".join(f"{r / h:.1f}" for r, h in runs))
-        held = hbm_reads(case.params, GROUPED, L2_BYTES[0])[1]
+        held = hbm_reads(case.params, M_FIRST, L2_BYTES[0])[1]
         ratio = ratios.get(case.name)
         shown = f"{ratio:.3f}" if ratio else "-"
         row = " ".join(f"{c:>14s}" for c in cols)

@@ -6,6 +6,7 @@ caught), and the custom op's fake implementation under make_fx."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -281,24 +282,31 @@ def test_suite_is_registered_and_has_no_comparator_on_the_cpu():
     assert SUITE.name == "gemm_fp8_grouped" and SUITE.sanitize_cases
     if not torch.cuda.is_available():
         assert SUITE.comparators() == {"deepgemm": None}
-    assert set(SUITE.variants_for(SUITE.bench_cases[0])) == {"band6", "band8"}
+    assert SUITE.variants_for(SUITE.bench_cases[0]) == {}  # band6 dropped, band8 the standard
 
 
 @pytest.mark.parametrize("case", SMALL[:2], ids=lambda c: c.name)
-def test_band_variants_force_their_walk_through_the_launcher(stand_in, case):
-    """Each variant launches its banded config (`GROUPED_BANDS`: GROUPED but for the swizzle)
-    and passes the suite's check; the op itself still launches GROUPED."""
+def test_the_op_walks_bands_of_8_and_a_forced_walk_reaches_the_kernel(stand_in, case):
+    """The suite's run (the op) launches GROUPED: LARGE_MCAST_A's tile walked in bands of 8
+    cluster columns (adopted 2026-12-03); the launcher's `config=` launches the walk it is
+    given (M first here), the rest of the key as GROUPED's, and both pass the suite's check."""
     inputs = _inputs(case)
-    for name, run in SUITE.variants_for(case).items():
-        _, cmps = verify(SUITE, inputs, CPU, run=run)
-        assert all(c.ok for c in cmps), (name, [c.message for c in cmps])
-        params, clusters = stand_in[-1]
-        assert params["swizzle"] == int(name.removeprefix("band")) and params["grouped"]
-        rest = {k: v for k, v in params.items() if k != "swizzle"}
-        assert rest == {k: v for k, v in params_for("bfloat16", GROUPED, True) if k != "swizzle"}
-        assert clusters == 66
-    SUITE.run_ours(inputs, None)
-    assert stand_in[-1][0] == dict(params_for("bfloat16", GROUPED, True))
+    _, cmps = verify(SUITE, inputs, CPU)
+    assert all(c.ok for c in cmps), [c.message for c in cmps]
+    params, clusters = stand_in[-1]
+    assert params == dict(params_for("bfloat16", GROUPED, True)) and params["swizzle"] == 8
+    assert clusters == 66
+    m_first = dataclasses.replace(GROUPED, swizzle=1)
+
+    def forced(inp, out):
+        fp8_sm90.gemm_fp8_grouped(*_args(inp), out, config=m_first)
+        return suite_module._zero_padding(inp, out)
+
+    _, cmps = verify(SUITE, inputs, CPU, run=forced)
+    assert all(c.ok for c in cmps), [c.message for c in cmps]
+    params, clusters = stand_in[-1]
+    assert params == dict(params_for("bfloat16", m_first, True)) and params["swizzle"] == 1
+    assert clusters == 66
 
 
 def _fake_inputs():

@@ -1,7 +1,8 @@
 """The grouped FP8 GEMM's walk over its tiles (issue 21, docs/gemm/NOTES.md "The grouped FP8
-GEMM at 0.86x DeepGEMM"): scripts/fp8_grouped_walk.py's model of the order (every cluster block
-once; bands cut the modeled HBM re-reads) and the device scheduler, traced on the host, handing
-each cluster the blocks the model puts at its work indices."""
+GEMM at 0.86x DeepGEMM" and "band8 adopted"): scripts/fp8_grouped_walk.py's model of the order
+(every cluster block once; the standard's bands of 8 cut the M-first walk's modeled HBM
+re-reads) and the device scheduler, traced on the host, handing each cluster the blocks the
+model puts at its work indices."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from script_modules import load_script  # tests/ is on the path
 
 from forgekernel.bench.suites import gemm_fp8_grouped as suite_module
-from forgekernel.kernels.gemm.fp8.sm90.config import GROUPED, GROUPED_BANDS
+from forgekernel.kernels.gemm.fp8.sm90.config import GROUPED
 
 cutlass = pytest.importorskip("cutlass")
 cute = pytest.importorskip("cutlass.cute")
@@ -38,9 +39,10 @@ def test_band_walks_visit_every_tile_once():
             first = order[: min(s, blocks_n) * 2]
             assert first[: min(s, blocks_n)] == [(0, n) for n in range(min(s, blocks_n))]
     case = next(c for c in suite_module.BENCH_CASES if c.name == "E8:4096x4096x7168")
-    standard, held = walk_module.hbm_reads(case.params, GROUPED, 45e6)
-    banded, _ = walk_module.hbm_reads(case.params, GROUPED_BANDS[0], 45e6)
-    assert standard > 8 * held and banded < 2.5 * held
+    m_first, held = walk_module.hbm_reads(case.params, walk_module.M_FIRST, 45e6)
+    banded, _ = walk_module.hbm_reads(case.params, GROUPED, 45e6)
+    assert GROUPED.swizzle == 8 and walk_module.M_FIRST.swizzle == 1
+    assert m_first > 8 * held and banded < 2 * held
 
 
 @pytest.mark.parametrize("swizzle", [1, 6, 8])
@@ -48,7 +50,7 @@ def test_the_kernels_scheduler_walks_the_model_order(monkeypatch, swizzle):
     """The device scheduler (StaticScheduler, traced on the host with each CTA's block index
     served) hands every cluster of the grouped grid the blocks the walk model
     (scripts/fp8_grouped_walk.py `walk`) puts at its work indices: z, z + P, ... of a P-cluster
-    grid, for the standard M-first walk and the banded candidates."""
+    grid, for the M-first walk, bands of 6 and the standard's bands of 8."""
     cfg = dataclasses.replace(GROUPED, swizzle=swizzle)
     where: dict = {}
     monkeypatch.setattr(cute.arch, "make_warp_uniform", lambda x: x)

@@ -502,7 +502,7 @@ def _consumer_releases(sass: str) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize(
-    "which", ["large", "stream_decode", "large_ahead2", "mcast_a_mn", "grouped_band6"]
+    "which", ["large", "stream_decode", "large_ahead2", "mcast_a_mn", "grouped"]
 )
 def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_path):
     """Compiled for sm_90a: no spills, and the schedule the mainloop asks for survives ptxas:
@@ -519,11 +519,11 @@ def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_pa
     scripts/fp8_tiles.py) within the producer's 40 registers, the consumers' SASS schedule kept.
     `mcast_a_mn`: the candidate reading A's scales M-major (`scale_mn_major`): per k-tile one
     LDG.E.128 a lane for A's and one LDG.E for B's (4 + 1 LDG.E K-major), one STS.128 staging
-    them, the consumers' schedule kept. `grouped_band6`: the grouped layout's banded walk
-    (`GROUPED_BANDS`, suite variant band6): only the tile decode differs, the loops as GROUPED's."""
+    them, the consumers' schedule kept. `grouped`: the grouped layout's standard (GROUPED, walked
+    in bands of 8): only the tile decode differs from the M-first walk, the loops as LARGE's."""
     from forgekernel.kernels.gemm.fp8.sm90 import SPEC
     from forgekernel.kernels.gemm.fp8.sm90.config import (
-        GROUPED_BANDS,
+        GROUPED,
         LARGE,
         LARGE_MCAST_A,
         STREAM_DECODE,
@@ -538,7 +538,7 @@ def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_pa
         "stream_decode": (STREAM_DECODE[0], "float16"),
         "large_ahead2": (dataclasses.replace(LARGE, scale_ahead=2), "bfloat16"),
         "mcast_a_mn": (dataclasses.replace(LARGE_MCAST_A, scale_mn_major=True), "bfloat16"),
-        "grouped_band6": (GROUPED_BANDS[0], "bfloat16"),
+        "grouped": (GROUPED, "bfloat16"),
     }[which]
     params = params_for(out, cfg, grouped=which.startswith("grouped"))
     compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {tmp_path}")

@@ -74,7 +74,9 @@ def test_tiled_128_row_tiles_take_six_stages_beside_a_3_deep_epilogue():
         assert ring_stages(cfg, 1, 2, scales) == 6
         assert ring_stages(dataclasses.replace(cfg, epi_stages=4), 1, 2, scales) == 5
     assert STREAM.epi_stages == 4 and ring_stages(STREAM, 1, 2, scales) == 5
-    assert GROUPED == LARGE_MCAST_A  # the grouped layout takes the dense tile's ring (18:47)
+    # the grouped layout takes the dense tile's ring (18:47), walked in bands of 8 (12-03 06:21)
+    assert GROUPED == dataclasses.replace(LARGE_MCAST_A, swizzle=8)
+    assert LARGE_MCAST_A.swizzle == 1  # the dense tiles still walk M first
 
 
 def test_chooser_takes_the_a_multicast_from_large_m():

@@ -13,9 +13,9 @@ so the check compares every row and still catches an unwritten real row.
 
 Comparator: DeepGEMM's `m_grouped_fp8_gemm_nt_contiguous` on the same inputs (A's scales made
 M-major and TMA-aligned once per input set, outside the timing; bf16 out only) where `deep_gemm`
-is installed. Variants `band6` / `band8`: the tiles walked in bands of that many cluster
-columns (`config.GROUPED_BANDS`, candidates). (Variant "wide", the 128x192 tile, was measured
-and dropped: docs/gemm/NOTES.md.)
+is installed. No variants: measured and dropped (docs/gemm/NOTES.md), "wide" (the 128x192 tile)
+and "band6" (the tiles walked in bands of 6 cluster columns; bands of 8, "band8", became the
+standard walk on 2026-12-03, the M-first walk before it).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import torch
 from forgekernel.bench.suite import Case, Inputs, OpSuite
 from forgekernel.bench.suites.gemm_fp8 import DSV3_MOE, _quantize, deepgemm_scales
 from forgekernel.kernels.gemm.fp8.sm90 import SPEC
-from forgekernel.kernels.gemm.fp8.sm90.config import GROUPED, GROUPED_BANDS
 
 ALIGN = 128  # each expert's segment: whole tiles, DeepGEMM's contiguous-layout alignment
 GOLDEN = 0.6180339887498949
@@ -185,26 +184,6 @@ def run_ours(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
     return _zero_padding(inputs, c)
 
 
-def _forced(cfg):
-    """The launcher with `cfg` forced (the op's checks passed for the case: same inputs)."""
-
-    def run(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
-        from forgekernel.kernels.gemm.fp8.sm90 import launch
-
-        c = alloc_out(inputs) if out is None else out
-        args = (inputs[x] for x in ("a", "b", "sa", "sb", "m_indices"))
-        launch.gemm_fp8_grouped(*args, c, config=cfg)
-        return _zero_padding(inputs, c)
-
-    return run
-
-
-def variants(case: Case) -> dict[str, Any]:
-    """The banded walks (`config.GROUPED_BANDS`: the tiles of `swizzle` cluster columns swept
-    down M, N fastest in a band) beside the standard's M-first walk."""
-    return {f"band{cfg.swizzle}": _forced(cfg) for cfg in GROUPED_BANDS if cfg != GROUPED}
-
-
 def reference(inputs: Inputs) -> torch.Tensor:
     from forgekernel.reference.gemm import gemm_fp8_grouped_ref
 
@@ -287,5 +266,4 @@ def suite() -> OpSuite:
         atol=1e-2,
         bench_dtypes=(torch.bfloat16,),
         sanitize_cases=SANITIZE_CASES,
-        variants=variants,
     )

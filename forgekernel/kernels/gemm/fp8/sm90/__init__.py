@@ -7,7 +7,6 @@ from pathlib import Path
 
 from forgekernel.kernels.gemm.fp8.sm90.config import (
     GROUPED,
-    GROUPED_BANDS,
     OUT_DTYPES,
     STANDARD_CONFIGS,
     params_for,
@@ -27,18 +26,12 @@ def _standard_params() -> list[Params]:
     return dense + grouped
 
 
-def _candidate_params() -> list[Params]:
-    """The grouped walk's banded candidates (bf16 out: the bench's), `build --candidates`."""
-    return [params_for("bfloat16", cfg, True) for cfg in GROUPED_BANDS]
-
-
 SPEC = KernelSpec(
     name="gemm_fp8_sm90",
     arch="sm_90a",
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
-    candidate_params=_candidate_params,
 )
 
 __all__ = ["SPEC", "params_for"]

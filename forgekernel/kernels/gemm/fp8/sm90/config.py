@@ -68,21 +68,17 @@ STANDARD_CONFIGS = (LARGE, MID, SKINNY, *DECODE, LARGE_MCAST_A, *STREAM_DECODE, 
 
 # The grouped (MoE, contiguous) layout: B holds every expert's (N, K) and each 128-row tile of
 # A one expert's rows, so B is never multicast across tile rows (A over a 1x2 cluster). The dense
-# tile's ring since 18:47 (6 stages beside a 3-deep epilogue, the scales two k-tiles ahead): at
-# 0.818x DeepGEMM (2026-12-02 18:47) it ran the 5-stage, 4-deep, one-ahead ring, 7% behind the
-# dense layout's ratio on like shapes; the dense tile gained 2.6-5% (sixth stage) and 7-9%
-# (scales ahead) there. Not yet measured grouped: check + bench gemm_fp8_grouped decide.
-GROUPED = LARGE_MCAST_A
-# The grouped layout walked in bands (`swizzle`: s cluster columns, 2s n-tiles, swept down M with
-# N fastest inside a band) instead of M first (docs/gemm/NOTES.md "The grouped FP8 GEMM at
-# 0.86x DeepGEMM"). M first sweeps all of A (up to 940 MB) once per cluster column against a
-# 50 MB L2: an LRU model of the walk (scripts/fp8_grouped_walk.py, L2 keeping 30-45 MB) reads
-# 2.2-10.8x the bytes of A and B on 13 of the 24 bench cases, which ran 0.72-0.89x DeepGEMM
-# (H200, 2026-12-03 03:50), against 0.84-1.08x on the other 11 (1.0-1.5x); bands of 6
-# (DeepGEMM's 8 blocks of 192 columns) read 1.0-2.5x, bands of 8 1.0-2.1x. Candidates until
-# timed beside GROUPED (suite variants `band6` / `band8`); adopting one is this line:
-# GROUPED = GROUPED_BANDS[i].
-GROUPED_BANDS = tuple(dataclasses.replace(GROUPED, swizzle=s) for s in (6, 8))
+# tile's ring since 18:47 (6 stages beside a 3-deep epilogue, the scales two k-tiles ahead):
+# 0.818x DeepGEMM on the 5-stage one-ahead ring (2026-12-02 18:47), 0.857x on this one (12-03
+# 03:50). Walked in bands (`swizzle` 8: 8 cluster columns, 16 n-tiles, swept down M with N
+# fastest inside a band) where LARGE_MCAST_A walks M first, which sweeps all of A (up to 940 MB)
+# once per cluster column against a 50 MB L2 (scripts/fp8_grouped_walk.py: 2.2-10.8x the bytes
+# of A and B on 13 of the 24 bench cases, bands of 8 1.0-2.1x). Measured on the H200 (2026-12-03
+# 06:21, band ms / M-first ms, 24 cases): graph median 0.966x, best 0.812x (E128:128x1536x2048),
+# worst 1.021x (E8:4096x4096x7168); eager median 0.938x, worst 1.003x. Bands of 6 (DeepGEMM's 8
+# blocks of 192 columns) measured and dropped: graph median 0.966x, worst 1.024x; eager 0.954x.
+# docs/gemm/NOTES.md "Measured 2026-12-03 06:21 (H200): band8 adopted".
+GROUPED = dataclasses.replace(LARGE_MCAST_A, swizzle=8)
 
 
 def params_for(out_dtype: str, cfg: GemmConfig, grouped: bool = False) -> tuple:

@@ -158,7 +158,7 @@ def gemm_fp8_grouped(
     expert 0, not the caller's), b (E, N, K) float8_e4m3fn, scale_a (M, K/128), scale_b
     (E, N/128, K/128) fp32, groups int32 (M,), out (M, N) 16-bit; N a multiple of 128.
     `config`: force a configuration of the grouped kind (128 rows, no B multicast, not stream
-    K: `GROUPED_BANDS`, the suite's variants), else GROUPED."""
+    K; tuning scripts, a suite's variants: another walk), else GROUPED."""
     m, k = a.shape
     e, n, _ = b.shape
     if m == 0 or n == 0:
