@@ -65,10 +65,8 @@ def test_sparse_compile_keys():
     assert sparse_heads() == (*(h for h in HEADS if 16 % h == 0 and 128 % h == 0), 64)
     sparse = {p for p in SPEC.standard_params() if dict(p)["kind"] == "sparse"}
     assert sparse == {params_for("sparse", d, h) for d in ("float16", "bfloat16")
-                      for h in sparse_heads()} | {params_for("sparse", "bfloat16", h, fp8=True,
-                                                             fp8_staged=staged)
-                                                  for h in sparse_heads()
-                                                  for staged in (False, True)}  # fmt: skip
+                      for h in sparse_heads()} | {params_for("sparse", "bfloat16", h, fp8=True)
+                                                  for h in sparse_heads()}  # fmt: skip
     assert heads_per_cta(16) in sparse_heads() and heads_per_cta(128) in sparse_heads()
     with pytest.raises(ValueError, match="one query token"):
         params_for("sparse", "bfloat16", 8, 2)
@@ -272,45 +270,6 @@ def test_fp8_sparse_matches_the_reference(sparse_kernels, tokens, hq, page_size,
     _assert_close(out, lse, want, want_lse, atol=2e-2 + float(want.abs().max()) * 2**-8)
     params, _ = sparse_kernels[-1]
     assert params["fp8"] and params["dtype"] == "bfloat16"
-
-
-def test_fp8_staged_form(sparse_kernels, monkeypatch):
-    """FORGEKERNEL_MLA_FP8=staged (or `fp8_form("staged")`, keyed apart from the default's plan)
-    takes the sparse pass's fp8_staged compile, same results; 16-bit caches ignore it; another
-    value raises."""
-    qn, qp, _, _, idx = _problem(3, 16, 64, [70, 1, 300], 320, pad="scattered")
-    packed = _fp8_cache(8, 64, torch.Generator().manual_seed(3))
-    want, want_lse = _fp8_want(qn, qp, packed, idx)
-
-    def run():
-        return op.dsa_sparse_attention(qn, qp, packed, None, idx, softmax_scale=SCALE,
-                                       return_lse=True)  # fmt: skip
-
-    def staged():
-        out, lse = run()
-        _assert_close(out, lse, want, want_lse, atol=2e-2 + float(want.abs().max()) * 2**-8)
-        return sparse_kernels[-1][0].get("fp8_staged", False)
-
-    assert not staged()  # the default: registers
-    with mla_launch.fp8_form("staged"):  # keyed apart from the default's cached plan
-        assert staged()
-    assert not staged()
-    monkeypatch.setenv("FORGEKERNEL_MLA_FP8", "staged")
-    mla_launch._plans.clear()  # (the variable is read when a plan is built)
-    assert staged()
-    with mla_launch.fp8_form("registers"):
-        assert not staged()
-    monkeypatch.setenv("FORGEKERNEL_MLA_FP8", "staged")
-    qn16, qp16, ckv, kpe, idx16 = _problem(2, 16, 64, [5, 9], 64)
-    op.dsa_sparse_attention(qn16, qp16, ckv, kpe, idx16, softmax_scale=SCALE)
-    assert "fp8_staged" not in sparse_kernels[-1][0]
-    monkeypatch.setenv("FORGEKERNEL_MLA_FP8", "smem")
-    mla_launch._plans.clear()
-    with pytest.raises(ValueError, match="FORGEKERNEL_MLA_FP8"):
-        run()
-    with pytest.raises(ValueError, match="fp8 form"):
-        with mla_launch.fp8_form("smem"):
-            pass
 
 
 def test_out_is_written_in_place(sparse_kernels):

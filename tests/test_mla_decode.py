@@ -92,8 +92,9 @@ def test_compile_keys():
             params_for(**{"dtype": "bfloat16", "heads": 16, **bad}, tma=True)
     partial = [dict(p) for p in SPEC.standard_params() if dict(p)["kind"] == "partial"]
     per_pass = sum(1 for h in HEADS for t in QTOKENS if h * t <= ROWS)
-    # fp16 and bf16 (the seesaw pass and decode.py's), FP8 cache with bf16 queries (registers
-    # and fp8_staged), the seesaw's direct form of the served head blocks in both dtypes
+    # fp16 and bf16 (the seesaw pass and decode.py's), FP8 cache with bf16 queries (one form:
+    # the bytes staged in their stage), the seesaw's direct form of the served head blocks in
+    # both dtypes
     direct = [p for p in partial if p.get("direct") and not p.get("pair") and not p.get("ostore")]
     assert len(direct) == 2 * len(direct_blocks()) == 12 and all(p["tma"] for p in direct)
     # the pair form (candidate): the pair blocks, partial and direct, both dtypes
@@ -107,14 +108,12 @@ def test_compile_keys():
     assert sorted((p["dtype"], p["heads"], p.get("qtokens", 1)) for p in ostore) == sorted(
         (d, h, t) for d in DTYPES for h, t in OSTORE_BLOCKS
     ) and all(p["direct"] and not p.get("pair") for p in ostore)  # fmt: skip
-    assert len(partial) == 6 * per_pass + len(direct) + len(pair) + len(ostore)
-    assert sum(1 for p in partial if p.get("fp8") and not p.get("fp8_staged")) == per_pass
-    staged = [p for p in partial if p.get("fp8_staged")]
-    assert {(p["heads"], p.get("qtokens", 1)) for p in staged} == {
+    assert len(partial) == 5 * per_pass + len(direct) + len(pair) + len(ostore)
+    fp8 = [p for p in partial if p.get("fp8")]
+    assert sorted((p["heads"], p.get("qtokens", 1)) for p in fp8) == sorted(
         (h, t) for h in HEADS for t in QTOKENS if h * t <= ROWS
-    } and all(p["fp8"] for p in staged)
-    with pytest.raises(ValueError, match="fp8_staged"):
-        params_for("partial", "bfloat16", 16, fp8_staged=True)
+    )
+    assert all(set(p) <= {"kind", "dtype", "heads", "qtokens", "fp8"} for p in fp8)
     assert (
         sum(1 for p in partial if p.get("tma") and not p.get("direct") and not p.get("pair"))
         == 2 * per_pass

@@ -1,8 +1,9 @@
-"""The MLA / DSA pass's `fp8_staged` form on the CPU (decode.py, fp8.py): where a tile's e4m3 bytes
-wait in their stage, the warpgroup's cp.async and dequantization jobs, and the in-place order,
-replayed byte by byte against the 16-bit tile layout the kernel's WGMMAs read (taken from the
-DSL's own layout helper): every chunk written once, from its own bytes, and no phase writing a
-byte that a thread of the same or a later phase still has to read."""
+"""The MLA / DSA pass over an FP8 cache on the CPU (decode.py, fp8.py; every tile after tile 0):
+where a tile's e4m3 bytes wait in their stage, the warpgroup's cp.async and dequantization
+jobs, and the in-place order, replayed byte by byte against the 16-bit tile layout the kernel's
+WGMMAs read (taken from the DSL's own layout helper): every chunk written once, from its own
+bytes, and no phase writing a byte that a thread of the same or a later phase still has to
+read."""
 
 from __future__ import annotations
 

@@ -90,8 +90,9 @@ def test_dsa_sparse_matches_the_reference(case, dtype):
 
 @pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: c.name)
 def test_dsa_sparse_fp8_matches_the_reference(case):
-    """FlashMLA's FP8 cache: the fp8 compile of the sparse pass (e4m3 latent dequantized in
-    registers, exact in bf16) against reference.dsa on the latent e4m3 x its scales."""
+    """FlashMLA's FP8 cache: the fp8 compile of the sparse pass (e4m3 latent dequantized into
+    bf16, exact: tile 0 from registers, later tiles in place in their stage) against
+    reference.dsa on the latent e4m3 x its scales."""
     inputs = _inputs(case, torch.bfloat16)
     assert inputs["ckv"].dtype == torch.float8_e4m3fn and inputs["kpe"] is None
     _check(inputs, *_run(inputs))

@@ -343,11 +343,14 @@ def test_mla_fp8_packed_and_prefill(causal):
         _check(out, lse, *_fp8_refs(qn, qp, packed, table, seq, cu, causal))
 
 
-def test_fp8_dequantization_is_exact_on_the_device():
-    """One key per sequence, so out = that key's latent (softmax 1, P V = 1 x V, one split):
-    the kernel's registers -> bf16 conversion, seen through the whole pass, equals e4m3 x scale
-    bit for bit, over every finite code and the scales 2^-117 .. 2^7 (the NaN codes 0x7F /
-    0xFF replaced by 0)."""
+@pytest.mark.parametrize("keys", [1, 128])
+def test_fp8_dequantization_is_exact_on_the_device(keys):
+    """`keys` keys per sequence, every one the same cache row (page size 1, the table's entries
+    repeated), so out = that row's latent (every P 1, O = keys x V / keys: exact, keys a power
+    of two; one split, the plan's 256-key minimum): the kernel's e4m3 -> bf16 conversion, seen
+    through the whole pass, equals e4m3 x scale bit for bit, over every finite code and the
+    scales 2^-117 .. 2^7 (the NaN codes 0x7F / 0xFF replaced by 0). keys 1: tile 0, dequantized
+    from registers; 128: tile 1 too, by cp.async into its stage and dequantized in place."""
     scales = torch.exp2(torch.arange(-117, 8, dtype=torch.float32))
     tokens = -(-scales.numel() // 4)
     codes = torch.arange(256, dtype=torch.uint8).repeat(2)
@@ -358,12 +361,12 @@ def test_fp8_dequantization_is_exact_on_the_device():
     packed[:, 0, 0, 512:528] = tile_scales.view(torch.uint8).view(tokens, 16)
     packed[:, 0, 0, 528:] = torch.randn(tokens, 64).bfloat16().view(torch.uint8)
     packed = packed.cuda()
-    # q = 0: every score 0, so P = exp2(0 - 0) = 1 exactly and l = 1. With random q the one key's
+    # q = 0: every score 0, so P = exp2(0 - 0) = 1 exactly and l = keys. With random q a key's
     # P is exp2 of an FFMA's rounding residue (s x scale - round(s x scale)), not 1, and out is
     # V x bf16(P) / P: not exact (the first run, 2026-12-02 18:47, failed so).
     q = torch.zeros(tokens, 1, 16, 576, device="cuda", dtype=torch.bfloat16)
-    table = torch.arange(tokens, dtype=torch.int32, device="cuda")[:, None]
-    seq = torch.ones(tokens, dtype=torch.int32, device="cuda")
+    table = torch.arange(tokens, dtype=torch.int32, device="cuda")[:, None].repeat(1, keys)
+    seq = torch.full((tokens,), keys, dtype=torch.int32, device="cuda")
     out = op.mla_decode(q[..., :512], q[..., 512:], packed, None, table, seq, softmax_scale=SCALE)
     q8, scale, _ = flashmla_fp8_views(packed)
     exact = (q8[:, 0].float() * scale[:, 0].repeat_interleave(128, -1)).bfloat16()

@@ -350,20 +350,6 @@ def nbytes(case: Case, dtype: torch.dtype) -> float:
     return sum(_valid(case)) * row + rows * ((WIDTH + LATENT) * size + 4)
 
 
-def _run_fp8_staged(inputs: Inputs, out):
-    """ours with the FP8 pass's `fp8_staged` compile (the bytes by cp.async into their own
-    stage, dequantized in place; launch.fp8_form)."""
-    from forgekernel.kernels.attention.mla.sm90.launch import fp8_form
-
-    with fp8_form("staged"):
-        return run_ours(inputs, out)
-
-
-def variants(case: Case) -> dict[str, Any]:
-    """FP8 cases: the staged form beside the register one (MLA_NOTES.md, the 0.67x section)."""
-    return {"fp8_staged": _run_fp8_staged} if fp8(case) else {}
-
-
 def suite() -> OpSuite:
     return OpSuite(
         name="dsa_sparse",
@@ -374,7 +360,6 @@ def suite() -> OpSuite:
         make_inputs=make_inputs,
         alloc_out=alloc_out,
         run_ours=run_ours,
-        variants=variants,
         reference=reference,
         low_precision=low_precision,
         comparators=comparators,

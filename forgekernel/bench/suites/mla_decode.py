@@ -390,14 +390,6 @@ def nbytes(case: Case, dtype: torch.dtype) -> float:
     return sum(case.params["lens"]) * row + rows * ((WIDTH + LATENT) * size + 4)
 
 
-def _run_fp8_staged(inputs: Inputs, out):
-    """ours with the FP8 pass's `fp8_staged` compile (launch.fp8_form)."""
-    from forgekernel.kernels.attention.mla.sm90.launch import fp8_form
-
-    with fp8_form("staged"):
-        return run_ours(inputs, out)
-
-
 def _run_pair(inputs: Inputs, out):
     """ours with the seesaw pass's `pair` compile (launch.pair_form): 128 heads' head blocks as
     clusters of 2 sharing each tile's loads by TMA multicast."""
@@ -431,14 +423,11 @@ def _seesaw_block(case: Case) -> tuple[int, int, int] | None:
 
 
 def variants(case: Case) -> dict[str, Any]:
-    """FP8 cases: the staged form beside the register one (MLA_NOTES.md, the 0.67x section);
-    cases of the pair blocks (128 heads, page 64): the pair form (MLA_NOTES.md, "The 128-head
-    floor"); cases of the ostore blocks (the same): the direct form's O store through shared
-    memory (MLA_NOTES.md, "The direct form's O store")."""
+    """Cases of the pair blocks (128 heads, page 64): the pair form (MLA_NOTES.md, "The
+    128-head floor"); cases of the ostore blocks (the same): the direct form's O store through
+    shared memory (MLA_NOTES.md, "The direct form's O store")."""
     from forgekernel.kernels.attention.mla.sm90 import config
 
-    if fp8(case):
-        return {"fp8_staged": _run_fp8_staged}
     block = _seesaw_block(case)
     if block is None:
         return {}

@@ -4,12 +4,12 @@ declaration; the kernels are `decode.py` (the partial pass) and the paged leaf's
 (`PagedCombineSm90` at head dim 512); the op is `forgekernel.ops.mla.mla_decode` (issue 19).
 The partial pass's sparse mode (kind "sparse") is DeepSeek sparse attention's kernel, op
 `forgekernel.ops.dsa.dsa_sparse_attention` (issue 22). `fp8` keys read FlashMLA's FP8 cache
-(fp8.py), `fp8_staged` ones its bytes by cp.async into their own stage (the candidate that
-FORGEKERNEL_MLA_FP8=staged selects); `tma` keys are seesaw.py's partial pass (16-bit pages of
-whole 64-key tiles), `direct` ones its form for a plan of one split (O and LSE written in place,
-no combine), `pair` ones its head blocks as clusters of 2 sharing each tile's loads by TMA
-multicast (the candidate that FORGEKERNEL_MLA_PAIR=1 selects), `ostore` direct ones their O
-through shared memory and 16-byte stores (FORGEKERNEL_MLA_OSTORE=1)."""
+(fp8.py: its bytes by cp.async into their own stage, dequantized there); `tma` keys are
+seesaw.py's partial pass (16-bit pages of whole 64-key tiles), `direct` ones its form for a plan
+of one split (O and LSE written in place, no combine), `pair` ones its head blocks as clusters
+of 2 sharing each tile's loads by TMA multicast (the candidate that FORGEKERNEL_MLA_PAIR=1
+selects), `ostore` direct ones their O through shared memory and 16-byte stores
+(FORGEKERNEL_MLA_OSTORE=1)."""
 
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ def _compile(params: Params, extra_options: str = ""):
 def _standard_params() -> list[Params]:
     """Every 16-bit partial pass (seesaw.py's for whole-tile pages, decode.py's for the others),
     the same heads x tokens over FlashMLA's FP8 cache (bf16 queries), the seesaw pass's direct
-    form for the served head blocks (`config.direct_blocks`), the sparse passes, the FP8 ones
-    again in the `fp8_staged` form, and the combines."""
+    form for the served head blocks (`config.direct_blocks`), the sparse passes, and the
+    combines."""
     passes = [(d, False, tma) for d in DTYPES for tma in (True, False)] + [(FP8_DTYPE, True, False)]
     partial = [
         params_for("partial", dtype, h, qt, fp8, tma)
@@ -60,10 +60,6 @@ def _standard_params() -> list[Params]:
         if not tma
         for h in sparse_heads()
     ]
-    staged = [
-        params_for(kind, FP8_DTYPE, heads, qtokens, True, fp8_staged=True)
-        for kind, heads, qtokens in _fp8_blocks(partial + sparse)
-    ]
     pair = [
         params_for("partial", dtype, h, qt, tma=True, direct=d, pair=True)
         for dtype in DTYPES
@@ -76,13 +72,7 @@ def _standard_params() -> list[Params]:
         for h, qt in OSTORE_BLOCKS
     ]
     combine = [params_for("combine", d) for d in DTYPES]
-    return partial + direct + sparse + staged + pair + ostore + combine
-
-
-def _fp8_blocks(params: list[Params]) -> list[tuple[str, int, int]]:
-    """(kind, heads, query tokens) of the FP8 keys among `params`."""
-    blocks = [dict(p) for p in params]
-    return [(p["kind"], p["heads"], p.get("qtokens", 1)) for p in blocks if p.get("fp8")]
+    return partial + direct + sparse + pair + ostore + combine
 
 
 SPEC = KernelSpec(

@@ -70,14 +70,14 @@ def _caches(dtype, fp8: bool, pages, page_size) -> tuple:
     )
 
 
-def _sparse(dtype, heads: int, fp8: bool, opts: str, staged: bool = False):
+def _sparse(dtype, heads: int, fp8: bool, opts: str):
     tokens, hq = cute.sym_int32(), cute.sym_int32()
     pages, page_size = cute.sym_int32(), cute.sym_int32()
     top_k = make_fake_tensor(
         cutlass.Int32, (tokens, cute.sym_int32()), stride=(cute.sym_int64(), 1), assumed_align=4
     )
     return cute.compile(
-        MlaDecodeSm90(heads, sparse=True, fp8=fp8, fp8_staged=staged),
+        MlaDecodeSm90(heads, sparse=True, fp8=fp8),
         fake.rowmajor(dtype, (tokens, hq, D_LATENT)),
         fake.rowmajor(dtype, (tokens, hq, D_ROPE)),
         *_caches(dtype, fp8, pages, page_size),
@@ -102,9 +102,8 @@ def compile_mla(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     if params["kind"] == "combine":
         return _combine(dtype, opts)
     fp8 = params.get("fp8", False)
-    staged = params.get("fp8_staged", False)
     if params["kind"] == "sparse":
-        return _sparse(dtype, params["heads"], fp8, opts, staged)
+        return _sparse(dtype, params["heads"], fp8, opts)
     qtokens = params.get("qtokens", 1)
     b, hq = cute.sym_int32(), cute.sym_int32()
     rows = cute.sym_int32() if qtokens > 1 else b  # total_q packed by cu_seqlens_q, else B
@@ -115,7 +114,7 @@ def compile_mla(params: dict, arch: str = "sm_90a", extra_options: str = ""):
             params["heads"], qtokens, direct, params.get("pair", False), params.get("ostore", False)
         )
     else:
-        kernel = MlaDecodeSm90(params["heads"], qtokens, fp8=fp8, fp8_staged=staged)
+        kernel = MlaDecodeSm90(params["heads"], qtokens, fp8=fp8)
     q_nope = fake.rowmajor(dtype, (rows, hq, D_LATENT))
     q_pe = fake.rowmajor(dtype, (rows, hq, D_ROPE))
     caches = _caches(dtype, fp8, pages, page_size)

@@ -139,7 +139,6 @@ def params_for(
     fp8: bool = False,
     tma: bool = False,
     direct: bool = False,
-    fp8_staged: bool = False,
     pair: bool = False,
     ostore: bool = False,
 ) -> tuple:
@@ -147,12 +146,12 @@ def params_for(
     out; qtokens > 1 the packed form with cu_seqlens_q), "sparse" (DSA: one split of one query
     token's top-k list, `heads` query heads; qtokens 1) or "combine" (the paged leaf's
     `PagedCombineSm90` at head dim D_LATENT, under the key the paged leaf would give it). fp8:
-    the partial / sparse pass over FlashMLA's FP8 cache (dtype FP8_DTYPE only). tma: the partial
+    the partial / sparse pass over FlashMLA's FP8 cache (dtype FP8_DTYPE only; its bytes by
+    cp.async into their own stage, dequantized there a turn later: decode.py). tma: the partial
     pass over a 16-bit cache whose pages are multiples of TILE rows (seesaw.py: TMA boxes of
     whole tiles, the seesaw schedule). direct (tma only): the pass of a plan of one split, writing
-    O in q's dtype and the natural LSE into the op's outputs (no partials, no combine).
-    fp8_staged (fp8 only): the FP8 bytes by cp.async into their own stage, dequantized there a
-    turn later (decode.py `_load_wg_staged`), against the register path. pair (tma only): the
+    O in q's dtype and the natural LSE into the op's outputs (no partials, no combine). pair
+    (tma only): the
     head blocks as clusters of 2 sharing each tile's loads by TMA multicast (seesaw.py). ostore
     (direct only): O staged in shared memory and sent by 16-byte stores (out rows 16-byte
     aligned: the compile assumes it)."""
@@ -164,8 +163,6 @@ def params_for(
         raise ValueError(f"an FP8 cache takes {FP8_DTYPE} queries, got {dtype}")
     if tma and (kind != "partial" or fp8):
         raise ValueError("the TMA (seesaw) pass is the 16-bit paged partial pass")
-    if fp8_staged and not fp8:
-        raise ValueError("fp8_staged is a form of the FP8 cache's pass")
     if direct and not tma:
         raise ValueError("the direct form is the seesaw (tma) pass's")
     if pair and not tma:
@@ -179,8 +176,6 @@ def params_for(
         keys["qtokens"] = qtokens
     if fp8:
         keys["fp8"] = True
-    if fp8_staged:
-        keys["fp8_staged"] = True
     if tma:
         keys["tma"] = True
     if direct:

@@ -28,13 +28,16 @@ At the end warpgroup 0's row maxima and sums go through shared memory and every 
 its columns of the split's normalized O (fp32) and warpgroup 0 the rows' LSE in log2 units
 (-inf where the split saw no key), the paged decode's partial format, merged by its combine.
 
-`fp8` (FlashMLA's FP8 cache, bf16 queries; fp8.py has the format and the dequantization): the
-latent columns of a tile go global -> registers -> bf16 -> st.shared into the same swizzled
-tile (16-byte loads of e4m3 and each row's scale; no shared memory is left to stage bytes in),
-the RoPE columns keep cp.async. Those loads wait for their data, so warpgroup 1 reorders its
-turn: once the stage is free it hands tile i + 1 over first (its latent stored a turn earlier,
-its RoPE cp.async landed) and then loads tile i + 2, under warpgroup 0's S of tile i + 1.
-Every thread loads tile 0, warpgroup 1 tile 1 before its loop.
+`fp8` (FlashMLA's FP8 cache, bf16 queries; fp8.py has the format and the dequantization):
+tile 0's latent goes global -> registers -> bf16 -> st.shared into the same swizzled 16-bit tile,
+by every thread before the loop. From tile 1 on warpgroup 1 issues a tile's e4m3 bytes, its
+scales and its RoPE columns by cp.async into the stage it refills (the bytes into the stage's
+upper half, free until they are dequantized; the scales into one tile's buffer: all 227 KB of
+shared memory), and a turn later, right after issuing its half of P V, dequantizes the bytes in
+place (three phases, fp8.py) and hands the tile over (`_load_wg_staged`): no register waits on
+memory. (It replaced warpgroup 1 loading every tile's e4m3 into registers, which waited about
+three memory round trips a tile; this form took 0.873-0.943x its time on dsa_sparse's FP8
+cases, H200 2026-12-03 06:21: MLA_NOTES.md.)
 
 `sparse` (DeepSeek sparse attention, DSA): query token t attends to the cache rows its top-k
 list names (mPT (tokens, topk) int32, entries page * page_size + slot, -1 padding, anywhere),
@@ -84,8 +87,7 @@ from forgekernel.kernels.common.sm90.warp_mma import (
 COLS = D_LATENT // WARPGROUPS  # output columns per warpgroup in P V
 FP8_CHUNKS_PER_ROW = D_LATENT // FP8_CHUNK  # 16-byte e4m3 loads per latent row
 FP8_HALF = FP8_CHUNKS_PER_ROW // 2  # a half row: 16 threads, 256 bytes
-FP8_LOADS_IN_FLIGHT = 16  # a thread's 16-byte latent loads issued before it converts any
-# `fp8_staged`: a tile's e4m3 bytes wait in the upper half of its own stage (fp8.py
+# FP8 tiles after tile 0: their e4m3 bytes wait in the upper half of their own stage (fp8.py
 # `staged_raw_offset`), dequantized in place a turn later (`_dequant_stage_fp8`)
 FP8_STAGE_BYTES = 2 * fp8_cache.STAGED_RAW_BASE  # a stage of the 16-bit latent tile
 FP8_SCALES = 4  # per row
@@ -98,7 +100,7 @@ class Bar(IntEnum):
     P_READY = FIRST_FREE + 1  # P and the rescale factors written: 0 arrives, 1 waits
     P_FREE = FIRST_FREE + 2  # warpgroup 1 has read P: 1 arrives, 0 waits
     STAGE_FREE = FIRST_FREE + 3  # warpgroup 0's P V done: 0 arrives, 1 waits
-    STAGED = FIRST_FREE + 4  # fp8_staged: warpgroup 1 alone, between the in-place phases
+    STAGED = FIRST_FREE + 4  # fp8: warpgroup 1 alone, between the in-place phases
 
 
 class MlaDecodeSm90:
@@ -110,10 +112,7 @@ class MlaDecodeSm90:
         qtokens: int = 1,
         sparse: bool = False,
         fp8: bool = False,
-        fp8_staged: bool = False,
     ):
-        if fp8_staged and not fp8:
-            raise ValueError("fp8_staged is a form of the FP8 cache's pass")
         if heads * qtokens > ROWS:
             raise ValueError(f"heads x query tokens must be <= {ROWS}, got {heads} x {qtokens}")
         if sparse and qtokens != 1:
@@ -123,7 +122,6 @@ class MlaDecodeSm90:
         self.g = heads * qtokens
         self.sparse = sparse
         self.fp8 = fp8
-        self.staged = fp8_staged
 
     def _setup(self, dtype):
         k_major = OperandMajorMode.K
@@ -215,7 +213,7 @@ class MlaDecodeSm90:
             red: cute.struct.MemRange[Float32, 3 * ROWS]
             valid: cute.struct.MemRange[cutlass.Uint32, STAGES * 2]
 
-        self.shared = SharedStaged if const_expr(self.staged) else Shared
+        self.shared = SharedStaged if const_expr(self.fp8) else Shared
         self.kernel(
             mQn, mQp, mCkv, mKpe, mScale, mPT, mSeq, mOp, mLp, scale_log2, per_split, page_size,
             mCuQ, causal, q_blocks, self.mma_s, self.mma_o, self.mma_o_rs, self.lay_kl,
@@ -292,7 +290,7 @@ class MlaDecodeSm90:
         sRed = storage.red.get_tensor(cute.make_layout((3, ROWS)))
         sValid = storage.valid.get_tensor(cute.make_layout((2, STAGES)))
         staged = None
-        if const_expr(self.staged):
+        if const_expr(self.fp8):
             raw = cute.recast_ptr(storage.kl.data_ptr(), dtype=cutlass.Uint8)
             raw = raw + fp8_cache.STAGED_RAW_BASE
             # (byte, chunk % 8, row, chunk // 8, stage): fp8.py's `staged_raw_offset`
@@ -357,7 +355,7 @@ class MlaDecodeSm90:
                 copy_rope1.get_slice(tid1), mPT, b, page_size, (mScale, tid1, THREADS_PER_WG),
             )  # fmt: skip
             o_ops, span = (tOrP, tOrV, acc_o), (t0, t1, tiles)
-            if const_expr(self.staged):
+            if const_expr(self.fp8):
                 self._load_wg_staged(
                     kv_wg, o_ops, mma_o, bars, sRed, sValid, o_crd, span, tid1, staged
                 )
@@ -453,15 +451,13 @@ class MlaDecodeSm90:
 
     @cute.jit
     def _load_wg(self, kv, o_ops, mma_o, bars, sRed, sValid, o_crd, span, tid1):
-        """Warpgroup 1: per tile, its half of P V once P is out, then the tile after next into
-        the freed stage, then the next tile handed over once landed (fp8_staged:
-        `_load_wg_staged`)."""
+        """Warpgroup 1 over a 16-bit cache: per tile, its half of P V once P is out, then the
+        tile after next into the freed stage, then the next tile handed over once landed (an FP8
+        cache: `_load_wg_staged`)."""
         tOrP, tOrV, acc_o = o_ops
         full, p_ready, p_free, stage_free = bars
         t0, t1, tiles = span
         corr = cute.make_rmem_tensor(2, Float32)
-        if const_expr(self.fp8):
-            self._prefetch_fp8(kv, t0 + STAGES * TILE, t1, tid1)  # tile 2, under tile 1's loads
         if 1 < tiles:
             self._load_tile(kv, t0 + TILE, t1, 1)
             if const_expr(self.sparse):
@@ -478,7 +474,7 @@ class MlaDecodeSm90:
             if const_expr(early):
                 if i + 1 < tiles:  # its loads are the one commit group in flight
                     cute.arch.cp_async_wait_group(0)
-                    cute.arch.fence_view_async_shared()  # st.shared and cp.async, then WGMMA
+                    cute.arch.fence_view_async_shared()  # cp.async, then WGMMA
                     full.arrive()
             for r in cutlass.range_constexpr(2):
                 corr[r] = sRed[0, o_crd[r, 0][0]]
@@ -488,22 +484,13 @@ class MlaDecodeSm90:
                 p_free.arrive()
             stage_free.arrive_and_wait()  # both warpgroups are done with this stage
             nxt = i + STAGES
-            if const_expr(self.fp8):
-                # tile i + 1 first: its latent was stored a turn ago, its RoPE is the only
-                # commit group in flight; then tile i + 2's loads, which wait for their data
-                if const_expr(not early):
-                    if i + 1 < tiles:
-                        cute.arch.cp_async_wait_group(0)
-                        cute.arch.fence_view_async_shared()  # st.shared and cp.async, then WGMMA
-                        full.arrive()
-                self._prefetch_fp8(kv, t0 + (nxt + 1) * TILE, t1, tid1)  # a turn ahead
             if nxt < tiles:
                 self._load_tile(kv, t0 + nxt * TILE, t1, stage)
                 if const_expr(self.sparse):
                     if tid1 < 64:
                         self._store_valid(kv[8], kv[9], t0 + nxt * TILE, t1, stage, sValid, tid1)
             cute.arch.cp_async_commit_group()
-            if const_expr(not self.fp8 and not early):
+            if const_expr(not early):
                 if i + 1 < tiles:
                     cute.arch.cp_async_wait_group(1)  # tile i + 1 (the group before this one)
                     cute.arch.fence_view_async_shared()
@@ -511,12 +498,13 @@ class MlaDecodeSm90:
 
     @cute.jit
     def _load_wg_staged(self, kv, o_ops, mma_o, bars, sRed, sValid, o_crd, span, tid1, staged):
-        """Warpgroup 1 of `fp8_staged`, per tile i: its half of P V issued once P is out; under
-        it tile i + 1 (its bytes cp.async'd a turn ago into its stage) dequantized in place and
-        handed over; once the stage of tile i is free, tile i + 2's bytes, scales and RoPE
-        columns issued into it by cp.async, no register waiting on them. Memory latency leaves
-        this warpgroup's turn (the register path waits ~3 round trips a tile, MLA_NOTES.md); the
-        dequantization runs beside both halves of P V on the tensor cores."""
+        """Warpgroup 1 over an FP8 cache, per tile i: its half of P V issued once P is out;
+        under it tile i + 1 (its bytes cp.async'd a turn ago into its stage) dequantized in
+        place and handed over; once the stage of tile i is free, tile i + 2's bytes, scales and
+        RoPE columns issued into it by cp.async, no register waiting on them. Memory latency
+        leaves this warpgroup's turn (the register loads it replaced waited ~3 round trips a
+        tile, MLA_NOTES.md); the dequantization runs beside both halves of P V on the tensor
+        cores."""
         tOrP, tOrV, acc_o = o_ops
         full, p_ready, p_free, stage_free = bars
         t0, t1, tiles = span
@@ -555,7 +543,7 @@ class MlaDecodeSm90:
 
     @cute.jit
     def _issue_fp8(self, kv, staged, sValid, first, t1, stage, tid):
-        """fp8_staged: keys first .. first + TILE - 1 (clamped as `_load_tile`) into stage
+        """FP8: keys first .. first + TILE - 1 (clamped as `_load_tile`) into stage
         `stage` by warpgroup 1's thread `tid`, all cp.async: the RoPE columns as `_load_tile`'s,
         the e4m3 bytes into the stage's upper half (fp8.py `staged_raw_offset`), the scales into
         sScl (one tile's; threads tid < TILE, row tid; 0 for -1 padding), and the valid bits
@@ -610,7 +598,7 @@ class MlaDecodeSm90:
 
     @cute.jit
     def _dequant_stage_fp8(self, sKl, sRaw, sScl, stage, tid, wg1):
-        """fp8_staged: the e4m3 bytes of stage `stage` (landed, every thread's) into its 16-bit
+        """FP8: the e4m3 bytes of stage `stage` (landed, every thread's) into its 16-bit
         tile, in place, by warpgroup 1 (thread tid): columns 0 .. 255 (blocks 0 .. 3, the bytes
         in blocks 4, 5); after a barrier 256 .. 383 (blocks 4, 5, from block 6), holding
         384 .. 511 (block 7) in registers; after a barrier those into blocks 6, 7. 16 chunks a
@@ -727,16 +715,10 @@ class MlaDecodeSm90:
     @cute.jit
     def _load_latent_fp8(self, mCkv, mScale, sK, rows, first, t1, tid, threads):
         """The e4m3 latent of keys first .. first + TILE - 1 (clamped as `_load_tile`) into the
-        16-bit tile sK (TILE, D_LATENT) by `threads` threads (a warpgroup or the CTA), in
-        batches of FP8_LOADS_IN_FLIGHT loads per thread: `_fetch_latent_fp8`, then
-        `_store_latent_fp8`."""
-        loads = TILE * FP8_CHUNKS_PER_ROW // threads
-        batch = min(FP8_LOADS_IN_FLIGHT, loads)
-        for first_load in cutlass.range_constexpr(0, loads, batch):
-            raw, scale = self._fetch_latent_fp8(
-                mCkv, mScale, rows, first, t1, tid, threads, first_load, batch
-            )
-            self._store_latent_fp8(raw, scale, sK, tid, threads, first_load, batch)
+        16-bit tile sK (TILE, D_LATENT) by `threads` threads (the CTA: tile 0), every load of a
+        thread issued before it converts any: `_fetch_latent_fp8`, then `_store_latent_fp8`."""
+        raw, scale = self._fetch_latent_fp8(mCkv, mScale, rows, first, t1, tid, threads)
+        self._store_latent_fp8(raw, scale, sK, tid, threads)
 
     @cute.jit
     def _fp8_row(self, tid, threads: cutlass.Constexpr[int], load: cutlass.Constexpr[int]):
@@ -749,18 +731,20 @@ class MlaDecodeSm90:
         return row, (load % 2) * FP8_HALF + lane % 16
 
     @cute.jit
-    def _fetch_latent_fp8(self, mCkv, mScale, rows, first, t1, tid, threads, first_load, batch):
-        """Loads first_load .. first_load + batch - 1 of this thread (`_fp8_row`): (raw
-        (16, batch) uint8, scale (batch,) fp32) registers, the loads issued, nothing waited."""
+    def _fetch_latent_fp8(self, mCkv, mScale, rows, first, t1, tid, threads):
+        """This thread's loads of the tile (`_fp8_row`; TILE x FP8_CHUNKS_PER_ROW / threads):
+        (raw (16, loads) uint8, scale (loads,) fp32) registers, the loads issued, nothing
+        waited."""
         mPT, b, page_size = rows
-        raw = cute.make_rmem_tensor((FP8_CHUNK, batch), cutlass.Uint8)
-        scale = cute.make_rmem_tensor(batch, Float32)
-        for j in cutlass.range_constexpr(0, batch, 2):  # one row, both halves
-            r, _ = self._fp8_row(tid, threads, first_load + j)
+        loads = TILE * FP8_CHUNKS_PER_ROW // threads
+        raw = cute.make_rmem_tensor((FP8_CHUNK, loads), cutlass.Uint8)
+        scale = cute.make_rmem_tensor(loads, Float32)
+        for j in cutlass.range_constexpr(0, loads, 2):  # one row, both halves
+            r, _ = self._fp8_row(tid, threads, j)
             token = cutlass.min(first + r, t1 - 1)
             page, slot = self._cache_row(mPT, b, token, page_size)
             for half in cutlass.range_constexpr(2):
-                _, chunk = self._fp8_row(tid, threads, first_load + j + half)
+                _, chunk = self._fp8_row(tid, threads, j + half)
                 fp8_cache.load_chunk(mCkv[page, slot, None], chunk, raw[None, j + half])
                 scale[j + half] = mScale[page, slot, fp8_cache.chunk_scale_index(chunk)]
                 if const_expr(self.sparse):  # -1 padding: scale 0 (its e4m3 bytes are finite)
@@ -769,10 +753,10 @@ class MlaDecodeSm90:
         return raw, scale
 
     @cute.jit
-    def _store_latent_fp8(self, raw, scale, sK, tid, threads, first_load, batch):
+    def _store_latent_fp8(self, raw, scale, sK, tid, threads):
         """`_fetch_latent_fp8`'s registers dequantized into their rows of the 16-bit tile sK."""
-        for j in cutlass.range_constexpr(batch):
-            r, chunk = self._fp8_row(tid, threads, first_load + j)
+        for j in cutlass.range_constexpr(cute.size(scale)):
+            r, chunk = self._fp8_row(tid, threads, j)
             mult = fp8_cache.bf16_multiplier(scale[j])
             fp8_cache.store_chunk(raw[None, j], mult, sK[r, None], chunk)
 

@@ -1,7 +1,7 @@
 """FlashMLA's FP8 latent cache read by the MLA partial pass (decode.py, `fp8`): the e4m3 latent
-columns go global -> registers -> bf16 -> the same swizzled 16-bit tile the 16-bit path's
-cp.async fills (shared memory is full: no room to stage the bytes there). The RoPE columns are
-bf16 in the cache and keep cp.async.
+columns are dequantized into the same swizzled 16-bit tile the 16-bit path's cp.async fills,
+tile 0's from registers (global -> registers -> bf16 -> st.shared), every later tile's in place
+from its own stage (below). The RoPE columns are bf16 in the cache and keep cp.async.
 
 Format (config.FP8_ROW_BYTES = 656 bytes per token): [0, 512) the latent in e4m3, [512, 528)
 four fp32 scales, one per 128 latent columns (powers of two), [528, 656) the RoPE columns in
@@ -25,17 +25,15 @@ smallest scale is 2^-13). The e4m3fn NaN codes 0x7F / 0xFF, which a saturating q
 writes, read as +-480 x scale. tests/test_mla_decode.py models this sequence bit for bit in
 torch over all 256 codes and the scales 2^-124 .. 2^7.
 
-Rows are also prefetched into L2 a turn ahead (`prefetch_row_l2`, cp.async.bulk.prefetch: no
-register or shared memory): the register loads, which warpgroup 1 waits for, then wait for L2
-rather than DRAM.
-
-The staged form (decode.py `fp8_staged`) moves the bytes by cp.async instead: a tile's 32 KB of
-e4m3 land in the upper half of its own stage (the 16-bit tile's column blocks 4 .. 7, free until
-the dequantization), its scales in a 1 KB buffer, and warpgroup 1 dequantizes them in place a
-turn later in three phases (`staged_job`, `staged_raw_offset`; tests/test_mla_fp8_staged.py
-replays the byte ranges): columns 0 .. 255 into blocks 0 .. 3 (the bytes read from blocks 4,
-5); a barrier; 256 .. 383 into blocks 4, 5 (read from block 6) while 384 .. 511 (block 7) go
-into registers; a barrier; those into blocks 6, 7."""
+Tiles after tile 0 move by cp.async (decode.py `_issue_fp8`): a tile's 32 KB of e4m3 land in
+the upper half of its own stage (the 16-bit tile's column blocks 4 .. 7, free until the
+dequantization), its scales in a 1 KB buffer, and warpgroup 1 dequantizes them in place a turn
+later in three phases (`staged_job`, `staged_raw_offset`; tests/test_mla_fp8_staged.py replays
+the byte ranges): columns 0 .. 255 into blocks 0 .. 3 (the bytes read from blocks 4, 5); a
+barrier; 256 .. 383 into blocks 4, 5 (read from block 6) while 384 .. 511 (block 7) go into
+registers; a barrier; those into blocks 6, 7. Their rows are also prefetched into L2 a turn
+before that (`prefetch_row_l2`, cp.async.bulk.prefetch: no register or shared memory). (This
+replaced warpgroup 1 loading every tile's bytes into registers: MLA_NOTES.md, 2026-12-03.)"""
 
 from __future__ import annotations
 
@@ -54,7 +52,7 @@ from forgekernel.kernels.attention.mla.sm90.config import (
 from forgekernel.kernels.common.sm90.ptx import cvt_pair
 
 BF16_CHUNK = 8  # bf16 elements per 16-byte shared-memory store (one swizzle chunk)
-# fp8_staged: where a tile's bytes wait in its stage (bytes from the stage's start): row r's
+# where a tile's bytes wait in its stage (bytes from the stage's start): row r's
 # 16-byte chunk c at STAGED_RAW_BASE + (c // 8) STAGED_RAW_BLOCK + 128 r + 16 (c % 8)
 STAGED_RAW_BASE = 64 * 512  # TILE rows x D_LATENT bf16 columns / 2: the stage's upper half
 STAGED_RAW_BLOCK = 64 * FP8_SCALE_COLUMNS  # one scale group of a tile, 8 KB
@@ -140,7 +138,7 @@ def store_chunk(raw: cute.Tensor, mult: Int32, dst_row: cute.Tensor, chunk):
 
 
 def staged_raw_offset(row, chunk):
-    """fp8_staged: the byte offset, from its stage's start, of tile row `row`'s 16-byte chunk
+    """The byte offset, from its stage's start, of tile row `row`'s 16-byte chunk
     `chunk` (latent columns [16 chunk, 16 chunk + 16)) while it waits for the dequantization."""
     group = chunk // (FP8_SCALE_COLUMNS // FP8_CHUNK)
     within = chunk % (FP8_SCALE_COLUMNS // FP8_CHUNK)
@@ -148,7 +146,7 @@ def staged_raw_offset(row, chunk):
 
 
 def staged_issue_job(tid, load):
-    """fp8_staged: (tile row, chunk) of warpgroup-1 thread `tid`'s cp.async `load` (0 .. 15):
+    """(tile row, chunk) of warpgroup-1 thread `tid`'s cp.async `load` (0 .. 15):
     warp w's lanes 0-15 / 16-31 take rows 2w / 2w + 1 (+ 8 per pair of loads), half a row
     (256 contiguous bytes of the cache row) per instruction."""
     warp, lane = tid // 32, tid % 32
@@ -156,7 +154,7 @@ def staged_issue_job(tid, load):
 
 
 def staged_job(phase: int, j: int, warp, lane):
-    """fp8_staged: (tile row, chunk) of job `j` of dequantization phase `phase` (0, 1, 2;
+    """(tile row, chunk) of job `j` of dequantization phase `phase` (0, 1, 2;
     STAGED_JOBS[phase] jobs) for warp `warp` (0 .. 3) of warpgroup 1, lane `lane`: phase 0
     chunks 0 .. 15 (lanes 0-15 / 16-31 on one row each), phases 1 / 2 chunks 16 .. 23 /
     24 .. 31 (8 lanes a row). Phase 2's bytes are read during phase 1."""

@@ -15,10 +15,9 @@ writing out and lse itself, no fp32 partials allocated, no combine. FORGEKERNEL_
 (read when a problem's plan is first built) keeps such plans on the partial pass and the
 combine, for side-by-side timing and the GPU tests' comparison (the same bits).
 
-FP8 caches run the pass's register form by default; FORGEKERNEL_MLA_FP8=staged (read when a
-problem's plan is first built; `fp8_form` for a block of calls, the bench's `fp8_staged`
-variant) takes its `fp8_staged` compile: the bytes by cp.async into their own stage,
-dequantized in place a turn later (decode.py; MLA_NOTES.md has the case for it).
+FP8 caches' bytes go by cp.async into their own stage and are dequantized there in place a turn
+later (decode.py; 0.873-0.943x the register form's time on dsa_sparse's FP8 cases, H200
+2026-12-03 06:21, which was then dropped: MLA_NOTES.md).
 
 FORGEKERNEL_MLA_PAIR=1 (read when a problem's plan is first built; `pair_form` for a block of
 calls, the bench's `pair` variant) runs the seesaw plans of the pair blocks (`config.runs_pair`:
@@ -47,8 +46,6 @@ from forgekernel.runtime.plans import PlanCache
 from forgekernel.runtime.scratch import scratch
 
 _plans = PlanCache()
-FP8_FORMS = ("registers", "staged")
-_fp8_form: list[str | None] = [None]  # `fp8_form`'s, else FORGEKERNEL_MLA_FP8 (part of plan keys)
 _pair_form: list[bool | None] = [None]  # `pair_form`'s, else FORGEKERNEL_MLA_PAIR (in plan keys)
 _ostore_form: list[bool | None] = [None]  # `ostore_form`'s, else FORGEKERNEL_MLA_OSTORE
 
@@ -68,28 +65,6 @@ def direct_enabled() -> bool:
     if flag not in ("0", "1"):
         raise ValueError(f"FORGEKERNEL_MLA_DIRECT must be '0' or '1', got {flag!r}")
     return flag == "1"
-
-
-def fp8_staged() -> bool:
-    """FP8 caches take the pass's `fp8_staged` compile: `fp8_form`'s, else
-    FORGEKERNEL_MLA_FP8 ("registers", the default, or "staged")."""
-    form = _fp8_form[0] or os.environ.get("FORGEKERNEL_MLA_FP8", "registers")
-    if form not in FP8_FORMS:
-        raise ValueError(f"FORGEKERNEL_MLA_FP8 must be one of {FP8_FORMS}, got {form!r}")
-    return form == "staged"
-
-
-@contextmanager
-def fp8_form(form: str) -> Iterator[None]:
-    """FP8 caches in the form `form` (FP8_FORMS) for the calls inside (their plans keyed
-    apart): the bench's variant, timed beside the default in one process."""
-    if form not in FP8_FORMS:
-        raise ValueError(f"fp8 form must be one of {FP8_FORMS}, got {form!r}")
-    before, _fp8_form[0] = _fp8_form[0], form
-    try:
-        yield
-    finally:
-        _fp8_form[0] = before
 
 
 def pair_enabled() -> bool:
@@ -144,17 +119,17 @@ def _wide_rows(out: torch.Tensor) -> bool:
 
 
 def _plan(
-    kind, dtype, units, hq, max_tokens, qtokens, device_index, fp8, page_size, _form=None,
-    _pair=None, _wide=False,
+    kind, dtype, units, hq, max_tokens, qtokens, device_index, fp8, page_size, _pair=None,
+    _wide=False,
 ):  # fmt: skip
     """(pass kernel, combine kernel or None, splits, keys per split): kind "partial" (units =
     sequences, max_tokens their bound) or "sparse" (units = query tokens, max_tokens the top-k
     width), over an FP8 cache if fp8; the paged leaf's split plan over units x head blocks (the
     seesaw pass's in whole tiles). Combine None: the seesaw pass's direct form (one split, out
     and lse written by the pass). The kernels are looked up here, once per problem (two
-    compile-cache lookups cost 0.8 us a call on the CPU). _form, _pair: `fp8_form`'s and
-    `pair_form`'s (in the key only); _wide: the `ostore` form asked for and out's rows 16-byte
-    aligned (the pair form, when it runs, keeps its own store)."""
+    compile-cache lookups cost 0.8 us a call on the CPU). _pair: `pair_form`'s (in the key
+    only); _wide: the `ostore` form asked for and out's rows 16-byte aligned (the pair form, when
+    it runs, keeps its own store)."""
     name = dtype_name(dtype)
     heads = config.heads_per_cta(hq, qtokens)
     tma = kind == "partial" and not fp8 and page_size % config.TILE == 0 and seesaw_enabled()
@@ -167,11 +142,7 @@ def _plan(
             kind, name, heads, qtokens, tma=True, direct=True, pair=pair, ostore=ostore
         )
         return get_kernel(SPEC, params), None, splits, per
-    staged = fp8 and fp8_staged()
-    partial = get_kernel(
-        SPEC,
-        config.params_for(kind, name, heads, qtokens, fp8, tma, fp8_staged=staged, pair=pair),
-    )
+    partial = get_kernel(SPEC, config.params_for(kind, name, heads, qtokens, fp8, tma, pair=pair))
     return partial, get_kernel(SPEC, config.params_for("combine", name)), splits, per
 
 
@@ -233,7 +204,7 @@ def mla_decode(
     page_size = ckv_cache.shape[1]
     device = q_nope.device
     key = ("partial", q_nope.dtype, b * q_blocks, hq, page_table.shape[1] * page_size, qtokens,
-           device.index, ckv_scale is not None, page_size, _fp8_form[0], _pair_form[0],
+           device.index, ckv_scale is not None, page_size, _pair_form[0],
            ostore_enabled() and _wide_rows(out))  # fmt: skip
     partial, combine, splits, per = _plans.get_or_build(key, _plan)
     cu = None if cu_seqlens_q is None else cu_seqlens_q.contiguous()
@@ -274,7 +245,7 @@ def dsa_sparse_attention(
         return
     device = q_nope.device
     key = ("sparse", q_nope.dtype, tokens, hq, topk, 1, device.index, ckv_scale is not None, 1,
-           _fp8_form[0], _pair_form[0])  # fmt: skip
+           _pair_form[0])  # fmt: skip
     partial, combine, splits, per = _plans.get_or_build(key, _plan)
     with on_device(device):
         partial_o, partial_lse = _partials(splits, tokens, hq, device)
