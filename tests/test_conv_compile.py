@@ -11,7 +11,9 @@ no TMA store: the rows go out as 16-byte st.global (STG.E.128) after 16-byte sha
 staged sub-tile; a split counts its parts with a global atomic.
 Weight gradient (every standard tile, each pixel walk): A = dY^T through a tiled TMA, B = the
 im2col boxes (or, the stride-1 rectangles, A and B both 5-D tiled boxes), both read transposed
-by WGMMA (`.tnspA.tnspB`), the split's flag counted with a global atomic."""
+by WGMMA (`.tnspA.tnspB`), the split's flag counted with a global atomic; the reduce split
+(every reduce tile, 8-wide rectangles) adds each part with one bulk reduce (UBLKRED) and its
+last part loads, zeroes and stores the tile's one slot."""
 
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from forgekernel.kernels.conv.sm90.dgrad_config import FUSED_CONFIGS, fused_para
 from forgekernel.kernels.conv.sm90.wgrad_config import (  # noqa: E402
     WGRAD_CONFIGS,
     WGRAD_RECTS,
+    WGRAD_REDUCE_CONFIGS,
     wgrad_params,
 )
 from forgekernel.runtime.resources import find_tool, inspect_cubin  # noqa: E402
@@ -159,4 +162,22 @@ def test_wgrad_builds_every_tile_without_spills(cfg, rect, tmp_path, monkeypatch
     else:
         assert re.search(r"UTMALDG\.5D\.IM2COL", sass) and re.search(r"UTMALDG\.2D", sass)
     assert re.search(r"HGMMA\.64x\d+x16\.F32\.BF16 \S+, gdesc\[\w+\]\.tnspA\.tnspB", sass)
+    assert "UTMASTG" in sass and re.search(r"\bATOMG?\.E\.ADD", sass)
+
+
+@pytest.mark.parametrize("cfg", WGRAD_REDUCE_CONFIGS, ids=lambda c: f"{c.tile_m}x{c.tile_n}")
+def test_wgrad_reduce_builds_every_tile_without_spills(cfg, tmp_path, monkeypatch):
+    params = wgrad_params("bfloat16", cfg, 8, reduce=True)
+    sass, found, kernel = _build(
+        WGRAD_SPEC, params, wgrad_compile, "ConvWgradSm90", tmp_path, monkeypatch
+    )
+    _no_spills_and_fits(sass, found, kernel)
+    assert kernel.reduce and re.search(r"UTMALDG\.5D\b", sass)
+    # one bulk reduce-add of the staged fp32 tile (16-byte shared stores, a fragment's worth),
+    # the part counted once; the last part's 16-byte loads of the slot and its zeroing stores
+    assert len(re.findall(r"\bUBLKRED\.G\.S\.ADD\.F32", sass)) == 1
+    vectors = cfg.tile_n // 2 // 4  # a thread's fp32 fragment, tile_n / 2 floats
+    assert len(re.findall(r"\bSTS\.128", sass)) >= vectors
+    assert len(re.findall(r"\bLDG\.E\.128", sass)) >= vectors
+    assert len(re.findall(r"\bSTG\.E\.128", sass)) >= vectors
     assert "UTMASTG" in sass and re.search(r"\bATOMG?\.E\.ADD", sass)

@@ -6,7 +6,9 @@ bench times); torch.compile; inputs in other layouts; the data-gradient mode and
 weight-gradient kernel with every tile (and split). Criterion: our error <= 2 x the error of
 the same op by PyTorch (cuDNN) in the input dtype + 1e-3, outputs NaN-poisoned first. The
 fused strided data gradient (every phase in one launch, rows stored into dX's strided views)
-with every tile, unsplit and split, into a channel slice of a wider buffer."""
+with every tile, unsplit and split, into a channel slice of a wider buffer. The weight
+gradient's reduce split (the parts bulk-reduce-added into one slot a tile) on every tile and
+on the suite's 1x1s, and captured in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 from forgekernel.kernels.conv.sm90 import launch
 from forgekernel.kernels.conv.sm90.config import CANDIDATES, STANDARD_CONFIGS
 from forgekernel.kernels.conv.sm90.dgrad_config import FUSED_BASE, FusedPlan
-from forgekernel.kernels.conv.sm90.wgrad_config import WGRAD_CONFIGS
+from forgekernel.kernels.conv.sm90.wgrad_config import WGRAD_CONFIGS, WGRAD_REDUCE_CONFIGS
 from forgekernel.reference.conv import conv_dgrad_ref, conv_ref, conv_wgrad_ref
 
 pytestmark = pytest.mark.gpu
@@ -253,6 +255,118 @@ def test_wgrad_rectangles_every_tile_and_split(cfg, x_shape, f, kw, rect):
     k_tiles = walk[1]
     geometry = op._geometry(2, (f, f), 1, kw["padding"], kw.get("dilation", 1))
     _wgrad_every_split(cfg, tiles, k_tiles, dy, x, w_shape, geometry, want, low)
+
+
+def _sums_left_zero(made: bool = True) -> bool:
+    """Every reduce split's sum slots left zero (runtime/scratch.py's `conv_wgrad.sums`); at
+    least one such buffer where `made`."""
+    from forgekernel.runtime import scratch
+
+    bufs = [v for key, v in scratch._FLAGS.items() if key[0] == "conv_wgrad.sums"]
+    return (bool(bufs) or not made) and all(not b.any() for b in bufs)
+
+
+@pytest.mark.parametrize("cfg", WGRAD_REDUCE_CONFIGS, ids=lambda c: c.tag())
+@pytest.mark.parametrize(
+    "x_shape, f, kw",
+    [
+        ((2, 200, 14, 8), 1, {"padding": 0}),  # 1x1: one plane of 8-pixel rows
+        ((2, 200, 29, 31), 3, {"padding": 1}),  # 8 x 8 rectangles, ragged in P and Q
+    ],
+    ids=["flat1x1", "rect8"],
+)
+def test_wgrad_reduce_every_tile_and_split(cfg, x_shape, f, kw):
+    """The reduce split (each part bulk-reduce-added into its tile's one fp32 slot, the last
+    part taking and zeroing it) with each of its tiles on the 8-wide rectangles, unsplit and at
+    2 and 1 k-tiles a part: K = 136, C = 200; three runs each, all good against the reference
+    and equal up to the parts' fp32 order, the slots left zero for the next launch."""
+    from forgekernel.kernels.conv.sm90.wgrad_config import WgradPlan, wgrad_tiles
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w_shape = (136, 200, f, f)
+    x = rnd(*x_shape, gen=g)
+    dy = rnd(*conv_ref(x, rnd(*w_shape, gen=g), **kw).shape, gen=g)
+    want = conv_wgrad_ref(dy, x, w_shape, **kw)
+    low = _torch_grads(dy, x, torch.empty(w_shape, device="cuda", dtype=x.dtype), kw, "dw")
+    n, _, p, q = dy.shape
+    walk = launch._wgrad_walk(True, *((1, 1, n * p * q // 8, 8) if f == 1 else (n, 1, p, q)))
+    assert walk[0] == 8
+    geometry = op._geometry(2, (f, f), 1, kw["padding"], 1)
+    tiles = wgrad_tiles(cfg, 136, 200, f * f)
+    for per_split in (walk[1], 2, 1):
+        plan = WgradPlan(cfg, per_split, math.ceil(walk[1] / per_split), tiles, reduce=True)
+        runs = []
+        for _ in range(3):
+            dw = torch.full(w_shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+            dw = dw.contiguous(memory_format=torch.channels_last)
+            launch.wgrad(op._as5d(dy), op._as5d(x), op._view5d(dw), geometry, plan)
+            assert_good(dw, want, low)
+            runs.append(dw.float())
+        assert all(torch.allclose(r, runs[0], rtol=1e-2, atol=1e-2) for r in runs[1:])
+        assert _sums_left_zero(made=plan.parts > 1)
+
+
+@pytest.mark.parametrize(
+    "n, c, k, hw",
+    [
+        (32, 64, 64, 56),
+        (32, 256, 128, 56),
+        (32, 64, 256, 56),
+        (32, 256, 64, 56),
+        (32, 512, 256, 28),
+        (32, 128, 512, 28),
+        (32, 512, 128, 28),
+        (32, 1024, 512, 14),
+        (3, 72, 136, 17),  # 867 pixels: its own planes, 8 x 8 rectangles ragged in P and Q
+        (5, 200, 40, 13),  # 845 pixels: ragged K and C tiles
+    ],
+)
+def test_wgrad_reduce_on_the_suite_1x1s(n, c, k, hw):
+    """The reduce split's chosen plan (launch.wgrad's `reduce`, the bench's `reduce` variant)
+    on the suite's 1x1s it is timed on and two odd sizes, twice: against the fp64 reference,
+    the sum slots left zero."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    w_shape = (k, c, 1, 1)
+    x, dy = rnd(n, c, hw, hw, gen=g), rnd(n, k, hw, hw, gen=g)
+    x, dy = (t.contiguous(memory_format=torch.channels_last) for t in (x, dy))
+    want = conv_wgrad_ref(dy, x, w_shape)
+    low = _torch_grads(dy, x, torch.empty(w_shape, device="cuda", dtype=x.dtype), {}, "dw")
+    for _ in range(2):
+        dw = torch.full(w_shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+        dw = dw.contiguous(memory_format=torch.channels_last)
+        launch.wgrad(op._as5d(dy), op._as5d(x), op._view5d(dw), op._geometry(2, (1, 1), 1, 0, 1),
+                     reduce=True)  # fmt: skip
+        assert_good(dw, want, low)
+    assert _sums_left_zero(made=False)  # the odd sizes may plan no split
+
+
+def test_wgrad_reduce_replays_in_a_cuda_graph():
+    """The reduce split captured (its sum slots the capture's own, zeroed once per replay by
+    the graph, left zero by the launch): a replay gives the eager result up to the parts'
+    order, twice."""
+    x, dy = rnd(32, 64, 56, 56), rnd(32, 64, 56, 56)
+    x, dy = (t.contiguous(memory_format=torch.channels_last) for t in (x, dy))
+    geometry = op._geometry(2, (1, 1), 1, 0, 1)
+
+    def call():
+        dw = torch.empty(64, 64, 1, 1, device="cuda", dtype=torch.bfloat16)
+        launch.wgrad(op._as5d(dy), op._as5d(x), op._view5d(dw), geometry, reduce=True)
+        return dw
+
+    eager = call()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    for _ in range(2):
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.allclose(captured.float(), eager.float(), rtol=1e-2, atol=1e-2)
 
 
 FORWARD = [

@@ -346,9 +346,11 @@ def unique(cases: tuple[Case, ...]) -> tuple[Case, ...]:
     return tuple(seen.values())
 
 
-def conv_suite(name: str, kernel_sources, check_cases, bench_cases, sanitize_cases) -> OpSuite:
+def conv_suite(
+    name: str, kernel_sources, check_cases, bench_cases, sanitize_cases, variants=None
+) -> OpSuite:
     """The convolution suites' common form: one of fwd / dgrad / wgrad (the case's `op`), the
-    parts above, cuDNN as comparator."""
+    parts above, cuDNN as comparator; `variants`: the suite's other modes of ours (OpSuite)."""
     return OpSuite(
         name=name,
         kernel_sources=kernel_sources,
@@ -366,4 +368,5 @@ def conv_suite(name: str, kernel_sources, check_cases, bench_cases, sanitize_cas
         atol=1e-3,
         bench_dtypes=(torch.bfloat16,),
         sanitize_cases=sanitize_cases,
+        variants=variants,
     )

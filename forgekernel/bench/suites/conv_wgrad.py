@@ -10,7 +10,10 @@ kernel with dY^T and the im2col of x as operands, split over the pixels); the fi
 
 from __future__ import annotations
 
-from forgekernel.bench.suite import OpSuite
+import math
+from typing import Any
+
+from forgekernel.bench.suite import Case, OpSuite
 from forgekernel.bench.suites import conv_layers as L
 from forgekernel.kernels.conv.sm90 import WGRAD_SPEC
 
@@ -39,5 +42,40 @@ CHECK_CASES = (
 SANITIZE_CASES = (CHECK_CASES[0], CHECK_CASES[2], CHECK_CASES[6])
 
 
+def variants(case: Case) -> dict[str, Any]:
+    """`reduce`: the reduce split (kernels/conv/sm90/wgrad.py `_reduce_part`: every part
+    bulk-reduce-adds its fp32 tile into one sum slot a tile, the last part reads that slot
+    alone; its plan from `wgrad_config.choose_wgrad_reduce`) on the unpadded stride-1 1x1s
+    (C and K multiples of 8, pixels of 8) where the model (`wgrad_time`) puts it under the
+    launcher's parked split (`wgrad_prefers_reduce`): variant time / our time decides its
+    adoption (docs/conv/NOTES.md, "The 1x1 weight gradients at 0.73-0.85x")."""
+    from forgekernel.kernels.conv.sm90.geometry import rect_k_tiles, rect_width
+    from forgekernel.kernels.conv.sm90.wgrad_config import wgrad_prefers_reduce
+
+    p = case.params
+    m = p["n"] * math.prod(L.output_spatial(p))
+    one = all(v == 1 for v in (*p["kernel"], *p["stride"])) and not any(p["padding"])
+    if p["op"] != "wgrad" or not one or m % 8 or p["c"] % 8 or p["k"] % 8:
+        return {}
+    k_tiles = rect_k_tiles(1, 1, m // 8, 8, rect_width(m // 8, 8))
+    if wgrad_prefers_reduce(p["k"], p["c"], 1, k_tiles) is None:
+        return {}
+    return {"reduce": run_reduce}
+
+
+def run_reduce(inputs, out):
+    """Ours with the reduce split's plan (launch.wgrad's `reduce`), as run_ours writes dw."""
+    from forgekernel.kernels.conv.sm90 import launch
+    from forgekernel.ops import conv as op
+
+    p = inputs["params"]
+    dw = L.alloc_out(inputs) if out is None else out
+    g = op._geometry_of(p["stride"], p["padding"], p["padding"], p["dilation"], p["kernel"])
+    launch.wgrad(op._as5d(inputs["dy"]), op._as5d(inputs["x"]), op._view5d(dw), g, reduce=True)
+    return dw
+
+
 def suite() -> OpSuite:
-    return L.conv_suite("conv_wgrad", WGRAD_SPEC.sources, CHECK_CASES, BENCH_CASES, SANITIZE_CASES)
+    return L.conv_suite(
+        "conv_wgrad", WGRAD_SPEC.sources, CHECK_CASES, BENCH_CASES, SANITIZE_CASES, variants
+    )

@@ -22,7 +22,12 @@ from forgekernel.kernels.conv.sm90.geometry import (
     Geometry,
     dgrad_geometry_problem,
 )
-from forgekernel.kernels.conv.sm90.wgrad_config import WGRAD_CONFIGS, WGRAD_RECTS, wgrad_params
+from forgekernel.kernels.conv.sm90.wgrad_config import (
+    WGRAD_CONFIGS,
+    WGRAD_RECTS,
+    WGRAD_REDUCE_CONFIGS,
+    wgrad_params,
+)
 from forgekernel.runtime.spec import KernelSpec, Params
 
 
@@ -58,12 +63,17 @@ def _compile_wgrad(params: Params, extra_options: str = ""):
 
 
 def _wgrad_params() -> list[Params]:
+    # the reduce split's tiles on the 8-wide rectangles: the walk of every unpadded 1x1 (one
+    # plane of 8-pixel rows), the problems its bench variant times
+    reduce = [
+        wgrad_params(d, cfg, RECT_WIDTHS[0], True) for d in DTYPES for cfg in WGRAD_REDUCE_CONFIGS
+    ]
     return [
         wgrad_params(dtype, cfg, rect)
         for dtype in DTYPES
         for cfg in WGRAD_CONFIGS
         for rect in WGRAD_RECTS
-    ]
+    ] + reduce
 
 
 def _candidate_params() -> list[Params]:

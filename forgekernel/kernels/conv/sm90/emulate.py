@@ -156,6 +156,21 @@ def split_sum(acc, slots, flags, tile: int, tiles: int, part: int, parts: int):
     return sum(slots[p * tiles + tile].double() for p in range(parts))
 
 
+def reduce_sum(acc, sums, flags, tile: int, parts: int):
+    """The weight gradient's reduce split (wgrad.py `_reduce_part`): part of `tile` adds its
+    partial sum into the tile's sum slot sums[tile] (fp32, in arrival order) and counts itself
+    in flags[tile]; the last of the `parts` to arrive resets the flag, takes the slot and
+    zeroes it (the next launch adds into zero), the others get None."""
+    sums[tile] += acc.to(sums.dtype)
+    flags[tile] += 1
+    if int(flags[tile]) < parts:
+        return None
+    flags[tile] = 0
+    total = sums[tile].double()
+    sums[tile] = 0
+    return total
+
+
 def run(x, w, y, bias, geometry: Geometry, cfg: ConvConfig, dgrad: bool = False,
         split=None, rect: int = 0) -> None:  # fmt: skip
     """y (M, K) = the forward convolution as the kernel computes it (module docstring);
@@ -288,7 +303,7 @@ def compiled(params, order_seed: int | None = None) -> Callable[..., None]:
 
 # ---------------------------------------------------------------- the weight gradient
 def wgrad_run(dy, x, dw, work, flags, geometry: Geometry, cfg, per_split: int, order=None,
-              rect: int = 0):  # fmt: skip
+              rect: int = 0, reduce: bool = False):  # fmt: skip
     """dw (K, T, R, S, C) = the weight gradient as the kernel (wgrad.py) computes it: CTA
     (tile, split) of the grid sums its pixel k-tiles of A = dY^T (tile_m x 64 boxes, zero past
     K and M) times B = im2col(x) (`tile_n / 64` boxes of 64 pixels x 64 channels at the tap,
@@ -298,7 +313,9 @@ def wgrad_run(dy, x, dw, work, flags, geometry: Geometry, cfg, per_split: int, o
     padding). With several splits, each part is parked in
     slot split x tiles + tile of `work` and counted in `flags[tile]`, and the last part to
     arrive (CTAs run in `order`, default the launch order) sums the slots in split order and
-    stores; the flag is left zero. fp64 accumulation (indexing, not rounding)."""
+    stores; the flag is left zero. `reduce` (the reduce split): each part adds into its tile's
+    one slot of `work` instead (zero at entry, left zero: `reduce_sum`). fp64 accumulation
+    (indexing, not rounding)."""
     k = dy.shape[-1]
     m_rows = dy.numel() // max(k, 1)
     taps = tuple(dw.shape[1:4])
@@ -320,11 +337,14 @@ def wgrad_run(dy, x, dw, work, flags, geometry: Geometry, cfg, per_split: int, o
     tiles_m, c_tiles = -(-k // (tm * cm)) * cm, -(-c // tn)
     tiles = tiles_m * c_tiles * taps[0] * taps[1] * taps[2]
     splits = -(-k_tiles // per_split)
-    if splits > 1 and work.numel() < splits * tiles * tm * tn:
-        raise AssertionError(f"workspace {work.numel()} < {splits} x {tiles} tiles")
+    held = tiles if reduce else splits * tiles  # the workspace's tile slots
+    if splits > 1 and work.numel() < held * tm * tn:
+        raise AssertionError(f"workspace {work.numel()} < {held} tiles")
     if flags.numel() < tiles or bool(flags[:tiles].any()):
         raise AssertionError("the flags must be zero, one per tile")
-    slots = work[: splits * tiles * tm * tn].view(splits * tiles, tm, tn) if splits > 1 else None
+    slots = work[: held * tm * tn].view(held, tm, tn) if splits > 1 else None
+    if reduce and splits > 1 and bool(slots.any()):
+        raise AssertionError("the reduce split's sum slots must be zero")
     for cta in order if order is not None else range(tiles * splits):
         tile, split = cta % tiles, cta // tiles
         tile_m, tile_n = tile % tiles_m, tile // tiles_m
@@ -346,10 +366,12 @@ def wgrad_run(dy, x, dw, work, flags, geometry: Geometry, cfg, per_split: int, o
                 b = torch.cat([im2col_box(x, geometry, kt * box, box, tap, cb * box, box)
                                for cb in blocks], dim=1)  # fmt: skip
             acc += a.T @ b
-        if splits > 1:
+        if splits > 1 and reduce:
+            acc = reduce_sum(acc, slots, flags, tile, splits)
+        elif splits > 1:
             acc = split_sum(acc, slots, flags, tile, tiles, split, splits)
-            if acc is None:
-                continue
+        if acc is None:
+            continue
         rows = max(0, min(tm, k - tile_m * tm))
         cols = min(tn, c - c_tile * tn)
         t, r, s = tap
@@ -364,6 +386,7 @@ def compiled_wgrad(params, order_seed: int | None = None) -> Callable[..., None]
 
     cfg = GemmConfig.from_params(dict(params))
     rect = dict(params)["rect"]
+    reduce = dict(params).get("reduce", False)
 
     def fn(dy, x, dw, work, flags, *args):
         geometry_args, per_split = args[:12], args[12]
@@ -388,7 +411,7 @@ def compiled_wgrad(params, order_seed: int | None = None) -> Callable[..., None]
             ctas = tiles * dw.shape[1] * dw.shape[2] * dw.shape[3] * -(-k_tiles // per_split)
             gen = torch.Generator().manual_seed(order_seed)
             order = torch.randperm(ctas, generator=gen).tolist()
-        wgrad_run(dy, x, dw, work, flags, g, cfg, per_split, order, rect)
+        wgrad_run(dy, x, dw, work, flags, g, cfg, per_split, order, rect, reduce)
 
     return fn
 

@@ -31,7 +31,9 @@ T = 1).
   chooser prefers the im2col walk (`_wgrad_im2col`: zero-filled rectangles of small maps);
   other strides: the im2col walk. Tile and split from `wgrad_config.choose_wgrad`, the fp32
   partials and per-tile flags in the stream's stream-K workspace (the dense GEMM launcher's:
-  reused across calls, a capture's own when it needs a bigger one).
+  reused across calls, a capture's own when it needs a bigger one). `reduce=True` (the bench's
+  `reduce` variant): on the rectangles, the reduce split's plan (`choose_wgrad_reduce`), its
+  one fp32 slot a tile kept zero like the flags (runtime/scratch.py `flags`).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ from forgekernel.kernels.conv.sm90.geometry import (
 from forgekernel.kernels.conv.sm90.wgrad_config import (
     WgradPlan,
     choose_wgrad,
+    choose_wgrad_reduce,
     wgrad_params,
     wgrad_prefers_im2col,
     wgrad_tiles,
@@ -81,6 +84,7 @@ from forgekernel.kernels.gemm.dense.sm90.launch import stream_k_workspace
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms, on_device, tma_ready
 from forgekernel.runtime.plans import PlanCache
+from forgekernel.runtime.scratch import flags as zero_flags
 
 
 def _round_up(x: int) -> int:
@@ -451,17 +455,25 @@ def clear_plans() -> None:
     _fuses.cache_clear()
 
 
-def _wgrad_plan(dtype, k, c, taps, walk, device_index, plan) -> tuple[object, WgradPlan]:
+def _wgrad_plan(
+    dtype, k, c, taps, walk, device_index, plan, reduce=False
+) -> tuple[object, WgradPlan]:
     """(the compiled function, the WgradPlan) of one problem: looked up once, not per call.
-    `walk`: (the compile key's rect, pixel k-tiles)."""
+    `walk`: (the compile key's rect, pixel k-tiles); `reduce` (no plan given, the rectangles'
+    walk): the reduce split's plan (`wgrad_config.choose_wgrad_reduce`)."""
     rect, k_tiles = walk
     sms = num_sms(device_index) if device_index is not None else NUM_SMS_H100_H200
-    if plan is None:
+    if plan is None and reduce and rect:
+        plan = choose_wgrad_reduce(k, c, taps, k_tiles, sms)
+    elif plan is None:
         plan = choose_wgrad(k, c, taps, k_tiles, sms, tiled=rect > 0)
     else:  # its splits and tiles as the kernel counts them (the workspace's size)
         splits = -(-k_tiles // plan.per_split)
-        plan = WgradPlan(plan.config, plan.per_split, splits, wgrad_tiles(plan.config, k, c, taps))
-    return get_kernel(WGRAD_SPEC, wgrad_params(dtype_name(dtype), plan.config, rect)), plan
+        tiles = wgrad_tiles(plan.config, k, c, taps)
+        reduced = getattr(plan, "reduce", False) and splits > 1
+        plan = WgradPlan(plan.config, plan.per_split, splits, tiles, reduce=reduced)
+    params = wgrad_params(dtype_name(dtype), plan.config, rect, plan.reduce and plan.parts > 1)
+    return get_kernel(WGRAD_SPEC, params), plan
 
 
 def wgrad(
@@ -470,11 +482,14 @@ def wgrad(
     dw: torch.Tensor,
     geometry: Geometry,
     plan: WgradPlan | None = None,
+    reduce: bool = False,
 ) -> None:
     """dw (K, T, R, S, C) = the weight gradient at dy (N, Z, P, Q, K) of the convolution of x
     (N, D, H, W, C) with `geometry`: one launch of the weight-gradient kernel (`plan`: its
-    tile and split, chosen when None). C or K not a multiple of 8 run zero-padded; a dw the
-    kernel cannot write in place goes through a scratch buffer."""
+    tile and split, chosen when None; `reduce`, no plan and the rectangles' walk: the reduce
+    split's plan, its parts added in arrival order: not bitwise repeatable). C or K not a
+    multiple of 8 run zero-padded; a dw the kernel cannot write in place goes through a
+    scratch buffer."""
     k, c = dw.shape[0], dw.shape[-1]
     m = dy.numel() // max(k, 1)
     if m == 0 or dw.numel() == 0:
@@ -483,11 +498,11 @@ def wgrad(
     if few_channels(x, dw, geometry):  # the stem: the 1x1 weight gradient over the im2col
         cols, one = _im2col(x, geometry, tuple(dy.shape[1:4]))
         dw_cols = dw.new_empty(k, 1, 1, 1, cols.shape[-1])
-        _wgrad_launch(dy, cols, dw_cols, one, plan)
+        _wgrad_launch(dy, cols, dw_cols, one, plan, reduce)
         width = dw.shape[2] * dw.shape[3] * c
         dw.copy_(dw_cols.view(k, -1)[:, :width].view(dw.shape))
         return
-    _wgrad_launch(dy, x, dw, geometry, plan)
+    _wgrad_launch(dy, x, dw, geometry, plan, reduce)
 
 
 def _one_plane(t: torch.Tensor, m: int) -> torch.Tensor | None:
@@ -518,7 +533,7 @@ def _wgrad_im2col(k: int, c: int, taps: int, walk: tuple[int, int], m: int, devi
     return wgrad_prefers_im2col(k, c, taps, walk[1], -(-m // K_TILE), sms)
 
 
-def _wgrad_launch(dy, x, dw, geometry: Geometry, plan) -> None:
+def _wgrad_launch(dy, x, dw, geometry: Geometry, plan, reduce=False) -> None:
     """One launch of the weight-gradient kernel (`wgrad`'s arguments, dw not empty)."""
     k, t, r, s, c = dw.shape  # one shape read (each costs 0.1-0.2 us on every launch)
     n, z, p, q, _ = dy.shape
@@ -543,9 +558,13 @@ def _wgrad_launch(dy, x, dw, geometry: Geometry, plan) -> None:
     in_place = kp == k and cp == c and dw.is_contiguous() and tma_ready(dw)
     dw2 = dw if in_place else dw.new_empty(kp, t, r, s, cp)
     fn, plan = _wgrad_plans.get_or_build(
-        (dy.dtype, kp, cp, t * r * s, walk, device.index, plan), _wgrad_plan
+        (dy.dtype, kp, cp, t * r * s, walk, device.index, plan, reduce), _wgrad_plan
     )
-    work, flags = stream_k_workspace(device, plan.tiles, plan.workspace_floats)
+    reduced = plan.reduce and plan.parts > 1
+    work, flags = stream_k_workspace(device, plan.tiles, 4 if reduced else plan.workspace_floats)
+    if reduced:  # one sum slot a tile, zero (every launch leaves it zero, as the flags)
+        with on_device(device):
+            work = zero_flags("conv_wgrad.sums", plan.workspace_floats, device).view(torch.float32)
     with on_device(device):
         fn(dy2, x, dw2, work, flags, *geometry.kernel_args(), plan.per_split)
     if not in_place:

@@ -40,7 +40,12 @@ per) of its tile (`per` from the launcher, every split non-empty). With splits >
 parks its fp32 accumulator and the last of the tile's parts sums them in split order and stores
 (kernels/common/sm90/splitk.py). blockIdx.x is the tile, so the CTAs running together share
 their splits' pixel ranges: A's and B's boxes come from L2 for all the tiles (dY and X read
-from HBM about once a wave, not once a tile).
+from HBM about once a wave, not once a tile). Compile key `reduce` (the reduce split, a bench
+variant, not bitwise repeatable): each part stages its fp32 tile in A's ring and adds it with
+one `cp.reduce.async.bulk .add.f32` into its tile's one slot of mWork (zero at launch), then
+counts itself; the last part loads that slot alone, zeroes it and stores (`_reduce_part`,
+`_take_sum`): the tail is the parts' bytes through the L2's adders, not one L2 round trip
+per part group on one SM.
 
 B's rows per k-tile were taken for the bound of the im2col walk (config.IM2COL_ROWS_128: ~128
 per 0.8 us an SM); the 18:47 figures put it on the producer thread's run-time divisions instead
@@ -70,6 +75,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from forgekernel.kernels.common.sm90 import splitk
+from forgekernel.kernels.common.sm90.atomics import atom_add_acq_rel_gpu
 from forgekernel.kernels.common.sm90.barriers import named_barrier
 from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
 from forgekernel.kernels.common.sm90.pipeline import (
@@ -80,6 +86,7 @@ from forgekernel.kernels.common.sm90.pipeline import (
     smem_tensor,
     tma_pipeline,
 )
+from forgekernel.kernels.common.sm90.ptx import bulk_reduce_add_f32, fence_proxy_async_global
 from forgekernel.kernels.conv.sm90.geometry import RECT_PIXELS, RECT_WIDTHS
 from forgekernel.kernels.conv.sm90.im2col import im2col_atom
 from forgekernel.kernels.conv.sm90.kernel import rect_index
@@ -98,7 +105,7 @@ SUM_AHEAD = 128
 class ConvWgradSm90(GemmSm90):
     """The weight gradient on the dense GEMM's kernel; see the module docstring."""
 
-    def __init__(self, config: GemmConfig, rect: int = 0):
+    def __init__(self, config: GemmConfig, rect: int = 0, reduce: bool = False):
         if config.cluster_m not in (1, 2) or config.cluster_n != 1:
             raise ValueError("the weight gradient's clusters are 1x1 or 2x1 (B multicast)")
         if config.stream_k or config.a_rows:
@@ -113,6 +120,9 @@ class ConvWgradSm90(GemmSm90):
         # one (image, plane), A and B through tiled TMAs; 0: im2col (any stride)
         self.rect = rect
         self.rect_shape = (rect, RECT_PIXELS // rect, 1, 1) if rect else None
+        # split: each part bulk-reduce-adds its fp32 tile into its tile's sum slot (kept zero
+        # between launches) instead of parking it for the last part to sum (`_reduce_part`)
+        self.reduce = reduce
 
     @cute.jit
     def __call__(
@@ -151,6 +161,11 @@ class ConvWgradSm90(GemmSm90):
         self.scaled = False
         self._setup()
         cfg = self.cfg
+        # A's ring (stages x tile_m x tile_k 16-bit) stages the reduce split's fp32 tile
+        if cutlass.const_expr(self.reduce and self.stages * cfg.tile_k < 2 * cfg.tile_n):
+            raise ValueError(
+                f"reduce: {self.stages} stages of A hold no fp32 {cfg.tile_n}-wide tile"
+            )
         geometry = (
             (pad_lo_d, pad_lo_h, pad_lo_w),
             (pad_hi_d, pad_hi_h, pad_hi_w),
@@ -397,13 +412,28 @@ class ConvWgradSm90(GemmSm90):
             last = cutlass.Boolean(True)
             if splits > 1:
                 s_last = storage.split_last.get_tensor(cute.make_layout(2))
-                part = (split * tiles + tile, tile, splits)
-                last = splitk.park(
-                    acc, mWork, mFlags, part, self.num_mma_threads, thread, epi_barrier, s_last
-                )
-                if last:
-                    slots = (tile, tiles, splits)  # the tile's parts in split order
-                    _sum_parts(acc, mWork, slots, self.num_mma_threads, thread)
+                if cutlass.const_expr(self.reduce):
+                    # A's ring, free once both warpgroups' WGMMAs are done: the fp32 staging
+                    sWork = cute.make_tensor(
+                        cute.recast_ptr(storage.sA.data_ptr(), dtype=cutlass.Float32),
+                        cute.make_layout((cute.size(acc) * self.num_mma_threads,)),
+                    )
+                    where = (tile, splits, sWork)
+                    last = _reduce_part(
+                        acc, mWork, mFlags, where, self.num_mma_threads, thread, epi_barrier,
+                        s_last,
+                    )  # fmt: skip
+                    if last:
+                        _take_sum(acc, mWork, tile, self.num_mma_threads, thread)
+                else:
+                    part = (split * tiles + tile, tile, splits)
+                    last = splitk.park(
+                        acc, mWork, mFlags, part, self.num_mma_threads, thread, epi_barrier,
+                        s_last,
+                    )  # fmt: skip
+                    if last:
+                        slots = (tile, tiles, splits)  # the tile's parts in split order
+                        _sum_parts(acc, mWork, slots, self.num_mma_threads, thread)
             if last:
                 epi = self._epilogue_parts(tidx, tiled_mma, acc, sC, epi_barrier)
                 gC_tile = gC[(None, None, tile_m, tile_n)]
@@ -622,3 +652,49 @@ def _sum_parts(acc, mWork, slots, threads: cutlass.Constexpr, thread):
             if rest + u < parts:
                 for v in cutlass.range_constexpr(frag):
                     acc[v] = acc[v] + bufs[u][v]
+
+
+@cute.jit
+def _reduce_part(acc, mWork, mFlags, where, threads: cutlass.Constexpr, thread, barrier, s_last):
+    """The reduce split's part: add this part's fp32 accumulator to its tile's sum slot (slot
+    `tile` of mWork, splitk's slot layout, zero before the tile's first part) with one
+    `cp.reduce.async.bulk .add.f32` from shared memory (`sWork`: the fragment staged in the
+    slot's order), then count the part in the tile's flag; True in every thread for the tile's
+    last part. `where`: (tile, parts, sWork). The additions land in the order the parts
+    arrive: exact fp32 sums, not bitwise repeatable. Thread 0 issues the reduce, waits for it
+    to complete (not only to read shared memory) and fences the async proxy before its
+    release, so the last part's generic loads see every part (the attention backward's dQ
+    protocol, dq_reduction.py)."""
+    tile, parts, sWork = where
+    frag = cute.size(acc)
+    # both consumer warpgroups past their last WGMMA (A's ring is read no more)
+    barrier.arrive_and_wait()
+    stage = splitk.slot_view(sWork, frag, threads, 0, thread)
+    cute.autovec_copy(cute.make_tensor(acc.iterator, stage.layout.shape), stage)
+    cute.arch.fence_view_async_shared()
+    barrier.arrive_and_wait()
+    if thread == 0:
+        bulk_reduce_add_f32(
+            mWork.iterator + tile * frag * threads, sWork.iterator, frag * threads * 4
+        )
+        cute.arch.cp_async_bulk_commit_group()
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
+        fence_proxy_async_global()
+        arrived = atom_add_acq_rel_gpu(mFlags.iterator + tile, 1)
+        last = arrived == parts - 1
+        if last:
+            mFlags[tile] = 0
+        s_last[0] = cutlass.Int32(last)
+    barrier.arrive_and_wait()
+    return s_last[0] != 0
+
+
+@cute.jit
+def _take_sum(acc, mWork, tile, threads: cutlass.Constexpr, thread):
+    """The reduce split's last part: acc = its tile's sum slot (every part added), which it
+    then zeroes (the next launch's parts add into zero; the flags' protocol)."""
+    src = splitk.slot_view(mWork, cute.size(acc), threads, tile, thread)
+    cute.autovec_copy(src, cute.make_tensor(acc.iterator, src.layout.shape))
+    zero = cute.make_rmem_tensor(src.layout.shape, cutlass.Float32)
+    zero.fill(0.0)
+    cute.autovec_copy(zero, src)

@@ -20,8 +20,8 @@ from forgekernel.kernels.gemm.dense.sm90.tile import GemmConfig
 
 
 def compile_conv_wgrad(params: dict, arch: str = "sm_90a", extra_options: str = ""):
-    """The weight gradient of `params` (a compile key: dtype, `rect` and the GemmConfig fields of
-    its tile) for `arch`."""
+    """The weight gradient of `params` (a compile key: dtype, `rect`, `reduce` where set and the
+    GemmConfig fields of its tile) for `arch`."""
     dtype = fake.dtype_of(params["dtype"])
     c = cute.sym_int32(divisibility=CHANNEL_ALIGN)
     k = cute.sym_int32(divisibility=CHANNEL_ALIGN)
@@ -30,7 +30,7 @@ def compile_conv_wgrad(params: dict, arch: str = "sm_90a", extra_options: str = 
     x = fake.rowmajor(dtype, tuple(cute.sym_int32() for _ in range(4)) + (c,))
     dw = fake.rowmajor(dtype, (k,) + tuple(cute.sym_int32() for _ in range(3)) + (c,))
     work = make_fake_tensor(cutlass.Float32, (cute.sym_int32(),), stride=(1,), assumed_align=16)
-    kernel = ConvWgradSm90(GemmConfig.from_params(params), rect)
+    kernel = ConvWgradSm90(GemmConfig.from_params(params), rect, params.get("reduce", False))
     geometry = [cutlass.Int32(0)] * 6 + [cutlass.Int32(1)] * 6
     return cute.compile(
         kernel,

@@ -6,6 +6,8 @@ consumer warpgroups), the reduction over the N x Z x P x Q output pixels in k-ti
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from forgekernel.kernels.common.sm90.constants import NUM_SMS_H100_H200
 from forgekernel.kernels.conv.sm90.config import MAX_WORKSPACE, SplitPlan, split_cost
 from forgekernel.kernels.conv.sm90.geometry import RECT_WIDTHS
@@ -79,8 +81,56 @@ WGRAD_START = 5.5
 # same plans) ran 19.6 and 18.4 us: the rectangles of a 7x7 or 14x14 map are 23% zero.
 WGRAD_WALK_MARGIN = 0.875
 
-# The weight gradient's plan: its GemmConfig, pixel k-tiles per part, parts, output tiles.
-WgradPlan = SplitPlan
+# The reduce split (compile key `reduce`, wgrad.py `_reduce_part`): each part bulk-reduce-adds
+# its fp32 tile into its tile's one sum slot in L2 (`cp.reduce.async.bulk .add.f32`) and the
+# last part reads that slot alone, where the parked split's last part reads every part's slot:
+# ~0.25 us an L2 round trip, ahead 4 / 2 parts at a time (n32-c64-56x56-k64-1x1's 42 parts:
+# ~3 us of its 17.4), so the parked chooser stops at 8-42 parts of 64x64 / 128x64 tiles, whose
+# producer's ~0.3 us k-tile and re-reads of dY and X through L2 bound the 1x1s at 0.73-0.95x
+# cuDNN (docs/conv/NOTES.md, "The 1x1 weight gradients at 0.73-0.85x"). Its tiles: tile_n <=
+# 128 (the fp32 tile is staged in A's ring: tile_n <= stages x 32, which 128x256 misses). Not
+# bitwise repeatable (the parts add in arrival order), so not the default: a bench variant.
+WGRAD_REDUCE_CONFIGS = (WGRAD_SQUARE, WGRAD_SMALL_SQUARE, WGRAD_NARROW, WGRAD_SHORT, WGRAD_SMALL)
+WGRAD_REDUCE_MAX_SPLITS = 264  # two waves of one tile
+# `wgrad_time`'s terms, in us (H200; each from the 06:21 bench or the notes' fits):
+# - a rectangles k-tile takes at least K_TILE_FLOOR_US: the 1x1 plans of 64x64 (16 KB a k-tile)
+#   and 128x64 (24 KB) ran 0.26-0.32 us a k-tile less start and tail (c64-k64 on 42 SMs,
+#   c256-k128, c1024-14x14-k512, the 7x7s), whatever the bytes: the producer thread's
+#   per-k-tile instructions (the 18:47 fit: ~2.8 ns an instruction), not bandwidth;
+# - dY and X once from HBM at HBM_BYTES_US (cuDNN's own 1x1s: 64-77 MB at 2.95-3.1 TB/s
+#   with its launch), every tile's boxes L2 -> SM at L2_BYTES_US (c512-28x28-k256's 128x64 plan:
+#   154 MB in its ~19.5 us less start and tail, 0.40 us a k-tile; c256-k1024 / c1024-k256 at
+#   14x14: 77 MB in ~9.5 us); c1024-14x14-k512 and the 7x7s ran past 11 TB/s, which the model
+#   overprices by 1.3x;
+# - a wave pays START_US (WGRAD_START: launch, barriers, the ring's first fill);
+# - the parked split's tail: ROUND_TRIP_US per ahead-group of parts the last one loads (the
+#   03:50 fit, 0.23-0.26 us a part before the loads ahead); the reduce split's: every part's
+#   fp32 tile through the L2's atomic units at RED_BYTES_US, which the attention backward
+#   sustained without being bound by it (17 GB of bulk reduce-adds in ~9.6 ms, 1.8 TB/s:
+#   docs/attention/BWD_NOTES.md, "What the MHA step does not wait on"), a floor, plus two
+#   round trips (the reduce's completion before the count, the last part's read).
+K_TILE_FLOOR_US = 0.29
+HBM_BYTES_US = 3.3e6
+L2_BYTES_US = 8.0e6
+START_US = 2.4
+ROUND_TRIP_US = 0.25
+RED_BYTES_US = 1.8e6
+UNIT_US = 0.426  # split_cost's unit: a 128x128 k-tile at 650 TF/s an SM's share
+
+
+@dataclass(frozen=True)
+class WgradPlan(SplitPlan):
+    """The weight gradient's plan: its GemmConfig, pixel k-tiles per part, parts, output
+    tiles; `reduce`: the parts bulk-reduce-added into one zeroed fp32 slot a tile (its
+    workspace: tiles x tile_m x tile_n floats, kept zero by the kernel) instead of parked."""
+
+    reduce: bool = False
+
+    @property
+    def workspace_floats(self) -> int:
+        if self.reduce and self.parts > 1:
+            return self.tiles * self.config.tile_m * self.config.tile_n
+        return super().workspace_floats
 
 
 def wgrad_tiles(cfg: GemmConfig, k: int, c: int, taps: int) -> int:
@@ -119,6 +169,61 @@ def wgrad_cost(cfg: GemmConfig, k: int, c: int, taps: int, k_tiles: int, splits:
     )
 
 
+def wgrad_time(cfg: GemmConfig, k: int, c: int, taps: int, k_tiles: int, splits: int,
+               num_sms: int = NUM_SMS_H100_H200,
+               reduce: bool = False) -> tuple[float, int, int]:  # fmt: skip
+    """(us, k-tiles per part, parts) of the rectangles' plan `cfg` cut `splits` ways, by the
+    terms above (`K_TILE_FLOOR_US` ...): the waves' starts, the longest of the CTAs' k-tiles
+    (each max(K_TILE_FLOOR_US, its multiply-adds)), dY and X from HBM once and every tile's
+    boxes through L2, plus the split's tail (`reduce`: the reduce split's, else the parked
+    one's). The reduce chooser's model; it also prices the parked plans (the notes' table)."""
+    cm, tm, tn = cfg.cluster_m, cfg.tile_m, cfg.tile_n
+    per = _ceil(k_tiles, splits)
+    parts = _ceil(k_tiles, per)
+    tiles = wgrad_tiles(cfg, k, c, taps)
+    waves = _ceil(tiles // cm * parts, num_sms // cm)
+    mma = tm * tn / (128 * 128) / _WGRAD_EFFICIENCY[cfg] * UNIT_US
+    pixels = k_tiles * 64
+    hbm = pixels * (k + c) * 2 / HBM_BYTES_US
+    l2 = tiles * pixels * (tm + tn / cm) * 2 / L2_BYTES_US
+    stream = max(waves * per * max(K_TILE_FLOOR_US, mma), hbm, l2)
+    tail = 0.0
+    if parts > 1 and reduce:
+        tail = parts * tiles * tm * tn * 4 / RED_BYTES_US + 2 * ROUND_TRIP_US
+    elif parts > 1:
+        ahead = max(1, 256 // tn)  # wgrad.py SUM_AHEAD // the fragment (tile_n / 2 floats)
+        tail = (1 + _ceil(parts - 1, ahead)) * ROUND_TRIP_US
+    return waves * START_US + stream + tail, per, parts
+
+
+def choose_wgrad_reduce(k: int, c: int, taps: int, k_tiles: int,
+                        num_sms: int = NUM_SMS_H100_H200) -> WgradPlan:  # fmt: skip
+    """The reduce split's plan for the rectangles' walk (`k_tiles` of them): the least
+    `wgrad_time(..., reduce=True)` over WGRAD_REDUCE_CONFIGS and 1 .. WGRAD_REDUCE_MAX_SPLITS
+    parts of at least WGRAD_MIN_PER_SPLIT k-tiles (the workspace is one slot a tile)."""
+    best = None
+    for cfg in WGRAD_REDUCE_CONFIGS:
+        tiles = wgrad_tiles(cfg, k, c, taps)
+        limit = min(WGRAD_REDUCE_MAX_SPLITS, max(1, k_tiles // WGRAD_MIN_PER_SPLIT))
+        for s in range(1, limit + 1):
+            us, per, parts = wgrad_time(cfg, k, c, taps, k_tiles, s, num_sms, reduce=True)
+            if best is None or us < best[0]:
+                best = (us, WgradPlan(cfg, per, parts, tiles, reduce=parts > 1))
+    return best[1]
+
+
+def wgrad_prefers_reduce(k: int, c: int, taps: int, k_tiles: int,
+                         num_sms: int = NUM_SMS_H100_H200) -> WgradPlan | None:  # fmt: skip
+    """The reduce split's plan (`choose_wgrad_reduce`) of a problem on the rectangles' walk
+    where `wgrad_time` puts it below the parked plan the launcher takes (`choose_wgrad`,
+    tiled), else None: the cases the bench's `reduce` variant times."""
+    parked = choose_wgrad(k, c, taps, k_tiles, num_sms, tiled=True)
+    parked_us = wgrad_time(parked.config, k, c, taps, k_tiles, parked.parts, num_sms)[0]
+    plan = choose_wgrad_reduce(k, c, taps, k_tiles, num_sms)
+    plan_us = wgrad_time(plan.config, k, c, taps, k_tiles, plan.parts, num_sms, plan.reduce)[0]
+    return plan if plan.reduce and plan_us < parked_us else None
+
+
 def choose_wgrad(k: int, c: int, taps: int, k_tiles: int, num_sms: int = NUM_SMS_H100_H200,
                  tiled: bool = False) -> WgradPlan:  # fmt: skip
     """The weight gradient's tile and split (K output channels, C input channels, `taps` filter
@@ -150,7 +255,9 @@ def wgrad_prefers_im2col(k: int, c: int, taps: int, rect_k_tiles: int, im2col_k_
     return im2col_cost[0] < WGRAD_WALK_MARGIN * rect_cost[0]
 
 
-def wgrad_params(dtype: str, cfg: GemmConfig, rect: int = 0) -> tuple:
-    """The weight-gradient kernel's compile key: the dtype, the pixel walk (`WGRAD_RECTS`) and
-    the tile's GemmConfig fields."""
-    return tuple(sorted({"dtype": dtype, "rect": rect, **cfg.key()}.items()))
+def wgrad_params(dtype: str, cfg: GemmConfig, rect: int = 0, reduce: bool = False) -> tuple:
+    """The weight-gradient kernel's compile key: the dtype, the pixel walk (`WGRAD_RECTS`), the
+    tile's GemmConfig fields and `reduce` where set (the split's parts bulk-reduce-added into
+    one sum slot a tile; the other keys as before)."""
+    key = {"dtype": dtype, "rect": rect, **cfg.key(), **({"reduce": True} if reduce else {})}
+    return tuple(sorted(key.items()))
