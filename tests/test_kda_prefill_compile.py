@@ -199,10 +199,10 @@ def compiled_intra():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_first_pass_resources(compiled_intra, dtype):
-    """128 threads, no spills (208 registers with the sub-chunk loads), two CTAs an SM by shared
-    memory (~104 KB each, unchanged by them); 64 HGMMA
-    64x16x16 (4 column blocks x 8 k-steps, k side and q side), in 8 commit groups with 2 waits
-    (not serialized: ptxas serialized them all while the inverse ran under the q side)."""
+    """128 threads, no spills (210 registers with the sub-chunk loads and the tf32 merges), two
+    CTAs an SM by shared memory (~104 KB each, unchanged by them); 64 HGMMA 64x16x16 (4 column
+    blocks x 8 k-steps, k side and q side), in 8 commit groups with 2 waits (not serialized:
+    ptxas serialized them all while the inverse ran under the q side)."""
     res, instrs, smem = compiled_intra(dtype)
     ops = [op for op, _ in instrs]
     assert res["registers"] <= 255 and res["spill_bytes"] == 0
