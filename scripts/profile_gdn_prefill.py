@@ -1,12 +1,11 @@
 """Run the chunked Gated DeltaNet forward on the suite's inputs a few times, for a profiler
 wrapped around this script (scripts/device_profile.sh with SCRIPT set to it):
 
-    python scripts/profile_gdn_prefill.py [n t h hv [state [inverse]]]   (default 4 8192 16 32 1)
+    python scripts/profile_gdn_prefill.py [n t h hv [state]]   (default 4 8192 16 32 1)
 
 n sequences of t tokens (varlen, B = 1), q / k heads h, value heads hv, an fp32 initial state
 unless state is 0; k unit-norm and g = logsigmoid(N(0, 1)) as in bench/suites/gdn_prefill.py.
-The launcher picks the V split (n hv <= SMs / 2: two CTAs per head); inverse: the WY
-inverse's block products (inverse_forms.INVERSES: fma, the standard kernel; tf32 / tf32x3 opt-in).
+The launcher picks the V split (n hv <= SMs / 2: two CTAs per head).
 Launches: 3 (profile the last: -s 2 -c 1). In ncu's source page the roles are address ranges
 of the one kernel: the state warpgroups' loop lies between USETMAXREG.TRY_ALLOC 0xc0 and
 USETMAXREG.DEALLOC 0x68, the aux warpgroup's after the latter (tests/
@@ -14,7 +13,6 @@ test_gdn_prefill_compile.py compiles the same code)."""
 
 from __future__ import annotations
 
-import functools
 import importlib
 import sys
 
@@ -26,11 +24,7 @@ def main() -> None:
     dims = [int(x) for x in sys.argv[1:6]] if len(sys.argv) > 4 else [4, 8192, 16, 32, 1]
     n, t, h, hv = dims[:4]
     state = dims[4] if len(dims) > 4 else 1
-    inverse = sys.argv[6] if len(sys.argv) > 6 else "fma"
     op = importlib.import_module("forgekernel.ops.gated_delta_rule_chunked")
-    if inverse != "fma":  # the op has no such argument: its launcher with the opt-in form
-        launch = op.prefill_sm90
-        launch.gdn_prefill = functools.partial(launch.gdn_prefill, inverse=inverse)
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def rnd(*shape):
@@ -46,7 +40,7 @@ def main() -> None:
         op.gated_delta_rule(q, k, v, g, beta, initial_state=init, output_final_state=True,
                             cu_seqlens=cu)  # fmt: skip
     torch.cuda.synchronize()
-    print("done", n, t, h, hv, state, inverse)
+    print("done", n, t, h, hv, state)
 
 
 if __name__ == "__main__":

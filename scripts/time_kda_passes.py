@@ -6,9 +6,8 @@ NOTES.md, "KDA prefill at 0.28x cuDNN": the fit from the bench says 80-85 % firs
 
 One line each, ms a launch (graph replays, `runtime.timing.time_interleaved`): the whole op
 through the launcher; the first pass alone (`launch.first_pass_kernel`: the chunk tables' torch
-ops and `intra.py`) in every form the bench times (standard, tf32 / tf32x3 inverse, addr32,
-addr32 + tf32); the recurrence alone (`recurrence.py` on operands made once). Build first:
-`python3 -m forgekernel build --only kda_prefill_sm90 --only kda_intra_sm90 --candidates`."""
+ops and `intra.py`); the recurrence alone (`recurrence.py` on operands made once). Build
+first: `python3 -m forgekernel build --only kda_prefill_sm90 --only kda_intra_sm90`."""
 
 from __future__ import annotations
 
@@ -25,9 +24,6 @@ from forgekernel.kernels.linear_attention.kda_prefill.sm90 import SPEC, launch  
 from forgekernel.kernels.linear_attention.kda_prefill.sm90.config import params_for  # noqa: E402
 from forgekernel.runtime.cache import get_kernel  # noqa: E402
 from forgekernel.runtime.timing import time_interleaved  # noqa: E402
-
-FORMS = {"std": ("fma", False), "tf32": ("tf32", False), "tf32x3": ("tf32x3", False),
-         "addr32": ("fma", True), "addr32_tf32": ("tf32", True)}  # fmt: skip
 
 
 def main(b: int = 4, t: int = 8192, h: int = 16, hv: int = 16) -> None:
@@ -46,10 +42,7 @@ def main(b: int = 4, t: int = 8192, h: int = 16, hv: int = 16) -> None:
 
     fns = {"op": lambda: launch.kda_prefill(q, k, v, g, beta, None, cu, o, final, scale,
                                             l2norm=False)}  # fmt: skip
-    for name, (inverse, addr32) in FORMS.items():
-        fns[f"first_pass_{name}"] = (
-            lambda inverse=inverse, addr32=addr32: launch.first_pass_kernel(
-                q, k, g, beta, cu, scale, False, inverse=inverse, addr32=addr32))  # fmt: skip
+    fns["first_pass"] = lambda: launch.first_pass_kernel(q, k, g, beta, cu, scale, False)
     fns["recurrence"] = lambda: rec(ops["q_g"], ops["k_g"], ops["k_d"], ops["t_beta"], ops["p"],
                                     ops["decay"], v, None, cu, ops["first"], o, final)  # fmt: skip
     samples = time_interleaved(fns, reps=20)

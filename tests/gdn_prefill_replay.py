@@ -1,6 +1,7 @@
 """A torch replay of the chunked prefill kernel's tile math (forgekernel/kernels/linear_attention/
 gdn_prefill/sm90): the same per-chunk schedule, factor tables, masks and 16-bit roundings of
-the WGMMA operands, the blocked fp32 inverse phase by phase with the lanes' data movement, and
+the WGMMA operands, the blocked inverse phase by phase with the lanes' data movement (the
+merges' block products in tf32 as each lane's mma.sync fragments hold them), and
 the transposed state S^T; the tests run it behind the real launcher and compare with the fp64
 recurrence. Not a test module (imported by tests/test_gdn_prefill.py)."""
 
@@ -79,51 +80,47 @@ MMA_K = 8  # mma.sync m16n8k8 (inverse_mma.py)
 A_OFFSETS = ((0, 0), (8, 0), (0, 4), (8, 4))  # a lane's a-fragment (row, column) from (g, t)
 
 
-def tf32(x: torch.Tensor, rounded: bool = True) -> torch.Tensor:
-    """fp32 -> tf32 values: + half a tf32 ulp, low 13 bits cleared (inverse_mma's rounding), or
-    the low bits only cleared (what mma.sync reads of an fp32 register)."""
-    bits = x.contiguous().view(torch.int32)
-    if rounded:
-        bits = bits + 0x1000
+def _fragments(offsets) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every lane's fragment elements (row, column) of one m16n8k8 operand, lane 4 g + t."""
+    rows, cols = zip(*[f(g, t) for g, t in (divmod(lane, 4) for lane in range(32))
+                       for f in offsets])  # fmt: skip
+    return torch.tensor(rows), torch.tensor(cols)
+
+
+_A_FRAGMENTS = _fragments([lambda g, t, dr=dr, dc=dc: (g + dr, t + dc) for dr, dc in A_OFFSETS])
+_B_FRAGMENTS = _fragments([lambda g, t, dk=dk: (t + dk, g) for dk in (0, 4)])
+
+
+def tf32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> tf32 values: + half a tf32 ulp, low 13 bits cleared (inverse_mma's rounding)."""
+    bits = x.contiguous().view(torch.int32) + 0x1000
     return (bits & ~0x1FFF).view(torch.float32)
 
 
-def mma_product(x: torch.Tensor, y: torch.Tensor, passes: int) -> torch.Tensor:
+def mma_product(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """A 16 x 16 block product as `inverse_mma.mma_block_product` forms it: lane 4 g + t reads
     its a / b fragment elements from x and y, each m16n8k8 step multiplies the assembled
-    (16 x 8) (8 x 8) tf32 operands into the C fragments (fp32 sums; the hardware's summation
-    order is not modelled), 3xTF32 as lo hi' + hi lo' + hi hi' with lo truncated by the MMA."""
+    (16 x 8) (8 x 8) operands, rounded to tf32, into the C fragments (fp32 sums; the hardware's
+    summation order is not modelled)."""
     acc = torch.zeros(BLOCK, BLOCK)
+    ar, ac = _A_FRAGMENTS
+    br, bc = _B_FRAGMENTS
     for s in range(BLOCK // MMA_K):
         a = torch.zeros(BLOCK, MMA_K)
-        for lane in range(32):
-            g, t = divmod(lane, 4)
-            for dr, dc in A_OFFSETS:
-                a[g + dr, t + dc] = x[g + dr, MMA_K * s + t + dc]
+        a[ar, ac] = x[ar, MMA_K * s + ac]
         for n in range(BLOCK // MMA_K):
             b = torch.zeros(MMA_K, MMA_K)
-            for lane in range(32):
-                g, t = divmod(lane, 4)
-                for dk in (0, 4):
-                    b[t + dk, g] = y[MMA_K * s + t + dk, MMA_K * n + g]
-            a_hi, b_hi = tf32(a), tf32(b)
-            c = acc[:, MMA_K * n : MMA_K * (n + 1)]
-            if passes == 3:
-                c += tf32(a - a_hi, False) @ b_hi
-                c += a_hi @ tf32(b - b_hi, False)
-            c += a_hi @ b_hi
+            b[br, bc] = y[MMA_K * s + br, MMA_K * n + bc]
+            acc[:, MMA_K * n : MMA_K * (n + 1)] += tf32(a) @ tf32(b)
     return acc
 
 
-def blocked_inverse(lower: torch.Tensor, passes: int = 0) -> torch.Tensor:
+def blocked_inverse(lower: torch.Tensor) -> torch.Tensor:
     """T = (I + L)^-1 of a strictly lower 64 x 64 fp32 L by the kernel's schedule
-    (inverse.invert_diagonal, invert_merge): phase 0 the diagonal blocks, phase 1 T_10, T_32,
-    X_21, X_31 (X_20, X_30 kept in registers), phase 2a X_20, X_30, phase 2b T_20, T_21, T_30,
-    T_31. passes: the merges' block products in fp32 (0) or on the tensor cores in tf32 (1, 3:
-    `inverse_mma`, inverse_forms.INVERSES)."""
-
-    def mul(x, y):
-        return x @ y if passes == 0 else mma_product(x, y, passes)
+    (inverse.invert_diagonal, inverse_mma.invert_merge_mma): phase 0 the diagonal blocks in
+    fp32, phase 1 T_10, T_32, X_21, X_31 (X_20, X_30 kept in registers), phase 2a X_20, X_30,
+    phase 2b T_20, T_21, T_30, T_31, each block product in tf32 (`mma_product`)."""
+    mul = mma_product
 
     sc = Scratch(lower)
     for w in range(4):
@@ -210,7 +207,7 @@ def decay_powers(g2: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return torch.where(form_mask("zero"), torch.zeros(()), d)
 
 
-def aux_chunk(q, k, g, beta, scale, dtype, l2norm, passes=0):
+def aux_chunk(q, k, g, beta, scale, dtype, l2norm):
     """The aux warpgroup: (P, T diag(beta), tables fK, fQ, fU, 2^G2_C) of one chunk (C rows;
     q, k the 16-bit tiles as fp32, g and beta 0 past the sequence)."""
     g2 = gates(g)
@@ -228,7 +225,7 @@ def aux_chunk(q, k, g, beta, scale, dtype, l2norm, passes=0):
     d_l = torch.where(below, power, torch.zeros(()))
     d_p = torch.where(seen, power, torch.zeros(()))
     lower = (k @ k.t()) * d_l * (beta * rk)[:, None]
-    t = blocked_inverse(lower, passes)
+    t = blocked_inverse(lower)
     p = _round((q @ k.t()) * d_p * (scale * rq)[:, None], dtype)
     tb = _round(t * beta[None, :], dtype)
     gc = g2[-1]
@@ -261,7 +258,7 @@ def _tile(x, pad, c0, c1):
     return torch.cat([x[c0:c1], fill])
 
 
-def sequence(q, k, v, g, beta, st, scale, dtype, l2norm, tail_rows=None, passes=0):
+def sequence(q, k, v, g, beta, st, scale, dtype, l2norm, tail_rows=None):
     """One (sequence, value head): q, k (L, K), v (L, V) 16-bit values as fp32, g, beta (L,),
     st = S^T (V, K) fp32 -> (o (L, V), S^T). Chunks past the end are padded with tail_rows
     (the rows TMA would load there: the next sequence's, or zeros past T), gates with 0."""
@@ -274,7 +271,7 @@ def sequence(q, k, v, g, beta, st, scale, dtype, l2norm, tail_rows=None, passes=
         qt, kt, vt = (_tile(x, pad, c0, c1) for x, pad in zip((q, k, v), pads))
         gt = torch.cat([g[c0:c1], torch.zeros(CHUNK - (c1 - c0))])
         bt = torch.cat([beta[c0:c1], torch.zeros(CHUNK - (c1 - c0))])
-        aux = aux_chunk(qt, kt, gt, bt, scale, dtype, l2norm, passes)
+        aux = aux_chunk(qt, kt, gt, bt, scale, dtype, l2norm)
         halves = []
         for w in range(v.shape[1] // ROWS_PER_STATE_WG):
             rows = slice(ROWS_PER_STATE_WG * w, ROWS_PER_STATE_WG * (w + 1))
@@ -304,7 +301,6 @@ def kernel(params: dict):
     aux work recomputed per CTA)."""
     dtype = torch.float16 if params["dtype"] == "float16" else torch.bfloat16
     parts = split_parts(params["v"], params.get("v_split", 1))
-    passes = {"fma": 0, "tf32": 1, "tf32x3": 3}[params.get("inverse", "fma")]
 
     def fn(q, k, v, g, beta, init, cu_seqlens, out, final, scale):
         group = v.shape[1] // q.shape[1]
@@ -322,7 +318,7 @@ def kernel(params: dict):
                     tail = tuple(x[t1 : t1 + CHUNK].float()
                                  for x in (q[:, h], k[:, h], v[:, hv, cols]))  # fmt: skip
                     o, st_p = sequence(qs, ks, vs, g[t0:t1, hv], beta[t0:t1, hv], st[cols],
-                                       scale, dtype, params["l2norm"], tail, passes)  # fmt: skip
+                                       scale, dtype, params["l2norm"], tail)  # fmt: skip
                     out[t0:t1, hv, cols] = o.to(out.dtype)
                     if params["k_last"]:
                         final[n, hv, cols] = st_p

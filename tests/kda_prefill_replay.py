@@ -10,7 +10,6 @@ from __future__ import annotations
 import gdn_prefill_replay
 import torch
 
-from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse_forms import INVERSES
 from forgekernel.kernels.linear_attention.kda_prefill.sm90.config import CHUNK
 from forgekernel.reference.kda_chunked import chunk_operands
 
@@ -64,13 +63,12 @@ def kernel(params: dict):
 def intra_kernel(params: dict):
     """A callable with the first-pass kernel's (`intra.py`) signature: per chunk (its first
     token and length), the kernel's math (`chunk_operands` with its bf16 operand roundings:
-    Kl E, Kr, Ql E before the products, the outputs after) written where the kernel writes.
-    params["inverse"] "tf32" / "tf32x3": T by the tensor-core merges' model
-    (gdn_prefill_replay.blocked_inverse: the lanes' fragments, tf32 roundings); else the solve."""
-    passes = INVERSES[params.get("inverse", "fma")]
+    Kl E, Kr, Ql E before the products, the outputs after) written where the kernel writes; T
+    by the tensor-core merges' model (gdn_prefill_replay.blocked_inverse: the lanes' fragments,
+    tf32 roundings)."""
 
     def blocked(akk: torch.Tensor) -> torch.Tensor:  # (HV, 64, 64)
-        return torch.stack([gdn_prefill_replay.blocked_inverse(a, passes) for a in akk])
+        return torch.stack([gdn_prefill_replay.blocked_inverse(a) for a in akk])
 
     def run(q, k, g, beta, starts, lengths, q_g, k_g, k_d, t_beta, p, decay, scale):
         hv = g.shape[1]
@@ -87,7 +85,7 @@ def intra_kernel(params: dict):
 
             ops = chunk_operands(rows(q, heads) * scale, rows(k, heads), rows(g), rows(beta),
                                  operand_dtype=OPERAND,
-                                 inverse=blocked if passes else None)  # fmt: skip
+                                 inverse=blocked)  # fmt: skip
             r = slice(gc * CHUNK, (gc + 1) * CHUNK)
             for name, dst in (("q_g", q_g), ("k_g", k_g), ("k_d", k_d), ("t_beta", t_beta),
                               ("p", p)):  # fmt: skip

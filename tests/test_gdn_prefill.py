@@ -1,8 +1,8 @@
 """The chunked Gated DeltaNet forward's op and launcher on the CPU (the GPU's checks:
 tests/gpu/test_gdn_prefill_gpu.py): the kernel's tile math replayed in torch (tests/
 gdn_prefill_replay.py: the per-chunk schedule, the factor tables and masks, the 16-bit roundings
-of every WGMMA operand, the blocked fp32 inverse phase by phase, S^T in two 64-row halves, a
-tail chunk seeing the next sequence's rows) through the real launcher against the fp64
+of every WGMMA operand, the blocked inverse phase by phase (tf32 merges), S^T in two 64-row
+halves, a tail chunk seeing the next sequence's rows) through the real launcher against the fp64
 recurrence: varlen with empty and odd sequences, initial states in both layouts, l2norm,
 grouped value heads, strong decays; the inverse's schedule and accuracy on its own; the
 FlashInfer-Bench definition's own reference through the adapter; argument errors.
@@ -22,7 +22,6 @@ import torch
 from forgekernel.bench import flashinfer_defs as defs
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90 import launch as prefill_launch
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import CHUNK
-from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse_forms import with_inverse
 from forgekernel.reference.delta_rule import gated_delta_rule_recurrent
 
 op = importlib.import_module("forgekernel.ops.gated_delta_rule_chunked")
@@ -162,7 +161,9 @@ def test_a_tail_chunk_ignores_the_next_sequence(cpu_kernel):
 def test_blocked_inverse_matches_fp64(decay):
     """The kernel's T = (I + L)^-1 (phases, lanes' data movement; a phase that read a block
     another warp writes in it, or overwrote one another warp reads, would assert) against the
-    fp64 inverse, on the L the kernel builds (beta in (0, 1], unit keys, the chunk's decays)."""
+    fp64 inverse, on the L the kernel builds (beta in (0, 1], unit keys, the chunk's decays):
+    the merges' tf32 products within 1e-3 of max |T| (with fp32 products, the FFMA merges
+    dropped 2026-12-03, 1e-5; the tf32 bound's worst case is tests/test_gdn_prefill_aux.py's)."""
     gen = torch.Generator().manual_seed(7)
     k = torch.nn.functional.normalize(torch.randn(CHUNK, 128, generator=gen), dim=-1)
     beta = torch.rand(CHUNK, generator=gen) * 0.9 + 0.1
@@ -175,7 +176,7 @@ def test_blocked_inverse_matches_fp64(decay):
     got = replay.blocked_inverse(lower)
     want = torch.linalg.inv(torch.eye(CHUNK, dtype=torch.float64) + lower.double())
     assert torch.equal(got.triu(1), torch.zeros_like(got))
-    assert float((got.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    assert float((got.double() - want).abs().max()) <= 1e-3 * float(want.abs().max())
 
 
 def test_gate_scan_is_the_chunk_cumsum():
@@ -319,42 +320,3 @@ def test_fake_gives_the_shapes():
                                                                0.1, True, False)  # fmt: skip
     assert o.shape == (7, 4, 128) and o.dtype == torch.bfloat16
     assert s.shape == (2, 4, 128, 128) and s.dtype == torch.float32
-
-
-@pytest.mark.parametrize("inverse", ["tf32", "tf32x3"])
-def test_tensor_core_inverse_matches_the_recurrence(monkeypatch, inverse):
-    """The opt-in merges on the tensor cores (inverse_forms.INVERSES), replayed lane by lane
-    (replay.mma_product), through the launcher's `inverse`: varlen with a tail chunk, l2norm,
-    an initial state; o and the final state within the suite's bounds, as the standard kernel;
-    against the FFMA form o differs by bf16 rounding flips (one ulp of max |o|: 3.9e-3): 3xTF32
-    within 5e-3 of max |o|, one tf32 pass within 1e-2 (measured 2.1e-3 / 4.1e-3 with no
-    decay); a wrong fragment map is off by O(1)."""
-    lens = [70, 130]
-    q, k, v, g, beta, state = _inputs(1, sum(lens), 2, 4, n=2, seed=5)
-    cu = torch.tensor([0, 70, 200], dtype=torch.int32)
-    monkeypatch.setattr(prefill_launch, "get_kernel", lambda spec, p: replay.kernel(dict(p)))
-    got = {}
-    for inv in ("fma", inverse):
-        o = torch.empty_like(v[0])
-        final = torch.empty_like(state)
-        prefill_launch.gdn_prefill(q[0], k[0], v[0], g[0], beta[0], state, cu, o, final,
-                                   128**-0.5, k_last=False, l2norm=True, v_split=1,
-                                   inverse=inv)  # fmt: skip
-        got[inv] = (o, final)
-    want_o, want_s = gated_delta_rule_recurrent(q, k, v, g, beta, initial_state=state,
-                                                output_final_state=True, cu_seqlens=cu,
-                                                use_qk_l2norm=True)  # fmt: skip
-    _close(got[inverse][0][None], want_o, 2e-2)
-    _close(got[inverse][1], want_s, STATE_TOL[torch.bfloat16])
-    _close(got[inverse][0], got["fma"][0], 5e-3 if inverse == "tf32x3" else 1e-2)
-
-
-def test_inverse_key_leaves_the_standard_keys():
-    """The compile key names `inverse` only off the standard "fma" (the standard kernels keep
-    their keys and records); unknown forms are refused."""
-    base = op.prefill_sm90.params_for("bfloat16")
-    assert "inverse" not in dict(base)
-    assert with_inverse(base, "fma") == base
-    assert dict(with_inverse(base, "tf32")) == {**dict(base), "inverse": "tf32"}
-    with pytest.raises(ValueError, match="inverse"):
-        with_inverse(base, "fp16")

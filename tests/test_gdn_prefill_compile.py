@@ -38,10 +38,6 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.compile import (  # n
     compile_gdn_prefill,
     kernel_for,
 )
-from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse_forms import (  # noqa: E402
-    INVERSES,
-    with_inverse,
-)
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import (  # noqa: E402
     Bar,
     qk_consumer_warps,
@@ -76,15 +72,6 @@ CONFIGS = {
         "initial_state": True,
         "v_split": 2,
     },  # fmt: skip
-    # opt-in: the inverse's merges on the tensor cores (inverse_forms.INVERSES)
-    "bf16_tf32": {"dtype": "bfloat16", "inverse": "tf32"},
-    "bf16_l2norm_state_tf32x3": {
-        "dtype": "bfloat16",
-        "l2norm": True,
-        "initial_state": True,
-        "inverse": "tf32x3",
-    },  # fmt: skip
-    "fp16_vsplit_tf32": {"dtype": "float16", "v_split": 2, "inverse": "tf32"},
 }
 
 
@@ -103,8 +90,7 @@ def _aux_wgs(name: str) -> int:
 
 def _compile(dtype: str, **kw) -> tuple[dict, list[tuple[str, str]], int, str]:
     """(resources, SASS (opcode, operands) in program order, shared memory bytes, PTX)."""
-    inverse = kw.pop("inverse", "fma")
-    params = dict(with_inverse(config.params_for(dtype, **kw), inverse))
+    params = dict(config.params_for(dtype, **kw))
     kernel = kernel_for(params)
     with tempfile.TemporaryDirectory() as d:
         compiled = compile_gdn_prefill(params, "sm_90a", f"--keep-cubin --keep-ptx --dump-dir {d}",
@@ -211,19 +197,16 @@ def _aux_region(instrs) -> list[str]:
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_inverse_merges_where_configured(compiled, name):
-    """FFMA form: phases 0-2 on the CUDA cores (bf16: 976 FFMA in the aux region, both warp
-    paths). Tensor-core form: only phase 0's 120 FFMA (plus l2norm's row sums) stay, the seven
-    16 x 16 block products of the two warp paths are 4 (tf32) or 12 (3xTF32) HMMA.1688 each
-    (bf16: the aux region 2801 -> 1926 / 2239 instructions, static)."""
+def test_inverse_merges_on_the_tensor_cores(compiled, name):
+    """The inverse's merges on the tensor cores (inverse_mma.py): the seven 16 x 16 block
+    products of the two warp paths are 4 HMMA.1688 tf32 each, in the aux warpgroup only; only
+    phase 0's 120 FFMA (plus l2norm's row sums) stay on the CUDA cores (the FFMA merges, dropped
+    2026-12-03: 976 FFMA, the aux region 2801 static instructions against 1926 at bf16)."""
     _, instrs, _, _ = compiled(name)
     ops = _aux_region(instrs)
-    passes = INVERSES[CONFIGS[name].get("inverse", "fma")]
     hmma = sum(op == "HMMA.1688.F32.TF32" for op, _ in instrs)
-    assert hmma == sum(op == "HMMA.1688.F32.TF32" for op in ops)  # the aux warpgroup's only
-    assert hmma == 7 * 4 * passes
-    ffma = sum(op.startswith("FFMA") for op in ops)
-    assert ffma > 900 if passes == 0 else ffma <= 160
+    assert hmma == sum(op == "HMMA.1688.F32.TF32" for op in ops) == 7 * 4
+    assert sum(op.startswith("FFMA") for op in ops) <= 160
 
 
 def _mbarrier_init_counts(ptx: str) -> list[int]:

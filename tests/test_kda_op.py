@@ -92,48 +92,6 @@ def test_batch_with_strong_decay(cpu_kernel, l2norm):
     assert cpu_kernel == [{"dtype": "bfloat16", "k": 128}, want]  # first pass, recurrence
 
 
-def test_first_pass_addr32_key(cpu_kernel):
-    """addr32 (the first pass's 32-bit views: addresses only, the replay's math unchanged)
-    reaches the first pass's compile key, with the inverse's; the recurrence's key stays."""
-    x = make(t=70, h=1, hv=2, seed=12)
-    flat = {name: x[name][0].contiguous() for name in ("q", "k", "v", "g", "beta")}
-    o = torch.empty_like(flat["v"])
-    s = torch.empty(1, 2, D, D)
-    cu = torch.tensor([0, 70], dtype=torch.int32)
-    launch.kda_prefill(flat["q"], flat["k"], flat["v"], flat["g"], flat["beta"], x["state"], cu,
-                       o, s, D**-0.5, l2norm=False, inverse="tf32", addr32=True)  # fmt: skip
-    assert cpu_kernel[0] == {"dtype": "bfloat16", "k": 128, "inverse": "tf32", "addr32": True}
-    assert "addr32" not in cpu_kernel[1] and "inverse" not in cpu_kernel[1]
-    close(o[None], reference(x)[0], 2e-2)
-
-
-@pytest.mark.parametrize("inverse", ["tf32", "tf32x3"])
-def test_first_pass_with_the_tensor_core_inverse(cpu_kernel, inverse):
-    """The first pass's inverse merges on the tensor cores (the bench variants; the replay's T by
-    the mma.sync fragments' model with tf32 roundings): o and the state within the recurrence's
-    bounds, and against the standard first pass o differs by bf16 rounding flips only."""
-    lens = [150, 64, 7]
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    x = make(t=sum(lens), h=1, hv=2, n=len(lens), seed=11, decay=(-5.0, 0.0))
-    flat = {name: x[name][0].contiguous() for name in ("q", "k", "v", "g", "beta")}
-
-    def run(form):
-        o = torch.empty_like(flat["v"])
-        s = torch.empty(len(lens), 2, D, D)
-        launch.kda_prefill(flat["q"], flat["k"], flat["v"], flat["g"], flat["beta"], x["state"],
-                           cu, o, s, D**-0.5, l2norm=False, inverse=form)  # fmt: skip
-        return o, s
-
-    o, s = run(inverse)
-    assert cpu_kernel[0] == {"dtype": "bfloat16", "k": 128, "inverse": inverse}
-    o_ref, s_ref = reference(x, cu=cu)
-    close(o[None], o_ref, 2e-2)
-    close(s, s_ref, 2e-2)
-    o_std, _ = run("fma")
-    assert cpu_kernel[2] == {"dtype": "bfloat16", "k": 128}  # the standard key stays
-    close(o, o_std.double(), 8e-3)  # one bf16 ulp of max |o| is ~3.9e-3
-
-
 def test_value_split_only_where_sms_would_idle():
     cpu = torch.device("cpu")  # counted as 132 SMs
     assert launch.value_split(4, 16, cpu) and launch.value_split(1, 66, cpu)

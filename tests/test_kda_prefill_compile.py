@@ -170,16 +170,15 @@ def test_wgmma_descriptors_and_named_barriers(compiled, name):
 
 @pytest.fixture(scope="module")
 def compiled_intra():
-    from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse_forms import INVERSES
     from forgekernel.kernels.linear_attention.kda_prefill.sm90.compile import compile_kda_intra
     from forgekernel.kernels.linear_attention.kda_prefill.sm90.intra import KdaIntraSm90
 
     cache = {}
 
-    def get(dtype, inverse="fma", addr32=False):
-        if (dtype, inverse, addr32) not in cache:
-            kernel = KdaIntraSm90(128, INVERSES[inverse], addr32)
-            params = {"dtype": dtype, "k": 128, "inverse": inverse, "addr32": addr32}
+    def get(dtype):
+        if dtype not in cache:
+            kernel = KdaIntraSm90(128)
+            params = {"dtype": dtype, "k": 128}
             with tempfile.TemporaryDirectory() as d:
                 opts = f"--keep-cubin --dump-dir {d}"
                 compiled = compile_kda_intra(params, "sm_90a", opts, kernel=kernel)
@@ -191,19 +190,19 @@ def compiled_intra():
                 res = inspect_cubin(cubin)
                 cmd = [find_tool("cuobjdump"), "-sass", str(cubin)]
                 sass = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-            cache[dtype, inverse, addr32] = (res, _INSTR.findall(sass),
-                                             kernel.shared_storage.size_in_bytes())  # fmt: skip
-        return cache[dtype, inverse, addr32]
+            cache[dtype] = (res, _INSTR.findall(sass),
+                            kernel.shared_storage.size_in_bytes())  # fmt: skip
+        return cache[dtype]
 
     return get
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_first_pass_resources(compiled_intra, dtype):
-    """128 threads, no spills (208 registers with the sub-chunk loads), two CTAs an SM by shared
-    memory (~104 KB each, unchanged by them); 64 HGMMA
-    64x16x16 (4 column blocks x 8 k-steps, k side and q side), in 8 commit groups with 2 waits
-    (not serialized: ptxas serialized them all while the inverse ran under the q side)."""
+    """128 threads, no spills (210 registers with the sub-chunk loads and the tf32 merges), two
+    CTAs an SM by shared memory (~104 KB each, unchanged by them); 64 HGMMA 64x16x16 (4 column
+    blocks x 8 k-steps, k side and q side), in 8 commit groups with 2 waits (not serialized:
+    ptxas serialized them all while the inverse ran under the q side)."""
     res, instrs, smem = compiled_intra(dtype)
     ops = [op for op, _ in instrs]
     assert res["registers"] <= 255 and res["spill_bytes"] == 0
@@ -233,39 +232,13 @@ def test_first_pass_loads_a_sub_chunk_ahead(compiled_intra, dtype):
     assert groups[2][-1] < ops.index("WARPGROUP.DEPBAR.LE")
 
 
-@pytest.mark.parametrize(("inverse", "hmma"), [("tf32", 28), ("tf32x3", 84)])
-def test_first_pass_tensor_core_inverse(compiled_intra, inverse, hmma):
-    """The opt-in inverse (compile key `inverse`, the bench variants): the merges' 7 block
-    products as mma.sync m16n8k8 tf32 (4 / 12 HMMA each), FFMA 979 -> 123 (phase 0 and the
-    rest), everything else as the standard kernel: registers, no spills, shared memory, the 64
-    HGMMA in 2 waits; 6,328 -> 5,448 / 5,744 static instructions (bf16)."""
-    res_std, std, smem_std = compiled_intra("bfloat16")
-    res, instrs, smem = compiled_intra("bfloat16", inverse)
-    ops = [op for op, _ in instrs]
-    assert sum(op.startswith("HMMA.1688.F32.TF32") for op in ops) == hmma
-    assert not [op for op, _ in std if op.startswith("HMMA")]
-    assert ops.count("FFMA") < sum(op == "FFMA" for op, _ in std) // 4
-    assert res["registers"] <= res_std["registers"] and res["spill_bytes"] == 0
-    assert not [op for op in ops if op.startswith(("LDL", "STL"))]
-    assert smem == smem_std
-    assert sum(op.startswith("HGMMA.64x16x16.F32.BF16") for op in ops) == 64
-    assert ops.count("WARPGROUP.DEPBAR.LE") == 2
-    assert len(ops) < len(std)
-
-
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_first_pass_addr32(compiled_intra, dtype):
-    """The opt-in 32-bit views (compile key `addr32`): a token's load or store address one
-    32-bit multiply-add from the CTA's base instead of ~8 instructions of 64-bit stride math;
-    the same loads, stores, HGMMA and waits as the standard kernel, no spills, two CTAs an SM
-    by registers (<= 255) and shared memory; bf16 6,328 -> 5,280 static instructions (k loop
-    1,246 -> 1,018 a sub-chunk, q loop 1,030 -> 831, pass 0 1,288 -> 869)."""
-    res_std, std, smem_std = compiled_intra(dtype)
-    res, instrs, smem = compiled_intra(dtype, "fma", True)
-    ops, ops_std = [op for op, _ in instrs], [op for op, _ in std]
-    assert res["spill_bytes"] == 0 and res["registers"] <= 255 and smem == smem_std
-    assert not [op for op in ops if op.startswith(("LDL", "STL"))]
-    for kind in ("LDG", "STG", "STS", "LDS", "HGMMA", "MUFU", "BAR"):
-        assert sum(op.startswith(kind) for op in ops) == sum(op.startswith(kind) for op in ops_std)
-    assert ops.count("WARPGROUP.DEPBAR.LE") == 2
-    assert len(ops) < 0.86 * len(ops_std)
+def test_first_pass_tensor_core_inverse(compiled_intra, dtype):
+    """The inverse's merges on the tensor cores (GDN's `inverse_mma`): the 7 block products of
+    the two warp paths as mma.sync m16n8k8 tf32, 4 HMMA each; FFMA 979 -> 123 against the FFMA
+    merges dropped 2026-12-03 (phase 0 and the rest; bf16 6,328 -> 5,448 static instructions,
+    the same 210 registers and shared memory)."""
+    _, instrs, _ = compiled_intra(dtype)
+    ops = [op for op, _ in instrs]
+    assert sum(op.startswith("HMMA.1688.F32.TF32") for op in ops) == 7 * 4
+    assert ops.count("FFMA") <= 160

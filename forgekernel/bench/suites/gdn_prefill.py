@@ -125,11 +125,9 @@ def _reference(inputs: Inputs) -> torch.Tensor:
 H200_SMS = 132
 
 
-def _run_v_split(split: int | None, inverse: str = "fma"):
+def _run_v_split(split: int):
     """Ours through the launcher with the V split forced (1: one CTA per sequence and head; 2:
-    two, each with 64 value rows of the state and two aux warpgroups; None: the launcher's
-    choice) and the inverse's block products (inverse_forms.INVERSES: "fma" standard, "tf32" /
-    "tf32x3" opt-in, on the tensor cores)."""
+    two, each with 64 value rows of the state and two aux warpgroups)."""
 
     def run(inputs: Inputs, out):
         launch = importlib.import_module(
@@ -140,7 +138,7 @@ def _run_v_split(split: int | None, inverse: str = "fma"):
         final = torch.empty(n, hv, HEAD, HEAD, dtype=torch.float32, device=i["v"].device)
         launch.gdn_prefill(i["q"][0], i["k"][0], i["v"][0], i["g"][0], i["beta"][0], i["state"],
                            i["cu_seqlens"], out[0], final, HEAD**-0.5, k_last=False,
-                           l2norm=False, v_split=split, inverse=inverse)  # fmt: skip
+                           l2norm=False, v_split=split)  # fmt: skip
         return out
 
     return run
@@ -149,22 +147,13 @@ def _run_v_split(split: int | None, inverse: str = "fma"):
 def variants(case: Case) -> dict[str, Any]:
     """The other V split beside the launcher's choice, where the problem has at most two waves
     of split CTAs: whether a split CTA's chunk costs under half an unsplit one's (its two aux
-    warpgroups) decides where the split pays (config.v_split_for). On the fixed-length cases
-    up to 32k tokens (not the varlen mixes: bench time), the inverse's merges on the tensor
-    cores (`inverse_tf32`, `inverse_tf32x3`, the launcher's split): whether the aux
-    warpgroup's chain bounds the chunk (docs/linear_attention/NOTES.md, "The prefill at 0.57x
-    FlashInfer")."""
+    warpgroups) decides where the split pays (config.v_split_for)."""
     from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import v_split_for
 
     n, hv = len(case.params["lens"]), case.params["hv"]
-    out = {}
     if v_split_for(n, hv, H200_SMS) == 2:
-        out["v_split_1"] = _run_v_split(1)
-    elif 2 * n * hv <= 2 * H200_SMS:
-        out["v_split_2"] = _run_v_split(2)
-    if sum(case.params["lens"]) <= 32768 and len(set(case.params["lens"])) == 1:
-        out.update({f"inverse_{f}": _run_v_split(None, f) for f in ("tf32", "tf32x3")})
-    return out
+        return {"v_split_1": _run_v_split(1)}
+    return {"v_split_2": _run_v_split(2)} if 2 * n * hv <= 2 * H200_SMS else {}
 
 
 def reference(inputs: Inputs) -> torch.Tensor:

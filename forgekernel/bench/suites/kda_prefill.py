@@ -136,43 +136,6 @@ def run_ours(inputs: Inputs, out):
     return o
 
 
-def _run_first_pass(inverse: str, addr32: bool = False):
-    """Ours through the launcher with the first pass's inverse merges as `inverse`
-    (`gdn_prefill/sm90/inverse_forms.INVERSES`: "tf32" / "tf32x3" on the tensor cores) and
-    addr32 (its per-token addresses from views with 32-bit row strides)."""
-
-    def run(inputs: Inputs, out):
-        launch = importlib.import_module(
-            "forgekernel.kernels.linear_attention.kda_prefill.sm90.launch"
-        )
-        i = inputs
-        n, hv = len(i["cu_seqlens"]) - 1, i["v"].shape[2]
-        final = torch.empty(n, hv, HEAD, HEAD, dtype=torch.float32, device=i["v"].device)
-        launch.kda_prefill(i["q"][0], i["k"][0], i["v"][0], i["g"][0], i["beta"][0], i["state"],
-                           i["cu_seqlens"], out[0], final, HEAD**-0.5, l2norm=False,
-                           inverse=inverse, addr32=addr32)  # fmt: skip
-        return out
-
-    return run
-
-
-def variants(case: Case) -> dict[str, Any]:
-    """The first pass's opt-in forms on the fixed-length cases up to 32k tokens (bench time):
-    its inverse merges on the tensor cores (`inverse_tf32`, `inverse_tf32x3`), its addresses
-    from 32-bit views (`addr32`: -18 % of its SASS a warp), both (`addr32_inverse_tf32`): how
-    much of the first pass, ~80-85 % of 4 x 8192 h16 (docs/linear_attention/NOTES.md, "KDA
-    prefill at 0.28x cuDNN"), each removes."""
-    lens = case.params["lens"]
-    if sum(lens) > 32768 or len(set(lens)) != 1:
-        return {}
-    return {
-        "inverse_tf32": _run_first_pass("tf32"),
-        "inverse_tf32x3": _run_first_pass("tf32x3"),
-        "addr32": _run_first_pass("fma", True),
-        "addr32_inverse_tf32": _run_first_pass("tf32", True),
-    }
-
-
 def _reference(inputs: Inputs) -> torch.Tensor:
     """The fp64 output."""
     from forgekernel.reference.delta_rule import kimi_delta_attention_recurrent
@@ -293,5 +256,4 @@ def suite() -> OpSuite:
         atol=1e-2,
         bench_dtypes=(torch.bfloat16,),
         sanitize_cases=SANITIZE_CASES,
-        variants=variants,
     )

@@ -1,6 +1,6 @@
 """Chunked Gated DeltaNet forward (prefill), sm_90a. DSL-free declaration; the kernel is
 `chunked_fwd.py` (TMA + WGMMA, 64-token chunks, the state on chip; its warpgroups in
-`aux_wy.py`, `inverse.py`, `state_wg.py`); the op is
+`aux_wy.py`, `inverse.py`, `inverse_mma.py`, `state_wg.py`); the op is
 `forgekernel.ops.gated_delta_rule_chunked.gated_delta_rule`."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     V_SPLITS,
     params_for,
 )
-from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse_forms import with_inverse
 from forgekernel.runtime.spec import KernelSpec, Params
 
 
@@ -35,25 +34,12 @@ def _standard_params() -> list[Params]:
     ]
 
 
-def _candidate_params() -> list[Params]:
-    """The bench's opt-in variants (`inverse_tf32`, `inverse_tf32x3`: the inverse's merges on
-    the tensor cores) in the forms the suite launches them: bf16, fla's layout, no l2norm,
-    with and without a state, either V split (`build --candidates`)."""
-    return [
-        with_inverse(params_for("bfloat16", initial_state=init, v_split=split), inverse)
-        for inverse in ("tf32", "tf32x3")
-        for init in (False, True)
-        for split in V_SPLITS
-    ]
-
-
 SPEC = KernelSpec(
     name="gdn_prefill_sm90",
     arch="sm_90a",
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
-    candidate_params=_candidate_params,
 )
 
 __all__ = ["SPEC", "params_for"]

@@ -9,7 +9,7 @@ everything that does not depend on the state, a chunk ahead of the state warpgro
    overflowing product): L = beta_i rk_i rk_j d (K K^T) -> the fp32 scratch (zero above the
    diagonal, rewritten whole each chunk).
 4. T = (I + L)^-1 in the scratch: the diagonal blocks (`inverse.invert_diagonal`), Q K^T
-   issued, the merges (`inverse.invert_merge`) under it; then
+   issued, the merges on the tensor cores (`inverse_mma.invert_merge_mma`) under it; then
    P = scale rq_i rk_j d (Q K^T) for j <= i -> 16 bits -> stmatrix into the aux ring's P tile;
    T read back in the accumulator layout, T diag(beta) -> 16 bits -> its T tile.
 """
@@ -34,10 +34,7 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     QK_STAGES,
     STAGES,
 )
-from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse import (
-    invert_diagonal,
-    invert_merge,
-)
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse import invert_diagonal
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse_mma import invert_merge_mma
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import (
     Bar,
@@ -105,10 +102,7 @@ class AuxWy:
             # spilled; in flight during phase 0, its 32 beside the 16 columns, 8 B spilled)
             acc_p = cute.make_rmem_tensor(acc_shape, Float32)
             gemm(mma_aux, acc_p, tSrQ[None, None, None, ld.index], kb, True, -1)
-            if const_expr(self.inverse_passes == 0):
-                invert_merge(sW, sX, atid, bar)
-            else:
-                invert_merge_mma(sW, sX, atid, bar, self.inverse_passes)
+            invert_merge_mma(sW, sX, atid, bar)
             warpgroup.wait_group(0)
             qk_pipe.consumer_release(ld)
             self._decay_mask(acc_p, coords, sG, sBeta, sNorm, gt.index, scale, False)

@@ -8,7 +8,7 @@ G2_j or G2_j: never positive), with l2norm the inverse row norms rq_i, rk_j fold
 factors (the bf16 q / k tiles are never rewritten):
 
     L   = beta_i rk_i rk_j 2^(G2_i - G2_j) (K K^T)_ij            j < i, else 0
-    T   = (I + L)^-1                                              fp32, blocked (inverse.py)
+    T   = (I + L)^-1                       blocked, the merges tf32 (inverse.py, inverse_mma.py)
     P   = scale rq_i rk_j 2^(G2_i - G2_j) (Q K^T)_ij              j <= i, else 0
     U   = T diag(beta) (V - diag(rk 2^G2) K S)                   the chunk's corrected values
     O   = diag(scale rq 2^G2) Q S + P U
@@ -33,8 +33,9 @@ and named barrier, its ring states starting at its index and stepping by two):
 - warpgroup 0, warp 1 (gates): g and beta of the chunk (0 past the sequence's end), the
   cumulative G2 by a warp scan, into the `gate` ring.
 - warpgroup 1 (aux, `aux_wy.py`): Q K^T and K K^T (SS WGMMA), the row norms (l2norm), the
-  masks and decays; P to shared memory (stmatrix), L to an fp32 scratch, T = (I + L)^-1 in
-  fp32 on the CUDA cores (`inverse.py`), T diag(beta) to shared memory; per-token factor tables
+  masks and decays; P to shared memory (stmatrix), L to an fp32 scratch, T = (I + L)^-1 (the
+  diagonal blocks in fp32 on the CUDA cores, `inverse.py`, the merges by mma.sync tf32,
+  `inverse_mma.py`), T diag(beta) to shared memory; per-token factor tables
   for the state warpgroups. Runs a chunk ahead of them through the `aux` ring.
 - warpgroups 2, 3 (state, `state_wg.py`): value rows [64 b, 64 b + 64) of S^T, b = part x
   state warpgroups + w (`config.value_row_block`; part: the CTA's share of the split); the
@@ -95,7 +96,6 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     state_wgs,
     threads,
 )
-from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse_forms import INVERSES
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import (
     GATE_WARP,
     PRODUCER_WARP,
@@ -123,7 +123,6 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
 
     def __init__(
         self, k: int, v: int, *, k_last: bool, l2norm: bool, initial_state: bool, v_split: int = 1,
-        inverse: str = "fma",
     ):  # fmt: skip
         if (k, v) != (128, 128):
             raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
@@ -132,7 +131,6 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
         self.l2norm = l2norm
         self.initial_state = initial_state
         self.v_split = v_split
-        self.inverse_passes = INVERSES[inverse]  # 0: FFMA block products (inverse_forms.INVERSES)
         self.state_wgs = state_wgs(v, v_split)
         self.aux_wgs = aux_wgs(v_split)
         self.v_cols = self.state_wgs * ROWS_PER_STATE_WG  # value columns of one CTA

@@ -18,7 +18,6 @@ def kernel_for(params: dict) -> GdnChunkedFwdSm90:
     return GdnChunkedFwdSm90(
         params["k"], params["v"], k_last=params["k_last"], l2norm=params["l2norm"],
         initial_state=params["initial_state"], v_split=params.get("v_split", 1),
-        inverse=params.get("inverse", "fma"),
     )  # fmt: skip
 
 

@@ -7,7 +7,6 @@ import torch
 
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90 import SPEC
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import params_for, v_split_for
-from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse_forms import with_inverse
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import dtype_name, num_sms, on_device
 
@@ -41,15 +40,13 @@ def gdn_prefill(
     k_last: bool,
     l2norm: bool,
     v_split: int | None = None,
-    inverse: str = "fma",
 ) -> None:
     """Varlen form: q, k (T, H, K), v (T, HV, V) 16-bit, g (log decay) and beta fp32 (T, HV),
     cu_seqlens int32 (N + 1,); initial_state (N, HV, K, V) fp32, or (N, HV, V, K) with k_last,
     or None (zeros). Writes out (T, HV, V) in q's dtype and final_state (N, HV, ...) in the
     initial state's layout. Last dims contiguous, token strides multiples of 8 elements. Problems
     of N x HV <= SMs / 2 CTAs split each state's value rows over two CTAs (`v_split_for`; or
-    as `v_split` says: the bench's variants time both on a case). inverse: the block products
-    of the WY inverse (inverse_forms.INVERSES; "fma" the standard kernels, the others opt-in)."""
+    as `v_split` says: the bench's variants time both on a case)."""
     if final_state.shape[0] == 0:
         return
     if q.shape[0] == 0:  # every sequence empty: no TMA descriptor over zero tokens
@@ -60,7 +57,6 @@ def gdn_prefill(
         dtype_name(q.dtype), (q.shape[-1], v.shape[-1]), k_last=k_last, l2norm=l2norm,
         initial_state=initial_state is not None, v_split=split,
     )  # fmt: skip
-    params = with_inverse(params, inverse)
     fn = get_kernel(SPEC, params)
     q, k, v = (_aligned(x) for x in (q, k, v))
     init = None if initial_state is None else _aligned(initial_state)

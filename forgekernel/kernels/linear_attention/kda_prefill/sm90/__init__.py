@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse_forms import with_inverse
 from forgekernel.kernels.linear_attention.kda_prefill.sm90.config import (
     DTYPES,
     HEAD_DIMS,
@@ -31,14 +30,9 @@ def _compile_intra(params: Params, extra_options: str = ""):
     return compile_kda_intra(dict(params), "sm_90a", extra_options)
 
 
-def intra_params_for(dtype: str, k: int = 128, inverse: str = "fma", addr32: bool = False
-                     ) -> Params:  # fmt: skip
-    """The first pass's compile key: the q / k dtype, K, and two opt-in forms, each named only
-    off the standard kernel (whose keys and records stay): the inverse's merges ("fma"
-    standard; "tf32" / "tf32x3": `inverse_forms.with_inverse`) and addr32 (per-token addresses
-    from the CTA's own views with 32-bit row strides: `intra.KdaIntraSm90._rows`)."""
-    key = {"dtype": dtype, "k": k, **({"addr32": True} if addr32 else {})}
-    return with_inverse(tuple(sorted(key.items())), inverse)
+def intra_params_for(dtype: str, k: int = 128) -> Params:
+    """The first pass's compile key: the q / k dtype and K."""
+    return tuple(sorted({"dtype": dtype, "k": k}.items()))
 
 
 def _standard_params() -> list[Params]:
@@ -67,11 +61,6 @@ INTRA_SPEC = KernelSpec(
     directory=Path(__file__).parent,
     compile=_compile_intra,
     standard_params=lambda: [intra_params_for(dtype) for dtype in DTYPES],
-    # the bench variants' kernels (`build --only kda_intra_sm90 --candidates`)
-    candidate_params=lambda: [
-        intra_params_for("bfloat16", 128, f, a)
-        for f, a in (("tf32", False), ("tf32x3", False), ("fma", True), ("tf32", True))
-    ],  # fmt: skip
 )
 SPECS = (SPEC, INTRA_SPEC)
 

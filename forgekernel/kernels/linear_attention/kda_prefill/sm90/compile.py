@@ -9,7 +9,6 @@ import cutlass
 import cutlass.cute as cute
 
 from forgekernel.kernels.common.sm90 import fake
-from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse_forms import INVERSES
 from forgekernel.kernels.linear_attention.kda_prefill.sm90.config import CHUNK
 from forgekernel.kernels.linear_attention.kda_prefill.sm90.recurrence import KdaRecurrenceSm90
 
@@ -51,9 +50,7 @@ def compile_kda_recurrence(params: dict, arch: str = "sm_90a", extra_options: st
 def compile_kda_intra(params: dict, arch: str = "sm_90a", extra_options: str = "",
                       kernel=None):  # fmt: skip
     """The first pass: q, k (T, H, K) in the io dtype, g fp32 (T, HV, K), beta fp32 (T, HV),
-    per-chunk first tokens and lengths (NC,) int32; outputs as `operands.py`. params["inverse"]
-    (absent: "fma"): the inverse's merges, `inverse_forms.INVERSES`; params["addr32"] (absent:
-    False): the per-token addresses from 32-bit views."""
+    per-chunk first tokens and lengths (NC,) int32; outputs as `operands.py`."""
     from cutlass.cute.runtime import make_fake_tensor
 
     from forgekernel.kernels.linear_attention.kda_prefill.sm90.intra import KdaIntraSm90
@@ -64,8 +61,7 @@ def compile_kda_intra(params: dict, arch: str = "sm_90a", extra_options: str = "
     t, h, hv, r, nc = (cute.sym_int32() for _ in range(5))
     f32 = cutlass.Float32
     if kernel is None:
-        kernel = KdaIntraSm90(kd, INVERSES[params.get("inverse", "fma")],
-                              params.get("addr32", False))  # fmt: skip
+        kernel = KdaIntraSm90(kd)
 
     def per_chunk():
         return make_fake_tensor(cutlass.Int32, (nc,), stride=(1,))

@@ -14,8 +14,8 @@ token 16 I + 8, a = G2 - r_I(i) (at most 8 steps):
     L[:, J] = A_J Kr_J^T                        4 SS WGMMAs 64 x 16 x K, one commit group
     L = beta_i L (j < i) -> fp32 scratch; then the q side into the same four tiles:
     P[:, J] = (Ql * E) Kr_J^T (j <= i)          4 more WGMMAs
-    T = (I + L)^-1 on the CUDA cores (`gdn_prefill/sm90/inverse`; opt-in, compile key
-    `inverse`: the merges by mma.sync tf32, `inverse_mma.invert_merge_mma`);
+    T = (I + L)^-1 (GDN's: the diagonal blocks on the CUDA cores, `gdn_prefill/sm90/
+    inverse`, the merges by mma.sync tf32, `inverse_mma.invert_merge_mma`);
     P -> global (bf16); T diag(beta) -> global (bf16).
 
 Loads: per sub-chunk, its 16 tokens' g (and k or q) are loaded before any of its math and
@@ -35,7 +35,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass import BFloat16, Float32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
@@ -50,10 +50,7 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     W_STRIDE,
     X_STRIDE,
 )
-from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse import (
-    invert_diagonal,
-    invert_merge,
-)
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse import invert_diagonal
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse_mma import invert_merge_mma
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import Bar
 from forgekernel.kernels.linear_attention.kda_prefill.sm90.config import CHUNK
@@ -71,16 +68,10 @@ def _columns_of(e_tab):
 class KdaIntraSm90:
     """The first pass; see the module docstring."""
 
-    def __init__(self, k: int, inverse_passes: int = 0, addr32: bool = False):
-        """inverse_passes: the inverse's merges on the CUDA cores (0, the standard kernel) or as
-        mma.sync tf32 with 1 / 3 passes (`gdn_prefill/sm90/inverse_forms.INVERSES`). addr32
-        (opt-in): every per-token load and store through the CTA's own views (`_rows`), the
-        row stride a 32-bit number."""
+    def __init__(self, k: int):
         if k != 128:
             raise ValueError(f"K must be 128 (one channel a thread), got {k}")
         self.k = k
-        self.inverse_passes = inverse_passes
-        self.addr32 = addr32
 
     @cute.jit
     def __call__(
@@ -180,10 +171,6 @@ class KdaIntraSm90:
             inside = ch < valid
             t = tok0 + cutlass.min(ch, valid - 1)
             sBeta[ch] = cutlass.select_(inside, Float32(mBeta[t, hv]), Float32(0.0))
-        if const_expr(self.addr32):  # from here on: token i of the chunk is row i of a view
-            mQ, mK = self._rows(mQ, tok0, head), self._rows(mK, tok0, head)
-            mG = self._rows(mG, tok0, hv, 4)
-            mQg, mKg, mKd, mT, mP = (self._rows(m, row0, hv) for m in (mQg, mKg, mKd, mT, mP))
 
         # pass 0: the references r_b = G2 at token 16 b + 8 and G2_C (a running sum; the k and
         # q passes below run it again: g re-read from L2 instead of 64 live registers). Every
@@ -227,8 +214,8 @@ class KdaIntraSm90:
                 a = run - ref_b
                 kl = ks[s] * cute.math.exp2(a, fastmath=True)
                 kr = ks[s] * cute.math.exp2(-a, fastmath=True)
-                self._put(mKg, row0, i, hv, ch, (kl * pow_rb).to(BFloat16))
-                self._put(mKd, row0, i, hv, ch, (kr * pow_crb).to(BFloat16))
+                mKg[row0 + i, hv, ch] = (kl * pow_rb).to(BFloat16)
+                mKd[row0 + i, hv, ch] = (kr * pow_crb).to(BFloat16)
                 sB[s, ch, b] = kr.to(BFloat16)
                 self._put_scaled(sA, i, ch, kl, e_row)
         cute.arch.fence_view_async_shared()
@@ -254,7 +241,7 @@ class KdaIntraSm90:
                 i = SUB * b + s
                 run = run + gs[s]
                 ql = qs[s] * scale * cute.math.exp2(run - ref_b, fastmath=True)
-                self._put(mQg, row0, i, hv, ch, (ql * pow_rb).to(BFloat16))
+                mQg[row0 + i, hv, ch] = (ql * pow_rb).to(BFloat16)
                 self._put_scaled(sA, i, ch, ql, e_row)
         cute.arch.fence_view_async_shared()
         bar.arrive_and_wait()
@@ -265,49 +252,16 @@ class KdaIntraSm90:
         warpgroup.wait_group(0)
         cute.arch.sync_warp()
         invert_diagonal(sW, ch)
-        if const_expr(self.inverse_passes == 0):
-            invert_merge(sW, sX, ch, bar)
-        else:  # opt-in: the merges' 16 x 16 block products on the tensor cores
-            invert_merge_mma(sW, sX, ch, bar, self.inverse_passes)
+        invert_merge_mma(sW, sX, ch, bar)
         for j in cutlass.range_constexpr(NSUB):
             self._store_p(accp[j], coords, mP, row0, hv, j)
         self._store_t_beta(sW, sBeta, mT, row0, hv, ch)
 
     @cute.jit
-    def _rows(self, mX, row, head, divby: cutlass.Constexpr[int] = 8) -> cute.Tensor:
-        """Rows row .. row + 63 of head `head` of mX (R, heads, W) as a (64, W) view whose row
-        stride is a 32-bit number: a token's address one 32-bit multiply-add and a 64-bit add
-        from the view's base (the 64-bit strides: ~8 instructions a load or store, ~40 % of the
-        k loop's SASS). Within a chunk the offsets are < 64 x the row stride; the stride's
-        divisibility (`divby` elements, as compile.py's fake tensors declare it) kept, so that
-        pairs of P columns still go out as one 32-bit store."""
-        stride = cute.assume(Int32(mX.stride[0]), divby=divby)
-        layout = cute.make_layout((CHUNK, mX.shape[2]), stride=(stride, 1))
-        return cute.make_tensor(mX[row, head, None].iterator, layout)
-
-    def _tok(self, tok0, i):
-        """Token i of the chunk: its row of mQ / mK / mG (tok0 + i) or of their `_rows` views
-        (i). `_tok`, `_at`, `_put`: plain Python, traced inline in the standard kernel's order
-        (its SASS byte-identical)."""
-        return i if self.addr32 else tok0 + i
-
-    def _at(self, mX, t, head, ch):
-        """Element (t, head, ch) of mX, or (t, ch) of its `_rows` view."""
-        return mX[t, ch] if self.addr32 else mX[t, head, ch]
-
-    def _put(self, mX, row0, i, hv, col, value):
-        """mX[row0 + i, hv, col] = value, or (i, col) of its `_rows` view (from row0)."""
-        if self.addr32:
-            mX[i, col] = value
-        else:
-            mX[row0 + i, hv, col] = value
-
-    @cute.jit
     def _g(self, mG, tok0, valid, hv, ch, i) -> Float32:
         """log2(e) g of token i of the chunk for this channel; 0 past the sequence."""
-        t = self._tok(tok0, cutlass.min(i, valid - 1))
-        x = cutlass.select_(i < valid, Float32(self._at(mG, t, hv, ch)), Float32(0.0))
-        return Float32(x) * LOG2E
+        t = tok0 + cutlass.min(i, valid - 1)
+        return Float32(cutlass.select_(i < valid, Float32(mG[t, hv, ch]), Float32(0.0))) * LOG2E
 
     @cute.jit
     def _load_sub(self, mX, mG, tok0, valid, hv, head, ch, b):
@@ -319,9 +273,8 @@ class KdaIntraSm90:
             i = SUB * b + s
             gs.append(self._g(mG, tok0, valid, hv, ch, i))
             if const_expr(mX is not None):
-                t = self._tok(tok0, cutlass.min(i, valid - 1))
-                xs.append(cutlass.select_(i < valid, Float32(self._at(mX, t, head, ch)),
-                                          Float32(0.0)))  # fmt: skip
+                t = tok0 + cutlass.min(i, valid - 1)
+                xs.append(cutlass.select_(i < valid, Float32(mX[t, head, ch]), Float32(0.0)))
         return gs, xs
 
     @cute.jit
@@ -373,10 +326,7 @@ class KdaIntraSm90:
             for c in cutlass.range_constexpr(cute.size(a, mode=[1])):
                 off = t0[r, 0][0] - t0[r, c][1]
                 val = Float32(cutlass.select_(diff <= off, a[r, c], Float32(0.0)))
-                if const_expr(self.addr32):
-                    mP[i, SUB * j + col_base + t0[r, c][1]] = val.to(BFloat16)
-                else:
-                    mP[row0 + i, hv, SUB * j + col_base + t0[r, c][1]] = val.to(BFloat16)
+                mP[row0 + i, hv, SUB * j + col_base + t0[r, c][1]] = val.to(BFloat16)
 
     @cute.jit
     def _store_t_beta(self, sW, sBeta, mT, row0, hv, tid):
@@ -385,4 +335,4 @@ class KdaIntraSm90:
         half = (tid % 2) * (CHUNK // 2)
         for c in cutlass.range_constexpr(CHUNK // 2):
             j = half + c
-            self._put(mT, row0, i, hv, j, (sW[i, j] * sBeta[j]).to(BFloat16))
+            mT[row0 + i, hv, j] = (sW[i, j] * sBeta[j]).to(BFloat16)
