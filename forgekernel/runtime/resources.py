@@ -40,16 +40,21 @@ _SASS: dict[str, str] = {}
 _SASS_KEPT = 4
 
 
+def _on_file(image: bytes, read):
+    """read(path) of a cubin image written to a temporary file (removed after)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(image)
+    try:
+        return read(f.name)
+    finally:
+        os.unlink(f.name)
+
+
 def sass_text(cubin: str | os.PathLike | bytes | None) -> str:
     """The SASS listing of a cubin (a file, or the image some DSL paths hand back) as cuobjdump
     prints it with nvdisasm on its PATH; "" without the tools or the cubin."""
     if isinstance(cubin, bytes):
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-            f.write(cubin)
-        try:
-            return sass_text(f.name)
-        finally:
-            os.unlink(f.name)
+        return _on_file(cubin, sass_text)
     cuobjdump, nvdisasm = find_tool("cuobjdump"), find_tool("nvdisasm")
     if cubin is None or not Path(cubin).is_file() or cuobjdump is None or nvdisasm is None:
         return ""
@@ -77,12 +82,7 @@ def inspect_cubin(cubin: str | os.PathLike | None) -> dict[str, Any]:
     }
     cuobjdump = find_tool("cuobjdump")
     if isinstance(cubin, bytes):  # some DSL paths hand back the image, not its file
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-            f.write(cubin)
-        try:
-            return inspect_cubin(f.name)
-        finally:
-            os.unlink(f.name)
+        return _on_file(cubin, inspect_cubin)
     if cubin is None or not Path(cubin).is_file() or cuobjdump is None:
         return out
     res = subprocess.run([cuobjdump, "-res-usage", str(cubin)], capture_output=True, text=True)
