@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 from dataclasses import replace
 from pathlib import Path
 
@@ -45,7 +44,7 @@ from forgekernel.kernels.conv.sm90.wgrad_config import (  # noqa: E402
     WGRAD_REDUCE_CONFIGS,
     wgrad_params,
 )
-from forgekernel.runtime.resources import find_tool, inspect_cubin  # noqa: E402
+from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text  # noqa: E402
 
 
 def _build(spec, params, module, kernel_class: str, tmp_path, monkeypatch):
@@ -65,10 +64,9 @@ def _build(spec, params, module, kernel_class: str, tmp_path, monkeypatch):
     found = inspect_cubin(path)
     if found["registers"] is None:
         pytest.skip("cuobjdump not installed")
-    nvdisasm = find_tool("nvdisasm")
-    if nvdisasm is None:
+    if find_tool("nvdisasm") is None:
         pytest.skip("nvdisasm not installed")
-    sass = subprocess.run([nvdisasm, "-c", str(path)], capture_output=True, text=True).stdout
+    sass = sass_text(path)  # the listing inspect_cubin just read: not disassembled again
     return sass, found, made[-1]
 
 

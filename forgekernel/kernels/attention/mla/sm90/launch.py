@@ -67,48 +67,48 @@ def direct_enabled() -> bool:
     return flag == "1"
 
 
-def pair_enabled() -> bool:
-    """Seesaw plans of the pair blocks take the `pair` compile: `pair_form`'s, else
-    FORGEKERNEL_MLA_PAIR ("0", the default, or "1")."""
-    if _pair_form[0] is not None:
-        return _pair_form[0]
-    flag = os.environ.get("FORGEKERNEL_MLA_PAIR", "0")
+def _switch(override: list[bool | None], env: str) -> bool:
+    """A form's switch: the `..._form` block's `override`, else the environment variable `env`
+    ("0", the default, or "1")."""
+    if override[0] is not None:
+        return override[0]
+    flag = os.environ.get(env, "0")
     if flag not in ("0", "1"):
-        raise ValueError(f"FORGEKERNEL_MLA_PAIR must be '0' or '1', got {flag!r}")
+        raise ValueError(f"{env} must be '0' or '1', got {flag!r}")
     return flag == "1"
 
 
 @contextmanager
-def pair_form(on: bool) -> Iterator[None]:
-    """The pair form on or off for the calls inside (their plans keyed apart): the bench's
-    variant, timed beside the default in one process."""
-    before, _pair_form[0] = _pair_form[0], bool(on)
+def _switched(override: list[bool | None], on: bool) -> Iterator[None]:
+    before, override[0] = override[0], bool(on)
     try:
         yield
     finally:
-        _pair_form[0] = before
+        override[0] = before
+
+
+def pair_enabled() -> bool:
+    """Seesaw plans of the pair blocks take the `pair` compile: `pair_form`'s, else
+    FORGEKERNEL_MLA_PAIR ("0", the default, or "1")."""
+    return _switch(_pair_form, "FORGEKERNEL_MLA_PAIR")
+
+
+def pair_form(on: bool):
+    """The pair form on or off for the calls inside (their plans keyed apart): the bench's
+    variant, timed beside the default in one process."""
+    return _switched(_pair_form, on)
 
 
 def ostore_enabled() -> bool:
     """Direct plans of the OSTORE_BLOCKS take the `ostore` compile where out's rows are 16-byte
     aligned: `ostore_form`'s, else FORGEKERNEL_MLA_OSTORE ("0", the default, or "1")."""
-    if _ostore_form[0] is not None:
-        return _ostore_form[0]
-    flag = os.environ.get("FORGEKERNEL_MLA_OSTORE", "0")
-    if flag not in ("0", "1"):
-        raise ValueError(f"FORGEKERNEL_MLA_OSTORE must be '0' or '1', got {flag!r}")
-    return flag == "1"
+    return _switch(_ostore_form, "FORGEKERNEL_MLA_OSTORE")
 
 
-@contextmanager
-def ostore_form(on: bool) -> Iterator[None]:
+def ostore_form(on: bool):
     """The direct form's O store through shared memory on or off for the calls inside (their
     plans keyed apart): the bench's variant, timed beside the default in one process."""
-    before, _ostore_form[0] = _ostore_form[0], bool(on)
-    try:
-        yield
-    finally:
-        _ostore_form[0] = before
+    return _switched(_ostore_form, on)
 
 
 def _wide_rows(out: torch.Tensor) -> bool:
