@@ -52,6 +52,10 @@ CASES = [
     (WIDE_STREAM, 3000, 576, 7168),
     (dataclasses.replace(WIDE_STREAM, cluster_m=1), 700, 1000, 3000),
     (DECODE_STREAM[0], 1, 576, 7168),
+    # swapped stream K on 129 tokens (config.py RAGGED_CANDIDATES), the kernel's problem (N, M):
+    # 80 weight tiles cut over 132 CTAs, and over 66 2x1 clusters (40 blocks)
+    (config.SWAP_STREAM_144, 10240, 129, 8192),
+    (config.SWAP_STREAM_144_C2, 10240, 129, 8192),
     (DECODE_STREAM[3], 40, 8704, 2496),
     (DECODE_STREAM[0], 5, 4096, 1024),
 ]
@@ -326,6 +330,15 @@ def test_the_suite_checks_every_prefill_walk():
         (config.TALL_80, True),  # three consumer warpgroups (setmaxnreg 152)
         (config.SWAP_80, False),  # the swap: C M-major, 64 x 16 boxes
         (config.SWAP_TALL_80, False),  # the swap on three consumer warpgroups
+        # the ragged candidates (config.py RAGGED_CANDIDATES; bf16 "nk" as built)
+        (config.SWAP_STREAM_144, False),
+        (config.SWAP_STREAM_144_C2, False),
+        (config.SWAP_208_C21, False),
+        (config.SWAP_TALL_144, False),
+        (config.FIT_240, False),
+        (config.WIDE_S5, False),
+        (config.TALL_80_S6, False),
+        (config.TALL_80_C14, False),
     ],
     ids=lambda x: getattr(x, "tag", lambda: str(x))(),
 )

@@ -344,10 +344,15 @@ def variants(case: Case) -> dict[str, Any]:
     """M > 128: the prefill configurations the chooser weighed against its pick and left
     (config.py `prefill_rivals`: "tile", the measured tile, "challenger", the 64-row tile or a
     stream-K one, "fit", the fastest one-wave tile by the model, "swap", the fastest swapped
-    tile on B "nk" up to `SWAP_MAX_M` rows), forced through the op: variant time / our time
-    says whether the choice paid (docs/gemm/NOTES.md "Mid-size M", "One-wave tiles", "The
-    swap"). None for decode and skinny M."""
-    from forgekernel.kernels.gemm.dense.sm90.config import choose_config, prefill_rivals
+    tile on B "nk" up to `SWAP_MAX_M` rows), and on the slowest cases of the last run the
+    candidates no group holds (config.py `RAGGED_CANDIDATES`, B "nk"), forced through the op:
+    variant time / our time says whether the choice paid (docs/gemm/NOTES.md "Mid-size M",
+    "One-wave tiles", "The swap", "Ragged candidates"). None for decode and skinny M."""
+    from forgekernel.kernels.gemm.dense.sm90.config import (
+        RAGGED_CANDIDATES,
+        choose_config,
+        prefill_rivals,
+    )
 
     p = case.params
     m, n, k = p["m"], p["n"], p["k"]
@@ -355,9 +360,12 @@ def variants(case: Case) -> dict[str, Any]:
     if m <= 128:
         return {}
     chosen = choose_config(m, n, k, b_kn=b_kn)
+    configs = prefill_rivals(m, n, k, b_kn=b_kn)
+    if not b_kn:
+        configs.update(RAGGED_CANDIDATES.get((m, n, k), {}))
     return {
         kind: (lambda inputs, out, cfg=cfg: _forced(inputs, out, cfg))
-        for kind, cfg in prefill_rivals(m, n, k, b_kn=b_kn).items()
+        for kind, cfg in configs.items()
         if cfg != chosen
     }
 
