@@ -68,6 +68,40 @@ def fake_suite() -> Callable[..., OpSuite]:
     return make_suite
 
 
+@pytest.fixture
+def conv_wgrad_models(monkeypatch):
+    """Factory: conv_wgrad_models(record) replaces the conv leaf's compiled functions by their
+    CPU models (the weight gradient's running its CTAs in a random order, seeded by its launch
+    count) and returns the list that gets record(params, dy, work, flags, per_split) of each
+    weight-gradient launch; the plan cache and the scratch are cleared before and after."""
+    from forgekernel.kernels.conv.sm90 import emulate, launch
+    from forgekernel.runtime import scratch
+
+    def install(record):
+        launches = []
+
+        def get_kernel(spec, params):
+            fn = emulate.stand_in(spec, params)
+            if spec.name != "conv_wgrad_sm90":
+                return fn
+            model = emulate.compiled_wgrad(params, order_seed=len(launches))
+
+            def recorded(dy, x, dw, work, flags, *args):
+                launches.append(record(params, dy, work, flags, args[-1]))
+                return model(dy, x, dw, work, flags, *args)
+
+            return recorded
+
+        launch._wgrad_plans.clear()
+        scratch.release()
+        monkeypatch.setattr(launch, "get_kernel", get_kernel)
+        return launches
+
+    yield install
+    launch._wgrad_plans.clear()
+    scratch.release()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """One torch thread on a machine without a GPU (CI: 2 cores, shared with other work). The CPU
     tests run thousands of small ops (fp64 recurrences token by token, kernel replays tile by

@@ -189,30 +189,17 @@ def test_the_sum_does_not_depend_on_the_order_the_parts_finish():
 
 
 @pytest.fixture
-def model_kernel(monkeypatch):
+def model_kernel(conv_wgrad_models):
     """The compiled functions replaced by the CPU models (the weight gradient's running its
     CTAs in a random order); (compile key, workspace pointer) of each launch recorded."""
-    launches = []
-
-    def get_kernel(spec, params):
-        fn = emulate.stand_in(spec, params)
-        if spec.name != "conv_wgrad_sm90":
-            return fn
-        model = emulate.compiled_wgrad(params, order_seed=len(launches))
-
-        def recorded(dy, x, dw, work, flags, *args):
-            key = dict(params, dy_shape=tuple(dy.shape))
-            launches.append((key, work.data_ptr(), flags.data_ptr(), args[-1]))
-            return model(dy, x, dw, work, flags, *args)
-
-        return recorded
-
-    launch._wgrad_plans.clear()
-    scratch.release()
-    monkeypatch.setattr(launch, "get_kernel", get_kernel)
-    yield launches
-    launch._wgrad_plans.clear()
-    scratch.release()
+    return conv_wgrad_models(
+        lambda params, dy, work, flags, per: (
+            dict(params, dy_shape=tuple(dy.shape)),
+            work.data_ptr(),
+            flags.data_ptr(),
+            per,
+        )
+    )
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,6 @@ from forgekernel.kernels.conv.sm90.wgrad_config import (
     wgrad_tiles,
     wgrad_time,
 )
-from forgekernel.runtime import scratch
 
 F64 = torch.float64
 ONE = Geometry((1, 1, 1), (0, 0, 0), (0, 0, 0), (1, 1, 1), (1, 1, 1))
@@ -104,26 +103,10 @@ def test_a_reduce_plan_holds_one_slot_a_tile():
 
 
 @pytest.fixture
-def model_kernel(monkeypatch):
+def model_kernel(conv_wgrad_models):
     """The compiled functions replaced by the CPU models (CTAs in a random order); each
     launch's (compile key, workspace) recorded."""
-    launches = []
-
-    def get_kernel(spec, params):
-        model = emulate.compiled_wgrad(params, order_seed=len(launches))
-
-        def recorded(dy, x, dw, work, flags, *args):
-            launches.append((dict(params), work, flags, args[-1]))
-            return model(dy, x, dw, work, flags, *args)
-
-        return recorded
-
-    launch._wgrad_plans.clear()
-    scratch.release()
-    monkeypatch.setattr(launch, "get_kernel", get_kernel)
-    yield launches
-    launch._wgrad_plans.clear()
-    scratch.release()
+    return conv_wgrad_models(lambda params, dy, work, flags, per: (dict(params), work, flags, per))
 
 
 @pytest.mark.parametrize(
