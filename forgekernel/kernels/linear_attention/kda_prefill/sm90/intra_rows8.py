@@ -1,0 +1,431 @@
+"""Kimi Delta Attention forward, the first pass re-laid out (opt-in compile key `layout` "rows8";
+the standard form is `intra.py`, whose source and SASS this module leaves alone: its own entry
+`compile_rows8.py`, so the standard kernel's import closure, ledger hash and records stay).
+
+Same grid, arguments and outputs as `intra.py` (one CTA of 128 threads per (global chunk, value
+head)), the same math (`reference.kda_chunked.chunk_operands`, the exp2 forms of `intra.py`'s
+docstring), a different ownership: thread (warp w, lane) owns the 8 tokens 8 tg .. 8 tg + 7
+(tg = 2 w + lane // 16) of 8 channels 8 cg .. 8 cg + 7 (cg = lane % 16), so warp w is sub-chunk
+w (its factors warp-uniform: no selects) and every global access is a 16-byte vector (q, k, Kg,
+Kd, Qg: 8 16-bit channels; g: two of 4 fp32), a warp's instruction two 256-byte rows:
+
+    loads    g, k, q of the thread's 8 tokens, all issued at once (g read once, not 3 times)
+    G2       log2(e) cumsum(g): 8 running sums in registers, the lower half-warp's totals by
+             one butterfly shuffle, the warps' totals and the in-warp reference offsets through
+             shared memory (one barrier); every thread then sums base_J, r_J = base_J + u_J,
+             G2_C the same way, so r_w equals G2 at token 16 w + 8 bit for bit
+    k side   Kl = k 2^a, Kr = k 2^-a, Kg = Kl 2^r, Kd = Kr 2^(G2_C - r) (16-byte stores);
+             Kr into tile w of sB; Kl E_wJ (J < w) and Kl (J = w) into the 10 lower-triangle
+             tiles (I, J) of sA (16 x K each: no zero rows, no tiles above the diagonal)
+    L, P     block (I, J), I >= J: 16 x 16 x 128 by mma.sync m16n8k16 bf16 (16 a block), A and
+             B fragments by 16-byte shared loads (below); warp w takes blocks w, w + 4, w + 8 of
+             the 10 (3, 3, 2, 2); L masked with beta into the fp32 scratch, P into a bf16 tile
+    T        GDN's inverse as `intra.py`: `invert_diagonal` + `invert_merge_mma` (tf32)
+    out      P and T diag(beta) from shared memory, 16-byte stores, blocks above zeroed
+
+Fragments: the contraction is over the 128 channels, so any channel order serves if A and B
+share it. Step s = 2 m + h (m < 4, h < 2) of lane (g, t) takes channels 32 m + 8 t + 4 h + (0,
+1) as its k columns 2 t, 2 t + 1 and + (2, 3) as 2 t + 8, 2 t + 9: the lane's 16-byte chunk 4 m
++ t of a row holds two steps' A (rows g, g + 8) or B (token 8 n + g) words. The tiles' 16-byte
+chunks are XOR-swizzled by 4 on odd rows: the fragment reads (rows g, g + 1 in a quarter warp)
+and the producers' row stores are conflict-free.
+
+Rows past the sequence: k = q = g = beta = 0 (loads clamped to its last token), so their rows
+and columns of every output are exact zeros, as in `intra.py`. The scan sums in another order
+than `intra.py`'s single running sum: G2 differs by fp32 roundings (not bitwise).
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.memory import SmemAllocator
+
+from forgekernel.kernels.common.sm90.barriers import named_barrier
+from forgekernel.kernels.common.sm90.constants import LOG2E, THREADS_PER_WG
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
+    BLOCK,
+    W_STRIDE,
+    X_STRIDE,
+)
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse import invert_diagonal
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse_mma import invert_merge_mma
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import Bar
+from forgekernel.kernels.linear_attention.kda_prefill.sm90.config import CHUNK
+
+SUB = 16  # tokens per sub-chunk (one reference each): one warp
+NSUB = CHUNK // SUB
+TOK = 8  # tokens a thread
+VEC = 8  # channels a thread (16 bytes of 16-bit)
+GROUPS = 16  # channel groups: lanes of a half-warp
+TILES = NSUB * (NSUB + 1) // 2  # the lower triangle's blocks (I >= J)
+P_STRIDE = CHUNK + 8  # bf16 per row of the P tile (fragment stores conflict-free)
+KSTEPS = 8  # mma k steps of 16 over K = 128
+
+
+def tile_of(i, j):
+    """Index of block (I, J), I >= J, in row order."""
+    return i * (i + 1) // 2 + j
+
+
+@dsl_user_op
+def mma_bf16_16x8x16(a, b, c, *, loc=None, ip=None) -> tuple:
+    """d = a b + c by mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32: a four packed bf16
+    pairs, b two, c and d four fp32."""
+    ops = [Int32(v).ir_value(loc=loc, ip=ip) for v in (*a, *b)]
+    ops += [Float32(v).ir_value(loc=loc, ip=ip) for v in c]
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 4),
+        ops,
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, "
+        "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+class KdaIntraRows8Sm90:
+    """The re-laid-out first pass; see the module docstring."""
+
+    def __init__(self, k: int):
+        if k != 128:
+            raise ValueError(f"K must be 128 (16 groups of 8 channels), got {k}")
+        self.k = k
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mG: cute.Tensor,
+        mBeta: cute.Tensor,
+        mTok0: cute.Tensor,
+        mLen: cute.Tensor,
+        mQg: cute.Tensor,
+        mKg: cute.Tensor,
+        mKd: cute.Tensor,
+        mT: cute.Tensor,
+        mP: cute.Tensor,
+        mD: cute.Tensor,
+        scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        """As `intra.KdaIntraSm90.__call__`."""
+        kd = self.k
+
+        @cute.struct
+        class SharedStorage:
+            sBeta: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
+            # [w][f]: warp w's totals, its lower half's, its upper half's first running sum
+            sScan: cute.struct.Align[cute.struct.MemRange[Float32, NSUB * 3 * kd], 16]
+            sW: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * W_STRIDE], 16]
+            sX: cute.struct.Align[cute.struct.MemRange[Float32, 2 * BLOCK * X_STRIDE], 16]
+            sP: cute.struct.Align[cute.struct.MemRange[BFloat16, CHUNK * P_STRIDE], 16]
+            sA: cute.struct.Align[cute.struct.MemRange[BFloat16, TILES * SUB * kd], 128]
+            sB: cute.struct.Align[cute.struct.MemRange[BFloat16, NSUB * SUB * kd], 128]
+
+        self.shared_storage = SharedStorage
+        self.kernel(
+            mQ, mK, mG, mBeta, mTok0, mLen, mQg, mKg, mKd, mT, mP, mD, scale,
+        ).launch(
+            grid=(mTok0.shape[0], mG.shape[1], 1),
+            block=[THREADS_PER_WG, 1, 1],
+            stream=stream,
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mG: cute.Tensor,
+        mBeta: cute.Tensor,
+        mTok0: cute.Tensor,
+        mLen: cute.Tensor,
+        mQg: cute.Tensor,
+        mKg: cute.Tensor,
+        mKd: cute.Tensor,
+        mT: cute.Tensor,
+        mP: cute.Tensor,
+        mD: cute.Tensor,
+        scale: Float32,
+    ):
+        tid, _, _ = cute.arch.thread_idx()
+        gc, hv, _ = cute.arch.block_idx()
+        kd = self.k
+        storage = SmemAllocator().allocate(self.shared_storage)
+        sm = {
+            "beta": storage.sBeta.get_tensor(cute.make_layout(CHUNK)),
+            "scan": storage.sScan.get_tensor(cute.make_layout((kd, 3, NSUB),
+                                                              stride=(1, kd, 3 * kd))),
+            "w": storage.sW.get_tensor(cute.make_layout((CHUNK, CHUNK), stride=(W_STRIDE, 1))),
+            "x": storage.sX.get_tensor(cute.make_layout((2 * BLOCK, 2 * BLOCK),
+                                                        stride=(X_STRIDE, 1))),
+            "p": storage.sP.get_tensor(cute.make_layout((CHUNK, CHUNK), stride=(P_STRIDE, 1))),
+            "a": storage.sA.get_tensor(cute.make_layout((SUB, kd, TILES),
+                                                        stride=(kd, 1, SUB * kd))),
+            "b": storage.sB.get_tensor(cute.make_layout((SUB, kd, NSUB),
+                                                        stride=(kd, 1, SUB * kd))),
+        }  # fmt: skip
+        tok0 = mTok0[gc]
+        valid = mLen[gc]
+        # a chunk of length 0 (past the last real one) has nothing to write
+        if valid > 0:
+            self._chunk(mQ, mK, mG, mBeta, mQg, mKg, mKd, mT, mP, mD, scale, sm, tid, gc, hv,
+                        tok0, valid)  # fmt: skip
+
+    @cute.jit
+    def _chunk(self, mQ, mK, mG, mBeta, mQg, mKg, mKd, mT, mP, mD, scale, sm, tid, gc, hv,
+               tok0, valid):  # fmt: skip
+        bar = named_barrier(Bar.AUX, THREADS_PER_WG)
+        w = cute.arch.make_warp_uniform(tid // 32)
+        lane = tid % 32
+        half = lane // GROUPS
+        cg = lane % GROUPS
+        head = hv // (mG.shape[1] // mQ.shape[1])
+        row0 = gc * CHUNK
+        r_first = SUB * w + TOK * half  # the thread's first token in the chunk
+        if tid < CHUNK:
+            t = tok0 + cutlass.min(tid, valid - 1)
+            sm["beta"][tid] = cutlass.select_(tid < valid, Float32(mBeta[t, hv]), Float32(0.0))
+
+        # g and k of the thread's 8 tokens loaded at once (q after the k side: registers)
+        gl, kf = [], []
+        for s in cutlass.range_constexpr(TOK):
+            t, inside = self._token(tok0, valid, r_first + s)
+            graw = self._raw(mG[t, hv, None], cg, Float32)
+            gl.append([cutlass.select_(inside, graw[e] * LOG2E, Float32(0.0)) for e in range(VEC)])
+            kf.append(self._raw16(mK[t, head, None], cg, inside))
+
+        # G2 = (base_w + off) + run: running sums in registers; off the lower half-warp's
+        # totals (upper half; 0 below), base_w the warps' before w (shared memory); the
+        # reference r_w = G2 at token 16 w + 8, rebuilt by every thread in the same order
+        run = [gl[0]]
+        for s in cutlass.range_constexpr(1, TOK):
+            run.append([run[s - 1][e] + gl[s][e] for e in range(VEC)])
+        lower = [cute.arch.shuffle_sync_bfly(run[TOK - 1][e], GROUPS) for e in range(VEC)]
+        if half == 1:
+            for f, vals in enumerate((
+                [lower[e] + run[TOK - 1][e] for e in range(VEC)], lower, run[0]
+            )):  # fmt: skip
+                frag = cute.make_rmem_tensor(VEC, Float32)
+                for e in cutlass.range_constexpr(VEC):
+                    frag[e] = vals[e]
+                cute.autovec_copy(frag, cute.local_tile(sm["scan"][None, f, w], (VEC,), (cg,)))
+        bar.arrive_and_wait()
+        base, refs = [], []
+        acc = [Float32(0.0)] * VEC
+        for j in cutlass.range_constexpr(NSUB):
+            part = []
+            for f in cutlass.range_constexpr(3):
+                frag = cute.make_rmem_tensor(VEC, Float32)
+                cute.autovec_copy(cute.local_tile(sm["scan"][None, f, j], (VEC,), (cg,)), frag)
+                part.append(frag)
+            base.append(acc)
+            refs.append([(acc[e] + part[1][e]) + part[2][e] for e in range(VEC)])
+            acc = [acc[e] + part[0][e] for e in range(VEC)] if j > 0 else [
+                part[0][e] for e in range(VEC)
+            ]  # fmt: skip
+        gc2 = acc
+        off = [cutlass.select_(half == 1, lower[e], Float32(0.0)) for e in range(VEC)]
+        start = [self._pick([base[j][e] for j in range(NSUB)], w) + off[e] for e in range(VEC)]
+        ref_w = [self._pick([refs[j][e] for j in range(NSUB)], w) for e in range(VEC)]
+        g2 = [[start[e] + run[s][e] for e in range(VEC)] for s in range(TOK)]
+        pow_r = [cute.math.exp2(ref_w[e], fastmath=True) for e in range(VEC)]
+        pow_cr = [cute.math.exp2(gc2[e] - ref_w[e], fastmath=True) for e in range(VEC)]
+        # E_wJ = 2^(r_w - r_J), J < w (<= 1); garbage for J >= w, never used
+        e_wj = [[cute.math.exp2(ref_w[e] - refs[j][e], fastmath=True) for e in range(VEC)]
+                for j in range(NSUB - 1)]  # fmt: skip
+        if tid < GROUPS:
+            dec = cute.make_rmem_tensor(VEC, Float32)
+            for e in cutlass.range_constexpr(VEC):
+                dec[e] = cute.math.exp2(gc2[e], fastmath=True)
+            cute.autovec_copy(dec, cute.local_tile(mD[gc, hv, None], (VEC,), (cg,)))
+
+        # k side
+        for s in cutlass.range_constexpr(TOK):
+            i = r_first + s
+            x = self._fp32(kf[s])
+            kl, kr, kg, kdd = [], [], [], []
+            for e in cutlass.range_constexpr(VEC):
+                a = g2[s][e] - ref_w[e]
+                kl.append(x[e] * cute.math.exp2(a, fastmath=True))
+                kr.append(x[e] * cute.math.exp2(-a, fastmath=True))
+                kg.append(kl[e] * pow_r[e])
+                kdd.append(kr[e] * pow_cr[e])
+            self._store(kg, cute.local_tile(mKg[row0 + i, hv, None], (VEC,), (cg,)))
+            self._store(kdd, cute.local_tile(mKd[row0 + i, hv, None], (VEC,), (cg,)))
+            self._store(kr, self._chunk_of(sm["b"][None, None, w], TOK * half + s, cg))
+            self._put_row(sm["a"], kl, e_wj, w, TOK * half + s, cg)
+        qf = []  # under the L products
+        for s in cutlass.range_constexpr(TOK):
+            t, inside = self._token(tok0, valid, r_first + s)
+            qf.append(self._raw16(mQ[t, head, None], cg, inside))
+        bar.arrive_and_wait()
+        self._products(sm, w, lane, True)
+        bar.arrive_and_wait()  # every warp's reads of the k-side A tiles done
+
+        # q side
+        for s in cutlass.range_constexpr(TOK):
+            i = r_first + s
+            x = self._fp32(qf[s])
+            ql, qg = [], []
+            for e in cutlass.range_constexpr(VEC):
+                ql.append(x[e] * scale * cute.math.exp2(g2[s][e] - ref_w[e], fastmath=True))
+                qg.append(ql[e] * pow_r[e])
+            self._store(qg, cute.local_tile(mQg[row0 + i, hv, None], (VEC,), (cg,)))
+            self._put_row(sm["a"], ql, e_wj, w, TOK * half + s, cg)
+        bar.arrive_and_wait()
+        self._products(sm, w, lane, False)
+        # L is complete in sW (every warp wrote its blocks before the barrier above)
+        invert_diagonal(sm["w"], tid)
+        invert_merge_mma(sm["w"], sm["x"], tid, bar)  # ends with a barrier: sP visible too
+        self._store_out(sm, mP, mT, row0, hv, tid)
+
+    @cute.jit
+    def _raw(self, row: cute.Tensor, cg, dtype) -> cute.Tensor:
+        """Channels 8 cg .. 8 cg + 7 of a 128-channel global row: one 16-byte load (two for
+        fp32), kept packed until used."""
+        raw = cute.make_rmem_tensor(VEC, dtype)
+        cute.autovec_copy(cute.local_tile(row, (VEC,), (cg,)), raw)
+        return raw
+
+    @cute.jit
+    def _token(self, tok0, valid, i):
+        """(the token row to read for chunk row i, clamped to the sequence; whether inside)."""
+        return tok0 + cutlass.min(i, valid - 1), i < valid
+
+    @cute.jit
+    def _raw16(self, row: cute.Tensor, cg, inside) -> cute.Tensor:
+        """A 16-bit row's 8 channels, zeroed past the sequence on the packed words."""
+        raw = self._raw(row, cg, row.element_type)
+        words = cute.recast_tensor(raw, Int32)
+        for e in cutlass.range_constexpr(VEC // 2):
+            words[e] = cutlass.select_(inside, words[e], Int32(0))
+        return raw
+
+    @cute.jit
+    def _fp32(self, raw: cute.Tensor) -> list:
+        """A 16-bit load's 8 values as fp32."""
+        return [Float32(raw[e]) for e in range(VEC)]
+
+    @cute.jit
+    def _store(self, vals: list, dst: cute.Tensor):
+        """8 fp32 as bf16 into a 16-byte destination."""
+        frag = cute.make_rmem_tensor(VEC, BFloat16)
+        v = cute.make_rmem_tensor(VEC, Float32)
+        for e in cutlass.range_constexpr(VEC):
+            v[e] = vals[e]
+        frag.store(v.load().to(BFloat16))
+        cute.autovec_copy(frag, dst)
+
+    @cute.jit
+    def _chunk_of(self, tile: cute.Tensor, r, c) -> cute.Tensor:
+        """16-byte chunk c of row r of a (16, 128) operand tile, swizzled (module docstring)."""
+        return cute.local_tile(tile[r, None], (VEC,), (c ^ ((r % 2) * 4),))
+
+    @cute.jit
+    def _put_row(self, sA, xl, e_wj, w, r, cg):
+        """Row r of sub-chunk w's A tiles (w, J): xl E_wJ for J < w, xl for J = w."""
+        first = w * (w + 1) // 2
+        for j in cutlass.range_constexpr(NSUB - 1):
+            if j < w:
+                vals = [xl[e] * e_wj[j][e] for e in range(VEC)]
+                self._store(vals, self._chunk_of(sA[None, None, first + j], r, cg))
+        self._store(xl, self._chunk_of(sA[None, None, first + w], r, cg))
+
+    @cute.jit
+    def _pick(self, values, b) -> Float32:
+        """values[b] for a run-time (warp-uniform) index b."""
+        out = values[0]
+        for c in cutlass.range_constexpr(1, NSUB):
+            out = cutlass.select_(b == c, values[c], out)
+        return Float32(out)
+
+    @cute.jit
+    def _words(self, tile, r, c):
+        """16-byte chunk c of row r of a tile as 4 packed bf16 pairs."""
+        frag = cute.make_rmem_tensor(VEC, BFloat16)
+        cute.autovec_copy(self._chunk_of(tile, r, c), frag)
+        return cute.recast_tensor(frag, Int32)
+
+    @cute.jit
+    def _products(self, sm, w, lane, is_l: cutlass.Constexpr[bool]):
+        """Warp w's blocks w, w + 4, w + 8 of the 10: L (beta_i, j < i, into sW) or P (j <= i,
+        bf16 into sP)."""
+        g = lane // 4
+        t = lane % 4
+        for n in cutlass.range_constexpr(3):
+            idx = w + 4 * n
+            if idx < TILES:
+                bi = Int32(0)  # the block's row I: idx in [I (I + 1) / 2, (I + 1) (I + 2) / 2)
+                for c in cutlass.range_constexpr(1, NSUB):
+                    bi = bi + cutlass.select_(idx >= tile_of(c, 0), Int32(1), Int32(0))
+                bj = idx - bi * (bi + 1) // 2
+                acc = [Float32(0.0)] * 8
+                ta = sm["a"][None, None, idx]
+                tb = sm["b"][None, None, bj]
+                for m in cutlass.range_constexpr(KSTEPS // 2):
+                    a_lo = self._words(ta, g, 4 * m + t)
+                    a_hi = self._words(ta, g + 8, 4 * m + t)
+                    b_w = [self._words(tb, 8 * nh + g, 4 * m + t) for nh in range(2)]
+                    for h in cutlass.range_constexpr(2):
+                        a = (a_lo[2 * h], a_hi[2 * h], a_lo[2 * h + 1], a_hi[2 * h + 1])
+                        for nh in cutlass.range_constexpr(2):
+                            b = (b_w[nh][2 * h], b_w[nh][2 * h + 1])
+                            d = mma_bf16_16x8x16(a, b, tuple(acc[4 * nh + q] for q in range(4)))
+                            for q in cutlass.range_constexpr(4):
+                                acc[4 * nh + q] = d[q]
+                self._block_out(sm, acc, bi, bj, g, t, is_l)
+
+    @cute.jit
+    def _block_out(self, sm, acc, bi, bj, g, t, is_l: cutlass.Constexpr[bool]):
+        """C fragments (rows g, g + 8; columns 8 nh + 2 t, + 1) of block (bi, bj), masked."""
+        for hr in cutlass.range_constexpr(2):
+            r = g + 8 * hr
+            i = SUB * bi + r
+            beta = sm["beta"][i]
+            for nh in cutlass.range_constexpr(2):
+                c0 = 8 * nh + 2 * t
+                j = SUB * bj + c0
+                pair = cute.make_rmem_tensor(2, Float32)
+                for e in cutlass.range_constexpr(2):
+                    v = acc[4 * nh + 2 * hr + e]
+                    if const_expr(is_l):
+                        pair[e] = cutlass.select_(j + e < i, v * beta, Float32(0.0))
+                    else:
+                        pair[e] = cutlass.select_(j + e <= i, v, Float32(0.0))
+                if const_expr(is_l):
+                    cute.autovec_copy(pair, cute.local_tile(sm["w"][i, None], (2,), (j // 2,)))
+                else:
+                    half = cute.make_rmem_tensor(2, BFloat16)
+                    half.store(pair.load().to(BFloat16))
+                    cute.autovec_copy(half, cute.local_tile(sm["p"][i, None], (2,), (j // 2,)))
+
+    @cute.jit
+    def _store_out(self, sm, mP, mT, row0, hv, tid):
+        """Row tid // 2, columns 32 (tid % 2) .. + 31 of P and of T diag(beta) to global (bf16,
+        16-byte stores); blocks above the diagonal (never written in shared memory) as 0."""
+        i = tid // 2
+        for u in cutlass.range_constexpr(CHUNK // 2 // VEC):
+            c = (tid % 2) * (CHUNK // 2 // VEC) + u  # 8-column group
+            keep = (c * VEC) // SUB <= i // SUB
+            pv = cute.make_rmem_tensor(VEC, BFloat16)
+            cute.autovec_copy(cute.local_tile(sm["p"][i, None], (VEC,), (c,)), pv)
+            pw = cute.recast_tensor(pv, Int32)
+            for e in cutlass.range_constexpr(VEC // 2):
+                pw[e] = cutlass.select_(keep, pw[e], Int32(0))
+            cute.autovec_copy(pv, cute.local_tile(mP[row0 + i, hv, None], (VEC,), (c,)))
+            tw = cute.make_rmem_tensor(VEC, Float32)
+            tb = cute.make_rmem_tensor(VEC, Float32)
+            cute.autovec_copy(cute.local_tile(sm["w"][i, None], (VEC,), (c,)), tw)
+            cute.autovec_copy(cute.local_tile(sm["beta"], (VEC,), (c,)), tb)
+            vals = [cutlass.select_(keep, tw[e] * tb[e], Float32(0.0)) for e in range(VEC)]
+            self._store(vals, cute.local_tile(mT[row0 + i, hv, None], (VEC,), (c,)))
