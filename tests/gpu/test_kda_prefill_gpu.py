@@ -326,3 +326,61 @@ def test_no_synchronizing_op_in_an_eager_call():
         _call(x)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "lens, h, hv, strong",
+    [
+        ([1, 63, 64, 65, 300], 2, 4, True),
+        ([100, 0, 37, 0, 1000], 4, 4, False),
+        ([129], 1, 2, False),
+    ],
+)
+def test_first_pass_rows8_equals_standard(dtype, lens, h, hv, strong):
+    """The re-laid-out first pass (`intra_rows8.py`, layout "rows8": a thread on 8 tokens x 8
+    channels, 16-byte accesses, L and P by mma.sync m16n8k16) against the standard kernel and
+    the torch first pass, output by output over the real chunks (empty sequences, lengths off
+    the chunk, GQA; g in [-5, -4] or fla's gate): the same math, its G2 summed in another order
+    (fp32 roundings), so within a few bf16 roundings; a wrong fragment or swizzle map fails by
+    far. Then the op through the launcher with the new pass against the fp64 recurrence."""
+    from forgekernel.kernels.linear_attention.kda_prefill.sm90 import launch, operands
+
+    q, k, v, g, beta, state, cu = _inputs(lens, h, hv, dtype, seed=21, strong=strong)
+    q, k, v, g, beta = (x[0] for x in (q, k, v, g, beta))
+    cu = cu.to(torch.int32)
+    real = sum(-(-n // 64) for n in lens)
+    std = launch.first_pass_kernel(q, k, g, beta, cu, 0.1, False)
+    new = launch.first_pass_kernel(q, k, g, beta, cu, 0.1, False, layout="rows8")
+    want = operands.kda_chunk_operands(q, k, g, beta, cu, 0.1, False)
+    assert torch.equal(new["first"], std["first"])
+    for name in ("q_g", "k_g", "k_d", "t_beta", "p", "decay"):
+        cut = real if name == "decay" else 64 * real
+        _close(new[name][:cut].float(), std[name][:cut].float(), 2e-2)
+        _close(new[name][:cut].float(), want[name][:cut].float(), 3e-2)
+    o, final = torch.empty_like(v), torch.empty_like(state)
+    launch.kda_prefill(q, k, v, g, beta, state, cu, o, final, 128**-0.5, l2norm=False,
+                       layout="rows8")  # fmt: skip
+    o_ref, s_ref = kimi_delta_attention_recurrent(q[None], k[None], v[None], g[None],
+                                                  beta[None], initial_state=state,
+                                                  output_final_state=True,
+                                                  cu_seqlens=cu.long())  # fmt: skip
+    _close(o[None], o_ref, TOL)
+    _close(final, s_ref, TOL)
+
+
+def test_first_pass_rows8_rows_past_the_end_are_zero():
+    """Rows past a sequence's end (inside its last chunk) are exact zeros in every operand of
+    the re-laid-out pass, as in the standard one (the recurrence relies on it)."""
+    from forgekernel.kernels.linear_attention.kda_prefill.sm90 import launch
+
+    lens = [5, 70]
+    q, k, _, g, beta, _, cu = _inputs(lens, 2, 2, torch.bfloat16, seed=22)
+    q, k, g, beta = (x[0] for x in (q, k, g, beta))
+    new = launch.first_pass_kernel(q, k, g, beta, cu.to(torch.int32), 0.1, False,
+                                   layout="rows8")  # fmt: skip
+    for name in ("q_g", "k_g", "k_d", "t_beta", "p"):
+        x = new[name]
+        assert not x[5:64].any() and not x[64 + 64 + 6 : 64 * 3].any(), name
+        if name in ("t_beta", "p"):  # columns past the end too
+            assert not x[:5, :, 5:].any(), name

@@ -136,6 +136,34 @@ def run_ours(inputs: Inputs, out):
     return o
 
 
+def _run_layout(layout: str):
+    """Ours through the launcher with the first pass's form forced (`layout`: "rows8", the
+    re-laid-out first pass `intra_rows8.py`; docs/linear_attention/NOTES.md, "KDA first pass
+    re-laid out"); the recurrence as the op's."""
+
+    def run(inputs: Inputs, out):
+        launch = importlib.import_module(
+            "forgekernel.kernels.linear_attention.kda_prefill.sm90.launch"
+        )
+        i = inputs
+        n, hv = len(i["cu_seqlens"]) - 1, i["v"].shape[2]
+        final = torch.empty(n, hv, HEAD, HEAD, dtype=torch.float32, device=i["v"].device)
+        launch.kda_prefill(i["q"][0], i["k"][0], i["v"][0], i["g"][0], i["beta"][0], i["state"],
+                           i["cu_seqlens"], out[0], final, HEAD**-0.5, l2norm=False,
+                           layout=layout)  # fmt: skip
+        return out
+
+    return run
+
+
+def variants(case: Case) -> dict[str, Any]:
+    """The re-laid-out first pass (`rows8`: a thread on 8 tokens x 8 channels, 16-byte accesses,
+    L and P by mma.sync blocks) beside the standard one, on every case: the first pass is the
+    op's larger part (~1.2 of 1.46 ms at 4 x 8192 h16 hv16, NOTES "KDA prefill at 0.28x
+    cuDNN")."""
+    return {"rows8": _run_layout("rows8")}
+
+
 def _reference(inputs: Inputs) -> torch.Tensor:
     """The fp64 output."""
     from forgekernel.reference.delta_rule import kimi_delta_attention_recurrent
@@ -256,4 +284,5 @@ def suite() -> OpSuite:
         atol=1e-2,
         bench_dtypes=(torch.bfloat16,),
         sanitize_cases=SANITIZE_CASES,
+        variants=variants,
     )
