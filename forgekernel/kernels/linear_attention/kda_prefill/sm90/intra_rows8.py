@@ -196,13 +196,14 @@ class KdaIntraRows8Sm90:
             t = tok0 + cutlass.min(tid, valid - 1)
             sm["beta"][tid] = cutlass.select_(tid < valid, Float32(mBeta[t, hv]), Float32(0.0))
 
-        # g and k of the thread's 8 tokens loaded at once (q after the k side: registers)
-        gl, kf = [], []
+        # g, k and q of the thread's 8 tokens loaded at once
+        gl, kf, qf = [], [], []
         for s in cutlass.range_constexpr(TOK):
             t, inside = self._token(tok0, valid, r_first + s)
             graw = self._raw(mG[t, hv, None], cg, Float32)
             gl.append([cutlass.select_(inside, graw[e] * LOG2E, Float32(0.0)) for e in range(VEC)])
             kf.append(self._raw16(mK[t, head, None], cg, inside))
+            qf.append(self._raw16(mQ[t, head, None], cg, inside))
 
         # G2 = (base_w + off) + run: running sums in registers; off the lower half-warp's
         # totals (upper half; 0 below), base_w the warps' before w (shared memory); the
@@ -237,7 +238,8 @@ class KdaIntraRows8Sm90:
         off = [cutlass.select_(half == 1, lower[e], Float32(0.0)) for e in range(VEC)]
         start = [self._pick([base[j][e] for j in range(NSUB)], w) + off[e] for e in range(VEC)]
         ref_w = [self._pick([refs[j][e] for j in range(NSUB)], w) for e in range(VEC)]
-        g2 = [[start[e] + run[s][e] for e in range(VEC)] for s in range(TOK)]
+        # a = G2 - r_w, formed once (its 64 values replace G2's in registers)
+        a_s = [[(start[e] + run[s][e]) - ref_w[e] for e in range(VEC)] for s in range(TOK)]
         pow_r = [cute.math.exp2(ref_w[e], fastmath=True) for e in range(VEC)]
         pow_cr = [cute.math.exp2(gc2[e] - ref_w[e], fastmath=True) for e in range(VEC)]
         # E_wJ = 2^(r_w - r_J), J < w (<= 1); garbage for J >= w, never used
@@ -249,39 +251,35 @@ class KdaIntraRows8Sm90:
                 dec[e] = cute.math.exp2(gc2[e], fastmath=True)
             cute.autovec_copy(dec, cute.local_tile(mD[gc, hv, None], (VEC,), (cg,)))
 
-        # k side
+        # k and q sides token by token (2^a shared: the same value `intra.py` computes twice);
+        # Ql kept (64 fp32) until the L products are done with the A tiles
+        qls = []
         for s in cutlass.range_constexpr(TOK):
             i = r_first + s
-            x = self._fp32(kf[s])
-            kl, kr, kg, kdd = [], [], [], []
+            xk, xq = self._fp32(kf[s]), self._fp32(qf[s])
+            kl, kr, kg, kdd, ql, qg = [], [], [], [], [], []
             for e in cutlass.range_constexpr(VEC):
-                a = g2[s][e] - ref_w[e]
-                kl.append(x[e] * cute.math.exp2(a, fastmath=True))
-                kr.append(x[e] * cute.math.exp2(-a, fastmath=True))
+                a = a_s[s][e]
+                ea = cute.math.exp2(a, fastmath=True)
+                kl.append(xk[e] * ea)
+                kr.append(xk[e] * cute.math.exp2(-a, fastmath=True))
                 kg.append(kl[e] * pow_r[e])
                 kdd.append(kr[e] * pow_cr[e])
+                ql.append(xq[e] * scale * ea)
+                qg.append(ql[e] * pow_r[e])
             self._store(kg, cute.local_tile(mKg[row0 + i, hv, None], (VEC,), (cg,)))
             self._store(kdd, cute.local_tile(mKd[row0 + i, hv, None], (VEC,), (cg,)))
-            self._store(kr, self._chunk_of(sm["b"][None, None, w], TOK * half + s, cg))
-            self._put_row(sm["a"], kl, e_wj, w, TOK * half + s, cg)
-        qf = []  # under the L products
-        for s in cutlass.range_constexpr(TOK):
-            t, inside = self._token(tok0, valid, r_first + s)
-            qf.append(self._raw16(mQ[t, head, None], cg, inside))
+            self._store(qg, cute.local_tile(mQg[row0 + i, hv, None], (VEC,), (cg,)))
+            c = cg ^ 4 if const_expr(s % 2) else cg  # the row's swizzle (module docstring)
+            self._store(kr, self._at(sm["b"][None, None, w], TOK * half + s, c))
+            self._put_row(sm["a"], kl, e_wj, w, TOK * half + s, c)
+            qls.append(ql)
         bar.arrive_and_wait()
         self._products(sm, w, lane, True)
         bar.arrive_and_wait()  # every warp's reads of the k-side A tiles done
-
-        # q side
         for s in cutlass.range_constexpr(TOK):
-            i = r_first + s
-            x = self._fp32(qf[s])
-            ql, qg = [], []
-            for e in cutlass.range_constexpr(VEC):
-                ql.append(x[e] * scale * cute.math.exp2(g2[s][e] - ref_w[e], fastmath=True))
-                qg.append(ql[e] * pow_r[e])
-            self._store(qg, cute.local_tile(mQg[row0 + i, hv, None], (VEC,), (cg,)))
-            self._put_row(sm["a"], ql, e_wj, w, TOK * half + s, cg)
+            c = cg ^ 4 if const_expr(s % 2) else cg
+            self._put_row(sm["a"], qls[s], e_wj, w, TOK * half + s, c)
         bar.arrive_and_wait()
         self._products(sm, w, lane, False)
         # L is complete in sW (every warp wrote its blocks before the barrier above)
@@ -327,19 +325,21 @@ class KdaIntraRows8Sm90:
         cute.autovec_copy(frag, dst)
 
     @cute.jit
-    def _chunk_of(self, tile: cute.Tensor, r, c) -> cute.Tensor:
-        """16-byte chunk c of row r of a (16, 128) operand tile, swizzled (module docstring)."""
-        return cute.local_tile(tile[r, None], (VEC,), (c ^ ((r % 2) * 4),))
+    def _at(self, tile: cute.Tensor, r, c) -> cute.Tensor:
+        """16-byte chunk c (already swizzled: c ^ 4 on odd rows) of row r of a (16, 128) operand
+        tile."""
+        return cute.local_tile(tile[r, None], (VEC,), (c,))
 
     @cute.jit
-    def _put_row(self, sA, xl, e_wj, w, r, cg):
-        """Row r of sub-chunk w's A tiles (w, J): xl E_wJ for J < w, xl for J = w."""
-        first = w * (w + 1) // 2
+    def _put_row(self, sA, xl, e_wj, w, r, c):
+        """Row r of sub-chunk w's A tiles (w, J) (the first at `first`), at swizzled chunk c:
+        xl E_wJ for J < w, xl for J = w."""
+        first = tile_of(w, 0)
         for j in cutlass.range_constexpr(NSUB - 1):
             if j < w:
                 vals = [xl[e] * e_wj[j][e] for e in range(VEC)]
-                self._store(vals, self._chunk_of(sA[None, None, first + j], r, cg))
-        self._store(xl, self._chunk_of(sA[None, None, first + w], r, cg))
+                self._store(vals, self._at(sA[None, None, first + j], r, c))
+        self._store(xl, self._at(sA[None, None, first + w], r, c))
 
     @cute.jit
     def _pick(self, values, b) -> Float32:
@@ -351,9 +351,9 @@ class KdaIntraRows8Sm90:
 
     @cute.jit
     def _words(self, tile, r, c):
-        """16-byte chunk c of row r of a tile as 4 packed bf16 pairs."""
+        """16-byte chunk c (swizzled) of row r of a tile as 4 packed bf16 pairs."""
         frag = cute.make_rmem_tensor(VEC, BFloat16)
-        cute.autovec_copy(self._chunk_of(tile, r, c), frag)
+        cute.autovec_copy(self._at(tile, r, c), frag)
         return cute.recast_tensor(frag, Int32)
 
     @cute.jit
@@ -362,6 +362,7 @@ class KdaIntraRows8Sm90:
         bf16 into sP)."""
         g = lane // 4
         t = lane % 4
+        par = (g % 2) * 4  # rows g, g + 8, 8 nh + g: chunk 4 m + t swizzled, (4 m + t) ^ par
         for n in cutlass.range_constexpr(3):
             idx = w + 4 * n
             if idx < TILES:
@@ -373,9 +374,10 @@ class KdaIntraRows8Sm90:
                 ta = sm["a"][None, None, idx]
                 tb = sm["b"][None, None, bj]
                 for m in cutlass.range_constexpr(KSTEPS // 2):
-                    a_lo = self._words(ta, g, 4 * m + t)
-                    a_hi = self._words(ta, g + 8, 4 * m + t)
-                    b_w = [self._words(tb, 8 * nh + g, 4 * m + t) for nh in range(2)]
+                    c = (4 * m + t) ^ par
+                    a_lo = self._words(ta, g, c)
+                    a_hi = self._words(ta, g + 8, c)
+                    b_w = [self._words(tb, 8 * nh + g, c) for nh in range(2)]
                     for h in cutlass.range_constexpr(2):
                         a = (a_lo[2 * h], a_hi[2 * h], a_lo[2 * h + 1], a_hi[2 * h + 1])
                         for nh in cutlass.range_constexpr(2):
