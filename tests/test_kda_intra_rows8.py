@@ -158,24 +158,25 @@ def sass():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_rows8_sass(sass, dtype):
-    """No spills (255 registers: two CTAs of 128 threads an SM fit the 64 K file), two CTAs an
-    SM by shared memory; every global q / k / g access and every output a 16-byte vector (g
-    8 + 8, k 8, q 8 loads; Kg, Kd, Qg 8 each, D 2, P 4, T 4 stores), the scalars only the
-    chunk's start, length and beta; 6 block paths x 16 mma.sync m16n8k16 bf16 (warp w's
-    blocks w, w + 4, w + 8, L and P) and the inverse's 28 tf32; no WGMMA; the static
-    instructions under 0.9 of the standard kernel's (whose loops run 4 times: per warp ~3.5-4
-    k against ~12.7 k, NOTES)."""
+    """No spills (177 registers), two CTAs an SM by shared memory; every global access a
+    16-byte vector: g 8 + 8 LDG.128, k and q 8 + 8 cp.async (LDGSTS) into shared rows, Kg, Kd,
+    Qg 8 STG.128 each, D 2, P 4, T 4; the scalars only the chunk's start, length and beta; the
+    products 3 block paths x (L and P) x 16 mma.sync m16n8k16 bf16 from 3 ldmatrix.x4 a step
+    (A: Kl, Ql; B shared), the inverse's 28 tf32; no WGMMA; the static instructions under 0.75
+    of the standard kernel's (whose sub-chunk loops run 4 times: per warp ~3.4 k against ~12.7
+    k, docs/linear_attention/NOTES.md)."""
     from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY
 
     res, ops, smem = sass(dtype, "rows8")
-    assert res["registers"] <= 255 and res["spill_bytes"] == 0
+    assert res["registers"] <= 200 and res["spill_bytes"] == 0
     assert not [o for o in ops if o.startswith(("LDL", "STL"))]
     assert 2 * (smem + res["smem_bytes"]) <= SMEM_CAPACITY
-    assert ops.count("LDG.E.128") == 32 and ops.count("STG.E.128") == 34
-    assert sum(o.startswith("LDG") for o in ops) == 32 + 3
-    assert sum(o.startswith("STG") for o in ops) == 34
-    assert ops.count("HMMA.16816.F32.BF16") == 6 * 16
+    assert ops.count("LDG.E.128") == 16 and ops.count("LDGSTS.E.128") == 16
+    assert sum(o.startswith("LDG") for o in ops) == 16 + 16 + 3
+    assert ops.count("STG.E.128") == sum(o.startswith("STG") for o in ops) == 34
+    assert ops.count("HMMA.16816.F32.BF16") == 3 * 2 * 16
+    assert ops.count("LDSM.16.M88.4") == 3 * 3 * 8
     assert ops.count("HMMA.1688.F32.TF32") == 28
     assert not [o for o in ops if o.startswith(("HGMMA", "WARPGROUP"))]
     _, std, _ = sass(dtype, "standard")
-    assert len(ops) < 0.9 * len(std), (len(ops), len(std))
+    assert len(ops) < 0.75 * len(std), (len(ops), len(std))

@@ -47,6 +47,7 @@ from cutlass.memory import SmemAllocator
 
 from forgekernel.kernels.common.sm90.barriers import named_barrier
 from forgekernel.kernels.common.sm90.constants import LOG2E, THREADS_PER_WG
+from forgekernel.kernels.common.sm90.ptx import opaque_tid_x
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     BLOCK,
     W_STRIDE,
@@ -65,6 +66,10 @@ GROUPS = 16  # channel groups: lanes of a half-warp
 TILES = NSUB * (NSUB + 1) // 2  # the lower triangle's blocks (I >= J)
 P_STRIDE = CHUNK + 8  # bf16 per row of the P tile (fragment stores conflict-free)
 KSTEPS = 8  # mma k steps of 16 over K = 128
+X_AT = CHUNK * W_STRIDE  # fp32 words: sX after sW, sP after sX, in one region
+P_AT = X_AT + 2 * BLOCK * X_STRIDE
+AUX_WORDS = P_AT + CHUNK * P_STRIDE // 2
+assert AUX_WORDS * 4 >= 2 * CHUNK * 128 * 2  # the k and q rows (16-bit) fit before the products
 
 
 def tile_of(i, j):
@@ -89,6 +94,37 @@ def mma_bf16_16x8x16(a, b, c, *, loc=None, ip=None) -> tuple:
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
     return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def ldsm_x4(addr: Int32, *, loc=None, ip=None) -> tuple:
+    """ldmatrix.sync.aligned.m8n8.x4.shared.b16: four 8 x 8 16-bit matrices, lanes 8 i .. 8 i + 7
+    giving matrix i's row addresses (16 bytes each); returns the lane's word of each. Volatile:
+    kept in order with the barriers around the tiles it reads."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [Int32(addr).ir_value(loc=loc, ip=ip)],
+        "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def cp_async_16(dst_smem, src_gmem, *, loc=None, ip=None) -> None:
+    """cp.async.ca of 16 bytes global -> shared (pointers)."""
+    llvm.inline_asm(
+        None,
+        [dst_smem.toint(loc=loc, ip=ip).ir_value(), src_gmem.llvm_ptr],
+        "cp.async.ca.shared.global [$0], [$1], 16;",
+        "r,l",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
 
 
 class KdaIntraRows8Sm90:
@@ -125,11 +161,12 @@ class KdaIntraRows8Sm90:
             sBeta: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
             # [w][f]: warp w's totals, its lower half's, its upper half's first running sum
             sScan: cute.struct.Align[cute.struct.MemRange[Float32, NSUB * 3 * kd], 16]
-            sW: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * W_STRIDE], 16]
-            sX: cute.struct.Align[cute.struct.MemRange[Float32, 2 * BLOCK * X_STRIDE], 16]
-            sP: cute.struct.Align[cute.struct.MemRange[BFloat16, CHUNK * P_STRIDE], 16]
-            sA: cute.struct.Align[cute.struct.MemRange[BFloat16, TILES * SUB * kd], 128]
-            sB: cute.struct.Align[cute.struct.MemRange[BFloat16, NSUB * SUB * kd], 128]
+            # sW, sX, sP: the inverse's scratch and P's tile; before the products the k and q
+            # rows (cp.async: the registers a thread would hold them in spilled)
+            sAux: cute.struct.Align[cute.struct.MemRange[Float32, AUX_WORDS], 16]
+            # A tiles: Kl of sub-chunks 0..3, then Ql of 0..3; B tiles: Kr_J E_IJ, I >= J
+            sA: cute.struct.Align[cute.struct.MemRange[BFloat16, 2 * NSUB * SUB * kd], 128]
+            sB: cute.struct.Align[cute.struct.MemRange[BFloat16, TILES * SUB * kd], 128]
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -165,13 +202,19 @@ class KdaIntraRows8Sm90:
             "beta": storage.sBeta.get_tensor(cute.make_layout(CHUNK)),
             "scan": storage.sScan.get_tensor(cute.make_layout((kd, 3, NSUB),
                                                               stride=(1, kd, 3 * kd))),
-            "w": storage.sW.get_tensor(cute.make_layout((CHUNK, CHUNK), stride=(W_STRIDE, 1))),
-            "x": storage.sX.get_tensor(cute.make_layout((2 * BLOCK, 2 * BLOCK),
-                                                        stride=(X_STRIDE, 1))),
-            "p": storage.sP.get_tensor(cute.make_layout((CHUNK, CHUNK), stride=(P_STRIDE, 1))),
-            "a": storage.sA.get_tensor(cute.make_layout((SUB, kd, TILES),
+            "w": storage.sAux.get_tensor(cute.make_layout((CHUNK, CHUNK), stride=(W_STRIDE, 1))),
+            "x": cute.make_tensor(storage.sAux.data_ptr() + X_AT,
+                                  cute.make_layout((2 * BLOCK, 2 * BLOCK), stride=(X_STRIDE, 1))),
+            "p": cute.make_tensor(cute.recast_ptr(storage.sAux.data_ptr() + P_AT, dtype=BFloat16),
+                                  cute.make_layout((CHUNK, CHUNK), stride=(P_STRIDE, 1))),
+            "k": cute.make_tensor(cute.recast_ptr(storage.sAux.data_ptr(), dtype=mK.element_type),
+                                  cute.make_layout((CHUNK, kd), stride=(kd, 1))),
+            "q": cute.make_tensor(
+                cute.recast_ptr(storage.sAux.data_ptr() + AUX_WORDS // 2, dtype=mQ.element_type),
+                cute.make_layout((CHUNK, kd), stride=(kd, 1))),
+            "a": storage.sA.get_tensor(cute.make_layout((SUB, kd, 2 * NSUB),
                                                         stride=(kd, 1, SUB * kd))),
-            "b": storage.sB.get_tensor(cute.make_layout((SUB, kd, NSUB),
+            "b": storage.sB.get_tensor(cute.make_layout((SUB, kd, TILES),
                                                         stride=(kd, 1, SUB * kd))),
         }  # fmt: skip
         tok0 = mTok0[gc]
@@ -196,14 +239,19 @@ class KdaIntraRows8Sm90:
             t = tok0 + cutlass.min(tid, valid - 1)
             sm["beta"][tid] = cutlass.select_(tid < valid, Float32(mBeta[t, hv]), Float32(0.0))
 
-        # g, k and q of the thread's 8 tokens loaded at once
-        gl, kf, qf = [], [], []
+        # g, k and q of the thread's 8 tokens loaded at once: g into registers, k and q by
+        # cp.async into the thread's own 16 bytes of a shared row each (read back token by token)
+        gl = []
         for s in cutlass.range_constexpr(TOK):
-            t, inside = self._token(tok0, valid, r_first + s)
+            r = r_first + s
+            t, inside = self._token(tok0, valid, r)
+            for x in ("k", "q"):
+                src = mK[t, head, None] if const_expr(x == "k") else mQ[t, head, None]
+                cp_async_16(cute.local_tile(sm[x][r, None], (VEC,), (cg,)).iterator,
+                            cute.local_tile(src, (VEC,), (cg,)).iterator)  # fmt: skip
             graw = self._raw(mG[t, hv, None], cg, Float32)
             gl.append([cutlass.select_(inside, graw[e] * LOG2E, Float32(0.0)) for e in range(VEC)])
-            kf.append(self._raw16(mK[t, head, None], cg, inside))
-            qf.append(self._raw16(mQ[t, head, None], cg, inside))
+        cute.arch.cp_async_commit_group()
 
         # G2 = (base_w + off) + run: running sums in registers; off the lower half-warp's
         # totals (upper half; 0 below), base_w the warps' before w (shared memory); the
@@ -242,21 +290,23 @@ class KdaIntraRows8Sm90:
         a_s = [[(start[e] + run[s][e]) - ref_w[e] for e in range(VEC)] for s in range(TOK)]
         pow_r = [cute.math.exp2(ref_w[e], fastmath=True) for e in range(VEC)]
         pow_cr = [cute.math.exp2(gc2[e] - ref_w[e], fastmath=True) for e in range(VEC)]
-        # E_wJ = 2^(r_w - r_J), J < w (<= 1); garbage for J >= w, never used
-        e_wj = [[cute.math.exp2(ref_w[e] - refs[j][e], fastmath=True) for e in range(VEC)]
-                for j in range(NSUB - 1)]  # fmt: skip
+        # E_Iw = 2^(r_I - r_w), I > w (<= 1), on Kr_w's copies (B side); unused for I <= w
+        e_iw = [[cute.math.exp2(refs[i][e] - ref_w[e], fastmath=True) for e in range(VEC)]
+                for i in range(1, NSUB)]  # fmt: skip
         if tid < GROUPS:
             dec = cute.make_rmem_tensor(VEC, Float32)
             for e in cutlass.range_constexpr(VEC):
                 dec[e] = cute.math.exp2(gc2[e], fastmath=True)
             cute.autovec_copy(dec, cute.local_tile(mD[gc, hv, None], (VEC,), (cg,)))
 
-        # k and q sides token by token (2^a shared: the same value `intra.py` computes twice);
-        # Ql kept (64 fp32) until the L products are done with the A tiles
-        qls = []
+        cute.arch.cp_async_wait_group(0)
+        # k and q sides token by token (2^a shared: the same value `intra.py` computes twice):
+        # Kl, Ql into their A tiles, Kr E_Iw into the B tiles (I, w), I >= w
         for s in cutlass.range_constexpr(TOK):
             i = r_first + s
-            xk, xq = self._fp32(kf[s]), self._fp32(qf[s])
+            r = TOK * half + s
+            _, inside = self._token(tok0, valid, i)
+            xk, xq = (self._fp32(self._raw16(sm[x][i, None], cg, inside)) for x in ("k", "q"))
             kl, kr, kg, kdd, ql, qg = [], [], [], [], [], []
             for e in cutlass.range_constexpr(VEC):
                 a = a_s[s][e]
@@ -270,18 +320,17 @@ class KdaIntraRows8Sm90:
             self._store(kg, cute.local_tile(mKg[row0 + i, hv, None], (VEC,), (cg,)))
             self._store(kdd, cute.local_tile(mKd[row0 + i, hv, None], (VEC,), (cg,)))
             self._store(qg, cute.local_tile(mQg[row0 + i, hv, None], (VEC,), (cg,)))
-            c = cg ^ 4 if const_expr(s % 2) else cg  # the row's swizzle (module docstring)
-            self._store(kr, self._at(sm["b"][None, None, w], TOK * half + s, c))
-            self._put_row(sm["a"], kl, e_wj, w, TOK * half + s, c)
-            qls.append(ql)
+            c = cg ^ s  # the row's swizzle: chunk ^ (row % 8), row = 8 half + s
+            self._store(kl, self._at(sm["a"][None, None, w], r, c))
+            self._store(ql, self._at(sm["a"][None, None, NSUB + w], r, c))
+            self._store(kr, self._at(sm["b"][None, None, tile_of(w, 0) + w], r, c))
+            for ii in cutlass.range_constexpr(1, NSUB):
+                if ii > w:
+                    vals = [kr[e] * e_iw[ii - 1][e] for e in range(VEC)]
+                    self._store(vals, self._at(sm["b"][None, None, tile_of(ii, 0) + w], r, c))
         bar.arrive_and_wait()
-        self._products(sm, w, lane, True)
-        bar.arrive_and_wait()  # every warp's reads of the k-side A tiles done
-        for s in cutlass.range_constexpr(TOK):
-            c = cg ^ 4 if const_expr(s % 2) else cg
-            self._put_row(sm["a"], qls[s], e_wj, w, TOK * half + s, c)
+        self._products(sm, w)
         bar.arrive_and_wait()
-        self._products(sm, w, lane, False)
         # L is complete in sW (every warp wrote its blocks before the barrier above)
         invert_diagonal(sm["w"], tid)
         invert_merge_mma(sm["w"], sm["x"], tid, bar)  # ends with a barrier: sP visible too
@@ -326,20 +375,9 @@ class KdaIntraRows8Sm90:
 
     @cute.jit
     def _at(self, tile: cute.Tensor, r, c) -> cute.Tensor:
-        """16-byte chunk c (already swizzled: c ^ 4 on odd rows) of row r of a (16, 128) operand
+        """16-byte chunk c (already swizzled: c ^ (r % 8)) of row r of a (16, 128) operand
         tile."""
         return cute.local_tile(tile[r, None], (VEC,), (c,))
-
-    @cute.jit
-    def _put_row(self, sA, xl, e_wj, w, r, c):
-        """Row r of sub-chunk w's A tiles (w, J) (the first at `first`), at swizzled chunk c:
-        xl E_wJ for J < w, xl for J = w."""
-        first = tile_of(w, 0)
-        for j in cutlass.range_constexpr(NSUB - 1):
-            if j < w:
-                vals = [xl[e] * e_wj[j][e] for e in range(VEC)]
-                self._store(vals, self._at(sA[None, None, first + j], r, c))
-        self._store(xl, self._at(sA[None, None, first + w], r, c))
 
     @cute.jit
     def _pick(self, values, b) -> Float32:
@@ -350,19 +388,20 @@ class KdaIntraRows8Sm90:
         return Float32(out)
 
     @cute.jit
-    def _words(self, tile, r, c):
-        """16-byte chunk c (swizzled) of row r of a tile as 4 packed bf16 pairs."""
-        frag = cute.make_rmem_tensor(VEC, BFloat16)
-        cute.autovec_copy(self._at(tile, r, c), frag)
-        return cute.recast_tensor(frag, Int32)
-
-    @cute.jit
-    def _products(self, sm, w, lane, is_l: cutlass.Constexpr[bool]):
-        """Warp w's blocks w, w + 4, w + 8 of the 10: L (beta_i, j < i, into sW) or P (j <= i,
-        bf16 into sP)."""
+    def _products(self, sm, w):
+        """Warp w's blocks w, w + 4, w + 8 of the 10 (I, J), I >= J, of L and P at once: L_IJ =
+        Kl_I (Kr_J E_IJ)^T (beta_i, j < i, into sW), P_IJ = Ql_I (Kr_J E_IJ)^T (j <= i, bf16
+        into sP), the B fragments shared. Step s (channels 16 s .. 16 s + 15) by one
+        ldmatrix.x4 per A (rows 0-7, 8-15 x chunks 2 s, 2 s + 1: the A fragment in register
+        order) and one of B (tokens 0-7 x chunks 2 s, 2 s + 1, then 8-15: both n halves)."""
+        lane = opaque_tid_x() % 32  # read here: its address terms not live over the token loop
         g = lane // 4
         t = lane % 4
-        par = (g % 2) * 4  # rows g, g + 8, 8 nh + g: chunk 4 m + t swizzled, (4 m + t) ^ par
+        x = lane % 8  # the row's swizzle (row % 8) of the row this lane addresses
+        row_a = x + 8 * ((lane // 8) % 2)
+        row_b = x + 8 * (lane // 16)
+        hi_a = lane // 16
+        hi_b = (lane // 8) % 2
         for n in cutlass.range_constexpr(3):
             idx = w + 4 * n
             if idx < TILES:
@@ -370,22 +409,24 @@ class KdaIntraRows8Sm90:
                 for c in cutlass.range_constexpr(1, NSUB):
                     bi = bi + cutlass.select_(idx >= tile_of(c, 0), Int32(1), Int32(0))
                 bj = idx - bi * (bi + 1) // 2
-                acc = [Float32(0.0)] * 8
-                ta = sm["a"][None, None, idx]
-                tb = sm["b"][None, None, bj]
-                for m in cutlass.range_constexpr(KSTEPS // 2):
-                    c = (4 * m + t) ^ par
-                    a_lo = self._words(ta, g, c)
-                    a_hi = self._words(ta, g + 8, c)
-                    b_w = [self._words(tb, 8 * nh + g, c) for nh in range(2)]
-                    for h in cutlass.range_constexpr(2):
-                        a = (a_lo[2 * h], a_hi[2 * h], a_lo[2 * h + 1], a_hi[2 * h + 1])
-                        for nh in cutlass.range_constexpr(2):
-                            b = (b_w[nh][2 * h], b_w[nh][2 * h + 1])
-                            d = mma_bf16_16x8x16(a, b, tuple(acc[4 * nh + q] for q in range(4)))
+                acc_l = [Float32(0.0)] * 8
+                acc_p = [Float32(0.0)] * 8
+                tl = sm["a"][None, None, bi]
+                tp = sm["a"][None, None, NSUB + bi]
+                tb = sm["b"][None, None, idx]
+                for s in cutlass.range_constexpr(KSTEPS):
+                    ca = (2 * s + hi_a) ^ x
+                    a_l = ldsm_x4(self._at(tl, row_a, ca).iterator.toint())
+                    a_p = ldsm_x4(self._at(tp, row_a, ca).iterator.toint())
+                    b = ldsm_x4(self._at(tb, row_b, (2 * s + hi_b) ^ x).iterator.toint())
+                    for nh in cutlass.range_constexpr(2):
+                        bb = (b[2 * nh], b[2 * nh + 1])
+                        for acc, a in ((acc_l, a_l), (acc_p, a_p)):
+                            d = mma_bf16_16x8x16(a, bb, tuple(acc[4 * nh + q] for q in range(4)))
                             for q in cutlass.range_constexpr(4):
                                 acc[4 * nh + q] = d[q]
-                self._block_out(sm, acc, bi, bj, g, t, is_l)
+                self._block_out(sm, acc_l, bi, bj, g, t, True)
+                self._block_out(sm, acc_p, bi, bj, g, t, False)
 
     @cute.jit
     def _block_out(self, sm, acc, bi, bj, g, t, is_l: cutlass.Constexpr[bool]):
