@@ -454,11 +454,14 @@ class KdaIntraRows8Sm90:
 
     @cute.jit
     def _store_out(self, sm, mP, mT, row0, hv, tid):
-        """Row tid // 2, columns 32 (tid % 2) .. + 31 of P and of T diag(beta) to global (bf16,
-        16-byte stores); blocks above the diagonal (never written in shared memory) as 0."""
-        i = tid // 2
-        for u in cutlass.range_constexpr(CHUNK // 2 // VEC):
-            c = (tid % 2) * (CHUNK // 2 // VEC) + u  # 8-column group
+        """P and T diag(beta) to global (bf16, 16-byte stores): 8-column group p % 8 of row
+        p // 8, p = tid + 128 u, so that a warp's store is 4 whole 128-byte rows; the blocks
+        above the diagonal (never written in shared memory) as 0."""
+        groups = CHUNK // VEC
+        for u in cutlass.range_constexpr(CHUNK * groups // THREADS_PER_WG):
+            p = tid + THREADS_PER_WG * u
+            i = p // groups
+            c = p % groups
             keep = (c * VEC) // SUB <= i // SUB
             pv = cute.make_rmem_tensor(VEC, BFloat16)
             cute.autovec_copy(cute.local_tile(sm["p"][i, None], (VEC,), (c,)), pv)
