@@ -197,10 +197,12 @@ RAGGED_CANDIDATES: dict[tuple[int, int, int], dict[str, GemmConfig]] = {
 # leaves HBM once), a tile with another cluster, stage count or walk its base tile's.
 _EFFICIENCY.update(
     {
-        dataclasses.replace(SWAP_STREAM_144, stream_k=False): 0.95
-        * assumed_efficiency(SWAP_STREAM_144),
-        dataclasses.replace(SWAP_STREAM_144_C2, stream_k=False): 0.95
-        * assumed_efficiency(SWAP_STREAM_144_C2),
+        dataclasses.replace(SWAP_STREAM_144, stream_k=False): 0.95 * assumed_efficiency(
+            SWAP_STREAM_144
+        ),
+        dataclasses.replace(SWAP_STREAM_144_C2, stream_k=False): 0.95 * assumed_efficiency(
+            SWAP_STREAM_144_C2
+        ),
         SWAP_208_C21: _EFFICIENCY[SWAP_208],
         SWAP_TALL_144: 0.95 * assumed_efficiency(SWAP_TALL_144),
         FIT_240: assumed_efficiency(FIT_240),
