@@ -1,38 +1,44 @@
 """Kimi Delta Attention forward, the first pass re-laid out (opt-in compile key `layout` "rows8";
 the standard form is `intra.py`, whose source and SASS this module leaves alone: its own entry
 `compile_rows8.py`, so the standard kernel's import closure, ledger hash and records stay).
+docs/linear_attention/NOTES.md, "KDA first pass re-laid out".
 
 Same grid, arguments and outputs as `intra.py` (one CTA of 128 threads per (global chunk, value
-head)), the same math (`reference.kda_chunked.chunk_operands`, the exp2 forms of `intra.py`'s
-docstring), a different ownership: thread (warp w, lane) owns the 8 tokens 8 tg .. 8 tg + 7
-(tg = 2 w + lane // 16) of 8 channels 8 cg .. 8 cg + 7 (cg = lane % 16), so warp w is sub-chunk
-w (its factors warp-uniform: no selects) and every global access is a 16-byte vector (q, k, Kg,
-Kd, Qg: 8 16-bit channels; g: two of 4 fp32), a warp's instruction two 256-byte rows:
+head)), the same factorization (`reference.kda_chunked.chunk_operands` in `intra.py`'s exp2
+forms), a different ownership: thread (warp w, lane) owns the 8 tokens 8 tg .. 8 tg + 7 (tg =
+2 w + lane // 16) of the 8 channels 8 cg .. 8 cg + 7 (cg = lane % 16), so warp w is sub-chunk
+w (its factors warp-uniform: no selects) and every global access is a 16-byte vector, a warp's
+instruction two whole 256-byte rows (g: two 16-byte loads of fp32, 512-byte rows):
 
-    loads    g, k, q of the thread's 8 tokens, all issued at once (g read once, not 3 times)
-    G2       log2(e) cumsum(g): 8 running sums in registers, the lower half-warp's totals by
-             one butterfly shuffle, the warps' totals and the in-warp reference offsets through
-             shared memory (one barrier); every thread then sums base_J, r_J = base_J + u_J,
-             G2_C the same way, so r_w equals G2 at token 16 w + 8 bit for bit
-    k side   Kl = k 2^a, Kr = k 2^-a, Kg = Kl 2^r, Kd = Kr 2^(G2_C - r) (16-byte stores);
-             Kr into tile w of sB; Kl E_wJ (J < w) and Kl (J = w) into the 10 lower-triangle
-             tiles (I, J) of sA (16 x K each: no zero rows, no tiles above the diagonal)
-    L, P     block (I, J), I >= J: 16 x 16 x 128 by mma.sync m16n8k16 bf16 (16 a block), A and
-             B fragments by 16-byte shared loads (below); warp w takes blocks w, w + 4, w + 8 of
-             the 10 (3, 3, 2, 2); L masked with beta into the fp32 scratch, P into a bf16 tile
+    loads    g into registers, k and q by cp.async into the thread's own 16 bytes of 64-row
+             shared tiles (read back token by token: held in registers they spilled), all 32
+             issued at once, g read once (`intra.py` reads it 3 times)
+    G2       log2(e) cumsum(g): 8 running sums in registers, the lower half-warp's totals by a
+             butterfly shuffle, the warps' totals and offsets through shared memory (one
+             barrier); every thread rebuilds base_J, r_J, G2_C in one order, so r_w is G2 at
+             token 16 w + 8 bit for bit (a = 0 there)
+    tokens   a = G2 - r_w; Kl = k 2^a, Kr = k 2^-a, Ql = scale q 2^a (2^a once for both), Kg =
+             Kl 2^r, Kd = Kr 2^(G2_C - r), Qg = Ql 2^r to global; Kl, Ql into A tiles w and
+             4 + w; Kr E_Iw (E_ww = 1) into the B tiles (I, w), I >= w
+    L, P     block (I, J), I >= J: L_IJ = Kl_I (Kr_J E_IJ)^T, P_IJ = Ql_I (Kr_J E_IJ)^T, 16 x
+             16 x 128 each by mma.sync m16n8k16 bf16 (32 a block pair), per 16 channels one
+             ldmatrix.x4 per operand (the A fragments in register order: no moves; B shared by
+             L and P); warp w takes blocks w, w + 4, w + 8 of the 10 (3, 3, 2, 2); L masked
+             (j < i) times beta_i into the fp32 scratch, P (j <= i) into a bf16 tile
     T        GDN's inverse as `intra.py`: `invert_diagonal` + `invert_merge_mma` (tf32)
-    out      P and T diag(beta) from shared memory, 16-byte stores, blocks above zeroed
+    out      P and T diag(beta) from shared memory, 16-byte stores, a warp's 4 whole rows;
+             blocks above the diagonal as 0
 
-Fragments: the contraction is over the 128 channels, so any channel order serves if A and B
-share it. Step s = 2 m + h (m < 4, h < 2) of lane (g, t) takes channels 32 m + 8 t + 4 h + (0,
-1) as its k columns 2 t, 2 t + 1 and + (2, 3) as 2 t + 8, 2 t + 9: the lane's 16-byte chunk 4 m
-+ t of a row holds two steps' A (rows g, g + 8) or B (token 8 n + g) words. The tiles' 16-byte
-chunks are XOR-swizzled by 4 on odd rows: the fragment reads (rows g, g + 1 in a quarter warp)
-and the producers' row stores are conflict-free.
+E on the B side: `intra.py` rounds Kl E_IJ (A, J < I) and Kr (B) to bf16, this kernel Kl (A)
+and Kr E_IJ (B): the same product, the same two bf16 roundings, placed on the other operand
+(both underflow only where 2^(G_i - G_j) is below 2^-68 of the product). That keeps 4 + 4
+unscaled A tiles and 10 B tiles (no Ql held over the L products, L and P in one pass). The
+operand tiles' 16-byte chunks are XOR-swizzled by row % 8: the producers' row stores and the
+ldmatrix phases are conflict-free.
 
-Rows past the sequence: k = q = g = beta = 0 (loads clamped to its last token), so their rows
-and columns of every output are exact zeros, as in `intra.py`. The scan sums in another order
-than `intra.py`'s single running sum: G2 differs by fp32 roundings (not bitwise).
+Rows past the sequence: k = q = g = beta = 0 (loads clamped to its last token, zeroed on use),
+so their rows and columns of every output are exact zeros, as in `intra.py`. Not bitwise
+`intra.py`: G2 sums in another order (fp32 roundings) and E sits on the other operand.
 """
 
 from __future__ import annotations
