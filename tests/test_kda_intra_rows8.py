@@ -39,17 +39,18 @@ def test_keys():
 
 def test_standard_closure_and_candidates():
     """The standard kernels' sources (cache / ledger key) hold neither new module; the new
-    spec's hold both and the standard first pass's fake tensors (compile.py); a plain build
-    compiles nothing of it, `build --candidates` both dtypes."""
+    spec's hold both and the standard first pass's fake tensors (compile.py); `build` (with or
+    without --candidates) compiles both dtypes of it, its representative bf16."""
     new = {"intra_rows8.py", "compile_rows8.py"}
     for spec in (sm90.SPEC, sm90.INTRA_SPEC):
         assert not new & {p.name for p in spec.sources}, spec.name
     assert new | {"compile.py", "inverse_mma.py"} <= {p.name for p in sm90.ROWS8_SPEC.sources}
     assert not new & {p.name for p in kda_prefill.SOURCES}
-    assert list(sm90.ROWS8_SPEC.standard_params()) == []
-    assert [dict(p)["dtype"] for p in sm90.ROWS8_SPEC.candidate_params()] == list(sm90.DTYPES)
-    assert all(dict(p)["layout"] == "rows8" for p in sm90.ROWS8_SPEC.candidate_params())
-    assert sm90.ROWS8_SPEC.representative_params() == ROWS8
+    keys = list(sm90.ROWS8_SPEC.standard_params())
+    assert [dict(p)["dtype"] for p in keys] == list(sm90.DTYPES)
+    assert all(dict(p)["layout"] == "rows8" for p in keys)
+    assert sm90.ROWS8_SPEC.representative_params() == ROWS8 and ROWS8 in keys
+    assert all(dict(p).get("layout") is None for p in sm90.INTRA_SPEC.standard_params())
 
 
 @pytest.fixture
