@@ -159,19 +159,24 @@ def sass():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_rows8_sass(sass, dtype):
-    """No spills (177 registers), two CTAs an SM by shared memory; every global access a
+    """No spills, three CTAs an SM (162 registers under the launch bound of 168; 73,984 B of
+    shared memory: the scan over the B tiles, the inverse's scratch and P over the A tiles, k
+    and q staged in the A tiles' own slots, with the 1 KB static and the 1 KB the SM keeps a
+    CTA, 3 x 76 KB within the SM's 228 KB); every global access a
     16-byte vector: g 8 + 8 LDG.128, k and q 8 + 8 cp.async (LDGSTS) into shared rows, Kg, Kd,
     Qg 8 STG.128 each, D 2, P 4, T 4; the scalars only the chunk's start, length and beta; the
     products 3 block paths x (L and P) x 16 mma.sync m16n8k16 bf16 from 3 ldmatrix.x4 a step
     (A: Kl, Ql; B shared), the inverse's 28 tf32; no WGMMA; the static instructions under 0.75
     of the standard kernel's (whose sub-chunk loops run 4 times: per warp ~3.4 k against ~12.7
     k, docs/linear_attention/NOTES.md)."""
-    from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY
+    from forgekernel.kernels.common.sm90.constants import REGISTERS_PER_SM, THREADS_PER_WG
 
     res, ops, smem = sass(dtype, "rows8")
-    assert res["registers"] <= 200 and res["spill_bytes"] == 0
+    assert res["spill_bytes"] == 0
     assert not [o for o in ops if o.startswith(("LDL", "STL"))]
-    assert 2 * (smem + res["smem_bytes"]) <= SMEM_CAPACITY
+    regs = -(-res["registers"] // 8) * 8  # allocated in 8s
+    assert 3 * regs * THREADS_PER_WG <= REGISTERS_PER_SM
+    assert 3 * (smem + res["smem_bytes"] + 1024) <= 228 * 1024
     assert ops.count("LDG.E.128") == 16 and ops.count("LDGSTS.E.128") == 16
     assert sum(o.startswith("LDG") and o != "LDGDEPBAR" for o in ops) == 16 + 16 + 3
     assert ops.count("STG.E.128") == sum(o.startswith("STG") for o in ops) == 34

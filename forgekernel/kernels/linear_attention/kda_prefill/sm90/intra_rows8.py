@@ -75,7 +75,8 @@ KSTEPS = 8  # mma k steps of 16 over K = 128
 X_AT = CHUNK * W_STRIDE  # fp32 words: sX after sW, sP after sX, in one region
 P_AT = X_AT + 2 * BLOCK * X_STRIDE
 AUX_WORDS = P_AT + CHUNK * P_STRIDE // 2
-assert AUX_WORDS * 4 >= 2 * CHUNK * 128 * 2  # the k and q rows (16-bit) fit before the products
+assert AUX_WORDS * 4 <= 2 * NSUB * SUB * 128 * 2  # sW, sX, sP fit over the A tiles
+CTAS_PER_SM = 3  # by shared memory (the tiles, 73 KB) and registers (<= 168: launch bound)
 
 
 def tile_of(i, j):
@@ -165,11 +166,6 @@ class KdaIntraRows8Sm90:
         @cute.struct
         class SharedStorage:
             sBeta: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
-            # [w][f]: warp w's totals, its lower half's, its upper half's first running sum
-            sScan: cute.struct.Align[cute.struct.MemRange[Float32, NSUB * 3 * kd], 16]
-            # sW, sX, sP: the inverse's scratch and P's tile; before the products the k and q
-            # rows (cp.async: the registers a thread would hold them in spilled)
-            sAux: cute.struct.Align[cute.struct.MemRange[Float32, AUX_WORDS], 16]
             # A tiles: Kl of sub-chunks 0..3, then Ql of 0..3; B tiles: Kr_J E_IJ, I >= J
             sA: cute.struct.Align[cute.struct.MemRange[BFloat16, 2 * NSUB * SUB * kd], 128]
             sB: cute.struct.Align[cute.struct.MemRange[BFloat16, TILES * SUB * kd], 128]
@@ -181,6 +177,8 @@ class KdaIntraRows8Sm90:
             grid=(mTok0.shape[0], mG.shape[1], 1),
             block=[THREADS_PER_WG, 1, 1],
             stream=stream,
+            min_blocks_per_mp=CTAS_PER_SM,
+            preferred_smem_carveout=100,  # percent: the whole 228 KB (and no device query)
         )  # fmt: skip
 
     @cute.kernel
@@ -206,18 +204,17 @@ class KdaIntraRows8Sm90:
         storage = SmemAllocator().allocate(self.shared_storage)
         sm = {
             "beta": storage.sBeta.get_tensor(cute.make_layout(CHUNK)),
-            "scan": storage.sScan.get_tensor(cute.make_layout((kd, 3, NSUB),
-                                                              stride=(1, kd, 3 * kd))),
-            "w": storage.sAux.get_tensor(cute.make_layout((CHUNK, CHUNK), stride=(W_STRIDE, 1))),
-            "x": cute.make_tensor(storage.sAux.data_ptr() + X_AT,
+            # [w][f]: warp w's totals, lower half's totals, upper half's first running sums: in
+            # the B tiles, written only after the barrier that ends the scan's reads
+            "scan": storage.sB.get_tensor(cute.make_layout((kd, 3, NSUB), stride=(1, kd, 3 * kd)),
+                                          dtype=Float32),
+            # after the products (a barrier after their last read): sW, sX, sP over the A tiles
+            "w": storage.sA.get_tensor(cute.make_layout((CHUNK, CHUNK), stride=(W_STRIDE, 1)),
+                                       dtype=Float32),
+            "x": cute.make_tensor(cute.recast_ptr(storage.sA.data_ptr(), dtype=Float32) + X_AT,
                                   cute.make_layout((2 * BLOCK, 2 * BLOCK), stride=(X_STRIDE, 1))),
-            "p": cute.make_tensor(cute.recast_ptr(storage.sAux.data_ptr() + P_AT, dtype=BFloat16),
+            "p": cute.make_tensor(storage.sA.data_ptr() + 2 * P_AT,
                                   cute.make_layout((CHUNK, CHUNK), stride=(P_STRIDE, 1))),
-            "k": cute.make_tensor(cute.recast_ptr(storage.sAux.data_ptr(), dtype=mK.element_type),
-                                  cute.make_layout((CHUNK, kd), stride=(kd, 1))),
-            "q": cute.make_tensor(
-                cute.recast_ptr(storage.sAux.data_ptr() + AUX_WORDS // 2, dtype=mQ.element_type),
-                cute.make_layout((CHUNK, kd), stride=(kd, 1))),
             "a": storage.sA.get_tensor(cute.make_layout((SUB, kd, 2 * NSUB),
                                                         stride=(kd, 1, SUB * kd))),
             "b": storage.sB.get_tensor(cute.make_layout((SUB, kd, TILES),
@@ -246,15 +243,15 @@ class KdaIntraRows8Sm90:
             sm["beta"][tid] = cutlass.select_(tid < valid, Float32(mBeta[t, hv]), Float32(0.0))
 
         # g, k and q of the thread's 8 tokens loaded at once: g into registers, k and q by
-        # cp.async into the thread's own 16 bytes of a shared row each (read back token by token)
+        # cp.async into the A tile slots (Kl's, Ql's) the thread itself overwrites with Kl, Ql
+        # after reading them back token by token (held in registers they spilled)
         gl = []
         for s in cutlass.range_constexpr(TOK):
-            r = r_first + s
-            t, inside = self._token(tok0, valid, r)
-            for x in ("k", "q"):
-                src = mK[t, head, None] if const_expr(x == "k") else mQ[t, head, None]
-                cp_async_16(cute.local_tile(sm[x][r, None], (VEC,), (cg,)).iterator,
-                            cute.local_tile(src, (VEC,), (cg,)).iterator)  # fmt: skip
+            t, inside = self._token(tok0, valid, r_first + s)
+            for x in cutlass.range_constexpr(2):
+                src = mK[t, head, None] if const_expr(x == 0) else mQ[t, head, None]
+                dst = self._at(sm["a"][None, None, NSUB * x + w], TOK * half + s, cg ^ s)
+                cp_async_16(dst.iterator, cute.local_tile(src, (VEC,), (cg,)).iterator)
             graw = self._raw(mG[t, hv, None], cg, Float32)
             gl.append([cutlass.select_(inside, graw[e] * LOG2E, Float32(0.0)) for e in range(VEC)])
         cute.arch.cp_async_commit_group()
@@ -288,6 +285,7 @@ class KdaIntraRows8Sm90:
             acc = [acc[e] + part[0][e] for e in range(VEC)] if j > 0 else [
                 part[0][e] for e in range(VEC)
             ]  # fmt: skip
+        bar.arrive_and_wait()  # every scan read done: the B tiles it sits in are written next
         gc2 = acc
         off = [cutlass.select_(half == 1, lower[e], Float32(0.0)) for e in range(VEC)]
         start = [self._pick([base[j][e] for j in range(NSUB)], w) + off[e] for e in range(VEC)]
@@ -312,7 +310,12 @@ class KdaIntraRows8Sm90:
             i = r_first + s
             r = TOK * half + s
             _, inside = self._token(tok0, valid, i)
-            xk, xq = (self._fp32(self._raw16(sm[x][i, None], cg, inside)) for x in ("k", "q"))
+            c = cg ^ s  # the row's swizzle: chunk ^ (row % 8), row = 8 half + s
+            xk, xq = (
+                self._fp32(self._raw16(self._at(sm["a"][None, None, NSUB * x + w], r, c), inside,
+                                       mK.element_type))
+                for x in range(2)
+            )  # fmt: skip
             kl, kr, kg, kdd, ql, qg = [], [], [], [], [], []
             for e in cutlass.range_constexpr(VEC):
                 a = a_s[s][e]
@@ -326,7 +329,6 @@ class KdaIntraRows8Sm90:
             self._store(kg, cute.local_tile(mKg[row0 + i, hv, None], (VEC,), (cg,)))
             self._store(kdd, cute.local_tile(mKd[row0 + i, hv, None], (VEC,), (cg,)))
             self._store(qg, cute.local_tile(mQg[row0 + i, hv, None], (VEC,), (cg,)))
-            c = cg ^ s  # the row's swizzle: chunk ^ (row % 8), row = 8 half + s
             self._store(kl, self._at(sm["a"][None, None, w], r, c))
             self._store(ql, self._at(sm["a"][None, None, NSUB + w], r, c))
             self._store(kr, self._at(sm["b"][None, None, tile_of(w, 0) + w], r, c))
@@ -335,7 +337,7 @@ class KdaIntraRows8Sm90:
                     vals = [kr[e] * e_iw[ii - 1][e] for e in range(VEC)]
                     self._store(vals, self._at(sm["b"][None, None, tile_of(ii, 0) + w], r, c))
         bar.arrive_and_wait()
-        self._products(sm, w)
+        self._products(sm, w, bar)
         bar.arrive_and_wait()
         # L is complete in sW (every warp wrote its blocks before the barrier above)
         invert_diagonal(sm["w"], tid)
@@ -356,9 +358,11 @@ class KdaIntraRows8Sm90:
         return tok0 + cutlass.min(i, valid - 1), i < valid
 
     @cute.jit
-    def _raw16(self, row: cute.Tensor, cg, inside) -> cute.Tensor:
-        """A 16-bit row's 8 channels, zeroed past the sequence on the packed words."""
-        raw = self._raw(row, cg, row.element_type)
+    def _raw16(self, chunk: cute.Tensor, inside, dtype) -> cute.Tensor:
+        """8 16-bit channels (a 16-byte chunk, read as `dtype`), zeroed past the sequence on the
+        packed words."""
+        raw = cute.make_rmem_tensor(VEC, dtype)
+        cute.autovec_copy(cute.recast_tensor(chunk, dtype), raw)
         words = cute.recast_tensor(raw, Int32)
         for e in cutlass.range_constexpr(VEC // 2):
             words[e] = cutlass.select_(inside, words[e], Int32(0))
@@ -394,12 +398,13 @@ class KdaIntraRows8Sm90:
         return Float32(out)
 
     @cute.jit
-    def _products(self, sm, w):
+    def _products(self, sm, w, bar):
         """Warp w's blocks w, w + 4, w + 8 of the 10 (I, J), I >= J, of L and P at once: L_IJ =
         Kl_I (Kr_J E_IJ)^T (beta_i, j < i, into sW), P_IJ = Ql_I (Kr_J E_IJ)^T (j <= i, bf16
         into sP), the B fragments shared. Step s (channels 16 s .. 16 s + 15) by one
         ldmatrix.x4 per A (rows 0-7, 8-15 x chunks 2 s, 2 s + 1: the A fragment in register
-        order) and one of B (tokens 0-7 x chunks 2 s, 2 s + 1, then 8-15: both n halves)."""
+        order) and one of B (tokens 0-7 x chunks 2 s, 2 s + 1, then 8-15: both n halves). The
+        results stay in registers over a barrier: sW and sP lie over the A tiles."""
         lane = opaque_tid_x() % 32  # read here: its address terms not live over the token loop
         g = lane // 4
         t = lane % 4
@@ -408,15 +413,13 @@ class KdaIntraRows8Sm90:
         row_b = x + 8 * (lane // 16)
         hi_a = lane // 16
         hi_b = (lane // 8) % 2
-        for n in cutlass.range_constexpr(3):
+        per = 3  # blocks a warp at most
+        accs = cute.make_rmem_tensor((16, per), Float32)  # [0, 8): L's fragments, [8, 16): P's
+        for n in cutlass.range_constexpr(per):
             idx = w + 4 * n
             if idx < TILES:
-                bi = Int32(0)  # the block's row I: idx in [I (I + 1) / 2, (I + 1) (I + 2) / 2)
-                for c in cutlass.range_constexpr(1, NSUB):
-                    bi = bi + cutlass.select_(idx >= tile_of(c, 0), Int32(1), Int32(0))
-                bj = idx - bi * (bi + 1) // 2
-                acc_l = [Float32(0.0)] * 8
-                acc_p = [Float32(0.0)] * 8
+                bi, bj = self._block(idx)
+                acc = [Float32(0.0)] * 16
                 tl = sm["a"][None, None, bi]
                 tp = sm["a"][None, None, NSUB + bi]
                 tb = sm["b"][None, None, idx]
@@ -427,12 +430,28 @@ class KdaIntraRows8Sm90:
                     b = ldsm_x4(self._at(tb, row_b, (2 * s + hi_b) ^ x).iterator.toint())
                     for nh in cutlass.range_constexpr(2):
                         bb = (b[2 * nh], b[2 * nh + 1])
-                        for acc, a in ((acc_l, a_l), (acc_p, a_p)):
-                            d = mma_bf16_16x8x16(a, bb, tuple(acc[4 * nh + q] for q in range(4)))
+                        for o, a in ((0, a_l), (8, a_p)):
+                            c4 = tuple(acc[o + 4 * nh + q] for q in range(4))
+                            d = mma_bf16_16x8x16(a, bb, c4)
                             for q in cutlass.range_constexpr(4):
-                                acc[4 * nh + q] = d[q]
-                self._block_out(sm, acc_l, bi, bj, g, t, True)
-                self._block_out(sm, acc_p, bi, bj, g, t, False)
+                                acc[o + 4 * nh + q] = d[q]
+                for q in cutlass.range_constexpr(16):
+                    accs[q, n] = acc[q]
+        bar.arrive_and_wait()  # every warp's tile reads done: sW, sP may overwrite them
+        for n in cutlass.range_constexpr(per):
+            idx = w + 4 * n
+            if idx < TILES:
+                bi, bj = self._block(idx)
+                self._block_out(sm, [accs[q, n] for q in range(8)], bi, bj, g, t, True)
+                self._block_out(sm, [accs[8 + q, n] for q in range(8)], bi, bj, g, t, False)
+
+    @cute.jit
+    def _block(self, idx):
+        """(I, J) of lower-triangle block idx (row order)."""
+        bi = Int32(0)  # idx in [I (I + 1) / 2, (I + 1) (I + 2) / 2)
+        for c in cutlass.range_constexpr(1, NSUB):
+            bi = bi + cutlass.select_(idx >= tile_of(c, 0), Int32(1), Int32(0))
+        return bi, idx - bi * (bi + 1) // 2
 
     @cute.jit
     def _block_out(self, sm, acc, bi, bj, g, t, is_l: cutlass.Constexpr[bool]):
