@@ -23,7 +23,8 @@ instruction two whole 256-byte rows (g: two 16-byte loads of fp32, 512-byte rows
     L, P     block (I, J), I >= J: L_IJ = Kl_I (Kr_J E_IJ)^T, P_IJ = Ql_I (Kr_J E_IJ)^T, 16 x
              16 x 128 each by mma.sync m16n8k16 bf16 (32 a block pair), per 16 channels one
              ldmatrix.x4 per operand (the A fragments in register order: no moves; B shared by
-             L and P); warp w takes blocks w, w + 4, w + 8 of the 10 (3, 3, 2, 2); L masked
+             L and P); warp w takes blocks v, v + 4, v + 8 of the 10, v = 3 - w (2, 2, 3, 3:
+             the warps with more B copies fewer blocks); L masked
              (j < i) times beta_i into the fp32 scratch, P (j <= i) into a bf16 tile
     T        GDN's inverse as `intra.py`: `invert_diagonal` + `invert_merge_mma` (tf32)
     out      P and T diag(beta) from shared memory, 16-byte stores, a warp's 4 whole rows;
@@ -399,7 +400,8 @@ class KdaIntraRows8Sm90:
 
     @cute.jit
     def _products(self, sm, w, bar):
-        """Warp w's blocks w, w + 4, w + 8 of the 10 (I, J), I >= J, of L and P at once: L_IJ =
+        """Warp w's blocks v, v + 4, v + 8 (v = 3 - w: warps 3, 2 take three, warps 1, 0, whose
+        B copies are more, two) of the 10 (I, J), I >= J, of L and P at once: L_IJ =
         Kl_I (Kr_J E_IJ)^T (beta_i, j < i, into sW), P_IJ = Ql_I (Kr_J E_IJ)^T (j <= i, bf16
         into sP), the B fragments shared. Step s (channels 16 s .. 16 s + 15) by one
         ldmatrix.x4 per A (rows 0-7, 8-15 x chunks 2 s, 2 s + 1: the A fragment in register
@@ -416,7 +418,7 @@ class KdaIntraRows8Sm90:
         per = 3  # blocks a warp at most
         accs = cute.make_rmem_tensor((16, per), Float32)  # [0, 8): L's fragments, [8, 16): P's
         for n in cutlass.range_constexpr(per):
-            idx = w + 4 * n
+            idx = (NSUB - 1 - w) + NSUB * n
             if idx < TILES:
                 bi, bj = self._block(idx)
                 acc = [Float32(0.0)] * 16
@@ -439,7 +441,7 @@ class KdaIntraRows8Sm90:
                     accs[q, n] = acc[q]
         bar.arrive_and_wait()  # every warp's tile reads done: sW, sP may overwrite them
         for n in cutlass.range_constexpr(per):
-            idx = w + 4 * n
+            idx = (NSUB - 1 - w) + NSUB * n
             if idx < TILES:
                 bi, bj = self._block(idx)
                 self._block_out(sm, [accs[q, n] for q in range(8)], bi, bj, g, t, True)
