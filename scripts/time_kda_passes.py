@@ -9,7 +9,7 @@ through the launcher; the first pass alone (`launch.first_pass_kernel`: the chun
 ops and `intra.py`), and the re-laid-out first pass (`intra_rows8.py`, layout "rows8") alone and
 through the whole op; the recurrence alone (`recurrence.py` on operands made once). Build
 first: `python3 -m forgekernel build --only kda_prefill_sm90 --only kda_intra_sm90 --only
-kda_intra_rows8_sm90 --candidates`."""
+kda_intra_rows8_sm90`."""
 
 from __future__ import annotations
 
