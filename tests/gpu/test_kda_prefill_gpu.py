@@ -356,7 +356,7 @@ def test_first_pass_rows8_equals_standard(dtype, lens, h, hv, strong):
     assert torch.equal(new["first"], std["first"])
     for name in ("q_g", "k_g", "k_d", "t_beta", "p", "decay"):
         cut = real if name == "decay" else 64 * real
-        _close(new[name][:cut].float(), std[name][:cut].float(), 2e-2)
+        _close(new[name][:cut].float(), std[name][:cut].float(), 3e-2)
         _close(new[name][:cut].float(), want[name][:cut].float(), 3e-2)
     o, final = torch.empty_like(v), torch.empty_like(state)
     launch.kda_prefill(q, k, v, g, beta, state, cu, o, final, 128**-0.5, l2norm=False,
