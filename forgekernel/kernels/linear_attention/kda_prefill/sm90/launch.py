@@ -11,9 +11,9 @@ import functools
 import torch
 
 from forgekernel.kernels.linear_attention.kda_prefill.sm90 import (
+    INTRA_SPEC,
     SPEC,
     intra_params_for,
-    intra_spec_for,
 )
 from forgekernel.kernels.linear_attention.kda_prefill.sm90.config import CHUNK, params_for
 from forgekernel.kernels.linear_attention.kda_prefill.sm90.operands import (
@@ -53,12 +53,11 @@ def _unit_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def first_pass_kernel(q, k, g, beta, cu_seqlens: torch.Tensor, scale: float, l2norm: bool,
-                      seq_len: int | None = None, layout: str = "standard") -> dict:  # fmt: skip
+                      seq_len: int | None = None) -> dict:  # fmt: skip
     """The first pass on `intra.py` (one CTA per chunk and value head; a chunk of length 0, past
     the last real one, returns at once): the same outputs as `operands.kda_chunk_operands`
     (its model: within a few bf16 roundings on the H200, tests/gpu/test_kda_prefill_gpu.py),
-    with the rows of those empty chunks left unwritten (the recurrence never reads them).
-    layout "rows8": the opt-in re-laid-out kernel (`intra_rows8.py`), same grid and outputs."""
+    with the rows of those empty chunks left unwritten (the recurrence never reads them)."""
     if l2norm:  # the kernel reads unit rows: normalized here, in fp32, back in q's dtype
         q, k = (_unit_rows(x) for x in (q, k))
     bound = chunk_bound(q.shape[0], cu_seqlens.shape[0] - 1, seq_len)
@@ -71,8 +70,7 @@ def first_pass_kernel(q, k, g, beta, cu_seqlens: torch.Tensor, scale: float, l2n
     }  # fmt: skip
     out["decay"] = q.new_empty(bound, hv, dk, dtype=torch.float32)
     out["first"] = first
-    params = intra_params_for(dtype_name(q.dtype), dk, layout)
-    fn = get_kernel(intra_spec_for(params), params)
+    fn = get_kernel(INTRA_SPEC, intra_params_for(dtype_name(q.dtype), dk))
     with on_device(q.device):
         fn(_aligned(q), _aligned(k), _aligned(g.float().contiguous()), beta.float().contiguous(),
            starts, lengths, out["q_g"], out["k_g"], out["k_d"], out["t_beta"], out["p"],
@@ -94,7 +92,6 @@ def kda_prefill(
     *,
     l2norm: bool,
     seq_len: int | None = None,
-    layout: str = "standard",
 ) -> None:
     """Varlen form: q, k (T, H, K), v (T, HV, V) 16-bit, g (T, HV, K) and beta (T, HV),
     cu_seqlens int32 (N + 1,) rising from 0 to T; initial_state fp32 (N, HV, K, V) or None
@@ -102,9 +99,10 @@ def kda_prefill(
     tensors. Never reads the offsets on the host (no sync; CUDA-graph capturable): the chunk
     tables are built on the device over an upper bound of chunks (`operands.chunk_bound`).
     seq_len: every sequence's length where the caller knows it on the host (a batch without
-    offsets): exact tables. The first pass on its kernel (`first_pass_kernel`): 3.9-4.7x the
-    speed of the torch pass on the H200 (2026-12-02, every kda_prefill bench case). layout:
-    the first pass's form (`first_pass_kernel`; "rows8" opt-in)."""
+    offsets): exact tables. The first pass on its kernel (`first_pass_kernel`): the kernel of
+    2026-12-02 ran 3.9-4.7x the speed of the torch pass, its "rows8" re-layout (the only one
+    since 2026-12-03) takes the op to 0.455-0.680x of that time (H200, every kda_prefill bench
+    case)."""
     n = final_state.shape[0]
     if n == 0:
         return
@@ -113,7 +111,7 @@ def kda_prefill(
         return
     if n == 1:  # the offsets are (0, T)
         seq_len = q.shape[0]
-    ops = first_pass_kernel(q, k, g, beta, cu_seqlens, scale, l2norm, seq_len, layout)
+    ops = first_pass_kernel(q, k, g, beta, cu_seqlens, scale, l2norm, seq_len)
     split = value_split(n, v.shape[1], v.device)
     params = params_for(dtype_name(v.dtype), (q.shape[-1], v.shape[-1]),
                         initial_state=initial_state is not None, value_split=split)  # fmt: skip
