@@ -24,6 +24,7 @@ from forgekernel.kernels.linear_attention.kda_prefill.sm90.operands import (
 )
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import dtype_name, on_device
+from forgekernel.runtime.plans import PlanCache
 
 ALIGN = 16  # bytes: TMA boxes, 16-byte O stores
 MAX_SEQUENCES = 65535  # the grid is (HV, N): N is gridDim.y
@@ -41,6 +42,49 @@ def value_split(sequences: int, heads: int, device: torch.device) -> bool:
     are the better use of an SM."""
     sms = _sm_count(device.index or 0) if device.type == "cuda" else 132
     return 2 * sequences * heads <= sms
+
+
+# Compile keys per (dtype, dims, ...): built once (a dict and a sort per call otherwise).
+_intra_params = functools.cache(intra_params_for)
+_params = functools.cache(params_for)
+
+# Exact chunk tables where every sequence's length is known on the host (one sequence, or a
+# batch without offsets: the offsets are n x seq_len), per (device, sequences, seq_len): the
+# same `chunk_tables` over the same offsets, built once and only read since (the kernels never
+# write them). Without it each call ran ~20 tiny torch ops (~20 launches, 5-8 us of host
+# issue each on a GPU) for constant tables: the bench's 1 x 2048 host probe.
+_TABLES = PlanCache(max_entries=256)
+
+
+def _exact_tables(device: torch.device, sequences: int, seq_len: int):
+    cu = torch.arange(sequences + 1, dtype=torch.int32, device=device) * seq_len
+    tables = chunk_tables(cu, chunk_bound(sequences * seq_len, sequences, seq_len))
+    if device.type == "cuda":  # built on this stream, later read on any: finished first
+        torch.cuda.current_stream(device).synchronize()
+    return tables
+
+
+def _capturing(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
+
+
+def _tables(cu_seqlens: torch.Tensor, tokens: int, seq_len: int | None):
+    """(first, starts, lengths) of `operands.chunk_tables` over `chunk_bound` chunks: the
+    cached exact tables where seq_len is known (not while a CUDA graph captures: nothing is
+    cached then, the tables are the capture's own), else torch ops on the offsets."""
+    n = cu_seqlens.shape[0] - 1
+    device = cu_seqlens.device
+    if seq_len is not None:
+        key = (device, n, seq_len)
+        tables = _TABLES.get(key)
+        if tables is not None:
+            return tables
+        if not _capturing(device):
+            return _TABLES.get_or_build(key, _exact_tables)
+    return chunk_tables(cu_seqlens, chunk_bound(tokens, n, seq_len))
 
 
 def _aligned(x: torch.Tensor) -> torch.Tensor:
@@ -61,8 +105,8 @@ def first_pass_kernel(q, k, g, beta, cu_seqlens: torch.Tensor, scale: float, l2n
     layout "rows8": the opt-in re-laid-out kernel (`intra_rows8.py`), same grid and outputs."""
     if l2norm:  # the kernel reads unit rows: normalized here, in fp32, back in q's dtype
         q, k = (_unit_rows(x) for x in (q, k))
-    bound = chunk_bound(q.shape[0], cu_seqlens.shape[0] - 1, seq_len)
-    first, starts, lengths = chunk_tables(cu_seqlens, bound)
+    first, starts, lengths = _tables(cu_seqlens, q.shape[0], seq_len)
+    bound = starts.shape[0]
     rows, hv, dk = bound * CHUNK, g.shape[1], q.shape[2]
     out = {
         name: q.new_empty(rows, hv, width, dtype=OPERAND_DTYPE)
@@ -71,7 +115,7 @@ def first_pass_kernel(q, k, g, beta, cu_seqlens: torch.Tensor, scale: float, l2n
     }  # fmt: skip
     out["decay"] = q.new_empty(bound, hv, dk, dtype=torch.float32)
     out["first"] = first
-    params = intra_params_for(dtype_name(q.dtype), dk, layout)
+    params = _intra_params(dtype_name(q.dtype), dk, layout)
     fn = get_kernel(intra_spec_for(params), params)
     with on_device(q.device):
         fn(_aligned(q), _aligned(k), _aligned(g.float().contiguous()), beta.float().contiguous(),
@@ -115,8 +159,8 @@ def kda_prefill(
         seq_len = q.shape[0]
     ops = first_pass_kernel(q, k, g, beta, cu_seqlens, scale, l2norm, seq_len, layout)
     split = value_split(n, v.shape[1], v.device)
-    params = params_for(dtype_name(v.dtype), (q.shape[-1], v.shape[-1]),
-                        initial_state=initial_state is not None, value_split=split)  # fmt: skip
+    params = _params(dtype_name(v.dtype), (q.shape[-1], v.shape[-1]),
+                     initial_state=initial_state is not None, value_split=split)  # fmt: skip
     fn = get_kernel(SPEC, params)
     v = _aligned(v)
     init = None if initial_state is None else _aligned(initial_state)
