@@ -436,3 +436,20 @@ def test_cached_tables_are_the_offsets_tables(n, seq_len):
     for a, b in zip(got, want):
         assert a.dtype == b.dtype == torch.int32 and torch.equal(a, b)
     assert all(a is b for a, b in zip(launch._tables(cu, n * seq_len, seq_len), got))
+
+
+def test_tables_cache_is_bypassed_while_capturing_and_never_evicts(monkeypatch):
+    """A CUDA graph never holds a cached table (it keeps its own), and a full cache builds per
+    call instead of freeing entries another stream or a graph may still read."""
+    monkeypatch.setattr(launch, "_TABLES", {})
+    cu = torch.tensor([0, 777], dtype=torch.int32)
+    monkeypatch.setattr(launch, "_capturing", lambda device: True)
+    first = launch._tables(cu, 777, 777)
+    assert launch._TABLES == {} and first[1] is not launch._tables(cu, 777, 777)[1]
+    monkeypatch.setattr(launch, "_capturing", lambda device: False)
+    monkeypatch.setattr(launch, "MAX_TABLES", 1)
+    kept = launch._tables(cu, 777, 777)
+    other = torch.tensor([0, 500], dtype=torch.int32)
+    launch._tables(other, 500, 500)
+    assert list(launch._TABLES) == [(cu.device, 1, 777)]
+    assert launch._tables(cu, 777, 777)[1] is kept[1]

@@ -24,7 +24,6 @@ from forgekernel.kernels.linear_attention.kda_prefill.sm90.operands import (
 )
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import dtype_name, on_device
-from forgekernel.runtime.plans import PlanCache
 
 ALIGN = 16  # bytes: TMA boxes, 16-byte O stores
 MAX_SEQUENCES = 65535  # the grid is (HV, N): N is gridDim.y
@@ -52,8 +51,11 @@ _params = functools.cache(params_for)
 # batch without offsets: the offsets are n x seq_len), per (device, sequences, seq_len): the
 # same `chunk_tables` over the same offsets, built once and only read since (the kernels never
 # write them). Without it each call ran ~20 tiny torch ops (~20 launches, 5-8 us of host
-# issue each on a GPU) for constant tables: the bench's 1 x 2048 host probe.
-_TABLES = PlanCache(max_entries=256)
+# issue each on a GPU) for constant tables: the bench's 1 x 2048 host probe. Never evicted (a
+# kernel on another stream may still read an entry): past MAX_TABLES keys, new lengths build
+# their own tables per call. Not used while a CUDA graph captures (the graph keeps its own).
+_TABLES: dict = {}
+MAX_TABLES = 256
 
 
 def _exact_tables(device: torch.device, sequences: int, seq_len: int):
@@ -90,17 +92,17 @@ def _capturing(device: torch.device) -> bool:
 
 def _tables(cu_seqlens: torch.Tensor, tokens: int, seq_len: int | None):
     """(first, starts, lengths) of `operands.chunk_tables` over `chunk_bound` chunks: the
-    cached exact tables where seq_len is known (not while a CUDA graph captures: nothing is
-    cached then, the tables are the capture's own), else torch ops on the offsets."""
+    cached exact tables where seq_len is known and no CUDA graph captures, else torch ops on
+    the offsets."""
     n = cu_seqlens.shape[0] - 1
     device = cu_seqlens.device
-    if seq_len is not None:
+    if seq_len is not None and not _capturing(device):
         key = (device, n, seq_len)
         tables = _TABLES.get(key)
+        if tables is None and len(_TABLES) < MAX_TABLES:
+            tables = _TABLES[key] = _exact_tables(*key)
         if tables is not None:
             return tables
-        if not _capturing(device):
-            return _TABLES.get_or_build(key, _exact_tables)
     return device_tables(cu_seqlens, chunk_bound(tokens, n, seq_len))
 
 
