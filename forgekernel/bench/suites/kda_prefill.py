@@ -23,8 +23,10 @@ Comparators, each on the same inputs:
           `flashinfer.cudnn.cudnn_recurrent_kda` (documented for cuDNN's SM100 engine; on sm90
           it is expected to refuse, and the record keeps its message), else a NotImplementedError
           naming the KDA-looking attributes of the installed `cudnn` module, so that the next
-          session can wire the right one. Run on -nostate cases only until its state layout is
-          confirmed on the device.
+          session can wire the right one. Run on -nostate cases only until CUDNN_STATE_LAYOUT
+          is set (FlashInfer's docstring says "[N, HV, 128, 128], V-major, float32 or
+          bfloat16"; scripts/probe_state_layouts.py confirms which on the device); with a
+          state it gets a separate output_state, so that it does not advance ours in place.
 
 Ours: `forgekernel.ops.kda_chunked.kimi_delta_attention`: the first pass (the chunks'
 state-independent operands) on its kernel (`intra.py`), the recurrence on the WGMMA kernel
@@ -39,6 +41,7 @@ eager 0.457-0.722x; docs/linear_attention/NOTES.md).
 from __future__ import annotations
 
 import importlib
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -47,12 +50,16 @@ import torch.nn.functional as F
 
 from forgekernel.bench.suite import Case, Inputs, OpSuite
 from forgekernel.bench.suites import fla_varlen
+from forgekernel.bench.suites.gdn_prefill import state_in_layout
 from forgekernel.kernels.linear_attention.kda_prefill.sm90 import SPEC
 
 HEAD = 128
 CHUNK = 64
 RECURRENT_UP_TO = 4096  # tokens: above, the fp64 sub-chunked form by segments (speed)
 FP64_KEY = "o_fp64"  # the fp64 output from `reference` to `low_precision`
+# cuDNN KDA's initial-state layout: None (unconfirmed: initial-state cases raise), or one of
+# gdn_prefill.STATE_LAYOUTS once scripts/probe_state_layouts.py has confirmed it on the device.
+CUDNN_STATE_LAYOUT: str | None = None
 _ROOT = Path(__file__).resolve().parents[2]
 # The two kernels (the first pass, intra.py, and the recurrence), the chunk tables and the
 # first pass's torch model (operands.py and the reference it runs: the tests' yardstick).
@@ -211,13 +218,31 @@ def _cudnn():
 
         return missing
 
+    try:  # separate output_state (not in every FlashInfer version: then it advances ours)
+        takes_out = "output_state" in inspect.signature(cudnn_recurrent_kda).parameters
+    except (TypeError, ValueError):
+        takes_out = True
+
     def run(inputs: Inputs):
         i = inputs
-        if i["state"] is not None:
-            raise NotImplementedError("initial-state case: cuDNN's KDA state layout unconfirmed")
+        layout = CUDNN_STATE_LAYOUT
+        if i["state"] is not None and layout is None:
+            raise NotImplementedError(
+                "initial-state case: cuDNN's KDA state layout unconfirmed "
+                "(scripts/probe_state_layouts.py)"
+            )
+        extra = {}
+        if i["state"] is not None:  # in its layout with an output buffer, made once per set
+            key = f"cudnn_state_{layout}"
+            if key not in i:
+                state = state_in_layout(i["state"], layout)
+                i[key] = (state, torch.empty_like(state))
+            extra["initial_state"] = i[key][0]
+            if takes_out:
+                extra["output_state"] = i[key][1]
         o = cudnn_recurrent_kda(i["q"], i["k"], i["v"], i["g"], i["beta"],
                                 use_qk_l2norm_in_kernel=False,
-                                cu_seqlens=i["cu_seqlens_long"])  # fmt: skip
+                                cu_seqlens=i["cu_seqlens_long"], **extra)  # fmt: skip
         o = o[0] if isinstance(o, tuple) else o
         return o.reshape(i["v"].shape)
 
