@@ -16,9 +16,9 @@ Comparators, each on the same inputs:
               sets sharing one cu_seqlens tensor (bench/suites/fla_varlen.py).
   flashinfer  FlashInfer 0.7.2.post1 `flashinfer.chunk_gated_delta_rule(q, k, v, g=exp(g),
               beta, cu_seqlens=int64)` on (T, H, K) tensors (its g is the linear decay, not the
-              log); on initial-state cases only once FLASHINFER_STATE_LAYOUT is set (its docstring
-              says the state is (N, H, V, K); scripts/probe_state_layouts.py confirms it on the
-              device): until then they raise.
+              log); on initial-state cases with the state in FLASHINFER_STATE_LAYOUT, "vk" as its
+              docstring says ((N, H, V, K)), confirmed on the device by
+              scripts/probe_state_layouts.py (2026-12-03).
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import CHUNK
 HEAD = 128
 RECURRENT_UP_TO = 4096  # tokens: above, the fp64 chunked form is the reference (speed)
 FP64_KEY = "o_fp64"  # the fp64 output from `reference` to `low_precision`
-# FlashInfer's initial-state layout: None (unconfirmed: initial-state cases raise), or one of
-# STATE_LAYOUTS once scripts/probe_state_layouts.py has confirmed it on the device.
-FLASHINFER_STATE_LAYOUT: str | None = None
+# FlashInfer's initial-state layout, one of STATE_LAYOUTS (None: initial-state cases raise):
+# "vk", (N, HV, V, K) fp32, confirmed by scripts/probe_state_layouts.py on the H200 2026-12-03
+# 14:19 ("kv" wrong, o rel 1.59; "vk" o rel 3.3e-3, final state rel 4.9e-3).
+FLASHINFER_STATE_LAYOUT: str | None = "vk"
 STATE_LAYOUTS = ("kv", "vk", "kv-bf16", "vk-bf16")
 
 

@@ -23,10 +23,10 @@ Comparators, each on the same inputs:
           `flashinfer.cudnn.cudnn_recurrent_kda` (documented for cuDNN's SM100 engine; on sm90
           it is expected to refuse, and the record keeps its message), else a NotImplementedError
           naming the KDA-looking attributes of the installed `cudnn` module, so that the next
-          session can wire the right one. Run on -nostate cases only until CUDNN_STATE_LAYOUT
-          is set (FlashInfer's docstring says "[N, HV, 128, 128], V-major, float32 or
-          bfloat16"; scripts/probe_state_layouts.py confirms which on the device); with a
-          state it gets a separate output_state, so that it does not advance ours in place.
+          session can wire the right one. Initial-state cases pass the state in
+          CUDNN_STATE_LAYOUT, "vk" (FlashInfer's docstring: "[N, HV, 128, 128], V-major";
+          fp32, confirmed on the device by scripts/probe_state_layouts.py, 2026-12-03), with a
+          separate output_state, so that it does not advance ours in place.
 
 Ours: `forgekernel.ops.kda_chunked.kimi_delta_attention`: the first pass (the chunks'
 state-independent operands) on its kernel (`intra.py`), the recurrence on the WGMMA kernel
@@ -57,9 +57,10 @@ HEAD = 128
 CHUNK = 64
 RECURRENT_UP_TO = 4096  # tokens: above, the fp64 sub-chunked form by segments (speed)
 FP64_KEY = "o_fp64"  # the fp64 output from `reference` to `low_precision`
-# cuDNN KDA's initial-state layout: None (unconfirmed: initial-state cases raise), or one of
-# gdn_prefill.STATE_LAYOUTS once scripts/probe_state_layouts.py has confirmed it on the device.
-CUDNN_STATE_LAYOUT: str | None = None
+# cuDNN KDA's initial-state layout, one of gdn_prefill.STATE_LAYOUTS (None: initial-state cases
+# raise): "vk", (N, HV, V, K) fp32, confirmed by scripts/probe_state_layouts.py on the H200
+# 2026-12-03 14:19 ("kv" wrong, o rel 1.30; "vk" o rel 3.1e-3, final state rel 4.3e-3).
+CUDNN_STATE_LAYOUT: str | None = "vk"
 _ROOT = Path(__file__).resolve().parents[2]
 # The two kernels (the first pass, intra.py, and the recurrence), the chunk tables and the
 # first pass's torch model (operands.py and the reference it runs: the tests' yardstick).
