@@ -4,16 +4,22 @@ case below 0.95x), and stride-1 ResNet-50 and SD VAE decoder layers (group "stri
 data gradient is a stride-1 convolution per output phase (kernels/conv/sm90/launch.py): stride 1
 on the forward kernel's data-gradient mode, strides of 1 or 2 (not all 1) every phase in one
 launch of the fused kernel (dgrad_kernel.py), stride 3 and up a launch per phase; the shared
-parts are `conv_layers`.
+parts are `conv_layers`. Variants: candidate plans of the worst stride-2 cases (`CANDIDATES`).
 
 Registered since its first GPU check passed (2026-12-01).
 """
 
 from __future__ import annotations
 
-from forgekernel.bench.suite import OpSuite
+import functools
+from dataclasses import replace
+from typing import Any
+
+from forgekernel.bench.suite import Case, OpSuite
 from forgekernel.bench.suites import conv_layers as L
 from forgekernel.kernels.conv.sm90 import DGRAD_SPEC, SPEC
+from forgekernel.kernels.conv.sm90.config import LARGE, SMALL, SQUARE, SplitPlan
+from forgekernel.kernels.conv.sm90.dgrad_config import FusedPlan, fused_config
 
 # the issue's point (N32 C256 112x112 K512, 3x3 stride 2), then the models' layers
 STRIDE2 = (
@@ -68,5 +74,55 @@ def kernel_sources() -> list:
     return sorted({*SPEC.sources, *DGRAD_SPEC.sources})
 
 
+def _fused(cfg, per_split: int, split: bool) -> FusedPlan:
+    """A fused launch's tile and k-tiles per part (the launcher recounts the rest)."""
+    return FusedPlan(fused_config(replace(cfg, split=split)), per_split, 0, 0, 0, 0)
+
+
+# Plans timed beside the chooser's on the cases they were made for (docs/conv/NOTES.md, "The
+# data gradient's worst cases after 14:19"): launcher choices only, every compiled function a
+# standard one (no new build, no source moved). `whole`: the chooser's tile unsplit (no fp32
+# parks: is the split's traffic what the model misses?); `square` / `square1`: 128x128 tiles
+# (c2x1 / c1x1) split, which the fused chooser prices at IM2COL_ROWS_128 = 2.0 and so never
+# takes (what rate do the fused kernel's im2col rows run at on 128-wide tiles?); `phase_rows`:
+# the per-phase path (a SplitPlan): dx zeroed, the one phase with taps on the forward kernel's
+# data-gradient mode over im2col rows (128x128 c2x1 unsplit: 112 tiles, one wave) into a
+# scratch buffer copied into its strided view of dx.
+CANDIDATES = {
+    "n32-c1024-14x14-k2048-1x1-s2": {
+        "whole": _fused(LARGE, 32, False),
+        "square": _fused(SQUARE, 11, True),
+        "phase_rows": SplitPlan(SQUARE, per_split=32, parts=1, tiles=112),
+    },
+    "n8-c320-64x64-k320-3x3-s2": {
+        "whole": _fused(LARGE, 20, False),
+        "square": _fused(SQUARE, 10, True),
+    },
+    "n8-c640-32x32-k640-3x3-s2": {"square": _fused(SQUARE, 20, True)},
+    "n32-c512-14x14-k512-3x3-s2": {"square1": _fused(SMALL, 16, True)},
+}
+
+
+def variants(case: Case) -> dict[str, Any]:
+    """The candidate plans of `case` (CANDIDATES; none elsewhere), each run as `run_ours`
+    writes dx: variant time / our time decides their adoption."""
+    plans = CANDIDATES.get(case.name, {}) if case.params["op"] == "dgrad" else {}
+    return {name: functools.partial(run_plan, plan) for name, plan in plans.items()}
+
+
+def run_plan(plan, inputs, out):
+    """Ours with `plan` handed to the launcher (launch.dgrad's `config`)."""
+    from forgekernel.kernels.conv.sm90 import launch
+    from forgekernel.ops import conv as op
+
+    p = inputs["params"]
+    dx = L.alloc_out(inputs) if out is None else out
+    g = op._geometry_of(p["stride"], p["padding"], p["padding"], p["dilation"], p["kernel"])
+    launch.dgrad(op._as5d(inputs["dy"]), op._as5d(inputs["w"]), op._view5d(dx), g, plan)
+    return dx
+
+
 def suite() -> OpSuite:
-    return L.conv_suite("conv_dgrad", kernel_sources(), CHECK_CASES, BENCH_CASES, SANITIZE_CASES)
+    return L.conv_suite(
+        "conv_dgrad", kernel_sources(), CHECK_CASES, BENCH_CASES, SANITIZE_CASES, variants
+    )

@@ -342,7 +342,7 @@ def dgrad(
     w: torch.Tensor,
     dx: torch.Tensor,
     geometry: Geometry,
-    config: ConvConfig | SplitPlan | None = None,
+    config: ConvConfig | SplitPlan | FusedPlan | None = None,
 ) -> None:
     """dx (N, D, H, W, C) = the data gradient at dy (N, Z, P, Q, K) of the convolution with w
     (K, T, R, S, C) and `geometry`, one stride-1 forward convolution per output phase: with
