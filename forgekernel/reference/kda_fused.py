@@ -37,8 +37,8 @@ import math
 import torch
 
 from forgekernel.reference.delta_rule import _check, _run, _split_chunks, _unit_lower_inverse
-
-SUB = 16  # tokens per sub-chunk (one reference point each)
+from forgekernel.reference.kda_chunked import SUB_CHUNK as SUB
+from forgekernel.reference.kda_chunked import _round, _sub_chunk_factors
 
 
 def kimi_delta_attention_fused(
@@ -81,10 +81,6 @@ def kimi_delta_attention_fused(
 # ----------------------------------------------------------------------------- the aux role
 
 
-def _round(x: torch.Tensor, operand_dtype: torch.dtype | None) -> torch.Tensor:
-    return x if operand_dtype is None else x.to(operand_dtype).to(x.dtype)
-
-
 def aux_chunk(q, k, g, beta, operand_dtype=None) -> dict[str, torch.Tensor]:
     """One chunk's operands, q (scaled), k, g (..., C, K), beta (..., C), as the aux role makes
     them: G = cumsum(g), references r_I = G at token 16 I + 8, a = G - r; Kl, Ql, Kr; L_IJ =
@@ -93,17 +89,15 @@ def aux_chunk(q, k, g, beta, operand_dtype=None) -> dict[str, torch.Tensor]:
     give exact zeros."""
     c, dt = q.shape[-2], operand_dtype
     big_g = g.cumsum(dim=-2)
-    refs = big_g[..., SUB // 2 :: SUB, :]  # (..., NS, K)
-    r_row = refs.repeat_interleave(SUB, dim=-2)
-    a = big_g - r_row
-    kl, kr, ql = k * a.exp(), k * (-a).exp(), q * a.exp()
+    ea, eb, r_row, e_ij, _ = _sub_chunk_factors(big_g)  # as reference/kda_chunked.py's
+    kl, kr, ql = k * ea, k * eb, q * ea
     scores = {"l": torch.zeros(*q.shape[:-1], c, dtype=q.dtype, device=q.device)}
     scores["p"] = torch.zeros_like(scores["l"])
     for i in range(c // SUB):
         rows = slice(i * SUB, (i + 1) * SUB)
         for j in range(i + 1):
             cols = slice(j * SUB, (j + 1) * SUB)
-            e = _round((refs[..., i, :] - refs[..., j, :]).exp(), dt).unsqueeze(-2)
+            e = _round(e_ij[..., i, j, :], dt).unsqueeze(-2)
             b = _round(_round(kr[..., cols, :], dt) * e, dt)  # the B fragments times E_IJ
             scores["l"][..., rows, cols] = _round(kl[..., rows, :], dt) @ b.transpose(-1, -2)
             scores["p"][..., rows, cols] = _round(ql[..., rows, :], dt) @ b.transpose(-1, -2)

@@ -476,9 +476,13 @@ def _wgrad_plan(
     where REDUCE_FROM_K_TILES and the model take it (a 1x1 without padding)."""
     rect, k_tiles = walk
     sms = num_sms(device_index) if device_index is not None else NUM_SMS_H100_H200
-    if plan is None and rect and not reduce and auto and taps == 1:
-        reduce = k_tiles >= REDUCE_FROM_K_TILES and wgrad_prefers_reduce(k, c, taps, k_tiles, sms)
-    if plan is None and reduce and rect:
+    taken = None  # the reduce plan the model prefers on a long 1x1 (`auto`)
+    long_1x1 = taps == 1 and k_tiles >= REDUCE_FROM_K_TILES
+    if plan is None and rect and not reduce and auto and long_1x1:
+        taken = wgrad_prefers_reduce(k, c, taps, k_tiles, sms)
+    if taken is not None:
+        plan = taken
+    elif plan is None and reduce and rect:
         plan = choose_wgrad_reduce(k, c, taps, k_tiles, sms)
     elif plan is None:
         plan = choose_wgrad(k, c, taps, k_tiles, sms, tiled=rect > 0)
