@@ -184,23 +184,31 @@ def alloc_out(inputs: Inputs):
     return out, q.new_empty(b, hq, s_q, dtype=torch.float32)
 
 
-def _packed(inputs: Inputs) -> dict[str, Any]:
-    if "cu_seqlens_q" not in inputs:
-        return {}
-    return {"cu_seqlens_q": inputs["cu_seqlens_q"], "max_seqlen_q": inputs["max_seqlen_q"]}
+def _our_call(inputs: Inputs) -> tuple:
+    """(op, its positional arguments, its keywords but out / lse): made once per input set,
+    outside any timed call (as the comparators' set-ups), so that the host time per eager call
+    is the op's: q_nope and q_pe are views of the bench's FlashMLA-shaped q, which a caller holds
+    as two tensors (2.9 us a call on the CPU when sliced per call)."""
+    if "ours" not in inputs:
+        op = importlib.import_module("forgekernel.ops.mla")
+        q = inputs["q"]
+        kwargs = {"softmax_scale": SOFTMAX_SCALE, "return_lse": True}
+        if "cu_seqlens_q" in inputs:
+            kwargs |= {"cu_seqlens_q": inputs["cu_seqlens_q"],
+                       "max_seqlen_q": inputs["max_seqlen_q"]}  # fmt: skip
+        prefill = inputs.get("max_seqlen_q", 1) > op.MAX_QUERY_TOKENS  # mla_prefill's form
+        args = (q[..., :LATENT], q[..., LATENT:], inputs["ckv"], inputs["kpe"], inputs["table"],
+                inputs["seqlens"])  # fmt: skip
+        inputs["ours"] = (op.mla_prefill if prefill else op.mla_decode), args, kwargs
+    return inputs["ours"]
 
 
 def run_ours(inputs: Inputs, out):
-    op = importlib.import_module("forgekernel.ops.mla")
-    q = inputs["q"]
-    prefill = inputs.get("max_seqlen_q", 1) > op.MAX_QUERY_TOKENS  # mla_prefill's packed form
-    res = (op.mla_prefill if prefill else op.mla_decode)(
-        q[..., :LATENT], q[..., LATENT:], inputs["ckv"], inputs["kpe"], inputs["table"],
-        inputs["seqlens"], softmax_scale=SOFTMAX_SCALE, return_lse=True,
-        out=None if out is None else out[0], lse=None if out is None else out[1],
-        **_packed(inputs),
-    )  # fmt: skip
-    return res if out is None else out
+    fn, args, kwargs = _our_call(inputs)
+    if out is None:
+        return fn(*args, **kwargs)
+    fn(*args, out=out[0], lse=out[1], **kwargs)
+    return out
 
 
 def _is_fp8_cache(inputs: Inputs) -> bool:

@@ -45,7 +45,7 @@ from forgekernel.kernels.common.sm90.constants import LOG2E
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms, on_device
 from forgekernel.runtime.plans import PlanCache
-from forgekernel.runtime.scratch import scratch
+from forgekernel.runtime.scratch import scratches
 
 _plans = PlanCache()
 _pair_form: list[bool | None] = [None]  # `pair_form`'s, else FORGEKERNEL_MLA_PAIR (in plan keys)
@@ -137,12 +137,11 @@ def _plan(
 def _partials(splits: int, rows: int, hq: int, device: torch.device):
     """The partial pass's fp32 (splits, rows, Hq, 512) outputs and (splits, rows, Hq) LSEs,
     which the combine reduces into out / lse: the current stream's scratch (runtime/scratch.py;
-    two CUDA allocations a call before). Contiguous from an aligned base: the seesaw pass sends
-    each 2 KB row of O by one bulk copy, which needs its address 16-byte aligned."""
-    return (
-        scratch("mla.partial_o", (splits, rows, hq, config.D_LATENT), torch.float32, device),
-        scratch("mla.partial_lse", (splits, rows, hq), torch.float32, device),
-    )
+    two CUDA allocations a call before), both from one lookup. Each contiguous from a 16-byte
+    boundary: the seesaw pass sends each 2 KB row of O by one bulk copy, which needs its address
+    16-byte aligned."""
+    shapes = ((splits, rows, hq, config.D_LATENT), (splits, rows, hq))
+    return scratches("mla.partials", shapes, torch.float32, device)
 
 
 def query_tokens(packed: bool, max_seqlen_q: int, hq: int) -> int:
