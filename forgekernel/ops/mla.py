@@ -97,7 +97,7 @@ def latent_cache_views(ckv_cache, kpe_cache):
         and ckv_cache.dtype in FLOAT16_TYPES
         and ckv_cache.dim() == 4
         and ckv_cache.shape[2:] == _COMBINED
-    ):  # the combined 16-bit cache, every check of the general path below in one (1.1 -> 0.4 us)
+    ):  # the combined 16-bit cache: the general path's checks below in one (0.6 us less a call)
         ckv, kpe = ckv_cache.squeeze(2).split_with_sizes((D_LATENT, D_ROPE), -1)
         return ckv, kpe, None
     if getattr(ckv_cache, "dtype", None) in FP8_CACHES or (
