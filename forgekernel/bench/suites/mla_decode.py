@@ -188,7 +188,8 @@ def _our_call(inputs: Inputs) -> tuple:
     """(op, its positional arguments, its keywords but out / lse): made once per input set,
     outside any timed call (as the comparators' set-ups), so that the host time per eager call
     is the op's: q_nope and q_pe are views of the bench's FlashMLA-shaped q, which a caller holds
-    as two tensors (2.9 us a call on the CPU when sliced per call)."""
+    as two tensors (2.9 us a call on the CPU when sliced per call). An input set's tensors are
+    refilled in place, never replaced (the harness's contract with the comparators' set-ups)."""
     if "ours" not in inputs:
         op = importlib.import_module("forgekernel.ops.mla")
         q = inputs["q"]
