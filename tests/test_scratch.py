@@ -67,6 +67,32 @@ def test_a_capture_gets_fresh_memory_and_caches_nothing(streams):
     assert len(scratch_module._SLOTS) == 1
 
 
+@pytest.mark.parametrize("dtype", [F32, torch.bfloat16, torch.uint8])
+def test_scratches_are_one_buffer_carved_in_order(streams, dtype):
+    """`scratches`: the shapes as views of one buffer, one after another, each from a 16-byte
+    boundary and none overlapping (odd sizes: 3 x 5, 7); the same tuple again on this stream,
+    others on another stream and while a capture runs (nothing cached then); grown, new ones."""
+    shapes = ((3, 5), (7,), (2, 1, 3))
+    views = scratch_module.scratches("s", shapes, dtype, CPU)
+    assert tuple(t.shape for t in views) == shapes and all(t.dtype == dtype for t in views)
+    assert all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in views)
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in views]
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    base = views[0].untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == base for t in views)
+    assert scratch_module.scratches("s", shapes, dtype, CPU) is views
+    streams[0] = 8
+    assert views[0].data_ptr() != scratch_module.scratches("s", shapes, dtype, CPU)[0].data_ptr()
+    streams[0] = None
+    fresh = scratch_module.scratches("s", shapes, dtype, CPU)
+    assert {t.data_ptr() for t in fresh}.isdisjoint(t.data_ptr() for t in views)
+    streams[0] = 7
+    assert scratch_module.scratches("s", shapes, dtype, CPU) is views
+    grown = scratch_module.scratches("s", ((100,), (7,)), dtype, CPU)
+    assert grown[0].data_ptr() != views[0].data_ptr() and grown[1].data_ptr() % 16 == 0
+    assert len(scratch_module._SLOTS) == 2  # (s, stream 7) and (s, stream 8)
+
+
 def test_flags_are_one_zero_buffer_per_name_and_stream():
     """`flags`: made zero once per (name, device, stream), the same tensor on every later call
     that fits, a new zero one when a launch needs more (the kernels leave them zero)."""
