@@ -163,8 +163,10 @@ def _fixed_length(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic,
     )  # fmt: skip
     plan.post(dq_acc, dq, None, 0, scale)
     if plan.head_split:
-        dk.copy_(dk_main)
-        dv.copy_(dv_main)
+        # one multi-tensor cast kernel for both (CUDA's fast path: both sources fp32, both
+        # targets q's dtype, pairwise the same sizes and strides), not a copy_ each: the same
+        # rounding, one launch and one dispatcher call fewer per backward
+        torch._foreach_copy_((dk, dv), (dk_main, dv_main))
 
 
 def _fixed_plan(
