@@ -8,14 +8,16 @@
 #        argument, GPU_TEST_FILES (space-separated tests/gpu files) in one more stream; the host
 #        builds the kernels FK_BUILD_ARGS names (default: every kernel, ~3.5 min for ~700)
 #   bash scripts/device_session.sh probes "NAME=python3 SCRIPT ARGS" ...   each under PROBE_T s
-#        (default 100), logs (and JSON written to /tmp/probes) packed into $OUT/probes.tar
+#        (default 100), logs (and JSON written to /tmp/probes) packed into $OUT/probes.tar; no
+#        build unless FK_BUILD=1 (2026-12-03: the default built all 1044 kernels, 133 s, for a
+#        probe that compiles its own)
 #   bash scripts/device_session.sh benches OP ...   one stream of benches (BENCH_TIMEOUT each)
 # Then here: scripts/take_results.sh on each call's files IN CALL ORDER (it keeps an earlier
 # call's sections on the same sources where a later call on a fresh host lacks them).
 set -uo pipefail
 mode=${1:?checks, probes or benches}
 shift
-export FK_BUILD=${FK_BUILD:-1}
+if [ "$mode" = probes ]; then export FK_BUILD=${FK_BUILD:-0}; else export FK_BUILD=${FK_BUILD:-1}; fi
 # shellcheck disable=SC1091  # the setup's exports (KERNELS, PYTHONPATH, the DSL) must stay
 source scripts/device_setup.sh || exit 1
 left=$((${CALL_LIMIT:-570} - SECONDS))

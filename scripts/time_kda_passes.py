@@ -6,10 +6,8 @@ NOTES.md, "KDA prefill at 0.28x cuDNN": the fit from the bench says 80-85 % firs
 
 One line each, ms a launch (graph replays, `runtime.timing.time_interleaved`): the whole op
 through the launcher; the first pass alone (`launch.first_pass_kernel`: the chunk tables' torch
-ops and `intra.py`), and the re-laid-out first pass (`intra_rows8.py`, layout "rows8") alone and
-through the whole op; the recurrence alone (`recurrence.py` on operands made once). Build
-first: `python3 -m forgekernel build --only kda_prefill_sm90 --only kda_intra_sm90 --only
-kda_intra_rows8_sm90`."""
+ops and `intra.py`); the recurrence alone (`recurrence.py` on operands made once). Build
+first: `python3 -m forgekernel build --only kda_prefill_sm90 --only kda_intra_sm90`."""
 
 from __future__ import annotations
 
@@ -44,11 +42,7 @@ def main(b: int = 4, t: int = 8192, h: int = 16, hv: int = 16) -> None:
 
     fns = {"op": lambda: launch.kda_prefill(q, k, v, g, beta, None, cu, o, final, scale,
                                             l2norm=False)}  # fmt: skip
-    fns["op_rows8"] = lambda: launch.kda_prefill(q, k, v, g, beta, None, cu, o, final, scale,
-                                                 l2norm=False, layout="rows8")  # fmt: skip
     fns["first_pass"] = lambda: launch.first_pass_kernel(q, k, g, beta, cu, scale, False)
-    fns["first_pass_rows8"] = lambda: launch.first_pass_kernel(q, k, g, beta, cu, scale, False,
-                                                               layout="rows8")  # fmt: skip
     fns["recurrence"] = lambda: rec(ops["q_g"], ops["k_g"], ops["k_d"], ops["t_beta"], ops["p"],
                                     ops["decay"], v, None, cu, ops["first"], o, final)  # fmt: skip
     samples = time_interleaved(fns, reps=20)

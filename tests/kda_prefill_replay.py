@@ -63,9 +63,10 @@ def kernel(params: dict):
 def intra_kernel(params: dict):
     """A callable with the first-pass kernel's (`intra.py`) signature: per chunk (its first
     token and length), the kernel's math (`chunk_operands` with its bf16 operand roundings:
-    Kl E, Kr, Ql E before the products, the outputs after) written where the kernel writes; T
-    by the tensor-core merges' model (gdn_prefill_replay.blocked_inverse: the lanes' fragments,
-    tf32 roundings)."""
+    Kl E, Kr, Ql E before the products, the outputs after; the kernel, "rows8" since
+    2026-12-03, rounds Kl, Kr E, Ql instead: the same two roundings a product on the other
+    operand, not modelled here) written where the kernel writes; T by the tensor-core merges'
+    model (gdn_prefill_replay.blocked_inverse: the lanes' fragments, tf32 roundings)."""
 
     def blocked(akk: torch.Tensor) -> torch.Tensor:  # (HV, 64, 64)
         return torch.stack([gdn_prefill_replay.blocked_inverse(a) for a in akk])

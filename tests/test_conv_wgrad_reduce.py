@@ -135,6 +135,24 @@ def test_the_launcher_runs_the_reduce_plan(model_kernel, n, c, k, size):
     assert not work.any() and not flags.any()
 
 
+def test_the_launcher_takes_the_reduce_split_on_long_1x1s(model_kernel):
+    """No `reduce` asked: the reduce split on a 1x1 of REDUCE_FROM_K_TILES or more pixel
+    k-tiles (n32 56x56: 1568), the parked split on n32 28x28 (392) and under torch's
+    deterministic algorithms (the parts add in arrival order)."""
+    assert launch.REDUCE_FROM_K_TILES == 1024
+    for hw, deterministic, reduced in ((56, False, True), (56, True, False), (28, False, False)):
+        x, dy, want = _problem(32, 64, 64, (1, hw, hw))
+        dw = torch.full(want.shape, float("nan"), dtype=F64)
+        old = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(deterministic)
+        try:
+            launch.wgrad(dy, x, dw, ONE)
+        finally:
+            torch.use_deterministic_algorithms(old)
+        assert _close(dw, want)
+        assert model_kernel[-1][0].get("reduce", False) is reduced, (hw, deterministic)
+
+
 def test_a_given_reduce_plan_is_sized_for_the_problem(model_kernel):
     x, dy, want = _problem(4, 64, 64, (1, 16, 16))  # 1024 pixels: 16 k-tiles
     dw = torch.full(want.shape, float("nan"), dtype=F64)

@@ -11,7 +11,10 @@ resources as config.py says, the WGMMAs it issues, its TMA loads, its barriers.
   each, over the chunk), the update (4 x 64x128x16, B transposed), in 5 commit groups, none
   serialized;
 - TMA per chunk: Qg, Kg, Kd and v (two 64-column boxes each), T diag(beta), P, D (one box);
-- the rings' arrive counts (TMA: one expect-tx; consumers: the 8 state warps)."""
+- the rings' arrive counts (TMA: one expect-tx; consumers: the 8 state warps).
+
+And the first pass (`intra.py`): three CTAs an SM, 16-byte global accesses, its mma.sync
+blocks."""
 
 from __future__ import annotations
 
@@ -190,8 +193,8 @@ def compiled_intra():
                 res = inspect_cubin(cubin)
                 cmd = [find_tool("cuobjdump"), "-sass", str(cubin)]
                 sass = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-            cache[dtype] = (res, _INSTR.findall(sass),
-                            kernel.shared_storage.size_in_bytes())  # fmt: skip
+            ops = [op for op, _ in _INSTR.findall(sass)]
+            cache[dtype] = (res, ops, kernel.shared_storage.size_in_bytes())
         return cache[dtype]
 
     return get
@@ -199,46 +202,42 @@ def compiled_intra():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_first_pass_resources(compiled_intra, dtype):
-    """128 threads, no spills (210 registers with the sub-chunk loads and the tf32 merges), two
-    CTAs an SM by shared memory (~104 KB each, unchanged by them); 64 HGMMA 64x16x16 (4 column
-    blocks x 8 k-steps, k side and q side), in 8 commit groups with 2 waits (not serialized:
-    ptxas serialized them all while the inverse ran under the q side)."""
-    res, instrs, smem = compiled_intra(dtype)
-    ops = [op for op, _ in instrs]
-    assert res["registers"] <= 255 and res["spill_bytes"] == 0
+    """The first pass (`intra.py`, the "rows8" layout): 128 threads, no spills, three CTAs an SM
+    (168 registers, the launch bound REGISTERS_PER_SM / 3 / 128; 73,984 B of shared memory: the
+    scan over the B tiles, the inverse's scratch and P over the A tiles, k and q staged in the A
+    tiles' own slots, with the 1 KB static and the 1 KB the SM keeps a CTA, 3 x 76 KB within the
+    SM's 228 KB); no WGMMA (mma.sync only: the spec's mma=False); static instructions 3,952 bf16
+    / 3,888 fp16 (cu13 ptxas; the WGMMA kernel it replaced: 5,448 bf16)."""
+    from forgekernel.kernels.common.sm90.constants import REGISTERS_PER_SM
+
+    res, ops, smem = compiled_intra(dtype)
+    assert res["spill_bytes"] == 0
     assert not [op for op in ops if op.startswith(("LDL", "STL"))]
-    assert 2 * (smem + res["smem_bytes"]) <= SMEM_CAPACITY
-    assert sum(op.startswith("HGMMA.64x16x16.F32.BF16") for op in ops) == 64
-    assert ops.count("WARPGROUP.DEPBAR.LE") == 2
-    assert ops.count("WARPGROUP.ARRIVE") == 8
+    regs = -(-res["registers"] // 8) * 8  # allocated in 8s
+    assert 3 * regs * THREADS_PER_WG <= REGISTERS_PER_SM
+    assert 3 * (smem + res["smem_bytes"] + 1024) <= 228 * 1024
+    assert not [op for op in ops if op.startswith(("HGMMA", "WARPGROUP"))]
+    assert len(ops) <= 4096, len(ops)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_first_pass_loads_a_sub_chunk_ahead(compiled_intra, dtype):
-    """Loads in flight: pass 0's 64 g loads all issued before the first global store (D); the
-    k and q sides load sub-chunk b + 1 (16 k or q loads, 2-byte, one channel a thread, and 16
-    of g) at the top of sub-chunk b's run-time loop, before its stores, so that they fly
-    under its math; the q side's first sub-chunk before the k-side WGMMAs' wait. The token
-    loops of before had one load in flight (the next token's behind this one's stores)."""
-    _, instrs, _ = compiled_intra(dtype)
-    ops = [op for op, _ in instrs]
-    first_store = next(i for i, op in enumerate(ops) if op.startswith("STG"))
-    assert sum(op == "LDG.E" for op in ops[:first_store]) >= 64 + 2  # g, chunk start / length
-    narrow = [i for i, op in enumerate(ops) if op == "LDG.E.U16"]
-    assert len(narrow) == 4 * 16  # k: first, in the loop; q: first, in the loop
-    groups = [narrow[16 * n : 16 * n + 16] for n in range(4)]
-    for group in groups:
-        assert not [op for op in ops[group[0] : group[-1]] if op.startswith("STG")]
-    assert groups[2][-1] < ops.index("WARPGROUP.DEPBAR.LE")
+def test_first_pass_global_accesses(compiled_intra, dtype):
+    """Every global access of the operands a 16-byte vector: g 8 + 8 LDG.128, k and q 8 + 8
+    cp.async (LDGSTS) into shared rows, Kg, Kd, Qg 8 STG.128 each, D 2, P 4, T 4; the scalar
+    loads only the chunk's start, length and beta."""
+    _, ops, _ = compiled_intra(dtype)
+    assert ops.count("LDG.E.128") == 16 and ops.count("LDGSTS.E.128") == 16
+    assert sum(op.startswith("LDG") and op != "LDGDEPBAR" for op in ops) == 16 + 16 + 3
+    assert ops.count("STG.E.128") == sum(op.startswith("STG") for op in ops) == 34
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_first_pass_tensor_core_inverse(compiled_intra, dtype):
-    """The inverse's merges on the tensor cores (GDN's `inverse_mma`): the 7 block products of
-    the two warp paths as mma.sync m16n8k8 tf32, 4 HMMA each; FFMA 979 -> 123 against the FFMA
-    merges dropped 2026-12-03 (phase 0 and the rest; bf16 6,328 -> 5,448 static instructions,
-    the same 210 registers and shared memory)."""
-    _, instrs, _ = compiled_intra(dtype)
-    ops = [op for op, _ in instrs]
-    assert sum(op.startswith("HMMA.1688.F32.TF32") for op in ops) == 7 * 4
+def test_first_pass_tensor_cores(compiled_intra, dtype):
+    """L and P: 3 block paths a warp x (L and P) x 16 mma.sync m16n8k16 bf16 from 3 ldmatrix.x4
+    a k step (A: Kl, Ql; B shared); the inverse's merges on the tensor cores (GDN's
+    `inverse_mma`): the 7 block products as mma.sync m16n8k8 tf32, 4 HMMA each (FFMA 120)."""
+    _, ops, _ = compiled_intra(dtype)
+    assert ops.count("HMMA.16816.F32.BF16") == 3 * 2 * 16
+    assert ops.count("LDSM.16.M88.4") == 3 * 3 * 8
+    assert ops.count("HMMA.1688.F32.TF32") == 7 * 4
     assert ops.count("FFMA") <= 160

@@ -16,8 +16,9 @@ Comparators, each on the same inputs:
               sets sharing one cu_seqlens tensor (bench/suites/fla_varlen.py).
   flashinfer  FlashInfer 0.7.2.post1 `flashinfer.chunk_gated_delta_rule(q, k, v, g=exp(g),
               beta, cu_seqlens=int64)` on (T, H, K) tensors (its g is the linear decay, not the
-              log); run without an initial state (its state layout, read in its source, is to be
-              confirmed on the device before initial-state cases compare it: they raise).
+              log); on initial-state cases with the state in FLASHINFER_STATE_LAYOUT, "vk" as its
+              docstring says ((N, H, V, K)), confirmed on the device by
+              scripts/probe_state_layouts.py (2026-12-03).
 """
 
 from __future__ import annotations
@@ -36,6 +37,29 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import CHUNK
 HEAD = 128
 RECURRENT_UP_TO = 4096  # tokens: above, the fp64 chunked form is the reference (speed)
 FP64_KEY = "o_fp64"  # the fp64 output from `reference` to `low_precision`
+# FlashInfer's initial-state layout, one of STATE_LAYOUTS (None: initial-state cases raise):
+# "vk", (N, HV, V, K) fp32, confirmed by scripts/probe_state_layouts.py on the H200 2026-12-03
+# 14:19 ("kv" wrong, o rel 1.59; "vk" o rel 3.3e-3, final state rel 4.9e-3).
+FLASHINFER_STATE_LAYOUT: str | None = "vk"
+STATE_LAYOUTS = ("kv", "vk", "kv-bf16", "vk-bf16")
+
+
+def state_in_layout(state: torch.Tensor, layout: str) -> torch.Tensor:
+    """Our (N, HV, K, V) fp32 state in a comparator's layout, contiguous: "kv" as ours, "vk"
+    transposed to (N, HV, V, K); a "-bf16" suffix rounds it to bf16."""
+    if layout not in STATE_LAYOUTS:
+        raise ValueError(f"state layout {layout!r}: one of {STATE_LAYOUTS}")
+    s = state.transpose(-1, -2) if layout.startswith("vk") else state
+    return s.to(torch.bfloat16 if layout.endswith("bf16") else torch.float32).contiguous()
+
+
+def state_from_layout(state: torch.Tensor, layout: str) -> torch.Tensor:
+    """A comparator's state in `layout` back to our (N, HV, K, V) fp32 (state_in_layout's
+    inverse, up to the bf16 rounding)."""
+    if layout not in STATE_LAYOUTS:
+        raise ValueError(f"state layout {layout!r}: one of {STATE_LAYOUTS}")
+    s = state.transpose(-1, -2) if layout.startswith("vk") else state
+    return s.float()
 
 
 def _case(lens, h, hv, *, state=True, group="") -> Case:
@@ -199,15 +223,23 @@ def _flashinfer():
 
     def run(inputs: Inputs):
         i = inputs
-        if i["state"] is not None:
+        layout = FLASHINFER_STATE_LAYOUT
+        if i["state"] is not None and layout is None:
             raise NotImplementedError(
                 "initial-state case: FlashInfer's prefill state layout is not yet confirmed on "
-                "the device (the -nostate cases compare it)"
+                "the device (scripts/probe_state_layouts.py; the -nostate cases compare it)"
             )
         if "flashinfer" not in i:  # its (T, H, K) form and linear decay, made once per set
             i["flashinfer"] = (i["q"][0], i["k"][0], i["v"][0], i["g"][0].exp(), i["beta"][0])
         q, k, v, alpha, beta = i["flashinfer"]
-        o = chunk_gated_delta_rule(q, k, v, g=alpha, beta=beta, cu_seqlens=i["cu_seqlens_long"])
+        extra = {}
+        if i["state"] is not None:  # in its layout, made once per set (outside the timing)
+            key = f"flashinfer_state_{layout}"
+            if key not in i:
+                i[key] = state_in_layout(i["state"], layout)
+            extra["initial_state"] = i[key]
+        o = chunk_gated_delta_rule(q, k, v, g=alpha, beta=beta, cu_seqlens=i["cu_seqlens_long"],
+                                   **extra)  # fmt: skip
         o = o[0] if isinstance(o, tuple) else o
         return o.unsqueeze(0)
 

@@ -23,19 +23,25 @@ Comparators, each on the same inputs:
           `flashinfer.cudnn.cudnn_recurrent_kda` (documented for cuDNN's SM100 engine; on sm90
           it is expected to refuse, and the record keeps its message), else a NotImplementedError
           naming the KDA-looking attributes of the installed `cudnn` module, so that the next
-          session can wire the right one. Run on -nostate cases only until its state layout is
-          confirmed on the device.
+          session can wire the right one. Initial-state cases pass the state in
+          CUDNN_STATE_LAYOUT, "vk" (FlashInfer's docstring: "[N, HV, 128, 128], V-major";
+          fp32, confirmed on the device by scripts/probe_state_layouts.py, 2026-12-03), with a
+          separate output_state, so that it does not advance ours in place.
 
 Ours: `forgekernel.ops.kda_chunked.kimi_delta_attention`: the first pass (the chunks'
 state-independent operands) on its kernel (`intra.py`), the recurrence on the WGMMA kernel
 (kernels/linear_attention/kda_prefill/sm90); its time includes the chunk tables (torch ops on
 the device, no host sync). The torch first pass (`operands.py`), ours until 2026-12-02, is no
 variant: it ran 3.9-4.7x slower than the kernel on every bench case (H200, 2026-12-02 06:40).
+Nor is the first pass's WGMMA kernel of 2026-12-02: its re-laid-out form ("rows8", variant
+`rows8` until adopted 2026-12-03) ran the op in 0.455-0.680x of its time on every case (graph;
+eager 0.457-0.722x; docs/linear_attention/NOTES.md).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +50,17 @@ import torch.nn.functional as F
 
 from forgekernel.bench.suite import Case, Inputs, OpSuite
 from forgekernel.bench.suites import fla_varlen
+from forgekernel.bench.suites.gdn_prefill import state_in_layout
 from forgekernel.kernels.linear_attention.kda_prefill.sm90 import SPEC
 
 HEAD = 128
 CHUNK = 64
 RECURRENT_UP_TO = 4096  # tokens: above, the fp64 sub-chunked form by segments (speed)
 FP64_KEY = "o_fp64"  # the fp64 output from `reference` to `low_precision`
+# cuDNN KDA's initial-state layout, one of gdn_prefill.STATE_LAYOUTS (None: initial-state cases
+# raise): "vk", (N, HV, V, K) fp32, confirmed by scripts/probe_state_layouts.py on the H200
+# 2026-12-03 14:19 ("kv" wrong, o rel 1.30; "vk" o rel 3.1e-3, final state rel 4.3e-3).
+CUDNN_STATE_LAYOUT: str | None = "vk"
 _ROOT = Path(__file__).resolve().parents[2]
 # The two kernels (the first pass, intra.py, and the recurrence), the chunk tables and the
 # first pass's torch model (operands.py and the reference it runs: the tests' yardstick).
@@ -87,6 +98,11 @@ BENCH_CASES = (
     _case(_mix(16, 16384), 16, 16, group="varlen"),
     _case(_mix(64, 32768), 16, 16, group="varlen"),
     _case(_mix(64, 32768), 16, 32, state=False, group="varlen"),
+    # without an initial state (cuDNN's comparator runs only these: its state layout is
+    # unconfirmed), one a group beside the two above
+    _case([32768], 16, 16, state=False, group="single"),
+    _case([2048] * 16, 16, 16, state=False, group="batch"),
+    _case(_mix(16, 16384), 16, 16, state=False, group="varlen"),
 )
 CHECK_CASES = (
     _case([1, 63, 64, 65, 130], 2, 2),
@@ -134,34 +150,6 @@ def run_ours(inputs: Inputs, out):
                                    initial_state=i["state"], output_final_state=True,
                                    cu_seqlens=i["cu_seqlens"], out=out)  # fmt: skip
     return o
-
-
-def _run_layout(layout: str):
-    """Ours through the launcher with the first pass's form forced (`layout`: "rows8", the
-    re-laid-out first pass `intra_rows8.py`; docs/linear_attention/NOTES.md, "KDA first pass
-    re-laid out"); the recurrence as the op's."""
-
-    def run(inputs: Inputs, out):
-        launch = importlib.import_module(
-            "forgekernel.kernels.linear_attention.kda_prefill.sm90.launch"
-        )
-        i = inputs
-        n, hv = len(i["cu_seqlens"]) - 1, i["v"].shape[2]
-        final = torch.empty(n, hv, HEAD, HEAD, dtype=torch.float32, device=i["v"].device)
-        launch.kda_prefill(i["q"][0], i["k"][0], i["v"][0], i["g"][0], i["beta"][0], i["state"],
-                           i["cu_seqlens"], out[0], final, HEAD**-0.5, l2norm=False,
-                           layout=layout)  # fmt: skip
-        return out
-
-    return run
-
-
-def variants(case: Case) -> dict[str, Any]:
-    """The re-laid-out first pass (`rows8`: a thread on 8 tokens x 8 channels, 16-byte accesses,
-    L and P by mma.sync blocks) beside the standard one, on every case: the first pass is the
-    op's larger part (~1.2 of 1.46 ms at 4 x 8192 h16 hv16, NOTES "KDA prefill at 0.28x
-    cuDNN")."""
-    return {"rows8": _run_layout("rows8")}
 
 
 def _reference(inputs: Inputs) -> torch.Tensor:
@@ -231,13 +219,31 @@ def _cudnn():
 
         return missing
 
+    try:  # separate output_state (not in every FlashInfer version: then it advances ours)
+        takes_out = "output_state" in inspect.signature(cudnn_recurrent_kda).parameters
+    except (TypeError, ValueError):
+        takes_out = True
+
     def run(inputs: Inputs):
         i = inputs
-        if i["state"] is not None:
-            raise NotImplementedError("initial-state case: cuDNN's KDA state layout unconfirmed")
+        layout = CUDNN_STATE_LAYOUT
+        if i["state"] is not None and layout is None:
+            raise NotImplementedError(
+                "initial-state case: cuDNN's KDA state layout unconfirmed "
+                "(scripts/probe_state_layouts.py)"
+            )
+        extra = {}
+        if i["state"] is not None:  # in its layout with an output buffer, made once per set
+            key = f"cudnn_state_{layout}"
+            if key not in i:
+                state = state_in_layout(i["state"], layout)
+                i[key] = (state, torch.empty_like(state))
+            extra["initial_state"] = i[key][0]
+            if takes_out:
+                extra["output_state"] = i[key][1]
         o = cudnn_recurrent_kda(i["q"], i["k"], i["v"], i["g"], i["beta"],
                                 use_qk_l2norm_in_kernel=False,
-                                cu_seqlens=i["cu_seqlens_long"])  # fmt: skip
+                                cu_seqlens=i["cu_seqlens_long"], **extra)  # fmt: skip
         o = o[0] if isinstance(o, tuple) else o
         return o.reshape(i["v"].shape)
 
@@ -284,5 +290,4 @@ def suite() -> OpSuite:
         atol=1e-2,
         bench_dtypes=(torch.bfloat16,),
         sanitize_cases=SANITIZE_CASES,
-        variants=variants,
     )

@@ -31,9 +31,12 @@ T = 1).
   chooser prefers the im2col walk (`_wgrad_im2col`: zero-filled rectangles of small maps);
   other strides: the im2col walk. Tile and split from `wgrad_config.choose_wgrad`, the fp32
   partials and per-tile flags in the stream's stream-K workspace (the dense GEMM launcher's:
-  reused across calls, a capture's own when it needs a bigger one). `reduce=True` (the bench's
-  `reduce` variant): on the rectangles, the reduce split's plan (`choose_wgrad_reduce`), its
-  one fp32 slot a tile kept zero like the flags (runtime/scratch.py `flags`).
+  reused across calls, a capture's own when it needs a bigger one). The reduce split
+  (`choose_wgrad_reduce`: the parts bulk-reduce-added into one fp32 slot a tile, kept zero
+  like the flags, runtime/scratch.py `flags`) where `reduce=True` on the rectangles, and by
+  itself on the unpadded 1x1s of long reductions (REDUCE_FROM_K_TILES) that the model prefers
+  it on (`wgrad_prefers_reduce`), unless torch's deterministic algorithms are on (its parts
+  add in arrival order).
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ from forgekernel.kernels.conv.sm90.wgrad_config import (
     choose_wgrad_reduce,
     wgrad_params,
     wgrad_prefers_im2col,
+    wgrad_prefers_reduce,
     wgrad_tiles,
 )
 from forgekernel.kernels.gemm.dense.sm90.launch import stream_k_workspace
@@ -455,14 +459,25 @@ def clear_plans() -> None:
     _fuses.cache_clear()
 
 
+# The reduce split by itself on the unpadded 1x1s from this many pixel k-tiles (the model's
+# choice, `wgrad_prefers_reduce`, besides): on the H200 (2026-12-03 14:19, graph replays, the
+# bench's `reduce` variant) it ran the n32 56x56 1x1s (1568 k-tiles) in 0.745x (C 64, K 64),
+# 0.857x (64, 256), 0.850x (256, 64) and 0.923x (256, 128) of the parked split's time; on the
+# 28x28 ones (392) 0.921-1.057x and 1.070x on 14x14 (98): below, the parked split stays.
+REDUCE_FROM_K_TILES = 1024
+
+
 def _wgrad_plan(
-    dtype, k, c, taps, walk, device_index, plan, reduce=False
+    dtype, k, c, taps, walk, device_index, plan, reduce=False, auto=False
 ) -> tuple[object, WgradPlan]:
     """(the compiled function, the WgradPlan) of one problem: looked up once, not per call.
     `walk`: (the compile key's rect, pixel k-tiles); `reduce` (no plan given, the rectangles'
-    walk): the reduce split's plan (`wgrad_config.choose_wgrad_reduce`)."""
+    walk): the reduce split's plan (`wgrad_config.choose_wgrad_reduce`); `auto`: that plan
+    where REDUCE_FROM_K_TILES and the model take it (a 1x1 without padding)."""
     rect, k_tiles = walk
     sms = num_sms(device_index) if device_index is not None else NUM_SMS_H100_H200
+    if plan is None and rect and not reduce and auto and taps == 1:
+        reduce = k_tiles >= REDUCE_FROM_K_TILES and wgrad_prefers_reduce(k, c, taps, k_tiles, sms)
     if plan is None and reduce and rect:
         plan = choose_wgrad_reduce(k, c, taps, k_tiles, sms)
     elif plan is None:
@@ -487,7 +502,8 @@ def wgrad(
     """dw (K, T, R, S, C) = the weight gradient at dy (N, Z, P, Q, K) of the convolution of x
     (N, D, H, W, C) with `geometry`: one launch of the weight-gradient kernel (`plan`: its
     tile and split, chosen when None; `reduce`, no plan and the rectangles' walk: the reduce
-    split's plan, its parts added in arrival order: not bitwise repeatable). C or K not a
+    split's plan, its parts added in arrival order: not bitwise repeatable; taken by itself on
+    long 1x1s, REDUCE_FROM_K_TILES, unless torch's deterministic algorithms are on). C or K not a
     multiple of 8 run zero-padded; a dw the kernel cannot write in place goes through a
     scratch buffer."""
     k, c = dw.shape[0], dw.shape[-1]
@@ -498,7 +514,7 @@ def wgrad(
     if few_channels(x, dw, geometry):  # the stem: the 1x1 weight gradient over the im2col
         cols, one = _im2col(x, geometry, tuple(dy.shape[1:4]))
         dw_cols = dw.new_empty(k, 1, 1, 1, cols.shape[-1])
-        _wgrad_launch(dy, cols, dw_cols, one, plan, reduce)
+        _wgrad_launch(dy, cols, dw_cols, one, plan, reduce, auto=False)  # reduce unmeasured
         width = dw.shape[2] * dw.shape[3] * c
         dw.copy_(dw_cols.view(k, -1)[:, :width].view(dw.shape))
         return
@@ -533,15 +549,17 @@ def _wgrad_im2col(k: int, c: int, taps: int, walk: tuple[int, int], m: int, devi
     return wgrad_prefers_im2col(k, c, taps, walk[1], -(-m // K_TILE), sms)
 
 
-def _wgrad_launch(dy, x, dw, geometry: Geometry, plan, reduce=False) -> None:
-    """One launch of the weight-gradient kernel (`wgrad`'s arguments, dw not empty)."""
+def _wgrad_launch(dy, x, dw, geometry: Geometry, plan, reduce=False, auto=True) -> None:
+    """One launch of the weight-gradient kernel (`wgrad`'s arguments, dw not empty; `auto`:
+    the reduce split by itself where `_wgrad_plan` takes it)."""
     k, t, r, s, c = dw.shape  # one shape read (each costs 0.1-0.2 us on every launch)
     n, z, p, q, _ = dy.shape
     m = n * z * p * q
     cp, kp = _round_up(c), _round_up(k)
     x = _channels_padded(x, cp)
     stride1 = geometry.stride == (1, 1, 1)
-    if stride1 and t * r * s == 1 and m % 8 == 0 and not any(geometry.pad_lo + geometry.pad_hi):
+    one_by_one = t * r * s == 1 and not any(geometry.pad_lo + geometry.pad_hi)
+    if stride1 and one_by_one and m % 8 == 0:
         # a 1x1 without padding reads x's pixels as dy's: both as one plane of 8-pixel rows,
         # the rectangles then 64 consecutive pixels (no zero fill on small maps)
         flat = _one_plane(dy, m), _one_plane(x, m)
@@ -557,8 +575,9 @@ def _wgrad_launch(dy, x, dw, geometry: Geometry, plan, reduce=False) -> None:
         dy2 = _channels_padded(dy.reshape(m, k), kp)
     in_place = kp == k and cp == c and dw.is_contiguous() and tma_ready(dw)
     dw2 = dw if in_place else dw.new_empty(kp, t, r, s, cp)
+    auto = auto and one_by_one and plan is None and not torch.are_deterministic_algorithms_enabled()
     fn, plan = _wgrad_plans.get_or_build(
-        (dy.dtype, kp, cp, t * r * s, walk, device.index, plan, reduce), _wgrad_plan
+        (dy.dtype, kp, cp, t * r * s, walk, device.index, plan, reduce, auto), _wgrad_plan
     )
     reduced = plan.reduce and plan.parts > 1
     work, flags = stream_k_workspace(device, plan.tiles, 4 if reduced else plan.workspace_floats)

@@ -49,8 +49,10 @@ def compile_kda_recurrence(params: dict, arch: str = "sm_90a", extra_options: st
 
 def compile_kda_intra(params: dict, arch: str = "sm_90a", extra_options: str = "",
                       kernel=None):  # fmt: skip
-    """The first pass: q, k (T, H, K) in the io dtype, g fp32 (T, HV, K), beta fp32 (T, HV),
-    per-chunk first tokens and lengths (NC,) int32; outputs as `operands.py`."""
+    """The first pass (`intra.py`): q, k (T, H, K) in the io dtype, g fp32 (T, HV, K), beta fp32
+    (T, HV), per-chunk first tokens and lengths (NC,) int32; outputs as `operands.py`. kernel: a
+    `KdaIntraSm90` to compile (the tests read its shared_storage after the compile), or None for
+    a fresh one."""
     from cutlass.cute.runtime import make_fake_tensor
 
     from forgekernel.kernels.linear_attention.kda_prefill.sm90.intra import KdaIntraSm90

@@ -1,32 +1,48 @@
-"""Kimi Delta Attention forward, the first (token-parallel) pass on sm_90a: one CTA (one
-warpgroup, 128 threads) per (global chunk, value head) writes the chunk's state-independent
-operands for the recurrence kernel (`recurrence.py`), as `reference.kda_chunked.chunk_operands`
-defines them and `operands.py` lays them out (rows past the sequence exact zeros).
+"""Kimi Delta Attention forward, the first (token-parallel) pass on sm_90a: one CTA (128
+threads) per (global chunk, value head) writes the chunk's state-independent operands for the
+recurrence kernel (`recurrence.py`), as `reference.kda_chunked.chunk_operands` defines them and
+`operands.py` lays them out (rows past the sequence exact zeros). The "rows8" layout, the only
+first pass since 2026-12-03 (docs/linear_attention/NOTES.md, "KDA first pass re-laid out" and
+"rows8 adopted as the only first pass"; the one-channel-a-thread WGMMA kernel before it is
+described there).
 
-Thread t owns key channel t. With G2 = log2(e) cumsum(g) over the chunk (a running sum, run
-three times: for the references, the k side, the q side), sub-chunk references r_I = G2 at
-token 16 I + 8, a = G2 - r_I(i) (at most 8 steps):
+The factorization in exp2 forms (G2 = log2(e) cumsum(g), sub-chunk references r_I = G2 at
+token 16 I + 8, a = G2 - r_I(i), E_IJ = 2^(r_I - r_J) <= 1); the ownership: thread (warp w,
+lane) owns the 8 tokens 8 tg .. 8 tg + 7 (tg = 2 w + lane // 16) of the 8 channels 8 cg .. 8 cg
++ 7 (cg = lane % 16), so warp w is sub-chunk w (its factors warp-uniform: no selects) and every
+global access is a 16-byte vector, a warp's instruction two whole 256-byte rows (g: two 16-byte
+loads of fp32, 512-byte rows):
 
-    Kl = k 2^a, Ql = scale q 2^a, Kr = k 2^-a                 (one exp2 each way a token)
-    Kg = Kl 2^r_I, Qg = Ql 2^r_I, Kd = Kr 2^(G2_C - r_I)      -> global (bf16), D = 2^G2_C
-    A_J = Kl * E_{I(i) J} (rows I >= J; 0 above), E_IJ = 2^(r_I - r_J) <= 1
-                                                              -> shared tile J (bf16)
-    L[:, J] = A_J Kr_J^T                        4 SS WGMMAs 64 x 16 x K, one commit group
-    L = beta_i L (j < i) -> fp32 scratch; then the q side into the same four tiles:
-    P[:, J] = (Ql * E) Kr_J^T (j <= i)          4 more WGMMAs
-    T = (I + L)^-1 (GDN's: the diagonal blocks on the CUDA cores, `gdn_prefill/sm90/
-    inverse`, the merges by mma.sync tf32, `inverse_mma.invert_merge_mma`);
-    P -> global (bf16); T diag(beta) -> global (bf16).
+    loads    g into registers, k and q by cp.async into the thread's own 16 bytes of 64-row
+             shared tiles (read back token by token: held in registers they spilled), all 32
+             issued at once, g read once (the kernel before read it 3 times)
+    G2       log2(e) cumsum(g): 8 running sums in registers, the lower half-warp's totals by a
+             butterfly shuffle, the warps' totals and offsets through shared memory (one
+             barrier); every thread rebuilds base_J, r_J, G2_C in one order, so r_w is G2 at
+             token 16 w + 8 bit for bit (a = 0 there)
+    tokens   a = G2 - r_w; Kl = k 2^a, Kr = k 2^-a, Ql = scale q 2^a (2^a once for both), Kg =
+             Kl 2^r, Kd = Kr 2^(G2_C - r), Qg = Ql 2^r to global; Kl, Ql into A tiles w and
+             4 + w; Kr E_Iw (E_ww = 1) into the B tiles (I, w), I >= w
+    L, P     block (I, J), I >= J: L_IJ = Kl_I (Kr_J E_IJ)^T, P_IJ = Ql_I (Kr_J E_IJ)^T, 16 x
+             16 x 128 each by mma.sync m16n8k16 bf16 (32 a block pair), per 16 channels one
+             ldmatrix.x4 per operand (the A fragments in register order: no moves; B shared by
+             L and P); warp w takes blocks v, v + 4, v + 8 of the 10, v = 3 - w (2, 2, 3, 3:
+             the warps with more B copies fewer blocks); L masked
+             (j < i) times beta_i into the fp32 scratch, P (j <= i) into a bf16 tile
+    T        GDN's inverse: `invert_diagonal` + `invert_merge_mma` (tf32)
+    out      P and T diag(beta) from shared memory, 16-byte stores, a warp's 4 whole rows;
+             blocks above the diagonal as 0
 
-Loads: per sub-chunk, its 16 tokens' g (and k or q) are loaded before any of its math and
-stores (`_load_sub`); the k and q sides load sub-chunk b + 1 at the top of sub-chunk b (the
-values carried by the run-time loop; the q side's first under the k-side WGMMAs), so that 32
-loads a thread fly under a sub-chunk's math (one channel a thread: 2-byte q / k loads, 64
-contiguous bytes a warp, whole sectors).
+E on the B side: the kernel before rounded Kl E_IJ (A, J < I) and Kr (B) to bf16, this one Kl
+(A) and Kr E_IJ (B): the same product, the same two bf16 roundings, placed on the other operand
+(both underflow only where 2^(G_i - G_j) is below 2^-68 of the product). That keeps 4 + 4
+unscaled A tiles and 10 B tiles (no Ql held over the L products, L and P in one pass). The
+operand tiles' 16-byte chunks are XOR-swizzled by row % 8: the producers' row stores and the
+ldmatrix phases are conflict-free.
 
-Rows past the sequence (i >= len) read nothing: k = q = g = beta = 0 there, so their rows
-and columns of every output are exact zeros. With l2norm the launcher normalizes q and k
-first (torch).
+Rows past the sequence: k = q = g = beta = 0 (loads clamped to its last token, zeroed on use),
+so their rows and columns of every output are exact zeros. With l2norm the launcher normalizes
+q and k first (torch).
 """
 
 from __future__ import annotations
@@ -34,17 +50,14 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, const_expr
-from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
-from cutlass.tensor_utils import LayoutEnum
 
-from forgekernel.kernels.common.sm90 import softmax
 from forgekernel.kernels.common.sm90.barriers import named_barrier
 from forgekernel.kernels.common.sm90.constants import LOG2E, THREADS_PER_WG
-from forgekernel.kernels.common.sm90.layout import rows_cols
-from forgekernel.kernels.common.sm90.mma import gemm
+from forgekernel.kernels.common.sm90.ptx import opaque_tid_x
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     BLOCK,
     W_STRIDE,
@@ -55,14 +68,74 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse_mma import in
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import Bar
 from forgekernel.kernels.linear_attention.kda_prefill.sm90.config import CHUNK
 
-SUB = 16  # tokens per sub-chunk (one reference each)
+SUB = 16  # tokens per sub-chunk (one reference each): one warp
 NSUB = CHUNK // SUB
+TOK = 8  # tokens a thread
+VEC = 8  # channels a thread (16 bytes of 16-bit)
+GROUPS = 16  # channel groups: lanes of a half-warp
+TILES = NSUB * (NSUB + 1) // 2  # the lower triangle's blocks (I >= J)
+P_STRIDE = CHUNK + 8  # bf16 per row of the P tile (fragment stores conflict-free)
+KSTEPS = 8  # mma k steps of 16 over K = 128
+X_AT = CHUNK * W_STRIDE  # fp32 words: sX after sW, sP after sX, in one region
+P_AT = X_AT + 2 * BLOCK * X_STRIDE
+AUX_WORDS = P_AT + CHUNK * P_STRIDE // 2
+assert AUX_WORDS * 4 <= 2 * NSUB * SUB * 128 * 2  # sW, sX, sP fit over the A tiles
+CTAS_PER_SM = 3  # by shared memory (the tiles, 73 KB) and registers (<= 168: launch bound)
 
 
-def _columns_of(e_tab):
-    """E by columns over all four rows: [J][b] = E_bJ for J < b, 1 for J = b, 0 for J > b."""
-    return [[e_tab[b][j] if j < b else Float32(1.0 if j == b else 0.0) for b in range(NSUB)]
-            for j in range(NSUB)]  # fmt: skip
+def tile_of(i, j):
+    """Index of block (I, J), I >= J, in row order."""
+    return i * (i + 1) // 2 + j
+
+
+@dsl_user_op
+def mma_bf16_16x8x16(a, b, c, *, loc=None, ip=None) -> tuple:
+    """d = a b + c by mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32: a four packed bf16
+    pairs, b two, c and d four fp32."""
+    ops = [Int32(v).ir_value(loc=loc, ip=ip) for v in (*a, *b)]
+    ops += [Float32(v).ir_value(loc=loc, ip=ip) for v in c]
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 4),
+        ops,
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, "
+        "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def ldsm_x4(addr: Int32, *, loc=None, ip=None) -> tuple:
+    """ldmatrix.sync.aligned.m8n8.x4.shared.b16: four 8 x 8 16-bit matrices, lanes 8 i .. 8 i + 7
+    giving matrix i's row addresses (16 bytes each); returns the lane's word of each. Volatile:
+    kept in order with the barriers around the tiles it reads."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [Int32(addr).ir_value(loc=loc, ip=ip)],
+        "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def cp_async_16(dst_smem, src_gmem, *, loc=None, ip=None) -> None:
+    """cp.async.ca of 16 bytes global -> shared (pointers)."""
+    llvm.inline_asm(
+        None,
+        [dst_smem.toint(loc=loc, ip=ip).ir_value(), src_gmem.llvm_ptr],
+        "cp.async.ca.shared.global [$0], [$1], 16;",
+        "r,l",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
 
 
 class KdaIntraSm90:
@@ -70,7 +143,7 @@ class KdaIntraSm90:
 
     def __init__(self, k: int):
         if k != 128:
-            raise ValueError(f"K must be 128 (one channel a thread), got {k}")
+            raise ValueError(f"K must be 128 (16 groups of 8 channels), got {k}")
         self.k = k
 
     @cute.jit
@@ -93,33 +166,24 @@ class KdaIntraSm90:
     ):
         """mQ, mK (T, H, K) 16-bit; mG fp32 (T, HV, K); mBeta fp32 (T, HV); mTok0, mLen int32
         (NC,) each chunk's first token and valid length; outputs as `operands.py`."""
-        k_major = OperandMajorMode.K
-        self.mma = sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, k_major, k_major, Float32, (1, 1, 1), (CHUNK, SUB)
-        )
-        row = LayoutEnum.ROW_MAJOR
-        # four A tiles (64 x K), one per column block J; Kr as four (16 x K) B tiles
-        self.sA_layout = sm90_utils.make_smem_layout_a(row, (CHUNK, SUB, self.k), BFloat16,
-                                                       NSUB)  # fmt: skip
-        self.sB_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, SUB, self.k), BFloat16,
-                                                       NSUB)  # fmt: skip
+        kd = self.k
 
         @cute.struct
         class SharedStorage:
             sBeta: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
-            sW: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * W_STRIDE], 16]
-            sX: cute.struct.Align[cute.struct.MemRange[Float32, 2 * BLOCK * X_STRIDE], 16]
-            sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(self.sA_layout)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(self.sB_layout)], 1024]
+            # A tiles: Kl of sub-chunks 0..3, then Ql of 0..3; B tiles: Kr_J E_IJ, I >= J
+            sA: cute.struct.Align[cute.struct.MemRange[BFloat16, 2 * NSUB * SUB * kd], 128]
+            sB: cute.struct.Align[cute.struct.MemRange[BFloat16, TILES * SUB * kd], 128]
 
         self.shared_storage = SharedStorage
         self.kernel(
-            mQ, mK, mG, mBeta, mTok0, mLen, mQg, mKg, mKd, mT, mP, mD, scale, self.mma,
-            self.sA_layout, self.sB_layout,
+            mQ, mK, mG, mBeta, mTok0, mLen, mQg, mKg, mKd, mT, mP, mD, scale,
         ).launch(
             grid=(mTok0.shape[0], mG.shape[1], 1),
             block=[THREADS_PER_WG, 1, 1],
             stream=stream,
+            min_blocks_per_mp=CTAS_PER_SM,
+            preferred_smem_carveout=100,  # percent: the whole 228 KB (and no device query)
         )  # fmt: skip
 
     @cute.kernel
@@ -138,201 +202,307 @@ class KdaIntraSm90:
         mP: cute.Tensor,
         mD: cute.Tensor,
         scale: Float32,
-        mma: cute.TiledMma,
-        sA_layout: cute.ComposedLayout,
-        sB_layout: cute.ComposedLayout,
     ):
-        ch, _, _ = cute.arch.thread_idx()
+        tid, _, _ = cute.arch.thread_idx()
         gc, hv, _ = cute.arch.block_idx()
+        kd = self.k
         storage = SmemAllocator().allocate(self.shared_storage)
-        sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
-        sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
-        sBeta = storage.sBeta.get_tensor(cute.make_layout(CHUNK))
-        sW = storage.sW.get_tensor(cute.make_layout((CHUNK, CHUNK), stride=(W_STRIDE, 1)))
-        sX = storage.sX.get_tensor(cute.make_layout((2 * BLOCK, 2 * BLOCK), stride=(X_STRIDE, 1)))
-        bar = named_barrier(Bar.AUX, THREADS_PER_WG)
-
+        sm = {
+            "beta": storage.sBeta.get_tensor(cute.make_layout(CHUNK)),
+            # [w][f]: warp w's totals, lower half's totals, upper half's first running sums: in
+            # the B tiles, written only after the barrier that ends the scan's reads
+            "scan": storage.sB.get_tensor(cute.make_layout((kd, 3, NSUB), stride=(1, kd, 3 * kd)),
+                                          dtype=Float32),
+            # after the products (a barrier after their last read): sW, sX, sP over the A tiles
+            "w": storage.sA.get_tensor(cute.make_layout((CHUNK, CHUNK), stride=(W_STRIDE, 1)),
+                                       dtype=Float32),
+            "x": cute.make_tensor(cute.recast_ptr(storage.sA.data_ptr(), dtype=Float32) + X_AT,
+                                  cute.make_layout((2 * BLOCK, 2 * BLOCK), stride=(X_STRIDE, 1))),
+            "p": cute.make_tensor(storage.sA.data_ptr() + 2 * P_AT,
+                                  cute.make_layout((CHUNK, CHUNK), stride=(P_STRIDE, 1))),
+            "a": storage.sA.get_tensor(cute.make_layout((SUB, kd, 2 * NSUB),
+                                                        stride=(kd, 1, SUB * kd))),
+            "b": storage.sB.get_tensor(cute.make_layout((SUB, kd, TILES),
+                                                        stride=(kd, 1, SUB * kd))),
+        }  # fmt: skip
         tok0 = mTok0[gc]
         valid = mLen[gc]
-        # a chunk of length 0 (past the last real one: the launcher's grid is an upper bound
-        # of chunks built without reading the offsets on the host) has nothing to write
+        # a chunk of length 0 (past the last real one) has nothing to write
         if valid > 0:
-            self._chunk(mQ, mK, mG, mBeta, mQg, mKg, mKd, mT, mP, mD, scale, mma, sA, sB, sBeta,
-                        sW, sX, bar, ch, gc, hv, tok0, valid)  # fmt: skip
+            self._chunk(mQ, mK, mG, mBeta, mQg, mKg, mKd, mT, mP, mD, scale, sm, tid, gc, hv,
+                        tok0, valid)  # fmt: skip
 
     @cute.jit
-    def _chunk(self, mQ, mK, mG, mBeta, mQg, mKg, mKd, mT, mP, mD, scale, mma, sA, sB, sBeta,
-               sW, sX, bar, ch, gc, hv, tok0, valid):  # fmt: skip
-        """Chunk gc of value head hv (tokens tok0 .. tok0 + valid, valid >= 1): the module
-        docstring's math."""
+    def _chunk(self, mQ, mK, mG, mBeta, mQg, mKg, mKd, mT, mP, mD, scale, sm, tid, gc, hv,
+               tok0, valid):  # fmt: skip
+        bar = named_barrier(Bar.AUX, THREADS_PER_WG)
+        w = cute.arch.make_warp_uniform(tid // 32)
+        lane = tid % 32
+        half = lane // GROUPS
+        cg = lane % GROUPS
         head = hv // (mG.shape[1] // mQ.shape[1])
         row0 = gc * CHUNK
-        if ch < CHUNK:
-            inside = ch < valid
-            t = tok0 + cutlass.min(ch, valid - 1)
-            sBeta[ch] = cutlass.select_(inside, Float32(mBeta[t, hv]), Float32(0.0))
+        r_first = SUB * w + TOK * half  # the thread's first token in the chunk
+        if tid < CHUNK:
+            t = tok0 + cutlass.min(tid, valid - 1)
+            sm["beta"][tid] = cutlass.select_(tid < valid, Float32(mBeta[t, hv]), Float32(0.0))
 
-        # pass 0: the references r_b = G2 at token 16 b + 8 and G2_C (a running sum; the k and
-        # q passes below run it again: g re-read from L2 instead of 64 live registers). Every
-        # pass loads a sub-chunk's 16 tokens before their math and stores (`_load_sub`): SASS
-        # issues pass 0's 64 loads at once, and the k / q sides' loads of sub-chunk b + 1 at the
-        # top of sub-chunk b, before its stores, where the token loops of before had one load in
-        # flight (the next token's behind this one's stores)
-        run = Float32(0.0)
-        ref = []
-        for b in cutlass.range_constexpr(NSUB):
-            gs, _ = self._load_sub(None, mG, tok0, valid, hv, 0, ch, b)
-            for s in cutlass.range_constexpr(SUB):
-                run = run + gs[s]
-                if const_expr(s == SUB // 2):
-                    ref.append(run)
-        gc2 = run
-        mD[gc, hv, ch] = cute.math.exp2(gc2, fastmath=True)
-        pow_r = [cute.math.exp2(r, fastmath=True) for r in ref]
-        pow_cr = [cute.math.exp2(gc2 - r, fastmath=True) for r in ref]
-        # E[b][J] = 2^(r_b - r_J) for J < b (<= 1: r decreases along the chunk)
-        e_tab = [[cute.math.exp2(ref[b] - ref[j], fastmath=True) for j in range(b)]
-                 for b in range(NSUB)]  # fmt: skip
-        # the k and q passes loop over the sub-chunks at run time, the sub-chunk's factors
-        # picked by b (unrolled at compile time: 255 registers and 2.5 KB spilled, mostly 64-bit
-        # values, the tokens' addresses shared by the three passes; at run time: 164, none; with
-        # the next sub-chunk's 32 values carried: 208, none). The last iteration loads 16 tokens
-        # past the chunk, clamped to its last token (cache hits, unused)
-        e_rows = _columns_of(e_tab)
+        # g, k and q of the thread's 8 tokens loaded at once: g into registers, k and q by
+        # cp.async into the A tile slots (Kl's, Ql's) the thread itself overwrites with Kl, Ql
+        # after reading them back token by token (held in registers they spilled)
+        gl = []
+        for s in cutlass.range_constexpr(TOK):
+            t, inside = self._token(tok0, valid, r_first + s)
+            for x in cutlass.range_constexpr(2):
+                src = mK[t, head, None] if const_expr(x == 0) else mQ[t, head, None]
+                dst = self._at(sm["a"][None, None, NSUB * x + w], TOK * half + s, cg ^ s)
+                cp_async_16(dst.iterator, cute.local_tile(src, (VEC,), (cg,)).iterator)
+            graw = self._raw(mG[t, hv, None], cg, Float32)
+            gl.append([cutlass.select_(inside, graw[e] * LOG2E, Float32(0.0)) for e in range(VEC)])
+        cute.arch.cp_async_commit_group()
 
-        # k side: Kg, Kd to global; Kr (B tiles) and Kl * E (A tiles) to shared memory
-        run = Float32(0.0)
-        gn, kn = self._load_sub(mK, mG, tok0, valid, hv, head, ch, 0)
-        for b in cutlass.range(NSUB, unroll=1):
-            gs, ks = gn, kn
-            gn, kn = self._load_sub(mK, mG, tok0, valid, hv, head, ch, b + 1)
-            ref_b, pow_rb, pow_crb = (self._pick(x, b) for x in (ref, pow_r, pow_cr))
-            e_row = [self._pick(e, b) for e in e_rows]
-            for s in cutlass.range_constexpr(SUB):
-                i = SUB * b + s
-                run = run + gs[s]
-                a = run - ref_b
-                kl = ks[s] * cute.math.exp2(a, fastmath=True)
-                kr = ks[s] * cute.math.exp2(-a, fastmath=True)
-                mKg[row0 + i, hv, ch] = (kl * pow_rb).to(BFloat16)
-                mKd[row0 + i, hv, ch] = (kr * pow_crb).to(BFloat16)
-                sB[s, ch, b] = kr.to(BFloat16)
-                self._put_scaled(sA, i, ch, kl, e_row)
-        cute.arch.fence_view_async_shared()
+        # G2 = (base_w + off) + run: running sums in registers; off the lower half-warp's
+        # totals (upper half; 0 below), base_w the warps' before w (shared memory); the
+        # reference r_w = G2 at token 16 w + 8, rebuilt by every thread in the same order
+        run = [gl[0]]
+        for s in cutlass.range_constexpr(1, TOK):
+            run.append([run[s - 1][e] + gl[s][e] for e in range(VEC)])
+        lower = [cute.arch.shuffle_sync_bfly(run[TOK - 1][e], GROUPS) for e in range(VEC)]
+        if half == 1:
+            for f, vals in enumerate((
+                [lower[e] + run[TOK - 1][e] for e in range(VEC)], lower, run[0]
+            )):  # fmt: skip
+                frag = cute.make_rmem_tensor(VEC, Float32)
+                for e in cutlass.range_constexpr(VEC):
+                    frag[e] = vals[e]
+                cute.autovec_copy(frag, cute.local_tile(sm["scan"][None, f, w], (VEC,), (cg,)))
         bar.arrive_and_wait()
-        acc_shape = mma.get_slice(0).partition_shape_C((CHUNK, SUB))
-        accs = [cute.make_rmem_tensor(acc_shape, Float32) for _ in range(NSUB)]
-        self._products(mma, sA, sB, accs)
-        gn, qn = self._load_sub(mQ, mG, tok0, valid, hv, head, ch, 0)  # under the WGMMAs
-        warpgroup.wait_group(0)
-        coords = softmax.acc_coords(mma, ch, (CHUNK, SUB))
+        base, refs = [], []
+        acc = [Float32(0.0)] * VEC
         for j in cutlass.range_constexpr(NSUB):
-            self._lower_to_scratch(mma, accs[j], coords, sW, sBeta, ch, j)
-        bar.arrive_and_wait()  # the k-side WGMMAs are done with the A tiles
+            part = []
+            for f in cutlass.range_constexpr(3):
+                frag = cute.make_rmem_tensor(VEC, Float32)
+                cute.autovec_copy(cute.local_tile(sm["scan"][None, f, j], (VEC,), (cg,)), frag)
+                part.append(frag)
+            base.append(acc)
+            refs.append([(acc[e] + part[1][e]) + part[2][e] for e in range(VEC)])
+            acc = [acc[e] + part[0][e] for e in range(VEC)] if j > 0 else [
+                part[0][e] for e in range(VEC)
+            ]  # fmt: skip
+        bar.arrive_and_wait()  # every scan read done: the B tiles it sits in are written next
+        gc2 = acc
+        off = [cutlass.select_(half == 1, lower[e], Float32(0.0)) for e in range(VEC)]
+        start = [self._pick([base[j][e] for j in range(NSUB)], w) + off[e] for e in range(VEC)]
+        ref_w = [self._pick([refs[j][e] for j in range(NSUB)], w) for e in range(VEC)]
+        # a = G2 - r_w, formed once (its 64 values replace G2's in registers)
+        a_s = [[(start[e] + run[s][e]) - ref_w[e] for e in range(VEC)] for s in range(TOK)]
+        pow_r = [cute.math.exp2(ref_w[e], fastmath=True) for e in range(VEC)]
+        pow_cr = [cute.math.exp2(gc2[e] - ref_w[e], fastmath=True) for e in range(VEC)]
+        # E_Iw = 2^(r_I - r_w), I > w (<= 1), on Kr_w's copies (B side); unused for I <= w
+        e_iw = [[cute.math.exp2(refs[i][e] - ref_w[e], fastmath=True) for e in range(VEC)]
+                for i in range(1, NSUB)]  # fmt: skip
+        if tid < GROUPS:
+            dec = cute.make_rmem_tensor(VEC, Float32)
+            for e in cutlass.range_constexpr(VEC):
+                dec[e] = cute.math.exp2(gc2[e], fastmath=True)
+            cute.autovec_copy(dec, cute.local_tile(mD[gc, hv, None], (VEC,), (cg,)))
 
-        # q side: Qg to global, Ql * E into the same A tiles
-        run = Float32(0.0)
-        for b in cutlass.range(NSUB, unroll=1):
-            gs, qs = gn, qn
-            gn, qn = self._load_sub(mQ, mG, tok0, valid, hv, head, ch, b + 1)
-            ref_b, pow_rb = (self._pick(x, b) for x in (ref, pow_r))
-            e_row = [self._pick(e, b) for e in e_rows]
-            for s in cutlass.range_constexpr(SUB):
-                i = SUB * b + s
-                run = run + gs[s]
-                ql = qs[s] * scale * cute.math.exp2(run - ref_b, fastmath=True)
-                mQg[row0 + i, hv, ch] = (ql * pow_rb).to(BFloat16)
-                self._put_scaled(sA, i, ch, ql, e_row)
-        cute.arch.fence_view_async_shared()
+        cute.arch.cp_async_wait_group(0)
+        # k and q sides token by token (2^a shared by both sides):
+        # Kl, Ql into their A tiles, Kr E_Iw into the B tiles (I, w), I >= w
+        for s in cutlass.range_constexpr(TOK):
+            i = r_first + s
+            r = TOK * half + s
+            _, inside = self._token(tok0, valid, i)
+            c = cg ^ s  # the row's swizzle: chunk ^ (row % 8), row = 8 half + s
+            xk, xq = (
+                self._fp32(self._raw16(self._at(sm["a"][None, None, NSUB * x + w], r, c), inside,
+                                       mK.element_type))
+                for x in range(2)
+            )  # fmt: skip
+            kl, kr, kg, kdd, ql, qg = [], [], [], [], [], []
+            for e in cutlass.range_constexpr(VEC):
+                a = a_s[s][e]
+                ea = cute.math.exp2(a, fastmath=True)
+                kl.append(xk[e] * ea)
+                kr.append(xk[e] * cute.math.exp2(-a, fastmath=True))
+                kg.append(kl[e] * pow_r[e])
+                kdd.append(kr[e] * pow_cr[e])
+                ql.append(xq[e] * scale * ea)
+                qg.append(ql[e] * pow_r[e])
+            self._store(kg, cute.local_tile(mKg[row0 + i, hv, None], (VEC,), (cg,)))
+            self._store(kdd, cute.local_tile(mKd[row0 + i, hv, None], (VEC,), (cg,)))
+            self._store(qg, cute.local_tile(mQg[row0 + i, hv, None], (VEC,), (cg,)))
+            self._store(kl, self._at(sm["a"][None, None, w], r, c))
+            self._store(ql, self._at(sm["a"][None, None, NSUB + w], r, c))
+            self._store(kr, self._at(sm["b"][None, None, tile_of(w, 0) + w], r, c))
+            for ii in cutlass.range_constexpr(1, NSUB):
+                if ii > w:
+                    vals = [kr[e] * e_iw[ii - 1][e] for e in range(VEC)]
+                    self._store(vals, self._at(sm["b"][None, None, tile_of(ii, 0) + w], r, c))
         bar.arrive_and_wait()
-        accp = [cute.make_rmem_tensor(acc_shape, Float32) for _ in range(NSUB)]
-        self._products(mma, sA, sB, accp)
-        # the inverse after the wait: under the WGMMAs ptxas serialized every one of them
-        # (C7514; GDN's aux overlaps them, with one accumulator in flight)
-        warpgroup.wait_group(0)
-        cute.arch.sync_warp()
-        invert_diagonal(sW, ch)
-        invert_merge_mma(sW, sX, ch, bar)
-        for j in cutlass.range_constexpr(NSUB):
-            self._store_p(accp[j], coords, mP, row0, hv, j)
-        self._store_t_beta(sW, sBeta, mT, row0, hv, ch)
+        self._products(sm, w, bar)
+        bar.arrive_and_wait()
+        # L is complete in sW (every warp wrote its blocks before the barrier above)
+        invert_diagonal(sm["w"], tid)
+        invert_merge_mma(sm["w"], sm["x"], tid, bar)  # ends with a barrier: sP visible too
+        self._store_out(sm, mP, mT, row0, hv, tid)
 
     @cute.jit
-    def _g(self, mG, tok0, valid, hv, ch, i) -> Float32:
-        """log2(e) g of token i of the chunk for this channel; 0 past the sequence."""
-        t = tok0 + cutlass.min(i, valid - 1)
-        return Float32(cutlass.select_(i < valid, Float32(mG[t, hv, ch]), Float32(0.0))) * LOG2E
+    def _raw(self, row: cute.Tensor, cg, dtype) -> cute.Tensor:
+        """Channels 8 cg .. 8 cg + 7 of a 128-channel global row: one 16-byte load (two for
+        fp32), kept packed until used."""
+        raw = cute.make_rmem_tensor(VEC, dtype)
+        cute.autovec_copy(cute.local_tile(row, (VEC,), (cg,)), raw)
+        return raw
 
     @cute.jit
-    def _load_sub(self, mX, mG, tok0, valid, hv, head, ch, b):
-        """Sub-chunk b's 16 tokens for this channel, every load issued before any use: (log2(e)
-        g, x) as lists of 16 fp32, x from mX (k or q; None: g only, x empty); 0 past the
-        sequence (the loads themselves clamped to its last token)."""
-        gs, xs = [], []
-        for s in cutlass.range_constexpr(SUB):
-            i = SUB * b + s
-            gs.append(self._g(mG, tok0, valid, hv, ch, i))
-            if const_expr(mX is not None):
-                t = tok0 + cutlass.min(i, valid - 1)
-                xs.append(cutlass.select_(i < valid, Float32(mX[t, head, ch]), Float32(0.0)))
-        return gs, xs
+    def _token(self, tok0, valid, i):
+        """(the token row to read for chunk row i, clamped to the sequence; whether inside)."""
+        return tok0 + cutlass.min(i, valid - 1), i < valid
+
+    @cute.jit
+    def _raw16(self, chunk: cute.Tensor, inside, dtype) -> cute.Tensor:
+        """8 16-bit channels (a 16-byte chunk, read as `dtype`), zeroed past the sequence on the
+        packed words."""
+        raw = cute.make_rmem_tensor(VEC, dtype)
+        cute.autovec_copy(cute.recast_tensor(chunk, dtype), raw)
+        words = cute.recast_tensor(raw, Int32)
+        for e in cutlass.range_constexpr(VEC // 2):
+            words[e] = cutlass.select_(inside, words[e], Int32(0))
+        return raw
+
+    @cute.jit
+    def _fp32(self, raw: cute.Tensor) -> list:
+        """A 16-bit load's 8 values as fp32."""
+        return [Float32(raw[e]) for e in range(VEC)]
+
+    @cute.jit
+    def _store(self, vals: list, dst: cute.Tensor):
+        """8 fp32 as bf16 into a 16-byte destination."""
+        frag = cute.make_rmem_tensor(VEC, BFloat16)
+        v = cute.make_rmem_tensor(VEC, Float32)
+        for e in cutlass.range_constexpr(VEC):
+            v[e] = vals[e]
+        frag.store(v.load().to(BFloat16))
+        cute.autovec_copy(frag, dst)
+
+    @cute.jit
+    def _at(self, tile: cute.Tensor, r, c) -> cute.Tensor:
+        """16-byte chunk c (already swizzled: c ^ (r % 8)) of row r of a (16, 128) operand
+        tile."""
+        return cute.local_tile(tile[r, None], (VEC,), (c,))
 
     @cute.jit
     def _pick(self, values, b) -> Float32:
-        """values[b] for a run-time sub-chunk index b (three selects)."""
+        """values[b] for a run-time (warp-uniform) index b."""
         out = values[0]
         for c in cutlass.range_constexpr(1, NSUB):
             out = cutlass.select_(b == c, values[c], out)
         return Float32(out)
 
     @cute.jit
-    def _put_scaled(self, sA, i, ch, x, e_row):
-        """Row i of the four A tiles (sub-chunk b): x E_{bJ}, with E_{bJ} = 1 for J = b and 0
-        for J > b (e_row: E_{b.})."""
-        for j in cutlass.range_constexpr(NSUB):
-            sA[i, ch, j] = (x * e_row[j]).to(BFloat16)
+    def _products(self, sm, w, bar):
+        """Warp w's blocks v, v + 4, v + 8 (v = 3 - w: warps 3, 2 take three, warps 1, 0, whose
+        B copies are more, two) of the 10 (I, J), I >= J, of L and P at once: L_IJ =
+        Kl_I (Kr_J E_IJ)^T (beta_i, j < i, into sW), P_IJ = Ql_I (Kr_J E_IJ)^T (j <= i, bf16
+        into sP), the B fragments shared. Step s (channels 16 s .. 16 s + 15) by one
+        ldmatrix.x4 per A (rows 0-7, 8-15 x chunks 2 s, 2 s + 1: the A fragment in register
+        order) and one of B (tokens 0-7 x chunks 2 s, 2 s + 1, then 8-15: both n halves). The
+        results stay in registers over a barrier: sW and sP lie over the A tiles."""
+        lane = opaque_tid_x() % 32  # read here: its address terms not live over the token loop
+        g = lane // 4
+        t = lane % 4
+        x = lane % 8  # the row's swizzle (row % 8) of the row this lane addresses
+        row_a = x + 8 * ((lane // 8) % 2)
+        row_b = x + 8 * (lane // 16)
+        hi_a = lane // 16
+        hi_b = (lane // 8) % 2
+        per = 3  # blocks a warp at most
+        accs = cute.make_rmem_tensor((16, per), Float32)  # [0, 8): L's fragments, [8, 16): P's
+        for n in cutlass.range_constexpr(per):
+            idx = (NSUB - 1 - w) + NSUB * n
+            if idx < TILES:
+                bi, bj = self._block(idx)
+                acc = [Float32(0.0)] * 16
+                tl = sm["a"][None, None, bi]
+                tp = sm["a"][None, None, NSUB + bi]
+                tb = sm["b"][None, None, idx]
+                for s in cutlass.range_constexpr(KSTEPS):
+                    ca = (2 * s + hi_a) ^ x
+                    a_l = ldsm_x4(self._at(tl, row_a, ca).iterator.toint())
+                    a_p = ldsm_x4(self._at(tp, row_a, ca).iterator.toint())
+                    b = ldsm_x4(self._at(tb, row_b, (2 * s + hi_b) ^ x).iterator.toint())
+                    for nh in cutlass.range_constexpr(2):
+                        bb = (b[2 * nh], b[2 * nh + 1])
+                        for o, a in ((0, a_l), (8, a_p)):
+                            c4 = tuple(acc[o + 4 * nh + q] for q in range(4))
+                            d = mma_bf16_16x8x16(a, bb, c4)
+                            for q in cutlass.range_constexpr(4):
+                                acc[o + 4 * nh + q] = d[q]
+                for q in cutlass.range_constexpr(16):
+                    accs[q, n] = acc[q]
+        bar.arrive_and_wait()  # every warp's tile reads done: sW, sP may overwrite them
+        for n in cutlass.range_constexpr(per):
+            idx = (NSUB - 1 - w) + NSUB * n
+            if idx < TILES:
+                bi, bj = self._block(idx)
+                self._block_out(sm, [accs[q, n] for q in range(8)], bi, bj, g, t, True)
+                self._block_out(sm, [accs[8 + q, n] for q in range(8)], bi, bj, g, t, False)
 
     @cute.jit
-    def _products(self, mma, sA, sB, accs):
-        """accs[J] = A_J Kr_J^T (64 x 16 over K), one commit group."""
-        thr = mma.get_slice(0)
-        tA = thr.make_fragment_A(thr.partition_A(sA))
-        tB = thr.make_fragment_B(thr.partition_B(sB))
-        for j in cutlass.range_constexpr(NSUB):
-            gemm(mma, accs[j], tA[None, None, None, j], tB[None, None, None, j], True, -1)
+    def _block(self, idx):
+        """(I, J) of lower-triangle block idx (row order)."""
+        bi = Int32(0)  # idx in [I (I + 1) / 2, (I + 1) (I + 2) / 2)
+        for c in cutlass.range_constexpr(1, NSUB):
+            bi = bi + cutlass.select_(idx >= tile_of(c, 0), Int32(1), Int32(0))
+        return bi, idx - bi * (bi + 1) // 2
 
     @cute.jit
-    def _lower_to_scratch(self, mma, acc, coords, sW, sBeta, tid, j):
-        """Column block j of L = beta_i (K K^T)_ij for j < i, else 0, into the fp32 scratch."""
-        t0, row_base, col_base = coords
-        a = rows_cols(acc)
-        diff = SUB * j + col_base - row_base
-        for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
-            bi = sBeta[row_base + t0[r, 0][0]]
-            for c in cutlass.range_constexpr(cute.size(a, mode=[1])):
-                off = t0[r, 0][0] - t0[r, c][1]
-                a[r, c] = cutlass.select_(diff < off, a[r, c] * bi, Float32(0.0))
-        part = mma.get_slice(tid).partition_C(cute.local_tile(sW, (CHUNK, SUB), (0, j)))
-        part.store(acc.load())
+    def _block_out(self, sm, acc, bi, bj, g, t, is_l: cutlass.Constexpr[bool]):
+        """C fragments (rows g, g + 8; columns 8 nh + 2 t, + 1) of block (bi, bj), masked."""
+        for hr in cutlass.range_constexpr(2):
+            r = g + 8 * hr
+            i = SUB * bi + r
+            beta = sm["beta"][i]
+            for nh in cutlass.range_constexpr(2):
+                c0 = 8 * nh + 2 * t
+                j = SUB * bj + c0
+                pair = cute.make_rmem_tensor(2, Float32)
+                for e in cutlass.range_constexpr(2):
+                    v = acc[4 * nh + 2 * hr + e]
+                    if const_expr(is_l):
+                        pair[e] = cutlass.select_(j + e < i, v * beta, Float32(0.0))
+                    else:
+                        pair[e] = cutlass.select_(j + e <= i, v, Float32(0.0))
+                if const_expr(is_l):
+                    cute.autovec_copy(pair, cute.local_tile(sm["w"][i, None], (2,), (j // 2,)))
+                else:
+                    half = cute.make_rmem_tensor(2, BFloat16)
+                    half.store(pair.load().to(BFloat16))
+                    cute.autovec_copy(half, cute.local_tile(sm["p"][i, None], (2,), (j // 2,)))
 
     @cute.jit
-    def _store_p(self, acc, coords, mP, row0, hv, j):
-        """Column block j of P (j <= i, else 0) to global, bf16."""
-        t0, row_base, col_base = coords
-        a = rows_cols(acc)
-        diff = SUB * j + col_base - row_base
-        for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
-            i = row_base + t0[r, 0][0]
-            for c in cutlass.range_constexpr(cute.size(a, mode=[1])):
-                off = t0[r, 0][0] - t0[r, c][1]
-                val = Float32(cutlass.select_(diff <= off, a[r, c], Float32(0.0)))
-                mP[row0 + i, hv, SUB * j + col_base + t0[r, c][1]] = val.to(BFloat16)
-
-    @cute.jit
-    def _store_t_beta(self, sW, sBeta, mT, row0, hv, tid):
-        """T diag(beta) to global, bf16: thread t row t // 2, columns 32 (t % 2) ..."""
-        i = tid // 2
-        half = (tid % 2) * (CHUNK // 2)
-        for c in cutlass.range_constexpr(CHUNK // 2):
-            j = half + c
-            mT[row0 + i, hv, j] = (sW[i, j] * sBeta[j]).to(BFloat16)
+    def _store_out(self, sm, mP, mT, row0, hv, tid):
+        """P and T diag(beta) to global (bf16, 16-byte stores): 8-column group p % 8 of row
+        p // 8, p = tid + 128 u, so that a warp's store is 4 whole 128-byte rows; the blocks
+        above the diagonal (never written in shared memory) as 0."""
+        groups = CHUNK // VEC
+        for u in cutlass.range_constexpr(CHUNK * groups // THREADS_PER_WG):
+            p = tid + THREADS_PER_WG * u
+            i = p // groups
+            c = p % groups
+            keep = (c * VEC) // SUB <= i // SUB
+            pv = cute.make_rmem_tensor(VEC, BFloat16)
+            cute.autovec_copy(cute.local_tile(sm["p"][i, None], (VEC,), (c,)), pv)
+            pw = cute.recast_tensor(pv, Int32)
+            for e in cutlass.range_constexpr(VEC // 2):
+                pw[e] = cutlass.select_(keep, pw[e], Int32(0))
+            cute.autovec_copy(pv, cute.local_tile(mP[row0 + i, hv, None], (VEC,), (c,)))
+            tw = cute.make_rmem_tensor(VEC, Float32)
+            tb = cute.make_rmem_tensor(VEC, Float32)
+            cute.autovec_copy(cute.local_tile(sm["w"][i, None], (VEC,), (c,)), tw)
+            cute.autovec_copy(cute.local_tile(sm["beta"], (VEC,), (c,)), tb)
+            vals = [cutlass.select_(keep, tw[e] * tb[e], Float32(0.0)) for e in range(VEC)]
+            self._store(vals, cute.local_tile(mT[row0 + i, hv, None], (VEC,), (c,)))

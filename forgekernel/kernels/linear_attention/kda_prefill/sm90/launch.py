@@ -11,9 +11,9 @@ import functools
 import torch
 
 from forgekernel.kernels.linear_attention.kda_prefill.sm90 import (
+    INTRA_SPEC,
     SPEC,
     intra_params_for,
-    intra_spec_for,
 )
 from forgekernel.kernels.linear_attention.kda_prefill.sm90.config import CHUNK, params_for
 from forgekernel.kernels.linear_attention.kda_prefill.sm90.operands import (
@@ -43,6 +43,69 @@ def value_split(sequences: int, heads: int, device: torch.device) -> bool:
     return 2 * sequences * heads <= sms
 
 
+# Compile keys per (dtype, dims, ...): built once (a dict and a sort per call otherwise).
+_intra_params = functools.cache(intra_params_for)
+_params = functools.cache(params_for)
+
+# Exact chunk tables where every sequence's length is known on the host (one sequence, or a
+# batch without offsets: the offsets are n x seq_len), per (device, sequences, seq_len): the
+# same `chunk_tables` over the same offsets, built once and only read since (the kernels never
+# write them). Without it each call ran ~20 tiny torch ops (~20 launches, 5-8 us of host
+# issue each on a GPU) for constant tables: the bench's 1 x 2048 host probe. Never evicted (a
+# kernel on another stream may still read an entry): past MAX_TABLES keys, new lengths build
+# their own tables per call. Not used while a CUDA graph captures (the graph keeps its own).
+_TABLES: dict = {}
+MAX_TABLES = 256
+
+
+def _exact_tables(device: torch.device, sequences: int, seq_len: int):
+    cu = torch.arange(sequences + 1, dtype=torch.int32, device=device) * seq_len
+    tables = chunk_tables(cu, chunk_bound(sequences * seq_len, sequences, seq_len))
+    if device.type == "cuda":  # built on this stream, later read on any: finished first
+        torch.cuda.current_stream(device).synchronize()
+    return tables
+
+
+def device_tables(cu_seqlens: torch.Tensor, bound: int):
+    """`operands.chunk_tables` (its model and yardstick: equal bitwise, tests/test_kda_op.py)
+    in 14 launching torch ops instead of 21, no value read on the host: int32 throughout (the
+    offsets' own type) save the sequence index, and each chunk's start as a per-sequence base
+    plus 64 x its global index (cu[s] + 64 (gc - first[s]) = (cu[s] - 64 first[s]) + 64 gc)."""
+    cu = cu_seqlens
+    lo, hi = cu[:-1], cu[1:]
+    chunks = (hi - lo).add_(CHUNK - 1).div_(CHUNK, rounding_mode="floor")
+    ends = chunks.cumsum(0, dtype=cu.dtype)
+    first = ends - chunks
+    gc = torch.arange(bound, dtype=cu.dtype, device=cu.device)
+    seq = torch.searchsorted(ends, gc, right=True).clamp_(max=lo.numel() - 1)
+    starts = torch.sub(lo, first, alpha=CHUNK)[seq].add_(gc, alpha=CHUNK)
+    lengths = (hi[seq] - starts).clamp_(0, CHUNK)
+    return tuple(x.to(torch.int32) for x in (first, starts, lengths))
+
+
+def _capturing(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
+
+
+def _tables(cu_seqlens: torch.Tensor, tokens: int, seq_len: int | None):
+    """(first, starts, lengths) of `operands.chunk_tables` over `chunk_bound` chunks: the
+    cached exact tables where seq_len is known and no CUDA graph captures, else torch ops on
+    the offsets."""
+    n = cu_seqlens.shape[0] - 1
+    device = cu_seqlens.device
+    if seq_len is not None and not _capturing(device):
+        key = (device, n, seq_len)
+        tables = _TABLES.get(key)
+        if tables is None and len(_TABLES) < MAX_TABLES:
+            tables = _TABLES[key] = _exact_tables(*key)
+        if tables is not None:
+            return tables
+    return device_tables(cu_seqlens, chunk_bound(tokens, n, seq_len))
+
+
 def _aligned(x: torch.Tensor) -> torch.Tensor:
     return x if x.data_ptr() % ALIGN == 0 else x.clone()
 
@@ -53,16 +116,15 @@ def _unit_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def first_pass_kernel(q, k, g, beta, cu_seqlens: torch.Tensor, scale: float, l2norm: bool,
-                      seq_len: int | None = None, layout: str = "standard") -> dict:  # fmt: skip
+                      seq_len: int | None = None) -> dict:  # fmt: skip
     """The first pass on `intra.py` (one CTA per chunk and value head; a chunk of length 0, past
     the last real one, returns at once): the same outputs as `operands.kda_chunk_operands`
     (its model: within a few bf16 roundings on the H200, tests/gpu/test_kda_prefill_gpu.py),
-    with the rows of those empty chunks left unwritten (the recurrence never reads them).
-    layout "rows8": the opt-in re-laid-out kernel (`intra_rows8.py`), same grid and outputs."""
+    with the rows of those empty chunks left unwritten (the recurrence never reads them)."""
     if l2norm:  # the kernel reads unit rows: normalized here, in fp32, back in q's dtype
         q, k = (_unit_rows(x) for x in (q, k))
-    bound = chunk_bound(q.shape[0], cu_seqlens.shape[0] - 1, seq_len)
-    first, starts, lengths = chunk_tables(cu_seqlens, bound)
+    first, starts, lengths = _tables(cu_seqlens, q.shape[0], seq_len)
+    bound = starts.shape[0]
     rows, hv, dk = bound * CHUNK, g.shape[1], q.shape[2]
     out = {
         name: q.new_empty(rows, hv, width, dtype=OPERAND_DTYPE)
@@ -71,8 +133,7 @@ def first_pass_kernel(q, k, g, beta, cu_seqlens: torch.Tensor, scale: float, l2n
     }  # fmt: skip
     out["decay"] = q.new_empty(bound, hv, dk, dtype=torch.float32)
     out["first"] = first
-    params = intra_params_for(dtype_name(q.dtype), dk, layout)
-    fn = get_kernel(intra_spec_for(params), params)
+    fn = get_kernel(INTRA_SPEC, _intra_params(dtype_name(q.dtype), dk))
     with on_device(q.device):
         fn(_aligned(q), _aligned(k), _aligned(g.float().contiguous()), beta.float().contiguous(),
            starts, lengths, out["q_g"], out["k_g"], out["k_d"], out["t_beta"], out["p"],
@@ -94,7 +155,6 @@ def kda_prefill(
     *,
     l2norm: bool,
     seq_len: int | None = None,
-    layout: str = "standard",
 ) -> None:
     """Varlen form: q, k (T, H, K), v (T, HV, V) 16-bit, g (T, HV, K) and beta (T, HV),
     cu_seqlens int32 (N + 1,) rising from 0 to T; initial_state fp32 (N, HV, K, V) or None
@@ -102,9 +162,10 @@ def kda_prefill(
     tensors. Never reads the offsets on the host (no sync; CUDA-graph capturable): the chunk
     tables are built on the device over an upper bound of chunks (`operands.chunk_bound`).
     seq_len: every sequence's length where the caller knows it on the host (a batch without
-    offsets): exact tables. The first pass on its kernel (`first_pass_kernel`): 3.9-4.7x the
-    speed of the torch pass on the H200 (2026-12-02, every kda_prefill bench case). layout:
-    the first pass's form (`first_pass_kernel`; "rows8" opt-in)."""
+    offsets): exact tables. The first pass on its kernel (`first_pass_kernel`): the kernel of
+    2026-12-02 ran 3.9-4.7x the speed of the torch pass, its "rows8" re-layout (the only one
+    since 2026-12-03) takes the op to 0.455-0.680x of that time (H200, every kda_prefill bench
+    case)."""
     n = final_state.shape[0]
     if n == 0:
         return
@@ -113,10 +174,10 @@ def kda_prefill(
         return
     if n == 1:  # the offsets are (0, T)
         seq_len = q.shape[0]
-    ops = first_pass_kernel(q, k, g, beta, cu_seqlens, scale, l2norm, seq_len, layout)
+    ops = first_pass_kernel(q, k, g, beta, cu_seqlens, scale, l2norm, seq_len)
     split = value_split(n, v.shape[1], v.device)
-    params = params_for(dtype_name(v.dtype), (q.shape[-1], v.shape[-1]),
-                        initial_state=initial_state is not None, value_split=split)  # fmt: skip
+    params = _params(dtype_name(v.dtype), (q.shape[-1], v.shape[-1]),
+                     initial_state=initial_state is not None, value_split=split)  # fmt: skip
     fn = get_kernel(SPEC, params)
     v = _aligned(v)
     init = None if initial_state is None else _aligned(initial_state)
