@@ -684,6 +684,42 @@ def test_launch_varlen_workspaces(recorded_launches, deterministic):
     assert args[7] is dk and args[8] is dv
 
 
+def test_launch_layout_checks_are_remembered_per_strides_not_per_address(monkeypatch):
+    """The launcher passes tensors laid out as the kernels take them as they are, and copies
+    (or, gradients, writes through a compact buffer) the others: its per-layout memo answers
+    for the strides, never for a base address (checked per call) or another layout."""
+    seen = []
+    monkeypatch.setattr(bwd_launch, "_launch_kernels", lambda *args: seen.append(args[:9]))
+    bwd_launch.clear_plans()
+
+    def call(**change):
+        t = {
+            "q": bf16(1, 64, 4, 64),
+            "k": bf16(1, 64, 2, 64),
+            "v": bf16(1, 64, 2, 64),
+            "o": bf16(1, 64, 4, 64),
+            "lse": torch.randn(1, 4, 64),
+            "do": bf16(1, 64, 4, 64),
+        }
+        t |= {"dq": torch.empty_like(t["q"]), "dk": torch.empty_like(t["k"]),
+              "dv": torch.empty_like(t["v"])} | change  # fmt: skip
+        bwd_launch.attention_bwd(*t.values(), 0.1, True)
+        return [got is t[name] for got, name in zip(seen[-1], t)]
+
+    assert all(call()) and all(call())
+    shifted = torch.empty(64 * 4 * 64 + 1, dtype=torch.bfloat16)[1:].view(1, 64, 4, 64)
+    assert shifted.stride() == bf16(1, 64, 4, 64).stride()  # the memo's key, a new address
+    assert call(q=shifted) == [False] + [True] * 8
+    assert call(dq=shifted) == [True] * 6 + [False, True, True]
+    # compact by torch's rule, but the size-1 batch dim's stride is not a 16-byte multiple
+    odd = torch.empty(1, 64, 2, 64, dtype=torch.bfloat16).as_strided(
+        (1, 64, 2, 64), (1, 128, 64, 1)
+    )
+    assert odd.is_contiguous() and call(dk=odd) == [True] * 7 + [False, True]
+    assert call(k=odd) == [True, False] + [True] * 7
+    assert all(call())
+
+
 def test_launch_plans_are_chosen_once_per_problem(recorded_launches, monkeypatch):
     """The config, compile keys and workspace layout of a problem are chosen on its first
     launch only (the same launches after); another length gets its own plan."""

@@ -48,18 +48,13 @@ def _check_head_dims(q: torch.Tensor, v: torch.Tensor) -> None:
         )
 
 
-def _launch_kernel(
-    q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, seqs, compact=False
-) -> None:
+def _launch_kernel(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, seqs) -> None:
     """The leaf's launcher (the one name the CPU tests replace with a reference): empty
-    problems, TMA-ready copies and strided gradients are its business; `compact`: o, lse and
-    the gradients are the autograd's own compact buffers (no layout checks)."""
+    problems, TMA-ready copies and strided gradients are its business."""
     grads = (dq, dk, dv)
     if seqs is None:
         seqs = (None, None, None, None)
-    bwd_sm90.attention_bwd(
-        q, k, v, o, lse, do, *grads, scale, causal, deterministic, *seqs, compact=compact
-    )
+    bwd_sm90.attention_bwd(q, k, v, o, lse, do, *grads, scale, causal, deterministic, *seqs)
 
 
 def _empty_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Grads:
@@ -158,8 +153,7 @@ def _backward(q, k, v, o, lse, do, causal, scale, deterministic, seqs: Seqs) -> 
             q, k, v, o, lse, do, *seqs, causal, scale, deterministic
         )
     grads = _empty_grads(q, k, v)
-    # the gradients fresh; o and lse the forward's saved outputs (one check each: hooks)
-    _launch_kernel(q, k, v, o, lse, do, *grads, scale, causal, deterministic, seqs, compact=True)
+    _launch_kernel(q, k, v, o, lse, do, *grads, scale, causal, deterministic, seqs)
     return grads
 
 
