@@ -287,10 +287,10 @@ def _varlen_workspace(hq: int, rows: int, d: int, deterministic: bool) -> _Works
 # Workspace views start at multiples of 512 bytes, the CUDA caching allocator's alignment of
 # the separate buffers they replace (TMA and the vector reductions need 16).
 _ALIGN = 512 // 4
-# Workspaces up to this size (the problems whose backward is host-bound: b1 hq32 s1024 d128
-# needs 17 MB) come from runtime/scratch.py, one buffer per stream whose views are made once;
-# larger ones are allocated per call (the kernels' time hides it), so that a training step does
-# not keep its largest backward's workspace for good.
+# Workspaces up to this size (b1 hq32 s1024 d128's is 17 MB) come from runtime/scratch.py, one
+# buffer per stream whose views are made once; larger ones, whose kernels run long enough to
+# hide an allocation, are allocated per call, so that a training step does not keep its largest
+# backward's workspace for good.
 SCRATCH_BYTES = 32 << 20
 
 
