@@ -6,7 +6,8 @@ twice the accumulator's rows, by one fill. Problems run in turn twice over one s
 buffer poisoned (NaN bits) in between: each call's gradients within twice the low-precision
 reference's error (+ atol) of the fp32 reference, the second round's deterministic ones
 bitwise the first's. A CUDA graph captured after eager calls owns its workspace and replays
-right on new inputs."""
+right on new inputs. And the host case's host time per call, the op's and each launch's alone
+(printed: where the rest of the H200's figure goes)."""
 
 from __future__ import annotations
 
@@ -107,3 +108,34 @@ def test_a_captured_backward_owns_its_workspace():
     for g, e, w, bound in zip(out, eager, want, bounds):
         assert float((g.float() - w).abs().max()) <= bound
         assert float((e.float() - w).abs().max()) <= bound
+
+
+def test_host_time_of_each_launch(capsys):
+    """Where the host case's host time per call goes: the op, and each of its launches alone
+    (the three kernels' FFI calls on the plan's own workspace, the head split's cast), us per
+    back-to-back call (`timing.host_us_per_call`, median of 5 rounds of 200). Printed for the
+    notes; the launches cannot take longer than the op that makes them."""
+    from forgekernel.kernels.attention.bwd.sm90 import launch
+    from forgekernel.kernels.common.sm90.constants import LOG2E
+    from forgekernel.runtime.timing import host_us_per_call, median
+
+    q, k, v, o, lse, do = _inputs(PROBLEMS["host case, head split"], 0)
+    out = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    scale = 128**-0.5
+    launch.clear_plans()
+    forgekernel.attention_backward(q, k, v, o, lse, do, True, out=out)
+    (plan,) = launch._plans.values()
+    lse2, dsum, dq_acc, sem, dk_acc, dv_acc, pre_dq, _ = plan.workspace.allocate(DEV)
+    fns = {
+        "op": lambda: forgekernel.attention_backward(q, k, v, o, lse, do, True, out=out),
+        "pre": lambda: plan.pre(o, do, lse, lse2, dsum, None, pre_dq, 0),
+        "main": lambda: plan.main(q, k, v, do, lse2, dsum, dq_acc, dk_acc, dv_acc, sem, None,
+                                  None, plan.ctas, scale, scale * LOG2E),
+        "post": lambda: plan.post(dq_acc, out[0], None, 0, scale),
+        "cast": lambda: torch._foreach_copy_(out[1:], (dk_acc, dv_acc)),
+    }  # fmt: skip
+    us = {name: median(t.issued) for name, t in host_us_per_call(fns).items()}
+    with capsys.disabled():
+        print("\nattention_bwd host case, host us per call: " + ", ".join(
+            f"{name} {t:.1f}" for name, t in us.items()))  # fmt: skip
+    assert max(us[n] for n in ("pre", "main", "post", "cast")) < us["op"]
