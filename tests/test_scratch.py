@@ -1,10 +1,10 @@
 """runtime/scratch.py on the CPU: one buffer per (name, dtype, device, stream) reused across
 calls, never shared between names or streams, grown when a call needs more, and never handed
 out (nor cached) while the stream captures a CUDA graph (the stream lookup replaced by a fake
-current stream); the zero flags of the stream-K and split-KV kernels (`flags`); and the
-split-KV launchers (MLA decode, DSA, paged decode) reusing theirs.
-The CUDA side (a captured graph owning its scratch, two streams at once) is
-tests/gpu/test_scratch_gpu.py."""
+current stream); the views a launcher carves out of one buffer (`scratch_views`), made once;
+the zero flags of the stream-K and split-KV kernels (`flags`); and the split-KV launchers
+(MLA decode, DSA, paged decode) reusing theirs. The CUDA side (a captured graph owning its
+scratch, two streams at once) is tests/gpu/test_scratch_gpu.py."""
 
 from __future__ import annotations
 
@@ -91,6 +91,37 @@ def test_scratches_are_one_buffer_carved_in_order(streams, dtype):
     grown = scratch_module.scratches("s", ((100,), (7,)), dtype, CPU)
     assert grown[0].data_ptr() != views[0].data_ptr() and grown[1].data_ptr() % 16 == 0
     assert len(scratch_module._SLOTS) == 2  # (s, stream 7) and (s, stream 8)
+
+
+class _Halves:
+    """A scratch_views layout: a buffer's two halves, counting how often it is viewed."""
+
+    def __init__(self, numel: int):
+        self.numel, self.made = numel, 0
+
+    def views(self, buffer):
+        self.made += 1
+        half = self.numel // 2
+        return buffer[:half], buffer[half : self.numel]
+
+
+def test_scratch_views_are_made_once_per_buffer(streams):
+    """`scratch_views`: the layout's views of the stream's buffer, made on first use and
+    handed out again; a grown buffer gets new ones (of its own memory), another stream its
+    own, a capture fresh memory and nothing cached."""
+    small, big = _Halves(8), _Halves(64)
+    first = scratch_module.scratch_views("w", small, F32, CPU)
+    assert scratch_module.scratch_views("w", small, F32, CPU) is first and small.made == 1
+    assert first[0].data_ptr() == scratch("w", (8,), F32, CPU).data_ptr()
+    grown = scratch_module.scratch_views("w", big, F32, CPU)
+    again = scratch_module.scratch_views("w", small, F32, CPU)
+    assert small.made == 2 and again[0].data_ptr() == grown[0].data_ptr()
+    streams[0] = 8
+    assert scratch_module.scratch_views("w", small, F32, CPU)[0].data_ptr() != again[0].data_ptr()
+    streams[0] = None
+    captured = scratch_module.scratch_views("w", small, F32, CPU)
+    assert captured[0].data_ptr() not in {again[0].data_ptr(), grown[0].data_ptr()}
+    assert small.made == 4 and len(scratch_module._SLOTS) == 2
 
 
 def test_flags_are_one_zero_buffer_per_name_and_stream():

@@ -25,6 +25,8 @@ them with eager calls); the capture's entries stay cached (a few hundred bytes e
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 # (name, dtype, device, stream) -> (flat buffer, {shape or shapes: its views of the buffer})
@@ -72,6 +74,37 @@ def scratches(
         if views is not None:
             return views
     return _carve(key, slot, shapes, shapes, dtype, device)
+
+
+def scratch_views(name: str, layout: Layout, dtype: torch.dtype, device: torch.device) -> tuple:
+    """`layout.views(buffer)` of a (layout.numel,) `scratch` buffer, made once per buffer and
+    layout and kept with the buffer (dropped with it): a launcher's several workspaces carved
+    out of one buffer cost a dict lookup per call instead of a view each (~0.7-1 us apiece on
+    the CPU). Same rules as `scratch` (while the stream captures: views of a fresh tensor)."""
+    stream = current_stream(device)
+    if stream is None:
+        return layout.views(torch.empty(layout.numel, dtype=dtype, device=device))
+    key = (name, dtype, device, stream)
+    slot = _SLOTS.get(key)
+    if slot is not None:
+        views = slot[1].get(layout)
+        if views is not None:
+            return views
+    flat = scratch(name, (layout.numel,), dtype, device)  # grows the slot's buffer if short
+    cached = _SLOTS[key][1]
+    if len(cached) >= MAX_SHAPES:
+        cached.clear()
+    views = cached[layout] = layout.views(flat)
+    return views
+
+
+class Layout(Protocol):
+    """What `scratch_views` carves out of a buffer: its size and its views (hashable: the
+    views are cached per layout)."""
+
+    numel: int
+
+    def views(self, buffer: torch.Tensor) -> tuple: ...
 
 
 def current_stream(device: torch.device) -> int | None:
