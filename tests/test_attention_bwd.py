@@ -19,6 +19,7 @@ from forgekernel.reference.attention import (
     attention_varlen_bwd_ref,
     attention_varlen_ref,
 )
+from forgekernel.runtime import scratch
 from forgekernel.runtime.device import tma_ready
 
 fwd_module = importlib.import_module("forgekernel.ops.attention")
@@ -542,18 +543,37 @@ def test_choose_config_head_split_for_small_gqa_descending_walk_for_long_gqa_at_
     assert choose_config(64, 64, False, 2, 8192, 32, 32, 132) == default_config(64, 64)
 
 
+def _preprocess_zeroing(dq_acc: torch.Tensor, sq_pad: int) -> None:
+    """What the fixed-length preprocess (preprocess.py `_zero_dq`) writes into its dQ
+    accumulator argument (B, Hq, W): block m of row (b, h) zeroes its 128 rows' run of
+    128 * (W // Sq_pad // 4) * 4 floats from m times that, 16 bytes per thread and store."""
+    run = 128 * (dq_acc.shape[2] // sq_pad // 4) * 4
+    for b in range(dq_acc.shape[0]):
+        for h in range(dq_acc.shape[1]):
+            row = dq_acc[b, h]
+            for m in range(sq_pad // 128):
+                row[m * run : (m + 1) * run] = 0
+
+
 @pytest.fixture
 def recorded_launches(monkeypatch):
     """The launcher with recording stand-ins for the three compiled kernels (name, args), on
-    a 132-SM device, with torch.empty's memory filled (NaN / int max) so that a workspace the
-    kernels need zeroed is seen zeroed only when the launcher zeroed it."""
+    a 132-SM device, the fixed-length preprocess zeroing as the kernel does, with torch.empty's
+    memory filled (NaN / int max) and a fresh scratch buffer, so that a workspace the kernels
+    need zeroed is seen zeroed only when the launcher or the preprocess zeroed it."""
     calls = []
 
     def get_kernel(spec, params):
-        return lambda *args: calls.append((spec.name, dict(params), args))
+        def kernel(*args):
+            calls.append((spec.name, dict(params), args))
+            if spec.name == "attention_bwd_pre_sm90" and args[6] is not None:
+                _preprocess_zeroing(args[6], args[3].shape[2])
+
+        return kernel
 
     monkeypatch.setattr(bwd_launch, "get_kernel", get_kernel)
     monkeypatch.setattr(bwd_launch, "num_sms", lambda index: 132)
+    monkeypatch.setattr(scratch, "_SLOTS", {})
     bwd_launch._plans.clear()
     bwd_launch._varlen_workspaces.clear()
     deterministic_before = torch.are_deterministic_algorithms_enabled()
@@ -574,28 +594,36 @@ def _zeroed(t):
 @pytest.mark.parametrize(
     "shape, deterministic, head_split, persistent",
     [
-        ((2, 300, 4, 4, 128), False, False, False),  # MHA D = 128
-        ((1, 128, 32, 8, 128), False, True, False),  # GQA under two waves: head_split
-        ((1, 128, 32, 8, 128), True, False, False),  # deterministic: zeroed semaphores
-        ((2, 200, 8, 8, 64), False, False, True),  # D = 64: persistent (zeroed tile counter)
+        ((2, 300, 300, 4, 4, 128), False, False, False),  # MHA D = 128
+        ((1, 128, 128, 32, 8, 128), False, True, False),  # GQA under two waves: head_split
+        ((1, 128, 128, 32, 8, 128), True, False, False),  # deterministic: zeroed semaphores
+        ((2, 200, 200, 8, 8, 64), False, False, True),  # D = 64: persistent (tile counter)
+        # few queries, many keys: the dK / dV accumulators are > the dQ accumulator's size,
+        # zeroed by the launcher
+        ((1, 64, 1000, 4, 2, 128), False, True, False),
     ],
 )
 def test_launch_workspaces(recorded_launches, shape, deterministic, head_split, persistent):
     """The fixed-length launch: workspaces (B, Hq, Sq_pad) LSE / Dsum, (B, Hq, Sq_pad * D) dQ
     accumulator, (B, Hq, Sq_pad / tile_m) int32 semaphores zeroed when deterministic or
     persistent, fp32 dK / dV accumulators zeroed under head_split (copied into dk, dv after):
-    contiguous, 512-byte aligned offsets of one allocation, no two overlapping."""
-    b, s, hq, hkv, d = shape
+    contiguous, 512-byte aligned offsets of one buffer, no two overlapping. The preprocess's
+    dQ-accumulator argument is a (B, Hq, W) row-major view from the accumulator's start that
+    its zeroing turns into every zeroed buffer (unless the launcher zeroes the others: no
+    zeroing twice) and never reaches LSE / Dsum."""
+    b, sq, sk, hq, hkv, d = shape
     q, k, v, o, do = (
-        bf16(b, s, hq, d),
-        bf16(b, s, hkv, d),
-        bf16(b, s, hkv, d),
-        bf16(b, s, hq, d),
-        bf16(b, s, hq, d),
+        bf16(b, sq, hq, d),
+        bf16(b, sk, hkv, d),
+        bf16(b, sk, hkv, d),
+        bf16(b, sq, hq, d),
+        bf16(b, sq, hq, d),
     )
-    lse = torch.randn(b, hq, s)
+    lse = torch.randn(b, hq, sq)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-    bwd_launch.attention_bwd(q, k, v, o, lse, do, dq, dk, dv, 0.1, True, deterministic)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        bwd_launch.attention_bwd(q, k, v, o, lse, do, dq, dk, dv, 0.1, True, deterministic)
+    zero_fills = [e for e in prof.events() if e.name == "aten::zero_"]
     (pre, pre_p, pre_args), (main, main_p, args), (post, _, post_args) = recorded_launches
     assert (pre, main, post) == (
         "attention_bwd_pre_sm90",
@@ -605,18 +633,24 @@ def test_launch_workspaces(recorded_launches, shape, deterministic, head_split, 
     assert main_p.get("head_split", 0) == (2 if head_split else 0)
     assert main_p.get("persistent", False) == persistent
     lse2, dsum, dq_acc, dk_main, dv_main, sem = args[4], args[5], args[6], args[7], args[8], args[9]
-    s_pad = -(-s // 128) * 128
+    s_pad = -(-sq // 128) * 128
     assert lse2.shape == dsum.shape == (b, hq, s_pad) and dq_acc.shape == (b, hq, s_pad * d)
     assert sem.shape == (b, hq, s_pad // main_p["tile_m"]) and sem.dtype == torch.int32
-    assert pre_args[3] is lse2 and pre_args[4] is dsum and pre_args[6] is dq_acc
-    assert post_args[0] is dq_acc and post_args[1] is dq
-    assert _zeroed(sem) == (deterministic or persistent)
-    assert not _zeroed(lse2) and not _zeroed(dq_acc)  # left uninitialized for the kernels
+    assert pre_args[3] is lse2 and pre_args[4] is dsum and post_args[0] is dq_acc
+    assert post_args[1] is dq
+    pre_dq = pre_args[6]
+    width = pre_dq.shape[2]
+    assert pre_dq.shape[:2] == (b, hq) and width % (4 * s_pad) == 0 and width >= s_pad * d
+    assert pre_dq.is_contiguous() and pre_dq.data_ptr() == dq_acc.data_ptr()
+    assert _zeroed(dq_acc) and _zeroed(sem) == (deterministic or persistent)
+    assert not _zeroed(lse2) and not _zeroed(dsum)  # left uninitialized for the kernels
     if head_split:
         assert dk_main.dtype == dv_main.dtype == torch.float32
         assert dk_main.shape == k.shape and _zeroed(dk_main) and _zeroed(dv_main)
     else:
         assert dk_main is dk and dv_main is dv
+    # a fill kernel only where the preprocess's rows would be over twice the accumulator's
+    assert len(zero_fills) == (width == s_pad * d and (head_split or deterministic or persistent))
     ws = [lse2, dsum, dq_acc, sem] + ([dk_main, dv_main] if head_split else [])
     base = lse2.untyped_storage().data_ptr()
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * 4) for t in ws)
@@ -624,7 +658,7 @@ def test_launch_workspaces(recorded_launches, shape, deterministic, head_split, 
     assert all((t.data_ptr() - base) % 512 == 0 for t in ws)
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
     # the persistent kernel's CTA count: one per kv tile up to one per SM
-    assert args[12] == (min(-(-s // 128) * hkv * b, 132) if persistent else 0)
+    assert args[12] == (min(-(-sk // 128) * hkv * b, 132) if persistent else 0)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -648,6 +682,42 @@ def test_launch_varlen_workspaces(recorded_launches, deterministic):
     assert _zeroed(dq_acc) and _zeroed(sem) == deterministic and not _zeroed(lse2)
     assert (dsum.data_ptr() - lse2.data_ptr()) % 512 == 0
     assert args[7] is dk and args[8] is dv
+
+
+def test_launch_layout_checks_are_remembered_per_strides_not_per_address(monkeypatch):
+    """The launcher passes tensors laid out as the kernels take them as they are, and copies
+    (or, gradients, writes through a compact buffer) the others: its per-layout memo answers
+    for the strides, never for a base address (checked per call) or another layout."""
+    seen = []
+    monkeypatch.setattr(bwd_launch, "_launch_kernels", lambda *args: seen.append(args[:9]))
+    bwd_launch.clear_plans()
+
+    def call(**change):
+        t = {
+            "q": bf16(1, 64, 4, 64),
+            "k": bf16(1, 64, 2, 64),
+            "v": bf16(1, 64, 2, 64),
+            "o": bf16(1, 64, 4, 64),
+            "lse": torch.randn(1, 4, 64),
+            "do": bf16(1, 64, 4, 64),
+        }
+        t |= {"dq": torch.empty_like(t["q"]), "dk": torch.empty_like(t["k"]),
+              "dv": torch.empty_like(t["v"])} | change  # fmt: skip
+        bwd_launch.attention_bwd(*t.values(), 0.1, True)
+        return [got is t[name] for got, name in zip(seen[-1], t)]
+
+    assert all(call()) and all(call())
+    shifted = torch.empty(64 * 4 * 64 + 1, dtype=torch.bfloat16)[1:].view(1, 64, 4, 64)
+    assert shifted.stride() == bf16(1, 64, 4, 64).stride()  # the memo's key, a new address
+    assert call(q=shifted) == [False] + [True] * 8
+    assert call(dq=shifted) == [True] * 6 + [False, True, True]
+    # compact by torch's rule, but the size-1 batch dim's stride is not a 16-byte multiple
+    odd = torch.empty(1, 64, 2, 64, dtype=torch.bfloat16).as_strided(
+        (1, 64, 2, 64), (1, 128, 64, 1)
+    )
+    assert odd.is_contiguous() and call(dk=odd) == [True] * 7 + [False, True]
+    assert call(k=odd) == [True, False] + [True] * 7
+    assert all(call())
 
 
 def test_launch_plans_are_chosen_once_per_problem(recorded_launches, monkeypatch):

@@ -103,7 +103,7 @@ def test_compile_keys():
                   for p in pair) == sorted(
         (d, h, t, direct) for d in DTYPES for h, t in PAIR_BLOCKS for direct in (False, True)
     ) and all(p["tma"] for p in pair)  # fmt: skip
-    # the direct form's O store through shared memory (candidate): the ostore blocks, both dtypes
+    # the direct form's O store through shared memory (the 128-head blocks' default): both dtypes
     ostore = [p for p in partial if p.get("ostore")]
     assert sorted((p["dtype"], p["heads"], p.get("qtokens", 1)) for p in ostore) == sorted(
         (d, h, t) for d in DTYPES for h, t in OSTORE_BLOCKS
@@ -200,14 +200,14 @@ def test_launcher_takes_the_direct_form_for_one_split(monkeypatch, key, direct):
     monkeypatch.setattr(mla_launch, "get_kernel", lambda spec, params: dict(params))
     monkeypatch.setattr(mla_launch, "num_sms", lambda device: 132)
     kind, units, hq, tokens, qtokens, fp8, ps = key
-    kernel, combine, splits, per = mla_launch._plan(
+    kernel, combine, splits, per, _ = mla_launch._plan(
         kind, torch.bfloat16, units, hq, tokens, qtokens, 0, fp8, ps
     )
     assert kernel.get("direct", False) == direct and (combine is None) == direct
     if direct:
         assert splits == 1 and per >= tokens and kernel["tma"]
         monkeypatch.setenv("FORGEKERNEL_MLA_DIRECT", "0")
-        kernel, combine, splits, _ = mla_launch._plan(
+        kernel, combine, splits, _, _ = mla_launch._plan(
             kind, torch.bfloat16, units, hq, tokens, qtokens, 0, fp8, ps
         )
         assert "direct" not in kernel and combine["kind"] == "combine" and splits == 1
@@ -407,6 +407,7 @@ def cpu_kernels(monkeypatch):
             kw = {"heads": p["heads"], "qtokens": p.get("qtokens", 1)}
             if p.get("direct", False):
                 assert args[7].dtype == args[0].dtype and args[8].dtype == torch.float32
+                assert not p.get("ostore", False) or mla_launch._wide_rows(args[7])
                 seesaw_partial(*args, **kw, direct=True)
             elif p.get("tma", False):
                 seesaw_partial(*args, **kw)

@@ -9,9 +9,9 @@ bytes (`_send_direct`) to the rows the default's scalar stores wrote.
   the staging inside kl; the bank spread of its 32-bit stores and of the 16-byte reads.
 - The source the replay follows, after the row sums' __syncthreads (no WGMMA or TMA load on the
   K buffers in flight past it: the partial form's argument).
-- The selection: the knob (off by default), out's alignment, the blocks; the compile: 64 STS
-  and 16 LDS.128 + 16 STG.E.128 a thread in place of 128 STG.E.U16, no spills, the rest of the
-  SASS's counts as the default's."""
+- The selection: the knob (on by default since 2026-12-03 14:25), out's alignment, the blocks,
+  the check and sanitize cases that run it; the compile: 64 STS and 16 LDS.128 + 16 STG.E.128 a
+  thread in place of 128 STG.E.U16, no spills, the rest of the SASS's counts as the default's."""
 
 from __future__ import annotations
 
@@ -140,16 +140,12 @@ def test_ostore_is_the_kernels():
 
 
 def test_ostore_selection(monkeypatch):
-    """FORGEKERNEL_MLA_OSTORE (default off) and `ostore_form`; out's rows 16-byte aligned
-    (base and outer strides); the blocks; the keys."""
+    """FORGEKERNEL_MLA_OSTORE (default on, "0" off); out's rows 16-byte aligned (base and outer
+    strides); the blocks; the keys."""
     monkeypatch.delenv("FORGEKERNEL_MLA_OSTORE", raising=False)
-    assert not launch.ostore_enabled()
-    with launch.ostore_form(True):
-        assert launch.ostore_enabled()
-    monkeypatch.setenv("FORGEKERNEL_MLA_OSTORE", "1")
     assert launch.ostore_enabled()
-    with launch.ostore_form(False):
-        assert not launch.ostore_enabled()
+    monkeypatch.setenv("FORGEKERNEL_MLA_OSTORE", "0")
+    assert not launch.ostore_enabled()
     monkeypatch.setenv("FORGEKERNEL_MLA_OSTORE", "on")
     with pytest.raises(ValueError, match="FORGEKERNEL_MLA_OSTORE"):
         launch.ostore_enabled()
@@ -164,6 +160,95 @@ def test_ostore_selection(monkeypatch):
     a = config.params_for("partial", "bfloat16", 64, tma=True, direct=True)
     b = config.params_for("partial", "bfloat16", 64, tma=True, direct=True, ostore=True)
     assert a != b and dict(b)["ostore"] is True and "ostore" not in dict(a)
+
+
+# (b, hq, lens, s_q) -> the compile key's (heads, qtokens, ostore) of its plan on 132 SMs
+OSTORE_PLANS = [
+    ((4, 128, [1, 63, 65, 200], 1), (64, 1, True)),  # direct 64 x 1
+    ((2, 128, [70, 190], 2), (32, 2, True)),  # direct 32 x 2 (MTP 2)
+    ((64, 128, [4096] * 64, 1), (64, 1, True)),  # b64-h128-L4096: one wave, one split
+    ((2, 128, [65, 513], 1), (64, 1, False)),  # 3 splits: the partial pass
+    ((3, 16, [37, 0, 100], 1), (16, 1, False)),  # direct 16 x 1: not an ostore block
+]
+
+
+def _launch_keys(monkeypatch):
+    """The launcher on no-op kernels that record their compile keys (a list, per call)."""
+    seen = []
+
+    def get_kernel(spec, params):
+        return lambda *args: seen.append(dict(params))
+
+    monkeypatch.setattr(launch, "_plans", type(launch._plans)())
+    monkeypatch.setattr(launch, "get_kernel", get_kernel)
+    monkeypatch.setattr(launch, "num_sms", lambda device: 132)
+    return seen
+
+
+def _decode(b, hq, lens, s_q, out=None):
+    """launch.mla_decode on zeros (page 64, every table entry page 0; packed by s_q when s_q >
+    1) into `out` (rows, hq, 512) or a fresh one."""
+    bf = torch.bfloat16
+    rows, pages = b * s_q, max(1, -(-max(lens) // 64))
+    qn, qp = torch.zeros(rows, hq, 512, dtype=bf), torch.zeros(rows, hq, 64, dtype=bf)
+    ckv, kpe = torch.zeros(1, 64, 512, dtype=bf), torch.zeros(1, 64, 64, dtype=bf)
+    table = torch.zeros(b, pages, dtype=torch.int32)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    cu = torch.arange(0, rows + 1, s_q, dtype=torch.int32) if s_q > 1 else None
+    out = torch.empty(rows, hq, 512, dtype=bf) if out is None else out
+    launch.mla_decode(qn, qp, ckv, kpe, table, seq, 0.1, out, torch.empty(rows, hq), cu, s_q)
+
+
+@pytest.mark.parametrize(
+    ("problem", "want"), OSTORE_PLANS, ids=[f"b{p[0]}-h{p[1]}-sq{p[3]}" for p, _ in OSTORE_PLANS]
+)
+def test_ostore_plans(monkeypatch, problem, want):
+    """The ostore compile runs the direct plans of the OSTORE_BLOCKS by default, where out's
+    rows are 16-byte aligned (an out 8 bytes off takes the direct form's scalar stores, a plan
+    of its own); FORGEKERNEL_MLA_OSTORE=0 keeps every plan on them."""
+    seen = _launch_keys(monkeypatch)
+    monkeypatch.delenv("FORGEKERNEL_MLA_OSTORE", raising=False)
+    _decode(*problem)
+    heads, qtokens, ostore = want
+    assert (seen[0]["heads"], seen[0].get("qtokens", 1)) == (heads, qtokens)
+    assert seen[0].get("ostore", False) == ostore and seen[0].get("direct", False) >= ostore
+    if not ostore:
+        return
+    b, hq, _, s_q = problem
+    buf = torch.empty(b * s_q * hq * 512 + 4, dtype=torch.bfloat16)
+    for out, wide in ((buf[4:].view(b * s_q, hq, 512), False), (buf[:-4].view(-1, hq, 512), True)):
+        seen.clear()
+        _decode(*problem, out=out)
+        assert seen[0]["direct"] and seen[0].get("ostore", False) == wide
+    assert len(launch._plans) == 2  # aligned and not: two plans, each built once
+    monkeypatch.setenv("FORGEKERNEL_MLA_OSTORE", "0")
+    launch._plans.clear()
+    seen.clear()
+    _decode(*problem)
+    assert seen[0]["direct"] and "ostore" not in seen[0]
+
+
+def test_check_and_sanitize_cases_run_both_ostore_compiles(monkeypatch):
+    """mla_decode's check cases, and its sanitize cases, reach the ostore compile of both blocks
+    (`forgekernel check --sanitize mla_decode` is their compute-sanitizer run)."""
+    from forgekernel.bench.suites import mla_decode as suite
+
+    seen = _launch_keys(monkeypatch)
+    monkeypatch.delenv("FORGEKERNEL_MLA_OSTORE", raising=False)
+
+    def blocks(cases):
+        found = set()
+        for case in cases:
+            p = case.params
+            if suite.fp8(case) or p["page"] != 64 or "q_lens" in p:
+                continue
+            seen.clear()
+            _decode(p["b"], p["hq"], list(p["lens"]), p["s_q"])
+            found |= {(k["heads"], k.get("qtokens", 1)) for k in seen if k.get("ostore")}
+        return found
+
+    assert blocks(suite.CHECK_CASES) == set(config.OSTORE_BLOCKS)
+    assert blocks(suite.SANITIZE_CASES) == set(config.OSTORE_BLOCKS)
 
 
 @pytest.mark.parametrize("dtype, heads, qtokens", [("bfloat16", 64, 1), ("float16", 32, 2)])

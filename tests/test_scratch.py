@@ -1,10 +1,10 @@
 """runtime/scratch.py on the CPU: one buffer per (name, dtype, device, stream) reused across
 calls, never shared between names or streams, grown when a call needs more, and never handed
 out (nor cached) while the stream captures a CUDA graph (the stream lookup replaced by a fake
-current stream); the zero flags of the stream-K and split-KV kernels (`flags`); and the
-split-KV launchers (MLA decode, DSA, paged decode) reusing theirs.
-The CUDA side (a captured graph owning its scratch, two streams at once) is
-tests/gpu/test_scratch_gpu.py."""
+current stream); the views a launcher carves out of one buffer (`scratch_views`), made once;
+the zero flags of the stream-K and split-KV kernels (`flags`); and the split-KV launchers
+(MLA decode, DSA, paged decode) reusing theirs. The CUDA side (a captured graph owning its
+scratch, two streams at once) is tests/gpu/test_scratch_gpu.py."""
 
 from __future__ import annotations
 
@@ -65,6 +65,63 @@ def test_a_capture_gets_fresh_memory_and_caches_nothing(streams):
     streams[0] = 7
     assert scratch("x", (3, 4), F32, CPU) is eager
     assert len(scratch_module._SLOTS) == 1
+
+
+@pytest.mark.parametrize("dtype", [F32, torch.bfloat16, torch.uint8])
+def test_scratches_are_one_buffer_carved_in_order(streams, dtype):
+    """`scratches`: the shapes as views of one buffer, one after another, each from a 16-byte
+    boundary and none overlapping (odd sizes: 3 x 5, 7); the same tuple again on this stream,
+    others on another stream and while a capture runs (nothing cached then); grown, new ones."""
+    shapes = ((3, 5), (7,), (2, 1, 3))
+    views = scratch_module.scratches("s", shapes, dtype, CPU)
+    assert tuple(t.shape for t in views) == shapes and all(t.dtype == dtype for t in views)
+    assert all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in views)
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in views]
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    base = views[0].untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == base for t in views)
+    assert scratch_module.scratches("s", shapes, dtype, CPU) is views
+    streams[0] = 8
+    assert views[0].data_ptr() != scratch_module.scratches("s", shapes, dtype, CPU)[0].data_ptr()
+    streams[0] = None
+    fresh = scratch_module.scratches("s", shapes, dtype, CPU)
+    assert {t.data_ptr() for t in fresh}.isdisjoint(t.data_ptr() for t in views)
+    streams[0] = 7
+    assert scratch_module.scratches("s", shapes, dtype, CPU) is views
+    grown = scratch_module.scratches("s", ((100,), (7,)), dtype, CPU)
+    assert grown[0].data_ptr() != views[0].data_ptr() and grown[1].data_ptr() % 16 == 0
+    assert len(scratch_module._SLOTS) == 2  # (s, stream 7) and (s, stream 8)
+
+
+class _Halves:
+    """A scratch_views layout: a buffer's two halves, counting how often it is viewed."""
+
+    def __init__(self, numel: int):
+        self.numel, self.made = numel, 0
+
+    def views(self, buffer):
+        self.made += 1
+        half = self.numel // 2
+        return buffer[:half], buffer[half : self.numel]
+
+
+def test_scratch_views_are_made_once_per_buffer(streams):
+    """`scratch_views`: the layout's views of the stream's buffer, made on first use and
+    handed out again; a grown buffer gets new ones (of its own memory), another stream its
+    own, a capture fresh memory and nothing cached."""
+    small, big = _Halves(8), _Halves(64)
+    first = scratch_module.scratch_views("w", small, F32, CPU)
+    assert scratch_module.scratch_views("w", small, F32, CPU) is first and small.made == 1
+    assert first[0].data_ptr() == scratch("w", (8,), F32, CPU).data_ptr()
+    grown = scratch_module.scratch_views("w", big, F32, CPU)
+    again = scratch_module.scratch_views("w", small, F32, CPU)
+    assert small.made == 2 and again[0].data_ptr() == grown[0].data_ptr()
+    streams[0] = 8
+    assert scratch_module.scratch_views("w", small, F32, CPU)[0].data_ptr() != again[0].data_ptr()
+    streams[0] = None
+    captured = scratch_module.scratch_views("w", small, F32, CPU)
+    assert captured[0].data_ptr() not in {again[0].data_ptr(), grown[0].data_ptr()}
+    assert small.made == 4 and len(scratch_module._SLOTS) == 2
 
 
 def test_flags_are_one_zero_buffer_per_name_and_stream():

@@ -20,8 +20,17 @@ import torch
 # (head_dim, head_dim_v) pairs the sm90 backward kernel is built for (a subset of the forward's).
 from forgekernel.kernels.attention.bwd.sm90 import HEAD_DIMS as BWD_HEAD_DIMS
 from forgekernel.kernels.attention.bwd.sm90 import launch as bwd_sm90
+from forgekernel.ops._dispatch import plain, tracing
 from forgekernel.ops._dispatch import traced as _traced
-from forgekernel.ops._validate import check_bool, check_cuda, check_same_device, check_shaped
+from forgekernel.ops._validate import (
+    PassedChecks,
+    arg_key,
+    check_bool,
+    check_cuda,
+    check_same_device,
+    check_shaped,
+    on_one_device,
+)
 from forgekernel.ops.attention import _check_flags, _check_qkv, out_shapes
 from forgekernel.ops.attention_varlen import _check_cu_seqlens, _offsets_on_device
 
@@ -39,18 +48,13 @@ def _check_head_dims(q: torch.Tensor, v: torch.Tensor) -> None:
         )
 
 
-def _launch_kernel(
-    q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, seqs, compact=False
-) -> None:
+def _launch_kernel(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, seqs) -> None:
     """The leaf's launcher (the one name the CPU tests replace with a reference): empty
-    problems, TMA-ready copies and strided gradients are its business; `compact`: o, lse and
-    the gradients are the autograd's own compact buffers (no layout checks)."""
+    problems, TMA-ready copies and strided gradients are its business."""
     grads = (dq, dk, dv)
     if seqs is None:
         seqs = (None, None, None, None)
-    bwd_sm90.attention_bwd(
-        q, k, v, o, lse, do, *grads, scale, causal, deterministic, *seqs, compact=compact
-    )
+    bwd_sm90.attention_bwd(q, k, v, o, lse, do, *grads, scale, causal, deterministic, *seqs)
 
 
 def _empty_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Grads:
@@ -149,8 +153,7 @@ def _backward(q, k, v, o, lse, do, causal, scale, deterministic, seqs: Seqs) -> 
             q, k, v, o, lse, do, *seqs, causal, scale, deterministic
         )
     grads = _empty_grads(q, k, v)
-    # the gradients fresh; o and lse the forward's saved outputs (one check each: hooks)
-    _launch_kernel(q, k, v, o, lse, do, *grads, scale, causal, deterministic, seqs, compact=True)
+    _launch_kernel(q, k, v, o, lse, do, *grads, scale, causal, deterministic, seqs)
     return grads
 
 
@@ -230,6 +233,51 @@ def _check_devices(q, k, v, o, lse, do, out) -> None:
             check_same_device(q=q, k=k, v=v, o=o, lse=lse, do=do, **grads)
 
 
+def _validate(q, k, v, o, lse, do, causal, softmax_scale, deterministic, out) -> float:
+    """The named checks of `attention_backward`: the softmax scale to use."""
+    _check_qkv(q, k, v, ndim=4)
+    _check_head_dims(q, v)
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[0] != q.shape[0]:
+            raise ValueError(f"{name} has batch size {t.shape[0]} but q has {q.shape[0]}")
+    scale = _check_flags(causal, softmax_scale, q.shape[-1])
+    check_bool("deterministic", deterministic)
+    _check_bwd_tensors(q, k, v, o, lse, do, out)
+    check_cuda("q", q)
+    _check_devices(q, k, v, o, lse, do, out)
+    return scale
+
+
+# The named checks' softmax scale per plain eager call's key, as `forgekernel.attention`'s
+# (`ops/attention.py` _PASSED): they depend on the shapes, dtypes and the flags' exact types and
+# values alone but for the device checks, which `_seen` makes per call (the bench's host case
+# on meta tensors, no-op kernels: 23.0 -> 17.5 us per call on the project's CPU).
+_PASSED = PassedChecks()
+
+
+def _seen(q, k, v, o, lse, do, causal, softmax_scale, deterministic, out) -> tuple:
+    """(key, scale) of a call: key None when it is traced or its tensors are not plain (the
+    named checks, then `traced` decides), scale None when the named checks must decide."""
+    if tracing() or not plain(q, k, v, o, lse, do):
+        return None, None
+    if out is None:
+        outs = ()
+    elif (type(out) is tuple or type(out) is list) and len(out) == 3 and plain(*out):
+        dq, dk, dv = out
+        outs = (dq.shape, dq.dtype, dk.shape, dk.dtype, dv.shape, dv.dtype)
+    else:
+        return None, None
+    flags = (arg_key(causal), arg_key(softmax_scale), arg_key(deterministic))
+    key = (q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype, o.shape, o.dtype, lse.shape,
+           lse.dtype, do.shape, do.dtype, outs, flags)  # fmt: skip
+    scale = _PASSED.get(key)
+    if scale is None:
+        return (None if None in flags else key), None
+    check_cuda("q", q)
+    # a tensor on another device: the named checks name it
+    return key, scale if on_one_device(q, k, v, o, lse, do, *(out or ())) else None
+
+
 def attention_backward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -251,17 +299,14 @@ def attention_backward(
     bitwise-repeatable gradients (no atomic accumulation order). `out=(dq, dk, dv)` writes into
     given buffers (any views); strided inputs are copied first.
     """
-    _check_qkv(q, k, v, ndim=4)
-    _check_head_dims(q, v)
-    for name, t in (("k", k), ("v", v)):
-        if t.shape[0] != q.shape[0]:
-            raise ValueError(f"{name} has batch size {t.shape[0]} but q has {q.shape[0]}")
-    scale = _check_flags(causal, softmax_scale, q.shape[-1])
-    check_bool("deterministic", deterministic)
-    _check_bwd_tensors(q, k, v, o, lse, do, out)
-    check_cuda("q", q)
-    _check_devices(q, k, v, o, lse, do, out)
-    if _traced(q, k, v, o, lse, do, *(out or ())):
+    flags = (causal, softmax_scale, deterministic, out)
+    key, scale = _seen(q, k, v, o, lse, do, *flags)
+    if scale is None:
+        scale = _validate(q, k, v, o, lse, do, *flags)
+        if key is not None:
+            _PASSED.remember(key, scale)
+    # a key: plain tensors, no mode
+    if key is None and _traced(q, k, v, o, lse, do, *(out or ())):
         if out is None:
             return torch.ops.forgekernel.attention_bwd(
                 q, k, v, o, lse, do, causal, scale, deterministic

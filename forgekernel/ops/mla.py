@@ -68,6 +68,7 @@ FLASHMLA_FP8 = (torch.float8_e4m3fn, torch.uint8)
 FP8_SCALES = D_LATENT // FP8_SCALE_COLUMNS  # 4 fp32 per token
 FP8_QUERY = torch.bfloat16
 LOG2E = math.log2(math.e)
+_COMBINED = (1, D_LATENT + D_ROPE)  # FlashMLA's combined cache's last dims
 _FP8_FORM = (
     f"FlashMLA's (num_pages, page_size, 1, {FP8_ROW_BYTES}) rows as ckv_cache, kpe_cache None"
 )
@@ -91,12 +92,20 @@ def latent_cache_views(ckv_cache, kpe_cache):
         reject_fp8_cache("ckv_cache", ckv_cache)
         reject_fp8_cache("kpe_cache", kpe_cache)
         return ckv_cache, kpe_cache, None
+    if (
+        type(ckv_cache) is torch.Tensor
+        and ckv_cache.dtype in FLOAT16_TYPES
+        and ckv_cache.dim() == 4
+        and ckv_cache.shape[2:] == _COMBINED
+    ):  # the combined 16-bit cache: the general path's checks below in one (0.6 us less a call)
+        ckv, kpe = ckv_cache.squeeze(2).split_with_sizes((D_LATENT, D_ROPE), -1)
+        return ckv, kpe, None
     if getattr(ckv_cache, "dtype", None) in FP8_CACHES or (
         getattr(ckv_cache, "ndim", 0) == 4 and ckv_cache.shape[-1] == FP8_ROW_BYTES
     ):
         return fp8_cache_views(ckv_cache)
     check_tensor("ckv_cache", ckv_cache, ndim=4, cuda=False)
-    if ckv_cache.shape[2:] != (1, D_LATENT + D_ROPE):
+    if ckv_cache.shape[2:] != _COMBINED:
         raise ValueError(
             "with kpe_cache None, ckv_cache is FlashMLA's combined cache (num_pages, page_size,"
             f" 1, {D_LATENT + D_ROPE}), got {tuple(ckv_cache.shape)}"

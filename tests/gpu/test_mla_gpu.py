@@ -494,6 +494,39 @@ def test_direct_form_packed_into_a_strided_out(causal, max_q, monkeypatch):
     assert torch.equal(out, split_out) and torch.equal(lse, split_lse)
 
 
+OSTORE_CASES = [case for case in DIRECT_CASES if case[1] == 128]  # 64 x 1, 32 x 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", OSTORE_CASES, ids=lambda c: f"b{c[0]}_h{c[1]}_sq{c[4]}")
+def test_ostore_is_the_scalar_stores(case, dtype, monkeypatch):
+    """The direct plans of the 128-head blocks: the default (`ostore`, out's rows 16-byte
+    aligned), an out 8 bytes off (the plan of the direct form's scalar stores) and
+    FORGEKERNEL_MLA_OSTORE=0: each against the reference, bit for bit alike, every element of
+    out written and nothing of the NaN buffer around it."""
+    launch = importlib.import_module("forgekernel.kernels.attention.mla.sm90.launch")
+    (qn, qp, ckv, kpe, table, seq), (want, want_lse, low) = _poisoned_case(case, dtype)
+    keys = _recorded_keys(launch, monkeypatch)
+    numel = qn.numel() // qn.shape[-1] * 512
+    results = []
+    for flag, offset, ostore in (("1", 0, True), ("1", 4, False), ("0", 0, False)):
+        monkeypatch.setenv("FORGEKERNEL_MLA_OSTORE", flag)
+        launch._plans.clear()
+        buf = torch.full((numel + 16,), float("nan"), device="cuda", dtype=dtype)
+        out = buf[offset : offset + numel].view(*qn.shape[:-1], 512)
+        _, lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, out=out,
+                               return_lse=True)  # fmt: skip
+        torch.cuda.synchronize()
+        partial = [k for k in keys if k["kind"] == "partial"][-1]
+        assert partial["direct"] and partial.get("ostore", False) == ostore
+        _check(out, lse, want, want_lse, low)
+        assert buf[:offset].isnan().all() and buf[offset + numel :].isnan().all()
+        results.append((out.clone(), lse))
+    launch._plans.clear()
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+
+
 def test_direct_form_in_a_cuda_graph(monkeypatch):
     """A plan of one split (132 sequences of at most 256 keys: one launch, no partials) captured
     once and replayed on new queries and lengths (0, 1, 64, 65, 256): out and lse in place."""

@@ -177,13 +177,21 @@ def alloc_out(inputs: Inputs):
     return q.new_empty(*q.shape[:-1], LATENT), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
+def _our_args(inputs: Inputs) -> tuple:
+    """The op's positional arguments, made once per input set outside any timed call (as
+    mla_decode's `_our_call`): q_nope and q_pe are views of the bench's packed q, which a
+    caller holds as two tensors."""
+    if "ours" not in inputs:
+        q = inputs["q"]
+        inputs["ours"] = (q[..., :LATENT], q[..., LATENT:], inputs["ckv"], inputs["kpe"],
+                          inputs["idx"])  # fmt: skip
+    return inputs["ours"]
+
+
 def run_ours(inputs: Inputs, out):
     op = importlib.import_module("forgekernel.ops.dsa")
-    q = inputs["q"]
-    res = op.dsa_sparse_attention(
-        q[..., :LATENT], q[..., LATENT:], inputs["ckv"], inputs["kpe"], inputs["idx"],
-        softmax_scale=SOFTMAX_SCALE, return_lse=True, out=None if out is None else out[0],
-    )  # fmt: skip
+    res = op.dsa_sparse_attention(*_our_args(inputs), softmax_scale=SOFTMAX_SCALE,
+                                  return_lse=True, out=None if out is None else out[0])  # fmt: skip
     if out is None:
         return res
     out[1].copy_(res[1])

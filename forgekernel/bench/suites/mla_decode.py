@@ -127,10 +127,11 @@ CHECK_CASES = (
 )
 # every compiled variant: 16 heads x 1 token, 8 x 2, 4 x 4 (packed), both cache forms; the fp8
 # compiles at 16 x 1 and 16 x 4; the 128-head seesaw blocks, partial (splits) and direct (what
-# FORGEKERNEL_MLA_PAIR=1 runs as clusters of 2)
+# FORGEKERNEL_MLA_PAIR=1 runs as clusters of 2): the direct ones, 64 x 1 and 32 x 2 (MTP 2), on
+# their `ostore` compiles
 SANITIZE_CASES = (
     CHECK_CASES[0], CHECK_CASES[5], CHECK_CASES[6], CHECK_CASES[9], CHECK_CASES[13],
-    CHECK_CASES[4], CHECK_CASES[16],
+    CHECK_CASES[4], CHECK_CASES[16], CHECK_CASES[19],
 )  # fmt: skip
 
 
@@ -183,23 +184,32 @@ def alloc_out(inputs: Inputs):
     return out, q.new_empty(b, hq, s_q, dtype=torch.float32)
 
 
-def _packed(inputs: Inputs) -> dict[str, Any]:
-    if "cu_seqlens_q" not in inputs:
-        return {}
-    return {"cu_seqlens_q": inputs["cu_seqlens_q"], "max_seqlen_q": inputs["max_seqlen_q"]}
+def _our_call(inputs: Inputs) -> tuple:
+    """(op, its positional arguments, its keywords but out / lse): made once per input set,
+    outside any timed call (as the comparators' set-ups), so that the host time per eager call
+    is the op's: q_nope and q_pe are views of the bench's FlashMLA-shaped q, which a caller holds
+    as two tensors (2.9 us a call on the CPU when sliced per call). An input set's tensors are
+    refilled in place, never replaced (the harness's contract with the comparators' set-ups)."""
+    if "ours" not in inputs:
+        op = importlib.import_module("forgekernel.ops.mla")
+        q = inputs["q"]
+        kwargs = {"softmax_scale": SOFTMAX_SCALE, "return_lse": True}
+        if "cu_seqlens_q" in inputs:
+            kwargs |= {"cu_seqlens_q": inputs["cu_seqlens_q"],
+                       "max_seqlen_q": inputs["max_seqlen_q"]}  # fmt: skip
+        prefill = inputs.get("max_seqlen_q", 1) > op.MAX_QUERY_TOKENS  # mla_prefill's form
+        args = (q[..., :LATENT], q[..., LATENT:], inputs["ckv"], inputs["kpe"], inputs["table"],
+                inputs["seqlens"])  # fmt: skip
+        inputs["ours"] = (op.mla_prefill if prefill else op.mla_decode), args, kwargs
+    return inputs["ours"]
 
 
 def run_ours(inputs: Inputs, out):
-    op = importlib.import_module("forgekernel.ops.mla")
-    q = inputs["q"]
-    prefill = inputs.get("max_seqlen_q", 1) > op.MAX_QUERY_TOKENS  # mla_prefill's packed form
-    res = (op.mla_prefill if prefill else op.mla_decode)(
-        q[..., :LATENT], q[..., LATENT:], inputs["ckv"], inputs["kpe"], inputs["table"],
-        inputs["seqlens"], softmax_scale=SOFTMAX_SCALE, return_lse=True,
-        out=None if out is None else out[0], lse=None if out is None else out[1],
-        **_packed(inputs),
-    )  # fmt: skip
-    return res if out is None else out
+    fn, args, kwargs = _our_call(inputs)
+    if out is None:
+        return fn(*args, **kwargs)
+    fn(*args, out=out[0], lse=out[1], **kwargs)
+    return out
 
 
 def _is_fp8_cache(inputs: Inputs) -> bool:
@@ -399,15 +409,6 @@ def _run_pair(inputs: Inputs, out):
         return run_ours(inputs, out)
 
 
-def _run_ostore(inputs: Inputs, out):
-    """ours with the direct form's `ostore` compile (launch.ostore_form): O staged in shared
-    memory and sent by 16-byte stores (plans of one split; split plans run the default)."""
-    from forgekernel.kernels.attention.mla.sm90.launch import ostore_form
-
-    with ostore_form(True):
-        return run_ours(inputs, out)
-
-
 def _seesaw_block(case: Case) -> tuple[int, int, int] | None:
     """(Hq, heads per CTA, query tokens) of the case's seesaw plan (16-bit cache, pages of
     whole tiles), else None."""
@@ -424,18 +425,15 @@ def _seesaw_block(case: Case) -> tuple[int, int, int] | None:
 
 def variants(case: Case) -> dict[str, Any]:
     """Cases of the pair blocks (128 heads, page 64): the pair form (MLA_NOTES.md, "The
-    128-head floor"); cases of the ostore blocks (the same): the direct form's O store through
-    shared memory (MLA_NOTES.md, "The direct form's O store")."""
+    128-head floor"). (The direct form's `ostore` store, a variant until its 2026-12-03 14:25
+    figures, is the standard: MLA_NOTES.md, "ostore adopted".)"""
     from forgekernel.kernels.attention.mla.sm90 import config
 
     block = _seesaw_block(case)
     if block is None:
         return {}
     hq, heads, qtokens = block
-    out = {"pair": _run_pair} if config.runs_pair(hq, heads, qtokens, True) else {}
-    if config.runs_ostore(heads, qtokens):
-        out["ostore"] = _run_ostore
-    return out
+    return {"pair": _run_pair} if config.runs_pair(hq, heads, qtokens, True) else {}
 
 
 def suite() -> OpSuite:

@@ -34,6 +34,7 @@ from forgekernel.runtime.device import (
     tma_target,
 )
 from forgekernel.runtime.plans import PlanCache
+from forgekernel.runtime.scratch import scratch_views
 
 # (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a varlen call, None otherwise.
 Seqs = tuple[torch.Tensor, torch.Tensor, int, int] | None
@@ -57,7 +58,6 @@ def attention_bwd(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
     config: BwdConfig | None = None,
-    compact: bool = False,
 ) -> None:
     """dq, dk, dv (written in place, any views shaped and typed as q, k, v) of
     o = softmax(scale q k^T + mask) v, given o, lse (B, Hq, Sq) fp32 (natural log, -inf for rows
@@ -69,14 +69,7 @@ def attention_bwd(
     Varlen (cu_seqlens_q / cu_seqlens_k int32 (B + 1,) on q's device, max_seqlen_q /
     max_seqlen_k >= every sequence's length): q, o, do (Tq, Hq, *), k, v (Tk, Hkv, *), lse
     (Hq, Tq); each sequence its own causal alignment; sequences with no queries or no keys
-    give zero gradients.
-
-    `compact`: dq, dk, dv are fresh compact buffers and o, lse the forward's saved outputs
-    (the autograd's), used as they are: the gradients without layout checks (12 of a
-    launch's checks and copies-if-needed, ~4 us on the CPU); o and lse with one check each,
-    since saved-tensor hooks (`torch.autograd.graph.saved_tensors_hooks`: offloading,
-    compression) may hand back any strides or base address, and the kernels would misread
-    them (a failing check takes the full path)."""
+    give zero gradients."""
     seqs = None
     if cu_seqlens_q is not None:
         seqs = (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
@@ -84,12 +77,12 @@ def attention_bwd(
         for g in (dq, dk, dv):
             g.zero_()
         return
-    # one call per tensor, no generators (this runs on every backward)
-    q, k, v, do = as_tma_ready(q), as_tma_ready(k), as_tma_ready(v), as_tma_ready(do)
     flags = (float(softmax_scale), causal, deterministic, seqs, config)
-    if compact and tma_ready(o) and lse.is_contiguous():
+    if _in_place(q, k, v, o, lse, do, dq, dk, dv):
         _launch_kernels(q, k, v, o, lse, do, dq, dk, dv, *flags)
         return
+    # one call per tensor, no generators
+    q, k, v, do = as_tma_ready(q), as_tma_ready(k), as_tma_ready(v), as_tma_ready(do)
     o, lse = as_tma_ready(o), lse.contiguous()
     dst = (
         tma_target(dq, contiguous=True),
@@ -98,6 +91,38 @@ def attention_bwd(
     )
     _launch_kernels(q, k, v, o, lse, do, *dst, *flags)
     copy_back((dq, dk, dv), dst)
+
+
+# Whether a call's tensors are laid out as the kernels take them (q, k, v, o, do TMA-ready, lse
+# and the gradients compact too: what the copies below would leave as they are), per (q, k, v
+# shapes, the nine tensors' strides): the other shapes follow from q, k, v's, the base addresses
+# are checked per call. Every tensor of every backward (saved-tensor hooks may hand back any
+# strides or address: offloading, compression); the bench's host case on meta tensors, no-op
+# kernels: 17.6 -> 15.0 us per call against tma_ready / tma_target on each.
+_layouts = PlanCache()
+
+
+def _in_place(q, k, v, o, lse, do, dq, dk, dv) -> bool:
+    key = [q.shape, k.shape, v.shape]
+    for t in (q, k, v, o, lse, do, dq, dk, dv):
+        if t.data_ptr() % 16:
+            return False
+        key.append(t.stride())
+    key = tuple(key)
+    fits = _layouts.get(key)
+    if fits is None:
+        fits = _layouts.get_or_build(key, lambda *_: _fits(q, k, v, o, lse, do, dq, dk, dv))
+    return fits
+
+
+def _fits(q, k, v, o, lse, do, dq, dk, dv) -> bool:
+    for t in (q, k, v, o, do):
+        if not tma_ready(t):
+            return False
+    for t in (dq, dk, dv):
+        if not (tma_ready(t) and t.is_contiguous()):
+            return False
+    return lse.is_contiguous()
 
 
 def _nothing_to_compute(q: torch.Tensor, k: torch.Tensor, seqs: Seqs) -> bool:
@@ -140,9 +165,11 @@ _varlen_workspaces = PlanCache()
 
 
 def clear_plans() -> None:
-    """Every plan (they hold the kernels they looked up) and varlen workspace layout."""
+    """Every plan (they hold the kernels they looked up), varlen workspace layout and layout
+    check."""
     _plans.clear()
     _varlen_workspaces.clear()
+    _layouts.clear()
 
 
 def _fixed_length(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, config) -> None:
@@ -151,20 +178,21 @@ def _fixed_length(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic,
     key = (q.dtype, b, sq, sk, hq, hkv, d, v.shape[-1], causal, deterministic, q.device.index,
            config)  # fmt: skip
     plan = _plans.get_or_build(key, _fixed_plan)
-    if plan.head_split:
-        lse2, dsum, dq_acc, sem, dk_main, dv_main = plan.workspace.allocate(q.device)
-    else:
-        lse2, dsum, dq_acc, sem = plan.workspace.allocate(q.device)
-        dk_main, dv_main = dk, dv
-    plan.pre(o, do, lse, lse2, dsum, None, dq_acc, 0)
+    lse2, dsum, dq_acc, sem, *acc, pre_dq, fill = plan.workspace.allocate(q.device)
+    if fill is not None:
+        fill.zero_()
+    dk_main, dv_main = acc if plan.head_split else (dk, dv)
+    plan.pre(o, do, lse, lse2, dsum, None, pre_dq, 0)
     plan.main(
         q, k, v, do, lse2, dsum, dq_acc, dk_main, dv_main, sem, None, None, plan.ctas, scale,
         scale * LOG2E,
     )  # fmt: skip
     plan.post(dq_acc, dq, None, 0, scale)
     if plan.head_split:
-        dk.copy_(dk_main)
-        dv.copy_(dv_main)
+        # one multi-tensor cast kernel for both (CUDA's fast path: both sources fp32, both
+        # targets q's dtype, pairwise the same sizes and strides), not a copy_ each: the same
+        # rounding, one launch and one dispatcher call fewer per backward
+        torch._foreach_copy_((dk, dv), (dk_main, dv_main))
 
 
 def _fixed_plan(
@@ -187,7 +215,7 @@ def _fixed_plan(
     parts = [
         ((b, hq, sq_pad), False, False),  # lse2
         ((b, hq, sq_pad), False, False),  # dsum
-        ((b, hq, sq_pad * d), False, False),  # dq_acc: zeroed by the preprocess
+        ((b, hq, sq_pad * d), False, True),  # dq_acc: zeroed by the preprocess
         # The per-row-block dQ semaphores (deterministic order); the compiled kernel's batch
         # and head extents are shared with q, so the unread buffer keeps the shape too
         # (uninitialized). Persistent: sem[0, 0, 0] is the tile counter (zeroed), and the
@@ -204,7 +232,7 @@ def _fixed_plan(
         post_params(name, d, cfg.tile_m, dq_split=cfg.dq_split),
         ctas,
         bool(cfg.head_split),
-        _Workspace(parts),
+        _Workspace(parts, pre_rows=(b, hq, sq_pad)),
     )
 
 
@@ -218,7 +246,8 @@ def _varlen(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, seqs,
     rows = varlen_ws_rows(tq, cu_q.numel() - 1)
     workspace = _varlen_workspaces.get_or_build((hq, rows, d, deterministic), _varlen_workspace)
     cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()
-    lse2, dsum, dq_acc, sem = workspace.allocate(q.device)
+    lse2, dsum, dq_acc, sem, _, fill = workspace.allocate(q.device)
+    fill.zero_()
     plan.pre(o, do, lse, lse2, dsum, cu_q, None, mq)
     plan.main(
         q, k, v, do, lse2, dsum, dq_acc, dk, dv, sem, cu_q, cu_k, mk, scale, scale * LOG2E,
@@ -258,41 +287,84 @@ def _varlen_workspace(hq: int, rows: int, d: int, deterministic: bool) -> _Works
 # Workspace views start at multiples of 512 bytes, the CUDA caching allocator's alignment of
 # the separate buffers they replace (TMA and the vector reductions need 16).
 _ALIGN = 512 // 4
+# Workspaces up to this size (b1 hq32 s1024 d128's is 17 MB) come from runtime/scratch.py, one
+# buffer per stream whose views are made once; larger ones, whose kernels run long enough to
+# hide an allocation, are allocated per call, so that a training step does not keep its largest
+# backward's workspace for good.
+SCRATCH_BYTES = 32 << 20
 
 
 class _Workspace:
-    """A launch's fp32 / int32 workspaces as views of one fp32 allocation, in the order given
-    except that those that must start zeroed come last, so one fill zeroes them all (zero
-    bits are 0 in either dtype). One allocation and at most one fill per launch instead of
-    one per buffer (the GPU's host time: each allocation and each fill kernel costs
-    microseconds). parts: (shape, int32?, zeroed?) per buffer; `allocate` returns the views
-    in the order of `parts`, contiguous."""
+    """A launch's fp32 / int32 workspaces as views of one fp32 buffer: first those that must
+    start zeroed (in the order given: the dQ accumulator first), then the others. parts:
+    (shape, int32?, zeroed?) per buffer. `allocate` gives the parts' views (contiguous, in the
+    order of `parts`), the preprocess's dQ-accumulator argument and the region the launcher
+    must zero (None when there is none).
 
-    __slots__ = ("numel", "zero_from", "views", "has_int")
+    Fixed length (`pre_rows` = (B, Hq, Sq_pad)): the preprocess zeroes its dQ-accumulator
+    argument (B, Hq, W) row by row, W any multiple of 4 Sq_pad (preprocess.py `_zero_dq`), so
+    it gets a row-major view over the accumulator and the zeroed buffers behind it (dK / dV
+    accumulators, semaphores) instead of a fill kernel per launch, the same bytes zeroed; the
+    main kernel and the postprocess get the accumulator's own (B, Hq, Sq_pad D) view. When W
+    would exceed twice the accumulator's (few query rows for many keys: 128-thread blocks
+    zeroing long runs), the launcher fills the rest. Varlen: the launcher zeroes them all."""
 
-    def __init__(self, parts) -> None:
-        views: list = [None] * len(parts)
-        offset, zero_from = 0, None
-        for i in sorted(range(len(parts)), key=lambda i: parts[i][2]):
-            shape, is_int, zeroed = parts[i]
-            if zeroed and zero_from is None:
-                zero_from = offset
-            views[i] = (shape, _contiguous_strides(shape), offset, is_int)
-            offset += -(-math.prod(shape) // _ALIGN) * _ALIGN
+    __slots__ = ("numel", "parts", "pre", "fill", "has_int")
+
+    def __init__(self, parts, pre_rows: tuple[int, int, int] | None = None) -> None:
+        placed: list = [None] * len(parts)
+        offset = 0
+        for zeroed in (True, False):
+            if not zeroed:  # the zeroed region ends here
+                self.pre, self.fill = None, (0, offset) if offset else None
+                if pre_rows is not None:
+                    dq_shape = next(shape for shape, _, z in parts if z)
+                    self.pre, self.fill = _pre_zeroing(dq_shape, offset, pre_rows)
+                    offset = max(offset, math.prod(self.pre[0]))
+            for i, (shape, is_int, z) in enumerate(parts):
+                if z == zeroed:
+                    placed[i] = (shape, _contiguous_strides(shape), offset, is_int)
+                    offset += -(-math.prod(shape) // _ALIGN) * _ALIGN
         self.numel = offset
-        self.zero_from = offset if zero_from is None else zero_from
-        self.views = tuple(views)
-        self.has_int = any(view[3] for view in views)
+        self.parts = tuple(placed)
+        self.has_int = any(view[3] for view in placed)
 
-    def allocate(self, device: torch.device) -> list[torch.Tensor]:
-        ws = torch.empty(self.numel, dtype=torch.float32, device=device)
-        if self.zero_from < self.numel:
-            ws[self.zero_from :].zero_()
+    def views(self, ws: torch.Tensor) -> tuple:
+        """The views of a buffer of at least `numel` fp32 elements (scratch_views' layout)."""
         ints = ws.view(torch.int32) if self.has_int else ws
-        return [
-            (ints if is_int else ws).as_strided(shape, strides, offset)
-            for shape, strides, offset, is_int in self.views
+        base = ws.storage_offset()  # as_strided's offsets are the storage's
+        out = [
+            (ints if is_int else ws).as_strided(shape, strides, base + offset)
+            for shape, strides, offset, is_int in self.parts
         ]
+        if self.pre is None:
+            out.append(None)
+        else:
+            shape, strides, offset = self.pre
+            out.append(ws.as_strided(shape, strides, base + offset))
+        out.append(None if self.fill is None else ws[self.fill[0] : self.fill[1]])
+        return tuple(out)
+
+    def allocate(self, device: torch.device) -> tuple:
+        if self.numel * 4 <= SCRATCH_BYTES:
+            return scratch_views("attention_bwd.workspace", self, torch.float32, device)
+        return self.views(torch.empty(self.numel, dtype=torch.float32, device=device))
+
+
+def _pre_zeroing(dq_shape, zeroed_end: int, pre_rows) -> tuple:
+    """(the preprocess's dQ-accumulator view as (shape, strides, offset), the region left for
+    the launcher to zero or None): the dQ accumulator (B, Hq, Sq_pad D) at offset 0 and other
+    zeroed buffers up to `zeroed_end` (`_Workspace`)."""
+    b, hq, sq_pad = pre_rows
+    width = dq_shape[2]
+    # the narrowest row width the preprocess takes (a multiple of 4 Sq_pad) whose B x Hq rows
+    # reach zeroed_end
+    quantum = 4 * sq_pad
+    wide = -(-zeroed_end // (b * hq * quantum)) * quantum
+    if wide <= 2 * width:
+        return ((b, hq, wide), (hq * wide, wide, 1), 0), None
+    tail = (b * hq * width, zeroed_end)
+    return ((b, hq, width), (hq * width, width, 1), 0), tail
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -8,8 +8,9 @@ The partial pass's sparse mode (kind "sparse") is DeepSeek sparse attention's ke
 seesaw.py's partial pass (16-bit pages of whole 64-key tiles), `direct` ones its form for a plan
 of one split (O and LSE written in place, no combine), `pair` ones its head blocks as clusters
 of 2 sharing each tile's loads by TMA multicast (the candidate that FORGEKERNEL_MLA_PAIR=1
-selects), `ostore` direct ones their O through shared memory and 16-byte stores
-(FORGEKERNEL_MLA_OSTORE=1)."""
+selects), `ostore` direct ones their O through shared memory and 16-byte stores (the 128-head
+blocks' direct plans where out's rows are 16-byte aligned; FORGEKERNEL_MLA_OSTORE=0 keeps the
+scalar stores)."""
 
 from __future__ import annotations
 

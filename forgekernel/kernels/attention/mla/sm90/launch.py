@@ -24,11 +24,13 @@ calls, the bench's `pair` variant) runs the seesaw plans of the pair blocks (`co
 64 x 1 and 32 x 2 at 128 heads) in their `pair` compile: a unit's head blocks as clusters of 2
 sharing each tile's loads by TMA multicast (MLA_NOTES.md, "The 128-head floor").
 
-FORGEKERNEL_MLA_OSTORE=1 (read every call, with out's alignment, into the plan key; `ostore_form`
-for a block of calls, the bench's `ostore` variant) runs the direct plans of `config.
-OSTORE_BLOCKS` (64 x 1, 32 x 2) in their `ostore` compile when out's rows are 16-byte aligned:
-O staged in bf16 / fp16 over the K buffers and sent by 16-byte stores (MLA_NOTES.md, "The direct
-form's O store")."""
+Direct plans of `config.OSTORE_BLOCKS` (64 x 1, 32 x 2: the 128-head blocks) run their
+`ostore` compile, O staged in bf16 / fp16 over the K buffers and sent by 16-byte stores
+(MLA_NOTES.md, "The direct form's O store"; 0.888-0.948x the scalar stores' time on the H200's
+128-head direct cases, "ostore adopted"), where out's rows are 16-byte aligned (checked per call on
+those plans only; others take the direct form's scalar stores). FORGEKERNEL_MLA_OSTORE=0 (read
+when a problem's plan is first built) keeps them on the scalar stores, for side-by-side timing and
+the GPU tests' comparison (the same bits)."""
 
 from __future__ import annotations
 
@@ -43,11 +45,18 @@ from forgekernel.kernels.common.sm90.constants import LOG2E
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms, on_device
 from forgekernel.runtime.plans import PlanCache
-from forgekernel.runtime.scratch import scratch
+from forgekernel.runtime.scratch import scratches
 
 _plans = PlanCache()
 _pair_form: list[bool | None] = [None]  # `pair_form`'s, else FORGEKERNEL_MLA_PAIR (in plan keys)
-_ostore_form: list[bool | None] = [None]  # `ostore_form`'s, else FORGEKERNEL_MLA_OSTORE
+
+
+def _flag(env: str, default: str) -> bool:
+    """A launcher switch: the environment variable `env`, "0" or "1" (`default` when unset)."""
+    flag = os.environ.get(env, default)
+    if flag not in ("0", "1"):
+        raise ValueError(f"{env} must be '0' or '1', got {flag!r}")
+    return flag == "1"
 
 
 def seesaw_enabled() -> bool:
@@ -61,54 +70,32 @@ def seesaw_enabled() -> bool:
 
 def direct_enabled() -> bool:
     """Plans of one split run the seesaw pass's direct form (unless FORGEKERNEL_MLA_DIRECT=0)."""
-    flag = os.environ.get("FORGEKERNEL_MLA_DIRECT", "1")
-    if flag not in ("0", "1"):
-        raise ValueError(f"FORGEKERNEL_MLA_DIRECT must be '0' or '1', got {flag!r}")
-    return flag == "1"
+    return _flag("FORGEKERNEL_MLA_DIRECT", "1")
 
 
-def _switch(override: list[bool | None], env: str) -> bool:
-    """A form's switch: the `..._form` block's `override`, else the environment variable `env`
-    ("0", the default, or "1")."""
-    if override[0] is not None:
-        return override[0]
-    flag = os.environ.get(env, "0")
-    if flag not in ("0", "1"):
-        raise ValueError(f"{env} must be '0' or '1', got {flag!r}")
-    return flag == "1"
-
-
-@contextmanager
-def _switched(override: list[bool | None], on: bool) -> Iterator[None]:
-    before, override[0] = override[0], bool(on)
-    try:
-        yield
-    finally:
-        override[0] = before
+def ostore_enabled() -> bool:
+    """Direct plans of the OSTORE_BLOCKS take the `ostore` compile where out's rows are 16-byte
+    aligned (unless FORGEKERNEL_MLA_OSTORE=0)."""
+    return _flag("FORGEKERNEL_MLA_OSTORE", "1")
 
 
 def pair_enabled() -> bool:
     """Seesaw plans of the pair blocks take the `pair` compile: `pair_form`'s, else
     FORGEKERNEL_MLA_PAIR ("0", the default, or "1")."""
-    return _switch(_pair_form, "FORGEKERNEL_MLA_PAIR")
+    if _pair_form[0] is not None:
+        return _pair_form[0]
+    return _flag("FORGEKERNEL_MLA_PAIR", "0")
 
 
-def pair_form(on: bool):
+@contextmanager
+def pair_form(on: bool) -> Iterator[None]:
     """The pair form on or off for the calls inside (their plans keyed apart): the bench's
     variant, timed beside the default in one process."""
-    return _switched(_pair_form, on)
-
-
-def ostore_enabled() -> bool:
-    """Direct plans of the OSTORE_BLOCKS take the `ostore` compile where out's rows are 16-byte
-    aligned: `ostore_form`'s, else FORGEKERNEL_MLA_OSTORE ("0", the default, or "1")."""
-    return _switch(_ostore_form, "FORGEKERNEL_MLA_OSTORE")
-
-
-def ostore_form(on: bool):
-    """The direct form's O store through shared memory on or off for the calls inside (their
-    plans keyed apart): the bench's variant, timed beside the default in one process."""
-    return _switched(_ostore_form, on)
+    before, _pair_form[0] = _pair_form[0], bool(on)
+    try:
+        yield
+    finally:
+        _pair_form[0] = before
 
 
 def _wide_rows(out: torch.Tensor) -> bool:
@@ -120,16 +107,17 @@ def _wide_rows(out: torch.Tensor) -> bool:
 
 def _plan(
     kind, dtype, units, hq, max_tokens, qtokens, device_index, fp8, page_size, _pair=None,
-    _wide=False,
+    narrow=False,
 ):  # fmt: skip
-    """(pass kernel, combine kernel or None, splits, keys per split): kind "partial" (units =
-    sequences, max_tokens their bound) or "sparse" (units = query tokens, max_tokens the top-k
-    width), over an FP8 cache if fp8; the paged leaf's split plan over units x head blocks (the
-    seesaw pass's in whole tiles). Combine None: the seesaw pass's direct form (one split, out
-    and lse written by the pass). The kernels are looked up here, once per problem (two
-    compile-cache lookups cost 0.8 us a call on the CPU). _pair: `pair_form`'s (in the key
-    only); _wide: the `ostore` form asked for and out's rows 16-byte aligned (the pair form, when
-    it runs, keeps its own store)."""
+    """(pass kernel, combine kernel or None, splits, keys per split, ostore): kind "partial"
+    (units = sequences, max_tokens their bound) or "sparse" (units = query tokens, max_tokens
+    the top-k width), over an FP8 cache if fp8; the paged leaf's split plan over units x head
+    blocks (the seesaw pass's in whole tiles). Combine None: the seesaw pass's direct form (one
+    split, out and lse written by the pass). ostore: the pass is the `ostore` compile, whose out
+    must have its rows 16-byte aligned (`_wide_rows`: the caller checks, and takes the plan
+    built with narrow, the direct form's scalar stores, where they are not). The kernels are
+    looked up here, once per problem (two compile-cache lookups cost 0.8 us a call on the CPU).
+    _pair: `pair_form`'s (in the key only; the pair form, when it runs, keeps its own store)."""
     name = dtype_name(dtype)
     heads = config.heads_per_cta(hq, qtokens)
     tma = kind == "partial" and not fp8 and page_size % config.TILE == 0 and seesaw_enabled()
@@ -137,24 +125,23 @@ def _plan(
     splits, per = plan(units, hq // heads, max_tokens, num_sms(device_index), config.RESIDENT)
     pair = config.runs_pair(hq, heads, qtokens, tma) and pair_enabled()
     if config.runs_direct(splits, heads, qtokens, tma) and direct_enabled():
-        ostore = _wide and not pair and config.runs_ostore(heads, qtokens)
+        ostore = not narrow and not pair and config.runs_ostore(heads, qtokens) and ostore_enabled()
         params = config.params_for(
             kind, name, heads, qtokens, tma=True, direct=True, pair=pair, ostore=ostore
         )
-        return get_kernel(SPEC, params), None, splits, per
+        return get_kernel(SPEC, params), None, splits, per, ostore
     partial = get_kernel(SPEC, config.params_for(kind, name, heads, qtokens, fp8, tma, pair=pair))
-    return partial, get_kernel(SPEC, config.params_for("combine", name)), splits, per
+    return partial, get_kernel(SPEC, config.params_for("combine", name)), splits, per, False
 
 
 def _partials(splits: int, rows: int, hq: int, device: torch.device):
     """The partial pass's fp32 (splits, rows, Hq, 512) outputs and (splits, rows, Hq) LSEs,
     which the combine reduces into out / lse: the current stream's scratch (runtime/scratch.py;
-    two CUDA allocations a call before). Contiguous from an aligned base: the seesaw pass sends
-    each 2 KB row of O by one bulk copy, which needs its address 16-byte aligned."""
-    return (
-        scratch("mla.partial_o", (splits, rows, hq, config.D_LATENT), torch.float32, device),
-        scratch("mla.partial_lse", (splits, rows, hq), torch.float32, device),
-    )
+    two CUDA allocations a call before), both from one lookup. Each contiguous from a 16-byte
+    boundary: the seesaw pass sends each 2 KB row of O by one bulk copy, which needs its address
+    16-byte aligned."""
+    shapes = ((splits, rows, hq, config.D_LATENT), (splits, rows, hq))
+    return scratches("mla.partials", shapes, torch.float32, device)
 
 
 def query_tokens(packed: bool, max_seqlen_q: int, hq: int) -> int:
@@ -204,9 +191,11 @@ def mla_decode(
     page_size = ckv_cache.shape[1]
     device = q_nope.device
     key = ("partial", q_nope.dtype, b * q_blocks, hq, page_table.shape[1] * page_size, qtokens,
-           device.index, ckv_scale is not None, page_size, _pair_form[0],
-           ostore_enabled() and _wide_rows(out))  # fmt: skip
-    partial, combine, splits, per = _plans.get_or_build(key, _plan)
+           device.index, ckv_scale is not None, page_size, _pair_form[0])  # fmt: skip
+    plan = _plans.get_or_build(key, _plan)
+    if plan[4] and not _wide_rows(out):  # the ostore compile's 16-byte stores: not this out
+        plan = _plans.get_or_build((*key, True), _plan)
+    partial, combine, splits, per, _ = plan
     cu = None if cu_seqlens_q is None else cu_seqlens_q.contiguous()
     with on_device(device):  # (the scratch is the device's current stream's)
         # the direct form (combine None) writes out and lse itself
@@ -246,7 +235,7 @@ def dsa_sparse_attention(
     device = q_nope.device
     key = ("sparse", q_nope.dtype, tokens, hq, topk, 1, device.index, ckv_scale is not None, 1,
            _pair_form[0])  # fmt: skip
-    partial, combine, splits, per = _plans.get_or_build(key, _plan)
+    partial, combine, splits, per, _ = _plans.get_or_build(key, _plan)
     with on_device(device):
         partial_o, partial_lse = _partials(splits, tokens, hq, device)
         partial(as_tma_ready(q_nope), as_tma_ready(q_pe), ckv_cache, kpe_cache, ckv_scale,
