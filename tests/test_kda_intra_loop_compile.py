@@ -3,10 +3,11 @@ loop, opt-in, outside the op) compiled for sm_90a on the CPU: one loop over the 
 chunks whose body holds rows8's work once, the B operand's E_IJ applied in registers (HMUL2),
 g one chunk ahead, and its size against the design's per-warp budget.
 
-Pinned (cu13 ptxas, 2026-12-03; docs/linear_attention/NOTES.md, "Stage 1 compiled"): 255
-registers (launch bound one CTA an SM), 352 B spilled (loop invariants: a known gap, bounded
-here so that it does not grow), 51,968 B of shared memory, a loop body of 4,174 instructions a
-warp (rows8's whole kernel 3,952; the design's ~3.3 k a warp with TMA and no global stores)."""
+Pinned (cu13 ptxas, 2026-12-03; docs/linear_attention/NOTES.md, "Stages 0 and 1 built"): 255
+registers (launch bound one CTA an SM), 256 B spilled bf16, 272 B fp16 (what the loop holds
+across itself: a known gap, bounded here so that it does not grow), 51,968 B of shared memory,
+a loop body of 4,083 instructions a warp bf16, 4,029 fp16 (rows8's whole kernel 3,952; the
+design's ~3.3 k a warp with TMA and no global stores)."""
 
 from __future__ import annotations
 
@@ -28,9 +29,10 @@ if find_tool("cuobjdump") is None:
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+((?:@!?U?P\w+\s+)?)([A-Z][A-Za-z0-9_.]*)([^;]*);")
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    """(resources, [(address, opcode, operands)], shared storage bytes) of the bf16 kernel."""
+@pytest.fixture(scope="module", params=["bfloat16", "float16"])
+def compiled(request):
+    """(resources, [(address, opcode, operands)], shared storage bytes) of the kernel for the
+    q / k dtype."""
     from forgekernel.kernels.linear_attention.kda_prefill.sm90.compile_loop import (
         compile_kda_intra_loop,
     )
@@ -40,7 +42,7 @@ def compiled():
 
     kernel = KdaIntraLoopSm90(128)
     with tempfile.TemporaryDirectory() as d:
-        out = compile_kda_intra_loop({"dtype": "bfloat16", "k": 128}, "sm_90a",
+        out = compile_kda_intra_loop({"dtype": request.param, "k": 128}, "sm_90a",
                                      f"--keep-cubin --dump-dir {d}", kernel=kernel)  # fmt: skip
         path = Path(d) / "k.cubin"
         path.write_bytes(out.artifacts.CUBIN)
@@ -68,7 +70,7 @@ def test_resources(compiled):
     res, instrs, smem = compiled
     assert res["registers"] <= 255
     assert smem == 256 + 10 * 128 * 2 + 8 * 16 * 128 * 2 + 4 * 16 * 128 * 2 == 51_968
-    assert res["spill_bytes"] <= 384, res["spill_bytes"]  # 352 pinned: the gap to close
+    assert res["spill_bytes"] <= 288, res["spill_bytes"]  # 256 / 272 pinned: the gap to close
     assert not [op for _, op, _ in instrs if op.startswith(("HGMMA", "WARPGROUP"))]
 
 
@@ -76,7 +78,7 @@ def test_loop_body(compiled):
     """The loop body holds one chunk's work: L and P 3 block paths x 2 x 16 HMMA.16816 with
     their 72 ldmatrix, the inverse's 28 tf32 HMMA, E on the B fragments (3 x 8 k steps x 4
     HMUL2.BF16), k and q by 16 cp.async, Kg / Kd / Qg / P / T / D by 34 STG.128, the next
-    chunk's g by 16 LDG.128 (the first chunk's 16 before the loop); 4,174 instructions."""
+    chunk's g by 16 LDG.128 (the first chunk's 16 before the loop); 4,083 / 4,029 instructions."""
     _, instrs, _ = compiled
     lo, hi = _loop(instrs)
     body = Counter(op for addr, op, _ in instrs if lo <= addr <= hi)
@@ -88,4 +90,4 @@ def test_loop_body(compiled):
     assert body["LDGSTS.E.LTC128B.128"] == 16
     assert body["STG.E.128"] == 34
     assert body["LDG.E.128"] == 16 and before["LDG.E.128"] == 16
-    assert sum(body.values()) <= 4_300, sum(body.values())
+    assert sum(body.values()) <= 4_150, sum(body.values())

@@ -9,8 +9,9 @@ chunk first[n] + c), so that the GPU test compares the two outputs directly. Aga
     loop     per chunk rows8's stages (loads, G2 scan, token loop, L and P, the inverse, the
              output), one CTA barrier more at the top (the last chunk's output reads sW, sP,
              which lie over the A tiles that the next q, k land in)
-    g        one chunk ahead: the next chunk's 16 LDG.128 a thread issued after the token loop,
-             in flight under the products and the inverse (64 registers), consumed next chunk
+    g        one chunk ahead: the next chunk's 16 LDG.128 a thread issued after the products,
+             in flight under the inverse (64 registers; issued before the products, with L's
+             and P's 48 accumulators live, 352 B spilled against 256 B here)
     B tiles  only the four diagonal Kr_J (16 KB, rows8 kept the ten Kr_J E_IJ: 40 KB); E_IJ =
              2^(r_I - r_J) as a bf16 table (10 blocks x 128 channels, 1 on the diagonal)
              written by warp J after the scan, applied to the B fragments in registers: two
@@ -320,11 +321,11 @@ class KdaIntraLoopSm90(KdaIntraSm90):
             self._store(kl, self._at(sm["a"][None, None, w], r, c))
             self._store(ql, self._at(sm["a"][None, None, NSUB + w], r, c))
             self._store(kr, self._at(sm["b"][None, None, w], r, c))
-        # the next chunk's g, in flight under the products and the inverse
-        if cutlass.const_expr(self.prefetch_g):
-            self._load_g(mG, gbuf, hv, tok_next, valid_next, r_first, cg)
         bar.arrive_and_wait()
         self._products_diag(sm, w, bar)
+        # the next chunk's g, in flight under the inverse
+        if cutlass.const_expr(self.prefetch_g):
+            self._load_g(mG, gbuf, hv, tok_next, valid_next, r_first, cg)
         bar.arrive_and_wait()
         invert_diagonal(sm["w"], tid)
         invert_merge_mma(sm["w"], sm["x"], tid, bar)
