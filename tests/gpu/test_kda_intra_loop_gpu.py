@@ -18,12 +18,16 @@ pytestmark = pytest.mark.gpu
 
 
 @functools.cache
-def _kernel(dtype: str):
+def _kernel(dtype: str, recompute: bool):
     from forgekernel.kernels.linear_attention.kda_prefill.sm90.compile_loop import (
         compile_kda_intra_loop,
     )
+    from forgekernel.kernels.linear_attention.kda_prefill.sm90.intra_loop import (
+        KdaIntraLoopSm90,
+    )
 
-    return compile_kda_intra_loop({"dtype": dtype, "k": 128})
+    kernel = KdaIntraLoopSm90(128, recompute_addresses=recompute)
+    return compile_kda_intra_loop({"dtype": dtype, "k": 128}, kernel=kernel)
 
 
 def _inputs(lens, h, hv, seed, strong):
@@ -44,7 +48,7 @@ def _inputs(lens, h, hv, seed, strong):
     return q, k, g, beta, cu.to(torch.int32)
 
 
-def _run_loop(q, k, g, beta, cu, scale):
+def _run_loop(q, k, g, beta, cu, scale, recompute=False):
     """The loop kernel's outputs in `operands.py`'s layout (rows of chunks past the last real
     one left as NaN: nobody writes them)."""
     from forgekernel.kernels.linear_attention.kda_prefill.sm90 import operands
@@ -58,13 +62,14 @@ def _run_loop(q, k, g, beta, cu, scale):
         for name, w in (("q_g", 128), ("k_g", 128), ("k_d", 128), ("t_beta", 64), ("p", 64))
     }
     out["decay"] = torch.full((bound, hv, 128), float("nan"), device="cuda")
-    _kernel("bfloat16")(q, k, g, beta, cu, first, out["q_g"], out["k_g"], out["k_d"],
+    _kernel("bfloat16", recompute)(q, k, g, beta, cu, first, out["q_g"], out["k_g"], out["k_d"],
                         out["t_beta"], out["p"], out["decay"], scale)  # fmt: skip
     return out
 
 
+@pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("strong", [False, True])
-def test_loop_equals_first_pass(strong):
+def test_loop_equals_first_pass(strong, recompute):
     """Output by output against intra.py (the same layout) within 3e-2 of each output's largest
     entry (the E-on-B rounding differs: bf16(bf16(Kr) bf16(E)) against intra's bf16(Kr E)),
     and against the torch first pass at the same bound; lengths 1, 63, 64, 65, 300, 1000 (one
@@ -73,7 +78,7 @@ def test_loop_equals_first_pass(strong):
 
     lens = [1, 63, 64, 65, 300, 1000]
     q, k, g, beta, cu = _inputs(lens, 2, 4, seed=21, strong=strong)
-    got = _run_loop(q, k, g, beta, cu, 0.1)
+    got = _run_loop(q, k, g, beta, cu, 0.1, recompute)
     ref = launch.first_pass_kernel(q, k, g, beta, cu, 0.1, False)
     want = operands.kda_chunk_operands(q, k, g, beta, cu, 0.1, False)
     real = sum(-(-n // 64) for n in lens)
@@ -86,13 +91,14 @@ def test_loop_equals_first_pass(strong):
             assert err <= 3e-2 * float(b.abs().max()) + 1e-5, (name, err)
 
 
+@pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("hv", [16, 32])
-def test_loop_time_a_chunk(hv):
+def test_loop_time_a_chunk(hv, recompute):
     """4 x 8192, h 16: 4 hv CTAs (64, 128), 128 chunks each; printed: us a chunk (the walk's
     time / 128) beside intra.py's whole pass. No assertion: the design's figure to compare."""
     lens = [8192] * 4
     q, k, g, beta, cu = _inputs(lens, 16, hv, seed=22, strong=False)
-    _run_loop(q, k, g, beta, cu, 0.1)  # compile, warm
+    _run_loop(q, k, g, beta, cu, 0.1, recompute)  # compile, warm
     from forgekernel.kernels.linear_attention.kda_prefill.sm90 import launch
 
     def timed(fn, reps=10):
@@ -105,7 +111,8 @@ def test_loop_time_a_chunk(hv):
         torch.cuda.synchronize()
         return start.elapsed_time(end) / reps * 1e3  # us
 
-    loop_us = timed(lambda: _run_loop(q, k, g, beta, cu, 0.1))
+    loop_us = timed(lambda: _run_loop(q, k, g, beta, cu, 0.1, recompute))
     intra_us = timed(lambda: launch.first_pass_kernel(q, k, g, beta, cu, 0.1, False, 8192))
-    print(f"\nhv {hv}: {4 * hv} CTAs, loop {loop_us:.0f} us = {loop_us / 128:.2f} us a chunk "
-          f"(design: <= 5.6 at 128 CTAs); intra.py {intra_us:.0f} us")  # fmt: skip
+    print(f"\nhv {hv} recompute_addresses {recompute}: {4 * hv} CTAs, loop {loop_us:.0f} us = "
+          f"{loop_us / 128:.2f} us a chunk (design: <= 5.6 at 128 CTAs); intra.py "
+          f"{intra_us:.0f} us")  # fmt: skip
