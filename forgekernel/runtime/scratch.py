@@ -114,8 +114,10 @@ def current_stream(device: torch.device) -> int | None:
         return 0
     if torch._C._cuda_isCurrentStreamCapturing():
         return None
-    # the raw handle: torch.cuda.current_stream builds a Stream object (microseconds)
-    return torch._C._cuda_getCurrentRawStream(device.index)
+    # the raw handle: torch.cuda.current_stream builds a Stream object (microseconds); a device
+    # without an index ("cuda") is the current one, as torch reads it
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return torch._C._cuda_getCurrentRawStream(index)
 
 
 def _carve(key, slot, entry, shapes, dtype, device) -> tuple[torch.Tensor, ...]:
