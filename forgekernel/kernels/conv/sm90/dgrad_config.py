@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass, replace
 from forgekernel.kernels.conv.sm90.config import (
     _EFFICIENCY,
     BASE_CONFIGS,
-    IM2COL_ROWS_128,
     K_TILE,
     MAX_PARTS,
     MAX_WORKSPACE,
@@ -36,6 +35,21 @@ def _ceil(a: int, b: int) -> int:
 FUSED_EPILOGUE = {"epi_n": 64, "epi_stages": 2}
 FUSED_BASE = tuple(replace(c, **FUSED_EPILOGUE) for c in BASE_CONFIGS)
 FUSED_CONFIGS = FUSED_BASE + tuple(replace(c, split=True) for c in FUSED_BASE)
+
+
+# The fused kernel's own terms (H200, 2026-12-03 16:45, the conv_dgrad bench's candidate plans
+# timed beside the chooser's; docs/conv/NOTES.md, "Measured 2026-12-03 16:45"). Its im2col rows
+# cost about 1.3 units per 128 (config.IM2COL_ROWS_128's 2.0 is the 12-01 forward's): 128-wide
+# tiles ran 0.82x (C 320, 64x64), 0.91-0.94x (C 640, 32x32) and 0.91x (c1x1, C 512 14x14) of
+# the 128x256 split, which the 2.0 priced 1.1-1.5x above it. And a parked fp32 tile costs twice
+# what the operand bytes say: unsplit 128x256 ran 0.69-0.72x of the 4-part split on the 1x1
+# stride 2 (C 1024 14x14, three phases of zero units) and 0.86x of the 2-part one on C 320. Over
+# the 13 stride-2 suite cases and the 6 candidates (graph times, 4 us of launch and tail added)
+# the log error is 0.138 rms at (1.3, 2) against 0.178 at (2.0, 1). The rms hardly sees the
+# park weight; the rankings pin it: at rows 1.2-1.4 a weight of 2 picks the four faster plans,
+# 1 keeps the 1x1 split (and C 640 on 256-wide tiles), 2.5 and up lose two of the four.
+FUSED_ROWS_128 = 1.3
+PARK_WEIGHT = 2.0
 
 
 def fused_config(cfg: ConvConfig) -> ConvConfig:
@@ -94,17 +108,17 @@ def fused_cost(cfg: ConvConfig, m: int, n: int, k_tiles: tuple[int, ...], per: i
     """The time of a fused launch in `split_cost`'s units: the static schedule hands cluster z
     the work indices z, z + G, ... (G clusters, raster along M: the phases' parts and M tiles
     fastest, one N tile after another), so the launch lasts as long as the busiest cluster's
-    units; a unit costs its k-tiles (each the longer of its multiply-adds and its im2col rows),
-    its epilogue, and when its phase is split, the parked fp32 tile (the last part reading all
-    of its phase's parts back: counted on part 0)."""
+    units; a unit costs its k-tiles (each the longer of its multiply-adds and its im2col rows,
+    FUSED_ROWS_128), its epilogue, and when its phase is split, the parked fp32 tile
+    (PARK_WEIGHT; the last part reading all of its phase's parts back: counted on part 0)."""
     slot_tiles, parts, units_m, tiles_n = fused_layout(cfg, m, n, k_tiles, per)
     cm, cn = cfg.cluster_m, cfg.cluster_n
     clusters = num_sms // (cm * cn)
     area = cfg.tile_m * cfg.tile_n / (128 * 128) / _EFFICIENCY[replace(cfg, **_PLAIN)]
-    k_tile = max(area, IM2COL_ROWS_128 * cfg.tile_m / cn / 128)
+    k_tile = max(area, FUSED_ROWS_128 * cfg.tile_m / cn / 128)
     operand = (cfg.tile_m + cfg.tile_n) * K_TILE * 2
     epilogue = cfg.tile_m * cfg.tile_n * 2 / operand * area
-    park = cfg.tile_m * cfg.tile_n * 4 / operand * area
+    park = PARK_WEIGHT * cfg.tile_m * cfg.tile_n * 4 / operand * area
     runs = []  # (blocks, cost of each) in work-index order
     for _ in range(_ceil(tiles_n, cn)):
         for k, p in zip(k_tiles, parts):
