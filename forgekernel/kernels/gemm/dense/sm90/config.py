@@ -143,7 +143,8 @@ _EFFICIENCY.update({FIT_112: 0.889, SWAP_208: 0.938})
 # (docs/gemm/NOTES.md "The slowest cases of the 15:48 bench"): 64x48 decode tiles, 64x256 a16,
 # FIT_112 / SWAP_208 with a stage back, WIDE swizzled N-first, and swapped stream K (wrong
 # output on the H200: splitk.sum_parts dropped the last floats of 72- and 40-float fragments,
-# fixed on next/swap-sk; its timing, 52.1 / 60.1 us to beat on 129x10240x8192, is not redone).
+# fixed on next/swap-sk; timed on 2026-12-03 16:35, 59.8-61.9 / 63.6-65.8 us on 129x10240x8192,
+# 1.03-1.08x the pick: dropped again, docs/gemm/NOTES.md "Measured 2026-12-03 16:35").
 DECODE_112 = GemmConfig(tile_m=64, tile_n=112, cluster_m=1, cluster_n=2, epi_n=16, a_rows=8)
 # Candidates timed as bench variants of one case beside the pick (`CASE_CANDIDATES`, the
 # suite's variants; docs/gemm/NOTES.md "256 tokens: candidates"), none chosen. The ragged ones
