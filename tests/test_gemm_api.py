@@ -254,17 +254,13 @@ def test_swapped_stream_k_plans_the_kernels_problem(cpu_kernel, m, n, k):
     was splitk.sum_parts: tests/test_splitk_host.py): the plan is over the problem the kernel
     sees, (N padded, M), so that its per, flags and workspace are the kernel's own (kernel.py
     `_stream_grid`: every tile a flag, every CTA of the grid two slots)."""
-    from forgekernel.kernels.gemm.dense.sm90.config import (
-        SWAP_STREAM_144,
-        SWAP_STREAM_144_C2,
-        SWAP_TALL_80,
-        split_for,
-    )
+    from forgekernel.kernels.gemm.dense.sm90.config import SWAP_TALL_80, GemmConfig, split_for
     from forgekernel.kernels.gemm.dense.sm90.plan import grid_blocks, stream_grid
 
     np_, kp = -(-n // 8) * 8, -(-k // 8) * 8
+    one = GemmConfig(tile_n=144, cluster_m=1, epi_n=16, swap=True, stream_k=True)
     swap_tall = dataclasses.replace(SWAP_TALL_80, stream_k=True)
-    for cfg in (SWAP_STREAM_144, SWAP_STREAM_144_C2, swap_tall):
+    for cfg in (one, dataclasses.replace(one, cluster_m=2), swap_tall):
         _, max_clusters, split, swap = gemm_sm90._choose(torch.bfloat16, False, m, n, k, None, cfg)
         assert swap
         plan = split_for(cfg, np_, m, kp, 132)

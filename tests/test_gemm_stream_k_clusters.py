@@ -35,6 +35,11 @@ UNITS = 48  # room for one CTA's units in the traced walk's output
 # MID streamed: out of the standard set since the refit of 2026-12-02 (config.py), but the
 # kernel's stream-K walk on a 1x2 cluster (a block's two CTAs side by side along N) stays tested.
 MID_STREAMED = dataclasses.replace(MID, stream_k=True)
+# Swapped stream K: no standard configuration (128x144 over 129 tokens measured 1.04-1.08x the
+# pick on 2026-12-03 16:35 and dropped, docs/gemm/NOTES.md), but the launcher still plans it
+# for a forced configuration, so the kernel's walk through the swapped view stays tested.
+SWAP_STREAMED_144 = config.GemmConfig(tile_n=144, cluster_m=1, epi_n=16, swap=True, stream_k=True)
+SWAP_STREAMED_144_C2 = dataclasses.replace(SWAP_STREAMED_144, cluster_m=2)
 
 # (config, M, N, K): data-parallel rounds, blocks over the edge of M (c2x1, odd tile rows) and
 # of N (c1x2, odd tile columns), ranges shorter than a block (three parts and more), ranges
@@ -52,10 +57,10 @@ CASES = [
     (WIDE_STREAM, 3000, 576, 7168),
     (dataclasses.replace(WIDE_STREAM, cluster_m=1), 700, 1000, 3000),
     (DECODE_STREAM[0], 1, 576, 7168),
-    # swapped stream K on 129 tokens (config.py RAGGED_CANDIDATES), the kernel's problem (N, M):
-    # 80 weight tiles cut over 132 CTAs, and over 66 2x1 clusters (40 blocks)
-    (config.SWAP_STREAM_144, 10240, 129, 8192),
-    (config.SWAP_STREAM_144_C2, 10240, 129, 8192),
+    # swapped stream K on 129 tokens, the kernel's problem (N, M): 80 weight tiles cut over
+    # 132 CTAs, and over 66 2x1 clusters (40 blocks)
+    (SWAP_STREAMED_144, 10240, 129, 8192),
+    (SWAP_STREAMED_144_C2, 10240, 129, 8192),
     (DECODE_STREAM[3], 40, 8704, 2496),
     (DECODE_STREAM[0], 5, 4096, 1024),
 ]
@@ -330,15 +335,10 @@ def test_the_suite_checks_every_prefill_walk():
         (config.TALL_80, True),  # three consumer warpgroups (setmaxnreg 152)
         (config.SWAP_80, False),  # the swap: C M-major, 64 x 16 boxes
         (config.SWAP_TALL_80, False),  # the swap on three consumer warpgroups
-        # the ragged candidates (config.py RAGGED_CANDIDATES; bf16 "nk" as built)
-        (config.SWAP_STREAM_144, False),
-        (config.SWAP_STREAM_144_C2, False),
-        (config.SWAP_208_C21, False),
-        (config.SWAP_TALL_144, False),
-        (config.FIT_240, False),
-        (config.WIDE_S5, False),
-        (config.TALL_80_S6, False),
-        (config.TALL_80_C14, False),
+        (SWAP_STREAMED_144, False),  # swapped stream K (forced only)
+        # the 256-token candidates (config.py CASE_CANDIDATES; bf16 "nk" as built)
+        (config.SMALL_C12, False),
+        (config.SMALL_N, False),
     ],
     ids=lambda x: getattr(x, "tag", lambda: str(x))(),
 )

@@ -344,12 +344,12 @@ def variants(case: Case) -> dict[str, Any]:
     """M > 128: the prefill configurations the chooser weighed against its pick and left
     (config.py `prefill_rivals`: "tile", the measured tile, "challenger", the 64-row tile or a
     stream-K one, "fit", the fastest one-wave tile by the model, "swap", the fastest swapped
-    tile on B "nk" up to `SWAP_MAX_M` rows), and on the slowest cases of the last run the
-    candidates no group holds (config.py `RAGGED_CANDIDATES`, B "nk"), forced through the op:
-    variant time / our time says whether the choice paid (docs/gemm/NOTES.md "Mid-size M",
-    "One-wave tiles", "The swap", "Ragged candidates"). None for decode and skinny M."""
+    tile on B "nk" up to `SWAP_MAX_M` rows), and on the cases that list them the candidates
+    no group holds (config.py `CASE_CANDIDATES`, B "nk"), forced through the op: variant time
+    / our time says whether the choice paid (docs/gemm/NOTES.md "Mid-size M", "One-wave
+    tiles", "The swap", "256 tokens: candidates"). None for decode and skinny M."""
     from forgekernel.kernels.gemm.dense.sm90.config import (
-        RAGGED_CANDIDATES,
+        CASE_CANDIDATES,
         choose_config,
         prefill_rivals,
     )
@@ -362,7 +362,7 @@ def variants(case: Case) -> dict[str, Any]:
     chosen = choose_config(m, n, k, b_kn=b_kn)
     configs = prefill_rivals(m, n, k, b_kn=b_kn)
     if not b_kn:
-        configs.update(RAGGED_CANDIDATES.get((m, n, k), {}))
+        configs.update(CASE_CANDIDATES.get((m, n, k), {}))
     return {
         kind: (lambda inputs, out, cfg=cfg: _forced(inputs, out, cfg))
         for kind, cfg in configs.items()

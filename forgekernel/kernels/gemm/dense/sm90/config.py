@@ -143,74 +143,29 @@ _EFFICIENCY.update({FIT_112: 0.889, SWAP_208: 0.938})
 # (docs/gemm/NOTES.md "The slowest cases of the 15:48 bench"): 64x48 decode tiles, 64x256 a16,
 # FIT_112 / SWAP_208 with a stage back, WIDE swizzled N-first, and swapped stream K (wrong
 # output on the H200: splitk.sum_parts dropped the last floats of 72- and 40-float fragments,
-# fixed on next/swap-sk; its timing, 52.1 / 60.1 us to beat on 129x10240x8192, is not redone).
+# fixed on next/swap-sk; timed on 2026-12-03 16:35, 59.8-61.9 / 63.6-65.8 us on 129x10240x8192,
+# 1.03-1.08x the pick: dropped again, docs/gemm/NOTES.md "Measured 2026-12-03 16:35").
 DECODE_112 = GemmConfig(tile_m=64, tile_n=112, cluster_m=1, cluster_n=2, epi_n=16, a_rows=8)
-# Candidates for the slowest bench cases of the H200 run of 2026-12-03 03:50, none chosen: the
-# bench times each beside the pick on its case (`RAGGED_CANDIDATES`, the suite's variants;
-# docs/gemm/NOTES.md "Ragged candidates"). Per k-tile a CTA reads A / cluster_n + B / cluster_m
-# from L2; the picks there move 5.7-6.7 TB/s of it, near the ~6 TB/s the skinny and ragged
-# cases measured as the L2 limit (NOTES "Predictions and outcomes"), so most candidates cut it.
-# 129 tokens: the weight's 80 tiles of 128 rows cut over all 132 SMs (SWAP_TALL_80 leaves 24
-# idle, and no tiling of 10240 x 129 fills them), the 129 tokens in one 144-wide tile (15 rows
-# past the tokens, zero-filled); the second multicasts the tokens over a 2x1 cluster (40 cluster
-# blocks over 66 clusters: 25 KB a CTA and k-tile from L2, not 34). Every range reads its own
-# weight rows and the same 2 MB of tokens: none of the re-reads `_STREAM_SLOWDOWN` prices.
-SWAP_STREAM_144 = GemmConfig(tile_n=144, cluster_m=1, epi_n=16, swap=True, stream_k=True)
-SWAP_STREAM_144_C2 = dataclasses.replace(SWAP_STREAM_144, cluster_m=2)
-# 777 tokens: SWAP_208 with the tokens' tile (26 KB a k-tile, the larger operand) multicast over
-# a 2x1 cluster instead of the weight's (16 KB) over 1x2: 29 KB a CTA and k-tile from L2, not 34;
-# or 192x144 swapped, 22 x 6 = 132 tiles (66 clusters, every SM), 3.8% more work a CTA and 15%
-# less L2 traffic a FLOP.
-SWAP_208_C21 = dataclasses.replace(SWAP_208, cluster_m=2, cluster_n=1)
-SWAP_TALL_144 = GemmConfig(
-    tile_m=192, tile_n=144, cluster_m=1, cluster_n=2, epi_n=16, swap=True, raster_along_m=False
-)
-# 5000x6144x4096: 128x240 makes 26 column tiles, 520 cluster blocks, 7.9 rounds (last 88% full)
-# where WIDE's 640 run 9.7 (last 70%): the same area a CTA, 8 epilogues a CTA instead of 10, a
-# higher intensity (83.5 against 76.8). WIDE with a fifth stage (a 2-deep epilogue).
-FIT_240 = GemmConfig(tile_n=240, epi_n=16)
-WIDE_S5 = dataclasses.replace(WIDE, stages=5, epi_stages=2)
-# 3000x576x7168: TALL_80 computes 3072 x 640 of 3000 x 576 (14% waste); swapped (the weight's
-# 576 rows = 3 x 192, the tokens 38 x 80 = 3040) it computes 11% less over 114 CTAs, each the
-# same tile and K as the pick's 128, so the round is no longer; its L2 traffic 11% less. TALL_80
-# with a sixth stage (a 2-deep epilogue). TALL_80 over a 1x4 cluster: A shared by 4 column tiles
-# (16 KB a CTA and k-tile, not 22), 32 clusters of 4: one round only if 32 four-CTA clusters
-# are co-resident (the launcher's grid is min(blocks, 132 / 4 = 33); the 1x4 clusters of
-# 2026-11-30 ran 0.66-0.78 of 1x2, presumably a second round: this times that).
-TALL_80_S6 = dataclasses.replace(TALL_80, stages=6, epi_stages=2)
-TALL_80_C14 = dataclasses.replace(TALL_80, cluster_n=4)
-RAGGED_CANDIDATES: dict[tuple[int, int, int], dict[str, GemmConfig]] = {
-    (129, 10240, 8192): {
-        "swap_sk144": SWAP_STREAM_144,
-        "swap_sk144_c2": SWAP_STREAM_144_C2,
-    },
-    (3000, 576, 7168): {
-        "swaptall": SWAP_TALL_80,
-        "tall80_s6": TALL_80_S6,
-        "tall80_c14": TALL_80_C14,
-    },
-    (777, 4096, 14336): {"swap208_c21": SWAP_208_C21, "swaptall144": SWAP_TALL_144},
-    (5000, 6144, 4096): {"fit240": FIT_240, "wide_s5": WIDE_S5},
+# Candidates timed as bench variants of one case beside the pick (`CASE_CANDIDATES`, the
+# suite's variants; docs/gemm/NOTES.md "256 tokens: candidates"), none chosen. The ragged ones
+# of 2026-12-03 03:50 were timed at 16:35 and dropped (NOTES "Measured 2026-12-03 16:35").
+# 256x8192x8192 runs SMALL (128x128 c1x1: 2 x 64 tiles, one round) at cuBLAS's time in graph
+# timing (58.1 / 58.7 us) and 0.85-0.88x of it eager in all seven benches since 2026-12-02
+# 06:54 (64.1 / 55.4): SMALL, the one configuration timed there without a cluster, runs 10%
+# slower eager than graph; every 2-CTA one and cuBLAS 4-11% faster. Three walks of the same
+# 128 tiles of 128x128, one round, tell which part of the cluster it is: the weight's tile
+# multicast to the two token rows (SQUARE: 0.994x cuBLAS eager in the probe of 2026-12-02
+# 18:47, the pick 0.964x in that run, never timed in the bench), the tokens' tile multicast to
+# two weight columns instead (each weight tile read by both CTAs as SMALL does), and SMALL with
+# the two readers of a weight tile 64 CTAs apart in launch order instead of adjacent.
+SMALL_C12 = GemmConfig(tile_n=128, cluster_m=1, cluster_n=2)
+SMALL_N = dataclasses.replace(SMALL, raster_along_m=False)
+CASE_CANDIDATES: dict[tuple[int, int, int], dict[str, GemmConfig]] = {
+    (256, 8192, 8192): {"square": SQUARE, "small_c12": SMALL_C12, "small_n": SMALL_N},
 }
-# Their rates (`prefill_time`) are ASSUMED until timed: a swapped tile the intensity rule's x
-# 0.95 (SWAP_208 0.938 / 0.980 and SWAP_TALL_80 0.856 / 0.905, the two timed where the weight
-# leaves HBM once), a tile with another cluster, stage count or walk its base tile's.
-_EFFICIENCY.update(
-    {
-        dataclasses.replace(SWAP_STREAM_144, stream_k=False): 0.95 * assumed_efficiency(
-            SWAP_STREAM_144
-        ),
-        dataclasses.replace(SWAP_STREAM_144_C2, stream_k=False): 0.95 * assumed_efficiency(
-            SWAP_STREAM_144_C2
-        ),
-        SWAP_208_C21: _EFFICIENCY[SWAP_208],
-        SWAP_TALL_144: 0.95 * assumed_efficiency(SWAP_TALL_144),
-        FIT_240: assumed_efficiency(FIT_240),
-        WIDE_S5: _EFFICIENCY[WIDE],
-        TALL_80_S6: _EFFICIENCY[TALL_80],
-        TALL_80_C14: _EFFICIENCY[TALL_80],
-    }
-)
+# Their rates (`prefill_time`) are ASSUMED until timed: SMALL's (the same tile; neither clusters
+# nor the walk are in the model).
+_EFFICIENCY.update({SMALL_C12: _EFFICIENCY[SMALL], SMALL_N: _EFFICIENCY[SMALL]})
 # Further configurations for tuning (`forgekernel build --candidates`, `forgekernel.tune_gemm`,
 # scripts/gemm_sweep.py); bf16 "nk" prebuilt, anything else compiles on first use.
 CANDIDATES = (
@@ -218,10 +173,10 @@ CANDIDATES = (
     GemmConfig(epi_n=64),
     GemmConfig(tile_m=64, tile_n=64, cluster_m=1),
     GemmConfig(tile_m=128, tile_n=64, cluster_m=1, cluster_n=2),
-    GemmConfig(tile_n=128, cluster_m=1, cluster_n=2),
+    SMALL_C12,
     GemmConfig(tile_m=64, tile_n=256, cluster_m=2),
     DECODE_112,
-    *dict.fromkeys(c for group in RAGGED_CANDIDATES.values() for c in group.values()),
+    SMALL_N,
 )
 
 
