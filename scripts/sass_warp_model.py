@@ -61,14 +61,25 @@ def parse(sass: str) -> list[dict]:
     return out
 
 
-def loop_body(ins: list[dict]) -> list[dict]:
-    """The instructions between the first backward branch's target and the branch."""
+def loop_body(ins: list[dict], trips: int = 3) -> list[dict]:
+    """One pass of the outermost loop (the backward branch of the longest span), as issued:
+    a loop nested in it unrolled to `trips` passes (the KDA loop's rolled block paths: 3 on
+    the warps that take three)."""
+    loops = []
     for i in ins:
         m = re.search(r"BRA 0x([0-9a-f]+)", i["text"])
         if m and int(m.group(1), 16) < i["addr"]:
-            lo, hi = int(m.group(1), 16), i["addr"]
-            return [j for j in ins if lo <= j["addr"] <= hi]
-    raise ValueError("no loop")
+            loops.append((int(m.group(1), 16), i["addr"]))
+    if not loops:
+        raise ValueError("no loop")
+    lo, hi = max(loops, key=lambda span: span[1] - span[0])
+    body = [j for j in ins if lo <= j["addr"] <= hi]
+    for a, b in loops:
+        if lo < a and b < hi:
+            first = next(k for k, j in enumerate(body) if j["addr"] == a)
+            last = next(k for k, j in enumerate(body) if j["addr"] == b)
+            body[first:last + 1] = body[first:last + 1] * trips
+    return body
 
 
 def klass(op: str) -> str:
@@ -118,7 +129,7 @@ def model(body: list[dict], mem: int = 800, share: float = 1.0) -> int:
     return t + stall
 
 
-def _kda_loop_sass(held: bool) -> str:
+def _kda_loop_sass(held: bool, own_scratch: bool = False) -> str:
     from forgekernel.kernels.linear_attention.kda_prefill.sm90.compile_loop import (
         compile_kda_intra_loop,
     )
@@ -129,7 +140,8 @@ def _kda_loop_sass(held: bool) -> str:
     with tempfile.TemporaryDirectory() as d:
         out = compile_kda_intra_loop({"dtype": "bfloat16", "k": 128}, "sm_90a",
                                      f"--keep-cubin --dump-dir {d}",
-                                     kernel=KdaIntraLoopSm90(128, recompute_addresses=not held))
+                                     kernel=KdaIntraLoopSm90(128, recompute_addresses=not held,
+                                                             own_scratch=own_scratch))
         path = Path(d) / "k.cubin"
         path.write_bytes(out.artifacts.CUBIN)
         return _sass(path)
@@ -146,9 +158,17 @@ def main() -> None:
     ap.add_argument("--held", action="store_true", help="kda_loop: recompute_addresses=False")
     ap.add_argument("--segments", action="store_true", help="also per barrier-delimited part")
     ap.add_argument("--mem", type=int, default=800, help="global load latency, cycles")
+    ap.add_argument("--own-scratch", action="store_true", help="kda_loop: own_scratch=True")
     args = ap.parse_args()
-    sass = _kda_loop_sass(args.held) if args.target == "kda_loop" else _sass(Path(args.target))
-    body = loop_body(parse(sass))
+    if args.target == "kda_loop":
+        sass = _kda_loop_sass(args.held, args.own_scratch)
+    else:
+        sass = _sass(Path(args.target))
+    ins = parse(sass)
+    body = loop_body(ins)
+    lo, hi = body[0]["addr"], body[-1]["addr"]
+    print(f"loop code: {sum(lo <= i['addr'] <= hi for i in ins)} instructions "
+          f"({(hi - lo + 16) // 1024} KB)")
     counts = Counter(klass(i["op"]) for i in body)
     print(f"loop body: {len(body)} instructions a warp, static schedule "
           f"{sum(max(i['stall'], 1) for i in body)} cycles, "

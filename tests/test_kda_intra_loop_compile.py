@@ -29,7 +29,7 @@ if find_tool("cuobjdump") is None:
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+((?:@!?U?P\w+\s+)?)([A-Z][A-Za-z0-9_.]*)([^;]*);")
 
 
-def _build(dtype: str, recompute: bool = True):
+def _build(dtype: str, recompute: bool = True, own_scratch: bool = False):
     """(resources, [(address, opcode, operands)], shared storage bytes)."""
     from forgekernel.kernels.linear_attention.kda_prefill.sm90.compile_loop import (
         compile_kda_intra_loop,
@@ -38,7 +38,7 @@ def _build(dtype: str, recompute: bool = True):
         KdaIntraLoopSm90,
     )
 
-    kernel = KdaIntraLoopSm90(128, recompute_addresses=recompute)
+    kernel = KdaIntraLoopSm90(128, recompute_addresses=recompute, own_scratch=own_scratch)
     with tempfile.TemporaryDirectory() as d:
         out = compile_kda_intra_loop({"dtype": dtype, "k": 128}, "sm_90a",
                                      f"--keep-cubin --dump-dir {d}", kernel=kernel)  # fmt: skip
@@ -106,3 +106,37 @@ def test_held_addresses():
     lo, hi = _loop(instrs)
     assert res["spill_bytes"] <= 288, res["spill_bytes"]
     assert sum(lo <= addr <= hi for addr, _, _ in instrs) <= 4_150
+
+
+def test_own_scratch():
+    """own_scratch (the inverse's scratch and sP in their own 32 KB, as the fused design has
+    them): each block path writes its outputs right after its products, so the three paths are
+    one rolled loop (2 or 3 passes a warp, branched): the chunk loop holds one inner loop, 32 of
+    the 96 bf16 HMMA in code, 9 barriers (no barrier between the products and their output),
+    no spill, 3,646 instructions of code (4,259 the default) and ~90 predicated (1,267), 4,058
+    issued by the warps that take three paths (`scripts/sass_warp_model.py`)."""
+    res, instrs, smem = _build("bfloat16", own_scratch=True)
+    assert res["registers"] <= 255 and res["spill_bytes"] == 0, res
+    assert smem == 52_096 + 32_768
+    back = []
+    for addr, op, args in instrs:
+        m = re.search(r"0x([0-9a-f]+)", args)
+        if op.startswith("BRA") and m and int(m.group(1), 16) < addr:
+            back.append((int(m.group(1), 16), addr))
+    assert len(back) == 2, back  # the chunk loop and the block paths inside it
+    (lo, hi), (ilo, ihi) = sorted(back, key=lambda span: span[0] - span[1])
+    assert lo < ilo < ihi < hi
+    body = Counter(op for addr, op, _ in instrs if lo <= addr <= hi)
+    inner = Counter(op for addr, op, _ in instrs if ilo <= addr <= ihi)
+    assert inner["HMMA.16816.F32.BF16"] == body["HMMA.16816.F32.BF16"] == 2 * 16
+    assert inner["LDSM.16.M88.4"] == 3 * 8 and inner["HMUL2.BF16_V2"] == 8 * 4
+    assert body["HMMA.1688.F32.TF32"] == 7 * 4
+    assert body["BAR.SYNC.DEFER_BLOCKING"] == 9
+    assert sum(body.values()) <= 3_700, sum(body.values())
+
+
+def test_own_scratch_held():
+    """own_scratch with the addresses held: no spill either (251 registers): the held form's
+    256 B were the 48 L / P accumulators kept over the products' barrier."""
+    res, _, _ = _build("bfloat16", recompute=False, own_scratch=True)
+    assert res["registers"] <= 255 and res["spill_bytes"] == 0, res
