@@ -1,13 +1,13 @@
 """Does a long straight-line loop body starve one warp a scheduler of instructions on the H200?
 The fused KDA design's stage 1 loop (docs/linear_attention/NOTES.md, "Stage 1 measured
-2026-12-03 16:55") runs a 68 KB body with one warp a scheduler and measures ~2x what its SASS
+2026-12-03 16:55") runs a 66 KB body with one warp a scheduler and measures ~2x what its SASS
 schedule explains; instruction fetch is one candidate. This measures it alone.
 
 One CTA an SM (`--ctas`, default 132) of `--threads` (default 128: one warp a scheduler, as the
 loop). Each thread runs `--iters` passes of a body of N FFMA over 16 independent accumulators
 (a stall of 1 cycle each in ptxas's schedule: the body's ideal is N cycles a pass) and records
-clock64 around the passes. Printed per N (4 bytes of code... 16 B an instruction: N = 4096 is
-64 KB, the KDA loop's size): the median cycles an instruction over the CTAs. Flat near 1 up to
+clock64 around the passes. Printed per N (16 B of code an instruction: N = 4096 is 64 KB,
+about the KDA loop's 66 KB): the median cycles an instruction over the CTAs. Flat near 1 up to
 the largest N: fetch keeps up, and the KDA loop's missing half is elsewhere; rising past some N:
 that N x 16 B is the instruction cache the scheduler streams from, and the loop's code size is
 the lever.
