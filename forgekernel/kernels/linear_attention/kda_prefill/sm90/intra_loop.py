@@ -45,6 +45,7 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse_mma import in
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import Bar
 from forgekernel.kernels.linear_attention.kda_prefill.sm90.config import CHUNK
 from forgekernel.kernels.linear_attention.kda_prefill.sm90.intra import (
+    AUX_WORDS,
     GROUPS,
     KSTEPS,
     NSUB,
@@ -85,6 +86,22 @@ def mul_bf16x2(a, b, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def cp_async_4_zfill(dst_smem, src_gmem, src_bytes, *, loc=None, ip=None) -> None:
+    """cp.async.ca of 4 bytes global -> shared, src_bytes (0 or 4) read, the rest zero-filled
+    (dst_smem a shared address as an integer, src_gmem an LLVM pointer)."""
+    llvm.inline_asm(
+        None,
+        [Int32(dst_smem).ir_value(loc=loc, ip=ip), src_gmem,
+         Int32(src_bytes).ir_value(loc=loc, ip=ip)],
+        "cp.async.ca.shared.global [$0], [$1], 4, $2;",
+        "r,l,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )  # fmt: skip
+
+
+@dsl_user_op
 def opaque_ctaid_y(*, loc=None, ip=None) -> Int32:
     """blockIdx.y read where it is used (volatile: not hoisted out of the chunk loop)."""
     v = llvm.inline_asm(
@@ -103,12 +120,20 @@ class KdaIntraLoopSm90(KdaIntraSm90):
     """The aux role alone as a chunk loop; see the module docstring. Reuses `KdaIntraSm90`'s
     helpers (loads, stores, the masked block output, the P / T store). prefetch_g: g one
     chunk ahead (the design) or at the chunk's start (rows8's order); recompute_addresses: the
-    thread's address math redone each chunk (no spills, more instructions; see the loop)."""
+    thread's address math redone each chunk (no spills, more instructions; see the loop). The
+    default since the H200 run of 2026-12-03 16:55: 9.17 against 11.84 us a chunk at 64 CTAs,
+    10.43 against 13.04 at 128 (the held form's 57 LDL a chunk miss L1). own_scratch: the
+    inverse's scratch and sP in their own 32 KB instead of over the A tiles (as the fused
+    design has them), so that each block path writes its outputs right after its products: no
+    barrier between, 16 accumulators live instead of 48, and the block paths a rolled loop
+    (2 or 3 a warp, branched, not predicated: one copy of their code instead of three)."""
 
-    def __init__(self, k: int, prefetch_g: bool = True, recompute_addresses: bool = False):
+    def __init__(self, k: int, prefetch_g: bool = True, recompute_addresses: bool = True,
+                 own_scratch: bool = False):  # fmt: skip
         super().__init__(k)
         self.prefetch_g = prefetch_g
         self.recompute_addresses = recompute_addresses
+        self.own_scratch = own_scratch
 
     @cute.jit
     def __call__(
@@ -138,6 +163,11 @@ class KdaIntraLoopSm90(KdaIntraSm90):
             sZero: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]  # recompute_addresses
             # E_IJ, bf16, block (I, J) in row order (tile_of), the diagonal ones 1
             sE: cute.struct.Align[cute.struct.MemRange[BFloat16, TILES * kd], 16]
+            # own_scratch: sW, sX, sP here (else over sA; then 16 B in sA's alignment padding)
+            sS: cute.struct.Align[
+                cute.struct.MemRange[Float32, AUX_WORDS if self.own_scratch else 4],
+                128 if self.own_scratch else 16,
+            ]
             sA: cute.struct.Align[cute.struct.MemRange[BFloat16, 2 * NSUB * SUB * kd], 128]
             # the diagonal Kr_J only
             sB: cute.struct.Align[cute.struct.MemRange[BFloat16, NSUB * SUB * kd], 128]
@@ -174,6 +204,7 @@ class KdaIntraLoopSm90(KdaIntraSm90):
         n, hv, _ = cute.arch.block_idx()
         kd = self.k
         storage = SmemAllocator().allocate(self.shared_storage)
+        scratch = storage.sS if cutlass.const_expr(self.own_scratch) else storage.sA
         sm = {
             "beta": storage.sBeta.get_tensor(cute.make_layout(CHUNK)),
             "zero": storage.sZero.get_tensor(cute.make_layout(4)),
@@ -181,11 +212,11 @@ class KdaIntraLoopSm90(KdaIntraSm90):
                                        dtype=Int32),
             "scan": storage.sB.get_tensor(cute.make_layout((kd, 3, NSUB), stride=(1, kd, 3 * kd)),
                                           dtype=Float32),
-            "w": storage.sA.get_tensor(cute.make_layout((CHUNK, CHUNK), stride=(W_STRIDE, 1)),
-                                       dtype=Float32),
-            "x": cute.make_tensor(cute.recast_ptr(storage.sA.data_ptr(), dtype=Float32) + X_AT,
+            "w": scratch.get_tensor(cute.make_layout((CHUNK, CHUNK), stride=(W_STRIDE, 1)),
+                                    dtype=Float32),
+            "x": cute.make_tensor(cute.recast_ptr(scratch.data_ptr(), dtype=Float32) + X_AT,
                                   cute.make_layout((2 * BLOCK, 2 * BLOCK), stride=(X_STRIDE, 1))),
-            "p": cute.make_tensor(storage.sA.data_ptr() + 2 * P_AT,
+            "p": cute.make_tensor(cute.recast_ptr(scratch.data_ptr(), dtype=BFloat16) + 2 * P_AT,
                                   cute.make_layout((CHUNK, CHUNK), stride=(P_STRIDE, 1))),
             "a": storage.sA.get_tensor(cute.make_layout((SUB, kd, 2 * NSUB),
                                                         stride=(kd, 1, SUB * kd))),
@@ -233,7 +264,8 @@ class KdaIntraLoopSm90(KdaIntraSm90):
         # derived from them inside it (spills 392 -> 352 B, g ahead before L and P); ptxas still
         # hoists the S2R reads themselves (one each before the loop) and holds what it derives
         # from them. recompute_addresses adds a zero read from shared memory each chunk, which
-        # ptxas cannot hoist: 24 B spilled instead of 256, 4,264 instructions instead of 4,083
+        # ptxas cannot hoist: 24 B spilled instead of 256, 4,264 instructions instead of 4,083,
+        # and 22 % faster on the H200 (the class docstring)
         tid = opaque_tid_x()
         hv = opaque_ctaid_y()
         if cutlass.const_expr(self.recompute_addresses):
@@ -247,9 +279,15 @@ class KdaIntraLoopSm90(KdaIntraSm90):
         head = hv // (mG.shape[1] // mQ.shape[1])
         row0 = gc * CHUNK
         r_first = SUB * w + TOK * half
+        # beta by cp.async in q and k's group (zero-filled past the sequence): as LDG -> STS the
+        # STS held the warp for a global latency each chunk (the one exposed load of the SASS
+        # model, 356 cycles at 700), and an LDG into a register a chunk ahead shared ptxas's
+        # scoreboard with the inverse's LDS (372 cycles waited there)
         if tid < CHUNK:
             t = tok0 + cutlass.min(tid, valid - 1)
-            sm["beta"][tid] = cutlass.select_(tid < valid, Float32(mBeta[t, hv]), Float32(0.0))
+            src = mBeta.iterator + cute.crd2idx((t, hv), mBeta.layout)
+            cp_async_4_zfill((sm["beta"].iterator + tid).toint(), src.llvm_ptr,
+                             cutlass.select_(tid < valid, Int32(4), Int32(0)))  # fmt: skip
 
         if cutlass.const_expr(not self.prefetch_g):
             self._load_g(mG, gbuf, hv, tok0, valid, r_first, cg)
@@ -363,6 +401,32 @@ class KdaIntraLoopSm90(KdaIntraSm90):
                 cute.autovec_copy(cute.recast_tensor(frag, Int32), dst)
 
     @cute.jit
+    def _block_path(self, sm, idx, bi, bj, frags) -> list:
+        """L_IJ's and P_IJ's 16 accumulators a lane ([0, 8) L, [8, 16) P) of block idx = (bi,
+        bj): 8 k steps of ldmatrix.x4 for Kl_I, Ql_I, Kr_J, E_IJ on the B fragments, 4 HMMA."""
+        lane, g, t, x, row_a, row_b, hi_a, hi_b = frags
+        acc = [Float32(0.0)] * 16
+        tl = sm["a"][None, None, bi]
+        tp = sm["a"][None, None, NSUB + bi]
+        tb = sm["b"][None, None, bj]
+        for s in cutlass.range_constexpr(KSTEPS):
+            ca = (2 * s + hi_a) ^ x
+            a_l = ldsm_x4(self._at(tl, row_a, ca).iterator.toint())
+            a_p = ldsm_x4(self._at(tp, row_a, ca).iterator.toint())
+            braw = ldsm_x4(self._at(tb, row_b, (2 * s + hi_b) ^ x).iterator.toint())
+            e0 = sm["e"][idx, 8 * s + t]
+            e1 = sm["e"][idx, 8 * s + 4 + t]
+            b = [mul_bf16x2(braw[q], e0 if q % 2 == 0 else e1) for q in range(4)]
+            for nh in cutlass.range_constexpr(2):
+                bb = (b[2 * nh], b[2 * nh + 1])
+                for o, a in ((0, a_l), (8, a_p)):
+                    c4 = tuple(acc[o + 4 * nh + q] for q in range(4))
+                    d = mma_bf16_16x8x16(a, bb, c4)
+                    for q in cutlass.range_constexpr(4):
+                        acc[o + 4 * nh + q] = d[q]
+        return acc
+
+    @cute.jit
     def _products_diag(self, sm, w, bar):
         """`KdaIntraSm90._products` with the B fragments read from the diagonal tile Kr_J and
         multiplied by E_IJ (two table words a lane and k step: channels 16 s + 2 t, + 1 for
@@ -375,31 +439,24 @@ class KdaIntraLoopSm90(KdaIntraSm90):
         row_b = x + 8 * (lane // 16)
         hi_a = lane // 16
         hi_b = (lane // 8) % 2
+        frags = (lane, g, t, x, row_a, row_b, hi_a, hi_b)
+        if cutlass.const_expr(self.own_scratch):
+            # warps 3, 2 three block paths, warps 1, 0 two; each written out at once (the
+            # outputs do not lie over the tiles other warps still read)
+            for n in cutlass.range(2 + cutlass.select_(w >= 2, Int32(1), Int32(0)), unroll=1):
+                idx = (NSUB - 1 - w) + NSUB * n
+                bi, bj = self._block(idx)
+                acc = self._block_path(sm, idx, bi, bj, frags)
+                self._block_out(sm, acc[:8], bi, bj, g, t, True)
+                self._block_out(sm, acc[8:], bi, bj, g, t, False)
+            return
         per = 3
         accs = cute.make_rmem_tensor((16, per), Float32)
         for n in cutlass.range_constexpr(per):
             idx = (NSUB - 1 - w) + NSUB * n
             if idx < TILES:
                 bi, bj = self._block(idx)
-                acc = [Float32(0.0)] * 16
-                tl = sm["a"][None, None, bi]
-                tp = sm["a"][None, None, NSUB + bi]
-                tb = sm["b"][None, None, bj]
-                for s in cutlass.range_constexpr(KSTEPS):
-                    ca = (2 * s + hi_a) ^ x
-                    a_l = ldsm_x4(self._at(tl, row_a, ca).iterator.toint())
-                    a_p = ldsm_x4(self._at(tp, row_a, ca).iterator.toint())
-                    braw = ldsm_x4(self._at(tb, row_b, (2 * s + hi_b) ^ x).iterator.toint())
-                    e0 = sm["e"][idx, 8 * s + t]
-                    e1 = sm["e"][idx, 8 * s + 4 + t]
-                    b = [mul_bf16x2(braw[q], e0 if q % 2 == 0 else e1) for q in range(4)]
-                    for nh in cutlass.range_constexpr(2):
-                        bb = (b[2 * nh], b[2 * nh + 1])
-                        for o, a in ((0, a_l), (8, a_p)):
-                            c4 = tuple(acc[o + 4 * nh + q] for q in range(4))
-                            d = mma_bf16_16x8x16(a, bb, c4)
-                            for q in cutlass.range_constexpr(4):
-                                acc[o + 4 * nh + q] = d[q]
+                acc = self._block_path(sm, idx, bi, bj, frags)
                 for q in cutlass.range_constexpr(16):
                     accs[q, n] = acc[q]
         bar.arrive_and_wait()
