@@ -199,8 +199,10 @@ def mla_decode(
     b = seqlens_k.shape[0]
     if rows == 0 or b == 0 or hq == 0:
         return
-    qtokens = query_tokens(cu_seqlens_q is not None, max_seqlen_q, hq)
-    q_blocks = -(-max_seqlen_q // qtokens) if cu_seqlens_q is not None else 1
+    qtokens = q_blocks = 1  # one query per sequence (query_tokens' first case, without a call)
+    if cu_seqlens_q is not None:
+        qtokens = query_tokens(True, max_seqlen_q, hq)
+        q_blocks = -(-max_seqlen_q // qtokens)
     page_size = ckv_cache.shape[1]
     device = q_nope.device
     key = ("partial", q_nope.dtype, b * q_blocks, hq, page_table.shape[1] * page_size, qtokens,
