@@ -3,8 +3,8 @@
 #   source scripts/device_setup.sh || exit 1; bash scripts/device_profile_gaps.sh [--dry-run] [TARGET...]
 # TARGETs, in this order by default (each one ncu process, scripts/device_profile.sh):
 #   gemm_fp8    scripts/profile_gemm_fp8.py: ours vs DeepGEMM, 16384x7168x18432, 4096x7168x2048
-#   mla         scripts/profile_mla.py: ours vs FlashMLA, b16-h128-p64-L4096, b48-h16-p64-mixed,
-#               b128-h16-p64-L4096
+#   mla         scripts/profile_mla.py: ours vs FlashMLA, b1-h16-p64-L65536, b48-h16-p64-mixed,
+#               b16-h128-p64-L4096
 #   gemm        scripts/profile_gemm.py: ours vs cuBLAS, 129x10240x8192, 4096x576x7168,
 #               512x10240x5120
 #   conv_wgrad  scripts/profile_conv.py --suite conv_wgrad: ours vs cuDNN, worst / median cases

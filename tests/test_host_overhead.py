@@ -15,7 +15,11 @@ the one-pass checks: mla_decode 32.8 -> 23, dsa_sparse_attention 25.8 -> 18, att
 plans only, the partials from one scratch lookup, the combined cache's views in one check, the
 bench's q views made once per input set; alternated processes, quietest of 25 rounds):
 mla_decode 27.0 -> 19.6, dsa_sparse 22.9 -> 21.3 us (the H200 host measured 66.1 us for
-mla_decode at 14:25, FlashMLA 37.0, FlashInfer 31.8). The budgets below are about 1.8x this
+mla_decode at 14:25, FlashMLA 37.0, FlashInfer 31.8); next/mla-gap2 (FlashMLA's combined cache:
+its in-place check on the latent view alone, the one-pass check's cache part left to
+latent_cache_views' shape check; no query_tokens call for one query a sequence): the removed
+pieces timed in one process, 0.9-1.2 us a call of ~19.6 (one-pass check 4.1 -> 3.6, in-place
+checks 0.9-1.4 -> 0.6-0.8; reference call 3.5 us). The budgets below are about 1.8x this
 machine's 2026-12-02 figures (the same calls cost 1.3-2x the figures above by then), scaled by a
 reference call's time on the machine that runs them, so that a slower or loaded CI machine
 passes; what must not come back (the dispatcher on the eager path, the named checks on every
@@ -397,6 +401,24 @@ def test_one_pass_check_accepts_what_the_named_checks_accept(
     passes = _named_checks_pass(module, args)
     assert passes == (name in VALID)
     assert module._valid_at_a_glance(*args.values()) == passes
+
+
+# FlashMLA's combined 16-bit cache: `_attend` passes combined=True, its views' shapes and dtype
+# checked by latent_cache_views; every mutation of the other arguments, the cache's dtype (fp16)
+# and a page size of 0, the caches being the views of such a cache
+COMBINED_CHANGES = [n for n, c in MLA_CHANGES.items() if not {"ckv", "kpe"} & set(c)]
+
+
+@pytest.mark.parametrize("name", [*COMBINED_CHANGES, "fp16", "page size 0"])
+def test_one_pass_check_on_the_combined_cache(monkeypatch, name):
+    monkeypatch.setattr(mla, "check_cuda", lambda name, t: None)
+    change = dict(MLA_CHANGES[name])
+    like = change.get("ckv", _mla_args()["ckv"])
+    ckv, kpe, _ = mla.latent_cache_views(_bf16(10, like.shape[1], 1, 576, dtype=like.dtype), None)
+    args = _mla_args(**{**change, "ckv": ckv, "kpe": kpe})
+    passes = _named_checks_pass(mla, args)
+    assert passes == (name in VALID)
+    assert mla._valid_at_a_glance(*args.values(), combined=True) == passes
 
 
 @pytest.mark.parametrize("module", [mla, dsa, paged], ids=lambda m: m.__name__.rsplit(".", 1)[1])

@@ -33,7 +33,6 @@ from forgekernel.kernels.attention.mla.sm90.config import (
     FP8_ROW_BYTES,
     HEADS,
     OSTORE_BLOCKS,
-    PAIR_BLOCKS,
     QTOKENS,
     ROWS,
     SPLIT_OVERHEAD_TILES,
@@ -97,18 +96,14 @@ def test_compile_keys():
     # both dtypes
     direct = [p for p in partial if p.get("direct") and not p.get("pair") and not p.get("ostore")]
     assert len(direct) == 2 * len(direct_blocks()) == 12 and all(p["tma"] for p in direct)
-    # the pair form (candidate): the pair blocks, partial and direct, both dtypes
-    pair = [p for p in partial if p.get("pair")]
-    assert sorted((p["dtype"], p["heads"], p.get("qtokens", 1), p.get("direct", False))
-                  for p in pair) == sorted(
-        (d, h, t, direct) for d in DTYPES for h, t in PAIR_BLOCKS for direct in (False, True)
-    ) and all(p["tma"] for p in pair)  # fmt: skip
+    # the pair form (measured slower, dropped): not prebuilt
+    assert not any(p.get("pair") for p in partial)
     # the direct form's O store through shared memory (the 128-head blocks' default): both dtypes
     ostore = [p for p in partial if p.get("ostore")]
     assert sorted((p["dtype"], p["heads"], p.get("qtokens", 1)) for p in ostore) == sorted(
         (d, h, t) for d in DTYPES for h, t in OSTORE_BLOCKS
     ) and all(p["direct"] and not p.get("pair") for p in ostore)  # fmt: skip
-    assert len(partial) == 5 * per_pass + len(direct) + len(pair) + len(ostore)
+    assert len(partial) == 5 * per_pass + len(direct) + len(ostore)
     fp8 = [p for p in partial if p.get("fp8")]
     assert sorted((p["heads"], p.get("qtokens", 1)) for p in fp8) == sorted(
         (h, t) for h in HEADS for t in QTOKENS if h * t <= ROWS
@@ -901,6 +896,62 @@ def test_suite_check_passes_on_the_algorithm(cpu_kernels, case):
                                torch.Generator().manual_seed(0))  # fmt: skip
     _, cmps = verify(suite, inputs, torch.device("cpu"))
     assert all(c.ok for c in cmps), [c.message for c in cmps]
+
+
+# launch.plan_form: the bench's launcher-only candidates (suite CANDIDATES) on the replay: the
+# plan it fixes (tiles per split: keys per split and the direct form at one split; heads per CTA)
+# and the numbers against the reference
+@pytest.mark.parametrize(
+    ("hq", "lens", "s_q", "form", "heads", "per", "direct"),
+    [
+        (16, [37, 0, 100, 1000], 1, {"per_tiles": 2}, 16, 128, False),  # 16 tiles: 8 splits
+        (16, [37, 0, 100, 1000], 1, {"per_tiles": 5}, 16, 320, False),  # 4 splits, last short
+        (16, [37, 0, 100, 1000], 1, {"per_tiles": 32}, 16, 1024, True),  # one split: direct
+        (128, [65, 513], 1, {"heads": 32}, 32, None, None),
+        (128, [65, 513], 1, {"per_tiles": 3, "heads": 16}, 16, 192, False),
+        (128, [70, 190], 2, {"per_tiles": 1}, 32, 64, False),
+    ],
+)
+def test_plan_form_runs_the_candidate_plan(cpu_kernels, hq, lens, s_q, form, heads, per, direct):
+    qn, qp, ckv, kpe, table, seq = _problem(len(lens), hq, 64, lens, s_q, combined=True)
+    want, want_lse = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
+    with mla_launch.plan_form(**form):
+        out, lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE,
+                                 return_lse=True)  # fmt: skip
+    _assert_close(out, lse, want, want_lse)
+    params, (_, got_per, _), _ = cpu_kernels[-1]
+    assert params["heads"] == heads and params["tma"]
+    if per is not None:
+        assert got_per == per and params.get("direct", False) == direct
+    # keyed apart: the same problem outside the form takes the standard plan again
+    op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE)
+    standard = cpu_kernels[-1][0]
+    assert standard["heads"] == heads_per_cta(hq, cpu_kernels[-1][0].get("qtokens", 1))
+
+
+def test_plan_form_rejects_blocks_that_do_not_fit(cpu_kernels):
+    qn, qp, ckv, kpe, table, seq = _problem(2, 16, 64, [65, 513], combined=True)
+    with pytest.raises(ValueError, match="heads must be one of"):
+        with mla_launch.plan_form(heads=3):
+            pass
+    with pytest.raises(ValueError, match="per_tiles"):
+        with mla_launch.plan_form(per_tiles=0):
+            pass
+    with pytest.raises(ValueError, match="not a block"):
+        with mla_launch.plan_form(heads=32):  # more heads than the 16 there are
+            op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE)
+
+
+def test_suite_candidates_are_bench_cases():
+    """CANDIDATES name bench cases of the seesaw pass (16-bit, page 64); every other case has no
+    variant (the `pair` one is gone)."""
+    names = {c.name: c for c in mla_decode.BENCH_CASES}
+    assert set(mla_decode.CANDIDATES) <= set(names)
+    for name, case in names.items():
+        got = set(mla_decode.variants(case))
+        assert got == set(mla_decode.CANDIDATES.get(name, {})), name
+        if got:
+            assert case.params["page"] % TILE == 0 and case.params["cache"] == "combined"
 
 
 def _fake_inputs(s_q=1, packed=False, combined=False, fp8=False):

@@ -291,23 +291,6 @@ def test_pair_plans():
     assert a != b and dict(b)["pair"] is True and "pair" not in dict(a)
 
 
-def test_pair_form_selection(monkeypatch):
-    """FORGEKERNEL_MLA_PAIR (default off) and `pair_form` select the form; a bad value raises."""
-    from forgekernel.kernels.attention.mla.sm90 import launch
-
-    monkeypatch.delenv("FORGEKERNEL_MLA_PAIR", raising=False)
-    assert not launch.pair_enabled()
-    with launch.pair_form(True):
-        assert launch.pair_enabled()
-    monkeypatch.setenv("FORGEKERNEL_MLA_PAIR", "1")
-    assert launch.pair_enabled()
-    with launch.pair_form(False):
-        assert not launch.pair_enabled()
-    monkeypatch.setenv("FORGEKERNEL_MLA_PAIR", "yes")
-    with pytest.raises(ValueError, match="FORGEKERNEL_MLA_PAIR"):
-        launch.pair_enabled()
-
-
 def test_pair_compile():
     """The pair compile (bf16, 64 heads x 1 token, direct: b64-h128's kernel): no spills, the
     registers under 255; the 41 K boxes multicast (tiles 0 / 1: 18, refills 23), Q's 9 not;

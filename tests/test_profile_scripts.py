@@ -71,7 +71,7 @@ def test_gemm_fp8_cases_and_chooser():
 
 def test_mla_cases_are_the_largest_flashmla_gaps():
     assert [c.name for _, c in _cases(mla)] == [
-        "b16-h128-p64-L4096", "b48-h16-p64-mixed", "b128-h16-p64-L4096"]  # fmt: skip
+        "b1-h16-p64-L65536", "b48-h16-p64-mixed", "b16-h128-p64-L4096"]  # fmt: skip
     assert mla.TARGET.comparator == {"mla_decode": "flashmla"}
 
 

@@ -38,6 +38,7 @@ the dense decode expressed as a sparse one, on the same cache, as
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 from typing import Any
@@ -126,9 +127,8 @@ CHECK_CASES = (
     _case(132, 16, 64, tuple((i * 7919) % 1000 for i in range(132)), tag="direct"),
 )
 # every compiled variant: 16 heads x 1 token, 8 x 2, 4 x 4 (packed), both cache forms; the fp8
-# compiles at 16 x 1 and 16 x 4; the 128-head seesaw blocks, partial (splits) and direct (what
-# FORGEKERNEL_MLA_PAIR=1 runs as clusters of 2): the direct ones, 64 x 1 and 32 x 2 (MTP 2), on
-# their `ostore` compiles
+# compiles at 16 x 1 and 16 x 4; the 128-head seesaw blocks, partial (splits) and direct: the
+# direct ones, 64 x 1 and 32 x 2 (MTP 2), on their `ostore` compiles
 SANITIZE_CASES = (
     CHECK_CASES[0], CHECK_CASES[5], CHECK_CASES[6], CHECK_CASES[9], CHECK_CASES[13],
     CHECK_CASES[4], CHECK_CASES[16], CHECK_CASES[19],
@@ -400,40 +400,45 @@ def nbytes(case: Case, dtype: torch.dtype) -> float:
     return sum(case.params["lens"]) * row + rows * ((WIDTH + LATENT) * size + 4)
 
 
-def _run_pair(inputs: Inputs, out):
-    """ours with the seesaw pass's `pair` compile (launch.pair_form): 128 heads' head blocks as
-    clusters of 2 sharing each tile's loads by TMA multicast."""
-    from forgekernel.kernels.attention.mla.sm90.launch import pair_form
+# Launcher-only candidates (launch.plan_form: tiles per split, heads per CTA; the kernels as
+# built) on the cases furthest behind FlashMLA on 2026-12-03 16:40; predictions and falsifiers in
+# MLA_NOTES.md ("Measured 2026-12-03 16:40"). Model fitted to that run's graph times: A + t x (the
+# greedy makespan of the CTAs in launch order, tiles + 2 a non-empty CTA, 0.5 an empty one) + c x
+# splits, c 0.33-0.37 us a split (the combine's walk over the splits: ~1.3 dependent L2 round
+# trips a split a thread in its SASS), t 2.2-2.8 us a 16-head tile, 1.95 at 64 heads.
+CANDIDATES: dict[str, dict[str, dict[str, int]]] = {
+    # ragged 100 .. 8090 keys: the plan sizes splits by the table's width (8 x 16 tiles, 384
+    # CTAs); 5 x 28 / 4 x 32 leave fewer, fuller CTAs: ~78 / ~84 us against 90.6
+    "b48-h16-p64-mixed": {"per28": {"per_tiles": 28}, "per32": {"per_tiles": 32}},
+    # 128 splits of 8 tiles, ~42 us of 65.5 in the combine by the model: 94 x 11 ~63 us, 64 x 16
+    # ~67
+    "b1-h16-p64-L65536": {"per11": {"per_tiles": 11}, "per16": {"per_tiles": 16}},
+    # 64 x 16 tiles x 2 head blocks (128 CTAs): 52 x 20 on 104 CTAs, ~65 us against 61.7 (the
+    # model's falsifier: faster would put more than 0.37 us a split in the combine)
+    "b1-h128-p64-L65536": {"per20": {"per_tiles": 20}},
+    # 8 x 8 tiles (128 CTAs): 16 x 4 in two waves, ~40 us against 32.4 (falsifier of the 2 tiles
+    # a CTA's fixed cost)
+    "b16-h16-p64-L4096": {"per4": {"per_tiles": 4}},
+    # 4 x 16 tiles x 2 head blocks: 8 x 8 in two waves, ~54 us against 49.0 (the same at 64 rows)
+    "b16-h128-p64-L4096": {"per8": {"per_tiles": 8}},
+}
 
-    with pair_form(True):
+
+def run_plan(form: dict[str, int], inputs: Inputs, out):
+    """Ours under launch.plan_form(**form): the same kernels on another plan."""
+    from forgekernel.kernels.attention.mla.sm90.launch import plan_form
+
+    with plan_form(**form):
         return run_ours(inputs, out)
 
 
-def _seesaw_block(case: Case) -> tuple[int, int, int] | None:
-    """(Hq, heads per CTA, query tokens) of the case's seesaw plan (16-bit cache, pages of
-    whole tiles), else None."""
-    from forgekernel.kernels.attention.mla.sm90 import config
-    from forgekernel.kernels.attention.mla.sm90.launch import query_tokens
-
-    p = case.params
-    if fp8(case) or p["page"] % config.TILE:
-        return None
-    q_lens = p.get("q_lens")
-    qtokens = query_tokens(q_lens is not None or p["s_q"] > 1, max(q_lens or (p["s_q"],)), p["hq"])
-    return p["hq"], config.heads_per_cta(p["hq"], qtokens), qtokens
-
-
 def variants(case: Case) -> dict[str, Any]:
-    """Cases of the pair blocks (128 heads, page 64): the pair form (MLA_NOTES.md, "The
-    128-head floor"). (The direct form's `ostore` store, a variant until its 2026-12-03 14:25
-    figures, is the standard: MLA_NOTES.md, "ostore adopted".)"""
-    from forgekernel.kernels.attention.mla.sm90 import config
-
-    block = _seesaw_block(case)
-    if block is None:
-        return {}
-    hq, heads, qtokens = block
-    return {"pair": _run_pair} if config.runs_pair(hq, heads, qtokens, True) else {}
+    """The launcher-only plan candidates of `case` (CANDIDATES; none elsewhere): variant time /
+    our time decides their adoption. (Measured and dropped: the `pair` form, 2.4-8.8% slower on
+    every 128-head case, 2026-12-03 16:40; the `ostore` store, a variant until 14:25, is the
+    standard: MLA_NOTES.md.)"""
+    forms = CANDIDATES.get(case.name, {})
+    return {name: functools.partial(run_plan, form) for name, form in forms.items()}
 
 
 def suite() -> OpSuite:

@@ -19,10 +19,12 @@ FP8 caches' bytes go by cp.async into their own stage and are dequantized there 
 later (decode.py; 0.873-0.943x the register form's time on dsa_sparse's FP8 cases, H200
 2026-12-03 06:21, which was then dropped: MLA_NOTES.md).
 
-FORGEKERNEL_MLA_PAIR=1 (read when a problem's plan is first built; `pair_form` for a block of
-calls, the bench's `pair` variant) runs the seesaw plans of the pair blocks (`config.runs_pair`:
-64 x 1 and 32 x 2 at 128 heads) in their `pair` compile: a unit's head blocks as clusters of 2
-sharing each tile's loads by TMA multicast (MLA_NOTES.md, "The 128-head floor").
+`plan_form` fixes a plan's tiles per split and / or heads per CTA for the calls inside (keyed
+apart): launcher-only candidates, timed by the bench's variants beside the standard plan
+(MLA_NOTES.md, "Measured 2026-12-03 16:40"). (The `pair` form, clusters of 2 head blocks sharing
+each tile's loads by TMA multicast, was measured 2.4-8.8% slower on every case it ran and lost
+its knob; its compile path stays in seesaw.py / config.py, the kernel sources, until their next
+edit.)
 
 Direct plans of `config.OSTORE_BLOCKS` (64 x 1, 32 x 2: the 128-head blocks) run their
 `ostore` compile, O staged in bf16 / fp16 over the K buffers and sent by 16-byte stores
@@ -48,7 +50,8 @@ from forgekernel.runtime.plans import PlanCache
 from forgekernel.runtime.scratch import scratches
 
 _plans = PlanCache()
-_pair_form: list[bool | None] = [None]  # `pair_form`'s, else FORGEKERNEL_MLA_PAIR (in plan keys)
+# `plan_form`'s (tiles per split or None, heads per CTA or None), else None (in plan keys)
+_plan_form: list[tuple[int | None, int | None] | None] = [None]
 
 
 def _flag(env: str, default: str) -> bool:
@@ -79,23 +82,31 @@ def ostore_enabled() -> bool:
     return _flag("FORGEKERNEL_MLA_OSTORE", "1")
 
 
-def pair_enabled() -> bool:
-    """Seesaw plans of the pair blocks take the `pair` compile: `pair_form`'s, else
-    FORGEKERNEL_MLA_PAIR ("0", the default, or "1")."""
-    if _pair_form[0] is not None:
-        return _pair_form[0]
-    return _flag("FORGEKERNEL_MLA_PAIR", "0")
-
-
 @contextmanager
-def pair_form(on: bool) -> Iterator[None]:
-    """The pair form on or off for the calls inside (their plans keyed apart): the bench's
-    variant, timed beside the default in one process."""
-    before, _pair_form[0] = _pair_form[0], bool(on)
+def plan_form(per_tiles: int | None = None, heads: int | None = None) -> Iterator[None]:
+    """The calls inside take `per_tiles` tiles per split (seesaw plans: 16-bit caches of
+    whole-tile pages) and / or `heads` query heads per CTA (a compiled HEADS dividing Hq with
+    heads x tokens <= ROWS) instead of the plan's choice, their plans keyed apart: the bench's
+    launcher-only variants, timed beside the standard plan in one process."""
+    if heads is not None and heads not in config.HEADS:
+        raise ValueError(f"heads must be one of {config.HEADS}, got {heads}")
+    if per_tiles is not None and per_tiles < 1:
+        raise ValueError(f"per_tiles must be >= 1, got {per_tiles}")
+    before, _plan_form[0] = _plan_form[0], (per_tiles, heads)
     try:
         yield
     finally:
-        _pair_form[0] = before
+        _plan_form[0] = before
+
+
+def _heads(hq: int, qtokens: int, form) -> int:
+    """Heads per CTA: `plan_form`'s where it gives a block that fits, else the plan's."""
+    heads = config.heads_per_cta(hq, qtokens)
+    if form is not None and form[1] is not None:
+        if hq % form[1] or form[1] * qtokens > config.ROWS:
+            raise ValueError(f"plan_form heads {form[1]}: not a block of {hq} x {qtokens} rows")
+        heads = form[1]
+    return heads
 
 
 def _wide_rows(out: torch.Tensor) -> bool:
@@ -106,7 +117,7 @@ def _wide_rows(out: torch.Tensor) -> bool:
 
 
 def _plan(
-    kind, dtype, units, hq, max_tokens, qtokens, device_index, fp8, page_size, _pair=None,
+    kind, dtype, units, hq, max_tokens, qtokens, device_index, fp8, page_size, form=None,
     narrow=False,
 ):  # fmt: skip
     """(pass kernel, combine kernel or None, splits, keys per split, ostore): kind "partial"
@@ -117,20 +128,22 @@ def _plan(
     must have its rows 16-byte aligned (`_wide_rows`: the caller checks, and takes the plan
     built with narrow, the direct form's scalar stores, where they are not). The kernels are
     looked up here, once per problem (two compile-cache lookups cost 0.8 us a call on the CPU).
-    _pair: `pair_form`'s (in the key only; the pair form, when it runs, keeps its own store)."""
+    form: `plan_form`'s (tiles per split, heads per CTA), either None for the plan's."""
     name = dtype_name(dtype)
-    heads = config.heads_per_cta(hq, qtokens)
+    heads = _heads(hq, qtokens, form)
     tma = kind == "partial" and not fp8 and page_size % config.TILE == 0 and seesaw_enabled()
-    plan = config.tile_split_plan if tma else config.split_plan
-    splits, per = plan(units, hq // heads, max_tokens, num_sms(device_index), config.RESIDENT)
-    pair = config.runs_pair(hq, heads, qtokens, tma) and pair_enabled()
+    if tma and form is not None and form[0] is not None:
+        tiles = max(1, -(-max_tokens // config.TILE))
+        per_tiles = min(form[0], tiles)
+        splits, per = -(-tiles // per_tiles), per_tiles * config.TILE
+    else:
+        plan = config.tile_split_plan if tma else config.split_plan
+        splits, per = plan(units, hq // heads, max_tokens, num_sms(device_index), config.RESIDENT)
     if config.runs_direct(splits, heads, qtokens, tma) and direct_enabled():
-        ostore = not narrow and not pair and config.runs_ostore(heads, qtokens) and ostore_enabled()
-        params = config.params_for(
-            kind, name, heads, qtokens, tma=True, direct=True, pair=pair, ostore=ostore
-        )
+        ostore = not narrow and config.runs_ostore(heads, qtokens) and ostore_enabled()
+        params = config.params_for(kind, name, heads, qtokens, tma=True, direct=True, ostore=ostore)
         return get_kernel(SPEC, params), None, splits, per, ostore
-    partial = get_kernel(SPEC, config.params_for(kind, name, heads, qtokens, fp8, tma, pair=pair))
+    partial = get_kernel(SPEC, config.params_for(kind, name, heads, qtokens, fp8, tma))
     return partial, get_kernel(SPEC, config.params_for("combine", name)), splits, per, False
 
 
@@ -186,12 +199,14 @@ def mla_decode(
     b = seqlens_k.shape[0]
     if rows == 0 or b == 0 or hq == 0:
         return
-    qtokens = query_tokens(cu_seqlens_q is not None, max_seqlen_q, hq)
-    q_blocks = -(-max_seqlen_q // qtokens) if cu_seqlens_q is not None else 1
+    qtokens = q_blocks = 1  # one query per sequence (query_tokens' first case, without a call)
+    if cu_seqlens_q is not None:
+        qtokens = query_tokens(True, max_seqlen_q, hq)
+        q_blocks = -(-max_seqlen_q // qtokens)
     page_size = ckv_cache.shape[1]
     device = q_nope.device
     key = ("partial", q_nope.dtype, b * q_blocks, hq, page_table.shape[1] * page_size, qtokens,
-           device.index, ckv_scale is not None, page_size, _pair_form[0])  # fmt: skip
+           device.index, ckv_scale is not None, page_size, _plan_form[0])  # fmt: skip
     plan = _plans.get_or_build(key, _plan)
     if plan[4] and not _wide_rows(out):  # the ostore compile's 16-byte stores: not this out
         plan = _plans.get_or_build((*key, True), _plan)
@@ -234,7 +249,7 @@ def dsa_sparse_attention(
         return
     device = q_nope.device
     key = ("sparse", q_nope.dtype, tokens, hq, topk, 1, device.index, ckv_scale is not None, 1,
-           _pair_form[0])  # fmt: skip
+           _plan_form[0])  # fmt: skip
     partial, combine, splits, per, _ = _plans.get_or_build(key, _plan)
     with on_device(device):
         partial_o, partial_lse = _partials(splits, tokens, hq, device)
