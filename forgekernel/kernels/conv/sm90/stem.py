@@ -90,23 +90,30 @@ def plan(c: int, rs: tuple[int, int], geometry: Geometry, out_pq: tuple[int, int
 def fold_input(x: torch.Tensor, fold: Fold, overlap: bool = True) -> torch.Tensor:
     """x (N, 1, H, W, C) as the folded convolution's input (N, 1, Hs, Q, S' x 4 cs): the
     overlapping view of the folded image (W stride 4 cs), or its compact copy (`overlap`
-    False: S' x the folded image's bytes)."""
+    False: S' x the folded image's bytes). A folded pixel holds padded x's (2i + a, 2j + b) at
+    channel a x 2 cs + b x C + c: each block row's two pixels stay one run of 2C elements, so
+    that on even sizes x is copied in whole runs of 4C bytes (int32 elements: half as many as
+    bf16 ones, and one dim fewer for torch's strided copy)."""
     n, _, h, w_, c = x.shape
-    (hs, ws), (i0, j0), cs = fold.extents, fold.origin, fold.cs
+    (hs, ws), (i0, j0), half = fold.extents, fold.origin, fold.pixel // 2
     folded = x.new_zeros(n, hs, ws, fold.pixel)
-    # (N, Hs, a, Ws, b, cs): folded pixel (i, j)'s sub-pixel (a, b) is padded x's (2i+a, 2j+b)
-    blocks = folded.view(n, hs, ws, 2, 2, cs).permute(0, 1, 3, 2, 4, 5)
-    rows, cols = min(h, 2 * (hs - i0)), min(w_, 2 * (ws - j0))  # x past the windows: unread
-    planes = x[:, 0, :rows, :cols]
-    if rows % 2 == 0 and cols % 2 == 0:  # one copy
-        src = planes.unflatten(1, (rows // 2, 2)).unflatten(3, (cols // 2, 2))
-        blocks[:, i0 : i0 + rows // 2, :, j0 : j0 + cols // 2, :, :c].copy_(src)
+    rows = folded.view(n, hs, ws, 2, half)[..., : 2 * c].permute(0, 1, 3, 2, 4)  # (N,Hs,a,Ws,2C)
+    hx, wx = min(h, 2 * (hs - i0)), min(w_, 2 * (ws - j0))  # x past the windows: unread
+    planes = x[:, 0, :hx, :wx]
+    if hx % 2 == 0 and wx % 2 == 0:  # one copy of (N, H / 2, a, W / 2, 2C) runs
+        src = planes.unflatten(1, (hx // 2, 2)).reshape(n, hx // 2, 2, wx // 2, 2 * c)
+        dst = rows[:, i0 : i0 + hx // 2, :, j0 : j0 + wx // 2]
+        if _as_words(src) is not None and _as_words(dst) is not None:
+            _as_words(dst).copy_(_as_words(src))
+        else:
+            dst.copy_(src)
     else:  # one copy per sub-pixel parity
+        blocks = rows.unflatten(4, (2, c))  # (N, Hs, a, Ws, b, C)
         for a in range(2):
             for b in range(2):
                 src = planes[:, a::2, b::2]
                 hi, wi = src.shape[1], src.shape[2]
-                blocks[:, i0 : i0 + hi, a, j0 : j0 + wi, b, :c].copy_(src)
+                blocks[:, i0 : i0 + hi, a, j0 : j0 + wi, b].copy_(src)
     p = fold.pixel
     view = folded.as_strided(
         (n, 1, hs, fold.out[1], fold.channels), (hs * ws * p, hs * ws * p, ws * p, p, 1)
@@ -114,24 +121,41 @@ def fold_input(x: torch.Tensor, fold: Fold, overlap: bool = True) -> torch.Tenso
     return view if overlap else view.contiguous()
 
 
+def _as_words(t: torch.Tensor) -> torch.Tensor | None:
+    """A 16-bit t seen as int32 pairs along its last dim, or None where it cannot be."""
+    try:
+        return t.view(torch.int32)
+    except RuntimeError:
+        return None
+
+
+def _grid(fold: Fold, k: int, c: int, t: torch.Tensor) -> torch.Tensor:
+    """The folded filter (K, R', S', 2, half) of the zero-padded tap grid t (K, 2R', 2S', C):
+    channel a x half + b x C + c of folded tap (r', s') is tap (2r' + a, 2s' + b)'s c."""
+    (rp, sp), half = fold.taps, fold.pixel // 2
+    runs = t.view(k, rp, 2, sp, 2 * c).permute(0, 1, 3, 2, 4)  # (K, R', S', a, 2C)
+    out = t.new_zeros(k, rp, sp, 2, half)
+    out[..., : 2 * c] = runs
+    return out
+
+
 def fold_filter(w: torch.Tensor, fold: Fold) -> torch.Tensor:
     """w (K, 1, R, S, C) as the folded filter (K, 1, R', 1, S' x 4 cs): tap (r, s) at (r + e_h,
     s + e_w) of a 2R' x 2S' grid, zero elsewhere and past C."""
     k, _, r, s, c = w.shape
-    (rp, sp), (eh, ew), cs = fold.taps, fold.shift, fold.cs
-    grid = w.new_zeros(k, 2 * rp, 2 * sp, cs)
-    grid[:, eh : eh + r, ew : ew + s, :c] = w[:, 0]
-    # (K, R', a, S', b, cs) -> (K, R', S', a, b, cs): a folded pixel's channel order
-    folded = grid.view(k, rp, 2, sp, 2, cs).permute(0, 1, 3, 2, 4, 5)
-    return folded.reshape(k, 1, rp, 1, fold.channels)
+    (rp, sp), (eh, ew) = fold.taps, fold.shift
+    grid = w.new_zeros(k, 2 * rp, 2 * sp, c)
+    grid[:, eh : eh + r, ew : ew + s] = w[:, 0]
+    return _grid(fold, k, c, grid).reshape(k, 1, rp, 1, fold.channels)
 
 
 def unfold_filter_grad(dw_folded: torch.Tensor, fold: Fold, dw: torch.Tensor) -> None:
     """dw (K, 1, R, S, C) = the stem's taps of the folded gradient (K, 1, R', 1, S' x 4 cs)."""
     k, _, r, s, c = dw.shape
-    (rp, sp), (eh, ew), cs = fold.taps, fold.shift, fold.cs
-    grid = dw_folded.view(k, rp, sp, 2, 2, cs).permute(0, 1, 3, 2, 4, 5).reshape(k, 2 * rp, -1, cs)
-    dw[:, 0].copy_(grid[:, eh : eh + r, ew : ew + s, :c])
+    (rp, sp), (eh, ew), half = fold.taps, fold.shift, fold.pixel // 2
+    runs = dw_folded.reshape(k, rp, sp, 2, half)[..., : 2 * c]  # (K, R', S', a, 2C)
+    grid = runs.permute(0, 1, 3, 2, 4).reshape(k, 2 * rp, 2 * sp, c)
+    dw[:, 0].copy_(grid[:, eh : eh + r, ew : ew + s])
 
 
 def fprop(
