@@ -12,6 +12,7 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
+from script_modules import load_script  # tests/ is on the path
 
 from forgekernel.kernels.conv.sm90 import SPEC, WGRAD_SPEC, emulate, launch, stem
 from forgekernel.kernels.conv.sm90.geometry import Geometry
@@ -222,3 +223,27 @@ def test_the_suites_time_the_fold_on_the_stem(models):
         want = conv_layers.reference(inputs).double()
         for run in variants.values():
             _assert_rounded(run(inputs, None), want)
+
+
+def test_the_probe_times_the_fold_and_the_kernel_apart(models):
+    """scripts/conv_stem_fold_probe.py's parts of `stem_direct`: the fold alone, and the
+    standard kernel's launch on a ready fold, which computes the case (y, or dW folded); its
+    first case is the suites' stem."""
+    from forgekernel.bench.suites import conv_layers
+
+    probe = load_script("conv_stem_fold_probe")
+    assert probe.CASES[0] == (32, 224)
+    for kind in ("fwd", "wgrad"):
+        case = conv_layers.conv_case(kind, 2, 3, 8, (13, 12), 7, 2)
+        inputs = conv_layers.make_inputs(case, torch.bfloat16, torch.device("cpu"), None)
+        want = conv_layers.reference(inputs).double()
+        fold, kernel = probe._parts(case, inputs)
+        assert fold().shape == (2, 1, 10, 6, 64)  # P, Q = 7, 6: Hs = 7 + 3
+        kernel()
+        if kind == "fwd":
+            _assert_rounded(kernel.args[3][:, 0].permute(0, 3, 1, 2), want)
+        else:
+            dw = torch.empty(8, 1, 7, 7, 3, dtype=torch.bfloat16)
+            g = op._geometry(2, (7, 7), 2, 3, 1)
+            stem.unfold_filter_grad(kernel.args[2], stem.plan(3, (7, 7), g, (7, 6)), dw)
+            _assert_rounded(dw[:, 0].permute(0, 3, 1, 2), want)
