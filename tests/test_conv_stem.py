@@ -64,6 +64,12 @@ CASES = [
 ]
 
 
+# the fold read through its view, through the view's compact copy, and written by the fold
+# kernel (its model) instead of torch's fill and copy
+WAYS = [(True, False), (False, False), (True, True)]
+WAY_IDS = ["view", "copy", "fold-kernel"]
+
+
 def _problem(n, c, hw, k, f, lo, hi, gen):
     x = _cl(_rnd(n, c, *hw, gen=gen))
     w = _cl(_rnd(k, c, *f, gen=gen))
@@ -72,9 +78,9 @@ def _problem(n, c, hw, k, f, lo, hi, gen):
     return x, w, xp
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["view", "copy"])
+@pytest.mark.parametrize("overlap, kernel", WAYS, ids=WAY_IDS)
 @pytest.mark.parametrize("n, c, hw, k, f, lo, hi", CASES)
-def test_the_fold_is_the_stem_forward(models, n, c, hw, k, f, lo, hi, overlap):
+def test_the_fold_is_the_stem_forward(models, n, c, hw, k, f, lo, hi, overlap, kernel):
     gen = torch.Generator().manual_seed(c * 100 + k)
     x, w, xp = _problem(n, c, hw, k, f, lo, hi, gen)
     bias = _rnd(k, gen=gen)
@@ -82,13 +88,13 @@ def test_the_fold_is_the_stem_forward(models, n, c, hw, k, f, lo, hi, overlap):
     g = _geometry(f, lo, hi)
     assert stem.fits(op._as5d(x), op._as5d(w), g)
     y = _cl(torch.full(want.shape, float("nan"), dtype=torch.bfloat16))
-    stem.fprop(op._as5d(x), op._as5d(w), bias, op._view5d(y), g, overlap)
+    stem.fprop(op._as5d(x), op._as5d(w), bias, op._view5d(y), g, overlap, kernel=kernel)
     _assert_rounded(y, want)
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["view", "copy"])
+@pytest.mark.parametrize("overlap, kernel", WAYS, ids=WAY_IDS)
 @pytest.mark.parametrize("n, c, hw, k, f, lo, hi", CASES)
-def test_the_fold_is_the_stem_weight_gradient(models, n, c, hw, k, f, lo, hi, overlap):
+def test_the_fold_is_the_stem_weight_gradient(models, n, c, hw, k, f, lo, hi, overlap, kernel):
     gen = torch.Generator().manual_seed(c * 100 + k + 1)
     x, w, xp = _problem(n, c, hw, k, f, lo, hi, gen)
     wd = w.double().requires_grad_()
@@ -96,7 +102,8 @@ def test_the_fold_is_the_stem_weight_gradient(models, n, c, hw, k, f, lo, hi, ov
     dy = _cl(_rnd(*y.shape, gen=gen))
     y.backward(dy.double())
     dw = _cl(torch.full(w.shape, float("nan"), dtype=torch.bfloat16))
-    stem.wgrad(op._as5d(dy), op._as5d(x), op._view5d(dw), _geometry(f, lo, hi), overlap)
+    g = _geometry(f, lo, hi)
+    stem.wgrad(op._as5d(dy), op._as5d(x), op._view5d(dw), g, overlap, kernel=kernel)
     _assert_rounded(dw, wd.grad)
 
 
@@ -208,8 +215,9 @@ def test_the_stem_launches_the_standard_kernels_on_the_view(monkeypatch):
 
 
 def test_the_suites_time_the_fold_on_the_stem(models):
-    """conv_fwd and conv_wgrad offer `stem_direct` / `stem_copy` on the ResNet stem and on no
-    case the fold does not take; the variants compute the case (small stem: the models)."""
+    """conv_fwd and conv_wgrad offer `stem_direct` / `stem_copy` / `stem_fold` on the ResNet
+    stem and on no case the fold does not take; the variants compute the case (a small stem,
+    on the models)."""
     from forgekernel.bench.suites import conv_fwd, conv_layers, conv_wgrad
 
     for suite in (conv_fwd.suite(), conv_wgrad.suite()):
@@ -218,7 +226,7 @@ def test_the_suites_time_the_fold_on_the_stem(models):
     for kind in ("fwd", "wgrad"):
         case = conv_layers.conv_case(kind, 2, 3, 8, (15, 14), 7, 2, bias=kind == "fwd")
         variants = conv_layers.stem_variants(case)
-        assert sorted(variants) == ["stem_copy", "stem_direct"]
+        assert sorted(variants) == ["stem_copy", "stem_direct", "stem_fold"]
         inputs = conv_layers.make_inputs(case, torch.bfloat16, torch.device("cpu"), None)
         want = conv_layers.reference(inputs).double()
         for run in variants.values():
@@ -247,3 +255,30 @@ def test_the_probe_times_the_fold_and_the_kernel_apart(models):
             g = op._geometry(2, (7, 7), 2, 3, 1)
             stem.unfold_filter_grad(kernel.args[2], stem.plan(3, (7, 7), g, (7, 6)), dw)
             _assert_rounded(dw[:, 0].permute(0, 3, 1, 2), want)
+
+
+@pytest.mark.parametrize("n, c, hw, k, f, lo, hi", CASES)
+def test_the_fold_kernel_writes_what_torch_writes(models, n, c, hw, k, f, lo, hi):
+    """fold.py (its model: every pixel, zero fill included) and torch's fill and copy give the
+    same folded image bitwise; the compile key is the channels' (half 8 for
+    C <= 4, else 16)."""
+    gen = torch.Generator().manual_seed(c)
+    x = _rnd(n, 1, *hw, c, gen=gen)
+    g = _geometry(f, lo, hi)
+    fold = stem.plan(c, f, g, g.output((1, *hw))[1:])
+    keys = []
+
+    def get_kernel(spec, params):
+        keys.append((spec.name, dict(params)))
+        return emulate.stand_in(spec, params)
+
+    real = launch.get_kernel
+    launch.get_kernel = get_kernel
+    try:
+        with_kernel = stem.fold_input(x, fold, overlap=False, kernel=True)
+    finally:
+        launch.get_kernel = real
+    assert keys == [
+        ("conv_stem_fold_sm90", {"channels": c, "dtype": "bfloat16", "half": fold.pixel // 2})
+    ]
+    assert torch.equal(with_kernel, stem.fold_input(x, fold, overlap=False))

@@ -1,10 +1,12 @@
 """The stem (a 2-D stride-2 convolution of few input channels: ResNet's C = 3, 7x7, pad 3) as a
 stride-1 convolution of 64 channels that the standard kernels run unchanged: no im2col buffer.
-Host code, torch only; no kernel source (docs/conv/NOTES.md, "The stem as its own kernel").
+Host code: torch, the standard kernels' launchers and the fold kernel (fold.py) where asked
+(docs/conv/NOTES.md, "The stem as its own kernel").
 
 The fold (space-to-depth), per spatial dim of the stem (stride 2, dilation 1, padding lo):
 - x, padded by lo + e below (e = lo % 2: an even offset), is cut into 2x2 pixel blocks, each
-  stored as one pixel of 4 x cs channels ((a, b, c) with c fastest; cs = C rounded up to 4):
+  stored as one pixel of 4 x cs channels (cs = 4 for C <= 4, 8 for C <= 8; sub-pixel (a, b)'s
+  channel c at a x 2 cs + b x C + c, zero past 2C in each block row):
   the folded image (N, Hs, Ws, 4 cs), Hs = P + R' - 1, R' = ceil((R + e) / 2), zero where x is
   not (the padding, the channels past C, the block rows past x);
 - output p reads folded rows p .. p + R' - 1 (tap r of the stem, shifted to r + e = 2 r' + a):
@@ -17,8 +19,9 @@ The fold (space-to-depth), per spatial dim of the stem (stride 2, dilation 1, pa
   filter folded alike (`fold_filter`) and its weight gradient unfolded (`unfold_filter_grad`).
 
 `launch.fprop` / `launch.wgrad` run it on the forward's / weight gradient's stride-1 walks (the
-rectangles: the view's pixels through tiled TMA boxes, one box a k-tile). The folded image is
-written by one zero fill and one strided copy (four on odd sizes).
+rectangles or the im2col walk: one TMA box a k-tile, the view's window a box row). The folded
+image is written by one zero fill and one strided copy (four on odd sizes), or by the fold
+kernel in one pass (`kernel=True`).
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ import dataclasses
 
 import torch
 
-from forgekernel.kernels.conv.sm90 import launch
+from forgekernel.kernels.conv.sm90 import STEM_FOLD_SPEC, fold_params, launch
 from forgekernel.kernels.conv.sm90.geometry import Geometry
+from forgekernel.runtime.device import dtype_name, on_device
 
 # What folds: 2-D, stride 2 and dilation 1 along H and W, at most this many input channels
 # (cs = 4 or 8: the folded pixel 16 or 32 channels, 32 or 64 bytes) and launch's few-channel
@@ -87,15 +91,25 @@ def plan(c: int, rs: tuple[int, int], geometry: Geometry, out_pq: tuple[int, int
     return Fold(shift, taps, extents, origin, cs, tuple(out_pq))
 
 
-def fold_input(x: torch.Tensor, fold: Fold, overlap: bool = True) -> torch.Tensor:
+def fold_input(
+    x: torch.Tensor, fold: Fold, overlap: bool = True, kernel: bool = False
+) -> torch.Tensor:
     """x (N, 1, H, W, C) as the folded convolution's input (N, 1, Hs, Q, S' x 4 cs): the
     overlapping view of the folded image (W stride 4 cs), or its compact copy (`overlap`
-    False: S' x the folded image's bytes). A folded pixel holds padded x's (2i + a, 2j + b) at
-    channel a x 2 cs + b x C + c: each block row's two pixels stay one run of 2C elements, so
-    that on even sizes x is copied in whole runs of 4C bytes (int32 elements: half as many as
-    bf16 ones, and one dim fewer for torch's strided copy)."""
+    False: S' x the folded image's bytes). The folded image written by the fold kernel
+    (`kernel`: fold.py, one pass) or by torch (a zero fill and a strided copy). A folded pixel
+    holds padded x's (2i + a, 2j + b) at channel a x 2 cs + b x C + c: each block row's two
+    pixels stay one run of 2C elements, so that on even sizes x is copied in whole runs of 4C
+    bytes (int32 elements: half as many as bf16 ones, and one dim fewer for torch's strided
+    copy)."""
     n, _, h, w_, c = x.shape
     (hs, ws), (i0, j0), half = fold.extents, fold.origin, fold.pixel // 2
+    if kernel:
+        folded = x.new_empty(n, hs, ws, fold.pixel)
+        fn = launch.get_kernel(STEM_FOLD_SPEC, fold_params(dtype_name(x.dtype), c))
+        with on_device(x.device):
+            fn(x[:, 0], folded, 2 * i0, 2 * j0)
+        return _windows(folded, fold, overlap)
     folded = x.new_zeros(n, hs, ws, fold.pixel)
     rows = folded.view(n, hs, ws, 2, half)[..., : 2 * c].permute(0, 1, 3, 2, 4)  # (N,Hs,a,Ws,2C)
     hx, wx = min(h, 2 * (hs - i0)), min(w_, 2 * (ws - j0))  # x past the windows: unread
@@ -114,7 +128,13 @@ def fold_input(x: torch.Tensor, fold: Fold, overlap: bool = True) -> torch.Tenso
                 src = planes[:, a::2, b::2]
                 hi, wi = src.shape[1], src.shape[2]
                 blocks[:, i0 : i0 + hi, a, j0 : j0 + wi, b].copy_(src)
-    p = fold.pixel
+    return _windows(folded, fold, overlap)
+
+
+def _windows(folded: torch.Tensor, fold: Fold, overlap: bool) -> torch.Tensor:
+    """The folded image (N, Hs, Ws, 4 cs) seen as the windows (N, 1, Hs, Q, S' x 4 cs), or
+    their compact copy."""
+    n, hs, ws, p = folded.shape
     view = folded.as_strided(
         (n, 1, hs, fold.out[1], fold.channels), (hs * ws * p, hs * ws * p, ws * p, p, 1)
     )
@@ -166,10 +186,12 @@ def fprop(
     geometry: Geometry,
     overlap: bool = True,
     config=None,
+    kernel: bool = False,
 ) -> None:
-    """y (N, 1, P, Q, K) = the stem conv(x, w) (+ bias) (`fits`), as launch.fprop of the fold."""
+    """y (N, 1, P, Q, K) = the stem conv(x, w) (+ bias) (`fits`), as launch.fprop of the fold
+    (`kernel`: written by the fold kernel)."""
     fold = plan(x.shape[-1], tuple(w.shape[2:4]), geometry, tuple(y.shape[2:4]))
-    xf = fold_input(x, fold, overlap)
+    xf = fold_input(x, fold, overlap, kernel)
     launch.fprop(xf, fold_filter(w, fold), bias, y, fold.geometry(), config)
 
 
@@ -180,11 +202,12 @@ def wgrad(
     geometry: Geometry,
     overlap: bool = True,
     wgrad_plan=None,
+    kernel: bool = False,
 ) -> None:
     """dw (K, 1, R, S, C) = the stem's weight gradient at dy (N, 1, P, Q, K) (`fits`), as
-    launch.wgrad of the fold."""
+    launch.wgrad of the fold (`kernel`: written by the fold kernel)."""
     fold = plan(x.shape[-1], tuple(dw.shape[2:4]), geometry, tuple(dy.shape[2:4]))
-    xf = fold_input(x, fold, overlap)
+    xf = fold_input(x, fold, overlap, kernel)
     dw_folded = dw.new_empty(dw.shape[0], 1, fold.taps[0], 1, fold.channels)
     launch.wgrad(dy, xf, dw_folded, fold.geometry(), wgrad_plan)
     unfold_filter_grad(dw_folded, fold, dw)
