@@ -1,8 +1,9 @@
 """The stem fold (kernels/conv/sm90/stem.py; docs/conv/NOTES.md, "The stem as its own kernel"):
 per case, the forward and the weight gradient by cuDNN, ours as shipped (the 1x1 over the
-explicit im2col), the fold through its overlapping view (`stem_direct`) and through the view's
-compact copy (`stem_copy`), and the two parts of `stem_direct` alone: the fold of x (its fill
-and copy) and the standard kernel's launch on a ready fold. Each variant is first checked
+explicit im2col), the fold through its overlapping view (`stem_direct`), through the view's
+compact copy (`stem_copy`) and written by the fold kernel (`stem_fold`), and the parts alone:
+the fold of x by torch (its fill and copy: `fold alone`) and by fold.py (`fold kernel`), and the
+standard kernel's launch on a ready fold (`kernel alone`). Each variant is first checked
 against the fp32 reference (bench/check.py `verify`, the suites' criterion): a WRONG line is a
 bug and nothing after it counts. Graph replays, interleaved (runtime/timing.py).
 
@@ -45,8 +46,9 @@ def _verified(suite, inputs, device, name, run) -> bool:
     return not bad
 
 
-def _parts(case, inputs):
-    """(the fold of x alone, the kernel's launch alone on a ready fold) of `stem_direct`."""
+def _parts(case, inputs, kernel: bool = False):
+    """(the fold of x alone, by torch or by the fold kernel (`kernel`), the standard kernel's
+    launch alone on a ready fold) of `stem_direct`."""
     p = inputs["params"]
     g = op._geometry(2, p["kernel"], p["stride"], p["padding"], p["dilation"])
     x = op._as5d(inputs["x"])
@@ -56,12 +58,12 @@ def _parts(case, inputs):
     res = op._view5d(L.alloc_out(inputs))
     if p["op"] == "fwd":
         wf = stem.fold_filter(op._as5d(inputs["w"]), fold)
-        kernel = functools.partial(launch.fprop, ready, wf, None, res, fold.geometry())
+        launched = functools.partial(launch.fprop, ready, wf, None, res, fold.geometry())
     else:
         dwf = res.new_empty(res.shape[0], 1, fold.taps[0], 1, fold.channels)
         dy = op._as5d(inputs["dy"])
-        kernel = functools.partial(launch.wgrad, dy, ready, dwf, fold.geometry())
-    return functools.partial(stem.fold_input, x, fold), kernel
+        launched = functools.partial(launch.wgrad, dy, ready, dwf, fold.geometry())
+    return functools.partial(stem.fold_input, x, fold, kernel=kernel), launched
 
 
 def main(names: list[str]) -> None:
@@ -74,13 +76,20 @@ def main(names: list[str]) -> None:
             if names and case.name not in names:
                 continue
             inputs = L.make_inputs(case, torch.bfloat16, device, gen)
-            runs = {"ours": L.run_ours, "stem_direct": L.run_stem, "stem_copy": L.run_stem_copy}
+            runs = {
+                "ours": L.run_ours,
+                "stem_direct": L.run_stem,
+                "stem_copy": L.run_stem_copy,
+                "stem_fold": L.run_stem_fold,
+            }
             good = {k: r for k, r in runs.items() if _verified(suite, inputs, device, k, r)}
             res = L.alloc_out(inputs)
             fns = {"cudnn": functools.partial(L.cudnn, inputs)}
             fns.update({k: functools.partial(r, inputs, res) for k, r in good.items()})
             if "stem_direct" in good:
                 fns["fold alone"], fns["kernel alone"] = _parts(case, inputs)
+            if "stem_fold" in good:
+                fns["fold kernel"] = _parts(case, inputs, kernel=True)[0]
             print(_line(f"{case.name} {kind}", time_interleaved(fns, reps=10), "cudnn"))
 
 
