@@ -157,6 +157,7 @@ STEM_FOLD_SPEC = KernelSpec(
     standard_params=lambda: [fold_params(d, c) for d in DTYPES for c in range(1, 9)],
     entry=Path(__file__).parent / "fold_compile.py",
     representative=lambda: fold_params("bfloat16", 3),
+    mma=False,  # an elementwise pass: no HGMMA in its SASS
 )
 SPECS = [SPEC, WGRAD_SPEC, DGRAD_SPEC, STEM_FOLD_SPEC]
 
