@@ -57,4 +57,6 @@ SANITIZE_CASES = tuple(CHECK_CASES[i] for i in (0, 2, 7, 11, 1, 13))
 
 
 def suite() -> OpSuite:
-    return L.conv_suite("conv_fwd", SPEC.sources, CHECK_CASES, BENCH_CASES, SANITIZE_CASES)
+    return L.conv_suite(
+        "conv_fwd", SPEC.sources, CHECK_CASES, BENCH_CASES, SANITIZE_CASES, L.stem_variants
+    )

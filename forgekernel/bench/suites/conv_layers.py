@@ -179,6 +179,56 @@ def run_ours(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
     return fn(inputs["dy"], inputs["x"], (p["k"], p["c"], *p["kernel"]), **g, out=out)
 
 
+def stem_variants(case: Case) -> dict[str, Any]:
+    """`stem_direct` / `stem_copy` / `stem_fold` on the cases the stem fold takes
+    (kernels/conv/sm90/stem.py `fits`: 2-D, C <= 8, stride 2, several taps; ResNet's C = 3
+    7x7): the forward or weight gradient as the stride-1 R' x 1 convolution of 64 channels over
+    the folded x, read through its overlapping view (`stem_direct`), a compact copy of that
+    view (`stem_copy`: the fallback if TMA refuses the view), or the view of a fold written by
+    the fold kernel (fold.py) instead of torch's fill and copy (`stem_fold`).
+    docs/conv/NOTES.md, "The stem as its own kernel"."""
+    p = case.params
+    if p["op"] == "dgrad" or len(p["spatial"]) != 2:
+        return {}
+    from forgekernel.kernels.conv.sm90 import stem
+
+    x = torch.empty(p["n"], 1, *p["spatial"], p["c"], device="meta")
+    w = torch.empty(p["k"], 1, *p["kernel"], p["c"], device="meta")
+    if not stem.fits(x, w, _stem_geometry(p)):
+        return {}
+    return {"stem_direct": run_stem, "stem_copy": run_stem_copy, "stem_fold": run_stem_fold}
+
+
+def _stem_geometry(p: dict):
+    return _conv_ops()._geometry(2, p["kernel"], p["stride"], p["padding"], p["dilation"])
+
+
+def run_stem(
+    inputs: Inputs, out: torch.Tensor | None, overlap: bool = True, kernel: bool = False
+) -> torch.Tensor:
+    """Ours through the stem fold (`stem_variants`), into `out` as run_ours writes it."""
+    from forgekernel.kernels.conv.sm90 import stem
+
+    op, p = _conv_ops(), inputs["params"]
+    res = alloc_out(inputs) if out is None else out
+    g = _stem_geometry(p)
+    if p["op"] == "fwd":
+        x, w = op._as5d(inputs["x"]), op._as5d(inputs["w"])
+        stem.fprop(x, w, inputs.get("bias"), op._view5d(res), g, overlap, kernel=kernel)
+    else:
+        dy, x = op._as5d(inputs["dy"]), op._as5d(inputs["x"])
+        stem.wgrad(dy, x, op._view5d(res), g, overlap, kernel=kernel)
+    return res
+
+
+def run_stem_copy(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
+    return run_stem(inputs, out, overlap=False)
+
+
+def run_stem_fold(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
+    return run_stem(inputs, out, kernel=True)
+
+
 def reference(inputs: Inputs) -> torch.Tensor:
     """fp64 reference, returned as fp32 (forgekernel.reference.conv)."""
     ref = importlib.import_module("forgekernel.reference.conv")

@@ -43,15 +43,20 @@ SANITIZE_CASES = (CHECK_CASES[0], CHECK_CASES[2], CHECK_CASES[6])
 
 
 def variants(case: Case) -> dict[str, Any]:
-    """`reduce`: the reduce split (kernels/conv/sm90/wgrad.py `_reduce_part`: every part
-    bulk-reduce-adds its fp32 tile into one sum slot a tile, the last part reads that slot
-    alone; its plan from `wgrad_config.choose_wgrad_reduce`) on the unpadded stride-1 1x1s
-    (C and K multiples of 8, pixels of 8) where the model (`wgrad_time`) puts it under the
-    launcher's parked split (`wgrad_prefers_reduce`): variant time / our time decides its
-    adoption (docs/conv/NOTES.md, "The 1x1 weight gradients at 0.73-0.85x")."""
+    """`stem_direct` / `stem_copy` / `stem_fold` on the stem (conv_layers.stem_variants: the fold of
+    kernels/conv/sm90/stem.py); `reduce`: the reduce split (kernels/conv/sm90/wgrad.py
+    `_reduce_part`: every part bulk-reduce-adds its fp32 tile into one sum slot a tile, the
+    last part reads that slot alone; its plan from `wgrad_config.choose_wgrad_reduce`) on the
+    unpadded stride-1 1x1s (C and K multiples of 8, pixels of 8) where the model
+    (`wgrad_time`) puts it under the launcher's parked split (`wgrad_prefers_reduce`):
+    variant time / our time decides its adoption (docs/conv/NOTES.md, "The 1x1 weight
+    gradients at 0.73-0.85x")."""
     from forgekernel.kernels.conv.sm90.geometry import rect_k_tiles, rect_width
     from forgekernel.kernels.conv.sm90.wgrad_config import wgrad_prefers_reduce
 
+    stem = L.stem_variants(case)
+    if stem:
+        return stem
     p = case.params
     m = p["n"] * math.prod(L.output_spatial(p))
     one = all(v == 1 for v in (*p["kernel"], *p["stride"])) and not any(p["padding"])

@@ -1,7 +1,8 @@
 """Implicit-GEMM convolution forward (conv2d / conv3d, channels-last) and, in its data-gradient
 mode, the stride-1 data gradient; the strided data gradient with every phase in one launch
-(`dgrad_kernel.py`); the weight gradient (`wgrad.py`), sm_90a. DSL-free declaration; the
-forward kernel is `kernel.py`, the geometry it is driven with `geometry.py`."""
+(`dgrad_kernel.py`); the weight gradient (`wgrad.py`); the stem's fold of x (`fold.py`),
+sm_90a. DSL-free declaration; the forward kernel is `kernel.py`, the geometry it is driven with
+`geometry.py`."""
 
 from __future__ import annotations
 
@@ -132,17 +133,45 @@ DGRAD_SPEC = KernelSpec(
     entry=Path(__file__).parent / "dgrad_compile.py",
     representative=_dgrad_representative,
 )
-SPECS = [SPEC, WGRAD_SPEC, DGRAD_SPEC]
+
+
+def _compile_fold(params: Params, extra_options: str = ""):
+    from forgekernel.kernels.conv.sm90.fold_compile import compile_stem_fold
+
+    return compile_stem_fold(dict(params), "sm_90a", extra_options)
+
+
+def fold_params(dtype: str, channels: int) -> Params:
+    """The stem fold's compile key: `channels` (1-8) folded into block rows of 8 (C <= 4) or 16
+    16-bit elements (stem.py `Fold.pixel` // 2)."""
+    return (("channels", channels), ("dtype", dtype), ("half", 8 if channels <= 4 else 16))
+
+
+# The stem's fold of x (fold.py: stem.py's fill and strided copy as one pass); its own entry and
+# ledger. In no suite's sources: the bench runs it only as conv_fwd / conv_wgrad's `stem_fold`.
+STEM_FOLD_SPEC = KernelSpec(
+    name="conv_stem_fold_sm90",
+    arch="sm_90a",
+    directory=Path(__file__).parent,
+    compile=_compile_fold,
+    standard_params=lambda: [fold_params(d, c) for d in DTYPES for c in range(1, 9)],
+    entry=Path(__file__).parent / "fold_compile.py",
+    representative=lambda: fold_params("bfloat16", 3),
+    mma=False,  # an elementwise pass: no HGMMA in its SASS
+)
+SPECS = [SPEC, WGRAD_SPEC, DGRAD_SPEC, STEM_FOLD_SPEC]
 
 __all__ = [
     "DGRAD_SPEC",
     "INT32_MAX",
     "SPEC",
     "SPECS",
+    "STEM_FOLD_SPEC",
     "WGRAD_SPEC",
     "ConvConfig",
     "Geometry",
     "choose_config",
     "dgrad_geometry_problem",
+    "fold_params",
     "params_for",
 ]

@@ -565,6 +565,41 @@ def compiled_fused(params, order_seed: int | None = None) -> Callable[..., None]
     return fn
 
 
+# ---------------------------------------------------------------- the stem's fold
+def fold_run(x, folded, off_h: int, off_w: int, channels: int, half: int) -> None:
+    """folded (N, Hs, Ws, 2 half) = the fold of x (N, H, W, C) as fold.py writes it: every
+    pixel (zero fill included), channel a x half + b x C + c from x (2i + a - off_h, 2j + b -
+    off_w, c), zero outside x."""
+    n, hs, ws, width = folded.shape
+    if width != 2 * half or x.shape[-1] != channels or folded.stride(-1) != 1:
+        raise AssertionError(f"x {tuple(x.shape)} / folded {tuple(folded.shape)} off the key")
+    if folded.data_ptr() % 16 or any(st % 8 for st in folded.stride()[:-1]):
+        raise AssertionError("the folded image's pixels are stored 16 bytes at a time")
+    out = torch.zeros(n, hs, ws, 2, half, dtype=folded.dtype)
+    h_x, w_x = x.shape[1], x.shape[2]
+    for a in range(2):
+        h = 2 * torch.arange(hs) + a - off_h
+        for b in range(2):
+            w = 2 * torch.arange(ws) + b - off_w
+            inside = ((h >= 0) & (h < h_x))[:, None] & ((w >= 0) & (w < w_x))[None, :]
+            got = x[:, h.clamp(0, h_x - 1)][:, :, w.clamp(0, w_x - 1)]
+            zero = torch.zeros((), dtype=x.dtype)
+            out[..., a, b * channels : (b + 1) * channels] = torch.where(
+                inside[None, :, :, None], got, zero
+            )
+    folded.copy_(out.view(n, hs, ws, width))
+
+
+def compiled_fold(params) -> Callable[..., None]:
+    """A stand-in for the stem fold's compiled function of compile key `params`."""
+    p = dict(params)
+
+    def fn(x, folded, off_h, off_w):
+        fold_run(x, folded, int(off_h), int(off_w), p["channels"], p["half"])
+
+    return fn
+
+
 def stand_in(spec, params, order_seed: int | None = None) -> Callable[..., None]:
     """The model of the leaf's kernel `spec` (forward / data gradient, fused data gradient, or
     weight gradient) for compile key `params`: what the tests put in place of
@@ -573,4 +608,6 @@ def stand_in(spec, params, order_seed: int | None = None) -> Callable[..., None]
         return compiled_wgrad(params, order_seed)
     if spec.name == "conv_dgrad_sm90":
         return compiled_fused(params, order_seed)
+    if spec.name == "conv_stem_fold_sm90":
+        return compiled_fold(params)
     return compiled(params, order_seed)
