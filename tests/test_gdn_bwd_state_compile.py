@@ -49,8 +49,8 @@ def compiled():
                     Path(d, "k.cubin").write_bytes(cubin)
                     cubin = Path(d, "k.cubin")
                 res = inspect_cubin(cubin)
-                sass = subprocess.run([find_tool("cuobjdump"), "-sass", str(cubin)],
-                                      capture_output=True, text=True, check=True).stdout  # fmt: skip
+                cmd = [find_tool("cuobjdump"), "-sass", str(cubin)]
+                sass = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             cache[name] = res, _INSTR.findall(sass), kernel.shared_storage.size_in_bytes()
         return cache[name]
 

@@ -19,9 +19,7 @@ def kernel_for(params: dict) -> GdnBwdStateSm90:
     return GdnBwdStateSm90(params["k"], params["v"], d_final_state=params["d_final_state"])
 
 
-def compile_gdn_bwd_state(
-    params: dict, arch: str = "sm_90a", extra_options: str = "", kernel=None
-):
+def compile_gdn_bwd_state(params: dict, arch: str = "sm_90a", extra_options: str = "", kernel=None):
     """kernel: a `kernel_for(params)` object to compile (its shared_storage is set by the
     compile: the tests read its size), or None for a fresh one."""
     dtype = fake.dtype_of(params["dtype"])

@@ -167,10 +167,10 @@ class GdnBwdStateSm90:
             ]
 
         self.shared_storage = SharedStorage
+        atoms_and_views = [x for atom_view in tmas for x in atom_view]
         self.kernel(
-            tmas[0][0], tmas[0][1], tmas[1][0], tmas[1][1], tmas[2][0], tmas[2][1],
-            tmas[3][0], tmas[3][1], tmas[4][0], tmas[4][1], mEl, mDht, mDU, mDh, mDh0,
-            self.mma_ks, self.mma_st, self.sD_layout, self.sP_layout,
+            *atoms_and_views, mEl, mDht, mDU, mDh, mDh0, self.mma_ks, self.mma_st,
+            self.sD_layout, self.sP_layout,
         ).launch(  # fmt: skip
             grid=(mDO.shape[2], mDO.shape[0], 1),
             block=[THREADS, 1, 1],
