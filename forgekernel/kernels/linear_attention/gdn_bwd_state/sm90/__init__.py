@@ -20,7 +20,12 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    return [params_for(dtype, d_final_state=d) for dtype in DTYPES for d in (False, True)]
+    return [
+        params_for(dtype, d_final_state=d, dke=dke)
+        for dtype in DTYPES
+        for d in (False, True)
+        for dke in (False, True)
+    ]
 
 
 SPEC = KernelSpec(

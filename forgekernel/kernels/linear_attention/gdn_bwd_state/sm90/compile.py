@@ -1,6 +1,6 @@
 """Compile the Gated DeltaNet backward's reverse state recurrence against fake tensors: B, T, HV,
 the chunk count and every outer stride dynamic; K, V, the dtype and the final-state gradient
-baked in. The 16-bit tiles: unit last strides, the others multiples of 8 elements, 16-byte
+baked in (and whether dke replaces dh). The 16-bit tiles: unit last strides, the others multiples of 8 elements, 16-byte
 aligned (TMA); e^(G_C) fp32 (B, NC, HV) unit last stride; the fp32 outputs and the final-state
 gradient: unit last strides, others multiples of 4."""
 
@@ -16,7 +16,9 @@ from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.reverse_state impor
 
 
 def kernel_for(params: dict) -> GdnBwdStateSm90:
-    return GdnBwdStateSm90(params["k"], params["v"], d_final_state=params["d_final_state"])
+    return GdnBwdStateSm90(
+        params["k"], params["v"], d_final_state=params["d_final_state"], dke=params["dke"]
+    )
 
 
 def compile_gdn_bwd_state(params: dict, arch: str = "sm_90a", extra_options: str = "", kernel=None):
@@ -27,6 +29,7 @@ def compile_gdn_bwd_state(params: dict, arch: str = "sm_90a", extra_options: str
     b, t, hv, nc = (cute.sym_int32() for _ in range(4))
     f32 = cutlass.Float32
     kernel = kernel_for(params) if kernel is None else kernel
+    dke = params["dke"]
 
     def state():
         return fake.rowmajor(f32, (b, hv, kd, vd), divisibility=4)
@@ -41,10 +44,12 @@ def compile_gdn_bwd_state(params: dict, arch: str = "sm_90a", extra_options: str
         fake.rowmajor(dtype, (b, t, hv, kd)),
         fake.rowmajor(dtype, (b, t, hv, kd)),
         fake.rowmajor(dtype, (b, t, hv, kd)),
+        fake.rowmajor(dtype, (b, t, hv, vd)) if dke else None,
         e_last,
         state() if params["d_final_state"] else None,
         fake.rowmajor(f32, (b, t, hv, vd), divisibility=4),
-        fake.rowmajor(f32, (b, nc, hv, vd, kd), divisibility=4),
+        None if dke else fake.rowmajor(f32, (b, nc, hv, vd, kd), divisibility=4),
+        fake.rowmajor(f32, (b, t, hv, kd), divisibility=4) if dke else None,
         state(),
         fake.stream(),
         options=fake.options(arch, extra_options),

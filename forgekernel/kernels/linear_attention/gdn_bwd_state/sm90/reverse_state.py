@@ -41,6 +41,8 @@ Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligne
 
 from __future__ import annotations
 
+from enum import IntEnum
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -51,6 +53,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from forgekernel.kernels.common.sm90 import softmax
+from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
 from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG, WARP_SIZE
 from forgekernel.kernels.common.sm90.layout import (
     acc_to_operand_a,
@@ -82,6 +85,12 @@ ROWS = ROWS_PER_STATE_WG
 PRODUCER_WARP = 0
 
 
+class Bar(IntEnum):
+    """Named barriers (id 0 is __syncthreads)."""
+
+    STATE = FIRST_FREE  # both state warpgroups: dS in shared memory (dke)
+
+
 def _tdhb(t: cute.Tensor) -> cute.Tensor:
     """(B, T, H, D) as (T, D, H, B): the TMA view, the chunk's tokens and columns leading."""
     return select(t, [1, 3, 2, 0])
@@ -91,11 +100,12 @@ class GdnBwdStateSm90:
     """Warp-specialized reverse state recurrence of the Gated DeltaNet backward; see the module
     docstring."""
 
-    def __init__(self, k: int, v: int, *, d_final_state: bool):
+    def __init__(self, k: int, v: int, *, d_final_state: bool, dke: bool = False):
         if (k, v) != (128, 128):
             raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
         self.k, self.v = k, v
         self.d_final_state = d_final_state
+        self.dke = dke
 
     def _setup(self):
         dt = self.dtype
@@ -109,7 +119,13 @@ class GdnBwdStateSm90:
         self.mma_st = sm90_utils.make_trivial_tiled_mma(
             dt, dt, k_major, mn_major, Float32, (1, 1, 1), (ROWS, self.k), a_source=rmem
         )
+        # dke[:, K half w] = U dS^T: (C tokens, 64 k), both operands K-major in shared memory
+        self.mma_dke = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, k_major, Float32, (1, 1, 1), (CHUNK, ROWS)
+        )
         row = LayoutEnum.ROW_MAJOR
+        # dS (K, V) row-major: the K-major B of dke (n = k, reduced over v)
+        self.sS_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, self.k, self.v), dt, 1)
         self.sD_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, self.k), dt, STAGES)
         self.sP_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, CHUNK), dt, STAGES)
 
@@ -121,18 +137,21 @@ class GdnBwdStateSm90:
         mKe: cute.Tensor,
         mQe: cute.Tensor,
         mW: cute.Tensor,
+        mU: cute.Tensor | None,
         mEl: cute.Tensor,
         mDht: cute.Tensor | None,
         mDU: cute.Tensor,
-        mDh: cute.Tensor,
+        mDh: cute.Tensor | None,
+        mDke: cute.Tensor | None,
         mDh0: cute.Tensor,
         stream: cuda.CUstream,
     ):
         """mDO (B, T, HV, V), mPT (B, T, HV, C), mKe, mQe, mW (B, T, HV, K) 16-bit; mEl fp32
-        (B, NC, HV); mDht (or None) and mDh0 fp32 (B, HV, K, V); mDU fp32 (B, T, HV, V); mDh
-        fp32 (B, NC, HV, V, K)."""
+        (B, NC, HV); mDht (or None) and mDh0 fp32 (B, HV, K, V); mDU fp32 (B, T, HV, V). With
+        dke: mU (B, T, HV, V) 16-bit, mDke fp32 (B, T, HV, K), mDh None; else mU and mDke None,
+        mDh fp32 (B, NC, HV, V, K)."""
         self.dtype = mDO.element_type
-        for t in (mPT, mKe, mQe, mW):
+        for t in (mPT, mKe, mQe, mW) + ((mU,) if const_expr(self.dke) else ()):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"the 16-bit tiles must share one dtype, got {t.element_type}")
         self._setup()
@@ -143,9 +162,16 @@ class GdnBwdStateSm90:
         for m, tile, d in ((mDO, sD_tile, self.v), (mPT, sP_tile, CHUNK), (mKe, sD_tile, self.k),
                            (mQe, sD_tile, self.k), (mW, sD_tile, self.k)):  # fmt: skip
             tmas.append(cpasync.make_tiled_tma_atom(g2s, _tdhb(m), tile, (CHUNK, d)))
-        self.tx_bytes = 4 * cute.size_in_bytes(self.dtype, sD_tile) + cute.size_in_bytes(
+        if const_expr(self.dke):
+            tmas.append(cpasync.make_tiled_tma_atom(g2s, _tdhb(mU), sD_tile, (CHUNK, self.v)))
+        else:
+            tmas.append((None, None))
+        d_tiles = 5 if const_expr(self.dke) else 4
+        self.tx_bytes = d_tiles * cute.size_in_bytes(self.dtype, sD_tile) + cute.size_in_bytes(
             self.dtype, sP_tile
         )
+        u_elems = cute.cosize(self.sD_layout) if const_expr(self.dke) else 0
+        s_elems = cute.cosize(self.sS_layout) if const_expr(self.dke) else 0
 
         @cute.struct
         class SharedStorage:
@@ -165,12 +191,14 @@ class GdnBwdStateSm90:
             sW: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(self.sD_layout)], 1024
             ]
+            sU: cute.struct.Align[cute.struct.MemRange[self.dtype, u_elems], 1024]
+            sS: cute.struct.Align[cute.struct.MemRange[self.dtype, s_elems], 1024]
 
         self.shared_storage = SharedStorage
         atoms_and_views = [x for atom_view in tmas for x in atom_view]
         self.kernel(
-            *atoms_and_views, mEl, mDht, mDU, mDh, mDh0, self.mma_ks, self.mma_st,
-            self.sD_layout, self.sP_layout,
+            *atoms_and_views, mEl, mDht, mDU, mDh, mDke, mDh0, self.mma_ks, self.mma_st,
+            self.mma_dke, self.sD_layout, self.sP_layout, self.sS_layout,
         ).launch(  # fmt: skip
             grid=(mDO.shape[2], mDO.shape[0], 1),
             block=[THREADS, 1, 1],
@@ -191,19 +219,26 @@ class GdnBwdStateSm90:
         mQe4: cute.Tensor,
         tma_w: cute.CopyAtom,
         mW4: cute.Tensor,
+        tma_u: cute.CopyAtom | None,
+        mU4: cute.Tensor | None,
         mEl: cute.Tensor,
         mDht: cute.Tensor | None,
         mDU: cute.Tensor,
-        mDh: cute.Tensor,
+        mDh: cute.Tensor | None,
+        mDke: cute.Tensor | None,
         mDh0: cute.Tensor,
         mma_ks: cute.TiledMma,
         mma_st: cute.TiledMma,
+        mma_dke: cute.TiledMma,
         sD_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout,
+        sS_layout: cute.ComposedLayout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         atoms = (tma_do, tma_pt, tma_ke, tma_qe, tma_w)
+        if const_expr(self.dke):
+            atoms = atoms + (tma_u,)
         if warp_idx == PRODUCER_WARP:
             for atom in atoms:
                 cpasync.prefetch_descriptor(atom)
@@ -217,6 +252,10 @@ class GdnBwdStateSm90:
         sKe = smem_tensor(storage.sKe, sD_layout)
         sQe = smem_tensor(storage.sQe, sD_layout)
         sW = smem_tensor(storage.sW, sD_layout)
+        sU, sS = None, None
+        if const_expr(self.dke):
+            sU = smem_tensor(storage.sU, sD_layout)
+            sS = smem_tensor(storage.sS, sS_layout)
         init_wait()
 
         hv, b, _ = cute.arch.block_idx()
@@ -228,12 +267,14 @@ class GdnBwdStateSm90:
             if warp_idx == PRODUCER_WARP:
                 srcs = ((mDO4, sDO, self.v), (mPT4, sPT, CHUNK), (mKe4, sKe, self.k),
                         (mQe4, sQe, self.k), (mW4, sW, self.k))  # fmt: skip
+                if const_expr(self.dke):
+                    srcs = srcs + ((mU4, sU, self.v),)
                 self._produce(atoms, srcs, ring, hv, b, nchunks)
         else:
             cute.arch.setmaxregister_increase(STATE_REGS)
             self._state(
-                wg - 1, tidx - wg * THREADS_PER_WG, mma_ks, mma_st, sDO, sPT, sKe, sQe, sW,
-                mEl, mDht, mDU, mDh, mDh0, ring, hv, b, seqlen, nchunks,
+                wg - 1, tidx - wg * THREADS_PER_WG, mma_ks, mma_st, mma_dke, sDO, sPT, sKe, sQe,
+                sW, sU, sS, mEl, mDht, mDU, mDh, mDke, mDh0, ring, hv, b, seqlen, nchunks,
             )  # fmt: skip
 
     @cute.jit
@@ -259,8 +300,8 @@ class GdnBwdStateSm90:
 
     @cute.jit
     def _state(
-        self, w, stid, mma_ks, mma_st, sDO, sPT, sKe, sQe, sW, mEl, mDht, mDU, mDh, mDh0,
-        ring, hv, b, seqlen, nchunks,
+        self, w, stid, mma_ks, mma_st, mma_dke, sDO, sPT, sKe, sQe, sW, sU, sS, mEl, mDht,
+        mDU, mDh, mDke, mDh0, ring, hv, b, seqlen, nchunks,
     ):  # fmt: skip
         thr_st = mma_st.get_slice(stid)
         acc_ds = cute.make_rmem_tensor(thr_st.partition_shape_C((ROWS, self.k)), Float32)
@@ -279,6 +320,12 @@ class GdnBwdStateSm90:
         tBrQe = wg_st.make_fragment_B(wg_st.partition_B(transposed(sQe)))
         tBrW = wg_st.make_fragment_B(wg_st.partition_B(transposed(sW)))
         sDOt = transposed(sDO)  # (V, C, stages)
+        if const_expr(self.dke):
+            wg_dke = mma_dke.get_slice(0)
+            tArU = wg_dke.make_fragment_A(wg_dke.partition_A(sU))
+            sS_w = cute.local_tile(sS[None, None, 0], (ROWS, self.v), (w, 0))  # k rows of w
+            tBrS = wg_dke.make_fragment_B(wg_dke.partition_B(sS_w))
+            both = named_barrier(Bar.STATE, STATE_WGS * THREADS_PER_WG)
         st = consumer_state(STAGES)
         for i in cutlass.range(nchunks, unroll=1):
             c = nchunks - 1 - i
@@ -286,6 +333,14 @@ class GdnBwdStateSm90:
             ring.consumer_wait(st)
             acc_to_operand_a(acc_ds, tDSrDS)
             gemm(mma_ks, acc_du, tDSrDS, tBrKe[None, None, None, st.index], True, -1)
+            if const_expr(self.dke):
+                acc_dke = cute.make_rmem_tensor(
+                    wg_dke.partition_shape_C((CHUNK, ROWS)), Float32
+                )
+                both.arrive_and_wait()  # the other warpgroup's previous dke has read sS
+                self._store_ds(acc_ds, mma_st, sS, w)
+                both.arrive_and_wait()
+                gemm(mma_dke, acc_dke, tArU[None, None, None, st.index], tBrS, True, -1)
             # thread-dependent views rebuilt each chunk (the forward's reason: hoisted, they
             # stay live across the loop)
             tid = opaque_tid_x() % THREADS_PER_WG
@@ -294,7 +349,8 @@ class GdnBwdStateSm90:
             r_do.store(mma_ks.get_slice(tid).partition_C(dot).load().to(Float32))
             acc_to_operand_a(r_do, tDOrDO)
             gemm(mma_ks, acc_du, tDOrDO, tBrPT[None, None, None, st.index], False, -1)
-            self._state_io(mDh[b, c, hv, None, None], acc_ds, thr_st, w, False, False)
+            if const_expr(not self.dke):
+                self._state_io(mDh[b, c, hv, None, None], acc_ds, thr_st, w, False, False)
             warpgroup.wait_group(0)
             acc_ds.store(acc_ds.load() * mEl[b, c, hv])
             gemm(mma_st, acc_ds, tDOrDO, tBrQe[None, None, None, st.index], False, -1)
@@ -303,6 +359,8 @@ class GdnBwdStateSm90:
             acc_to_operand_a(r_neg, tDUrDU)
             gemm(mma_st, acc_ds, tDUrDU, tBrW[None, None, None, st.index], False, -1)
             self._store_du(acc_du, mma_ks, mDU, tid, w, hv, b, c, seqlen)
+            if const_expr(self.dke):
+                self._store_dke(acc_dke, mma_dke, mDke, tid, w, hv, b, c, seqlen)
             warpgroup.wait_group(0)
             ring.consumer_release(st)
             st.advance()
@@ -320,6 +378,34 @@ class GdnBwdStateSm90:
         for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
             if c * CHUNK + col_base + t0[0, j][1] < seqlen:
                 for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
+                    g[r, j] = a[r, j]
+
+    @cute.jit
+    def _store_ds(self, acc_ds, mma_st, sS, w):
+        """This warpgroup's value rows of dS^T, 16-bit, into the (K, V) tile by the transposed
+        stmatrix (value columns [64 w, 64 w + 64)), fenced for the WGMMAs (async proxy)."""
+        tid = opaque_tid_x() % THREADS_PER_WG
+        r2s = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(True, 4), self.dtype), mma_st
+        )
+        thr = r2s.get_slice(tid)
+        r_ds = cute.make_rmem_tensor(acc_ds.shape, self.dtype)
+        r_ds.store(acc_ds.load().to(self.dtype))
+        dst = cute.local_tile(transposed(sS[None, None, 0]), (ROWS, self.k), (w, 0))
+        cute.copy(r2s, thr.retile(r_ds), thr.partition_D(dst))
+        cute.arch.fence_view_async_shared()
+
+    @cute.jit
+    def _store_dke(self, acc, mma_dke, mDke, tid, w, hv, b, c, seqlen):
+        """dke (C tokens, 64 k) to dke[b, tokens of chunk c, hv, k columns of w], rows inside
+        T."""
+        t0, row_base, _ = softmax.acc_coords(mma_dke, tid, (CHUNK, ROWS))
+        tile = cute.local_tile(mDke[b, None, hv, None], (CHUNK, ROWS), (c, w))
+        g = rows_cols(mma_dke.get_slice(tid).partition_C(tile))
+        a = rows_cols(acc)
+        for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
+            if c * CHUNK + row_base + t0[r, 0][0] < seqlen:
+                for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
                     g[r, j] = a[r, j]
 
     @cute.jit
