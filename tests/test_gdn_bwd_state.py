@@ -12,7 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from forgekernel.reference.delta_rule_bwd import gated_delta_rule_chunked_backward
-from forgekernel.reference.gdn_bwd_state import CHUNK, reverse_state_pass, state_pass_factors
+from forgekernel.reference.gdn_bwd_state import (
+    CHUNK,
+    corrected_values,
+    reverse_state_pass,
+    state_pass_factors,
+)
 
 launch = pytest.importorskip("forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.launch")
 
@@ -48,6 +53,21 @@ def test_model_matches_the_chunked_backward(t, b, with_dht):
     assert torch.isfinite(du).all() and torch.isfinite(dh).all()
 
 
+def test_dke_is_the_reference_pass_3_term():
+    """The dke variant's output is pass 3's d(k e^(G_C - G)) = U dh^T (`_output_grads`'s
+    `dke`) from the dh variant's chunk-end gradients: one sequence of 130 tokens (a tail
+    chunk), an initial state."""
+    q, k, v, g, beta, do, dht = _inputs(1, 130, 2)
+    factors = state_pass_factors(q, k, v, g, beta, dtype=torch.float64)
+    u = corrected_values(q, k, v, g, beta, dht, dtype=torch.float64)
+    _, dke, _ = reverse_state_pass(factors, do, dht, u)
+    _, dh, _ = reverse_state_pass(factors, do, dht)
+    nc = dh.shape[1]
+    ut = _tiles(u, nc)[0]  # (HV, NC, C, V)
+    want = (ut @ dh[0].transpose(0, 1)).flatten(1, 2)[:, :130].transpose(0, 1)
+    torch.testing.assert_close(dke[0], want, rtol=1e-12, atol=1e-12)
+
+
 def _bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).to(x.dtype)
 
@@ -58,10 +78,11 @@ def _tiles(x: torch.Tensor, nc: int) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(1, 2).unflatten(2, (nc, CHUNK))
 
 
-def tile_model(factors, do, dht, rounding=_bf16):
+def tile_model(factors, do, dht, rounding=_bf16, u=None):
     """The kernel's per-(sequence, head) loop on token-major tiles, last chunk first: dU^T =
     dS^T Ke^T + dO^T P, dS^T <- e^(G_C) dS^T + dO^T Qe - dU^T W, the register A operands
-    (dS^T, -dU^T) rounded by `rounding` as the kernel rounds them to 16 bits."""
+    (dS^T, -dU^T) rounded by `rounding` as the kernel rounds them to 16 bits; given U, dke =
+    U dS^T (dS^T rounded: it goes through shared memory in 16 bits) in dh's place."""
     b, t, hv, dv = do.shape
     dk = factors["ke"].shape[-1]
     nc = -(-t // CHUNK)
@@ -70,31 +91,40 @@ def tile_model(factors, do, dht, rounding=_bf16):
     dst = do.new_zeros(b, hv, dv, dk) if dht is None else dht.transpose(-1, -2).clone()
     du = do.new_zeros(b, hv, nc, CHUNK, dv)
     dh = do.new_zeros(b, nc, hv, dv, dk)
+    ut = None if u is None else _tiles(u, nc)
+    dke = do.new_zeros(b, hv, nc, CHUNK, dk)
     for c in reversed(range(nc)):
         dh[:, c] = dst
+        if ut is not None:
+            dke[:, :, c] = ut[:, :, c] @ rounding(dst)
         do_t = dot[:, :, c].transpose(-1, -2)  # (B, HV, V, C)
         du_t = rounding(dst) @ ke[:, :, c].transpose(-1, -2) + do_t @ pt[:, :, c].transpose(-1, -2)
         du[:, :, c] = du_t.transpose(-1, -2)
         el = factors["e_last"][:, c, :, None, None]
         dst = el * dst + do_t @ qe[:, :, c] + rounding(-du_t) @ w[:, :, c]
     du = du.flatten(2, 3)[:, :, :t].transpose(1, 2)
+    if ut is not None:
+        dh = dke.flatten(2, 3)[:, :, :t].transpose(1, 2)
     return du, dh, dst.transpose(-1, -2)
 
 
 @pytest.mark.parametrize("t", [1, 65, 200])
 @pytest.mark.parametrize("with_dht", [False, True])
-def test_tile_model_matches_the_model(t, with_dht):
+@pytest.mark.parametrize("dke", [False, True])
+def test_tile_model_matches_the_model(t, with_dht, dke):
     """Unrounded, the kernel's token-major transposed form is the reference's pass exactly
-    (the factors' layouts: P^T rows, e^(G_C) per chunk, the zero tail); with bf16 operands the
-    error stays within the GPU test's tolerance."""
+    (the factors' layouts: P^T rows, e^(G_C) per chunk, the zero tail; dke per token from the
+    dS of its chunk's end); with bf16 operands the error stays within the GPU test's
+    tolerance."""
     q, k, v, g, beta, do, dht = _inputs(2, t, 3)
     dht = dht if with_dht else None
     factors = state_pass_factors(q, k, v, g, beta, dtype=torch.float64)
-    want = reverse_state_pass(factors, do, dht)
-    exact = tile_model(factors, do, dht, rounding=lambda x: x)
+    u = corrected_values(q, k, v, g, beta, dht, dtype=torch.float64) if dke else None
+    want = reverse_state_pass(factors, do, dht, u)
+    exact = tile_model(factors, do, dht, rounding=lambda x: x, u=u)
     for got, ref in zip(exact, want):
         torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
-    for got, ref in zip(tile_model(factors, do, dht), want):
+    for got, ref in zip(tile_model(factors, do, dht, u=u), want):
         assert float((got - ref).abs().max()) <= 2e-2 * float(ref.abs().max()) + 1e-6
 
 

@@ -3,7 +3,9 @@ CPU (the DSL compiles, ptxas assembles, cuobjdump reads the cubin): 384 threads,
 at launch, split by setmaxnreg 40 / 232 (producer / state warpgroups), nothing spilled; shared
 memory within config's bound; per chunk and state warpgroup the WGMMAs dS^T Ke^T (8 x
 64x64x16), dO^T P (4), dO^T Qe and -dU^T W (4 x 64x128x16 each, B transposed), four commit
-groups; five TMA boxes a chunk (nine 64-column halves)."""
+groups; five TMA boxes a chunk (nine 64-column halves). The dke variant adds U's box (two
+halves), dS^T into shared memory by 8 transposed stmatrix a thread, and dke = U dS^T (8 x
+64x64x16, both operands in shared memory, one more group)."""
 
 from __future__ import annotations
 
@@ -28,8 +30,9 @@ if find_tool("cuobjdump") is None:
     pytest.skip("cuobjdump not found", allow_module_level=True)
 
 _INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
-CONFIGS = {"bf16": ("bfloat16", False), "bf16_dht": ("bfloat16", True),
-           "fp16_dht": ("float16", True)}  # fmt: skip
+CONFIGS = {"bf16": ("bfloat16", False, False), "bf16_dht": ("bfloat16", True, False),
+           "fp16_dht": ("float16", True, False), "bf16_dke": ("bfloat16", False, True),
+           "fp16_dht_dke": ("float16", True, True)}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +41,8 @@ def compiled():
 
     def get(name):
         if name not in cache:
-            dtype, dht = CONFIGS[name]
-            params = dict(config.params_for(dtype, d_final_state=dht))
+            dtype, dht, dke = CONFIGS[name]
+            params = dict(config.params_for(dtype, d_final_state=dht, dke=dke))
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_gdn_bwd_state(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -72,17 +75,20 @@ def test_registers_and_no_spills(compiled, name):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_shared_memory_fits(compiled, name):
     res, _, smem = compiled(name)
-    assert smem <= config.smem_bytes() <= SMEM_CAPACITY
+    assert smem <= config.smem_bytes(dke=CONFIGS[name][2]) <= SMEM_CAPACITY
     assert smem + res["smem_bytes"] <= SMEM_CAPACITY
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_wgmmas_and_tma(compiled, name):
     _, instrs, _ = compiled(name)
+    dke = CONFIGS[name][2]
     ops = [op for op, _ in instrs]
     shapes = [(op, a) for op, a in instrs if op.startswith("HGMMA")]
-    assert sum(op.startswith("HGMMA.64x64x16") for op, _ in shapes) == 8 + 4
+    assert sum(op.startswith("HGMMA.64x64x16") for op, _ in shapes) == 8 + 4 + 8 * dke
     wide = [a for op, a in shapes if op.startswith("HGMMA.64x128x16")]
     assert len(wide) == 8 and all("tnspB" in a for a in wide)
-    assert sum("gsb0" in a for _, a in shapes) == 4  # one commit group a product
-    assert ops.count("UTMALDG.4D") == 9  # dO, Ke, Qe, W: two 64-column halves; P^T one
+    assert sum("gsb0" in a for _, a in shapes) == 4 + dke  # one commit group a product
+    # dO, Ke, Qe, W (and U): two 64-column halves; P^T one
+    assert ops.count("UTMALDG.4D") == 9 + 2 * dke
+    assert ops.count("STSM.16.MT88.4") == 8 * dke

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import torch
 
 from forgekernel.reference.delta_rule import _scale
-from forgekernel.reference.delta_rule_bwd import ChunkLayout, _Factors, _reverse_states
+from forgekernel.reference.delta_rule_bwd import ChunkLayout, _Factors, _reverse_states, _states
 
 CHUNK = 64
 
@@ -55,12 +55,41 @@ def state_pass_factors(
     return shaped
 
 
+def corrected_values(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The forward's U = u - W S0 of every token (B, T, HV, V), by the reference's pass 1
+    recurrence (`_states`); initial_state (B, HV, K, V) or None (zero). The kernel's dke
+    variant reads it (a training forward would store it)."""
+    b, t, h, dk = q.shape
+    layout = _layout(b, t, q.device)
+    flat = [x.reshape(b * t, *x.shape[2:]).to(dtype) for x in (q, k, v, g, beta)]
+    flat[0] = flat[0] * _scale(scale, dk)
+    f = _Factors(*(layout.gather(x) for x in flat))
+    h0 = q.new_zeros(b, h, dk, v.shape[-1], dtype=dtype)
+    h0 = h0 if initial_state is None else initial_state.to(dtype)
+    _, big_u = _states(f, h0, layout.steps)
+    return layout.scatter(big_u, b * t).reshape(b, t, h, -1)
+
+
 def reverse_state_pass(
-    factors: dict[str, torch.Tensor], do: torch.Tensor, d_final_state: torch.Tensor | None
+    factors: dict[str, torch.Tensor],
+    do: torch.Tensor,
+    d_final_state: torch.Tensor | None,
+    u: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """reference/delta_rule_bwd.py's pass 2 on the kernel's inputs (in their dtype): (dU (B, T,
-    HV, V), dh = dS^T at every chunk's end (B, NC, HV, V, K), the initial state's gradient (B,
-    HV, K, V)), the kernel's outputs."""
+    HV, V), dh = dS^T at every chunk's end (B, NC, HV, V, K) or, given U (B, T, HV, V), dke =
+    U dh^T per token (B, T, HV, K) as pass 3 forms it, the initial state's gradient (B, HV, K,
+    V)), the kernel's outputs."""
     b, t, hv, dv = do.shape
     dk = factors["ke"].shape[-1]
     dtype = factors["ke"].dtype
@@ -79,4 +108,7 @@ def reverse_state_pass(
     steps = layout.steps
     dh, d_u, dh0 = _reverse_states(f, chunks(do), dht.to(dtype), steps)
     du = layout.scatter(d_u, b * t).reshape(b, t, hv, dv)
+    if u is not None:
+        dke = chunks(u) @ dh.transpose(-1, -2)  # pass 3's d(k e^(G_C - G))
+        return du, layout.scatter(dke, b * t).reshape(b, t, hv, dk), dh0
     return du, _per_chunk(dh, b).transpose(-1, -2), dh0

@@ -14,7 +14,9 @@ from forgekernel.runtime.device import as_tma_ready, dtype_name, on_device
 Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def check_inputs(do, pt, ke, qe, w, e_last, d_final_state) -> tuple[int, int, int, int]:
+def check_inputs(
+    do, pt, ke, qe, w, e_last, d_final_state, u=None
+) -> tuple[int, int, int, int]:
     """(B, T, HV, NC) of a valid call, else ValueError / TypeError saying what is off."""
     if do.dim() != 4:
         raise ValueError(f"do must be (B, T, HV, V), got {tuple(do.shape)}")
@@ -23,8 +25,9 @@ def check_inputs(do, pt, ke, qe, w, e_last, d_final_state) -> tuple[int, int, in
     if do.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"do must be float16 or bfloat16, got {do.dtype}")
     k = ke.shape[-1]
-    want = {"pt": (b, t, hv, CHUNK), "ke": (b, t, hv, k), "qe": (b, t, hv, k), "w": (b, t, hv, k)}
-    for name, x in zip(want, (pt, ke, qe, w)):
+    want = {"pt": (b, t, hv, CHUNK), "ke": (b, t, hv, k), "qe": (b, t, hv, k), "w": (b, t, hv, k),
+            "u": (b, t, hv, v)}  # fmt: skip
+    for name, x in zip(want, (pt, ke, qe, w, do if u is None else u)):
         if tuple(x.shape) != want[name]:
             raise ValueError(f"{name} must be {want[name]}, got {tuple(x.shape)}")
         if x.dtype != do.dtype:
@@ -41,13 +44,14 @@ def check_inputs(do, pt, ke, qe, w, e_last, d_final_state) -> tuple[int, int, in
     return b, t, hv, nc
 
 
-def empty_outputs(do: torch.Tensor, k: int) -> Outputs:
-    """(dU (B, T, HV, V), dh (B, NC, HV, V, K), dh0 (B, HV, K, V)), fp32, uninitialized."""
+def empty_outputs(do: torch.Tensor, k: int, dke: bool = False) -> Outputs:
+    """(dU (B, T, HV, V), dh (B, NC, HV, V, K) or with `dke` dke (B, T, HV, K), dh0 (B, HV, K,
+    V)), fp32, uninitialized."""
     b, t, hv, v = do.shape
     nc = -(-t // CHUNK)
     f32 = {"dtype": torch.float32, "device": do.device}
-    return (torch.empty(b, t, hv, v, **f32), torch.empty(b, nc, hv, v, k, **f32),
-            torch.empty(b, hv, k, v, **f32))  # fmt: skip
+    side = torch.empty(b, t, hv, k, **f32) if dke else torch.empty(b, nc, hv, v, k, **f32)
+    return torch.empty(b, t, hv, v, **f32), side, torch.empty(b, hv, k, v, **f32)
 
 
 def gdn_bwd_state(
@@ -58,30 +62,37 @@ def gdn_bwd_state(
     w: torch.Tensor,
     e_last: torch.Tensor,
     d_final_state: torch.Tensor | None = None,
+    u: torch.Tensor | None = None,
     *,
     out: Outputs | None = None,
 ) -> Outputs:
     """The reverse recurrence dU = P^T dO + Ke dS, dS <- e^(G_C) dS + Qe^T dO - W^T dU over the
     chunks of each (sequence, value head), last first, dS from d_final_state (or zero).
     do (B, T, HV, V), pt (B, T, HV, 64), ke, qe, w (B, T, HV, K) in one 16-bit dtype; e_last
-    (B, NC, HV) fp32; d_final_state (B, HV, K, V) fp32 or None. Returns (dU (B, T, HV, V), dh =
-    dS^T at every chunk's end (B, NC, HV, V, K), the initial state's gradient (B, HV, K, V)),
-    fp32, written into `out` (contiguous) when given."""
-    b, t, hv, nc = check_inputs(do, pt, ke, qe, w, e_last, d_final_state)
-    du, dh, dh0 = empty_outputs(do, ke.shape[-1]) if out is None else out
-    for x in (du, dh, dh0):
+    (B, NC, HV) fp32; d_final_state (B, HV, K, V) fp32 or None; u (B, T, HV, V) 16-bit (the
+    forward's corrected values U = u - W S0) or None. Returns (dU (B, T, HV, V), the state side:
+    without u dh = dS^T at every chunk's end (B, NC, HV, V, K), with u dke = U dS^T per token
+    (B, T, HV, K) (dS the gradient at the token's chunk end; dh then never reaches HBM), the
+    initial state's gradient (B, HV, K, V)), fp32, written into `out` (contiguous) when
+    given."""
+    b, t, hv, nc = check_inputs(do, pt, ke, qe, w, e_last, d_final_state, u)
+    dke = u is not None
+    du, side, dh0 = empty_outputs(do, ke.shape[-1], dke) if out is None else out
+    for x in (du, side, dh0):
         if not x.is_contiguous() or x.dtype != torch.float32:
             raise ValueError("out must be contiguous float32 tensors")
     if b * hv == 0:
-        return du, dh, dh0
+        return du, side, dh0
     if t == 0:
         dh0.copy_(d_final_state) if d_final_state is not None else dh0.zero_()
-        return du, dh, dh0
+        return du, side, dh0
     params = params_for(dtype_name(do.dtype), (ke.shape[-1], do.shape[-1]),
-                        d_final_state=d_final_state is not None)  # fmt: skip
+                        d_final_state=d_final_state is not None, dke=dke)  # fmt: skip
     fn = get_kernel(SPEC, params)
     tiles = [as_tma_ready(x) for x in (do, pt, ke, qe, w)]
+    tiles.append(as_tma_ready(u) if dke else None)
     dht = None if d_final_state is None else d_final_state.contiguous()
+    dh, dke_out = (None, side) if dke else (side, None)
     with on_device(do.device):
-        fn(*tiles, e_last.contiguous(), dht, du, dh, dh0)
-    return du, dh, dh0
+        fn(*tiles, e_last.contiguous(), dht, du, dh, dke_out, dh0)
+    return du, side, dh0
