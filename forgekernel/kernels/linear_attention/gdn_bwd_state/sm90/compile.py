@@ -1,8 +1,8 @@
 """Compile the Gated DeltaNet backward's reverse state recurrence against fake tensors: B, T, HV,
-the chunk count and every outer stride dynamic; K, V, the dtype and the final-state gradient
-baked in (and whether dke replaces dh). The 16-bit tiles: unit last strides, the others multiples of 8 elements, 16-byte
-aligned (TMA); e^(G_C) fp32 (B, NC, HV) unit last stride; the fp32 outputs and the final-state
-gradient: unit last strides, others multiples of 4."""
+the chunk count and every outer stride dynamic; K, V, the dtype, the final-state gradient and
+whether dke replaces dh baked in. The 16-bit tiles: unit last strides, the others multiples of
+8 elements, 16-byte aligned (TMA); e^(G_C) fp32 (B, NC, HV) unit last stride; the fp32 outputs
+and the final-state gradient: unit last strides, others multiples of 4."""
 
 from __future__ import annotations
 
