@@ -158,3 +158,27 @@ def test_launcher_empty_sequences_pass_the_state_gradient():
     du, dh, dh0 = launch.gdn_bwd_state(do, pt, ke, qe, w, torch.ones(1, 0, 2), dht)
     assert du.shape == (1, 0, 2, 128) and dh.shape == (1, 0, 2, 128, 128)
     torch.testing.assert_close(dh0, dht, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dke", [False, True])
+@pytest.mark.parametrize("with_dht", [False, True])
+def test_launcher_passes_the_compiled_signature(monkeypatch, dke, with_dht):
+    """The call the launcher makes is the one compile.py declares: (dO, P^T, Ke, Qe, W, U or
+    None, e^(G_C), dS_T or None, dU, dh or None, dke or None, dh0), under the compile key of
+    the inputs (a recorder stands in for the kernel)."""
+    calls = []
+    monkeypatch.setattr(launch, "get_kernel",
+                        lambda spec, params: lambda *a: calls.append((params, a)))  # fmt: skip
+    do, pt, ke, qe, w, e_last = _bf16_inputs(2, 130, 3)
+    u = torch.zeros_like(do) if dke else None
+    dht = torch.zeros(2, 3, 128, 128) if with_dht else None
+    du, side, dh0 = launch.gdn_bwd_state(do, pt, ke, qe, w, e_last, dht, u)
+    (params, args), = calls
+    assert dict(params) == {"dtype": "bfloat16", "k": 128, "v": 128, "d_final_state": with_dht,
+                            "dke": dke}  # fmt: skip
+    assert side.shape == ((2, 130, 3, 128) if dke else (2, 3, 3, 128, 128))
+    want = (do, pt, ke, qe, w, u, e_last, dht, du, None if dke else side,
+            side if dke else None, dh0)  # fmt: skip
+    assert len(args) == len(want)
+    for got, ref in zip(args, want):
+        assert got is ref or (got is not None and ref is not None and torch.equal(got, ref))
