@@ -1,0 +1,39 @@
+"""Gated DeltaNet backward, kernel 1: the reverse state recurrence over chunks, sm_90a.
+DSL-free declaration; the kernel is `reverse_state.py`, the launcher `launch.py`, the CPU
+model `forgekernel.reference.gdn_bwd_state`. Not wired into the op yet (its backward is the
+interim torch path of `forgekernel.ops.gated_delta_rule_bwd`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.config import DTYPES, params_for
+from forgekernel.runtime.spec import KernelSpec, Params
+
+
+def _compile(params: Params, extra_options: str = ""):
+    from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.compile import (
+        compile_gdn_bwd_state,
+    )
+
+    return compile_gdn_bwd_state(dict(params), "sm_90a", extra_options)
+
+
+def _standard_params() -> list[Params]:
+    return [
+        params_for(dtype, d_final_state=d, dke=dke)
+        for dtype in DTYPES
+        for d in (False, True)
+        for dke in (False, True)
+    ]
+
+
+SPEC = KernelSpec(
+    name="gdn_bwd_state_sm90",
+    arch="sm_90a",
+    directory=Path(__file__).parent,
+    compile=_compile,
+    standard_params=_standard_params,
+)
+
+__all__ = ["SPEC", "params_for"]

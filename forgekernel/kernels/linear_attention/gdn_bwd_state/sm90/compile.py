@@ -1,0 +1,56 @@
+"""Compile the Gated DeltaNet backward's reverse state recurrence against fake tensors: B, T, HV,
+the chunk count and every outer stride dynamic; K, V, the dtype, the final-state gradient and
+whether dke replaces dh baked in. The 16-bit tiles: unit last strides, the others multiples of
+8 elements, 16-byte aligned (TMA); e^(G_C) fp32 (B, NC, HV) unit last stride; the fp32 outputs
+and the final-state gradient: unit last strides, others multiples of 4."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_tensor
+
+from forgekernel.kernels.common.sm90 import fake
+from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.config import CHUNK
+from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.reverse_state import GdnBwdStateSm90
+
+
+def kernel_for(params: dict) -> GdnBwdStateSm90:
+    return GdnBwdStateSm90(
+        params["k"], params["v"], d_final_state=params["d_final_state"], dke=params["dke"]
+    )
+
+
+def compile_gdn_bwd_state(params: dict, arch: str = "sm_90a", extra_options: str = "", kernel=None):
+    """kernel: a `kernel_for(params)` object to compile (its shared_storage is set by the
+    compile: the tests read its size), or None for a fresh one."""
+    dtype = fake.dtype_of(params["dtype"])
+    kd, vd = params["k"], params["v"]
+    b, t, hv, nc = (cute.sym_int32() for _ in range(4))
+    f32 = cutlass.Float32
+    kernel = kernel_for(params) if kernel is None else kernel
+    dke = params["dke"]
+
+    def state():
+        return fake.rowmajor(f32, (b, hv, kd, vd), divisibility=4)
+
+    e_last = make_fake_tensor(
+        f32, (b, nc, hv), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4
+    )
+    return cute.compile(
+        kernel,
+        fake.rowmajor(dtype, (b, t, hv, vd)),
+        fake.rowmajor(dtype, (b, t, hv, CHUNK)),
+        fake.rowmajor(dtype, (b, t, hv, kd)),
+        fake.rowmajor(dtype, (b, t, hv, kd)),
+        fake.rowmajor(dtype, (b, t, hv, kd)),
+        fake.rowmajor(dtype, (b, t, hv, vd)) if dke else None,
+        e_last,
+        state() if params["d_final_state"] else None,
+        fake.rowmajor(f32, (b, t, hv, vd), divisibility=4),
+        None if dke else fake.rowmajor(f32, (b, nc, hv, vd, kd), divisibility=4),
+        fake.rowmajor(f32, (b, t, hv, kd), divisibility=4) if dke else None,
+        state(),
+        fake.stream(),
+        options=fake.options(arch, extra_options),
+    )

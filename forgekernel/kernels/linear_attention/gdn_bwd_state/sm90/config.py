@@ -1,0 +1,56 @@
+"""Gated DeltaNet backward kernel 1 (the reverse state recurrence) configurations and fixed
+geometry (DSL-free: the launcher and the tests read it)."""
+
+from __future__ import annotations
+
+from forgekernel.kernels.common.sm90.constants import REGISTERS_PER_SM, THREADS_PER_WG
+
+DTYPES = ("float16", "bfloat16")
+HEAD_DIMS = ((128, 128),)  # (K, V)
+CHUNK = 64  # tokens per chunk: the forward's
+ROWS_PER_STATE_WG = 64  # value rows of dS^T a state warpgroup holds
+STATE_WGS = 2  # V = 128
+STAGES = 2  # chunks in flight in the TMA ring (72 KB a stage)
+THREADS = (1 + STATE_WGS) * THREADS_PER_WG
+# setmaxnreg split: the producer warpgroup (one TMA warp) and the two state warpgroups (dS^T:
+# 64 fp32 accumulators, dU^T: 32, the 16-bit operands dS^T 32, dO^T 16, -dU^T 16)
+PRODUCER_REGS = 40
+STATE_REGS = 232
+assert (PRODUCER_REGS + STATE_WGS * STATE_REGS) * THREADS_PER_WG <= REGISTERS_PER_SM
+# the tiles of one chunk, in ring order: dO (C, V), P^T (C, C), K e^(G_C - G), Q e^G, W (C, K),
+# and U (C, V) with dke
+TILES = ("do", "pt", "ke", "qe", "w", "u")
+
+
+
+
+def stage_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2, dke: bool = False) -> int:
+    """One ring stage: the five tiles, and U (C, V) with `dke`."""
+    return CHUNK * (v + CHUNK + 3 * k + (v if dke else 0)) * elem_bytes
+
+
+def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2, dke: bool = False) -> int:
+    """Shared memory of one CTA (the kernel's SharedStorage, alignment padding included): the
+    ring, and with `dke` the chunk-end dS (K, V) in 16 bits that both state warpgroups read."""
+    ds = k * v * elem_bytes if dke else 0
+    return STAGES * stage_bytes(k, v, elem_bytes, dke) + ds + 2 * STAGES * 8 + 7 * 1024
+
+
+def params_for(
+    dtype: str,
+    head_dims: tuple[int, int] = (128, 128),
+    *,
+    d_final_state: bool = False,
+    dke: bool = False,
+) -> tuple:
+    """Compile key: the 16-bit dtype of the tiles, (K, V), whether a final-state gradient is
+    read (without one, dS starts from zero), and the state-side output: dke = U dS^T per token
+    (`dke`: U read, dS through shared memory, no dh written) or dh = dS^T per chunk (fp32 to
+    HBM, 1 KB a token and head: the first form, what the later passes of the reference read)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
+    if tuple(head_dims) not in HEAD_DIMS:
+        raise ValueError(f"(K, V) must be one of {HEAD_DIMS}, got {tuple(head_dims)}")
+    k, v = head_dims
+    key = {"dtype": dtype, "k": k, "v": v, "d_final_state": d_final_state, "dke": dke}
+    return tuple(sorted(key.items()))

@@ -1,0 +1,98 @@
+"""Host launcher of the Gated DeltaNet backward's reverse state recurrence (kernel 1): torch only
+(no DSL). Its inputs are the chunk factors of `forgekernel.reference.gdn_bwd_state`
+(`state_pass_factors`) until the kernel forms them itself."""
+
+from __future__ import annotations
+
+import torch
+
+from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import SPEC
+from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.config import CHUNK, params_for
+from forgekernel.runtime.cache import get_kernel
+from forgekernel.runtime.device import as_tma_ready, dtype_name, on_device
+
+Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def check_inputs(
+    do, pt, ke, qe, w, e_last, d_final_state, u=None
+) -> tuple[int, int, int, int]:
+    """(B, T, HV, NC) of a valid call, else ValueError / TypeError saying what is off."""
+    if do.dim() != 4:
+        raise ValueError(f"do must be (B, T, HV, V), got {tuple(do.shape)}")
+    b, t, hv, v = do.shape
+    nc = -(-t // CHUNK)
+    if do.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"do must be float16 or bfloat16, got {do.dtype}")
+    k = ke.shape[-1]
+    want = {"pt": (b, t, hv, CHUNK), "ke": (b, t, hv, k), "qe": (b, t, hv, k), "w": (b, t, hv, k),
+            "u": (b, t, hv, v)}  # fmt: skip
+    for name, x in zip(want, (pt, ke, qe, w, do if u is None else u)):
+        if tuple(x.shape) != want[name]:
+            raise ValueError(f"{name} must be {want[name]}, got {tuple(x.shape)}")
+        if x.dtype != do.dtype:
+            raise TypeError(f"{name} must be {do.dtype} (do's dtype), got {x.dtype}")
+    params_for(dtype_name(do.dtype), (k, v))  # K, V supported
+    if tuple(e_last.shape) != (b, nc, hv) or e_last.dtype != torch.float32:
+        raise ValueError(f"e_last must be float32 {(b, nc, hv)}, got {e_last.dtype} "
+                         f"{tuple(e_last.shape)}")  # fmt: skip
+    if d_final_state is not None and (
+        tuple(d_final_state.shape) != (b, hv, k, v) or d_final_state.dtype != torch.float32
+    ):
+        raise ValueError(f"d_final_state must be float32 {(b, hv, k, v)}, got "
+                         f"{d_final_state.dtype} {tuple(d_final_state.shape)}")  # fmt: skip
+    return b, t, hv, nc
+
+
+def empty_outputs(do: torch.Tensor, k: int, dke: bool = False) -> Outputs:
+    """(dU (B, T, HV, V), dh (B, NC, HV, V, K) or with `dke` dke (B, T, HV, K), dh0 (B, HV, K,
+    V)), fp32, uninitialized."""
+    b, t, hv, v = do.shape
+    nc = -(-t // CHUNK)
+    f32 = {"dtype": torch.float32, "device": do.device}
+    side = torch.empty(b, t, hv, k, **f32) if dke else torch.empty(b, nc, hv, v, k, **f32)
+    return torch.empty(b, t, hv, v, **f32), side, torch.empty(b, hv, k, v, **f32)
+
+
+def gdn_bwd_state(
+    do: torch.Tensor,
+    pt: torch.Tensor,
+    ke: torch.Tensor,
+    qe: torch.Tensor,
+    w: torch.Tensor,
+    e_last: torch.Tensor,
+    d_final_state: torch.Tensor | None = None,
+    u: torch.Tensor | None = None,
+    *,
+    out: Outputs | None = None,
+) -> Outputs:
+    """The reverse recurrence dU = P^T dO + Ke dS, dS <- e^(G_C) dS + Qe^T dO - W^T dU over the
+    chunks of each (sequence, value head), last first, dS from d_final_state (or zero).
+    do (B, T, HV, V), pt (B, T, HV, 64), ke, qe, w (B, T, HV, K) in one 16-bit dtype; e_last
+    (B, NC, HV) fp32; d_final_state (B, HV, K, V) fp32 or None; u (B, T, HV, V) 16-bit (the
+    forward's corrected values U = u - W S0) or None. Returns (dU (B, T, HV, V), the state side:
+    without u dh = dS^T at every chunk's end (B, NC, HV, V, K), with u dke = U dS^T per token
+    (B, T, HV, K) (dS the gradient at the token's chunk end; dh then never reaches HBM), the
+    initial state's gradient (B, HV, K, V)), fp32, written into `out` (contiguous) when
+    given."""
+    b, t, hv, nc = check_inputs(do, pt, ke, qe, w, e_last, d_final_state, u)
+    dke = u is not None
+    du, side, dh0 = empty_outputs(do, ke.shape[-1], dke) if out is None else out
+    for x in (du, side, dh0):
+        if not x.is_contiguous() or x.dtype != torch.float32:
+            raise ValueError("out must be contiguous float32 tensors")
+    if b * hv == 0:
+        return du, side, dh0
+    if t == 0:
+        dh0.copy_(d_final_state) if d_final_state is not None else dh0.zero_()
+        return du, side, dh0
+    params = params_for(dtype_name(do.dtype), (ke.shape[-1], do.shape[-1]),
+                        d_final_state=d_final_state is not None, dke=dke)  # fmt: skip
+    fn = get_kernel(SPEC, params)
+    tiles = [as_tma_ready(x) for x in (do, pt, ke, qe, w)]
+    tiles.append(as_tma_ready(u) if dke else None)
+    dht = None if d_final_state is None else d_final_state.contiguous()
+    dh, dke_out = (None, side) if dke else (side, None)
+    with on_device(do.device):
+        fn(*tiles, e_last.contiguous(), dht, du, dh, dke_out, dh0)
+    return du, side, dh0

@@ -1,0 +1,423 @@
+"""Gated DeltaNet backward, kernel 1: the reverse state recurrence for Hopper (sm_90a). TMA +
+WGMMA, one CTA per (sequence, value head), chunks in reverse, the state gradient on chip for the
+whole sequence (the forward's `gdn_prefill/sm90/chunked_fwd.py` structure, run backwards).
+
+Per chunk of C = 64 tokens (reference/delta_rule_bwd.py's pass 2; dS the gradient of the state
+at the chunk's end, starting from the final state's gradient):
+
+    dU  = P^T dO + (K e^(G_C - G)) dS
+    dS <- e^(G_C) dS + (Q e^G)^T dO - W^T dU
+
+computed transposed, value rows on the MMA's M as the forward's state: each state warpgroup
+keeps 64 rows of dS^T (V, K) as an fp32 WGMMA accumulator and feeds it to the next product as
+a 16-bit register A operand. Per chunk and state warpgroup (B operands from shared memory):
+
+    dU^T  = dS^T Ke^T + dO^T P          (64 x 64 x K, then 64 x 64 x 64; B K-major: Ke, P^T)
+    dS^T <- e^(G_C) dS^T + dO^T Qe - dU^T W     (64 x K x 64 twice; B MN-major: Qe, W)
+
+dO^T is read from the dO tile's transposed view into registers (as the forward reads V^T).
+
+FIRST VERSION (2026-12-03), simplified against docs/linear_attention/NOTES.md's plan:
+- the chunk factors are inputs, not formed in the kernel: P^T (stored token-major: row j of a
+  chunk holds column j of P), Ke = K e^(G_C - G), Qe = Q e^G (q scaled), W = T diag(beta e^G) K
+  in 16 bits and e^(G_C) per chunk in fp32, all from `reference/gdn_bwd_state.py` (the plan's
+  aux warpgroup that forms them a chunk behind is not built);
+- fixed length (B, T, ...) tensors, TMA zero-filling the tail chunk (so the factors' padded rows
+  are zero, as the reference's padding makes them); no varlen, no grouped heads (one CTA reads
+  its own head of every tile);
+- outputs dU (B, T, HV, V) fp32, dh = dS^T at every chunk's end (B, NC, HV, V, K) fp32, and
+  the initial state's gradient (B, HV, K, V) fp32; the state-side gradients (dO h^T, -dU h^T,
+  U dS^T) are not formed here (they need h: the plan's next step).
+
+Warp roles (3 warpgroups, 384 threads, setmaxnreg split in config.py):
+- warpgroup 0, warp 0 (producer): per chunk, last first, one (C, D) TMA box of each of dO, P^T,
+  Ke, Qe, W into one STAGES-deep ring;
+- warpgroups 1, 2 (state): value rows [64 w, 64 w + 64) of dS^T; the products above; dU^T and
+  dS^T to global memory.
+
+Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligned token strides
+(TMA); e^(G_C) and the states fp32, unit last strides.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from forgekernel.kernels.common.sm90 import softmax
+from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
+from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG, WARP_SIZE
+from forgekernel.kernels.common.sm90.layout import (
+    acc_to_operand_a,
+    rows_cols,
+    select,
+    transposed,
+)
+from forgekernel.kernels.common.sm90.mma import gemm
+from forgekernel.kernels.common.sm90.pipeline import (
+    consumer_state,
+    init_arrive,
+    init_wait,
+    producer_state,
+    smem_tensor,
+    tma_pipeline,
+)
+from forgekernel.kernels.common.sm90.ptx import opaque_tid_x
+from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.config import (
+    CHUNK,
+    PRODUCER_REGS,
+    ROWS_PER_STATE_WG,
+    STAGES,
+    STATE_REGS,
+    STATE_WGS,
+    THREADS,
+)
+
+ROWS = ROWS_PER_STATE_WG
+PRODUCER_WARP = 0
+
+
+class Bar(IntEnum):
+    """Named barriers (id 0 is __syncthreads)."""
+
+    STATE = FIRST_FREE  # both state warpgroups: dS in shared memory (dke)
+
+
+def _tdhb(t: cute.Tensor) -> cute.Tensor:
+    """(B, T, H, D) as (T, D, H, B): the TMA view, the chunk's tokens and columns leading."""
+    return select(t, [1, 3, 2, 0])
+
+
+class GdnBwdStateSm90:
+    """Warp-specialized reverse state recurrence of the Gated DeltaNet backward; see the module
+    docstring."""
+
+    def __init__(self, k: int, v: int, *, d_final_state: bool, dke: bool = False):
+        if (k, v) != (128, 128):
+            raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
+        self.k, self.v = k, v
+        self.d_final_state = d_final_state
+        self.dke = dke
+
+    def _setup(self):
+        dt = self.dtype
+        k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
+        rmem = warpgroup.OperandSource.RMEM
+        # dU^T: (64 value rows, C tokens), A from registers, B K-major (Ke, P^T)
+        self.mma_ks = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, k_major, Float32, (1, 1, 1), (ROWS, CHUNK), a_source=rmem
+        )
+        # dS^T update: (64 value rows, K), B the Qe / W tiles' transposed (MN-major) views
+        self.mma_st = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, mn_major, Float32, (1, 1, 1), (ROWS, self.k), a_source=rmem
+        )
+        # dke[:, K half w] = U dS^T: (C tokens, 64 k), both operands K-major in shared memory
+        self.mma_dke = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, k_major, Float32, (1, 1, 1), (CHUNK, ROWS)
+        )
+        row = LayoutEnum.ROW_MAJOR
+        # dS (K, V) row-major: the K-major B of dke (n = k, reduced over v)
+        self.sS_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, self.k, self.v), dt, 1)
+        self.sD_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, self.k), dt, STAGES)
+        self.sP_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, CHUNK), dt, STAGES)
+
+    @cute.jit
+    def __call__(
+        self,
+        mDO: cute.Tensor,
+        mPT: cute.Tensor,
+        mKe: cute.Tensor,
+        mQe: cute.Tensor,
+        mW: cute.Tensor,
+        mU: cute.Tensor | None,
+        mEl: cute.Tensor,
+        mDht: cute.Tensor | None,
+        mDU: cute.Tensor,
+        mDh: cute.Tensor | None,
+        mDke: cute.Tensor | None,
+        mDh0: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        """mDO (B, T, HV, V), mPT (B, T, HV, C), mKe, mQe, mW (B, T, HV, K) 16-bit; mEl fp32
+        (B, NC, HV); mDht (or None) and mDh0 fp32 (B, HV, K, V); mDU fp32 (B, T, HV, V). With
+        dke: mU (B, T, HV, V) 16-bit, mDke fp32 (B, T, HV, K), mDh None; else mU and mDke None,
+        mDh fp32 (B, NC, HV, V, K)."""
+        self.dtype = mDO.element_type
+        for t in (mPT, mKe, mQe, mW) + ((mU,) if const_expr(self.dke) else ()):
+            if const_expr(t.element_type != self.dtype):
+                raise TypeError(f"the 16-bit tiles must share one dtype, got {t.element_type}")
+        self._setup()
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        sD_tile = cute.slice_(self.sD_layout, (None, None, 0))
+        sP_tile = cute.slice_(self.sP_layout, (None, None, 0))
+        tmas = []
+        for m, tile, d in ((mDO, sD_tile, self.v), (mPT, sP_tile, CHUNK), (mKe, sD_tile, self.k),
+                           (mQe, sD_tile, self.k), (mW, sD_tile, self.k)):  # fmt: skip
+            tmas.append(cpasync.make_tiled_tma_atom(g2s, _tdhb(m), tile, (CHUNK, d)))
+        if const_expr(self.dke):
+            tmas.append(cpasync.make_tiled_tma_atom(g2s, _tdhb(mU), sD_tile, (CHUNK, self.v)))
+        else:
+            tmas.append((None, None))
+        d_tiles = 5 if const_expr(self.dke) else 4
+        self.tx_bytes = d_tiles * cute.size_in_bytes(self.dtype, sD_tile) + cute.size_in_bytes(
+            self.dtype, sP_tile
+        )
+        u_elems = cute.cosize(self.sD_layout) if const_expr(self.dke) else 0
+        s_elems = cute.cosize(self.sS_layout) if const_expr(self.dke) else 0
+
+        @cute.struct
+        class SharedStorage:
+            barriers: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
+            sDO: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(self.sD_layout)], 1024
+            ]
+            sPT: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(self.sP_layout)], 1024
+            ]
+            sKe: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(self.sD_layout)], 1024
+            ]
+            sQe: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(self.sD_layout)], 1024
+            ]
+            sW: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(self.sD_layout)], 1024
+            ]
+            sU: cute.struct.Align[cute.struct.MemRange[self.dtype, u_elems], 1024]
+            sS: cute.struct.Align[cute.struct.MemRange[self.dtype, s_elems], 1024]
+
+        self.shared_storage = SharedStorage
+        atoms_and_views = [x for atom_view in tmas for x in atom_view]
+        self.kernel(
+            *atoms_and_views, mEl, mDht, mDU, mDh, mDke, mDh0, self.mma_ks, self.mma_st,
+            self.mma_dke, self.sD_layout, self.sP_layout, self.sS_layout,
+        ).launch(  # fmt: skip
+            grid=(mDO.shape[2], mDO.shape[0], 1),
+            block=[THREADS, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_do: cute.CopyAtom,
+        mDO4: cute.Tensor,
+        tma_pt: cute.CopyAtom,
+        mPT4: cute.Tensor,
+        tma_ke: cute.CopyAtom,
+        mKe4: cute.Tensor,
+        tma_qe: cute.CopyAtom,
+        mQe4: cute.Tensor,
+        tma_w: cute.CopyAtom,
+        mW4: cute.Tensor,
+        tma_u: cute.CopyAtom | None,
+        mU4: cute.Tensor | None,
+        mEl: cute.Tensor,
+        mDht: cute.Tensor | None,
+        mDU: cute.Tensor,
+        mDh: cute.Tensor | None,
+        mDke: cute.Tensor | None,
+        mDh0: cute.Tensor,
+        mma_ks: cute.TiledMma,
+        mma_st: cute.TiledMma,
+        mma_dke: cute.TiledMma,
+        sD_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout,
+        sS_layout: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        atoms = (tma_do, tma_pt, tma_ke, tma_qe, tma_w)
+        if const_expr(self.dke):
+            atoms = atoms + (tma_u,)
+        if warp_idx == PRODUCER_WARP:
+            for atom in atoms:
+                cpasync.prefetch_descriptor(atom)
+        storage = SmemAllocator().allocate(self.shared_storage)
+        ring = tma_pipeline(
+            storage.barriers, STAGES, self.tx_bytes, STATE_WGS * THREADS_PER_WG // WARP_SIZE
+        )
+        init_arrive()
+        sDO = smem_tensor(storage.sDO, sD_layout)
+        sPT = smem_tensor(storage.sPT, sP_layout)
+        sKe = smem_tensor(storage.sKe, sD_layout)
+        sQe = smem_tensor(storage.sQe, sD_layout)
+        sW = smem_tensor(storage.sW, sD_layout)
+        sU, sS = None, None
+        if const_expr(self.dke):
+            sU = smem_tensor(storage.sU, sD_layout)
+            sS = smem_tensor(storage.sS, sS_layout)
+        init_wait()
+
+        hv, b, _ = cute.arch.block_idx()
+        seqlen = mDO4.shape[0]
+        nchunks = (seqlen + CHUNK - 1) // CHUNK
+        wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp_idx == PRODUCER_WARP:
+                srcs = ((mDO4, sDO, self.v), (mPT4, sPT, CHUNK), (mKe4, sKe, self.k),
+                        (mQe4, sQe, self.k), (mW4, sW, self.k))  # fmt: skip
+                if const_expr(self.dke):
+                    srcs = srcs + ((mU4, sU, self.v),)
+                self._produce(atoms, srcs, ring, hv, b, nchunks)
+        else:
+            cute.arch.setmaxregister_increase(STATE_REGS)
+            self._state(
+                wg - 1, tidx - wg * THREADS_PER_WG, mma_ks, mma_st, mma_dke, sDO, sPT, sKe, sQe,
+                sW, sU, sS, mEl, mDht, mDU, mDh, mDke, mDh0, ring, hv, b, seqlen, nchunks,
+            )  # fmt: skip
+
+    @cute.jit
+    def _produce(self, atoms, srcs, ring, hv, b, nchunks):
+        """TMA: per chunk, last first, one (C, D) box of each tile (head hv, sequence b) into
+        the ring; boxes past T are zero-filled."""
+        one = cute.make_layout(1)
+        loads = []
+        for atom, (m, s, d) in zip(atoms, srcs):
+            g = cute.local_tile(m[None, None, hv, b], (CHUNK, d), (None, 0))
+            ts, tg = cpasync.tma_partition(
+                atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
+            )
+            loads.append((atom, ts, tg))
+        st = producer_state(STAGES)
+        for i in cutlass.range(nchunks, unroll=1):
+            c = nchunks - 1 - i
+            ring.producer_acquire(st)
+            bar = ring.producer_get_barrier(st)
+            for atom, ts, tg in loads:
+                cute.copy(atom, tg[(None, c)], ts[(None, st.index)], tma_bar_ptr=bar)
+            st.advance()
+
+    @cute.jit
+    def _state(
+        self, w, stid, mma_ks, mma_st, mma_dke, sDO, sPT, sKe, sQe, sW, sU, sS, mEl, mDht,
+        mDU, mDh, mDke, mDh0, ring, hv, b, seqlen, nchunks,
+    ):  # fmt: skip
+        thr_st = mma_st.get_slice(stid)
+        acc_ds = cute.make_rmem_tensor(thr_st.partition_shape_C((ROWS, self.k)), Float32)
+        if const_expr(self.d_final_state):
+            self._state_io(mDht[b, hv, None, None], acc_ds, thr_st, w, True, True)
+        else:
+            acc_ds.fill(0.0)
+        wg_ks = mma_ks.get_slice(0)
+        wg_st = mma_st.get_slice(0)
+        acc_shape = wg_ks.partition_shape_C((ROWS, CHUNK))
+        tDSrDS = wg_ks.make_fragment_A(wg_ks.partition_shape_A((ROWS, self.k)))
+        tDOrDO = wg_ks.make_fragment_A(wg_ks.partition_shape_A((ROWS, CHUNK)))
+        tDUrDU = wg_ks.make_fragment_A(wg_ks.partition_shape_A((ROWS, CHUNK)))
+        tBrKe = wg_ks.make_fragment_B(wg_ks.partition_B(sKe))
+        tBrPT = wg_ks.make_fragment_B(wg_ks.partition_B(sPT))
+        tBrQe = wg_st.make_fragment_B(wg_st.partition_B(transposed(sQe)))
+        tBrW = wg_st.make_fragment_B(wg_st.partition_B(transposed(sW)))
+        sDOt = transposed(sDO)  # (V, C, stages)
+        if const_expr(self.dke):
+            wg_dke = mma_dke.get_slice(0)
+            tArU = wg_dke.make_fragment_A(wg_dke.partition_A(sU))
+            sS_w = cute.local_tile(sS[None, None, 0], (ROWS, self.v), (w, 0))  # k rows of w
+            tBrS = wg_dke.make_fragment_B(wg_dke.partition_B(sS_w))
+            both = named_barrier(Bar.STATE, STATE_WGS * THREADS_PER_WG)
+        st = consumer_state(STAGES)
+        for i in cutlass.range(nchunks, unroll=1):
+            c = nchunks - 1 - i
+            acc_du = cute.make_rmem_tensor(acc_shape, Float32)
+            ring.consumer_wait(st)
+            acc_to_operand_a(acc_ds, tDSrDS)
+            gemm(mma_ks, acc_du, tDSrDS, tBrKe[None, None, None, st.index], True, -1)
+            if const_expr(self.dke):
+                acc_dke = cute.make_rmem_tensor(
+                    wg_dke.partition_shape_C((CHUNK, ROWS)), Float32
+                )
+                both.arrive_and_wait()  # the other warpgroup's previous dke has read sS
+                self._store_ds(acc_ds, mma_st, sS, w)
+                both.arrive_and_wait()
+                gemm(mma_dke, acc_dke, tArU[None, None, None, st.index], tBrS, True, -1)
+            # thread-dependent views rebuilt each chunk (the forward's reason: hoisted, they
+            # stay live across the loop)
+            tid = opaque_tid_x() % THREADS_PER_WG
+            r_do = cute.make_rmem_tensor(acc_shape, Float32)
+            dot = cute.local_tile(sDOt[None, None, st.index], (ROWS, CHUNK), (w, 0))
+            r_do.store(mma_ks.get_slice(tid).partition_C(dot).load().to(Float32))
+            acc_to_operand_a(r_do, tDOrDO)
+            gemm(mma_ks, acc_du, tDOrDO, tBrPT[None, None, None, st.index], False, -1)
+            if const_expr(not self.dke):
+                self._state_io(mDh[b, c, hv, None, None], acc_ds, thr_st, w, False, False)
+            warpgroup.wait_group(0)
+            acc_ds.store(acc_ds.load() * mEl[b, c, hv])
+            gemm(mma_st, acc_ds, tDOrDO, tBrQe[None, None, None, st.index], False, -1)
+            r_neg = cute.make_rmem_tensor(acc_shape, Float32)
+            r_neg.store(-acc_du.load())
+            acc_to_operand_a(r_neg, tDUrDU)
+            gemm(mma_st, acc_ds, tDUrDU, tBrW[None, None, None, st.index], False, -1)
+            self._store_du(acc_du, mma_ks, mDU, tid, w, hv, b, c, seqlen)
+            if const_expr(self.dke):
+                self._store_dke(acc_dke, mma_dke, mDke, tid, w, hv, b, c, seqlen)
+            warpgroup.wait_group(0)
+            ring.consumer_release(st)
+            st.advance()
+        self._state_io(mDh0[b, hv, None, None], acc_ds, thr_st, w, False, True)
+
+    @cute.jit
+    def _store_du(self, acc_du, mma_ks, mDU, tid, w, hv, b, c, seqlen):
+        """dU^T to dU[b, tokens of chunk c, hv, value rows of w], the rows inside T."""
+        coords = softmax.acc_coords(mma_ks, tid, (ROWS, CHUNK))
+        t0, _, col_base = coords
+        dst_t = transposed(mDU[b, None, hv, None])  # (V, T)
+        tile = cute.local_tile(dst_t, (ROWS, CHUNK), (w, c))
+        g = rows_cols(mma_ks.get_slice(tid).partition_C(tile))
+        a = rows_cols(acc_du)
+        for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
+            if c * CHUNK + col_base + t0[0, j][1] < seqlen:
+                for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
+                    g[r, j] = a[r, j]
+
+    @cute.jit
+    def _store_ds(self, acc_ds, mma_st, sS, w):
+        """This warpgroup's value rows of dS^T, 16-bit, into the (K, V) tile by the transposed
+        stmatrix (value columns [64 w, 64 w + 64)), fenced for the WGMMAs (async proxy)."""
+        tid = opaque_tid_x() % THREADS_PER_WG
+        r2s = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(True, 4), self.dtype), mma_st
+        )
+        thr = r2s.get_slice(tid)
+        r_ds = cute.make_rmem_tensor(acc_ds.shape, self.dtype)
+        r_ds.store(acc_ds.load().to(self.dtype))
+        dst = cute.local_tile(transposed(sS[None, None, 0]), (ROWS, self.k), (w, 0))
+        cute.copy(r2s, thr.retile(r_ds), thr.partition_D(dst))
+        cute.arch.fence_view_async_shared()
+
+    @cute.jit
+    def _store_dke(self, acc, mma_dke, mDke, tid, w, hv, b, c, seqlen):
+        """dke (C tokens, 64 k) to dke[b, tokens of chunk c, hv, k columns of w], rows inside
+        T."""
+        t0, row_base, _ = softmax.acc_coords(mma_dke, tid, (CHUNK, ROWS))
+        tile = cute.local_tile(mDke[b, None, hv, None], (CHUNK, ROWS), (c, w))
+        g = rows_cols(mma_dke.get_slice(tid).partition_C(tile))
+        a = rows_cols(acc)
+        for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
+            if c * CHUNK + row_base + t0[r, 0][0] < seqlen:
+                for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
+                    g[r, j] = a[r, j]
+
+    @cute.jit
+    def _state_io(
+        self, head, acc, thr_st, w, load: cutlass.Constexpr[bool], kv: cutlass.Constexpr[bool]
+    ):
+        """Value rows [64 w, 64 w + 64) of one state gradient, seen as dS^T (V, K): `head` in
+        fla's (K, V) layout (kv; transposed here) or already (V, K); to or from the
+        accumulator."""
+        st = transposed(head) if const_expr(kv) else head
+        part = thr_st.partition_C(cute.local_tile(st, (ROWS, self.k), (w, 0)))
+        if const_expr(load):
+            acc.store(part.load())
+        else:
+            part.store(acc.load())

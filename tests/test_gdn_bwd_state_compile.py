@@ -1,0 +1,94 @@
+"""The Gated DeltaNet backward's kernel 1 (reverse state recurrence) compiled for sm_90a on the
+CPU (the DSL compiles, ptxas assembles, cuobjdump reads the cubin): 384 threads, 168 registers
+at launch, split by setmaxnreg 40 / 232 (producer / state warpgroups), nothing spilled; shared
+memory within config's bound; per chunk and state warpgroup the WGMMAs dS^T Ke^T (8 x
+64x64x16), dO^T P (4), dO^T Qe and -dU^T W (4 x 64x128x16 each, B transposed), four commit
+groups; five TMA boxes a chunk (nine 64-column halves). The dke variant adds U's box (two
+halves), dS^T into shared memory by 8 transposed stmatrix a thread, and dke = U dS^T (8 x
+64x64x16, both operands in shared memory, one more group)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY, THREADS_PER_WG  # noqa: E402
+from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import config  # noqa: E402
+from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.compile import (  # noqa: E402
+    compile_gdn_bwd_state,
+    kernel_for,
+)
+from forgekernel.runtime.resources import find_tool, inspect_cubin  # noqa: E402
+
+if find_tool("cuobjdump") is None:
+    pytest.skip("cuobjdump not found", allow_module_level=True)
+
+_INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
+CONFIGS = {"bf16": ("bfloat16", False, False), "bf16_dht": ("bfloat16", True, False),
+           "fp16_dht": ("float16", True, False), "bf16_dke": ("bfloat16", False, True),
+           "fp16_dht_dke": ("float16", True, True)}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            dtype, dht, dke = CONFIGS[name]
+            params = dict(config.params_for(dtype, d_final_state=dht, dke=dke))
+            kernel = kernel_for(params)
+            with tempfile.TemporaryDirectory() as d:
+                fn = compile_gdn_bwd_state(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
+                                           kernel=kernel)  # fmt: skip
+                cubin = fn.artifacts.CUBIN
+                if isinstance(cubin, bytes):
+                    Path(d, "k.cubin").write_bytes(cubin)
+                    cubin = Path(d, "k.cubin")
+                res = inspect_cubin(cubin)
+                cmd = [find_tool("cuobjdump"), "-sass", str(cubin)]
+                sass = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            cache[name] = res, _INSTR.findall(sass), kernel.shared_storage.size_in_bytes()
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_registers_and_no_spills(compiled, name):
+    res, instrs, _ = compiled(name)
+    assert res["registers"] <= 65536 // config.THREADS
+    assert res["spill_bytes"] == 0
+    assert not [op for op, _ in instrs if op.startswith(("LDL", "STL"))]
+    maxreg = [int(a.split(",")[-1], 16) for op, a in instrs if op.startswith("USETMAXREG")]
+    assert sorted(maxreg) == [config.PRODUCER_REGS, config.STATE_REGS]
+    split = config.PRODUCER_REGS + config.STATE_WGS * config.STATE_REGS
+    assert split * THREADS_PER_WG <= res["registers"] * config.THREADS
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_shared_memory_fits(compiled, name):
+    res, _, smem = compiled(name)
+    assert smem <= config.smem_bytes(dke=CONFIGS[name][2]) <= SMEM_CAPACITY
+    assert smem + res["smem_bytes"] <= SMEM_CAPACITY
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_wgmmas_and_tma(compiled, name):
+    _, instrs, _ = compiled(name)
+    dke = CONFIGS[name][2]
+    ops = [op for op, _ in instrs]
+    shapes = [(op, a) for op, a in instrs if op.startswith("HGMMA")]
+    assert sum(op.startswith("HGMMA.64x64x16") for op, _ in shapes) == 8 + 4 + 8 * dke
+    wide = [a for op, a in shapes if op.startswith("HGMMA.64x128x16")]
+    assert len(wide) == 8 and all("tnspB" in a for a in wide)
+    assert sum("gsb0" in a for _, a in shapes) == 4 + dke  # one commit group a product
+    # dO, Ke, Qe, W (and U): two 64-column halves; P^T one
+    assert ops.count("UTMALDG.4D") == 9 + 2 * dke
+    assert ops.count("STSM.16.MT88.4") == 8 * dke
