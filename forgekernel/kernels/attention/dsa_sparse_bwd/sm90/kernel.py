@@ -159,7 +159,7 @@ class DsaSparseBwdSm90:
         self.kernel(
             mQ, mKV, mdO, mLse2, mDelta, mIdx, mdQ, mdKV, scale_log2, scale, self.mma_sdp,
             self.mma_kv, self.mma_dq, self.lay_kv, self.lay_q, self.lay_do, self.lay_p,
-        ).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)  # fmt: skip
+        ).launch(grid=grid, block=[THREADS, 1, 1], min_blocks_per_mp=1, stream=stream)  # fmt: skip
 
     @cute.kernel
     def kernel(
