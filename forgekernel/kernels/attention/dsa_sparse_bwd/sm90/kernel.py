@@ -110,9 +110,7 @@ class DsaSparseBwdSm90:
         row = LayoutEnum.ROW_MAJOR
         # gathered rows (64, CHUNK, NCHUNK x stages), q (BLOCK, CHUNK, NCHUNK), dO (.., 8),
         # all K-major with 128-byte swizzle; P^T / dS^T (64, BLOCK) K-major
-        self.lay_kv = sm90_utils.make_smem_layout_a(
-            row, (TILE, b, CHUNK), dt, NCHUNK * self.stages
-        )
+        self.lay_kv = sm90_utils.make_smem_layout_a(row, (TILE, b, CHUNK), dt, NCHUNK * self.stages)
         self.lay_q = sm90_utils.make_smem_layout_b(row, (TILE, b, CHUNK), dt, NCHUNK)
         self.lay_do = sm90_utils.make_smem_layout_b(row, (TILE, b, CHUNK), dt, VCHUNK)
         self.lay_p = sm90_utils.make_smem_layout_a(row, (TILE, CHUNK, b), dt, 1)
