@@ -23,7 +23,7 @@ that check is skipped and nothing is read back). Correct, not fast: the
 backward kernel (docs/attention/DSA_BWD_NOTES.md) replaces `_backward_interim` and nothing else.
 
 KERNEL (pending its GPU check, docs/PENDING.md): FORGEKERNEL_DSA_BWD_KERNEL=1 (or
-`prefer_kernel(True)`, what the pending suite does; =0 overrides it) runs the v1 kernel
+`preferring_kernel()`, what the pending suite does; =0 overrides it) runs the v1 kernel
 (kernels/attention/dsa_sparse_bwd/sm90: dq and the fp32 dkv accumulator; the preprocess and
 the dkv cast in torch) wherever it takes the inputs (`launch.unsupported`: CUDA, 16-bit, H 16
 or a multiple of 32), the interim path elsewhere; the default stays the interim path until a
@@ -36,7 +36,9 @@ forward's out / lse in hand) and for the suite's timing.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -59,10 +61,15 @@ KERNEL_ENV = "FORGEKERNEL_DSA_BWD_KERNEL"
 _PREFER_KERNEL = [False]  # the pending suite sets it (bench/suites/dsa_sparse_bwd.py)
 
 
-def prefer_kernel(on: bool) -> None:
-    """The path when FORGEKERNEL_DSA_BWD_KERNEL is unset: True the kernel, False (the default
-    until the kernel's GPU check) the interim path."""
-    _PREFER_KERNEL[0] = bool(on)
+@contextlib.contextmanager
+def preferring_kernel(on: bool = True) -> Iterator[None]:
+    """Within the block, the path when FORGEKERNEL_DSA_BWD_KERNEL is unset: True the kernel,
+    False (the default until the kernel's GPU check) the interim path."""
+    old, _PREFER_KERNEL[0] = _PREFER_KERNEL[0], bool(on)
+    try:
+        yield
+    finally:
+        _PREFER_KERNEL[0] = old
 
 
 def kernel_selected() -> bool:

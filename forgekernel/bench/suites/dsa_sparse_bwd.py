@@ -119,15 +119,16 @@ def alloc_out(inputs: Inputs) -> tuple[torch.Tensor, ...]:
 def run_ours(inputs: Inputs, out: tuple | None) -> tuple:
     """The op with the v1 kernel preferred (pending: the suite checks and benches the kernel;
     FORGEKERNEL_DSA_BWD_KERNEL=0 times the interim path)."""
-    from forgekernel.ops.dsa_bwd import dsa_sparse_attention_backward, prefer_kernel
+    from forgekernel.ops.dsa_bwd import dsa_sparse_attention_backward, preferring_kernel
 
-    prefer_kernel(True)
     i = inputs
     q, kv = i["q"], i["kv"]
-    dq_nope, dq_pe, dkv, _, d_sink = dsa_sparse_attention_backward(
-        q[..., :LATENT], q[..., LATENT:], kv.view(kv.shape[0], 1, 1, WIDTH), None, i["idx"],
-        i["dout"], softmax_scale=SOFTMAX_SCALE, out=i["out"], lse=i["lse"], attn_sink=i["sink"],
-    )  # fmt: skip
+    with preferring_kernel():
+        dq_nope, dq_pe, dkv, _, d_sink = dsa_sparse_attention_backward(
+            q[..., :LATENT], q[..., LATENT:], kv.view(kv.shape[0], 1, 1, WIDTH), None, i["idx"],
+            i["dout"], softmax_scale=SOFTMAX_SCALE, out=i["out"], lse=i["lse"],
+            attn_sink=i["sink"],
+        )  # fmt: skip
     if d_sink is None:
         d_sink = torch.zeros(q.shape[1], dtype=torch.float32, device=q.device)
     grads = (dq_nope, dq_pe, dkv, d_sink)
