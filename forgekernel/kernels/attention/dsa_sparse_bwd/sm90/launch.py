@@ -18,8 +18,6 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 def unsupported(q: torch.Tensor, kv: torch.Tensor, topk_indices: torch.Tensor) -> str | None:
     """Why the kernel cannot take these inputs (None: it can). q (tokens, H, 576), kv
     (slots, 576), topk_indices (tokens, topk) int32."""
-    if not q.is_cuda:
-        return "q is not on a CUDA device"
     if q.dtype not in KERNEL_DTYPES or kv.dtype != q.dtype:
         return f"dtypes {q.dtype} / {kv.dtype}: the kernel takes one 16-bit dtype"
     if q.dim() != 3 or q.shape[-1] != config.WIDTH or kv.shape[-1] != config.WIDTH:
@@ -30,6 +28,8 @@ def unsupported(q: torch.Tensor, kv: torch.Tensor, topk_indices: torch.Tensor) -
         return str(e)
     if topk_indices.dtype != torch.int32:
         return f"topk_indices must be int32, got {topk_indices.dtype}"
+    if not q.is_cuda:
+        return "q is not on a CUDA device"
     return None
 
 
