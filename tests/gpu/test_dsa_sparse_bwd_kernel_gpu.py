@@ -3,9 +3,9 @@ the fp64 reference (reference.dsa `dsa_sparse_attention_bwd_ref`, given the fp64
 rounded to the input dtype and its fp32 LSE, as the op saves them): awkward token counts (1, 7,
 130), 16 / 64 / 128 heads (blocks of 16 and 32), top-k 64 and 2048 with -1 padding at the end
 and scattered, a row with no valid entry and entries past the cache (both add nothing), with and
-without a sink and a loss on the LSE, bf16 (fp16 on the 7-token 16 / 64-head cases). dq is NaN-poisoned before the
-launch (the kernel must write every element; rows without entries 0); dkv is the kernel's fp32
-accumulator (zeroed by the launcher by contract).
+without a sink and a loss on the LSE, bf16 (fp16 on the 7-token 16 / 64-head cases). dq is
+NaN-poisoned before the launch (the kernel must write every element; rows without entries 0);
+dkv is the kernel's fp32 accumulator (zeroed by the launcher by contract).
 
 Tolerance: each gradient within 2e-2 of its reference's largest entry (the op's GPU tests'
 bound: 16-bit P / dS operands, fp32 accumulation), and at most 2x the error of the same
