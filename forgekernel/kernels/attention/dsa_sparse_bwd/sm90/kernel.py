@@ -373,13 +373,13 @@ class DsaSparseBwdSm90:
     def _reduce(self, acc, kv_crd, rids, mdKV, c: cutlass.Constexpr[int]):
         """dkv[row, 64 c ..] += the block, two adjacent columns a `red.global.add.v2.f32`,
         valid rows only (raw fragment order: i = col pair + 2 (row half) + 4 (pair group))."""
-        for i in cutlass.range_constexpr(0, cute.size(acc), 2):
-            rid = rids[(i // 2) % 2]
-            if rid >= 0:
-                dst = mdKV[rid, None]
-                pair = cute.make_tensor(acc.iterator + i, cute.make_layout(2)).load()
-                cute.arch.red(dst.iterator + (c * CHUNK + kv_crd[i][1]), pair, op="add",
-                              dtype=Float32, sem="relaxed", scope="gpu")  # fmt: skip
+        for h in cutlass.range_constexpr(2):  # one branch and one row address per row half
+            if rids[h] >= 0:
+                row = mdKV[rids[h], None]
+                for i in cutlass.range_constexpr(2 * h, cute.size(acc), 4):
+                    pair = cute.make_tensor(acc.iterator + i, cute.make_layout(2)).load()
+                    cute.arch.red(row.iterator + (c * CHUNK + kv_crd[i][1]), pair, op="add",
+                                  dtype=Float32, sem="relaxed", scope="gpu")  # fmt: skip
 
     @cute.jit
     def _store_dq(self, mdQ, dq_accs, t_dq, token, h0, w: cutlass.Constexpr[int]):
