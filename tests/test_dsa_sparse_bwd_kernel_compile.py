@@ -56,3 +56,52 @@ def test_sparse_bwd_kernel(block):
     acc_pairs = config.TILE * config.CHUNK // 128 // 2  # v2 reductions a thread, a dkv block
     assert ops["RED_V2"] == ops["REDG"] == acc_pairs * config.NCHUNK
     assert ops["DEPBAR0"] <= 8  # the tiles' waits, not one per WGMMA
+
+
+def test_fragment_coordinates_the_kernel_assumes():
+    """kernel.py reads a thread's accumulator coordinates three ways: `_rows_cols` of the
+    S^T / dP^T halves (8 columns a warpgroup at block 16: no V mode), warpgroup 2's columns
+    offset by BLOCK / 2 (the tiled MMA over 256 threads), and the dkv block's raw order (pairs
+    of adjacent columns, i // 2 % 2 the row half, `_reduce`)."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.cute.nvgpu import OperandMajorMode
+
+    from forgekernel.kernels.attention.dsa_sparse_bwd.sm90.kernel import _rows_cols
+
+    k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
+    dt, f32 = cutlass.BFloat16, cutlass.Float32
+    seen = {}
+
+    @cute.jit
+    def probe():
+        for block in config.BLOCKS:
+            half = block // 2
+            mma = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, k_major, f32, (1, 2, 1),
+                                                    (config.TILE, half))  # fmt: skip
+            for tid in (0, 133):
+                rc = _rows_cols(mma.get_slice(tid).partition_C(
+                    cute.make_identity_tensor((config.TILE, block))))  # fmt: skip
+                seen[block, tid] = [[rc[r, c] for c in range(cute.size(rc, mode=[1]))]
+                                    for r in range(cute.size(rc, mode=[0]))]  # fmt: skip
+        kv = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, mn_major, f32, (1, 1, 1),
+                                               (config.TILE, config.CHUNK))  # fmt: skip
+        crd = kv.get_slice(5).partition_C(
+            cute.make_identity_tensor((config.TILE, config.CHUNK)))
+        seen["kv"] = [crd[i] for i in range(cute.size(crd))]
+
+    cute.compile(probe)
+    for block in config.BLOCKS:
+        for tid, row0, col0 in ((0, 0, 0), (133, 1, block // 2 + 2)):
+            rows = seen[block, tid]
+            assert [r[0][0] for r in rows] == [row0, row0 + 8]
+            for r in rows:
+                assert {c[0] for c in r} == {r[0][0]}  # one row per rows_cols row
+                cols = [c[1] for c in r]
+                assert cols[:2] == [col0, col0 + 1]
+                assert all(block // 2 * (tid // 128) <= c < block // 2 * (tid // 128 + 1)
+                           for c in cols)  # fmt: skip
+    kv = seen["kv"]
+    for i in range(0, len(kv), 2):
+        assert kv[i][0] == 1 + 8 * ((i // 2) % 2) and kv[i + 1] == (kv[i][0], kv[i][1] + 1)
