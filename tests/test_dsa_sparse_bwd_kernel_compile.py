@@ -87,8 +87,7 @@ def test_fragment_coordinates_the_kernel_assumes():
                                     for r in range(cute.size(rc, mode=[0]))]  # fmt: skip
         kv = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, mn_major, f32, (1, 1, 1),
                                                (config.TILE, config.CHUNK))  # fmt: skip
-        crd = kv.get_slice(5).partition_C(
-            cute.make_identity_tensor((config.TILE, config.CHUNK)))
+        crd = kv.get_slice(5).partition_C(cute.make_identity_tensor((config.TILE, config.CHUNK)))
         seen["kv"] = [crd[i] for i in range(cute.size(crd))]
 
     cute.compile(probe)
