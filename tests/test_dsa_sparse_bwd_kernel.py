@@ -160,3 +160,53 @@ def test_selected_kernel_falls_back_where_it_cannot_run(monkeypatch):
     for a, b in zip(got, want):
         assert a.shape == b.shape and a.dtype == b.dtype
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _emulate_rounded(q, kv, idx, dout, lse2, delta, scale, dtype):
+    """kernel.py's rounding: fp32 S / dP, P^T and scale dS^T rounded to `dtype` as the MMAs'
+    operands, fp32 accumulation, dq rounded to `dtype`, dkv left fp32 (the accumulator)."""
+    slots = kv.shape[0]
+    valid = (idx >= 0) & (idx < slots)
+    rows = kv.float()[torch.where(valid, idx, 0).long()]
+    s = torch.einsum("thd,tkd->thk", q.float(), rows)
+    p = torch.exp2(s * scale * math.log2(math.e) - lse2[..., None])
+    p = torch.where(valid[:, None, :], p, 0.0)
+    dp = torch.einsum("thv,tkv->thk", dout.float(), rows[..., :LATENT])
+    ds = (p * (dp - delta[..., None]) * scale).to(dtype).float()
+    dq = torch.einsum("thk,tkd->thd", ds, rows).to(dtype)
+    d_rows = torch.einsum("thk,thd->tkd", ds, q.float())
+    d_rows[..., :LATENT] += torch.einsum("thk,thv->tkv", p.to(dtype).float(), dout.float())
+    dkv = torch.zeros(slots, WIDTH)
+    dkv.index_add_(0, torch.where(valid, idx, 0).long().flatten(), (d_rows * valid[..., None])
+                   .flatten(0, 1))  # fmt: skip
+    return dq, dkv
+
+
+@pytest.mark.parametrize("dtype,heads", [(torch.bfloat16, 16), (torch.float16, 16),
+                                         (torch.bfloat16, 64)])  # fmt: skip
+def test_kernel_rounding_meets_the_gpu_bounds(dtype, heads):
+    """The bounds of tests/gpu/test_dsa_sparse_bwd_kernel_gpu.py hold for the kernel's rounding
+    emulated on the CPU (2026-12-03: at most 0.4 of the 2x-low-precision bound, 0.004 of the
+    largest entry against 2e-2)."""
+    g = torch.Generator().manual_seed(heads)
+    tokens, topk, slots, scale = 7, 64, 300, WIDTH**-0.5
+    q = torch.randn(tokens, heads, WIDTH, generator=g).to(dtype)
+    kv = torch.randn(slots, WIDTH, generator=g).to(dtype)
+    idx = torch.randint(0, slots, (tokens, topk), generator=g, dtype=torch.int32)
+    idx[3] = -1
+    idx[1, 40:] = -1
+    dout = torch.randn(tokens, heads, LATENT, generator=g).to(dtype)
+    sink, dlse = torch.randn(heads, generator=g), torch.randn(tokens, heads, generator=g)
+    out, lse = dsa_sparse_attention_ref(q, kv, idx, scale, attn_sink=sink, dtype=torch.float64)
+    out, lse = out.to(dtype), lse.float()
+    lse2, delta, _ = launch.preprocess(out, dout, lse, dlse, sink)
+    got = _emulate_rounded(q, kv, idx, dout, lse2, delta, scale, dtype)
+    kw = {"attn_sink": sink, "out": out, "lse": lse, "dlse": dlse}
+    want = dsa_sparse_attention_bwd_ref(q, kv, idx, scale, dout, dtype=torch.float64, **kw)
+    low = dsa_sparse_attention_bwd_ref(q, kv, idx, scale, dout, dtype=torch.float32, **kw)
+    low_dq = dsa_sparse_attention_bwd_ref(q, kv, idx, scale, dout, dtype=dtype, **kw)[0]
+    for a, b, lp in zip(got, want, (low_dq, low[1].to(dtype))):
+        top = float(b.abs().max())
+        err = float((a.double() - b).abs().max())
+        assert err <= 2e-2 * top
+        assert err <= 2 * float((lp.double() - b).abs().max()) + 1e-3 * top
