@@ -23,12 +23,18 @@ def _standard_params() -> list[Params]:
     return [params_for(d, b) for d in DTYPES for b in BLOCKS]
 
 
+def _candidate_params() -> list[Params]:
+    """The timing probe's builds (reductions never run: scripts/time_dsa_bwd_kernel.py)."""
+    return [params_for("bfloat16", b, reduce=False) for b in BLOCKS]
+
+
 SPEC = KernelSpec(
     name="dsa_sparse_bwd_sm90",
     arch="sm_90a",
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
+    candidate_params=_candidate_params,
     representative=lambda: params_for("bfloat16", 16),
 )
 

@@ -66,10 +66,15 @@ def smem_bytes(block: int) -> int:
     return fixed_bytes(block) + stages(block) * stage_bytes()
 
 
-def params_for(dtype: str, block: int) -> tuple:
-    """Compile key: dtype and the heads of one CTA."""
+def params_for(dtype: str, block: int, reduce: bool = True) -> tuple:
+    """Compile key: dtype and the heads of one CTA; reduce False: the timing probe's build whose
+    dkv reductions never run (a runtime-false guard keeps their code; dkv stays 0), which
+    splits MMA time from reduction time (scripts/time_dsa_bwd_kernel.py)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if block not in BLOCKS:
         raise ValueError(f"block must be one of {BLOCKS}, got {block}")
-    return tuple(sorted({"dtype": dtype, "block": block}.items()))
+    keys = {"dtype": dtype, "block": block}
+    if not reduce:
+        keys["noreduce"] = True
+    return tuple(sorted(keys.items()))
