@@ -6,7 +6,8 @@ DSA_BWD_NOTES.md, "Kernel v1": the prediction and its falsifiers):
 One line each, ms a launch (graph replays, `runtime.timing.time_interleaved`): the op with the
 kernel preferred (concatenations, preprocess, kernel, cast); the launcher alone (preprocess,
 zeroed accumulator, kernel); the launcher with the probe build whose dkv reductions never run
-(`params_for(..., reduce=False)`: the MMA / gather / softmax side alone); the preprocess alone.
+(`params_for(..., reduce=False)`: the MMA / gather / softmax side alone); the same two for the
+`xchg` candidate (S^T in one warpgroup, dP^T in the other); the preprocess alone.
 The kernel at 5504 FLOP per (token, head, entry). Build first: `python3 -m forgekernel build
 --only dsa_sparse_bwd_sm90 --candidates`."""
 
@@ -54,6 +55,8 @@ def main(s: int = 4096, h: int = 16, topk: int = 2048, s_kv: int = 8192) -> None
         "op (kernel preferred)": op,
         "launcher": lambda: launch.dsa_sparse_bwd(*args),
         "launcher, no reductions": lambda: launch.dsa_sparse_bwd(*args, reduce=False),
+        "launcher, xchg": lambda: launch.dsa_sparse_bwd(*args, xchg=True),
+        "xchg, no reductions": lambda: launch.dsa_sparse_bwd(*args, reduce=False, xchg=True),
         "preprocess": lambda: launch.preprocess(out, dout, lse, None, sink),
     }
     samples = time_interleaved(fns, reps=10)

@@ -42,14 +42,17 @@ def _compiled(params) -> tuple[dict, Counter]:
     return res, ops
 
 
+@pytest.mark.parametrize("xchg", [False, True])
 @pytest.mark.parametrize("block", config.BLOCKS)
-def test_sparse_bwd_kernel(block):
-    res, ops = _compiled(config.params_for("bfloat16", block))
+def test_sparse_bwd_kernel(block, xchg):
+    res, ops = _compiled(config.params_for("bfloat16", block, xchg=xchg))
     assert res["spill_bytes"] == 0 and ops["LDL"] == ops["STL"] == 0
     k = block // 16  # k-steps of a dkv block
     n_dq = [len(b) for b in config.DQ_BLOCKS]
     n_dkv = [sum(2 if c < config.D_V // config.CHUNK else 1 for c in b) for b in config.DKV_BLOCKS]
-    per_wg = [36 + 32 + 4 * q + k * v for q, v in zip(n_dq, n_dkv)]  # S + dP + dq + dkv
+    # S + dP (both in each warpgroup, or S in the first and dP in the second) + dq + dkv
+    sdp = (36, 32) if xchg else (68, 68)
+    per_wg = [a + 4 * q + k * v for a, q, v in zip(sdp, n_dq, n_dkv)]
     assert ops["HGMMA"] == sum(per_wg)
     q_rows = block // 16  # 16 rows a pass of 128 threads, 8 a row
     assert ops["LDGSTS"] == config.NCHUNK * (q_rows + 4) + 8 * q_rows
@@ -85,6 +88,10 @@ def test_fragment_coordinates_the_kernel_assumes():
                     cute.make_identity_tensor((config.TILE, block))))  # fmt: skip
                 seen[block, tid] = [[rc[r, c] for c in range(cute.size(rc, mode=[1]))]
                                     for r in range(cute.size(rc, mode=[0]))]  # fmt: skip
+            one = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, k_major, f32, (1, 1, 1),
+                                                    (config.TILE, block))  # fmt: skip
+            crd = one.get_slice(37).partition_C(cute.make_identity_tensor((config.TILE, block)))
+            seen["x", block] = [crd[i] for i in range(cute.size(crd))]
         kv = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, mn_major, f32, (1, 1, 1),
                                                (config.TILE, config.CHUNK))  # fmt: skip
         crd = kv.get_slice(5).partition_C(cute.make_identity_tensor((config.TILE, config.CHUNK)))
@@ -101,6 +108,12 @@ def test_fragment_coordinates_the_kernel_assumes():
                 assert cols[:2] == [col0, col0 + 1]
                 assert all(block // 2 * (tid // 128) <= c < block // 2 * (tid // 128 + 1)
                            for c in cols)  # fmt: skip
+    for block in config.BLOCKS:  # xchg: raw element i of one warpgroup's S^T is in head
+        # half i // (size / 2) (the own halves of kernel.py `_xchg_setup`)
+        raw = seen["x", block]
+        assert [c[1] // (block // 2) for c in raw] == [
+            i // (len(raw) // 2) for i in range(len(raw))
+        ]
     kv = seen["kv"]
     for i in range(0, len(kv), 2):
         assert kv[i][0] == 1 + 8 * ((i // 2) % 2) and kv[i + 1] == (kv[i][0], kv[i][1] + 1)

@@ -10,7 +10,8 @@ dkv is the kernel's fp32 accumulator (zeroed by the launcher by contract).
 Tolerance: each gradient within 2e-2 of its reference's largest entry (the op's GPU tests'
 bound: 16-bit P / dS operands, fp32 accumulation), and at most 2x the error of the same
 reference run in the input dtype plus 1e-3 of the largest entry (FlashAttention's criterion).
-Then the op with FORGEKERNEL_DSA_BWD_KERNEL=1 against its interim path."""
+The xchg candidate build (S^T in one warpgroup, dP^T in the other) on every bf16 case. Then the
+op with FORGEKERNEL_DSA_BWD_KERNEL=1 against its interim path."""
 
 from __future__ import annotations
 
@@ -67,8 +68,9 @@ CASES = [  # tokens, heads, topk, slots, sink, dlse
 
 
 @pytest.mark.parametrize("tokens,heads,topk,slots,sink,dlse", CASES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_kernel_matches_fp64(dtype, tokens, heads, topk, slots, sink, dlse):
+@pytest.mark.parametrize("dtype,xchg", [(torch.bfloat16, False), (torch.float16, False),
+                                        (torch.bfloat16, True)])  # fmt: skip
+def test_kernel_matches_fp64(dtype, xchg, tokens, heads, topk, slots, sink, dlse):
     if dtype is torch.float16 and (tokens, heads) not in ((7, 16), (7, 64)):
         pytest.skip("fp16 on the 7-token 16 / 64-head cases")
     q, kv, idx, dout, s, d = _problem(tokens, heads, topk, slots, dtype, sink=sink, dlse=dlse,
@@ -76,7 +78,8 @@ def test_kernel_matches_fp64(dtype, tokens, heads, topk, slots, sink, dlse):
     clean, out, lse = _forward(q, kv, idx, s, dtype)
     assert launch.unsupported(q, kv, idx) is None
     dq = torch.full_like(q, float("nan"))
-    dq, dkv, d_sink = launch.dsa_sparse_bwd(q, kv, dout, out, lse, d, s, idx, SCALE, dq=dq)
+    dq, dkv, d_sink = launch.dsa_sparse_bwd(q, kv, dout, out, lse, d, s, idx, SCALE, dq=dq,
+                                            xchg=xchg)  # fmt: skip
     torch.cuda.synchronize()
     kw = {"attn_sink": s, "out": out, "lse": lse, "dlse": d}
     want = dsa_sparse_attention_bwd_ref(q, kv, clean, SCALE, dout, dtype=torch.float64, **kw)

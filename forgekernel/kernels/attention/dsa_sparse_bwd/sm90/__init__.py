@@ -24,8 +24,13 @@ def _standard_params() -> list[Params]:
 
 
 def _candidate_params() -> list[Params]:
-    """The timing probe's builds (reductions never run: scripts/time_dsa_bwd_kernel.py)."""
-    return [params_for("bfloat16", b, reduce=False) for b in BLOCKS]
+    """The timing probe's builds (reductions never run) and the xchg candidate, with and without
+    reductions (scripts/time_dsa_bwd_kernel.py)."""
+    return [
+        params_for("bfloat16", b, reduce=r, xchg=x)
+        for b in BLOCKS
+        for r, x in ((False, False), (True, True), (False, True))
+    ]
 
 
 SPEC = KernelSpec(

@@ -26,7 +26,9 @@ def compile_sparse_bwd(params: dict, arch: str = "sm_90a", extra_options: str = 
         cutlass.Int32, (tokens, cute.sym_int32()), stride=(cute.sym_int64(), 1), assumed_align=4
     )
     return cute.compile(
-        DsaSparseBwdSm90(params["block"], not params.get("noreduce", False)),
+        DsaSparseBwdSm90(
+            params["block"], not params.get("noreduce", False), params.get("xchg", False)
+        ),
         fake.rowmajor(dtype, (tokens, heads, WIDTH)),
         fake.rowmajor(dtype, (slots, WIDTH)),
         fake.rowmajor(dtype, (tokens, heads, D_V)),

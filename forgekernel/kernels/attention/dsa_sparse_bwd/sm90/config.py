@@ -66,10 +66,11 @@ def smem_bytes(block: int) -> int:
     return fixed_bytes(block) + stages(block) * stage_bytes()
 
 
-def params_for(dtype: str, block: int, reduce: bool = True) -> tuple:
+def params_for(dtype: str, block: int, reduce: bool = True, xchg: bool = False) -> tuple:
     """Compile key: dtype and the heads of one CTA; reduce False: the timing probe's build whose
     dkv reductions never run (a runtime-false guard keeps their code; dkv stays 0), which
-    splits MMA time from reduction time (scripts/time_dsa_bwd_kernel.py)."""
+    splits MMA time from reduction time (scripts/time_dsa_bwd_kernel.py); xchg True: the
+    candidate whose S^T and dP^T are one warpgroup's each (kernel.py `xchg`)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if block not in BLOCKS:
@@ -77,4 +78,6 @@ def params_for(dtype: str, block: int, reduce: bool = True) -> tuple:
     keys = {"dtype": dtype, "block": block}
     if not reduce:
         keys["noreduce"] = True
+    if xchg:
+        keys["xchg"] = True
     return tuple(sorted(keys.items()))

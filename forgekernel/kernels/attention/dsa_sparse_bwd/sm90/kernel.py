@@ -68,6 +68,8 @@ VCHUNK = D_V // CHUNK  # 8 chunks of V / dO
 class Bar(IntEnum):
     PDS = FIRST_FREE  # consumer threads: the tile's P^T / dS^T are in shared memory
     FREE = 2  # consumer threads: the previous tile's MMAs that read P^T / dS^T are done
+    XCHG = 3  # xchg: each warpgroup's half of S^T / dP^T is in the exchange buffer
+    XREAD = 4  # xchg: the exchange buffer (P^T / dS^T's bytes) has been read
 
 
 def _rows_cols(t: cute.Tensor) -> cute.Tensor:
@@ -87,9 +89,13 @@ def _rows_cols(t: cute.Tensor) -> cute.Tensor:
 class DsaSparseBwdSm90:
     """See the module docstring; `block` is BLOCK (the heads of one CTA, the WGMMAs' N)."""
 
-    def __init__(self, block: int, reduce: bool = True):
+    def __init__(self, block: int, reduce: bool = True, xchg: bool = False):
         self.block = block
         self.stages = stages(block)
+        # xchg (a candidate): warpgroup 1 computes S^T, warpgroup 2 dP^T, all heads each (the K
+        # tile read once, N = BLOCK), halves swapped through fp32 shared memory aliasing P^T /
+        # dS^T; then each warpgroup rounds P^T / dS^T of its half of the heads
+        self.xchg = xchg
         # False: the timing probe (config.params_for): the reductions' guard is never true
         self.reduce = reduce
 
@@ -100,6 +106,10 @@ class DsaSparseBwdSm90:
         self.mma_sdp = sm90_utils.make_trivial_tiled_mma(
             dt, dt, k_major, k_major, Float32, (1, CONSUMERS, 1), (TILE, half)
         )
+        if const_expr(self.xchg):  # one warpgroup, all heads
+            self.mma_sdp = sm90_utils.make_trivial_tiled_mma(
+                dt, dt, k_major, k_major, Float32, (1, 1, 1), (TILE, b)
+            )
         # dkv block (64 rows x 64 columns) = dS^T q_c + P^T dO_c: A K-major, B the transposed
         # (MN-major) view of q / dO's chunk c; one warpgroup each
         self.mma_kv = sm90_utils.make_trivial_tiled_mma(
@@ -196,6 +206,11 @@ class DsaSparseBwdSm90:
             smem_tensor(storage.p, lay_p),
             smem_tensor(storage.ds, lay_p),
             storage.rows.get_tensor(cute.make_layout((TILE, self.stages))),
+            # xchg: (thread, fragment element) fp32 over P^T and dS^T's bytes (adjacent fields)
+            cute.make_tensor(
+                cute.recast_ptr(storage.p.data_ptr(), dtype=Float32),
+                cute.make_layout((THREADS_PER_WG, self.block // 2)),
+            ),
         )
         full, empty = storage.full.data_ptr(), storage.empty.data_ptr()
         if tidx == 0:
@@ -235,7 +250,7 @@ class DsaSparseBwdSm90:
     def _gather(self, mQ, mKV, mdO, mIdx, sm, full, empty, where, tid):
         """Warpgroup 0: q and dO, then every tile's rows into its stage (module docstring)."""
         token, h0, tiles = where
-        sKV, sQ, sdO, _, _, sRows = sm
+        sKV, sQ, sdO, _, _, sRows, _ = sm
         gcopy = tiled_row_copy(mQ.element_type, CHUNK, THREADS_PER_WG)
         self._load_rows(mQ, token, h0, sQ, NCHUNK, gcopy, tid)
         self._load_rows(mdO, token, h0, sdO, VCHUNK, gcopy, tid)
@@ -278,25 +293,14 @@ class DsaSparseBwdSm90:
         """Consumer warpgroup w (ctid: 0 .. 255 over both): every tile (module docstring)."""
         mLse2, mDelta, mdQ, mdKV, scale_log2, scale = ins
         token, h0, tiles = where
-        sKV, sQ, sdO, sP, sdS, sRows = sm
+        sKV, sQ, sdO, sP, sdS, sRows, sX = sm
         mma_sdp, mma_kv, mma_dq = mmas
         ltid = ctid % THREADS_PER_WG
         lane = ctid % WARP_SIZE
-        # S^T / dP^T (this warpgroup's heads)
-        t_sdp = mma_sdp.get_slice(ctid)
-        tSK = t_sdp.make_fragment_A(t_sdp.partition_A(sKV))
-        tSQ = t_sdp.make_fragment_B(t_sdp.partition_B(sQ))
-        tSdO = t_sdp.make_fragment_B(t_sdp.partition_B(sdO))
-        acc_s = cute.make_rmem_tensor(t_sdp.partition_shape_C((TILE, self.block)), Float32)
-        acc_dp = cute.make_rmem_tensor(t_sdp.partition_shape_C((TILE, self.block)), Float32)
-        crd = _rows_cols(t_sdp.partition_C(cute.make_identity_tensor((TILE, self.block))))
-        s_rc, dp_rc = _rows_cols(acc_s), _rows_cols(acc_dp)
-        n_rows, n_cols = cute.size(s_rc, mode=[0]), cute.size(s_rc, mode=[1])
-        lse2 = cute.make_rmem_tensor(n_cols, Float32)
-        delta = cute.make_rmem_tensor(n_cols, Float32)
-        for c in cutlass.range_constexpr(n_cols):
-            lse2[c] = mLse2[token, h0 + crd[0, c][1]]
-            delta[c] = mDelta[token, h0 + crd[0, c][1]]
+        if const_expr(self.xchg):
+            sc = self._xchg_setup(mLse2, mDelta, sKV, sQ, sdO, mma_sdp, token, h0, ltid, w)
+        else:
+            sc = self._split_setup(mLse2, mDelta, sKV, sQ, sdO, mma_sdp, token, h0, ctid)
         # dkv blocks: A = dS^T / P^T, B = q / dO chunk (transposed views)
         t_kv = mma_kv.get_slice(ltid)
         tKdS = t_kv.make_fragment_A(t_kv.partition_A(sdS))
@@ -319,24 +323,10 @@ class DsaSparseBwdSm90:
         for i in cutlass.range(tiles, unroll=1):
             s = i % self.stages
             cute.arch.mbarrier_wait(full + s, (i // self.stages) & 1)
-            for k in cutlass.range_constexpr(NCHUNK):
-                gemm(mma_sdp, acc_s, tSK[None, None, None, s * NCHUNK + k],
-                     tSQ[None, None, None, k], k == 0, -1)  # fmt: skip
-            for k in cutlass.range_constexpr(VCHUNK):
-                gemm(mma_sdp, acc_dp, tSK[None, None, None, s * NCHUNK + k],
-                     tSdO[None, None, None, k], k == 0, -1)  # fmt: skip
-            warpgroup.wait_group(0)
-            # the previous tile's readers of P^T / dS^T (both warpgroups) are done
-            named_barrier(Bar.FREE, CONSUMER_THREADS).arrive_and_wait()
-            for r in cutlass.range_constexpr(n_rows):
-                row = crd[r, 0][0]
-                valid = sRows[row, s] >= 0
-                for c in cutlass.range_constexpr(n_cols):
-                    p = cute.math.exp2(s_rc[r, c] * scale_log2 - lse2[c], fastmath=True)
-                    p = Float32(cutlass.select_(valid, p, Float32(0.0)))
-                    ds = p * (dp_rc[r, c] - delta[c]) * scale
-                    sP[row, crd[r, c][1], 0] = p.to(sP.element_type)
-                    sdS[row, crd[r, c][1], 0] = ds.to(sdS.element_type)
+            if const_expr(self.xchg):
+                self._xchg_tile(sc, sm, mma_sdp, s, scale_log2, scale, ltid, w)
+            else:
+                self._split_tile(sc, sm, mma_sdp, s, scale_log2, scale)
             cute.arch.fence_view_async_shared()  # st.shared, then the WGMMAs' reads
             named_barrier(Bar.PDS, CONSUMER_THREADS).arrive_and_wait()
             for h in cutlass.range_constexpr(2):  # this thread's two dkv rows (r, r + 8)
@@ -347,6 +337,100 @@ class DsaSparseBwdSm90:
             self._dkv_blocks(mma_kv, kv_accs, (tKdS, tKP, tKQ, tKdO), kv_crd, rids, mdKV, w,
                              empty + s, lane)  # fmt: skip
         self._store_dq(mdQ, dq_accs, t_dq, token, h0, w)
+
+    @cute.jit
+    def _split_setup(self, mLse2, mDelta, sKV, sQ, sdO, mma_sdp, token, h0, ctid):
+        """S^T / dP^T of this warpgroup's half of the heads (the 256-thread tiled MMA)."""
+        t_sdp = mma_sdp.get_slice(ctid)
+        tSK = t_sdp.make_fragment_A(t_sdp.partition_A(sKV))
+        tSQ = t_sdp.make_fragment_B(t_sdp.partition_B(sQ))
+        tSdO = t_sdp.make_fragment_B(t_sdp.partition_B(sdO))
+        acc_s = cute.make_rmem_tensor(t_sdp.partition_shape_C((TILE, self.block)), Float32)
+        acc_dp = cute.make_rmem_tensor(t_sdp.partition_shape_C((TILE, self.block)), Float32)
+        crd = _rows_cols(t_sdp.partition_C(cute.make_identity_tensor((TILE, self.block))))
+        n_cols = cute.size(crd, mode=[1])
+        lse2 = cute.make_rmem_tensor(n_cols, Float32)
+        delta = cute.make_rmem_tensor(n_cols, Float32)
+        for c in cutlass.range_constexpr(n_cols):
+            lse2[c] = mLse2[token, h0 + crd[0, c][1]]
+            delta[c] = mDelta[token, h0 + crd[0, c][1]]
+        return tSK, tSQ, tSdO, acc_s, acc_dp, crd, lse2, delta
+
+    @cute.jit
+    def _split_tile(self, sc, sm, mma_sdp, s, scale_log2, scale):
+        """S^T, dP^T of this warpgroup's heads, then P^T / dS^T of them into shared memory."""
+        tSK, tSQ, tSdO, acc_s, acc_dp, crd, lse2, delta = sc
+        _, _, _, sP, sdS, sRows, _ = sm
+        for k in cutlass.range_constexpr(NCHUNK):
+            gemm(mma_sdp, acc_s, tSK[None, None, None, s * NCHUNK + k],
+                 tSQ[None, None, None, k], k == 0, -1)  # fmt: skip
+        for k in cutlass.range_constexpr(VCHUNK):
+            gemm(mma_sdp, acc_dp, tSK[None, None, None, s * NCHUNK + k],
+                 tSdO[None, None, None, k], k == 0, -1)  # fmt: skip
+        warpgroup.wait_group(0)
+        # the previous tile's readers of P^T / dS^T (both warpgroups) are done
+        named_barrier(Bar.FREE, CONSUMER_THREADS).arrive_and_wait()
+        s_rc, dp_rc = _rows_cols(acc_s), _rows_cols(acc_dp)
+        for r in cutlass.range_constexpr(cute.size(crd, mode=[0])):
+            row = crd[r, 0][0]
+            valid = sRows[row, s] >= 0
+            for c in cutlass.range_constexpr(cute.size(crd, mode=[1])):
+                p = cute.math.exp2(s_rc[r, c] * scale_log2 - lse2[c], fastmath=True)
+                p = Float32(cutlass.select_(valid, p, Float32(0.0)))
+                ds = p * (dp_rc[r, c] - delta[c]) * scale
+                sP[row, crd[r, c][1], 0] = p.to(sP.element_type)
+                sdS[row, crd[r, c][1], 0] = ds.to(sdS.element_type)
+
+    @cute.jit
+    def _xchg_setup(self, mLse2, mDelta, sKV, sQ, sdO, mma_sdp, token, h0, ltid, w):
+        """xchg: S^T (w 0) or dP^T (w 1) of all heads; this thread's own fragment elements are
+        the first (w 0) or second (w 1) half of its fragment: its heads [w BLOCK / 2, ...)
+        (raw order ((2, 2, V), 1, 1): element i is in column block i // 4 of 8 columns)."""
+        t_sdp = mma_sdp.get_slice(ltid)
+        tSK = t_sdp.make_fragment_A(t_sdp.partition_A(sKV))
+        tSB = t_sdp.make_fragment_B(t_sdp.partition_B(sQ if const_expr(w == 0) else sdO))
+        acc = cute.make_rmem_tensor(t_sdp.partition_shape_C((TILE, self.block)), Float32)
+        crd = t_sdp.partition_C(cute.make_identity_tensor((TILE, self.block)))
+        own = cute.size(acc) // 2
+        lse2 = cute.make_rmem_tensor(own, Float32)
+        delta = cute.make_rmem_tensor(own, Float32)
+        for j in cutlass.range_constexpr(own):
+            lse2[j] = mLse2[token, h0 + crd[w * own + j][1]]
+            delta[j] = mDelta[token, h0 + crd[w * own + j][1]]
+        return tSK, tSB, acc, crd, lse2, delta
+
+    @cute.jit
+    def _xchg_tile(self, sc, sm, mma_sdp, s, scale_log2, scale, ltid, w: cutlass.Constexpr[int]):
+        """xchg: this warpgroup's S^T or dP^T, the other warpgroup's half swapped in through sX
+        (thread ltid of one warpgroup holds the same coordinates as ltid of the other), P^T /
+        dS^T of the own half into shared memory (over sX's bytes: read first)."""
+        tSK, tSB, acc, crd, lse2, delta = sc
+        _, _, _, sP, sdS, sRows, sX = sm
+        for k in cutlass.range_constexpr(NCHUNK if const_expr(w == 0) else VCHUNK):
+            gemm(mma_sdp, acc, tSK[None, None, None, s * NCHUNK + k],
+                 tSB[None, None, None, k], k == 0, -1)  # fmt: skip
+        warpgroup.wait_group(0)
+        named_barrier(Bar.FREE, CONSUMER_THREADS).arrive_and_wait()
+        own = cute.size(acc) // 2
+        other = (1 - w) * own
+        for j in cutlass.range_constexpr(own):
+            sX[ltid, other + j] = acc[other + j]
+        named_barrier(Bar.XCHG, CONSUMER_THREADS).arrive_and_wait()
+        p_own = cute.make_rmem_tensor(own, Float32)
+        ds_own = cute.make_rmem_tensor(own, Float32)
+        for j in cutlass.range_constexpr(own):
+            i = w * own + j
+            mine, theirs = acc[i], sX[ltid, i]
+            s_val, dp_val = (mine, theirs) if const_expr(w == 0) else (theirs, mine)
+            p = cute.math.exp2(s_val * scale_log2 - lse2[j], fastmath=True)
+            p = Float32(cutlass.select_(sRows[crd[i][0], s] >= 0, p, Float32(0.0)))
+            p_own[j] = p
+            ds_own[j] = p * (dp_val - delta[j]) * scale
+        named_barrier(Bar.XREAD, CONSUMER_THREADS).arrive_and_wait()
+        for j in cutlass.range_constexpr(own):
+            i = w * own + j
+            sP[crd[i][0], crd[i][1], 0] = p_own[j].to(sP.element_type)
+            sdS[crd[i][0], crd[i][1], 0] = ds_own[j].to(sdS.element_type)
 
     @cute.jit
     def _dkv_blocks(self, mma_kv, kv_accs, frags, kv_crd, rids, mdKV, w: cutlass.Constexpr[int],
