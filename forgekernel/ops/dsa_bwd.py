@@ -22,14 +22,27 @@ one sync, and raises ValueError for an index past the cache's slots; under CUDA-
 that check is skipped and nothing is read back). Correct, not fast: the
 backward kernel (docs/attention/DSA_BWD_NOTES.md) replaces `_backward_interim` and nothing else.
 
+KERNEL (pending its GPU check, docs/PENDING.md): FORGEKERNEL_DSA_BWD_KERNEL=1 (or
+`preferring_kernel()`, what the pending suite does; =0 overrides it) runs the v1 kernel
+(kernels/attention/dsa_sparse_bwd/sm90: dq and the fp32 dkv accumulator; the preprocess and
+the dkv cast in torch) wherever it takes the inputs (`launch.unsupported`: CUDA, 16-bit, H 16
+or a multiple of 32), the interim path elsewhere; the default stays the interim path until a
+GPU check of the kernel passes. Both paths raise the same ValueError for an index past the
+cache in an eager call.
+
 `dsa_sparse_attention_backward` is the same backward for callers with their own autograd (the
 forward's out / lse in hand) and for the suite's timing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
+
 import torch
 
+from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import launch as kernel_launch
 from forgekernel.kernels.attention.mla.sm90.config import D_LATENT, D_ROPE
 from forgekernel.ops import dsa as fwd
 from forgekernel.ops._dispatch import capturing as _capturing
@@ -43,6 +56,27 @@ F32 = (torch.float32,)
 # Elements of one chunk's intermediates (gathered rows + scores), fp32: 512 MiB. 4096 queries x
 # 16 heads x top-2048 run as ~40 chunks of ~100 queries.
 INTERIM_CHUNK_ELEMENTS = 1 << 27
+# "1": the kernel where it takes the inputs; "0": the interim path; unset: `_PREFER_KERNEL`.
+KERNEL_ENV = "FORGEKERNEL_DSA_BWD_KERNEL"
+_PREFER_KERNEL = [False]  # the pending suite sets it (bench/suites/dsa_sparse_bwd.py)
+
+
+@contextlib.contextmanager
+def preferring_kernel(on: bool = True) -> Iterator[None]:
+    """Within the block, the path when FORGEKERNEL_DSA_BWD_KERNEL is unset: True the kernel,
+    False (the default until the kernel's GPU check) the interim path."""
+    old, _PREFER_KERNEL[0] = _PREFER_KERNEL[0], bool(on)
+    try:
+        yield
+    finally:
+        _PREFER_KERNEL[0] = old
+
+
+def kernel_selected() -> bool:
+    env = os.environ.get(KERNEL_ENV, "")
+    if env in ("0", "1"):
+        return env == "1"
+    return _PREFER_KERNEL[0]
 
 
 def _backward_interim(q_nope, q_pe, ckv, kpe, sparse_indices, scale, out, lse, dout, dlse,
@@ -66,6 +100,35 @@ def _backward_interim(q_nope, q_pe, ckv, kpe, sparse_indices, scale, out, lse, d
     return dq_nope.contiguous(), dq_pe.contiguous(), dckv.contiguous(), dkpe.contiguous(), d_sink
 
 
+def _backward_kernel(q_nope, q_pe, ckv, kpe, sparse_indices, scale, out, lse, dout, dlse,
+                     attn_sink) -> Grads | None:  # fmt: skip
+    """The v1 kernel's backward, None where `launch.unsupported` declines the inputs. Copies q
+    and the cache into (S, H, 576) / (slots, 576) rows (v1: the kernel reads one row each)."""
+    q = torch.cat((q_nope, q_pe), -1)
+    kv = torch.cat((ckv.flatten(0, 1), kpe.flatten(0, 1)), -1)
+    idx = sparse_indices
+    if kernel_launch.unsupported(q, kv, idx) is not None:
+        return None
+    if not _capturing(q) and idx.numel() and int(idx.max()) >= kv.shape[0]:
+        raise ValueError(f"sparse_indices: an entry is >= the cache's {kv.shape[0]} slots")
+    dq, dkv, d_sink = kernel_launch.dsa_sparse_bwd(q, kv, dout, out, lse, dlse, attn_sink, idx,
+                                                   scale)  # fmt: skip
+    dq_nope, dq_pe = dq.split_with_sizes((D_LATENT, D_ROPE), -1)
+    dkv = dkv.to(q.dtype).view(*ckv.shape[:2], D_LATENT + D_ROPE)
+    dckv, dkpe = dkv.split_with_sizes((D_LATENT, D_ROPE), -1)
+    return dq_nope.contiguous(), dq_pe.contiguous(), dckv.contiguous(), dkpe.contiguous(), d_sink
+
+
+def _backward_impl(*args) -> Grads:
+    """The kernel when FORGEKERNEL_DSA_BWD_KERNEL=1 selects it and it takes the inputs, else
+    the interim path."""
+    if kernel_selected():
+        grads = _backward_kernel(*args)
+        if grads is not None:
+            return grads
+    return _backward_interim(*args)
+
+
 def _empty_grads(q_nope, q_pe, ckv, kpe) -> Grads:
     like = (q_nope, q_pe, ckv, kpe)
     sink = q_nope.new_empty(q_nope.shape[1], dtype=torch.float32)
@@ -86,8 +149,8 @@ def _bwd_op(
     dlse: torch.Tensor | None,
     attn_sink: torch.Tensor | None,
 ) -> Grads:
-    return _backward_interim(q_nope, q_pe, ckv, kpe, sparse_indices, softmax_scale, out, lse,
-                             dout, dlse, attn_sink)  # fmt: skip
+    return _backward_impl(q_nope, q_pe, ckv, kpe, sparse_indices, softmax_scale, out, lse, dout,
+                          dlse, attn_sink)  # fmt: skip
 
 
 @_bwd_op.register_fake
@@ -96,10 +159,10 @@ def _(q_nope, q_pe, ckv, kpe, sparse_indices, softmax_scale, out, lse, dout, dls
 
 
 def _backward(*args) -> Grads:
-    """Eager: the interim path directly; traced: the custom op."""
+    """Eager: the implementation directly; traced: the custom op."""
     if _traced(*(a for a in args if isinstance(a, torch.Tensor))):
         return torch.ops.forgekernel.dsa_sparse_attention_bwd(*args)
-    return _backward_interim(*args)
+    return _backward_impl(*args)
 
 
 # ---- autograd of the forward op --------------------------------------------------------------

@@ -115,8 +115,12 @@ def test_compile_forward_and_backward():
     compiled = [x.clone().requires_grad_() for x in args]
     torch._dynamo.reset()
     torch.compile(loss, fullgraph=True)(*compiled).backward()
+    # the kernel (FORGEKERNEL_DSA_BWD_KERNEL=1) sums dkv by fp32 atomics: not bitwise repeatable
+    from forgekernel.ops.dsa_bwd import kernel_selected
+
+    tol = {"rtol": 2e-2, "atol": 1e-3} if kernel_selected() else {"rtol": 0, "atol": 0}
     for a, b in zip(compiled, eager):
-        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+        torch.testing.assert_close(a.grad, b.grad, **tol)
 
 
 def _suite_inputs(case, seed=0):
@@ -151,7 +155,7 @@ def test_issue_point_timed_against_cudnn():
     assert all(torch.isfinite(x).all() for x in ours)
     ms = triton.testing.do_bench(lambda: suite_mod.run_ours(inputs, None), warmup=3, rep=20)
     tflops = suite_mod.flops(case) / ms / 1e9
-    line = f"dsa_sparse_bwd {case.name}: ours (interim) {ms:.2f} ms ({tflops:.0f} TFLOP/s)"
+    line = f"dsa_sparse_bwd {case.name}: ours (kernel preferred) {ms:.2f} ms ({tflops:.0f} TFLOP/s)"
     run = suite_mod.comparators().get("cudnn")
     if run is not None:
         theirs = run(inputs)

@@ -1,7 +1,8 @@
-"""DSA sparse attention backward suite (issue 22; pending its first GPU check): the gradients
-of `forgekernel.dsa_sparse_attention` in q, the latent rows and the sink from dO, given the
-forward's out and KV-only LSE (`ops.dsa_bwd.dsa_sparse_attention_backward`: today the INTERIM
-fp32 torch path; the kernel plan is docs/attention/DSA_BWD_NOTES.md).
+"""DSA sparse attention backward suite (issue 22; pending the v1 kernel's first GPU check): the
+gradients of `forgekernel.dsa_sparse_attention` in q, the latent rows and the sink from dO,
+given the forward's out and KV-only LSE (`ops.dsa_bwd.dsa_sparse_attention_backward` with the
+v1 kernel preferred, kernels/attention/dsa_sparse_bwd/sm90; FORGEKERNEL_DSA_BWD_KERNEL=0 runs
+the INTERIM fp32 torch path; docs/attention/DSA_BWD_NOTES.md "Kernel v1").
 
 Shapes (DeepSeek-V3.2 training / prefill, dsa_recompute's form): one sequence of `ctx` keys
 whose last `tokens` positions are the queries, token i picking min(visible, topk) of the
@@ -43,6 +44,7 @@ import torch
 from forgekernel.bench.suite import Case, Inputs, OpSuite
 from forgekernel.bench.suites import dsa_recompute, gdn_bwd
 from forgekernel.bench.suites.dsa_recompute import SOFTMAX_SCALE, WIDTH, visible
+from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import SPEC as BWD_SPEC
 from forgekernel.kernels.attention.mla.sm90 import SPEC
 
 LATENT = 512
@@ -52,11 +54,14 @@ CUDNN_TOPK_MULTIPLE = 64  # its sm90 tile_n
 
 
 def kernel_sources() -> list[Path]:
-    """The forward kernel's sources and the interim backward's modules (the ledger key)."""
+    """The forward kernel's sources, the backward kernel's (and its launcher) and the op's
+    modules (the ledger key)."""
+    import forgekernel.kernels.attention.dsa_sparse_bwd.sm90.launch as bwd_launch
     import forgekernel.ops.dsa_bwd as bwd_op
     import forgekernel.reference.dsa as dsa_ref
 
-    return [*SPEC.sources, Path(bwd_op.__file__), Path(dsa_ref.__file__)]
+    return [*SPEC.sources, *BWD_SPEC.sources, Path(bwd_launch.__file__), Path(bwd_op.__file__),
+            Path(dsa_ref.__file__)]  # fmt: skip
 
 
 def _case(tokens, hq, ctx, *, topk=2048, pad="end", empty=0, sink=True, group="") -> Case:
@@ -112,14 +117,18 @@ def alloc_out(inputs: Inputs) -> tuple[torch.Tensor, ...]:
 
 
 def run_ours(inputs: Inputs, out: tuple | None) -> tuple:
-    from forgekernel.ops.dsa_bwd import dsa_sparse_attention_backward
+    """The op with the v1 kernel preferred (pending: the suite checks and benches the kernel;
+    FORGEKERNEL_DSA_BWD_KERNEL=0 times the interim path)."""
+    from forgekernel.ops.dsa_bwd import dsa_sparse_attention_backward, preferring_kernel
 
     i = inputs
     q, kv = i["q"], i["kv"]
-    dq_nope, dq_pe, dkv, _, d_sink = dsa_sparse_attention_backward(
-        q[..., :LATENT], q[..., LATENT:], kv.view(kv.shape[0], 1, 1, WIDTH), None, i["idx"],
-        i["dout"], softmax_scale=SOFTMAX_SCALE, out=i["out"], lse=i["lse"], attn_sink=i["sink"],
-    )  # fmt: skip
+    with preferring_kernel():
+        dq_nope, dq_pe, dkv, _, d_sink = dsa_sparse_attention_backward(
+            q[..., :LATENT], q[..., LATENT:], kv.view(kv.shape[0], 1, 1, WIDTH), None, i["idx"],
+            i["dout"], softmax_scale=SOFTMAX_SCALE, out=i["out"], lse=i["lse"],
+            attn_sink=i["sink"],
+        )  # fmt: skip
     if d_sink is None:
         d_sink = torch.zeros(q.shape[1], dtype=torch.float32, device=q.device)
     grads = (dq_nope, dq_pe, dkv, d_sink)

@@ -1,0 +1,46 @@
+"""DeepSeek sparse attention backward (DSA, issue 22), sm_90a, v1 (kernel.py): dq and the fp32
+dkv accumulator of `forgekernel::dsa_sparse_attention_bwd`, one CTA per (query token, head
+block). DSL-free declaration; the launcher is launch.py (preprocess and cast in torch), the op
+ops/dsa_bwd.py selects it with FORGEKERNEL_DSA_BWD_KERNEL=1 until a GPU check passes
+(docs/PENDING.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from forgekernel.kernels.attention.dsa_sparse_bwd.sm90.config import BLOCKS, DTYPES, params_for
+from forgekernel.runtime.spec import KernelSpec, Params
+
+
+def _compile(params: Params, extra_options: str = ""):
+    from forgekernel.kernels.attention.dsa_sparse_bwd.sm90.compile import compile_sparse_bwd
+
+    return compile_sparse_bwd(dict(params), "sm_90a", extra_options)
+
+
+def _standard_params() -> list[Params]:
+    """Every dtype x head block (16: H = 16; 32: H = 32, 64, 128)."""
+    return [params_for(d, b) for d in DTYPES for b in BLOCKS]
+
+
+def _candidate_params() -> list[Params]:
+    """The timing probe's builds (reductions never run) and the xchg candidate, with and without
+    reductions (scripts/time_dsa_bwd_kernel.py)."""
+    return [
+        params_for("bfloat16", b, reduce=r, xchg=x)
+        for b in BLOCKS
+        for r, x in ((False, False), (True, True), (False, True))
+    ]
+
+
+SPEC = KernelSpec(
+    name="dsa_sparse_bwd_sm90",
+    arch="sm_90a",
+    directory=Path(__file__).parent,
+    compile=_compile,
+    standard_params=_standard_params,
+    candidate_params=_candidate_params,
+    representative=lambda: params_for("bfloat16", 16),
+)
+
+__all__ = ["SPEC", "params_for"]

@@ -1,0 +1,43 @@
+"""Compile the sparse backward against fake tensors: tokens, H, slots, topk and every outer
+stride dynamic (q, kv, dO rows 16-byte aligned; lse2 / delta any strides; the index rows unit
+column stride; dq (tokens, H, 576) row-major; the fp32 dkv accumulator rows 16-byte aligned);
+the heads of one CTA and the dtype baked in."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_tensor
+
+from forgekernel.kernels.attention.dsa_sparse_bwd.sm90.config import D_V, WIDTH
+from forgekernel.kernels.attention.dsa_sparse_bwd.sm90.kernel import DsaSparseBwdSm90
+from forgekernel.kernels.common.sm90 import fake
+
+
+def compile_sparse_bwd(params: dict, arch: str = "sm_90a", extra_options: str = ""):
+    dtype = fake.dtype_of(params["dtype"])
+    tokens, heads, slots = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    any_strides = (cute.sym_int64(), cute.sym_int64())
+    per_head = [
+        make_fake_tensor(cutlass.Float32, (tokens, heads), stride=any_strides, assumed_align=4)
+        for _ in range(2)
+    ]
+    idx = make_fake_tensor(
+        cutlass.Int32, (tokens, cute.sym_int32()), stride=(cute.sym_int64(), 1), assumed_align=4
+    )
+    return cute.compile(
+        DsaSparseBwdSm90(
+            params["block"], not params.get("noreduce", False), params.get("xchg", False)
+        ),
+        fake.rowmajor(dtype, (tokens, heads, WIDTH)),
+        fake.rowmajor(dtype, (slots, WIDTH)),
+        fake.rowmajor(dtype, (tokens, heads, D_V)),
+        *per_head,
+        idx,
+        fake.rowmajor(dtype, (tokens, heads, WIDTH), divisibility=1, align=4),
+        fake.rowmajor(cutlass.Float32, (slots, WIDTH), divisibility=4),
+        cutlass.Float32(1.0),
+        cutlass.Float32(1.0),
+        fake.stream(),
+        options=fake.options(arch, extra_options),
+    )

@@ -1,0 +1,83 @@
+"""DSA sparse attention backward configurations (DSL-free): the compiled variants and the
+shared-memory plan of kernel.py (docs/attention/DSA_BWD_NOTES.md, "Kernel v1").
+
+A CTA takes one query token and a block of BLOCK heads of it (grid (tokens, H / BLOCK)): the
+gathered rows are the WGMMAs' M (TILE = 64 rows a stage), the block's heads their N. q
+(BLOCK, 576) and dO (BLOCK, 512) stay in shared memory; the gathered rows stream through
+`STAGES` whole-tile stages (64 x 576, 72 KB each). Every listed row is gathered once per head
+block: at H = 64 / 128 (two / four blocks of 32) the gather and the dkv reductions are paid
+two / four times (v1's simplification: dq^T of 32 heads is 80 fp32 registers a thread, 64
+heads would be 160).
+"""
+
+from __future__ import annotations
+
+from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY, THREADS_PER_WG
+
+DTYPES = ("float16", "bfloat16")
+BLOCKS = (16, 32)  # heads per CTA (the WGMMAs' N); H = 16 takes 16, H % 32 == 0 takes 32
+WIDTH = 576  # the latent row: 512 compressed (V) + 64 RoPE columns
+D_V = 512
+CHUNK = 64  # columns of one 128-byte swizzle atom
+NCHUNK = WIDTH // CHUNK  # 9
+TILE = 64  # gathered rows a stage: the WGMMAs' M
+CONSUMERS = 2
+THREADS = (1 + CONSUMERS) * THREADS_PER_WG  # warpgroup 0 gathers
+PRODUCER_REGS = 56
+CONSUMER_REGS = 224  # 56 x 128 + 224 x 256 = 64,512 of 65,536
+BARRIER_BYTES = 1024  # full / empty mbarriers and the stages' row ids, rounded up
+BYTES = 2  # 16-bit inputs
+
+# Work split of a tile between the consumer warpgroups, in 64-column blocks: dkv block c is
+# two MMAs (dS^T q_c + P^T dO_c) for c < 8 and one (the RoPE block 8), dq^T block b one. Each
+# warpgroup issues 13 64 x 64 x BLOCK(-deep) units: the first takes dkv {0..3, 8} and dq
+# {0..3}, the second dkv {4..7} and dq {4..8}.
+DKV_BLOCKS = ((0, 1, 2, 3, 8), (4, 5, 6, 7))
+DQ_BLOCKS = ((0, 1, 2, 3), (4, 5, 6, 7, 8))
+
+
+def block_heads(heads: int) -> int:
+    """The heads of one CTA for a problem of `heads` query heads (ValueError when none fits)."""
+    if heads == 16:
+        return 16
+    if heads > 0 and heads % 32 == 0:
+        return 32
+    raise ValueError(f"the sparse backward kernel takes 16 heads or a multiple of 32, got {heads}")
+
+
+def fixed_bytes(block: int) -> int:
+    """q, dO, and P^T / dS^T (64 x block each) in shared memory."""
+    return block * (WIDTH + D_V) * BYTES + 2 * TILE * block * BYTES + BARRIER_BYTES
+
+
+def stage_bytes() -> int:
+    return TILE * WIDTH * BYTES
+
+
+def stages(block: int) -> int:
+    """Whole-tile stages that fit beside the fixed parts (2 at both blocks: 182 / 220 KB)."""
+    n = (SMEM_CAPACITY - fixed_bytes(block)) // stage_bytes()
+    if n < 2:
+        raise ValueError(f"{block} heads a CTA leave room for {n} stages, fewer than 2")
+    return min(n, 2)
+
+
+def smem_bytes(block: int) -> int:
+    return fixed_bytes(block) + stages(block) * stage_bytes()
+
+
+def params_for(dtype: str, block: int, reduce: bool = True, xchg: bool = False) -> tuple:
+    """Compile key: dtype and the heads of one CTA; reduce False: the timing probe's build whose
+    dkv reductions never run (a runtime-false guard keeps their code; dkv stays 0), which
+    splits MMA time from reduction time (scripts/time_dsa_bwd_kernel.py); xchg True: the
+    candidate whose S^T and dP^T are one warpgroup's each (kernel.py `xchg`)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if block not in BLOCKS:
+        raise ValueError(f"block must be one of {BLOCKS}, got {block}")
+    keys = {"dtype": dtype, "block": block}
+    if not reduce:
+        keys["noreduce"] = True
+    if xchg:
+        keys["xchg"] = True
+    return tuple(sorted(keys.items()))

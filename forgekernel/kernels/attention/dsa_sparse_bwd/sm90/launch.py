@@ -1,0 +1,102 @@
+"""Host launcher of the DSA sparse backward kernel: torch only (no DSL), the kernel through the
+compile cache. v1 runs the preprocess (lse2, Delta', d_sink: (tokens, H) fp32 work, one pass
+over out and dO) and the dkv cast in torch around the one kernel launch. Callers validate first
+(`forgekernel.ops.dsa_bwd`); nothing here reads device data (CUDA-graph capturable)."""
+
+from __future__ import annotations
+
+import torch
+
+from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import SPEC, config
+from forgekernel.kernels.common.sm90.constants import LOG2E
+from forgekernel.runtime.cache import get_kernel
+from forgekernel.runtime.device import as_tma_ready, dtype_name, on_device
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def unsupported(q: torch.Tensor, kv: torch.Tensor, topk_indices: torch.Tensor) -> str | None:
+    """Why the kernel cannot take these inputs (None: it can). q (tokens, H, 576), kv
+    (slots, 576), topk_indices (tokens, topk) int32."""
+    if q.dtype not in KERNEL_DTYPES or kv.dtype != q.dtype:
+        return f"dtypes {q.dtype} / {kv.dtype}: the kernel takes one 16-bit dtype"
+    if q.dim() != 3 or q.shape[-1] != config.WIDTH or kv.shape[-1] != config.WIDTH:
+        return f"rows must be {config.WIDTH} wide"
+    try:
+        config.block_heads(q.shape[1])
+    except ValueError as e:
+        return str(e)
+    if topk_indices.dtype != torch.int32:
+        return f"topk_indices must be int32, got {topk_indices.dtype}"
+    if not q.is_cuda:
+        return "q is not on a CUDA device"
+    return None
+
+
+def preprocess(
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    attn_sink: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(lse2, Delta', d_sink) in fp32 (reference.dsa's math, kernel.py's contract): lse2 =
+    log2(e) logaddexp(lse, sink), +inf where nothing is in the denominator (P = 0);
+    Delta' = rowsum(dO O) - dlse exp(lse_all - lse) (0 where either LSE is infinite: P or
+    the KV-only softmax is 0 there); d_sink = -sum_t P_sink rowsum(dO O), P_sink 1 for a +inf
+    sink; zeros (H,) without a sink."""
+    delta = (dout.float() * out.float()).sum(-1)
+    lse = lse.float()
+    lse_all = lse if attn_sink is None else torch.logaddexp(lse, attn_sink.float()[None, :])
+    lse_all = lse_all.masked_fill(torch.isneginf(lse_all), float("inf"))
+    lse2 = lse_all * LOG2E
+    if attn_sink is None:
+        d_sink = torch.zeros(lse.shape[1], dtype=torch.float32, device=lse.device)
+    else:
+        sink = attn_sink.float()
+        p_sink = torch.exp(sink[None, :] - lse_all)
+        p_sink = torch.where(torch.isposinf(sink)[None, :], 1.0, p_sink)
+        d_sink = -(p_sink * delta).sum(0)
+    delta_k = delta
+    if dlse is not None:
+        finite = torch.isfinite(lse_all) & torch.isfinite(lse)
+        ratio = torch.exp(torch.where(finite, lse_all - lse, 0.0))
+        delta_k = delta - torch.where(finite, dlse.float() * ratio, 0.0)
+    return lse2, delta_k, d_sink
+
+
+def dsa_sparse_bwd(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    dout: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    attn_sink: torch.Tensor | None,
+    topk_indices: torch.Tensor,
+    softmax_scale: float,
+    dq: torch.Tensor | None = None,
+    reduce: bool = True,
+    xchg: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq (tokens, H, 576) in q's dtype, dkv (slots, 576) fp32, d_sink (H,) fp32): q
+    (tokens, H, 576), kv (slots, 576) in one 16-bit dtype, dout / out (tokens, H, 512), lse /
+    dlse (tokens, H) fp32 (the forward's KV-only natural LSE), attn_sink (H,) or None,
+    topk_indices int32 (tokens, topk) of slots, -1 (or any entry outside [0, slots)) adding
+    nothing; dq: a contiguous (tokens, H, 576) buffer in q's dtype to write (tests poison it).
+    reduce False: the timing probe's build (dkv stays 0); xchg: the candidate build
+    (kernel.py). `unsupported` must be None for these inputs."""
+    lse2, delta, d_sink = preprocess(out, dout, lse, dlse, attn_sink)
+    tokens, heads, _ = q.shape
+    if dq is None:
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dkv = torch.zeros(kv.shape[0], config.WIDTH, dtype=torch.float32, device=q.device)
+    if tokens == 0 or topk_indices.shape[1] == 0:
+        return dq.zero_(), dkv, d_sink
+    params = config.params_for(dtype_name(q.dtype), config.block_heads(heads), reduce, xchg)
+    kernel = get_kernel(SPEC, params)
+    idx = topk_indices if topk_indices.stride(-1) == 1 else topk_indices.contiguous()
+    with on_device(q.device):
+        kernel(as_tma_ready(q), as_tma_ready(kv), as_tma_ready(dout), lse2, delta, idx, dq, dkv,
+               softmax_scale * LOG2E, softmax_scale)  # fmt: skip
+    return dq, dkv, d_sink

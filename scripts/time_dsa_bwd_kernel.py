@@ -1,0 +1,71 @@
+"""The DSA sparse backward v1 kernel's time split at a suite point (docs/attention/
+DSA_BWD_NOTES.md, "Kernel v1": the prediction and its falsifiers):
+
+    python3 scripts/time_dsa_bwd_kernel.py [S H TOPK S_KV]      (default 4096 16 2048 8192)
+
+One line each, ms a launch (graph replays, `runtime.timing.time_interleaved`): the op with the
+kernel preferred (concatenations, preprocess, kernel, cast); the launcher alone (preprocess,
+zeroed accumulator, kernel); the launcher with the probe build whose dkv reductions never run
+(`params_for(..., reduce=False)`: the MMA / gather / softmax side alone); the same two for the
+`xchg` candidate (S^T in one warpgroup, dP^T in the other); the preprocess alone.
+The kernel at 5504 FLOP per (token, head, entry). Build first: `python3 -m forgekernel build
+--only dsa_sparse_bwd_sm90 --candidates`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from statistics import median
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's forgekernel
+
+from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import launch  # noqa: E402
+from forgekernel.ops.dsa_bwd import (  # noqa: E402
+    dsa_sparse_attention_backward,
+    preferring_kernel,
+)
+from forgekernel.runtime.timing import time_interleaved  # noqa: E402
+
+WIDTH, LATENT = 576, 512
+
+
+def main(s: int = 4096, h: int = 16, topk: int = 2048, s_kv: int = 8192) -> None:
+    torch.manual_seed(0)
+    dev, dt, scale = torch.device("cuda"), torch.bfloat16, WIDTH**-0.5
+    q = torch.randn(s, h, WIDTH, device=dev).to(dt)
+    kv = torch.randn(s_kv, WIDTH, device=dev).to(dt)
+    idx = torch.rand(s, s_kv, device=dev).argsort(-1)[:, :topk].int().contiguous()
+    out = torch.randn(s, h, LATENT, device=dev).to(dt)
+    dout = torch.randn(s, h, LATENT, device=dev).to(dt)
+    lse = torch.full((s, h), 12.0, device=dev)  # finite: every P is computed, none overflows
+    sink = torch.randn(h, device=dev)
+    cache = kv.view(s_kv, 1, 1, WIDTH)
+    args = (q, kv, dout, out, lse, None, sink, idx, scale)
+
+    def op():
+        with preferring_kernel():
+            return dsa_sparse_attention_backward(
+                q[..., :LATENT], q[..., LATENT:], cache, None, idx, dout, softmax_scale=scale,
+                out=out, lse=lse, attn_sink=sink,
+            )  # fmt: skip
+
+    fns = {
+        "op (kernel preferred)": op,
+        "launcher": lambda: launch.dsa_sparse_bwd(*args),
+        "launcher, no reductions": lambda: launch.dsa_sparse_bwd(*args, reduce=False),
+        "launcher, xchg": lambda: launch.dsa_sparse_bwd(*args, xchg=True),
+        "xchg, no reductions": lambda: launch.dsa_sparse_bwd(*args, reduce=False, xchg=True),
+        "preprocess": lambda: launch.preprocess(out, dout, lse, None, sink),
+    }
+    samples = time_interleaved(fns, reps=10)
+    flop = 5504.0 * s * h * topk
+    print(f"S {s} H {h} top-{topk} S_kv {s_kv}, ms a launch (median of 10 samples):")
+    for name, x in samples.items():
+        ms = median(x)
+        print(f"  {name:26s} {ms:8.3f} ms  {flop / ms / 1e9:7.1f} TFLOP/s")
+
+
+if __name__ == "__main__":
+    main(*(int(x) for x in sys.argv[1:5]))

@@ -1,0 +1,127 @@
+"""The v1 DSA sparse backward kernel (kernels/attention/dsa_sparse_bwd/sm90) on the GPU against
+the fp64 reference (reference.dsa `dsa_sparse_attention_bwd_ref`, given the fp64 forward's out
+rounded to the input dtype and its fp32 LSE, as the op saves them): awkward token counts (1, 7,
+130), 16 / 64 / 128 heads (blocks of 16 and 32), top-k 64 and 2048 with -1 padding at the end
+and scattered, a row with no valid entry and entries past the cache (both add nothing), with and
+without a sink and a loss on the LSE, bf16 (fp16 on the 7-token 16 / 64-head cases). dq is
+NaN-poisoned before the launch (the kernel must write every element; rows without entries 0);
+dkv is the kernel's fp32 accumulator (zeroed by the launcher by contract).
+
+Tolerance: each gradient within 2e-2 of its reference's largest entry (the op's GPU tests'
+bound: 16-bit P / dS operands, fp32 accumulation), and at most 2x the error of the same
+reference run in the input dtype plus 1e-3 of the largest entry (FlashAttention's criterion).
+The xchg candidate build (S^T in one warpgroup, dP^T in the other) on every bf16 case. Then the
+op with FORGEKERNEL_DSA_BWD_KERNEL=1 against its interim path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import launch
+from forgekernel.reference.dsa import dsa_sparse_attention_bwd_ref, dsa_sparse_attention_ref
+
+pytestmark = pytest.mark.gpu
+WIDTH, LATENT = 576, 512
+SCALE = WIDTH**-0.5
+
+
+def _problem(tokens, heads, topk, slots, dtype, *, sink, dlse, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rnd = {"device": "cuda", "generator": g}
+    q = torch.randn(tokens, heads, WIDTH, **rnd).to(dtype)
+    kv = torch.randn(slots, WIDTH, **rnd).to(dtype)
+    idx = torch.full((tokens, topk), -1, dtype=torch.int32, device="cuda")
+    for t in range(tokens):
+        n = 0 if t == tokens // 2 and tokens > 1 else int(torch.randint(1, topk + 1, (1,), **rnd))
+        pos = torch.randperm(topk, **rnd)[:n] if t % 2 else torch.arange(n, device="cuda")
+        idx[t, pos] = torch.randint(0, slots, (n,), **rnd).int()  # duplicates allowed
+    if tokens > 2:  # an entry past the cache: not a row (the op's eager check rejects it)
+        idx[2, 0] = slots + 5
+    dout = torch.randn(tokens, heads, LATENT, **rnd).to(dtype)
+    s = torch.randn(heads, **rnd) if sink else None
+    d = torch.randn(tokens, heads, **rnd) if dlse else None
+    return q, kv, idx, dout, s, d
+
+
+def _forward(q, kv, idx, sink, dtype):
+    # the reference masks past-the-cache entries only when it checks the range: clamp them to -1
+    clean = torch.where(idx < kv.shape[0], idx, -1)
+    out, lse = dsa_sparse_attention_ref(q, kv, clean, SCALE, attn_sink=sink, dtype=torch.float64)
+    return clean, out.to(dtype), lse.float()
+
+
+def _err(a, b) -> float:
+    return float((a.double() - b.double()).abs().max())
+
+
+CASES = [  # tokens, heads, topk, slots, sink, dlse
+    (1, 16, 64, 100, False, False),
+    (7, 16, 64, 300, True, True),
+    (130, 16, 64, 1000, True, False),
+    (7, 16, 2048, 5000, False, True),
+    (7, 64, 64, 500, True, True),
+    (130, 64, 2048, 4000, False, False),
+    (1, 128, 2048, 3000, True, False),
+    (7, 128, 64, 200, False, True),
+]
+
+
+@pytest.mark.parametrize("tokens,heads,topk,slots,sink,dlse", CASES)
+@pytest.mark.parametrize("dtype,xchg", [(torch.bfloat16, False), (torch.float16, False),
+                                        (torch.bfloat16, True)])  # fmt: skip
+def test_kernel_matches_fp64(dtype, xchg, tokens, heads, topk, slots, sink, dlse):
+    if dtype is torch.float16 and (tokens, heads) not in ((7, 16), (7, 64)):
+        pytest.skip("fp16 on the 7-token 16 / 64-head cases")
+    q, kv, idx, dout, s, d = _problem(tokens, heads, topk, slots, dtype, sink=sink, dlse=dlse,
+                                      seed=tokens * heads + topk)  # fmt: skip
+    clean, out, lse = _forward(q, kv, idx, s, dtype)
+    assert launch.unsupported(q, kv, idx) is None
+    dq = torch.full_like(q, float("nan"))
+    dq, dkv, d_sink = launch.dsa_sparse_bwd(q, kv, dout, out, lse, d, s, idx, SCALE, dq=dq,
+                                            xchg=xchg)  # fmt: skip
+    torch.cuda.synchronize()
+    kw = {"attn_sink": s, "out": out, "lse": lse, "dlse": d}
+    want = dsa_sparse_attention_bwd_ref(q, kv, clean, SCALE, dout, dtype=torch.float64, **kw)
+    low = dsa_sparse_attention_bwd_ref(q, kv, clean, SCALE, dout, dtype=torch.float32, **kw)
+    low_dq = dsa_sparse_attention_bwd_ref(q, kv, clean, SCALE, dout, dtype=dtype, **kw)[0]
+    got = (dq, dkv, d_sink if s is not None else None)
+    lows = (low_dq, low[1].to(dtype), low[2])
+    for name, a, b, lp in zip(("dq", "dkv", "d_sink"), got, want, lows):
+        if b is None:
+            continue
+        assert torch.isfinite(a).all(), f"{name}: non-finite (poison left?)"
+        top = float(b.abs().max()) + 1e-6
+        err = _err(a, b)
+        assert err <= 2e-2 * top, f"{name}: {err:.3g} vs largest {top:.3g}"
+        assert err <= 2 * _err(lp, b) + 1e-3 * top, f"{name}: {err:.3g}, low {_err(lp, b):.3g}"
+    empty = (clean < 0).all(1)
+    assert (dq[empty] == 0).all()
+    assert (dkv[~torch.isin(torch.arange(slots, device="cuda"), clean)] == 0).all()
+
+
+def test_op_switch_matches_interim(monkeypatch):
+    """forgekernel's explicit backward with the kernel selected against its interim path."""
+    from forgekernel.ops.dsa_bwd import dsa_sparse_attention_backward
+
+    q, kv, idx, dout, s, d = _problem(7, 16, 64, 256, torch.bfloat16, sink=True, dlse=True,
+                                      seed=11)  # fmt: skip
+    idx = torch.where(idx < kv.shape[0], idx, -1)
+    _, out, lse = _forward(q, kv, idx, s, torch.bfloat16)
+    cache = kv.view(-1, 64, 1, WIDTH)
+    args = (q[..., :LATENT], q[..., LATENT:], cache, None, idx, dout)
+    kw = {"softmax_scale": SCALE, "out": out, "lse": lse, "attn_sink": s, "dlse": d}
+    monkeypatch.setenv("FORGEKERNEL_DSA_BWD_KERNEL", "0")
+    interim = dsa_sparse_attention_backward(*args, **kw)
+    monkeypatch.setenv("FORGEKERNEL_DSA_BWD_KERNEL", "1")
+    kernel = dsa_sparse_attention_backward(*args, **kw)
+    for a, b in zip(kernel, interim):
+        if b is None:
+            assert a is None
+            continue
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert _err(a, b) <= 2e-2 * float(b.abs().max()) + 1e-5
+    bad = idx.clone()
+    bad[0, 0] = kv.shape[0]
+    with pytest.raises(ValueError, match="slots"):
+        dsa_sparse_attention_backward(*args[:4], bad, dout, **kw)

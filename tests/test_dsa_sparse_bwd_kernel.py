@@ -1,0 +1,212 @@
+"""The v1 DSA sparse backward kernel's plumbing on the CPU (its numbers on the GPU:
+tests/gpu/test_dsa_sparse_bwd_kernel_gpu.py): compile keys and the shared-memory plan, the
+launcher's input checks, its preprocess against the reference (the kernel's math emulated in
+torch from lse2 / Delta' gives the fp64 reference's gradients, awkward rows included), and the
+op's switch (FORGEKERNEL_DSA_BWD_KERNEL, the pending suite's preference, the interim fallback)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import SPEC, config, launch
+from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY
+from forgekernel.ops import dsa_bwd
+from forgekernel.reference.dsa import dsa_sparse_attention_bwd_ref, dsa_sparse_attention_ref
+
+WIDTH, LATENT = config.WIDTH, config.D_V
+
+
+def test_params_and_blocks():
+    assert config.params_for("bfloat16", 16) == (("block", 16), ("dtype", "bfloat16"))
+    with pytest.raises(ValueError, match="dtype"):
+        config.params_for("float32", 16)
+    with pytest.raises(ValueError, match="block"):
+        config.params_for("bfloat16", 64)
+    assert [config.block_heads(h) for h in (16, 32, 64, 128)] == [16, 32, 32, 32]
+    for h in (0, 8, 24, 48):
+        with pytest.raises(ValueError, match="16 heads or a multiple of 32"):
+            config.block_heads(h)
+    assert len(SPEC.standard_params()) == len(config.DTYPES) * len(config.BLOCKS)
+    assert SPEC.name == "dsa_sparse_bwd_sm90" and SPEC.representative_params() in [
+        *SPEC.standard_params()
+    ]
+
+
+def test_smem_plan_fits():
+    for b in config.BLOCKS:
+        assert config.stages(b) == 2
+        assert config.smem_bytes(b) <= SMEM_CAPACITY
+    assert config.smem_bytes(16) == 18432 + 16384 + 4096 + 1024 + 2 * 73728
+
+
+def test_work_split_covers_every_block_once():
+    dkv = sorted(c for blocks in config.DKV_BLOCKS for c in blocks)
+    dq = sorted(c for blocks in config.DQ_BLOCKS for c in blocks)
+    assert dkv == dq == list(range(config.NCHUNK))
+    # 64 x 64 x BLOCK units a warpgroup issues per tile: dkv blocks < 8 are two MMAs
+    units = [sum(2 if c < 8 else 1 for c in k) + len(q)
+             for k, q in zip(config.DKV_BLOCKS, config.DQ_BLOCKS)]  # fmt: skip
+    assert units == [13, 13]
+
+
+def _rows(tokens=3, heads=16, slots=40, dtype=torch.bfloat16):
+    q = torch.randn(tokens, heads, WIDTH).to(dtype)
+    kv = torch.randn(slots, WIDTH).to(dtype)
+    idx = torch.randint(0, slots, (tokens, 5), dtype=torch.int32)
+    return q, kv, idx
+
+
+def test_unsupported_names_the_reason():
+    q, kv, idx = _rows()
+    assert "CUDA" in launch.unsupported(q, kv, idx)
+    assert "16-bit" in launch.unsupported(q.float(), kv.float(), idx)
+    assert "16-bit" in launch.unsupported(q, kv.half(), idx)
+    assert "int32" in launch.unsupported(q, kv, idx.long())
+    assert "multiple of 32" in launch.unsupported(*_rows(heads=8)[:2], idx)
+    assert "multiple of 32" in launch.unsupported(*_rows(heads=48)[:2], idx)
+    assert "wide" in launch.unsupported(q[..., :512], kv, idx)
+
+
+def _emulate(q, kv, idx, scale, dout, lse2, delta):
+    """kernel.py's math in fp64 from the preprocess's lse2 / Delta' (P, dS from the rows)."""
+    slots = kv.shape[0]
+    valid = (idx >= 0) & (idx < slots)
+    rows = kv.double()[torch.where(valid, idx, 0).long()]  # (S, K, 576)
+    s = torch.einsum("thd,tkd->thk", q.double(), rows)
+    p = torch.exp2(s * scale * math.log2(math.e) - lse2.double()[..., None])
+    p = torch.where(valid[:, None, :], p, 0.0)
+    dp = torch.einsum("thv,tkv->thk", dout.double(), rows[..., :LATENT])
+    ds = scale * p * (dp - delta.double()[..., None])
+    dq = torch.einsum("thk,tkd->thd", ds, rows)
+    d_rows = torch.einsum("thk,thd->tkd", ds, q.double())
+    d_rows[..., :LATENT] += torch.einsum("thk,thv->tkv", p, dout.double())
+    dkv = torch.zeros(slots, WIDTH, dtype=torch.float64)
+    dkv.index_add_(0, torch.where(valid, idx, 0).long().flatten(), (d_rows * valid[..., None])
+                   .flatten(0, 1))  # fmt: skip
+    return dq, dkv
+
+
+@pytest.mark.parametrize("sink", ["none", "finite", "with_inf"])
+@pytest.mark.parametrize("dlse", [False, True])
+def test_preprocess_contract_gives_the_reference(sink, dlse):
+    """The launcher's lse2 / Delta' / d_sink with the kernel's math = the fp64 reference, with a
+    row without entries, padding and an entry past the cache."""
+    torch.manual_seed(0)
+    tokens, heads, slots, scale = 5, 16, 30, WIDTH**-0.5
+    q = torch.randn(tokens, heads, WIDTH).double()
+    kv = torch.randn(slots, WIDTH).double()
+    idx = torch.randint(0, slots, (tokens, 9), dtype=torch.int32)
+    idx[1] = -1  # no entry
+    idx[2, 5:] = -1
+    idx[3, 0] = slots + 3  # past the cache: nothing
+    attn_sink = None if sink == "none" else torch.randn(heads).double()
+    if sink == "with_inf":
+        attn_sink[3] = float("-inf")
+    clean = torch.where(idx < slots, idx, -1)
+    out, lse = dsa_sparse_attention_ref(q, kv, clean, scale, attn_sink=attn_sink,
+                                        dtype=torch.float64)  # fmt: skip
+    dout = torch.randn(tokens, heads, LATENT).double()
+    d = torch.randn(tokens, heads).double() if dlse else None
+    lse2, delta, d_sink = launch.preprocess(out, dout, lse, d, attn_sink)
+    assert lse2.dtype == delta.dtype == d_sink.dtype == torch.float32
+    assert torch.isposinf(lse2[1]).all() == (attn_sink is None)
+    dq, dkv = _emulate(q, kv, idx, scale, dout, lse2, delta)
+    want = dsa_sparse_attention_bwd_ref(q, kv, clean, scale, dout, attn_sink=attn_sink, out=out,
+                                        lse=lse, dlse=d, dtype=torch.float64)  # fmt: skip
+    for name, got, ref in (("dq", dq, want[0]), ("dkv", dkv, want[1])):
+        err = float((got - ref).abs().max())
+        assert err <= 1e-5 * float(ref.abs().max()) + 1e-9, (name, err)
+    assert (dq[1] == 0).all()
+    if attn_sink is None:
+        assert (d_sink == 0).all()
+    else:
+        torch.testing.assert_close(d_sink.double(), want[2], rtol=1e-5, atol=1e-6)
+
+
+def test_switch(monkeypatch):
+    monkeypatch.delenv(dsa_bwd.KERNEL_ENV, raising=False)
+    assert not dsa_bwd.kernel_selected()
+    with dsa_bwd.preferring_kernel():
+        assert dsa_bwd.kernel_selected()
+        monkeypatch.setenv(dsa_bwd.KERNEL_ENV, "0")
+        assert not dsa_bwd.kernel_selected()
+    monkeypatch.setenv(dsa_bwd.KERNEL_ENV, "1")
+    assert dsa_bwd.kernel_selected()
+    monkeypatch.delenv(dsa_bwd.KERNEL_ENV)
+    assert not dsa_bwd.kernel_selected()  # the context restored the default
+
+
+def test_selected_kernel_falls_back_where_it_cannot_run(monkeypatch):
+    """On the CPU the kernel declines (`unsupported`): the selected path gives the interim's
+    gradients, shapes and dtypes."""
+    torch.manual_seed(1)
+    tokens, heads, pages, page = 3, 16, 2, 8
+    qn = torch.randn(tokens, heads, LATENT).bfloat16()
+    qp = torch.randn(tokens, heads, WIDTH - LATENT).bfloat16()
+    ckv = torch.randn(pages, page, LATENT).bfloat16()
+    kpe = torch.randn(pages, page, WIDTH - LATENT).bfloat16()
+    idx = torch.randint(0, pages * page, (tokens, 4), dtype=torch.int32)
+    out = torch.randn(tokens, heads, LATENT).bfloat16()
+    lse = torch.randn(tokens, heads)
+    dout = torch.randn(tokens, heads, LATENT).bfloat16()
+    args = (qn, qp, ckv, kpe, idx, 0.05, out, lse, dout, None, None)
+    monkeypatch.setenv(dsa_bwd.KERNEL_ENV, "1")
+    assert dsa_bwd._backward_kernel(*args) is None
+    got = dsa_bwd._backward_impl(*args)
+    want = dsa_bwd._backward_interim(*args)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _emulate_rounded(q, kv, idx, dout, lse2, delta, scale, dtype):
+    """kernel.py's rounding: fp32 S / dP, P^T and scale dS^T rounded to `dtype` as the MMAs'
+    operands, fp32 accumulation, dq rounded to `dtype`, dkv left fp32 (the accumulator)."""
+    slots = kv.shape[0]
+    valid = (idx >= 0) & (idx < slots)
+    rows = kv.float()[torch.where(valid, idx, 0).long()]
+    s = torch.einsum("thd,tkd->thk", q.float(), rows)
+    p = torch.exp2(s * scale * math.log2(math.e) - lse2[..., None])
+    p = torch.where(valid[:, None, :], p, 0.0)
+    dp = torch.einsum("thv,tkv->thk", dout.float(), rows[..., :LATENT])
+    ds = (p * (dp - delta[..., None]) * scale).to(dtype).float()
+    dq = torch.einsum("thk,tkd->thd", ds, rows).to(dtype)
+    d_rows = torch.einsum("thk,thd->tkd", ds, q.float())
+    d_rows[..., :LATENT] += torch.einsum("thk,thv->tkv", p.to(dtype).float(), dout.float())
+    dkv = torch.zeros(slots, WIDTH)
+    dkv.index_add_(0, torch.where(valid, idx, 0).long().flatten(), (d_rows * valid[..., None])
+                   .flatten(0, 1))  # fmt: skip
+    return dq, dkv
+
+
+@pytest.mark.parametrize("dtype,heads", [(torch.bfloat16, 16), (torch.float16, 16),
+                                         (torch.bfloat16, 64)])  # fmt: skip
+def test_kernel_rounding_meets_the_gpu_bounds(dtype, heads):
+    """The bounds of tests/gpu/test_dsa_sparse_bwd_kernel_gpu.py hold for the kernel's rounding
+    emulated on the CPU (2026-12-03: at most 0.4 of the 2x-low-precision bound, 0.004 of the
+    largest entry against 2e-2)."""
+    g = torch.Generator().manual_seed(heads)
+    tokens, topk, slots, scale = 7, 64, 300, WIDTH**-0.5
+    q = torch.randn(tokens, heads, WIDTH, generator=g).to(dtype)
+    kv = torch.randn(slots, WIDTH, generator=g).to(dtype)
+    idx = torch.randint(0, slots, (tokens, topk), generator=g, dtype=torch.int32)
+    idx[3] = -1
+    idx[1, 40:] = -1
+    dout = torch.randn(tokens, heads, LATENT, generator=g).to(dtype)
+    sink, dlse = torch.randn(heads, generator=g), torch.randn(tokens, heads, generator=g)
+    out, lse = dsa_sparse_attention_ref(q, kv, idx, scale, attn_sink=sink, dtype=torch.float64)
+    out, lse = out.to(dtype), lse.float()
+    lse2, delta, _ = launch.preprocess(out, dout, lse, dlse, sink)
+    got = _emulate_rounded(q, kv, idx, dout, lse2, delta, scale, dtype)
+    kw = {"attn_sink": sink, "out": out, "lse": lse, "dlse": dlse}
+    want = dsa_sparse_attention_bwd_ref(q, kv, idx, scale, dout, dtype=torch.float64, **kw)
+    low = dsa_sparse_attention_bwd_ref(q, kv, idx, scale, dout, dtype=torch.float32, **kw)
+    low_dq = dsa_sparse_attention_bwd_ref(q, kv, idx, scale, dout, dtype=dtype, **kw)[0]
+    for a, b, lp in zip(got, want, (low_dq, low[1].to(dtype))):
+        top = float(b.abs().max())
+        err = float((a.double() - b).abs().max())
+        assert err <= 2e-2 * top
+        assert err <= 2 * float((lp.double() - b).abs().max()) + 1e-3 * top

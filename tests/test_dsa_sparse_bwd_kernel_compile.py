@@ -1,0 +1,119 @@
+"""The v1 sparse backward kernel compiled for sm_90a on the CPU (the DSL compiles, ptxas
+assembles, cuobjdump reads the cubin), its structure as kernel.py states it: no spills under
+the setmaxnreg split, the WGMMAs of both consumer warpgroups' tiles (S^T / dP^T over 576 / 512
+columns, dq^T blocks over 64 rows, dkv blocks over BLOCK heads), the gather by cp.async, the dkv
+reductions as `red.global.add.v2.f32` and the WGMMAs pipelined (not serialized one by one)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import SPEC, config  # noqa: E402
+from forgekernel.runtime.resources import find_tool, inspect_cubin  # noqa: E402
+
+if find_tool("cuobjdump") is None:
+    pytest.skip("cuobjdump not found", allow_module_level=True)
+
+_OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9x.]+)?)")
+
+
+def _compiled(params) -> tuple[dict, Counter]:
+    with tempfile.TemporaryDirectory() as d:
+        compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {d}")
+        cubin = compiled.artifacts.CUBIN
+        if isinstance(cubin, bytes):
+            path = Path(d) / "k.cubin"
+            path.write_bytes(cubin)
+            cubin = str(path)
+        res = inspect_cubin(cubin)
+        sass = subprocess.run([find_tool("cuobjdump"), "-sass", cubin], capture_output=True,
+                              text=True, check=True).stdout  # fmt: skip
+    ops = Counter(op.split(".")[0] for op in _OP.findall(sass))
+    ops["RED_V2"] = sass.count("REDG.E.ADD.F32x2")
+    ops["DEPBAR0"] = sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0")
+    return res, ops
+
+
+@pytest.mark.parametrize("xchg", [False, True])
+@pytest.mark.parametrize("block", config.BLOCKS)
+def test_sparse_bwd_kernel(block, xchg):
+    res, ops = _compiled(config.params_for("bfloat16", block, xchg=xchg))
+    assert res["spill_bytes"] == 0 and ops["LDL"] == ops["STL"] == 0
+    k = block // 16  # k-steps of a dkv block
+    n_dq = [len(b) for b in config.DQ_BLOCKS]
+    n_dkv = [sum(2 if c < config.D_V // config.CHUNK else 1 for c in b) for b in config.DKV_BLOCKS]
+    # S + dP (both in each warpgroup, or S in the first and dP in the second) + dq + dkv
+    sdp = (36, 32) if xchg else (68, 68)
+    per_wg = [a + 4 * q + k * v for a, q, v in zip(sdp, n_dq, n_dkv)]
+    assert ops["HGMMA"] == sum(per_wg)
+    q_rows = block // 16  # 16 rows a pass of 128 threads, 8 a row
+    assert ops["LDGSTS"] == config.NCHUNK * (q_rows + 4) + 8 * q_rows
+    acc_pairs = config.TILE * config.CHUNK // 128 // 2  # v2 reductions a thread, a dkv block
+    assert ops["RED_V2"] == ops["REDG"] == acc_pairs * config.NCHUNK
+    assert ops["DEPBAR0"] <= 8  # the tiles' waits, not one per WGMMA
+
+
+def test_fragment_coordinates_the_kernel_assumes():
+    """kernel.py reads a thread's accumulator coordinates three ways: `_rows_cols` of the
+    S^T / dP^T halves (8 columns a warpgroup at block 16: no V mode), warpgroup 2's columns
+    offset by BLOCK / 2 (the tiled MMA over 256 threads), and the dkv block's raw order (pairs
+    of adjacent columns, i // 2 % 2 the row half, `_reduce`)."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.cute.nvgpu import OperandMajorMode
+
+    from forgekernel.kernels.attention.dsa_sparse_bwd.sm90.kernel import _rows_cols
+
+    k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
+    dt, f32 = cutlass.BFloat16, cutlass.Float32
+    seen = {}
+
+    @cute.jit
+    def probe():
+        for block in config.BLOCKS:
+            half = block // 2
+            mma = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, k_major, f32, (1, 2, 1),
+                                                    (config.TILE, half))  # fmt: skip
+            for tid in (0, 133):
+                rc = _rows_cols(mma.get_slice(tid).partition_C(
+                    cute.make_identity_tensor((config.TILE, block))))  # fmt: skip
+                seen[block, tid] = [[rc[r, c] for c in range(cute.size(rc, mode=[1]))]
+                                    for r in range(cute.size(rc, mode=[0]))]  # fmt: skip
+            one = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, k_major, f32, (1, 1, 1),
+                                                    (config.TILE, block))  # fmt: skip
+            crd = one.get_slice(37).partition_C(cute.make_identity_tensor((config.TILE, block)))
+            seen["x", block] = [crd[i] for i in range(cute.size(crd))]
+        kv = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, mn_major, f32, (1, 1, 1),
+                                               (config.TILE, config.CHUNK))  # fmt: skip
+        crd = kv.get_slice(5).partition_C(cute.make_identity_tensor((config.TILE, config.CHUNK)))
+        seen["kv"] = [crd[i] for i in range(cute.size(crd))]
+
+    cute.compile(probe)
+    for block in config.BLOCKS:
+        for tid, row0, col0 in ((0, 0, 0), (133, 1, block // 2 + 2)):
+            rows = seen[block, tid]
+            assert [r[0][0] for r in rows] == [row0, row0 + 8]
+            for r in rows:
+                assert {c[0] for c in r} == {r[0][0]}  # one row per rows_cols row
+                cols = [c[1] for c in r]
+                assert cols[:2] == [col0, col0 + 1]
+                assert all(block // 2 * (tid // 128) <= c < block // 2 * (tid // 128 + 1)
+                           for c in cols)  # fmt: skip
+    for block in config.BLOCKS:  # xchg: raw element i of one warpgroup's S^T is in head
+        # half i // (size / 2) (the own halves of kernel.py `_xchg_setup`)
+        raw = seen["x", block]
+        assert [c[1] // (block // 2) for c in raw] == [
+            i // (len(raw) // 2) for i in range(len(raw))
+        ]
+    kv = seen["kv"]
+    for i in range(0, len(kv), 2):
+        assert kv[i][0] == 1 + 8 * ((i // 2) % 2) and kv[i + 1] == (kv[i][0], kv[i][1] + 1)
