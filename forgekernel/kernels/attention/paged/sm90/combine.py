@@ -19,6 +19,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
+from cutlass.memory import SmemAllocator
 
 from forgekernel.kernels.attention.paged.sm90.config import THREADS, WARPS
 from forgekernel.kernels.common.sm90 import fake
@@ -177,7 +178,7 @@ class PagedCombineSm90:
         tidx, _, _ = cute.arch.thread_idx()
         head, b, first = cute.arch.block_idx()
         _, _, spread = cute.arch.grid_dim()
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared)
+        storage = SmemAllocator().allocate(self.shared)
         sW = storage.w.get_tensor(cute.make_layout(SPLIT_CAP))
         sAcc = storage.acc.get_tensor(cute.make_layout((self.cols, self.groups)))
         sRed = storage.red.get_tensor(cute.make_layout((WARPS, 2), stride=(1, WARPS)))
