@@ -106,10 +106,11 @@ def _specs():
 
 @pytest.mark.parametrize("case", range(3))
 def test_compiled_combine(case):
-    """(cu13, 2026-12-03) 54 registers, no spills; the old kernel: 30, 72 LDG.E (scalar: the
-    splits' LSEs walked three times, 4 columns a thread one after another) and no vector load.
-    Now 8 LDG.E.128 (the pipeline's first block, then the next block in the loop), the weights
-    from shared memory (no MUFU.EX2 in the loop), 10 SHFL.BFLY (two warp reductions)."""
+    """(cu13, 2026-12-03) 54 registers at D 512 / 256, 61 at D 64 / 128, no spills; the old
+    kernel: 26-30, 72 LDG.E (scalar: the splits' LSEs walked three times, 4 columns a thread
+    one after another), no vector load. Now 8 LDG.E.128 (the pipeline's first block, then the
+    next block in the loop), the weights from shared memory (no MUFU.EX2 in the O loop), 10
+    SHFL.BFLY (two warp reductions)."""
     from forgekernel.runtime.resources import find_tool
 
     if find_tool("cuobjdump") is None:

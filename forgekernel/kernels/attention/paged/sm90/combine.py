@@ -82,9 +82,9 @@ def write_split(
 # b16-h128: 2048 CTAs, one a row, the LSE pass not repeated 4 times). SPLIT_CAP splits'
 # weights fit in shared memory at once; more go a chunk at a time.
 COLS = 128
-UNROLL = 4  # 56 registers (8: 86, 5 CTAs an SM)
+UNROLL = 4  # 54 registers at D 512, 61 at D 64 / 128 (8: 86 at D 512, 5 CTAs an SM)
 SPLIT_CAP = 256
-WAVE_CTAS = NUM_SMS_H100_H200 * 8  # 8 CTAs an SM at 56 registers x 128 threads
+WAVE_CTAS = NUM_SMS_H100_H200 * 8  # 8 CTAs an SM at <= 64 registers x 128 threads
 
 
 def partials_o() -> cute.Tensor:
