@@ -372,10 +372,10 @@ def _merge_ref(op: torch.Tensor, lp: torch.Tensor) -> tuple[torch.Tensor, torch.
 @pytest.mark.parametrize("rows, heads", [(1, 16), (3, 100), (40, 32)])
 def test_combine_kernel_matches_the_merge(rows, heads, splits, d, dtype):
     """The combine alone (D 512 under mla_decode's key, the others attention_paged's): 1 .. 300
-    splits (300: two chunks of SPLIT_CAP weights), a third of row 0's splits and every split of
-    the last row without keys (LSE -inf, partial rows NaN), LSEs over 2^+-40; rows x heads of
-    16, 300 and 1280 (a row's column chunks over 4, 3 and 1 CTAs at D 512); out NaN-poisoned,
-    the LSE a transposed view. One split: the partial row bit for bit."""
+    splits (300: two chunks of SPLIT_CAP weights), splits 1, 4, 7, ... of row 0 and every split
+    of the last (row, head) without keys (LSE -inf, partial rows NaN), LSEs over 2^+-40; rows x
+    heads of 16, 300 and 1280 (a row's column chunks over 4, 3 and 1 CTAs at D 512); out
+    NaN-poisoned, the LSE a transposed view. One split: the partial row bit for bit."""
     from forgekernel.kernels.attention.mla.sm90 import SPEC as MLA_SPEC
     from forgekernel.kernels.attention.mla.sm90 import params_for as mla_params
     from forgekernel.kernels.attention.paged.sm90 import SPEC, params_for
@@ -389,15 +389,16 @@ def test_combine_kernel_matches_the_merge(rows, heads, splits, d, dtype):
     g = torch.Generator(device="cuda").manual_seed(splits + d)
     op = torch.randn(splits, rows, heads, d, device="cuda", generator=g)
     lp = torch.randn(splits, rows, heads, device="cuda", generator=g) * 12.0
-    lp[::3, 0] = -math.inf
-    lp[:, -1] = -math.inf
+    lp[1::3, 0] = -math.inf
+    lp[:, -1, -1] = -math.inf  # the last (row, head): no keys at all
     op[lp == -math.inf] = math.nan
     out = torch.full((rows, heads, d), math.nan, device="cuda", dtype=dtype)
     lse = torch.full((heads, rows), math.nan, device="cuda").t()
     combine(op, lp, out, lse)
     want, want_lse = _merge_ref(op, lp)
     assert not out.isnan().any() and not lse.isnan().any()
-    assert torch.equal(out[-1].float(), torch.zeros_like(out[-1], dtype=torch.float32))
+    assert torch.equal(out[-1, -1].float(), torch.zeros(d, device="cuda"))
+    assert lse[-1, -1] == -math.inf
     err = float((out.double() - want).abs().max())
     assert err <= 2**-7 * float(want.abs().max()) + 1e-5, err
     finite = torch.isfinite(want_lse)
