@@ -327,8 +327,8 @@ def _launch(x, w, bias, y, geometry: Geometry, config, dgrad: bool, rect_1x1: bo
 
 
 # 1x1 convolutions as the dense GEMM (docs/conv/NOTES.md, "1x1 convolutions as GEMMs"), per
-# op, off until measured. The H200 (2026-12-03, graph) ran the suite's n32 1x1s at 0.79-0.85x
-# cuDNN where the forward kernel walks im2col rows; the GEMM reads x and w by tiled TMAs.
+# op, off until measured. The H200 (2026-12-03, graph) ran four of the suite's n32 1x1 forwards
+# at 0.79-0.85x cuDNN on the forward kernel's im2col walk; the GEMM reads x and w by tiled TMAs.
 # Adoption rule: an op's entry turns True when its bench variant `as_gemm` runs >= 3% faster
 # than the standard path (variant time / our time <= 0.97) in both timings, graph and eager, on
 # the cases it covers, and no case more than 2% slower (> 1.02) in either.
