@@ -1,7 +1,7 @@
 """Run the chunked Gated DeltaNet forward on the suite's inputs a few times, for a profiler
 wrapped around this script (scripts/device_profile.sh with SCRIPT set to it):
 
-    python scripts/profile_gdn_prefill.py [n t h hv [state]]   (default 4 8192 16 32 1)
+    python scripts/profile_gdn_prefill.py [n t h hv [state [flashinfer]]]   (default 4 8192 16 32 1)
 
 n sequences of t tokens (varlen, B = 1), q / k heads h, value heads hv, an fp32 initial state
 unless state is 0; k unit-norm and g = logsigmoid(N(0, 1)) as in bench/suites/gdn_prefill.py.
@@ -9,7 +9,12 @@ The launcher picks the V split (n hv <= SMs / 2: two CTAs per head).
 Launches: 3 (profile the last: -s 2 -c 1). In ncu's source page the roles are address ranges
 of the one kernel: the state warpgroups' loop lies between USETMAXREG.TRY_ALLOC 0xc0 and
 USETMAXREG.DEALLOC 0x68, the aux warpgroup's after the latter (tests/
-test_gdn_prefill_compile.py compiles the same code)."""
+test_gdn_prefill_compile.py compiles the same code).
+A sixth argument `flashinfer` runs FlashInfer's `chunk_gated_delta_rule` on the same inputs
+instead (state 0 only: its -nostate comparator; KERNELS=FullyFusedDeltaRuleSm90; its first call
+JITs). Its roles in ncu's source page: load / store warps up to USETMAXREG.DEALLOC 0x18, aux
+from USETMAXREG.DEALLOC 0x68, state from USETMAXREG.TRY_ALLOC 0xc0 (docs/linear_attention/
+NOTES.md, "FlashInfer's sm90 GDN prefill, read")."""
 
 from __future__ import annotations
 
@@ -36,11 +41,20 @@ def main() -> None:
     g, beta = F.logsigmoid(rnd(1, n * t, hv)), torch.sigmoid(rnd(1, n * t, hv))
     init = rnd(n, hv, 128, 128) * 0.1 if state else None
     cu = torch.arange(0, (n + 1) * t, t, dtype=torch.int32, device="cuda")
+    flashinfer = len(sys.argv) > 6 and sys.argv[6] == "flashinfer"
+    if flashinfer and state:
+        raise SystemExit("flashinfer: state 0 only (its -nostate comparator)")
     for _ in range(3):
-        op.gated_delta_rule(q, k, v, g, beta, initial_state=init, output_final_state=True,
-                            cu_seqlens=cu)  # fmt: skip
+        if flashinfer:  # as bench/suites/gdn_prefill.py calls it: (T, H, K), linear decay
+            from flashinfer import chunk_gated_delta_rule
+
+            chunk_gated_delta_rule(q[0], k[0], v[0], g=g[0].exp(), beta=beta[0],
+                                   cu_seqlens=cu.long())  # fmt: skip
+        else:
+            op.gated_delta_rule(q, k, v, g, beta, initial_state=init, output_final_state=True,
+                                cu_seqlens=cu)  # fmt: skip
     torch.cuda.synchronize()
-    print("done", n, t, h, hv, state)
+    print("done", n, t, h, hv, state, "flashinfer" if flashinfer else "ours")
 
 
 if __name__ == "__main__":

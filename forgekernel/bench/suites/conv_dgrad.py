@@ -6,7 +6,8 @@ on the forward kernel's data-gradient mode, strides of 1 or 2 (not all 1) every 
 launch of the fused kernel (dgrad_kernel.py), stride 3 and up a launch per phase; the shared
 parts are `conv_layers`. Group "moved": other batches of the stride-2 layers whose plan the
 16:45 refit of the fused chooser moved (unmeasured). Variants: `was`, the plan before that refit,
-on the cases it moved without a measurement (`CANDIDATES`).
+on the cases it moved without a measurement (`CANDIDATES`); `as_gemm`, the dense GEMM on the
+stride-1 1x1s (`conv_layers.gemm_variants`).
 
 Registered since its first GPU check passed (2026-12-01).
 """
@@ -112,10 +113,12 @@ CANDIDATES = {
 
 
 def variants(case: Case) -> dict[str, Any]:
-    """The candidate plans of `case` (CANDIDATES; none elsewhere), each run as `run_ours`
-    writes dx: variant time / our time decides their adoption."""
+    """The candidate plans of `case` (CANDIDATES) and `as_gemm` on the unpadded stride-1 1x1s
+    (conv_layers.gemm_variants: the dense GEMM on views of dy, w and dx), each run as
+    `run_ours` writes dx: variant time / our time decides their adoption."""
     plans = CANDIDATES.get(case.name, {}) if case.params["op"] == "dgrad" else {}
-    return {name: functools.partial(run_plan, plan) for name, plan in plans.items()}
+    runs = {name: functools.partial(run_plan, plan) for name, plan in plans.items()}
+    return {**runs, **L.gemm_variants(case)}
 
 
 def run_plan(plan, inputs, out):

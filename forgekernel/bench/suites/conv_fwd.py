@@ -8,7 +8,9 @@ Registered since its first GPU check passed (2026-12-01).
 
 from __future__ import annotations
 
-from forgekernel.bench.suite import OpSuite
+from typing import Any
+
+from forgekernel.bench.suite import Case, OpSuite
 from forgekernel.bench.suites import conv_layers as L
 from forgekernel.kernels.conv.sm90 import SPEC
 
@@ -56,7 +58,14 @@ CHECK_CASES = (
 SANITIZE_CASES = tuple(CHECK_CASES[i] for i in (0, 2, 7, 11, 1, 13))
 
 
+def variants(case: Case) -> dict[str, Any]:
+    """The stem's (conv_layers.stem_variants) and `as_gemm` on the unpadded stride-1 1x1s
+    without bias (conv_layers.gemm_variants: the dense GEMM on views of x, w and y): variant
+    time / our time decides their adoption."""
+    return {**L.stem_variants(case), **L.gemm_variants(case)}
+
+
 def suite() -> OpSuite:
     return L.conv_suite(
-        "conv_fwd", SPEC.sources, CHECK_CASES, BENCH_CASES, SANITIZE_CASES, L.stem_variants
+        "conv_fwd", SPEC.sources, CHECK_CASES, BENCH_CASES, SANITIZE_CASES, variants
     )

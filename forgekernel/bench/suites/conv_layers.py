@@ -229,6 +229,33 @@ def run_stem_fold(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
     return run_stem(inputs, out, kernel=True)
 
 
+def gemm_variants(case: Case) -> dict[str, Any]:
+    """`as_gemm` on the forward and data gradient of an unpadded stride-1 1x1 without bias,
+    channels multiples of 8: the dense GEMM on views of the same tensors (kernels/conv/sm90/
+    launch.py `as_gemm`; its adoption rule there, `ONE_BY_ONE_AS_GEMM`). None on the weight
+    gradient: dw = dy^T x reduces over the pixels, along which neither dy nor x is contiguous,
+    and the GEMM takes A K-major only (a copy of dy or x would cost more than the gap)."""
+    p = case.params
+    one = all(v == 1 for v in (*p["kernel"], *p["stride"])) and not any(p["padding"])
+    if p["op"] == "wgrad" or not one or p["bias"] or p["c"] % 8 or p["k"] % 8:
+        return {}
+    return {"as_gemm": run_as_gemm}
+
+
+def run_as_gemm(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
+    """Ours through the dense GEMM (`gemm_variants`), into `out` as run_ours writes it."""
+    from forgekernel.kernels.conv.sm90 import launch
+
+    op, p = _conv_ops(), inputs["params"]
+    res = alloc_out(inputs) if out is None else out
+    dims = len(p["spatial"])
+    g = op._geometry(dims, p["kernel"], p["stride"], p["padding"], p["dilation"])
+    a, w = op._as5d(inputs["x" if p["op"] == "fwd" else "dy"]), op._as5d(inputs["w"])
+    if not launch.as_gemm(a, w, op._view5d(res), g, dgrad=p["op"] == "dgrad"):
+        raise ValueError(f"{p}: not a 1x1 the dense GEMM takes without a copy")
+    return res
+
+
 def reference(inputs: Inputs) -> torch.Tensor:
     """fp64 reference, returned as fp32 (forgekernel.reference.conv)."""
     ref = importlib.import_module("forgekernel.reference.conv")

@@ -6,6 +6,9 @@ one at 64), the stride-2 downsampling layers, the stem (C = 3) and SD VAE decode
 Ours is the implicit-GEMM weight-gradient kernel (kernels/conv/sm90/wgrad.py: the dense GEMM's
 kernel with dY^T and the im2col of x as operands, split over the pixels); the first GPU check
 (2026-12-01) measured the interim explicit im2col + dense GEMM it replaced.
+No `as_gemm` variant (conv_fwd / conv_dgrad have it on their 1x1s): dw = dy^T x reduces over
+the pixels, along which neither operand is contiguous, and the dense GEMM takes A K-major only
+(docs/conv/NOTES.md, "1x1 convolutions as GEMMs").
 """
 
 from __future__ import annotations

@@ -37,6 +37,10 @@ T = 1).
   itself on the unpadded 1x1s of long reductions (REDUCE_FROM_K_TILES) that the model prefers
   it on (`wgrad_prefers_reduce`), unless torch's deterministic algorithms are on (its parts
   add in arrival order).
+- `as_gemm`: an unpadded stride-1 1x1 convolution without bias as one launch of the dense GEMM
+  on views of the same tensors (forward y = x w^T, data gradient dx = dy w); taken by `fprop` /
+  `dgrad` only where `ONE_BY_ONE_AS_GEMM` says so (off until measured; the bench's `as_gemm`
+  variant runs it).
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ from forgekernel.kernels.conv.sm90.wgrad_config import (
     wgrad_prefers_reduce,
     wgrad_tiles,
 )
+from forgekernel.kernels.gemm.dense.sm90 import launch as gemm_launch
 from forgekernel.kernels.gemm.dense.sm90.launch import stream_k_workspace
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms, on_device, tma_ready
@@ -185,7 +190,11 @@ def fprop(
     16-bit on one device; the geometry's descriptor problem checked by the caller. `config`:
     the tile (and split) to use, chosen when None. A 2-D convolution of few input channels and
     several taps (the stem's C = 3, 7x7) runs as a 1x1 one over its explicit im2col
-    (`few_channels`)."""
+    (`few_channels`); an unpadded 1x1 without bias, the dense GEMM where `ONE_BY_ONE_AS_GEMM`
+    takes it (`as_gemm`)."""
+    if ONE_BY_ONE_AS_GEMM["fwd"] and config is None and bias is None:
+        if as_gemm(x, w, y, geometry, dgrad=False):
+            return
     if few_channels(x, w, geometry):
         cols, one = _im2col(x, geometry, tuple(y.shape[1:4]))
         w_cols = _taps_as_channels(w, cols.shape[-1])
@@ -317,6 +326,48 @@ def _launch(x, w, bias, y, geometry: Geometry, config, dgrad: bool, rect_1x1: bo
         y.copy_(y2[..., :k].reshape(y.shape))
 
 
+# 1x1 convolutions as the dense GEMM (docs/conv/NOTES.md, "1x1 convolutions as GEMMs"), per
+# op, off until measured. The H200 (2026-12-03, graph) ran four of the suite's n32 1x1 forwards
+# at 0.79-0.85x cuDNN on the forward kernel's im2col walk; the GEMM reads x and w by tiled TMAs.
+# Adoption rule: an op's entry turns True when its bench variant `as_gemm` runs >= 3% faster
+# than the standard path (variant time / our time <= 0.97) in both timings, graph and eager, on
+# the cases it covers, and no case more than 2% slower (> 1.02) in either.
+ONE_BY_ONE_AS_GEMM = {"fwd": False, "dgrad": False}
+
+
+def as_gemm(
+    a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, geometry: Geometry, dgrad: bool
+) -> bool:
+    """An unpadded stride-1 1x1 convolution as one launch of the dense GEMM on views (no copy):
+    the forward y (M, K) = x (M, C) w (K, C)^T (a = x, out = y) or, `dgrad`, dx (M, C) = dy
+    (M, K) w (K, C) (a = dy, out = dx; B "kn"), M = N x D x H x W pixels. False, nothing run,
+    where the problem is not one (`gemm_views`): the caller takes the convolution's path."""
+    views = gemm_views(a, w, out, geometry)
+    if views is None:
+        return False
+    gemm_launch.gemm(*views, b_kn=dgrad)
+    return True
+
+
+def gemm_views(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, geometry: Geometry):
+    """(a (M, reduction), w (K, C), out (M, channels)) as 2-D views of a (N, D, H, W, .), w (K,
+    1, 1, 1, C) and out (N, D, H, W, .), or None: a filter other than 1x1x1, a stride or a
+    padding, pixels other than the output's, channels not multiples of 8 (what the bench
+    measures: the GEMM would pad them through copies), or pixels whose strides do not merge."""
+    one = geometry.filter == (1, 1, 1) and geometry.stride == (1, 1, 1)
+    if not one or any(geometry.pad_lo + geometry.pad_hi) or w.shape[1:4] != (1, 1, 1):
+        return None
+    n, d, h, wd, reduction = a.shape
+    aligned = reduction % CHANNEL_ALIGN == 0 and out.shape[-1] % CHANNEL_ALIGN == 0
+    if out.shape[:4] != (n, d, h, wd) or not aligned:
+        return None
+    m = n * d * h * wd
+    try:
+        return a.view(m, reduction), w.view(w.shape[0], -1), out.view(m, out.shape[-1])
+    except RuntimeError:  # strides that do not merge: the convolution's path copies
+        return None
+
+
 def phase_taps(w: torch.Tensor, phase: Phase) -> torch.Tensor:
     """w (K, T, R, S, C) restricted to the taps that reach a data-gradient phase, in their
     own (ascending) order: an arithmetic progression per dim, so a strided view (no copy, no
@@ -349,7 +400,10 @@ def dgrad(
     strides 1 or 2 (not all 1) every phase in one launch of the fused kernel, otherwise a
     launch of the kernel's data-gradient mode per phase on w's phase taps (no copy of w).
     `config`: a forward configuration (the fused kernel takes its `fused_config` variant), a
-    SplitPlan (per phase) or a FusedPlan (fused), or None (chosen)."""
+    SplitPlan (per phase) or a FusedPlan (fused), or None (chosen). An unpadded stride-1 1x1:
+    the dense GEMM where `ONE_BY_ONE_AS_GEMM` takes it (`as_gemm`)."""
+    if ONE_BY_ONE_AS_GEMM["dgrad"] and config is None and as_gemm(dy, w, dx, geometry, True):
+        return
     input_dhw, output_dhw = tuple(dx.shape[1:4]), tuple(dy.shape[1:4])
     fuses = _fuses(geometry, input_dhw, output_dhw)
     if fuses and not isinstance(config, SplitPlan):
