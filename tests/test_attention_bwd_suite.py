@@ -55,7 +55,9 @@ BWD_CLASSES = {"causal-d128", "gqa16", "gqa-short", "non-causal", "d64", "d192-1
 
 def test_bench_samples_every_class_the_backward_offers():
     cases = suite_module.BENCH_CASES + suite_module.VARLEN_BENCH_CASES
-    assert 20 <= len(cases) <= 25 and len({c.name for c in cases}) == len(cases)
+    # 27: the two GQA 16:1 neighbours of b8-hq32-hkv2-s4096 (issue 17, BWD_NOTES.md "GQA 16 at
+    # 4096")
+    assert 20 <= len(cases) <= 27 and len({c.name for c in cases}) == len(cases)
     groups = collections.Counter(c.group for c in cases)
     assert set(groups) == BWD_CLASSES | {"varlen"}
     assert all(groups[g] >= 2 for g in BWD_CLASSES)
@@ -342,13 +344,46 @@ def test_deterministic_cases_are_repeatable_and_timed_beside_the_default():
     assert det and all(c.params["deterministic"] for c in det)
     assert {(c.params["d"], c.params["dv"]) for c in det} == set(DIMS)
     assert any(c.params["hq"] > c.params["hkv"] for c in det)
-    timed = [c for c in SUITE.bench_cases if SUITE.variants_for(c)]
+    timed = [c for c in SUITE.bench_cases if "deterministic" in SUITE.variants_for(c)]
     assert {c.name for c in timed} == {
         "b4-hq16-hkv16-s8192-d128-causal",
         "b4-hq32-hkv4-s8192-d128-causal",
         "b2-hq128-hkv128-s8192-d192-dv128-causal",
     } & {c.name for c in SUITE.bench_cases}
     assert all(set(SUITE.variants_for(c)) == {"deterministic"} for c in timed)
+
+
+def test_gqa16_candidates_are_timed_on_the_gqa16_bench_cases():
+    timed = [c for c in SUITE.bench_cases if c.name in {t.name for t in suite_module.GQA16_TIMED}]
+    assert [c.name for c in timed] == [c.name for c in suite_module.GQA16_TIMED]
+    for c in timed:
+        assert c.group == "gqa16" and c.params["hq"] == 16 * c.params["hkv"]
+        assert set(SUITE.variants_for(c)) == set(suite_module.GQA16_CANDIDATES)
+    assert len(suite_module.GQA16_CANDIDATES) <= 3
+
+
+def test_gqa16_candidate_runs_the_launcher_with_its_config(monkeypatch):
+    """run_config hands the leaf's launcher the D = 128 default with the candidate's knobs, the
+    default softmax scale, deterministic off; the gradients are the launcher's (here the
+    reference's)."""
+    from forgekernel.kernels.attention.bwd.sm90 import launch
+    from forgekernel.kernels.attention.bwd.sm90.config import default_config
+
+    seen = []
+
+    def fake(q, k, v, o, lse, do, dq, dk, dv, scale, causal, deterministic, config=None):
+        inputs = {"q": q, "k": k, "v": v, "do": do, "causal": causal, "softmax_scale": scale}
+        correct_backward(inputs, (dq, dk, dv))
+        seen.append((scale, deterministic, config))
+
+    monkeypatch.setattr(launch, "attention_bwd", fake)
+    case = suite_module._case(1, 16, 1, 300, 128)
+    for name, knobs in suite_module.GQA16_CANDIDATES.items():
+        run = suite_module.variants(suite_module.GQA16_TIMED[0])[name]
+        assert all(c.ok for c in _verify(run, case)), name
+        scale, det, cfg = seen[-1]
+        assert scale == 128**-0.5 and det is False
+        assert cfg == dataclasses.replace(default_config(128, 128), **knobs)
 
 
 def test_the_deterministic_variant_runs_the_op_with_deterministic(cpu_backward):
