@@ -9,7 +9,6 @@ halves), dS^T into shared memory by 8 transposed stmatrix a thread, and dke = U 
 
 from __future__ import annotations
 
-import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -24,12 +23,11 @@ from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.compile import (  #
     compile_gdn_bwd_state,
     kernel_for,
 )
-from forgekernel.runtime.resources import find_tool, inspect_cubin  # noqa: E402
+from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_instructions  # noqa: E402
 
 if find_tool("cuobjdump") is None:
     pytest.skip("cuobjdump not found", allow_module_level=True)
 
-_INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
 CONFIGS = {"bf16": ("bfloat16", False, False), "bf16_dht": ("bfloat16", True, False),
            "fp16_dht": ("float16", True, False), "bf16_dke": ("bfloat16", False, True),
            "fp16_dht_dke": ("float16", True, True)}  # fmt: skip
@@ -54,7 +52,7 @@ def compiled():
                 res = inspect_cubin(cubin)
                 cmd = [find_tool("cuobjdump"), "-sass", str(cubin)]
                 sass = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-            cache[name] = res, _INSTR.findall(sass), kernel.shared_storage.size_in_bytes()
+            cache[name] = res, sass_instructions(sass), kernel.shared_storage.size_in_bytes()
         return cache[name]
 
     return get

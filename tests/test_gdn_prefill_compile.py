@@ -43,12 +43,11 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import (  # noq
     qk_consumer_warps,
     v_consumer_warps,
 )
-from forgekernel.runtime.resources import find_tool, inspect_cubin  # noqa: E402
+from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_instructions  # noqa: E402
 
 if find_tool("cuobjdump") is None:
     pytest.skip("cuobjdump not found", allow_module_level=True)
 
-_INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
 
 CONFIGS = {
     "bf16": {"dtype": "bfloat16"},
@@ -105,7 +104,7 @@ def _compile(dtype: str, **kw) -> tuple[dict, list[tuple[str, str]], int, str]:
         res = inspect_cubin(cubin)
         sass = subprocess.run([find_tool("cuobjdump"), "-sass", str(cubin)],
                               capture_output=True, text=True, check=True).stdout  # fmt: skip
-    return res, _INSTR.findall(sass), kernel.shared_storage.size_in_bytes(), ptx
+    return res, sass_instructions(sass), kernel.shared_storage.size_in_bytes(), ptx
 
 
 @pytest.fixture(scope="module")

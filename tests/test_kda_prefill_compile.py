@@ -33,12 +33,11 @@ from forgekernel.kernels.linear_attention.kda_prefill.sm90.compile import (  # n
     compile_kda_recurrence,
     kernel_for,
 )
-from forgekernel.runtime.resources import find_tool, inspect_cubin  # noqa: E402
+from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_instructions  # noqa: E402
 
 if find_tool("cuobjdump") is None:
     pytest.skip("cuobjdump not found", allow_module_level=True)
 
-_INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
 CONFIGS = {
     "bf16": {"dtype": "bfloat16"},
     "bf16_state": {"dtype": "bfloat16", "initial_state": True},
@@ -70,7 +69,7 @@ def _compile(dtype: str, **kw):
         res = inspect_cubin(cubin)
         sass = subprocess.run([find_tool("cuobjdump"), "-sass", str(cubin)],
                               capture_output=True, text=True, check=True).stdout  # fmt: skip
-    return res, _INSTR.findall(sass), kernel.shared_storage.size_in_bytes(), ptx
+    return res, sass_instructions(sass), kernel.shared_storage.size_in_bytes(), ptx
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +192,7 @@ def compiled_intra():
                 res = inspect_cubin(cubin)
                 cmd = [find_tool("cuobjdump"), "-sass", str(cubin)]
                 sass = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-            ops = [op for op, _ in _INSTR.findall(sass)]
+            ops = [op for op, _ in sass_instructions(sass)]
             cache[dtype] = (res, ops, kernel.shared_storage.size_in_bytes())
         return cache[dtype]
 

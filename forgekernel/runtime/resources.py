@@ -19,6 +19,14 @@ from typing import Any
 
 _RES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 _OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+# An instruction whole: its opcode with the modifiers (LDG.E.128) and its operands.
+_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
+
+
+def sass_instructions(sass: str) -> list[tuple[str, str]]:
+    """(opcode with its modifiers, operands) of each instruction of `cuobjdump -sass` text, in
+    order (the compile tests' per-class counts and operand checks)."""
+    return _INSTRUCTION.findall(sass)
 
 
 def _tool_dirs() -> list[str]:
