@@ -23,7 +23,8 @@ Warp roles (one CTA per (token, head block), 384 threads):
   then dq^T += K^T dS^T on their column blocks (config.DQ_BLOCKS, registers across the tiles)
   and dkv blocks (config.DKV_BLOCKS: 64 x 64 accumulators, two alternating so that one
   block's reductions run under the next one's MMAs). empty[stage] is released (one arrival per
-  consumer warp) once the dq MMAs, the last readers of the stage, are done.
+  consumer warp, after a warp sync: every lane's reads of the row ids come first) once the dq
+  MMAs, the last readers of the stage, are done.
 - at the end each consumer stores its dq^T blocks (q's dtype, scalar stores).
 """
 
@@ -448,6 +449,8 @@ class DsaSparseBwdSm90:
             if const_expr(c < VCHUNK):
                 gemm(mma_kv, acc, tKP[None, None, None, 0], tKdO[None, None, None, c], False, 2)
             if const_expr(j == 0):
+                # the warp's reads of the stage's row ids (every lane's) before lane 0 releases it
+                cute.arch.sync_warp()
                 if lane == 0:
                     cute.arch.mbarrier_arrive(empty_s)
             else:
