@@ -26,6 +26,7 @@ from forgekernel.kernels.attention.fwd.sm90.config import (
     PAGE_BOXES,
     PAGED_HEAD_DIMS,
     PAGED_MIN_SEQLEN_Q,
+    AttnConfig,
     default_config,
     page_box_for,
 )
@@ -103,7 +104,7 @@ def replayed_kernel(params, ran=None):
     (causal) the bottom-right diagonal, softmax in fp64; O and the natural-log LSE. ran: the
     sequences it computed are appended there."""
     p = dict(params)
-    cfg, box, causal = default_config(p["head_dim"], p["head_dim_v"]), p["page_box"], p["causal"]
+    cfg, box, causal = AttnConfig.from_params(p), p["page_box"], p["causal"]
     assert p["varlen"] and box > 0
 
     def fn(q, k, v, o, lse, cu_q, lens, scale_log2, max_q, qgroup, ctas, table):
@@ -280,7 +281,7 @@ def test_paged_prefill_matches_the_reference(cpu_paged_kernel, case, dtype):
     assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-4
     assert not out[~finite.T].any()
     params = cpu_paged_kernel[-1]
-    want_box = page_box_for(ps, default_config(d, d).tile_n)
+    want_box = page_box_for(ps, default_config(d, d, paged=True).tile_n)
     assert params["page_box"] == want_box and params["causal"] == causal
     assert params["dtype"] == ("bfloat16" if dtype == torch.bfloat16 else "float16")
 
@@ -568,7 +569,7 @@ def test_standard_params_cover_the_paged_op():
     paged = [p for p in map(dict, SPEC.standard_params()) if p.get("page_box")]
     keys = {(p["dtype"], p["head_dim"], p["causal"], p["page_box"]) for p in paged}
     for d in PAGED_HEAD_DIMS:
-        tile_n = default_config(d, d).tile_n
+        tile_n = default_config(d, d, paged=True).tile_n
         boxes = {page_box_for(ps, tile_n) for ps in (*PAGE_BOXES, 256)}
         for dtype in ("bfloat16", "float16"):
             for causal in (False, True):

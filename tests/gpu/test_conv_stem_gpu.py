@@ -65,10 +65,11 @@ def _weight_gradient(n, hw, c, k, f, pad, dtype, overlap, kernel=False):
     dy = rnd(n, k, p, p, dtype=dtype, gen=g)
     w_shape = (k, c, f, f)
     kw = {"stride": 2, "padding": pad}
+    # (grad_input, grad_weight, grad_bias): the weight's
     low = torch.ops.aten.convolution_backward(
         dy, x, torch.empty(w_shape, device="cuda", dtype=dtype), None, (2, 2), (pad, pad),
-        (1, 1), False, (0, 0), 1, (False, False, True),
-    )[2]  # fmt: skip
+        (1, 1), False, (0, 0), 1, (False, True, False),
+    )[1]  # fmt: skip
     dw = poisoned(w_shape, dtype)
     geometry = op._geometry(2, (f, f), 2, pad, 1)
     stem.wgrad(op._as5d(dy), op._as5d(x), op._view5d(dw), geometry, overlap, kernel=kernel)

@@ -9,6 +9,7 @@ past each sequence's pages, the combined view, both dtypes and masks."""
 from __future__ import annotations
 
 import importlib
+import math
 
 import pytest
 import torch
@@ -350,3 +351,59 @@ def test_paged_prefill_agrees_with_the_gather_path():
     ref, _ = op._prefill_by_gather(q, k, v, table.clamp(0, k.shape[0] - 1), seq, cu, 300, True,
                                    128**-0.5, None, None, None)  # fmt: skip
     assert float((got.float() - ref.float()).abs().max()) < 2e-2
+
+
+def _merge_ref(op: torch.Tensor, lp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The combine's merge in fp64: (O, natural LSE); splits of no keys (LSE -inf) add nothing
+    whatever their partial rows hold, rows of no keys 0 / -inf."""
+    op, lp = op.double(), lp.double()
+    top = lp.max(0).values
+    finite = top > -math.inf
+    w = torch.where(finite, torch.exp2(lp - torch.where(finite, top, 0.0)), 0.0)
+    total = w.sum(0)
+    o = (w[..., None] * torch.where((w > 0)[..., None], op, 0.0)).sum(0)
+    o = torch.where(finite[..., None], o / torch.where(finite, total, 1.0)[..., None], 0.0)
+    return o, torch.where(finite, (top + torch.log2(total)) * math.log(2), -math.inf)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128, 256, 512])
+@pytest.mark.parametrize("splits", [1, 2, 7, 128, 300])
+@pytest.mark.parametrize("rows, heads", [(1, 16), (3, 100), (40, 32)])
+def test_combine_kernel_matches_the_merge(rows, heads, splits, d, dtype):
+    """The combine alone (D 512 under mla_decode's key, the others attention_paged's): 1 .. 300
+    splits (300: two chunks of SPLIT_CAP weights), splits 1, 4, 7, ... of row 0 and every split
+    of the last (row, head) without keys (LSE -inf, partial rows NaN), LSEs over 2^+-40; rows x
+    heads of 16, 300 and 1280 (a row's column chunks over 4, 3 and 1 CTAs at D 512); out
+    NaN-poisoned, the LSE a transposed view. One split: the partial row bit for bit."""
+    from forgekernel.kernels.attention.mla.sm90 import SPEC as MLA_SPEC
+    from forgekernel.kernels.attention.mla.sm90 import params_for as mla_params
+    from forgekernel.kernels.attention.paged.sm90 import SPEC, params_for
+    from forgekernel.runtime.cache import get_kernel
+
+    name = "bfloat16" if dtype == torch.bfloat16 else "float16"
+    if d == 512:
+        combine = get_kernel(MLA_SPEC, mla_params("combine", name))
+    else:
+        combine = get_kernel(SPEC, params_for("combine", name, d))
+    g = torch.Generator(device="cuda").manual_seed(splits + d)
+    op = torch.randn(splits, rows, heads, d, device="cuda", generator=g)
+    lp = torch.randn(splits, rows, heads, device="cuda", generator=g) * 12.0
+    lp[1::3, 0] = -math.inf
+    lp[:, -1, -1] = -math.inf  # the last (row, head): no keys at all
+    op[lp == -math.inf] = math.nan
+    out = torch.full((rows, heads, d), math.nan, device="cuda", dtype=dtype)
+    lse = torch.full((heads, rows), math.nan, device="cuda").t()
+    combine(op, lp, out, lse)
+    want, want_lse = _merge_ref(op, lp)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert torch.equal(out[-1, -1].float(), torch.zeros(d, device="cuda"))
+    assert lse[-1, -1] == -math.inf
+    err = float((out.double() - want).abs().max())
+    assert err <= 2**-7 * float(want.abs().max()) + 1e-5, err
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert float((lse.double()[finite] - want_lse[finite]).abs().max()) < 1e-4
+    if splits == 1:
+        ok = lp[0] > -math.inf
+        assert torch.equal(out[ok], op[0][ok].to(dtype))

@@ -23,7 +23,9 @@ Warp roles (one CTA per (token, head block), 384 threads):
   then dq^T += K^T dS^T on their column blocks (config.DQ_BLOCKS, registers across the tiles)
   and dkv blocks (config.DKV_BLOCKS: 64 x 64 accumulators, two alternating so that one
   block's reductions run under the next one's MMAs). empty[stage] is released (one arrival per
-  consumer warp) once the dq MMAs, the last readers of the stage, are done.
+  consumer thread: racecheck orders a thread's loads of the row ids before the producer's
+  next stores only through that thread's own arrive, not a warp's lane 0 after a warp sync;
+  H200 2026-12-03) once the dq MMAs, the last readers of the stage, are done.
 - at the end each consumer stores its dq^T blocks (q's dtype, scalar stores).
 """
 
@@ -55,7 +57,7 @@ from forgekernel.kernels.attention.dsa_sparse_bwd.sm90.config import (
     stages,
 )
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
-from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG, WARP_SIZE
+from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
 from forgekernel.kernels.common.sm90.layout import rows_cols, transposed
 from forgekernel.kernels.common.sm90.mma import gemm
 from forgekernel.kernels.common.sm90.pipeline import smem_tensor
@@ -216,7 +218,7 @@ class DsaSparseBwdSm90:
         if tidx == 0:
             for s in cutlass.range_constexpr(self.stages):
                 cute.arch.mbarrier_init(full + s, THREADS_PER_WG)
-                cute.arch.mbarrier_init(empty + s, CONSUMER_THREADS // WARP_SIZE)
+                cute.arch.mbarrier_init(empty + s, CONSUMER_THREADS)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -296,7 +298,6 @@ class DsaSparseBwdSm90:
         sKV, sQ, sdO, sP, sdS, sRows, sX = sm
         mma_sdp, mma_kv, mma_dq = mmas
         ltid = ctid % THREADS_PER_WG
-        lane = ctid % WARP_SIZE
         if const_expr(self.xchg):
             sc = self._xchg_setup(mLse2, mDelta, sKV, sQ, sdO, mma_sdp, token, h0, ltid, w)
         else:
@@ -335,7 +336,7 @@ class DsaSparseBwdSm90:
                 gemm(mma_dq, dq_accs[j], tQK[None, None, None, s * NCHUNK + b],
                      tQdS[None, None, None, 0], False, -1)  # fmt: skip
             self._dkv_blocks(mma_kv, kv_accs, (tKdS, tKP, tKQ, tKdO), kv_crd, rids, mdKV, w,
-                             empty + s, lane)  # fmt: skip
+                             empty + s)  # fmt: skip
         self._store_dq(mdQ, dq_accs, t_dq, token, h0, w)
 
     @cute.jit
@@ -434,7 +435,7 @@ class DsaSparseBwdSm90:
 
     @cute.jit
     def _dkv_blocks(self, mma_kv, kv_accs, frags, kv_crd, rids, mdKV, w: cutlass.Constexpr[int],
-                    empty_s, lane):  # fmt: skip
+                    empty_s):  # fmt: skip
         """This warpgroup's dkv blocks of the tile: block j's MMAs issued, then block j - 1's
         reductions (its MMAs done); the stage released once block 0's MMAs (and the dq MMAs
         issued before them) are done."""
@@ -448,8 +449,7 @@ class DsaSparseBwdSm90:
             if const_expr(c < VCHUNK):
                 gemm(mma_kv, acc, tKP[None, None, None, 0], tKdO[None, None, None, c], False, 2)
             if const_expr(j == 0):
-                if lane == 0:
-                    cute.arch.mbarrier_arrive(empty_s)
+                cute.arch.mbarrier_arrive(empty_s)  # every thread: its own reads of the row ids
             else:
                 self._reduce(kv_accs[(j - 1) % 2], kv_crd, rids, mdKV, blocks[j - 1])
         warpgroup.wait_group(0)

@@ -58,7 +58,7 @@ def _paged_params() -> list[Params]:
         for d in PAGED_HEAD_DIMS
         for causal in (False, True)
         for box in PAGE_BOXES
-        if box <= default_config(d, d).tile_n
+        if box <= default_config(d, d, paged=True).tile_n
     ]
 
 

@@ -31,18 +31,22 @@ class AttnConfig:
     tile takes the next one's shortest; fixed length outside L2 sections only (ignored for
     varlen and paged). A load-balance model puts the busiest CTA of D=256 b4 hq16 s4096
     causal at 6.2% over the mean plain, 0.8% snaked (FA4, not persistent, gets the
-    hardware's dynamic dispatch). Unmeasured: docs/attention/NOTES.md, "D=256 and 192/128
-    after split_softmax".
+    hardware's dynamic dispatch). H200 2026-12-03, FA4 time / ours on that case: 128x80
+    0.903 plain, 0.990 snaked; 128x64 0.912 plain, 0.929 snaked; D=128 and D=64 gain under
+    the rule's 1% in one of their two cases, so it stays off there.
 
     o_direct: O goes from registers straight to global memory (32-bit stores of column
     pairs, rows past Sq skipped) instead of through shared memory and one TMA store, so
     Q's buffer frees once the mainloop ends and the next tile's Q loads under the epilogue,
     as when O has its own buffer; it matters where O would share Q's buffer (D=256 always,
-    192/128 at 128x128). Unmeasured, like `snake`.
+    192/128 at 128x128). H200 2026-12-03, FA4 time / ours: 192/128 0.950 against 0.922,
+    D=256 0.875 against 0.912 (128x64); not yet timed together with 192/128's 40 MiB
+    sections.
 
     l2_kv_mib: the K and V MiB of one L2 section of heads, where the tile order uses sections
     (`scheduler.longest_first`, L2_KV_BUDGET = 24 MiB: 4 heads at 192/128 s8192; FA4 takes
-    8, 40 MiB here). Unmeasured.
+    8, 40 MiB here). H200 2026-12-03, 192/128 b2 hq128 s8192 causal: 0.977 of FA4 at 40 MiB
+    against 0.922 at 24.
 
     Variants measured and dropped from the kernel are listed in docs/attention/NOTES.md."""
 
@@ -92,14 +96,22 @@ def smem_bytes(cfg: AttnConfig, head_dim: int, head_dim_v: int, elem_bytes: int 
 # One CTA per SM (the consumer warpgroups take the whole register file), so shared memory
 # only bounds stages. D=64: three consumer warpgroups (192-row tiles, FA3's choice), 3 stages
 # (1.022 of FA4 against 0.932 for 128x128); D=96 and D=128: two, 2 stages, O in its own
-# buffer; D=256: 64-key tiles (80 keys: 2% slower); D=192/Dv=128: O shares Q's buffer, O
-# rescaled before the S GEMM issue (after it: 5% slower). H200 figures: docs/attention/NOTES.md.
+# buffer; D=256: 80-key tiles in snake order (0.990 of FA4 against 0.912 for 64-key tiles
+# in tile order); D=192/Dv=128: O shares Q's buffer, O rescaled before the S GEMM issue
+# (after it: 5% slower), L2 sections of 40 MiB (0.977 against 0.922 at 24). H200 figures:
+# docs/attention/NOTES.md.
 _DEFAULTS = {
     (64, 64): AttnConfig(tile_m=192, tile_n=128, stages=3),
     (96, 96): AttnConfig(tile_n=128, stages=2),
     (128, 128): AttnConfig(tile_n=128, stages=2),
+    (256, 256): AttnConfig(tile_n=80, stages=2, snake=True),
+    (192, 128): AttnConfig(tile_n=128, stages=2, late_rescale=False, l2_kv_mib=40),
+}
+# The paged mode's, where they differ: its K / V tiles load one TMA box a page, and a box
+# must divide both the tile and the page (`page_box_for`); 80-key tiles would gather pages of
+# 32 to 128 rows, so D=256 keeps 64-key tiles there (snake is off in the paged mode anyway).
+_PAGED_DEFAULTS = {
     (256, 256): AttnConfig(tile_n=64, stages=2),
-    (192, 128): AttnConfig(tile_n=128, stages=2, late_rescale=False),
 }
 
 
@@ -124,8 +136,10 @@ def page_box_for(page_size: int, tile_n: int) -> int:
     return box
 
 
-def default_config(head_dim: int, head_dim_v: int) -> AttnConfig:
-    """The analytical default for a head-dim pair (no tuning at call time)."""
+def default_config(head_dim: int, head_dim_v: int, paged: bool = False) -> AttnConfig:
+    """The default for a head-dim pair (no tuning at call time); `paged`: the paged mode's."""
+    if paged and (head_dim, head_dim_v) in _PAGED_DEFAULTS:
+        return _PAGED_DEFAULTS[(head_dim, head_dim_v)]
     try:
         return _DEFAULTS[(head_dim, head_dim_v)]
     except KeyError:
@@ -146,7 +160,7 @@ def params_for(
     """The compile key's baked-in part, as a sorted tuple of (name, value). page_box > 0: K
     and V from a paged cache, one TMA box of page_box rows per page of a tile (varlen
     queries; `page_box_for`)."""
-    cfg = cfg or default_config(head_dim, head_dim_v)
+    cfg = cfg or default_config(head_dim, head_dim_v, paged=page_box > 0)
     key = {
         "dtype": dtype,
         "head_dim": head_dim,

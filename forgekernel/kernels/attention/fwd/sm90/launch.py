@@ -81,7 +81,7 @@ def clear_plans() -> None:
 def paged_box(page_size: int, head_dim: int) -> int:
     """The TMA box rows the paged mode loads a cache of `page_size` rows with, under the head
     dim's key tiles; 0: not a paged-kernel page size (config.page_box_for)."""
-    return page_box_for(page_size, default_config(head_dim, head_dim).tile_n)
+    return page_box_for(page_size, default_config(head_dim, head_dim, paged=True).tile_n)
 
 
 def _no_keys(o: torch.Tensor, lse: torch.Tensor) -> None:

@@ -19,7 +19,7 @@ from cutlass.cute.runtime import make_fake_tensor
 from forgekernel.kernels.attention.mla.sm90.config import D_LATENT, D_ROPE, FP8_SCALE_COLUMNS
 from forgekernel.kernels.attention.mla.sm90.decode import MlaDecodeSm90
 from forgekernel.kernels.attention.mla.sm90.seesaw import MlaSeesawSm90
-from forgekernel.kernels.attention.paged.sm90.combine import PagedCombineSm90
+from forgekernel.kernels.attention.paged.sm90.combine import PagedCombineSm90, partials_o
 from forgekernel.kernels.common.sm90 import fake
 
 
@@ -44,7 +44,7 @@ def _combine(dtype, opts: str):
     o, lse = _outputs(dtype, cute.sym_int32(), cute.sym_int32())
     return cute.compile(
         PagedCombineSm90(D_LATENT),
-        _dense(cutlass.Float32, 4),
+        partials_o(),
         _dense(cutlass.Float32, 3),
         o,
         lse,

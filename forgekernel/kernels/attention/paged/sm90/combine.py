@@ -8,9 +8,10 @@ sq = cu_seqlens_q[b + 1] - cu_seqlens_q[b] query tokens (q packed (total_q, Hq, 
 seeing keys j <= sk - sq + i when causal (bottom-right); partial outputs are per query row,
 (splits, total_q, Hq, D).
 
-Combine pass, grid (Hq, rows), 128 threads: O = sum_s 2^(lse_s - lse) O_s, lse = log2 sum_s
-2^lse_s; O 0 and LSE -inf where no split saw a key; LSE returned natural (x ln 2). A plan of
-one split skips it: the partial pass writes the final O and LSE itself (`write_split`)."""
+Combine pass (`PagedCombineSm90`): O = sum_s 2^(lse_s - top) O_s / sum_s 2^(lse_s - top), top
+= max_s lse_s, lse = top + log2 sum_s 2^(lse_s - top); O 0 and LSE -inf where no split saw a
+key; LSE returned natural (x ln 2). A plan of one split skips it: the partial pass writes the
+final O and LSE itself (`write_split`)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
+from cutlass.memory import SmemAllocator
 
 from forgekernel.kernels.attention.paged.sm90.config import THREADS, WARPS
-from forgekernel.kernels.common.sm90.constants import LN2
+from forgekernel.kernels.common.sm90 import fake
+from forgekernel.kernels.common.sm90.constants import LN2, NUM_SMS_H100_H200
 
 
 @cute.jit
@@ -69,11 +72,79 @@ def write_split(
                     mLp[split, token, head] = lse
 
 
+# The combine's shape. A CTA takes one (row, head); its THREADS threads are groups of COLS / 4
+# (a warp at D >= 128, half a warp at D 64), each thread one 16-byte vector of a split's COLS
+# columns, group g adding splits g, g + groups, ... UNROLL at a time (software-pipelined: see
+# `_accumulate`), the groups' sums then added in group order through shared memory. A row's
+# D / COLS column chunks are spread over `spread` CTAs (grid z), each walking chunks z, z +
+# spread, ...: as many as fit one wave of WAVE_CTAS with the rows x heads (b1-h16 at D 512:
+# 64 CTAs where one CTA a row pulled 256 KB of partials through each of 16 SMs at 128 splits;
+# b16-h128: 2048 CTAs, one a row, the LSE pass not repeated 4 times). SPLIT_CAP splits'
+# weights fit in shared memory at once; more go a chunk at a time.
+COLS = 128
+UNROLL = 4  # 54 registers at D 512, 61 at D 64 / 128 (8: 86 at D 512, 5 CTAs an SM)
+SPLIT_CAP = 256
+WAVE_CTAS = NUM_SMS_H100_H200 * 8  # 8 CTAs an SM at <= 64 registers x 128 threads
+
+
+def partials_o() -> cute.Tensor:
+    """The combine's compile-time view of the partial O (splits, rows, Hq, D) fp32: sizes and
+    outer strides dynamic, rows 16-byte aligned (the launchers' scratch: runtime/scratch.py
+    carves each buffer from a 16-byte boundary, D a multiple of 4), for its 16-byte loads."""
+    shape = tuple(cute.sym_int32() for _ in range(4))
+    return fake.rowmajor(cutlass.Float32, shape, divisibility=4)
+
+
+@cute.jit
+def _block_reduce(value, op, s_red, tidx):
+    """`op` (max or add) of `value` over the CTA's THREADS threads, the result in every thread;
+    s_red: WARPS floats of shared memory no other reduction uses while this one runs."""
+    value = cute.arch.warp_reduction(value, op)
+    if tidx % 32 == 0:
+        s_red[tidx // 32] = value
+    cute.arch.sync_threads()
+    value = s_red[0]
+    for w in cutlass.range_constexpr(1, WARPS):
+        value = op(value, s_red[w])
+    return value
+
+
+@cute.jit
+def _weight(lse, top):
+    """A split's weight 2^(lse - top): 0 for a split of no keys, and for every split where no
+    split saw a key (top -inf: -inf - -inf would be NaN)."""
+    w = Float32(0.0)
+    if top != -Float32.inf:
+        w = cute.math.exp2(lse - top, fastmath=True)
+    return w
+
+
 class PagedCombineSm90:
-    """The combine pass; see the module docstring."""
+    """The combine pass: grid (Hq, rows, spread), THREADS threads; see the module docstring for
+    what it computes and COLS for how the threads share the work.
+
+    1. Every thread reads splits tidx, tidx + THREADS, ... of the row's LSE (all in flight: no
+       chain over the splits), keeps them in shared memory, and the CTA reduces their max
+       (shuffles, then WARPS values in shared memory); each thread then turns its splits into
+       weights 2^(lse - top) in place and the CTA sums them (fp32, the same max shift as the
+       partial pass's merge).
+    2. Per column chunk: group g walks its splits, acc += w_s O_s in fp32, a split of weight 0
+       adding 0 (its partial row may be stale: never read into the sum). Past SPLIT_CAP
+       splits the weights are remade a chunk of splits at a time from the LSEs.
+    3. The groups' sums meet in shared memory; thread c < COLS adds column c's in group order,
+       divides by the sum of weights and stores it in the output dtype; one thread the LSE.
+
+    One split: weight exp2(0) = 1, sum 1, O_0 + 0 ... = O_0, LSE lse_0 x ln 2: what the direct
+    forms write (tests/gpu/test_mla_gpu.py's bit-for-bit comparison)."""
 
     def __init__(self, head_dim: int):
         self.d = head_dim
+        self.cols = min(head_dim, COLS)
+        self.chunks = head_dim // self.cols
+        self.vecs = self.cols // 4  # a group's threads: one 16-byte vector of a split each
+        self.groups = THREADS // self.vecs
+        if head_dim % self.cols or THREADS % self.vecs:
+            raise ValueError(f"head dim {head_dim}: a multiple of {COLS}, or 64")
 
     @cute.jit
     def __call__(
@@ -84,36 +155,134 @@ class PagedCombineSm90:
         mLSE: cute.Tensor,
         stream: cuda.CUstream,
     ):
-        """mOp fp32 (splits, rows, Hq, D), mLp fp32 (splits, rows, Hq) log2; mO (rows, Hq, D)
-        16-bit; mLSE fp32 (rows, Hq) (any strides: (Hq, rows) storage seen transposed),
-        natural log. rows: B, or total_q with query tokens."""
+        """mOp fp32 (splits, rows, Hq, D), rows 16-byte aligned (base and strides); mLp fp32
+        (splits, rows, Hq) log2; mO (rows, Hq, D) 16-bit, rows contiguous; mLSE fp32 (rows, Hq)
+        (any strides: (Hq, rows) storage seen transposed), natural log. rows: B, or total_q
+        with query tokens."""
+
+        @cute.struct
+        class Shared:
+            w: cute.struct.Align[cute.struct.MemRange[Float32, SPLIT_CAP], 16]
+            acc: cute.struct.Align[cute.struct.MemRange[Float32, 4 * THREADS], 16]
+            red: cute.struct.MemRange[Float32, 2 * WARPS]  # the max's, then the sum's
+
+        self.shared = Shared
+        units = cutlass.max(mO.shape[0] * mO.shape[1], 1)
+        spread = cutlass.max(cutlass.min(WAVE_CTAS // units, self.chunks), 1)
         self.kernel(mOp, mLp, mO, mLSE).launch(
-            grid=(mO.shape[1], mO.shape[0], 1), block=[THREADS, 1, 1], stream=stream
+            grid=(mO.shape[1], mO.shape[0], spread), block=[THREADS, 1, 1], stream=stream
         )
 
     @cute.kernel
     def kernel(self, mOp: cute.Tensor, mLp: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
-        head, b, _ = cute.arch.block_idx()
+        head, b, first = cute.arch.block_idx()
+        _, _, spread = cute.arch.grid_dim()
+        storage = SmemAllocator().allocate(self.shared)
+        sW = storage.w.get_tensor(cute.make_layout(SPLIT_CAP))
+        sAcc = storage.acc.get_tensor(cute.make_layout((self.cols, self.groups)))
+        sRed = storage.red.get_tensor(cute.make_layout((WARPS, 2), stride=(1, WARPS)))
         splits = mLp.shape[0]
+        gL = mLp[None, b, head]
+
         top = -Float32.inf
-        for s in cutlass.range(splits):
-            top = cute.arch.fmax(top, mLp[s, b, head])
+        for s in cutlass.range(tidx, splits, THREADS):
+            lse = gL[s]
+            if s < SPLIT_CAP:
+                sW[s] = lse
+            top = cute.arch.fmax(top, lse)
+        top = _block_reduce(top, cute.arch.fmax, sRed[None, 0], tidx)
         total = Float32(0.0)
-        if top != -Float32.inf:
-            for s in cutlass.range(splits):
-                total += cute.math.exp2(mLp[s, b, head] - top, fastmath=True)
-        for d in cutlass.range(tidx, self.d, THREADS):
-            acc = Float32(0.0)
-            if total > 0.0:
-                # unrolled: the splits' loads in flight together (a latency chain otherwise)
-                for s in cutlass.range(splits, unroll=4):
-                    w = cute.math.exp2(mLp[s, b, head] - top, fastmath=True)
-                    acc += w * mOp[s, b, head, d]
-                acc = acc / total
-            mO[b, head, d] = acc.to(mO.element_type)
-        if tidx == 0:
+        for s in cutlass.range(tidx, splits, THREADS):  # each thread its own splits' slots
+            lse = Float32(0.0)
+            if s < SPLIT_CAP:
+                lse = sW[s]
+            else:
+                lse = gL[s]
+            w = _weight(lse, top)
+            if s < SPLIT_CAP:
+                sW[s] = w
+            total += w
+        # (its barrier also hands every thread the weights)
+        total = _block_reduce(total, lambda x, y: x + y, sRed[None, 1], tidx)
+
+        group = tidx // self.vecs
+        vec = tidx - group * self.vecs
+        gO = mOp[None, b, head, None]
+        for chunk in cutlass.range(first, self.chunks, spread):
+            acc = cute.make_rmem_tensor(4, Float32)
+            acc.fill(0.0)
+            if total > 0.0:  # uniform over the CTA: no split saw a key, nothing to read
+                for c0 in cutlass.range(0, splits, SPLIT_CAP):
+                    n = cutlass.min(splits - c0, SPLIT_CAP)
+                    # sW holds splits [0, SPLIT_CAP)'s weights until a later chunk's replace them
+                    if c0 > 0 or (chunk != first and splits > SPLIT_CAP):
+                        cute.arch.sync_threads()  # every thread done with the last weights
+                        for s in cutlass.range(tidx, n, THREADS):
+                            sW[s] = _weight(gL[c0 + s], top)
+                        cute.arch.sync_threads()
+                    where = (gO, sW, c0, n)
+                    self._accumulate(acc, where, group, chunk * self.vecs + vec)
+            cute.autovec_copy(acc, cute.local_tile(sAcc[None, group], (4,), (vec,)))
+            cute.arch.sync_threads()
+            if tidx < self.cols:
+                o = sAcc[tidx, 0]
+                for g in cutlass.range_constexpr(1, self.groups):
+                    o = o + sAcc[tidx, g]
+                out = Float32(0.0)
+                if total > 0.0:
+                    out = o / total
+                mO[b, head, chunk * self.cols + tidx] = out.to(mO.element_type)
+            cute.arch.sync_threads()  # sAcc read before the next chunk writes it
+        if tidx == 0 and first == 0:
             lse = -Float32.inf
             if total > 0.0:
                 lse = (top + cute.math.log2(total, fastmath=True)) * LN2
             mLSE[b, head] = lse
+
+    @cute.jit
+    def _accumulate(self, acc, where, group, vec):
+        """acc += w_s O_s[4 vec : 4 vec + 4] over this group's splits of the chunk, in split
+        order. where = (gO (splits, D), sW, first split c0, splits n of the chunk). Blocks of
+        UNROLL splits a group, software-pipelined: block k + 1's loads are issued before block
+        k's FMAs, which use registers loaded an iteration earlier. (Loads and FMAs of one block
+        in one iteration: ptxas interleaves them, each FMA chain waiting on its load before the
+        next load issues, 1-2 loads in flight; `cutlass.range`'s unroll keeps an exit test
+        between its copies: one.) Past the chunk's end the index clamps to its last split,
+        weight 0; the last iteration reloads its own block (L1)."""
+        gO, sW, c0, n = where
+        blocks = cute.ceil_div(n, self.groups * UNROLL)
+        ws = cute.make_rmem_tensor(UNROLL, Float32)
+        vals = cute.make_rmem_tensor((4, UNROLL), Float32)
+        cur_ws = cute.make_rmem_tensor(UNROLL, Float32)
+        cur = cute.make_rmem_tensor((4, UNROLL), Float32)
+        self._load_block((gO, sW, c0, n), 0, group, vec, (ws, vals))
+        for k in cutlass.range(blocks):
+            for u in cutlass.range_constexpr(UNROLL):
+                cur_ws[u] = ws[u]
+                for j in cutlass.range_constexpr(4):
+                    cur[j, u] = vals[j, u]
+            ahead = cutlass.min(k + 1, blocks - 1)
+            self._load_block((gO, sW, c0, n), ahead, group, vec, (ws, vals))
+            for u in cutlass.range_constexpr(UNROLL):
+                for j in cutlass.range_constexpr(4):
+                    o = cur[j, u]
+                    if cur_ws[u] == 0.0:  # a split of no keys: its row may be stale, even NaN
+                        o = Float32(0.0)
+                    acc[j] = acc[j] + cur_ws[u] * o
+
+    @cute.jit
+    def _load_block(self, where, k, group, vec, dst):
+        """Block k's UNROLL splits of this group (split k x groups x UNROLL + u x groups +
+        group, clamped to the chunk's last): weights from shared memory (0 past the end) and
+        one 16-byte load of partial O each, into dst = (ws, vals)."""
+        gO, sW, c0, n = where
+        ws, vals = dst
+        for u in cutlass.range_constexpr(UNROLL):
+            i = (k * UNROLL + u) * self.groups + group
+            at = cutlass.min(i, n - 1)
+            w = sW[at]
+            if i >= n:
+                w = Float32(0.0)
+            ws[u] = w
+            cute.autovec_copy(cute.local_tile(gO[c0 + at, None], (4,), (vec,)), vals[None, u])

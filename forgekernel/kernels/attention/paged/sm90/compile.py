@@ -8,7 +8,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_tensor
 
-from forgekernel.kernels.attention.paged.sm90.combine import PagedCombineSm90
+from forgekernel.kernels.attention.paged.sm90.combine import PagedCombineSm90, partials_o
 from forgekernel.kernels.attention.paged.sm90.decode import PagedDecodeSm90
 from forgekernel.kernels.common.sm90 import fake
 
@@ -37,7 +37,7 @@ def compile_paged(params: dict, arch: str = "sm_90a", extra_options: str = ""):
         o, lse = final(b)
         return cute.compile(
             PagedCombineSm90(d),
-            _dense(cutlass.Float32, 4),
+            partials_o(),
             _dense(cutlass.Float32, 3),
             o,
             lse,
