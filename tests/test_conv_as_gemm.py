@@ -93,21 +93,33 @@ def test_the_variant_gives_the_reference(kernels, kind, n, c, k, spatial):
     assert kernels[0][1]["b_kn"] is (kind == "dgrad")
 
 
-def test_off_by_default(kernels):
-    """No op takes the GEMM unless its entry is turned on: the forward and the data gradient
-    of a 1x1 run the convolution kernel."""
-    assert launch.ONE_BY_ONE_AS_GEMM == {"fwd": False, "dgrad": False}
+def test_the_measured_rule(kernels):
+    """The forward takes the GEMM from 256 input and 128 output channels (measured, launch.py
+    `ONE_BY_ONE_AS_GEMM`), the data gradient never: a small 1x1 of either op and a forward of
+    K = 64 run the convolution kernel, a C = 256 K = 128 forward the GEMM."""
+    assert launch.ONE_BY_ONE_AS_GEMM == {"fwd": (256, 128), "dgrad": None}
     fwd, dgrad = (_inputs(kind, 2, 16, 24, (6, 6), BF16) for kind in ("fwd", "dgrad"))
     op.conv2d(fwd["x"], fwd["w"])
     op.conv2d_dgrad(dgrad["dy"], dgrad["w"], (2, 16, 6, 6))
+    narrow = _inputs("fwd", 1, 256, 64, (4, 4), BF16)
+    op.conv2d(narrow["x"], narrow["w"])
+    big = _inputs("dgrad", 1, 256, 128, (4, 4), BF16)
+    op.conv2d_dgrad(big["dy"], big["w"], (1, 256, 4, 4))
     assert {name for name, _ in kernels} == {"conv_fprop_sm90"}
+    kernels.clear()
+    wide = _inputs("fwd", 1, 256, 128, (4, 4), BF16)
+    got = op.conv2d(wide["x"], wide["w"])
+    torch.testing.assert_close(got.float(), L.reference(wide), rtol=8e-3, atol=1e-2)
+    assert [name for name, _ in kernels] == ["gemm_dense_sm90"]
 
 
 @pytest.mark.parametrize("kind", ["fwd", "dgrad"])
 def test_the_route_when_on(kernels, monkeypatch, kind):
-    """With its entry on, an op's 1x1 goes to the GEMM through the public API (the result the
-    reference), the other op stays on the convolution kernel; a forward with bias stays too."""
-    monkeypatch.setitem(launch.ONE_BY_ONE_AS_GEMM, kind, True)
+    """With its entry on for every size, an op's 1x1 goes to the GEMM through the public API (the
+    result the reference), the other op (off) stays on the convolution kernel; a forward with
+    bias stays too."""
+    monkeypatch.setitem(launch.ONE_BY_ONE_AS_GEMM, kind, (0, 0))
+    monkeypatch.setitem(launch.ONE_BY_ONE_AS_GEMM, "dgrad" if kind == "fwd" else "fwd", None)
     inputs = _inputs(kind, 3, 24, 40, (13, 11), BF16)
     if kind == "fwd":
         got = op.conv2d(inputs["x"], inputs["w"])

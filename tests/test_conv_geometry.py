@@ -367,7 +367,7 @@ def test_a_split_reduction_is_the_convolution_and_its_gradient(monkeypatch, per_
 @pytest.mark.parametrize(
     "c, f, pad, stride, dil, pad_hi",
     [
-        (3, (1, 7, 7), (0, 3, 3), (1, 2, 2), (1, 1, 1), None),  # ResNet's stem
+        (3, (1, 7, 7), (0, 3, 3), (1, 1, 1), (1, 1, 1), None),  # a stride-1 7x7 (the stem folds)
         (5, (1, 3, 2), (0, 1, 0), (1, 1, 2), (1, 2, 1), (0, 2, 1)),  # asymmetric padding
         (16, (1, 2, 2), (0, 0, 0), (1, 1, 1), (1, 1, 1), None),
     ],

@@ -286,8 +286,8 @@ def test_the_stem_im2col_is_one_copy(kernel_calls, pad):
     assert cols.shape == (2, 1, *out[1:], 152)
     w = torch.randn(64, 1, 7, 7, 3, dtype=BF16)
     y = torch.empty(2, *out, 64, dtype=BF16)
-    launch.fprop(x, w, None, y, g)
-    launch.wgrad(torch.randn_like(y), x, w.clone(), g)
+    launch.fprop_im2col(x, w, None, y, g)
+    launch.wgrad_im2col(torch.randn_like(y), x, w.clone(), g)
     # the forward reads (x, w, y, ...), the weight gradient (dy, x, dw, ...): the columns, or
     # their view as one plane of 8-pixel rows (an unpadded 1x1 over a multiple of 8 pixels)
     (_, fwd), (_, grad) = kernel_calls

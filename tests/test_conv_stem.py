@@ -215,18 +215,18 @@ def test_the_stem_launches_the_standard_kernels_on_the_view(monkeypatch):
 
 
 def test_the_suites_time_the_fold_on_the_stem(models):
-    """conv_fwd and conv_wgrad offer `stem_direct` / `stem_copy` / `stem_fold` on the ResNet
+    """conv_fwd and conv_wgrad offer `stem_copy` / `im2col` on the ResNet
     stem and on no case the fold does not take; the variants compute the case (a small stem,
     on the models)."""
     from forgekernel.bench.suites import conv_fwd, conv_layers, conv_wgrad
 
     for suite in (conv_fwd.suite(), conv_wgrad.suite()):
-        stems = [c.name for c in suite.bench_cases if suite.variants_for(c).get("stem_direct")]
+        stems = [c.name for c in suite.bench_cases if suite.variants_for(c).get("im2col")]
         assert stems == ["n32-c3-224x224-k64-7x7-s2"]
     for kind in ("fwd", "wgrad"):
         case = conv_layers.conv_case(kind, 2, 3, 8, (15, 14), 7, 2, bias=kind == "fwd")
         variants = conv_layers.stem_variants(case)
-        assert sorted(variants) == ["stem_copy", "stem_direct", "stem_fold"]
+        assert sorted(variants) == ["im2col", "stem_copy"]
         inputs = conv_layers.make_inputs(case, torch.bfloat16, torch.device("cpu"), None)
         want = conv_layers.reference(inputs).double()
         for run in variants.values():
@@ -282,3 +282,43 @@ def test_the_fold_kernel_writes_what_torch_writes(models, n, c, hw, k, f, lo, hi
         ("conv_stem_fold_sm90", {"channels": c, "dtype": "bfloat16", "half": fold.pixel // 2})
     ]
     assert torch.equal(with_kernel, stem.fold_input(x, fold, overlap=False))
+
+
+def test_the_launcher_runs_the_stem_by_its_fold(monkeypatch):
+    """launch.fprop / launch.wgrad on a stem (C = 3, 7x7, stride 2, odd map): the fold kernel,
+    then the standard kernel on the folded view, the results the fp64 references'; given a
+    config, or at stride 1, the im2col path (no fold)."""
+    calls = []
+
+    def get_kernel(spec, params):
+        model = emulate.stand_in(spec, params)
+
+        def fn(*args):
+            calls.append(spec.name)
+            return model(*args)
+
+        return fn
+
+    launch.clear_plans()
+    monkeypatch.setattr(launch, "get_kernel", get_kernel)
+    gen = torch.Generator().manual_seed(11)
+    x, w = _cl(_rnd(2, 3, 23, 21, gen=gen)), _rnd(16, 3, 7, 7, gen=gen)
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    want = F.conv2d(x64, w64, stride=2, padding=3)
+    g = op._geometry(2, (7, 7), 2, 3, 1)
+    y = torch.empty(2, 1, *want.shape[2:], 16, dtype=torch.bfloat16)
+    launch.fprop(op._as5d(x), op._as5d(w), None, y, g)
+    _assert_rounded(y[:, 0].permute(0, 3, 1, 2), want.detach())
+    dy = _rnd(*y.shape, gen=gen)
+    want.backward(dy[:, 0].permute(0, 3, 1, 2).double())
+    dw = torch.empty(16, 1, 7, 7, 3, dtype=torch.bfloat16)
+    launch.wgrad(dy, op._as5d(x), dw, g)
+    _assert_rounded(dw[:, 0].permute(0, 3, 1, 2), w64.grad)
+    fold = "conv_stem_fold_sm90"
+    assert calls == [fold, SPEC.name, fold, WGRAD_SPEC.name]
+    calls.clear()
+    g1 = op._geometry(2, (7, 7), 1, 3, 1)
+    y1 = torch.empty(2, 1, 23, 21, 16, dtype=torch.bfloat16)
+    launch.fprop(op._as5d(x), op._as5d(w), None, y1, g1)
+    assert calls == [SPEC.name]
+    launch.clear_plans()

@@ -180,12 +180,11 @@ def run_ours(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
 
 
 def stem_variants(case: Case) -> dict[str, Any]:
-    """`stem_direct` / `stem_copy` / `stem_fold` on the cases the stem fold takes
-    (kernels/conv/sm90/stem.py `fits`: 2-D, C <= 8, stride 2, several taps; ResNet's C = 3
-    7x7): the forward or weight gradient as the stride-1 R' x 1 convolution of 64 channels over
-    the folded x, read through its overlapping view (`stem_direct`), a compact copy of that
-    view (`stem_copy`: the fallback if TMA refuses the view), or the view of a fold written by
-    the fold kernel (fold.py) instead of torch's fill and copy (`stem_fold`).
+    """On the cases the stem fold takes (kernels/conv/sm90/stem.py `fits`: 2-D, C <= 8, stride
+    2, several taps; ResNet's C = 3 7x7), which the launcher runs as the stride-1 R' x 1
+    convolution of 64 channels over the fold kernel's fold of x, read through an overlapping
+    view: `stem_copy`, a compact copy of that view (the fallback if TMA refuses the view), and
+    `im2col`, the path before the fold (a 1x1 convolution over the explicit im2col).
     docs/conv/NOTES.md, "The stem as its own kernel"."""
     p = case.params
     if p["op"] == "dgrad" or len(p["spatial"]) != 2:
@@ -196,7 +195,22 @@ def stem_variants(case: Case) -> dict[str, Any]:
     w = torch.empty(p["k"], 1, *p["kernel"], p["c"], device="meta")
     if not stem.fits(x, w, _stem_geometry(p)):
         return {}
-    return {"stem_direct": run_stem, "stem_copy": run_stem_copy, "stem_fold": run_stem_fold}
+    return {"stem_copy": run_stem_copy, "im2col": run_im2col}
+
+
+def run_im2col(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
+    """Ours on the stem's explicit im2col (`stem_variants`), into `out` as run_ours writes it."""
+    from forgekernel.kernels.conv.sm90 import launch
+
+    op, p = _conv_ops(), inputs["params"]
+    res = alloc_out(inputs) if out is None else out
+    g = _stem_geometry(p)
+    if p["op"] == "fwd":
+        x, w = op._as5d(inputs["x"]), op._as5d(inputs["w"])
+        launch.fprop_im2col(x, w, inputs.get("bias"), op._view5d(res), g)
+    else:
+        launch.wgrad_im2col(op._as5d(inputs["dy"]), op._as5d(inputs["x"]), op._view5d(res), g)
+    return res
 
 
 def _stem_geometry(p: dict):

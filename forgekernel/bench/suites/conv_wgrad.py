@@ -46,7 +46,7 @@ SANITIZE_CASES = (CHECK_CASES[0], CHECK_CASES[2], CHECK_CASES[6])
 
 
 def variants(case: Case) -> dict[str, Any]:
-    """`stem_direct` / `stem_copy` / `stem_fold` on the stem (conv_layers.stem_variants: the fold of
+    """`stem_copy` / `im2col` on the stem (conv_layers.stem_variants: ours runs it by the fold of
     kernels/conv/sm90/stem.py); `reduce`: the reduce split (kernels/conv/sm90/wgrad.py
     `_reduce_part`: every part bulk-reduce-adds its fp32 tile into one sum slot a tile, the
     last part reads that slot alone; its plan from `wgrad_config.choose_wgrad_reduce`) on the

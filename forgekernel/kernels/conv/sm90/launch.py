@@ -11,8 +11,10 @@ T = 1).
   (16-byte rows) run zero-padded (zero channels add nothing; extra output channels are
   dropped), and an output the kernel cannot write in place (not compact, or padded) goes
   through a scratch buffer. A split's fp32 partials and per-tile flags are the stream's
-  stream-K workspace. A 2-D convolution of few channels (the stem) runs as a 1x1 one over its
-  im2col (`few_channels`), in the forward (rectangles allowed) and the weight gradient.
+  stream-K workspace. A 2-D convolution of few channels (`few_channels`): the stem (C <= 8,
+  stride 2) as the stride-1 convolution of its space-to-depth fold (stem.py, the fold kernel),
+  the others as a 1x1 one over its im2col, in the forward (rectangles allowed) and the weight
+  gradient.
 - `dgrad`: the data gradient as stride-1 forward convolutions of dy, one per output phase
   (`geometry.dgrad_phases`). Stride 1: one launch of the kernel's data-gradient mode, which
   reads W (K, T, R, S, C) itself (N-major, taps reversed in the kernel); a 1x1 filter's on the
@@ -39,8 +41,8 @@ T = 1).
   add in arrival order).
 - `as_gemm`: an unpadded stride-1 1x1 convolution without bias as one launch of the dense GEMM
   on views of the same tensors (forward y = x w^T, data gradient dx = dy w); taken by `fprop` /
-  `dgrad` only where `ONE_BY_ONE_AS_GEMM` says so (off until measured; the bench's `as_gemm`
-  variant runs it).
+  `dgrad` where `ONE_BY_ONE_AS_GEMM` says so (the forward from 256 input and 128 output
+  channels, the data gradient never: measured; the bench's `as_gemm` variant runs it).
 """
 
 from __future__ import annotations
@@ -189,18 +191,39 @@ def fprop(
     """y = conv(x, w) (+ bias) written into y (any (N, Z, P, Q, K) view); x, w, bias (K,) alike
     16-bit on one device; the geometry's descriptor problem checked by the caller. `config`:
     the tile (and split) to use, chosen when None. A 2-D convolution of few input channels and
-    several taps (the stem's C = 3, 7x7) runs as a 1x1 one over its explicit im2col
-    (`few_channels`); an unpadded 1x1 without bias, the dense GEMM where `ONE_BY_ONE_AS_GEMM`
+    several taps (`few_channels`): the stem (C <= 8, stride 2; ResNet's C = 3 7x7) by its fold
+    where no config is given (`_stem`), the rest as a 1x1 one over its explicit im2col
+    (`fprop_im2col`); an unpadded 1x1 without bias, the dense GEMM where `ONE_BY_ONE_AS_GEMM`
     takes it (`as_gemm`)."""
-    if ONE_BY_ONE_AS_GEMM["fwd"] and config is None and bias is None:
+    if config is None and bias is None and _takes_gemm("fwd", x.shape[-1], y.shape[-1]):
         if as_gemm(x, w, y, geometry, dgrad=False):
             return
     if few_channels(x, w, geometry):
-        cols, one = _im2col(x, geometry, tuple(y.shape[1:4]))
-        w_cols = _taps_as_channels(w, cols.shape[-1])
-        _launch(cols, w_cols, bias, y, one, config, dgrad=False, rect_1x1=True)
+        if config is None and _stem().fits(x, w, geometry):
+            _stem().fprop(x, w, bias, y, geometry, kernel=True)
+        else:
+            fprop_im2col(x, w, bias, y, geometry, config)
         return
     _launch(x, w, bias, y, geometry, config, dgrad=False, rect_1x1=False)
+
+
+def fprop_im2col(x, w, bias, y, geometry: Geometry, config=None) -> None:
+    """`fprop` of a few-channel convolution as a 1x1 one over its explicit im2col: C 9-16, a
+    given config, and the bench's `im2col` variant on the stem."""
+    cols, one = _im2col(x, geometry, tuple(y.shape[1:4]))
+    w_cols = _taps_as_channels(w, cols.shape[-1])
+    _launch(cols, w_cols, bias, y, one, config, dgrad=False, rect_1x1=True)
+
+
+# The stem (stem.py `fits`: 2-D, C <= 8, stride 2, several taps; ResNet's C = 3 7x7) runs as
+# the stride-1 convolution of its space-to-depth fold, written by the fold kernel, where no
+# tile or plan is asked for; the im2col where one is, and for C 9-16. H200 2026-12-03 (graph /
+# eager, n32-c3-224x224-k64-7x7-s2, the fold as the variant `stem_fold` against the im2col
+# path): forward 0.186x / 0.206x the im2col path's time, weight gradient 0.239x / 0.257x.
+def _stem():
+    from forgekernel.kernels.conv.sm90 import stem  # stem.py imports this module
+
+    return stem
 
 
 # A 2-D convolution with at most this many input channels (padded to 8) and at least
@@ -327,12 +350,23 @@ def _launch(x, w, bias, y, geometry: Geometry, config, dgrad: bool, rect_1x1: bo
 
 
 # 1x1 convolutions as the dense GEMM (docs/conv/NOTES.md, "1x1 convolutions as GEMMs"), per
-# op, off until measured. The H200 (2026-12-03, graph) ran four of the suite's n32 1x1 forwards
-# at 0.79-0.85x cuDNN on the forward kernel's im2col walk; the GEMM reads x and w by tiled TMAs.
-# Adoption rule: an op's entry turns True when its bench variant `as_gemm` runs >= 3% faster
-# than the standard path (variant time / our time <= 0.97) in both timings, graph and eager, on
-# the cases it covers, and no case more than 2% slower (> 1.02) in either.
-ONE_BY_ONE_AS_GEMM = {"fwd": False, "dgrad": False}
+# op: None (never), or the least (reduction, output) channels from which the op takes the GEMM.
+# Adoption rule: the bench variant `as_gemm` runs faster than the standard path (variant time /
+# our time < 1) in both timings, graph and eager, on every bench case the entry covers, and
+# >= 3% faster on most. H200 2026-12-03 (graph / eager, n32 ResNet 1x1s): forward, C >= 256 and
+# K >= 128: 0.973 / 0.974 (c256-56x56-k128), 0.875 / 0.911 (c256-14x14-k1024), 0.945 / 0.944
+# (c1024-k256), 0.964 / 0.969 (c1024-k512); left on the conv kernel: K = 64 (1.40 / 1.27 at
+# C = 64, 1.15 / 1.11 at C = 256), c64-k256 (0.975 / 0.983, under 3%). Data gradient (reduction
+# K, output C): 0.974 / 0.984 and 0.982 / 0.985 at C = 256, 1.42 / 1.27 and 1.14 / 1.11 at C =
+# 64: under the 3% everywhere, off.
+ONE_BY_ONE_AS_GEMM: dict[str, tuple[int, int] | None] = {"fwd": (256, 128), "dgrad": None}
+
+
+def _takes_gemm(kind: str, reduction: int, channels: int) -> bool:
+    """Whether `kind`'s unpadded 1x1 of `reduction` input and `channels` output channels goes to
+    the dense GEMM (`ONE_BY_ONE_AS_GEMM`)."""
+    least = ONE_BY_ONE_AS_GEMM[kind]
+    return least is not None and reduction >= least[0] and channels >= least[1]
 
 
 def as_gemm(
@@ -402,8 +436,9 @@ def dgrad(
     `config`: a forward configuration (the fused kernel takes its `fused_config` variant), a
     SplitPlan (per phase) or a FusedPlan (fused), or None (chosen). An unpadded stride-1 1x1:
     the dense GEMM where `ONE_BY_ONE_AS_GEMM` takes it (`as_gemm`)."""
-    if ONE_BY_ONE_AS_GEMM["dgrad"] and config is None and as_gemm(dy, w, dx, geometry, True):
-        return
+    if config is None and _takes_gemm("dgrad", dy.shape[-1], dx.shape[-1]):
+        if as_gemm(dy, w, dx, geometry, True):
+            return
     input_dhw, output_dhw = tuple(dx.shape[1:4]), tuple(dy.shape[1:4])
     fuses = _fuses(geometry, input_dhw, output_dhw)
     if fuses and not isinstance(config, SplitPlan):
@@ -564,19 +599,29 @@ def wgrad(
     long 1x1s, REDUCE_FROM_K_TILES, unless torch's deterministic algorithms are on). C or K not a
     multiple of 8 run zero-padded; a dw the kernel cannot write in place goes through a
     scratch buffer."""
-    k, c = dw.shape[0], dw.shape[-1]
+    k = dw.shape[0]
     m = dy.numel() // max(k, 1)
     if m == 0 or dw.numel() == 0:
         dw.zero_()
         return
-    if few_channels(x, dw, geometry):  # the stem: the 1x1 weight gradient over the im2col
-        cols, one = _im2col(x, geometry, tuple(dy.shape[1:4]))
-        dw_cols = dw.new_empty(k, 1, 1, 1, cols.shape[-1])
-        _wgrad_launch(dy, cols, dw_cols, one, plan, reduce, auto=False)  # reduce unmeasured
-        width = dw.shape[2] * dw.shape[3] * c
-        dw.copy_(dw_cols.view(k, -1)[:, :width].view(dw.shape))
+    if few_channels(x, dw, geometry):  # the stem: its fold (`_stem`), else the im2col
+        if plan is None and not reduce and _stem().fits(x, dw, geometry):
+            _stem().wgrad(dy, x, dw, geometry, kernel=True)
+        else:
+            wgrad_im2col(dy, x, dw, geometry, plan, reduce)
         return
     _wgrad_launch(dy, x, dw, geometry, plan, reduce)
+
+
+def wgrad_im2col(dy, x, dw, geometry: Geometry, plan=None, reduce: bool = False) -> None:
+    """`wgrad` of a few-channel convolution as the 1x1 weight gradient over its im2col (C 9-16,
+    a given plan, the bench's `im2col` variant on the stem)."""
+    k, c = dw.shape[0], dw.shape[-1]
+    cols, one = _im2col(x, geometry, tuple(dy.shape[1:4]))
+    dw_cols = dw.new_empty(k, 1, 1, 1, cols.shape[-1])
+    _wgrad_launch(dy, cols, dw_cols, one, plan, reduce, auto=False)  # reduce unmeasured
+    width = dw.shape[2] * dw.shape[3] * c
+    dw.copy_(dw_cols.view(k, -1)[:, :width].view(dw.shape))
 
 
 def _one_plane(t: torch.Tensor, m: int) -> torch.Tensor | None:
