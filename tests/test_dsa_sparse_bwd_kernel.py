@@ -127,16 +127,17 @@ def test_preprocess_contract_gives_the_reference(sink, dlse):
 
 
 def test_switch(monkeypatch):
+    """The kernel by default; FORGEKERNEL_DSA_BWD_KERNEL=0 the interim path; other values
+    raise."""
     monkeypatch.delenv(dsa_bwd.KERNEL_ENV, raising=False)
+    assert dsa_bwd.kernel_selected()
+    monkeypatch.setenv(dsa_bwd.KERNEL_ENV, "0")
     assert not dsa_bwd.kernel_selected()
-    with dsa_bwd.preferring_kernel():
-        assert dsa_bwd.kernel_selected()
-        monkeypatch.setenv(dsa_bwd.KERNEL_ENV, "0")
-        assert not dsa_bwd.kernel_selected()
     monkeypatch.setenv(dsa_bwd.KERNEL_ENV, "1")
     assert dsa_bwd.kernel_selected()
-    monkeypatch.delenv(dsa_bwd.KERNEL_ENV)
-    assert not dsa_bwd.kernel_selected()  # the context restored the default
+    monkeypatch.setenv(dsa_bwd.KERNEL_ENV, "yes")
+    with pytest.raises(ValueError, match="must be '0' or '1'"):
+        dsa_bwd.kernel_selected()
 
 
 def test_selected_kernel_falls_back_where_it_cannot_run(monkeypatch):
