@@ -22,10 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's forgekernel
 
 from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import launch  # noqa: E402
-from forgekernel.ops.dsa_bwd import (  # noqa: E402
-    dsa_sparse_attention_backward,
-    preferring_kernel,
-)
+from forgekernel.ops.dsa_bwd import dsa_sparse_attention_backward  # noqa: E402
 from forgekernel.runtime.timing import time_interleaved  # noqa: E402
 
 WIDTH, LATENT = 576, 512
@@ -45,14 +42,13 @@ def main(s: int = 4096, h: int = 16, topk: int = 2048, s_kv: int = 8192) -> None
     args = (q, kv, dout, out, lse, None, sink, idx, scale)
 
     def op():
-        with preferring_kernel():
-            return dsa_sparse_attention_backward(
-                q[..., :LATENT], q[..., LATENT:], cache, None, idx, dout, softmax_scale=scale,
-                out=out, lse=lse, attn_sink=sink,
-            )  # fmt: skip
+        return dsa_sparse_attention_backward(
+            q[..., :LATENT], q[..., LATENT:], cache, None, idx, dout, softmax_scale=scale,
+            out=out, lse=lse, attn_sink=sink,
+        )  # fmt: skip
 
     fns = {
-        "op (kernel preferred)": op,
+        "op (the kernel)": op,
         "launcher": lambda: launch.dsa_sparse_bwd(*args),
         "launcher, no reductions": lambda: launch.dsa_sparse_bwd(*args, reduce=False),
         "launcher, xchg": lambda: launch.dsa_sparse_bwd(*args, xchg=True),
