@@ -39,13 +39,26 @@ def _compiled(params) -> tuple[dict, Counter]:
     ops = Counter(op.split(".")[0] for op in _OP.findall(sass))
     ops["RED_V2"] = sass.count("REDG.E.ADD.F32x2")
     ops["DEPBAR0"] = sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0")
+    ops["STS_64"] = sass.count("STS.64 ")
     return res, ops
 
 
 @pytest.mark.parametrize("xchg", [False, True])
 @pytest.mark.parametrize("block", config.BLOCKS)
 def test_sparse_bwd_kernel(block, xchg):
-    res, ops = _compiled(config.params_for("bfloat16", block, xchg=xchg))
+    _check_kernel(block, xchg, False)
+
+
+@pytest.mark.parametrize("xchg", [False, True])
+def test_sparse_bwd_kernel_bulk(xchg):
+    """The bulk candidate (block 16): the same WGMMAs and gather, the dkv blocks by
+    cp.reduce.async.bulk (UBLKRED: one elected issue per dkv block in the SASS, looping over
+    the lanes of the warp's 16 rows) from 64-bit shared-memory stores, no red.global."""
+    _check_kernel(16, xchg, True)
+
+
+def _check_kernel(block, xchg, bulk):
+    res, ops = _compiled(config.params_for("bfloat16", block, xchg=xchg, bulk=bulk))
     assert res["spill_bytes"] == 0 and ops["LDL"] == ops["STL"] == 0
     k = block // 16  # k-steps of a dkv block
     n_dq = [len(b) for b in config.DQ_BLOCKS]
@@ -57,7 +70,12 @@ def test_sparse_bwd_kernel(block, xchg):
     q_rows = block // 16  # 16 rows a pass of 128 threads, 8 a row
     assert ops["LDGSTS"] == config.NCHUNK * (q_rows + 4) + 8 * q_rows
     acc_pairs = config.TILE * config.CHUNK // 128 // 2  # v2 reductions a thread, a dkv block
-    assert ops["RED_V2"] == ops["REDG"] == acc_pairs * config.NCHUNK
+    if bulk:
+        assert ops["RED_V2"] == ops["REDG"] == 0
+        assert ops["UBLKRED"] == config.NCHUNK
+        assert ops["STS_64"] == acc_pairs * config.NCHUNK
+    else:
+        assert ops["RED_V2"] == ops["REDG"] == acc_pairs * config.NCHUNK
     assert ops["DEPBAR0"] <= 8  # the tiles' waits, not one per WGMMA
 
 
