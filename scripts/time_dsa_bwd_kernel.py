@@ -9,7 +9,8 @@ zeroed accumulator, kernel); the launcher with the probe build whose dkv reducti
 (`params_for(..., reduce=False)`: the MMA / gather / softmax side alone); the same two for the
 `xchg` candidate (S^T in one warpgroup, dP^T in the other); at H = 16 the `bulk` candidate
 (dkv blocks staged in shared memory, added by cp.reduce.async.bulk), alone, with xchg and
-without reductions; the preprocess alone.
+without reductions, and the `red4` probe candidate (the same staging, red.global.add.v4.f32
+by the warps); the preprocess alone.
 The kernel at 5504 FLOP per (token, head, entry). Build first: `python3 -m forgekernel build
 --only dsa_sparse_bwd_sm90 --candidates`."""
 
@@ -30,17 +31,18 @@ from forgekernel.runtime.timing import time_interleaved  # noqa: E402
 WIDTH, LATENT = 576, 512
 
 
-def _bulk_agrees(args) -> bool:
-    """One call of the bulk candidate (not yet GPU-tested when this line was written) against
-    the default build: its lines are timed only if dq and dkv agree within 2e-2 of the largest
-    entry (fp32 atomics in another order; a fault here stops the probe before any timing)."""
+def _agrees(args, name: str) -> bool:
+    """One call of candidate `name` (bulk, red4: not yet GPU-tested when these lines were
+    written) against the default build: its lines are timed only if dq and dkv agree within
+    2e-2 of the largest entry (fp32 atomics in another order; a fault here stops the probe
+    before any timing)."""
     want = launch.dsa_sparse_bwd(*args)
-    got = launch.dsa_sparse_bwd(*args, bulk=True)
+    got = launch.dsa_sparse_bwd(*args, **{name: True})
     torch.cuda.synchronize()
     errs = [float((a - b).abs().max() / (b.abs().max() + 1e-6)) for a, b in zip(got, want)]
     ok = all(e <= 2e-2 for e in errs)
     verdict = "timed" if ok else "SKIPPED"
-    print(f"bulk vs default: dq, dkv, d_sink relative errors {errs} ({verdict})")
+    print(f"{name} vs default: dq, dkv, d_sink relative errors {errs} ({verdict})")
     return ok
 
 
@@ -70,12 +72,14 @@ def main(s: int = 4096, h: int = 16, topk: int = 2048, s_kv: int = 8192) -> None
         "launcher, xchg": lambda: launch.dsa_sparse_bwd(*args, xchg=True),
         "xchg, no reductions": lambda: launch.dsa_sparse_bwd(*args, reduce=False, xchg=True),
     }
-    if h == 16 and _bulk_agrees(args):  # the bulk candidate is built at block 16 only
+    if h == 16 and _agrees(args, "bulk"):  # bulk and red4 are built at block 16 only
         fns |= {
             "launcher, bulk": lambda: launch.dsa_sparse_bwd(*args, bulk=True),
             "bulk, xchg": lambda: launch.dsa_sparse_bwd(*args, xchg=True, bulk=True),
             "bulk, no reductions": lambda: launch.dsa_sparse_bwd(*args, reduce=False, bulk=True),
         }
+    if h == 16 and _agrees(args, "red4"):
+        fns["launcher, red4"] = lambda: launch.dsa_sparse_bwd(*args, red4=True)
     fns |= {
         "preprocess": lambda: launch.preprocess(out, dout, lse, None, sink),
     }

@@ -40,6 +40,7 @@ def _compiled(params) -> tuple[dict, Counter]:
     ops["RED_V2"] = sass.count("REDG.E.ADD.F32x2")
     ops["DEPBAR0"] = sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0")
     ops["STS_64"] = sass.count("STS.64 ")
+    ops["RED_V4"] = sass.count("REDG.E.ADD.F32x4")
     return res, ops
 
 
@@ -57,8 +58,14 @@ def test_sparse_bwd_kernel_bulk(xchg):
     _check_kernel(16, xchg, True)
 
 
-def _check_kernel(block, xchg, bulk):
-    res, ops = _compiled(config.params_for("bfloat16", block, xchg=xchg, bulk=bulk))
+def test_sparse_bwd_kernel_red4():
+    """The red4 probe candidate (block 16): the same staging, read back by 128-bit loads into
+    `red.global.add.v4.f32` (8 a thread a dkv block), no v2 reductions."""
+    _check_kernel(16, False, False, red4=True)
+
+
+def _check_kernel(block, xchg, bulk, red4=False):
+    res, ops = _compiled(config.params_for("bfloat16", block, xchg=xchg, bulk=bulk, red4=red4))
     assert res["spill_bytes"] == 0 and ops["LDL"] == ops["STL"] == 0
     k = block // 16  # k-steps of a dkv block
     n_dq = [len(b) for b in config.DQ_BLOCKS]
@@ -70,7 +77,10 @@ def _check_kernel(block, xchg, bulk):
     q_rows = block // 16  # 16 rows a pass of 128 threads, 8 a row
     assert ops["LDGSTS"] == config.NCHUNK * (q_rows + 4) + 8 * q_rows
     acc_pairs = config.TILE * config.CHUNK // 128 // 2  # v2 reductions a thread, a dkv block
-    if bulk:
+    if red4:
+        assert ops["RED_V2"] == 0 and ops["RED_V4"] == ops["REDG"] == acc_pairs // 2 * config.NCHUNK
+        assert ops["STS_64"] == acc_pairs * config.NCHUNK
+    elif bulk:
         assert ops["RED_V2"] == ops["REDG"] == 0
         assert ops["UBLKRED"] == config.NCHUNK
         assert ops["STS_64"] == acc_pairs * config.NCHUNK

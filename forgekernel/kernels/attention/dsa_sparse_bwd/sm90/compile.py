@@ -31,6 +31,7 @@ def compile_sparse_bwd(params: dict, arch: str = "sm_90a", extra_options: str = 
             not params.get("noreduce", False),
             params.get("xchg", False),
             params.get("bulk", False),
+            params.get("red4", False),
         ),
         fake.rowmajor(dtype, (tokens, heads, WIDTH)),
         fake.rowmajor(dtype, (slots, WIDTH)),

@@ -102,7 +102,14 @@ def _rows_cols(t: cute.Tensor) -> cute.Tensor:
 class DsaSparseBwdSm90:
     """See the module docstring; `block` is BLOCK (the heads of one CTA, the WGMMAs' N)."""
 
-    def __init__(self, block: int, reduce: bool = True, xchg: bool = False, bulk: bool = False):
+    def __init__(
+        self,
+        block: int,
+        reduce: bool = True,
+        xchg: bool = False,
+        bulk: bool = False,
+        red4: bool = False,
+    ):
         self.block = block
         self.stages = stages(block)
         # xchg (a candidate): warpgroup 1 computes S^T, warpgroup 2 dP^T, all heads each (the K
@@ -114,6 +121,13 @@ class DsaSparseBwdSm90:
         # bulk (a candidate, block 16): dkv blocks staged per warp in shared memory and added by
         # cp.reduce.async.bulk (the TMA unit) instead of red.global.add.v2 from the registers
         self.bulk = bulk
+        # red4 (a probe candidate, block 16): the same staging, then each warp reads it back by
+        # rows and issues red.global.add.v4.f32 (two rows = four full lines an instruction
+        # against the default's eight one-sector lines): in the warps' stream, as the default
+        self.red4 = red4
+        if bulk and red4:
+            raise ValueError("bulk and red4 are two forms of the same reductions: pick one")
+        self.staged = bulk or red4
 
     def _setup(self, dt):
         k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
@@ -194,7 +208,7 @@ class DsaSparseBwdSm90:
                 cute.struct.MemRange[Float32, BULK_WARPS * BULK_ROWS * BULK_STRIDE], 128
             ]
 
-        self.shared = SharedBulk if const_expr(self.bulk) else Shared
+        self.shared = SharedBulk if const_expr(self.staged) else Shared
         grid = (mQ.shape[0], mQ.shape[1] // self.block, 1)
         self.kernel(
             mQ, mKV, mdO, mLse2, mDelta, mIdx, mdQ, mdKV, scale_log2, scale, self.mma_sdp,
@@ -244,7 +258,7 @@ class DsaSparseBwdSm90:
             # bulk: the consumer warps' dkv staging buffers (warp, row, column); else unused
             cute.make_tensor(
                 cute.recast_ptr(
-                    storage.red.data_ptr() if const_expr(self.bulk) else storage.p.data_ptr(),
+                    storage.red.data_ptr() if const_expr(self.staged) else storage.p.data_ptr(),
                     dtype=Float32,
                 ),
                 cute.make_layout(
@@ -358,7 +372,8 @@ class DsaSparseBwdSm90:
         dq_accs = [cute.make_rmem_tensor(dq_shape, Float32) for _ in DQ_BLOCKS[w]]
         for acc in dq_accs:
             acc.fill(0.0)
-        rids = cute.make_rmem_tensor(3, Int32)  # the two rows' ids (r, r + 8); bulk: lane's row
+        # the two rows' ids (r, r + 8); bulk: the lane's row; red4: rows 2 k + lane // 16
+        rids = cute.make_rmem_tensor(10 if const_expr(self.red4) else 3, Int32)
         lane = ctid % 32
         # bulk: this warp's staging buffer; lane l < 16 adds row 16 (warp in warpgroup) + l
         red = (sRed[ctid // 32, None, None], lane, 16 * (ltid // 32) + lane % BULK_ROWS)
@@ -376,6 +391,9 @@ class DsaSparseBwdSm90:
                 rids[h] = sRows[kv_crd[2 * h][0], s]
             if const_expr(self.bulk):
                 rids[2] = sRows[red[2], s]
+            if const_expr(self.red4):
+                for k in cutlass.range_constexpr(8):
+                    rids[2 + k] = sRows[16 * (ltid // 32) + 2 * k + lane // 16, s]
             for j, b in enumerate(DQ_BLOCKS[w]):
                 gemm(mma_dq, dq_accs[j], tQK[None, None, None, s * NCHUNK + b],
                      tQdS[None, None, None, 0], False, -1)  # fmt: skip
@@ -508,6 +526,8 @@ class DsaSparseBwdSm90:
         bulk: `_reduce_bulk`."""
         if const_expr(self.bulk):
             self._reduce_bulk(acc, kv_crd, rids, mdKV, c, red)
+        elif const_expr(self.red4):
+            self._reduce_v4(acc, kv_crd, rids, mdKV, c, red)
         else:
             self._reduce_v2(acc, kv_crd, rids, mdKV, c)
 
@@ -531,13 +551,7 @@ class DsaSparseBwdSm90:
         sw, lane, _ = red
         cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.sync_warp()
-        for i in cutlass.range_constexpr(0, cute.size(acc), 2):
-            r, col = kv_crd[i]
-            off = (r % BULK_ROWS) * BULK_STRIDE + col
-            ptr = cute.make_ptr(Float32, (sw.iterator + off).toint(), cute.AddressSpace.smem,
-                                assumed_align=8)  # fmt: skip
-            pair = cute.make_tensor(acc.iterator + i, cute.make_layout(2)).load()
-            cute.make_tensor(ptr, cute.make_layout(2)).store(pair)
+        self._stage(acc, kv_crd, sw)
         cute.arch.fence_view_async_shared()  # st.shared, then the bulk copies' reads
         cute.arch.sync_warp()
         ok = rids[2] >= 0 if const_expr(self.reduce) else rids[2] == -2  # ids are >= -1
@@ -546,6 +560,37 @@ class DsaSparseBwdSm90:
                 dst = mdKV[rids[2], None].iterator + c * CHUNK
                 bulk_reduce_add_f32(dst, sw.iterator + lane * BULK_STRIDE, CHUNK * 4)
                 cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def _stage(self, acc, kv_crd, sw):
+        """This thread's fragment of the block -> the warp's (16, 72) staging buffer."""
+        for i in cutlass.range_constexpr(0, cute.size(acc), 2):
+            r, col = kv_crd[i]
+            off = (r % BULK_ROWS) * BULK_STRIDE + col
+            ptr = cute.make_ptr(Float32, (sw.iterator + off).toint(), cute.AddressSpace.smem,
+                                assumed_align=8)  # fmt: skip
+            pair = cute.make_tensor(acc.iterator + i, cute.make_layout(2)).load()
+            cute.make_tensor(ptr, cute.make_layout(2)).store(pair)
+
+    @cute.jit
+    def _reduce_v4(self, acc, kv_crd, rids, mdKV, c: cutlass.Constexpr[int], red):
+        """red4: the warp's 16 rows of the block staged, read back two rows at a time (lane l:
+        row 2 k + l // 16, columns 4 (l % 16) ...) and added by `red.global.add.v4.f32`."""
+        sw, lane, _ = red
+        cute.arch.sync_warp()  # every lane's reads of the previous block are done
+        self._stage(acc, kv_crd, sw)
+        cute.arch.sync_warp()
+        col = (lane % 16) * 4
+        for k in cutlass.range_constexpr(8):
+            off = (2 * k + lane // 16) * BULK_STRIDE + col
+            ptr = cute.make_ptr(Float32, (sw.iterator + off).toint(), cute.AddressSpace.smem,
+                                assumed_align=16)  # fmt: skip
+            quad = cute.make_tensor(ptr, cute.make_layout(4)).load()
+            rid = rids[2 + k]
+            ok = rid >= 0 if const_expr(self.reduce) else rid == -2  # ids are >= -1
+            if ok:
+                cute.arch.red(mdKV[rid, None].iterator + (c * CHUNK + col), quad, op="add",
+                              dtype=Float32, sem="relaxed", scope="gpu")  # fmt: skip
 
     @cute.jit
     def _store_dq(self, mdQ, dq_accs, t_dq, token, h0, w: cutlass.Constexpr[int]):
