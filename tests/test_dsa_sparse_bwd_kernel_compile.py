@@ -124,6 +124,10 @@ def test_fragment_coordinates_the_kernel_assumes():
                                                (config.TILE, config.CHUNK))  # fmt: skip
         crd = kv.get_slice(5).partition_C(cute.make_identity_tensor((config.TILE, config.CHUNK)))
         seen["kv"] = [crd[i] for i in range(cute.size(crd))]
+        for tid in (37, 69, 127):  # the bulk / red4 staging: warp w's rows are 16 w .. 16 w + 15
+            crd = kv.get_slice(tid).partition_C(
+                cute.make_identity_tensor((config.TILE, config.CHUNK)))  # fmt: skip
+            seen["kv", tid] = [crd[i] for i in range(cute.size(crd))]
 
     cute.compile(probe)
     for block in config.BLOCKS:
@@ -142,6 +146,12 @@ def test_fragment_coordinates_the_kernel_assumes():
         assert [c[1] // (block // 2) for c in raw] == [
             i // (len(raw) // 2) for i in range(len(raw))
         ]
+    for tid in (37, 69, 127):
+        w, lane = tid // 32, tid % 32
+        rows = {r for r, _ in seen["kv", tid]}
+        assert rows == {16 * w + lane // 4, 16 * w + lane // 4 + 8}  # r % 16: the staging row
+        assert {c for _, c in seen["kv", tid]} == {2 * (lane % 4) + 8 * j + e
+                                                  for j in range(8) for e in (0, 1)}  # fmt: skip
     kv = seen["kv"]
     for i in range(0, len(kv), 2):
         assert kv[i][0] == 1 + 8 * ((i // 2) % 2) and kv[i + 1] == (kv[i][0], kv[i][1] + 1)
