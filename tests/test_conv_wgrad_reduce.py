@@ -135,22 +135,34 @@ def test_the_launcher_runs_the_reduce_plan(model_kernel, n, c, k, size):
     assert not work.any() and not flags.any()
 
 
-def test_the_launcher_takes_the_reduce_split_on_long_1x1s(model_kernel):
-    """No `reduce` asked: the reduce split on a 1x1 of REDUCE_FROM_K_TILES or more pixel
-    k-tiles (n32 56x56: 1568), the parked split on n32 28x28 (392) and under torch's
-    deterministic algorithms (the parts add in arrival order)."""
-    assert launch.REDUCE_FROM_K_TILES == 1024
-    for hw, deterministic, reduced in ((56, False, True), (56, True, False), (28, False, False)):
-        x, dy, want = _problem(32, 64, 64, (1, hw, hw))
-        dw = torch.full(want.shape, float("nan"), dtype=F64)
-        old = torch.are_deterministic_algorithms_enabled()
-        torch.use_deterministic_algorithms(deterministic)
-        try:
-            launch.wgrad(dy, x, dw, ONE)
-        finally:
-            torch.use_deterministic_algorithms(old)
-        assert _close(dw, want)
-        assert model_kernel[-1][0].get("reduce", False) is reduced, (hw, deterministic)
+@pytest.mark.parametrize(
+    "c, k, hw, deterministic, reduced",
+    [
+        (64, 64, 56, False, True),  # 1568 k-tiles
+        (64, 64, 56, True, False),  # the parts add in arrival order: parked
+        (512, 128, 28, False, True),  # 392 k-tiles, 128x64 reduce plan: 1 K stripe
+        (512, 128, 28, True, False),
+        (128, 512, 28, False, False),  # its transpose: 4 K stripes, parked
+        (64, 64, 14, False, False),  # 98 k-tiles: under REDUCE_FROM_K_TILES
+    ],
+)
+def test_the_launcher_takes_the_reduce_split_on_long_1x1s(model_kernel, c, k, hw, deterministic,
+                                                          reduced):  # fmt: skip
+    """No `reduce` asked: the reduce split on an n32 1x1 of REDUCE_FROM_K_TILES or more pixel
+    k-tiles where the model prefers it, below REDUCE_ANY_FROM_K_TILES only with at most
+    REDUCE_MAX_K_STRIPES K tiles; the parked split under torch's deterministic algorithms."""
+    assert (launch.REDUCE_FROM_K_TILES, launch.REDUCE_ANY_FROM_K_TILES) == (384, 1024)
+    assert launch.REDUCE_MAX_K_STRIPES == 2
+    x, dy, want = _problem(32, c, k, (1, hw, hw))
+    dw = torch.full(want.shape, float("nan"), dtype=F64)
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        launch.wgrad(dy, x, dw, ONE)
+    finally:
+        torch.use_deterministic_algorithms(old)
+    assert _close(dw, want)
+    assert model_kernel[-1][0].get("reduce", False) is reduced
 
 
 def test_a_given_reduce_plan_is_sized_for_the_problem(model_kernel):
@@ -203,6 +215,26 @@ def test_the_reduce_chooser_on_the_suite_1x1s(case):
     assert plan.reduce and plan.workspace_floats == plan.tiles * cfg.tile_m * cfg.tile_n
     parked = choose_wgrad(k, c, 1, k_tiles, tiled=True)
     assert plan.parts > parked.parts or cfg.tile_m * cfg.tile_n > parked.config.tile_m * 64
+
+
+# the suite's 1x1s (n32, C, K, H = W) the launcher runs on the reduce split by itself: the
+# 56x56s since 14:19, c512-28x28-k128 / k256 since the 18:58 refit (0.920 / 0.817x the parked
+# time there); c128-28x28-k512 (1.134x) and c1024-14x14-k512 (0.996x) stay parked
+TAKEN = {(64, 64, 56), (64, 256, 56), (256, 64, 56), (256, 128, 56), (512, 128, 28),
+         (512, 256, 28)}  # fmt: skip
+
+
+def test_the_launcher_takes_the_reduce_split_where_it_was_faster():
+    for c, k, hw in REDUCE_PLANS:
+        plan = launch._takes_reduce(k, c, _one_plane_k_tiles(32, hw), 132)
+        assert (plan is not None) == ((c, k, hw) in TAKEN), (c, k, hw)
+        if plan is not None:
+            assert plan == wgrad_prefers_reduce(k, c, 1, _one_plane_k_tiles(32, hw))
+    # the stripes gate the 384-1023 band only: a 4-stripe plan of 1568 k-tiles stays reduced
+    assert wgrad_tiles(wgrad_prefers_reduce(512, 256, 1, 1568).config, 512, 1, 1) == 4
+    assert launch._takes_reduce(512, 256, 1568, 132) is not None
+    assert launch._takes_reduce(512, 256, 392, 132) is None
+    assert launch._takes_reduce(256, 512, 392, 132) is not None
 
 
 def test_the_reduce_chooser_stays_within_its_limits():
