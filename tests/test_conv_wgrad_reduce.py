@@ -20,6 +20,7 @@ from forgekernel.kernels.conv.sm90.wgrad_config import (
     WGRAD_NARROW,
     WGRAD_REDUCE_CONFIGS,
     WGRAD_REDUCE_MAX_SPLITS,
+    WGRAD_SHORT,
     WGRAD_SMALL,
     WGRAD_SQUARE,
     WgradPlan,
@@ -291,3 +292,38 @@ def test_the_reduce_tail_is_the_parts_bytes_not_their_round_trips():
     assert parked - reduced > 5.0
     # a wide output makes the reduce's bytes dear: 128 parts of 512 x 1024 floats
     assert wgrad_time(WGRAD_SQUARE, 512, 1024, 1, 98, 49, reduce=True)[0] > 50.0
+
+
+def test_the_bench_variants_of_the_reduce_split():
+    """conv_wgrad's `reduce` on the 8 suite 1x1s the model moves (those the launcher now takes
+    by itself then time ~1.00x: the refit's check), `reduce_64x128` on c128-28x28-k512 alone
+    (C whole in one tile, the model's reduce plan 4 K stripes), both standard builds."""
+    from forgekernel.bench.suites import conv_wgrad
+    from forgekernel.kernels.conv.sm90 import WGRAD_SPEC
+
+    offered = {c.name: set(conv_wgrad.variants(c)) for c in conv_wgrad.BENCH_CASES}
+    reduce = {name for name, v in offered.items() if "reduce" in v}
+    assert reduce == {f"n32-c{c}-{hw}x{hw}-k{k}-1x1" for c, k, hw in REDUCE_PLANS
+                      if REDUCE_PLANS[(c, k, hw)] is not None}  # fmt: skip
+    assert {name for name, v in offered.items() if "reduce_64x128" in v} == {
+        "n32-c128-28x28-k512-1x1"
+    }
+    standard = set(WGRAD_SPEC.standard_params())
+    plan = choose_wgrad_reduce(512, 128, 1, 392, configs=(WGRAD_SHORT,))
+    assert (plan.config, plan.tiles, plan.parts, plan.per_split) == (WGRAD_SHORT, 8, 12, 33)
+    assert wgrad_params("bfloat16", WGRAD_SHORT, 8, True) in standard
+
+
+def test_the_64x128_variant_runs_the_reduce_split_on_that_tile(model_kernel):
+    """`run_reduce_64x128` on a small 1x1 (C 72, K 200: K cut in 4 stripes of 64): the 64x128
+    reduce plan through the launcher, the weight gradient to fp32 rounding."""
+    from forgekernel.bench.suites import conv_layers, conv_wgrad
+
+    case = conv_layers.conv_case("wgrad", 2, 72, 200, (16, 16), 1)
+    inputs = conv_layers.make_inputs(case, F64, torch.device("cpu"), torch.Generator())
+    dw = conv_wgrad.run_reduce_64x128(inputs, None)
+    dy, x = inputs["dy"].permute(1, 0, 2, 3), inputs["x"].permute(1, 0, 2, 3)
+    want = torch.einsum("knhw,cnhw->kc", dy, x)
+    assert _close(dw.reshape(200, 72), want)
+    key, *_ = model_kernel[-1]
+    assert (key["tile_m"], key["tile_n"], key.get("reduce", False)) == (64, 128, True)

@@ -53,9 +53,13 @@ def variants(case: Case) -> dict[str, Any]:
     unpadded stride-1 1x1s (C and K multiples of 8, pixels of 8) where the model
     (`wgrad_time`) puts it under the launcher's parked split (`wgrad_prefers_reduce`):
     variant time / our time decides its adoption (docs/conv/NOTES.md, "The 1x1 weight
-    gradients at 0.73-0.85x")."""
+    gradients at 0.73-0.85x"); `reduce_64x128`: the reduce split on the 64x128 tile, where
+    the model's reduce plan cuts K into more than 2 tile rows and C fits one 128-wide tile
+    (n32-c128-28x28-k512: C whole in every CTA, K in 8 stripes; it tells the refit's two
+    readings of the 18:58 table apart: docs/conv/NOTES.md, "The reduce split refit from
+    18:58")."""
     from forgekernel.kernels.conv.sm90.geometry import rect_k_tiles, rect_width
-    from forgekernel.kernels.conv.sm90.wgrad_config import wgrad_prefers_reduce
+    from forgekernel.kernels.conv.sm90.wgrad_config import wgrad_prefers_reduce, wgrad_tiles
 
     stem = L.stem_variants(case)
     if stem:
@@ -66,8 +70,11 @@ def variants(case: Case) -> dict[str, Any]:
     if p["op"] != "wgrad" or not one or m % 8 or p["c"] % 8 or p["k"] % 8:
         return {}
     k_tiles = rect_k_tiles(1, 1, m // 8, 8, rect_width(m // 8, 8))
-    if wgrad_prefers_reduce(p["k"], p["c"], 1, k_tiles) is None:
+    plan = wgrad_prefers_reduce(p["k"], p["c"], 1, k_tiles)
+    if plan is None:
         return {}
+    if p["c"] <= 128 and wgrad_tiles(plan.config, p["k"], 1, 1) > 2:
+        return {"reduce": run_reduce, "reduce_64x128": run_reduce_64x128}
     return {"reduce": run_reduce}
 
 
@@ -80,6 +87,23 @@ def run_reduce(inputs, out):
     dw = L.alloc_out(inputs) if out is None else out
     g = op._geometry_of(p["stride"], p["padding"], p["padding"], p["dilation"], p["kernel"])
     launch.wgrad(op._as5d(inputs["dy"]), op._as5d(inputs["x"]), op._view5d(dw), g, reduce=True)
+    return dw
+
+
+def run_reduce_64x128(inputs, out):
+    """Ours with the reduce split on the 64x128 tile (`choose_wgrad_reduce`'s parts for it)."""
+    from forgekernel.kernels.conv.sm90 import launch
+    from forgekernel.kernels.conv.sm90.geometry import rect_k_tiles, rect_width
+    from forgekernel.kernels.conv.sm90.wgrad_config import WGRAD_SHORT, choose_wgrad_reduce
+    from forgekernel.ops import conv as op
+
+    p = inputs["params"]
+    m = p["n"] * math.prod(L.output_spatial(p))
+    k_tiles = rect_k_tiles(1, 1, m // 8, 8, rect_width(m // 8, 8))
+    plan = choose_wgrad_reduce(p["k"], p["c"], 1, k_tiles, configs=(WGRAD_SHORT,))
+    dw = L.alloc_out(inputs) if out is None else out
+    g = op._geometry_of(p["stride"], p["padding"], p["padding"], p["dilation"], p["kernel"])
+    launch.wgrad(op._as5d(inputs["dy"]), op._as5d(inputs["x"]), op._view5d(dw), g, plan)
     return dw
 
 

@@ -197,12 +197,14 @@ def wgrad_time(cfg: GemmConfig, k: int, c: int, taps: int, k_tiles: int, splits:
 
 
 def choose_wgrad_reduce(k: int, c: int, taps: int, k_tiles: int,
-                        num_sms: int = NUM_SMS_H100_H200) -> WgradPlan:  # fmt: skip
+                        num_sms: int = NUM_SMS_H100_H200,
+                        configs: tuple = WGRAD_REDUCE_CONFIGS) -> WgradPlan:  # fmt: skip
     """The reduce split's plan for the rectangles' walk (`k_tiles` of them): the least
-    `wgrad_time(..., reduce=True)` over WGRAD_REDUCE_CONFIGS and 1 .. WGRAD_REDUCE_MAX_SPLITS
-    parts of at least WGRAD_MIN_PER_SPLIT k-tiles (the workspace is one slot a tile)."""
+    `wgrad_time(..., reduce=True)` over `configs` (WGRAD_REDUCE_CONFIGS or some of them) and
+    1 .. WGRAD_REDUCE_MAX_SPLITS parts of at least WGRAD_MIN_PER_SPLIT k-tiles (the workspace
+    is one slot a tile)."""
     best = None
-    for cfg in WGRAD_REDUCE_CONFIGS:
+    for cfg in configs:
         tiles = wgrad_tiles(cfg, k, c, taps)
         limit = min(WGRAD_REDUCE_MAX_SPLITS, max(1, k_tiles // WGRAD_MIN_PER_SPLIT))
         for s in range(1, limit + 1):
