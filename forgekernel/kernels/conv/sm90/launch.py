@@ -37,7 +37,7 @@ T = 1).
   (`choose_wgrad_reduce`: the parts bulk-reduce-added into one fp32 slot a tile, kept zero
   like the flags, runtime/scratch.py `flags`) where `reduce=True` on the rectangles, and by
   itself on the unpadded 1x1s of long reductions that the model prefers it on
-  (`wgrad_prefers_reduce`; `_takes_reduce`: from REDUCE_FROM_K_TILES pixel k-tiles, below
+  (`wgrad_prefers_reduce`; `takes_reduce`: from REDUCE_FROM_K_TILES pixel k-tiles, below
   REDUCE_ANY_FROM_K_TILES only where its plan cuts K into at most REDUCE_MAX_K_STRIPES tile
   rows), unless torch's deterministic algorithms are on (its parts add in arrival order).
 - `as_gemm`: an unpadded stride-1 1x1 convolution without bias as one launch of the dense GEMM
@@ -565,7 +565,7 @@ REDUCE_ANY_FROM_K_TILES = 1024
 REDUCE_MAX_K_STRIPES = 2
 
 
-def _takes_reduce(k: int, c: int, k_tiles: int, sms: int) -> WgradPlan | None:
+def takes_reduce(k: int, c: int, k_tiles: int, sms: int) -> WgradPlan | None:
     """The reduce plan the launcher takes by itself on an unpadded 1x1 of K output and C input
     channels over `k_tiles` pixel k-tiles (the rectangles' walk), else None."""
     if k_tiles < REDUCE_FROM_K_TILES:
@@ -583,12 +583,12 @@ def _wgrad_plan(
     """(the compiled function, the WgradPlan) of one problem: looked up once, not per call.
     `walk`: (the compile key's rect, pixel k-tiles); `reduce` (no plan given, the rectangles'
     walk): the reduce split's plan (`wgrad_config.choose_wgrad_reduce`); `auto`: that plan
-    where `_takes_reduce` takes it (a 1x1 without padding)."""
+    where `takes_reduce` takes it (a 1x1 without padding)."""
     rect, k_tiles = walk
     sms = num_sms(device_index) if device_index is not None else NUM_SMS_H100_H200
     taken = None  # the reduce plan the launcher takes by itself on a 1x1 (`auto`)
     if plan is None and rect and not reduce and auto and taps == 1:
-        taken = _takes_reduce(k, c, k_tiles, sms)
+        taken = takes_reduce(k, c, k_tiles, sms)
     if taken is not None:
         plan = taken
     elif plan is None and reduce and rect:
@@ -616,7 +616,7 @@ def wgrad(
     (N, D, H, W, C) with `geometry`: one launch of the weight-gradient kernel (`plan`: its
     tile and split, chosen when None; `reduce`, no plan and the rectangles' walk: the reduce
     split's plan, its parts added in arrival order: not bitwise repeatable; taken by itself on
-    long 1x1s, `_takes_reduce`, unless torch's deterministic algorithms are on). C or K not a
+    long 1x1s, `takes_reduce`, unless torch's deterministic algorithms are on). C or K not a
     multiple of 8 run zero-padded; a dw the kernel cannot write in place goes through a
     scratch buffer."""
     k = dw.shape[0]
