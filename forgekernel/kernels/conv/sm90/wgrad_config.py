@@ -89,7 +89,8 @@ WGRAD_WALK_MARGIN = 0.875
 # producer's ~0.3 us k-tile and re-reads of dY and X through L2 bound the 1x1s at 0.73-0.95x
 # cuDNN (docs/conv/NOTES.md, "The 1x1 weight gradients at 0.73-0.85x"). Its tiles: tile_n <=
 # 128 (the fp32 tile is staged in A's ring: tile_n <= stages x 32, which 128x256 misses). Not
-# bitwise repeatable (the parts add in arrival order), so not the default: a bench variant.
+# bitwise repeatable (the parts add in arrival order): the default only where the launcher
+# takes it (launch.takes_reduce: measured 1x1s), never under deterministic algorithms.
 WGRAD_REDUCE_CONFIGS = (WGRAD_SQUARE, WGRAD_SMALL_SQUARE, WGRAD_NARROW, WGRAD_SHORT, WGRAD_SMALL)
 WGRAD_REDUCE_MAX_SPLITS = 264  # two waves of one tile
 # `wgrad_time`'s terms, in us (H200; each from the 06:21 bench or the notes' fits):
