@@ -557,9 +557,10 @@ def clear_plans() -> None:
 # 0.745-0.923x at 14:19; at 28x28 (392) c512-k128 0.973 / 0.920x and c512-k256 0.921 / 0.817x
 # (1 and 2 stripes), c128-k512 1.057 / 1.134x (4); c1024-14x14-k512 (98, 4) 1.070 / 0.996x.
 # The model prices c128-k512 and c512-k128 alike (transposes: the same tiles, parts and bytes);
-# the stripes are the one count of these rows that parts winners from losers. No 4-stripe case
-# of 1024 k-tiles or more was timed: those keep the 14:19 rule (docs/conv/NOTES.md, "The
-# reduce split refit from 18:58").
+# the stripes part winners from losers on all 10 rows (so does "the tile holds min(C, K)
+# whole": the bench's `reduce_64x128` tells the two apart). No 4-stripe case of 1024 k-tiles
+# or more was timed: those keep the 14:19 rule (docs/conv/NOTES.md, "The reduce split refit
+# from 18:58").
 REDUCE_FROM_K_TILES = 384
 REDUCE_ANY_FROM_K_TILES = 1024
 REDUCE_MAX_K_STRIPES = 2
