@@ -62,8 +62,6 @@ CHECK_CASES = (
 # 18:47 refit); the fifth (stride 2, split) im2col
 SANITIZE_CASES = tuple(CHECK_CASES[i] for i in (0, 2, 7, 11, 1, 13))
 
-
-
 # The M = 1568 3x3s (7x7 stride 1 and its stride-2 twin: 13 M tiles x 4 N tiles x 72 k-tiles),
 # whose plan, 128x128 c2x1 split 2 (112 CTAs of 132, 36 k-tiles each), loses ~20% to cuDNN at
 # 18:58; other standard builds of the same GEMM (docs/conv/NOTES.md, "The forward's and data
