@@ -7,7 +7,8 @@ launch of the fused kernel (dgrad_kernel.py), stride 3 and up a launch per phase
 parts are `conv_layers`. Group "moved": other batches of the stride-2 layers whose plan the
 16:45 refit of the fused chooser moved (unmeasured). Variants: `was`, the plan before that refit,
 on the cases it moved without a measurement (`CANDIDATES`); `as_gemm`, the dense GEMM on the
-stride-1 1x1s (`conv_layers.gemm_variants`).
+stride-1 1x1s (`conv_layers.gemm_variants`); `WORST`, other standard plans of the cases under
+0.95x cuDNN at 18:58.
 
 Registered since its first GPU check passed (2026-12-01).
 """
@@ -21,7 +22,7 @@ from typing import Any
 from forgekernel.bench.suite import Case, OpSuite
 from forgekernel.bench.suites import conv_layers as L
 from forgekernel.kernels.conv.sm90 import DGRAD_SPEC, SPEC
-from forgekernel.kernels.conv.sm90.config import LARGE, SMALL
+from forgekernel.kernels.conv.sm90.config import LARGE, SMALL, SQUARE
 from forgekernel.kernels.conv.sm90.dgrad_config import FusedPlan, fused_config
 
 # the issue's point (N32 C256 112x112 K512, 3x3 stride 2), then the models' layers
@@ -111,12 +112,30 @@ CANDIDATES = {
     "n1-c512-128x128-k512-3x3-s2": {"was": _fused(LARGE, 16, True)},
 }
 
+# The cases under 0.95x cuDNN at 18:58, other standard plans (docs/conv/NOTES.md, "The
+# forward's and data gradient's worst cases after 18:58"; variant / ours <= 0.97 in both
+# timings adopts, through the chooser term the section names). The stride-1 7x7 (the forward
+# kernel's data-gradient mode, 128x128 c2x1 split 2 today): the forward's two M = 1568
+# candidates (conv_fwd `M1568`: 128x128 c1x1 in 5 parts of 15, and in 2 of 36). C 320 at
+# 64 x 64 (fused, 128x128 c2x1 split per 10 today): `phases`, the four phases as four launches
+# of the data-gradient mode on 8-wide rectangles (128x256 c2x1 unsplit, each phase's rows
+# written in place into its strided view of dx, the forward's rows rate instead of the fused
+# kernel's); `whole`, the fused 128x128 c2x1 unsplit (no parks).
+WORST = {
+    "n32-c512-7x7-k512-3x3": {"small5": L.split_plan(SMALL, 15), "small2": L.split_plan(SMALL, 36)},
+    "n8-c320-64x64-k320-3x3-s2": {
+        "phases": L.split_plan(LARGE, 0, rect=8),
+        "whole": _fused(SQUARE, 20, False),
+    },
+}
+
 
 def variants(case: Case) -> dict[str, Any]:
-    """The candidate plans of `case` (CANDIDATES) and `as_gemm` on the unpadded stride-1 1x1s
-    (conv_layers.gemm_variants: the dense GEMM on views of dy, w and dx), each run as
+    """The candidate plans of `case` (CANDIDATES, WORST) and `as_gemm` on the unpadded stride-1
+    1x1s (conv_layers.gemm_variants: the dense GEMM on views of dy, w and dx), each run as
     `run_ours` writes dx: variant time / our time decides their adoption."""
-    plans = CANDIDATES.get(case.name, {}) if case.params["op"] == "dgrad" else {}
+    dgrad = case.params["op"] == "dgrad"
+    plans = {**CANDIDATES.get(case.name, {}), **WORST.get(case.name, {})} if dgrad else {}
     runs = {name: functools.partial(run_plan, plan) for name, plan in plans.items()}
     return {**runs, **L.gemm_variants(case)}
 

@@ -24,6 +24,7 @@ import importlib
 import math
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -254,6 +255,16 @@ def gemm_variants(case: Case) -> dict[str, Any]:
     if p["op"] == "wgrad" or not one or p["bias"] or p["c"] % 8 or p["k"] % 8:
         return {}
     return {"as_gemm": run_as_gemm}
+
+
+def split_plan(cfg, per_split: int, rect: int = 0):
+    """A forward / data-gradient-mode launch of tile `cfg` handed to the launcher as a
+    SplitPlan (a bench variant's plan): split (`cfg`'s split variant) at `per_split` k-tiles a
+    part where `per_split` > 0, unsplit otherwise; on the im2col walk, or rectangles `rect`
+    wide. The launcher recounts the parts and tiles for its problem."""
+    from forgekernel.kernels.conv.sm90.config import SplitPlan
+
+    return SplitPlan(replace(cfg, split=per_split > 0), max(per_split, 1), 0, 0, rect)
 
 
 def run_as_gemm(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:

@@ -18,6 +18,7 @@ from typing import Any
 
 from forgekernel.bench.suite import Case, OpSuite
 from forgekernel.bench.suites import conv_layers as L
+from forgekernel.kernels.common.sm90.constants import NUM_SMS_H100_H200
 from forgekernel.kernels.conv.sm90 import WGRAD_SPEC
 
 BENCH_CASES = L.unique(
@@ -47,16 +48,8 @@ SANITIZE_CASES = (CHECK_CASES[0], CHECK_CASES[2], CHECK_CASES[6])
 
 def variants(case: Case) -> dict[str, Any]:
     """`stem_copy` / `im2col` on the stem (conv_layers.stem_variants: ours runs it by the fold of
-    kernels/conv/sm90/stem.py); `reduce`: the reduce split (kernels/conv/sm90/wgrad.py
-    `_reduce_part`: every part bulk-reduce-adds its fp32 tile into one sum slot a tile, the
-    last part reads that slot alone; its plan from `wgrad_config.choose_wgrad_reduce`) on the
-    unpadded stride-1 1x1s (C and K multiples of 8, pixels of 8) where the model
-    (`wgrad_time`) puts it under the launcher's parked split (`wgrad_prefers_reduce`):
-    variant time / our time decides its adoption (docs/conv/NOTES.md, "The 1x1 weight
-    gradients at 0.73-0.85x")."""
-    from forgekernel.kernels.conv.sm90.geometry import rect_k_tiles, rect_width
-    from forgekernel.kernels.conv.sm90.wgrad_config import wgrad_prefers_reduce
-
+    kernels/conv/sm90/stem.py); on the unpadded stride-1 1x1s (C and K multiples of 8, pixels
+    of 8; the rectangles' walk over one plane) the split's variants (`one_by_one_variants`)."""
     stem = L.stem_variants(case)
     if stem:
         return stem
@@ -65,22 +58,92 @@ def variants(case: Case) -> dict[str, Any]:
     one = all(v == 1 for v in (*p["kernel"], *p["stride"])) and not any(p["padding"])
     if p["op"] != "wgrad" or not one or m % 8 or p["c"] % 8 or p["k"] % 8:
         return {}
-    k_tiles = rect_k_tiles(1, 1, m // 8, 8, rect_width(m // 8, 8))
-    if wgrad_prefers_reduce(p["k"], p["c"], 1, k_tiles) is None:
-        return {}
-    return {"reduce": run_reduce}
+    return one_by_one_variants(p["k"], p["c"], _one_plane_k_tiles(p))
 
 
-def run_reduce(inputs, out):
-    """Ours with the reduce split's plan (launch.wgrad's `reduce`), as run_ours writes dw."""
+def one_by_one_variants(k: int, c: int, k_tiles: int) -> dict[str, Any]:
+    """The variants of an unpadded stride-1 1x1 of K output and C input channels over
+    `k_tiles` pixel k-tiles (docs/conv/NOTES.md, "The 1x1 weight gradients at 0.73-0.85x" and
+    "The reduce split refit from 18:58"):
+    - `reduce`: the reduce split (wgrad.py `_reduce_part`: every part bulk-reduce-adds its
+      fp32 tile into one sum slot a tile, the last part reads that slot alone;
+      `choose_wgrad_reduce`'s plan) where the model (`wgrad_time`) puts it under the parked
+      split (`wgrad_prefers_reduce`), also where the launcher now takes it by itself (~1.00x);
+    - `reduce_64x128`: the reduce split on the 64x128 tile where the model's reduce plan cuts
+      K into more than 2 tile rows and C fits one 128-wide tile (n32-c128-28x28-k512: C whole
+      in every CTA, K in 8 stripes), which tells the refit's two readings of the 18:58 table
+      apart;
+    - `parked_fit`: the parked split on `choose_wgrad_by_time`'s plan (`wgrad_time`'s best,
+      bitwise repeatable) where it differs from the launcher's plan and the model prices it
+      lower."""
+    from forgekernel.kernels.conv.sm90 import launch
+    from forgekernel.kernels.conv.sm90.wgrad_config import (
+        choose_wgrad,
+        choose_wgrad_by_time,
+        wgrad_prefers_reduce,
+        wgrad_tiles,
+        wgrad_time,
+    )
+
+    out: dict[str, Any] = {}
+    plan = wgrad_prefers_reduce(k, c, 1, k_tiles)
+    if plan is not None:
+        out["reduce"] = run_reduce
+        if c <= 128 and wgrad_tiles(plan.config, k, 1, 1) > 2:
+            out["reduce_64x128"] = run_reduce_64x128
+    ours = launch.takes_reduce(k, c, k_tiles, NUM_SMS_H100_H200)
+    ours = ours or choose_wgrad(k, c, 1, k_tiles, tiled=True)
+    fit = choose_wgrad_by_time(k, c, 1, k_tiles)
+    ours_us = wgrad_time(ours.config, k, c, 1, k_tiles, ours.parts, reduce=ours.reduce)[0]
+    if fit != ours and wgrad_time(fit.config, k, c, 1, k_tiles, fit.parts)[0] < ours_us:
+        out["parked_fit"] = run_parked_fit
+    return out
+
+
+def _one_plane_k_tiles(p: dict) -> int:
+    """The pixel k-tiles of an unpadded stride-1 1x1 (pixels of 8) on the launcher's walk:
+    the rectangles over dY and X seen as one plane of 8-pixel rows (launch._one_plane)."""
+    from forgekernel.kernels.conv.sm90.geometry import rect_k_tiles, rect_width
+
+    rows = p["n"] * math.prod(L.output_spatial(p)) // 8
+    return rect_k_tiles(1, 1, rows, 8, rect_width(rows, 8))
+
+
+def _run_plan(inputs, out, plan=None, reduce: bool = False):
+    """Ours with a given plan (or launch.wgrad's `reduce`), as run_ours writes dw."""
     from forgekernel.kernels.conv.sm90 import launch
     from forgekernel.ops import conv as op
 
     p = inputs["params"]
     dw = L.alloc_out(inputs) if out is None else out
     g = op._geometry_of(p["stride"], p["padding"], p["padding"], p["dilation"], p["kernel"])
-    launch.wgrad(op._as5d(inputs["dy"]), op._as5d(inputs["x"]), op._view5d(dw), g, reduce=True)
+    dy, x = op._as5d(inputs["dy"]), op._as5d(inputs["x"])
+    launch.wgrad(dy, x, op._view5d(dw), g, plan, reduce)
     return dw
+
+
+def run_reduce(inputs, out):
+    """Ours with the reduce split's plan (launch.wgrad's `reduce`)."""
+    return _run_plan(inputs, out, reduce=True)
+
+
+def run_reduce_64x128(inputs, out):
+    """Ours with the reduce split on the 64x128 tile (`choose_wgrad_reduce`'s parts for it)."""
+    from forgekernel.kernels.conv.sm90.wgrad_config import WGRAD_SHORT, choose_wgrad_reduce
+
+    p = inputs["params"]
+    k_tiles = _one_plane_k_tiles(p)
+    plan = choose_wgrad_reduce(p["k"], p["c"], 1, k_tiles, configs=(WGRAD_SHORT,))
+    return _run_plan(inputs, out, plan)
+
+
+def run_parked_fit(inputs, out):
+    """Ours with the parked split on `choose_wgrad_by_time`'s plan."""
+    from forgekernel.kernels.conv.sm90.wgrad_config import choose_wgrad_by_time
+
+    p = inputs["params"]
+    plan = choose_wgrad_by_time(p["k"], p["c"], 1, _one_plane_k_tiles(p))
+    return _run_plan(inputs, out, plan)
 
 
 def suite() -> OpSuite:

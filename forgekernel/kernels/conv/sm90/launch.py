@@ -36,9 +36,10 @@ T = 1).
   reused across calls, a capture's own when it needs a bigger one). The reduce split
   (`choose_wgrad_reduce`: the parts bulk-reduce-added into one fp32 slot a tile, kept zero
   like the flags, runtime/scratch.py `flags`) where `reduce=True` on the rectangles, and by
-  itself on the unpadded 1x1s of long reductions (REDUCE_FROM_K_TILES) that the model prefers
-  it on (`wgrad_prefers_reduce`), unless torch's deterministic algorithms are on (its parts
-  add in arrival order).
+  itself on the unpadded 1x1s of long reductions that the model prefers it on
+  (`wgrad_prefers_reduce`; `takes_reduce`: from REDUCE_FROM_K_TILES pixel k-tiles, below
+  REDUCE_ANY_FROM_K_TILES only where its plan cuts K into at most REDUCE_MAX_K_STRIPES tile
+  rows), unless torch's deterministic algorithms are on (its parts add in arrival order).
 - `as_gemm`: an unpadded stride-1 1x1 convolution without bias as one launch of the dense GEMM
   on views of the same tensors (forward y = x w^T, data gradient dx = dy w); taken by `fprop` /
   `dgrad` where `ONE_BY_ONE_AS_GEMM` says so (the forward from 256 input and 128 output
@@ -548,12 +549,33 @@ def clear_plans() -> None:
     _fuses.cache_clear()
 
 
-# The reduce split by itself on the unpadded 1x1s from this many pixel k-tiles (the model's
-# choice, `wgrad_prefers_reduce`, besides): on the H200 (2026-12-03 14:19, graph replays, the
-# bench's `reduce` variant) it ran the n32 56x56 1x1s (1568 k-tiles) in 0.745x (C 64, K 64),
-# 0.857x (64, 256), 0.850x (256, 64) and 0.923x (256, 128) of the parked split's time; on the
-# 28x28 ones (392) 0.921-1.057x and 1.070x on 14x14 (98): below, the parked split stays.
-REDUCE_FROM_K_TILES = 1024
+# The reduce split by itself on the unpadded 1x1s of REDUCE_FROM_K_TILES pixel k-tiles or more
+# where the model prefers it (`wgrad_prefers_reduce`), below REDUCE_ANY_FROM_K_TILES only where
+# its plan cuts dY's K channels into at most REDUCE_MAX_K_STRIPES tile rows (A's box then covers
+# half of each dY pixel row or more). Reduce / parked time on the H200 (graph replays, the
+# bench's `reduce` variant; 14:19 / 18:58): the n32 56x56 1x1s (1568 k-tiles, 1-2 stripes)
+# 0.745-0.923x at 14:19; at 28x28 (392) c512-k128 0.973 / 0.920x and c512-k256 0.921 / 0.817x
+# (1 and 2 stripes), c128-k512 1.057 / 1.134x (4); c1024-14x14-k512 (98, 4) 1.070 / 0.996x.
+# The model prices c128-k512 and c512-k128 alike (transposes: the same tiles, parts and bytes);
+# the stripes part winners from losers on all 10 rows (so does "the tile holds min(C, K)
+# whole": the bench's `reduce_64x128` tells the two apart). No 4-stripe case of 1024 k-tiles
+# or more was timed: those keep the 14:19 rule (docs/conv/NOTES.md, "The reduce split refit
+# from 18:58").
+REDUCE_FROM_K_TILES = 384
+REDUCE_ANY_FROM_K_TILES = 1024
+REDUCE_MAX_K_STRIPES = 2
+
+
+def takes_reduce(k: int, c: int, k_tiles: int, sms: int) -> WgradPlan | None:
+    """The reduce plan the launcher takes by itself on an unpadded 1x1 of K output and C input
+    channels over `k_tiles` pixel k-tiles (the rectangles' walk), else None."""
+    if k_tiles < REDUCE_FROM_K_TILES:
+        return None
+    plan = wgrad_prefers_reduce(k, c, 1, k_tiles, sms)
+    if plan is None or k_tiles >= REDUCE_ANY_FROM_K_TILES:
+        return plan
+    stripes = wgrad_tiles(plan.config, k, 1, 1)  # its K tiles: one C tile of one tap
+    return plan if stripes <= REDUCE_MAX_K_STRIPES else None
 
 
 def _wgrad_plan(
@@ -562,13 +584,12 @@ def _wgrad_plan(
     """(the compiled function, the WgradPlan) of one problem: looked up once, not per call.
     `walk`: (the compile key's rect, pixel k-tiles); `reduce` (no plan given, the rectangles'
     walk): the reduce split's plan (`wgrad_config.choose_wgrad_reduce`); `auto`: that plan
-    where REDUCE_FROM_K_TILES and the model take it (a 1x1 without padding)."""
+    where `takes_reduce` takes it (a 1x1 without padding)."""
     rect, k_tiles = walk
     sms = num_sms(device_index) if device_index is not None else NUM_SMS_H100_H200
-    taken = None  # the reduce plan the model prefers on a long 1x1 (`auto`)
-    long_1x1 = taps == 1 and k_tiles >= REDUCE_FROM_K_TILES
-    if plan is None and rect and not reduce and auto and long_1x1:
-        taken = wgrad_prefers_reduce(k, c, taps, k_tiles, sms)
+    taken = None  # the reduce plan the launcher takes by itself on a 1x1 (`auto`)
+    if plan is None and rect and not reduce and auto and taps == 1:
+        taken = takes_reduce(k, c, k_tiles, sms)
     if taken is not None:
         plan = taken
     elif plan is None and reduce and rect:
@@ -596,7 +617,7 @@ def wgrad(
     (N, D, H, W, C) with `geometry`: one launch of the weight-gradient kernel (`plan`: its
     tile and split, chosen when None; `reduce`, no plan and the rectangles' walk: the reduce
     split's plan, its parts added in arrival order: not bitwise repeatable; taken by itself on
-    long 1x1s, REDUCE_FROM_K_TILES, unless torch's deterministic algorithms are on). C or K not a
+    long 1x1s, `takes_reduce`, unless torch's deterministic algorithms are on). C or K not a
     multiple of 8 run zero-padded; a dw the kernel cannot write in place goes through a
     scratch buffer."""
     k = dw.shape[0]

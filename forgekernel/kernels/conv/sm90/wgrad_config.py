@@ -89,7 +89,8 @@ WGRAD_WALK_MARGIN = 0.875
 # producer's ~0.3 us k-tile and re-reads of dY and X through L2 bound the 1x1s at 0.73-0.95x
 # cuDNN (docs/conv/NOTES.md, "The 1x1 weight gradients at 0.73-0.85x"). Its tiles: tile_n <=
 # 128 (the fp32 tile is staged in A's ring: tile_n <= stages x 32, which 128x256 misses). Not
-# bitwise repeatable (the parts add in arrival order), so not the default: a bench variant.
+# bitwise repeatable (the parts add in arrival order): the default only where the launcher
+# takes it (launch.takes_reduce: measured 1x1s), never under deterministic algorithms.
 WGRAD_REDUCE_CONFIGS = (WGRAD_SQUARE, WGRAD_SMALL_SQUARE, WGRAD_NARROW, WGRAD_SHORT, WGRAD_SMALL)
 WGRAD_REDUCE_MAX_SPLITS = 264  # two waves of one tile
 # `wgrad_time`'s terms, in us (H200; each from the 06:21 bench or the notes' fits):
@@ -197,18 +198,38 @@ def wgrad_time(cfg: GemmConfig, k: int, c: int, taps: int, k_tiles: int, splits:
 
 
 def choose_wgrad_reduce(k: int, c: int, taps: int, k_tiles: int,
-                        num_sms: int = NUM_SMS_H100_H200) -> WgradPlan:  # fmt: skip
+                        num_sms: int = NUM_SMS_H100_H200,
+                        configs: tuple = WGRAD_REDUCE_CONFIGS) -> WgradPlan:  # fmt: skip
     """The reduce split's plan for the rectangles' walk (`k_tiles` of them): the least
-    `wgrad_time(..., reduce=True)` over WGRAD_REDUCE_CONFIGS and 1 .. WGRAD_REDUCE_MAX_SPLITS
-    parts of at least WGRAD_MIN_PER_SPLIT k-tiles (the workspace is one slot a tile)."""
+    `wgrad_time(..., reduce=True)` over `configs` (WGRAD_REDUCE_CONFIGS or some of them) and
+    1 .. WGRAD_REDUCE_MAX_SPLITS parts of at least WGRAD_MIN_PER_SPLIT k-tiles (the workspace
+    is one slot a tile)."""
     best = None
-    for cfg in WGRAD_REDUCE_CONFIGS:
+    for cfg in configs:
         tiles = wgrad_tiles(cfg, k, c, taps)
         limit = min(WGRAD_REDUCE_MAX_SPLITS, max(1, k_tiles // WGRAD_MIN_PER_SPLIT))
         for s in range(1, limit + 1):
             us, per, parts = wgrad_time(cfg, k, c, taps, k_tiles, s, num_sms, reduce=True)
             if best is None or us < best[0]:
                 best = (us, WgradPlan(cfg, per, parts, tiles, reduce=parts > 1))
+    return best[1]
+
+
+def choose_wgrad_by_time(k: int, c: int, taps: int, k_tiles: int,
+                         num_sms: int = NUM_SMS_H100_H200) -> WgradPlan:  # fmt: skip
+    """The parked split's plan for the rectangles' walk by `wgrad_time` (the 1x1s' fitted
+    model) instead of `wgrad_cost`: the least over WGRAD_CONFIGS and the splits `choose_wgrad`
+    allows (WGRAD_MAX_SPLITS, WGRAD_MIN_PER_SPLIT, MAX_WORKSPACE). A bench variant, not a
+    default (docs/conv/NOTES.md, "The reduce split refit from 18:58")."""
+    best = None
+    for cfg in WGRAD_CONFIGS:
+        tiles = wgrad_tiles(cfg, k, c, taps)
+        limit = min(WGRAD_MAX_SPLITS, max(1, k_tiles // WGRAD_MIN_PER_SPLIT))
+        limit = min(limit, max(1, MAX_WORKSPACE // (tiles * cfg.tile_m * cfg.tile_n)))
+        for s in range(1, limit + 1):
+            us, per, parts = wgrad_time(cfg, k, c, taps, k_tiles, s, num_sms)
+            if best is None or us < best[0]:
+                best = (us, WgradPlan(cfg, per, parts, tiles))
     return best[1]
 
 
