@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import argparse
 import re
-import subprocess
 import tempfile
 from collections import Counter
 from pathlib import Path
 
-from forgekernel.runtime.resources import find_tool
+from forgekernel.runtime.resources import sass_text
 
 LINE = re.compile(
     r"/\*([0-9a-f]{4,})\*/\s+(.*?);\s*/\* 0x[0-9a-f]{16} \*/\s*\n\s*/\* 0x([0-9a-f]{16}) \*/"
@@ -144,12 +143,7 @@ def _kda_loop_sass(held: bool, own_scratch: bool = False) -> str:
                                                              own_scratch=own_scratch))
         path = Path(d) / "k.cubin"
         path.write_bytes(out.artifacts.CUBIN)
-        return _sass(path)
-
-
-def _sass(path: Path) -> str:
-    return subprocess.run([find_tool("cuobjdump"), "-sass", str(path)], capture_output=True,
-                          text=True, check=True).stdout  # fmt: skip
+        return sass_text(path)
 
 
 def main() -> None:
@@ -163,7 +157,7 @@ def main() -> None:
     if args.target == "kda_loop":
         sass = _kda_loop_sass(args.held, args.own_scratch)
     else:
-        sass = _sass(Path(args.target))
+        sass = sass_text(args.target)
     ins = parse(sass)
     body = loop_body(ins)
     lo, hi = body[0]["addr"], body[-1]["addr"]

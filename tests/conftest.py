@@ -69,6 +69,26 @@ def fake_suite() -> Callable[..., OpSuite]:
 
 
 @pytest.fixture
+def conv_models(monkeypatch):
+    """The conv launcher's compiled functions replaced by the CPU models (CTAs in a fresh
+    random order each launch); yields the list of every key asked for, (spec name, params); the
+    plan caches cleared before and after."""
+    from forgekernel.kernels.conv.sm90 import emulate, launch
+
+    keys = []
+    seeds = iter(range(10_000))
+
+    def stand_in(spec, params):
+        keys.append((spec.name, dict(params)))
+        return emulate.stand_in(spec, params, next(seeds))
+
+    monkeypatch.setattr(launch, "get_kernel", stand_in)
+    launch.clear_plans()
+    yield keys
+    launch.clear_plans()
+
+
+@pytest.fixture
 def conv_wgrad_models(monkeypatch):
     """Factory: conv_wgrad_models(record) replaces the conv leaf's compiled functions by their
     CPU models (the weight gradient's running its CTAs in a random order, seeded by its launch

@@ -14,27 +14,10 @@ import torch
 
 from forgekernel.bench.suites import conv_dgrad as S
 from forgekernel.bench.suites import conv_layers as L
-from forgekernel.kernels.conv.sm90 import DGRAD_SPEC, dgrad_config, emulate, launch
+from forgekernel.kernels.conv.sm90 import DGRAD_SPEC, dgrad_config, launch
 from forgekernel.ops import conv as op
 
 F64 = torch.float64
-
-
-@pytest.fixture
-def model(monkeypatch):
-    """The launcher's compiled functions replaced by the CPU models; every key asked for kept
-    as (spec name, params)."""
-    keys = []
-    seeds = iter(range(10_000))
-
-    def stand_in(spec, params):
-        keys.append((spec.name, dict(params)))
-        return emulate.stand_in(spec, params, next(seeds))
-
-    monkeypatch.setattr(launch, "get_kernel", stand_in)
-    launch.clear_plans()
-    yield keys
-    launch.clear_plans()
 
 
 def _by_name():
@@ -77,17 +60,17 @@ ADOPTED = {
 
 
 @pytest.mark.parametrize("name", sorted(ADOPTED))
-def test_the_chooser_takes_the_plans_measured_faster(model, name):
+def test_the_chooser_takes_the_plans_measured_faster(conv_models, name):
     """The launcher's own choice on each measured case is the plan that won, a standard
     conv_dgrad_sm90 build."""
     plan = _plan(_by_name()[name])
     assert _signature(plan) == ADOPTED[name]
-    spec, params = model[-1]
+    spec, params = conv_models[-1]
     standard = [dict(q) for q in DGRAD_SPEC.standard_params()]
     assert spec == DGRAD_SPEC.name and params in standard
 
 
-def test_every_suite_case_the_refit_moves_is_measured_or_a_variant(model, monkeypatch):
+def test_every_suite_case_the_refit_moves_is_measured_or_a_variant(conv_models, monkeypatch):
     """Over the bench and check cases: the cases whose plan the refit moves are the four
     measured ones, the `was` cases and the small check cases (their split only)."""
     cases = _by_name()
@@ -102,7 +85,7 @@ def test_every_suite_case_the_refit_moves_is_measured_or_a_variant(model, monkey
 
 
 @pytest.mark.parametrize("name", sorted(S.CANDIDATES))
-def test_was_is_the_plan_before_the_refit(model, monkeypatch, name):
+def test_was_is_the_plan_before_the_refit(conv_models, monkeypatch, name):
     """Each `was` variant recounts as the old chooser's plan of its case, which today's
     chooser no longer takes."""
     case = _by_name()[name]
@@ -140,7 +123,7 @@ def _run(p: dict, plan) -> torch.Tensor:
 @pytest.mark.parametrize(
     "name, variant", [(c, v) for c, vs in S.CANDIDATES.items() for v in vs]
 )  # fmt: skip
-def test_every_variant_computes_the_gradient(model, name, variant):
+def test_every_variant_computes_the_gradient(conv_models, name, variant):
     """Each variant's runner on its case's filter, stride, padding and channels (the same
     k-tiles per phase, so the same parts) at batch 1 on a 6x6 map: dx the reference's."""
     p = dict(_by_name()[name].params, n=1, spatial=(6, 6))
@@ -148,7 +131,7 @@ def test_every_variant_computes_the_gradient(model, name, variant):
 
 
 @pytest.mark.parametrize("name", sorted(ADOPTED))
-def test_the_chosen_plan_computes_the_gradient(model, name):
+def test_the_chosen_plan_computes_the_gradient(conv_models, name):
     """The standard path (no plan handed over) on each measured case's filter, stride and
     channels at batch 1 on a 6x6 map: dx the reference's."""
     p = dict(_by_name()[name].params, n=1, spatial=(6, 6))

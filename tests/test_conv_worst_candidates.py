@@ -13,7 +13,7 @@ import torch
 
 from forgekernel.bench.suites import conv_dgrad, conv_fwd
 from forgekernel.bench.suites import conv_layers as L
-from forgekernel.kernels.conv.sm90 import DGRAD_SPEC, SPEC, emulate, launch
+from forgekernel.kernels.conv.sm90 import DGRAD_SPEC, SPEC, launch
 from forgekernel.ops import conv as op
 
 F64 = torch.float64
@@ -21,23 +21,6 @@ FWD, DGRAD = conv_fwd.CANDIDATES, conv_dgrad.WORST
 ALL = [(conv_fwd, c, v) for c, vs in FWD.items() for v in vs] + [
     (conv_dgrad, c, v) for c, vs in DGRAD.items() for v in vs
 ]
-
-
-@pytest.fixture
-def model(monkeypatch):
-    """The launcher's compiled functions replaced by the CPU models; every key asked for kept
-    as (spec name, params)."""
-    keys = []
-    seeds = iter(range(10_000))
-
-    def stand_in(spec, params):
-        keys.append((spec.name, dict(params)))
-        return emulate.stand_in(spec, params, next(seeds))
-
-    monkeypatch.setattr(launch, "get_kernel", stand_in)
-    launch.clear_plans()
-    yield keys
-    launch.clear_plans()
 
 
 def _case(suite, name):
@@ -143,21 +126,23 @@ def _plans_of(suite, case, config):
 
 
 @pytest.mark.parametrize("suite, name, variant", ALL, ids=lambda v: getattr(v, "__name__", v))
-def test_each_variant_recounts_as_the_table_and_is_a_standard_build(model, suite, name, variant):
+def test_each_variant_recounts_as_the_table_and_is_a_standard_build(
+    conv_models, suite, name, variant
+):
     """At the case's real size: the launcher's own plan and the variant's as PLANS says, the
     two different, and every compiled function asked for a standard build."""
     case = _case(suite, name)
     table = PLANS[(suite, name)]
     plan = _candidates(suite)[name][variant]
     assert _plans_of(suite, case, None) == table[None]
-    model.clear()
+    conv_models.clear()
     assert _plans_of(suite, case, plan) == table[variant] != table[None]
     standard = {DGRAD_SPEC.name: _standard(DGRAD_SPEC), SPEC.name: _standard(SPEC)}
-    assert model and all(params in standard[spec] for spec, params in model)
+    assert conv_models and all(params in standard[spec] for spec, params in conv_models)
 
 
 @pytest.mark.parametrize("suite, name, variant", ALL, ids=lambda v: getattr(v, "__name__", v))
-def test_each_variant_computes_the_case(model, suite, name, variant):
+def test_each_variant_computes_the_case(conv_models, suite, name, variant):
     """The variant's runner on its case's filter, stride, padding and channels at batch 1 on
     a 6 x 6 map (the forward's: 6 x 6 outputs): the result the reference's, from the
     variant's tile."""
@@ -172,4 +157,5 @@ def test_each_variant_computes_the_case(model, suite, name, variant):
     assert got is out and torch.allclose(got, want, rtol=1e-5, atol=1e-4), (got - want).abs().max()
     cfg = _candidates(suite)[name][variant].config
     tile = {f: getattr(cfg, f) for f in ("tile_n", "cluster_m", "split")}
-    assert model and all({f: key[f] for f in tile} == tile for _, key in model)  # its tile ran
+    # its tile ran
+    assert conv_models and all({f: key[f] for f in tile} == tile for _, key in conv_models)

@@ -12,7 +12,6 @@ reads (ld.shared::cluster). Shared memory from config (the struct's sizes) fits 
 from __future__ import annotations
 
 import re
-import subprocess
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -22,7 +21,7 @@ import pytest
 pytest.importorskip("cutlass")
 
 from forgekernel.kernels.attention.dsa_indexer.sm90 import SPEC, config  # noqa: E402
-from forgekernel.runtime.resources import find_tool, inspect_cubin  # noqa: E402
+from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text  # noqa: E402
 
 if find_tool("cuobjdump") is None:
     pytest.skip("cuobjdump not found", allow_module_level=True)
@@ -39,8 +38,7 @@ def _compiled(params) -> tuple[dict, Counter, str]:
             path.write_bytes(cubin)
             cubin = str(path)
         res = inspect_cubin(cubin)
-        sass = subprocess.run([find_tool("cuobjdump"), "-sass", cubin], capture_output=True,
-                              text=True, check=True).stdout  # fmt: skip
+        sass = sass_text(cubin)
     return res, Counter(_OP.findall(sass)), sass
 
 

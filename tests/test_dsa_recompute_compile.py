@@ -6,7 +6,6 @@ and 4 rows per K-chunk), no spills, registers within one CTA (or two at 16 heads
 from __future__ import annotations
 
 import re
-import subprocess
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 pytest.importorskip("cutlass")
 
 from forgekernel.kernels.attention.dsa_recompute.sm90 import SPEC, config  # noqa: E402
-from forgekernel.runtime.resources import find_tool, inspect_cubin  # noqa: E402
+from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text  # noqa: E402
 
 if find_tool("cuobjdump") is None:
     pytest.skip("cuobjdump not found", allow_module_level=True)
@@ -34,8 +33,7 @@ def _compiled(params) -> tuple[dict, Counter]:
             path.write_bytes(cubin)
             cubin = str(path)
         res = inspect_cubin(cubin)
-        sass = subprocess.run([find_tool("cuobjdump"), "-sass", cubin], capture_output=True,
-                              text=True, check=True).stdout  # fmt: skip
+        sass = sass_text(cubin)
     return res, Counter(_OP.findall(sass))
 
 

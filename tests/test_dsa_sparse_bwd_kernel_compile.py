@@ -7,7 +7,6 @@ reductions as `red.global.add.v2.f32` and the WGMMAs pipelined (not serialized o
 from __future__ import annotations
 
 import re
-import subprocess
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 pytest.importorskip("cutlass")
 
 from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import SPEC, config  # noqa: E402
-from forgekernel.runtime.resources import find_tool, inspect_cubin  # noqa: E402
+from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text  # noqa: E402
 
 if find_tool("cuobjdump") is None:
     pytest.skip("cuobjdump not found", allow_module_level=True)
@@ -34,8 +33,7 @@ def _compiled(params) -> tuple[dict, Counter]:
             path.write_bytes(cubin)
             cubin = str(path)
         res = inspect_cubin(cubin)
-        sass = subprocess.run([find_tool("cuobjdump"), "-sass", cubin], capture_output=True,
-                              text=True, check=True).stdout  # fmt: skip
+        sass = sass_text(cubin)
     ops = Counter(op.split(".")[0] for op in _OP.findall(sass))
     ops["RED_V2"] = sass.count("REDG.E.ADD.F32x2")
     ops["DEPBAR0"] = sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0")

@@ -9,7 +9,6 @@ halves), dS^T into shared memory by 8 transposed stmatrix a thread, and dke = U 
 
 from __future__ import annotations
 
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.compile import (  #
     compile_gdn_bwd_state,
     kernel_for,
 )
-from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_instructions  # noqa: E402
+from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_instructions, sass_text  # noqa: E402
 
 if find_tool("cuobjdump") is None:
     pytest.skip("cuobjdump not found", allow_module_level=True)
@@ -50,8 +49,7 @@ def compiled():
                     Path(d, "k.cubin").write_bytes(cubin)
                     cubin = Path(d, "k.cubin")
                 res = inspect_cubin(cubin)
-                cmd = [find_tool("cuobjdump"), "-sass", str(cubin)]
-                sass = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+                sass = sass_text(cubin)
             cache[name] = res, sass_instructions(sass), kernel.shared_storage.size_in_bytes()
         return cache[name]
 

@@ -15,7 +15,6 @@ staged in one round trip)."""
 from __future__ import annotations
 
 import re
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import pytest
 pytest.importorskip("cutlass")
 
 from forgekernel.kernels.linear_attention.gdn_decode.sm90 import SPEC, params_for  # noqa: E402
-from forgekernel.runtime.resources import find_tool, inspect_cubin  # noqa: E402
+from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text  # noqa: E402
 
 if find_tool("cuobjdump") is None:
     pytest.skip("cuobjdump not found", allow_module_level=True)
@@ -43,8 +42,7 @@ def _compiled(**kw) -> tuple[dict, list[tuple[str, str]]]:
             path.write_bytes(cubin)
             cubin = path
         res = inspect_cubin(cubin)
-        sass = subprocess.run([find_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True,
-                              text=True, check=True).stdout  # fmt: skip
+        sass = sass_text(str(cubin))
     return res, _INSTR.findall(sass)
 
 

@@ -20,7 +20,6 @@ ptxas assembles, cuobjdump reads the cubin), its resources as config.py and the 
 from __future__ import annotations
 
 import re
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -43,7 +42,7 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import (  # noq
     qk_consumer_warps,
     v_consumer_warps,
 )
-from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_instructions  # noqa: E402
+from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_instructions, sass_text  # noqa: E402
 
 if find_tool("cuobjdump") is None:
     pytest.skip("cuobjdump not found", allow_module_level=True)
@@ -102,8 +101,7 @@ def _compile(dtype: str, **kw) -> tuple[dict, list[tuple[str, str]], int, str]:
             path.write_bytes(cubin)
             cubin = path
         res = inspect_cubin(cubin)
-        sass = subprocess.run([find_tool("cuobjdump"), "-sass", str(cubin)],
-                              capture_output=True, text=True, check=True).stdout  # fmt: skip
+        sass = sass_text(str(cubin))
     return res, sass_instructions(sass), kernel.shared_storage.size_in_bytes(), ptx
 
 

@@ -362,24 +362,10 @@ def _assert_warp_collectives_converged(cubin) -> None:
     the whole warp, so issuing it from one lane hangs; the producer must be the whole warp 0)
     and no wgmma serialization (one WARPGROUP.ARRIVE per issue site, one DEPBAR per retire
     site: ptxas adds more where it cannot keep in-flight A registers apart)."""
-    import os
-    import subprocess
-    import tempfile
-    from pathlib import Path
 
-    from forgekernel.runtime.resources import find_tool
+    from forgekernel.runtime.resources import sass_text
 
-    if isinstance(cubin, bytes):
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-            f.write(cubin)
-        cubin = f.name
-    path = os.pathsep.join([str(Path(find_tool("nvdisasm")).parent), os.environ["PATH"]])
-    sass = subprocess.run(
-        [find_tool("cuobjdump"), "-sass", str(cubin)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PATH": path},
-    ).stdout
+    sass = sass_text(cubin)
     assert sass.count("QGMMA") == 16
     assert "BRA.DIV" not in sass and "WARPSYNC" not in sass
     assert sass.count("WARPGROUP.ARRIVE") == 4 and sass.count("WARPGROUP.DEPBAR") == 5

@@ -12,7 +12,6 @@ warp with TMA and no global stores); the held form 256 B bf16, 272 B fp16, 4,083
 from __future__ import annotations
 
 import re
-import subprocess
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -21,7 +20,7 @@ import pytest
 
 pytest.importorskip("cutlass")
 
-from forgekernel.runtime.resources import find_tool, inspect_cubin  # noqa: E402
+from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text  # noqa: E402
 
 if find_tool("cuobjdump") is None:
     pytest.skip("cuobjdump not found", allow_module_level=True)
@@ -45,8 +44,7 @@ def _build(dtype: str, recompute: bool = True, own_scratch: bool = False):
         path = Path(d) / "k.cubin"
         path.write_bytes(out.artifacts.CUBIN)
         res = inspect_cubin(path)
-        sass = subprocess.run([find_tool("cuobjdump"), "-sass", str(path)],
-                              capture_output=True, text=True, check=True).stdout  # fmt: skip
+        sass = sass_text(str(path))
     instrs = [(int(a, 16), op, args) for a, _, op, args in _INSTR.findall(sass)]
     return res, instrs, kernel.shared_storage.size_in_bytes()
 

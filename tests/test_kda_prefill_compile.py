@@ -19,7 +19,6 @@ blocks."""
 from __future__ import annotations
 
 import re
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from forgekernel.kernels.linear_attention.kda_prefill.sm90.compile import (  # n
     compile_kda_recurrence,
     kernel_for,
 )
-from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_instructions  # noqa: E402
+from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_instructions, sass_text  # noqa: E402
 
 if find_tool("cuobjdump") is None:
     pytest.skip("cuobjdump not found", allow_module_level=True)
@@ -67,8 +66,7 @@ def _compile(dtype: str, **kw):
             path.write_bytes(cubin)
             cubin = path
         res = inspect_cubin(cubin)
-        sass = subprocess.run([find_tool("cuobjdump"), "-sass", str(cubin)],
-                              capture_output=True, text=True, check=True).stdout  # fmt: skip
+        sass = sass_text(str(cubin))
     return res, sass_instructions(sass), kernel.shared_storage.size_in_bytes(), ptx
 
 
@@ -190,8 +188,7 @@ def compiled_intra():
                     path.write_bytes(cubin)
                     cubin = path
                 res = inspect_cubin(cubin)
-                cmd = [find_tool("cuobjdump"), "-sass", str(cubin)]
-                sass = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+                sass = sass_text(cubin)
             ops = [op for op, _ in sass_instructions(sass)]
             cache[dtype] = (res, ops, kernel.shared_storage.size_in_bytes())
         return cache[dtype]
