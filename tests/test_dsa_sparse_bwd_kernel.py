@@ -40,6 +40,17 @@ def test_smem_plan_fits():
         assert config.stages(b) == 2
         assert config.smem_bytes(b) <= SMEM_CAPACITY
     assert config.smem_bytes(16) == 18432 + 16384 + 4096 + 1024 + 2 * 73728
+    # the bulk / red4 candidates' staging: 8 consumer warps x 16 rows x 72 floats, block 16 only
+    assert config.smem_bytes(16, staged=True) == config.smem_bytes(16) + 8 * 16 * 72 * 4
+    assert config.smem_bytes(16, True) <= SMEM_CAPACITY < config.smem_bytes(32, True)
+    assert dict(config.params_for("bfloat16", 16, bulk=True))["bulk"] is True
+    assert dict(config.params_for("bfloat16", 16, red4=True))["red4"] is True
+    with pytest.raises(ValueError, match="bulk"):
+        config.params_for("bfloat16", 32, bulk=True)
+    with pytest.raises(ValueError, match="red4"):
+        config.params_for("bfloat16", 32, red4=True)
+    with pytest.raises(ValueError, match="pick one"):
+        config.params_for("bfloat16", 16, bulk=True, red4=True)
 
 
 def test_work_split_covers_every_block_once():
@@ -127,16 +138,17 @@ def test_preprocess_contract_gives_the_reference(sink, dlse):
 
 
 def test_switch(monkeypatch):
+    """The kernel by default; FORGEKERNEL_DSA_BWD_KERNEL=0 the interim path; other values
+    raise."""
     monkeypatch.delenv(dsa_bwd.KERNEL_ENV, raising=False)
+    assert dsa_bwd.kernel_selected()
+    monkeypatch.setenv(dsa_bwd.KERNEL_ENV, "0")
     assert not dsa_bwd.kernel_selected()
-    with dsa_bwd.preferring_kernel():
-        assert dsa_bwd.kernel_selected()
-        monkeypatch.setenv(dsa_bwd.KERNEL_ENV, "0")
-        assert not dsa_bwd.kernel_selected()
     monkeypatch.setenv(dsa_bwd.KERNEL_ENV, "1")
     assert dsa_bwd.kernel_selected()
-    monkeypatch.delenv(dsa_bwd.KERNEL_ENV)
-    assert not dsa_bwd.kernel_selected()  # the context restored the default
+    monkeypatch.setenv(dsa_bwd.KERNEL_ENV, "yes")
+    with pytest.raises(ValueError, match="must be '0' or '1'"):
+        dsa_bwd.kernel_selected()
 
 
 def test_selected_kernel_falls_back_where_it_cannot_run(monkeypatch):

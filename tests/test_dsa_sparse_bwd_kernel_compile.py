@@ -37,13 +37,33 @@ def _compiled(params) -> tuple[dict, Counter]:
     ops = Counter(op.split(".")[0] for op in _OP.findall(sass))
     ops["RED_V2"] = sass.count("REDG.E.ADD.F32x2")
     ops["DEPBAR0"] = sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0")
+    ops["STS_64"] = sass.count("STS.64 ")
+    ops["RED_V4"] = sass.count("REDG.E.ADD.F32x4")
     return res, ops
 
 
 @pytest.mark.parametrize("xchg", [False, True])
 @pytest.mark.parametrize("block", config.BLOCKS)
 def test_sparse_bwd_kernel(block, xchg):
-    res, ops = _compiled(config.params_for("bfloat16", block, xchg=xchg))
+    _check_kernel(block, xchg, False)
+
+
+@pytest.mark.parametrize("xchg", [False, True])
+def test_sparse_bwd_kernel_bulk(xchg):
+    """The bulk candidate (block 16): the same WGMMAs and gather, the dkv blocks by
+    cp.reduce.async.bulk (UBLKRED: one elected issue per dkv block in the SASS, looping over
+    the lanes of the warp's 16 rows) from 64-bit shared-memory stores, no red.global."""
+    _check_kernel(16, xchg, True)
+
+
+def test_sparse_bwd_kernel_red4():
+    """The red4 probe candidate (block 16): the same staging, read back by 128-bit loads into
+    `red.global.add.v4.f32` (8 a thread a dkv block), no v2 reductions."""
+    _check_kernel(16, False, False, red4=True)
+
+
+def _check_kernel(block, xchg, bulk, red4=False):
+    res, ops = _compiled(config.params_for("bfloat16", block, xchg=xchg, bulk=bulk, red4=red4))
     assert res["spill_bytes"] == 0 and ops["LDL"] == ops["STL"] == 0
     k = block // 16  # k-steps of a dkv block
     n_dq = [len(b) for b in config.DQ_BLOCKS]
@@ -55,7 +75,15 @@ def test_sparse_bwd_kernel(block, xchg):
     q_rows = block // 16  # 16 rows a pass of 128 threads, 8 a row
     assert ops["LDGSTS"] == config.NCHUNK * (q_rows + 4) + 8 * q_rows
     acc_pairs = config.TILE * config.CHUNK // 128 // 2  # v2 reductions a thread, a dkv block
-    assert ops["RED_V2"] == ops["REDG"] == acc_pairs * config.NCHUNK
+    if red4:
+        assert ops["RED_V2"] == 0 and ops["RED_V4"] == ops["REDG"] == acc_pairs // 2 * config.NCHUNK
+        assert ops["STS_64"] == acc_pairs * config.NCHUNK
+    elif bulk:
+        assert ops["RED_V2"] == ops["REDG"] == 0
+        assert ops["UBLKRED"] == config.NCHUNK
+        assert ops["STS_64"] == acc_pairs * config.NCHUNK
+    else:
+        assert ops["RED_V2"] == ops["REDG"] == acc_pairs * config.NCHUNK
     assert ops["DEPBAR0"] <= 8  # the tiles' waits, not one per WGMMA
 
 
@@ -94,6 +122,10 @@ def test_fragment_coordinates_the_kernel_assumes():
                                                (config.TILE, config.CHUNK))  # fmt: skip
         crd = kv.get_slice(5).partition_C(cute.make_identity_tensor((config.TILE, config.CHUNK)))
         seen["kv"] = [crd[i] for i in range(cute.size(crd))]
+        for tid in (37, 69, 127):  # the bulk / red4 staging: warp w's rows are 16 w .. 16 w + 15
+            crd = kv.get_slice(tid).partition_C(
+                cute.make_identity_tensor((config.TILE, config.CHUNK)))  # fmt: skip
+            seen["kv", tid] = [crd[i] for i in range(cute.size(crd))]
 
     cute.compile(probe)
     for block in config.BLOCKS:
@@ -112,6 +144,12 @@ def test_fragment_coordinates_the_kernel_assumes():
         assert [c[1] // (block // 2) for c in raw] == [
             i // (len(raw) // 2) for i in range(len(raw))
         ]
+    for tid in (37, 69, 127):
+        w, lane = tid // 32, tid % 32
+        rows = {r for r, _ in seen["kv", tid]}
+        assert rows == {16 * w + lane // 4, 16 * w + lane // 4 + 8}  # r % 16: the staging row
+        assert {c for _, c in seen["kv", tid]} == {2 * (lane % 4) + 8 * j + e
+                                                  for j in range(8) for e in (0, 1)}  # fmt: skip
     kv = seen["kv"]
     for i in range(0, len(kv), 2):
         assert kv[i][0] == 1 + 8 * ((i // 2) % 2) and kv[i + 1] == (kv[i][0], kv[i][1] + 1)

@@ -1,4 +1,4 @@
-"""The pending dsa_sparse_bwd suite on the CPU: its judge passes on check cases with the op's
+"""The dsa_sparse_bwd suite on the CPU: its judge passes on check cases with the op's
 interim backward, refuses a wrong gradient; cuDNN's arguments (rows compacted, topk_length, -inf
 sink) carry the same math (the reference under cuDNN's topk_length contract); the work counts
 (cuDNN's 6.25 ms at the issue's point is 118 TFLOP/s); registered as pending only."""
@@ -84,10 +84,11 @@ def test_cases_and_work_counts():
     assert {c.params["topk"] for c in suite_mod.BENCH_CASES} == {512, 2048}
 
 
-def test_registered_pending():
-    """Pending the v1 kernel's GPU check: registered only where FORGEKERNEL_PENDING_SUITES is set
-    (tests/test_ledger_gate.py does not ask for its ledger until then)."""
-    assert suites.PENDING_SUITE_MODULES["dsa_sparse_bwd"].endswith("dsa_sparse_bwd")
+def test_registered():
+    """The v1 kernel checked on a GPU: registered (tests/test_ledger_gate.py asks for its
+    ledger)."""
+    assert suites.SUITE_MODULES["dsa_sparse_bwd"].endswith("dsa_sparse_bwd")
+    assert "dsa_sparse_bwd" not in suites.PENDING_SUITE_MODULES
     assert suite_mod.suite().name == "dsa_sparse_bwd"
 
 

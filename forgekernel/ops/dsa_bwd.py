@@ -15,20 +15,16 @@ d_sink = -sum_t P_sink Delta with P_sink = exp(sink - lse_all). dkv sums over ev
 every query that listed the row; -1 entries add nothing; a row with no entry has zero
 gradients. dq, dkv come back in q's dtype (fp32 accumulation), d_sink fp32 (zeros when no sink).
 
-INTERIM PATH: the backward op runs the reference's chunked backward in fp32 on the GPU with
-torch ops (`_backward_interim`: chunks of queries whose gathered rows and scores fit
-INTERIM_CHUNK_ELEMENTS, dkv by index_add; an eager call reads the indices' max on the host,
-one sync, and raises ValueError for an index past the cache's slots; under CUDA-graph capture
-that check is skipped and nothing is read back). Correct, not fast: the
-backward kernel (docs/attention/DSA_BWD_NOTES.md) replaces `_backward_interim` and nothing else.
-
-KERNEL (pending its GPU check, docs/PENDING.md): FORGEKERNEL_DSA_BWD_KERNEL=1 (or
-`preferring_kernel()`, what the pending suite does; =0 overrides it) runs the v1 kernel
-(kernels/attention/dsa_sparse_bwd/sm90: dq and the fp32 dkv accumulator; the preprocess and
-the dkv cast in torch) wherever it takes the inputs (`launch.unsupported`: CUDA, 16-bit, H 16
-or a multiple of 32), the interim path elsewhere; the default stays the interim path until a
-GPU check of the kernel passes. Both paths raise the same ValueError for an index past the
-cache in an eager call.
+THE KERNEL (kernels/attention/dsa_sparse_bwd/sm90, v1: dq and the fp32 dkv accumulator; the
+preprocess and the dkv cast in torch) runs wherever it takes the inputs (`launch.unsupported`:
+CUDA, 16-bit, H 16 or a multiple of 32); checked on the H200 2026-12-03 (check, memcheck,
+racecheck clean), 0.57x cuDNN's backward at the suite's median (docs/attention/DSA_BWD_NOTES.md).
+Elsewhere, or with FORGEKERNEL_DSA_BWD_KERNEL=0, the INTERIM PATH: the reference's chunked
+backward in fp32 on the GPU with torch ops (`_backward_interim`: chunks of queries whose
+gathered rows and scores fit INTERIM_CHUNK_ELEMENTS, dkv by index_add). Both paths: an eager
+call reads the indices' max on the host, one sync, and raises the same ValueError for an index
+past the cache's slots; under CUDA-graph capture that check is skipped and nothing is read back.
+The kernel's dkv sums by fp32 atomics: not bitwise repeatable.
 
 `dsa_sparse_attention_backward` is the same backward for callers with their own autograd (the
 forward's out / lse in hand) and for the suite's timing.
@@ -36,9 +32,7 @@ forward's out / lse in hand) and for the suite's timing.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 
 import torch
 
@@ -56,27 +50,15 @@ F32 = (torch.float32,)
 # Elements of one chunk's intermediates (gathered rows + scores), fp32: 512 MiB. 4096 queries x
 # 16 heads x top-2048 run as ~40 chunks of ~100 queries.
 INTERIM_CHUNK_ELEMENTS = 1 << 27
-# "1": the kernel where it takes the inputs; "0": the interim path; unset: `_PREFER_KERNEL`.
+# "0": the interim path everywhere; unset or "1": the kernel where it takes the inputs.
 KERNEL_ENV = "FORGEKERNEL_DSA_BWD_KERNEL"
-_PREFER_KERNEL = [False]  # the pending suite sets it (bench/suites/dsa_sparse_bwd.py)
-
-
-@contextlib.contextmanager
-def preferring_kernel(on: bool = True) -> Iterator[None]:
-    """Within the block, the path when FORGEKERNEL_DSA_BWD_KERNEL is unset: True the kernel,
-    False (the default until the kernel's GPU check) the interim path."""
-    old, _PREFER_KERNEL[0] = _PREFER_KERNEL[0], bool(on)
-    try:
-        yield
-    finally:
-        _PREFER_KERNEL[0] = old
 
 
 def kernel_selected() -> bool:
     env = os.environ.get(KERNEL_ENV, "")
-    if env in ("0", "1"):
-        return env == "1"
-    return _PREFER_KERNEL[0]
+    if env not in ("", "0", "1"):
+        raise ValueError(f"{KERNEL_ENV} must be '0' or '1', got {env!r}")
+    return env != "0"
 
 
 def _backward_interim(q_nope, q_pe, ckv, kpe, sparse_indices, scale, out, lse, dout, dlse,
@@ -120,8 +102,8 @@ def _backward_kernel(q_nope, q_pe, ckv, kpe, sparse_indices, scale, out, lse, do
 
 
 def _backward_impl(*args) -> Grads:
-    """The kernel when FORGEKERNEL_DSA_BWD_KERNEL=1 selects it and it takes the inputs, else
-    the interim path."""
+    """The kernel where it takes the inputs (unless FORGEKERNEL_DSA_BWD_KERNEL=0), else the
+    interim path."""
     if kernel_selected():
         grads = _backward_kernel(*args)
         if grads is not None:

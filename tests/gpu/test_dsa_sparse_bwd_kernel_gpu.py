@@ -10,7 +10,9 @@ dkv is the kernel's fp32 accumulator (zeroed by the launcher by contract).
 Tolerance: each gradient within 2e-2 of its reference's largest entry (the op's GPU tests'
 bound: 16-bit P / dS operands, fp32 accumulation), and at most 2x the error of the same
 reference run in the input dtype plus 1e-3 of the largest entry (FlashAttention's criterion).
-The xchg candidate build (S^T in one warpgroup, dP^T in the other) on every bf16 case. Then the
+The xchg candidate build (S^T in one warpgroup, dP^T in the other) on every bf16 case, the bulk
+candidate (dkv by cp.reduce.async.bulk; block 16) alone and with xchg, and the red4 probe
+candidate (staged, red.global.add.v4.f32) on the 16-head ones. Then the
 op with FORGEKERNEL_DSA_BWD_KERNEL=1 against its interim path."""
 
 from __future__ import annotations
@@ -67,19 +69,30 @@ CASES = [  # tokens, heads, topk, slots, sink, dlse
 ]
 
 
+BUILDS = [  # dtype, xchg, bulk, red4
+    (torch.bfloat16, False, False, False),
+    (torch.float16, False, False, False),
+    (torch.bfloat16, True, False, False),
+    (torch.bfloat16, False, True, False),
+    (torch.bfloat16, True, True, False),
+    (torch.bfloat16, False, False, True),
+]
+
+
 @pytest.mark.parametrize("tokens,heads,topk,slots,sink,dlse", CASES)
-@pytest.mark.parametrize("dtype,xchg", [(torch.bfloat16, False), (torch.float16, False),
-                                        (torch.bfloat16, True)])  # fmt: skip
-def test_kernel_matches_fp64(dtype, xchg, tokens, heads, topk, slots, sink, dlse):
+@pytest.mark.parametrize("dtype,xchg,bulk,red4", BUILDS)
+def test_kernel_matches_fp64(dtype, xchg, bulk, red4, tokens, heads, topk, slots, sink, dlse):
     if dtype is torch.float16 and (tokens, heads) not in ((7, 16), (7, 64)):
         pytest.skip("fp16 on the 7-token 16 / 64-head cases")
+    if (bulk or red4) and heads != 16:
+        pytest.skip("the bulk / red4 candidates are built at block 16 (H = 16) only")
     q, kv, idx, dout, s, d = _problem(tokens, heads, topk, slots, dtype, sink=sink, dlse=dlse,
                                       seed=tokens * heads + topk)  # fmt: skip
     clean, out, lse = _forward(q, kv, idx, s, dtype)
     assert launch.unsupported(q, kv, idx) is None
     dq = torch.full_like(q, float("nan"))
     dq, dkv, d_sink = launch.dsa_sparse_bwd(q, kv, dout, out, lse, d, s, idx, SCALE, dq=dq,
-                                            xchg=xchg)  # fmt: skip
+                                            xchg=xchg, bulk=bulk, red4=red4)  # fmt: skip
     torch.cuda.synchronize()
     kw = {"attn_sink": s, "out": out, "lse": lse, "dlse": d}
     want = dsa_sparse_attention_bwd_ref(q, kv, clean, SCALE, dout, dtype=torch.float64, **kw)

@@ -14,11 +14,7 @@ from forgekernel.bench.suite import OpSuite
 # Suites whose kernels have not yet passed a GPU check (docs/PENDING.md): registered only where
 # FORGEKERNEL_PENDING_SUITES is set (a device run that checks and benches them first), so that
 # tests/test_ledger_gate.py does not ask CI for a ledger that no GPU has written yet.
-PENDING_SUITE_MODULES: dict[str, str] = {
-    # issue 22: DSA sparse attention backward, the v1 kernel (CPU-compiled 2026-12-03); the
-    # interim fp32 torch path was checked 2026-12-03 03:50
-    "dsa_sparse_bwd": "forgekernel.bench.suites.dsa_sparse_bwd",
-}
+PENDING_SUITE_MODULES: dict[str, str] = {}
 SUITE_MODULES = {
     "gemm": "forgekernel.bench.suites.gemm",
     "attention": "forgekernel.bench.suites.attention",
@@ -52,6 +48,8 @@ SUITE_MODULES = {
     "kda_bwd": "forgekernel.bench.suites.kda_bwd",
     # issue 22: the indexer's training backward (the interim fp32 torch path until its kernel)
     "dsa_indexer_bwd": "forgekernel.bench.suites.dsa_indexer_bwd",
+    # issue 22: DSA sparse attention backward, the v1 kernel (checked on the H200 2026-12-03)
+    "dsa_sparse_bwd": "forgekernel.bench.suites.dsa_sparse_bwd",
 }
 if os.environ.get("FORGEKERNEL_PENDING_SUITES"):
     SUITE_MODULES.update(PENDING_SUITE_MODULES)

@@ -1,7 +1,7 @@
-"""DSA sparse attention backward suite (issue 22; pending the v1 kernel's first GPU check): the
+"""DSA sparse attention backward suite (issue 22; the v1 kernel, checked 2026-12-03): the
 gradients of `forgekernel.dsa_sparse_attention` in q, the latent rows and the sink from dO,
-given the forward's out and KV-only LSE (`ops.dsa_bwd.dsa_sparse_attention_backward` with the
-v1 kernel preferred, kernels/attention/dsa_sparse_bwd/sm90; FORGEKERNEL_DSA_BWD_KERNEL=0 runs
+given the forward's out and KV-only LSE (`ops.dsa_bwd.dsa_sparse_attention_backward`: the v1
+kernel, kernels/attention/dsa_sparse_bwd/sm90; FORGEKERNEL_DSA_BWD_KERNEL=0 runs
 the INTERIM fp32 torch path; docs/attention/DSA_BWD_NOTES.md "Kernel v1").
 
 Shapes (DeepSeek-V3.2 training / prefill, dsa_recompute's form): one sequence of `ctx` keys
@@ -117,18 +117,16 @@ def alloc_out(inputs: Inputs) -> tuple[torch.Tensor, ...]:
 
 
 def run_ours(inputs: Inputs, out: tuple | None) -> tuple:
-    """The op with the v1 kernel preferred (pending: the suite checks and benches the kernel;
-    FORGEKERNEL_DSA_BWD_KERNEL=0 times the interim path)."""
-    from forgekernel.ops.dsa_bwd import dsa_sparse_attention_backward, preferring_kernel
+    """The op (the v1 kernel; FORGEKERNEL_DSA_BWD_KERNEL=0 times the interim path)."""
+    from forgekernel.ops.dsa_bwd import dsa_sparse_attention_backward
 
     i = inputs
     q, kv = i["q"], i["kv"]
-    with preferring_kernel():
-        dq_nope, dq_pe, dkv, _, d_sink = dsa_sparse_attention_backward(
-            q[..., :LATENT], q[..., LATENT:], kv.view(kv.shape[0], 1, 1, WIDTH), None, i["idx"],
-            i["dout"], softmax_scale=SOFTMAX_SCALE, out=i["out"], lse=i["lse"],
-            attn_sink=i["sink"],
-        )  # fmt: skip
+    dq_nope, dq_pe, dkv, _, d_sink = dsa_sparse_attention_backward(
+        q[..., :LATENT], q[..., LATENT:], kv.view(kv.shape[0], 1, 1, WIDTH), None, i["idx"],
+        i["dout"], softmax_scale=SOFTMAX_SCALE, out=i["out"], lse=i["lse"],
+        attn_sink=i["sink"],
+    )  # fmt: skip
     if d_sink is None:
         d_sink = torch.zeros(q.shape[1], dtype=torch.float32, device=q.device)
     grads = (dq_nope, dq_pe, dkv, d_sink)

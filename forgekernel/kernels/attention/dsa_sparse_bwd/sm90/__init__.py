@@ -24,13 +24,22 @@ def _standard_params() -> list[Params]:
 
 
 def _candidate_params() -> list[Params]:
-    """The timing probe's builds (reductions never run) and the xchg candidate, with and without
-    reductions (scripts/time_dsa_bwd_kernel.py)."""
-    return [
-        params_for("bfloat16", b, reduce=r, xchg=x)
-        for b in BLOCKS
-        for r, x in ((False, False), (True, True), (False, True))
-    ]
+    """The timing probe's builds (reductions never run), the xchg candidate with and without
+    reductions, and at block 16 the bulk candidate (dkv by cp.reduce.async.bulk) alone, with
+    xchg and without reductions, and the red4 probe candidate (the same staging, v4 reductions
+    by the warps; scripts/time_dsa_bwd_kernel.py)."""
+    return (
+        [
+            params_for("bfloat16", b, reduce=r, xchg=x)
+            for b in BLOCKS
+            for r, x in ((False, False), (True, True), (False, True))
+        ]
+        + [
+            params_for("bfloat16", 16, reduce=r, xchg=x, bulk=True)
+            for r, x in ((True, False), (True, True), (False, False))
+        ]
+        + [params_for("bfloat16", 16, red4=True)]
+    )
 
 
 SPEC = KernelSpec(

@@ -27,7 +27,11 @@ def compile_sparse_bwd(params: dict, arch: str = "sm_90a", extra_options: str = 
     )
     return cute.compile(
         DsaSparseBwdSm90(
-            params["block"], not params.get("noreduce", False), params.get("xchg", False)
+            params["block"],
+            not params.get("noreduce", False),
+            params.get("xchg", False),
+            params.get("bulk", False),
+            params.get("red4", False),
         ),
         fake.rowmajor(dtype, (tokens, heads, WIDTH)),
         fake.rowmajor(dtype, (slots, WIDTH)),

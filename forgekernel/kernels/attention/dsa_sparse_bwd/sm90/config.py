@@ -34,6 +34,13 @@ BYTES = 2  # 16-bit inputs
 # {0..3}, the second dkv {4..7} and dq {4..8}.
 DKV_BLOCKS = ((0, 1, 2, 3, 8), (4, 5, 6, 7))
 DQ_BLOCKS = ((0, 1, 2, 3), (4, 5, 6, 7, 8))
+# `bulk` candidate: each consumer warp stages its 16 rows of a 64 x 64 fp32 dkv block in shared
+# memory (rows padded to 72 floats: 288 bytes, 16-byte aligned, the 64-bit stores of a
+# half-warp's four rows on disjoint banks) and lanes 0..15 add one row each to the accumulator
+# by `cp.reduce.async.bulk .add.f32` (256 bytes: two full lines, issued by the TMA unit).
+BULK_ROWS = 16
+BULK_STRIDE = 72
+BULK_WARPS = CONSUMERS * THREADS_PER_WG // 32
 
 
 def block_heads(heads: int) -> int:
@@ -62,22 +69,52 @@ def stages(block: int) -> int:
     return min(n, 2)
 
 
-def smem_bytes(block: int) -> int:
-    return fixed_bytes(block) + stages(block) * stage_bytes()
+def bulk_bytes() -> int:
+    """The `bulk` / `red4` candidates' staging: one (16, 72) fp32 buffer per consumer warp
+    (36 KB)."""
+    return BULK_WARPS * BULK_ROWS * BULK_STRIDE * 4
 
 
-def params_for(dtype: str, block: int, reduce: bool = True, xchg: bool = False) -> tuple:
+def smem_bytes(block: int, staged: bool = False) -> int:
+    """staged: with the bulk / red4 candidates' staging buffers."""
+    return fixed_bytes(block) + stages(block) * stage_bytes() + (bulk_bytes() if staged else 0)
+
+
+def params_for(
+    dtype: str,
+    block: int,
+    reduce: bool = True,
+    xchg: bool = False,
+    bulk: bool = False,
+    red4: bool = False,
+) -> tuple:
     """Compile key: dtype and the heads of one CTA; reduce False: the timing probe's build whose
     dkv reductions never run (a runtime-false guard keeps their code; dkv stays 0), which
     splits MMA time from reduction time (scripts/time_dsa_bwd_kernel.py); xchg True: the
-    candidate whose S^T and dP^T are one warpgroup's each (kernel.py `xchg`)."""
+    candidate whose S^T and dP^T are one warpgroup's each (kernel.py `xchg`); bulk True: the
+    candidate whose dkv blocks go through shared memory to `cp.reduce.async.bulk` (kernel.py
+    `_reduce_bulk`; block 16 only: block 32's 221 KB leave no room for the 36 KB staging);
+    red4 True: the probe candidate with the same staging read back into red.global.add.v4.f32
+    by the warps themselves (kernel.py `_reduce_v4`; block 16 only)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if block not in BLOCKS:
         raise ValueError(f"block must be one of {BLOCKS}, got {block}")
+    if bulk and red4:
+        raise ValueError("bulk and red4 are two forms of the same reductions: pick one")
+    staged = bulk or red4
+    if staged and smem_bytes(block, staged) > SMEM_CAPACITY:
+        name = "bulk" if bulk else "red4"
+        raise ValueError(
+            f"{name}: {smem_bytes(block, staged)} bytes of shared memory at block {block}"
+        )
     keys = {"dtype": dtype, "block": block}
     if not reduce:
         keys["noreduce"] = True
     if xchg:
         keys["xchg"] = True
+    if bulk:
+        keys["bulk"] = True
+    if red4:
+        keys["red4"] = True
     return tuple(sorted(keys.items()))

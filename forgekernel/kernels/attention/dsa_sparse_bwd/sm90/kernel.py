@@ -27,6 +27,13 @@ Warp roles (one CTA per (token, head block), 384 threads):
   next stores only through that thread's own arrive, not a warp's lane 0 after a warp sync;
   H200 2026-12-03) once the dq MMAs, the last readers of the stage, are done.
 - at the end each consumer stores its dq^T blocks (q's dtype, scalar stores).
+
+Candidate `bulk` (block 16; CPU-compiled 2026-12-03, not yet run on a GPU): instead of the
+`red.global.add.v2.f32` of each dkv block from the registers, each consumer warp stores its 16
+rows of the block into its own shared-memory buffer and lanes 0..15 add one 256-byte row each
+by `cp.reduce.async.bulk .add.f32` (the TMA unit; `_reduce_bulk`), so that the reductions no
+longer queue in the load/store unit in front of the next MMAs (docs/attention/DSA_BWD_NOTES.md,
+"Measured 2026-12-03 19:15 and the model revised").
 """
 
 from __future__ import annotations
@@ -43,6 +50,9 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from forgekernel.kernels.attention.dsa_sparse_bwd.sm90.config import (
+    BULK_ROWS,
+    BULK_STRIDE,
+    BULK_WARPS,
     CHUNK,
     CONSUMER_REGS,
     CONSUMERS,
@@ -61,6 +71,7 @@ from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
 from forgekernel.kernels.common.sm90.layout import rows_cols, transposed
 from forgekernel.kernels.common.sm90.mma import gemm
 from forgekernel.kernels.common.sm90.pipeline import smem_tensor
+from forgekernel.kernels.common.sm90.ptx import bulk_reduce_add_f32
 from forgekernel.kernels.common.sm90.warp_mma import copy_row_async, tiled_row_copy
 
 CONSUMER_THREADS = CONSUMERS * THREADS_PER_WG
@@ -91,7 +102,14 @@ def _rows_cols(t: cute.Tensor) -> cute.Tensor:
 class DsaSparseBwdSm90:
     """See the module docstring; `block` is BLOCK (the heads of one CTA, the WGMMAs' N)."""
 
-    def __init__(self, block: int, reduce: bool = True, xchg: bool = False):
+    def __init__(
+        self,
+        block: int,
+        reduce: bool = True,
+        xchg: bool = False,
+        bulk: bool = False,
+        red4: bool = False,
+    ):
         self.block = block
         self.stages = stages(block)
         # xchg (a candidate): warpgroup 1 computes S^T, warpgroup 2 dP^T, all heads each (the K
@@ -100,6 +118,16 @@ class DsaSparseBwdSm90:
         self.xchg = xchg
         # False: the timing probe (config.params_for): the reductions' guard is never true
         self.reduce = reduce
+        # bulk (a candidate, block 16): dkv blocks staged per warp in shared memory and added by
+        # cp.reduce.async.bulk (the TMA unit) instead of red.global.add.v2 from the registers
+        self.bulk = bulk
+        # red4 (a probe candidate, block 16): the same staging, then each warp reads it back by
+        # rows and issues red.global.add.v4.f32 (two rows = four full lines an instruction
+        # against the default's eight one-sector lines): in the warps' stream, as the default
+        self.red4 = red4
+        if bulk and red4:
+            raise ValueError("bulk and red4 are two forms of the same reductions: pick one")
+        self.staged = bulk or red4
 
     def _setup(self, dt):
         k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
@@ -166,7 +194,21 @@ class DsaSparseBwdSm90:
             p: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.lay_p)], 1024]
             ds: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.lay_p)], 1024]
 
-        self.shared = Shared
+        @cute.struct
+        class SharedBulk:
+            full: cute.struct.MemRange[cutlass.Int64, self.stages]
+            empty: cute.struct.MemRange[cutlass.Int64, self.stages]
+            rows: cute.struct.MemRange[Int32, TILE * self.stages]
+            kv: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.lay_kv)], 1024]
+            q: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.lay_q)], 1024]
+            do: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.lay_do)], 1024]
+            p: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.lay_p)], 1024]
+            ds: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.lay_p)], 1024]
+            red: cute.struct.Align[
+                cute.struct.MemRange[Float32, BULK_WARPS * BULK_ROWS * BULK_STRIDE], 128
+            ]
+
+        self.shared = SharedBulk if const_expr(self.staged) else Shared
         grid = (mQ.shape[0], mQ.shape[1] // self.block, 1)
         self.kernel(
             mQ, mKV, mdO, mLse2, mDelta, mIdx, mdQ, mdKV, scale_log2, scale, self.mma_sdp,
@@ -213,6 +255,17 @@ class DsaSparseBwdSm90:
                 cute.recast_ptr(storage.p.data_ptr(), dtype=Float32),
                 cute.make_layout((THREADS_PER_WG, self.block // 2)),
             ),
+            # bulk: the consumer warps' dkv staging buffers (warp, row, column); else unused
+            cute.make_tensor(
+                cute.recast_ptr(
+                    storage.red.data_ptr() if const_expr(self.staged) else storage.p.data_ptr(),
+                    dtype=Float32,
+                ),
+                cute.make_layout(
+                    (BULK_WARPS, BULK_ROWS, BULK_STRIDE),
+                    stride=(BULK_ROWS * BULK_STRIDE, BULK_STRIDE, 1),
+                ),
+            ),
         )
         full, empty = storage.full.data_ptr(), storage.empty.data_ptr()
         if tidx == 0:
@@ -252,7 +305,7 @@ class DsaSparseBwdSm90:
     def _gather(self, mQ, mKV, mdO, mIdx, sm, full, empty, where, tid):
         """Warpgroup 0: q and dO, then every tile's rows into its stage (module docstring)."""
         token, h0, tiles = where
-        sKV, sQ, sdO, _, _, sRows, _ = sm
+        sKV, sQ, sdO, _, _, sRows, _, _ = sm
         gcopy = tiled_row_copy(mQ.element_type, CHUNK, THREADS_PER_WG)
         self._load_rows(mQ, token, h0, sQ, NCHUNK, gcopy, tid)
         self._load_rows(mdO, token, h0, sdO, VCHUNK, gcopy, tid)
@@ -295,7 +348,7 @@ class DsaSparseBwdSm90:
         """Consumer warpgroup w (ctid: 0 .. 255 over both): every tile (module docstring)."""
         mLse2, mDelta, mdQ, mdKV, scale_log2, scale = ins
         token, h0, tiles = where
-        sKV, sQ, sdO, sP, sdS, sRows, sX = sm
+        sKV, sQ, sdO, sP, sdS, sRows, sX, sRed = sm
         mma_sdp, mma_kv, mma_dq = mmas
         ltid = ctid % THREADS_PER_WG
         if const_expr(self.xchg):
@@ -319,7 +372,11 @@ class DsaSparseBwdSm90:
         dq_accs = [cute.make_rmem_tensor(dq_shape, Float32) for _ in DQ_BLOCKS[w]]
         for acc in dq_accs:
             acc.fill(0.0)
-        rids = cute.make_rmem_tensor(2, Int32)
+        # the two rows' ids (r, r + 8); bulk: the lane's row; red4: rows 2 k + lane // 16
+        rids = cute.make_rmem_tensor(10 if const_expr(self.red4) else 3, Int32)
+        lane = ctid % 32
+        # bulk: this warp's staging buffer; lane l < 16 adds row 16 (warp in warpgroup) + l
+        red = (sRed[ctid // 32, None, None], lane, 16 * (ltid // 32) + lane % BULK_ROWS)
 
         for i in cutlass.range(tiles, unroll=1):
             s = i % self.stages
@@ -332,12 +389,19 @@ class DsaSparseBwdSm90:
             named_barrier(Bar.PDS, CONSUMER_THREADS).arrive_and_wait()
             for h in cutlass.range_constexpr(2):  # this thread's two dkv rows (r, r + 8)
                 rids[h] = sRows[kv_crd[2 * h][0], s]
+            if const_expr(self.bulk):
+                rids[2] = sRows[red[2], s]
+            if const_expr(self.red4):
+                for k in cutlass.range_constexpr(8):
+                    rids[2 + k] = sRows[16 * (ltid // 32) + 2 * k + lane // 16, s]
             for j, b in enumerate(DQ_BLOCKS[w]):
                 gemm(mma_dq, dq_accs[j], tQK[None, None, None, s * NCHUNK + b],
                      tQdS[None, None, None, 0], False, -1)  # fmt: skip
             self._dkv_blocks(mma_kv, kv_accs, (tKdS, tKP, tKQ, tKdO), kv_crd, rids, mdKV, w,
-                             empty + s)  # fmt: skip
+                             empty + s, red)  # fmt: skip
         self._store_dq(mdQ, dq_accs, t_dq, token, h0, w)
+        if const_expr(self.bulk):  # the staging buffer is read and the additions are done
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
     def _split_setup(self, mLse2, mDelta, sKV, sQ, sdO, mma_sdp, token, h0, ctid):
@@ -361,7 +425,7 @@ class DsaSparseBwdSm90:
     def _split_tile(self, sc, sm, mma_sdp, s, scale_log2, scale):
         """S^T, dP^T of this warpgroup's heads, then P^T / dS^T of them into shared memory."""
         tSK, tSQ, tSdO, acc_s, acc_dp, crd, lse2, delta = sc
-        _, _, _, sP, sdS, sRows, _ = sm
+        _, _, _, sP, sdS, sRows, _, _ = sm
         for k in cutlass.range_constexpr(NCHUNK):
             gemm(mma_sdp, acc_s, tSK[None, None, None, s * NCHUNK + k],
                  tSQ[None, None, None, k], k == 0, -1)  # fmt: skip
@@ -406,7 +470,7 @@ class DsaSparseBwdSm90:
         (thread ltid of one warpgroup holds the same coordinates as ltid of the other), P^T /
         dS^T of the own half into shared memory (over sX's bytes: read first)."""
         tSK, tSB, acc, crd, lse2, delta = sc
-        _, _, _, sP, sdS, sRows, sX = sm
+        _, _, _, sP, sdS, sRows, sX, _ = sm
         for k in cutlass.range_constexpr(NCHUNK if const_expr(w == 0) else VCHUNK):
             gemm(mma_sdp, acc, tSK[None, None, None, s * NCHUNK + k],
                  tSB[None, None, None, k], k == 0, -1)  # fmt: skip
@@ -435,7 +499,7 @@ class DsaSparseBwdSm90:
 
     @cute.jit
     def _dkv_blocks(self, mma_kv, kv_accs, frags, kv_crd, rids, mdKV, w: cutlass.Constexpr[int],
-                    empty_s):  # fmt: skip
+                    empty_s, red):  # fmt: skip
         """This warpgroup's dkv blocks of the tile: block j's MMAs issued, then block j - 1's
         reductions (its MMAs done); the stage released once block 0's MMAs (and the dq MMAs
         issued before them) are done."""
@@ -451,14 +515,25 @@ class DsaSparseBwdSm90:
             if const_expr(j == 0):
                 cute.arch.mbarrier_arrive(empty_s)  # every thread: its own reads of the row ids
             else:
-                self._reduce(kv_accs[(j - 1) % 2], kv_crd, rids, mdKV, blocks[j - 1])
+                self._reduce(kv_accs[(j - 1) % 2], kv_crd, rids, mdKV, blocks[j - 1], red)
         warpgroup.wait_group(0)
-        self._reduce(kv_accs[(len(blocks) - 1) % 2], kv_crd, rids, mdKV, blocks[-1])
+        self._reduce(kv_accs[(len(blocks) - 1) % 2], kv_crd, rids, mdKV, blocks[-1], red)
 
     @cute.jit
-    def _reduce(self, acc, kv_crd, rids, mdKV, c: cutlass.Constexpr[int]):
+    def _reduce(self, acc, kv_crd, rids, mdKV, c: cutlass.Constexpr[int], red):
         """dkv[row, 64 c ..] += the block, two adjacent columns a `red.global.add.v2.f32`,
-        valid rows only (raw fragment order: i = col pair + 2 (row half) + 4 (pair group))."""
+        valid rows only (raw fragment order: i = col pair + 2 (row half) + 4 (pair group));
+        bulk: `_reduce_bulk`."""
+        if const_expr(self.bulk):
+            self._reduce_bulk(acc, kv_crd, rids, mdKV, c, red)
+        elif const_expr(self.red4):
+            self._reduce_v4(acc, kv_crd, rids, mdKV, c, red)
+        else:
+            self._reduce_v2(acc, kv_crd, rids, mdKV, c)
+
+    @cute.jit
+    def _reduce_v2(self, acc, kv_crd, rids, mdKV, c: cutlass.Constexpr[int]):
+        """The default: `red.global.add.v2.f32` from the registers (`_reduce`)."""
         for h in cutlass.range_constexpr(2):  # one branch and one row address per row half
             ok = rids[h] >= 0 if const_expr(self.reduce) else rids[h] == -2  # ids are >= -1
             if ok:
@@ -467,6 +542,55 @@ class DsaSparseBwdSm90:
                     pair = cute.make_tensor(acc.iterator + i, cute.make_layout(2)).load()
                     cute.arch.red(row.iterator + (c * CHUNK + kv_crd[i][1]), pair, op="add",
                                   dtype=Float32, sem="relaxed", scope="gpu")  # fmt: skip
+
+    @cute.jit
+    def _reduce_bulk(self, acc, kv_crd, rids, mdKV, c: cutlass.Constexpr[int], red):
+        """bulk: the warp's 16 rows of the block -> its staging buffer (64-bit stores, once this
+        lane's previous bulk op has read it), a proxy fence and a warp sync, then lane l < 16
+        adds row l (256 bytes) by `cp.reduce.async.bulk .add.f32`, valid rows only."""
+        sw, lane, _ = red
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.sync_warp()
+        self._stage(acc, kv_crd, sw)
+        cute.arch.fence_view_async_shared()  # st.shared, then the bulk copies' reads
+        cute.arch.sync_warp()
+        ok = rids[2] >= 0 if const_expr(self.reduce) else rids[2] == -2  # ids are >= -1
+        if lane < BULK_ROWS:
+            if ok:
+                dst = mdKV[rids[2], None].iterator + c * CHUNK
+                bulk_reduce_add_f32(dst, sw.iterator + lane * BULK_STRIDE, CHUNK * 4)
+                cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def _stage(self, acc, kv_crd, sw):
+        """This thread's fragment of the block -> the warp's (16, 72) staging buffer."""
+        for i in cutlass.range_constexpr(0, cute.size(acc), 2):
+            r, col = kv_crd[i]
+            off = (r % BULK_ROWS) * BULK_STRIDE + col
+            ptr = cute.make_ptr(Float32, (sw.iterator + off).toint(), cute.AddressSpace.smem,
+                                assumed_align=8)  # fmt: skip
+            pair = cute.make_tensor(acc.iterator + i, cute.make_layout(2)).load()
+            cute.make_tensor(ptr, cute.make_layout(2)).store(pair)
+
+    @cute.jit
+    def _reduce_v4(self, acc, kv_crd, rids, mdKV, c: cutlass.Constexpr[int], red):
+        """red4: the warp's 16 rows of the block staged, read back two rows at a time (lane l:
+        row 2 k + l // 16, columns 4 (l % 16) ...) and added by `red.global.add.v4.f32`."""
+        sw, lane, _ = red
+        cute.arch.sync_warp()  # every lane's reads of the previous block are done
+        self._stage(acc, kv_crd, sw)
+        cute.arch.sync_warp()
+        col = (lane % 16) * 4
+        for k in cutlass.range_constexpr(8):
+            off = (2 * k + lane // 16) * BULK_STRIDE + col
+            ptr = cute.make_ptr(Float32, (sw.iterator + off).toint(), cute.AddressSpace.smem,
+                                assumed_align=16)  # fmt: skip
+            quad = cute.make_tensor(ptr, cute.make_layout(4)).load()
+            rid = rids[2 + k]
+            ok = rid >= 0 if const_expr(self.reduce) else rid == -2  # ids are >= -1
+            if ok:
+                cute.arch.red(mdKV[rid, None].iterator + (c * CHUNK + col), quad, op="add",
+                              dtype=Float32, sem="relaxed", scope="gpu")  # fmt: skip
 
     @cute.jit
     def _store_dq(self, mdQ, dq_accs, t_dq, token, h0, w: cutlass.Constexpr[int]):
