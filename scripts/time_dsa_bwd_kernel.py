@@ -3,14 +3,14 @@ DSA_BWD_NOTES.md, "Kernel v1": the prediction and its falsifiers):
 
     python3 scripts/time_dsa_bwd_kernel.py [S H TOPK S_KV]      (default 4096 16 2048 8192)
 
-One line each, ms a launch (graph replays, `runtime.timing.time_interleaved`): the op with the
-kernel preferred (concatenations, preprocess, kernel, cast); the launcher alone (preprocess,
-zeroed accumulator, kernel); the launcher with the probe build whose dkv reductions never run
-(`params_for(..., reduce=False)`: the MMA / gather / softmax side alone); the same two for the
-`xchg` candidate (S^T in one warpgroup, dP^T in the other); at H = 16 the `bulk` candidate
-(dkv blocks staged in shared memory, added by cp.reduce.async.bulk), alone, with xchg and
-without reductions, and the `red4` probe candidate (the same staging, red.global.add.v4.f32
-by the warps); the preprocess alone.
+One line each, ms a launch (graph replays, `runtime.timing.time_interleaved`): the op
+(concatenations, preprocess, kernel, cast); the launcher alone (preprocess, zeroed
+accumulator, the standard kernel: red4 at H = 16); the launcher with the probe build whose dkv
+reductions never run (`params_for(..., reduce=False)`: the MMA / gather / softmax side alone);
+the same two for the `xchg` candidate (S^T in one warpgroup, dP^T in the other); at H = 16 the
+`bulk` candidate (dkv blocks staged in shared memory, added by cp.reduce.async.bulk), alone,
+with xchg and without reductions, and the fragments' red.global.add.v2 (`launcher, v2`: block
+16's form before red4); the preprocess alone.
 The kernel at 5504 FLOP per (token, head, entry). Build first: `python3 -m forgekernel build
 --only dsa_sparse_bwd_sm90 --candidates`."""
 
@@ -78,8 +78,8 @@ def main(s: int = 4096, h: int = 16, topk: int = 2048, s_kv: int = 8192) -> None
             "bulk, xchg": lambda: launch.dsa_sparse_bwd(*args, xchg=True, bulk=True),
             "bulk, no reductions": lambda: launch.dsa_sparse_bwd(*args, reduce=False, bulk=True),
         }
-    if h == 16 and _agrees(args, "red4"):
-        fns["launcher, red4"] = lambda: launch.dsa_sparse_bwd(*args, red4=True)
+    if h == 16:  # the fragments' red.global.add.v2 (block 16's form before red4)
+        fns["launcher, v2"] = lambda: launch.dsa_sparse_bwd(*args, red4=False)
     fns |= {
         "preprocess": lambda: launch.preprocess(out, dout, lse, None, sink),
     }

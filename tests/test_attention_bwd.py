@@ -534,6 +534,12 @@ def test_choose_config_head_split_for_small_gqa_descending_walk_for_long_gqa_at_
     assert pick(128, 128, False, 1, 1000, 4, 2) == (2, sw, 0)  # 16 kv tiles: under two waves
     assert pick(128, 128, False, 2, 16384, 64, 8) == (0, 8, 2)  # long keys: descending walk
     assert pick(128, 128, False, 4, 8192, 64, 8) == (0, sw, 0)  # 2048 kv tiles, s8192
+    # GQA 16 up to 4096 keys (causal): the head split whatever the waves
+    assert pick(128, 128, False, 8, 4096, 32, 2) == (2, sw, 0)
+    assert pick(128, 128, False, 16, 2048, 32, 2) == (2, sw, 0)
+    assert pick(128, 128, False, 4, 8192, 32, 2) == (0, sw, 0)  # s8192: the walk (0.990)
+    assert pick(128, 128, False, 8, 4096, 32, 4) == (0, sw, 0)  # GQA 8 keeps the walk
+    assert pick(128, 128, False, 8, 4096, 32, 2, causal=False) == (0, sw, 0)  # not measured
     assert pick(128, 128, False, 2, 16384, 64, 8, causal=False) == (0, sw, 0)
     assert pick(128, 128, False, 1, 1000, 4, 4) == (0, sw, 0)  # MHA
     assert pick(128, 128, False, 2, 16384, 32, 32) == (0, sw, 0)  # MHA, long keys

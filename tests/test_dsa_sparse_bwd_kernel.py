@@ -30,6 +30,12 @@ def test_params_and_blocks():
         with pytest.raises(ValueError, match="16 heads or a multiple of 32"):
             config.block_heads(h)
     assert len(SPEC.standard_params()) == len(config.DTYPES) * len(config.BLOCKS)
+    # the standard form: red4 at block 16 (2026-12-03 21:46), the fragments' v2 at block 32
+    standard = {dict(p)["block"]: dict(p).get("red4", False) for p in SPEC.standard_params()}
+    assert standard == {16: True, 32: False}
+    assert config.standard_red4(16) and not config.standard_red4(32)
+    assert not any(config.standard_red4(16, r, x, b) for r, x, b in
+                   ((False, False, False), (True, True, False), (True, False, True)))  # fmt: skip
     assert SPEC.name == "dsa_sparse_bwd_sm90" and SPEC.representative_params() in [
         *SPEC.standard_params()
     ]

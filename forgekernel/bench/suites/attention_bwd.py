@@ -7,7 +7,7 @@ returns it), and ours, FA4 and cuDNN are timed on the backward alone. Rows that 
 (causal, Sq > Sk) must get dq = 0 exactly as the reference does. Deterministic cases must give
 the same bits on every run (`check` runs them 3 times); on three bench cases the bench also times
 deterministic=True against the default kernel (a variant of ours, recorded as its time ratio),
-and on the GQA 16:1 cases of GQA16_TIMED the main-kernel configurations of GQA16_CANDIDATES.
+and on the GQA 16:1 cases of GQA16_TIMED the head-group walk they ran before the head split.
 """
 
 from __future__ import annotations
@@ -275,18 +275,12 @@ def deterministic(case: Case) -> bool:
     return bool(case.params["deterministic"])
 
 
-# Launcher-level candidates for GQA 16:1 (issue 17): the main kernel under another BwdConfig (the
-# D = 128 default with these knobs), pre / post kernels and workspaces as the launcher makes them.
-# Predictions (time / ours; > 1 slower) and falsifiers: BWD_NOTES.md "GQA 16 at 4096". Adoption:
-# >= 3% faster in both timings (graph and eager) on a case.
-#   split:    head_split 2 (standard kernel; the launcher's rule for under two waves of kv tiles)
-#   walk2sw8: walk_order 2 with l2_swizzle 8 (standard kernel; the long-GQA rule, Sk >= 16384)
-#   sw16:     l2_swizzle 16, the walk as is (a candidate build: `forgekernel build --candidates`)
-GQA16_CANDIDATES: dict[str, dict[str, int]] = {
-    "split": {"head_split": 2},
-    "walk2sw8": {"walk_order": 2, "l2_swizzle": 8},
-    "sw16": {"l2_swizzle": 16},
-}
+# GQA 16:1 (issue 17): the head split became the rule up to 4096 keys (config.HEAD_SPLIT_GROUP,
+# measured 2026-12-03 21:50: split 0.887 / 0.934 / 0.990 of the walk's time at s4096 / s2048 /
+# s8192; walk_order 2 + swizzle 8 1.013-1.071 and swizzle 16 1.043-1.080, dropped; BWD_NOTES.md
+# "GQA 16 at 4096"). `walk`: the main kernel under the D = 128 default (the head-group walk
+# the three cases ran before), pre / post kernels and workspaces as the launcher makes them.
+GQA16_CANDIDATES: dict[str, dict[str, int]] = {"walk": {}}
 GQA16_TIMED = (
     _case(8, 32, 2, 4096, 128),
     _case(16, 32, 2, 2048, 128),

@@ -90,13 +90,6 @@ def _main_standard() -> list[Params]:
     )
 
 
-def _main_candidates() -> list[Params]:
-    # the bench's GQA 16:1 candidates that no standard kernel covers (bench/suites/attention_bwd
-    # GQA16_CANDIDATES; the others are the head_split and long-GQA standard kernels): bf16 causal
-    sw16 = replace(default_config(128, 128), l2_swizzle=16)
-    return [main_params("bfloat16", 128, 128, True, False, sw16)]
-
-
 def _post_standard() -> list[Params]:
     # one per workspace order the standard main kernels write (dq_split or not)
     out = []
@@ -125,7 +118,6 @@ SPEC_MAIN = KernelSpec(
     directory=_DIR,
     compile=_compile_main,
     standard_params=_main_standard,
-    candidate_params=_main_candidates,
 )
 SPEC_POST = KernelSpec(
     name="attention_bwd_post_sm90",

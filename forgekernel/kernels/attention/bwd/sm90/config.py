@@ -265,6 +265,13 @@ def default_config(
 # walk leaves multiprocessors idle there): 1.07-1.36x; at s4096 / s8192 0.94-0.97x (the fp32
 # dK / dV additions cost more than the locality wins).
 HEAD_SPLIT_WAVES = 2
+# ... and for causal GQA of at least HEAD_SPLIT_GROUP query heads a kv head up to
+# HEAD_SPLIT_SEQLEN_K keys, whatever the waves: measured 2026-12-03 21:50 (graph / eager, time
+# of the split over the walk) 0.887 / 0.893 at b8-hq32-hkv2-s4096, 0.934 / 0.926 at
+# b16-hq32-hkv2-s2048, 0.990 / 0.993 at b4-hq32-hkv2-s8192 (kept on the walk). The walk's dQ
+# tiles miss the L2 and its coarse CTAs leave a tail there (BWD_NOTES.md "GQA 16 at 4096").
+HEAD_SPLIT_GROUP = 16
+HEAD_SPLIT_SEQLEN_K = 4096
 # Causal GQA with long keys: each head's query blocks descending (walk_order 2) with
 # l2_swizzle 8 (sections of eight (kv head, batch) pairs): 1.024-1.034x the ascending walk
 # with swizzle 2 at hq64 / hkv8 s16384. Shorter GQA keeps the ascending walk with swizzle 4
@@ -286,14 +293,16 @@ def choose_config(
     causal: bool = True,
 ) -> BwdConfig:
     """The fixed-length main kernel's config for a problem: default_config; for D = 128 GQA
-    head_split (interleaved) when the kv tiles fill less than HEAD_SPLIT_WAVES waves, else
-    (causal, from LONG_GQA_SEQLEN_K keys on) walk_order LONG_GQA_WALK with l2_swizzle
+    head_split (interleaved) when the kv tiles fill less than HEAD_SPLIT_WAVES waves or (causal)
+    a kv head has HEAD_SPLIT_GROUP query heads or more and at most HEAD_SPLIT_SEQLEN_K keys,
+    else (causal, from LONG_GQA_SEQLEN_K keys on) walk_order LONG_GQA_WALK with l2_swizzle
     LONG_GQA_SWIZZLE."""
     cfg = default_config(head_dim, head_dim_v, deterministic)
     if deterministic or hq == hkv or (head_dim, head_dim_v) != (128, 128):
         return cfg
     kv_tiles = -(-seqlen_k // cfg.tile_n) * hkv * batch
-    if kv_tiles < HEAD_SPLIT_WAVES * num_sms:
+    wide_short = causal and hq >= HEAD_SPLIT_GROUP * hkv and seqlen_k <= HEAD_SPLIT_SEQLEN_K
+    if kv_tiles < HEAD_SPLIT_WAVES * num_sms or wide_short:
         cfg = replace(cfg, head_split=2)
     elif causal and seqlen_k >= LONG_GQA_SEQLEN_K:
         cfg = replace(cfg, walk_order=LONG_GQA_WALK, l2_swizzle=LONG_GQA_SWIZZLE)

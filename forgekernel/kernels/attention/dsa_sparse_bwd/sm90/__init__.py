@@ -1,14 +1,18 @@
 """DeepSeek sparse attention backward (DSA, issue 22), sm_90a, v1 (kernel.py): dq and the fp32
 dkv accumulator of `forgekernel::dsa_sparse_attention_bwd`, one CTA per (query token, head
 block). DSL-free declaration; the launcher is launch.py (preprocess and cast in torch), the op
-ops/dsa_bwd.py selects it with FORGEKERNEL_DSA_BWD_KERNEL=1 until a GPU check passes
-(docs/PENDING.md)."""
+ops/dsa_bwd.py takes it unless FORGEKERNEL_DSA_BWD_KERNEL=0 (the interim path)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from forgekernel.kernels.attention.dsa_sparse_bwd.sm90.config import BLOCKS, DTYPES, params_for
+from forgekernel.kernels.attention.dsa_sparse_bwd.sm90.config import (
+    BLOCKS,
+    DTYPES,
+    params_for,
+    standard_red4,
+)
 from forgekernel.runtime.spec import KernelSpec, Params
 
 
@@ -19,15 +23,15 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    """Every dtype x head block (16: H = 16; 32: H = 32, 64, 128)."""
-    return [params_for(d, b) for d in DTYPES for b in BLOCKS]
+    """Every dtype x head block (16: H = 16, dkv by red4; 32: H = 32, 64, 128)."""
+    return [params_for(d, b, red4=standard_red4(b)) for d in DTYPES for b in BLOCKS]
 
 
 def _candidate_params() -> list[Params]:
     """The timing probe's builds (reductions never run), the xchg candidate with and without
     reductions, and at block 16 the bulk candidate (dkv by cp.reduce.async.bulk) alone, with
-    xchg and without reductions, and the red4 probe candidate (the same staging, v4 reductions
-    by the warps; scripts/time_dsa_bwd_kernel.py)."""
+    xchg and without reductions, and the fragments' red.global.add.v2 (block 32's form, block
+    16's before red4; scripts/time_dsa_bwd_kernel.py)."""
     return (
         [
             params_for("bfloat16", b, reduce=r, xchg=x)
@@ -38,7 +42,7 @@ def _candidate_params() -> list[Params]:
             params_for("bfloat16", 16, reduce=r, xchg=x, bulk=True)
             for r, x in ((True, False), (True, True), (False, False))
         ]
-        + [params_for("bfloat16", 16, red4=True)]
+        + [params_for("bfloat16", 16)]
     )
 
 
@@ -49,7 +53,7 @@ SPEC = KernelSpec(
     compile=_compile,
     standard_params=_standard_params,
     candidate_params=_candidate_params,
-    representative=lambda: params_for("bfloat16", 16),
+    representative=lambda: params_for("bfloat16", 16, red4=True),
 )
 
 __all__ = ["SPEC", "params_for"]

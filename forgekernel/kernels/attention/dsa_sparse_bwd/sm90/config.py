@@ -41,6 +41,19 @@ DQ_BLOCKS = ((0, 1, 2, 3), (4, 5, 6, 7, 8))
 BULK_ROWS = 16
 BULK_STRIDE = 72
 BULK_WARPS = CONSUMERS * THREADS_PER_WG // 32
+# Blocks whose standard build adds dkv through that staging by red.global.add.v4.f32 (`red4`):
+# measured 2026-12-03 21:46 at t4096-h16-kv8192-k2048, the launcher 9.32 ms with the fragments'
+# red.global.add.v2 against 7.00 with red4 (bulk 7.49, bulk + xchg 6.91, no reductions at all
+# 3.42; docs/attention/DSA_BWD_NOTES.md "Probe 2026-12-03 21:46"). Block 32 has no room for the
+# staging (221 + 36 KB).
+RED4_BLOCKS = (16,)
+
+
+def standard_red4(block: int, reduce: bool = True, xchg: bool = False, bulk: bool = False) -> bool:
+    """Whether the build of `block` with these candidate flags adds dkv by red4: the standard
+    build of a RED4_BLOCKS block; the probe's no-reduction, xchg and bulk builds keep their own
+    forms (red4 with xchg was never built)."""
+    return block in RED4_BLOCKS and reduce and not xchg and not bulk
 
 
 def block_heads(heads: int) -> int:

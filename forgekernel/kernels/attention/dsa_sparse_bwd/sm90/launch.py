@@ -79,16 +79,17 @@ def dsa_sparse_bwd(
     reduce: bool = True,
     xchg: bool = False,
     bulk: bool = False,
-    red4: bool = False,
+    red4: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq (tokens, H, 576) in q's dtype, dkv (slots, 576) fp32, d_sink (H,) fp32): q
     (tokens, H, 576), kv (slots, 576) in one 16-bit dtype, dout / out (tokens, H, 512), lse /
     dlse (tokens, H) fp32 (the forward's KV-only natural LSE), attn_sink (H,) or None,
     topk_indices int32 (tokens, topk) of slots, -1 (or any entry outside [0, slots)) adding
     nothing; dq: a contiguous (tokens, H, 576) buffer in q's dtype to write (tests poison it).
-    reduce False: the timing probe's build (dkv stays 0); xchg, bulk, red4: the candidate
-    builds (kernel.py; bulk and red4 at H = 16 only). `unsupported` must be None for these
-    inputs."""
+    reduce False: the timing probe's build (dkv stays 0); xchg, bulk: the candidate builds
+    (kernel.py; bulk at H = 16 only); red4 None: the standard form of the block
+    (`config.standard_red4`: red4 at H = 16), False: the fragments' red.global.add.v2, True: red4
+    (H = 16 only). `unsupported` must be None for these inputs."""
     lse2, delta, d_sink = preprocess(out, dout, lse, dlse, attn_sink)
     tokens, heads, _ = q.shape
     if dq is None:
@@ -96,9 +97,10 @@ def dsa_sparse_bwd(
     dkv = torch.zeros(kv.shape[0], config.WIDTH, dtype=torch.float32, device=q.device)
     if tokens == 0 or topk_indices.shape[1] == 0:
         return dq.zero_(), dkv, d_sink
-    params = config.params_for(
-        dtype_name(q.dtype), config.block_heads(heads), reduce, xchg, bulk, red4
-    )
+    block = config.block_heads(heads)
+    if red4 is None:
+        red4 = config.standard_red4(block, reduce, xchg, bulk)
+    params = config.params_for(dtype_name(q.dtype), block, reduce, xchg, bulk, red4)
     kernel = get_kernel(SPEC, params)
     idx = topk_indices if topk_indices.stride(-1) == 1 else topk_indices.contiguous()
     with on_device(q.device):
