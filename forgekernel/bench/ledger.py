@@ -209,7 +209,10 @@ def _kernel_dir(op: str) -> str:
     from forgekernel.bench.suites import PENDING_SUITE_MODULES, get_suite
 
     try:
-        dirs = [p.parent.relative_to(PACKAGE_ROOT) for p in get_suite(op).kernel_sources]
+        suite = get_suite(op)
+        if suite.leaf:
+            return "forgekernel/" + suite.leaf
+        dirs = [p.parent.relative_to(PACKAGE_ROOT) for p in suite.kernel_sources]
         own = [d for d in dirs if "common" not in d.parts] or dirs
         return "forgekernel/" + max(sorted(set(own)), key=own.count).as_posix()
     except ValueError:

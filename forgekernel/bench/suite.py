@@ -60,6 +60,9 @@ class OpSuite:
         calls every candidate on every input set before it times anything.
     flops(case) / bytes(case): work counts for TFLOP/s and GB/s.
     kernel_sources: the files whose hash identifies the kernel measured (the ledger key).
+    leaf: the kernel folder the README names (relative to the package), where most of
+        kernel_sources are another kernel's (a backward keyed on its forward's sources too);
+        empty: the folder holding most of them.
     sanitize_cases: a few small, odd-sized cases covering every kernel variant of the operator:
         `forgekernel check --sanitize` runs them under compute-sanitizer, tests/gpu/ against the
         reference. A suite without them fails the sanitize step.
@@ -101,6 +104,7 @@ class OpSuite:
     host_case: Case | None = None  # bench's host us per call (None: the fewest-flops bench case)
     host_comparators: Callable[[], dict[str, Callable[[Inputs], Any] | None]] | None = None
     judge: Callable[[Inputs, tuple], list[dict[str, Any]]] | None = None
+    leaf: str = ""
 
     def dtypes_for_bench(self) -> Sequence[torch.dtype]:
         return self.bench_dtypes or self.dtypes

@@ -217,6 +217,7 @@ def suite() -> OpSuite:
     return OpSuite(
         name="dsa_sparse_bwd",
         kernel_sources=kernel_sources(),
+        leaf="kernels/attention/dsa_sparse_bwd/sm90",
         dtypes=(torch.bfloat16, torch.float16),
         check_cases=CHECK_CASES,
         bench_cases=BENCH_CASES,
