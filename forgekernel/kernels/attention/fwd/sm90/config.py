@@ -126,6 +126,27 @@ PAGE_BOXES = (8, 16, 32, 64, 128)
 PAGED_MIN_SEQLEN_Q = 5
 
 
+# The grid of a varlen launch, in CTAs a SM (one runs on an SM at a time: the consumers take the
+# register file). The kernel deals its tiles statically (CTA c takes tiles c, c + grid, ...),
+# longest first by row block, which balances when a row block's tiles cost alike; a chunked
+# prefill batch's do not (a tile's key blocks follow its sequence's cached prefix): varlen8
+# hq32 chunk256to2048 ran 1.25x the mean load on its busiest SM in a model (blocks + a per-tile
+# cost), 0.765x FA4 on the H200. With 4 CTAs a SM the hardware hands the later CTAs to the SMs
+# that free first: 1.09 over the mean in the model, and 0.98-1.03 of the one-a-SM time on the
+# dense varlen cases. 0: one CTA a tile (FA4's grid, no persistent walk). Fixed length keeps
+# one a SM (FIXED_CTAS_PER_SM). docs/attention/NOTES.md, "The chunked varlen case at 0.765x".
+VARLEN_CTAS_PER_SM = 4
+FIXED_CTAS_PER_SM = 1
+
+
+def grid_ctas(num_sms: int, ctas_per_sm: int) -> int:
+    """The num_ctas argument of a launch: ctas_per_sm CTAs a SM, or (0) one a tile (the kernel
+    launches min(num_ctas, tiles))."""
+    if ctas_per_sm < 0:
+        raise ValueError(f"ctas_per_sm must be >= 0, got {ctas_per_sm}")
+    return num_sms * ctas_per_sm if ctas_per_sm else 2**31 - 1
+
+
 def page_box_for(page_size: int, tile_n: int) -> int:
     """The TMA box rows for a paged cache of `page_size` rows under key tiles of `tile_n`: the
     page (it divides the tile) or the tile (it divides the page); 0 where neither holds or

@@ -12,8 +12,11 @@ import torch
 
 from forgekernel.kernels.attention.fwd.sm90 import SPEC
 from forgekernel.kernels.attention.fwd.sm90.config import (
+    FIXED_CTAS_PER_SM,
     PAGED_MIN_SEQLEN_Q,
+    VARLEN_CTAS_PER_SM,
     default_config,
+    grid_ctas,
     page_box_for,
     params_for,
 )
@@ -109,9 +112,11 @@ def attention_fwd(
     lse: torch.Tensor,
     softmax_scale: float,
     causal: bool,
+    ctas_per_sm: int | None = None,
 ) -> None:
     """o (B, Sq, Hq, Dv) and lse (B, Hq, Sq) fp32, any views, for validated q (B, Sq, Hq, D),
-    k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv)."""
+    k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv). ctas_per_sm: the grid (`config.grid_ctas`; None:
+    FIXED_CTAS_PER_SM)."""
     if o.numel() == 0:  # no batch, query rows or heads
         return
     if k.shape[1] == 0:
@@ -120,16 +125,17 @@ def attention_fwd(
     q, k, v = as_tma_ready(q), as_tma_ready(k), as_tma_ready(v)
     o_dst = tma_target(o)
     lse_dst = lse if lse.is_contiguous() else torch.empty(lse.shape, device=lse.device)
-    _launch(q, k, v, o_dst, lse_dst, softmax_scale, causal)
+    _launch(q, k, v, o_dst, lse_dst, softmax_scale, causal, ctas_per_sm)
     copy_back((o, lse), (o_dst, lse_dst))
 
 
-def _launch(q, k, v, o, lse, scale: float, causal: bool) -> None:
+def _launch(q, k, v, o, lse, scale: float, causal: bool, ctas_per_sm: int | None = None) -> None:
     """The kernel call: inputs and outputs TMA-ready, sizes non-zero. Short queries with GQA
     run packed: the G query heads of a kv head become G rows per position of one head (qgroup
     = G tells the kernel's causal mask)."""
     device = q.device
     fn, ctas = _plan(q.dtype, q.shape[-1], v.shape[-1], causal, False, device)
+    ctas = grid_ctas(ctas, FIXED_CTAS_PER_SM if ctas_per_sm is None else ctas_per_sm)
     group = q.shape[2] // k.shape[2]
     with on_device(device):
         if group > 1 and q.shape[1] < PACK_GQA_MAX_SQ:
@@ -156,9 +162,11 @@ def attention_varlen_fwd(
     max_seqlen_q: int,
     softmax_scale: float,
     causal: bool,
+    ctas_per_sm: int | None = None,
 ) -> None:
     """o (Tq, Hq, Dv) and lse (Hq, Tq) fp32, any views, for validated packed q (Tq, Hq, D),
-    k (Tk, Hkv, D), v (Tk, Hkv, Dv); int32 offsets (B + 1,) on q's device."""
+    k (Tk, Hkv, D), v (Tk, Hkv, Dv); int32 offsets (B + 1,) on q's device. ctas_per_sm: the
+    grid (`config.grid_ctas`; None: VARLEN_CTAS_PER_SM, several CTAs a SM)."""
     if o.numel() == 0 or max_seqlen_q == 0:
         return
     if k.shape[0] == 0:  # no keys at all
@@ -168,7 +176,8 @@ def attention_varlen_fwd(
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     o_dst = tma_target(o)
     lse_dst = lse if lse.stride(-1) == 1 else torch.empty(lse.shape, device=lse.device)
-    fn, ctas = _plan(q.dtype, q.shape[-1], v.shape[-1], causal, True, q.device)
+    fn, sms = _plan(q.dtype, q.shape[-1], v.shape[-1], causal, True, q.device)
+    ctas = grid_ctas(sms, VARLEN_CTAS_PER_SM if ctas_per_sm is None else ctas_per_sm)
     with on_device(q.device):
         fn(q, k, v, o_dst, lse_dst, cu_q, cu_k, softmax_scale * LOG2E, max_seqlen_q, 1, ctas, None)
     copy_back((o, lse), (o_dst, lse_dst))
