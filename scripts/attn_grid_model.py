@@ -74,6 +74,15 @@ def makespan(work: list[int | None], grid: int, c: Costs = Costs()) -> float:
     return max(free)
 
 
+def dynamic_makespan(work: list[int | None], c: Costs = Costs()) -> float:
+    """Busiest SM's load with one CTA a SM taking tiles in order from a counter
+    (AttnConfig.dynamic): each tile to the SM that frees first, one CTA start a SM."""
+    free = [c.cta_cost] * SMS
+    for n in work:
+        heapq.heappush(free, heapq.heappop(free) + (c.empty_cost if n is None else n + c.tile_cost))
+    return max(free)
+
+
 def mean_load(work: list[int | None], c: Costs = Costs()) -> float:
     return sum(n + c.tile_cost for n in work if n is not None) / SMS
 
@@ -92,7 +101,7 @@ def cases() -> dict[str, tuple]:
     }
 
 
-GRIDS = {"x1": 1, "x2": 2, "x4": 4, "x8": 8, "one_a_tile": 0}
+GRIDS = {"x1": 1, "x2": 2, "x4": 4, "x8": 8, "one_a_tile": 0, "dynamic": 1}
 
 
 def table(c: Costs = Costs()) -> dict[str, dict[str, float]]:
@@ -103,7 +112,10 @@ def table(c: Costs = Costs()) -> dict[str, dict[str, float]]:
         base = makespan(work, SMS, c)
         row = {}
         for g, per_sm in GRIDS.items():
-            span = makespan(work, SMS * per_sm if per_sm else len(work), c)
+            if g == "dynamic":
+                span = dynamic_makespan(work, c)
+            else:
+                span = makespan(work, SMS * per_sm if per_sm else len(work), c)
             row[f"imbalance {g}"] = span / mean_load(work, c)
             row[f"time {g}"] = span / base
         out[name] = row

@@ -137,19 +137,28 @@ def packed_ref(qp, k, v, causal, scale, group):
     return o, lse.view(b, hkv, group, sq).transpose(2, 3).reshape(b, hkv, rows)
 
 
+DYNAMIC: list[bool] = []  # cpu_kernel's launches: whether each ran a dynamic-tiles kernel
+
+
 @pytest.fixture
 def cpu_kernel(monkeypatch):
     """Run the eager path on the CPU: no device check, 132 SMs, and as the compiled function
     the reference, which insists on what the real one needs (TMA-ready tensors, LSE with unit
     stride) and records (scale, qgroup, num_ctas, max_seqlen_q) per launch."""
     calls = []
+    DYNAMIC.clear()
 
     def get_kernel(spec, params):
         p = dict(params)
 
         def fn(q, k, v, o, lse, cu_q, cu_k, scale_log2, max_q, qgroup, num_ctas, page_table):
             assert all(tma_ready(t) for t in (q, k, v, o)) and lse.stride(-1) == 1
-            assert page_table is None and not p["page_box"]
+            assert not p["page_box"]
+            if p.get("dynamic"):  # the tile counter in the page-table slot, zeroed
+                assert page_table.dtype == torch.int32 and page_table.tolist() == [0]
+            else:
+                assert page_table is None
+            DYNAMIC.append(bool(p.get("dynamic")))
             scale = scale_log2 / LOG2E
             if p["varlen"]:
                 assert qgroup == 1
@@ -262,13 +271,15 @@ def test_bench_grid_variants_pass_their_grid(cpu_kernel, varlen):
     want = suite.run_ours(inputs, None)
     case = next(c for c in suite.BENCH_CASES if c.name == name)
     runs = suite.variants(case)
-    assert set(runs) == set(suite.GRID_CANDIDATES[suite.GRID_TIMED[name]])
+    knobs = suite.GRID_CANDIDATES[suite.GRID_TIMED[name]]
+    assert set(runs) == set(knobs) and "dynamic" in knobs
     for run in runs.values():
         got = run(inputs, None)
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
-    per_sm = suite.GRID_CANDIDATES[suite.GRID_TIMED[name]].values()
-    assert [c[2] for c in cpu_kernel] == [default] + [grid_ctas(132, n) for n in per_sm]
+    grids = [grid_ctas(132, k["ctas_per_sm"]) for k in knobs.values()]
+    assert [c[2] for c in cpu_kernel] == [default, *grids]
+    assert DYNAMIC == [False] + [bool(k.get("dynamic")) for k in knobs.values()]
     assert suite.variants(suite.CHECK_CASES[0]) == {}
 
 

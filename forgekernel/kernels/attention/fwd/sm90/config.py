@@ -48,6 +48,13 @@ class AttnConfig:
     8, 40 MiB here). H200 2026-12-03, 192/128 b2 hq128 s8192 causal: 0.977 of FA4 at 40 MiB
     against 0.922 at 24.
 
+    dynamic: the persistent CTAs take their tiles from a global counter (the backward's
+    `scheduler.atomic`: CTA c starts on tile c, then grid + the counter's old value, bumped by
+    the producer once a tile's loads are issued and handed to the consumer warps through a
+    shared-memory ring), in the same tile order; the launcher passes a zeroed int32 (1,) in
+    the page-table slot (not with paged; snake ignored). A candidate for the chunked varlen
+    case (docs/attention/NOTES.md, "The chunked varlen case at 0.765x"), off by default.
+
     Variants measured and dropped from the kernel are listed in docs/attention/NOTES.md."""
 
     tile_m: int = 128
@@ -57,20 +64,23 @@ class AttnConfig:
     snake: bool = False
     o_direct: bool = False
     l2_kv_mib: int = 24
+    dynamic: bool = False
 
     def tag(self) -> str:
         """Short name for tables: 128x128_s2 (plus _early without the late rescale, _snake
         with the snake order, _odirect with O stored from registers, _secN with N MiB L2
-        sections)."""
+        sections, _dyn with the tile counter)."""
         tag = f"{self.tile_m}x{self.tile_n}_s{self.stages}"
         tag = tag if self.late_rescale else tag + "_early"
         tag = tag + "_snake" if self.snake else tag
         tag = tag + "_odirect" if self.o_direct else tag
-        return tag if self.l2_kv_mib == 24 else tag + f"_sec{self.l2_kv_mib}"
+        tag = tag if self.l2_kv_mib == 24 else tag + f"_sec{self.l2_kv_mib}"
+        return tag + "_dyn" if self.dynamic else tag
 
     @classmethod
     def from_params(cls, params: dict) -> AttnConfig:
-        return cls(**{f.name: params[f.name] for f in fields(cls)})
+        """The config of a compile key (`params_for`; a key without `dynamic`: off)."""
+        return cls(**{f.name: params[f.name] for f in fields(cls) if f.name in params})
 
 
 def separate_o(cfg: AttnConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2) -> bool:
@@ -182,6 +192,8 @@ def params_for(
     and V from a paged cache, one TMA box of page_box rows per page of a tile (varlen
     queries; `page_box_for`)."""
     cfg = cfg or default_config(head_dim, head_dim_v, paged=page_box > 0)
+    if cfg.dynamic and page_box:
+        raise ValueError("dynamic tiles are not for the paged mode (its own walk)")
     key = {
         "dtype": dtype,
         "head_dim": head_dim,
@@ -191,4 +203,6 @@ def params_for(
         "page_box": int(page_box),
         **asdict(cfg),
     }
+    if not cfg.dynamic:  # the keys (and cache entries) of every config before the knob
+        del key["dynamic"]
     return tuple(sorted(key.items()))
