@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import forgekernel
 from forgekernel.kernels.attention.fwd.sm90 import launch as fwd_sm90
+from forgekernel.kernels.attention.fwd.sm90.config import VARLEN_CTAS_PER_SM, grid_ctas
 from forgekernel.kernels.common.sm90.constants import LOG2E
 from forgekernel.reference.attention import attention_ref, attention_varlen_ref
 from forgekernel.runtime.device import tma_ready
@@ -136,19 +137,28 @@ def packed_ref(qp, k, v, causal, scale, group):
     return o, lse.view(b, hkv, group, sq).transpose(2, 3).reshape(b, hkv, rows)
 
 
+DYNAMIC: list[bool] = []  # cpu_kernel's launches: whether each ran a dynamic-tiles kernel
+
+
 @pytest.fixture
 def cpu_kernel(monkeypatch):
     """Run the eager path on the CPU: no device check, 132 SMs, and as the compiled function
     the reference, which insists on what the real one needs (TMA-ready tensors, LSE with unit
     stride) and records (scale, qgroup, num_ctas, max_seqlen_q) per launch."""
     calls = []
+    DYNAMIC.clear()
 
     def get_kernel(spec, params):
         p = dict(params)
 
         def fn(q, k, v, o, lse, cu_q, cu_k, scale_log2, max_q, qgroup, num_ctas, page_table):
             assert all(tma_ready(t) for t in (q, k, v, o)) and lse.stride(-1) == 1
-            assert page_table is None and not p["page_box"]
+            assert not p["page_box"]
+            if p.get("dynamic"):  # the tile counter in the page-table slot, zeroed
+                assert page_table.dtype == torch.int32 and page_table.tolist() == [0]
+            else:
+                assert page_table is None
+            DYNAMIC.append(bool(p.get("dynamic")))
             scale = scale_log2 / LOG2E
             if p["varlen"]:
                 assert qgroup == 1
@@ -220,15 +230,57 @@ def test_short_gqa_queries_run_packed(cpu_kernel, sq, hq, hkv, qgroup):
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_eager_path_hands_the_kernel_packed_tensors(cpu_kernel, causal):
     """The varlen launch: TMA-ready packed inputs, (Hq, total) LSE, the scale in log2 units,
-    max_seqlen_q and one CTA per SM; a reference-backed kernel."""
+    max_seqlen_q and VARLEN_CTAS_PER_SM CTAs per SM; a reference-backed kernel."""
     q, k, v, cu_q, cu_k, max_q, max_k = packed(lens_q=(3, 17, 0, 5), lens_k=(4, 9, 2, 0))
     o, lse = forgekernel.attention_varlen(
         q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, return_lse=True
     )
-    assert cpu_kernel == [(64**-0.5, 1, 132, 17)]
+    assert cpu_kernel == [(64**-0.5, 1, 132 * VARLEN_CTAS_PER_SM, 17)]
     want_o, want_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, causal)
     torch.testing.assert_close(o, want_o.to(torch.bfloat16), rtol=0, atol=1e-2)
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_grid_ctas():
+    """CTAs a SM times the SMs; 0: one a tile (the kernel launches min(num_ctas, tiles))."""
+    assert VARLEN_CTAS_PER_SM >= 1
+    assert grid_ctas(132, 1) == 132 and grid_ctas(132, 4) == 528
+    assert grid_ctas(132, 0) == 2**31 - 1
+    with pytest.raises(ValueError, match="ctas_per_sm"):
+        grid_ctas(132, -1)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_bench_grid_variants_pass_their_grid(cpu_kernel, varlen):
+    """The suite's GRID_CANDIDATES reach the kernel as num_ctas (fixed length: one CTA a SM
+    unless a variant says otherwise) and write what the default launch writes."""
+    from forgekernel.bench.suites import attention as suite
+
+    if varlen:
+        q, k, v, cu_q, cu_k, max_q, max_k = packed(lens_q=(3, 300, 5), lens_k=(40, 900, 5))
+        inputs = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k,
+                  "max_seqlen_q": max_q, "max_seqlen_k": max_k}  # fmt: skip
+        name = "varlen8-hq32-hkv8-chunk256to2048-d128-causal"
+        default = 132 * VARLEN_CTAS_PER_SM
+    else:
+        q, k, v = qkv(b=1, sq=200, sk=700, hq=8, hkv=2, d=128)
+        inputs = {"q": q, "k": k, "v": v}
+        name = "b1-hq32-hkv8-sq2048-sk8192-d128-causal"
+        default = 132
+    inputs |= {"causal": True, "softmax_scale": None}
+    want = suite.run_ours(inputs, None)
+    case = next(c for c in suite.BENCH_CASES if c.name == name)
+    runs = suite.variants(case)
+    knobs = suite.GRID_CANDIDATES[suite.GRID_TIMED[name]]
+    assert set(runs) == set(knobs) and "dynamic" in knobs
+    for run in runs.values():
+        got = run(inputs, None)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+    grids = [grid_ctas(132, k["ctas_per_sm"]) for k in knobs.values()]
+    assert [c[2] for c in cpu_kernel] == [default, *grids]
+    assert DYNAMIC == [False] + [bool(k.get("dynamic")) for k in knobs.values()]
+    assert suite.variants(suite.CHECK_CASES[0]) == {}
 
 
 def test_forward_only_calls_keep_no_autograd_state(cpu_kernel):

@@ -113,6 +113,32 @@ def test_snake_and_direct_o_build_on_the_uniform_datapath(tmp_path):
         assert rec["sass"].get("UTMASTG", 0) == 0, params  # O from registers: no TMA store
 
 
+@pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
+def test_dynamic_tiles_build_with_one_atomic_and_no_spills(tmp_path):
+    """AttnConfig.dynamic (docs/attention/NOTES.md, "The chunked varlen case at 0.765x"): the
+    D = 128 varlen causal candidate (SPEC.candidate_params) keeps 168 registers and no local
+    memory, takes its tiles with one global atomic, and hands them over through shared memory."""
+    (params,) = [p for p in SPEC.candidate_params() if dict(p)["varlen"]][:1]
+    rec, sass = _build_with_sass(params, tmp_path)
+    assert dict(params)["dynamic"] and rec["spill_bytes"] == 0 and rec["hgmma"]
+    assert rec["registers"] == 168
+    assert rec["sass"].get("LDL", 0) == 0 and rec["sass"].get("STL", 0) == 0
+    assert sass.count("ATOMG.E.ADD") == 1 and rec["sass"]["STS"] > 0 and rec["sass"]["LDS"] > 0
+    assert "BRA.U.ANY" not in sass
+
+
+def test_dynamic_is_a_key_only_when_on():
+    """The standard keys (and cache entries) are those of before the knob; paged refuses it."""
+    dyn = AttnConfig(dynamic=True)
+    assert all("dynamic" not in dict(p) for p in SPEC.standard_params())
+    key = dict(params_for("bfloat16", 128, 128, True, dyn, varlen=True))
+    assert key["dynamic"] and AttnConfig.from_params(key) == dyn
+    std = dict(params_for("bfloat16", 128, 128, True))
+    assert AttnConfig.from_params(std) == default_config(128, 128) and dyn.tag().endswith("_dyn")
+    with pytest.raises(ValueError, match="paged"):
+        params_for("bfloat16", 128, 128, True, dyn, varlen=True, page_box=16)
+
+
 def test_unsupported_head_dims_are_refused():
     with pytest.raises(ValueError, match="head dims"):
         default_config(80, 80)

@@ -7,6 +7,8 @@ rows must be exactly -inf in ours too (NaN or a finite value there fails).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 from typing import Any
 
@@ -234,6 +236,66 @@ def make_inputs(
     }
 
 
+# The launch grid and tile deal (docs/attention/NOTES.md, "The chunked varlen case at
+# 0.765x"): ours runs varlen at config.VARLEN_CTAS_PER_SM CTAs a SM and fixed length at
+# FIXED_CTAS_PER_SM, tiles dealt statically; these variants time other grids (`ctas_per_sm`;
+# 0: one CTA a tile, FA4's grid) and the dynamic deal (`dynamic`: the D = 128 default with
+# AttnConfig.dynamic, one CTA a SM taking tiles from a counter) beside it, through the leaf's
+# launcher. `persistent`: one CTA a SM, the varlen grid before the change.
+GRID_CANDIDATES: dict[str, dict[str, dict[str, int]]] = {
+    "varlen": {
+        "persistent": {"ctas_per_sm": 1},
+        "x8": {"ctas_per_sm": 8},
+        "one_a_tile": {"ctas_per_sm": 0},
+        "dynamic": {"ctas_per_sm": 1, "dynamic": 1},
+    },
+    "fixed": {
+        "x2": {"ctas_per_sm": 2},
+        "x4": {"ctas_per_sm": 4},
+        "dynamic": {"ctas_per_sm": 1, "dynamic": 1},
+    },
+}
+GRID_TIMED = {
+    "varlen8-hq32-hkv8-chunk256to2048-d128-causal": "varlen",
+    "varlen64-hq32-hkv8-s64to1024-d128-causal": "varlen",
+    "varlen16-hq64-hkv4-s256to8192-d128-causal": "varlen",
+    "b1-hq32-hkv8-sq2048-sk8192-d128-causal": "fixed",
+    "b2-hq64-hkv8-sq1024-sk16384-d128-causal": "fixed",
+}
+
+
+def variants(case: Case) -> dict[str, Any]:
+    """The GRID_CANDIDATES of a GRID_TIMED case's kind."""
+    kind = GRID_TIMED.get(case.name)
+    if kind is None:
+        return {}
+    return {
+        name: functools.partial(run_grid, **knobs) for name, knobs in GRID_CANDIDATES[kind].items()
+    }
+
+
+def run_grid(inputs: Inputs, out: tuple | None, ctas_per_sm: int = 1, dynamic: int = 0) -> tuple:
+    """Ours through the leaf's launcher with ctas_per_sm CTAs a SM (0: one a tile) in place
+    of the default grid and, with `dynamic`, the head dims' default config with the tile
+    counter (AttnConfig.dynamic); validated inputs (the suite's) into `out`."""
+    from forgekernel.kernels.attention.fwd.sm90.config import default_config
+    from forgekernel.kernels.attention.fwd.sm90.launch import attention_fwd, attention_varlen_fwd
+
+    o, lse = out if out is not None else alloc_out(inputs)
+    q, v, causal, scale = inputs["q"], inputs["v"], inputs["causal"], inputs["softmax_scale"]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    cfg = None
+    if dynamic:
+        cfg = dataclasses.replace(default_config(q.shape[-1], v.shape[-1]), dynamic=True)
+    grid = {"ctas_per_sm": ctas_per_sm, "config": cfg}
+    if _varlen(inputs):
+        q, k, v, cu_q, cu_k, max_q, _ = _varlen_args(inputs)
+        attention_varlen_fwd(q, k, v, o, lse, cu_q, cu_k, max_q, scale, causal, **grid)
+    else:
+        attention_fwd(q, inputs["k"], v, o, lse, scale, causal, **grid)
+    return o, lse
+
+
 def _varlen(inputs: Inputs) -> bool:
     return "cu_seqlens_q" in inputs
 
@@ -431,4 +493,5 @@ def suite() -> OpSuite:
         sanitize_cases=SANITIZE_CASES,
         host_case=HOST_CASE,
         host_comparators=host_comparators,
+        variants=variants,
     )

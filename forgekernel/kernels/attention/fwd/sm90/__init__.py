@@ -6,18 +6,22 @@ qgroup, num_ctas, None) with q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv,
 o (B, Sq, Hq, Dv) in bf16/fp16 (last dim contiguous), lse (B, Hq, Sq) fp32 contiguous,
 softmax_scale_log2 = softmax_scale * log2(e), qgroup the query rows per position (pack-GQA:
 G query heads of a kv head packed as rows s * G + g of one head; else 1), num_ctas the
-persistent grid (the SM count). Varlen (params varlen=True): fn(q, k, v, o, lse,
+persistent grid (the launcher's `config.grid_ctas`: the SM count for fixed length, several
+CTAs a SM for varlen). Varlen (params varlen=True): fn(q, k, v, o, lse,
 cu_seqlens_q, cu_seqlens_k, softmax_scale_log2, max_seqlen_q, 1, num_ctas, None) with q
 (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv), o (Tq, Hq, Dv), lse (Hq, Tq), int32 offsets
 (B + 1,). Paged (params page_box > 0): fn(q, k_cache, v_cache, o, lse, cu_seqlens_q,
 seqlens_k, softmax_scale_log2, max_seqlen_q, 1, num_ctas, page_table) with caches (pages,
 page_size, Hkv, D / Dv) (page_box = min(page_size, tile_n), page_size a multiple of tile_n
 when it is not below it: `config.page_box_for`), seqlens_k int32 (B,), page_table
-int32 (B, max_pages), the rest as varlen. The stream is the TVM-FFI environment stream.
+int32 (B, max_pages), the rest as varlen. Dynamic tiles (params dynamic=True, a candidate,
+not paged): the last argument is a zeroed int32 (1,) tile counter instead of None. The
+stream is the TVM-FFI environment stream.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from forgekernel.kernels.attention.fwd.sm90.config import (
@@ -62,12 +66,21 @@ def _paged_params() -> list[Params]:
     ]
 
 
+def _candidate_params() -> list[Params]:
+    """The dynamic-tiles candidate (AttnConfig.dynamic) of the D = 128 default, bf16 causal,
+    varlen and fixed length: the bench's `dynamic` variants (docs/attention/NOTES.md, "The
+    chunked varlen case at 0.765x")."""
+    dyn = replace(default_config(128, 128), dynamic=True)
+    return [params_for("bfloat16", 128, 128, True, dyn, varlen=v) for v in (True, False)]
+
+
 SPEC = KernelSpec(
     name="attention_fwd_sm90",
     arch="sm_90a",
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
+    candidate_params=_candidate_params,
 )
 
 __all__ = ["SPEC", "AttnConfig", "default_config", "params_for"]

@@ -8,7 +8,8 @@ scale_log2, max_seqlen_q, 1, num_ctas, None) with q (Tq, Hq, D), lse (Hq, Tq), o
 (B + 1,). Paged: fn(q, k_cache, v_cache, o, lse, cu_seqlens_q, seqlens_k, scale_log2,
 max_seqlen_q, 1, num_ctas, page_table) with caches (pages, page_size, Hkv, D) (any outer
 strides: a combined cache's halves), seqlens_k int32 (B,), page_table int32 (B, max_pages)
-(any row stride)."""
+(any row stride). Dynamic tiles (params dynamic=True, not paged): the page-table slot takes
+the zeroed int32 (1,) tile counter."""
 
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ def compile_attention_fwd(params: dict, arch: str = "sm_90a", extra_options: str
         k, v = fake.rowmajor(dtype, (b, sk, hkv, d)), fake.rowmajor(dtype, (b, sk, hkv, dv))
         lse = fake.rowmajor(cutlass.Float32, (b, hq, sq), divisibility=1, align=None)
         cu_q = cu_k = None
+    if params.get("dynamic"):  # the tile counter, in the page-table slot (AttnConfig.dynamic)
+        page_table = fake.rowmajor(cutlass.Int32, (1,), divisibility=1, align=4)
     kernel = AttentionFwdSm90(
         d, dv, causal=params["causal"], config=AttnConfig.from_params(params), varlen=varlen,
         page_box=page_box,

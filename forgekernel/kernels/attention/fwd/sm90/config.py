@@ -48,6 +48,13 @@ class AttnConfig:
     8, 40 MiB here). H200 2026-12-03, 192/128 b2 hq128 s8192 causal: 0.977 of FA4 at 40 MiB
     against 0.922 at 24.
 
+    dynamic: the persistent CTAs take their tiles from a global counter (the backward's
+    `scheduler.atomic`: CTA c starts on tile c, then grid + the counter's old value, bumped by
+    the producer once a tile's loads are issued and handed to the consumer warps through a
+    shared-memory ring), in the same tile order; the launcher passes a zeroed int32 (1,) in
+    the page-table slot (not with paged; snake ignored). A candidate for the chunked varlen
+    case (docs/attention/NOTES.md, "The chunked varlen case at 0.765x"), off by default.
+
     Variants measured and dropped from the kernel are listed in docs/attention/NOTES.md."""
 
     tile_m: int = 128
@@ -57,20 +64,23 @@ class AttnConfig:
     snake: bool = False
     o_direct: bool = False
     l2_kv_mib: int = 24
+    dynamic: bool = False
 
     def tag(self) -> str:
         """Short name for tables: 128x128_s2 (plus _early without the late rescale, _snake
         with the snake order, _odirect with O stored from registers, _secN with N MiB L2
-        sections)."""
+        sections, _dyn with the tile counter)."""
         tag = f"{self.tile_m}x{self.tile_n}_s{self.stages}"
         tag = tag if self.late_rescale else tag + "_early"
         tag = tag + "_snake" if self.snake else tag
         tag = tag + "_odirect" if self.o_direct else tag
-        return tag if self.l2_kv_mib == 24 else tag + f"_sec{self.l2_kv_mib}"
+        tag = tag if self.l2_kv_mib == 24 else tag + f"_sec{self.l2_kv_mib}"
+        return tag + "_dyn" if self.dynamic else tag
 
     @classmethod
     def from_params(cls, params: dict) -> AttnConfig:
-        return cls(**{f.name: params[f.name] for f in fields(cls)})
+        """The config of a compile key (`params_for`; a key without `dynamic`: off)."""
+        return cls(**{f.name: params[f.name] for f in fields(cls) if f.name in params})
 
 
 def separate_o(cfg: AttnConfig, head_dim: int, head_dim_v: int, elem_bytes: int = 2) -> bool:
@@ -126,6 +136,27 @@ PAGE_BOXES = (8, 16, 32, 64, 128)
 PAGED_MIN_SEQLEN_Q = 5
 
 
+# The grid of a varlen launch, in CTAs a SM (one runs on an SM at a time: the consumers take the
+# register file). The kernel deals its tiles statically (CTA c takes tiles c, c + grid, ...),
+# longest first by row block, which balances when a row block's tiles cost alike; a chunked
+# prefill batch's do not (a tile's key blocks follow its sequence's cached prefix): varlen8
+# hq32 chunk256to2048 ran 1.25x the mean load on its busiest SM in a model (blocks + a per-tile
+# cost), 0.765x FA4 on the H200. With 4 CTAs a SM the hardware hands the later CTAs to the SMs
+# that free first: 1.09 over the mean in the model, and 0.98-1.03 of the one-a-SM time on the
+# dense varlen cases. 0: one CTA a tile (FA4's grid, no persistent walk). Fixed length keeps
+# one a SM (FIXED_CTAS_PER_SM). docs/attention/NOTES.md, "The chunked varlen case at 0.765x".
+VARLEN_CTAS_PER_SM = 4
+FIXED_CTAS_PER_SM = 1
+
+
+def grid_ctas(num_sms: int, ctas_per_sm: int) -> int:
+    """The num_ctas argument of a launch: ctas_per_sm CTAs a SM, or (0) one a tile (the kernel
+    launches min(num_ctas, tiles))."""
+    if ctas_per_sm < 0:
+        raise ValueError(f"ctas_per_sm must be >= 0, got {ctas_per_sm}")
+    return num_sms * ctas_per_sm if ctas_per_sm else 2**31 - 1
+
+
 def page_box_for(page_size: int, tile_n: int) -> int:
     """The TMA box rows for a paged cache of `page_size` rows under key tiles of `tile_n`: the
     page (it divides the tile) or the tile (it divides the page); 0 where neither holds or
@@ -161,6 +192,8 @@ def params_for(
     and V from a paged cache, one TMA box of page_box rows per page of a tile (varlen
     queries; `page_box_for`)."""
     cfg = cfg or default_config(head_dim, head_dim_v, paged=page_box > 0)
+    if cfg.dynamic and page_box:
+        raise ValueError("dynamic tiles are not for the paged mode (its own walk)")
     key = {
         "dtype": dtype,
         "head_dim": head_dim,
@@ -170,4 +203,6 @@ def params_for(
         "page_box": int(page_box),
         **asdict(cfg),
     }
+    if not cfg.dynamic:  # the keys (and cache entries) of every config before the knob
+        del key["dynamic"]
     return tuple(sorted(key.items()))

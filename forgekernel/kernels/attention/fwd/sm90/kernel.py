@@ -4,7 +4,10 @@ Persistent: one CTA per SM walks the tiles (a block of tile_m query rows of one 
 batch) in the toolkit's longest-first order (`scheduler.longest_first`); fixed length or
 varlen (packed sequences, offsets from cu_seqlens, each sequence its own causal alignment and
 key bound), or paged (varlen queries; keys and values in a paged cache, each sequence's pages
-listed by its page-table row, its length from seqlens_k).
+listed by its page-table row, its length from seqlens_k). CTA c takes tiles c, c + grid, ...
+(a grid above the SM count queues CTAs for the SMs that free first: the launcher's varlen
+grid); with `dynamic` (AttnConfig) tile c, then the ids a global counter hands out
+(`scheduler.atomic`).
 
 Warp roles (one CTA = 1 + tile_m / 64 warpgroups):
 - producer, warp 0 of warpgroup 0 (setmaxnreg down; warps 1-3 exit at once). Per tile: the
@@ -86,6 +89,7 @@ from forgekernel.kernels.common.sm90.pipeline import (
     smem_tensor,
     tma_pipeline,
 )
+from forgekernel.kernels.common.sm90.scheduler import atomic
 from forgekernel.kernels.common.sm90.scheduler.longest_first import LongestFirst, TileGrid
 
 
@@ -163,6 +167,13 @@ class AttentionFwdSm90:
         # Tiles dealt to the CTAs in snake order (odd full rounds reversed: see AttnConfig);
         # the paged mode keeps its own walk (`LongestFirst.next_tile`).
         self.snake = config.snake and not self.paged
+        # Tiles from a global counter (see AttnConfig.dynamic): the order is the same, the deal
+        # dynamic; snake (a static deal's fix) is then off. Not with paged (its own walk).
+        if config.dynamic and self.paged:
+            raise ValueError("dynamic tiles are not for the paged mode")
+        self.dynamic = config.dynamic
+        if self.dynamic:
+            self.snake = False
         # K + V bytes of one key row (16-bit elements) decide the tile order's L2 sections.
         self.scheduler = LongestFirst(
             self.tile_m, causal, varlen, kv_row_bytes=(head_dim + head_dim_v) * 2,
@@ -230,7 +241,9 @@ class AttentionFwdSm90:
         page size itself is dynamic). qgroup: query rows per query
         position (pack-GQA: the caller packs G query heads of one kv head as rows s * G + g of
         one head, so row r is query r // G for the causal mask; 1 otherwise). num_ctas: CTAs
-        to launch (at most one per SM: the kernel is persistent)."""
+        to launch (one runs a SM at a time: the kernel is persistent; more queue for the SMs
+        that free first; the launch takes min(num_ctas, tiles)). Dynamic (AttnConfig.dynamic):
+        mPageTable is a zeroed int32 (1,) tile counter."""
         self.dtype = mQ.element_type
         for t in (mK, mV, mO):
             if const_expr(t.element_type != self.dtype):
@@ -298,6 +311,8 @@ class AttentionFwdSm90:
         if const_expr(not self.own_o):
             q_cosize = max(q_cosize, cute.cosize(self.sO_layout))
 
+        dynamic = self.dynamic
+
         @cute.struct
         class SharedStorage:
             q_barriers: cute.struct.MemRange[cutlass.Int64, 2]
@@ -311,6 +326,9 @@ class AttentionFwdSm90:
                 cute.struct.MemRange[self.dtype, cute.cosize(self.sV_layout)], 1024
             ]
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, o_cosize], 1024]
+            if const_expr(dynamic):  # the tile ring (producer -> consumer warps), at the end
+                tile_barriers: cute.struct.MemRange[cutlass.Int64, 2 * atomic.STAGES]
+                tile_ids: cute.struct.MemRange[Int32, atomic.STAGES]
 
         self.shared_storage = SharedStorage
         num_heads = mQ.shape[2]
@@ -386,6 +404,9 @@ class AttentionFwdSm90:
         q_pipe = tma_pipeline(storage.q_barriers, 1, self.q_bytes, consumer_warps)
         k_pipe = tma_pipeline(storage.k_barriers, self.stages, self.k_bytes, consumer_warps)
         v_pipe = tma_pipeline(storage.v_barriers, self.stages, self.v_bytes, consumer_warps)
+        tiles = None
+        if const_expr(self.dynamic):  # taken by every consumer warp
+            tiles = atomic.TileRing(storage.tile_barriers, storage.tile_ids, consumer_warps)
         init_arrive()
 
         sQ = smem_tensor(storage.sQ, sQ_layout)
@@ -405,7 +426,7 @@ class AttentionFwdSm90:
             if warp_idx == 0:
                 self._produce(
                     tma_q, tma_k, tma_v, mQ, mK, mVt, sQ, sK, sV, q_pipe, k_pipe, v_pipe, grid,
-                    num_tiles, qgroup, mPageTable,
+                    num_tiles, qgroup, mPageTable, tiles,
                 )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -415,7 +436,7 @@ class AttentionFwdSm90:
             self._consume(
                 tidx - THREADS_PER_WG, wg_idx - 1, warp_idx, mma_qk, mma_pv, sQ, sK, sV, sO,
                 q_pipe, k_pipe, v_pipe, tma_o, mO_tma, mO, mLSE, scale_log2, grid, num_tiles,
-                qgroup, sV_chunks,
+                qgroup, sV_chunks, tiles,
             )  # fmt: skip
 
     # ---------------------------------------------------------------- tiles
@@ -453,17 +474,25 @@ class AttentionFwdSm90:
     @cute.jit
     def _produce(
         self, tma_q, tma_k, tma_v, mQ, mK, mVt, sQ, sK, sV, q_pipe, k_pipe, v_pipe, grid,
-        num_tiles, qgroup, mPageTable,
+        num_tiles, qgroup, mPageTable, tiles,
     ):  # fmt: skip
         """Warp 0: per tile, the last key block's K and V, then Q (its buffer frees when the
         consumers finish the previous tile), then the other key blocks last to first. Paged:
-        each K / V tile is tile_n / page_box boxes, one per page (`_page_boxes`)."""
+        each K / V tile is tile_n / page_box boxes, one per page (`_page_boxes`). Dynamic:
+        mPageTable is the tile counter; each tile id goes to the consumers on the ring
+        `tiles` before its loads, the next is taken once they are issued, and an id past
+        the tiles ends the consumers' loop."""
         one = cute.make_layout(1)
         q_state = producer_state(1)
         kv = producer_state(self.stages)
         t = cute.arch.block_idx()[0]
         step = cute.arch.grid_dim()[0]
+        if const_expr(self.dynamic):
+            lane = cute.arch.lane_idx()
+            tstate = tiles.producer_state()
         while t < num_tiles:
+            if const_expr(self.dynamic):
+                tstate = atomic.publish(tiles, tstate, t, lane)
             tile_id = t
             if const_expr(self.snake):
                 tile_id = self.scheduler.snake(t, step, num_tiles, grid)
@@ -541,8 +570,12 @@ class AttentionFwdSm90:
                     q_state.advance()
             if const_expr(self.paged):
                 t = t_next
+            elif const_expr(self.dynamic):
+                t = atomic.next_tile(mPageTable.iterator, lane, step)
             else:
                 t += step
+        if const_expr(self.dynamic):
+            tstate = atomic.publish(tiles, tstate, num_tiles, lane)
 
     @cute.jit
     def _page_of_lane(self, mPageTable, page_size, seq, n, seqlen_k):
@@ -594,11 +627,12 @@ class AttentionFwdSm90:
     @cute.jit
     def _consume(
         self, tidx, wg, warp_idx, mma_qk, mma_pv, sQ, sK, sV, sO, q_pipe, k_pipe, v_pipe,
-        tma_o, mO_tma, mO, mLSE, scale_log2, grid, num_tiles, qgroup, sV_chunks,
+        tma_o, mO_tma, mO, mLSE, scale_log2, grid, num_tiles, qgroup, sV_chunks, tiles,
     ):  # fmt: skip
         """Consumer warpgroup `wg` (rows 64 wg .. 64 wg + 63 of each tile); tidx counts the
         consumer threads from 0. sV_chunks: paged, V's stages as 16-byte chunks
-        (`_v_chunks`); else None."""
+        (`_v_chunks`); else None. tiles: dynamic, the ring each warp takes its tile ids from
+        (else None)."""
         # Operand fragments come from the warpgroup's slice (WGMMA descriptors), coordinates
         # from the thread's own slice.
         wg_qk = mma_qk.get_slice(wg * THREADS_PER_WG)
@@ -639,6 +673,10 @@ class AttentionFwdSm90:
         )  # fmt: skip
         t = cute.arch.block_idx()[0]
         step = cute.arch.grid_dim()[0]
+        if const_expr(self.dynamic):
+            lane = cute.arch.lane_idx()
+            tstate = tiles.consumer_state()
+            t, tstate = atomic.take(tiles, tstate, lane)
         while t < num_tiles:
             tile_id = t
             if const_expr(self.snake):
@@ -676,6 +714,8 @@ class AttentionFwdSm90:
                 self._store_lse(tidx, mma_pv, row_lse, mLSE, m0, head, batch, q_off, seqlen_q)
             if const_expr(self.paged):
                 t = t_next
+            elif const_expr(self.dynamic):
+                t, tstate = atomic.take(tiles, tstate, lane)
             else:
                 t += step
         if warp_idx == STORER_WARP:

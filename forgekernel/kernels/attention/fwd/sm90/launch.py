@@ -12,8 +12,12 @@ import torch
 
 from forgekernel.kernels.attention.fwd.sm90 import SPEC
 from forgekernel.kernels.attention.fwd.sm90.config import (
+    FIXED_CTAS_PER_SM,
     PAGED_MIN_SEQLEN_Q,
+    VARLEN_CTAS_PER_SM,
+    AttnConfig,
     default_config,
+    grid_ctas,
     page_box_for,
     params_for,
 )
@@ -72,6 +76,15 @@ def _plan(dtype, head_dim, head_dim_v, causal, varlen, device, box=0) -> tuple:
     )
 
 
+def _config_kernel(q, v, causal: bool, varlen: bool, config: AttnConfig) -> tuple:
+    """(the compiled function of `config`, the SM count, the tile counter or None): a
+    variant's kernel (bench), looked up per call; dynamic configs get a zeroed counter."""
+    params = params_for(dtype_name(q.dtype), q.shape[-1], v.shape[-1], causal, config,
+                        varlen=varlen)  # fmt: skip
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if config.dynamic else None
+    return get_kernel(SPEC, params), num_sms(q.device.index), counter
+
+
 def clear_plans() -> None:
     """Every plan (they hold the functions they looked up)."""
     _plans.clear()
@@ -109,9 +122,12 @@ def attention_fwd(
     lse: torch.Tensor,
     softmax_scale: float,
     causal: bool,
+    ctas_per_sm: int | None = None,
+    config: AttnConfig | None = None,
 ) -> None:
     """o (B, Sq, Hq, Dv) and lse (B, Hq, Sq) fp32, any views, for validated q (B, Sq, Hq, D),
-    k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv)."""
+    k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv). ctas_per_sm: the grid (`config.grid_ctas`; None:
+    FIXED_CTAS_PER_SM); config: a variant's kernel in place of the default (bench)."""
     if o.numel() == 0:  # no batch, query rows or heads
         return
     if k.shape[1] == 0:
@@ -120,16 +136,24 @@ def attention_fwd(
     q, k, v = as_tma_ready(q), as_tma_ready(k), as_tma_ready(v)
     o_dst = tma_target(o)
     lse_dst = lse if lse.is_contiguous() else torch.empty(lse.shape, device=lse.device)
-    _launch(q, k, v, o_dst, lse_dst, softmax_scale, causal)
+    _launch(q, k, v, o_dst, lse_dst, softmax_scale, causal, ctas_per_sm, config)
     copy_back((o, lse), (o_dst, lse_dst))
 
 
-def _launch(q, k, v, o, lse, scale: float, causal: bool) -> None:
+def _launch(
+    q, k, v, o, lse, scale: float, causal: bool, ctas_per_sm: int | None = None,
+    config: AttnConfig | None = None,
+) -> None:  # fmt: skip
     """The kernel call: inputs and outputs TMA-ready, sizes non-zero. Short queries with GQA
     run packed: the G query heads of a kv head become G rows per position of one head (qgroup
     = G tells the kernel's causal mask)."""
     device = q.device
-    fn, ctas = _plan(q.dtype, q.shape[-1], v.shape[-1], causal, False, device)
+    counter = None
+    if config is None:
+        fn, ctas = _plan(q.dtype, q.shape[-1], v.shape[-1], causal, False, device)
+    else:
+        fn, ctas, counter = _config_kernel(q, v, causal, False, config)
+    ctas = grid_ctas(ctas, FIXED_CTAS_PER_SM if ctas_per_sm is None else ctas_per_sm)
     group = q.shape[2] // k.shape[2]
     with on_device(device):
         if group > 1 and q.shape[1] < PACK_GQA_MAX_SQ:
@@ -137,12 +161,12 @@ def _launch(q, k, v, o, lse, scale: float, causal: bool) -> None:
             b, rows, hkv, _ = qp.shape
             op = q.new_empty(b, rows, hkv, v.shape[-1])
             lsep = q.new_empty(b, hkv, rows, dtype=torch.float32)
-            fn(qp, k, v, op, lsep, None, None, scale * LOG2E, 0, group, ctas, None)
+            fn(qp, k, v, op, lsep, None, None, scale * LOG2E, 0, group, ctas, counter)
             op, lsep = unpack_gqa(op, lsep, group)
             o.copy_(op)
             lse.copy_(lsep)
         else:
-            fn(q, k, v, o, lse, None, None, scale * LOG2E, 0, 1, ctas, None)
+            fn(q, k, v, o, lse, None, None, scale * LOG2E, 0, 1, ctas, counter)
 
 
 def attention_varlen_fwd(
@@ -156,9 +180,13 @@ def attention_varlen_fwd(
     max_seqlen_q: int,
     softmax_scale: float,
     causal: bool,
+    ctas_per_sm: int | None = None,
+    config: AttnConfig | None = None,
 ) -> None:
     """o (Tq, Hq, Dv) and lse (Hq, Tq) fp32, any views, for validated packed q (Tq, Hq, D),
-    k (Tk, Hkv, D), v (Tk, Hkv, Dv); int32 offsets (B + 1,) on q's device."""
+    k (Tk, Hkv, D), v (Tk, Hkv, Dv); int32 offsets (B + 1,) on q's device. ctas_per_sm: the
+    grid (`config.grid_ctas`; None: VARLEN_CTAS_PER_SM, several CTAs a SM); config: a
+    variant's kernel in place of the default (bench)."""
     if o.numel() == 0 or max_seqlen_q == 0:
         return
     if k.shape[0] == 0:  # no keys at all
@@ -168,9 +196,15 @@ def attention_varlen_fwd(
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     o_dst = tma_target(o)
     lse_dst = lse if lse.stride(-1) == 1 else torch.empty(lse.shape, device=lse.device)
-    fn, ctas = _plan(q.dtype, q.shape[-1], v.shape[-1], causal, True, q.device)
+    counter = None
+    if config is None:
+        fn, sms = _plan(q.dtype, q.shape[-1], v.shape[-1], causal, True, q.device)
+    else:
+        fn, sms, counter = _config_kernel(q, v, causal, True, config)
+    ctas = grid_ctas(sms, VARLEN_CTAS_PER_SM if ctas_per_sm is None else ctas_per_sm)
     with on_device(q.device):
-        fn(q, k, v, o_dst, lse_dst, cu_q, cu_k, softmax_scale * LOG2E, max_seqlen_q, 1, ctas, None)
+        fn(q, k, v, o_dst, lse_dst, cu_q, cu_k, softmax_scale * LOG2E, max_seqlen_q, 1, ctas,
+           counter)  # fmt: skip
     copy_back((o, lse), (o_dst, lse_dst))
 
 
