@@ -36,6 +36,7 @@ def test_params_and_blocks():
     assert config.standard_red4(16) and not config.standard_red4(32)
     assert not any(config.standard_red4(16, r, x, b) for r, x, b in
                    ((False, False, False), (True, True, False), (True, False, True)))  # fmt: skip
+    assert not config.standard_red4(16, red4p=True)  # red4p keeps its own form
     assert SPEC.name == "dsa_sparse_bwd_sm90" and SPEC.representative_params() in [
         *SPEC.standard_params()
     ]
@@ -57,6 +58,23 @@ def test_smem_plan_fits():
         config.params_for("bfloat16", 32, red4=True)
     with pytest.raises(ValueError, match="pick one"):
         config.params_for("bfloat16", 16, bulk=True, red4=True)
+    # red4p: the same staging (its 16 staging mbarriers inside BARRIER_BYTES), block 16 only
+    assert dict(config.params_for("bfloat16", 16, red4p=True))["red4p"] is True
+    stages = config.stages(16)  # full / empty, sfull / sempty, the stages' row ids
+    assert 16 * stages + 16 * config.BULK_WARPS + 4 * config.TILE * stages <= config.BARRIER_BYTES
+    with pytest.raises(ValueError, match="red4p"):
+        config.params_for("bfloat16", 32, red4p=True)
+    for other in ({"bulk": True}, {"red4": True}):
+        with pytest.raises(ValueError, match="pick one"):
+            config.params_for("bfloat16", 16, red4p=True, **other)
+    # the producer warpgroup split: gathering warps + reducer warps, each reducer serving the
+    # same number of warps of each consumer warpgroup
+    assert config.RED4P_GATHER + config.RED4P_REDUCERS == 4 and config.RED4P_REDUCERS == 2
+    assert config.BULK_WARPS % config.RED4P_REDUCERS == 0
+    cands = [dict(p) for p in SPEC.candidate_params()]
+    red4p = [(c.get("noreduce", False), c.get("xchg", False)) for c in cands if c.get("red4p")]
+    assert sorted(red4p) == [(False, False), (False, True), (True, False)]
+    assert all(c["block"] == 16 and c["dtype"] == "bfloat16" for c in cands if c.get("red4p"))
 
 
 def test_work_split_covers_every_block_once():

@@ -39,6 +39,15 @@ def _compiled(params) -> tuple[dict, Counter]:
     ops["DEPBAR0"] = sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0")
     ops["STS_64"] = sass.count("STS.64 ")
     ops["RED_V4"] = sass.count("REDG.E.ADD.F32x4")
+    ops["LDS_128"] = sass.count("LDS.128 ")
+    # where the v4 reductions are: the producer warpgroup's code runs from its setmaxnreg
+    # decrease to the consumers' increase (the retry loops of mbarrier waits sit at the end)
+    lines = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    dealloc = next(a for a, t in lines if "USETMAXREG.DEALLOC" in t)
+    alloc = next(a for a, t in lines if "USETMAXREG.TRY_ALLOC" in t)
+    reds = [a for a, t in lines if "REDG.E.ADD.F32x4" in t]
+    ops["RED_V4_PRODUCER"] = sum(dealloc < a < alloc for a in reds)
+    ops["RED_V4_CONSUMER"] = sum(a > alloc for a in reds)
     return res, ops
 
 
@@ -62,8 +71,20 @@ def test_sparse_bwd_kernel_red4():
     _check_kernel(16, False, False, red4=True)
 
 
-def _check_kernel(block, xchg, bulk, red4=False):
-    res, ops = _compiled(config.params_for("bfloat16", block, xchg=xchg, bulk=bulk, red4=red4))
+@pytest.mark.parametrize("xchg", [False, True])
+def test_sparse_bwd_kernel_red4p(xchg):
+    """The red4p candidate (block 16): the consumers' WGMMAs unchanged and only the staging
+    stores in their loops (16 STS.64 a thread a dkv block, no reductions); the v4 reductions,
+    their LDS.128 (two rows a warp instruction) and row-id shuffles all in the producer
+    warpgroup's code: each reducer warp's loop serves its consumer warps' blocks of a tile
+    (8 a block); the gather by two warps (8 rows a thread)."""
+    _check_kernel(16, xchg, False, red4p=True)
+
+
+def _check_kernel(block, xchg, bulk, red4=False, red4p=False):
+    res, ops = _compiled(
+        config.params_for("bfloat16", block, xchg=xchg, bulk=bulk, red4=red4, red4p=red4p)
+    )
     assert res["spill_bytes"] == 0 and ops["LDL"] == ops["STL"] == 0
     k = block // 16  # k-steps of a dkv block
     n_dq = [len(b) for b in config.DQ_BLOCKS]
@@ -73,9 +94,20 @@ def _check_kernel(block, xchg, bulk, red4=False):
     per_wg = [a + 4 * q + k * v for a, q, v in zip(sdp, n_dq, n_dkv)]
     assert ops["HGMMA"] == sum(per_wg)
     q_rows = block // 16  # 16 rows a pass of 128 threads, 8 a row
-    assert ops["LDGSTS"] == config.NCHUNK * (q_rows + 4) + 8 * q_rows
+    if red4p:  # 64 gathering threads: twice the passes
+        assert ops["LDGSTS"] == 2 * (config.NCHUNK * (q_rows + 4) + 8 * q_rows)
+    else:
+        assert ops["LDGSTS"] == config.NCHUNK * (q_rows + 4) + 8 * q_rows
     acc_pairs = config.TILE * config.CHUNK // 128 // 2  # v2 reductions a thread, a dkv block
-    if red4:
+    if red4p:
+        served = config.BULK_WARPS // config.RED4P_REDUCERS // config.CONSUMERS  # a warpgroup's
+        blocks = served * sum(len(b) for b in config.DKV_BLOCKS)  # a reducer's blocks a tile
+        assert blocks == 18
+        assert ops["RED_V2"] == 0 and ops["RED_V4"] == ops["REDG"] == 8 * blocks
+        assert ops["RED_V4_PRODUCER"] == 8 * blocks and ops["RED_V4_CONSUMER"] == 0
+        assert ops["LDS_128"] == ops["SHFL"] == 8 * blocks
+        assert ops["STS_64"] == acc_pairs * config.NCHUNK
+    elif red4:
         assert ops["RED_V2"] == 0 and ops["RED_V4"] == ops["REDG"] == acc_pairs // 2 * config.NCHUNK
         assert ops["STS_64"] == acc_pairs * config.NCHUNK
     elif bulk:

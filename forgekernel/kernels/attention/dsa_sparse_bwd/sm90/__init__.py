@@ -30,8 +30,10 @@ def _standard_params() -> list[Params]:
 def _candidate_params() -> list[Params]:
     """The timing probe's builds (reductions never run), the xchg candidate with and without
     reductions, and at block 16 the bulk candidate (dkv by cp.reduce.async.bulk) alone, with
-    xchg and without reductions, and the fragments' red.global.add.v2 (block 32's form, block
-    16's before red4; scripts/time_dsa_bwd_kernel.py)."""
+    xchg and without reductions, the fragments' red.global.add.v2 (block 32's form, block
+    16's before red4), and the red4p candidate (the red4 reductions issued by the producer
+    warpgroup's reducer warps) alone, with xchg and without reductions
+    (scripts/time_dsa_bwd_kernel.py)."""
     return (
         [
             params_for("bfloat16", b, reduce=r, xchg=x)
@@ -43,6 +45,10 @@ def _candidate_params() -> list[Params]:
             for r, x in ((True, False), (True, True), (False, False))
         ]
         + [params_for("bfloat16", 16)]
+        + [
+            params_for("bfloat16", 16, reduce=r, xchg=x, red4p=True)
+            for r, x in ((True, False), (True, True), (False, False))
+        ]
     )
 
 

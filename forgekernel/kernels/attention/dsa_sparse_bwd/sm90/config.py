@@ -47,13 +47,23 @@ BULK_WARPS = CONSUMERS * THREADS_PER_WG // 32
 # 3.42; docs/attention/DSA_BWD_NOTES.md "Probe 2026-12-03 21:46"). Block 32 has no room for the
 # staging (221 + 36 KB).
 RED4_BLOCKS = (16,)
+# `red4p` candidate (block 16): the consumer warps only stage their dkv blocks (the red4
+# staging, the rows' ids in each staging row's padding) and the producer warpgroup's warps
+# RED4P_GATHER .. 3 read them back and issue the red.global.add.v4.f32, so that the consumers'
+# MMAs run under the reductions; warps 0 .. RED4P_GATHER - 1 gather (64 threads, 8 rows a
+# thread). Reducer warp r serves the consumer warps r, r + R, r + 2 R, ... (R = the reducers:
+# two of each consumer warpgroup at R = 2, 18 dkv blocks a tile each).
+RED4P_GATHER = 2
+RED4P_REDUCERS = THREADS_PER_WG // 32 - RED4P_GATHER
 
 
-def standard_red4(block: int, reduce: bool = True, xchg: bool = False, bulk: bool = False) -> bool:
+def standard_red4(
+    block: int, reduce: bool = True, xchg: bool = False, bulk: bool = False, red4p: bool = False
+) -> bool:
     """Whether the build of `block` with these candidate flags adds dkv by red4: the standard
-    build of a RED4_BLOCKS block; the probe's no-reduction, xchg and bulk builds keep their own
-    forms (red4 with xchg was never built)."""
-    return block in RED4_BLOCKS and reduce and not xchg and not bulk
+    build of a RED4_BLOCKS block; the probe's no-reduction, xchg, bulk and red4p builds keep
+    their own forms (red4 with xchg was never built)."""
+    return block in RED4_BLOCKS and reduce and not xchg and not bulk and not red4p
 
 
 def block_heads(heads: int) -> int:
@@ -83,13 +93,14 @@ def stages(block: int) -> int:
 
 
 def bulk_bytes() -> int:
-    """The `bulk` / `red4` candidates' staging: one (16, 72) fp32 buffer per consumer warp
+    """The `bulk` / `red4` / `red4p` candidates' staging: one (16, 72) fp32 buffer per consumer warp
     (36 KB)."""
     return BULK_WARPS * BULK_ROWS * BULK_STRIDE * 4
 
 
 def smem_bytes(block: int, staged: bool = False) -> int:
-    """staged: with the bulk / red4 candidates' staging buffers."""
+    """staged: with the bulk / red4 / red4p candidates' staging buffers (red4p's 16 staging
+    mbarriers fit in BARRIER_BYTES)."""
     return fixed_bytes(block) + stages(block) * stage_bytes() + (bulk_bytes() if staged else 0)
 
 
@@ -100,6 +111,7 @@ def params_for(
     xchg: bool = False,
     bulk: bool = False,
     red4: bool = False,
+    red4p: bool = False,
 ) -> tuple:
     """Compile key: dtype and the heads of one CTA; reduce False: the timing probe's build whose
     dkv reductions never run (a runtime-false guard keeps their code; dkv stays 0), which
@@ -108,16 +120,18 @@ def params_for(
     candidate whose dkv blocks go through shared memory to `cp.reduce.async.bulk` (kernel.py
     `_reduce_bulk`; block 16 only: block 32's 221 KB leave no room for the 36 KB staging);
     red4 True: the probe candidate with the same staging read back into red.global.add.v4.f32
-    by the warps themselves (kernel.py `_reduce_v4`; block 16 only)."""
+    by the warps themselves (kernel.py `_reduce_v4`; block 16 only); red4p True: the candidate
+    whose consumers only stage and whose producer warpgroup's reducer warps issue those
+    red.global.add.v4.f32 (kernel.py `_stage_p` / `_serve`; block 16 only)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if block not in BLOCKS:
         raise ValueError(f"block must be one of {BLOCKS}, got {block}")
-    if bulk and red4:
-        raise ValueError("bulk and red4 are two forms of the same reductions: pick one")
-    staged = bulk or red4
+    if bulk + red4 + red4p > 1:
+        raise ValueError("bulk, red4 and red4p are forms of the same reductions: pick one")
+    staged = bulk or red4 or red4p
     if staged and smem_bytes(block, staged) > SMEM_CAPACITY:
-        name = "bulk" if bulk else "red4"
+        name = "bulk" if bulk else "red4" if red4 else "red4p"
         raise ValueError(
             f"{name}: {smem_bytes(block, staged)} bytes of shared memory at block {block}"
         )
@@ -130,4 +144,6 @@ def params_for(
         keys["bulk"] = True
     if red4:
         keys["red4"] = True
+    if red4p:
+        keys["red4p"] = True
     return tuple(sorted(keys.items()))

@@ -34,6 +34,14 @@ rows of the block into its own shared-memory buffer and lanes 0..15 add one 256-
 by `cp.reduce.async.bulk .add.f32` (the TMA unit; `_reduce_bulk`), so that the reductions no
 longer queue in the load/store unit in front of the next MMAs (docs/attention/DSA_BWD_NOTES.md,
 "Measured 2026-12-03 19:15 and the model revised").
+
+Candidate `red4p` (block 16; CPU-compiled 2026-12-03, not yet run on a GPU): red4's staging,
+but the consumer warps only store their dkv block (and, at a tile's first block, their rows'
+ids into the staging rows' padding column 64) and arrive on their staging buffer's full
+mbarrier; warps 2 and 3 of warpgroup 0 (the reducers; warps 0 and 1 gather alone, 64 threads)
+wait on it, read the block back (LDS.128, two rows a warp instruction), release the buffer
+(every lane arrives on its empty mbarrier) and issue the red.global.add.v4.f32 themselves, so
+that the consumers' next MMAs run while the reductions drain (`_stage_p`, `_serve`).
 """
 
 from __future__ import annotations
@@ -61,6 +69,8 @@ from forgekernel.kernels.attention.dsa_sparse_bwd.sm90.config import (
     DQ_BLOCKS,
     NCHUNK,
     PRODUCER_REGS,
+    RED4P_GATHER,
+    RED4P_REDUCERS,
     THREADS,
     TILE,
     WIDTH,
@@ -109,6 +119,7 @@ class DsaSparseBwdSm90:
         xchg: bool = False,
         bulk: bool = False,
         red4: bool = False,
+        red4p: bool = False,
     ):
         self.block = block
         self.stages = stages(block)
@@ -125,9 +136,12 @@ class DsaSparseBwdSm90:
         # rows and issues red.global.add.v4.f32 (two rows = four full lines an instruction
         # against the default's eight one-sector lines): in the warps' stream, as the default
         self.red4 = red4
-        if bulk and red4:
-            raise ValueError("bulk and red4 are two forms of the same reductions: pick one")
-        self.staged = bulk or red4
+        # red4p (a candidate, block 16): red4's staging, the reductions issued by warps of the
+        # producer warpgroup (`_serve`) instead of the consumers
+        self.red4p = red4p
+        if bulk + red4 + red4p > 1:
+            raise ValueError("bulk, red4 and red4p are forms of the same reductions: pick one")
+        self.staged = bulk or red4 or red4p
 
     def _setup(self, dt):
         k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
@@ -208,7 +222,26 @@ class DsaSparseBwdSm90:
                 cute.struct.MemRange[Float32, BULK_WARPS * BULK_ROWS * BULK_STRIDE], 128
             ]
 
+        @cute.struct
+        class SharedRed4p:
+            full: cute.struct.MemRange[cutlass.Int64, self.stages]
+            empty: cute.struct.MemRange[cutlass.Int64, self.stages]
+            # per consumer warp: its staging buffer holds a block (full) / has been read (empty)
+            sfull: cute.struct.MemRange[cutlass.Int64, BULK_WARPS]
+            sempty: cute.struct.MemRange[cutlass.Int64, BULK_WARPS]
+            rows: cute.struct.MemRange[Int32, TILE * self.stages]
+            kv: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.lay_kv)], 1024]
+            q: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.lay_q)], 1024]
+            do: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.lay_do)], 1024]
+            p: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.lay_p)], 1024]
+            ds: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.lay_p)], 1024]
+            red: cute.struct.Align[
+                cute.struct.MemRange[Float32, BULK_WARPS * BULK_ROWS * BULK_STRIDE], 128
+            ]
+
         self.shared = SharedBulk if const_expr(self.staged) else Shared
+        if const_expr(self.red4p):
+            self.shared = SharedRed4p
         grid = (mQ.shape[0], mQ.shape[1] // self.block, 1)
         self.kernel(
             mQ, mKV, mdO, mLse2, mDelta, mIdx, mdQ, mdKV, scale_log2, scale, self.mma_sdp,
@@ -268,20 +301,39 @@ class DsaSparseBwdSm90:
             ),
         )
         full, empty = storage.full.data_ptr(), storage.empty.data_ptr()
+        # red4p: the staging buffers' full / empty mbarriers (one pair per consumer warp)
+        stg = (full, empty)
+        if const_expr(self.red4p):
+            stg = (storage.sfull.data_ptr(), storage.sempty.data_ptr())
+        # gathering threads (they arrive on full): the producer warpgroup, red4p its first warps
+        gather_threads = RED4P_GATHER * 32 if const_expr(self.red4p) else THREADS_PER_WG
         if tidx == 0:
             for s in cutlass.range_constexpr(self.stages):
-                cute.arch.mbarrier_init(full + s, THREADS_PER_WG)
+                cute.arch.mbarrier_init(full + s, gather_threads)
                 cute.arch.mbarrier_init(empty + s, CONSUMER_THREADS)
+            if const_expr(self.red4p):  # every lane of the staging / reducing warp arrives
+                for w in cutlass.range_constexpr(BULK_WARPS):
+                    cute.arch.mbarrier_init(stg[0] + w, 32)
+                    cute.arch.mbarrier_init(stg[1] + w, 32)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            self._gather(mQ, mKV, mdO, mIdx, sm, full, empty, where, tidx)
+            if const_expr(self.red4p):
+                warp = cute.arch.make_warp_uniform(tidx // 32)
+                if warp < RED4P_GATHER:
+                    self._gather(mQ, mKV, mdO, mIdx, sm, full, empty, where, tidx, gather_threads)
+                else:
+                    self._serve(mdKV, sm, stg, tiles, warp - RED4P_GATHER, tidx % 32)
+            else:
+                self._gather(mQ, mKV, mdO, mIdx, sm, full, empty, where, tidx, gather_threads)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             mmas = (mma_sdp, mma_kv, mma_dq)
             ins = (mLse2, mDelta, mdQ, mdKV, scale_log2, scale)
+            if const_expr(self.red4p):
+                ins = (mLse2, mDelta, mdQ, mdKV, scale_log2, scale, stg)
             if wg == 1:
                 self._consume(ins, sm, full, empty, mmas, where, tidx - THREADS_PER_WG, 0)
             else:
@@ -302,11 +354,13 @@ class DsaSparseBwdSm90:
                 copy_row_async(gcopy, seg, CHUNK, d[None, m, None], crd[None, m, None])
 
     @cute.jit
-    def _gather(self, mQ, mKV, mdO, mIdx, sm, full, empty, where, tid):
-        """Warpgroup 0: q and dO, then every tile's rows into its stage (module docstring)."""
+    def _gather(self, mQ, mKV, mdO, mIdx, sm, full, empty, where, tid,
+                threads: cutlass.Constexpr[int]):  # fmt: skip
+        """Warpgroup 0 (red4p: its first `threads` threads): q and dO, then every tile's rows
+        into its stage (module docstring)."""
         token, h0, tiles = where
         sKV, sQ, sdO, _, _, sRows, _, _ = sm
-        gcopy = tiled_row_copy(mQ.element_type, CHUNK, THREADS_PER_WG)
+        gcopy = tiled_row_copy(mQ.element_type, CHUNK, threads)
         self._load_rows(mQ, token, h0, sQ, NCHUNK, gcopy, tid)
         self._load_rows(mdO, token, h0, sdO, VCHUNK, gcopy, tid)
         cute.arch.cp_async_commit_group()  # the oldest group: done when tile 0's is
@@ -346,7 +400,7 @@ class DsaSparseBwdSm90:
     @cute.jit
     def _consume(self, ins, sm, full, empty, mmas, where, ctid, w: cutlass.Constexpr[int]):
         """Consumer warpgroup w (ctid: 0 .. 255 over both): every tile (module docstring)."""
-        mLse2, mDelta, mdQ, mdKV, scale_log2, scale = ins
+        mLse2, mDelta, mdQ, mdKV, scale_log2, scale = ins[:6]
         token, h0, tiles = where
         sKV, sQ, sdO, sP, sdS, sRows, sX, sRed = sm
         mma_sdp, mma_kv, mma_dq = mmas
@@ -397,8 +451,13 @@ class DsaSparseBwdSm90:
             for j, b in enumerate(DQ_BLOCKS[w]):
                 gemm(mma_dq, dq_accs[j], tQK[None, None, None, s * NCHUNK + b],
                      tQdS[None, None, None, 0], False, -1)  # fmt: skip
+            red_i = red
+            if const_expr(self.red4p):  # + the staging barriers and this tile's first block
+                warp = ctid // 32
+                red_i = red + (ins[6][0] + warp, ins[6][1] + warp, i * len(DKV_BLOCKS[w]),
+                               DKV_BLOCKS[w])  # fmt: skip
             self._dkv_blocks(mma_kv, kv_accs, (tKdS, tKP, tKQ, tKdO), kv_crd, rids, mdKV, w,
-                             empty + s, red)  # fmt: skip
+                             empty + s, red_i)  # fmt: skip
         self._store_dq(mdQ, dq_accs, t_dq, token, h0, w)
         if const_expr(self.bulk):  # the staging buffer is read and the additions are done
             cute.arch.cp_async_bulk_wait_group(0, read=False)
@@ -528,6 +587,8 @@ class DsaSparseBwdSm90:
             self._reduce_bulk(acc, kv_crd, rids, mdKV, c, red)
         elif const_expr(self.red4):
             self._reduce_v4(acc, kv_crd, rids, mdKV, c, red)
+        elif const_expr(self.red4p):
+            self._stage_p(acc, kv_crd, rids, c, red)
         else:
             self._reduce_v2(acc, kv_crd, rids, mdKV, c)
 
@@ -591,6 +652,70 @@ class DsaSparseBwdSm90:
             if ok:
                 cute.arch.red(mdKV[rid, None].iterator + (c * CHUNK + col), quad, op="add",
                               dtype=Float32, sem="relaxed", scope="gpu")  # fmt: skip
+
+    @cute.jit
+    def _stage_p(self, acc, kv_crd, rids, c: cutlass.Constexpr[int], red):
+        """red4p, a consumer warp: once its reducer has read the previous block (empty), the
+        block into the warp's staging buffer; at the tile's first block also the rows' ids
+        (lane 4 k: rows k, k + 8 of the warp's 16) into column 64, the rows' padding (the
+        stage's row ids are released to the producer after the dq MMAs); then every lane
+        arrives on full (mbarrier.arrive: release; the reducer's wait: acquire)."""
+        sw, lane, _, sfull, sempty, n0, blocks = red
+        j = blocks.index(c)  # the block's position in this warpgroup's tile
+        n = n0 + j  # the blocks this warp staged before
+        cute.arch.mbarrier_wait(sempty, (n & 1) ^ 1)  # a fresh barrier passes parity 1
+        self._stage(acc, kv_crd, sw)
+        if const_expr(j == 0):
+            ids = cute.make_tensor(cute.recast_ptr(sw.iterator, dtype=Int32), sw.layout)
+            if lane % 4 == 0:
+                for h in cutlass.range_constexpr(2):
+                    ids[kv_crd[2 * h][0] % BULK_ROWS, CHUNK] = rids[h]
+        cute.arch.mbarrier_arrive(sfull)
+
+    @cute.jit
+    def _serve(self, mdKV, sm, stg, tiles, rw, lane):
+        """red4p, reducer warp rw (0 .. RED4P_REDUCERS - 1) of warpgroup 0: for every tile and
+        block position, the consumer warps rw + RED4P_REDUCERS m in order (their warpgroup's
+        config.DKV_BLOCKS order, the order they stage in): wait for the block (full), read it
+        (lane l: rows 2 k + l // 16, columns 4 (l % 16) ..; the lane's row id l % 16 from the
+        padding, the others by shuffles), release the buffer (every lane arrives on empty) and
+        add the valid rows by `red.global.add.v4.f32`."""
+        sRed = sm[7]
+        sfull, sempty = stg
+        n_served = BULK_WARPS // RED4P_REDUCERS
+        per_wg = (THREADS_PER_WG // 32) // RED4P_REDUCERS  # served warps of one warpgroup
+        quads = cute.make_rmem_tensor((4, 8), Float32)
+        for i in cutlass.range(tiles, unroll=1):
+            for j in cutlass.range_constexpr(max(len(b) for b in DKV_BLOCKS)):
+                for m in cutlass.range_constexpr(n_served):
+                    blocks = DKV_BLOCKS[m // per_wg]
+                    if const_expr(j < len(blocks)):
+                        cw = rw + RED4P_REDUCERS * m
+                        phase = (i * len(blocks) + j) & 1
+                        self._serve_block(mdKV, sRed[cw, None, None], sfull + cw, sempty + cw,
+                                          phase, blocks[j], lane, quads)  # fmt: skip
+
+    @cute.jit
+    def _serve_block(self, mdKV, sw, sfull, sempty, phase, c: cutlass.Constexpr[int], lane,
+                     quads):  # fmt: skip
+        """red4p: one staged dkv block (column block c) of one consumer warp (`_serve`)."""
+        col = (lane % 16) * 4
+        cute.arch.mbarrier_wait(sfull, phase)
+        ids = cute.make_tensor(cute.recast_ptr(sw.iterator, dtype=Int32), sw.layout)
+        my_id = ids[lane % BULK_ROWS, CHUNK]
+        for k in cutlass.range_constexpr(8):
+            off = (2 * k + lane // 16) * BULK_STRIDE + col
+            ptr = cute.make_ptr(Float32, (sw.iterator + off).toint(), cute.AddressSpace.smem,
+                                assumed_align=16)  # fmt: skip
+            quads[None, k].store(cute.make_tensor(ptr, cute.make_layout(4)).load())
+        cute.arch.mbarrier_arrive(sempty)  # every lane: its own reads of the buffer are done
+        for k in cutlass.range_constexpr(8):
+            rid = cute.arch.shuffle_sync(my_id, 2 * k + lane // 16)
+            ok = rid >= 0 if const_expr(self.reduce) else rid == -2  # ids are >= -1
+            if ok:
+                cute.arch.red(mdKV[rid, None].iterator + (c * CHUNK + col),
+                              quads[None, k].load(), op="add", dtype=Float32, sem="relaxed",
+                              scope="gpu")  # fmt: skip
 
     @cute.jit
     def _store_dq(self, mdQ, dq_accs, t_dq, token, h0, w: cutlass.Constexpr[int]):
