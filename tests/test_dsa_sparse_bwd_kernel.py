@@ -77,6 +77,26 @@ def test_smem_plan_fits():
     assert all(c["block"] == 16 and c["dtype"] == "bfloat16" for c in cands if c.get("red4p"))
 
 
+def test_launcher_compile_keys(monkeypatch):
+    """The launcher's candidate keywords reach the compile key (the kernel call faked on the
+    CPU): H = 16 takes red4 unless a candidate is named, red4p its own form."""
+    seen = []
+    monkeypatch.setattr(launch, "get_kernel", lambda spec, params: seen.append(dict(params))
+                        or (lambda *a: None))  # fmt: skip
+    q, kv, idx = _rows()
+    out = torch.randn(q.shape[0], q.shape[1], LATENT).to(q.dtype)
+    lse = torch.zeros(q.shape[:2])
+    args = (q, kv, out, out, lse, None, None, idx, 0.1)
+    launch.dsa_sparse_bwd(*args)
+    launch.dsa_sparse_bwd(*args, red4p=True)
+    launch.dsa_sparse_bwd(*args, reduce=False, xchg=True, red4p=True)
+    assert seen == [
+        {"dtype": "bfloat16", "block": 16, "red4": True},
+        {"dtype": "bfloat16", "block": 16, "red4p": True},
+        {"dtype": "bfloat16", "block": 16, "noreduce": True, "xchg": True, "red4p": True},
+    ]
+
+
 def test_work_split_covers_every_block_once():
     dkv = sorted(c for blocks in config.DKV_BLOCKS for c in blocks)
     dq = sorted(c for blocks in config.DQ_BLOCKS for c in blocks)
