@@ -12,7 +12,12 @@ the same two for the `xchg` candidate (S^T in one warpgroup, dP^T in the other);
 with xchg and without reductions, and the fragments' red.global.add.v2 (`launcher, v2`: block
 16's form before red4); the `red4p` candidate (red4's reductions issued by the producer
 warpgroup's reducer warps, the consumers only staging), alone, with xchg and without
-reductions (after an agreement check); the preprocess alone.
+reductions (after an agreement check), and red4p's diagnostics (probe builds): the standard
+build (red4) with red4p's 64-thread gather (after an agreement check), alone (`red4,
+gather64`) and without reductions (`gather64, no reductions`), and red4p whose reducer warps
+only handshake (wait for each staged block, release it unread: `red4p handshake only`; dkv
+stays 0, no check; docs/attention/DSA_BWD_NOTES.md "red4p diagnostics"); the preprocess
+alone.
 The kernel at 5504 FLOP per (token, head, entry). Build first: `python3 -m forgekernel build
 --only dsa_sparse_bwd_sm90 --candidates`."""
 
@@ -34,8 +39,8 @@ WIDTH, LATENT = 576, 512
 
 
 def _agrees(args, name: str) -> bool:
-    """One call of candidate `name` (bulk, red4, red4p: not yet GPU-tested when these lines
-    were written) against the default build: its lines are timed only if dq and dkv agree
+    """One call of candidate `name` (bulk, red4, red4p, gather64: not yet GPU-tested when these
+    lines were written) against the default build: its lines are timed only if dq and dkv agree
     within 2e-2 of the largest entry (fp32 atomics in another order; a fault here stops the probe
     before any timing)."""
     want = launch.dsa_sparse_bwd(*args)
@@ -88,6 +93,17 @@ def main(s: int = 4096, h: int = 16, topk: int = 2048, s_kv: int = 8192) -> None
             "red4p, xchg": lambda: launch.dsa_sparse_bwd(*args, xchg=True, red4p=True),
             "red4p, no reductions": lambda: launch.dsa_sparse_bwd(*args, reduce=False, red4p=True),
         }
+    if h == 16 and _agrees(args, "gather64"):  # red4p's diagnostics: its gather alone
+        fns |= {
+            "red4, gather64": lambda: launch.dsa_sparse_bwd(*args, gather64=True),
+            "gather64, no reductions": lambda: launch.dsa_sparse_bwd(
+                *args, reduce=False, gather64=True
+            ),
+        }
+    if h == 16:  # and red4p's handshake alone (dkv stays 0: nothing to check)
+        fns["red4p handshake only"] = lambda: launch.dsa_sparse_bwd(
+            *args, reduce=False, red4p=True, handshake=True
+        )
     fns |= {
         "preprocess": lambda: launch.preprocess(out, dout, lse, None, sink),
     }

@@ -72,9 +72,26 @@ def test_smem_plan_fits():
     assert config.RED4P_GATHER + config.RED4P_REDUCERS == 4 and config.RED4P_REDUCERS == 2
     assert config.BULK_WARPS % config.RED4P_REDUCERS == 0
     cands = [dict(p) for p in SPEC.candidate_params()]
-    red4p = [(c.get("noreduce", False), c.get("xchg", False)) for c in cands if c.get("red4p")]
+    red4p = [
+        (c.get("noreduce", False), c.get("xchg", False))
+        for c in cands
+        if c.get("red4p") and not c.get("handshake")
+    ]
     assert sorted(red4p) == [(False, False), (False, True), (True, False)]
     assert all(c["block"] == 16 and c["dtype"] == "bfloat16" for c in cands if c.get("red4p"))
+    # red4p's probe-only diagnostics: its gather in the standard / no-reduction build, its
+    # handshake alone
+    diag = [c for c in cands if c.get("gather64") or c.get("handshake")]
+    assert diag == [
+        {"dtype": "bfloat16", "block": 16, "red4": True, "gather64": True},
+        {"dtype": "bfloat16", "block": 16, "noreduce": True, "gather64": True},
+        {"dtype": "bfloat16", "block": 16, "noreduce": True, "red4p": True, "handshake": True},
+    ]
+    for bad in ({"block": 32, "gather64": True}, {"block": 16, "gather64": True, "red4p": True},
+                {"block": 16, "handshake": True}, {"block": 16, "handshake": True, "red4p": True},
+                {"block": 16, "handshake": True, "reduce": False}):  # fmt: skip
+        with pytest.raises(ValueError, match="gather64|handshake"):
+            config.params_for("bfloat16", **bad)
 
 
 def test_launcher_compile_keys(monkeypatch):
@@ -90,10 +107,16 @@ def test_launcher_compile_keys(monkeypatch):
     launch.dsa_sparse_bwd(*args)
     launch.dsa_sparse_bwd(*args, red4p=True)
     launch.dsa_sparse_bwd(*args, reduce=False, xchg=True, red4p=True)
+    launch.dsa_sparse_bwd(*args, gather64=True)
+    launch.dsa_sparse_bwd(*args, reduce=False, gather64=True)
+    launch.dsa_sparse_bwd(*args, reduce=False, red4p=True, handshake=True)
     assert seen == [
         {"dtype": "bfloat16", "block": 16, "red4": True},
         {"dtype": "bfloat16", "block": 16, "red4p": True},
         {"dtype": "bfloat16", "block": 16, "noreduce": True, "xchg": True, "red4p": True},
+        {"dtype": "bfloat16", "block": 16, "red4": True, "gather64": True},
+        {"dtype": "bfloat16", "block": 16, "noreduce": True, "gather64": True},
+        {"dtype": "bfloat16", "block": 16, "noreduce": True, "red4p": True, "handshake": True},
     ]
 
 

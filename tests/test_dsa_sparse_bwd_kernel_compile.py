@@ -81,9 +81,26 @@ def test_sparse_bwd_kernel_red4p(xchg):
     _check_kernel(16, xchg, False, red4p=True)
 
 
-def _check_kernel(block, xchg, bulk, red4=False, red4p=False):
+@pytest.mark.parametrize("reduce", [True, False], ids=["red4", "noreduce"])
+def test_sparse_bwd_kernel_gather64(reduce):
+    """red4p's diagnostic gather64 (block 16): the standard build (red4) or the no-reduction
+    build with the gather by two warps (8 rows a thread: twice the LDGSTS a thread), the
+    consumers' code as that build's."""
+    _check_kernel(16, False, False, red4=reduce, gather64=True, reduce=reduce)
+
+
+def test_sparse_bwd_kernel_red4p_handshake():
+    """red4p's diagnostic handshake (block 16): the consumers stage as red4p's, the reducer
+    warps only wait for each staged block and release it (18 arrivals a tile each, no LDS.128,
+    no shuffles, no reductions)."""
+    _check_kernel(16, False, False, red4p=True, reduce=False, handshake=True)
+
+
+def _check_kernel(block, xchg, bulk, red4=False, red4p=False, reduce=True, gather64=False,
+                  handshake=False):  # fmt: skip
+    forms = {"bulk": bulk, "red4": red4, "red4p": red4p, "gather64": gather64}
     res, ops = _compiled(
-        config.params_for("bfloat16", block, xchg=xchg, bulk=bulk, red4=red4, red4p=red4p)
+        config.params_for("bfloat16", block, reduce, xchg, handshake=handshake, **forms)
     )
     assert res["spill_bytes"] == 0 and ops["LDL"] == ops["STL"] == 0
     k = block // 16  # k-steps of a dkv block
@@ -94,7 +111,7 @@ def _check_kernel(block, xchg, bulk, red4=False, red4p=False):
     per_wg = [a + 4 * q + k * v for a, q, v in zip(sdp, n_dq, n_dkv)]
     assert ops["HGMMA"] == sum(per_wg)
     q_rows = block // 16  # 16 rows a pass of 128 threads, 8 a row
-    if red4p:  # 64 gathering threads: twice the passes
+    if red4p or gather64:  # 64 gathering threads: twice the passes
         assert ops["LDGSTS"] == 2 * (config.NCHUNK * (q_rows + 4) + 8 * q_rows)
     else:
         assert ops["LDGSTS"] == config.NCHUNK * (q_rows + 4) + 8 * q_rows
@@ -103,12 +120,17 @@ def _check_kernel(block, xchg, bulk, red4=False, red4p=False):
         served = config.BULK_WARPS // config.RED4P_REDUCERS // config.CONSUMERS  # a warpgroup's
         blocks = served * sum(len(b) for b in config.DKV_BLOCKS)  # a reducer's blocks a tile
         assert blocks == 18
+        if handshake:  # the reducers' loop: full wait, empty arrival, nothing else
+            assert ops["REDG"] == ops["LDS_128"] == ops["SHFL"] == 0
+            assert ops["STS_64"] == acc_pairs * config.NCHUNK
+            return
         assert ops["RED_V2"] == 0 and ops["RED_V4"] == ops["REDG"] == 8 * blocks
         assert ops["RED_V4_PRODUCER"] == 8 * blocks and ops["RED_V4_CONSUMER"] == 0
         assert ops["LDS_128"] == ops["SHFL"] == 8 * blocks
         assert ops["STS_64"] == acc_pairs * config.NCHUNK
     elif red4:
         assert ops["RED_V2"] == 0 and ops["RED_V4"] == ops["REDG"] == acc_pairs // 2 * config.NCHUNK
+        assert ops["RED_V4_CONSUMER"] == ops["RED_V4"]  # the warps' own stream
         assert ops["STS_64"] == acc_pairs * config.NCHUNK
     elif bulk:
         assert ops["RED_V2"] == ops["REDG"] == 0

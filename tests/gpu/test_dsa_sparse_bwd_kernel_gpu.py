@@ -13,8 +13,10 @@ reference run in the input dtype plus 1e-3 of the largest entry (FlashAttention'
 The xchg candidate build (S^T in one warpgroup, dP^T in the other) on every bf16 case, the bulk
 candidate (dkv by cp.reduce.async.bulk; block 16) alone and with xchg, and the red4 probe
 candidate (staged, red.global.add.v4.f32) and the red4p candidate (the same reductions issued by
-the producer warpgroup's reducer warps; alone and with xchg) on the 16-head ones. Then the
-op with FORGEKERNEL_DSA_BWD_KERNEL=1 against its interim path."""
+the producer warpgroup's reducer warps; alone and with xchg) on the 16-head ones (the builds'
+test ids: standard-bf16, standard-fp16, xchg, bulk, bulk-xchg, v2, red4p, red4p-xchg; e.g.
+`-k red4p` runs red4p alone and with xchg). Then the op with FORGEKERNEL_DSA_BWD_KERNEL=1
+against its interim path."""
 
 from __future__ import annotations
 
@@ -71,14 +73,14 @@ CASES = [  # tokens, heads, topk, slots, sink, dlse
 
 
 BUILDS = [  # dtype, xchg, bulk, red4 (None: the block's standard form, red4 at H = 16), red4p
-    (torch.bfloat16, False, False, None, False),
-    (torch.float16, False, False, None, False),
-    (torch.bfloat16, True, False, None, False),
-    (torch.bfloat16, False, True, None, False),
-    (torch.bfloat16, True, True, None, False),
-    (torch.bfloat16, False, False, False, False),
-    (torch.bfloat16, False, False, None, True),
-    (torch.bfloat16, True, False, None, True),
+    pytest.param(torch.bfloat16, False, False, None, False, id="standard-bf16"),
+    pytest.param(torch.float16, False, False, None, False, id="standard-fp16"),
+    pytest.param(torch.bfloat16, True, False, None, False, id="xchg"),
+    pytest.param(torch.bfloat16, False, True, None, False, id="bulk"),
+    pytest.param(torch.bfloat16, True, True, None, False, id="bulk-xchg"),
+    pytest.param(torch.bfloat16, False, False, False, False, id="v2"),
+    pytest.param(torch.bfloat16, False, False, None, True, id="red4p"),
+    pytest.param(torch.bfloat16, True, False, None, True, id="red4p-xchg"),
 ]
 
 

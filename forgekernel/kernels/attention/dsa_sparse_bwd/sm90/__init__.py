@@ -32,8 +32,9 @@ def _candidate_params() -> list[Params]:
     reductions, and at block 16 the bulk candidate (dkv by cp.reduce.async.bulk) alone, with
     xchg and without reductions, the fragments' red.global.add.v2 (block 32's form, block
     16's before red4), and the red4p candidate (the red4 reductions issued by the producer
-    warpgroup's reducer warps) alone, with xchg and without reductions
-    (scripts/time_dsa_bwd_kernel.py)."""
+    warpgroup's reducer warps) alone, with xchg and without reductions, and red4p's two
+    diagnostics: the standard build (red4) and the no-reduction build with red4p's 64-thread
+    gather (gather64), red4p's handshake alone (scripts/time_dsa_bwd_kernel.py)."""
     return (
         [
             params_for("bfloat16", b, reduce=r, xchg=x)
@@ -48,6 +49,11 @@ def _candidate_params() -> list[Params]:
         + [
             params_for("bfloat16", 16, reduce=r, xchg=x, red4p=True)
             for r, x in ((True, False), (True, True), (False, False))
+        ]
+        + [
+            params_for("bfloat16", 16, red4=True, gather64=True),
+            params_for("bfloat16", 16, reduce=False, gather64=True),
+            params_for("bfloat16", 16, reduce=False, red4p=True, handshake=True),
         ]
     )
 

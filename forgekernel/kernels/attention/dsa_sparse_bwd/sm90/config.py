@@ -112,6 +112,8 @@ def params_for(
     bulk: bool = False,
     red4: bool = False,
     red4p: bool = False,
+    gather64: bool = False,
+    handshake: bool = False,
 ) -> tuple:
     """Compile key: dtype and the heads of one CTA; reduce False: the timing probe's build whose
     dkv reductions never run (a runtime-false guard keeps their code; dkv stays 0), which
@@ -122,13 +124,21 @@ def params_for(
     red4 True: the probe candidate with the same staging read back into red.global.add.v4.f32
     by the warps themselves (kernel.py `_reduce_v4`; block 16 only); red4p True: the candidate
     whose consumers only stage and whose producer warpgroup's reducer warps issue those
-    red.global.add.v4.f32 (kernel.py `_stage_p` / `_serve`; block 16 only)."""
+    red.global.add.v4.f32 (kernel.py `_stage_p` / `_serve`; block 16 only). Two probe-only
+    diagnostics of red4p (block 16, docs/attention/DSA_BWD_NOTES.md "red4p diagnostics"):
+    gather64 True: this build with red4p's gather (warps 0 .. RED4P_GATHER - 1 alone, the other
+    producer warps idle); handshake True (with red4p, reduce False): the reducer warps only wait
+    for each staged block and release it (no staging reads, no reductions)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if block not in BLOCKS:
         raise ValueError(f"block must be one of {BLOCKS}, got {block}")
     if bulk + red4 + red4p > 1:
         raise ValueError("bulk, red4 and red4p are forms of the same reductions: pick one")
+    if gather64 and (red4p or block not in RED4_BLOCKS):
+        raise ValueError("gather64: a diagnostic of block 16's builds other than red4p")
+    if handshake and (not red4p or reduce):
+        raise ValueError("handshake: a red4p diagnostic without reductions (reduce=False)")
     staged = bulk or red4 or red4p
     if staged and smem_bytes(block, staged) > SMEM_CAPACITY:
         name = "bulk" if bulk else "red4" if red4 else "red4p"
@@ -146,4 +156,8 @@ def params_for(
         keys["red4"] = True
     if red4p:
         keys["red4p"] = True
+    if gather64:
+        keys["gather64"] = True
+    if handshake:
+        keys["handshake"] = True
     return tuple(sorted(keys.items()))

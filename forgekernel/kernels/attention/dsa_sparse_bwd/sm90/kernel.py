@@ -120,6 +120,8 @@ class DsaSparseBwdSm90:
         bulk: bool = False,
         red4: bool = False,
         red4p: bool = False,
+        gather64: bool = False,
+        handshake: bool = False,
     ):
         self.block = block
         self.stages = stages(block)
@@ -142,6 +144,17 @@ class DsaSparseBwdSm90:
         if bulk + red4 + red4p > 1:
             raise ValueError("bulk, red4 and red4p are forms of the same reductions: pick one")
         self.staged = bulk or red4 or red4p
+        # gather64 (a diagnostic, probe only): the gather by warps 0 .. RED4P_GATHER - 1 alone,
+        # as red4p's, the other producer warps idle (they exit): red4p's gather without its
+        # handshake (docs/attention/DSA_BWD_NOTES.md, "red4p diagnostics")
+        self.gather64 = gather64
+        # handshake (a diagnostic of red4p, probe only): the reducer warps wait for each staged
+        # block (sfull) and release it (sempty) at once, no reads of the staging, no reductions
+        self.handshake = handshake
+        if gather64 and red4p:
+            raise ValueError("gather64 is red4p's gather without red4p: not both")
+        if handshake and not red4p:
+            raise ValueError("handshake is a red4p diagnostic: it needs red4p")
 
     def _setup(self, dt):
         k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
@@ -306,7 +319,9 @@ class DsaSparseBwdSm90:
         if const_expr(self.red4p):
             stg = (storage.sfull.data_ptr(), storage.sempty.data_ptr())
         # gathering threads (they arrive on full): the producer warpgroup, red4p its first warps
-        gather_threads = RED4P_GATHER * 32 if const_expr(self.red4p) else THREADS_PER_WG
+        gather_threads = (
+            RED4P_GATHER * 32 if const_expr(self.red4p or self.gather64) else THREADS_PER_WG
+        )
         if tidx == 0:
             for s in cutlass.range_constexpr(self.stages):
                 cute.arch.mbarrier_init(full + s, gather_threads)
@@ -326,6 +341,10 @@ class DsaSparseBwdSm90:
                     self._gather(mQ, mKV, mdO, mIdx, sm, full, empty, where, tidx, gather_threads)
                 else:
                     self._serve(mdKV, sm, stg, tiles, warp - RED4P_GATHER, tidx % 32)
+            elif const_expr(self.gather64):  # warps RED4P_GATHER .. 3 idle: they exit
+                warp = cute.arch.make_warp_uniform(tidx // 32)
+                if warp < RED4P_GATHER:
+                    self._gather(mQ, mKV, mdO, mIdx, sm, full, empty, where, tidx, gather_threads)
             else:
                 self._gather(mQ, mKV, mdO, mIdx, sm, full, empty, where, tidx, gather_threads)
         else:
@@ -701,21 +720,24 @@ class DsaSparseBwdSm90:
         """red4p: one staged dkv block (column block c) of one consumer warp (`_serve`)."""
         col = (lane % 16) * 4
         cute.arch.mbarrier_wait(sfull, phase)
-        ids = cute.make_tensor(cute.recast_ptr(sw.iterator, dtype=Int32), sw.layout)
-        my_id = ids[lane % BULK_ROWS, CHUNK]
-        for k in cutlass.range_constexpr(8):
-            off = (2 * k + lane // 16) * BULK_STRIDE + col
-            ptr = cute.make_ptr(Float32, (sw.iterator + off).toint(), cute.AddressSpace.smem,
-                                assumed_align=16)  # fmt: skip
-            quads[None, k].store(cute.make_tensor(ptr, cute.make_layout(4)).load())
-        cute.arch.mbarrier_arrive(sempty)  # every lane: its own reads of the buffer are done
-        for k in cutlass.range_constexpr(8):
-            rid = cute.arch.shuffle_sync(my_id, 2 * k + lane // 16)
-            ok = rid >= 0 if const_expr(self.reduce) else rid == -2  # ids are >= -1
-            if ok:
-                cute.arch.red(mdKV[rid, None].iterator + (c * CHUNK + col),
-                              quads[None, k].load(), op="add", dtype=Float32, sem="relaxed",
-                              scope="gpu")  # fmt: skip
+        if const_expr(self.handshake):  # the diagnostic: released unread, nothing reduced
+            cute.arch.mbarrier_arrive(sempty)
+        else:
+            ids = cute.make_tensor(cute.recast_ptr(sw.iterator, dtype=Int32), sw.layout)
+            my_id = ids[lane % BULK_ROWS, CHUNK]
+            for k in cutlass.range_constexpr(8):
+                off = (2 * k + lane // 16) * BULK_STRIDE + col
+                ptr = cute.make_ptr(Float32, (sw.iterator + off).toint(), cute.AddressSpace.smem,
+                                    assumed_align=16)  # fmt: skip
+                quads[None, k].store(cute.make_tensor(ptr, cute.make_layout(4)).load())
+            cute.arch.mbarrier_arrive(sempty)  # every lane: its own reads of the buffer are done
+            for k in cutlass.range_constexpr(8):
+                rid = cute.arch.shuffle_sync(my_id, 2 * k + lane // 16)
+                ok = rid >= 0 if const_expr(self.reduce) else rid == -2  # ids are >= -1
+                if ok:
+                    cute.arch.red(mdKV[rid, None].iterator + (c * CHUNK + col),
+                                  quads[None, k].load(), op="add", dtype=Float32, sem="relaxed",
+                                  scope="gpu")  # fmt: skip
 
     @cute.jit
     def _store_dq(self, mdQ, dq_accs, t_dq, token, h0, w: cutlass.Constexpr[int]):

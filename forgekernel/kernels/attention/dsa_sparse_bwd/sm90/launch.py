@@ -81,6 +81,8 @@ def dsa_sparse_bwd(
     bulk: bool = False,
     red4: bool | None = None,
     red4p: bool = False,
+    gather64: bool = False,
+    handshake: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq (tokens, H, 576) in q's dtype, dkv (slots, 576) fp32, d_sink (H,) fp32): q
     (tokens, H, 576), kv (slots, 576) in one 16-bit dtype, dout / out (tokens, H, 512), lse /
@@ -91,8 +93,9 @@ def dsa_sparse_bwd(
     (kernel.py; bulk at H = 16 only); red4 None: the standard form of the block
     (`config.standard_red4`: red4 at H = 16), False: the fragments' red.global.add.v2, True: red4
     (H = 16 only); red4p: the candidate whose reductions the producer warpgroup's reducer warps
-    issue from the consumers' staging (H = 16 only). `unsupported` must be None for these
-    inputs."""
+    issue from the consumers' staging (H = 16 only); gather64, handshake: the probe's
+    diagnostics of red4p (`config.params_for`; H = 16 only; handshake leaves dkv 0).
+    `unsupported` must be None for these inputs."""
     lse2, delta, d_sink = preprocess(out, dout, lse, dlse, attn_sink)
     tokens, heads, _ = q.shape
     if dq is None:
@@ -103,7 +106,9 @@ def dsa_sparse_bwd(
     block = config.block_heads(heads)
     if red4 is None:
         red4 = config.standard_red4(block, reduce, xchg, bulk, red4p)
-    params = config.params_for(dtype_name(q.dtype), block, reduce, xchg, bulk, red4, red4p)
+    params = config.params_for(
+        dtype_name(q.dtype), block, reduce, xchg, bulk, red4, red4p, gather64, handshake
+    )
     kernel = get_kernel(SPEC, params)
     idx = topk_indices if topk_indices.stride(-1) == 1 else topk_indices.contiguous()
     with on_device(q.device):
