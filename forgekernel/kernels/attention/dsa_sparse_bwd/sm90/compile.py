@@ -32,6 +32,7 @@ def compile_sparse_bwd(params: dict, arch: str = "sm_90a", extra_options: str = 
             params.get("xchg", False),
             params.get("bulk", False),
             params.get("red4", False),
+            params.get("red4s", False),
         ),
         fake.rowmajor(dtype, (tokens, heads, WIDTH)),
         fake.rowmajor(dtype, (slots, WIDTH)),

@@ -47,13 +47,36 @@ BULK_WARPS = CONSUMERS * THREADS_PER_WG // 32
 # 3.42; docs/attention/DSA_BWD_NOTES.md "Probe 2026-12-03 21:46"). Block 32 has no room for the
 # staging (221 + 36 KB).
 RED4_BLOCKS = (16,)
+# `red4s` candidate (blocks 16 and 32): red4's staging placed in the current tile's stage instead
+# of a dedicated buffer. Once a consumer warpgroup's dq^T MMAs of the tile are done, the stage's
+# column blocks DQ_BLOCKS[w] (64 x 64 16-bit each, 8 KB, contiguous: the stage layout's chunk mode
+# has stride TILE x CHUNK elements) have no reader left in the tile: S^T / dP^T of both
+# warpgroups finished before the FREE barrier, the other warpgroup's dq^T reads its own blocks,
+# the dkv MMAs read P^T / dS^T / q / dO only, the row ids live outside the stage, and the
+# producer refills the stage only after every consumer thread's empty arrival, which red4s
+# moves to after the thread's last staging read of the tile. Warp v (0 .. 3) of warpgroup w
+# stages at float offset RED4S_OFFSET[w] + v x BULK_ROWS x BULK_STRIDE of the stage.
+STAGE_CHUNK_FLOATS = TILE * CHUNK * BYTES // 4  # one 64 x 64 16-bit column block (8 KB)
+RED4S_OFFSET = tuple(blocks[0] * STAGE_CHUNK_FLOATS for blocks in DQ_BLOCKS)
 
 
-def standard_red4(block: int, reduce: bool = True, xchg: bool = False, bulk: bool = False) -> bool:
+def red4s_room(w: int) -> tuple[int, int]:
+    """(staging floats, dead floats) of consumer warpgroup w in a stage under red4s: its four
+    warps' (16, 72) buffers against its dq^T column blocks (which must be contiguous)."""
+    blocks = DQ_BLOCKS[w]
+    if list(blocks) != list(range(blocks[0], blocks[0] + len(blocks))):
+        raise ValueError(f"warpgroup {w}'s dq blocks {blocks} are not contiguous")
+    warps = THREADS_PER_WG // 32
+    return warps * BULK_ROWS * BULK_STRIDE, len(blocks) * STAGE_CHUNK_FLOATS
+
+
+def standard_red4(
+    block: int, reduce: bool = True, xchg: bool = False, bulk: bool = False, red4s: bool = False
+) -> bool:
     """Whether the build of `block` with these candidate flags adds dkv by red4: the standard
-    build of a RED4_BLOCKS block; the probe's no-reduction, xchg and bulk builds keep their own
-    forms (red4 with xchg was never built)."""
-    return block in RED4_BLOCKS and reduce and not xchg and not bulk
+    build of a RED4_BLOCKS block; the probe's no-reduction, xchg, bulk and red4s builds keep
+    their own forms (red4 with xchg was never built)."""
+    return block in RED4_BLOCKS and reduce and not xchg and not bulk and not red4s
 
 
 def block_heads(heads: int) -> int:
@@ -100,6 +123,7 @@ def params_for(
     xchg: bool = False,
     bulk: bool = False,
     red4: bool = False,
+    red4s: bool = False,
 ) -> tuple:
     """Compile key: dtype and the heads of one CTA; reduce False: the timing probe's build whose
     dkv reductions never run (a runtime-false guard keeps their code; dkv stays 0), which
@@ -108,13 +132,15 @@ def params_for(
     candidate whose dkv blocks go through shared memory to `cp.reduce.async.bulk` (kernel.py
     `_reduce_bulk`; block 16 only: block 32's 221 KB leave no room for the 36 KB staging);
     red4 True: the probe candidate with the same staging read back into red.global.add.v4.f32
-    by the warps themselves (kernel.py `_reduce_v4`; block 16 only)."""
+    by the warps themselves (kernel.py `_reduce_v4`; block 16 only); red4s True: the candidate
+    with red4's reductions staged in the current tile's stage (no extra shared memory; blocks 16
+    and 32; kernel.py `_reduce_v4s`)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if block not in BLOCKS:
         raise ValueError(f"block must be one of {BLOCKS}, got {block}")
-    if bulk and red4:
-        raise ValueError("bulk and red4 are two forms of the same reductions: pick one")
+    if bulk + red4 + red4s > 1:
+        raise ValueError("bulk, red4 and red4s are forms of the same reductions: pick one")
     staged = bulk or red4
     if staged and smem_bytes(block, staged) > SMEM_CAPACITY:
         name = "bulk" if bulk else "red4"
@@ -130,4 +156,6 @@ def params_for(
         keys["bulk"] = True
     if red4:
         keys["red4"] = True
+    if red4s:
+        keys["red4s"] = True
     return tuple(sorted(keys.items()))

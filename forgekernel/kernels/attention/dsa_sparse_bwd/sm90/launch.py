@@ -80,6 +80,7 @@ def dsa_sparse_bwd(
     xchg: bool = False,
     bulk: bool = False,
     red4: bool | None = None,
+    red4s: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq (tokens, H, 576) in q's dtype, dkv (slots, 576) fp32, d_sink (H,) fp32): q
     (tokens, H, 576), kv (slots, 576) in one 16-bit dtype, dout / out (tokens, H, 512), lse /
@@ -89,7 +90,8 @@ def dsa_sparse_bwd(
     reduce False: the timing probe's build (dkv stays 0); xchg, bulk: the candidate builds
     (kernel.py; bulk at H = 16 only); red4 None: the standard form of the block
     (`config.standard_red4`: red4 at H = 16), False: the fragments' red.global.add.v2, True: red4
-    (H = 16 only). `unsupported` must be None for these inputs."""
+    (H = 16 only); red4s True: the candidate with red4's staging in the current tile's stage
+    (any H; red4 must be None or False). `unsupported` must be None for these inputs."""
     lse2, delta, d_sink = preprocess(out, dout, lse, dlse, attn_sink)
     tokens, heads, _ = q.shape
     if dq is None:
@@ -99,8 +101,8 @@ def dsa_sparse_bwd(
         return dq.zero_(), dkv, d_sink
     block = config.block_heads(heads)
     if red4 is None:
-        red4 = config.standard_red4(block, reduce, xchg, bulk)
-    params = config.params_for(dtype_name(q.dtype), block, reduce, xchg, bulk, red4)
+        red4 = config.standard_red4(block, reduce, xchg, bulk, red4s)
+    params = config.params_for(dtype_name(q.dtype), block, reduce, xchg, bulk, red4, red4s)
     kernel = get_kernel(SPEC, params)
     idx = topk_indices if topk_indices.stride(-1) == 1 else topk_indices.contiguous()
     with on_device(q.device):
