@@ -10,7 +10,9 @@ reductions never run (`params_for(..., reduce=False)`: the MMA / gather / softma
 the same two for the `xchg` candidate (S^T in one warpgroup, dP^T in the other); at H = 16 the
 `bulk` candidate (dkv blocks staged in shared memory, added by cp.reduce.async.bulk), alone,
 with xchg and without reductions, and the fragments' red.global.add.v2 (`launcher, v2`: block
-16's form before red4); the preprocess alone.
+16's form before red4); the `red4s` candidate (red4's staging in the current tile's stage, no
+extra shared memory) at every H once it agrees with the standard build, and at H >= 32 (block 32)
+its build without reductions; the preprocess alone.
 The kernel at 5504 FLOP per (token, head, entry). Build first: `python3 -m forgekernel build
 --only dsa_sparse_bwd_sm90 --candidates`."""
 
@@ -32,7 +34,7 @@ WIDTH, LATENT = 576, 512
 
 
 def _agrees(args, name: str) -> bool:
-    """One call of candidate `name` (bulk, red4: not yet GPU-tested when these lines were
+    """One call of candidate `name` (bulk, red4s: not yet GPU-tested when these lines were
     written) against the default build: its lines are timed only if dq and dkv agree within
     2e-2 of the largest entry (fp32 atomics in another order; a fault here stops the probe
     before any timing)."""
@@ -80,6 +82,12 @@ def main(s: int = 4096, h: int = 16, topk: int = 2048, s_kv: int = 8192) -> None
         }
     if h == 16:  # the fragments' red.global.add.v2 (block 16's form before red4)
         fns["launcher, v2"] = lambda: launch.dsa_sparse_bwd(*args, red4=False)
+    if _agrees(args, "red4s"):  # built at blocks 16 and 32; without reductions at block 32
+        fns["launcher, red4s"] = lambda: launch.dsa_sparse_bwd(*args, red4s=True)
+        if h != 16:
+            fns["red4s, no reductions"] = lambda: launch.dsa_sparse_bwd(
+                *args, reduce=False, red4s=True
+            )
     fns |= {
         "preprocess": lambda: launch.preprocess(out, dout, lse, None, sink),
     }

@@ -12,7 +12,8 @@ bound: 16-bit P / dS operands, fp32 accumulation), and at most 2x the error of t
 reference run in the input dtype plus 1e-3 of the largest entry (FlashAttention's criterion).
 The xchg candidate build (S^T in one warpgroup, dP^T in the other) on every bf16 case, the bulk
 candidate (dkv by cp.reduce.async.bulk; block 16) alone and with xchg, and the red4 probe
-candidate (staged, red.global.add.v4.f32) on the 16-head ones. Then the
+candidate (staged, red.global.add.v4.f32) on the 16-head ones, the red4s candidate (red4's
+staging in the current tile's stage; `-k red4s`) on every bf16 case (H = 16, 64, 128). Then the
 op with FORGEKERNEL_DSA_BWD_KERNEL=1 against its interim path."""
 
 from __future__ import annotations
@@ -69,19 +70,21 @@ CASES = [  # tokens, heads, topk, slots, sink, dlse
 ]
 
 
-BUILDS = [  # dtype, xchg, bulk, red4 (None: the block's standard form, red4 at H = 16)
-    (torch.bfloat16, False, False, None),
-    (torch.float16, False, False, None),
-    (torch.bfloat16, True, False, None),
-    (torch.bfloat16, False, True, None),
-    (torch.bfloat16, True, True, None),
-    (torch.bfloat16, False, False, False),
+BUILDS = [  # dtype, xchg, bulk, red4 (None: the block's standard form, red4 at H = 16), red4s
+    (torch.bfloat16, False, False, None, False),
+    (torch.float16, False, False, None, False),
+    (torch.bfloat16, True, False, None, False),
+    (torch.bfloat16, False, True, None, False),
+    (torch.bfloat16, True, True, None, False),
+    (torch.bfloat16, False, False, False, False),
+    pytest.param(torch.bfloat16, False, False, None, True, id="red4s"),  # every H (16, 64, 128)
 ]
 
 
 @pytest.mark.parametrize("tokens,heads,topk,slots,sink,dlse", CASES)
-@pytest.mark.parametrize("dtype,xchg,bulk,red4", BUILDS)
-def test_kernel_matches_fp64(dtype, xchg, bulk, red4, tokens, heads, topk, slots, sink, dlse):
+@pytest.mark.parametrize("dtype,xchg,bulk,red4,red4s", BUILDS)
+def test_kernel_matches_fp64(dtype, xchg, bulk, red4, red4s, tokens, heads, topk, slots, sink,
+                             dlse):  # fmt: skip
     if dtype is torch.float16 and (tokens, heads) not in ((7, 16), (7, 64)):
         pytest.skip("fp16 on the 7-token 16 / 64-head cases")
     if bulk and heads != 16:
@@ -94,7 +97,8 @@ def test_kernel_matches_fp64(dtype, xchg, bulk, red4, tokens, heads, topk, slots
     assert launch.unsupported(q, kv, idx) is None
     dq = torch.full_like(q, float("nan"))
     dq, dkv, d_sink = launch.dsa_sparse_bwd(q, kv, dout, out, lse, d, s, idx, SCALE, dq=dq,
-                                            xchg=xchg, bulk=bulk, red4=red4)  # fmt: skip
+                                            xchg=xchg, bulk=bulk, red4=red4,
+                                            red4s=red4s)  # fmt: skip
     torch.cuda.synchronize()
     kw = {"attn_sink": s, "out": out, "lse": lse, "dlse": d}
     want = dsa_sparse_attention_bwd_ref(q, kv, clean, SCALE, dout, dtype=torch.float64, **kw)
