@@ -11,8 +11,8 @@ the same two for the `xchg` candidate (S^T in one warpgroup, dP^T in the other);
 `bulk` candidate (dkv blocks staged in shared memory, added by cp.reduce.async.bulk), alone,
 with xchg and without reductions, and the fragments' red.global.add.v2 (`launcher, v2`: block
 16's form before red4); the `red4s` candidate (red4's staging in the current tile's stage, no
-extra shared memory) at every H once it agrees with the standard build, and at H >= 32 (block 32)
-its build without reductions; the preprocess alone.
+extra shared memory) at every H once it agrees with the standard build, and its build without
+reductions (the staging and the later stage release, no reductions); the preprocess alone.
 The kernel at 5504 FLOP per (token, head, entry). Build first: `python3 -m forgekernel build
 --only dsa_sparse_bwd_sm90 --candidates`."""
 
@@ -82,12 +82,11 @@ def main(s: int = 4096, h: int = 16, topk: int = 2048, s_kv: int = 8192) -> None
         }
     if h == 16:  # the fragments' red.global.add.v2 (block 16's form before red4)
         fns["launcher, v2"] = lambda: launch.dsa_sparse_bwd(*args, red4=False)
-    if _agrees(args, "red4s"):  # built at blocks 16 and 32; without reductions at block 32
-        fns["launcher, red4s"] = lambda: launch.dsa_sparse_bwd(*args, red4s=True)
-        if h != 16:
-            fns["red4s, no reductions"] = lambda: launch.dsa_sparse_bwd(
-                *args, reduce=False, red4s=True
-            )
+    if _agrees(args, "red4s"):  # built at blocks 16 and 32, with and without reductions
+        fns |= {
+            "launcher, red4s": lambda: launch.dsa_sparse_bwd(*args, red4s=True),
+            "red4s, no reductions": lambda: launch.dsa_sparse_bwd(*args, reduce=False, red4s=True),
+        }
     fns |= {
         "preprocess": lambda: launch.preprocess(out, dout, lse, None, sink),
     }

@@ -32,7 +32,7 @@ def _candidate_params() -> list[Params]:
     reductions, and at block 16 the bulk candidate (dkv by cp.reduce.async.bulk) alone, with
     xchg and without reductions, and the fragments' red.global.add.v2 (block 32's form, block
     16's before red4); the red4s candidate (red4 staged in the current tile's stage) at blocks 16
-    and 32, and at block 32 without reductions (scripts/time_dsa_bwd_kernel.py)."""
+    and 32, with and without reductions (scripts/time_dsa_bwd_kernel.py)."""
     return (
         [
             params_for("bfloat16", b, reduce=r, xchg=x)
@@ -44,8 +44,7 @@ def _candidate_params() -> list[Params]:
             for r, x in ((True, False), (True, True), (False, False))
         ]
         + [params_for("bfloat16", 16)]
-        + [params_for("bfloat16", b, red4s=True) for b in BLOCKS]
-        + [params_for("bfloat16", 32, reduce=False, red4s=True)]
+        + [params_for("bfloat16", b, reduce=r, red4s=True) for b in BLOCKS for r in (True, False)]
     )
 
 
