@@ -538,7 +538,9 @@ class DsaSparseBwdSm90:
                     empty_s, red):  # fmt: skip
         """This warpgroup's dkv blocks of the tile: block j's MMAs issued, then block j - 1's
         reductions (its MMAs done); the stage released once block 0's MMAs (and the dq MMAs
-        issued before them) are done."""
+        issued before them) are done. red4s: there the warpgroup's named barrier instead (its
+        dq^T column blocks of the stage become the staging), the release after the last
+        block's staging loads (`_reduce_v4s`)."""
         tKdS, tKP, tKQ, tKdO = frags
         blocks = DKV_BLOCKS[w]
         for j, c in enumerate(blocks):
