@@ -16,8 +16,10 @@ reductions (after an agreement check), and red4p's diagnostics (probe builds): t
 build (red4) with red4p's 64-thread gather (after an agreement check), alone (`red4,
 gather64`) and without reductions (`gather64, no reductions`), and red4p whose reducer warps
 only handshake (wait for each staged block, release it unread: `red4p handshake only`; dkv
-stays 0, no check; docs/attention/DSA_BWD_NOTES.md "red4p diagnostics"); the preprocess
-alone.
+stays 0, no check; docs/attention/DSA_BWD_NOTES.md "red4p diagnostics"); the `red4s` candidate
+(red4's staging in the current tile's stage, no extra shared memory) at every H once it agrees
+with the standard build, and its build without reductions (the staging and the later stage
+release, no reductions); the preprocess alone.
 The kernel at 5504 FLOP per (token, head, entry). Build first: `python3 -m forgekernel build
 --only dsa_sparse_bwd_sm90 --candidates`."""
 
@@ -39,10 +41,10 @@ WIDTH, LATENT = 576, 512
 
 
 def _agrees(args, name: str) -> bool:
-    """One call of candidate `name` (bulk, red4, red4p, gather64: not yet GPU-tested when these
-    lines were written) against the default build: its lines are timed only if dq and dkv agree
-    within 2e-2 of the largest entry (fp32 atomics in another order; a fault here stops the probe
-    before any timing)."""
+    """One call of candidate `name` (bulk, red4, red4p, gather64, red4s: not yet GPU-tested when
+    these lines were written) against the default build: its lines are timed only if dq and dkv
+    agree within 2e-2 of the largest entry (fp32 atomics in another order; a fault here stops the
+    probe before any timing)."""
     want = launch.dsa_sparse_bwd(*args)
     got = launch.dsa_sparse_bwd(*args, **{name: True})
     torch.cuda.synchronize()
@@ -104,6 +106,11 @@ def main(s: int = 4096, h: int = 16, topk: int = 2048, s_kv: int = 8192) -> None
         fns["red4p handshake only"] = lambda: launch.dsa_sparse_bwd(
             *args, reduce=False, red4p=True, handshake=True
         )
+    if _agrees(args, "red4s"):  # built at blocks 16 and 32, with and without reductions
+        fns |= {
+            "launcher, red4s": lambda: launch.dsa_sparse_bwd(*args, red4s=True),
+            "red4s, no reductions": lambda: launch.dsa_sparse_bwd(*args, reduce=False, red4s=True),
+        }
     fns |= {
         "preprocess": lambda: launch.preprocess(out, dout, lse, None, sink),
     }

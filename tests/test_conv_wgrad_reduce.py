@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from forgekernel.kernels.conv.sm90 import emulate, launch
-from forgekernel.kernels.conv.sm90.config import MAX_WORKSPACE
 from forgekernel.kernels.conv.sm90.geometry import Geometry, rect_k_tiles, rect_width
 from forgekernel.kernels.conv.sm90.wgrad_config import (
     WGRAD_MIN_PER_SPLIT,
@@ -26,7 +25,6 @@ from forgekernel.kernels.conv.sm90.wgrad_config import (
     WGRAD_SQUARE,
     WgradPlan,
     choose_wgrad,
-    choose_wgrad_by_time,
     choose_wgrad_reduce,
     wgrad_params,
     wgrad_prefers_reduce,
@@ -296,30 +294,10 @@ def test_the_reduce_tail_is_the_parts_bytes_not_their_round_trips():
     assert wgrad_time(WGRAD_SQUARE, 512, 1024, 1, 98, 49, reduce=True)[0] > 50.0
 
 
-# the suite's 1x1s (C, K, H = W) -> `choose_wgrad_by_time`'s parked plan (tile, tiles, parts,
-# k-tiles a part) where the bench's `parked_fit` runs it (None: no variant; the model prices
-# the launcher's plan at or below it)
-FIT_PLANS = {
-    (64, 64, 56): None,
-    (64, 256, 56): None,
-    (256, 64, 56): None,
-    (256, 128, 56): ("128x64", 4, 20, 79),
-    (128, 512, 28): ("128x64", 8, 12, 33),
-    (512, 128, 28): ("128x64", 8, 12, 33),
-    (512, 256, 28): ("128x128c2", 8, 16, 25),
-    (256, 1024, 14): ("128x128c2", 16, 8, 13),
-    (1024, 256, 14): ("128x128c2", 16, 8, 13),
-    (1024, 512, 14): ("128x128c2", 32, 4, 25),
-    (512, 2048, 7): ("128x128c2", 64, 2, 13),
-    (2048, 512, 7): ("128x128c2", 64, 2, 13),
-}
-
-
 def test_the_bench_variants_of_the_1x1s():
     """conv_wgrad's `reduce` on the 8 suite 1x1s the model moves (those the launcher now takes
     by itself then time ~1.00x: the refit's check), `reduce_64x128` on c128-28x28-k512 alone
-    (C whole in one tile, the model's reduce plan 4 K stripes), `parked_fit` where
-    `choose_wgrad_by_time` differs from the launcher's plan; every plan a standard build."""
+    (C whole in one tile, the model's reduce plan 4 K stripes); every plan a standard build."""
     from forgekernel.bench.suites import conv_wgrad
     from forgekernel.kernels.conv.sm90 import WGRAD_SPEC
 
@@ -328,60 +306,27 @@ def test_the_bench_variants_of_the_1x1s():
     assert offered["n32-c3-224x224-k64-7x7-s2"] == {"stem_copy", "im2col"}
     for name, v in offered.items():
         if name not in names:
-            assert not v & {"reduce", "reduce_64x128", "parked_fit"}, name
+            assert not v & {"reduce", "reduce_64x128"}, name
             continue
         c, k, hw = names[name]
         assert ("reduce" in v) == (REDUCE_PLANS[(c, k, hw)] is not None), name
         assert ("reduce_64x128" in v) == ((c, k, hw) == (128, 512, 28)), name
-        assert ("parked_fit" in v) == (FIT_PLANS[(c, k, hw)] is not None), name
     standard = set(WGRAD_SPEC.standard_params())
     plan = choose_wgrad_reduce(512, 128, 1, 392, configs=(WGRAD_SHORT,))
     assert (plan.config, plan.tiles, plan.parts, plan.per_split) == (WGRAD_SHORT, 8, 12, 33)
     assert wgrad_params("bfloat16", WGRAD_SHORT, 8, True) in standard
-    for (c, k, hw), want in FIT_PLANS.items():
-        fit = choose_wgrad_by_time(k, c, 1, _one_plane_k_tiles(32, hw))
-        cfg = fit.config
-        assert wgrad_params("bfloat16", cfg, 8) in standard
-        if want is not None:
-            tag = f"{cfg.tile_m}x{cfg.tile_n}" + ("c2" if cfg.cluster_m == 2 else "")
-            assert (tag, fit.tiles, fit.parts, fit.per_split) == want
-            assert not fit.reduce and fit.workspace_floats <= MAX_WORKSPACE
 
 
-def test_the_timed_parked_chooser_stays_within_its_limits():
-    for k in (8, 64, 136, 512, 2048):
-        for c in (8, 64, 200, 1024):
-            for k_tiles in (1, 7, 98, 1568):
-                plan = choose_wgrad_by_time(k, c, 1, k_tiles)
-                assert plan.tiles == wgrad_tiles(plan.config, k, c, 1) and not plan.reduce
-                assert 1 <= plan.parts <= 64 and plan.workspace_floats <= MAX_WORKSPACE
-                assert (plan.parts - 1) * plan.per_split < k_tiles <= plan.parts * plan.per_split
-                assert plan.parts == 1 or plan.per_split >= WGRAD_MIN_PER_SPLIT
-                us = wgrad_time(plan.config, k, c, 1, k_tiles, plan.parts)[0]
-                parked = choose_wgrad(k, c, 1, k_tiles, tiled=True)
-                assert us <= wgrad_time(parked.config, k, c, 1, k_tiles, parked.parts)[0]
-
-
-@pytest.mark.parametrize("variant", ["reduce_64x128", "parked_fit"])
-def test_the_1x1_variants_run_their_plans(model_kernel, variant):
-    """`run_reduce_64x128` / `run_parked_fit` on a small 1x1 (C 72, K 200): the variant's plan
-    through the launcher (64x128 reduced; the timed parked plan, no `reduce` in its key), the
-    weight gradient to fp32 rounding."""
+def test_the_1x1_variant_runs_its_plan(model_kernel):
+    """`run_reduce_64x128` on a small 1x1 (C 72, K 200): the 64x128 reduced plan through the
+    launcher, the weight gradient to fp32 rounding."""
     from forgekernel.bench.suites import conv_layers, conv_wgrad
 
     case = conv_layers.conv_case("wgrad", 2, 72, 200, (16, 16), 1)
     inputs = conv_layers.make_inputs(case, F64, torch.device("cpu"), torch.Generator())
-    run = {"reduce_64x128": conv_wgrad.run_reduce_64x128, "parked_fit": conv_wgrad.run_parked_fit}
-    dw = run[variant](inputs, None)
+    dw = conv_wgrad.run_reduce_64x128(inputs, None)
     dy, x = inputs["dy"].permute(1, 0, 2, 3), inputs["x"].permute(1, 0, 2, 3)
     want = torch.einsum("knhw,cnhw->kc", dy, x)
     assert _close(dw.reshape(200, 72), want)
-    key, *_, per = model_kernel[-1]
-    if variant == "reduce_64x128":
-        assert (key["tile_m"], key["tile_n"], key.get("reduce", False)) == (64, 128, True)
-    else:
-        fit = choose_wgrad_by_time(200, 72, 1, 8)
-        assert (key["tile_m"], key["tile_n"], key["cluster_m"]) == (
-            fit.config.tile_m, fit.config.tile_n, fit.config.cluster_m,
-        )  # fmt: skip
-        assert "reduce" not in key and per == fit.per_split
+    key = model_kernel[-1][0]
+    assert (key["tile_m"], key["tile_n"], key.get("reduce", False)) == (64, 128, True)

@@ -93,13 +93,8 @@ PLANS = {
     (conv_fwd, "n32-c512-7x7-k512-3x3"): M1568,
     (conv_fwd, "n32-c512-14x14-k512-3x3-s2"): M1568,
     (conv_dgrad, "n32-c512-7x7-k512-3x3"): M1568,
-    (conv_dgrad, "n8-c320-64x64-k320-3x3-s2"): {
-        None: (128, 128, 2, True, 10, 3),
-        # phases (in dgrad_phases' order) of 1, 2, 2 and 4 taps over 5 channel blocks; 32 x 32
-        # pixels of 8 images in rectangles 8 x 16 (64 M tiles, 32 clusters) x 2 N tiles
-        "phases": [(128, 256, 2, False, kt, 1, 128, 8) for kt in (5, 10, 10, 20)],
-        "whole": (128, 128, 2, False, 20, 3),
-    },
+    # C 320 at 64 x 64's `phases` and `whole` were decided at 21:48 (`whole` is the standard
+    # since the park weight refit; its old plan is conv_dgrad.PARK's `was`)
 }
 
 

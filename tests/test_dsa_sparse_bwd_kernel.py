@@ -37,6 +37,7 @@ def test_params_and_blocks():
     assert not any(config.standard_red4(16, r, x, b) for r, x, b in
                    ((False, False, False), (True, True, False), (True, False, True)))  # fmt: skip
     assert not config.standard_red4(16, red4p=True)  # red4p keeps its own form
+    assert not config.standard_red4(16, red4s=True)  # the red4s candidate is its own form
     assert SPEC.name == "dsa_sparse_bwd_sm90" and SPEC.representative_params() in [
         *SPEC.standard_params()
     ]
@@ -64,7 +65,7 @@ def test_smem_plan_fits():
     assert 16 * stages + 16 * config.BULK_WARPS + 4 * config.TILE * stages <= config.BARRIER_BYTES
     with pytest.raises(ValueError, match="red4p"):
         config.params_for("bfloat16", 32, red4p=True)
-    for other in ({"bulk": True}, {"red4": True}):
+    for other in ({"bulk": True}, {"red4": True}, {"red4s": True}):
         with pytest.raises(ValueError, match="pick one"):
             config.params_for("bfloat16", 16, red4p=True, **other)
     # the producer warpgroup split: gathering warps + reducer warps, each reducer serving the
@@ -89,14 +90,16 @@ def test_smem_plan_fits():
     ]
     for bad in ({"block": 32, "gather64": True}, {"block": 16, "gather64": True, "red4p": True},
                 {"block": 16, "handshake": True}, {"block": 16, "handshake": True, "red4p": True},
-                {"block": 16, "handshake": True, "reduce": False}):  # fmt: skip
+                {"block": 16, "handshake": True, "reduce": False},
+                {"block": 16, "gather64": True, "red4s": True},
+                {"block": 16, "handshake": True, "reduce": False, "red4s": True}):  # fmt: skip
         with pytest.raises(ValueError, match="gather64|handshake"):
             config.params_for("bfloat16", **bad)
 
 
 def test_launcher_compile_keys(monkeypatch):
     """The launcher's candidate keywords reach the compile key (the kernel call faked on the
-    CPU): H = 16 takes red4 unless a candidate is named, red4p its own form."""
+    CPU): H = 16 takes red4 unless a candidate is named, red4p / red4s their own forms."""
     seen = []
     monkeypatch.setattr(launch, "get_kernel", lambda spec, params: seen.append(dict(params))
                         or (lambda *a: None))  # fmt: skip
@@ -110,6 +113,7 @@ def test_launcher_compile_keys(monkeypatch):
     launch.dsa_sparse_bwd(*args, gather64=True)
     launch.dsa_sparse_bwd(*args, reduce=False, gather64=True)
     launch.dsa_sparse_bwd(*args, reduce=False, red4p=True, handshake=True)
+    launch.dsa_sparse_bwd(*args, red4s=True)
     assert seen == [
         {"dtype": "bfloat16", "block": 16, "red4": True},
         {"dtype": "bfloat16", "block": 16, "red4p": True},
@@ -117,7 +121,38 @@ def test_launcher_compile_keys(monkeypatch):
         {"dtype": "bfloat16", "block": 16, "red4": True, "gather64": True},
         {"dtype": "bfloat16", "block": 16, "noreduce": True, "gather64": True},
         {"dtype": "bfloat16", "block": 16, "noreduce": True, "red4p": True, "handshake": True},
+        {"dtype": "bfloat16", "block": 16, "red4s": True},
     ]
+    # red4s: red4's staging in the current tile's stage, no extra shared memory, both blocks
+    for b in config.BLOCKS:
+        assert dict(config.params_for("bfloat16", b, red4s=True))["red4s"] is True
+        for other in ({"red4": True}, {"bulk": True}):
+            with pytest.raises(ValueError, match="pick one"):
+                config.params_for("bfloat16", b, red4s=True, **other)
+
+
+def test_red4s_staging_fits_in_the_dead_dq_blocks():
+    """red4s stages warpgroup w's four (16, 72) fp32 buffers in the stage's dq^T column blocks
+    of w (8 KB each, contiguous, config.RED4S_OFFSET), nothing of the other warpgroup's."""
+    assert config.STAGE_CHUNK_FLOATS * 4 == config.TILE * config.CHUNK * config.BYTES
+    spans = []
+    for w, blocks in enumerate(config.DQ_BLOCKS):
+        staging, dead = config.red4s_room(w)
+        assert staging == 4 * 16 * 72 <= dead == len(blocks) * config.STAGE_CHUNK_FLOATS
+        start = config.RED4S_OFFSET[w]
+        assert start == blocks[0] * config.STAGE_CHUNK_FLOATS and start * 4 % 16 == 0
+        spans.append((start, start + staging))
+        # the staging lies in w's own dq blocks only (the other warpgroup's dq MMAs read theirs)
+        touched = set(range(start // config.STAGE_CHUNK_FLOATS,
+                            (start + staging - 1) // config.STAGE_CHUNK_FLOATS + 1))  # fmt: skip
+        assert touched <= set(blocks)
+        assert not touched & set(config.DQ_BLOCKS[1 - w])
+    assert spans[0][1] <= spans[1][0]
+    # launch keyword: red4s never resolves to red4 (the standard form at block 16)
+    red4 = config.standard_red4(16, red4s=True)
+    assert config.params_for("bfloat16", 16, red4=red4, red4s=True) == config.params_for(
+        "bfloat16", 16, red4s=True
+    )
 
 
 def test_work_split_covers_every_block_once():

@@ -48,6 +48,9 @@ def _compiled(params) -> tuple[dict, Counter]:
     reds = [a for a, t in lines if "REDG.E.ADD.F32x4" in t]
     ops["RED_V4_PRODUCER"] = sum(dealloc < a < alloc for a in reds)
     ops["RED_V4_CONSUMER"] = sum(a > alloc for a in reds)
+    ops["WG_BAR"] = len(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING 0x[56], 0x80 ", sass))
+    ops["ARRIVE_AFTER_LDS128"] = len(re.findall(r"LDS\.128 [^\n]*\n(?:\s*/\* 0x[0-9a-f]+ \*/\s*\n)?"
+                                                r"[^\n]*SYNCS\.ARRIVE", sass))  # fmt: skip
     return res, ops
 
 
@@ -96,9 +99,46 @@ def test_sparse_bwd_kernel_red4p_handshake():
     _check_kernel(16, False, False, red4p=True, reduce=False, handshake=True)
 
 
+@pytest.mark.parametrize("block", config.BLOCKS)
+def test_sparse_bwd_kernel_red4s(block):
+    """The red4s candidate (blocks 16 and 32): red4's reductions (72 REDG.E.ADD.F32x4, 72
+    LDS.128, 144 STS.64 a thread loop, no v2) with the staging in the stage, the WGMMAs as the
+    standard builds', one 128-thread named barrier a consumer path (its dq^T MMAs done) and
+    each consumer path's empty arrival right after the last block's eight 128-bit loads."""
+    _check_kernel(block, False, False, red4s=True)
+
+
+def test_stage_chunks_are_contiguous():
+    """red4s addresses the stage as fp32 bytes: column block k of the (64, 64, 9 x stages)
+    128-byte-swizzled stage layout must be exactly the 8 KB at k x 8 KB (the swizzle permutes
+    16-byte pieces inside 1 KB), config.STAGE_CHUNK_FLOATS."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.tensor_utils import LayoutEnum
+
+    seen = {}
+
+    @cute.jit
+    def probe():
+        for block in config.BLOCKS:
+            lay = sm90_utils.make_smem_layout_a(
+                LayoutEnum.ROW_MAJOR, (config.TILE, block, config.CHUNK), cutlass.BFloat16,
+                config.NCHUNK * 2)  # fmt: skip
+            seen[block] = {k: sorted({lay((r, c, k)) for r in range(config.TILE)
+                                      for c in range(0, config.CHUNK, 8)})
+                           for k in (0, 3, 4, 8, 9, 13, 17)}  # fmt: skip
+
+    cute.compile(probe)
+    elems = config.TILE * config.CHUNK  # 16-bit elements of a column block
+    for block in config.BLOCKS:
+        for k, idx in seen[block].items():
+            assert idx == list(range(k * elems, (k + 1) * elems, 8))
+
+
 def _check_kernel(block, xchg, bulk, red4=False, red4p=False, reduce=True, gather64=False,
-                  handshake=False):  # fmt: skip
-    forms = {"bulk": bulk, "red4": red4, "red4p": red4p, "gather64": gather64}
+                  handshake=False, red4s=False):  # fmt: skip
+    forms = {"bulk": bulk, "red4": red4, "red4p": red4p, "gather64": gather64, "red4s": red4s}
     res, ops = _compiled(
         config.params_for("bfloat16", block, reduce, xchg, handshake=handshake, **forms)
     )
@@ -128,10 +168,13 @@ def _check_kernel(block, xchg, bulk, red4=False, red4p=False, reduce=True, gathe
         assert ops["RED_V4_PRODUCER"] == 8 * blocks and ops["RED_V4_CONSUMER"] == 0
         assert ops["LDS_128"] == ops["SHFL"] == 8 * blocks
         assert ops["STS_64"] == acc_pairs * config.NCHUNK
-    elif red4:
+    elif red4 or red4s:
         assert ops["RED_V2"] == 0 and ops["RED_V4"] == ops["REDG"] == acc_pairs // 2 * config.NCHUNK
         assert ops["RED_V4_CONSUMER"] == ops["RED_V4"]  # the warps' own stream
         assert ops["STS_64"] == acc_pairs * config.NCHUNK
+        assert ops["LDS_128"] == acc_pairs // 2 * config.NCHUNK
+        assert ops["WG_BAR"] == (2 if red4s else 0)
+        assert ops["ARRIVE_AFTER_LDS128"] == (2 if red4s else 0)
     elif bulk:
         assert ops["RED_V2"] == ops["REDG"] == 0
         assert ops["UBLKRED"] == config.NCHUNK

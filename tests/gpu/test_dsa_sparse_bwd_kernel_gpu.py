@@ -13,10 +13,11 @@ reference run in the input dtype plus 1e-3 of the largest entry (FlashAttention'
 The xchg candidate build (S^T in one warpgroup, dP^T in the other) on every bf16 case, the bulk
 candidate (dkv by cp.reduce.async.bulk; block 16) alone and with xchg, and the red4 probe
 candidate (staged, red.global.add.v4.f32) and the red4p candidate (the same reductions issued by
-the producer warpgroup's reducer warps; alone and with xchg) on the 16-head ones (the builds'
-test ids: standard-bf16, standard-fp16, xchg, bulk, bulk-xchg, v2, red4p, red4p-xchg; e.g.
-`-k red4p` runs red4p alone and with xchg). Then the op with FORGEKERNEL_DSA_BWD_KERNEL=1
-against its interim path."""
+the producer warpgroup's reducer warps; alone and with xchg) on the 16-head ones, the red4s
+candidate (red4's staging in the current tile's stage) on every bf16 case (H = 16, 64, 128)
+(the builds' test ids: standard-bf16, standard-fp16, xchg, bulk, bulk-xchg, v2, red4p,
+red4p-xchg, red4s; e.g. `-k red4p` runs red4p alone and with xchg, `-k red4s` red4s). Then the
+op with FORGEKERNEL_DSA_BWD_KERNEL=1 against its interim path."""
 
 from __future__ import annotations
 
@@ -72,22 +73,24 @@ CASES = [  # tokens, heads, topk, slots, sink, dlse
 ]
 
 
-BUILDS = [  # dtype, xchg, bulk, red4 (None: the block's standard form, red4 at H = 16), red4p
-    pytest.param(torch.bfloat16, False, False, None, False, id="standard-bf16"),
-    pytest.param(torch.float16, False, False, None, False, id="standard-fp16"),
-    pytest.param(torch.bfloat16, True, False, None, False, id="xchg"),
-    pytest.param(torch.bfloat16, False, True, None, False, id="bulk"),
-    pytest.param(torch.bfloat16, True, True, None, False, id="bulk-xchg"),
-    pytest.param(torch.bfloat16, False, False, False, False, id="v2"),
-    pytest.param(torch.bfloat16, False, False, None, True, id="red4p"),
-    pytest.param(torch.bfloat16, True, False, None, True, id="red4p-xchg"),
+BUILDS = [  # dtype, xchg, bulk, red4 (None: the block's standard form, red4 at H = 16), red4p,
+    # red4s
+    pytest.param(torch.bfloat16, False, False, None, False, False, id="standard-bf16"),
+    pytest.param(torch.float16, False, False, None, False, False, id="standard-fp16"),
+    pytest.param(torch.bfloat16, True, False, None, False, False, id="xchg"),
+    pytest.param(torch.bfloat16, False, True, None, False, False, id="bulk"),
+    pytest.param(torch.bfloat16, True, True, None, False, False, id="bulk-xchg"),
+    pytest.param(torch.bfloat16, False, False, False, False, False, id="v2"),
+    pytest.param(torch.bfloat16, False, False, None, True, False, id="red4p"),
+    pytest.param(torch.bfloat16, True, False, None, True, False, id="red4p-xchg"),
+    pytest.param(torch.bfloat16, False, False, None, False, True, id="red4s"),  # every H
 ]
 
 
 @pytest.mark.parametrize("tokens,heads,topk,slots,sink,dlse", CASES)
-@pytest.mark.parametrize("dtype,xchg,bulk,red4,red4p", BUILDS)
-def test_kernel_matches_fp64(dtype, xchg, bulk, red4, red4p, tokens, heads, topk, slots, sink,
-                             dlse):  # fmt: skip
+@pytest.mark.parametrize("dtype,xchg,bulk,red4,red4p,red4s", BUILDS)
+def test_kernel_matches_fp64(dtype, xchg, bulk, red4, red4p, red4s, tokens, heads, topk, slots,
+                             sink, dlse):  # fmt: skip
     if dtype is torch.float16 and (tokens, heads) not in ((7, 16), (7, 64)):
         pytest.skip("fp16 on the 7-token 16 / 64-head cases")
     if bulk and heads != 16:
@@ -103,7 +106,7 @@ def test_kernel_matches_fp64(dtype, xchg, bulk, red4, red4p, tokens, heads, topk
     dq = torch.full_like(q, float("nan"))
     dq, dkv, d_sink = launch.dsa_sparse_bwd(q, kv, dout, out, lse, d, s, idx, SCALE, dq=dq,
                                             xchg=xchg, bulk=bulk, red4=red4,
-                                            red4p=red4p)  # fmt: skip
+                                            red4p=red4p, red4s=red4s)  # fmt: skip
     torch.cuda.synchronize()
     kw = {"attn_sink": s, "out": out, "lse": lse, "dlse": d}
     want = dsa_sparse_attention_bwd_ref(q, kv, clean, SCALE, dout, dtype=torch.float64, **kw)

@@ -54,13 +54,15 @@ CHECK_CASES = (
     L.conv_case("fwd", 4, 64, 256, (20, 20), 3, group="conv2d"),
     L.conv_case("fwd", 2, 256, 512, (14, 14), 1, 2, group="conv2d"),
     L.conv_case("fwd", 1, 256, 256, (8, 16, 16), (1, 3, 3), group="conv3d"),
+    L.conv_case("fwd", 1, 3, 16, (30, 30), 7, 2, bias=True),  # the stem's fold kernel
 )
 # every standard tile the chooser picks (64, 128 and 256 output channels), bias, 3-D, ragged;
 # the stride-1 ones walk im2col rows on problems this small (config.py RECT_START,
 # FWD_IM2COL_K_TILE: a few k-tiles a part) but the sixth, the conv3d C = 256 1x3x3 (16 x 16
 # planes, no zero fill: rectangles 8 wide, split 2; the conv3d C = 128 walks im2col since the
-# 18:47 refit); the fifth (stride 2, split) im2col
-SANITIZE_CASES = tuple(CHECK_CASES[i] for i in (0, 2, 7, 11, 1, 13))
+# 18:47 refit); the fifth (stride 2, split) im2col; the seventh the stem's fold kernel (C 3, 7x7,
+# stride 2)
+SANITIZE_CASES = tuple(CHECK_CASES[i] for i in (0, 2, 7, 11, 1, 13, 14))
 
 # The M = 1568 3x3s (7x7 stride 1 and its stride-2 twin: 13 M tiles x 4 N tiles x 72 k-tiles),
 # whose plan, 128x128 c2x1 split 2 (112 CTAs of 132, 36 k-tiles each), loses ~20% to cuDNN at

@@ -215,24 +215,6 @@ def choose_wgrad_reduce(k: int, c: int, taps: int, k_tiles: int,
     return best[1]
 
 
-def choose_wgrad_by_time(k: int, c: int, taps: int, k_tiles: int,
-                         num_sms: int = NUM_SMS_H100_H200) -> WgradPlan:  # fmt: skip
-    """The parked split's plan for the rectangles' walk by `wgrad_time` (the 1x1s' fitted
-    model) instead of `wgrad_cost`: the least over WGRAD_CONFIGS and the splits `choose_wgrad`
-    allows (WGRAD_MAX_SPLITS, WGRAD_MIN_PER_SPLIT, MAX_WORKSPACE). A bench variant, not a
-    default (docs/conv/NOTES.md, "The reduce split refit from 18:58")."""
-    best = None
-    for cfg in WGRAD_CONFIGS:
-        tiles = wgrad_tiles(cfg, k, c, taps)
-        limit = min(WGRAD_MAX_SPLITS, max(1, k_tiles // WGRAD_MIN_PER_SPLIT))
-        limit = min(limit, max(1, MAX_WORKSPACE // (tiles * cfg.tile_m * cfg.tile_n)))
-        for s in range(1, limit + 1):
-            us, per, parts = wgrad_time(cfg, k, c, taps, k_tiles, s, num_sms)
-            if best is None or us < best[0]:
-                best = (us, WgradPlan(cfg, per, parts, tiles))
-    return best[1]
-
-
 def wgrad_prefers_reduce(k: int, c: int, taps: int, k_tiles: int,
                          num_sms: int = NUM_SMS_H100_H200) -> WgradPlan | None:  # fmt: skip
     """The reduce split's plan (`choose_wgrad_reduce`) of a problem on the rectangles' walk

@@ -34,7 +34,9 @@ def _candidate_params() -> list[Params]:
     16's before red4), and the red4p candidate (the red4 reductions issued by the producer
     warpgroup's reducer warps) alone, with xchg and without reductions, and red4p's two
     diagnostics: the standard build (red4) and the no-reduction build with red4p's 64-thread
-    gather (gather64), red4p's handshake alone (scripts/time_dsa_bwd_kernel.py)."""
+    gather (gather64), red4p's handshake alone; the red4s candidate (red4 staged in the current
+    tile's stage) at blocks 16 and 32, with and without reductions
+    (scripts/time_dsa_bwd_kernel.py)."""
     return (
         [
             params_for("bfloat16", b, reduce=r, xchg=x)
@@ -55,6 +57,7 @@ def _candidate_params() -> list[Params]:
             params_for("bfloat16", 16, reduce=False, gather64=True),
             params_for("bfloat16", 16, reduce=False, red4p=True, handshake=True),
         ]
+        + [params_for("bfloat16", b, reduce=r, red4s=True) for b in BLOCKS for r in (True, False)]
     )
 
 

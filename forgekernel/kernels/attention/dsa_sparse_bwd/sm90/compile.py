@@ -35,6 +35,7 @@ def compile_sparse_bwd(params: dict, arch: str = "sm_90a", extra_options: str = 
             params.get("red4p", False),
             params.get("gather64", False),
             params.get("handshake", False),
+            params.get("red4s", False),
         ),
         fake.rowmajor(dtype, (tokens, heads, WIDTH)),
         fake.rowmajor(dtype, (slots, WIDTH)),

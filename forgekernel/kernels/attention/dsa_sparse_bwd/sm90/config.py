@@ -55,15 +55,41 @@ RED4_BLOCKS = (16,)
 # two of each consumer warpgroup at R = 2, 18 dkv blocks a tile each).
 RED4P_GATHER = 2
 RED4P_REDUCERS = THREADS_PER_WG // 32 - RED4P_GATHER
+# `red4s` candidate (blocks 16 and 32): red4's staging placed in the current tile's stage instead
+# of a dedicated buffer. Once a consumer warpgroup's dq^T MMAs of the tile are done, the stage's
+# column blocks DQ_BLOCKS[w] (64 x 64 16-bit each, 8 KB, contiguous: the stage layout's chunk mode
+# has stride TILE x CHUNK elements) have no reader left in the tile: S^T / dP^T of both
+# warpgroups finished before the FREE barrier, the other warpgroup's dq^T reads its own blocks,
+# the dkv MMAs read P^T / dS^T / q / dO only, the row ids live outside the stage, and the
+# producer refills the stage only after every consumer thread's empty arrival, which red4s
+# moves to after the thread's last staging read of the tile. Warp v (0 .. 3) of warpgroup w
+# stages at float offset RED4S_OFFSET[w] + v x BULK_ROWS x BULK_STRIDE of the stage.
+STAGE_CHUNK_FLOATS = TILE * CHUNK * BYTES // 4  # one 64 x 64 16-bit column block (8 KB)
+RED4S_OFFSET = tuple(blocks[0] * STAGE_CHUNK_FLOATS for blocks in DQ_BLOCKS)
+
+
+def red4s_room(w: int) -> tuple[int, int]:
+    """(staging floats, dead floats) of consumer warpgroup w in a stage under red4s: its four
+    warps' (16, 72) buffers against its dq^T column blocks (which must be contiguous)."""
+    blocks = DQ_BLOCKS[w]
+    if list(blocks) != list(range(blocks[0], blocks[0] + len(blocks))):
+        raise ValueError(f"warpgroup {w}'s dq blocks {blocks} are not contiguous")
+    warps = THREADS_PER_WG // 32
+    return warps * BULK_ROWS * BULK_STRIDE, len(blocks) * STAGE_CHUNK_FLOATS
 
 
 def standard_red4(
-    block: int, reduce: bool = True, xchg: bool = False, bulk: bool = False, red4p: bool = False
+    block: int,
+    reduce: bool = True,
+    xchg: bool = False,
+    bulk: bool = False,
+    red4p: bool = False,
+    red4s: bool = False,
 ) -> bool:
     """Whether the build of `block` with these candidate flags adds dkv by red4: the standard
-    build of a RED4_BLOCKS block; the probe's no-reduction, xchg, bulk and red4p builds keep
-    their own forms (red4 with xchg was never built)."""
-    return block in RED4_BLOCKS and reduce and not xchg and not bulk and not red4p
+    build of a RED4_BLOCKS block; the probe's no-reduction, xchg, bulk, red4p and red4s builds
+    keep their own forms (red4 with xchg was never built)."""
+    return block in RED4_BLOCKS and reduce and not xchg and not bulk and not red4p and not red4s
 
 
 def block_heads(heads: int) -> int:
@@ -114,6 +140,7 @@ def params_for(
     red4p: bool = False,
     gather64: bool = False,
     handshake: bool = False,
+    red4s: bool = False,
 ) -> tuple:
     """Compile key: dtype and the heads of one CTA; reduce False: the timing probe's build whose
     dkv reductions never run (a runtime-false guard keeps their code; dkv stays 0), which
@@ -128,15 +155,17 @@ def params_for(
     diagnostics of red4p (block 16, docs/attention/DSA_BWD_NOTES.md "red4p diagnostics"):
     gather64 True: this build with red4p's gather (warps 0 .. RED4P_GATHER - 1 alone, the other
     producer warps idle); handshake True (with red4p, reduce False): the reducer warps only wait
-    for each staged block and release it (no staging reads, no reductions)."""
+    for each staged block and release it (no staging reads, no reductions). red4s True: the
+    candidate with red4's reductions staged in the current tile's stage (no extra shared memory;
+    blocks 16 and 32; kernel.py `_reduce_v4s`)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if block not in BLOCKS:
         raise ValueError(f"block must be one of {BLOCKS}, got {block}")
-    if bulk + red4 + red4p > 1:
-        raise ValueError("bulk, red4 and red4p are forms of the same reductions: pick one")
-    if gather64 and (red4p or block not in RED4_BLOCKS):
-        raise ValueError("gather64: a diagnostic of block 16's builds other than red4p")
+    if bulk + red4 + red4p + red4s > 1:
+        raise ValueError("bulk, red4, red4p and red4s are forms of the same reductions: pick one")
+    if gather64 and (red4p or red4s or block not in RED4_BLOCKS):
+        raise ValueError("gather64: a diagnostic of block 16's builds other than red4p / red4s")
     if handshake and (not red4p or reduce):
         raise ValueError("handshake: a red4p diagnostic without reductions (reduce=False)")
     staged = bulk or red4 or red4p
@@ -160,4 +189,6 @@ def params_for(
         keys["gather64"] = True
     if handshake:
         keys["handshake"] = True
+    if red4s:
+        keys["red4s"] = True
     return tuple(sorted(keys.items()))

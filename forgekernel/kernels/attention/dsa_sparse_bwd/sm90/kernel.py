@@ -42,6 +42,16 @@ mbarrier; warps 2 and 3 of warpgroup 0 (the reducers; warps 0 and 1 gather alone
 wait on it, read the block back (LDS.128, two rows a warp instruction), release the buffer
 (every lane arrives on its empty mbarrier) and issue the red.global.add.v4.f32 themselves, so
 that the consumers' next MMAs run while the reductions drain (`_stage_p`, `_serve`).
+
+Candidate `red4s` (blocks 16 and 32; CPU-compiled 2026-12-03, not yet run on a GPU): red4's
+staging (each warp's 16 rows of a dkv block, read back by 128-bit loads into
+`red.global.add.v4.f32`) placed in the current tile's stage instead of a dedicated 36 KB buffer,
+so that block 32 (221 KB) gets it too: once a warpgroup's dq^T MMAs of the tile are done (its
+threads' waits, then a named barrier over the warpgroup), the stage's column blocks
+config.DQ_BLOCKS[w] have no reader left in the tile and hold that warpgroup's four staging
+buffers; empty[stage] is then released after the thread's last staging read of the tile (the
+last dkv block's loads, before its reductions) instead of after block 0's wait
+(`_reduce_v4s`; config.py `RED4S_OFFSET` has the hazards).
 """
 
 from __future__ import annotations
@@ -71,6 +81,8 @@ from forgekernel.kernels.attention.dsa_sparse_bwd.sm90.config import (
     PRODUCER_REGS,
     RED4P_GATHER,
     RED4P_REDUCERS,
+    RED4S_OFFSET,
+    STAGE_CHUNK_FLOATS,
     THREADS,
     TILE,
     WIDTH,
@@ -93,6 +105,7 @@ class Bar(IntEnum):
     FREE = 2  # consumer threads: the previous tile's MMAs that read P^T / dS^T are done
     XCHG = 3  # xchg: each warpgroup's half of S^T / dP^T is in the exchange buffer
     XREAD = 4  # xchg: the exchange buffer (P^T / dS^T's bytes) has been read
+    DQ_DONE = 5  # red4s, 5 + w: warpgroup w's dq^T MMAs of the tile are done (all its warps)
 
 
 def _rows_cols(t: cute.Tensor) -> cute.Tensor:
@@ -122,6 +135,7 @@ class DsaSparseBwdSm90:
         red4p: bool = False,
         gather64: bool = False,
         handshake: bool = False,
+        red4s: bool = False,
     ):
         self.block = block
         self.stages = stages(block)
@@ -141,8 +155,13 @@ class DsaSparseBwdSm90:
         # red4p (a candidate, block 16): red4's staging, the reductions issued by warps of the
         # producer warpgroup (`_serve`) instead of the consumers
         self.red4p = red4p
-        if bulk + red4 + red4p > 1:
-            raise ValueError("bulk, red4 and red4p are forms of the same reductions: pick one")
+        # red4s (a candidate, blocks 16 and 32): red4 with the staging in the current tile's
+        # stage (the warpgroup's dq^T column blocks, dead once its dq^T MMAs are done)
+        self.red4s = red4s
+        if bulk + red4 + red4p + red4s > 1:
+            raise ValueError(
+                "bulk, red4, red4p and red4s are forms of the same reductions: pick one"
+            )
         self.staged = bulk or red4 or red4p
         # gather64 (a diagnostic, probe only): the gather by warps 0 .. RED4P_GATHER - 1 alone,
         # as red4p's, the other producer warps idle (they exit): red4p's gather without its
@@ -153,6 +172,8 @@ class DsaSparseBwdSm90:
         self.handshake = handshake
         if gather64 and red4p:
             raise ValueError("gather64 is red4p's gather without red4p: not both")
+        if gather64 and red4s:
+            raise ValueError("gather64 is a diagnostic of red4p's gather: not with red4s")
         if handshake and not red4p:
             raise ValueError("handshake is a red4p diagnostic: it needs red4p")
 
@@ -313,6 +334,12 @@ class DsaSparseBwdSm90:
                 ),
             ),
         )
+        if const_expr(self.red4s):  # the stages' bytes as fp32 (stage, float): the staging
+            sm = (*sm[:7], cute.make_tensor(
+                cute.recast_ptr(storage.kv.data_ptr(), dtype=Float32),
+                cute.make_layout((self.stages, NCHUNK * STAGE_CHUNK_FLOATS),
+                                 stride=(NCHUNK * STAGE_CHUNK_FLOATS, 1)),
+            ))  # fmt: skip
         full, empty = storage.full.data_ptr(), storage.empty.data_ptr()
         # red4p: the staging buffers' full / empty mbarriers (one pair per consumer warp)
         stg = (full, empty)
@@ -445,11 +472,14 @@ class DsaSparseBwdSm90:
         dq_accs = [cute.make_rmem_tensor(dq_shape, Float32) for _ in DQ_BLOCKS[w]]
         for acc in dq_accs:
             acc.fill(0.0)
-        # the two rows' ids (r, r + 8); bulk: the lane's row; red4: rows 2 k + lane // 16
-        rids = cute.make_rmem_tensor(10 if const_expr(self.red4) else 3, Int32)
+        # the two rows' ids (r, r + 8); bulk: the lane's row; red4(s): rows 2 k + lane // 16
+        rids = cute.make_rmem_tensor(10 if const_expr(self.red4 or self.red4s) else 3, Int32)
         lane = ctid % 32
         # bulk: this warp's staging buffer; lane l < 16 adds row 16 (warp in warpgroup) + l
-        red = (sRed[ctid // 32, None, None], lane, 16 * (ltid // 32) + lane % BULK_ROWS)
+        if const_expr(self.red4s):  # the buffer moves with the stage (`_tile_red`)
+            red = (None, lane, 16 * (ltid // 32) + lane % BULK_ROWS)
+        else:
+            red = (sRed[ctid // 32, None, None], lane, 16 * (ltid // 32) + lane % BULK_ROWS)
 
         for i in cutlass.range(tiles, unroll=1):
             s = i % self.stages
@@ -464,13 +494,14 @@ class DsaSparseBwdSm90:
                 rids[h] = sRows[kv_crd[2 * h][0], s]
             if const_expr(self.bulk):
                 rids[2] = sRows[red[2], s]
-            if const_expr(self.red4):
+            if const_expr(self.red4 or self.red4s):
                 for k in cutlass.range_constexpr(8):
                     rids[2 + k] = sRows[16 * (ltid // 32) + 2 * k + lane // 16, s]
+            tile_red = self._tile_red(red, sRed, s, ltid, w)
             for j, b in enumerate(DQ_BLOCKS[w]):
                 gemm(mma_dq, dq_accs[j], tQK[None, None, None, s * NCHUNK + b],
                      tQdS[None, None, None, 0], False, -1)  # fmt: skip
-            red_i = red
+            red_i = tile_red
             if const_expr(self.red4p):  # + the staging barriers and this tile's first block
                 warp = ctid // 32
                 red_i = red + (ins[6][0] + warp, ins[6][1] + warp, i * len(DKV_BLOCKS[w]),
@@ -480,6 +511,15 @@ class DsaSparseBwdSm90:
         self._store_dq(mdQ, dq_accs, t_dq, token, h0, w)
         if const_expr(self.bulk):  # the staging buffer is read and the additions are done
             cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    def _tile_red(self, red, sRed, s, ltid, w: int):
+        """The staging of tile i (stage s): red4s: this warp's (16, 72) buffer in stage s's dq^T
+        column blocks of warpgroup w (config.RED4S_OFFSET); the other builds: `red` as it is."""
+        if const_expr(not self.red4s):
+            return red
+        off = RED4S_OFFSET[w] + (ltid // 32) * (BULK_ROWS * BULK_STRIDE)
+        layout = cute.make_layout((BULK_ROWS, BULK_STRIDE), stride=(BULK_STRIDE, 1))
+        return (cute.make_tensor(sRed[s, None].iterator + off, layout), red[1], red[2])
 
     @cute.jit
     def _split_setup(self, mLse2, mDelta, sKV, sQ, sdO, mma_sdp, token, h0, ctid):
@@ -580,7 +620,9 @@ class DsaSparseBwdSm90:
                     empty_s, red):  # fmt: skip
         """This warpgroup's dkv blocks of the tile: block j's MMAs issued, then block j - 1's
         reductions (its MMAs done); the stage released once block 0's MMAs (and the dq MMAs
-        issued before them) are done."""
+        issued before them) are done. red4s: there the warpgroup's named barrier instead (its
+        dq^T column blocks of the stage become the staging), the release after the last
+        block's staging loads (`_reduce_v4s`)."""
         tKdS, tKP, tKQ, tKdO = frags
         blocks = DKV_BLOCKS[w]
         for j, c in enumerate(blocks):
@@ -591,11 +633,19 @@ class DsaSparseBwdSm90:
             if const_expr(c < VCHUNK):
                 gemm(mma_kv, acc, tKP[None, None, None, 0], tKdO[None, None, None, c], False, 2)
             if const_expr(j == 0):
-                cute.arch.mbarrier_arrive(empty_s)  # every thread: its own reads of the row ids
+                if const_expr(self.red4s):  # all four warps' dq^T MMAs are done: the stage's
+                    # dq^T blocks of w are dead in this tile (the staging goes there)
+                    named_barrier(Bar.DQ_DONE + w, THREADS_PER_WG).arrive_and_wait()
+                else:
+                    cute.arch.mbarrier_arrive(empty_s)  # every thread: its reads of the row ids
             else:
                 self._reduce(kv_accs[(j - 1) % 2], kv_crd, rids, mdKV, blocks[j - 1], red)
         warpgroup.wait_group(0)
-        self._reduce(kv_accs[(len(blocks) - 1) % 2], kv_crd, rids, mdKV, blocks[-1], red)
+        if const_expr(self.red4s):  # the stage released after the last staging loads
+            self._reduce_v4s(kv_accs[(len(blocks) - 1) % 2], kv_crd, rids, mdKV, blocks[-1], red,
+                             empty_s)  # fmt: skip
+        else:
+            self._reduce(kv_accs[(len(blocks) - 1) % 2], kv_crd, rids, mdKV, blocks[-1], red)
 
     @cute.jit
     def _reduce(self, acc, kv_crd, rids, mdKV, c: cutlass.Constexpr[int], red):
@@ -608,6 +658,8 @@ class DsaSparseBwdSm90:
             self._reduce_v4(acc, kv_crd, rids, mdKV, c, red)
         elif const_expr(self.red4p):
             self._stage_p(acc, kv_crd, rids, c, red)
+        elif const_expr(self.red4s):
+            self._reduce_v4s(acc, kv_crd, rids, mdKV, c, red, None)
         else:
             self._reduce_v2(acc, kv_crd, rids, mdKV, c)
 
@@ -738,6 +790,32 @@ class DsaSparseBwdSm90:
                     cute.arch.red(mdKV[rid, None].iterator + (c * CHUNK + col),
                                   quads[None, k].load(), op="add", dtype=Float32, sem="relaxed",
                                   scope="gpu")  # fmt: skip
+
+    @cute.jit
+    def _reduce_v4s(self, acc, kv_crd, rids, mdKV, c: cutlass.Constexpr[int], red, release):
+        """red4s: `_reduce_v4` into the warp's buffer in the stage, the eight 128-bit loads
+        first; release (the tile's last block): then this thread's empty arrival (its last read
+        of the stage in the tile, the producer's next gather may overwrite it), then the
+        reductions."""
+        sw, lane, _ = red
+        cute.arch.sync_warp()  # every lane's reads of the previous block are done
+        self._stage(acc, kv_crd, sw)
+        cute.arch.sync_warp()
+        col = (lane % 16) * 4
+        quads = cute.make_rmem_tensor((4, 8), Float32)
+        for k in cutlass.range_constexpr(8):
+            off = (2 * k + lane // 16) * BULK_STRIDE + col
+            ptr = cute.make_ptr(Float32, (sw.iterator + off).toint(), cute.AddressSpace.smem,
+                                assumed_align=16)  # fmt: skip
+            quads[None, k].store(cute.make_tensor(ptr, cute.make_layout(4)).load())
+        if const_expr(release is not None):
+            cute.arch.mbarrier_arrive(release)  # every thread: its own staging and row-id reads
+        for k in cutlass.range_constexpr(8):
+            rid = rids[2 + k]
+            ok = rid >= 0 if const_expr(self.reduce) else rid == -2  # ids are >= -1
+            if ok:
+                cute.arch.red(mdKV[rid, None].iterator + (c * CHUNK + col), quads[None, k].load(),
+                              op="add", dtype=Float32, sem="relaxed", scope="gpu")  # fmt: skip
 
     @cute.jit
     def _store_dq(self, mdQ, dq_accs, t_dq, token, h0, w: cutlass.Constexpr[int]):

@@ -83,6 +83,7 @@ def dsa_sparse_bwd(
     red4p: bool = False,
     gather64: bool = False,
     handshake: bool = False,
+    red4s: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq (tokens, H, 576) in q's dtype, dkv (slots, 576) fp32, d_sink (H,) fp32): q
     (tokens, H, 576), kv (slots, 576) in one 16-bit dtype, dout / out (tokens, H, 512), lse /
@@ -94,8 +95,9 @@ def dsa_sparse_bwd(
     (`config.standard_red4`: red4 at H = 16), False: the fragments' red.global.add.v2, True: red4
     (H = 16 only); red4p: the candidate whose reductions the producer warpgroup's reducer warps
     issue from the consumers' staging (H = 16 only); gather64, handshake: the probe's
-    diagnostics of red4p (`config.params_for`; H = 16 only; handshake leaves dkv 0).
-    `unsupported` must be None for these inputs."""
+    diagnostics of red4p (`config.params_for`; H = 16 only; handshake leaves dkv 0); red4s
+    True: the candidate with red4's staging in the current tile's stage (any H; red4 must be
+    None or False). `unsupported` must be None for these inputs."""
     lse2, delta, d_sink = preprocess(out, dout, lse, dlse, attn_sink)
     tokens, heads, _ = q.shape
     if dq is None:
@@ -105,9 +107,9 @@ def dsa_sparse_bwd(
         return dq.zero_(), dkv, d_sink
     block = config.block_heads(heads)
     if red4 is None:
-        red4 = config.standard_red4(block, reduce, xchg, bulk, red4p)
+        red4 = config.standard_red4(block, reduce, xchg, bulk, red4p=red4p, red4s=red4s)
     params = config.params_for(
-        dtype_name(q.dtype), block, reduce, xchg, bulk, red4, red4p, gather64, handshake
+        dtype_name(q.dtype), block, reduce, xchg, bulk, red4, red4p, gather64, handshake, red4s
     )
     kernel = get_kernel(SPEC, params)
     idx = topk_indices if topk_indices.stride(-1) == 1 else topk_indices.contiguous()
