@@ -30,14 +30,16 @@ def test_params_and_blocks():
         with pytest.raises(ValueError, match="16 heads or a multiple of 32"):
             config.block_heads(h)
     assert len(SPEC.standard_params()) == len(config.DTYPES) * len(config.BLOCKS)
-    # the standard form: red4 at block 16 (2026-12-03 21:46), the fragments' v2 at block 32
-    standard = {dict(p)["block"]: dict(p).get("red4", False) for p in SPEC.standard_params()}
-    assert standard == {16: True, 32: False}
-    assert config.standard_red4(16) and not config.standard_red4(32)
-    assert not any(config.standard_red4(16, r, x, b) for r, x, b in
-                   ((False, False, False), (True, True, False), (True, False, True)))  # fmt: skip
-    assert not config.standard_red4(16, red4p=True)  # red4p keeps its own form
-    assert not config.standard_red4(16, red4s=True)  # the red4s candidate is its own form
+    # the standard form: red4s at both blocks (2026-12-04 00:37)
+    standard = {dict(p)["block"]: dict(p).get("red4s", False) for p in SPEC.standard_params()}
+    assert standard == {16: True, 32: True}
+    assert all(config.standard_red4s(b) for b in config.BLOCKS)
+    for b in config.BLOCKS:  # no-reduction, xchg and bulk builds keep their own forms
+        assert not any(config.standard_red4s(b, r, x, k) for r, x, k in
+                       ((False, False, False), (True, True, False), (True, False, True)))  # fmt: skip
+    assert not config.standard_red4s(16, red4=True)  # red4 keeps its own staging
+    assert not config.standard_red4s(16, red4p=True)  # red4p keeps its own form
+    assert not config.standard_red4s(16, gather64=True)  # gather64: a red4 diagnostic
     assert SPEC.name == "dsa_sparse_bwd_sm90" and SPEC.representative_params() in [
         *SPEC.standard_params()
     ]
@@ -99,7 +101,7 @@ def test_smem_plan_fits():
 
 def test_launcher_compile_keys(monkeypatch):
     """The launcher's candidate keywords reach the compile key (the kernel call faked on the
-    CPU): H = 16 takes red4 unless a candidate is named, red4p / red4s their own forms."""
+    CPU): every H takes red4s unless a candidate is named, red4 / red4p their own forms."""
     seen = []
     monkeypatch.setattr(launch, "get_kernel", lambda spec, params: seen.append(dict(params))
                         or (lambda *a: None))  # fmt: skip
@@ -110,18 +112,24 @@ def test_launcher_compile_keys(monkeypatch):
     launch.dsa_sparse_bwd(*args)
     launch.dsa_sparse_bwd(*args, red4p=True)
     launch.dsa_sparse_bwd(*args, reduce=False, xchg=True, red4p=True)
-    launch.dsa_sparse_bwd(*args, gather64=True)
+    launch.dsa_sparse_bwd(*args, red4=True, gather64=True)
     launch.dsa_sparse_bwd(*args, reduce=False, gather64=True)
     launch.dsa_sparse_bwd(*args, reduce=False, red4p=True, handshake=True)
     launch.dsa_sparse_bwd(*args, red4s=True)
+    launch.dsa_sparse_bwd(*args, red4s=False)
+    launch.dsa_sparse_bwd(*args, red4=True)
+    launch.dsa_sparse_bwd(*args, reduce=False)
     assert seen == [
-        {"dtype": "bfloat16", "block": 16, "red4": True},
+        {"dtype": "bfloat16", "block": 16, "red4s": True},
         {"dtype": "bfloat16", "block": 16, "red4p": True},
         {"dtype": "bfloat16", "block": 16, "noreduce": True, "xchg": True, "red4p": True},
         {"dtype": "bfloat16", "block": 16, "red4": True, "gather64": True},
         {"dtype": "bfloat16", "block": 16, "noreduce": True, "gather64": True},
         {"dtype": "bfloat16", "block": 16, "noreduce": True, "red4p": True, "handshake": True},
         {"dtype": "bfloat16", "block": 16, "red4s": True},
+        {"dtype": "bfloat16", "block": 16},
+        {"dtype": "bfloat16", "block": 16, "red4": True},
+        {"dtype": "bfloat16", "block": 16, "noreduce": True},
     ]
     # red4s: red4's staging in the current tile's stage, no extra shared memory, both blocks
     for b in config.BLOCKS:
@@ -148,11 +156,6 @@ def test_red4s_staging_fits_in_the_dead_dq_blocks():
         assert touched <= set(blocks)
         assert not touched & set(config.DQ_BLOCKS[1 - w])
     assert spans[0][1] <= spans[1][0]
-    # launch keyword: red4s never resolves to red4 (the standard form at block 16)
-    red4 = config.standard_red4(16, red4s=True)
-    assert config.params_for("bfloat16", 16, red4=red4, red4s=True) == config.params_for(
-        "bfloat16", 16, red4s=True
-    )
 
 
 def test_work_split_covers_every_block_once():

@@ -41,12 +41,14 @@ DQ_BLOCKS = ((0, 1, 2, 3), (4, 5, 6, 7, 8))
 BULK_ROWS = 16
 BULK_STRIDE = 72
 BULK_WARPS = CONSUMERS * THREADS_PER_WG // 32
-# Blocks whose standard build adds dkv through that staging by red.global.add.v4.f32 (`red4`):
-# measured 2026-12-03 21:46 at t4096-h16-kv8192-k2048, the launcher 9.32 ms with the fragments'
-# red.global.add.v2 against 7.00 with red4 (bulk 7.49, bulk + xchg 6.91, no reductions at all
-# 3.42; docs/attention/DSA_BWD_NOTES.md "Probe 2026-12-03 21:46"). Block 32 has no room for the
-# staging (221 + 36 KB).
+# The blocks where the dedicated (16, 72)-per-warp staging fits beside the stages (the bulk /
+# red4 / red4p candidates): block 32 has no room for it (221 + 36 KB).
 RED4_BLOCKS = (16,)
+# Blocks whose standard build adds dkv by red4s (red4's 128-bit reductions, staged in the
+# tile's released stage: below): measured 2026-12-04 00:37 at t4096-kv8192-k2048, the launcher
+# at H = 16 6.57 ms against red4's 7.00 (v2 9.31), at H = 128 29.47 against the fragments'
+# red.global.add.v2 38.37 (docs/attention/DSA_BWD_NOTES.md "Probe 2026-12-04 00:37").
+RED4S_BLOCKS = (16, 32)
 # `red4p` candidate (block 16): the consumer warps only stage their dkv blocks (the red4
 # staging, the rows' ids in each staging row's padding) and the producer warpgroup's warps
 # RED4P_GATHER .. 3 read them back and issue the red.global.add.v4.f32, so that the consumers'
@@ -55,7 +57,7 @@ RED4_BLOCKS = (16,)
 # two of each consumer warpgroup at R = 2, 18 dkv blocks a tile each).
 RED4P_GATHER = 2
 RED4P_REDUCERS = THREADS_PER_WG // 32 - RED4P_GATHER
-# `red4s` candidate (blocks 16 and 32): red4's staging placed in the current tile's stage instead
+# `red4s` (the standard form at blocks 16 and 32): red4's staging placed in the current tile's stage instead
 # of a dedicated buffer. Once a consumer warpgroup's dq^T MMAs of the tile are done, the stage's
 # column blocks DQ_BLOCKS[w] (64 x 64 16-bit each, 8 KB, contiguous: the stage layout's chunk mode
 # has stride TILE x CHUNK elements) have no reader left in the tile: S^T / dP^T of both
@@ -78,18 +80,23 @@ def red4s_room(w: int) -> tuple[int, int]:
     return warps * BULK_ROWS * BULK_STRIDE, len(blocks) * STAGE_CHUNK_FLOATS
 
 
-def standard_red4(
+def standard_red4s(
     block: int,
     reduce: bool = True,
     xchg: bool = False,
     bulk: bool = False,
+    red4: bool = False,
     red4p: bool = False,
-    red4s: bool = False,
+    gather64: bool = False,
 ) -> bool:
-    """Whether the build of `block` with these candidate flags adds dkv by red4: the standard
-    build of a RED4_BLOCKS block; the probe's no-reduction, xchg, bulk, red4p and red4s builds
-    keep their own forms (red4 with xchg was never built)."""
-    return block in RED4_BLOCKS and reduce and not xchg and not bulk and not red4p and not red4s
+    """Whether the build of `block` with these candidate flags adds dkv by red4s: the standard
+    build of a RED4S_BLOCKS block; the probe's no-reduction, xchg, bulk, red4, red4p and
+    gather64 builds keep their own forms (red4s with xchg was never built)."""
+    return (
+        block in RED4S_BLOCKS
+        and reduce
+        and not (xchg or bulk or red4 or red4p or gather64)
+    )
 
 
 def block_heads(heads: int) -> int:
@@ -156,8 +163,8 @@ def params_for(
     gather64 True: this build with red4p's gather (warps 0 .. RED4P_GATHER - 1 alone, the other
     producer warps idle); handshake True (with red4p, reduce False): the reducer warps only wait
     for each staged block and release it (no staging reads, no reductions). red4s True: the
-    candidate with red4's reductions staged in the current tile's stage (no extra shared memory;
-    blocks 16 and 32; kernel.py `_reduce_v4s`)."""
+    standard form (`standard_red4s`): red4's reductions staged in the current tile's stage (no
+    extra shared memory; blocks 16 and 32; kernel.py `_reduce_v4s`)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if block not in BLOCKS:

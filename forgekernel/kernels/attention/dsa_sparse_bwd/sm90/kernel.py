@@ -43,7 +43,7 @@ wait on it, read the block back (LDS.128, two rows a warp instruction), release 
 (every lane arrives on its empty mbarrier) and issue the red.global.add.v4.f32 themselves, so
 that the consumers' next MMAs run while the reductions drain (`_stage_p`, `_serve`).
 
-Candidate `red4s` (blocks 16 and 32; CPU-compiled 2026-12-03, not yet run on a GPU): red4's
+The standard form `red4s` (blocks 16 and 32; measured 2026-12-04 00:37, config.py): red4's
 staging (each warp's 16 rows of a dkv block, read back by 128-bit loads into
 `red.global.add.v4.f32`) placed in the current tile's stage instead of a dedicated 36 KB buffer,
 so that block 32 (221 KB) gets it too: once a warpgroup's dq^T MMAs of the tile are done (its
@@ -155,7 +155,7 @@ class DsaSparseBwdSm90:
         # red4p (a candidate, block 16): red4's staging, the reductions issued by warps of the
         # producer warpgroup (`_serve`) instead of the consumers
         self.red4p = red4p
-        # red4s (a candidate, blocks 16 and 32): red4 with the staging in the current tile's
+        # red4s (the standard form, blocks 16 and 32): red4 with the staging in the current tile's
         # stage (the warpgroup's dq^T column blocks, dead once its dq^T MMAs are done)
         self.red4s = red4s
         if bulk + red4 + red4p + red4s > 1:
