@@ -34,9 +34,9 @@ def test_params_and_blocks():
     standard = {dict(p)["block"]: dict(p).get("red4s", False) for p in SPEC.standard_params()}
     assert standard == {16: True, 32: True}
     assert all(config.standard_red4s(b) for b in config.BLOCKS)
+    others = ((False, False, False), (True, True, False), (True, False, True))
     for b in config.BLOCKS:  # no-reduction, xchg and bulk builds keep their own forms
-        assert not any(config.standard_red4s(b, r, x, k) for r, x, k in
-                       ((False, False, False), (True, True, False), (True, False, True)))  # fmt: skip
+        assert not any(config.standard_red4s(b, r, x, k) for r, x, k in others)
     assert not config.standard_red4s(16, red4=True)  # red4 keeps its own staging
     assert not config.standard_red4s(16, red4p=True)  # red4p keeps its own form
     assert not config.standard_red4s(16, gather64=True)  # gather64: a red4 diagnostic

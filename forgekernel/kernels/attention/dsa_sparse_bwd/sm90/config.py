@@ -57,8 +57,8 @@ RED4S_BLOCKS = (16, 32)
 # two of each consumer warpgroup at R = 2, 18 dkv blocks a tile each).
 RED4P_GATHER = 2
 RED4P_REDUCERS = THREADS_PER_WG // 32 - RED4P_GATHER
-# `red4s` (the standard form at blocks 16 and 32): red4's staging placed in the current tile's stage instead
-# of a dedicated buffer. Once a consumer warpgroup's dq^T MMAs of the tile are done, the stage's
+# `red4s` (the standard form at blocks 16 and 32): red4's staging placed in the current tile's
+# stage instead of a dedicated buffer. Once a consumer warpgroup's dq^T MMAs of the tile are done, the stage's
 # column blocks DQ_BLOCKS[w] (64 x 64 16-bit each, 8 KB, contiguous: the stage layout's chunk mode
 # has stride TILE x CHUNK elements) have no reader left in the tile: S^T / dP^T of both
 # warpgroups finished before the FREE barrier, the other warpgroup's dq^T reads its own blocks,
