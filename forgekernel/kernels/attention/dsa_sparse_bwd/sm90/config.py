@@ -57,15 +57,15 @@ RED4S_BLOCKS = (16, 32)
 # two of each consumer warpgroup at R = 2, 18 dkv blocks a tile each).
 RED4P_GATHER = 2
 RED4P_REDUCERS = THREADS_PER_WG // 32 - RED4P_GATHER
-# `red4s` (the standard form at blocks 16 and 32): red4's staging placed in the current tile's
-# stage instead of a dedicated buffer. Once a consumer warpgroup's dq^T MMAs of the tile are done, the stage's
-# column blocks DQ_BLOCKS[w] (64 x 64 16-bit each, 8 KB, contiguous: the stage layout's chunk mode
-# has stride TILE x CHUNK elements) have no reader left in the tile: S^T / dP^T of both
-# warpgroups finished before the FREE barrier, the other warpgroup's dq^T reads its own blocks,
-# the dkv MMAs read P^T / dS^T / q / dO only, the row ids live outside the stage, and the
-# producer refills the stage only after every consumer thread's empty arrival, which red4s
-# moves to after the thread's last staging read of the tile. Warp v (0 .. 3) of warpgroup w
-# stages at float offset RED4S_OFFSET[w] + v x BULK_ROWS x BULK_STRIDE of the stage.
+# `red4s` (the standard form at blocks 16 and 32): red4's staging placed in the current tile's stage
+# instead of a dedicated buffer. Once a consumer warpgroup's dq^T MMAs of the tile are done, the
+# stage's column blocks DQ_BLOCKS[w] (64 x 64 16-bit each, 8 KB, contiguous: the stage layout's
+# chunk mode has stride TILE x CHUNK elements) have no reader left in the tile: S^T / dP^T of both
+# warpgroups finished before the FREE barrier, the other warpgroup's dq^T reads its own blocks, the
+# dkv MMAs read P^T / dS^T / q / dO only, the row ids live outside the stage, and the producer
+# refills the stage only after every consumer thread's empty arrival, which red4s moves to after the
+# thread's last staging read of the tile. Warp v (0 .. 3) of warpgroup w stages at float offset
+# RED4S_OFFSET[w] + v x BULK_ROWS x BULK_STRIDE of the stage.
 STAGE_CHUNK_FLOATS = TILE * CHUNK * BYTES // 4  # one 64 x 64 16-bit column block (8 KB)
 RED4S_OFFSET = tuple(blocks[0] * STAGE_CHUNK_FLOATS for blocks in DQ_BLOCKS)
 
