@@ -92,11 +92,7 @@ def standard_red4s(
     """Whether the build of `block` with these candidate flags adds dkv by red4s: the standard
     build of a RED4S_BLOCKS block; the probe's no-reduction, xchg, bulk, red4, red4p and
     gather64 builds keep their own forms (red4s with xchg was never built)."""
-    return (
-        block in RED4S_BLOCKS
-        and reduce
-        and not (xchg or bulk or red4 or red4p or gather64)
-    )
+    return block in RED4S_BLOCKS and reduce and not (xchg or bulk or red4 or red4p or gather64)
 
 
 def block_heads(heads: int) -> int:
