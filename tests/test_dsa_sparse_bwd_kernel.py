@@ -30,12 +30,16 @@ def test_params_and_blocks():
         with pytest.raises(ValueError, match="16 heads or a multiple of 32"):
             config.block_heads(h)
     assert len(SPEC.standard_params()) == len(config.DTYPES) * len(config.BLOCKS)
-    # the standard form: red4 at block 16 (2026-12-03 21:46), the fragments' v2 at block 32
-    standard = {dict(p)["block"]: dict(p).get("red4", False) for p in SPEC.standard_params()}
-    assert standard == {16: True, 32: False}
-    assert config.standard_red4(16) and not config.standard_red4(32)
-    assert not any(config.standard_red4(16, r, x, b) for r, x, b in
-                   ((False, False, False), (True, True, False), (True, False, True)))  # fmt: skip
+    # the standard form: red4s at both blocks (2026-12-04 00:37)
+    standard = {dict(p)["block"]: dict(p).get("red4s", False) for p in SPEC.standard_params()}
+    assert standard == {16: True, 32: True}
+    assert all(config.standard_red4s(b) for b in config.BLOCKS)
+    others = ((False, False, False), (True, True, False), (True, False, True))
+    for b in config.BLOCKS:  # no-reduction, xchg and bulk builds keep their own forms
+        assert not any(config.standard_red4s(b, r, x, k) for r, x, k in others)
+    assert not config.standard_red4s(16, red4=True)  # red4 keeps its own staging
+    assert not config.standard_red4s(16, red4p=True)  # red4p keeps its own form
+    assert not config.standard_red4s(16, gather64=True)  # gather64: a red4 diagnostic
     assert SPEC.name == "dsa_sparse_bwd_sm90" and SPEC.representative_params() in [
         *SPEC.standard_params()
     ]
@@ -57,6 +61,101 @@ def test_smem_plan_fits():
         config.params_for("bfloat16", 32, red4=True)
     with pytest.raises(ValueError, match="pick one"):
         config.params_for("bfloat16", 16, bulk=True, red4=True)
+    # red4p: the same staging (its 16 staging mbarriers inside BARRIER_BYTES), block 16 only
+    assert dict(config.params_for("bfloat16", 16, red4p=True))["red4p"] is True
+    stages = config.stages(16)  # full / empty, sfull / sempty, the stages' row ids
+    assert 16 * stages + 16 * config.BULK_WARPS + 4 * config.TILE * stages <= config.BARRIER_BYTES
+    with pytest.raises(ValueError, match="red4p"):
+        config.params_for("bfloat16", 32, red4p=True)
+    for other in ({"bulk": True}, {"red4": True}, {"red4s": True}):
+        with pytest.raises(ValueError, match="pick one"):
+            config.params_for("bfloat16", 16, red4p=True, **other)
+    # the producer warpgroup split: gathering warps + reducer warps, each reducer serving the
+    # same number of warps of each consumer warpgroup
+    assert config.RED4P_GATHER + config.RED4P_REDUCERS == 4 and config.RED4P_REDUCERS == 2
+    assert config.BULK_WARPS % config.RED4P_REDUCERS == 0
+    cands = [dict(p) for p in SPEC.candidate_params()]
+    red4p = [
+        (c.get("noreduce", False), c.get("xchg", False))
+        for c in cands
+        if c.get("red4p") and not c.get("handshake")
+    ]
+    assert sorted(red4p) == [(False, False), (False, True), (True, False)]
+    assert all(c["block"] == 16 and c["dtype"] == "bfloat16" for c in cands if c.get("red4p"))
+    # red4p's probe-only diagnostics: its gather in the standard / no-reduction build, its
+    # handshake alone
+    diag = [c for c in cands if c.get("gather64") or c.get("handshake")]
+    assert diag == [
+        {"dtype": "bfloat16", "block": 16, "red4": True, "gather64": True},
+        {"dtype": "bfloat16", "block": 16, "noreduce": True, "gather64": True},
+        {"dtype": "bfloat16", "block": 16, "noreduce": True, "red4p": True, "handshake": True},
+    ]
+    for bad in ({"block": 32, "gather64": True}, {"block": 16, "gather64": True, "red4p": True},
+                {"block": 16, "handshake": True}, {"block": 16, "handshake": True, "red4p": True},
+                {"block": 16, "handshake": True, "reduce": False},
+                {"block": 16, "gather64": True, "red4s": True},
+                {"block": 16, "handshake": True, "reduce": False, "red4s": True}):  # fmt: skip
+        with pytest.raises(ValueError, match="gather64|handshake"):
+            config.params_for("bfloat16", **bad)
+
+
+def test_launcher_compile_keys(monkeypatch):
+    """The launcher's candidate keywords reach the compile key (the kernel call faked on the
+    CPU): every H takes red4s unless a candidate is named, red4 / red4p their own forms."""
+    seen = []
+    monkeypatch.setattr(launch, "get_kernel", lambda spec, params: seen.append(dict(params))
+                        or (lambda *a: None))  # fmt: skip
+    q, kv, idx = _rows()
+    out = torch.randn(q.shape[0], q.shape[1], LATENT).to(q.dtype)
+    lse = torch.zeros(q.shape[:2])
+    args = (q, kv, out, out, lse, None, None, idx, 0.1)
+    launch.dsa_sparse_bwd(*args)
+    launch.dsa_sparse_bwd(*args, red4p=True)
+    launch.dsa_sparse_bwd(*args, reduce=False, xchg=True, red4p=True)
+    launch.dsa_sparse_bwd(*args, red4=True, gather64=True)
+    launch.dsa_sparse_bwd(*args, reduce=False, gather64=True)
+    launch.dsa_sparse_bwd(*args, reduce=False, red4p=True, handshake=True)
+    launch.dsa_sparse_bwd(*args, red4s=True)
+    launch.dsa_sparse_bwd(*args, red4s=False)
+    launch.dsa_sparse_bwd(*args, red4=True)
+    launch.dsa_sparse_bwd(*args, reduce=False)
+    assert seen == [
+        {"dtype": "bfloat16", "block": 16, "red4s": True},
+        {"dtype": "bfloat16", "block": 16, "red4p": True},
+        {"dtype": "bfloat16", "block": 16, "noreduce": True, "xchg": True, "red4p": True},
+        {"dtype": "bfloat16", "block": 16, "red4": True, "gather64": True},
+        {"dtype": "bfloat16", "block": 16, "noreduce": True, "gather64": True},
+        {"dtype": "bfloat16", "block": 16, "noreduce": True, "red4p": True, "handshake": True},
+        {"dtype": "bfloat16", "block": 16, "red4s": True},
+        {"dtype": "bfloat16", "block": 16},
+        {"dtype": "bfloat16", "block": 16, "red4": True},
+        {"dtype": "bfloat16", "block": 16, "noreduce": True},
+    ]
+    # red4s: red4's staging in the current tile's stage, no extra shared memory, both blocks
+    for b in config.BLOCKS:
+        assert dict(config.params_for("bfloat16", b, red4s=True))["red4s"] is True
+        for other in ({"red4": True}, {"bulk": True}):
+            with pytest.raises(ValueError, match="pick one"):
+                config.params_for("bfloat16", b, red4s=True, **other)
+
+
+def test_red4s_staging_fits_in_the_dead_dq_blocks():
+    """red4s stages warpgroup w's four (16, 72) fp32 buffers in the stage's dq^T column blocks
+    of w (8 KB each, contiguous, config.RED4S_OFFSET), nothing of the other warpgroup's."""
+    assert config.STAGE_CHUNK_FLOATS * 4 == config.TILE * config.CHUNK * config.BYTES
+    spans = []
+    for w, blocks in enumerate(config.DQ_BLOCKS):
+        staging, dead = config.red4s_room(w)
+        assert staging == 4 * 16 * 72 <= dead == len(blocks) * config.STAGE_CHUNK_FLOATS
+        start = config.RED4S_OFFSET[w]
+        assert start == blocks[0] * config.STAGE_CHUNK_FLOATS and start * 4 % 16 == 0
+        spans.append((start, start + staging))
+        # the staging lies in w's own dq blocks only (the other warpgroup's dq MMAs read theirs)
+        touched = set(range(start // config.STAGE_CHUNK_FLOATS,
+                            (start + staging - 1) // config.STAGE_CHUNK_FLOATS + 1))  # fmt: skip
+        assert touched <= set(blocks)
+        assert not touched & set(config.DQ_BLOCKS[1 - w])
+    assert spans[0][1] <= spans[1][0]
 
 
 def test_work_split_covers_every_block_once():

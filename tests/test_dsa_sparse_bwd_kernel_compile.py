@@ -39,6 +39,18 @@ def _compiled(params) -> tuple[dict, Counter]:
     ops["DEPBAR0"] = sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0")
     ops["STS_64"] = sass.count("STS.64 ")
     ops["RED_V4"] = sass.count("REDG.E.ADD.F32x4")
+    ops["LDS_128"] = sass.count("LDS.128 ")
+    # where the v4 reductions are: the producer warpgroup's code runs from its setmaxnreg
+    # decrease to the consumers' increase (the retry loops of mbarrier waits sit at the end)
+    lines = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    dealloc = next(a for a, t in lines if "USETMAXREG.DEALLOC" in t)
+    alloc = next(a for a, t in lines if "USETMAXREG.TRY_ALLOC" in t)
+    reds = [a for a, t in lines if "REDG.E.ADD.F32x4" in t]
+    ops["RED_V4_PRODUCER"] = sum(dealloc < a < alloc for a in reds)
+    ops["RED_V4_CONSUMER"] = sum(a > alloc for a in reds)
+    ops["WG_BAR"] = len(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING 0x[56], 0x80 ", sass))
+    ops["ARRIVE_AFTER_LDS128"] = len(re.findall(r"LDS\.128 [^\n]*\n(?:\s*/\* 0x[0-9a-f]+ \*/\s*\n)?"
+                                                r"[^\n]*SYNCS\.ARRIVE", sass))  # fmt: skip
     return res, ops
 
 
@@ -62,8 +74,74 @@ def test_sparse_bwd_kernel_red4():
     _check_kernel(16, False, False, red4=True)
 
 
-def _check_kernel(block, xchg, bulk, red4=False):
-    res, ops = _compiled(config.params_for("bfloat16", block, xchg=xchg, bulk=bulk, red4=red4))
+@pytest.mark.parametrize("xchg", [False, True])
+def test_sparse_bwd_kernel_red4p(xchg):
+    """The red4p candidate (block 16): the consumers' WGMMAs unchanged and only the staging
+    stores in their loops (16 STS.64 a thread a dkv block, no reductions); the v4 reductions,
+    their LDS.128 (two rows a warp instruction) and row-id shuffles all in the producer
+    warpgroup's code: each reducer warp's loop serves its consumer warps' blocks of a tile
+    (8 a block); the gather by two warps (8 rows a thread)."""
+    _check_kernel(16, xchg, False, red4p=True)
+
+
+@pytest.mark.parametrize("reduce", [True, False], ids=["red4", "noreduce"])
+def test_sparse_bwd_kernel_gather64(reduce):
+    """red4p's diagnostic gather64 (block 16): the standard build (red4) or the no-reduction
+    build with the gather by two warps (8 rows a thread: twice the LDGSTS a thread), the
+    consumers' code as that build's."""
+    _check_kernel(16, False, False, red4=reduce, gather64=True, reduce=reduce)
+
+
+def test_sparse_bwd_kernel_red4p_handshake():
+    """red4p's diagnostic handshake (block 16): the consumers stage as red4p's, the reducer
+    warps only wait for each staged block and release it (18 arrivals a tile each, no LDS.128,
+    no shuffles, no reductions)."""
+    _check_kernel(16, False, False, red4p=True, reduce=False, handshake=True)
+
+
+@pytest.mark.parametrize("block", config.BLOCKS)
+def test_sparse_bwd_kernel_red4s(block):
+    """The red4s candidate (blocks 16 and 32): red4's reductions (72 REDG.E.ADD.F32x4, 72
+    LDS.128, 144 STS.64 a thread loop, no v2) with the staging in the stage, the WGMMAs as the
+    standard builds', one 128-thread named barrier a consumer path (its dq^T MMAs done) and
+    each consumer path's empty arrival right after the last block's eight 128-bit loads."""
+    _check_kernel(block, False, False, red4s=True)
+
+
+def test_stage_chunks_are_contiguous():
+    """red4s addresses the stage as fp32 bytes: column block k of the (64, 64, 9 x stages)
+    128-byte-swizzled stage layout must be exactly the 8 KB at k x 8 KB (the swizzle permutes
+    16-byte pieces inside 1 KB), config.STAGE_CHUNK_FLOATS."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.tensor_utils import LayoutEnum
+
+    seen = {}
+
+    @cute.jit
+    def probe():
+        for block in config.BLOCKS:
+            lay = sm90_utils.make_smem_layout_a(
+                LayoutEnum.ROW_MAJOR, (config.TILE, block, config.CHUNK), cutlass.BFloat16,
+                config.NCHUNK * 2)  # fmt: skip
+            seen[block] = {k: sorted({lay((r, c, k)) for r in range(config.TILE)
+                                      for c in range(0, config.CHUNK, 8)})
+                           for k in (0, 3, 4, 8, 9, 13, 17)}  # fmt: skip
+
+    cute.compile(probe)
+    elems = config.TILE * config.CHUNK  # 16-bit elements of a column block
+    for block in config.BLOCKS:
+        for k, idx in seen[block].items():
+            assert idx == list(range(k * elems, (k + 1) * elems, 8))
+
+
+def _check_kernel(block, xchg, bulk, red4=False, red4p=False, reduce=True, gather64=False,
+                  handshake=False, red4s=False):  # fmt: skip
+    forms = {"bulk": bulk, "red4": red4, "red4p": red4p, "gather64": gather64, "red4s": red4s}
+    res, ops = _compiled(
+        config.params_for("bfloat16", block, reduce, xchg, handshake=handshake, **forms)
+    )
     assert res["spill_bytes"] == 0 and ops["LDL"] == ops["STL"] == 0
     k = block // 16  # k-steps of a dkv block
     n_dq = [len(b) for b in config.DQ_BLOCKS]
@@ -73,11 +151,30 @@ def _check_kernel(block, xchg, bulk, red4=False):
     per_wg = [a + 4 * q + k * v for a, q, v in zip(sdp, n_dq, n_dkv)]
     assert ops["HGMMA"] == sum(per_wg)
     q_rows = block // 16  # 16 rows a pass of 128 threads, 8 a row
-    assert ops["LDGSTS"] == config.NCHUNK * (q_rows + 4) + 8 * q_rows
+    if red4p or gather64:  # 64 gathering threads: twice the passes
+        assert ops["LDGSTS"] == 2 * (config.NCHUNK * (q_rows + 4) + 8 * q_rows)
+    else:
+        assert ops["LDGSTS"] == config.NCHUNK * (q_rows + 4) + 8 * q_rows
     acc_pairs = config.TILE * config.CHUNK // 128 // 2  # v2 reductions a thread, a dkv block
-    if red4:
-        assert ops["RED_V2"] == 0 and ops["RED_V4"] == ops["REDG"] == acc_pairs // 2 * config.NCHUNK
+    if red4p:
+        served = config.BULK_WARPS // config.RED4P_REDUCERS // config.CONSUMERS  # a warpgroup's
+        blocks = served * sum(len(b) for b in config.DKV_BLOCKS)  # a reducer's blocks a tile
+        assert blocks == 18
+        if handshake:  # the reducers' loop: full wait, empty arrival, nothing else
+            assert ops["REDG"] == ops["LDS_128"] == ops["SHFL"] == 0
+            assert ops["STS_64"] == acc_pairs * config.NCHUNK
+            return
+        assert ops["RED_V2"] == 0 and ops["RED_V4"] == ops["REDG"] == 8 * blocks
+        assert ops["RED_V4_PRODUCER"] == 8 * blocks and ops["RED_V4_CONSUMER"] == 0
+        assert ops["LDS_128"] == ops["SHFL"] == 8 * blocks
         assert ops["STS_64"] == acc_pairs * config.NCHUNK
+    elif red4 or red4s:
+        assert ops["RED_V2"] == 0 and ops["RED_V4"] == ops["REDG"] == acc_pairs // 2 * config.NCHUNK
+        assert ops["RED_V4_CONSUMER"] == ops["RED_V4"]  # the warps' own stream
+        assert ops["STS_64"] == acc_pairs * config.NCHUNK
+        assert ops["LDS_128"] == acc_pairs // 2 * config.NCHUNK
+        assert ops["WG_BAR"] == (2 if red4s else 0)
+        assert ops["ARRIVE_AFTER_LDS128"] == (2 if red4s else 0)
     elif bulk:
         assert ops["RED_V2"] == ops["REDG"] == 0
         assert ops["UBLKRED"] == config.NCHUNK

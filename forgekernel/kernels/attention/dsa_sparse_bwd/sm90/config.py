@@ -41,19 +41,58 @@ DQ_BLOCKS = ((0, 1, 2, 3), (4, 5, 6, 7, 8))
 BULK_ROWS = 16
 BULK_STRIDE = 72
 BULK_WARPS = CONSUMERS * THREADS_PER_WG // 32
-# Blocks whose standard build adds dkv through that staging by red.global.add.v4.f32 (`red4`):
-# measured 2026-12-03 21:46 at t4096-h16-kv8192-k2048, the launcher 9.32 ms with the fragments'
-# red.global.add.v2 against 7.00 with red4 (bulk 7.49, bulk + xchg 6.91, no reductions at all
-# 3.42; docs/attention/DSA_BWD_NOTES.md "Probe 2026-12-03 21:46"). Block 32 has no room for the
-# staging (221 + 36 KB).
+# The blocks where the dedicated (16, 72)-per-warp staging fits beside the stages (the bulk /
+# red4 / red4p candidates): block 32 has no room for it (221 + 36 KB).
 RED4_BLOCKS = (16,)
+# Blocks whose standard build adds dkv by red4s (red4's 128-bit reductions, staged in the
+# tile's released stage: below): measured 2026-12-04 00:37 at t4096-kv8192-k2048, the launcher
+# at H = 16 6.57 ms against red4's 7.00 (v2 9.31), at H = 128 29.47 against the fragments'
+# red.global.add.v2 38.37 (docs/attention/DSA_BWD_NOTES.md "Probe 2026-12-04 00:37").
+RED4S_BLOCKS = (16, 32)
+# `red4p` candidate (block 16): the consumer warps only stage their dkv blocks (the red4
+# staging, the rows' ids in each staging row's padding) and the producer warpgroup's warps
+# RED4P_GATHER .. 3 read them back and issue the red.global.add.v4.f32, so that the consumers'
+# MMAs run under the reductions; warps 0 .. RED4P_GATHER - 1 gather (64 threads, 8 rows a
+# thread). Reducer warp r serves the consumer warps r, r + R, r + 2 R, ... (R = the reducers:
+# two of each consumer warpgroup at R = 2, 18 dkv blocks a tile each).
+RED4P_GATHER = 2
+RED4P_REDUCERS = THREADS_PER_WG // 32 - RED4P_GATHER
+# `red4s` (the standard form at blocks 16 and 32): red4's staging placed in the current tile's stage
+# instead of a dedicated buffer. Once a consumer warpgroup's dq^T MMAs of the tile are done, the
+# stage's column blocks DQ_BLOCKS[w] (64 x 64 16-bit each, 8 KB, contiguous: the stage layout's
+# chunk mode has stride TILE x CHUNK elements) have no reader left in the tile: S^T / dP^T of both
+# warpgroups finished before the FREE barrier, the other warpgroup's dq^T reads its own blocks, the
+# dkv MMAs read P^T / dS^T / q / dO only, the row ids live outside the stage, and the producer
+# refills the stage only after every consumer thread's empty arrival, which red4s moves to after the
+# thread's last staging read of the tile. Warp v (0 .. 3) of warpgroup w stages at float offset
+# RED4S_OFFSET[w] + v x BULK_ROWS x BULK_STRIDE of the stage.
+STAGE_CHUNK_FLOATS = TILE * CHUNK * BYTES // 4  # one 64 x 64 16-bit column block (8 KB)
+RED4S_OFFSET = tuple(blocks[0] * STAGE_CHUNK_FLOATS for blocks in DQ_BLOCKS)
 
 
-def standard_red4(block: int, reduce: bool = True, xchg: bool = False, bulk: bool = False) -> bool:
-    """Whether the build of `block` with these candidate flags adds dkv by red4: the standard
-    build of a RED4_BLOCKS block; the probe's no-reduction, xchg and bulk builds keep their own
-    forms (red4 with xchg was never built)."""
-    return block in RED4_BLOCKS and reduce and not xchg and not bulk
+def red4s_room(w: int) -> tuple[int, int]:
+    """(staging floats, dead floats) of consumer warpgroup w in a stage under red4s: its four
+    warps' (16, 72) buffers against its dq^T column blocks (which must be contiguous)."""
+    blocks = DQ_BLOCKS[w]
+    if list(blocks) != list(range(blocks[0], blocks[0] + len(blocks))):
+        raise ValueError(f"warpgroup {w}'s dq blocks {blocks} are not contiguous")
+    warps = THREADS_PER_WG // 32
+    return warps * BULK_ROWS * BULK_STRIDE, len(blocks) * STAGE_CHUNK_FLOATS
+
+
+def standard_red4s(
+    block: int,
+    reduce: bool = True,
+    xchg: bool = False,
+    bulk: bool = False,
+    red4: bool = False,
+    red4p: bool = False,
+    gather64: bool = False,
+) -> bool:
+    """Whether the build of `block` with these candidate flags adds dkv by red4s: the standard
+    build of a RED4S_BLOCKS block; the probe's no-reduction, xchg, bulk, red4, red4p and
+    gather64 builds keep their own forms (red4s with xchg was never built)."""
+    return block in RED4S_BLOCKS and reduce and not (xchg or bulk or red4 or red4p or gather64)
 
 
 def block_heads(heads: int) -> int:
@@ -83,13 +122,14 @@ def stages(block: int) -> int:
 
 
 def bulk_bytes() -> int:
-    """The `bulk` / `red4` candidates' staging: one (16, 72) fp32 buffer per consumer warp
+    """The `bulk` / `red4` / `red4p` candidates' staging: one (16, 72) fp32 buffer per consumer warp
     (36 KB)."""
     return BULK_WARPS * BULK_ROWS * BULK_STRIDE * 4
 
 
 def smem_bytes(block: int, staged: bool = False) -> int:
-    """staged: with the bulk / red4 candidates' staging buffers."""
+    """staged: with the bulk / red4 / red4p candidates' staging buffers (red4p's 16 staging
+    mbarriers fit in BARRIER_BYTES)."""
     return fixed_bytes(block) + stages(block) * stage_bytes() + (bulk_bytes() if staged else 0)
 
 
@@ -100,6 +140,10 @@ def params_for(
     xchg: bool = False,
     bulk: bool = False,
     red4: bool = False,
+    red4p: bool = False,
+    gather64: bool = False,
+    handshake: bool = False,
+    red4s: bool = False,
 ) -> tuple:
     """Compile key: dtype and the heads of one CTA; reduce False: the timing probe's build whose
     dkv reductions never run (a runtime-false guard keeps their code; dkv stays 0), which
@@ -108,16 +152,28 @@ def params_for(
     candidate whose dkv blocks go through shared memory to `cp.reduce.async.bulk` (kernel.py
     `_reduce_bulk`; block 16 only: block 32's 221 KB leave no room for the 36 KB staging);
     red4 True: the probe candidate with the same staging read back into red.global.add.v4.f32
-    by the warps themselves (kernel.py `_reduce_v4`; block 16 only)."""
+    by the warps themselves (kernel.py `_reduce_v4`; block 16 only); red4p True: the candidate
+    whose consumers only stage and whose producer warpgroup's reducer warps issue those
+    red.global.add.v4.f32 (kernel.py `_stage_p` / `_serve`; block 16 only). Two probe-only
+    diagnostics of red4p (block 16, docs/attention/DSA_BWD_NOTES.md "red4p diagnostics"):
+    gather64 True: this build with red4p's gather (warps 0 .. RED4P_GATHER - 1 alone, the other
+    producer warps idle); handshake True (with red4p, reduce False): the reducer warps only wait
+    for each staged block and release it (no staging reads, no reductions). red4s True: the
+    standard form (`standard_red4s`): red4's reductions staged in the current tile's stage (no
+    extra shared memory; blocks 16 and 32; kernel.py `_reduce_v4s`)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if block not in BLOCKS:
         raise ValueError(f"block must be one of {BLOCKS}, got {block}")
-    if bulk and red4:
-        raise ValueError("bulk and red4 are two forms of the same reductions: pick one")
-    staged = bulk or red4
+    if bulk + red4 + red4p + red4s > 1:
+        raise ValueError("bulk, red4, red4p and red4s are forms of the same reductions: pick one")
+    if gather64 and (red4p or red4s or block not in RED4_BLOCKS):
+        raise ValueError("gather64: a diagnostic of block 16's builds other than red4p / red4s")
+    if handshake and (not red4p or reduce):
+        raise ValueError("handshake: a red4p diagnostic without reductions (reduce=False)")
+    staged = bulk or red4 or red4p
     if staged and smem_bytes(block, staged) > SMEM_CAPACITY:
-        name = "bulk" if bulk else "red4"
+        name = "bulk" if bulk else "red4" if red4 else "red4p"
         raise ValueError(
             f"{name}: {smem_bytes(block, staged)} bytes of shared memory at block {block}"
         )
@@ -130,4 +186,12 @@ def params_for(
         keys["bulk"] = True
     if red4:
         keys["red4"] = True
+    if red4p:
+        keys["red4p"] = True
+    if gather64:
+        keys["gather64"] = True
+    if handshake:
+        keys["handshake"] = True
+    if red4s:
+        keys["red4s"] = True
     return tuple(sorted(keys.items()))
