@@ -13,7 +13,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import forgekernel
 from forgekernel.kernels.attention.fwd.sm90 import launch as fwd_sm90
-from forgekernel.kernels.attention.fwd.sm90.config import VARLEN_CTAS_PER_SM, grid_ctas
+from forgekernel.kernels.attention.fwd.sm90.config import (
+    DYNAMIC_CTAS_PER_SM,
+    VARLEN_CTAS_PER_SM,
+    grid_ctas,
+)
 from forgekernel.kernels.common.sm90.constants import LOG2E
 from forgekernel.reference.attention import attention_ref, attention_varlen_ref
 from forgekernel.runtime.device import tma_ready
@@ -228,14 +232,17 @@ def test_short_gqa_queries_run_packed(cpu_kernel, sq, hq, hkv, qgroup):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_eager_path_hands_the_kernel_packed_tensors(cpu_kernel, causal):
+@pytest.mark.parametrize("d", [64, 128])
+def test_varlen_eager_path_hands_the_kernel_packed_tensors(cpu_kernel, causal, d):
     """The varlen launch: TMA-ready packed inputs, (Hq, total) LSE, the scale in log2 units,
-    max_seqlen_q and VARLEN_CTAS_PER_SM CTAs per SM; a reference-backed kernel."""
-    q, k, v, cu_q, cu_k, max_q, max_k = packed(lens_q=(3, 17, 0, 5), lens_k=(4, 9, 2, 0))
+    max_seqlen_q; D = 128 with the tile counter on one CTA a SM, the other head dims dealt
+    statically over VARLEN_CTAS_PER_SM CTAs a SM; a reference-backed kernel."""
+    q, k, v, cu_q, cu_k, max_q, max_k = packed(lens_q=(3, 17, 0, 5), lens_k=(4, 9, 2, 0), d=d)
     o, lse = forgekernel.attention_varlen(
         q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, return_lse=True
     )
-    assert cpu_kernel == [(64**-0.5, 1, 132 * VARLEN_CTAS_PER_SM, 17)]
+    per_sm = DYNAMIC_CTAS_PER_SM if d == 128 else VARLEN_CTAS_PER_SM
+    assert cpu_kernel == [(d**-0.5, 1, 132 * per_sm, 17)] and DYNAMIC == [d == 128]
     want_o, want_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, causal)
     torch.testing.assert_close(o, want_o.to(torch.bfloat16), rtol=0, atol=1e-2)
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
@@ -250,36 +257,30 @@ def test_grid_ctas():
         grid_ctas(132, -1)
 
 
-@pytest.mark.parametrize("varlen", [False, True])
-def test_bench_grid_variants_pass_their_grid(cpu_kernel, varlen):
-    """The suite's GRID_CANDIDATES reach the kernel as num_ctas (fixed length: one CTA a SM
-    unless a variant says otherwise) and write what the default launch writes."""
+def test_bench_grid_variants_pass_their_grid(cpu_kernel):
+    """The suite's GRID_CANDIDATES reach the kernel as num_ctas and the counter flag (the
+    default: the tile counter on one CTA a SM; `static`: the deal it replaced) and write what
+    the default launch writes; only the varlen D = 128 cases carry them."""
     from forgekernel.bench.suites import attention as suite
 
-    if varlen:
-        q, k, v, cu_q, cu_k, max_q, max_k = packed(lens_q=(3, 300, 5), lens_k=(40, 900, 5))
-        inputs = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k,
-                  "max_seqlen_q": max_q, "max_seqlen_k": max_k}  # fmt: skip
-        name = "varlen8-hq32-hkv8-chunk256to2048-d128-causal"
-        default = 132 * VARLEN_CTAS_PER_SM
-    else:
-        q, k, v = qkv(b=1, sq=200, sk=700, hq=8, hkv=2, d=128)
-        inputs = {"q": q, "k": k, "v": v}
-        name = "b1-hq32-hkv8-sq2048-sk8192-d128-causal"
-        default = 132
+    q, k, v, cu_q, cu_k, max_q, max_k = packed(lens_q=(3, 300, 5), lens_k=(40, 900, 5), d=128)
+    inputs = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k,
+              "max_seqlen_q": max_q, "max_seqlen_k": max_k}  # fmt: skip
+    name = "varlen8-hq32-hkv8-chunk256to2048-d128-causal"
     inputs |= {"causal": True, "softmax_scale": None}
     want = suite.run_ours(inputs, None)
     case = next(c for c in suite.BENCH_CASES if c.name == name)
     runs = suite.variants(case)
     knobs = suite.GRID_CANDIDATES[suite.GRID_TIMED[name]]
-    assert set(runs) == set(knobs) and "dynamic" in knobs
+    assert set(runs) == set(knobs) == {"static"}
     for run in runs.values():
         got = run(inputs, None)
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
     grids = [grid_ctas(132, k["ctas_per_sm"]) for k in knobs.values()]
-    assert [c[2] for c in cpu_kernel] == [default, *grids]
-    assert DYNAMIC == [False] + [bool(k.get("dynamic")) for k in knobs.values()]
+    assert [c[2] for c in cpu_kernel] == [132 * DYNAMIC_CTAS_PER_SM, *grids]
+    assert DYNAMIC == [True] + [bool(k.get("dynamic")) for k in knobs.values()]
+    assert set(suite.GRID_TIMED.values()) == {"varlen"}
     assert suite.variants(suite.CHECK_CASES[0]) == {}
 
 

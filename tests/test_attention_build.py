@@ -116,9 +116,9 @@ def test_snake_and_direct_o_build_on_the_uniform_datapath(tmp_path):
 @pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
 def test_dynamic_tiles_build_with_one_atomic_and_no_spills(tmp_path):
     """AttnConfig.dynamic (docs/attention/NOTES.md, "The chunked varlen case at 0.765x"): the
-    D = 128 varlen causal candidate (SPEC.candidate_params) keeps 168 registers and no local
-    memory, takes its tiles with one global atomic, and hands them over through shared memory."""
-    (params,) = [p for p in SPEC.candidate_params() if dict(p)["varlen"]][:1]
+    D = 128 varlen causal default keeps 168 registers and no local memory, takes its tiles
+    with one global atomic, and hands them over through shared memory."""
+    params = params_for("bfloat16", 128, 128, True, varlen=True)
     rec, sass = _build_with_sass(params, tmp_path)
     assert dict(params)["dynamic"] and rec["spill_bytes"] == 0 and rec["hgmma"]
     assert rec["registers"] == 168
@@ -128,9 +128,20 @@ def test_dynamic_tiles_build_with_one_atomic_and_no_spills(tmp_path):
 
 
 def test_dynamic_is_a_key_only_when_on():
-    """The standard keys (and cache entries) are those of before the knob; paged refuses it."""
+    """The standard keys (and cache entries) are those of before the knob but D = 128 varlen's
+    (the tile counter its default since 2026-12-04); paged refuses it."""
     dyn = AttnConfig(dynamic=True)
-    assert all("dynamic" not in dict(p) for p in SPEC.standard_params())
+    on = [dict(p) for p in SPEC.standard_params() if "dynamic" in dict(p)]
+    assert on and all(p["dynamic"] and p["varlen"] and not p["page_box"] for p in on)
+    assert {(p["head_dim"], p["head_dim_v"]) for p in on} == {(128, 128)}
+    assert len(on) == 4  # both dtypes, both masks
+    assert default_config(128, 128, varlen=True) == dyn
+    assert not default_config(128, 128, paged=True, varlen=True).dynamic
+    assert not any(default_config(d, dv, varlen=True).dynamic for d, dv in HEAD_DIMS
+                   if (d, dv) != (128, 128))  # fmt: skip
+    # the static deal it replaced: the bench's `static` variant
+    (static,) = [dict(p) for p in SPEC.candidate_params()]
+    assert static["varlen"] and "dynamic" not in static
     key = dict(params_for("bfloat16", 128, 128, True, dyn, varlen=True))
     assert key["dynamic"] and AttnConfig.from_params(key) == dyn
     std = dict(params_for("bfloat16", 128, 128, True))

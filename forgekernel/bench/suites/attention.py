@@ -236,31 +236,19 @@ def make_inputs(
     }
 
 
-# The launch grid and tile deal (docs/attention/NOTES.md, "The chunked varlen case at
-# 0.765x"): ours runs varlen at config.VARLEN_CTAS_PER_SM CTAs a SM and fixed length at
-# FIXED_CTAS_PER_SM, tiles dealt statically; these variants time other grids (`ctas_per_sm`;
-# 0: one CTA a tile, FA4's grid) and the dynamic deal (`dynamic`: the D = 128 default with
-# AttnConfig.dynamic, one CTA a SM taking tiles from a counter) beside it, through the leaf's
-# launcher. `persistent`: one CTA a SM, the varlen grid before the change.
+# The tile deal of the varlen launch (docs/attention/NOTES.md, "The chunked varlen case at
+# 0.765x" and "Measured 2026-12-04 00:40-00:50"): D = 128 varlen takes its tiles from a counter
+# (AttnConfig.dynamic, one CTA a SM); `static` times the deal it replaced beside it (tiles dealt
+# statically over config.VARLEN_CTAS_PER_SM CTAs a SM), through the leaf's launcher. The other
+# grids measured there (one CTA a SM or a tile, 8 a SM; fixed length at 2 or 4 a SM, dynamic)
+# are in the notes.
 GRID_CANDIDATES: dict[str, dict[str, dict[str, int]]] = {
-    "varlen": {
-        "persistent": {"ctas_per_sm": 1},
-        "x8": {"ctas_per_sm": 8},
-        "one_a_tile": {"ctas_per_sm": 0},
-        "dynamic": {"ctas_per_sm": 1, "dynamic": 1},
-    },
-    "fixed": {
-        "x2": {"ctas_per_sm": 2},
-        "x4": {"ctas_per_sm": 4},
-        "dynamic": {"ctas_per_sm": 1, "dynamic": 1},
-    },
+    "varlen": {"static": {"ctas_per_sm": 4, "dynamic": 0}},
 }
 GRID_TIMED = {
     "varlen8-hq32-hkv8-chunk256to2048-d128-causal": "varlen",
     "varlen64-hq32-hkv8-s64to1024-d128-causal": "varlen",
     "varlen16-hq64-hkv4-s256to8192-d128-causal": "varlen",
-    "b1-hq32-hkv8-sq2048-sk8192-d128-causal": "fixed",
-    "b2-hq64-hkv8-sq1024-sk16384-d128-causal": "fixed",
 }
 
 
@@ -275,20 +263,19 @@ def variants(case: Case) -> dict[str, Any]:
 
 
 def run_grid(inputs: Inputs, out: tuple | None, ctas_per_sm: int = 1, dynamic: int = 0) -> tuple:
-    """Ours through the leaf's launcher with ctas_per_sm CTAs a SM (0: one a tile) in place
-    of the default grid and, with `dynamic`, the head dims' default config with the tile
-    counter (AttnConfig.dynamic); validated inputs (the suite's) into `out`."""
+    """Ours through the leaf's launcher with the head dims' default config for the launch
+    (varlen or not) with `dynamic` set as given (AttnConfig.dynamic: the tile counter) on
+    ctas_per_sm CTAs a SM (0: one a tile); validated inputs (the suite's) into `out`."""
     from forgekernel.kernels.attention.fwd.sm90.config import default_config
     from forgekernel.kernels.attention.fwd.sm90.launch import attention_fwd, attention_varlen_fwd
 
     o, lse = out if out is not None else alloc_out(inputs)
     q, v, causal, scale = inputs["q"], inputs["v"], inputs["causal"], inputs["softmax_scale"]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    cfg = None
-    if dynamic:
-        cfg = dataclasses.replace(default_config(q.shape[-1], v.shape[-1]), dynamic=True)
-    grid = {"ctas_per_sm": ctas_per_sm, "config": cfg}
-    if _varlen(inputs):
+    varlen = _varlen(inputs)
+    cfg = default_config(q.shape[-1], v.shape[-1], varlen=varlen)
+    grid = {"ctas_per_sm": ctas_per_sm, "config": dataclasses.replace(cfg, dynamic=bool(dynamic))}
+    if varlen:
         q, k, v, cu_q, cu_k, max_q, _ = _varlen_args(inputs)
         attention_varlen_fwd(q, k, v, o, lse, cu_q, cu_k, max_q, scale, causal, **grid)
     else:

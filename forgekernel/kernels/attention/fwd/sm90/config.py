@@ -52,8 +52,10 @@ class AttnConfig:
     `scheduler.atomic`: CTA c starts on tile c, then grid + the counter's old value, bumped by
     the producer once a tile's loads are issued and handed to the consumer warps through a
     shared-memory ring), in the same tile order; the launcher passes a zeroed int32 (1,) in
-    the page-table slot (not with paged; snake ignored). A candidate for the chunked varlen
-    case (docs/attention/NOTES.md, "The chunked varlen case at 0.765x"), off by default.
+    the page-table slot (not with paged; snake ignored) and launches one CTA a SM. On for the
+    D = 128 varlen default (`_VARLEN_DEFAULTS`): H200 2026-12-04 00:46, 0.935 of the static
+    deal's time (4 CTAs a SM) on chunked prefill, 0.963 / 0.989 on the two dense varlen
+    cases; fixed length lost (0.984 / 1.011), so it stays off there.
 
     Variants measured and dropped from the kernel are listed in docs/attention/NOTES.md."""
 
@@ -117,6 +119,12 @@ _DEFAULTS = {
     (256, 256): AttnConfig(tile_n=80, stages=2, snake=True),
     (192, 128): AttnConfig(tile_n=128, stages=2, late_rescale=False, l2_kv_mib=40),
 }
+# The varlen launch's, where they differ: D = 128 takes its tiles from a counter (`dynamic`,
+# one CTA a SM), measured 0.935 / 0.963 / 0.989 of the static deal's time on the chunked and
+# the two dense varlen cases (docs/attention/NOTES.md, "Measured 2026-12-04 00:40-00:50").
+_VARLEN_DEFAULTS = {
+    (128, 128): AttnConfig(tile_n=128, stages=2, dynamic=True),
+}
 # The paged mode's, where they differ: its K / V tiles load one TMA box a page, and a box
 # must divide both the tile and the page (`page_box_for`); 80-key tiles would gather pages of
 # 32 to 128 rows, so D=256 keeps 64-key tiles there (snake is off in the paged mode anyway).
@@ -136,17 +144,26 @@ PAGE_BOXES = (8, 16, 32, 64, 128)
 PAGED_MIN_SEQLEN_Q = 5
 
 
-# The grid of a varlen launch, in CTAs a SM (one runs on an SM at a time: the consumers take the
-# register file). The kernel deals its tiles statically (CTA c takes tiles c, c + grid, ...),
-# longest first by row block, which balances when a row block's tiles cost alike; a chunked
-# prefill batch's do not (a tile's key blocks follow its sequence's cached prefix): varlen8
-# hq32 chunk256to2048 ran 1.25x the mean load on its busiest SM in a model (blocks + a per-tile
-# cost), 0.765x FA4 on the H200. With 4 CTAs a SM the hardware hands the later CTAs to the SMs
-# that free first: 1.09 over the mean in the model, and 0.98-1.03 of the one-a-SM time on the
-# dense varlen cases. 0: one CTA a tile (FA4's grid, no persistent walk). Fixed length keeps
-# one a SM (FIXED_CTAS_PER_SM). docs/attention/NOTES.md, "The chunked varlen case at 0.765x".
+# The grid of a static-deal varlen launch, in CTAs a SM (one runs on an SM at a time: the consumers
+# take the register file). The kernel deals its tiles statically (CTA c takes tiles c, c + grid,
+# ...), longest first by row block, which balances when a row block's tiles cost alike; a chunked
+# prefill batch's do not (a tile's key blocks follow its sequence's cached prefix): varlen8 hq32
+# chunk256to2048 ran 1.25x the mean load on its busiest SM in a model (blocks + a per-tile cost),
+# 0.765x FA4 on the H200. With 4 CTAs a SM the hardware hands the later CTAs to the SMs that free
+# first: 1.09 over the mean in the model, and 0.98-1.03 of the one-a-SM time on the dense varlen
+# cases. 0: one CTA a tile (FA4's grid, no persistent walk). Fixed length keeps one a SM
+# (FIXED_CTAS_PER_SM), and so do dynamic configs (DYNAMIC_CTAS_PER_SM: the counter balances;
+# `default_ctas_per_sm`). docs/attention/NOTES.md, "The chunked varlen case at 0.765x".
 VARLEN_CTAS_PER_SM = 4
 FIXED_CTAS_PER_SM = 1
+DYNAMIC_CTAS_PER_SM = 1
+
+
+def default_ctas_per_sm(cfg: AttnConfig, varlen: bool) -> int:
+    """The default grid of a launch of `cfg`, in CTAs a SM (`grid_ctas`)."""
+    if cfg.dynamic:
+        return DYNAMIC_CTAS_PER_SM
+    return VARLEN_CTAS_PER_SM if varlen else FIXED_CTAS_PER_SM
 
 
 def grid_ctas(num_sms: int, ctas_per_sm: int) -> int:
@@ -167,10 +184,15 @@ def page_box_for(page_size: int, tile_n: int) -> int:
     return box
 
 
-def default_config(head_dim: int, head_dim_v: int, paged: bool = False) -> AttnConfig:
-    """The default for a head-dim pair (no tuning at call time); `paged`: the paged mode's."""
+def default_config(
+    head_dim: int, head_dim_v: int, paged: bool = False, varlen: bool = False
+) -> AttnConfig:
+    """The default for a head-dim pair (no tuning at call time); `paged`: the paged mode's,
+    `varlen` (not paged): the varlen launch's."""
     if paged and (head_dim, head_dim_v) in _PAGED_DEFAULTS:
         return _PAGED_DEFAULTS[(head_dim, head_dim_v)]
+    if varlen and not paged and (head_dim, head_dim_v) in _VARLEN_DEFAULTS:
+        return _VARLEN_DEFAULTS[(head_dim, head_dim_v)]
     try:
         return _DEFAULTS[(head_dim, head_dim_v)]
     except KeyError:
@@ -191,7 +213,7 @@ def params_for(
     """The compile key's baked-in part, as a sorted tuple of (name, value). page_box > 0: K
     and V from a paged cache, one TMA box of page_box rows per page of a tile (varlen
     queries; `page_box_for`)."""
-    cfg = cfg or default_config(head_dim, head_dim_v, paged=page_box > 0)
+    cfg = cfg or default_config(head_dim, head_dim_v, paged=page_box > 0, varlen=varlen)
     if cfg.dynamic and page_box:
         raise ValueError("dynamic tiles are not for the paged mode (its own walk)")
     key = {

@@ -12,11 +12,10 @@ import torch
 
 from forgekernel.kernels.attention.fwd.sm90 import SPEC
 from forgekernel.kernels.attention.fwd.sm90.config import (
-    FIXED_CTAS_PER_SM,
     PAGED_MIN_SEQLEN_Q,
-    VARLEN_CTAS_PER_SM,
     AttnConfig,
     default_config,
+    default_ctas_per_sm,
     grid_ctas,
     page_box_for,
     params_for,
@@ -59,12 +58,15 @@ def _kernel(
     dtype: torch.dtype, head_dim: int, head_dim_v: int, causal: bool, varlen: bool, box: int,
     device_index: int | None,
 ) -> tuple:  # fmt: skip
-    """(the compiled function of the head dims' analytical default, the device's SM count):
-    a plan, built once per key (params_for's dataclass walk cost 4.4 us per call on the CPU,
-    the kernel lookup and the SM count 1-2 more)."""
-    params = params_for(dtype_name(dtype), head_dim, head_dim_v, causal, varlen=varlen,
+    """(the compiled function of the head dims' analytical default, the device's SM count,
+    the default's CTAs a SM, whether it takes a tile counter): a plan, built once per key
+    (params_for's dataclass walk cost 4.4 us per call on the CPU, the kernel lookup and the SM
+    count 1-2 more)."""
+    cfg = default_config(head_dim, head_dim_v, paged=box > 0, varlen=varlen)
+    params = params_for(dtype_name(dtype), head_dim, head_dim_v, causal, cfg, varlen=varlen,
                         page_box=box)  # fmt: skip
-    return get_kernel(SPEC, params), num_sms(device_index)
+    fn = get_kernel(SPEC, params)
+    return fn, num_sms(device_index), default_ctas_per_sm(cfg, varlen), cfg.dynamic
 
 
 _plans = PlanCache()
@@ -77,12 +79,18 @@ def _plan(dtype, head_dim, head_dim_v, causal, varlen, device, box=0) -> tuple:
 
 
 def _config_kernel(q, v, causal: bool, varlen: bool, config: AttnConfig) -> tuple:
-    """(the compiled function of `config`, the SM count, the tile counter or None): a
-    variant's kernel (bench), looked up per call; dynamic configs get a zeroed counter."""
+    """(the compiled function of `config`, the SM count, its CTAs a SM, whether it takes a
+    tile counter): a variant's kernel (bench), looked up per call."""
     params = params_for(dtype_name(q.dtype), q.shape[-1], v.shape[-1], causal, config,
                         varlen=varlen)  # fmt: skip
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if config.dynamic else None
-    return get_kernel(SPEC, params), num_sms(q.device.index), counter
+    fn = get_kernel(SPEC, params)
+    return fn, num_sms(q.device.index), default_ctas_per_sm(config, varlen), config.dynamic
+
+
+def _counter(q: torch.Tensor, dynamic: bool) -> torch.Tensor | None:
+    """A dynamic kernel's tile counter: a zeroed int32 (1,) (one memset a launch; captured in
+    a CUDA graph as a memset node), else None."""
+    return torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else None
 
 
 def clear_plans() -> None:
@@ -127,7 +135,8 @@ def attention_fwd(
 ) -> None:
     """o (B, Sq, Hq, Dv) and lse (B, Hq, Sq) fp32, any views, for validated q (B, Sq, Hq, D),
     k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv). ctas_per_sm: the grid (`config.grid_ctas`; None:
-    FIXED_CTAS_PER_SM); config: a variant's kernel in place of the default (bench)."""
+    the config's, `config.default_ctas_per_sm`); config: a variant's kernel in place of the
+    default (bench)."""
     if o.numel() == 0:  # no batch, query rows or heads
         return
     if k.shape[1] == 0:
@@ -148,12 +157,12 @@ def _launch(
     run packed: the G query heads of a kv head become G rows per position of one head (qgroup
     = G tells the kernel's causal mask)."""
     device = q.device
-    counter = None
     if config is None:
-        fn, ctas = _plan(q.dtype, q.shape[-1], v.shape[-1], causal, False, device)
+        fn, sms, per_sm, dynamic = _plan(q.dtype, q.shape[-1], v.shape[-1], causal, False, device)
     else:
-        fn, ctas, counter = _config_kernel(q, v, causal, False, config)
-    ctas = grid_ctas(ctas, FIXED_CTAS_PER_SM if ctas_per_sm is None else ctas_per_sm)
+        fn, sms, per_sm, dynamic = _config_kernel(q, v, causal, False, config)
+    ctas = grid_ctas(sms, per_sm if ctas_per_sm is None else ctas_per_sm)
+    counter = _counter(q, dynamic)
     group = q.shape[2] // k.shape[2]
     with on_device(device):
         if group > 1 and q.shape[1] < PACK_GQA_MAX_SQ:
@@ -185,7 +194,7 @@ def attention_varlen_fwd(
 ) -> None:
     """o (Tq, Hq, Dv) and lse (Hq, Tq) fp32, any views, for validated packed q (Tq, Hq, D),
     k (Tk, Hkv, D), v (Tk, Hkv, Dv); int32 offsets (B + 1,) on q's device. ctas_per_sm: the
-    grid (`config.grid_ctas`; None: VARLEN_CTAS_PER_SM, several CTAs a SM); config: a
+    grid (`config.grid_ctas`; None: the config's, `config.default_ctas_per_sm`); config: a
     variant's kernel in place of the default (bench)."""
     if o.numel() == 0 or max_seqlen_q == 0:
         return
@@ -196,12 +205,12 @@ def attention_varlen_fwd(
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     o_dst = tma_target(o)
     lse_dst = lse if lse.stride(-1) == 1 else torch.empty(lse.shape, device=lse.device)
-    counter = None
     if config is None:
-        fn, sms = _plan(q.dtype, q.shape[-1], v.shape[-1], causal, True, q.device)
+        fn, sms, per_sm, dynamic = _plan(q.dtype, q.shape[-1], v.shape[-1], causal, True, q.device)
     else:
-        fn, sms, counter = _config_kernel(q, v, causal, True, config)
-    ctas = grid_ctas(sms, VARLEN_CTAS_PER_SM if ctas_per_sm is None else ctas_per_sm)
+        fn, sms, per_sm, dynamic = _config_kernel(q, v, causal, True, config)
+    ctas = grid_ctas(sms, per_sm if ctas_per_sm is None else ctas_per_sm)
+    counter = _counter(q, dynamic)
     with on_device(q.device):
         fn(q, k, v, o_dst, lse_dst, cu_q, cu_k, softmax_scale * LOG2E, max_seqlen_q, 1, ctas,
            counter)  # fmt: skip
@@ -241,7 +250,7 @@ def attention_paged_fwd(
     # buffers start as o and lse: the rows of the skipped sequences come back unchanged
     o_dst = tma_target(o, keep=True)
     lse_dst = lse if lse.stride(-1) == 1 else lse.contiguous()
-    fn, ctas = _plan(q.dtype, d, d, causal, True, q.device, box)
+    fn, ctas, _, _ = _plan(q.dtype, d, d, causal, True, q.device, box)
     with on_device(q.device):
         fn(q, k_cache, v_cache, o_dst, lse_dst, cu_q, lens, softmax_scale * LOG2E, max_seqlen_q,
            1, ctas, table)  # fmt: skip
