@@ -71,6 +71,17 @@ def test_sparse_bwd_kernel_red4s(block):
     _check_kernel(block, False, red4s=True)
 
 
+@pytest.mark.parametrize("block,reduce", [(16, True), (32, True), (32, False)])
+def test_sparse_bwd_kernel_xchg4s(block, reduce):
+    """The xchg4s candidate (red4s under xchg; config.py's RED4S_OFFSET comment): xchg's WGMMAs
+    (S^T in one warpgroup, dP^T in the other) and exchange (scalar stores: no STS.64 of its
+    own), red4s's 144 STS.64, 72 LDS.128 and 72 REDG.E.ADD.F32x4 a thread loop, the same one
+    128-thread DQ_DONE barrier a consumer path and the empty arrival right after the last
+    block's 128-bit loads; no spills under the 224-register consumers. reduce False: the
+    probe's build keeps the same code behind a never-true guard."""
+    _check_kernel(block, True, reduce, red4s=True)
+
+
 def test_stage_chunks_are_contiguous():
     """red4s addresses the stage as fp32 bytes: column block k of the (64, 64, 9 x stages)
     128-byte-swizzled stage layout must be exactly the 8 KB at k x 8 KB (the swizzle permutes
@@ -102,6 +113,7 @@ def test_stage_chunks_are_contiguous():
 def _check_kernel(block, xchg, reduce=True, red4s=False):
     res, ops = _compiled(config.params_for("bfloat16", block, reduce, xchg, red4s))
     assert res["spill_bytes"] == 0 and ops["LDL"] == ops["STL"] == 0
+    assert res["registers"] <= 65536 // config.THREADS  # the launch's share (setmaxnreg splits it)
     k = block // 16  # k-steps of a dkv block
     n_dq = [len(b) for b in config.DQ_BLOCKS]
     n_dkv = [sum(2 if c < config.D_V // config.CHUNK else 1 for c in b) for b in config.DKV_BLOCKS]
