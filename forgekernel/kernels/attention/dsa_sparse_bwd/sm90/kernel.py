@@ -6,7 +6,7 @@ Delta' = rowsum(dO O) - dlse exp(lse_all - lse) (reference.dsa `dsa_sparse_atten
     P^T  = exp2(scale log2(e) K q^T - lse2)       (64 gathered rows x BLOCK heads, a tile)
     dS^T = scale P^T (V dO^T - Delta')
     dq  += dS K                                   (kept transposed: dq^T = K^T dS^T)
-    dkv[row] += dS^T q + P^T dO (first 512 columns)  fp32 `red.global.add.v2.f32`
+    dkv[row] += dS^T q + P^T dO (first 512 columns)  fp32 reductions (red4s below, or v2)
 
 K = the 576-wide gathered rows, V their first 512 columns. An entry is valid when its list
 position is < topk and 0 <= entry < slots: an invalid row is zero-filled in shared memory, its
@@ -525,7 +525,8 @@ class DsaSparseBwdSm90:
 
     @cute.jit
     def _reduce_v2(self, acc, kv_crd, rids, mdKV, c: cutlass.Constexpr[int]):
-        """The default: `red.global.add.v2.f32` from the registers (`_reduce`)."""
+        """v2 (red4s False): two adjacent columns a `red.global.add.v2.f32` from the registers
+        (raw fragment order: i = col pair + 2 (row half) + 4 (pair group))."""
         for h in cutlass.range_constexpr(2):  # one branch and one row address per row half
             ok = rids[h] >= 0 if const_expr(self.reduce) else rids[h] == -2  # ids are >= -1
             if ok:
