@@ -7,18 +7,11 @@ One line each, ms a launch (graph replays, `runtime.timing.time_interleaved`): t
 (concatenations, preprocess, kernel, cast); the launcher alone (preprocess, zeroed
 accumulator, the standard kernel: red4s); the launcher with the probe build whose dkv
 reductions never run (`params_for(..., reduce=False)`: the MMA / gather / softmax side alone);
-the same two for the `xchg` candidate (S^T in one warpgroup, dP^T in the other); the
-fragments' red.global.add.v2 (`launcher, v2`: both blocks' form before red4s); at H = 16 red4
-(red4s's reductions from a dedicated staging buffer: block 16's form before red4s), the `bulk`
-candidate (dkv blocks staged in shared memory, added by cp.reduce.async.bulk), alone, with xchg
-and without reductions; the `red4p` candidate (red4's reductions issued by the producer
-warpgroup's reducer warps, the consumers only staging), alone, with xchg and without
-reductions (each after an agreement check), and red4p's diagnostics (probe builds): red4 with
-red4p's 64-thread gather (after an agreement check), alone (`red4, gather64`) and without
-reductions (`gather64, no reductions`), and red4p whose reducer warps only handshake (wait for
-each staged block, release it unread: `red4p handshake only`; dkv stays 0, no check;
-docs/attention/DSA_BWD_NOTES.md "red4p diagnostics"); red4s without reductions (its staging and
-the later stage release); the preprocess alone.
+the same two for the `xchg` candidate (S^T in one warpgroup, dP^T in the other; the fragments'
+red.global.add.v2, as measured); the fragments' red.global.add.v2 (`launcher, v2`: both
+blocks' form before red4s); red4s without reductions (its staging and the later stage
+release); the `xchg4s` candidate (red4s under xchg, after an agreement check) and it without
+reductions; the preprocess alone.
 The kernel at 5504 FLOP per (token, head, entry). Build first: `python3 -m forgekernel build
 --only dsa_sparse_bwd_sm90 --candidates`."""
 
@@ -79,35 +72,15 @@ def main(s: int = 4096, h: int = 16, topk: int = 2048, s_kv: int = 8192) -> None
         "launcher, xchg": lambda: launch.dsa_sparse_bwd(*args, xchg=True),
         "xchg, no reductions": lambda: launch.dsa_sparse_bwd(*args, reduce=False, xchg=True),
     }
-    if h == 16 and _agrees(args, "bulk"):  # bulk and red4 are built at block 16 only
-        fns |= {
-            "launcher, bulk": lambda: launch.dsa_sparse_bwd(*args, bulk=True),
-            "bulk, xchg": lambda: launch.dsa_sparse_bwd(*args, xchg=True, bulk=True),
-            "bulk, no reductions": lambda: launch.dsa_sparse_bwd(*args, reduce=False, bulk=True),
-        }
-    # the fragments' red.global.add.v2 (both blocks' form before red4s), red4 (red4s's
-    # reductions from a dedicated staging buffer: block 16's form before red4s)
     fns["launcher, v2"] = lambda: launch.dsa_sparse_bwd(*args, red4s=False)
-    if h == 16 and _agrees(args, "red4"):
-        fns["launcher, red4"] = lambda: launch.dsa_sparse_bwd(*args, red4=True)
-    if h == 16 and _agrees(args, "red4p"):  # the reductions by the producer warps
+    fns["red4s, no reductions"] = lambda: launch.dsa_sparse_bwd(*args, reduce=False, red4s=True)
+    if _agrees(args, "xchg4s", xchg=True, red4s=True):  # red4s under xchg
         fns |= {
-            "launcher, red4p": lambda: launch.dsa_sparse_bwd(*args, red4p=True),
-            "red4p, xchg": lambda: launch.dsa_sparse_bwd(*args, xchg=True, red4p=True),
-            "red4p, no reductions": lambda: launch.dsa_sparse_bwd(*args, reduce=False, red4p=True),
-        }
-    if h == 16 and _agrees(args, "gather64", red4=True, gather64=True):  # red4p's gather alone
-        fns |= {
-            "red4, gather64": lambda: launch.dsa_sparse_bwd(*args, red4=True, gather64=True),
-            "gather64, no reductions": lambda: launch.dsa_sparse_bwd(
-                *args, reduce=False, gather64=True
+            "launcher, xchg4s": lambda: launch.dsa_sparse_bwd(*args, xchg=True, red4s=True),
+            "xchg4s, no reductions": lambda: launch.dsa_sparse_bwd(
+                *args, reduce=False, xchg=True, red4s=True
             ),
         }
-    if h == 16:  # and red4p's handshake alone (dkv stays 0: nothing to check)
-        fns["red4p handshake only"] = lambda: launch.dsa_sparse_bwd(
-            *args, reduce=False, red4p=True, handshake=True
-        )
-    fns["red4s, no reductions"] = lambda: launch.dsa_sparse_bwd(*args, reduce=False, red4s=True)
     fns |= {
         "preprocess": lambda: launch.preprocess(out, dout, lse, None, sink),
     }

@@ -34,12 +34,8 @@ def test_params_and_blocks():
     standard = {dict(p)["block"]: dict(p).get("red4s", False) for p in SPEC.standard_params()}
     assert standard == {16: True, 32: True}
     assert all(config.standard_red4s(b) for b in config.BLOCKS)
-    others = ((False, False, False), (True, True, False), (True, False, True))
-    for b in config.BLOCKS:  # no-reduction, xchg and bulk builds keep their own forms
-        assert not any(config.standard_red4s(b, r, x, k) for r, x, k in others)
-    assert not config.standard_red4s(16, red4=True)  # red4 keeps its own staging
-    assert not config.standard_red4s(16, red4p=True)  # red4p keeps its own form
-    assert not config.standard_red4s(16, gather64=True)  # gather64: a red4 diagnostic
+    for b in config.BLOCKS:  # the no-reduction and xchg builds keep the fragments' v2
+        assert not any(config.standard_red4s(b, r, x) for r, x in ((False, False), (True, True)))
     assert SPEC.name == "dsa_sparse_bwd_sm90" and SPEC.representative_params() in [
         *SPEC.standard_params()
     ]
@@ -50,93 +46,73 @@ def test_smem_plan_fits():
         assert config.stages(b) == 2
         assert config.smem_bytes(b) <= SMEM_CAPACITY
     assert config.smem_bytes(16) == 18432 + 16384 + 4096 + 1024 + 2 * 73728
-    # the bulk / red4 candidates' staging: 8 consumer warps x 16 rows x 72 floats, block 16 only
-    assert config.smem_bytes(16, staged=True) == config.smem_bytes(16) + 8 * 16 * 72 * 4
-    assert config.smem_bytes(16, True) <= SMEM_CAPACITY < config.smem_bytes(32, True)
-    assert dict(config.params_for("bfloat16", 16, bulk=True))["bulk"] is True
-    assert dict(config.params_for("bfloat16", 16, red4=True))["red4"] is True
-    with pytest.raises(ValueError, match="bulk"):
-        config.params_for("bfloat16", 32, bulk=True)
-    with pytest.raises(ValueError, match="red4"):
-        config.params_for("bfloat16", 32, red4=True)
-    with pytest.raises(ValueError, match="pick one"):
-        config.params_for("bfloat16", 16, bulk=True, red4=True)
-    # red4p: the same staging (its 16 staging mbarriers inside BARRIER_BYTES), block 16 only
-    assert dict(config.params_for("bfloat16", 16, red4p=True))["red4p"] is True
-    stages = config.stages(16)  # full / empty, sfull / sempty, the stages' row ids
-    assert 16 * stages + 16 * config.BULK_WARPS + 4 * config.TILE * stages <= config.BARRIER_BYTES
-    with pytest.raises(ValueError, match="red4p"):
-        config.params_for("bfloat16", 32, red4p=True)
-    for other in ({"bulk": True}, {"red4": True}, {"red4s": True}):
-        with pytest.raises(ValueError, match="pick one"):
-            config.params_for("bfloat16", 16, red4p=True, **other)
-    # the producer warpgroup split: gathering warps + reducer warps, each reducer serving the
-    # same number of warps of each consumer warpgroup
-    assert config.RED4P_GATHER + config.RED4P_REDUCERS == 4 and config.RED4P_REDUCERS == 2
-    assert config.BULK_WARPS % config.RED4P_REDUCERS == 0
+
+
+def test_candidate_params():
+    """The probe's builds at both blocks: v2 (with and without reductions), xchg (v2, with and
+    without), red4s without reductions, and xchg4s (red4s under xchg) with and without; the
+    measured-and-dropped forms (bulk, red4, red4p and its diagnostics) are gone from the keys."""
     cands = [dict(p) for p in SPEC.candidate_params()]
-    red4p = [
-        (c.get("noreduce", False), c.get("xchg", False))
-        for c in cands
-        if c.get("red4p") and not c.get("handshake")
-    ]
-    assert sorted(red4p) == [(False, False), (False, True), (True, False)]
-    assert all(c["block"] == 16 and c["dtype"] == "bfloat16" for c in cands if c.get("red4p"))
-    # red4p's probe-only diagnostics: its gather in the standard / no-reduction build, its
-    # handshake alone
-    diag = [c for c in cands if c.get("gather64") or c.get("handshake")]
-    assert diag == [
-        {"dtype": "bfloat16", "block": 16, "red4": True, "gather64": True},
-        {"dtype": "bfloat16", "block": 16, "noreduce": True, "gather64": True},
-        {"dtype": "bfloat16", "block": 16, "noreduce": True, "red4p": True, "handshake": True},
-    ]
-    for bad in ({"block": 32, "gather64": True}, {"block": 16, "gather64": True, "red4p": True},
-                {"block": 16, "handshake": True}, {"block": 16, "handshake": True, "red4p": True},
-                {"block": 16, "handshake": True, "reduce": False},
-                {"block": 16, "gather64": True, "red4s": True},
-                {"block": 16, "handshake": True, "reduce": False, "red4s": True}):  # fmt: skip
-        with pytest.raises(ValueError, match="gather64|handshake"):
-            config.params_for("bfloat16", **bad)
+    assert len(cands) == len({tuple(sorted(c.items())) for c in cands}) == 14
+    for b in config.BLOCKS:
+        forms = sorted(
+            (not c.get("noreduce", False), c.get("xchg", False), c.get("red4s", False))
+            for c in cands
+            if c["block"] == b
+        )
+        assert forms == sorted([(False, False, False), (True, False, False), (True, True, False),
+                                (False, True, False), (False, False, True), (True, True, True),
+                                (False, True, True)])  # fmt: skip
+    assert all(c["dtype"] == "bfloat16" for c in cands)
+    assert not set().union(*cands) - {"dtype", "block", "noreduce", "xchg", "red4s"}
+    std = {tuple(sorted(dict(p).items())) for p in SPEC.standard_params()}
+    assert not std & {tuple(sorted(c.items())) for c in cands}
+    for gone in ("bulk", "red4", "red4p", "gather64", "handshake"):
+        with pytest.raises(TypeError):
+            config.params_for("bfloat16", 16, **{gone: True})
+    for name in ("BULK_WARPS", "RED4P_GATHER", "RED4P_REDUCERS", "RED4_BLOCKS", "bulk_bytes"):
+        assert not hasattr(config, name)
 
 
 def test_launcher_compile_keys(monkeypatch):
     """The launcher's candidate keywords reach the compile key (the kernel call faked on the
-    CPU): every H takes red4s unless a candidate is named, red4 / red4p their own forms."""
+    CPU): every H takes red4s unless a form is named; xchg and reduce=False alone the
+    fragments' v2; xchg with red4s=True the candidate xchg4s."""
     seen = []
     monkeypatch.setattr(launch, "get_kernel", lambda spec, params: seen.append(dict(params))
                         or (lambda *a: None))  # fmt: skip
-    q, kv, idx = _rows()
-    out = torch.randn(q.shape[0], q.shape[1], LATENT).to(q.dtype)
-    lse = torch.zeros(q.shape[:2])
-    args = (q, kv, out, out, lse, None, None, idx, 0.1)
-    launch.dsa_sparse_bwd(*args)
-    launch.dsa_sparse_bwd(*args, red4p=True)
-    launch.dsa_sparse_bwd(*args, reduce=False, xchg=True, red4p=True)
-    launch.dsa_sparse_bwd(*args, red4=True, gather64=True)
-    launch.dsa_sparse_bwd(*args, reduce=False, gather64=True)
-    launch.dsa_sparse_bwd(*args, reduce=False, red4p=True, handshake=True)
-    launch.dsa_sparse_bwd(*args, red4s=True)
-    launch.dsa_sparse_bwd(*args, red4s=False)
-    launch.dsa_sparse_bwd(*args, red4=True)
-    launch.dsa_sparse_bwd(*args, reduce=False)
-    assert seen == [
-        {"dtype": "bfloat16", "block": 16, "red4s": True},
-        {"dtype": "bfloat16", "block": 16, "red4p": True},
-        {"dtype": "bfloat16", "block": 16, "noreduce": True, "xchg": True, "red4p": True},
-        {"dtype": "bfloat16", "block": 16, "red4": True, "gather64": True},
-        {"dtype": "bfloat16", "block": 16, "noreduce": True, "gather64": True},
-        {"dtype": "bfloat16", "block": 16, "noreduce": True, "red4p": True, "handshake": True},
-        {"dtype": "bfloat16", "block": 16, "red4s": True},
-        {"dtype": "bfloat16", "block": 16},
-        {"dtype": "bfloat16", "block": 16, "red4": True},
-        {"dtype": "bfloat16", "block": 16, "noreduce": True},
-    ]
-    # red4s: red4's staging in the current tile's stage, no extra shared memory, both blocks
+    for heads in (16, 64):
+        q, kv, idx = _rows(heads=heads)
+        out = torch.randn(q.shape[0], q.shape[1], LATENT).to(q.dtype)
+        lse = torch.zeros(q.shape[:2])
+        args = (q, kv, out, out, lse, None, None, idx, 0.1)
+        launch.dsa_sparse_bwd(*args)
+        launch.dsa_sparse_bwd(*args, red4s=True)
+        launch.dsa_sparse_bwd(*args, red4s=False)
+        launch.dsa_sparse_bwd(*args, reduce=False)
+        launch.dsa_sparse_bwd(*args, reduce=False, red4s=True)
+        launch.dsa_sparse_bwd(*args, xchg=True)
+        launch.dsa_sparse_bwd(*args, xchg=True, red4s=True)
+        launch.dsa_sparse_bwd(*args, reduce=False, xchg=True, red4s=True)
+    for b, keys in ((16, seen[:8]), (32, seen[8:])):
+        base = {"dtype": "bfloat16", "block": b}
+        assert keys == [
+            base | {"red4s": True},
+            base | {"red4s": True},
+            base,
+            base | {"noreduce": True},
+            base | {"noreduce": True, "red4s": True},
+            base | {"xchg": True},
+            base | {"xchg": True, "red4s": True},
+            base | {"noreduce": True, "xchg": True, "red4s": True},
+        ]
+    # every key the launcher reaches is a standard or candidate build (built before a probe)
+    built = {tuple(sorted(dict(p).items())) for p in [*SPEC.standard_params(),
+                                                        *SPEC.candidate_params()]}  # fmt: skip
+    assert {tuple(sorted(k.items())) for k in seen} <= built
     for b in config.BLOCKS:
-        assert dict(config.params_for("bfloat16", b, red4s=True))["red4s"] is True
-        for other in ({"red4": True}, {"bulk": True}):
-            with pytest.raises(ValueError, match="pick one"):
-                config.params_for("bfloat16", b, red4s=True, **other)
+        assert dict(config.params_for("bfloat16", b, xchg=True, red4s=True)) == {
+            "dtype": "bfloat16", "block": b, "xchg": True, "red4s": True}  # fmt: skip
 
 
 def test_red4s_staging_fits_in_the_dead_dq_blocks():
@@ -156,6 +132,30 @@ def test_red4s_staging_fits_in_the_dead_dq_blocks():
         assert touched <= set(blocks)
         assert not touched & set(config.DQ_BLOCKS[1 - w])
     assert spans[0][1] <= spans[1][0]
+
+
+def test_xchg4s_staging_is_dead_under_xchg():
+    """xchg4s (red4s under xchg, config.py's RED4S_OFFSET comment): the stage's readers by
+    phase. Before PDS (both warpgroups waited for their WGMMAs before FREE): S^T in warpgroup 0
+    reads all nine column blocks, dP^T in warpgroup 1 blocks 0 .. 7; after PDS, as in the split
+    form, only dq^T MMAs read the stage, warpgroup w blocks DQ_BLOCKS[w]. So the blocks that
+    hold w's staging after w's DQ_DONE barrier are read by nobody later in the tile: not the
+    other warpgroup's dq^T, and the next tile's S^T / dP^T read the other stage (two stages)."""
+    vchunk = config.D_V // config.CHUNK
+    before_pds = (set(range(config.NCHUNK)), set(range(vchunk)))  # S^T, dP^T: stage blocks
+    after_pds = [set(b) for b in config.DQ_BLOCKS]  # the only stage readers after PDS
+    assert before_pds[0] | before_pds[1] == set(range(config.NCHUNK))
+    for b in config.BLOCKS:
+        assert config.stages(b) == 2  # tile i + 1 reads the other stage
+    for w in range(config.CONSUMERS):
+        staging, _ = config.red4s_room(w)
+        start = config.RED4S_OFFSET[w]
+        held = set(range(start // config.STAGE_CHUNK_FLOATS,
+                         (start + staging - 1) // config.STAGE_CHUNK_FLOATS + 1))  # fmt: skip
+        assert held <= after_pds[w]  # dead once w's own dq^T MMAs are done
+        assert not held & after_pds[1 - w]  # the other warpgroup's dq^T never reads them
+    # the standard form leaves xchg's measured line on the fragments' v2 unless red4s is named
+    assert not config.standard_red4s(16, xchg=True) and not config.standard_red4s(32, xchg=True)
 
 
 def test_work_split_covers_every_block_once():

@@ -2,7 +2,9 @@
 assembles, cuobjdump reads the cubin), its structure as kernel.py states it: no spills under
 the setmaxnreg split, the WGMMAs of both consumer warpgroups' tiles (S^T / dP^T over 576 / 512
 columns, dq^T blocks over 64 rows, dkv blocks over BLOCK heads), the gather by cp.async, the dkv
-reductions as `red.global.add.v2.f32` and the WGMMAs pipelined (not serialized one by one)."""
+reductions (red4s: `red.global.add.v4.f32` from the staging in the stage; v2:
+`red.global.add.v2.f32` from the fragments) and the WGMMAs pipelined (not serialized one by
+one)."""
 
 from __future__ import annotations
 
@@ -40,13 +42,10 @@ def _compiled(params) -> tuple[dict, Counter]:
     ops["STS_64"] = sass.count("STS.64 ")
     ops["RED_V4"] = sass.count("REDG.E.ADD.F32x4")
     ops["LDS_128"] = sass.count("LDS.128 ")
-    # where the v4 reductions are: the producer warpgroup's code runs from its setmaxnreg
-    # decrease to the consumers' increase (the retry loops of mbarrier waits sit at the end)
+    # where the v4 reductions are: the consumers' code follows their setmaxnreg increase
     lines = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    dealloc = next(a for a, t in lines if "USETMAXREG.DEALLOC" in t)
     alloc = next(a for a, t in lines if "USETMAXREG.TRY_ALLOC" in t)
     reds = [a for a, t in lines if "REDG.E.ADD.F32x4" in t]
-    ops["RED_V4_PRODUCER"] = sum(dealloc < a < alloc for a in reds)
     ops["RED_V4_CONSUMER"] = sum(a > alloc for a in reds)
     ops["WG_BAR"] = len(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING 0x[56], 0x80 ", sass))
     ops["ARRIVE_AFTER_LDS128"] = len(re.findall(r"LDS\.128 [^\n]*\n(?:\s*/\* 0x[0-9a-f]+ \*/\s*\n)?"
@@ -57,55 +56,30 @@ def _compiled(params) -> tuple[dict, Counter]:
 @pytest.mark.parametrize("xchg", [False, True])
 @pytest.mark.parametrize("block", config.BLOCKS)
 def test_sparse_bwd_kernel(block, xchg):
-    _check_kernel(block, xchg, False)
-
-
-@pytest.mark.parametrize("xchg", [False, True])
-def test_sparse_bwd_kernel_bulk(xchg):
-    """The bulk candidate (block 16): the same WGMMAs and gather, the dkv blocks by
-    cp.reduce.async.bulk (UBLKRED: one elected issue per dkv block in the SASS, looping over
-    the lanes of the warp's 16 rows) from 64-bit shared-memory stores, no red.global."""
-    _check_kernel(16, xchg, True)
-
-
-def test_sparse_bwd_kernel_red4():
-    """The red4 probe candidate (block 16): the same staging, read back by 128-bit loads into
-    `red.global.add.v4.f32` (8 a thread a dkv block), no v2 reductions."""
-    _check_kernel(16, False, False, red4=True)
-
-
-@pytest.mark.parametrize("xchg", [False, True])
-def test_sparse_bwd_kernel_red4p(xchg):
-    """The red4p candidate (block 16): the consumers' WGMMAs unchanged and only the staging
-    stores in their loops (16 STS.64 a thread a dkv block, no reductions); the v4 reductions,
-    their LDS.128 (two rows a warp instruction) and row-id shuffles all in the producer
-    warpgroup's code: each reducer warp's loop serves its consumer warps' blocks of a tile
-    (8 a block); the gather by two warps (8 rows a thread)."""
-    _check_kernel(16, xchg, False, red4p=True)
-
-
-@pytest.mark.parametrize("reduce", [True, False], ids=["red4", "noreduce"])
-def test_sparse_bwd_kernel_gather64(reduce):
-    """red4p's diagnostic gather64 (block 16): the standard build (red4) or the no-reduction
-    build with the gather by two warps (8 rows a thread: twice the LDGSTS a thread), the
-    consumers' code as that build's."""
-    _check_kernel(16, False, False, red4=reduce, gather64=True, reduce=reduce)
-
-
-def test_sparse_bwd_kernel_red4p_handshake():
-    """red4p's diagnostic handshake (block 16): the consumers stage as red4p's, the reducer
-    warps only wait for each staged block and release it (18 arrivals a tile each, no LDS.128,
-    no shuffles, no reductions)."""
-    _check_kernel(16, False, False, red4p=True, reduce=False, handshake=True)
+    """The fragments' red.global.add.v2 (both blocks' form before red4s; xchg's measured
+    form)."""
+    _check_kernel(block, xchg)
 
 
 @pytest.mark.parametrize("block", config.BLOCKS)
 def test_sparse_bwd_kernel_red4s(block):
-    """The red4s candidate (blocks 16 and 32): red4's reductions (72 REDG.E.ADD.F32x4, 72
-    LDS.128, 144 STS.64 a thread loop, no v2) with the staging in the stage, the WGMMAs as the
-    standard builds', one 128-thread named barrier a consumer path (its dq^T MMAs done) and
-    each consumer path's empty arrival right after the last block's eight 128-bit loads."""
-    _check_kernel(block, False, False, red4s=True)
+    """The standard form red4s (blocks 16 and 32): the dkv blocks staged (144 STS.64 a thread
+    loop), read back (72 LDS.128) into 72 REDG.E.ADD.F32x4, no v2, the staging in the stage,
+    the WGMMAs as the v2 builds', one 128-thread named barrier a consumer path (its dq^T MMAs
+    done) and each consumer path's empty arrival right after the last block's eight 128-bit
+    loads."""
+    _check_kernel(block, False, red4s=True)
+
+
+@pytest.mark.parametrize("block,reduce", [(16, True), (32, True), (32, False)])
+def test_sparse_bwd_kernel_xchg4s(block, reduce):
+    """The xchg4s candidate (red4s under xchg; config.py's RED4S_OFFSET comment): xchg's WGMMAs
+    (S^T in one warpgroup, dP^T in the other) and exchange (scalar stores: no STS.64 of its
+    own), red4s's 144 STS.64, 72 LDS.128 and 72 REDG.E.ADD.F32x4 a thread loop, the same one
+    128-thread DQ_DONE barrier a consumer path and the empty arrival right after the last
+    block's 128-bit loads; no spills under the 224-register consumers. reduce False: the
+    probe's build keeps the same code behind a never-true guard."""
+    _check_kernel(block, True, reduce, red4s=True)
 
 
 def test_stage_chunks_are_contiguous():
@@ -136,13 +110,10 @@ def test_stage_chunks_are_contiguous():
             assert idx == list(range(k * elems, (k + 1) * elems, 8))
 
 
-def _check_kernel(block, xchg, bulk, red4=False, red4p=False, reduce=True, gather64=False,
-                  handshake=False, red4s=False):  # fmt: skip
-    forms = {"bulk": bulk, "red4": red4, "red4p": red4p, "gather64": gather64, "red4s": red4s}
-    res, ops = _compiled(
-        config.params_for("bfloat16", block, reduce, xchg, handshake=handshake, **forms)
-    )
+def _check_kernel(block, xchg, reduce=True, red4s=False):
+    res, ops = _compiled(config.params_for("bfloat16", block, reduce, xchg, red4s))
     assert res["spill_bytes"] == 0 and ops["LDL"] == ops["STL"] == 0
+    assert res["registers"] <= 65536 // config.THREADS  # the launch's share (setmaxnreg splits it)
     k = block // 16  # k-steps of a dkv block
     n_dq = [len(b) for b in config.DQ_BLOCKS]
     n_dkv = [sum(2 if c < config.D_V // config.CHUNK else 1 for c in b) for b in config.DKV_BLOCKS]
@@ -151,37 +122,20 @@ def _check_kernel(block, xchg, bulk, red4=False, red4p=False, reduce=True, gathe
     per_wg = [a + 4 * q + k * v for a, q, v in zip(sdp, n_dq, n_dkv)]
     assert ops["HGMMA"] == sum(per_wg)
     q_rows = block // 16  # 16 rows a pass of 128 threads, 8 a row
-    if red4p or gather64:  # 64 gathering threads: twice the passes
-        assert ops["LDGSTS"] == 2 * (config.NCHUNK * (q_rows + 4) + 8 * q_rows)
-    else:
-        assert ops["LDGSTS"] == config.NCHUNK * (q_rows + 4) + 8 * q_rows
+    assert ops["LDGSTS"] == config.NCHUNK * (q_rows + 4) + 8 * q_rows
     acc_pairs = config.TILE * config.CHUNK // 128 // 2  # v2 reductions a thread, a dkv block
-    if red4p:
-        served = config.BULK_WARPS // config.RED4P_REDUCERS // config.CONSUMERS  # a warpgroup's
-        blocks = served * sum(len(b) for b in config.DKV_BLOCKS)  # a reducer's blocks a tile
-        assert blocks == 18
-        if handshake:  # the reducers' loop: full wait, empty arrival, nothing else
-            assert ops["REDG"] == ops["LDS_128"] == ops["SHFL"] == 0
-            assert ops["STS_64"] == acc_pairs * config.NCHUNK
-            return
-        assert ops["RED_V2"] == 0 and ops["RED_V4"] == ops["REDG"] == 8 * blocks
-        assert ops["RED_V4_PRODUCER"] == 8 * blocks and ops["RED_V4_CONSUMER"] == 0
-        assert ops["LDS_128"] == ops["SHFL"] == 8 * blocks
-        assert ops["STS_64"] == acc_pairs * config.NCHUNK
-    elif red4 or red4s:
+    if red4s:
         assert ops["RED_V2"] == 0 and ops["RED_V4"] == ops["REDG"] == acc_pairs // 2 * config.NCHUNK
         assert ops["RED_V4_CONSUMER"] == ops["RED_V4"]  # the warps' own stream
         assert ops["STS_64"] == acc_pairs * config.NCHUNK
         assert ops["LDS_128"] == acc_pairs // 2 * config.NCHUNK
-        assert ops["WG_BAR"] == (2 if red4s else 0)
-        assert ops["ARRIVE_AFTER_LDS128"] == (2 if red4s else 0)
-    elif bulk:
-        assert ops["RED_V2"] == ops["REDG"] == 0
-        assert ops["UBLKRED"] == config.NCHUNK
-        assert ops["STS_64"] == acc_pairs * config.NCHUNK
+        assert ops["WG_BAR"] == 2
+        assert ops["ARRIVE_AFTER_LDS128"] == 2
     else:
         assert ops["RED_V2"] == ops["REDG"] == acc_pairs * config.NCHUNK
+        assert ops["RED_V4"] == ops["LDS_128"] == ops["WG_BAR"] == 0
     assert ops["DEPBAR0"] <= 8  # the tiles' waits, not one per WGMMA
+    return res, ops
 
 
 def test_fragment_coordinates_the_kernel_assumes():

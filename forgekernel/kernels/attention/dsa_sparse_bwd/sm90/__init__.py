@@ -28,37 +28,24 @@ def _standard_params() -> list[Params]:
 
 
 def _candidate_params() -> list[Params]:
-    """The timing probe's builds (reductions never run), the xchg candidate with and without
-    reductions, the fragments' red.global.add.v2 (both blocks' form before red4s), and at block
-    16 the bulk candidate (dkv by cp.reduce.async.bulk) alone, with xchg and without
-    reductions, red4 (red4s's reductions from a dedicated staging buffer: block 16's form
-    before red4s), and the red4p candidate (the red4 reductions issued by the producer
-    warpgroup's reducer warps) alone, with xchg and without reductions, and red4p's two
-    diagnostics: red4 and the no-reduction build with red4p's 64-thread gather (gather64),
-    red4p's handshake alone; red4s (the standard form) without reductions at both blocks
-    (scripts/time_dsa_bwd_kernel.py)."""
-    return (
-        [
-            params_for("bfloat16", b, reduce=r, xchg=x)
-            for b in BLOCKS
-            for r, x in ((False, False), (True, True), (False, True), (True, False))
-        ]
-        + [
-            params_for("bfloat16", 16, reduce=r, xchg=x, bulk=True)
-            for r, x in ((True, False), (True, True), (False, False))
-        ]
-        + [params_for("bfloat16", 16, red4=True)]
-        + [
-            params_for("bfloat16", 16, reduce=r, xchg=x, red4p=True)
-            for r, x in ((True, False), (True, True), (False, False))
-        ]
-        + [
-            params_for("bfloat16", 16, red4=True, gather64=True),
-            params_for("bfloat16", 16, reduce=False, gather64=True),
-            params_for("bfloat16", 16, reduce=False, red4p=True, handshake=True),
-        ]
-        + [params_for("bfloat16", b, reduce=False, red4s=True) for b in BLOCKS]
-    )
+    """The timing probe's builds (scripts/time_dsa_bwd_kernel.py) at both blocks: the
+    fragments' red.global.add.v2 (both blocks' form before red4s, xchg's measured form) with
+    and without reductions, the xchg candidate with and without reductions, red4s (the
+    standard form) without reductions, and xchg4s (red4s under xchg) with and without
+    reductions."""
+    return [
+        params_for("bfloat16", b, reduce=r, xchg=x, red4s=s)
+        for b in BLOCKS
+        for r, x, s in (
+            (False, False, False),
+            (True, True, False),
+            (False, True, False),
+            (True, False, False),
+            (False, False, True),
+            (True, True, True),
+            (False, True, True),
+        )
+    ]
 
 
 SPEC = KernelSpec(

@@ -34,38 +34,40 @@ BYTES = 2  # 16-bit inputs
 # {0..3}, the second dkv {4..7} and dq {4..8}.
 DKV_BLOCKS = ((0, 1, 2, 3, 8), (4, 5, 6, 7))
 DQ_BLOCKS = ((0, 1, 2, 3), (4, 5, 6, 7, 8))
-# `bulk` candidate: each consumer warp stages its 16 rows of a 64 x 64 fp32 dkv block in shared
-# memory (rows padded to 72 floats: 288 bytes, 16-byte aligned, the 64-bit stores of a
-# half-warp's four rows on disjoint banks) and lanes 0..15 add one row each to the accumulator
-# by `cp.reduce.async.bulk .add.f32` (256 bytes: two full lines, issued by the TMA unit).
-BULK_ROWS = 16
-BULK_STRIDE = 72
-BULK_WARPS = CONSUMERS * THREADS_PER_WG // 32
-# The blocks where the dedicated (16, 72)-per-warp staging fits beside the stages (the bulk /
-# red4 / red4p candidates): block 32 has no room for it (221 + 36 KB).
-RED4_BLOCKS = (16,)
-# Blocks whose standard build adds dkv by red4s (red4's 128-bit reductions, staged in the
-# tile's released stage: below): measured 2026-12-04 00:37 at t4096-kv8192-k2048, the launcher
-# at H = 16 6.57 ms against red4's 7.00 (v2 9.31), at H = 128 29.47 against the fragments'
-# red.global.add.v2 38.37 (docs/attention/DSA_BWD_NOTES.md "Probe 2026-12-04 00:37").
+# red4s (the standard form at blocks 16 and 32): each consumer warp stages its 16 rows of a 64 x 64
+# fp32 dkv block in shared memory (rows padded to 72 floats: 288 bytes, 16-byte aligned, the 64-bit
+# stores of a half-warp's four rows on disjoint banks), reads them back two rows a 128-bit load
+# (lane l: row 2 k + l // 16, columns 4 (l % 16) ..) and adds them by red.global.add.v4.f32: four
+# full lines an instruction against the fragments' eight one-sector lines (red.global.add.v2).
+STAGING_ROWS = 16
+STAGING_STRIDE = 72
+# Blocks whose standard build adds dkv by red4s: measured 2026-12-04 00:37 at
+# t4096-kv8192-k2048, the launcher at H = 16 6.57 ms against red4's (dedicated staging) 7.00
+# (v2 9.31), at H = 128 29.47 against the fragments' red.global.add.v2 38.37
+# (docs/attention/DSA_BWD_NOTES.md "Probe 2026-12-04 00:37").
 RED4S_BLOCKS = (16, 32)
-# `red4p` candidate (block 16): the consumer warps only stage their dkv blocks (the red4
-# staging, the rows' ids in each staging row's padding) and the producer warpgroup's warps
-# RED4P_GATHER .. 3 read them back and issue the red.global.add.v4.f32, so that the consumers'
-# MMAs run under the reductions; warps 0 .. RED4P_GATHER - 1 gather (64 threads, 8 rows a
-# thread). Reducer warp r serves the consumer warps r, r + R, r + 2 R, ... (R = the reducers:
-# two of each consumer warpgroup at R = 2, 18 dkv blocks a tile each).
-RED4P_GATHER = 2
-RED4P_REDUCERS = THREADS_PER_WG // 32 - RED4P_GATHER
-# `red4s` (the standard form at blocks 16 and 32): red4's staging placed in the current tile's stage
-# instead of a dedicated buffer. Once a consumer warpgroup's dq^T MMAs of the tile are done, the
-# stage's column blocks DQ_BLOCKS[w] (64 x 64 16-bit each, 8 KB, contiguous: the stage layout's
-# chunk mode has stride TILE x CHUNK elements) have no reader left in the tile: S^T / dP^T of both
-# warpgroups finished before the FREE barrier, the other warpgroup's dq^T reads its own blocks, the
-# dkv MMAs read P^T / dS^T / q / dO only, the row ids live outside the stage, and the producer
-# refills the stage only after every consumer thread's empty arrival, which red4s moves to after the
-# thread's last staging read of the tile. Warp v (0 .. 3) of warpgroup w stages at float offset
-# RED4S_OFFSET[w] + v x BULK_ROWS x BULK_STRIDE of the stage.
+# red4s places the staging in the current tile's stage (no extra shared memory: block 32's
+# 221 KB leave no room for a dedicated 36 KB buffer). Once a consumer warpgroup's dq^T MMAs of the
+# tile are done, the stage's column blocks DQ_BLOCKS[w] (64 x 64 16-bit each, 8 KB, contiguous: the
+# stage layout's chunk mode has stride TILE x CHUNK elements) have no reader left in the tile: S^T
+# / dP^T of both warpgroups finished before the FREE barrier, the other warpgroup's dq^T reads its
+# own blocks, the dkv MMAs read P^T / dS^T / q / dO only, the row ids live outside the stage, and
+# the producer refills the stage only after every consumer thread's empty arrival, which red4s
+# moves to after the thread's last staging read of the tile. Warp v (0 .. 3) of warpgroup w stages
+# at float offset RED4S_OFFSET[w] + v x STAGING_ROWS x STAGING_STRIDE of the stage.
+#
+# red4s with xchg (the candidate `xchg4s`: launcher xchg=True, red4s=True): xchg changes only the
+# phase before the PDS barrier. Warpgroup 0 reads the stage's nine column blocks (S^T = K q^T of
+# all heads), warpgroup 1 blocks 0 .. 7 (dP^T = V dO^T); each waits for its own WGMMAs
+# (wait_group 0) before the FREE barrier, which both pass before the exchange (XCHG / XREAD over
+# an fp32 buffer aliasing P^T / dS^T, not the stage) and before PDS; the softmax reads the row ids
+# (outside the stage). After PDS the warpgroups run the split form's code on the same operands:
+# dq^T of DQ_BLOCKS[w], then dkv of DKV_BLOCKS[w]. So the dead column blocks and the time they
+# die are the split form's: DQ_BLOCKS[w] of the tile's stage once warpgroup w's dq^T MMAs are done
+# (the same 128-thread named barrier DQ_DONE + w after the threads' waits, the same offsets
+# RED4S_OFFSET, each thread's empty arrival after its last staging loads). The next tile's S^T /
+# dP^T MMAs read the other stage ((i + 1) % STAGES; STAGES = 2) and its exchange writes the
+# P^T / dS^T bytes; the stage itself is refilled only after all 256 consumer threads' arrivals.
 STAGE_CHUNK_FLOATS = TILE * CHUNK * BYTES // 4  # one 64 x 64 16-bit column block (8 KB)
 RED4S_OFFSET = tuple(blocks[0] * STAGE_CHUNK_FLOATS for blocks in DQ_BLOCKS)
 
@@ -77,22 +79,15 @@ def red4s_room(w: int) -> tuple[int, int]:
     if list(blocks) != list(range(blocks[0], blocks[0] + len(blocks))):
         raise ValueError(f"warpgroup {w}'s dq blocks {blocks} are not contiguous")
     warps = THREADS_PER_WG // 32
-    return warps * BULK_ROWS * BULK_STRIDE, len(blocks) * STAGE_CHUNK_FLOATS
+    return warps * STAGING_ROWS * STAGING_STRIDE, len(blocks) * STAGE_CHUNK_FLOATS
 
 
-def standard_red4s(
-    block: int,
-    reduce: bool = True,
-    xchg: bool = False,
-    bulk: bool = False,
-    red4: bool = False,
-    red4p: bool = False,
-    gather64: bool = False,
-) -> bool:
-    """Whether the build of `block` with these candidate flags adds dkv by red4s: the standard
-    build of a RED4S_BLOCKS block; the probe's no-reduction, xchg, bulk, red4, red4p and
-    gather64 builds keep their own forms (red4s with xchg was never built)."""
-    return block in RED4S_BLOCKS and reduce and not (xchg or bulk or red4 or red4p or gather64)
+def standard_red4s(block: int, reduce: bool = True, xchg: bool = False) -> bool:
+    """Whether the build of `block` with these candidate flags adds dkv by red4s when the caller
+    names no form: the standard build of a RED4S_BLOCKS block; the probe's no-reduction builds
+    and xchg keep the fragments' red.global.add.v2 (xchg's measured form; xchg4s, red4s with
+    xchg, is named explicitly)."""
+    return block in RED4S_BLOCKS and reduce and not xchg
 
 
 def block_heads(heads: int) -> int:
@@ -121,77 +116,30 @@ def stages(block: int) -> int:
     return min(n, 2)
 
 
-def bulk_bytes() -> int:
-    """The `bulk` / `red4` / `red4p` candidates' staging: one (16, 72) fp32 buffer per consumer warp
-    (36 KB)."""
-    return BULK_WARPS * BULK_ROWS * BULK_STRIDE * 4
-
-
-def smem_bytes(block: int, staged: bool = False) -> int:
-    """staged: with the bulk / red4 / red4p candidates' staging buffers (red4p's 16 staging
-    mbarriers fit in BARRIER_BYTES)."""
-    return fixed_bytes(block) + stages(block) * stage_bytes() + (bulk_bytes() if staged else 0)
+def smem_bytes(block: int) -> int:
+    return fixed_bytes(block) + stages(block) * stage_bytes()
 
 
 def params_for(
-    dtype: str,
-    block: int,
-    reduce: bool = True,
-    xchg: bool = False,
-    bulk: bool = False,
-    red4: bool = False,
-    red4p: bool = False,
-    gather64: bool = False,
-    handshake: bool = False,
-    red4s: bool = False,
+    dtype: str, block: int, reduce: bool = True, xchg: bool = False, red4s: bool = False
 ) -> tuple:
     """Compile key: dtype and the heads of one CTA; reduce False: the timing probe's build whose
     dkv reductions never run (a runtime-false guard keeps their code; dkv stays 0), which
     splits MMA time from reduction time (scripts/time_dsa_bwd_kernel.py); xchg True: the
-    candidate whose S^T and dP^T are one warpgroup's each (kernel.py `xchg`); bulk True: the
-    candidate whose dkv blocks go through shared memory to `cp.reduce.async.bulk` (kernel.py
-    `_reduce_bulk`; block 16 only: block 32's 221 KB leave no room for the 36 KB staging);
-    red4 True: the probe candidate with the same staging read back into red.global.add.v4.f32
-    by the warps themselves (kernel.py `_reduce_v4`; block 16 only); red4p True: the candidate
-    whose consumers only stage and whose producer warpgroup's reducer warps issue those
-    red.global.add.v4.f32 (kernel.py `_stage_p` / `_serve`; block 16 only). Two probe-only
-    diagnostics of red4p (block 16, docs/attention/DSA_BWD_NOTES.md "red4p diagnostics"):
-    gather64 True: this build with red4p's gather (warps 0 .. RED4P_GATHER - 1 alone, the other
-    producer warps idle); handshake True (with red4p, reduce False): the reducer warps only wait
-    for each staged block and release it (no staging reads, no reductions). red4s True: the
-    standard form (`standard_red4s`): red4's reductions staged in the current tile's stage (no
-    extra shared memory; blocks 16 and 32; kernel.py `_reduce_v4s`)."""
+    candidate whose S^T and dP^T are one warpgroup's each (kernel.py `xchg`); red4s True: dkv
+    by red.global.add.v4.f32 from a per-warp staging in the tile's stage (`standard_red4s`: the
+    standard form of both blocks; kernel.py `_reduce_v4s`), False: the fragments'
+    red.global.add.v2; xchg and red4s together: the candidate xchg4s (the RED4S_OFFSET comment
+    has its hazards)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if block not in BLOCKS:
         raise ValueError(f"block must be one of {BLOCKS}, got {block}")
-    if bulk + red4 + red4p + red4s > 1:
-        raise ValueError("bulk, red4, red4p and red4s are forms of the same reductions: pick one")
-    if gather64 and (red4p or red4s or block not in RED4_BLOCKS):
-        raise ValueError("gather64: a diagnostic of block 16's builds other than red4p / red4s")
-    if handshake and (not red4p or reduce):
-        raise ValueError("handshake: a red4p diagnostic without reductions (reduce=False)")
-    staged = bulk or red4 or red4p
-    if staged and smem_bytes(block, staged) > SMEM_CAPACITY:
-        name = "bulk" if bulk else "red4" if red4 else "red4p"
-        raise ValueError(
-            f"{name}: {smem_bytes(block, staged)} bytes of shared memory at block {block}"
-        )
     keys = {"dtype": dtype, "block": block}
     if not reduce:
         keys["noreduce"] = True
     if xchg:
         keys["xchg"] = True
-    if bulk:
-        keys["bulk"] = True
-    if red4:
-        keys["red4"] = True
-    if red4p:
-        keys["red4p"] = True
-    if gather64:
-        keys["gather64"] = True
-    if handshake:
-        keys["handshake"] = True
     if red4s:
         keys["red4s"] = True
     return tuple(sorted(keys.items()))

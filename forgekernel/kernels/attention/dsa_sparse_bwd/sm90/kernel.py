@@ -6,7 +6,7 @@ Delta' = rowsum(dO O) - dlse exp(lse_all - lse) (reference.dsa `dsa_sparse_atten
     P^T  = exp2(scale log2(e) K q^T - lse2)       (64 gathered rows x BLOCK heads, a tile)
     dS^T = scale P^T (V dO^T - Delta')
     dq  += dS K                                   (kept transposed: dq^T = K^T dS^T)
-    dkv[row] += dS^T q + P^T dO (first 512 columns)  fp32 `red.global.add.v2.f32`
+    dkv[row] += dS^T q + P^T dO (first 512 columns)  fp32 reductions (red4s below, or v2)
 
 K = the 576-wide gathered rows, V their first 512 columns. An entry is valid when its list
 position is < topk and 0 <= entry < slots: an invalid row is zero-filled in shared memory, its
@@ -28,30 +28,17 @@ Warp roles (one CTA per (token, head block), 384 threads):
   H200 2026-12-03) once the dq MMAs, the last readers of the stage, are done.
 - at the end each consumer stores its dq^T blocks (q's dtype, scalar stores).
 
-Candidate `bulk` (block 16; CPU-compiled 2026-12-03, not yet run on a GPU): instead of the
-`red.global.add.v2.f32` of each dkv block from the registers, each consumer warp stores its 16
-rows of the block into its own shared-memory buffer and lanes 0..15 add one 256-byte row each
-by `cp.reduce.async.bulk .add.f32` (the TMA unit; `_reduce_bulk`), so that the reductions no
-longer queue in the load/store unit in front of the next MMAs (docs/attention/DSA_BWD_NOTES.md,
-"Measured 2026-12-03 19:15 and the model revised").
-
-Candidate `red4p` (block 16; CPU-compiled 2026-12-03, not yet run on a GPU): red4's staging,
-but the consumer warps only store their dkv block (and, at a tile's first block, their rows'
-ids into the staging rows' padding column 64) and arrive on their staging buffer's full
-mbarrier; warps 2 and 3 of warpgroup 0 (the reducers; warps 0 and 1 gather alone, 64 threads)
-wait on it, read the block back (LDS.128, two rows a warp instruction), release the buffer
-(every lane arrives on its empty mbarrier) and issue the red.global.add.v4.f32 themselves, so
-that the consumers' next MMAs run while the reductions drain (`_stage_p`, `_serve`).
-
-The standard form `red4s` (blocks 16 and 32; measured 2026-12-04 00:37, config.py): red4's
-staging (each warp's 16 rows of a dkv block, read back by 128-bit loads into
-`red.global.add.v4.f32`) placed in the current tile's stage instead of a dedicated 36 KB buffer,
-so that block 32 (221 KB) gets it too: once a warpgroup's dq^T MMAs of the tile are done (its
-threads' waits, then a named barrier over the warpgroup), the stage's column blocks
+The standard form `red4s` (blocks 16 and 32; measured 2026-12-04 00:37, config.py): instead of
+the fragments' `red.global.add.v2.f32`, each warp stages its 16 rows of a dkv block in shared
+memory and reads them back by 128-bit loads into `red.global.add.v4.f32`, the staging placed in
+the current tile's stage (no extra shared memory, so that block 32's 221 KB take it too): once a
+warpgroup's dq^T MMAs of the tile are done (its threads' waits, then a named barrier over the
+warpgroup), the stage's column blocks
 config.DQ_BLOCKS[w] have no reader left in the tile and hold that warpgroup's four staging
 buffers; empty[stage] is then released after the thread's last staging read of the tile (the
 last dkv block's loads, before its reductions) instead of after block 0's wait
-(`_reduce_v4s`; config.py `RED4S_OFFSET` has the hazards).
+(`_reduce_v4s`; config.py `RED4S_OFFSET` has the hazards). The candidate xchg4s is red4s
+under `xchg` (the same dead blocks, barrier and release: config.py).
 """
 
 from __future__ import annotations
@@ -68,9 +55,6 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from forgekernel.kernels.attention.dsa_sparse_bwd.sm90.config import (
-    BULK_ROWS,
-    BULK_STRIDE,
-    BULK_WARPS,
     CHUNK,
     CONSUMER_REGS,
     CONSUMERS,
@@ -79,10 +63,10 @@ from forgekernel.kernels.attention.dsa_sparse_bwd.sm90.config import (
     DQ_BLOCKS,
     NCHUNK,
     PRODUCER_REGS,
-    RED4P_GATHER,
-    RED4P_REDUCERS,
     RED4S_OFFSET,
     STAGE_CHUNK_FLOATS,
+    STAGING_ROWS,
+    STAGING_STRIDE,
     THREADS,
     TILE,
     WIDTH,
@@ -93,7 +77,6 @@ from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
 from forgekernel.kernels.common.sm90.layout import rows_cols, transposed
 from forgekernel.kernels.common.sm90.mma import gemm
 from forgekernel.kernels.common.sm90.pipeline import smem_tensor
-from forgekernel.kernels.common.sm90.ptx import bulk_reduce_add_f32
 from forgekernel.kernels.common.sm90.warp_mma import copy_row_async, tiled_row_copy
 
 CONSUMER_THREADS = CONSUMERS * THREADS_PER_WG
@@ -105,7 +88,7 @@ class Bar(IntEnum):
     FREE = 2  # consumer threads: the previous tile's MMAs that read P^T / dS^T are done
     XCHG = 3  # xchg: each warpgroup's half of S^T / dP^T is in the exchange buffer
     XREAD = 4  # xchg: the exchange buffer (P^T / dS^T's bytes) has been read
-    DQ_DONE = 5  # red4s, 5 + w: warpgroup w's dq^T MMAs of the tile are done (all its warps)
+    DQ_DONE = 5  # red4s / xchg4s, 5 + w: warpgroup w's dq^T MMAs of the tile are done (all warps)
 
 
 def _rows_cols(t: cute.Tensor) -> cute.Tensor:
@@ -130,11 +113,6 @@ class DsaSparseBwdSm90:
         block: int,
         reduce: bool = True,
         xchg: bool = False,
-        bulk: bool = False,
-        red4: bool = False,
-        red4p: bool = False,
-        gather64: bool = False,
-        handshake: bool = False,
         red4s: bool = False,
     ):
         self.block = block
@@ -145,37 +123,11 @@ class DsaSparseBwdSm90:
         self.xchg = xchg
         # False: the timing probe (config.params_for): the reductions' guard is never true
         self.reduce = reduce
-        # bulk (a candidate, block 16): dkv blocks staged per warp in shared memory and added by
-        # cp.reduce.async.bulk (the TMA unit) instead of red.global.add.v2 from the registers
-        self.bulk = bulk
-        # red4 (a probe candidate, block 16): the same staging, then each warp reads it back by
-        # rows and issues red.global.add.v4.f32 (two rows = four full lines an instruction
-        # against the default's eight one-sector lines): in the warps' stream, as the default
-        self.red4 = red4
-        # red4p (a candidate, block 16): red4's staging, the reductions issued by warps of the
-        # producer warpgroup (`_serve`) instead of the consumers
-        self.red4p = red4p
-        # red4s (the standard form, blocks 16 and 32): red4 with the staging in the current tile's
-        # stage (the warpgroup's dq^T column blocks, dead once its dq^T MMAs are done)
+        # red4s (the standard form, blocks 16 and 32; with xchg the candidate xchg4s): dkv blocks
+        # staged per warp in the current tile's stage (the warpgroup's dq^T column blocks, dead
+        # once its dq^T MMAs are done), read back into red.global.add.v4.f32; False: the
+        # fragments' red.global.add.v2.f32
         self.red4s = red4s
-        if bulk + red4 + red4p + red4s > 1:
-            raise ValueError(
-                "bulk, red4, red4p and red4s are forms of the same reductions: pick one"
-            )
-        self.staged = bulk or red4 or red4p
-        # gather64 (a diagnostic, probe only): the gather by warps 0 .. RED4P_GATHER - 1 alone,
-        # as red4p's, the other producer warps idle (they exit): red4p's gather without its
-        # handshake (docs/attention/DSA_BWD_NOTES.md, "red4p diagnostics")
-        self.gather64 = gather64
-        # handshake (a diagnostic of red4p, probe only): the reducer warps wait for each staged
-        # block (sfull) and release it (sempty) at once, no reads of the staging, no reductions
-        self.handshake = handshake
-        if gather64 and red4p:
-            raise ValueError("gather64 is red4p's gather without red4p: not both")
-        if gather64 and red4s:
-            raise ValueError("gather64 is a diagnostic of red4p's gather: not with red4s")
-        if handshake and not red4p:
-            raise ValueError("handshake is a red4p diagnostic: it needs red4p")
 
     def _setup(self, dt):
         k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
@@ -242,40 +194,7 @@ class DsaSparseBwdSm90:
             p: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.lay_p)], 1024]
             ds: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.lay_p)], 1024]
 
-        @cute.struct
-        class SharedBulk:
-            full: cute.struct.MemRange[cutlass.Int64, self.stages]
-            empty: cute.struct.MemRange[cutlass.Int64, self.stages]
-            rows: cute.struct.MemRange[Int32, TILE * self.stages]
-            kv: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.lay_kv)], 1024]
-            q: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.lay_q)], 1024]
-            do: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.lay_do)], 1024]
-            p: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.lay_p)], 1024]
-            ds: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.lay_p)], 1024]
-            red: cute.struct.Align[
-                cute.struct.MemRange[Float32, BULK_WARPS * BULK_ROWS * BULK_STRIDE], 128
-            ]
-
-        @cute.struct
-        class SharedRed4p:
-            full: cute.struct.MemRange[cutlass.Int64, self.stages]
-            empty: cute.struct.MemRange[cutlass.Int64, self.stages]
-            # per consumer warp: its staging buffer holds a block (full) / has been read (empty)
-            sfull: cute.struct.MemRange[cutlass.Int64, BULK_WARPS]
-            sempty: cute.struct.MemRange[cutlass.Int64, BULK_WARPS]
-            rows: cute.struct.MemRange[Int32, TILE * self.stages]
-            kv: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.lay_kv)], 1024]
-            q: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.lay_q)], 1024]
-            do: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.lay_do)], 1024]
-            p: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.lay_p)], 1024]
-            ds: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.lay_p)], 1024]
-            red: cute.struct.Align[
-                cute.struct.MemRange[Float32, BULK_WARPS * BULK_ROWS * BULK_STRIDE], 128
-            ]
-
-        self.shared = SharedBulk if const_expr(self.staged) else Shared
-        if const_expr(self.red4p):
-            self.shared = SharedRed4p
+        self.shared = Shared
         grid = (mQ.shape[0], mQ.shape[1] // self.block, 1)
         self.kernel(
             mQ, mKV, mdO, mLse2, mDelta, mIdx, mdQ, mdKV, scale_log2, scale, self.mma_sdp,
@@ -322,64 +241,28 @@ class DsaSparseBwdSm90:
                 cute.recast_ptr(storage.p.data_ptr(), dtype=Float32),
                 cute.make_layout((THREADS_PER_WG, self.block // 2)),
             ),
-            # bulk: the consumer warps' dkv staging buffers (warp, row, column); else unused
+            # red4s: the stages' bytes as fp32 (stage, float): the staging (`_tile_red`)
             cute.make_tensor(
-                cute.recast_ptr(
-                    storage.red.data_ptr() if const_expr(self.staged) else storage.p.data_ptr(),
-                    dtype=Float32,
-                ),
-                cute.make_layout(
-                    (BULK_WARPS, BULK_ROWS, BULK_STRIDE),
-                    stride=(BULK_ROWS * BULK_STRIDE, BULK_STRIDE, 1),
-                ),
-            ),
-        )
-        if const_expr(self.red4s):  # the stages' bytes as fp32 (stage, float): the staging
-            sm = (*sm[:7], cute.make_tensor(
                 cute.recast_ptr(storage.kv.data_ptr(), dtype=Float32),
                 cute.make_layout((self.stages, NCHUNK * STAGE_CHUNK_FLOATS),
                                  stride=(NCHUNK * STAGE_CHUNK_FLOATS, 1)),
-            ))  # fmt: skip
+            ),
+        )  # fmt: skip
         full, empty = storage.full.data_ptr(), storage.empty.data_ptr()
-        # red4p: the staging buffers' full / empty mbarriers (one pair per consumer warp)
-        stg = (full, empty)
-        if const_expr(self.red4p):
-            stg = (storage.sfull.data_ptr(), storage.sempty.data_ptr())
-        # gathering threads (they arrive on full): the producer warpgroup, red4p its first warps
-        gather_threads = (
-            RED4P_GATHER * 32 if const_expr(self.red4p or self.gather64) else THREADS_PER_WG
-        )
         if tidx == 0:
             for s in cutlass.range_constexpr(self.stages):
-                cute.arch.mbarrier_init(full + s, gather_threads)
+                cute.arch.mbarrier_init(full + s, THREADS_PER_WG)
                 cute.arch.mbarrier_init(empty + s, CONSUMER_THREADS)
-            if const_expr(self.red4p):  # every lane of the staging / reducing warp arrives
-                for w in cutlass.range_constexpr(BULK_WARPS):
-                    cute.arch.mbarrier_init(stg[0] + w, 32)
-                    cute.arch.mbarrier_init(stg[1] + w, 32)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            if const_expr(self.red4p):
-                warp = cute.arch.make_warp_uniform(tidx // 32)
-                if warp < RED4P_GATHER:
-                    self._gather(mQ, mKV, mdO, mIdx, sm, full, empty, where, tidx, gather_threads)
-                else:
-                    self._serve(mdKV, sm, stg, tiles, warp - RED4P_GATHER, tidx % 32)
-            elif const_expr(self.gather64):  # warps RED4P_GATHER .. 3 idle: they exit
-                warp = cute.arch.make_warp_uniform(tidx // 32)
-                if warp < RED4P_GATHER:
-                    self._gather(mQ, mKV, mdO, mIdx, sm, full, empty, where, tidx, gather_threads)
-            else:
-                self._gather(mQ, mKV, mdO, mIdx, sm, full, empty, where, tidx, gather_threads)
+            self._gather(mQ, mKV, mdO, mIdx, sm, full, empty, where, tidx)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             mmas = (mma_sdp, mma_kv, mma_dq)
             ins = (mLse2, mDelta, mdQ, mdKV, scale_log2, scale)
-            if const_expr(self.red4p):
-                ins = (mLse2, mDelta, mdQ, mdKV, scale_log2, scale, stg)
             if wg == 1:
                 self._consume(ins, sm, full, empty, mmas, where, tidx - THREADS_PER_WG, 0)
             else:
@@ -400,13 +283,11 @@ class DsaSparseBwdSm90:
                 copy_row_async(gcopy, seg, CHUNK, d[None, m, None], crd[None, m, None])
 
     @cute.jit
-    def _gather(self, mQ, mKV, mdO, mIdx, sm, full, empty, where, tid,
-                threads: cutlass.Constexpr[int]):  # fmt: skip
-        """Warpgroup 0 (red4p: its first `threads` threads): q and dO, then every tile's rows
-        into its stage (module docstring)."""
+    def _gather(self, mQ, mKV, mdO, mIdx, sm, full, empty, where, tid):
+        """Warpgroup 0: q and dO, then every tile's rows into its stage (module docstring)."""
         token, h0, tiles = where
         sKV, sQ, sdO, _, _, sRows, _, _ = sm
-        gcopy = tiled_row_copy(mQ.element_type, CHUNK, threads)
+        gcopy = tiled_row_copy(mQ.element_type, CHUNK, THREADS_PER_WG)
         self._load_rows(mQ, token, h0, sQ, NCHUNK, gcopy, tid)
         self._load_rows(mdO, token, h0, sdO, VCHUNK, gcopy, tid)
         cute.arch.cp_async_commit_group()  # the oldest group: done when tile 0's is
@@ -446,7 +327,7 @@ class DsaSparseBwdSm90:
     @cute.jit
     def _consume(self, ins, sm, full, empty, mmas, where, ctid, w: cutlass.Constexpr[int]):
         """Consumer warpgroup w (ctid: 0 .. 255 over both): every tile (module docstring)."""
-        mLse2, mDelta, mdQ, mdKV, scale_log2, scale = ins[:6]
+        mLse2, mDelta, mdQ, mdKV, scale_log2, scale = ins
         token, h0, tiles = where
         sKV, sQ, sdO, sP, sdS, sRows, sX, sRed = sm
         mma_sdp, mma_kv, mma_dq = mmas
@@ -472,14 +353,9 @@ class DsaSparseBwdSm90:
         dq_accs = [cute.make_rmem_tensor(dq_shape, Float32) for _ in DQ_BLOCKS[w]]
         for acc in dq_accs:
             acc.fill(0.0)
-        # the two rows' ids (r, r + 8); bulk: the lane's row; red4(s): rows 2 k + lane // 16
-        rids = cute.make_rmem_tensor(10 if const_expr(self.red4 or self.red4s) else 3, Int32)
+        # the two rows' ids (r, r + 8); red4s: then rows 2 k + lane // 16 of the warp's 16
+        rids = cute.make_rmem_tensor(10 if const_expr(self.red4s) else 2, Int32)
         lane = ctid % 32
-        # bulk: this warp's staging buffer; lane l < 16 adds row 16 (warp in warpgroup) + l
-        if const_expr(self.red4s):  # the buffer moves with the stage (`_tile_red`)
-            red = (None, lane, 16 * (ltid // 32) + lane % BULK_ROWS)
-        else:
-            red = (sRed[ctid // 32, None, None], lane, 16 * (ltid // 32) + lane % BULK_ROWS)
 
         for i in cutlass.range(tiles, unroll=1):
             s = i % self.stages
@@ -492,34 +368,25 @@ class DsaSparseBwdSm90:
             named_barrier(Bar.PDS, CONSUMER_THREADS).arrive_and_wait()
             for h in cutlass.range_constexpr(2):  # this thread's two dkv rows (r, r + 8)
                 rids[h] = sRows[kv_crd[2 * h][0], s]
-            if const_expr(self.bulk):
-                rids[2] = sRows[red[2], s]
-            if const_expr(self.red4 or self.red4s):
+            if const_expr(self.red4s):
                 for k in cutlass.range_constexpr(8):
                     rids[2 + k] = sRows[16 * (ltid // 32) + 2 * k + lane // 16, s]
-            tile_red = self._tile_red(red, sRed, s, ltid, w)
+            red = self._tile_red(sRed, s, ltid, lane, w)
             for j, b in enumerate(DQ_BLOCKS[w]):
                 gemm(mma_dq, dq_accs[j], tQK[None, None, None, s * NCHUNK + b],
                      tQdS[None, None, None, 0], False, -1)  # fmt: skip
-            red_i = tile_red
-            if const_expr(self.red4p):  # + the staging barriers and this tile's first block
-                warp = ctid // 32
-                red_i = red + (ins[6][0] + warp, ins[6][1] + warp, i * len(DKV_BLOCKS[w]),
-                               DKV_BLOCKS[w])  # fmt: skip
             self._dkv_blocks(mma_kv, kv_accs, (tKdS, tKP, tKQ, tKdO), kv_crd, rids, mdKV, w,
-                             empty + s, red_i)  # fmt: skip
+                             empty + s, red)  # fmt: skip
         self._store_dq(mdQ, dq_accs, t_dq, token, h0, w)
-        if const_expr(self.bulk):  # the staging buffer is read and the additions are done
-            cute.arch.cp_async_bulk_wait_group(0, read=False)
 
-    def _tile_red(self, red, sRed, s, ltid, w: int):
-        """The staging of tile i (stage s): red4s: this warp's (16, 72) buffer in stage s's dq^T
-        column blocks of warpgroup w (config.RED4S_OFFSET); the other builds: `red` as it is."""
+    def _tile_red(self, sRed, s, ltid, lane, w: int):
+        """The staging of tile i (stage s), (buffer, lane): red4s: this warp's (16, 72) buffer in
+        stage s's dq^T column blocks of warpgroup w (config.RED4S_OFFSET); v2: none."""
         if const_expr(not self.red4s):
-            return red
-        off = RED4S_OFFSET[w] + (ltid // 32) * (BULK_ROWS * BULK_STRIDE)
-        layout = cute.make_layout((BULK_ROWS, BULK_STRIDE), stride=(BULK_STRIDE, 1))
-        return (cute.make_tensor(sRed[s, None].iterator + off, layout), red[1], red[2])
+            return (None, lane)
+        off = RED4S_OFFSET[w] + (ltid // 32) * (STAGING_ROWS * STAGING_STRIDE)
+        layout = cute.make_layout((STAGING_ROWS, STAGING_STRIDE), stride=(STAGING_STRIDE, 1))
+        return (cute.make_tensor(sRed[s, None].iterator + off, layout), lane)
 
     @cute.jit
     def _split_setup(self, mLse2, mDelta, sKV, sQ, sdO, mma_sdp, token, h0, ctid):
@@ -649,23 +516,17 @@ class DsaSparseBwdSm90:
 
     @cute.jit
     def _reduce(self, acc, kv_crd, rids, mdKV, c: cutlass.Constexpr[int], red):
-        """dkv[row, 64 c ..] += the block, two adjacent columns a `red.global.add.v2.f32`,
-        valid rows only (raw fragment order: i = col pair + 2 (row half) + 4 (pair group));
-        bulk: `_reduce_bulk`."""
-        if const_expr(self.bulk):
-            self._reduce_bulk(acc, kv_crd, rids, mdKV, c, red)
-        elif const_expr(self.red4):
-            self._reduce_v4(acc, kv_crd, rids, mdKV, c, red)
-        elif const_expr(self.red4p):
-            self._stage_p(acc, kv_crd, rids, c, red)
-        elif const_expr(self.red4s):
+        """dkv[row, 64 c ..] += the block, valid rows only: red4s `_reduce_v4s`, else
+        `_reduce_v2`."""
+        if const_expr(self.red4s):
             self._reduce_v4s(acc, kv_crd, rids, mdKV, c, red, None)
         else:
             self._reduce_v2(acc, kv_crd, rids, mdKV, c)
 
     @cute.jit
     def _reduce_v2(self, acc, kv_crd, rids, mdKV, c: cutlass.Constexpr[int]):
-        """The default: `red.global.add.v2.f32` from the registers (`_reduce`)."""
+        """v2 (red4s False): two adjacent columns a `red.global.add.v2.f32` from the registers
+        (raw fragment order: i = col pair + 2 (row half) + 4 (pair group))."""
         for h in cutlass.range_constexpr(2):  # one branch and one row address per row half
             ok = rids[h] >= 0 if const_expr(self.reduce) else rids[h] == -2  # ids are >= -1
             if ok:
@@ -676,135 +537,31 @@ class DsaSparseBwdSm90:
                                   dtype=Float32, sem="relaxed", scope="gpu")  # fmt: skip
 
     @cute.jit
-    def _reduce_bulk(self, acc, kv_crd, rids, mdKV, c: cutlass.Constexpr[int], red):
-        """bulk: the warp's 16 rows of the block -> its staging buffer (64-bit stores, once this
-        lane's previous bulk op has read it), a proxy fence and a warp sync, then lane l < 16
-        adds row l (256 bytes) by `cp.reduce.async.bulk .add.f32`, valid rows only."""
-        sw, lane, _ = red
-        cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.sync_warp()
-        self._stage(acc, kv_crd, sw)
-        cute.arch.fence_view_async_shared()  # st.shared, then the bulk copies' reads
-        cute.arch.sync_warp()
-        ok = rids[2] >= 0 if const_expr(self.reduce) else rids[2] == -2  # ids are >= -1
-        if lane < BULK_ROWS:
-            if ok:
-                dst = mdKV[rids[2], None].iterator + c * CHUNK
-                bulk_reduce_add_f32(dst, sw.iterator + lane * BULK_STRIDE, CHUNK * 4)
-                cute.arch.cp_async_bulk_commit_group()
-
-    @cute.jit
     def _stage(self, acc, kv_crd, sw):
         """This thread's fragment of the block -> the warp's (16, 72) staging buffer."""
         for i in cutlass.range_constexpr(0, cute.size(acc), 2):
             r, col = kv_crd[i]
-            off = (r % BULK_ROWS) * BULK_STRIDE + col
+            off = (r % STAGING_ROWS) * STAGING_STRIDE + col
             ptr = cute.make_ptr(Float32, (sw.iterator + off).toint(), cute.AddressSpace.smem,
                                 assumed_align=8)  # fmt: skip
             pair = cute.make_tensor(acc.iterator + i, cute.make_layout(2)).load()
             cute.make_tensor(ptr, cute.make_layout(2)).store(pair)
 
     @cute.jit
-    def _reduce_v4(self, acc, kv_crd, rids, mdKV, c: cutlass.Constexpr[int], red):
-        """red4: the warp's 16 rows of the block staged, read back two rows at a time (lane l:
-        row 2 k + l // 16, columns 4 (l % 16) ...) and added by `red.global.add.v4.f32`."""
-        sw, lane, _ = red
-        cute.arch.sync_warp()  # every lane's reads of the previous block are done
-        self._stage(acc, kv_crd, sw)
-        cute.arch.sync_warp()
-        col = (lane % 16) * 4
-        for k in cutlass.range_constexpr(8):
-            off = (2 * k + lane // 16) * BULK_STRIDE + col
-            ptr = cute.make_ptr(Float32, (sw.iterator + off).toint(), cute.AddressSpace.smem,
-                                assumed_align=16)  # fmt: skip
-            quad = cute.make_tensor(ptr, cute.make_layout(4)).load()
-            rid = rids[2 + k]
-            ok = rid >= 0 if const_expr(self.reduce) else rid == -2  # ids are >= -1
-            if ok:
-                cute.arch.red(mdKV[rid, None].iterator + (c * CHUNK + col), quad, op="add",
-                              dtype=Float32, sem="relaxed", scope="gpu")  # fmt: skip
-
-    @cute.jit
-    def _stage_p(self, acc, kv_crd, rids, c: cutlass.Constexpr[int], red):
-        """red4p, a consumer warp: once its reducer has read the previous block (empty), the
-        block into the warp's staging buffer; at the tile's first block also the rows' ids
-        (lane 4 k: rows k, k + 8 of the warp's 16) into column 64, the rows' padding (the
-        stage's row ids are released to the producer after the dq MMAs); then every lane
-        arrives on full (mbarrier.arrive: release; the reducer's wait: acquire)."""
-        sw, lane, _, sfull, sempty, n0, blocks = red
-        j = blocks.index(c)  # the block's position in this warpgroup's tile
-        n = n0 + j  # the blocks this warp staged before
-        cute.arch.mbarrier_wait(sempty, (n & 1) ^ 1)  # a fresh barrier passes parity 1
-        self._stage(acc, kv_crd, sw)
-        if const_expr(j == 0):
-            ids = cute.make_tensor(cute.recast_ptr(sw.iterator, dtype=Int32), sw.layout)
-            if lane % 4 == 0:
-                for h in cutlass.range_constexpr(2):
-                    ids[kv_crd[2 * h][0] % BULK_ROWS, CHUNK] = rids[h]
-        cute.arch.mbarrier_arrive(sfull)
-
-    @cute.jit
-    def _serve(self, mdKV, sm, stg, tiles, rw, lane):
-        """red4p, reducer warp rw (0 .. RED4P_REDUCERS - 1) of warpgroup 0: for every tile and
-        block position, the consumer warps rw + RED4P_REDUCERS m in order (their warpgroup's
-        config.DKV_BLOCKS order, the order they stage in): wait for the block (full), read it
-        (lane l: rows 2 k + l // 16, columns 4 (l % 16) ..; the lane's row id l % 16 from the
-        padding, the others by shuffles), release the buffer (every lane arrives on empty) and
-        add the valid rows by `red.global.add.v4.f32`."""
-        sRed = sm[7]
-        sfull, sempty = stg
-        n_served = BULK_WARPS // RED4P_REDUCERS
-        per_wg = (THREADS_PER_WG // 32) // RED4P_REDUCERS  # served warps of one warpgroup
-        quads = cute.make_rmem_tensor((4, 8), Float32)
-        for i in cutlass.range(tiles, unroll=1):
-            for j in cutlass.range_constexpr(max(len(b) for b in DKV_BLOCKS)):
-                for m in cutlass.range_constexpr(n_served):
-                    blocks = DKV_BLOCKS[m // per_wg]
-                    if const_expr(j < len(blocks)):
-                        cw = rw + RED4P_REDUCERS * m
-                        phase = (i * len(blocks) + j) & 1
-                        self._serve_block(mdKV, sRed[cw, None, None], sfull + cw, sempty + cw,
-                                          phase, blocks[j], lane, quads)  # fmt: skip
-
-    @cute.jit
-    def _serve_block(self, mdKV, sw, sfull, sempty, phase, c: cutlass.Constexpr[int], lane,
-                     quads):  # fmt: skip
-        """red4p: one staged dkv block (column block c) of one consumer warp (`_serve`)."""
-        col = (lane % 16) * 4
-        cute.arch.mbarrier_wait(sfull, phase)
-        if const_expr(self.handshake):  # the diagnostic: released unread, nothing reduced
-            cute.arch.mbarrier_arrive(sempty)
-        else:
-            ids = cute.make_tensor(cute.recast_ptr(sw.iterator, dtype=Int32), sw.layout)
-            my_id = ids[lane % BULK_ROWS, CHUNK]
-            for k in cutlass.range_constexpr(8):
-                off = (2 * k + lane // 16) * BULK_STRIDE + col
-                ptr = cute.make_ptr(Float32, (sw.iterator + off).toint(), cute.AddressSpace.smem,
-                                    assumed_align=16)  # fmt: skip
-                quads[None, k].store(cute.make_tensor(ptr, cute.make_layout(4)).load())
-            cute.arch.mbarrier_arrive(sempty)  # every lane: its own reads of the buffer are done
-            for k in cutlass.range_constexpr(8):
-                rid = cute.arch.shuffle_sync(my_id, 2 * k + lane // 16)
-                ok = rid >= 0 if const_expr(self.reduce) else rid == -2  # ids are >= -1
-                if ok:
-                    cute.arch.red(mdKV[rid, None].iterator + (c * CHUNK + col),
-                                  quads[None, k].load(), op="add", dtype=Float32, sem="relaxed",
-                                  scope="gpu")  # fmt: skip
-
-    @cute.jit
     def _reduce_v4s(self, acc, kv_crd, rids, mdKV, c: cutlass.Constexpr[int], red, release):
-        """red4s: `_reduce_v4` into the warp's buffer in the stage, the eight 128-bit loads
-        first; release (the tile's last block): then this thread's empty arrival (its last read
-        of the stage in the tile, the producer's next gather may overwrite it), then the
-        reductions."""
-        sw, lane, _ = red
+        """red4s: the warp's 16 rows of the block staged into its buffer in the stage (`_stage`),
+        read back two rows a 128-bit load (lane l: row 2 k + l // 16, columns 4 (l % 16) ..), the
+        eight loads first; release (the tile's last block): then this thread's empty arrival
+        (its last read of the stage in the tile, the producer's next gather may overwrite it);
+        then the valid rows added by `red.global.add.v4.f32`."""
+        sw, lane = red
         cute.arch.sync_warp()  # every lane's reads of the previous block are done
         self._stage(acc, kv_crd, sw)
         cute.arch.sync_warp()
         col = (lane % 16) * 4
         quads = cute.make_rmem_tensor((4, 8), Float32)
         for k in cutlass.range_constexpr(8):
-            off = (2 * k + lane // 16) * BULK_STRIDE + col
+            off = (2 * k + lane // 16) * STAGING_STRIDE + col
             ptr = cute.make_ptr(Float32, (sw.iterator + off).toint(), cute.AddressSpace.smem,
                                 assumed_align=16)  # fmt: skip
             quads[None, k].store(cute.make_tensor(ptr, cute.make_layout(4)).load())

@@ -78,11 +78,6 @@ def dsa_sparse_bwd(
     dq: torch.Tensor | None = None,
     reduce: bool = True,
     xchg: bool = False,
-    bulk: bool = False,
-    red4: bool = False,
-    red4p: bool = False,
-    gather64: bool = False,
-    handshake: bool = False,
     red4s: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq (tokens, H, 576) in q's dtype, dkv (slots, 576) fp32, d_sink (H,) fp32): q
@@ -90,14 +85,12 @@ def dsa_sparse_bwd(
     dlse (tokens, H) fp32 (the forward's KV-only natural LSE), attn_sink (H,) or None,
     topk_indices int32 (tokens, topk) of slots, -1 (or any entry outside [0, slots)) adding
     nothing; dq: a contiguous (tokens, H, 576) buffer in q's dtype to write (tests poison it).
-    reduce False: the timing probe's build (dkv stays 0); xchg, bulk: the candidate builds
-    (kernel.py; bulk at H = 16 only); red4s None: the standard form of the block
-    (`config.standard_red4s`: red4's staging in the tile's stage at every H, unless a candidate
-    is named), False: the fragments' red.global.add.v2, True: red4s; red4: the candidate with
-    a dedicated staging buffer (H = 16 only); red4p: the candidate whose reductions the
-    producer warpgroup's reducer warps issue from the consumers' staging (H = 16 only);
-    gather64, handshake: the probe's diagnostics of red4p (`config.params_for`; H = 16 only;
-    handshake leaves dkv 0). `unsupported` must be None for these inputs."""
+    reduce False: the timing probe's build (dkv stays 0); xchg: the candidate build whose S^T
+    and dP^T are one warpgroup's each (kernel.py); red4s None: the standard form of the build
+    (`config.standard_red4s`: red4s at every H, the fragments' red.global.add.v2 under xchg or
+    reduce False), False: the fragments' red.global.add.v2, True: red4s (dkv by
+    red.global.add.v4.f32 from a staging in the tile's stage; with xchg: the candidate xchg4s).
+    `unsupported` must be None for these inputs."""
     lse2, delta, d_sink = preprocess(out, dout, lse, dlse, attn_sink)
     tokens, heads, _ = q.shape
     if dq is None:
@@ -107,10 +100,8 @@ def dsa_sparse_bwd(
         return dq.zero_(), dkv, d_sink
     block = config.block_heads(heads)
     if red4s is None:
-        red4s = config.standard_red4s(block, reduce, xchg, bulk, red4, red4p, gather64)
-    params = config.params_for(
-        dtype_name(q.dtype), block, reduce, xchg, bulk, red4, red4p, gather64, handshake, red4s
-    )
+        red4s = config.standard_red4s(block, reduce, xchg)
+    params = config.params_for(dtype_name(q.dtype), block, reduce, xchg, red4s)
     kernel = get_kernel(SPEC, params)
     idx = topk_indices if topk_indices.stride(-1) == 1 else topk_indices.contiguous()
     with on_device(q.device):
