@@ -1,6 +1,8 @@
 """Host launcher of the DSA sparse backward kernel: torch only (no DSL), the kernel through the
-compile cache. v1 runs the preprocess (lse2, Delta', d_sink: (tokens, H) fp32 work, one pass
-over out and dO) and the dkv cast in torch around the one kernel launch. Callers validate first
+compile cache. The preprocess (lse2, Delta', d_sink: (tokens, H) fp32 work, one pass over out
+and dO) comes from the caller (the op runs its kernel, kernels/attention/dsa_sparse_bwd_pre)
+or, without one, from `preprocess` here (its torch statement: the CPU tests' and the probe's
+reference); the dkv cast is the caller's. Callers validate first
 (`forgekernel.ops.dsa_bwd`); nothing here reads device data (CUDA-graph capturable)."""
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ def dsa_sparse_bwd(
     gather64: bool = False,
     handshake: bool = False,
     red4s: bool | None = None,
+    pre: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq (tokens, H, 576) in q's dtype, dkv (slots, 576) fp32, d_sink (H,) fp32): q
     (tokens, H, 576), kv (slots, 576) in one 16-bit dtype, dout / out (tokens, H, 512), lse /
@@ -97,8 +100,10 @@ def dsa_sparse_bwd(
     a dedicated staging buffer (H = 16 only); red4p: the candidate whose reductions the
     producer warpgroup's reducer warps issue from the consumers' staging (H = 16 only);
     gather64, handshake: the probe's diagnostics of red4p (`config.params_for`; H = 16 only;
-    handshake leaves dkv 0). `unsupported` must be None for these inputs."""
-    lse2, delta, d_sink = preprocess(out, dout, lse, dlse, attn_sink)
+    handshake leaves dkv 0); pre: (lse2, Delta', d_sink) as `preprocess` gives them, computed
+    by the caller (the op: the preprocess kernel, kernels/attention/dsa_sparse_bwd_pre/sm90),
+    None: `preprocess` here (torch). `unsupported` must be None for these inputs."""
+    lse2, delta, d_sink = preprocess(out, dout, lse, dlse, attn_sink) if pre is None else pre
     tokens, heads, _ = q.shape
     if dq is None:
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
