@@ -120,8 +120,9 @@ class DsaSparseBwdPreSm90:
             mTerm[token, head] = -(p_sink * delta)
         delta_k = delta
         if const_expr(self.dlse):
-            if lse_all != Float32.inf:
-                if lse != Float32.inf:
-                    if lse != -Float32.inf:
-                        delta_k = delta - mdLse[token, head] * cute.math.exp(lse_all - lse)
+            ratio = lse_all - lse
+            # both LSEs finite (torch.isfinite & isfinite) exactly when their gap is: x - x is
+            # NaN for an infinite or NaN x, else 0 (an ordered compare)
+            if ratio - ratio == Float32(0.0):
+                delta_k = delta - mdLse[token, head] * cute.math.exp(ratio)
         mDelta[token, head] = delta_k

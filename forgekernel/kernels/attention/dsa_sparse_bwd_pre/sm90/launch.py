@@ -33,17 +33,20 @@ def preprocess(
     lse: torch.Tensor,
     dlse: torch.Tensor | None,
     attn_sink: torch.Tensor | None,
+    outs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(lse2, Delta', d_sink) in fp32 as kernels/attention/dsa_sparse_bwd/sm90/launch.py
     `preprocess` states them (its torch form): lse2 / Delta' (tokens, H), d_sink (H,) (zeros
     without a sink). out / dout (tokens, H, 512) 16-bit, lse / dlse (tokens, H) fp32, attn_sink
-    (H,) or None; `unsupported` must be None."""
+    (H,) or None; outs: (lse2, Delta', terms) (tokens, H) fp32 buffers to write (tests poison
+    them; terms unused without a sink), None: fresh ones. `unsupported` must be None."""
     tokens, heads, _ = out.shape
     f32 = {"dtype": torch.float32, "device": out.device}
-    lse2 = torch.empty(tokens, heads, **f32)
-    delta = torch.empty(tokens, heads, **f32)
     sink = None if attn_sink is None else attn_sink.float()
-    terms = None if sink is None else torch.empty(tokens, heads, **f32)
+    if outs is None:
+        outs = [torch.empty(tokens, heads, **f32) for _ in range(2 if sink is None else 3)]
+    lse2, delta = outs[:2]
+    terms = None if sink is None else outs[2]
     if tokens and heads:
         dlse32 = None if dlse is None else dlse.float()
         params = config.params_for(dtype_name(out.dtype), sink is not None, dlse is not None)
