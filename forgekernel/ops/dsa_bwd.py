@@ -15,10 +15,18 @@ d_sink = -sum_t P_sink Delta with P_sink = exp(sink - lse_all). dkv sums over ev
 every query that listed the row; -1 entries add nothing; a row with no entry has zero
 gradients. dq, dkv come back in q's dtype (fp32 accumulation), d_sink fp32 (zeros when no sink).
 
-THE KERNEL (kernels/attention/dsa_sparse_bwd/sm90, v1: dq and the fp32 dkv accumulator; the
-preprocess and the dkv cast in torch) runs wherever it takes the inputs (`launch.unsupported`:
-CUDA, 16-bit, H 16 or a multiple of 32); checked on the H200 2026-12-03 (check, memcheck,
-racecheck clean), 0.57x cuDNN's backward at the suite's median (docs/attention/DSA_BWD_NOTES.md).
+THE KERNEL (kernels/attention/dsa_sparse_bwd/sm90, v1: dq and the fp32 dkv accumulator, after
+the preprocess kernel kernels/attention/dsa_sparse_bwd_pre/sm90: lse2, Delta' and the d_sink
+terms in one pass over out / dO; the dkv cast in torch) runs wherever it takes the inputs
+(`launch.unsupported`: CUDA, 16-bit, H 16 or a multiple of 32). It reads q and the cache as
+(S, H, 576) / (slots, 576) rows: read in place where q_nope / q_pe (ckv / kpe) are cut from
+one buffer (a q split after its projection, FlashMLA's combined cache), else concatenated
+(`_rows`). The eager call's gradients are views of the kernel's dq buffer and of the one cast
+dkv buffer (no split or join copies; the combined cache's gradient is that buffer); the custom
+op (torch.compile, export) returns contiguous copies, its outputs not aliasing one another.
+Checked on the H200 2026-12-03 (check, memcheck, racecheck clean), 0.57x cuDNN's backward at
+the suite's median then (docs/attention/DSA_BWD_NOTES.md; "Torch around the kernel": this
+form, CPU only so far).
 Elsewhere, or with FORGEKERNEL_DSA_BWD_KERNEL=0, the INTERIM PATH: the reference's chunked
 backward in fp32 on the GPU with torch ops (`_backward_interim`: chunks of queries whose
 gathered rows and scores fit INTERIM_CHUNK_ELEMENTS, dkv by index_add). Both paths: an eager
