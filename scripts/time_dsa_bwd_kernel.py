@@ -4,16 +4,21 @@ DSA_BWD_NOTES.md, "Kernel v1": the prediction and its falsifiers):
     python3 scripts/time_dsa_bwd_kernel.py [S H TOPK S_KV]      (default 4096 16 2048 8192)
 
 One line each, ms a launch (graph replays, `runtime.timing.time_interleaved`): the op
-(concatenations, preprocess, kernel, cast); the launcher alone (preprocess, zeroed
-accumulator, the standard kernel: red4s); the launcher with the probe build whose dkv
+(q and the combined cache read in place, the preprocess kernel, the kernel, the dkv cast; the
+gradients views); the launcher alone (the torch preprocess, zeroed accumulator, the standard
+kernel: red4s); the launcher with the probe build whose dkv
 reductions never run (`params_for(..., reduce=False)`: the MMA / gather / softmax side alone);
 the same two for the `xchg` candidate (S^T in one warpgroup, dP^T in the other; the fragments'
 red.global.add.v2, as measured); the fragments' red.global.add.v2 (`launcher, v2`: both
 blocks' form before red4s); red4s without reductions (its staging and the later stage
 release); the `xchg4s` candidate (red4s under xchg, after an agreement check) and it without
-reductions; the preprocess alone.
+reductions; the preprocess alone (torch: the launcher's `preprocess`), the preprocess kernel
+alone (kernels/attention/dsa_sparse_bwd_pre, the d_sink sum over tokens included), the launcher
+with the preprocess kernel's results (`pre=`: what the op runs), and the op given q and the
+cache as separate tensors (the two concatenations the v1 kernel's one-row interface still
+costs; docs/attention/DSA_BWD_NOTES.md "Torch around the kernel").
 The kernel at 5504 FLOP per (token, head, entry). Build first: `python3 -m forgekernel build
---only dsa_sparse_bwd_sm90 --candidates`."""
+--only dsa_sparse_bwd_sm90 --only dsa_sparse_bwd_pre_sm90 --candidates`."""
 
 from __future__ import annotations
 
@@ -26,6 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's forgekernel
 
 from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import launch  # noqa: E402
+from forgekernel.kernels.attention.dsa_sparse_bwd_pre.sm90 import (  # noqa: E402
+    launch as pre_launch,
+)
 from forgekernel.ops.dsa_bwd import dsa_sparse_attention_backward  # noqa: E402
 from forgekernel.runtime.timing import time_interleaved  # noqa: E402
 
@@ -81,8 +89,22 @@ def main(s: int = 4096, h: int = 16, topk: int = 2048, s_kv: int = 8192) -> None
                 *args, reduce=False, xchg=True, red4s=True
             ),
         }
+    qn, qp = q[..., :LATENT].contiguous(), q[..., LATENT:].contiguous()
+    ckv, kpe = kv[:, :LATENT].contiguous(), kv[:, LATENT:].contiguous()
+
+    def op_apart():  # q and the cache as separate tensors: the op concatenates them
+        return dsa_sparse_attention_backward(
+            qn, qp, ckv.view(s_kv, 1, LATENT), kpe.view(s_kv, 1, WIDTH - LATENT), idx, dout,
+            softmax_scale=scale, out=out, lse=lse, attn_sink=sink,
+        )  # fmt: skip
+
     fns |= {
         "preprocess": lambda: launch.preprocess(out, dout, lse, None, sink),
+        "preprocess kernel": lambda: pre_launch.preprocess(out, dout, lse, None, sink),
+        "launcher, pre kernel": lambda: launch.dsa_sparse_bwd(
+            *args, pre=pre_launch.preprocess(out, dout, lse, None, sink)
+        ),
+        "op, q / cache apart": op_apart,
     }
     samples = time_interleaved(fns, reps=10)
     flop = 5504.0 * s * h * topk

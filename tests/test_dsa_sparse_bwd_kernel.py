@@ -272,11 +272,20 @@ def test_selected_kernel_falls_back_where_it_cannot_run(monkeypatch):
     args = (qn, qp, ckv, kpe, idx, 0.05, out, lse, dout, None, None)
     monkeypatch.setenv(dsa_bwd.KERNEL_ENV, "1")
     assert dsa_bwd._backward_kernel(*args) is None
-    got = dsa_bwd._backward_impl(*args)
+    got = dsa_bwd._backward_full(*args)
     want = dsa_bwd._backward_interim(*args)
     for a, b in zip(got, want):
         assert a.shape == b.shape and a.dtype == b.dtype
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    shapes = [t.shape for t in (qn, qp, ckv, kpe)] + [torch.Size([heads])]
+    for copy, grads in ((True, dsa_bwd._backward_impl(*args)),
+                        (False, dsa_bwd._backward(*args))):  # fmt: skip
+        assert [g.shape for g in grads] == shapes
+        assert all(g.is_contiguous() for g in grads) == copy  # eager: views of two buffers
+        assert [g.dtype for g in grads] == [torch.bfloat16] * 4 + [torch.float32]
+        torch.testing.assert_close(torch.cat(grads[:2], -1), want[0], rtol=0, atol=0)
+        torch.testing.assert_close(torch.cat(grads[2:4], -1).flatten(0, 1), want[1], rtol=0,
+                                   atol=0)  # fmt: skip
 
 
 def _emulate_rounded(q, kv, idx, dout, lse2, delta, scale, dtype):

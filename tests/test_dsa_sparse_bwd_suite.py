@@ -93,9 +93,13 @@ def test_registered():
 
 
 def test_ledger_key_holds_the_kernel():
-    """The ledger key covers the backward kernel's sources, its launcher and the op."""
+    """The ledger key covers the backward kernel's and the preprocess kernel's sources, their
+    launchers and the op."""
     from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import SPEC as BWD
+    from forgekernel.kernels.attention.dsa_sparse_bwd_pre.sm90 import SPEC as PRE
 
     names = {p.name for p in suite_mod.kernel_sources()}
     assert {"kernel.py", "launch.py", "dsa_bwd.py", "dsa.py"} <= names
-    assert set(BWD.sources) <= set(suite_mod.kernel_sources())
+    assert set(BWD.sources) | set(PRE.sources) <= set(suite_mod.kernel_sources())
+    assert {p.parent.parent.name for p in suite_mod.kernel_sources() if p.name == "launch.py"} \
+        >= {"dsa_sparse_bwd", "dsa_sparse_bwd_pre"}

@@ -15,10 +15,18 @@ d_sink = -sum_t P_sink Delta with P_sink = exp(sink - lse_all). dkv sums over ev
 every query that listed the row; -1 entries add nothing; a row with no entry has zero
 gradients. dq, dkv come back in q's dtype (fp32 accumulation), d_sink fp32 (zeros when no sink).
 
-THE KERNEL (kernels/attention/dsa_sparse_bwd/sm90, v1: dq and the fp32 dkv accumulator; the
-preprocess and the dkv cast in torch) runs wherever it takes the inputs (`launch.unsupported`:
-CUDA, 16-bit, H 16 or a multiple of 32); checked on the H200 2026-12-03 (check, memcheck,
-racecheck clean), 0.57x cuDNN's backward at the suite's median (docs/attention/DSA_BWD_NOTES.md).
+THE KERNEL (kernels/attention/dsa_sparse_bwd/sm90, v1: dq and the fp32 dkv accumulator, after
+the preprocess kernel kernels/attention/dsa_sparse_bwd_pre/sm90: lse2, Delta' and the d_sink
+terms in one pass over out / dO; the dkv cast in torch) runs wherever it takes the inputs
+(`launch.unsupported`: CUDA, 16-bit, H 16 or a multiple of 32). It reads q and the cache as
+(S, H, 576) / (slots, 576) rows: read in place where q_nope / q_pe (ckv / kpe) are cut from
+one buffer (a q split after its projection, FlashMLA's combined cache), else concatenated
+(`_rows`). The eager call's gradients are views of the kernel's dq buffer and of the one cast
+dkv buffer (no split or join copies; the combined cache's gradient is that buffer); the custom
+op (torch.compile, export) returns contiguous copies, its outputs not aliasing one another.
+Checked on the H200 2026-12-03 (check, memcheck, racecheck clean), 0.57x cuDNN's backward at
+the suite's median then (docs/attention/DSA_BWD_NOTES.md; "Torch around the kernel": this
+form, CPU only so far).
 Elsewhere, or with FORGEKERNEL_DSA_BWD_KERNEL=0, the INTERIM PATH: the reference's chunked
 backward in fp32 on the GPU with torch ops (`_backward_interim`: chunks of queries whose
 gathered rows and scores fit INTERIM_CHUNK_ELEMENTS, dkv by index_add). Both paths: an eager
@@ -37,6 +45,7 @@ import os
 import torch
 
 from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import launch as kernel_launch
+from forgekernel.kernels.attention.dsa_sparse_bwd_pre.sm90 import launch as pre_launch
 from forgekernel.kernels.attention.mla.sm90.config import D_LATENT, D_ROPE
 from forgekernel.ops import dsa as fwd
 from forgekernel.ops._dispatch import capturing as _capturing
@@ -46,6 +55,7 @@ from forgekernel.ops.mla import check_softmax_scale, latent_cache_views
 from forgekernel.reference import dsa as ref
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+Full = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # dq (S, H, 576), dkv (slots, 576), d_sink
 F32 = (torch.float32,)
 # Elements of one chunk's intermediates (gathered rows + scores), fp32: 512 MiB. 4096 queries x
 # 16 heads x top-2048 run as ~40 chunks of ~100 queries.
@@ -61,54 +71,103 @@ def kernel_selected() -> bool:
     return env != "0"
 
 
+def _joined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """a (..., n) and b (..., m) as one (..., n + m) view where b's rows follow a's in one
+    buffer (q_nope / q_pe cut from one q, a combined cache's two views, the gradients' views of
+    one buffer): same storage and strides, unit column stride, b at a's offset + n; else None
+    (torch.as_strided refuses a view past the storage)."""
+    if a.dtype != b.dtype or a.device != b.device or a.shape[:-1] != b.shape[:-1]:
+        return None
+    if not a.numel() or not b.numel() or a.stride() != b.stride() or a.stride(-1) != 1:
+        return None
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return None
+    if b.storage_offset() != a.storage_offset() + a.shape[-1]:
+        return None
+    try:
+        return a.as_strided((*a.shape[:-1], a.shape[-1] + b.shape[-1]), a.stride(),
+                            a.storage_offset())  # fmt: skip
+    except RuntimeError:
+        return None
+
+
+def _cat(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.cat((a, b), -1), without the copy where `_joined` finds one view."""
+    joined = _joined(a, b)
+    return torch.cat((a, b), -1) if joined is None else joined
+
+
+def _rows(q_nope, q_pe, ckv, kpe) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (S, H, 576) and kv (slots, 576) rows as the kernel and the interim read them: views
+    where the inputs are cut from one buffer (the suite's q and combined cache), else copies
+    (the v1 kernel reads one row each: two-tensor rows are its next interface)."""
+    return _cat(q_nope, q_pe), _cat(ckv.flatten(0, 1), kpe.flatten(0, 1))
+
+
 def _backward_interim(q_nope, q_pe, ckv, kpe, sparse_indices, scale, out, lse, dout, dlse,
-                      attn_sink) -> Grads:  # fmt: skip
-    """INTERIM: the chunked backward in fp32 torch (the kernel's stand-in). One copy of q and
-    of the cache as (S, H, 576) / (slots, 576) in q's dtype; dkv fp32 over every slot. Under
-    CUDA-graph capture nothing is read back: the eager call's check of the largest index (a
-    host read) is skipped, an index past the cache is the caller's error (as the forward's)."""
-    q = torch.cat((q_nope, q_pe), -1)
-    kv = torch.cat((ckv.flatten(0, 1), kpe.flatten(0, 1)), -1)
+                      attn_sink) -> Full:  # fmt: skip
+    """INTERIM: the chunked backward in fp32 torch (the kernel's stand-in). q and the cache
+    as (S, H, 576) / (slots, 576) rows (`_rows`); dkv fp32 over every slot. Under CUDA-graph
+    capture nothing is read back: the eager call's check of the largest index (a host read) is
+    skipped, an index past the cache is the caller's error (as the forward's)."""
+    q, kv = _rows(q_nope, q_pe, ckv, kpe)
     dq, dkv, d_sink = ref.dsa_sparse_attention_bwd_ref(
         q, kv, sparse_indices, scale, dout, attn_sink=attn_sink, out=out, lse=lse, dlse=dlse,
         d_v=D_LATENT, dtype=torch.float32, dq_dtype=q.dtype,
         chunk_elements=INTERIM_CHUNK_ELEMENTS if q.is_cuda else None, check_range=not _capturing(q),
     )  # fmt: skip
-    dq_nope, dq_pe = dq.split_with_sizes((D_LATENT, D_ROPE), -1)
-    dkv = dkv.to(q.dtype).view(*ckv.shape[:2], D_LATENT + D_ROPE)
-    dckv, dkpe = dkv.split_with_sizes((D_LATENT, D_ROPE), -1)
     if d_sink is None:
         d_sink = q.new_zeros(q.shape[1], dtype=torch.float32)
-    return dq_nope.contiguous(), dq_pe.contiguous(), dckv.contiguous(), dkpe.contiguous(), d_sink
+    return dq, dkv.to(q.dtype), d_sink
 
 
 def _backward_kernel(q_nope, q_pe, ckv, kpe, sparse_indices, scale, out, lse, dout, dlse,
-                     attn_sink) -> Grads | None:  # fmt: skip
-    """The v1 kernel's backward, None where `launch.unsupported` declines the inputs. Copies q
-    and the cache into (S, H, 576) / (slots, 576) rows (v1: the kernel reads one row each)."""
-    q = torch.cat((q_nope, q_pe), -1)
-    kv = torch.cat((ckv.flatten(0, 1), kpe.flatten(0, 1)), -1)
+                     attn_sink) -> Full | None:  # fmt: skip
+    """The v1 kernel's backward, None where `launch.unsupported` declines the inputs. q and
+    the cache as (S, H, 576) / (slots, 576) rows (`_rows`: v1 reads one row each); the
+    preprocess by its kernel (kernels/attention/dsa_sparse_bwd_pre/sm90) where it takes out /
+    dO, else in torch (the launcher's); dkv cast to q's dtype once."""
+    q, kv = _rows(q_nope, q_pe, ckv, kpe)
     idx = sparse_indices
     if kernel_launch.unsupported(q, kv, idx) is not None:
         return None
     if not _capturing(q) and idx.numel() and int(idx.max()) >= kv.shape[0]:
         raise ValueError(f"sparse_indices: an entry is >= the cache's {kv.shape[0]} slots")
+    pre = None
+    if pre_launch.unsupported(out, dout) is None:
+        pre = pre_launch.preprocess(out, dout, lse, dlse, attn_sink)
     dq, dkv, d_sink = kernel_launch.dsa_sparse_bwd(q, kv, dout, out, lse, dlse, attn_sink, idx,
-                                                   scale)  # fmt: skip
+                                                   scale, pre=pre)  # fmt: skip
+    return dq, dkv.to(q.dtype), d_sink
+
+
+def _split(full: Full, ckv: torch.Tensor, copy: bool) -> Grads:
+    """(dq_nope, dq_pe, dckv, dkpe, d_sink) from the (S, H, 576) / (slots, 576) gradients:
+    views of them (copy False: the eager call; `_cat` joins them again without a copy) or
+    contiguous copies (the custom op, whose outputs may not alias one another)."""
+    dq, dkv, d_sink = full
     dq_nope, dq_pe = dq.split_with_sizes((D_LATENT, D_ROPE), -1)
-    dkv = dkv.to(q.dtype).view(*ckv.shape[:2], D_LATENT + D_ROPE)
+    dkv = dkv.view(*ckv.shape[:2], D_LATENT + D_ROPE)
     dckv, dkpe = dkv.split_with_sizes((D_LATENT, D_ROPE), -1)
-    return dq_nope.contiguous(), dq_pe.contiguous(), dckv.contiguous(), dkpe.contiguous(), d_sink
+    grads = (dq_nope, dq_pe, dckv, dkpe)
+    if copy:
+        grads = tuple(g.contiguous() for g in grads)
+    return (*grads, d_sink)
+
+
+def _backward_full(*args) -> Full:
+    """The kernel where it takes the inputs (unless FORGEKERNEL_DSA_BWD_KERNEL=0), else the
+    interim path: (dq (S, H, 576), dkv (slots, 576) in q's dtype, d_sink (H,) fp32)."""
+    if kernel_selected():
+        full = _backward_kernel(*args)
+        if full is not None:
+            return full
+    return _backward_interim(*args)
 
 
 def _backward_impl(*args) -> Grads:
-    """The kernel where it takes the inputs (unless FORGEKERNEL_DSA_BWD_KERNEL=0), else the
-    interim path."""
-    if kernel_selected():
-        grads = _backward_kernel(*args)
-        if grads is not None:
-            return grads
-    return _backward_interim(*args)
+    """The custom op's implementation: `_backward_full`, each gradient its own tensor."""
+    return _split(_backward_full(*args), args[2], copy=True)
 
 
 def _empty_grads(q_nope, q_pe, ckv, kpe) -> Grads:
@@ -141,10 +200,11 @@ def _(q_nope, q_pe, ckv, kpe, sparse_indices, softmax_scale, out, lse, dout, dls
 
 
 def _backward(*args) -> Grads:
-    """Eager: the implementation directly; traced: the custom op."""
+    """Eager: the implementation directly, the gradients views of its (S, H, 576) /
+    (slots, 576) buffers (no split copies); traced: the custom op (contiguous gradients)."""
     if _traced(*(a for a in args if isinstance(a, torch.Tensor))):
         return torch.ops.forgekernel.dsa_sparse_attention_bwd(*args)
-    return _backward_impl(*args)
+    return _split(_backward_full(*args), args[2], copy=False)
 
 
 # ---- autograd of the forward op --------------------------------------------------------------
@@ -218,8 +278,10 @@ def dsa_sparse_attention_backward(
     grads = _backward(q_nope, q_pe, ckv, kpe, sparse_indices, scale, out, lse, dout, dlse,
                       attn_sink)  # fmt: skip
     dq_nope, dq_pe, dckv, dkpe, d_sink = grads
-    if kpe_cache is None:  # the combined cache: one gradient shaped as it
-        dckv, dkpe = torch.cat((dckv, dkpe), -1).view(ckv_cache.shape), None
+    if kpe_cache is None:  # the combined cache: one gradient shaped as it (eager: the view)
+        traced = _traced(dckv, dkpe)
+        both = torch.cat((dckv, dkpe), -1) if traced else _cat(dckv, dkpe)
+        dckv, dkpe = both.view(ckv_cache.shape), None
     return dq_nope, dq_pe, dckv, dkpe, (d_sink if attn_sink is not None else None)
 
 

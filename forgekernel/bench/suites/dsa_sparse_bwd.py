@@ -1,7 +1,9 @@
 """DSA sparse attention backward suite (issue 22; the v1 kernel, checked 2026-12-03): the
 gradients of `forgekernel.dsa_sparse_attention` in q, the latent rows and the sink from dO,
 given the forward's out and KV-only LSE (`ops.dsa_bwd.dsa_sparse_attention_backward`: the v1
-kernel, kernels/attention/dsa_sparse_bwd/sm90; FORGEKERNEL_DSA_BWD_KERNEL=0 runs
+kernel, kernels/attention/dsa_sparse_bwd/sm90, after its preprocess kernel,
+kernels/attention/dsa_sparse_bwd_pre/sm90, both run and sanitized by every case of the op;
+FORGEKERNEL_DSA_BWD_KERNEL=0 runs
 the INTERIM fp32 torch path; docs/attention/DSA_BWD_NOTES.md "Kernel v1").
 
 Shapes (DeepSeek-V3.2 training / prefill, dsa_recompute's form): one sequence of `ctx` keys
@@ -45,6 +47,7 @@ from forgekernel.bench.suite import Case, Inputs, OpSuite
 from forgekernel.bench.suites import dsa_recompute, gdn_bwd
 from forgekernel.bench.suites.dsa_recompute import SOFTMAX_SCALE, WIDTH, visible
 from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import SPEC as BWD_SPEC
+from forgekernel.kernels.attention.dsa_sparse_bwd_pre.sm90 import SPEC as PRE_SPEC
 from forgekernel.kernels.attention.mla.sm90 import SPEC
 
 LATENT = 512
@@ -54,14 +57,16 @@ CUDNN_TOPK_MULTIPLE = 64  # its sm90 tile_n
 
 
 def kernel_sources() -> list[Path]:
-    """The forward kernel's sources, the backward kernel's (and its launcher) and the op's
-    modules (the ledger key)."""
+    """The forward kernel's sources, the backward kernel's and its preprocess kernel's (and
+    their launchers) and the op's modules (the ledger key)."""
     import forgekernel.kernels.attention.dsa_sparse_bwd.sm90.launch as bwd_launch
+    import forgekernel.kernels.attention.dsa_sparse_bwd_pre.sm90.launch as pre_launch
     import forgekernel.ops.dsa_bwd as bwd_op
     import forgekernel.reference.dsa as dsa_ref
 
-    return [*SPEC.sources, *BWD_SPEC.sources, Path(bwd_launch.__file__), Path(bwd_op.__file__),
-            Path(dsa_ref.__file__)]  # fmt: skip
+    launchers = [Path(bwd_launch.__file__), Path(pre_launch.__file__)]
+    return [*SPEC.sources, *BWD_SPEC.sources, *PRE_SPEC.sources, *launchers,
+            Path(bwd_op.__file__), Path(dsa_ref.__file__)]  # fmt: skip
 
 
 def _case(tokens, hq, ctx, *, topk=2048, pad="end", empty=0, sink=True, group="") -> Case:

@@ -1,6 +1,8 @@
 """Host launcher of the DSA sparse backward kernel: torch only (no DSL), the kernel through the
-compile cache. v1 runs the preprocess (lse2, Delta', d_sink: (tokens, H) fp32 work, one pass
-over out and dO) and the dkv cast in torch around the one kernel launch. Callers validate first
+compile cache. The preprocess (lse2, Delta', d_sink: (tokens, H) fp32 work, one pass over out
+and dO) comes from the caller (the op runs its kernel, kernels/attention/dsa_sparse_bwd_pre)
+or, without one, from `preprocess` here (its torch statement: the CPU tests' and the probe's
+reference); the dkv cast is the caller's. Callers validate first
 (`forgekernel.ops.dsa_bwd`); nothing here reads device data (CUDA-graph capturable)."""
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ def dsa_sparse_bwd(
     reduce: bool = True,
     xchg: bool = False,
     red4s: bool | None = None,
+    pre: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq (tokens, H, 576) in q's dtype, dkv (slots, 576) fp32, d_sink (H,) fp32): q
     (tokens, H, 576), kv (slots, 576) in one 16-bit dtype, dout / out (tokens, H, 512), lse /
@@ -89,9 +92,11 @@ def dsa_sparse_bwd(
     and dP^T are one warpgroup's each (kernel.py); red4s None: the standard form of the build
     (`config.standard_red4s`: red4s at every H, the fragments' red.global.add.v2 under xchg or
     reduce False), False: the fragments' red.global.add.v2, True: red4s (dkv by
-    red.global.add.v4.f32 from a staging in the tile's stage; with xchg: the candidate xchg4s).
-    `unsupported` must be None for these inputs."""
-    lse2, delta, d_sink = preprocess(out, dout, lse, dlse, attn_sink)
+    red.global.add.v4.f32 from a staging in the tile's stage; with xchg: the candidate xchg4s);
+    pre: (lse2, Delta', d_sink) as `preprocess` gives them, computed by the caller (the op: the
+    preprocess kernel, kernels/attention/dsa_sparse_bwd_pre/sm90), None: `preprocess` here
+    (torch). `unsupported` must be None for these inputs."""
+    lse2, delta, d_sink = preprocess(out, dout, lse, dlse, attn_sink) if pre is None else pre
     tokens, heads, _ = q.shape
     if dq is None:
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)

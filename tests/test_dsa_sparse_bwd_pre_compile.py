@@ -1,0 +1,49 @@
+"""The DSA sparse backward preprocess compiled for sm_90a on the CPU (the DSL compiles, ptxas
+assembles, cuobjdump reads the cubin), its structure as kernel.py states it: every standard
+build without spills or local memory, few registers, no shared memory, no HGMMA; out and dO
+read by 128-bit loads (LOADS a lane of each), one shuffle-sum tree, the d_sink term stored only
+where the key has a sink."""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+from forgekernel.kernels.attention.dsa_sparse_bwd_pre.sm90 import SPEC, config  # noqa: E402
+from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text  # noqa: E402
+
+if find_tool("cuobjdump") is None:
+    pytest.skip("cuobjdump not found", allow_module_level=True)
+
+MAX_REGISTERS = 48  # 16 CTAs of 128 threads an SM (the launch's residency) need <= 128
+
+
+def _compiled(params) -> tuple[dict, str]:
+    with tempfile.TemporaryDirectory() as d:
+        compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {d}")
+        cubin = compiled.artifacts.CUBIN
+        if isinstance(cubin, bytes):
+            path = Path(d) / "k.cubin"
+            path.write_bytes(cubin)
+            cubin = str(path)
+        return inspect_cubin(cubin), sass_text(cubin)
+
+
+@pytest.mark.parametrize("params", SPEC.standard_params(), ids=str)
+def test_pre_kernel(params):
+    res, sass = _compiled(params)
+    key = dict(params)
+    assert res["spill_bytes"] == 0, res
+    assert res["registers"] is not None and res["registers"] <= MAX_REGISTERS, res
+    assert not res["smem_bytes"], res
+    assert "HGMMA" not in sass and "LDL" not in sass and "STL" not in sass
+    loads = len(re.findall(r"LDG\.E\.128", sass))
+    assert loads == 2 * config.LOADS, loads  # out and dO, LOADS vectors a lane each
+    assert len(re.findall(r"SHFL\.BFLY", sass)) == 5  # the warp's sum: log2(32) steps
+    stores = len(re.findall(r"STG\.E ", sass))
+    assert stores == 2 + key["sink"], stores  # lse2, Delta' (and the sink term)
