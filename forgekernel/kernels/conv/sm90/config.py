@@ -272,15 +272,15 @@ def stream_cost(
 ) -> tuple[float, int, int]:
     """(time in `split_cost`'s units, k-tiles a range, ranges) of stream K on tile `cfg` (the
     im2col walk; `plan_cost`'s problem and terms): the cluster blocks' k-tiles in one walk
-    (block after block, `k-tiles` each) cut into equal ranges of ceil(walk / clusters), one a
-    cluster, one wave. Simulated event by event (`stream_units`): each cluster runs its range's
+    (block after block, `k-tiles` each) cut into balanced ranges, one a cluster of one wave
+    (`stream_plan`). Simulated event by event (`stream_units`): each cluster runs its range's
     units in order, a unit's k-tiles at `plan_cost`'s k-tile price; a unit that is not its
     block's whole parks its fp32 tile (split_cost's park x `park_weight`), and the block's
     part that parks last reads every part back (a park's price each) and runs the epilogue; a
     whole block runs its epilogue alone. The time is the last cluster's."""
     k_tiles = _ceil(c, K_TILE) * taps
     plan = stream_plan(cfg, m, n, c, taps, num_sms)
-    per, ranges = plan.per_split, plan.parts
+    ranges = plan.parts
     rate, scale = IM2COL_ROWS_128, 1.0
     if pixels is not None or strided:
         rate, scale = FWD_ROWS_128, FWD_IM2COL_K_TILE
@@ -291,28 +291,27 @@ def stream_cost(
     epilogue = tm * tn * 2 / operand * area
     park = park_weight * tm * tn * 4 / operand * area
     blocks = plan.tiles // (cfg.cluster_m * cfg.cluster_n)
+    units = [stream_units(z, ranges, k_tiles, blocks) for z in range(ranges)]
     clock = [0.0] * ranges
-    arrived = {}
-    queue = [(0, z) for z in range(ranges)]  # (next unit, cluster)
-    units = [stream_units(z, per, k_tiles, blocks) for z in range(ranges)]
-    while queue:
-        # the cluster whose next unit parks first
-        def ends(item):
-            i, z = item
-            _, _, count, parts = units[z][i]
-            return clock[z] + count * k_tile + (park if parts > 1 else 0.0)
-
-        item = min(queue, key=ends)
-        queue.remove(item)
-        i, z = item
-        block, _, count, parts = units[z][i]
-        clock[z] = ends(item)
+    arrived: dict[int, int] = {}
+    nxt = [0] * ranges  # each cluster's next unit
+    while True:
+        # the cluster whose next unit parks (or ends) first
+        ends = {
+            z: clock[z] + count * k_tile + (park if parts > 1 else 0.0)
+            for z in range(ranges)
+            if nxt[z] < len(units[z])
+            for _, _, count, parts in [units[z][nxt[z]]]
+        }
+        if not ends:
+            break
+        z = min(ends, key=ends.get)
+        block, _, _, parts = units[z][nxt[z]]
+        clock[z], nxt[z] = ends[z], nxt[z] + 1
         arrived[block] = arrived.get(block, 0) + 1
-        if arrived[block] == parts:
+        if arrived[block] == parts:  # the last part: every part read back, the epilogue
             clock[z] += (parts * park if parts > 1 else 0.0) + epilogue
-        if i + 1 < len(units[z]):
-            queue.append((i + 1, z))
-    return max(clock), per, ranges
+    return max(clock), plan.per_split, ranges
 
 
 def stream_plan(
@@ -324,33 +323,52 @@ def stream_plan(
     num_sms: int = NUM_SMS_H100_H200,
     pixels=None,
     rect: int = 0,
-    per: int = 0,
 ) -> SplitPlan:
     """Stream K's launch of tile `cfg` (its `stream_k` variant) for `choose_plan`'s problem:
-    the cluster blocks' walk (`split_tiles` / cluster blocks x k-tiles) in ranges of `per`
-    k-tiles (0: the walk over one wave of clusters, ceil(walk / clusters)), one a cluster."""
+    the cluster blocks' walk (`split_tiles` / cluster blocks x k-tiles, W) in R balanced
+    ranges, one a cluster of one wave (R = the clusters `num_sms` holds: the launcher's
+    persistent grid, kernel.py `_stream_range`); `per_split` the longest range, ceil(W / R),
+    `parts` R."""
     cfg = replace(cfg, split=True, stream_k=True)
     tiles = split_tiles(cfg, m, n, pixels, rect)
     walk = tiles // (cfg.cluster_m * cfg.cluster_n) * _ceil(c, K_TILE) * taps
-    per = per or _ceil(walk, num_sms // (cfg.cluster_m * cfg.cluster_n))
-    return SplitPlan(cfg, per, _ceil(walk, per), tiles, rect)
+    ranges = num_sms // (cfg.cluster_m * cfg.cluster_n)
+    if walk * ranges >= 2**31:  # the kernel's range arithmetic is Int32
+        raise ValueError(f"stream K's walk of {walk} k-tiles over {ranges} ranges overflows")
+    return SplitPlan(cfg, _ceil(walk, ranges), ranges, tiles, rect)
 
 
-def stream_units(cluster: int, per: int, k_tiles: int, blocks: int) -> list[tuple]:
-    """Stream K's units of `cluster`'s range (kernel.py `_stream_unit`): (block, first k-tile,
-    k-tiles, the block's parts) for each block the range [cluster x per, + per) of the walk
-    (`blocks` blocks of `k_tiles`) covers, in order."""
-    it, end = cluster * per, min((cluster + 1) * per, blocks * k_tiles)
+def stream_units(cluster: int, ranges: int, k_tiles: int, blocks: int) -> list[tuple]:
+    """Stream K's units of `cluster`'s range (kernel.py `_stream_range`, `_stream_unit`):
+    (block, first k-tile, k-tiles, the block's parts) for each block the range [z W // R,
+    (z + 1) W // R) of the walk (W = `blocks` x `k_tiles`, R = `ranges`) covers, in order."""
+    walk = blocks * k_tiles
+    it, end = cluster * walk // ranges, (cluster + 1) * walk // ranges
     units = []
     while it < end:
         block = it // k_tiles
         k0 = it - block * k_tiles
         count = min(end - it, k_tiles - k0)
         begin = block * k_tiles
-        parts = (begin + k_tiles - 1) // per - begin // per + 1
+        first = ((begin + 1) * ranges - 1) // walk
+        parts = ((begin + k_tiles) * ranges - 1) // walk - first + 1
         units.append((block, k0, count, parts))
         it += count
     return units
+
+
+def stream_slots(cluster: int, block: int, ranges: int, k_tiles: int, blocks: int):
+    """Stream K's workspace slots, in cluster slots (a CTA of rank r: slot x S + r, S CTAs a
+    cluster), of `cluster`'s unit of `block` (kernel.py `_part_slots`): (its own, then the
+    block's parts in k order: part 0 cluster first's first slot (2 first) where its range
+    began at the block, else its last (2 first + 1); part p >= 1 cluster first + p's first)."""
+    walk = blocks * k_tiles
+    begin = block * k_tiles
+    first = ((begin + 1) * ranges - 1) // walk
+    parts = ((begin + k_tiles) * ranges - 1) // walk - first + 1
+    own = 2 * cluster + int(cluster * walk // ranges < begin)
+    head = 2 * first + int(first * walk // ranges < begin)
+    return own, [head] + [2 * (first + p) for p in range(1, parts)]
 
 
 def choose_plan(

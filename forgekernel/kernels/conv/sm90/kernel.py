@@ -304,8 +304,9 @@ class ConvFpropSm90:
         )
         grid = schedule.grid(max_active_clusters)
         if cutlass.const_expr(self.cfg.stream_k):
-            # one range of per_split k-tiles of the blocks' walk a cluster (`_stream_range`)
-            grid = (*self.cluster_shape_mn, cute.ceil_div(schedule.blocks * k_tiles, per_split))
+            # one range of the blocks' walk a cluster, max_active_clusters ranges
+            # (`_stream_range`; per_split unused)
+            grid = (*self.cluster_shape_mn, max_active_clusters)
 
         self.shared_storage = self._shared_storage()
         self.kernel(
@@ -535,45 +536,52 @@ class ConvFpropSm90:
 
     @cute.jit
     def _stream_range(self, schedule, units):
-        """Stream K: this cluster's k-tiles [begin, end) of the walk over every block's (the
-        static schedule's cluster blocks, block after block, `k-tiles` each): the cluster's
-        range of per_split (`units`: (k-tiles, per_split, N tiles))."""
-        k_tiles, per, _ = units
-        begin = cute.arch.block_idx()[2] * per
-        return begin, cutlass.min(begin + per, schedule.blocks * k_tiles)
+        """Stream K: (this cluster's k-tiles [begin, end) of the walk over every block's (the
+        static schedule's cluster blocks, block after block, `k-tiles` each: `units` (k-tiles,
+        per_split, N tiles)), (the walk's k-tiles, its ranges)). The walk is cut into as many
+        balanced ranges as the grid has clusters: range z is [z W // R, (z + 1) W // R) (W
+        k-tiles, R ranges; W R < 2^31, config.stream_plan)."""
+        walk = schedule.blocks * units[0]
+        ranges = cute.arch.grid_dim()[2]
+        cluster = cute.arch.block_idx()[2]
+        return cluster * walk // ranges, (cluster + 1) * walk // ranges, (walk, ranges)
 
     @cute.jit
-    def _stream_unit(self, it, end, units, sched):
+    def _stream_unit(self, it, end, units, sched, stream):
         """Stream K: the unit at k-tile `it` of the cluster's range ending at `end`, the dense
-        GEMM's (kernels/gemm/dense/sm90/kernel.py `_next_unit`, no data-parallel blocks):
-        (this CTA's tile_m, tile_n of the block, first k-tile, k-tiles, the block's parts, (this
-        unit's cluster slot, the block's first cluster, the block's first k-tile of the walk))
-        (config.stream_units counts the same)."""
-        k_tiles, per, _ = units
+        GEMM's (kernels/gemm/dense/sm90/kernel.py `_next_unit`, no data-parallel blocks; the
+        ranges balanced: `_stream_range`'s `stream` = (W, R)): (this CTA's tile_m, tile_n of
+        the block, first k-tile, k-tiles, the block's parts, (this unit's cluster slot, the
+        block's first cluster, whether that cluster's range began before the block))
+        (config.stream_units counts the same). Cluster z's range holds k-tile i for z =
+        ((i + 1) R - 1) // W."""
+        k_tiles = units[0]
+        walk, ranges = stream
         block = it // k_tiles
         begin = block * k_tiles
         k0 = it - begin
         count = cutlass.min(end - it, k_tiles - k0)
-        first = begin // per
-        parts = (begin + k_tiles - 1) // per - first + 1
+        first = ((begin + 1) * ranges - 1) // walk
+        parts = ((begin + k_tiles) * ranges - 1) // walk - first + 1
         cluster = cute.arch.block_idx()[2]
         # the cluster's first unit (its range starts in the block) or its last
-        slot = 2 * cluster + cutlass.Int32(cluster * per < begin)
+        slot = 2 * cluster + cutlass.Int32(cluster * walk // ranges < begin)
+        before = cutlass.Int32(first * walk // ranges < begin)
         tile_m, tile_n = sched.tile(block)
-        return tile_m, tile_n, k0, count, parts, (slot, first, begin)
+        return tile_m, tile_n, k0, count, parts, (slot, first, before)
 
     @cute.jit
-    def _part_slots(self, where, per):
+    def _part_slots(self, where):
         """Workspace slots of a streamed unit `where` (`_stream_unit`): (this part's slot, part
         0's, part 1's, the step to part p + 1's), the dense GEMM's `_part_slots`: cluster slot s
         of the CTA of rank r is slot s S + r (S CTAs a cluster); part p >= 1 is cluster first +
         p's first unit, part 0 cluster first's first unit where its range began at the block,
         else its last."""
-        slot, first, begin = where
+        slot, first, before = where
         size = self.cfg.cluster_m * self.cfg.cluster_n
         cta_m, cta_n, _ = cute.arch.block_idx()
         rank = cute.arch.make_warp_uniform(cta_m + cta_n * self.cfg.cluster_m)
-        head = (2 * first + cutlass.Int32(first * per < begin)) * size + rank
+        head = (2 * first + before) * size + rank
         return slot * size + rank, head, 2 * first * size + rank, 2 * size
 
     @cute.jit
@@ -587,9 +595,10 @@ class ConvFpropSm90:
         prod = producer_state(self.stages)
         sched = StaticScheduler(schedule)
         if cutlass.const_expr(self.cfg.stream_k):
-            it, end = self._stream_range(schedule, units)
+            it, end, stream = self._stream_range(schedule, units)
             while it < end:
-                tile_m, tile_n, k0, count, _, _ = self._stream_unit(it, end, units, sched)
+                unit = self._stream_unit(it, end, units, sched, stream)
+                tile_m, tile_n, k0, count = unit[:4]
                 unit = (tile_m, tile_n, k0, count)
                 prod = self._load_unit(load_a, load_b, ab_pipe, prod, unit, c_blocks, rect_walk)
                 it += count
@@ -737,9 +746,10 @@ class ConvFpropSm90:
         tile_out = (cols, mBias, rects, gC, tma_c, sC, epi, warp_idx)
         sched = StaticScheduler(schedule)
         if cutlass.const_expr(self.cfg.stream_k):
-            it, end = self._stream_range(schedule, units)
+            it, end, stream = self._stream_range(schedule, units)
             while it < end:
-                tile_m, tile_n, _, count, parts, where = self._stream_unit(it, end, units, sched)
+                unit = self._stream_unit(it, end, units, sched, stream)
+                tile_m, tile_n, _, count, parts, where = unit
                 it += count
                 read, release, tiled_mma = self._mainloop(
                     count, tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release
@@ -749,7 +759,7 @@ class ConvFpropSm90:
                     # the split's protocol on the dense GEMM's stream-K slots
                     thread = tidx - THREADS_PER_WG
                     threads = self.num_mma_threads
-                    slot, head, first, step = self._part_slots(where, units[1])
+                    slot, head, first, step = self._part_slots(where)
                     at = (slot, tile_n * tiles_m + tile_m, parts)
                     last = splitk.park(acc, mWork, mFlags, at, threads, thread, epi_barrier, s_last)
                     if last:

@@ -134,8 +134,8 @@ def _choose(dtype, bias, m, k, c, taps, device_index, config, dgrad, pixels, row
         # phase of a data gradient, would have the kernel write past its workspace)
         tiles = split_tiles(config, m, k, pixels, rect)
         plan = SplitPlan(config, per, -(-k_tiles // per), tiles, rect)
-        if config.stream_k:  # the ranges over one wave of clusters (or `given` k-tiles each)
-            plan = stream_plan(config, m, k, c, taps, sms, pixels, rect, given or 0)
+        if config.stream_k:  # balanced ranges, one a cluster of one wave
+            plan = stream_plan(config, m, k, c, taps, sms, pixels, rect)
     cfg = plan.config
     params = params_for(dtype_name(dtype), bias, cfg, dgrad=dgrad, rect=plan.rect)
     # one CTA per SM (the pipeline takes nearly all shared memory)
