@@ -326,13 +326,13 @@ def stream_plan(
 ) -> SplitPlan:
     """Stream K's launch of tile `cfg` (its `stream_k` variant) for `choose_plan`'s problem:
     the cluster blocks' walk (`split_tiles` / cluster blocks x k-tiles, W) in R balanced
-    ranges, one a cluster of one wave (R = the clusters `num_sms` holds: the launcher's
-    persistent grid, kernel.py `_stream_range`); `per_split` the longest range, ceil(W / R),
-    `parts` R."""
+    ranges, one a cluster of one wave (R = the clusters `num_sms` holds, at most W: no range
+    empty, or a block's parts would count a cluster with none of its k-tiles; the launcher's
+    grid, kernel.py `_stream_range`); `per_split` the longest range, ceil(W / R), `parts` R."""
     cfg = replace(cfg, split=True, stream_k=True)
     tiles = split_tiles(cfg, m, n, pixels, rect)
     walk = tiles // (cfg.cluster_m * cfg.cluster_n) * _ceil(c, K_TILE) * taps
-    ranges = num_sms // (cfg.cluster_m * cfg.cluster_n)
+    ranges = min(num_sms // (cfg.cluster_m * cfg.cluster_n), walk)
     if walk * ranges >= 2**31:  # the kernel's range arithmetic is Int32
         raise ValueError(f"stream K's walk of {walk} k-tiles over {ranges} ranges overflows")
     return SplitPlan(cfg, _ceil(walk, ranges), ranges, tiles, rect)

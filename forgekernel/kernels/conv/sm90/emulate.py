@@ -286,6 +286,8 @@ def stream_run(compute, store, cfg: ConvConfig, walk: tuple, split) -> None:
     tm, tn = cfg.tile_m, cfg.tile_n
     if work.numel() < 2 * ranges * size * tm * tn or bool(flags[: tiles_m * tiles_n].any()):
         raise AssertionError("stream K needs two slots a CTA and zero flags")
+    if not 1 <= ranges <= blocks * k_tiles:
+        raise AssertionError(f"{ranges} ranges of a walk of {blocks * k_tiles} k-tiles: one empty")
     slots = work[: 2 * ranges * size * tm * tn].view(2 * ranges * size, tm, tn)
     units = [(z, u) for z in range(ranges) for u in stream_units(z, ranges, k_tiles, blocks)]
     for i in order if order is not None else range(len(units)):

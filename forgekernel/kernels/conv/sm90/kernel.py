@@ -304,8 +304,8 @@ class ConvFpropSm90:
         )
         grid = schedule.grid(max_active_clusters)
         if cutlass.const_expr(self.cfg.stream_k):
-            # one range of the blocks' walk a cluster, max_active_clusters ranges
-            # (`_stream_range`; per_split unused)
+            # one range of the blocks' walk a cluster, max_active_clusters ranges (at most
+            # the walk's k-tiles: `_stream_range`; per_split unused)
             grid = (*self.cluster_shape_mn, max_active_clusters)
 
         self.shared_storage = self._shared_storage()
@@ -540,7 +540,7 @@ class ConvFpropSm90:
         static schedule's cluster blocks, block after block, `k-tiles` each: `units` (k-tiles,
         per_split, N tiles)), (the walk's k-tiles, its ranges)). The walk is cut into as many
         balanced ranges as the grid has clusters: range z is [z W // R, (z + 1) W // R) (W
-        k-tiles, R ranges; W R < 2^31, config.stream_plan)."""
+        k-tiles, R ranges; R <= W, none empty, and W R < 2^31: config.stream_plan)."""
         walk = schedule.blocks * units[0]
         ranges = cute.arch.grid_dim()[2]
         cluster = cute.arch.block_idx()[2]

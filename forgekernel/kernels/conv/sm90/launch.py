@@ -138,8 +138,9 @@ def _choose(dtype, bias, m, k, c, taps, device_index, config, dgrad, pixels, row
             plan = stream_plan(config, m, k, c, taps, sms, pixels, rect)
     cfg = plan.config
     params = params_for(dtype_name(dtype), bias, cfg, dgrad=dgrad, rect=plan.rect)
-    # one CTA per SM (the pipeline takes nearly all shared memory)
-    return get_kernel(SPEC, params), sms // (cfg.cluster_m * cfg.cluster_n), plan
+    # one CTA per SM (the pipeline takes nearly all shared memory); stream K: its ranges
+    clusters = plan.parts if cfg.stream_k else sms // (cfg.cluster_m * cfg.cluster_n)
+    return get_kernel(SPEC, params), clusters, plan
 
 
 FORCED_PARTS = 3  # a split configuration asked for by name cuts its reduction this many ways
