@@ -13,7 +13,10 @@ What it models (kernel.py's docstring):
 - the tile grid over (M, K), ragged tiles clipped at the store, the bias added to the fp32
   accumulator before the conversion;
 - the data-gradient mode (params "dgrad"): W (K, T', R', S', C) read as B = (C, (K, S, R, T)),
-  B's k-tiles walking the taps in reverse with the producer's own countdown.
+  B's k-tiles walking the taps in reverse with the producer's own countdown;
+- split reductions: parts of per_split k-tiles, or stream K (params "stream_k", `stream_run`):
+  the cluster blocks' walk in max_clusters balanced ranges, each tile's parts parked in the
+  dense GEMM's stream-K slots and summed in k order by the last to arrive.
 
 The fused data gradient (dgrad_kernel.py, `fused_run` / `compiled_fused`): every phase in one
 launch over the shared walk, decoded from the packed arguments the way the kernel decodes them

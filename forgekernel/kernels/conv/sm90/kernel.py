@@ -51,6 +51,20 @@ their part); each part parks its fp32 accumulator and the last of a tile's parts
 part order and runs the epilogue (kernels/common/sm90/splitk.py: deterministic, no waiting).
 Not with cluster_n > 1 (its CTAs would straddle parts).
 
+Stream K (`stream_k`, a split configuration; candidate builds, config.STREAM): the dense GEMM's
+scheme (kernels/gemm/dense/sm90/kernel.py, "Stream K") without its data-parallel blocks. The
+work units are the static schedule's cluster blocks (cluster_m M tiles of one N tile), and the
+walk runs every block's k-tiles, block after block; it is cut into R balanced ranges, one a
+cluster of the grid (R = max_active_clusters, at most the walk's k-tiles: range z is [z W //
+R, (z + 1) W // R) of W, `_stream_range`), across tile boundaries, so every SM gets the same
+k-tiles within one where the tiles alone leave SMs idle (the M = 1568 3x3s: 52 tiles of 72
+k-tiles over 132 SMs, 28-29 k-tiles each against 36 on two parts). A CTA walks its range as
+units, each its part of one tile (`_stream_unit`); a unit that covers its whole tile runs the
+epilogue directly, any other parks its fp32 accumulator in the cluster's first slot (its
+range began in the tile) or last, counts itself in the tile's flag, and the tile's last part
+to arrive sums every part in k order (`_part_slots`: the GEMM's slots) and runs the
+epilogue. per_split is unused.
+
 Data-gradient mode (`dgrad`, docs/conv/NOTES.md): the same kernel computes a phase of the data
 gradient, dX_phase = conv(dY, W flipped, channels swapped), reading W (K, T, R, S, C) itself (a
 strided view that names the phase's taps), no filter copy: B is W seen as (C, (K, S, R, T)),
@@ -715,9 +729,10 @@ class ConvFpropSm90:
 
     @cute.jit
     def _consume(self, tidx, warp_idx, mma, ab_pipe, out, schedule, k_split):
-        """The consumer warpgroups: each unit's mainloop; split, the part parked and, by the
-        tile's last part, all of them summed; then the bias and the epilogue. `out`: (sC, gC,
-        the store atom, bias); `k_split`: (units, (workspace, flags, the shared flag, parts))."""
+        """The consumer warpgroups: each unit's mainloop (the static schedule's, or stream K's
+        units of the cluster's range); split, the part parked and, by the tile's last part, all
+        of them summed; then the bias and the epilogue (`_output`). `out`: (sC, gC, the store
+        atom, bias); `k_split`: (units, (workspace, flags, the shared flag, parts))."""
         tiled_mma, tCrA, tCrB, acc = mma
         sC, gC, tma_c, mBias, tiles_m, rects = out
         units, (mWork, mFlags, s_last, parts) = k_split
