@@ -210,3 +210,23 @@ def test_the_launcher_runs_a_stream_k_plan(conv_models, dgrad):
     ]
     key = dict(params_for("bfloat16", False, STREAM, dgrad=dgrad))
     assert key in [dict(p) for p in SPEC.candidate_params()]
+
+
+@pytest.mark.parametrize("rect, ranges, cm", [(8, 7, 1), (16, 5, 2), (8, 132, 1)])
+def test_the_model_computes_the_convolution_on_rectangles(rect, ranges, cm):
+    """Stream K on the stride-1 rectangles (the kernel's walk takes them; no build asks for
+    them yet): the same walk over the rectangles' tiles, y (N, Z, P, Q, K)."""
+    n, c, k, hw, f, pad = 3, 72, 136, (11, 9), 3, 1
+    x, w, geometry = _conv(n, c, k, hw, f, pad, False, 5)
+    cfg = replace(STREAM, cluster_m=cm)
+    params = params_for("bfloat16", False, cfg, rect=rect)
+    pixels = (n, 1, *hw)
+    plan = stream_plan(cfg, n * hw[0] * hw[1], k, c, f * f, ranges * cm, pixels, rect)
+    y = torch.full((*pixels, k), float("nan"), dtype=F64)
+    work = torch.full((plan.workspace_floats,), float("nan"), dtype=torch.float32)
+    flags = torch.zeros(plan.tiles, dtype=torch.int32)
+    fn = emulate.compiled(params, order_seed=rect + ranges)
+    fn(x, w, y, None, work, flags, *geometry.kernel_args(), plan.per_split, plan.parts)
+    want = _reference(x, w, pad, False)
+    assert torch.allclose(y[:, 0], want, rtol=1e-5, atol=1e-4), (y[:, 0] - want).abs().max()
+    assert not flags.any()
