@@ -611,11 +611,9 @@ class ConvFpropSm90:
         if cutlass.const_expr(self.cfg.stream_k):
             it, end, stream = self._stream_range(schedule, units)
             while it < end:
-                unit = self._stream_unit(it, end, units, sched, stream)
-                tile_m, tile_n, k0, count = unit[:4]
-                unit = (tile_m, tile_n, k0, count)
+                unit = self._stream_unit(it, end, units, sched, stream)[:4]
                 prod = self._load_unit(load_a, load_b, ab_pipe, prod, unit, c_blocks, rect_walk)
-                it += count
+                it += unit[3]
         else:
             work = sched.first()
             while sched.valid(work):
