@@ -33,8 +33,8 @@ class ConvConfig:
     swizzle: int = 1  # raster group size, in clusters (L2 reuse)
     raster_along_m: bool = True
     split: bool = False  # the reduction may be cut into parts (kernel.py; per_split at run time)
-    # with split: stream K, every output tile's k-tiles in one walk cut into equal ranges, one a
-    # cluster, across tile boundaries (kernel.py; per_split = a range's k-tiles at run time)
+    # with split: stream K, every output tile's k-tiles in one walk cut into balanced ranges, one
+    # a cluster of the grid, across tile boundaries (kernel.py; stream_plan)
     stream_k: bool = False
 
     def tag(self) -> str:
@@ -65,8 +65,8 @@ CANDIDATES = (
     ConvConfig(tile_n=128, cluster_n=2),
 )
 # Stream K (candidate builds, the forward and its data-gradient mode on the im2col walk): the
-# M = 1568 3x3s' 52 tiles x 72 k-tiles in 132 equal ranges (docs/conv/NOTES.md, "Stream K for
-# the M = 1568 3x3s").
+# M = 1568 3x3s' 52 tiles x 72 k-tiles in 132 ranges of 28-29 (docs/conv/NOTES.md, "Stream K
+# for the M = 1568 3x3s").
 STREAM = replace(SMALL, split=True, stream_k=True)
 STREAM_CANDIDATES = (STREAM,)
 # Tile efficiency relative to LARGE at full occupancy (the GEMM's H200 figures, 8192^3 class).
@@ -142,8 +142,9 @@ def _ceil(a: int, b: int) -> int:
 class SplitPlan:
     """One launch of a kernel whose reduction may be split: its configuration, `per_split`
     k-tiles per part, `parts` (1: unsplit) and `tiles` output tiles (a tile's parts share its
-    flag), and the fp32 partials of the workspace. Stream K (`config.stream_k`): `per_split`
-    k-tiles a range, `parts` ranges (the grid's clusters), `tiles` flags (`split_tiles`)."""
+    flag), and the fp32 partials of the workspace. Stream K (`config.stream_k`, `stream_plan`):
+    `per_split` the longest range's k-tiles, `parts` the ranges (the grid's clusters), `tiles`
+    the flags (`split_tiles`)."""
 
     config: Any
     per_split: int
