@@ -1,11 +1,12 @@
 """The convolution kernels compile for sm_90a on a CPU machine, nothing spills (no local memory)
 and their shared memory fits.
 
-Forward (five builds): the activations load through the im2col TMA (UTMALDG.5D.IM2COL), the
+Forward (seven builds): the activations load through the im2col TMA (UTMALDG.5D.IM2COL), the
 multiply-adds are HGMMA; the representative (bias, 128x128, weight multicast over a 2x1
 cluster), the largest accumulator (128x256), the data-gradient mode (W N-major: `.tnspB`), a
 split reduction with the largest accumulator and bias, the data-gradient mode split (the
-parts counted with a global atomic).
+parts counted with a global atomic), and stream K's two candidate builds (config.STREAM, the
+forward and its data-gradient mode: the same atomic, 168 registers like every forward build).
 Fused data gradient (every tile, plain and split): the same im2col TMA and transposed-B HGMMA,
 no TMA store: the rows go out as 16-byte st.global (STG.E.128) after 16-byte shared loads of the
 staged sub-tile; a split counts its parts with a global atomic.
@@ -36,7 +37,13 @@ from forgekernel.kernels.conv.sm90 import (  # noqa: E402
     wgrad_compile,
 )
 from forgekernel.kernels.conv.sm90 import compile as fprop_compile  # noqa: E402
-from forgekernel.kernels.conv.sm90.config import LARGE, NARROW, SQUARE, params_for  # noqa: E402
+from forgekernel.kernels.conv.sm90.config import (  # noqa: E402
+    LARGE,
+    NARROW,
+    SQUARE,
+    STREAM,
+    params_for,
+)
 from forgekernel.kernels.conv.sm90.dgrad_config import FUSED_CONFIGS, fused_params  # noqa: E402
 from forgekernel.kernels.conv.sm90.wgrad_config import (  # noqa: E402
     WGRAD_CONFIGS,
@@ -84,8 +91,18 @@ def _no_spills_and_fits(sass, found, kernel):
         params_for("bfloat16", False, SQUARE, dgrad=True),
         params_for("bfloat16", True, replace(LARGE, split=True)),
         params_for("float16", False, replace(NARROW, split=True), dgrad=True),
+        params_for("bfloat16", False, STREAM),
+        params_for("bfloat16", False, STREAM, dgrad=True),
     ],
-    ids=["representative", "128x256", "dgrad", "128x256-split-bias", "dgrad-128x64-split"],
+    ids=[
+        "representative",
+        "128x256",
+        "dgrad",
+        "128x256-split-bias",
+        "dgrad-128x64-split",
+        "stream-k",
+        "dgrad-stream-k",
+    ],
 )
 def test_forward_builds_with_im2col_tma_hgmma_and_no_spills(params, tmp_path, monkeypatch):
     sass, found, kernel = _build(
@@ -98,6 +115,8 @@ def test_forward_builds_with_im2col_tma_hgmma_and_no_spills(params, tmp_path, mo
     assert ("tnspB" in sass) == dict(params)["dgrad"]
     # a split counts its parts in the tile's flag
     assert bool(re.search(r"\bATOMG?\.E\.ADD", sass)) == dict(params)["split"]
+    if dict(params).get("stream_k"):  # no more registers than the split builds'
+        assert found["registers"] <= 168
 
 
 @pytest.mark.parametrize(

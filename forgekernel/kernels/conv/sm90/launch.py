@@ -64,6 +64,7 @@ from forgekernel.kernels.conv.sm90.config import (
     choose_plan,
     params_for,
     split_tiles,
+    stream_plan,
 )
 from forgekernel.kernels.conv.sm90.dgrad_config import (
     FusedPlan,
@@ -106,7 +107,8 @@ def _round_up(x: int) -> int:
 def _choose(dtype, bias, m, k, c, taps, device_index, config, dgrad, pixels, rows, strided):
     """(the compiled function, clusters of the persistent grid, the SplitPlan) of one launch.
     `config`: None (chosen), a ConvConfig (a split one cut into FORCED_PARTS parts; at stride
-    1 on rectangles of `rect_width`) or a SplitPlan (its own walk). `pixels`: (N, Z, P, Q) of a
+    1 on rectangles of `rect_width`) or a SplitPlan (its own walk; stream K's ranges counted
+    for this problem, `config.stream_plan`). `pixels`: (N, Z, P, Q) of a
     stride-1 forward whose output tiles may be rectangles (`_launch`), else None; `rows`:
     whether the chooser may take the im2col walk there (False: y is a view its (M, K) rows would
     reach only through a scratch copy); `strided`: a strided forward (the chooser's strided
@@ -132,10 +134,13 @@ def _choose(dtype, bias, m, k, c, taps, device_index, config, dgrad, pixels, row
         # phase of a data gradient, would have the kernel write past its workspace)
         tiles = split_tiles(config, m, k, pixels, rect)
         plan = SplitPlan(config, per, -(-k_tiles // per), tiles, rect)
+        if config.stream_k:  # balanced ranges, one a cluster of one wave
+            plan = stream_plan(config, m, k, c, taps, sms, pixels, rect)
     cfg = plan.config
     params = params_for(dtype_name(dtype), bias, cfg, dgrad=dgrad, rect=plan.rect)
-    # one CTA per SM (the pipeline takes nearly all shared memory)
-    return get_kernel(SPEC, params), sms // (cfg.cluster_m * cfg.cluster_n), plan
+    # one CTA per SM (the pipeline takes nearly all shared memory); stream K: its ranges
+    clusters = plan.parts if cfg.stream_k else sms // (cfg.cluster_m * cfg.cluster_n)
+    return get_kernel(SPEC, params), clusters, plan
 
 
 FORCED_PARTS = 3  # a split configuration asked for by name cuts its reduction this many ways
