@@ -91,7 +91,10 @@ class PagedDecodeSm90:
             page_ahead and not fp8 and (head_dim == 128 or (head_dim == 64 and self.rows == ROWS))
         )
         # the warps' merge with each row's weights computed once (`_write_rows`), a candidate
-        # (compile key merge "rows"); False: `combine.write_split`, per element
+        # (compile key merge "rows") of the 16-bit D 128 leaves (G x D a multiple of THREADS);
+        # False: `combine.write_split`, per element
+        if merge_rows and (fp8 or head_dim != 128):
+            raise ValueError("merge_rows: 16-bit caches at D 128 only")
         self.merge_rows = merge_rows
 
     def _fp8_shared(self, dtype):
@@ -416,11 +419,12 @@ class PagedDecodeSm90:
         n = self.g * self.d
         # 4 (row, column) elements at a time: the 32-row leaf's registers (unrolled fully, its
         # 32 iterations took 255 and spilled 56 bytes)
-        for j in cutlass.range(-(-n // THREADS), unroll=4):
+        for j in cutlass.range(n // THREADS, unroll=4):
             i = tidx + j * THREADS
             g = i // self.d
             d = i - g * self.d
-            if i < n and g // self.h < sq:
+            # rows of tokens past sq are not written (i < n always: D 128 = THREADS)
+            if g // self.h < sq:
                 acc = so[0, g, d] * sm[0, g]
                 for w in cutlass.range_constexpr(1, WARPS):
                     acc += so[w, g, d] * sm[w, g]
