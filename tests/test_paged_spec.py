@@ -7,6 +7,7 @@ and the 18:47 pass kept as candidate params."""
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 import pytest
 import torch
@@ -89,20 +90,28 @@ def test_page_ahead_schedule(page_size, sk, per, split, stages):
     assert all(0 <= p < len(table) for p in reads)
 
 
-def test_candidates_are_the_standard_leaves_read_inline():
+def test_candidates_are_standard_leaves_with_one_knob():
     """The candidate params: the bf16 D 128 standard leaves with page_ids "inline" (compile.py:
-    `PagedDecodeSm90(page_ahead=False)`, the 18:47 pass), one per standard leaf."""
+    `PagedDecodeSm90(page_ahead=False)`, the 18:47 pass), one per standard leaf, and the
+    speculative ones (2 / 4 query tokens) with merge "rows" (`merge_rows`), each a standard
+    leaf with one knob more."""
     standard = set(SPEC.standard_params())
     cands = SPEC.candidate_params()
     assert cands and len(set(cands)) == len(cands)
+    knobs = {}
     for c in cands:
         d = dict(c)
-        assert d.pop("page_ids") == "inline"
+        knob = ("page_ids", d.pop("page_ids")) if "page_ids" in d else ("merge", d.pop("merge"))
+        assert knob in {("page_ids", "inline"), ("merge", "rows")}
         assert (d["dtype"], d["head_dim"]) == ("bfloat16", 128)
         assert tuple(sorted(d.items())) in standard
+        knobs.setdefault(knob, set()).add(tuple(sorted(d.items())))
     wanted = {config.params_for("partial", "bfloat16", 128, h, "", q)
               for h, q in ((4, 1), (4, 2), (4, 4), (8, 2), (8, 4), (8, 1))}  # fmt: skip
-    assert wanted <= {tuple(sorted((k, v) for k, v in c if k != "page_ids")) for c in cands}
+    assert wanted <= knobs[("page_ids", "inline")]
+    spec = {w for w in wanted if dict(w).get("qtokens", 1) > 1}
+    assert spec <= knobs[("merge", "rows")]
+    assert all(dict(p).get("qtokens", 1) > 1 for p in knobs[("merge", "rows")])
 
 
 _INS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
@@ -226,3 +235,87 @@ def test_probe_runs_on_the_stand_ins(monkeypatch, q_lens):
     assert checks["decode_max_err"] < 2e-2 and checks["decode_inline_bitwise"]
     assert any(dict(p).get("page_ids") == "inline" for p, _, _ in calls)
     probe._report(r)  # the printout runs on these fields
+
+
+def test_merge_params_pick_the_candidate_leaf():
+    """launch.merge_params: "" keeps the standard compile key, "rows" adds merge "rows" (a
+    candidate key of every spec leaf the bench times), anything else raises."""
+    from forgekernel.kernels.attention.paged.sm90 import launch as paged_launch
+    from forgekernel.kernels.attention.paged.sm90 import merge_candidates
+
+    p = config.params_for("partial", "bfloat16", 128, 4, "", 4)
+    assert paged_launch.merge_params(p) == p
+    rows = paged_launch.merge_params(p, "rows")
+    assert dict(rows) == {**dict(p), "merge": "rows"} and rows in merge_candidates()
+    with pytest.raises(ValueError):
+        paged_launch.merge_params(p, "vector")
+    for case in suite.SPEC_BENCH_CASES:
+        plan = _probe().plan_of(case)
+        leaf = config.params_for("partial", "bfloat16", 128, plan["heads"], "",
+                                 _probe().qtokens_of(case))  # fmt: skip
+        assert paged_launch.merge_params(leaf, "rows") in merge_candidates(), case.name
+
+
+def test_merge_rows_variant_on_the_stand_ins(monkeypatch):
+    """The bench's spec variant `merge_rows` through the launcher on the CPU stand-ins
+    (test_attention_paged's): it looks up the merge "rows" leaf, the op the standard one, on
+    the same plan, and writes the op's outputs (the stand-ins share one arithmetic)."""
+    from test_attention_paged import install_cpu_decode
+
+    from forgekernel.kernels.attention.paged.sm90 import launch as paged_launch
+
+    calls = install_cpu_decode(monkeypatch)
+    case = suite._case(3, 8, 2, 128, 16, (40, 300, 77), q_lens=(2, 4, 1), group="spec")
+    assert set(suite.variants(case)) == {"merge_rows"}
+    try:
+        inputs = suite.make_inputs(case, torch.bfloat16, torch.device("cpu"),
+                                   torch.Generator().manual_seed(0))  # fmt: skip
+        want = suite.run_ours(inputs, suite.alloc_out(inputs))
+        got = suite.variants(case)["merge_rows"](inputs, suite.alloc_out(inputs))
+    finally:
+        paged_launch._plans.clear()
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    (ours, _, _), (cand, _, _) = calls
+    assert "merge" not in ours and cand == {**ours, "merge": "rows"}
+
+
+def _loop_ops(sass: str) -> list[str]:
+    """The opcodes of the main loop (the longest backward branch's body)."""
+    ins = [(int(a, 16), t.strip()) for a, t in _INS.findall(sass)]
+    spans = []
+    for a, t in ins:
+        m = re.search(r"BRA\s+(?:!?U?P\w+,\s*)?0x([0-9a-f]+)", t)
+        if m and int(m.group(1), 16) < a:
+            spans.append((int(m.group(1), 16), a))
+    lo, hi = max(spans, key=lambda s: s[1] - s[0])
+    return [
+        re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for a, t in ins if lo <= a <= hi
+    ]
+
+
+@pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
+@pytest.mark.parametrize(("heads", "qtokens"), [(4, 2), (4, 4), (8, 2), (8, 4)])
+def test_merge_rows_compiles_within_the_residency(tmp_path, heads, qtokens):
+    """Compiled (sm_90a), the merge candidate of the spec leaves the bench runs: registers
+    within 2 CTAs an SM, no spill, the main loop the standard leaf's work (the same MMA,
+    shared / global memory, MUFU, FP32, shuffle and barrier instructions, the total within 1%:
+    624 / 632 / 632 / 851 standard, ptxas orders them a little differently and saved one
+    UIADD3 at 8 x 4), and no exponent, logarithm or division per output element: fewer MUFUs
+    than the standard leaf's."""
+    pytest.importorskip("cutlass.cute")
+    params = {"kind": "partial", "dtype": "bfloat16", "head_dim": 128, "heads": heads,
+              "qtokens": qtokens}  # fmt: skip
+    std, _ = _compile_sass(tmp_path, params)
+    sass, res = _compile_sass(tmp_path, params | {"merge": "rows"})
+    assert res["spill_bytes"] == 0
+    assert res["registers"] <= 65536 // (config.THREADS * config.RESIDENT[128])
+    ops, std_ops = Counter(_loop_ops(sass)), Counter(_loop_ops(std))
+    for op in ("HMMA", "LDSM", "LDS", "LDGSTS", "LDG", "MUFU", "FFMA", "FMUL", "SHFL", "BAR"):
+        assert ops[op] == std_ops[op], op
+    assert abs(ops.total() - std_ops.total()) <= 0.01 * std_ops.total()
+    assert res["sass"].get("MUFU", 0) < _compile_sass_mufu(std)
+
+
+def _compile_sass_mufu(sass: str) -> int:
+    return sum(1 for _, t in _INS.findall(sass) if re.sub(r"^@!?U?P\w+\s+", "", t.strip())
+               .startswith("MUFU"))  # fmt: skip

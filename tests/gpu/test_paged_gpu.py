@@ -407,3 +407,48 @@ def test_combine_kernel_matches_the_merge(rows, heads, splits, d, dtype):
     if splits == 1:
         ok = lp[0] > -math.inf
         assert torch.equal(out[ok], op[0][ok].to(dtype))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(
+    ("q_lens", "k_lens", "hq", "hkv"),
+    [([1, 3, 2, 4], [40, 3, 700, 4096], 32, 8), ([4] * 16, [2048] * 16, 64, 8),
+     ([2, 1, 2], [33, 0, 3000], 32, 2), ([2] * 64, [4096] * 64, 32, 8),
+     ([2] * 32, [1000] * 32, 64, 8)],
+    ids=["h4x4-splits", "h8x4-32rows", "h16x2-32rows", "h4x2-direct", "h8x2-direct"],
+)  # fmt: skip
+def test_paged_speculative_merge_rows_candidate(causal, q_lens, k_lens, hq, hkv):
+    """The merge candidate (launch.merge_params "rows": each row's merge weights computed
+    once, PAGED_NOTES.md "Speculative decoding: the same kernel") against the reference, bf16
+    D 128: 16- and 32-row leaves, split plans with a combine (partials) and of one split
+    (direct out / lse), a sequence without keys, NaN-poisoned outputs."""
+    from forgekernel.kernels.attention.paged.sm90 import launch as paged_launch
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    b, ps, d = len(q_lens), 16, 128
+    max_pages = max(1, max(-(-n // ps) for n in k_lens))
+    pages = b * max_pages + 3
+    k = torch.randn(pages, ps, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(pages, ps, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    table = torch.randperm(pages, device="cuda", generator=g)[: b * max_pages].view(b, -1)
+    table = table.to(torch.int32)
+    seq = torch.tensor(k_lens, dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
+                      device="cuda")  # fmt: skip
+    q = torch.randn(int(cu[-1]), hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((hq, q.shape[0]), float("nan"), device="cuda")
+    paged_launch.paged_decode(q, k, v, table, seq, d**-0.5, out, lse.t(), cu_seqlens_q=cu,
+                              max_seqlen_q=max(q_lens), causal=causal, merge="rows")  # fmt: skip
+    want, want_lse = paged_attention_ref(q, k, v, table, seq, cu_seqlens_q=cu, causal=causal)
+    low, _ = paged_attention_ref(q, k, v, table, seq, cu_seqlens_q=cu, causal=causal,
+                                 upcast=False)  # fmt: skip
+    bound = 2 * float((low.float() - want).abs().max()) + 1e-3
+    assert float((out.float() - want).abs().max()) <= bound
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
+    std, std_lse = op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu,
+                                      max_seqlen_q=max(q_lens), causal=causal,
+                                      return_lse=True)  # fmt: skip
+    assert float((out.float() - std.float()).abs().max()) <= bound

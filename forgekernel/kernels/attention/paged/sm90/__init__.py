@@ -42,10 +42,25 @@ def _candidate_params() -> list[Params]:
     """The 18:47 partial pass (page ids read beside the copies: compile.py's page_ids
     "inline", `PagedDecodeSm90(page_ahead=False)`) for the bf16 D 128 leaves the decode, spec
     and mixed bench cases run, which scripts/paged_spec_probe.py times against the standard
-    ones (`forgekernel build --candidates --only attention_paged_decode_sm90`)."""
-    return [
+    ones, and the merge candidates (`merge_candidates`; `forgekernel build --candidates --only
+    attention_paged_decode_sm90`)."""
+    inline = [
         tuple(sorted((*params_for("partial", "bfloat16", 128, h, "", qt), ("page_ids", "inline"))))
         for qt in QTOKENS
+        for h in HEADS
+        if h * qt <= row_cap(128)
+    ]
+    return inline + merge_candidates()
+
+
+def merge_candidates() -> list[Params]:
+    """The speculative leaves (bf16, D 128, 2 / 4 query tokens) with the warps' merge weights
+    computed once a row (`PagedDecodeSm90.merge_rows`, compile key merge "rows"), which the
+    bench times beside the standard ones on its spec cases (variant `merge_rows`;
+    docs/attention/PAGED_NOTES.md "Speculative decoding: the same kernel")."""
+    return [
+        tuple(sorted((*params_for("partial", "bfloat16", 128, h, "", qt), ("merge", "rows"))))
+        for qt in QTOKENS[1:]
         for h in HEADS
         if h * qt <= row_cap(128)
     ]

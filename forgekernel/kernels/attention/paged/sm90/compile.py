@@ -54,7 +54,14 @@ def compile_paged(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     v = fake.rowmajor(kv_dtype, (pages, page_size, hkv, d), divisibility=16)
     scales = (_dense(cutlass.Float32, 1), _dense(cutlass.Float32, 1)) if fp8 else (None, None)
     return cute.compile(
-        PagedDecodeSm90(d, params["heads"], qtokens, fp8, params.get("page_ids") != "inline"),
+        PagedDecodeSm90(
+            d,
+            params["heads"],
+            qtokens,
+            fp8,
+            params.get("page_ids") != "inline",
+            params.get("merge") == "rows",
+        ),
         q,
         k,
         v,

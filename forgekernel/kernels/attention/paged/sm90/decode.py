@@ -47,6 +47,7 @@ from forgekernel.kernels.attention.paged.sm90.config import (
     WARPS,
 )
 from forgekernel.kernels.attention.paged.sm90.rows import MAX_ROWS, row_cap
+from forgekernel.kernels.common.sm90.constants import LN2
 from forgekernel.kernels.common.sm90.layout import acc_to_operand_a, rows_cols, transposed
 from forgekernel.kernels.common.sm90.softmax import online_softmax, rescale_o
 from forgekernel.kernels.common.sm90.warp_mma import (
@@ -66,7 +67,7 @@ class PagedDecodeSm90:
 
     def __init__(
         self, head_dim: int, heads: int, qtokens: int = 1, fp8: bool = False,
-        page_ahead: bool = True,
+        page_ahead: bool = True, merge_rows: bool = False,
     ):  # fmt: skip
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim must be 64, 128 or 256, got {head_dim}")
@@ -89,6 +90,12 @@ class PagedDecodeSm90:
         self.page_ahead = (
             page_ahead and not fp8 and (head_dim == 128 or (head_dim == 64 and self.rows == ROWS))
         )
+        # the warps' merge with each row's weights computed once (`_write_rows`), a candidate
+        # (compile key merge "rows") of the 16-bit D 128 leaves (G x D a multiple of THREADS);
+        # False: `combine.write_split`, per element
+        if merge_rows and (fp8 or head_dim != 128):
+            raise ValueError("merge_rows: 16-bit caches at D 128 only")
+        self.merge_rows = merge_rows
 
     def _fp8_shared(self, dtype):
         """Shared memory of an FP8 cache: K's and V's byte tiles in one range (seen 16-bit:
@@ -370,10 +377,67 @@ class PagedDecodeSm90:
                 acc_o[j] = acc_o[j] * v_scale
         self._stage_warp(storage, o_wide, row_max, row_sum, exp_scale, thr_mma, warp_idx)
         cute.arch.sync_threads()
-        write_split(
-            self._merge_views(storage), (mOp, mLp, mO, mLSE, direct), split, (q_off, sq), head0,
-            self.h, self.g, self.d, tidx,
-        )  # fmt: skip
+        if const_expr(self.merge_rows):
+            self._write_rows(storage, (mOp, mLp, mO, mLSE, direct), split, (q_off, sq), head0, tidx)
+        else:
+            write_split(
+                self._merge_views(storage), (mOp, mLp, mO, mLSE, direct), split, (q_off, sq),
+                head0, self.h, self.g, self.d, tidx,
+            )  # fmt: skip
+
+    @cute.jit
+    def _write_rows(self, storage, outs, split, rows, head0, tidx):
+        """`combine.write_split`'s outputs, each row's merge weights computed once: thread g < G
+        turns row g's warp stats (max in log2 units, sum) into the weights exp2(m_w - top) /
+        total in place of the maxima and the row's log2 LSE (-inf where no warp saw a key:
+        weights 0) in place of warp 0's sum; after a barrier each (row, column) of O is the
+        weighted sum of the warps' O, no exponent or division per element (write_split: 4
+        exp2, a division and a log2 per element, 64-93 instructions, in a loop of G x D / THREADS
+        iterations: 16 at 16 rows, against 4 at the decode's 4; PAGED_NOTES.md "Speculative
+        decoding: the same kernel")."""
+        sm, sl, so = self._merge_views(storage)
+        mOp, mLp, mO, mLSE, direct = outs
+        q_off, sq = rows
+        if tidx < self.g:
+            top = sm[0, tidx]
+            for w in cutlass.range_constexpr(1, WARPS):
+                top = cute.arch.fmax(top, sm[w, tidx])
+            # a row no warp saw a key of: all maxima -inf, exp2(-inf - 0) = 0, total 0
+            base = cutlass.select_(top == -Float32.inf, Float32(0.0), top)
+            weights = cute.make_rmem_tensor(WARPS, Float32)
+            total = Float32(0.0)
+            for w in cutlass.range_constexpr(WARPS):
+                weights[w] = cute.math.exp2(sm[w, tidx] - base, fastmath=True)
+                total += sl[w, tidx] * weights[w]
+            seen = total > 0.0
+            inv = cutlass.select_(seen, 1.0 / total, Float32(0.0))
+            for w in cutlass.range_constexpr(WARPS):
+                sm[w, tidx] = weights[w] * inv
+            lse = top + cute.math.log2(total, fastmath=True)
+            sl[0, tidx] = cutlass.select_(seen, lse, -Float32.inf)
+        cute.arch.sync_threads()
+        n = self.g * self.d
+        # 4 (row, column) elements at a time: the 32-row leaf's registers (unrolled fully, its
+        # 32 iterations took 255 and spilled 56 bytes)
+        for j in cutlass.range(n // THREADS, unroll=4):
+            i = tidx + j * THREADS
+            g = i // self.d
+            d = i - g * self.d
+            # rows of tokens past sq are not written (i < n always: D 128 = THREADS)
+            if g // self.h < sq:
+                acc = so[0, g, d] * sm[0, g]
+                for w in cutlass.range_constexpr(1, WARPS):
+                    acc += so[w, g, d] * sm[w, g]
+                token = q_off + g // self.h
+                head = head0 + g % self.h
+                if direct != 0:
+                    mO[token, head, d] = acc.to(mO.element_type)
+                    if d == 0:
+                        mLSE[token, head] = sl[0, g] * LN2
+                else:
+                    mOp[split, token, head, d] = acc
+                    if d == 0:
+                        mLp[split, token, head] = sl[0, g]
 
     @cute.jit
     def _pv_in_pieces(self, mma, thr_mma, copy_v, acc_o, tOrP, sVt):

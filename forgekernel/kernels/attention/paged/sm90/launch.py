@@ -16,10 +16,13 @@ from forgekernel.runtime.scratch import scratch
 _plans = PlanCache()
 
 
-def _plan(dtype, kv_dtype, batch, hq, hkv, d, max_tokens, qtokens, device_index, one_split):
+def _plan(dtype, kv_dtype, batch, hq, hkv, d, max_tokens, qtokens, device_index, one_split,
+          merge=""):  # fmt: skip
     """(partial kernel, combine kernel or None, splits, tokens per split). One split: the
     partial pass writes out and lse itself, and no combine runs. The kernels are looked up
-    here, once per problem (two compile-cache lookups cost 0.8 us a call on the CPU)."""
+    here, once per problem (two compile-cache lookups cost 0.8 us a call on the CPU). merge
+    "rows": the partial pass's candidate build with the warps' merge weights computed once a
+    row (`merge_params`), else the standard one."""
     name = dtype_name(dtype)
     kv = "float8_e4m3fn" if kv_dtype == torch.float8_e4m3fn else ""
     heads = heads_for(hq // hkv, qtokens, d, kv)
@@ -30,12 +33,24 @@ def _plan(dtype, kv_dtype, batch, hq, hkv, d, max_tokens, qtokens, device_index,
         splits, per = config.split_plan(
             batch, hq // heads, max_tokens, num_sms(device_index), resident
         )
-    partial = get_kernel(SPEC, config.params_for("partial", name, d, heads, kv, qtokens))
+    partial = get_kernel(SPEC, merge_params(config.params_for("partial", name, d, heads, kv,
+                                                              qtokens), merge))  # fmt: skip
     combine = None if splits == 1 else get_kernel(SPEC, config.params_for("combine", name, d))
     return partial, combine, splits, per
 
 
-def _plan_for(q, k_cache, page_table, batch, packed, max_seqlen_q, one_split):
+def merge_params(params: tuple, merge: str = "") -> tuple:
+    """A partial pass's compile key with the warps' merge `merge` ("": the standard
+    `combine.write_split`; "rows": `PagedDecodeSm90.merge_rows`, a candidate of the bf16 D 128
+    leaves, `sm90.merge_candidates`)."""
+    if not merge:
+        return params
+    if merge != "rows":
+        raise ValueError(f"merge is '' or 'rows', got {merge!r}")
+    return tuple(sorted((*params, ("merge", merge))))
+
+
+def _plan_for(q, k_cache, page_table, batch, packed, max_seqlen_q, one_split, merge=""):
     """`_plan`'s (partial, combine, splits, tokens per split) for the call, cached. The packed
     form takes a kernel built for cu_seqlens_q (2 or more tokens) even when every sequence
     brings one query token."""
@@ -43,7 +58,7 @@ def _plan_for(q, k_cache, page_table, batch, packed, max_seqlen_q, one_split):
     _, page_size, hkv, _ = k_cache.shape
     _, hq, d = q.shape
     key = (q.dtype, k_cache.dtype, batch, hq, hkv, d, page_table.shape[1] * page_size, qtokens,
-           q.device.index, one_split)  # fmt: skip
+           q.device.index, one_split, merge)  # fmt: skip
     return _plans.get_or_build(key, _plan)
 
 
@@ -69,6 +84,7 @@ def paged_decode(
     max_seqlen_q: int = 1,
     causal: bool = True,
     one_split: bool = False,
+    merge: str = "",
 ) -> None:
     """out (B, Hq, D) and lse (B, Hq) fp32 (natural log) of one query per sequence against its
     pages: q (B, Hq, D); k_cache, v_cache (num_pages, page_size, Hkv, D) views whose rows are
@@ -80,7 +96,8 @@ def paged_decode(
     The split plan bounds the lengths by the table's width (no device read). one_split: no
     split-KV, the pass writes out and lse itself, each sequence's first rows only (up to the
     kernel's query tokens), where a combine writes every row (the chunked-prefill call takes
-    one: the forward writes the longer sequences' rows after it)."""
+    one: the forward writes the longer sequences' rows after it). merge: `merge_params` (the
+    bench's candidate; the op passes none)."""
     rows, hq, d = q.shape
     b = seqlens_k.shape[0]
     if rows == 0 or b == 0:
@@ -88,7 +105,7 @@ def paged_decode(
     _, page_size, hkv, _ = k_cache.shape
     device = q.device
     partial, combine, splits, per = _plan_for(q, k_cache, page_table, b, cu_seqlens_q is not None,
-                                              max_seqlen_q, one_split)  # fmt: skip
+                                              max_seqlen_q, one_split, merge)  # fmt: skip
     # one split: the partials are placeholders giving the grid its one split
     direct = combine is None
     shape = (1, 1, 1) if direct else (splits, rows, hq)
