@@ -13,10 +13,10 @@ T = 1).
   through a scratch buffer. A split's fp32 partials and per-tile flags are the stream's
   stream-K workspace (stream K's reduce-add fix-up, a candidate: one zero sum slot a tile, kept
   zero as the flags, runtime/scratch.py `flags`; the ordered fix-up under torch's
-  deterministic algorithms, `_deterministic`). A 2-D convolution of few channels (`few_channels`): the stem (C <= 8,
-  stride 2) as the stride-1 convolution of its space-to-depth fold (stem.py, the fold kernel),
-  the others as a 1x1 one over its im2col, in the forward (rectangles allowed) and the weight
-  gradient.
+  deterministic algorithms, `_deterministic`). A 2-D convolution of few channels
+  (`few_channels`): the stem (C <= 8, stride 2) as the stride-1 convolution of its
+  space-to-depth fold (stem.py, the fold kernel), the others as a 1x1 one over its im2col, in
+  the forward (rectangles allowed) and the weight gradient.
 - `dgrad`: the data gradient as stride-1 forward convolutions of dy, one per output phase
   (`geometry.dgrad_phases`). Stride 1: one launch of the kernel's data-gradient mode, which
   reads W (K, T, R, S, C) itself (N-major, taps reversed in the kernel); a 1x1 filter's on the
