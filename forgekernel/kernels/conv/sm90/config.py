@@ -38,7 +38,7 @@ class ConvConfig:
     stream_k: bool = False
     # with stream_k: the fix-up's reduce-add form, each part red.global.add-ing its fp32 tile
     # into the tile's one slot (kept zero, as the flags) and the last part reading that slot
-    # alone (kernel.py; splitk.add_part / take_sum): an arrival-order sum, not bitwise
+    # alone (kernel.py; splitk_reduce.py): an arrival-order sum, not bitwise
     # repeatable (the launcher takes the ordered form under torch's deterministic algorithms)
     stream_reduce: bool = False
 
@@ -168,7 +168,7 @@ class SplitPlan:
     def workspace_floats(self) -> int:
         cfg = self.config
         if getattr(cfg, "stream_reduce", False):
-            # the reduce-add fix-up: one sum slot a tile (kernel.py; splitk.add_part)
+            # the reduce-add fix-up: one sum slot a tile (kernel.py; splitk_reduce.add_part)
             return self.tiles * cfg.tile_m * cfg.tile_n
         if getattr(cfg, "stream_k", False):
             # stream K (`parts`: the ranges, one a cluster): two slots a CTA, its first unit's

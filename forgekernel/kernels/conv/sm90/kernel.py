@@ -69,7 +69,7 @@ deterministic algorithms): each part adds its fp32 accumulator into its tile's o
 mWork (slot = the flag's index; zero at launch) with `red.global.add.v4.f32` from the registers
 (the ring is the next unit's by then: the weight gradient's bulk reduce-add from shared memory
 has no room here) and counts itself; the last part loads that slot alone (every part's sum, its
-own included), zeroes it and stores (splitk.add_part / take_sum).
+own included), zeroes it and stores (kernels/common/sm90/splitk_reduce.py).
 
 Data-gradient mode (`dgrad`, docs/conv/NOTES.md): the same kernel computes a phase of the data
 gradient, dX_phase = conv(dY, W flipped, channels swapped), reading W (K, T, R, S, C) itself (a
@@ -100,7 +100,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from forgekernel.kernels.common.sm90 import splitk
+from forgekernel.kernels.common.sm90 import splitk, splitk_reduce
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY, THREADS_PER_WG
 from forgekernel.kernels.common.sm90.pipeline import (
@@ -783,11 +783,11 @@ class ConvFpropSm90:
                     if cutlass.const_expr(self.cfg.stream_reduce):
                         # the reduce-add fix-up: the tile's one sum slot (its flag's index)
                         at = (tile, tile, parts)
-                        last = splitk.add_part(
+                        last = splitk_reduce.add_part(
                             acc, mWork, mFlags, at, threads, thread, epi_barrier, s_last
                         )
                         if last:
-                            splitk.take_sum(acc, mWork, tile, threads, thread)
+                            splitk_reduce.take_sum(acc, mWork, tile, threads, thread)
                     else:
                         # the split's protocol on the dense GEMM's stream-K slots
                         slot, head, first, step = self._part_slots(where)
