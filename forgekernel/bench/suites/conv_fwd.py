@@ -4,7 +4,8 @@ the forward kernel is also the data gradient's, so these are its first figures).
 (case form, inputs, references, the cuDNN comparator): `conv_layers`.
 
 Variants: the stem's and `as_gemm` (`conv_layers`), and `CANDIDATES`, other plans of the cases
-under 0.95x cuDNN at 18:58 (standard builds; `streamk` a candidate build, `build --candidates`).
+under 0.95x cuDNN at 18:58 (standard builds; `streamk` and `streamk1` candidate builds, `build
+--candidates`).
 
 Registered since its first GPU check passed (2026-12-01).
 """
