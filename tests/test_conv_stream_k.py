@@ -4,7 +4,11 @@ covers every k-tile of every output tile once, in ranges balanced within one k-t
 fix-up sums each tile's parts in k order from slots no two units share, the CPU model of the
 compiled function computes the convolution exactly (fp64) on small awkward shapes whatever
 order the units run in, and the plan and its cost as docs/conv/NOTES.md ("Stream K for the
-M = 1568 3x3s") states them."""
+M = 1568 3x3s") states them. The fix-up's reduce-add form (config.STREAM1, `stream_reduce`:
+every part added into its tile's one fp32 slot, the last reading that slot alone): the same
+walk, its sum the convolution's up to fp32 rounding in any arrival order, its slots and flags
+left zero across launches, priced as "Stream K's one-slot fix-up" states, and the ordered
+form taken under torch's deterministic algorithms."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from forgekernel.kernels.conv.sm90.config import (
     SMALL,
     SQUARE,
     STREAM,
+    STREAM1,
     SplitPlan,
     params_for,
     plan_cost,
@@ -230,3 +235,117 @@ def test_the_model_computes_the_convolution_on_rectangles(rect, ranges, cm):
     want = _reference(x, w, pad, False)
     assert torch.allclose(y[:, 0], want, rtol=1e-5, atol=1e-4), (y[:, 0] - want).abs().max()
     assert not flags.any()
+
+
+def test_the_reduce_add_plan_holds_one_slot_a_tile():
+    """The same walk as STREAM (132 ranges of 28-29 over 52 tiles); one fp32 slot a tile (3.4
+    MB at M = 1568, against two a CTA: 17.3 MB); its compile key carries `stream_reduce`, the
+    ordered form's and every standard key do not."""
+    plan = stream_plan(STREAM1, 1568, 512, 512, 9)
+    assert plan == SplitPlan(STREAM1, 29, 132, 52, 0)
+    assert plan.workspace_floats == 52 * 128 * 128
+    assert dict(params_for("bfloat16", False, STREAM1))["stream_reduce"] is True
+    assert "stream_reduce" not in dict(params_for("bfloat16", False, STREAM))
+    assert "stream_reduce" not in dict(params_for("bfloat16", True, SQUARE))
+    assert STREAM1.tag() == "128x128_c1x1_s0_sk1" and STREAM.tag() == "128x128_c1x1_s0_sk"
+
+
+def test_the_cost_model_of_the_reduce_add_fix_up():
+    """docs/conv/NOTES.md ("Stream K's one-slot fix-up"): 43.2 units at park weight 1 (the
+    zeroing priced as a park; 41.0 free), 38.7 at 0.5, 34.3 with free parks: below the ordered
+    stream K (47.6 / 41.0 / 34.3) and today's plan (47.4 / 44.2 / 40.9) wherever parks cost;
+    the strided twin alike; on c2x1 above c1x1."""
+    pixels = (32, 1, 7, 7)
+    got = {w: stream_cost(STREAM1, 1568, 512, 512, 9, pixels=pixels, park_weight=w)[0] for w in
+           (1.0, 0.5, 0.0)}  # fmt: skip
+    assert {w: round(t, 1) for w, t in got.items()} == {1.0: 43.2, 0.5: 38.7, 0.0: 34.3}
+    free = stream_cost(STREAM1, 1568, 512, 512, 9, pixels=pixels, zero_weight=0.0)[0]
+    assert round(free, 1) == 41.0
+    for w, t in got.items():
+        ordered = stream_cost(STREAM, 1568, 512, 512, 9, pixels=pixels, park_weight=w)[0]
+        assert t < ordered or w == 0.0 and t == pytest.approx(ordered)
+    assert stream_cost(STREAM1, 1568, 512, 512, 9, strided=True)[0] == pytest.approx(got[1.0])
+    wide = replace(SQUARE, split=True, stream_k=True, stream_reduce=True)
+    assert stream_cost(wide, 1568, 512, 512, 9, pixels=pixels)[0] > got[1.0]
+
+
+@pytest.mark.parametrize("n, c, k, hw, f, pad, dgrad, ranges, cm", CASES)
+def test_the_reduce_add_model_sums_in_any_arrival_order(n, c, k, hw, f, pad, dgrad, ranges, cm):
+    """The CPU model of the reduce-add build on fp32 sum slots (zero, as the launcher's), its
+    units in launch order and in random ones: the convolution (fp64) within fp32 rounding in
+    every order, two orders within fp32 rounding of each other, and the slots and flags left
+    zero (the next launch adds into zero), twice in a row on the same buffers."""
+    x, w, geometry = _conv(n, c, k, hw, f, pad, dgrad, 0)
+    cfg = replace(STREAM1, cluster_m=cm)
+    params = params_for("bfloat16", False, cfg, dgrad=dgrad)
+    p, q = hw[0] + 2 * pad - f + 1, hw[1] + 2 * pad - f + 1
+    m = n * p * q
+    plan = stream_plan(cfg, m, k, c, f * f, num_sms=ranges * cm)
+    want = _reference(x, w, pad, dgrad).reshape(m, k)
+    work = torch.zeros(plan.workspace_floats, dtype=torch.float32)
+    flags = torch.zeros(plan.tiles, dtype=torch.int32)
+    outs = []
+    for seed in (None, 1, 2, 3):
+        y = torch.full((m, k), float("nan"), dtype=F64)
+        fn = emulate.compiled(params, order_seed=seed)
+        fn(x, w, y, None, work, flags, *geometry.kernel_args(), plan.per_split, plan.parts)
+        scale = want.abs().max()
+        assert torch.allclose(y, want, rtol=1e-5, atol=1e-5 * scale), (y - want).abs().max()
+        assert not flags.any() and not work.any()
+        outs.append(y)
+    for y in outs[1:]:
+        assert torch.allclose(y, outs[0], rtol=1e-5, atol=1e-5 * want.abs().max())
+
+
+def test_the_reduce_add_model_needs_zero_slots():
+    """A sum slot left non-zero (a launch that did not finish) is caught by the model, as
+    the flags are."""
+    x, w, geometry = _conv(4, 72, 136, (9, 9), 3, 1, False, 0)
+    plan = stream_plan(STREAM1, 4 * 81, 136, 72, 9, num_sms=7)
+    work = torch.zeros(plan.workspace_floats, dtype=torch.float32)
+    work[5] = 1.0
+    flags = torch.zeros(plan.tiles, dtype=torch.int32)
+    y = torch.empty(4 * 81, 136, dtype=F64)
+    fn = emulate.compiled(params_for("bfloat16", False, STREAM1))
+    with pytest.raises(AssertionError, match="must be zero"):
+        fn(x, w, y, None, work, flags, *geometry.kernel_args(), plan.per_split, plan.parts)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("dgrad", [False, True])
+def test_the_launcher_runs_the_reduce_add_plan(conv_models, dgrad, deterministic):
+    """launch.fprop / launch.dgrad with the bench's `streamk1` plan, three launches in a row
+    (the sum slots and flags reused: left zero by each): the candidate build with
+    `stream_reduce`, or under torch's deterministic algorithms the ordered one (STREAM's key);
+    the result torch's each time."""
+    from forgekernel.bench.suites import conv_layers as L
+
+    g = torch.Generator().manual_seed(4)
+    n, c, k = 2, 512, 200
+    geometry = Geometry((1, 3, 3), (0, 1, 1), (0, 1, 1))
+    plan = L.stream_plan(SMALL, reduce=True)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        for _ in range(3):
+            x = torch.randn(n, 1, 7, 7, c, generator=g, dtype=F64)
+            out = torch.empty(n, 1, 7, 7, k, dtype=F64)
+            if dgrad:
+                w = torch.randn(c, 1, 3, 3, k, generator=g, dtype=F64)
+                launch.dgrad(x, w, out, geometry, plan)
+                dy, wt = x[:, 0].permute(0, 3, 1, 2), w[:, 0].permute(0, 3, 1, 2)
+                want = F.conv_transpose2d(dy, wt, padding=1).permute(0, 2, 3, 1)
+            else:
+                w = torch.randn(k, 1, 3, 3, c, generator=g, dtype=F64)
+                launch.fprop(x, w, None, out, geometry, plan)
+                want = _reference(x, w, 1, False)
+            scale = want.abs().max()
+            assert torch.allclose(out[:, 0], want, rtol=1e-5, atol=1e-5 * scale)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    cfg = STREAM if deterministic else STREAM1
+    assert {str(sorted(got.items())) for _, got in conv_models} == {
+        str(sorted(dict(params_for("float64", False, cfg, dgrad=dgrad)).items()))
+    }
+    key = dict(params_for("bfloat16", False, cfg, dgrad=dgrad))
+    assert key in [dict(p) for p in SPEC.candidate_params()]

@@ -92,9 +92,11 @@ M1568 = {
     "small2": [(128, 128, 1, True, 36, 2, 52, 0)],
     # stream K: 52 tiles x 72 k-tiles in 132 ranges of 28-29 (per_split the longest)
     "streamk": [(128, 128, 1, True, 29, 132, 52, 0)],
+    # the same walk, its fix-up's reduce-add form (one fp32 slot a tile)
+    "streamk1": [(128, 128, 1, True, 29, 132, 52, 0)],
 }
 # the variants that run a candidate build (SPEC.candidate_params), not a standard one
-CANDIDATE_BUILDS = {"streamk"}
+CANDIDATE_BUILDS = {"streamk", "streamk1"}
 PLANS = {
     (conv_fwd, "n32-c512-7x7-k512-3x3"): M1568,
     (conv_fwd, "n32-c512-14x14-k512-3x3-s2"): M1568,
@@ -163,5 +165,7 @@ def test_each_variant_computes_the_case(conv_models, suite, name, variant):
     tile = {f: getattr(cfg, f) for f in ("tile_n", "cluster_m", "split")}
     if cfg.stream_k:
         tile["stream_k"] = True
+    if cfg.stream_reduce:
+        tile["stream_reduce"] = True
     # its tile ran
     assert conv_models and all({f: key[f] for f in tile} == tile for _, key in conv_models)

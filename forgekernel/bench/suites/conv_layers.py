@@ -267,13 +267,15 @@ def split_plan(cfg, per_split: int, rect: int = 0):
     return SplitPlan(replace(cfg, split=per_split > 0), max(per_split, 1), 0, 0, rect)
 
 
-def stream_plan(cfg):
+def stream_plan(cfg, reduce: bool = False):
     """A forward / data-gradient-mode launch of tile `cfg`'s stream-K variant (config.STREAM:
-    a candidate build) handed to the launcher as a SplitPlan (a bench variant's plan); the
-    launcher counts its ranges and tiles for its problem (`config.stream_plan`)."""
+    a candidate build; `reduce`: its reduce-add fix-up, config.STREAM1) handed to the launcher
+    as a SplitPlan (a bench variant's plan); the launcher counts its ranges and tiles for its
+    problem (`config.stream_plan`)."""
     from forgekernel.kernels.conv.sm90.config import SplitPlan
 
-    return SplitPlan(replace(cfg, split=True, stream_k=True), 0, 0, 0, 0)
+    cfg = replace(cfg, split=True, stream_k=True, stream_reduce=reduce)
+    return SplitPlan(cfg, 0, 0, 0, 0)
 
 
 def run_as_gemm(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:

@@ -79,8 +79,9 @@ def _wgrad_params() -> list[Params]:
 
 
 def _candidate_params() -> list[Params]:
-    # stream K (config.STREAM): the bench's `streamk` variants, the forward and its
-    # data-gradient mode (conv_fwd / conv_dgrad's M = 1568 3x3s, bfloat16, no bias)
+    # stream K (config.STREAM, and STREAM1: its reduce-add fix-up): the bench's `streamk` and
+    # `streamk1` variants, the forward and its data-gradient mode (conv_fwd / conv_dgrad's
+    # M = 1568 3x3s, bfloat16, no bias)
     stream = [
         params_for("bfloat16", False, cfg, dgrad=dgrad)
         for cfg in STREAM_CANDIDATES

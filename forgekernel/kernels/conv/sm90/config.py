@@ -36,11 +36,19 @@ class ConvConfig:
     # with split: stream K, every output tile's k-tiles in one walk cut into balanced ranges, one
     # a cluster of the grid, across tile boundaries (kernel.py; stream_plan)
     stream_k: bool = False
+    # with stream_k: the fix-up's reduce-add form, each part red.global.add-ing its fp32 tile
+    # into the tile's one slot (kept zero, as the flags) and the last part reading that slot
+    # alone (kernel.py; splitk_reduce.py): an arrival-order sum, not bitwise
+    # repeatable (the launcher takes the ordered form under torch's deterministic algorithms)
+    stream_reduce: bool = False
 
     def tag(self) -> str:
-        """Short name for tables: 128x128_c1x1_s0 (split: _k; stream K: _sk)."""
+        """Short name for tables: 128x128_c1x1_s0 (split: _k; stream K: _sk; its reduce-add
+        fix-up: _sk1)."""
         tag = f"{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}_s{self.stages}"
-        return tag + ("_sk" if self.stream_k else "_k" if self.split else "")
+        if self.stream_k:
+            return tag + ("_sk1" if self.stream_reduce else "_sk")
+        return tag + ("_k" if self.split else "")
 
     @classmethod
     def from_params(cls, params: dict) -> ConvConfig:
@@ -68,7 +76,10 @@ CANDIDATES = (
 # M = 1568 3x3s' 52 tiles x 72 k-tiles in 132 ranges of 28-29 (docs/conv/NOTES.md, "Stream K
 # for the M = 1568 3x3s").
 STREAM = replace(SMALL, split=True, stream_k=True)
-STREAM_CANDIDATES = (STREAM,)
+# Its fix-up's reduce-add form (docs/conv/NOTES.md, "Stream K's one-slot fix-up"): each part
+# adds into the tile's one fp32 slot, the last reads that slot alone.
+STREAM1 = replace(STREAM, stream_reduce=True)
+STREAM_CANDIDATES = (STREAM, STREAM1)
 # Tile efficiency relative to LARGE at full occupancy (the GEMM's H200 figures, 8192^3 class).
 _EFFICIENCY = {LARGE: 1.0, SQUARE: 0.93, SMALL: 0.9, NARROW: 0.8}
 # The im2col TMA's rate (H200, 2026-12-01, inferred from every forward and data-gradient
@@ -126,11 +137,12 @@ def params_for(
 
 
 def config_fields(cfg: ConvConfig) -> dict:
-    """cfg's fields as a compile key holds them: `stream_k` only where set (the keys of the
-    builds that predate it unchanged)."""
+    """cfg's fields as a compile key holds them: `stream_k` and `stream_reduce` only where set
+    (the keys of the builds that predate them unchanged)."""
     fields_ = asdict(cfg)
-    if not cfg.stream_k:
-        del fields_["stream_k"]
+    for name in ("stream_k", "stream_reduce"):
+        if not fields_[name]:
+            del fields_[name]
     return fields_
 
 
@@ -144,7 +156,7 @@ class SplitPlan:
     k-tiles per part, `parts` (1: unsplit) and `tiles` output tiles (a tile's parts share its
     flag), and the fp32 partials of the workspace. Stream K (`config.stream_k`, `stream_plan`):
     `per_split` the longest range's k-tiles, `parts` the ranges (the grid's clusters), `tiles`
-    the flags (`split_tiles`)."""
+    the flags (`split_tiles`); its reduce-add form (`stream_reduce`) one zero sum slot a flag."""
 
     config: Any
     per_split: int
@@ -155,6 +167,9 @@ class SplitPlan:
     @property
     def workspace_floats(self) -> int:
         cfg = self.config
+        if getattr(cfg, "stream_reduce", False):
+            # the reduce-add fix-up: one sum slot a tile (kernel.py; splitk_reduce.add_part)
+            return self.tiles * cfg.tile_m * cfg.tile_n
         if getattr(cfg, "stream_k", False):
             # stream K (`parts`: the ranges, one a cluster): two slots a CTA, its first unit's
             # and its last's (kernel.py `_part_slots`)
@@ -270,6 +285,7 @@ def stream_cost(
     pixels=None,
     strided: bool = False,
     park_weight: float = 1.0,
+    zero_weight: float = 1.0,
 ) -> tuple[float, int, int]:
     """(time in `split_cost`'s units, k-tiles a range, ranges) of stream K on tile `cfg` (the
     im2col walk; `plan_cost`'s problem and terms): the cluster blocks' k-tiles in one walk
@@ -278,7 +294,11 @@ def stream_cost(
     units in order, a unit's k-tiles at `plan_cost`'s k-tile price; a unit that is not its
     block's whole parks its fp32 tile (split_cost's park x `park_weight`), and the block's
     part that parks last reads every part back (a park's price each) and runs the epilogue; a
-    whole block runs its epilogue alone. The time is the last cluster's."""
+    whole block runs its epilogue alone. The time is the last cluster's. The reduce-add fix-up
+    (`cfg.stream_reduce`): a part's add into the tile's slot costs a park (the same bytes,
+    through the L2's adders), and the last part reads the one slot back and zeroes it (two
+    parks' price, whatever the parts: the zeroing stores priced in full, though nothing waits
+    on them; `zero_weight` scales them)."""
     k_tiles = _ceil(c, K_TILE) * taps
     plan = stream_plan(cfg, m, n, c, taps, num_sms)
     ranges = plan.parts
@@ -286,7 +306,8 @@ def stream_cost(
     if pixels is not None or strided:
         rate, scale = FWD_ROWS_128, FWD_IM2COL_K_TILE
     tm, tn = cfg.tile_m, cfg.tile_n
-    area = tm * tn / (128 * 128) / _EFFICIENCY[replace(cfg, split=False, stream_k=False)]
+    base = replace(cfg, split=False, stream_k=False, stream_reduce=False)
+    area = tm * tn / (128 * 128) / _EFFICIENCY[base]
     k_tile = max(area, rate * tm / cfg.cluster_n / 128) * scale
     operand = (tm + tn) * K_TILE * 2
     epilogue = tm * tn * 2 / operand * area
@@ -311,7 +332,10 @@ def stream_cost(
         clock[z], nxt[z] = ends[z], nxt[z] + 1
         arrived[block] = arrived.get(block, 0) + 1
         if arrived[block] == parts:  # the last part: every part read back, the epilogue
-            clock[z] += (parts * park if parts > 1 else 0.0) + epilogue
+            fixup = parts * park  # the ordered form: each part's slot
+            if cfg.stream_reduce:  # the reduce-add form: the one slot, then its zeroing
+                fixup = (1 + zero_weight) * park
+            clock[z] += (fixup if parts > 1 else 0.0) + epilogue
     return max(clock), plan.per_split, ranges
 
 

@@ -16,7 +16,8 @@ What it models (kernel.py's docstring):
   B's k-tiles walking the taps in reverse with the producer's own countdown;
 - split reductions: parts of per_split k-tiles, or stream K (params "stream_k", `stream_run`):
   the cluster blocks' walk in max_clusters balanced ranges, each tile's parts parked in the
-  dense GEMM's stream-K slots and summed in k order by the last to arrive.
+  dense GEMM's stream-K slots and summed in k order by the last to arrive (params
+  "stream_reduce": added into the tile's one fp32 slot in arrival order, `reduce_sum`).
 
 The fused data gradient (dgrad_kernel.py, `fused_run` / `compiled_fused`): every phase in one
 launch over the shared walk, decoded from the packed arguments the way the kernel decodes them
@@ -278,7 +279,10 @@ def stream_run(compute, store, cfg: ConvConfig, walk: tuple, split) -> None:
     counts itself in its tile's flag; the last to arrive (the units run in `order`, indices
     into the walk's units cluster by cluster, default in turn) sums the block's parts from
     their slots in k order and stores (`store(tile, acc)`); the flag is left zero. `walk`: (M
-    tiles padded to whole clusters, N tiles, k-tiles)."""
+    tiles padded to whole clusters, N tiles, k-tiles). The reduce-add fix-up
+    (`cfg.stream_reduce`): each part adds into its tile's one slot of `work` instead (zero at
+    entry, left zero; in `work`'s dtype, in arrival order: `reduce_sum`), and the last part
+    stores that slot's sum."""
     tiles_m, tiles_n, k_tiles = walk
     ranges, work, flags, order = split
     size = cfg.cluster_m * cfg.cluster_n
@@ -287,11 +291,14 @@ def stream_run(compute, store, cfg: ConvConfig, walk: tuple, split) -> None:
     blocks_m = tiles_m // cfg.cluster_m
     blocks = blocks_m * tiles_n
     tm, tn = cfg.tile_m, cfg.tile_n
-    if work.numel() < 2 * ranges * size * tm * tn or bool(flags[: tiles_m * tiles_n].any()):
-        raise AssertionError("stream K needs two slots a CTA and zero flags")
+    held = tiles_m * tiles_n if cfg.stream_reduce else 2 * ranges * size
+    if work.numel() < held * tm * tn or bool(flags[: tiles_m * tiles_n].any()):
+        raise AssertionError("stream K needs its slots (two a CTA; one a tile) and zero flags")
+    if cfg.stream_reduce and bool(work[: held * tm * tn].any()):
+        raise AssertionError("the reduce-add fix-up's sum slots must be zero")
     if not 1 <= ranges <= blocks * k_tiles:
         raise AssertionError(f"{ranges} ranges of a walk of {blocks * k_tiles} k-tiles: one empty")
-    slots = work[: 2 * ranges * size * tm * tn].view(2 * ranges * size, tm, tn)
+    slots = work[: held * tm * tn].view(held, tm, tn)
     units = [(z, u) for z in range(ranges) for u in stream_units(z, ranges, k_tiles, blocks)]
     for i in order if order is not None else range(len(units)):
         z, (block, k0, count, parts) = units[i]
@@ -299,7 +306,11 @@ def stream_run(compute, store, cfg: ConvConfig, walk: tuple, split) -> None:
         for rank in range(size):
             tile = (block // blocks_m) * tiles_m + (block % blocks_m) * cfg.cluster_m + rank
             acc = compute(tile, k0, count)
-            if parts > 1:
+            if parts > 1 and cfg.stream_reduce:
+                acc = reduce_sum(acc, slots, flags, tile, parts)
+                if acc is None:
+                    continue
+            elif parts > 1:
                 slots[own * size + rank] = acc.to(slots.dtype)
                 flags[tile] += 1
                 if int(flags[tile]) < parts:

@@ -63,7 +63,13 @@ units, each its part of one tile (`_stream_unit`); a unit that covers its whole 
 epilogue directly, any other parks its fp32 accumulator in the cluster's first slot (its
 range began in the tile) or last, counts itself in the tile's flag, and the tile's last part
 to arrive sums every part in k order (`_part_slots`: the GEMM's slots) and runs the
-epilogue. per_split is unused.
+epilogue. per_split is unused. Compile key `stream_reduce` (the fix-up's reduce-add form, a
+candidate; not bitwise repeatable, the launcher takes the ordered form under torch's
+deterministic algorithms): each part adds its fp32 accumulator into its tile's one slot of
+mWork (slot = the flag's index; zero at launch) with `red.global.add.v4.f32` from the registers
+(the ring is the next unit's by then: the weight gradient's bulk reduce-add from shared memory
+has no room here) and counts itself; the last part loads that slot alone (every part's sum, its
+own included), zeroes it and stores (kernels/common/sm90/splitk_reduce.py).
 
 Data-gradient mode (`dgrad`, docs/conv/NOTES.md): the same kernel computes a phase of the data
 gradient, dX_phase = conv(dY, W flipped, channels swapped), reading W (K, T, R, S, C) itself (a
@@ -94,7 +100,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from forgekernel.kernels.common.sm90 import splitk
+from forgekernel.kernels.common.sm90 import splitk, splitk_reduce
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY, THREADS_PER_WG
 from forgekernel.kernels.common.sm90.pipeline import (
@@ -169,6 +175,8 @@ class ConvFpropSm90:
             raise ValueError("a split reduction runs without im2col multicast (cluster_n = 1)")
         if config.stream_k and not config.split:
             raise ValueError("stream K is a split configuration's (split = True)")
+        if config.stream_reduce and not config.stream_k:
+            raise ValueError("the reduce-add fix-up is stream K's (stream_k = True)")
         if dgrad and bias:
             raise ValueError("the data-gradient mode takes no bias")
         self.cfg = config
@@ -266,8 +274,8 @@ class ConvFpropSm90:
         """mX (N, D, H, W, C), mW (K, T, R, S, C), mY (N x Z x P x Q, K), mBias (K,) or None
         (as compiled). Padding below / above, stride and dilation per (D, H, W). Split
         (`config.split`): `per_split` k-tiles per part, mWork fp32 (>= parts x tiles x tile_m x
-        tile_n,) and mFlags int32 (>= tiles,) zero (left zero); otherwise None, None and any
-        per_split."""
+        tile_n,) and mFlags int32 (>= tiles,) zero (left zero; stream K's reduce-add fix-up:
+        mWork one zero slot a tile, left zero); otherwise None, None and any per_split."""
         self._setup(mX.element_type)
         geometry = (
             (pad_lo_d, pad_lo_h, pad_lo_w),
@@ -769,15 +777,27 @@ class ConvFpropSm90:
                 )
                 last = cutlass.Boolean(True)
                 if parts > 1:
-                    # the split's protocol on the dense GEMM's stream-K slots
                     thread = tidx - THREADS_PER_WG
                     threads = self.num_mma_threads
-                    slot, head, first, step = self._part_slots(where)
-                    at = (slot, tile_n * tiles_m + tile_m, parts)
-                    last = splitk.park(acc, mWork, mFlags, at, threads, thread, epi_barrier, s_last)
-                    if last:
-                        slots = (first, step, parts)
-                        splitk.sum_parts(acc, mWork, slots, threads, thread, head=head)
+                    tile = tile_n * tiles_m + tile_m
+                    if cutlass.const_expr(self.cfg.stream_reduce):
+                        # the reduce-add fix-up: the tile's one sum slot (its flag's index)
+                        at = (tile, tile, parts)
+                        last = splitk_reduce.add_part(
+                            acc, mWork, mFlags, at, threads, thread, epi_barrier, s_last
+                        )
+                        if last:
+                            splitk_reduce.take_sum(acc, mWork, tile, threads, thread)
+                    else:
+                        # the split's protocol on the dense GEMM's stream-K slots
+                        slot, head, first, step = self._part_slots(where)
+                        at = (slot, tile, parts)
+                        last = splitk.park(
+                            acc, mWork, mFlags, at, threads, thread, epi_barrier, s_last
+                        )
+                        if last:
+                            slots = (first, step, parts)
+                            splitk.sum_parts(acc, mWork, slots, threads, thread, head=head)
                 if last:
                     self._output(acc, tile_m, tile_n, tile_out, tiles_done)
                     tiles_done += 1

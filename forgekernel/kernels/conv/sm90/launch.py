@@ -11,10 +11,12 @@ T = 1).
   (16-byte rows) run zero-padded (zero channels add nothing; extra output channels are
   dropped), and an output the kernel cannot write in place (not compact, or padded) goes
   through a scratch buffer. A split's fp32 partials and per-tile flags are the stream's
-  stream-K workspace. A 2-D convolution of few channels (`few_channels`): the stem (C <= 8,
-  stride 2) as the stride-1 convolution of its space-to-depth fold (stem.py, the fold kernel),
-  the others as a 1x1 one over its im2col, in the forward (rectangles allowed) and the weight
-  gradient.
+  stream-K workspace (stream K's reduce-add fix-up, a candidate: one zero sum slot a tile, kept
+  zero as the flags, runtime/scratch.py `flags`; the ordered fix-up under torch's
+  deterministic algorithms, `_deterministic`). A 2-D convolution of few channels
+  (`few_channels`): the stem (C <= 8, stride 2) as the stride-1 convolution of its
+  space-to-depth fold (stem.py, the fold kernel), the others as a 1x1 one over its im2col, in
+  the forward (rectangles allowed) and the weight gradient.
 - `dgrad`: the data gradient as stride-1 forward convolutions of dy, one per output phase
   (`geometry.dgrad_phases`). Stride 1: one launch of the kernel's data-gradient mode, which
   reads W (K, T, R, S, C) itself (N-major, taps reversed in the kernel); a 1x1 filter's on the
@@ -338,6 +340,8 @@ def _launch(x, w, bias, y, geometry: Geometry, config, dgrad: bool, rect_1x1: bo
     # write it in place
     rows = pixels is None or y.is_contiguous()
     device = x.device
+    if config is not None:
+        config = _deterministic(config)
     key = (x.dtype, bias is not None, m, kp, cp, t * r * s, device.index, config, dgrad)
     fn, max_clusters, plan = _plans.get_or_build((*key, pixels, rows, strided), _choose)
     if plan.rect:  # y (N, Z, P, Q, K), any TMA-ready view
@@ -347,12 +351,28 @@ def _launch(x, w, bias, y, geometry: Geometry, config, dgrad: bool, rect_1x1: bo
         in_place = kp == k and y.is_contiguous() and tma_ready(y)
         y2 = y.view(m, k) if in_place else y.new_empty(m, kp)
     work = flags = None
-    if plan.config.split:
+    if plan.config.stream_reduce:  # one sum slot a tile, zero (every launch leaves it zero)
+        _, flags = stream_k_workspace(device, plan.tiles, 4)
+        with on_device(device):
+            work = zero_flags("conv.stream_sums", plan.workspace_floats, device)
+        work = work.view(torch.float32)
+    elif plan.config.split:
         work, flags = stream_k_workspace(device, plan.tiles, plan.workspace_floats)
     with on_device(device):
         fn(x, w, y2, bias, work, flags, *geometry.kernel_args(), plan.per_split, max_clusters)
     if not in_place:
         y.copy_(y2[..., :k].reshape(y.shape))
+
+
+def _deterministic(config):
+    """`config` (a ConvConfig or SplitPlan), its stream-K reduce-add fix-up (an arrival-order
+    sum) swapped for the ordered one (every part in k order) under torch's deterministic
+    algorithms, as the weight gradient's reduce split is left there."""
+    cfg = config.config if isinstance(config, SplitPlan) else config
+    if not cfg.stream_reduce or not torch.are_deterministic_algorithms_enabled():
+        return config
+    ordered = dataclasses.replace(cfg, stream_reduce=False)
+    return dataclasses.replace(config, config=ordered) if isinstance(config, SplitPlan) else ordered
 
 
 # 1x1 convolutions as the dense GEMM (docs/conv/NOTES.md, "1x1 convolutions as GEMMs"), per

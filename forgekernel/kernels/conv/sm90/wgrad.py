@@ -44,7 +44,7 @@ from HBM about once a wave, not once a tile). Compile key `reduce` (the reduce s
 variant, not bitwise repeatable): each part stages its fp32 tile in A's ring and adds it with
 one `cp.reduce.async.bulk .add.f32` into its tile's one slot of mWork (zero at launch), then
 counts itself; the last part loads that slot alone, zeroes it and stores (`_reduce_part`,
-`_take_sum`): the tail is the parts' bytes through the L2's adders, not one L2 round trip
+splitk_reduce.take_sum): the tail is the parts' bytes through the L2's adders, not one L2 round trip
 per part group on one SM.
 
 B's rows per k-tile were taken for the bound of the im2col walk (config.IM2COL_ROWS_128: ~128
@@ -74,7 +74,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from forgekernel.kernels.common.sm90 import splitk
+from forgekernel.kernels.common.sm90 import splitk, splitk_reduce
 from forgekernel.kernels.common.sm90.atomics import atom_add_acq_rel_gpu
 from forgekernel.kernels.common.sm90.barriers import named_barrier
 from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
@@ -424,7 +424,7 @@ class ConvWgradSm90(GemmSm90):
                         s_last,
                     )  # fmt: skip
                     if last:
-                        _take_sum(acc, mWork, tile, self.num_mma_threads, thread)
+                        splitk_reduce.take_sum(acc, mWork, tile, self.num_mma_threads, thread)
                 else:
                     part = (split * tiles + tile, tile, splits)
                     last = splitk.park(
@@ -687,14 +687,3 @@ def _reduce_part(acc, mWork, mFlags, where, threads: cutlass.Constexpr, thread, 
         s_last[0] = cutlass.Int32(last)
     barrier.arrive_and_wait()
     return s_last[0] != 0
-
-
-@cute.jit
-def _take_sum(acc, mWork, tile, threads: cutlass.Constexpr, thread):
-    """The reduce split's last part: acc = its tile's sum slot (every part added), which it
-    then zeroes (the next launch's parts add into zero; the flags' protocol)."""
-    src = splitk.slot_view(mWork, cute.size(acc), threads, tile, thread)
-    cute.autovec_copy(src, cute.make_tensor(acc.iterator, src.layout.shape))
-    zero = cute.make_rmem_tensor(src.layout.shape, cutlass.Float32)
-    zero.fill(0.0)
-    cute.autovec_copy(zero, src)
