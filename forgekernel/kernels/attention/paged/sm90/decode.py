@@ -425,9 +425,12 @@ class PagedDecodeSm90:
             d = i - g * self.d
             # rows of tokens past sq are not written (i < n always: D 128 = THREADS)
             if g // self.h < sq:
-                acc = so[0, g, d] * sm[0, g]
-                for w in cutlass.range_constexpr(1, WARPS):
-                    acc += so[w, g, d] * sm[w, g]
+                # a row no warp saw a key of reads no O (write_split's 0; an O of 0 x inf from
+                # a later token's keys would be NaN)
+                acc = Float32(0.0)
+                if sl[0, g] != -Float32.inf:
+                    for w in cutlass.range_constexpr(WARPS):
+                        acc += so[w, g, d] * sm[w, g]
                 token = q_off + g // self.h
                 head = head0 + g % self.h
                 if direct != 0:
