@@ -550,6 +550,9 @@ def _choose_fused(dtype, dx_ndhw, kp, cp, fused: FusedDgrad, walk, device_index,
     else:
         given = config.per_split if isinstance(config, FusedPlan) else None
         cfg = fused_config(config.config if isinstance(config, FusedPlan) else config)
+        if cfg.stream_k:
+            raise ValueError(f"{cfg.tag()}: stream K is the forward kernel's walk, not the fused "
+                             "data gradient's")  # fmt: skip
         most = max(k_tiles)
         per = given or (-(-most // min(FORCED_PARTS, most)) if cfg.split and most else most)
         plan = fused_plan(cfg, m, cp, k_tiles, max(per, 1))
