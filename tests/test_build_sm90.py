@@ -5,7 +5,6 @@ One configuration per kernel proves its leaf (`KernelSpec.representative_params`
 grows with the number of kernels, not of configurations; `forgekernel build` builds them all.
 """
 
-import importlib.metadata
 import multiprocessing as mp
 import os
 from pathlib import Path
@@ -13,6 +12,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("cutlass")
+
+from dsl_toolchain import dsl_toolchain  # noqa: E402  (tests/ is on the path)
 
 from forgekernel.runtime.build import build_all  # noqa: E402
 from forgekernel.runtime.cache import artifact_stem, compile_to  # noqa: E402
@@ -49,16 +50,6 @@ def test_sass_uses_hgmma_and_no_local_memory(records):
         assert rec["sass"].get("LDL", 0) == 0 and rec["sass"].get("STL", 0) == 0
 
 
-def _dsl_toolchain() -> str:
-    """Which CUDA the DSL compiles with: the GPU bundles are built with the cu13 libs (the
-    `cu13` extra); a plain install (CI) gets cu12's."""
-    try:
-        importlib.metadata.version("nvidia-cutlass-dsl-libs-cu13")
-        return "cu13"
-    except importlib.metadata.PackageNotFoundError:
-        return "cu12"
-
-
 # The known exceptions, each at most 8 bytes; anything more, or a spill anywhere else, fails:
 # - the varlen attention forward spills when built with the CUDA 12 libs (CI's plain install),
 #   none with the CUDA 13 libs that build what runs on the GPU;
@@ -70,7 +61,7 @@ KNOWN_SPILL_BYTES = 8
 def _known_spill(rec) -> bool:
     p = rec["params"]
     if rec["name"] == "attention_fwd_sm90":
-        return _dsl_toolchain() == "cu12" and bool(p.get("varlen"))
+        return dsl_toolchain() == "cu12" and bool(p.get("varlen"))
     return rec["name"] == "attention_bwd_sm90" and bool(p.get("varlen")) and p["head_dim"] == 64
 
 
