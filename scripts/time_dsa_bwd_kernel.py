@@ -3,20 +3,20 @@ DSA_BWD_NOTES.md, "Kernel v1": the prediction and its falsifiers):
 
     python3 scripts/time_dsa_bwd_kernel.py [S H TOPK S_KV]      (default 4096 16 2048 8192)
 
-One line each, ms a launch (graph replays, `runtime.timing.time_interleaved`): the op
-(q and the combined cache read in place, the preprocess kernel, the kernel, the dkv cast; the
-gradients views); the launcher alone (the torch preprocess, zeroed accumulator, the standard
-kernel: red4s); the launcher with the probe build whose dkv
-reductions never run (`params_for(..., reduce=False)`: the MMA / gather / softmax side alone);
-the same two for the `xchg` candidate (S^T in one warpgroup, dP^T in the other; the fragments'
-red.global.add.v2, as measured); the fragments' red.global.add.v2 (`launcher, v2`: both
-blocks' form before red4s); red4s without reductions (its staging and the later stage
-release); the `xchg4s` candidate (red4s under xchg, after an agreement check) and it without
-reductions; the preprocess alone (torch: the launcher's `preprocess`), the preprocess kernel
-alone (kernels/attention/dsa_sparse_bwd_pre, the d_sink sum over tokens included), the launcher
-with the preprocess kernel's results (`pre=`: what the op runs), and the op given q and the
-cache as separate tensors (the two concatenations the v1 kernel's one-row interface still
-costs; docs/attention/DSA_BWD_NOTES.md "Torch around the kernel").
+One line each, ms a launch (graph replays, `runtime.timing.time_interleaved`): the op (q and the
+combined cache read in place, the preprocess kernel, the kernel, the dkv cast; the gradients
+views); the launcher alone (the torch preprocess, zeroed accumulator, the standard kernel:
+xchg4s, red4s under xchg); xchg4s with the probe build whose dkv reductions never run
+(`params_for(..., reduce=False)`: the MMA / gather / softmax side alone); the same for xchg
+without red4s's staging (no reductions); the `red4s` candidate (S^T / dP^T split over the heads:
+the standard form before 2026-12-04 04:23, after an agreement check) with and without
+reductions; the fragments' red.global.add.v2 (`launcher, v2`: both blocks' form before red4s)
+with and without reductions (`v2, no reductions`: the 00:37 probe's `launcher, no reductions`);
+the preprocess alone (torch: the launcher's `preprocess`), the preprocess kernel alone
+(kernels/attention/dsa_sparse_bwd_pre, the d_sink sum over tokens included), the launcher with
+the preprocess kernel's results (`pre=`: what the op runs), and the op given q and the cache as
+separate tensors (the two concatenations the v1 kernel's one-row interface still costs;
+docs/attention/DSA_BWD_NOTES.md "Torch around the kernel").
 The kernel at 5504 FLOP per (token, head, entry). Build first: `python3 -m forgekernel build
 --only dsa_sparse_bwd_sm90 --only dsa_sparse_bwd_pre_sm90 --candidates`."""
 
@@ -76,19 +76,24 @@ def main(s: int = 4096, h: int = 16, topk: int = 2048, s_kv: int = 8192) -> None
     fns = {
         "op (the kernel)": op,
         "launcher": lambda: launch.dsa_sparse_bwd(*args),
-        "launcher, no reductions": lambda: launch.dsa_sparse_bwd(*args, reduce=False),
-        "launcher, xchg": lambda: launch.dsa_sparse_bwd(*args, xchg=True),
-        "xchg, no reductions": lambda: launch.dsa_sparse_bwd(*args, reduce=False, xchg=True),
+        "xchg4s, no reductions": lambda: launch.dsa_sparse_bwd(
+            *args, reduce=False, xchg=True, red4s=True
+        ),
+        "xchg, no reductions": lambda: launch.dsa_sparse_bwd(
+            *args, reduce=False, xchg=True, red4s=False
+        ),
     }
-    fns["launcher, v2"] = lambda: launch.dsa_sparse_bwd(*args, red4s=False)
-    fns["red4s, no reductions"] = lambda: launch.dsa_sparse_bwd(*args, reduce=False, red4s=True)
-    if _agrees(args, "xchg4s", xchg=True, red4s=True):  # red4s under xchg
+    if _agrees(args, "red4s", xchg=False):  # the standard form before 04:23
         fns |= {
-            "launcher, xchg4s": lambda: launch.dsa_sparse_bwd(*args, xchg=True, red4s=True),
-            "xchg4s, no reductions": lambda: launch.dsa_sparse_bwd(
-                *args, reduce=False, xchg=True, red4s=True
+            "launcher, red4s": lambda: launch.dsa_sparse_bwd(*args, xchg=False),
+            "red4s, no reductions": lambda: launch.dsa_sparse_bwd(
+                *args, reduce=False, xchg=False, red4s=True
             ),
         }
+    fns["launcher, v2"] = lambda: launch.dsa_sparse_bwd(*args, xchg=False, red4s=False)
+    fns["v2, no reductions"] = lambda: launch.dsa_sparse_bwd(
+        *args, reduce=False, xchg=False, red4s=False
+    )
     qn, qp = q[..., :LATENT].contiguous(), q[..., LATENT:].contiguous()
     ckv, kpe = kv[:, :LATENT].contiguous(), kv[:, LATENT:].contiguous()
 

@@ -30,12 +30,15 @@ def test_params_and_blocks():
         with pytest.raises(ValueError, match="16 heads or a multiple of 32"):
             config.block_heads(h)
     assert len(SPEC.standard_params()) == len(config.DTYPES) * len(config.BLOCKS)
-    # the standard form: red4s at both blocks (2026-12-04 00:37)
-    standard = {dict(p)["block"]: dict(p).get("red4s", False) for p in SPEC.standard_params()}
-    assert standard == {16: True, 32: True}
-    assert all(config.standard_red4s(b) for b in config.BLOCKS)
-    for b in config.BLOCKS:  # the no-reduction and xchg builds keep the fragments' v2
-        assert not any(config.standard_red4s(b, r, x) for r, x in ((False, False), (True, True)))
+    # the standard form: xchg4s (red4s under xchg) at both blocks (2026-12-04 04:23)
+    standard = {
+        dict(p)["block"]: (dict(p).get("xchg", False), dict(p).get("red4s", False))
+        for p in SPEC.standard_params()
+    }
+    assert standard == {16: (True, True), 32: (True, True)}
+    assert all(config.standard_red4s(b) and config.standard_xchg(b) for b in config.BLOCKS)
+    for b in config.BLOCKS:  # the no-reduction builds keep the split form and the fragments' v2
+        assert not config.standard_red4s(b, False) and not config.standard_xchg(b, False)
     assert SPEC.name == "dsa_sparse_bwd_sm90" and SPEC.representative_params() in [
         *SPEC.standard_params()
     ]
@@ -49,20 +52,21 @@ def test_smem_plan_fits():
 
 
 def test_candidate_params():
-    """The probe's builds at both blocks: v2 (with and without reductions), xchg (v2, with and
-    without), red4s without reductions, and xchg4s (red4s under xchg) with and without; the
-    measured-and-dropped forms (bulk, red4, red4p and its diagnostics) are gone from the keys."""
+    """The probe's and the bench variant's builds at both blocks: red4s (the standard form
+    before xchg4s) and v2, each with and without reductions, xchg4s (the standard form) and
+    xchg (v2) without reductions; xchg with v2 reductions and the measured-and-dropped forms
+    (bulk, red4, red4p and its diagnostics) are gone."""
     cands = [dict(p) for p in SPEC.candidate_params()]
-    assert len(cands) == len({tuple(sorted(c.items())) for c in cands}) == 14
+    assert len(cands) == len({tuple(sorted(c.items())) for c in cands}) == 12
     for b in config.BLOCKS:
         forms = sorted(
             (not c.get("noreduce", False), c.get("xchg", False), c.get("red4s", False))
             for c in cands
             if c["block"] == b
         )
-        assert forms == sorted([(False, False, False), (True, False, False), (True, True, False),
-                                (False, True, False), (False, False, True), (True, True, True),
-                                (False, True, True)])  # fmt: skip
+        assert forms == sorted([(True, False, True), (False, False, True), (True, False, False),
+                                (False, False, False), (False, True, True),
+                                (False, True, False)])  # fmt: skip
     assert all(c["dtype"] == "bfloat16" for c in cands)
     assert not set().union(*cands) - {"dtype", "block", "noreduce", "xchg", "red4s"}
     std = {tuple(sorted(dict(p).items())) for p in SPEC.standard_params()}
@@ -76,8 +80,8 @@ def test_candidate_params():
 
 def test_launcher_compile_keys(monkeypatch):
     """The launcher's candidate keywords reach the compile key (the kernel call faked on the
-    CPU): every H takes red4s unless a form is named; xchg and reduce=False alone the
-    fragments' v2; xchg with red4s=True the candidate xchg4s."""
+    CPU): every H takes xchg4s (xchg with red4s) unless a form is named; xchg=False the
+    candidate red4s; reduce=False the split form and the fragments' v2."""
     seen = []
     monkeypatch.setattr(launch, "get_kernel", lambda spec, params: seen.append(dict(params))
                         or (lambda *a: None))  # fmt: skip
@@ -87,23 +91,23 @@ def test_launcher_compile_keys(monkeypatch):
         lse = torch.zeros(q.shape[:2])
         args = (q, kv, out, out, lse, None, None, idx, 0.1)
         launch.dsa_sparse_bwd(*args)
-        launch.dsa_sparse_bwd(*args, red4s=True)
-        launch.dsa_sparse_bwd(*args, red4s=False)
+        launch.dsa_sparse_bwd(*args, xchg=True, red4s=True)
+        launch.dsa_sparse_bwd(*args, xchg=False)
+        launch.dsa_sparse_bwd(*args, xchg=False, red4s=False)
         launch.dsa_sparse_bwd(*args, reduce=False)
         launch.dsa_sparse_bwd(*args, reduce=False, red4s=True)
-        launch.dsa_sparse_bwd(*args, xchg=True)
-        launch.dsa_sparse_bwd(*args, xchg=True, red4s=True)
+        launch.dsa_sparse_bwd(*args, reduce=False, xchg=True)
         launch.dsa_sparse_bwd(*args, reduce=False, xchg=True, red4s=True)
     for b, keys in ((16, seen[:8]), (32, seen[8:])):
         base = {"dtype": "bfloat16", "block": b}
         assert keys == [
-            base | {"red4s": True},
+            base | {"xchg": True, "red4s": True},
+            base | {"xchg": True, "red4s": True},
             base | {"red4s": True},
             base,
             base | {"noreduce": True},
             base | {"noreduce": True, "red4s": True},
-            base | {"xchg": True},
-            base | {"xchg": True, "red4s": True},
+            base | {"noreduce": True, "xchg": True},
             base | {"noreduce": True, "xchg": True, "red4s": True},
         ]
     # every key the launcher reaches is a standard or candidate build (built before a probe)
@@ -154,8 +158,8 @@ def test_xchg4s_staging_is_dead_under_xchg():
                          (start + staging - 1) // config.STAGE_CHUNK_FLOATS + 1))  # fmt: skip
         assert held <= after_pds[w]  # dead once w's own dq^T MMAs are done
         assert not held & after_pds[1 - w]  # the other warpgroup's dq^T never reads them
-    # the standard form leaves xchg's measured line on the fragments' v2 unless red4s is named
-    assert not config.standard_red4s(16, xchg=True) and not config.standard_red4s(32, xchg=True)
+    # the standard form is this one: xchg with red4s at both blocks
+    assert all(config.standard_xchg(b) and config.standard_red4s(b) for b in config.BLOCKS)
 
 
 def test_work_split_covers_every_block_once():

@@ -56,24 +56,24 @@ def _compiled(params) -> tuple[dict, Counter]:
 @pytest.mark.parametrize("xchg", [False, True])
 @pytest.mark.parametrize("block", config.BLOCKS)
 def test_sparse_bwd_kernel(block, xchg):
-    """The fragments' red.global.add.v2 (both blocks' form before red4s; xchg's measured
-    form)."""
+    """The fragments' red.global.add.v2 (both blocks' form before red4s; the candidate v2;
+    under xchg the form measured at 00:37)."""
     _check_kernel(block, xchg)
 
 
 @pytest.mark.parametrize("block", config.BLOCKS)
 def test_sparse_bwd_kernel_red4s(block):
-    """The standard form red4s (blocks 16 and 32): the dkv blocks staged (144 STS.64 a thread
-    loop), read back (72 LDS.128) into 72 REDG.E.ADD.F32x4, no v2, the staging in the stage,
-    the WGMMAs as the v2 builds', one 128-thread named barrier a consumer path (its dq^T MMAs
-    done) and each consumer path's empty arrival right after the last block's eight 128-bit
-    loads."""
+    """The candidate red4s (the standard form before xchg4s): the dkv blocks staged (144
+    STS.64 a thread loop), read back (72 LDS.128) into 72 REDG.E.ADD.F32x4, no v2, the staging
+    in the stage, the WGMMAs as the v2 builds', one 128-thread named barrier a consumer path
+    (its dq^T MMAs done) and each consumer path's empty arrival right after the last block's
+    eight 128-bit loads."""
     _check_kernel(block, False, red4s=True)
 
 
 @pytest.mark.parametrize("block,reduce", [(16, True), (32, True), (32, False)])
 def test_sparse_bwd_kernel_xchg4s(block, reduce):
-    """The xchg4s candidate (red4s under xchg; config.py's RED4S_OFFSET comment): xchg's WGMMAs
+    """The standard form xchg4s (red4s under xchg; config.py's RED4S_OFFSET comment): xchg's WGMMAs
     (S^T in one warpgroup, dP^T in the other) and exchange (scalar stores: no STS.64 of its
     own), red4s's 144 STS.64, 72 LDS.128 and 72 REDG.E.ADD.F32x4 a thread loop, the same one
     128-thread DQ_DONE barrier a consumer path and the empty arrival right after the last

@@ -103,3 +103,32 @@ def test_ledger_key_holds_the_kernel():
     assert set(BWD.sources) | set(PRE.sources) <= set(suite_mod.kernel_sources())
     assert {p.parent.parent.name for p in suite_mod.kernel_sources() if p.name == "launch.py"} \
         >= {"dsa_sparse_bwd", "dsa_sparse_bwd_pre"}
+
+
+def test_red4s_variant_runs_the_previous_standard_form(monkeypatch):
+    """Variant `red4s` on every bench case: the op's launches with the launcher's xchg=False
+    (the candidate red4s, built by `--candidates`), its dq / dkv split and cast as the op's
+    (the kernel faked on the CPU: dq = 2 q, dkv = the slot index in every column)."""
+    from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import SPEC as BWD
+    from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import launch
+
+    assert all(set(suite_mod.variants(c)) == {"red4s"} for c in suite_mod.BENCH_CASES)
+    seen = []
+
+    def kernel(q, kv, dout, lse2, delta, idx, dq, dkv, *scales):
+        dq.copy_(2 * q)
+        dkv.copy_(torch.arange(dkv.shape[0], dtype=dkv.dtype)[:, None].expand_as(dkv))
+
+    monkeypatch.setattr(launch, "get_kernel", lambda spec, params: seen.append(params) or kernel)
+    monkeypatch.setattr(launch, "as_tma_ready", lambda t: t)
+    case = suite_mod.CHECK_CASES[0]
+    inputs = _inputs(case)
+    run = suite_mod.variants(case)["red4s"]
+    out = run(inputs, suite_mod.alloc_out(inputs))
+    assert [dict(p) for p in seen] == [{"dtype": "bfloat16", "block": 16, "red4s": True}]
+    assert seen[0] in BWD.candidate_params()
+    q = inputs["q"]
+    assert torch.equal(out[0], 2 * q[..., :512]) and torch.equal(out[1], 2 * q[..., 512:])
+    slots = torch.arange(case.params["ctx"], dtype=torch.bfloat16)
+    assert torch.equal(out[2], slots.view(-1, 1, 1, 1).expand_as(out[2]))
+    assert out[3].shape == (case.params["hq"],) and torch.isfinite(out[3]).all()

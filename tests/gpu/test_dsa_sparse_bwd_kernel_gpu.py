@@ -10,11 +10,11 @@ dkv is the kernel's fp32 accumulator (zeroed by the launcher by contract).
 Tolerance: each gradient within 2e-2 of its reference's largest entry (the op's GPU tests'
 bound: 16-bit P / dS operands, fp32 accumulation), and at most 2x the error of the same
 reference run in the input dtype plus 1e-3 of the largest entry (FlashAttention's criterion).
-The standard build is red4s (dkv by red.global.add.v4.f32 from a staging in the tile's
-released stage) at both blocks; on every bf16 case also the xchg candidate build (S^T in one
-warpgroup, dP^T in the other; the fragments' red.global.add.v2 as measured), the fragments'
-red.global.add.v2 alone, and the xchg4s candidate (red4s under xchg) (the builds' test ids:
-standard-bf16, standard-fp16, xchg, v2, xchg4s; e.g. `-k xchg4s`). Then the op with
+The standard build is xchg4s (S^T in one warpgroup, dP^T in the other; dkv by
+red.global.add.v4.f32 from a staging in the tile's released stage) at both blocks; on every bf16
+case also the candidate red4s (S^T / dP^T split over the heads: the standard form before
+2026-12-04 04:23) and the fragments' red.global.add.v2 alone (the builds' test ids:
+standard-bf16, standard-fp16, red4s, v2; e.g. `-k red4s`). Then the op with
 FORGEKERNEL_DSA_BWD_KERNEL=1 against its interim path."""
 
 from __future__ import annotations
@@ -71,12 +71,11 @@ CASES = [  # tokens, heads, topk, slots, sink, dlse
 ]
 
 
-BUILDS = [  # dtype, xchg, red4s (None: the build's standard form: red4s, xchg's v2)
-    pytest.param(torch.bfloat16, False, None, id="standard-bf16"),
-    pytest.param(torch.float16, False, None, id="standard-fp16"),
-    pytest.param(torch.bfloat16, True, None, id="xchg"),
+BUILDS = [  # dtype, xchg, red4s (None: the standard form: xchg4s, xchg with red4s)
+    pytest.param(torch.bfloat16, None, None, id="standard-bf16"),
+    pytest.param(torch.float16, None, None, id="standard-fp16"),
+    pytest.param(torch.bfloat16, False, None, id="red4s"),
     pytest.param(torch.bfloat16, False, False, id="v2"),
-    pytest.param(torch.bfloat16, True, True, id="xchg4s"),
 ]
 
 

@@ -33,6 +33,9 @@ KV-only, attn_sink (H,) fp32 required (-inf for none), int32 global indices; ret
 handling of -1 inside the list is not documented, so set-up compacts each row (valid entries
 first, order is free), writes 0 past them, passes topk_length = the valid count and pads topk
 to a multiple of its 64-row tiles, as Megatron's DSA integration sanitizes them.
+
+Variant (every case): `red4s`, the op's launches with the kernel's previous standard form
+(xchg=False) timed beside the standard xchg4s.
 """
 
 from __future__ import annotations
@@ -142,6 +145,35 @@ def run_ours(inputs: Inputs, out: tuple | None) -> tuple:
     return out
 
 
+def _run_red4s(inputs: Inputs, out: tuple | None) -> tuple:
+    """The op's launches (the preprocess kernel, the kernel, the dkv cast) with the kernel's
+    candidate red4s (launcher xchg=False: S^T / dP^T split over the heads), the standard form
+    before xchg4s (2026-12-04 04:23, docs/attention/DSA_BWD_NOTES.md: the launcher 6.597 /
+    29.526 ms against xchg4s's 6.064 / 27.591 at H 16 / 128)."""
+    from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import launch
+    from forgekernel.kernels.attention.dsa_sparse_bwd_pre.sm90 import launch as pre_launch
+
+    i = inputs
+    q, kv = i["q"], i["kv"]
+    pre = None
+    if pre_launch.unsupported(i["out"], i["dout"]) is None:
+        pre = pre_launch.preprocess(i["out"], i["dout"], i["lse"], None, i["sink"])
+    dq, dkv, d_sink = launch.dsa_sparse_bwd(q, kv, i["dout"], i["out"], i["lse"], None,
+                                            i["sink"], i["idx"], SOFTMAX_SCALE, xchg=False,
+                                            pre=pre)  # fmt: skip
+    grads = (dq[..., :LATENT], dq[..., LATENT:], dkv.to(kv.dtype).view(-1, 1, 1, WIDTH), d_sink)
+    if out is None:
+        return grads
+    for o, x in zip(out, grads):
+        o.copy_(x)
+    return out
+
+
+def variants(case: Case) -> dict[str, Any]:
+    """Every case: the previous standard form red4s beside xchg4s (`_run_red4s`)."""
+    return {"red4s": _run_red4s}
+
+
 def reference(inputs: Inputs) -> tuple:
     """fp64 gradients, P and O recomputed from the inputs."""
     from forgekernel.reference.dsa import dsa_sparse_attention_bwd_ref
@@ -238,4 +270,5 @@ def suite() -> OpSuite:
         sanitize_cases=CHECK_CASES[:3],
         judge=judge,
         host_case=CHECK_CASES[0],
+        variants=variants,
     )

@@ -46,6 +46,11 @@ STAGING_STRIDE = 72
 # (v2 9.31), at H = 128 29.47 against the fragments' red.global.add.v2 38.37
 # (docs/attention/DSA_BWD_NOTES.md "Probe 2026-12-04 00:37").
 RED4S_BLOCKS = (16, 32)
+# Blocks whose standard build runs red4s under xchg (the form `xchg4s`): measured 2026-12-04
+# 04:23 at t4096-kv8192-k2048, the launcher at H = 16 6.064 ms against red4s's 6.597 (0.919), at
+# H = 128 27.591 against 29.526 (0.934), dkv agreeing within 1e-6 (docs/attention/
+# DSA_BWD_NOTES.md "Measured 2026-12-04 04:23"). red4s without xchg stays a candidate.
+XCHG_BLOCKS = (16, 32)
 # red4s places the staging in the current tile's stage (no extra shared memory: block 32's
 # 221 KB leave no room for a dedicated 36 KB buffer). Once a consumer warpgroup's dq^T MMAs of the
 # tile are done, the stage's column blocks DQ_BLOCKS[w] (64 x 64 16-bit each, 8 KB, contiguous: the
@@ -56,18 +61,18 @@ RED4S_BLOCKS = (16, 32)
 # moves to after the thread's last staging read of the tile. Warp v (0 .. 3) of warpgroup w stages
 # at float offset RED4S_OFFSET[w] + v x STAGING_ROWS x STAGING_STRIDE of the stage.
 #
-# red4s with xchg (the candidate `xchg4s`: launcher xchg=True, red4s=True): xchg changes only the
-# phase before the PDS barrier. Warpgroup 0 reads the stage's nine column blocks (S^T = K q^T of
-# all heads), warpgroup 1 blocks 0 .. 7 (dP^T = V dO^T); each waits for its own WGMMAs
-# (wait_group 0) before the FREE barrier, which both pass before the exchange (XCHG / XREAD over
-# an fp32 buffer aliasing P^T / dS^T, not the stage) and before PDS; the softmax reads the row ids
-# (outside the stage). After PDS the warpgroups run the split form's code on the same operands:
-# dq^T of DQ_BLOCKS[w], then dkv of DKV_BLOCKS[w]. So the dead column blocks and the time they
-# die are the split form's: DQ_BLOCKS[w] of the tile's stage once warpgroup w's dq^T MMAs are done
-# (the same 128-thread named barrier DQ_DONE + w after the threads' waits, the same offsets
-# RED4S_OFFSET, each thread's empty arrival after its last staging loads). The next tile's S^T /
-# dP^T MMAs read the other stage ((i + 1) % STAGES; STAGES = 2) and its exchange writes the
-# P^T / dS^T bytes; the stage itself is refilled only after all 256 consumer threads' arrivals.
+# red4s with xchg (`xchg4s`, the standard form since 2026-12-04 04:23: launcher xchg=True,
+# red4s=True): xchg changes only the phase before the PDS barrier. Warpgroup 0 reads the stage's
+# nine column blocks (S^T = K q^T of all heads), warpgroup 1 blocks 0 .. 7 (dP^T = V dO^T); each
+# waits for its own WGMMAs (wait_group 0) before the FREE barrier, which both pass before the
+# exchange (XCHG / XREAD over an fp32 buffer aliasing P^T / dS^T, not the stage) and before PDS; the
+# softmax reads the row ids (outside the stage). After PDS the warpgroups run the split form's code
+# on the same operands: dq^T of DQ_BLOCKS[w], then dkv of DKV_BLOCKS[w]. So the dead column blocks
+# and the time they die are the split form's: DQ_BLOCKS[w] of the tile's stage once warpgroup w's
+# dq^T MMAs are done (the same 128-thread named barrier DQ_DONE + w after the threads' waits, the
+# same offsets RED4S_OFFSET, each thread's empty arrival after its last staging loads). The next
+# tile's S^T / dP^T MMAs read the other stage ((i + 1) % STAGES; STAGES = 2) and its exchange writes
+# the P^T / dS^T bytes; the stage itself is refilled only after all 256 consumer threads' arrivals.
 STAGE_CHUNK_FLOATS = TILE * CHUNK * BYTES // 4  # one 64 x 64 16-bit column block (8 KB)
 RED4S_OFFSET = tuple(blocks[0] * STAGE_CHUNK_FLOATS for blocks in DQ_BLOCKS)
 
@@ -82,12 +87,18 @@ def red4s_room(w: int) -> tuple[int, int]:
     return warps * STAGING_ROWS * STAGING_STRIDE, len(blocks) * STAGE_CHUNK_FLOATS
 
 
-def standard_red4s(block: int, reduce: bool = True, xchg: bool = False) -> bool:
-    """Whether the build of `block` with these candidate flags adds dkv by red4s when the caller
-    names no form: the standard build of a RED4S_BLOCKS block; the probe's no-reduction builds
-    and xchg keep the fragments' red.global.add.v2 (xchg's measured form; xchg4s, red4s with
-    xchg, is named explicitly)."""
-    return block in RED4S_BLOCKS and reduce and not xchg
+def standard_xchg(block: int, reduce: bool = True) -> bool:
+    """Whether the build of `block` runs xchg when the caller names no form: the standard build
+    of an XCHG_BLOCKS block (xchg4s, with `standard_red4s`); the probe's no-reduction builds keep
+    the split form."""
+    return block in XCHG_BLOCKS and reduce
+
+
+def standard_red4s(block: int, reduce: bool = True) -> bool:
+    """Whether the build of `block` adds dkv by red4s when the caller names no form: the
+    standard build of a RED4S_BLOCKS block, with xchg (xchg4s) or without (red4s, the
+    candidate); the probe's no-reduction builds keep the fragments' red.global.add.v2 code."""
+    return block in RED4S_BLOCKS and reduce
 
 
 def block_heads(heads: int) -> int:
@@ -126,11 +137,11 @@ def params_for(
     """Compile key: dtype and the heads of one CTA; reduce False: the timing probe's build whose
     dkv reductions never run (a runtime-false guard keeps their code; dkv stays 0), which
     splits MMA time from reduction time (scripts/time_dsa_bwd_kernel.py); xchg True: the
-    candidate whose S^T and dP^T are one warpgroup's each (kernel.py `xchg`); red4s True: dkv
-    by red.global.add.v4.f32 from a per-warp staging in the tile's stage (`standard_red4s`: the
-    standard form of both blocks; kernel.py `_reduce_v4s`), False: the fragments'
-    red.global.add.v2; xchg and red4s together: the candidate xchg4s (the RED4S_OFFSET comment
-    has its hazards)."""
+    S^T and dP^T are one warpgroup's each (kernel.py `xchg`); red4s True: dkv by
+    red.global.add.v4.f32 from a per-warp staging in the tile's stage (kernel.py
+    `_reduce_v4s`), False: the fragments' red.global.add.v2; xchg and red4s together: xchg4s,
+    the standard form of both blocks (`standard_xchg`, `standard_red4s`; the RED4S_OFFSET
+    comment has its hazards), red4s alone its candidate."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if block not in BLOCKS:

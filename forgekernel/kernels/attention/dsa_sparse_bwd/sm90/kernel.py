@@ -28,7 +28,7 @@ Warp roles (one CTA per (token, head block), 384 threads):
   H200 2026-12-03) once the dq MMAs, the last readers of the stage, are done.
 - at the end each consumer stores its dq^T blocks (q's dtype, scalar stores).
 
-The standard form `red4s` (blocks 16 and 32; measured 2026-12-04 00:37, config.py): instead of
+The reductions `red4s` (blocks 16 and 32; measured 2026-12-04 00:37, config.py): instead of
 the fragments' `red.global.add.v2.f32`, each warp stages its 16 rows of a dkv block in shared
 memory and reads them back by 128-bit loads into `red.global.add.v4.f32`, the staging placed in
 the current tile's stage (no extra shared memory, so that block 32's 221 KB take it too): once a
@@ -37,8 +37,9 @@ warpgroup), the stage's column blocks
 config.DQ_BLOCKS[w] have no reader left in the tile and hold that warpgroup's four staging
 buffers; empty[stage] is then released after the thread's last staging read of the tile (the
 last dkv block's loads, before its reductions) instead of after block 0's wait
-(`_reduce_v4s`; config.py `RED4S_OFFSET` has the hazards). The candidate xchg4s is red4s
-under `xchg` (the same dead blocks, barrier and release: config.py).
+(`_reduce_v4s`; config.py `RED4S_OFFSET` has the hazards). The standard build is xchg4s,
+red4s under `xchg` (the same dead blocks, barrier and release: config.py; measured 2026-12-04
+04:23: 0.919 / 0.934 of red4s's time at H 16 / 128), red4s alone a candidate.
 """
 
 from __future__ import annotations
@@ -117,16 +118,16 @@ class DsaSparseBwdSm90:
     ):
         self.block = block
         self.stages = stages(block)
-        # xchg (a candidate): warpgroup 1 computes S^T, warpgroup 2 dP^T, all heads each (the K
-        # tile read once, N = BLOCK), halves swapped through fp32 shared memory aliasing P^T /
-        # dS^T; then each warpgroup rounds P^T / dS^T of its half of the heads
+        # xchg (the standard form, with red4s): warpgroup 1 computes S^T, warpgroup 2 dP^T, all
+        # heads each (the K tile read once, N = BLOCK), halves swapped through fp32 shared memory
+        # aliasing P^T / dS^T; then each warpgroup rounds P^T / dS^T of its half of the heads
         self.xchg = xchg
         # False: the timing probe (config.params_for): the reductions' guard is never true
         self.reduce = reduce
-        # red4s (the standard form, blocks 16 and 32; with xchg the candidate xchg4s): dkv blocks
-        # staged per warp in the current tile's stage (the warpgroup's dq^T column blocks, dead
-        # once its dq^T MMAs are done), read back into red.global.add.v4.f32; False: the
-        # fragments' red.global.add.v2.f32
+        # red4s (with xchg the standard form xchg4s, alone a candidate): dkv blocks staged per
+        # warp in the current tile's stage (the warpgroup's dq^T column blocks, dead once its
+        # dq^T MMAs are done), read back into red.global.add.v4.f32; False: the fragments'
+        # red.global.add.v2.f32
         self.red4s = red4s
 
     def _setup(self, dt):

@@ -79,7 +79,7 @@ def dsa_sparse_bwd(
     softmax_scale: float,
     dq: torch.Tensor | None = None,
     reduce: bool = True,
-    xchg: bool = False,
+    xchg: bool | None = None,
     red4s: bool | None = None,
     pre: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -88,11 +88,13 @@ def dsa_sparse_bwd(
     dlse (tokens, H) fp32 (the forward's KV-only natural LSE), attn_sink (H,) or None,
     topk_indices int32 (tokens, topk) of slots, -1 (or any entry outside [0, slots)) adding
     nothing; dq: a contiguous (tokens, H, 576) buffer in q's dtype to write (tests poison it).
-    reduce False: the timing probe's build (dkv stays 0); xchg: the candidate build whose S^T
-    and dP^T are one warpgroup's each (kernel.py); red4s None: the standard form of the build
-    (`config.standard_red4s`: red4s at every H, the fragments' red.global.add.v2 under xchg or
-    reduce False), False: the fragments' red.global.add.v2, True: red4s (dkv by
-    red.global.add.v4.f32 from a staging in the tile's stage; with xchg: the candidate xchg4s);
+    reduce False: the timing probe's build (dkv stays 0); xchg True: S^T and dP^T one
+    warpgroup's each (kernel.py), False: split over the heads, None: the standard form
+    (`config.standard_xchg`: xchg at every H, the split form under reduce False); red4s True:
+    dkv by red.global.add.v4.f32 from a staging in the tile's stage, False: the fragments'
+    red.global.add.v2, None: the standard form (`config.standard_red4s`: red4s at every H, v2
+    under reduce False). The defaults run xchg4s (xchg with red4s); xchg=False the candidate
+    red4s (the standard form before 2026-12-04 04:23);
     pre: (lse2, Delta', d_sink) as `preprocess` gives them, computed by the caller (the op: the
     preprocess kernel, kernels/attention/dsa_sparse_bwd_pre/sm90), None: `preprocess` here
     (torch). `unsupported` must be None for these inputs."""
@@ -104,8 +106,10 @@ def dsa_sparse_bwd(
     if tokens == 0 or topk_indices.shape[1] == 0:
         return dq.zero_(), dkv, d_sink
     block = config.block_heads(heads)
+    if xchg is None:
+        xchg = config.standard_xchg(block, reduce)
     if red4s is None:
-        red4s = config.standard_red4s(block, reduce, xchg)
+        red4s = config.standard_red4s(block, reduce)
     params = config.params_for(dtype_name(q.dtype), block, reduce, xchg, red4s)
     kernel = get_kernel(SPEC, params)
     idx = topk_indices if topk_indices.stride(-1) == 1 else topk_indices.contiguous()
