@@ -92,26 +92,35 @@ def test_page_ahead_schedule(page_size, sk, per, split, stages):
 
 def test_candidates_are_standard_leaves_with_one_knob():
     """The candidate params: the bf16 D 128 standard leaves with page_ids "inline" (compile.py:
-    `PagedDecodeSm90(page_ahead=False)`, the 18:47 pass), one per standard leaf, and the
-    speculative ones (2 / 4 query tokens) with merge "rows" (`merge_rows`), each a standard
-    leaf with one knob more."""
+    `PagedDecodeSm90(page_ahead=False)`, the 18:47 pass), one per standard leaf. The
+    speculative leaves (2 / 4 query tokens) with merge "rows" (`merge_rows`, the launcher's
+    default on them since 2026-12-04 04:39) are standard builds beside the same leaves without
+    it (the bench's variant `merge_elems`, the chunked-prefill decode rows)."""
+    from forgekernel.kernels.attention.paged.sm90 import merge_rows_params
+
     standard = set(SPEC.standard_params())
     cands = SPEC.candidate_params()
-    assert cands and len(set(cands)) == len(cands)
-    knobs = {}
+    assert cands and len(set(cands)) == len(cands) and not standard & set(cands)
+    inline = set()
     for c in cands:
         d = dict(c)
-        knob = ("page_ids", d.pop("page_ids")) if "page_ids" in d else ("merge", d.pop("merge"))
-        assert knob in {("page_ids", "inline"), ("merge", "rows")}
+        assert d.pop("page_ids") == "inline"
         assert (d["dtype"], d["head_dim"]) == ("bfloat16", 128)
         assert tuple(sorted(d.items())) in standard
-        knobs.setdefault(knob, set()).add(tuple(sorted(d.items())))
+        inline.add(tuple(sorted(d.items())))
     wanted = {config.params_for("partial", "bfloat16", 128, h, "", q)
               for h, q in ((4, 1), (4, 2), (4, 4), (8, 2), (8, 4), (8, 1))}  # fmt: skip
-    assert wanted <= knobs[("page_ids", "inline")]
-    spec = {w for w in wanted if dict(w).get("qtokens", 1) > 1}
-    assert spec <= knobs[("merge", "rows")]
-    assert all(dict(p).get("qtokens", 1) > 1 for p in knobs[("merge", "rows")])
+    assert wanted <= inline
+    rows = set(merge_rows_params())
+    assert len(rows) == 9 and rows <= standard
+    bare = set()
+    for p in rows:
+        d = dict(p)
+        assert d.pop("merge") == "rows" and d.get("qtokens", 1) > 1
+        assert (d["dtype"], d["head_dim"], d.get("kv", "")) == ("bfloat16", 128, "")
+        bare.add(tuple(sorted(d.items())))
+    assert bare <= standard
+    assert {w for w in wanted if dict(w).get("qtokens", 1) > 1} <= bare
 
 
 _INS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
@@ -238,45 +247,61 @@ def test_probe_runs_on_the_stand_ins(monkeypatch, q_lens):
 
 
 def test_merge_params_pick_the_candidate_leaf():
-    """launch.merge_params: "" keeps the standard compile key, "rows" adds merge "rows" (a
-    candidate key of every spec leaf the bench times), anything else raises."""
+    """launch.merge_params: "" keeps the per-element compile key, "rows" adds merge "rows" (a
+    standard key of every spec leaf the bench times), anything else raises; `merge_rows` (the
+    launcher's default) says "rows" on exactly the bf16 D 128 16-bit speculative leaves."""
     from forgekernel.kernels.attention.paged.sm90 import launch as paged_launch
-    from forgekernel.kernels.attention.paged.sm90 import merge_candidates
+    from forgekernel.kernels.attention.paged.sm90 import merge_rows, merge_rows_params
 
     p = config.params_for("partial", "bfloat16", 128, 4, "", 4)
     assert paged_launch.merge_params(p) == p
     rows = paged_launch.merge_params(p, "rows")
-    assert dict(rows) == {**dict(p), "merge": "rows"} and rows in merge_candidates()
+    assert dict(rows) == {**dict(p), "merge": "rows"} and rows in merge_rows_params()
     with pytest.raises(ValueError):
         paged_launch.merge_params(p, "vector")
     for case in suite.SPEC_BENCH_CASES:
         plan = _probe().plan_of(case)
         leaf = config.params_for("partial", "bfloat16", 128, plan["heads"], "",
                                  _probe().qtokens_of(case))  # fmt: skip
-        assert paged_launch.merge_params(leaf, "rows") in merge_candidates(), case.name
+        assert paged_launch.merge_params(leaf, "rows") in merge_rows_params(), case.name
+    assert merge_rows("bfloat16", 128, "", 2) and merge_rows("bfloat16", 128, "", 4)
+    for args in (("bfloat16", 128, "", 1), ("float16", 128, "", 4), ("bfloat16", 64, "", 4),
+                 ("bfloat16", 256, "", 2), ("bfloat16", 128, "float8_e4m3fn", 4)):  # fmt: skip
+        assert not merge_rows(*args), args
 
 
-def test_merge_rows_variant_on_the_stand_ins(monkeypatch):
-    """The bench's spec variant `merge_rows` through the launcher on the CPU stand-ins
-    (test_attention_paged's): it looks up the merge "rows" leaf, the op the standard one, on
-    the same plan, and writes the op's outputs (the stand-ins share one arithmetic)."""
-    from test_attention_paged import install_cpu_decode
+def test_merge_elems_variant_on_the_stand_ins(monkeypatch):
+    """The op on a spec case looks up the merge "rows" leaf (the default), the bench's spec
+    variant `merge_elems` the same leaf without it, on the same plan, and both write the same
+    outputs (the CPU stand-ins of test_attention_paged share one arithmetic); single-token
+    decode and the chunked-prefill decode rows keep the per-element merge."""
+    from test_attention_paged import install_cpu_decode, op_module
 
     from forgekernel.kernels.attention.paged.sm90 import launch as paged_launch
 
     calls = install_cpu_decode(monkeypatch)
     case = suite._case(3, 8, 2, 128, 16, (40, 300, 77), q_lens=(2, 4, 1), group="spec")
-    assert set(suite.variants(case)) == {"merge_rows"}
+    assert set(suite.variants(case)) == {"merge_elems"}
     try:
         inputs = suite.make_inputs(case, torch.bfloat16, torch.device("cpu"),
                                    torch.Generator().manual_seed(0))  # fmt: skip
         want = suite.run_ours(inputs, suite.alloc_out(inputs))
-        got = suite.variants(case)["merge_rows"](inputs, suite.alloc_out(inputs))
+        got = suite.variants(case)["merge_elems"](inputs, suite.alloc_out(inputs))
+        decode = suite._case(3, 8, 2, 128, 16, (40, 300, 77))
+        suite.run_ours(suite.make_inputs(decode, torch.bfloat16, torch.device("cpu"),
+                                         torch.Generator().manual_seed(0)), None)  # fmt: skip
+        i = inputs
+        o, lse = suite.alloc_out(i)
+        op_module._decode_part(i["q"], i["k"], i["v"], i["table"], i["seqlens"],
+                               i["cu_seqlens_q"], 128**-0.5, True, o, lse)  # fmt: skip
     finally:
         paged_launch._plans.clear()
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
-    (ours, _, _), (cand, _, _) = calls
-    assert "merge" not in ours and cand == {**ours, "merge": "rows"}
+    assert torch.equal(o, want[0]) and torch.equal(lse, want[1])
+    (ours, _, _), (elems, _, _), (single, _, _), (part, _, _) = calls
+    assert ours == {**elems, "merge": "rows"} and "merge" not in elems
+    assert "merge" not in single and single.get("qtokens", 1) == 1
+    assert part == elems  # the chunked-prefill decode rows: the per-element merge
 
 
 def _loop_ops(sass: str) -> list[str]:

@@ -355,15 +355,17 @@ def _decode_part(q, k, v, page_table, seqlens_k, cu_seqlens_q, scale, causal, o,
     MAX_QUERY_TOKENS slots a sequence (`decode_slots`), whose combine writes only its slots'
     rows (a combine over the packed batch would write every row of it: 7696 rows x 32 heads
     at c512-4096), then its rows copied into o / lse: the ragged bench case's 12,345-key
-    decode row at one split was 8 CTAs streaming it (0.27 ms against 0.04 with the plan)."""
+    decode row at one split was 8 CTAs streaming it (0.27 ms against 0.04 with the plan). The
+    per-element merge (merge ""): merge "rows", the spec leaves' default since 2026-12-04
+    04:39, was not timed on these calls (docs/attention/PAGED_NOTES.md)."""
     b, rows = seqlens_k.shape[0], q.shape[0]
     if rows == 0 or b == 0:
         return
     t = MAX_QUERY_TOKENS
-    if paged_sm90.packed_splits(q, k, page_table, b, t) == 1:
+    if paged_sm90.packed_splits(q, k, page_table, b, t, merge="") == 1:
         paged_sm90.paged_decode(
             q, k, v, page_table, decode_lengths(seqlens_k, cu_seqlens_q), scale, o, lse.t(),
-            None, None, cu_seqlens_q, t, causal, one_split=True,
+            None, None, cu_seqlens_q, t, causal, one_split=True, merge="",
         )  # fmt: skip
         return
     keys, dst, src = decode_slots(seqlens_k, cu_seqlens_q, rows)
@@ -375,7 +377,7 @@ def _decode_part(q, k, v, page_table, seqlens_k, cu_seqlens_q, scale, causal, o,
         lse_c = scratch("paged.slots_lse", (b * t, hq), torch.float32, q.device)
     cu_c = torch.arange(0, b * t + 1, t, dtype=torch.int32, device=q.device)
     paged_sm90.paged_decode(q_c, k, v, page_table, keys, scale, o_c, lse_c, None, None, cu_c, t,
-                            causal)  # fmt: skip
+                            causal, merge="")  # fmt: skip
     o.index_copy_(0, dst, o_c.index_select(0, src))
     lse.t().index_copy_(0, dst, lse_c.index_select(0, src))
 

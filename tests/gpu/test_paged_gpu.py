@@ -418,10 +418,12 @@ def test_combine_kernel_matches_the_merge(rows, heads, splits, d, dtype):
     ids=["h4x4-splits", "h8x4-32rows", "h16x2-32rows", "h4x2-direct", "h8x2-direct"],
 )  # fmt: skip
 def test_paged_speculative_merge_rows_candidate(causal, q_lens, k_lens, hq, hkv):
-    """The merge candidate (launch.merge_params "rows": each row's merge weights computed
-    once, PAGED_NOTES.md "Speculative decoding: the same kernel") against the reference, bf16
-    D 128: 16- and 32-row leaves, split plans with a combine (partials) and of one split
-    (direct out / lse), a sequence without keys, NaN-poisoned outputs."""
+    """The merge "rows" (launch.merge_params: each row's merge weights computed once,
+    PAGED_NOTES.md "Speculative decoding: the same kernel"; the spec leaves' default since
+    2026-12-04 04:39) against the reference and the per-element merge (merge "", the bench's
+    variant `merge_elems`), bf16 D 128: 16- and 32-row leaves, split plans with a combine
+    (partials) and of one split (direct out / lse), a sequence without keys, NaN-poisoned
+    outputs."""
     from forgekernel.kernels.attention.paged.sm90 import launch as paged_launch
 
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -448,7 +450,13 @@ def test_paged_speculative_merge_rows_candidate(causal, q_lens, k_lens, hq, hkv)
     finite = torch.isfinite(want_lse)
     assert torch.equal(finite, torch.isfinite(lse))
     assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
-    std, std_lse = op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu,
-                                      max_seqlen_q=max(q_lens), causal=causal,
-                                      return_lse=True)  # fmt: skip
+    std, std_lse = torch.full_like(q, float("nan")), torch.full_like(lse, float("nan"))
+    paged_launch.paged_decode(q, k, v, table, seq, d**-0.5, std, std_lse.t(), cu_seqlens_q=cu,
+                              max_seqlen_q=max(q_lens), causal=causal, merge="")  # fmt: skip
     assert float((out.float() - std.float()).abs().max()) <= bound
+    assert torch.equal(torch.isfinite(std_lse), finite)
+    assert float((std_lse[finite] - lse[finite]).abs().max()) < 1e-3
+    # the op's default on these leaves is merge "rows": the same kernel, the same bits
+    got = op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu, max_seqlen_q=max(q_lens),
+                             causal=causal)  # fmt: skip
+    assert torch.equal(got, out)

@@ -298,11 +298,12 @@ def _run_scale_tensors(inputs: Inputs, out):
     return _run(inputs, out, inputs["k_scale_heads"], inputs["v_scale_heads"])
 
 
-def _run_merge_rows(inputs: Inputs, out):
-    """The launch the op makes on a packed (speculative) case, its partial pass the candidate
-    build with the warps' merge weights computed once a row (launch.merge_params "rows":
-    docs/attention/PAGED_NOTES.md "Speculative decoding: the same kernel"); the suite's
-    inputs are valid, out (o, lse (Hq, total_q)) written in place."""
+def _run_merge_elems(inputs: Inputs, out):
+    """The launch the op makes on a packed (speculative) case, its partial pass the build with
+    the per-element merge (launch.merge_params "": `combine.write_split`), the spec leaves'
+    standard before merge "rows" (which ran in 0.969-0.991 of its time, graph, 2026-12-04
+    04:39: docs/attention/PAGED_NOTES.md); the suite's inputs are valid, out (o, lse (Hq,
+    total_q)) written in place."""
     from forgekernel.kernels.attention.paged.sm90 import launch
 
     o, lse = out if out is not None else alloc_out(inputs)
@@ -310,18 +311,18 @@ def _run_merge_rows(inputs: Inputs, out):
     launch.paged_decode(
         q, inputs["k"], inputs["v"], inputs["table"], inputs["seqlens"], q.shape[-1] ** -0.5, o,
         lse.t(), cu_seqlens_q=inputs["cu_seqlens_q"], max_seqlen_q=inputs["max_seqlen_q"],
-        merge="rows",
+        merge="",
     )  # fmt: skip
     return o, lse
 
 
 def variants(case: Case) -> dict[str, Any]:
     """FP8 per-tensor cases: the scales as tensors; spec cases (16-bit caches, 2-4 query tokens
-    a sequence): the merge candidate (`_run_merge_rows`)."""
+    a sequence): the previous merge (`_run_merge_elems`)."""
     if case.params.get("scale") == "tensor":
         return {"scales_as_tensors": _run_scale_tensors}
     if case.group == "spec" and "kv" not in case.params:
-        return {"merge_rows": _run_merge_rows}
+        return {"merge_elems": _run_merge_elems}
     return {}
 
 

@@ -35,34 +35,41 @@ def _standard_params() -> list[Params]:
         if h * qt <= row_cap(d, kv)
     ]
     combine = [params_for("combine", dtype, d) for dtype in DTYPES for d in HEAD_DIMS]
-    return partial + combine
+    return partial + merge_rows_params() + combine
 
 
 def _candidate_params() -> list[Params]:
     """The 18:47 partial pass (page ids read beside the copies: compile.py's page_ids
     "inline", `PagedDecodeSm90(page_ahead=False)`) for the bf16 D 128 leaves the decode, spec
     and mixed bench cases run, which scripts/paged_spec_probe.py times against the standard
-    ones, and the merge candidates (`merge_candidates`; `forgekernel build --candidates --only
-    attention_paged_decode_sm90`)."""
-    inline = [
+    ones (`forgekernel build --candidates --only attention_paged_decode_sm90`)."""
+    return [
         tuple(sorted((*params_for("partial", "bfloat16", 128, h, "", qt), ("page_ids", "inline"))))
         for qt in QTOKENS
         for h in HEADS
         if h * qt <= row_cap(128)
     ]
-    return inline + merge_candidates()
 
 
-def merge_candidates() -> list[Params]:
-    """The speculative leaves (bf16, D 128, 2 / 4 query tokens) with the warps' merge weights
-    computed once a row (`PagedDecodeSm90.merge_rows`, compile key merge "rows"), which the
-    bench times beside the standard ones on its spec cases (variant `merge_rows`;
-    docs/attention/PAGED_NOTES.md "Speculative decoding: the same kernel")."""
+def merge_rows(dtype: str, head_dim: int, kv: str, qtokens: int) -> bool:
+    """Whether the launcher's default for this partial pass is merge "rows" (the warps' merge
+    weights computed once a row, `PagedDecodeSm90.merge_rows`): the speculative leaves (bf16,
+    D 128, a 16-bit cache, 2 / 4 query tokens), measured 2026-12-04 04:39 at 0.969-0.991 of the
+    per-element merge's time (graph; eager 0.973-0.993) on the bench's seven spec cases
+    (docs/attention/PAGED_NOTES.md "Measured 2026-12-04 04:39"). Single-token decode, fp16, FP8
+    and D 64 / 256 keep the per-element merge (`combine.write_split`): not timed."""
+    return dtype == "bfloat16" and head_dim == 128 and not kv and qtokens > 1
+
+
+def merge_rows_params() -> list[Params]:
+    """The standard builds of the `merge_rows` leaves (compile key merge "rows"); the same
+    leaves without it stay standard (the bench's variant `merge_elems`, the chunked-prefill
+    decode rows)."""
     return [
         tuple(sorted((*params_for("partial", "bfloat16", 128, h, "", qt), ("merge", "rows"))))
-        for qt in QTOKENS[1:]
+        for qt in QTOKENS
         for h in HEADS
-        if h * qt <= row_cap(128)
+        if h * qt <= row_cap(128) and merge_rows("bfloat16", 128, "", qt)
     ]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from forgekernel.kernels.attention.paged.sm90 import SPEC, config
+from forgekernel.kernels.attention.paged.sm90 import SPEC, config, merge_rows
 from forgekernel.kernels.attention.paged.sm90.rows import heads_for
 from forgekernel.kernels.common.sm90.constants import LOG2E
 from forgekernel.runtime.cache import get_kernel
@@ -17,12 +17,13 @@ _plans = PlanCache()
 
 
 def _plan(dtype, kv_dtype, batch, hq, hkv, d, max_tokens, qtokens, device_index, one_split,
-          merge=""):  # fmt: skip
+          merge=None):  # fmt: skip
     """(partial kernel, combine kernel or None, splits, tokens per split). One split: the
     partial pass writes out and lse itself, and no combine runs. The kernels are looked up
     here, once per problem (two compile-cache lookups cost 0.8 us a call on the CPU). merge
-    "rows": the partial pass's candidate build with the warps' merge weights computed once a
-    row (`merge_params`), else the standard one."""
+    (`merge_params`): None the leaf's default (`sm90.merge_rows`: "rows" on the bf16 D 128
+    speculative leaves, else ""), "rows" the warps' merge weights computed once a row, "" the
+    per-element merge."""
     name = dtype_name(dtype)
     kv = "float8_e4m3fn" if kv_dtype == torch.float8_e4m3fn else ""
     heads = heads_for(hq // hkv, qtokens, d, kv)
@@ -33,6 +34,8 @@ def _plan(dtype, kv_dtype, batch, hq, hkv, d, max_tokens, qtokens, device_index,
         splits, per = config.split_plan(
             batch, hq // heads, max_tokens, num_sms(device_index), resident
         )
+    if merge is None:
+        merge = "rows" if merge_rows(name, d, kv, qtokens) else ""
     partial = get_kernel(SPEC, merge_params(config.params_for("partial", name, d, heads, kv,
                                                               qtokens), merge))  # fmt: skip
     combine = None if splits == 1 else get_kernel(SPEC, config.params_for("combine", name, d))
@@ -40,9 +43,9 @@ def _plan(dtype, kv_dtype, batch, hq, hkv, d, max_tokens, qtokens, device_index,
 
 
 def merge_params(params: tuple, merge: str = "") -> tuple:
-    """A partial pass's compile key with the warps' merge `merge` ("": the standard
-    `combine.write_split`; "rows": `PagedDecodeSm90.merge_rows`, a candidate of the bf16 D 128
-    leaves, `sm90.merge_candidates`)."""
+    """A partial pass's compile key with the warps' merge `merge` ("": the per-element
+    `combine.write_split`; "rows": `PagedDecodeSm90.merge_rows`, built for the bf16 D 128
+    speculative leaves, `sm90.merge_rows_params`)."""
     if not merge:
         return params
     if merge != "rows":
@@ -50,7 +53,7 @@ def merge_params(params: tuple, merge: str = "") -> tuple:
     return tuple(sorted((*params, ("merge", merge))))
 
 
-def _plan_for(q, k_cache, page_table, batch, packed, max_seqlen_q, one_split, merge=""):
+def _plan_for(q, k_cache, page_table, batch, packed, max_seqlen_q, one_split, merge=None):
     """`_plan`'s (partial, combine, splits, tokens per split) for the call, cached. The packed
     form takes a kernel built for cu_seqlens_q (2 or more tokens) even when every sequence
     brings one query token."""
@@ -62,11 +65,12 @@ def _plan_for(q, k_cache, page_table, batch, packed, max_seqlen_q, one_split, me
     return _plans.get_or_build(key, _plan)
 
 
-def packed_splits(q, k_cache, page_table, batch: int, max_seqlen_q: int) -> int:
+def packed_splits(q, k_cache, page_table, batch: int, max_seqlen_q: int,
+                  merge: str | None = None) -> int:  # fmt: skip
     """The split plan's number of splits for `batch` sequences of the packed form at up to
-    max_seqlen_q tokens each (what `paged_decode` runs on them without one_split): host only,
-    the plan cached with the call's."""
-    return _plan_for(q, k_cache, page_table, batch, True, max_seqlen_q, False)[2]
+    max_seqlen_q tokens each (what `paged_decode` runs on them without one_split, `merge` as
+    its): host only, the plan cached with the call's."""
+    return _plan_for(q, k_cache, page_table, batch, True, max_seqlen_q, False, merge)[2]
 
 
 def paged_decode(
@@ -84,7 +88,7 @@ def paged_decode(
     max_seqlen_q: int = 1,
     causal: bool = True,
     one_split: bool = False,
-    merge: str = "",
+    merge: str | None = None,
 ) -> None:
     """out (B, Hq, D) and lse (B, Hq) fp32 (natural log) of one query per sequence against its
     pages: q (B, Hq, D); k_cache, v_cache (num_pages, page_size, Hkv, D) views whose rows are
@@ -96,8 +100,11 @@ def paged_decode(
     The split plan bounds the lengths by the table's width (no device read). one_split: no
     split-KV, the pass writes out and lse itself, each sequence's first rows only (up to the
     kernel's query tokens), where a combine writes every row (the chunked-prefill call takes
-    one: the forward writes the longer sequences' rows after it). merge: `merge_params` (the
-    bench's candidate; the op passes none)."""
+    one: the forward writes the longer sequences' rows after it). merge: None the leaf's
+    default (`sm90.merge_rows`: "rows", each row's merge weights computed once, on the bf16
+    D 128 speculative leaves; measured 2026-12-04 04:39), "" the per-element merge (the
+    bench's variant `merge_elems`; the op's chunked-prefill decode rows), "rows"
+    (`merge_params`)."""
     rows, hq, d = q.shape
     b = seqlens_k.shape[0]
     if rows == 0 or b == 0:
