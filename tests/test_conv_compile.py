@@ -1,15 +1,11 @@
 """The convolution kernels compile for sm_90a on a CPU machine, nothing spills (no local memory)
 and their shared memory fits.
 
-Forward (nine builds): the activations load through the im2col TMA (UTMALDG.5D.IM2COL), the
+Forward (five builds): the activations load through the im2col TMA (UTMALDG.5D.IM2COL), the
 multiply-adds are HGMMA; the representative (bias, 128x128, weight multicast over a 2x1
 cluster), the largest accumulator (128x256), the data-gradient mode (W N-major: `.tnspB`), a
 split reduction with the largest accumulator and bias, the data-gradient mode split (the
-parts counted with a global atomic), and stream K's two candidate builds (config.STREAM, the
-forward and its data-gradient mode: the same atomic, 168 registers like every forward build)
-and the two of its reduce-add fix-up (config.STREAM1: each part's fragment added by sixteen
-16-byte red.global.add (REDG.E.ADD.F32x4) from the registers, no bulk reduce; the last part's
-16-byte loads of the tile's slot and its zeroing stores; 168 registers).
+parts counted with a global atomic).
 Fused data gradient (every tile, plain and split): the same im2col TMA and transposed-B HGMMA,
 no TMA store: the rows go out as 16-byte st.global (STG.E.128) after 16-byte shared loads of the
 staged sub-tile; a split counts its parts with a global atomic.
@@ -40,14 +36,7 @@ from forgekernel.kernels.conv.sm90 import (  # noqa: E402
     wgrad_compile,
 )
 from forgekernel.kernels.conv.sm90 import compile as fprop_compile  # noqa: E402
-from forgekernel.kernels.conv.sm90.config import (  # noqa: E402
-    LARGE,
-    NARROW,
-    SQUARE,
-    STREAM,
-    STREAM1,
-    params_for,
-)
+from forgekernel.kernels.conv.sm90.config import LARGE, NARROW, SQUARE, params_for  # noqa: E402
 from forgekernel.kernels.conv.sm90.dgrad_config import FUSED_CONFIGS, fused_params  # noqa: E402
 from forgekernel.kernels.conv.sm90.wgrad_config import (  # noqa: E402
     WGRAD_CONFIGS,
@@ -95,22 +84,8 @@ def _no_spills_and_fits(sass, found, kernel):
         params_for("bfloat16", False, SQUARE, dgrad=True),
         params_for("bfloat16", True, replace(LARGE, split=True)),
         params_for("float16", False, replace(NARROW, split=True), dgrad=True),
-        params_for("bfloat16", False, STREAM),
-        params_for("bfloat16", False, STREAM, dgrad=True),
-        params_for("bfloat16", False, STREAM1),
-        params_for("bfloat16", False, STREAM1, dgrad=True),
     ],
-    ids=[
-        "representative",
-        "128x256",
-        "dgrad",
-        "128x256-split-bias",
-        "dgrad-128x64-split",
-        "stream-k",
-        "dgrad-stream-k",
-        "stream-k-reduce",
-        "dgrad-stream-k-reduce",
-    ],
+    ids=["representative", "128x256", "dgrad", "128x256-split-bias", "dgrad-128x64-split"],
 )
 def test_forward_builds_with_im2col_tma_hgmma_and_no_spills(params, tmp_path, monkeypatch):
     sass, found, kernel = _build(
@@ -123,18 +98,6 @@ def test_forward_builds_with_im2col_tma_hgmma_and_no_spills(params, tmp_path, mo
     assert ("tnspB" in sass) == dict(params)["dgrad"]
     # a split counts its parts in the tile's flag
     assert bool(re.search(r"\bATOMG?\.E\.ADD", sass)) == dict(params)["split"]
-    if dict(params).get("stream_k"):  # no more registers than the split builds'
-        assert found["registers"] <= 168
-    # the reduce-add fix-up: a thread's 64-float fragment in sixteen 16-byte reductions (gpu
-    # scope, relaxed) from the registers, nothing staged for a bulk reduce; the last part's
-    # sixteen 16-byte loads of the slot and sixteen zeroing stores
-    reduce = dict(params).get("stream_reduce", False)
-    reds = re.findall(r"\bREDG\.E\.ADD\.F32x4\.FTZ\.RN\.STRONG\.GPU\b", sass)
-    assert len(reds) == (16 if reduce else 0)
-    if reduce:
-        assert "UBLKRED" not in sass
-        assert len(re.findall(r"\bLDG\.E\.128", sass)) >= 16
-        assert len(re.findall(r"\bSTG\.E\.128", sass)) >= 16
 
 
 @pytest.mark.parametrize(

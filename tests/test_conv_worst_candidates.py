@@ -4,9 +4,7 @@ forward's and data gradient's worst cases after 18:58"): each sits on its case o
 from the launcher's own plan, recounts at the case's real size as the section's table says,
 asks for a standard build only, and computes the case (the CPU models of the compiled
 functions, fp64) on a small problem of its case's filter, stride and channels (the same
-k-tiles per phase, so the same parts). `streamk` (the M = 1568 3x3s' stream K) asks for a
-candidate build of the forward's (SPEC.candidate_params: `build --candidates`), not a standard
-one; tests/test_conv_stream_k.py holds its walk."""
+k-tiles per phase, so the same parts)."""
 
 from __future__ import annotations
 
@@ -90,13 +88,7 @@ M1568 = {
     None: [(128, 128, 2, True, 36, 2, 56, 0)],
     "small5": [(128, 128, 1, True, 15, 5, 52, 0)],
     "small2": [(128, 128, 1, True, 36, 2, 52, 0)],
-    # stream K: 52 tiles x 72 k-tiles in 132 ranges of 28-29 (per_split the longest)
-    "streamk": [(128, 128, 1, True, 29, 132, 52, 0)],
-    # the same walk, its fix-up's reduce-add form (one fp32 slot a tile)
-    "streamk1": [(128, 128, 1, True, 29, 132, 52, 0)],
 }
-# the variants that run a candidate build (SPEC.candidate_params), not a standard one
-CANDIDATE_BUILDS = {"streamk", "streamk1"}
 PLANS = {
     (conv_fwd, "n32-c512-7x7-k512-3x3"): M1568,
     (conv_fwd, "n32-c512-14x14-k512-3x3-s2"): M1568,
@@ -133,8 +125,7 @@ def test_each_variant_recounts_as_the_table_and_is_a_standard_build(
     conv_models, suite, name, variant
 ):
     """At the case's real size: the launcher's own plan and the variant's as PLANS says, the
-    two different, and every compiled function asked for a standard build (CANDIDATE_BUILDS:
-    a candidate one of the forward's)."""
+    two different, and every compiled function asked for a standard build."""
     case = _case(suite, name)
     table = PLANS[(suite, name)]
     plan = _candidates(suite)[name][variant]
@@ -142,8 +133,6 @@ def test_each_variant_recounts_as_the_table_and_is_a_standard_build(
     conv_models.clear()
     assert _plans_of(suite, case, plan) == table[variant] != table[None]
     standard = {DGRAD_SPEC.name: _standard(DGRAD_SPEC), SPEC.name: _standard(SPEC)}
-    if variant in CANDIDATE_BUILDS:
-        standard = {SPEC.name: [dict(p) for p in SPEC.candidate_params()]}
     assert conv_models and all(params in standard[spec] for spec, params in conv_models)
 
 
@@ -163,9 +152,5 @@ def test_each_variant_computes_the_case(conv_models, suite, name, variant):
     assert got is out and torch.allclose(got, want, rtol=1e-5, atol=1e-4), (got - want).abs().max()
     cfg = _candidates(suite)[name][variant].config
     tile = {f: getattr(cfg, f) for f in ("tile_n", "cluster_m", "split")}
-    if cfg.stream_k:
-        tile["stream_k"] = True
-    if cfg.stream_reduce:
-        tile["stream_reduce"] = True
     # its tile ran
     assert conv_models and all({f: key[f] for f in tile} == tile for _, key in conv_models)

@@ -140,16 +140,9 @@ PARK = {
 # kernel's data-gradient mode, 128x128 c2x1 split 2 today): the forward's two M = 1568
 # candidates (conv_fwd `M1568`: 128x128 c1x1 in 5 parts of 15, and in 2 of 36). C 320 at
 # 64 x 64's two (`phases`, 1.18x / 1.24x of the standard at 21:48; `whole`, 0.84x / 0.86x, now
-# the standard through the park weight refit) are decided: its `was` is in `PARK`. `streamk`:
-# the forward's (conv_fwd `M1568`, a candidate build), 128x128 c1x1 stream K in the
-# data-gradient mode; `streamk1` with its reduce-add fix-up (config.STREAM1).
+# the standard through the park weight refit) are decided: its `was` is in `PARK`.
 WORST = {
-    "n32-c512-7x7-k512-3x3": {
-        "small5": L.split_plan(SMALL, 15),
-        "small2": L.split_plan(SMALL, 36),
-        "streamk": L.stream_plan(SMALL),
-        "streamk1": L.stream_plan(SMALL, reduce=True),
-    },
+    "n32-c512-7x7-k512-3x3": {"small5": L.split_plan(SMALL, 15), "small2": L.split_plan(SMALL, 36)},
 }
 
 

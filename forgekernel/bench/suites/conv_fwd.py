@@ -3,9 +3,8 @@
 the forward kernel is also the data gradient's, so these are its first figures). Shared parts
 (case form, inputs, references, the cuDNN comparator): `conv_layers`.
 
-Variants: the stem's and `as_gemm` (`conv_layers`), and `CANDIDATES`, other plans of the cases
-under 0.95x cuDNN at 18:58 (standard builds; `streamk` and `streamk1` candidate builds, `build
---candidates`).
+Variants: the stem's and `as_gemm` (`conv_layers`), and `CANDIDATES`, other standard plans of
+the cases under 0.95x cuDNN at 18:58.
 
 Registered since its first GPU check passed (2026-12-01).
 """
@@ -72,17 +71,7 @@ SANITIZE_CASES = tuple(CHECK_CASES[i] for i in (0, 2, 7, 11, 1, 13, 14))
 # most 2 a SM: 30 k-tiles against 36, 2 parks a SM); `small2`: 128x128 c1x1 in 2 parts of 36
 # (104 CTAs: no cluster padding of 13 M tiles to 14, no weight multicast). Variant / ours
 # <= 0.97 in both timings adopts (the NOTES section says which term of the chooser moves).
-# `streamk`: 128x128 c1x1 stream K (config.STREAM, a candidate build: `--candidates`), the 52
-# tiles' 3744 k-tiles in 132 balanced ranges of 28-29 across tile boundaries (docs/conv/NOTES.md,
-# "Stream K for the M = 1568 3x3s"). `streamk1`: the same walk with the reduce-add fix-up
-# (config.STREAM1, a candidate build): each part adds into its tile's one fp32 slot, the last
-# reads that slot alone (docs/conv/NOTES.md, "Stream K's one-slot fix-up").
-M1568 = {
-    "small5": L.split_plan(SMALL, 15),
-    "small2": L.split_plan(SMALL, 36),
-    "streamk": L.stream_plan(SMALL),
-    "streamk1": L.stream_plan(SMALL, reduce=True),
-}
+M1568 = {"small5": L.split_plan(SMALL, 15), "small2": L.split_plan(SMALL, 36)}
 CANDIDATES = {"n32-c512-7x7-k512-3x3": M1568, "n32-c512-14x14-k512-3x3-s2": M1568}
 
 

@@ -267,17 +267,6 @@ def split_plan(cfg, per_split: int, rect: int = 0):
     return SplitPlan(replace(cfg, split=per_split > 0), max(per_split, 1), 0, 0, rect)
 
 
-def stream_plan(cfg, reduce: bool = False):
-    """A forward / data-gradient-mode launch of tile `cfg`'s stream-K variant (config.STREAM:
-    a candidate build; `reduce`: its reduce-add fix-up, config.STREAM1) handed to the launcher
-    as a SplitPlan (a bench variant's plan); the launcher counts its ranges and tiles for its
-    problem (`config.stream_plan`)."""
-    from forgekernel.kernels.conv.sm90.config import SplitPlan
-
-    cfg = replace(cfg, split=True, stream_k=True, stream_reduce=reduce)
-    return SplitPlan(cfg, 0, 0, 0, 0)
-
-
 def run_as_gemm(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
     """Ours through the dense GEMM (`gemm_variants`), into `out` as run_ours writes it."""
     from forgekernel.kernels.conv.sm90 import launch

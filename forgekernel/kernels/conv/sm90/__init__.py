@@ -12,7 +12,6 @@ from forgekernel.kernels.conv.sm90.config import (
     CANDIDATES,
     DTYPES,
     STANDARD_CONFIGS,
-    STREAM_CANDIDATES,
     ConvConfig,
     choose_config,
     params_for,
@@ -79,15 +78,7 @@ def _wgrad_params() -> list[Params]:
 
 
 def _candidate_params() -> list[Params]:
-    # stream K (config.STREAM, and STREAM1: its reduce-add fix-up): the bench's `streamk` and
-    # `streamk1` variants, the forward and its data-gradient mode (conv_fwd / conv_dgrad's
-    # M = 1568 3x3s, bfloat16, no bias)
-    stream = [
-        params_for("bfloat16", False, cfg, dgrad=dgrad)
-        for cfg in STREAM_CANDIDATES
-        for dgrad in (False, True)
-    ]
-    return [params_for("bfloat16", False, cfg) for cfg in CANDIDATES] + stream
+    return [params_for("bfloat16", False, cfg) for cfg in CANDIDATES]
 
 
 def _representative() -> Params:

@@ -33,21 +33,10 @@ class ConvConfig:
     swizzle: int = 1  # raster group size, in clusters (L2 reuse)
     raster_along_m: bool = True
     split: bool = False  # the reduction may be cut into parts (kernel.py; per_split at run time)
-    # with split: stream K, every output tile's k-tiles in one walk cut into balanced ranges, one
-    # a cluster of the grid, across tile boundaries (kernel.py; stream_plan)
-    stream_k: bool = False
-    # with stream_k: the fix-up's reduce-add form, each part red.global.add-ing its fp32 tile
-    # into the tile's one slot (kept zero, as the flags) and the last part reading that slot
-    # alone (kernel.py; splitk_reduce.py): an arrival-order sum, not bitwise
-    # repeatable (the launcher takes the ordered form under torch's deterministic algorithms)
-    stream_reduce: bool = False
 
     def tag(self) -> str:
-        """Short name for tables: 128x128_c1x1_s0 (split: _k; stream K: _sk; its reduce-add
-        fix-up: _sk1)."""
+        """Short name for tables: 128x128_c1x1_s0 (split: _k)."""
         tag = f"{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}_s{self.stages}"
-        if self.stream_k:
-            return tag + ("_sk1" if self.stream_reduce else "_sk")
         return tag + ("_k" if self.split else "")
 
     @classmethod
@@ -72,14 +61,6 @@ CANDIDATES = (
     ConvConfig(tile_m=64, tile_n=128),
     ConvConfig(tile_n=128, cluster_n=2),
 )
-# Stream K (candidate builds, the forward and its data-gradient mode on the im2col walk): the
-# M = 1568 3x3s' 52 tiles x 72 k-tiles in 132 ranges of 28-29 (docs/conv/NOTES.md, "Stream K
-# for the M = 1568 3x3s").
-STREAM = replace(SMALL, split=True, stream_k=True)
-# Its fix-up's reduce-add form (docs/conv/NOTES.md, "Stream K's one-slot fix-up"): each part
-# adds into the tile's one fp32 slot, the last reads that slot alone.
-STREAM1 = replace(STREAM, stream_reduce=True)
-STREAM_CANDIDATES = (STREAM, STREAM1)
 # Tile efficiency relative to LARGE at full occupancy (the GEMM's H200 figures, 8192^3 class).
 _EFFICIENCY = {LARGE: 1.0, SQUARE: 0.93, SMALL: 0.9, NARROW: 0.8}
 # The im2col TMA's rate (H200, 2026-12-01, inferred from every forward and data-gradient
@@ -132,18 +113,8 @@ def params_for(
     """The compile key's baked-in part, as a sorted tuple of (name, value); `dgrad`: the
     data-gradient mode (kernel.py: W read N-major, taps reversed; no bias); `rect`: the
     stride-1 output rectangles' width (0: the im2col walk; geometry.RECT_WIDTHS)."""
-    key = {"dtype": dtype, "bias": bias, "dgrad": dgrad, "rect": rect, **config_fields(cfg)}
+    key = {"dtype": dtype, "bias": bias, "dgrad": dgrad, "rect": rect, **asdict(cfg)}
     return tuple(sorted(key.items()))
-
-
-def config_fields(cfg: ConvConfig) -> dict:
-    """cfg's fields as a compile key holds them: `stream_k` and `stream_reduce` only where set
-    (the keys of the builds that predate them unchanged)."""
-    fields_ = asdict(cfg)
-    for name in ("stream_k", "stream_reduce"):
-        if not fields_[name]:
-            del fields_[name]
-    return fields_
 
 
 def _ceil(a: int, b: int) -> int:
@@ -154,9 +125,7 @@ def _ceil(a: int, b: int) -> int:
 class SplitPlan:
     """One launch of a kernel whose reduction may be split: its configuration, `per_split`
     k-tiles per part, `parts` (1: unsplit) and `tiles` output tiles (a tile's parts share its
-    flag), and the fp32 partials of the workspace. Stream K (`config.stream_k`, `stream_plan`):
-    `per_split` the longest range's k-tiles, `parts` the ranges (the grid's clusters), `tiles`
-    the flags (`split_tiles`); its reduce-add form (`stream_reduce`) one zero sum slot a flag."""
+    flag), and the fp32 partials of the workspace."""
 
     config: Any
     per_split: int
@@ -166,17 +135,9 @@ class SplitPlan:
 
     @property
     def workspace_floats(self) -> int:
-        cfg = self.config
-        if getattr(cfg, "stream_reduce", False):
-            # the reduce-add fix-up: one sum slot a tile (kernel.py; splitk_reduce.add_part)
-            return self.tiles * cfg.tile_m * cfg.tile_n
-        if getattr(cfg, "stream_k", False):
-            # stream K (`parts`: the ranges, one a cluster): two slots a CTA, its first unit's
-            # and its last's (kernel.py `_part_slots`)
-            return 2 * self.parts * cfg.cluster_m * cfg.cluster_n * cfg.tile_m * cfg.tile_n
         if self.parts == 1:
             return 4  # never read: a placeholder the compiled function takes
-        return self.parts * self.tiles * cfg.tile_m * cfg.tile_n
+        return self.parts * self.tiles * self.config.tile_m * self.config.tile_n
 
 
 def split_cost(
@@ -273,127 +234,6 @@ def plan_cost(
         start=start,
         scale=scale,
     )
-
-
-def stream_cost(
-    cfg: ConvConfig,
-    m: int,
-    n: int,
-    c: int,
-    taps: int = 1,
-    num_sms: int = NUM_SMS_H100_H200,
-    pixels=None,
-    strided: bool = False,
-    park_weight: float = 1.0,
-    zero_weight: float = 1.0,
-) -> tuple[float, int, int]:
-    """(time in `split_cost`'s units, k-tiles a range, ranges) of stream K on tile `cfg` (the
-    im2col walk; `plan_cost`'s problem and terms): the cluster blocks' k-tiles in one walk
-    (block after block, `k-tiles` each) cut into balanced ranges, one a cluster of one wave
-    (`stream_plan`). Simulated event by event (`stream_units`): each cluster runs its range's
-    units in order, a unit's k-tiles at `plan_cost`'s k-tile price; a unit that is not its
-    block's whole parks its fp32 tile (split_cost's park x `park_weight`), and the block's
-    part that parks last reads every part back (a park's price each) and runs the epilogue; a
-    whole block runs its epilogue alone. The time is the last cluster's. The reduce-add fix-up
-    (`cfg.stream_reduce`): a part's add into the tile's slot costs a park (the same bytes,
-    through the L2's adders), and the last part reads the one slot back and zeroes it (two
-    parks' price, whatever the parts: the zeroing stores priced in full, though nothing waits
-    on them; `zero_weight` scales them)."""
-    k_tiles = _ceil(c, K_TILE) * taps
-    plan = stream_plan(cfg, m, n, c, taps, num_sms)
-    ranges = plan.parts
-    rate, scale = IM2COL_ROWS_128, 1.0
-    if pixels is not None or strided:
-        rate, scale = FWD_ROWS_128, FWD_IM2COL_K_TILE
-    tm, tn = cfg.tile_m, cfg.tile_n
-    base = replace(cfg, split=False, stream_k=False, stream_reduce=False)
-    area = tm * tn / (128 * 128) / _EFFICIENCY[base]
-    k_tile = max(area, rate * tm / cfg.cluster_n / 128) * scale
-    operand = (tm + tn) * K_TILE * 2
-    epilogue = tm * tn * 2 / operand * area
-    park = park_weight * tm * tn * 4 / operand * area
-    blocks = plan.tiles // (cfg.cluster_m * cfg.cluster_n)
-    units = [stream_units(z, ranges, k_tiles, blocks) for z in range(ranges)]
-    clock = [0.0] * ranges
-    arrived: dict[int, int] = {}
-    nxt = [0] * ranges  # each cluster's next unit
-    while True:
-        # the cluster whose next unit parks (or ends) first
-        ends = {
-            z: clock[z] + count * k_tile + (park if parts > 1 else 0.0)
-            for z in range(ranges)
-            if nxt[z] < len(units[z])
-            for _, _, count, parts in [units[z][nxt[z]]]
-        }
-        if not ends:
-            break
-        z = min(ends, key=ends.get)
-        block, _, _, parts = units[z][nxt[z]]
-        clock[z], nxt[z] = ends[z], nxt[z] + 1
-        arrived[block] = arrived.get(block, 0) + 1
-        if arrived[block] == parts:  # the last part: every part read back, the epilogue
-            fixup = parts * park  # the ordered form: each part's slot
-            if cfg.stream_reduce:  # the reduce-add form: the one slot, then its zeroing
-                fixup = (1 + zero_weight) * park
-            clock[z] += (fixup if parts > 1 else 0.0) + epilogue
-    return max(clock), plan.per_split, ranges
-
-
-def stream_plan(
-    cfg: ConvConfig,
-    m: int,
-    n: int,
-    c: int,
-    taps: int = 1,
-    num_sms: int = NUM_SMS_H100_H200,
-    pixels=None,
-    rect: int = 0,
-) -> SplitPlan:
-    """Stream K's launch of tile `cfg` (its `stream_k` variant) for `choose_plan`'s problem:
-    the cluster blocks' walk (`split_tiles` / cluster blocks x k-tiles, W) in R balanced
-    ranges, one a cluster of one wave (R = the clusters `num_sms` holds, at most W: no range
-    empty, or a block's parts would count a cluster with none of its k-tiles; the launcher's
-    grid, kernel.py `_stream_range`); `per_split` the longest range, ceil(W / R), `parts` R."""
-    cfg = replace(cfg, split=True, stream_k=True)
-    tiles = split_tiles(cfg, m, n, pixels, rect)
-    walk = tiles // (cfg.cluster_m * cfg.cluster_n) * _ceil(c, K_TILE) * taps
-    ranges = min(num_sms // (cfg.cluster_m * cfg.cluster_n), walk)
-    if walk * ranges >= 2**31:  # the kernel's range arithmetic is Int32
-        raise ValueError(f"stream K's walk of {walk} k-tiles over {ranges} ranges overflows")
-    return SplitPlan(cfg, _ceil(walk, ranges), ranges, tiles, rect)
-
-
-def stream_units(cluster: int, ranges: int, k_tiles: int, blocks: int) -> list[tuple]:
-    """Stream K's units of `cluster`'s range (kernel.py `_stream_range`, `_stream_unit`):
-    (block, first k-tile, k-tiles, the block's parts) for each block the range [z W // R,
-    (z + 1) W // R) of the walk (W = `blocks` x `k_tiles`, R = `ranges`) covers, in order."""
-    walk = blocks * k_tiles
-    it, end = cluster * walk // ranges, (cluster + 1) * walk // ranges
-    units = []
-    while it < end:
-        block = it // k_tiles
-        k0 = it - block * k_tiles
-        count = min(end - it, k_tiles - k0)
-        begin = block * k_tiles
-        first = ((begin + 1) * ranges - 1) // walk
-        parts = ((begin + k_tiles) * ranges - 1) // walk - first + 1
-        units.append((block, k0, count, parts))
-        it += count
-    return units
-
-
-def stream_slots(cluster: int, block: int, ranges: int, k_tiles: int, blocks: int):
-    """Stream K's workspace slots, in cluster slots (a CTA of rank r: slot x S + r, S CTAs a
-    cluster), of `cluster`'s unit of `block` (kernel.py `_part_slots`): (its own, then the
-    block's parts in k order: part 0 cluster first's first slot (2 first) where its range
-    began at the block, else its last (2 first + 1); part p >= 1 cluster first + p's first)."""
-    walk = blocks * k_tiles
-    begin = block * k_tiles
-    first = ((begin + 1) * ranges - 1) // walk
-    parts = ((begin + k_tiles) * ranges - 1) // walk - first + 1
-    own = 2 * cluster + int(cluster * walk // ranges < begin)
-    head = 2 * first + int(first * walk // ranges < begin)
-    return own, [head] + [2 * (first + p) for p in range(1, parts)]
 
 
 def choose_plan(

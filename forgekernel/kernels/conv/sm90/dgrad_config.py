@@ -11,7 +11,7 @@ channel tiles (phase_walk.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 from forgekernel.kernels.conv.sm90.config import (
     _EFFICIENCY,
@@ -22,7 +22,6 @@ from forgekernel.kernels.conv.sm90.config import (
     MIN_PER_PART,
     NUM_SMS_H100_H200,
     ConvConfig,
-    config_fields,
 )
 
 
@@ -69,7 +68,7 @@ def fused_config(cfg: ConvConfig) -> ConvConfig:
 
 def fused_params(dtype: str, cfg: ConvConfig) -> tuple:
     """The fused data-gradient kernel's compile key (no bias)."""
-    return tuple(sorted({"dtype": dtype, **config_fields(cfg)}.items()))
+    return tuple(sorted({"dtype": dtype, **asdict(cfg)}.items()))
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,7 @@ What it models (kernel.py's docstring):
 - the tile grid over (M, K), ragged tiles clipped at the store, the bias added to the fp32
   accumulator before the conversion;
 - the data-gradient mode (params "dgrad"): W (K, T', R', S', C) read as B = (C, (K, S, R, T)),
-  B's k-tiles walking the taps in reverse with the producer's own countdown;
-- split reductions: parts of per_split k-tiles, or stream K (params "stream_k", `stream_run`):
-  the cluster blocks' walk in max_clusters balanced ranges, each tile's parts parked in the
-  dense GEMM's stream-K slots and summed in k order by the last to arrive (params
-  "stream_reduce": added into the tile's one fp32 slot in arrival order, `reduce_sum`).
+  B's k-tiles walking the taps in reverse with the producer's own countdown.
 
 The fused data gradient (dgrad_kernel.py, `fused_run` / `compiled_fused`): every phase in one
 launch over the shared walk, decoded from the packed arguments the way the kernel decodes them
@@ -33,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from forgekernel.kernels.conv.sm90.config import ConvConfig, stream_slots, stream_units
+from forgekernel.kernels.conv.sm90.config import ConvConfig
 from forgekernel.kernels.conv.sm90.geometry import (
     RECT_PIXELS,
     Geometry,
@@ -184,8 +180,7 @@ def run(x, w, y, bias, geometry: Geometry, cfg: ConvConfig, dgrad: bool = False,
     flags[tile], the last to arrive summing them in part order (wgrad_run's protocol). `rect`
     > 0 (stride 1): y is (N, Z, P, Q, K) and M tile i the rectangle `geometry.rect_origin(i)`
     of rect x tile_m / rect outputs, A's box x's rectangle shifted by the tap (`rect_box`:
-    zero outside x), its rows stored to the rectangle's pixels inside Y (the rest clipped).
-    Stream K (`cfg.stream_k`; `split`'s first entry the ranges, not k-tiles): `stream_run`."""
+    zero outside x), its rows stored to the rectangle's pixels inside Y (the rest clipped)."""
     y5 = y
     if rect:
         if geometry.stride != (1, 1, 1) or y.dim() != 5:
@@ -203,7 +198,7 @@ def run(x, w, y, bias, geometry: Geometry, cfg: ConvConfig, dgrad: bool = False,
     c_blocks = -(-c // cfg.tile_k)
     k_tiles = c_blocks * taps[0] * taps[1] * taps[2]
     per, work, flags, order = split or (k_tiles, None, None, None)
-    parts = 1 if cfg.stream_k else -(-k_tiles // per)  # stream K: `stream_run`'s parts
+    parts = -(-k_tiles // per)
     # M tiles padded to whole clusters: a tile past M reads zeros, stores nothing (kernel.py)
     cm = cfg.cluster_m
     tiles_m, tiles_n = -(-m_tiles // cm) * cm, -(-k // cfg.tile_n)
@@ -214,10 +209,11 @@ def run(x, w, y, bias, geometry: Geometry, cfg: ConvConfig, dgrad: bool = False,
     slots = work[: parts * tiles * cfg.tile_m * cfg.tile_n] if parts > 1 else None
     slots = slots.view(parts * tiles, cfg.tile_m, cfg.tile_n) if parts > 1 else None
     box_b = filter_box_dgrad if dgrad else filter_box
-
-    def compute(tile: int, k0: int, count: int) -> torch.Tensor:
-        """Tile `tile`'s accumulator over its k-tiles k0 .. k0 + count - 1 (fp64)."""
+    for unit in order if order is not None else range(tiles * parts):
+        tile, part = unit % tiles, unit // tiles
         m0, n0 = (tile % tiles_m) * cfg.tile_m, (tile // tiles_m) * cfg.tile_n
+        k0 = part * per
+        count = min(k0 + per, k_tiles) - k0
         b_tiles = dgrad_b_k_tiles(k_tiles, c_blocks, k0, count) if dgrad else range(k0, k0 + count)
         acc = torch.zeros(cfg.tile_m, cfg.tile_n, dtype=torch.float64)
         if rect:
@@ -235,91 +231,24 @@ def run(x, w, y, bias, geometry: Geometry, cfg: ConvConfig, dgrad: bool = False,
             cb_b, tap_b = k_tile_coords(kt_b, c_blocks, taps)
             b = box_b(w, n0, cfg.tile_n, tap_b, cb_b * cfg.tile_k, cfg.tile_k)
             acc += a @ b.T
-        return acc
-
-    def store(tile: int, acc: torch.Tensor) -> None:
-        """The bias and the epilogue of tile `tile`'s summed accumulator."""
-        m0, n0 = (tile % tiles_m) * cfg.tile_m, (tile // tiles_m) * cfg.tile_n
+        if parts > 1:
+            acc = split_sum(acc, slots, flags, tile, tiles, part, parts)
+            if acc is None:
+                continue
         if bias is not None:
             cols = torch.arange(n0, n0 + cfg.tile_n).clamp(max=bias.shape[0] - 1)
-            acc = acc + bias[cols].double()[None, :]
+            acc += bias[cols].double()[None, :]
         width = min(cfg.tile_n, k - n0)
         if rect:  # the rectangle's rows inside Y (the TMA store clips the rest)
-            n, zo, p0, q0 = rect_origin(tile % tiles_m, z, p, q, rect, cfg.tile_m)
+            n, zo, p0, q0 = corner
             i = torch.arange(cfg.tile_m)
             pi, qi = p0 + i // rect, q0 + i % rect
             sel = ((pi < p) & (qi < q)).nonzero().squeeze(1)
             if n < n_img:  # a tile past the last image (cluster padding) stores nothing
                 y5[n, zo, pi[sel], qi[sel], n0 : n0 + width] = acc[sel, :width].to(y.dtype)
-            return
+            continue
         rows = max(0, min(cfg.tile_m, m_rows - m0))
         y[m0 : m0 + rows, n0 : n0 + width] = acc[:rows, :width].to(y.dtype)
-
-    if cfg.stream_k:
-        stream_run(compute, store, cfg, (tiles_m, tiles_n, k_tiles), split)
-        return
-    for unit in order if order is not None else range(tiles * parts):
-        tile, part = unit % tiles, unit // tiles
-        k0 = part * per
-        acc = compute(tile, k0, min(k0 + per, k_tiles) - k0)
-        if parts > 1:
-            acc = split_sum(acc, slots, flags, tile, tiles, part, parts)
-            if acc is None:
-                continue
-        store(tile, acc)
-
-
-def stream_run(compute, store, cfg: ConvConfig, walk: tuple, split) -> None:
-    """Stream K as kernel.py walks it: the cluster blocks (cluster_m M tiles of one N tile;
-    block b = M block b % blocks_m, N tile b // blocks_m: the static schedule's raster along M,
-    swizzle 1) in one walk of `k-tiles` each, cut into R balanced ranges (`split`: (R, work,
-    flags, order)), one a cluster (`config.stream_units`); each CTA of the cluster computes
-    its own tile of each unit (`compute(tile, k0, count)`). A unit that is not its block's
-    whole parks in its cluster slot (`config.stream_slots`) x S + rank (S CTAs a cluster) and
-    counts itself in its tile's flag; the last to arrive (the units run in `order`, indices
-    into the walk's units cluster by cluster, default in turn) sums the block's parts from
-    their slots in k order and stores (`store(tile, acc)`); the flag is left zero. `walk`: (M
-    tiles padded to whole clusters, N tiles, k-tiles). The reduce-add fix-up
-    (`cfg.stream_reduce`): each part adds into its tile's one slot of `work` instead (zero at
-    entry, left zero; in `work`'s dtype, in arrival order: `reduce_sum`), and the last part
-    stores that slot's sum."""
-    tiles_m, tiles_n, k_tiles = walk
-    ranges, work, flags, order = split
-    size = cfg.cluster_m * cfg.cluster_n
-    if cfg.cluster_n != 1 or cfg.swizzle != 1 or not cfg.raster_along_m:
-        raise AssertionError("the model walks cluster_m x 1 blocks rastered along M, swizzle 1")
-    blocks_m = tiles_m // cfg.cluster_m
-    blocks = blocks_m * tiles_n
-    tm, tn = cfg.tile_m, cfg.tile_n
-    held = tiles_m * tiles_n if cfg.stream_reduce else 2 * ranges * size
-    if work.numel() < held * tm * tn or bool(flags[: tiles_m * tiles_n].any()):
-        raise AssertionError("stream K needs its slots (two a CTA; one a tile) and zero flags")
-    if cfg.stream_reduce and bool(work[: held * tm * tn].any()):
-        raise AssertionError("the reduce-add fix-up's sum slots must be zero")
-    if not 1 <= ranges <= blocks * k_tiles:
-        raise AssertionError(f"{ranges} ranges of a walk of {blocks * k_tiles} k-tiles: one empty")
-    slots = work[: held * tm * tn].view(held, tm, tn)
-    units = [(z, u) for z in range(ranges) for u in stream_units(z, ranges, k_tiles, blocks)]
-    for i in order if order is not None else range(len(units)):
-        z, (block, k0, count, parts) = units[i]
-        own, summed = stream_slots(z, block, ranges, k_tiles, blocks)
-        for rank in range(size):
-            tile = (block // blocks_m) * tiles_m + (block % blocks_m) * cfg.cluster_m + rank
-            acc = compute(tile, k0, count)
-            if parts > 1 and cfg.stream_reduce:
-                acc = reduce_sum(acc, slots, flags, tile, parts)
-                if acc is None:
-                    continue
-            elif parts > 1:
-                slots[own * size + rank] = acc.to(slots.dtype)
-                flags[tile] += 1
-                if int(flags[tile]) < parts:
-                    continue
-                flags[tile] = 0
-                acc = slots[summed[0] * size + rank].double()
-                for slot in summed[1:]:
-                    acc = acc + slots[slot * size + rank].double()
-            store(tile, acc)
 
 
 def compiled(params, order_seed: int | None = None) -> Callable[..., None]:
@@ -362,12 +291,9 @@ def compiled(params, order_seed: int | None = None) -> Callable[..., None]:
                     m_tiles = rect_count(*y.shape[:4], rect, cfg.tile_m)
                 tiles = -(-m_tiles // cm) * cm * -(-y.shape[-1] // cfg.tile_n)
                 units = tiles * -(-k_tiles // per_split)
-                if cfg.stream_k:  # every cluster's units of the walk (`stream_run`)
-                    walk = (_max_clusters, k_tiles, tiles // cm)
-                    units = sum(len(stream_units(z, *walk)) for z in range(_max_clusters))
                 gen = torch.Generator().manual_seed(order_seed)
                 order = torch.randperm(units, generator=gen).tolist()
-            split = (_max_clusters if cfg.stream_k else per_split, work, flags, order)
+            split = (per_split, work, flags, order)
         if (y.dim() == 5) != bool(rect):
             raise AssertionError(f"y {tuple(y.shape)}: (M, K) for im2col, 5-D for rectangles")
         run(x, w, y, bias, g, cfg, bool(dict(params).get("dgrad", False)), split, rect)

@@ -51,26 +51,6 @@ their part); each part parks its fp32 accumulator and the last of a tile's parts
 part order and runs the epilogue (kernels/common/sm90/splitk.py: deterministic, no waiting).
 Not with cluster_n > 1 (its CTAs would straddle parts).
 
-Stream K (`stream_k`, a split configuration; candidate builds, config.STREAM): the dense GEMM's
-scheme (kernels/gemm/dense/sm90/kernel.py, "Stream K") without its data-parallel blocks. The
-work units are the static schedule's cluster blocks (cluster_m M tiles of one N tile), and the
-walk runs every block's k-tiles, block after block; it is cut into R balanced ranges, one a
-cluster of the grid (R = max_active_clusters, at most the walk's k-tiles: range z is [z W //
-R, (z + 1) W // R) of W, `_stream_range`), across tile boundaries, so every SM gets the same
-k-tiles within one where the tiles alone leave SMs idle (the M = 1568 3x3s: 52 tiles of 72
-k-tiles over 132 SMs, 28-29 k-tiles each against 36 on two parts). A CTA walks its range as
-units, each its part of one tile (`_stream_unit`); a unit that covers its whole tile runs the
-epilogue directly, any other parks its fp32 accumulator in the cluster's first slot (its
-range began in the tile) or last, counts itself in the tile's flag, and the tile's last part
-to arrive sums every part in k order (`_part_slots`: the GEMM's slots) and runs the
-epilogue. per_split is unused. Compile key `stream_reduce` (the fix-up's reduce-add form, a
-candidate; not bitwise repeatable, the launcher takes the ordered form under torch's
-deterministic algorithms): each part adds its fp32 accumulator into its tile's one slot of
-mWork (slot = the flag's index; zero at launch) with `red.global.add.v4.f32` from the registers
-(the ring is the next unit's by then: the weight gradient's bulk reduce-add from shared memory
-has no room here) and counts itself; the last part loads that slot alone (every part's sum, its
-own included), zeroes it and stores (kernels/common/sm90/splitk_reduce.py).
-
 Data-gradient mode (`dgrad`, docs/conv/NOTES.md): the same kernel computes a phase of the data
 gradient, dX_phase = conv(dY, W flipped, channels swapped), reading W (K, T, R, S, C) itself (a
 strided view that names the phase's taps), no filter copy: B is W seen as (C, (K, S, R, T)),
@@ -100,7 +80,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from forgekernel.kernels.common.sm90 import splitk, splitk_reduce
+from forgekernel.kernels.common.sm90 import splitk
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY, THREADS_PER_WG
 from forgekernel.kernels.common.sm90.pipeline import (
@@ -173,10 +153,6 @@ class ConvFpropSm90:
             raise ValueError("a cluster holds at most 4 CTAs here")
         if config.split and config.cluster_n > 1:
             raise ValueError("a split reduction runs without im2col multicast (cluster_n = 1)")
-        if config.stream_k and not config.split:
-            raise ValueError("stream K is a split configuration's (split = True)")
-        if config.stream_reduce and not config.stream_k:
-            raise ValueError("the reduce-add fix-up is stream K's (stream_k = True)")
         if dgrad and bias:
             raise ValueError("the data-gradient mode takes no bias")
         self.cfg = config
@@ -274,8 +250,8 @@ class ConvFpropSm90:
         """mX (N, D, H, W, C), mW (K, T, R, S, C), mY (N x Z x P x Q, K), mBias (K,) or None
         (as compiled). Padding below / above, stride and dilation per (D, H, W). Split
         (`config.split`): `per_split` k-tiles per part, mWork fp32 (>= parts x tiles x tile_m x
-        tile_n,) and mFlags int32 (>= tiles,) zero (left zero; stream K's reduce-add fix-up:
-        mWork one zero slot a tile, left zero); otherwise None, None and any per_split."""
+        tile_n,) and mFlags int32 (>= tiles,) zero (left zero); otherwise None, None and any
+        per_split."""
         self._setup(mX.element_type)
         geometry = (
             (pad_lo_d, pad_lo_h, pad_lo_w),
@@ -313,22 +289,17 @@ class ConvFpropSm90:
         )
         k_tiles = c_blocks * taps[0] * taps[1] * taps[2]
         parts = cutlass.Int32(1)
-        if cutlass.const_expr(self.cfg.split and not self.cfg.stream_k):
+        if cutlass.const_expr(self.cfg.split):
             parts = cute.ceil_div(k_tiles, per_split)
-        elif cutlass.const_expr(not self.cfg.split):
+        else:
             per_split = k_tiles
-        # the N axis of the schedule: (N tile, part), the part slowest (stream K: N tiles)
+        # the N axis of the schedule: (N tile, part), the part slowest
         schedule = StaticSchedule(
             (tiles_m, tiles_n * parts),
             self.cluster_shape_mn,
             self.cfg.swizzle,
             self.cfg.raster_along_m,
         )
-        grid = schedule.grid(max_active_clusters)
-        if cutlass.const_expr(self.cfg.stream_k):
-            # one range of the blocks' walk a cluster, max_active_clusters ranges (at most
-            # the walk's k-tiles: `_stream_range`; per_split unused)
-            grid = (*self.cluster_shape_mn, max_active_clusters)
 
         self.shared_storage = self._shared_storage()
         self.kernel(
@@ -349,7 +320,7 @@ class ConvFpropSm90:
             (mWork, mFlags),
             ((tiles_m, tiles_n), rects, (taps, geometry[0], geometry[3])),
         ).launch(
-            grid=grid,
+            grid=schedule.grid(max_active_clusters),
             block=[self.threads_per_cta, 1, 1],
             cluster=(*self.cluster_shape_mn, 1),
             min_blocks_per_mp=1,
@@ -557,85 +528,10 @@ class ConvFpropSm90:
         return tile_n, part, k0, cutlass.min(k0 + per_split, k_tiles) - k0
 
     @cute.jit
-    def _stream_range(self, schedule, units):
-        """Stream K: (this cluster's k-tiles [begin, end) of the walk over every block's (the
-        static schedule's cluster blocks, block after block, `k-tiles` each: `units` (k-tiles,
-        per_split, N tiles)), (the walk's k-tiles, its ranges)). The walk is cut into as many
-        balanced ranges as the grid has clusters: range z is [z W // R, (z + 1) W // R) (W
-        k-tiles, R ranges; R <= W, none empty, and W R < 2^31: config.stream_plan)."""
-        walk = schedule.blocks * units[0]
-        ranges = cute.arch.grid_dim()[2]
-        cluster = cute.arch.block_idx()[2]
-        return cluster * walk // ranges, (cluster + 1) * walk // ranges, (walk, ranges)
-
-    @cute.jit
-    def _stream_unit(self, it, end, units, sched, stream):
-        """Stream K: the unit at k-tile `it` of the cluster's range ending at `end`, the dense
-        GEMM's (kernels/gemm/dense/sm90/kernel.py `_next_unit`, no data-parallel blocks; the
-        ranges balanced: `_stream_range`'s `stream` = (W, R)): (this CTA's tile_m, tile_n of
-        the block, first k-tile, k-tiles, the block's parts, (this unit's cluster slot, the
-        block's first cluster, whether that cluster's range began before the block))
-        (config.stream_units counts the same). Cluster z's range holds k-tile i for z =
-        ((i + 1) R - 1) // W."""
-        k_tiles = units[0]
-        walk, ranges = stream
-        block = it // k_tiles
-        begin = block * k_tiles
-        k0 = it - begin
-        count = cutlass.min(end - it, k_tiles - k0)
-        first = ((begin + 1) * ranges - 1) // walk
-        parts = ((begin + k_tiles) * ranges - 1) // walk - first + 1
-        cluster = cute.arch.block_idx()[2]
-        # the cluster's first unit (its range starts in the block) or its last
-        slot = 2 * cluster + cutlass.Int32(cluster * walk // ranges < begin)
-        before = cutlass.Int32(first * walk // ranges < begin)
-        tile_m, tile_n = sched.tile(block)
-        return tile_m, tile_n, k0, count, parts, (slot, first, before)
-
-    @cute.jit
-    def _part_slots(self, where):
-        """Workspace slots of a streamed unit `where` (`_stream_unit`): (this part's slot, part
-        0's, part 1's, the step to part p + 1's), the dense GEMM's `_part_slots`: cluster slot s
-        of the CTA of rank r is slot s S + r (S CTAs a cluster); part p >= 1 is cluster first +
-        p's first unit, part 0 cluster first's first unit where its range began at the block,
-        else its last."""
-        slot, first, before = where
-        size = self.cfg.cluster_m * self.cfg.cluster_n
-        cta_m, cta_n, _ = cute.arch.block_idx()
-        rank = cute.arch.make_warp_uniform(cta_m + cta_n * self.cfg.cluster_m)
-        head = (2 * first + before) * size + rank
-        return slot * size + rank, head, 2 * first * size + rank, 2 * size
-
-    @cute.jit
     def _produce(self, load_a, load_b, ab_pipe, schedule, k_walk, rect_walk):
-        """The producer warp: every k-tile of A and B of each of the CTA's units into the ring
-        (`_load_unit`): the static schedule's tiles (split: their parts), or stream K's units of
-        the cluster's range (`_stream_unit`). `k_walk`: (k-tiles, channel blocks per tap);
-        `rect_walk`: (the rectangles' grid, the taps' offsets ((T, R, S), padding below,
-        dilation))."""
-        units, c_blocks = k_walk
-        prod = producer_state(self.stages)
-        sched = StaticScheduler(schedule)
-        if cutlass.const_expr(self.cfg.stream_k):
-            it, end, stream = self._stream_range(schedule, units)
-            while it < end:
-                unit = self._stream_unit(it, end, units, sched, stream)[:4]
-                prod = self._load_unit(load_a, load_b, ab_pipe, prod, unit, c_blocks, rect_walk)
-                it += unit[3]
-        else:
-            work = sched.first()
-            while sched.valid(work):
-                tile_m, tile_ns = sched.tile(work)
-                tile_n, _, k0, count = self._unit(tile_ns, units)
-                unit = (tile_m, tile_n, k0, count)
-                prod = self._load_unit(load_a, load_b, ab_pipe, prod, unit, c_blocks, rect_walk)
-                work = sched.next(work)
-        ab_pipe.producer_tail(prod)
-
-    @cute.jit
-    def _load_unit(self, load_a, load_b, ab_pipe, prod, unit, c_blocks, rect_walk):
-        """The k-tiles k0 .. k0 + count - 1 of output tile (tile_m, tile_n) (`unit`) into the
-        ring; returns the producer state.
+        """The producer warp: every k-tile of A and B of each of the CTA's tiles into the ring.
+        `k_walk`: (k-tiles, channel blocks per tap); `rect_walk`: (the rectangles' grid, the
+        taps' offsets ((T, R, S), padding below, dilation)).
 
         A k-tile is named by its coordinate (channel block, s, r, t) in the k-tile mode of A's
         and B's coordinate tensors, kept by an odometer (channel block fastest, then S, R, T):
@@ -644,61 +540,68 @@ class ConvFpropSm90:
         seven I2F / MUFU.RCP / F2I divisions a k-tile in the 128x128 build), longer than a
         128x128 k-tile's multiply-adds (docs/conv/NOTES.md, "The producer's k-tile walk")."""
         tma_b, tBgB, tBsB, b_mask = load_b
+        units, c_blocks = k_walk
         taps_t, taps_r, taps_s = rect_walk[1][0]
-        tile_m, tile_n, k0, count = unit
-        corner = qpzn = None
-        if cutlass.const_expr(self.rect):
-            corner = self._rect(tile_m, rect_walk[0])
-        else:
-            # A's tile's first pixel as (q, p, z, n): divisions once per unit, not per copy
-            first = load_a[1][(None, tile_m, (0, 0, 0, 0))]
-            qpzn = pixel_digits(first.layout.offset[0], first.layout.inner.shape[0])
-        # the part's first k-tile k0 as (cb, s, r, t): divisions once per unit
-        cb = k0 % c_blocks
-        j = k0 // c_blocks
-        s_ = j % taps_s
-        r_ = (j // taps_s) % taps_r
-        t_ = j // (taps_s * taps_r)
-        for _ in range(count):
-            crd = (cb, s_, r_, t_)
-            # B's k-tile: A's, or with the taps reversed (dgrad) the same channel block of
-            # tap (taps - 1 - j): reversing T, R and S at once reverses the linear tap
-            crd_b = crd
-            if cutlass.const_expr(self.dgrad):
-                crd_b = (cb, taps_s - 1 - s_, taps_r - 1 - r_, taps_t - 1 - t_)
-            ab_pipe.producer_acquire(prod)
-            bar = ab_pipe.producer_get_barrier(prod)
+        prod = producer_state(self.stages)
+        sched = StaticScheduler(schedule)
+        work = sched.first()
+        while sched.valid(work):
+            tile_m, tile_ns = sched.tile(work)
+            tile_n, _, k0, count = self._unit(tile_ns, units)
+            corner = qpzn = None
             if cutlass.const_expr(self.rect):
-                self._load_a_rect(load_a, corner, crd, rect_walk[1], bar, prod)
+                corner = self._rect(tile_m, rect_walk[0])
             else:
-                tma_a, tAgA, tAsA, a_mask = load_a
+                # A's tile's first pixel as (q, p, z, n): divisions once per unit, not per copy
+                first = load_a[1][(None, tile_m, (0, 0, 0, 0))]
+                qpzn = pixel_digits(first.layout.offset[0], first.layout.inner.shape[0])
+            # the part's first k-tile k0 as (cb, s, r, t): divisions once per unit
+            cb = k0 % c_blocks
+            j = k0 // c_blocks
+            s_ = j % taps_s
+            r_ = (j // taps_s) % taps_r
+            t_ = j // (taps_s * taps_r)
+            for _ in range(count):
+                crd = (cb, s_, r_, t_)
+                # B's k-tile: A's, or with the taps reversed (dgrad) the same channel block of
+                # tap (taps - 1 - j): reversing T, R and S at once reverses the linear tap
+                crd_b = crd
+                if cutlass.const_expr(self.dgrad):
+                    crd_b = (cb, taps_s - 1 - s_, taps_r - 1 - r_, taps_t - 1 - t_)
+                ab_pipe.producer_acquire(prod)
+                bar = ab_pipe.producer_get_barrier(prod)
+                if cutlass.const_expr(self.rect):
+                    self._load_a_rect(load_a, corner, crd, rect_walk[1], bar, prod)
+                else:
+                    tma_a, tAgA, tAsA, a_mask = load_a
+                    cute.copy(
+                        tma_a,
+                        at_pixel(tAgA[(None, tile_m, crd)], qpzn),
+                        tAsA[(None, prod.index)],
+                        tma_bar_ptr=bar,
+                        mcast_mask=a_mask,
+                    )
                 cute.copy(
-                    tma_a,
-                    at_pixel(tAgA[(None, tile_m, crd)], qpzn),
-                    tAsA[(None, prod.index)],
+                    tma_b,
+                    tBgB[(None, tile_n, crd_b)],
+                    tBsB[(None, prod.index)],
                     tma_bar_ptr=bar,
-                    mcast_mask=a_mask,
+                    mcast_mask=b_mask,
                 )
-            cute.copy(
-                tma_b,
-                tBgB[(None, tile_n, crd_b)],
-                tBsB[(None, prod.index)],
-                tma_bar_ptr=bar,
-                mcast_mask=b_mask,
-            )
-            ab_pipe.producer_commit(prod)
-            prod.advance()
-            cb += 1
-            if cb == c_blocks:
-                cb = cutlass.Int32(0)
-                s_ += 1
-                if s_ == taps_s:
-                    s_ = cutlass.Int32(0)
-                    r_ += 1
-                    if r_ == taps_r:
-                        r_ = cutlass.Int32(0)
-                        t_ += 1
-        return prod
+                ab_pipe.producer_commit(prod)
+                prod.advance()
+                cb += 1
+                if cb == c_blocks:
+                    cb = cutlass.Int32(0)
+                    s_ += 1
+                    if s_ == taps_s:
+                        s_ = cutlass.Int32(0)
+                        r_ += 1
+                        if r_ == taps_r:
+                            r_ = cutlass.Int32(0)
+                            t_ += 1
+            work = sched.next(work)
+        ab_pipe.producer_tail(prod)
 
     def _load_a_rect(self, load_a, corner, crd, offsets, bar, prod):
         """A's k-tile `crd` = (channel block cb, tap (s, r, t)) of the rectangle at `corner`
@@ -735,10 +638,9 @@ class ConvFpropSm90:
 
     @cute.jit
     def _consume(self, tidx, warp_idx, mma, ab_pipe, out, schedule, k_split):
-        """The consumer warpgroups: each unit's mainloop (the static schedule's, or stream K's
-        units of the cluster's range); split, the part parked and, by the tile's last part, all
-        of them summed; then the bias and the epilogue (`_output`). `out`: (sC, gC, the store
-        atom, bias); `k_split`: (units, (workspace, flags, the shared flag, parts))."""
+        """The consumer warpgroups: each unit's mainloop; split, the part parked and, by the
+        tile's last part, all of them summed; then the bias and the epilogue. `out`: (sC, gC,
+        the store atom, bias); `k_split`: (units, (workspace, flags, the shared flag, parts))."""
         tiled_mma, tCrA, tCrB, acc = mma
         sC, gC, tma_c, mBias, tiles_m, rects = out
         units, (mWork, mFlags, s_last, parts) = k_split
@@ -764,90 +666,38 @@ class ConvFpropSm90:
         own = tiled_mma.get_slice(tidx - THREADS_PER_WG)
         cols = own.partition_C(cute.make_identity_tensor((self.cfg.tile_m, self.cfg.tile_n)))
         tiles_done = cutlass.Int32(0)  # this CTA's tiles so far: the epilogue ring's position
-        tile_out = (cols, mBias, rects, gC, tma_c, sC, epi, warp_idx)
         sched = StaticScheduler(schedule)
-        if cutlass.const_expr(self.cfg.stream_k):
-            it, end, stream = self._stream_range(schedule, units)
-            while it < end:
-                unit = self._stream_unit(it, end, units, sched, stream)
-                tile_m, tile_n, _, count, parts, where = unit
-                it += count
-                read, release, tiled_mma = self._mainloop(
-                    count, tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release
-                )
-                last = cutlass.Boolean(True)
+        work = sched.first()
+        while sched.valid(work):
+            tile_m, tile_ns = sched.tile(work)
+            work = sched.next(work)
+            read, release, tiled_mma = self._mainloop(
+                self._unit(tile_ns, units)[3], tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release
+            )
+            tile_n, part, _, _ = self._unit(tile_ns, units)
+            last = cutlass.Boolean(True)
+            if cutlass.const_expr(self.cfg.split):
                 if parts > 1:
                     thread = tidx - THREADS_PER_WG
-                    threads = self.num_mma_threads
                     tile = tile_n * tiles_m + tile_m
-                    if cutlass.const_expr(self.cfg.stream_reduce):
-                        # the reduce-add fix-up: the tile's one sum slot (its flag's index)
-                        at = (tile, tile, parts)
-                        last = splitk_reduce.add_part(
-                            acc, mWork, mFlags, at, threads, thread, epi_barrier, s_last
-                        )
-                        if last:
-                            splitk_reduce.take_sum(acc, mWork, tile, threads, thread)
-                    else:
-                        # the split's protocol on the dense GEMM's stream-K slots
-                        slot, head, first, step = self._part_slots(where)
-                        at = (slot, tile, parts)
-                        last = splitk.park(
-                            acc, mWork, mFlags, at, threads, thread, epi_barrier, s_last
-                        )
-                        if last:
-                            slots = (first, step, parts)
-                            splitk.sum_parts(acc, mWork, slots, threads, thread, head=head)
-                if last:
-                    self._output(acc, tile_m, tile_n, tile_out, tiles_done)
-                    tiles_done += 1
-        else:
-            work = sched.first()
-            while sched.valid(work):
-                tile_m, tile_ns = sched.tile(work)
-                work = sched.next(work)
-                read, release, tiled_mma = self._mainloop(
-                    self._unit(tile_ns, units)[3],
-                    tiled_mma,
-                    tCrA,
-                    tCrB,
-                    acc,
-                    ab_pipe,
-                    read,
-                    release,
-                )
-                tile_n, part, _, _ = self._unit(tile_ns, units)
-                last = cutlass.Boolean(True)
-                if cutlass.const_expr(self.cfg.split):
-                    if parts > 1:
-                        thread = tidx - THREADS_PER_WG
-                        tile = tile_n * tiles_m + tile_m
-                        where = (part * tiles + tile, tile, parts)
-                        threads = self.num_mma_threads
-                        last = splitk.park(
-                            acc, mWork, mFlags, where, threads, thread, epi_barrier, s_last
-                        )
-                        if last:
-                            splitk.sum_parts(acc, mWork, (tile, tiles, parts), threads, thread)
-                if last:
-                    self._output(acc, tile_m, tile_n, tile_out, tiles_done)
-                    tiles_done += 1
+                    where = (part * tiles + tile, tile, parts)
+                    threads = self.num_mma_threads
+                    last = splitk.park(
+                        acc, mWork, mFlags, where, threads, thread, epi_barrier, s_last
+                    )
+                    if last:
+                        splitk.sum_parts(acc, mWork, (tile, tiles, parts), threads, thread)
+            if last:
+                if cutlass.const_expr(self.bias):
+                    self._add_bias(acc, cols, mBias, tile_n)
+                if cutlass.const_expr(self.rect):
+                    corner = self._rect(tile_m, rects)
+                    self._epilogue_rect(gC, corner, tile_n, tma_c, sC, epi, warp_idx, tiles_done)
+                else:
+                    gC_tile = gC[(None, None, tile_m, tile_n)]
+                    self._epilogue(gC_tile, tma_c, sC, epi, warp_idx, tiles_done)
+                tiles_done += 1
         store_pipe.producer_tail()
-
-    @cute.jit
-    def _output(self, acc, tile_m, tile_n, out, tiles_done):
-        """Output tile (tile_m, tile_n) of the summed accumulator: its bias, then the epilogue
-        (`out`: this thread's columns, the bias, the rectangles' grid, Y's tiles, the store
-        atom, the epilogue ring, its copies and barrier, the warp)."""
-        cols, mBias, rects, gC, tma_c, sC, epi, warp_idx = out
-        if cutlass.const_expr(self.bias):
-            self._add_bias(acc, cols, mBias, tile_n)
-        if cutlass.const_expr(self.rect):
-            corner = self._rect(tile_m, rects)
-            self._epilogue_rect(gC, corner, tile_n, tma_c, sC, epi, warp_idx, tiles_done)
-        else:
-            gC_tile = gC[(None, None, tile_m, tile_n)]
-            self._epilogue(gC_tile, tma_c, sC, epi, warp_idx, tiles_done)
 
     def _staging(self, tidx, tiled_mma, sC, acc):
         """The epilogue's stmatrix path: (the copy, this thread's epilogue-ring partition, the

@@ -11,12 +11,10 @@ T = 1).
   (16-byte rows) run zero-padded (zero channels add nothing; extra output channels are
   dropped), and an output the kernel cannot write in place (not compact, or padded) goes
   through a scratch buffer. A split's fp32 partials and per-tile flags are the stream's
-  stream-K workspace (stream K's reduce-add fix-up, a candidate: one zero sum slot a tile, kept
-  zero as the flags, runtime/scratch.py `flags`; the ordered fix-up under torch's
-  deterministic algorithms, `_deterministic`). A 2-D convolution of few channels
-  (`few_channels`): the stem (C <= 8, stride 2) as the stride-1 convolution of its
-  space-to-depth fold (stem.py, the fold kernel), the others as a 1x1 one over its im2col, in
-  the forward (rectangles allowed) and the weight gradient.
+  stream-K workspace. A 2-D convolution of few channels (`few_channels`): the stem (C <= 8,
+  stride 2) as the stride-1 convolution of its space-to-depth fold (stem.py, the fold kernel),
+  the others as a 1x1 one over its im2col, in the forward (rectangles allowed) and the weight
+  gradient.
 - `dgrad`: the data gradient as stride-1 forward convolutions of dy, one per output phase
   (`geometry.dgrad_phases`). Stride 1: one launch of the kernel's data-gradient mode, which
   reads W (K, T, R, S, C) itself (N-major, taps reversed in the kernel); a 1x1 filter's on the
@@ -66,7 +64,6 @@ from forgekernel.kernels.conv.sm90.config import (
     choose_plan,
     params_for,
     split_tiles,
-    stream_plan,
 )
 from forgekernel.kernels.conv.sm90.dgrad_config import (
     FusedPlan,
@@ -109,8 +106,7 @@ def _round_up(x: int) -> int:
 def _choose(dtype, bias, m, k, c, taps, device_index, config, dgrad, pixels, rows, strided):
     """(the compiled function, clusters of the persistent grid, the SplitPlan) of one launch.
     `config`: None (chosen), a ConvConfig (a split one cut into FORCED_PARTS parts; at stride
-    1 on rectangles of `rect_width`) or a SplitPlan (its own walk; stream K's ranges counted
-    for this problem, `config.stream_plan`). `pixels`: (N, Z, P, Q) of a
+    1 on rectangles of `rect_width`) or a SplitPlan (its own walk). `pixels`: (N, Z, P, Q) of a
     stride-1 forward whose output tiles may be rectangles (`_launch`), else None; `rows`:
     whether the chooser may take the im2col walk there (False: y is a view its (M, K) rows would
     reach only through a scratch copy); `strided`: a strided forward (the chooser's strided
@@ -136,13 +132,10 @@ def _choose(dtype, bias, m, k, c, taps, device_index, config, dgrad, pixels, row
         # phase of a data gradient, would have the kernel write past its workspace)
         tiles = split_tiles(config, m, k, pixels, rect)
         plan = SplitPlan(config, per, -(-k_tiles // per), tiles, rect)
-        if config.stream_k:  # balanced ranges, one a cluster of one wave
-            plan = stream_plan(config, m, k, c, taps, sms, pixels, rect)
     cfg = plan.config
     params = params_for(dtype_name(dtype), bias, cfg, dgrad=dgrad, rect=plan.rect)
-    # one CTA per SM (the pipeline takes nearly all shared memory); stream K: its ranges
-    clusters = plan.parts if cfg.stream_k else sms // (cfg.cluster_m * cfg.cluster_n)
-    return get_kernel(SPEC, params), clusters, plan
+    # one CTA per SM (the pipeline takes nearly all shared memory)
+    return get_kernel(SPEC, params), sms // (cfg.cluster_m * cfg.cluster_n), plan
 
 
 FORCED_PARTS = 3  # a split configuration asked for by name cuts its reduction this many ways
@@ -340,8 +333,6 @@ def _launch(x, w, bias, y, geometry: Geometry, config, dgrad: bool, rect_1x1: bo
     # write it in place
     rows = pixels is None or y.is_contiguous()
     device = x.device
-    if config is not None:
-        config = _deterministic(config)
     key = (x.dtype, bias is not None, m, kp, cp, t * r * s, device.index, config, dgrad)
     fn, max_clusters, plan = _plans.get_or_build((*key, pixels, rows, strided), _choose)
     if plan.rect:  # y (N, Z, P, Q, K), any TMA-ready view
@@ -351,28 +342,12 @@ def _launch(x, w, bias, y, geometry: Geometry, config, dgrad: bool, rect_1x1: bo
         in_place = kp == k and y.is_contiguous() and tma_ready(y)
         y2 = y.view(m, k) if in_place else y.new_empty(m, kp)
     work = flags = None
-    if plan.config.stream_reduce:  # one sum slot a tile, zero (every launch leaves it zero)
-        _, flags = stream_k_workspace(device, plan.tiles, 4)
-        with on_device(device):
-            work = zero_flags("conv.stream_sums", plan.workspace_floats, device)
-        work = work.view(torch.float32)
-    elif plan.config.split:
+    if plan.config.split:
         work, flags = stream_k_workspace(device, plan.tiles, plan.workspace_floats)
     with on_device(device):
         fn(x, w, y2, bias, work, flags, *geometry.kernel_args(), plan.per_split, max_clusters)
     if not in_place:
         y.copy_(y2[..., :k].reshape(y.shape))
-
-
-def _deterministic(config):
-    """`config` (a ConvConfig or SplitPlan), its stream-K reduce-add fix-up (an arrival-order
-    sum) swapped for the ordered one (every part in k order) under torch's deterministic
-    algorithms, as the weight gradient's reduce split is left there."""
-    cfg = config.config if isinstance(config, SplitPlan) else config
-    if not cfg.stream_reduce or not torch.are_deterministic_algorithms_enabled():
-        return config
-    ordered = dataclasses.replace(cfg, stream_reduce=False)
-    return dataclasses.replace(config, config=ordered) if isinstance(config, SplitPlan) else ordered
 
 
 # 1x1 convolutions as the dense GEMM (docs/conv/NOTES.md, "1x1 convolutions as GEMMs"), per
@@ -550,9 +525,6 @@ def _choose_fused(dtype, dx_ndhw, kp, cp, fused: FusedDgrad, walk, device_index,
     else:
         given = config.per_split if isinstance(config, FusedPlan) else None
         cfg = fused_config(config.config if isinstance(config, FusedPlan) else config)
-        if cfg.stream_k:
-            raise ValueError(f"{cfg.tag()}: stream K is the forward kernel's walk, not the fused "
-                             "data gradient's")  # fmt: skip
         most = max(k_tiles)
         per = given or (-(-most // min(FORCED_PARTS, most)) if cfg.split and most else most)
         plan = fused_plan(cfg, m, cp, k_tiles, max(per, 1))
