@@ -117,6 +117,7 @@ def _worklist(qtokens: int, opts: str):
         cutlass.Int32(1),  # splits
         cutlass.Int32(1),  # fewest
         cutlass.Int32(1),  # slots
+        cutlass.Int32(1),  # width
         _work_list(),
         lse,
         fake.stream(),

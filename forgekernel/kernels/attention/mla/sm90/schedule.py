@@ -7,8 +7,10 @@ The host sizes its plan by the page table's width (config.tile_split_plan: S spl
 for every unit, launched whether or not a unit has keys there). The list keeps that plan's S
 as a bound and chooses the tiles per split on the device from the units' real key counts:
 
-  tiles_u = ceil(kv_end_u / TILE) (kv_end as the pass's `_unit`: the sequence's length, or its
-  causal bound for a block of query tokens; 0 for an empty sequence or a block past its end)
+  tiles_u = min(ceil(kv_end_u / TILE), W) (kv_end as the pass's `_unit`: the sequence's length,
+  or its causal bound for a block of query tokens; 0 for an empty sequence or a block past its
+  end; W the table's width in tiles, the op's bound on the lengths: a length past the table is
+  outside the op's contract, and the list then reaches no further than the width plan would)
   per     = the tiles per split in [lo, hi] minimizing waves(per) x (per + SPLIT_OVERHEAD_TILES),
             ties to the larger per (fewer items), where items(per) = sum_u ceil(tiles_u / per),
             waves = ceil(items x head_blocks / slots), lo = max(fewest, ceil(max_u tiles_u /
@@ -46,15 +48,29 @@ def capacity(units: int, splits: int) -> int:
 
 def unit_tiles(
     seqlens: Sequence[int],
+    width: int,
     cu_seqlens_q: Sequence[int] | None = None,
     causal: bool = True,
     q_blocks: int = 1,
     qtokens: int = 1,
 ) -> list[int]:
-    """Tiles of keys per unit: kv_end as the pass's `_unit` (one unit a sequence without
-    cu_seqlens_q; else q_blocks units a sequence, block k of its query tokens), in TILE keys."""
+    """Tiles of keys per unit, at most `width` (the table's, in tiles): kv_end as the pass's
+    `_unit` (one unit a sequence without cu_seqlens_q; else q_blocks units a sequence, block k
+    of its query tokens), in TILE keys."""
+    return [min(-(-max(kv_end, 0) // TILE), width) for kv_end in
+            kv_ends(seqlens, cu_seqlens_q, causal, q_blocks, qtokens)]  # fmt: skip
+
+
+def kv_ends(
+    seqlens: Sequence[int],
+    cu_seqlens_q: Sequence[int] | None = None,
+    causal: bool = True,
+    q_blocks: int = 1,
+    qtokens: int = 1,
+) -> list[int]:
+    """Each unit's key bound, as the pass's `_unit`."""
     if cu_seqlens_q is None:
-        return [-(-max(int(sk), 0) // TILE) for sk in seqlens]
+        return [int(sk) for sk in seqlens]
     tiles = []
     for b, sk in enumerate(seqlens):
         q_all = cu_seqlens_q[b + 1] - cu_seqlens_q[b]
@@ -62,8 +78,7 @@ def unit_tiles(
             token0 = k * qtokens
             sq = max(min(q_all - token0, qtokens), 0)
             kv_end = sk - q_all + token0 + sq if causal else sk
-            kv_end = kv_end if sq > 0 else 0
-            tiles.append(-(-max(kv_end, 0) // TILE))
+            tiles.append(int(kv_end) if sq > 0 else 0)
     return tiles
 
 

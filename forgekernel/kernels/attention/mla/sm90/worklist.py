@@ -50,13 +50,15 @@ class MlaWorklistSm90:
         splits: Int32,
         fewest: Int32,
         slots: Int32,
+        width: Int32,
         mWork: cute.Tensor,
         mLp: cute.Tensor,
         stream: cuda.CUstream,
     ):
         """mSeq int32 (B,); mCuQ int32 (B + 1,) or None (qtokens 1); causal, q_blocks as the
         pass's; head_blocks: CTAs a unit's item launches; splits: the width plan's S (no unit
-        gets more); fewest: the plan's fewest tiles a split; slots: CTAs a wave. mWork int32
+        gets more); fewest: the plan's fewest tiles a split; slots: CTAs a wave; width: the
+        table's width in tiles (no unit counts more: schedule.py). mWork int32
         (capacity + HEADER, 2) (schedule.py), mLp fp32 (S x rows x Hq,) the partial LSEs, flat."""
         if const_expr((mCuQ is None) != (self.qt == 1)):
             raise ValueError("cu_seqlens_q comes with qtokens > 1, and only then")
@@ -66,8 +68,8 @@ class MlaWorklistSm90:
             red: cute.struct.MemRange[Int32, 3 * WARPS]
 
         self.shared = Shared
-        self.kernel(mSeq, mCuQ, causal, q_blocks, head_blocks, splits, fewest, slots, mWork,
-                    mLp).launch(grid=(1, 1, 1), block=[THREADS, 1, 1], stream=stream)  # fmt: skip
+        args = (mSeq, mCuQ, causal, q_blocks, head_blocks, splits, fewest, slots, width)
+        self.kernel(*args, mWork, mLp).launch(grid=(1, 1, 1), block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(
@@ -80,6 +82,7 @@ class MlaWorklistSm90:
         splits: Int32,
         fewest: Int32,
         slots: Int32,
+        width: Int32,
         mWork: cute.Tensor,
         mLp: cute.Tensor,
     ):
@@ -95,7 +98,7 @@ class MlaWorklistSm90:
 
         top = Int32(0)
         for u in cutlass.range(tidx, units, THREADS):
-            top = cutlass.max(top, self._tiles(mSeq, mCuQ, causal, q_blocks, u))
+            top = cutlass.max(top, self._tiles(mSeq, mCuQ, causal, q_blocks, width, u))
         top = self._block(top, cutlass.max, sRed[None, 0], tidx)
         lo = cutlass.max(cutlass.max(fewest, (top + splits - 1) // splits), 1)
         hi = cutlass.max(top, lo)
@@ -104,7 +107,7 @@ class MlaWorklistSm90:
         for per in cutlass.range(lo + tidx, hi + 1, THREADS):
             items = Int32(0)
             for u in cutlass.range(units):
-                t = self._tiles(mSeq, mCuQ, causal, q_blocks, u)
+                t = self._tiles(mSeq, mCuQ, causal, q_blocks, width, u)
                 items += (t + per - 1) // per
             waves = (items * head_blocks + slots - 1) // slots
             cost = waves * (per + SPLIT_OVERHEAD_TILES)
@@ -125,7 +128,7 @@ class MlaWorklistSm90:
                     u = u0 + lane
                     t = Int32(0)
                     if u < units:
-                        t = self._tiles(mSeq, mCuQ, causal, q_blocks, u)
+                        t = self._tiles(mSeq, mCuQ, causal, q_blocks, width, u)
                     has = first < t
                     ballot = cute.arch.vote_ballot_sync(has)
                     if has:
@@ -138,8 +141,8 @@ class MlaWorklistSm90:
                 mWork[0, 1] = count
 
     @cute.jit
-    def _tiles(self, mSeq, mCuQ, causal, q_blocks, unit):
-        """Tiles of keys of `unit`: kv_end as the pass's `_unit`, in TILE keys."""
+    def _tiles(self, mSeq, mCuQ, causal, q_blocks, width, unit):
+        """Tiles of keys of `unit`: kv_end as the pass's `_unit`, in TILE keys, at most width."""
         kv_end = Int32(0)
         if const_expr(mCuQ is None):
             kv_end = mSeq[unit]
@@ -151,7 +154,7 @@ class MlaWorklistSm90:
             sq = cutlass.max(cutlass.min(q_all - token0, self.qt), 0)
             kv_end = Int32(cutlass.select_(causal != 0, sk - q_all + token0 + sq, sk))
             kv_end = Int32(cutlass.select_(sq > 0, kv_end, 0))
-        return (cutlass.max(kv_end, 0) + TILE - 1) // TILE
+        return cutlass.min((cutlass.max(kv_end, 0) + TILE - 1) // TILE, width)
 
     @cute.jit
     def _block(self, value, op, s_red, tidx):
