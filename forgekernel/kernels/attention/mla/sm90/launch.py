@@ -32,7 +32,15 @@ Direct plans of `config.OSTORE_BLOCKS` (64 x 1, 32 x 2: the 128-head blocks) run
 128-head direct cases, "ostore adopted"), where out's rows are 16-byte aligned (checked per call on
 those plans only; others take the direct form's scalar stores). FORGEKERNEL_MLA_OSTORE=0 (read
 when a problem's plan is first built) keeps them on the scalar stores, for side-by-side timing and
-the GPU tests' comparison (the same bits)."""
+the GPU tests' comparison (the same bits).
+
+FORGEKERNEL_MLA_WORKLIST=1 (read when a problem's plan is first built) or
+`plan_form(worklist=True)` (candidate): seesaw plans of more than one split take a device-side
+work list: the scheduling kernel (worklist.py, one CTA) reads seqlens_k on the device, sizes the
+tiles per split by the lengths (schedule.py) and lists the (unit, split) items with keys, within
+the width plan's splits and grid; the pass's `worklist` compile takes its item from the list,
+the combine is unchanged (the list's kernel fills the partial LSEs with -inf first). One launch
+more, no host read: graph-safe (MLA_NOTES.md, "A device-side work list for ragged batches")."""
 
 from __future__ import annotations
 
