@@ -381,3 +381,16 @@ def test_worklist_pass_is_the_standard_pass_but_its_prologue(compiles):
     assert res["spill_bytes"] == 0 and res["registers"] <= 255
     for kind in ("HGMMA", "UTMALDG", "STSM", "MUFU", "BAR", "SYNCS"):
         assert res["sass"].get(kind) == std["sass"].get(kind), kind
+
+
+def test_worklist_grid_is_the_capacity_times_the_head_blocks():
+    """The pass's grid in the worklist form: capacity x head blocks CTAs (the list's rows less
+    its header), one z; head blocks fastest, as `_block`'s."""
+    pytest.importorskip("cutlass")
+    from types import SimpleNamespace as ns
+
+    from forgekernel.kernels.attention.mla.sm90.seesaw import MlaSeesawSm90
+
+    kernel = ns(worklist=True)
+    work = ns(shape=(schedule.capacity(48, 8) + schedule.HEADER, 2))
+    assert MlaSeesawSm90._grid(kernel, 48, 2, None, work) == (384 * 2, 1, 1)
