@@ -688,7 +688,7 @@ def test_worklist_packed(causal, monkeypatch):
 
 def test_worklist_in_a_cuda_graph(monkeypatch):
     """Captured once on uniform lengths, replayed on ragged ones (the mixed batch's, then
-    some empty): the list is rebuilt on the device at every replay, no host read."""
+    two thirds of them empty): the list is rebuilt on the device at every replay, no host read."""
     launch = _worklist_launch(monkeypatch)
     b = 48
     qn, qp, ckv, kpe, table, seq = _problem(b, 16, 64, [8128] * b, 1, True, torch.bfloat16)
