@@ -10,41 +10,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conv_dgrad_plans import by_name as _by_name  # tests/ is on the path
+from conv_dgrad_plans import plan as _plan
+from conv_dgrad_plans import signature as _signature
 
 from forgekernel.bench.suites import conv_dgrad as S
 from forgekernel.bench.suites import conv_layers as L
 from forgekernel.kernels.conv.sm90 import DGRAD_SPEC, dgrad_config, launch
 from forgekernel.kernels.conv.sm90.config import LARGE, SMALL, SQUARE
-from forgekernel.ops import conv as op
 
 F64 = torch.float64
 
 
 def _case(n, c, k, hw, f):
     return L.conv_case("dgrad", n, c, k, (hw, hw), f, 2, f // 2 if f > 2 else 0)
-
-
-def _by_name():
-    return {case.name: case for case in S.BENCH_CASES + S.CHECK_CASES}
-
-
-def _plan(case, config=None):
-    """The launcher's FusedPlan for `case`'s real problem (None where it does not fuse)."""
-    p = case.params
-    g = op._geometry_of(p["stride"], p["padding"], p["padding"], p["dilation"], p["kernel"])
-    input_dhw, output_dhw = (1, *p["spatial"]), (1, *L.output_spatial(p))
-    if not launch._fuses(g, input_dhw, output_dhw):
-        return None
-    fused = launch.fused_dgrad(g, input_dhw, output_dhw)
-    dx_ndhw = (p["n"], *input_dhw)
-    args = (torch.bfloat16, dx_ndhw, p["k"], p["c"], fused, fused.walk, None, config)
-    return launch._choose_fused(*args)[2]
-
-
-def _signature(plan):
-    """(tile_m, tile_n, cluster_m, split, k-tiles per part, N tiles)."""
-    cfg = plan.config
-    return cfg.tile_m, cfg.tile_n, cfg.cluster_m, plan.split, plan.per_split, plan.tiles_n
 
 
 def _before(monkeypatch):
