@@ -195,14 +195,14 @@ def test_launcher_takes_the_direct_form_for_one_split(monkeypatch, key, direct):
     monkeypatch.setattr(mla_launch, "get_kernel", lambda spec, params: dict(params))
     monkeypatch.setattr(mla_launch, "num_sms", lambda device: 132)
     kind, units, hq, tokens, qtokens, fp8, ps = key
-    kernel, combine, splits, per, _ = mla_launch._plan(
+    kernel, combine, splits, per, _, _ = mla_launch._plan(
         kind, torch.bfloat16, units, hq, tokens, qtokens, 0, fp8, ps
     )
     assert kernel.get("direct", False) == direct and (combine is None) == direct
     if direct:
         assert splits == 1 and per >= tokens and kernel["tma"]
         monkeypatch.setenv("FORGEKERNEL_MLA_DIRECT", "0")
-        kernel, combine, splits, _, _ = mla_launch._plan(
+        kernel, combine, splits, _, _, _ = mla_launch._plan(
             kind, torch.bfloat16, units, hq, tokens, qtokens, 0, fp8, ps
         )
         assert "direct" not in kernel and combine["kind"] == "combine" and splits == 1

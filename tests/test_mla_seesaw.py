@@ -451,12 +451,13 @@ def _grid_and_block():
         return type("NS", (), kw)
 
     def grid_of(b, q_blocks, hq, heads, splits, direct=False):
-        kernel = ns(direct=direct)
+        kernel = ns(direct=direct, worklist=False)
+        kernel._splits = lambda m: seesaw.MlaSeesawSm90._splits(kernel, m)
         out = ns(shape=(b * q_blocks, hq) if direct else (splits,))
         env = {
             "mSeq": ns(shape=(b,)), "mQn": ns(shape=(b, hq)), "mOp": out,
-            "q_blocks": q_blocks,
-            "self": ns(h=heads, _splits=lambda m: seesaw.MlaSeesawSm90._splits(kernel, m)),
+            "q_blocks": q_blocks, "mWork": None,
+            "self": ns(h=heads, _grid=lambda *a: seesaw.MlaSeesawSm90._grid(kernel, *a)),
         }  # fmt: skip
         return eval(grid_src, {}, env)
 

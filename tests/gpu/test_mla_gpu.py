@@ -558,3 +558,160 @@ def test_direct_form_in_a_cuda_graph(monkeypatch):
     want, want_lse = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
     low, _ = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE, upcast=False)
     _check(out, lse, want, want_lse, low)
+
+
+# ---------------------------------------------------------------- the device-side work list
+# (candidate, FORGEKERNEL_MLA_WORKLIST=1: schedule.py, worklist.py; MLA_NOTES.md, "A device-side
+# work list for ragged batches"). The CPU side (tests/test_mla_worklist.py) replays the list
+# from schedule.py; here the scheduling kernel itself and the worklist pass run.
+
+WORKLIST_LENS = [  # (lens, width in pages or None): ragged, empty, length 1, uniform
+    (list(range(100, 48 * 170, 170)), None),  # the bench's mixed batch
+    ([0, 1, 64, 65, 4096], None),
+    ([0, 0, 0], 8),
+    ([1, 1], 8),
+    ([4096] * 15 + [100], None),
+    ([(i * 7919) % 9000 for i in range(200)], None),
+    ([16384], None),
+]
+
+
+def _worklist_launch(monkeypatch):
+    launch = importlib.import_module("forgekernel.kernels.attention.mla.sm90.launch")
+    monkeypatch.setenv("FORGEKERNEL_MLA_WORKLIST", "1")
+    launch._plans.clear()
+    return launch
+
+
+@pytest.mark.parametrize("blocks", [1, 2])
+@pytest.mark.parametrize("qtokens", [1, 2])
+@pytest.mark.parametrize("case", WORKLIST_LENS, ids=lambda c: f"b{len(c[0])}_max{max(c[0])}")
+def test_scheduling_kernel_writes_the_reference_list(case, qtokens, blocks):
+    """The scheduling kernel against schedule.py: row 0, every item in order, the partial LSEs
+    all -inf (NaN before), rows past the items untouched."""
+    from forgekernel.kernels.attention.mla.sm90 import SPEC, config, schedule
+    from forgekernel.runtime.cache import get_kernel
+
+    lens, width = case
+    width = width or max(1, max(-(-n // 64) for n in lens))
+    b = len(lens)
+    cu, cu_l, q_blocks = None, None, 1
+    if qtokens > 1:  # 0 .. 4 query tokens a sequence, blocks of 2
+        q_lens = [(i * 3) % 5 for i in range(b)]
+        cu_l = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+        cu = torch.tensor(cu_l, dtype=torch.int32, device="cuda")
+        q_blocks = -(-max(max(q_lens), 1) // qtokens)
+    units = b * q_blocks
+    splits, _ = config.tile_split_plan(units, blocks, width * 64, 132, config.RESIDENT)
+    fewest = min(width, max(1, config.MIN_TOKENS_PER_SPLIT // 64))
+    sched = get_kernel(SPEC, config.params_for("worklist", "bfloat16", qtokens=qtokens))
+    rows = schedule.capacity(units, splits) + schedule.HEADER
+    work = torch.full((rows, 2), -7, dtype=torch.int32, device="cuda")
+    lp = torch.full((splits * 37 + 5,), float("nan"), device="cuda")
+    seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    sched(seq, cu, 1, q_blocks, blocks, splits, fewest, 132, width, work, lp)
+    torch.cuda.synchronize()
+    tiles = schedule.unit_tiles(lens, width, cu_l, True, q_blocks, qtokens)
+    per_keys, items = schedule.plan(tiles, blocks, splits, fewest, 132)
+    got = work.cpu()
+    assert got[0].tolist() == [per_keys, len(items)]
+    assert [tuple(r) for r in got[1 : 1 + len(items)].tolist()] == items
+    assert bool((got[1 + len(items) :] == -7).all())
+    assert bool(torch.isneginf(lp).all())
+
+
+WORKLIST_CASES = [  # (b, hq, lens, s_q, width in pages or None)
+    (48, 16, list(range(100, 48 * 170, 170)), 1, None),
+    (5, 16, [0, 1, 64, 65, 4096], 1, None),
+    (3, 16, [0, 0, 0], 1, 8),
+    (4, 128, [5, 0, 513, 2000], 1, None),
+    (4, 16, [700, 3, 129, 0], 2, None),
+    (3, 128, [4096, 100, 1], 2, None),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", WORKLIST_CASES, ids=lambda c: f"b{c[0]}_h{c[1]}_sq{c[3]}")
+def test_worklist_matches_the_reference(case, dtype, monkeypatch):
+    """Ragged, empty and MTP batches through the list (NaN in stale page slots and in out;
+    the partial O scratch NaN from an earlier call's leftovers is never read)."""
+    launch = _worklist_launch(monkeypatch)
+    keys = _recorded_keys(launch, monkeypatch)
+    b, hq, lens, s_q, width = case
+    qn, qp, ckv, kpe, table, seq = _problem(b, hq, 64, lens, s_q, False, dtype)
+    if width is not None:  # a wider table than the lengths
+        table = torch.cat([table, table.new_zeros(b, width - table.shape[1])], 1)
+    _poison_stale(ckv, kpe, table[:, :1] if width else table, lens, 64)
+    out = torch.full((*qn.shape[:-1], 512), float("nan"), device="cuda", dtype=dtype)
+    _, lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, out=out,
+                           return_lse=True)  # fmt: skip
+    launch._plans.clear()
+    assert any(k["kind"] == "worklist" for k in keys)
+    want, want_lse = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
+    low, _ = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE, upcast=False)
+    _check(out, lse, want, want_lse, low)
+    assert torch.all(out.transpose(1, 2)[torch.isneginf(want_lse)] == 0)
+
+
+@pytest.mark.parametrize("hq", [16, 128])
+def test_worklist_uniform_is_the_standard_plan_bit_for_bit(hq, monkeypatch):
+    """b16 x 4096 keys (8 x 8 tiles at 16 heads, 4 x 16 x 2 blocks at 128): the list's splits
+    are the width plan's, so out and lse are the standard path's bits."""
+    launch = importlib.import_module("forgekernel.kernels.attention.mla.sm90.launch")
+    launch._plans.clear()
+    qn, qp, ckv, kpe, table, seq = _problem(16, hq, 64, [4096] * 16, 1, True, torch.bfloat16)
+    out, lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, return_lse=True)
+    _worklist_launch(monkeypatch)
+    got, got_lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE,
+                                 return_lse=True)  # fmt: skip
+    launch._plans.clear()
+    assert torch.equal(got, out) and torch.equal(got_lse, lse)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_worklist_packed(causal, monkeypatch):
+    launch = _worklist_launch(monkeypatch)
+    q_lens, k_lens = [1, 3, 0, 2, 4], [40, 3, 10, 0, 700]
+    _, _, ckv, kpe, table, seq = _problem(5, 16, 64, k_lens, 1, False, torch.bfloat16)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
+                      device="cuda")  # fmt: skip
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(int(cu[-1]), 16, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    qn, qp = q[..., :512], q[..., 512:]
+    out, lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, cu_seqlens_q=cu,
+                             max_seqlen_q=4, causal=causal, return_lse=True)  # fmt: skip
+    launch._plans.clear()
+    want, want_lse = mla_prefill_ref(qn, qp, ckv, kpe, table, seq, cu, SCALE, causal)
+    low, _ = mla_prefill_ref(qn, qp, ckv, kpe, table, seq, cu, SCALE, causal, upcast=False)
+    _check(out, lse, want, want_lse, low)
+
+
+def test_worklist_in_a_cuda_graph(monkeypatch):
+    """Captured once on uniform lengths, replayed on ragged ones (the mixed batch's, then
+    two thirds of them empty): the list is rebuilt on the device at every replay, no host read."""
+    launch = _worklist_launch(monkeypatch)
+    b = 48
+    qn, qp, ckv, kpe, table, seq = _problem(b, 16, 64, [8128] * b, 1, True, torch.bfloat16)
+    out = torch.empty(*qn.shape[:-1], 512, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, out=out,
+                               return_lse=True)  # fmt: skip
+    mixed = list(range(100, b * 170, 170))
+    for lens in (mixed, [0 if i % 3 else n for i, n in enumerate(mixed)]):
+        qn.copy_(torch.randn_like(qn))
+        seq.copy_(torch.tensor(lens, device="cuda"))
+        _poison_stale(ckv, None, table, lens, 64)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want, want_lse = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
+        low, _ = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE, upcast=False)
+        _check(out, lse, want, want_lse, low)
+    launch._plans.clear()

@@ -406,10 +406,18 @@ def nbytes(case: Case, dtype: torch.dtype) -> float:
 # greedy makespan of the CTAs in launch order, tiles + 2 a non-empty CTA, 0.5 an empty one) + c x
 # splits, c 0.33-0.37 us a split (the combine's walk over the splits: ~1.3 dependent L2 round
 # trips a split a thread in its SASS), t 2.2-2.8 us a 16-head tile, 1.95 at 64 heads.
-CANDIDATES: dict[str, dict[str, dict[str, int]]] = {
+CANDIDATES: dict[str, dict[str, dict[str, int | bool]]] = {
     # ragged 100 .. 8090 keys: the plan sizes splits by the table's width (8 x 16 tiles, 384
     # CTAs); 5 x 28 / 4 x 32 leave fewer, fuller CTAs: ~78 / ~84 us against 90.6
-    "b48-h16-p64-mixed": {"per28": {"per_tiles": 28}, "per32": {"per_tiles": 32}},
+    # worklist: the device-side work list (schedule.py: tiles per split sized by the lengths on
+    # the device, no CTA without keys; one more launch): predicted ~0.86-0.88 of our time here,
+    # the width plan's splits on the uniform cases below at +2-3 us (MLA_NOTES.md, "A device-side
+    # work list for ragged batches")
+    "b48-h16-p64-mixed": {
+        "per28": {"per_tiles": 28},
+        "per32": {"per_tiles": 32},
+        "worklist": {"worklist": True},
+    },
     # 128 splits of 8 tiles, ~42 us of 65.5 in the combine by the model: 94 x 11 ~63 us, 64 x 16
     # ~67
     "b1-h16-p64-L65536": {"per11": {"per_tiles": 11}, "per16": {"per_tiles": 16}},
@@ -418,13 +426,13 @@ CANDIDATES: dict[str, dict[str, dict[str, int]]] = {
     "b1-h128-p64-L65536": {"per20": {"per_tiles": 20}},
     # 8 x 8 tiles (128 CTAs): 16 x 4 in two waves, ~40 us against 32.4 (falsifier of the 2 tiles
     # a CTA's fixed cost)
-    "b16-h16-p64-L4096": {"per4": {"per_tiles": 4}},
+    "b16-h16-p64-L4096": {"per4": {"per_tiles": 4}, "worklist": {"worklist": True}},
     # 4 x 16 tiles x 2 head blocks: 8 x 8 in two waves, ~54 us against 49.0 (the same at 64 rows)
-    "b16-h128-p64-L4096": {"per8": {"per_tiles": 8}},
+    "b16-h128-p64-L4096": {"per8": {"per_tiles": 8}, "worklist": {"worklist": True}},
 }
 
 
-def run_plan(form: dict[str, int], inputs: Inputs, out):
+def run_plan(form: dict[str, int | bool], inputs: Inputs, out):
     """Ours under launch.plan_form(**form): the same kernels on another plan."""
     from forgekernel.kernels.attention.mla.sm90.launch import plan_form
 

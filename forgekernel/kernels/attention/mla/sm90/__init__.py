@@ -10,7 +10,9 @@ of one split (O and LSE written in place, no combine), `ostore` direct ones thei
 shared memory and 16-byte stores (the 128-head blocks' direct plans where out's rows are 16-byte
 aligned; FORGEKERNEL_MLA_OSTORE=0 keeps the scalar stores). (`pair` keys, the head blocks as
 clusters of 2 sharing each tile's loads by TMA multicast, still compile but are neither prebuilt
-nor launched: measured 2.4-8.8% slower, MLA_NOTES.md.)"""
+nor launched: measured 2.4-8.8% slower, MLA_NOTES.md.) `worklist` keys (candidates): the seesaw
+partial pass reading its (unit, split) from the device-side work list that kind "worklist", the
+scheduling kernel (worklist.py; schedule.py its reference), writes."""
 
 from __future__ import annotations
 
@@ -69,12 +71,28 @@ def _standard_params() -> list[Params]:
     return partial + direct + sparse + ostore + combine
 
 
+# The device-side work list (candidate, FORGEKERNEL_MLA_WORKLIST=1; schedule.py, worklist.py): its
+# pass at the bench's and the GPU tests' blocks (16 / 128 heads, MTP 2), its scheduling kernels
+WORKLIST_BLOCKS = ((16, 1), (64, 1), (8, 2), (32, 2))
+
+
+def _candidate_params() -> list[Params]:
+    """The work list's pass and scheduling kernels (`build --candidates`)."""
+    passes = [
+        params_for("partial", dtype, h, qt, tma=True, worklist=True)
+        for dtype in DTYPES
+        for h, qt in WORKLIST_BLOCKS
+    ]
+    return passes + [params_for("worklist", "bfloat16", qtokens=qt) for qt in QTOKENS]
+
+
 SPEC = KernelSpec(
     name="mla_decode_sm90",
     arch="sm_90a",
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
+    candidate_params=_candidate_params,
     mma=False,  # as the paged leaf's; True once decode.py's MMAs are WGMMA (the build checks)
     representative=lambda: params_for("partial", "bfloat16", 16, tma=True),
 )

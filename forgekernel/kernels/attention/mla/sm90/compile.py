@@ -19,6 +19,7 @@ from cutlass.cute.runtime import make_fake_tensor
 from forgekernel.kernels.attention.mla.sm90.config import D_LATENT, D_ROPE, FP8_SCALE_COLUMNS
 from forgekernel.kernels.attention.mla.sm90.decode import MlaDecodeSm90
 from forgekernel.kernels.attention.mla.sm90.seesaw import MlaSeesawSm90
+from forgekernel.kernels.attention.mla.sm90.worklist import MlaWorklistSm90
 from forgekernel.kernels.attention.paged.sm90.combine import PagedCombineSm90, partials_o
 from forgekernel.kernels.common.sm90 import fake
 
@@ -96,9 +97,39 @@ def _sparse(dtype, heads: int, fp8: bool, opts: str):
     )
 
 
+def _work_list() -> cute.Tensor:
+    """The work list int32 (capacity + HEADER, 2), rows contiguous (schedule.py)."""
+    return make_fake_tensor(cutlass.Int32, (cute.sym_int32(), 2), stride=(2, 1), assumed_align=8)
+
+
+def _worklist(qtokens: int, opts: str):
+    """The scheduling kernel (worklist.py): seqlens_k (B,), cu_seqlens_q (qtokens > 1), the
+    list, the partial LSEs flat."""
+    seqlens_k = make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), stride=(1,))
+    lse = make_fake_tensor(cutlass.Float32, (cute.sym_int32(),), stride=(1,), assumed_align=4)
+    return cute.compile(
+        MlaWorklistSm90(qtokens),
+        seqlens_k,
+        fake.offsets() if qtokens > 1 else None,
+        cutlass.Int32(1),  # causal
+        cutlass.Int32(1),  # q_blocks
+        cutlass.Int32(1),  # head blocks
+        cutlass.Int32(1),  # splits
+        cutlass.Int32(1),  # fewest
+        cutlass.Int32(1),  # slots
+        cutlass.Int32(1),  # width
+        _work_list(),
+        lse,
+        fake.stream(),
+        options=opts,
+    )
+
+
 def compile_mla(params: dict, arch: str = "sm_90a", extra_options: str = ""):
-    dtype = fake.dtype_of(params["dtype"])
     opts = fake.options(arch, extra_options)
+    if params["kind"] == "worklist":
+        return _worklist(params["qtokens"], opts)
+    dtype = fake.dtype_of(params["dtype"])
     if params["kind"] == "combine":
         return _combine(dtype, opts)
     fp8 = params.get("fp8", False)
@@ -109,15 +140,23 @@ def compile_mla(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     rows = cute.sym_int32() if qtokens > 1 else b  # total_q packed by cu_seqlens_q, else B
     pages, page_size = cute.sym_int32(), cute.sym_int32()
     direct = params.get("direct", False)
+    worklist = params.get("worklist", False)
     if params.get("tma", False):
         kernel = MlaSeesawSm90(
-            params["heads"], qtokens, direct, params.get("pair", False), params.get("ostore", False)
+            params["heads"],
+            qtokens,
+            direct,
+            params.get("pair", False),
+            params.get("ostore", False),
+            worklist,
         )
     else:
         kernel = MlaDecodeSm90(params["heads"], qtokens, fp8=fp8)
     q_nope = fake.rowmajor(dtype, (rows, hq, D_LATENT))
     q_pe = fake.rowmajor(dtype, (rows, hq, D_ROPE))
     caches = _caches(dtype, fp8, pages, page_size)
+    if worklist:  # the work list in the (16-bit caches') scales' slot
+        caches = (*caches[:2], _work_list())
     page_table = _dense(cutlass.Int32, 2)
     seqlens_k = make_fake_tensor(cutlass.Int32, (b,), stride=(1,))  # the batch
     if direct:

@@ -142,6 +142,7 @@ def params_for(
     direct: bool = False,
     pair: bool = False,
     ostore: bool = False,
+    worklist: bool = False,
 ) -> tuple:
     """Compile key: kind "partial" (one split of `heads` query heads x `qtokens` tokens, fp32
     out; qtokens > 1 the packed form with cu_seqlens_q), "sparse" (DSA: one split of one query
@@ -155,11 +156,16 @@ def params_for(
     (tma only): the
     head blocks as clusters of 2 sharing each tile's loads by TMA multicast (seesaw.py). ostore
     (direct only): O staged in shared memory and sent by 16-byte stores (out rows 16-byte
-    aligned: the compile assumes it)."""
+    aligned: the compile assumes it). worklist (candidate; tma partial only): the pass takes
+    its (unit, split, keys per split) from the scheduling kernel's work list (schedule.py).
+    Kind "worklist": that scheduling kernel (worklist.py; dtype ignored, qtokens > 1 the
+    packed form)."""
     if kind == "combine":
         return tuple(sorted({"kind": kind, "dtype": dtype, "head_dim": D_LATENT}.items()))
+    if kind == "worklist":
+        return tuple(sorted({"kind": kind, "qtokens": qtokens}.items()))
     if kind not in ("partial", "sparse"):
-        raise ValueError(f"kind must be 'partial', 'sparse' or 'combine', got {kind!r}")
+        raise ValueError(f"kind must be 'partial', 'sparse', 'combine' or 'worklist', got {kind!r}")
     if fp8 and dtype != FP8_DTYPE:
         raise ValueError(f"an FP8 cache takes {FP8_DTYPE} queries, got {dtype}")
     if tma and (kind != "partial" or fp8):
@@ -170,6 +176,8 @@ def params_for(
         raise ValueError("the pair form is the seesaw (tma) pass's")
     if ostore and not direct:
         raise ValueError("ostore is a form of the direct pass")
+    if worklist and (not tma or direct or pair):
+        raise ValueError("the work list is a form of the seesaw (tma) partial pass")
     if kind == "sparse" and qtokens != 1:
         raise ValueError(f"sparse attention takes one query token per CTA, got {qtokens}")
     keys = {"kind": kind, "dtype": dtype, "heads": heads}
@@ -185,4 +193,6 @@ def params_for(
         keys["pair"] = True
     if ostore:
         keys["ostore"] = True
+    if worklist:
+        keys["worklist"] = True
     return tuple(sorted(keys.items()))

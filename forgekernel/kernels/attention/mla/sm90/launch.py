@@ -32,7 +32,15 @@ Direct plans of `config.OSTORE_BLOCKS` (64 x 1, 32 x 2: the 128-head blocks) run
 128-head direct cases, "ostore adopted"), where out's rows are 16-byte aligned (checked per call on
 those plans only; others take the direct form's scalar stores). FORGEKERNEL_MLA_OSTORE=0 (read
 when a problem's plan is first built) keeps them on the scalar stores, for side-by-side timing and
-the GPU tests' comparison (the same bits)."""
+the GPU tests' comparison (the same bits).
+
+FORGEKERNEL_MLA_WORKLIST=1 (read when a problem's plan is first built) or
+`plan_form(worklist=True)` (candidate): seesaw plans of more than one split take a device-side
+work list: the scheduling kernel (worklist.py, one CTA) reads seqlens_k on the device, sizes the
+tiles per split by the lengths (schedule.py) and lists the (unit, split) items with keys, within
+the width plan's splits and grid; the pass's `worklist` compile takes its item from the list,
+the combine is unchanged (the list's kernel fills the partial LSEs with -inf first). One launch
+more, no host read: graph-safe (MLA_NOTES.md, "A device-side work list for ragged batches")."""
 
 from __future__ import annotations
 
@@ -42,16 +50,17 @@ from contextlib import contextmanager
 
 import torch
 
-from forgekernel.kernels.attention.mla.sm90 import SPEC, config
+from forgekernel.kernels.attention.mla.sm90 import SPEC, config, schedule
 from forgekernel.kernels.common.sm90.constants import LOG2E
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms, on_device
 from forgekernel.runtime.plans import PlanCache
-from forgekernel.runtime.scratch import scratches
+from forgekernel.runtime.scratch import scratch, scratches
 
 _plans = PlanCache()
-# `plan_form`'s (tiles per split or None, heads per CTA or None), else None (in plan keys)
-_plan_form: list[tuple[int | None, int | None] | None] = [None]
+# `plan_form`'s (tiles per split or None, heads per CTA or None, work list), else None (in plan
+# keys)
+_plan_form: list[tuple[int | None, int | None, bool] | None] = [None]
 
 
 def _flag(env: str, default: str) -> bool:
@@ -76,6 +85,12 @@ def direct_enabled() -> bool:
     return _flag("FORGEKERNEL_MLA_DIRECT", "1")
 
 
+def worklist_enabled() -> bool:
+    """Seesaw plans of more than one split take the device-side work list (candidate, only with
+    FORGEKERNEL_MLA_WORKLIST=1, read when a problem's plan is first built)."""
+    return _flag("FORGEKERNEL_MLA_WORKLIST", "0")
+
+
 def ostore_enabled() -> bool:
     """Direct plans of the OSTORE_BLOCKS take the `ostore` compile where out's rows are 16-byte
     aligned (unless FORGEKERNEL_MLA_OSTORE=0)."""
@@ -83,16 +98,22 @@ def ostore_enabled() -> bool:
 
 
 @contextmanager
-def plan_form(per_tiles: int | None = None, heads: int | None = None) -> Iterator[None]:
+def plan_form(
+    per_tiles: int | None = None, heads: int | None = None, worklist: bool = False
+) -> Iterator[None]:
     """The calls inside take `per_tiles` tiles per split (seesaw plans: 16-bit caches of
     whole-tile pages) and / or `heads` query heads per CTA (a compiled HEADS dividing Hq with
     heads x tokens <= ROWS) instead of the plan's choice, their plans keyed apart: the bench's
-    launcher-only variants, timed beside the standard plan in one process."""
+    launcher-only variants, timed beside the standard plan in one process. worklist: seesaw
+    plans of more than one split take the device-side work list (as FORGEKERNEL_MLA_WORKLIST=1;
+    not with per_tiles: the list sizes its splits itself)."""
+    if worklist and per_tiles is not None:
+        raise ValueError("the work list sizes its splits itself: no per_tiles with worklist")
     if heads is not None and heads not in config.HEADS:
         raise ValueError(f"heads must be one of {config.HEADS}, got {heads}")
     if per_tiles is not None and per_tiles < 1:
         raise ValueError(f"per_tiles must be >= 1, got {per_tiles}")
-    before, _plan_form[0] = _plan_form[0], (per_tiles, heads)
+    before, _plan_form[0] = _plan_form[0], (per_tiles, heads, worklist)
     try:
         yield
     finally:
@@ -120,7 +141,8 @@ def _plan(
     kind, dtype, units, hq, max_tokens, qtokens, device_index, fp8, page_size, form=None,
     narrow=False,
 ):  # fmt: skip
-    """(pass kernel, combine kernel or None, splits, keys per split, ostore): kind "partial"
+    """(pass kernel, combine kernel or None, splits, keys per split, ostore, work list or
+    None): kind "partial"
     (units = sequences, max_tokens their bound) or "sparse" (units = query tokens, max_tokens
     the top-k width), over an FP8 cache if fp8; the paged leaf's split plan over units x head
     blocks (the seesaw pass's in whole tiles). Combine None: the seesaw pass's direct form (one
@@ -128,7 +150,11 @@ def _plan(
     must have its rows 16-byte aligned (`_wide_rows`: the caller checks, and takes the plan
     built with narrow, the direct form's scalar stores, where they are not). The kernels are
     looked up here, once per problem (two compile-cache lookups cost 0.8 us a call on the CPU).
-    form: `plan_form`'s (tiles per split, heads per CTA), either None for the plan's."""
+    form: `plan_form`'s (tiles per split, heads per CTA, work list), either None for the plan's.
+    Work list (`plan_form(worklist=True)` or FORGEKERNEL_MLA_WORKLIST=1; seesaw plans of more
+    than one split): (scheduling kernel, head blocks, fewest tiles a split, CTAs a wave, the
+    table's width in tiles), the
+    pass its `worklist` compile, splits the width plan's (the list's bound: schedule.py)."""
     name = dtype_name(dtype)
     heads = _heads(hq, qtokens, form)
     tma = kind == "partial" and not fp8 and page_size % config.TILE == 0 and seesaw_enabled()
@@ -142,9 +168,20 @@ def _plan(
     if config.runs_direct(splits, heads, qtokens, tma) and direct_enabled():
         ostore = not narrow and config.runs_ostore(heads, qtokens) and ostore_enabled()
         params = config.params_for(kind, name, heads, qtokens, tma=True, direct=True, ostore=ostore)
-        return get_kernel(SPEC, params), None, splits, per, ostore
+        return get_kernel(SPEC, params), None, splits, per, ostore, None
+    combine = get_kernel(SPEC, config.params_for("combine", name))
+    wanted = worklist_enabled() if form is None else form[2] or worklist_enabled()
+    if tma and splits > 1 and wanted and (form is None or form[0] is None):
+        sms = num_sms(device_index)
+        tiles = max(1, -(-max_tokens // config.TILE))
+        fewest = min(tiles, max(1, config.MIN_TOKENS_PER_SPLIT // config.TILE))
+        sched = get_kernel(SPEC, config.params_for("worklist", name, qtokens=qtokens))
+        partial = get_kernel(SPEC, config.params_for(kind, name, heads, qtokens, tma=tma,
+                                                     worklist=True))  # fmt: skip
+        worklist = (sched, hq // heads, fewest, sms * config.RESIDENT, tiles)
+        return partial, combine, splits, per, False, worklist
     partial = get_kernel(SPEC, config.params_for(kind, name, heads, qtokens, fp8, tma))
-    return partial, get_kernel(SPEC, config.params_for("combine", name)), splits, per, False
+    return partial, combine, splits, per, False, None
 
 
 def _partials(splits: int, rows: int, hq: int, device: torch.device):
@@ -155,6 +192,18 @@ def _partials(splits: int, rows: int, hq: int, device: torch.device):
     16-byte aligned."""
     shapes = ((splits, rows, hq, config.D_LATENT), (splits, rows, hq))
     return scratches("mla.partials", shapes, torch.float32, device)
+
+
+def _schedule(worklist, seq, cu, causal, units, q_blocks, splits, outs) -> torch.Tensor:
+    """The scheduling kernel's launch (schedule.py, worklist.py): the work list of this call (the
+    stream's scratch, capacity units x splits) from seqlens_k / cu_seqlens_q on the device, and
+    the partial LSEs filled with -inf; returns the list for the pass."""
+    sched, blocks, fewest, slots, width = worklist
+    rows = schedule.capacity(units, splits) + schedule.HEADER
+    work = scratch("mla.worklist", (rows, 2), torch.int32, seq.device)
+    sched(seq, cu, int(causal), q_blocks, blocks, splits, fewest, slots, width, work,
+          outs[1].view(-1))  # fmt: skip
+    return work
 
 
 def query_tokens(packed: bool, max_seqlen_q: int, hq: int) -> int:
@@ -210,13 +259,16 @@ def mla_decode(
     plan = _plans.get_or_build(key, _plan)
     if plan[4] and not _wide_rows(out):  # the ostore compile's 16-byte stores: not this out
         plan = _plans.get_or_build((*key, True), _plan)
-    partial, combine, splits, per, _ = plan
+    partial, combine, splits, per, _, worklist = plan
     cu = None if cu_seqlens_q is None else cu_seqlens_q.contiguous()
     with on_device(device):  # (the scratch is the device's current stream's)
         # the direct form (combine None) writes out and lse itself
         outs = (out, lse) if combine is None else _partials(splits, rows, hq, device)
+        seq = seqlens_k.contiguous()
+        if worklist is not None:  # the list in the scales' slot (16-bit caches: None)
+            ckv_scale = _schedule(worklist, seq, cu, causal, b * q_blocks, q_blocks, splits, outs)
         partial(as_tma_ready(q_nope), as_tma_ready(q_pe), ckv_cache, kpe_cache, ckv_scale,
-                page_table.contiguous(), seqlens_k.contiguous(), *outs,
+                page_table.contiguous(), seq, *outs,
                 softmax_scale * LOG2E, per, page_size, cu, int(causal), q_blocks)  # fmt: skip
         if combine is not None:
             combine(*outs, out, lse)
@@ -250,7 +302,7 @@ def dsa_sparse_attention(
     device = q_nope.device
     key = ("sparse", q_nope.dtype, tokens, hq, topk, 1, device.index, ckv_scale is not None, 1,
            _plan_form[0])  # fmt: skip
-    partial, combine, splits, per, _ = _plans.get_or_build(key, _plan)
+    partial, combine, splits, per, _, _ = _plans.get_or_build(key, _plan)
     with on_device(device):
         partial_o, partial_lse = _partials(splits, tokens, hq, device)
         partial(as_tma_ready(q_nope), as_tma_ready(q_pe), ckv_cache, kpe_cache, ckv_scale,

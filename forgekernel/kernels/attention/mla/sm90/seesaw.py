@@ -67,6 +67,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import nvvm as _nvvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cute.nvgpu.warp import LdMatrix8x8x16bOp, StMatrix8x8x16bOp
 from cutlass.tensor_utils import LayoutEnum
@@ -79,6 +80,7 @@ from forgekernel.kernels.attention.mla.sm90.config import (
     THREADS,
     TILE,
 )
+from forgekernel.kernels.attention.mla.sm90.schedule import HEADER as WORK_HEADER
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
 from forgekernel.kernels.common.sm90.constants import LN2, THREADS_PER_WG, WARP_SIZE
 from forgekernel.kernels.common.sm90.layout import (
@@ -132,7 +134,7 @@ class MlaSeesawSm90:
 
     def __init__(
         self, heads: int, qtokens: int = 1, direct: bool = False, pair: bool = False,
-        ostore: bool = False,
+        ostore: bool = False, worklist: bool = False,
     ):  # fmt: skip
         if heads * qtokens > ROWS:
             raise ValueError(f"heads x query tokens must be <= {ROWS}, got {heads} x {qtokens}")
@@ -152,6 +154,12 @@ class MlaSeesawSm90:
         if ostore and not direct:
             raise ValueError("ostore is a form of the direct pass")
         self.ostore = ostore
+        # worklist (candidate, partial form only): CTA x takes item x // head blocks of the
+        # scheduling kernel's list (schedule.py, worklist.py), passed in mScale's slot (the
+        # seesaw's 16-bit caches have no scales): its (unit, split) and the keys per split
+        if worklist and (direct or pair):
+            raise ValueError("the work list is a form of the partial pass (no direct, no pair)")
+        self.worklist = worklist
 
     def _setup(self, dtype):
         k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
@@ -211,7 +219,12 @@ class MlaSeesawSm90:
         dtype = mQn.element_type
         if const_expr(not (dtype == mQp.element_type == mCkv.element_type == mKpe.element_type)):
             raise TypeError("q_nope, q_pe and the caches must share one 16-bit dtype")
-        if const_expr(mScale is not None):
+        mWork = None
+        if const_expr(self.worklist):  # mScale's slot holds the work list
+            if const_expr(mScale is None or mScale.element_type != Int32):
+                raise TypeError("the worklist form takes the int32 work list in mScale's slot")
+            mWork = mScale
+        elif const_expr(mScale is not None):
             raise ValueError("the seesaw pass reads 16-bit caches (FP8: decode.MlaDecodeSm90)")
         if const_expr((mCuQ is None) != (self.qt == 1)):
             raise ValueError("cu_seqlens_q comes with qtokens > 1, and only then")
@@ -253,9 +266,9 @@ class MlaSeesawSm90:
             mPT, mSeq, mOp, mLp, scale_log2, per_split, page_size, mCuQ, causal, q_blocks,
             tma_kl, mKl, tma_kr, mKr, tma_ql, mQl, tma_qr, mQr, self.mma_s, self.mma_s_rs,
             self.mma_pv, self.mma_pv_rs, self.lay_kl, self.lay_kr, self.lay_ql, self.lay_qr,
-            self.lay_p,
+            self.lay_p, mWork,
         ).launch(
-            grid=(mSeq.shape[0] * q_blocks * (mQn.shape[1] // self.h), 1, self._splits(mOp)),
+            grid=self._grid(mSeq.shape[0] * q_blocks, mQn.shape[1] // self.h, mOp, mWork),
             block=[THREADS, 1, 1],
             stream=stream,
             **self._cluster(),
@@ -291,9 +304,13 @@ class MlaSeesawSm90:
         lay_ql: cute.ComposedLayout,
         lay_qr: cute.ComposedLayout,
         lay_p: cute.ComposedLayout,
+        mWork: cute.Tensor | None,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        unit, head_block, split = self._block(mOp.shape[1] if self.direct else mOp.shape[2])
+        if const_expr(self.worklist):  # (a CTA past the list's items has left here)
+            unit, head_block, split, per_split = self._item(mWork, mOp.shape[2])
+        else:
+            unit, head_block, split = self._block(mOp.shape[1] if self.direct else mOp.shape[2])
         head0 = head_block * self.h
         b, q_off, sq, sk, kv_end = self._unit(mSeq, mCuQ, causal, q_blocks, unit)
         t0 = split * per_split
@@ -480,6 +497,30 @@ class MlaSeesawSm90:
     def _splits(self, mOp):
         """The grid's splits: the partials' leading mode; one in the direct form."""
         return 1 if self.direct else mOp.shape[0]
+
+    def _grid(self, units, blocks, mOp, mWork):
+        """(units x head blocks, 1, splits); worklist: (the list's capacity x head blocks, 1,
+        1), head blocks fastest as `_block`'s."""
+        if const_expr(self.worklist):
+            return (mWork.shape[0] - WORK_HEADER) * blocks, 1, 1
+        return units * blocks, 1, self._splits(mOp)
+
+    @cute.jit
+    def _item(self, mWork, hq):
+        """(unit, head block, split, keys per split) of this CTA from the work list (schedule.py:
+        row 0 (keys per split, items), row 1 + i item i's (unit, split)); a CTA past the items
+        exits at once (no barrier, no mbarrier, no store: every thread of it leaves here)."""
+        x, _, _ = cute.arch.block_idx()
+        blocks = hq // self.h
+        item = x // blocks
+        if item >= mWork[0, 1]:
+            _nvvm.exit()
+        return (
+            mWork[WORK_HEADER + item, 0],
+            x - item * blocks,
+            mWork[WORK_HEADER + item, 1],
+            mWork[0, 0],
+        )
 
     @cute.jit
     def _block(self, hq):
