@@ -355,7 +355,7 @@ def test_plan_form_worklist_rejects_per_tiles():
 
 
 @pytest.fixture(scope="module")
-def compiles():
+def compiles(tmp_path_factory):
     pytest.importorskip("cutlass")
     from forgekernel.runtime.resources import find_tool, inspect_cubin
 
@@ -363,7 +363,13 @@ def compiles():
         pytest.skip("cuobjdump not found")
 
     def build(params):
-        cubin = SPEC.compile(params, "--keep-cubin").artifacts.CUBIN
+        # the dump in a temporary directory: without --dump-dir the cubin lands in the cwd
+        d = tmp_path_factory.mktemp("cubin")
+        cubin = SPEC.compile(params, f"--keep-cubin --dump-dir {d}").artifacts.CUBIN
+        if isinstance(cubin, bytes):
+            path = d / "k.cubin"
+            path.write_bytes(cubin)
+            cubin = str(path)
         return inspect_cubin(cubin)
 
     return build
