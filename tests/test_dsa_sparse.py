@@ -404,8 +404,10 @@ def test_suite_is_registered():
     assert s.sanitize_cases and all(c.name for c in s.bench_cases)
     names = {c.name for c in s.bench_cases + s.check_cases}
     assert len(names) == len(s.bench_cases) + len(s.check_cases)
-    assert {c.params["topk"] for c in s.bench_cases} == {2048}
-    assert {c.params["tokens"] for c in s.bench_cases} >= {1, 16, 64, 128, 1024, 4096}
+    assert {c.params["topk"] for c in s.bench_cases} == {512, 2048}
+    assert {c.params["tokens"] for c in s.bench_cases} >= {1, 16, 64, 128, 1024, 4096, 32768}
+    prefill = {(c.params["hq"], c.params["topk"]) for c in s.bench_cases if c.params["prefill"]}
+    assert prefill >= {(16, 512), (16, 2048), (64, 512), (64, 2048), (128, 2048)}  # issue 22
 
 
 def test_suite_work_counts():
