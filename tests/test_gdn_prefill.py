@@ -221,6 +221,8 @@ def test_flashinfer_prefill_definition(cpu_kernel, lens, with_state):
     assert defs.benchmark_failures(out, theirs_out) == 0
     assert defs.benchmark_failures(state, theirs_state) == 0
     assert torch.all(state[1] == 0) if lens[1:2] == [0] else True  # an empty sequence: zeros
+    ours_out, ours_state = defs.run_kernel(defn, inputs)  # by op_type: the same adapter
+    assert torch.equal(ours_out, out) and torch.equal(ours_state, state)
 
 
 def _bad(change):
