@@ -25,7 +25,7 @@ from forgekernel.ops.gemm import gemm, tune_gemm
 from forgekernel.ops.gemm_fp4_grouped import gemm_fp4_grouped
 from forgekernel.ops.gemm_fp4_grouped_masked import gemm_fp4_grouped_masked
 from forgekernel.ops.gemm_fp8 import gemm_fp8
-from forgekernel.ops.gemm_fp8_grouped import gemm_fp8_grouped
+from forgekernel.ops.gemm_fp8_grouped import gemm_fp8_grouped, grouped_gemm_fp8
 from forgekernel.ops.gemm_fp8_grouped_masked import gemm_fp8_grouped_masked
 from forgekernel.ops.kda_bwd import kimi_delta_attention_backward
 from forgekernel.ops.kda_chunked import kimi_delta_attention
@@ -60,6 +60,7 @@ __all__ = [
     "gemm_fp8",
     "gemm_fp8_grouped",
     "gemm_fp8_grouped_masked",
+    "grouped_gemm_fp8",
     "kimi_delta_attention",
     "kimi_delta_attention_backward",
     "mla_decode",

@@ -55,6 +55,18 @@ def check_bool(name: str, value: object) -> None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
+def one_of_two_names(name: str, value: object, alias: str, alias_value: object, default: object):
+    """One argument under two keywords (None: not given): the one given, else `default`;
+    ValueError when both are given and differ."""
+    if value is None:
+        return default if alias_value is None else alias_value
+    if alias_value is not None and alias_value != value:
+        raise ValueError(
+            f"{name}={value!r} and {alias}={alias_value!r} name the same argument: give one"
+        )
+    return value
+
+
 # The two checks below run on every call: each dtype / device read once (0.35 us for three
 # tensors on the CPU against 0.51 when read per comparison).
 def check_same_dtype(**tensors: torch.Tensor) -> None:
