@@ -12,7 +12,7 @@ from forgekernel.ops.conv import (
     conv3d_dgrad,
     conv3d_wgrad,
 )
-from forgekernel.ops.dsa import dsa_sparse_attention
+from forgekernel.ops.dsa import dsa_sparse_attention, dsa_sparse_attention_rows
 from forgekernel.ops.dsa_bwd import dsa_sparse_attention_backward
 from forgekernel.ops.dsa_indexer import dsa_indexer, dsa_indexer_paged, dsa_topk_indexer_flashinfer
 from forgekernel.ops.dsa_indexer_bwd import dsa_indexer_backward
@@ -50,6 +50,7 @@ __all__ = [
     "dsa_score_recompute",
     "dsa_sparse_attention",
     "dsa_sparse_attention_backward",
+    "dsa_sparse_attention_rows",
     "dsa_topk_indexer_flashinfer",
     "gated_delta_rule",
     "gated_delta_rule_backward",
