@@ -319,6 +319,8 @@ def test_flashinfer_bench_adapter(sparse_kernels, page_size):
     theirs_out, theirs_lse = defs.run_definition(defn, inputs)
     assert defs.benchmark_failures(out, theirs_out) == 0
     assert defs.benchmark_failures(lse, theirs_lse) == 0
+    ours_out, ours_lse = defs.run_kernel(defn, inputs)  # by op_type: the same adapter
+    assert torch.equal(ours_out, out) and torch.equal(ours_lse, lse)
 
 
 # ---------------------------------------------------------------- arguments
