@@ -380,6 +380,90 @@ def test_flashinfer_csr_form(cpu_kernels, page_size):
     assert float((out.float() - want).abs().max()) < 2e-2
 
 
+def _bad_values(kind):
+    """A valid batch (lengths [37, 0, 100], pages of 16) with one value broken by `kind`."""
+    q, k, v, pt, seq = _problem(3, 8, 2, 64, 16, [37, 0, 100])
+    cu = None
+    if kind == "page":
+        pt[2, 6] = k.shape[0]  # the last page of sequence 2 (100 tokens: 7 pages)
+    elif kind == "negative page":
+        pt[0, 1] = -1
+    elif kind == "length":
+        seq[1] = pt.shape[1] * 16 + 1
+    elif kind == "negative length":
+        seq[0] = -3
+    elif kind.startswith("cu"):
+        q = torch.randn(9, 8, 64).to(torch.bfloat16)
+        cu = {"cu start": [1, 2, 5, 9], "cu order": [0, 4, 2, 9], "cu end": [0, 2, 5, 8],
+              "cu long": [0, 1, 2, 9]}[kind]  # fmt: skip
+        cu = torch.tensor(cu, dtype=torch.int32)
+    return q, k, v, pt, seq, cu
+
+
+@pytest.mark.parametrize(
+    ("kind", "match"),
+    [
+        ("page", r"page_table\[2, 6\] = 24 is outside \[0, 24\)"),
+        ("negative page", r"page_table\[0, 1\] = -1 is outside"),
+        ("length", r"seqlens_k\[1\] = 113 is outside \[0, 112\]"),
+        ("negative length", r"seqlens_k\[0\] = -3"),
+        ("cu start", "cu_seqlens_q must start at 0"),
+        ("cu order", r"cu_seqlens_q must be non-decreasing, got cu_seqlens_q\[2\] = 2 after 4"),
+        ("cu end", r"cu_seqlens_q must end at 9 \(q's rows\), got 8"),
+        ("cu long", "sequence 2 7 query tokens, more than max_seqlen_q = 4"),
+    ],
+)
+def test_validate_names_the_bad_value(cpu_kernels, kind, match):
+    """validate=True (issue 18): values that would read outside the cache or misread the
+    batch raise before any kernel; off by default (the values are not read)."""
+    q, k, v, pt, seq, cu = _bad_values(kind)
+    packed = {} if cu is None else {"cu_seqlens_q": cu, "max_seqlen_q": 4}
+    with pytest.raises(ValueError, match=match):
+        op_module.attention_paged(q, k, v, pt, seq, validate=True, **packed)
+    assert not cpu_kernels
+
+
+def test_validate_passes_a_good_batch_unchanged(cpu_kernels):
+    q, k, v, pt, seq = _problem(3, 8, 2, 64, 16, [37, 0, 100])
+    pt[1] = -1  # an empty sequence's entries are never read
+    pt[0, 3:] = 10**6  # nor those past a sequence's pages
+    out = op_module.attention_paged(q, k, v, pt, seq, validate=True)
+    assert torch.equal(out, op_module.attention_paged(q, k, v, pt, seq))
+    want, _ = paged_attention_ref(q, k, v, pt.clamp(0, k.shape[0] - 1), seq)
+    assert float((out.float() - want).abs().max()) < 2e-2
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda c: c["indptr"].__setitem__(0, 1), "kv_indptr must start at 0"),
+        (lambda c: c["indptr"].__setitem__(2, 0), "kv_indptr must be non-decreasing"),
+        (lambda c: c.update(indices=c["indices"][:-1]), "kv_indptr must end at most 9 .*got 10"),
+        (lambda c: c["indices"].__setitem__(4, 24), r"kv_indices\[4\] = 24 is outside \[0, 24\)"),
+        (lambda c: c.update(max_pages=6), "sequence 2 7 pages, more than max_pages = 6"),
+        (lambda c: c["last"].__setitem__(2, 17), r"kv_last_page_len\[2\] = 17 is outside"),
+        (lambda c: c["last"].__setitem__(0, 0), r"kv_last_page_len\[0\] = 0"),
+        (lambda c: c.update(last=c["last"][:2]), "kv_last_page_len must have shape"),
+    ],
+)
+def test_csr_validate_names_the_bad_value(cpu_kernels, change, match):
+    from forgekernel.reference.flashinfer_paged import page_table_to_csr
+
+    q, k, v, pt, seq = _problem(3, 8, 2, 64, 16, [37, 0, 100])
+    indptr, indices, last = page_table_to_csr(pt, seq, 16)
+    c = {"indptr": indptr, "indices": indices, "last": last, "max_pages": pt.shape[1]}
+    out = op_module.attention_paged_csr(q, k, v, indptr, indices, last, max_pages=pt.shape[1],
+                                        validate=True)  # fmt: skip
+    want, _ = paged_attention_ref(q, k, v, pt, seq)
+    assert float((out.float() - want).abs().max()) < 2e-2
+    change(c)
+    calls = len(cpu_kernels)
+    with pytest.raises(ValueError, match=match):
+        op_module.attention_paged_csr(q, k, v, c["indptr"], c["indices"], c["last"],
+                                      max_pages=c["max_pages"], validate=True)  # fmt: skip
+    assert len(cpu_kernels) == calls
+
+
 def test_csr_page_table_with_no_pages():
     indptr = torch.zeros(4, dtype=torch.int32)
     table, lens = op_module.csr_page_table(indptr, torch.zeros(0, dtype=torch.int32), None, 16, 2)

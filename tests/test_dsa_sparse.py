@@ -319,6 +319,8 @@ def test_flashinfer_bench_adapter(sparse_kernels, page_size):
     theirs_out, theirs_lse = defs.run_definition(defn, inputs)
     assert defs.benchmark_failures(out, theirs_out) == 0
     assert defs.benchmark_failures(lse, theirs_lse) == 0
+    ours_out, ours_lse = defs.run_kernel(defn, inputs)  # by op_type: the same adapter
+    assert torch.equal(ours_out, out) and torch.equal(ours_lse, lse)
 
 
 # ---------------------------------------------------------------- arguments
@@ -404,8 +406,10 @@ def test_suite_is_registered():
     assert s.sanitize_cases and all(c.name for c in s.bench_cases)
     names = {c.name for c in s.bench_cases + s.check_cases}
     assert len(names) == len(s.bench_cases) + len(s.check_cases)
-    assert {c.params["topk"] for c in s.bench_cases} == {2048}
-    assert {c.params["tokens"] for c in s.bench_cases} >= {1, 16, 64, 128, 1024, 4096}
+    assert {c.params["topk"] for c in s.bench_cases} == {512, 2048}
+    assert {c.params["tokens"] for c in s.bench_cases} >= {1, 16, 64, 128, 1024, 4096, 32768}
+    prefill = {(c.params["hq"], c.params["topk"]) for c in s.bench_cases if c.params["prefill"]}
+    assert prefill >= {(16, 512), (16, 2048), (64, 512), (64, 2048), (128, 2048)}  # issue 22
 
 
 def test_suite_work_counts():

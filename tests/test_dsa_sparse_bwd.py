@@ -22,6 +22,7 @@ from compile_graphs import leaves as _leaves
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import forgekernel
 from forgekernel.reference.dsa import dsa_sparse_attention_ref
 
 fwd = importlib.import_module("forgekernel.ops.dsa")
@@ -130,6 +131,55 @@ def test_autograd_matches_the_fp64_reference(cpu_forward, tokens, hq, page, coun
     _assert_grads(got, want)
     empty = [t for t, n in enumerate(counts) if n == 0]
     assert torch.equal(leaves[0].grad[empty], torch.zeros_like(leaves[0].grad[empty]))
+
+
+@pytest.mark.parametrize("sink", [True, False])
+def test_rows_form_is_views_onto_the_op(cpu_forward, monkeypatch, sink):
+    """Issue 22's dsa_sparse_attention(q (S, H, 576), kv (S_kv, 576), topk_indices, scale):
+    the kernel reads q's and kv's own memory (no copy), out / lse and the gradients in q, kv
+    and the sink match the fp64 reference written in that form."""
+    g = torch.Generator().manual_seed(9)
+    tokens, hq, slots, topk = 5, 16, 70, 24
+    q = torch.randn(tokens, hq, LATENT + ROPE, generator=g).bfloat16().requires_grad_()
+    kv = torch.randn(slots, LATENT + ROPE, generator=g).bfloat16().requires_grad_()
+    idx = torch.full((tokens, topk), -1, dtype=torch.int32)
+    for t, n in enumerate([24, 0, 7, 1, 24]):
+        idx[t, torch.randperm(topk, generator=g)[:n]] = torch.randperm(slots, generator=g)[:n].int()
+    attn_sink = torch.randn(hq, generator=g).requires_grad_() if sink else None
+    ptrs = []
+    launch = fwd.mla_sm90.dsa_sparse_attention
+
+    def spy(q_nope, q_pe, ckv, kpe, *args):
+        ptrs.append((q_nope.data_ptr(), q_pe.data_ptr(), ckv.data_ptr(), kpe.data_ptr()))
+        return launch(q_nope, q_pe, ckv, kpe, *args)
+
+    monkeypatch.setattr(fwd.mla_sm90, "dsa_sparse_attention", spy)
+    out, lse = forgekernel.dsa_sparse_attention_rows(q, kv, idx, SCALE, attn_sink=attn_sink,
+                                                     return_lse=True)  # fmt: skip
+    assert ptrs == [(q.data_ptr(), q.data_ptr() + 2 * LATENT, kv.data_ptr(),
+                     kv.data_ptr() + 2 * LATENT)]  # fmt: skip
+    leaves = [x.detach().double().requires_grad_() for x in (q, kv)]
+    ref_sink = None if attn_sink is None else attn_sink.detach().double().requires_grad_()
+    want, want_lse = dsa_sparse_attention_ref(*leaves, idx, SCALE, attn_sink=ref_sink,
+                                              dtype=torch.float64)  # fmt: skip
+    assert out.shape == (tokens, hq, LATENT) and out.dtype == torch.bfloat16
+    err = (out.detach().double() - want.detach()).abs().max()
+    assert float(err) <= TOL * float(want.detach().abs().max())
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse)) and not finite[1].any()
+    assert float((lse.detach().double() - want_lse.detach())[finite].abs().max()) < 1e-4
+    dout = torch.randn(out.shape, generator=g).bfloat16()
+    (out.float() * dout.float()).sum().backward()
+    (want * dout.double()).sum().backward()
+    got = [q.grad, None, kv.grad, None, None if attn_sink is None else attn_sink.grad]
+    ref = [leaves[0].grad, None, leaves[1].grad, None, None if ref_sink is None else ref_sink.grad]
+    _assert_grads(got, ref)
+    assert forgekernel.dsa_sparse_attention_rows(q.detach(), kv.detach(), idx, SCALE).shape == (
+        tokens, hq, LATENT)  # fmt: skip
+    with pytest.raises(ValueError, match="q and kv must be"):
+        forgekernel.dsa_sparse_attention_rows(q[..., :LATENT], kv, idx, SCALE)
+    with pytest.raises(TypeError, match="kv must have dtype"):
+        forgekernel.dsa_sparse_attention_rows(q, kv.half(), idx, SCALE)
 
 
 def test_sink_in_the_forward_is_flashmla_statement(cpu_forward):

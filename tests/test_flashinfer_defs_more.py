@@ -4,8 +4,9 @@ replaced by reference/ (attention_varlen_ref and gemm_ref, fp32), so what is pro
 adapter: the definition's tensors taken as they are, the host ints the ops need, the output
 conversion (LSE natural log -> base 2, (Hq, total_q) -> (total_q, Hq), dtypes), judged against
 the definition's own reference by its benchmark's criterion. Also: every definition in the
-dataset is served by an adapter or listed in NOT_SERVED. Skipped where the definitions
-directory is absent."""
+dataset is served by an adapter or listed in NOT_SERVED, and run_kernel hands the mla_paged,
+dsa_paged and gdn definitions to their ops' own adapters (their numbers: the tests of those
+ops). Skipped where the definitions directory is absent."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ gemm_launch = importlib.import_module("forgekernel.kernels.gemm.dense.sm90.launc
 
 RAGGED = defs.RAGGED_GQA_PREFILL[0]
 GEMM = defs.GEMM[0]
-# Definitions served by an op's own FlashInfer adapter rather than run_kernel: (module, name).
+# Definitions run_kernel serves through an op's own FlashInfer adapter: (module, name).
 OWN_ADAPTERS = {
     "dsa_topk_indexer_fp8_h64_d128_topk2048_ps64": ("dsa_indexer", "dsa_topk_indexer_flashinfer"),
     **{
@@ -160,6 +161,33 @@ def test_run_kernel_refuses_what_no_op_serves(name):
     defn = _definition(name)
     assert defn.op_type not in defs.KERNEL_ADAPTERS
     with pytest.raises(NotImplementedError, match=defn.op_type):
+        defs.run_kernel(defn, {})
+
+
+@pytest.mark.parametrize("name", sorted(OWN_ADAPTERS))
+def test_run_kernel_hands_own_adapter_definitions_over(monkeypatch, name):
+    """By op_type and name: the op's own adapter gets the definition's inputs by keyword, as
+    they are (the same objects), and its outputs come back as a tuple."""
+    defn = _definition(name)
+    module, function = OWN_ADAPTERS[name]
+    calls = []
+
+    def adapter(**kwargs):
+        calls.append(kwargs)
+        return [f"out{i}" for i in range(len(defn.outputs))]
+
+    monkeypatch.setattr(importlib.import_module(f"forgekernel.ops.{module}"), function, adapter)
+    inputs = {n: object() for n in defn.inputs}
+    assert defs.run_kernel(defn, {**inputs, "extra": 1}) == tuple(
+        f"out{i}" for i in range(len(defn.outputs))
+    )
+    assert len(calls) == 1 and calls[0].keys() == inputs.keys()
+    assert all(calls[0][n] is x for n, x in inputs.items())
+
+
+def test_run_kernel_refuses_an_unknown_name_of_a_served_op_type():
+    defn = defs.Definition("gdn_unknown_stage", {}, {}, {}, (), "", (), op_type="gdn")
+    with pytest.raises(NotImplementedError, match="gdn_unknown_stage"):
         defs.run_kernel(defn, {})
 
 

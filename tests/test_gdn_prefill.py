@@ -99,6 +99,27 @@ def test_varlen_matches_the_recurrence(cpu_kernel, lens, h, hv, l2norm, with_sta
         v_split=cpu_kernel.v_split))]  # fmt: skip
 
 
+def test_use_qk_l2norm_is_issue_20s_name_of_the_fla_keyword(cpu_kernel):
+    """use_qk_l2norm= (issue 20) and use_qk_l2norm_in_kernel= (fla) are one argument: either
+    gives the recurrence's numbers with l2norm; both given and different is an error."""
+    q, k, v, g, beta, state = _inputs(1, 70, 2, 4, seed=11)
+    k = k * 16  # unnormalized keys: only the l2norm keeps the recurrence stable
+    want_o, want_s = gated_delta_rule_recurrent(q, k, v, g, beta, initial_state=state,
+                                                output_final_state=True,
+                                                use_qk_l2norm=True)  # fmt: skip
+    kw = {"initial_state": state, "output_final_state": True}
+    o, final = op.gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True, **kw)
+    _close(o, want_o, 2e-2)
+    _close(final, want_s, STATE_TOL[torch.bfloat16])
+    fla_o, fla_final = op.gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, **kw)
+    both_o, _ = op.gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
+                                    use_qk_l2norm=True, **kw)  # fmt: skip
+    assert torch.equal(o, fla_o) and torch.equal(final, fla_final) and torch.equal(o, both_o)
+    assert all(c["l2norm"] for c in cpu_kernel)
+    with pytest.raises(ValueError, match="use_qk_l2norm_in_kernel=True and use_qk_l2norm=False"):
+        op.gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, use_qk_l2norm=False)
+
+
 def test_fixed_length_batch_and_no_final_state(cpu_kernel):
     q, k, v, g, beta, state = _inputs(2, 77, 2, 4, seed=3, beta_dtype=torch.bfloat16)
     o, final = op.gated_delta_rule(q, k, v, g, beta, scale=0.3, initial_state=state)
@@ -221,6 +242,8 @@ def test_flashinfer_prefill_definition(cpu_kernel, lens, with_state):
     assert defs.benchmark_failures(out, theirs_out) == 0
     assert defs.benchmark_failures(state, theirs_state) == 0
     assert torch.all(state[1] == 0) if lens[1:2] == [0] else True  # an empty sequence: zeros
+    ours_out, ours_state = defs.run_kernel(defn, inputs)  # by op_type: the same adapter
+    assert torch.equal(ours_out, out) and torch.equal(ours_state, state)
 
 
 def _bad(change):

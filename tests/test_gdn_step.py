@@ -203,6 +203,45 @@ def test_flashinfer_mtp_form(cpu_kernel, disable):
     assert float((inter - want_inter).abs().max()) <= 1e-5 * float(want_inter.abs().max()) + 1e-6
 
 
+@pytest.mark.parametrize("stage", ["decode", "mtp"])
+def test_flashinfer_definitions_through_run_kernel(cpu_kernel, stage):
+    """`bench.flashinfer_defs.run_kernel` on the gdn decode / mtp definitions' inputs as they
+    are (by op_type "gdn"): the definition's own reference by its benchmark's criterion, their
+    state / pool left as it was (decode: a copy stepped; mtp: disable_state_update)."""
+    from forgekernel.bench import flashinfer_defs as defs
+
+    name = f"gdn_{stage}_qk4_v8_d128_k_last"
+    if defs.missing(name):
+        pytest.skip(defs.missing(name))
+    defn = defs.load_definition(name)
+    b, t = (5, 1) if stage == "decode" else (3, 4)
+    q, k, v, state, a_log, a, dt_bias, bb = _flashinfer_inputs(b, t, pool=None if t == 1 else 6)
+    gates = {"A_log": a_log, "a": a, "dt_bias": dt_bias, "b": bb, "scale": 0.125}
+    inputs = {"q": q, "k": k, "v": v, **gates}
+    if stage == "decode":
+        inputs["state"] = state
+    else:
+        inputs |= {
+            "initial_state": state, "initial_state_indices": torch.tensor([5, 1, 3]).int(),
+            "intermediate_states_buffer": torch.zeros(6, t, 8, 128, 128),
+        }  # fmt: skip
+    inputs = {n: inputs[n] for n in defn.inputs}
+    defs.check_inputs(defn, inputs)
+    before = state.clone()
+    theirs_inputs = {n: x.clone() if n.startswith("intermediate") else x for n, x in inputs.items()}
+    theirs = defs.run_definition(defn, theirs_inputs)
+    ours = defs.run_kernel(defn, inputs)
+    assert torch.equal(state, before)
+    assert [o.shape for o in ours] == [o.shape for o in theirs]
+    assert defs.benchmark_failures(ours[0], theirs[0]) == 0
+    assert defs.benchmark_failures(ours[1], theirs[1], atol=1e-4, rtol=1e-4) == 0
+    if stage == "mtp":
+        key = "intermediate_states_buffer"
+        got, want = inputs[key], theirs_inputs[key]
+        assert float(want.abs().max()) > 0
+        assert defs.benchmark_failures(got, want, atol=1e-4, rtol=1e-4) == 0
+
+
 @pytest.mark.parametrize("case", gdn_decode.CHECK_CASES, ids=lambda c: c.name)
 def test_pending_suite_check_passes_on_the_algorithm(cpu_kernel, case):
     """The pending gdn_decode suite's own check (`bench.check.verify`: NaN-poisoned output,

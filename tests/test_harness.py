@@ -16,8 +16,8 @@ class Calls(list):
     graph_lost_work = False
 
 
-GRAPH_MS = {"ours": 1.0, "good": 2.0, "slow": 4.0, "ours[det]": 1.5, "ours[bad]": 9.0}
-EAGER_MS = {"ours": 2.0, "good": 3.0, "slow": 1.0, "ours[det]": 4.0}
+GRAPH_MS = {"ours": 1.0, "good": 2.0, "slow": 4.0, "ours[det]": 1.5, "ours[bad]": 9.0, "copy": 1e-3}
+EAGER_MS = {"ours": 2.0, "good": 3.0, "slow": 1.0, "ours[det]": 4.0, "copy": 2e-3}
 HOST_US = {"ours": 50.0, "good": 20.0, "slow": 25.0, "torch": 10.0}
 
 
@@ -363,3 +363,53 @@ def test_wall_seconds_per_phase_are_recorded_and_printed(
     assert "(" in [ln for ln in out.splitlines() if " host: " in ln][0]
     assert harness._wall({"a": 1.0, "b": 2.5}) == "(3.5 s: a 1.0, b 2.5)"
     assert harness._wall({}) == ""
+
+
+def test_device_copy_once_per_run_for_memory_bound_suites(
+    tmp_path, sources, fake_suite, fake_timer, capsys
+):
+    """The first memory-bound suite of a run times a device copy with both methods (read +
+    write bytes); every memory-bound suite's ledger and report carry it and its % of copy, a
+    compute-bound suite's neither."""
+    mem = [
+        fake_suite(sources, name=n, comparators=_comparators, dtypes=(torch.bfloat16,),
+                   memory_bound=True)
+        for n in ("mem_a", "mem_b")
+    ]  # fmt: skip
+    suites = [fake_suite(sources, name="compute", dtypes=(torch.bfloat16,)), *mem]
+    harness.run_bench(suites, results_dir=tmp_path / "res", report_dir=tmp_path / "rep",
+                      arch="sm_90a", device="cpu",
+                      timing=harness.BenchTiming(copy_bytes=1000))  # fmt: skip
+    copies = [c for c in fake_timer if c[0] == ["copy"]]
+    assert [c[2] for c in copies] == ["cuda-graph", "eager-flushed"]  # once per run
+    assert copies[0][1] == 2 and copies[1][1] == 1  # 2 x 2000 bytes: 4 x a 1000-byte "L2"
+    assert "device_copy" not in _ledger(tmp_path, "compute")
+    assert "copy_fraction" not in _ledger(tmp_path, "compute")["methods"]["graph"]
+    for name in ("mem_a", "mem_b"):
+        bench = _ledger(tmp_path, name)
+        copy = bench["device_copy"]
+        assert copy["status"] == "ok" and copy["bytes"] == 2000
+        assert copy["methods"]["graph"]["gbps"] == pytest.approx(2.0)
+        assert copy["methods"]["eager"]["gbps"] == pytest.approx(1.0)
+        ours = bench["cases"][0]["ours"]["gbps"]  # 1x8x8: 144 bytes in 1 ms
+        fraction = bench["methods"]["graph"]["copy_fraction"]
+        assert fraction["ours"]["min"] == pytest.approx(ours / 2.0)
+        assert fraction["good"]["cases"] == 2 and fraction["absent"]["cases"] == 0
+        assert "% of copy" in (tmp_path / "rep" / f"{name}.md").read_text()
+    assert "% of copy" not in (tmp_path / "rep" / "compute.md").read_text()
+    out = capsys.readouterr().out
+    assert out.count("device copy (1000 bytes, read + write): graph 2 GB/s, eager 1 GB/s") == 1
+
+
+def test_a_failed_device_copy_is_recorded(tmp_path, sources, fake_suite, fake_timer, monkeypatch):
+    def no_memory(*a, **k):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(harness.torch, "rand", no_memory)
+    suite = fake_suite(sources, dtypes=(torch.bfloat16,), memory_bound=True)
+    records = _bench(suite, tmp_path, copy_bytes=4000)
+    assert [r["status"] for r in records] == ["ok", "ok"]
+    copy = _ledger(tmp_path)["device_copy"]
+    assert copy["status"] == "error: RuntimeError: CUDA out of memory"
+    assert "copy_fraction" not in _ledger(tmp_path)["methods"]["graph"]
+    assert "device copy (graph): error" in (tmp_path / "rep" / "fake.md").read_text()

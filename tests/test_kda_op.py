@@ -75,6 +75,27 @@ def close(got, want, tol):
     assert err < tol, err.item()
 
 
+def test_use_qk_l2norm_is_issue_20s_name_of_the_fla_keyword(cpu_kernel):
+    """use_qk_l2norm= (issue 20) and use_qk_l2norm_in_kernel= (fla): one argument; both given
+    and different is an error."""
+    x = make(b=2, t=37, h=2, hv=2, seed=5)
+    kw = {"initial_state": x["state"], "output_final_state": True}
+    plain_o, plain_s = op.kimi_delta_attention(*(x[n] for n in "q k v g beta".split()),
+                                               use_qk_l2norm=False, **kw)  # fmt: skip
+    close(plain_o, reference(x)[0], 2e-2)
+    assert torch.equal(plain_o, run_op(x)[0]) and torch.equal(plain_s, run_op(x)[1])
+    x["k"] = x["k"] * 4  # unnormalized keys: only the l2norm keeps the recurrence stable
+    args = tuple(x[n] for n in "q k v g beta".split())
+    o, final = op.kimi_delta_attention(*args, use_qk_l2norm=True, **kw)
+    want_o, want_s = reference(x, l2norm=True)
+    close(o, want_o, 2e-2)
+    close(final, want_s, 2e-2)
+    fla_o, fla_final = run_op(x, l2norm=True)
+    assert torch.equal(o, fla_o) and torch.equal(final, fla_final)
+    with pytest.raises(ValueError, match="name the same argument"):
+        op.kimi_delta_attention(*args, use_qk_l2norm_in_kernel=False, use_qk_l2norm=True)
+
+
 def test_exported_since_its_gpu_check():
     """docs/PENDING.md: a pending op stays out of the public API until its GPU check, which
     kda_prefill passed on the H200 on 2026-12-02 (exported by de8331c)."""

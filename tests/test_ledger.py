@@ -183,6 +183,29 @@ def test_readme_adds_eager_and_host_lines(tmp_path, sources, fake_suite):
     assert "Second timing method and host time" in table
 
 
+def test_readme_adds_percent_of_a_device_copy(tmp_path, sources, fake_suite):
+    """A memory-bound operator's line adds ours as a % of a device copy (suite median, per
+    method); the block's head says what it is only when some operator has one."""
+    results = tmp_path / "results"
+    fraction = {"ours": {"median": 0.8123, "min": 0.5, "cases": 3}, "fi": {"median": 0.9}}
+    methods = {
+        "graph": {"median_ratio": {"fi": 1.1}, "copy_fraction": fraction},
+        "eager": {"median_ratio": {"fi": 1.0}, "copy_fraction": {"ours": {"median": 0.78}}},
+    }
+    bench = {"cases": [], "median_ratio": {"fi": 1.1}, "methods": methods}
+    _write(fake_suite(sources, name="mla_decode"), "bench", bench, results)
+    table = ledger.readme_table(results)
+    assert (
+        "- mla_decode: eager, L2 flushed: fi +0.0% (1.000x), slowest -; "
+        "ours 81.2% (graph), 78.0% (eager) of a device copy (median)"
+    ) in table
+    assert "; memory-bound operators: our GB/s as a % of a device copy's" in table
+    del methods["graph"]["copy_fraction"], methods["eager"]["copy_fraction"]
+    _write(fake_suite(sources, name="mla_decode"), "bench", bench, results)
+    table = ledger.readme_table(results)
+    assert "device copy" not in table and "ours and each comparator:" in table
+
+
 def test_readme_without_eager_or_host_has_no_such_block(tmp_path, sources, fake_suite):
     results = tmp_path / "results"
     _write(fake_suite(sources, name="gemm"), "bench", {"cases": [], "median_ratio": {}}, results)

@@ -643,6 +643,27 @@ def test_prefill_wants_the_packed_form(cpu_kernels):
                       max_seqlen_q=5)  # fmt: skip
 
 
+def test_softmax_scale_positional_as_the_issue_writes_it(cpu_kernels):
+    """Issue 19's call: softmax_scale the argument after seqlens_k (mla_prefill: after
+    max_seqlen_q); the keyword form gives the same numbers, and both forms the reference's."""
+    qn, qp, ckv, kpe, table, seq = _problem(3, 16, 16, [7, 1, 41], s_q=2)
+    out, lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, SCALE, return_lse=True)
+    kw_out, kw_lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE,
+                                   return_lse=True)  # fmt: skip
+    want, want_lse = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
+    _assert_close(out, lse, want, want_lse)
+    assert torch.equal(out, kw_out) and torch.equal(lse, kw_lse)
+    cu = torch.tensor([0, 5, 6, 13], dtype=torch.int32)
+    g = torch.Generator().manual_seed(7)
+    qn = torch.randn(13, 16, LATENT, generator=g).to(torch.bfloat16)
+    qp = torch.randn(13, 16, 64, generator=g).to(torch.bfloat16)
+    out, lse = op.mla_prefill(qn, qp, ckv, kpe, table, seq, cu, 7, SCALE, return_lse=True)
+    want, want_lse = mla_prefill_ref(qn, qp, ckv, kpe, table, seq, cu, SCALE, True)
+    _assert_close(out, lse, want, want_lse)
+    with pytest.raises(TypeError, match="softmax_scale"):
+        op.mla_decode(qn, qp, ckv, kpe, table, seq, SCALE, softmax_scale=SCALE)
+
+
 @pytest.mark.parametrize("page_size", [1, 64])
 def test_flashinfer_bench_prefill_adapter(cpu_kernels, page_size):
     """FlashInfer-Bench's causal MLA prefill definition's inputs as they are: against
@@ -671,6 +692,8 @@ def test_flashinfer_bench_prefill_adapter(cpu_kernels, page_size):
     theirs_out, theirs_lse = defs.run_definition(defn, inputs)
     assert defs.benchmark_failures(out, theirs_out) == 0
     assert defs.benchmark_failures(lse, theirs_lse) == 0
+    ours_out, ours_lse = defs.run_kernel(defn, inputs)  # by op_type: the same adapter
+    assert torch.equal(ours_out, out) and torch.equal(ours_lse, lse)
 
 
 @pytest.mark.parametrize("s_q", [1, 2])
@@ -740,6 +763,8 @@ def test_flashinfer_bench_adapter(cpu_kernels, page_size):
     theirs_out, theirs_lse = defs.run_definition(defn, inputs)
     assert defs.benchmark_failures(out, theirs_out) == 0
     assert defs.benchmark_failures(lse, theirs_lse) == 0
+    ours_out, ours_lse = defs.run_kernel(defn, inputs)  # by op_type: the same adapter
+    assert torch.equal(ours_out, out) and torch.equal(ours_lse, lse)
 
 
 def test_flashinfer_adapter_with_no_pages(cpu_kernels):

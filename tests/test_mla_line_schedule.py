@@ -18,6 +18,9 @@ from forgekernel.kernels.attention.mla.sm90.launch import query_tokens
 
 H200_SMS = 132
 FIXED_COSTS = (0, 1, 2, 4, 6)  # F: the design's sweep 2 / 4 / 6 and the edges
+# bench cases of 1k-2k keys a sequence (issue 19's batches 32 and 256, added 2026-12-04): the
+# line schedule's pieces straddling sequences cost them more than the design's table shows
+SHORT_CACHES = ("b32-h16-p64-L2048", "b256-h16-p64-L1024")
 
 
 def _check(kv_end, parts, fixed_cost):
@@ -160,7 +163,9 @@ def test_line_schedule_makespan():
     line schedule (132 // head blocks parts, the max part load), at F = 2 / 4 / 6. The mixed
     batch gains (0.69 / 0.62 / 0.58, the design's table); the others lose up to 8% (pieces
     straddling sequences), plans of one split ("direct", which keep today's grid) included:
-    up to 6% at F = 4 / 6 (the design's table has 0.98-1.0 for them, F = 2's)."""
+    up to 6% at F = 4 / 6 (the design's table has 0.98-1.0 for them, F = 2's). The short caches
+    the issue's batches added (SHORT_CACHES) lose more: 1.08-1.14 for b32 x 2k (4 splits of 8
+    tiles), 1.03-1.11 for b256 x 1k (direct)."""
     print(f"\n{'case':28} {'now: CTAs x tiles':>24}  makespan now / line = ratio at F = 2, 4, 6")
     ratios = {}
     for case in filter(_seesaw_decode, suite.BENCH_CASES):
@@ -175,4 +180,5 @@ def test_line_schedule_makespan():
         print(f"{case.name:28} {form:>10} {len(costs):4} x {tiles:3}  " + "  ".join(row))
     mixed = [ratios[("b48-h16-p64-mixed", f)] for f in (2, 4, 6)]
     assert [round(r, 2) for r in mixed] == [0.69, 0.62, 0.58]  # the design's table
-    assert max(ratios.values()) < 1.09
+    assert max(r for (name, _), r in ratios.items() if name not in SHORT_CACHES) < 1.09
+    assert max(r for (name, _), r in ratios.items() if name in SHORT_CACHES) < 1.15

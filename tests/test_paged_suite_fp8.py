@@ -153,12 +153,13 @@ def test_check_fails_a_kernel_that_reads_per_head_scales_as_one():
 
 
 def test_comparators_without_flashinfer(monkeypatch):
-    none = {"flashinfer": None, "flashinfer_fa3": None, "fa4": None}
+    none = {"flashinfer": None, "flashinfer_cc": None, "flashinfer_fa3": None, "fa4": None}
     assert paged.comparators() == none  # no GPU here
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # import flashinfer: ImportError
     monkeypatch.setitem(sys.modules, "flash_attn.cute", None)  # FA4 absent too
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert paged._flashinfer() is None and paged._flashinfer_fa3() is None
+    assert paged._flashinfer_cc() is None
     assert paged._fa4() is None
     assert paged.comparators() == none
 
@@ -171,7 +172,8 @@ class _DecodeWrapper:
     made: list[_DecodeWrapper] = []
 
     def __init__(self, workspace, layout, use_tensor_cores=False, backend="auto"):
-        assert layout == "NHD" and use_tensor_cores and backend == "fa2"
+        assert layout == "NHD" and backend == "fa2"
+        self.tensor_cores = use_tensor_cores
         self.plans, self.runs = [], []
         _DecodeWrapper.made.append(self)
 
@@ -216,6 +218,7 @@ def test_flashinfer_gets_the_fp8_cache_and_per_tensor_scales(fake_flashinfer):
     o, lse = run(i)
     run(i)  # planned once per input set
     (w,) = fake_flashinfer
+    assert w.tensor_cores
     assert w.plans == [{"q": torch.bfloat16, "kv": E4M3, "page_size": case.params["page"]}]
     for r in w.runs:
         assert r["k"] is i["k"] and r["v"] is i["v"]
@@ -242,3 +245,27 @@ def test_flashinfer_16bit_cache_unchanged(fake_flashinfer):
     paged._flashinfer()(i)
     (w,) = fake_flashinfer
     assert w.plans[0]["kv"] == torch.bfloat16 and w.runs[0]["k_scale"] is None
+
+
+def test_flashinfer_cc_is_the_cuda_core_decode_on_16bit_d128(fake_flashinfer):
+    """flashinfer_cc: the decode wrapper without tensor cores, planned once per input set, on
+    16-bit D 128 decode cases; packed cases, FP8 caches and other head dims are refused with
+    the reason before any plan."""
+    i = _inputs(paged._case(3, 32, 4, 128, 16, (40, 0, 300)))
+    run = paged._flashinfer_cc()
+    o, lse = run(i)
+    run(i)
+    (w,) = fake_flashinfer
+    assert not w.tensor_cores and len(w.plans) == 1 and len(w.runs) == 2
+    want, _ = paged.reference(i)
+    low, _ = paged.low_precision(i)
+    assert (o.float() - want).abs().max() <= 2 * (low.float() - want).abs().max() + SUITE.atol
+    refused = (
+        paged.CHECK_CASES[0],  # D 64
+        paged.FP8_CHECK_CASES[0],  # FP8 cache, D 128
+        paged.SPEC_CHECK_CASES[4],  # packed, 16-bit, D 128
+    )
+    for case in refused:
+        with pytest.raises(NotImplementedError, match="16-bit D 128 decode"):
+            run(_inputs(case))
+    assert len(fake_flashinfer) == 1  # refused before any plan

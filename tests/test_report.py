@@ -159,3 +159,97 @@ def test_host_lines_of_a_failed_host_run():
         "host time per eager call (c bf16, 200 back-to-back calls): wrong: error 3 > 2"
     ]
     assert report.host_lines(None) == []
+
+
+def _mem(case, ours_gbps, comps, status="ok"):
+    """A memory-bound record timed both ways alike: GB/s of ours and of each comparator (a
+    string: missing), the same bytes for all (so comparator ms = ours ms x ours / its GB/s)."""
+    ms = {n: g if isinstance(g, str) else ours_gbps / g for n, g in comps.items()}
+    rec = {**_rec(case, 1.0, ms, status), "timing": ["graph", "eager"]}
+    if rec["ours"]:
+        rec["ours"]["gbps"] = ours_gbps
+    for name, g in comps.items():
+        if not isinstance(g, str):
+            rec["comparators"][name]["gbps"] = g
+    rec["eager"] = {"ours": rec["ours"], "comparators": rec["comparators"], "variants": {}}
+    return rec
+
+
+MEMORY_BOUND = [
+    _mem("L4096", 3000.0, {"flashinfer": 2000.0, "flashmla": "not available in this process"}),
+    _mem("L8192", 3600.0, {"flashinfer": 3800.0, "flashmla": "not available in this process"}),
+    _mem("L16384", 2000.0, {"flashinfer": 1000.0}),
+    _mem("bad", 9000.0, {"flashinfer": 1.0}, status="wrong: x"),
+]
+COPY = {
+    "buffer_bytes": 2**30,
+    "bytes": 2**31,
+    "status": "ok",
+    "methods": {"graph": {"ms": 0.5, "gbps": 4000.0}, "eager": {"ms": 0.7, "gbps": 3000.0}},
+}
+
+
+def test_percent_of_a_device_copy():
+    """ours / comparator GB/s over the copy's GB/s of the same timing method; the wrong case and
+    the missing comparator never count."""
+    graph = report.copy_summary(MEMORY_BOUND, COPY)
+    assert list(graph) == ["ours", "flashinfer", "flashmla"]
+    assert graph["ours"] == {"median": pytest.approx(0.75), "min": pytest.approx(0.5), "cases": 3}
+    assert graph["flashinfer"]["median"] == pytest.approx(0.5)
+    assert graph["flashinfer"]["min"] == pytest.approx(0.25)
+    assert graph["flashmla"] == {"median": None, "min": None, "cases": 0}
+    assert report.copy_summary(MEMORY_BOUND, COPY, "eager")["ours"]["median"] == pytest.approx(1.0)
+    kept = report.method_summary(MEMORY_BOUND, "graph", COPY)
+    assert kept["copy_fraction"]["ours"]["min"] == pytest.approx(0.5)
+    assert "copy_fraction" not in report.method_summary(MEMORY_BOUND, "graph")
+    failed = {**COPY, "status": "error: OutOfMemoryError: no"}
+    assert report.copy_summary(MEMORY_BOUND, failed) == {}
+    assert report.copy_lines(MEMORY_BOUND, failed) == [
+        "device copy (graph): error: OutOfMemoryError: no"
+    ]
+
+
+def test_reports_of_a_memory_bound_suite(tmp_path):
+    paths = report.write_reports("mla_decode", MEMORY_BOUND, tmp_path, copy=COPY)
+    graph, eager = paths["md"].read_text().split("## eager")
+    assert (
+        "| case | dtype | ours ms | ours TFLOP/s | ours GB/s | % of copy | flashinfer ms |"
+    ) in graph
+    assert "| L4096 | bf16 | 1.0000 | 2.0 | 3000 | 75.0% | 1.5000 | 1.500x | missing | - |" in graph
+    assert "| bad | bf16 | wrong: x | - | - | - | - | - | - | - |" in graph
+    assert (
+        "- device copy: 4000 GB/s (dst.copy_(src) of 1 GiB, read + write counted); % of copy, "
+        "median / min (cases): ours 75.0% / 50.0% (3), flashinfer 50.0% / 25.0% (3)"
+    ) in graph
+    assert "| L4096 | bf16 | 1.0000 | 2.0 | 3000 | 100.0% |" in eager  # the eager copy's
+    assert "- device copy: 3000 GB/s" in eager
+    doc = json.loads(paths["json"].read_text())
+    assert doc["device_copy"]["methods"]["graph"]["gbps"] == 4000.0
+    assert doc["copy_fraction"]["eager"]["ours"]["median"] == pytest.approx(1.0)
+    assert "% of copy" in report.console_table(MEMORY_BOUND, copy=COPY)
+
+
+def test_no_copy_figure_no_column():
+    """Records without a device copy (compute-bound suites, ledgers written before it) render
+    as before: no GB/s column, no copy line."""
+    md = report.markdown("mla_decode", MEMORY_BOUND)
+    assert "GB/s" not in md and "device copy" not in md
+    assert "| L4096 | bf16 | 1.0000 | 2.0 | 1.5000 | 1.500x | missing | - |" in md
+    assert md == report.markdown("mla_decode", MEMORY_BOUND, copy=None)
+
+
+def test_a_committed_ledger_without_the_copy_renders_as_before():
+    """The H200 ledgers written before the device copy (mla_decode: memory-bound) load and render
+    without its column; its bench section gives no copy figures."""
+    from forgekernel.bench import ledger
+
+    doc = ledger.load(ledger.default_results_dir() / "sm_90a" / "mla_decode.json")
+    if doc is None or "bench" not in doc:
+        pytest.skip("no committed mla_decode ledger")
+    bench = doc["bench"]
+    assert "device_copy" not in bench  # written before it existed
+    md = report.markdown("mla_decode", bench["cases"], host=bench.get("host"),
+                         copy=bench.get("device_copy"))  # fmt: skip
+    assert "% of copy" not in md and "device copy" not in md
+    assert report.copy_summary(bench["cases"], bench.get("device_copy")) == {}
+    assert "of a device copy" not in ledger.readme_table()

@@ -21,11 +21,14 @@ kv_indptr[b]:kv_indptr[b + 1], causal mask bottom-right aligned); outputs `outpu
 `lse` base 2 (total_q, Hq). GEMM: C = A @ B.T with A (M, K), B (N, K) fp16, C fp16.
 
 `run_kernel` runs ForgeKernel's op on a definition's inputs as they are, chosen by the
-definition's `op_type`; `NOT_SERVED` names the definitions no op serves yet and what each needs.
+definition's `op_type` (mla_paged, dsa_paged and gdn through the ops' own `*_flashinfer`
+adapters, `OWN_ADAPTERS`); `NOT_SERVED` names the definitions no op serves yet and what each
+needs.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -69,6 +72,17 @@ NOT_SERVED = {
     "grouped GEMMs, silu(second half) * first half; tagged gpu:sm100",
     "trtllm_fp4_block_scale_routed_moe_topk8_e128_h2048_i768": "the same bf16 MoE routed by "
     "int32 topk_ids (expert << 16 | bf16 weight bits) instead of logits",
+}
+# The ops' own FlashInfer-Bench adapters (keyword names the definitions', so `(**inputs)` works)
+# by the definition name's prefix: (module under forgekernel.ops, function).
+OWN_ADAPTERS = {
+    "mla_paged_decode_": ("mla", "mla_paged_decode_flashinfer"),
+    "mla_paged_prefill_": ("mla", "mla_paged_prefill_flashinfer"),
+    "dsa_sparse_attention_": ("dsa", "dsa_sparse_attention_flashinfer"),
+    "dsa_topk_indexer_": ("dsa_indexer", "dsa_topk_indexer_flashinfer"),
+    "gdn_decode_": ("gated_delta_rule", "gdn_decode_flashinfer"),
+    "gdn_mtp_": ("gated_delta_rule", "gdn_mtp_flashinfer"),
+    "gdn_prefill_": ("gated_delta_rule_chunked", "gdn_prefill_flashinfer"),
 }
 DTYPES = {
     name: getattr(torch, name) for name in ("bfloat16", "float16", "float32", "int32", "int64")
@@ -322,9 +336,8 @@ def compare_paged_gqa(defn: Definition, inputs: dict[str, Any]) -> dict[str, flo
 def run_kernel(defn: Definition, inputs: dict[str, Any]) -> tuple[torch.Tensor, ...]:
     """ForgeKernel's op on a definition's inputs as they are, chosen by its op_type: the
     outputs in the order, layouts and dtypes of the definition's `outputs` (LSE base 2).
-    NotImplementedError for an op_type this module has no adapter for (mla_paged, dsa_paged
-    and gdn run through ops.mla / ops.dsa / ops.dsa_indexer / ops.gated_delta_rule(_chunked)'s own
-    `*_flashinfer`)."""
+    NotImplementedError for an op_type (or, for mla_paged / dsa_paged / gdn, a definition name)
+    this module has no adapter for."""
     adapter = KERNEL_ADAPTERS.get(defn.op_type)
     if adapter is None:
         raise NotImplementedError(
@@ -383,8 +396,26 @@ def _run_gemm(defn: Definition, inputs: dict[str, Any]) -> tuple[torch.Tensor]:
     return (gemm(inputs["A"], inputs["B"]),)
 
 
+def _run_own_adapter(defn: Definition, inputs: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    """mla_paged / dsa_paged / gdn: the op's own `*_flashinfer` adapter (OWN_ADAPTERS, by the
+    definition's name) on the definition's inputs by keyword, as they are; its outputs are
+    already the definition's (order, layouts, dtypes, LSE base 2)."""
+    entry = next((v for prefix, v in OWN_ADAPTERS.items() if defn.name.startswith(prefix)), None)
+    if entry is None:
+        raise NotImplementedError(
+            f"{defn.name}: run_kernel has no adapter for this {defn.op_type!r} definition "
+            f"(it serves the names starting {sorted(OWN_ADAPTERS)})"
+        )
+    module, function = entry
+    adapter = getattr(importlib.import_module(f"forgekernel.ops.{module}"), function)
+    return tuple(adapter(**{name: inputs[name] for name in defn.inputs}))
+
+
 KERNEL_ADAPTERS: dict[str, Callable[[Definition, dict[str, Any]], tuple[torch.Tensor, ...]]] = {
     "gqa_paged": _run_paged_gqa,
     "gqa_ragged": _run_ragged_gqa,
     "gemm": _run_gemm,
+    "mla_paged": _run_own_adapter,
+    "dsa_paged": _run_own_adapter,
+    "gdn": _run_own_adapter,
 }

@@ -12,6 +12,10 @@ time / our time, kept apart from the comparators'.
 Per suite, `host_record` measures host microseconds per eager call (`host_us_per_call`) of ours,
 the comparators and the suite's `host_comparators` (torch's own op where the comparators lack
 it) on the suite's `host_case` (default: the bench case with the fewest flops).
+
+Once per run, before its first memory-bound suite, `device_copy` times a `dst.copy_(src)` of
+`BenchTiming.copy_bytes` with each timing method: the device's copy bandwidth (read + write
+bytes), the yardstick of every memory-bound suite's GB/s in its ledger and reports.
 """
 
 from __future__ import annotations
@@ -48,13 +52,15 @@ TIMING_METHODS = ("graph", "eager")
 class BenchTiming:
     """How `bench` times. methods: a subset of TIMING_METHODS; reps: graph samples per
     candidate; eager_reps: eager launches per candidate (fewer on slow cases, see
-    `time_eager_flushed`); host_calls: calls per round of the host loop (0: no host time)."""
+    `time_eager_flushed`); host_calls: calls per round of the host loop (0: no host time);
+    copy_bytes: the buffer of the device copy timed for memory-bound suites (0: none)."""
 
     methods: Sequence[str] = TIMING_METHODS
     warmup: int = 5
     reps: int = 30
     eager_reps: int = 100
     host_calls: int = 200
+    copy_bytes: int = 2**30
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in TIMING_METHODS]
@@ -367,17 +373,70 @@ def _suite_host(suite, comps, missing, seed, device, timing: BenchTiming) -> dic
     return host
 
 
-def bench_section(records: list[dict], methods: Sequence[str], host: dict | None) -> dict[str, Any]:
+def _time_copy(rec: dict, device: torch.device, timing: BenchTiming) -> None:
+    nbytes = rec["buffer_bytes"]
+    n = rotation_sets(rec["bytes"], l2=l2_bytes())
+    sets = [
+        (torch.rand(nbytes // 4, device=device), torch.empty(nbytes // 4, device=device))
+        for _ in range(n)
+    ]
+    fns = {"copy": lambda src, dst: dst.copy_(src)}
+    for method in timing.methods:
+        # as a case's: graph replays rotate past L2, eager launches flush it (one set does)
+        if method == "graph":
+            warmup = max(timing.warmup, n)
+            samples = time_interleaved(fns, rotate=sets, warmup=warmup, reps=timing.reps)
+        else:
+            samples = time_eager_flushed(
+                fns, rotate=sets[:1], warmup=timing.warmup, reps=timing.eager_reps
+            )
+        fig = figures(samples["copy"], 0.0, rec["bytes"])
+        rec["methods"][method] = {k: v for k, v in fig.items() if k != "tflops"}
+    rec["status"] = "ok"
+
+
+def device_copy(device: torch.device, timing: BenchTiming) -> dict[str, Any]:
+    """The device's copy bandwidth: `dst.copy_(src)` of `timing.copy_bytes` (fp32) timed with
+    each of `timing.methods` like a case, GB/s counting the bytes read and written; never
+    raises."""
+    rec: dict[str, Any] = {
+        "buffer_bytes": timing.copy_bytes,
+        "bytes": 2 * timing.copy_bytes,
+        "status": "error",
+        "methods": {},
+    }
+    lap = _laps(rec)
+    try:
+        _time_copy(rec, device, timing)
+    except Exception as e:
+        rec["status"] = f"error: {type(e).__name__}: {e}"[:500]
+    lap("device copy")
+    free(device)
+    return rec
+
+
+def _copy_line(copy: dict) -> str:
+    figs = [f"{m} {f['gbps']:.0f} GB/s" for m, f in copy["methods"].items()]
+    text = ", ".join(figs) if copy["status"] == "ok" else copy["status"]
+    return f"device copy ({report.size_text(copy['buffer_bytes'])}, read + write): {text}"
+
+
+def bench_section(
+    records: list[dict], methods: Sequence[str], host: dict | None, copy: dict | None = None
+) -> dict[str, Any]:
     """The ledger's bench section: the records, per method the comparators' suite median, min
-    and group medians, the host record; the top-level median / min / variant ratios are the
-    graph method's (the README's table)."""
+    and group medians (with the device copy of a memory-bound suite: the % of copy of ours and
+    each comparator), the host record, the device copy; the top-level median / min / variant
+    ratios are the graph method's (the README's table)."""
     data: dict[str, Any] = {
         "cases": records,
         "timing": list(methods),
-        "methods": {m: report.method_summary(records, m) for m in methods},
+        "methods": {m: report.method_summary(records, m, copy) for m in methods},
     }
     if host is not None:
         data["host"] = host
+    if copy is not None:
+        data["device_copy"] = copy
     if "graph" in methods:
         graph = data["methods"]["graph"]
         data.update({k: graph[k] for k in ("median_ratio", "min_ratio", "variant_ratio")})
@@ -431,9 +490,14 @@ def run_bench(
     device = torch.device(device) if device else torch.device("cuda", torch.cuda.current_device())
     arch = arch or resolve_arch()
     env = ledger.environment()
-    all_records = []
+    all_records: list[dict[str, Any]] = []
+    copy: dict[str, Any] | None = None
     for suite in suites:
         before = _device_check(suite, "before")
+        if suite.memory_bound and copy is None and timing.copy_bytes > 0:
+            copy = device_copy(device, timing)
+            print(f"{_copy_line(copy)} {_wall(copy['seconds'])}", flush=True)
+        suite_copy = copy if suite.memory_bound else None
         comps, missing = resolve_comparators(suite)
         host = _suite_host(suite, comps, missing, seed, device, timing)
         jobs = [(c, d) for c in suite.bench_cases for d in suite.dtypes_for_bench()]
@@ -451,16 +515,17 @@ def run_bench(
             )
             print(_progress(i, len(jobs), suite, rec), flush=True)
             records.append(rec)
-        data = bench_section(records, timing.methods, host)
+        data = bench_section(records, timing.methods, host, suite_copy)
         data["device_check"] = {"before": before, "after": _device_check(suite, "after")}
         path = ledger.write_section(
             suite, "bench", data, arch=arch, results_dir=results_dir, env=env
         )
         paths = report.write_reports(
-            suite.name, records, Path(report_dir), {**env, "arch": arch}, host
+            suite.name, records, Path(report_dir), {**env, "arch": arch}, host, suite_copy
         )
         print(f"ledger: {path}")
         print("reports: " + ", ".join(str(p) for p in paths.values()))
-        print(f"\n{suite.name} ({env['gpu']})\n{report.console_table(records, host)}\n")
+        table = report.console_table(records, host, suite_copy)
+        print(f"\n{suite.name} ({env['gpu']})\n{table}\n")
         all_records += records
     return all_records

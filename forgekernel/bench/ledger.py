@@ -10,9 +10,11 @@ The bench section (`forgekernel.bench.harness.bench_section`): "cases" (the reco
 `forgekernel.bench.report`), "timing" (the methods timed: "graph", "eager"), "methods" ({method:
 {median_ratio, min_ratio, group_median_ratio: {comparator: {group: ratio}}, variant_ratio}}),
 "host" (host microseconds per eager call: case, dtype, calls, rounds, status, us_per_call,
-rounds_us, missing), and, from the graph method, "median_ratio", "min_ratio" and
-"variant_ratio" at the top level, where the README table reads them (sections written before
-the eager method hold only these).
+rounds_us, missing), for memory-bound suites "device_copy" (`harness.device_copy`: the copy's
+GB/s per method) and per method "copy_fraction" ({name: {median, min, cases}}: GB/s / the
+copy's; sections written before it hold neither), and, from the graph method, "median_ratio",
+"min_ratio" and "variant_ratio" at the top level, where the README table reads them
+(sections written before the eager method hold only these).
 """
 
 from __future__ import annotations
@@ -284,14 +286,28 @@ def _host_figures(host: dict[str, Any]) -> str:
     return f"{where}: {us}"
 
 
+def _copy_figures(bench: dict[str, Any]) -> str:
+    """'ours 81.2% (graph), 78.0% (eager) of a device copy (median)' from a memory-bound
+    suite's bench section; "" where no copy was timed."""
+    figs = []
+    for method, summary in (bench.get("methods") or {}).items():
+        median = ((summary.get("copy_fraction") or {}).get("ours") or {}).get("median")
+        if isinstance(median, (int, float)):
+            figs.append(f"{100 * median:.1f}% ({method})")
+    return f"ours {', '.join(figs)} of a device copy (median)" if figs else ""
+
+
 def _eager_host_lines(docs: list[dict[str, Any]]) -> list[str]:
-    """One line per operator: the eager method's suite medians and the host time per call."""
-    lines = []
+    """One line per operator: the eager method's suite medians, the host time per call and, for
+    memory-bound operators, ours as a % of a device copy."""
+    lines, copies = [], False
     for doc in docs:
         bench = doc.get("bench") or {}
         eager = (bench.get("methods") or {}).get("eager")
         host = bench.get("host")
-        parts = [_eager_figures(eager) if eager else "", _host_figures(host) if host else ""]
+        copy = _copy_figures(bench)
+        copies |= bool(copy)
+        parts = [_eager_figures(eager) if eager else "", _host_figures(host) if host else "", copy]
         if any(parts):
             lines.append(f"- {doc['op']}: " + "; ".join(p for p in parts if p))
     if not lines:
@@ -299,9 +315,14 @@ def _eager_host_lines(docs: list[dict[str, Any]]) -> list[str]:
     head = (
         "Second timing method and host time (`forgekernel bench`): eager launches with L2 flushed"
         " before each, comparator time / our time, suite median and slowest case; host"
-        " microseconds per eager call on a tiny case, ours and each comparator:"
+        " microseconds per eager call on a tiny case, ours and each comparator"
     )
-    return ["", head, "", *lines]
+    if copies:
+        head += (
+            "; memory-bound operators: our GB/s as a % of a device copy's (`dst.copy_(src)`,"
+            " read + write bytes, same timing method), suite median"
+        )
+    return ["", head + ":", "", *lines]
 
 
 def _variant_lines(docs: list[dict[str, Any]]) -> list[str]:

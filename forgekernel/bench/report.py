@@ -16,6 +16,12 @@ flushed before each, each launch timed alone: the record's "eager" entry). The h
 (`host_record` in the harness) holds host microseconds per eager call on one tiny case:
 us_per_call (to the sync after the last call), issue_us_per_call (to the last call's return)
 and device_bound (the names whose loop waited for the device: their figure is not host time).
+
+Memory-bound suites also carry the device copy (`device_copy` in the harness): {buffer_bytes,
+bytes (read + write), status, methods: {method: figures}}, a `dst.copy_(src)` timed with each
+method. Their tables add ours GB/s and ours GB/s as a % of the copy's of the same method, their
+summary the median and min % of copy of ours and each comparator; without it (records written
+before it existed, compute-bound suites) neither appears.
 """
 
 from __future__ import annotations
@@ -117,16 +123,88 @@ def variant_ratios(records: Sequence[dict], method: str = "graph") -> dict[str, 
     return out
 
 
-def method_summary(records: Sequence[dict], method: str) -> dict[str, Any]:
+def method_summary(
+    records: Sequence[dict], method: str, copy: dict | None = None
+) -> dict[str, Any]:
     """What the ledger keeps of one method: per comparator the suite median, min and the
-    median of each case group; the variants' time ratios."""
+    median of each case group; the variants' time ratios; with a device copy timed with the
+    method, the % of copy of ours and each comparator (`copy_summary`)."""
     summary = summarize(records, method)
-    return {
+    kept = {
         "median_ratio": {k: v["median_ratio"] for k, v in summary.items()},
         "min_ratio": {k: v["min_ratio"] for k, v in summary.items()},
         "group_median_ratio": {k: v["group_median_ratio"] for k, v in summary.items()},
         "variant_ratio": variant_ratios(records, method),
     }
+    if copy_gbps(copy, method):
+        kept["copy_fraction"] = copy_summary(records, copy, method)
+    return kept
+
+
+def copy_gbps(copy: dict | None, method: str = "graph") -> float | None:
+    """The device copy's GB/s (read + write) with one timing method; None when not timed."""
+    if not copy or copy.get("status") != "ok":
+        return None
+    return ((copy.get("methods") or {}).get(method) or {}).get("gbps")
+
+
+def copy_summary(records: Sequence[dict], copy: dict | None, method: str = "graph") -> dict:
+    """Per candidate (ours first, then each comparator): median and min of its GB/s / the
+    copy's GB/s over the verified cases where it was timed; {} without a copy figure."""
+    ref = copy_gbps(copy, method)
+    if not ref:
+        return {}
+    names = comparator_names(records, method)
+    fractions: dict[str, list[float]] = {name: [] for name in ["ours", *names]}
+    for rec in records:
+        v = view(rec, method)
+        if rec.get("status") != "ok" or not v.get("ours"):
+            continue
+        fractions["ours"].append(v["ours"]["gbps"] / ref)
+        for name in names:
+            entry = v.get("comparators", {}).get(name) or {}
+            if entry.get("gbps") is not None:
+                fractions[name].append(entry["gbps"] / ref)
+    return {
+        name: {
+            "median": statistics.median(fs) if fs else None,
+            "min": min(fs) if fs else None,
+            "cases": len(fs),
+        }
+        for name, fs in fractions.items()
+    }
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def size_text(nbytes: int) -> str:
+    """1 GiB, 256 MiB, 1000 bytes."""
+    for unit, shift in (("GiB", 30), ("MiB", 20)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift} {unit}"
+    return f"{nbytes} bytes"
+
+
+def copy_lines(records: Sequence[dict], copy: dict | None, method: str = "graph") -> list[str]:
+    """The device copy's GB/s and the median / min % of copy of ours and each comparator."""
+    if not copy:
+        return []
+    ref = copy_gbps(copy, method)
+    if not ref:
+        status = copy.get("status", "?") if copy.get("status") != "ok" else "not timed"
+        return [f"device copy ({method}): {status}"]
+    figs = ", ".join(
+        f"{name} {_pct(s['median'])} / {_pct(s['min'])} ({s['cases']})"
+        for name, s in copy_summary(records, copy, method).items()
+        if s["cases"]
+    )
+    size = size_text(copy.get("buffer_bytes", 0))
+    return [
+        f"device copy: {ref:.0f} GB/s (dst.copy_(src) of {size}, read + write counted); "
+        f"% of copy, median / min (cases): {figs or 'no timed cases'}"
+    ]
 
 
 def variant_rows(records: Sequence[dict], method: str = "graph") -> list[list[str]]:
@@ -157,11 +235,17 @@ def _grouped(records: Sequence[dict]) -> bool:
     return any(rec.get("group") for rec in records)
 
 
-def _cells(rec: dict, names: Sequence[str], method: str = "graph") -> list[str]:
+def _cells(
+    rec: dict, names: Sequence[str], method: str = "graph", copy: float | None = None
+) -> list[str]:
+    """Ours' ms and TFLOP/s (with `copy`, the device copy's GB/s: ours' GB/s and % of copy),
+    then each comparator's ms and ratio."""
     ours = view(rec, method).get("ours")
     if rec.get("status") != "ok" or ours is None:
-        return [rec.get("status", "?"), "-"] + ["-", "-"] * len(names)
+        return [rec.get("status", "?"), "-"] + ["-", "-"] * (len(names) + bool(copy))
     row = [_num(ours["ms"], ".4f"), _num(ours["tflops"], ".1f")]
+    if copy:
+        row += [_num(ours["gbps"], ".0f"), _pct(ours["gbps"] / copy)]
     for name in names:
         entry = view(rec, method).get("comparators", {}).get(name)
         if entry is None or "missing" in entry:
@@ -171,16 +255,20 @@ def _cells(rec: dict, names: Sequence[str], method: str = "graph") -> list[str]:
     return row
 
 
-def _case_table(records: Sequence[dict], method: str, tflops: str) -> tuple[list, list]:
-    """(headers, rows) of the per-case table of one method."""
+def _case_table(
+    records: Sequence[dict], method: str, tflops: str, copy: float | None = None
+) -> tuple[list, list]:
+    """(headers, rows) of the per-case table of one method; `copy`: the device copy's GB/s."""
     names, grouped = comparator_names(records, method), _grouped(records)
     headers = ["case", *(["group"] if grouped else []), "dtype", "ours ms", tflops]
+    if copy:
+        headers += ["ours GB/s", "% of copy"]
     for name in names:
         headers += [f"{name} ms", f"{name} ratio"]
     rows = []
     for rec in records:
         key = [rec["case"], *([rec.get("group", "")] if grouped else []), rec["dtype"]]
-        rows.append(key + _cells(rec, names, method))
+        rows.append(key + _cells(rec, names, method, copy))
     return headers, rows
 
 
@@ -238,15 +326,20 @@ def _md_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str
 
 
 def markdown(
-    op: str, records: Sequence[dict], env: dict | None = None, host: dict | None = None
+    op: str,
+    records: Sequence[dict],
+    env: dict | None = None,
+    host: dict | None = None,
+    copy: dict | None = None,
 ) -> str:
     lines = [f"# {op}", ""]
     if env:
         lines += [", ".join(f"{k}: {v}" for k, v in env.items()), ""]
     for method in timed_methods(records):
         lines += [f"## {method}: {METHODS[method]}", ""]
-        lines += _md_table(*_case_table(records, method, "ours TFLOP/s"))
-        lines += [""] + [f"- {s}" for s in summary_lines(summarize(records, method))]
+        lines += _md_table(*_case_table(records, method, "ours TFLOP/s", copy_gbps(copy, method)))
+        summary = summary_lines(summarize(records, method)) + copy_lines(records, copy, method)
+        lines += [""] + [f"- {s}" for s in summary]
         rows = variant_rows(records, method)
         if rows:
             lines += ["", VARIANT_NOTE + ":", ""] + _md_table(VARIANT_HEADERS, rows)
@@ -256,14 +349,16 @@ def markdown(
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def console_table(records: Sequence[dict], host: dict | None = None) -> str:
+def console_table(
+    records: Sequence[dict], host: dict | None = None, copy: dict | None = None
+) -> str:
     parts = []
     for method in timed_methods(records):
         parts += [
             f"{method}: {METHODS[method]}",
-            format_table(*_case_table(records, method, "TFLOP/s")),
+            format_table(*_case_table(records, method, "TFLOP/s", copy_gbps(copy, method))),
         ]
-        parts += summary_lines(summarize(records, method))
+        parts += summary_lines(summarize(records, method)) + copy_lines(records, copy, method)
         variants = variant_rows(records, method)
         if variants:
             parts += ["", VARIANT_NOTE, format_table(VARIANT_HEADERS, variants)]
@@ -314,9 +409,11 @@ def write_reports(
     report_dir: Path,
     env: dict | None = None,
     host: dict | None = None,
+    copy: dict | None = None,
 ) -> dict[str, Path]:
     """Write `<op>.json`, `<op>.md` and (with matplotlib) one PNG per timing method: `<op>.png`
-    (graph) and `<op>-eager.png`; returns their paths."""
+    (graph) and `<op>-eager.png`; returns their paths. `copy`: the device copy of a
+    memory-bound suite (kept in the JSON with each method's `copy_summary`)."""
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
     methods = timed_methods(records)
@@ -329,9 +426,12 @@ def write_reports(
         "host": host,
         "cases": list(records),
     }
+    if copy:
+        doc["device_copy"] = copy
+        doc["copy_fraction"] = {m: copy_summary(records, copy, m) for m in methods}
     paths = {"json": report_dir / f"{op}.json", "md": report_dir / f"{op}.md"}
     paths["json"].write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    paths["md"].write_text(markdown(op, records, env, host))
+    paths["md"].write_text(markdown(op, records, env, host, copy))
     for method in methods:
         suffix = "" if method == "graph" else f"-{method}"
         png = plot(op, records, report_dir / f"{op}{suffix}.png", method)

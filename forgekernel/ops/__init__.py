@@ -12,7 +12,7 @@ from forgekernel.ops.conv import (
     conv3d_dgrad,
     conv3d_wgrad,
 )
-from forgekernel.ops.dsa import dsa_sparse_attention
+from forgekernel.ops.dsa import dsa_sparse_attention, dsa_sparse_attention_rows
 from forgekernel.ops.dsa_bwd import dsa_sparse_attention_backward
 from forgekernel.ops.dsa_indexer import dsa_indexer, dsa_indexer_paged, dsa_topk_indexer_flashinfer
 from forgekernel.ops.dsa_indexer_bwd import dsa_indexer_backward
@@ -25,7 +25,7 @@ from forgekernel.ops.gemm import gemm, tune_gemm
 from forgekernel.ops.gemm_fp4_grouped import gemm_fp4_grouped
 from forgekernel.ops.gemm_fp4_grouped_masked import gemm_fp4_grouped_masked
 from forgekernel.ops.gemm_fp8 import gemm_fp8
-from forgekernel.ops.gemm_fp8_grouped import gemm_fp8_grouped
+from forgekernel.ops.gemm_fp8_grouped import gemm_fp8_grouped, grouped_gemm_fp8
 from forgekernel.ops.gemm_fp8_grouped_masked import gemm_fp8_grouped_masked
 from forgekernel.ops.kda_bwd import kimi_delta_attention_backward
 from forgekernel.ops.kda_chunked import kimi_delta_attention
@@ -50,6 +50,7 @@ __all__ = [
     "dsa_score_recompute",
     "dsa_sparse_attention",
     "dsa_sparse_attention_backward",
+    "dsa_sparse_attention_rows",
     "dsa_topk_indexer_flashinfer",
     "gated_delta_rule",
     "gated_delta_rule_backward",
@@ -60,6 +61,7 @@ __all__ = [
     "gemm_fp8",
     "gemm_fp8_grouped",
     "gemm_fp8_grouped_masked",
+    "grouped_gemm_fp8",
     "kimi_delta_attention",
     "kimi_delta_attention_backward",
     "mla_decode",

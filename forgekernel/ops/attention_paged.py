@@ -22,11 +22,13 @@ from forgekernel.kernels.attention.fwd.sm90 import launch as fwd_sm90
 from forgekernel.kernels.attention.fwd.sm90.config import PAGED_MIN_SEQLEN_Q
 from forgekernel.kernels.attention.paged.sm90 import launch as paged_sm90
 from forgekernel.kernels.attention.paged.sm90.config import HEAD_DIMS
-from forgekernel.ops._dispatch import into_buffers, plain, tracing
+from forgekernel.ops._dispatch import into_buffers, plain, refuse_capture, tracing
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import (
     FLOAT16_TYPES,
     check_cuda,
+    check_offsets,
+    check_page_values,
     check_rows_in_place,
     check_same_device,
     check_same_dtype,
@@ -130,6 +132,23 @@ def _validate(q, k, v, page_table, seqlens_k, out, cu_seqlens_q=None, lse=None):
     check_same_device(q=q, k_cache=k, v_cache=v, page_table=page_table, seqlens_k=seqlens_k,
                       **extra)  # fmt: skip
     return rows, hq, d
+
+
+def _check_values(q, k, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q) -> None:
+    """validate=True: what the shapes cannot say (pages in the cache, lengths within the
+    table, the query offsets), read back on the host."""
+    refuse_capture("attention_paged(validate=True) reads its index tensors back", q)
+    check_page_values(page_table, seqlens_k, k.shape[0], k.shape[1])
+    if cu_seqlens_q is None:
+        return
+    check_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q's rows")
+    counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).cpu()
+    if counts.numel() and int(counts.max()) > max_seqlen_q:
+        b = int(counts.argmax())
+        raise ValueError(
+            f"cu_seqlens_q gives sequence {b} {int(counts[b])} query tokens, more than"
+            f" max_seqlen_q = {max_seqlen_q}"
+        )
 
 
 def _valid_at_a_glance(q, k, v, page_table, seqlens_k, out, cu_seqlens_q, lse=None) -> bool:
@@ -244,6 +263,7 @@ def attention_paged(
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    validate: bool = False,
 ):
     """Decode: q (batch, Hq, D), one query per sequence, against caches (num_pages,
     page_size, Hkv, D) (or one combined (num_pages, 2, page_size, Hkv, D) cache as k_cache with
@@ -257,7 +277,12 @@ def attention_paged(
     GQA: query head h reads KV head h // (Hq / Hkv). An FP8 (e4m3) cache holds K / k_scale and
     V / v_scale: each scale a float (per tensor) or a float32 tensor (Hkv,) (per KV head).
     out / lse: buffers of the outputs' shapes (out in q's dtype, lse fp32) written in place
-    (the bench's call: no allocation, no copy; lse is returned with return_lse)."""
+    (the bench's call: no allocation, no copy; lse is returned with return_lse).
+    validate=True (eager calls; off by default: it syncs and cannot be captured) also checks
+    the values: every page a sequence reads within [0, num_pages), seqlens_k within [0,
+    page_table's width x page_size], cu_seqlens_q from 0 to total_q, non-decreasing, no
+    sequence above max_seqlen_q; ValueError naming the entry. Unchecked, such values read
+    outside the cache or misread the batch."""
     if (cu_seqlens_q is None) != (max_seqlen_q is None):
         raise ValueError("cu_seqlens_q and max_seqlen_q come together")
     if max_seqlen_q is not None and max_seqlen_q < 1:
@@ -268,6 +293,8 @@ def attention_paged(
     else:
         _, _, d = _validate(q, k, v, page_table, seqlens_k, out, cu_seqlens_q, lse)
         traced = _traced(q, k, v, page_table, seqlens_k, out, cu_seqlens_q, lse)
+    if validate and not traced:
+        _check_values(q, k, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q)
     if lse is not None and not lse.is_contiguous():  # in place only where it is compact
         o, fresh = attention_paged(
             q, k, v, page_table, seqlens_k, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
@@ -495,14 +522,53 @@ def attention_paged_csr(
     out: torch.Tensor | None = None,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
+    validate: bool = False,
 ):
     """`attention_paged` with FlashInfer's CSR page lists (`csr_page_table`; FlashInfer's
     qo_indptr is cu_seqlens_q); the LSE stays natural log (FlashInfer's is base 2: multiply by
-    log2 e)."""
+    log2 e). validate=True (a sync, as `attention_paged`'s) first checks the lists: kv_indptr
+    from 0, non-decreasing, within kv_indices; no sequence above max_pages pages; its pages
+    within [0, num_pages); kv_last_page_len within [1, page_size] for a non-empty sequence."""
     k = k_cache if v_cache is not None else k_cache[:, 0]
+    if validate and not _traced(q, k, kv_indptr, kv_indices, kv_last_page_len):
+        _check_csr(kv_indptr, kv_indices, kv_last_page_len, k.shape[0], k.shape[1], max_pages)
     table, seqlens = csr_page_table(kv_indptr, kv_indices, kv_last_page_len, k.shape[1], max_pages)
     return attention_paged(
         q, k_cache, v_cache, table, seqlens, cu_seqlens_q=cu_seqlens_q,
         max_seqlen_q=max_seqlen_q, causal=causal, softmax_scale=softmax_scale,
-        return_lse=return_lse, out=out, k_scale=k_scale, v_scale=v_scale,
+        return_lse=return_lse, out=out, k_scale=k_scale, v_scale=v_scale, validate=validate,
     )  # fmt: skip
+
+
+def _check_csr(kv_indptr, kv_indices, kv_last_page_len, num_pages, page_size, max_pages):
+    """attention_paged_csr(validate=True): the page lists' values, read back on the host."""
+    refuse_capture("attention_paged_csr(validate=True) reads its page lists back", kv_indices)
+    check_tensor("kv_indptr", kv_indptr, ndim=1, dtypes=INDEX, cuda=False)
+    check_tensor("kv_indices", kv_indices, ndim=1, dtypes=INDEX, cuda=False)
+    if kv_last_page_len is not None:
+        check_shaped("kv_last_page_len", kv_last_page_len, (kv_indptr.shape[0] - 1,), INDEX)
+    check_offsets("kv_indptr", kv_indptr, kv_indices.numel(), "kv_indices' length", exact=False)
+    indptr = kv_indptr.long().cpu()
+    counts = indptr[1:] - indptr[:-1]
+    if counts.numel() and int(counts.max()) > max_pages:
+        b = int(counts.argmax())
+        raise ValueError(
+            f"kv_indptr gives sequence {b} {int(counts[b])} pages, more than max_pages ="
+            f" {max_pages}"
+        )
+    ids = kv_indices.long().cpu()[: int(indptr[-1]) if indptr.numel() else 0]
+    bad = torch.nonzero((ids < 0) | (ids >= num_pages))
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(
+            f"kv_indices[{i}] = {int(ids[i])} is outside [0, {num_pages}) (the cache's pages)"
+        )
+    if kv_last_page_len is not None:
+        last = kv_last_page_len.long().cpu()
+        bad = torch.nonzero((counts > 0) & ((last < 1) | (last > page_size)))
+        if bad.numel():
+            b = int(bad[0])
+            raise ValueError(
+                f"kv_last_page_len[{b}] = {int(last[b])} is outside [1, {page_size}] (page_size)"
+                f" for a sequence of {int(counts[b])} pages"
+            )

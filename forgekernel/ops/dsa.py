@@ -1,7 +1,9 @@
 """`forgekernel.ops.dsa.dsa_sparse_attention`: DeepSeek sparse attention (DSA, DeepSeek-V3.2),
 the sparse MLA forward over a paged latent cache, absorbed form (kernel: the MLA decode leaf's
-sparse mode, kernels/attention/mla/sm90, issue 22); and `dsa_sparse_attention_flashinfer`,
-FlashInfer-Bench's `dsa_sparse_attention_*` definitions as they are.
+sparse mode, kernels/attention/mla/sm90, issue 22); `dsa_sparse_attention_rows`, issue 22's
+(and cuDNN's / FlashMLA's sparse prefill's) form with whole rows q (S, H, 576) / kv (S_kv,
+576), as views onto the same op; and `dsa_sparse_attention_flashinfer`, FlashInfer-Bench's
+`dsa_sparse_attention_*` definitions as they are.
 
 Math (reference/dsa.py, `dsa_sparse_attention_ref`): query token t attends to the cache rows
 its top-k list names, MQA over one latent row [c_j (512) ; r_j (64)] per cache slot shared by
@@ -235,6 +237,37 @@ def dsa_sparse_attention(
         check_caches_in_place(ckv, kpe, fp8)  # (a data pointer: real tensors only)
         o, lse = _forward(q_nope, q_pe, ckv, kpe, sparse_indices, scale, out, fp8, attn_sink)
     return (o, lse) if return_lse else o
+
+
+def dsa_sparse_attention_rows(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    topk_indices: torch.Tensor,
+    softmax_scale: float,
+    *,
+    attn_sink: torch.Tensor | None = None,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+):
+    """Issue 22's form of `dsa_sparse_attention`: q (S, H, 576) = [q_nope ; q_pe] and kv
+    (S_kv, 576) = [c ; r] rows (cuDNN's and FlashMLA's sparse prefill's layout), topk_indices
+    int32 (S, topk) rows of kv, -1 padded -> out (S, H, 512) in q's dtype and, with
+    return_lse, lse (S, H) fp32 natural log. No copy: q's two column ranges are q_nope / q_pe
+    and kv is FlashMLA's combined cache with page size 1, read in place; the same kernel,
+    sink, graph capture and autograd (dq, dkv, d_sink through the views) as
+    `dsa_sparse_attention`."""
+    width = D_LATENT + D_ROPE
+    check_tensor("q", q, ndim=3, cuda=False)
+    check_tensor("kv", kv, ndim=2, dtypes=(q.dtype,), cuda=False)
+    if q.shape[-1] != width or kv.shape[-1] != width:
+        raise ValueError(
+            f"q and kv must be (S, H, {width}) and (S_kv, {width}), got {tuple(q.shape)} and"
+            f" {tuple(kv.shape)}"
+        )
+    q_nope, q_pe = q.split_with_sizes((D_LATENT, D_ROPE), -1)
+    return dsa_sparse_attention(q_nope, q_pe, kv.view(kv.shape[0], 1, 1, width), None,
+                                topk_indices, softmax_scale=softmax_scale, attn_sink=attn_sink,
+                                return_lse=return_lse, out=out)  # fmt: skip
 
 
 def dsa_sparse_attention_flashinfer(

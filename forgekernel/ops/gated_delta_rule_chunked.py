@@ -26,7 +26,13 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90 import launch as pref
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import HEAD_DIMS
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._dispatch import wants_grad
-from forgekernel.ops._validate import check_cuda, check_same_device, check_shaped, check_tensor
+from forgekernel.ops._validate import (
+    check_cuda,
+    check_same_device,
+    check_shaped,
+    check_tensor,
+    one_of_two_names,
+)
 
 F32 = (torch.float32,)
 OFFSETS = (torch.int32, torch.int64)
@@ -115,20 +121,25 @@ def gated_delta_rule(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
-    use_qk_l2norm_in_kernel: bool = False,
+    use_qk_l2norm_in_kernel: bool | None = None,
     k_last: bool = False,
     out: torch.Tensor | None = None,
+    use_qk_l2norm: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fla's `chunk_gated_delta_rule` forward: q, k (B, T, H, 128) and v (B, T, HV, 128) bf16 /
     fp16 (HV a multiple of H); g (B, T, HV) fp32 log decay; beta (B, T, HV) fp32 or q's dtype;
     scale default K ** -0.5; initial_state fp32 (N, HV, K, V), or (N, HV, V, K) with k_last
     (FlashInfer's layout), N = B or the number of sequences; cu_seqlens int32 / int64 (N + 1,)
-    with B = 1 for varlen; use_qk_l2norm_in_kernel: q and k divided by sqrt(sum x^2 + 1e-6).
+    with B = 1 for varlen; use_qk_l2norm_in_kernel (fla's name) or use_qk_l2norm (issue 20's;
+    default False): q and k divided by sqrt(sum x^2 + 1e-6).
     Returns (o (B, T, HV, V) in q's dtype, the final state (N, HV, ...) fp32 in the initial
     state's layout, or None unless output_final_state); o is written into `out` when given (a
     contiguous (B, T, HV, V) tensor in q's dtype). Differentiable in q, k, v, g, beta and
     initial_state (the interim torch backward: ops/gated_delta_rule_bwd.py); with `out=` and
     grad, o is computed first and copied into out (autograd records the copy)."""
+    use_qk_l2norm_in_kernel = one_of_two_names(
+        "use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel, "use_qk_l2norm", use_qk_l2norm, False
+    )
     b, t, h, hv, dk, dv = _check_heads(q, k, v)
     check_shaped("g", g, (b, t, hv), F32)
     check_shaped("beta", beta, (b, t, hv), (torch.float32, q.dtype))

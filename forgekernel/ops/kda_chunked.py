@@ -18,9 +18,9 @@ chunk and value head; `operands.py` is its torch model, the tests' yardstick); t
 recurrence runs on the tensor cores (`recurrence.py`: TMA + WGMMA, the state on chip). The
 offsets are never read on the host (no sync; the call can be captured in a CUDA graph): the
 first pass lays its chunks out on the device over an upper bound of chunks known from T and N
-(exact for a batch or one sequence). Forward only: the result carries an
-autograd node whose backward raises NotImplementedError (the backward is issue 20's next
-part), so that a training graph fails loudly.
+(exact for a batch or one sequence). Differentiable: ops/kda_bwd.py registers the backward
+of `forgekernel::kda_chunked` (`torch.library.register_autograd`; an interim torch path
+until a backward kernel lands).
 """
 
 from __future__ import annotations
@@ -31,7 +31,13 @@ from forgekernel.kernels.linear_attention.kda_prefill.sm90 import launch as kda_
 from forgekernel.kernels.linear_attention.kda_prefill.sm90.config import HEAD_DIMS
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._dispatch import wants_grad
-from forgekernel.ops._validate import check_cuda, check_same_device, check_shaped, check_tensor
+from forgekernel.ops._validate import (
+    check_cuda,
+    check_same_device,
+    check_shaped,
+    check_tensor,
+    one_of_two_names,
+)
 
 F32 = (torch.float32,)
 OFFSETS = (torch.int32, torch.int64)
@@ -145,19 +151,25 @@ def kimi_delta_attention(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
-    use_qk_l2norm_in_kernel: bool = False,
+    use_qk_l2norm_in_kernel: bool | None = None,
     out: torch.Tensor | None = None,
+    use_qk_l2norm: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fla's `chunk_kda` forward: q, k (B, T, H, 128) and v (B, T, HV, 128) bf16 / fp16 (HV a
     multiple of H); g (B, T, HV, 128) log decay per key channel (fp32 or q's dtype); beta (B,
     T, HV) (fp32 or q's dtype); scale default K ** -0.5; initial_state fp32 (N, HV, K, V), N =
-    B or the number of sequences; cu_seqlens int32 / int64 (N + 1,) with B = 1 for varlen.
+    B or the number of sequences; cu_seqlens int32 / int64 (N + 1,) with B = 1 for varlen;
+    use_qk_l2norm_in_kernel (fla's name) or use_qk_l2norm (issue 20's; default False) as the
+    module docstring says.
     Returns (o (B, T, HV, V) in q's dtype, the final state fp32 (N, HV, K, V) or None unless
     output_final_state); o is written into `out` when given (a contiguous (B, T, HV, V) tensor
     in q's dtype). Accurate for per-step log decays down to about -5 per channel (the
     kernel's sub-chunk factors; reference/kda_chunked.py). Differentiable in q, k, v, g, beta
     and initial_state (the interim torch backward: ops/kda_bwd.py); with `out=` and grad, o is
     computed first and copied into out (autograd records the copy)."""
+    use_qk_l2norm_in_kernel = one_of_two_names(
+        "use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel, "use_qk_l2norm", use_qk_l2norm, False
+    )
     _validate(q, k, v, g, beta, initial_state, cu_seqlens)
     if out is not None:
         check_shaped("out", out, tuple(v.shape), (q.dtype,))

@@ -401,8 +401,8 @@ def mla_decode(
     kpe_cache: torch.Tensor | None,
     page_table: torch.Tensor,
     seqlens_k: torch.Tensor,
-    *,
     softmax_scale: float,
+    *,
     cu_seqlens_q: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     causal: bool = True,
@@ -418,10 +418,11 @@ def mla_decode(
     (batch, s_q, H, 512) in q's dtype and, with return_lse, the natural-log LSE (batch, H, s_q)
     fp32. Packed form: q (total_q, H, *) by cu_seqlens_q int32 (batch + 1,) with max_seqlen_q
     (a host int, <= 4) at least the longest, out (total_q, H, 512), LSE (H, total_q).
-    softmax_scale (required): the un-absorbed scale. The split plan bounds the KV lengths by
-    the page table's width (no device read: CUDA-graph capturable). out / lse: buffers of the
-    outputs' shapes (out in q's dtype, lse fp32) written in place (the bench's call: no
-    allocation, no copy; lse is returned with return_lse)."""
+    softmax_scale (required; positional, as issue 19 writes the call, or keyword): the
+    un-absorbed scale. The split plan bounds the KV lengths by the page table's width (no device
+    read: CUDA-graph capturable). out / lse: buffers of the outputs' shapes (out in q's dtype,
+    lse fp32) written in place (the bench's call: no allocation, no copy; lse is returned with
+    return_lse)."""
     if (cu_seqlens_q is None) != (max_seqlen_q is None):
         raise ValueError("cu_seqlens_q and max_seqlen_q come together")
     return _attend(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, softmax_scale,
@@ -438,8 +439,8 @@ def mla_prefill(
     seqlens_k: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     max_seqlen_q: int,
-    *,
     softmax_scale: float,
+    *,
     causal: bool = True,
     return_lse: bool = False,
     out: torch.Tensor | None = None,
@@ -449,11 +450,11 @@ def mla_prefill(
     new tokens are the last of its seqlens_k cached ones, causal bottom-right): the packed
     form of `mla_decode` without its 4-token bound. q_nope (total_q, H, 512), q_pe (total_q,
     H, 64) by cu_seqlens_q int32 (batch + 1,), max_seqlen_q (a host int) at least the longest;
-    caches (FP8 included), page_table, seqlens_k and softmax_scale as `mla_decode`'s. Returns
-    out (total_q,
-    H, 512) in q's dtype and, with return_lse, the natural-log LSE (H, total_q). A CTA takes
-    64 // H (at most 4) query tokens of H heads: every CTA reads the keys its tokens see.
-    out / lse: as `mla_decode`'s."""
+    caches (FP8 included), page_table, seqlens_k and softmax_scale (positional after
+    max_seqlen_q, or keyword) as `mla_decode`'s. Returns out (total_q, H, 512) in q's dtype
+    and, with return_lse, the natural-log LSE (H, total_q). A CTA takes 64 // H (at most 4)
+    query tokens of H heads: every CTA reads the keys its tokens see. out / lse: as
+    `mla_decode`'s."""
     if cu_seqlens_q is None or max_seqlen_q is None:
         raise ValueError("mla_prefill takes the packed form: cu_seqlens_q and max_seqlen_q")
     return _attend(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, softmax_scale,

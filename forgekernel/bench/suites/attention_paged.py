@@ -28,6 +28,9 @@ Comparators, planned once per input set outside any timing (their first call on 
   backend="auto" runs on the H200 (utils.determine_attention_backend: fa3 on sm90 for 16-bit
   q / kv, D 64 / 128 / 256); decode cases are the decode wrapper's (its fa3 backend ran 4.2x
   slower than fa2 at B64 L4096: ../shared/anchors).
+- flashinfer_cc: the decode wrapper without tensor cores (fa2's CUDA-core decode kernel, 2.8 TB/s
+  at B64 L4096 on the H200 against 4.1 with them: ../shared/anchors), the issue's "plain fa2
+  kernel", on 16-bit D 128 decode cases only (`_flashinfer_cc`: one more JIT module, 13.5 s).
 - fa4: FlashAttention-4's `flash_attn_varlen_func` with `page_table` / `seqused_k` on every
   16-bit case (decode cases as one query token a sequence; FP8 caches missing: FA4 reads FP8 on
   SM100 only; `fa4_args`, the notes above `_fa4`).
@@ -120,8 +123,13 @@ DECODE_BENCH_CASES = (
     _case(4, 32, 8, 128, 16, 32768, group="long"),
     _case(16, 32, 8, 128, 16, 8192, group="llama3-8b"),
     _case(128, 32, 8, 128, 16, 1024, group="llama3-8b"),
+    # the issue's batch 256 (FlashInfer fa2 tc 3.89 TB/s, FA4 3.34 at B256 L1024: anchors) and
+    # its shortest KV length, 512, where the plan's split and the combine weigh most
+    _case(256, 32, 8, 128, 16, 1024, group="llama3-8b"),
+    _case(128, 32, 8, 128, 16, 512, group="llama3-8b"),
     _case(32, 64, 8, 128, 16, 4096, group="llama3-70b"),
     _case(64, 8, 1, 128, 16, 4096, group="llama3-70b"),
+    _case(64, 32, 4, 128, 16, 4096, group="llama3-70b"),  # tp 2: GQA 8 at page 16
     _case(32, 32, 4, 128, 1, 2048, group="page"),
     _case(32, 32, 8, 128, 64, 4096, group="page"),
     _case(32, 16, 16, 64, 16, 4096, group="head-dim"),
@@ -387,13 +395,14 @@ def _csr(inputs: Inputs) -> tuple[torch.Tensor, ...]:
     return page_table_to_csr(inputs["table"], inputs["seqlens"], inputs["k"].shape[1])
 
 
-def _plan_decode(flashinfer, inputs: Inputs) -> tuple:
-    """The decode wrapper (fa2, tensor cores) planned for the inputs, with its workspace."""
+def _plan_decode(flashinfer, inputs: Inputs, tensor_cores: bool = True) -> tuple:
+    """The decode wrapper (fa2; tensor cores or its CUDA-core kernel) planned for the inputs,
+    with its workspace."""
     q, k = inputs["q"], inputs["k"]
     ps, hkv, d = k.shape[1], k.shape[2], k.shape[3]
     ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=q.device)
     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        ws, "NHD", use_tensor_cores=True, backend="fa2"
+        ws, "NHD", use_tensor_cores=tensor_cores, backend="fa2"
     )
     w.plan(*_csr(inputs), q.shape[1], hkv, d, ps, q_data_type=q.dtype, kv_data_type=k.dtype)
     return w, ws
@@ -466,6 +475,32 @@ def _flashinfer_fa3():
     return run
 
 
+CC_DECODE_ONLY = (
+    "FlashInfer's CUDA-core decode (use_tensor_cores=False) runs on 16-bit D 128 decode cases "
+    "only: other head dims and FP8 caches would each JIT-build one more module (13.5 s and up), "
+    "and its tensor-core decode (the flashinfer column) ran 1.46x faster at B64 L4096"
+)
+
+
+def _flashinfer_cc():
+    """Decode cases (16-bit caches, D 128): the decode wrapper's CUDA-core kernel."""
+    try:
+        import flashinfer
+    except ImportError:
+        return None
+
+    def run(inputs: Inputs):
+        q, k = inputs["q"], inputs["k"]
+        if _packed(inputs) or k.dtype == torch.float8_e4m3fn or q.shape[-1] != 128:
+            raise NotImplementedError(CC_DECODE_ONLY)
+        if "flashinfer_cc" not in inputs:
+            inputs["flashinfer_cc"] = _plan_decode(flashinfer, inputs, tensor_cores=False)
+        w, _ = inputs["flashinfer_cc"]
+        return w.run(q, (k, inputs["v"]), return_lse=True)
+
+    return run
+
+
 # FlashAttention-4 (flash-attn-4 4.0.0b36, flash_attn/cute/interface.py, read in the wheel):
 # `flash_attn_varlen_func(q, k, v, cu_seqlens_q=, max_seqlen_q=, seqused_k=, page_table=, ...)`
 # takes a paged cache (num_pages, page_size, Hkv, D) with an int32 (batch, max_pages) table
@@ -511,8 +546,9 @@ def _fa4():
 
 def comparators() -> dict[str, Any]:
     if not torch.cuda.is_available():
-        return {"flashinfer": None, "flashinfer_fa3": None, "fa4": None}
-    return {"flashinfer": _flashinfer(), "flashinfer_fa3": _flashinfer_fa3(), "fa4": _fa4()}
+        return {"flashinfer": None, "flashinfer_cc": None, "flashinfer_fa3": None, "fa4": None}
+    return {"flashinfer": _flashinfer(), "flashinfer_cc": _flashinfer_cc(),
+            "flashinfer_fa3": _flashinfer_fa3(), "fa4": _fa4()}  # fmt: skip
 
 
 def _query_rows(case: Case) -> list[tuple[int, int]]:

@@ -82,7 +82,8 @@ def _tp(hq: int) -> str:
 
 # DeepSeek-V3.2 decode per GPU at TP8 (h16) and TP1 (h128): 1-128 sequences, 8k-128k cached
 # tokens each, page size 64 (FlashMLA's) and 1 (FlashInfer-Bench's split caches); a chunked
-# prefill of 1024 / 4096 tokens.
+# prefill of 1024 / 4096 tokens, and the prefill / training range at the backward's
+# shapes (dsa_sparse_bwd): 4k-32k queries over 8k-64k keys, H 16 / 64 / 128, top-k 2048 and 512.
 BENCH_CASES = (
     *(_case(t, 16, 64, n, group="tp8") for t in (1, 16, 64, 128) for n in (8192, 32768)),
     *(_case(t, 16, 64, 131072, group="tp8") for t in (1, 16)),
@@ -92,6 +93,12 @@ BENCH_CASES = (
     _case(64, 128, 64, 8192, group="tp1"),
     _case(1024, 16, 64, 16384, prefill=True, group="prefill"),
     _case(4096, 16, 64, 32768, prefill=True, group="prefill"),
+    _case(4096, 16, 64, 8192, topk=512, prefill=True, group="prefill"),
+    _case(32768, 16, 64, 65536, prefill=True, group="prefill"),
+    _case(4096, 64, 64, 16384, prefill=True, group="prefill"),
+    _case(16384, 64, 64, 65536, topk=512, prefill=True, group="prefill"),
+    _case(4096, 128, 64, 8192, prefill=True, group="prefill"),
+    _case(8192, 128, 64, 65536, prefill=True, group="prefill"),
     # FlashMLA's FP8 cache (DeepSeek-V3.2 serving's): TP8 decode batches at 32k, TP1
     *(_case(t, 16, 64, 32768, cache="fp8", group="fp8") for t in (1, 16, 64, 128)),
     _case(64, 128, 64, 8192, cache="fp8", group="fp8"),

@@ -184,9 +184,11 @@ def _fla():
 
 
 def comparators() -> dict[str, Any]:
+    """fla; FlashQLA (the issue's backward bar) listed, reported missing with the reason
+    (gdn_prefill.FLASHQLA_MISSING)."""
     if not torch.cuda.is_available():
-        return {"fla": None}
-    return {"fla": _fla()}
+        return {"fla": None, "flashqla": None}
+    return {"fla": _fla(), "flashqla": gdn_prefill._flashqla()}
 
 
 def flops(case: Case) -> float:

@@ -7,8 +7,8 @@ as in fla's and FlashInfer's own benchmarks; g = logsigmoid(N(0, 1)) (fla's test
 Output compared: o (1, T, HV, V). Reference: the fp64 recurrence up to 4096 tokens, the fp64
 chunked form above (reference.delta_rule; tests/test_reference_delta_rule.py checks one against
 the other). Shapes: Qwen3-Next / Kimi-Linear per shard (H 16, HV 32; H = HV = 16) and
-FlashInfer-Bench's qk4 / v8, 4k to 64k tokens, single sequences, equal batches and serving-like
-varlen mixes (many short sequences, a few long).
+FlashInfer-Bench's qk4 / v8, 2k to 256k tokens (the issue's 1 x 2k to 8 x 32k and 1 x 128k),
+single sequences, equal batches and serving-like varlen mixes (many short sequences, a few long).
 
 Comparators, each on the same inputs:
   fla         fla-core 0.6.0 `chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state,
@@ -19,6 +19,8 @@ Comparators, each on the same inputs:
               log); on initial-state cases with the state in FLASHINFER_STATE_LAYOUT, "vk" as its
               docstring says ((N, H, V, K)), confirmed on the device by
               scripts/probe_state_layouts.py (2026-12-03).
+  flashqla    FlashQLA (flash-qla, TileLang), the issue's other bar: listed, and reported missing
+              with FLASHQLA_MISSING on every case (`_flashqla`; fla stands in, as the issue says).
 """
 
 from __future__ import annotations
@@ -79,7 +81,11 @@ def _mix(n: int, total: int) -> tuple[int, ...]:
 
 
 BENCH_CASES = (
-    *(_case([t], 16, 32, group="single") for t in (4096, 16384, 65536)),
+    *(_case([t], 16, 32, group="single") for t in (2048, 4096, 16384, 65536)),
+    # the issue's longest: 1 x 128k and 8 x 32k, at H = HV = 16 as kda_prefill's (at HV 32 the
+    # fp64 chunked reference, q and k repeated per value head, would peak near 50 GB at 8 x 32k)
+    _case([131072], 16, 16, group="single"),
+    _case([32768] * 8, 16, 16, group="batch"),
     _case([8192] * 4, 16, 32, group="batch"),
     _case([8192] * 4, 16, 16, group="batch"),
     _case([8192] * 4, 16, 32, state=False, group="batch"),
@@ -246,10 +252,30 @@ def _flashinfer():
     return run
 
 
+# FlashQLA 0.1.3 (PyPI `flash-qla`, pure Python: flash_qla.chunk_gated_delta_rule) needs tilelang
+# >= 0.1.12, whose 0.1.15 wheel (49.5 MB) pins apache-tvm-ffi < 0.1.13 and z3-solver < 4.15.5 (read
+# in the wheels' METADATA, 2026-12-04): installable, but not in the GPU host's wheel set, and the
+# issue runs it in a process of its own (TileLang beside the CuTe DSL's tvm-ffi).
+FLASHQLA_MISSING = (
+    "FlashQLA (flash-qla 0.1.3 + tilelang 0.1.15) is not carried to the GPU host "
+    "(../shared/gpu-host/wheels.sh) and has no separate-process runner here; fla stands in "
+    "(issue 20: >= 2.5x fla where FlashQLA cannot run)"
+)
+
+
+def _flashqla():
+    """FlashQLA: listed, reported missing with the reason on every case (FLASHQLA_MISSING)."""
+
+    def missing(inputs: Inputs):
+        raise NotImplementedError(FLASHQLA_MISSING)
+
+    return missing
+
+
 def comparators() -> dict[str, Any]:
     if not torch.cuda.is_available():
-        return {"fla": None, "flashinfer": None}
-    return {"fla": _fla(), "flashinfer": _flashinfer()}
+        return {"fla": None, "flashinfer": None, "flashqla": None}
+    return {"fla": _fla(), "flashinfer": _flashinfer(), "flashqla": _flashqla()}
 
 
 def flops(case: Case) -> float:

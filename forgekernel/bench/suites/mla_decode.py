@@ -79,19 +79,30 @@ def _tp(hq: int) -> str:
 # 4k / 8k (FlashMLA 3.16 TB/s, FlashInfer fa3 3.30 TB/s at b64 L4096 h16, anchors 2026-12-01),
 # FlashInfer-Bench's page size 1 (its split caches), a mixed batch, MTP with 2 tokens.
 SERVED = (4096, 8192)
+# a long-tailed serving batch: 32 lengths log-uniform from 512 to 37.6k keys (x 2^0.2 apart)
+RAGGED = tuple(round(512 * 2 ** (i / 5)) for i in range(32))
 BENCH_CASES = (
     *(_case(1, h, 64, n, group=_tp(h)) for h in (16, 128) for n in (4096, 16384, 65536)),
     *(_case(b, h, 64, n, group=_tp(h)) for h in (16, 128) for b in (16, 64, 128) for n in SERVED),
+    # the other batches at TP8: 8 x 16k (FlashMLA 2.6 TB/s there, anchors), 32 x 2k and
+    # 256 x 1k (short caches: the plan's split and the combine weigh most)
+    _case(8, 16, 64, 16384, group="tp8"),
+    _case(32, 16, 64, 2048, group="tp8"),
+    _case(256, 16, 64, 1024, group="tp8"),
     _case(64, 16, 1, 4096, cache="split", group="page1"),
     _case(16, 128, 1, 4096, cache="split", group="page1"),
     _case(48, 16, 64, tuple(range(100, 48 * 170, 170)), group="mixed", tag="mixed"),
+    _case(32, 16, 64, RAGGED, group="mixed", tag="ragged"),
     _case(64, 16, 64, 4096, s_q=2, group="mtp"),
     _case(64, 128, 64, 8192, s_q=2, group="mtp"),
     # chunked prefill (mla_prefill): a 1024-token chunk after 7168 cached at TP8, four 512-token
-    # chunks over 4k, 256 new tokens at TP1
+    # chunks over 4k, 256 new tokens at TP1; the largest chunk, 8k new tokens over 8k
+    # cached (TP8), and a fresh 4k prompt at TP1
     _case(1, 16, 64, 8192, q_lens=(1024,), group="prefill", tag="L8192-q1024"),
     _case(4, 16, 64, 4096, q_lens=(512,) * 4, group="prefill", tag="L4096-q512"),
     _case(1, 128, 64, 4096, q_lens=(256,), group="prefill", tag="L4096-q256"),
+    _case(1, 16, 64, 16384, q_lens=(8192,), group="prefill", tag="L16384-q8192"),
+    _case(1, 128, 64, 4096, q_lens=(4096,), group="prefill", tag="L4096-q4096"),
     # FlashMLA's FP8 cache (DeepSeek serving's): a TP8 batch at 4k, one long TP8 sequence, TP1
     _case(64, 16, 64, 4096, cache="fp8", group="fp8"),
     _case(1, 16, 64, 32768, cache="fp8", group="fp8"),
