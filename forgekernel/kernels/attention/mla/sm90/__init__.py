@@ -72,8 +72,8 @@ def _standard_params() -> list[Params]:
 
 
 # The device-side work list (candidate, FORGEKERNEL_MLA_WORKLIST=1; schedule.py, worklist.py): its
-# pass at the bench's and the GPU tests' blocks (16 / 128 heads, MTP 2), its scheduling kernels
-WORKLIST_BLOCKS = ((16, 1), (64, 1), (8, 2), (32, 2))
+# pass at the bench's and the GPU tests' blocks (16 / 128 heads, MTP 2, 4), its scheduling kernels
+WORKLIST_BLOCKS = ((16, 1), (64, 1), (16, 2), (32, 2), (16, 4))
 
 
 def _candidate_params() -> list[Params]:
