@@ -171,17 +171,10 @@ def test_paged_speculative_decoding_fp8_cache(q_lens, k_lens, hq, hkv, d, dtype)
     assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
 
 
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize(
-    ("q_lens", "k_lens", "hq", "hkv", "d"),
-    [([1, 3, 2, 4], [40, 3, 700, 4096], 32, 8, 128), ([2, 2], [0, 129], 16, 2, 256),
-     ([4] * 16, [2048] * 16, 64, 8, 128),
-     # 32 rows a CTA (GQA 8 x 4 tokens, GQA 16 x 2): split plans of many splits and of one
-     ([4, 1, 3, 2], [700, 5, 64, 4096], 16, 2, 64), ([2, 1, 2], [33, 0, 3000], 32, 2, 128),
-     ([4] * 32, [300] * 32, 64, 8, 128)],
-)  # fmt: skip
-def test_paged_speculative_decoding(causal, q_lens, k_lens, hq, hkv, d):
-    g = torch.Generator(device="cuda").manual_seed(3)
+def _spec_batch(q_lens, k_lens, hq, hkv, d, seed):
+    """A speculative-decoding batch, bf16, page size 16: q packed by cu (q_lens tokens a
+    sequence), k / v caches with 3 pages no sequence owns, a shuffled table, k_lens keys."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
     b, ps = len(q_lens), 16
     max_pages = max(1, max(-(-n // ps) for n in k_lens))
     pages = b * max_pages + 3
@@ -193,6 +186,20 @@ def test_paged_speculative_decoding(causal, q_lens, k_lens, hq, hkv, d):
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
                       device="cuda")  # fmt: skip
     q = torch.randn(int(cu[-1]), hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    return q, k, v, table, seq, cu
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(
+    ("q_lens", "k_lens", "hq", "hkv", "d"),
+    [([1, 3, 2, 4], [40, 3, 700, 4096], 32, 8, 128), ([2, 2], [0, 129], 16, 2, 256),
+     ([4] * 16, [2048] * 16, 64, 8, 128),
+     # 32 rows a CTA (GQA 8 x 4 tokens, GQA 16 x 2): split plans of many splits and of one
+     ([4, 1, 3, 2], [700, 5, 64, 4096], 16, 2, 64), ([2, 1, 2], [33, 0, 3000], 32, 2, 128),
+     ([4] * 32, [300] * 32, 64, 8, 128)],
+)  # fmt: skip
+def test_paged_speculative_decoding(causal, q_lens, k_lens, hq, hkv, d):
+    q, k, v, table, seq, cu = _spec_batch(q_lens, k_lens, hq, hkv, d, seed=3)
     out, lse = op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu,
                                   max_seqlen_q=max(q_lens), causal=causal,
                                   return_lse=True)  # fmt: skip
@@ -426,18 +433,8 @@ def test_paged_speculative_merge_rows_candidate(causal, q_lens, k_lens, hq, hkv)
     outputs."""
     from forgekernel.kernels.attention.paged.sm90 import launch as paged_launch
 
-    g = torch.Generator(device="cuda").manual_seed(7)
-    b, ps, d = len(q_lens), 16, 128
-    max_pages = max(1, max(-(-n // ps) for n in k_lens))
-    pages = b * max_pages + 3
-    k = torch.randn(pages, ps, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    v = torch.randn(pages, ps, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    table = torch.randperm(pages, device="cuda", generator=g)[: b * max_pages].view(b, -1)
-    table = table.to(torch.int32)
-    seq = torch.tensor(k_lens, dtype=torch.int32, device="cuda")
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
-                      device="cuda")  # fmt: skip
-    q = torch.randn(int(cu[-1]), hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    d = 128
+    q, k, v, table, seq, cu = _spec_batch(q_lens, k_lens, hq, hkv, d, seed=7)
     out = torch.full_like(q, float("nan"))
     lse = torch.full((hq, q.shape[0]), float("nan"), device="cuda")
     paged_launch.paged_decode(q, k, v, table, seq, d**-0.5, out, lse.t(), cu_seqlens_q=cu,
