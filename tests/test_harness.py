@@ -389,6 +389,7 @@ def test_device_copy_once_per_run_for_memory_bound_suites(
         bench = _ledger(tmp_path, name)
         copy = bench["device_copy"]
         assert copy["status"] == "ok" and copy["bytes"] == 2000
+        assert copy["op"] == harness.COPY_OP == "torch.neg(src, out=dst)"  # an SM kernel
         assert copy["methods"]["graph"]["gbps"] == pytest.approx(2.0)
         assert copy["methods"]["eager"]["gbps"] == pytest.approx(1.0)
         ours = bench["cases"][0]["ours"]["gbps"]  # 1x8x8: 144 bytes in 1 ms
@@ -396,6 +397,10 @@ def test_device_copy_once_per_run_for_memory_bound_suites(
         assert fraction["ours"]["min"] == pytest.approx(ours / 2.0)
         assert fraction["good"]["cases"] == 2 and fraction["absent"]["cases"] == 0
         assert "% of copy" in (tmp_path / "rep" / f"{name}.md").read_text()
+        assert (
+            "GB/s (torch.neg(src, out=dst) of 1000 bytes"
+            in (tmp_path / "rep" / f"{name}.md").read_text()
+        )
     assert "% of copy" not in (tmp_path / "rep" / "compute.md").read_text()
     out = capsys.readouterr().out
     assert out.count("device copy (1000 bytes, read + write): graph 2 GB/s, eager 1 GB/s") == 1

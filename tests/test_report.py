@@ -182,6 +182,7 @@ MEMORY_BOUND = [
     _mem("bad", 9000.0, {"flashinfer": 1.0}, status="wrong: x"),
 ]
 COPY = {
+    "op": "torch.neg(src, out=dst)",
     "buffer_bytes": 2**30,
     "bytes": 2**31,
     "status": "ok",
@@ -202,6 +203,9 @@ def test_percent_of_a_device_copy():
     kept = report.method_summary(MEMORY_BOUND, "graph", COPY)
     assert kept["copy_fraction"]["ours"]["min"] == pytest.approx(0.5)
     assert "copy_fraction" not in report.method_summary(MEMORY_BOUND, "graph")
+    memcpy = {k: v for k, v in COPY.items() if k != "op"}  # `dst.copy_(src)`: a graph memcpy node
+    assert report.copy_summary(MEMORY_BOUND, memcpy) == {}
+    assert report.copy_summary(MEMORY_BOUND, memcpy, "eager")["ours"]["cases"] == 3
     failed = {**COPY, "status": "error: OutOfMemoryError: no"}
     assert report.copy_summary(MEMORY_BOUND, failed) == {}
     assert report.copy_lines(MEMORY_BOUND, failed) == [
@@ -218,7 +222,8 @@ def test_reports_of_a_memory_bound_suite(tmp_path):
     assert "| L4096 | bf16 | 1.0000 | 2.0 | 3000 | 75.0% | 1.5000 | 1.500x | missing | - |" in graph
     assert "| bad | bf16 | wrong: x | - | - | - | - | - | - | - |" in graph
     assert (
-        "- device copy: 4000 GB/s (dst.copy_(src) of 1 GiB, read + write counted); % of copy, "
+        "- device copy: 4000 GB/s (torch.neg(src, out=dst) of 1 GiB, read + write counted); "
+        "% of copy, "
         "median / min (cases): ours 75.0% / 50.0% (3), flashinfer 50.0% / 25.0% (3)"
     ) in graph
     assert "| L4096 | bf16 | 1.0000 | 2.0 | 3000 | 100.0% |" in eager  # the eager copy's
@@ -239,17 +244,15 @@ def test_no_copy_figure_no_column():
 
 
 def test_a_committed_ledger_without_the_copy_renders_as_before():
-    """The H200 ledgers written before the device copy (mla_decode: memory-bound) load and render
-    without its column; its bench section gives no copy figures."""
+    """A memory-bound ledger's bench section as written before the device copy (the committed
+    mla_decode one without its copy) loads and renders without the column or copy figures."""
     from forgekernel.bench import ledger
 
     doc = ledger.load(ledger.default_results_dir() / "sm_90a" / "mla_decode.json")
     if doc is None or "bench" not in doc:
         pytest.skip("no committed mla_decode ledger")
-    bench = doc["bench"]
-    assert "device_copy" not in bench  # written before it existed
+    bench = {k: v for k, v in doc["bench"].items() if k != "device_copy"}
     md = report.markdown("mla_decode", bench["cases"], host=bench.get("host"),
                          copy=bench.get("device_copy"))  # fmt: skip
     assert "% of copy" not in md and "device copy" not in md
     assert report.copy_summary(bench["cases"], bench.get("device_copy")) == {}
-    assert "of a device copy" not in ledger.readme_table()

@@ -65,7 +65,8 @@ def _check(out, lse, want, want_lse, low):
     assert float((out.float() - want).abs().max()) <= bound
     finite = torch.isfinite(want_lse)
     assert torch.equal(finite, torch.isfinite(lse))
-    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
+    if finite.any():  # an all-empty batch has no finite LSE to compare
+        assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
