@@ -15,6 +15,7 @@ from split_combine import combine_splits
 from forgekernel.kernels.attention.paged.sm90 import launch as paged_launch
 from forgekernel.kernels.attention.paged.sm90.config import (
     HEADS,
+    MIN_TOKENS_PER_SPLIT,
     RESIDENT,
     RESIDENT_FP8,
     ROWS,
@@ -88,9 +89,10 @@ def _partial(q, k, v, pt, seq, op, lp, scale_log2, per, page_size, group, ks, vs
             qs = torch.stack([q[q_off + min(i, sq - 1), h0 + h] for i, h in rows]).double()
             exp_scale = scale_log2 * (1.0 if ks is None else float(ks[kvh]))
             p_type = q.dtype if ks is None else torch.float16
+            per_b = max(per, -(-sk // op.shape[0]))  # the sequence's keys over the splits
             for s in range(op.shape[0]):
-                t0 = s * per
-                t1 = min(t0 + per, sk)
+                t0 = s * per_b
+                t1 = min(t0 + per_b, sk)
                 limit = torch.tensor(
                     [(min(t1, sk - sq + i + 1) if causal else t1) if i < sq else 0 for i, _ in rows]
                 )
@@ -255,6 +257,29 @@ def test_fp8_cache_scales(cpu_kernels, per_head):
         op_module.attention_paged(q, k, v, pt, seq)
 
 
+@pytest.mark.parametrize("lens", [[700] * 16, [3000, 40, 0, 700] * 4])
+def test_a_wide_table_spreads_each_sequence_over_the_splits(cpu_kernels, lens):
+    """A table sized for a long context (serving engines capture graphs so: 65536 tokens here)
+    around short sequences: the plan's splits come from the width (per: thousands of keys a
+    split), each sequence's keys are spread over them by its own length, never under
+    MIN_TOKENS_PER_SPLIT a split: a 700-key sequence takes 3 splits, not 1."""
+    b, hq, hkv, d, ps, width = len(lens), 8, 2, 64, 16, 65536
+    q, k, v, pt, seq = _problem(b, hq, hkv, d, ps, lens)
+    wide = pt[:, :1].expand(b, width // ps).contiguous()
+    wide[:, : pt.shape[1]] = pt
+    out, lse = op_module.attention_paged(q, k, v, wide, seq, return_lse=True)
+    want, want_lse = paged_attention_ref(q, k, v, pt, seq)
+    assert float((out.float() - want).abs().max()) < 2e-2
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-4
+    params, (_, least, _, _), direct = cpu_kernels[-1]
+    splits, per = split_plan(b, hq // params["heads"], width, 132, RESIDENT[d])
+    assert not direct and least == MIN_TOKENS_PER_SPLIT and per > 700
+    per_b = max(least, -(-700 // splits))
+    assert -(-700 // per_b) == 3  # the width's per would give it 1 split
+
+
 @pytest.mark.parametrize(("b", "d", "tokens"), [(64, 128, 4096), (1, 128, 32768), (4, 64, 9000),
                                                  (2, 256, 3000)])  # fmt: skip
 def test_fp8_plan_fills_the_fp8_residency(cpu_kernels, b, d, tokens):
@@ -269,7 +294,8 @@ def test_fp8_plan_fills_the_fp8_residency(cpu_kernels, b, d, tokens):
         params, (_, per, _, _), direct = cpu_kernels[-1]
         resident = (RESIDENT_FP8 if fp8 else RESIDENT)[d]
         splits, want_per = split_plan(b, hq // params["heads"], pt.shape[1] * ps, 132, resident)
-        assert per == want_per and bool(direct) == (splits == 1)
+        want_least = want_per if splits == 1 else MIN_TOKENS_PER_SPLIT
+        assert per == want_least and bool(direct) == (splits == 1)
         assert (params.get("kv") == "float8_e4m3fn") == fp8
 
 

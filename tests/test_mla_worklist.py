@@ -386,7 +386,10 @@ def test_worklist_pass_is_the_standard_pass_but_its_prologue(compiles):
     std = compiles(params_for("partial", "bfloat16", 16, tma=True))
     assert res["spill_bytes"] == 0 and res["registers"] <= 255
     for kind in ("HGMMA", "UTMALDG", "STSM", "MUFU", "BAR", "SYNCS"):
-        assert res["sass"].get(kind) == std["sass"].get(kind), kind
+        # the standard's split share divides the unit's keys by the grid's splits (one
+        # MUFU.RCP); the list brings its keys per split
+        extra = 1 if kind == "MUFU" else 0
+        assert res["sass"].get(kind) == std["sass"].get(kind) - extra, kind
 
 
 def test_worklist_grid_is_the_capacity_times_the_head_blocks():

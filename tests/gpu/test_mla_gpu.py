@@ -716,3 +716,23 @@ def test_worklist_in_a_cuda_graph(monkeypatch):
         low, _ = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE, upcast=False)
         _check(out, lse, want, want_lse, low)
     launch._plans.clear()
+
+
+@pytest.mark.parametrize(("ps", "s_q", "hq"), [(64, 1, 16), (64, 2, 16), (64, 1, 128), (1, 1, 16)])
+def test_a_wide_table_around_short_sequences(ps, s_q, hq):
+    """A serving engine's captured graph passes a table sized for its longest context (163840
+    tokens) around short sequences: the splits come from the width, each sequence's keys spread
+    over them by its own length (whole tiles); garbage page ids past each sequence's pages."""
+    b, width = 8, 163840
+    lens = [700, 1, 4096, 0, 300, 2500, 129, 1000]
+    qn, qp, ckv, kpe, table, seq = _problem(b, hq, ps, lens, s_q, False, torch.bfloat16, seed=5)
+    g = torch.Generator(device="cuda").manual_seed(6)
+    wide = torch.randint(0, ckv.shape[0], (b, width // ps), device="cuda", generator=g)
+    wide[:, : table.shape[1]] = table  # random page ids past the narrow table's width
+    wide = wide.to(torch.int32)
+    out = torch.full((*qn.shape[:-1], 512), float("nan"), device="cuda", dtype=torch.bfloat16)
+    _, lse = op.mla_decode(qn, qp, ckv, kpe, wide, seq, softmax_scale=SCALE, out=out,
+                           return_lse=True)  # fmt: skip
+    want, want_lse = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
+    low, _ = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE, upcast=False)
+    _check(out, lse, want, want_lse, low)

@@ -457,3 +457,46 @@ def test_paged_speculative_merge_rows_candidate(causal, q_lens, k_lens, hq, hkv)
     got = op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu, max_seqlen_q=max(q_lens),
                              causal=causal)  # fmt: skip
     assert torch.equal(got, out)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("qtokens", [1, 2])
+def test_a_wide_table_around_short_sequences(fp8, qtokens):
+    """A serving engine's captured graph passes a table sized for its longest context (131072
+    tokens here) around short sequences: the splits come from the width, each sequence's keys
+    spread over them by its own length; garbage page ids past each sequence's pages."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    b, hq, hkv, d, ps, width = 8, 32, 8, 128, 16, 131072
+    lens = [700, 1, 4096, 0, 300, 2500, 129, 1000]
+    pages = sum(-(-n // ps) for n in lens) + 3
+    dtype = torch.bfloat16
+    k = torch.randn(pages, ps, hkv, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(pages, ps, hkv, d, device="cuda", dtype=dtype, generator=g)
+    scales = {}
+    if fp8:
+        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+        scales = {"k_scale": 0.7, "v_scale": 1.3}
+    table = torch.randint(0, pages, (b, width // ps), device="cuda", generator=g)
+    perm = torch.randperm(pages, device="cuda", generator=g)
+    start = 0
+    for i, n in enumerate(lens):
+        n_pages = -(-n // ps)
+        table[i, :n_pages] = perm[start : start + n_pages]
+        start += n_pages
+    table = table.to(torch.int32)
+    seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    kw = {}
+    if qtokens > 1:
+        total = b * qtokens
+        q = torch.randn(total, hq, d, device="cuda", dtype=dtype, generator=g)
+        cu = torch.arange(0, total + 1, qtokens, dtype=torch.int32, device="cuda")
+        kw = {"cu_seqlens_q": cu, "max_seqlen_q": qtokens}
+    else:
+        q = torch.randn(b, hq, d, device="cuda", dtype=dtype, generator=g)
+    out = torch.full_like(q, float("nan"))
+    _, lse = op.attention_paged(q, k, v, table, seq, return_lse=True, out=out, **scales, **kw)
+    want, want_lse = paged_attention_ref(q, k, v, table, seq, **scales, **kw)
+    assert float((out.float() - want).abs().max()) < 2e-2
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3

@@ -277,8 +277,12 @@ class MlaDecodeSm90:
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         dtype = mQn.element_type
 
-        t0 = split * per_split
-        t1 = cutlass.min(t0 + per_split, kv_end)
+        # the unit's own keys over the grid's splits in whole tiles, at least per_split a split
+        # (not the table's width over them: launch.py; DSA's lists are all the plan's width)
+        share = cute.ceil_div(cute.ceil_div(kv_end, cute.arch.grid_dim()[2]), TILE) * TILE
+        per = cutlass.max(per_split, share)
+        t0 = split * per
+        t1 = cutlass.min(t0 + per, kv_end)
         tiles = cute.ceil_div(cutlass.max(t1 - t0, 0), TILE)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared)

@@ -141,8 +141,8 @@ def _plan(
     kind, dtype, units, hq, max_tokens, qtokens, device_index, fp8, page_size, form=None,
     narrow=False,
 ):  # fmt: skip
-    """(pass kernel, combine kernel or None, splits, keys per split, ostore, work list or
-    None): kind "partial"
+    """(pass kernel, combine kernel or None, splits, keys per split (the pass's per_split: of
+    a split plan the least keys a split takes), ostore, work list or None): kind "partial"
     (units = sequences, max_tokens their bound) or "sparse" (units = query tokens, max_tokens
     the top-k width), over an FP8 cache if fp8; the paged leaf's split plan over units x head
     blocks (the seesaw pass's in whole tiles). Combine None: the seesaw pass's direct form (one
@@ -170,6 +170,11 @@ def _plan(
         params = config.params_for(kind, name, heads, qtokens, tma=True, direct=True, ostore=ostore)
         return get_kernel(SPEC, params), None, splits, per, ostore, None
     combine = get_kernel(SPEC, config.params_for("combine", name))
+    if kind == "partial" and (form is None or form[0] is None):
+        # the passes spread each unit's own keys over the splits (decode.py, seesaw.py), at
+        # least this many a split: the width's per would leave a short sequence in a table
+        # sized for a long context (a serving engine's captured graph) in one split
+        per = min(per, config.MIN_TOKENS_PER_SPLIT)
     wanted = worklist_enabled() if form is None else form[2] or worklist_enabled()
     if tma and splits > 1 and wanted and (form is None or form[0] is None):
         sms = num_sms(device_index)

@@ -212,8 +212,9 @@ class MlaSeesawSm90:
         """decode.MlaDecodeSm90's arguments: mQn (rows, Hq, 512), mQp (rows, Hq, 64), mCkv
         (num_pages, page_size, 512), mKpe (num_pages, page_size, 64), one 16-bit dtype; mScale
         None; mPT int32 (batch, max_pages); mSeq int32 (batch,); mOp fp32 (splits, rows, Hq,
-        512), mLp fp32 (splits, rows, Hq) log2; per_split a multiple of TILE and page_size of
-        TILE (the launcher's contract: a tile is 64 consecutive rows of one page); mCuQ,
+        512), mLp fp32 (splits, rows, Hq) log2; per_split (the least keys a split takes: a
+        unit's own keys spread over the splits in whole tiles) a multiple of TILE and page_size
+        of TILE (the launcher's contract: a tile is 64 consecutive rows of one page); mCuQ,
         causal, q_blocks as there. Direct form: mOp (rows, Hq, 512) in q's dtype, mLp fp32
         (rows, Hq) natural log (any strides), one split (per_split covers every key)."""
         dtype = mQn.element_type
@@ -313,8 +314,15 @@ class MlaSeesawSm90:
             unit, head_block, split = self._block(mOp.shape[1] if self.direct else mOp.shape[2])
         head0 = head_block * self.h
         b, q_off, sq, sk, kv_end = self._unit(mSeq, mCuQ, causal, q_blocks, unit)
-        t0 = split * per_split
-        t1 = cutlass.min(t0 + per_split, kv_end)
+        per = per_split
+        if const_expr(not self.worklist):
+            # the unit's own keys over the grid's splits in whole tiles, at least per_split a
+            # split (not the table's width over them: launch.py); the direct form's one split
+            # covers them all
+            share = cute.ceil_div(cute.ceil_div(kv_end, cute.arch.grid_dim()[2]), TILE) * TILE
+            per = cutlass.max(per_split, share)
+        t0 = split * per
+        t1 = cutlass.min(t0 + per, kv_end)
         tiles = cute.ceil_div(cutlass.max(t1 - t0, 0), TILE)
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
 

@@ -1,9 +1,10 @@
 """Paged attention decode (sm_90a), split-KV: the plan's bookkeeping and the combine pass.
 
 The partial pass (decode.py) runs on grid (splits, Hq / H, B): split s of sequence b covers
-keys [s * per_split, min((s + 1) * per_split, seqlen)) and writes, per query row, O normalized
-(fp32) and its LSE in log2 units, -inf where it saw no key (`write_split`, from its warps'
-running max, sum and O in shared memory). Speculative decoding / MTP: sequence b brings
+keys [s * per, min((s + 1) * per, seqlen)), per = max(per_split, ceil(seqlen / splits)) (the
+sequence's own length over the splits, never under per_split), and writes, per query row, O
+normalized (fp32) and its LSE in log2 units, -inf where it saw no key (`write_split`, from its
+warps' running max, sum and O in shared memory). Speculative decoding / MTP: sequence b brings
 sq = cu_seqlens_q[b + 1] - cu_seqlens_q[b] query tokens (q packed (total_q, Hq, D)), token i
 seeing keys j <= sk - sq + i when causal (bottom-right); partial outputs are per query row,
 (splits, total_q, Hq, D).

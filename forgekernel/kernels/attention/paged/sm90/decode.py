@@ -138,7 +138,9 @@ class PagedDecodeSm90:
         (else None); mPT int32 (B, max_pages); mSeq int32 (B,); mOp fp32 (splits, rows, Hq,
         D); mLp fp32 (splits, rows, Hq) log2; mO (rows, Hq, D) in q's dtype and mLSE fp32
         (rows, Hq) (any strides), written instead when `direct` != 0 (one split: no combine);
-        group = Hq / Hkv; causal 0 / 1 (query tokens among themselves, bottom-right)."""
+        per_split the least keys a split takes (a sequence's keys spread over the grid's
+        splits, combine.py); group = Hq / Hkv; causal 0 / 1 (query tokens among themselves,
+        bottom-right)."""
         if const_expr(mK.element_type != mV.element_type):
             raise TypeError("k_cache and v_cache must share one dtype")
         if const_expr(self.fp8 != (mK.element_type == cutlass.Float8E4M3FN)):
@@ -224,8 +226,12 @@ class PagedDecodeSm90:
         dtype = mQ.element_type
 
         sk = mSeq[b]
-        t0 = split * per_split
-        t1 = cutlass.min(t0 + per_split, sk)
+        # the sequence's own keys over the grid's splits, at least per_split a split: not the
+        # table's width over them (a table sized for the longest context a server admits would
+        # leave a short sequence's keys in its first split)
+        per = cutlass.max(per_split, cute.ceil_div(sk, cute.arch.grid_dim()[0]))
+        t0 = split * per
+        t1 = cutlass.min(t0 + per, sk)
         tiles = cute.ceil_div(cutlass.max(t1 - t0, 0), TILE)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared)

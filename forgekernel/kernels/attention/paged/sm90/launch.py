@@ -18,7 +18,8 @@ _plans = PlanCache()
 
 def _plan(dtype, kv_dtype, batch, hq, hkv, d, max_tokens, qtokens, device_index, one_split,
           merge=None):  # fmt: skip
-    """(partial kernel, combine kernel or None, splits, tokens per split). One split: the
+    """(partial kernel, combine kernel or None, splits, the pass's per_split: the least
+    tokens a split takes, or with one split the table's width). One split: the
     partial pass writes out and lse itself, and no combine runs. The kernels are looked up
     here, once per problem (two compile-cache lookups cost 0.8 us a call on the CPU). merge
     (`merge_params`): None the leaf's default (`sm90.merge_rows`: "rows" on the bf16 D 128
@@ -39,6 +40,11 @@ def _plan(dtype, kv_dtype, batch, hq, hkv, d, max_tokens, qtokens, device_index,
     partial = get_kernel(SPEC, merge_params(config.params_for("partial", name, d, heads, kv,
                                                               qtokens), merge))  # fmt: skip
     combine = None if splits == 1 else get_kernel(SPEC, config.params_for("combine", name, d))
+    if combine is not None:
+        # the pass spreads each sequence's own keys over the splits, at least this many a
+        # split: the width's per would leave a short sequence in a table sized for a long
+        # context (a serving engine's captured graph) in one split
+        per = config.MIN_TOKENS_PER_SPLIT
     return partial, combine, splits, per
 
 
@@ -97,7 +103,8 @@ def paged_decode(
     v_scale. Speculative decoding / MTP: q (total_q, Hq, D) packed by cu_seqlens_q int32
     (B + 1,), at most max_seqlen_q <= 4 tokens per sequence (causal: bottom-right), out
     (total_q, Hq, D), lse any (total_q, Hq) view (OPS.md's (Hq, total_q) storage transposed).
-    The split plan bounds the lengths by the table's width (no device read). one_split: no
+    The split plan sizes the number of splits by the table's width (no device read); each
+    sequence's keys are spread over them by its own length (the kernel). one_split: no
     split-KV, the pass writes out and lse itself, each sequence's first rows only (up to the
     kernel's query tokens), where a combine writes every row (the chunked-prefill call takes
     one: the forward writes the longer sequences' rows after it). merge: None the leaf's
