@@ -526,14 +526,17 @@ def seesaw_split(q, keys, values, key_index, limit, mask_from, scale_log2, dtype
 
 
 def seesaw_partial(qn, qp, ckv, kpe, ckv_scale, pt, seq, op_, lp, scale_log2, per, page_size,
-                   cu, causal, q_blocks, *, heads, qtokens, direct=False):  # fmt: skip
+                   cu, causal, q_blocks, *, heads, qtokens, direct=False,
+                   listed=False):  # fmt: skip
     """The seesaw pass (seesaw.py) with the partial pass's arguments (test_mla_decode's
     `_partial`): CTA (sequence x query block, head block, split) reads its split's tiles as
     whole 64-row boxes of one page each (the launcher's contract: per and page_size multiples
     of 64), the rows past the sequence as stale slots (masked in S, zeroed as V), and runs
     `seesaw_split`. Only pages of the sequence are read. direct (the direct form): one split,
     op_ / lp the op's out (rows, Hq, 512) in q's dtype and natural LSE (rows, Hq), written as
-    `_write_split` does (O rounded to out's dtype, log2 LSE x ln 2)."""
+    `_write_split` does (O rounded to out's dtype, log2 LSE x ln 2). A split takes the unit's
+    own keys over the splits in whole tiles, at least `per` (the work list's form, `listed`:
+    exactly `per`, the list's keys per split)."""
     splits = 1 if direct else op_.shape[0]
     if direct:
         assert op_.dtype == qn.dtype and lp.dtype == torch.float32
@@ -554,8 +557,11 @@ def seesaw_partial(qn, qp, ckv, kpe, ckv_scale, pt, seq, op_, lp, scale_log2, pe
                 torch.cat([qn[q_off + i, h0 + h], qp[q_off + i, h0 + h]]).double()
                 if i < sq else zero for i, h in rows
             ])  # fmt: skip
+            keys = -(-kv_end // splits)  # the unit's keys over the splits, in whole tiles
+            share = -(-keys // TILE) * TILE
+            per_u = per if listed else max(per, share)
             for s in range(splits):
-                t0, t1 = s * per, min(s * per + per, kv_end)
+                t0, t1 = s * per_u, min(s * per_u + per_u, kv_end)
                 if direct:
                     assert t1 == kv_end, "the direct form's one split covers every key"
                 tiles = max(-(-(t1 - t0) // TILE), 0)

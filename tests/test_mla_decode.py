@@ -32,6 +32,7 @@ from forgekernel.kernels.attention.mla.sm90.config import (
     E4M3_TO_BF16_EXPONENT,
     FP8_ROW_BYTES,
     HEADS,
+    MIN_TOKENS_PER_SPLIT,
     OSTORE_BLOCKS,
     QTOKENS,
     ROWS,
@@ -345,8 +346,11 @@ def _partial(qn, qp, ckv, kpe, ckv_scale, pt, seq, op_, lp, scale_log2, per, pag
                 torch.cat([qn[q_off + i, h0 + h], qp[q_off + i, h0 + h]]).double()
                 if i < sq else zero for i, h in rows
             ])  # fmt: skip
+            keys = -(-kv_end // op_.shape[0])  # the unit's keys over the splits, whole tiles
+            share = -(-keys // TILE) * TILE
+            per_u = max(per, share)
             for s in range(op_.shape[0]):
-                t0, t1 = s * per, min(s * per + per, kv_end)
+                t0, t1 = s * per_u, min(s * per_u + per_u, kv_end)
                 limit = torch.tensor([
                     (min(t1, kv_end - sq + i + 1) if causal else t1) if i < sq else 0
                     for i, _ in rows
@@ -476,7 +480,30 @@ def test_decode_matches_the_reference(cpu_kernels, b, hq, page_size, lens, s_q, 
     max_tokens = table.shape[1] * page_size
     plan = tile_split_plan if page_size % TILE == 0 else split_plan
     assert params.get("tma", False) == (page_size % TILE == 0)
-    assert per == plan(b, hq // params["heads"], max_tokens, 132, 1)[1]
+    per_plan = plan(b, hq // params["heads"], max_tokens, 132, 1)[1]
+    assert per == (per_plan if params.get("direct") else min(per_plan, MIN_TOKENS_PER_SPLIT))
+
+
+@pytest.mark.parametrize(("page_size", "s_q"), [(64, 1), (16, 1), (64, 2)])
+def test_a_wide_table_spreads_each_sequence_over_the_splits(cpu_kernels, page_size, s_q):
+    """A table sized for a long context (65536 tokens) around short sequences (a serving
+    engine's captured graph): the plan's splits come from the width, the pass spreads each
+    unit's own keys over them in whole tiles (at least MIN_TOKENS_PER_SPLIT a split), so the
+    1300-key sequence takes 6 splits, not one of the width's thousands of keys."""
+    b, hq, lens = 3, 16, [700, 0, 1300]
+    qn, qp, ckv, kpe, table, seq = _problem(b, hq, page_size, lens, s_q)
+    wide = table[:, :1].expand(b, 65536 // page_size).contiguous()
+    wide[:, : table.shape[1]] = table
+    out, lse = op.mla_decode(qn, qp, ckv, kpe, wide, seq, softmax_scale=SCALE, return_lse=True)
+    want, want_lse = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
+    _assert_close(out, lse, want, want_lse)
+    params, (_, per, _), _ = cpu_kernels[-1]
+    plan = tile_split_plan if page_size % TILE == 0 else split_plan
+    splits, per_plan = plan(b, hq // params["heads"], 65536, 132, 1)
+    assert not params.get("direct") and per == MIN_TOKENS_PER_SPLIT < per_plan
+    keys = -(-1300 // splits)
+    share = max(per, -(-keys // TILE) * TILE)
+    assert -(-1300 // share) == -(-1300 // MIN_TOKENS_PER_SPLIT)
 
 
 def _fp8_cache(pages, page_size, gen, *, padded=False, as_bytes=False):

@@ -235,7 +235,7 @@ def cpu_worklist(monkeypatch):
             full_o, full_l = torch.empty_like(op_), torch.empty_like(lp)
             cu, q_blocks = args[12], args[14]
             seesaw_partial(*args[:4], None, *args[5:7], full_o, full_l, args[9], per_keys,
-                           *args[11:], **kw)  # fmt: skip
+                           *args[11:], **kw, listed=True)  # fmt: skip
             op_.fill_(float("nan"))  # stale rows: only the items' are written
             for u, s in work[schedule.HEADER : schedule.HEADER + count].tolist():
                 rows = _pass_rows(u // q_blocks, u % q_blocks, cu, kw["qtokens"], q_blocks)
