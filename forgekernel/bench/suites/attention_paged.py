@@ -84,10 +84,12 @@ def _per_sequence(x, b: int, what: str) -> tuple[int, ...]:
 
 
 def _case(b, hq, hkv, d, page, lens, *, q_lens=None, group: str = "", tag: str = "",
-          fp8: str = "") -> Case:  # fmt: skip
+          fp8: str = "", width: int = 0) -> Case:  # fmt: skip
     """lens: KV lengths, new tokens included. q_lens: None (decode: one query token a
     sequence) or each sequence's query tokens (the packed form, cu_seqlens_q). fp8: "" (a cache
-    in q's dtype) or the FP8 cache's scale granularity (SCALES)."""
+    in q's dtype) or the FP8 cache's scale granularity (SCALES). width: the tokens the page
+    table holds (0: the longest sequence's pages), as a serving engine's captured graph sizes
+    it for its longest context; entries past a sequence's pages are page 0."""
     lens = _per_sequence(lens, b, "lens")
     shape = tag or (f"L{lens[0]}" if len(set(lens)) == 1 else f"L{min(lens)}-{max(lens)}")
     name = f"b{b}-hq{hq}-hkv{hkv}-d{d}-p{page}-{shape}"
@@ -101,6 +103,9 @@ def _case(b, hq, hkv, d, page, lens, *, q_lens=None, group: str = "", tag: str =
             raise ValueError(f"fp8 scales are one of {SCALES}, got {fp8!r}")
         name += f"-kv_e4m3-per_{fp8}"
         params |= {"kv": FP8, "scale": fp8}
+    if width:
+        name += f"-w{width}"
+        params["width"] = width
     return Case(name, params, group)
 
 
@@ -135,6 +140,9 @@ DECODE_BENCH_CASES = (
     _case(32, 16, 16, 64, 16, 4096, group="head-dim"),
     _case(16, 16, 2, 256, 64, 4096, group="head-dim"),
     _case(48, 32, 8, 128, 16, MIXED, group="mixed", tag="mixed"),
+    # a decode step as a serving engine's captured graph sends it: the table 128k tokens wide
+    _case(8, 32, 8, 128, 16, 4096, group="serving", width=131072),
+    _case(32, 32, 8, 128, 16, MIXED[:32], group="serving", tag="mixed", width=131072),
     # FP8 (e4m3) caches as serving engines run them: Llama-3 8B b64 x 4k and b1 x 32k, Llama-3
     # 70B at tp 1 (GQA 8), per-tensor scales (FlashInfer's form); per-head scales ours only.
     _case(64, 32, 8, 128, 16, 4096, group="fp8", fp8="tensor"),
@@ -200,16 +208,19 @@ CHECK_CASES = (
     _case(1, 16, 2, 256, 64, (300,)),
     _case(2, 24, 8, 128, 32, (77, 700)),
     _case(4, 32, 8, 128, 16, (1, 17, 3000, 0)),
+    _case(4, 32, 8, 128, 16, (700, 0, 3000, 129), width=65536),  # each over the width's splits
     *FP8_CHECK_CASES,
     *SPEC_CHECK_CASES,
     *PREFILL_CHECK_CASES,
 )
-# every kernel variant under the sanitizers: the 16-bit partial at D 64 / 128 / 256, the FP8 one,
+# every kernel variant under the sanitizers: the 16-bit partial at D 64 / 128 / 256 (and over a
+# wide table's splits), the FP8 one,
 # the packed one at 4 query tokens (page 1, a sequence without queries, rows that see no key)
 # and at 32 rows a CTA (the merge over K's and V's buffers), the forward's paged mode at D 128 /
 # page 16 (a sequence without queries, a decode row, a partial last page) and D 256 / page 32
 SANITIZE_CASES = (
     *CHECK_CASES[:3],
+    CHECK_CASES[5],  # a 65536-token table
     FP8_CHECK_CASES[0],
     SPEC_CHECK_CASES[1],
     SPEC_CHECK_CASES[4],
@@ -234,6 +245,10 @@ def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, gen: torch
     rows = b if q_lens is None else sum(q_lens)
     q = torch.randn(rows, p["hq"], p["d"], dtype=dtype, device=device, generator=gen)
     table = perm.view(b, max_pages).to(torch.int32)
+    if p.get("width"):  # a serving graph's table: the context's width, page 0 past the pages
+        wide = torch.zeros(b, -(-p["width"] // ps), dtype=torch.int32, device=device)
+        wide[:, :max_pages] = table
+        table = wide
     seq = torch.tensor(lens, dtype=torch.int32, device=device)
     inputs = {"q": q, "k": k, "v": v, "table": table, "seqlens": seq}
     if q_lens is not None:
