@@ -495,7 +495,8 @@ def test_a_wide_table_around_short_sequences(fp8, qtokens):
         q = torch.randn(b, hq, d, device="cuda", dtype=dtype, generator=g)
     out = torch.full_like(q, float("nan"))
     _, lse = op.attention_paged(q, k, v, table, seq, return_lse=True, out=out, **scales, **kw)
-    want, want_lse = paged_attention_ref(q, k, v, table, seq, **scales, **kw)
+    cu_q = {"cu_seqlens_q": kw["cu_seqlens_q"]} if kw else {}
+    want, want_lse = paged_attention_ref(q, k, v, table, seq, **scales, **cu_q)
     assert float((out.float() - want).abs().max()) < 2e-2
     finite = torch.isfinite(want_lse)
     assert torch.equal(finite, torch.isfinite(lse))
