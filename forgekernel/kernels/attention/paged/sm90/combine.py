@@ -19,7 +19,7 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
 from cutlass.memory import SmemAllocator
 
 from forgekernel.kernels.attention.paged.sm90.config import THREADS, WARPS
@@ -129,8 +129,9 @@ class PagedCombineSm90:
        (shuffles, then WARPS values in shared memory); each thread then turns its splits into
        weights 2^(lse - top) in place and the CTA sums them (fp32, the same max shift as the
        partial pass's merge).
-    2. Per column chunk: group g walks its splits, acc += w_s O_s in fp32, a split of weight 0
-       adding 0 (its partial row may be stale: never read into the sum). Past SPLIT_CAP
+    2. Per column chunk: group g walks its splits up to the last that saw a key (the first
+       pass's third reduction), acc += w_s O_s in fp32, a split of weight 0 among them adding
+       0 (its partial row may be stale: never read into the sum). Past SPLIT_CAP
        splits the weights are remade a chunk of splits at a time from the LSEs.
     3. The groups' sums meet in shared memory; thread c < COLS adds column c's in group order,
        divides by the sum of weights and stores it in the output dtype; one thread the LSE.
@@ -165,7 +166,7 @@ class PagedCombineSm90:
         class Shared:
             w: cute.struct.Align[cute.struct.MemRange[Float32, SPLIT_CAP], 16]
             acc: cute.struct.Align[cute.struct.MemRange[Float32, 4 * THREADS], 16]
-            red: cute.struct.MemRange[Float32, 2 * WARPS]  # the max's, then the sum's
+            red: cute.struct.MemRange[Float32, 3 * WARPS]  # the max's, the last's, the sum's
 
         self.shared = Shared
         units = cutlass.max(mO.shape[0] * mO.shape[1], 1)
@@ -182,17 +183,23 @@ class PagedCombineSm90:
         storage = SmemAllocator().allocate(self.shared)
         sW = storage.w.get_tensor(cute.make_layout(SPLIT_CAP))
         sAcc = storage.acc.get_tensor(cute.make_layout((self.cols, self.groups)))
-        sRed = storage.red.get_tensor(cute.make_layout((WARPS, 2), stride=(1, WARPS)))
+        sRed = storage.red.get_tensor(cute.make_layout((WARPS, 3), stride=(1, WARPS)))
         splits = mLp.shape[0]
         gL = mLp[None, b, head]
 
         top = -Float32.inf
+        last = Float32(-1.0)  # the last split that saw a key (exact in fp32 below 2^24)
         for s in cutlass.range(tidx, splits, THREADS):
             lse = gL[s]
             if s < SPLIT_CAP:
                 sW[s] = lse
             top = cute.arch.fmax(top, lse)
+            if lse != -Float32.inf:
+                last = Float32(s)
         top = _block_reduce(top, cute.arch.fmax, sRed[None, 0], tidx)
+        # only splits up to the last with keys are read: past it every weight is 0 (a plan
+        # sized by a wide table leaves a short sequence's later splits empty)
+        used = Int32(_block_reduce(last, cute.arch.fmax, sRed[None, 1], tidx)) + 1
         total = Float32(0.0)
         for s in cutlass.range(tidx, splits, THREADS):  # each thread its own splits' slots
             lse = Float32(0.0)
@@ -205,7 +212,7 @@ class PagedCombineSm90:
                 sW[s] = w
             total += w
         # (its barrier also hands every thread the weights)
-        total = _block_reduce(total, lambda x, y: x + y, sRed[None, 1], tidx)
+        total = _block_reduce(total, lambda x, y: x + y, sRed[None, 2], tidx)
 
         group = tidx // self.vecs
         vec = tidx - group * self.vecs
@@ -214,10 +221,10 @@ class PagedCombineSm90:
             acc = cute.make_rmem_tensor(4, Float32)
             acc.fill(0.0)
             if total > 0.0:  # uniform over the CTA: no split saw a key, nothing to read
-                for c0 in cutlass.range(0, splits, SPLIT_CAP):
-                    n = cutlass.min(splits - c0, SPLIT_CAP)
+                for c0 in cutlass.range(0, used, SPLIT_CAP):
+                    n = cutlass.min(used - c0, SPLIT_CAP)
                     # sW holds splits [0, SPLIT_CAP)'s weights until a later chunk's replace them
-                    if c0 > 0 or (chunk != first and splits > SPLIT_CAP):
+                    if c0 > 0 or (chunk != first and used > SPLIT_CAP):
                         cute.arch.sync_threads()  # every thread done with the last weights
                         for s in cutlass.range(tidx, n, THREADS):
                             sW[s] = _weight(gL[c0 + s], top)
