@@ -5,7 +5,9 @@ serialization attribute, `griddepcontrol.wait` before their first global access)
 FORGEKERNEL_PDL=0, read when a problem's plan is first built, or inside `off()` (the bench's
 variant `no_pdl`: both in one process, their plans keyed apart by `forced()`). The compile key
 of a kernel built without it carries ("pdl", "off") (`key`); the PDL builds keep the key they
-had, so the standard builds are the PDL ones."""
+had, so the standard builds are the PDL ones. Without PDL only the bench variant's kernels are
+prebuilt (`build --candidates`: the leaves' `no_pdl_params`); FORGEKERNEL_PDL=0 elsewhere
+compiles its kernels at first call (the DSL needed)."""
 
 from __future__ import annotations
 
