@@ -95,14 +95,16 @@ def test_candidates_are_standard_leaves_with_one_knob():
     `PagedDecodeSm90(page_ahead=False)`, the 18:47 pass), one per standard leaf. The
     speculative leaves (2 / 4 query tokens) with merge "rows" (`merge_rows`, the launcher's
     default on them since 2026-12-04 04:39) are standard builds beside the same leaves without
-    it (the bench's variant `merge_elems`, the chunked-prefill decode rows)."""
-    from forgekernel.kernels.attention.paged.sm90 import merge_rows_params
+    it (the bench's variant `merge_elems`, the chunked-prefill decode rows). The builds without
+    PDL of the variant `no_pdl` (`no_pdl_params`, tests/test_pdl.py) are the others."""
+    from forgekernel.kernels.attention.paged.sm90 import merge_rows_params, no_pdl_params
 
     standard = set(SPEC.standard_params())
     cands = SPEC.candidate_params()
     assert cands and len(set(cands)) == len(cands) and not standard & set(cands)
+    assert set(no_pdl_params()) <= set(cands)
     inline = set()
-    for c in cands:
+    for c in (c for c in cands if c not in no_pdl_params()):
         d = dict(c)
         assert d.pop("page_ids") == "inline"
         assert (d["dtype"], d["head_dim"]) == ("bfloat16", 128)

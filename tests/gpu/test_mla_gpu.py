@@ -736,3 +736,46 @@ def test_a_wide_table_around_short_sequences(ps, s_q, hq):
     want, want_lse = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
     low, _ = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE, upcast=False)
     _check(out, lse, want, want_lse, low)
+
+
+CHAIN = 8  # calls of a chain (tests of programmatic dependent launch)
+
+
+@pytest.mark.parametrize("b, hq", [(1, 16), (1, 128), (132, 16)])
+def test_pdl_chain_is_the_serialized_chain(b, hq):
+    """Back-to-back calls, call i + 1's q_nope call i's out, every call's partials in the same
+    scratch (b1 x 4k at 16 / 128 heads: the seesaw pass and the combine; b132 at 16 heads: the
+    direct form alone): with programmatic dependent launch (runtime/pdl.py), eagerly and in a
+    CUDA graph, the chain's result equals, bit for bit, the chain without PDL with a synchronize
+    after every call. Each kernel triggers its dependents at its top, so the next may be
+    resident under it: a read before its griddepcontrol.wait would show here."""
+    pdl = importlib.import_module("forgekernel.runtime.pdl")
+    _, qp, ckv, kpe, table, seq = _problem(b, hq, 64, [4096] * b, 1, True, torch.bfloat16, 5)
+    q0 = torch.randn(b, 1, hq, 512, device="cuda", dtype=torch.bfloat16)
+    bufs = (q0.clone(), torch.empty_like(q0))
+
+    def chain(sync: bool) -> None:
+        for i in range(CHAIN):
+            op.mla_decode(bufs[i % 2], qp, ckv, kpe, table, seq, softmax_scale=SCALE,
+                          out=bufs[(i + 1) % 2])  # fmt: skip
+            if sync:
+                torch.cuda.synchronize()
+
+    with pdl.off():
+        chain(True)
+    want = bufs[CHAIN % 2].clone()
+    bufs[0].copy_(q0)
+    side = torch.cuda.Stream()  # the eager chain, also the capture's warm-up on a side stream
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain(False)
+    torch.cuda.synchronize()
+    assert torch.equal(bufs[CHAIN % 2], want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain(False)
+    bufs[0].copy_(q0)
+    bufs[1].fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(bufs[CHAIN % 2], want)

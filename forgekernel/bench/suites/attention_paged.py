@@ -68,6 +68,7 @@ from forgekernel.bench.suites.attention import causal_pairs
 from forgekernel.kernels.attention.fwd.sm90 import SPEC as FWD_SPEC
 from forgekernel.kernels.attention.paged.sm90 import SPEC
 from forgekernel.reference.flashinfer_paged import page_table_to_csr
+from forgekernel.runtime import pdl
 
 FP8 = "float8_e4m3fn"
 SCALES = ("tensor", "head")  # an FP8 cache's scale granularity: per tensor, per KV head
@@ -339,13 +340,34 @@ def _run_merge_elems(inputs: Inputs, out):
     return o, lse
 
 
+def _run_no_pdl(inputs: Inputs, out):
+    """The op with its kernels built and launched without programmatic dependent launch
+    (runtime/pdl.py `off`: the pass no longer starts under the previous kernel's tail, nor the
+    combine under the pass's): ours / this time is what PDL saves (PAGED_NOTES.md,
+    "Programmatic dependent launch")."""
+    with pdl.off():
+        return run_ours(inputs, out)
+
+
+# The latency-bound cases timed without PDL (variant `no_pdl`; its kernels: sm90.no_pdl_params):
+# one sequence of 16k / 64k keys (pass + combine), and b64 x 4k (one split: the pass alone)
+NO_PDL_CASES = (
+    "b1-hq32-hkv8-d128-p16-L16384",
+    "b1-hq32-hkv8-d128-p16-L65536",
+    "b64-hq32-hkv8-d128-p16-L4096",
+)
+
+
 def variants(case: Case) -> dict[str, Any]:
     """FP8 per-tensor cases: the scales as tensors; spec cases (16-bit caches, 2-4 query tokens
-    a sequence): the previous merge (`_run_merge_elems`)."""
+    a sequence): the previous merge (`_run_merge_elems`); NO_PDL_CASES: the kernels without
+    PDL (`_run_no_pdl`)."""
     if case.params.get("scale") == "tensor":
         return {"scales_as_tensors": _run_scale_tensors}
     if case.group == "spec" and "kv" not in case.params:
         return {"merge_elems": _run_merge_elems}
+    if case.name in NO_PDL_CASES:
+        return {"no_pdl": _run_no_pdl}
     return {}
 
 

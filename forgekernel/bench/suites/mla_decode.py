@@ -48,6 +48,7 @@ import torch
 from forgekernel.bench.suite import Case, Inputs, OpSuite
 from forgekernel.kernels.attention.mla.sm90 import SPEC
 from forgekernel.kernels.attention.mla.sm90.config import FP8_ROW_BYTES
+from forgekernel.runtime import pdl
 
 LATENT, ROPE = 512, 64
 WIDTH = LATENT + ROPE
@@ -451,13 +452,29 @@ def run_plan(form: dict[str, int | bool], inputs: Inputs, out):
         return run_ours(inputs, out)
 
 
+def run_no_pdl(inputs: Inputs, out):
+    """Ours with its kernels built and launched without programmatic dependent launch
+    (runtime/pdl.py `off`): ours / this time is what PDL saves (MLA_NOTES.md, "Programmatic
+    dependent launch")."""
+    with pdl.off():
+        return run_ours(inputs, out)
+
+
+# The latency-bound cases timed without PDL (variant `no_pdl`; its kernels: sm90.no_pdl_params):
+# one sequence of 4k keys at 16 and 128 heads, 16 of them at 16 heads (pass + combine each)
+NO_PDL_CASES = ("b1-h16-p64-L4096", "b1-h128-p64-L4096", "b16-h16-p64-L4096")
+
+
 def variants(case: Case) -> dict[str, Any]:
-    """The launcher-only plan candidates of `case` (CANDIDATES; none elsewhere): variant time /
-    our time decides their adoption. (Measured and dropped: the `pair` form, 2.4-8.8% slower on
-    every 128-head case, 2026-12-03 16:40; the `ostore` store, a variant until 14:25, is the
-    standard: MLA_NOTES.md.)"""
+    """The launcher-only plan candidates of `case` (CANDIDATES): variant time / our time decides
+    their adoption; NO_PDL_CASES: the kernels without PDL (`run_no_pdl`). (Measured and dropped:
+    the `pair` form, 2.4-8.8% slower on every 128-head case, 2026-12-03 16:40; the `ostore`
+    store, a variant until 14:25, is the standard: MLA_NOTES.md.)"""
     forms = CANDIDATES.get(case.name, {})
-    return {name: functools.partial(run_plan, form) for name, form in forms.items()}
+    out = {name: functools.partial(run_plan, form) for name, form in forms.items()}
+    if case.name in NO_PDL_CASES:
+        out["no_pdl"] = run_no_pdl
+    return out
 
 
 def suite() -> OpSuite:

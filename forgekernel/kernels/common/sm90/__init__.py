@@ -12,6 +12,8 @@
 - `warp_mma`: pieces of the mma.sync kernels that gather rows (paged / sparse caches):
   cp.async row copies into swizzled tiles, accumulators in WGMMA shape, query-row key limits.
 - `fake`: fake tensors and options for ahead-of-time compiles.
+- `pdl`: programmatic dependent launch, the device side (`griddepcontrol` wait / launch
+  dependents behind a build flag) and the contract of every kernel launched with `use_pdl`.
 
 Only `constants` is importable without the DSL; the rest import it at module load.
 """

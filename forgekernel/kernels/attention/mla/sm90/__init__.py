@@ -26,9 +26,11 @@ from forgekernel.kernels.attention.mla.sm90.config import (
     QTOKENS,
     ROWS,
     direct_blocks,
+    heads_per_cta,
     params_for,
     sparse_heads,
 )
+from forgekernel.runtime import pdl
 from forgekernel.runtime.spec import KernelSpec, Params
 
 
@@ -77,13 +79,23 @@ WORKLIST_BLOCKS = ((16, 1), (64, 1), (16, 2), (32, 2), (16, 4))
 
 
 def _candidate_params() -> list[Params]:
-    """The work list's pass and scheduling kernels (`build --candidates`)."""
+    """The work list's pass and scheduling kernels (`build --candidates`), and the builds
+    without PDL of the bench's variant `no_pdl` (`no_pdl_params`)."""
     passes = [
         params_for("partial", dtype, h, qt, tma=True, worklist=True)
         for dtype in DTYPES
         for h, qt in WORKLIST_BLOCKS
     ]
-    return passes + [params_for("worklist", "bfloat16", qtokens=qt) for qt in QTOKENS]
+    lists = [params_for("worklist", "bfloat16", qtokens=qt) for qt in QTOKENS]
+    return passes + lists + no_pdl_params()
+
+
+def no_pdl_params() -> list[Params]:
+    """The kernels of the bench's variant `no_pdl` (bf16, one query token, 16 and 128 heads: the
+    seesaw pass of 16 and 64 heads a CTA, and the combine) built without PDL (compile key pdl
+    "off", runtime/pdl.py)."""
+    passes = [params_for("partial", "bfloat16", heads_per_cta(hq), tma=True) for hq in (16, 128)]
+    return [pdl.key(p, False) for p in (*passes, params_for("combine", "bfloat16"))]
 
 
 SPEC = KernelSpec(

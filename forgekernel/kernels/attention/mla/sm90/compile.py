@@ -41,10 +41,10 @@ def _outputs(dtype, rows, hq, wide: bool = False) -> tuple:
     return o, make_fake_tensor(cutlass.Float32, (rows, hq), stride=lse_strides, assumed_align=4)
 
 
-def _combine(dtype, opts: str):
+def _combine(dtype, opts: str, pdl: bool):
     o, lse = _outputs(dtype, cute.sym_int32(), cute.sym_int32())
     return cute.compile(
-        PagedCombineSm90(D_LATENT),
+        PagedCombineSm90(D_LATENT, pdl),
         partials_o(),
         _dense(cutlass.Float32, 3),
         o,
@@ -102,13 +102,13 @@ def _work_list() -> cute.Tensor:
     return make_fake_tensor(cutlass.Int32, (cute.sym_int32(), 2), stride=(2, 1), assumed_align=8)
 
 
-def _worklist(qtokens: int, opts: str):
+def _worklist(qtokens: int, opts: str, pdl: bool):
     """The scheduling kernel (worklist.py): seqlens_k (B,), cu_seqlens_q (qtokens > 1), the
     list, the partial LSEs flat."""
     seqlens_k = make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), stride=(1,))
     lse = make_fake_tensor(cutlass.Float32, (cute.sym_int32(),), stride=(1,), assumed_align=4)
     return cute.compile(
-        MlaWorklistSm90(qtokens),
+        MlaWorklistSm90(qtokens, pdl),
         seqlens_k,
         fake.offsets() if qtokens > 1 else None,
         cutlass.Int32(1),  # causal
@@ -127,11 +127,12 @@ def _worklist(qtokens: int, opts: str):
 
 def compile_mla(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     opts = fake.options(arch, extra_options)
+    pdl = params.get("pdl") != "off"  # the key runtime/pdl.py gives a build without PDL
     if params["kind"] == "worklist":
-        return _worklist(params["qtokens"], opts)
+        return _worklist(params["qtokens"], opts, pdl)
     dtype = fake.dtype_of(params["dtype"])
     if params["kind"] == "combine":
-        return _combine(dtype, opts)
+        return _combine(dtype, opts, pdl)
     fp8 = params.get("fp8", False)
     if params["kind"] == "sparse":
         return _sparse(dtype, params["heads"], fp8, opts)
@@ -149,6 +150,7 @@ def compile_mla(params: dict, arch: str = "sm_90a", extra_options: str = ""):
             params.get("pair", False),
             params.get("ostore", False),
             worklist,
+            pdl,
         )
     else:
         kernel = MlaDecodeSm90(params["heads"], qtokens, fp8=fp8)

@@ -40,7 +40,13 @@ work list: the scheduling kernel (worklist.py, one CTA) reads seqlens_k on the d
 tiles per split by the lengths (schedule.py) and lists the (unit, split) items with keys, within
 the width plan's splits and grid; the pass's `worklist` compile takes its item from the list,
 the combine is unchanged (the list's kernel fills the partial LSEs with -inf first). One launch
-more, no host read: graph-safe (MLA_NOTES.md, "A device-side work list for ragged batches")."""
+more, no host read: graph-safe (MLA_NOTES.md, "A device-side work list for ragged batches").
+
+Programmatic dependent launch (runtime/pdl.py; unless FORGEKERNEL_PDL=0 or inside `pdl.off()`,
+read when a problem's plan is first built): the seesaw pass (every form), the scheduling kernel
+and the combine launch as dependents of the kernel before them, each waiting for it before its
+first global access (common/sm90/pdl.py); decode.py's passes (FP8 caches, pages of partial
+tiles, DSA) launch as before, their combine still a dependent."""
 
 from __future__ import annotations
 
@@ -52,6 +58,7 @@ import torch
 
 from forgekernel.kernels.attention.mla.sm90 import SPEC, config, schedule
 from forgekernel.kernels.common.sm90.constants import LOG2E
+from forgekernel.runtime import pdl
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms, on_device
 from forgekernel.runtime.plans import PlanCache
@@ -139,7 +146,7 @@ def _wide_rows(out: torch.Tensor) -> bool:
 
 def _plan(
     kind, dtype, units, hq, max_tokens, qtokens, device_index, fp8, page_size, form=None,
-    narrow=False,
+    forced=None, narrow=False,
 ):  # fmt: skip
     """(pass kernel, combine kernel or None, splits, keys per split (the pass's per_split: of
     a split plan the least keys a split takes), ostore, work list or None): kind "partial"
@@ -154,8 +161,11 @@ def _plan(
     Work list (`plan_form(worklist=True)` or FORGEKERNEL_MLA_WORKLIST=1; seesaw plans of more
     than one split): (scheduling kernel, head blocks, fewest tiles a split, CTAs a wave, the
     table's width in tiles), the
-    pass its `worklist` compile, splits the width plan's (the list's bound: schedule.py)."""
+    pass its `worklist` compile, splits the width plan's (the list's bound: schedule.py).
+    forced: `pdl.forced()`, in the key only (`pdl.enabled()` decides: the seesaw, scheduling
+    and combine kernels' compile keys, `pdl.key`)."""
     name = dtype_name(dtype)
+    on = pdl.enabled()
     heads = _heads(hq, qtokens, form)
     tma = kind == "partial" and not fp8 and page_size % config.TILE == 0 and seesaw_enabled()
     if tma and form is not None and form[0] is not None:
@@ -168,8 +178,8 @@ def _plan(
     if config.runs_direct(splits, heads, qtokens, tma) and direct_enabled():
         ostore = not narrow and config.runs_ostore(heads, qtokens) and ostore_enabled()
         params = config.params_for(kind, name, heads, qtokens, tma=True, direct=True, ostore=ostore)
-        return get_kernel(SPEC, params), None, splits, per, ostore, None
-    combine = get_kernel(SPEC, config.params_for("combine", name))
+        return get_kernel(SPEC, pdl.key(params, on)), None, splits, per, ostore, None
+    combine = get_kernel(SPEC, pdl.key(config.params_for("combine", name), on))
     if kind == "partial" and (form is None or form[0] is None):
         # the passes spread each unit's own keys over the splits (decode.py, seesaw.py), at
         # least this many a split: the width's per would leave a short sequence in a table
@@ -180,12 +190,13 @@ def _plan(
         sms = num_sms(device_index)
         tiles = max(1, -(-max_tokens // config.TILE))
         fewest = min(tiles, max(1, config.MIN_TOKENS_PER_SPLIT // config.TILE))
-        sched = get_kernel(SPEC, config.params_for("worklist", name, qtokens=qtokens))
-        partial = get_kernel(SPEC, config.params_for(kind, name, heads, qtokens, tma=tma,
-                                                     worklist=True))  # fmt: skip
+        sched = get_kernel(SPEC, pdl.key(config.params_for("worklist", name, qtokens=qtokens), on))
+        params = config.params_for(kind, name, heads, qtokens, tma=tma, worklist=True)
+        partial = get_kernel(SPEC, pdl.key(params, on))
         worklist = (sched, hq // heads, fewest, sms * config.RESIDENT, tiles)
         return partial, combine, splits, per, False, worklist
-    partial = get_kernel(SPEC, config.params_for(kind, name, heads, qtokens, fp8, tma))
+    params = config.params_for(kind, name, heads, qtokens, fp8, tma)
+    partial = get_kernel(SPEC, pdl.key(params, on or not tma))  # decode.py's: no PDL build
     return partial, combine, splits, per, False, None
 
 
@@ -260,7 +271,7 @@ def mla_decode(
     page_size = ckv_cache.shape[1]
     device = q_nope.device
     key = ("partial", q_nope.dtype, b * q_blocks, hq, page_table.shape[1] * page_size, qtokens,
-           device.index, ckv_scale is not None, page_size, _plan_form[0])  # fmt: skip
+           device.index, ckv_scale is not None, page_size, _plan_form[0], pdl.forced())  # fmt: skip
     plan = _plans.get_or_build(key, _plan)
     if plan[4] and not _wide_rows(out):  # the ostore compile's 16-byte stores: not this out
         plan = _plans.get_or_build((*key, True), _plan)
@@ -306,7 +317,7 @@ def dsa_sparse_attention(
         return
     device = q_nope.device
     key = ("sparse", q_nope.dtype, tokens, hq, topk, 1, device.index, ckv_scale is not None, 1,
-           _plan_form[0])  # fmt: skip
+           _plan_form[0], pdl.forced())  # fmt: skip
     partial, combine, splits, per, _, _ = _plans.get_or_build(key, _plan)
     with on_device(device):
         partial_o, partial_lse = _partials(splits, tokens, hq, device)

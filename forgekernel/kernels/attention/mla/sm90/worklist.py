@@ -25,6 +25,7 @@ from cutlass.memory import SmemAllocator
 
 from forgekernel.kernels.attention.mla.sm90.config import SPLIT_OVERHEAD_TILES, TILE
 from forgekernel.kernels.attention.mla.sm90.schedule import HEADER
+from forgekernel.kernels.common.sm90 import pdl
 from forgekernel.kernels.common.sm90.constants import WARP_SIZE
 
 THREADS = 128
@@ -34,10 +35,14 @@ BIG = 1 << 30  # above any cost (waves x (per + overhead) stays far below)
 
 class MlaWorklistSm90:
     """The scheduling kernel; qtokens > 1: the packed form (units = blocks of query tokens,
-    cu_seqlens_q given), as the pass's `_unit`."""
+    cu_seqlens_q given), as the pass's `_unit`. pdl (common/sm90/pdl.py): it waits at its top
+    (seqlens_k may be the previous kernel's output; a previous call's combine may still read
+    the partial LSEs it fills), then lets the pass be scheduled: the pass's CTAs, waiting on
+    this one CTA, are resident when it ends."""
 
-    def __init__(self, qtokens: int = 1):
+    def __init__(self, qtokens: int = 1, pdl: bool = True):
         self.qt = qtokens
+        self.pdl = pdl
 
     @cute.jit
     def __call__(
@@ -69,7 +74,9 @@ class MlaWorklistSm90:
 
         self.shared = Shared
         args = (mSeq, mCuQ, causal, q_blocks, head_blocks, splits, fewest, slots, width)
-        self.kernel(*args, mWork, mLp).launch(grid=(1, 1, 1), block=[THREADS, 1, 1], stream=stream)
+        self.kernel(*args, mWork, mLp).launch(
+            grid=(1, 1, 1), block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl
+        )
 
     @cute.kernel
     def kernel(
@@ -92,6 +99,8 @@ class MlaWorklistSm90:
         storage = SmemAllocator().allocate(self.shared)
         sRed = storage.red.get_tensor(cute.make_layout((WARPS, 3), stride=(1, WARPS)))
         units = mSeq.shape[0] * q_blocks
+        pdl.wait(self.pdl)
+        pdl.launch_dependents(self.pdl)
 
         for i in cutlass.range(tidx, mLp.shape[0], THREADS):
             mLp[i] = -cutlass.Float32.inf

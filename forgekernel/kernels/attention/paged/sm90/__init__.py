@@ -14,7 +14,8 @@ from forgekernel.kernels.attention.paged.sm90.config import (
     QTOKENS,
     params_for,
 )
-from forgekernel.kernels.attention.paged.sm90.rows import row_cap
+from forgekernel.kernels.attention.paged.sm90.rows import heads_for, row_cap
+from forgekernel.runtime import pdl
 from forgekernel.runtime.spec import KernelSpec, Params
 
 
@@ -42,13 +43,22 @@ def _candidate_params() -> list[Params]:
     """The 18:47 partial pass (page ids read beside the copies: compile.py's page_ids
     "inline", `PagedDecodeSm90(page_ahead=False)`) for the bf16 D 128 leaves the decode, spec
     and mixed bench cases run, which scripts/paged_spec_probe.py times against the standard
-    ones (`forgekernel build --candidates --only attention_paged_decode_sm90`)."""
-    return [
+    ones (`forgekernel build --candidates --only attention_paged_decode_sm90`); and the builds
+    without PDL of the bench's variant `no_pdl` (`no_pdl_params`)."""
+    inline = [
         tuple(sorted((*params_for("partial", "bfloat16", 128, h, "", qt), ("page_ids", "inline"))))
         for qt in QTOKENS
         for h in HEADS
         if h * qt <= row_cap(128)
     ]
+    return inline + no_pdl_params()
+
+
+def no_pdl_params() -> list[Params]:
+    """The kernels of the bench's variant `no_pdl` (Llama-3 8B's GQA 4 at bf16, D 128, one query
+    token: the pass and the combine) built without PDL (compile key pdl "off", runtime/pdl.py)."""
+    partial = params_for("partial", "bfloat16", 128, heads_for(4, 1, 128))
+    return [pdl.key(p, False) for p in (partial, params_for("combine", "bfloat16", 128))]
 
 
 def merge_rows(dtype: str, head_dim: int, kv: str, qtokens: int) -> bool:

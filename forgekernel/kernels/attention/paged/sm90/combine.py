@@ -23,7 +23,7 @@ from cutlass import Float32, Int32
 from cutlass.memory import SmemAllocator
 
 from forgekernel.kernels.attention.paged.sm90.config import THREADS, WARPS
-from forgekernel.kernels.common.sm90 import fake
+from forgekernel.kernels.common.sm90 import fake, pdl
 from forgekernel.kernels.common.sm90.constants import LN2, NUM_SMS_H100_H200
 
 
@@ -137,10 +137,15 @@ class PagedCombineSm90:
        divides by the sum of weights and stores it in the output dtype; one thread the LSE.
 
     One split: weight exp2(0) = 1, sum 1, O_0 + 0 ... = O_0, LSE lse_0 x ln 2: what the direct
-    forms write (tests/gpu/test_mla_gpu.py's bit-for-bit comparison)."""
+    forms write (tests/gpu/test_mla_gpu.py's bit-for-bit comparison).
 
-    def __init__(self, head_dim: int):
+    pdl (common/sm90/pdl.py): launched as a dependent of the partial pass; its shared-memory
+    views and indices set up, it waits for the pass before its first read of the LSEs, then
+    lets its own dependent (the next call's pass) be scheduled."""
+
+    def __init__(self, head_dim: int, pdl: bool = True):
         self.d = head_dim
+        self.pdl = pdl
         self.cols = min(head_dim, COLS)
         self.chunks = head_dim // self.cols
         self.vecs = self.cols // 4  # a group's threads: one 16-byte vector of a split each
@@ -172,7 +177,10 @@ class PagedCombineSm90:
         units = cutlass.max(mO.shape[0] * mO.shape[1], 1)
         spread = cutlass.max(cutlass.min(WAVE_CTAS // units, self.chunks), 1)
         self.kernel(mOp, mLp, mO, mLSE).launch(
-            grid=(mO.shape[1], mO.shape[0], spread), block=[THREADS, 1, 1], stream=stream
+            grid=(mO.shape[1], mO.shape[0], spread),
+            block=[THREADS, 1, 1],
+            stream=stream,
+            use_pdl=self.pdl,
         )
 
     @cute.kernel
@@ -186,6 +194,8 @@ class PagedCombineSm90:
         sRed = storage.red.get_tensor(cute.make_layout((WARPS, 3), stride=(1, WARPS)))
         splits = mLp.shape[0]
         gL = mLp[None, b, head]
+        pdl.wait(self.pdl)  # the partials and out / lse: the pass's, or a previous call's
+        pdl.launch_dependents(self.pdl)
 
         top = -Float32.inf
         last = Float32(-1.0)  # the last split that saw a key (exact in fp32 below 2^24)

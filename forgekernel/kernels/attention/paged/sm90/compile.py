@@ -33,10 +33,11 @@ def compile_paged(params: dict, arch: str = "sm_90a", extra_options: str = ""):
         lse_strides = (cute.sym_int64(), cute.sym_int64())
         return o, make_fake_tensor(cutlass.Float32, (rows, hq), stride=lse_strides, assumed_align=4)
 
+    on = params.get("pdl") != "off"  # the key runtime/pdl.py gives a build without PDL
     if params["kind"] == "combine":
         o, lse = final(b)
         return cute.compile(
-            PagedCombineSm90(d),
+            PagedCombineSm90(d, on),
             partials_o(),
             _dense(cutlass.Float32, 3),
             o,
@@ -61,6 +62,7 @@ def compile_paged(params: dict, arch: str = "sm_90a", extra_options: str = ""):
             fp8,
             params.get("page_ids") != "inline",
             params.get("merge") == "rows",
+            on,
         ),
         q,
         k,

@@ -47,6 +47,7 @@ from forgekernel.kernels.attention.paged.sm90.config import (
     WARPS,
 )
 from forgekernel.kernels.attention.paged.sm90.rows import MAX_ROWS, row_cap
+from forgekernel.kernels.common.sm90 import pdl
 from forgekernel.kernels.common.sm90.constants import LN2
 from forgekernel.kernels.common.sm90.layout import acc_to_operand_a, rows_cols, transposed
 from forgekernel.kernels.common.sm90.softmax import online_softmax, rescale_o
@@ -67,7 +68,7 @@ class PagedDecodeSm90:
 
     def __init__(
         self, head_dim: int, heads: int, qtokens: int = 1, fp8: bool = False,
-        page_ahead: bool = True, merge_rows: bool = False,
+        page_ahead: bool = True, merge_rows: bool = False, pdl: bool = True,
     ):  # fmt: skip
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim must be 64, 128 or 256, got {head_dim}")
@@ -96,6 +97,10 @@ class PagedDecodeSm90:
         if merge_rows and (fp8 or head_dim != 128):
             raise ValueError("merge_rows: 16-bit caches at D 128 only")
         self.merge_rows = merge_rows
+        # launched with PDL (common/sm90/pdl.py): the op's first kernel waits at its top for
+        # whatever kernel precedes it in the stream (q's producer, a previous call's combine
+        # still reading the partials), then lets its combine be scheduled
+        self.pdl = pdl
 
     def _fp8_shared(self, dtype):
         """Shared memory of an FP8 cache: K's and V's byte tiles in one range (seen 16-bit:
@@ -189,7 +194,9 @@ class PagedDecodeSm90:
         if const_expr(self.fp8 or (self.d == 128 and self.rows == ROWS)):
             resident = (RESIDENT_FP8 if self.fp8 else RESIDENT)[self.d]
             hint = {"min_blocks_per_mp": resident, "preferred_smem_carveout": 100}
-        self.kernel(*args).launch(grid=grid, block=[THREADS, 1, 1], stream=stream, **hint)
+        self.kernel(*args).launch(
+            grid=grid, block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl, **hint
+        )
 
     @cute.kernel
     def kernel(
@@ -215,6 +222,8 @@ class PagedDecodeSm90:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         split, head_block, b = cute.arch.block_idx()
+        pdl.wait(self.pdl)  # before the first global access (its prologue reads mCuQ, mSeq)
+        pdl.launch_dependents(self.pdl)
         head0 = head_block * self.h
         kvh = head0 // group
         q_off, sq = b, Int32(1)

@@ -1,5 +1,8 @@
 """Host launcher of the paged GQA decode: torch only (no DSL), the two kernels through the
-compile cache. Callers validate first (`forgekernel.ops.attention_paged`)."""
+compile cache. Callers validate first (`forgekernel.ops.attention_paged`). Both kernels launch
+with programmatic dependent launch (runtime/pdl.py: the pass waits at its top for the kernel
+before it, the combine for the pass) unless FORGEKERNEL_PDL=0 or inside `pdl.off()`, read when
+a problem's plan is first built."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import torch
 from forgekernel.kernels.attention.paged.sm90 import SPEC, config, merge_rows
 from forgekernel.kernels.attention.paged.sm90.rows import heads_for
 from forgekernel.kernels.common.sm90.constants import LOG2E
+from forgekernel.runtime import pdl
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms, on_device
 from forgekernel.runtime.plans import PlanCache
@@ -17,14 +21,14 @@ _plans = PlanCache()
 
 
 def _plan(dtype, kv_dtype, batch, hq, hkv, d, max_tokens, qtokens, device_index, one_split,
-          merge=None):  # fmt: skip
+          merge=None, forced=None):  # fmt: skip
     """(partial kernel, combine kernel or None, splits, the pass's per_split: the least
     tokens a split takes, or with one split the table's width). One split: the
     partial pass writes out and lse itself, and no combine runs. The kernels are looked up
     here, once per problem (two compile-cache lookups cost 0.8 us a call on the CPU). merge
     (`merge_params`): None the leaf's default (`sm90.merge_rows`: "rows" on the bf16 D 128
     speculative leaves, else ""), "rows" the warps' merge weights computed once a row, "" the
-    per-element merge."""
+    per-element merge. forced: `pdl.forced()`, in the key only (`pdl.enabled()` decides)."""
     name = dtype_name(dtype)
     kv = "float8_e4m3fn" if kv_dtype == torch.float8_e4m3fn else ""
     heads = heads_for(hq // hkv, qtokens, d, kv)
@@ -37,10 +41,12 @@ def _plan(dtype, kv_dtype, batch, hq, hkv, d, max_tokens, qtokens, device_index,
         )
     if merge is None:
         merge = "rows" if merge_rows(name, d, kv, qtokens) else ""
-    partial = get_kernel(SPEC, merge_params(config.params_for("partial", name, d, heads, kv,
-                                                              qtokens), merge))  # fmt: skip
-    combine = None if splits == 1 else get_kernel(SPEC, config.params_for("combine", name, d))
-    if combine is not None:
+    on = pdl.enabled()
+    params = merge_params(config.params_for("partial", name, d, heads, kv, qtokens), merge)
+    partial = get_kernel(SPEC, pdl.key(params, on))
+    combine = None
+    if splits > 1:
+        combine = get_kernel(SPEC, pdl.key(config.params_for("combine", name, d), on))
         # the pass spreads each sequence's own keys over the splits, at least this many a
         # split: the width's per would leave a short sequence in a table sized for a long
         # context (a serving engine's captured graph) in one split
@@ -67,7 +73,7 @@ def _plan_for(q, k_cache, page_table, batch, packed, max_seqlen_q, one_split, me
     _, page_size, hkv, _ = k_cache.shape
     _, hq, d = q.shape
     key = (q.dtype, k_cache.dtype, batch, hq, hkv, d, page_table.shape[1] * page_size, qtokens,
-           q.device.index, one_split, merge)  # fmt: skip
+           q.device.index, one_split, merge, pdl.forced())  # fmt: skip
     return _plans.get_or_build(key, _plan)
 
 

@@ -1,0 +1,54 @@
+"""Programmatic dependent launch, the host side (the device convention: kernels/common/sm90/pdl.py).
+
+The decode ops' launchers build their kernels with PDL (launched with the programmatic-stream-
+serialization attribute, `griddepcontrol.wait` before their first global access) unless
+FORGEKERNEL_PDL=0, read when a problem's plan is first built, or inside `off()` (the bench's
+variant `no_pdl`: both in one process, their plans keyed apart by `forced()`). The compile key
+of a kernel built without it carries ("pdl", "off") (`key`); the PDL builds keep the key they
+had, so the standard builds are the PDL ones. Without PDL only the bench variant's kernels are
+prebuilt (`build --candidates`: the leaves' `no_pdl_params`); FORGEKERNEL_PDL=0 elsewhere
+compiles its kernels at first call (the DSL needed)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from forgekernel.runtime.spec import Params
+
+# `off()`'s False while inside it, else None (the environment decides): in the launchers' plan keys
+_forced: list[bool | None] = [None]
+
+
+def enabled() -> bool:
+    """Whether plans built now launch their kernels with PDL: False inside `off()`, else
+    FORGEKERNEL_PDL ("0" or "1", default "1")."""
+    if _forced[0] is not None:
+        return _forced[0]
+    flag = os.environ.get("FORGEKERNEL_PDL", "1")
+    if flag not in ("0", "1"):
+        raise ValueError(f"FORGEKERNEL_PDL must be '0' or '1', got {flag!r}")
+    return flag == "1"
+
+
+def forced() -> bool | None:
+    """`off()`'s state, for plan keys (a dict lookup a call; the environment is read by
+    `enabled` only when a plan is built)."""
+    return _forced[0]
+
+
+@contextmanager
+def off() -> Iterator[None]:
+    """The calls inside build their plans without PDL (keyed apart from the default ones)."""
+    before, _forced[0] = _forced[0], False
+    try:
+        yield
+    finally:
+        _forced[0] = before
+
+
+def key(params: Params, on: bool) -> Params:
+    """A PDL-capable kernel's compile key: `params` as they are with PDL (`on`), with ("pdl",
+    "off") added without it."""
+    return params if on else tuple(sorted((*params, ("pdl", "off"))))

@@ -1,0 +1,191 @@
+"""Programmatic dependent launch of the decode chains (runtime/pdl.py, common/sm90/pdl.py): the
+switch and the compile keys on the host, the plans of the bench's `no_pdl` cases, and from the
+SASS of the standard builds (CPU, sm_90a) that each PDL kernel executes griddepcontrol.wait
+(ACQBULK) before its first global access and launch_dependents (PREEXIT) once, with the
+registers and the rest of the kernel of the build without PDL."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from forgekernel.kernels.attention.mla.sm90 import SPEC as MLA_SPEC
+from forgekernel.kernels.attention.mla.sm90.config import params_for as mla_params
+from forgekernel.kernels.attention.paged.sm90 import SPEC as PAGED_SPEC
+from forgekernel.kernels.attention.paged.sm90.config import params_for as paged_params
+from forgekernel.runtime import pdl
+
+# ---------------------------------------------------------------- the switch and the keys
+
+
+def test_the_environment_and_off(monkeypatch):
+    monkeypatch.delenv("FORGEKERNEL_PDL", raising=False)
+    assert pdl.enabled() and pdl.forced() is None
+    with pdl.off():
+        assert not pdl.enabled() and pdl.forced() is False
+    assert pdl.enabled() and pdl.forced() is None
+    monkeypatch.setenv("FORGEKERNEL_PDL", "0")
+    assert not pdl.enabled()
+    monkeypatch.setenv("FORGEKERNEL_PDL", "yes")
+    with pytest.raises(ValueError, match="FORGEKERNEL_PDL"):
+        pdl.enabled()
+
+
+def test_keys_apart_and_standard_builds_are_pdl():
+    params = paged_params("combine", "bfloat16", 128)
+    assert pdl.key(params, True) == params
+    assert dict(pdl.key(params, False)) == {**dict(params), "pdl": "off"}
+    for spec in (PAGED_SPEC, MLA_SPEC):
+        assert not any(dict(p).get("pdl") for p in spec.standard_params())
+        off = [p for p in spec.candidate_params() if dict(p).get("pdl") == "off"]
+        assert off and all(pdl.key(tuple(x for x in p if x[0] != "pdl"), False) == p for p in off)
+
+
+# ---------------------------------------------------------------- the launchers' plans
+
+
+@pytest.fixture
+def keys_only(monkeypatch):
+    """The launchers' `_plan` on an H200's 132 SMs, get_kernel returning the compile key."""
+    from forgekernel.kernels.attention.mla.sm90 import launch as mla
+    from forgekernel.kernels.attention.paged.sm90 import launch as paged
+
+    monkeypatch.delenv("FORGEKERNEL_PDL", raising=False)
+    for mod in (paged, mla):
+        monkeypatch.setattr(mod, "num_sms", lambda index: 132)
+        monkeypatch.setattr(mod, "get_kernel", lambda spec, params: params)
+    return paged, mla
+
+
+def _paged_keys(paged, b, length):
+    """The compile keys the paged plan of Llama-3 8B (32 / 8 heads, D 128, page 16) launches."""
+    bf16 = torch.bfloat16
+    partial, combine, _, _ = paged._plan(bf16, bf16, b, 32, 8, 128, length, 1, 0, False)
+    return [k for k in (partial, combine) if k is not None]
+
+
+def _mla_keys(mla, b, hq, length):
+    """The compile keys the MLA plan (16-bit combined cache, page 64) launches."""
+    plan = mla._plan("partial", torch.bfloat16, b, hq, length, 1, 0, False, 64)
+    return [k for k in (plan[0], plan[1]) if k is not None]
+
+
+PAGED_NO_PDL = ((1, 16384), (1, 65536), (64, 4096))  # the suite's NO_PDL_CASES
+MLA_NO_PDL = ((1, 16, 4096), (1, 128, 4096), (16, 16, 4096))
+
+
+def test_the_bench_cases_are_the_suites():
+    from forgekernel.bench.suites import attention_paged, mla_decode
+
+    paged = {f"b{b}-hq32-hkv8-d128-p16-L{n}" for b, n in PAGED_NO_PDL}
+    mla = {f"b{b}-h{h}-p64-L{n}" for b, h, n in MLA_NO_PDL}
+    assert set(attention_paged.NO_PDL_CASES) == paged
+    assert set(mla_decode.NO_PDL_CASES) == mla
+    for suite, names in ((attention_paged, paged), (mla_decode, mla)):
+        cases = [c for c in suite.BENCH_CASES if c.name in names]
+        assert len(cases) == len(names)
+        assert all("no_pdl" in suite.variants(c) for c in cases)
+
+
+@pytest.mark.parametrize("b, length", PAGED_NO_PDL)
+def test_paged_plans_take_prebuilt_keys(keys_only, b, length):
+    """Default plans launch standard (PDL) builds, `pdl.off()` plans the candidates without."""
+    paged, _ = keys_only
+    standard, candidates = PAGED_SPEC.standard_params(), PAGED_SPEC.candidate_params()
+    on = _paged_keys(paged, b, length)
+    assert on and all(k in standard for k in on)
+    with pdl.off():
+        off = _paged_keys(paged, b, length)
+    assert off == [pdl.key(k, False) for k in on]
+    assert all(k in candidates for k in off)
+
+
+@pytest.mark.parametrize("b, hq, length", MLA_NO_PDL)
+def test_mla_plans_take_prebuilt_keys(keys_only, b, hq, length):
+    _, mla = keys_only
+    standard, candidates = MLA_SPEC.standard_params(), MLA_SPEC.candidate_params()
+    on = _mla_keys(mla, b, hq, length)
+    assert len(on) == 2 and all(k in standard for k in on)  # the seesaw pass and the combine
+    with pdl.off():
+        off = _mla_keys(mla, b, hq, length)
+    assert off == [pdl.key(k, False) for k in on]
+    assert all(k in candidates for k in off)
+
+
+def test_mla_decode_py_passes_have_no_pdl_build(keys_only):
+    """FP8 caches take decode.py's pass (no PDL build, one key either way); its combine is
+    the PDL one unless off."""
+    _, mla = keys_only
+    plan = mla._plan("partial", torch.bfloat16, 1, 16, 4096, 1, 0, True, 64)
+    with pdl.off():
+        plan_off = mla._plan("partial", torch.bfloat16, 1, 16, 4096, 1, 0, True, 64)
+    assert plan[0] == plan_off[0] and "pdl" not in dict(plan[0])
+    assert plan_off[1] == pdl.key(plan[1], False)
+
+
+# ---------------------------------------------------------------- the compiles (CPU, sm_90a)
+
+GLOBAL = re.compile(r"\b(LDG|STG|LDGSTS|UTMALDG|UTMASTG|UBLKCP|UBLKRED|RED|ATOM)\b")
+INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(.*)$")
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    pytest.importorskip("cutlass")
+    from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text
+
+    if find_tool("cuobjdump") is None or find_tool("nvdisasm") is None:
+        pytest.skip("cuobjdump / nvdisasm not found")
+
+    def build(spec, params):
+        d = tmp_path_factory.mktemp("cubin")
+        cubin = spec.compile(params, f"--keep-cubin --dump-dir {d}").artifacts.CUBIN
+        if isinstance(cubin, bytes):
+            path = d / "k.cubin"
+            path.write_bytes(cubin)
+            cubin = str(path)
+        lines = [m.group(1) for m in map(INSTRUCTION.match, sass_text(cubin).splitlines()) if m]
+        return inspect_cubin(cubin), lines
+
+    return build
+
+
+KERNELS = {
+    "paged_pass": (PAGED_SPEC, paged_params("partial", "bfloat16", 128, 4)),
+    "paged_combine": (PAGED_SPEC, paged_params("combine", "bfloat16", 128)),
+    "mla_seesaw": (MLA_SPEC, mla_params("partial", "bfloat16", 16, tma=True)),
+    "mla_combine": (MLA_SPEC, mla_params("combine", "bfloat16")),
+}
+
+
+def _first(lines, pattern) -> int:
+    return next(i for i, line in enumerate(lines) if re.search(pattern, line))
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_wait_precedes_every_global_access(compiled, name):
+    """The standard (PDL) build: one ACQBULK (griddepcontrol.wait), before the first global
+    load, store or TMA, and one PREEXIT (launch_dependents); the build without PDL has neither
+    and the same registers, no local memory in either, the same SASS counts but the two."""
+    spec, params = KERNELS[name]
+    res, lines = compiled(spec, params)
+    joined = "\n".join(lines)
+    assert len(re.findall(r"\bACQBULK\b", joined)) == 1
+    assert len(re.findall(r"\bPREEXIT\b", joined)) == 1
+    assert _first(lines, r"\bACQBULK\b") < _first(lines, GLOBAL)
+    off, off_lines = compiled(spec, pdl.key(params, False))
+    assert not re.search(r"\b(ACQBULK|PREEXIT)\b", "\n".join(off_lines))
+    assert res["spill_bytes"] == off["spill_bytes"] == 0
+    assert res["sass"].get("LDL", 0) == res["sass"].get("STL", 0) == 0
+    assert res["registers"] == off["registers"]
+    assert res["sass"] == off["sass"]
+
+
+def test_the_scheduling_kernel_waits_before_its_first_store(compiled):
+    """The work list's kernel fills the partial LSEs first: its wait precedes that store."""
+    res, lines = compiled(MLA_SPEC, mla_params("worklist", "bfloat16"))
+    assert len([x for x in lines if re.search(r"\bACQBULK\b", x)]) == 1
+    assert _first(lines, r"\bACQBULK\b") < _first(lines, GLOBAL)
+    assert res["spill_bytes"] == 0
