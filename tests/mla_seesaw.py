@@ -525,6 +525,13 @@ def seesaw_split(q, keys, values, key_index, limit, mask_from, scale_log2, dtype
     return torch.where(seen[:, None], out, 0.0), lse
 
 
+def unit_per(per: int, kv_end: int, splits: int) -> int:
+    """The keys one split of a unit takes (decode.py, seesaw.py): the unit's own keys over the
+    grid's splits in whole tiles, at least `per` (the launcher's per_split)."""
+    keys = -(-kv_end // splits)
+    return max(per, -(-keys // TILE) * TILE)
+
+
 def seesaw_partial(qn, qp, ckv, kpe, ckv_scale, pt, seq, op_, lp, scale_log2, per, page_size,
                    cu, causal, q_blocks, *, heads, qtokens, direct=False,
                    listed=False):  # fmt: skip
@@ -557,9 +564,7 @@ def seesaw_partial(qn, qp, ckv, kpe, ckv_scale, pt, seq, op_, lp, scale_log2, pe
                 torch.cat([qn[q_off + i, h0 + h], qp[q_off + i, h0 + h]]).double()
                 if i < sq else zero for i, h in rows
             ])  # fmt: skip
-            keys = -(-kv_end // splits)  # the unit's keys over the splits, in whole tiles
-            share = -(-keys // TILE) * TILE
-            per_u = per if listed else max(per, share)
+            per_u = per if listed else unit_per(per, kv_end, splits)
             for s in range(splits):
                 t0, t1 = s * per_u, min(s * per_u + per_u, kv_end)
                 if direct:

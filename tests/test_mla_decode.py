@@ -17,7 +17,7 @@ import math
 
 import pytest
 import torch
-from mla_seesaw import seesaw_partial
+from mla_seesaw import seesaw_partial, unit_per
 from split_combine import combine_splits
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -346,9 +346,7 @@ def _partial(qn, qp, ckv, kpe, ckv_scale, pt, seq, op_, lp, scale_log2, per, pag
                 torch.cat([qn[q_off + i, h0 + h], qp[q_off + i, h0 + h]]).double()
                 if i < sq else zero for i, h in rows
             ])  # fmt: skip
-            keys = -(-kv_end // op_.shape[0])  # the unit's keys over the splits, whole tiles
-            share = -(-keys // TILE) * TILE
-            per_u = max(per, share)
+            per_u = unit_per(per, kv_end, op_.shape[0])
             for s in range(op_.shape[0]):
                 t0, t1 = s * per_u, min(s * per_u + per_u, kv_end)
                 limit = torch.tensor([

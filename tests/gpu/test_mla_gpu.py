@@ -85,8 +85,9 @@ def test_mla_decode_matches_the_reference(case, dtype):
     assert torch.all(out.transpose(1, 2)[torch.isneginf(want_lse)] == 0)
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_mla_decode_packed(causal):
+def _packed_matches_the_reference(causal, after_call=lambda: None):
+    """Five sequences of 1, 3, 0, 2, 4 query tokens over 40, 3, 10, 0, 700 keys (packed,
+    cu_seqlens_q) against the prefill reference; after_call runs between the op and the check."""
     q_lens, k_lens = [1, 3, 0, 2, 4], [40, 3, 10, 0, 700]
     _, _, ckv, kpe, table, seq = _problem(5, 16, 64, k_lens, 1, False, torch.bfloat16)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
@@ -96,9 +97,15 @@ def test_mla_decode_packed(causal):
     qn, qp = q[..., :512], q[..., 512:]
     out, lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, cu_seqlens_q=cu,
                              max_seqlen_q=4, causal=causal, return_lse=True)  # fmt: skip
+    after_call()
     want, want_lse = mla_prefill_ref(qn, qp, ckv, kpe, table, seq, cu, SCALE, causal)
     low, _ = mla_prefill_ref(qn, qp, ckv, kpe, table, seq, cu, SCALE, causal, upcast=False)
     _check(out, lse, want, want_lse, low)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_mla_decode_packed(causal):
+    _packed_matches_the_reference(causal)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -672,19 +679,7 @@ def test_worklist_uniform_is_the_standard_plan_bit_for_bit(hq, monkeypatch):
 @pytest.mark.parametrize("causal", [True, False])
 def test_worklist_packed(causal, monkeypatch):
     launch = _worklist_launch(monkeypatch)
-    q_lens, k_lens = [1, 3, 0, 2, 4], [40, 3, 10, 0, 700]
-    _, _, ckv, kpe, table, seq = _problem(5, 16, 64, k_lens, 1, False, torch.bfloat16)
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
-                      device="cuda")  # fmt: skip
-    g = torch.Generator(device="cuda").manual_seed(1)
-    q = torch.randn(int(cu[-1]), 16, 576, device="cuda", dtype=torch.bfloat16, generator=g)
-    qn, qp = q[..., :512], q[..., 512:]
-    out, lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, cu_seqlens_q=cu,
-                             max_seqlen_q=4, causal=causal, return_lse=True)  # fmt: skip
-    launch._plans.clear()
-    want, want_lse = mla_prefill_ref(qn, qp, ckv, kpe, table, seq, cu, SCALE, causal)
-    low, _ = mla_prefill_ref(qn, qp, ckv, kpe, table, seq, cu, SCALE, causal, upcast=False)
-    _check(out, lse, want, want_lse, low)
+    _packed_matches_the_reference(causal, after_call=launch._plans.clear)
 
 
 def test_worklist_in_a_cuda_graph(monkeypatch):
