@@ -211,6 +211,69 @@ def _schedule(worklist, seq, cu, causal, units, q_blocks, splits, outs) -> torch
     return work
 
 
+# the plan form of a call that brings a schedule (`make_schedule`): the work list's, keyed apart
+SCHEDULED = (None, None, True)
+
+
+def schedule_key(dtype, batch, hq, max_tokens, max_seqlen_q, packed, device_index, page_size):
+    """The plan key of a scheduled problem (as `mla_decode` builds it, form SCHEDULED) and its
+    (query tokens per CTA, query blocks)."""
+    qtokens = query_tokens(packed, max_seqlen_q, hq)
+    q_blocks = -(-max_seqlen_q // qtokens) if packed else 1
+    key = ("partial", dtype, batch * q_blocks, hq, max_tokens, qtokens, device_index, False,
+           page_size, SCHEDULED)  # fmt: skip
+    return key, qtokens, q_blocks
+
+
+def schedule_shape(batch, hq, max_pages, page_size, max_seqlen_q, packed, device_index):
+    """The shape of `make_schedule`'s list, from the shapes alone (its fake, for tracing): the
+    rows of `_plan`'s list where it takes one (the seesaw pass, more than one split), else 0."""
+    qtokens = query_tokens(packed, max_seqlen_q, hq)
+    units = batch * (-(-max_seqlen_q // qtokens) if packed else 1)
+    heads = config.heads_per_cta(hq, qtokens) if hq else 1
+    tma = page_size % config.TILE == 0 and seesaw_enabled()
+    max_tokens = max_pages * page_size
+    splits, _ = config.tile_split_plan(units, max(hq // heads, 1), max_tokens,
+                                       num_sms(device_index), config.RESIDENT)  # fmt: skip
+    if not tma or splits == 1 or batch == 0 or hq == 0:
+        return (0, 2)
+    return (schedule.capacity(units, splits) + schedule.HEADER, 2)
+
+
+def make_schedule(
+    seqlens_k: torch.Tensor,
+    hq: int,
+    max_pages: int,
+    page_size: int,
+    dtype: torch.dtype,
+    cu_seqlens_q: torch.Tensor | None,
+    max_seqlen_q: int,
+    causal: bool,
+) -> torch.Tensor:
+    """The work list of a decode step (`forgekernel.mla_decode_schedule`): one launch of the
+    scheduling kernel (worklist.py) on the current stream, no host read; int32 (capacity +
+    HEADER, 2), its own tensor (not the stream's scratch: every layer's call reads it). A plan
+    that takes no list (one split, or not the seesaw pass) gives (0, 2): the call keeps its plan."""
+    device = seqlens_k.device
+    b = seqlens_k.shape[0]
+    key, _, q_blocks = schedule_key(dtype, b, hq, max_pages * page_size, max_seqlen_q,
+                                    cu_seqlens_q is not None, device.index, page_size)  # fmt: skip
+    _, _, splits, _, _, worklist = _plans.get_or_build(key, _plan)
+    if worklist is None or b == 0 or hq == 0:
+        return torch.empty((0, 2), dtype=torch.int32, device=device)
+    sched, blocks, fewest, slots, width = worklist
+    units = b * q_blocks
+    work = torch.empty((schedule.capacity(units, splits) + schedule.HEADER, 2),
+                       dtype=torch.int32, device=device)  # fmt: skip
+    # the pass fills nothing: the launcher fills each call's partial LSEs (`mla_decode`)
+    unused_lse = torch.empty(1, dtype=torch.float32, device=device)
+    cu = None if cu_seqlens_q is None else cu_seqlens_q.contiguous()
+    with on_device(device):
+        sched(seqlens_k.contiguous(), cu, int(causal), q_blocks, blocks, splits, fewest, slots,
+              width, work, unused_lse)  # fmt: skip
+    return work
+
+
 def query_tokens(packed: bool, max_seqlen_q: int, hq: int) -> int:
     """The compiled query tokens per CTA: 1 for one query per sequence (rows = B); else the
     fewest of QTOKENS >= max(max_seqlen_q, 2) (packed rows need cu_seqlens_q even when every
@@ -238,6 +301,7 @@ def mla_decode(
     max_seqlen_q: int = 1,
     causal: bool = True,
     ckv_scale: torch.Tensor | None = None,
+    schedule_work: torch.Tensor | None = None,
 ) -> None:
     """out (rows, Hq, 512) in q's dtype (rows of 512 contiguous) and lse (rows, Hq) fp32
     (natural log; any strides) of absorbed MLA: q_nope (rows, Hq, 512), q_pe (rows, Hq, 64);
@@ -248,7 +312,9 @@ def mla_decode(
     sequence), or total_q packed by cu_seqlens_q int32 (B + 1,) with at most max_seqlen_q
     tokens per sequence (beyond QTOKENS: prefill, blocks of query tokens per CTA), token i of
     sq seeing keys j <= sk - sq + i when causal. The split plan bounds the lengths by the
-    table's width (no device read). FP8 (ckv_scale given): the module docstring, q bf16."""
+    table's width (no device read). FP8 (ckv_scale given): the module docstring, q bf16.
+    schedule_work: `make_schedule`'s list for this problem (the caller checked that it was made
+    for it): the pass takes its items from it, no scheduling kernel in this call."""
     rows, hq, _ = q_nope.shape
     b = seqlens_k.shape[0]
     if rows == 0 or b == 0 or hq == 0:
@@ -260,7 +326,8 @@ def mla_decode(
     page_size = ckv_cache.shape[1]
     device = q_nope.device
     key = ("partial", q_nope.dtype, b * q_blocks, hq, page_table.shape[1] * page_size, qtokens,
-           device.index, ckv_scale is not None, page_size, _plan_form[0])  # fmt: skip
+           device.index, ckv_scale is not None, page_size,
+           _plan_form[0] if schedule_work is None else SCHEDULED)  # fmt: skip
     plan = _plans.get_or_build(key, _plan)
     if plan[4] and not _wide_rows(out):  # the ostore compile's 16-byte stores: not this out
         plan = _plans.get_or_build((*key, True), _plan)
@@ -270,7 +337,11 @@ def mla_decode(
         # the direct form (combine None) writes out and lse itself
         outs = (out, lse) if combine is None else _partials(splits, rows, hq, device)
         seq = seqlens_k.contiguous()
-        if worklist is not None:  # the list in the scales' slot (16-bit caches: None)
+        if worklist is not None and schedule_work is not None:
+            # the step's list; the partial LSEs no item writes must weigh 0 in the combine
+            outs[1].fill_(float("-inf"))
+            ckv_scale = schedule_work
+        elif worklist is not None:  # the list in the scales' slot (16-bit caches: None)
             ckv_scale = _schedule(worklist, seq, cu, causal, b * q_blocks, q_blocks, splits, outs)
         partial(as_tma_ready(q_nope), as_tma_ready(q_pe), ckv_cache, kpe_cache, ckv_scale,
                 page_table.contiguous(), seq, *outs,

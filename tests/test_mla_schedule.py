@@ -1,0 +1,209 @@
+"""A decode step's schedule (`forgekernel.mla_decode_schedule`, `mla_decode(..., schedule=)`;
+MLA_NOTES.md, "A schedule made once a step"), on the CPU replay of test_mla_worklist (the
+scheduling kernel and the worklist pass replaced by schedule.py and the seesaw replay, every
+partial O row no item writes NaN):
+
+- one schedule, the scheduling kernel run once, read by three layers' calls (other queries,
+  other caches), the step's partial scratch poisoned with NaN before every call: each output
+  the reference's; decode, MTP 2 and packed forms, 16 and 128 heads;
+- a uniform batch's schedule gives the default plan's bits; calls without a schedule keep the
+  default plan (no worklist compile, no scheduling kernel);
+- a schedule used with a problem it was not made for raises ValueError before any launch."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from test_mla_worklist import SCALE, _assert_close, _problem, cpu_worklist  # noqa: F401
+
+import forgekernel
+from forgekernel.kernels.attention.mla.sm90 import launch as mla_launch
+from forgekernel.reference.mla import mla_decode_ref, mla_prefill_ref
+
+op = importlib.import_module("forgekernel.ops.mla")
+RAGGED = [1, 0, 300, 1000, 64, 65, 4096, 2]
+
+
+@pytest.fixture
+def stale_scratch(monkeypatch):
+    """The step's partial scratch NaN at every call's entry (another op, another layer)."""
+    make = mla_launch._partials
+
+    def poisoned(*args):
+        o, lp = make(*args)
+        o.fill_(float("nan"))
+        lp.fill_(float("nan"))
+        return o, lp
+
+    monkeypatch.setattr(mla_launch, "_partials", poisoned)
+
+
+def _layers(b, hq, lens, s_q=1, layers=3):
+    """Three layers' inputs over one batch's lengths and table shape."""
+    return [_problem(b, hq, lens, s_q, seed=seed) for seed in range(layers)]
+
+
+@pytest.mark.parametrize(("hq", "lens", "s_q"), [(16, RAGGED, 1), (128, RAGGED[:5], 1),
+                                                 (16, [700, 3, 129, 0], 2)])  # fmt: skip
+def test_one_schedule_serves_every_layer(cpu_worklist, stale_scratch, hq, lens, s_q):  # noqa: F811
+    layers = _layers(len(lens), hq, lens, s_q)
+    table, seq = layers[0][4], layers[0][5]
+    schedule = forgekernel.mla_decode_schedule(seq, hq, table, page_size=64, s_q=s_q)
+    assert len(cpu_worklist["sched"]) == 1 and schedule.work.shape[0] > 1
+    for qn, qp, ckv, kpe, table_l, seq_l in layers:
+        want, want_lse = mla_decode_ref(qn, qp, ckv, kpe, table_l, seq_l, SCALE)
+        out, lse = op.mla_decode(qn, qp, ckv, kpe, table_l, seq_l, softmax_scale=SCALE,
+                                 return_lse=True, schedule=schedule)  # fmt: skip
+        _assert_close(out, lse, want, want_lse)
+    assert len(cpu_worklist["sched"]) == 1  # made once a step, never in a layer's call
+    passes = [k for k in cpu_worklist["keys"] if k["kind"] == "partial"]
+    assert passes and all(k.get("worklist", False) for k in passes)
+
+
+def test_packed_schedule_serves_every_layer(cpu_worklist, stale_scratch):  # noqa: F811
+    q_lens, k_lens = [1, 3, 0, 2, 4], [40, 3, 10, 0, 700]
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    table, seq = _problem(5, 16, k_lens)[4:]
+    for causal in (True, False):
+        schedule = forgekernel.mla_decode_schedule(seq, 16, table, page_size=64, causal=causal,
+                                                   cu_seqlens_q=cu, max_seqlen_q=4)  # fmt: skip
+        for seed in range(3):
+            _, _, ckv, kpe, table, _ = _problem(5, 16, k_lens, seed=seed)
+            g = torch.Generator().manual_seed(10 + seed)
+            q = torch.randn(int(cu[-1]), 16, 576, generator=g).to(torch.bfloat16)
+            qn, qp = q[..., :512], q[..., 512:]
+            want, want_lse = mla_prefill_ref(qn, qp, ckv, kpe, table, seq, cu, SCALE, causal)
+            out, lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE,
+                                     cu_seqlens_q=cu, max_seqlen_q=4, causal=causal,
+                                     return_lse=True, schedule=schedule)  # fmt: skip
+            _assert_close(out, lse, want, want_lse)
+    assert len(cpu_worklist["sched"]) == 2
+
+
+def test_uniform_schedule_is_the_default_plan_bit_for_bit(cpu_worklist):  # noqa: F811
+    qn, qp, ckv, kpe, table, seq = _problem(3, 16, [300] * 3)
+    out, lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, return_lse=True)
+    assert not cpu_worklist["sched"]
+    assert not any(k.get("worklist", False) or k["kind"] == "worklist"
+                   for k in cpu_worklist["keys"])  # fmt: skip
+    schedule = forgekernel.mla_decode_schedule(seq, 16, table, page_size=64)
+    got, got_lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE,
+                                 return_lse=True, schedule=schedule)  # fmt: skip
+    assert torch.equal(got, out) and torch.equal(got_lse, lse)
+
+
+def test_one_split_plans_take_no_list(cpu_worklist):  # noqa: F811
+    """132 sequences: a plan of one split (the direct form), an empty list, the call's plan."""
+    lens = [(i * 37) % 256 for i in range(132)]
+    qn, qp, ckv, kpe, table, seq = _problem(132, 16, lens, width=4)
+    schedule = forgekernel.mla_decode_schedule(seq, 16, table, page_size=64)
+    assert schedule.work.shape == (0, 2) and not cpu_worklist["sched"]
+    want, want_lse = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
+    out, lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE,
+                             return_lse=True, schedule=schedule)  # fmt: skip
+    _assert_close(out, lse, want, want_lse)
+    assert [k for k in cpu_worklist["keys"] if k["kind"] == "partial"][-1]["direct"]
+
+
+@pytest.mark.parametrize(
+    ("b", "hq", "width", "page", "s_q", "packed"),
+    [(5, 16, 70, 64, 1, False), (1, 16, 1024, 64, 1, False), (132, 16, 4, 64, 1, False),
+     (4, 128, 40, 64, 2, False), (5, 16, 11, 64, 4, True), (3, 16, 8, 1, 1, False),
+     (16, 16, 64, 128, 1, False)],
+)  # fmt: skip
+def test_schedule_shape_is_the_list_made(cpu_worklist, b, hq, width, page, s_q, packed):  # noqa: F811
+    """The custom op's fake (shapes alone) gives the list's shape the launcher makes."""
+    seq = torch.full((b,), width * page, dtype=torch.int32)
+    cu = torch.arange(0, (b + 1) * s_q, s_q, dtype=torch.int32) if packed or s_q > 1 else None
+    work = mla_launch.make_schedule(seq, hq, width, page, torch.bfloat16, cu, s_q, True)
+    shape = mla_launch.schedule_shape(b, hq, width, page, s_q, cu is not None, None)
+    assert tuple(work.shape) == shape
+
+
+# ---------------------------------------------------------------- a schedule for another problem
+
+
+def _bad(schedule, **change):
+    """mla_decode's arguments for the problem `schedule` was made for, with `change`."""
+    p = {"b": 4, "hq": 16, "width": 8, "page": 64, "s_q": 1, "dtype": torch.bfloat16} | change
+    g = torch.Generator().manual_seed(0)
+    pages = p["b"] * p["width"]
+    qn = torch.randn(p["b"], p["s_q"], p["hq"], 512, generator=g).to(p["dtype"])
+    qp = torch.randn(p["b"], p["s_q"], p["hq"], 64, generator=g).to(p["dtype"])
+    ckv = torch.randn(pages, p["page"], 512, generator=g).to(p["dtype"])
+    kpe = torch.randn(pages, p["page"], 64, generator=g).to(p["dtype"])
+    table = torch.arange(pages, dtype=torch.int32).view(p["b"], p["width"])
+    seq = torch.full((p["b"],), 100, dtype=torch.int32)
+    return qn, qp, ckv, kpe, table, seq
+
+
+@pytest.mark.parametrize(
+    ("change", "what"),
+    [({"b": 5}, "batch 5"), ({"hq": 32}, "num_heads 32"), ({"width": 9}, "max_pages 9"),
+     ({"s_q": 2}, "s_q 2"), ({"dtype": torch.float16}, "dtype"), ({"page": 128}, "page_size")],
+)  # fmt: skip
+def test_a_schedule_for_another_problem_raises(cpu_worklist, change, what):  # noqa: F811
+    args = _bad(None)
+    schedule = forgekernel.mla_decode_schedule(args[5], 16, args[4], page_size=64)
+    made = len(cpu_worklist["keys"])
+    with pytest.raises(ValueError, match=what):
+        op.mla_decode(*_bad(None, **change), softmax_scale=SCALE, schedule=schedule)
+    assert len(cpu_worklist["keys"]) == made  # raised before any plan or launch
+
+
+def test_schedule_form_and_causal_must_match(cpu_worklist):  # noqa: F811
+    qn, qp, ckv, kpe, table, seq = _bad(None, s_q=2)
+    schedule = forgekernel.mla_decode_schedule(seq, 16, table, page_size=64, s_q=2)
+    with pytest.raises(ValueError, match="causal"):
+        op.mla_decode(qn, qp, ckv, kpe, table, seq, SCALE, causal=False, schedule=schedule)
+    cu = torch.arange(0, 10, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="packed"):
+        op.mla_decode(qn.flatten(0, 1), qp.flatten(0, 1), ckv, kpe, table, seq, SCALE,
+                      cu_seqlens_q=cu, max_seqlen_q=2, schedule=schedule)  # fmt: skip
+    with pytest.raises(TypeError, match="MlaDecodeSchedule"):
+        op.mla_decode(qn, qp, ckv, kpe, table, seq, SCALE, schedule=schedule.work)
+
+
+def test_schedule_arguments_are_checked():
+    seq, table = torch.zeros(4, dtype=torch.int32), torch.zeros(4, 8, dtype=torch.int32)
+    make = op.mla_decode_schedule
+    with pytest.raises(ValueError, match="CUDA"):
+        make(seq, 16, table, page_size=64)
+    op_check = op.check_cuda
+    try:
+        op.check_cuda = lambda name, t: None
+        with pytest.raises(ValueError, match="page_table"):
+            make(seq, 16, table[:3], page_size=64)
+        with pytest.raises(ValueError, match="num_heads"):
+            make(seq, 0, table, page_size=64)
+        with pytest.raises(ValueError, match="s_q"):
+            make(seq, 16, table, page_size=64, s_q=5)
+        with pytest.raises(ValueError, match="together"):
+            make(seq, 16, table, page_size=64, max_seqlen_q=2)
+        with pytest.raises(ValueError, match="dtype"):
+            make(seq, 16, table, page_size=64, dtype=torch.float32)
+    finally:
+        op.check_cuda = op_check
+
+
+@pytest.mark.parametrize("mode", ["real", "fake"])
+def test_schedule_traces_as_a_custom_op(cpu_worklist, mode):  # noqa: F811
+    """Traced (make_fx: torch.compile's path), the schedule is the custom op
+    forgekernel::mla_decode_schedule, its fake the list's shape; the layers' calls take it."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    qn, qp, ckv, kpe, table, seq = _problem(8, 16, RAGGED)
+
+    def step(qn, qp, ckv, kpe, table, seq):
+        schedule = forgekernel.mla_decode_schedule(seq, 16, table, page_size=64)
+        return op.mla_decode(qn, qp, ckv, kpe, table, seq, SCALE, schedule=schedule)
+
+    graph = make_fx(step, tracing_mode=mode)(qn, qp, ckv, kpe, table, seq)
+    code = graph.code
+    assert "forgekernel.mla_decode_schedule" in code and "forgekernel.mla_decode" in code
+    if mode == "real":
+        want, _ = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
+        out = graph(qn, qp, ckv, kpe, table, seq)
+        assert float((out.float() - want).abs().max()) < 2e-2
