@@ -13,6 +13,7 @@ partial O row no item writes NaN):
 from __future__ import annotations
 
 import importlib
+import random
 
 import pytest
 import torch
@@ -20,6 +21,13 @@ from test_mla_worklist import SCALE, _assert_close, _problem, cpu_worklist  # no
 
 import forgekernel
 from forgekernel.kernels.attention.mla.sm90 import launch as mla_launch
+from forgekernel.kernels.attention.mla.sm90 import schedule
+from forgekernel.kernels.attention.mla.sm90.config import (
+    MIN_TOKENS_PER_SPLIT,
+    RESIDENT,
+    TILE,
+    tile_split_plan,
+)
 from forgekernel.reference.mla import mla_decode_ref, mla_prefill_ref
 
 op = importlib.import_module("forgekernel.ops.mla")
@@ -117,9 +125,9 @@ def test_schedule_shape_is_the_list_made(cpu_worklist, b, hq, width, page, s_q, 
     """The custom op's fake (shapes alone) gives the list's shape the launcher makes."""
     seq = torch.full((b,), width * page, dtype=torch.int32)
     cu = torch.arange(0, (b + 1) * s_q, s_q, dtype=torch.int32) if packed or s_q > 1 else None
-    work = mla_launch.make_schedule(seq, hq, width, page, torch.bfloat16, cu, s_q, True)
-    shape = mla_launch.schedule_shape(b, hq, width, page, s_q, cu is not None, None)
-    assert tuple(work.shape) == shape
+    work, rows = mla_launch.make_schedule(seq, hq, width, page, torch.bfloat16, cu, s_q, True)
+    shapes = mla_launch.schedule_shapes(b, hq, width, page, s_q, cu is not None, None)
+    assert (tuple(work.shape), tuple(rows.shape)) == shapes
 
 
 # ---------------------------------------------------------------- a schedule for another problem
@@ -207,3 +215,112 @@ def test_schedule_traces_as_a_custom_op(cpu_worklist, mode):  # noqa: F811
         want, _ = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
         out = graph(qn, qp, ckv, kpe, table, seq)
         assert float((out.float() - want).abs().max()) < 2e-2
+
+
+# ---------------------------------------------------------------- the ranges form (no S bound)
+
+SMS, SLOTS = 132, 132
+RAGGED_BENCH = tuple(round(512 * 2 ** (i / 5)) for i in range(32))  # the suite's b32 ragged
+MIXED = tuple(range(100, 48 * 170, 170))  # the suite's b48 mixed
+
+
+def _ranged(lens, blocks=1, width=None, cu=None, causal=True, q_blocks=1, qtokens=1):
+    """(keys per split, items, ranges, kv_ends) of a batch's schedule."""
+    width = width or max(1, max(-(-n // TILE) for n in lens))
+    tiles = schedule.unit_tiles(lens, width, cu, causal, q_blocks, qtokens)
+    cap = schedule.ranged_capacity(len(tiles), SLOTS)
+    fewest = min(width, max(1, MIN_TOKENS_PER_SPLIT // TILE))
+    per_keys, items, ranges = schedule.ranged_plan(tiles, blocks, fewest, SLOTS, cap)
+    assert len(items) <= cap
+    return per_keys, items, ranges, schedule.kv_ends(lens, cu, causal, q_blocks, qtokens)
+
+
+def _assert_ranged_covers(per_keys, items, ranges, ends, width):
+    """Each unit's items are its splits 0 .. n - 1 in order at [first, first + n), units in
+    order; together they cover its keys (up to the table's width) exactly once."""
+    at = 0
+    for u, ((first, n), end) in enumerate(zip(ranges, ends)):
+        assert first == at and items[first : first + n] == [(u, s) for s in range(n)]
+        at += n
+        reach = min(max(end, 0), width * TILE)
+        assert n == -(-reach // per_keys)  # every split has keys, none past the reach
+    assert at == len(items)
+
+
+def test_ragged_bench_batch_spreads_the_long_sequence():
+    """b32 ragged (512 .. 37641 keys, 589 tiles wide): the width plan gives every sequence 4
+    splits (128 CTAs), the long one 148 tiles a split (makespan 150 tiles); the schedule's per
+    over the whole batch's 4503 tiles is 39 (one wave of 131 items within 164: the long
+    sequence in 16 splits, makespan 41 tiles by the wave cost). Per 17 (~35 splits) would be
+    281 items, 3 waves: 57."""
+    assert _width(32, 589) == (4, 148)
+    per_keys, items, ranges, ends = _ranged(list(RAGGED_BENCH))
+    assert per_keys == 39 * TILE and len(items) == 131 and ranges[-1][1] == 16
+    assert -(-len(items) // SLOTS) == 1
+    _assert_ranged_covers(per_keys, items, ranges, ends, 589)
+
+
+def _width(units, width, blocks=1):
+    splits, per = tile_split_plan(units, blocks, width * TILE, SMS, RESIDENT)
+    return splits, per // TILE
+
+
+@pytest.mark.parametrize(("units", "blocks", "width"),
+                         [(16, 1, 64), (16, 2, 64), (64, 1, 64), (1, 1, 1024), (3, 1, 5)])
+def test_uniform_batches_keep_the_width_plan(units, blocks, width):  # fmt: skip
+    """b16 x 4096 (and others): the width plan's per and splits, every unit the same."""
+    splits, per = _width(units, width, blocks)
+    per_keys, items, ranges, _ = _ranged([width * TILE] * units, blocks)
+    assert per_keys == per * TILE and all(n == splits for _, n in ranges)
+    assert len(items) == units * splits
+
+
+def test_mixed_batch_schedule():
+    per_keys, items, ranges, ends = _ranged(list(MIXED), width=127)
+    assert per_keys == 29 * TILE and len(items) == 130
+    _assert_ranged_covers(per_keys, items, ranges, ends, 127)
+
+
+def test_ranged_plans_cover_every_key_once():
+    rng = random.Random(3)
+    for _ in range(200):
+        b = rng.randint(1, 80)
+        lens = [rng.choice((0, 1, 64, 65, rng.randint(0, 40000))) for _ in range(b)]
+        width = max(1, max(-(-n // TILE) for n in lens))
+        blocks = rng.choice((1, 2))
+        per_keys, items, ranges, ends = _ranged(lens, blocks, width)
+        _assert_ranged_covers(per_keys, items, ranges, ends, width)
+
+
+def test_packed_row_ranges():
+    q_lens, k_lens, qt = [1, 3, 0, 2, 4], [40, 3, 10, 0, 700], 2
+    cu = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+    q_blocks = 2
+    per_keys, items, ranges, ends = _ranged(k_lens, 1, 11, cu, True, q_blocks, qt)
+    rows = schedule.row_ranges(ranges, len(k_lens) * 4, cu, q_blocks, qt)
+    for b, sq in enumerate(q_lens):
+        for t in range(sq):
+            first, n = ranges[b * q_blocks + t // qt]
+            assert rows[cu[b] + t] == (first, n, t % qt)
+    assert rows[cu[-1] :] == [None] * (len(rows) - cu[-1])
+
+
+def test_ragged_bench_batch_matches_the_reference(cpu_worklist, stale_scratch):  # noqa: F811
+    """The suite's b32 ragged batch at 16 heads through the launcher on the replay: the
+    schedule's items (the long sequence in 16 splits) and the reference's output."""
+    lens = list(RAGGED_BENCH)
+    qn, qp, ckv, kpe, table, seq = _problem(32, 16, lens)
+    schedule_ = forgekernel.mla_decode_schedule(seq, 16, table, page_size=64)
+    (per_keys, items, _), = cpu_worklist["sched"]
+    assert per_keys == 39 * TILE and sum(u == 31 for u, _ in items) == 16
+    want, want_lse = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
+    out, lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE,
+                             return_lse=True, schedule=schedule_)  # fmt: skip
+    _assert_close(out, lse, want, want_lse)
+
+
+def test_uniform_b16_schedule_keeps_the_width_plan(cpu_worklist):  # noqa: F811
+    qn, qp, ckv, kpe, table, seq = _problem(16, 16, [4096] * 16)
+    forgekernel.mla_decode_schedule(seq, 16, table, page_size=64)
+    (per_keys, items, splits), = cpu_worklist["sched"]
+    assert (splits, per_keys) == (8, 8 * TILE) and len(items) == 128

@@ -346,7 +346,8 @@ def _forward(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, scale,
     """The kernels on validated arguments: the decode form becomes the kernel's (rows, H, D) by
     views; s_q > 1 runs as the packed form (cu_seqlens_q = 0, s_q, 2 s_q, ...), its LSE rows
     transposed into (batch, H, s_q) after. ckv_scale: FlashMLA's FP8 views. out / lse: the
-    caller's (written in place: no allocation, no copy) or None. work: a schedule's list."""
+    caller's (written in place: no allocation, no copy) or None. work: a schedule's (list, row
+    ranges)."""
     o, lse = _outputs(q_nope, cu_seqlens_q, out, lse)
     launch = mla_sm90.mla_decode
     if cu_seqlens_q is not None:
@@ -375,11 +376,13 @@ def _forward(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, scale,
 class MlaDecodeSchedule:
     """A decode step's work list (`mla_decode_schedule`): `work` the scheduling kernel's int32
     list on the device ((0, 2): the problem's plan takes no list, one split or not the seesaw
-    pass), and the problem it was made for, which every `mla_decode(..., schedule=)` call
-    checks (its lengths are the caller's to keep: the list was made from seqlens_k and
-    cu_seqlens_q as they were then, on the device)."""
+    pass), `rows` each query row's item range (int32 (rows, 3)), and the problem it was made
+    for, which every `mla_decode(..., schedule=)` call checks (its lengths are the caller's to
+    keep: the list was made from seqlens_k and cu_seqlens_q as they were then, on the
+    device)."""
 
     work: torch.Tensor
+    rows: torch.Tensor
     batch: int
     num_heads: int
     max_pages: int
@@ -396,9 +399,9 @@ def _schedule_problem(schedule: object) -> tuple:
 
 
 def schedule_work(schedule, q_nope, page_table, ckv, cu_seqlens_q, mq, causal, fp8):
-    """The list `schedule` brings to this call (None without one), or ValueError when it was
-    made for another problem (batch, heads, table width, page size, query tokens, form, dtype,
-    causal where query tokens see each other, a 16-bit cache, the device)."""
+    """The (list, row ranges) `schedule` brings to this call (None without one), or ValueError
+    when it was made for another problem (batch, heads, table width, page size, query tokens,
+    form, dtype, causal where query tokens see each other, a 16-bit cache, the device)."""
     if schedule is None:
         return None
     if not isinstance(schedule, MlaDecodeSchedule):
@@ -418,7 +421,7 @@ def schedule_work(schedule, q_nope, page_table, ckv, cu_seqlens_q, mq, causal, f
         raise ValueError("a schedule serves 16-bit caches (an FP8 cache's plan takes no list)")
     if schedule.work.device != q_nope.device:
         raise ValueError(f"schedule is on {schedule.work.device}, q_nope on {q_nope.device}")
-    return schedule.work
+    return schedule.work, schedule.rows
 
 
 @torch.library.custom_op("forgekernel::mla_decode_schedule", mutates_args=())
@@ -431,17 +434,17 @@ def _schedule_op(
     max_seqlen_q: int,
     causal: bool,
     dtype: torch.dtype,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     return mla_sm90.make_schedule(seqlens_k, num_heads, max_pages, page_size, dtype,
                                   cu_seqlens_q, max_seqlen_q, causal)  # fmt: skip
 
 
 @_schedule_op.register_fake
 def _(seqlens_k, cu_seqlens_q, num_heads, max_pages, page_size, max_seqlen_q, causal, dtype):
-    shape = mla_sm90.schedule_shape(seqlens_k.shape[0], num_heads, max_pages, page_size,
-                                    max_seqlen_q, cu_seqlens_q is not None,
-                                    seqlens_k.device.index)  # fmt: skip
-    return seqlens_k.new_empty(shape)
+    shapes = mla_sm90.schedule_shapes(seqlens_k.shape[0], num_heads, max_pages, page_size,
+                                      max_seqlen_q, cu_seqlens_q is not None,
+                                      seqlens_k.device.index)  # fmt: skip
+    return seqlens_k.new_empty(shapes[0]), seqlens_k.new_empty(shapes[1])
 
 
 def mla_decode_schedule(
@@ -488,13 +491,13 @@ def mla_decode_schedule(
     check_same_device(seqlens_k=seqlens_k, page_table=page_table,
                       **({"cu_seqlens_q": cu} if cu is not None else {}))  # fmt: skip
     if _traced(seqlens_k, page_table, cu):
-        work = torch.ops.forgekernel.mla_decode_schedule(
+        work, rows = torch.ops.forgekernel.mla_decode_schedule(
             seqlens_k, cu, num_heads, page_table.shape[1], page_size, mq, bool(causal), dtype
         )
     else:
-        work = mla_sm90.make_schedule(seqlens_k, num_heads, page_table.shape[1], page_size,
+        work, rows = mla_sm90.make_schedule(seqlens_k, num_heads, page_table.shape[1], page_size,
                                       dtype, cu, mq, bool(causal))  # fmt: skip
-    return MlaDecodeSchedule(work, b, num_heads, page_table.shape[1], page_size, mq, packed,
+    return MlaDecodeSchedule(work, rows, b, num_heads, page_table.shape[1], page_size, mq, packed,
                              bool(causal), dtype)  # fmt: skip
 
 
@@ -512,16 +515,17 @@ def _decode_op(
     causal: bool,
     ckv_scale: torch.Tensor | None = None,
     schedule_work: torch.Tensor | None = None,
+    schedule_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_caches_in_place(ckv_cache, kpe_cache, ckv_scale)
+    work = None if schedule_work is None else (schedule_work, schedule_rows)
     return _forward(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, cu_seqlens_q,
-                    softmax_scale, max_seqlen_q, causal, None, ckv_scale, None,
-                    schedule_work)  # fmt: skip
+                    softmax_scale, max_seqlen_q, causal, None, ckv_scale, None, work)  # fmt: skip
 
 
 @_decode_op.register_fake
 def _(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, cu_seqlens_q, softmax_scale,
-      max_seqlen_q, causal, ckv_scale=None, schedule_work=None):  # fmt: skip
+      max_seqlen_q, causal, ckv_scale=None, schedule_work=None, schedule_rows=None):  # fmt: skip
     return _outputs(q_nope, cu_seqlens_q, None)
 
 
@@ -630,7 +634,7 @@ def _attend(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, softmax_s
     if traced:
         o, fresh = torch.ops.forgekernel.mla_decode(
             q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, scale, mq, bool(causal),
-            fp8, work,
+            fp8, *(work or (None, None)),
         )  # fmt: skip
         o, lse = into_buffers(o, fresh, out, lse)
     else:

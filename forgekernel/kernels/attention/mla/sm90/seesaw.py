@@ -134,7 +134,7 @@ class MlaSeesawSm90:
 
     def __init__(
         self, heads: int, qtokens: int = 1, direct: bool = False, pair: bool = False,
-        ostore: bool = False, worklist: bool = False,
+        ostore: bool = False, worklist: bool = False, ranges: bool = False,
     ):  # fmt: skip
         if heads * qtokens > ROWS:
             raise ValueError(f"heads x query tokens must be <= {ROWS}, got {heads} x {qtokens}")
@@ -160,6 +160,12 @@ class MlaSeesawSm90:
         if worklist and (direct or pair):
             raise ValueError("the work list is a form of the partial pass (no direct, no pair)")
         self.worklist = worklist
+        # ranges (worklist only; a decode step's schedule): the partials indexed by item,
+        # (items, qtokens, Hq, 512): the CTA writes its rows at (item, its token), not at
+        # (split, query row), and the combine reduces each row's item range
+        if ranges and not worklist:
+            raise ValueError("ranges is a form of the work list's pass")
+        self.ranges = ranges
 
     def _setup(self, dtype):
         k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
@@ -309,7 +315,7 @@ class MlaSeesawSm90:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         if const_expr(self.worklist):  # (a CTA past the list's items has left here)
-            unit, head_block, split, per_split = self._item(mWork, mOp.shape[2])
+            unit, head_block, split, per_split, item = self._item(mWork, mOp.shape[2])
         else:
             unit, head_block, split = self._block(mOp.shape[1] if self.direct else mOp.shape[2])
         head0 = head_block * self.h
@@ -444,8 +450,11 @@ class MlaSeesawSm90:
             row_sum[r] = sTotal[row, 0] + sTotal[row, 1]
         thr_pv = mma_pv.get_slice(tid)
         o_crd = rows_cols(thr_pv.partition_C(cute.make_identity_tensor((ROWS, COLS))))
+        w_split, w_off = split, q_off  # where this CTA's partial rows go
+        if const_expr(self.ranges):
+            w_split, w_off = item, 0
         self._write_split(
-            (mOp, mLp), acc_o, row_max, row_sum, o_crd, (split, q_off, sq, head0, wg, tid)
+            (mOp, mLp), acc_o, row_max, row_sum, o_crd, (w_split, w_off, sq, head0, wg, tid)
         )
         if const_expr(not self.direct):
             # every WGMMA (wait_group 0 in each warpgroup's last pair) and TMA load (each box
@@ -460,7 +469,7 @@ class MlaSeesawSm90:
             cute.arch.sync_threads()
             if warp == 0:
                 with cute.arch.elect_one():
-                    self._send_split(mOp, sO, split, q_off, sq, head0)
+                    self._send_split(mOp, sO, w_split, w_off, sq, head0)
         if const_expr(self.ostore):
             # the same retirement argument: no WGMMA or TMA load on the K buffers is in flight
             # after the __syncthreads above, so generic stores may overwrite them
@@ -515,9 +524,10 @@ class MlaSeesawSm90:
 
     @cute.jit
     def _item(self, mWork, hq):
-        """(unit, head block, split, keys per split) of this CTA from the work list (schedule.py:
-        row 0 (keys per split, items), row 1 + i item i's (unit, split)); a CTA past the items
-        exits at once (no barrier, no mbarrier, no store: every thread of it leaves here)."""
+        """(unit, head block, split, keys per split, item) of this CTA from the work list
+        (schedule.py: row 0 (keys per split, items), row 1 + i item i's (unit, split)); a CTA
+        past the items exits at once (no barrier, no mbarrier, no store: every thread of it
+        leaves here)."""
         x, _, _ = cute.arch.block_idx()
         blocks = hq // self.h
         item = x // blocks
@@ -528,6 +538,7 @@ class MlaSeesawSm90:
             x - item * blocks,
             mWork[WORK_HEADER + item, 1],
             mWork[0, 0],
+            item,
         )
 
     @cute.jit
