@@ -17,11 +17,17 @@ import random
 
 import pytest
 import torch
-from test_mla_worklist import SCALE, _assert_close, _problem, cpu_worklist  # noqa: F401
+from test_mla_worklist import (  # noqa: F401
+    SCALE,
+    _assert_close,
+    _problem,
+    compiles,
+    cpu_worklist,
+)
 
 import forgekernel
 from forgekernel.kernels.attention.mla.sm90 import launch as mla_launch
-from forgekernel.kernels.attention.mla.sm90 import schedule
+from forgekernel.kernels.attention.mla.sm90 import params_for, schedule
 from forgekernel.kernels.attention.mla.sm90.config import (
     MIN_TOKENS_PER_SPLIT,
     RESIDENT,
@@ -324,3 +330,46 @@ def test_uniform_b16_schedule_keeps_the_width_plan(cpu_worklist):  # noqa: F811
     forgekernel.mla_decode_schedule(seq, 16, table, page_size=64)
     (per_keys, items, splits), = cpu_worklist["sched"]
     assert (splits, per_keys) == (8, 8 * TILE) and len(items) == 128
+
+
+def test_bench_variant_makes_the_schedule_once(cpu_worklist):  # noqa: F811
+    """The suite's `schedule` variant: the schedule made on the input set's first call, the
+    later (timed) calls mla_decode's alone; its output the default path's within the bound."""
+    from forgekernel.bench.suites import mla_decode as suite
+
+    case = suite._case(6, 16, 64, (100, 3000, 64, 0, 1500, 700), tag="tiny")
+    inputs = suite.make_inputs(case, torch.bfloat16, torch.device("cpu"),
+                               torch.Generator().manual_seed(0))  # fmt: skip
+    want = suite.run_ours(inputs, None)
+    for _ in range(3):
+        got = suite.run_scheduled(inputs, None)
+        assert float((got[0].float() - want[0].float()).abs().max()) < 2e-2
+    assert len(cpu_worklist["sched"]) == 1
+
+
+# ---------------------------------------------------------------- the compiles (CPU, sm_90a)
+
+
+@pytest.mark.parametrize("qtokens", [1, 2])
+def test_ranged_scheduling_kernel_compiles(compiles, qtokens):  # noqa: F811
+    res = compiles(params_for("worklist", "bfloat16", qtokens=qtokens, ranges=True))
+    assert res["spill_bytes"] == 0 and res["registers"] <= 64
+
+
+@pytest.mark.parametrize("qtokens", [1, 2])
+def test_ranged_pass_is_the_worklist_pass_but_its_write(compiles, qtokens):  # noqa: F811
+    """The pass's ranges form: the work-list pass's main loop, its partial rows at (item, token)
+    instead of (split, query row)."""
+    res = compiles(params_for("partial", "bfloat16", 16, qtokens, tma=True, worklist=True,
+                              ranges=True))  # fmt: skip
+    std = compiles(params_for("partial", "bfloat16", 16, qtokens, tma=True, worklist=True))
+    assert res["spill_bytes"] == 0 and res["registers"] <= 255
+    for kind in ("HGMMA", "UTMALDG", "STSM", "MUFU", "BAR", "SYNCS"):
+        assert res["sass"].get(kind) == std["sass"].get(kind), kind
+
+
+def test_ranged_combine_compiles(compiles):  # noqa: F811
+    """The combine's ranges form: at most 64 registers (8 CTAs of 128 threads an SM, as the
+    split form's WAVE_CTAS assumes), no spills."""
+    res = compiles(params_for("combine", "bfloat16", ranges=True))
+    assert res["spill_bytes"] == 0 and res["registers"] <= 64

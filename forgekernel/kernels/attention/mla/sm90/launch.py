@@ -40,7 +40,16 @@ work list: the scheduling kernel (worklist.py, one CTA) reads seqlens_k on the d
 tiles per split by the lengths (schedule.py) and lists the (unit, split) items with keys, within
 the width plan's splits and grid; the pass's `worklist` compile takes its item from the list,
 the combine is unchanged (the list's kernel fills the partial LSEs with -inf first). One launch
-more, no host read: graph-safe (MLA_NOTES.md, "A device-side work list for ragged batches")."""
+more, no host read: graph-safe (MLA_NOTES.md, "A device-side work list for ragged batches").
+
+A decode step's schedule (`make_schedule`, `forgekernel.mla_decode_schedule`): the scheduling
+kernel's `ranges` form, launched once a step, its list read by every layer's call (form
+SCHEDULED, keyed apart; no scheduling kernel in the call): no bound from the width plan's splits
+(the per over the whole batch's tiles, the list's capacity slots + units items), the pass's
+`ranges` compile writing its partial at its item ((items, qtokens, Hq, 512) scratch), the
+combine's `ranges` compile reducing each query row's item range. Taken where the width plan
+splits (a plan of one split keeps its direct form; the list is then empty). MLA_NOTES.md, "A
+decode step's schedule, built"."""
 
 from __future__ import annotations
 
@@ -154,7 +163,9 @@ def _plan(
     Work list (`plan_form(worklist=True)` or FORGEKERNEL_MLA_WORKLIST=1; seesaw plans of more
     than one split): (scheduling kernel, head blocks, fewest tiles a split, CTAs a wave, the
     table's width in tiles), the
-    pass its `worklist` compile, splits the width plan's (the list's bound: schedule.py)."""
+    pass its `worklist` compile, splits the width plan's (the list's bound: schedule.py); form
+    SCHEDULED (a schedule's call): the scheduler, the pass and the combine in their `ranges`
+    compiles."""
     name = dtype_name(dtype)
     heads = _heads(hq, qtokens, form)
     tma = kind == "partial" and not fp8 and page_size % config.TILE == 0 and seesaw_enabled()
