@@ -271,8 +271,9 @@ def _width(units, width, blocks=1):
     return splits, per // TILE
 
 
-@pytest.mark.parametrize(("units", "blocks", "width"),
-                         [(16, 1, 64), (16, 2, 64), (64, 1, 64), (1, 1, 1024), (3, 1, 5)])
+@pytest.mark.parametrize(
+    ("units", "blocks", "width"), [(16, 1, 64), (16, 2, 64), (64, 1, 64), (1, 1, 1024), (3, 1, 5)]
+)
 def test_uniform_batches_keep_the_width_plan(units, blocks, width):  # fmt: skip
     """b16 x 4096 (and others): the width plan's per and splits, every unit the same."""
     splits, per = _width(units, width, blocks)
@@ -317,7 +318,7 @@ def test_ragged_bench_batch_matches_the_reference(cpu_worklist, stale_scratch): 
     lens = list(RAGGED_BENCH)
     qn, qp, ckv, kpe, table, seq = _problem(32, 16, lens)
     schedule_ = forgekernel.mla_decode_schedule(seq, 16, table, page_size=64)
-    (per_keys, items, _), = cpu_worklist["sched"]
+    ((per_keys, items, _),) = cpu_worklist["sched"]
     assert per_keys == 39 * TILE and sum(u == 31 for u, _ in items) == 16
     want, want_lse = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
     out, lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE,
@@ -328,7 +329,7 @@ def test_ragged_bench_batch_matches_the_reference(cpu_worklist, stale_scratch): 
 def test_uniform_b16_schedule_keeps_the_width_plan(cpu_worklist):  # noqa: F811
     qn, qp, ckv, kpe, table, seq = _problem(16, 16, [4096] * 16)
     forgekernel.mla_decode_schedule(seq, 16, table, page_size=64)
-    (per_keys, items, splits), = cpu_worklist["sched"]
+    ((per_keys, items, splits),) = cpu_worklist["sched"]
     assert (splits, per_keys) == (8, 8 * TILE) and len(items) == 128
 
 
