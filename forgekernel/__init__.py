@@ -1,6 +1,7 @@
 """ForgeKernel: CuTe DSL kernels for NVIDIA Hopper (sm_90a)."""
 
 from forgekernel.ops import (
+    MlaDecodeSchedule,
     attention,
     attention_backward,
     attention_paged,
@@ -34,6 +35,7 @@ from forgekernel.ops import (
     kimi_delta_attention,
     kimi_delta_attention_backward,
     mla_decode,
+    mla_decode_schedule,
     mla_prefill,
     quantize_fp4_weights,
     tune_gemm,
@@ -73,7 +75,9 @@ __all__ = [
     "grouped_gemm_fp8",
     "kimi_delta_attention",
     "kimi_delta_attention_backward",
+    "MlaDecodeSchedule",
     "mla_decode",
+    "mla_decode_schedule",
     "mla_prefill",
     "quantize_fp4_weights",
     "tune_gemm",

@@ -993,16 +993,17 @@ def test_plan_form_rejects_blocks_that_do_not_fit(cpu_kernels):
 
 
 def test_suite_candidates_are_bench_cases():
-    """CANDIDATES name bench cases of the seesaw pass (16-bit, page 64), as NO_PDL_CASES (the
-    variant `no_pdl`, tests/test_pdl.py); every other case has no variant (the `pair` one is
-    gone)."""
+    """CANDIDATES, SCHEDULED (the `schedule` variant) and NO_PDL_CASES (the variant `no_pdl`,
+    tests/test_pdl.py) name bench cases of the seesaw pass (16-bit, page 64); every other case
+    has no variant (the `pair` one is gone)."""
     names = {c.name: c for c in mla_decode.BENCH_CASES}
-    assert set(mla_decode.CANDIDATES) <= set(names)
+    assert set(mla_decode.CANDIDATES) | set(mla_decode.SCHEDULED) <= set(names)
     assert set(mla_decode.NO_PDL_CASES) <= set(names)
     for name, case in names.items():
         got = set(mla_decode.variants(case))
+        scheduled = {"schedule"} if name in mla_decode.SCHEDULED else set()
         no_pdl = {"no_pdl"} if name in mla_decode.NO_PDL_CASES else set()
-        assert got == set(mla_decode.CANDIDATES.get(name, {})) | no_pdl, name
+        assert got == set(mla_decode.CANDIDATES.get(name, {})) | scheduled | no_pdl, name
         if got:
             assert case.params["page"] % TILE == 0 and case.params["cache"] == "combined"
 

@@ -694,7 +694,7 @@ def test_partial_epilogue_is_the_kernels():
         "cute.arch.sync_threads()",
         "if warp == 0:",
         "with cute.arch.elect_one():",
-        "self._send_split(mOp, sO, split, q_off, sq, head0)",
+        "self._send_split(mOp, sO, w_split, w_off, sq, head0)",
     ]
     _assert_in_order(staged, order)
     ((tests, withs),) = _enclosing(seesaw.MlaSeesawSm90.kernel, "_send_split")

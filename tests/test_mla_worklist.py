@@ -15,6 +15,7 @@ on the CPU:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import random
@@ -182,6 +183,60 @@ def test_the_mixed_batch_plan():
 # ---------------------------------------------------------------- the launcher on the replay
 
 
+def ranged_schedule(calls, qtokens, seq, cu, causal, q_blocks, blocks, splits, fewest, slots,
+                    width, work, rows):  # fmt: skip
+    """The scheduling kernel's `ranges` form (a decode step's schedule): schedule.py's
+    `ranged_plan` into the list, each query row's item range into `rows`; list rows past the
+    items and table rows no unit has: -7 (never read)."""
+    cu_l = None if cu is None else cu.tolist()
+    tiles = schedule.unit_tiles(seq.tolist(), width, cu_l, bool(causal), q_blocks, qtokens)
+    cap = work.shape[0] - schedule.HEADER
+    assert cap == schedule.ranged_capacity(len(tiles), slots)
+    per_keys, items, ranges = schedule.ranged_plan(tiles, blocks, fewest, slots, cap)
+    assert len(items) <= cap
+    work.fill_(-7)
+    rows.fill_(-7)
+    work[0] = torch.tensor([per_keys, len(items)])
+    for i, item in enumerate(items):
+        work[schedule.HEADER + i] = torch.tensor(item)
+    for r, row in enumerate(schedule.row_ranges(ranges, rows.shape[0], cu_l, q_blocks, qtokens)):
+        if row is not None:
+            rows[r] = torch.tensor(row)
+    calls["sched"].append((per_keys, items, splits))
+
+
+def ranged_partial(args, kw):
+    """The pass's `ranges` form: item i = (unit, split) writes its unit's rows' partials at
+    (i, query token); every other partial row NaN (no fill: the combine reads only items)."""
+    work, op_, lp = args[4], args[7], args[8]
+    per_keys, count = int(work[0, 0]), int(work[0, 1])
+    listed = work[schedule.HEADER : schedule.HEADER + count].tolist()
+    rows_q, hq = args[0].shape[0], args[0].shape[1]
+    splits = max((s for _, s in listed), default=0) + 1
+    full_o = torch.empty(splits, rows_q, hq, op_.shape[-1])
+    full_l = torch.empty(splits, rows_q, hq)
+    cu, q_blocks = args[12], args[14]
+    seesaw_partial(*args[:4], None, *args[5:7], full_o, full_l, args[9], per_keys, *args[11:],
+                   **kw, listed=True)  # fmt: skip
+    op_.fill_(float("nan"))
+    lp.fill_(float("nan"))
+    for i, (u, s) in enumerate(listed):
+        rows = _pass_rows(u // q_blocks, u % q_blocks, cu, kw["qtokens"], q_blocks)
+        op_[i, : len(rows)] = full_o[s, rows]
+        lp[i, : len(rows)] = full_l[s, rows]
+
+
+def combine_ranges(op_, lp, out, lse, rows):
+    """The combine's `ranges` form: row r reduces items [first, first + items) of its token."""
+    for r in range(out.shape[0]):
+        first, n, token = rows[r].tolist()
+        assert n >= 0 and 0 <= first and first + n <= op_.shape[0]
+        o, lo = op_[first : first + n, token][:, None], lp[first : first + n, token][:, None]
+        if n == 0:
+            o, lo = op_[:1, 0][:, None] * 0, torch.full_like(lp[:1, 0][:, None], -math.inf)
+        combine_splits(o, lo, out[r : r + 1], lse[r : r + 1])
+
+
 def _pass_rows(b, blk, cu, qtokens, q_blocks):
     """Query rows of unit (b, blk)."""
     if cu is None:
@@ -202,7 +257,9 @@ def cpu_worklist(monkeypatch):
         p = dict(params)
         calls["keys"].append(p)
         if p["kind"] == "combine":
-            return combine_splits
+            return combine_ranges if p.get("ranges", False) else combine_splits
+        if p["kind"] == "worklist" and p.get("ranges", False):
+            return functools.partial(ranged_schedule, calls, p["qtokens"])
         if p["kind"] == "worklist":
 
             def sched(seq, cu, causal, q_blocks, blocks, splits, fewest, slots, width, work, lp):
@@ -229,6 +286,8 @@ def cpu_worklist(monkeypatch):
                 return seesaw_partial(*args, **kw, direct=True)
             if not p.get("worklist", False):
                 return seesaw_partial(*args, **kw)
+            if p.get("ranges", False):
+                return ranged_partial(args, kw)
             work, op_, lp = args[4], args[7], args[8]
             assert torch.isneginf(lp).all()  # the scheduling kernel ran first
             per_keys, count = int(work[0, 0]), int(work[0, 1])

@@ -29,7 +29,7 @@ from forgekernel.ops.gemm_fp8_grouped import gemm_fp8_grouped, grouped_gemm_fp8
 from forgekernel.ops.gemm_fp8_grouped_masked import gemm_fp8_grouped_masked
 from forgekernel.ops.kda_bwd import kimi_delta_attention_backward
 from forgekernel.ops.kda_chunked import kimi_delta_attention
-from forgekernel.ops.mla import mla_decode, mla_prefill
+from forgekernel.ops.mla import MlaDecodeSchedule, mla_decode, mla_decode_schedule, mla_prefill
 
 __all__ = [
     "attention",
@@ -64,7 +64,9 @@ __all__ = [
     "grouped_gemm_fp8",
     "kimi_delta_attention",
     "kimi_delta_attention_backward",
+    "MlaDecodeSchedule",
     "mla_decode",
+    "mla_decode_schedule",
     "mla_prefill",
     "quantize_fp4_weights",
     "tune_gemm",

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 
 import torch
 
@@ -341,32 +342,163 @@ def _flat_rows(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def _forward(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, scale, max_seqlen_q,
-             causal, out, ckv_scale=None, lse=None):  # fmt: skip
+             causal, out, ckv_scale=None, lse=None, work=None):  # fmt: skip
     """The kernels on validated arguments: the decode form becomes the kernel's (rows, H, D) by
     views; s_q > 1 runs as the packed form (cu_seqlens_q = 0, s_q, 2 s_q, ...), its LSE rows
     transposed into (batch, H, s_q) after. ckv_scale: FlashMLA's FP8 views. out / lse: the
-    caller's (written in place: no allocation, no copy) or None."""
+    caller's (written in place: no allocation, no copy) or None. work: a schedule's (list, row
+    ranges)."""
     o, lse = _outputs(q_nope, cu_seqlens_q, out, lse)
     launch = mla_sm90.mla_decode
     if cu_seqlens_q is not None:
         launch(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, scale, o, lse.t(), cu_seqlens_q,
-               max_seqlen_q, causal, ckv_scale)  # fmt: skip
+               max_seqlen_q, causal, ckv_scale, work)  # fmt: skip
         return o, lse
     b, s_q, hq, d = q_nope.shape
     if s_q == 1:  # squeeze: the cheapest view (0.8 us on the CPU against 1.05 for o[:, 0])
         launch(q_nope.squeeze(1), q_pe.squeeze(1), ckv, kpe, page_table, seqlens_k, scale,
-               o.squeeze(1), lse.squeeze(2), None, 1, causal, ckv_scale)  # fmt: skip
+               o.squeeze(1), lse.squeeze(2), None, 1, causal, ckv_scale, work)  # fmt: skip
         return o, lse
     o_rows = _flat_rows(o)
     target = o_rows if o_rows is not None else o.new_empty((b * s_q, hq, d))
     lse_rows = lse.new_empty((b * s_q, hq))
     cu = torch.arange(0, (b + 1) * s_q, s_q, dtype=torch.int32, device=q_nope.device)
     launch(q_nope.reshape(b * s_q, hq, d), q_pe.reshape(b * s_q, hq, D_ROPE), ckv, kpe,
-           page_table, seqlens_k, scale, target, lse_rows, cu, s_q, causal, ckv_scale)  # fmt: skip
+           page_table, seqlens_k, scale, target, lse_rows, cu, s_q, causal, ckv_scale,
+           work)  # fmt: skip
     if o_rows is None:
         o.copy_(target.view(b, s_q, hq, d))
     lse.copy_(lse_rows.view(b, s_q, hq).transpose(1, 2))
     return o, lse
+
+
+@dataclass(frozen=True, eq=False)
+class MlaDecodeSchedule:
+    """A decode step's work list (`mla_decode_schedule`): `work` the scheduling kernel's int32
+    list on the device ((0, 2): the problem's plan takes no list, one split or not the seesaw
+    pass), `rows` each query row's item range (int32 (rows, 3)), and the problem it was made
+    for, which every `mla_decode(..., schedule=)` call checks (its lengths are the caller's to
+    keep: the list was made from seqlens_k and cu_seqlens_q as they were then, on the
+    device)."""
+
+    work: torch.Tensor
+    rows: torch.Tensor
+    batch: int
+    num_heads: int
+    max_pages: int
+    page_size: int
+    s_q: int  # the decode form's s_q, or the packed form's max_seqlen_q
+    packed: bool
+    causal: bool
+    dtype: torch.dtype
+
+
+def _schedule_problem(schedule: object) -> tuple:
+    return (schedule.batch, schedule.num_heads, schedule.max_pages, schedule.page_size,
+            schedule.s_q, schedule.packed, schedule.dtype)  # fmt: skip
+
+
+def schedule_work(schedule, q_nope, page_table, ckv, cu_seqlens_q, mq, causal, fp8):
+    """The (list, row ranges) `schedule` brings to this call (None without one), or ValueError
+    when it was made for another problem (batch, heads, table width, page size, query tokens,
+    form, dtype, causal where query tokens see each other, a 16-bit cache, the device)."""
+    if schedule is None:
+        return None
+    if not isinstance(schedule, MlaDecodeSchedule):
+        raise TypeError(f"schedule must be an MlaDecodeSchedule, got {type(schedule).__name__}")
+    packed = cu_seqlens_q is not None
+    b = cu_seqlens_q.shape[0] - 1 if packed else q_nope.shape[0]
+    hq = q_nope.shape[-2]
+    here = (b, hq, page_table.shape[1], ckv.shape[1], mq, packed, q_nope.dtype)
+    if here != _schedule_problem(schedule):
+        names = ("batch", "num_heads", "max_pages", "page_size", "s_q", "packed", "dtype")
+        diff = [f"{n} {a} (schedule {w})" for n, a, w in
+                zip(names, here, _schedule_problem(schedule)) if a != w]  # fmt: skip
+        raise ValueError(f"schedule was made for another problem: {', '.join(diff)}")
+    if (packed or mq > 1) and bool(causal) != schedule.causal:
+        raise ValueError(f"schedule was made for causal={schedule.causal}, got causal={causal}")
+    if fp8 is not None:
+        raise ValueError("a schedule serves 16-bit caches (an FP8 cache's plan takes no list)")
+    if schedule.work.device != q_nope.device:
+        raise ValueError(f"schedule is on {schedule.work.device}, q_nope on {q_nope.device}")
+    return schedule.work, schedule.rows
+
+
+@torch.library.custom_op("forgekernel::mla_decode_schedule", mutates_args=())
+def _schedule_op(
+    seqlens_k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    num_heads: int,
+    max_pages: int,
+    page_size: int,
+    max_seqlen_q: int,
+    causal: bool,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return mla_sm90.make_schedule(seqlens_k, num_heads, max_pages, page_size, dtype,
+                                  cu_seqlens_q, max_seqlen_q, causal)  # fmt: skip
+
+
+@_schedule_op.register_fake
+def _(seqlens_k, cu_seqlens_q, num_heads, max_pages, page_size, max_seqlen_q, causal, dtype):
+    shapes = mla_sm90.schedule_shapes(seqlens_k.shape[0], num_heads, max_pages, page_size,
+                                      max_seqlen_q, cu_seqlens_q is not None,
+                                      seqlens_k.device.index)  # fmt: skip
+    return seqlens_k.new_empty(shapes[0]), seqlens_k.new_empty(shapes[1])
+
+
+def mla_decode_schedule(
+    seqlens_k: torch.Tensor,
+    num_heads: int,
+    page_table: torch.Tensor,
+    *,
+    page_size: int,
+    dtype: torch.dtype = torch.bfloat16,
+    s_q: int = 1,
+    cu_seqlens_q: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    causal: bool = True,
+) -> MlaDecodeSchedule:
+    """The work list of one decode step, made once and read by every layer's `mla_decode(...,
+    schedule=)` (FlashMLA's get_mla_metadata, FlashInfer's plan): the scheduling kernel sizes
+    the tiles per split by seqlens_k on the device (one launch, no host read: graph-capturable).
+    seqlens_k int32 (batch,) and page_table int32 (batch, max_pages) as the calls' (only the
+    table's shape is read); num_heads the query heads; page_size the cache's; dtype q's; s_q
+    the decode form's query tokens, or the packed form's cu_seqlens_q int32 (batch + 1,) with
+    max_seqlen_q (<= 4). The lengths must stay what they were when the schedule was made."""
+    check_tensor("seqlens_k", seqlens_k, ndim=1, dtypes=INDEX, cuda=False)
+    check_cuda("seqlens_k", seqlens_k)
+    b = seqlens_k.shape[0]
+    check_shaped("page_table", page_table, (b, page_table.shape[-1]), INDEX)
+    if (cu_seqlens_q is None) != (max_seqlen_q is None):
+        raise ValueError("cu_seqlens_q and max_seqlen_q come together")
+    for name, value, low in (("num_heads", num_heads, 1), ("page_size", page_size, 1)):
+        if not isinstance(value, numbers.Integral) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if dtype not in FLOAT16_TYPES:
+        raise ValueError(f"dtype must be float16 or bfloat16, got {dtype}")
+    packed = cu_seqlens_q is not None
+    mq = int(max_seqlen_q) if packed else int(s_q)
+    if packed and s_q != 1:
+        raise ValueError("the packed form's query tokens come by cu_seqlens_q: s_q must be 1")
+    if not 1 <= mq <= MAX_QUERY_TOKENS:
+        raise ValueError(f"s_q / max_seqlen_q must be 1..{MAX_QUERY_TOKENS}, got {mq}")
+    cu = cu_seqlens_q
+    if packed:
+        check_shaped("cu_seqlens_q", cu, (b + 1,), INDEX)
+    elif mq > 1:  # the launcher's packed form of the decode form (`_forward`)
+        cu = torch.arange(0, (b + 1) * mq, mq, dtype=torch.int32, device=seqlens_k.device)
+    check_same_device(seqlens_k=seqlens_k, page_table=page_table,
+                      **({"cu_seqlens_q": cu} if cu is not None else {}))  # fmt: skip
+    if _traced(seqlens_k, page_table, cu):
+        work, rows = torch.ops.forgekernel.mla_decode_schedule(
+            seqlens_k, cu, num_heads, page_table.shape[1], page_size, mq, bool(causal), dtype
+        )
+    else:
+        work, rows = mla_sm90.make_schedule(seqlens_k, num_heads, page_table.shape[1], page_size,
+                                      dtype, cu, mq, bool(causal))  # fmt: skip
+    return MlaDecodeSchedule(work, rows, b, num_heads, page_table.shape[1], page_size, mq, packed,
+                             bool(causal), dtype)  # fmt: skip
 
 
 @torch.library.custom_op("forgekernel::mla_decode", mutates_args=())
@@ -382,15 +514,18 @@ def _decode_op(
     max_seqlen_q: int,
     causal: bool,
     ckv_scale: torch.Tensor | None = None,
+    schedule_work: torch.Tensor | None = None,
+    schedule_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_caches_in_place(ckv_cache, kpe_cache, ckv_scale)
+    work = None if schedule_work is None else (schedule_work, schedule_rows)
     return _forward(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, cu_seqlens_q,
-                    softmax_scale, max_seqlen_q, causal, None, ckv_scale)  # fmt: skip
+                    softmax_scale, max_seqlen_q, causal, None, ckv_scale, None, work)  # fmt: skip
 
 
 @_decode_op.register_fake
 def _(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, cu_seqlens_q, softmax_scale,
-      max_seqlen_q, causal, ckv_scale=None):  # fmt: skip
+      max_seqlen_q, causal, ckv_scale=None, schedule_work=None, schedule_rows=None):  # fmt: skip
     return _outputs(q_nope, cu_seqlens_q, None)
 
 
@@ -409,6 +544,7 @@ def mla_decode(
     return_lse: bool = False,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    schedule: MlaDecodeSchedule | None = None,
 ):
     """Absorbed MLA decode (module docstring): q_nope (batch, s_q, H, 512), q_pe (batch, s_q,
     H, 64), s_q <= 4, against ckv_cache (num_pages, page_size, 512) and kpe_cache (num_pages,
@@ -422,12 +558,14 @@ def mla_decode(
     un-absorbed scale. The split plan bounds the KV lengths by the page table's width (no device
     read: CUDA-graph capturable). out / lse: buffers of the outputs' shapes (out in q's dtype,
     lse fp32) written in place (the bench's call: no allocation, no copy; lse is returned with
-    return_lse)."""
+    return_lse). schedule: `mla_decode_schedule`'s for this problem and these lengths (the
+    pass takes its items from the step's list: no scheduling in this call), None the width plan
+    (no list); a schedule made for another problem raises ValueError before any launch."""
     if (cu_seqlens_q is None) != (max_seqlen_q is None):
         raise ValueError("cu_seqlens_q and max_seqlen_q come together")
     return _attend(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, softmax_scale,
                    cu_seqlens_q, max_seqlen_q, causal, return_lse, out, lse,
-                   MAX_QUERY_TOKENS)  # fmt: skip
+                   MAX_QUERY_TOKENS, schedule)  # fmt: skip
 
 
 def mla_prefill(
@@ -462,9 +600,11 @@ def mla_prefill(
 
 
 def _attend(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, softmax_scale,
-            cu_seqlens_q, max_seqlen_q, causal, return_lse, out, lse, max_tokens):  # fmt: skip
+            cu_seqlens_q, max_seqlen_q, causal, return_lse, out, lse, max_tokens,
+            schedule=None):  # fmt: skip
     """mla_decode / mla_prefill after their form checks: validation, then the custom op
-    (traced) or the kernels; max_tokens bounds the query tokens per sequence (None: any)."""
+    (traced) or the kernels; max_tokens bounds the query tokens per sequence (None: any);
+    schedule: mla_decode's."""
     scale = check_softmax_scale(softmax_scale)
     ckv, kpe, fp8 = latent_cache_views(ckv_cache, kpe_cache)
     combined = kpe_cache is None and fp8 is None  # FlashMLA's 16-bit cache, its views checked
@@ -478,28 +618,29 @@ def _attend(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, softmax_s
     if mq < 1 or (max_tokens is not None and mq > max_tokens):
         bound = "" if max_tokens is None else f"..{max_tokens} (mla_prefill takes more)"
         raise ValueError(f"max_seqlen_q must be 1{bound}, got {mq}")
+    work = schedule_work(schedule, q_nope, page_table, ckv, cu_seqlens_q, mq, causal, fp8)
     if out is not None and out.stride(-1) != 1:  # the kernel writes rows of 512 contiguous
         o, lse = _attend(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, scale,
                          cu_seqlens_q, max_seqlen_q, causal, True, None, lse,
-                         max_tokens)  # fmt: skip
+                         max_tokens, schedule)  # fmt: skip
         out.copy_(o)
         return (out, lse) if return_lse else out
     if lse is not None and not lse.is_contiguous():  # in place only where it is compact
         o, fresh = _attend(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, scale,
                            cu_seqlens_q, max_seqlen_q, causal, True, out, None,
-                           max_tokens)  # fmt: skip
+                           max_tokens, schedule)  # fmt: skip
         lse.copy_(fresh)
         return (o, lse) if return_lse else o
     if traced:
         o, fresh = torch.ops.forgekernel.mla_decode(
             q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, scale, mq, bool(causal),
-            fp8,
+            fp8, *(work or (None, None)),
         )  # fmt: skip
         o, lse = into_buffers(o, fresh, out, lse)
     else:
         check_caches_in_place(ckv, kpe, fp8, combined)  # (a data pointer: real tensors only)
         o, lse = _forward(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, scale,
-                          mq, bool(causal), out, fp8, lse)  # fmt: skip
+                          mq, bool(causal), out, fp8, lse, work)  # fmt: skip
     return (o, lse) if return_lse else o
 
 

@@ -774,3 +774,169 @@ def test_pdl_chain_is_the_serialized_chain(b, hq):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(bufs[CHAIN % 2], want)
+# ---------------------------------------------------------------- a decode step's schedule
+# (forgekernel.mla_decode_schedule; MLA_NOTES.md, "A decode step's schedule, built"). The CPU
+# side (tests/test_mla_schedule.py) replays the ranges form from schedule.py; here the
+# scheduling kernel's ranges form, the pass writing by item and the combine over item ranges.
+
+RAGGED_BENCH = [round(512 * 2 ** (i / 5)) for i in range(32)]  # the suite's b32 ragged
+
+
+@pytest.mark.parametrize("qtokens", [1, 2])
+@pytest.mark.parametrize("case", [*WORKLIST_LENS, (RAGGED_BENCH, None)],
+                         ids=lambda c: f"b{len(c[0])}_max{max(c[0])}")  # fmt: skip
+def test_schedule_kernel_writes_the_reference_ranges(case, qtokens):
+    """The scheduling kernel's ranges form against schedule.py's ranged_plan: row 0, the items
+    unit by unit, each row's (first item, items, token); rows past the items untouched."""
+    from forgekernel.kernels.attention.mla.sm90 import SPEC, config, schedule
+    from forgekernel.runtime.cache import get_kernel
+
+    lens, width = case
+    width = width or max(1, max(-(-n // 64) for n in lens))
+    b = len(lens)
+    cu, cu_l, q_blocks = None, None, 1
+    if qtokens > 1:
+        q_lens = [(i * 3) % 5 for i in range(b)]
+        cu_l = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+        cu = torch.tensor(cu_l, dtype=torch.int32, device="cuda")
+        q_blocks = -(-max(max(q_lens), 1) // qtokens)
+    units = b * q_blocks
+    fewest = min(width, max(1, config.MIN_TOKENS_PER_SPLIT // 64))
+    cap = schedule.ranged_capacity(units, 132)
+    sched = get_kernel(SPEC, config.params_for("worklist", "bfloat16", qtokens=qtokens,
+                                               ranges=True))  # fmt: skip
+    work = torch.full((cap + schedule.HEADER, 2), -7, dtype=torch.int32, device="cuda")
+    rows = torch.full((b * 4, 3), -7, dtype=torch.int32, device="cuda")
+    seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    sched(seq, cu, 1, q_blocks, 1, 8, fewest, 132, width, work, rows)
+    torch.cuda.synchronize()
+    tiles = schedule.unit_tiles(lens, width, cu_l, True, q_blocks, qtokens)
+    per_keys, items, ranges = schedule.ranged_plan(tiles, 1, fewest, 132, cap)
+    got = work.cpu()
+    assert got[0].tolist() == [per_keys, len(items)]
+    assert [tuple(r) for r in got[1 : 1 + len(items)].tolist()] == items
+    assert bool((got[1 + len(items) :] == -7).all())
+    want_rows = schedule.row_ranges(ranges, b * 4, cu_l, q_blocks, qtokens)
+    for r, row in enumerate(rows.cpu().tolist()):
+        assert tuple(row) == (want_rows[r] if want_rows[r] is not None else (-7, -7, -7))
+
+
+SCHEDULE_CASES = [  # (b, hq, lens, s_q)
+    (32, 16, RAGGED_BENCH, 1),
+    (48, 16, list(range(100, 48 * 170, 170)), 1),
+    (5, 16, [0, 1, 64, 65, 4096], 1),
+    (4, 128, [5, 0, 513, 2000], 1),
+    (4, 16, [700, 3, 129, 0], 2),
+    (3, 128, [4096, 100, 1], 2),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", SCHEDULE_CASES, ids=lambda c: f"b{c[0]}_h{c[1]}_sq{c[3]}")
+def test_one_schedule_serves_three_layers(case, dtype):
+    """One schedule, three layers' queries and caches, NaN in stale page slots, in out and in
+    the partial scratch before every call: each layer's output the reference's."""
+    launch = importlib.import_module("forgekernel.kernels.attention.mla.sm90.launch")
+    b, hq, lens, s_q = case
+    table, seq = _problem(b, hq, 64, lens, s_q, False, dtype)[4:]
+    schedule = op.mla_decode_schedule(seq, hq, table, page_size=64, s_q=s_q, dtype=dtype)
+    for layer in range(3):
+        qn, qp, ckv, kpe, _, _ = _problem(b, hq, 64, lens, s_q, False, dtype, seed=layer)
+        _poison_stale(ckv, kpe, table, lens, 64)
+        items = schedule.work.shape[0] - 1
+        qtokens = launch.query_tokens(s_q > 1, s_q, hq)
+        for t in launch._partials(items, qtokens, hq, qn.device):
+            t.fill_(float("nan"))
+        out = torch.full((*qn.shape[:-1], 512), float("nan"), device="cuda", dtype=dtype)
+        _, lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, out=out,
+                               return_lse=True, schedule=schedule)  # fmt: skip
+        want, want_lse = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
+        low, _ = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE, upcast=False)
+        _check(out, lse, want, want_lse, low)
+
+
+@pytest.mark.parametrize("hq", [16, 128])
+def test_schedule_uniform_is_the_default_bit_for_bit(hq):
+    """b16 x 4096: the schedule's per and splits are the width plan's, the combine adds the
+    same splits in the same order: the default path's bits."""
+    qn, qp, ckv, kpe, table, seq = _problem(16, hq, 64, [4096] * 16, 1, True, torch.bfloat16)
+    out, lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, return_lse=True)
+    schedule = op.mla_decode_schedule(seq, hq, table, page_size=64)
+    got, got_lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE,
+                                 return_lse=True, schedule=schedule)  # fmt: skip
+    assert torch.equal(got, out) and torch.equal(got_lse, lse)
+
+
+def test_schedule_in_a_cuda_graph():
+    """A step captured once (the schedule, then two layers' calls), replayed on the mixed
+    lengths and on two thirds of them empty: the list is remade on the device every replay."""
+    b = 48
+    qn, qp, ckv, kpe, table, seq = _problem(b, 16, 64, [8128] * b, 1, True, torch.bfloat16)
+    out = torch.empty(2, *qn.shape[:-1], 512, device="cuda", dtype=torch.bfloat16)
+    lse = torch.empty(2, b, 16, 1, device="cuda")
+
+    def step():
+        schedule = op.mla_decode_schedule(seq, 16, table, page_size=64)
+        for layer in range(2):
+            op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, out=out[layer],
+                          lse=lse[layer], schedule=schedule)  # fmt: skip
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    mixed = list(range(100, b * 170, 170))
+    for lens in (mixed, [0 if i % 3 else n for i, n in enumerate(mixed)]):
+        qn.copy_(torch.randn_like(qn))
+        seq.copy_(torch.tensor(lens, device="cuda"))
+        _poison_stale(ckv, None, table, lens, 64)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want, want_lse = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
+        low, _ = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE, upcast=False)
+        for layer in range(2):
+            _check(out[layer], lse[layer], want, want_lse, low)
+
+
+def test_pdl_scheduled_chain_is_the_serialized_chain():
+    """The chain test's form with a decode step's schedule (b32 ragged, the bench's case): the
+    scheduling kernel's ranges form, then CHAIN calls of the ranges pass and combine, with PDL,
+    eagerly and in a graph, equal the chain without PDL with a synchronize after every call (the
+    combine reads each row's item range after its griddepcontrol.wait)."""
+    pdl = importlib.import_module("forgekernel.runtime.pdl")
+    b, hq = len(RAGGED_BENCH), 16
+    _, qp, ckv, kpe, table, seq = _problem(b, hq, 64, RAGGED_BENCH, 1, True, torch.bfloat16, 5)
+    q0 = torch.randn(b, 1, hq, 512, device="cuda", dtype=torch.bfloat16)
+    bufs = (q0.clone(), torch.empty_like(q0))
+
+    def chain(sync: bool) -> None:
+        schedule = op.mla_decode_schedule(seq, hq, table, page_size=64)
+        for i in range(CHAIN):
+            op.mla_decode(bufs[i % 2], qp, ckv, kpe, table, seq, softmax_scale=SCALE,
+                          out=bufs[(i + 1) % 2], schedule=schedule)  # fmt: skip
+            if sync:
+                torch.cuda.synchronize()
+
+    with pdl.off():
+        chain(True)
+    want = bufs[CHAIN % 2].clone()
+    bufs[0].copy_(q0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain(False)
+    torch.cuda.synchronize()
+    assert torch.equal(bufs[CHAIN % 2], want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain(False)
+    bufs[0].copy_(q0)
+    bufs[1].fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(bufs[CHAIN % 2], want)

@@ -20,7 +20,11 @@ from forgekernel.kernels.attention.mla.sm90.config import D_LATENT, D_ROPE, FP8_
 from forgekernel.kernels.attention.mla.sm90.decode import MlaDecodeSm90
 from forgekernel.kernels.attention.mla.sm90.seesaw import MlaSeesawSm90
 from forgekernel.kernels.attention.mla.sm90.worklist import MlaWorklistSm90
-from forgekernel.kernels.attention.paged.sm90.combine import PagedCombineSm90, partials_o
+from forgekernel.kernels.attention.paged.sm90.combine import (
+    PagedCombineRangesSm90,
+    PagedCombineSm90,
+    partials_o,
+)
 from forgekernel.kernels.common.sm90 import fake
 
 
@@ -41,8 +45,19 @@ def _outputs(dtype, rows, hq, wide: bool = False) -> tuple:
     return o, make_fake_tensor(cutlass.Float32, (rows, hq), stride=lse_strides, assumed_align=4)
 
 
-def _combine(dtype, opts: str, pdl: bool):
+def _combine(dtype, opts: str, pdl: bool, ranges: bool = False):
     o, lse = _outputs(dtype, cute.sym_int32(), cute.sym_int32())
+    if ranges:  # item-indexed partials and each row's (first item, items, query token)
+        return cute.compile(
+            PagedCombineRangesSm90(D_LATENT, pdl),
+            partials_o(),
+            _dense(cutlass.Float32, 3),
+            o,
+            lse,
+            _row_ranges(),
+            fake.stream(),
+            options=opts,
+        )
     return cute.compile(
         PagedCombineSm90(D_LATENT, pdl),
         partials_o(),
@@ -52,6 +67,11 @@ def _combine(dtype, opts: str, pdl: bool):
         fake.stream(),
         options=opts,
     )
+
+
+def _row_ranges() -> cute.Tensor:
+    """Each query row's (first item, items, query token) int32 (rows', 3), rows contiguous."""
+    return make_fake_tensor(cutlass.Int32, (cute.sym_int32(), 3), stride=(3, 1), assumed_align=4)
 
 
 def _caches(dtype, fp8: bool, pages, page_size) -> tuple:
@@ -102,13 +122,15 @@ def _work_list() -> cute.Tensor:
     return make_fake_tensor(cutlass.Int32, (cute.sym_int32(), 2), stride=(2, 1), assumed_align=8)
 
 
-def _worklist(qtokens: int, opts: str, pdl: bool):
+def _worklist(qtokens: int, opts: str, pdl: bool, ranges: bool = False):
     """The scheduling kernel (worklist.py): seqlens_k (B,), cu_seqlens_q (qtokens > 1), the
-    list, the partial LSEs flat."""
+    list, the partial LSEs flat (ranges: each row's item range)."""
     seqlens_k = make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), stride=(1,))
     lse = make_fake_tensor(cutlass.Float32, (cute.sym_int32(),), stride=(1,), assumed_align=4)
+    if ranges:
+        lse = _row_ranges()
     return cute.compile(
-        MlaWorklistSm90(qtokens, pdl),
+        MlaWorklistSm90(qtokens, ranges, pdl),
         seqlens_k,
         fake.offsets() if qtokens > 1 else None,
         cutlass.Int32(1),  # causal
@@ -129,10 +151,10 @@ def compile_mla(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     opts = fake.options(arch, extra_options)
     pdl = params.get("pdl") != "off"  # the key runtime/pdl.py gives a build without PDL
     if params["kind"] == "worklist":
-        return _worklist(params["qtokens"], opts, pdl)
+        return _worklist(params["qtokens"], opts, pdl, params.get("ranges", False))
     dtype = fake.dtype_of(params["dtype"])
     if params["kind"] == "combine":
-        return _combine(dtype, opts, pdl)
+        return _combine(dtype, opts, pdl, params.get("ranges", False))
     fp8 = params.get("fp8", False)
     if params["kind"] == "sparse":
         return _sparse(dtype, params["heads"], fp8, opts)
@@ -150,6 +172,7 @@ def compile_mla(params: dict, arch: str = "sm_90a", extra_options: str = ""):
             params.get("pair", False),
             params.get("ostore", False),
             worklist,
+            params.get("ranges", False),
             pdl,
         )
     else:

@@ -143,6 +143,7 @@ def params_for(
     pair: bool = False,
     ostore: bool = False,
     worklist: bool = False,
+    ranges: bool = False,
 ) -> tuple:
     """Compile key: kind "partial" (one split of `heads` query heads x `qtokens` tokens, fp32
     out; qtokens > 1 the packed form with cu_seqlens_q), "sparse" (DSA: one split of one query
@@ -159,11 +160,16 @@ def params_for(
     aligned: the compile assumes it). worklist (candidate; tma partial only): the pass takes
     its (unit, split, keys per split) from the scheduling kernel's work list (schedule.py).
     Kind "worklist": that scheduling kernel (worklist.py; dtype ignored, qtokens > 1 the
-    packed form)."""
+    packed form). ranges (a decode step's schedule, `launch.make_schedule`): the list's
+    item-indexed form: the scheduler's (kind "worklist") per over the whole batch, items unit
+    by unit and each row's item range; the pass (worklist only) writing its partial at its
+    item; the combine (`PagedCombineRangesSm90`) reducing a row's item range."""
     if kind == "combine":
-        return tuple(sorted({"kind": kind, "dtype": dtype, "head_dim": D_LATENT}.items()))
+        keys = {"kind": kind, "dtype": dtype, "head_dim": D_LATENT}
+        return tuple(sorted((keys | ({"ranges": True} if ranges else {})).items()))
     if kind == "worklist":
-        return tuple(sorted({"kind": kind, "qtokens": qtokens}.items()))
+        keys = {"kind": kind, "qtokens": qtokens}
+        return tuple(sorted((keys | ({"ranges": True} if ranges else {})).items()))
     if kind not in ("partial", "sparse"):
         raise ValueError(f"kind must be 'partial', 'sparse', 'combine' or 'worklist', got {kind!r}")
     if fp8 and dtype != FP8_DTYPE:
@@ -178,6 +184,8 @@ def params_for(
         raise ValueError("ostore is a form of the direct pass")
     if worklist and (not tma or direct or pair):
         raise ValueError("the work list is a form of the seesaw (tma) partial pass")
+    if ranges and not worklist:
+        raise ValueError("ranges is a form of the work list's pass")
     if kind == "sparse" and qtokens != 1:
         raise ValueError(f"sparse attention takes one query token per CTA, got {qtokens}")
     keys = {"kind": kind, "dtype": dtype, "heads": heads}
@@ -195,4 +203,6 @@ def params_for(
         keys["ostore"] = True
     if worklist:
         keys["worklist"] = True
+    if ranges:
+        keys["ranges"] = True
     return tuple(sorted(keys.items()))

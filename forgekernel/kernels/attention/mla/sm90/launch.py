@@ -46,7 +46,16 @@ Programmatic dependent launch (runtime/pdl.py; unless FORGEKERNEL_PDL=0 or insid
 read when a problem's plan is first built): the seesaw pass (every form), the scheduling kernel
 and the combine launch as dependents of the kernel before them, each waiting for it before its
 first global access (common/sm90/pdl.py); decode.py's passes (FP8 caches, pages of partial
-tiles, DSA) launch as before, their combine still a dependent."""
+tiles, DSA) launch as before, their combine still a dependent.
+
+A decode step's schedule (`make_schedule`, `forgekernel.mla_decode_schedule`): the scheduling
+kernel's `ranges` form, launched once a step, its list read by every layer's call (form
+SCHEDULED, keyed apart; no scheduling kernel in the call): no bound from the width plan's splits
+(the per over the whole batch's tiles, the list's capacity slots + units items), the pass's
+`ranges` compile writing its partial at its item ((items, qtokens, Hq, 512) scratch), the
+combine's `ranges` compile reducing each query row's item range. Taken where the width plan
+splits (a plan of one split keeps its direct form; the list is then empty). MLA_NOTES.md, "A
+decode step's schedule, built"."""
 
 from __future__ import annotations
 
@@ -161,9 +170,10 @@ def _plan(
     Work list (`plan_form(worklist=True)` or FORGEKERNEL_MLA_WORKLIST=1; seesaw plans of more
     than one split): (scheduling kernel, head blocks, fewest tiles a split, CTAs a wave, the
     table's width in tiles), the
-    pass its `worklist` compile, splits the width plan's (the list's bound: schedule.py).
-    forced: `pdl.forced()`, in the key only (`pdl.enabled()` decides: the seesaw, scheduling
-    and combine kernels' compile keys, `pdl.key`)."""
+    pass its `worklist` compile, splits the width plan's (the list's bound: schedule.py); form
+    SCHEDULED (a schedule's call): the scheduler, the pass and the combine in their `ranges`
+    compiles. forced: `pdl.forced()`, in the key only (`pdl.enabled()` decides: the seesaw,
+    scheduling and combine kernels' compile keys, `pdl.key`)."""
     name = dtype_name(dtype)
     on = pdl.enabled()
     heads = _heads(hq, qtokens, form)
@@ -190,9 +200,14 @@ def _plan(
         sms = num_sms(device_index)
         tiles = max(1, -(-max_tokens // config.TILE))
         fewest = min(tiles, max(1, config.MIN_TOKENS_PER_SPLIT // config.TILE))
-        sched = get_kernel(SPEC, pdl.key(config.params_for("worklist", name, qtokens=qtokens), on))
-        params = config.params_for(kind, name, heads, qtokens, tma=tma, worklist=True)
+        ranges = form is not None and form[2] == RANGES  # a decode step's schedule
+        params = config.params_for("worklist", name, qtokens=qtokens, ranges=ranges)
+        sched = get_kernel(SPEC, pdl.key(params, on))
+        params = config.params_for(kind, name, heads, qtokens, tma=tma, worklist=True,
+                                   ranges=ranges)  # fmt: skip
         partial = get_kernel(SPEC, pdl.key(params, on))
+        if ranges:
+            combine = get_kernel(SPEC, pdl.key(config.params_for("combine", name, ranges=True), on))
         worklist = (sched, hq // heads, fewest, sms * config.RESIDENT, tiles)
         return partial, combine, splits, per, False, worklist
     params = config.params_for(kind, name, heads, qtokens, fp8, tma)
@@ -222,6 +237,75 @@ def _schedule(worklist, seq, cu, causal, units, q_blocks, splits, outs) -> torch
     return work
 
 
+# the plan form of a call that brings a schedule (`make_schedule`): the work list's ranges form
+# (items with their own partials, no bound from the width plan's splits), keyed apart
+RANGES = "ranges"
+SCHEDULED = (None, None, RANGES)
+
+
+def schedule_key(dtype, batch, hq, max_tokens, max_seqlen_q, packed, device_index, page_size):
+    """The plan key of a scheduled problem (as `mla_decode` builds it, form SCHEDULED) and its
+    (query tokens per CTA, query blocks)."""
+    qtokens = query_tokens(packed, max_seqlen_q, hq)
+    q_blocks = -(-max_seqlen_q // qtokens) if packed else 1
+    key = ("partial", dtype, batch * q_blocks, hq, max_tokens, qtokens, device_index, False,
+           page_size, SCHEDULED, pdl.forced())  # fmt: skip
+    return key, qtokens, q_blocks
+
+
+def schedule_shapes(batch, hq, max_pages, page_size, max_seqlen_q, packed, device_index):
+    """The shapes of `make_schedule`'s (list, row ranges), from the shapes alone (its fake, for
+    tracing): the list's rows where the plan takes one (the seesaw pass, a width plan of more
+    than one split), else (0, 2) and (0, 3)."""
+    qtokens = query_tokens(packed, max_seqlen_q, hq)
+    units = batch * (-(-max_seqlen_q // qtokens) if packed else 1)
+    heads = config.heads_per_cta(hq, qtokens) if hq else 1
+    tma = page_size % config.TILE == 0 and seesaw_enabled()
+    sms = num_sms(device_index)
+    splits, _ = config.tile_split_plan(units, max(hq // heads, 1), max_pages * page_size, sms,
+                                       config.RESIDENT)  # fmt: skip
+    if not tma or splits == 1 or batch == 0 or hq == 0:
+        return (0, 2), (0, 3)
+    cap = schedule.ranged_capacity(units, sms * config.RESIDENT)
+    return (cap + schedule.HEADER, 2), (batch * (max_seqlen_q if packed else 1), 3)
+
+
+def make_schedule(
+    seqlens_k: torch.Tensor,
+    hq: int,
+    max_pages: int,
+    page_size: int,
+    dtype: torch.dtype,
+    cu_seqlens_q: torch.Tensor | None,
+    max_seqlen_q: int,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The work list of a decode step (`forgekernel.mla_decode_schedule`): one launch of the
+    scheduling kernel's `ranges` form (worklist.py, schedule.py's `ranged_plan`) on the current
+    stream, no host read: (list int32 (capacity + HEADER, 2), each query row's (first item,
+    items, query token) int32 (rows', 3)), tensors of its own (not the stream's scratch: every
+    layer's call reads them). A plan that takes no list (one split, or not the seesaw pass)
+    gives (0, 2) and (0, 3): the call keeps its plan."""
+    device = seqlens_k.device
+    b = seqlens_k.shape[0]
+    packed = cu_seqlens_q is not None
+    key, _, q_blocks = schedule_key(dtype, b, hq, max_pages * page_size, max_seqlen_q, packed,
+                                    device.index, page_size)  # fmt: skip
+    work_shape, rows_shape = schedule_shapes(b, hq, max_pages, page_size, max_seqlen_q, packed,
+                                             device.index)  # fmt: skip
+    work = torch.empty(work_shape, dtype=torch.int32, device=device)
+    rows = torch.empty(rows_shape, dtype=torch.int32, device=device)
+    if work_shape[0] == 0:
+        return work, rows
+    _, _, splits, _, _, worklist = _plans.get_or_build(key, _plan)
+    sched, blocks, fewest, slots, width = worklist
+    cu = None if cu_seqlens_q is None else cu_seqlens_q.contiguous()
+    with on_device(device):
+        sched(seqlens_k.contiguous(), cu, int(causal), q_blocks, blocks, splits, fewest, slots,
+              width, work, rows)  # fmt: skip
+    return work, rows
+
+
 def query_tokens(packed: bool, max_seqlen_q: int, hq: int) -> int:
     """The compiled query tokens per CTA: 1 for one query per sequence (rows = B); else the
     fewest of QTOKENS >= max(max_seqlen_q, 2) (packed rows need cu_seqlens_q even when every
@@ -249,6 +333,7 @@ def mla_decode(
     max_seqlen_q: int = 1,
     causal: bool = True,
     ckv_scale: torch.Tensor | None = None,
+    scheduled: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """out (rows, Hq, 512) in q's dtype (rows of 512 contiguous) and lse (rows, Hq) fp32
     (natural log; any strides) of absorbed MLA: q_nope (rows, Hq, 512), q_pe (rows, Hq, 64);
@@ -259,7 +344,10 @@ def mla_decode(
     sequence), or total_q packed by cu_seqlens_q int32 (B + 1,) with at most max_seqlen_q
     tokens per sequence (beyond QTOKENS: prefill, blocks of query tokens per CTA), token i of
     sq seeing keys j <= sk - sq + i when causal. The split plan bounds the lengths by the
-    table's width (no device read). FP8 (ckv_scale given): the module docstring, q bf16."""
+    table's width (no device read). FP8 (ckv_scale given): the module docstring, q bf16.
+    scheduled: `make_schedule`'s (list, row ranges) for this problem (the caller checked that it
+    was made for it): the pass takes its items from the list and writes its partial at its item,
+    the combine reduces each row's items; no scheduling kernel in this call."""
     rows, hq, _ = q_nope.shape
     b = seqlens_k.shape[0]
     if rows == 0 or b == 0 or hq == 0:
@@ -271,23 +359,31 @@ def mla_decode(
     page_size = ckv_cache.shape[1]
     device = q_nope.device
     key = ("partial", q_nope.dtype, b * q_blocks, hq, page_table.shape[1] * page_size, qtokens,
-           device.index, ckv_scale is not None, page_size, _plan_form[0], pdl.forced())  # fmt: skip
+           device.index, ckv_scale is not None, page_size,
+           _plan_form[0] if scheduled is None else SCHEDULED, pdl.forced())  # fmt: skip
     plan = _plans.get_or_build(key, _plan)
     if plan[4] and not _wide_rows(out):  # the ostore compile's 16-byte stores: not this out
         plan = _plans.get_or_build((*key, True), _plan)
     partial, combine, splits, per, _, worklist = plan
     cu = None if cu_seqlens_q is None else cu_seqlens_q.contiguous()
     with on_device(device):  # (the scratch is the device's current stream's)
-        # the direct form (combine None) writes out and lse itself
-        outs = (out, lse) if combine is None else _partials(splits, rows, hq, device)
         seq = seqlens_k.contiguous()
-        if worklist is not None:  # the list in the scales' slot (16-bit caches: None)
+        ranges = ()
+        if worklist is not None and scheduled is not None:
+            # the step's list (in the scales' slot): partials by item, every one written by its
+            # CTA; each row's item range for the combine
+            ckv_scale, row_ranges = scheduled
+            items = ckv_scale.shape[0] - schedule.HEADER
+            outs, ranges = _partials(items, qtokens, hq, device), (row_ranges,)
+        else:  # the direct form (combine None) writes out and lse itself
+            outs = (out, lse) if combine is None else _partials(splits, rows, hq, device)
+        if worklist is not None and scheduled is None:  # the list in the scales' slot
             ckv_scale = _schedule(worklist, seq, cu, causal, b * q_blocks, q_blocks, splits, outs)
         partial(as_tma_ready(q_nope), as_tma_ready(q_pe), ckv_cache, kpe_cache, ckv_scale,
                 page_table.contiguous(), seq, *outs,
                 softmax_scale * LOG2E, per, page_size, cu, int(causal), q_blocks)  # fmt: skip
         if combine is not None:
-            combine(*outs, out, lse)
+            combine(*outs, out, lse, *ranges)
 
 
 def dsa_sparse_attention(

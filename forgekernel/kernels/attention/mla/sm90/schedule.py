@@ -126,3 +126,68 @@ def key_ranges(
     """(unit, first key, end key) of each item, as the pass derives them (t0 = split x per,
     t1 = min(t0 + per, kv_end))."""
     return [(u, s * per_keys, min(s * per_keys + per_keys, kv_ends[u])) for u, s in items]
+
+
+# ---------------------------------------------------------------- a decode step's schedule
+# (`ranges`: launch.make_schedule, the scheduling kernel's `ranges` form). No bound from the
+# width plan's splits: the partials are indexed by item, so the list holds RANGED_CAPACITY items
+# (a wave of slots, plus one remainder a unit) and the per is searched from `fewest` over the
+# whole batch's tiles, a candidate whose items exceed the capacity out of the search. Items go
+# unit by unit (a unit's splits in order), and each query row gets its unit's (first item,
+# items, query token) for the combine.
+
+
+def ranged_capacity(units: int, slots: int) -> int:
+    """Items the schedule's list holds: a wave of `slots` CTAs' items plus one a unit (every
+    per >= total tiles / slots fits: sum ceil(t / per) <= total / per + units)."""
+    return max(1, slots + units)
+
+
+def ranged_per(tiles: Sequence[int], head_blocks: int, fewest: int, slots: int, cap: int) -> int:
+    """The tiles per split: `choose_per`'s cost over [max(fewest, 1), max tiles], candidates of
+    more than `cap` items excluded (the largest per always fits: one item a unit)."""
+    lo = max(fewest, 1)
+    hi = max(max(tiles, default=0), lo)
+    best, best_per = None, lo
+    for per in range(lo, hi + 1):
+        items = items_of(tiles, per)
+        if items > cap:
+            continue
+        cost = -(-items * head_blocks // slots) * (per + SPLIT_OVERHEAD_TILES)
+        if best is None or cost <= best:
+            best, best_per = cost, per
+    return best_per
+
+
+def ranged_plan(
+    tiles: Sequence[int], head_blocks: int, fewest: int, slots: int, cap: int
+) -> tuple[int, list[tuple[int, int]], list[tuple[int, int]]]:
+    """(keys per split, items unit by unit, each unit's (first item, items))."""
+    per = ranged_per(tiles, head_blocks, fewest, slots, cap)
+    items, ranges = [], []
+    for u, t in enumerate(tiles):
+        n = -(-t // per)
+        ranges.append((len(items), n))
+        items += [(u, s) for s in range(n)]
+    return per * TILE, items, ranges
+
+
+def row_ranges(
+    ranges: Sequence[tuple[int, int]],
+    rows: int,
+    cu_seqlens_q: Sequence[int] | None = None,
+    q_blocks: int = 1,
+    qtokens: int = 1,
+) -> list[tuple[int, int, int] | None]:
+    """Each query row's (first item, items, query token), as the scheduling kernel writes them
+    (None: a row no unit has, never written; `rows` = the table's rows)."""
+    out: list[tuple[int, int, int] | None] = [None] * rows
+    for u, (first, n) in enumerate(ranges):
+        if cu_seqlens_q is None:
+            out[u] = (first, n, 0)
+            continue
+        b, k = divmod(u, q_blocks)
+        row0 = cu_seqlens_q[b] + k * qtokens
+        for t in range(max(min(cu_seqlens_q[b + 1] - row0, qtokens), 0)):
+            out[row0 + t] = (first, n, t)
+    return out

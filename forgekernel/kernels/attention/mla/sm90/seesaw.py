@@ -135,7 +135,7 @@ class MlaSeesawSm90:
 
     def __init__(
         self, heads: int, qtokens: int = 1, direct: bool = False, pair: bool = False,
-        ostore: bool = False, worklist: bool = False, pdl: bool = True,
+        ostore: bool = False, worklist: bool = False, ranges: bool = False, pdl: bool = True,
     ):  # fmt: skip
         if heads * qtokens > ROWS:
             raise ValueError(f"heads x query tokens must be <= {ROWS}, got {heads} x {qtokens}")
@@ -167,6 +167,12 @@ class MlaSeesawSm90:
         # and sequence read after it: 230 registers against 228, +176 SASS instructions, 37
         # more R2UR in the main loop at bf16 16 x 1, cu12 ptxas, 2026-12-04; not taken.)
         self.pdl = pdl
+        # ranges (worklist only; a decode step's schedule): the partials indexed by item,
+        # (items, qtokens, Hq, 512): the CTA writes its rows at (item, its token), not at
+        # (split, query row), and the combine reduces each row's item range
+        if ranges and not worklist:
+            raise ValueError("ranges is a form of the work list's pass")
+        self.ranges = ranges
 
     def _setup(self, dtype):
         k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
@@ -319,7 +325,7 @@ class MlaSeesawSm90:
         pdl.wait(self.pdl)  # before the work list, seqlens_k, cu_seqlens_q: every global access
         pdl.launch_dependents(self.pdl)
         if const_expr(self.worklist):  # (a CTA past the list's items has left here)
-            unit, head_block, split, per_split = self._item(mWork, mOp.shape[2])
+            unit, head_block, split, per_split, item = self._item(mWork, mOp.shape[2])
         else:
             unit, head_block, split = self._block(mOp.shape[1] if self.direct else mOp.shape[2])
         head0 = head_block * self.h
@@ -454,8 +460,11 @@ class MlaSeesawSm90:
             row_sum[r] = sTotal[row, 0] + sTotal[row, 1]
         thr_pv = mma_pv.get_slice(tid)
         o_crd = rows_cols(thr_pv.partition_C(cute.make_identity_tensor((ROWS, COLS))))
+        w_split, w_off = split, q_off  # where this CTA's partial rows go
+        if const_expr(self.ranges):
+            w_split, w_off = item, 0
         self._write_split(
-            (mOp, mLp), acc_o, row_max, row_sum, o_crd, (split, q_off, sq, head0, wg, tid)
+            (mOp, mLp), acc_o, row_max, row_sum, o_crd, (w_split, w_off, sq, head0, wg, tid)
         )
         if const_expr(not self.direct):
             # every WGMMA (wait_group 0 in each warpgroup's last pair) and TMA load (each box
@@ -470,7 +479,7 @@ class MlaSeesawSm90:
             cute.arch.sync_threads()
             if warp == 0:
                 with cute.arch.elect_one():
-                    self._send_split(mOp, sO, split, q_off, sq, head0)
+                    self._send_split(mOp, sO, w_split, w_off, sq, head0)
         if const_expr(self.ostore):
             # the same retirement argument: no WGMMA or TMA load on the K buffers is in flight
             # after the __syncthreads above, so generic stores may overwrite them
@@ -525,10 +534,10 @@ class MlaSeesawSm90:
 
     @cute.jit
     def _item(self, mWork, hq):
-        """(unit, head block, split, keys per split) of this CTA from the work list (schedule.py:
-        row 0 (keys per split, items), row 1 + i item i's (unit, split)); a CTA past the items
-        exits at once, after its PDL wait (no barrier, no mbarrier, no store: every thread of it
-        leaves here)."""
+        """(unit, head block, split, keys per split, item) of this CTA from the work list
+        (schedule.py: row 0 (keys per split, items), row 1 + i item i's (unit, split)); a CTA
+        past the items exits at once, after its PDL wait (no barrier, no mbarrier, no store:
+        every thread of it leaves here)."""
         x, _, _ = cute.arch.block_idx()
         blocks = hq // self.h
         item = x // blocks
@@ -539,6 +548,7 @@ class MlaSeesawSm90:
             x - item * blocks,
             mWork[WORK_HEADER + item, 1],
             mWork[0, 0],
+            item,
         )
 
     @cute.jit

@@ -13,6 +13,13 @@ THREADS threads:
    per); the block's minimal cost, then the largest per of that cost (two block reductions);
 4. warp 0 writes the items split by split, units in order within a split (a ballot and its
    population counts place each unit's item), and row 0 = (keys per split, items).
+
+`ranges` (a decode step's schedule, `launch.make_schedule`; schedule.py's `ranged_plan`): no
+bound from the width plan's splits: lo = fewest, a candidate whose items exceed the list's
+capacity (slots + units) costs BIG; no LSE fill (the combine reads only the items a row's unit
+has); warp 0 writes the items unit by unit (a unit's splits in order; its first item an
+exclusive scan over the warp's lanes) and each query row's (first item, items, query token) into
+mLp's slot, int32 (rows', 3).
 """
 
 from __future__ import annotations
@@ -40,8 +47,9 @@ class MlaWorklistSm90:
     the partial LSEs it fills), then lets the pass be scheduled: the pass's CTAs, waiting on
     this one CTA, are resident when it ends."""
 
-    def __init__(self, qtokens: int = 1, pdl: bool = True):
+    def __init__(self, qtokens: int = 1, ranges: bool = False, pdl: bool = True):
         self.qt = qtokens
+        self.ranges = ranges
         self.pdl = pdl
 
     @cute.jit
@@ -102,14 +110,17 @@ class MlaWorklistSm90:
         pdl.wait(self.pdl)
         pdl.launch_dependents(self.pdl)
 
-        for i in cutlass.range(tidx, mLp.shape[0], THREADS):
-            mLp[i] = -cutlass.Float32.inf
+        if const_expr(not self.ranges):
+            for i in cutlass.range(tidx, mLp.shape[0], THREADS):
+                mLp[i] = -cutlass.Float32.inf
 
         top = Int32(0)
         for u in cutlass.range(tidx, units, THREADS):
             top = cutlass.max(top, self._tiles(mSeq, mCuQ, causal, q_blocks, width, u))
         top = self._block(top, cutlass.max, sRed[None, 0], tidx)
         lo = cutlass.max(cutlass.max(fewest, (top + splits - 1) // splits), 1)
+        if const_expr(self.ranges):
+            lo = cutlass.max(fewest, 1)
         hi = cutlass.max(top, lo)
 
         best, best_per = Int32(BIG), lo
@@ -120,6 +131,9 @@ class MlaWorklistSm90:
                 items += (t + per - 1) // per
             waves = (items * head_blocks + slots - 1) // slots
             cost = waves * (per + SPLIT_OVERHEAD_TILES)
+            if const_expr(self.ranges):
+                if items > mWork.shape[0] - HEADER:  # past the list's capacity
+                    cost = Int32(BIG)
             if cost <= best:  # ascending per: ties to the larger
                 best, best_per = cost, per
         least = self._block(best, cutlass.min, sRed[None, 1], tidx)
@@ -128,7 +142,10 @@ class MlaWorklistSm90:
             mine = best_per
         per = self._block(mine, cutlass.max, sRed[None, 2], tidx)
 
-        if warp == 0:
+        if const_expr(self.ranges):
+            if warp == 0:
+                self._write_ranges((mSeq, mCuQ, causal, q_blocks, width), per, mWork, mLp, lane)
+        elif warp == 0:
             count = Int32(0)
             below = (Int32(1) << lane) - 1  # the lanes before this one
             for s in cutlass.range(splits):
@@ -148,6 +165,52 @@ class MlaWorklistSm90:
             if lane == 0:
                 mWork[0, 0] = per * TILE
                 mWork[0, 1] = count
+
+    @cute.jit
+    def _write_ranges(self, units_of, per, mWork, mRows, lane):
+        """Warp 0 (ranges): the items unit by unit, splits in order, and each query row's
+        (first item, items, query token); row 0 = (keys per split, items)."""
+        mSeq, mCuQ, causal, q_blocks, width = units_of
+        units = mSeq.shape[0] * q_blocks
+        count = Int32(0)
+        for u0 in cutlass.range(0, units, WARP_SIZE):
+            u = u0 + lane
+            n = Int32(0)
+            if u < units:
+                n = (self._tiles(mSeq, mCuQ, causal, q_blocks, width, u) + per - 1) // per
+            scan = n  # inclusive over the lanes
+            for k in cutlass.range_constexpr(5):
+                below = cute.arch.shuffle_sync_up(scan, 1 << k)
+                if lane >= (1 << k):
+                    scan += below
+            first = count + scan - n
+            if u < units:
+                for s in cutlass.range(n):
+                    mWork[HEADER + first + s, 0] = u
+                    mWork[HEADER + first + s, 1] = s
+                self._unit_rows(mRows, mCuQ, q_blocks, u, first, n)
+            count += cute.arch.shuffle_sync(scan, WARP_SIZE - 1)
+        if lane == 0:
+            mWork[0, 0] = per * TILE
+            mWork[0, 1] = count
+
+    @cute.jit
+    def _unit_rows(self, mRows, mCuQ, q_blocks, unit, first, n):
+        """(first, n, token) into the rows of `unit`'s query tokens: row unit (one query a
+        sequence), else block unit % q_blocks of its sequence's packed rows."""
+        if const_expr(mCuQ is None):
+            mRows[unit, 0] = first
+            mRows[unit, 1] = n
+            mRows[unit, 2] = 0
+        else:
+            b = unit // q_blocks
+            token0 = (unit - b * q_blocks) * self.qt
+            row0 = mCuQ[b] + token0
+            sq = cutlass.max(cutlass.min(mCuQ[b + 1] - row0, self.qt), 0)
+            for t in cutlass.range(sq):
+                mRows[row0 + t, 0] = first
+                mRows[row0 + t, 1] = n
+                mRows[row0 + t, 2] = t
 
     @cute.jit
     def _tiles(self, mSeq, mCuQ, causal, q_blocks, width, unit):

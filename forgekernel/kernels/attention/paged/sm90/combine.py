@@ -19,7 +19,7 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 from cutlass.memory import SmemAllocator
 
 from forgekernel.kernels.attention.paged.sm90.config import THREADS, WARPS
@@ -166,6 +166,11 @@ class PagedCombineSm90:
         (splits, rows, Hq) log2; mO (rows, Hq, D) 16-bit, rows contiguous; mLSE fp32 (rows, Hq)
         (any strides: (Hq, rows) storage seen transposed), natural log. rows: B, or total_q
         with query tokens."""
+        self._launch((mOp, mLp, mO, mLSE), mO, stream)
+
+    @cute.jit
+    def _launch(self, args, mO, stream):
+        """The kernel on `args` over grid (Hq, rows, spread)."""
 
         @cute.struct
         class Shared:
@@ -176,7 +181,7 @@ class PagedCombineSm90:
         self.shared = Shared
         units = cutlass.max(mO.shape[0] * mO.shape[1], 1)
         spread = cutlass.max(cutlass.min(WAVE_CTAS // units, self.chunks), 1)
-        self.kernel(mOp, mLp, mO, mLSE).launch(
+        self.kernel(*args).launch(
             grid=(mO.shape[1], mO.shape[0], spread),
             block=[THREADS, 1, 1],
             stream=stream,
@@ -185,8 +190,17 @@ class PagedCombineSm90:
 
     @cute.kernel
     def kernel(self, mOp: cute.Tensor, mLp: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor):
+        _, b, _ = cute.arch.block_idx()
+        self._combine(mOp, mLp, mO, mLSE, b, None)
+
+    @cute.jit
+    def _combine(self, mOp, mLp, mO, mLSE, b, mRows):
+        """Row b's combine (the class docstring); mRows (PagedCombineRangesSm90's, read after
+        the PDL wait: the scheduling kernel may be the pass's own predecessor) row b = (first
+        item, items, query token) of the row's unit in the partials' leading mode; None: every
+        split of row b."""
         tidx, _, _ = cute.arch.thread_idx()
-        head, b, first = cute.arch.block_idx()
+        head, _, first = cute.arch.block_idx()
         _, _, spread = cute.arch.grid_dim()
         storage = SmemAllocator().allocate(self.shared)
         sW = storage.w.get_tensor(cute.make_layout(SPLIT_CAP))
@@ -194,8 +208,13 @@ class PagedCombineSm90:
         sRed = storage.red.get_tensor(cute.make_layout((WARPS, 3), stride=(1, WARPS)))
         splits = mLp.shape[0]
         gL = mLp[None, b, head]
-        pdl.wait(self.pdl)  # the partials and out / lse: the pass's, or a previous call's
+        gO = mOp[None, b, head, None]
+        pdl.wait(self.pdl)  # the partials, out / lse and the rows: the pass's, or earlier calls'
         pdl.launch_dependents(self.pdl)
+        if const_expr(mRows is not None):
+            item0, splits, token = mRows[b, 0], Int32(mRows[b, 1]), mRows[b, 2]
+            gL = cute.domain_offset((item0,), mLp[None, token, head])
+            gO = cute.domain_offset((item0, 0), mOp[None, token, head, None])
 
         top = -Float32.inf
         last = Float32(-1.0)  # the last split that saw a key (exact in fp32 below 2^24)
@@ -226,7 +245,6 @@ class PagedCombineSm90:
 
         group = tidx // self.vecs
         vec = tidx - group * self.vecs
-        gO = mOp[None, b, head, None]
         for chunk in cutlass.range(first, self.chunks, spread):
             acc = cute.make_rmem_tensor(4, Float32)
             acc.fill(0.0)
@@ -304,3 +322,32 @@ class PagedCombineSm90:
                 w = Float32(0.0)
             ws[u] = w
             cute.autovec_copy(cute.local_tile(gO[c0 + at, None], (4,), (vec,)), vals[None, u])
+
+
+class PagedCombineRangesSm90(PagedCombineSm90):
+    """The combine over item-indexed partials (the MLA decode schedule's, compile key ranges):
+    mOp fp32 (items, tokens, Hq, D), mLp (items, tokens, Hq), and mRows int32 (rows', 3): row
+    r's unit's (first item, items, query token); row r reduces items [first, first + items) of
+    its token, in item order (a unit's items are its splits in order: the same sums as the
+    split form's over the same splits). Items 0: O 0 and LSE -inf, nothing read."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mOp: cute.Tensor,
+        mLp: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mRows: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        """PagedCombineSm90's, and mRows (the class docstring); mO's rows <= mRows' rows."""
+        self._launch((mOp, mLp, mO, mLSE, mRows), mO, stream)
+
+    @cute.kernel
+    def kernel(
+        self, mOp: cute.Tensor, mLp: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+        mRows: cute.Tensor,
+    ):  # fmt: skip
+        _, b, _ = cute.arch.block_idx()
+        self._combine(mOp, mLp, mO, mLSE, b, mRows)
