@@ -774,6 +774,8 @@ def test_pdl_chain_is_the_serialized_chain(b, hq):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(bufs[CHAIN % 2], want)
+
+
 # ---------------------------------------------------------------- a decode step's schedule
 # (forgekernel.mla_decode_schedule; MLA_NOTES.md, "A decode step's schedule, built"). The CPU
 # side (tests/test_mla_schedule.py) replays the ranges form from schedule.py; here the

@@ -79,15 +79,22 @@ WORKLIST_BLOCKS = ((16, 1), (64, 1), (16, 2), (32, 2), (16, 4))
 
 
 def _candidate_params() -> list[Params]:
-    """The work list's pass and scheduling kernels (`build --candidates`), and the builds
+    """The work list's pass and scheduling kernels, in their per-call and their `ranges` (a
+    decode step's schedule) forms, the ranges combines (`build --candidates`), and the builds
     without PDL of the bench's variant `no_pdl` (`no_pdl_params`)."""
     passes = [
-        params_for("partial", dtype, h, qt, tma=True, worklist=True)
+        params_for("partial", dtype, h, qt, tma=True, worklist=True, ranges=ranges)
         for dtype in DTYPES
         for h, qt in WORKLIST_BLOCKS
+        for ranges in (False, True)
     ]
-    lists = [params_for("worklist", "bfloat16", qtokens=qt) for qt in QTOKENS]
-    return passes + lists + no_pdl_params()
+    lists = [
+        params_for("worklist", "bfloat16", qtokens=qt, ranges=ranges)
+        for qt in QTOKENS
+        for ranges in (False, True)
+    ]
+    combines = [params_for("combine", d, ranges=True) for d in DTYPES]
+    return passes + lists + combines + no_pdl_params()
 
 
 def no_pdl_params() -> list[Params]:
