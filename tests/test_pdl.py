@@ -157,6 +157,10 @@ KERNELS = {
     "paged_combine": (PAGED_SPEC, paged_params("combine", "bfloat16", 128)),
     "mla_seesaw": (MLA_SPEC, mla_params("partial", "bfloat16", 16, tma=True)),
     "mla_combine": (MLA_SPEC, mla_params("combine", "bfloat16")),
+    # a decode step's schedule: the ranges pass and combine (the combine reads its row range)
+    "mla_ranges_pass": (MLA_SPEC, mla_params("partial", "bfloat16", 16, tma=True, worklist=True,
+                                             ranges=True)),  # fmt: skip
+    "mla_ranges_combine": (MLA_SPEC, mla_params("combine", "bfloat16", ranges=True)),
 }
 
 
@@ -183,9 +187,11 @@ def test_wait_precedes_every_global_access(compiled, name):
     assert res["sass"] == off["sass"]
 
 
-def test_the_scheduling_kernel_waits_before_its_first_store(compiled):
-    """The work list's kernel fills the partial LSEs first: its wait precedes that store."""
-    res, lines = compiled(MLA_SPEC, mla_params("worklist", "bfloat16"))
+@pytest.mark.parametrize("ranges", [False, True])
+def test_the_scheduling_kernel_waits_before_its_first_store(compiled, ranges):
+    """The work list's kernel fills the partial LSEs first (ranges: writes the list and the row
+    ranges a previous step's calls may still read): its wait precedes that store."""
+    res, lines = compiled(MLA_SPEC, mla_params("worklist", "bfloat16", ranges=ranges))
     assert len([x for x in lines if re.search(r"\bACQBULK\b", x)]) == 1
     assert _first(lines, r"\bACQBULK\b") < _first(lines, GLOBAL)
     assert res["spill_bytes"] == 0
