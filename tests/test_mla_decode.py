@@ -11,6 +11,7 @@ own check; the custom op's fake implementation under make_fx."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import itertools
 import math
@@ -104,14 +105,17 @@ def test_compile_keys():
     assert sorted((p["dtype"], p["heads"], p.get("qtokens", 1)) for p in ostore) == sorted(
         (d, h, t) for d in DTYPES for h, t in OSTORE_BLOCKS
     ) and all(p["direct"] and not p.get("pair") for p in ostore)  # fmt: skip
-    assert len(partial) == 5 * per_pass + len(direct) + len(ostore)
+    # a decode step's schedule: the ranges pass at every seesaw block, both dtypes
+    ranged = [p for p in partial if p.get("ranges")]
+    assert len(ranged) == 2 * per_pass and all(p["worklist"] and p["tma"] for p in ranged)
+    assert len(partial) == 5 * per_pass + len(direct) + len(ostore) + len(ranged)
     fp8 = [p for p in partial if p.get("fp8")]
     assert sorted((p["heads"], p.get("qtokens", 1)) for p in fp8) == sorted(
         (h, t) for h in HEADS for t in QTOKENS if h * t <= ROWS
     )
     assert all(set(p) <= {"kind", "dtype", "heads", "qtokens", "fp8"} for p in fp8)
     assert (
-        sum(1 for p in partial if p.get("tma") and not p.get("direct") and not p.get("pair"))
+        sum(1 for p in partial if p.get("tma") and not p.get("direct") and not p.get("ranges"))
         == 2 * per_pass
     )
     assert all(p["dtype"] == "bfloat16" for p in partial if p.get("fp8"))
@@ -384,6 +388,17 @@ def _partial(qn, qp, ckv, kpe, ckv_scale, pt, seq, op_, lp, scale_log2, per, pag
                         )
 
 
+def _ranged_replay(p: dict):
+    """A decode step's schedule's kernels (the ranges forms) as test_mla_worklist replays them."""
+    worklist = importlib.import_module("test_mla_worklist")
+    if p["kind"] == "combine":
+        return worklist.combine_ranges
+    if p["kind"] == "worklist":
+        return functools.partial(worklist.ranged_schedule, {"sched": []}, p["qtokens"])
+    kw = {"heads": p["heads"], "qtokens": p.get("qtokens", 1)}
+    return lambda *args: worklist.ranged_partial(args, kw)
+
+
 @pytest.fixture
 def cpu_kernels(monkeypatch):
     """The launcher's kernels replaced by the replay; the calls' (params, scalar args)."""
@@ -392,6 +407,8 @@ def cpu_kernels(monkeypatch):
     def get_kernel(spec, params):
         assert spec is SPEC
         p = dict(params)
+        if p.get("ranges", False):  # a decode step's schedule (the bench's `ours` takes one)
+            return _ranged_replay(p)
         if p["kind"] == "combine":
             assert params == params_for("combine", p["dtype"])
             return combine_splits
@@ -993,17 +1010,17 @@ def test_plan_form_rejects_blocks_that_do_not_fit(cpu_kernels):
 
 
 def test_suite_candidates_are_bench_cases():
-    """CANDIDATES, SCHEDULED (the `schedule` variant) and NO_PDL_CASES (the variant `no_pdl`,
-    tests/test_pdl.py) name bench cases of the seesaw pass (16-bit, page 64); every other case
-    has no variant (the `pair` one is gone)."""
+    """CANDIDATES, PLAIN_CASES (the `plain` variant: the call without the step's schedule) and
+    NO_PDL_CASES (the variant `no_pdl`, tests/test_pdl.py) name bench cases of the seesaw pass
+    (16-bit, page 64); every other case has no variant (the `pair` one is gone)."""
     names = {c.name: c for c in mla_decode.BENCH_CASES}
-    assert set(mla_decode.CANDIDATES) | set(mla_decode.SCHEDULED) <= set(names)
+    assert set(mla_decode.CANDIDATES) | set(mla_decode.PLAIN_CASES) <= set(names)
     assert set(mla_decode.NO_PDL_CASES) <= set(names)
     for name, case in names.items():
         got = set(mla_decode.variants(case))
-        scheduled = {"schedule"} if name in mla_decode.SCHEDULED else set()
+        plain = {"plain"} if name in mla_decode.PLAIN_CASES else set()
         no_pdl = {"no_pdl"} if name in mla_decode.NO_PDL_CASES else set()
-        assert got == set(mla_decode.CANDIDATES.get(name, {})) | scheduled | no_pdl, name
+        assert got == set(mla_decode.CANDIDATES.get(name, {})) | plain | no_pdl, name
         if got:
             assert case.params["page"] % TILE == 0 and case.params["cache"] == "combined"
 

@@ -333,19 +333,22 @@ def test_uniform_b16_schedule_keeps_the_width_plan(cpu_worklist):  # noqa: F811
     assert (splits, per_keys) == (8, 8 * TILE) and len(items) == 128
 
 
-def test_bench_variant_makes_the_schedule_once(cpu_worklist):  # noqa: F811
-    """The suite's `schedule` variant: the schedule made on the input set's first call, the
-    later (timed) calls mla_decode's alone; its output the default path's within the bound."""
+def test_bench_ours_makes_the_schedule_once(cpu_worklist):  # noqa: F811
+    """The suite's `ours` on a 16-bit page-64 decode case: the schedule made on the input set's
+    first call, the later (timed) calls mla_decode's alone; its output the `plain` variant's
+    (the call without a schedule) within the bound."""
     from forgekernel.bench.suites import mla_decode as suite
 
     case = suite._case(6, 16, 64, (100, 3000, 64, 0, 1500, 700), tag="tiny")
     inputs = suite.make_inputs(case, torch.bfloat16, torch.device("cpu"),
                                torch.Generator().manual_seed(0))  # fmt: skip
-    want = suite.run_ours(inputs, None)
+    want = suite.run_plain(inputs, None)
+    assert not cpu_worklist["sched"]
     for _ in range(3):
-        got = suite.run_scheduled(inputs, None)
+        got = suite.run_ours(inputs, None)
         assert float((got[0].float() - want[0].float()).abs().max()) < 2e-2
     assert len(cpu_worklist["sched"]) == 1
+    assert "schedule" in inputs["ours"][2] and "schedule" not in inputs["ours_plain"][2]
 
 
 # ---------------------------------------------------------------- the compiles (CPU, sm_90a)

@@ -70,7 +70,22 @@ def _standard_params() -> list[Params]:
         for h, qt in OSTORE_BLOCKS
     ]
     combine = [params_for("combine", d) for d in DTYPES]
-    return partial + direct + sparse + ostore + combine
+    return partial + direct + sparse + ostore + combine + _schedule_params()
+
+
+def _schedule_params() -> list[Params]:
+    """A decode step's schedule (`forgekernel.mla_decode_schedule`, launch.make_schedule): the
+    scheduling kernel's ranges form at every query-token block, the ranges pass at every seesaw
+    block, the ranges combine (prebuilt: a schedule's first call compiles nothing)."""
+    passes = [
+        params_for("partial", dtype, h, qt, tma=True, worklist=True, ranges=True)
+        for dtype in DTYPES
+        for qt in QTOKENS
+        for h in HEADS
+        if h * qt <= ROWS
+    ]
+    lists = [params_for("worklist", "bfloat16", qtokens=qt, ranges=True) for qt in QTOKENS]
+    return passes + lists + [params_for("combine", d, ranges=True) for d in DTYPES]
 
 
 # The device-side work list (candidate, FORGEKERNEL_MLA_WORKLIST=1; schedule.py, worklist.py): its
@@ -79,30 +94,29 @@ WORKLIST_BLOCKS = ((16, 1), (64, 1), (16, 2), (32, 2), (16, 4))
 
 
 def _candidate_params() -> list[Params]:
-    """The work list's pass and scheduling kernels, in their per-call and their `ranges` (a
-    decode step's schedule) forms, the ranges combines (`build --candidates`), and the builds
-    without PDL of the bench's variant `no_pdl` (`no_pdl_params`)."""
+    """The per-call work list's pass and scheduling kernels (`build --candidates`), and the
+    builds without PDL of the bench's variant `no_pdl` (`no_pdl_params`)."""
     passes = [
-        params_for("partial", dtype, h, qt, tma=True, worklist=True, ranges=ranges)
+        params_for("partial", dtype, h, qt, tma=True, worklist=True)
         for dtype in DTYPES
         for h, qt in WORKLIST_BLOCKS
-        for ranges in (False, True)
     ]
-    lists = [
-        params_for("worklist", "bfloat16", qtokens=qt, ranges=ranges)
-        for qt in QTOKENS
-        for ranges in (False, True)
-    ]
-    combines = [params_for("combine", d, ranges=True) for d in DTYPES]
-    return passes + lists + combines + no_pdl_params()
+    lists = [params_for("worklist", "bfloat16", qtokens=qt) for qt in QTOKENS]
+    return passes + lists + no_pdl_params()
 
 
 def no_pdl_params() -> list[Params]:
     """The kernels of the bench's variant `no_pdl` (bf16, one query token, 16 and 128 heads: the
-    seesaw pass of 16 and 64 heads a CTA, and the combine) built without PDL (compile key pdl
-    "off", runtime/pdl.py)."""
-    passes = [params_for("partial", "bfloat16", heads_per_cta(hq), tma=True) for hq in (16, 128)]
-    return [pdl.key(p, False) for p in (*passes, params_for("combine", "bfloat16"))]
+    seesaw pass of 16 and 64 heads a CTA and the combine, each in its plain and its ranges form
+    (the bench's calls take a decode step's schedule), the ranges scheduling kernel) built
+    without PDL (compile key pdl "off", runtime/pdl.py)."""
+    blocks = [heads_per_cta(hq) for hq in (16, 128)]
+    passes = [params_for("partial", "bfloat16", h, tma=True) for h in blocks]
+    ranged = [params_for("partial", "bfloat16", h, tma=True, worklist=True, ranges=True)
+              for h in blocks]  # fmt: skip
+    rest = [params_for("combine", "bfloat16", ranges=r) for r in (False, True)]
+    rest.append(params_for("worklist", "bfloat16", qtokens=1, ranges=True))
+    return [pdl.key(p, False) for p in (*passes, *ranged, *rest)]
 
 
 SPEC = KernelSpec(
