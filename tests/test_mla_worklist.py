@@ -22,6 +22,7 @@ import random
 
 import pytest
 import torch
+from cubins import compile_cubin
 from mla_seesaw import seesaw_partial
 from split_combine import combine_splits
 
@@ -422,14 +423,7 @@ def compiles(tmp_path_factory):
         pytest.skip("cuobjdump not found")
 
     def build(params):
-        # the dump in a temporary directory: without --dump-dir the cubin lands in the cwd
-        d = tmp_path_factory.mktemp("cubin")
-        cubin = SPEC.compile(params, f"--keep-cubin --dump-dir {d}").artifacts.CUBIN
-        if isinstance(cubin, bytes):
-            path = d / "k.cubin"
-            path.write_bytes(cubin)
-            cubin = str(path)
-        return inspect_cubin(cubin)
+        return inspect_cubin(compile_cubin(SPEC, params, tmp_path_factory.mktemp("cubin")))
 
     return build
 

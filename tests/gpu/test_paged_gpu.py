@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from graphs import assert_pdl_chain_is_serialized
 
 from forgekernel.kernels.attention.fwd.sm90 import launch as fwd_launch
 from forgekernel.reference.paged_attention import paged_attention_ref
@@ -503,17 +504,10 @@ def test_a_wide_table_around_short_sequences(fp8, qtokens):
     assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
 
 
-CHAIN = 8  # calls of a chain (tests of programmatic dependent launch)
-
-
 def test_pdl_chain_is_the_serialized_chain():
-    """Back-to-back calls, call i + 1's q call i's out, every call's partials in the same scratch
-    (b1 x 16k: pass and combine): with programmatic dependent launch (runtime/pdl.py), eagerly
-    and replayed in a CUDA graph, the chain's result equals, bit for bit, the chain without PDL
-    with a synchronize after every call. The combine triggers its dependents at its top, so the
-    next call's pass may be resident under it: a pass reading q, or writing the partials, before
-    its griddepcontrol.wait (or a combine reading partials before its own) would show here."""
-    pdl = importlib.import_module("forgekernel.runtime.pdl")
+    """graphs.assert_pdl_chain_is_serialized: call i + 1's q call i's out, every call's partials
+    in the same scratch (b1 x 16k: pass and combine; a pass reading q, or writing the partials,
+    before its griddepcontrol.wait, or a combine reading partials before its own, would show)."""
     g = torch.Generator(device="cuda").manual_seed(3)
     rand = {"device": "cuda", "dtype": torch.bfloat16, "generator": g}
     hq, hkv, d, ps, n = 32, 8, 128, 16, 16384
@@ -523,29 +517,6 @@ def test_pdl_chain_is_the_serialized_chain():
     table = table.to(torch.int32)
     seq = torch.tensor([n], dtype=torch.int32, device="cuda")
     q0 = torch.randn(1, hq, d, **rand)
-    bufs = (q0.clone(), torch.empty_like(q0))
-
-    def chain(sync: bool) -> None:
-        for i in range(CHAIN):
-            op.attention_paged(bufs[i % 2], k, v, table, seq, out=bufs[(i + 1) % 2])
-            if sync:
-                torch.cuda.synchronize()
-
-    with pdl.off():
-        chain(True)
-    want = bufs[CHAIN % 2].clone()
-    bufs[0].copy_(q0)
-    side = torch.cuda.Stream()  # the eager chain, also the capture's warm-up on a side stream
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain(False)
-    torch.cuda.synchronize()
-    assert torch.equal(bufs[CHAIN % 2], want)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain(False)
-    bufs[0].copy_(q0)
-    bufs[1].fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(bufs[CHAIN % 2], want)
+    assert_pdl_chain_is_serialized(
+        lambda q, out, _: op.attention_paged(q, k, v, table, seq, out=out), q0
+    )
