@@ -549,3 +549,145 @@ def test_pdl_chain_is_the_serialized_chain():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(bufs[CHAIN % 2], want)
+
+
+# ---------------------------------------------------------------- a decode step's schedule
+# (forgekernel.attention_paged_schedule; PAGED_NOTES.md, "A decode step's schedule"). The CPU
+# side (tests/test_paged_schedule.py) replays the algorithms; here the kernels.
+
+SCHEDULE_CASES = [  # b, hq, hkv, d, page_size, lens, table width in pages (None: the longest's)
+    (4, 32, 8, 128, 16, [1, 17, 300, 0], None),
+    (32, 32, 8, 128, 16, list(range(100, 32 * 170, 170)), 8192),  # the bench's serving mixed
+    (32, 32, 8, 128, 16, [64] * 31 + [32768], None),  # a long sequence among short ones
+    (3, 8, 8, 64, 16, [5, 0, 513], None),
+    (2, 16, 2, 256, 64, [129, 2048], None),
+    (2, 24, 8, 128, 32, [77, 700], None),
+    (2, 32, 4, 128, 1, [64, 1000], None),
+]
+
+
+def _schedule_problem(case, dtype, seed):
+    """Caches with NaN in every slot no sequence owns, a table of `width` pages (-1 past a
+    sequence's), queries."""
+    b, hq, hkv, d, ps, lens, width = case
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    own = max(1, max(-(-n // ps) for n in lens))
+    width = width or own
+    pages = b * own + 5
+    k = torch.full((pages, ps, hkv, d), float("nan"), device="cuda", dtype=dtype)
+    v = torch.full_like(k, float("nan"))
+    perm = torch.randperm(pages, device="cuda", generator=g)[: b * own].view(b, own)
+    table = torch.full((b, width), -1, dtype=torch.int32, device="cuda")
+    for s, n in enumerate(lens):
+        mine = -(-n // ps)
+        table[s, :mine] = perm[s, :mine].int()
+        for i in range(mine):
+            rows = min(ps, n - i * ps)
+            k[perm[s, i], :rows] = torch.randn(rows, hkv, d, device="cuda", generator=g).to(dtype)
+            v[perm[s, i], :rows] = torch.randn(rows, hkv, d, device="cuda", generator=g).to(dtype)
+    q = torch.randn(b, hq, d, device="cuda", dtype=dtype, generator=g)
+    return q, k, v, table, torch.tensor(lens, dtype=torch.int32, device="cuda")
+
+
+def _check_against_reference(q, k, v, table, seq, out, lse):
+    want, want_lse = paged_attention_ref(q, k, v, table.clamp(min=0), seq)
+    low, _ = paged_attention_ref(q, k, v, table.clamp(min=0), seq, upcast=False)
+    bound = 2 * float((low.float() - want).abs().max()) + 1e-3
+    assert float((out.float() - want).abs().max()) <= bound
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", SCHEDULE_CASES, ids=lambda c: f"b{c[0]}_d{c[3]}_L{max(c[5])}")
+def test_one_schedule_serves_three_layers(case, dtype):
+    """One schedule, three layers' queries and caches (NaN in every slot no sequence owns), NaN
+    in out and in the partial scratch before every call: each layer's output the reference's."""
+    b, hq, hkv, d, ps, _, _ = case
+    _, _, _, table, seq = _schedule_problem(case, dtype, 0)
+    schedule = op.attention_paged_schedule(seq, table, num_heads=hq, num_kv_heads=hkv,
+                                           head_dim=d, page_size=ps, dtype=dtype)  # fmt: skip
+    for layer in range(3):
+        q, k, v, _, _ = _schedule_problem(case, dtype, layer)
+        items = schedule.work.shape[0] - 1  # the stream's partials scratch (launch._ranged): NaN
+        scratch_of = importlib.import_module("forgekernel.runtime.scratch").scratch
+        scratch_of("paged.partial_o", (items, 1, hq, d), torch.float32, q.device).fill_(math.nan)
+        scratch_of("paged.partial_lse", (items, 1, hq), torch.float32, q.device).fill_(math.nan)
+        out = torch.full_like(q, float("nan"))
+        _, lse = op.attention_paged(q, k, v, table, seq, return_lse=True, out=out,
+                                    schedule=schedule)  # fmt: skip
+        _check_against_reference(q, k, v, table, seq, out, lse)
+
+
+def test_schedule_in_a_cuda_graph():
+    """A step captured once (the schedule, then two layers' calls), replayed on the serving
+    mixed lengths and on two thirds of them empty: the list is remade on the device each replay."""
+    case = SCHEDULE_CASES[1]
+    b, hq, hkv, d, ps, lens, _ = case
+    q, k, v, table, seq = _schedule_problem(case, torch.bfloat16, 0)
+    out = torch.empty(2, *q.shape, device="cuda", dtype=q.dtype)
+    lse = torch.empty(2, b, hq, device="cuda")
+
+    def step():
+        schedule = op.attention_paged_schedule(seq, table, num_heads=hq, num_kv_heads=hkv,
+                                               head_dim=d, page_size=ps)  # fmt: skip
+        for layer in range(2):
+            op.attention_paged(q, k, v, table, seq, out=out[layer], lse=lse[layer],
+                               schedule=schedule)  # fmt: skip
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for now in (lens, [0 if i % 3 else n for i, n in enumerate(lens)]):
+        q.copy_(torch.randn_like(q))
+        seq.copy_(torch.tensor(now, device="cuda"))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for layer in range(2):
+            _check_against_reference(q, k, v, table, seq, out[layer], lse[layer])
+
+
+def test_pdl_scheduled_chain_is_the_serialized_chain():
+    """The PDL chain test with a step's schedule (the serving mixed batch): the scheduling
+    kernel, then CHAIN calls of the ranges pass and combine, with PDL, eagerly and in a graph,
+    equal the chain without PDL with a synchronize after every call."""
+    pdl = importlib.import_module("forgekernel.runtime.pdl")
+    case = SCHEDULE_CASES[1]
+    b, hq, hkv, d, ps, _, _ = case
+    q0, k, v, table, seq = _schedule_problem(case, torch.bfloat16, 3)
+    bufs = (q0.clone(), torch.empty_like(q0))
+
+    def chain(sync: bool) -> None:
+        schedule = op.attention_paged_schedule(seq, table, num_heads=hq, num_kv_heads=hkv,
+                                               head_dim=d, page_size=ps)  # fmt: skip
+        for i in range(CHAIN):
+            op.attention_paged(bufs[i % 2], k, v, table, seq, out=bufs[(i + 1) % 2],
+                               schedule=schedule)  # fmt: skip
+            if sync:
+                torch.cuda.synchronize()
+
+    with pdl.off():
+        chain(True)
+    want = bufs[CHAIN % 2].clone()
+    bufs[0].copy_(q0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain(False)
+    torch.cuda.synchronize()
+    assert torch.equal(bufs[CHAIN % 2], want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain(False)
+    bufs[0].copy_(q0)
+    bufs[1].fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(bufs[CHAIN % 2], want)

@@ -36,7 +36,22 @@ def _standard_params() -> list[Params]:
         if h * qt <= row_cap(d, kv)
     ]
     combine = [params_for("combine", dtype, d) for dtype in DTYPES for d in HEAD_DIMS]
-    return partial + merge_rows_params() + combine
+    return partial + merge_rows_params() + combine + schedule_params()
+
+
+def schedule_params() -> list[Params]:
+    """A decode step's schedule (`forgekernel.attention_paged_schedule`, launch.make_schedule):
+    the ranges pass of every 16-bit one-token leaf and the ranges combine at every head dim
+    (prebuilt: a schedule's first call compiles nothing; its scheduling kernel is MLA's)."""
+    partial = [
+        params_for("partial", dtype, d, h, ranges=True)
+        for dtype in DTYPES
+        for d in HEAD_DIMS
+        for h in HEADS
+        if h <= row_cap(d)
+    ]
+    combine = [params_for("combine", dtype, d, ranges=True) for dtype in DTYPES for d in HEAD_DIMS]
+    return partial + combine
 
 
 def _candidate_params() -> list[Params]:
