@@ -276,3 +276,26 @@ def test_suite_schedule_cases_are_bench_cases():
     assert set(suite.SCHEDULE_CASES) <= set(names)
     for name in suite.SCHEDULE_CASES:
         assert "schedule" in suite.variants(names[name])
+
+
+@pytest.mark.parametrize("mode", ["real", "fake"])
+def test_schedule_traces_as_a_custom_op(cpu_schedule, mode):
+    """Traced (make_fx: torch.compile's path), the schedule is the custom op
+    forgekernel::attention_paged_schedule, its fake the list's shape; the layers' decode calls
+    take its tensors through forgekernel::attention_paged_decode."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q, k, v, pt, seq = _problem(6, 32, 8, 128, 16, [100, 3000, 64, 0, 1500, 700])
+
+    def step(q, k, v, pt, seq):
+        schedule = forgekernel.attention_paged_schedule(seq, pt, num_heads=32, num_kv_heads=8,
+                                                        head_dim=128, page_size=16)  # fmt: skip
+        return op_module.attention_paged(q, k, v, pt, seq, schedule=schedule)
+
+    graph = make_fx(step, tracing_mode=mode)(q, k, v, pt, seq)
+    code = graph.code
+    assert "forgekernel.attention_paged_schedule" in code
+    assert "forgekernel.attention_paged_decode" in code
+    if mode == "real":
+        want, _ = paged_attention_ref(q, k, v, pt, seq)
+        assert float((graph(q, k, v, pt, seq).float() - want).abs().max()) < 2e-2
