@@ -210,7 +210,8 @@ def test_launcher_takes_the_direct_form_for_one_split(monkeypatch, key, direct):
         kernel, combine, splits, _, _, _ = mla_launch._plan(
             kind, torch.bfloat16, units, hq, tokens, qtokens, 0, fp8, ps
         )
-        assert "direct" not in kernel and combine["kind"] == "combine" and splits == 1
+        # (a combine of >= 1024 rows x heads: the warp form, wrapped to the CTA form's call)
+        assert "direct" not in kernel and combine is not None and splits == 1
     monkeypatch.setenv("FORGEKERNEL_MLA_DIRECT", "yes")
     with pytest.raises(ValueError, match="FORGEKERNEL_MLA_DIRECT"):
         mla_launch.direct_enabled()
@@ -409,9 +410,9 @@ def cpu_kernels(monkeypatch):
         p = dict(params)
         if p.get("ranges", False):  # a decode step's schedule (the bench's `ours` takes one)
             return _ranged_replay(p)
-        if p["kind"] == "combine":
-            assert params == params_for("combine", p["dtype"])
-            return combine_splits
+        if p["kind"] == "combine":  # the CTA or the warp form (its row-ranges slot None)
+            assert params == params_for("combine", p["dtype"], warps=p.get("form") == "warps")
+            return lambda op_, lp, out, lse, rows=None: combine_splits(op_, lp, out, lse)
 
         def partial(*args):
             assert args[0].dtype == getattr(torch, p["dtype"]) and len(args) == 15
@@ -1015,12 +1016,13 @@ def test_suite_candidates_are_bench_cases():
     (16-bit, page 64); every other case has no variant (the `pair` one is gone)."""
     names = {c.name: c for c in mla_decode.BENCH_CASES}
     assert set(mla_decode.CANDIDATES) | set(mla_decode.PLAIN_CASES) <= set(names)
-    assert set(mla_decode.NO_PDL_CASES) <= set(names)
+    assert set(mla_decode.NO_PDL_CASES) | set(mla_decode.COMBINE_CASES) <= set(names)
     for name, case in names.items():
         got = set(mla_decode.variants(case))
         plain = {"plain"} if name in mla_decode.PLAIN_CASES else set()
         no_pdl = {"no_pdl"} if name in mla_decode.NO_PDL_CASES else set()
-        assert got == set(mla_decode.CANDIDATES.get(name, {})) | plain | no_pdl, name
+        cta = {"combine_cta"} if name in mla_decode.COMBINE_CASES else set()
+        assert got == set(mla_decode.CANDIDATES.get(name, {})) | plain | no_pdl | cta, name
         if got:
             assert case.params["page"] % TILE == 0 and case.params["cache"] == "combined"
 

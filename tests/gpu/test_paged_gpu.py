@@ -373,26 +373,35 @@ def _merge_ref(op: torch.Tensor, lp: torch.Tensor) -> tuple[torch.Tensor, torch.
     return o, torch.where(finite, (top + torch.log2(total)) * math.log(2), -math.inf)
 
 
+@pytest.mark.parametrize("form", ["cta", "warps"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [64, 128, 256, 512])
 @pytest.mark.parametrize("splits", [1, 2, 7, 128, 300])
 @pytest.mark.parametrize("rows, heads", [(1, 16), (3, 100), (40, 32)])
-def test_combine_kernel_matches_the_merge(rows, heads, splits, d, dtype):
+def test_combine_kernel_matches_the_merge(rows, heads, splits, d, dtype, form):
     """The combine alone (D 512 under mla_decode's key, the others attention_paged's): 1 .. 300
     splits (300: two chunks of SPLIT_CAP weights), splits 1, 4, 7, ... of row 0 and every split
     of the last (row, head) without keys (LSE -inf, partial rows NaN), LSEs over 2^+-40; rows x
     heads of 16, 300 and 1280 (a row's column chunks over 4, 3 and 1 CTAs at D 512); out
-    NaN-poisoned, the LSE a transposed view. One split: the partial row bit for bit."""
+    NaN-poisoned, the LSE a transposed view. One split: the partial row bit for bit. form: the
+    CTA form, or the warp form (combine_form.py; head dims that are multiples of 128, its
+    row-ranges slot None)."""
     from forgekernel.kernels.attention.mla.sm90 import SPEC as MLA_SPEC
     from forgekernel.kernels.attention.mla.sm90 import params_for as mla_params
     from forgekernel.kernels.attention.paged.sm90 import SPEC, params_for
     from forgekernel.runtime.cache import get_kernel
 
     name = "bfloat16" if dtype == torch.bfloat16 else "float16"
+    warps = form == "warps"
+    if warps and d % 128:
+        pytest.skip("the warp form takes head dims that are multiples of 128")
     if d == 512:
-        combine = get_kernel(MLA_SPEC, mla_params("combine", name))
+        combine = get_kernel(MLA_SPEC, mla_params("combine", name, warps=warps))
     else:
-        combine = get_kernel(SPEC, params_for("combine", name, d))
+        combine = get_kernel(SPEC, params_for("combine", name, d, warps=warps))
+    if warps:
+        kernel = combine
+        combine = lambda *a: kernel(*a, None)  # noqa: E731
     g = torch.Generator(device="cuda").manual_seed(splits + d)
     op = torch.randn(splits, rows, heads, d, device="cuda", generator=g)
     lp = torch.randn(splits, rows, heads, device="cuda", generator=g) * 12.0

@@ -36,7 +36,19 @@ def _standard_params() -> list[Params]:
         if h * qt <= row_cap(d, kv)
     ]
     combine = [params_for("combine", dtype, d) for dtype in DTYPES for d in HEAD_DIMS]
-    return partial + merge_rows_params() + combine + schedule_params()
+    return partial + merge_rows_params() + combine + warps_params() + schedule_params()
+
+
+def warps_params() -> list[Params]:
+    """The combine's warp form (combine_form.py: rows x heads >= 1024) at the head dims it
+    takes (multiples of 128), plain and ranges."""
+    return [
+        params_for("combine", dtype, d, ranges=ranges, warps=True)
+        for dtype in DTYPES
+        for d in HEAD_DIMS
+        if d % 128 == 0
+        for ranges in (False, True)
+    ]
 
 
 def schedule_params() -> list[Params]:

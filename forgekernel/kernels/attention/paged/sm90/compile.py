@@ -11,6 +11,7 @@ from cutlass.cute.runtime import make_fake_tensor
 from forgekernel.kernels.attention.paged.sm90.combine import (
     PagedCombineRangesSm90,
     PagedCombineSm90,
+    PagedCombineWarpsSm90,
     partials_o,
 )
 from forgekernel.kernels.attention.paged.sm90.decode import PagedDecodeSm90
@@ -48,6 +49,17 @@ def compile_paged(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     ranges = params.get("ranges", False)
     if params["kind"] == "combine":
         o, lse = final(b)
+        if params.get("form") == "warps":  # one warp a (row, head)
+            return cute.compile(
+                PagedCombineWarpsSm90(d, on, ranges),
+                partials_o(),
+                _dense(cutlass.Float32, 3),
+                o,
+                lse,
+                _int32_rows(3) if ranges else None,
+                fake.stream(),
+                options=opts,
+            )
         if ranges:  # item-indexed partials and each sequence's (first item, items, token 0)
             return cute.compile(
                 PagedCombineRangesSm90(d, on),
