@@ -132,6 +132,8 @@ def pytest_configure(config: pytest.Config) -> None:
     busy processes, 6.6 s / 7.4 s on an idle machine (the one case where 2 threads win)."""
     if not torch.cuda.is_available():
         torch.set_num_threads(1)
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False  # RUN_FIRST's order, not xdist's by test count
 
 
 def sm90_missing() -> str | None:
@@ -144,8 +146,33 @@ def sm90_missing() -> str | None:
     return None
 
 
+# The longest test files on CI's CPU, longest first (sm_90a compiles; seconds each on the 2-core
+# machine, both workers busy, 2026-12-04). xdist's loadfile hands out files in the collection's
+# order (its own reorder, by test count, is turned off in pytest_configure: it put these few-test
+# files last, one worker left alone with a 40 s file at the end: 22 s idle in one measured run).
+RUN_FIRST = (
+    "test_conv_compile.py",  # 55
+    "test_build_sm90.py",  # 43, two compile processes of its own
+    "test_mla_ostore.py",  # 39
+    "test_attention_build.py",  # 38
+    "test_gemm_fp8_mainloop.py",  # 33
+    "test_dsa_sparse_bwd_kernel_compile.py",  # 26
+    "test_paged_spec.py",  # 25
+    "test_mla_worklist.py",  # 20
+    "test_mla_seesaw_compile.py",  # 18
+    "test_gemm_stream_k_clusters.py",  # 14
+    "test_gdn_prefill_compile.py",  # 13
+    "test_kda_prefill_compile.py",  # 13
+    "test_kda_intra_loop_compile.py",  # 13
+    "test_mla_pair.py",  # 10
+    "test_attention_paged.py",  # 10
+)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(RUN_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
     reason = sm90_missing()
     if reason is None:
         return

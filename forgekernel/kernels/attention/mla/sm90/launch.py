@@ -207,7 +207,6 @@ def _plan(
         ostore = not narrow and config.runs_ostore(heads, qtokens) and ostore_enabled()
         params = config.params_for(kind, name, heads, qtokens, tma=True, direct=True, ostore=ostore)
         return get_kernel(SPEC, pdl.key(params, on)), None, splits, per, ostore, None
-    combine = _combine(name, on, units * qtokens * hq)
     if kind == "partial" and (form is None or form[0] is None):
         # the passes spread each unit's own keys over the splits (decode.py, seesaw.py), at
         # least this many a split: the width's per would leave a short sequence in a table
@@ -224,10 +223,10 @@ def _plan(
         params = config.params_for(kind, name, heads, qtokens, tma=tma, worklist=True,
                                    ranges=ranges)  # fmt: skip
         partial = get_kernel(SPEC, pdl.key(params, on))
-        if ranges:
-            combine = _combine(name, on, units * qtokens * hq, ranges=True)
+        combine = _combine(name, on, units * qtokens * hq, ranges=ranges)
         worklist = (sched, hq // heads, fewest, sms * config.RESIDENT, tiles)
         return partial, combine, splits, per, False, worklist
+    combine = _combine(name, on, units * qtokens * hq)
     params = config.params_for(kind, name, heads, qtokens, fp8, tma)
     partial = get_kernel(SPEC, pdl.key(params, on or not tma))  # decode.py's: no PDL build
     return partial, combine, splits, per, False, None
