@@ -61,7 +61,10 @@ FLASHMLA_NO_DENSE_FP8 = (
 )
 
 
-def _case(b, hq, page, lens, *, s_q=1, q_lens=None, cache="combined", group="", tag="") -> Case:
+def _case(b, hq, page, lens, *, s_q=1, q_lens=None, cache="combined", group="", tag="",
+          plain=False) -> Case:  # fmt: skip
+    """plain: ours without the decode step's schedule (the width plan's call, what a caller
+    that makes no schedule gets; `_our_call`)."""
     lens = tuple(lens) if isinstance(lens, (list, tuple)) else (lens,) * b
     shape = tag or (f"L{lens[0]}" if len(set(lens)) == 1 else f"L{min(lens)}-{max(lens)}")
     form = f"-sq{s_q}" if s_q > 1 else ("-packed" if q_lens and max(q_lens) <= 4 else "")
@@ -69,6 +72,8 @@ def _case(b, hq, page, lens, *, s_q=1, q_lens=None, cache="combined", group="", 
     params = {"b": b, "hq": hq, "page": page, "lens": lens, "s_q": s_q, "cache": cache}
     if q_lens is not None:
         params["q_lens"] = tuple(q_lens)
+    if plain:
+        name, params["plain"] = name + "-plain", True
     return Case(name, params, group)
 
 
@@ -137,13 +142,19 @@ CHECK_CASES = (
     _case(2, 32, 64, (3, 90), s_q=3),
     _case(3, 16, 64, (4, 0, 129), s_q=4),
     _case(132, 16, 64, tuple((i * 7919) % 1000 for i in range(132)), tag="direct"),
+    # the call without a schedule (the cases above with 16-bit page-64 caches take the step's
+    # schedule, as the bench's ours): the width plan's seesaw splits, 16 / 128 heads, MTP 4
+    _case(3, 16, 64, (37, 0, 100), plain=True),
+    _case(5, 16, 64, (1, 17, 129, 0, 1000), plain=True),
+    _case(2, 128, 64, (65, 513), plain=True),
+    _case(3, 16, 64, (4, 300, 65), s_q=4, plain=True),
 )
 # every compiled variant: 16 heads x 1 token, 8 x 2, 4 x 4 (packed), both cache forms; the fp8
 # compiles at 16 x 1 and 16 x 4; the 128-head seesaw blocks, partial (splits) and direct: the
 # direct ones, 64 x 1 and 32 x 2 (MTP 2), on their `ostore` compiles
 SANITIZE_CASES = (
     CHECK_CASES[0], CHECK_CASES[5], CHECK_CASES[6], CHECK_CASES[9], CHECK_CASES[13],
-    CHECK_CASES[4], CHECK_CASES[16], CHECK_CASES[19],
+    CHECK_CASES[4], CHECK_CASES[16], CHECK_CASES[19], CHECK_CASES[24],
 )  # fmt: skip
 
 
@@ -184,6 +195,8 @@ def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, gen: torch
     if "q_lens" in p:
         cu = torch.tensor([0, *torch.tensor(p["q_lens"]).cumsum(0).tolist()], dtype=torch.int32)
         inputs["cu_seqlens_q"], inputs["max_seqlen_q"] = cu.to(device), max(p["q_lens"])
+    if p.get("plain"):
+        inputs["plain"] = True
     return inputs
 
 
@@ -204,6 +217,7 @@ def _our_call(inputs: Inputs, plain: bool = False) -> tuple:
     refilled in place, never replaced (the harness's contract with the comparators' set-ups).
     Decode calls on 16-bit caches take the decode step's schedule (`_schedule`), made here once
     per input set as FlashMLA's column makes its metadata; plain: the call without it."""
+    plain = plain or inputs.get("plain", False)
     key = "ours_plain" if plain else "ours"
     if key not in inputs:
         op = importlib.import_module("forgekernel.ops.mla")
