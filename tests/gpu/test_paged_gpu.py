@@ -577,23 +577,26 @@ SCHEDULE_CASES = [  # b, hq, hkv, d, page_size, lens, table width in pages (None
 
 def _schedule_problem(case, dtype, seed):
     """Caches with NaN in every slot no sequence owns, a table of `width` pages (-1 past a
-    sequence's), queries."""
+    sequence's; the same for every seed: a step's layers share it), queries; the values from
+    `seed`."""
     b, hq, hkv, d, ps, lens, width = case
-    g = torch.Generator(device="cuda").manual_seed(seed)
     own = max(1, max(-(-n // ps) for n in lens))
     width = width or own
     pages = b * own + 5
-    k = torch.full((pages, ps, hkv, d), float("nan"), device="cuda", dtype=dtype)
-    v = torch.full_like(k, float("nan"))
-    perm = torch.randperm(pages, device="cuda", generator=g)[: b * own].view(b, own)
+    layout = torch.Generator(device="cuda").manual_seed(1234)
+    perm = torch.randperm(pages, device="cuda", generator=layout)[: b * own].view(b, own)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    k = torch.randn(pages, ps, hkv, d, device="cuda", generator=g).to(dtype)
+    v = torch.randn(pages, ps, hkv, d, device="cuda", generator=g).to(dtype)
     table = torch.full((b, width), -1, dtype=torch.int32, device="cuda")
+    owned = torch.zeros(pages, dtype=torch.int64, device="cuda")  # a page's rows of keys
     for s, n in enumerate(lens):
         mine = -(-n // ps)
         table[s, :mine] = perm[s, :mine].int()
-        for i in range(mine):
-            rows = min(ps, n - i * ps)
-            k[perm[s, i], :rows] = torch.randn(rows, hkv, d, device="cuda", generator=g).to(dtype)
-            v[perm[s, i], :rows] = torch.randn(rows, hkv, d, device="cuda", generator=g).to(dtype)
+        firsts = torch.arange(mine, device="cuda") * ps
+        owned[perm[s, :mine]] = (n - firsts).clamp(max=ps)
+    stale = torch.arange(ps, device="cuda")[None, :] >= owned[:, None]  # (pages, ps)
+    k[stale], v[stale] = float("nan"), float("nan")
     q = torch.randn(b, hq, d, device="cuda", dtype=dtype, generator=g)
     return q, k, v, table, torch.tensor(lens, dtype=torch.int32, device="cuda")
 
