@@ -150,8 +150,8 @@ def install_cpu_decode(monkeypatch) -> list:
 
     def get_kernel(spec, params):
         p = dict(params)
-        if p["kind"] == "combine":  # the CTA or the warp form (its row-ranges slot None)
-            return lambda *a: combine_splits(*a[:4])
+        if p["kind"] == "combine":  # the CTA or the warp form (called alike)
+            return lambda *a: combine_splits(*a)
 
         def partial(*args):
             q, k, v, pt, seq, op, lp, out, lse, direct, *rest = args

@@ -137,9 +137,9 @@ def sparse_kernels(monkeypatch):
     def get_kernel(spec, params):
         assert spec is SPEC
         p = dict(params)
-        if p["kind"] == "combine":  # the CTA or the warp form (its row-ranges slot None)
+        if p["kind"] == "combine":  # the CTA or the warp form (called alike)
             assert params == params_for("combine", p["dtype"], warps=p.get("form") == "warps")
-            return lambda op_, lp, out, lse, rows=None: combine_splits(op_, lp, out, lse)
+            return combine_splits
         assert p["kind"] == "sparse" and p["heads"] * 1 <= ROWS
 
         def partial(*args):

@@ -210,8 +210,7 @@ def test_launcher_takes_the_direct_form_for_one_split(monkeypatch, key, direct):
         kernel, combine, splits, _, _, _ = mla_launch._plan(
             kind, torch.bfloat16, units, hq, tokens, qtokens, 0, fp8, ps
         )
-        # (a combine of >= 1024 rows x heads: the warp form, wrapped to the CTA form's call)
-        assert "direct" not in kernel and combine is not None and splits == 1
+        assert "direct" not in kernel and combine["kind"] == "combine" and splits == 1
     monkeypatch.setenv("FORGEKERNEL_MLA_DIRECT", "yes")
     with pytest.raises(ValueError, match="FORGEKERNEL_MLA_DIRECT"):
         mla_launch.direct_enabled()
@@ -410,9 +409,9 @@ def cpu_kernels(monkeypatch):
         p = dict(params)
         if p.get("ranges", False):  # a decode step's schedule (the bench's `ours` takes one)
             return _ranged_replay(p)
-        if p["kind"] == "combine":  # the CTA or the warp form (its row-ranges slot None)
+        if p["kind"] == "combine":  # the CTA or the warp form (called alike)
             assert params == params_for("combine", p["dtype"], warps=p.get("form") == "warps")
-            return lambda op_, lp, out, lse, rows=None: combine_splits(op_, lp, out, lse)
+            return combine_splits
 
         def partial(*args):
             assert args[0].dtype == getattr(torch, p["dtype"]) and len(args) == 15

@@ -22,6 +22,7 @@ import random
 
 import pytest
 import torch
+from cubins import compile_cubin
 from mla_seesaw import seesaw_partial
 from split_combine import combine_splits
 
@@ -256,10 +257,10 @@ def cpu_worklist(monkeypatch):
         assert spec is SPEC
         p = dict(params)
         calls["keys"].append(p)
-        if p["kind"] == "combine":  # the CTA or the warp form (its row-ranges slot None)
+        if p["kind"] == "combine":  # the CTA or the warp form (called alike)
             if p.get("ranges", False):
                 return combine_ranges
-            return lambda op_, lp, out, lse, rows=None: combine_splits(op_, lp, out, lse)
+            return combine_splits
         if p["kind"] == "worklist" and p.get("ranges", False):
             return functools.partial(ranged_schedule, calls, p["qtokens"])
         if p["kind"] == "worklist":
@@ -424,14 +425,7 @@ def compiles(tmp_path_factory):
         pytest.skip("cuobjdump not found")
 
     def build(params):
-        # the dump in a temporary directory: without --dump-dir the cubin lands in the cwd
-        d = tmp_path_factory.mktemp("cubin")
-        cubin = SPEC.compile(params, f"--keep-cubin --dump-dir {d}").artifacts.CUBIN
-        if isinstance(cubin, bytes):
-            path = d / "k.cubin"
-            path.write_bytes(cubin)
-            cubin = str(path)
-        return inspect_cubin(cubin)
+        return inspect_cubin(compile_cubin(SPEC, params, tmp_path_factory.mktemp("cubin")))
 
     return build
 

@@ -12,6 +12,7 @@ import re
 
 import pytest
 import torch
+from cubins import compile_cubin
 from test_attention_paged import _partial, _problem, install_cpu_decode
 from test_mla_worklist import combine_ranges, ranged_schedule
 
@@ -200,12 +201,7 @@ def compiled(tmp_path_factory):
         pytest.skip("cuobjdump / nvdisasm not found")
 
     def build(params):
-        d = tmp_path_factory.mktemp("cubin")
-        cubin = SPEC.compile(params, f"--keep-cubin --dump-dir {d}").artifacts.CUBIN
-        if isinstance(cubin, bytes):
-            path = d / "k.cubin"
-            path.write_bytes(cubin)
-            cubin = str(path)
+        cubin = compile_cubin(SPEC, params, tmp_path_factory.mktemp("cubin"))
         lines = [m.group(1) for m in map(INSTRUCTION.match, sass_text(cubin).splitlines()) if m]
         return inspect_cubin(cubin), lines
 

@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+from cubins import compile_cubin
 
 from forgekernel.kernels.attention.mla.sm90 import SPEC as MLA_SPEC
 from forgekernel.kernels.attention.mla.sm90.config import params_for as mla_params
@@ -140,12 +141,7 @@ def compiled(tmp_path_factory):
         pytest.skip("cuobjdump / nvdisasm not found")
 
     def build(spec, params):
-        d = tmp_path_factory.mktemp("cubin")
-        cubin = spec.compile(params, f"--keep-cubin --dump-dir {d}").artifacts.CUBIN
-        if isinstance(cubin, bytes):
-            path = d / "k.cubin"
-            path.write_bytes(cubin)
-            cubin = str(path)
+        cubin = compile_cubin(spec, params, tmp_path_factory.mktemp("cubin"))
         lines = [m.group(1) for m in map(INSTRUCTION.match, sass_text(cubin).splitlines()) if m]
         return inspect_cubin(cubin), lines
 
@@ -158,8 +154,10 @@ KERNELS = {
     "mla_seesaw": (MLA_SPEC, mla_params("partial", "bfloat16", 16, tma=True)),
     "mla_combine": (MLA_SPEC, mla_params("combine", "bfloat16")),
     # a decode step's schedule: the ranges pass and combine (the combine reads its row range)
-    "mla_ranges_pass": (MLA_SPEC, mla_params("partial", "bfloat16", 16, tma=True, worklist=True,
-                                             ranges=True)),  # fmt: skip
+    "mla_ranges_pass": (
+        MLA_SPEC,
+        mla_params("partial", "bfloat16", 16, tma=True, worklist=True, ranges=True),
+    ),  # fmt: skip
     "mla_ranges_combine": (MLA_SPEC, mla_params("combine", "bfloat16", ranges=True)),
 }
 

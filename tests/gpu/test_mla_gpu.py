@@ -19,6 +19,7 @@ import math
 
 import pytest
 import torch
+from graphs import assert_pdl_chain_is_serialized, captured
 
 from forgekernel.bench import flashinfer_defs as defs
 from forgekernel.reference.mla import (
@@ -138,14 +139,9 @@ def test_mla_decode_in_a_cuda_graph():
     """Captured once, replayed on new query values and lengths: no host read in the op."""
     qn, qp, ckv, kpe, table, seq = _problem(8, 16, 64, [4096] * 8, 1, True, torch.bfloat16)
     out = torch.empty(*qn.shape[:-1], 512, device="cuda", dtype=torch.bfloat16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, out=out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, out=out)
+    graph = captured(
+        lambda: op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, out=out)
+    )
     qn.copy_(torch.randn_like(qn))
     seq.copy_(torch.tensor([1, 4096, 0, 77, 2048, 3000, 65, 64], device="cuda"))
     out.fill_(float("nan"))
@@ -393,14 +389,9 @@ def test_mla_decode_fp8_in_a_cuda_graph():
     qn, qp, _, _, table, seq = _problem(8, 16, 64, [4096] * 8, 1, True, torch.bfloat16)
     packed = _fp8_cache(8 * table.shape[1] + 5, 64, torch.Generator(device="cuda").manual_seed(6))
     out = torch.empty(*qn.shape[:-1], 512, device="cuda", dtype=torch.bfloat16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        op.mla_decode(qn, qp, packed, None, table, seq, softmax_scale=SCALE, out=out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        op.mla_decode(qn, qp, packed, None, table, seq, softmax_scale=SCALE, out=out)
+    graph = captured(
+        lambda: op.mla_decode(qn, qp, packed, None, table, seq, softmax_scale=SCALE, out=out)
+    )
     qn.copy_(torch.randn_like(qn))
     seq.copy_(torch.tensor([1, 4096, 0, 77, 2048, 3000, 65, 64], device="cuda"))
     out.fill_(float("nan"))
@@ -733,47 +724,17 @@ def test_a_wide_table_around_short_sequences(ps, s_q, hq):
     _check(out, lse, want, want_lse, low)
 
 
-CHAIN = 8  # calls of a chain (tests of programmatic dependent launch)
-
-
 @pytest.mark.parametrize("b, hq", [(1, 16), (1, 128), (132, 16)])
 def test_pdl_chain_is_the_serialized_chain(b, hq):
-    """Back-to-back calls, call i + 1's q_nope call i's out, every call's partials in the same
-    scratch (b1 x 4k at 16 / 128 heads: the seesaw pass and the combine; b132 at 16 heads: the
-    direct form alone): with programmatic dependent launch (runtime/pdl.py), eagerly and in a
-    CUDA graph, the chain's result equals, bit for bit, the chain without PDL with a synchronize
-    after every call. Each kernel triggers its dependents at its top, so the next may be
-    resident under it: a read before its griddepcontrol.wait would show here."""
-    pdl = importlib.import_module("forgekernel.runtime.pdl")
+    """graphs.assert_pdl_chain_is_serialized: call i + 1's q_nope call i's out, every call's
+    partials in the same scratch (b1 x 4k at 16 / 128 heads: the seesaw pass and the combine;
+    b132 at 16 heads: the direct form alone)."""
     _, qp, ckv, kpe, table, seq = _problem(b, hq, 64, [4096] * b, 1, True, torch.bfloat16, 5)
     q0 = torch.randn(b, 1, hq, 512, device="cuda", dtype=torch.bfloat16)
-    bufs = (q0.clone(), torch.empty_like(q0))
-
-    def chain(sync: bool) -> None:
-        for i in range(CHAIN):
-            op.mla_decode(bufs[i % 2], qp, ckv, kpe, table, seq, softmax_scale=SCALE,
-                          out=bufs[(i + 1) % 2])  # fmt: skip
-            if sync:
-                torch.cuda.synchronize()
-
-    with pdl.off():
-        chain(True)
-    want = bufs[CHAIN % 2].clone()
-    bufs[0].copy_(q0)
-    side = torch.cuda.Stream()  # the eager chain, also the capture's warm-up on a side stream
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain(False)
-    torch.cuda.synchronize()
-    assert torch.equal(bufs[CHAIN % 2], want)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain(False)
-    bufs[0].copy_(q0)
-    bufs[1].fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(bufs[CHAIN % 2], want)
+    assert_pdl_chain_is_serialized(
+        lambda q, out, _: op.mla_decode(q, qp, ckv, kpe, table, seq, softmax_scale=SCALE, out=out),
+        q0,
+    )
 
 
 # ---------------------------------------------------------------- a decode step's schedule
@@ -883,14 +844,7 @@ def test_schedule_in_a_cuda_graph():
             op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, out=out[layer],
                           lse=lse[layer], schedule=schedule)  # fmt: skip
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = captured(step)
     mixed = list(range(100, b * 170, 170))
     for lens in (mixed, [0 if i % 3 else n for i, n in enumerate(mixed)]):
         qn.copy_(torch.randn_like(qn))
@@ -907,38 +861,15 @@ def test_schedule_in_a_cuda_graph():
 
 def test_pdl_scheduled_chain_is_the_serialized_chain():
     """The chain test's form with a decode step's schedule (b32 ragged, the bench's case): the
-    scheduling kernel's ranges form, then CHAIN calls of the ranges pass and combine, with PDL,
-    eagerly and in a graph, equal the chain without PDL with a synchronize after every call (the
+    scheduling kernel's ranges form, then the ranges pass and combine of every call (the
     combine reads each row's item range after its griddepcontrol.wait)."""
-    pdl = importlib.import_module("forgekernel.runtime.pdl")
     b, hq = len(RAGGED_BENCH), 16
     _, qp, ckv, kpe, table, seq = _problem(b, hq, 64, RAGGED_BENCH, 1, True, torch.bfloat16, 5)
     q0 = torch.randn(b, 1, hq, 512, device="cuda", dtype=torch.bfloat16)
-    bufs = (q0.clone(), torch.empty_like(q0))
-
-    def chain(sync: bool) -> None:
-        schedule = op.mla_decode_schedule(seq, hq, table, page_size=64)
-        for i in range(CHAIN):
-            op.mla_decode(bufs[i % 2], qp, ckv, kpe, table, seq, softmax_scale=SCALE,
-                          out=bufs[(i + 1) % 2], schedule=schedule)  # fmt: skip
-            if sync:
-                torch.cuda.synchronize()
-
-    with pdl.off():
-        chain(True)
-    want = bufs[CHAIN % 2].clone()
-    bufs[0].copy_(q0)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain(False)
-    torch.cuda.synchronize()
-    assert torch.equal(bufs[CHAIN % 2], want)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain(False)
-    bufs[0].copy_(q0)
-    bufs[1].fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(bufs[CHAIN % 2], want)
+    assert_pdl_chain_is_serialized(
+        lambda q, out, schedule: op.mla_decode(
+            q, qp, ckv, kpe, table, seq, softmax_scale=SCALE, out=out, schedule=schedule
+        ),  # fmt: skip
+        q0,
+        prologue=lambda: op.mla_decode_schedule(seq, hq, table, page_size=64),
+    )

@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from graphs import assert_pdl_chain_is_serialized, captured
 
 from forgekernel.kernels.attention.fwd.sm90 import launch as fwd_launch
 from forgekernel.reference.paged_attention import paged_attention_ref
@@ -384,8 +385,7 @@ def test_combine_kernel_matches_the_merge(rows, heads, splits, d, dtype, form):
     of the last (row, head) without keys (LSE -inf, partial rows NaN), LSEs over 2^+-40; rows x
     heads of 16, 300 and 1280 (a row's column chunks over 4, 3 and 1 CTAs at D 512); out
     NaN-poisoned, the LSE a transposed view. One split: the partial row bit for bit. form: the
-    CTA form, or the warp form (combine_form.py; head dims that are multiples of 128, its
-    row-ranges slot None)."""
+    CTA form, or the warp form (combine_form.py; head dims that are multiples of 128)."""
     from forgekernel.kernels.attention.mla.sm90 import SPEC as MLA_SPEC
     from forgekernel.kernels.attention.mla.sm90 import params_for as mla_params
     from forgekernel.kernels.attention.paged.sm90 import SPEC, params_for
@@ -399,9 +399,6 @@ def test_combine_kernel_matches_the_merge(rows, heads, splits, d, dtype, form):
         combine = get_kernel(MLA_SPEC, mla_params("combine", name, warps=warps))
     else:
         combine = get_kernel(SPEC, params_for("combine", name, d, warps=warps))
-    if warps:
-        kernel = combine
-        combine = lambda *a: kernel(*a, None)  # noqa: E731
     g = torch.Generator(device="cuda").manual_seed(splits + d)
     op = torch.randn(splits, rows, heads, d, device="cuda", generator=g)
     lp = torch.randn(splits, rows, heads, device="cuda", generator=g) * 12.0
@@ -512,17 +509,10 @@ def test_a_wide_table_around_short_sequences(fp8, qtokens):
     assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
 
 
-CHAIN = 8  # calls of a chain (tests of programmatic dependent launch)
-
-
 def test_pdl_chain_is_the_serialized_chain():
-    """Back-to-back calls, call i + 1's q call i's out, every call's partials in the same scratch
-    (b1 x 16k: pass and combine): with programmatic dependent launch (runtime/pdl.py), eagerly
-    and replayed in a CUDA graph, the chain's result equals, bit for bit, the chain without PDL
-    with a synchronize after every call. The combine triggers its dependents at its top, so the
-    next call's pass may be resident under it: a pass reading q, or writing the partials, before
-    its griddepcontrol.wait (or a combine reading partials before its own) would show here."""
-    pdl = importlib.import_module("forgekernel.runtime.pdl")
+    """graphs.assert_pdl_chain_is_serialized: call i + 1's q call i's out, every call's partials
+    in the same scratch (b1 x 16k: pass and combine; a pass reading q, or writing the partials,
+    before its griddepcontrol.wait, or a combine reading partials before its own, would show)."""
     g = torch.Generator(device="cuda").manual_seed(3)
     rand = {"device": "cuda", "dtype": torch.bfloat16, "generator": g}
     hq, hkv, d, ps, n = 32, 8, 128, 16, 16384
@@ -532,32 +522,9 @@ def test_pdl_chain_is_the_serialized_chain():
     table = table.to(torch.int32)
     seq = torch.tensor([n], dtype=torch.int32, device="cuda")
     q0 = torch.randn(1, hq, d, **rand)
-    bufs = (q0.clone(), torch.empty_like(q0))
-
-    def chain(sync: bool) -> None:
-        for i in range(CHAIN):
-            op.attention_paged(bufs[i % 2], k, v, table, seq, out=bufs[(i + 1) % 2])
-            if sync:
-                torch.cuda.synchronize()
-
-    with pdl.off():
-        chain(True)
-    want = bufs[CHAIN % 2].clone()
-    bufs[0].copy_(q0)
-    side = torch.cuda.Stream()  # the eager chain, also the capture's warm-up on a side stream
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain(False)
-    torch.cuda.synchronize()
-    assert torch.equal(bufs[CHAIN % 2], want)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain(False)
-    bufs[0].copy_(q0)
-    bufs[1].fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(bufs[CHAIN % 2], want)
+    assert_pdl_chain_is_serialized(
+        lambda q, out, _: op.attention_paged(q, k, v, table, seq, out=out), q0
+    )
 
 
 # ---------------------------------------------------------------- a decode step's schedule
@@ -648,14 +615,7 @@ def test_schedule_in_a_cuda_graph():
             op.attention_paged(q, k, v, table, seq, out=out[layer], lse=lse[layer],
                                schedule=schedule)  # fmt: skip
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = captured(step)
     for now in (lens, [0 if i % 3 else n for i, n in enumerate(lens)]):
         q.copy_(torch.randn_like(q))
         seq.copy_(torch.tensor(now, device="cuda"))
@@ -667,39 +627,17 @@ def test_schedule_in_a_cuda_graph():
 
 
 def test_pdl_scheduled_chain_is_the_serialized_chain():
-    """The PDL chain test with a step's schedule (the serving mixed batch): the scheduling
-    kernel, then CHAIN calls of the ranges pass and combine, with PDL, eagerly and in a graph,
-    equal the chain without PDL with a synchronize after every call."""
-    pdl = importlib.import_module("forgekernel.runtime.pdl")
+    """graphs.assert_pdl_chain_is_serialized with a step's schedule (the serving mixed batch):
+    the scheduling kernel, then every call's ranges pass and combine."""
     case = SCHEDULE_CASES[1]
     b, hq, hkv, d, ps, _, _ = case
     q0, k, v, table, seq = _schedule_problem(case, torch.bfloat16, 3)
-    bufs = (q0.clone(), torch.empty_like(q0))
-
-    def chain(sync: bool) -> None:
-        schedule = op.attention_paged_schedule(seq, table, num_heads=hq, num_kv_heads=hkv,
-                                               head_dim=d, page_size=ps)  # fmt: skip
-        for i in range(CHAIN):
-            op.attention_paged(bufs[i % 2], k, v, table, seq, out=bufs[(i + 1) % 2],
-                               schedule=schedule)  # fmt: skip
-            if sync:
-                torch.cuda.synchronize()
-
-    with pdl.off():
-        chain(True)
-    want = bufs[CHAIN % 2].clone()
-    bufs[0].copy_(q0)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain(False)
-    torch.cuda.synchronize()
-    assert torch.equal(bufs[CHAIN % 2], want)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain(False)
-    bufs[0].copy_(q0)
-    bufs[1].fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(bufs[CHAIN % 2], want)
+    assert_pdl_chain_is_serialized(
+        lambda q, out, schedule: op.attention_paged(
+            q, k, v, table, seq, out=out, schedule=schedule
+        ),  # fmt: skip
+        q0,
+        prologue=lambda: op.attention_paged_schedule(
+            seq, table, num_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps
+        ),  # fmt: skip
+    )

@@ -23,6 +23,7 @@ from forgekernel.kernels.attention.mla.sm90.worklist import MlaWorklistSm90
 from forgekernel.kernels.attention.paged.sm90.combine import (
     PagedCombineRangesSm90,
     PagedCombineSm90,
+    PagedCombineWarpsRangesSm90,
     PagedCombineWarpsSm90,
     partials_o,
 )
@@ -48,20 +49,9 @@ def _outputs(dtype, rows, hq, wide: bool = False) -> tuple:
 
 def _combine(dtype, opts: str, pdl: bool, ranges: bool = False, warps: bool = False):
     o, lse = _outputs(dtype, cute.sym_int32(), cute.sym_int32())
-    if warps:  # one warp a (row, head)
-        return cute.compile(
-            PagedCombineWarpsSm90(D_LATENT, pdl, ranges),
-            partials_o(),
-            _dense(cutlass.Float32, 3),
-            o,
-            lse,
-            _row_ranges() if ranges else None,
-            fake.stream(),
-            options=opts,
-        )
     if ranges:  # item-indexed partials and each row's (first item, items, query token)
         return cute.compile(
-            PagedCombineRangesSm90(D_LATENT, pdl),
+            (PagedCombineWarpsRangesSm90 if warps else PagedCombineRangesSm90)(D_LATENT, pdl),
             partials_o(),
             _dense(cutlass.Float32, 3),
             o,
@@ -71,7 +61,7 @@ def _combine(dtype, opts: str, pdl: bool, ranges: bool = False, warps: bool = Fa
             options=opts,
         )
     return cute.compile(
-        PagedCombineSm90(D_LATENT, pdl),
+        (PagedCombineWarpsSm90 if warps else PagedCombineSm90)(D_LATENT, pdl),
         partials_o(),
         _dense(cutlass.Float32, 3),
         o,

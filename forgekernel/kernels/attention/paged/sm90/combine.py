@@ -372,15 +372,14 @@ class PagedCombineWarpsSm90:
        natural LSE.
 
     One split: 0 + 1 x O_0 = O_0, LSE lse_0 x ln 2 (the direct forms' bits, as the CTA form).
-    ranges: `PagedCombineRangesSm90`'s mRows (the unit's item range, read after the PDL wait).
-    pdl: as PagedCombineSm90's."""
+    Called as PagedCombineSm90; PagedCombineWarpsRangesSm90 as PagedCombineRangesSm90 (mRows,
+    the unit's item range, read after the PDL wait). pdl: as PagedCombineSm90's."""
 
-    def __init__(self, head_dim: int, pdl: bool = True, ranges: bool = False):
+    def __init__(self, head_dim: int, pdl: bool = True):
         if head_dim % WARP_COLS:  # (combine_form.WARP_COLS)
             raise ValueError(f"the warp form takes head dims that are multiples of {WARP_COLS}")
         self.d = head_dim
         self.pdl = pdl
-        self.ranges = ranges
         self.vectors = head_dim // WARP_COLS  # a lane's 16-byte vectors
 
     @cute.jit
@@ -390,14 +389,16 @@ class PagedCombineWarpsSm90:
         mLp: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
-        mRows: cute.Tensor | None,
         stream: cuda.CUstream,
     ):
-        """PagedCombineSm90's arguments, and mRows (ranges) or None."""
-        if const_expr((mRows is not None) != self.ranges):
-            raise ValueError("mRows comes with the ranges form, and only then")
+        """PagedCombineSm90's arguments."""
+        self._launch((mOp, mLp, mO, mLSE, None), mO, stream)
+
+    @cute.jit
+    def _launch(self, args, mO, stream):
+        """The kernel on `args` over one warp a (row, head)."""
         units = mO.shape[0] * mO.shape[1]
-        self.kernel(mOp, mLp, mO, mLSE, mRows).launch(
+        self.kernel(*args).launch(
             grid=(cute.ceil_div(cutlass.max(units, 1), WARPS), 1, 1),
             block=[THREADS, 1, 1],
             stream=stream,
@@ -422,7 +423,7 @@ class PagedCombineWarpsSm90:
             splits = mLp.shape[0]
             gL = mLp[None, b, head]
             gO = mOp[None, b, head, None]
-            if const_expr(self.ranges):
+            if const_expr(mRows is not None):
                 item0, splits, token = mRows[b, 0], Int32(mRows[b, 1]), mRows[b, 2]
                 gL = cute.domain_offset((item0,), mLp[None, token, head])
                 gO = cute.domain_offset((item0, 0), mOp[None, token, head, None])
@@ -466,3 +467,20 @@ class PagedCombineWarpsSm90:
                 if total > 0.0:
                     lse = (top + cute.math.log2(total, fastmath=True)) * LN2
                 mLSE[b, head] = lse
+
+
+class PagedCombineWarpsRangesSm90(PagedCombineWarpsSm90):
+    """The warp form over item-indexed partials (PagedCombineRangesSm90's arguments)."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mOp: cute.Tensor,
+        mLp: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mRows: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        """PagedCombineRangesSm90's."""
+        self._launch((mOp, mLp, mO, mLSE, mRows), mO, stream)

@@ -8,8 +8,10 @@ when it replaced the per-row loop (2026-12-03 18:45; MLA_NOTES "The combine's wa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
+
+from forgekernel.runtime import pdl
 
 WARPS_FORM_UNITS = 1024  # rows x heads: 8 warps an SM's worth over 132 SMs
 WARP_COLS = 128  # columns a warp covers with one 16-byte vector a lane
@@ -46,7 +48,7 @@ def takes_warps(units: int, head_dim: int) -> bool:
     return units >= WARPS_FORM_UNITS
 
 
-def with_rows(kernel: Callable) -> Callable:
-    """The warp form's plain compile as the CTA form is called: (partials O, LSE, out, lse),
-    its row-ranges slot None."""
-    return lambda op_, lp, out, lse: kernel(op_, lp, out, lse, None)
+def forced_key() -> tuple:
+    """What forces a decode plan's kernels beside its shape, for the plans' keys (the paged and
+    MLA launchers' `forced`): `pdl.forced()` and combine_form's override."""
+    return pdl.forced(), _forced[0]

@@ -11,6 +11,7 @@ from cutlass.cute.runtime import make_fake_tensor
 from forgekernel.kernels.attention.paged.sm90.combine import (
     PagedCombineRangesSm90,
     PagedCombineSm90,
+    PagedCombineWarpsRangesSm90,
     PagedCombineWarpsSm90,
     partials_o,
 )
@@ -49,20 +50,10 @@ def compile_paged(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     ranges = params.get("ranges", False)
     if params["kind"] == "combine":
         o, lse = final(b)
-        if params.get("form") == "warps":  # one warp a (row, head)
-            return cute.compile(
-                PagedCombineWarpsSm90(d, on, ranges),
-                partials_o(),
-                _dense(cutlass.Float32, 3),
-                o,
-                lse,
-                _int32_rows(3) if ranges else None,
-                fake.stream(),
-                options=opts,
-            )
+        warps = params.get("form") == "warps"  # one warp a (row, head)
         if ranges:  # item-indexed partials and each sequence's (first item, items, token 0)
             return cute.compile(
-                PagedCombineRangesSm90(d, on),
+                (PagedCombineWarpsRangesSm90 if warps else PagedCombineRangesSm90)(d, on),
                 partials_o(),
                 _dense(cutlass.Float32, 3),
                 o,
@@ -72,7 +63,7 @@ def compile_paged(params: dict, arch: str = "sm_90a", extra_options: str = ""):
                 options=opts,
             )
         return cute.compile(
-            PagedCombineSm90(d, on),
+            (PagedCombineWarpsSm90 if warps else PagedCombineSm90)(d, on),
             partials_o(),
             _dense(cutlass.Float32, 3),
             o,

@@ -21,6 +21,7 @@ from forgekernel.kernels.attention.mla.sm90 import SPEC as MLA_SPEC
 from forgekernel.kernels.attention.mla.sm90 import params_for as mla_params
 from forgekernel.kernels.attention.mla.sm90 import schedule as mla_schedule
 from forgekernel.kernels.attention.paged.sm90 import SPEC, combine_form, config, merge_rows
+from forgekernel.kernels.attention.paged.sm90.combine_form import forced_key
 from forgekernel.kernels.attention.paged.sm90.rows import heads_for
 from forgekernel.kernels.common.sm90.constants import LOG2E
 from forgekernel.runtime import pdl
@@ -32,20 +33,12 @@ from forgekernel.runtime.scratch import scratch
 _plans = PlanCache()
 
 
-def _forced() -> tuple:
-    """What forces a plan's kernels beside its shape, for the plans' keys: `pdl.forced()` and
-    the combine's form (`combine_form.combine_form`)."""
-    return pdl.forced(), combine_form.forced()
-
-
 def _combine(name: str, d: int, on: bool, units: int, ranges: bool = False):
-    """The combine kernel for `units` (rows x heads, a bound): the warp form where
-    `combine_form.takes_warps` says (its plain compile wrapped to the CTA form's call), else
-    the CTA form."""
+    """The combine kernel for `units` (rows x heads, a bound): its warp form where
+    `combine_form.takes_warps` says, else its CTA form (both called alike)."""
     warps = combine_form.takes_warps(units, d)
-    kernel = get_kernel(SPEC, pdl.key(config.params_for("combine", name, d, ranges=ranges,
-                                                        warps=warps), on))  # fmt: skip
-    return combine_form.with_rows(kernel) if warps and not ranges else kernel
+    params = config.params_for("combine", name, d, ranges=ranges, warps=warps)
+    return get_kernel(SPEC, pdl.key(params, on))
 
 
 def _plan(dtype, kv_dtype, batch, hq, hkv, d, max_tokens, qtokens, device_index, one_split,
@@ -56,7 +49,7 @@ def _plan(dtype, kv_dtype, batch, hq, hkv, d, max_tokens, qtokens, device_index,
     here, once per problem (two compile-cache lookups cost 0.8 us a call on the CPU). merge
     (`merge_params`): None the leaf's default (`sm90.merge_rows`: "rows" on the bf16 D 128
     speculative leaves, else ""), "rows" the warps' merge weights computed once a row, "" the
-    per-element merge. forced: `_forced()`, in the key only (`pdl.enabled()` decides).
+    per-element merge. forced: `forced_key()`, in the key only (`pdl.enabled()` decides).
     scheduled (a call with a step's schedule): the ranges pass and combine, splits None (the
     list's), per 0 (the list's keys per split)."""
     name = dtype_name(dtype)
@@ -148,7 +141,7 @@ def _plan_for(q, k_cache, page_table, batch, packed, max_seqlen_q, one_split, me
     _, page_size, hkv, _ = k_cache.shape
     _, hq, d = q.shape
     key = (q.dtype, k_cache.dtype, batch, hq, hkv, d, page_table.shape[1] * page_size, qtokens,
-           q.device.index, one_split, merge, _forced())  # fmt: skip
+           q.device.index, one_split, merge, forced_key())  # fmt: skip
     return _plans.get_or_build(key, _plan)
 
 
@@ -231,7 +224,7 @@ def _ranged(q, k_cache, v_cache, page_table, seqlens_k, softmax_scale, out, lse,
     _, page_size, hkv, _ = k_cache.shape
     device = q.device
     key = (q.dtype, k_cache.dtype, seqlens_k.shape[0], hq, hkv, d, 0, 1, device.index, False,
-           None, _forced(), True)  # fmt: skip
+           None, forced_key(), True)  # fmt: skip
     partial, combine, _, _ = _plans.get_or_build(key, _plan)
     items = work.shape[0] - mla_schedule.HEADER
     with on_device(device):
