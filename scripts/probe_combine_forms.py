@@ -32,7 +32,7 @@ def _kernels(d: int):
     else:
         cta = get_kernel(PAGED_SPEC, paged_params("combine", "bfloat16", d))
         warps = get_kernel(PAGED_SPEC, paged_params("combine", "bfloat16", d, warps=True))
-    return cta, (lambda *a: warps(*a, None))
+    return cta, warps
 
 
 def _sets(rows: int, splits: int, d: int, g: torch.Generator):
