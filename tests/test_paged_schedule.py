@@ -90,7 +90,7 @@ def _close(out, lse, want, want_lse):
 CASES = [  # (b, hq, hkv, d, page_size, lens, width in pages or None)
     (3, 8, 2, 64, 16, [37, 0, 100], None),
     (2, 12, 4, 128, 1, [5, 70], None),
-    (1, 16, 2, 256, 64, [300], None),
+    (2, 16, 2, 256, 64, [300, 1], None),
     (5, 32, 8, 128, 16, [0, 1, 64, 65, 4000], None),
     (6, 32, 8, 128, 16, [100, 3000, 64, 0, 1500, 700], 256),  # a table for 4096 keys
     (4, 4, 4, 128, 32, [1, 33, 2048, 0], None),
@@ -118,6 +118,18 @@ def test_one_schedule_serves_every_layer(cpu_schedule, case):
     passes = [p for p in cpu_schedule["keys"] if p["kind"] == "partial"]
     assert passes and all(p.get("ranges") for p in passes)
     assert not cpu_schedule["plain"]  # no plain pass ran
+
+
+def test_one_sequence_keeps_the_width_plan(cpu_schedule):
+    """A batch of one: the schedule holds no list (nothing launched) and the call takes the
+    width plan's pass, the reference's output."""
+    q, k, v, pt, seq = _problem(1, 16, 2, 256, 64, [300])
+    schedule = forgekernel.attention_paged_schedule(seq, pt, num_heads=16, num_kv_heads=2,
+                                                    head_dim=256, page_size=64)  # fmt: skip
+    assert schedule.work.shape[0] == 0 and not cpu_schedule["sched"]
+    out, lse = op_module.attention_paged(q, k, v, pt, seq, return_lse=True, schedule=schedule)
+    _close(out, lse, *paged_attention_ref(q, k, v, pt, seq))
+    assert cpu_schedule["plain"] and not cpu_schedule["sched"]
 
 
 def test_a_long_sequence_among_short_ones_gets_many_splits(cpu_schedule):
@@ -169,6 +181,8 @@ def test_schedule_shapes_are_the_list_and_one_range_a_sequence(monkeypatch):
     work, rows = paged_launch.schedule_shapes(32, 32, 8, 128, 8192, 16, 0)
     assert work == (SMS * RESIDENT[128] + 32 + mla_schedule.HEADER, 2) and rows == (32, 3)
     assert paged_launch.schedule_shapes(0, 32, 8, 128, 8192, 16, 0) == ((0, 2), (0, 3))
+    # one sequence: no list, the call keeps the width plan
+    assert paged_launch.schedule_shapes(1, 32, 8, 128, 8192, 16, 0) == ((0, 2), (0, 3))
 
 
 # ---------------------------------------------------------------- keys and compiles (CPU)
@@ -248,30 +262,38 @@ def test_lengths_past_a_split_are_not_read():
     assert math.isfinite(per_keys)
 
 
-def test_bench_variant_makes_the_schedule_once(cpu_schedule):
-    """The suite's `schedule` variant: the schedule made on the input set's first call, the
-    later (timed) calls the op's alone; its output the plain call's within the bound."""
+def test_bench_ours_makes_the_schedule_once(cpu_schedule):
+    """The suite's ours on a decode case: the schedule made on the input set's first call, the
+    later (timed) calls the op's alone, on the ranges kernels; the `plain` variant's output
+    (the width plan) the same within the bound; packed and FP8 cases take no schedule."""
     from forgekernel.bench.suites import attention_paged as suite
 
     case = suite._case(6, 32, 8, 128, 16, (100, 3000, 64, 0, 1500, 700), group="mixed",
                        tag="tiny", width=8192)  # fmt: skip
     inputs = suite.make_inputs(case, torch.bfloat16, torch.device("cpu"),
                                torch.Generator().manual_seed(0))  # fmt: skip
-    want = suite.run_ours(inputs, None)
-    run = suite._run_schedule
+    want = suite._run_plain(inputs, None)
+    assert not cpu_schedule["sched"]
     for _ in range(3):
-        got = run(inputs, None)
+        got = suite.run_ours(inputs, None)
         assert float((got[0].float() - want[0].float()).abs().max()) < 2e-2
     assert len(cpu_schedule["sched"]) == 1
+    assert any(p.get("ranges") for p in cpu_schedule["keys"])
+    spec = suite._case(2, 32, 8, 128, 16, (70, 300), q_lens=2, group="spec")
+    fp8 = suite._case(2, 32, 8, 128, 16, (70, 300), group="fp8", fp8="tensor")
+    for other in (spec, fp8):
+        inputs = suite.make_inputs(other, torch.bfloat16, torch.device("cpu"),
+                                   torch.Generator().manual_seed(0))  # fmt: skip
+        assert suite._schedule(inputs) is None
 
 
-def test_suite_schedule_cases_are_bench_cases():
+def test_suite_plain_cases_are_bench_cases():
     from forgekernel.bench.suites import attention_paged as suite
 
     names = {c.name: c for c in suite.BENCH_CASES}
-    assert set(suite.SCHEDULE_CASES) <= set(names)
-    for name in suite.SCHEDULE_CASES:
-        assert "schedule" in suite.variants(names[name])
+    assert set(suite.PLAIN_CASES) <= set(names)
+    for name in suite.PLAIN_CASES:
+        assert "plain" in suite.variants(names[name])
 
 
 @pytest.mark.parametrize("mode", ["real", "fake"])

@@ -274,7 +274,8 @@ def attention_paged_schedule(
     int32 (batch, max_pages) as the calls' (only the table's shape is read); num_heads /
     num_kv_heads the query / KV heads, head_dim (64, 128, 256), page_size the cache's, dtype q's
     (16-bit caches, one query token a sequence: the decode form). The lengths must stay what
-    they were when the schedule was made."""
+    they were when the schedule was made. A batch of one sequence gets an empty list: its call
+    keeps the width plan, which spreads that sequence's keys over every split already."""
     check_tensor("seqlens_k", seqlens_k, ndim=1, dtypes=INDEX, cuda=False)
     check_cuda("seqlens_k", seqlens_k)
     b = seqlens_k.shape[0]
