@@ -1,11 +1,13 @@
 """ForgeKernel: CuTe DSL kernels for NVIDIA Hopper (sm_90a)."""
 
 from forgekernel.ops import (
+    AttentionPagedSchedule,
     MlaDecodeSchedule,
     attention,
     attention_backward,
     attention_paged,
     attention_paged_csr,
+    attention_paged_schedule,
     attention_varlen,
     attention_varlen_backward,
     conv2d,
@@ -47,6 +49,7 @@ __all__ = [
     "attention_backward",
     "attention_paged",
     "attention_paged_csr",
+    "attention_paged_schedule",
     "attention_varlen",
     "attention_varlen_backward",
     "conv2d",
@@ -75,6 +78,7 @@ __all__ = [
     "grouped_gemm_fp8",
     "kimi_delta_attention",
     "kimi_delta_attention_backward",
+    "AttentionPagedSchedule",
     "MlaDecodeSchedule",
     "mla_decode",
     "mla_decode_schedule",

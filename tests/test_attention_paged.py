@@ -150,7 +150,7 @@ def install_cpu_decode(monkeypatch) -> list:
 
     def get_kernel(spec, params):
         p = dict(params)
-        if p["kind"] == "combine":
+        if p["kind"] == "combine":  # the CTA or the warp form (called alike)
             return lambda *a: combine_splits(*a)
 
         def partial(*args):

@@ -137,8 +137,8 @@ def sparse_kernels(monkeypatch):
     def get_kernel(spec, params):
         assert spec is SPEC
         p = dict(params)
-        if p["kind"] == "combine":
-            assert params == params_for("combine", p["dtype"])
+        if p["kind"] == "combine":  # the CTA or the warp form (called alike)
+            assert params == params_for("combine", p["dtype"], warps=p.get("form") == "warps")
             return combine_splits
         assert p["kind"] == "sparse" and p["heads"] * 1 <= ROWS
 

@@ -409,8 +409,8 @@ def cpu_kernels(monkeypatch):
         p = dict(params)
         if p.get("ranges", False):  # a decode step's schedule (the bench's `ours` takes one)
             return _ranged_replay(p)
-        if p["kind"] == "combine":
-            assert params == params_for("combine", p["dtype"])
+        if p["kind"] == "combine":  # the CTA or the warp form (called alike)
+            assert params == params_for("combine", p["dtype"], warps=p.get("form") == "warps")
             return combine_splits
 
         def partial(*args):
@@ -1015,12 +1015,13 @@ def test_suite_candidates_are_bench_cases():
     (16-bit, page 64); every other case has no variant (the `pair` one is gone)."""
     names = {c.name: c for c in mla_decode.BENCH_CASES}
     assert set(mla_decode.CANDIDATES) | set(mla_decode.PLAIN_CASES) <= set(names)
-    assert set(mla_decode.NO_PDL_CASES) <= set(names)
+    assert set(mla_decode.NO_PDL_CASES) | set(mla_decode.COMBINE_CASES) <= set(names)
     for name, case in names.items():
         got = set(mla_decode.variants(case))
         plain = {"plain"} if name in mla_decode.PLAIN_CASES else set()
         no_pdl = {"no_pdl"} if name in mla_decode.NO_PDL_CASES else set()
-        assert got == set(mla_decode.CANDIDATES.get(name, {})) | plain | no_pdl, name
+        cta = {"combine_cta"} if name in mla_decode.COMBINE_CASES else set()
+        assert got == set(mla_decode.CANDIDATES.get(name, {})) | plain | no_pdl | cta, name
         if got:
             assert case.params["page"] % TILE == 0 and case.params["cache"] == "combined"
 

@@ -257,8 +257,10 @@ def cpu_worklist(monkeypatch):
         assert spec is SPEC
         p = dict(params)
         calls["keys"].append(p)
-        if p["kind"] == "combine":
-            return combine_ranges if p.get("ranges", False) else combine_splits
+        if p["kind"] == "combine":  # the CTA or the warp form (called alike)
+            if p.get("ranges", False):
+                return combine_ranges
+            return combine_splits
         if p["kind"] == "worklist" and p.get("ranges", False):
             return functools.partial(ranged_schedule, calls, p["qtokens"])
         if p["kind"] == "worklist":

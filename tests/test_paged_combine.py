@@ -122,3 +122,44 @@ def test_compiled_combine(case):
     assert ops["LDG.E.128"] == 2 * kc.UNROLL
     assert ops["SHFL.BFLY"] == 15
     assert not any(op.startswith(("LDL", "STL")) for op in ops)
+
+
+@pytest.mark.parametrize("d", [128, 512])
+def test_compiled_warp_form(d):
+    """The warp form (combine_form.py): no spill, no local memory, one griddepcontrol.wait
+    before its first global load, 16-byte loads of partial O (unrolled 4 splits: 4 + the
+    remainder's, D / 128 a split), the three warp reductions (15 SHFL.BFLY), no barrier."""
+    from forgekernel.kernels.attention.mla.sm90 import SPEC as MLA
+    from forgekernel.kernels.attention.mla.sm90 import params_for as mla_params
+    from forgekernel.kernels.attention.paged.sm90 import SPEC as PAGED
+    from forgekernel.kernels.attention.paged.sm90 import params_for as paged_params
+    from forgekernel.runtime.resources import find_tool
+
+    if find_tool("cuobjdump") is None:
+        pytest.skip("cuobjdump not found")
+    spec, params = (MLA, mla_params("combine", "bfloat16", warps=True)) if d == 512 else (
+        PAGED, paged_params("combine", "bfloat16", d, warps=True))  # fmt: skip
+    res, sass = _compiled(spec, params)
+    ops = Counter(_OP.findall(sass))
+    assert res["spill_bytes"] == 0 and res["registers"] <= 96
+    assert ops["LDG.E.128"] >= 4 * (d // 128)
+    assert ops["SHFL.BFLY"] == 15 and not any(op.startswith("BAR") for op in ops)
+    assert not any(op.startswith(("LDL", "STL")) for op in ops)
+    lines = sass.splitlines()
+    first_load = next(i for i, x in enumerate(lines) if "LDG" in x)
+    assert next(i for i, x in enumerate(lines) if "ACQBULK" in x) < first_load
+
+
+def test_takes_warps():
+    from forgekernel.kernels.attention.paged.sm90 import combine_form as cf
+
+    assert cf.takes_warps(2048, 512) and cf.takes_warps(1024, 128)
+    assert not cf.takes_warps(1023, 512) and not cf.takes_warps(4096, 64)
+    with cf.combine_form("cta"):
+        assert not cf.takes_warps(4096, 512) and cf.forced() == "cta"
+    with cf.combine_form("warps"):
+        assert cf.takes_warps(16, 512) and not cf.takes_warps(16, 64)
+    assert cf.forced() is None
+    with pytest.raises(ValueError, match="form"):
+        with cf.combine_form("lanes"):
+            pass

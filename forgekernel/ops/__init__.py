@@ -2,7 +2,12 @@
 
 from forgekernel.ops.attention import attention
 from forgekernel.ops.attention_bwd import attention_backward, attention_varlen_backward
-from forgekernel.ops.attention_paged import attention_paged, attention_paged_csr
+from forgekernel.ops.attention_paged import (
+    AttentionPagedSchedule,
+    attention_paged,
+    attention_paged_csr,
+    attention_paged_schedule,
+)
 from forgekernel.ops.attention_varlen import attention_varlen
 from forgekernel.ops.conv import (
     conv2d,
@@ -36,6 +41,8 @@ __all__ = [
     "attention_backward",
     "attention_paged",
     "attention_paged_csr",
+    "attention_paged_schedule",
+    "AttentionPagedSchedule",
     "attention_varlen",
     "attention_varlen_backward",
     "conv2d",

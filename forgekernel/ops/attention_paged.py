@@ -16,6 +16,8 @@ paying one copy of the keys and values the batch's table spans."""
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from forgekernel.kernels.attention.fwd.sm90 import launch as fwd_sm90
@@ -194,22 +196,132 @@ def _decode_op(
     cu_seqlens_q: torch.Tensor | None,
     max_seqlen_q: int,
     causal: bool,
+    schedule_work: torch.Tensor | None = None,
+    schedule_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_rows_in_place("k_cache", k_cache, 16)
     check_rows_in_place("v_cache", v_cache, 16)
     out, lse = _outputs(q, cu_seqlens_q, None)
+    scheduled = None if schedule_work is None else (schedule_work, schedule_rows)
     paged_sm90.paged_decode(
         q, k_cache, v_cache, page_table, seqlens_k, softmax_scale, out,
         lse if cu_seqlens_q is None else lse.t(), k_scale, v_scale, cu_seqlens_q,
-        max_seqlen_q, causal,
+        max_seqlen_q, causal, scheduled=scheduled,
     )  # fmt: skip
     return out, lse
 
 
 @_decode_op.register_fake
 def _(q, k_cache, v_cache, page_table, seqlens_k, softmax_scale, k_scale, v_scale, cu_seqlens_q,
-      max_seqlen_q, causal):  # fmt: skip
+      max_seqlen_q, causal, schedule_work=None, schedule_rows=None):  # fmt: skip
     return _outputs(q, cu_seqlens_q, None)
+
+
+class AttentionPagedSchedule:
+    """A decode step's work list (`attention_paged_schedule`): `work` the scheduling kernel's
+    int32 list on the device, `rows` each sequence's item range (int32 (batch, 3)), and the
+    problem it was made for, which every `attention_paged(..., schedule=)` call checks (its
+    lengths are the caller's to keep: the list was made from seqlens_k as it was then)."""
+
+    def __init__(self, work, rows, batch, num_heads, num_kv_heads, head_dim, max_pages,
+                 page_size, dtype):  # fmt: skip
+        self.work, self.rows = work, rows
+        self.problem = (batch, num_heads, num_kv_heads, head_dim, max_pages, page_size, dtype)
+
+    def __repr__(self) -> str:
+        pairs = ", ".join(f"{n}={v}" for n, v in zip(_SCHEDULE_NAMES, self.problem))
+        return f"AttentionPagedSchedule({pairs})"
+
+
+_SCHEDULE_NAMES = ("batch", "num_heads", "num_kv_heads", "head_dim", "max_pages", "page_size",
+                   "dtype")  # fmt: skip
+
+
+@torch.library.custom_op("forgekernel::attention_paged_schedule", mutates_args=())
+def _schedule_op(
+    seqlens_k: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_pages: int,
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return paged_sm90.make_schedule(seqlens_k, num_heads, num_kv_heads, head_dim, max_pages,
+                                    page_size)  # fmt: skip
+
+
+@_schedule_op.register_fake
+def _(seqlens_k, num_heads, num_kv_heads, head_dim, max_pages, page_size):
+    shapes = paged_sm90.schedule_shapes(seqlens_k.shape[0], num_heads, num_kv_heads, head_dim,
+                                        max_pages, page_size, seqlens_k.device.index)  # fmt: skip
+    return seqlens_k.new_empty(shapes[0]), seqlens_k.new_empty(shapes[1])
+
+
+def attention_paged_schedule(
+    seqlens_k: torch.Tensor,
+    page_table: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    dtype: torch.dtype = torch.bfloat16,
+) -> AttentionPagedSchedule:
+    """The work list of one decode step, made once and read by every layer's
+    `attention_paged(..., schedule=)` (FlashInfer's plan, on the device: one launch, no host
+    read, graph-capturable): the keys per split chosen over the batch's real lengths, a long
+    sequence among short ones cut into many splits. seqlens_k int32 (batch,) and page_table
+    int32 (batch, max_pages) as the calls' (only the table's shape is read); num_heads /
+    num_kv_heads the query / KV heads, head_dim (64, 128, 256), page_size the cache's, dtype q's
+    (16-bit caches, one query token a sequence: the decode form). The lengths must stay what
+    they were when the schedule was made. A batch of one sequence gets an empty list: its call
+    keeps the width plan, which spreads that sequence's keys over every split already."""
+    check_tensor("seqlens_k", seqlens_k, ndim=1, dtypes=INDEX, cuda=False)
+    check_cuda("seqlens_k", seqlens_k)
+    b = seqlens_k.shape[0]
+    check_shaped("page_table", page_table, (b, page_table.shape[-1]), INDEX)
+    for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+                        ("page_size", page_size)):  # fmt: skip
+        if not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
+                         f"({num_kv_heads})")  # fmt: skip
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim!r}")
+    if dtype not in FLOAT16_TYPES:
+        raise ValueError(f"dtype must be float16 or bfloat16, got {dtype}")
+    check_same_device(seqlens_k=seqlens_k, page_table=page_table)
+    args = (num_heads, num_kv_heads, head_dim, page_table.shape[1], page_size)
+    if _traced(seqlens_k, page_table):
+        work, rows = torch.ops.forgekernel.attention_paged_schedule(seqlens_k, *args)
+    else:
+        work, rows = paged_sm90.make_schedule(seqlens_k, *args)
+    return AttentionPagedSchedule(work, rows, b, *args[:4], page_size, dtype)
+
+
+def _schedule_tensors(schedule, q, k, page_table, cu_seqlens_q):
+    """The (list, row ranges) `schedule` brings to this call (None without one), or ValueError
+    when it was made for another problem or this call cannot take one."""
+    if schedule is None:
+        return None
+    if not isinstance(schedule, AttentionPagedSchedule):
+        raise TypeError(f"schedule must be an AttentionPagedSchedule, got "
+                        f"{type(schedule).__name__}")  # fmt: skip
+    if cu_seqlens_q is not None:
+        raise ValueError("a schedule serves the decode form (one query token a sequence, "
+                         "no cu_seqlens_q)")  # fmt: skip
+    if k.dtype == torch.float8_e4m3fn:
+        raise ValueError("a schedule serves 16-bit caches")
+    here = (q.shape[0], q.shape[1], k.shape[2], q.shape[2], page_table.shape[1], k.shape[1],
+            q.dtype)  # fmt: skip
+    if here != schedule.problem:
+        diff = [f"{n} {a} (schedule {w})" for n, a, w in
+                zip(_SCHEDULE_NAMES, here, schedule.problem) if a != w]  # fmt: skip
+        raise ValueError(f"schedule was made for another problem: {', '.join(diff)}")
+    if schedule.work.device != q.device:
+        raise ValueError(f"schedule is on {schedule.work.device}, q on {q.device}")
+    return schedule.work, schedule.rows
 
 
 @torch.library.custom_op("forgekernel::attention_paged_prefill", mutates_args=())
@@ -264,6 +376,7 @@ def attention_paged(
     v_scale: float | torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     validate: bool = False,
+    schedule: AttentionPagedSchedule | None = None,
 ):
     """Decode: q (batch, Hq, D), one query per sequence, against caches (num_pages,
     page_size, Hkv, D) (or one combined (num_pages, 2, page_size, Hkv, D) cache as k_cache with
@@ -282,7 +395,9 @@ def attention_paged(
     the values: every page a sequence reads within [0, num_pages), seqlens_k within [0,
     page_table's width x page_size], cu_seqlens_q from 0 to total_q, non-decreasing, no
     sequence above max_seqlen_q; ValueError naming the entry. Unchecked, such values read
-    outside the cache or misread the batch."""
+    outside the cache or misread the batch.
+    schedule: a decode step's `attention_paged_schedule` (decode form, 16-bit caches): the
+    splits by the batch's real lengths instead of the table's width."""
     if (cu_seqlens_q is None) != (max_seqlen_q is None):
         raise ValueError("cu_seqlens_q and max_seqlen_q come together")
     if max_seqlen_q is not None and max_seqlen_q < 1:
@@ -299,7 +414,7 @@ def attention_paged(
         o, fresh = attention_paged(
             q, k, v, page_table, seqlens_k, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
             causal=causal, softmax_scale=softmax_scale, return_lse=True, out=out,
-            k_scale=k_scale, v_scale=v_scale,
+            k_scale=k_scale, v_scale=v_scale, schedule=schedule,
         )  # fmt: skip
         lse.copy_(fresh)
         return (o, lse) if return_lse else o
@@ -309,6 +424,7 @@ def attention_paged(
         ks = _scale_tensor("k_scale", k_scale, k.shape[2], q.device)
         vs = _scale_tensor("v_scale", v_scale, k.shape[2], q.device)
     mq = 1 if max_seqlen_q is None else int(max_seqlen_q)
+    scheduled = _schedule_tensors(schedule, q, k, page_table, cu_seqlens_q)
     if mq > MAX_QUERY_TOKENS:
         if ks is None and fwd_sm90.paged_box(k.shape[1], d):
             o, lse = _prefill(q, k, v, page_table, seqlens_k, cu_seqlens_q, mq, bool(causal),
@@ -319,8 +435,9 @@ def attention_paged(
         return (o, lse) if return_lse else o
     if traced:
         o, fresh = torch.ops.forgekernel.attention_paged_decode(
-            q, k, v, page_table, seqlens_k, scale, ks, vs, cu_seqlens_q, mq, bool(causal)
-        )
+            q, k, v, page_table, seqlens_k, scale, ks, vs, cu_seqlens_q, mq, bool(causal),
+            *(scheduled or ()),
+        )  # fmt: skip
         o, lse = into_buffers(o, fresh, out, lse)
     else:
         check_rows_in_place("k_cache", k, 16)  # (a data pointer: real tensors only)
@@ -328,7 +445,7 @@ def attention_paged(
         o, lse = _outputs(q, cu_seqlens_q, out, lse)
         paged_sm90.paged_decode(
             q, k, v, page_table, seqlens_k, scale, o, lse if cu_seqlens_q is None else lse.t(),
-            ks, vs, cu_seqlens_q, mq, bool(causal),
+            ks, vs, cu_seqlens_q, mq, bool(causal), scheduled=scheduled,
         )  # fmt: skip
     return (o, lse) if return_lse else o
 

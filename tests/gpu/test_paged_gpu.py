@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from graphs import assert_pdl_chain_is_serialized
+from graphs import assert_pdl_chain_is_serialized, captured
 
 from forgekernel.kernels.attention.fwd.sm90 import launch as fwd_launch
 from forgekernel.reference.paged_attention import paged_attention_ref
@@ -374,26 +374,31 @@ def _merge_ref(op: torch.Tensor, lp: torch.Tensor) -> tuple[torch.Tensor, torch.
     return o, torch.where(finite, (top + torch.log2(total)) * math.log(2), -math.inf)
 
 
+@pytest.mark.parametrize("form", ["cta", "warps"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [64, 128, 256, 512])
 @pytest.mark.parametrize("splits", [1, 2, 7, 128, 300])
 @pytest.mark.parametrize("rows, heads", [(1, 16), (3, 100), (40, 32)])
-def test_combine_kernel_matches_the_merge(rows, heads, splits, d, dtype):
+def test_combine_kernel_matches_the_merge(rows, heads, splits, d, dtype, form):
     """The combine alone (D 512 under mla_decode's key, the others attention_paged's): 1 .. 300
     splits (300: two chunks of SPLIT_CAP weights), splits 1, 4, 7, ... of row 0 and every split
     of the last (row, head) without keys (LSE -inf, partial rows NaN), LSEs over 2^+-40; rows x
     heads of 16, 300 and 1280 (a row's column chunks over 4, 3 and 1 CTAs at D 512); out
-    NaN-poisoned, the LSE a transposed view. One split: the partial row bit for bit."""
+    NaN-poisoned, the LSE a transposed view. One split: the partial row bit for bit. form: the
+    CTA form, or the warp form (combine_form.py; head dims that are multiples of 128)."""
     from forgekernel.kernels.attention.mla.sm90 import SPEC as MLA_SPEC
     from forgekernel.kernels.attention.mla.sm90 import params_for as mla_params
     from forgekernel.kernels.attention.paged.sm90 import SPEC, params_for
     from forgekernel.runtime.cache import get_kernel
 
     name = "bfloat16" if dtype == torch.bfloat16 else "float16"
+    warps = form == "warps"
+    if warps and d % 128:
+        pytest.skip("the warp form takes head dims that are multiples of 128")
     if d == 512:
-        combine = get_kernel(MLA_SPEC, mla_params("combine", name))
+        combine = get_kernel(MLA_SPEC, mla_params("combine", name, warps=warps))
     else:
-        combine = get_kernel(SPEC, params_for("combine", name, d))
+        combine = get_kernel(SPEC, params_for("combine", name, d, warps=warps))
     g = torch.Generator(device="cuda").manual_seed(splits + d)
     op = torch.randn(splits, rows, heads, d, device="cuda", generator=g)
     lp = torch.randn(splits, rows, heads, device="cuda", generator=g) * 12.0
@@ -519,4 +524,120 @@ def test_pdl_chain_is_the_serialized_chain():
     q0 = torch.randn(1, hq, d, **rand)
     assert_pdl_chain_is_serialized(
         lambda q, out, _: op.attention_paged(q, k, v, table, seq, out=out), q0
+    )
+
+
+# ---------------------------------------------------------------- a decode step's schedule
+# (forgekernel.attention_paged_schedule; PAGED_NOTES.md, "A decode step's schedule"). The CPU
+# side (tests/test_paged_schedule.py) replays the algorithms; here the kernels.
+
+SCHEDULE_CASES = [  # b, hq, hkv, d, page_size, lens, table width in pages (None: the longest's)
+    (4, 32, 8, 128, 16, [1, 17, 300, 0], None),
+    (32, 32, 8, 128, 16, list(range(100, 32 * 170, 170)), 8192),  # the bench's serving mixed
+    (32, 32, 8, 128, 16, [64] * 31 + [32768], None),  # a long sequence among short ones
+    (3, 8, 8, 64, 16, [5, 0, 513], None),
+    (2, 16, 2, 256, 64, [129, 2048], None),
+    (2, 24, 8, 128, 32, [77, 700], None),
+    (2, 32, 4, 128, 1, [64, 1000], None),
+]
+
+
+def _schedule_problem(case, dtype, seed):
+    """Caches with NaN in every slot no sequence owns, a table of `width` pages (-1 past a
+    sequence's; the same for every seed: a step's layers share it), queries; the values from
+    `seed`."""
+    b, hq, hkv, d, ps, lens, width = case
+    own = max(1, max(-(-n // ps) for n in lens))
+    width = width or own
+    pages = b * own + 5
+    layout = torch.Generator(device="cuda").manual_seed(1234)
+    perm = torch.randperm(pages, device="cuda", generator=layout)[: b * own].view(b, own)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    k = torch.randn(pages, ps, hkv, d, device="cuda", generator=g).to(dtype)
+    v = torch.randn(pages, ps, hkv, d, device="cuda", generator=g).to(dtype)
+    table = torch.full((b, width), -1, dtype=torch.int32, device="cuda")
+    owned = torch.zeros(pages, dtype=torch.int64, device="cuda")  # a page's rows of keys
+    for s, n in enumerate(lens):
+        mine = -(-n // ps)
+        table[s, :mine] = perm[s, :mine].int()
+        firsts = torch.arange(mine, device="cuda") * ps
+        owned[perm[s, :mine]] = (n - firsts).clamp(max=ps)
+    stale = torch.arange(ps, device="cuda")[None, :] >= owned[:, None]  # (pages, ps)
+    k[stale], v[stale] = float("nan"), float("nan")
+    q = torch.randn(b, hq, d, device="cuda", dtype=dtype, generator=g)
+    return q, k, v, table, torch.tensor(lens, dtype=torch.int32, device="cuda")
+
+
+def _check_against_reference(q, k, v, table, seq, out, lse):
+    want, want_lse = paged_attention_ref(q, k, v, table.clamp(min=0), seq)
+    low, _ = paged_attention_ref(q, k, v, table.clamp(min=0), seq, upcast=False)
+    bound = 2 * float((low.float() - want).abs().max()) + 1e-3
+    assert float((out.float() - want).abs().max()) <= bound
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", SCHEDULE_CASES, ids=lambda c: f"b{c[0]}_d{c[3]}_L{max(c[5])}")
+def test_one_schedule_serves_three_layers(case, dtype):
+    """One schedule, three layers' queries and caches (NaN in every slot no sequence owns), NaN
+    in out and in the partial scratch before every call: each layer's output the reference's."""
+    b, hq, hkv, d, ps, _, _ = case
+    _, _, _, table, seq = _schedule_problem(case, dtype, 0)
+    schedule = op.attention_paged_schedule(seq, table, num_heads=hq, num_kv_heads=hkv,
+                                           head_dim=d, page_size=ps, dtype=dtype)  # fmt: skip
+    for layer in range(3):
+        q, k, v, _, _ = _schedule_problem(case, dtype, layer)
+        items = schedule.work.shape[0] - 1  # the stream's partials scratch (launch._ranged): NaN
+        scratch_of = importlib.import_module("forgekernel.runtime.scratch").scratch
+        scratch_of("paged.partial_o", (items, 1, hq, d), torch.float32, q.device).fill_(math.nan)
+        scratch_of("paged.partial_lse", (items, 1, hq), torch.float32, q.device).fill_(math.nan)
+        out = torch.full_like(q, float("nan"))
+        _, lse = op.attention_paged(q, k, v, table, seq, return_lse=True, out=out,
+                                    schedule=schedule)  # fmt: skip
+        _check_against_reference(q, k, v, table, seq, out, lse)
+
+
+def test_schedule_in_a_cuda_graph():
+    """A step captured once (the schedule, then two layers' calls), replayed on the serving
+    mixed lengths and on two thirds of them empty: the list is remade on the device each replay."""
+    case = SCHEDULE_CASES[1]
+    b, hq, hkv, d, ps, lens, _ = case
+    q, k, v, table, seq = _schedule_problem(case, torch.bfloat16, 0)
+    out = torch.empty(2, *q.shape, device="cuda", dtype=q.dtype)
+    lse = torch.empty(2, b, hq, device="cuda")
+
+    def step():
+        schedule = op.attention_paged_schedule(seq, table, num_heads=hq, num_kv_heads=hkv,
+                                               head_dim=d, page_size=ps)  # fmt: skip
+        for layer in range(2):
+            op.attention_paged(q, k, v, table, seq, out=out[layer], lse=lse[layer],
+                               schedule=schedule)  # fmt: skip
+
+    graph = captured(step)
+    for now in (lens, [0 if i % 3 else n for i, n in enumerate(lens)]):
+        q.copy_(torch.randn_like(q))
+        seq.copy_(torch.tensor(now, device="cuda"))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for layer in range(2):
+            _check_against_reference(q, k, v, table, seq, out[layer], lse[layer])
+
+
+def test_pdl_scheduled_chain_is_the_serialized_chain():
+    """graphs.assert_pdl_chain_is_serialized with a step's schedule (the serving mixed batch):
+    the scheduling kernel, then every call's ranges pass and combine."""
+    case = SCHEDULE_CASES[1]
+    b, hq, hkv, d, ps, _, _ = case
+    q0, k, v, table, seq = _schedule_problem(case, torch.bfloat16, 3)
+    assert_pdl_chain_is_serialized(
+        lambda q, out, schedule: op.attention_paged(
+            q, k, v, table, seq, out=out, schedule=schedule
+        ),  # fmt: skip
+        q0,
+        prologue=lambda: op.attention_paged_schedule(
+            seq, table, num_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps
+        ),  # fmt: skip
     )

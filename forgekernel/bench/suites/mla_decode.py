@@ -509,10 +509,26 @@ def run_plain(inputs: Inputs, out):
     return run_ours(inputs, out, plain=True)
 
 
+# The cases whose combine takes the warp form (combine_form.py: rows x heads >= 1024), timed
+# with the CTA form (variant `combine_cta`): b16-h128 ran 49.0 -> 55.8 us when the CTA form
+# replaced the per-row loop (2026-12-03 18:45), b64-h16 88.1 -> 92.4. Predicted (time / ours):
+# 1.08-1.14 at b16-h128, 1.03-1.06 at b64-h16 and b16-h128 x 8k.
+COMBINE_CASES = ("b16-h128-p64-L4096", "b16-h128-p64-L8192", "b64-h16-p64-L4096")
+
+
+def run_combine_cta(inputs: Inputs, out):
+    """Ours with the combine's CTA form where the rule takes the warp form."""
+    from forgekernel.kernels.attention.paged.sm90.combine_form import combine_form
+
+    with combine_form("cta"):
+        return run_ours(inputs, out)
+
+
 def variants(case: Case) -> dict[str, Any]:
     """The launcher-only plan candidates of `case` (CANDIDATES, on the plain call), the `plain`
-    call (PLAIN_CASES) and NO_PDL_CASES' kernels without PDL (`run_no_pdl`): variant time / our
-    time decides their adoption. (Measured and dropped: the `pair` form, 2.4-8.8% slower on every
+    call (PLAIN_CASES), NO_PDL_CASES' kernels without PDL (`run_no_pdl`) and COMBINE_CASES'
+    combine in its CTA form (`run_combine_cta`): variant time / our time decides their
+    adoption. (Measured and dropped: the `pair` form, 2.4-8.8% slower on every
     128-head case, 2026-12-03 16:40; the `ostore` store, a variant until 14:25, is the standard:
     MLA_NOTES.md.)"""
     forms = CANDIDATES.get(case.name, {})
@@ -521,6 +537,8 @@ def variants(case: Case) -> dict[str, Any]:
         found["plain"] = run_plain
     if case.name in NO_PDL_CASES:
         found["no_pdl"] = run_no_pdl
+    if case.name in COMBINE_CASES:
+        found["combine_cta"] = run_combine_cta
     return found
 
 

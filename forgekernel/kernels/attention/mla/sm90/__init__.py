@@ -69,7 +69,7 @@ def _standard_params() -> list[Params]:
         for dtype in DTYPES
         for h, qt in OSTORE_BLOCKS
     ]
-    combine = [params_for("combine", d) for d in DTYPES]
+    combine = [params_for("combine", d, warps=w) for d in DTYPES for w in (False, True)]
     return partial + direct + sparse + ostore + combine + _schedule_params()
 
 
@@ -85,7 +85,10 @@ def _schedule_params() -> list[Params]:
         if h * qt <= ROWS
     ]
     lists = [params_for("worklist", "bfloat16", qtokens=qt, ranges=True) for qt in QTOKENS]
-    return passes + lists + [params_for("combine", d, ranges=True) for d in DTYPES]
+    combines = [
+        params_for("combine", d, ranges=True, warps=w) for d in DTYPES for w in (False, True)
+    ]
+    return passes + lists + combines
 
 
 # The device-side work list (candidate, FORGEKERNEL_MLA_WORKLIST=1; schedule.py, worklist.py): its

@@ -23,6 +23,8 @@ from forgekernel.kernels.attention.mla.sm90.worklist import MlaWorklistSm90
 from forgekernel.kernels.attention.paged.sm90.combine import (
     PagedCombineRangesSm90,
     PagedCombineSm90,
+    PagedCombineWarpsRangesSm90,
+    PagedCombineWarpsSm90,
     partials_o,
 )
 from forgekernel.kernels.common.sm90 import fake
@@ -45,11 +47,11 @@ def _outputs(dtype, rows, hq, wide: bool = False) -> tuple:
     return o, make_fake_tensor(cutlass.Float32, (rows, hq), stride=lse_strides, assumed_align=4)
 
 
-def _combine(dtype, opts: str, pdl: bool, ranges: bool = False):
+def _combine(dtype, opts: str, pdl: bool, ranges: bool = False, warps: bool = False):
     o, lse = _outputs(dtype, cute.sym_int32(), cute.sym_int32())
     if ranges:  # item-indexed partials and each row's (first item, items, query token)
         return cute.compile(
-            PagedCombineRangesSm90(D_LATENT, pdl),
+            (PagedCombineWarpsRangesSm90 if warps else PagedCombineRangesSm90)(D_LATENT, pdl),
             partials_o(),
             _dense(cutlass.Float32, 3),
             o,
@@ -59,7 +61,7 @@ def _combine(dtype, opts: str, pdl: bool, ranges: bool = False):
             options=opts,
         )
     return cute.compile(
-        PagedCombineSm90(D_LATENT, pdl),
+        (PagedCombineWarpsSm90 if warps else PagedCombineSm90)(D_LATENT, pdl),
         partials_o(),
         _dense(cutlass.Float32, 3),
         o,
@@ -154,7 +156,8 @@ def compile_mla(params: dict, arch: str = "sm_90a", extra_options: str = ""):
         return _worklist(params["qtokens"], opts, pdl, params.get("ranges", False))
     dtype = fake.dtype_of(params["dtype"])
     if params["kind"] == "combine":
-        return _combine(dtype, opts, pdl, params.get("ranges", False))
+        return _combine(dtype, opts, pdl, params.get("ranges", False),
+                        params.get("form") == "warps")  # fmt: skip
     fp8 = params.get("fp8", False)
     if params["kind"] == "sparse":
         return _sparse(dtype, params["heads"], fp8, opts)

@@ -144,6 +144,7 @@ def params_for(
     ostore: bool = False,
     worklist: bool = False,
     ranges: bool = False,
+    warps: bool = False,
 ) -> tuple:
     """Compile key: kind "partial" (one split of `heads` query heads x `qtokens` tokens, fp32
     out; qtokens > 1 the packed form with cu_seqlens_q), "sparse" (DSA: one split of one query
@@ -164,9 +165,13 @@ def params_for(
     item-indexed form: the scheduler's (kind "worklist") per over the whole batch, items unit
     by unit and each row's item range; the pass (worklist only) writing its partial at its
     item; the combine (`PagedCombineRangesSm90`) reducing a row's item range."""
-    if kind == "combine":
+    if kind == "combine":  # the paged leaf's key at head dim 512 (warps: its warp form)
         keys = {"kind": kind, "dtype": dtype, "head_dim": D_LATENT}
-        return tuple(sorted((keys | ({"ranges": True} if ranges else {})).items()))
+        keys |= {"ranges": True} if ranges else {}
+        keys |= {"form": "warps"} if warps else {}
+        return tuple(sorted(keys.items()))
+    if warps:
+        raise ValueError("warps is a form of the combine")
     if kind == "worklist":
         keys = {"kind": kind, "qtokens": qtokens}
         return tuple(sorted((keys | ({"ranges": True} if ranges else {})).items()))

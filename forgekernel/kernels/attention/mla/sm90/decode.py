@@ -71,6 +71,7 @@ from forgekernel.kernels.attention.mla.sm90.config import (
     TILE,
     WARPGROUPS,
 )
+from forgekernel.kernels.attention.mla.sm90.units import unit_bounds
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
 from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
 from forgekernel.kernels.common.sm90.layout import acc_as_operand_a, rows_cols, transposed
@@ -259,21 +260,8 @@ class MlaDecodeSm90:
         b, q_off, sq = unit, unit, Int32(1)
         if const_expr(self.sparse):
             kv_end = mPT.shape[1]  # the top-k list's width
-        elif const_expr(mCuQ is None):
-            kv_end = mSeq[unit]
-        else:
-            # this CTA's query tokens: block `unit % q_blocks` of its sequence's, `sq` of them
-            # (<= qtokens, none past the sequence's end); causal, they see keys < kv_end. A
-            # block past the end (sq 0) writes nothing and reads no key (its causal bound
-            # sk - q_all + token0 would pass sk: page-table entries past the sequence's)
-            b = unit // q_blocks
-            token0 = (unit - b * q_blocks) * self.qt
-            sk = mSeq[b]
-            q_all = mCuQ[b + 1] - mCuQ[b]
-            q_off = mCuQ[b] + token0
-            sq = cutlass.max(cutlass.min(q_all - token0, self.qt), 0)
-            kv_end = Int32(cutlass.select_(causal != 0, sk - q_all + token0 + sq, sk))
-            kv_end = Int32(cutlass.select_(sq > 0, kv_end, 0))
+        else:  # this CTA's sequence, or block of its query tokens (units.py)
+            b, q_off, sq, _, kv_end = unit_bounds(mSeq, mCuQ, causal, q_blocks, self.qt, unit)
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         dtype = mQn.element_type
 

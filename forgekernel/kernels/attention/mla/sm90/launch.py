@@ -66,6 +66,8 @@ from contextlib import contextmanager
 import torch
 
 from forgekernel.kernels.attention.mla.sm90 import SPEC, config, schedule
+from forgekernel.kernels.attention.paged.sm90 import combine_form
+from forgekernel.kernels.attention.paged.sm90.combine_form import forced_key
 from forgekernel.kernels.common.sm90.constants import LOG2E
 from forgekernel.runtime import pdl
 from forgekernel.runtime.cache import get_kernel
@@ -153,6 +155,14 @@ def _wide_rows(out: torch.Tensor) -> bool:
     return out.data_ptr() % 16 == 0 and out.stride(0) % vec == 0 and out.stride(1) % vec == 0
 
 
+def _combine(name: str, on: bool, units: int, ranges: bool = False):
+    """The combine kernel for `units` (rows x heads, a bound): its warp form where
+    `combine_form.takes_warps` says, else its CTA form (both called alike)."""
+    warps = combine_form.takes_warps(units, config.D_LATENT)
+    return get_kernel(SPEC, pdl.key(config.params_for("combine", name, ranges=ranges, warps=warps),
+                                    on))  # fmt: skip
+
+
 def _plan(
     kind, dtype, units, hq, max_tokens, qtokens, device_index, fp8, page_size, form=None,
     forced=None, narrow=False,
@@ -172,8 +182,9 @@ def _plan(
     table's width in tiles), the
     pass its `worklist` compile, splits the width plan's (the list's bound: schedule.py); form
     SCHEDULED (a schedule's call): the scheduler, the pass and the combine in their `ranges`
-    compiles. forced: `pdl.forced()`, in the key only (`pdl.enabled()` decides: the seesaw,
-    scheduling and combine kernels' compile keys, `pdl.key`)."""
+    compiles. forced: `forced_key()`, in the key only (`pdl.enabled()` decides the seesaw,
+    scheduling and combine kernels' compile keys, `pdl.key`; `combine_form.takes_warps` the
+    combine's form over units x qtokens rows x Hq)."""
     name = dtype_name(dtype)
     on = pdl.enabled()
     heads = _heads(hq, qtokens, form)
@@ -205,10 +216,10 @@ def _plan(
         params = config.params_for(kind, name, heads, qtokens, tma=tma, worklist=True,
                                    ranges=ranges)  # fmt: skip
         partial = get_kernel(SPEC, pdl.key(params, on))
-        combine = get_kernel(SPEC, pdl.key(config.params_for("combine", name, ranges=ranges), on))
+        combine = _combine(name, on, units * qtokens * hq, ranges=ranges)
         worklist = (sched, hq // heads, fewest, sms * config.RESIDENT, tiles)
         return partial, combine, splits, per, False, worklist
-    combine = get_kernel(SPEC, pdl.key(config.params_for("combine", name), on))
+    combine = _combine(name, on, units * qtokens * hq)
     params = config.params_for(kind, name, heads, qtokens, fp8, tma)
     partial = get_kernel(SPEC, pdl.key(params, on or not tma))  # decode.py's: no PDL build
     return partial, combine, splits, per, False, None
@@ -248,7 +259,7 @@ def schedule_key(dtype, batch, hq, max_tokens, max_seqlen_q, packed, device_inde
     qtokens = query_tokens(packed, max_seqlen_q, hq)
     q_blocks = -(-max_seqlen_q // qtokens) if packed else 1
     key = ("partial", dtype, batch * q_blocks, hq, max_tokens, qtokens, device_index, False,
-           page_size, SCHEDULED, pdl.forced())  # fmt: skip
+           page_size, SCHEDULED, forced_key())  # fmt: skip
     return key, qtokens, q_blocks
 
 
@@ -359,7 +370,7 @@ def mla_decode(
     device = q_nope.device
     key = ("partial", q_nope.dtype, b * q_blocks, hq, page_table.shape[1] * page_size, qtokens,
            device.index, ckv_scale is not None, page_size,
-           _plan_form[0] if scheduled is None else SCHEDULED, pdl.forced())  # fmt: skip
+           _plan_form[0] if scheduled is None else SCHEDULED, forced_key())  # fmt: skip
     plan = _plans.get_or_build(key, _plan)
     if plan[4] and not _wide_rows(out):  # the ostore compile's 16-byte stores: not this out
         plan = _plans.get_or_build((*key, True), _plan)
@@ -412,7 +423,7 @@ def dsa_sparse_attention(
         return
     device = q_nope.device
     key = ("sparse", q_nope.dtype, tokens, hq, topk, 1, device.index, ckv_scale is not None, 1,
-           _plan_form[0], pdl.forced())  # fmt: skip
+           _plan_form[0], forced_key())  # fmt: skip
     partial, combine, splits, per, _, _ = _plans.get_or_build(key, _plan)
     with on_device(device):
         partial_o, partial_lse = _partials(splits, tokens, hq, device)

@@ -81,6 +81,7 @@ from forgekernel.kernels.attention.mla.sm90.config import (
     TILE,
 )
 from forgekernel.kernels.attention.mla.sm90.schedule import HEADER as WORK_HEADER
+from forgekernel.kernels.attention.mla.sm90.units import unit_bounds
 from forgekernel.kernels.common.sm90 import pdl
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
 from forgekernel.kernels.common.sm90.constants import LN2, THREADS_PER_WG, WARP_SIZE
@@ -570,17 +571,7 @@ class MlaSeesawSm90:
         `unit`: one sequence (decode), or block `unit % q_blocks` of a sequence's query tokens
         (`qtokens` each; causal, they see keys < kv_end; a block past the end has sq 0 and
         reads no key)."""
-        if const_expr(mCuQ is None):
-            sk = mSeq[unit]
-            return unit, unit, Int32(1), sk, sk
-        b = unit // q_blocks
-        token0 = (unit - b * q_blocks) * self.qt
-        sk = mSeq[b]
-        q_all = mCuQ[b + 1] - mCuQ[b]
-        sq = cutlass.max(cutlass.min(q_all - token0, self.qt), 0)
-        kv_end = Int32(cutlass.select_(causal != 0, sk - q_all + token0 + sq, sk))
-        kv_end = Int32(cutlass.select_(sq > 0, kv_end, 0))
-        return b, mCuQ[b] + token0, sq, sk, kv_end
+        return unit_bounds(mSeq, mCuQ, causal, q_blocks, self.qt, unit)
 
     @cute.jit
     def _mask_from(self, t1, kv_end, sq, causal):

@@ -32,6 +32,7 @@ from cutlass.memory import SmemAllocator
 
 from forgekernel.kernels.attention.mla.sm90.config import SPLIT_OVERHEAD_TILES, TILE
 from forgekernel.kernels.attention.mla.sm90.schedule import HEADER
+from forgekernel.kernels.attention.mla.sm90.units import unit_bounds
 from forgekernel.kernels.common.sm90 import pdl
 from forgekernel.kernels.common.sm90.constants import WARP_SIZE
 
@@ -215,17 +216,7 @@ class MlaWorklistSm90:
     @cute.jit
     def _tiles(self, mSeq, mCuQ, causal, q_blocks, width, unit):
         """Tiles of keys of `unit`: kv_end as the pass's `_unit`, in TILE keys, at most width."""
-        kv_end = Int32(0)
-        if const_expr(mCuQ is None):
-            kv_end = mSeq[unit]
-        else:
-            b = unit // q_blocks
-            token0 = (unit - b * q_blocks) * self.qt
-            sk = mSeq[b]
-            q_all = mCuQ[b + 1] - mCuQ[b]
-            sq = cutlass.max(cutlass.min(q_all - token0, self.qt), 0)
-            kv_end = Int32(cutlass.select_(causal != 0, sk - q_all + token0 + sq, sk))
-            kv_end = Int32(cutlass.select_(sq > 0, kv_end, 0))
+        kv_end = unit_bounds(mSeq, mCuQ, causal, q_blocks, self.qt, unit)[4]
         return cutlass.min((cutlass.max(kv_end, 0) + TILE - 1) // TILE, width)
 
     @cute.jit

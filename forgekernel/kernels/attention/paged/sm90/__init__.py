@@ -36,7 +36,34 @@ def _standard_params() -> list[Params]:
         if h * qt <= row_cap(d, kv)
     ]
     combine = [params_for("combine", dtype, d) for dtype in DTYPES for d in HEAD_DIMS]
-    return partial + merge_rows_params() + combine
+    return partial + merge_rows_params() + combine + warps_params() + schedule_params()
+
+
+def warps_params() -> list[Params]:
+    """The combine's warp form (combine_form.py: rows x heads >= 1024) at the head dims it
+    takes (multiples of 128), plain and ranges."""
+    return [
+        params_for("combine", dtype, d, ranges=ranges, warps=True)
+        for dtype in DTYPES
+        for d in HEAD_DIMS
+        if d % 128 == 0
+        for ranges in (False, True)
+    ]
+
+
+def schedule_params() -> list[Params]:
+    """A decode step's schedule (`forgekernel.attention_paged_schedule`, launch.make_schedule):
+    the ranges pass of every 16-bit one-token leaf and the ranges combine at every head dim
+    (prebuilt: a schedule's first call compiles nothing; its scheduling kernel is MLA's)."""
+    partial = [
+        params_for("partial", dtype, d, h, ranges=True)
+        for dtype in DTYPES
+        for d in HEAD_DIMS
+        for h in HEADS
+        if h <= row_cap(d)
+    ]
+    combine = [params_for("combine", dtype, d, ranges=True) for dtype in DTYPES for d in HEAD_DIMS]
+    return partial + combine
 
 
 def _candidate_params() -> list[Params]:

@@ -22,6 +22,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass.memory import SmemAllocator
 
+from forgekernel.kernels.attention.paged.sm90.combine_form import WARP_COLS
 from forgekernel.kernels.attention.paged.sm90.config import THREADS, WARPS
 from forgekernel.kernels.common.sm90 import fake, pdl
 from forgekernel.kernels.common.sm90.constants import LN2, NUM_SMS_H100_H200
@@ -351,3 +352,135 @@ class PagedCombineRangesSm90(PagedCombineSm90):
     ):  # fmt: skip
         _, b, _ = cute.arch.block_idx()
         self._combine(mOp, mLp, mO, mLSE, b, mRows)
+
+
+# The warp form: combine_form.py says where it is taken (`takes_warps`) and why.
+
+
+class PagedCombineWarpsSm90:
+    """The combine, one warp a (row, head): grid (ceil(rows x Hq / WARPS)), THREADS threads;
+    unit u = (row u // Hq, head u % Hq), adjacent warps adjacent heads of a row (their partial
+    rows adjacent in memory). Per unit:
+
+    1. lanes read splits lane, lane + 32, ... of the LSE: the max, the last split with a key
+       and (a second walk) the sum of the weights 2^(lse - top), by shuffles;
+    2. splits 0 .. last in order, acc += w_s O_s in fp32, each lane its D / 128 16-byte vectors
+       (columns 128 k + 4 lane ..), the weight read again from the LSE (one broadcast load); a
+       split of weight 0 among them adds 0 (its row is not trusted: selected out, not
+       multiplied); 4 splits' loads in flight (`cutlass.range` unroll);
+    3. out = acc / sum in the output dtype, 0 and LSE -inf where no split saw a key; lane 0 the
+       natural LSE.
+
+    One split: 0 + 1 x O_0 = O_0, LSE lse_0 x ln 2 (the direct forms' bits, as the CTA form).
+    Called as PagedCombineSm90; PagedCombineWarpsRangesSm90 as PagedCombineRangesSm90 (mRows,
+    the unit's item range, read after the PDL wait). pdl: as PagedCombineSm90's."""
+
+    def __init__(self, head_dim: int, pdl: bool = True):
+        if head_dim % WARP_COLS:  # (combine_form.WARP_COLS)
+            raise ValueError(f"the warp form takes head dims that are multiples of {WARP_COLS}")
+        self.d = head_dim
+        self.pdl = pdl
+        self.vectors = head_dim // WARP_COLS  # a lane's 16-byte vectors
+
+    @cute.jit
+    def __call__(
+        self,
+        mOp: cute.Tensor,
+        mLp: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        """PagedCombineSm90's arguments."""
+        self._launch((mOp, mLp, mO, mLSE, None), mO, stream)
+
+    @cute.jit
+    def _launch(self, args, mO, stream):
+        """The kernel on `args` over one warp a (row, head)."""
+        units = mO.shape[0] * mO.shape[1]
+        self.kernel(*args).launch(
+            grid=(cute.ceil_div(cutlass.max(units, 1), WARPS), 1, 1),
+            block=[THREADS, 1, 1],
+            stream=stream,
+            use_pdl=self.pdl,
+        )
+
+    @cute.kernel
+    def kernel(
+        self, mOp: cute.Tensor, mLp: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+        mRows: cute.Tensor | None,
+    ):  # fmt: skip
+        tidx, _, _ = cute.arch.thread_idx()
+        x, _, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        hq = mO.shape[1]
+        unit = x * WARPS + cute.arch.make_warp_uniform(tidx // 32)
+        pdl.wait(self.pdl)  # the partials, out / lse and the rows: the pass's, or earlier calls'
+        pdl.launch_dependents(self.pdl)
+        if unit < mO.shape[0] * hq:
+            b = unit // hq
+            head = unit - b * hq
+            splits = mLp.shape[0]
+            gL = mLp[None, b, head]
+            gO = mOp[None, b, head, None]
+            if const_expr(mRows is not None):
+                item0, splits, token = mRows[b, 0], Int32(mRows[b, 1]), mRows[b, 2]
+                gL = cute.domain_offset((item0,), mLp[None, token, head])
+                gO = cute.domain_offset((item0, 0), mOp[None, token, head, None])
+            top = -Float32.inf
+            last = Float32(-1.0)  # the last split that saw a key (exact in fp32 below 2^24)
+            for s in cutlass.range(lane, splits, 32):
+                lse = gL[s]
+                top = cute.arch.fmax(top, lse)
+                if lse != -Float32.inf:
+                    last = Float32(s)
+            top = cute.arch.warp_reduction(top, cute.arch.fmax)
+            used = Int32(cute.arch.warp_reduction(last, cute.arch.fmax)) + 1
+            total = Float32(0.0)
+            for s in cutlass.range(lane, used, 32):
+                total += _weight(gL[s], top)
+            total = cute.arch.warp_reduction(total, lambda a, c: a + c)
+            acc = cute.make_rmem_tensor((4, self.vectors), Float32)
+            acc.fill(0.0)
+            vals = cute.make_rmem_tensor((4, self.vectors), Float32)
+            for s in cutlass.range(used, unroll=4):
+                w = _weight(gL[s], top)
+                for k in cutlass.range_constexpr(self.vectors):
+                    tile = cute.local_tile(gO[s, None], (4,), (k * 32 + lane,))
+                    cute.autovec_copy(tile, vals[None, k])
+                for k in cutlass.range_constexpr(self.vectors):
+                    for j in cutlass.range_constexpr(4):
+                        o = cutlass.select_(w > 0.0, vals[j, k], Float32(0.0))
+                        acc[j, k] = acc[j, k] + w * o
+            outs = cute.make_rmem_tensor((4, self.vectors), mO.element_type)
+            for k in cutlass.range_constexpr(self.vectors):
+                for j in cutlass.range_constexpr(4):
+                    out = Float32(0.0)
+                    if total > 0.0:
+                        out = acc[j, k] / total
+                    outs[j, k] = out.to(mO.element_type)
+            row = mO[b, head, None]
+            for k in cutlass.range_constexpr(self.vectors):
+                cute.autovec_copy(outs[None, k], cute.local_tile(row, (4,), (k * 32 + lane,)))
+            if lane == 0:
+                lse = -Float32.inf
+                if total > 0.0:
+                    lse = (top + cute.math.log2(total, fastmath=True)) * LN2
+                mLSE[b, head] = lse
+
+
+class PagedCombineWarpsRangesSm90(PagedCombineWarpsSm90):
+    """The warp form over item-indexed partials (PagedCombineRangesSm90's arguments)."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mOp: cute.Tensor,
+        mLp: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mRows: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        """PagedCombineRangesSm90's."""
+        self._launch((mOp, mLp, mO, mLSE, mRows), mO, stream)

@@ -8,7 +8,13 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_tensor
 
-from forgekernel.kernels.attention.paged.sm90.combine import PagedCombineSm90, partials_o
+from forgekernel.kernels.attention.paged.sm90.combine import (
+    PagedCombineRangesSm90,
+    PagedCombineSm90,
+    PagedCombineWarpsRangesSm90,
+    PagedCombineWarpsSm90,
+    partials_o,
+)
 from forgekernel.kernels.attention.paged.sm90.decode import PagedDecodeSm90
 from forgekernel.kernels.common.sm90 import fake
 
@@ -18,6 +24,13 @@ def _dense(dtype, rank: int) -> cute.Tensor:
     shape = tuple(cute.sym_int32() for _ in range(rank))
     stride = tuple(cute.sym_int64() for _ in range(rank - 1))
     return make_fake_tensor(dtype, shape, stride=(*stride, 1), assumed_align=4)
+
+
+def _int32_rows(cols: int) -> cute.Tensor:
+    """An int32 (rows, cols) table, rows contiguous: the work list (cols 2) or the row ranges
+    (cols 3)."""
+    return make_fake_tensor(cutlass.Int32, (cute.sym_int32(), cols), stride=(cols, 1),
+                            assumed_align=4)  # fmt: skip
 
 
 def compile_paged(params: dict, arch: str = "sm_90a", extra_options: str = ""):
@@ -34,10 +47,23 @@ def compile_paged(params: dict, arch: str = "sm_90a", extra_options: str = ""):
         return o, make_fake_tensor(cutlass.Float32, (rows, hq), stride=lse_strides, assumed_align=4)
 
     on = params.get("pdl") != "off"  # the key runtime/pdl.py gives a build without PDL
+    ranges = params.get("ranges", False)
     if params["kind"] == "combine":
         o, lse = final(b)
+        warps = params.get("form") == "warps"  # one warp a (row, head)
+        if ranges:  # item-indexed partials and each sequence's (first item, items, token 0)
+            return cute.compile(
+                (PagedCombineWarpsRangesSm90 if warps else PagedCombineRangesSm90)(d, on),
+                partials_o(),
+                _dense(cutlass.Float32, 3),
+                o,
+                lse,
+                _int32_rows(3),
+                fake.stream(),
+                options=opts,
+            )
         return cute.compile(
-            PagedCombineSm90(d, on),
+            (PagedCombineWarpsSm90 if warps else PagedCombineSm90)(d, on),
             partials_o(),
             _dense(cutlass.Float32, 3),
             o,
@@ -54,6 +80,8 @@ def compile_paged(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     k = fake.rowmajor(kv_dtype, (pages, page_size, hkv, d), divisibility=16)
     v = fake.rowmajor(kv_dtype, (pages, page_size, hkv, d), divisibility=16)
     scales = (_dense(cutlass.Float32, 1), _dense(cutlass.Float32, 1)) if fp8 else (None, None)
+    if ranges:  # the step's work list in the K scales' slot (mla/sm90/schedule.py's layout)
+        scales = (_int32_rows(2), None)
     return cute.compile(
         PagedDecodeSm90(
             d,
@@ -63,6 +91,7 @@ def compile_paged(params: dict, arch: str = "sm_90a", extra_options: str = ""):
             params.get("page_ids") != "inline",
             params.get("merge") == "rows",
             on,
+            ranges,
         ),
         q,
         k,

@@ -44,17 +44,31 @@ def params_for(
     heads: int = 1,
     kv: str = "",
     qtokens: int = 1,
+    ranges: bool = False,
+    warps: bool = False,
 ) -> tuple:
     """Compile key: kind "partial" (one split's attention of `heads` query heads, fp32 out;
     `kv` "float8_e4m3fn" for an FP8 cache, else the cache has q's dtype; `qtokens` > 1 the
     speculative form, cu_seqlens_q) or "combine" (the splits merged into the output; no
-    heads)."""
+    heads). ranges (a decode step's schedule, `forgekernel.attention_paged_schedule`): the
+    pass reading its (sequence, split) from the step's work list and writing its partial by
+    item (16-bit decode only), the combine reducing each sequence's item range. warps
+    (combine only): the warp form, one warp a (row, head) (combine.PagedCombineWarpsSm90,
+    `combine.takes_warps`)."""
+    if warps and (kind != "combine" or head_dim % 128):
+        raise ValueError("warps: the combine's form at head dims that are multiples of 128")
+    if ranges and (kv or qtokens > 1):
+        raise ValueError("ranges: 16-bit caches and one query token only")
     if kind == "combine":
-        return tuple(sorted({"kind": kind, "dtype": dtype, "head_dim": head_dim}.items()))
+        keys = {"kind": kind, "dtype": dtype, "head_dim": head_dim}
+        keys |= {"ranges": True} if ranges else {}
+        keys |= {"form": "warps"} if warps else {}
+        return tuple(sorted(keys.items()))
     keys = {"kind": kind, "dtype": dtype, "head_dim": head_dim, "heads": heads}
     extra = {
         **({"kv": kv} if kv else {}),
         **({"qtokens": qtokens} if qtokens > 1 else {}),
+        **({"ranges": True} if ranges else {}),
     }
     return tuple(sorted({**keys, **extra}.items()))
 

@@ -32,8 +32,10 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import nvvm as _nvvm
 from cutlass.cute.nvgpu import cpasync, warp
 
+from forgekernel.kernels.attention.mla.sm90.schedule import HEADER as WORK_HEADER
 from forgekernel.kernels.attention.paged.sm90 import fp8
 from forgekernel.kernels.attention.paged.sm90.combine import write_split
 from forgekernel.kernels.attention.paged.sm90.config import (
@@ -68,7 +70,7 @@ class PagedDecodeSm90:
 
     def __init__(
         self, head_dim: int, heads: int, qtokens: int = 1, fp8: bool = False,
-        page_ahead: bool = True, merge_rows: bool = False, pdl: bool = True,
+        page_ahead: bool = True, merge_rows: bool = False, pdl: bool = True, ranges: bool = False,
     ):  # fmt: skip
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim must be 64, 128 or 256, got {head_dim}")
@@ -97,6 +99,15 @@ class PagedDecodeSm90:
         if merge_rows and (fp8 or head_dim != 128):
             raise ValueError("merge_rows: 16-bit caches at D 128 only")
         self.merge_rows = merge_rows
+        # ranges (a decode step's schedule, `forgekernel.attention_paged_schedule`; 16-bit
+        # decode, one query token): CTA x takes item x of the step's work list (the scheduling
+        # kernel's ranges form, mla/sm90/worklist.py: row 0 (keys per split, items), row 1 + i
+        # item i's (sequence, split)), passed in the K scales' slot (None for 16-bit caches),
+        # and writes its partial at (item, 0): partials (items, 1, Hq, D), the combine's ranges
+        # form reducing each sequence's item range (combine.PagedCombineRangesSm90)
+        if ranges and (fp8 or qtokens != 1 or merge_rows):
+            raise ValueError("ranges: 16-bit caches, one query token, the per-element merge")
+        self.ranges = ranges
         # launched with PDL (common/sm90/pdl.py): the op's first kernel waits at its top for
         # whatever kernel precedes it in the stream (q's producer, a previous call's combine
         # still reading the partials), then lets its combine be scheduled
@@ -176,6 +187,8 @@ class PagedDecodeSm90:
 
         self.shared = Shared
         grid = (mOp.shape[0], mQ.shape[1] // self.h, mSeq.shape[0])
+        if const_expr(self.ranges):  # the list's capacity in x (CTAs past its items leave)
+            grid = (mKScale.shape[0] - WORK_HEADER, mQ.shape[1] // self.h, 1)
         args = (
             mQ, mK, mV, mPT, mSeq, mOp, mLp, mO, mLSE, direct, scale_log2, per_split, page_size,
             group, mKScale, mVScale, mCuQ, causal,
@@ -224,6 +237,12 @@ class PagedDecodeSm90:
         split, head_block, b = cute.arch.block_idx()
         pdl.wait(self.pdl)  # before the first global access (its prologue reads mCuQ, mSeq)
         pdl.launch_dependents(self.pdl)
+        item = split
+        if const_expr(self.ranges):  # the list in the K scales' slot (16-bit: no scales)
+            if item >= mKScale[0, 1]:  # past the list's items: no barrier, no store, gone
+                _nvvm.exit()
+            b = mKScale[WORK_HEADER + item, 0]
+            split = mKScale[WORK_HEADER + item, 1]
         head0 = head_block * self.h
         kvh = head0 // group
         q_off, sq = b, Int32(1)
@@ -237,8 +256,10 @@ class PagedDecodeSm90:
         sk = mSeq[b]
         # the sequence's own keys over the grid's splits, at least per_split a split: not the
         # table's width over them (a table sized for the longest context a server admits would
-        # leave a short sequence's keys in its first split)
+        # leave a short sequence's keys in its first split); ranges: the list's keys per split
         per = cutlass.max(per_split, cute.ceil_div(sk, cute.arch.grid_dim()[0]))
+        if const_expr(self.ranges):
+            per = mKScale[0, 0]
         t0 = split * per
         t1 = cutlass.min(t0 + per, sk)
         tiles = cute.ceil_div(cutlass.max(t1 - t0, 0), TILE)
@@ -395,8 +416,11 @@ class PagedDecodeSm90:
         if const_expr(self.merge_rows):
             self._write_rows(storage, (mOp, mLp, mO, mLSE, direct), split, (q_off, sq), head0, tidx)
         else:
+            w_split, w_off = split, q_off  # ranges: at (item, the unit's first token 0)
+            if const_expr(self.ranges):
+                w_split, w_off = item, Int32(0)
             write_split(
-                self._merge_views(storage), (mOp, mLp, mO, mLSE, direct), split, (q_off, sq),
+                self._merge_views(storage), (mOp, mLp, mO, mLSE, direct), w_split, (w_off, sq),
                 head0, self.h, self.g, self.d, tidx,
             )  # fmt: skip
 

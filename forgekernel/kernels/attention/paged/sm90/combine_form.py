@@ -1,0 +1,54 @@
+"""Which form of the split-KV combine a launch takes (DSL-free: the paged, MLA and DSA
+launchers read it). The CTA form (`combine.PagedCombineSm90`, one CTA a (row, head), its
+threads spread over the splits and columns) for few rows; the warp form
+(`combine.PagedCombineWarpsSm90`, one warp a (row, head)) where the rows x heads fill the GPU
+with warps alone: b16-h128 at D 512 is 2048 units, whose CTA-form combine (three CTA-wide
+reductions and two barriers a column chunk, for 4 splits) took the MLA call from 49.0 to 55.8 us
+when it replaced the per-row loop (2026-12-03 18:45; MLA_NOTES "The combine's warp form")."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from forgekernel.runtime import pdl
+
+WARPS_FORM_UNITS = 1024  # rows x heads: 8 warps an SM's worth over 132 SMs
+WARP_COLS = 128  # columns a warp covers with one 16-byte vector a lane
+
+# combine_form's override ("cta" / "warps"), None: `takes_warps`' rule; read when a problem's
+# plan is built and in the plans' keys (the launchers' `forced`)
+_forced: list[str | None] = [None]
+
+
+@contextmanager
+def combine_form(form: str | None) -> Iterator[None]:
+    """The calls inside take the combine's `form` ("cta" or "warps"; None: the rule) where it
+    applies (the warp form: head dims that are multiples of 128): the bench's variants."""
+    if form not in (None, "cta", "warps"):
+        raise ValueError(f"form must be 'cta', 'warps' or None, got {form!r}")
+    before, _forced[0] = _forced[0], form
+    try:
+        yield
+    finally:
+        _forced[0] = before
+
+
+def forced() -> str | None:
+    """combine_form's override now (for the plans' keys)."""
+    return _forced[0]
+
+
+def takes_warps(units: int, head_dim: int) -> bool:
+    """Whether a combine of `units` (rows x heads, a bound) at `head_dim` takes the warp form."""
+    if head_dim % WARP_COLS:
+        return False
+    if _forced[0] is not None:
+        return _forced[0] == "warps"
+    return units >= WARPS_FORM_UNITS
+
+
+def forced_key() -> tuple:
+    """What forces a decode plan's kernels beside its shape, for the plans' keys (the paged and
+    MLA launchers' `forced`): `pdl.forced()` and combine_form's override."""
+    return pdl.forced(), _forced[0]
