@@ -20,6 +20,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import nvvm as _nvvm
 from cutlass.memory import SmemAllocator
 
 from forgekernel.kernels.attention.paged.sm90.combine_form import WARP_COLS
@@ -147,6 +148,7 @@ class PagedCombineSm90:
     def __init__(self, head_dim: int, pdl: bool = True):
         self.d = head_dim
         self.pdl = pdl
+        self.singles = False  # PagedCombineRangesSm90's
         self.cols = min(head_dim, COLS)
         self.chunks = head_dim // self.cols
         self.vecs = self.cols // 4  # a group's threads: one 16-byte vector of a split each
@@ -214,6 +216,9 @@ class PagedCombineSm90:
         pdl.launch_dependents(self.pdl)
         if const_expr(mRows is not None):
             item0, splits, token = mRows[b, 0], Int32(mRows[b, 1]), mRows[b, 2]
+            if const_expr(self.singles):
+                if splits == 1:  # the pass wrote this row (the same for the whole CTA): gone
+                    _nvvm.exit()
             gL = cute.domain_offset((item0,), mLp[None, token, head])
             gO = cute.domain_offset((item0, 0), mOp[None, token, head, None])
 
@@ -330,7 +335,15 @@ class PagedCombineRangesSm90(PagedCombineSm90):
     mOp fp32 (items, tokens, Hq, D), mLp (items, tokens, Hq), and mRows int32 (rows', 3): row
     r's unit's (first item, items, query token); row r reduces items [first, first + items) of
     its token, in item order (a unit's items are its splits in order: the same sums as the
-    split form's over the same splits). Items 0: O 0 and LSE -inf, nothing read."""
+    split form's over the same splits). Items 0: O 0 and LSE -inf, nothing read.
+
+    singles (the paged pass's ranges form, decode.py): a row of one item was written, O and
+    LSE, by its pass CTA; the combine leaves it (its CTAs exit after reading the range). MLA's
+    ranges pass writes every item's partial: False."""
+
+    def __init__(self, head_dim: int, pdl: bool = True, singles: bool = False):
+        super().__init__(head_dim, pdl)
+        self.singles = singles
 
     @cute.jit
     def __call__(
@@ -380,6 +393,7 @@ class PagedCombineWarpsSm90:
             raise ValueError(f"the warp form takes head dims that are multiples of {WARP_COLS}")
         self.d = head_dim
         self.pdl = pdl
+        self.singles = False  # PagedCombineWarpsRangesSm90's
         self.vectors = head_dim // WARP_COLS  # a lane's 16-byte vectors
 
     @cute.jit
@@ -425,6 +439,9 @@ class PagedCombineWarpsSm90:
             gO = mOp[None, b, head, None]
             if const_expr(mRows is not None):
                 item0, splits, token = mRows[b, 0], Int32(mRows[b, 1]), mRows[b, 2]
+                if const_expr(self.singles):
+                    if splits == 1:  # the pass wrote this row: the warp leaves (no barrier)
+                        _nvvm.exit()
                 gL = cute.domain_offset((item0,), mLp[None, token, head])
                 gO = cute.domain_offset((item0, 0), mOp[None, token, head, None])
             top = -Float32.inf
@@ -470,7 +487,12 @@ class PagedCombineWarpsSm90:
 
 
 class PagedCombineWarpsRangesSm90(PagedCombineWarpsSm90):
-    """The warp form over item-indexed partials (PagedCombineRangesSm90's arguments)."""
+    """The warp form over item-indexed partials (PagedCombineRangesSm90's arguments, and its
+    `singles`)."""
+
+    def __init__(self, head_dim: int, pdl: bool = True, singles: bool = False):
+        super().__init__(head_dim, pdl)
+        self.singles = singles
 
     @cute.jit
     def __call__(
