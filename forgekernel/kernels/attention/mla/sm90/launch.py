@@ -274,7 +274,10 @@ def schedule_shapes(batch, hq, max_pages, page_size, max_seqlen_q, packed, devic
     sms = num_sms(device_index)
     splits, _ = config.tile_split_plan(units, max(hq // heads, 1), max_pages * page_size, sms,
                                        config.RESIDENT)  # fmt: skip
-    if not tma or splits == 1 or batch == 0 or hq == 0:
+    # one unit (b1, its query tokens in one row block): the width plan spreads its keys over
+    # every split already, and the list's dependent reads cost (plain 0.956x of the scheduled
+    # time at b1 x 16k, H200 2026-12-04 15:50): no list, the call keeps its plan
+    if not tma or splits == 1 or units <= 1 or hq == 0:
         return (0, 2), (0, 3)
     cap = schedule.ranged_capacity(units, sms * config.RESIDENT)
     return (cap + schedule.HEADER, 2), (batch * (max_seqlen_q if packed else 1), 3)
