@@ -377,7 +377,7 @@ def _merge_ref(op: torch.Tensor, lp: torch.Tensor) -> tuple[torch.Tensor, torch.
 @pytest.mark.parametrize("form", ["cta", "warps"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [64, 128, 256, 512])
-@pytest.mark.parametrize("splits", [1, 2, 7, 128, 300])
+@pytest.mark.parametrize("splits", [1, 2, 7, 8, 9, 128, 300])  # 8 | 9: combine.FEW's bound
 @pytest.mark.parametrize("rows, heads", [(1, 16), (3, 100), (40, 32)])
 def test_combine_kernel_matches_the_merge(rows, heads, splits, d, dtype, form):
     """The combine alone (D 512 under mla_decode's key, the others attention_paged's): 1 .. 300

@@ -86,6 +86,9 @@ def write_split(
 # weights fit in shared memory at once; more go a chunk at a time.
 COLS = 128
 UNROLL = 4  # 54 registers at D 512, 61 at D 64 / 128 (8: 86 at D 512, 5 CTAs an SM)
+# A row of at most FEW splits at D >= WARPS x COLS (MLA's 512) takes `_few`: each warp its own
+# column chunks over every split, the weights by shuffles, no shared memory, no barrier
+FEW = 8
 SPLIT_CAP = 256
 WAVE_CTAS = NUM_SMS_H100_H200 * 8  # 8 CTAs an SM at <= 64 registers x 128 threads
 
@@ -222,6 +225,11 @@ class PagedCombineSm90:
             gL = cute.domain_offset((item0,), mLp[None, token, head])
             gO = cute.domain_offset((item0, 0), mOp[None, token, head, None])
 
+        if const_expr(self.chunks >= WARPS):
+            if splits <= FEW:  # the row's count, the same for the whole CTA
+                self._few(gL, gO, mO, mLSE, b, head, splits, tidx)
+                _nvvm.exit()  # its stores issued; no barrier below is reached by any thread
+
         top = -Float32.inf
         last = Float32(-1.0)  # the last split that saw a key (exact in fp32 below 2^24)
         for s in cutlass.range(tidx, splits, THREADS):
@@ -281,6 +289,52 @@ class PagedCombineSm90:
             if total > 0.0:
                 lse = (top + cute.math.log2(total, fastmath=True)) * LN2
             mLSE[b, head] = lse
+
+    @cute.jit
+    def _few(self, gL, gO, mO, mLSE, b, head, splits, tidx):
+        """Row b's combine where it has at most FEW splits (D >= WARPS x COLS): lane s < splits
+        reads split s's LSE, each warp reduces the max and the weights' sum by shuffles (every
+        warp alike: 4 x FEW floats of reads), then walks its column chunks (chunk first + warp x
+        spread, stepping spread x WARPS) with every split's 16-byte vector in flight at once,
+        acc += w_s O_s in split order, w_s from lane s (a split of weight 0 adds 0: its row is
+        not trusted, selected out); out = acc / sum, 0 and LSE -inf where no split saw a key.
+        One split: 0 + 1 x O_0, LSE lse_0 x ln 2 (the direct forms' bits)."""
+        lane = tidx % 32
+        warp = cute.arch.make_warp_uniform(tidx // 32)
+        _, _, first = cute.arch.block_idx()
+        _, _, spread = cute.arch.grid_dim()
+        lse = -Float32.inf
+        if lane < splits:
+            lse = gL[lane]
+        top = cute.arch.warp_reduction(lse, cute.arch.fmax)
+        w = _weight(lse, top)
+        total = cute.arch.warp_reduction(w, lambda x, y: x + y)
+        vals = cute.make_rmem_tensor((4, FEW), Float32)
+        acc = cute.make_rmem_tensor(4, Float32)
+        outs = cute.make_rmem_tensor(4, mO.element_type)
+        for chunk in cutlass.range(first + warp * spread, self.chunks, spread * WARPS):
+            vec = chunk * self.vecs + lane
+            vals.fill(0.0)
+            for s in cutlass.range_constexpr(FEW):
+                if s < splits:
+                    cute.autovec_copy(cute.local_tile(gO[s, None], (4,), (vec,)), vals[None, s])
+            acc.fill(0.0)
+            for s in cutlass.range_constexpr(FEW):
+                ws = cute.arch.shuffle_sync(w, s)
+                for j in cutlass.range_constexpr(4):
+                    o = cutlass.select_(ws > 0.0, vals[j, s], Float32(0.0))
+                    acc[j] = acc[j] + ws * o
+            for j in cutlass.range_constexpr(4):
+                out = Float32(0.0)
+                if total > 0.0:
+                    out = acc[j] / total
+                outs[j] = out.to(mO.element_type)
+            cute.autovec_copy(outs, cute.local_tile(mO[b, head, None], (4,), (vec,)))
+        if tidx == 0 and first == 0:
+            out_lse = -Float32.inf
+            if total > 0.0:
+                out_lse = (top + cute.math.log2(total, fastmath=True)) * LN2
+            mLSE[b, head] = out_lse
 
     @cute.jit
     def _accumulate(self, acc, where, group, vec):
