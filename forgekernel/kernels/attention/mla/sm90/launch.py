@@ -365,6 +365,8 @@ def mla_decode(
     b = seqlens_k.shape[0]
     if rows == 0 or b == 0 or hq == 0:
         return
+    if scheduled is not None and scheduled[0].shape[0] == 0:
+        scheduled = None  # a schedule without a list (`schedule_shapes`): the call's own plan
     qtokens = q_blocks = 1  # one query per sequence (query_tokens' first case, without a call)
     if cu_seqlens_q is not None:
         qtokens = query_tokens(True, max_seqlen_q, hq)
