@@ -120,7 +120,8 @@ def plan_form(
     per_tiles: int | None = None, heads: int | None = None, worklist: bool = False
 ) -> Iterator[None]:
     """The calls inside take `per_tiles` tiles per split (seesaw plans: 16-bit caches of
-    whole-tile pages) and / or `heads` query heads per CTA (a compiled HEADS dividing Hq with
+    whole-tile pages; DSA's sparse plans: TILE top-k positions a tile) and / or `heads` query
+    heads per CTA (a compiled HEADS dividing Hq with
     heads x tokens <= ROWS) instead of the plan's choice, their plans keyed apart: the bench's
     launcher-only variants, timed beside the standard plan in one process. worklist: seesaw
     plans of more than one split take the device-side work list (as FORGEKERNEL_MLA_WORKLIST=1;
@@ -189,7 +190,7 @@ def _plan(
     on = pdl.enabled()
     heads = _heads(hq, qtokens, form)
     tma = kind == "partial" and not fp8 and page_size % config.TILE == 0 and seesaw_enabled()
-    if tma and form is not None and form[0] is not None:
+    if (tma or kind == "sparse") and form is not None and form[0] is not None:
         tiles = max(1, -(-max_tokens // config.TILE))
         per_tiles = min(form[0], tiles)
         splits, per = -(-tiles // per_tiles), per_tiles * config.TILE
