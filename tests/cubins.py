@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 from forgekernel.runtime.spec import KernelSpec, Params
@@ -16,3 +18,28 @@ def compile_cubin(spec: KernelSpec, params: Params, directory: Path) -> str:
         path.write_bytes(cubin)
         cubin = str(path)
     return cubin
+
+
+# a SASS line's global-memory access (loads, stores, TMA, bulk copies, reductions, atomics), and
+# an instruction line of cuobjdump's listing (group 1: the instruction)
+GLOBAL = re.compile(r"\b(LDG|STG|LDGSTS|UTMALDG|UTMASTG|UBLKCP|UBLKRED|RED|ATOM)\b")
+INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(.*)$")
+
+
+def sass_builder(tmp_path_factory) -> Callable[[KernelSpec, Params], tuple[dict, list[str]]]:
+    """build(spec, params) -> (inspect_cubin's resources, the SASS instructions in order), each
+    compile in a fresh folder of `tmp_path_factory`; skips without the DSL or the CUDA tools."""
+    import pytest
+
+    pytest.importorskip("cutlass")
+    from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text
+
+    if find_tool("cuobjdump") is None or find_tool("nvdisasm") is None:
+        pytest.skip("cuobjdump / nvdisasm not found")
+
+    def build(spec: KernelSpec, params: Params) -> tuple[dict, list[str]]:
+        cubin = compile_cubin(spec, params, tmp_path_factory.mktemp("cubin"))
+        lines = [m.group(1) for m in map(INSTRUCTION.match, sass_text(cubin).splitlines()) if m]
+        return inspect_cubin(cubin), lines
+
+    return build

@@ -12,7 +12,7 @@ import re
 
 import pytest
 import torch
-from cubins import compile_cubin
+from cubins import GLOBAL, sass_builder
 from test_attention_paged import _partial, _problem, install_cpu_decode
 from test_mla_worklist import combine_ranges, ranged_schedule
 
@@ -220,24 +220,10 @@ def test_keys_and_standard_builds():
     assert not any("kv" in p or "qtokens" in p for p in ranged)
 
 
-GLOBAL = re.compile(r"\b(LDG|STG|LDGSTS|UTMALDG|UTMASTG|UBLKCP|UBLKRED|RED|ATOM)\b")
-INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(.*)$")
-
-
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    pytest.importorskip("cutlass")
-    from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text
-
-    if find_tool("cuobjdump") is None or find_tool("nvdisasm") is None:
-        pytest.skip("cuobjdump / nvdisasm not found")
-
-    def build(params):
-        cubin = compile_cubin(SPEC, params, tmp_path_factory.mktemp("cubin"))
-        lines = [m.group(1) for m in map(INSTRUCTION.match, sass_text(cubin).splitlines()) if m]
-        return inspect_cubin(cubin), lines
-
-    return build
+    build = sass_builder(tmp_path_factory)
+    return lambda params: build(SPEC, params)
 
 
 @pytest.mark.parametrize("d, heads", [(128, 4), (64, 8), (256, 2)])

@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from cubins import compile_cubin
+from cubins import GLOBAL, sass_builder
 
 from forgekernel.kernels.attention.mla.sm90 import SPEC as MLA_SPEC
 from forgekernel.kernels.attention.mla.sm90.config import params_for as mla_params
@@ -128,24 +128,10 @@ def test_mla_decode_py_passes_have_no_pdl_build(keys_only):
 
 # ---------------------------------------------------------------- the compiles (CPU, sm_90a)
 
-GLOBAL = re.compile(r"\b(LDG|STG|LDGSTS|UTMALDG|UTMASTG|UBLKCP|UBLKRED|RED|ATOM)\b")
-INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(.*)$")
-
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    pytest.importorskip("cutlass")
-    from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text
-
-    if find_tool("cuobjdump") is None or find_tool("nvdisasm") is None:
-        pytest.skip("cuobjdump / nvdisasm not found")
-
-    def build(spec, params):
-        cubin = compile_cubin(spec, params, tmp_path_factory.mktemp("cubin"))
-        lines = [m.group(1) for m in map(INSTRUCTION.match, sass_text(cubin).splitlines()) if m]
-        return inspect_cubin(cubin), lines
-
-    return build
+    return sass_builder(tmp_path_factory)
 
 
 KERNELS = {

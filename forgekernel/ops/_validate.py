@@ -140,6 +140,14 @@ def on_one_device(first: torch.Tensor, *others: torch.Tensor | None) -> bool:
     return True
 
 
+def check_schedule_problem(names: tuple[str, ...], here: tuple, made: tuple) -> None:
+    """ValueError naming each of `names` whose value in this call (`here`) differs from the one
+    a decode step's schedule was made for (`made`)."""
+    if here != made:
+        diff = [f"{n} {a} (schedule {w})" for n, a, w in zip(names, here, made) if a != w]
+        raise ValueError(f"schedule was made for another problem: {', '.join(diff)}")
+
+
 def check_rows_in_place(name: str, t: torch.Tensor, stride_multiple: int = 8) -> None:
     """A tensor a kernel reads in place 16 bytes at a time (a cache, never copied): unit last
     stride, every outer stride a multiple of `stride_multiple` elements (what the kernel was

@@ -34,6 +34,7 @@ from forgekernel.ops._validate import (
     check_rows_in_place,
     check_same_device,
     check_same_dtype,
+    check_schedule_problem,
     check_shaped,
     check_tensor,
     on_one_device,
@@ -315,10 +316,7 @@ def _schedule_tensors(schedule, q, k, page_table, cu_seqlens_q):
         raise ValueError("a schedule serves 16-bit caches")
     here = (q.shape[0], q.shape[1], k.shape[2], q.shape[2], page_table.shape[1], k.shape[1],
             q.dtype)  # fmt: skip
-    if here != schedule.problem:
-        diff = [f"{n} {a} (schedule {w})" for n, a, w in
-                zip(_SCHEDULE_NAMES, here, schedule.problem) if a != w]  # fmt: skip
-        raise ValueError(f"schedule was made for another problem: {', '.join(diff)}")
+    check_schedule_problem(_SCHEDULE_NAMES, here, schedule.problem)
     if schedule.work.device != q.device:
         raise ValueError(f"schedule is on {schedule.work.device}, q on {q.device}")
     return schedule.work, schedule.rows

@@ -55,6 +55,7 @@ from forgekernel.ops._validate import (
     check_cuda,
     check_rows_in_place,
     check_same_device,
+    check_schedule_problem,
     check_shaped,
     check_tensor,
     on_one_device,
@@ -410,11 +411,8 @@ def schedule_work(schedule, q_nope, page_table, ckv, cu_seqlens_q, mq, causal, f
     b = cu_seqlens_q.shape[0] - 1 if packed else q_nope.shape[0]
     hq = q_nope.shape[-2]
     here = (b, hq, page_table.shape[1], ckv.shape[1], mq, packed, q_nope.dtype)
-    if here != _schedule_problem(schedule):
-        names = ("batch", "num_heads", "max_pages", "page_size", "s_q", "packed", "dtype")
-        diff = [f"{n} {a} (schedule {w})" for n, a, w in
-                zip(names, here, _schedule_problem(schedule)) if a != w]  # fmt: skip
-        raise ValueError(f"schedule was made for another problem: {', '.join(diff)}")
+    names = ("batch", "num_heads", "max_pages", "page_size", "s_q", "packed", "dtype")
+    check_schedule_problem(names, here, _schedule_problem(schedule))
     if (packed or mq > 1) and bool(causal) != schedule.causal:
         raise ValueError(f"schedule was made for causal={schedule.causal}, got causal={causal}")
     if fp8 is not None:

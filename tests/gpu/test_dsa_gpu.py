@@ -17,6 +17,7 @@ import importlib
 
 import pytest
 import torch
+from graphs import captured
 
 from forgekernel.bench import flashinfer_defs as defs
 from forgekernel.bench.suites import dsa_sparse
@@ -164,14 +165,7 @@ def test_dsa_sparse_in_a_cuda_graph(cache):
         op.dsa_sparse_attention(q[..., :512], q[..., 512:], inputs["ckv"], inputs["kpe"], idx,
                                 softmax_scale=SCALE, out=out)  # fmt: skip
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph = captured(call)
     fresh = _inputs(_case(16, 16, 64, (0, 1, 5000, 2047, *([8192] * 12)), pad="scattered",
                           cache=cache), torch.bfloat16, seed=1)  # fmt: skip
     assert int(fresh["idx"].max()) < inputs["ckv"].shape[0] * 64  # fewer pages: in this cache

@@ -19,6 +19,10 @@ keys (attention suite's `causal_pairs`; kv_len per decode row). GB/s: the K and 
 one), plus for packed batches the query rows read and output rows written (at one token a
 sequence those are under 0.2% of the cache's bytes, and the decode cases leave them out).
 
+Ours: `forgekernel.attention_paged`; decode cases on 16-bit caches with the decode step's
+schedule (`forgekernel.attention_paged_schedule`), made on the input set's first call as the
+comparators plan (`_schedule`; since 2026-12-04 16:07, variant `plain` the call without it).
+
 Comparators, planned once per input set outside any timing (their first call on it):
 - flashinfer: FlashInfer 0.7.2.post1's BatchDecodeWithPagedKVCacheWrapper on decode cases (fa2
   backend, tensor cores: 4.1 TB/s at B64 L4096 on the H200) and BatchPrefillWithPagedKVCache-

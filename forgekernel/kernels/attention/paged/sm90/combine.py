@@ -384,16 +384,9 @@ class PagedCombineSm90:
             cute.autovec_copy(cute.local_tile(gO[c0 + at, None], (4,), (vec,)), vals[None, u])
 
 
-class PagedCombineRangesSm90(PagedCombineSm90):
-    """The combine over item-indexed partials (the MLA decode schedule's, compile key ranges):
-    mOp fp32 (items, tokens, Hq, D), mLp (items, tokens, Hq), and mRows int32 (rows', 3): row
-    r's unit's (first item, items, query token); row r reduces items [first, first + items) of
-    its token, in item order (a unit's items are its splits in order: the same sums as the
-    split form's over the same splits). Items 0: O 0 and LSE -inf, nothing read.
-
-    singles (the paged pass's ranges form, decode.py): a row of one item was written, O and
-    LSE, by its pass CTA; the combine leaves it (its CTAs exit after reading the range). MLA's
-    ranges pass writes every item's partial: False."""
+class _RangesForm:
+    """What the two forms' ranges classes share: the call with mRows (PagedCombineRangesSm90's
+    docstring) and `singles`, mixed in before the form's class."""
 
     def __init__(self, head_dim: int, pdl: bool = True, singles: bool = False):
         super().__init__(head_dim, pdl)
@@ -409,8 +402,21 @@ class PagedCombineRangesSm90(PagedCombineSm90):
         mRows: cute.Tensor,
         stream: cuda.CUstream,
     ):
-        """PagedCombineSm90's, and mRows (the class docstring); mO's rows <= mRows' rows."""
+        """PagedCombineSm90's, and mRows (PagedCombineRangesSm90's docstring); mO's rows <=
+        mRows' rows."""
         self._launch((mOp, mLp, mO, mLSE, mRows), mO, stream)
+
+
+class PagedCombineRangesSm90(_RangesForm, PagedCombineSm90):
+    """The combine over item-indexed partials (the MLA decode schedule's, compile key ranges):
+    mOp fp32 (items, tokens, Hq, D), mLp (items, tokens, Hq), and mRows int32 (rows', 3): row
+    r's unit's (first item, items, query token); row r reduces items [first, first + items) of
+    its token, in item order (a unit's items are its splits in order: the same sums as the
+    split form's over the same splits). Items 0: O 0 and LSE -inf, nothing read.
+
+    singles (the paged pass's ranges form, decode.py): a row of one item was written, O and
+    LSE, by its pass CTA; the combine leaves it (its CTAs exit after reading the range). MLA's
+    ranges pass writes every item's partial: False."""
 
     @cute.kernel
     def kernel(
@@ -540,23 +546,6 @@ class PagedCombineWarpsSm90:
                 mLSE[b, head] = lse
 
 
-class PagedCombineWarpsRangesSm90(PagedCombineWarpsSm90):
+class PagedCombineWarpsRangesSm90(_RangesForm, PagedCombineWarpsSm90):
     """The warp form over item-indexed partials (PagedCombineRangesSm90's arguments, and its
     `singles`)."""
-
-    def __init__(self, head_dim: int, pdl: bool = True, singles: bool = False):
-        super().__init__(head_dim, pdl)
-        self.singles = singles
-
-    @cute.jit
-    def __call__(
-        self,
-        mOp: cute.Tensor,
-        mLp: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mRows: cute.Tensor,
-        stream: cuda.CUstream,
-    ):
-        """PagedCombineRangesSm90's."""
-        self._launch((mOp, mLp, mO, mLSE, mRows), mO, stream)
