@@ -238,6 +238,21 @@ def test_splits_of_a_long_list(sparse_kernels):
     assert torch.all(torch.isneginf(args[8][6:]))  # splits past the valid entries saw no key
 
 
+@pytest.mark.parametrize("per_tiles", [1, 2, 16])
+def test_plan_form_sets_the_positions_a_split(sparse_kernels, per_tiles):
+    """launch.plan_form(per_tiles=) on the sparse plan (the bench's variants): per_tiles x TILE
+    top-k positions a split, the list's width over them; the output the reference's."""
+    from forgekernel.kernels.attention.mla.sm90.config import TILE
+
+    qn, qp, ckv, kpe, idx = _problem(1, 16, 64, [1500], 2048, pad="end")
+    with mla_launch.plan_form(per_tiles=per_tiles):
+        out, lse = op.dsa_sparse_attention(qn, qp, ckv, kpe, idx, softmax_scale=SCALE,
+                                           return_lse=True)  # fmt: skip
+    _assert_close(out, lse, *_want(qn, qp, ckv, kpe, idx))
+    _, args = sparse_kernels[-1]
+    assert args[10] == per_tiles * TILE and args[7].shape[0] == 2048 // (per_tiles * TILE)
+
+
 def _fp8_want(qn, qp, packed, idx):
     """reference.dsa on the FP8 cache dequantized in fp32 (e4m3 x its tile scales)."""
     q8, scale, rope = flashmla_fp8_views(packed)
@@ -525,3 +540,15 @@ def test_fake_implementation_under_make_fx(combined):
     with FakeTensorMode(allow_non_fake_inputs=True):
         graph = make_fx(lambda *x: call(*x) * 2, tracing_mode="fake")(*_fake_inputs(combined))
     assert "forgekernel.dsa_sparse_attention" in str(graph.graph)
+
+
+def test_suite_plan_forms_are_fp8_bench_cases():
+    """The bench's launcher-only plans (dsa_sparse PLAN_FORMS) name FP8 bench cases, one
+    variant a form; other cases have none."""
+    from forgekernel.bench.suites import dsa_sparse as suite
+
+    cases = {c.name: c for c in suite.BENCH_CASES}
+    assert set(suite.PLAN_FORMS) <= set(cases)
+    for name, forms in suite.PLAN_FORMS.items():
+        assert cases[name].group == "fp8" and set(suite.variants(cases[name])) == set(forms)
+    assert suite.variants(suite.BENCH_CASES[0]) == {}

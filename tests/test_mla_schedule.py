@@ -134,6 +134,8 @@ def test_schedule_shape_is_the_list_made(cpu_worklist, b, hq, width, page, s_q, 
     work, rows = mla_launch.make_schedule(seq, hq, width, page, torch.bfloat16, cu, s_q, True)
     shapes = mla_launch.schedule_shapes(b, hq, width, page, s_q, cu is not None, None)
     assert (tuple(work.shape), tuple(rows.shape)) == shapes
+    if b == 1:  # one unit (one row block): no list, the call keeps the width plan
+        assert shapes == ((0, 2), (0, 3))
 
 
 # ---------------------------------------------------------------- a schedule for another problem

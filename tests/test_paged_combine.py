@@ -111,16 +111,20 @@ def test_compiled_combine(case):
     one after another), no vector load. Now 8 LDG.E.128 (the pipeline's first block, then the
     next block in the loop), the weights from shared memory (no MUFU.EX2 in the O loop), 15
     SHFL.BFLY (three warp reductions: the max, the last split with keys (2026-12-04: the O loop
-    stops there), the sum)."""
+    stops there), the sum). D 512 (2026-12-04, next/combine-few): the few-splits path beside it,
+    FEW more 16-byte loads (every split's vector in flight), its two warp reductions (10 more
+    SHFL.BFLY) and FEW SHFL.IDX (each split's weight from its lane), still no local memory."""
     from forgekernel.runtime.resources import find_tool
 
     if find_tool("cuobjdump") is None:
         pytest.skip("cuobjdump not found")
     res, sass = _compiled(*_specs()[case])
     ops = Counter(_OP.findall(sass))
+    few = case == 0  # MLA's D 512: chunks >= WARPS
     assert res["spill_bytes"] == 0 and res["registers"] <= 64
-    assert ops["LDG.E.128"] == 2 * kc.UNROLL
-    assert ops["SHFL.BFLY"] == 15
+    assert ops["LDG.E.128"] == 2 * kc.UNROLL + (kc.FEW if few else 0)
+    assert ops["SHFL.BFLY"] == 15 + (10 if few else 0)
+    assert ops["SHFL.IDX"] == (kc.FEW if few else 0)
     assert not any(op.startswith(("LDL", "STL")) for op in ops)
 
 

@@ -463,7 +463,9 @@ def mla_decode_schedule(
     seqlens_k int32 (batch,) and page_table int32 (batch, max_pages) as the calls' (only the
     table's shape is read); num_heads the query heads; page_size the cache's; dtype q's; s_q
     the decode form's query tokens, or the packed form's cu_seqlens_q int32 (batch + 1,) with
-    max_seqlen_q (<= 4). The lengths must stay what they were when the schedule was made."""
+    max_seqlen_q (<= 4). The lengths must stay what they were when the schedule was made. One
+    sequence whose query tokens fit one row block gets no list: its call keeps the width plan,
+    which spreads its keys over every split already."""
     check_tensor("seqlens_k", seqlens_k, ndim=1, dtypes=INDEX, cuda=False)
     check_cuda("seqlens_k", seqlens_k)
     b = seqlens_k.shape[0]

@@ -377,7 +377,7 @@ def _merge_ref(op: torch.Tensor, lp: torch.Tensor) -> tuple[torch.Tensor, torch.
 @pytest.mark.parametrize("form", ["cta", "warps"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [64, 128, 256, 512])
-@pytest.mark.parametrize("splits", [1, 2, 7, 128, 300])
+@pytest.mark.parametrize("splits", [1, 2, 7, 8, 9, 128, 300])  # 8 | 9: combine.FEW's bound
 @pytest.mark.parametrize("rows, heads", [(1, 16), (3, 100), (40, 32)])
 def test_combine_kernel_matches_the_merge(rows, heads, splits, d, dtype, form):
     """The combine alone (D 512 under mla_decode's key, the others attention_paged's): 1 .. 300
@@ -641,3 +641,27 @@ def test_pdl_scheduled_chain_is_the_serialized_chain():
             seq, table, num_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps
         ),  # fmt: skip
     )
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_one_item_sequences_are_the_width_plan_bit_for_bit(d):
+    """A uniform batch the list gives one item a sequence: the ranges pass writes each final O
+    and LSE itself (decode.py `single`) and the ranges combine leaves those rows, so the
+    scheduled call is the width plan's one split bit for bit; NaN in the partial scratch (never
+    read) and in out."""
+    b, hq, hkv = 64, 32, 8
+    case = (b, hq, hkv, d, 16, [4096 - 37 * (i % 3) for i in range(b)], None)  # b64 x 4k
+    q, k, v, table, seq = _schedule_problem(case, torch.bfloat16, 5)
+    plain_out, plain_lse = op.attention_paged(q, k, v, table, seq, return_lse=True)
+    schedule = op.attention_paged_schedule(seq, table, num_heads=hq, num_kv_heads=hkv,
+                                           head_dim=d, page_size=16)  # fmt: skip
+    items = schedule.work.shape[0] - 1
+    scratch_of = importlib.import_module("forgekernel.runtime.scratch").scratch
+    scratch_of("paged.partial_o", (items, 1, hq, d), torch.float32, q.device).fill_(math.nan)
+    scratch_of("paged.partial_lse", (items, 1, hq), torch.float32, q.device).fill_(math.nan)
+    out = torch.full_like(q, float("nan"))
+    _, lse = op.attention_paged(q, k, v, table, seq, return_lse=True, out=out, schedule=schedule)
+    rows = schedule.rows.cpu()
+    if not bool((rows[:, 1] == 1).all()):
+        pytest.skip("the list split a sequence of this batch: not the one-item case")
+    assert torch.equal(out, plain_out) and torch.equal(lse, plain_lse)

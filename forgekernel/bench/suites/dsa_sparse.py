@@ -205,6 +205,34 @@ def run_ours(inputs: Inputs, out):
     return out
 
 
+# Launcher-only plans on the FP8 decode cases (launch.plan_form: top-k positions a split in
+# tiles of 64; the kernels as they are): the paged split plan gives one token 8 splits of 256
+# positions (8 CTAs for the whole call: 24.9 us against FlashMLA's 18.3 at 15:51), 16 tokens 8
+# (128 CTAs), 128 tokens one split (128 CTAs, one an SM). Predicted (time / ours): t1 per1 /
+# per2 0.75-0.90 (32 / 16 CTAs), t16 per2 0.95-1.05, t128 per16 0.90-1.05 (2 splits: 256 CTAs
+# and a combine); MLA_NOTES "The CTA combine's few-splits path".
+PLAN_FORMS = {
+    "t1-h16-p64-k2048-L32768-fp8": {"per1": 1, "per2": 2},
+    "t16-h16-p64-k2048-L32768-fp8": {"per2": 2},
+    "t128-h16-p64-k2048-L32768-fp8": {"per16": 16},
+}
+
+
+def _with_plan(per_tiles: int):
+    def run(inputs: Inputs, out):
+        from forgekernel.kernels.attention.mla.sm90.launch import plan_form
+
+        with plan_form(per_tiles=per_tiles):
+            return run_ours(inputs, out)
+
+    return run
+
+
+def variants(case: Case) -> dict[str, Any]:
+    """PLAN_FORMS' launcher-only plans of `case` (none elsewhere)."""
+    return {name: _with_plan(t) for name, t in PLAN_FORMS.get(case.name, {}).items()}
+
+
 def _is_fp8_cache(inputs: Inputs) -> bool:
     return inputs["kpe"] is None and inputs["ckv"].shape[-1] == FP8_ROW_BYTES
 
@@ -384,5 +412,6 @@ def suite() -> OpSuite:
         atol=1e-3,
         bench_dtypes=(torch.bfloat16,),
         sanitize_cases=SANITIZE_CASES,
+        variants=variants,
         host_case=BENCH_CASES[0],  # t1 h16 L8192 bf16 (an FP8 one of equal flops moves fewer bytes)
     )

@@ -120,7 +120,8 @@ def plan_form(
     per_tiles: int | None = None, heads: int | None = None, worklist: bool = False
 ) -> Iterator[None]:
     """The calls inside take `per_tiles` tiles per split (seesaw plans: 16-bit caches of
-    whole-tile pages) and / or `heads` query heads per CTA (a compiled HEADS dividing Hq with
+    whole-tile pages; DSA's sparse plans: TILE top-k positions a tile) and / or `heads` query
+    heads per CTA (a compiled HEADS dividing Hq with
     heads x tokens <= ROWS) instead of the plan's choice, their plans keyed apart: the bench's
     launcher-only variants, timed beside the standard plan in one process. worklist: seesaw
     plans of more than one split take the device-side work list (as FORGEKERNEL_MLA_WORKLIST=1;
@@ -189,7 +190,7 @@ def _plan(
     on = pdl.enabled()
     heads = _heads(hq, qtokens, form)
     tma = kind == "partial" and not fp8 and page_size % config.TILE == 0 and seesaw_enabled()
-    if tma and form is not None and form[0] is not None:
+    if (tma or kind == "sparse") and form is not None and form[0] is not None:
         tiles = max(1, -(-max_tokens // config.TILE))
         per_tiles = min(form[0], tiles)
         splits, per = -(-tiles // per_tiles), per_tiles * config.TILE
@@ -274,7 +275,10 @@ def schedule_shapes(batch, hq, max_pages, page_size, max_seqlen_q, packed, devic
     sms = num_sms(device_index)
     splits, _ = config.tile_split_plan(units, max(hq // heads, 1), max_pages * page_size, sms,
                                        config.RESIDENT)  # fmt: skip
-    if not tma or splits == 1 or batch == 0 or hq == 0:
+    # one unit (b1, its query tokens in one row block): the width plan spreads its keys over
+    # every split already, and the list's dependent reads cost (plain 0.956x of the scheduled
+    # time at b1 x 16k, H200 2026-12-04 15:50): no list, the call keeps its plan
+    if not tma or splits == 1 or units <= 1 or hq == 0:
         return (0, 2), (0, 3)
     cap = schedule.ranged_capacity(units, sms * config.RESIDENT)
     return (cap + schedule.HEADER, 2), (batch * (max_seqlen_q if packed else 1), 3)
@@ -362,6 +366,8 @@ def mla_decode(
     b = seqlens_k.shape[0]
     if rows == 0 or b == 0 or hq == 0:
         return
+    if scheduled is not None and scheduled[0].shape[0] == 0:
+        scheduled = None  # a schedule without a list (`schedule_shapes`): the call's own plan
     qtokens = q_blocks = 1  # one query per sequence (query_tokens' first case, without a call)
     if cu_seqlens_q is not None:
         qtokens = query_tokens(True, max_seqlen_q, hq)

@@ -20,6 +20,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import nvvm as _nvvm
 from cutlass.memory import SmemAllocator
 
 from forgekernel.kernels.attention.paged.sm90.combine_form import WARP_COLS
@@ -85,6 +86,9 @@ def write_split(
 # weights fit in shared memory at once; more go a chunk at a time.
 COLS = 128
 UNROLL = 4  # 54 registers at D 512, 61 at D 64 / 128 (8: 86 at D 512, 5 CTAs an SM)
+# A row of at most FEW splits at D >= WARPS x COLS (MLA's 512) takes `_few`: each warp its own
+# column chunks over every split, the weights by shuffles, no shared memory, no barrier
+FEW = 8
 SPLIT_CAP = 256
 WAVE_CTAS = NUM_SMS_H100_H200 * 8  # 8 CTAs an SM at <= 64 registers x 128 threads
 
@@ -147,6 +151,7 @@ class PagedCombineSm90:
     def __init__(self, head_dim: int, pdl: bool = True):
         self.d = head_dim
         self.pdl = pdl
+        self.singles = False  # PagedCombineRangesSm90's
         self.cols = min(head_dim, COLS)
         self.chunks = head_dim // self.cols
         self.vecs = self.cols // 4  # a group's threads: one 16-byte vector of a split each
@@ -214,8 +219,16 @@ class PagedCombineSm90:
         pdl.launch_dependents(self.pdl)
         if const_expr(mRows is not None):
             item0, splits, token = mRows[b, 0], Int32(mRows[b, 1]), mRows[b, 2]
+            if const_expr(self.singles):
+                if splits == 1:  # the pass wrote this row (the same for the whole CTA): gone
+                    _nvvm.exit()
             gL = cute.domain_offset((item0,), mLp[None, token, head])
             gO = cute.domain_offset((item0, 0), mOp[None, token, head, None])
+
+        if const_expr(self.chunks >= WARPS):
+            if splits <= FEW:  # the row's count, the same for the whole CTA
+                self._few(gL, gO, mO, mLSE, b, head, splits, tidx)
+                _nvvm.exit()  # its stores issued; no barrier below is reached by any thread
 
         top = -Float32.inf
         last = Float32(-1.0)  # the last split that saw a key (exact in fp32 below 2^24)
@@ -278,6 +291,52 @@ class PagedCombineSm90:
             mLSE[b, head] = lse
 
     @cute.jit
+    def _few(self, gL, gO, mO, mLSE, b, head, splits, tidx):
+        """Row b's combine where it has at most FEW splits (D >= WARPS x COLS): lane s < splits
+        reads split s's LSE, each warp reduces the max and the weights' sum by shuffles (every
+        warp alike: 4 x FEW floats of reads), then walks its column chunks (chunk first + warp x
+        spread, stepping spread x WARPS) with every split's 16-byte vector in flight at once,
+        acc += w_s O_s in split order, w_s from lane s (a split of weight 0 adds 0: its row is
+        not trusted, selected out); out = acc / sum, 0 and LSE -inf where no split saw a key.
+        One split: 0 + 1 x O_0, LSE lse_0 x ln 2 (the direct forms' bits)."""
+        lane = tidx % 32
+        warp = cute.arch.make_warp_uniform(tidx // 32)
+        _, _, first = cute.arch.block_idx()
+        _, _, spread = cute.arch.grid_dim()
+        lse = -Float32.inf
+        if lane < splits:
+            lse = gL[lane]
+        top = cute.arch.warp_reduction(lse, cute.arch.fmax)
+        w = _weight(lse, top)
+        total = cute.arch.warp_reduction(w, lambda x, y: x + y)
+        vals = cute.make_rmem_tensor((4, FEW), Float32)
+        acc = cute.make_rmem_tensor(4, Float32)
+        outs = cute.make_rmem_tensor(4, mO.element_type)
+        for chunk in cutlass.range(first + warp * spread, self.chunks, spread * WARPS):
+            vec = chunk * self.vecs + lane
+            vals.fill(0.0)
+            for s in cutlass.range_constexpr(FEW):
+                if s < splits:
+                    cute.autovec_copy(cute.local_tile(gO[s, None], (4,), (vec,)), vals[None, s])
+            acc.fill(0.0)
+            for s in cutlass.range_constexpr(FEW):
+                ws = cute.arch.shuffle_sync(w, s)
+                for j in cutlass.range_constexpr(4):
+                    o = cutlass.select_(ws > 0.0, vals[j, s], Float32(0.0))
+                    acc[j] = acc[j] + ws * o
+            for j in cutlass.range_constexpr(4):
+                out = Float32(0.0)
+                if total > 0.0:
+                    out = acc[j] / total
+                outs[j] = out.to(mO.element_type)
+            cute.autovec_copy(outs, cute.local_tile(mO[b, head, None], (4,), (vec,)))
+        if tidx == 0 and first == 0:
+            out_lse = -Float32.inf
+            if total > 0.0:
+                out_lse = (top + cute.math.log2(total, fastmath=True)) * LN2
+            mLSE[b, head] = out_lse
+
+    @cute.jit
     def _accumulate(self, acc, where, group, vec):
         """acc += w_s O_s[4 vec : 4 vec + 4] over this group's splits of the chunk, in split
         order. where = (gO (splits, D), sW, first split c0, splits n of the chunk). Blocks of
@@ -325,12 +384,13 @@ class PagedCombineSm90:
             cute.autovec_copy(cute.local_tile(gO[c0 + at, None], (4,), (vec,)), vals[None, u])
 
 
-class PagedCombineRangesSm90(PagedCombineSm90):
-    """The combine over item-indexed partials (the MLA decode schedule's, compile key ranges):
-    mOp fp32 (items, tokens, Hq, D), mLp (items, tokens, Hq), and mRows int32 (rows', 3): row
-    r's unit's (first item, items, query token); row r reduces items [first, first + items) of
-    its token, in item order (a unit's items are its splits in order: the same sums as the
-    split form's over the same splits). Items 0: O 0 and LSE -inf, nothing read."""
+class _RangesForm:
+    """What the two forms' ranges classes share: the call with mRows (PagedCombineRangesSm90's
+    docstring) and `singles`, mixed in before the form's class."""
+
+    def __init__(self, head_dim: int, pdl: bool = True, singles: bool = False):
+        super().__init__(head_dim, pdl)
+        self.singles = singles
 
     @cute.jit
     def __call__(
@@ -342,8 +402,21 @@ class PagedCombineRangesSm90(PagedCombineSm90):
         mRows: cute.Tensor,
         stream: cuda.CUstream,
     ):
-        """PagedCombineSm90's, and mRows (the class docstring); mO's rows <= mRows' rows."""
+        """PagedCombineSm90's, and mRows (PagedCombineRangesSm90's docstring); mO's rows <=
+        mRows' rows."""
         self._launch((mOp, mLp, mO, mLSE, mRows), mO, stream)
+
+
+class PagedCombineRangesSm90(_RangesForm, PagedCombineSm90):
+    """The combine over item-indexed partials (the MLA decode schedule's, compile key ranges):
+    mOp fp32 (items, tokens, Hq, D), mLp (items, tokens, Hq), and mRows int32 (rows', 3): row
+    r's unit's (first item, items, query token); row r reduces items [first, first + items) of
+    its token, in item order (a unit's items are its splits in order: the same sums as the
+    split form's over the same splits). Items 0: O 0 and LSE -inf, nothing read.
+
+    singles (the paged pass's ranges form, decode.py): a row of one item was written, O and
+    LSE, by its pass CTA; the combine leaves it (its CTAs exit after reading the range). MLA's
+    ranges pass writes every item's partial: False."""
 
     @cute.kernel
     def kernel(
@@ -380,6 +453,7 @@ class PagedCombineWarpsSm90:
             raise ValueError(f"the warp form takes head dims that are multiples of {WARP_COLS}")
         self.d = head_dim
         self.pdl = pdl
+        self.singles = False  # PagedCombineWarpsRangesSm90's
         self.vectors = head_dim // WARP_COLS  # a lane's 16-byte vectors
 
     @cute.jit
@@ -425,6 +499,9 @@ class PagedCombineWarpsSm90:
             gO = mOp[None, b, head, None]
             if const_expr(mRows is not None):
                 item0, splits, token = mRows[b, 0], Int32(mRows[b, 1]), mRows[b, 2]
+                if const_expr(self.singles):
+                    if splits == 1:  # the pass wrote this row: the warp leaves (no barrier)
+                        _nvvm.exit()
                 gL = cute.domain_offset((item0,), mLp[None, token, head])
                 gO = cute.domain_offset((item0, 0), mOp[None, token, head, None])
             top = -Float32.inf
@@ -469,18 +546,6 @@ class PagedCombineWarpsSm90:
                 mLSE[b, head] = lse
 
 
-class PagedCombineWarpsRangesSm90(PagedCombineWarpsSm90):
-    """The warp form over item-indexed partials (PagedCombineRangesSm90's arguments)."""
-
-    @cute.jit
-    def __call__(
-        self,
-        mOp: cute.Tensor,
-        mLp: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mRows: cute.Tensor,
-        stream: cuda.CUstream,
-    ):
-        """PagedCombineRangesSm90's."""
-        self._launch((mOp, mLp, mO, mLSE, mRows), mO, stream)
+class PagedCombineWarpsRangesSm90(_RangesForm, PagedCombineWarpsSm90):
+    """The warp form over item-indexed partials (PagedCombineRangesSm90's arguments, and its
+    `singles`)."""

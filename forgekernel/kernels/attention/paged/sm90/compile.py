@@ -51,9 +51,11 @@ def compile_paged(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     if params["kind"] == "combine":
         o, lse = final(b)
         warps = params.get("form") == "warps"  # one warp a (row, head)
-        if ranges:  # item-indexed partials and each sequence's (first item, items, token 0)
+        if ranges:  # item-indexed partials and each sequence's (first item, items, token 0);
+            # a one-item sequence's row the pass's own (decode.py, `singles`)
+            form = PagedCombineWarpsRangesSm90 if warps else PagedCombineRangesSm90
             return cute.compile(
-                (PagedCombineWarpsRangesSm90 if warps else PagedCombineRangesSm90)(d, on),
+                form(d, on, singles=True),
                 partials_o(),
                 _dense(cutlass.Float32, 3),
                 o,

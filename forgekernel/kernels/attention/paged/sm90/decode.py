@@ -104,7 +104,8 @@ class PagedDecodeSm90:
         # kernel's ranges form, mla/sm90/worklist.py: row 0 (keys per split, items), row 1 + i
         # item i's (sequence, split)), passed in the K scales' slot (None for 16-bit caches),
         # and writes its partial at (item, 0): partials (items, 1, Hq, D), the combine's ranges
-        # form reducing each sequence's item range (combine.PagedCombineRangesSm90)
+        # form reducing each sequence's item range (combine.PagedCombineRangesSm90); a
+        # sequence of one item writes its final O and LSE directly instead (`singles`)
         if ranges and (fp8 or qtokens != 1 or merge_rows):
             raise ValueError("ranges: 16-bit caches, one query token, the per-element merge")
         self.ranges = ranges
@@ -238,11 +239,21 @@ class PagedDecodeSm90:
         pdl.wait(self.pdl)  # before the first global access (its prologue reads mCuQ, mSeq)
         pdl.launch_dependents(self.pdl)
         item = split
+        single = Int32(0)
         if const_expr(self.ranges):  # the list in the K scales' slot (16-bit: no scales)
-            if item >= mKScale[0, 1]:  # past the list's items: no barrier, no store, gone
+            items = mKScale[0, 1]
+            if item >= items:  # past the list's items: no barrier, no store, gone
                 _nvvm.exit()
             b = mKScale[WORK_HEADER + item, 0]
             split = mKScale[WORK_HEADER + item, 1]
+            # a sequence of one item (its first, and the next item another sequence's: a unit's
+            # items are consecutive) writes its final O and LSE itself, as the width plan's one
+            # split does, and the combine leaves its row (PagedCombineRangesSm90 `singles`)
+            if split == 0:
+                single = Int32(1)
+                if item + 1 < items:
+                    if mKScale[WORK_HEADER + item + 1, 0] == b:
+                        single = Int32(0)
         head0 = head_block * self.h
         kvh = head0 // group
         q_off, sq = b, Int32(1)
@@ -416,12 +427,16 @@ class PagedDecodeSm90:
         if const_expr(self.merge_rows):
             self._write_rows(storage, (mOp, mLp, mO, mLSE, direct), split, (q_off, sq), head0, tidx)
         else:
-            w_split, w_off = split, q_off  # ranges: at (item, the unit's first token 0)
+            # ranges: the partial at (item, the unit's first token 0); a one-item sequence's
+            # final O and LSE at its row b, directly
+            w_split, w_off, w_direct = split, q_off, direct
             if const_expr(self.ranges):
                 w_split, w_off = item, Int32(0)
+                if single != 0:
+                    w_off, w_direct = b, Int32(1)
             write_split(
-                self._merge_views(storage), (mOp, mLp, mO, mLSE, direct), w_split, (w_off, sq),
-                head0, self.h, self.g, self.d, tidx,
+                self._merge_views(storage), (mOp, mLp, mO, mLSE, w_direct), w_split,
+                (w_off, sq), head0, self.h, self.g, self.d, tidx,
             )  # fmt: skip
 
     @cute.jit
