@@ -195,7 +195,10 @@ def _plan(
         per_tiles = min(form[0], tiles)
         splits, per = -(-tiles // per_tiles), per_tiles * config.TILE
     else:
-        plan = config.tile_split_plan if tma else config.split_plan
+        if tma:
+            plan = config.tile_split_plan
+        else:
+            plan = config.sparse_split_plan if kind == "sparse" else config.split_plan
         splits, per = plan(units, hq // heads, max_tokens, num_sms(device_index), config.RESIDENT)
     if config.runs_direct(splits, heads, qtokens, tma) and direct_enabled():
         ostore = not narrow and config.runs_ostore(heads, qtokens) and ostore_enabled()
