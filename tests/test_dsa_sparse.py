@@ -35,7 +35,6 @@ from forgekernel.kernels.attention.mla.sm90.config import (
     heads_per_cta,
     params_for,
     sparse_heads,
-    sparse_split_plan,
 )
 from forgekernel.reference.dsa import dsa_sparse_attention_paged_ref
 from forgekernel.reference.dsa_flashinfer import (
@@ -79,7 +78,7 @@ def test_sparse_compile_keys():
 def test_split_plan_covers_the_list(tokens, hq, topk):
     """Units are tokens x head blocks, the keys a token's top-k list in whole tiles; one token
     takes a split a tile (a sparse split's cost is its rows: no paged bound)."""
-    splits, per = sparse_split_plan(tokens, hq // heads_per_cta(hq), topk, 132, 1)
+    splits, per = mla_launch.sparse_split_plan(tokens, hq // heads_per_cta(hq), topk, 132, 1)
     assert splits * per >= topk and (splits - 1) * per < topk and per % TILE == 0
     if tokens == 1:
         assert per == TILE
@@ -226,7 +225,7 @@ def test_sparse_matches_the_reference(sparse_kernels, tokens, hq, page_size, val
                                      heads_per_cta(hq)))  # fmt: skip
     scale_log2, per, ps = args[9:12]
     assert abs(scale_log2 - SCALE * math.log2(math.e)) < 1e-9 and ps == page_size
-    splits, want_per = sparse_split_plan(tokens, hq // params["heads"], topk, 132, 1)
+    splits, want_per = mla_launch.sparse_split_plan(tokens, hq // params["heads"], topk, 132, 1)
     assert per == want_per and args[7].shape == (splits, tokens, hq, LATENT)
 
 

@@ -206,7 +206,7 @@ def run_ours(inputs: Inputs, out):
 
 
 # Launcher-only plans on the FP8 decode cases (launch.plan_form: top-k positions a split in
-# tiles of 64; the kernels as they are). Ours is config.sparse_split_plan: one token 32 splits
+# tiles of 64; the kernels as they are). Ours is launch.sparse_split_plan: one token 32 splits
 # of one tile (the paged bound's 8 splits of 4 tiles, now per4, ran 1.87x its time at 17:35),
 # 16 tokens 8 splits (per2: 1.121x), 128 tokens one split (per16, two: 1.038x). MLA_NOTES
 # "DSA's plan forms".

@@ -76,24 +76,19 @@ def runs_ostore(heads: int, qtokens: int) -> bool:
 
 
 def tile_split_plan(
-    batch: int,
-    head_blocks: int,
-    max_tokens: int,
-    num_sms: int,
-    resident: int,
-    least: int = MIN_TOKENS_PER_SPLIT,
+    batch: int, head_blocks: int, max_tokens: int, num_sms: int, resident: int
 ) -> tuple[int, int]:
     """(splits, tokens per split) in whole TILE-key tiles (the seesaw pass loads 64-row TMA
     boxes of one page: a split starts on a tile boundary): the tiles per split minimizing the
     makespan waves x (tiles + SPLIT_OVERHEAD_TILES) over units of batch x head_blocks CTAs each
     ceil(tiles / per) splits, waves of num_sms x resident CTAs; ties to fewer splits. At least
-    `least` keys a split (default MIN_TOKENS_PER_SPLIT, the paged leaf's bound) unless the
-    sequence is shorter. (The paged leaf's plan rounded up to tiles loses CTAs: b1 x 65536 keys
-    ran 114 CTAs of 9 tiles where 128 of 8 fit one wave.)"""
+    MIN_TOKENS_PER_SPLIT keys a split (the paged leaf's bound) unless the sequence is
+    shorter. (The paged leaf's plan rounded up to tiles loses CTAs: b1 x 65536 keys ran 114
+    CTAs of 9 tiles where 128 of 8 fit one wave.)"""
     units = max(1, batch * head_blocks)
     tiles = max(1, -(-max_tokens // TILE))
     slots = num_sms * resident
-    fewest = min(tiles, max(1, least // TILE))
+    fewest = min(tiles, max(1, MIN_TOKENS_PER_SPLIT // TILE))
 
     def cost(per: int) -> tuple[int, int]:
         splits = -(-tiles // per)
@@ -101,19 +96,6 @@ def tile_split_plan(
 
     per = min(range(fewest, tiles + 1), key=cost)
     return -(-tiles // per), per * TILE
-
-
-def sparse_split_plan(
-    tokens: int, head_blocks: int, topk: int, num_sms: int, resident: int
-) -> tuple[int, int]:
-    """DSA's split plan (kind "sparse"): `tile_split_plan` over a token's top-k positions with
-    splits as short as one tile. A sparse split gathers its rows one by one whatever its length,
-    so the paged bound (MIN_TOKENS_PER_SPLIT) only costs parallelism: one token ran 8 splits of
-    4 tiles (8 CTAs for the whole call) in 24.6 us, 16 of 2 in 16.1, 32 of 1 in 13.1 (FlashMLA
-    FP8 18.0; H200 2026-12-04 17:35), as the makespan model (tiles + SPLIT_OVERHEAD_TILES) has
-    it: 6 : 4 : 3. From 16 tokens at 16 heads the plan is the paged bound's (t16 8 splits, t64
-    2, t128 1: 2 tiles a split at t16 measured 1.121x the time, 2 splits at t128 1.038x)."""
-    return tile_split_plan(tokens, head_blocks, topk, num_sms, resident, least=TILE)
 
 
 def heads_per_cta(hq: int, qtokens: int = 1) -> int:
