@@ -9,6 +9,8 @@
 #               512x10240x5120
 #   conv_wgrad  scripts/profile_conv.py --suite conv_wgrad: ours vs cuDNN, worst / median cases
 #   conv_fwd    scripts/profile_conv.py --suite conv_fwd: the same for the forward
+#   dsa         scripts/profile_dsa.py: ours vs FlashMLA's FP8 sparse decode, t1 / t128 h16, t64 h128
+#   paged_prefill  scripts/profile_paged_prefill.py: ours vs FA4, chunked prefill at page 16 / 64
 # Each target profiles, after unprofiled warm-ups, one call of ours and one of the comparator per
 # case (ncu --profile-from-start off: only what lies between cudaProfilerStart / Stop, every
 # kernel of it whatever its name; scripts/profile_suite.py), then scripts/ncu_gap_summary.py
@@ -25,7 +27,7 @@ set -uo pipefail
 FINAL=${OUT:-/tmp/forgekernel-out}
 WORK=${GAPS_WORK:-/tmp/forgekernel-gaps}
 BUDGET=${GAPS_BUDGET:-450}
-ALL=(gemm_fp8 mla gemm conv_wgrad conv_fwd)
+ALL=(gemm_fp8 mla gemm conv_wgrad conv_fwd dsa paged_prefill)
 dry=
 targets=()
 for a in "$@"; do
@@ -45,6 +47,8 @@ spec() {
     gemm) echo "scripts/profile_gemm.py||100" ;;
     conv_wgrad) echo "scripts/profile_conv.py|--suite conv_wgrad|110" ;;
     conv_fwd) echo "scripts/profile_conv.py|--suite conv_fwd|110" ;;
+    dsa) echo "scripts/profile_dsa.py||100" ;;
+    paged_prefill) echo "scripts/profile_paged_prefill.py||150" ;;  # FA4's first compiles
     *) return 1 ;;
   esac
 }

@@ -35,7 +35,6 @@ from forgekernel.kernels.attention.mla.sm90.config import (
     heads_per_cta,
     params_for,
     sparse_heads,
-    split_plan,
 )
 from forgekernel.reference.dsa import dsa_sparse_attention_paged_ref
 from forgekernel.reference.dsa_flashinfer import (
@@ -77,9 +76,12 @@ def test_sparse_compile_keys():
 @pytest.mark.parametrize(("tokens", "hq", "topk"), [(1, 16, 2048), (64, 16, 2048), (1, 128, 2048),
                                                     (4096, 16, 2048), (3, 16, 100)])  # fmt: skip
 def test_split_plan_covers_the_list(tokens, hq, topk):
-    """Units are tokens x head blocks, the keys a token's top-k list."""
-    splits, per = split_plan(tokens, hq // heads_per_cta(hq), topk, 132, 1)
-    assert splits * per >= topk and (splits - 1) * per < topk
+    """Units are tokens x head blocks, the keys a token's top-k list in whole tiles; one token
+    takes a split a tile (a sparse split's cost is its rows: no paged bound)."""
+    splits, per = mla_launch.sparse_split_plan(tokens, hq // heads_per_cta(hq), topk, 132, 1)
+    assert splits * per >= topk and (splits - 1) * per < topk and per % TILE == 0
+    if tokens == 1:
+        assert per == TILE
 
 
 # ---------------------------------------------------------------- the kernel, replayed
@@ -223,19 +225,20 @@ def test_sparse_matches_the_reference(sparse_kernels, tokens, hq, page_size, val
                                      heads_per_cta(hq)))  # fmt: skip
     scale_log2, per, ps = args[9:12]
     assert abs(scale_log2 - SCALE * math.log2(math.e)) < 1e-9 and ps == page_size
-    splits, want_per = split_plan(tokens, hq // params["heads"], topk, 132, 1)
+    splits, want_per = mla_launch.sparse_split_plan(tokens, hq // params["heads"], topk, 132, 1)
     assert per == want_per and args[7].shape == (splits, tokens, hq, LATENT)
 
 
 def test_splits_of_a_long_list(sparse_kernels):
-    """One token, topk 2048: eight splits of 256 positions, two of them all padding."""
+    """One token, topk 2048: 32 splits of a tile, the last eight all padding."""
     qn, qp, ckv, kpe, idx = _problem(1, 16, 64, [1500], 2048, pad="end")
     out, lse = op.dsa_sparse_attention(qn, qp, ckv, kpe, idx, softmax_scale=SCALE,
                                        return_lse=True)  # fmt: skip
     _assert_close(out, lse, *_want(qn, qp, ckv, kpe, idx))
     _, args = sparse_kernels[-1]
-    assert args[10] == 256 and args[7].shape[0] == 8
-    assert torch.all(torch.isneginf(args[8][6:]))  # splits past the valid entries saw no key
+    assert args[10] == TILE and args[7].shape[0] == 32
+    assert torch.all(torch.isneginf(args[8][24:]))  # splits past the valid entries saw no key
+    assert not torch.any(torch.isneginf(args[8][:24]))
 
 
 @pytest.mark.parametrize("per_tiles", [1, 2, 16])

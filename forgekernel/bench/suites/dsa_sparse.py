@@ -206,13 +206,12 @@ def run_ours(inputs: Inputs, out):
 
 
 # Launcher-only plans on the FP8 decode cases (launch.plan_form: top-k positions a split in
-# tiles of 64; the kernels as they are): the paged split plan gives one token 8 splits of 256
-# positions (8 CTAs for the whole call: 24.9 us against FlashMLA's 18.3 at 15:51), 16 tokens 8
-# (128 CTAs), 128 tokens one split (128 CTAs, one an SM). Predicted (time / ours): t1 per1 /
-# per2 0.75-0.90 (32 / 16 CTAs), t16 per2 0.95-1.05, t128 per16 0.90-1.05 (2 splits: 256 CTAs
-# and a combine); MLA_NOTES "The CTA combine's few-splits path".
+# tiles of 64; the kernels as they are). Ours is launch.sparse_split_plan: one token 32 splits
+# of one tile (the paged bound's 8 splits of 4 tiles, now per4, ran 1.87x its time at 17:35),
+# 16 tokens 8 splits (per2: 1.121x), 128 tokens one split (per16, two: 1.038x). MLA_NOTES
+# "DSA's plan forms".
 PLAN_FORMS = {
-    "t1-h16-p64-k2048-L32768-fp8": {"per1": 1, "per2": 2},
+    "t1-h16-p64-k2048-L32768-fp8": {"per2": 2, "per4": 4},
     "t16-h16-p64-k2048-L32768-fp8": {"per2": 2},
     "t128-h16-p64-k2048-L32768-fp8": {"per16": 16},
 }

@@ -164,6 +164,30 @@ def _combine(name: str, on: bool, units: int, ranges: bool = False):
                                     on))  # fmt: skip
 
 
+def sparse_split_plan(
+    tokens: int, head_blocks: int, topk: int, sms: int, resident: int
+) -> tuple[int, int]:
+    """DSA's split plan (kind "sparse"): (splits, top-k positions a split) in whole tiles, by
+    `config.tile_split_plan`'s makespan (waves x (tiles + SPLIT_OVERHEAD_TILES), ties to fewer
+    splits) but with splits as short as one tile: a sparse split gathers its rows one by one
+    whatever its length, so the paged bound (MIN_TOKENS_PER_SPLIT) only costs parallelism. One
+    token ran 8 splits of 4 tiles (the paged bound: 8 CTAs for the whole call) in 24.6 us, 16
+    of 2 in 16.1, 32 of 1 in 13.1 (FlashMLA FP8 18.0; H200 2026-12-04 17:35), as the model has
+    it (6 : 4 : 3). From 16 tokens at 16 heads the plan is the bound's (t16 8 splits, t64 2,
+    t128 1; 2 tiles a split at t16 ran 1.121x the time, 2 splits at t128 1.038x). Host code
+    here rather than a bound argument of config.tile_split_plan: config.py is part of the
+    kernels' source hash, which a plan does not change."""
+    tiles = max(1, -(-topk // config.TILE))
+    units, slots = max(1, tokens * head_blocks), sms * resident
+
+    def cost(per: int) -> tuple[int, int]:
+        splits = -(-tiles // per)
+        return -(-units * splits // slots) * (per + config.SPLIT_OVERHEAD_TILES), splits
+
+    per = min(range(1, tiles + 1), key=cost)
+    return -(-tiles // per), per * config.TILE
+
+
 def _plan(
     kind, dtype, units, hq, max_tokens, qtokens, device_index, fp8, page_size, form=None,
     forced=None, narrow=False,
@@ -195,7 +219,10 @@ def _plan(
         per_tiles = min(form[0], tiles)
         splits, per = -(-tiles // per_tiles), per_tiles * config.TILE
     else:
-        plan = config.tile_split_plan if tma else config.split_plan
+        if tma:
+            plan = config.tile_split_plan
+        else:
+            plan = sparse_split_plan if kind == "sparse" else config.split_plan
         splits, per = plan(units, hq // heads, max_tokens, num_sms(device_index), config.RESIDENT)
     if config.runs_direct(splits, heads, qtokens, tma) and direct_enabled():
         ostore = not narrow and config.runs_ostore(heads, qtokens) and ostore_enabled()
