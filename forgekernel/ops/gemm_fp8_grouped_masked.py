@@ -8,8 +8,9 @@ accumulation promoted every 128 of K, bf16 / fp16 out.
 masked_m is read on the device only (no host sync: a CUDA graph captured once serves any
 counts); rows r >= masked_m[e] are neither computed nor written (an `out` keeps what it held
 there; a fresh one holds whatever torch.empty gave). `expected_m`, a host-side hint (typically
-the routed tokens x top-k / experts), picks the tile: rows per tile as few as cover it, so an
-expert with many more rows takes several tiles (correct, slower).
+the routed tokens x top-k / experts), picks the tile: rows per tile as few as cover twice it
+(the counts spread around the mean), so an expert with many more rows takes several tiles
+(correct, slower).
 
 Eager calls go straight to the leaf's launcher (`kernels/gemm/dense/sm90/launch.py`);
 under `torch.compile` (or when autograd would record the call) the custom op

@@ -22,9 +22,10 @@ Comparator: DeepGEMM's `m_grouped_fp8_fp4_gemm_nt_masked` (alias `fp8_m_grouped_
 on the same inputs, A's scales made M-major and TMA-aligned once per input set outside the
 timing; bf16 out only. Bytes: the weights of experts with tokens (read once) and their scales,
 the tokens' rows of A and their scales, the counts and the tokens' output rows (TB/s in the
-report). Variants "rows8" ... "rows128": every other tile (rows per m-tile) forced through
-`expected_m`: the chooser covers expected_m with the fewest rows, so experts above it take
-several m-tiles that re-read their weight tile from L2; the variants measure that trade.
+report). Variants "rows8" ... "rows128": the chooser's neighbouring tiles (rows per m-tile)
+forced through `expected_m`: the chooser covers twice expected_m with the fewest rows, so
+experts above that take several m-tiles that re-read their weight tile from L2, and a taller
+tile spends MMA rows on padding; the variants measure that trade.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from forgekernel.bench.suite import Case, Inputs, OpSuite
 from forgekernel.bench.suites.gemm_fp8 import DSV3_MOE, _quantize, deepgemm_scales
 from forgekernel.kernels.gemm.dense.sm90 import MASKED_SPEC
 from forgekernel.kernels.gemm.dense.sm90.masked_config import (
+    COVER,
     STANDARD_CONFIGS,
     choose_config,
     rows_per_tile,
@@ -208,12 +210,14 @@ def run_ours(inputs: Inputs, out: tuple | None) -> tuple[torch.Tensor, ...]:
 
 
 def variants(case: Case) -> dict[str, Any]:
-    """Every other tile than the chooser's (expected_m forced to its rows)."""
-    chosen = choose_config(expected_rows(case.params))
+    """The chooser's neighbours: the tiles of half and of twice its rows (expected_m forced to
+    their rows; `choose_config(rows // COVER)` is the tile of those rows). Every tile was timed
+    on every case until 2026-12-03 (the chooser's double cover comes from those figures)."""
+    rows = [rows_per_tile(c) for c in STANDARD_CONFIGS]
+    i = rows.index(rows_per_tile(choose_config(expected_rows(case.params))))
     return {
-        f"rows{h}": (lambda inputs, out, h=h: _run(inputs, out, h))
-        for h in map(rows_per_tile, STANDARD_CONFIGS)
-        if choose_config(h) != chosen
+        f"rows{h}": (lambda inputs, out, h=h: _run(inputs, out, max(1, h // COVER)))
+        for h in rows[max(0, i - 1) : i] + rows[i + 1 : i + 2]
     }
 
 
