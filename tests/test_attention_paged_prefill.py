@@ -579,16 +579,20 @@ def test_standard_params_cover_the_paged_op():
     assert len(dense) == 40 and all(p["page_box"] == 0 for p in dense)
 
 
-def _gpu_test_module():
-    return load_script("paged_gpu_tests", Path(__file__).parent / "gpu" / "test_paged_gpu.py")
+def _gpu_test_module(monkeypatch):
+    """tests/gpu/test_paged_gpu.py as a module; tests/gpu on the path for its `graphs` import
+    (alone this test found it only where an earlier test had put it there)."""
+    gpu = Path(__file__).parent / "gpu"
+    monkeypatch.syspath_prepend(str(gpu))
+    return load_script("paged_gpu_tests", gpu / "test_paged_gpu.py")
 
 
-def test_each_gpu_prefill_case_looks_its_kernel_up(cpu_paged_kernel):
+def test_each_gpu_prefill_case_looks_its_kernel_up(cpu_paged_kernel, monkeypatch):
     """The GPU test asserts the paged mode by the kernel it looks up; pages 256 and 128 at D 128
     share one plan (box 128), so the second case looked nothing up through the launcher's
     shared plan cache and failed (2026-12-02 10:20, h64_8_d128_p128 x 4). Its recorder keeps a
     plan cache per test: the GPU cases in order, on the stand-in kernel, each see their box."""
-    gpu = _gpu_test_module()
+    gpu = _gpu_test_module(monkeypatch)
     cases = [c for c in gpu.PREFILL_CASES if c[2] == 128 and c[3] in (128, 256)]
     assert len(cases) == 2 and fwd_launch.paged_box(128, 128) == fwd_launch.paged_box(256, 128)
     for hq, hkv, d, ps, _, _, combined in sorted(cases, key=lambda c: -c[3]):
