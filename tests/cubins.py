@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import re
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from forgekernel.runtime.spec import KernelSpec, Params
 
@@ -20,6 +23,42 @@ def compile_cubin(spec: KernelSpec, params: Params, directory: Path) -> str:
     return cubin
 
 
+class Build(NamedTuple):
+    """What the SASS tests read of one compile: inspect_cubin's resources, cuobjdump's listing
+    and the PTX."""
+
+    resources: dict
+    sass: str
+    ptx: str
+
+
+# (kernel name, arch, source hash, params) -> its Build: runtime/cache.py's in-process key. The
+# SASS tests of one kernel sit in several files (the MLA pass's standard build is read by the
+# seesaw, work-list and PDL tests; its work-list builds by the work-list, schedule and PDL ones:
+# about 17 s a compile on CI) and conftest's SHARED_COMPILES keeps those files in one process.
+# Memory only: nothing is written beside the compile cache.
+_BUILDS: dict[tuple, Build] = {}
+
+
+def build(spec: KernelSpec, params: Params) -> Build:
+    """`spec`'s compile of `params` (cubin and PTX kept: --keep-ptx leaves the SASS as it is),
+    once a process; each call gets its own copy of the resources."""
+    key = (spec.name, spec.arch, spec.source_hash, params)
+    if key not in _BUILDS:
+        from forgekernel.runtime.resources import inspect_cubin, sass_text
+
+        with tempfile.TemporaryDirectory() as d:
+            compiled = spec.compile(params, f"--keep-cubin --keep-ptx --dump-dir {d}")
+            cubin = compiled.artifacts.CUBIN
+            if isinstance(cubin, bytes):
+                (Path(d) / "k.cubin").write_bytes(cubin)
+                cubin = str(Path(d) / "k.cubin")
+            ptx = "".join(p.read_text() for p in sorted(Path(d).glob("*.ptx")))
+            _BUILDS[key] = Build(inspect_cubin(cubin), sass_text(cubin), ptx)
+    found = _BUILDS[key]
+    return found._replace(resources=copy.deepcopy(found.resources))
+
+
 # a SASS line's global-memory access (loads, stores, TMA, bulk copies, reductions, atomics), and
 # an instruction line of cuobjdump's listing (group 1: the instruction)
 GLOBAL = re.compile(r"\b(LDG|STG|LDGSTS|UTMALDG|UTMASTG|UBLKCP|UBLKRED|RED|ATOM)\b")
@@ -28,18 +67,18 @@ INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(.*)$")
 
 def sass_builder(tmp_path_factory) -> Callable[[KernelSpec, Params], tuple[dict, list[str]]]:
     """build(spec, params) -> (inspect_cubin's resources, the SASS instructions in order), each
-    compile in a fresh folder of `tmp_path_factory`; skips without the DSL or the CUDA tools."""
+    configuration compiled once a process (`build`); skips without the DSL or the CUDA tools."""
     import pytest
 
     pytest.importorskip("cutlass")
-    from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text
+    from forgekernel.runtime.resources import find_tool
 
     if find_tool("cuobjdump") is None or find_tool("nvdisasm") is None:
         pytest.skip("cuobjdump / nvdisasm not found")
 
-    def build(spec: KernelSpec, params: Params) -> tuple[dict, list[str]]:
-        cubin = compile_cubin(spec, params, tmp_path_factory.mktemp("cubin"))
-        lines = [m.group(1) for m in map(INSTRUCTION.match, sass_text(cubin).splitlines()) if m]
-        return inspect_cubin(cubin), lines
+    def sass_of(spec: KernelSpec, params: Params) -> tuple[dict, list[str]]:
+        found = build(spec, params)
+        lines = [m.group(1) for m in map(INSTRUCTION.match, found.sass.splitlines()) if m]
+        return found.resources, lines
 
-    return build
+    return sass_of
