@@ -1,4 +1,5 @@
-"""The CPU tests' compile of one kernel configuration to a cubin they read (SASS, resources)."""
+"""The CPU tests' compile of one kernel configuration to the cubin and PTX they read (SASS,
+resources), once a process."""
 
 from __future__ import annotations
 
@@ -12,17 +13,6 @@ from typing import NamedTuple
 from forgekernel.runtime.spec import KernelSpec, Params
 
 
-def compile_cubin(spec: KernelSpec, params: Params, directory: Path) -> str:
-    """`spec`'s compile of `params` with its cubin kept in `directory` (without --dump-dir the
-    DSL drops it in the working directory): the cubin's path."""
-    cubin = spec.compile(params, f"--keep-cubin --dump-dir {directory}").artifacts.CUBIN
-    if isinstance(cubin, bytes):
-        path = Path(directory) / "k.cubin"
-        path.write_bytes(cubin)
-        cubin = str(path)
-    return cubin
-
-
 class Build(NamedTuple):
     """What the SASS tests read of one compile: inspect_cubin's resources, cuobjdump's listing
     and the PTX."""
@@ -32,11 +22,13 @@ class Build(NamedTuple):
     ptx: str
 
 
-# (kernel name, arch, source hash, params) -> its Build: runtime/cache.py's in-process key. The
-# SASS tests of one kernel sit in several files (the MLA pass's standard build is read by the
-# seesaw, work-list and PDL tests; its work-list builds by the work-list, schedule and PDL ones:
-# about 17 s a compile on CI) and conftest's SHARED_COMPILES keeps those files in one process.
-# Memory only: nothing is written beside the compile cache.
+# (kernel name, arch, source hash, params) -> its Build: runtime/cache.py's in-process key (that
+# cache holds loaded .so functions, not the cubin and PTX read here). Several tests read one
+# build: within a file (the paged merge test's standard leaves are the main-loop test's; the DSA
+# indexer's and recompute's SASS and PTX tests) and across files (the MLA pass's standard build
+# is read by the seesaw, work-list and PDL tests, its work-list builds by the work-list, schedule
+# and PDL ones: about 17 s a compile on CI), which conftest's SHARED_COMPILES keeps in one
+# process. Memory only: nothing is written beside the compile cache.
 _BUILDS: dict[tuple, Build] = {}
 
 
