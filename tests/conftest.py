@@ -151,8 +151,8 @@ def sm90_missing() -> str | None:
 # order (its own reorder, by test count, is turned off in pytest_configure: it put these few-test
 # files last, one worker left alone with a 40 s file at the end: 22 s idle in one measured run).
 RUN_FIRST = (
-    # SHARED_COMPILES' files, one scope of 5 (about 100 s alone): placed first, they are the
-    # first worker's first work
+    # SHARED_COMPILES' files, one scope of 5 (about 115 s of a worker, 2026-12-04): placed
+    # first, they are the first worker's first work
     "test_mla_schedule.py",
     "test_mla_worklist.py",
     "test_mla_seesaw_compile.py",
