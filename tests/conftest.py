@@ -151,6 +151,13 @@ def sm90_missing() -> str | None:
 # order (its own reorder, by test count, is turned off in pytest_configure: it put these few-test
 # files last, one worker left alone with a 40 s file at the end: 22 s idle in one measured run).
 RUN_FIRST = (
+    # SHARED_COMPILES' files, one scope of 5 (about 115 s of a worker, 2026-12-04): placed
+    # first, they are the first worker's first work
+    "test_mla_schedule.py",
+    "test_mla_worklist.py",
+    "test_mla_seesaw_compile.py",
+    "test_pdl.py",
+    "test_paged_schedule.py",
     "test_conv_compile.py",  # 55
     "test_build_sm90.py",  # 43, two compile processes of its own
     "test_mla_ostore.py",  # 39
@@ -167,6 +174,39 @@ RUN_FIRST = (
     "test_mla_pair.py",  # 10
     "test_attention_paged.py",  # 10
 )
+
+
+# Test files that read the SASS of the same builds through tests/cubins.py `build` (one compile
+# a process): the MLA pass's standard build (seesaw, work-list and PDL tests), its work-list
+# builds (work-list, schedule and PDL tests: the schedule's `std` is the work-list's `res`, the
+# PDL ranges pass the schedule's), the paged pass (PDL and paged schedule tests); about 17 s a
+# MLA compile on CI's CPU. xdist's loadfile keeps a file on one worker, not files: these are one
+# scope (`pytest_xdist_make_scheduler`), so each of those builds compiles once in a run.
+SHARED_COMPILES = frozenset(
+    {
+        "test_mla_seesaw_compile.py",
+        "test_mla_worklist.py",
+        "test_mla_schedule.py",
+        "test_pdl.py",
+        "test_paged_schedule.py",
+    }
+)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadfile` with SHARED_COMPILES' files as one scope (one worker); other modes as
+    xdist has them."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedCompiles(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return "SHARED_COMPILES" if Path(scope).name in SHARED_COMPILES else scope
+
+    return SharedCompiles(config, log)
 
 
 @pytest.hookimpl(tryfirst=True)

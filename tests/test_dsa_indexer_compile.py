@@ -12,16 +12,15 @@ reads (ld.shared::cluster). Shared memory from config (the struct's sizes) fits 
 from __future__ import annotations
 
 import re
-import tempfile
 from collections import Counter
-from pathlib import Path
 
 import pytest
+from cubins import build  # tests/ is on the path
 
 pytest.importorskip("cutlass")
 
 from forgekernel.kernels.attention.dsa_indexer.sm90 import SPEC, config  # noqa: E402
-from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text  # noqa: E402
+from forgekernel.runtime.resources import find_tool  # noqa: E402
 
 if find_tool("cuobjdump") is None:
     pytest.skip("cuobjdump not found", allow_module_level=True)
@@ -30,16 +29,10 @@ _OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 
 
 def _compiled(params) -> tuple[dict, Counter, str]:
-    with tempfile.TemporaryDirectory() as d:
-        compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {d}")
-        cubin = compiled.artifacts.CUBIN
-        if isinstance(cubin, bytes):
-            path = Path(d) / "k.cubin"
-            path.write_bytes(cubin)
-            cubin = str(path)
-        res = inspect_cubin(cubin)
-        sass = sass_text(cubin)
-    return res, Counter(_OP.findall(sass)), sass
+    """(resources, SASS opcode counts, SASS): cubins.build, once a process (the TMA box test
+    reads the PTX of the same logits keys)."""
+    found = build(SPEC, params)
+    return found.resources, Counter(_OP.findall(found.sass)), found.sass
 
 
 @pytest.mark.parametrize("qtokens, paged", [(1, True), (4, False)])
@@ -136,9 +129,7 @@ def test_logits_tma_boxes_start_16_byte_aligned(qtokens, paged):
     (the first H200 run, prefill with packed sequences: a 1-D k_scale box at the group's
     smallest k_start, 13). Proven on the PTX: fp8 boxes (Q, K: 2-D) start at a multiple of 16
     elements, the fp32 scales' 1-D box (prefill) at a multiple of 4 (key_origin's rounding)."""
-    with tempfile.TemporaryDirectory() as d:  # --keep-ptx writes a file: not into the tree
-        compiled = SPEC.compile(config.logits_params(qtokens, paged), f"--keep-ptx --dump-dir {d}")
-        boxes = _innermost_box_starts(compiled.artifacts.PTX)
+    boxes = _innermost_box_starts(build(SPEC, config.logits_params(qtokens, paged)).ptx)
     assert len(boxes) == 3  # Q, the key tile, its scales
     for dims, divisor in boxes:
         assert divisor >= (4 if dims == 1 else 16), boxes

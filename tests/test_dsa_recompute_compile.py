@@ -6,16 +6,15 @@ and 4 rows per K-chunk), no spills, registers within one CTA (or two at 16 heads
 from __future__ import annotations
 
 import re
-import tempfile
 from collections import Counter
-from pathlib import Path
 
 import pytest
+from cubins import build  # tests/ is on the path
 
 pytest.importorskip("cutlass")
 
 from forgekernel.kernels.attention.dsa_recompute.sm90 import SPEC, config  # noqa: E402
-from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text  # noqa: E402
+from forgekernel.runtime.resources import find_tool  # noqa: E402
 
 if find_tool("cuobjdump") is None:
     pytest.skip("cuobjdump not found", allow_module_level=True)
@@ -25,16 +24,9 @@ REGISTERS = 65536
 
 
 def _compiled(params) -> tuple[dict, Counter]:
-    with tempfile.TemporaryDirectory() as d:
-        compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {d}")
-        cubin = compiled.artifacts.CUBIN
-        if isinstance(cubin, bytes):
-            path = Path(d) / "k.cubin"
-            path.write_bytes(cubin)
-            cubin = str(path)
-        res = inspect_cubin(cubin)
-        sass = sass_text(cubin)
-    return res, Counter(_OP.findall(sass))
+    """(resources, SASS opcode counts): cubins.build, once a process (the PTX test's build)."""
+    found = build(SPEC, params)
+    return found.resources, Counter(_OP.findall(found.sass))
 
 
 @pytest.mark.parametrize("heads, length", [(16, False), (128, True)])
@@ -51,8 +43,7 @@ def test_recompute_kernel(heads, length):
 
 
 def _ptx(params) -> str:
-    with tempfile.TemporaryDirectory() as d:  # --keep-ptx writes a file: not into the tree
-        return SPEC.compile(params, f"--keep-ptx --dump-dir {d}").artifacts.PTX
+    return build(SPEC, params).ptx  # the kernel test's compile of the same key
 
 
 def test_every_signal_follows_a_wait_and_a_proxy_fence():

@@ -30,17 +30,16 @@ assembles, cuobjdump reads the cubin): the facts its schedule and the CPU model 
 from __future__ import annotations
 
 import re
-import tempfile
 from collections import Counter
-from pathlib import Path
 
 import pytest
+from cubins import build
 
 pytest.importorskip("cutlass")
 
 from forgekernel.kernels.attention.mla.sm90 import SPEC, params_for  # noqa: E402
 from forgekernel.kernels.attention.mla.sm90.seesaw import CHUNKS, Q_BOX_MIN, Bar  # noqa: E402
-from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text  # noqa: E402
+from forgekernel.runtime.resources import find_tool  # noqa: E402
 
 if find_tool("cuobjdump") is None:
     pytest.skip("cuobjdump not found", allow_module_level=True)
@@ -56,13 +55,10 @@ _OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A
 
 
 def _compiled(params) -> tuple[dict, Counter, str]:
-    """(resource usage, SASS opcode counts with modifiers, PTX) of one compile."""
-    with tempfile.TemporaryDirectory() as d:
-        compiled = SPEC.compile(params, f"--keep-cubin --keep-ptx --dump-dir {d}")
-        cubin = compiled.artifacts.CUBIN
-        res, sass = inspect_cubin(cubin), sass_text(cubin)
-        ptx = "".join(p.read_text() for p in Path(d).glob("*.ptx"))
-    return res, Counter(_OP.findall(sass)), ptx
+    """(resource usage, SASS opcode counts with modifiers, PTX) of one compile (cubins.build:
+    once a process; the standard build is test_mla_worklist's and test_pdl's too)."""
+    found = build(SPEC, params)
+    return found.resources, Counter(_OP.findall(found.sass)), found.ptx
 
 
 @pytest.fixture(scope="module", params=[("bfloat16", 16, 1), ("float16", 1, 1)])

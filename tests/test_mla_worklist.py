@@ -22,7 +22,7 @@ import random
 
 import pytest
 import torch
-from cubins import compile_cubin
+from cubins import build
 from mla_seesaw import seesaw_partial
 from split_combine import combine_splits
 
@@ -419,15 +419,15 @@ def test_plan_form_worklist_rejects_per_tiles():
 @pytest.fixture(scope="module")
 def compiles(tmp_path_factory):
     pytest.importorskip("cutlass")
-    from forgekernel.runtime.resources import find_tool, inspect_cubin
+    from forgekernel.runtime.resources import find_tool
 
     if find_tool("cuobjdump") is None:
         pytest.skip("cuobjdump not found")
 
-    def build(params):
-        return inspect_cubin(compile_cubin(SPEC, params, tmp_path_factory.mktemp("cubin")))
+    def resources(params):
+        return build(SPEC, params).resources  # cubins.build: one compile a process
 
-    return build
+    return resources
 
 
 @pytest.mark.parametrize("qtokens", [1, 2])

@@ -11,11 +11,12 @@ from collections import Counter
 
 import pytest
 import torch
-from script_modules import load_script  # tests/ is on the path
+from cubins import build  # tests/ is on the path
+from script_modules import load_script
 
 from forgekernel.bench.suites import attention_paged as suite
 from forgekernel.kernels.attention.paged.sm90 import SPEC, config
-from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text
+from forgekernel.runtime.resources import find_tool
 
 
 def _probe():
@@ -172,14 +173,11 @@ def _main_loop_loads(sass: str) -> str:
     return "".join(seq)
 
 
-def _compile_sass(tmp_path, params: dict) -> tuple[str, dict]:
-    from forgekernel.kernels.attention.paged.sm90.compile import compile_paged
-
-    out = tmp_path / "_".join(f"{k}{v}" for k, v in sorted(params.items()))
-    out.mkdir()
-    compile_paged(params, extra_options=f"--keep-cubin --dump-dir {out}")
-    (cubin,) = out.glob("*.cubin")
-    return sass_text(cubin), inspect_cubin(cubin)
+def _compile_sass(params: dict) -> tuple[str, dict]:
+    """(SASS, resources) of the leaf's compile (SPEC.compile: compile_paged for sm_90a), once a
+    process (cubins.build): the merge test's standard leaves are the main-loop test's."""
+    found = build(SPEC, tuple(sorted(params.items())))
+    return found.sass, found.resources
 
 
 LEAVES = [(128, 4, 1), (128, 4, 2), (128, 4, 4), (128, 8, 2), (128, 8, 4), (64, 4, 4)]
@@ -187,7 +185,7 @@ LEAVES = [(128, 4, 1), (128, 4, 2), (128, 4, 4), (128, 8, 2), (128, 8, 4), (64, 
 
 @pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
 @pytest.mark.parametrize(("d", "heads", "qtokens"), LEAVES)
-def test_main_loop_copies_wait_on_no_page_read_of_their_iteration(tmp_path, d, heads, qtokens):
+def test_main_loop_copies_wait_on_no_page_read_of_their_iteration(d, heads, qtokens):
     """Compiled (sm_90a), page ids ahead: the main loop issues its tile's 16-byte copies (2 a
     row: K and V) before any page-table read, and reads the next tile's ids after them, one per
     row; registers within the plan's residency (RESIDENT CTAs an SM: 255 at D 128, 170 at D 64),
@@ -198,13 +196,13 @@ def test_main_loop_copies_wait_on_no_page_read_of_their_iteration(tmp_path, d, h
     params = {"kind": "partial", "dtype": "bfloat16", "head_dim": d, "heads": heads}
     if qtokens > 1:
         params["qtokens"] = qtokens
-    sass, res = _compile_sass(tmp_path, params)
+    sass, res = _compile_sass(params)
     rows = config.TILE * d // 8 // config.THREADS
     assert _main_loop_loads(sass) == "S" * (2 * rows) + "G" * rows
     assert res["spill_bytes"] == 0
     assert res["registers"] <= min(255, 65536 // (config.THREADS * config.RESIDENT[d]))
     if (d, heads, qtokens) == (128, 4, 2):
-        old, _ = _compile_sass(tmp_path, params | {"page_ids": "inline"})
+        old, _ = _compile_sass(params | {"page_ids": "inline"})
         loads = _main_loop_loads(old)
         assert loads == "G" * rows + "S" * (2 * rows), loads
 
@@ -324,7 +322,7 @@ def _loop_ops(sass: str) -> list[str]:
 
 @pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
 @pytest.mark.parametrize(("heads", "qtokens"), [(4, 2), (4, 4), (8, 2), (8, 4)])
-def test_merge_rows_compiles_within_the_residency(tmp_path, heads, qtokens):
+def test_merge_rows_compiles_within_the_residency(heads, qtokens):
     """Compiled (sm_90a), the merge candidate of the spec leaves the bench runs: registers
     within 2 CTAs an SM, no spill, the main loop the standard leaf's work (the same MMA,
     shared / global memory, MUFU, FP32, shuffle and barrier instructions, the total within 1%:
@@ -334,8 +332,8 @@ def test_merge_rows_compiles_within_the_residency(tmp_path, heads, qtokens):
     pytest.importorskip("cutlass.cute")
     params = {"kind": "partial", "dtype": "bfloat16", "head_dim": 128, "heads": heads,
               "qtokens": qtokens}  # fmt: skip
-    std, _ = _compile_sass(tmp_path, params)
-    sass, res = _compile_sass(tmp_path, params | {"merge": "rows"})
+    std, _ = _compile_sass(params)
+    sass, res = _compile_sass(params | {"merge": "rows"})
     assert res["spill_bytes"] == 0
     assert res["registers"] <= 65536 // (config.THREADS * config.RESIDENT[128])
     ops, std_ops = Counter(_loop_ops(sass)), Counter(_loop_ops(std))
