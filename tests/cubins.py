@@ -57,7 +57,7 @@ GLOBAL = re.compile(r"\b(LDG|STG|LDGSTS|UTMALDG|UTMASTG|UBLKCP|UBLKRED|RED|ATOM)
 INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(.*)$")
 
 
-def sass_builder(tmp_path_factory) -> Callable[[KernelSpec, Params], tuple[dict, list[str]]]:
+def sass_builder() -> Callable[[KernelSpec, Params], tuple[dict, list[str]]]:
     """build(spec, params) -> (inspect_cubin's resources, the SASS instructions in order), each
     configuration compiled once a process (`build`); skips without the DSL or the CUDA tools."""
     import pytest

@@ -226,8 +226,8 @@ def test_keys_and_standard_builds():
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
-    build = sass_builder(tmp_path_factory)
+def compiled():
+    build = sass_builder()
     return lambda params: build(SPEC, params)
 
 

@@ -130,8 +130,8 @@ def test_mla_decode_py_passes_have_no_pdl_build(keys_only):
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
-    return sass_builder(tmp_path_factory)
+def compiled():
+    return sass_builder()
 
 
 KERNELS = {

@@ -40,9 +40,9 @@ from forgekernel.bench.suite import Case, Inputs, OpSuite
 from forgekernel.bench.suites.gemm_fp8 import DSV3_MOE, _quantize, deepgemm_scales
 from forgekernel.kernels.gemm.dense.sm90 import MASKED_SPEC
 from forgekernel.kernels.gemm.dense.sm90.masked_config import (
-    COVER,
     STANDARD_CONFIGS,
     choose_config,
+    expected_for,
     rows_per_tile,
 )
 
@@ -211,12 +211,12 @@ def run_ours(inputs: Inputs, out: tuple | None) -> tuple[torch.Tensor, ...]:
 
 def variants(case: Case) -> dict[str, Any]:
     """The chooser's neighbours: the tiles of half and of twice its rows (expected_m forced to
-    their rows; `choose_config(rows // COVER)` is the tile of those rows). Every tile was timed
+    one that picks them: `expected_for`). Every tile was timed
     on every case until 2026-12-03 (the chooser's double cover comes from those figures)."""
     rows = [rows_per_tile(c) for c in STANDARD_CONFIGS]
     i = rows.index(rows_per_tile(choose_config(expected_rows(case.params))))
     return {
-        f"rows{h}": (lambda inputs, out, h=h: _run(inputs, out, max(1, h // COVER)))
+        f"rows{h}": (lambda inputs, out, h=h: _run(inputs, out, expected_for(h)))
         for h in rows[max(0, i - 1) : i] + rows[i + 1 : i + 2]
     }
 

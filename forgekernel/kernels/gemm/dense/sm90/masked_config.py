@@ -49,6 +49,12 @@ def choose_config(expected_m: int) -> GemmConfig:
     return next((c for c in STANDARD_CONFIGS if want <= rows_per_tile(c)), ROWS_128)
 
 
+def expected_for(rows: int) -> int:
+    """An expected_m `choose_config` maps to the tile of `rows` (a tile's rows): what forces a
+    tile through the op's hint."""
+    return max(1, rows // COVER)
+
+
 def params_for(out_dtype: str, cfg: GemmConfig) -> tuple:
     """The compile key's baked-in part: the output dtype and the GemmConfig fields."""
     return tuple(sorted({"out": out_dtype, **cfg.key()}.items()))
