@@ -9,11 +9,13 @@ pass's sparse mode): torch only (no DSL), the partial pass and the paged leaf's 
 seesaw.py); FORGEKERNEL_MLA_SCHEDULE=roles (read when a problem's plan is first built) keeps them
 on decode.py's role-split pass, the design the seesaw replaces, for side-by-side timing.
 
-A seesaw plan of one split (`config.runs_direct`: every (sequence, head block) in one CTA; the
-serving batches of 128+ head blocks, short sequences) runs the pass's direct form: one launch
-writing out and lse itself, no fp32 partials allocated, no combine. FORGEKERNEL_MLA_DIRECT=0
-(read when a problem's plan is first built) keeps such plans on the partial pass and the
-combine, for side-by-side timing and the GPU tests' comparison (the same bits).
+A plan of one split (`config.runs_direct`: every (sequence, head block) in one CTA; the
+serving batches of 128+ head blocks, short sequences; DSA from 128 tokens at 16 heads, 64 at
+128, every prefill) runs its pass's direct form: one launch writing out and lse itself, no fp32
+partials allocated, no combine: the seesaw pass's, decode.py's paged pass's (pages of partial
+tiles, FP8 caches) and DSA's sparse pass's (decode.py). FORGEKERNEL_MLA_DIRECT=0 (read when a
+problem's plan is first built) keeps such plans on the partial pass and the combine, for
+side-by-side timing and the GPU tests' comparison (the same bits).
 
 FP8 caches' bytes go by cp.async into their own stage and are dequantized there in place a turn
 later (decode.py; 0.873-0.943x the register form's time on dsa_sparse's FP8 cases, H200
@@ -99,7 +101,7 @@ def seesaw_enabled() -> bool:
 
 
 def direct_enabled() -> bool:
-    """Plans of one split run the seesaw pass's direct form (unless FORGEKERNEL_MLA_DIRECT=0)."""
+    """Plans of one split run their pass's direct form (unless FORGEKERNEL_MLA_DIRECT=0)."""
     return _flag("FORGEKERNEL_MLA_DIRECT", "1")
 
 
@@ -196,8 +198,9 @@ def _plan(
     a split plan the least keys a split takes), ostore, work list or None): kind "partial"
     (units = sequences, max_tokens their bound) or "sparse" (units = query tokens, max_tokens
     the top-k width), over an FP8 cache if fp8; the paged leaf's split plan over units x head
-    blocks (the seesaw pass's in whole tiles). Combine None: the seesaw pass's direct form (one
-    split, out and lse written by the pass). ostore: the pass is the `ostore` compile, whose out
+    blocks (the seesaw pass's in whole tiles). Combine None: the pass's direct form (one split,
+    out and lse written by the pass; the seesaw pass's or decode.py's, paged or sparse). ostore:
+    the pass is the `ostore` compile, whose out
     must have its rows 16-byte aligned (`_wide_rows`: the caller checks, and takes the plan
     built with narrow, the direct form's scalar stores, where they are not). The kernels are
     looked up here, once per problem (two compile-cache lookups cost 0.8 us a call on the CPU).
@@ -224,10 +227,12 @@ def _plan(
         else:
             plan = sparse_split_plan if kind == "sparse" else config.split_plan
         splits, per = plan(units, hq // heads, max_tokens, num_sms(device_index), config.RESIDENT)
-    if config.runs_direct(splits, heads, qtokens, tma) and direct_enabled():
-        ostore = not narrow and config.runs_ostore(heads, qtokens) and ostore_enabled()
-        params = config.params_for(kind, name, heads, qtokens, tma=True, direct=True, ostore=ostore)
-        return get_kernel(SPEC, pdl.key(params, on)), None, splits, per, ostore, None
+    if config.runs_direct(splits, heads, qtokens, kind == "sparse") and direct_enabled():
+        # (decode.py's passes have no PDL build: their key as the partial pass's)
+        ostore = tma and not narrow and config.runs_ostore(heads, qtokens) and ostore_enabled()
+        params = config.params_for(kind, name, heads, qtokens, fp8, tma, direct=True,
+                                   ostore=ostore)  # fmt: skip
+        return get_kernel(SPEC, pdl.key(params, on or not tma)), None, splits, per, ostore, None
     if kind == "partial" and (form is None or form[0] is None):
         # the passes spread each unit's own keys over the splits (decode.py, seesaw.py), at
         # least this many a split: the width's per would leave a short sequence in a table
@@ -459,8 +464,10 @@ def dsa_sparse_attention(
            _plan_form[0], forced_key())  # fmt: skip
     partial, combine, splits, per, _, _ = _plans.get_or_build(key, _plan)
     with on_device(device):
-        partial_o, partial_lse = _partials(splits, tokens, hq, device)
+        # the direct form (combine None, a plan of one split) writes out and lse itself
+        outs = (out, lse) if combine is None else _partials(splits, tokens, hq, device)
         partial(as_tma_ready(q_nope), as_tma_ready(q_pe), ckv_cache, kpe_cache, ckv_scale,
-                sparse_indices.contiguous(), None, partial_o, partial_lse, softmax_scale * LOG2E,
-                per, ckv_cache.shape[1], None, 0, 1)  # fmt: skip
-        combine(partial_o, partial_lse, out, lse)
+                sparse_indices.contiguous(), None, *outs, softmax_scale * LOG2E, per,
+                ckv_cache.shape[1], None, 0, 1)  # fmt: skip
+        if combine is not None:
+            combine(*outs, out, lse)
