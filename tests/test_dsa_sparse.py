@@ -368,6 +368,59 @@ def test_two_splits_keep_the_combine(sparse_kernels):
     assert float((out.float() - split_out.float()).abs().max()) <= 2 * atol
 
 
+def test_direct_epilogue_is_the_kernels():
+    """The replays' direct form is decode.py's `_write_split` direct branch: O x 1 / sum (fp32)
+    rounded to out's dtype at (q_off + token, head, column), the LSE (log2) x LN2 from
+    warpgroup 0's quad leaders; the partial branch's fp32 stores as before; the grid's one
+    split (z 1, not the partials' leading mode)."""
+    import inspect
+
+    from forgekernel.kernels.attention.mla.sm90 import decode
+
+    src = inspect.getsource(decode.MlaDecodeSm90._write_split)
+    direct, partial = src.split("                else:\n")
+    assert "if const_expr(self.direct):" in direct
+    assert "value = (o[r, c] * inv).to(mOp.element_type)" in direct
+    assert "mOp[q_off + token, head, o_crd[r, c][1]] = value" in direct
+    assert "mLp[q_off + token, head] = lse * LN2" in direct
+    assert "mOp[split, q_off + token, head, o_crd[r, c][1]] = o[r, c] * inv" in partial
+    assert "mLp[split, q_off + token, head] = lse" in partial
+    call = inspect.getsource(decode.MlaDecodeSm90.__call__)
+    assert "1 if const_expr(self.direct) else mOp.shape[0]" in call
+
+
+@pytest.mark.parametrize(
+    ("kind", "dtype", "heads", "fp8"),
+    [("sparse", "bfloat16", 16, True), ("sparse", "float16", 64, False),
+     ("partial", "bfloat16", 16, True)],
+)  # fmt: skip
+def test_direct_compile(kind, dtype, heads, fp8):
+    """decode.py's direct form against its partial form (cu13 ptxas, sm_90a): the same
+    registers (229 FP8, 212 16-bit sparse; 248 the paged FP8 pass), no spills; its epilogue's
+    128 fp32 STG.E a thread become 128 STG.E.U16 after one F2FP each, the LSE's two STG.E
+    stay; the mainloop's WGMMAs, barriers, copies and shared-memory accesses unchanged."""
+    from forgekernel.runtime.resources import find_tool
+
+    if find_tool("cuobjdump") is None:
+        pytest.skip("cuobjdump not found")
+    from test_mla_seesaw_compile import _compiled
+
+    res0, ops0, _ = _compiled(params_for(kind, dtype, heads, fp8=fp8))
+    res, ops, _ = _compiled(params_for(kind, dtype, heads, fp8=fp8, direct=True))
+    assert res["spill_bytes"] == res0["spill_bytes"] == 0
+    assert res["registers"] == res0["registers"] <= 255
+    assert ops0["STG.E"] == 130 and ops0["STG.E.U16"] == 0
+    assert ops["STG.E"] == 2 and ops["STG.E.U16"] == 128
+    f2fp = "F2FP.BF16.F32.PACK_AB" if dtype == "bfloat16" else "F2FP.F16.F32.PACK_AB"
+    assert ops[f2fp] == ops0[f2fp] + 128
+
+    def count(counts, prefix):
+        return sum(v for k, v in counts.items() if k.startswith(prefix))
+
+    for op_name in ("HGMMA", "WARPGROUP", "BAR", "LDGSTS", "LDG", "STSM", "LDS", "STS", "MUFU"):
+        assert count(ops, op_name) == count(ops0, op_name), op_name
+
+
 def _fp8_want(qn, qp, packed, idx):
     """reference.dsa on the FP8 cache dequantized in fp32 (e4m3 x its tile scales)."""
     q8, scale, rope = flashmla_fp8_views(packed)
