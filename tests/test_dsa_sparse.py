@@ -368,6 +368,25 @@ def test_two_splits_keep_the_combine(sparse_kernels):
     assert float((out.float() - split_out.float()).abs().max()) <= 2 * atol
 
 
+def test_plan_form_without_the_direct_form(sparse_kernels):
+    """plan_form(direct=False) (the bench's split1 variants): a one-split plan on the partial
+    pass + the combine, keyed apart from the standard plan in one process; the same bits as
+    the direct form."""
+    qn, qp, ckv, kpe, idx, _ = _direct_problem(*DIRECT_CASES[2])
+    out, lse = op.dsa_sparse_attention(qn, qp, ckv, kpe, idx, softmax_scale=SCALE,
+                                       return_lse=True)  # fmt: skip
+    with mla_launch.plan_form(direct=False):
+        split_out, split_lse = op.dsa_sparse_attention(qn, qp, ckv, kpe, idx,
+                                                       softmax_scale=SCALE,
+                                                       return_lse=True)  # fmt: skip
+    again, _ = op.dsa_sparse_attention(qn, qp, ckv, kpe, idx, softmax_scale=SCALE,
+                                       return_lse=True)  # fmt: skip
+    assert [p.get("direct", False) for p, _ in sparse_kernels] == [True, False, True]
+    assert sparse_kernels.combines == 1 and sparse_kernels[1][1][7].shape[0] == 1
+    assert torch.equal(out, split_out) and torch.equal(lse, split_lse)
+    assert torch.equal(out, again)
+
+
 def test_direct_epilogue_is_the_kernels():
     """The replays' direct form is decode.py's `_write_split` direct branch: O x 1 / sum (fp32)
     rounded to out's dtype at (q_off + token, head, column), the LSE (log2) x LN2 from

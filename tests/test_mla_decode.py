@@ -213,7 +213,8 @@ DIRECT_PLANS = [
 def test_launcher_takes_the_direct_form_for_one_split(monkeypatch, key, direct):
     """Direct exactly when the plan gives one split and the head block is prebuilt direct
     (the seesaw pass's, decode.py's paged pass's over pages of partial tiles or FP8, DSA's
-    sparse pass's); then no combine. FORGEKERNEL_MLA_DIRECT=0 keeps the combine."""
+    sparse pass's); then no combine. plan_form(direct=False) and FORGEKERNEL_MLA_DIRECT=0 keep
+    the combine."""
     monkeypatch.setattr(mla_launch, "get_kernel", lambda spec, params: dict(params))
     monkeypatch.setattr(mla_launch, "num_sms", lambda device: 132)
     kind, units, hq, tokens, qtokens, fp8, ps = key
@@ -226,6 +227,11 @@ def test_launcher_takes_the_direct_form_for_one_split(monkeypatch, key, direct):
     assert kernel.get("fp8", False) == fp8 and "pdl" not in kernel
     if direct:
         assert splits == 1 and per >= tokens
+        kernel, combine, splits, _, _, _ = mla_launch._plan(
+            kind, torch.bfloat16, units, hq, tokens, qtokens, 0, fp8, ps,
+            form=(None, None, False, False),
+        )  # plan_form(direct=False)
+        assert "direct" not in kernel and combine["kind"] == "combine" and splits == 1
         monkeypatch.setenv("FORGEKERNEL_MLA_DIRECT", "0")
         kernel, combine, splits, _, _, _ = mla_launch._plan(
             kind, torch.bfloat16, units, hq, tokens, qtokens, 0, fp8, ps

@@ -78,9 +78,9 @@ from forgekernel.runtime.plans import PlanCache
 from forgekernel.runtime.scratch import scratch, scratches
 
 _plans = PlanCache()
-# `plan_form`'s (tiles per split or None, heads per CTA or None, work list), else None (in plan
-# keys)
-_plan_form: list[tuple[int | None, int | None, bool] | None] = [None]
+# `plan_form`'s (tiles per split or None, heads per CTA or None, work list, direct form), else
+# None (in plan keys)
+_plan_form: list[tuple[int | None, int | None, bool, bool] | None] = [None]
 
 
 def _flag(env: str, default: str) -> bool:
@@ -119,7 +119,10 @@ def ostore_enabled() -> bool:
 
 @contextmanager
 def plan_form(
-    per_tiles: int | None = None, heads: int | None = None, worklist: bool = False
+    per_tiles: int | None = None,
+    heads: int | None = None,
+    worklist: bool = False,
+    direct: bool = True,
 ) -> Iterator[None]:
     """The calls inside take `per_tiles` tiles per split (seesaw plans: 16-bit caches of
     whole-tile pages; DSA's sparse plans: TILE top-k positions a tile) and / or `heads` query
@@ -127,14 +130,16 @@ def plan_form(
     heads x tokens <= ROWS) instead of the plan's choice, their plans keyed apart: the bench's
     launcher-only variants, timed beside the standard plan in one process. worklist: seesaw
     plans of more than one split take the device-side work list (as FORGEKERNEL_MLA_WORKLIST=1;
-    not with per_tiles: the list sizes its splits itself)."""
+    not with per_tiles: the list sizes its splits itself). direct False: a plan of one split
+    keeps the partial pass and the combine (as FORGEKERNEL_MLA_DIRECT=0, keyed apart: the
+    bench's A/B of the direct forms in one process)."""
     if worklist and per_tiles is not None:
         raise ValueError("the work list sizes its splits itself: no per_tiles with worklist")
     if heads is not None and heads not in config.HEADS:
         raise ValueError(f"heads must be one of {config.HEADS}, got {heads}")
     if per_tiles is not None and per_tiles < 1:
         raise ValueError(f"per_tiles must be >= 1, got {per_tiles}")
-    before, _plan_form[0] = _plan_form[0], (per_tiles, heads, worklist)
+    before, _plan_form[0] = _plan_form[0], (per_tiles, heads, worklist, direct)
     try:
         yield
     finally:
@@ -204,7 +209,8 @@ def _plan(
     must have its rows 16-byte aligned (`_wide_rows`: the caller checks, and takes the plan
     built with narrow, the direct form's scalar stores, where they are not). The kernels are
     looked up here, once per problem (two compile-cache lookups cost 0.8 us a call on the CPU).
-    form: `plan_form`'s (tiles per split, heads per CTA, work list), either None for the plan's.
+    form: `plan_form`'s (tiles per split, heads per CTA, work list, direct form), the first two
+    None for the plan's.
     Work list (`plan_form(worklist=True)` or FORGEKERNEL_MLA_WORKLIST=1; seesaw plans of more
     than one split): (scheduling kernel, head blocks, fewest tiles a split, CTAs a wave, the
     table's width in tiles), the
@@ -227,7 +233,8 @@ def _plan(
         else:
             plan = sparse_split_plan if kind == "sparse" else config.split_plan
         splits, per = plan(units, hq // heads, max_tokens, num_sms(device_index), config.RESIDENT)
-    if config.runs_direct(splits, heads, qtokens, kind == "sparse") and direct_enabled():
+    direct = direct_enabled() and (form is None or form[3])
+    if config.runs_direct(splits, heads, qtokens, kind == "sparse") and direct:
         # (decode.py's passes have no PDL build: their key as the partial pass's)
         ostore = tma and not narrow and config.runs_ostore(heads, qtokens) and ostore_enabled()
         params = config.params_for(kind, name, heads, qtokens, fp8, tma, direct=True,
@@ -283,7 +290,7 @@ def _schedule(worklist, seq, cu, causal, units, q_blocks, splits, outs) -> torch
 # the plan form of a call that brings a schedule (`make_schedule`): the work list's ranges form
 # (items with their own partials, no bound from the width plan's splits), keyed apart
 RANGES = "ranges"
-SCHEDULED = (None, None, RANGES)
+SCHEDULED = (None, None, RANGES, True)
 
 
 def schedule_key(dtype, batch, hq, max_tokens, max_seqlen_q, packed, device_index, page_size):
