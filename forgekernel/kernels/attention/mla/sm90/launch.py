@@ -21,12 +21,12 @@ FP8 caches' bytes go by cp.async into their own stage and are dequantized there 
 later (decode.py; 0.873-0.943x the register form's time on dsa_sparse's FP8 cases, H200
 2026-12-03 06:21, which was then dropped: MLA_NOTES.md).
 
-`plan_form` fixes a plan's tiles per split and / or heads per CTA for the calls inside (keyed
-apart): launcher-only candidates, timed by the bench's variants beside the standard plan
-(MLA_NOTES.md, "Measured 2026-12-03 16:40"). (The `pair` form, clusters of 2 head blocks sharing
-each tile's loads by TMA multicast, was measured 2.4-8.8% slower on every case it ran and lost
-its knob; its compile path stays in seesaw.py / config.py, the kernel sources, until their next
-edit.)
+`plan_form` fixes a plan's tiles per split and / or heads per CTA for the calls inside, or keeps
+a one-split plan off the direct form (keyed apart): launcher-only candidates, timed by the
+bench's variants beside the standard plan (MLA_NOTES.md, "Measured 2026-12-03 16:40"). (The
+`pair` form, clusters of 2 head blocks sharing each tile's loads by TMA multicast, was measured
+2.4-8.8% slower on every case it ran and lost its knob; its compile path stays in seesaw.py /
+config.py, the kernel sources, until their next edit.)
 
 Direct plans of `config.OSTORE_BLOCKS` (64 x 1, 32 x 2: the 128-head blocks) run their
 `ostore` compile, O staged in bf16 / fp16 over the K buffers and sent by 16-byte stores
