@@ -78,19 +78,24 @@ def runs_ostore(heads: int, qtokens: int) -> bool:
 
 
 def tile_split_plan(
-    batch: int, head_blocks: int, max_tokens: int, num_sms: int, resident: int
+    batch: int,
+    head_blocks: int,
+    max_tokens: int,
+    num_sms: int,
+    resident: int,
+    least: int = MIN_TOKENS_PER_SPLIT,
 ) -> tuple[int, int]:
     """(splits, tokens per split) in whole TILE-key tiles (the seesaw pass loads 64-row TMA
     boxes of one page: a split starts on a tile boundary): the tiles per split minimizing the
     makespan waves x (tiles + SPLIT_OVERHEAD_TILES) over units of batch x head_blocks CTAs each
     ceil(tiles / per) splits, waves of num_sms x resident CTAs; ties to fewer splits. At least
-    MIN_TOKENS_PER_SPLIT keys a split (the paged leaf's bound) unless the sequence is
-    shorter. (The paged leaf's plan rounded up to tiles loses CTAs: b1 x 65536 keys ran 114
-    CTAs of 9 tiles where 128 of 8 fit one wave.)"""
+    `least` keys a split (default MIN_TOKENS_PER_SPLIT, the paged leaf's bound) unless the
+    sequence is shorter. (The paged leaf's plan rounded up to tiles loses CTAs: b1 x 65536 keys
+    ran 114 CTAs of 9 tiles where 128 of 8 fit one wave.)"""
     units = max(1, batch * head_blocks)
     tiles = max(1, -(-max_tokens // TILE))
     slots = num_sms * resident
-    fewest = min(tiles, max(1, MIN_TOKENS_PER_SPLIT // TILE))
+    fewest = min(tiles, max(1, least // TILE))
 
     def cost(per: int) -> tuple[int, int]:
         splits = -(-tiles // per)

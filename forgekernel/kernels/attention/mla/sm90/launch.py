@@ -181,18 +181,8 @@ def sparse_split_plan(
     token ran 8 splits of 4 tiles (the paged bound: 8 CTAs for the whole call) in 24.6 us, 16
     of 2 in 16.1, 32 of 1 in 13.1 (FlashMLA FP8 18.0; H200 2026-12-04 17:35), as the model has
     it (6 : 4 : 3). From 16 tokens at 16 heads the plan is the bound's (t16 8 splits, t64 2,
-    t128 1; 2 tiles a split at t16 ran 1.121x the time, 2 splits at t128 1.038x). Host code
-    here rather than a bound argument of config.tile_split_plan: config.py is part of the
-    kernels' source hash, which a plan does not change."""
-    tiles = max(1, -(-topk // config.TILE))
-    units, slots = max(1, tokens * head_blocks), sms * resident
-
-    def cost(per: int) -> tuple[int, int]:
-        splits = -(-tiles // per)
-        return -(-units * splits // slots) * (per + config.SPLIT_OVERHEAD_TILES), splits
-
-    per = min(range(1, tiles + 1), key=cost)
-    return -(-tiles // per), per * config.TILE
+    t128 1; 2 tiles a split at t16 ran 1.121x the time, 2 splits at t128 1.038x)."""
+    return config.tile_split_plan(tokens, head_blocks, topk, sms, resident, least=config.TILE)
 
 
 def _plan(
