@@ -56,16 +56,21 @@ LATENT, ROPE = 512, 64
 
 def test_sparse_compile_keys():
     """Kind "sparse": dtype and heads per CTA only; prebuilt for both dtypes and every heads
-    per CTA dividing 16 and 128 (TP8 / TP1) and each one's own block; one query token per
-    CTA."""
+    per CTA dividing 16 and 128 (TP8 / TP1) and each one's own block, each in its partial
+    and its direct form (`direct`: a plan of one split); one query token per CTA."""
     assert dict(params_for("sparse", "bfloat16", 16)) == {
         "kind": "sparse", "dtype": "bfloat16", "heads": 16,
     }  # fmt: skip
+    assert dict(params_for("sparse", "bfloat16", 16, fp8=True, direct=True)) == {
+        "kind": "sparse", "dtype": "bfloat16", "heads": 16, "fp8": True, "direct": True,
+    }  # fmt: skip
     assert sparse_heads() == (*(h for h in HEADS if 16 % h == 0 and 128 % h == 0), 64)
     sparse = {p for p in SPEC.standard_params() if dict(p)["kind"] == "sparse"}
-    assert sparse == {params_for("sparse", d, h) for d in ("float16", "bfloat16")
-                      for h in sparse_heads()} | {params_for("sparse", "bfloat16", h, fp8=True)
-                                                  for h in sparse_heads()}  # fmt: skip
+    forms = [("float16", False), ("bfloat16", False), ("bfloat16", True)]
+    assert sparse == {params_for("sparse", d, h, fp8=fp8, direct=direct) for d, fp8 in forms
+                      for h in sparse_heads() for direct in (False, True)}  # fmt: skip
+    with pytest.raises(ValueError, match="ostore"):
+        params_for("sparse", "bfloat16", 16, direct=True, ostore=True)
     assert heads_per_cta(16) in sparse_heads() and heads_per_cta(128) in sparse_heads()
     with pytest.raises(ValueError, match="one query token"):
         params_for("sparse", "bfloat16", 8, 2)
@@ -89,7 +94,7 @@ def test_split_plan_covers_the_list(tokens, hq, topk):
 
 def _sparse_partial(
     qn, qp, ckv, kpe, ckv_scale, idx, seq, op_, lp, scale_log2, per, page_size, cu, causal,
-    q_blocks,
+    q_blocks, direct=False,
 ):  # fmt: skip
     """The sparse partial pass (decode.py, sparse=True) of every CTA (split, head block, token)
     at once: a row's arithmetic does not depend on its head block. Per split, list positions
@@ -97,11 +102,17 @@ def _sparse_partial(
     for the loads (page entry // page_size, slot entry % page_size), scored over all 576
     columns at once with one running max per (token, head) row, positions >= t1 and entries
     < 0 masked; P in q's dtype before P V. FP8 (ckv_scale given): the latent rows dequantized
-    into bf16 as the kernel does."""
+    into bf16 as the kernel does. The split's O x 1 / sum and log2 LSE in fp32: the partials
+    op_ / lp, or in the direct form (op_ out (tokens, Hq, 512) in q's dtype, lp the natural
+    lse; one split, per covering the list) O rounded to q's dtype and the LSE x ln 2, as
+    `_write_split` writes them."""
     assert seq is None and cu is None and causal == 0 and q_blocks == 1
     tokens, topk = idx.shape
+    if direct:
+        assert op_.dtype == qn.dtype and op_.shape == (*qn.shape[:2], LATENT)
+        assert lp.dtype == torch.float32 and lp.shape == qn.shape[:2] and per >= topk
     q = torch.cat([qn, qp], -1).double()
-    for s in range(op_.shape[0]):
+    for s in range(1 if direct else op_.shape[0]):
         t0, t1 = s * per, min(s * per + per, topk)
         m = torch.full(qn.shape[:2], -math.inf, dtype=torch.float64)
         lsum = torch.zeros(qn.shape[:2], dtype=torch.float64)
@@ -127,22 +138,37 @@ def _sparse_partial(
             o = o * corr[..., None] + pv
             m = m_new
         seen = lsum > 0
-        op_[s] = torch.where(seen[..., None], o / torch.where(seen, lsum, 1.0)[..., None], 0.0)
-        lp[s] = torch.where(seen, m * scale_log2 + torch.log2(lsum), -math.inf)
+        o_s = torch.where(seen[..., None], o / torch.where(seen, lsum, 1.0)[..., None], 0.0)
+        lse_s = torch.where(seen, m * scale_log2 + torch.log2(lsum), -math.inf).float()
+        if direct:
+            op_.copy_(o_s.float().to(op_.dtype))
+            lp.copy_(lse_s * math.log(2))
+        else:
+            op_[s], lp[s] = o_s, lse_s
+
+
+class _Calls(list):
+    """The sparse pass's calls' (params, args), and the combine's launches (`combines`)."""
+
+    combines = 0
 
 
 @pytest.fixture
 def sparse_kernels(monkeypatch):
     """The launcher's kernels replaced by the replay; the sparse calls' (params, args)."""
-    calls = []
+    calls = _Calls()
+
+    def combine(*args):
+        calls.combines += 1
+        combine_splits(*args)
 
     def get_kernel(spec, params):
         assert spec is SPEC
         p = dict(params)
         if p["kind"] == "combine":  # the CTA or the warp form (called alike)
             assert params == params_for("combine", p["dtype"], warps=p.get("form") == "warps")
-            return combine_splits
-        assert p["kind"] == "sparse" and p["heads"] * 1 <= ROWS
+            return combine
+        assert p["kind"] == "sparse" and p["heads"] * 1 <= ROWS and "pdl" not in p
 
         def partial(*args):
             assert args[0].dtype == getattr(torch, p["dtype"]) and len(args) == 15
@@ -150,7 +176,7 @@ def sparse_kernels(monkeypatch):
             fp8 = p.get("fp8", False)
             assert (args[4] is not None) == fp8 and (args[2].dtype == torch.uint8) == fp8
             calls.append((p, args))
-            _sparse_partial(*args)
+            _sparse_partial(*args, direct=p.get("direct", False))
 
         return partial
 
@@ -221,12 +247,13 @@ def test_sparse_matches_the_reference(sparse_kernels, tokens, hq, page_size, val
     empty = torch.tensor([n == 0 for n in valid])
     assert torch.all(out[empty] == 0) and torch.all(torch.isneginf(lse[empty]))
     params, args = sparse_kernels[-1]
+    splits, want_per = mla_launch.sparse_split_plan(tokens, hq // heads_per_cta(hq), topk, 132, 1)
     assert params == dict(params_for("sparse", str(dtype).removeprefix("torch."),
-                                     heads_per_cta(hq)))  # fmt: skip
+                                     heads_per_cta(hq), direct=splits == 1))  # fmt: skip
     scale_log2, per, ps = args[9:12]
     assert abs(scale_log2 - SCALE * math.log2(math.e)) < 1e-9 and ps == page_size
-    splits, want_per = mla_launch.sparse_split_plan(tokens, hq // params["heads"], topk, 132, 1)
-    assert per == want_per and args[7].shape == (splits, tokens, hq, LATENT)
+    assert per == want_per and sparse_kernels.combines == (splits > 1)
+    assert args[7].shape == ((tokens, hq, LATENT) if splits == 1 else (splits, tokens, hq, LATENT))
 
 
 def test_splits_of_a_long_list(sparse_kernels):
@@ -254,6 +281,163 @@ def test_plan_form_sets_the_positions_a_split(sparse_kernels, per_tiles):
     _assert_close(out, lse, *_want(qn, qp, ckv, kpe, idx))
     _, args = sparse_kernels[-1]
     assert args[10] == per_tiles * TILE and args[7].shape[0] == 2048 // (per_tiles * TILE)
+
+
+# plans of one split (sparse_split_plan at 132 SMs): the bench's t128-h16 and t64-h128 shapes
+# (topk 256 here: 4 tiles; 2048 gives the same one split), a prefill's 24-head blocks of 8, two
+# tokens of one tile; FP8 (packed FlashMLA rows) and 16-bit caches
+DIRECT_CASES = [
+    # (tokens, hq, page size, valid, topk, pad, cache)
+    (128, 16, 64, [(7 * t) % 257 for t in range(128)], 256, "scattered", "fp8"),
+    (128, 16, 1, [(5 * t) % 250 for t in range(128)], 250, "end", "split"),
+    (64, 128, 64, [(11 * t) % 257 for t in range(64)], 256, "scattered", "fp8"),
+    (64, 128, 16, [(3 * t) % 200 for t in range(64)], 200, "end", "combined"),
+    (48, 24, 16, [(13 * t) % 130 for t in range(48)], 130, "scattered", "fp8"),
+    (2, 16, 64, [0, 40], 64, "end", "combined"),
+]
+
+
+def _direct_problem(tokens, hq, page_size, valid, topk, pad, cache):
+    """A DIRECT_CASES problem: (q_nope, q_pe, ckv, kpe or None, idx, reference (out, lse))."""
+    qn, qp, ckv, kpe, idx = _problem(tokens, hq, page_size, valid, topk, pad=pad,
+                                     combined=cache == "combined", seed=tokens + hq)  # fmt: skip
+    if cache == "fp8":
+        pages = max(-(-max(valid) // page_size), 1) + 3
+        ckv, kpe = _fp8_cache(pages, page_size, torch.Generator().manual_seed(3)), None
+        return qn, qp, ckv, kpe, idx, _fp8_want(qn, qp, ckv, idx)
+    return qn, qp, ckv, kpe, idx, _want(qn, qp, ckv, kpe, idx)
+
+
+@pytest.mark.parametrize("case", DIRECT_CASES, ids=lambda c: f"t{c[0]}-h{c[1]}-p{c[2]}-{c[6]}")
+def test_direct_form_is_the_combine_of_one_split(sparse_kernels, monkeypatch, case):
+    """A plan of one split runs the sparse pass's direct form: one launch writing the caller's
+    NaN-poisoned out and the lse (no partials allocated, no combine), the reference's result,
+    rows listing no slot 0 / -inf; and the same bits as the partial pass + the combine of the
+    same one-split plan (FORGEKERNEL_MLA_DIRECT=0): O equal, LSE equal (both the split's fp32
+    log2 LSE x ln 2)."""
+    tokens, hq, _, valid, topk, _, cache = case
+    qn, qp, ckv, kpe, idx, (want, want_lse) = _direct_problem(*case)
+    splits, _ = mla_launch.sparse_split_plan(tokens, hq // heads_per_cta(hq), topk, 132, 1)
+    assert splits == 1
+
+    def no_partials(*args):
+        raise AssertionError("the direct form allocates no partials")
+
+    results = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("FORGEKERNEL_MLA_DIRECT", flag)
+        mla_launch._plans.clear()
+        out = torch.full((tokens, hq, LATENT), float("nan"), dtype=qn.dtype)
+        with monkeypatch.context() as m:
+            if flag == "1":
+                m.setattr(mla_launch, "_partials", no_partials)
+            got, lse = op.dsa_sparse_attention(qn, qp, ckv, kpe, idx, softmax_scale=SCALE,
+                                               out=out, return_lse=True)  # fmt: skip
+        assert got is out
+        results.append((out, lse))
+    assert sparse_kernels.combines == 1  # the partial run's alone
+    (direct, _), (split, _) = sparse_kernels
+    assert direct == dict(params_for("sparse", "bfloat16", heads_per_cta(hq), fp8=cache == "fp8",
+                                     direct=True))  # fmt: skip
+    assert "direct" not in split
+    (out, lse), (split_out, split_lse) = results
+    atol = 2e-2 + (float(want.abs().max()) * 2**-8 if cache == "fp8" else 0.0)
+    _assert_close(out, lse, want, want_lse, atol=atol)
+    empty = torch.tensor([n == 0 for n in valid])
+    assert torch.all(out[empty] == 0) and torch.all(torch.isneginf(lse[empty]))
+    assert torch.equal(out, split_out) and torch.equal(lse, split_lse)
+
+
+def test_two_splits_keep_the_combine(sparse_kernels):
+    """plan_form(per_tiles=2) on a one-split problem (t128-h16, 4 tiles): two splits, the
+    partial pass and the combine, both the reference's result (the same math, another order of
+    the sums)."""
+    qn, qp, ckv, kpe, idx, (want, want_lse) = _direct_problem(*DIRECT_CASES[0])
+    out, lse = op.dsa_sparse_attention(qn, qp, ckv, kpe, idx, softmax_scale=SCALE,
+                                       return_lse=True)  # fmt: skip
+    with mla_launch.plan_form(per_tiles=2):
+        split_out, split_lse = op.dsa_sparse_attention(qn, qp, ckv, kpe, idx,
+                                                       softmax_scale=SCALE,
+                                                       return_lse=True)  # fmt: skip
+    (direct, _), (split, args) = sparse_kernels
+    assert direct.get("direct") and "direct" not in split and sparse_kernels.combines == 1
+    assert args[7].shape == (2, 128, 16, LATENT) and args[10] == 2 * TILE
+    atol = 2e-2 + float(want.abs().max()) * 2**-8  # (FP8 rows: values up to ~10, bf16 out)
+    _assert_close(out, lse, want, want_lse, atol=atol)
+    _assert_close(split_out, split_lse, want, want_lse, atol=atol)
+    assert float((out.float() - split_out.float()).abs().max()) <= 2 * atol
+
+
+def test_plan_form_without_the_direct_form(sparse_kernels):
+    """plan_form(direct=False) (the bench's split1 variants): a one-split plan on the partial
+    pass + the combine, keyed apart from the standard plan in one process; the same bits as
+    the direct form."""
+    qn, qp, ckv, kpe, idx, _ = _direct_problem(*DIRECT_CASES[2])
+    out, lse = op.dsa_sparse_attention(qn, qp, ckv, kpe, idx, softmax_scale=SCALE,
+                                       return_lse=True)  # fmt: skip
+    with mla_launch.plan_form(direct=False):
+        split_out, split_lse = op.dsa_sparse_attention(qn, qp, ckv, kpe, idx,
+                                                       softmax_scale=SCALE,
+                                                       return_lse=True)  # fmt: skip
+    again, _ = op.dsa_sparse_attention(qn, qp, ckv, kpe, idx, softmax_scale=SCALE,
+                                       return_lse=True)  # fmt: skip
+    assert [p.get("direct", False) for p, _ in sparse_kernels] == [True, False, True]
+    assert sparse_kernels.combines == 1 and sparse_kernels[1][1][7].shape[0] == 1
+    assert torch.equal(out, split_out) and torch.equal(lse, split_lse)
+    assert torch.equal(out, again)
+
+
+def test_direct_epilogue_is_the_kernels():
+    """The replays' direct form is decode.py's `_write_split` direct branch: O x 1 / sum (fp32)
+    rounded to out's dtype at (q_off + token, head, column), the LSE (log2) x LN2 from
+    warpgroup 0's quad leaders; the partial branch's fp32 stores as before; the grid's one
+    split (z 1, not the partials' leading mode)."""
+    import inspect
+
+    from forgekernel.kernels.attention.mla.sm90 import decode
+
+    src = inspect.getsource(decode.MlaDecodeSm90._write_split)
+    direct, partial = src.split("                else:\n")
+    assert "if const_expr(self.direct):" in direct
+    assert "value = (o[r, c] * inv).to(mOp.element_type)" in direct
+    assert "mOp[q_off + token, head, o_crd[r, c][1]] = value" in direct
+    assert "mLp[q_off + token, head] = lse * LN2" in direct
+    assert "mOp[split, q_off + token, head, o_crd[r, c][1]] = o[r, c] * inv" in partial
+    assert "mLp[split, q_off + token, head] = lse" in partial
+    call = inspect.getsource(decode.MlaDecodeSm90.__call__)
+    assert "1 if const_expr(self.direct) else mOp.shape[0]" in call
+
+
+@pytest.mark.parametrize(
+    ("kind", "dtype", "heads", "fp8"),
+    [("sparse", "bfloat16", 16, True), ("sparse", "float16", 64, False),
+     ("partial", "bfloat16", 16, True)],
+)  # fmt: skip
+def test_direct_compile(kind, dtype, heads, fp8):
+    """decode.py's direct form against its partial form (cu13 ptxas, sm_90a): the same
+    registers (229 FP8, 212 16-bit sparse; 248 the paged FP8 pass), no spills; its epilogue's
+    128 fp32 STG.E a thread become 128 STG.E.U16 after one F2FP each, the LSE's two STG.E
+    stay; the mainloop's WGMMAs, barriers, copies and shared-memory accesses unchanged."""
+    from forgekernel.runtime.resources import find_tool
+
+    if find_tool("cuobjdump") is None:
+        pytest.skip("cuobjdump not found")
+    from test_mla_seesaw_compile import _compiled
+
+    res0, ops0, _ = _compiled(params_for(kind, dtype, heads, fp8=fp8))
+    res, ops, _ = _compiled(params_for(kind, dtype, heads, fp8=fp8, direct=True))
+    assert res["spill_bytes"] == res0["spill_bytes"] == 0
+    assert res["registers"] == res0["registers"] <= 255
+    assert ops0["STG.E"] == 130 and ops0["STG.E.U16"] == 0
+    assert ops["STG.E"] == 2 and ops["STG.E.U16"] == 128
+    f2fp = "F2FP.BF16.F32.PACK_AB" if dtype == "bfloat16" else "F2FP.F16.F32.PACK_AB"
+    assert ops[f2fp] == ops0[f2fp] + 128
+
+    def count(counts, prefix):
+        return sum(v for k, v in counts.items() if k.startswith(prefix))
+
+    for op_name in ("HGMMA", "WARPGROUP", "BAR", "LDGSTS", "LDG", "STSM", "LDS", "STS", "MUFU"):
+        assert count(ops, op_name) == count(ops0, op_name), op_name
 
 
 def _fp8_want(qn, qp, packed, idx):

@@ -94,10 +94,14 @@ def test_compile_keys():
     partial = [dict(p) for p in SPEC.standard_params() if dict(p)["kind"] == "partial"]
     per_pass = sum(1 for h in HEADS for t in QTOKENS if h * t <= ROWS)
     # fp16 and bf16 (the seesaw pass and decode.py's), FP8 cache with bf16 queries (one form:
-    # the bytes staged in their stage), the seesaw's direct form of the served head blocks in
-    # both dtypes
+    # the bytes staged in their stage), each pass's direct form of the served head blocks (the
+    # seesaw's and decode.py's in both dtypes, decode.py's over FP8)
     direct = [p for p in partial if p.get("direct") and not p.get("pair") and not p.get("ostore")]
-    assert len(direct) == 2 * len(direct_blocks()) == 12 and all(p["tma"] for p in direct)
+    assert len(direct) == 5 * len(direct_blocks()) == 30
+    assert sorted((p["dtype"], p.get("tma", False), p.get("fp8", False)) for p in direct) == sorted(
+        (d, tma, fp8) for d, tma, fp8 in [(d, t, False) for d in DTYPES for t in (True, False)]
+        + [("bfloat16", False, True)] for _ in direct_blocks()
+    )  # fmt: skip
     # the pair form (measured slower, dropped): not prebuilt
     assert not any(p.get("pair") for p in partial)
     # the direct form's O store through shared memory (the 128-head blocks' default): both dtypes
@@ -109,7 +113,7 @@ def test_compile_keys():
     ranged = [p for p in partial if p.get("ranges")]
     assert len(ranged) == 2 * per_pass and all(p["worklist"] and p["tma"] for p in ranged)
     assert len(partial) == 5 * per_pass + len(direct) + len(ostore) + len(ranged)
-    fp8 = [p for p in partial if p.get("fp8")]
+    fp8 = [p for p in partial if p.get("fp8") and not p.get("direct")]
     assert sorted((p["heads"], p.get("qtokens", 1)) for p in fp8) == sorted(
         (h, t) for h in HEADS for t in QTOKENS if h * t <= ROWS
     )
@@ -119,8 +123,11 @@ def test_compile_keys():
         == 2 * per_pass
     )
     assert all(p["dtype"] == "bfloat16" for p in partial if p.get("fp8"))
-    with pytest.raises(ValueError, match="direct form"):
-        params_for("partial", "bfloat16", 16, direct=True)
+    assert dict(params_for("partial", "bfloat16", 16, fp8=True, direct=True)) == {
+        "kind": "partial", "dtype": "bfloat16", "heads": 16, "fp8": True, "direct": True,
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="ostore"):
+        params_for("partial", "bfloat16", 16, direct=True, ostore=True)
     assert all(p["heads"] * p.get("qtokens", 1) <= ROWS for p in partial)
     with pytest.raises(ValueError, match="kind"):
         params_for("decode", "bfloat16")
@@ -187,16 +194,27 @@ DIRECT_PLANS = [
     (("partial", 3, 16, 128, 1, False, 64), True),  # short sequences: one split whatever B
     (("partial", 3, 16, 320, 4, False, 64), False),  # MTP 4 over 320 keys: 2 splits
     (("partial", 3, 24, 128, 1, False, 64), False),  # 8-head blocks: not prebuilt direct
-    (("partial", 3, 16, 128, 1, False, 16), False),  # page 16: decode.py
-    (("partial", 200, 16, 8192, 1, True, 64), False),  # FP8 cache: decode.py
-    (("sparse", 200, 16, 2048, 1, False, 1), False),  # DSA
+    (("partial", 3, 16, 128, 1, False, 16), True),  # page 16: decode.py's direct form
+    (("partial", 128, 16, 8192, 1, True, 64), True),  # FP8 b128-h16: decode.py's direct form
+    (("partial", 200, 16, 8192, 1, True, 64), False),  # FP8 b200: 3 splits (the paged plan)
+    (("partial", 16, 128, 8192, 1, True, 64), False),  # FP8 b16-h128: 4 splits
+    (("partial", 64, 16, 4096, 1, False, 1), False),  # page 1 b64-h16: 2 splits
+    (("sparse", 200, 16, 2048, 1, False, 1), False),  # DSA t200-h16: 3 splits of 11 tiles
+    (("sparse", 1024, 16, 2048, 1, False, 1), True),  # DSA prefill: the sparse direct form
+    (("sparse", 128, 16, 2048, 1, True, 64), True),  # DSA t128-h16 (FP8)
+    (("sparse", 64, 128, 2048, 1, True, 64), True),  # DSA t64-h128: 64-head blocks
+    (("sparse", 64, 16, 2048, 1, True, 64), False),  # DSA t64-h16: 2 splits
+    (("sparse", 512, 24, 2048, 1, False, 64), True),  # a prefill's 8-head blocks
+    (("sparse", 512, 32, 2048, 1, False, 64), False),  # 32-head blocks: not prebuilt sparse
 ]
 
 
 @pytest.mark.parametrize(("key", "direct"), DIRECT_PLANS)
 def test_launcher_takes_the_direct_form_for_one_split(monkeypatch, key, direct):
-    """Direct exactly when the plan gives one split, the seesaw pass runs and the head block is
-    prebuilt direct; then no combine. FORGEKERNEL_MLA_DIRECT=0 keeps the combine."""
+    """Direct exactly when the plan gives one split and the head block is prebuilt direct
+    (the seesaw pass's, decode.py's paged pass's over pages of partial tiles or FP8, DSA's
+    sparse pass's); then no combine. plan_form(direct=False) and FORGEKERNEL_MLA_DIRECT=0 keep
+    the combine."""
     monkeypatch.setattr(mla_launch, "get_kernel", lambda spec, params: dict(params))
     monkeypatch.setattr(mla_launch, "num_sms", lambda device: 132)
     kind, units, hq, tokens, qtokens, fp8, ps = key
@@ -204,8 +222,16 @@ def test_launcher_takes_the_direct_form_for_one_split(monkeypatch, key, direct):
         kind, torch.bfloat16, units, hq, tokens, qtokens, 0, fp8, ps
     )
     assert kernel.get("direct", False) == direct and (combine is None) == direct
+    seesaw = kind == "partial" and not fp8 and ps % TILE == 0
+    assert kernel["kind"] == kind and kernel.get("tma", False) == seesaw
+    assert kernel.get("fp8", False) == fp8 and "pdl" not in kernel
     if direct:
-        assert splits == 1 and per >= tokens and kernel["tma"]
+        assert splits == 1 and per >= tokens
+        kernel, combine, splits, _, _, _ = mla_launch._plan(
+            kind, torch.bfloat16, units, hq, tokens, qtokens, 0, fp8, ps,
+            form=(None, None, False, False),
+        )  # plan_form(direct=False)
+        assert "direct" not in kernel and combine["kind"] == "combine" and splits == 1
         monkeypatch.setenv("FORGEKERNEL_MLA_DIRECT", "0")
         kernel, combine, splits, _, _, _ = mla_launch._plan(
             kind, torch.bfloat16, units, hq, tokens, qtokens, 0, fp8, ps
@@ -254,6 +280,53 @@ def test_direct_form_is_the_split_path_of_one_split(cpu_kernels, monkeypatch, b,
     assert torch.equal(torch.isneginf(lse), torch.isneginf(split_lse))
     finite = torch.isfinite(lse)
     assert torch.allclose(lse[finite], split_lse[finite], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("b", "hq", "page_size", "lens", "s_q", "fp8"),
+    [
+        (3, 16, 16, [37, 0, 100], 1, False),  # 16 x 1, page 16
+        (4, 128, 1, [1, 63, 65, 200], 1, False),  # 64 x 1, page 1
+        (3, 16, 16, [5, 0, 130], 2, True),  # 16 x 2, FP8
+        (2, 32, 64, [3, 90], 3, True),  # 16 x 4 (3 tokens), FP8 on page 64
+        (2, 32, 1, [0, 250], 1, True),  # 32 x 1, FP8 on page 1
+    ],
+)
+def test_roles_direct_form_is_the_split_path_of_one_split(cpu_kernels, monkeypatch, b, hq,
+                                                           page_size, lens, s_q, fp8):  # fmt: skip
+    """decode.py's paged pass (pages of partial tiles, FP8 caches) on plans of one split: its
+    direct form's one launch (no partials, no combine) gives the reference and the same bits
+    as its partial form + the combine of that plan (FORGEKERNEL_MLA_DIRECT=0)."""
+    if fp8:
+        qn, qp, ckv, table, seq = _fp8_problem(b, hq, page_size, lens, s_q, seed=b + s_q)
+        kpe = None
+        want, want_lse = _fp8_reference(qn, qp, ckv, table, seq)
+    else:
+        qn, qp, ckv, kpe, table, seq = _problem(b, hq, page_size, lens, s_q, seed=b + s_q)
+        want, want_lse = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
+
+    def no_partials(*args):
+        raise AssertionError("the direct form allocates no partials")
+
+    results = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("FORGEKERNEL_MLA_DIRECT", flag)
+        mla_launch._plans.clear()
+        with monkeypatch.context() as m:
+            if flag == "1":
+                m.setattr(mla_launch, "_partials", no_partials)
+            results.append(op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE,
+                                         return_lse=True))  # fmt: skip
+    (direct, _, _), (split, _, _) = cpu_kernels
+    assert direct["direct"] and "tma" not in direct and direct.get("fp8", False) == fp8
+    assert "direct" not in split and split.get("fp8", False) == fp8
+    (out, lse), (split_out, split_lse) = results
+    if fp8:
+        _assert_close_fp8(out, lse, want, want_lse)
+    else:
+        _assert_close(out, lse, want, want_lse)
+    assert torch.all(out.transpose(1, 2)[torch.isneginf(want_lse)] == 0)
+    assert torch.equal(out, split_out) and torch.equal(lse, split_lse)
 
 
 # ---------------------------------------------------------------- FP8 dequantization
@@ -325,14 +398,18 @@ def test_fp8_dequantization_is_exact_on_every_code():
 
 
 def _partial(qn, qp, ckv, kpe, ckv_scale, pt, seq, op_, lp, scale_log2, per, page_size, cu,
-             causal, q_blocks, *, heads, qtokens):  # fmt: skip
+             causal, q_blocks, *, heads, qtokens, direct=False):  # fmt: skip
     """The partial pass (decode.py) of CTA (split, head block, sequence x query block): rows
     (token i, head h) of `heads` x `qtokens`, block k of a sequence's query tokens starting at
     token k qtokens; the split's keys in tiles of TILE, each tile's scores over all its keys at
     once (one running max per row), keys clamped to the split's last and masked past it / past
     the causal limit; P in q's dtype before P V. FP8 (ckv_scale given): the latent rows
-    dequantized into bf16 as the kernel does."""
+    dequantized into bf16 as the kernel does. The split's O x 1 / sum and log2 LSE in fp32:
+    the partials op_ / lp, or in the direct form (op_ out (rows, Hq, 512) in q's dtype, lp the
+    natural lse; one split) O rounded to q's dtype and the LSE x ln 2 (`_write_split`)."""
     _, hq, _ = qn.shape
+    if direct:
+        assert op_.dtype == qn.dtype and op_.shape == (*qn.shape[:2], LATENT)
     assert hq % heads == 0 and heads * qtokens <= ROWS and (cu is None) == (qtokens == 1)
     assert cu is not None or q_blocks == 1
     rows = [(i, h) for i in range(qtokens) for h in range(heads)]
@@ -350,8 +427,9 @@ def _partial(qn, qp, ckv, kpe, ckv_scale, pt, seq, op_, lp, scale_log2, per, pag
                 torch.cat([qn[q_off + i, h0 + h], qp[q_off + i, h0 + h]]).double()
                 if i < sq else zero for i, h in rows
             ])  # fmt: skip
-            per_u = unit_per(per, kv_end, op_.shape[0])
-            for s in range(op_.shape[0]):
+            splits = 1 if direct else op_.shape[0]
+            per_u = unit_per(per, kv_end, splits)
+            for s in range(splits):
                 t0, t1 = s * per_u, min(s * per_u + per_u, kv_end)
                 limit = torch.tensor([
                     (min(t1, kv_end - sq + i + 1) if causal else t1) if i < sq else 0
@@ -382,10 +460,16 @@ def _partial(qn, qp, ckv, kpe, ckv_scale, pt, seq, op_, lp, scale_log2, per, pag
                 for r, (i, h) in enumerate(rows):
                     if i < sq:
                         seen = bool(lsum[r] > 0)
-                        op_[s, q_off + i, h0 + h] = o[r] / lsum[r] if seen else 0.0
-                        lp[s, q_off + i, h0 + h] = (
-                            m[r] * scale_log2 + torch.log2(lsum[r]) if seen else -math.inf
-                        )
+                        o_r = (o[r] / lsum[r] if seen else torch.zeros(LATENT)).float()
+                        lse_r = (m[r] * scale_log2 + torch.log2(lsum[r])).float()
+                        if not seen:
+                            lse_r = torch.tensor(-math.inf)
+                        if direct:
+                            op_[q_off + i, h0 + h] = o_r.to(op_.dtype)
+                            lp[q_off + i, h0 + h] = lse_r * math.log(2)
+                        else:
+                            op_[s, q_off + i, h0 + h] = o_r
+                            lp[s, q_off + i, h0 + h] = lse_r
 
 
 def _ranged_replay(p: dict):
@@ -422,7 +506,10 @@ def cpu_kernels(monkeypatch):
             if p.get("direct", False):
                 assert args[7].dtype == args[0].dtype and args[8].dtype == torch.float32
                 assert not p.get("ostore", False) or mla_launch._wide_rows(args[7])
-                seesaw_partial(*args, **kw, direct=True)
+                if p.get("tma", False):
+                    seesaw_partial(*args, **kw, direct=True)
+                else:
+                    _partial(*args, **kw, direct=True)
             elif p.get("tma", False):
                 seesaw_partial(*args, **kw)
             else:

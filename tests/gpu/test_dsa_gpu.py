@@ -9,7 +9,10 @@ dsa_sparse_attention definitions through the adapter, by their own criterion (|o
 <= 1e-2 or relative 1e-2 per element, bench/flashinfer_defs.py). FlashMLA's FP8 cache (bf16
 queries): decode batches, padding, 16 / 128 heads, page sizes 1 / 64, a prefill, against the
 reference on the dequantized latent (same criterion), in a CUDA graph, and beside FlashMLA's own
-sparse decode (the suite's comparator) where sgl-flash-mla is installed."""
+sparse decode (the suite's comparator) where sgl-flash-mla is installed. Plans of one split (the
+bench's t128-h16 and t64-h128, a prefill; FP8 and 16-bit): the sparse pass's direct form, bit
+for bit the partial pass + combine of the same plan (FORGEKERNEL_MLA_DIRECT=0), and beside a
+plan forced to two splits (launch.plan_form)."""
 
 from __future__ import annotations
 
@@ -198,3 +201,84 @@ def test_flashinfer_bench_definition_through_the_kernel(name):
     assert ours_out.dtype == theirs_out.dtype and torch.isfinite(ours_out).all()
     assert defs.benchmark_failures(ours_out, theirs_out) == 0
     assert defs.benchmark_failures(ours_lse, theirs_lse) == 0
+
+
+# Plans of one split on the H200's 132 SMs (launch.sparse_split_plan): the direct form's cases.
+# The bench's t128-h16 and t64-h128 (FP8 and bf16, page 1 and 64), rows listing no slot among
+# them, a prefill of 24 heads (blocks of 8), and topk 200 (not a multiple of the 64-key tile).
+DIRECT_CASES = [
+    _case(128, 16, 64, 32768, cache="fp8"),
+    _case(64, 128, 64, 8192, cache="fp8"),
+    _case(128, 16, 64, tuple((0, 1, 5000, 2047) * 32), pad="scattered", cache="fp8"),
+    _case(128, 16, 64, 8192),
+    _case(128, 16, 1, 8192, cache="split"),
+    _case(64, 128, 64, tuple((3000, 0) * 32), pad="scattered"),
+    _case(512, 24, 64, 4096, prefill=True, pad="scattered"),
+    _case(256, 16, 16, 600, topk=200, pad="scattered", cache="fp8"),
+]
+
+
+def _direct_dtypes(case):
+    return [torch.bfloat16] if dsa_sparse.fp8(case) else [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize(
+    ("case", "dtype"),
+    [(c, d) for c in DIRECT_CASES for d in _direct_dtypes(c)],
+    ids=lambda x: x.name if hasattr(x, "name") else str(x).removeprefix("torch."),
+)
+def test_direct_form_is_the_combine_of_one_split(case, dtype, monkeypatch):
+    """The sparse pass's direct form (one launch writing the NaN-poisoned out and the lse, no
+    combine) against the reference, and bit for bit against the partial pass + combine of the
+    same one-split plan (FORGEKERNEL_MLA_DIRECT=0): O equal, LSE equal (both x ln 2 of the same
+    fp32 log2 value)."""
+    launch = importlib.import_module("forgekernel.kernels.attention.mla.sm90.launch")
+    from forgekernel.kernels.attention.mla.sm90.config import heads_per_cta
+    from forgekernel.runtime.device import num_sms
+
+    p = case.params
+    blocks = p["hq"] // heads_per_cta(p["hq"])
+    splits, _ = launch.sparse_split_plan(p["tokens"], blocks, p["topk"], num_sms(0), 1)
+    assert splits == 1, "not a one-split plan on this GPU"
+    inputs = _inputs(case, dtype)
+    keys = []
+    real = launch.get_kernel
+    monkeypatch.setattr(launch, "get_kernel", lambda spec, k: keys.append(dict(k)) or real(spec, k))
+    results = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("FORGEKERNEL_MLA_DIRECT", flag)
+        launch._plans.clear()
+        out, lse = _run(inputs)
+        torch.cuda.synchronize()
+        kinds = [k["kind"] for k in keys]
+        assert kinds == (["sparse"] if flag == "1" else ["combine", "sparse"])
+        assert keys[-1].get("direct", False) == (flag == "1")
+        keys.clear()
+        _check(inputs, out, lse)
+        results.append((out, lse))
+    launch._plans.clear()
+    (out, lse), (split_out, split_lse) = results
+    assert torch.equal(out, split_out)
+    assert torch.equal(lse, split_lse)
+
+
+@pytest.mark.parametrize("case", [c for c in DIRECT_CASES if c.params["topk"] == 2048][:2],
+                         ids=lambda c: c.name)  # fmt: skip
+def test_direct_form_beside_two_splits(case):
+    """The bench's t128-h16 and t64-h128 (FP8): the direct form beside the plan forced to two
+    splits of 16 tiles (the bench's variant per16: partial pass + combine), both within the
+    criterion of the reference and of each other."""
+    launch = importlib.import_module("forgekernel.kernels.attention.mla.sm90.launch")
+    inputs = _inputs(case, torch.bfloat16)
+    out, lse = _run(inputs)
+    with launch.plan_form(per_tiles=16):
+        split_out, split_lse = _run(inputs)
+    _check(inputs, out, lse)
+    _check(inputs, split_out, split_lse)
+    want, _ = dsa_sparse.reference(inputs)
+    low, _ = dsa_sparse.low_precision(inputs)
+    bound = 2 * float((low.float() - want).abs().max()) + 1e-3
+    assert float((out.float() - split_out.float()).abs().max()) <= 2 * bound
+    finite = torch.isfinite(lse)
+    assert torch.equal(finite, torch.isfinite(split_lse))
+    assert float((lse[finite] - split_lse[finite]).abs().max()) < 1e-4

@@ -10,7 +10,9 @@ queries; e4m3 or uint8, pages packed or padded): decode, MTP, the packed form an
 against the reference on the latent e4m3 x its scales (same criterion), in a CUDA graph, and
 the dequantization bit for bit on the device: with one key per sequence the output is that
 key's latent, e4m3 x scale exactly, over all 254 finite codes and the scales 2^-117 .. 2^7
-(fp32 normals all the way through the combine)."""
+(fp32 normals all the way through the combine). The direct forms (plans of one split): the
+seesaw pass's and decode.py's (pages 1 / 16, FP8), each bit for bit its partial form + the
+combine of the same plan."""
 
 from __future__ import annotations
 
@@ -433,6 +435,52 @@ def test_direct_form_is_the_combine_of_one_split(case, dtype, monkeypatch):
         torch.cuda.synchronize()
         partial = [k for k in keys if k["kind"] == "partial"][-1]
         assert partial.get("direct", False) == (flag == "1")
+        _check(out, lse, want, want_lse, low)
+        results.append((out, lse))
+    launch._plans.clear()
+    (out, lse), (split_out, split_lse) = results
+    assert torch.equal(out, split_out)
+    assert torch.equal(lse, split_lse)
+
+
+ROLES_DIRECT_CASES = [  # (b, hq, page, lens, s_q, fp8): decode.py's pass on plans of one split
+    (3, 16, 16, [37, 0, 100], 1, False),  # 16 x 1, page 16
+    (4, 128, 1, [1, 63, 65, 200], 1, False),  # 64 x 1, page 1
+    (128, 16, 1, [(i * 7919) % 4000 for i in range(128)], 1, False),  # b128-h16, page 1
+    (3, 16, 64, [5, 0, 130], 2, True),  # 16 x 2, FP8
+    (2, 128, 64, [70, 190], 2, True),  # 32 x 2, FP8
+    (128, 16, 64, [(i * 7919) % 8192 for i in range(128)], 1, True),  # b128-h16 FP8: 1 split
+    (3, 16, 1, [4, 0, 129], 4, True),  # 16 x 4, FP8 on page 1
+]
+
+
+@pytest.mark.parametrize(
+    "case", ROLES_DIRECT_CASES, ids=lambda c: f"b{c[0]}_h{c[1]}_p{c[2]}_sq{c[4]}_fp8{c[5]:d}"
+)
+def test_roles_direct_form_is_the_combine_of_one_split(case, monkeypatch):
+    """decode.py's paged pass (pages of partial tiles, FlashMLA's FP8 cache) in its direct form
+    on plans of one split, NaN-poisoned out: the reference, and bit for bit its partial form +
+    the combine of the same plan (FORGEKERNEL_MLA_DIRECT=0)."""
+    launch = importlib.import_module("forgekernel.kernels.attention.mla.sm90.launch")
+    b, hq, ps, lens, s_q, fp8 = case
+    dtype = torch.bfloat16
+    if fp8:
+        qn, qp, _, kpe, table, seq = _problem(b, hq, ps, lens, s_q, True, dtype)
+        ckv = _fp8_cache(b * table.shape[1] + 5, ps, torch.Generator(device="cuda").manual_seed(4))
+        want, want_lse, low = _fp8_refs(qn, qp, ckv, table, seq)
+    else:
+        (qn, qp, ckv, kpe, table, seq), (want, want_lse, low) = _poisoned_case(case[:5], dtype)
+    keys = _recorded_keys(launch, monkeypatch)
+    results = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("FORGEKERNEL_MLA_DIRECT", flag)
+        launch._plans.clear()
+        out = torch.full((*qn.shape[:-1], 512), float("nan"), device="cuda", dtype=dtype)
+        _, lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, out=out,
+                               return_lse=True)  # fmt: skip
+        torch.cuda.synchronize()
+        partial = [k for k in keys if k["kind"] == "partial"][-1]
+        assert partial.get("direct", False) == (flag == "1") and not partial.get("tma", False)
         _check(out, lse, want, want_lse, low)
         results.append((out, lse))
     launch._plans.clear()

@@ -209,19 +209,22 @@ def run_ours(inputs: Inputs, out):
 # tiles of 64; the kernels as they are). Ours is launch.sparse_split_plan: one token 32 splits
 # of one tile (the paged bound's 8 splits of 4 tiles, now per4, ran 1.87x its time at 17:35),
 # 16 tokens 8 splits (per2: 1.121x), 128 tokens one split (per16, two: 1.038x). MLA_NOTES
-# "DSA's plan forms".
+# "DSA's plan forms". split1: the one-split plans of t128-h16 and t64-h128 on the partial pass
+# + the combine (plan_form(direct=False)), the A/B of the sparse pass's direct form (MLA_NOTES,
+# "The direct form of decode.py's pass").
 PLAN_FORMS = {
-    "t1-h16-p64-k2048-L32768-fp8": {"per2": 2, "per4": 4},
-    "t16-h16-p64-k2048-L32768-fp8": {"per2": 2},
-    "t128-h16-p64-k2048-L32768-fp8": {"per16": 16},
+    "t1-h16-p64-k2048-L32768-fp8": {"per2": {"per_tiles": 2}, "per4": {"per_tiles": 4}},
+    "t16-h16-p64-k2048-L32768-fp8": {"per2": {"per_tiles": 2}},
+    "t128-h16-p64-k2048-L32768-fp8": {"per16": {"per_tiles": 16}, "split1": {"direct": False}},
+    "t64-h128-p64-k2048-L8192-fp8": {"split1": {"direct": False}},
 }
 
 
-def _with_plan(per_tiles: int):
+def _with_plan(form: dict[str, Any]):
     def run(inputs: Inputs, out):
         from forgekernel.kernels.attention.mla.sm90.launch import plan_form
 
-        with plan_form(per_tiles=per_tiles):
+        with plan_form(**form):
             return run_ours(inputs, out)
 
     return run

@@ -5,10 +5,11 @@ declaration; the kernels are `decode.py` (the partial pass) and the paged leaf's
 The partial pass's sparse mode (kind "sparse") is DeepSeek sparse attention's kernel, op
 `forgekernel.ops.dsa.dsa_sparse_attention` (issue 22). `fp8` keys read FlashMLA's FP8 cache
 (fp8.py: its bytes by cp.async into their own stage, dequantized there); `tma` keys are
-seesaw.py's partial pass (16-bit pages of whole 64-key tiles), `direct` ones its form for a plan
-of one split (O and LSE written in place, no combine), `ostore` direct ones their O through
-shared memory and 16-byte stores (the 128-head blocks' direct plans where out's rows are 16-byte
-aligned; FORGEKERNEL_MLA_OSTORE=0 keeps the scalar stores). (`pair` keys, the head blocks as
+seesaw.py's partial pass (16-bit pages of whole 64-key tiles); `direct` keys a pass's form for a
+plan of one split (O and LSE written in place, no combine: the seesaw pass's, decode.py's paged
+and sparse ones), `ostore` direct seesaw ones their O through shared memory and 16-byte stores
+(the 128-head blocks' direct plans where out's rows are 16-byte aligned;
+FORGEKERNEL_MLA_OSTORE=0 keeps the scalar stores). (`pair` keys, the head blocks as
 clusters of 2 sharing each tile's loads by TMA multicast, still compile but are neither prebuilt
 nor launched: measured 2.4-8.8% slower, MLA_NOTES.md.) `worklist` keys (candidates): the seesaw
 partial pass reading its (unit, split) from the device-side work list that kind "worklist", the
@@ -42,9 +43,9 @@ def _compile(params: Params, extra_options: str = ""):
 
 def _standard_params() -> list[Params]:
     """Every 16-bit partial pass (seesaw.py's for whole-tile pages, decode.py's for the others),
-    the same heads x tokens over FlashMLA's FP8 cache (bf16 queries), the seesaw pass's direct
-    form for the served head blocks (`config.direct_blocks`), the sparse passes, and the
-    combines."""
+    the same heads x tokens over FlashMLA's FP8 cache (bf16 queries), each of these passes'
+    direct form for the served head blocks (`config.direct_blocks`), the sparse passes and
+    their direct forms, and the combines."""
     passes = [(d, False, tma) for d in DTYPES for tma in (True, False)] + [(FP8_DTYPE, True, False)]
     partial = [
         params_for("partial", dtype, h, qt, fp8, tma)
@@ -54,15 +55,16 @@ def _standard_params() -> list[Params]:
         if h * qt <= ROWS
     ]
     direct = [
-        params_for("partial", dtype, h, qt, tma=True, direct=True)
-        for dtype in DTYPES
+        params_for("partial", dtype, h, qt, fp8, tma, direct=True)
+        for dtype, fp8, tma in passes
         for h, qt in direct_blocks()
     ]
     sparse = [
-        params_for("sparse", d, h, fp8=fp8)
+        params_for("sparse", d, h, fp8=fp8, direct=direct)
         for d, fp8, tma in passes
         if not tma
         for h in sparse_heads()
+        for direct in (False, True)
     ]
     ostore = [
         params_for("partial", dtype, h, qt, tma=True, direct=True, ostore=True)

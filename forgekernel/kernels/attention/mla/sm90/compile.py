@@ -5,7 +5,7 @@ in. The combine is the paged leaf's, at head dim 512. The sparse (DSA) partial t
 (tokens, topk) int32 top-k lists in place of the page table, tokens and topk dynamic, and None
 for seqlens_k and cu_seqlens_q. An `fp8` key's caches are the three views of FlashMLA's FP8
 rows (uint8 latent, fp32 scales, bf16 RoPE; rows 656 bytes apart, 16-byte aligned); a 16-bit
-key's scales None. A `direct` key (the seesaw pass of a plan of one split) takes the op's
+key's scales None. A `direct` key (a pass of a plan of one split, paged or sparse) takes the op's
 out (rows, Hq, 512) in q's dtype and natural LSE (rows, Hq) in place of the partials: the
 combine's own output contract (rows of 512 contiguous, the LSE any (rows, Hq) view); an `ostore`
 key's out has rows 16-byte aligned (base and strides)."""
@@ -45,6 +45,11 @@ def _outputs(dtype, rows, hq, wide: bool = False) -> tuple:
         o = fake.rowmajor(dtype, (rows, hq, D_LATENT), divisibility=1, align=None)
     lse_strides = (cute.sym_int64(), cute.sym_int64())  # any (rows, Hq) view
     return o, make_fake_tensor(cutlass.Float32, (rows, hq), stride=lse_strides, assumed_align=4)
+
+
+def _partials() -> tuple:
+    """The partial O (splits, rows, Hq, 512) and log2 LSE (splits, rows, Hq), fp32."""
+    return _dense(cutlass.Float32, 4), _dense(cutlass.Float32, 3)
 
 
 def _combine(dtype, opts: str, pdl: bool, ranges: bool = False, warps: bool = False):
@@ -93,21 +98,20 @@ def _caches(dtype, fp8: bool, pages, page_size) -> tuple:
     )
 
 
-def _sparse(dtype, heads: int, fp8: bool, opts: str):
+def _sparse(dtype, heads: int, fp8: bool, opts: str, direct: bool = False):
     tokens, hq = cute.sym_int32(), cute.sym_int32()
     pages, page_size = cute.sym_int32(), cute.sym_int32()
     top_k = make_fake_tensor(
         cutlass.Int32, (tokens, cute.sym_int32()), stride=(cute.sym_int64(), 1), assumed_align=4
     )
     return cute.compile(
-        MlaDecodeSm90(heads, sparse=True, fp8=fp8),
+        MlaDecodeSm90(heads, sparse=True, fp8=fp8, direct=direct),
         fake.rowmajor(dtype, (tokens, hq, D_LATENT)),
         fake.rowmajor(dtype, (tokens, hq, D_ROPE)),
         *_caches(dtype, fp8, pages, page_size),
         top_k,
         None,  # seqlens_k: the lists' width is every token's key count
-        _dense(cutlass.Float32, 4),
-        _dense(cutlass.Float32, 3),
+        *(_outputs(dtype, tokens, hq) if direct else _partials()),
         cutlass.Float32(1.0),
         cutlass.Int32(1),
         cutlass.Int32(1),
@@ -160,7 +164,7 @@ def compile_mla(params: dict, arch: str = "sm_90a", extra_options: str = ""):
                         params.get("form") == "warps")  # fmt: skip
     fp8 = params.get("fp8", False)
     if params["kind"] == "sparse":
-        return _sparse(dtype, params["heads"], fp8, opts)
+        return _sparse(dtype, params["heads"], fp8, opts, params.get("direct", False))
     qtokens = params.get("qtokens", 1)
     b, hq = cute.sym_int32(), cute.sym_int32()
     rows = cute.sym_int32() if qtokens > 1 else b  # total_q packed by cu_seqlens_q, else B
@@ -179,7 +183,7 @@ def compile_mla(params: dict, arch: str = "sm_90a", extra_options: str = ""):
             pdl,
         )
     else:
-        kernel = MlaDecodeSm90(params["heads"], qtokens, fp8=fp8)
+        kernel = MlaDecodeSm90(params["heads"], qtokens, fp8=fp8, direct=direct)
     q_nope = fake.rowmajor(dtype, (rows, hq, D_LATENT))
     q_pe = fake.rowmajor(dtype, (rows, hq, D_ROPE))
     caches = _caches(dtype, fp8, pages, page_size)
@@ -190,7 +194,7 @@ def compile_mla(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     if direct:
         outs = _outputs(dtype, rows, hq, params.get("ostore", False))
     else:
-        outs = (_dense(cutlass.Float32, 4), _dense(cutlass.Float32, 3))
+        outs = _partials()
     return cute.compile(
         kernel,
         q_nope,

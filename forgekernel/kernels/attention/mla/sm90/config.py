@@ -45,10 +45,12 @@ FP8_CHUNK = 16  # e4m3 bytes per global load
 E4M3_TO_BF16_EXPONENT = 120  # bf16's exponent bias 127 less e4m3's 7
 FP8_DTYPE = "bfloat16"  # an FP8 cache's queries (e4m3 x a power-of-two scale is exact in bf16)
 SPARSE_HQ = (16, 128)  # DeepSeek-V3.2's query heads per GPU at TP8 and TP1 (the prebuilt DSA)
-# The seesaw pass's direct form (compile key `direct`): a plan of one split writes O in q's dtype
-# and the natural LSE itself, no partials and no combine. Prebuilt for the head blocks of
-# DeepSeek's 128 heads sharded over TP 8 / 4 / 2 / 1 (`direct_blocks`); any other head block
-# keeps the partial pass and the combine rather than compile at call time.
+# The direct form (compile key `direct`): a plan of one split writes O in q's dtype and the
+# natural LSE itself, no partials and no combine. The paged passes' (seesaw.py; decode.py's over
+# pages of partial tiles and FP8 caches) prebuilt for the head blocks of DeepSeek's 128 heads
+# sharded over TP 8 / 4 / 2 / 1 (`direct_blocks`), DSA's sparse pass for its prebuilt blocks
+# (`sparse_heads`); any other head block keeps the partial pass and the combine rather than
+# compile at call time.
 DIRECT_HQ = (16, 32, 64, 128)
 # The seesaw pass's pair form (compile key `pair`, candidate behind FORGEKERNEL_MLA_PAIR): the
 # head blocks of a unit as clusters of 2, each CTA loading half of every K box's rows by TMA
@@ -76,19 +78,24 @@ def runs_ostore(heads: int, qtokens: int) -> bool:
 
 
 def tile_split_plan(
-    batch: int, head_blocks: int, max_tokens: int, num_sms: int, resident: int
+    batch: int,
+    head_blocks: int,
+    max_tokens: int,
+    num_sms: int,
+    resident: int,
+    least: int = MIN_TOKENS_PER_SPLIT,
 ) -> tuple[int, int]:
     """(splits, tokens per split) in whole TILE-key tiles (the seesaw pass loads 64-row TMA
     boxes of one page: a split starts on a tile boundary): the tiles per split minimizing the
     makespan waves x (tiles + SPLIT_OVERHEAD_TILES) over units of batch x head_blocks CTAs each
     ceil(tiles / per) splits, waves of num_sms x resident CTAs; ties to fewer splits. At least
-    MIN_TOKENS_PER_SPLIT keys a split (the paged leaf's bound) unless the sequence is
-    shorter. (The paged leaf's plan rounded up to tiles loses CTAs: b1 x 65536 keys ran 114
-    CTAs of 9 tiles where 128 of 8 fit one wave.)"""
+    `least` keys a split (default MIN_TOKENS_PER_SPLIT, the paged leaf's bound) unless the
+    sequence is shorter. (The paged leaf's plan rounded up to tiles loses CTAs: b1 x 65536 keys
+    ran 114 CTAs of 9 tiles where 128 of 8 fit one wave.)"""
     units = max(1, batch * head_blocks)
     tiles = max(1, -(-max_tokens // TILE))
     slots = num_sms * resident
-    fewest = min(tiles, max(1, MIN_TOKENS_PER_SPLIT // TILE))
+    fewest = min(tiles, max(1, least // TILE))
 
     def cost(per: int) -> tuple[int, int]:
         splits = -(-tiles // per)
@@ -113,7 +120,8 @@ def sparse_heads() -> tuple[int, ...]:
 
 
 def direct_blocks() -> tuple[tuple[int, int], ...]:
-    """The (heads per CTA, query tokens) prebuilt in the direct form: each DIRECT_HQ's block at
+    """The (heads per CTA, query tokens) of the paged passes prebuilt in the direct form (the
+    seesaw pass's in both dtypes, decode.py's in both and over FP8): each DIRECT_HQ's block at
     every QTOKENS (16 x 1, 32 x 1, 64 x 1, 16 x 2, 32 x 2, 16 x 4). Any of them can get a plan
     of one split: `tile_split_plan` gives one for every batch x head blocks >= num_sms / 2 (two
     splits' waves then cost more than one's) and for every sequence of at most
@@ -126,10 +134,13 @@ def direct_blocks() -> tuple[tuple[int, int], ...]:
     )
 
 
-def runs_direct(splits: int, heads: int, qtokens: int, tma: bool) -> bool:
-    """Whether the launcher takes the seesaw pass's direct form: a plan of one split of a
-    prebuilt direct block (`direct_blocks`)."""
-    return tma and splits == 1 and (heads, qtokens) in direct_blocks()
+def runs_direct(splits: int, heads: int, qtokens: int, sparse: bool = False) -> bool:
+    """Whether the launcher takes a pass's direct form: a plan of one split of a prebuilt direct
+    block: `direct_blocks` for the paged passes (the seesaw pass's and decode.py's), every
+    `sparse_heads` block for DSA's (a prefill's many tokens give one split at any of them)."""
+    if splits != 1:
+        return False
+    return heads in sparse_heads() if sparse else (heads, qtokens) in direct_blocks()
 
 
 def params_for(
@@ -153,13 +164,14 @@ def params_for(
     the partial / sparse pass over FlashMLA's FP8 cache (dtype FP8_DTYPE only; its bytes by
     cp.async into their own stage, dequantized there a turn later: decode.py). tma: the partial
     pass over a 16-bit cache whose pages are multiples of TILE rows (seesaw.py: TMA boxes of
-    whole tiles, the seesaw schedule). direct (tma only): the pass of a plan of one split, writing
-    O in q's dtype and the natural LSE into the op's outputs (no partials, no combine). pair
-    (tma only): the
-    head blocks as clusters of 2 sharing each tile's loads by TMA multicast (seesaw.py). ostore
-    (direct only): O staged in shared memory and sent by 16-byte stores (out rows 16-byte
-    aligned: the compile assumes it). worklist (candidate; tma partial only): the pass takes
-    its (unit, split, keys per split) from the scheduling kernel's work list (schedule.py).
+    whole tiles, the seesaw schedule). direct: the pass of a plan of one split, writing O in q's
+    dtype and the natural LSE into the op's outputs (no partials, no combine): the seesaw pass's
+    (tma), decode.py's paged pass (16-bit pages of partial tiles, FP8 caches) or its sparse one
+    (DSA). pair (tma only): the head blocks as clusters of 2 sharing each tile's loads by TMA
+    multicast (seesaw.py). ostore (the seesaw pass's direct form only): O staged in shared
+    memory and sent by 16-byte stores (out rows 16-byte aligned: the compile assumes it).
+    worklist (candidate; tma partial only): the pass takes its (unit, split, keys per split)
+    from the scheduling kernel's work list (schedule.py).
     Kind "worklist": that scheduling kernel (worklist.py; dtype ignored, qtokens > 1 the
     packed form). ranges (a decode step's schedule, `launch.make_schedule`): the list's
     item-indexed form: the scheduler's (kind "worklist") per over the whole batch, items unit
@@ -181,12 +193,10 @@ def params_for(
         raise ValueError(f"an FP8 cache takes {FP8_DTYPE} queries, got {dtype}")
     if tma and (kind != "partial" or fp8):
         raise ValueError("the TMA (seesaw) pass is the 16-bit paged partial pass")
-    if direct and not tma:
-        raise ValueError("the direct form is the seesaw (tma) pass's")
     if pair and not tma:
         raise ValueError("the pair form is the seesaw (tma) pass's")
-    if ostore and not direct:
-        raise ValueError("ostore is a form of the direct pass")
+    if ostore and not (direct and tma):
+        raise ValueError("ostore is a form of the seesaw (tma) pass's direct form")
     if worklist and (not tma or direct or pair):
         raise ValueError("the work list is a form of the seesaw (tma) partial pass")
     if ranges and not worklist:

@@ -27,6 +27,12 @@ tile read as an MN-major operand (the same bytes as the K-major key tile).
 At the end warpgroup 0's row maxima and sums go through shared memory and every thread writes
 its columns of the split's normalized O (fp32) and warpgroup 0 the rows' LSE in log2 units
 (-inf where the split saw no key), the paged decode's partial format, merged by its combine.
+The direct form (`direct`, a plan of one split: the grid's one split covers every key) writes
+instead the final O, rounded to q's dtype, and the natural LSE (log2 x ln 2) into the op's
+outputs: what the combine makes of one split (weight exp2(0) = 1, sum 1), bit for bit, with no
+fp32 partials and no combine launch (seesaw.py's direct form, here for the paged pass over
+pages of partial tiles or an FP8 cache and for the sparse pass). Only the epilogue's stores
+differ: the pass, its registers and its shared memory are the partial form's.
 
 `fp8` (FlashMLA's FP8 cache, bf16 queries; fp8.py has the format and the dequantization):
 tile 0's latent goes global -> registers -> bf16 -> st.shared into the same swizzled 16-bit tile,
@@ -73,7 +79,7 @@ from forgekernel.kernels.attention.mla.sm90.config import (
 )
 from forgekernel.kernels.attention.mla.sm90.units import unit_bounds
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
-from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
+from forgekernel.kernels.common.sm90.constants import LN2, THREADS_PER_WG
 from forgekernel.kernels.common.sm90.layout import acc_as_operand_a, rows_cols, transposed
 from forgekernel.kernels.common.sm90.mma import gemm
 from forgekernel.kernels.common.sm90.opaque import opaque_i32
@@ -113,6 +119,7 @@ class MlaDecodeSm90:
         qtokens: int = 1,
         sparse: bool = False,
         fp8: bool = False,
+        direct: bool = False,
     ):
         if heads * qtokens > ROWS:
             raise ValueError(f"heads x query tokens must be <= {ROWS}, got {heads} x {qtokens}")
@@ -123,6 +130,7 @@ class MlaDecodeSm90:
         self.g = heads * qtokens
         self.sparse = sparse
         self.fp8 = fp8
+        self.direct = direct  # a plan of one split: out and lse written here (module docstring)
 
     def _setup(self, dtype):
         k_major = OperandMajorMode.K
@@ -173,7 +181,9 @@ class MlaDecodeSm90:
         rows, Hq, 512), mLp fp32 (splits, rows, Hq) log2; causal 0 / 1 (query tokens among
         themselves, bottom-right); q_blocks: with mCuQ, the CTAs per sequence along its query
         tokens (`qtokens` each: chunked prefill; grid x = batch x q_blocks), else 1. sparse:
-        mPT the top-k lists (rows, topk), mSeq None, mCuQ None, causal and q_blocks unused."""
+        mPT the top-k lists (rows, topk), mSeq None, mCuQ None, causal and q_blocks unused.
+        Direct form: mOp (rows, Hq, 512) in q's dtype (rows of 512 contiguous), mLp fp32 (rows,
+        Hq) natural log (any strides), one split (per_split covers every key)."""
         dtype = mQn.element_type
         if const_expr(self.fp8):
             if const_expr(not (dtype == mQp.element_type == mKpe.element_type == cutlass.BFloat16)):
@@ -188,6 +198,8 @@ class MlaDecodeSm90:
             raise ValueError("cu_seqlens_q comes with qtokens > 1, and only then")
         if const_expr(self.sparse != (mSeq is None)):
             raise ValueError("seqlens_k comes with the paged form, and only then")
+        if const_expr(self.direct and mOp.element_type != dtype):
+            raise TypeError("the direct form writes O in q's dtype")
         units = mQn.shape[0] if const_expr(self.sparse) else mSeq.shape[0] * q_blocks
         self._setup(dtype)
 
@@ -222,7 +234,7 @@ class MlaDecodeSm90:
         ).launch(
             # units on x (up to 2^31 - 1: prefill blocks, DSA tokens), splits on z (<= a wave);
             # neighbouring CTAs are neighbouring query blocks of a sequence (shared keys in L2)
-            grid=(units, mQn.shape[1] // self.h, mOp.shape[0]),
+            grid=(units, mQn.shape[1] // self.h, 1 if const_expr(self.direct) else mOp.shape[0]),
             block=[THREADS, 1, 1],
             stream=stream,
         )  # fmt: skip
@@ -756,7 +768,8 @@ class MlaDecodeSm90:
     def _write_split(self, outs, acc_o, row_max, row_sum, scale_log2, o_crd, at):
         """This thread's columns of the split's O / sum and, from warpgroup 0, the rows' LSE
         (log2); 0 and -inf where the split saw no key. Rows past G or of tokens past sq are
-        not written."""
+        not written. Direct form: O rounded to q's dtype into out, the LSE natural (the
+        combine's one-split result: its fp32 O_0 x 1 / 1, its log2 LSE x ln 2)."""
         mOp, mLp = outs
         split, q_off, sq, head0, wg, tidx = at
         o = rows_cols(acc_o)
@@ -772,7 +785,14 @@ class MlaDecodeSm90:
                     inv = 1.0 / row_sum[r]
                     lse = row_max[r] * scale_log2 + cute.math.log2(row_sum[r], fastmath=True)
                 head = head0 + row % self.h
-                for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
-                    mOp[split, q_off + token, head, o_crd[r, c][1]] = o[r, c] * inv
-                if wg == 0 and tidx % 4 == 0:
-                    mLp[split, q_off + token, head] = lse
+                if const_expr(self.direct):
+                    for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+                        value = (o[r, c] * inv).to(mOp.element_type)
+                        mOp[q_off + token, head, o_crd[r, c][1]] = value
+                    if wg == 0 and tidx % 4 == 0:
+                        mLp[q_off + token, head] = lse * LN2
+                else:
+                    for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+                        mOp[split, q_off + token, head, o_crd[r, c][1]] = o[r, c] * inv
+                    if wg == 0 and tidx % 4 == 0:
+                        mLp[split, q_off + token, head] = lse

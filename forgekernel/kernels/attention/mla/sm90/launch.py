@@ -9,22 +9,24 @@ pass's sparse mode): torch only (no DSL), the partial pass and the paged leaf's 
 seesaw.py); FORGEKERNEL_MLA_SCHEDULE=roles (read when a problem's plan is first built) keeps them
 on decode.py's role-split pass, the design the seesaw replaces, for side-by-side timing.
 
-A seesaw plan of one split (`config.runs_direct`: every (sequence, head block) in one CTA; the
-serving batches of 128+ head blocks, short sequences) runs the pass's direct form: one launch
-writing out and lse itself, no fp32 partials allocated, no combine. FORGEKERNEL_MLA_DIRECT=0
-(read when a problem's plan is first built) keeps such plans on the partial pass and the
-combine, for side-by-side timing and the GPU tests' comparison (the same bits).
+A plan of one split (`config.runs_direct`: every (sequence, head block) in one CTA; the
+serving batches of 128+ head blocks, short sequences; DSA from 128 tokens at 16 heads, 64 at
+128, every prefill) runs its pass's direct form: one launch writing out and lse itself, no fp32
+partials allocated, no combine: the seesaw pass's, decode.py's paged pass's (pages of partial
+tiles, FP8 caches) and DSA's sparse pass's (decode.py). FORGEKERNEL_MLA_DIRECT=0 (read when a
+problem's plan is first built) keeps such plans on the partial pass and the combine, for
+side-by-side timing and the GPU tests' comparison (the same bits).
 
 FP8 caches' bytes go by cp.async into their own stage and are dequantized there in place a turn
 later (decode.py; 0.873-0.943x the register form's time on dsa_sparse's FP8 cases, H200
 2026-12-03 06:21, which was then dropped: MLA_NOTES.md).
 
-`plan_form` fixes a plan's tiles per split and / or heads per CTA for the calls inside (keyed
-apart): launcher-only candidates, timed by the bench's variants beside the standard plan
-(MLA_NOTES.md, "Measured 2026-12-03 16:40"). (The `pair` form, clusters of 2 head blocks sharing
-each tile's loads by TMA multicast, was measured 2.4-8.8% slower on every case it ran and lost
-its knob; its compile path stays in seesaw.py / config.py, the kernel sources, until their next
-edit.)
+`plan_form` fixes a plan's tiles per split and / or heads per CTA for the calls inside, or keeps
+a one-split plan off the direct form (keyed apart): launcher-only candidates, timed by the
+bench's variants beside the standard plan (MLA_NOTES.md, "Measured 2026-12-03 16:40"). (The
+`pair` form, clusters of 2 head blocks sharing each tile's loads by TMA multicast, was measured
+2.4-8.8% slower on every case it ran and lost its knob; its compile path stays in seesaw.py /
+config.py, the kernel sources, until their next edit.)
 
 Direct plans of `config.OSTORE_BLOCKS` (64 x 1, 32 x 2: the 128-head blocks) run their
 `ostore` compile, O staged in bf16 / fp16 over the K buffers and sent by 16-byte stores
@@ -76,9 +78,9 @@ from forgekernel.runtime.plans import PlanCache
 from forgekernel.runtime.scratch import scratch, scratches
 
 _plans = PlanCache()
-# `plan_form`'s (tiles per split or None, heads per CTA or None, work list), else None (in plan
-# keys)
-_plan_form: list[tuple[int | None, int | None, bool] | None] = [None]
+# `plan_form`'s (tiles per split or None, heads per CTA or None, work list, direct form), else
+# None (in plan keys)
+_plan_form: list[tuple[int | None, int | None, bool, bool] | None] = [None]
 
 
 def _flag(env: str, default: str) -> bool:
@@ -99,7 +101,7 @@ def seesaw_enabled() -> bool:
 
 
 def direct_enabled() -> bool:
-    """Plans of one split run the seesaw pass's direct form (unless FORGEKERNEL_MLA_DIRECT=0)."""
+    """Plans of one split run their pass's direct form (unless FORGEKERNEL_MLA_DIRECT=0)."""
     return _flag("FORGEKERNEL_MLA_DIRECT", "1")
 
 
@@ -117,7 +119,10 @@ def ostore_enabled() -> bool:
 
 @contextmanager
 def plan_form(
-    per_tiles: int | None = None, heads: int | None = None, worklist: bool = False
+    per_tiles: int | None = None,
+    heads: int | None = None,
+    worklist: bool = False,
+    direct: bool = True,
 ) -> Iterator[None]:
     """The calls inside take `per_tiles` tiles per split (seesaw plans: 16-bit caches of
     whole-tile pages; DSA's sparse plans: TILE top-k positions a tile) and / or `heads` query
@@ -125,14 +130,16 @@ def plan_form(
     heads x tokens <= ROWS) instead of the plan's choice, their plans keyed apart: the bench's
     launcher-only variants, timed beside the standard plan in one process. worklist: seesaw
     plans of more than one split take the device-side work list (as FORGEKERNEL_MLA_WORKLIST=1;
-    not with per_tiles: the list sizes its splits itself)."""
+    not with per_tiles: the list sizes its splits itself). direct False: a plan of one split
+    keeps the partial pass and the combine (as FORGEKERNEL_MLA_DIRECT=0, keyed apart: the
+    bench's A/B of the direct forms in one process)."""
     if worklist and per_tiles is not None:
         raise ValueError("the work list sizes its splits itself: no per_tiles with worklist")
     if heads is not None and heads not in config.HEADS:
         raise ValueError(f"heads must be one of {config.HEADS}, got {heads}")
     if per_tiles is not None and per_tiles < 1:
         raise ValueError(f"per_tiles must be >= 1, got {per_tiles}")
-    before, _plan_form[0] = _plan_form[0], (per_tiles, heads, worklist)
+    before, _plan_form[0] = _plan_form[0], (per_tiles, heads, worklist, direct)
     try:
         yield
     finally:
@@ -174,18 +181,8 @@ def sparse_split_plan(
     token ran 8 splits of 4 tiles (the paged bound: 8 CTAs for the whole call) in 24.6 us, 16
     of 2 in 16.1, 32 of 1 in 13.1 (FlashMLA FP8 18.0; H200 2026-12-04 17:35), as the model has
     it (6 : 4 : 3). From 16 tokens at 16 heads the plan is the bound's (t16 8 splits, t64 2,
-    t128 1; 2 tiles a split at t16 ran 1.121x the time, 2 splits at t128 1.038x). Host code
-    here rather than a bound argument of config.tile_split_plan: config.py is part of the
-    kernels' source hash, which a plan does not change."""
-    tiles = max(1, -(-topk // config.TILE))
-    units, slots = max(1, tokens * head_blocks), sms * resident
-
-    def cost(per: int) -> tuple[int, int]:
-        splits = -(-tiles // per)
-        return -(-units * splits // slots) * (per + config.SPLIT_OVERHEAD_TILES), splits
-
-    per = min(range(1, tiles + 1), key=cost)
-    return -(-tiles // per), per * config.TILE
+    t128 1; 2 tiles a split at t16 ran 1.121x the time, 2 splits at t128 1.038x)."""
+    return config.tile_split_plan(tokens, head_blocks, topk, sms, resident, least=config.TILE)
 
 
 def _plan(
@@ -196,12 +193,14 @@ def _plan(
     a split plan the least keys a split takes), ostore, work list or None): kind "partial"
     (units = sequences, max_tokens their bound) or "sparse" (units = query tokens, max_tokens
     the top-k width), over an FP8 cache if fp8; the paged leaf's split plan over units x head
-    blocks (the seesaw pass's in whole tiles). Combine None: the seesaw pass's direct form (one
-    split, out and lse written by the pass). ostore: the pass is the `ostore` compile, whose out
+    blocks (the seesaw pass's in whole tiles). Combine None: the pass's direct form (one split,
+    out and lse written by the pass; the seesaw pass's or decode.py's, paged or sparse). ostore:
+    the pass is the `ostore` compile, whose out
     must have its rows 16-byte aligned (`_wide_rows`: the caller checks, and takes the plan
     built with narrow, the direct form's scalar stores, where they are not). The kernels are
     looked up here, once per problem (two compile-cache lookups cost 0.8 us a call on the CPU).
-    form: `plan_form`'s (tiles per split, heads per CTA, work list), either None for the plan's.
+    form: `plan_form`'s (tiles per split, heads per CTA, work list, direct form), the first two
+    None for the plan's.
     Work list (`plan_form(worklist=True)` or FORGEKERNEL_MLA_WORKLIST=1; seesaw plans of more
     than one split): (scheduling kernel, head blocks, fewest tiles a split, CTAs a wave, the
     table's width in tiles), the
@@ -224,10 +223,13 @@ def _plan(
         else:
             plan = sparse_split_plan if kind == "sparse" else config.split_plan
         splits, per = plan(units, hq // heads, max_tokens, num_sms(device_index), config.RESIDENT)
-    if config.runs_direct(splits, heads, qtokens, tma) and direct_enabled():
-        ostore = not narrow and config.runs_ostore(heads, qtokens) and ostore_enabled()
-        params = config.params_for(kind, name, heads, qtokens, tma=True, direct=True, ostore=ostore)
-        return get_kernel(SPEC, pdl.key(params, on)), None, splits, per, ostore, None
+    direct = direct_enabled() and (form is None or form[3])
+    if config.runs_direct(splits, heads, qtokens, kind == "sparse") and direct:
+        # (decode.py's passes have no PDL build: their key as the partial pass's)
+        ostore = tma and not narrow and config.runs_ostore(heads, qtokens) and ostore_enabled()
+        params = config.params_for(kind, name, heads, qtokens, fp8, tma, direct=True,
+                                   ostore=ostore)  # fmt: skip
+        return get_kernel(SPEC, pdl.key(params, on or not tma)), None, splits, per, ostore, None
     if kind == "partial" and (form is None or form[0] is None):
         # the passes spread each unit's own keys over the splits (decode.py, seesaw.py), at
         # least this many a split: the width's per would leave a short sequence in a table
@@ -278,7 +280,7 @@ def _schedule(worklist, seq, cu, causal, units, q_blocks, splits, outs) -> torch
 # the plan form of a call that brings a schedule (`make_schedule`): the work list's ranges form
 # (items with their own partials, no bound from the width plan's splits), keyed apart
 RANGES = "ranges"
-SCHEDULED = (None, None, RANGES)
+SCHEDULED = (None, None, RANGES, True)
 
 
 def schedule_key(dtype, batch, hq, max_tokens, max_seqlen_q, packed, device_index, page_size):
@@ -459,8 +461,10 @@ def dsa_sparse_attention(
            _plan_form[0], forced_key())  # fmt: skip
     partial, combine, splits, per, _, _ = _plans.get_or_build(key, _plan)
     with on_device(device):
-        partial_o, partial_lse = _partials(splits, tokens, hq, device)
+        # the direct form (combine None, a plan of one split) writes out and lse itself
+        outs = (out, lse) if combine is None else _partials(splits, tokens, hq, device)
         partial(as_tma_ready(q_nope), as_tma_ready(q_pe), ckv_cache, kpe_cache, ckv_scale,
-                sparse_indices.contiguous(), None, partial_o, partial_lse, softmax_scale * LOG2E,
-                per, ckv_cache.shape[1], None, 0, 1)  # fmt: skip
-        combine(partial_o, partial_lse, out, lse)
+                sparse_indices.contiguous(), None, *outs, softmax_scale * LOG2E, per,
+                ckv_cache.shape[1], None, 0, 1)  # fmt: skip
+        if combine is not None:
+            combine(*outs, out, lse)
