@@ -8,8 +8,11 @@ scale_log2, max_seqlen_q, 1, num_ctas, None) with q (Tq, Hq, D), lse (Hq, Tq), o
 (B + 1,). Paged: fn(q, k_cache, v_cache, o, lse, cu_seqlens_q, seqlens_k, scale_log2,
 max_seqlen_q, 1, num_ctas, page_table) with caches (pages, page_size, Hkv, D) (any outer
 strides: a combined cache's halves), seqlens_k int32 (B,), page_table int32 (B, max_pages)
-(any row stride). Dynamic tiles (params dynamic=True, not paged): the page-table slot takes
-the zeroed int32 (1,) tile counter."""
+(any row stride). Paged, packed (params packed=True): the same call on GQA-packed queries
+(Tq * G, Hkv, D) (row t * G + g of kv head h: query head h * G + g of token t), o and lse
+alike, cu_seqlens_q * G, max_seqlen_q * G and qgroup G; no sequence skipped. Dynamic tiles
+(params dynamic=True, not paged): the page-table slot takes the zeroed int32 (1,) tile
+counter."""
 
 from __future__ import annotations
 
@@ -54,7 +57,7 @@ def compile_attention_fwd(params: dict, arch: str = "sm_90a", extra_options: str
         page_table = fake.rowmajor(cutlass.Int32, (1,), divisibility=1, align=4)
     kernel = AttentionFwdSm90(
         d, dv, causal=params["causal"], config=AttnConfig.from_params(params), varlen=varlen,
-        page_box=page_box,
+        page_box=page_box, packed=bool(params.get("packed", False)),
     )  # fmt: skip
     return cute.compile(
         kernel,

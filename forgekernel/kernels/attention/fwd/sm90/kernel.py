@@ -116,6 +116,7 @@ class AttentionFwdSm90:
         config: AttnConfig,
         varlen: bool = False,
         page_box: int = 0,
+        packed: bool = False,
     ):
         if config.tile_m not in (128, 192):
             raise ValueError(
@@ -128,6 +129,8 @@ class AttentionFwdSm90:
                 raise ValueError(f"{name} must be a multiple of 32 in [64, 256], got {d}")
         if config.stages < 1:
             raise ValueError(f"stages must be >= 1, got {config.stages}")
+        if packed and not page_box:
+            raise ValueError("packed is a form of the paged mode (page_box > 0)")
         if page_box and (not varlen or page_box % 8 or config.tile_n % page_box):
             raise ValueError(
                 f"page_box must be a multiple of 8 dividing tile_n ({config.tile_n}), with "
@@ -174,11 +177,15 @@ class AttentionFwdSm90:
         self.dynamic = config.dynamic
         if self.dynamic:
             self.snake = False
+        # Paged, packed: the launcher packs every sequence's GQA group into rows (qgroup = G)
+        # and this launch runs the whole batch, decode rows included; else the tiles skip the
+        # sequences of fewer than PAGED_MIN_SEQLEN_Q query tokens (the paged decode's).
+        self.packed = packed
+        skip_below = PAGED_MIN_SEQLEN_Q if self.paged and not packed else 0
         # K + V bytes of one key row (16-bit elements) decide the tile order's L2 sections.
         self.scheduler = LongestFirst(
             self.tile_m, causal, varlen, kv_row_bytes=(head_dim + head_dim_v) * 2,
-            paged=self.paged, min_seqlen_q=PAGED_MIN_SEQLEN_Q if self.paged else 0,
-            l2_kv_budget=config.l2_kv_mib * 2**20,
+            paged=self.paged, min_seqlen_q=skip_below, l2_kv_budget=config.l2_kv_mib * 2**20,
         )  # fmt: skip
 
     # ---------------------------------------------------------------- host-side setup

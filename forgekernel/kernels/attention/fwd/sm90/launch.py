@@ -54,17 +54,28 @@ def unpack_gqa(o: torch.Tensor, lse: torch.Tensor, group: int) -> tuple[torch.Te
     return o, lse
 
 
+def unpack_gqa_into(
+    op: torch.Tensor, lsep: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, group: int
+) -> None:
+    """The packed varlen outputs op (Tq * G, Hkv, Dv) and lsep (Hkv, Tq * G) written into the
+    caller's o (Tq, Hkv * G, Dv) and lse (Hkv * G, Tq), any views: row t * G + g of kv head h
+    is query head h * G + g of token t (one strided copy each, no intermediate)."""
+    tq, hkv = o.shape[0], op.shape[1]
+    o.unflatten(1, (hkv, group)).copy_(op.view(tq, group, hkv, -1).transpose(1, 2))
+    lse.unflatten(0, (hkv, group)).copy_(lsep.view(hkv, tq, group).transpose(1, 2))
+
+
 def _kernel(
     dtype: torch.dtype, head_dim: int, head_dim_v: int, causal: bool, varlen: bool, box: int,
-    device_index: int | None,
+    device_index: int | None, packed: bool = False,
 ) -> tuple:  # fmt: skip
     """(the compiled function of the head dims' analytical default, the device's SM count,
     the default's CTAs a SM, whether it takes a tile counter): a plan, built once per key
     (params_for's dataclass walk cost 4.4 us per call on the CPU, the kernel lookup and the SM
-    count 1-2 more)."""
+    count 1-2 more). packed: the paged mode's packed compile (no sequence skipped)."""
     cfg = default_config(head_dim, head_dim_v, paged=box > 0, varlen=varlen)
     params = params_for(dtype_name(dtype), head_dim, head_dim_v, causal, cfg, varlen=varlen,
-                        page_box=box)  # fmt: skip
+                        page_box=box, packed=packed)  # fmt: skip
     fn = get_kernel(SPEC, params)
     return fn, num_sms(device_index), default_ctas_per_sm(cfg, varlen), cfg.dynamic
 
@@ -72,9 +83,9 @@ def _kernel(
 _plans = PlanCache()
 
 
-def _plan(dtype, head_dim, head_dim_v, causal, varlen, device, box=0) -> tuple:
+def _plan(dtype, head_dim, head_dim_v, causal, varlen, device, box=0, packed=False) -> tuple:
     return _plans.get_or_build(
-        (dtype, head_dim, head_dim_v, causal, varlen, box, device.index), _kernel
+        (dtype, head_dim, head_dim_v, causal, varlen, box, device.index, packed), _kernel
     )
 
 
@@ -229,6 +240,7 @@ def attention_paged_fwd(
     max_seqlen_q: int,
     softmax_scale: float,
     causal: bool,
+    packed: bool = False,
 ) -> None:
     """o (Tq, Hq, D) and lse (Hq, Tq) fp32, any views, for validated packed q (Tq, Hq, D)
     against 16-bit caches (num_pages, page_size, Hkv, D) read in place (rows contiguous and
@@ -236,7 +248,13 @@ def attention_paged_fwd(
     `paged_box(page_size, D)` > 0), page_table int32 (B, max_pages), seqlens_k int32 (B,),
     cu_seqlens_q int32 (B + 1,), all on q's device. Causal: bottom-right aligned to each
     sequence's key length. Sequences of fewer than PAGED_MIN_SEQLEN_Q query tokens are
-    skipped (the paged decode's: their rows of o and lse are left as they are)."""
+    skipped (the paged decode's: their rows of o and lse are left as they are). packed: the
+    whole batch, none skipped, in one launch of the packed compile on GQA-packed rows
+    (`_paged_packed`)."""
+    if packed:
+        _paged_packed(q, k_cache, v_cache, o, lse, page_table, seqlens_k, cu_seqlens_q,
+                      max_seqlen_q, softmax_scale, causal)  # fmt: skip
+        return
     if o.numel() == 0 or max_seqlen_q < PAGED_MIN_SEQLEN_Q:
         return
     if k_cache.shape[0] == 0:  # no pages: every length is 0
@@ -255,3 +273,33 @@ def attention_paged_fwd(
         fn(q, k_cache, v_cache, o_dst, lse_dst, cu_q, lens, softmax_scale * LOG2E, max_seqlen_q,
            1, ctas, table)  # fmt: skip
     copy_back((o, lse), (o_dst, lse_dst))
+
+
+def _paged_packed(q, k_cache, v_cache, o, lse, page_table, seqlens_k, cu_seqlens_q,
+                  max_seqlen_q: int, softmax_scale: float, causal: bool) -> None:  # fmt: skip
+    """`attention_paged_fwd(packed=True)`: every sequence of the batch (decode rows, chunks)
+    in one launch, FA4's form of a chunked-prefill batch. The G = Hq / Hkv query heads of a kv
+    head become G rows per token of one head (q copied to (Tq * G, Hkv, D), `pack_gqa_q`), so a
+    decode row of n tokens is a tile of n * G rows a kv head that streams its keys once for
+    the group; each sequence's offsets and the longest length scale by G, the kernel's causal
+    mask reads row r as token r // G (qgroup = G: each sequence's bottom-right offset is
+    seqlen_k - rows // G), and O and the LSE come back through `unpack_gqa_into`. Rows past
+    cu_seqlens_q[-1] (outside every sequence: an invalid input) get unspecified values."""
+    tq, hq, d = q.shape
+    if o.numel() == 0 or max_seqlen_q == 0:
+        return
+    if k_cache.shape[0] == 0:  # no pages: every length is 0, every row sees no key
+        _no_keys(o, lse)
+        return
+    group = hq // k_cache.shape[2]
+    box = paged_box(k_cache.shape[1], d)
+    qp = pack_gqa_q(q[None], group)[0]  # a fresh compact copy: TMA-ready
+    op = qp.new_empty(qp.shape)
+    lsep = qp.new_empty(qp.shape[1], qp.shape[0], dtype=torch.float32)
+    table = page_table if page_table.stride(-1) == 1 else page_table.contiguous()
+    cu_p, lens = cu_seqlens_q * group, seqlens_k.contiguous()
+    fn, ctas, _, _ = _plan(q.dtype, d, d, causal, True, q.device, box, packed=True)
+    with on_device(q.device):
+        fn(qp, k_cache, v_cache, op, lsep, cu_p, lens, softmax_scale * LOG2E,
+           max_seqlen_q * group, group, ctas, table)  # fmt: skip
+    unpack_gqa_into(op, lsep, o, lse, group)
