@@ -96,6 +96,22 @@ def test_paged_mode_builds_with_uniform_tma_issue_and_no_spills(tmp_path):
         assert "BRA.U.ANY" not in sass, params  # no TMA issued in a per-lane loop
 
 
+@pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
+def test_packed_paged_mode_builds_as_the_split_one(tmp_path):
+    """The packed compile (params packed: no sequence skipped, docs/attention/PAGED_NOTES.md,
+    "The whole chunked-prefill batch in one launch") is the split's kernel less the skip's
+    selects (2026-12-04, cu13: 168 registers, 48 HGMMA, 8 TMA loads, 2 stores each; 3096
+    instructions against 3104): same registers, no local memory, same TMA and HGMMA."""
+    split = params_for("bfloat16", 128, 128, True, varlen=True, page_box=16)
+    packed = params_for("bfloat16", 128, 128, True, varlen=True, page_box=16, packed=True)
+    (rs, ss), (rp, sp) = _build_with_sass(split, tmp_path), _build_with_sass(packed, tmp_path)
+    assert rp["registers"] == rs["registers"] and rp["spill_bytes"] == 0 and rp["hgmma"]
+    assert rp["sass"].get("LDL", 0) == 0 and rp["sass"].get("STL", 0) == 0
+    for op in ("UTMALDG", "UTMASTG", "HGMMA", "STS"):
+        assert rp["sass"].get(op) == rs["sass"].get(op), op
+    assert "BRA.U.ANY" not in sp and sp.count(" USEL ") < ss.count(" USEL ")
+
+
 # Variants off by default (docs/attention/NOTES.md, "D=256 and 192/128 after split_softmax"):
 # D=256 is where an epilogue detail once took the whole kernel off the uniform datapath (a
 # branch around o_direct's row stores: 72 R2UR a step, every producer TMA in a per-lane loop).
