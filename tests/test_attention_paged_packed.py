@@ -21,6 +21,7 @@ from test_attention_paged_prefill import (  # tests/ is on the path
     cta_key_blocks,
     key_blocks,
     prefill_problem,
+    replayed_kernel,
     tile_of,
 )
 
@@ -230,7 +231,10 @@ def test_packed_kernel_skips_no_sequence():
 def test_bench_packed_variant_on_16_bit_prefill_cases_only():
     names = [c.name for c in suite_module.BENCH_CASES if "packed" in suite_module.variants(c)]
     assert names == [c.name for c in PREFILL_BENCH_CASES]
-    assert suite_module.variants(PREFILL_BENCH_CASES[0]) == {"packed": suite_module._run_packed}
+    assert suite_module.variants(PREFILL_BENCH_CASES[0]) == {
+        "packed": suite_module._run_packed,
+        "packed_views": suite_module._run_packed_views,
+    }
 
 
 def test_bench_packed_variant_runs_the_packed_form(cpu_paged_kernel, monkeypatch):  # noqa: F811
@@ -247,6 +251,133 @@ def test_bench_packed_variant_runs_the_packed_form(cpu_paged_kernel, monkeypatch
     assert float((out[0].float() - want).abs().max()) < 2e-2
     assert float((out[1] - want_lse).abs().max()) < 1e-4
     assert [p["packed"] for p in cpu_paged_kernel] == [True] and cpu_paged_kernel.decode == []
+
+
+# ------------------------------------------------------------------ the zero-copy form
+def replayed_view_kernel(params, ran):
+    """A CPU stand-in for the `view_group` compile: q / o (Tq, Hkv, G, D) and lse (Hkv, G, Tq)
+    views seen as their packed rows the way `layout.grouped_rows_as_sdhb` / `grouped_lse` lay
+    them out (row t * G + g at token stride x t + head-in-group stride x g), the packed
+    stand-in run on those rows, its results written back through the same strides."""
+    p = dict(params)
+    group = p.pop("view_group")
+    inner = replayed_kernel(tuple(p.items()), ran)
+
+    def rows(t):  # ((G, Tq), D, Hkv) as a torch view (Tq, G, Hkv, D): row t * G + g
+        tq, h, g, d = t.shape
+        return t.as_strided((tq, g, h, d), (t.stride(0), t.stride(2), t.stride(1), t.stride(3)))
+
+    def fn(qv, k, v, ov, lv, cu_q, lens, scale_log2, max_q, qgroup, ctas, table):
+        tq, hkv, g, d = qv.shape
+        assert g == group == qgroup and ov.shape == qv.shape and lv.shape == (hkv, g, tq)
+        op = torch.full((tq * g, hkv, d), math.nan, dtype=qv.dtype)
+        lp = torch.full((hkv, tq * g), math.nan)
+        inner(rows(qv).reshape(tq * g, hkv, d), k, v, op, lp, cu_q, lens, scale_log2, max_q,
+              qgroup, ctas, table)  # fmt: skip
+        rows(ov).copy_(op.view(tq, g, hkv, d))
+        lse_rows = lv.as_strided((hkv, tq, g), (lv.stride(0), lv.stride(2), lv.stride(1)))
+        lse_rows.copy_(lp.view(hkv, tq, g))
+
+    return fn
+
+
+@pytest.fixture
+def cpu_view_kernel(cpu_paged_kernel, monkeypatch):  # noqa: F811
+    """cpu_paged_kernel with the `view_group` compiles on `replayed_view_kernel`."""
+
+    def get_kernel(spec, params):
+        cpu_paged_kernel.append(dict(params))
+        if "view_group" in dict(params):
+            return replayed_view_kernel(params, cpu_paged_kernel.ran)
+        return replayed_kernel(params, cpu_paged_kernel.ran)
+
+    monkeypatch.setattr(fwd_launch, "get_kernel", get_kernel)
+    return cpu_paged_kernel
+
+
+def test_view_group_where_g_divides_the_tile_rows():
+    """G a divisor of the paged default's tile_m (128 at D 128 / 256, 192 at D 64), else 0:
+    the copy form."""
+    groups = (1, 2, 3, 4, 6, 8, 16)
+    assert [fwd_launch.view_group(g, 128) for g in groups] == [1, 2, 0, 4, 0, 8, 16]
+    assert [fwd_launch.view_group(g, 64) for g in (3, 5, 6, 7, 16)] == [3, 0, 6, 0, 16]
+    assert fwd_launch.view_group(4, 256) == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("case", range(len(MIXED)))
+def test_views_batch_matches_the_reference(cpu_view_kernel, case, causal, dtype):
+    """prefill_form("packed_views"): one launch on views of q, out and lse (the `view_group`
+    compile; the copy form where G does not divide the tile's rows: G 3 at D 128), every row of
+    the NaN-poisoned out and lse written, the batch matching the fp64 reference."""
+    hq, hkv, d, ps, q_lens, k_lens = MIXED[case]
+    q, k, v, table, lens, cu = prefill_problem(hq, hkv, d, ps, q_lens, k_lens, seed=case,
+                                               dtype=dtype)  # fmt: skip
+    out = torch.full_like(q, math.nan)
+    lse = torch.full((hq, q.shape[0]), math.nan)
+    with op_module.prefill_form("packed_views"):
+        op_module.attention_paged(q, k, v, table, lens, cu_seqlens_q=cu, max_seqlen_q=max(q_lens),
+                                  causal=causal, return_lse=True, out=out, lse=lse)  # fmt: skip
+    want, want_lse = paged_attention_ref(q, k, v, table, lens, cu_seqlens_q=cu, causal=causal)
+    assert torch.isfinite(out).all()
+    assert float((out.float() - want).abs().max()) < 2e-2
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse)) and not lse.isnan().any()
+    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-4
+    [params] = cpu_view_kernel
+    g = fwd_launch.view_group(hq // hkv, d)
+    assert params.get("view_group", 0) == g and params["packed"] and cpu_view_kernel.decode == []
+
+
+def test_views_launch_arguments(monkeypatch):
+    """The view form hands the kernel q, out and lse themselves (views: the same storage, no
+    copy): q (Tq, Hkv, G, D), out alike, lse (Hkv, G, Tq); an lse whose rows are not contiguous
+    (a transposed (Tq, Hq) buffer) goes through a buffer copied back."""
+    seen = {}
+
+    def get_kernel(spec, params):
+        seen["params"] = dict(params)
+
+        def fn(*args):
+            seen["args"] = args
+            args[3].fill_(1.0)
+            args[4].fill_(2.0)
+
+        return fn
+
+    monkeypatch.setattr(fwd_launch, "get_kernel", get_kernel)
+    monkeypatch.setattr(fwd_launch, "_plans", type(fwd_launch._plans)())
+    monkeypatch.setattr(fwd_launch, "num_sms", lambda device: 132)
+    q, k, v, table, lens, cu = prefill_problem(16, 2, 128, 16, [1, 0, 40, 4], [9, 3, 50, 33])
+    o, lse = torch.empty_like(q), torch.empty(16, q.shape[0])
+    fwd_launch.attention_paged_fwd(q, k, v, o, lse, table, lens, cu, 40, 0.125, True,
+                                   packed=True, views=True)  # fmt: skip
+    qv, _, _, ov, lv, cu_p, _, _, max_p, qgroup, _, _ = seen["args"]
+    assert qv.shape == ov.shape == (45, 2, 8, 128) and lv.shape == (2, 8, 45)
+    assert qv.data_ptr() == q.data_ptr() and ov.data_ptr() == o.data_ptr()
+    assert lv.data_ptr() == lse.data_ptr() and qv.stride() == (2048, 1024, 128, 1)
+    assert lv.stride() == (8 * 45, 45, 1) and cu_p.tolist() == [0, 8, 8, 328, 360]
+    assert (max_p, qgroup, seen["params"]["view_group"]) == (320, 8, 8)
+    assert (o == 1).all() and (lse == 2).all()
+    lse_t = torch.zeros(q.shape[0], 16).t()
+    fwd_launch.attention_paged_fwd(q, k, v, o, lse_t, table, lens, cu, 40, 0.125, True,
+                                   packed=True, views=True)  # fmt: skip
+    assert seen["args"][4].data_ptr() != lse_t.data_ptr() and (lse_t == 2).all()
+
+
+def test_view_keys_are_candidates():
+    """view_group: a key only with packed (and G dividing tile_m); the bench cases' four
+    (pages 16 / 64, G 4 / 8) are candidates, none standard."""
+    std = [dict(p) for p in SPEC.standard_params()]
+    assert not any("view_group" in p for p in std)
+    views = [dict(p) for p in SPEC.candidate_params() if "view_group" in dict(p)]
+    got = sorted((p["page_box"], p["view_group"]) for p in views)
+    assert got == [(16, 4), (16, 8), (64, 4), (64, 8)]
+    assert all(p["packed"] and p["causal"] and p["head_dim"] == 128 for p in views)
+    for bad in ({"view_group": 4}, {"packed": True, "view_group": 3}):
+        with pytest.raises(ValueError, match="view_group"):
+            params_for("bfloat16", 128, 128, True, varlen=True, page_box=16, **bad)
 
 
 # ------------------------------------------------------------------ the packed order

@@ -478,8 +478,9 @@ def decode_lengths(seqlens_k: torch.Tensor, cu_seqlens_q: torch.Tensor) -> torch
 
 
 # How a chunked-prefill batch on the paged mode runs (`prefill_form`): "split" (the default:
-# `_split_prefill`) or "packed" (one GQA-packed launch of the whole batch).
-PREFILL_FORMS = ("split", "packed")
+# `_split_prefill`), "packed" (one GQA-packed launch of the whole batch) or "packed_views" (the
+# same without the pack / unpack copies where G divides the tile's rows).
+PREFILL_FORMS = ("split", "packed", "packed_views")
 _prefill_form = ["split"]
 
 
@@ -489,9 +490,10 @@ def prefill_form(form: str) -> Iterator[None]:
     "split" (`_split_prefill`: the decode kernel on the sequences of up to MAX_QUERY_TOKENS
     query tokens, then the forward's paged mode on the others) or "packed" (the forward's
     paged mode alone on the whole batch, GQA-packed: `launch.attention_paged_fwd(packed=
-    True)`, FA4's form; no decode part, no slot glue). The bench's `packed` variant; not yet
-    the default (docs/attention/PAGED_NOTES.md, "The whole chunked-prefill batch in one
-    launch")."""
+    True)`, FA4's form; no decode part, no slot glue) or "packed_views" (the same launch on
+    views of q, out and lse instead of packed copies: views=True, candidate). The bench's
+    `packed` / `packed_views` variants; not yet the default (docs/attention/PAGED_NOTES.md,
+    "The whole chunked-prefill batch in one launch")."""
     if form not in PREFILL_FORMS:
         raise ValueError(f"prefill form must be one of {PREFILL_FORMS}, got {form!r}")
     before, _prefill_form[0] = _prefill_form[0], form
@@ -504,9 +506,11 @@ def prefill_form(form: str) -> Iterator[None]:
 def _run_prefill(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, scale, causal, o,
                  lse):  # fmt: skip
     """A chunked-prefill batch into o / lse in the `prefill_form` in force."""
-    if _prefill_form[0] == "packed":
+    form = _prefill_form[0]
+    if form != "split":
         fwd_sm90.attention_paged_fwd(q, k, v, o, lse, page_table, seqlens_k, cu_seqlens_q,
-                                     max_seqlen_q, scale, causal, packed=True)  # fmt: skip
+                                     max_seqlen_q, scale, causal, packed=True,
+                                     views=form == "packed_views")  # fmt: skip
     else:
         _split_prefill(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, scale,
                        causal, o, lse)  # fmt: skip

@@ -211,12 +211,15 @@ def params_for(
     varlen: bool = False,
     page_box: int = 0,
     packed: bool = False,
+    view_group: int = 0,
 ) -> tuple:
     """The compile key's baked-in part, as a sorted tuple of (name, value). page_box > 0: K
     and V from a paged cache, one TMA box of page_box rows per page of a tile (varlen
     queries; `page_box_for`). packed (paged only): the tiles skip no sequence (the launcher
     packs every sequence's GQA group into rows, decode rows included: no PAGED_MIN_SEQLEN_Q);
-    a key only when on, so every other key (and its cache entry and SASS) is as before."""
+    a key only when on, so every other key (and its cache entry and SASS) is as before.
+    view_group G > 0 (packed only, G dividing tile_m): the zero-copy packed form, q / o / lse
+    read and written in place through views of G query heads a kv head (candidate)."""
     cfg = cfg or default_config(head_dim, head_dim_v, paged=page_box > 0, varlen=varlen)
     if cfg.dynamic and page_box:
         raise ValueError("dynamic tiles are not for the paged mode (its own walk)")
@@ -233,6 +236,10 @@ def params_for(
     }
     if not cfg.dynamic:  # the keys (and cache entries) of every config before the knob
         del key["dynamic"]
+    if view_group and (not packed or cfg.tile_m % view_group):
+        raise ValueError(f"view_group {view_group}: packed only, dividing tile_m ({cfg.tile_m})")
     if packed:
         key["packed"] = True
+    if view_group:
+        key["view_group"] = int(view_group)
     return tuple(sorted(key.items()))

@@ -76,6 +76,8 @@ from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY, THREADS_PER_WG, WARP_SIZE
 from forgekernel.kernels.common.sm90.layout import (
     acc_to_operand_a,
+    grouped_lse,
+    grouped_rows_as_sdhb,
     packed_as_sdhb,
     rows_cols,
     select,
@@ -117,6 +119,7 @@ class AttentionFwdSm90:
         varlen: bool = False,
         page_box: int = 0,
         packed: bool = False,
+        view_group: int = 0,
     ):
         if config.tile_m not in (128, 192):
             raise ValueError(
@@ -131,6 +134,11 @@ class AttentionFwdSm90:
             raise ValueError(f"stages must be >= 1, got {config.stages}")
         if packed and not page_box:
             raise ValueError("packed is a form of the paged mode (page_box > 0)")
+        if view_group and (not packed or config.tile_m % view_group):
+            raise ValueError(
+                f"view_group ({view_group}) needs the packed form and must divide tile_m "
+                f"({config.tile_m})"
+            )
         if page_box and (not varlen or page_box % 8 or config.tile_n % page_box):
             raise ValueError(
                 f"page_box must be a multiple of 8 dividing tile_n ({config.tile_n}), with "
@@ -181,6 +189,10 @@ class AttentionFwdSm90:
         # and this launch runs the whole batch, decode rows included; else the tiles skip the
         # sequences of fewer than PAGED_MIN_SEQLEN_Q query tokens (the paged decode's).
         self.packed = packed
+        # Packed, zero-copy (view_group = G > 0): q and o come as (Tq, Hkv, G, D) views of the
+        # caller's (Tq, Hq, D), lse as (Hkv, G, Tq), seen as the packed rows ((G, Tq)) they
+        # hold (`grouped_rows_as_sdhb`): TMA boxes of ((G, tile_m / G), D), no pack copy.
+        self.view_group = view_group
         skip_below = PAGED_MIN_SEQLEN_Q if self.paged and not packed else 0
         # K + V bytes of one key row (16-bit elements) decide the tile order's L2 sections.
         self.scheduler = LongestFirst(
@@ -264,17 +276,23 @@ class AttentionFwdSm90:
         # Paged caches (pages, page_size, Hkv, D) become (page_size, D, Hkv, pages): a page is
         # a batch of the fixed-length view.
         if const_expr(self.paged):
-            mQ, mO = packed_as_sdhb(mQ), packed_as_sdhb(mO)
+            if const_expr(self.view_group > 0):
+                mQ, mO = grouped_rows_as_sdhb(mQ), grouped_rows_as_sdhb(mO)
+            else:
+                mQ, mO = packed_as_sdhb(mQ), packed_as_sdhb(mO)
             mK, mV = select(mK, [1, 3, 2, 0]), select(mV, [1, 3, 2, 0])
         elif const_expr(self.varlen):
             mQ, mK, mV, mO = (packed_as_sdhb(t) for t in (mQ, mK, mV, mO))
-        if const_expr(self.varlen):
+        if const_expr(self.view_group > 0):
+            mLSE = grouped_lse(mLSE)
+        elif const_expr(self.varlen):
             mLSE = cute.make_tensor(
                 mLSE.iterator,
                 cute.make_layout(
                     (1, mLSE.shape[0], mLSE.shape[1]), stride=(0, mLSE.stride[0], mLSE.stride[1])
                 ),
             )
+        if const_expr(self.varlen):
             num_batch = mCuQ.shape[0] - 1
             num_m_blocks = (max_seqlen_q + self.tile_m - 1) // self.tile_m
         else:
