@@ -101,7 +101,8 @@ def test_packed_paged_mode_builds_as_the_split_one(tmp_path):
     """The packed compile (params packed: no sequence skipped, docs/attention/PAGED_NOTES.md,
     "The whole chunked-prefill batch in one launch") is the split's kernel less the skip's
     selects (2026-12-04, cu13: 168 registers, 48 HGMMA, 8 TMA loads, 2 stores each; 3096
-    instructions against 3104): same registers, no local memory, same TMA and HGMMA."""
+    instructions against 3104): same registers, no local memory, same TMA and HGMMA; and its
+    zero-copy form."""
     split = params_for("bfloat16", 128, 128, True, varlen=True, page_box=16)
     packed = params_for("bfloat16", 128, 128, True, varlen=True, page_box=16, packed=True)
     (rs, ss), (rp, sp) = _build_with_sass(split, tmp_path), _build_with_sass(packed, tmp_path)
@@ -110,6 +111,17 @@ def test_packed_paged_mode_builds_as_the_split_one(tmp_path):
     for op in ("UTMALDG", "UTMASTG", "HGMMA", "STS"):
         assert rp["sass"].get(op) == rs["sass"].get(op), op
     assert "BRA.U.ANY" not in sp and sp.count(" USEL ") < ss.count(" USEL ")
+    # the zero-copy form (view_group 4): Q's loads and O's stores 4-D boxes ((G, 32) rows of
+    # D), the same registers and instruction mix but the view's index math (3160 instructions)
+    views = params_for("bfloat16", 128, 128, True, varlen=True, page_box=16, packed=True,
+                       view_group=4)  # fmt: skip
+    rv, sv = _build_with_sass(views, tmp_path)
+    assert rv["registers"] == rs["registers"] and rv["spill_bytes"] == 0
+    assert rv["sass"].get("LDL", 0) == 0 and rv["sass"].get("STL", 0) == 0
+    for op in ("UTMALDG", "UTMASTG", "HGMMA"):
+        assert rv["sass"].get(op) == rs["sass"].get(op), op
+    assert sv.count("UTMALDG.3D") == 0 and sv.count("UTMASTG.4D") == rv["sass"]["UTMASTG"]
+    assert "BRA.U.ANY" not in sv
 
 
 # Variants off by default (docs/attention/NOTES.md, "D=256 and 192/128 after split_softmax"):

@@ -3,8 +3,9 @@
 the GPU against the fp32 reference: decode rows of 1-4 query tokens beside chunks, page sizes
 8 to 256, D 64 / 128 / 256, GQA 1 / 3 / 4 / 8, sequences without queries or keys, more queries
 than keys, NaN in every cache slot no sequence owns (`test_paged_gpu._prefill_problem`),
-NaN-poisoned out and lse, both dtypes and masks; the split form on the same batch; a CUDA graph
-of the packed call replayed on new lengths; torch.compile. The CPU replay of the same path:
+NaN-poisoned out and lse, both dtypes and masks; the zero-copy form ("packed_views", bf16); the
+split form on the same batch; a CUDA graph of the packed call replayed on new lengths;
+torch.compile. The CPU replay of the same path:
 tests/test_attention_paged_packed.py."""
 
 from __future__ import annotations
@@ -76,21 +77,49 @@ def test_packed_prefill_matches_the_reference(monkeypatch, case, dtype, causal):
     _check(out, lse, q, k, v, table, seq, cu, causal, combined)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(
+    "case", PACKED_CASES, ids=lambda c: f"h{c[0]}_{c[1]}_d{c[2]}_p{c[3]}_q{sum(c[4])}"
+)
+def test_packed_views_match_the_reference(monkeypatch, case, causal):
+    """prefill_form("packed_views"): the `view_group` compile (TMA boxes of (G, tile_m / G)
+    tokens on q / out seen as packed rows, lse likewise; not prebuilt: each case compiles its
+    own, bf16 only) where G divides the tile's rows, the copy form elsewhere (G 3 at D 128)."""
+    hq, hkv, d, ps, q_lens, k_lens, combined = case
+    q, k, v, table, seq, cu = _prefill_problem(hq, hkv, d, ps, q_lens, k_lens, torch.bfloat16,
+                                               combined, seed=len(q_lens) + ps + 200)  # fmt: skip
+    looked_up = record_kernel_lookups(monkeypatch)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((hq, q.shape[0]), float("nan"), device="cuda")
+    with op.prefill_form("packed_views"):
+        op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu, max_seqlen_q=max(q_lens),
+                           causal=causal, return_lse=True, out=out, lse=lse)  # fmt: skip
+    group = fwd_launch.view_group(hq // hkv, d)
+    assert [p.get("view_group", 0) for p in looked_up] == [group]
+    _check(out, lse, q, k, v, table, seq, cu, causal, combined)
+
+
 def test_packed_and_split_forms_agree():
-    """The two forms on one batch (decode rows over the split plan's compact slots at the
-    split, packed tiles at the other): the same attention, to rounding."""
+    """The forms on one batch (decode rows over the split plan's compact slots at the split,
+    packed tiles in the others, copied or through views): the same attention, to rounding;
+    the views form bit for bit the copy form (the same kernel math on the same rows)."""
     q_lens, k_lens = [300, 1, 0, 2000, 1, 3, 4], [800, 12345, 5000, 3000, 78, 40, 2]
     q, k, v, table, seq, cu = _prefill_problem(32, 8, 128, 64, q_lens, k_lens, torch.bfloat16,
                                                False, seed=7)  # fmt: skip
     split, split_lse = op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu,
                                           max_seqlen_q=2000, return_lse=True)  # fmt: skip
-    with op.prefill_form("packed"):
-        packed, packed_lse = op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu,
-                                                max_seqlen_q=2000, return_lse=True)  # fmt: skip
-    assert float((packed.float() - split.float()).abs().max()) < 2e-2
-    finite = torch.isfinite(split_lse)
-    assert torch.equal(finite, torch.isfinite(packed_lse))
-    assert float((packed_lse[finite] - split_lse[finite]).abs().max()) < 1e-3
+    got = {}
+    for form in ("packed", "packed_views"):
+        with op.prefill_form(form):
+            packed, packed_lse = op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu,
+                                                    max_seqlen_q=2000, return_lse=True)  # fmt: skip
+        assert float((packed.float() - split.float()).abs().max()) < 2e-2, form
+        finite = torch.isfinite(split_lse)
+        assert torch.equal(finite, torch.isfinite(packed_lse)), form
+        assert float((packed_lse[finite] - split_lse[finite]).abs().max()) < 1e-3, form
+        got[form] = (packed, packed_lse)
+    assert torch.equal(got["packed"][0], got["packed_views"][0])
+    assert torch.equal(got["packed"][1], got["packed_views"][1])
 
 
 def test_packed_prefill_replays_in_a_graph_and_compiles():
