@@ -7,9 +7,11 @@ Chunked prefill (more than 4 query tokens in some sequence) splits the batch on 
 the sequences of up to 4 query tokens (decode rows beside the chunks) run the decode kernel,
 the others the attention forward's paged mode (kernels/attention/fwd/sm90, page_box > 0), each
 kernel skipping the other's sequences, both writing their rows of the same out and lse
-(`_split_prefill`). The paged mode reads the pages in place, one TMA box per page of a key
-tile, for 16-bit caches whose page size it covers (a multiple of 8 rows that divides the key
-tile or that the tile divides: 8 to 128 and beyond, `launch.paged_box`). The rest, FP8 caches
+(`_split_prefill`); under `prefill_form("packed")` / `("packed_views")` (candidates) the paged
+mode alone runs the whole batch, GQA-packed, in one launch (FA4's form). The paged mode reads
+the pages in place, one TMA box per page of a key tile, for 16-bit caches whose page size it
+covers (a multiple of 8 rows that divides the key tile or that the tile divides: 8 to 128 and
+beyond, `launch.paged_box`). The rest, FP8 caches
 and pages of 1 (or of a size like 24), gather the sequences' pages into packed K / V (FP8
 dequantized) and run the varlen forward (`ops.attention_varlen`) on the whole batch: correct,
 paying one copy of the keys and values the batch's table spans."""
