@@ -423,3 +423,24 @@ def test_packed_order_on_the_bench_prefill_cases():
         got = (max(load) / (sum(load) / len(load)), decode / sum(load), max(load) / max(split))
         want = PACKED_MODEL[case.name.split("-", 5)[-1].rsplit("-q", 1)[0]]
         assert got == pytest.approx(want, abs=1e-3), case.name
+
+
+# ------------------------------------------------------------------ the DSL's view, traced
+def test_dsl_view_maps_packed_rows_to_query_heads():
+    """The layouts the zero-copy compile builds, evaluated by the DSL while tracing
+    (tests/packed_views_trace.py; static sizes Tq 70, Hkv 2, G 4, D 64): packed row r = t G + g
+    of kv head h at q's element (t, h G + g); the TMA coordinates (d, g, t, head) of 128-row
+    tiles after the sequence's packed offset (8 rows: token 2), so a box is ((G, 32) tokens'
+    rows, D) from g 0; the LSE's row r of head h at lse[h G + g, t]."""
+    pytest.importorskip("cutlass")
+    from packed_views_trace import trace_views  # tests/ is on the path
+
+    tq, hkv, g, d = 70, 2, 4, 64
+    seen = trace_views(tq, hkv, g, d)
+    hq = hkv * g
+    want_q = [(r // g) * hq * d + (h * g + r % g) * d + c
+              for r in (0, 5, 9, 279) for c in (0, 3) for h in (0, 1)]  # fmt: skip
+    assert seen["q"] == want_q
+    # tile 0 from packed row 8 (token 2), tile 1 from row 136 (token 34), its row 5 column 7
+    assert seen["tma"] == [(0, 0, 2, 1), (0, 0, 34, 1), (7, 1, 35, 1)]
+    assert seen["lse"] == [(h * g + r % g) * tq + r // g for h in (0, 1) for r in (0, 9, 279)]
