@@ -719,9 +719,21 @@ class AttentionFwdSm90:
                 row_sum.fill(0.0)
                 acc_O.fill(0.0)
                 q_pipe.consumer_wait(q_state)
-                kv = self._mainloop(
-                    kv, m0, (seqlen_q, qgroup), seqlen_k, n_block_max, n_unmasked, *step_args
-                )
+                if const_expr(self.packed):
+                    # A warpgroup none of whose 64 rows is in the tile's sequence (a decode row's
+                    # tile: n tokens x G rows, at most 32 at G 8) keeps the protocol, no GEMM.
+                    if m0 + wg * 64 < seqlen_q:
+                        kv = self._mainloop(
+                            kv, m0, (seqlen_q, qgroup), seqlen_k, n_block_max, n_unmasked,
+                            *step_args,
+                        )  # fmt: skip
+                    else:
+                        kv = self._idle_blocks(kv, n_block_max, k_pipe, v_pipe, my_turn,
+                                               their_turn)  # fmt: skip
+                else:
+                    kv = self._mainloop(
+                        kv, m0, (seqlen_q, qgroup), seqlen_k, n_block_max, n_unmasked, *step_args
+                    )
                 row_lse = softmax.finalize(acc_O, row_max, row_sum, scale_log2)
                 if const_expr(self.own_o or self.o_direct):
                     # Every QK^T of this tile is done (the last P V was waited on): the
@@ -821,6 +833,35 @@ class AttentionFwdSm90:
                 softmax.rescale_o(acc_O, rescale)
             v_pipe.consumer_wait(kv)
             gemm(mma_pv, acc_O, tOrP, tOrV[None, None, None, kv.index], False, 0)
+            v_pipe.consumer_release(kv)
+            kv.advance()
+        return kv
+
+    @cute.jit
+    def _idle_blocks(self, kv, n_block_max, k_pipe, v_pipe, my_turn, their_turn):
+        """`_mainloop`'s protocol without its work (the packed compile's warpgroups with no row
+        in the tile's sequence): each K and V stage waited for and released, the GEMM turns
+        taken and passed, in the mainloop's order, so that the producer's stages and the other
+        warpgroups' turns advance as when it computes; its O and LSE rows are never stored.
+        (A WGMMA skipped by a branch inside the mainloop instead made ptxas serialize every
+        WGMMA of the kernel: 48 WARPGROUP.ARRIVE / DEPBAR against 6 / 7.) Returns the K/V
+        pipeline state."""
+        if n_block_max > 0:
+            k_pipe.consumer_wait(kv)
+            k_pipe.consumer_release(kv)
+            for _ in cutlass.range(n_block_max - 1, unroll=1):
+                kv_s = kv.clone()
+                kv_s.advance()
+                k_pipe.consumer_wait(kv_s)
+                if const_expr(self.pingpong):
+                    my_turn.arrive_and_wait()
+                v_pipe.consumer_wait(kv)
+                if const_expr(self.pingpong):
+                    their_turn.arrive()
+                k_pipe.consumer_release(kv_s)
+                v_pipe.consumer_release(kv)
+                kv = kv_s
+            v_pipe.consumer_wait(kv)
             v_pipe.consumer_release(kv)
             kv.advance()
         return kv
