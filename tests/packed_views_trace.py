@@ -9,8 +9,8 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.runtime import make_fake_tensor
 from cutlass.tensor_utils import LayoutEnum
 
+from forgekernel.kernels.attention.fwd.sm90.views import grouped_lse, grouped_rows_as_sdhb
 from forgekernel.kernels.common.sm90 import fake
-from forgekernel.kernels.common.sm90.layout import grouped_lse, grouped_rows_as_sdhb
 
 TILE_M = 128
 

@@ -256,7 +256,7 @@ def test_bench_packed_variant_runs_the_packed_form(cpu_paged_kernel, monkeypatch
 # ------------------------------------------------------------------ the zero-copy form
 def replayed_view_kernel(params, ran):
     """A CPU stand-in for the `view_group` compile: q / o (Tq, Hkv, G, D) and lse (Hkv, G, Tq)
-    views seen as their packed rows the way `layout.grouped_rows_as_sdhb` / `grouped_lse` lay
+    views seen as their packed rows the way `views.grouped_rows_as_sdhb` / `grouped_lse` lay
     them out (row t * G + g at token stride x t + head-in-group stride x g), the packed
     stand-in run on those rows, its results written back through the same strides."""
     p = dict(params)

@@ -28,33 +28,6 @@ def packed_as_sdhb(t: cute.Tensor) -> cute.Tensor:
     )
 
 
-def grouped_rows_as_sdhb(t: cute.Tensor) -> cute.Tensor:
-    """A packed varlen tensor (T, Hq, D) handed over as its view (T, Hkv, G, D) (G static), as
-    the (S, D, H, B) view of its GQA-packed rows: ((G, T), D, Hkv, 1), row t * G + g of kv head
-    h being query head h * G + g of token t (the layout a pack-GQA copy would write; no copy)."""
-    lay = t.layout
-    return cute.make_tensor(
-        t.iterator,
-        cute.make_layout(
-            ((lay.shape[2], lay.shape[0]), lay.shape[3], lay.shape[1], 1),
-            stride=((lay.stride[2], lay.stride[0]), lay.stride[3], lay.stride[1], 0),
-        ),
-    )
-
-
-def grouped_lse(t: cute.Tensor) -> cute.Tensor:
-    """A varlen LSE (Hq, T) handed over as (Hkv, G, T), as the kernel's (1, H, rows) view of
-    its GQA-packed rows: (1, Hkv, (G, T)), row t * G + g of kv head h at [h * G + g, t]."""
-    lay = t.layout
-    return cute.make_tensor(
-        t.iterator,
-        cute.make_layout(
-            (1, lay.shape[0], (lay.shape[1], lay.shape[2])),
-            stride=(0, lay.stride[0], (lay.stride[1], lay.stride[2])),
-        ),
-    )
-
-
 def transposed(t: cute.Tensor) -> cute.Tensor:
     """Swap the first two modes of a (staged) shared-memory tensor; the swizzle rides on the
     iterator, so the view addresses the same bytes."""

@@ -71,13 +71,12 @@ from forgekernel.kernels.attention.fwd.sm90.config import (
     separate_o,
     smem_bytes,
 )
+from forgekernel.kernels.attention.fwd.sm90.views import grouped_lse, grouped_rows_as_sdhb
 from forgekernel.kernels.common.sm90 import softmax
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY, THREADS_PER_WG, WARP_SIZE
 from forgekernel.kernels.common.sm90.layout import (
     acc_to_operand_a,
-    grouped_lse,
-    grouped_rows_as_sdhb,
     packed_as_sdhb,
     rows_cols,
     select,

@@ -329,7 +329,7 @@ def _paged_views(q, k_cache, v_cache, o, lse, page_table, seqlens_k, cu_seqlens_
                  max_seqlen_q, softmax_scale, causal, group, box) -> None:  # fmt: skip
     """The packed form without copies (the `view_group` compile, candidate): q and o handed
     over as their (Tq, Hkv, G, D) views and lse as its (Hkv, G, Tq) view, which the kernel sees
-    as the packed rows ((G, Tq)) they hold (`layout.grouped_rows_as_sdhb`); o and lse in place
+    as the packed rows ((G, Tq)) they hold (`views.grouped_rows_as_sdhb`); o and lse in place
     where TMA can write them (else through a buffer copied back)."""
     d, hkv = q.shape[-1], k_cache.shape[2]
     qv = as_tma_ready(q).unflatten(1, (hkv, group))
