@@ -47,7 +47,10 @@ O = 0 and LSE = -inf. Ragged edges: TMA zero-fills loads (or reads the next sequ
 masked) and clips the O store; score columns >= Sk are masked to -inf before the softmax.
 Paged: the last page's slots past the sequence hold whatever the cache held; their scores are
 masked and their V rows zeroed in shared memory by the consumers (`_clear_stale_v`), so that
-no NaN or inf there reaches O through P = 0.
+no NaN or inf there reaches O through P = 0. Paged, packed (`packed`: the whole chunked-prefill
+batch GQA-packed, decode rows included; `view_group`: through views of the caller's q / o /
+lse, no copies): a consumer warpgroup none of whose rows is in its tile's sequence runs
+`_idle_blocks` (the pipelines' and turns' protocol, no GEMM) instead of the mainloop.
 Measured variants that left the kernel: docs/attention/NOTES.md ("Measured and dropped").
 """
 
