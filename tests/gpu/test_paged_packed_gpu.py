@@ -77,14 +77,16 @@ def test_packed_prefill_matches_the_reference(monkeypatch, case, dtype, causal):
     _check(out, lse, q, k, v, table, seq, cu, causal, combined)
 
 
-@pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize(
     "case", PACKED_CASES, ids=lambda c: f"h{c[0]}_{c[1]}_d{c[2]}_p{c[3]}_q{sum(c[4])}"
 )
-def test_packed_views_match_the_reference(monkeypatch, case, causal):
+def test_packed_views_match_the_reference(monkeypatch, case):
     """prefill_form("packed_views"): the `view_group` compile (TMA boxes of (G, tile_m / G)
-    tokens on q / out seen as packed rows, lse likewise; not prebuilt: each case compiles its
-    own, bf16 only) where G divides the tile's rows, the copy form elsewhere (G 3 at D 128)."""
+    tokens on q / out seen as packed rows, lse likewise) where G divides the tile's rows, the
+    copy form elsewhere (G 3 at D 128). bf16, causal: the views do not depend on the mask, and
+    these compiles are not prebuilt (candidates only for the bench's cases): each case compiles
+    its own on first use."""
+    causal = True
     hq, hkv, d, ps, q_lens, k_lens, combined = case
     q, k, v, table, seq, cu = _prefill_problem(hq, hkv, d, ps, q_lens, k_lens, torch.bfloat16,
                                                combined, seed=len(q_lens) + ps + 200)  # fmt: skip
