@@ -444,3 +444,16 @@ def test_dsl_view_maps_packed_rows_to_query_heads():
     # tile 0 from packed row 8 (token 2), tile 1 from row 136 (token 34), its row 5 column 7
     assert seen["tma"] == [(0, 0, 2, 1), (0, 0, 34, 1), (7, 1, 35, 1)]
     assert seen["lse"] == [(h * g + r % g) * tq + r // g for h in (0, 1) for r in (0, 9, 279)]
+
+
+def test_profile_script_takes_the_form():
+    """scripts/profile_paged_prefill.py --form: the prefill form ours runs in under ncu, the
+    other arguments left to profile_suite."""
+    from script_modules import load_script  # tests/ is on the path
+
+    script = load_script("profile_paged_prefill")
+    assert script.split_form(["--form", "packed", "--which", "ours"]) == (
+        "packed",
+        ["--which", "ours"],
+    )
+    assert script.split_form(["--case", "x"]) == ("split", ["--case", "x"])
