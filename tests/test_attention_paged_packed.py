@@ -21,7 +21,6 @@ from test_attention_paged_prefill import (  # tests/ is on the path
     cta_key_blocks,
     key_blocks,
     prefill_problem,
-    replayed_kernel,
     tile_of,
 )
 
@@ -254,47 +253,6 @@ def test_bench_packed_variant_runs_the_packed_form(cpu_paged_kernel, monkeypatch
 
 
 # ------------------------------------------------------------------ the zero-copy form
-def replayed_view_kernel(params, ran):
-    """A CPU stand-in for the `view_group` compile: q / o (Tq, Hkv, G, D) and lse (Hkv, G, Tq)
-    views seen as their packed rows the way `views.grouped_rows_as_sdhb` / `grouped_lse` lay
-    them out (row t * G + g at token stride x t + head-in-group stride x g), the packed
-    stand-in run on those rows, its results written back through the same strides."""
-    p = dict(params)
-    group = p.pop("view_group")
-    inner = replayed_kernel(tuple(p.items()), ran)
-
-    def rows(t):  # ((G, Tq), D, Hkv) as a torch view (Tq, G, Hkv, D): row t * G + g
-        tq, h, g, d = t.shape
-        return t.as_strided((tq, g, h, d), (t.stride(0), t.stride(2), t.stride(1), t.stride(3)))
-
-    def fn(qv, k, v, ov, lv, cu_q, lens, scale_log2, max_q, qgroup, ctas, table):
-        tq, hkv, g, d = qv.shape
-        assert g == group == qgroup and ov.shape == qv.shape and lv.shape == (hkv, g, tq)
-        op = torch.full((tq * g, hkv, d), math.nan, dtype=qv.dtype)
-        lp = torch.full((hkv, tq * g), math.nan)
-        inner(rows(qv).reshape(tq * g, hkv, d), k, v, op, lp, cu_q, lens, scale_log2, max_q,
-              qgroup, ctas, table)  # fmt: skip
-        rows(ov).copy_(op.view(tq, g, hkv, d))
-        lse_rows = lv.as_strided((hkv, tq, g), (lv.stride(0), lv.stride(2), lv.stride(1)))
-        lse_rows.copy_(lp.view(hkv, tq, g))
-
-    return fn
-
-
-@pytest.fixture
-def cpu_view_kernel(cpu_paged_kernel, monkeypatch):  # noqa: F811
-    """cpu_paged_kernel with the `view_group` compiles on `replayed_view_kernel`."""
-
-    def get_kernel(spec, params):
-        cpu_paged_kernel.append(dict(params))
-        if "view_group" in dict(params):
-            return replayed_view_kernel(params, cpu_paged_kernel.ran)
-        return replayed_kernel(params, cpu_paged_kernel.ran)
-
-    monkeypatch.setattr(fwd_launch, "get_kernel", get_kernel)
-    return cpu_paged_kernel
-
-
 def test_view_group_where_g_divides_the_tile_rows():
     """G a divisor of the paged default's tile_m (128 at D 128 / 256, 192 at D 64), else 0:
     the copy form."""
@@ -307,7 +265,7 @@ def test_view_group_where_g_divides_the_tile_rows():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("case", range(len(MIXED)))
-def test_views_batch_matches_the_reference(cpu_view_kernel, case, causal, dtype):
+def test_views_batch_matches_the_reference(cpu_paged_kernel, case, causal, dtype):  # noqa: F811
     """prefill_form("packed_views"): one launch on views of q, out and lse (the `view_group`
     compile; the copy form where G does not divide the tile's rows: G 3 at D 128), every row of
     the NaN-poisoned out and lse written, the batch matching the fp64 reference."""
@@ -325,9 +283,9 @@ def test_views_batch_matches_the_reference(cpu_view_kernel, case, causal, dtype)
     finite = torch.isfinite(want_lse)
     assert torch.equal(finite, torch.isfinite(lse)) and not lse.isnan().any()
     assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-4
-    [params] = cpu_view_kernel
+    [params] = cpu_paged_kernel
     g = fwd_launch.view_group(hq // hkv, d)
-    assert params.get("view_group", 0) == g and params["packed"] and cpu_view_kernel.decode == []
+    assert params.get("view_group", 0) == g and params["packed"] and cpu_paged_kernel.decode == []
 
 
 def test_views_launch_arguments(monkeypatch):

@@ -105,6 +105,8 @@ def replayed_kernel(params, ran=None):
     masked past the length and (causal) the bottom-right diagonal of row // qgroup, softmax in
     fp64; O and the natural-log LSE. ran: the sequences it computed are appended there."""
     p = dict(params)
+    if "view_group" in p:  # the zero-copy form: views of q / o / lse (`_replayed_view_kernel`)
+        return _replayed_view_kernel(p, ran)
     cfg, box, causal = AttnConfig.from_params(p), p["page_box"], p["causal"]
     packed = p.get("packed", False)
     assert p["varlen"] and box > 0
@@ -147,6 +149,33 @@ def replayed_kernel(params, ran=None):
                 lse[:, q0 + rows] = torch.where(
                     seen.T, (top[..., 0] + torch.log(total)), -math.inf
                 ).float()
+
+    return fn
+
+
+def _replayed_view_kernel(params, ran):
+    """A CPU stand-in for the `view_group` compile: q / o (Tq, Hkv, G, D) and lse (Hkv, G, Tq)
+    views seen as their packed rows the way `views.grouped_rows_as_sdhb` / `grouped_lse` lay
+    them out (row t * G + g at token stride x t + head-in-group stride x g), the packed
+    stand-in run on those rows, its results written back through the same strides."""
+    p = dict(params)
+    group = p.pop("view_group")
+    inner = replayed_kernel(tuple(p.items()), ran)
+
+    def rows(t):  # ((G, Tq), D, Hkv) as a torch view (Tq, G, Hkv, D): row t * G + g
+        tq, h, g, d = t.shape
+        return t.as_strided((tq, g, h, d), (t.stride(0), t.stride(2), t.stride(1), t.stride(3)))
+
+    def fn(qv, k, v, ov, lv, cu_q, lens, scale_log2, max_q, qgroup, ctas, table):
+        tq, hkv, g, d = qv.shape
+        assert g == group == qgroup and ov.shape == qv.shape and lv.shape == (hkv, g, tq)
+        op = torch.full((tq * g, hkv, d), math.nan, dtype=qv.dtype)
+        lp = torch.full((hkv, tq * g), math.nan)
+        inner(rows(qv).reshape(tq * g, hkv, d), k, v, op, lp, cu_q, lens, scale_log2, max_q,
+              qgroup, ctas, table)  # fmt: skip
+        rows(ov).copy_(op.view(tq, g, hkv, d))
+        lse_rows = lv.as_strided((hkv, tq, g), (lv.stride(0), lv.stride(2), lv.stride(1)))
+        lse_rows.copy_(lp.view(hkv, tq, g))
 
     return fn
 
