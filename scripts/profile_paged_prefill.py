@@ -5,13 +5,16 @@ attention_paged.md, 2026-12-04 17:28, graph): page 16 at 0.917x / 0.929x (8 TMA 
 64-key tile, issued by one thread), page 64 at 1.023x for contrast. The suite's `make_inputs`
 and comparator callable (bench/suites/attention_paged.py).
 
-    python3 scripts/profile_paged_prefill.py [--which ours|comparator|both] [--case NAME ...]
+    python3 scripts/profile_paged_prefill.py [--form split|packed|packed_views]
+        [--which ours|comparator|both] [--case NAME ...]
 
-scripts/device_profile_gaps.sh runs it (target `paged_prefill`).
+--form: the chunked-prefill form ours runs in (`ops.attention_paged.prefill_form`; default
+split, the op's default). scripts/device_profile_gaps.sh runs it (target `paged_prefill`).
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -31,5 +34,18 @@ TARGET = profile_suite.Target(
     comparator={"attention_paged": "fa4"},
 )
 
+
+def split_form(argv: list[str]) -> tuple[str, list[str]]:
+    """(the --form value, the other arguments for profile_suite)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--form", default="split")
+    known, rest = p.parse_known_args(argv)
+    return known.form, rest
+
+
 if __name__ == "__main__":
-    sys.exit(profile_suite.main(TARGET))
+    form, rest = split_form(sys.argv[1:])
+    from forgekernel.ops.attention_paged import prefill_form
+
+    with prefill_form(form):
+        sys.exit(profile_suite.main(TARGET, rest))

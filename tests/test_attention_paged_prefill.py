@@ -73,12 +73,13 @@ def clear_stale(v_tile, n, seqlen_k, tile_n, box):
         v_tile[first:end] = 0
 
 
-def key_blocks(m0, seqlen_q, seqlen_k, tile_m, tile_n, causal):
-    """`_key_blocks`' n_block_max (qgroup 1): the key blocks a query tile loads."""
+def key_blocks(m0, seqlen_q, seqlen_k, tile_m, tile_n, causal, qgroup=1):
+    """`_key_blocks`' n_block_max: the key blocks a query tile loads (qgroup: rows a query
+    position, the packed form's G; seqlen_q counts rows)."""
     n_max = -(-seqlen_k // tile_n)
     if causal:
-        q_last = min(m0 + tile_m, seqlen_q) - 1
-        n_max = min(n_max, (q_last + seqlen_k - seqlen_q + tile_n) // tile_n)
+        q_last = (min(m0 + tile_m, seqlen_q) - 1) // qgroup
+        n_max = min(n_max, (q_last + seqlen_k - seqlen_q // qgroup + tile_n) // tile_n)
     return max(n_max, 0)
 
 
@@ -100,25 +101,30 @@ def loaded_keys(k, v, table_row, seqlen_k, n_max, cfg, box):
 def replayed_kernel(params, ran=None):
     """A CPU stand-in for the compiled paged kernel, in its argument order: per sequence of at
     least PAGED_MIN_SEQLEN_Q query tokens (the scheduler's tiles skip the others: the decode
-    kernel's) and query tile, the keys its walk loads, scores masked past the length and
-    (causal) the bottom-right diagonal, softmax in fp64; O and the natural-log LSE. ran: the
-    sequences it computed are appended there."""
+    kernel's; the packed compile skips none) and query tile, the keys its walk loads, scores
+    masked past the length and (causal) the bottom-right diagonal of row // qgroup, softmax in
+    fp64; O and the natural-log LSE. ran: the sequences it computed are appended there."""
     p = dict(params)
+    if "view_group" in p:  # the zero-copy form: views of q / o / lse (`_replayed_view_kernel`)
+        return _replayed_view_kernel(p, ran)
     cfg, box, causal = AttnConfig.from_params(p), p["page_box"], p["causal"]
+    packed = p.get("packed", False)
     assert p["varlen"] and box > 0
 
     def fn(q, k, v, o, lse, cu_q, lens, scale_log2, max_q, qgroup, ctas, table):
-        assert qgroup == 1 and ctas == 132 and max_q >= int((cu_q[1:] - cu_q[:-1]).max())
+        # the packed form: one head a kv head, G rows a token (the split's: qgroup 1)
+        assert (q.shape[1] == k.shape[2]) if packed else qgroup == 1
+        assert ctas == 132 and max_q >= int((cu_q[1:] - cu_q[:-1]).max())
         scale = scale_log2 / math.log2(math.e)
         group = q.shape[1] // k.shape[2]
         for b in range(lens.shape[0]):
             q0, sq, sk = int(cu_q[b]), int(cu_q[b + 1] - cu_q[b]), int(lens[b])
-            if sq < PAGED_MIN_SEQLEN_Q:
+            if sq < (1 if packed else PAGED_MIN_SEQLEN_Q):
                 continue
             if ran is not None:
                 ran.append(b)
             for m0 in range(0, sq, cfg.tile_m):
-                n_max = key_blocks(m0, sq, sk, cfg.tile_m, cfg.tile_n, causal)
+                n_max = key_blocks(m0, sq, sk, cfg.tile_m, cfg.tile_n, causal, qgroup)
                 rows = torch.arange(m0, min(m0 + cfg.tile_m, sq))
                 if n_max == 0:  # no key block: the epilogue of empty sums
                     o[q0 + rows] = 0
@@ -132,7 +138,7 @@ def replayed_kernel(params, ran=None):
                 key = torch.arange(kk.shape[0])
                 ok = key[None, :] < sk
                 if causal:
-                    ok = ok & (key[None, :] <= rows[:, None] + sk - sq)
+                    ok = ok & (key[None, :] <= rows[:, None] // qgroup + sk - sq // qgroup)
                 s = torch.where(ok[None], s, -math.inf)  # overwrites NaN, as the mask does
                 top = s.amax(-1, keepdim=True)
                 e = torch.where(ok[None], torch.exp(s - top), 0.0)
@@ -143,6 +149,33 @@ def replayed_kernel(params, ran=None):
                 lse[:, q0 + rows] = torch.where(
                     seen.T, (top[..., 0] + torch.log(total)), -math.inf
                 ).float()
+
+    return fn
+
+
+def _replayed_view_kernel(params, ran):
+    """A CPU stand-in for the `view_group` compile: q / o (Tq, Hkv, G, D) and lse (Hkv, G, Tq)
+    views seen as their packed rows the way `views.grouped_rows_as_sdhb` / `grouped_lse` lay
+    them out (row t * G + g at token stride x t + head-in-group stride x g), the packed
+    stand-in run on those rows, its results written back through the same strides."""
+    p = dict(params)
+    group = p.pop("view_group")
+    inner = replayed_kernel(tuple(p.items()), ran)
+
+    def rows(t):  # ((G, Tq), D, Hkv) as a torch view (Tq, G, Hkv, D): row t * G + g
+        tq, h, g, d = t.shape
+        return t.as_strided((tq, g, h, d), (t.stride(0), t.stride(2), t.stride(1), t.stride(3)))
+
+    def fn(qv, k, v, ov, lv, cu_q, lens, scale_log2, max_q, qgroup, ctas, table):
+        tq, hkv, g, d = qv.shape
+        assert g == group == qgroup and ov.shape == qv.shape and lv.shape == (hkv, g, tq)
+        op = torch.full((tq * g, hkv, d), math.nan, dtype=qv.dtype)
+        lp = torch.full((hkv, tq * g), math.nan)
+        inner(rows(qv).reshape(tq * g, hkv, d), k, v, op, lp, cu_q, lens, scale_log2, max_q,
+              qgroup, ctas, table)  # fmt: skip
+        rows(ov).copy_(op.view(tq, g, hkv, d))
+        lse_rows = lv.as_strided((hkv, tq, g), (lv.stride(0), lv.stride(2), lv.stride(1)))
+        lse_rows.copy_(lp.view(hkv, tq, g))
 
     return fn
 

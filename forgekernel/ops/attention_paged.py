@@ -7,9 +7,11 @@ Chunked prefill (more than 4 query tokens in some sequence) splits the batch on 
 the sequences of up to 4 query tokens (decode rows beside the chunks) run the decode kernel,
 the others the attention forward's paged mode (kernels/attention/fwd/sm90, page_box > 0), each
 kernel skipping the other's sequences, both writing their rows of the same out and lse
-(`_split_prefill`). The paged mode reads the pages in place, one TMA box per page of a key
-tile, for 16-bit caches whose page size it covers (a multiple of 8 rows that divides the key
-tile or that the tile divides: 8 to 128 and beyond, `launch.paged_box`). The rest, FP8 caches
+(`_split_prefill`); under `prefill_form("packed")` / `("packed_views")` (candidates) the paged
+mode alone runs the whole batch, GQA-packed, in one launch (FA4's form). The paged mode reads
+the pages in place, one TMA box per page of a key tile, for 16-bit caches whose page size it
+covers (a multiple of 8 rows that divides the key tile or that the tile divides: 8 to 128 and
+beyond, `launch.paged_box`). The rest, FP8 caches
 and pages of 1 (or of a size like 24), gather the sequences' pages into packed K / V (FP8
 dequantized) and run the varlen forward (`ops.attention_varlen`) on the whole batch: correct,
 paying one copy of the keys and values the batch's table spans."""
@@ -17,6 +19,8 @@ paying one copy of the keys and values the batch's table spans."""
 from __future__ import annotations
 
 import numbers
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -337,8 +341,8 @@ def _prefill_op(
     check_rows_in_place("k_cache", k_cache, 16)
     check_rows_in_place("v_cache", v_cache, 16)
     out, lse = _outputs(q, cu_seqlens_q, None)
-    _split_prefill(q, k_cache, v_cache, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q,
-                   softmax_scale, causal, out, lse)  # fmt: skip
+    _run_prefill(q, k_cache, v_cache, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q,
+                 softmax_scale, causal, out, lse)  # fmt: skip
     return out, lse
 
 
@@ -450,9 +454,9 @@ def attention_paged(
 
 def _prefill(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, causal, scale, out,
              traced, lse=None):  # fmt: skip
-    """Chunked prefill on the decode kernel and the forward's paged mode (`_split_prefill`):
-    the caches read in place (rows contiguous and 16-byte aligned, outer strides multiples of
-    16 elements, the decode's)."""
+    """Chunked prefill on the decode kernel and the forward's paged mode (`_split_prefill`), or
+    on the paged mode alone (`prefill_form("packed")`): the caches read in place (rows
+    contiguous and 16-byte aligned, outer strides multiples of 16 elements, the decode's)."""
     if traced:
         o, fresh = torch.ops.forgekernel.attention_paged_prefill(
             q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, scale, causal
@@ -461,8 +465,8 @@ def _prefill(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, causal,
     check_rows_in_place("k_cache", k, 16)  # (a data pointer: real tensors only)
     check_rows_in_place("v_cache", v, 16)
     o, lse = _outputs(q, cu_seqlens_q, out, lse)
-    _split_prefill(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, scale, causal, o,
-                   lse)  # fmt: skip
+    _run_prefill(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, scale, causal, o,
+                 lse)  # fmt: skip
     return o, lse
 
 
@@ -473,6 +477,45 @@ def decode_lengths(seqlens_k: torch.Tensor, cu_seqlens_q: torch.Tensor) -> torch
     forward, running after it, overwrites). On the device: no host read."""
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     return seqlens_k.masked_fill(q_lens > MAX_QUERY_TOKENS, 0)
+
+
+# How a chunked-prefill batch on the paged mode runs (`prefill_form`): "split" (the default:
+# `_split_prefill`), "packed" (one GQA-packed launch of the whole batch) or "packed_views" (the
+# same without the pack / unpack copies where G divides the tile's rows).
+PREFILL_FORMS = ("split", "packed", "packed_views")
+_prefill_form = ["split"]
+
+
+@contextmanager
+def prefill_form(form: str) -> Iterator[None]:
+    """The chunked-prefill calls inside (16-bit caches on the paged mode) run as `form`:
+    "split" (`_split_prefill`: the decode kernel on the sequences of up to MAX_QUERY_TOKENS
+    query tokens, then the forward's paged mode on the others) or "packed" (the forward's
+    paged mode alone on the whole batch, GQA-packed: `launch.attention_paged_fwd(packed=
+    True)`, FA4's form; no decode part, no slot glue) or "packed_views" (the same launch on
+    views of q, out and lse instead of packed copies: views=True, candidate). The bench's
+    `packed` / `packed_views` variants; not yet the default (docs/attention/PAGED_NOTES.md,
+    "The whole chunked-prefill batch in one launch")."""
+    if form not in PREFILL_FORMS:
+        raise ValueError(f"prefill form must be one of {PREFILL_FORMS}, got {form!r}")
+    before, _prefill_form[0] = _prefill_form[0], form
+    try:
+        yield
+    finally:
+        _prefill_form[0] = before
+
+
+def _run_prefill(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, scale, causal, o,
+                 lse):  # fmt: skip
+    """A chunked-prefill batch into o / lse in the `prefill_form` in force."""
+    form = _prefill_form[0]
+    if form != "split":
+        fwd_sm90.attention_paged_fwd(q, k, v, o, lse, page_table, seqlens_k, cu_seqlens_q,
+                                     max_seqlen_q, scale, causal, packed=True,
+                                     views=form == "packed_views")  # fmt: skip
+    else:
+        _split_prefill(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, scale,
+                       causal, o, lse)  # fmt: skip
 
 
 def _split_prefill(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, scale, causal, o,

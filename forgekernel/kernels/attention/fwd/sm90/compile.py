@@ -8,8 +8,13 @@ scale_log2, max_seqlen_q, 1, num_ctas, None) with q (Tq, Hq, D), lse (Hq, Tq), o
 (B + 1,). Paged: fn(q, k_cache, v_cache, o, lse, cu_seqlens_q, seqlens_k, scale_log2,
 max_seqlen_q, 1, num_ctas, page_table) with caches (pages, page_size, Hkv, D) (any outer
 strides: a combined cache's halves), seqlens_k int32 (B,), page_table int32 (B, max_pages)
-(any row stride). Dynamic tiles (params dynamic=True, not paged): the page-table slot takes
-the zeroed int32 (1,) tile counter."""
+(any row stride). Paged, packed (params packed=True): the same call on GQA-packed queries
+(Tq * G, Hkv, D) (row t * G + g of kv head h: query head h * G + g of token t), o and lse
+alike, cu_seqlens_q * G, max_seqlen_q * G and qgroup G; no sequence skipped. Zero-copy
+(params view_group=G, with packed): q and o as (Tq, Hkv, G, D) views of (Tq, Hq, D), lse as
+(Hkv, G, Tq) of (Hq, Tq), G static (TMA boxes of (G, tile_m / G) tokens). Dynamic tiles
+(params dynamic=True, not paged): the page-table slot takes the zeroed int32 (1,) tile
+counter."""
 
 from __future__ import annotations
 
@@ -27,13 +32,19 @@ def compile_attention_fwd(params: dict, arch: str = "sm_90a", extra_options: str
     varlen = bool(params.get("varlen", False))
     page_box = int(params.get("page_box", 0))
     hq, hkv = cute.sym_int32(), cute.sym_int32()
+    group = int(params.get("view_group", 0))
     page_table = None
     if page_box:
         tq, pages, page_size = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
         q, o = fake.rowmajor(dtype, (tq, hq, d)), fake.rowmajor(dtype, (tq, hq, dv))
+        if group:  # the zero-copy packed form: (Tq, Hkv, G, D) views, hq counting kv heads
+            q = fake.rowmajor(dtype, (tq, hq, group, d))
+            o = fake.rowmajor(dtype, (tq, hq, group, dv))
         k = fake.rowmajor(dtype, (pages, page_size, hkv, d))
         v = fake.rowmajor(dtype, (pages, page_size, hkv, dv))
         lse = fake.rowmajor(cutlass.Float32, (hq, tq), divisibility=1, align=None)
+        if group:
+            lse = fake.rowmajor(cutlass.Float32, (hq, group, tq), divisibility=1, align=None)
         cu_q, cu_k = fake.offsets(), fake.offsets()  # cu_k: the key lengths (B,)
         page_table = fake.rowmajor(
             cutlass.Int32, (cute.sym_int32(), cute.sym_int32()), divisibility=1, align=4
@@ -54,7 +65,7 @@ def compile_attention_fwd(params: dict, arch: str = "sm_90a", extra_options: str
         page_table = fake.rowmajor(cutlass.Int32, (1,), divisibility=1, align=4)
     kernel = AttentionFwdSm90(
         d, dv, causal=params["causal"], config=AttnConfig.from_params(params), varlen=varlen,
-        page_box=page_box,
+        page_box=page_box, packed=bool(params.get("packed", False)), view_group=group,
     )  # fmt: skip
     return cute.compile(
         kernel,

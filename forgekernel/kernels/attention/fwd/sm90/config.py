@@ -140,7 +140,8 @@ PAGE_BOXES = (8, 16, 32, 64, 128)
 # The paged mode runs the sequences of at least this many query tokens; those of fewer (decode
 # rows beside the chunks of a chunked-prefill batch, speculative tokens) are the paged decode
 # kernel's, whose limit is 4 (ops.attention_paged runs it first): the mode's tiles skip them,
-# leaving their rows of O and LSE as they are.
+# leaving their rows of O and LSE as they are. The packed compiles (params `packed`: the whole
+# batch GQA-packed in one launch, `launch.attention_paged_fwd(packed=True)`) skip none.
 PAGED_MIN_SEQLEN_Q = 5
 
 
@@ -209,13 +210,21 @@ def params_for(
     cfg: AttnConfig | None = None,
     varlen: bool = False,
     page_box: int = 0,
+    packed: bool = False,
+    view_group: int = 0,
 ) -> tuple:
     """The compile key's baked-in part, as a sorted tuple of (name, value). page_box > 0: K
     and V from a paged cache, one TMA box of page_box rows per page of a tile (varlen
-    queries; `page_box_for`)."""
+    queries; `page_box_for`). packed (paged only): the tiles skip no sequence (the launcher
+    packs every sequence's GQA group into rows, decode rows included: no PAGED_MIN_SEQLEN_Q);
+    a key only when on, so every other key (and its cache entry and SASS) is as before.
+    view_group G > 0 (packed only, G dividing tile_m): the zero-copy packed form, q / o / lse
+    read and written in place through views of G query heads a kv head (candidate)."""
     cfg = cfg or default_config(head_dim, head_dim_v, paged=page_box > 0, varlen=varlen)
     if cfg.dynamic and page_box:
         raise ValueError("dynamic tiles are not for the paged mode (its own walk)")
+    if packed and not page_box:
+        raise ValueError("packed is a form of the paged mode (page_box > 0)")
     key = {
         "dtype": dtype,
         "head_dim": head_dim,
@@ -227,4 +236,10 @@ def params_for(
     }
     if not cfg.dynamic:  # the keys (and cache entries) of every config before the knob
         del key["dynamic"]
+    if view_group and (not packed or cfg.tile_m % view_group):
+        raise ValueError(f"view_group {view_group}: packed only, dividing tile_m ({cfg.tile_m})")
+    if packed:
+        key["packed"] = True
+    if view_group:
+        key["view_group"] = int(view_group)
     return tuple(sorted(key.items()))

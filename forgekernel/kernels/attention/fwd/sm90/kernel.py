@@ -47,7 +47,10 @@ O = 0 and LSE = -inf. Ragged edges: TMA zero-fills loads (or reads the next sequ
 masked) and clips the O store; score columns >= Sk are masked to -inf before the softmax.
 Paged: the last page's slots past the sequence hold whatever the cache held; their scores are
 masked and their V rows zeroed in shared memory by the consumers (`_clear_stale_v`), so that
-no NaN or inf there reaches O through P = 0.
+no NaN or inf there reaches O through P = 0. Paged, packed (`packed`: the whole chunked-prefill
+batch GQA-packed, decode rows included; `view_group`: through views of the caller's q / o /
+lse, no copies): a consumer warpgroup none of whose rows is in its tile's sequence runs
+`_idle_blocks` (the pipelines' and turns' protocol, no GEMM) instead of the mainloop.
 Measured variants that left the kernel: docs/attention/NOTES.md ("Measured and dropped").
 """
 
@@ -71,6 +74,7 @@ from forgekernel.kernels.attention.fwd.sm90.config import (
     separate_o,
     smem_bytes,
 )
+from forgekernel.kernels.attention.fwd.sm90.views import grouped_lse, grouped_rows_as_sdhb
 from forgekernel.kernels.common.sm90 import softmax
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY, THREADS_PER_WG, WARP_SIZE
@@ -116,6 +120,8 @@ class AttentionFwdSm90:
         config: AttnConfig,
         varlen: bool = False,
         page_box: int = 0,
+        packed: bool = False,
+        view_group: int = 0,
     ):
         if config.tile_m not in (128, 192):
             raise ValueError(
@@ -128,6 +134,13 @@ class AttentionFwdSm90:
                 raise ValueError(f"{name} must be a multiple of 32 in [64, 256], got {d}")
         if config.stages < 1:
             raise ValueError(f"stages must be >= 1, got {config.stages}")
+        if packed and not page_box:
+            raise ValueError("packed is a form of the paged mode (page_box > 0)")
+        if view_group and (not packed or config.tile_m % view_group):
+            raise ValueError(
+                f"view_group ({view_group}) needs the packed form and must divide tile_m "
+                f"({config.tile_m})"
+            )
         if page_box and (not varlen or page_box % 8 or config.tile_n % page_box):
             raise ValueError(
                 f"page_box must be a multiple of 8 dividing tile_n ({config.tile_n}), with "
@@ -174,11 +187,19 @@ class AttentionFwdSm90:
         self.dynamic = config.dynamic
         if self.dynamic:
             self.snake = False
+        # Paged, packed: the launcher packs every sequence's GQA group into rows (qgroup = G)
+        # and this launch runs the whole batch, decode rows included; else the tiles skip the
+        # sequences of fewer than PAGED_MIN_SEQLEN_Q query tokens (the paged decode's).
+        self.packed = packed
+        # Packed, zero-copy (view_group = G > 0): q and o come as (Tq, Hkv, G, D) views of the
+        # caller's (Tq, Hq, D), lse as (Hkv, G, Tq), seen as the packed rows ((G, Tq)) they
+        # hold (`grouped_rows_as_sdhb`): TMA boxes of ((G, tile_m / G), D), no pack copy.
+        self.view_group = view_group
+        skip_below = PAGED_MIN_SEQLEN_Q if self.paged and not packed else 0
         # K + V bytes of one key row (16-bit elements) decide the tile order's L2 sections.
         self.scheduler = LongestFirst(
             self.tile_m, causal, varlen, kv_row_bytes=(head_dim + head_dim_v) * 2,
-            paged=self.paged, min_seqlen_q=PAGED_MIN_SEQLEN_Q if self.paged else 0,
-            l2_kv_budget=config.l2_kv_mib * 2**20,
+            paged=self.paged, min_seqlen_q=skip_below, l2_kv_budget=config.l2_kv_mib * 2**20,
         )  # fmt: skip
 
     # ---------------------------------------------------------------- host-side setup
@@ -257,17 +278,23 @@ class AttentionFwdSm90:
         # Paged caches (pages, page_size, Hkv, D) become (page_size, D, Hkv, pages): a page is
         # a batch of the fixed-length view.
         if const_expr(self.paged):
-            mQ, mO = packed_as_sdhb(mQ), packed_as_sdhb(mO)
+            if const_expr(self.view_group > 0):
+                mQ, mO = grouped_rows_as_sdhb(mQ), grouped_rows_as_sdhb(mO)
+            else:
+                mQ, mO = packed_as_sdhb(mQ), packed_as_sdhb(mO)
             mK, mV = select(mK, [1, 3, 2, 0]), select(mV, [1, 3, 2, 0])
         elif const_expr(self.varlen):
             mQ, mK, mV, mO = (packed_as_sdhb(t) for t in (mQ, mK, mV, mO))
-        if const_expr(self.varlen):
+        if const_expr(self.view_group > 0):
+            mLSE = grouped_lse(mLSE)
+        elif const_expr(self.varlen):
             mLSE = cute.make_tensor(
                 mLSE.iterator,
                 cute.make_layout(
                     (1, mLSE.shape[0], mLSE.shape[1]), stride=(0, mLSE.stride[0], mLSE.stride[1])
                 ),
             )
+        if const_expr(self.varlen):
             num_batch = mCuQ.shape[0] - 1
             num_m_blocks = (max_seqlen_q + self.tile_m - 1) // self.tile_m
         else:
@@ -694,9 +721,21 @@ class AttentionFwdSm90:
                 row_sum.fill(0.0)
                 acc_O.fill(0.0)
                 q_pipe.consumer_wait(q_state)
-                kv = self._mainloop(
-                    kv, m0, (seqlen_q, qgroup), seqlen_k, n_block_max, n_unmasked, *step_args
-                )
+                if const_expr(self.packed):
+                    # A warpgroup none of whose 64 rows is in the tile's sequence (a decode row's
+                    # tile: n tokens x G rows, at most 32 at G 8) keeps the protocol, no GEMM.
+                    if m0 + wg * 64 < seqlen_q:
+                        kv = self._mainloop(
+                            kv, m0, (seqlen_q, qgroup), seqlen_k, n_block_max, n_unmasked,
+                            *step_args,
+                        )  # fmt: skip
+                    else:
+                        kv = self._idle_blocks(kv, n_block_max, k_pipe, v_pipe, my_turn,
+                                               their_turn)  # fmt: skip
+                else:
+                    kv = self._mainloop(
+                        kv, m0, (seqlen_q, qgroup), seqlen_k, n_block_max, n_unmasked, *step_args
+                    )
                 row_lse = softmax.finalize(acc_O, row_max, row_sum, scale_log2)
                 if const_expr(self.own_o or self.o_direct):
                     # Every QK^T of this tile is done (the last P V was waited on): the
@@ -796,6 +835,35 @@ class AttentionFwdSm90:
                 softmax.rescale_o(acc_O, rescale)
             v_pipe.consumer_wait(kv)
             gemm(mma_pv, acc_O, tOrP, tOrV[None, None, None, kv.index], False, 0)
+            v_pipe.consumer_release(kv)
+            kv.advance()
+        return kv
+
+    @cute.jit
+    def _idle_blocks(self, kv, n_block_max, k_pipe, v_pipe, my_turn, their_turn):
+        """`_mainloop`'s protocol without its work (the packed compile's warpgroups with no row
+        in the tile's sequence): each K and V stage waited for and released, the GEMM turns
+        taken and passed, in the mainloop's order, so that the producer's stages and the other
+        warpgroups' turns advance as when it computes; its O and LSE rows are never stored.
+        (A WGMMA skipped by a branch inside the mainloop instead made ptxas serialize every
+        WGMMA of the kernel: 48 WARPGROUP.ARRIVE / DEPBAR against 6 / 7.) Returns the K/V
+        pipeline state."""
+        if n_block_max > 0:
+            k_pipe.consumer_wait(kv)
+            k_pipe.consumer_release(kv)
+            for _ in cutlass.range(n_block_max - 1, unroll=1):
+                kv_s = kv.clone()
+                kv_s.advance()
+                k_pipe.consumer_wait(kv_s)
+                if const_expr(self.pingpong):
+                    my_turn.arrive_and_wait()
+                v_pipe.consumer_wait(kv)
+                if const_expr(self.pingpong):
+                    their_turn.arrive()
+                k_pipe.consumer_release(kv_s)
+                v_pipe.consumer_release(kv)
+                kv = kv_s
+            v_pipe.consumer_wait(kv)
             v_pipe.consumer_release(kv)
             kv.advance()
         return kv

@@ -1,0 +1,165 @@
+"""The chunked-prefill batch in one GQA-packed launch of the forward's paged mode
+(`ops.attention_paged.prefill_form("packed")`: `launch.attention_paged_fwd(packed=True)`) on
+the GPU against the fp32 reference: decode rows of 1-4 query tokens beside chunks, page sizes
+8 to 256, D 64 / 128 / 256, GQA 1 / 3 / 4 / 8, sequences without queries or keys, more queries
+than keys, NaN in every cache slot no sequence owns (`test_paged_gpu._prefill_problem`),
+NaN-poisoned out and lse, both dtypes and masks; the zero-copy form ("packed_views", bf16); the
+split form on the same batch; a CUDA graph of the packed call replayed on new lengths;
+torch.compile. The CPU replay of the same path:
+tests/test_attention_paged_packed.py."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from test_paged_gpu import _prefill_problem, record_kernel_lookups  # tests/gpu is on the path
+
+from forgekernel.kernels.attention.fwd.sm90 import launch as fwd_launch
+from forgekernel.reference.paged_attention import paged_attention_ref
+
+pytestmark = pytest.mark.gpu
+op = importlib.import_module("forgekernel.ops.attention_paged")
+
+# the bench's c1024-4096+64dec (G 8), with 24 decode rows
+DECODE_24 = ([1] * 24 + [4096, 1024], [3000 + 37 * i for i in range(24)] + [4096, 17408])
+PACKED_CASES = [
+    # hq, hkv, d, page_size, q_lens, k_lens, combined
+    (32, 8, 128, 16, [1, 3, 0, 130, 4, 2, 7], [40, 300, 9, 257, 4, 2000, 7], False),  # G 4
+    (32, 8, 128, 64, [1, 1, 2048, 2, 513], [4000, 77, 16384, 9, 513], False),
+    (64, 8, 128, 16, *DECODE_24, False),
+    (8, 8, 64, 32, [200, 1, 5, 3, 300], [250, 17, 385, 1, 1000], False),  # MHA, 192-row tiles
+    (12, 4, 128, 8, [2, 12, 40, 1, 100], [21, 21, 40, 5, 1001], True),  # G 3, page 8, combined
+    (32, 4, 64, 16, [40, 4, 6, 9], [20, 0, 3, 0], False),  # more queries than keys, no keys
+    (32, 8, 128, 256, [7, 1, 140, 4, 1000], [300, 600, 140, 3, 2000], False),  # 2 tiles a page
+    (16, 2, 256, 128, [70, 1, 4, 129], [190, 6, 700, 4096], False),  # G 8, 64-row boxes
+]
+
+
+def _check(out, lse, q, k, v, table, seq, cu, causal, combined):
+    """out / lse against the fp32 reference: O within 2x the low-precision error + 1e-3,
+    the LSE to 1e-3 where finite, -inf (and O 0) exactly where no key is seen."""
+    kk, vv = (k[:, 0], k[:, 1]) if combined else (k, v)
+    args = (q, kk, vv, table, seq)
+    want, want_lse = paged_attention_ref(*args, cu_seqlens_q=cu, causal=causal)
+    low, _ = paged_attention_ref(*args, cu_seqlens_q=cu, causal=causal, upcast=False)
+    bound = 2 * float((low.float() - want).abs().max()) + 1e-3
+    assert torch.isfinite(out).all()
+    assert float((out.float() - want).abs().max()) <= bound
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse)) and not lse.isnan().any()
+    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
+    assert not out[~finite.T].any()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "case", PACKED_CASES, ids=lambda c: f"h{c[0]}_{c[1]}_d{c[2]}_p{c[3]}_q{sum(c[4])}"
+)
+def test_packed_prefill_matches_the_reference(monkeypatch, case, dtype, causal):
+    hq, hkv, d, ps, q_lens, k_lens, combined = case
+    q, k, v, table, seq, cu = _prefill_problem(hq, hkv, d, ps, q_lens, k_lens, dtype, combined,
+                                               seed=len(q_lens) + ps + 100)  # fmt: skip
+    looked_up = record_kernel_lookups(monkeypatch)
+    decode = []
+    monkeypatch.setattr(op.paged_sm90, "paged_decode", lambda *a, **kw: decode.append(a))
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((hq, q.shape[0]), float("nan"), device="cuda")
+    with op.prefill_form("packed"):
+        op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu, max_seqlen_q=max(q_lens),
+                           causal=causal, return_lse=True, out=out, lse=lse)  # fmt: skip
+    assert [(p["page_box"], p.get("packed")) for p in looked_up] == [
+        (fwd_launch.paged_box(ps, d), True)
+    ]
+    assert decode == []  # one launch: no decode part
+    _check(out, lse, q, k, v, table, seq, cu, causal, combined)
+
+
+@pytest.mark.parametrize(
+    "case", PACKED_CASES, ids=lambda c: f"h{c[0]}_{c[1]}_d{c[2]}_p{c[3]}_q{sum(c[4])}"
+)
+def test_packed_views_match_the_reference(monkeypatch, case):
+    """prefill_form("packed_views"): the `view_group` compile (TMA boxes of (G, tile_m / G)
+    tokens on q / out seen as packed rows, lse likewise) where G divides the tile's rows, the
+    copy form elsewhere (G 3 at D 128). bf16, causal: the views do not depend on the mask, and
+    these compiles are not prebuilt (candidates only for the bench's cases): each case compiles
+    its own on first use."""
+    causal = True
+    hq, hkv, d, ps, q_lens, k_lens, combined = case
+    q, k, v, table, seq, cu = _prefill_problem(hq, hkv, d, ps, q_lens, k_lens, torch.bfloat16,
+                                               combined, seed=len(q_lens) + ps + 200)  # fmt: skip
+    looked_up = record_kernel_lookups(monkeypatch)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((hq, q.shape[0]), float("nan"), device="cuda")
+    with op.prefill_form("packed_views"):
+        op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu, max_seqlen_q=max(q_lens),
+                           causal=causal, return_lse=True, out=out, lse=lse)  # fmt: skip
+    group = fwd_launch.view_group(hq // hkv, d)
+    assert [p.get("view_group", 0) for p in looked_up] == [group]
+    _check(out, lse, q, k, v, table, seq, cu, causal, combined)
+
+
+def test_packed_and_split_forms_agree():
+    """The forms on one batch (decode rows over the split plan's compact slots at the split,
+    packed tiles in the others, copied or through views): the same attention, to rounding;
+    the views form bit for bit the copy form (the same kernel math on the same rows)."""
+    q_lens, k_lens = [300, 1, 0, 2000, 1, 3, 4], [800, 12345, 5000, 3000, 78, 40, 2]
+    q, k, v, table, seq, cu = _prefill_problem(32, 8, 128, 64, q_lens, k_lens, torch.bfloat16,
+                                               False, seed=7)  # fmt: skip
+    split, split_lse = op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu,
+                                          max_seqlen_q=2000, return_lse=True)  # fmt: skip
+    got = {}
+    for form in ("packed", "packed_views"):
+        with op.prefill_form(form):
+            packed, packed_lse = op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu,
+                                                    max_seqlen_q=2000, return_lse=True)  # fmt: skip
+        assert float((packed.float() - split.float()).abs().max()) < 2e-2, form
+        finite = torch.isfinite(split_lse)
+        assert torch.equal(finite, torch.isfinite(packed_lse)), form
+        assert float((packed_lse[finite] - split_lse[finite]).abs().max()) < 1e-3, form
+        got[form] = (packed, packed_lse)
+    assert torch.equal(got["packed"][0], got["packed_views"][0])
+    assert torch.equal(got["packed"][1], got["packed_views"][1])
+
+
+def test_packed_prefill_replays_in_a_graph_and_compiles():
+    """The packed call has no host read: a CUDA graph captured on one batch replays on new
+    queries, lengths and query splits of the same shapes as the eager call gives them; the
+    registered op under torch.compile matches eager."""
+    q_lens, k_lens = [300, 1, 0, 2000, 1, 3], [800, 12345, 5000, 3000, 78, 40]
+    q, k, v, table, seq, cu = _prefill_problem(32, 8, 128, 64, q_lens, k_lens, torch.bfloat16,
+                                               False, seed=3)  # fmt: skip
+    k, v = k.nan_to_num(), v.nan_to_num()
+
+    def call(out, lse):
+        with op.prefill_form("packed"):
+            return op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu, max_seqlen_q=2000,
+                                      out=out, lse=lse, return_lse=True)  # fmt: skip
+
+    out, lse = torch.empty_like(q), torch.empty(q.shape[1], q.shape[0], device="cuda")
+    call(out, lse)  # plans and compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(out, lse)
+    q.copy_(torch.randn_like(q))
+    cu.copy_(torch.tensor([0, 300, 301, 301, 2300, 2302, 2305], dtype=torch.int32))
+    seq.copy_(torch.tensor([800, 9000, 5000, 3000, 78, 40], dtype=torch.int32))
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager, eager_lse = torch.empty_like(out), torch.empty_like(lse)
+    call(eager, eager_lse)
+    assert torch.equal(out, eager) and torch.equal(lse, eager_lse)
+    want, _ = paged_attention_ref(q, k, v, table, seq, cu_seqlens_q=cu)
+    assert float((out.float() - want).abs().max()) < 2e-2
+    compiled = torch.compile(
+        lambda q, k, v, t, s, c: op.attention_paged(q, k, v, t, s, cu_seqlens_q=c,
+                                                    max_seqlen_q=2000),
+        fullgraph=True,
+    )  # fmt: skip
+    with op.prefill_form("packed"):
+        got = compiled(q, k, v, table, seq, cu)
+    assert float((got.float() - eager.float()).abs().max()) < 1e-2

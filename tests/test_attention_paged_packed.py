@@ -1,0 +1,417 @@
+"""The whole chunked-prefill batch in one GQA-packed launch of the forward's paged mode
+(`launch.attention_paged_fwd(packed=True)`, `ops.attention_paged.prefill_form("packed")`), on
+the CPU (the GPU's checks: tests/gpu/test_paged_gpu.py). The pack / unpack index maps (bit
+exact, into strided views); the launcher's arguments to the packed compile (qgroup G, offsets
+and the longest length x G, (Hkv, Tq x G) LSE); the replayed kernel (tests/
+test_attention_paged_prefill.py, its mask on row // qgroup) through the real op against the
+fp64 reference on mixed batches (decode rows of 1-4 tokens beside chunks, sequences without
+queries or keys, more queries than keys, pages 8-256, D 64 / 128 / 256, G 1 / 3 / 4 / 8, both
+16-bit dtypes, NaN-poisoned outputs and unowned cache slots); the compile keys; the bench's
+`packed` variant; the packed order's balance on the bench's prefill batches."""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+from test_attention_paged_prefill import (  # tests/ is on the path
+    cpu_paged_kernel,  # noqa: F401  (a fixture)
+    cta_key_blocks,
+    key_blocks,
+    prefill_problem,
+    tile_of,
+)
+
+from forgekernel.bench.suites import attention_paged as suite_module
+from forgekernel.bench.suites.attention_paged import PREFILL_BENCH_CASES, _prefill_case
+from forgekernel.kernels.attention.fwd.sm90 import SPEC
+from forgekernel.kernels.attention.fwd.sm90 import launch as fwd_launch
+from forgekernel.kernels.attention.fwd.sm90.config import (
+    PAGED_MIN_SEQLEN_Q,
+    AttnConfig,
+    default_config,
+    params_for,
+)
+from forgekernel.reference.paged_attention import paged_attention_ref
+
+op_module = importlib.import_module("forgekernel.ops.attention_paged")
+
+
+# ------------------------------------------------------------------ the index maps
+@pytest.mark.parametrize(
+    ("tq", "hkv", "group", "d"), [(1, 1, 1, 64), (7, 2, 4, 128), (1000, 8, 8, 64), (5, 3, 3, 256)]
+)
+def test_pack_puts_query_head_h_g_of_token_t_on_row_t_g_of_head_h(tq, hkv, group, d):
+    """pack_gqa_q on the packed varlen q (one batch): row t * G + g of kv head h is query head
+    h * G + g of token t, bit for bit, a compact copy."""
+    q = torch.randn(tq, hkv * group, d).to(torch.bfloat16)
+    qp = fwd_launch.pack_gqa_q(q[None], group)[0]
+    assert qp.shape == (tq * group, hkv, d) and qp.is_contiguous()
+    t, h, g = tq - 1, hkv - 1, group - 1
+    assert torch.equal(qp[t * group + g, h], q[t, h * group + g])
+    want = torch.stack([q[:, h * group : (h + 1) * group] for h in range(hkv)], dim=2)
+    assert torch.equal(qp, want.reshape(tq * group, hkv, d))  # (t, g, h) row-major
+
+
+@pytest.mark.parametrize(("tq", "hkv", "group"), [(1, 1, 1), (9, 2, 4), (300, 8, 8), (5, 3, 3)])
+def test_unpack_into_strided_views_round_trips_bit_exact(tq, hkv, group):
+    """unpack_gqa_into(pack(x)) == x for O and the LSE, bit for bit, written into views that
+    are not compact (o a slice of a wider buffer, lse a transposed (total_q, Hq) buffer: the
+    caller's out / lse as they come); nothing outside the views is touched."""
+    d, hq = 64, hkv * group
+    o_want = torch.randn(tq, hq, d).to(torch.float16)
+    lse_want = torch.randn(hq, tq)
+    lse_want[0, 0] = -math.inf
+    op = fwd_launch.pack_gqa_q(o_want[None], group)[0]
+    lsep = lse_want.view(hkv, group, tq).transpose(1, 2).reshape(hkv, tq * group)
+    assert torch.equal(lsep[hkv - 1, (tq - 1) * group + group - 1], lse_want[hq - 1, tq - 1])
+    wide = torch.full((tq, hq, d + 8), math.nan, dtype=torch.float16)
+    lse_buf = torch.full((tq, hq), math.nan)
+    o, lse = wide[..., :d], lse_buf.t()
+    fwd_launch.unpack_gqa_into(op, lsep, o, lse, group)
+    assert torch.equal(o, o_want) and torch.equal(lse, lse_want)
+    assert wide[..., d:].isnan().all()
+
+
+# ------------------------------------------------------------------ the launcher
+def test_packed_launch_arguments(monkeypatch):
+    """One call of the packed compile: q packed (Tq G, Hkv, D) compact, o alike, lse (Hkv,
+    Tq G) fp32, cu_seqlens_q x G (int32), seqlens_k and the table as given, max_seqlen_q x G,
+    qgroup G, one CTA a SM; the compile key the paged one's plus packed."""
+    seen = {}
+
+    def get_kernel(spec, params):
+        seen["params"] = dict(params)
+        return lambda *args: seen.setdefault("args", args)
+
+    monkeypatch.setattr(fwd_launch, "get_kernel", get_kernel)
+    monkeypatch.setattr(fwd_launch, "_plans", type(fwd_launch._plans)())
+    monkeypatch.setattr(fwd_launch, "num_sms", lambda device: 132)
+    q, k, v, table, lens, cu = prefill_problem(12, 3, 64, 16, [1, 0, 40, 4], [9, 3, 50, 33])
+    o, lse = torch.empty_like(q), torch.empty(12, q.shape[0])
+    fwd_launch.attention_paged_fwd(q, k, v, o, lse, table, lens, cu, 40, 0.125, True,
+                                   packed=True)  # fmt: skip
+    qp, kk, vv, op, lsep, cu_p, lens_p, scale_log2, max_p, qgroup, ctas, tab = seen["args"]
+    assert qp.shape == op.shape == (45 * 4, 3, 64) and qp.is_contiguous()
+    assert torch.equal(qp, fwd_launch.pack_gqa_q(q[None], 4)[0])
+    assert lsep.shape == (3, 45 * 4) and lsep.dtype == torch.float32
+    assert cu_p.dtype == torch.int32 and cu_p.tolist() == [0, 4, 4, 164, 180]
+    assert lens_p.tolist() == lens.tolist() and tab is table and kk is k and vv is v
+    assert (max_p, qgroup, ctas) == (160, 4, 132)
+    assert math.isclose(scale_log2, 0.125 * math.log2(math.e))
+    want = dict(params_for("bfloat16", 64, 64, True, varlen=True, page_box=16, packed=True))
+    assert seen["params"] == want and want["packed"]
+
+
+def test_packed_launch_without_pages_or_rows(monkeypatch):
+    """No pages: every row 0 / -inf, decode rows included (no sequence is another kernel's);
+    no rows: nothing runs or is written."""
+    monkeypatch.setattr(fwd_launch, "get_kernel", lambda *a: pytest.fail("no launch"))
+    monkeypatch.setattr(fwd_launch, "_plans", type(fwd_launch._plans)())
+    q = torch.randn(1 + 6, 8, 128).to(torch.bfloat16)
+    k = torch.empty(0, 16, 2, 128, dtype=torch.bfloat16)
+    table, lens = torch.zeros(2, 1, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    cu = torch.tensor([0, 1, 7], dtype=torch.int32)
+    o, lse = torch.full_like(q, math.nan), torch.full((8, 7), math.nan)
+    fwd_launch.attention_paged_fwd(q, k, k, o, lse, table, lens, cu, 6, 0.1, True, packed=True)
+    assert not o.isnan().any() and not o.any() and (lse == -math.inf).all()
+    empty = q[:0]
+    fwd_launch.attention_paged_fwd(empty, k, k, empty, lse[:, :0], table, lens, cu * 0, 0, 0.1,
+                                   True, packed=True)  # fmt: skip
+
+
+# ------------------------------------------------------------------ the whole batch
+MIXED = [
+    # hq, hkv, d, page_size, q_lens, k_lens: decode rows (1-4 tokens) beside chunks, sequences
+    # without queries or keys, more queries than keys, a fresh prompt (queries = keys)
+    (8, 2, 128, 16, [1, 3, 0, 200, 4, 1, 5], [40, 300, 9, 257, 4, 0, 7]),
+    (6, 2, 64, 32, [2, 130, 1], [2, 385, 1000]),  # G 3: 390-row packed chunk, odd rows a token
+    (4, 1, 256, 128, [70, 1, 6, 4], [190, 129, 6, 3]),  # G 4, 64-key tiles, 64-row boxes
+    (8, 8, 128, 64, [150, 1, 1], [150, 100, 65]),  # MHA (G 1): the packed form is the plain one
+    (16, 2, 64, 8, [0, 2, 1, 9, 3, 0], [50, 600, 5, 700, 33, 70]),  # G 8: 8-row pages
+    (32, 4, 128, 256, [1, 40, 3, 2], [700, 300, 129, 1]),  # G 8, two key tiles a page
+    (8, 2, 128, 16, [40, 6], [20, 3]),  # more queries than keys: rows that see none
+    (8, 2, 128, 16, [3, 1, 5], [100, 17, 5]),  # decode rows and the shortest forward sequence
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("case", range(len(MIXED)))
+def test_packed_batch_matches_the_reference(cpu_paged_kernel, case, causal, dtype):  # noqa: F811
+    """prefill_form("packed"): one launch of the packed compile over every sequence (none to
+    the decode kernel), each row of out and lse (NaN-poisoned) written, the batch matching the
+    fp64 reference."""
+    hq, hkv, d, ps, q_lens, k_lens = MIXED[case]
+    q, k, v, table, lens, cu = prefill_problem(hq, hkv, d, ps, q_lens, k_lens, seed=case,
+                                               dtype=dtype)  # fmt: skip
+    out = torch.full_like(q, math.nan)
+    lse = torch.full((hq, q.shape[0]), math.nan)
+    with op_module.prefill_form("packed"):
+        got, got_lse = op_module.attention_paged(q, k, v, table, lens, cu_seqlens_q=cu,
+                                                 max_seqlen_q=max(q_lens), causal=causal,
+                                                 return_lse=True, out=out, lse=lse)  # fmt: skip
+    assert got is out and got_lse is lse
+    want, want_lse = paged_attention_ref(q, k, v, table, lens, cu_seqlens_q=cu, causal=causal)
+    assert torch.isfinite(out).all()
+    assert float((out.float() - want).abs().max()) < 2e-2
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse)) and not lse.isnan().any()
+    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-4
+    assert not out[~finite.T].any()
+    [params] = cpu_paged_kernel  # one kernel: the packed one, no decode call
+    assert params["packed"] and params["causal"] == causal and cpu_paged_kernel.decode == []
+    assert cpu_paged_kernel.ran == [b for b, n in enumerate(q_lens) if n > 0]
+    assert op_module._prefill_form == ["split"]  # restored
+
+
+def test_packed_batch_through_the_registered_op(cpu_paged_kernel):  # noqa: F811
+    """The traced path's custom op reads the form when it runs: the packed launch alone."""
+    q, k, v, table, lens, cu = prefill_problem(8, 2, 128, 16, [1, 40, 3, 0], [70, 60, 33, 5])
+    with op_module.prefill_form("packed"):
+        out, lse = torch.ops.forgekernel.attention_paged_prefill(q, k, v, table, lens, cu, 40,
+                                                                 128**-0.5, True)  # fmt: skip
+    want, want_lse = paged_attention_ref(q, k, v, table, lens, cu_seqlens_q=cu)
+    assert float((out.float() - want).abs().max()) < 2e-2
+    assert float((lse - want_lse).abs().max()) < 1e-4
+    assert cpu_paged_kernel.ran == [0, 1, 2] and cpu_paged_kernel.decode == []
+
+
+def test_prefill_form_is_checked_and_restored():
+    with pytest.raises(ValueError, match="prefill form"):
+        with op_module.prefill_form("fused"):
+            pass
+    with pytest.raises(RuntimeError):
+        with op_module.prefill_form("packed"):
+            assert op_module._prefill_form == ["packed"]
+            raise RuntimeError
+    assert op_module._prefill_form == ["split"]
+
+
+# ------------------------------------------------------------------ compile keys
+def test_packed_keys_leave_every_other_key_as_it_was():
+    """A key gains `packed` only when on (every existing key, cache entry and SASS stays):
+    the paged split's D 128 page-16 key is the frozen tuple of before; each standard paged key
+    has a packed twin differing by that entry alone; packed needs the paged mode."""
+    before = (("causal", True), ("dtype", "bfloat16"), ("head_dim", 128), ("head_dim_v", 128),
+              ("l2_kv_mib", 24), ("late_rescale", True), ("o_direct", False), ("page_box", 16),
+              ("snake", False), ("stages", 2), ("tile_m", 128), ("tile_n", 128),
+              ("varlen", True))  # fmt: skip
+    assert params_for("bfloat16", 128, 128, True, varlen=True, page_box=16) == before
+    std = [dict(p) for p in SPEC.standard_params()]
+    paged = [p for p in std if p["page_box"] and "packed" not in p]
+    packed = [p for p in std if "packed" in p]
+    assert packed and all(p["packed"] is True for p in packed)
+    twins = sorted(tuple(sorted({**p, "packed": True}.items())) for p in paged)
+    assert twins == sorted(tuple(sorted(p.items())) for p in packed)
+    assert not any("packed" in p for p in std if not p["page_box"])
+    with pytest.raises(ValueError, match="paged"):
+        params_for("bfloat16", 128, 128, True, varlen=True, packed=True)
+
+
+def test_packed_kernel_skips_no_sequence():
+    """The packed compile's tile order validates every sequence's tiles (min_seqlen_q 0); the
+    split's skips those below PAGED_MIN_SEQLEN_Q, as before."""
+    pytest.importorskip("cutlass")
+    from forgekernel.kernels.attention.fwd.sm90.kernel import AttentionFwdSm90
+
+    cfg = default_config(128, 128, paged=True)
+    split = AttentionFwdSm90(128, 128, True, cfg, varlen=True, page_box=16)
+    packed = AttentionFwdSm90(128, 128, True, cfg, varlen=True, page_box=16, packed=True)
+    assert split.scheduler.min_seqlen_q == PAGED_MIN_SEQLEN_Q
+    assert packed.scheduler.min_seqlen_q == 0
+    with pytest.raises(ValueError, match="paged"):
+        AttentionFwdSm90(128, 128, True, AttnConfig(), varlen=True, packed=True)
+
+
+# ------------------------------------------------------------------ the bench variant
+def test_bench_packed_variant_on_16_bit_prefill_cases_only():
+    names = [c.name for c in suite_module.BENCH_CASES if "packed" in suite_module.variants(c)]
+    assert names == [c.name for c in PREFILL_BENCH_CASES]
+    assert suite_module.variants(PREFILL_BENCH_CASES[0]) == {
+        "packed": suite_module._run_packed,
+        "packed_views": suite_module._run_packed_views,
+    }
+
+
+def test_bench_packed_variant_runs_the_packed_form(cpu_paged_kernel, monkeypatch):  # noqa: F811
+    """The variant on a small prefill case of the suite's own form (decode rows first, then
+    chunks): into the bench's out buffers, the packed launch alone, the reference's numbers."""
+    monkeypatch.setattr(op_module, "check_cuda", lambda name, t: None)
+    case = _prefill_case(8, 2, 16, (40, 7), (60, 0), (30, 50, 3), "cpu")
+    inputs = suite_module.make_inputs(case, torch.bfloat16, torch.device("cpu"),
+                                      torch.Generator().manual_seed(0))  # fmt: skip
+    out = suite_module.alloc_out(inputs)
+    got = suite_module._run_packed(inputs, out)
+    assert got is out
+    want, want_lse = suite_module.reference(inputs)
+    assert float((out[0].float() - want).abs().max()) < 2e-2
+    assert float((out[1] - want_lse).abs().max()) < 1e-4
+    assert [p["packed"] for p in cpu_paged_kernel] == [True] and cpu_paged_kernel.decode == []
+
+
+# ------------------------------------------------------------------ the zero-copy form
+def test_view_group_where_g_divides_the_tile_rows():
+    """G a divisor of the paged default's tile_m (128 at D 128 / 256, 192 at D 64), else 0:
+    the copy form."""
+    groups = (1, 2, 3, 4, 6, 8, 16)
+    assert [fwd_launch.view_group(g, 128) for g in groups] == [1, 2, 0, 4, 0, 8, 16]
+    assert [fwd_launch.view_group(g, 64) for g in (3, 5, 6, 7, 16)] == [3, 0, 6, 0, 16]
+    assert fwd_launch.view_group(4, 256) == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("case", range(len(MIXED)))
+def test_views_batch_matches_the_reference(cpu_paged_kernel, case, causal, dtype):  # noqa: F811
+    """prefill_form("packed_views"): one launch on views of q, out and lse (the `view_group`
+    compile; the copy form where G does not divide the tile's rows: G 3 at D 128), every row of
+    the NaN-poisoned out and lse written, the batch matching the fp64 reference."""
+    hq, hkv, d, ps, q_lens, k_lens = MIXED[case]
+    q, k, v, table, lens, cu = prefill_problem(hq, hkv, d, ps, q_lens, k_lens, seed=case,
+                                               dtype=dtype)  # fmt: skip
+    out = torch.full_like(q, math.nan)
+    lse = torch.full((hq, q.shape[0]), math.nan)
+    with op_module.prefill_form("packed_views"):
+        op_module.attention_paged(q, k, v, table, lens, cu_seqlens_q=cu, max_seqlen_q=max(q_lens),
+                                  causal=causal, return_lse=True, out=out, lse=lse)  # fmt: skip
+    want, want_lse = paged_attention_ref(q, k, v, table, lens, cu_seqlens_q=cu, causal=causal)
+    assert torch.isfinite(out).all()
+    assert float((out.float() - want).abs().max()) < 2e-2
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse)) and not lse.isnan().any()
+    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-4
+    [params] = cpu_paged_kernel
+    g = fwd_launch.view_group(hq // hkv, d)
+    assert params.get("view_group", 0) == g and params["packed"] and cpu_paged_kernel.decode == []
+
+
+def test_views_launch_arguments(monkeypatch):
+    """The view form hands the kernel q, out and lse themselves (views: the same storage, no
+    copy): q (Tq, Hkv, G, D), out alike, lse (Hkv, G, Tq); an lse whose rows are not contiguous
+    (a transposed (Tq, Hq) buffer) goes through a buffer copied back."""
+    seen = {}
+
+    def get_kernel(spec, params):
+        seen["params"] = dict(params)
+
+        def fn(*args):
+            seen["args"] = args
+            args[3].fill_(1.0)
+            args[4].fill_(2.0)
+
+        return fn
+
+    monkeypatch.setattr(fwd_launch, "get_kernel", get_kernel)
+    monkeypatch.setattr(fwd_launch, "_plans", type(fwd_launch._plans)())
+    monkeypatch.setattr(fwd_launch, "num_sms", lambda device: 132)
+    q, k, v, table, lens, cu = prefill_problem(16, 2, 128, 16, [1, 0, 40, 4], [9, 3, 50, 33])
+    o, lse = torch.empty_like(q), torch.empty(16, q.shape[0])
+    fwd_launch.attention_paged_fwd(q, k, v, o, lse, table, lens, cu, 40, 0.125, True,
+                                   packed=True, views=True)  # fmt: skip
+    qv, _, _, ov, lv, cu_p, _, _, max_p, qgroup, _, _ = seen["args"]
+    assert qv.shape == ov.shape == (45, 2, 8, 128) and lv.shape == (2, 8, 45)
+    assert qv.data_ptr() == q.data_ptr() and ov.data_ptr() == o.data_ptr()
+    assert lv.data_ptr() == lse.data_ptr() and qv.stride() == (2048, 1024, 128, 1)
+    assert lv.stride() == (8 * 45, 45, 1) and cu_p.tolist() == [0, 8, 8, 328, 360]
+    assert (max_p, qgroup, seen["params"]["view_group"]) == (320, 8, 8)
+    assert (o == 1).all() and (lse == 2).all()
+    lse_t = torch.zeros(q.shape[0], 16).t()
+    fwd_launch.attention_paged_fwd(q, k, v, o, lse_t, table, lens, cu, 40, 0.125, True,
+                                   packed=True, views=True)  # fmt: skip
+    assert seen["args"][4].data_ptr() != lse_t.data_ptr() and (lse_t == 2).all()
+
+
+def test_view_keys_are_candidates():
+    """view_group: a key only with packed (and G dividing tile_m); the bench cases' four
+    (pages 16 / 64, G 4 / 8) are candidates, none standard."""
+    std = [dict(p) for p in SPEC.standard_params()]
+    assert not any("view_group" in p for p in std)
+    views = [dict(p) for p in SPEC.candidate_params() if "view_group" in dict(p)]
+    got = sorted((p["page_box"], p["view_group"]) for p in views)
+    assert got == [(16, 4), (16, 8), (64, 4), (64, 8)]
+    assert all(p["packed"] and p["causal"] and p["head_dim"] == 128 for p in views)
+    for bad in ({"view_group": 4}, {"packed": True, "view_group": 3}):
+        with pytest.raises(ValueError, match="view_group"):
+            params_for("bfloat16", 128, 128, True, varlen=True, page_box=16, **bad)
+
+
+# ------------------------------------------------------------------ the packed order
+def packed_cta_blocks(case, grid=132, tile=128):
+    """Each CTA's key blocks over the packed form's tiles (D 128, 128 x 128, causal): rows
+    q_len x G a sequence, Hkv heads, the paged order (sequence by sequence), no skip; and
+    the blocks of the decode rows' tiles."""
+    p = case.params
+    g, heads = p["hq"] // p["hkv"], p["hkv"]
+    rows = [n * g for n in p["q_lens"]]
+    m_blocks = -(-max(rows) // tile)
+    load, decode = [0] * grid, 0
+    for t in range(m_blocks * heads * len(rows)):
+        m_rev, _, b = tile_of(t, m_blocks, heads, len(rows), True)
+        mine = -(-rows[b] // tile)
+        if m_rev >= mine:
+            continue
+        blocks = key_blocks((mine - 1 - m_rev) * tile, rows[b], p["lens"][b], tile, tile, True, g)
+        load[t % grid] += blocks
+        decode += blocks if p["q_lens"][b] < PAGED_MIN_SEQLEN_Q else 0
+    return load, decode
+
+
+# (busiest CTA / mean, the decode rows' share of the key blocks, the busiest CTA's blocks /
+# the split forward's busiest) of the packed form on each bench prefill case, in the model of
+# `packed_cta_blocks` (docs/attention/PAGED_NOTES.md, "The whole chunked-prefill batch in one
+# launch": the predictions)
+PACKED_MODEL = {
+    "c2048of16k+32dec": (1.117, 0.127, 1.225),
+    "c512-4096+16dec": (1.065, 0.030, 1.060),
+    "c1024-4096+64dec": (1.038, 0.139, 1.160),
+    "ragged": (1.397, 0.039, 1.275),  # the 12,345-key decode row: one 97-block tile a kv head
+}
+
+
+def test_packed_order_on_the_bench_prefill_cases():
+    """The bench's batches in the packed form (a model for the notes' predictions: key blocks
+    per CTA, no per-tile cost, every block alike): the figures of PACKED_MODEL (the split's
+    forward: `cta_key_blocks`); every valid tile once."""
+    for case in PREFILL_BENCH_CASES:
+        load, decode = packed_cta_blocks(case)
+        split = cta_key_blocks(case, paged=True)
+        got = (max(load) / (sum(load) / len(load)), decode / sum(load), max(load) / max(split))
+        want = PACKED_MODEL[case.name.split("-", 5)[-1].rsplit("-q", 1)[0]]
+        assert got == pytest.approx(want, abs=1e-3), case.name
+
+
+# ------------------------------------------------------------------ the DSL's view, traced
+def test_dsl_view_maps_packed_rows_to_query_heads():
+    """The layouts the zero-copy compile builds, evaluated by the DSL while tracing
+    (tests/packed_views_trace.py; static sizes Tq 70, Hkv 2, G 4, D 64): packed row r = t G + g
+    of kv head h at q's element (t, h G + g); the TMA coordinates (d, g, t, head) of 128-row
+    tiles after the sequence's packed offset (8 rows: token 2), so a box is ((G, 32) tokens'
+    rows, D) from g 0; the LSE's row r of head h at lse[h G + g, t]."""
+    pytest.importorskip("cutlass")
+    from packed_views_trace import trace_views  # tests/ is on the path
+
+    tq, hkv, g, d = 70, 2, 4, 64
+    seen = trace_views(tq, hkv, g, d)
+    hq = hkv * g
+    want_q = [(r // g) * hq * d + (h * g + r % g) * d + c
+              for r in (0, 5, 9, 279) for c in (0, 3) for h in (0, 1)]  # fmt: skip
+    assert seen["q"] == want_q
+    # tile 0 from packed row 8 (token 2), tile 1 from row 136 (token 34), its row 5 column 7
+    assert seen["tma"] == [(0, 0, 2, 1), (0, 0, 34, 1), (7, 1, 35, 1)]
+    assert seen["lse"] == [(h * g + r % g) * tq + r // g for h in (0, 1) for r in (0, 9, 279)]
+
+
+def test_profile_script_takes_the_form():
+    """scripts/profile_paged_prefill.py --form: the prefill form ours runs in under ncu, the
+    other arguments left to profile_suite."""
+    from script_modules import load_script  # tests/ is on the path
+
+    script = load_script("profile_paged_prefill")
+    assert script.split_form(["--form", "packed", "--which", "ours"]) == (
+        "packed",
+        ["--which", "ours"],
+    )
+    assert script.split_form(["--case", "x"]) == ("split", ["--case", "x"])
