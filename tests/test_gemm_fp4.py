@@ -325,9 +325,11 @@ def test_op_takes_fp32_scales_of_the_right_shape():
 
 
 def test_chooser_and_stages():
-    assert [config.choose_tokens(m) for m in (1, 8, 9, 16, 17, 33, 64, 65, 300)] == [
-        8, 8, 16, 16, 32, 64, 64, 64, 64,
+    assert [config.choose_tokens(m) for m in (1, 4, 5, 8, 9, 16, 17, 33, 64, 65, 300)] == [
+        8, 8, 16, 16, 32, 32, 32, 64, 64, 64, 64,
     ]  # fmt: skip
+    for h in config.TOKENS:
+        assert config.choose_tokens(config.expected_for(h)) == h
     for h in config.TOKENS:
         assert config.stage_bytes(h) == 8192 + 512 + 128 * h
     with pytest.raises(ValueError):

@@ -36,7 +36,7 @@ from forgekernel.bench.suites.gemm_fp8_masked import (
     max_rows,
 )
 from forgekernel.kernels.gemm.fp4.sm90 import SPEC
-from forgekernel.kernels.gemm.fp4.sm90.config import TOKENS, choose_tokens
+from forgekernel.kernels.gemm.fp4.sm90.config import TOKENS, choose_tokens, expected_for
 from forgekernel.ops.fp4_pack import quantize_fp4_weights
 
 SPREAD_EXP = 14  # a `spread` case's 1x32 groups scaled by 2^-0 .. 2^-14 before quantizing
@@ -142,10 +142,12 @@ def run_ours(inputs: Inputs, out: tuple | None) -> tuple[torch.Tensor, ...]:
 
 
 def variants(case: Case) -> dict[str, Any]:
-    """Every other tile than the chooser's (expected_m forced to its tokens)."""
+    """Every other tile than the chooser's (expected_m forced to one that picks it)."""
     chosen = choose_tokens(expected_rows(case.params))
     return {
-        f"tokens{h}": (lambda inputs, out, h=h: _run(inputs, out, h)) for h in TOKENS if h != chosen
+        f"tokens{h}": (lambda inputs, out, h=h: _run(inputs, out, expected_for(h)))
+        for h in TOKENS
+        if h != chosen
     }
 
 

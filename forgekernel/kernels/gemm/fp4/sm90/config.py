@@ -20,11 +20,30 @@ CONTIGUOUS_MAX_TOKENS = 32
 CONTIGUOUS_STANDARD_TOKENS = tuple(h for h in TOKENS if h <= CONTIGUOUS_MAX_TOKENS)
 
 
+# The chooser covers COVER x expected_m while that fits COVER_MAX tokens, else expected_m itself.
+# expected_m is a mean: the counts spread around it, and an expert past its tile takes several
+# token tiles, each streaming its weight tile again (the FP8 masked GEMM's double cover, 1.097x
+# DeepGEMM at 2026-12-04 17:55). This GEMM's variants (H200 2026-12-02, graph, time / the
+# single cover's tile): 8 expected rows ran 0.861-0.869x on 16 tokens (E256), 9 ran 0.913-0.947x
+# on 32 (E32); but 29-32 ran 1.018-1.103x on 64 tokens (the 64-token fragment's cost): no
+# doubled cover past 32.
+COVER = 2
+COVER_MAX = 32
+
+
 def choose_tokens(expected_m: int, contiguous: bool = False) -> int:
-    """The fewest tokens per tile that cover `expected_m` (experts with more take several
-    token tiles, their weight tile re-read from L2 by CTAs running side by side)."""
+    """The fewest tokens per tile that cover COVER x `expected_m` where that is at most
+    COVER_MAX, else `expected_m` (experts with more take several token tiles, their weight
+    tile re-read from L2 by CTAs running side by side)."""
     tiles = CONTIGUOUS_STANDARD_TOKENS if contiguous else TOKENS
-    return next((h for h in tiles if expected_m <= h), tiles[-1])
+    want = COVER * expected_m if COVER * expected_m <= COVER_MAX else expected_m
+    return next((h for h in tiles if want <= h), tiles[-1])
+
+
+def expected_for(tokens: int) -> int:
+    """An expected_m `choose_tokens` maps to `tokens` (a tile of TOKENS): what forces a tile
+    through the op's hint."""
+    return tokens // COVER if tokens <= COVER_MAX else tokens
 
 
 def stage_bytes(tokens: int) -> int:
