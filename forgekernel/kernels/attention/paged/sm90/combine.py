@@ -292,32 +292,33 @@ class PagedCombineSm90:
 
     @cute.jit
     def _few(self, gL, gO, mO, mLSE, b, head, splits, tidx):
-        """Row b's combine where it has at most FEW splits (D >= WARPS x COLS): lane s < splits
-        reads split s's LSE, each warp reduces the max and the weights' sum by shuffles (every
-        warp alike: 4 x FEW floats of reads), then walks its column chunks (chunk first + warp x
-        spread, stepping spread x WARPS) with every split's 16-byte vector in flight at once,
-        acc += w_s O_s in split order, w_s from lane s (a split of weight 0 adds 0: its row is
-        not trusted, selected out); out = acc / sum, 0 and LSE -inf where no split saw a key.
-        One split: 0 + 1 x O_0, LSE lse_0 x ln 2 (the direct forms' bits)."""
+        """Row b's combine where it has at most FEW splits (D >= WARPS x COLS): each warp's
+        first column chunk (chunk first + warp x spread) of every split is loaded first, every
+        split's 16-byte vector in flight at once, beside lane s < splits' read of split s's LSE
+        (the weights are not needed to issue the loads: one round trip to L2 where the LSE's and
+        then O's were two in a row); each warp then reduces the max and the weights' sum by
+        shuffles (every warp alike: 4 x FEW floats of reads) and adds acc += w_s O_s in split
+        order, w_s from lane s (a split of weight 0 adds 0: its row is not trusted, selected
+        out), stepping spread x WARPS chunks (the next chunk's loads after this one's sums; at
+        MLA's D 512 a warp has one chunk); out = acc / sum, 0 and LSE -inf where no split saw a
+        key. One split: 0 + 1 x O_0, LSE lse_0 x ln 2 (the direct forms' bits)."""
         lane = tidx % 32
         warp = cute.arch.make_warp_uniform(tidx // 32)
         _, _, first = cute.arch.block_idx()
         _, _, spread = cute.arch.grid_dim()
+        vals = cute.make_rmem_tensor((4, FEW), Float32)
+        chunk = first + warp * spread
+        self._few_loads(gO, splits, chunk * self.vecs + lane, vals)
         lse = -Float32.inf
         if lane < splits:
             lse = gL[lane]
         top = cute.arch.warp_reduction(lse, cute.arch.fmax)
         w = _weight(lse, top)
         total = cute.arch.warp_reduction(w, lambda x, y: x + y)
-        vals = cute.make_rmem_tensor((4, FEW), Float32)
         acc = cute.make_rmem_tensor(4, Float32)
         outs = cute.make_rmem_tensor(4, mO.element_type)
-        for chunk in cutlass.range(first + warp * spread, self.chunks, spread * WARPS):
+        while chunk < self.chunks:
             vec = chunk * self.vecs + lane
-            vals.fill(0.0)
-            for s in cutlass.range_constexpr(FEW):
-                if s < splits:
-                    cute.autovec_copy(cute.local_tile(gO[s, None], (4,), (vec,)), vals[None, s])
             acc.fill(0.0)
             for s in cutlass.range_constexpr(FEW):
                 ws = cute.arch.shuffle_sync(w, s)
@@ -330,11 +331,24 @@ class PagedCombineSm90:
                     out = acc[j] / total
                 outs[j] = out.to(mO.element_type)
             cute.autovec_copy(outs, cute.local_tile(mO[b, head, None], (4,), (vec,)))
+            chunk += spread * WARPS
+            if const_expr(self.chunks > WARPS):  # D 512: every warp's only chunk was the first
+                self._few_loads(gO, splits, chunk * self.vecs + lane, vals)
         if tidx == 0 and first == 0:
             out_lse = -Float32.inf
             if total > 0.0:
                 out_lse = (top + cute.math.log2(total, fastmath=True)) * LN2
             mLSE[b, head] = out_lse
+
+    @cute.jit
+    def _few_loads(self, gO, splits, vec, vals):
+        """vals[:, s] = split s's 16-byte vector `vec` of the row, s < splits, where the vector
+        is inside the row (a warp past its last chunk loads nothing); 0 elsewhere."""
+        vals.fill(0.0)
+        if vec < self.d // 4:
+            for s in cutlass.range_constexpr(FEW):
+                if s < splits:
+                    cute.autovec_copy(cute.local_tile(gO[s, None], (4,), (vec,)), vals[None, s])
 
     @cute.jit
     def _accumulate(self, acc, where, group, vec):
