@@ -85,7 +85,8 @@ def write_split(
 # b16-h128: 2048 CTAs, one a row, the LSE pass not repeated 4 times). SPLIT_CAP splits'
 # weights fit in shared memory at once; more go a chunk at a time.
 COLS = 128
-UNROLL = 4  # 54 registers at D 512, 61 at D 64 / 128 (8: 86 at D 512, 5 CTAs an SM)
+# 54 registers at D 512 (64 with `_few`'s early loads), 61 at D 64 / 128 (8: 86 at D 512)
+UNROLL = 4
 # A row of at most FEW x FEW_ROUNDS splits at D >= WARPS x COLS (MLA's 512) takes `_few`: each
 # warp its own column chunks over every split, FEW splits' 16-byte vectors in flight a round, the
 # weights by shuffles, no shared memory, no barrier (16 splits: the schedule's rows at b8-h16 x
