@@ -113,7 +113,11 @@ def test_compiled_combine(case):
     SHFL.BFLY (three warp reductions: the max, the last split with keys (2026-12-04: the O loop
     stops there), the sum). D 512 (2026-12-04, next/combine-few): the few-splits path beside it,
     FEW more 16-byte loads (every split's vector in flight), its two warp reductions (10 more
-    SHFL.BFLY) and FEW SHFL.IDX (each split's weight from its lane), still no local memory."""
+    SHFL.BFLY) and FEW SHFL.IDX (each split's weight from its lane), still no local memory.
+    (2026-12-04, next/mla-combine3) the few path's first FEW loads issued beside its LSE's,
+    before its reductions, and a second round of FEW for rows of 9-16 splits: 53 -> 64
+    registers at D 512 (the 32 values live across the shuffles; 8 CTAs an SM still), FEW more
+    16-byte loads and FEW more SHFL.IDX, the same barriers."""
     from forgekernel.runtime.resources import find_tool
 
     if find_tool("cuobjdump") is None:
@@ -122,10 +126,24 @@ def test_compiled_combine(case):
     ops = Counter(_OP.findall(sass))
     few = case == 0  # MLA's D 512: chunks >= WARPS
     assert res["spill_bytes"] == 0 and res["registers"] <= 64
-    assert ops["LDG.E.128"] == 2 * kc.UNROLL + (kc.FEW if few else 0)
+    assert ops["LDG.E.128"] == 2 * kc.UNROLL + (kc.FEW * kc.FEW_ROUNDS if few else 0)
     assert ops["SHFL.BFLY"] == 15 + (10 if few else 0)
-    assert ops["SHFL.IDX"] == (kc.FEW if few else 0)
+    assert ops["SHFL.IDX"] == (kc.FEW * kc.FEW_ROUNDS if few else 0)
     assert not any(op.startswith(("LDL", "STL")) for op in ops)
+    if few:  # (2026-12-04, next/mla-combine3) every split's vector issued before the shuffles
+        assert _loads_beside_the_lse(_OP.findall(sass)) == kc.FEW
+
+
+def _loads_beside_the_lse(ops: list[str]) -> int:
+    """The few-splits path's 16-byte loads issued in the stretch that also issues its LSE's load
+    (a scalar LDG.E), from the path's start (the last EXIT or barrier before its first SHFL.IDX:
+    the CTA path's code lies before it) to its first shuffle: FEW where the first round goes out
+    with the LSE (before 2026-12-04 20:40 none: the O loads waited for the weights' shuffles)."""
+    first_idx = ops.index("SHFL.IDX")
+    start = max(i for i in range(first_idx) if ops[i] == "EXIT" or ops[i].startswith("BAR"))
+    end = next(i for i in range(start, first_idx + 1) if ops[i].startswith("SHFL"))
+    window = ops[start:end]
+    return window.count("LDG.E.128") if "LDG.E" in window else 0
 
 
 @pytest.mark.parametrize("d", [128, 512])
@@ -157,8 +175,9 @@ def test_compiled_warp_form(d):
 def test_takes_warps():
     from forgekernel.kernels.attention.paged.sm90 import combine_form as cf
 
-    assert cf.takes_warps(2048, 512) and cf.takes_warps(1024, 128)
-    assert not cf.takes_warps(1023, 512) and not cf.takes_warps(4096, 64)
+    assert cf.takes_warps(4096, 512) and cf.takes_warps(1024, 128)
+    assert not cf.takes_warps(4095, 512) and not cf.takes_warps(2048, 512)
+    assert not cf.takes_warps(1023, 128) and not cf.takes_warps(4096, 64)
     with cf.combine_form("cta"):
         assert not cf.takes_warps(4096, 512) and cf.forced() == "cta"
     with cf.combine_form("warps"):

@@ -377,7 +377,8 @@ def _merge_ref(op: torch.Tensor, lp: torch.Tensor) -> tuple[torch.Tensor, torch.
 @pytest.mark.parametrize("form", ["cta", "warps"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [64, 128, 256, 512])
-@pytest.mark.parametrize("splits", [1, 2, 7, 8, 9, 128, 300])  # 8 | 9: combine.FEW's bound
+# 8 | 9: a second round of the few path, 16 | 17: its bound (combine.FEW x FEW_ROUNDS)
+@pytest.mark.parametrize("splits", [1, 2, 7, 8, 9, 16, 17, 128, 300])
 @pytest.mark.parametrize("rows, heads", [(1, 16), (3, 100), (40, 32)])
 def test_combine_kernel_matches_the_merge(rows, heads, splits, d, dtype, form):
     """The combine alone (D 512 under mla_decode's key, the others attention_paged's): 1 .. 300
@@ -420,6 +421,42 @@ def test_combine_kernel_matches_the_merge(rows, heads, splits, d, dtype, form):
     if splits == 1:
         ok = lp[0] > -math.inf
         assert torch.equal(out[ok], op[0][ok].to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("splits", [1, 2, 4, 7, 8, 9, 13, 16])
+@pytest.mark.parametrize("rows, heads", [(1, 16), (3, 100), (40, 32), (64, 64)])
+def test_few_path_is_the_warp_form_bit_for_bit(rows, heads, splits, dtype):
+    """D 512 (MLA's, DSA's) at most combine.FEW x FEW_ROUNDS splits: the CTA form's few-splits
+    path (its first round of O loads issued beside the LSE's, a second round past FEW splits,
+    2026-12-04 next/mla-combine3) and the warp form add the same
+    splits in the same order and reduce the weights by the same shuffles: the same bits, out and
+    LSE, on rows x heads of 16, 300, 1280 and 4096 (a row's chunks over 4, 3, 1 and 1 CTAs), with
+    splits of no keys (NaN partial rows) and a (row, head) of none; both against the merge."""
+    from forgekernel.kernels.attention.mla.sm90 import SPEC as MLA_SPEC
+    from forgekernel.kernels.attention.mla.sm90 import params_for as mla_params
+    from forgekernel.runtime.cache import get_kernel
+
+    name = "bfloat16" if dtype == torch.bfloat16 else "float16"
+    g = torch.Generator(device="cuda").manual_seed(splits + rows)
+    op = torch.randn(splits, rows, heads, 512, device="cuda", generator=g)
+    lp = torch.randn(splits, rows, heads, device="cuda", generator=g) * 12.0
+    lp[1::3, 0] = -math.inf
+    lp[:, -1, -1] = -math.inf
+    op[lp == -math.inf] = math.nan
+    got = []
+    for warps in (False, True):
+        combine = get_kernel(MLA_SPEC, mla_params("combine", name, warps=warps))
+        out = torch.full((rows, heads, 512), math.nan, device="cuda", dtype=dtype)
+        lse = torch.full((heads, rows), math.nan, device="cuda").t()
+        combine(op, lp, out, lse)
+        got.append((out, lse))
+    (cta, cta_lse), (warp, warp_lse) = got
+    assert torch.equal(cta, warp) and torch.equal(cta_lse, warp_lse)
+    want, _ = _merge_ref(op, lp)
+    assert not cta.isnan().any() and lse[-1, -1] == -math.inf
+    err = float((cta.double() - want).abs().max())
+    assert err <= 2**-7 * float(want.abs().max()) + 1e-5, err
 
 
 @pytest.mark.parametrize("causal", [True, False])
