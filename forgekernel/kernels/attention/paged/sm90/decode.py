@@ -32,8 +32,10 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
 from cutlass._mlir.dialects import nvvm as _nvvm
 from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from forgekernel.kernels.attention.mla.sm90.schedule import HEADER as WORK_HEADER
 from forgekernel.kernels.attention.paged.sm90 import fp8
@@ -65,12 +67,52 @@ KEYS = TILE // WARPS  # keys per warp per tile: one K = 16 step of P V
 V_COLS = 32  # O's columns a piece of P V with 32 rows (`_pv_in_pieces`)
 
 
+@dsl_user_op
+def after(value, dep, *, loc=None, ip=None) -> Int32:
+    """`value` (>= 0) unchanged, as a result of `dep` too (min.u32(value, dep | 0x7fffffff): at
+    least 2^31 - 1, whatever dep is), so that ptxas issues every use of it after dep's load:
+    left alone it put the sequence length's first use among `_guess_ids`' reads, and the
+    warp's wait on the length before the rest of them (SASS 2026-12-04)."""
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Int32(value).ir_value(loc=loc, ip=ip), Int32(dep).ir_value(loc=loc, ip=ip)],
+            "{\n.reg .b32 t;\nor.b32 t, $2, 0x7fffffff;\nmin.u32 $0, $1, t;\n}",
+            "=r,r,r",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
+def load_pinned(ptr, ok, *, loc=None, ip=None) -> Int32:
+    """One int32 from global memory where `ok` != 0 (else 0, nothing read), as predicated
+    inline PTX with side effects: no branch, and LLVM neither sinks it into the branch that
+    uses it nor drops it (`_guess_ids`' reads, which must issue before the sequence's length
+    is used; as plain loads under an `if` they were sunk past it, SASS 2026-12-04)."""
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [ptr.llvm_ptr, Int32(ok).ir_value(loc=loc, ip=ip)],
+            "{\n.reg .pred p;\nsetp.ne.s32 p, $2, 0;\nmov.b32 $0, 0;\n"
+            "@p ld.global.b32 $0, [$1];\n}",
+            "=r,l,r",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
 class PagedDecodeSm90:
     """The partial pass on tensor cores; see the module docstring."""
 
     def __init__(
         self, head_dim: int, heads: int, qtokens: int = 1, fp8: bool = False,
         page_ahead: bool = True, merge_rows: bool = False, pdl: bool = True, ranges: bool = False,
+        early_ids: bool = True,
     ):  # fmt: skip
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim must be 64, 128 or 256, got {head_dim}")
@@ -93,6 +135,13 @@ class PagedDecodeSm90:
         self.page_ahead = (
             page_ahead and not fp8 and (head_dim == 128 or (head_dim == 64 and self.rows == ROWS))
         )
+        # the page ids of the first STAGES tiles read together before the first copy, and (not
+        # ranges) issued with the seqlens read, from the split the page table's width would
+        # give (`_guess_ids`), kept where the sequence's own split is that one: the ramp's
+        # chain seqlens -> page table -> K / V loses its middle DRAM latency where a
+        # sequence fills its table (the b1 cases; PAGED_NOTES.md "Small-batch decode: the
+        # ramp"); False (compile key ramp "serial"): read after the seqlens, tile by tile
+        self.early_ids = early_ids and self.page_ahead
         # the warps' merge with each row's weights computed once (`_write_rows`), a candidate
         # (compile key merge "rows") of the 16-bit D 128 leaves (G x D a multiple of THREADS);
         # False: `combine.write_split`, per element
@@ -265,6 +314,13 @@ class PagedDecodeSm90:
         dtype = mQ.element_type
 
         sk = mSeq[b]
+        ids, guess = None, None
+        if const_expr(self.early_ids):
+            ids = [cute.make_rmem_tensor(self.page_rows, Int32) for _ in range(self.stages)]
+            if const_expr(not self.ranges):
+                guess = self._guess_ids(mK, mPT, b, split, per_split, page_size, tidx, ids)
+                # sk's uses after the guessed reads' issue, not among them (`after`)
+                sk = after(sk, ids[self.stages - 1][self.page_rows - 1])
         # the sequence's own keys over the grid's splits, at least per_split a split: not the
         # table's width over them (a table sized for the longest context a server admits would
         # leave a short sequence's keys in its first split); ranges: the list's keys per split
@@ -274,6 +330,11 @@ class PagedDecodeSm90:
         t0 = split * per
         t1 = cutlass.min(t0 + per, sk)
         tiles = cute.ceil_div(cutlass.max(t1 - t0, 0), TILE)
+        kept = Int32(0)  # the guessed ids are this split's (uniform over the CTA)
+        if const_expr(guess is not None):
+            if per == guess[0]:
+                if t1 == guess[1]:
+                    kept = Int32(1)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared)
         sQ = storage.q.get_tensor(swizzled_rows(self.rows, self.d))
@@ -295,13 +356,24 @@ class PagedDecodeSm90:
                 pages = cute.fast_divmod_create_divisor_v2(page_size)
         thr_g = gcopy.get_slice(tidx)
         kv = (mK, mV, sK, sV, mPT, b, kvh, pages)
+        first_ids = [None] * self.stages
+        if const_expr(self.early_ids):
+            first_ids = ids
+            # the first STAGES tiles' page ids, all in flight before the first copy waits on
+            # one, unless the guess read them already
+            if kept == 0:
+                for s in cutlass.range_constexpr(self.stages):
+                    if s < tiles:
+                        self._page_ids(kv, thr_g, t0 + s * TILE, t1, ids[s])
         for s in cutlass.range_constexpr(self.stages - 1):
             if s < tiles:
-                self._load_tile(kv, gcopy, thr_g, t0 + s * TILE, t1, s)
+                self._load_tile(kv, gcopy, thr_g, t0 + s * TILE, t1, s, first_ids[s])
             cute.arch.cp_async_commit_group()
         # the page ids of the next tile to load, read a loop iteration ahead of its copies
         page_ids = None
-        if const_expr(self.page_ahead):
+        if const_expr(self.early_ids):
+            page_ids = ids[self.stages - 1]
+        elif const_expr(self.page_ahead):
             page_ids = cute.make_rmem_tensor(self._rows_per_thread(thr_g), Int32)
             if self.stages - 1 < tiles:
                 self._page_ids(kv, thr_g, t0 + (self.stages - 1) * TILE, t1, page_ids)
@@ -539,8 +611,34 @@ class PagedDecodeSm90:
         over THREADS threads, one chunk column per thread: 8 at D 128)."""
         return cute.size(thr_g.partition_D(cute.make_identity_tensor((TILE, self.d))), mode=[1])
 
+    @property
+    def page_rows(self) -> int:
+        """The K / V tile rows a thread copies on a 16-bit cache (`_rows_per_thread`)."""
+        return TILE * self.d // 8 // THREADS
+
     @cute.jit
-    def _page_ids(self, kv, thr_g, first, t1, page_ids):
+    def _guess_ids(self, mK, mPT, b, split, per_split, page_size, tidx, ids):
+        """The page ids of the first STAGES tiles of split `split` as the page table's width
+        would cut it (per the launcher's per_split or width / splits, the kernel's own `per`
+        where the sequence fills its table) into `ids`, issued before the sequence's length
+        arrives; returns (that per, that t1) for the caller's check. Every token read is below
+        the width (an empty guess reads nothing): in bounds whatever the length."""
+        width = mPT.shape[1] * page_size
+        per = cutlass.max(per_split, cute.ceil_div(width, cute.arch.grid_dim()[0]))
+        t0 = split * per
+        t1 = cutlass.min(t0 + per, width)
+        thr_g = tiled_row_copy(mK.element_type, self.d, THREADS).get_slice(tidx)
+        pages = cute.fast_divmod_create_divisor_v2(page_size)
+        table = (None, None, None, None, mPT, b, None, pages)  # `_page_ids`' kv, what it reads
+        ok = Int32(0)  # an empty guess (a split past the width): nothing read
+        if t0 < t1:
+            ok = Int32(1)
+        for s in cutlass.range_constexpr(self.stages):
+            self._page_ids(table, thr_g, t0 + s * TILE, t1, ids[s], pinned=ok)
+        return per, t1
+
+    @cute.jit
+    def _page_ids(self, kv, thr_g, first, t1, page_ids, pinned=None):
         """The page ids of this thread's rows of the tile at key `first` (tokens clamped to
         t1 - 1, as `_load_tile` clamps them: always a page of the sequence) into page_ids,
         registers read by the tile's `_load_tile` one loop iteration later: the page-table
@@ -551,7 +649,10 @@ class PagedDecodeSm90:
         for m in cutlass.range_constexpr(cute.size(crd, mode=[1])):
             token = cutlass.min(first + crd[0, m, 0][0], t1 - 1)
             page, _ = divmod(token, pages)
-            page_ids[m] = mPT[b, page]
+            if const_expr(pinned is not None):
+                page_ids[m] = load_pinned(mPT[b, None].iterator + page, pinned)
+            else:
+                page_ids[m] = mPT[b, page]
 
     @cute.jit
     def _load_tile(self, kv, gcopy, thr_g, first, t1, stage, page_ids=None):
