@@ -134,6 +134,12 @@ def test_early_ids_schedule(page_size, sk, width, splits, per_split, stages):
                         assert all(0 <= t < sk for t in tokens)
                         ids[s] = [table[t // page_size] for t in tokens]
             copies = {s: ids[s] for s in range(stages - 1) if s < tiles}
+            # `_prefetch_guess`: the rows of the guessed split's first STAGES - 1 tiles, ids
+            # clamped into the cache; kept, they are the first copies' rows
+            prefetched = {table[t // page_size]
+                          for t in range(t0_w, min(t0_w + (stages - 1) * tile, t1_w))}  # fmt: skip
+            if kept:
+                assert {p for s in copies for p in copies[s]} <= prefetched
             ahead = ids.get(stages - 1)
             for i in range(tiles):
                 nxt = i + stages - 1
@@ -169,10 +175,14 @@ def test_early_ids_in_the_sass(ramp):
     assert found.resources["spill_bytes"] == 0 and found.resources["registers"] <= 255
     assert not any(t.split()[0].startswith(("LDL", "STL")) for t in ins)
     copy = next(i for i, t in enumerate(ins) if "LDGSTS" in t)
-    loads = [i for i, t in enumerate(ins) if re.search(r"\bLDG\.E\b", t)]
+    wait = next(i for i, t in enumerate(ins) if "ACQBULK" in t)
+    loads = [i for i, t in enumerate(ins) if re.search(r"\bLDG\.E\b", t) and i > wait]
+    prefetches = [i for i, t in enumerate(ins) if "CCTL.E.PF2" in t]
     if ramp:
-        assert not any("VIMNMX.U32" in t for t in ins)
+        assert not any("VIMNMX.U32" in t for t in ins) and not prefetches
         return
+    # before the wait (`_prefetch_guess`): the length's line, two lines each of K and V
+    assert len(prefetches) == 5 and max(prefetches) < wait
     first_use = next(i for i, t in enumerate(ins) if "VIMNMX.U32" in t)
     early = [i for i in loads if i < first_use]
     assert len(early) == 1 + config.STAGES[128] * 8 and first_use < copy
@@ -442,3 +452,31 @@ def test_merge_rows_compiles_within_the_residency(heads, qtokens):
 def _compile_sass_mufu(sass: str) -> int:
     return sum(1 for _, t in _INS.findall(sass) if re.sub(r"^@!?U?P\w+\s+", "", t.strip())
                .startswith("MUFU"))  # fmt: skip
+
+
+@pytest.mark.parametrize("name", suite.SERIAL_RAMP_CASES)
+def test_serial_ramp_variant_takes_prebuilt_keys(monkeypatch, name):
+    """The bench's variant `serial_ramp` on its cases (all in the suite, the variant listed):
+    inside `launch.serial_ramp()` the plans launch the standard keys with ramp "serial" (the
+    width plan's and, for the step's schedule, the ranges pass and combine; a warp-form
+    combine, which holds no rows, stays standard), each a prebuilt candidate."""
+    from forgekernel.kernels.attention.paged.sm90 import launch, serial_ramp_key
+
+    monkeypatch.setattr(launch, "num_sms", lambda index: 132)
+    monkeypatch.setattr(launch, "get_kernel", lambda spec, params: params)
+    case = next(c for c in suite.BENCH_CASES if c.name == name)
+    assert "serial_ramp" in suite.variants(case)
+    b, n = case.params["b"], case.params["lens"][0]
+    bf16 = torch.bfloat16
+    standard, cands = set(SPEC.standard_params()), set(SPEC.candidate_params())
+    for scheduled in (False, True):
+        plain = launch._plan(bf16, bf16, b, 32, 8, 128, n, 1, 0, False, None, None, scheduled)
+        serial = launch._plan(bf16, bf16, b, 32, 8, 128, n, 1, 0, False, None, None, scheduled,
+                              True)  # fmt: skip
+        for key, ramp in zip(plain[:2], serial[:2]):
+            if key is None:
+                assert ramp is None
+                continue
+            assert key in standard and ramp in cands | standard
+            warps = dict(key).get("form") == "warps"
+            assert ramp == (key if warps else serial_ramp_key(key))

@@ -67,6 +67,25 @@ KEYS = TILE // WARPS  # keys per warp per tile: one K = 16 step of P V
 V_COLS = 32  # O's columns a piece of P V with 32 rows (`_pv_in_pieces`)
 
 
+LINE = 128  # bytes of an L2 prefetch (`prefetch_l2`)
+
+
+@dsl_user_op
+def prefetch_l2(ptr, *, loc=None, ip=None) -> None:
+    """The 128-byte line at global address `ptr` into L2, no register or shared memory
+    written (`_prefetch_guess`). Per thread: the bulk form (cp.async.bulk.prefetch.L2, its
+    operands uniform registers) became a loop over the warp's distinct addresses in SASS."""
+    llvm.inline_asm(
+        None,
+        [ptr.llvm_ptr],
+        "prefetch.global.L2 [$0];",
+        "l",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
 @dsl_user_op
 def after(value, dep, *, loc=None, ip=None) -> Int32:
     """`value` (>= 0) unchanged, as a result of `dep` too (min.u32(value, dep | 0x7fffffff): at
@@ -285,6 +304,12 @@ class PagedDecodeSm90:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         split, head_block, b = cute.arch.block_idx()
+        if const_expr(self.early_ids and not self.ranges):
+            # the one global access before the wait: page ids that address L2 prefetches only
+            if tidx == 0:  # the length's line: its read after the wait hits L2
+                prefetch_l2(mSeq.iterator + b)
+            self._prefetch_guess(mK, mV, mPT, (b, split, head_block), per_split, page_size, group,
+                                 tidx)  # fmt: skip
         pdl.wait(self.pdl)  # before the first global access (its prologue reads mCuQ, mSeq)
         pdl.launch_dependents(self.pdl)
         item = split
@@ -615,6 +640,41 @@ class PagedDecodeSm90:
     def page_rows(self) -> int:
         """The K / V tile rows a thread copies on a 16-bit cache (`_rows_per_thread`)."""
         return TILE * self.d // 8 // THREADS
+
+    @cute.jit
+    def _prefetch_guess(self, mK, mV, mPT, where, per_split, page_size, group, tidx):
+        """Before the PDL wait: the K and V rows of the first STAGES - 1 tiles of the split the
+        table's width gives (`_guess_ids`' split) into L2, one token a thread (two at D 64),
+        so that the HBM streams this call's first tiles while the kernel before it (a
+        previous call's combine, ~3 us at b1 x 16k with its handoffs) still runs.
+
+        An exception to common/sm90/pdl.py's rule 1, and why it is safe: the page ids read
+        here (the page table may still be written by an earlier kernel) address prefetches
+        only, never a value this kernel computes with: every read that counts is made again
+        after the wait. A stale or garbage id is clamped into the cache (0 .. pages - 1): the
+        prefetch reads some page of it, in bounds, and L2 is the device's point of coherence,
+        so a prefetched line never hides a later write. Without PDL (no wait) it runs first
+        all the same."""
+        b, split, head_block = where
+        width = mPT.shape[1] * page_size
+        per = cutlass.max(per_split, cute.ceil_div(width, cute.arch.grid_dim()[0]))
+        t0 = split * per
+        t1 = cutlass.min(t0 + per, width)
+        kvh = head_block * self.h // group
+        tokens = (self.stages - 1) * TILE
+        lines = self.d * mK.element_type.width // 8 // LINE  # a row's: 2 at D 128, 16-bit
+        for j in cutlass.range_constexpr(cute.ceil_div(tokens, THREADS)):
+            i = tidx + j * THREADS
+            token = t0 + i
+            if i < tokens and token < t1:
+                page = token // page_size
+                pid = mPT[b, page]
+                if pid >= 0 and pid < mK.shape[0]:
+                    slot = token - page * page_size
+                    for cache in (mK, mV):
+                        row = cache[pid, slot, kvh, None].iterator
+                        for n in cutlass.range_constexpr(lines):
+                            prefetch_l2(row + n * (LINE * 8 // mK.element_type.width))
 
     @cute.jit
     def _guess_ids(self, mK, mPT, b, split, per_split, page_size, tidx, ids):
