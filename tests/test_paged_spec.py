@@ -159,12 +159,12 @@ def test_early_ids_schedule(page_size, sk, width, splits, per_split, stages):
 
 @pytest.mark.parametrize("ramp", ["", "serial"])
 def test_early_ids_in_the_sass(ramp):
-    """bf16 D 128, 4 heads (the b1 / b4 / b64 bench cases' pass): the length's load, then the
-    STAGES x 8 guessed page-table loads, all before `after`'s VIMNMX.U32 (the length's first
-    use, made to follow the last guessed load: left alone, ptxas put the length's first use
-    after two of them and the warp waited there), before the first cp.async copy; 254
-    registers, no local memory. The candidate ramp "serial" (the bench's variant serial_ramp)
-    reads no page id before the length's first use."""
+    """bf16 D 128, 4 heads (the b1 / b4 / b64 bench cases' pass): after the wait the length's
+    load, then the STAGES x 8 guessed page-table loads, all before the length's first use,
+    `after`'s VIMNMX (made to depend on a guessed load: left alone, ptxas put the length's
+    first use after two of them and the warp waited there), before the first cp.async copy;
+    before the wait the five L2 prefetches; 254 registers, no local memory. The candidate ramp
+    "serial" (the bench's variant serial_ramp) prefetches nothing."""
     from forgekernel.kernels.attention.paged.sm90 import serial_ramp_key
 
     if find_tool("cuobjdump") is None:
@@ -179,11 +179,16 @@ def test_early_ids_in_the_sass(ramp):
     loads = [i for i, t in enumerate(ins) if re.search(r"\bLDG\.E\b", t) and i > wait]
     prefetches = [i for i, t in enumerate(ins) if "CCTL.E.PF2" in t]
     if ramp:
-        assert not any("VIMNMX.U32" in t for t in ins) and not prefetches
+        assert not prefetches
         return
     # before the wait (`_prefetch_guess`): the length's line, two lines each of K and V
     assert len(prefetches) == 5 and max(prefetches) < wait
-    first_use = next(i for i, t in enumerate(ins) if "VIMNMX.U32" in t)
+    # `after`: the length's register through max(length, last id | 0x80000000), its first use
+    length = re.search(r"LDG\.E (R\d+),", ins[loads[0]]).group(1)
+    first_use = next(
+        i for i in range(loads[0] + 1, len(ins)) if re.search(rf"\b{length}\b", ins[i])
+    )
+    assert re.match(rf"VIMNMX {length}, {length}, R\d+, !PT", ins[first_use])
     early = [i for i in loads if i < first_use]
     assert len(early) == 1 + config.STAGES[128] * 8 and first_use < copy
 

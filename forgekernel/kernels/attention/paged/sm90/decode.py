@@ -88,15 +88,17 @@ def prefetch_l2(ptr, *, loc=None, ip=None) -> None:
 
 @dsl_user_op
 def after(value, dep, *, loc=None, ip=None) -> Int32:
-    """`value` (>= 0) unchanged, as a result of `dep` too (min.u32(value, dep | 0x7fffffff): at
-    least 2^31 - 1, whatever dep is), so that ptxas issues every use of it after dep's load:
-    left alone it put the sequence length's first use among `_guess_ids`' reads, and the
-    warp's wait on the length before the rest of them (SASS 2026-12-04)."""
+    """`value` as a result of `dep` too: max.s32(value, dep | 0x80000000), that is value
+    itself where value >= 0 (dep | 0x80000000 is negative whatever dep is) and still negative
+    where it is negative (a bad length keeps giving no keys), so that ptxas issues every use
+    of it after dep's load: left alone it put the sequence length's first use among
+    `_guess_ids`' reads, and the warp's wait on the length before the rest of them (SASS
+    2026-12-04)."""
     return Int32(
         llvm.inline_asm(
             T.i32(),
             [Int32(value).ir_value(loc=loc, ip=ip), Int32(dep).ir_value(loc=loc, ip=ip)],
-            "{\n.reg .b32 t;\nor.b32 t, $2, 0x7fffffff;\nmin.u32 $0, $1, t;\n}",
+            "{\n.reg .b32 t;\nor.b32 t, $2, 0x80000000;\nmax.s32 $0, $1, t;\n}",
             "=r,r,r",
             has_side_effects=False,
             is_align_stack=False,
