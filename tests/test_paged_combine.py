@@ -151,7 +151,8 @@ def test_held_rows_load_before_the_reductions(ramp):
     """bf16 D 128 (the b1 plans' combine): the HELD 16-byte loads of partial O issue after the
     PDL wait and before the first barrier (the LSE reductions'), not behind them; no spill,
     78 registers or fewer (6 CTAs an SM). The candidate ramp "serial" (the bench's variant
-    serial_ramp) is the walk alone: no 16-byte load before the first barrier, 54 registers."""
+    serial_ramp) is the walk alone: no 16-byte load before the first barrier, 54 registers.
+    The trigger of the next pass (PREEXIT) before the wait where held, after it serial."""
     from forgekernel.kernels.attention.paged.sm90 import SPEC as PAGED
     from forgekernel.kernels.attention.paged.sm90 import params_for as paged_params
     from forgekernel.kernels.attention.paged.sm90 import serial_ramp_key
@@ -167,6 +168,9 @@ def test_held_rows_load_before_the_reductions(ramp):
     early = sum("LDG.E.128" in x for x in lines[wait:bar])
     assert early == (0 if ramp else kc.HELD)
     assert not any("LDG" in x for x in lines[:wait])
+    # the next pass scheduled before the wait where held (after it in the serial build)
+    trigger = next(i for i, x in enumerate(lines) if "PREEXIT" in x)
+    assert (trigger > wait) if ramp else (trigger < wait)
     assert res["spill_bytes"] == 0 and res["registers"] <= (64 if ramp else 78)
 
 

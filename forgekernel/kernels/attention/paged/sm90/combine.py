@@ -223,8 +223,17 @@ class PagedCombineSm90:
         splits = mLp.shape[0]
         gL = mLp[None, b, head]
         gO = mOp[None, b, head, None]
+        # held (the paged leaf's D 64 / 128): the next pass scheduled before this combine's
+        # wait, so that its CTAs take the slots the pass's exit frees and run their pre-wait L2
+        # prefetches (decode.py `_prefetch_guess`) under the pass's tail and this combine. No
+        # slot is taken from a CTA not yet started: this grid is scheduled once the pass's last
+        # wave is resident, the next pass once all of this grid is (common/sm90/pdl.py, 2)
+        early = self.held and self.chunks == 1
+        if const_expr(early):
+            pdl.launch_dependents(self.pdl)
         pdl.wait(self.pdl)  # the partials, out / lse and the rows: the pass's, or earlier calls'
-        pdl.launch_dependents(self.pdl)
+        if const_expr(not early):
+            pdl.launch_dependents(self.pdl)
         if const_expr(mRows is not None):
             item0, splits, token = mRows[b, 0], Int32(mRows[b, 1]), mRows[b, 2]
             if const_expr(self.singles):
