@@ -24,7 +24,14 @@ merge; P V in f16. The per-KV-head K scale (per-tensor scales come as (Hkv,) ten
 the exponent's scale, V's multiplies O at the end, so dequantization costs nothing per element.
 
 Memory-bound: the MMAs are a few per 512 bytes of K and V; what matters is bytes in flight
-(STAGES - 1 tiles per CTA, 2 CTAs per SM at D = 128: `config.RESIDENT`)."""
+(STAGES - 1 tiles per CTA, 2 CTAs per SM at D = 128: `config.RESIDENT`).
+
+The ramp (`early_ids`, the leaves that read page ids ahead; PAGED_NOTES.md "Small-batch decode:
+the ramp and the combine"): before the PDL wait each thread prefetches into L2 the K and V rows
+of one token of the first tiles of the split the table's width gives (`_prefetch_guess`: page
+ids read before the wait address prefetches only); after it the first STAGES tiles' page ids of
+that split are read beside the sequence length (`_guess_ids`) and kept where the sequence's own
+split is that one, else read again, all at once."""
 
 from __future__ import annotations
 
@@ -160,8 +167,9 @@ class PagedDecodeSm90:
         # ranges) issued with the seqlens read, from the split the page table's width would
         # give (`_guess_ids`), kept where the sequence's own split is that one: the ramp's
         # chain seqlens -> page table -> K / V loses its middle DRAM latency where a
-        # sequence fills its table (the b1 cases; PAGED_NOTES.md "Small-batch decode: the
-        # ramp"); False (compile key ramp "serial"): read after the seqlens, tile by tile
+        # sequence fills its table (the b1 cases); and (not ranges) that split's first rows
+        # prefetched into L2 before the PDL wait (`_prefetch_guess`). False (compile key ramp
+        # "serial"): read after the seqlens, tile by tile, nothing prefetched
         self.early_ids = early_ids and self.page_ahead
         # the warps' merge with each row's weights computed once (`_write_rows`), a candidate
         # (compile key merge "rows") of the 16-bit D 128 leaves (G x D a multiple of THREADS);
