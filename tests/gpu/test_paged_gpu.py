@@ -702,3 +702,43 @@ def test_one_item_sequences_are_the_width_plan_bit_for_bit(d):
     if not bool((rows[:, 1] == 1).all()):
         pytest.skip("the list split a sequence of this batch: not the one-item case")
     assert torch.equal(out, plain_out) and torch.equal(lse, plain_lse)
+
+
+RAMP_CASES = [  # the b1 bench case's shape, a ragged batch behind a wide table, a few splits
+    (1, 32, 8, 128, 16, [16384], None),
+    SCHEDULE_CASES[1],
+    SCHEDULE_CASES[0],
+    (4, 32, 8, 128, 16, [32768, 32768, 32768, 32767], None),
+    (3, 8, 8, 64, 16, [5, 0, 513], 4096),
+]
+
+
+@pytest.mark.parametrize("case", RAMP_CASES, ids=lambda c: f"b{c[0]}_d{c[3]}_L{max(c[5])}")
+@pytest.mark.parametrize("scheduled", [False, True])
+def test_serial_ramp_is_the_same_bits(case, scheduled):
+    """`launch.serial_ramp()` (the bench's variant: the pass's page ids read after the length,
+    no L2 prefetch before the PDL wait, the CTA combine's rows loaded after its reductions)
+    gives the default call's bits: the early reads move when bytes arrive, not what is added
+    (the held combine adds each group's splits in the walk's order, + 0 past the last with
+    keys). NaN in every stale slot, -1 past each sequence's pages (the guess's clamped
+    prefetches, its ids kept only for a split of the sequence's own); the reference too."""
+    from forgekernel.kernels.attention.paged.sm90 import launch
+
+    b, hq, hkv, d, ps, _, _ = case
+    q, k, v, table, seq = _schedule_problem(case, torch.bfloat16, 5)
+    kw = {}
+    if scheduled:
+        kw["schedule"] = op.attention_paged_schedule(seq, table, num_heads=hq, num_kv_heads=hkv,
+                                                     head_dim=d, page_size=ps)  # fmt: skip
+    outs = []
+    for serial in (False, True):
+        out = torch.full_like(q, float("nan"))
+        if serial:
+            with launch.serial_ramp():
+                _, lse = op.attention_paged(q, k, v, table, seq, return_lse=True, out=out, **kw)
+        else:
+            _, lse = op.attention_paged(q, k, v, table, seq, return_lse=True, out=out, **kw)
+        outs.append((out, lse))
+    _check_against_reference(q, k, v, table, seq, *outs[0])
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.equal(outs[0][1], outs[1][1])

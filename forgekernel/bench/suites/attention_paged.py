@@ -383,6 +383,27 @@ NO_PDL_CASES = (
 )
 
 
+def _run_serial_ramp(inputs: Inputs, out):
+    """Ours with the pass and CTA combine built as before 2026-12-04 20:40 (launch.serial_ramp:
+    the page ids read after the sequence length, tile by tile; the combine's partial rows
+    loaded after its reductions): this time / ours is what the early reads save."""
+    from forgekernel.kernels.attention.paged.sm90 import launch
+
+    with launch.serial_ramp():
+        return run_ours(inputs, out)
+
+
+# The small-batch cases timed with the serial ramp (variant `serial_ramp`; its kernels:
+# sm90.serial_ramp_params): b1 x 16k / 64k (pass + combine of 30 splits, the width plan), b4 x
+# 32k (8 splits, the step's schedule), b64 x 4k (one item a sequence: the pass alone)
+SERIAL_RAMP_CASES = (
+    "b1-hq32-hkv8-d128-p16-L16384",
+    "b1-hq32-hkv8-d128-p16-L65536",
+    "b4-hq32-hkv8-d128-p16-L32768",
+    "b64-hq32-hkv8-d128-p16-L4096",
+)
+
+
 def _run_plain(inputs: Inputs, out):
     """Ours without the step's schedule (the width plan's splits, what a caller that makes no
     schedule gets): this time / ours is what the schedule saves."""
@@ -428,7 +449,7 @@ def variants(case: Case) -> dict[str, Any]:
     a sequence): the previous merge (`_run_merge_elems`); prefill cases on 16-bit caches: the
     packed form, with copies and on views (`_run_packed`, `_run_packed_views`); NO_PDL_CASES:
     the kernels without PDL (`_run_no_pdl`); PLAIN_CASES: the op without the step's schedule
-    (`_run_plain`)."""
+    (`_run_plain`); SERIAL_RAMP_CASES: the serial ramp (`_run_serial_ramp`)."""
     if case.params.get("scale") == "tensor":
         return {"scales_as_tensors": _run_scale_tensors}
     if case.group == "spec" and "kv" not in case.params:
@@ -440,6 +461,8 @@ def variants(case: Case) -> dict[str, Any]:
         found["no_pdl"] = _run_no_pdl
     if case.name in PLAIN_CASES:
         found["plain"] = _run_plain
+    if case.name in SERIAL_RAMP_CASES:
+        found["serial_ramp"] = _run_serial_ramp
     return found
 
 

@@ -94,6 +94,12 @@ UNROLL = 4
 # reductions and its barriers)
 FEW = 8
 FEW_ROUNDS = 2
+
+# A row of at most HELD x groups splits at D 64 / 128 (one column chunk) takes `_hold`: each
+# group's partial rows (HELD 16-byte vectors a thread) loaded right after the PDL wait, beside
+# the LSEs, not behind the three reductions: the b1 plans' 30 (16-bit) and 45 (FP8) splits
+# at D 128 (4 groups), 96 at D 64 (8 groups)
+HELD = 12
 SPLIT_CAP = 256
 WAVE_CTAS = NUM_SMS_H100_H200 * 8  # 8 CTAs an SM at <= 64 registers x 128 threads
 
@@ -153,11 +159,14 @@ class PagedCombineSm90:
     views and indices set up, it waits for the pass before its first read of the LSEs, then
     lets its own dependent (the next call's pass) be scheduled."""
 
-    def __init__(self, head_dim: int, pdl: bool = True):
+    def __init__(self, head_dim: int, pdl: bool = True, held: bool = True):
         self.d = head_dim
         self.pdl = pdl
         self.singles = False  # PagedCombineRangesSm90's
         self.cols = min(head_dim, COLS)
+        # `_hold`'s loads where a row's splits fit (one column chunk only); False: the
+        # partial rows loaded after the reductions (the paged leaf's candidate ramp "serial")
+        self.held = held
         self.chunks = head_dim // self.cols
         self.vecs = self.cols // 4  # a group's threads: one 16-byte vector of a split each
         self.groups = THREADS // self.vecs
@@ -220,8 +229,17 @@ class PagedCombineSm90:
         splits = mLp.shape[0]
         gL = mLp[None, b, head]
         gO = mOp[None, b, head, None]
+        # held (the paged leaf's D 64 / 128): the next pass scheduled before this combine's
+        # wait, so that its CTAs take the slots the pass's exit frees and run their pre-wait L2
+        # prefetches (decode.py `_prefetch_guess`) under the pass's tail and this combine. No
+        # slot is taken from a CTA not yet started: this grid is scheduled once the pass's last
+        # wave is resident, the next pass once all of this grid is (common/sm90/pdl.py, 2)
+        early = self.held and self.chunks == 1
+        if const_expr(early):
+            pdl.launch_dependents(self.pdl)
         pdl.wait(self.pdl)  # the partials, out / lse and the rows: the pass's, or earlier calls'
-        pdl.launch_dependents(self.pdl)
+        if const_expr(not early):
+            pdl.launch_dependents(self.pdl)
         if const_expr(mRows is not None):
             item0, splits, token = mRows[b, 0], Int32(mRows[b, 1]), mRows[b, 2]
             if const_expr(self.singles):
@@ -234,6 +252,14 @@ class PagedCombineSm90:
             if splits <= FEW * FEW_ROUNDS:  # the row's count, the same for the whole CTA
                 self._few(gL, gO, mO, mLSE, b, head, splits, tidx)
                 _nvvm.exit()  # its stores issued; no barrier below is reached by any thread
+
+        held, hold = None, Int32(0)
+        if const_expr(self.held and self.chunks == 1):
+            held = cute.make_rmem_tensor((4, HELD), Float32)
+            if splits <= HELD * self.groups:  # the row's count: uniform over the CTA
+                hold = Int32(1)
+                g = tidx // self.vecs
+                self._hold(gO, splits, g, tidx - g * self.vecs, held)
 
         top = -Float32.inf
         last = Float32(-1.0)  # the last split that saw a key (exact in fp32 below 2^24)
@@ -268,16 +294,14 @@ class PagedCombineSm90:
             acc = cute.make_rmem_tensor(4, Float32)
             acc.fill(0.0)
             if total > 0.0:  # uniform over the CTA: no split saw a key, nothing to read
-                for c0 in cutlass.range(0, used, SPLIT_CAP):
-                    n = cutlass.min(used - c0, SPLIT_CAP)
-                    # sW holds splits [0, SPLIT_CAP)'s weights until a later chunk's replace them
-                    if c0 > 0 or (chunk != first and used > SPLIT_CAP):
-                        cute.arch.sync_threads()  # every thread done with the last weights
-                        for s in cutlass.range(tidx, n, THREADS):
-                            sW[s] = _weight(gL[c0 + s], top)
-                        cute.arch.sync_threads()
-                    where = (gO, sW, c0, n)
-                    self._accumulate(acc, where, group, chunk * self.vecs + vec)
+                walk = (gO, gL, sW, top, used, chunk, first)
+                if const_expr(held is None):
+                    self._walk(acc, walk, group, vec, tidx)
+                else:
+                    if hold != 0:
+                        self._add_held(acc, held, sW, splits, group)
+                    else:
+                        self._walk(acc, walk, group, vec, tidx)
             cute.autovec_copy(acc, cute.local_tile(sAcc[None, group], (4,), (vec,)))
             cute.arch.sync_threads()
             if tidx < self.cols:
@@ -369,6 +393,46 @@ class PagedCombineSm90:
                 acc[j] = acc[j] + ws * o
 
     @cute.jit
+    def _walk(self, acc, walk, group, vec, tidx):
+        """acc += w_s O_s over the group's splits up to the last with keys, loaded as it goes
+        (`_accumulate`), SPLIT_CAP splits' weights at a time."""
+        gO, gL, sW, top, used, chunk, first = walk
+        for c0 in cutlass.range(0, used, SPLIT_CAP):
+            n = cutlass.min(used - c0, SPLIT_CAP)
+            # sW holds splits [0, SPLIT_CAP)'s weights until a later chunk's replace them
+            if c0 > 0 or (chunk != first and used > SPLIT_CAP):
+                cute.arch.sync_threads()  # every thread done with the last weights
+                for s in cutlass.range(tidx, n, THREADS):
+                    sW[s] = _weight(gL[c0 + s], top)
+                cute.arch.sync_threads()
+            self._accumulate(acc, (gO, sW, c0, n), group, chunk * self.vecs + vec)
+
+    @cute.jit
+    def _hold(self, gO, splits, group, vec, held):
+        """This thread's 16-byte vector of the group's splits group, group + groups, ... (at
+        most HELD of them, the row's splits <= HELD x groups) into held, all loads issued
+        before any use; past the row's splits nothing is read."""
+        for k in cutlass.range_constexpr(HELD):
+            s = k * self.groups + group
+            if s < splits:
+                cute.autovec_copy(cute.local_tile(gO[s, None], (4,), (vec,)), held[None, k])
+
+    @cute.jit
+    def _add_held(self, acc, held, sW, splits, group):
+        """acc += w_s O_s over `_hold`'s splits in split order (`_accumulate`'s sums): the
+        weights from shared memory, a split of weight 0 (no keys: its row may be stale, even
+        NaN) or past the row's splits adding 0."""
+        for k in cutlass.range_constexpr(HELD):
+            s = k * self.groups + group
+            if s < splits:
+                w = sW[s]
+                for j in cutlass.range_constexpr(4):
+                    o = held[j, k]
+                    if w == 0.0:
+                        o = Float32(0.0)
+                    acc[j] = acc[j] + w * o
+
+    @cute.jit
     def _accumulate(self, acc, where, group, vec):
         """acc += w_s O_s[4 vec : 4 vec + 4] over this group's splits of the chunk, in split
         order. where = (gO (splits, D), sW, first split c0, splits n of the chunk). Blocks of
@@ -420,9 +484,11 @@ class _RangesForm:
     """What the two forms' ranges classes share: the call with mRows (PagedCombineRangesSm90's
     docstring) and `singles`, mixed in before the form's class."""
 
-    def __init__(self, head_dim: int, pdl: bool = True, singles: bool = False):
+    def __init__(self, head_dim: int, pdl: bool = True, singles: bool = False,
+                 held: bool = True):  # fmt: skip
         super().__init__(head_dim, pdl)
         self.singles = singles
+        self.held = held  # the CTA form's (`PagedCombineSm90`); the warp form has no such path
 
     @cute.jit
     def __call__(
