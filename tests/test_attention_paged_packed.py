@@ -89,6 +89,9 @@ MIXED = [
     (32, 4, 128, 256, [1, 40, 3, 2], [700, 300, 129, 1]),  # G 8, two key tiles a page
     (8, 2, 128, 16, [40, 6], [20, 3]),  # more queries than keys: rows that see none
     (8, 2, 128, 16, [3, 1, 5], [100, 17, 5]),  # decode rows and the shortest forward sequence
+    (4, 2, 256, 16, [1, 70, 4], [300, 90, 5]),  # G 2
+    (32, 2, 64, 32, [2, 1, 20, 0], [65, 700, 20, 3]),  # G 16: 320-row chunk, 192-row tiles
+    (24, 4, 64, 16, [1, 30], [40, 35]),  # G 6 at D 64: divides the tile, no compile: split
 ]
 
 
@@ -98,9 +101,9 @@ MIXED = [
 def test_default_batch_matches_the_reference(cpu_paged_kernel, case, causal, dtype):  # noqa: F811
     """The default form: one launch of the packed compile on views of q, out and lse over
     every sequence (none to the decode kernel) where the batch's G has one (`view_group`: G 1
-    / 4 / 8 here), else the split (G 3: the decode kernel, then the split's compile; never the
-    copies); every row of the NaN-poisoned out and lse written, the batch matching the fp64
-    reference."""
+    / 2 / 4 / 8 / 16 here), else the split (G 3, 6: the decode kernel, then the split's
+    compile; never the copies); every row of the NaN-poisoned out and lse written, the batch
+    matching the fp64 reference."""
     hq, hkv, d, ps, q_lens, k_lens = MIXED[case]
     q, k, v, table, lens, cu = prefill_problem(hq, hkv, d, ps, q_lens, k_lens, seed=case,
                                                dtype=dtype)  # fmt: skip
@@ -121,7 +124,7 @@ def test_default_batch_matches_the_reference(cpu_paged_kernel, case, causal, dty
     g = fwd_launch.view_group(hq // hkv, d)
     assert params["causal"] == causal and params.get("view_group", 0) == g
     assert params.get("packed", False) == (g > 0) and (cpu_paged_kernel.decode == []) == (g > 0)
-    assert g or hq // hkv == 3  # the one split case
+    assert g or hq // hkv in (3, 6)  # the split cases
     ran = [b for b, n in enumerate(q_lens) if n >= (1 if g else PAGED_MIN_SEQLEN_Q)]
     assert cpu_paged_kernel.ran == ran
     assert op_module._prefill_form == ["packed_views"]
