@@ -203,6 +203,14 @@ def cpu_paged_kernel(monkeypatch):
     paged_launch._plans.clear()
 
 
+@pytest.fixture
+def split_form():
+    """The op's chunked prefill in its split form (the decode kernel, then the forward) for
+    the test (the default is the packed form where the batch's G has a compile)."""
+    with op_module.prefill_form("split"):
+        yield
+
+
 # ------------------------------------------------------------------ problems
 def prefill_problem(hq, hkv, d, page_size, q_lens, k_lens, seed=0, combined=False,
                     dtype=torch.bfloat16):  # fmt: skip
@@ -394,6 +402,7 @@ MIXED_CASES = [
 SLOT_CASES = {0, 1, 4, 5}
 
 
+@pytest.mark.usefixtures("split_form")
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("case", range(len(MIXED_CASES)))
 def test_mixed_batch_splits_between_the_kernels(cpu_paged_kernel, case, causal):
@@ -423,6 +432,7 @@ def test_mixed_batch_splits_between_the_kernels(cpu_paged_kernel, case, causal):
     assert (splits > 1) == (case in SLOT_CASES) and direct == (splits == 1)
 
 
+@pytest.mark.usefixtures("split_form")
 def test_mixed_batch_into_an_out_the_forward_cannot_write_in_place(cpu_paged_kernel):
     """An out TMA cannot write (a misaligned view): the forward's buffer starts as out, so the
     decode's rows, written first, come back with the forward's copy."""
@@ -435,6 +445,7 @@ def test_mixed_batch_into_an_out_the_forward_cannot_write_in_place(cpu_paged_ker
     assert torch.isfinite(out).all() and float((out.float() - want).abs().max()) < 2e-2
 
 
+@pytest.mark.usefixtures("split_form")
 def test_mixed_batch_through_the_registered_op(cpu_paged_kernel):
     """The traced path's custom op (`forgekernel::attention_paged_prefill`, what torch.compile
     and the tracing modes call) runs the same two launches into fresh outputs."""
@@ -526,6 +537,7 @@ def test_next_tile_skips_only_invalid_tiles():
     assert max(cta_walk(q_lens, heads, c, skip=False)[1] for c in range(132)) == 128
 
 
+@pytest.mark.usefixtures("split_form")
 def test_mixed_batch_over_a_cache_without_pages(cpu_paged_kernel):
     """No pages: the forward's launcher fills only its sequences' rows (0, -inf), the decode
     its own; every row written."""

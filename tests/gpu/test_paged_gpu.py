@@ -277,20 +277,27 @@ PREFILL_CASES = [
 ]
 
 
+@pytest.mark.parametrize("form", op.PREFILL_FORMS)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "case", PREFILL_CASES, ids=lambda c: f"h{c[0]}_{c[1]}_d{c[2]}_p{c[3]}_q{max(c[4])}"
 )
-def test_paged_prefill_matches_the_reference(monkeypatch, case, dtype, causal):
+def test_paged_prefill_matches_the_reference(monkeypatch, case, dtype, causal, form):
+    """Both prefill forms (the packed default, on views where the batch's G has a compile,
+    else the split; the split): one lookup of the paged mode, the reference's numbers."""
     hq, hkv, d, ps, q_lens, k_lens, combined = case
     q, k, v, table, seq, cu = _prefill_problem(hq, hkv, d, ps, q_lens, k_lens, dtype, combined,
                                                seed=len(q_lens) + ps)  # fmt: skip
     looked_up = record_kernel_lookups(monkeypatch)
     out = torch.full_like(q, float("nan"))
-    _, lse = op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu, max_seqlen_q=max(q_lens),
-                                causal=causal, return_lse=True, out=out)  # fmt: skip
+    with op.prefill_form(form):
+        _, lse = op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu,
+                                    max_seqlen_q=max(q_lens), causal=causal, return_lse=True,
+                                    out=out)  # fmt: skip
     assert [p["page_box"] for p in looked_up] == [fwd_launch.paged_box(ps, d)]  # the paged mode
+    packed = form == "packed_views" and fwd_launch.view_group(hq // hkv, d) > 0
+    assert [p.get("view_group", 0) for p in looked_up] == [hq // hkv if packed else 0]
     kk, vv = (k[:, 0], k[:, 1]) if combined else (k, v)
     args = (q, kk, vv, table, seq)
     want, want_lse = paged_attention_ref(*args, cu_seqlens_q=cu, causal=causal)
@@ -304,8 +311,16 @@ def test_paged_prefill_matches_the_reference(monkeypatch, case, dtype, causal):
     assert not out[~finite.T].any()
 
 
+@pytest.fixture
+def split_form():
+    """The op's chunked prefill in its split form (the default: the packed form)."""
+    with op.prefill_form("split"):
+        yield
+
+
+@pytest.mark.usefixtures("split_form")
 def test_prefill_decode_slots_replay_in_a_graph_and_compile():
-    """The decode rows on the split plan over the compact slots (`ops.attention_paged.
+    """The decode rows (split form) on the split plan over the compact slots (`ops.attention_paged.
     _decode_part`: device index ops, no host read): a CUDA graph captured on one batch replays
     on new queries, lengths and query splits (the same shapes) as the eager call gives them,
     and torch.compile (the registered op) matches eager. The batch: a 12k-key decode row
