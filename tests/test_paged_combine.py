@@ -75,6 +75,50 @@ def test_held_rows_are_the_walks_splits_in_its_order(splits, d):
     assert 30 <= kc.HELD * kc.PagedCombineSm90(128).groups and k.chunks == 1
 
 
+def _few_schedule(d: int, splits: int, spread: int):
+    """`PagedCombineSm90._few` replayed: per (CTA first, warp), the splits its `_few_loads` read
+    and the splits its `_few_add` sums add (weight from lane s), per column vector, in order;
+    the column vectors it writes."""
+    k = kc.PagedCombineSm90(d)
+    loads, adds, lanes, written = [], {}, set(), []
+    for first in range(spread):
+        for warp in range(kc.WARPS):
+            chunk = first + warp * spread
+            while chunk < k.chunks:
+                for lane in range(32):
+                    vec = chunk * k.vecs + lane
+                    written.append(vec)
+                    adds.setdefault(vec, [])
+                    for r in range(kc.FEW_ROUNDS):
+                        if r and not splits > r * kc.FEW:
+                            continue
+                        for s in range(kc.FEW):  # `_few_loads` then `_few_add`
+                            if vec < d // 4 and r * kc.FEW + s < splits:
+                                loads.append(r * kc.FEW + s)
+                            lanes.add(r * kc.FEW + s)  # shuffle_sync(w, s0 + s)
+                            if r * kc.FEW + s < splits:
+                                adds[vec].append(r * kc.FEW + s)
+                chunk += spread * kc.WARPS
+    return k, loads, adds, lanes, written
+
+
+@pytest.mark.parametrize("splits", [0, 1, 7, 8, 9, 15, 16])
+@pytest.mark.parametrize("spread", [1, 2, 3, 4])
+def test_few_rounds_stay_within_the_row(splits, spread):
+    """D 512's few-splits path (rows of at most FEW x FEW_ROUNDS splits, 2026-12-04
+    next/mla-combine3): every load a split < splits; every column vector written once, its
+    splits added once each in split order (the warp form's order); every lane a shuffle reads
+    and every split whose LSE a lane reads below 32 (lane s < splits holds split s's weight)."""
+    assert kc.FEW * kc.FEW_ROUNDS <= 32  # lane s holds split s's LSE / weight
+    k, loads, adds, lanes, written = _few_schedule(512, splits, spread)
+    assert k.chunks >= kc.WARPS  # the path's condition at D 512
+    assert all(0 <= s < splits for s in loads)
+    assert max(lanes) < 32
+    assert sorted(written) == list(range(512 // 4))  # each 16-byte column vector once
+    for vec, order in adds.items():
+        assert order == list(range(splits)), vec
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", HEAD_DIMS)
 @pytest.mark.parametrize("splits", [1, 2, 7, 128, 300])
