@@ -318,18 +318,22 @@ def split_form():
         yield
 
 
-@pytest.mark.usefixtures("split_form")
-def test_prefill_decode_slots_replay_in_a_graph_and_compile():
-    """The decode rows (split form) on the split plan over the compact slots (`ops.attention_paged.
-    _decode_part`: device index ops, no host read): a CUDA graph captured on one batch replays
-    on new queries, lengths and query splits (the same shapes) as the eager call gives them,
-    and torch.compile (the registered op) matches eager. The batch: a 12k-key decode row
-    (its plan: several splits), a sequence without queries, one of 3 tokens last."""
-    q_lens, k_lens = [300, 1, 0, 2000, 1, 3], [800, 12345, 5000, 3000, 78, 40]
-    q, k, v, table, seq, cu = _prefill_problem(32, 8, 128, 64, q_lens, k_lens, torch.bfloat16,
-                                               False, seed=3)  # fmt: skip
-    k, v = k.nan_to_num(), v.nan_to_num()
-    assert op.paged_sm90.packed_splits(q, k, table, len(q_lens), op.MAX_QUERY_TOKENS) > 1
+GRAPH_Q_LENS, GRAPH_K_LENS = [300, 1, 0, 2000, 1, 3], [800, 12345, 5000, 3000, 78, 40]
+
+
+def graph_problem():
+    """The graph tests' batch: a 12k-key decode row, a sequence without queries, one of 3
+    tokens last (NaN-free caches)."""
+    q, k, v, table, seq, cu = _prefill_problem(32, 8, 128, 64, GRAPH_Q_LENS, GRAPH_K_LENS,
+                                               torch.bfloat16, False, seed=3)  # fmt: skip
+    return q, k.nan_to_num(), v.nan_to_num(), table, seq, cu
+
+
+def check_graph_replay_and_compile(q, k, v, table, seq, cu):
+    """A chunked-prefill call (in the prefill form in force) captured in a CUDA graph on one
+    batch replays on new queries, lengths and query splits of the same shapes as the eager
+    call gives them (NaN-poisoned outputs), near the reference; torch.compile (the registered
+    op) matches eager."""
 
     def call(out, lse):
         return op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu, max_seqlen_q=2000,
@@ -337,7 +341,7 @@ def test_prefill_decode_slots_replay_in_a_graph_and_compile():
 
     out, lse = torch.empty_like(q), torch.empty(q.shape[1], q.shape[0], device="cuda")
     call(out, lse)  # plans and compiles outside the capture
-    want, want_lse = paged_attention_ref(q, k, v, table, seq, cu_seqlens_q=cu)
+    want, _ = paged_attention_ref(q, k, v, table, seq, cu_seqlens_q=cu)
     assert float((out.float() - want).abs().max()) < 2e-2
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -362,6 +366,16 @@ def test_prefill_decode_slots_replay_in_a_graph_and_compile():
     )  # fmt: skip
     got = compiled(q, k, v, table, seq, cu)
     assert float((got.float() - eager.float()).abs().max()) < 1e-2
+
+
+@pytest.mark.usefixtures("split_form")
+def test_prefill_decode_slots_replay_in_a_graph_and_compile():
+    """The decode rows (split form) on the split plan over the compact slots (`ops.attention_paged.
+    _decode_part`: device index ops, no host read): `check_graph_replay_and_compile` on a batch
+    whose 12k-key decode row takes several splits."""
+    q, k, v, table, seq, cu = graph_problem()
+    assert op.paged_sm90.packed_splits(q, k, table, len(GRAPH_Q_LENS), op.MAX_QUERY_TOKENS) > 1
+    check_graph_replay_and_compile(q, k, v, table, seq, cu)
 
 
 def test_paged_prefill_agrees_with_the_gather_path():

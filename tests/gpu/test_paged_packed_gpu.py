@@ -15,7 +15,12 @@ import importlib
 
 import pytest
 import torch
-from test_paged_gpu import _prefill_problem, record_kernel_lookups  # tests/gpu is on the path
+from test_paged_gpu import (  # tests/gpu is on the path
+    _prefill_problem,
+    check_graph_replay_and_compile,
+    graph_problem,
+    record_kernel_lookups,
+)
 
 from forgekernel.kernels.attention.fwd.sm90 import SPEC
 from forgekernel.kernels.attention.fwd.sm90 import launch as fwd_launch
@@ -135,39 +140,6 @@ def test_packed_and_split_forms_agree():
 
 
 def test_packed_prefill_replays_in_a_graph_and_compiles():
-    """The packed call (views, no copy) has no host read: a CUDA graph captured on one batch
-    replays on new queries, lengths and query splits of the same shapes as the eager call
-    gives them; the registered op under torch.compile matches eager."""
-    q_lens, k_lens = [300, 1, 0, 2000, 1, 3], [800, 12345, 5000, 3000, 78, 40]
-    q, k, v, table, seq, cu = _prefill_problem(32, 8, 128, 64, q_lens, k_lens, torch.bfloat16,
-                                               False, seed=3)  # fmt: skip
-    k, v = k.nan_to_num(), v.nan_to_num()
-
-    def call(out, lse):  # the default form: packed on views (G 4)
-        return op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu, max_seqlen_q=2000,
-                                  out=out, lse=lse, return_lse=True)  # fmt: skip
-
-    out, lse = torch.empty_like(q), torch.empty(q.shape[1], q.shape[0], device="cuda")
-    call(out, lse)  # plans and compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call(out, lse)
-    q.copy_(torch.randn_like(q))
-    cu.copy_(torch.tensor([0, 300, 301, 301, 2300, 2302, 2305], dtype=torch.int32))
-    seq.copy_(torch.tensor([800, 9000, 5000, 3000, 78, 40], dtype=torch.int32))
-    out.fill_(float("nan"))
-    lse.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    eager, eager_lse = torch.empty_like(out), torch.empty_like(lse)
-    call(eager, eager_lse)
-    assert torch.equal(out, eager) and torch.equal(lse, eager_lse)
-    want, _ = paged_attention_ref(q, k, v, table, seq, cu_seqlens_q=cu)
-    assert float((out.float() - want).abs().max()) < 2e-2
-    compiled = torch.compile(
-        lambda q, k, v, t, s, c: op.attention_paged(q, k, v, t, s, cu_seqlens_q=c,
-                                                    max_seqlen_q=2000),
-        fullgraph=True,
-    )  # fmt: skip
-    got = compiled(q, k, v, table, seq, cu)
-    assert float((got.float() - eager.float()).abs().max()) < 1e-2
+    """The packed call (the default form: views, no copy, G 4) has no host read:
+    `check_graph_replay_and_compile` on the split test's batch."""
+    check_graph_replay_and_compile(*graph_problem())
