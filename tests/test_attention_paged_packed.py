@@ -19,6 +19,7 @@ import math
 import pytest
 import torch
 from test_attention_paged_prefill import (  # tests/ is on the path
+    check_in_place_batch,
     cpu_paged_kernel,  # noqa: F401  (a fixture)
     cta_key_blocks,
     key_blocks,
@@ -105,20 +106,8 @@ def test_default_batch_matches_the_reference(cpu_paged_kernel, case, causal, dty
     compile; never the copies); every row of the NaN-poisoned out and lse written, the batch
     matching the fp64 reference."""
     hq, hkv, d, ps, q_lens, k_lens = MIXED[case]
-    q, k, v, table, lens, cu = prefill_problem(hq, hkv, d, ps, q_lens, k_lens, seed=case,
-                                               dtype=dtype)  # fmt: skip
-    out = torch.full_like(q, math.nan)
-    lse = torch.full((hq, q.shape[0]), math.nan)
-    got, got_lse = op_module.attention_paged(q, k, v, table, lens, cu_seqlens_q=cu,
-                                             max_seqlen_q=max(q_lens), causal=causal,
-                                             return_lse=True, out=out, lse=lse)  # fmt: skip
-    assert got is out and got_lse is lse
-    want, want_lse = paged_attention_ref(q, k, v, table, lens, cu_seqlens_q=cu, causal=causal)
-    assert torch.isfinite(out).all()
-    assert float((out.float() - want).abs().max()) < 2e-2
-    finite = torch.isfinite(want_lse)
-    assert torch.equal(finite, torch.isfinite(lse)) and not lse.isnan().any()
-    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-4
+    problem = prefill_problem(hq, hkv, d, ps, q_lens, k_lens, seed=case, dtype=dtype)
+    out, finite = check_in_place_batch(problem, max(q_lens), causal)
     assert not out[~finite.T].any()
     [params] = cpu_paged_kernel
     g = fwd_launch.view_group(hq // hkv, d)

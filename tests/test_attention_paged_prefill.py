@@ -412,11 +412,24 @@ def test_mixed_batch_splits_between_the_kernels(cpu_paged_kernel, case, causal):
     slots, `decode_slots`), the rest by the forward (its tiles skip the short ones), both in
     place; the batch matches the reference."""
     hq, hkv, d, ps, q_lens, k_lens = MIXED_CASES[case]
-    q, k, v, table, lens, cu = prefill_problem(hq, hkv, d, ps, q_lens, k_lens)
+    q, k, v, table, lens, cu = problem = prefill_problem(hq, hkv, d, ps, q_lens, k_lens)
+    check_in_place_batch(problem, max(q_lens), causal)
+    assert cpu_paged_kernel.ran == [b for b, n in enumerate(q_lens) if n > 4]
+    [(params, _, direct)] = cpu_paged_kernel.decode
+    assert params["qtokens"] == op_module.MAX_QUERY_TOKENS
+    splits = paged_launch.packed_splits(q, k, table, len(q_lens), op_module.MAX_QUERY_TOKENS)
+    assert (splits > 1) == (case in SLOT_CASES) and direct == (splits == 1)
+
+
+def check_in_place_batch(problem, max_q: int, causal: bool):
+    """The op on a chunked-prefill batch into NaN-poisoned out and lse given to it (returned
+    as they are): every row written, near the fp64 reference, the LSE's infinite rows (no
+    keys) exactly the reference's, none NaN. Returns (out, the reference LSE's finite mask)."""
+    q, k, v, table, lens, cu = problem
     out = torch.full_like(q, math.nan)
-    lse = torch.full((hq, q.shape[0]), math.nan)
+    lse = torch.full((q.shape[1], q.shape[0]), math.nan)
     got, got_lse = op_module.attention_paged(q, k, v, table, lens, cu_seqlens_q=cu,
-                                             max_seqlen_q=max(q_lens), causal=causal,
+                                             max_seqlen_q=max_q, causal=causal,
                                              return_lse=True, out=out, lse=lse)  # fmt: skip
     assert got is out and got_lse is lse
     want, want_lse = paged_attention_ref(q, k, v, table, lens, cu_seqlens_q=cu, causal=causal)
@@ -425,11 +438,7 @@ def test_mixed_batch_splits_between_the_kernels(cpu_paged_kernel, case, causal):
     finite = torch.isfinite(want_lse)
     assert torch.equal(finite, torch.isfinite(lse)) and not lse.isnan().any()
     assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-4
-    assert cpu_paged_kernel.ran == [b for b, n in enumerate(q_lens) if n > 4]
-    [(params, _, direct)] = cpu_paged_kernel.decode
-    assert params["qtokens"] == op_module.MAX_QUERY_TOKENS
-    splits = paged_launch.packed_splits(q, k, table, len(q_lens), op_module.MAX_QUERY_TOKENS)
-    assert (splits > 1) == (case in SLOT_CASES) and direct == (splits == 1)
+    return out, finite
 
 
 @pytest.mark.usefixtures("split_form")
