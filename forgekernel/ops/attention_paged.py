@@ -47,6 +47,7 @@ from forgekernel.ops._validate import (
 )
 from forgekernel.ops.attention_varlen import attention_varlen as _attention_varlen
 from forgekernel.runtime.device import on_device
+from forgekernel.runtime.plans import overriding
 from forgekernel.runtime.scratch import scratch
 
 INDEX = (torch.int32,)
@@ -503,11 +504,8 @@ def prefill_form(form: str) -> Iterator[None]:
     tokens, then the forward's paged mode on the others; the bench's `split` variant)."""
     if form not in PREFILL_FORMS:
         raise ValueError(f"prefill form must be one of {PREFILL_FORMS}, got {form!r}")
-    before, _prefill_form[0] = _prefill_form[0], form
-    try:
+    with overriding(_prefill_form, form):
         yield
-    finally:
-        _prefill_form[0] = before
 
 
 def _run_prefill(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, scale, causal, o,

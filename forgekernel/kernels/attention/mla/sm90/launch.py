@@ -74,7 +74,7 @@ from forgekernel.kernels.common.sm90.constants import LOG2E
 from forgekernel.runtime import pdl
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms, on_device
-from forgekernel.runtime.plans import PlanCache
+from forgekernel.runtime.plans import PlanCache, overriding
 from forgekernel.runtime.scratch import scratch, scratches
 
 _plans = PlanCache()
@@ -139,11 +139,8 @@ def plan_form(
         raise ValueError(f"heads must be one of {config.HEADS}, got {heads}")
     if per_tiles is not None and per_tiles < 1:
         raise ValueError(f"per_tiles must be >= 1, got {per_tiles}")
-    before, _plan_form[0] = _plan_form[0], (per_tiles, heads, worklist, direct)
-    try:
+    with overriding(_plan_form, (per_tiles, heads, worklist, direct)):
         yield
-    finally:
-        _plan_form[0] = before
 
 
 def _heads(hq: int, qtokens: int, form) -> int:

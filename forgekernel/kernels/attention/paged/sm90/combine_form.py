@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from forgekernel.runtime import pdl
+from forgekernel.runtime.plans import overriding
 
 WARPS_FORM_UNITS = 1024  # rows x heads: 8 warps an SM's worth over 132 SMs
 WARP_COLS = 128  # columns a warp covers with one 16-byte vector a lane
@@ -34,11 +35,8 @@ def combine_form(form: str | None) -> Iterator[None]:
     applies (the warp form: head dims that are multiples of 128): the bench's variants."""
     if form not in (None, "cta", "warps"):
         raise ValueError(f"form must be 'cta', 'warps' or None, got {form!r}")
-    before, _forced[0] = _forced[0], form
-    try:
+    with overriding(_forced, form):
         yield
-    finally:
-        _forced[0] = before
 
 
 def forced() -> str | None:

@@ -36,7 +36,7 @@ from forgekernel.kernels.common.sm90.constants import LOG2E
 from forgekernel.runtime import pdl
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms, on_device
-from forgekernel.runtime.plans import PlanCache
+from forgekernel.runtime.plans import PlanCache, overriding
 from forgekernel.runtime.scratch import scratch
 
 _plans = PlanCache()
@@ -50,11 +50,8 @@ def serial_ramp() -> Iterator[None]:
     the held partial rows (compile key ramp "serial", `sm90.serial_ramp_key`): the bench's
     variant `serial_ramp`, its kernels `sm90.serial_ramp_params` (PAGED_NOTES.md "Small-batch
     decode")."""
-    before, _serial[0] = _serial[0], True
-    try:
+    with overriding(_serial, True):
         yield
-    finally:
-        _serial[0] = before
 
 
 def _combine(name: str, d: int, on: bool, units: int, ranges: bool = False,
