@@ -1,0 +1,275 @@
+"""Sidecar comparators: a comparator timed in a Python process of its own, with a site
+directory of its own, on the case's own inputs (issue 20). FlashQLA's TileLang pins
+apache-tvm-ffi < 0.1.13 where the CuTe DSL runs on 0.1.15; fla 0.6.0's gated backward needs
+triton >= 3.7.1 on Hopper where torch 2.11 pins 3.6. Neither can share our process.
+
+Parent (`harness._time_case`, after ours is timed): `run` saves the tensors the comparator reads
+(`Sidecar.keys`) of the case's first input set with torch.save into a job folder (/dev/shm
+where it has room), writes job.json (the runner, the timing methods and counts of
+`BenchTiming`, the number of input sets the case's graph timing rotated through, the device)
+and runs `python -m forgekernel.bench.sidecar JOB` with PYTHONPATH = the site first, this tree,
+then the parent's entries less `Sidecar.drop` and what lies under them.
+
+Child (`child`): imports torch, the timer (`bench.methods`, `runtime.timing`) and the runner's
+module, never the CuTe DSL (tests/test_bench_sidecar.py runs it with cutlass and tvm_ffi
+unimportable). It loads the inputs onto the device (the saved bytes: bit-identical), calls the
+runner's factory (None: its packages are missing, reported so), makes the first call (compiles,
+autotuning), saves its outputs, clones the loaded tensors into as many input sets as the
+parent's graph timing rotated (same bytes, own memory: what a comparator caches per set is
+cached per clone), times each method with `methods.time_method` as the harness does, and
+writes result.json: per method the samples, how they were measured, launches and note.
+
+The parent records each method's samples in the comparator's slot of the case record as it
+records an in-process comparator's (figures, ratio to ours), the note saying it was timed in
+its own process after ours, not interleaved, plus `vs_ours`: per output, max |theirs - ours| /
+max |ours| of the first call (a layout mistake shows as ~1). A sidecar whose variable is unset,
+whose site is missing, whose runner finds no packages, or whose child fails or runs past
+FK_SIDECAR_TIMEOUT (default 600 s) is reported missing with the reason (the child's stderr
+tail), never raised.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from forgekernel.bench.methods import time_method
+from forgekernel.runtime.timing import Samples
+
+MAIN_SITE = "/root/wheels-site"  # the GPU host's main wheel set (../shared/gpu-host/wheels.sh)
+REPO_ROOT = Path(__file__).resolve().parents[2]
+JOB, INPUTS, OUTPUTS, RESULT = "job.json", "inputs.pt", "outputs.pt", "result.json"
+TIMEOUT_ENV, TIMEOUT_S = "FK_SIDECAR_TIMEOUT", 600.0
+SCRATCH_ENV = "FK_SIDECAR_TMP"  # the job folder's parent (default: /dev/shm where it has room)
+STDERR_TAIL = 800  # characters of a failed child's stderr kept in the record
+CANDIDATE = "sidecar"
+
+
+class SidecarMissing(Exception):
+    """The sidecar could not be timed; the message is the record's missing reason."""
+
+
+@dataclass(frozen=True)
+class Sidecar:
+    """A comparator timed by `python -m forgekernel.bench.sidecar` in a process of its own.
+
+    label: what it is, for messages ("FlashQLA 0.1.3"). runner: "module:factory", the factory
+    returning fn(inputs) -> output(s), or None where its packages do not import. site_env: the
+    variable naming its site directory. keys: the input names the runner reads. drop:
+    PYTHONPATH entries the child leaves out, with what lies under them (MAIN_SITE where its
+    packages would shadow the site's). timer: the module whose time_interleaved and
+    time_eager_flushed the child times with (a CPU test's fake; never changed otherwise).
+    """
+
+    label: str
+    runner: str
+    site_env: str
+    keys: tuple[str, ...]
+    drop: tuple[str, ...] = ()
+    timer: str = "forgekernel.runtime.timing"
+
+    def unavailable(self, environ: Mapping[str, str] = os.environ) -> str | None:
+        """Why this sidecar cannot run here (None: it can be tried)."""
+        site = environ.get(self.site_env)
+        if not site:
+            return (f"{self.label} runs in a sidecar process: {self.site_env} is not set "
+                    "(its wheels: scripts/side_wheels.sh; docs/linear_attention/NOTES.md, "
+                    "'Sidecar comparators')")  # fmt: skip
+        if not Path(site).is_dir():
+            return f"{self.label}: {self.site_env}={site} is not a directory"
+        return None
+
+    def __call__(self, inputs: Any) -> Any:
+        raise NotImplementedError(
+            f"{self.label} is timed by the bench in a sidecar process, not called in this one"
+        )
+
+
+def child_env(side: Sidecar, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The child's environment: PYTHONPATH = the site, this tree, then the parent's entries
+    except `side.drop` and what lies under them."""
+    drop = [os.path.normpath(d) for d in side.drop]
+
+    def kept(entry: str) -> bool:
+        entry = os.path.normpath(entry)
+        return not any(entry == d or entry.startswith(d + os.sep) for d in drop)
+
+    head = [os.path.normpath(environ[side.site_env]), str(REPO_ROOT)]
+    rest = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p and kept(p)]
+    paths = head + [p for p in dict.fromkeys(map(os.path.normpath, rest)) if p not in head]
+    return {**environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+def _scratch(nbytes: int) -> str | None:
+    """Where the job folder goes: FK_SIDECAR_TMP, else /dev/shm with room for the inputs and
+    the outputs twice over, else the default temporary folder."""
+    if os.environ.get(SCRATCH_ENV):
+        return os.environ[SCRATCH_ENV]
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 4 * nbytes:
+        return str(shm)
+    return None
+
+
+def _tail(text: str) -> str:
+    text = text.strip()
+    return text if len(text) <= STDERR_TAIL else "..." + text[-STDERR_TAIL:]
+
+
+def _job(side: Sidecar, sets: int, timing: Any, device: torch.device) -> dict[str, Any]:
+    return {
+        "runner": side.runner,
+        "timer": side.timer,
+        "device": str(device),
+        "sets": sets,
+        "methods": list(timing.methods),
+        "warmup": timing.warmup,
+        "reps": timing.reps,
+        "eager_reps": timing.eager_reps,
+    }
+
+
+def _samples(side: Sidecar, entry: dict[str, Any]) -> Samples:
+    note = f"timed in a sidecar process ({side.site_env}) after ours, not interleaved"
+    if entry.get("note"):
+        note += f"; {entry['note']}"
+    return Samples(entry["samples"], method=entry["method"], launches=entry["launches"],
+                   note=note)  # fmt: skip
+
+
+def run(
+    side: Sidecar,
+    inputs: Mapping[str, Any],
+    *,
+    sets: int,
+    timing: Any,
+    device: torch.device,
+    environ: Mapping[str, str] = os.environ,
+) -> tuple[dict[str, Samples], tuple]:
+    """Time `side` in its child on `inputs` with each of `timing.methods` (a BenchTiming);
+    -> ({method: Samples}, the child's first-call outputs on `device`). SidecarMissing with
+    the reason when it cannot be timed."""
+    reason = side.unavailable(environ)
+    if reason:
+        raise SidecarMissing(reason)
+    saved = {k: inputs[k] for k in side.keys}
+    nbytes = sum(t.numel() * t.element_size() for t in saved.values() if torch.is_tensor(t))
+    job = Path(tempfile.mkdtemp(prefix="fk-sidecar-", dir=_scratch(nbytes)))
+    try:
+        torch.save(saved, job / INPUTS)
+        (job / JOB).write_text(json.dumps(_job(side, sets, timing, device)))
+        timeout = float(environ.get(TIMEOUT_ENV) or TIMEOUT_S)
+        cmd = [sys.executable, "-m", "forgekernel.bench.sidecar", str(job)]
+        try:
+            proc = subprocess.run(cmd, env=child_env(side, environ), capture_output=True,
+                                  text=True, timeout=timeout)  # fmt: skip
+        except subprocess.TimeoutExpired as e:
+            err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
+            raise SidecarMissing(
+                f"{side.label}: the sidecar ran past {timeout:.0f} s ({TIMEOUT_ENV}): "
+                f"{_tail(err or '')}"
+            ) from None
+        if proc.returncode != 0 or not (job / RESULT).is_file():
+            raise SidecarMissing(
+                f"{side.label}: the sidecar exited with {proc.returncode}: {_tail(proc.stderr)}"
+            )
+        result = json.loads((job / RESULT).read_text())
+        if "missing" in result:
+            raise SidecarMissing(f"{side.label}: {result['missing']}")
+        outs = torch.load(job / OUTPUTS, map_location=device, weights_only=True)
+        return {m: _samples(side, e) for m, e in result["methods"].items()}, tuple(outs)
+    finally:
+        shutil.rmtree(job, ignore_errors=True)
+
+
+def agreement(ours: Sequence[Any], theirs: Sequence[Any]) -> list[float | None]:
+    """Per output, max |theirs - ours| / max |ours| (None where one is missing or the shapes
+    differ): not a verdict, a check that the comparator computed the same thing."""
+    out: list[float | None] = []
+    for a, b in zip(ours, theirs):
+        if not (torch.is_tensor(a) and torch.is_tensor(b)) or a.shape != b.shape:
+            out.append(None)
+            continue
+        if a.numel() == 0:
+            out.append(0.0)
+            continue
+        a64, b64 = a.double(), b.to(a.device).double()
+        scale = float(a64.abs().max())
+        out.append(float((b64 - a64).abs().max()) / max(scale, 1e-30))
+    return out
+
+
+# ---- the child ---------------------------------------------------------------------------
+
+
+def _attr(spec: str) -> Any:
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data))
+
+
+def _clone(inputs: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    """The loaded inputs in memory of their own (not what a comparator cached in the set)."""
+    return {k: inputs[k].clone() if torch.is_tensor(inputs[k]) else inputs[k] for k in keys}
+
+
+def _timed(job: dict[str, Any], comp: Callable[[Any], Any], inputs: dict[str, Any]) -> dict:
+    """Per method: the samples of comp, the loaded inputs the first set, clones of them the
+    others, timed by `methods.time_method` as the harness times a case."""
+    timer = importlib.import_module(job["timer"])
+    timers = (timer.time_interleaved, timer.time_eager_flushed)
+    fns = {CANDIDATE: lambda inp, _out: comp(inp)}
+    result = {}
+    for method in job["methods"]:
+        n = job["sets"] if method == "graph" else 1
+        sets = [(inputs, None)] + [(_clone(inputs, job["keys"]), None) for _ in range(n - 1)]
+        s = time_method(method, fns, sets, warmup=job["warmup"], reps=job["reps"],
+                        eager_reps=job["eager_reps"], timers=timers)[CANDIDATE]  # fmt: skip
+        result[method] = {"samples": list(s), "method": s.method, "launches": s.launches,
+                          "note": s.note}  # fmt: skip
+        del sets
+    return result
+
+
+def child(job_dir: Path) -> None:
+    """The sidecar process: time the job's runner on its saved inputs (module docstring)."""
+    job = json.loads((job_dir / JOB).read_text())
+    device = torch.device(job["device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    inputs = torch.load(job_dir / INPUTS, map_location=device, weights_only=True)
+    job["keys"] = list(inputs)  # what a clone copies: not what the comparator caches in a set
+    comp = _attr(job["runner"])()
+    if comp is None:
+        path = os.environ.get("PYTHONPATH", "")
+        _write(job_dir / RESULT, {"missing": f"{job['runner']} found no packages in the "
+                                             f"sidecar (PYTHONPATH={path})"})  # fmt: skip
+        return
+    outs = comp(inputs)
+    _sync(device)
+    outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+    torch.save(tuple(t.detach() if torch.is_tensor(t) else t for t in outs), job_dir / OUTPUTS)
+    _write(job_dir / RESULT, {"methods": _timed(job, comp, inputs)})
+
+
+if __name__ == "__main__":
+    child(Path(sys.argv[1]))
