@@ -12,7 +12,9 @@ host probe's case first, then every bench case in its bench dtype) on the bench'
 (`make_inputs`, seed --seed), so each key is tuned on the shape the bench would tune it on.
 Started in the background at the beginning of a device call (scripts/device_jit_run.sh: WARM)
 it overlaps the checks; the bench waits for it. One line per case: the seconds its first calls
-took, the comparators that raised."""
+took, the comparators that raised. A sidecar comparator (bench/sidecar.py: FlashQLA, whose TileLang
+compiles each kernel on its first call into ~/.tilelang; fla on triton 3.7.1) makes its first
+call in its own child, untimed."""
 
 from __future__ import annotations
 
@@ -20,8 +22,10 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's forgekernel
+FIRST_CALL = SimpleNamespace(methods=(), warmup=0, reps=0, eager_reps=0)  # a sidecar's timing
 
 
 def plan(suite) -> list:
@@ -39,6 +43,7 @@ def warm(suite, seed: int, device) -> None:
     """Every comparator once on every case of `plan`; a comparator that raises is named."""
     import torch
 
+    from forgekernel.bench import sidecar
     from forgekernel.bench.check import free, sync
     from forgekernel.bench.harness import resolve_comparators
     from forgekernel.bench.sidecar import Sidecar
@@ -50,13 +55,15 @@ def warm(suite, seed: int, device) -> None:
         inputs = suite.make_inputs(case, dtype, device, gen)
         raised = []
         for name, comp in comps.items():
-            if isinstance(comp, Sidecar):  # warmed by its own process, case by case
-                continue
             try:
+                if isinstance(comp, Sidecar):  # its first call in its child, no timing method
+                    sidecar.run(comp, inputs, sets=1, timing=FIRST_CALL, device=device)
+                    continue
                 comp(inputs)
                 sync(device)
             except Exception as e:  # the bench reports it; here it only costs nothing more
-                raised.append(f"{name} ({type(e).__name__})")
+                why = f": {str(e)[:300]}" if isinstance(comp, Sidecar) else ""  # the child's
+                raised.append(f"{name} ({type(e).__name__}{why})")
         del inputs
         free(device)
         took = time.perf_counter() - t0

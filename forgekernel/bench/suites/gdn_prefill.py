@@ -26,8 +26,10 @@ Comparators, each on the same inputs:
               `flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=,
               output_final_state=True, cu_seqlens=int64)`, fla's signature (g the log decay,
               scale K^-1/2, state (N, HV, K, V) fp32 as ours: its state_v_first=False), on the
-              case's first input set saved and loaded bit-identically. Unset variable: reported
-              missing with the reason (scripts/side_wheels.sh installs the site).
+              case's first input set saved and loaded bit-identically, the sets sharing one
+              cu_seqlens tensor as fla's (its chunk tables are memoized as fla's). Unset
+              variable: reported missing with the reason (scripts/side_wheels.sh installs the
+              site).
 """
 
 from __future__ import annotations
@@ -276,10 +278,13 @@ def flashqla_forward():
         return None
 
     def run(inputs: Inputs):
+        # FlashQLA memoizes its CP context and chunk tables by the identity of cu_seqlens, 4
+        # entries (flash_qla.utils.tensor_cache, fla's): one shared tensor, as fla's (fla_varlen)
         i = inputs
-        o, _ = chunk_gated_delta_rule(i["q"], i["k"], i["v"], i["g"], i["beta"],
-                                      initial_state=i["state"], output_final_state=True,
-                                      cu_seqlens=i["cu_seqlens_long"])  # fmt: skip
+        cu = fla_varlen.shared_offsets(i)
+        o, _ = fla_varlen.call(chunk_gated_delta_rule, cu, i["q"], i["k"], i["v"], i["g"],
+                               i["beta"], initial_state=i["state"], output_final_state=True,
+                               cu_seqlens=cu)  # fmt: skip
         return o
 
     return run
