@@ -102,6 +102,12 @@ def site(tmp_path, monkeypatch) -> Path:
     return side
 
 
+@pytest.fixture(autouse=True)
+def _no_child_left():
+    yield
+    sidecar.close_all()
+
+
 def _side(runner: str, keys=("a", "b"), **kw) -> Sidecar:
     return Sidecar("Fake", f"fk_side_cmp:{runner}", kw.pop("site_env", ENV), keys,
                    timer="fk_fake_timer", **kw)  # fmt: skip
@@ -129,6 +135,12 @@ def test_inputs_reach_the_child_bit_identical_and_samples_come_back(site, tmp_pa
     assert list(eager) == [EAGER_BASE + 1] * BenchTiming().eager_reps
     assert eager.note.startswith("timed in a sidecar process (FK_SIDE_SITE_TEST) after ours")
     assert not list(tmp_path.glob("fk-sidecar-*"))
+    (child,) = sidecar._children.values()  # kept for the suite's next case
+    again, _ = sidecar.run(_side("echo", ("x", "y", "z")), inputs, sets=2,
+                           timing=BenchTiming(reps=4), device=torch.device("cpu"))  # fmt: skip
+    assert list(again["graph"]) == [2.0] * 4 and list(sidecar._children.values()) == [child]
+    sidecar.close_all()
+    assert child.proc.returncode == 0 and not sidecar._children
 
 
 def test_child_env_puts_the_site_first_and_drops_the_main_set():
@@ -172,6 +184,28 @@ def test_an_unset_site_is_missing_with_the_reason(monkeypatch):
     assert "not a directory" in _side("matmul").unavailable({ENV: "/no/such/site"})
     with pytest.raises(NotImplementedError, match="timed by the bench in a sidecar process"):
         _side("matmul")({})
+
+
+def test_a_child_past_its_time_is_ended_and_reported(site, monkeypatch):
+    class Stuck:  # a child that never answers
+        def __init__(self, side, environ):
+            self.proc = subprocess.Popen(["sleep", "60"])
+
+        def ask(self, job, timeout):
+            raise TimeoutError
+
+        def stderr_tail(self):
+            return "still compiling"
+
+        def close(self):
+            self.proc.wait()
+
+    monkeypatch.setattr(sidecar, "_Child", Stuck)
+    monkeypatch.setenv(sidecar.TIMEOUT_ENV, "42")
+    with pytest.raises(SidecarMissing, match=r"ran past 42 s \(FK_SIDECAR_TIMEOUT\): still comp"):
+        sidecar.run(_side("matmul"), {"a": torch.ones(1), "b": torch.ones(1)}, sets=1,
+                    timing=BenchTiming(), device=torch.device("cpu"))  # fmt: skip
+    assert not sidecar._children
 
 
 def _fake_parent_timer(monkeypatch) -> list:
@@ -243,7 +277,6 @@ from forgekernel.bench.suites import gdn_bwd, gdn_prefill, kda_bwd
 runners = [gdn_prefill.flashqla_forward, gdn_bwd.flashqla_backward, gdn_bwd.fla_backward,
            kda_bwd.fla_backward]
 print("runners", [r() is None for r in runners])
-sys.argv = ["sidecar", sys.argv[1]]
 runpy.run_module("forgekernel.bench.sidecar", run_name="__main__", alter_sys=True)
 loaded = [m for m in sys.modules if m.split(".")[0] in ("cutlass", "tvm_ffi")]
 print("tried", tried, "loaded", loaded)
@@ -259,9 +292,10 @@ def test_the_child_runs_with_the_dsl_unimportable(site, tmp_path):
     spec = sidecar._job(_side("echo"), 2, BenchTiming(reps=2), torch.device("cpu"))
     (job / sidecar.JOB).write_text(json.dumps(spec))
     env = sidecar.child_env(_side("echo"))
-    done = subprocess.run([sys.executable, "-c", BLOCKED, str(job)], env=env, text=True,
+    done = subprocess.run([sys.executable, "-c", BLOCKED], env=env, text=True, input=f"{job}\n",
                           capture_output=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
+    assert f"{sidecar.DONE} {job}" in done.stdout
     assert "runners [True, True, True, True]" in done.stdout  # no flash_qla, no fla here
     assert "tried [] loaded []" in done.stdout
     result = json.loads((job / sidecar.RESULT).read_text())

@@ -564,6 +564,7 @@ def run_bench(
             )
             print(_progress(i, len(jobs), suite, rec), flush=True)
             records.append(rec)
+        sidecar.close_all()  # a live child would be "another process on the GPU" below
         data = bench_section(records, timing.methods, host, suite_copy)
         data["device_check"] = {"before": before, "after": _device_check(suite, "after")}
         path = ledger.write_section(

@@ -7,36 +7,45 @@ Parent (`harness._time_case`, after ours is timed): `run` saves the tensors the 
 (`Sidecar.keys`) of the case's first input set with torch.save into a job folder (/dev/shm
 where it has room), writes job.json (the runner, the timing methods and counts of
 `BenchTiming`, the number of input sets the case's graph timing rotated through, the device)
-and runs `python -m forgekernel.bench.sidecar JOB` with PYTHONPATH = the site first, this tree,
-then the parent's entries less `Sidecar.drop` and what lies under them.
+and hands the folder to the sidecar's child: `python -m forgekernel.bench.sidecar`, started on
+the suite's first case with PYTHONPATH = the site first, this tree, then the parent's entries
+less `Sidecar.drop` and what lies under them, and kept for the suite's other cases (its imports,
+CUDA context and the comparator's compiled kernels paid once; `close_all` ends it before the
+suite's closing device check). A failed job ends the child; the next case starts a fresh one.
 
-Child (`child`): imports torch, the timer (`bench.methods`, `runtime.timing`) and the runner's
-module, never the CuTe DSL (tests/test_bench_sidecar.py runs it with cutlass and tvm_ffi
-unimportable). It loads the inputs onto the device (the saved bytes: bit-identical), calls the
-runner's factory (None: its packages are missing, reported so), makes the first call (compiles,
-autotuning), saves its outputs, clones the loaded tensors into as many input sets as the
-parent's graph timing rotated (same bytes, own memory: what a comparator caches per set is
-cached per clone), times each method with `methods.time_method` as the harness does, and
-writes result.json: per method the samples, how they were measured, launches and note.
+Child (`serve`, `child`): imports torch, the timer (`bench.methods`, `runtime.timing`) and the
+runner's module, never the CuTe DSL (tests/test_bench_sidecar.py runs it with cutlass and
+tvm_ffi unimportable). Per job it loads the inputs onto the device (the saved bytes:
+bit-identical), makes the runner (its factory, once per child; None: its packages are missing,
+reported so), makes the first call (compiles, autotuning) and saves its outputs, clones the
+loaded tensors into as many input sets as the parent's graph timing rotated (same bytes, own
+memory: what a comparator caches per set is cached per clone), times each method with
+`methods.time_method` as the harness does, and writes result.json: per method the samples, how
+they were measured, launches and note.
 
 The parent records each method's samples in the comparator's slot of the case record as it
 records an in-process comparator's (figures, ratio to ours), the note saying it was timed in
 its own process after ours, not interleaved, plus `vs_ours`: per output, max |theirs - ours| /
 max |ours| of the first call (a layout mistake shows as ~1). A sidecar whose variable is unset,
 whose site is missing, whose runner finds no packages, or whose child fails or runs past
-FK_SIDECAR_TIMEOUT (default 600 s) is reported missing with the reason (the child's stderr
-tail), never raised.
+FK_SIDECAR_TIMEOUT (default 600 s) on a job is reported missing with the reason (the child's
+stderr tail), never raised.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import gc
 import importlib
 import json
 import os
+import select
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +63,7 @@ TIMEOUT_ENV, TIMEOUT_S = "FK_SIDECAR_TIMEOUT", 600.0
 SCRATCH_ENV = "FK_SIDECAR_TMP"  # the job folder's parent (default: /dev/shm where it has room)
 STDERR_TAIL = 800  # characters of a failed child's stderr kept in the record
 CANDIDATE = "sidecar"
+DONE = "FK-SIDECAR-DONE"  # the child's line after each job (stdout also carries its prints)
 
 
 class SidecarMissing(Exception):
@@ -148,6 +158,98 @@ def _samples(side: Sidecar, entry: dict[str, Any]) -> Samples:
                    note=note)  # fmt: skip
 
 
+class _Child:
+    """One sidecar's child process, serving jobs one at a time (`serve`) for as long as the
+    parent's suite runs: the imports, the CUDA context and the comparator's in-memory caches are
+    paid once per suite, not once per case. stderr goes to a temporary file (its tail is a failed
+    job's reason); stdout carries the DONE lines among whatever the comparator prints."""
+
+    def __init__(self, side: Sidecar, environ: Mapping[str, str]):
+        self.err = tempfile.TemporaryFile()
+        cmd = [sys.executable, "-m", "forgekernel.bench.sidecar"]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.err, env=child_env(side, environ))  # fmt: skip
+        self.pending = b""
+
+    def ask(self, job: Path, timeout: float) -> None:
+        """Hand the child `job` and wait for its DONE line; TimeoutError past `timeout` s,
+        EOFError when the child exits first."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"{job}\n".encode())
+        self.proc.stdin.flush()
+        done, deadline = f"{DONE} {job}".encode(), time.monotonic() + timeout
+        out = self.proc.stdout.fileno()
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            if not select.select([out], [], [], left)[0]:
+                continue
+            chunk = os.read(out, 1 << 16)
+            if not chunk:
+                raise EOFError
+            *lines, self.pending = (self.pending + chunk).split(b"\n")
+            if any(line.strip() == done for line in lines):
+                return
+
+    def stderr_tail(self) -> str:
+        self.err.seek(0)
+        return _tail(self.err.read().decode(errors="replace"))
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()  # the child's loop ends
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.err.close()
+
+
+_children: dict[tuple, _Child] = {}
+
+
+def _child_key(side: Sidecar, environ: Mapping[str, str]) -> tuple:
+    return (side.site_env, environ.get(side.site_env), side.drop, side.timer)
+
+
+def close_all() -> None:
+    """End every sidecar child (the harness: after each suite, before its device check, which
+    would count a live child as another process on the GPU)."""
+    while _children:
+        _children.popitem()[1].close()
+
+
+atexit.register(close_all)
+
+
+def _ask(side: Sidecar, job: Path, environ: Mapping[str, str]) -> None:
+    """Run `job` in the sidecar's child (started on first use); SidecarMissing with the reason
+    (the child's stderr tail) if it fails, after which the child is ended: a fault may have left
+    its CUDA context unusable, the next job gets a fresh one."""
+    key = _child_key(side, environ)
+    child = _children.get(key)
+    if child is None or child.proc.poll() is not None:
+        child = _children[key] = _Child(side, environ)
+    timeout = float(environ.get(TIMEOUT_ENV) or TIMEOUT_S)
+    try:
+        child.ask(job, timeout)
+        if (job / RESULT).is_file():
+            return
+        why = f"no result: {child.stderr_tail()}"
+    except TimeoutError:
+        why = f"ran past {timeout:.0f} s ({TIMEOUT_ENV}): {child.stderr_tail()}"
+    except (EOFError, OSError):
+        child.proc.wait()
+        why = f"exited with {child.proc.returncode}: {child.stderr_tail()}"
+    child.proc.kill()
+    child.close()
+    _children.pop(key, None)
+    raise SidecarMissing(f"{side.label}: the sidecar {why}")
+
+
 def run(
     side: Sidecar,
     inputs: Mapping[str, Any],
@@ -169,21 +271,7 @@ def run(
     try:
         torch.save(saved, job / INPUTS)
         (job / JOB).write_text(json.dumps(_job(side, sets, timing, device)))
-        timeout = float(environ.get(TIMEOUT_ENV) or TIMEOUT_S)
-        cmd = [sys.executable, "-m", "forgekernel.bench.sidecar", str(job)]
-        try:
-            proc = subprocess.run(cmd, env=child_env(side, environ), capture_output=True,
-                                  text=True, timeout=timeout)  # fmt: skip
-        except subprocess.TimeoutExpired as e:
-            err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
-            raise SidecarMissing(
-                f"{side.label}: the sidecar ran past {timeout:.0f} s ({TIMEOUT_ENV}): "
-                f"{_tail(err or '')}"
-            ) from None
-        if proc.returncode != 0 or not (job / RESULT).is_file():
-            raise SidecarMissing(
-                f"{side.label}: the sidecar exited with {proc.returncode}: {_tail(proc.stderr)}"
-            )
+        _ask(side, job, environ)
         result = json.loads((job / RESULT).read_text())
         if "missing" in result:
             raise SidecarMissing(f"{side.label}: {result['missing']}")
@@ -213,9 +301,15 @@ def agreement(ours: Sequence[Any], theirs: Sequence[Any]) -> list[float | None]:
 # ---- the child ---------------------------------------------------------------------------
 
 
-def _attr(spec: str) -> Any:
-    module, _, name = spec.partition(":")
-    return getattr(importlib.import_module(module), name)
+_runners: dict[str, Any] = {}  # the child's: runner spec -> what its factory returned
+
+
+def _runner(spec: str) -> Any:
+    """The runner's callable (None: its packages are missing), made once per child."""
+    if spec not in _runners:
+        module, _, name = spec.partition(":")
+        _runners[spec] = getattr(importlib.import_module(module), name)()
+    return _runners[spec]
 
 
 def _sync(device: torch.device) -> None:
@@ -258,7 +352,7 @@ def child(job_dir: Path) -> None:
         torch.cuda.set_device(device)
     inputs = torch.load(job_dir / INPUTS, map_location=device, weights_only=True)
     job["keys"] = list(inputs)  # what a clone copies: not what the comparator caches in a set
-    comp = _attr(job["runner"])()
+    comp = _runner(job["runner"])
     if comp is None:
         path = os.environ.get("PYTHONPATH", "")
         _write(job_dir / RESULT, {"missing": f"{job['runner']} found no packages in the "
@@ -271,5 +365,17 @@ def child(job_dir: Path) -> None:
     _write(job_dir / RESULT, {"methods": _timed(job, comp, inputs)})
 
 
+def serve() -> None:
+    """The child's loop: one job folder a line on stdin, DONE and the folder on stdout when its
+    result is written; an exception ends the process (its traceback on stderr)."""
+    for line in sys.stdin:
+        job = Path(line.strip())
+        child(job)
+        gc.collect()  # this job's inputs and sets, before the parent times its next case
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        print(f"{DONE} {job}", flush=True)
+
+
 if __name__ == "__main__":
-    child(Path(sys.argv[1]))
+    serve()
