@@ -79,6 +79,17 @@ def boom():
         raise RuntimeError("kaboom in the child")
 
     return run
+
+
+def dies():
+    def run(inputs):
+        import os
+        import sys
+
+        print("dying words", file=sys.stderr, flush=True)
+        os._exit(3)
+
+    return run
 """
 
 
@@ -234,11 +245,12 @@ def test_bench_records_a_sidecar_like_an_in_process_comparator(
     site, monkeypatch, sources, fake_suite
 ):
     seen = _fake_parent_timer(monkeypatch)
-    sides = {"qla": _side("matmul"), "bad": _side("boom"),
+    sides = {"qla": _side("matmul"), "bad": _side("boom"), "dead": _side("dies"),
              "unset": _side("matmul", site_env="FK_SIDE_SITE_UNSET_TEST")}  # fmt: skip
     suite = fake_suite(sources, comparators=lambda: sides)
     comps, missing = harness.resolve_comparators(suite)
-    assert set(comps) == {"qla", "bad"} and "FK_SIDE_SITE_UNSET_TEST is not set" in missing["unset"]
+    assert set(comps) == {"qla", "bad", "dead"}
+    assert "FK_SIDE_SITE_UNSET_TEST is not set" in missing["unset"]
     case, dtype = Case("7x24x40", {"m": 7, "n": 24, "k": 40}), torch.bfloat16
     rec = harness.bench_case(suite, case, dtype, comps=comps, missing=missing, seed=0,
                              device=torch.device("cpu"), timing=BenchTiming(reps=3))  # fmt: skip
@@ -250,8 +262,11 @@ def test_bench_records_a_sidecar_like_an_in_process_comparator(
     assert eager["ms"] == EAGER_BASE + 1 and eager["ratio"] == pytest.approx(101 / 2.0)
     assert graph["launches"] == sets and graph["method"] == "cuda-graph"
     assert graph["vs_ours"][0] < 2e-2  # the bf16 matmul against ours (fp32, rounded once)
-    for view in (rec, rec["eager"]):
-        assert "kaboom in the child" in view["comparators"]["bad"]["missing"]
+    for view in (rec, rec["eager"]):  # a raise leaves the child serving; an exit is its end
+        assert view["comparators"]["bad"]["missing"] == (
+            "Fake: raised RuntimeError: kaboom in the child")  # fmt: skip
+        dead = view["comparators"]["dead"]["missing"]
+        assert dead.startswith("Fake: the sidecar exited with 3: ") and "dying words" in dead
         assert "is not set" in view["comparators"]["unset"]["missing"]
     summary = report.summarize([rec])
     assert summary["qla"]["median_ratio"] == pytest.approx(sets)

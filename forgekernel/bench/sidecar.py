@@ -281,6 +281,18 @@ def run(
         shutil.rmtree(job, ignore_errors=True)
 
 
+def _max_abs(x: torch.Tensor, y: torch.Tensor | None = None, piece: int = 1 << 26) -> float:
+    """max |x| (or max |y - x|) in fp32, piece by piece: a backward's outputs run to GBs."""
+    x = x.reshape(-1)
+    y = y.reshape(-1).to(x.device) if y is not None else None
+    most = 0.0
+    for i in range(0, x.numel(), piece):
+        xs = x[i : i + piece].float()
+        d = xs if y is None else y[i : i + piece].float() - xs
+        most = max(most, float(d.abs().max()))
+    return most
+
+
 def agreement(ours: Sequence[Any], theirs: Sequence[Any]) -> list[float | None]:
     """Per output, max |theirs - ours| / max |ours| (None where one is missing or the shapes
     differ): not a verdict, a check that the comparator computed the same thing."""
@@ -288,13 +300,10 @@ def agreement(ours: Sequence[Any], theirs: Sequence[Any]) -> list[float | None]:
     for a, b in zip(ours, theirs):
         if not (torch.is_tensor(a) and torch.is_tensor(b)) or a.shape != b.shape:
             out.append(None)
-            continue
-        if a.numel() == 0:
+        elif a.numel() == 0:
             out.append(0.0)
-            continue
-        a64, b64 = a.double(), b.to(a.device).double()
-        scale = float(a64.abs().max())
-        out.append(float((b64 - a64).abs().max()) / max(scale, 1e-30))
+        else:
+            out.append(_max_abs(a, b) / max(_max_abs(a), 1e-30))
     return out
 
 
@@ -358,8 +367,13 @@ def child(job_dir: Path) -> None:
         _write(job_dir / RESULT, {"missing": f"{job['runner']} found no packages in the "
                                              f"sidecar (PYTHONPATH={path})"})  # fmt: skip
         return
-    outs = comp(inputs)
-    _sync(device)
+    try:
+        outs = comp(inputs)
+        _sync(device)
+    except Exception as e:  # reported as an in-process comparator's raise
+        _sync(device)  # after a fault this raises again and ends the child: its context is lost
+        _write(job_dir / RESULT, {"missing": f"raised {type(e).__name__}: {e}"[:500]})
+        return
     outs = outs if isinstance(outs, (tuple, list)) else (outs,)
     torch.save(tuple(t.detach() if torch.is_tensor(t) else t for t in outs), job_dir / OUTPUTS)
     _write(job_dir / RESULT, {"methods": _timed(job, comp, inputs)})
