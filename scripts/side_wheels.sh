@@ -16,7 +16,8 @@
 #        4.15.4.0, torch-c-dlpack-ext 0.1.5 (the host has cloudpickle, ml-dtypes, numpy, psutil,
 #        torch, tqdm, typing-extensions). The child drops /root/wheels-site, whose tvm-ffi
 #        0.1.15 would win. Variable FK_SIDE_SITE_FLASHQLA.
-#   tri  triton 3.7.1 (fla 0.6.0's gated backward refuses triton >= 3.4.0, < 3.7.1 on Hopper),
+#   tri  triton 3.7.1 (fla 0.6.0's gated backward refuses triton >= 3.4.0, < 3.7.1 on Hopper; no
+#        runtime Requires-Dist on Python 3.12; ~198 MB, 4 chunks),
 #        shadowing the host's 3.6 in the child only; fla itself stays in /root/wheels-site.
 #        Variable FK_SIDE_SITE_TRITON.
 set -euo pipefail
