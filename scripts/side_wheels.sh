@@ -31,6 +31,7 @@ case $name in
   *) echo "side_wheels.sh: unknown set $name (qla, tri)" >&2; exit 2 ;;
 esac
 here=$(cd "$(dirname "$0")/.." && pwd)
+root=${SIDE_ROOT:-/root}  # where wheels.sh stashes (/root/wheels) and the sites go
 case $cmd in
   pack)
     cd "$here"
@@ -42,10 +43,10 @@ case $cmd in
     ;;
   install)
     dir=$(cd "${3:?the last chunk, .wheels-$name/cN}" && pwd)
-    site=/root/side-sites/$name
+    site=$root/side-sites/$name
     read -r n sha < "$dir/manifest"
     if [ "$(cat "$site/.sha" 2>/dev/null)" != "$sha" ]; then
-      w=/root/wheels/$sha
+      w=$root/wheels/$sha
       mkdir -p "$w" && cp "$dir"/piece.* "$w/"
       have=$(ls "$w"/piece.* | wc -l)
       [ "$have" = "$n" ] || { echo "have $have of $n pieces: stash every chunk first" >&2; exit 1; }
@@ -58,7 +59,7 @@ case $cmd in
       echo "$sha" > "$site/.sha"
       rm -f "$w/all.tar"
     fi
-    echo "installed $(ls "/root/wheels/$sha/whl" | tr '\n' ' ')into $site"
+    echo "installed $(ls "$root/wheels/$sha/whl" | tr '\n' ' ')into $site"
     echo "export $var=$site"
     ;;
   *) echo "side_wheels.sh: unknown command $cmd (pack, install)" >&2; exit 2 ;;
