@@ -5,9 +5,12 @@ wrong, never timed), then time ours and every comparator with each timing method
 "graph" (`time_interleaved`: CUDA-graph replays rotating through enough input sets that one pass
 exceeds the L2 several times over) and "eager" (`time_eager_flushed`: eager launches, L2 flushed
 before each, each timed alone). A comparator that is unavailable or raises is reported as
-missing with the reason. A suite's variants of ours on a case (the backward's deterministic
-mode) are verified the same way and timed in the same interleaved run; their figure is variant
-time / our time, kept apart from the comparators'.
+missing with the reason. A sidecar comparator (`bench/sidecar.py`: packages that cannot share
+this process) is timed after ours by the same methods in a child process of its own, on the
+case's first input set saved and loaded bit-identically, and recorded in the same slot. A
+suite's variants of ours on a case (the backward's deterministic mode) are verified the same way
+and timed in the same interleaved run; their figure is variant time / our time, kept apart from
+the comparators'.
 
 Per suite, `host_record` measures host microseconds per eager call (`host_us_per_call`) of ours,
 the comparators and the suite's `host_comparators` (torch's own op where the comparators lack
