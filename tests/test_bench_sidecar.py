@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -150,6 +151,10 @@ def test_inputs_reach_the_child_bit_identical_and_samples_come_back(site, tmp_pa
     again, _ = sidecar.run(_side("echo", ("x", "y", "z")), inputs, sets=2,
                            timing=BenchTiming(reps=4), device=torch.device("cpu"))  # fmt: skip
     assert list(again["graph"]) == [2.0] * 4 and list(sidecar._children.values()) == [child]
+    first_call = SimpleNamespace(methods=(), warmup=0, reps=0, eager_reps=0)  # warm_comparators
+    none, (x2, _, _) = sidecar.run(_side("echo", ("x", "y", "z")), inputs, sets=1,
+                                   timing=first_call, device=torch.device("cpu"))  # fmt: skip
+    assert none == {} and torch.equal(_bits(x2), _bits(x))
     sidecar.close_all()
     assert child.proc.returncode == 0 and not sidecar._children
 
