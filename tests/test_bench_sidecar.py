@@ -138,7 +138,7 @@ def test_inputs_reach_the_child_bit_identical_and_samples_come_back(site, tmp_pa
     y = torch.randn(1000) * 1e-40  # fp32 subnormals
     z = torch.arange(-3, 4, dtype=torch.int32)
     inputs = {"x": x, "y": y, "z": z, "not_sent": object()}
-    samples, outs = sidecar.run(_side("echo", ("x", "y", "z")), inputs, sets=3,
+    samples, outs, versions = sidecar.run(_side("echo", ("x", "y", "z")), inputs, sets=3,
                                 timing=BenchTiming(reps=4), device=torch.device("cpu"))  # fmt: skip
     for got, want in zip(outs, (x, y, z), strict=True):
         assert got.dtype == want.dtype and torch.equal(_bits(got), _bits(want))
@@ -147,12 +147,13 @@ def test_inputs_reach_the_child_bit_identical_and_samples_come_back(site, tmp_pa
     assert list(eager) == [EAGER_BASE + 1] * BenchTiming().eager_reps
     assert eager.note.startswith("timed in a sidecar process (FK_SIDE_SITE_TEST) after ours")
     assert not list(tmp_path.glob("fk-sidecar-*"))
+    assert versions["torch"] == torch.__version__
     (child,) = sidecar._children.values()  # kept for the suite's next case
-    again, _ = sidecar.run(_side("echo", ("x", "y", "z")), inputs, sets=2,
+    again, _, _ = sidecar.run(_side("echo", ("x", "y", "z")), inputs, sets=2,
                            timing=BenchTiming(reps=4), device=torch.device("cpu"))  # fmt: skip
     assert list(again["graph"]) == [2.0] * 4 and list(sidecar._children.values()) == [child]
     first_call = SimpleNamespace(methods=(), warmup=0, reps=0, eager_reps=0)  # warm_comparators
-    none, (x2, _, _) = sidecar.run(_side("echo", ("x", "y", "z")), inputs, sets=1,
+    none, (x2, _, _), _ = sidecar.run(_side("echo", ("x", "y", "z")), inputs, sets=1,
                                    timing=first_call, device=torch.device("cpu"))  # fmt: skip
     assert none == {} and torch.equal(_bits(x2), _bits(x))
     sidecar.close_all()
@@ -176,7 +177,7 @@ def test_the_site_shadows_the_parents_path_and_a_dropped_entry_is_gone(site):
     cpu, timing = torch.device("cpu"), BenchTiming(methods=("eager",), eager_reps=2)
     main = os.environ["PYTHONPATH"].split(os.pathsep)[0]
     side = _side("where", (), drop=(main,))
-    _, (where,) = sidecar.run(side, {}, sets=1, timing=timing, device=cpu)
+    _, (where,), _ = sidecar.run(side, {}, sets=1, timing=timing, device=cpu)
     assert where.tolist() == [1.0, 0.0]
 
 
@@ -267,6 +268,7 @@ def test_bench_records_a_sidecar_like_an_in_process_comparator(
     assert eager["ms"] == EAGER_BASE + 1 and eager["ratio"] == pytest.approx(101 / 2.0)
     assert graph["launches"] == sets and graph["method"] == "cuda-graph"
     assert graph["vs_ours"][0] < 2e-2  # the bf16 matmul against ours (fp32, rounded once)
+    assert "torch" in graph["versions"] and "flash-qla" not in graph["versions"]
     for view in (rec, rec["eager"]):  # a raise leaves the child serving; an exit is its end
         assert view["comparators"]["bad"]["missing"] == (
             "Fake: raised RuntimeError: kaboom in the child")  # fmt: skip

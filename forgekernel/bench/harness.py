@@ -208,7 +208,8 @@ def _store(view: dict, samples: dict[str, Samples], variants: Iterable[str], rec
 def _time_sidecars(suite, case, dtype, comps, first: tuple, rec, device, timing) -> bool:
     """Each sidecar comparator timed in its own process on the case's first input set (after
     ours: `sidecar`'s docstring), stored in every method's view as an in-process comparator's,
-    with `vs_ours` (its first call's outputs against ours); missing with the reason if not.
+    with `vs_ours` (its first call's outputs against ours) and the child's package `versions`;
+    missing with the reason if not.
     Whether there was any."""
     sides = {name: c for name, c in comps.items() if isinstance(c, Sidecar)}
     if not sides:
@@ -217,8 +218,8 @@ def _time_sidecars(suite, case, dtype, comps, first: tuple, rec, device, timing)
     inputs, out = first
     for name, side in sides.items():
         try:
-            samples, outs = sidecar.run(side, inputs, sets=_set_count(suite, case, dtype),
-                                        timing=timing, device=device)  # fmt: skip
+            samples, outs, versions = sidecar.run(side, inputs, sets=_set_count(suite, case, dtype),
+                                                  timing=timing, device=device)  # fmt: skip
             vs_ours = sidecar.agreement(as_tuple(out), outs)
             del outs
         except Exception as e:
@@ -227,7 +228,8 @@ def _time_sidecars(suite, case, dtype, comps, first: tuple, rec, device, timing)
                 report.view(rec, method)["comparators"][name] = {"missing": why[:1000]}
             continue
         for method, s in samples.items():
-            _store_comparator(report.view(rec, method), name, s, rec)["vs_ours"] = vs_ours
+            entry = _store_comparator(report.view(rec, method), name, s, rec)
+            entry.update(vs_ours=vs_ours, versions=versions)
     return True
 
 

@@ -26,7 +26,8 @@ they were measured, launches and note.
 The parent records each method's samples in the comparator's slot of the case record as it
 records an in-process comparator's (figures, ratio to ours), the note saying it was timed in
 its own process after ours, not interleaved, plus `vs_ours`: per output, max |theirs - ours| /
-max |ours| of the first call (a layout mistake shows as ~1). A sidecar whose variable is unset,
+max |ours| of the first call (a layout mistake shows as ~1), and `versions`: the VERSIONS the
+child imported (the ledger's environment is the parent's). A sidecar whose variable is unset,
 whose site is missing, whose runner finds no packages, or whose child fails or runs past
 FK_SIDECAR_TIMEOUT (default 600 s) on a job is reported missing with the reason (the child's
 stderr tail), never raised.
@@ -38,6 +39,7 @@ import atexit
 import contextlib
 import gc
 import importlib
+import importlib.metadata
 import json
 import os
 import select
@@ -64,6 +66,8 @@ SCRATCH_ENV = "FK_SIDECAR_TMP"  # the job folder's parent (default: /dev/shm whe
 STDERR_TAIL = 800  # characters of a failed child's stderr kept in the record
 CANDIDATE = "sidecar"
 DONE = "FK-SIDECAR-DONE"  # the child's line after each job (stdout also carries its prints)
+# distributions whose versions, as the child imports them, go into the comparator's record
+VERSIONS = ("torch", "triton", "fla-core", "flash-qla", "tilelang", "apache-tvm-ffi")
 
 
 class SidecarMissing(Exception):
@@ -258,10 +262,10 @@ def run(
     timing: Any,
     device: torch.device,
     environ: Mapping[str, str] = os.environ,
-) -> tuple[dict[str, Samples], tuple]:
+) -> tuple[dict[str, Samples], tuple, dict[str, str]]:
     """Time `side` in its child on `inputs` with each of `timing.methods` (a BenchTiming);
-    -> ({method: Samples}, the child's first-call outputs on `device`). SidecarMissing with
-    the reason when it cannot be timed."""
+    -> ({method: Samples}, the child's first-call outputs on `device`, the VERSIONS the child
+    has). SidecarMissing with the reason when it cannot be timed."""
     reason = side.unavailable(environ)
     if reason:
         raise SidecarMissing(reason)
@@ -276,7 +280,8 @@ def run(
         if "missing" in result:
             raise SidecarMissing(f"{side.label}: {result['missing']}")
         outs = torch.load(job / OUTPUTS, map_location=device, weights_only=True)
-        return {m: _samples(side, e) for m, e in result["methods"].items()}, tuple(outs)
+        samples = {m: _samples(side, e) for m, e in result["methods"].items()}
+        return samples, tuple(outs), result.get("versions", {})
     finally:
         shutil.rmtree(job, ignore_errors=True)
 
@@ -324,6 +329,14 @@ def _runner(spec: str) -> Any:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _versions() -> dict[str, str]:
+    found = {}
+    for name in VERSIONS:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            found[name] = importlib.metadata.version(name)
+    return found
 
 
 def _write(path: Path, data: dict[str, Any]) -> None:
@@ -376,7 +389,7 @@ def child(job_dir: Path) -> None:
         return
     outs = outs if isinstance(outs, (tuple, list)) else (outs,)
     torch.save(tuple(t.detach() if torch.is_tensor(t) else t for t in outs), job_dir / OUTPUTS)
-    _write(job_dir / RESULT, {"methods": _timed(job, comp, inputs)})
+    _write(job_dir / RESULT, {"methods": _timed(job, comp, inputs), "versions": _versions()})
 
 
 def serve() -> None:
