@@ -158,7 +158,23 @@ def _candidates(suite, inputs, variants, comps, rec, device) -> dict[str, Callab
             fns[name] = lambda inp, o, comp=comp: comp(inp)
         except Exception as e:
             rec["comparators"][name] = {"missing": f"raised {type(e).__name__}: {e}"[:300]}
+            continue
+        ran = _what_ran(comp, inputs)
+        if ran:
+            rec.setdefault("comparator_ran", {})[name] = ran
     return fns
+
+
+def _what_ran(comp: Callable, inputs: Inputs) -> str:
+    """The comparator's own account of what its first call on `inputs` ran (`comp.ran`, see
+    OpSuite.comparators), "" where it gives none; a failing account is recorded, not raised."""
+    ran = getattr(comp, "ran", None)
+    if ran is None:
+        return ""
+    try:
+        return str(ran(inputs))[:300]
+    except Exception as e:
+        return f"unknown ({type(e).__name__}: {e})"[:300]
 
 
 def _method_view(rec: dict, method: str) -> dict:
@@ -180,9 +196,12 @@ def _store(view: dict, samples: dict[str, Samples], variants: Iterable[str], rec
     for name in variants:
         fig = figures(samples.pop(_variant_key(name)), rec["flops"], rec["bytes"])
         view["variants"][name] = {"status": "ok", **fig, "time_ratio": fig["ms"] / ours["ms"]}
+    ran = rec.get("comparator_ran", {})
     for name, s in samples.items():
         fig = figures(s, rec["flops"], rec["bytes"])
         view["comparators"][name] = {**fig, "ratio": fig["ms"] / ours["ms"]}
+        if name in ran:
+            view["comparators"][name]["ran"] = ran[name]
 
 
 def _time_method(method, fns, sets, variants, rec, device, timing: BenchTiming) -> str | None:
