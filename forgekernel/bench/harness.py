@@ -173,7 +173,23 @@ def _candidates(suite, inputs, variants, comps, rec, device) -> dict[str, Callab
             fns[name] = lambda inp, o, comp=comp: comp(inp)
         except Exception as e:
             rec["comparators"][name] = {"missing": f"raised {type(e).__name__}: {e}"[:300]}
+            continue
+        ran = _what_ran(comp, inputs)
+        if ran:
+            rec.setdefault("comparator_ran", {})[name] = ran
     return fns
+
+
+def _what_ran(comp: Callable, inputs: Inputs) -> str:
+    """The comparator's own account of what its first call on `inputs` ran (`comp.ran`, see
+    OpSuite.comparators), "" where it gives none; a failing account is recorded, not raised."""
+    ran = getattr(comp, "ran", None)
+    if ran is None:
+        return ""
+    try:
+        return str(ran(inputs))[:300]
+    except Exception as e:
+        return f"unknown ({type(e).__name__}: {e})"[:300]
 
 
 def _method_view(rec: dict, method: str) -> dict:
@@ -193,6 +209,9 @@ def _method_view(rec: dict, method: str) -> dict:
 def _store_comparator(view: dict, name: str, samples: Samples, rec: dict) -> dict:
     fig = figures(samples, rec["flops"], rec["bytes"])
     entry = view["comparators"][name] = {**fig, "ratio": fig["ms"] / view["ours"]["ms"]}
+    ran = rec.get("comparator_ran", {})
+    if name in ran:
+        entry["ran"] = ran[name]
     return entry
 
 

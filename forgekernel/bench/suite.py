@@ -59,7 +59,10 @@ class OpSuite:
         process of its own with its own site directory (packages that cannot share ours).
         `available_comparators()` resolves them lazily.
         A comparator may cache per-input-set state in `inputs` on its first call: the bench
-        calls every candidate on every input set before it times anything.
+        calls every candidate on every input set before it times anything. A comparator that
+        picks among several implementations (cuDNN's engines) may carry `ran(inputs) -> str`:
+        after its first call on `inputs`, what ran; the bench keeps it in the comparator's
+        entry of the case's record ("ran") and the reports list it.
     flops(case) / bytes(case): work counts for TFLOP/s and GB/s.
     kernel_sources: the files whose hash identifies the kernel measured (the ledger key).
     leaf: the kernel folder the README names (relative to the package), where most of

@@ -11,7 +11,16 @@ backward through autograd of a forward recorded once per input set (gdn_bwd.auto
 backward refuses triton < 3.7.1 on Hopper: with FK_SIDE_SITE_TRITON set it runs in the triton
 sidecar (gdn_bwd.triton_sidecar, bench/sidecar.py: a process of its own, the case's first input
 set saved and loaded bit-identically, the same timing methods, the same record slot), else in
-this process. Pending (suites/__init__.py) until a GPU check passes.
+this process. cuDNN-frontend 1.32's backward op
+called directly (`cudnn::kimi_delta_attention_bwd`, the one its forward's registered autograd
+formula calls: dO, q, k, v, g, beta, cu_seqlens, scale, initial_state, d_final_state; no
+forward recorded, its own recompute included, as ours; capturable), THD, the states (N, HV, V,
+K) fp32 ("vk", kda_prefill.CUDNN_STATE_LAYOUT), converted once per input set, its gradients
+handed back as ours (views). Its planner's sm90 default is kda_hopper_cuda, the only sm90 KDA
+backward kernel, for H = HV, bf16 and the default scale; H 16 HV 32 falls to kda_cutile where
+the cuda.tile runtime serves it, else is recorded missing with the engines' reasons; each
+record names the engine that ran (`ran`, bench/suites/cudnn_kda.py). Pending
+(suites/__init__.py) until a GPU check passes.
 
 Outputs: (dq, dk, dv, dg, dbeta[, d_initial_state]). Judged as gdn_bwd's (`judge_gradients`):
 each within 2e-2 of its reference's largest entry; reference = torch.autograd through the fp64
@@ -28,7 +37,7 @@ from typing import Any
 import torch
 
 from forgekernel.bench.suite import Case, Inputs, OpSuite
-from forgekernel.bench.suites import gdn_bwd, kda_prefill
+from forgekernel.bench.suites import cudnn_kda, gdn_bwd, kda_prefill
 from forgekernel.bench.suites.kda_prefill import HEAD, _case, _mix
 
 RECURRENT_UP_TO = gdn_bwd.RECURRENT_UP_TO
@@ -105,10 +114,16 @@ def _fla():
     return fla_backward()
 
 
+def _cudnn():
+    """cuDNN-frontend's own KDA backward (bench/suites/cudnn_kda.py), called directly: the
+    planner's default engine, named in each case's record."""
+    return cudnn_kda.runner("bprop", lambda: kda_prefill.CUDNN_STATE_LAYOUT)
+
+
 def comparators() -> dict[str, Any]:
     if not torch.cuda.is_available():
-        return {"fla": None}
-    return {"fla": _fla()}
+        return {"fla": None, "cudnn": None}
+    return {"fla": _fla(), "cudnn": _cudnn()}
 
 
 def flops(case: Case) -> float:
