@@ -473,3 +473,61 @@ def dsa_sparse_attention(
         if combine is not None:
             combine(*outs, out, lse)
     return combine is None or not sink
+
+
+def _fused_plan(_, dtype, hq, rope, positions, sink, neox, device_index):
+    """(A plan key's builder.) The fused DSA prefill's pass (decode.py's sparse direct pass,
+    `fused` compile) for Hq heads: `config.heads_per_cta`'s block, always one split (the fused
+    epilogue needs a row's whole O: no split plan, whatever `sparse_split_plan` would give)."""
+    heads = config.heads_per_cta(hq)
+    params = config.params_for("sparse", dtype_name(dtype), heads, direct=True, sink=sink,
+                               fused=True, rope=dtype_name(rope), positions=dtype_name(positions),
+                               neox=neox)  # fmt: skip
+    return get_kernel(SPEC, params)
+
+
+def dsa_fused_prefill(
+    q: torch.Tensor,
+    ckv_cache: torch.Tensor,
+    kpe_cache: torch.Tensor,
+    sparse_indices: torch.Tensor,
+    softmax_scale: float,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    out_fp8: torch.Tensor,
+    out_scale: torch.Tensor,
+    lse: torch.Tensor,
+    attn_sink: torch.Tensor | None = None,
+    neox: bool = False,
+) -> None:
+    """The fused DSA prefill (`forgekernel.ops.dsa_fused.dsa_fused_prefill` validates): q
+    (tokens, Hq, 576) whole rows (16-byte aligned), the combined cache's two views ckv_cache
+    (num_pages, page_size, 512) / kpe_cache (num_pages, page_size, 64) in q's dtype,
+    sparse_indices int32 (tokens, topk) slots, cos_sin_cache (positions, 64) fp32 or q's
+    dtype, positions int32 / int64 (tokens,), attn_sink fp32 (Hq,) or None -> out_fp8
+    (tokens, Hq, 512) float8_e4m3fn (rows 2-byte aligned, written as uint8), out_scale fp32
+    (tokens, Hq, 16), lse fp32 (tokens, Hq) natural log. One launch of one split (the pass's
+    grid: tokens x head blocks); topk 0: every row 0 with the floor's scale, LSE -inf, no
+    launch. No device read."""
+    tokens, hq, _ = q.shape
+    if tokens == 0 or hq == 0:
+        return
+    if sparse_indices.shape[1] == 0:  # what the pass writes for a row that saw no key
+        out_fp8.view(torch.uint8).zero_()
+        out_scale.fill_(FP8_FLOOR_SCALE)
+        lse.fill_(float("-inf"))
+        return
+    device = q.device
+    key = ("fused", q.dtype, hq, cos_sin_cache.dtype, positions.dtype, attn_sink is not None,
+           neox, device.index)  # fmt: skip
+    kernel = _plans.get_or_build(key, _fused_plan)
+    with on_device(device):
+        kernel(as_tma_ready(q), cos_sin_cache, ckv_cache, kpe_cache, out_scale,
+               sparse_indices.contiguous(), attn_sink, out_fp8.view(torch.uint8), lse,
+               softmax_scale * LOG2E, sparse_indices.shape[1], ckv_cache.shape[1], positions, 0,
+               1)  # fmt: skip
+
+
+# the e4m3 scale of a row that saw no key: max(0, 1e-4) / 448 rounded up to a power of two
+# (reference.dsa `quantize_fp8_groups`: 2.23e-7 -> 2^-22)
+FP8_FLOOR_SCALE = 2.0**-22
