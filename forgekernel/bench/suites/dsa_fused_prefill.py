@@ -1,6 +1,6 @@
 """The fused DSA prefill suite (issue 22, pending: docs/PENDING.md):
-`forgekernel.dsa_fused_prefill`, query RoPE + sparse MQA with an attention sink + output RoPE + FP8 cast in one kernel, against
-reference.dsa's `dsa_fused_prefill_ref` (the unfused math, fp32).
+`forgekernel.dsa_fused_prefill`, query RoPE + sparse MQA with an attention sink + output RoPE +
+FP8 cast in one kernel, against reference.dsa's `dsa_fused_prefill_ref` (the unfused math, fp32).
 
 Inputs: dsa_sparse's (`make_inputs`: q (tokens, H, 576), FlashMLA's combined cache (pages, 64,
 1, 576), the top-k slots) plus a [cos | sin] cache (fp32, one row per position of the longest
