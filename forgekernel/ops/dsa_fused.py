@@ -60,7 +60,7 @@ def _kv_views(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(latent (num_pages, page_size, 512), RoPE (num_pages, page_size, 64)) views of kv rows
     (S_kv, 576) (page size 1) or of FlashMLA's combined cache (num_pages, page_size, 1, 576)."""
     if kv.dim() == 2:
-        kv = kv.view(kv.shape[0], 1, 1, WIDTH)
+        kv = kv[:, None, None, :]
     rows = kv[:, :, 0]
     return rows[..., :D_LATENT], rows[..., D_LATENT:]
 
