@@ -173,6 +173,36 @@ def test_scale_and_cast_bit_for_bit():
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
+def test_replay_is_the_kernels_epilogue():
+    """`fused_epilogue` replays decode.py's `_write_fused` as written: O x 1 / sum x the sink
+    weight, warpgroup 1's registers from cols - 16 the RoPE columns (pairs (c, c + 1), NeoX
+    (c, c + 8)), per group 8 registers' amax then the quad's, the scale's helpers, the pair
+    cast of (v[c], v[c + 1]) x the inverse, the scale at column // 32."""
+    import inspect
+
+    from forgekernel.kernels.attention.mla.sm90 import decode
+
+    src = inspect.getsource(decode.MlaDecodeSm90._write_fused)
+    for line in (
+        "first_rope = cols - D_ROPE // 4",
+        "inv = inv * fused_math.sink_weight(lse, mSink[head])",
+        "v[c] = o[r, c] * inv",
+        "c1 = c0 + 8",
+        "v[c0] = x0 * cs[k] + x1 * sn[k]",
+        "v[c1] = x1 * cs[k] - x0 * sn[k]",
+        "amax = cute.arch.fmax(amax, cute.math.absf(v[8 * g + k]))",
+        "amax = cute.arch.warp_reduction_max(amax, threads_in_group=4)",
+        "scale = fused_math.ue8m0_scale(amax)",
+        "mult = fused_math.pow2_inverse(scale)",
+        "word = fused_math.e4m3x2(v[c] * mult, v[c + 1] * mult)",
+        "group = o_crd[r, 8 * g][1] // fused_math.FP8_GROUP",
+    ):
+        assert line in src, line
+    rope = inspect.getsource(decode.MlaDecodeSm90._rope_query)
+    assert "(x0 * cs - x1 * sn).to(sQr.element_type)" in rope
+    assert "(x0 * sn + x1 * cs).to(sQr.element_type)" in rope
+
+
 # ---------------------------------------------------------------- the op, replayed
 
 

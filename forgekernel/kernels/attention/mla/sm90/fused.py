@@ -13,6 +13,7 @@ outside the contract (a NaN in out)."""
 
 from __future__ import annotations
 
+import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -63,6 +64,4 @@ def e4m3x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
 def sink_weight(lse_log2: Float32, sink: Float32) -> Float32:
     """sigmoid(lse - sink) from the log2 LSE (a row that saw a key): exp(lse) / (exp(lse) +
     exp(sink)); 1 for a -inf sink, 0 for +inf."""
-    import cutlass.cute as cute
-
     return 1.0 / (1.0 + cute.math.exp2(sink * LOG2E - lse_log2, fastmath=True))
