@@ -50,6 +50,15 @@ list names (mPT (tokens, topk) int32, entries page * page_size + slot, -1 paddin
 not to a sequence's pages: a CTA's keys are that list's split, loaded by index (-1 reads row 0,
 masked), grid x over the tokens (one query token per CTA, so `qtokens` is 1).
 
+`sink` (sparse direct form): the epilogue scales a row's O by sigmoid(lse - attn_sink[h]) (the
+sink in the softmax denominator only) before its one rounding; the LSE stays the keys' own.
+`fused` (sparse direct form, 16-bit; the fused DSA prefill, issue 22): q_pe rotated in shared
+memory at the token's position before the first scores (`_rope_query`), and the epilogue
+(`_write_fused`, fused.py's arithmetic) rotates O's last 64 columns back (the conjugate) in
+fp32 registers and casts O to e4m3 per 32 columns with UE8M0 scales (a group's amax over a
+quad's registers). Both keyed only when on: the other compiles' SASS is unchanged
+(MLA_NOTES.md, "The fused DSA prefill").
+
 docs/attention/MLA_NOTES.md has the earlier versions' figures (mma.sync; both warpgroups on S
 along the keys)."""
 
