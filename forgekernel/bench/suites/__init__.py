@@ -14,7 +14,10 @@ from forgekernel.bench.suite import OpSuite
 # Suites whose kernels have not yet passed a GPU check (docs/PENDING.md): registered only where
 # FORGEKERNEL_PENDING_SUITES is set (a device run that checks and benches them first), so that
 # tests/test_ledger_gate.py does not ask CI for a ledger that no GPU has written yet.
-PENDING_SUITE_MODULES: dict[str, str] = {}
+PENDING_SUITE_MODULES: dict[str, str] = {
+    # issue 22: the fused DSA prefill (q RoPE + sparse MQA with sink + out RoPE + FP8 cast)
+    "dsa_fused_prefill": "forgekernel.bench.suites.dsa_fused_prefill",
+}
 SUITE_MODULES = {
     "gemm": "forgekernel.bench.suites.gemm",
     "attention": "forgekernel.bench.suites.attention",
