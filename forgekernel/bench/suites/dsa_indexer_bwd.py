@@ -1,4 +1,5 @@
-"""DSA indexer backward suite (issue 22; pending: the interim fp32 torch path until its kernel):
+"""DSA indexer backward suite (issue 22; its kernel kernels/attention/dsa_indexer_bwd/sm90, built
+on the CPU 2026-12-04, pending its first device run):
 `forgekernel.ops.dsa_indexer.dsa_indexer_backward` (ops/dsa_indexer_bwd.py has the math: the
 clipped-KL gradient G = g - p sum(g) at the selected slots, then dw = sum_i G relu(s), dq, dk
 through the ReLU-gated 64-head x 128 indexer), against reference/dsa_indexer_bwd.py in fp64.
@@ -43,11 +44,13 @@ GRAD_NAMES = ("d_q", "d_weights", "d_k")
 
 
 def kernel_sources() -> list[Path]:
-    """The interim backward's modules (the ledger key until the kernel exists)."""
+    """The kernel's sources, its launcher and the op's modules (the ledger key)."""
+    import forgekernel.kernels.attention.dsa_indexer_bwd.sm90.launch as launch
     import forgekernel.ops.dsa_indexer_bwd as op
     import forgekernel.reference.dsa_indexer_bwd as ref
+    from forgekernel.kernels.attention.dsa_indexer_bwd.sm90 import SPEC
 
-    return [Path(m.__file__) for m in (op, ref)]
+    return [*SPEC.sources, *(Path(m.__file__) for m in (launch, op, ref))]
 
 
 def _case(tokens, ctx, *, topk=TOPK, batch=1, pad="end", group="", tag="") -> Case:
@@ -250,6 +253,7 @@ def suite() -> OpSuite:
     return OpSuite(
         name="dsa_indexer_bwd",
         kernel_sources=kernel_sources(),
+        leaf="kernels/attention/dsa_indexer_bwd/sm90",
         dtypes=(torch.bfloat16,),
         check_cases=CHECK_CASES,
         bench_cases=BENCH_CASES,

@@ -56,8 +56,8 @@ def row_bytes() -> int:
 
 def smem_bytes() -> int:
     barriers = 2 * STAGES * 8 + 64
-    total = (q_bytes() + STAGES * stage_bytes() + ds_bytes() + exchange_bytes() + row_bytes()
-             + barriers + 4 * 1024)  # fmt: skip  (1024-byte alignment of the swizzled fields)
+    fields = q_bytes() + STAGES * stage_bytes() + ds_bytes() + exchange_bytes() + row_bytes()
+    total = fields + barriers + 3 * 1024  # the swizzled fields' 1024-byte alignment
     if total > SMEM_CAPACITY:
         raise ValueError(f"shared memory plan {total} B exceeds {SMEM_CAPACITY}")
     return total
