@@ -1,0 +1,77 @@
+"""The indexer backward kernel compiled for sm_90a on the CPU (the DSL compiles, ptxas assembles,
+cuobjdump reads the cubin), its structure as kernel.py states it: no spills under the setmaxnreg
+split (producer 24, consumers 240), each consumer path's 24 WGMMAs a tile (GEMM1, GEMM3, GEMM2:
+two 64-column chunks of 4 k-steps each), dS^T by stmatrix, dK by 16 `red.global.add.v4.f32` a
+thread a tile and no other reduction, the gather by cp.async (q's and a tile's 8 copies a
+thread), and the producer's hand-over (wait, proxy fence, then arrive)."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+from cubins import build  # tests/ is on the path
+
+pytest.importorskip("cutlass")
+
+from forgekernel.kernels.attention.dsa_indexer_bwd.sm90 import SPEC, config  # noqa: E402
+from forgekernel.runtime.resources import find_tool  # noqa: E402
+
+if find_tool("cuobjdump") is None:
+    pytest.skip("cuobjdump not found", allow_module_level=True)
+
+_OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9x.]+)?)")
+# HGMMAs a consumer path issues a tile: 3 GEMMs x NCHUNK calls x 4 k-steps of 16
+HGMMA_PER_PATH = 3 * config.NCHUNK * 4
+
+
+def _compiled(dtype: str) -> tuple[dict, Counter, str]:
+    found = build(SPEC, config.params_for(dtype))
+    ops = Counter(op.split(".")[0] for op in _OP.findall(found.sass))
+    ops["RED_V4"] = found.sass.count("REDG.E.ADD.F32x4")
+    ops["RED_V2"] = found.sass.count("REDG.E.ADD.F32x2")
+    lines = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", found.sass)]
+    alloc = next(a for a, t in lines if "USETMAXREG.TRY_ALLOC" in t)
+    ops["RED_V4_CONSUMER"] = sum(a > alloc for a, t in lines if "REDG.E.ADD.F32x4" in t)
+    return found.resources, ops, found.sass
+
+
+@pytest.mark.parametrize("dtype", config.DTYPES)
+def test_indexer_bwd_kernel(dtype):
+    res, ops, sass = _compiled(dtype)
+    assert res["spill_bytes"] == 0 and ops["LDL"] == ops["STL"] == 0
+    assert res["registers"] <= 65536 // config.THREADS  # the launch's share (setmaxnreg splits it)
+    assert "USETMAXREG.DEALLOC.CTAPOOL 0x18" in sass  # producer 24
+    assert "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0" in sass  # consumers 240
+    assert ops["HGMMA"] == config.CONSUMERS * HGMMA_PER_PATH
+    # 16 v4 reductions a tile (2 chunks x 8 quads), in both consumer paths, nothing else
+    assert ops["RED_V4"] == ops["RED_V4_CONSUMER"] == config.CONSUMERS * 16
+    assert ops["RED_V2"] == 0 and ops["ATOMG"] == 0
+    assert ops["STSM"] == config.CONSUMERS * 4  # dS^T: 64 x 64 16-bit, 4 stmatrix.x4 a thread
+    q_rows = config.HEADS // (128 // (config.CHUNK // 8))  # rows a producer thread copies
+    k_rows = config.TILE // (128 // (config.CHUNK // 8))
+    assert ops["LDGSTS"] == config.NCHUNK * (q_rows + k_rows)
+
+
+def test_every_signal_follows_a_wait_and_a_proxy_fence():
+    """The producer's hand-over (kernel.py): every cp.async.wait_group is followed by a
+    fence.proxy.async before the next mbarrier arrive (the landed bytes and zero-filled rows
+    are made visible to the WGMMAs' async proxy by the thread that wrote them)."""
+    ptx = build(SPEC, config.params_for("bfloat16")).ptx
+    found = re.findall(r"(cp\.async\.wait_group\s+\d+|fence\.proxy\.async|mbarrier\.arrive)", ptx)
+    events = [" ".join(e.split()) for e in found]
+    assert f"cp.async.wait_group {config.LAG}" in events
+    pending = False
+    for e in events:
+        if e.startswith("cp.async.wait_group"):
+            pending = e != "cp.async.wait_group 0"  # the producer's last wait precedes no arrive
+        elif e == "fence.proxy.async":
+            pending = False
+        else:
+            assert not pending, "an arrive between a cp.async wait and its proxy fence"
+
+
+def test_shared_memory_plan_fits():
+    """One CTA a multiprocessor (384 threads, setmaxnreg 24 / 240): the plan within 227 KB."""
+    assert config.smem_bytes() <= 232448
