@@ -17,10 +17,11 @@ Warp roles (one CTA per query row, 384 threads; config.py has the shared-memory 
 - prologue, all threads: the row's target / predict / ids once (TOPK_MAX slots at most), sum g by
   a block reduction, G and the flat key ids into shared memory, the last valid position (tiles
   past it are not run: the causal rows' padded tails).
-- warpgroup 0 (setmaxnreg 40) gathers q[t] once, then each tile's TILE key rows by cp.async (8
+- warpgroup 0 (setmaxnreg 24) gathers q[t] once (issued before the prologue, in flight under
+  it), then each tile's TILE key rows by cp.async (8
   threads a 64-column chunk row), LAG tiles in flight: tile i's group waited (wait_group LAG),
   fenced for the async proxy and signalled on full[stage] when tile i + LAG has been issued.
-- warpgroups 1 and 2 (setmaxnreg 232) take alternate tiles (i % 2): GEMM1, the epilogue (dS,
+- warpgroups 1 and 2 (setmaxnreg 240) take alternate tiles (i % 2): GEMM1, the epilogue (dS,
   dw), GEMM3 from registers, dS^T into the warpgroup's own shared buffer, GEMM2, then the stage
   released (after GEMM3, its last reader) and dK added: `red.global.add.v4.f32` straight from
   the GEMM2 accumulator, a lane pair's halves swapped by one shuffle each (lane 2m: row r,
@@ -192,10 +193,12 @@ class DsaIndexerBwdSm90:
                 cute.arch.mbarrier_init(full + s, THREADS_PER_WG)
                 cute.arch.mbarrier_init(empty + s, THREADS_PER_WG)
         cute.arch.mbarrier_init_fence()
-        tiles = self._prologue(mTarget, mPredict, mIdx, mGradLoss, scalars, storage, sG, sIds,
-                               t, tidx)  # fmt: skip
         sm = (smem_tensor(storage.q, lay_q), smem_tensor(storage.k, lay_k),
               smem_tensor(storage.ds, lay_ds), sG, sIds)  # fmt: skip
+        if wg == 0:  # q[t] in flight under the prologue (the oldest cp.async group)
+            self._load_q(mQ, sm[0], t, tidx)
+        tiles = self._prologue(mTarget, mPredict, mIdx, mGradLoss, scalars, storage, sG, sIds,
+                               t, tidx)  # fmt: skip
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             self._gather(mQ, mK, sm, full, empty, t, tiles, tidx)
@@ -272,9 +275,9 @@ class DsaIndexerBwdSm90:
     # ---- producer ------------------------------------------------------------------------
 
     @cute.jit
-    def _gather(self, mQ, mK, sm, full, empty, t, tiles, tid):
-        """Warpgroup 0: q[t], then every tile's key rows into its stage (module docstring)."""
-        sQ, sK, _, _, sIds = sm
+    def _load_q(self, mQ, sQ, t, tid):
+        """Warpgroup 0, before the prologue: q[t] by cp.async, one commit group (the oldest:
+        done when tile 0's is)."""
         gcopy = tiled_row_copy(mQ.element_type, CHUNK, THREADS_PER_WG)
         thr = gcopy.get_slice(tid)
         qcrd = thr.partition_S(cute.make_identity_tensor((HEADS, CHUNK)))
@@ -284,8 +287,15 @@ class DsaIndexerBwdSm90:
                 row = mQ[t, qcrd[0, m, 0][0], None]
                 seg = cute.make_tensor(row.iterator + k * CHUNK, cute.make_layout(CHUNK))
                 copy_row_async(gcopy, seg, CHUNK, d[None, m, None], qcrd[None, m, None])
-        cute.arch.cp_async_commit_group()  # the oldest group: done when tile 0's is
+        cute.arch.cp_async_commit_group()
 
+    @cute.jit
+    def _gather(self, mQ, mK, sm, full, empty, t, tiles, tid):
+        """Warpgroup 0: every tile's key rows into its stage (module docstring); q[t]'s group
+        was committed before the prologue."""
+        _, sK, _, _, sIds = sm
+        gcopy = tiled_row_copy(mQ.element_type, CHUNK, THREADS_PER_WG)
+        thr = gcopy.get_slice(tid)
         crd = thr.partition_S(cute.make_identity_tensor((TILE, CHUNK)))
         per_thread = cute.size(crd, mode=[1])
         rows = cute.make_rmem_tensor(per_thread, Int32)
