@@ -229,27 +229,29 @@ class DsaIndexerBwdSm90:
         scale = mGradLoss[0] * coeff
         g = cute.make_rmem_tensor(PER_THREAD, Float32)
         p = cute.make_rmem_tensor(PER_THREAD, Float32)
-        ok = cute.make_rmem_tensor(PER_THREAD, Int32)
+        ids = cute.make_rmem_tensor(PER_THREAD, Int32)
+        # every load first, at clamped positions (no branch between them: one memory latency,
+        # not one a slot; 2026-12-04 SASS: six serialized round trips with the loads inside
+        # `if j < topk`), then the masks
+        for m in cutlass.range_constexpr(PER_THREAD):
+            jc = cutlass.min(tidx + m * THREADS, topk - 1)
+            ids[m] = mIdx[t, jc]
+            p[m] = mPredict[t, jc]
+            g[m] = mTarget[t, jc]
         total = Float32(0.0)
         last = Int32(-1)
         for m in cutlass.range_constexpr(PER_THREAD):
             j = tidx + m * THREADS
-            g[m], p[m], ok[m] = Float32(0.0), Float32(0.0), Int32(0)
-            if j < topk:
-                local = mIdx[t, j] - shift
-                valid = (local >= 0) & (local < s_kv)
-                pj = mPredict[t, j]
-                tc = cutlass.max(mTarget[t, j], Float32(CLIP_PROB_MIN))
-                gj = Float32(cutlass.select_(pj >= Float32(CLIP_PROB_MIN), -scale * tc,
-                                             Float32(0.0)))  # fmt: skip
-                g[m], p[m] = gj, pj
-                ok[m] = Int32(cutlass.select_(valid, Int32(1), Int32(0)))
-                total = total + gj
-                last = Int32(cutlass.select_(valid, j, last))  # j grows with m
-                sIds[j] = Int32(cutlass.select_(valid, local + base, Int32(-1)))
-            elif j < padded:
-                sIds[j] = Int32(-1)
-                sG[j] = Float32(0.0)
+            local = ids[m] - shift
+            valid = (j < topk) & (local >= 0) & (local < s_kv)
+            keep = (j < topk) & (p[m] >= Float32(CLIP_PROB_MIN))
+            tc = cutlass.max(g[m], Float32(CLIP_PROB_MIN))
+            g[m] = Float32(cutlass.select_(keep, -scale * tc, Float32(0.0)))
+            total = total + g[m]
+            last = Int32(cutlass.select_(valid, j, last))  # j grows with m
+            ids[m] = Int32(cutlass.select_(valid, local + base, Int32(-1)))
+            if j < padded:
+                sIds[j] = ids[m]
         for off in cutlass.range_constexpr(5):
             total = total + cute.arch.shuffle_sync_bfly(total, 16 >> off)
             last = cutlass.max(last, cute.arch.shuffle_sync_bfly(last, 16 >> off))
@@ -267,8 +269,8 @@ class DsaIndexerBwdSm90:
             last = cutlass.max(last, sLast[v])
         for m in cutlass.range_constexpr(PER_THREAD):
             j = tidx + m * THREADS
-            if j < topk:
-                sG[j] = Float32(cutlass.select_(ok[m] != 0, g[m] - p[m] * total, Float32(0.0)))
+            if j < padded:  # padding (ids -1, past topk included): 0
+                sG[j] = Float32(cutlass.select_(ids[m] >= 0, g[m] - p[m] * total, Float32(0.0)))
         cute.arch.sync_threads()
         return (last + TILE) // TILE
 
