@@ -25,6 +25,8 @@ def test_spec_is_registered():
 
 def test_params_and_shared_memory_plan():
     assert config.params_for("bfloat16") == (("dtype", "bfloat16"), ("heads", 64))
+    assert dict(config.params_for("bfloat16", reduce=False))["noreduce"] is True
+    assert SPEC.candidate_params() == [config.params_for("bfloat16", reduce=False)]
     with pytest.raises(ValueError, match="dtype"):
         config.params_for("float32")
     with pytest.raises(ValueError, match="64 heads"):

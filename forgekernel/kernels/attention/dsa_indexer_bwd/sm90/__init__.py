@@ -23,12 +23,18 @@ def _standard_params() -> list[Params]:
     return [params_for(d) for d in DTYPES]
 
 
+def _candidate_params() -> list[Params]:
+    """The timing probe's build (bf16, dK reductions never run: `params_for` reduce False)."""
+    return [params_for("bfloat16", reduce=False)]
+
+
 SPEC = KernelSpec(
     name="dsa_indexer_bwd_sm90",
     arch="sm_90a",
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
+    candidate_params=_candidate_params,
     representative=lambda: params_for("bfloat16"),
 )
 

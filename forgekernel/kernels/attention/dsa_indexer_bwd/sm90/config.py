@@ -63,10 +63,15 @@ def smem_bytes() -> int:
     return total
 
 
-def params_for(dtype: str, heads: int = HEADS) -> tuple:
-    """Compile key: the 16-bit dtype (q, k, weights) and the heads (64 only)."""
+def params_for(dtype: str, heads: int = HEADS, reduce: bool = True) -> tuple:
+    """Compile key: the 16-bit dtype (q, k, weights) and the heads (64 only); reduce False: the
+    timing probe's build whose dK reductions never run (a runtime-false guard keeps their code
+    and its shuffles; dK stays 0), which splits the L2 reductions' time from the rest."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if heads != HEADS:
         raise ValueError(f"the indexer backward kernel takes {HEADS} heads, got {heads}")
-    return tuple(sorted({"dtype": dtype, "heads": heads}.items()))
+    keys = {"dtype": dtype, "heads": heads}
+    if not reduce:
+        keys["noreduce"] = True
+    return tuple(sorted(keys.items()))
