@@ -8,8 +8,9 @@ One line each, ms a launch (graph replays, `runtime.timing.time_interleaved`): t
 dK cast), the launcher alone (zeroed accumulator + kernel), the probe build whose dK reductions
 never run (`params_for(..., reduce=False)`: GEMMs, epilogue, gather and prologue alone; the
 difference is the L2 reductions' share, the unknown R of the notes' model), and cuDNN-frontend's
-indexer_backward_wrapper where installed. Build first: `python3 -m forgekernel build --only
-dsa_indexer_bwd_sm90 --candidates`."""
+indexer_backward_wrapper where installed; the staged candidate (dK through the dead stage, two
+256-byte rows a warp instruction) with and without reductions. Build first: `python3 -m
+forgekernel build --only dsa_indexer_bwd_sm90 --candidates`."""
 
 from __future__ import annotations
 
@@ -37,6 +38,10 @@ def _time(case) -> None:
         "op (kernel + cast)": lambda: dsa_indexer_backward(*args),
         "launcher": lambda: launch.dsa_indexer_bwd(*args, 1.0, 1.0, False),
         "no reductions": lambda: launch.dsa_indexer_bwd(*args, 1.0, 1.0, False, reduce=False),
+        "launcher, staged": lambda: launch.dsa_indexer_bwd(*args, 1.0, 1.0, False, staged=True),
+        "staged, no reductions": lambda: launch.dsa_indexer_bwd(
+            *args, 1.0, 1.0, False, reduce=False, staged=True
+        ),
     }
     cudnn = S.comparators()["cudnn"]
     if cudnn is not None:

@@ -26,7 +26,8 @@ def test_spec_is_registered():
 def test_params_and_shared_memory_plan():
     assert config.params_for("bfloat16") == (("dtype", "bfloat16"), ("heads", 64))
     assert dict(config.params_for("bfloat16", reduce=False))["noreduce"] is True
-    assert SPEC.candidate_params() == [config.params_for("bfloat16", reduce=False)]
+    assert config.params_for("bfloat16", reduce=False) in SPEC.candidate_params()
+    assert config.params_for("bfloat16", staged=True) in SPEC.candidate_params()
     with pytest.raises(ValueError, match="dtype"):
         config.params_for("float32")
     with pytest.raises(ValueError, match="64 heads"):
@@ -186,6 +187,18 @@ def test_emulated_rounding_is_within_the_suite_tolerance(dtype):
     for g, r in zip(got, want):
         scale = float(r.abs().max())
         assert float((g.to(dtype).double() - r).abs().max()) <= REL_TOL * scale / 4
+
+
+def test_staged_reduction_round_trip():
+    """The staged candidate: the warp's 16 x 64 fp32 block stored through the swizzle and read
+    back lane by lane is the block itself, each lane's load four adjacent columns of its row
+    (row 2 k + lane // 16, columns 4 (lane % 16) ..), every element read once."""
+    seen = set()
+    for (lane, k), vals in emulate.staged_round_trip().items():
+        row, col = 2 * k + lane // 16, 4 * (lane % 16)
+        assert vals == [(row, col + e) for e in range(4)]
+        seen.update(vals)
+    assert seen == {(r, c) for r in range(16) for c in range(64)}
 
 
 def test_lane_map_is_the_kernels_accumulator_layout():

@@ -26,11 +26,13 @@ _OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A
 HGMMA_PER_PATH = 3 * config.NCHUNK * 4
 
 
-def _compiled(dtype: str, reduce: bool = True) -> tuple[dict, Counter, str]:
-    found = build(SPEC, config.params_for(dtype, reduce=reduce))
+def _compiled(dtype: str, reduce: bool = True, staged: bool = False) -> tuple[dict, Counter, str]:
+    found = build(SPEC, config.params_for(dtype, reduce=reduce, staged=staged))
     ops = Counter(op.split(".")[0] for op in _OP.findall(found.sass))
     ops["RED_V4"] = found.sass.count("REDG.E.ADD.F32x4")
     ops["RED_V2"] = found.sass.count("REDG.E.ADD.F32x2")
+    ops["STS_64"] = found.sass.count("STS.64 ")
+    ops["LDS_128"] = found.sass.count("LDS.128 ")
     lines = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", found.sass)]
     alloc = next(a for a, t in lines if "USETMAXREG.TRY_ALLOC" in t)
     ops["RED_V4_CONSUMER"] = sum(a > alloc for a, t in lines if "REDG.E.ADD.F32x4" in t)
@@ -52,6 +54,7 @@ def test_indexer_bwd_kernel(dtype, reduce):
     # 16 v4 reductions a tile (2 chunks x 8 quads), in both consumer paths, nothing else
     assert ops["RED_V4"] == ops["RED_V4_CONSUMER"] == config.CONSUMERS * 16
     assert ops["RED_V2"] == 0 and ops["ATOMG"] == 0
+    assert ops["STS_64"] == 0  # the swap form stages nothing
     assert ops["STSM"] == config.CONSUMERS * 4  # dS^T: 64 x 64 16-bit, 4 stmatrix.x4 a thread
     q_rows = config.HEADS // (128 // (config.CHUNK // 8))  # rows a producer thread copies
     k_rows = config.TILE // (128 // (config.CHUNK // 8))
@@ -79,3 +82,16 @@ def test_every_signal_follows_a_wait_and_a_proxy_fence():
 def test_shared_memory_plan_fits():
     """One CTA a multiprocessor (384 threads, setmaxnreg 24 / 240): the plan within 227 KB."""
     assert config.smem_bytes() <= 232448
+
+
+@pytest.mark.parametrize("reduce", [True, False])
+def test_staged_candidate(reduce):
+    """The staged candidate: the same WGMMAs and 16 v4 reductions a tile a path, fed by 32
+    64-bit stores and 16 128-bit loads of the dead stage a tile (2 chunks x (16, 8)), one more
+    128-thread barrier a path (its GEMM3 done in every warp), no spills."""
+    res, ops, _ = _compiled("bfloat16", reduce, staged=True)
+    assert res["spill_bytes"] == 0 and ops["LDL"] == ops["STL"] == 0
+    assert ops["HGMMA"] == config.CONSUMERS * HGMMA_PER_PATH
+    assert ops["RED_V4"] == ops["RED_V4_CONSUMER"] == config.CONSUMERS * 16
+    assert ops["STS_64"] == config.CONSUMERS * 32
+    assert ops["LDS_128"] >= config.CONSUMERS * 16

@@ -7,7 +7,8 @@ launch (the kernel writes every element: rows without slots 0); dk is the kernel
 accumulator (zeroed by the launcher), its untouched rows exactly 0. Tolerance: the suite's judge
 (each gradient within 2e-2 of its reference's largest entry). Then the op (kernel) against its
 interim path, a CUDA-graph replay with a new grad_loss, and top-k > 2048 routed to the interim
-path."""
+path. The candidates: the staged reduction form on three cases, the probe build (no dK
+reductions) leaving dK 0."""
 
 from __future__ import annotations
 
@@ -108,6 +109,30 @@ def test_kernel_matches_the_reference(b, s_q, s_kv, topk, pad, glob, dtype):
     named = torch.zeros(k.shape[:-1], dtype=torch.bool, device=DEV).view(-1)
     named[rows[rows >= 0]] = True
     assert (got[2].view(-1, D)[~named] == 0).all()  # rows no slot names: untouched
+
+
+@pytest.mark.parametrize("staged", [True], ids=["staged"])
+@pytest.mark.parametrize("b, s_q, s_kv, topk, pad, glob", [CASES[1], CASES[3], CASES[5]])
+def test_staged_candidate_matches_the_reference(b, s_q, s_kv, topk, pad, glob, staged):
+    """The staged reduction form (the candidate: `launch.dsa_indexer_bwd(staged=True)`)."""
+    q, w, k, target, predict, idx, gl = _problem(b, s_q, s_kv, topk, torch.bfloat16, pad=pad,
+                                                 glob=glob, seed=s_q * 7 + topk)  # fmt: skip
+    dq = torch.full(q.shape, float("nan"), dtype=q.dtype, device=DEV)
+    dw = torch.full(w.shape, float("nan"), dtype=q.dtype, device=DEV)
+    got = launch.dsa_indexer_bwd(q, w, k, target, predict, idx, gl, 1.0, 1.0, glob, dq=dq, dw=dw,
+                                 staged=staged)  # fmt: skip
+    *want, _ = _reference(q, w, k, target, predict, idx, gl, glob)
+    _judge(got, want)
+
+
+def test_probe_build_leaves_dk_zero():
+    """reduce False (the timing probe): dq and dw as the standard build's, dK untouched (0)."""
+    args = _problem(None, 5, 300, 128, torch.bfloat16, pad="end", glob=False, seed=9)
+    want = launch.dsa_indexer_bwd(*args, 1.0, 1.0, False)
+    got = launch.dsa_indexer_bwd(*args, 1.0, 1.0, False, reduce=False)
+    torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)
+    torch.testing.assert_close(got[1], want[1], atol=0, rtol=0)
+    assert (got[2] == 0).all() and (want[2] != 0).any()
 
 
 def test_scales_reach_the_kernel():

@@ -24,8 +24,13 @@ def _standard_params() -> list[Params]:
 
 
 def _candidate_params() -> list[Params]:
-    """The timing probe's build (bf16, dK reductions never run: `params_for` reduce False)."""
-    return [params_for("bfloat16", reduce=False)]
+    """bf16: the timing probe's builds (dK reductions never run: `params_for` reduce False) of
+    both reduction forms and the staged form (the candidate against the lane-pair swap)."""
+    return [
+        params_for("bfloat16", reduce=False),
+        params_for("bfloat16", staged=True),
+        params_for("bfloat16", reduce=False, staged=True),
+    ]
 
 
 SPEC = KernelSpec(

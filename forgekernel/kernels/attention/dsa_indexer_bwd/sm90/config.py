@@ -63,10 +63,12 @@ def smem_bytes() -> int:
     return total
 
 
-def params_for(dtype: str, heads: int = HEADS, reduce: bool = True) -> tuple:
+def params_for(dtype: str, heads: int = HEADS, reduce: bool = True, staged: bool = False) -> tuple:
     """Compile key: the 16-bit dtype (q, k, weights) and the heads (64 only); reduce False: the
     timing probe's build whose dK reductions never run (a runtime-false guard keeps their code
-    and its shuffles; dK stays 0), which splits the L2 reductions' time from the rest."""
+    and its shuffles; dK stays 0), which splits the L2 reductions' time from the rest; staged
+    True: the candidate reduction form (kernel.py `_reduce_staged`: dK through the tile's dead
+    stage, two full 256-byte rows a warp instruction) instead of the lane-pair swap."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if heads != HEADS:
@@ -74,4 +76,6 @@ def params_for(dtype: str, heads: int = HEADS, reduce: bool = True) -> tuple:
     keys = {"dtype": dtype, "heads": heads}
     if not reduce:
         keys["noreduce"] = True
+    if staged:
+        keys["staged"] = True
     return tuple(sorted(keys.items()))

@@ -136,6 +136,33 @@ def kernel_destination(v: int, lane: int, j: int) -> tuple[int, int]:
     return (16 * v + lane // 4 + 8 * (lane % 2), 8 * j + 4 * ((lane % 4) // 2))
 
 
+def staged_round_trip(chunk: int = 64) -> dict[tuple[int, int], list[tuple[int, int]]]:
+    """{(lane, k): the four (row, column) accumulator coordinates lane `lane` reads back by its
+    k-th 128-bit load} in `_reduce_staged`: the warp's 16 x `chunk` fp32 rows stored at
+    row x chunk + (piece ^ row % 8) x 4 + column % 4 (piece = column // 4) from the WGMMA
+    fragment (rows lane // 4 + 8 h, columns 8 j + 2 (lane % 4) + e), read at row 2 k + lane // 16,
+    piece lane % 16 through the same swizzle. Raises on two values stored at one offset."""
+    store = {}
+    for lane in range(32):
+        quad = lane % 4
+        for j in range(chunk // 8):
+            for h in range(2):
+                row = lane // 4 + 8 * h
+                piece = (2 * j + quad // 2) ^ (row % 8)
+                for e in range(2):
+                    off = row * chunk + piece * 4 + 2 * (quad % 2) + e
+                    if off in store:
+                        raise AssertionError(f"offset {off} stored twice")
+                    store[off] = (row, 8 * j + 2 * quad + e)
+    out = {}
+    for lane in range(32):
+        for k in range(8):
+            row = 2 * k + lane // 16
+            off = row * chunk + ((lane % 16) ^ (row % 8)) * 4
+            out[(lane, k)] = [store[off + e] for e in range(4)]
+    return out
+
+
 def _prologue(target, predict, idx, base, s_kv, indices_global, scale):
     """(G, flat ids (-1: padding), tiles) of one row, as the kernel's prologue."""
     local = idx.long() - (base if indices_global else 0)

@@ -70,19 +70,25 @@ from forgekernel.kernels.common.sm90.warp_mma import copy_row_async, tiled_row_c
 
 CONSUMER_THREADS = CONSUMERS * THREADS_PER_WG
 PER_THREAD = (TOPK_MAX + THREADS - 1) // THREADS  # the prologue's slots a thread
+STAGE_FLOATS = TILE * DIM * 2 // 4  # one 16-bit stage as fp32
+WARP_FLOATS = 16 * CHUNK  # staged: a warp's 16 rows x 64 columns of a dK chunk
 
 
 class Bar(IntEnum):
     DS_READY = FIRST_FREE  # 1 + w: consumer warpgroup w's dS^T tile is in shared memory
     EXCHANGE = 3  # both consumers: warpgroup 2's dq / dw partials are in shared memory
+    STAGE_DEAD = 4  # staged, 4 + w: warpgroup w's GEMM3 (all warps) of the tile is done
 
 
 class DsaIndexerBwdSm90:
     """See the module docstring (compile key: the 16-bit dtype; 64 heads x 128); reduce False:
     the timing probe (config.params_for): the dK reductions' guard is never true."""
 
-    def __init__(self, reduce: bool = True):
+    def __init__(self, reduce: bool = True, staged: bool = False):
         self.reduce = reduce
+        # staged (a candidate): dK through the tile's dead stage, read back as two 256-byte rows
+        # a warp instruction (`_reduce_staged`); False: the lane-pair swap (`_reduce_dk`)
+        self.staged = staged
 
     def _setup(self, dt):
         k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
@@ -213,6 +219,12 @@ class DsaIndexerBwdSm90:
             sX = storage.x.get_tensor(
                 cute.make_layout((THREADS_PER_WG, HEADS * DIM // THREADS_PER_WG + 2))
             )
+            # staged: the ring's bytes as fp32 (stage, float), a stage 16 KB = 4096 floats
+            sRed = cute.make_tensor(
+                cute.recast_ptr(storage.k.data_ptr(), dtype=Float32),
+                cute.make_layout((STAGES, STAGE_FLOATS), stride=(STAGE_FLOATS, 1)),
+            )
+            sX = (sX, sRed)
             if wg == 1:
                 self._consume(ins, sm, sX, full, empty, mmas, t, tiles, tidx - THREADS_PER_WG, 0)
             else:
@@ -336,6 +348,7 @@ class DsaIndexerBwdSm90:
         """Consumer warpgroup w (ltid 0 .. 127): tiles w, w + 2, ... (module docstring)."""
         mW, mdQ, mdW, mdK, sm_scale = ins
         sQ, sK, sdS, sG, sIds = sm
+        sX, sRed = sX
         mma_s, mma_dq, mma_dk = mmas
         lane = ltid % 32
         # GEMM1: S = q K^T
@@ -379,6 +392,10 @@ class DsaIndexerBwdSm90:
             ws[r] = mW[t, s_crd[r, 0][0]].to(Float32) * sm_scale
             dw[r] = Float32(0.0)
         ds_ready = named_barrier(Bar.DS_READY + w, THREADS_PER_WG)
+        stage_dead = named_barrier(Bar.STAGE_DEAD + w, THREADS_PER_WG)
+        warp = ltid // 32
+        # staged: the lane's read-back rows 2 k + lane // 16 of its warp's 16
+        rids = cute.make_rmem_tensor(8, Int32)
 
         for i in cutlass.range(w, tiles, CONSUMERS, unroll=1):
             s = i % STAGES
@@ -407,11 +424,23 @@ class DsaIndexerBwdSm90:
                 gemm(mma_dk, acc_dk[c], tKdS[None, None, None, w], tKQ[None, None, None, c],
                      True, -1)  # fmt: skip
             rid = sIds[slot0 + dk_row]
+            if const_expr(self.staged):
+                for k in cutlass.range_constexpr(8):
+                    rids[k] = sIds[slot0 + 16 * warp + 2 * k + lane // 16]
             warpgroup.wait_group(NCHUNK)  # GEMM3, the stage's last reader, is done
-            cute.arch.mbarrier_arrive(empty + s)
+            if const_expr(self.staged):  # every warp's part of it: the stage is staging room
+                stage_dead.arrive_and_wait()
+            else:
+                cute.arch.mbarrier_arrive(empty + s)
             for c in cutlass.range_constexpr(NCHUNK):
                 warpgroup.wait_group(NCHUNK - 1 - c)
-                self._reduce_dk(acc_dk[c], mdK, rid, c * CHUNK + dk_col, lane)
+                if const_expr(self.staged):
+                    sw = cute.make_tensor(sRed[s, None].iterator + warp * WARP_FLOATS,
+                                          cute.make_layout(WARP_FLOATS))  # fmt: skip
+                    release = empty + s if const_expr(c == NCHUNK - 1) else None
+                    self._reduce_staged(acc_dk[c], mdK, rids, c * CHUNK, lane, sw, release)
+                else:
+                    self._reduce_dk(acc_dk[c], mdK, rid, c * CHUNK + dk_col, lane)
         self._finish(mdQ, mdW, acc_dq, dw, t_dq, s_crd, sX, t, ltid, w)
 
     @cute.jit
@@ -435,6 +464,42 @@ class DsaIndexerBwdSm90:
             if ok:
                 cute.arch.red(mdK[rid, None].iterator + (col0 + 8 * j), quad.load(), op="add",
                               dtype=Float32, sem="relaxed", scope="gpu")  # fmt: skip
+
+    @cute.jit
+    def _reduce_staged(self, acc, mdK, rids, col0, lane, sw, release):
+        """staged: the warp's 16 rows of the chunk into its 4 KB of the dead stage (64 floats a
+        row, 16-byte pieces XOR-swizzled by row % 8: conflict-free 64-bit stores and 128-bit
+        loads), read back as rows 2 k + lane // 16, columns 4 (lane % 16) .. + 3, then (release:
+        the tile's last chunk) this thread's empty arrival after its last read of the stage, then
+        `red.global.add.v4.f32`: two 256-byte rows a warp instruction."""
+        cute.arch.sync_warp()  # every lane's reads of the previous chunk are done
+        quad = lane % 4
+        for j in cutlass.range_constexpr(cute.size(acc) // 4):
+            for h in cutlass.range_constexpr(2):
+                row = lane // 4 + 8 * h
+                piece = (2 * j + quad // 2) ^ (row % 8)
+                off = row * CHUNK + piece * 4 + 2 * (quad % 2)
+                ptr = cute.make_ptr(Float32, (sw.iterator + off).toint(), cute.AddressSpace.smem,
+                                    assumed_align=8)  # fmt: skip
+                pair = cute.make_tensor(acc.iterator + 4 * j + 2 * h, cute.make_layout(2)).load()
+                cute.make_tensor(ptr, cute.make_layout(2)).store(pair)
+        cute.arch.sync_warp()
+        quads = cute.make_rmem_tensor((4, 8), Float32)
+        piece = lane % 16
+        for k in cutlass.range_constexpr(8):
+            row = 2 * k + lane // 16
+            off = row * CHUNK + (piece ^ (row % 8)) * 4
+            ptr = cute.make_ptr(Float32, (sw.iterator + off).toint(), cute.AddressSpace.smem,
+                                assumed_align=16)  # fmt: skip
+            quads[None, k].store(cute.make_tensor(ptr, cute.make_layout(4)).load())
+        if const_expr(release is not None):
+            cute.arch.mbarrier_arrive(release)  # every thread: its own staging and id reads
+        for k in cutlass.range_constexpr(8):
+            ok = rids[k] >= 0 if const_expr(self.reduce) else rids[k] == -2  # ids are >= -1
+            if ok:
+                cute.arch.red(mdK[rids[k], None].iterator + (col0 + 4 * piece),
+                              quads[None, k].load(), op="add", dtype=Float32, sem="relaxed",
+                              scope="gpu")  # fmt: skip
 
     @cute.jit
     def _finish(self, mdQ, mdW, acc_dq, dw, t_dq, s_crd, sX, t, ltid, w: cutlass.Constexpr[int]):
