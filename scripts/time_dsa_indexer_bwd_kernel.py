@@ -9,8 +9,9 @@ dK cast), the launcher alone (zeroed accumulator + kernel), the probe build whos
 never run (`params_for(..., reduce=False)`: GEMMs, epilogue, gather and prologue alone; the
 difference is the L2 reductions' share, the unknown R of the notes' model), and cuDNN-frontend's
 indexer_backward_wrapper where installed; the staged candidate (dK through the dead stage, two
-256-byte rows a warp instruction) with and without reductions. Build first: `python3 -m
-forgekernel build --only dsa_indexer_bwd_sm90 --candidates`."""
+256-byte rows a warp instruction) with and without reductions; the pair plan (two CTAs an SM,
+one consumer warpgroup each) with the swap (with and without reductions) and staged. Build
+first: `python3 -m forgekernel build --only dsa_indexer_bwd_sm90 --candidates`."""
 
 from __future__ import annotations
 
@@ -41,6 +42,13 @@ def _time(case) -> None:
         "launcher, staged": lambda: launch.dsa_indexer_bwd(*args, 1.0, 1.0, False, staged=True),
         "staged, no reductions": lambda: launch.dsa_indexer_bwd(
             *args, 1.0, 1.0, False, reduce=False, staged=True
+        ),
+        "pair": lambda: launch.dsa_indexer_bwd(*args, 1.0, 1.0, False, pair=True),
+        "pair, no reductions": lambda: launch.dsa_indexer_bwd(
+            *args, 1.0, 1.0, False, reduce=False, pair=True
+        ),
+        "pair, staged": lambda: launch.dsa_indexer_bwd(
+            *args, 1.0, 1.0, False, staged=True, pair=True
         ),
     }
     cudnn = S.comparators()["cudnn"]

@@ -26,16 +26,25 @@ def test_spec_is_registered():
 def test_params_and_shared_memory_plan():
     assert config.params_for("bfloat16") == (("dtype", "bfloat16"), ("heads", 64))
     assert dict(config.params_for("bfloat16", reduce=False))["noreduce"] is True
-    assert config.params_for("bfloat16", reduce=False) in SPEC.candidate_params()
-    assert config.params_for("bfloat16", staged=True) in SPEC.candidate_params()
+    candidates = SPEC.candidate_params()
+    assert config.params_for("bfloat16", reduce=False) in candidates
+    assert config.params_for("bfloat16", staged=True, pair=True) in candidates
+    assert len(candidates) == 7 and config.params_for("bfloat16") not in candidates
     with pytest.raises(ValueError, match="dtype"):
         config.params_for("float32")
     with pytest.raises(ValueError, match="64 heads"):
         config.params_for("bfloat16", 32)
-    assert config.smem_bytes() <= 232448
-    assert config.STAGES > config.LAG and config.STAGES % config.CONSUMERS == 0
     assert config.TOPK_MAX % config.TILE == 0
-    assert config.PRODUCER_REGS * 128 + config.CONSUMER_REGS * 256 <= 65536
+    for p in (config.STANDARD, config.PAIR):
+        assert p.stages > config.LAG and p.stages % p.consumers == 0
+        assert p.ctas * (config.smem_bytes(p) + 1024) <= 233472  # the SM's 228 KB
+        # setmaxnreg moves registers within the CTA's launch share
+        launch_regs = 65536 // (p.threads * p.ctas) // 8 * 8
+        assert (
+            p.producer_regs * 128 + p.consumer_regs * 128 * p.consumers <= launch_regs * p.threads
+        )
+        assert p.per_thread * p.threads >= config.TOPK_MAX
+    assert config.plan(True) is config.PAIR and config.plan() is config.STANDARD
 
 
 def _cpu_inputs(dtype=torch.bfloat16, heads=H, dim=D, topk=128, ids=torch.int32):
@@ -75,10 +84,12 @@ def test_op_routes_declined_inputs_to_the_interim_path(monkeypatch):
         op.kernel_selected()
 
 
+@pytest.mark.parametrize("pair", [False, True])
 @pytest.mark.parametrize("tiles", [0, 1, 2, 3, 5, 6, 7, 12, 13, 32])
-def test_ring_protocol(tiles):
+def test_ring_protocol(tiles, pair):
+    p = config.plan(pair)
     for seed in range(40):
-        emulate.run_protocol(tiles, seed)
+        emulate.run_protocol(tiles, seed, stages=p.stages, consumers=p.consumers)
 
 
 def test_ring_protocol_catches_a_lag_as_deep_as_the_ring():
@@ -163,11 +174,13 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("consumers", [2, 1], ids=["standard", "pair"])
 @pytest.mark.parametrize("b, s_q, s_kv, topk, pad, glob, sm_scale", CASES)
-def test_emulated_kernel_matches_the_reference(b, s_q, s_kv, topk, pad, glob, sm_scale):
+def test_emulated_kernel_matches_the_reference(b, s_q, s_kv, topk, pad, glob, sm_scale, consumers):
     args = _case(b, s_q, s_kv, topk, pad=pad, indices_global=glob)
     grad_loss, loss_coeff = 1.25, 0.7
-    got = emulate.emulate_backward(*args, grad_loss, sm_scale, loss_coeff, glob)
+    got = emulate.emulate_backward(*args, grad_loss, sm_scale, loss_coeff, glob,
+                                   consumers=consumers)  # fmt: skip
     want = _reference(*args, grad_loss, sm_scale, loss_coeff, glob)
     for g, r in zip(got, want):
         assert g.shape == r.shape

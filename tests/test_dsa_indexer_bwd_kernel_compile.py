@@ -26,8 +26,8 @@ _OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A
 HGMMA_PER_PATH = 3 * config.NCHUNK * 4
 
 
-def _compiled(dtype: str, reduce: bool = True, staged: bool = False) -> tuple[dict, Counter, str]:
-    found = build(SPEC, config.params_for(dtype, reduce=reduce, staged=staged))
+def _compiled(dtype: str, reduce=True, staged=False, pair=False) -> tuple[dict, Counter, str]:
+    found = build(SPEC, config.params_for(dtype, reduce=reduce, staged=staged, pair=pair))
     ops = Counter(op.split(".")[0] for op in _OP.findall(found.sass))
     ops["RED_V4"] = found.sass.count("REDG.E.ADD.F32x4")
     ops["RED_V2"] = found.sass.count("REDG.E.ADD.F32x2")
@@ -95,3 +95,20 @@ def test_staged_candidate(reduce):
     assert ops["RED_V4"] == ops["RED_V4_CONSUMER"] == config.CONSUMERS * 16
     assert ops["STS_64"] == config.CONSUMERS * 32
     assert ops["LDS_128"] >= config.CONSUMERS * 16
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_pair_candidate(staged):
+    """The pair plan (two CTAs an SM, one consumer warpgroup each): 128 registers at launch
+    (setmaxnreg 40 / 216), no spills, one consumer path of 24 WGMMAs and 16 v4 reductions a
+    tile, shared memory for two CTAs."""
+    res, ops, sass = _compiled("bfloat16", staged=staged, pair=True)
+    p = config.PAIR
+    assert res["spill_bytes"] == 0 and ops["LDL"] == ops["STL"] == 0
+    assert res["registers"] <= 65536 // (p.threads * p.ctas)
+    assert "USETMAXREG.DEALLOC.CTAPOOL 0x28" in sass  # producer 40
+    assert "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xd8" in sass  # consumer 216
+    assert ops["HGMMA"] == HGMMA_PER_PATH
+    assert ops["RED_V4"] == ops["RED_V4_CONSUMER"] == 16
+    assert ops["STS_64"] == (32 if staged else 0)
+    assert p.ctas * (config.smem_bytes(p) + 1024) <= 233472

@@ -7,8 +7,8 @@ launch (the kernel writes every element: rows without slots 0); dk is the kernel
 accumulator (zeroed by the launcher), its untouched rows exactly 0. Tolerance: the suite's judge
 (each gradient within 2e-2 of its reference's largest entry). Then the op (kernel) against its
 interim path, a CUDA-graph replay with a new grad_loss, and top-k > 2048 routed to the interim
-path. The candidates: the staged reduction form on three cases, the probe build (no dK
-reductions) leaving dK 0."""
+path. The candidates: the staged reduction form, the pair plan and both on four cases, the probe
+build (no dK reductions) leaving dK 0."""
 
 from __future__ import annotations
 
@@ -111,16 +111,18 @@ def test_kernel_matches_the_reference(b, s_q, s_kv, topk, pad, glob, dtype):
     assert (got[2].view(-1, D)[~named] == 0).all()  # rows no slot names: untouched
 
 
-@pytest.mark.parametrize("staged", [True], ids=["staged"])
-@pytest.mark.parametrize("b, s_q, s_kv, topk, pad, glob", [CASES[1], CASES[3], CASES[5]])
-def test_staged_candidate_matches_the_reference(b, s_q, s_kv, topk, pad, glob, staged):
-    """The staged reduction form (the candidate: `launch.dsa_indexer_bwd(staged=True)`)."""
+@pytest.mark.parametrize(
+    "staged, pair", [(True, False), (False, True), (True, True)], ids=["staged", "pair", "both"]
+)
+@pytest.mark.parametrize("b, s_q, s_kv, topk, pad, glob", [CASES[1], CASES[3], CASES[5], CASES[6]])
+def test_candidates_match_the_reference(b, s_q, s_kv, topk, pad, glob, staged, pair):
+    """The candidates: the staged reduction form, the pair plan (two CTAs an SM), both."""
     q, w, k, target, predict, idx, gl = _problem(b, s_q, s_kv, topk, torch.bfloat16, pad=pad,
                                                  glob=glob, seed=s_q * 7 + topk)  # fmt: skip
     dq = torch.full(q.shape, float("nan"), dtype=q.dtype, device=DEV)
     dw = torch.full(w.shape, float("nan"), dtype=q.dtype, device=DEV)
     got = launch.dsa_indexer_bwd(q, w, k, target, predict, idx, gl, 1.0, 1.0, glob, dq=dq, dw=dw,
-                                 staged=staged)  # fmt: skip
+                                 staged=staged, pair=pair)  # fmt: skip
     *want, _ = _reference(q, w, k, target, predict, idx, gl, glob)
     _judge(got, want)
 

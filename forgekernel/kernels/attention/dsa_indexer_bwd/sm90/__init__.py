@@ -24,13 +24,16 @@ def _standard_params() -> list[Params]:
 
 
 def _candidate_params() -> list[Params]:
-    """bf16: the timing probe's builds (dK reductions never run: `params_for` reduce False) of
-    both reduction forms and the staged form (the candidate against the lane-pair swap)."""
-    return [
-        params_for("bfloat16", reduce=False),
-        params_for("bfloat16", staged=True),
-        params_for("bfloat16", reduce=False, staged=True),
+    """bf16, both plans (standard, pair) x both reduction forms (the lane-pair swap, staged),
+    each with and without its dK reductions (the timing probe's builds: `params_for` reduce
+    False), less the standard build itself."""
+    builds = [
+        params_for("bfloat16", reduce=r, staged=st, pair=pr)
+        for pr in (False, True)
+        for st in (False, True)
+        for r in (True, False)
     ]
+    return [b for b in builds if b != params_for("bfloat16")]
 
 
 SPEC = KernelSpec(

@@ -23,7 +23,11 @@ def compile_indexer_bwd(params: dict, arch: str = "sm_90a", extra_options: str =
     dtype = fake.dtype_of(params["dtype"])
     rows, slots, topk = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     return cute.compile(
-        DsaIndexerBwdSm90(not params.get("noreduce", False), params.get("staged", False)),
+        DsaIndexerBwdSm90(
+            not params.get("noreduce", False),
+            params.get("staged", False),
+            params.get("pair", False),
+        ),
         fake.rowmajor(dtype, (rows, HEADS, DIM)),
         _rows(dtype, rows, HEADS, 2),
         fake.rowmajor(dtype, (slots, DIM)),

@@ -58,21 +58,25 @@ def _producer(tiles: int, stages: int, lag: int):
             yield ("signal", i - lag)
 
 
-def _consumer(w: int, tiles: int, stages: int):
-    for i in range(w, tiles, CONSUMERS):
+def _consumer(w: int, tiles: int, stages: int, consumers: int):
+    for i in range(w, tiles, consumers):
         yield ("wait_full", i % stages, (i // stages) & 1)
         yield ("read", i)
         yield ("release", i)
 
 
-def run_protocol(tiles: int, seed: int, stages: int = STAGES, lag: int = LAG) -> None:
-    """One random interleaving of the producer and both consumers over `tiles` tiles."""
+def run_protocol(
+    tiles: int, seed: int, stages: int = STAGES, lag: int = LAG, consumers: int = CONSUMERS
+) -> None:
+    """One random interleaving of the producer and the consumers over `tiles` tiles (the pair
+    plan: one consumer, config.PAIR's stages)."""
     rng = random.Random(seed)
     full = [_Barrier() for _ in range(stages)]
     empty = [_Barrier() for _ in range(stages)]
     holder = [None] * stages  # the tile a stage holds, None once released
     signalled: set[int] = set()
-    actors = [_producer(tiles, stages, lag)] + [_consumer(w, tiles, stages) for w in range(2)]
+    actors = [_producer(tiles, stages, lag)]
+    actors += [_consumer(w, tiles, stages, consumers) for w in range(consumers)]
     pending = [next(a, None) for a in actors]
     while any(p is not None for p in pending):
         ready = []
@@ -190,9 +194,11 @@ def emulate_backward(
     *,
     dtype: torch.dtype = torch.float64,
     ds_dtype: torch.dtype | None = None,
+    consumers: int = CONSUMERS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dw, dk) in `dtype` for the op's 3-D / 4-D layouts, the kernel's decomposition
-    (module docstring); ds_dtype: dS rounded to it (the kernel: q's dtype), None: not rounded."""
+    (module docstring); ds_dtype: dS rounded to it (the kernel: q's dtype), None: not rounded;
+    consumers: the plan's consumer warpgroups (the pair plan: 1, one partial)."""
     four = q.dim() == 4
     q4, w3, k3, t3, p3, i3 = (x if four else x[None] for x in (q, weights, k, target, predict,
                                                                 topk_indices))  # fmt: skip
@@ -209,10 +215,10 @@ def emulate_backward(
         ws = w3[bt, st].to(dtype) * sm_scale
         grad, ids, tiles = _prologue(t3[bt, st].to(dtype), p3[bt, st].to(dtype), i3[bt, st],
                                      bt * s_kv, s_kv, indices_global, scale)  # fmt: skip
-        part_dq = torch.zeros(CONSUMERS, heads, dim, dtype=dtype)
-        part_dw = torch.zeros(CONSUMERS, heads, dtype=dtype)
+        part_dq = torch.zeros(consumers, heads, dim, dtype=dtype)
+        part_dw = torch.zeros(consumers, heads, dtype=dtype)
         for i in range(tiles):
-            w = i % CONSUMERS
+            w = i % consumers
             tid = ids[i * TILE : (i + 1) * TILE]
             tg = grad[i * TILE : (i + 1) * TILE]
             n = tid.shape[0]
@@ -232,6 +238,6 @@ def emulate_backward(
             rows[:n] = tid
             keep = rows >= 0
             dk.index_add_(0, rows[keep], dk_tile[keep])
-        dq[t] = part_dq[0] + part_dq[1]
-        dw[t] = part_dw[0] + part_dw[1]
+        dq[t] = part_dq.sum(0)
+        dw[t] = part_dw.sum(0)
     return dq.view(q.shape), dw.view(weights.shape), dk.view(k.shape)

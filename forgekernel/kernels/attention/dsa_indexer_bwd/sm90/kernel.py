@@ -48,18 +48,14 @@ from cutlass.tensor_utils import LayoutEnum
 from forgekernel.kernels.attention.dsa_indexer_bwd.sm90.config import (
     CHUNK,
     CLIP_PROB_MIN,
-    CONSUMER_REGS,
-    CONSUMERS,
     DIM,
     HEADS,
     LAG,
     NCHUNK,
-    PRODUCER_REGS,
-    STAGES,
-    THREADS,
     TILE,
     TOPK_MAX,
-    WARPS,
+    exchange_floats,
+    plan,
 )
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
 from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
@@ -68,8 +64,6 @@ from forgekernel.kernels.common.sm90.mma import gemm
 from forgekernel.kernels.common.sm90.pipeline import smem_tensor
 from forgekernel.kernels.common.sm90.warp_mma import copy_row_async, tiled_row_copy
 
-CONSUMER_THREADS = CONSUMERS * THREADS_PER_WG
-PER_THREAD = (TOPK_MAX + THREADS - 1) // THREADS  # the prologue's slots a thread
 STAGE_FLOATS = TILE * DIM * 2 // 4  # one 16-bit stage as fp32
 WARP_FLOATS = 16 * CHUNK  # staged: a warp's 16 rows x 64 columns of a dK chunk
 
@@ -84,7 +78,8 @@ class DsaIndexerBwdSm90:
     """See the module docstring (compile key: the 16-bit dtype; 64 heads x 128); reduce False:
     the timing probe (config.params_for): the dK reductions' guard is never true."""
 
-    def __init__(self, reduce: bool = True, staged: bool = False):
+    def __init__(self, reduce: bool = True, staged: bool = False, pair: bool = False):
+        self.p = plan(pair)  # config.Plan: warp roles, ring, registers, CTAs an SM
         self.reduce = reduce
         # staged (a candidate): dK through the tile's dead stage, read back as two 256-byte rows
         # a warp instruction (`_reduce_staged`); False: the lane-pair swap (`_reduce_dk`)
@@ -113,8 +108,10 @@ class DsaIndexerBwdSm90:
         # stmatrix through its transposed view (S's layout: 8 stores a thread, not 32 scalar
         # ones whose 32 swizzled addresses spilled)
         self.lay_q = sm90_utils.make_smem_layout_a(row, (HEADS, TILE, CHUNK), dt, NCHUNK)
-        self.lay_k = sm90_utils.make_smem_layout_b(row, (HEADS, TILE, CHUNK), dt, NCHUNK * STAGES)
-        self.lay_ds = sm90_utils.make_smem_layout_a(col, (TILE, CHUNK, HEADS), dt, CONSUMERS)
+        self.lay_k = sm90_utils.make_smem_layout_b(
+            row, (HEADS, TILE, CHUNK), dt, NCHUNK * self.p.stages
+        )
+        self.lay_ds = sm90_utils.make_smem_layout_a(col, (TILE, CHUNK, HEADS), dt, self.p.consumers)
 
     @cute.jit
     def __call__(
@@ -151,13 +148,13 @@ class DsaIndexerBwdSm90:
 
         @cute.struct
         class Shared:
-            full: cute.struct.MemRange[cutlass.Int64, STAGES]
-            empty: cute.struct.MemRange[cutlass.Int64, STAGES]
-            part: cute.struct.MemRange[Float32, WARPS]
-            last: cute.struct.MemRange[Int32, WARPS]
+            full: cute.struct.MemRange[cutlass.Int64, self.p.stages]
+            empty: cute.struct.MemRange[cutlass.Int64, self.p.stages]
+            part: cute.struct.MemRange[Float32, self.p.warps]
+            last: cute.struct.MemRange[Int32, self.p.warps]
             g: cute.struct.MemRange[Float32, TOPK_MAX]
             ids: cute.struct.MemRange[Int32, TOPK_MAX]
-            x: cute.struct.MemRange[Float32, THREADS_PER_WG * (HEADS * DIM // THREADS_PER_WG + 2)]
+            x: cute.struct.MemRange[Float32, exchange_floats(self.p)]
             q: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.lay_q)], 1024]
             k: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.lay_k)], 1024]
             ds: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.lay_ds)], 1024]
@@ -167,7 +164,9 @@ class DsaIndexerBwdSm90:
         self.kernel(
             mQ, mW, mK, mTarget, mPredict, mIdx, mGradLoss, mdQ, mdW, mdK, scalars,
             self.mma_s, self.mma_dq, self.mma_dk, self.lay_q, self.lay_k, self.lay_ds,
-        ).launch(grid=(mQ.shape[0], 1, 1), block=[THREADS, 1, 1], min_blocks_per_mp=1,
+        ).launch(grid=(mQ.shape[0], 1, 1), block=[self.p.threads, 1, 1],
+                 min_blocks_per_mp=self.p.ctas,
+                 preferred_smem_carveout=100,  # percent: the whole 228 KB (no device query)
                  stream=stream)  # fmt: skip
 
     @cute.kernel
@@ -199,7 +198,7 @@ class DsaIndexerBwdSm90:
         sIds = storage.ids.get_tensor(cute.make_layout(TOPK_MAX))
         full, empty = storage.full.data_ptr(), storage.empty.data_ptr()
         if tidx == 0:
-            for s in cutlass.range_constexpr(STAGES):
+            for s in cutlass.range_constexpr(self.p.stages):
                 cute.arch.mbarrier_init(full + s, THREADS_PER_WG)
                 cute.arch.mbarrier_init(empty + s, THREADS_PER_WG)
         cute.arch.mbarrier_init_fence()
@@ -210,25 +209,30 @@ class DsaIndexerBwdSm90:
         tiles = self._prologue(mTarget, mPredict, mIdx, mGradLoss, scalars, storage, sG, sIds,
                                t, tidx)  # fmt: skip
         if wg == 0:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            cute.arch.setmaxregister_decrease(self.p.producer_regs)
             self._gather(mQ, mK, sm, full, empty, t, tiles, tidx)
         else:
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            cute.arch.setmaxregister_increase(self.p.consumer_regs)
             ins = (mW, mdQ, mdW, mdK, scalars[0])
             mmas = (mma_s, mma_dq, mma_dk)
-            sX = storage.x.get_tensor(
-                cute.make_layout((THREADS_PER_WG, HEADS * DIM // THREADS_PER_WG + 2))
-            )
+            sX = storage.x.get_tensor(cute.make_layout(exchange_floats(self.p)))
+            if const_expr(self.p.consumers == 2):
+                sX = storage.x.get_tensor(
+                    cute.make_layout((THREADS_PER_WG, HEADS * DIM // THREADS_PER_WG + 2))
+                )
             # staged: the ring's bytes as fp32 (stage, float), a stage 16 KB = 4096 floats
             sRed = cute.make_tensor(
                 cute.recast_ptr(storage.k.data_ptr(), dtype=Float32),
-                cute.make_layout((STAGES, STAGE_FLOATS), stride=(STAGE_FLOATS, 1)),
+                cute.make_layout((self.p.stages, STAGE_FLOATS), stride=(STAGE_FLOATS, 1)),
             )
             sX = (sX, sRed)
-            if wg == 1:
-                self._consume(ins, sm, sX, full, empty, mmas, t, tiles, tidx - THREADS_PER_WG, 0)
+            ctid = tidx - THREADS_PER_WG
+            if const_expr(self.p.consumers == 1):
+                self._consume(ins, sm, sX, full, empty, mmas, t, tiles, ctid, 0)
+            elif wg == 1:
+                self._consume(ins, sm, sX, full, empty, mmas, t, tiles, ctid, 0)
             else:
-                self._consume(ins, sm, sX, full, empty, mmas, t, tiles, tidx - THREADS_PER_WG, 1)
+                self._consume(ins, sm, sX, full, empty, mmas, t, tiles, ctid - THREADS_PER_WG, 1)
 
     # ---- prologue (all threads) -----------------------------------------------------------
 
@@ -243,21 +247,22 @@ class DsaIndexerBwdSm90:
         base = (t // s_q) * s_kv
         shift = Int32(cutlass.select_(global_ids != 0, base, Int32(0)))
         scale = mGradLoss[0] * coeff
-        g = cute.make_rmem_tensor(PER_THREAD, Float32)
-        p = cute.make_rmem_tensor(PER_THREAD, Float32)
-        ids = cute.make_rmem_tensor(PER_THREAD, Int32)
+        per, threads, warps = self.p.per_thread, self.p.threads, self.p.warps
+        g = cute.make_rmem_tensor(per, Float32)
+        p = cute.make_rmem_tensor(per, Float32)
+        ids = cute.make_rmem_tensor(per, Int32)
         # every load first, at clamped positions (no branch between them: one memory latency,
         # not one a slot; 2026-12-04 SASS: six serialized round trips with the loads inside
         # `if j < topk`), then the masks
-        for m in cutlass.range_constexpr(PER_THREAD):
-            jc = cutlass.min(tidx + m * THREADS, topk - 1)
+        for m in cutlass.range_constexpr(per):
+            jc = cutlass.min(tidx + m * threads, topk - 1)
             ids[m] = mIdx[t, jc]
             p[m] = mPredict[t, jc]
             g[m] = mTarget[t, jc]
         total = Float32(0.0)
         last = Int32(-1)
-        for m in cutlass.range_constexpr(PER_THREAD):
-            j = tidx + m * THREADS
+        for m in cutlass.range_constexpr(per):
+            j = tidx + m * threads
             local = ids[m] - shift
             valid = (j < topk) & (local >= 0) & (local < s_kv)
             keep = (j < topk) & (p[m] >= Float32(CLIP_PROB_MIN))
@@ -271,8 +276,8 @@ class DsaIndexerBwdSm90:
         for off in cutlass.range_constexpr(5):
             total = total + cute.arch.shuffle_sync_bfly(total, 16 >> off)
             last = cutlass.max(last, cute.arch.shuffle_sync_bfly(last, 16 >> off))
-        sPart = storage.part.get_tensor(cute.make_layout(WARPS))
-        sLast = storage.last.get_tensor(cute.make_layout(WARPS))
+        sPart = storage.part.get_tensor(cute.make_layout(warps))
+        sLast = storage.last.get_tensor(cute.make_layout(warps))
         lane = tidx % 32
         if lane == 0:
             sPart[tidx // 32] = total
@@ -280,11 +285,11 @@ class DsaIndexerBwdSm90:
         cute.arch.sync_threads()
         total = Float32(0.0)
         last = Int32(-1)
-        for v in cutlass.range_constexpr(WARPS):  # the same order in every thread
+        for v in cutlass.range_constexpr(warps):  # the same order in every thread
             total = total + sPart[v]
             last = cutlass.max(last, sLast[v])
-        for m in cutlass.range_constexpr(PER_THREAD):
-            j = tidx + m * THREADS
+        for m in cutlass.range_constexpr(per):
+            j = tidx + m * threads
             if j < padded:  # padding (ids -1, past topk included): 0
                 sG[j] = Float32(cutlass.select_(ids[m] >= 0, g[m] - p[m] * total, Float32(0.0)))
         cute.arch.sync_threads()
@@ -319,8 +324,8 @@ class DsaIndexerBwdSm90:
         rows = cute.make_rmem_tensor(per_thread, Int32)
         for i in cutlass.range(tiles + LAG, unroll=1):
             if i < tiles:
-                s = i % STAGES
-                cute.arch.mbarrier_wait(empty + s, ((i // STAGES) & 1) ^ 1)
+                s = i % self.p.stages
+                cute.arch.mbarrier_wait(empty + s, ((i // self.p.stages) & 1) ^ 1)
                 for m in cutlass.range_constexpr(per_thread):
                     rows[m] = sIds[i * TILE + crd[0, m, 0][0]]
                 for k in cutlass.range_constexpr(NCHUNK):
@@ -337,7 +342,7 @@ class DsaIndexerBwdSm90:
             if i >= LAG:
                 cute.arch.cp_async_wait_group(LAG)  # tile i - LAG's rows (and q) have landed
                 cute.arch.fence_view_async_shared()  # cp.async and st.shared, then WGMMA reads
-                cute.arch.mbarrier_arrive(full + (i - LAG) % STAGES)
+                cute.arch.mbarrier_arrive(full + (i - LAG) % self.p.stages)
         cute.arch.cp_async_wait_group(0)
 
     # ---- consumers -----------------------------------------------------------------------
@@ -380,7 +385,7 @@ class DsaIndexerBwdSm90:
         tKdS = t_dk.make_fragment_A(t_dk.partition_A(sdS))
         tKQ = t_dk.make_fragment_B(t_dk.partition_B(transposed(sQ)))
         acc_dk = [cute.make_rmem_tensor(t_dk.partition_shape_C((TILE, CHUNK)), Float32)
-                  for _ in range(NCHUNK)]  # fmt: skip
+                  for _ in range(self.p.dk_chunks)]  # fmt: skip
         dk_crd = t_dk.partition_C(cute.make_identity_tensor((TILE, CHUNK)))
         # this lane's dK row of a tile: lane 2m row r, lane 2m + 1 row r + 8 (`_reduce_dk`)
         dk_row = dk_crd[0][0] + 8 * (lane % 2)
@@ -397,9 +402,9 @@ class DsaIndexerBwdSm90:
         # staged: the lane's read-back rows 2 k + lane // 16 of its warp's 16
         rids = cute.make_rmem_tensor(8, Int32)
 
-        for i in cutlass.range(w, tiles, CONSUMERS, unroll=1):
-            s = i % STAGES
-            cute.arch.mbarrier_wait(full + s, (i // STAGES) & 1)
+        for i in cutlass.range(w, tiles, self.p.consumers, unroll=1):
+            s = i % self.p.stages
+            cute.arch.mbarrier_wait(full + s, (i // self.p.stages) & 1)
             for c in cutlass.range_constexpr(NCHUNK):
                 gemm(mma_s, acc_s, tSQ[None, None, None, c], tSK[None, None, None, s * NCHUNK + c],
                      c == 0, -1)  # fmt: skip
@@ -420,27 +425,32 @@ class DsaIndexerBwdSm90:
             cute.copy(r2s, thr_r2s.retile(rdS), tdSsdS)
             cute.arch.fence_view_async_shared()  # st.shared, then the WGMMAs' reads
             ds_ready.arrive_and_wait()
-            for c in cutlass.range_constexpr(NCHUNK):
+            nacc = self.p.dk_chunks  # GEMM2's chunks issued at once (pair: one at a time)
+            for c in cutlass.range_constexpr(nacc):
                 gemm(mma_dk, acc_dk[c], tKdS[None, None, None, w], tKQ[None, None, None, c],
                      True, -1)  # fmt: skip
             rid = sIds[slot0 + dk_row]
             if const_expr(self.staged):
                 for k in cutlass.range_constexpr(8):
                     rids[k] = sIds[slot0 + 16 * warp + 2 * k + lane // 16]
-            warpgroup.wait_group(NCHUNK)  # GEMM3, the stage's last reader, is done
+            warpgroup.wait_group(nacc)  # GEMM3, the stage's last reader, is done
             if const_expr(self.staged):  # every warp's part of it: the stage is staging room
                 stage_dead.arrive_and_wait()
             else:
                 cute.arch.mbarrier_arrive(empty + s)
             for c in cutlass.range_constexpr(NCHUNK):
-                warpgroup.wait_group(NCHUNK - 1 - c)
+                acc = acc_dk[c % nacc]
+                if const_expr(c >= nacc):  # pair: the accumulator's reductions were issued
+                    gemm(mma_dk, acc, tKdS[None, None, None, w], tKQ[None, None, None, c],
+                         True, -1)  # fmt: skip
+                warpgroup.wait_group(nacc - 1 - c if c < nacc else 0)
                 if const_expr(self.staged):
                     sw = cute.make_tensor(sRed[s, None].iterator + warp * WARP_FLOATS,
                                           cute.make_layout(WARP_FLOATS))  # fmt: skip
                     release = empty + s if const_expr(c == NCHUNK - 1) else None
-                    self._reduce_staged(acc_dk[c], mdK, rids, c * CHUNK, lane, sw, release)
+                    self._reduce_staged(acc, mdK, rids, c * CHUNK, lane, sw, release)
                 else:
-                    self._reduce_dk(acc_dk[c], mdK, rid, c * CHUNK + dk_col, lane)
+                    self._reduce_dk(acc, mdK, rid, c * CHUNK + dk_col, lane)
         self._finish(mdQ, mdW, acc_dq, dw, t_dq, s_crd, sX, t, ltid, w)
 
     @cute.jit
@@ -511,8 +521,17 @@ class DsaIndexerBwdSm90:
             for off in cutlass.range_constexpr(2):
                 dw[r] = dw[r] + cute.arch.shuffle_sync_bfly(dw[r], 1 << off)
         per = cute.size(acc_dq[0])
-        exchange = named_barrier(Bar.EXCHANGE, CONSUMER_THREADS)
-        if const_expr(w == 1):
+        exchange = named_barrier(Bar.EXCHANGE, 2 * THREADS_PER_WG)
+        if const_expr(self.p.consumers == 1):  # pair: the only consumer stores its own
+            crd = t_dq.partition_C(cute.make_identity_tensor((HEADS, CHUNK)))
+            for c in cutlass.range_constexpr(NCHUNK):
+                for e in cutlass.range_constexpr(per):
+                    head, col = crd[e]
+                    mdQ[t, head, c * CHUNK + col] = acc_dq[c][e].to(mdQ.element_type)
+            if ltid % 4 == 0:
+                for r in cutlass.range_constexpr(n_rows):
+                    mdW[t, s_crd[r, 0][0]] = dw[r].to(mdW.element_type)
+        elif const_expr(w == 1):
             for c in cutlass.range_constexpr(NCHUNK):
                 for e in cutlass.range_constexpr(per):
                     sX[ltid, c * per + e] = acc_dq[c][e]

@@ -52,13 +52,15 @@ def dsa_indexer_bwd(
     dw: torch.Tensor | None = None,
     reduce: bool = True,
     staged: bool = False,
+    pair: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq like q, dw like weights, dk fp32 like k): the op's layouts (3-D q (S, H, D), k
     (S_kv, D) or 4-D q (B, S, H, D), k (B, S_kv, D); weights (.., S, H); target, predict fp32
     and topk_indices int32 (.., S, topk), per batch or with indices_global b S_kv + e).
     grad_scale = grad_loss x loss_coeff / (B S) is formed on the device. dq / dw: contiguous
     buffers to write (tests poison them); reduce False: the timing probe's build (dk stays 0);
-    staged True: the candidate reduction form (kernel.py `_reduce_staged`).
+    staged True: the candidate reduction form (kernel.py `_reduce_staged`); pair True: the
+    candidate plan of two CTAs an SM (config.PAIR).
     `unsupported` must be None for these inputs."""
     four = q.dim() == 4
     b, s_q = (q.shape[0], q.shape[1]) if four else (1, q.shape[0])
@@ -72,7 +74,7 @@ def dsa_indexer_bwd(
         return dq, dw, dk
     if topk == 0 or s_kv == 0:
         return dq.zero_(), dw.zero_(), dk
-    params = config.params_for(dtype_name(q.dtype), q.shape[-2], reduce, staged)
+    params = config.params_for(dtype_name(q.dtype), q.shape[-2], reduce, staged, pair)
     kernel = get_kernel(SPEC, params)
     heads, dim = config.HEADS, config.DIM
     gl = torch.ones(1, dtype=torch.float32, device=q.device) if grad_loss is None else grad_loss
