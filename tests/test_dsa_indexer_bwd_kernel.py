@@ -241,3 +241,31 @@ def test_lane_map_is_the_kernels_accumulator_layout():
         for i, rc in enumerate(coords):
             j, h, e = i // 4, (i // 2) % 2, i % 2
             assert rc == (16 * v + lane // 4 + 8 * h, 8 * j + 2 * (lane % 4) + e)
+
+
+def test_stages_are_contiguous():
+    """The staged form addresses stage s as the fp32 bytes [s x 16 KB, (s + 1) x 16 KB): the
+    ring's two 64-column chunks of a stage (kernel.py `_setup`'s lay_k, index s x NCHUNK + k)
+    must be exactly those bytes (the 128-byte swizzle permutes 16-byte pieces inside 1 KB)."""
+    pytest.importorskip("cutlass")
+    import cutlass
+    import cutlass.cute as cute
+
+    from forgekernel.kernels.attention.dsa_indexer_bwd.sm90.kernel import DsaIndexerBwdSm90
+
+    seen = {}
+    kernel = DsaIndexerBwdSm90(pair=True)  # 4 stages (8 chunks); the standard plan: the same atoms
+
+    @cute.jit
+    def probe():
+        kernel._setup(cutlass.BFloat16)
+        lay = kernel.lay_k
+        for k in cutlass.range_constexpr(config.NCHUNK * kernel.p.stages):
+            seen[k] = sorted(
+                {lay((r, c, k)) for r in range(config.TILE) for c in range(0, config.CHUNK, 8)}
+            )
+
+    cute.compile(probe)
+    elems = config.TILE * config.CHUNK
+    for k, offsets in seen.items():
+        assert offsets == list(range(k * elems, (k + 1) * elems, 8))
