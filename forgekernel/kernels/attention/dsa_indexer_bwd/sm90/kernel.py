@@ -13,23 +13,29 @@ scale = grad_loss[0] x coeff (coeff = loss_coeff / (B S_q), read on the device: 
 A slot is valid when its id (per batch: e; global: e - b S_kv) lies in [0, S_kv): no K row is
 read for the others (zero-filled in shared memory), G = 0 there, and dK gets nothing.
 
-Warp roles (one CTA per query row, 384 threads; config.py has the shared-memory plan):
-- prologue, all threads: the row's target / predict / ids once (TOPK_MAX slots at most), sum g by
-  a block reduction, G and the flat key ids into shared memory, the last valid position (tiles
-  past it are not run: the causal rows' padded tails).
-- warpgroup 0 (setmaxnreg 24) gathers q[t] once (issued before the prologue, in flight under
-  it), then each tile's TILE key rows by cp.async (8
-  threads a 64-column chunk row), LAG tiles in flight: tile i's group waited (wait_group LAG),
-  fenced for the async proxy and signalled on full[stage] when tile i + LAG has been issued.
-- warpgroups 1 and 2 (setmaxnreg 240) take alternate tiles (i % 2): GEMM1, the epilogue (dS,
-  dw), GEMM3 from registers, dS^T into the warpgroup's own shared buffer, GEMM2, then the stage
-  released (after GEMM3, its last reader) and dK added: `red.global.add.v4.f32` straight from
-  the GEMM2 accumulator, a lane pair's halves swapped by one shuffle each (lane 2m: row r,
-  lane 2m + 1: row r + 8, four adjacent columns; 16 reductions a thread a tile, whole 32-byte
-  sectors, no staging, no barrier). The candidate to measure against: the staging in shared
-  memory read back as two full rows a warp instruction (the sparse backward's red4s) or a
-  cp.reduce.async.bulk of the tile (cuDNN's form).
-- end: warpgroup 2's dq / dw partials through shared memory to warpgroup 1, which stores them.
+Warp roles (one CTA per query row; config.py has the plans `STANDARD` and `PAIR` and the
+shared-memory figures):
+- prologue, all threads: the row's target / predict / ids once (TOPK_MAX slots at most, every
+  load issued before any mask), sum g by a block reduction, G and the flat key ids into shared
+  memory, the last valid position (tiles past it are not run: the causal rows' padded tails).
+- warpgroup 0 (setmaxnreg 24; pair 40) gathers q[t] once (issued before the prologue, in
+  flight under it), then each tile's TILE key rows by cp.async (8 threads a 64-column chunk
+  row), LAG tiles in flight: tile i's group waited (wait_group LAG), fenced for the async proxy
+  and signalled on full[stage] when tile i + LAG has been issued.
+- the consumer warpgroups (standard: two, setmaxnreg 240, alternate tiles i % 2, one CTA an SM;
+  pair: one, setmaxnreg 216, every tile, two CTAs an SM), per tile: GEMM1, the epilogue (dS,
+  dw), GEMM3 from registers, dS^T into the warpgroup's own shared buffer by stmatrix, GEMM2
+  (pair: one 64-column chunk at a time), then the stage released (after GEMM3, its last reader)
+  and dK added: `red.global.add.v4.f32` straight from the GEMM2 accumulator, a lane pair's
+  halves swapped by one shuffle each (lane 2m: row r, lane 2m + 1: row r + 8, four adjacent
+  columns; 16 reductions a thread a tile, whole 32-byte sectors, no staging, no barrier). The
+  candidate `staged` (`_reduce_staged`): the warp's rows staged in the tile's dead stage (a
+  128-thread barrier first: every warp's GEMM3 done), read back as two full 256-byte rows a
+  warp instruction (the sparse backward's red4s), the stage released after the last read-back.
+  Consumer thread indices are 0 .. 127 within each warpgroup (the MMA slices, the staging and
+  the exchange rows).
+- end: dw over the quad; standard: warpgroup 2's dq / dw partials through shared memory to
+  warpgroup 1, which stores them; pair: the consumer stores its own.
 """
 
 from __future__ import annotations
