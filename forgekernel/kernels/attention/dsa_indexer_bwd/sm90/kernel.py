@@ -464,22 +464,26 @@ class DsaIndexerBwdSm90:
         """dK[rid, col0 + 8 j ..] += four columns a `red.global.add.v4.f32`: the accumulator's
         raw element 4 j + 2 h + e is (row r + 8 h, column 8 j + 2 (lane % 4) + e); lanes 2m and
         2m + 1 swap the halves the other keeps (one shuffle a value), so lane 2m holds row r's
-        columns 8 j + 4 (lane % 4 // 2) .. + 3 and lane 2m + 1 row r + 8's."""
+        columns 8 j + 4 (lane % 4 // 2) .. + 3 and lane 2m + 1 row r + 8's, written back in
+        place (acc[4 j ..]; GEMM2 zero-initializes it next); then the reductions under one
+        branch (the row id is the lane's for the whole tile: one branch, not sixteen)."""
         odd = (lane % 2) == 1
-        quad = cute.make_rmem_tensor(4, Float32)
         for j in cutlass.range_constexpr(cute.size(acc) // 4):
             a0, a1 = acc[4 * j], acc[4 * j + 1]  # row r
             b0, b1 = acc[4 * j + 2], acc[4 * j + 3]  # row r + 8
             y0 = cute.arch.shuffle_sync_bfly(Float32(cutlass.select_(odd, a0, b0)), 1)
             y1 = cute.arch.shuffle_sync_bfly(Float32(cutlass.select_(odd, a1, b1)), 1)
-            quad[0] = Float32(cutlass.select_(odd, y0, a0))
-            quad[1] = Float32(cutlass.select_(odd, y1, a1))
-            quad[2] = Float32(cutlass.select_(odd, b0, y0))
-            quad[3] = Float32(cutlass.select_(odd, b1, y1))
-            ok = rid >= 0 if const_expr(self.reduce) else rid == -2  # ids are >= -1
-            if ok:
-                cute.arch.red(mdK[rid, None].iterator + (col0 + 8 * j), quad.load(), op="add",
-                              dtype=Float32, sem="relaxed", scope="gpu")  # fmt: skip
+            acc[4 * j] = Float32(cutlass.select_(odd, y0, a0))
+            acc[4 * j + 1] = Float32(cutlass.select_(odd, y1, a1))
+            acc[4 * j + 2] = Float32(cutlass.select_(odd, b0, y0))
+            acc[4 * j + 3] = Float32(cutlass.select_(odd, b1, y1))
+        ok = rid >= 0 if const_expr(self.reduce) else rid == -2  # ids are >= -1
+        if ok:
+            row = mdK[rid, None].iterator + col0
+            for j in cutlass.range_constexpr(cute.size(acc) // 4):
+                quad = cute.make_tensor(acc.iterator + 4 * j, cute.make_layout(4)).load()
+                cute.arch.red(row + 8 * j, quad, op="add", dtype=Float32, sem="relaxed",
+                              scope="gpu")  # fmt: skip
 
     @cute.jit
     def _reduce_staged(self, acc, mdK, rids, col0, lane, sw, release):
