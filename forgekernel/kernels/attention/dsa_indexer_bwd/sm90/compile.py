@@ -19,15 +19,18 @@ def _rows(dtype, rows, cols, align: int) -> cute.Tensor:
     return make_fake_tensor(dtype, (rows, cols), stride=(cute.sym_int64(), 1), assumed_align=align)
 
 
-def compile_indexer_bwd(params: dict, arch: str = "sm_90a", extra_options: str = ""):
+def kernel_for(params: dict) -> DsaIndexerBwdSm90:
+    return DsaIndexerBwdSm90(
+        not params.get("noreduce", False), params.get("staged", False), params.get("pair", False)
+    )
+
+
+def compile_indexer_bwd(params: dict, arch: str = "sm_90a", extra_options: str = "", kernel=None):
+    """kernel: the instance to compile (tests read its `shared` struct after), else a new one."""
     dtype = fake.dtype_of(params["dtype"])
     rows, slots, topk = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     return cute.compile(
-        DsaIndexerBwdSm90(
-            not params.get("noreduce", False),
-            params.get("staged", False),
-            params.get("pair", False),
-        ),
+        kernel_for(params) if kernel is None else kernel,
         fake.rowmajor(dtype, (rows, HEADS, DIM)),
         _rows(dtype, rows, HEADS, 2),
         fake.rowmajor(dtype, (slots, DIM)),
