@@ -149,6 +149,37 @@ def run_ours(inputs: Inputs, out: tuple | None) -> tuple:
     return out
 
 
+def _launcher_variant(**flags):
+    """A candidate build of the kernel (launch.py flags: staged, pair) with the op's dK cast,
+    timed by `bench` beside the op after its own verification (docs/attention/
+    DSA_INDEXER_NOTES.md "Backward kernel, built": the candidates)."""
+
+    def run(inputs: Inputs, out: tuple | None) -> tuple:
+        from forgekernel.kernels.attention.dsa_indexer_bwd.sm90 import launch
+
+        i = inputs
+        args = (i[n] for n in ("q", "w", "k", "target", "predict", "idx", "grad_loss"))
+        dq, dw, dk = launch.dsa_indexer_bwd(*args, SM_SCALE, LOSS_COEFF, False, **flags)
+        grads = (dq, dw, dk.to(i["k"].dtype))
+        if out is None:
+            return grads
+        for o, g in zip(out, grads):
+            o.copy_(g)
+        return out
+
+    return run
+
+
+def variants(case: Case) -> dict[str, Any]:
+    """Every case: the candidates staged (dK through the dead stage, whole 256-byte rows), pair
+    (two CTAs an SM) and both, beside the op's standard build."""
+    return {
+        "staged": _launcher_variant(staged=True),
+        "pair": _launcher_variant(pair=True),
+        "pair_staged": _launcher_variant(pair=True, staged=True),
+    }
+
+
 def _flat(inputs: Inputs):
     names = ("q", "k", "w", "idx", "target", "predict")
     if inputs["q"].dim() == 3:
@@ -268,4 +299,5 @@ def suite() -> OpSuite:
         bench_dtypes=(torch.bfloat16,),
         sanitize_cases=CHECK_CASES[:3],
         judge=judge,
+        variants=variants,
     )
