@@ -49,7 +49,8 @@ SUITE_MODULES = {
     "dsa_recompute": "forgekernel.bench.suites.dsa_recompute",  # issue 22: the score recompute
     # issue 20: Kimi Delta Attention backward (the interim fp32 torch path until its kernel)
     "kda_bwd": "forgekernel.bench.suites.kda_bwd",
-    # issue 22: the indexer's training backward (the interim fp32 torch path until its kernel)
+    # issue 22: the indexer's training backward, its kernel (built on the CPU 2026-12-04; held:
+    # the ledger gate waits for its first GPU check)
     "dsa_indexer_bwd": "forgekernel.bench.suites.dsa_indexer_bwd",
     # issue 22: DSA sparse attention backward, the v1 kernel (checked on the H200 2026-12-03)
     "dsa_sparse_bwd": "forgekernel.bench.suites.dsa_sparse_bwd",
