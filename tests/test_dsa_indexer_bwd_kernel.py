@@ -269,3 +269,32 @@ def test_stages_are_contiguous():
     elems = config.TILE * config.CHUNK
     for k, offsets in seen.items():
         assert offsets == list(range(k * elems, (k + 1) * elems, 8))
+
+
+def _gpu_test_module():
+    """tests/gpu/test_dsa_indexer_bwd_kernel_gpu.py (its cases, problem, reference, judge),
+    loaded by path: it is not a package."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent / "gpu" / "test_dsa_indexer_bwd_kernel_gpu.py"
+    spec = importlib.util.spec_from_file_location("_indexer_bwd_kernel_gpu_cases", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gpu_cases_meet_their_judge_under_the_kernels_rounding(dtype):
+    """Every case of the GPU test's reference comparison, built on the CPU by its own `_problem`
+    and emulated with the kernel's rounding (dS, dq and dw in the inputs' dtype, dK fp32), passes
+    that test's judge. It caught (2026-12-04 review) the one-key case failing by 1e3-1e4 x: with
+    S_kv = 1 and predict summing to 1 the exact gradients are 0 and the rounded dS is not."""
+    gpu = _gpu_test_module()
+    cpu = torch.device("cpu")
+    for b, s_q, s_kv, topk, pad, glob in gpu.CASES:
+        *args, gl = gpu._problem(b, s_q, s_kv, topk, dtype, pad=pad, glob=glob,
+                                 seed=s_q * 7 + topk, device=cpu)  # fmt: skip
+        dq, dw, dk = emulate.emulate_backward(*args, float(gl), 1.0, 1.0, glob, ds_dtype=dtype)
+        *want, _ = gpu._reference(*args, gl, glob)
+        gpu._judge((dq.to(dtype), dw.to(dtype), dk.float()), want)

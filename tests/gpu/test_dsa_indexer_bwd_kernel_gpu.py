@@ -24,18 +24,19 @@ DEV = torch.device("cuda")
 H, D = 64, 128
 
 
-def _problem(b, s_q, s_kv, topk, dtype, *, pad, glob, seed):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    rnd = {"device": DEV, "generator": g}
+def _problem(b, s_q, s_kv, topk, dtype, *, pad, glob, seed, device=DEV):
+    """device: DEV here; the CPU (tests/test_dsa_indexer_bwd_kernel.py) replays these cases
+    through emulate.py with the kernel's rounding against this file's judge."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    rnd = {"device": device, "generator": g}
     bb = 1 if b is None else b
     q = torch.randn(bb, s_q, H, D, **rnd).to(dtype)
     k = torch.randn(bb, s_kv, D, **rnd).to(dtype)
     w = (0.1 * torch.randn(bb, s_q, H, **rnd)).to(dtype)
     idx = torch.randint(0, s_kv, (bb, s_q, topk), **rnd, dtype=torch.int32)
-    pos = torch.arange(topk, device=DEV)
+    pos, rows = torch.arange(topk, device=device), torch.arange(s_q, device=device)
     if pad == "end":  # row r: its first min(r * 37 + 1, topk) slots
-        idx = torch.where(pos[None, None, :] <= 37 * torch.arange(s_q, device=DEV)[None, :, None],
-                          idx, -1)  # fmt: skip
+        idx = torch.where(pos[None, None, :] <= 37 * rows[None, :, None], idx, -1)
     else:
         r = torch.rand(idx.shape, **rnd)
         idx = torch.where(r < 0.15, -1, idx)
@@ -44,14 +45,20 @@ def _problem(b, s_q, s_kv, topk, dtype, *, pad, glob, seed):
     if s_q > 2:
         idx[:, 1] = -1  # a row with no valid slot
     if glob:
-        base = (torch.arange(bb, device=DEV, dtype=torch.int32) * s_kv)[:, None, None]
+        base = (torch.arange(bb, device=device, dtype=torch.int32) * s_kv)[:, None, None]
         idx = torch.where(idx >= 0, idx + base, idx)
     valid = (idx >= 0) & (idx < (bb * s_kv if glob else s_kv))
     target = torch.rand(idx.shape, **rnd).masked_fill(~valid, 0.0)
     target = target / target.sum(-1, keepdim=True).clamp(min=1e-30)
     predict = torch.softmax(torch.randn(idx.shape, **rnd).masked_fill(~valid, -torch.inf), -1)
     predict = predict.nan_to_num(0.0)
-    grad_loss = torch.full((1,), 1.25, device=DEV)
+    if s_kv == 1:
+        # One key: every valid slot names it, so with predict summing to 1 the exact gradients
+        # are 0 (sum_i G_i = sum g (1 - sum p) = 0) while the kernel's 16-bit dS leaves rounding
+        # noise of ~2^-9 |G w|: 1e3-1e4 x the judge's bound (2e-2 x ~0 + 1e-7; emulated on the
+        # CPU). A predict summing to 1/2 keeps the case (ids of a one-row K) well-conditioned.
+        predict = 0.5 * predict
+    grad_loss = torch.full((1,), 1.25, device=device)
     parts = (q, w, k, target, predict, idx)
     if b is None:
         parts = tuple(x[0] for x in parts)
