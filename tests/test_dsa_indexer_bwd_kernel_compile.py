@@ -82,6 +82,25 @@ def test_every_signal_follows_a_wait_and_a_proxy_fence():
 
 
 @pytest.mark.parametrize("pair", [False, True], ids=["standard", "pair"])
+def test_ds_buffer_is_rewritten_only_after_a_warpgroup_barrier(pair):
+    """Each consumer path's dS^T stores (stmatrix) overwrite what the previous tile's GEMM2
+    read, in every warp's slice; each warp's wgmma.wait_group covers its own WGMMAs only, so a
+    128-thread bar.sync must stand between the path's last WGMMA issue (GEMM3) and its first
+    stmatrix (kernel.py Bar.DS_FREE; 2026-12-04 review: none stood there), and another (DS_READY)
+    between the stores and GEMM2. The two barriers' ids differ."""
+    ptx = build(SPEC, config.params_for("bfloat16", pair=pair)).ptx
+    lines = [" ".join(x.split()) for x in ptx.splitlines()]
+    firsts = [n for n, x in enumerate(lines)
+              if x.startswith("stmatrix") and not lines[n - 1].startswith("stmatrix")]  # fmt: skip
+    assert len(firsts) == config.plan(pair).consumers
+    for n in firsts:
+        before = next(x for x in reversed(lines[:n]) if x.startswith(("bar.sync", "wgmma.mma")))
+        assert re.fullmatch(r"bar\.sync \d+, 128;", before), before
+        after = next(x for x in lines[n:] if x.startswith(("bar.sync", "wgmma.mma")))
+        assert re.fullmatch(r"bar\.sync \d+, 128;", after) and after != before, after
+
+
+@pytest.mark.parametrize("pair", [False, True], ids=["standard", "pair"])
 def test_shared_memory_is_the_plan(pair):
     """The compiled struct (kernel.py `Shared`) against config.smem_bytes (the plan the tests
     and notes quote): within the plan's alignment slack, and within an SM for the plan's CTAs."""

@@ -24,7 +24,8 @@ shared-memory figures):
   and signalled on full[stage] when tile i + LAG has been issued.
 - the consumer warpgroups (standard: two, setmaxnreg 240, alternate tiles i % 2, one CTA an SM;
   pair: one, setmaxnreg 216, every tile, two CTAs an SM), per tile: GEMM1, the epilogue (dS,
-  dw), GEMM3 from registers, dS^T into the warpgroup's own shared buffer by stmatrix, GEMM2
+  dw), GEMM3 from registers, dS^T into the warpgroup's own shared buffer by stmatrix (after a
+  128-thread barrier: every warp's previous GEMM2, the buffer's last reader, done), GEMM2
   (pair: one 64-column chunk at a time), then the stage released (after GEMM3, its last reader)
   and dK added: `red.global.add.v4.f32` straight from the GEMM2 accumulator, a lane pair's
   halves swapped by one shuffle each (lane 2m: row r, lane 2m + 1: row r + 8, four adjacent
@@ -78,6 +79,7 @@ class Bar(IntEnum):
     DS_READY = FIRST_FREE  # 1 + w: consumer warpgroup w's dS^T tile is in shared memory
     EXCHANGE = 3  # both consumers: warpgroup 2's dq / dw partials are in shared memory
     STAGE_DEAD = 4  # staged, 4 + w: warpgroup w's GEMM3 (all warps) of the tile is done
+    DS_FREE = 6  # 6 + w: warpgroup w's previous GEMM2 (all warps) is done: dS^T may be rewritten
 
 
 class DsaIndexerBwdSm90:
@@ -403,6 +405,7 @@ class DsaIndexerBwdSm90:
             ws[r] = mW[t, s_crd[r, 0][0]].to(Float32) * sm_scale
             dw[r] = Float32(0.0)
         ds_ready = named_barrier(Bar.DS_READY + w, THREADS_PER_WG)
+        ds_free = named_barrier(Bar.DS_FREE + w, THREADS_PER_WG)
         stage_dead = named_barrier(Bar.STAGE_DEAD + w, THREADS_PER_WG)
         warp = ltid // 32
         # staged: the lane's read-back rows 2 k + lane // 16 of its warp's 16
@@ -427,7 +430,12 @@ class DsaIndexerBwdSm90:
             tQdS.store(acc_as_operand_a(rdS).load())
             for c in cutlass.range_constexpr(NCHUNK):
                 gemm(mma_dq, acc_dq[c], tQdS, tQK[None, None, None, s * NCHUNK + c], False, -1)
-            # dS^T into this warpgroup's buffer (its previous GEMM2 finished: wait_group 0)
+            # dS^T into this warpgroup's buffer. Its last readers are the previous tile's GEMM2
+            # WGMMAs of all four warps, and each warp's wait_group 0 covers its own only: warp v
+            # writes rows every warp's GEMM2 slice reads (A = dS^T, K = the heads), so all four
+            # waits must precede any warp's stores (review 2026-12-04: no barrier stood between
+            # them; the same per-warp model as STAGE_DEAD and the stage's 128 empty arrivals)
+            ds_free.arrive_and_wait()
             cute.copy(r2s, thr_r2s.retile(rdS), tdSsdS)
             cute.arch.fence_view_async_shared()  # st.shared, then the WGMMAs' reads
             ds_ready.arrive_and_wait()
