@@ -57,7 +57,8 @@ def _cpu_inputs(dtype=torch.bfloat16, heads=H, dim=D, topk=128, ids=torch.int32)
 @pytest.mark.parametrize(
     "change, reason",
     [
-        ({"dtype": torch.float32}, "16-bit"),
+        ({"dtype": torch.float32}, "takes bf16"),
+        ({"dtype": torch.float16}, "underflows"),
         ({"heads": 32}, "64 heads"),
         ({"dim": 64}, "128 wide"),
         ({"ids": torch.int64}, "int32"),
@@ -284,7 +285,7 @@ def _gpu_test_module():
     return module
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])  # the kernel's one dtype
 def test_gpu_cases_meet_their_judge_under_the_kernels_rounding(dtype):
     """Every case of the GPU test's reference comparison, built on the CPU by its own `_problem`
     and emulated with the kernel's rounding (dS, dq and dw in the inputs' dtype, dK fp32), passes

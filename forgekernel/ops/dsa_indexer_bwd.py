@@ -23,11 +23,12 @@ target is not overwritten.
 
 THE KERNEL (kernels/attention/dsa_indexer_bwd/sm90; docs/attention/DSA_INDEXER_NOTES.md
 "Backward kernel, built"): dq, dw and an fp32 dK accumulator in one launch (G from target /
-predict in its prologue), then dK cast to k's dtype in torch. It takes bf16 / fp16 inputs with
-64 heads x 128, top-k <= 2048, both index forms, 3-D or 4-D. Everything else, or
+predict in its prologue), then dK cast to k's dtype in torch. It takes bf16 inputs (cuDNN's
+contract) with 64 heads x 128, top-k <= 2048, both index forms, 3-D or 4-D. Everything else, or
 FORGEKERNEL_DSA_INDEXER_BWD_KERNEL=0, takes the INTERIM PATH: the closed form in fp32 torch
 (`reference.dsa_indexer_bwd.dsa_indexer_kl_backward_ref`, chunked rows), correct, not fast:
-fp32 inputs, other head counts or widths, top-k > 2048.
+fp16 (its dS, rounded to fp16 for the GEMMs, underflows at the usual grad_loss 1 / (B S_q):
+kernels/.../config.py DTYPES), fp32 inputs, other head counts or widths, top-k > 2048.
 """
 
 from __future__ import annotations

@@ -10,14 +10,14 @@ from forgekernel.kernels.attention.dsa_indexer_bwd.sm90 import SPEC, config
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, on_device
 
-KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+KERNEL_DTYPES = (torch.bfloat16,)  # config.DTYPES: fp16 goes to the interim path
 
 
 def unsupported(q: torch.Tensor, k: torch.Tensor, topk_indices: torch.Tensor) -> str | None:
     """Why the kernel cannot take these inputs (None: it can): q (S, H, D) / (B, S, H, D), k
     (S_kv, D) / (B, S_kv, D), topk_indices (..., topk) int32."""
     if q.dtype not in KERNEL_DTYPES or k.dtype != q.dtype:
-        return f"dtypes {q.dtype} / {k.dtype}: the kernel takes one 16-bit dtype"
+        return f"dtypes {q.dtype} / {k.dtype}: the kernel takes bf16 (fp16's dS underflows)"
     if q.shape[-2] != config.HEADS:
         return f"the kernel takes {config.HEADS} heads, got {q.shape[-2]}"
     if q.shape[-1] != config.DIM or k.shape[-1] != config.DIM:
