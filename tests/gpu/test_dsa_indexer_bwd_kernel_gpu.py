@@ -1,14 +1,14 @@
-"""The indexer backward kernel (kernels/attention/dsa_indexer_bwd/sm90) on the GPU against the
-fp64 reference (reference/dsa_indexer_bwd.py through the op's flattening): fresh random inputs,
+"""The indexer backward kernel (kernels/attention/dsa_indexer_bwd/sm90) on the GPU against the fp64
+reference (reference/dsa_indexer_bwd.py through the op's flattening): fresh random inputs,
 awkward sizes (1, 7, 300 queries; 1, 90, 3000 keys; top-k 7, 130, 256, 2048), -1 padding at the
-end (the skipped tail tiles) and scattered, ids >= S_kv and < 0, a row with no valid slot, 3-D and
-4-D layouts with per-batch and global ids, bf16 (the kernel's one dtype). dq and dw are
+end (the skipped tail tiles) and scattered, ids >= S_kv and < 0, a row with no valid slot, 3-D
+and 4-D layouts with per-batch and global ids, bf16 (the kernel's one dtype). dq and dw are
 NaN-poisoned before the launch (the kernel writes every element: rows without slots 0); dk is
-the kernel's fp32 accumulator (zeroed by the launcher), its untouched rows exactly 0.
-Tolerance: the suite's judge (each gradient within 2e-2 of its reference's largest entry). Then the op (kernel) against its
-interim path, a CUDA-graph replay with a new grad_loss, and top-k > 2048 routed to the interim
-path. The candidates: the staged reduction form, the pair plan and both on four cases, the probe
-build (no dK reductions) leaving dK 0."""
+the kernel's fp32 accumulator (zeroed by the launcher), its untouched rows exactly 0. Tolerance:
+the suite's judge (each gradient within 2e-2 of its reference's largest entry). Then the op
+(kernel) against its interim path, a CUDA-graph replay with a new grad_loss, and top-k > 2048
+routed to the interim path. The candidates: the staged reduction form, the pair plan and both on
+four cases, the probe build (no dK reductions) leaving dK 0."""
 
 from __future__ import annotations
 
