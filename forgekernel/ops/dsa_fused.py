@@ -80,8 +80,8 @@ def _kv_views(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     page_size, 1, 576); of FlashMLA's FP8 cache (num_pages, page_size, 1, 656) or its rows
     (S_kv, 656): `fp8_cache_views`' uint8 latent, bf16 RoPE and fp32 scales (the pass reads
     the scales through the latent's rows: they are those rows' bytes 512 .. 527)."""
-    if kv.dim() == 2:
-        kv = kv[:, None, None, :]
+    if kv.dim() == 2:  # (views whatever the row stride; traceable on fake CUDA tensors)
+        kv = kv.unsqueeze(1).unsqueeze(1)
     if _fp8(kv):
         return fp8_cache_views(kv)
     rows = kv[:, :, 0]
@@ -112,7 +112,10 @@ def _validate_kv(q, kv) -> int:
             f"an FP8 kv must be FlashMLA's cache (num_pages, page_size, 1, {FP8_ROW_BYTES}) or"
             f" its rows (S_kv, {FP8_ROW_BYTES}), got {tuple(kv.shape)}"
         )
-    _kv_views(kv)  # fp8_cache_views' checks: e4m3 / uint8, 656 bytes a row, 16-byte strides
+    try:  # fp8_cache_views' checks: e4m3 / uint8, 656 bytes a row, 16-byte strides
+        _kv_views(kv)
+    except (TypeError, ValueError, NotImplementedError) as e:  # (its words name ckv_cache)
+        raise type(e)(f"kv (dsa_sparse_attention's ckv_cache): {e}") from None
     return FP8_ROW_BYTES
 
 
