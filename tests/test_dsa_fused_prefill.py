@@ -495,7 +495,15 @@ def test_suite_is_pending():
     assert len(names) == len(s.bench_cases) + len(s.check_cases)
     prefill = {c.name for c in dsa_sparse.BENCH_CASES
                if c.params["prefill"] and c.params["tokens"] >= 4096}  # fmt: skip
-    assert {c.name for c in s.bench_cases} == prefill
+    # each over the 16-bit cache (the names before the FP8 cases) and over the FP8 cache (the
+    # bar's group, like for like with flashmla_fp8_unfused)
+    groups = {g: {c.name for c in s.bench_cases if c.group == g} for g in ("prefill", "fp8")}
+    assert groups["prefill"] == prefill and len(s.bench_cases) == 2 * len(prefill)
+    assert groups["fp8"] == {f"{n}-fp8" for n in prefill}
+    assert all(c.params["cache"] == "fp8" for c in s.bench_cases if c.group == "fp8")
+    fp8_checks = [c for c in s.check_cases if c.params["cache"] == "fp8"]
+    assert {c.params["hq"] for c in fp8_checks} == {16, 64, 128}
+    assert any(c.params["cache"] == "fp8" for c in s.sanitize_cases)
     assert {c.params["sink"] for c in s.check_cases} == {"finite", "inf", "none"}
     assert not all(c.params["interleaved"] for c in s.check_cases)
     assert s.judge is not None and s.sanitize_cases
@@ -521,12 +529,18 @@ def test_suite_check_passes_on_the_algorithm(fused_kernels, case):
     low, _ = suite_module.low_precision_out(inputs)
     verdicts = suite_module.verdicts(out, suite_module.reference(inputs), low)
     assert [v["ok"] for v in verdicts] == [False, False, True]  # (out dequantizes by it)
+    if case.params["cache"] == "fp8":  # ours and FlashMLA read the case's own FP8 cache
+        assert inputs["fp8_ckv"] is inputs["ckv"] and inputs["ckv"].shape[-1] == 656
+        assert inputs["q"].dtype == torch.bfloat16
 
 
-def test_suite_unfused_chain_is_the_reference():
+@pytest.mark.parametrize("which", [1, 8], ids=["bf16", "fp8"])
+def test_suite_unfused_chain_is_the_reference(which):
     """The comparators' torch tail (sink, conjugate RoPE, cast) on the reference's attention is
-    the reference bit for bit; `ours_unfused` applies no second sink."""
-    case = suite_module.CHECK_CASES[1]
+    the reference bit for bit (over the 16-bit and the dequantized FP8 cache); `ours_unfused`
+    applies no second sink."""
+    case = suite_module.CHECK_CASES[which]
+    assert (case.params["cache"] == "fp8") == (which == 8)
     inputs = suite_module.make_inputs(case, torch.bfloat16, torch.device("cpu"),
                                       torch.Generator().manual_seed(0))  # fmt: skip
     want = suite_module.reference(inputs)
