@@ -62,16 +62,27 @@ def test_fused_compile_keys():
         ({"direct": True, "fused": True, "rope": "float16", "positions": "int32"}, "rope"),
         ({"direct": True, "fused": True, "rope": "float32", "positions": "int16"}, "positions"),
         ({"direct": True, "neox": True}, "neox"),
-        ({"direct": True, "fp8": True, "fused": True, "rope": "float32", "positions": "int32"},
-         "16-bit"),
     ]:  # fmt: skip
         with pytest.raises(ValueError, match=match):
             params_for("sparse", "bfloat16", 16, **bad)
+    # over FlashMLA's FP8 cache: `fp8` beside `fused`, bf16 q only; the 16-bit keys unchanged
+    key8 = dict(params_for("sparse", "bfloat16", 16, fp8=True, direct=True, fused=True,
+                           rope="float32", positions="int32"))  # fmt: skip
+    assert key8 == {"kind": "sparse", "dtype": "bfloat16", "heads": 16, "fp8": True,
+                    "direct": True, "fused": True, "rope": "float32",
+                    "positions": "int32"}  # fmt: skip
+    with pytest.raises(ValueError, match="bfloat16 queries"):
+        params_for("sparse", "float16", 16, fp8=True, direct=True, fused=True, rope="float32",
+                   positions="int32")  # fmt: skip
     fused = {p for p in SPEC.standard_params() if dict(p).get("fused")}
     assert fused == {
         params_for("sparse", d, h, direct=True, sink=s, fused=True, rope="float32", positions=p)
         for d in ("float16", "bfloat16") for h in FUSED_HEADS for s in (False, True)
         for p in ("int32", "int64")
+    } | {
+        params_for("sparse", "bfloat16", h, fp8=True, direct=True, sink=s, fused=True,
+                   rope="float32", positions=p)
+        for h in FUSED_HEADS for s in (False, True) for p in ("int32", "int64")
     }  # fmt: skip
     assert {heads_per_cta(h) for h in (16, 64, 128)} == set(FUSED_HEADS)
 
@@ -206,10 +217,23 @@ def test_replay_is_the_kernels_epilogue():
 # ---------------------------------------------------------------- the op, replayed
 
 
+def row_scales(latent: torch.Tensor) -> torch.Tensor:
+    """fp8.py `row_scales` in torch: the FP8 rows' fp32 scales (P, ps, 4) from their uint8
+    latent view alone, bytes 512 .. 527 of the same rows (its strides, 512 bytes further)."""
+    assert latent.dtype == torch.uint8 and latent.shape[-1] == LATENT
+    raw = torch.as_strided(latent, (*latent.shape[:2], 16), latent.stride(),
+                           latent.storage_offset() + LATENT)  # fmt: skip
+    return raw.view(torch.float32)
+
+
 def _fused_pass(args, p):
     """The fused pass's slots (decode.py `__call__`): q, cos_sin, ckv, kpe, out_scale, idx,
-    sink, out (uint8), lse, scale_log2, per, page_size, positions, causal, q_blocks."""
+    sink, out (uint8), lse, scale_log2, per, page_size, positions, causal, q_blocks; an `fp8`
+    key's ckv / kpe the FP8 rows' uint8 latent / bf16 RoPE views, the scales read through the
+    latent's rows (`row_scales`) as the pass views them."""
     q, cs, ckv, kpe, osc, idx, sink, out_u8, lse, scale_log2, per, page_size, pos, causal, qb = args
+    fp8 = p.get("fp8", False)
+    assert (ckv.dtype == torch.uint8) == fp8 and (not fp8 or kpe.dtype == q.dtype)
     assert q.shape[-1] == WIDTH and q.dtype == getattr(torch, p["dtype"])
     assert cs.dtype == getattr(torch, p["rope"]) and pos.dtype == getattr(torch, p["positions"])
     assert (sink is not None) == p.get("sink", False) and out_u8.dtype == torch.uint8
@@ -219,8 +243,8 @@ def _fused_pass(args, p):
     tokens, hq, _ = q.shape
     o = torch.empty(1, tokens, hq, LATENT)
     lp = torch.empty(1, tokens, hq)
-    _sparse_partial(q[..., :LATENT], qp, ckv, kpe, None, idx, None, o, lp, scale_log2, per,
-                    page_size, None, 0, 1)  # fmt: skip
+    _sparse_partial(q[..., :LATENT], qp, ckv, kpe, row_scales(ckv) if fp8 else None, idx,
+                    None, o, lp, scale_log2, per, page_size, None, 0, 1)  # fmt: skip
     e4m3, scales = fused_epilogue(o[0], lp[0], sink, cos, sin, p.get("neox", False))
     out_u8.copy_(e4m3.view(torch.uint8))
     osc.copy_(scales)
@@ -471,7 +495,15 @@ def test_suite_is_pending():
     assert len(names) == len(s.bench_cases) + len(s.check_cases)
     prefill = {c.name for c in dsa_sparse.BENCH_CASES
                if c.params["prefill"] and c.params["tokens"] >= 4096}  # fmt: skip
-    assert {c.name for c in s.bench_cases} == prefill
+    # each over the 16-bit cache (the names before the FP8 cases) and over the FP8 cache (the
+    # bar's group, like for like with flashmla_fp8_unfused)
+    groups = {g: {c.name for c in s.bench_cases if c.group == g} for g in ("prefill", "fp8")}
+    assert groups["prefill"] == prefill and len(s.bench_cases) == 2 * len(prefill)
+    assert groups["fp8"] == {f"{n}-fp8" for n in prefill}
+    assert all(c.params["cache"] == "fp8" for c in s.bench_cases if c.group == "fp8")
+    fp8_checks = [c for c in s.check_cases if c.params["cache"] == "fp8"]
+    assert {c.params["hq"] for c in fp8_checks} == {16, 64, 128}
+    assert any(c.params["cache"] == "fp8" for c in s.sanitize_cases)
     assert {c.params["sink"] for c in s.check_cases} == {"finite", "inf", "none"}
     assert not all(c.params["interleaved"] for c in s.check_cases)
     assert s.judge is not None and s.sanitize_cases
@@ -497,12 +529,18 @@ def test_suite_check_passes_on_the_algorithm(fused_kernels, case):
     low, _ = suite_module.low_precision_out(inputs)
     verdicts = suite_module.verdicts(out, suite_module.reference(inputs), low)
     assert [v["ok"] for v in verdicts] == [False, False, True]  # (out dequantizes by it)
+    if case.params["cache"] == "fp8":  # ours and FlashMLA read the case's own FP8 cache
+        assert inputs["fp8_ckv"] is inputs["ckv"] and inputs["ckv"].shape[-1] == 656
+        assert inputs["q"].dtype == torch.bfloat16
 
 
-def test_suite_unfused_chain_is_the_reference():
+@pytest.mark.parametrize("which", [1, 8], ids=["bf16", "fp8"])
+def test_suite_unfused_chain_is_the_reference(which):
     """The comparators' torch tail (sink, conjugate RoPE, cast) on the reference's attention is
-    the reference bit for bit; `ours_unfused` applies no second sink."""
-    case = suite_module.CHECK_CASES[1]
+    the reference bit for bit (over the 16-bit and the dequantized FP8 cache); `ours_unfused`
+    applies no second sink."""
+    case = suite_module.CHECK_CASES[which]
+    assert (case.params["cache"] == "fp8") == (which == 8)
     inputs = suite_module.make_inputs(case, torch.bfloat16, torch.device("cpu"),
                                       torch.Generator().manual_seed(0))  # fmt: skip
     want = suite_module.reference(inputs)
@@ -520,3 +558,130 @@ def test_suite_unfused_chain_is_the_reference():
 
 
 SCALE_SUITE = suite_module.SOFTMAX_SCALE
+
+
+# ---------------------------------------------------------------- over FlashMLA's FP8 cache
+
+
+def _fp8_cache(slots: int, paged: int | None, seed: int = 1, row_bytes: int = 656):
+    """FlashMLA's FP8 cache of `slots` random rows (reference.mla.quantize_flashmla_fp8): (slots
+    / paged, paged, 1, 656) float8_e4m3fn, or (paged None) its rows (slots, 656) as uint8;
+    row_bytes > 656: the rows `row_bytes` apart (a padded cache), the same 656 bytes each. With
+    the dequantized rows (slots, 576) fp32 the reference reads (dsa_sparse's `_kv`)."""
+    from forgekernel.reference.mla import flashmla_fp8_views, quantize_flashmla_fp8
+
+    g = torch.Generator().manual_seed(seed)
+    ps = paged or 1
+    latent = torch.randn(slots // ps, ps, LATENT, generator=g).to(torch.bfloat16)
+    rope = torch.randn(slots // ps, ps, ROPE, generator=g).to(torch.bfloat16)
+    packed = quantize_flashmla_fp8(latent, rope)
+    if row_bytes != 656:
+        wide = torch.zeros(*packed.shape[:3], row_bytes, dtype=E4M3)
+        wide[..., :656] = packed
+        packed = wide[..., :656]
+    e4m3, scale, kpe = flashmla_fp8_views(packed)
+    deq = e4m3.float() * scale.repeat_interleave(128, -1)
+    kv_ref = torch.cat([deq, kpe.float()], -1).reshape(-1, WIDTH)
+    kv = packed if paged else packed[:, 0, 0].view(torch.uint8)
+    return kv, kv_ref
+
+
+FP8_CASES = [
+    # (tokens, hq, slots, valid, topk, positions, sinks, interleaved, paged, row_bytes)
+    (5, 16, 256, [64, 0, 17, 1, 64], 64, torch.int64, "finite", True, 64, 656),
+    (3, 64, 200, [100, 0, 7], 100, torch.int32, "inf", False, None, 656),
+    (2, 128, 128, [70, 3], 70, torch.int64, "none", True, 16, 672),
+    (4, 7, 130, [129, 2, 0, 65], 130, torch.int32, "finite", True, None, 688),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("tokens", "hq", "slots", "valid", "topk", "positions", "sinks", "interleaved", "paged",
+     "row_bytes"), FP8_CASES,
+)  # fmt: skip
+def test_fused_prefill_fp8_cache_matches_the_reference(fused_kernels, tokens, hq, slots, valid,
+                                                       topk, positions, sinks, interleaved,
+                                                       paged, row_bytes):  # fmt: skip
+    """Over FlashMLA's FP8 cache (paged (P, ps, 1, 656) e4m3, or its rows (S_kv, 656) uint8;
+    rows 656 or more bytes apart): the `fp8` fused key, its pass replayed with the latent
+    dequantized as the kernel does and the scales read through the latent view's rows, against
+    the reference over the dequantized cache."""
+    q, _, idx, cache, pos, sink = _problem(tokens, hq, slots, valid, topk,
+                                           positions=positions, sinks=sinks)  # fmt: skip
+    kv, kv_ref = _fp8_cache(slots, paged, row_bytes=row_bytes)
+    got = forgekernel.dsa_fused_prefill(q, kv, idx, SCALE, cache, pos, attn_sink=sink,
+                                        interleaved=interleaved, return_lse=True)  # fmt: skip
+    want = dsa_fused_prefill_ref(q, kv_ref, idx, SCALE, cache, pos, attn_sink=sink,
+                                 interleaved=interleaved)  # fmt: skip
+    _check(got, want, valid)
+    (p,) = fused_kernels
+    assert p["fp8"] and p["heads"] == heads_per_cta(hq) and p["dtype"] == "bfloat16"
+    assert p.get("sink", False) == (sink is not None) and p.get("neox", False) != interleaved
+
+
+def test_fp8_scales_through_the_latent_rows():
+    """The pass's scales view (fp8.py `row_scales`, replayed by `row_scales` here) is the
+    op's scales view (`fp8_cache_views`) for packed, padded and page-strided caches."""
+    from forgekernel.ops.mla import fp8_cache_views
+
+    for paged, row_bytes in ((64, 656), (16, 672), (None, 688)):
+        kv, _ = _fp8_cache(128, paged, row_bytes=row_bytes)
+        latent, _, scale = op._kv_views(kv)
+        assert torch.equal(row_scales(latent), scale)
+        if kv.dim() == 4:
+            assert torch.equal(fp8_cache_views(kv)[2], scale)
+
+
+def test_fp8_out_in_place(fused_kernels):
+    q, _, idx, cache, pos, sink = _problem(3, 16, 64, [5, 64, 0], 64)
+    kv, kv_ref = _fp8_cache(64, 64)
+    out = torch.full((3, 16, LATENT), float("nan")).to(E4M3)
+    scale = torch.full((3, 16, 16), float("nan"))
+    o, s = forgekernel.dsa_fused_prefill(q, kv, idx, SCALE, cache, pos, attn_sink=sink,
+                                         out=out, out_scale=scale)  # fmt: skip
+    assert o is out and s is scale and not torch.isnan(scale).any()
+    want = dsa_fused_prefill_ref(q, kv_ref, idx, SCALE, cache, pos, attn_sink=sink)
+    _check((o, s, want.lse), want, [5, 64, 0])
+
+
+def _fp8_kv(shape=(10, 1, 1, 656), dtype=E4M3):
+    return torch.zeros(shape, dtype=torch.uint8).view(dtype)
+
+
+@pytest.mark.parametrize(
+    ("change", "err", "match"),
+    [
+        ({"kv": _fp8_kv(), "q": torch.zeros(2, 16, WIDTH, dtype=torch.float16)}, TypeError,
+         "bf16 q"),
+        ({"kv": _fp8_kv(dtype=torch.float8_e5m2)}, TypeError, "float8_e4m3fn or uint8"),
+        ({"kv": _fp8_kv(dtype=torch.int8)}, TypeError, "float8_e4m3fn or uint8"),
+        ({"kv": _fp8_kv((10, 1, 1, 576))}, NotImplementedError, "per-tensor"),
+        ({"kv": _fp8_kv((10, 64, 2, 656))}, ValueError, "FP8 ckv_cache must be"),
+        ({"kv": _fp8_kv((10, 576))}, NotImplementedError, "per-tensor"),
+        ({"kv": _fp8_kv((10, 600))}, ValueError, "FP8 ckv_cache must be"),
+        ({"kv": _fp8_kv((10, 16, 656))}, ValueError, "its rows"),
+        ({"kv": _fp8_kv((10, 672))[:, 8:664]}, ValueError, "16-byte aligned"),
+        ({"kv": _fp8_kv((10, 664))[:, :656]}, ValueError, "16-byte aligned"),
+    ],
+)  # fmt: skip
+def test_fp8_bad_arguments(monkeypatch, change, err, match):
+    monkeypatch.setattr(op, "check_cuda", lambda name, t: None)
+    args, kwargs = _args(**change)
+    with pytest.raises(err, match=match):
+        forgekernel.dsa_fused_prefill(*args.values(), **kwargs)
+
+
+def test_fp8_fake_implementation_under_make_fx():
+    """The FP8 cache through the custom op on fake CUDA tensors: the same outputs' shapes."""
+    with FakeTensorMode():
+        inputs = list(_fake_inputs())
+        inputs[1] = torch.empty(40, 64, 1, 656, device="cuda", dtype=E4M3)
+        o, s, lse = forgekernel.dsa_fused_prefill(*inputs, return_lse=True)
+        assert o.shape == (5, 16, 512) and o.dtype == E4M3 and s.shape == (5, 16, 16)
+        assert lse.shape == (5, 16)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        inputs = list(_fake_inputs())
+        inputs[1] = torch.empty(40, 656, device="cuda", dtype=torch.uint8)
+        graph = make_fx(lambda *x: forgekernel.dsa_fused_prefill(*x)[1] * 2,
+                        tracing_mode="fake")(*inputs)  # fmt: skip
+    assert "forgekernel.dsa_fused_prefill" in str(graph.graph)

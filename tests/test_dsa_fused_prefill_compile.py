@@ -9,7 +9,9 @@ docs/attention/MLA_NOTES.md "The fused DSA prefill" quotes.
   16 STS.U16 a thread behind one more barrier and proxy fence; the epilogue's 128 16-bit
   stores of O become 64 pair stores of e4m3 (64 F2FP.SATFINITE.E4M3 a thread), the 2 LSE
   stores gain the 16 scales', and 32 butterfly shuffles (2 per group and row) take the groups'
-  amax."""
+  amax.
+- fused over FlashMLA's FP8 cache (`fp8` too): the FP8 + sink form's 229 registers, no spills
+  (every prebuilt FP8 fused configuration), its mainloop unchanged, the same fused additions."""
 
 from __future__ import annotations
 
@@ -58,3 +60,45 @@ def test_fused_form():
     assert ops0["STG.E"] == 2 and ops["STG.E"] == 2 + 16  # the LSE's, the 16 groups' scales
     assert ops["SHFL.BFLY"] == ops0["SHFL.BFLY"] + 32
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx
+
+
+FP8_SINK = params_for("sparse", "bfloat16", 16, fp8=True, direct=True, sink=True)
+
+
+def test_fused_form_over_the_fp8_cache():
+    """The fused form over FlashMLA's FP8 cache (`fp8` + `fused`, sink on, int64 positions)
+    beside the FP8 sink form it extends: the FP8 + sink configuration's 229 registers, no
+    spills, the same static shared memory; the mainloop's WGMMAs, cp.async copies, stmatrix,
+    the in-place dequantization (LDS.128 / STS.128 / HMUL2) unchanged; the fused additions
+    those of the 16-bit fused form (q_pe's rotation behind one more barrier, the pair stores,
+    the 16 scales' stores, 32 shuffles)."""
+    res0, ops0, _ = _compiled(FP8_SINK)
+    res, ops, ptx = _compiled(params_for("sparse", "bfloat16", 16, fp8=True, direct=True,
+                                         sink=True, fused=True, rope="float32",
+                                         positions="int64"))  # fmt: skip
+    assert res0["registers"] == 229 and res0["spill_bytes"] == 0
+    assert res["spill_bytes"] == 0 and res["registers"] == 229
+    assert ops["LDL"] == ops["STL"] == 0
+    assert res["smem_bytes"] == res0["smem_bytes"]
+    for name in ("HGMMA", "LDGSTS", "STSM", "WARPGROUP", "LDS.128", "STS.128", "HMUL2"):
+        assert _count(ops, name) == _count(ops0, name), name
+    assert ops["LDS.U16"] == ops0.get("LDS.U16", 0) + 16
+    assert ops["STS.U16"] == ops0.get("STS.U16", 0) + 16
+    assert _count(ops, "BAR.SYNC") == _count(ops0, "BAR.SYNC") + 1
+    assert ops["F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C"] == 64
+    assert ops0["STG.E.U16"] == 128 and ops["STG.E.U16"] == 64
+    assert ops0["STG.E"] == 2 and ops["STG.E"] == 2 + 16
+    assert ops["SHFL.BFLY"] == ops0["SHFL.BFLY"] + 32
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx
+
+
+@pytest.mark.parametrize("heads", [16, 64])
+@pytest.mark.parametrize("sink", [False, True])
+@pytest.mark.parametrize("positions", ["int32", "int64"])
+def test_prebuilt_fp8_fused_configurations(heads, sink, positions):
+    """Every prebuilt FP8 fused configuration (`_dsa_params`): 229 registers, no spills."""
+    res, ops, _ = _compiled(params_for("sparse", "bfloat16", heads, fp8=True, direct=True,
+                                       sink=sink, fused=True, rope="float32",
+                                       positions=positions))  # fmt: skip
+    assert res["spill_bytes"] == 0 and ops["LDL"] == ops["STL"] == 0
+    assert res["registers"] == 229

@@ -6,7 +6,12 @@ boundary, LSE within 1e-3): both dtypes, fresh random inputs per seed, awkward S
 (1, 5, 17, 33, 1000 tokens; 7, 24, 64, 128 heads; top-k 64, 100, 200, 300, 512), -1 padding at
 the end and scattered, empty rows, the sink absent / finite / -inf and +inf, NeoX pairs, a
 [cos | sin] cache in q's dtype and int32 positions (compiled at first call), NaN-poisoned
-out_fp8 and out_scale, a CUDA graph replayed on new queries and positions. The sink form of
+out_fp8 and out_scale, a CUDA graph replayed on new queries and positions. Over FlashMLA's FP8
+cache (the `fp8` fused compiles, bf16 q): the suite's FP8 check cases and three prefills against
+the reference over the dequantized cache; bit for bit the 16-bit fused form over the same
+cache dequantized to bf16 (exact: the pass dequantizes into the same bf16 tiles); the rows
+form (S_kv, 656) and a padded cache (rows 672 bytes apart) bit for bit the paged cache's; a
+cache in q's dtype with int32 positions; a CUDA graph. The sink form of
 `dsa_sparse_attention` (one-split plans): the kernel's out against the torch pass it replaced
 (`apply_sink` on the sink-less out: one rounding apart)."""
 
@@ -35,7 +40,12 @@ CASES = [
     _case(256, 128, 64, 4096, topk=512, prefill=True, sink="inf"),
     _case(512, 64, 64, 2048, topk=2048, prefill=True, interleaved=False),
     _case(1, 16, 64, (5000,), topk=2048),
+    # over the FP8 cache (bf16 q whatever the dtype: the fp16 run is a second bf16 run)
+    _case(1024, 16, 64, 8192, prefill=True, sink="none", cache="fp8"),
+    _case(256, 128, 64, 4096, topk=512, prefill=True, sink="inf", cache="fp8"),
+    _case(512, 64, 64, 2048, topk=2048, prefill=True, pad="scattered", cache="fp8"),
 ]
+FP8_CASES = [c for c in CASES if c.params["cache"] == "fp8"]
 
 
 def _inputs(case, dtype, seed):
@@ -80,10 +90,11 @@ def test_cache_in_q_dtype_and_int32_positions(dtype):
     _judge(inputs, _run(inputs, **change), **change)
 
 
-def test_cuda_graph_replays_on_new_inputs():
+@pytest.mark.parametrize("cache", ["combined", "fp8"])
+def test_cuda_graph_replays_on_new_inputs(cache):
     """Captured once, replayed after q, the positions and the lists change in place: the
     replay's outputs are the eager call's on the new inputs, bit for bit."""
-    case = _case(300, 16, 64, 3000, topk=512, prefill=True, pad="scattered")
+    case = _case(300, 16, 64, 3000, topk=512, prefill=True, pad="scattered", cache=cache)
     inputs = _inputs(case, torch.bfloat16, 0)
     fresh = _inputs(case, torch.bfloat16, 1)
     got = suite_module.alloc_out(inputs)
@@ -126,3 +137,49 @@ def test_sink_in_the_direct_pass(tokens, hq, topk, cache, dtype, sinks):
     assert bool((err <= tol * want.float().abs() * 2 + 1e-6).all()), float(err.max())
     if sinks == "inf":
         assert torch.all(out[:, 1] == 0) and torch.equal(out[:, 0], plain[:, 0])
+
+
+def _dequantized_bf16(inputs):
+    """The FP8 case's cache dequantized (e4m3 x its power-of-two scale, the RoPE columns): the
+    combined 16-bit cache (pages, page_size, 1, 576) bf16, exact."""
+    kv = dsa_sparse._kv(inputs)
+    deq = kv.to(torch.bfloat16)
+    assert torch.equal(deq.float(), kv)  # exact in bf16
+    return deq.unsqueeze(2)
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: c.name)
+def test_fp8_is_the_16_bit_form_on_the_dequantized_cache(case):
+    """The FP8 fused form dequantizes each tile into the bf16 tile the 16-bit form loads, then
+    runs the same scores, softmax, P V and epilogue: its outputs are the 16-bit fused form's
+    over the cache dequantized to bf16, bit for bit (out_fp8, out_scale, LSE)."""
+    inputs = _inputs(case, torch.bfloat16, 7)
+    got = _run(inputs)
+    want = _run(inputs | {"ckv": _dequantized_bf16(inputs)})
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("case", FP8_CASES[:2], ids=lambda c: c.name)
+def test_fp8_rows_and_padded_cache_are_the_paged_cache(case):
+    """The FP8 cache as rows (S_kv, 656) uint8 (page size 1: the same slots) and with its rows
+    672 bytes apart: the paged cache's outputs bit for bit."""
+    inputs = _inputs(case, torch.bfloat16, 8)
+    want = _run(inputs)
+    cache = inputs["ckv"]
+    rows = cache.view(torch.uint8).reshape(-1, 656)
+    wide = torch.zeros(*cache.shape[:3], 672, dtype=torch.uint8, device="cuda")
+    wide[..., :656] = cache.view(torch.uint8)
+    for kv in (rows, wide[..., :656].view(torch.float8_e4m3fn)):
+        got = _run(inputs | {"ckv": kv})
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
+def test_fp8_cache_in_q_dtype_and_int32_positions():
+    """Over the FP8 cache: the [cos | sin] cache in bf16 and int32 positions (their own
+    compile key, at first call)."""
+    inputs = _inputs(FP8_CASES[0], torch.bfloat16, 9)
+    change = {"cos_sin": inputs["cos_sin"].to(torch.bfloat16),
+              "positions": inputs["positions"].int()}  # fmt: skip
+    _judge(inputs, _run(inputs, **change), **change)

@@ -141,12 +141,13 @@ def _sparse(dtype, params: dict, opts: str):
 def _fused_args(dtype, params: dict, tokens, hq, pages, page_size) -> tuple:
     """The fused form's arguments in the sparse pass's slots (decode.py `__call__`): (q whole
     (tokens, Hq, 576) and the [cos | sin] cache (positions, 64)), the caches with out_scale fp32
-    (tokens, Hq, 16) in the scales' slot, (out_fp8 as uint8 (tokens, Hq, 512) rows 2-byte
-    aligned, lse), the positions (tokens,)."""
+    (tokens, Hq, 16) in the scales' slot (an `fp8` key's caches: the FP8 rows' uint8 latent and
+    bf16 RoPE views, their scales viewed in the pass from the latent's rows), (out_fp8 as uint8
+    (tokens, Hq, 512) rows 2-byte aligned, lse), the positions (tokens,)."""
     q = fake.rowmajor(dtype, (tokens, hq, D_LATENT + D_ROPE))
     rope_dtype = cutlass.Float32 if params["rope"] == "float32" else dtype
     cos_sin = fake.rowmajor(rope_dtype, (cute.sym_int32(), D_ROPE), divisibility=1, align=4)
-    latent, kpe, _ = _caches(dtype, False, pages, page_size)
+    latent, kpe, _ = _caches(dtype, params.get("fp8", False), pages, page_size)
     scales = fake.rowmajor(cutlass.Float32, (tokens, hq, D_LATENT // 32), divisibility=1, align=4)
     out = fake.rowmajor(cutlass.Uint8, (tokens, hq, D_LATENT), divisibility=2, align=2)
     _, lse = _outputs(dtype, tokens, hq)

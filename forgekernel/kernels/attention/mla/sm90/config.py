@@ -185,7 +185,8 @@ def params_for(
     by unit and each row's item range; the pass (worklist only) writing its partial at its
     item; the combine (`PagedCombineRangesSm90`) reducing a row's item range.
     sink (the sparse direct pass): out x sigmoid(lse - attn_sink[h]) in the epilogue. fused
-    (the sparse direct pass, 16-bit; the fused DSA prefill): q_pe rotated at the token's
+    (the sparse direct pass, 16-bit or with fp8 over FlashMLA's FP8 cache, bf16 q; the fused
+    DSA prefill): q_pe rotated at the token's
     position before the scores, the output's RoPE columns rotated back, out cast to e4m3 per
     32 channels with UE8M0 scales; rope the [cos | sin] cache's dtype ("float32" or dtype),
     positions theirs ("int32" / "int64"), neox the half-split pairs. Each keyed only when on:
@@ -216,8 +217,6 @@ def params_for(
         raise ValueError("ranges is a form of the work list's pass")
     if (sink or fused) and not (kind == "sparse" and direct):
         raise ValueError("sink and fused are forms of the sparse direct pass")
-    if fused and fp8:
-        raise ValueError("the fused form reads 16-bit q and kv")
     if fused != (rope is not None and positions is not None):
         raise ValueError("the fused form takes rope and positions dtypes, and only it")
     if fused and (rope not in ("float32", dtype) or positions not in ("int32", "int64")):

@@ -52,12 +52,14 @@ masked), grid x over the tokens (one query token per CTA, so `qtokens` is 1).
 
 `sink` (sparse direct form): the epilogue scales a row's O by sigmoid(lse - attn_sink[h]) (the
 sink in the softmax denominator only) before its one rounding; the LSE stays the keys' own.
-`fused` (sparse direct form, 16-bit; the fused DSA prefill, issue 22): q_pe rotated in shared
-memory at the token's position before the first scores (`_rope_query`), and the epilogue
-(`_write_fused`, fused.py's arithmetic) rotates O's last 64 columns back (the conjugate) in
-fp32 registers and casts O to e4m3 per 32 columns with UE8M0 scales (a group's amax over a
-quad's registers). Both keyed only when on: the other compiles' SASS is unchanged
-(MLA_NOTES.md, "The fused DSA prefill").
+`fused` (sparse direct form, 16-bit or with `fp8` over FlashMLA's FP8 cache; the fused DSA
+prefill, issue 22): q_pe rotated in shared memory at the token's position before the first
+scores (`_rope_query`), and the epilogue (`_write_fused`, fused.py's arithmetic) rotates O's
+last 64 columns back (the conjugate) in fp32 registers and casts O to e4m3 per 32 columns with
+UE8M0 scales (a group's amax over a quad's registers). Over the FP8 cache the mainloop is the
+fp8 pass's as it is (the cache's scales viewed from its latent view's rows, the scales' slot
+carrying out_scale). Both keyed only when on: the other compiles' SASS is unchanged
+(MLA_NOTES.md, "The fused DSA prefill", "The fused DSA prefill over the FP8 cache").
 
 docs/attention/MLA_NOTES.md has the earlier versions' figures (mma.sync; both warpgroups on S
 along the keys)."""
@@ -146,8 +148,6 @@ class MlaDecodeSm90:
         self.direct = direct  # a plan of one split: out and lse written here (module docstring)
         if (sink or fused) and not (sparse and direct):
             raise ValueError("the sink and the fused form are forms of the sparse direct pass")
-        if fused and fp8:
-            raise ValueError("the fused form reads 16-bit rows (q and kv of one dtype)")
         if neox and not fused:
             raise ValueError("neox (half-split RoPE pairs) is a form of the fused pass")
         self.sink = sink  # out rows x sigmoid(lse - sink[h]) in the epilogue (module docstring)
@@ -206,11 +206,14 @@ class MlaDecodeSm90:
         mPT the top-k lists (rows, topk), mSeq None, mCuQ None, causal and q_blocks unused.
         Direct form: mOp (rows, Hq, 512) in q's dtype (rows of 512 contiguous), mLp fp32 (rows,
         Hq) natural log (any strides), one split (per_split covers every key).
-        Sink (sparse direct): mSeq carries attn_sink fp32 (Hq,). Fused (sparse direct, 16-bit):
-        mQn the whole q (tokens, Hq, 576) (rows 16-byte aligned: its q_pe view starts 1 KB in),
-        mQp the [cos | sin] cache (positions, 64) fp32 or q's dtype, mCuQ the positions int32 /
+        Sink (sparse direct): mSeq carries attn_sink fp32 (Hq,). Fused (sparse direct): mQn the
+        whole q (tokens, Hq, 576) (rows 16-byte aligned: its q_pe view starts 1 KB in), mQp
+        the [cos | sin] cache (positions, 64) fp32 or q's dtype, mCuQ the positions int32 /
         int64 (tokens,), mScale out_scale fp32 (tokens, Hq, 16), mOp out_fp8 as uint8 (tokens,
-        Hq, 512), mLp the natural LSE (the slots the sparse 16-bit pass leaves None)."""
+        Hq, 512), mLp the natural LSE (the slots the sparse 16-bit pass leaves None); fused
+        over an FP8 cache (fp8 too): mCkv / mKpe its latent / RoPE views as the fp8 pass's, its
+        scales' view made here from the latent's (fp8.py `row_scales`: the same rows, 512
+        bytes in), out_scale taking their slot."""
         mSink = mCS = mPos = mOsc = None
         if const_expr(self.sink):
             mSink, mSeq = mSeq, None  # the sparse pass has no seqlens_k: its slot has the sink
@@ -219,6 +222,8 @@ class MlaDecodeSm90:
         if const_expr(self.fused):
             q, mCS, mPos, mOsc = mQn, mQp, mCuQ, mScale
             mScale = mCuQ = None
+            if const_expr(self.fp8):  # the cache's scales: bytes 512 .. 527 of its rows
+                mScale = fp8_cache.row_scales(mCkv)
             rows = (q.shape[0], q.shape[1])
             mQn = cute.make_tensor(q.iterator, cute.make_layout((*rows, D_LATENT), stride=q.stride))
             mQp = cute.make_tensor(

@@ -475,14 +475,15 @@ def dsa_sparse_attention(
     return combine is None or not sink
 
 
-def _fused_plan(_, dtype, hq, rope, positions, sink, neox, device_index):
+def _fused_plan(_, dtype, hq, rope, positions, sink, neox, device_index, fp8=False):
     """(A plan key's builder.) The fused DSA prefill's pass (decode.py's sparse direct pass,
-    `fused` compile) for Hq heads: `config.heads_per_cta`'s block, always one split (the fused
-    epilogue needs a row's whole O: no split plan, whatever `sparse_split_plan` would give)."""
+    `fused` compile; `fp8` too over FlashMLA's FP8 cache) for Hq heads: `config.heads_per_cta`'s
+    block, always one split (the fused epilogue needs a row's whole O: no split plan, whatever
+    `sparse_split_plan` would give)."""
     heads = config.heads_per_cta(hq)
-    params = config.params_for("sparse", dtype_name(dtype), heads, direct=True, sink=sink,
-                               fused=True, rope=dtype_name(rope), positions=dtype_name(positions),
-                               neox=neox)  # fmt: skip
+    params = config.params_for("sparse", dtype_name(dtype), heads, fp8=fp8, direct=True,
+                               sink=sink, fused=True, rope=dtype_name(rope),
+                               positions=dtype_name(positions), neox=neox)  # fmt: skip
     return get_kernel(SPEC, params)
 
 
@@ -499,10 +500,13 @@ def dsa_fused_prefill(
     lse: torch.Tensor,
     attn_sink: torch.Tensor | None = None,
     neox: bool = False,
+    fp8: bool = False,
 ) -> None:
     """The fused DSA prefill (`forgekernel.ops.dsa_fused.dsa_fused_prefill` validates): q
     (tokens, Hq, 576) whole rows (16-byte aligned), the combined cache's two views ckv_cache
-    (num_pages, page_size, 512) / kpe_cache (num_pages, page_size, 64) in q's dtype,
+    (num_pages, page_size, 512) / kpe_cache (num_pages, page_size, 64) in q's dtype (fp8:
+    FlashMLA's FP8 cache's uint8 latent and bf16 RoPE views, `ops.mla.fp8_cache_views`', q
+    bf16; the pass views the scales from the latent's rows, 512 bytes in),
     sparse_indices int32 (tokens, topk) slots, cos_sin_cache (positions, 64) fp32 or q's
     dtype, positions int32 / int64 (tokens,), attn_sink fp32 (Hq,) or None -> out_fp8
     (tokens, Hq, 512) float8_e4m3fn (rows 2-byte aligned, written as uint8), out_scale fp32
@@ -519,7 +523,7 @@ def dsa_fused_prefill(
         return
     device = q.device
     key = ("fused", q.dtype, hq, cos_sin_cache.dtype, positions.dtype, attn_sink is not None,
-           neox, device.index)  # fmt: skip
+           neox, device.index, fp8)  # fmt: skip
     kernel = _plans.get_or_build(key, _fused_plan)
     with on_device(device):
         kernel(as_tma_ready(q), cos_sin_cache, ckv_cache, kpe_cache, out_scale,
