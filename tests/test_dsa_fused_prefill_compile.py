@@ -25,6 +25,7 @@ from forgekernel.runtime.resources import find_tool  # noqa: E402
 if find_tool("cuobjdump") is None:
     pytest.skip("cuobjdump not found", allow_module_level=True)
 
+from dsl_toolchain import dsl_toolchain  # noqa: E402
 from test_mla_seesaw_compile import _compiled  # noqa: E402
 
 PLAIN = params_for("sparse", "bfloat16", 16, direct=True)
@@ -38,7 +39,9 @@ def test_sink_form():
     res0, ops0, _ = _compiled(PLAIN)
     res, ops, _ = _compiled(params_for("sparse", "bfloat16", 16, direct=True, sink=True))
     assert res["spill_bytes"] == res0["spill_bytes"] == 0
-    assert res["registers"] == res0["registers"] == 212
+    # the sink costs no register: 212 with cu13's ptxas (what the GPU host builds with), 249
+    # for both forms with cu12's (a plain install's, CI's)
+    assert res["registers"] == res0["registers"] == (212 if dsl_toolchain() == "cu13" else 249)
     assert ops["MUFU.EX2"] == ops0["MUFU.EX2"] + 2 and ops["MUFU.RCP"] == ops0["MUFU.RCP"] + 2
     for name in ("HGMMA", "LDGSTS", "BAR", "STSM", "LDS", "STS", "STG", "F2FP", "SHFL"):
         assert _count(ops, name) == _count(ops0, name), name
