@@ -109,10 +109,10 @@ def test_script_configs(script, m, n, k):
     assert (MID in configs) == (m <= script.SMALL_TILES_UP_TO)
     # the other epilogue depth (decided at 15:48) no longer timed
     assert {c.epi_stages for c in configs if c.tile_m == 128 and not c.stream_k} == {3}
-    # the tiled 128-row tiles with the scales loaded one k-tile ahead (the standards: two)
-    ahead = {c for c in configs if c.scale_ahead == 1 and c.tile_m == 128 and not c.stream_k}
-    ahead -= {c for c in STANDARD_CONFIGS}
-    assert ahead == {dataclasses.replace(c, scale_ahead=1) for c in (LARGE, LARGE_MCAST_A)}
+    # the tiled 128-row tiles with the scales loaded four k-tiles ahead (the standards: two)
+    ahead = {c for c in configs if c.scale_ahead == 4}
+    assert script.AHEAD_CANDIDATE == 4
+    assert ahead == {dataclasses.replace(c, scale_ahead=4) for c in (LARGE, LARGE_MCAST_A)}
     assert {c for c in STANDARD_CONFIGS if c.scale_ahead != 1} == {LARGE, LARGE_MCAST_A}
     # and reading A's scales M-major (the standards as they are otherwise): nothing else does
     mn = {c for c in configs if c.scale_mn_major}
