@@ -328,4 +328,3 @@ def test_custom_op_fake_under_make_fx():
         f = lambda *x: op_module.gemm_fp8_grouped(*x) * 2  # noqa: E731
         graph = str(make_fx(f, tracing_mode="fake")(*_fake_inputs()).graph)
     assert "forgekernel.gemm_fp8_grouped" in graph
-
