@@ -69,8 +69,8 @@ def _run(inputs, **change):
 
 def _judge(inputs, got, **change):
     inputs = inputs | change
-    low, _ = suite_module.low_precision_out(inputs)
-    verdicts = suite_module.verdicts(got, suite_module.reference(inputs), low)
+    low, low_lse = suite_module.low_precision_out(inputs)
+    verdicts = suite_module.verdicts(got, suite_module.reference(inputs), low, low_lse)
     assert all(v["ok"] for v in verdicts), [(v["message"], v["err"]) for v in verdicts]
 
 
