@@ -28,8 +28,11 @@ def test_params_and_shared_memory_plan():
     assert dict(config.params_for("bfloat16", reduce=False))["noreduce"] is True
     candidates = SPEC.candidate_params()
     assert config.params_for("bfloat16", reduce=False) in candidates
-    assert config.params_for("bfloat16", staged=True, pair=True) in candidates
-    assert len(candidates) == 7 and config.params_for("bfloat16") not in candidates
+    # the standard since 2026-12-05: pair + staged; the swap plan a candidate
+    assert SPEC.standard_params()[0] == config.params_for("bfloat16", staged=True, pair=True)
+    assert config.params_for("bfloat16") in candidates
+    assert len(candidates) == 7
+    assert config.params_for("bfloat16", staged=True, pair=True) not in candidates
     with pytest.raises(ValueError, match="dtype"):
         config.params_for("float32")
     with pytest.raises(ValueError, match="64 heads"):

@@ -67,8 +67,8 @@ def test_work_counts_and_registration():
 
 
 def test_variants_are_the_kernel_candidates():
-    """bench times the candidate builds beside the op (each verified first)."""
+    """bench times the forms the standard replaced beside the op (each verified first)."""
     from forgekernel.bench.suites import dsa_indexer_bwd as S
 
     names = set(S.suite().variants_for(S.BENCH_CASES[0]))
-    assert names == {"staged", "pair", "pair_staged"}
+    assert names == {"swap", "staged", "pair"}  # the forms pair + staged replaced (2026-12-05)

@@ -171,12 +171,13 @@ def _launcher_variant(**flags):
 
 
 def variants(case: Case) -> dict[str, Any]:
-    """Every case: the candidates staged (dK through the dead stage, whole 256-byte rows), pair
-    (two CTAs an SM) and both, beside the op's standard build."""
+    """Every case: the forms the standard (pair + staged since 2026-12-05) replaced beside it:
+    `swap` (one CTA, the lane-pair swap: the standard until then), `staged` (one CTA) and `pair`
+    (the swap's reductions)."""
     return {
-        "staged": _launcher_variant(staged=True),
-        "pair": _launcher_variant(pair=True),
-        "pair_staged": _launcher_variant(pair=True, staged=True),
+        "swap": _launcher_variant(staged=False, pair=False),
+        "staged": _launcher_variant(staged=True, pair=False),
+        "pair": _launcher_variant(staged=False, pair=True),
     }
 
 

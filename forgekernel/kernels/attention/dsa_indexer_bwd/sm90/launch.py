@@ -51,16 +51,18 @@ def dsa_indexer_bwd(
     dq: torch.Tensor | None = None,
     dw: torch.Tensor | None = None,
     reduce: bool = True,
-    staged: bool = False,
-    pair: bool = False,
+    staged: bool = True,
+    pair: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq like q, dw like weights, dk fp32 like k): the op's layouts (3-D q (S, H, D), k
     (S_kv, D) or 4-D q (B, S, H, D), k (B, S_kv, D); weights (.., S, H); target, predict fp32
     and topk_indices int32 (.., S, topk), per batch or with indices_global b S_kv + e).
     grad_scale = grad_loss x loss_coeff / (B S) is formed on the device. dq / dw: contiguous
     buffers to write (tests poison them); reduce False: the timing probe's build (dk stays 0);
-    staged True: the candidate reduction form (kernel.py `_reduce_staged`); pair True: the
-    candidate plan of two CTAs an SM (config.PAIR).
+    staged (default True since 2026-12-05): the staged reduction form (kernel.py
+    `_reduce_staged`), False the lane-pair swap; pair (default True): the plan of two CTAs an SM
+    (config.PAIR), False one CTA of two consumer warpgroups (docs/attention/DSA_INDEXER_NOTES.md
+    "Measured 2026-12-05": pair + staged 0.741-0.770 of the swap plan's time).
     `unsupported` must be None for these inputs."""
     four = q.dim() == 4
     b, s_q = (q.shape[0], q.shape[1]) if four else (1, q.shape[0])
