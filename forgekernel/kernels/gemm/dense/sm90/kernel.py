@@ -131,12 +131,15 @@ class GemmSm90:
     def __init__(self, config: GemmConfig, b_kn: bool = False, masked: bool = False):
         if config.tile_m not in (64, 128, 192):
             raise ValueError(f"tile_m must be 64, 128 or 192, got {config.tile_m}")
-        if config.tile_n % 16 or not 16 <= config.tile_n <= 256:
-            raise ValueError(f"tile_n must be a multiple of 16 up to 256, got {config.tile_n}")
+        if config.tile_n % 8 or not 16 <= config.tile_n <= 256:
+            raise ValueError(f"tile_n must be a multiple of 8 from 16 to 256, got {config.tile_n}")
+        if config.tile_n % 16 and (b_kn or masked or config.cluster_m > 1):
+            # B's ring takes tile_n + 8 rows (`_setup`): K-major only, its box not split
+            raise ValueError("tile_n past a multiple of 16 takes B 'nk', unmasked, cluster_m 1")
         if config.tile_k not in (64, 128):
             raise ValueError(f"tile_k must be 64 (16-bit) or 128 (8-bit), got {config.tile_k}")
-        if config.tile_n % config.epi_n or config.epi_n not in (16, 32, 64):
-            raise ValueError(f"epi_n must be 16, 32 or 64 and divide tile_n, got {config.epi_n}")
+        if config.tile_n % config.epi_n or config.epi_n not in (8, 16, 32, 64):
+            raise ValueError(f"epi_n must be 8, 16, 32 or 64 and divide tile_n, got {config.epi_n}")
         if config.cluster_m * config.cluster_n > 4:
             raise ValueError("a cluster holds at most 4 CTAs here")
         if config.a_rows and (config.a_rows % 8 or config.a_rows > config.tile_m):
@@ -214,7 +217,11 @@ class GemmSm90:
                 ),
             ),
         )
-        self.sB_layout = staged(self.b_major, self.b_dtype, cfg.tile_n, self.stages)
+        # B's ring in whole 16-row pairs of swizzle atoms: a TMA box of an odd count of 8-row
+        # atoms does not build (the DSL aborts at tile_n 24, 40, 56, 72, 104), so a 72-column
+        # tile loads 80 rows (8 of them the next tile's or zero-filled) and WGMMA reads 72.
+        self.b_rows = cfg.tile_n + cfg.tile_n % 16
+        self.sB_layout = staged(self.b_major, self.b_dtype, self.b_rows, self.stages)
         # The atom spans C's contiguous mode: epi_n columns of a row-major C; tile_m rows of an
         # M-major C (the swap), whose atoms of one 64-row band lie next to each other along N,
         # so that a sub-tile is tile_m / 64 whole 64 x epi_n TMA boxes (an atom sized by
@@ -225,7 +232,21 @@ class GemmSm90:
             sm90_utils.get_smem_layout_atom(self.c_major, self.c_dtype, contiguous),
             self.c_dtype,
         )
+        if cutlass.const_expr(self.c_major.is_m_major_c() and cfg.epi_n % 16):
+            # one 8-column atom along N: a swizzled one does not build as a TMA box (as B's
+            # odd atom counts, above), so the sub-tile is plain, one tile_m x 8 box
+            c_atom = cute.make_composed_layout(
+                cute.make_swizzle(0, 4, 3),
+                0,
+                cute.make_layout((cfg.tile_m, cfg.epi_n), stride=(1, cfg.tile_m)),
+            )
         self.sC_layout = cute.tile_to_shape(c_atom, (*self.epi_tile, cfg.epi_stages), order=c_order)
+
+    def _first_rows(self, ring: cute.ComposedLayout, rows: int) -> cute.ComposedLayout:
+        """The first `rows` rows of each stage of a K-major ring, at the ring's offsets."""
+        held, k, stages = (cute.size(ring.outer, mode=[i]) for i in range(3))
+        view = cute.make_layout((rows, k, stages), stride=(1, held, held * k))
+        return cute.make_composed_layout(ring.inner, 0, cute.composition(ring.outer, view))
 
     def _compact_ring(self, ring: cute.ComposedLayout) -> cute.ComposedLayout:
         """A's ring with its stages a_rows rows apart instead of tile_m. WGMMA reads tile_m
@@ -320,7 +341,7 @@ class GemmSm90:
             g2s_mc if self.mcast_b > 1 else g2s,
             mB,
             cute.slice_(self.sB_layout, (None, None, 0)),
-            (self.cfg.tile_n, self.cfg.tile_k),
+            (self.b_rows, self.cfg.tile_k),
             num_multicast=self.mcast_b,
         )
         tma_c, tma_mC = cute.nvgpu.cpasync.make_tiled_tma_atom(
@@ -446,7 +467,7 @@ class GemmSm90:
         a_mask = a_mask if self.mcast_a > 1 else 0
         b_mask = b_mask if self.mcast_b > 1 else 0
 
-        stage_bytes = (self.a_rows + self.cfg.tile_n) * self.cfg.tile_k * self.a_dtype.width // 8
+        stage_bytes = (self.a_rows + self.b_rows) * self.cfg.tile_k * self.a_dtype.width // 8
 
         storage = SmemAllocator().allocate(self.shared_storage)
         # Each consumer warp releases a stage to every CTA that multicast into it.
@@ -515,7 +536,10 @@ class GemmSm90:
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         thr_mma = tiled_mma.get_slice((wg_idx - 1) * THREADS_PER_WG)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        sB_mma = sB
+        if cutlass.const_expr(self.b_rows != self.cfg.tile_n):
+            sB_mma = smem_tensor(storage.sB, self._first_rows(sB_layout, self.cfg.tile_n))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB_mma))
         acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape[:3], self.acc_dtype)
 
         init_wait(self.cluster_shape_mn)
@@ -728,11 +752,19 @@ class GemmSm90:
             gA = cute.local_tile(
                 cute.domain_offset((row0, 0), mA), (self.a_rows, self.cfg.tile_k), (tile_m, None)
             )
-            gB = cute.local_tile(
-                cute.domain_offset((col0, 0), mB),
-                (self.cfg.tile_n, self.cfg.tile_k),
-                (tile_n, None),
-            )
+            if cutlass.const_expr(self.b_rows == self.cfg.tile_n):
+                gB = cute.local_tile(
+                    cute.domain_offset((col0, 0), mB),
+                    (self.cfg.tile_n, self.cfg.tile_k),
+                    (tile_n, None),
+                )
+            else:
+                # b_rows rows from the tile's first (`_setup`)
+                gB = cute.local_tile(
+                    cute.domain_offset((col0 + tile_n * self.cfg.tile_n, 0), mB),
+                    (self.b_rows, self.cfg.tile_k),
+                    (0, None),
+                )
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_a, a_rank, a_ctas, sA, cute.group_modes(gA, 0, 2)
         )
@@ -816,14 +848,16 @@ class GemmSm90:
         read = consumer_state(self.stages)
         release = consumer_state(self.stages)
 
-        # Epilogue: registers -> stmatrix -> swizzled smem ring -> TMA store.
-        r2s_atom = sm90_utils.sm90_get_smem_store_op(
-            self.c_major, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype
-        )
+        # Epilogue: registers -> stmatrix -> swizzled smem ring -> TMA store. A warp's stmatrix
+        # x4 writes 16 rows x 16 columns; an 8-column sub-tile (epi_n 8: tiles 8 past a multiple
+        # of 16, 192x72) takes x2, 16 x 8.
         stm_atom = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_major.is_m_major_c(), 4), self.c_dtype
+            cute.nvgpu.warp.StMatrix8x8x16bOp(
+                self.c_major.is_m_major_c(), 4 if self.cfg.epi_n % 16 == 0 else 2
+            ),
+            self.c_dtype,
         )
-        r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma))
+        r2s = cute.make_tiled_copy_S(stm_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma))
         thr_r2s = r2s.get_slice(tidx - THREADS_PER_WG)
         tRS_sC = thr_r2s.partition_D(sC)
         tRS_acc = r2s.retile(acc)
