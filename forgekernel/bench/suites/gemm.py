@@ -347,7 +347,8 @@ def variants(case: Case) -> dict[str, Any]:
     tile on B "nk" up to `SWAP_MAX_M` rows), and on the cases that list them the candidates
     no group holds (config.py `CASE_CANDIDATES`, B "nk"), forced through the op: variant time
     / our time says whether the choice paid (docs/gemm/NOTES.md "Mid-size M", "One-wave
-    tiles", "The swap", "256 tokens: candidates"). None for decode and skinny M."""
+    tiles", "The swap", "256 tokens: candidates"). Decode and skinny M: only the listed
+    candidates."""
     from forgekernel.kernels.gemm.dense.sm90.config import (
         CASE_CANDIDATES,
         choose_config,
@@ -357,10 +358,8 @@ def variants(case: Case) -> dict[str, Any]:
     p = case.params
     m, n, k = p["m"], p["n"], p["k"]
     b_kn = p["b_layout"] == "kn"
-    if m <= 128:
-        return {}
     chosen = choose_config(m, n, k, b_kn=b_kn)
-    configs = prefill_rivals(m, n, k, b_kn=b_kn)
+    configs = prefill_rivals(m, n, k, b_kn=b_kn) if m > 128 else {}
     if not b_kn:
         configs.update(CASE_CANDIDATES.get((m, n, k), {}))
     return {

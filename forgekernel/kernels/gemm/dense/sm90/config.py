@@ -183,6 +183,12 @@ CASE_CANDIDATES: dict[tuple[int, int, int], dict[str, GemmConfig]] = {
     # the 80-column picks the 72-column tiles replace, timed beside them (NOTES "72 columns")
     (3000, 576, 7168): {"tall80": TALL_80},
     (129, 10240, 8192): {"swaptall80": SWAP_TALL_80},
+    # decode: 64x112 a8 where 64 columns leave a part-filled last round (4x28672x4096: 3.4
+    # rounds against 1.94; 5% faster in the probe of 2026-12-02 18:47, `DECODE_112` above;
+    # 4x37888x3584 4.5 against 2.6, 1x24576x4096 2.9 against 1.7): timed for a width rule
+    (4, 28672, 4096): {"n112": DECODE_112},
+    (4, 37888, 3584): {"n112": DECODE_112},
+    (1, 24576, 4096): {"n112": DECODE_112},
 }
 # Their rates (`prefill_time`) are ASSUMED until timed: SMALL's (the same tile; neither clusters
 # nor the walk are in the model).
