@@ -22,6 +22,7 @@ from forgekernel.kernels.gemm.dense.sm90.config import (
     choose_config,
     params_for,
     split_for,
+    takes_kn,
 )
 from forgekernel.runtime import tuning
 from forgekernel.runtime.cache import get_kernel
@@ -78,8 +79,8 @@ def _choose(dtype, b_kn, m, n, k, device_index, config) -> tuple[object, int, tu
     cfg = config or config_for(dtype, b_kn, m, n, k, sms)
     if not cfg.fits(m):
         raise ValueError(f"GEMM config {cfg.tag()} loads {cfg.a_rows} rows of A: M = {m} is more")
-    if cfg.swap and b_kn:
-        raise ValueError(f"GEMM config {cfg.tag()} swaps the operands: B 'nk' only")
+    if b_kn and not takes_kn(cfg):
+        raise ValueError(f"GEMM config {cfg.tag()} (swapped or 8 past 16 columns): B 'nk' only")
     split = None
     if cfg.stream_k:
         # The problem as the kernel sees it (N and K padded up to multiples of 8 where they are
