@@ -12,7 +12,10 @@ host probe's case first, then every bench case in its bench dtype) on the bench'
 (`make_inputs`, seed --seed), so each key is tuned on the shape the bench would tune it on.
 Started in the background at the beginning of a device call (scripts/device_jit_run.sh: WARM)
 it overlaps the checks; the bench waits for it. One line per case: the seconds its first calls
-took, the comparators that raised."""
+took, what the comparators that say so ran (cuDNN's KDA engine), the comparators that raised.
+A sidecar comparator (bench/sidecar.py: FlashQLA, whose TileLang compiles each kernel on its
+first call into ~/.tilelang; fla on triton 3.7.1) makes its first call in its own child,
+untimed."""
 
 from __future__ import annotations
 
@@ -20,8 +23,10 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's forgekernel
+FIRST_CALL = SimpleNamespace(methods=(), warmup=0, reps=0, eager_reps=0)  # a sidecar's timing
 
 
 def plan(suite) -> list:
@@ -39,25 +44,34 @@ def warm(suite, seed: int, device) -> None:
     """Every comparator once on every case of `plan`; a comparator that raises is named."""
     import torch
 
+    from forgekernel.bench import sidecar
     from forgekernel.bench.check import free, sync
-    from forgekernel.bench.harness import resolve_comparators
+    from forgekernel.bench.harness import _what_ran, resolve_comparators
+    from forgekernel.bench.sidecar import Sidecar
 
     comps, _ = resolve_comparators(suite)
     for index, (case, dtype) in enumerate(plan(suite)):
         t0 = time.perf_counter()
         gen = torch.Generator(device=device).manual_seed(seed + index)
         inputs = suite.make_inputs(case, dtype, device, gen)
-        raised = []
+        raised, ran = [], []
         for name, comp in comps.items():
             try:
+                if isinstance(comp, Sidecar):  # its first call in its child, no timing method
+                    sidecar.run(comp, inputs, sets=1, timing=FIRST_CALL, device=device)
+                    continue
                 comp(inputs)
                 sync(device)
             except Exception as e:  # the bench reports it; here it only costs nothing more
-                raised.append(f"{name} ({type(e).__name__})")
+                why = f": {str(e)[:300]}" if isinstance(comp, Sidecar) else ""  # the child's
+                raised.append(f"{name} ({type(e).__name__}{why})")
+                continue
+            what = _what_ran(comp, inputs)  # cuDNN's engine choice, as the bench records it
+            ran += [f"; {name} ran {what}"] if what else []
         del inputs
         free(device)
         took = time.perf_counter() - t0
-        print(f"{suite.name} {case.name}: {took:.1f} s" +
+        print(f"{suite.name} {case.name}: {took:.1f} s" + "".join(ran) +
               (f"; raised: {', '.join(raised)}" if raised else ""), flush=True)  # fmt: skip
 
 

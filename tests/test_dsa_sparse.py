@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 from split_combine import combine_splits
-from test_mla_decode import _dequantize_rows, _fp8_cache
+from test_mla_decode import _dequantize_rows, _fp8_cache, direct_then_split
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -320,21 +320,14 @@ def test_direct_form_is_the_combine_of_one_split(sparse_kernels, monkeypatch, ca
     splits, _ = mla_launch.sparse_split_plan(tokens, hq // heads_per_cta(hq), topk, 132, 1)
     assert splits == 1
 
-    def no_partials(*args):
-        raise AssertionError("the direct form allocates no partials")
-
-    results = []
-    for flag in ("1", "0"):
-        monkeypatch.setenv("FORGEKERNEL_MLA_DIRECT", flag)
-        mla_launch._plans.clear()
+    def call():
         out = torch.full((tokens, hq, LATENT), float("nan"), dtype=qn.dtype)
-        with monkeypatch.context() as m:
-            if flag == "1":
-                m.setattr(mla_launch, "_partials", no_partials)
-            got, lse = op.dsa_sparse_attention(qn, qp, ckv, kpe, idx, softmax_scale=SCALE,
-                                               out=out, return_lse=True)  # fmt: skip
+        got, lse = op.dsa_sparse_attention(qn, qp, ckv, kpe, idx, softmax_scale=SCALE, out=out,
+                                           return_lse=True)  # fmt: skip
         assert got is out
-        results.append((out, lse))
+        return out, lse
+
+    results = direct_then_split(monkeypatch, call)
     assert sparse_kernels.combines == 1  # the partial run's alone
     (direct, _), (split, _) = sparse_kernels
     assert direct == dict(params_for("sparse", "bfloat16", heads_per_cta(hq), fp8=cache == "fp8",

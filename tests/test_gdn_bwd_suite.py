@@ -67,3 +67,24 @@ def test_cases_are_well_formed():
 def test_registered_since_its_gpu_check():
     assert suites.SUITE_MODULES["gdn_bwd"] == "forgekernel.bench.suites.gdn_bwd"
     assert "gdn_bwd" not in suites.PENDING_SUITE_MODULES
+
+
+def test_autograd_backward_gives_a_chunked_forwards_gradients_in_the_suites_order():
+    """The comparators' backward runner (fla's, FlashQLA's, in this process or a sidecar) on a
+    stand-in forward of fla's signature (the fp64 recurrence): the judge passes on its outputs,
+    and the forward is recorded once per input set, never again."""
+    from forgekernel.reference.delta_rule import gated_delta_rule_recurrent
+
+    calls = []
+
+    def chunk(*args, **kw):
+        calls.append(1)
+        return gated_delta_rule_recurrent(*args, **kw)
+
+    case = gdn_bwd.CHECK_CASES[0]  # varlen, with an initial state: six gradients
+    inputs = _inputs(case, seed=3)
+    run = gdn_bwd.autograd_backward(chunk)
+    grads = run(inputs)
+    assert len(grads) == 6 and torch.equal(run(inputs)[0], grads[0]) and len(calls) == 1
+    verdicts = gdn_bwd.judge(inputs, grads)
+    assert all(v["ok"] for v in verdicts), [v["message"] for v in verdicts]

@@ -81,9 +81,9 @@ def test_one_fp64_pass_gives_both_yardsticks(monkeypatch, module):
     assert torch.equal(suite.low_precision(inputs), low) and len(runs) == 2
 
 
-def test_flashqla_is_listed_and_reported_missing_with_the_reason():
-    """FlashQLA, the issue's comparator: listed (no runner without a GPU); its runner raises
-    the reason, which the bench records as the comparator's missing entry."""
+def test_flashqla_is_a_sidecar_reported_missing_without_its_site():
+    """FlashQLA, the issue's comparator: listed (no runner without a GPU); on the GPU a sidecar
+    (bench/sidecar.py) whose unset site is the missing reason the bench records."""
     assert gdn_prefill.comparators()["flashqla"] is None  # no GPU here
-    with pytest.raises(NotImplementedError, match="FlashQLA .* not carried"):
-        gdn_prefill._flashqla()({})
+    why = gdn_prefill._flashqla().unavailable({})
+    assert why.startswith("FlashQLA 0.1.3 runs in a sidecar process: FK_SIDE_SITE_FLASHQLA")

@@ -418,3 +418,29 @@ def test_a_failed_device_copy_is_recorded(tmp_path, sources, fake_suite, fake_ti
     assert copy["status"] == "error: RuntimeError: CUDA out of memory"
     assert "copy_fraction" not in _ledger(tmp_path)["methods"]["graph"]
     assert "device copy (graph): error" in (tmp_path / "rep" / "fake.md").read_text()
+
+
+def test_what_a_comparator_ran_is_recorded(tmp_path, sources, fake_suite, fake_timer, capsys):
+    """A comparator's `ran(inputs)` (its engine choice) lands in its entry of each method's
+    record and in the report's summary; a failing account is recorded as unknown."""
+
+    def good(inputs):
+        return inputs["a"] @ inputs["b"].T
+
+    def slow(inputs):
+        return good(inputs)
+
+    good.ran = lambda inputs: f"engine_x at {inputs['a'].shape[0]} rows"
+    slow.ran = lambda inputs: 1 / 0
+    suite = fake_suite(sources, comparators=lambda: {"good": good, "slow": slow},
+                       dtypes=(torch.bfloat16,))  # fmt: skip
+    records = harness.run_bench([suite], results_dir=tmp_path / "res",
+                                report_dir=tmp_path / "rep", arch="sm_90a",
+                                device="cpu")  # fmt: skip
+    rows = records[0]["ours"] and records[0]["comparators"]
+    assert rows["good"]["ran"].startswith("engine_x at ")
+    assert rows["good"]["ratio"] == pytest.approx(2.0)
+    assert rows["slow"]["ran"].startswith("unknown (ZeroDivisionError")
+    assert records[0]["eager"]["comparators"]["good"]["ran"] == rows["good"]["ran"]
+    out = capsys.readouterr().out
+    assert f"good: ran {rows['good']['ran']} (" in out

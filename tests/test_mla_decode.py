@@ -282,6 +282,25 @@ def test_direct_form_is_the_split_path_of_one_split(cpu_kernels, monkeypatch, b,
     assert torch.allclose(lse[finite], split_lse[finite], rtol=1e-6, atol=1e-6)
 
 
+def direct_then_split(monkeypatch, call) -> list:
+    """call() with FORGEKERNEL_MLA_DIRECT=1 (plans rebuilt; allocating partials fails: the
+    direct form has none), then =0 (the partial pass + combine of the same plan): their
+    results in that order."""
+
+    def no_partials(*args):
+        raise AssertionError("the direct form allocates no partials")
+
+    results = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("FORGEKERNEL_MLA_DIRECT", flag)
+        mla_launch._plans.clear()
+        with monkeypatch.context() as m:
+            if flag == "1":
+                m.setattr(mla_launch, "_partials", no_partials)
+            results.append(call())
+    return results
+
+
 @pytest.mark.parametrize(
     ("b", "hq", "page_size", "lens", "s_q", "fp8"),
     [
@@ -305,18 +324,10 @@ def test_roles_direct_form_is_the_split_path_of_one_split(cpu_kernels, monkeypat
         qn, qp, ckv, kpe, table, seq = _problem(b, hq, page_size, lens, s_q, seed=b + s_q)
         want, want_lse = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
 
-    def no_partials(*args):
-        raise AssertionError("the direct form allocates no partials")
-
-    results = []
-    for flag in ("1", "0"):
-        monkeypatch.setenv("FORGEKERNEL_MLA_DIRECT", flag)
-        mla_launch._plans.clear()
-        with monkeypatch.context() as m:
-            if flag == "1":
-                m.setattr(mla_launch, "_partials", no_partials)
-            results.append(op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE,
-                                         return_lse=True))  # fmt: skip
+    results = direct_then_split(
+        monkeypatch,
+        lambda: op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, return_lse=True),
+    )
     (direct, _, _), (split, _, _) = cpu_kernels
     assert direct["direct"] and "tma" not in direct and direct.get("fp8", False) == fp8
     assert "direct" not in split and split.get("fp8", False) == fp8

@@ -1,8 +1,9 @@
-"""The comparators' initial-state layouts on the CPU: with the suites' constants None
-(unconfirmed) FlashInfer's GDN and cuDNN's KDA wrappers raise on initial-state cases as before;
-set, they pass our (N, HV, K, V) state in that layout, made once per input set (fake library
-functions capture the arguments); scripts/probe_state_layouts.py imports without a GPU, its
---help works, and its decision picks the one layout a fake comparator takes."""
+"""The comparators' initial-state layouts on the CPU: with the suite's constant None
+(unconfirmed) FlashInfer's GDN wrapper raises on initial-state cases as before; set, it passes
+our (N, HV, K, V) state in that layout, made once per input set (fake library functions capture
+the arguments; cuDNN's KDA comparator: tests/test_kda_cudnn_comparators.py);
+scripts/probe_state_layouts.py imports without a GPU, its --help works, and its decision picks
+the one layout a fake comparator takes."""
 
 from __future__ import annotations
 
@@ -36,26 +37,16 @@ def _nostate_case(mod):
 
 @pytest.fixture
 def fake_flashinfer(monkeypatch):
-    """A `flashinfer` module whose two entry points record their calls."""
+    """A `flashinfer` module whose GDN entry point records its calls."""
     calls = []
 
     def gdn(q, k, v, g=None, beta=None, **kw):
         calls.append({"q": q, "g": g, **kw})
         return torch.zeros_like(v)
 
-    def kda(q, k, v, g, beta, *, initial_state=None, output_final_state=False,
-            use_qk_l2norm_in_kernel=True, cu_seqlens=None, output_state=None):  # fmt: skip
-        calls.append({"initial_state": initial_state, "output_state": output_state,
-                      "l2norm": use_qk_l2norm_in_kernel})  # fmt: skip
-        return torch.zeros_like(v), output_state
-
     fi = types.ModuleType("flashinfer")
     fi.chunk_gated_delta_rule = gdn
-    sub = types.ModuleType("flashinfer.cudnn")
-    sub.cudnn_recurrent_kda = kda
-    fi.cudnn = sub
     monkeypatch.setitem(sys.modules, "flashinfer", fi)
-    monkeypatch.setitem(sys.modules, "flashinfer.cudnn", sub)
     return calls
 
 
@@ -101,33 +92,6 @@ def test_flashinfer_set_passes_the_state_in_its_layout(monkeypatch, fake_flashin
     want = inputs["state"] if layout == "kv" else inputs["state"].transpose(-1, -2)
     assert first.dtype == torch.float32 and first.is_contiguous() and torch.equal(first, want)
     assert second is first  # made once per input set, outside the timed call
-
-
-def test_cudnn_unset_raises_on_state_and_runs_without(monkeypatch, fake_flashinfer):
-    monkeypatch.setattr(kda_prefill, "CUDNN_STATE_LAYOUT", None)
-    run = kda_prefill._cudnn()
-    with pytest.raises(NotImplementedError, match="state layout unconfirmed"):
-        run(_inputs(kda_prefill, _state_case(kda_prefill)))
-    inputs = _inputs(kda_prefill, _nostate_case(kda_prefill))
-    assert run(inputs).shape == inputs["v"].shape
-    assert fake_flashinfer == [{"initial_state": None, "output_state": None, "l2norm": False}]
-
-
-@pytest.mark.parametrize("layout", ["vk", "kv-bf16"])
-def test_cudnn_set_passes_the_state_in_its_layout(monkeypatch, fake_flashinfer, layout):
-    monkeypatch.setattr(kda_prefill, "CUDNN_STATE_LAYOUT", layout)
-    run = kda_prefill._cudnn()
-    inputs = _inputs(kda_prefill, _state_case(kda_prefill))
-    state = inputs["state"].clone()
-    run(inputs)
-    run(inputs)
-    first, second = fake_flashinfer
-    assert torch.equal(first["initial_state"], state_in_layout(state, layout))
-    assert second["initial_state"] is first["initial_state"]
-    out = first["output_state"]  # its own output buffer: ours is not advanced in place
-    assert out is not None and out.shape == first["initial_state"].shape
-    assert out.data_ptr() != first["initial_state"].data_ptr()
-    assert torch.equal(inputs["state"], state)
 
 
 def test_probe_imports_and_helps_without_a_gpu(capsys):

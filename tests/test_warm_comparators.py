@@ -33,6 +33,8 @@ def test_every_comparator_once_per_case(monkeypatch, capsys):
     def fine(inputs):
         calls.append(inputs["q"].shape[1])
 
+    fine.ran = lambda inputs: f"engine_{inputs['q'].shape[1]}"
+
     def broken(inputs):
         raise NotImplementedError("not this case")
 
@@ -44,6 +46,7 @@ def test_every_comparator_once_per_case(monkeypatch, capsys):
     assert calls == [sum(c.params["lens"]) for c in small]
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2 and all("raised: flashinfer (NotImplementedError)" in ln for ln in out)
+    assert [f"; fla ran engine_{n};" in ln for n, ln in zip(calls, out)] == [True, True]
 
 
 def test_list(capsys):

@@ -5,9 +5,12 @@ wrong, never timed), then time ours and every comparator with each timing method
 "graph" (`time_interleaved`: CUDA-graph replays rotating through enough input sets that one pass
 exceeds the L2 several times over) and "eager" (`time_eager_flushed`: eager launches, L2 flushed
 before each, each timed alone). A comparator that is unavailable or raises is reported as
-missing with the reason. A suite's variants of ours on a case (the backward's deterministic
-mode) are verified the same way and timed in the same interleaved run; their figure is variant
-time / our time, kept apart from the comparators'.
+missing with the reason. A sidecar comparator (`bench/sidecar.py`: packages that cannot share
+this process) is timed after ours by the same methods in a child process of its own, on the
+case's first input set saved and loaded bit-identically, and recorded in the same slot. A
+suite's variants of ours on a case (the backward's deterministic mode) are verified the same way
+and timed in the same interleaved run; their figure is variant time / our time, kept apart from
+the comparators'.
 
 Per suite, `host_record` measures host microseconds per eager call (`host_us_per_call`) of ours,
 the comparators and the suite's `host_comparators` (torch's own op where the comparators lack
@@ -29,8 +32,10 @@ from typing import Any
 
 import torch
 
-from forgekernel.bench import ledger, report
+from forgekernel.bench import ledger, report, sidecar
 from forgekernel.bench.check import as_tuple, expected, free, poison, sync, unwritten, verify
+from forgekernel.bench.methods import TIMING_METHODS, time_method
+from forgekernel.bench.sidecar import Sidecar, SidecarMissing
 from forgekernel.bench.suite import Case, Inputs, OpSuite, Runner
 from forgekernel.runtime.arch import resolve_arch
 from forgekernel.runtime.timing import (
@@ -46,7 +51,6 @@ from forgekernel.runtime.timing import (
 
 # Looser than `check` (2x): the bench only has to rule out a wrong kernel, not certify one.
 VERIFY_FACTOR = 4.0
-TIMING_METHODS = ("graph", "eager")
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,11 @@ def _resolve(make: Callable[[], dict], what: str) -> tuple[dict[str, Callable], 
         return {}, {what: f"could not be resolved: {type(e).__name__}: {e}"}
     available = {k: v for k, v in comps.items() if v is not None}
     missing = {k: "not available in this process" for k, v in comps.items() if v is None}
+    for name, comp in list(available.items()):  # a sidecar without its site: missing, why
+        why = comp.unavailable() if isinstance(comp, Sidecar) else None
+        if why:
+            missing[name] = why
+            del available[name]
     return available, missing
 
 
@@ -104,10 +113,14 @@ def figures(samples: Samples, flops: float, nbytes: float) -> dict[str, Any]:
     }
 
 
-def _input_sets(suite: OpSuite, case: Case, dtype: torch.dtype, first: tuple, gen, device):
+def _set_count(suite: OpSuite, case: Case, dtype: torch.dtype) -> int:
+    """Input sets the graph method rotates through: a pass exceeds the L2 several times."""
     n = rotation_sets(suite.bytes(case, dtype), l2=l2_bytes())
-    if suite.memory_bound:
-        n = max(n, 2)
+    return max(n, 2) if suite.memory_bound else n
+
+
+def _input_sets(suite: OpSuite, case: Case, dtype: torch.dtype, first: tuple, gen, device):
+    n = _set_count(suite, case, dtype)
     sets = [first]
     for _ in range(n - 1):
         inputs = suite.make_inputs(case, dtype, device, gen)
@@ -152,13 +165,31 @@ def _candidates(suite, inputs, variants, comps, rec, device) -> dict[str, Callab
     for name, run in variants.items():
         fns[_variant_key(name)] = lambda inp, o, run=run: run(inp, o)
     for name, comp in comps.items():
+        if isinstance(comp, Sidecar):  # timed in its own process (`_time_sidecars`)
+            continue
         try:
             comp(inputs)
             sync(device)
             fns[name] = lambda inp, o, comp=comp: comp(inp)
         except Exception as e:
             rec["comparators"][name] = {"missing": f"raised {type(e).__name__}: {e}"[:300]}
+            continue
+        ran = _what_ran(comp, inputs)
+        if ran:
+            rec.setdefault("comparator_ran", {})[name] = ran
     return fns
+
+
+def _what_ran(comp: Callable, inputs: Inputs) -> str:
+    """The comparator's own account of what its first call on `inputs` ran (`comp.ran`, see
+    OpSuite.comparators), "" where it gives none; a failing account is recorded, not raised."""
+    ran = getattr(comp, "ran", None)
+    if ran is None:
+        return ""
+    try:
+        return str(ran(inputs))[:300]
+    except Exception as e:
+        return f"unknown ({type(e).__name__}: {e})"[:300]
 
 
 def _method_view(rec: dict, method: str) -> dict:
@@ -175,14 +206,57 @@ def _method_view(rec: dict, method: str) -> dict:
     return rec[method]
 
 
+def _store_comparator(view: dict, name: str, samples: Samples, rec: dict) -> dict:
+    fig = figures(samples, rec["flops"], rec["bytes"])
+    entry = view["comparators"][name] = {**fig, "ratio": fig["ms"] / view["ours"]["ms"]}
+    ran = rec.get("comparator_ran", {})
+    if name in ran:
+        entry["ran"] = ran[name]
+    return entry
+
+
 def _store(view: dict, samples: dict[str, Samples], variants: Iterable[str], rec: dict) -> None:
     ours = view["ours"] = figures(samples.pop("ours"), rec["flops"], rec["bytes"])
     for name in variants:
         fig = figures(samples.pop(_variant_key(name)), rec["flops"], rec["bytes"])
         view["variants"][name] = {"status": "ok", **fig, "time_ratio": fig["ms"] / ours["ms"]}
     for name, s in samples.items():
-        fig = figures(s, rec["flops"], rec["bytes"])
-        view["comparators"][name] = {**fig, "ratio": fig["ms"] / ours["ms"]}
+        _store_comparator(view, name, s, rec)
+
+
+def _time_sidecars(suite, case, dtype, comps, first: tuple, rec, device, timing) -> bool:
+    """Each sidecar comparator timed in its own process on the case's first input set (after
+    ours: `sidecar`'s docstring), stored in every method's view as an in-process comparator's,
+    with `vs_ours` (its first call's outputs against ours) and the child's package `versions`;
+    missing with the reason if not.
+    Whether there was any."""
+    sides = {name: c for name, c in comps.items() if isinstance(c, Sidecar)}
+    if not sides:
+        return False
+    free(device)  # the memory our input sets held, for the child
+    inputs, out = first
+    for name, side in sides.items():
+        try:
+            samples, outs, versions = sidecar.run(side, inputs, sets=_set_count(suite, case, dtype),
+                                                  timing=timing, device=device)  # fmt: skip
+            vs_ours = sidecar.agreement(as_tuple(out), outs)
+            del outs
+        except Exception as e:
+            why = str(e) if isinstance(e, SidecarMissing) else f"raised {type(e).__name__}: {e}"
+            for method in timing.methods:
+                report.view(rec, method)["comparators"][name] = {"missing": why[:1000]}
+            continue
+        for method, s in samples.items():
+            entry = _store_comparator(report.view(rec, method), name, s, rec)
+            entry.update(vs_ours=vs_ours, versions=versions)
+    return True
+
+
+def _timed(method: str, fns: dict, sets: list, timing: BenchTiming) -> dict[str, Samples]:
+    """`methods.time_method` with this module's timer names (which the CPU tests replace)."""
+    return time_method(method, fns, sets, warmup=timing.warmup, reps=timing.reps,
+                       eager_reps=timing.eager_reps,
+                       timers=(time_interleaved, time_eager_flushed))  # fmt: skip
 
 
 def _time_method(method, fns, sets, variants, rec, device, timing: BenchTiming) -> str | None:
@@ -190,13 +264,7 @@ def _time_method(method, fns, sets, variants, rec, device, timing: BenchTiming) 
     launch of ours left outputs unwritten."""
     if method == "graph":
         rec["input_sets"] = len(sets)
-        # The warm-up touches every input set, so that what a candidate caches per set on its
-        # first call (a comparator's own forward, for a backward suite) never runs in a timed
-        # region.
-        warmup = max(timing.warmup, len(sets))
-        samples = time_interleaved(fns, rotate=sets, warmup=warmup, reps=timing.reps)
-    else:
-        samples = time_eager_flushed(fns, rotate=sets, warmup=timing.warmup, reps=timing.eager_reps)
+    samples = _timed(method, fns, sets, timing)
     for name in ["ours", *map(_variant_key, variants)]:
         unwritten = _unwritten_by_rerun(samples[name], sets, device)
         if unwritten:
@@ -250,6 +318,8 @@ def _time_case(suite, case, dtype, comps, rec, seed, device, timing: BenchTiming
         if error:
             rec["status"] = error
             return
+    if _time_sidecars(suite, case, dtype, comps, (inputs, out), rec, device, timing):
+        lap("sidecars")
     rec["status"] = "ok"
 
 
@@ -361,10 +431,12 @@ def _suite_host(suite, comps, missing, seed, device, timing: BenchTiming) -> dic
     if timing.host_calls <= 0 or (suite.host_case is None and not suite.bench_cases):
         return None
     extra, extra_missing = resolve_host_comparators(suite)
+    sides = {k: "timed in a sidecar process: no host time" for k, c in comps.items()
+             if isinstance(c, Sidecar)}  # fmt: skip
     host = host_record(
         suite,
-        {**comps, **extra},
-        {**missing, **extra_missing},
+        {k: c for k, c in {**comps, **extra}.items() if k not in sides},
+        {**missing, **extra_missing, **sides},
         calls=timing.host_calls,
         seed=seed,
         device=device,
@@ -388,15 +460,8 @@ def _time_copy(rec: dict, device: torch.device, timing: BenchTiming) -> None:
         for _ in range(n)
     ]
     fns = {"copy": lambda src, dst: torch.neg(src, out=dst)}
-    for method in timing.methods:
-        # as a case's: graph replays rotate past L2, eager launches flush it (one set does)
-        if method == "graph":
-            warmup = max(timing.warmup, n)
-            samples = time_interleaved(fns, rotate=sets, warmup=warmup, reps=timing.reps)
-        else:
-            samples = time_eager_flushed(
-                fns, rotate=sets[:1], warmup=timing.warmup, reps=timing.eager_reps
-            )
+    for method in timing.methods:  # as a case's
+        samples = _timed(method, fns, sets, timing)
         fig = figures(samples["copy"], 0.0, rec["bytes"])
         rec["methods"][method] = {k: v for k, v in fig.items() if k != "tflops"}
     rec["status"] = "ok"
@@ -523,6 +588,7 @@ def run_bench(
             )
             print(_progress(i, len(jobs), suite, rec), flush=True)
             records.append(rec)
+        sidecar.close_all()  # a live child would be "another process on the GPU" below
         data = bench_section(records, timing.methods, host, suite_copy)
         data["device_check"] = {"before": before, "after": _device_check(suite, "after")}
         path = ledger.write_section(

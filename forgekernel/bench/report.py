@@ -4,7 +4,8 @@ A bench record (one per case and dtype, built by `forgekernel.bench.harness`) is
     case, group (the case's shape class, "" = ungrouped), dtype, params, flops, bytes,
     status ("ok", "wrong: ...", "error: ..."), verified, timing (the methods timed, below),
     ours: {ms, tflops, gbps, method, launches, samples} | None,
-    comparators: {name: {ms, tflops, gbps, ratio, ...} | {missing: reason}},
+    comparators: {name: {ms, tflops, gbps, ratio, ..., ran (what the comparator says it ran,
+        where it says)} | {missing: reason}},
     variants: {name: {status, ms, tflops, gbps, time_ratio, ...}} (other modes of ours),
     eager: {ours, comparators, variants} in the same form, from the eager method.
 ratio = comparator_ms / ours_ms: above 1 we are faster. time_ratio = variant_ms / ours_ms: what
@@ -94,11 +95,13 @@ def summarize(records: Sequence[dict], method: str = "graph") -> dict[str, dict]
     the median of each case group ("" = ungrouped cases)."""
     out = {}
     for name in comparator_names(records, method):
-        pairs, reasons = [], set()
+        pairs, reasons, ran = [], set(), {}
         for rec in records:
             entry = view(rec, method).get("comparators", {}).get(name)
             if entry is not None and "missing" in entry:
                 reasons.add(entry["missing"])
+            if entry is not None and entry.get("ran"):
+                ran[entry["ran"]] = ran.get(entry["ran"], 0) + 1
             ratio = _timed_ratio(rec, entry)
             if ratio is not None:
                 pairs.append((rec.get("group", ""), ratio))
@@ -110,6 +113,7 @@ def summarize(records: Sequence[dict], method: str = "graph") -> dict[str, dict]
             "group_median_ratio": {g: statistics.median(rs) for g, rs in groups.items()},
             "group_cases": {g: len(rs) for g, rs in groups.items()},
             "missing_reasons": sorted(reasons),
+            "ran": dict(sorted(ran.items())),
         }
     return out
 
@@ -293,6 +297,8 @@ def summary_lines(summary: dict[str, dict]) -> list[str]:
                 f"{g or 'ungrouped'} {_ratio(r)} ({counts.get(g, '?')})" for g, r in groups.items()
             )
             lines.append(f"{name} by group (median, cases): {figs}")
+        for what, cases in (s.get("ran") or {}).items():
+            lines.append(f"{name}: ran {what} ({cases} cases)")
         for reason in s["missing_reasons"]:
             lines.append(f"{name}: missing: {reason}")
     return lines

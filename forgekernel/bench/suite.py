@@ -55,9 +55,14 @@ class OpSuite:
     low_precision(inputs) -> Tensor | tuple: the same math done by PyTorch in the input dtype;
         our error must be <= 2x its error + atol (FlashAttention's criterion).
     comparators: name -> callable(inputs) -> output, or None when unavailable in this process
-        (reported as missing, never faked). `available_comparators()` resolves them lazily.
+        (reported as missing, never faked), or a `sidecar.Sidecar`: a comparator timed in a
+        process of its own with its own site directory (packages that cannot share ours).
+        `available_comparators()` resolves them lazily.
         A comparator may cache per-input-set state in `inputs` on its first call: the bench
-        calls every candidate on every input set before it times anything.
+        calls every candidate on every input set before it times anything. A comparator that
+        picks among several implementations (cuDNN's engines) may carry `ran(inputs) -> str`:
+        after its first call on `inputs`, what ran; the bench keeps it in the comparator's
+        entry of the case's record ("ran") and the reports list it.
     flops(case) / bytes(case): work counts for TFLOP/s and GB/s.
     kernel_sources: the files whose hash identifies the kernel measured (the ledger key).
     leaf: the kernel folder the README names (relative to the package), where most of

@@ -415,15 +415,11 @@ DIRECT_CASES = [  # (b, hq, page, lens, s_q): plans of one split at every prebui
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("case", DIRECT_CASES, ids=lambda c: f"b{c[0]}_h{c[1]}_sq{c[4]}")
-def test_direct_form_is_the_combine_of_one_split(case, dtype, monkeypatch):
-    """The seesaw pass's direct form (one launch writing out and lse) against the reference with
-    NaN-poisoned outputs and stale slots, and bit for bit against the partial pass + combine of
-    the same one-split plan (FORGEKERNEL_MLA_DIRECT=0): O equal, LSE equal (both x ln 2 of the
-    same fp32 log2 value)."""
-    launch = importlib.import_module("forgekernel.kernels.attention.mla.sm90.launch")
-    (qn, qp, ckv, kpe, table, seq), (want, want_lse, low) = _poisoned_case(case, dtype)
+def _direct_is_the_split(launch, monkeypatch, inputs, refs, dtype, no_tma=False):
+    """mla_decode with FORGEKERNEL_MLA_DIRECT 1 then 0 (plans rebuilt for each): the recorded
+    pass is direct only under 1 (and, no_tma, not the TMA pass), both against the reference
+    with NaN-poisoned out, and bit for bit equal (O and LSE)."""
+    qn, qp, ckv, kpe, table, seq = inputs
     keys = _recorded_keys(launch, monkeypatch)
     results = []
     for flag in ("1", "0"):
@@ -435,12 +431,27 @@ def test_direct_form_is_the_combine_of_one_split(case, dtype, monkeypatch):
         torch.cuda.synchronize()
         partial = [k for k in keys if k["kind"] == "partial"][-1]
         assert partial.get("direct", False) == (flag == "1")
-        _check(out, lse, want, want_lse, low)
+        if no_tma:
+            assert not partial.get("tma", False)
+        _check(out, lse, *refs)
         results.append((out, lse))
     launch._plans.clear()
     (out, lse), (split_out, split_lse) = results
     assert torch.equal(out, split_out)
     assert torch.equal(lse, split_lse)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", DIRECT_CASES, ids=lambda c: f"b{c[0]}_h{c[1]}_sq{c[4]}")
+def test_direct_form_is_the_combine_of_one_split(case, dtype, monkeypatch):
+    """The seesaw pass's direct form (one launch writing out and lse) against the reference with
+    NaN-poisoned outputs and stale slots, and bit for bit against the partial pass + combine of
+    the same one-split plan (FORGEKERNEL_MLA_DIRECT=0): O equal, LSE equal (both x ln 2 of the
+    same fp32 log2 value)."""
+    launch = importlib.import_module("forgekernel.kernels.attention.mla.sm90.launch")
+    (qn, qp, ckv, kpe, table, seq), (want, want_lse, low) = _poisoned_case(case, dtype)
+    _direct_is_the_split(launch, monkeypatch, (qn, qp, ckv, kpe, table, seq),
+                         (want, want_lse, low), dtype)  # fmt: skip
 
 
 ROLES_DIRECT_CASES = [  # (b, hq, page, lens, s_q, fp8): decode.py's pass on plans of one split
@@ -470,23 +481,8 @@ def test_roles_direct_form_is_the_combine_of_one_split(case, monkeypatch):
         want, want_lse, low = _fp8_refs(qn, qp, ckv, table, seq)
     else:
         (qn, qp, ckv, kpe, table, seq), (want, want_lse, low) = _poisoned_case(case[:5], dtype)
-    keys = _recorded_keys(launch, monkeypatch)
-    results = []
-    for flag in ("1", "0"):
-        monkeypatch.setenv("FORGEKERNEL_MLA_DIRECT", flag)
-        launch._plans.clear()
-        out = torch.full((*qn.shape[:-1], 512), float("nan"), device="cuda", dtype=dtype)
-        _, lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, out=out,
-                               return_lse=True)  # fmt: skip
-        torch.cuda.synchronize()
-        partial = [k for k in keys if k["kind"] == "partial"][-1]
-        assert partial.get("direct", False) == (flag == "1") and not partial.get("tma", False)
-        _check(out, lse, want, want_lse, low)
-        results.append((out, lse))
-    launch._plans.clear()
-    (out, lse), (split_out, split_lse) = results
-    assert torch.equal(out, split_out)
-    assert torch.equal(lse, split_lse)
+    _direct_is_the_split(launch, monkeypatch, (qn, qp, ckv, kpe, table, seq),
+                         (want, want_lse, low), dtype, no_tma=True)  # fmt: skip
 
 
 def _packed_problem(hq, q_lens, k_lens, seed):

@@ -4,10 +4,21 @@ fla's form as the forward suite (gdn_prefill.py: q, k (1, T, H, 128), k unit-nor
 128), g = logsigmoid(N(0, 1)) fp32, beta fp32, varlen as B = 1 with cu_seqlens).
 
 Timed: the backward alone (`gated_delta_rule_backward`: today the INTERIM fp32 torch path of
-ops/gated_delta_rule_bwd.py, which recomputes the forward's chunk states itself); fla's
-backward through autograd of a forward recorded once per input set (`torch.autograd.grad` with
-retain_graph: its own recompute included, as ours). Pending (suites/__init__.py) until a GPU
-check passes.
+ops/gated_delta_rule_bwd.py, which recomputes the forward's chunk states itself); each
+comparator's backward through autograd of its forward recorded once per input set
+(`autograd_backward`: `torch.autograd.grad` with retain_graph, its own recompute included, as
+ours). Pending (suites/__init__.py) until a GPU check passes.
+
+Comparators (bench/sidecar.py for the sidecars: a process of their own, the case's first input
+set saved and loaded bit-identically, timed by the same methods, recorded in the same slot):
+  fla       fla-core 0.6.0 `chunk_gated_delta_rule`'s backward. It refuses triton >= 3.4.0,
+            < 3.7.1 on Hopper (fla #640) and the host has torch 2.11's triton 3.6: with
+            FK_SIDE_SITE_TRITON set (a site holding triton 3.7.1: scripts/side_wheels.sh tri)
+            it runs in a sidecar whose PYTHONPATH starts with that site (fla itself from the
+            main wheel set), else in this process, where it raises its refusal (missing).
+  flashqla  FlashQLA 0.1.3's backward (`flash_qla.chunk_gated_delta_rule`, TileLang), the issue's
+            1.05x bar, in its sidecar (gdn_prefill.flashqla_sidecar: FK_SIDE_SITE_FLASHQLA, the
+            main wheel set left out); unset: missing with the reason.
 
 Outputs: (dq, dk, dv, dg, dbeta[, d_initial_state]). Judged, not compared element-wise by the
 2x-low-precision rule (the fp32 gradients have no 16-bit yardstick): each within 2e-2 of its
@@ -18,12 +29,14 @@ autograd in tests/test_reference_delta_rule_bwd.py) above.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from forgekernel.bench.sidecar import Sidecar
 from forgekernel.bench.suite import Case, Inputs, OpSuite
 from forgekernel.bench.suites import fla_varlen, gdn_prefill
 from forgekernel.bench.suites.gdn_prefill import HEAD, _mix
@@ -31,6 +44,8 @@ from forgekernel.bench.suites.gdn_prefill import HEAD, _mix
 RECURRENT_UP_TO = 4096  # tokens: above, the fp64 chunked backward is the reference (speed)
 REL_TOL = 2e-2
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "d_initial_state")
+TRITON_SITE_ENV = "FK_SIDE_SITE_TRITON"  # a site holding triton 3.7.1, for fla's backward
+INPUT_KEYS = (*gdn_prefill.INPUT_KEYS, "do", "d_final")  # what a sidecar's child is given
 _case = gdn_prefill._case
 
 
@@ -159,21 +174,21 @@ def judge_gradients(
     return verdicts
 
 
-def _fla():
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except ImportError:
-        return None
+def autograd_backward(chunk: Callable) -> Callable[[Inputs], tuple]:
+    """The backward of a chunked forward of fla's signature (chunk(q, k, v, g, beta,
+    initial_state=, output_final_state=True, cu_seqlens=int64) -> (o, final)) through autograd:
+    the forward recorded once per input set, never timed; `torch.autograd.grad` of (o, final)
+    with (dO, d_final) and retain_graph (fla's, FlashQLA's, kda_bwd's fla)."""
+    key = f"graph:{chunk.__module__}.{chunk.__name__}"  # the recorded forward, in the set
 
     def grads(i: Inputs, cu: torch.Tensor):
-        if "fla_graph" not in i:  # the forward recorded once per input set, never timed
+        if key not in i:
             leaves = [x.detach().clone().requires_grad_() for x in _likes(i)]
             state = leaves[5] if len(leaves) == 6 else None
-            o, final = chunk_gated_delta_rule(*leaves[:5], initial_state=state,
-                                              output_final_state=True,
-                                              cu_seqlens=cu)  # fmt: skip
-            i["fla_graph"] = ((o, final), leaves)
-        outputs, leaves = i["fla_graph"]
+            o, final = chunk(*leaves[:5], initial_state=state, output_final_state=True,
+                             cu_seqlens=cu)  # fmt: skip
+            i[key] = ((o, final), leaves)
+        outputs, leaves = i[key]
         return torch.autograd.grad(outputs, leaves, (i["do"], i["d_final"]), retain_graph=True)
 
     def run(inputs: Inputs):
@@ -183,12 +198,43 @@ def _fla():
     return run
 
 
+def fla_backward():
+    """fla's backward (in this process, or in the triton sidecar: `_fla`); None without fla."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return autograd_backward(chunk_gated_delta_rule)
+
+
+def flashqla_backward():
+    """FlashQLA's backward (run in its sidecar); None where flash_qla does not import."""
+    try:
+        from flash_qla import chunk_gated_delta_rule
+    except Exception:  # not installed, or TileLang / its tvm-ffi fails to load
+        return None
+    return autograd_backward(chunk_gated_delta_rule)
+
+
+def triton_sidecar(label: str, runner: str) -> Sidecar:
+    """fla's runner ("module:factory") in the sidecar whose site holds triton 3.7.1, first on
+    its PYTHONPATH (the main wheel set, fla's, kept after it)."""
+    return Sidecar(label, runner, TRITON_SITE_ENV, INPUT_KEYS)
+
+
+def _fla():
+    if os.environ.get(TRITON_SITE_ENV):
+        return triton_sidecar("fla-core 0.6.0 on triton 3.7.1", f"{__name__}:fla_backward")
+    return fla_backward()
+
+
 def comparators() -> dict[str, Any]:
-    """fla; FlashQLA (the issue's backward bar) listed, reported missing with the reason
-    (gdn_prefill.FLASHQLA_MISSING)."""
+    """fla (in the triton sidecar where FK_SIDE_SITE_TRITON is set) and FlashQLA (the issue's
+    backward bar, in its sidecar)."""
     if not torch.cuda.is_available():
         return {"fla": None, "flashqla": None}
-    return {"fla": _fla(), "flashqla": gdn_prefill._flashqla()}
+    flashqla = gdn_prefill.flashqla_sidecar(f"{__name__}:flashqla_backward", INPUT_KEYS)
+    return {"fla": _fla(), "flashqla": flashqla}
 
 
 def flops(case: Case) -> float:

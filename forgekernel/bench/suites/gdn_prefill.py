@@ -19,18 +19,29 @@ Comparators, each on the same inputs:
               log); on initial-state cases with the state in FLASHINFER_STATE_LAYOUT, "vk" as its
               docstring says ((N, H, V, K)), confirmed on the device by
               scripts/probe_state_layouts.py (2026-12-03).
-  flashqla    FlashQLA (flash-qla, TileLang), the issue's other bar: listed, and reported missing
-              with FLASHQLA_MISSING on every case (`_flashqla`; fla stands in, as the issue says).
+  flashqla    FlashQLA 0.1.3 (flash-qla, TileLang 0.1.15), the issue's bar: a sidecar comparator
+              (bench/sidecar.py), timed in a process of its own whose PYTHONPATH starts with the
+              site FK_SIDE_SITE_FLASHQLA names and leaves out /root/wheels-site (TileLang pins
+              apache-tvm-ffi < 0.1.13; the CuTe DSL's 0.1.15 lives there): `flashqla_forward`,
+              `flash_qla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=,
+              output_final_state=True, cu_seqlens=int64)`, fla's signature (g the log decay,
+              scale K^-1/2, state (N, HV, K, V) fp32 as ours: its state_v_first=False), on the
+              case's first input set saved and loaded bit-identically, the sets sharing one
+              cu_seqlens tensor as fla's (its chunk tables are memoized as fla's). Unset
+              variable: reported missing with the reason (scripts/side_wheels.sh installs the
+              site).
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from forgekernel.bench.sidecar import MAIN_SITE, Sidecar
 from forgekernel.bench.suite import Case, Inputs, OpSuite
 from forgekernel.bench.suites import fla_varlen
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90 import SPEC
@@ -204,11 +215,10 @@ def low_precision(inputs: Inputs) -> torch.Tensor:
     return (_reference(inputs) if o is None else o).to(inputs["q"].dtype)
 
 
-def _fla():
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except ImportError:
-        return None
+def fla_form(chunk_gated_delta_rule) -> Callable[[Inputs], torch.Tensor]:
+    """fn(inputs) -> o for a `chunk_gated_delta_rule` of fla's signature (fla's, FlashQLA's):
+    the input sets share one cu_seqlens tensor (fla_varlen), since both memoize their chunk
+    tables by its identity (4 entries)."""
 
     def run(inputs: Inputs):
         i = inputs
@@ -219,6 +229,14 @@ def _fla():
         return o
 
     return run
+
+
+def _fla():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return fla_form(chunk_gated_delta_rule)
 
 
 def _flashinfer():
@@ -254,22 +272,31 @@ def _flashinfer():
 
 # FlashQLA 0.1.3 (PyPI `flash-qla`, pure Python: flash_qla.chunk_gated_delta_rule) needs tilelang
 # >= 0.1.12, whose 0.1.15 wheel (49.5 MB) pins apache-tvm-ffi < 0.1.13 and z3-solver < 4.15.5 (read
-# in the wheels' METADATA, 2026-12-04): installable, but not in the GPU host's wheel set, and the
-# issue runs it in a process of its own (TileLang beside the CuTe DSL's tvm-ffi).
-FLASHQLA_MISSING = (
-    "FlashQLA (flash-qla 0.1.3 + tilelang 0.1.15) is not carried to the GPU host "
-    "(../shared/gpu-host/wheels.sh) and has no separate-process runner here; fla stands in "
-    "(issue 20: >= 2.5x fla where FlashQLA cannot run)"
-)
+# in the wheels' METADATA, 2026-12-04): the CuTe DSL's tvm-ffi 0.1.15 cannot share its process.
+FLASHQLA_SITE_ENV = "FK_SIDE_SITE_FLASHQLA"
+INPUT_KEYS = ("q", "k", "v", "g", "beta", "state", "cu_seqlens", "cu_seqlens_long")
 
 
-def _flashqla():
-    """FlashQLA: listed, reported missing with the reason on every case (FLASHQLA_MISSING)."""
+def flashqla_forward():
+    """FlashQLA's forward on the suite's inputs (run in its sidecar: `_flashqla`); None where
+    flash_qla does not import (it selects its kernels by the GPU's compute capability)."""
+    try:
+        from flash_qla import chunk_gated_delta_rule
+    except Exception:  # not installed, or TileLang / its tvm-ffi fails to load
+        return None
+    # FlashQLA memoizes its CP context and chunk tables by the identity of cu_seqlens, 4 entries
+    # (flash_qla.utils.tensor_cache, fla's): fla's form, one shared tensor
+    return fla_form(chunk_gated_delta_rule)
 
-    def missing(inputs: Inputs):
-        raise NotImplementedError(FLASHQLA_MISSING)
 
-    return missing
+def flashqla_sidecar(runner: str, keys: tuple[str, ...]) -> Sidecar:
+    """A FlashQLA runner ("module:factory") in its sidecar: its site first, the main wheel set
+    (the DSL's tvm-ffi) left out."""
+    return Sidecar("FlashQLA 0.1.3", runner, FLASHQLA_SITE_ENV, keys, drop=(MAIN_SITE,))
+
+
+def _flashqla() -> Sidecar:
+    return flashqla_sidecar(f"{__name__}:flashqla_forward", INPUT_KEYS)
 
 
 def comparators() -> dict[str, Any]:

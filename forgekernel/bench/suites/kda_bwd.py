@@ -6,9 +6,21 @@ k unit-norm, v (1, T, HV, 128), g (1, T, HV, 128) = logsigmoid(N(0, 1)) fp32, or
 
 Timed: the backward alone (`kimi_delta_attention_backward`: today the INTERIM fp32 torch path
 of ops/kda_bwd.py, which recomputes the forward's chunk states itself); fla's chunk_kda
-backward through autograd of a forward recorded once per input set (`torch.autograd.grad`
-with retain_graph: its own recompute included, as ours). Pending (suites/__init__.py) until
-a GPU check passes.
+backward through autograd of a forward recorded once per input set (gdn_bwd.autograd_backward:
+`torch.autograd.grad` with retain_graph, its own recompute included, as ours). fla's gated
+backward refuses triton < 3.7.1 on Hopper: with FK_SIDE_SITE_TRITON set it runs in the triton
+sidecar (gdn_bwd.triton_sidecar, bench/sidecar.py: a process of its own, the case's first input
+set saved and loaded bit-identically, the same timing methods, the same record slot), else in
+this process. cuDNN-frontend 1.32's backward op
+called directly (`cudnn::kimi_delta_attention_bwd`, the one its forward's registered autograd
+formula calls: dO, q, k, v, g, beta, cu_seqlens, scale, initial_state, d_final_state; no
+forward recorded, its own recompute included, as ours; capturable), THD, the states (N, HV, V,
+K) fp32 ("vk", kda_prefill.CUDNN_STATE_LAYOUT), converted once per input set, its gradients
+handed back as ours (views). Its planner's sm90 default is kda_hopper_cuda, the only sm90 KDA
+backward kernel, for H = HV, bf16 and the default scale; H 16 HV 32 falls to kda_cutile where
+the cuda.tile runtime serves it, else is recorded missing with the engines' reasons; each
+record names the engine that ran (`ran`, bench/suites/cudnn_kda.py). Pending
+(suites/__init__.py) until a GPU check passes.
 
 Outputs: (dq, dk, dv, dg, dbeta[, d_initial_state]). Judged as gdn_bwd's (`judge_gradients`):
 each within 2e-2 of its reference's largest entry; reference = torch.autograd through the fp64
@@ -18,13 +30,14 @@ against that autograd in tests/test_reference_kda_bwd.py) above.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from forgekernel.bench.suite import Case, Inputs, OpSuite
-from forgekernel.bench.suites import fla_varlen, gdn_bwd, kda_prefill
+from forgekernel.bench.suites import cudnn_kda, gdn_bwd, kda_prefill
 from forgekernel.bench.suites.kda_prefill import HEAD, _case, _mix
 
 RECURRENT_UP_TO = gdn_bwd.RECURRENT_UP_TO
@@ -85,33 +98,32 @@ def judge(inputs: Inputs, outs: tuple) -> list[dict[str, Any]]:
     return gdn_bwd.judge_gradients(outs, reference(inputs))
 
 
-def _fla():
+def fla_backward():
+    """fla's chunk_kda backward (in this process, or in the triton sidecar: `_fla`); None
+    without fla."""
     try:
         from fla.ops.kda import chunk_kda
     except Exception:  # not installed, or its Triton import fails
         return None
+    return gdn_bwd.autograd_backward(chunk_kda)
 
-    def grads(i: Inputs, cu: torch.Tensor):
-        if "fla_graph" not in i:  # the forward recorded once per input set, never timed
-            leaves = [x.detach().clone().requires_grad_() for x in _likes(i)]
-            state = leaves[5] if len(leaves) == 6 else None
-            o, final = chunk_kda(*leaves[:5], initial_state=state, output_final_state=True,
-                                 cu_seqlens=cu)  # fmt: skip
-            i["fla_graph"] = ((o, final), leaves)
-        outputs, leaves = i["fla_graph"]
-        return torch.autograd.grad(outputs, leaves, (i["do"], i["d_final"]), retain_graph=True)
 
-    def run(inputs: Inputs):
-        cu = fla_varlen.shared_offsets(inputs)
-        return fla_varlen.call(grads, cu, inputs, cu, capturable=False)
+def _fla():
+    if os.environ.get(gdn_bwd.TRITON_SITE_ENV):
+        return gdn_bwd.triton_sidecar("fla-core 0.6.0 on triton 3.7.1", f"{__name__}:fla_backward")
+    return fla_backward()
 
-    return run
+
+def _cudnn():
+    """cuDNN-frontend's own KDA backward (bench/suites/cudnn_kda.py), called directly: the
+    planner's default engine, named in each case's record."""
+    return cudnn_kda.runner("bprop", lambda: kda_prefill.CUDNN_STATE_LAYOUT)
 
 
 def comparators() -> dict[str, Any]:
     if not torch.cuda.is_available():
-        return {"fla": None}
-    return {"fla": _fla()}
+        return {"fla": None, "cudnn": None}
+    return {"fla": _fla(), "cudnn": _cudnn()}
 
 
 def flops(case: Case) -> float:

@@ -19,14 +19,16 @@ Comparators, each on the same inputs:
           output_final_state=True, cu_seqlens=int64)` (Triton; state (N, HV, K, V) as ours;
           scale K^-1/2 as ours), the input sets sharing one cu_seqlens tensor so that fla's
           chunk tables are made once and its pass can be captured (bench/suites/fla_varlen.py).
-  cudnn   cuDNN-frontend's KDA where a Python entry point is found: FlashInfer's
-          `flashinfer.cudnn.cudnn_recurrent_kda` (documented for cuDNN's SM100 engine; on sm90
-          it is expected to refuse, and the record keeps its message), else a NotImplementedError
-          naming the KDA-looking attributes of the installed `cudnn` module, so that the next
-          session can wire the right one. Initial-state cases pass the state in
-          CUDNN_STATE_LAYOUT, "vk" (FlashInfer's docstring: "[N, HV, 128, 128], V-major";
-          fp32, confirmed on the device by scripts/probe_state_layouts.py, 2026-12-03), with a
-          separate output_state, so that it does not advance ours in place.
+  cudnn   cuDNN-frontend 1.32's own op, `cudnn.linear_attention.kimi_delta_attention(q, k, v,
+          g, beta, cu_seqlens, scale=K^-1/2, initial_state=, output_final_state=True)` (THD:
+          our tensors without the batch axis; state (N, HV, V, K) fp32, CUDNN_STATE_LAYOUT
+          "vk", made once per input set), its planner's default engine: on sm90 kda_hopper_cuda
+          (CUDA C++ through NVRTC; grouped value heads too), else kda_hopper (CuTe DSL, H = HV),
+          else kda_cutile. Each case's record names the engine that ran and why the Hopper ones
+          declined where they did (`ran`); a refusal is recorded as missing with the sm90
+          engines' reasons (bench/suites/cudnn_kda.py). It replaces FlashInfer's
+          `flashinfer.cudnn.cudnn_recurrent_kda` (until 2026-12-04), which builds the same cuDNN
+          graph through the graph API but could not say which engine served it.
 
 Ours: `forgekernel.ops.kda_chunked.kimi_delta_attention`: the first pass (the chunks'
 state-independent operands) on its kernel (`intra.py`), the recurrence on the WGMMA kernel
@@ -41,7 +43,6 @@ eager 0.457-0.722x; docs/linear_attention/NOTES.md).
 from __future__ import annotations
 
 import importlib
-import inspect
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from forgekernel.bench.suite import Case, Inputs, OpSuite
-from forgekernel.bench.suites import fla_varlen
-from forgekernel.bench.suites.gdn_prefill import state_in_layout
+from forgekernel.bench.suites import cudnn_kda, fla_varlen
 from forgekernel.kernels.linear_attention.kda_prefill.sm90 import SPEC
 
 HEAD = 128
@@ -59,7 +59,9 @@ RECURRENT_UP_TO = 4096  # tokens: above, the fp64 sub-chunked form by segments (
 FP64_KEY = "o_fp64"  # the fp64 output from `reference` to `low_precision`
 # cuDNN KDA's initial-state layout, one of gdn_prefill.STATE_LAYOUTS (None: initial-state cases
 # raise): "vk", (N, HV, V, K) fp32, confirmed by scripts/probe_state_layouts.py on the H200
-# 2026-12-03 14:19 ("kv" wrong, o rel 1.30; "vk" o rel 3.1e-3, final state rel 4.3e-3).
+# 2026-12-03 14:19 through FlashInfer's wrapper, which hands cuDNN's graph the state as given
+# ("kv" wrong, o rel 1.30; "vk" o rel 3.1e-3, final state rel 4.3e-3); cuDNN's own op's
+# docstring: "initial_state / final_state: [N, HO, V, K]".
 CUDNN_STATE_LAYOUT: str | None = "vk"
 _ROOT = Path(__file__).resolve().parents[2]
 # The two kernels (the first pass, intra.py, and the recurrence), the chunk tables and the
@@ -98,8 +100,8 @@ BENCH_CASES = (
     _case(_mix(16, 16384), 16, 16, group="varlen"),
     _case(_mix(64, 32768), 16, 16, group="varlen"),
     _case(_mix(64, 32768), 16, 32, state=False, group="varlen"),
-    # without an initial state (cuDNN's comparator runs only these: its state layout is
-    # unconfirmed), one a group beside the two above
+    # without an initial state, one a group beside the two above (cuDNN's comparator ran
+    # only these until its state layout was confirmed, 2026-12-03)
     _case([32768], 16, 16, state=False, group="single"),
     _case([2048] * 16, 16, 16, state=False, group="batch"),
     _case(_mix(16, 16384), 16, 16, state=False, group="varlen"),
@@ -198,56 +200,9 @@ def _fla():
 
 
 def _cudnn():
-    """FlashInfer's cuDNN KDA entry point if importable, else a runner that reports what the
-    installed cuDNN frontend offers (None where neither package is installed)."""
-    try:
-        from flashinfer.cudnn import cudnn_recurrent_kda
-    except Exception:
-        cudnn_recurrent_kda = None
-    if cudnn_recurrent_kda is None:
-        try:
-            import cudnn
-        except Exception:
-            return None
-        found = [n for n in dir(cudnn) if "kda" in n.lower() or "delta" in n.lower()]
-        version = getattr(cudnn, "__version__", "?")
-
-        def missing(inputs: Inputs):
-            raise NotImplementedError(
-                f"cudnn-frontend {version}: no KDA entry point wired; KDA-looking names: {found}"
-            )
-
-        return missing
-
-    try:  # separate output_state (not in every FlashInfer version: then it advances ours)
-        takes_out = "output_state" in inspect.signature(cudnn_recurrent_kda).parameters
-    except (TypeError, ValueError):
-        takes_out = True
-
-    def run(inputs: Inputs):
-        i = inputs
-        layout = CUDNN_STATE_LAYOUT
-        if i["state"] is not None and layout is None:
-            raise NotImplementedError(
-                "initial-state case: cuDNN's KDA state layout unconfirmed "
-                "(scripts/probe_state_layouts.py)"
-            )
-        extra = {}
-        if i["state"] is not None:  # in its layout with an output buffer, made once per set
-            key = f"cudnn_state_{layout}"
-            if key not in i:
-                state = state_in_layout(i["state"], layout)
-                i[key] = (state, torch.empty_like(state))
-            extra["initial_state"] = i[key][0]
-            if takes_out:
-                extra["output_state"] = i[key][1]
-        o = cudnn_recurrent_kda(i["q"], i["k"], i["v"], i["g"], i["beta"],
-                                use_qk_l2norm_in_kernel=False,
-                                cu_seqlens=i["cu_seqlens_long"], **extra)  # fmt: skip
-        o = o[0] if isinstance(o, tuple) else o
-        return o.reshape(i["v"].shape)
-
-    return run
+    """cuDNN-frontend's own KDA forward (bench/suites/cudnn_kda.py): the planner's default
+    engine, named in each case's record; our state in CUDNN_STATE_LAYOUT."""
+    return cudnn_kda.runner("fprop", lambda: CUDNN_STATE_LAYOUT)
 
 
 def comparators() -> dict[str, Any]:
