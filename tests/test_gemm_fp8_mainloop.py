@@ -69,8 +69,8 @@ def _host_gemm(cfg: GemmConfig):
             return self._scales(src, read.index)
 
         @cute.jit
-        def _retire(self, pending, ab_pipe, release):
-            _log(self.host[2], RETIRE, pending, release.index, 0)
+        def _retire(self, pending, ab_pipe, stage):
+            _log(self.host[2], RETIRE, pending, stage, 0)
 
         @cute.jit
         def _promote(self, acc, frag, scales):
