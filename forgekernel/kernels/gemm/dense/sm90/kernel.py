@@ -1066,46 +1066,50 @@ class GemmSm90:
         128x128 block, staged with the k-tile by the producer). The fragments alternate
         (k-tiles 2i in the first, 2i + 1 in the second): k-tile j is issued, then j - 1 is
         waited for (`wait_group(1)`: j stays in flight on the tensor pipe), its stage released
-        and its fragment promoted. Returns the states (see `_mainloop`)."""
+        and its fragment promoted. A k-tile's stage is released by the index it was read from
+        (`read`'s, warp-uniform), not by a second state walked around the ring: every k-tile
+        read here is released here, so `release` comes back as `read` (the states the caller
+        hands on: see `_mainloop`)."""
         tiled_mma, tCrA, tCrB, acc, (frags, r0, r1, sSF) = mma
         first, second = frags
-        src = (sSF, r0, r1)
+        # this thread's rows of the staged ring, hoisted out of the loop: one LDS address
+        # register, a k-tile's stage an offset (r1 = r0 + 8: an immediate)
+        src = (cute.domain_offset((r0, 0), sSF), r1 - r0)
         acc.fill(0.0)
-        # Each step's calls on `read`, `release` and `tiled_mma` (ACCUMULATE cleared: the first
-        # WGMMA of a k-tile overwrites its fragment) stay in the loop's and branches' own
-        # bodies: the DSL carries objects mutated there out of the region in place.
+        # Each step's calls on `read` and `tiled_mma` (ACCUMULATE cleared: the first WGMMA of a
+        # k-tile overwrites its fragment) stay in the loop's and branches' own bodies: the DSL
+        # carries objects mutated there out of the region in place.
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
         even = self._issue_scaled(tiled_mma, (tCrA, tCrB), first, ab_pipe, read, src)
+        even_stage = read.index
         read.advance()
         for _ in range((count - 1) // 2):
             # into `second`; the k-tile before is promoted from `first`
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
             odd = self._issue_scaled(tiled_mma, (tCrA, tCrB), second, ab_pipe, read, src)
+            odd_stage = read.index
             read.advance()
-            self._retire(1, ab_pipe, release)
-            release.advance()
+            self._retire(1, ab_pipe, even_stage)
             self._promote(acc, first, even)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
             even = self._issue_scaled(tiled_mma, (tCrA, tCrB), first, ab_pipe, read, src)
+            even_stage = read.index
             read.advance()
-            self._retire(1, ab_pipe, release)
-            release.advance()
+            self._retire(1, ab_pipe, odd_stage)
             self._promote(acc, second, odd)
         if count % 2 == 0:
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
             odd = self._issue_scaled(tiled_mma, (tCrA, tCrB), second, ab_pipe, read, src)
+            odd_stage = read.index
             read.advance()
-            self._retire(1, ab_pipe, release)
-            release.advance()
+            self._retire(1, ab_pipe, even_stage)
             self._promote(acc, first, even)
-            self._retire(0, ab_pipe, release)
-            release.advance()
+            self._retire(0, ab_pipe, odd_stage)
             self._promote(acc, second, odd)
         else:
-            self._retire(0, ab_pipe, release)
-            release.advance()
+            self._retire(0, ab_pipe, even_stage)
             self._promote(acc, first, even)
-        return read, release, tiled_mma
+        return read, read.clone(), tiled_mma
 
     @cute.jit
     def _issue_scaled(self, tiled_mma, operands, frag, ab_pipe, read, src):
@@ -1126,26 +1130,29 @@ class GemmSm90:
         return scales
 
     @cute.jit
-    def _retire(self, pending, ab_pipe, release):
-        """Wait until at most `pending` WGMMA groups are in flight, then release the stage of
-        the oldest k-tile still held: every thread arrives on its CTA's empty barrier, so that
+    def _retire(self, pending, ab_pipe, stage):
+        """Wait until at most `pending` WGMMA groups are in flight, then release ring stage
+        `stage` (the oldest k-tile's): every thread arrives on its CTA's empty barrier, so that
         each one's reads of the stage's scales (`_scales`) are released by its own arrive
         (racecheck follows only the arriving thread's accesses: the toolkit's one lane a warp
         left 18,432 WAR reports on the staged scales, H200 2026-12-02 15:48); with a cluster,
         also the toolkit's one lane a warp on each CTA that multicast into the stage."""
         cute.nvgpu.warpgroup.wait_group(pending)
-        cute.arch.mbarrier_arrive(ab_pipe.consumer_get_barrier(release))
+        empty = ab_pipe.sync_object_empty
+        cute.arch.mbarrier_arrive(empty.get_barrier(stage))
         if cutlass.const_expr(self._clustered()):
-            ab_pipe.consumer_release(release)
+            if ab_pipe.is_signaling_thread:
+                empty.arrive(stage, ab_pipe.consumer_mask)
 
     def _clustered(self) -> bool:
         return self.cfg.cluster_m * self.cfg.cluster_n > 1
 
     @cute.jit
     def _scales(self, src, stage):
-        """The scales of this thread's two rows (A's x B's) staged in ring stage `stage`."""
-        sSF, r0, r1 = src
-        return sSF[r0, stage], sSF[r1, stage]
+        """The scales of this thread's two rows (A's x B's) staged in ring stage `stage`; `src`:
+        the ring seen from the thread's first row, and the second row's offset from it."""
+        sRows, r1 = src
+        return sRows[0, stage], sRows[r1, stage]
 
     @cute.jit
     def _promote(self, acc, frag, scales):
