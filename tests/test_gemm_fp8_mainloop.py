@@ -594,7 +594,9 @@ def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_pa
     assert ops.count("FFMA") == 128 and ops.count("LDS") == 4, ops
     assert sum(op.startswith("QGMMA") for op in ops) == 8, ops
     clustered = cfg.cluster_m * cfg.cluster_n > 1
-    assert len(trip) <= (227 if clustered else 214), len(trip)
+    # (`_f4`: ptxas schedules the same trip in 229, two uniform moves more, 2026-12-05)
+    extra = 2 if cfg.scale_ahead == 4 else 0
+    assert len(trip) <= (227 if clustered else 214) + extra, len(trip)
     releases = _consumer_releases(sass)
     local = [r for r in releases if r[1] == "local"]
     peers = [r for r in releases if r[1] == "peer"]
