@@ -8,6 +8,7 @@ import torch
 
 from forgekernel.bench.suite import Case, Inputs, OpSuite
 from forgekernel.kernels.gemm.dense.sm90 import SPEC
+from forgekernel.runtime import pdl
 
 
 def _case(
@@ -363,11 +364,34 @@ def variants(case: Case) -> dict[str, Any]:
     configs = prefill_rivals(m, n, k, b_kn=b_kn) if m > 128 else {}
     if not b_kn:
         configs.update(CASE_CANDIDATES.get((m, n, k), {}))
-    return {
+    found = {
         kind: (lambda inputs, out, cfg=cfg: _forced(inputs, out, cfg))
         for kind, cfg in configs.items()
         if cfg != chosen
     }
+    if case.name in NO_PDL_CASES:
+        found["no_pdl"] = run_no_pdl
+    return found
+
+
+# The short calls timed without programmatic dependent launch too (variant `no_pdl`: ours /
+# this time is what PDL saves, docs/gemm/NOTES.md "Programmatic dependent launch"): decode
+# weights from 12 to 55 us, the 129-token and 300-token ragged cases, a small prefill.
+NO_PDL_CASES = (
+    "1x4096x4096",
+    "16x5120x8192",
+    "64x8192x8192",
+    "4x28672x4096",
+    "129x10240x8192",
+    "512x3584x3584",
+)
+
+
+def run_no_pdl(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
+    """Ours with its kernel built and launched without PDL (runtime/pdl.py `off`; compiled on
+    first use)."""
+    with pdl.off():
+        return run_ours(inputs, out)
 
 
 def _forced(inputs: Inputs, out: torch.Tensor | None, cfg) -> torch.Tensor:

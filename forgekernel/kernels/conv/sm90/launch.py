@@ -93,6 +93,7 @@ from forgekernel.kernels.conv.sm90.wgrad_config import (
 )
 from forgekernel.kernels.gemm.dense.sm90 import launch as gemm_launch
 from forgekernel.kernels.gemm.dense.sm90.launch import stream_k_workspace
+from forgekernel.runtime import pdl
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms, on_device, tma_ready
 from forgekernel.runtime.plans import PlanCache
@@ -579,7 +580,7 @@ def takes_reduce(k: int, c: int, k_tiles: int, sms: int) -> WgradPlan | None:
 
 
 def _wgrad_plan(
-    dtype, k, c, taps, walk, device_index, plan, reduce=False, auto=False
+    dtype, k, c, taps, walk, device_index, plan, reduce=False, auto=False, _pdl_forced=None
 ) -> tuple[object, WgradPlan]:
     """(the compiled function, the WgradPlan) of one problem: looked up once, not per call.
     `walk`: (the compile key's rect, pixel k-tiles); `reduce` (no plan given, the rectangles'
@@ -602,7 +603,7 @@ def _wgrad_plan(
         reduced = getattr(plan, "reduce", False) and splits > 1
         plan = WgradPlan(plan.config, plan.per_split, splits, tiles, reduce=reduced)
     params = wgrad_params(dtype_name(dtype), plan.config, rect, plan.reduce and plan.parts > 1)
-    return get_kernel(WGRAD_SPEC, params), plan
+    return get_kernel(WGRAD_SPEC, pdl.key(params, pdl.enabled())), plan
 
 
 def wgrad(
@@ -701,7 +702,8 @@ def _wgrad_launch(dy, x, dw, geometry: Geometry, plan, reduce=False, auto=True) 
     dw2 = dw if in_place else dw.new_empty(kp, t, r, s, cp)
     auto = auto and one_by_one and plan is None and not torch.are_deterministic_algorithms_enabled()
     fn, plan = _wgrad_plans.get_or_build(
-        (dy.dtype, kp, cp, t * r * s, walk, device.index, plan, reduce, auto), _wgrad_plan
+        (dy.dtype, kp, cp, t * r * s, walk, device.index, plan, reduce, auto, pdl.forced()),
+        _wgrad_plan,
     )
     reduced = plan.reduce and plan.parts > 1
     work, flags = stream_k_workspace(device, plan.tiles, 4 if reduced else plan.workspace_floats)

@@ -82,6 +82,14 @@ clamped to the expert's last counted row. A tile of tile_m counted rows is store
 epilogue ring and TMA; any other from registers, its rows past the count skipped (each
 thread's two-column bf16 pairs, one predicate per row): rows past a count are never written.
 
+Programmatic dependent launch (`pdl`, on in every standard build: kernels/common/sm90/pdl.py
+has the contract, runtime/pdl.py the switch and the keys): launched with the programmatic-
+stream-serialization attribute, every thread waits (`griddepcontrol.wait`) after the barrier
+setup and before its role starts, i.e. before any global access (the tensor-map prefetch and
+the shared-memory setup run under the previous kernel's tail), and triggers its dependents
+there: the next launch's CTAs take the SMs this grid's CTAs leave and run their own setup
+while its last tiles finish. Built with pdl "off", the kernel as it was.
+
 Constraints: A (M, K) K-major; B (N, K) K-major ("nk") or (K, N) N-major ("kn"); C (M, N)
 row-major, or M-major (the launcher's swap, C^T = B A^T: C the transpose of a row-major
 output, written in 64 x epi_n boxes); every leading stride a multiple of 8 elements (16 bytes,
@@ -106,7 +114,7 @@ from cutlass.cute.nvgpu import OperandMajorMode
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from forgekernel.kernels.common.sm90 import splitk
+from forgekernel.kernels.common.sm90 import pdl, splitk
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
 from forgekernel.kernels.common.sm90.constants import REGISTERS_PER_SM, THREADS_PER_WG, WARP_SIZE
 from forgekernel.kernels.common.sm90.pipeline import (
@@ -128,7 +136,9 @@ class Bar(IntEnum):
 class GemmSm90:
     """Persistent, warp-specialized TMA + WGMMA GEMM; see the module docstring."""
 
-    def __init__(self, config: GemmConfig, b_kn: bool = False, masked: bool = False):
+    def __init__(
+        self, config: GemmConfig, b_kn: bool = False, masked: bool = False, pdl: bool = True
+    ):
         if config.tile_m not in (64, 128, 192):
             raise ValueError(f"tile_m must be 64, 128 or 192, got {config.tile_m}")
         if config.tile_n % 8 or not 16 <= config.tile_n <= 256:
@@ -148,6 +158,7 @@ class GemmSm90:
             raise ValueError("the masked layout runs without clusters or stream K")
         self.cfg = config
         self.b_kn = b_kn
+        self.pdl = pdl  # launched as a programmatic dependent (module docstring)
         # The masked grouped layout (module docstring): operands (rows, cols, experts).
         self.masked = masked
         self.scaled = False  # block-scaled FP8: set from the scales by __call__
@@ -410,6 +421,7 @@ class GemmSm90:
             cluster=(*self.cluster_shape_mn, 1),
             min_blocks_per_mp=1,
             stream=stream,
+            use_pdl=self.pdl,
         )
 
     def _stream_grid(self, schedule, k, per_cta, wave):
@@ -543,6 +555,9 @@ class GemmSm90:
         acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape[:3], self.acc_dtype)
 
         init_wait(self.cluster_shape_mn)
+        # PDL: nothing above touched global memory (module docstring)
+        pdl.wait(self.pdl)
+        pdl.launch_dependents(self.pdl)
 
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
