@@ -179,3 +179,97 @@ def test_the_scheduling_kernel_waits_before_its_first_store(compiled, ranges):
     assert len([x for x in lines if re.search(r"\bACQBULK\b", x)]) == 1
     assert _first(lines, r"\bACQBULK\b") < _first(lines, GLOBAL)
     assert res["spill_bytes"] == 0
+
+
+# ---------------------------------------------------------------- the GEMM family
+
+
+def _gemm_family() -> dict:
+    """One standard build of each kernel of the dense GEMM's family (the dense GEMM, stream K,
+    the swap, FP8 tiled / grouped / stream K, the masked FP8 GEMM, the weight gradient's
+    rectangles and its reduce split): all launched with PDL."""
+    from forgekernel.kernels.conv.sm90 import WGRAD_SPEC
+    from forgekernel.kernels.gemm.dense.sm90 import MASKED_SPEC
+    from forgekernel.kernels.gemm.dense.sm90 import SPEC as GEMM_SPEC
+    from forgekernel.kernels.gemm.fp8.sm90 import SPEC as FP8_SPEC
+
+    pick = {
+        "gemm": (GEMM_SPEC, 0),
+        "fp8": (FP8_SPEC, 0),
+        "masked": (MASKED_SPEC, 0),
+        "wgrad": (WGRAD_SPEC, 0),
+    }
+    found = {}
+    for name, (spec, i) in pick.items():
+        params = spec.standard_params()
+        found[name] = (spec, params[i])
+        for extra, want in (
+            ("stream_k", True),
+            ("swap", True),
+            ("grouped", True),
+            ("rect", 0),
+            ("reduce", True),
+        ):
+            hit = next((p for p in params if dict(p).get(extra) == want), None)
+            if hit is not None and f"{name}_{extra}" not in found:
+                found[f"{name}_{extra}"] = (spec, hit)
+    return found
+
+
+GEMM_FAMILY = _gemm_family()
+
+
+@pytest.mark.parametrize("name", sorted(GEMM_FAMILY))
+def test_gemm_family_waits_before_every_global_access(compiled, name):
+    """As the decode kernels (above): one ACQBULK before the first global access, one PREEXIT;
+    the pdl 'off' build has neither, the same registers and otherwise the same SASS counts."""
+    spec, params = GEMM_FAMILY[name]
+    assert "pdl" not in dict(params)  # the standard builds are the PDL ones
+    res, lines = compiled(spec, params)
+    joined = "\n".join(lines)
+    assert len(re.findall(r"\bACQBULK\b", joined)) == 1
+    assert len(re.findall(r"\bPREEXIT\b", joined)) == 1
+    assert _first(lines, r"\bACQBULK\b") < _first(lines, GLOBAL)
+    off, off_lines = compiled(spec, pdl.key(params, False))
+    assert not re.search(r"\b(ACQBULK|PREEXIT)\b", "\n".join(off_lines))
+    assert res["spill_bytes"] == off["spill_bytes"] == 0
+    assert res["registers"] == off["registers"]
+    assert {k: v for k, v in res["sass"].items()} == off["sass"]
+
+
+def test_gemm_family_plans_are_keyed_by_the_switch(monkeypatch):
+    """The launchers look their kernels up with pdl.key: the standard key by default, the
+    pdl 'off' one inside `pdl.off()`, in plans kept apart (`pdl.forced()` in the plan keys)."""
+    from forgekernel.kernels.conv.sm90 import launch as conv
+    from forgekernel.kernels.gemm.dense.sm90 import launch as dense
+    from forgekernel.kernels.gemm.fp8.sm90 import launch as fp8
+
+    monkeypatch.delenv("FORGEKERNEL_PDL", raising=False)
+    for mod in (dense, fp8, conv):
+        monkeypatch.setattr(mod, "get_kernel", lambda spec, params: params)
+        monkeypatch.setattr(mod, "num_sms", lambda index: 132)
+    on = dense._choose(torch.bfloat16, False, 64, 8192, 8192, 0, None, None)[0]
+    with pdl.off():
+        off = dense._choose(torch.bfloat16, False, 64, 8192, 8192, 0, None, False)[0]
+    assert "pdl" not in dict(on) and off == pdl.key(on, False)
+    on = fp8._plan(torch.bfloat16, 4096, 7168, 2048, 0, None)[0]
+    with pdl.off():
+        off = fp8._plan(torch.bfloat16, 4096, 7168, 2048, 0, None, False)[0]
+    assert "pdl" not in dict(on) and off == pdl.key(on, False)
+    on = fp8._grouped_plan(None, torch.bfloat16, 0, None)[0]
+    with pdl.off():
+        off = fp8._grouped_plan(None, torch.bfloat16, 0, None, False)[0]
+    assert "pdl" not in dict(on) and off == pdl.key(on, False)
+    on = conv._wgrad_plan(torch.bfloat16, 512, 2048, 1, (8, 25), 0, None)[0]
+    with pdl.off():
+        off = conv._wgrad_plan(torch.bfloat16, 512, 2048, 1, (8, 25), 0, None)[0]
+    assert "pdl" not in dict(on) and off == pdl.key(on, False)
+
+
+def test_gemm_family_bench_variants():
+    from forgekernel.bench.suites import conv_wgrad, gemm, gemm_fp8
+
+    for suite in (gemm, gemm_fp8, conv_wgrad):
+        cases = [c for c in suite.BENCH_CASES if c.name in suite.NO_PDL_CASES]
+        assert len(cases) == len(suite.NO_PDL_CASES)
+        assert all(suite.variants(c)["no_pdl"] is suite.run_no_pdl for c in cases)
