@@ -187,8 +187,10 @@ def test_the_scheduling_kernel_waits_before_its_first_store(compiled, ranges):
 def _gemm_family() -> dict:
     """One standard build of each kernel of the dense GEMM's family (the dense GEMM, stream K,
     the swap, FP8 tiled / grouped / stream K, the masked FP8 GEMM, the weight gradient's
-    rectangles and its reduce split): all launched with PDL."""
-    from forgekernel.kernels.conv.sm90 import WGRAD_SPEC
+    rectangles, im2col and reduce split) and of the convolutions' forward and fused data
+    gradient: all launched with PDL."""
+    from forgekernel.kernels.conv.sm90 import DGRAD_SPEC, WGRAD_SPEC
+    from forgekernel.kernels.conv.sm90 import SPEC as CONV_SPEC
     from forgekernel.kernels.gemm.dense.sm90 import MASKED_SPEC
     from forgekernel.kernels.gemm.dense.sm90 import SPEC as GEMM_SPEC
     from forgekernel.kernels.gemm.fp8.sm90 import SPEC as FP8_SPEC
@@ -198,6 +200,8 @@ def _gemm_family() -> dict:
         "fp8": (FP8_SPEC, 0),
         "masked": (MASKED_SPEC, 0),
         "wgrad": (WGRAD_SPEC, 0),
+        "conv_fwd": (CONV_SPEC, 0),
+        "dgrad": (DGRAD_SPEC, 0),
     }
     found = {}
     for name, (spec, i) in pick.items():
@@ -267,9 +271,17 @@ def test_gemm_family_plans_are_keyed_by_the_switch(monkeypatch):
 
 
 def test_gemm_family_bench_variants():
-    from forgekernel.bench.suites import conv_wgrad, gemm, gemm_fp8
+    from forgekernel.bench.suites import (
+        conv_dgrad,
+        conv_fwd,
+        conv_layers,
+        conv_wgrad,
+        gemm,
+        gemm_fp8,
+    )
 
-    for suite in (gemm, gemm_fp8, conv_wgrad):
+    for suite in (gemm, gemm_fp8, conv_wgrad, conv_fwd, conv_dgrad):
         cases = [c for c in suite.BENCH_CASES if c.name in suite.NO_PDL_CASES]
         assert len(cases) == len(suite.NO_PDL_CASES)
-        assert all(suite.variants(c)["no_pdl"] is suite.run_no_pdl for c in cases)
+        run = getattr(suite, "run_no_pdl", conv_layers.run_no_pdl)
+        assert all(suite.variants(c)["no_pdl"] is run for c in cases)

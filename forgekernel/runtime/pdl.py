@@ -52,3 +52,9 @@ def key(params: Params, on: bool) -> Params:
     """A PDL-capable kernel's compile key: `params` as they are with PDL (`on`), with ("pdl",
     "off") added without it."""
     return params if on else tuple(sorted((*params, ("pdl", "off"))))
+
+
+def built_on(params: dict) -> bool:
+    """Whether a compile key (as a dict) builds its kernel for PDL: every key but the ones
+    `key` marks ("pdl", "off")."""
+    return params.get("pdl") != "off"

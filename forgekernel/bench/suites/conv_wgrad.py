@@ -19,7 +19,6 @@ from typing import Any
 from forgekernel.bench.suite import Case, OpSuite
 from forgekernel.bench.suites import conv_layers as L
 from forgekernel.kernels.conv.sm90 import WGRAD_SPEC
-from forgekernel.runtime import pdl
 
 BENCH_CASES = L.unique(
     (
@@ -54,7 +53,7 @@ def variants(case: Case) -> dict[str, Any]:
     stem = L.stem_variants(case)
     if stem:
         return stem
-    found = {"no_pdl": run_no_pdl} if case.name in NO_PDL_CASES else {}
+    found = {"no_pdl": L.run_no_pdl} if case.name in NO_PDL_CASES else {}
     p = case.params
     m = p["n"] * math.prod(L.output_spatial(p))
     one = all(v == 1 for v in (*p["kernel"], *p["stride"])) and not any(p["padding"])
@@ -72,12 +71,6 @@ NO_PDL_CASES = (
     "n32-c128-28x28-k512-1x1",
     "n32-c64-56x56-k64-3x3",
 )
-
-
-def run_no_pdl(inputs, out):
-    """Ours with its kernels built and launched without PDL (compiled on first use)."""
-    with pdl.off():
-        return L.run_ours(inputs, out)
 
 
 def one_by_one_variants(k: int, c: int, k_tiles: int) -> dict[str, Any]:
