@@ -185,12 +185,13 @@ def test_the_scheduling_kernel_waits_before_its_first_store(compiled, ranges):
 
 
 def _gemm_family() -> dict:
-    """One standard build of each kernel of the dense GEMM's family (the dense GEMM, stream K,
-    the swap, FP8 tiled / grouped / stream K, the masked FP8 GEMM, the weight gradient's
-    rectangles, im2col and reduce split) and of the convolutions' forward (im2col, rectangles,
-    the split with its flags and the bias, the strided data gradient's) and fused data gradient
-    (unsplit and split): all launched with PDL. Each picked by what it must have (the first
-    standard build that has it), so that no two names are one build."""
+    """One standard build of each kernel of the dense GEMM's family (the dense GEMM, B N-major,
+    192-row tiles, stream K, the swap, FP8 tiled / 8-row decode tiles / grouped / stream K, the
+    masked FP8 GEMM, the weight gradient's rectangles, im2col and reduce split) and of the
+    convolutions' forward (im2col, rectangles, the split with its flags and the bias, the
+    strided data gradient's) and fused data gradient (unsplit and split): all launched with
+    PDL. Each picked by what it must have (the first standard build that has it), so that no
+    two names are one build."""
     from forgekernel.kernels.conv.sm90 import DGRAD_SPEC, WGRAD_SPEC
     from forgekernel.kernels.conv.sm90 import SPEC as CONV_SPEC
     from forgekernel.kernels.gemm.dense.sm90 import MASKED_SPEC
@@ -202,8 +203,11 @@ def _gemm_family() -> dict:
         "gemm": (GEMM_SPEC, plain),
         "gemm_stream_k": (GEMM_SPEC, {"stream_k": True}),
         "gemm_swap": (GEMM_SPEC, {"swap": True}),
+        "gemm_kn": (GEMM_SPEC, {**plain, "b_kn": True}),
+        "gemm_192": (GEMM_SPEC, {**plain, "tile_m": 192}),
         "fp8": (FP8_SPEC, plain),
         "fp8_stream_k": (FP8_SPEC, {"stream_k": True}),
+        "fp8_rows": (FP8_SPEC, {**plain, "a_rows": 8}),
         "fp8_grouped": (FP8_SPEC, {"grouped": True}),
         "masked": (MASKED_SPEC, {}),
         "wgrad": (WGRAD_SPEC, {"rect": 8, "reduce": False}),
@@ -260,6 +264,7 @@ def test_gemm_family_plans_are_keyed_by_the_switch(monkeypatch):
     from forgekernel.kernels.conv.sm90 import launch as conv
     from forgekernel.kernels.gemm.dense.sm90 import launch as dense
     from forgekernel.kernels.gemm.fp8.sm90 import launch as fp8
+    from forgekernel.ops import conv as op
 
     monkeypatch.delenv("FORGEKERNEL_PDL", raising=False)
     for mod in (dense, fp8, conv):
@@ -280,6 +285,20 @@ def test_gemm_family_plans_are_keyed_by_the_switch(monkeypatch):
     on = conv._wgrad_plan(torch.bfloat16, 512, 2048, 1, (8, 25), 0, None)[0]
     with pdl.off():
         off = conv._wgrad_plan(torch.bfloat16, 512, 2048, 1, (8, 25), 0, None)[0]
+    assert "pdl" not in dict(on) and off == pdl.key(on, False)
+    # the forward's (n32-c512-7x7-k512-3x3) and the fused data gradient's (n8-c640-32x32-k640-
+    # 3x3-s2) plans, as the suites' no_pdl cases build them
+    fwd = (torch.bfloat16, False, 32 * 7 * 7, 512, 512, 9, 0, None, False, (32, 1, 7, 7), True)
+    on = conv._choose(*fwd, False)[0]
+    with pdl.off():
+        off = conv._choose(*fwd, False, pdl.forced())[0]
+    assert "pdl" not in dict(on) and off == pdl.key(on, False)
+    g = op._geometry_of((2, 2), (1, 1), (1, 1), (1, 1), (3, 3))
+    fused = conv.fused_dgrad(g, (1, 32, 32), (1, 16, 16))
+    args = (torch.bfloat16, (8, 1, 32, 32), 640, 640, fused, fused.walk, 0, None)
+    on = conv._choose_fused(*args)[0]
+    with pdl.off():
+        off = conv._choose_fused(*args, pdl.forced())[0]
     assert "pdl" not in dict(on) and off == pdl.key(on, False)
 
 
