@@ -376,7 +376,7 @@ def variants(case: Case) -> dict[str, Any]:
 
 # The short calls timed without programmatic dependent launch too (variant `no_pdl`: ours /
 # this time is what PDL saves, docs/gemm/NOTES.md "Programmatic dependent launch"): decode
-# weights from 12 to 55 us, the 129-token and 300-token ragged cases, a small prefill.
+# weights from 12 to 55 us, the 129-token ragged case, a small prefill.
 NO_PDL_CASES = (
     "1x4096x4096",
     "16x5120x8192",
