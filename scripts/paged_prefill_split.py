@@ -17,7 +17,9 @@ attention_paged suite (its inputs, bf16), device time per call (graph replays in
                   decode's split plan for the batch has one split, else the plan's splits over
                   the compact slots (`decode_slots`: the index ops, the query gather, the
                   partial pass and combine over B x 4 rows, the copy into out / lse included)
-    ours          the op (decode_in_op, then the forward over the whole batch)
+    ours          the op in its split form (`prefill_form("split")`: decode_in_op, then the
+                  forward over the whole batch; the op's default since 2026-12-04 is the
+                  packed form, the bench's `ours`)
     flashinfer_fa3 / flashinfer   FlashInfer's paged prefill (fa3, fa2), where installed
     fa4           FlashAttention-4's paged varlen forward (the suite's `fa4` comparator)
 
@@ -118,8 +120,13 @@ def run_case(case, device: torch.device | None = None) -> dict:
     op_, lp = _outputs(q)
     fns["decode_in_op"] = lambda: op._decode_part(q, k, v, table, seq, cu, scale, True, op_, lp)
     o, lse = _outputs(q)
-    fns["ours"] = lambda: op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu,
-                                             max_seqlen_q=mq, out=o, lse=lse)  # fmt: skip
+
+    def ours():
+        with op.prefill_form("split"):  # this script's subject (the op's default is packed)
+            return op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu, max_seqlen_q=mq,
+                                      out=o, lse=lse)  # fmt: skip
+
+    fns["ours"] = ours
     for name, make in suite_module.comparators().items():
         if make is not None:
             fns[name] = lambda make=make: make(inputs)

@@ -1,8 +1,9 @@
 """The split-KV combine alone, its CTA form against its warp form (a probe, GPU): where does the
-warp form (one warp a (row, head): combine_form.py) win, and is WARPS_FORM_UNITS = 1024 rows x
-heads the right bound? Prints us a call (CUDA-graph replays of the combine alone, its partials
-rotated past L2) of both forms and cta / warps, per (rows x heads, splits, D), and the rows x
-heads from which the warp form is faster at each (splits, D).
+warp form (one warp a (row, head): combine_form.py) win, and are its bounds (WARPS_FORM_UNITS
+= 1024 rows x heads; FEW_FORM_UNITS = 4096 at D 512, where the CTA form has its few path for
+rows of up to 16 splits) right? Prints us a call (CUDA-graph replays of the combine alone, its
+partials rotated past L2) of both forms and cta / warps, per (rows x heads, splits, D), and the
+rows x heads from which the warp form is faster at each (splits, D).
 
     python3 scripts/probe_combine_forms.py
 """
@@ -20,7 +21,7 @@ from forgekernel.runtime.timing import l2_bytes, median, rotation_sets, time_int
 
 HEADS = 16  # a row's heads; rows vary (units = rows x HEADS)
 ROWS = (1, 8, 16, 32, 64, 128, 256)  # units 16 .. 4096
-SPLITS = (1, 2, 4, 8, 32, 128)
+SPLITS = (1, 2, 4, 8, 16, 32, 128)  # 16: the few path's second round
 DIMS = (128, 512)
 
 

@@ -5,11 +5,12 @@ attention_paged.md, 2026-12-04 17:28, graph): page 16 at 0.917x / 0.929x (8 TMA 
 64-key tile, issued by one thread), page 64 at 1.023x for contrast. The suite's `make_inputs`
 and comparator callable (bench/suites/attention_paged.py).
 
-    python3 scripts/profile_paged_prefill.py [--form split|packed|packed_views]
+    python3 scripts/profile_paged_prefill.py [--form packed_views|split]
         [--which ours|comparator|both] [--case NAME ...]
 
 --form: the chunked-prefill form ours runs in (`ops.attention_paged.prefill_form`; default
-split, the op's default). scripts/device_profile_gaps.sh runs it (target `paged_prefill`).
+packed_views, the op's default since 2026-12-04). scripts/device_profile_gaps.sh runs it
+(target `paged_prefill`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ TARGET = profile_suite.Target(
 def split_form(argv: list[str]) -> tuple[str, list[str]]:
     """(the --form value, the other arguments for profile_suite)."""
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--form", default="split")
+    p.add_argument("--form", default="packed_views")
     known, rest = p.parse_known_args(argv)
     return known.form, rest
 

@@ -1,13 +1,15 @@
-"""The whole chunked-prefill batch in one GQA-packed launch of the forward's paged mode
-(`launch.attention_paged_fwd(packed=True)`, `ops.attention_paged.prefill_form("packed")`), on
-the CPU (the GPU's checks: tests/gpu/test_paged_gpu.py). The pack / unpack index maps (bit
-exact, into strided views); the launcher's arguments to the packed compile (qgroup G, offsets
-and the longest length x G, (Hkv, Tq x G) LSE); the replayed kernel (tests/
-test_attention_paged_prefill.py, its mask on row // qgroup) through the real op against the
-fp64 reference on mixed batches (decode rows of 1-4 tokens beside chunks, sequences without
-queries or keys, more queries than keys, pages 8-256, D 64 / 128 / 256, G 1 / 3 / 4 / 8, both
-16-bit dtypes, NaN-poisoned outputs and unowned cache slots); the compile keys; the bench's
-`packed` variant; the packed order's balance on the bench's prefill batches."""
+"""The whole chunked-prefill batch in one GQA-packed launch of the forward's paged mode on views
+of q / out / lse (`launch.attention_paged_fwd(packed=True)`, `ops.attention_paged.prefill_form(
+"packed_views")`, the op's default since 2026-12-04 where the batch's G has a compile,
+`launch.view_group`; else the split), on the CPU (the GPU's checks: tests/gpu/
+test_paged_packed_gpu.py). The pack index map; the launcher's arguments to the packed compile
+(views of q / out / lse themselves, qgroup G, offsets and the longest length x G); the
+replayed kernel (tests/test_attention_paged_prefill.py, its mask on row // qgroup) through the
+real op against the fp64 reference on mixed batches (decode rows of 1-4 tokens beside chunks,
+sequences without queries or keys, more queries than keys, pages 8-256, D 64 / 128 / 256, G 1
+/ 3 (the split) / 4 / 8, both 16-bit dtypes, NaN-poisoned outputs and unowned cache slots);
+the compile keys (every key the op looks up standard); the bench's `split` variant; the packed
+order's balance on the bench's prefill batches; the DSL's own reading of the views."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import math
 import pytest
 import torch
 from test_attention_paged_prefill import (  # tests/ is on the path
+    check_in_place_batch,
     cpu_paged_kernel,  # noqa: F401  (a fixture)
     cta_key_blocks,
     key_blocks,
@@ -29,7 +32,9 @@ from forgekernel.bench.suites.attention_paged import PREFILL_BENCH_CASES, _prefi
 from forgekernel.kernels.attention.fwd.sm90 import SPEC
 from forgekernel.kernels.attention.fwd.sm90 import launch as fwd_launch
 from forgekernel.kernels.attention.fwd.sm90.config import (
+    PAGED_HEAD_DIMS,
     PAGED_MIN_SEQLEN_Q,
+    VIEW_GROUPS,
     AttnConfig,
     default_config,
     params_for,
@@ -55,56 +60,7 @@ def test_pack_puts_query_head_h_g_of_token_t_on_row_t_g_of_head_h(tq, hkv, group
     assert torch.equal(qp, want.reshape(tq * group, hkv, d))  # (t, g, h) row-major
 
 
-@pytest.mark.parametrize(("tq", "hkv", "group"), [(1, 1, 1), (9, 2, 4), (300, 8, 8), (5, 3, 3)])
-def test_unpack_into_strided_views_round_trips_bit_exact(tq, hkv, group):
-    """unpack_gqa_into(pack(x)) == x for O and the LSE, bit for bit, written into views that
-    are not compact (o a slice of a wider buffer, lse a transposed (total_q, Hq) buffer: the
-    caller's out / lse as they come); nothing outside the views is touched."""
-    d, hq = 64, hkv * group
-    o_want = torch.randn(tq, hq, d).to(torch.float16)
-    lse_want = torch.randn(hq, tq)
-    lse_want[0, 0] = -math.inf
-    op = fwd_launch.pack_gqa_q(o_want[None], group)[0]
-    lsep = lse_want.view(hkv, group, tq).transpose(1, 2).reshape(hkv, tq * group)
-    assert torch.equal(lsep[hkv - 1, (tq - 1) * group + group - 1], lse_want[hq - 1, tq - 1])
-    wide = torch.full((tq, hq, d + 8), math.nan, dtype=torch.float16)
-    lse_buf = torch.full((tq, hq), math.nan)
-    o, lse = wide[..., :d], lse_buf.t()
-    fwd_launch.unpack_gqa_into(op, lsep, o, lse, group)
-    assert torch.equal(o, o_want) and torch.equal(lse, lse_want)
-    assert wide[..., d:].isnan().all()
-
-
 # ------------------------------------------------------------------ the launcher
-def test_packed_launch_arguments(monkeypatch):
-    """One call of the packed compile: q packed (Tq G, Hkv, D) compact, o alike, lse (Hkv,
-    Tq G) fp32, cu_seqlens_q x G (int32), seqlens_k and the table as given, max_seqlen_q x G,
-    qgroup G, one CTA a SM; the compile key the paged one's plus packed."""
-    seen = {}
-
-    def get_kernel(spec, params):
-        seen["params"] = dict(params)
-        return lambda *args: seen.setdefault("args", args)
-
-    monkeypatch.setattr(fwd_launch, "get_kernel", get_kernel)
-    monkeypatch.setattr(fwd_launch, "_plans", type(fwd_launch._plans)())
-    monkeypatch.setattr(fwd_launch, "num_sms", lambda device: 132)
-    q, k, v, table, lens, cu = prefill_problem(12, 3, 64, 16, [1, 0, 40, 4], [9, 3, 50, 33])
-    o, lse = torch.empty_like(q), torch.empty(12, q.shape[0])
-    fwd_launch.attention_paged_fwd(q, k, v, o, lse, table, lens, cu, 40, 0.125, True,
-                                   packed=True)  # fmt: skip
-    qp, kk, vv, op, lsep, cu_p, lens_p, scale_log2, max_p, qgroup, ctas, tab = seen["args"]
-    assert qp.shape == op.shape == (45 * 4, 3, 64) and qp.is_contiguous()
-    assert torch.equal(qp, fwd_launch.pack_gqa_q(q[None], 4)[0])
-    assert lsep.shape == (3, 45 * 4) and lsep.dtype == torch.float32
-    assert cu_p.dtype == torch.int32 and cu_p.tolist() == [0, 4, 4, 164, 180]
-    assert lens_p.tolist() == lens.tolist() and tab is table and kk is k and vv is v
-    assert (max_p, qgroup, ctas) == (160, 4, 132)
-    assert math.isclose(scale_log2, 0.125 * math.log2(math.e))
-    want = dict(params_for("bfloat16", 64, 64, True, varlen=True, page_box=16, packed=True))
-    assert seen["params"] == want and want["packed"]
-
-
 def test_packed_launch_without_pages_or_rows(monkeypatch):
     """No pages: every row 0 / -inf, decode rows included (no sequence is another kernel's);
     no rows: nothing runs or is written."""
@@ -134,67 +90,95 @@ MIXED = [
     (32, 4, 128, 256, [1, 40, 3, 2], [700, 300, 129, 1]),  # G 8, two key tiles a page
     (8, 2, 128, 16, [40, 6], [20, 3]),  # more queries than keys: rows that see none
     (8, 2, 128, 16, [3, 1, 5], [100, 17, 5]),  # decode rows and the shortest forward sequence
+    (4, 2, 256, 16, [1, 70, 4], [300, 90, 5]),  # G 2
+    (32, 2, 64, 32, [2, 1, 20, 0], [65, 700, 20, 3]),  # G 16: 320-row chunk, 192-row tiles
+    (24, 4, 64, 16, [1, 30], [40, 35]),  # G 6 at D 64: divides the tile, no compile: split
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("case", range(len(MIXED)))
-def test_packed_batch_matches_the_reference(cpu_paged_kernel, case, causal, dtype):  # noqa: F811
-    """prefill_form("packed"): one launch of the packed compile over every sequence (none to
-    the decode kernel), each row of out and lse (NaN-poisoned) written, the batch matching the
-    fp64 reference."""
+def test_default_batch_matches_the_reference(cpu_paged_kernel, case, causal, dtype):  # noqa: F811
+    """The default form: one launch of the packed compile on views of q, out and lse over
+    every sequence (none to the decode kernel) where the batch's G has one (`view_group`: G 1
+    / 2 / 4 / 8 / 16 here), else the split (G 3, 6: the decode kernel, then the split's
+    compile; never the copies); every row of the NaN-poisoned out and lse written, the batch
+    matching the fp64 reference."""
     hq, hkv, d, ps, q_lens, k_lens = MIXED[case]
-    q, k, v, table, lens, cu = prefill_problem(hq, hkv, d, ps, q_lens, k_lens, seed=case,
-                                               dtype=dtype)  # fmt: skip
-    out = torch.full_like(q, math.nan)
-    lse = torch.full((hq, q.shape[0]), math.nan)
-    with op_module.prefill_form("packed"):
-        got, got_lse = op_module.attention_paged(q, k, v, table, lens, cu_seqlens_q=cu,
-                                                 max_seqlen_q=max(q_lens), causal=causal,
-                                                 return_lse=True, out=out, lse=lse)  # fmt: skip
-    assert got is out and got_lse is lse
-    want, want_lse = paged_attention_ref(q, k, v, table, lens, cu_seqlens_q=cu, causal=causal)
-    assert torch.isfinite(out).all()
-    assert float((out.float() - want).abs().max()) < 2e-2
-    finite = torch.isfinite(want_lse)
-    assert torch.equal(finite, torch.isfinite(lse)) and not lse.isnan().any()
-    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-4
+    problem = prefill_problem(hq, hkv, d, ps, q_lens, k_lens, seed=case, dtype=dtype)
+    out, finite = check_in_place_batch(problem, max(q_lens), causal)
     assert not out[~finite.T].any()
-    [params] = cpu_paged_kernel  # one kernel: the packed one, no decode call
-    assert params["packed"] and params["causal"] == causal and cpu_paged_kernel.decode == []
-    assert cpu_paged_kernel.ran == [b for b, n in enumerate(q_lens) if n > 0]
-    assert op_module._prefill_form == ["split"]  # restored
+    [params] = cpu_paged_kernel
+    g = fwd_launch.view_group(hq // hkv, d)
+    assert params["causal"] == causal and params.get("view_group", 0) == g
+    assert params.get("packed", False) == (g > 0) and (cpu_paged_kernel.decode == []) == (g > 0)
+    assert g or hq // hkv in (3, 6)  # the split cases
+    ran = [b for b, n in enumerate(q_lens) if n >= (1 if g else PAGED_MIN_SEQLEN_Q)]
+    assert cpu_paged_kernel.ran == ran
+    assert op_module._prefill_form == ["packed_views"]
+    assert tuple(sorted(params.items())) in STANDARD
 
 
 def test_packed_batch_through_the_registered_op(cpu_paged_kernel):  # noqa: F811
-    """The traced path's custom op reads the form when it runs: the packed launch alone."""
+    """The traced path's custom op reads the form when it runs: the packed launch alone by
+    default, the split under prefill_form("split")."""
     q, k, v, table, lens, cu = prefill_problem(8, 2, 128, 16, [1, 40, 3, 0], [70, 60, 33, 5])
-    with op_module.prefill_form("packed"):
-        out, lse = torch.ops.forgekernel.attention_paged_prefill(q, k, v, table, lens, cu, 40,
-                                                                 128**-0.5, True)  # fmt: skip
+    out, lse = torch.ops.forgekernel.attention_paged_prefill(q, k, v, table, lens, cu, 40,
+                                                             128**-0.5, True)  # fmt: skip
     want, want_lse = paged_attention_ref(q, k, v, table, lens, cu_seqlens_q=cu)
     assert float((out.float() - want).abs().max()) < 2e-2
     assert float((lse - want_lse).abs().max()) < 1e-4
     assert cpu_paged_kernel.ran == [0, 1, 2] and cpu_paged_kernel.decode == []
+    assert cpu_paged_kernel[-1]["view_group"] == 4
+    with op_module.prefill_form("split"):
+        out, lse = torch.ops.forgekernel.attention_paged_prefill(q, k, v, table, lens, cu, 40,
+                                                                 128**-0.5, True)  # fmt: skip
+    assert float((out.float() - want).abs().max()) < 2e-2
+    assert cpu_paged_kernel.ran[3:] == [1] and len(cpu_paged_kernel.decode) == 1
+    assert "packed" not in cpu_paged_kernel[-1]
 
 
 def test_prefill_form_is_checked_and_restored():
-    with pytest.raises(ValueError, match="prefill form"):
-        with op_module.prefill_form("fused"):
-            pass
+    """Two forms: the packed default and the split; the copy form ("packed") is gone."""
+    assert op_module.PREFILL_FORMS == ("packed_views", "split")
+    for bad in ("fused", "packed"):
+        with pytest.raises(ValueError, match="prefill form"):
+            with op_module.prefill_form(bad):
+                pass
     with pytest.raises(RuntimeError):
-        with op_module.prefill_form("packed"):
-            assert op_module._prefill_form == ["packed"]
+        with op_module.prefill_form("split"):
+            assert op_module._prefill_form == ["split"]
             raise RuntimeError
-    assert op_module._prefill_form == ["split"]
+    assert op_module._prefill_form == ["packed_views"]
+
+
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(12, 4, 128), (6, 1, 64), (20, 4, 256), (32, 1, 128)])
+def test_groups_without_a_packed_compile_run_the_split(cpu_paged_kernel, hq, hkv, d):  # noqa: F811
+    """G 3 (D 128), 6 (D 64: it divides the 192-row tile but has no compile), 5, 32: the split
+    (the decode kernel, then the split's standard compile), no lookup outside the standard
+    set, the reference's numbers."""
+    q, k, v, table, lens, cu = prefill_problem(hq, hkv, d, 16, [1, 40, 3], [70, 60, 33])
+    out, lse = op_module.attention_paged(q, k, v, table, lens, cu_seqlens_q=cu, max_seqlen_q=40,
+                                         return_lse=True)  # fmt: skip
+    want, want_lse = paged_attention_ref(q, k, v, table, lens, cu_seqlens_q=cu)
+    assert float((out.float() - want).abs().max()) < 2e-2
+    assert float((lse - want_lse).abs().max()) < 1e-4
+    [params] = cpu_paged_kernel
+    assert "packed" not in params and len(cpu_paged_kernel.decode) == 1
+    assert tuple(sorted(params.items())) in STANDARD
 
 
 # ------------------------------------------------------------------ compile keys
+STANDARD = set(SPEC.standard_params())
+
+
 def test_packed_keys_leave_every_other_key_as_it_was():
-    """A key gains `packed` only when on (every existing key, cache entry and SASS stays):
-    the paged split's D 128 page-16 key is the frozen tuple of before; each standard paged key
-    has a packed twin differing by that entry alone; packed needs the paged mode."""
+    """A key gains `packed` and `view_group` only when on (every split key, cache entry and
+    SASS stays): the paged split's D 128 page-16 key is the frozen tuple of before; each
+    standard paged split key has a packed twin for every G of VIEW_GROUPS dividing its tile's
+    rows, differing by those entries alone; packed needs the paged mode and a view_group (the
+    copy form is gone)."""
     before = (("causal", True), ("dtype", "bfloat16"), ("head_dim", 128), ("head_dim_v", 128),
               ("l2_kv_mib", 24), ("late_rescale", True), ("o_direct", False), ("page_box", 16),
               ("snake", False), ("stages", 2), ("tile_m", 128), ("tile_n", 128),
@@ -203,12 +187,39 @@ def test_packed_keys_leave_every_other_key_as_it_was():
     std = [dict(p) for p in SPEC.standard_params()]
     paged = [p for p in std if p["page_box"] and "packed" not in p]
     packed = [p for p in std if "packed" in p]
-    assert packed and all(p["packed"] is True for p in packed)
-    twins = sorted(tuple(sorted({**p, "packed": True}.items())) for p in paged)
+    assert packed and all(p["packed"] is True and p["view_group"] for p in packed)
+    twins = sorted(
+        tuple(sorted({**p, "packed": True, "view_group": g}.items()))
+        for p in paged
+        for g in VIEW_GROUPS
+        if p["tile_m"] % g == 0
+    )
     assert twins == sorted(tuple(sorted(p.items())) for p in packed)
+    assert len(packed) == len(VIEW_GROUPS) * len(paged) == 5 * 56
     assert not any("packed" in p for p in std if not p["page_box"])
     with pytest.raises(ValueError, match="paged"):
-        params_for("bfloat16", 128, 128, True, varlen=True, packed=True)
+        params_for("bfloat16", 128, 128, True, varlen=True, packed=True, view_group=4)
+    with pytest.raises(ValueError, match="view_group"):
+        params_for("bfloat16", 128, 128, True, varlen=True, page_box=16, packed=True)
+
+
+def test_every_packed_lookup_is_standard():
+    """No call JIT-compiles: for every G 1 .. 64, paged head dim, dtype, mask and page size 8
+    .. 512 the key the op would look up (the packed one where `view_group` gives G, else the
+    split's) is in the standard set (a page of 48 has no box: the gather path)."""
+    for d in PAGED_HEAD_DIMS:
+        for group in range(1, 65):
+            g = fwd_launch.view_group(group, d)
+            assert g in (0, group) and (g > 0) == (group in VIEW_GROUPS)
+            for page in (8, 16, 32, 48, 64, 128, 256, 512):
+                box = fwd_launch.paged_box(page, d)
+                if not box:
+                    continue
+                for dtype in ("bfloat16", "float16"):
+                    for causal in (False, True):
+                        key = params_for(dtype, d, d, causal, varlen=True, page_box=box,
+                                         packed=g > 0, view_group=g)  # fmt: skip
+                        assert key in STANDARD, (d, group, page, dtype, causal)
 
 
 def test_packed_kernel_skips_no_sequence():
@@ -219,7 +230,8 @@ def test_packed_kernel_skips_no_sequence():
 
     cfg = default_config(128, 128, paged=True)
     split = AttentionFwdSm90(128, 128, True, cfg, varlen=True, page_box=16)
-    packed = AttentionFwdSm90(128, 128, True, cfg, varlen=True, page_box=16, packed=True)
+    packed = AttentionFwdSm90(128, 128, True, cfg, varlen=True, page_box=16, packed=True,
+                              view_group=4)  # fmt: skip
     assert split.scheduler.min_seqlen_q == PAGED_MIN_SEQLEN_Q
     assert packed.scheduler.min_seqlen_q == 0
     with pytest.raises(ValueError, match="paged"):
@@ -227,65 +239,42 @@ def test_packed_kernel_skips_no_sequence():
 
 
 # ------------------------------------------------------------------ the bench variant
-def test_bench_packed_variant_on_16_bit_prefill_cases_only():
-    names = [c.name for c in suite_module.BENCH_CASES if "packed" in suite_module.variants(c)]
+def test_bench_split_variant_on_16_bit_prefill_cases_only():
+    """The prefill cases A / B the two forms in one process: ours (the packed default) and the
+    `split` variant; no copy-form variant."""
+    names = [c.name for c in suite_module.BENCH_CASES if "split" in suite_module.variants(c)]
     assert names == [c.name for c in PREFILL_BENCH_CASES]
-    assert suite_module.variants(PREFILL_BENCH_CASES[0]) == {
-        "packed": suite_module._run_packed,
-        "packed_views": suite_module._run_packed_views,
-    }
+    assert suite_module.variants(PREFILL_BENCH_CASES[0]) == {"split": suite_module._run_split}
+    assert not any("packed" in suite_module.variants(c) for c in suite_module.BENCH_CASES)
 
 
-def test_bench_packed_variant_runs_the_packed_form(cpu_paged_kernel, monkeypatch):  # noqa: F811
-    """The variant on a small prefill case of the suite's own form (decode rows first, then
-    chunks): into the bench's out buffers, the packed launch alone, the reference's numbers."""
+def test_bench_variant_and_ours_run_their_forms(cpu_paged_kernel, monkeypatch):  # noqa: F811
+    """On a small prefill case of the suite's own form (decode rows first, then chunks), into
+    the bench's out buffers, the reference's numbers: ours the packed launch alone, the
+    `split` variant the decode kernel and the split's compile."""
     monkeypatch.setattr(op_module, "check_cuda", lambda name, t: None)
     case = _prefill_case(8, 2, 16, (40, 7), (60, 0), (30, 50, 3), "cpu")
     inputs = suite_module.make_inputs(case, torch.bfloat16, torch.device("cpu"),
                                       torch.Generator().manual_seed(0))  # fmt: skip
-    out = suite_module.alloc_out(inputs)
-    got = suite_module._run_packed(inputs, out)
-    assert got is out
     want, want_lse = suite_module.reference(inputs)
-    assert float((out[0].float() - want).abs().max()) < 2e-2
-    assert float((out[1] - want_lse).abs().max()) < 1e-4
-    assert [p["packed"] for p in cpu_paged_kernel] == [True] and cpu_paged_kernel.decode == []
+    for run, packed in ((suite_module.run_ours, True), (suite_module._run_split, False)):
+        out = suite_module.alloc_out(inputs)
+        assert run(inputs, out) is out
+        assert float((out[0].float() - want).abs().max()) < 2e-2
+        assert float((out[1] - want_lse).abs().max()) < 1e-4
+        assert cpu_paged_kernel[-1].get("packed", False) == packed
+    assert [p.get("view_group") for p in cpu_paged_kernel] == [4, None]
+    assert len(cpu_paged_kernel.decode) == 1  # the split's alone
 
 
 # ------------------------------------------------------------------ the zero-copy form
 def test_view_group_where_g_divides_the_tile_rows():
-    """G a divisor of the paged default's tile_m (128 at D 128 / 256, 192 at D 64), else 0:
-    the copy form."""
-    groups = (1, 2, 3, 4, 6, 8, 16)
-    assert [fwd_launch.view_group(g, 128) for g in groups] == [1, 2, 0, 4, 0, 8, 16]
-    assert [fwd_launch.view_group(g, 64) for g in (3, 5, 6, 7, 16)] == [3, 0, 6, 0, 16]
+    """G where it is one of VIEW_GROUPS (the standard compiles) dividing the paged default's
+    tile_m (128 at D 128 / 256, 192 at D 64), else 0: the split."""
+    groups = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 32)
+    assert [fwd_launch.view_group(g, 128) for g in groups] == [1, 2, 0, 4, 0, 0, 0, 8, 0, 16, 0]
+    assert [fwd_launch.view_group(g, 64) for g in (3, 4, 6, 12, 16)] == [0, 4, 0, 0, 16]
     assert fwd_launch.view_group(4, 256) == 4
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("case", range(len(MIXED)))
-def test_views_batch_matches_the_reference(cpu_paged_kernel, case, causal, dtype):  # noqa: F811
-    """prefill_form("packed_views"): one launch on views of q, out and lse (the `view_group`
-    compile; the copy form where G does not divide the tile's rows: G 3 at D 128), every row of
-    the NaN-poisoned out and lse written, the batch matching the fp64 reference."""
-    hq, hkv, d, ps, q_lens, k_lens = MIXED[case]
-    q, k, v, table, lens, cu = prefill_problem(hq, hkv, d, ps, q_lens, k_lens, seed=case,
-                                               dtype=dtype)  # fmt: skip
-    out = torch.full_like(q, math.nan)
-    lse = torch.full((hq, q.shape[0]), math.nan)
-    with op_module.prefill_form("packed_views"):
-        op_module.attention_paged(q, k, v, table, lens, cu_seqlens_q=cu, max_seqlen_q=max(q_lens),
-                                  causal=causal, return_lse=True, out=out, lse=lse)  # fmt: skip
-    want, want_lse = paged_attention_ref(q, k, v, table, lens, cu_seqlens_q=cu, causal=causal)
-    assert torch.isfinite(out).all()
-    assert float((out.float() - want).abs().max()) < 2e-2
-    finite = torch.isfinite(want_lse)
-    assert torch.equal(finite, torch.isfinite(lse)) and not lse.isnan().any()
-    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-4
-    [params] = cpu_paged_kernel
-    g = fwd_launch.view_group(hq // hkv, d)
-    assert params.get("view_group", 0) == g and params["packed"] and cpu_paged_kernel.decode == []
 
 
 def test_views_launch_arguments(monkeypatch):
@@ -310,7 +299,7 @@ def test_views_launch_arguments(monkeypatch):
     q, k, v, table, lens, cu = prefill_problem(16, 2, 128, 16, [1, 0, 40, 4], [9, 3, 50, 33])
     o, lse = torch.empty_like(q), torch.empty(16, q.shape[0])
     fwd_launch.attention_paged_fwd(q, k, v, o, lse, table, lens, cu, 40, 0.125, True,
-                                   packed=True, views=True)  # fmt: skip
+                                   packed=True)  # fmt: skip
     qv, _, _, ov, lv, cu_p, _, _, max_p, qgroup, _, _ = seen["args"]
     assert qv.shape == ov.shape == (45, 2, 8, 128) and lv.shape == (2, 8, 45)
     assert qv.data_ptr() == q.data_ptr() and ov.data_ptr() == o.data_ptr()
@@ -320,22 +309,33 @@ def test_views_launch_arguments(monkeypatch):
     assert (o == 1).all() and (lse == 2).all()
     lse_t = torch.zeros(q.shape[0], 16).t()
     fwd_launch.attention_paged_fwd(q, k, v, o, lse_t, table, lens, cu, 40, 0.125, True,
-                                   packed=True, views=True)  # fmt: skip
+                                   packed=True)  # fmt: skip
     assert seen["args"][4].data_ptr() != lse_t.data_ptr() and (lse_t == 2).all()
 
 
-def test_view_keys_are_candidates():
-    """view_group: a key only with packed (and G dividing tile_m); the bench cases' four
-    (pages 16 / 64, G 4 / 8) are candidates, none standard."""
-    std = [dict(p) for p in SPEC.standard_params()]
-    assert not any("view_group" in p for p in std)
-    views = [dict(p) for p in SPEC.candidate_params() if "view_group" in dict(p)]
-    got = sorted((p["page_box"], p["view_group"]) for p in views)
-    assert got == [(16, 4), (16, 8), (64, 4), (64, 8)]
-    assert all(p["packed"] and p["causal"] and p["head_dim"] == 128 for p in views)
+def test_view_keys_are_standard_not_candidates():
+    """view_group: a key only with packed (and G dividing tile_m); every packed key standard
+    (the bench's four of before among them), none a candidate."""
+    assert not any("view_group" in dict(p) for p in SPEC.candidate_params())
+    views = [dict(p) for p in SPEC.standard_params() if "view_group" in dict(p)]
+    bench = {(p["page_box"], p["view_group"]) for p in views
+             if p["dtype"] == "bfloat16" and p["head_dim"] == 128 and p["causal"]}  # fmt: skip
+    assert {(16, 4), (16, 8), (64, 4), (64, 8)} <= bench
+    assert all(p["packed"] for p in views)
     for bad in ({"view_group": 4}, {"packed": True, "view_group": 3}):
         with pytest.raises(ValueError, match="view_group"):
             params_for("bfloat16", 128, 128, True, varlen=True, page_box=16, **bad)
+
+
+def test_packed_launcher_refuses_a_group_without_a_compile(monkeypatch):
+    """attention_paged_fwd(packed=True) at G 3: ValueError (the op sends such batches to the
+    split; nothing is looked up)."""
+    monkeypatch.setattr(fwd_launch, "get_kernel", lambda *a: pytest.fail("no lookup"))
+    q, k, v, table, lens, cu = prefill_problem(12, 4, 128, 16, [1, 40], [9, 50])
+    o, lse = torch.empty_like(q), torch.empty(12, q.shape[0])
+    with pytest.raises(ValueError, match="view_group"):
+        fwd_launch.attention_paged_fwd(q, k, v, o, lse, table, lens, cu, 40, 0.125, True,
+                                       packed=True)  # fmt: skip
 
 
 # ------------------------------------------------------------------ the packed order
@@ -410,8 +410,8 @@ def test_profile_script_takes_the_form():
     from script_modules import load_script  # tests/ is on the path
 
     script = load_script("profile_paged_prefill")
-    assert script.split_form(["--form", "packed", "--which", "ours"]) == (
-        "packed",
+    assert script.split_form(["--form", "split", "--which", "ours"]) == (
+        "split",
         ["--which", "ours"],
     )
-    assert script.split_form(["--case", "x"]) == ("split", ["--case", "x"])
+    assert script.split_form(["--case", "x"]) == ("packed_views", ["--case", "x"])

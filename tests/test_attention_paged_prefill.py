@@ -203,6 +203,14 @@ def cpu_paged_kernel(monkeypatch):
     paged_launch._plans.clear()
 
 
+@pytest.fixture
+def split_form():
+    """The op's chunked prefill in its split form (the decode kernel, then the forward) for
+    the test (the default is the packed form where the batch's G has a compile)."""
+    with op_module.prefill_form("split"):
+        yield
+
+
 # ------------------------------------------------------------------ problems
 def prefill_problem(hq, hkv, d, page_size, q_lens, k_lens, seed=0, combined=False,
                     dtype=torch.bfloat16):  # fmt: skip
@@ -394,6 +402,7 @@ MIXED_CASES = [
 SLOT_CASES = {0, 1, 4, 5}
 
 
+@pytest.mark.usefixtures("split_form")
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("case", range(len(MIXED_CASES)))
 def test_mixed_batch_splits_between_the_kernels(cpu_paged_kernel, case, causal):
@@ -403,11 +412,24 @@ def test_mixed_batch_splits_between_the_kernels(cpu_paged_kernel, case, causal):
     slots, `decode_slots`), the rest by the forward (its tiles skip the short ones), both in
     place; the batch matches the reference."""
     hq, hkv, d, ps, q_lens, k_lens = MIXED_CASES[case]
-    q, k, v, table, lens, cu = prefill_problem(hq, hkv, d, ps, q_lens, k_lens)
+    q, k, v, table, lens, cu = problem = prefill_problem(hq, hkv, d, ps, q_lens, k_lens)
+    check_in_place_batch(problem, max(q_lens), causal)
+    assert cpu_paged_kernel.ran == [b for b, n in enumerate(q_lens) if n > 4]
+    [(params, _, direct)] = cpu_paged_kernel.decode
+    assert params["qtokens"] == op_module.MAX_QUERY_TOKENS
+    splits = paged_launch.packed_splits(q, k, table, len(q_lens), op_module.MAX_QUERY_TOKENS)
+    assert (splits > 1) == (case in SLOT_CASES) and direct == (splits == 1)
+
+
+def check_in_place_batch(problem, max_q: int, causal: bool):
+    """The op on a chunked-prefill batch into NaN-poisoned out and lse given to it (returned
+    as they are): every row written, near the fp64 reference, the LSE's infinite rows (no
+    keys) exactly the reference's, none NaN. Returns (out, the reference LSE's finite mask)."""
+    q, k, v, table, lens, cu = problem
     out = torch.full_like(q, math.nan)
-    lse = torch.full((hq, q.shape[0]), math.nan)
+    lse = torch.full((q.shape[1], q.shape[0]), math.nan)
     got, got_lse = op_module.attention_paged(q, k, v, table, lens, cu_seqlens_q=cu,
-                                             max_seqlen_q=max(q_lens), causal=causal,
+                                             max_seqlen_q=max_q, causal=causal,
                                              return_lse=True, out=out, lse=lse)  # fmt: skip
     assert got is out and got_lse is lse
     want, want_lse = paged_attention_ref(q, k, v, table, lens, cu_seqlens_q=cu, causal=causal)
@@ -416,13 +438,10 @@ def test_mixed_batch_splits_between_the_kernels(cpu_paged_kernel, case, causal):
     finite = torch.isfinite(want_lse)
     assert torch.equal(finite, torch.isfinite(lse)) and not lse.isnan().any()
     assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-4
-    assert cpu_paged_kernel.ran == [b for b, n in enumerate(q_lens) if n > 4]
-    [(params, _, direct)] = cpu_paged_kernel.decode
-    assert params["qtokens"] == op_module.MAX_QUERY_TOKENS
-    splits = paged_launch.packed_splits(q, k, table, len(q_lens), op_module.MAX_QUERY_TOKENS)
-    assert (splits > 1) == (case in SLOT_CASES) and direct == (splits == 1)
+    return out, finite
 
 
+@pytest.mark.usefixtures("split_form")
 def test_mixed_batch_into_an_out_the_forward_cannot_write_in_place(cpu_paged_kernel):
     """An out TMA cannot write (a misaligned view): the forward's buffer starts as out, so the
     decode's rows, written first, come back with the forward's copy."""
@@ -435,6 +454,7 @@ def test_mixed_batch_into_an_out_the_forward_cannot_write_in_place(cpu_paged_ker
     assert torch.isfinite(out).all() and float((out.float() - want).abs().max()) < 2e-2
 
 
+@pytest.mark.usefixtures("split_form")
 def test_mixed_batch_through_the_registered_op(cpu_paged_kernel):
     """The traced path's custom op (`forgekernel::attention_paged_prefill`, what torch.compile
     and the tracing modes call) runs the same two launches into fresh outputs."""
@@ -526,6 +546,7 @@ def test_next_tile_skips_only_invalid_tiles():
     assert max(cta_walk(q_lens, heads, c, skip=False)[1] for c in range(132)) == 128
 
 
+@pytest.mark.usefixtures("split_form")
 def test_mixed_batch_over_a_cache_without_pages(cpu_paged_kernel):
     """No pages: the forward's launcher fills only its sequences' rows (0, -inf), the decode
     its own; every row written."""

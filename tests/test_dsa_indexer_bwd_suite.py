@@ -64,3 +64,11 @@ def test_work_counts_and_registration():
     suite = S.suite()
     assert suite.name == "dsa_indexer_bwd" and all(p.exists() for p in suite.kernel_sources)
     assert all(c.params["topk"] % 128 == 0 for c in (*S.BENCH_CASES, *S.CHECK_CASES))
+
+
+def test_variants_are_the_kernel_candidates():
+    """bench times the candidate builds beside the op (each verified first)."""
+    from forgekernel.bench.suites import dsa_indexer_bwd as S
+
+    names = set(S.suite().variants_for(S.BENCH_CASES[0]))
+    assert names == {"staged", "pair", "pair_staged"}

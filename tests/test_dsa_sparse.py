@@ -67,8 +67,17 @@ def test_sparse_compile_keys():
     assert sparse_heads() == (*(h for h in HEADS if 16 % h == 0 and 128 % h == 0), 64)
     sparse = {p for p in SPEC.standard_params() if dict(p)["kind"] == "sparse"}
     forms = [("float16", False), ("bfloat16", False), ("bfloat16", True)]
-    assert sparse == {params_for("sparse", d, h, fp8=fp8, direct=direct) for d, fp8 in forms
-                      for h in sparse_heads() for direct in (False, True)}  # fmt: skip
+    plain = {p for p in sparse if not dict(p).get("sink") and not dict(p).get("fused")}
+    assert plain == {params_for("sparse", d, h, fp8=fp8, direct=direct) for d, fp8 in forms
+                     for h in sparse_heads() for direct in (False, True)}  # fmt: skip
+    # the sink form (keyed only when on) of every sparse direct compile
+    sink = {p for p in sparse if dict(p).get("sink") and not dict(p).get("fused")}
+    assert sink == {params_for("sparse", d, h, fp8=fp8, direct=True, sink=True)
+                    for d, fp8 in forms for h in sparse_heads()}  # fmt: skip
+    # the fused prefill's (test_dsa_fused_prefill): 16-bit 16, over the FP8 cache 8
+    assert len(sparse - plain - sink) == 24
+    with pytest.raises(ValueError, match="sparse direct"):
+        params_for("sparse", "bfloat16", 16, sink=True)
     with pytest.raises(ValueError, match="ostore"):
         params_for("sparse", "bfloat16", 16, direct=True, ostore=True)
     assert heads_per_cta(16) in sparse_heads() and heads_per_cta(128) in sparse_heads()
@@ -94,7 +103,7 @@ def test_split_plan_covers_the_list(tokens, hq, topk):
 
 def _sparse_partial(
     qn, qp, ckv, kpe, ckv_scale, idx, seq, op_, lp, scale_log2, per, page_size, cu, causal,
-    q_blocks, direct=False,
+    q_blocks, direct=False, sink=False,
 ):  # fmt: skip
     """The sparse partial pass (decode.py, sparse=True) of every CTA (split, head block, token)
     at once: a row's arithmetic does not depend on its head block. Per split, list positions
@@ -105,8 +114,10 @@ def _sparse_partial(
     into bf16 as the kernel does. The split's O x 1 / sum and log2 LSE in fp32: the partials
     op_ / lp, or in the direct form (op_ out (tokens, Hq, 512) in q's dtype, lp the natural
     lse; one split, per covering the list) O rounded to q's dtype and the LSE x ln 2, as
-    `_write_split` writes them."""
-    assert seq is None and cu is None and causal == 0 and q_blocks == 1
+    `_write_split` writes them; sink (the direct form's `sink` compile, attn_sink fp32 (Hq,) in
+    seq's slot): O x sigmoid(lse - sink) before the rounding, a row that saw no key 0."""
+    assert (seq is not None) == sink and cu is None and causal == 0 and q_blocks == 1
+    assert direct or not sink
     tokens, topk = idx.shape
     if direct:
         assert op_.dtype == qn.dtype and op_.shape == (*qn.shape[:2], LATENT)
@@ -140,6 +151,10 @@ def _sparse_partial(
         seen = lsum > 0
         o_s = torch.where(seen[..., None], o / torch.where(seen, lsum, 1.0)[..., None], 0.0)
         lse_s = torch.where(seen, m * scale_log2 + torch.log2(lsum), -math.inf).float()
+        if sink:
+            lse_nat = lse_s.double() * math.log(2)
+            weight = torch.where(seen, torch.sigmoid(lse_nat - seq.double()[None, :]), 0.0)
+            o_s = o_s * weight[..., None]
         if direct:
             op_.copy_(o_s.float().to(op_.dtype))
             lp.copy_(lse_s * math.log(2))
@@ -176,7 +191,7 @@ def sparse_kernels(monkeypatch):
             fp8 = p.get("fp8", False)
             assert (args[4] is not None) == fp8 and (args[2].dtype == torch.uint8) == fp8
             calls.append((p, args))
-            _sparse_partial(*args, direct=p.get("direct", False))
+            _sparse_partial(*args, direct=p.get("direct", False), sink=p.get("sink", False))
 
         return partial
 
@@ -266,6 +281,43 @@ def test_splits_of_a_long_list(sparse_kernels):
     assert args[10] == TILE and args[7].shape[0] == 32
     assert torch.all(torch.isneginf(args[8][24:]))  # splits past the valid entries saw no key
     assert not torch.any(torch.isneginf(args[8][:24]))
+
+
+@pytest.mark.parametrize(
+    ("tokens", "hq", "valid", "topk", "sinks"),
+    [
+        (128, 16, [(7 * t) % 129 for t in range(128)], 128, "finite"),  # one split: the kernel
+        (130, 24, [(5 * t) % 71 for t in range(130)], 70, "mixed"),  # 8-head blocks, +-inf
+        (1, 16, [1500], 2048, "finite"),  # 32 splits: apply_sink after the combine
+        (3, 16, [64, 0, 17], 64, "mixed"),  # splits, an empty row
+    ],
+)
+def test_sink_in_the_kernel_or_after_the_combine(sparse_kernels, tokens, hq, valid, topk, sinks):
+    """attn_sink: a direct plan's pass applies it (its `sink` compile, the sink in seqlens_k's
+    slot; no torch pass after), a split plan's caller after the combine (apply_sink); both give
+    the reference's out (the sink in the denominator) and its KV-only LSE; an empty row stays
+    0 / -inf under a -inf sink."""
+    qn, qp, ckv, kpe, idx = _problem(tokens, hq, 16, valid, topk, pad="scattered")
+    g = torch.Generator().manual_seed(3)
+    attn_sink = torch.randn(hq, generator=g)
+    if sinks == "mixed":
+        attn_sink[0], attn_sink[1] = -math.inf, math.inf
+    out, lse = op.dsa_sparse_attention(qn, qp, ckv, kpe, idx, softmax_scale=SCALE,
+                                       attn_sink=attn_sink, return_lse=True)  # fmt: skip
+    kv = torch.cat([ckv, kpe], -1)
+    want, want_lse = dsa_sparse_attention_paged_ref(torch.cat([qn, qp], -1), kv, idx, SCALE,
+                                                    attn_sink=attn_sink)  # fmt: skip
+    _assert_close(out, lse, want, want_lse)
+    params, args = sparse_kernels[-1]
+    splits, _ = mla_launch.sparse_split_plan(tokens, hq // heads_per_cta(hq), topk, 132, 1)
+    assert params.get("sink", False) == (splits == 1) == params.get("direct", False)
+    if splits == 1:
+        assert torch.equal(args[6], attn_sink)
+    else:
+        assert args[6] is None
+    assert sparse_kernels.combines == (splits > 1)
+    if sinks == "mixed":
+        assert torch.all(out[:, 1] == 0)
 
 
 @pytest.mark.parametrize("per_tiles", [1, 2, 16])

@@ -34,16 +34,18 @@ TOL = 2e-2
 
 @pytest.fixture
 def cpu_forward(monkeypatch):
-    """The sparse forward's launcher as the fp32 reference (out in q's dtype, lse fp32)."""
+    """The sparse forward's launcher as the fp32 reference (out in q's dtype, lse fp32; the
+    sink applied as a direct plan's kernel does)."""
     calls = []
 
-    def launch(q_nope, q_pe, ckv, kpe, idx, scale, o, lse, ckv_scale):
+    def launch(q_nope, q_pe, ckv, kpe, idx, scale, o, lse, ckv_scale, attn_sink=None):
         calls.append(tuple(q_nope.shape))
         q = torch.cat((q_nope, q_pe), -1)
         kv = torch.cat((ckv, kpe), -1).flatten(0, 1)
-        want, want_lse = dsa_sparse_attention_ref(q, kv, idx, scale)
+        want, want_lse = dsa_sparse_attention_ref(q, kv, idx, scale, attn_sink=attn_sink)
         o.copy_(want)
         lse.copy_(want_lse)
+        return True
 
     monkeypatch.setattr(fwd.mla_sm90, "dsa_sparse_attention", launch)
     monkeypatch.setattr(fwd, "check_cuda", lambda name, t: None)

@@ -223,6 +223,49 @@ def test_mla_decode_call_makes_only_the_kernels_views(no_op_kernels):
     assert ops == MLA_CALL_OPS
 
 
+# The kernels of the mla_decode bench's timed call (MLA_NOTES.md, "The combine's critical path
+# and the call's glue"): the pass and the combine where the plan splits, the pass alone where it
+# does not; the decode form's s_q 2 adds the LSE's copy into (B, H, s_q), its rows (cu) made with
+# the schedule (a torch.arange a call before 2026-12-04 next/mla-combine3)
+MLA_BENCH_KERNELS = {
+    "b1-h16-p64-L4096": (["partial", "combine"], 0),
+    "b64-h16-p64-L4096": (["partial", "combine"], 0),
+    "b16-h128-p64-L4096": (["partial", "combine"], 0),
+    "b128-h16-p64-L4096": (["partial"], 0),
+    "b64-h16-p64-L4096-sq2": (["partial", "combine"], 1),
+    "b64-h128-p64-L8192-sq2": (["partial"], 1),
+}
+
+
+@pytest.mark.parametrize("name", MLA_BENCH_KERNELS)
+def test_mla_bench_call_launches(monkeypatch, name):
+    """Each kernel the timed call launches (the compiled ones recorded by kind, the torch ones by
+    the profiler: no arange, no memset; one copy_ for the s_q 2 LSE)."""
+    launched = []
+
+    def get_kernel(spec, params):
+        return lambda *args: launched.append(dict(params)["kind"])
+
+    _clear_plans(mla_launch)
+    monkeypatch.setattr(mla_launch, "get_kernel", get_kernel)
+    monkeypatch.setattr(mla_launch, "num_sms", lambda device: 132)
+    monkeypatch.setattr(mla, "check_cuda", lambda name, t: None)
+    suite = importlib.import_module("forgekernel.bench.suites.mla_decode")
+    case = next(c for c in suite.BENCH_CASES if c.name == name)
+    gen = torch.Generator().manual_seed(0)
+    inputs = suite.make_inputs(case, torch.bfloat16, torch.device("cpu"), gen)
+    out = suite.alloc_out(inputs)
+    suite.run_ours(inputs, out)  # the schedule, made on the input set's first call
+    launched.clear()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        suite.run_ours(inputs, out)
+    _clear_plans(mla_launch)
+    ops = Counter(e.name for e in prof.events())
+    kernels, copies = MLA_BENCH_KERNELS[name]
+    assert launched == kernels
+    assert ops["aten::copy_"] == copies and not ops["aten::arange"] and not ops["aten::fill_"]
+
+
 # ---------------------------------------------------------------- one pass = the named checks
 
 

@@ -1118,7 +1118,7 @@ def test_suite_candidates_are_bench_cases():
         got = set(mla_decode.variants(case))
         plain = {"plain"} if name in mla_decode.PLAIN_CASES else set()
         no_pdl = {"no_pdl"} if name in mla_decode.NO_PDL_CASES else set()
-        cta = {"combine_cta"} if name in mla_decode.COMBINE_CASES else set()
+        cta = {"combine_warps"} if name in mla_decode.COMBINE_CASES else set()
         assert got == set(mla_decode.CANDIDATES.get(name, {})) | plain | no_pdl | cta, name
         if got:
             assert case.params["page"] % TILE == 0 and case.params["cache"] == "combined"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import random
+import sys
 
 import pytest
 import torch
@@ -57,6 +58,33 @@ def stale_scratch(monkeypatch):
 def _layers(b, hq, lens, s_q=1, layers=3):
     """Three layers' inputs over one batch's lengths and table shape."""
     return [_problem(b, hq, lens, s_q, seed=seed) for seed in range(layers)]
+
+
+def test_decode_form_rows_come_with_the_schedule(cpu_worklist, stale_scratch, monkeypatch):  # noqa: F811
+    """s_q 2 in the decode form: the schedule carries its rows as the packed form's (0, 2, 4,
+    ..) and a layer's call launches no torch.arange of its own (one kernel launch fewer a call:
+    the MTP cases' glue); the call without a schedule still makes them; both the reference's."""
+    lens = [700, 3, 129, 0]
+    qn, qp, ckv, kpe, table, seq = _problem(len(lens), 16, lens, 2)
+    schedule = forgekernel.mla_decode_schedule(seq, 16, table, page_size=64, s_q=2)
+    assert torch.equal(schedule.rows_cu, torch.arange(0, 10, 2, dtype=torch.int32))
+    want, want_lse = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
+    arange, callers = torch.arange, []
+
+    def recorded(*args, **kwargs):  # the op's own aranges (the CPU replay makes others)
+        callers.append(sys._getframe(1).f_code.co_filename)
+        return arange(*args, **kwargs)
+
+    for form in (schedule, None):
+        callers.clear()
+        monkeypatch.setattr(torch, "arange", recorded)
+        out, lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE,
+                                 return_lse=True, schedule=form)  # fmt: skip
+        monkeypatch.setattr(torch, "arange", arange)
+        made = callers.count(op.__file__)
+        assert made == (0 if form is not None else 1), made
+        _assert_close(out, lse, want, want_lse)
+    assert forgekernel.mla_decode_schedule(seq, 16, table, page_size=64).rows_cu is None
 
 
 @pytest.mark.parametrize(("hq", "lens", "s_q"), [(16, RAGGED, 1), (128, RAGGED[:5], 1),

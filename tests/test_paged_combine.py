@@ -58,6 +58,67 @@ def test_the_threads_cover_the_columns(d):
         assert units * spread <= max(kc.WAVE_CTAS, units)  # one wave, or one CTA a row
 
 
+@pytest.mark.parametrize("splits", [1, 2, 7, 30, 45, 48, 96])
+@pytest.mark.parametrize("d", [64, 128])
+def test_held_rows_are_the_walks_splits_in_its_order(splits, d):
+    """`_hold` / `_add_held` (one column chunk, splits <= HELD x groups): group g adds splits
+    g, g + groups, ... < splits in order, `_accumulate`'s order (`group_order`); the b1 plans'
+    30 (16-bit) and 45 (FP8) splits at D 128 are held. Past the last split with keys the held
+    form adds weight-0 splits the walk stops before: + 0, the same sums."""
+    k = kc.PagedCombineSm90(d)
+    if splits > kc.HELD * k.groups:
+        assert d == 128 and splits > 48
+        return
+    for g in range(k.groups):
+        held = [i * k.groups + g for i in range(kc.HELD) if i * k.groups + g < splits]
+        assert held == group_order(splits, k.groups, g, kc.UNROLL, kc.SPLIT_CAP)
+    assert 30 <= kc.HELD * kc.PagedCombineSm90(128).groups and k.chunks == 1
+
+
+def _few_schedule(d: int, splits: int, spread: int):
+    """`PagedCombineSm90._few` replayed: per (CTA first, warp), the splits its `_few_loads` read
+    and the splits its `_few_add` sums add (weight from lane s), per column vector, in order;
+    the column vectors it writes."""
+    k = kc.PagedCombineSm90(d)
+    loads, adds, lanes, written = [], {}, set(), []
+    for first in range(spread):
+        for warp in range(kc.WARPS):
+            chunk = first + warp * spread
+            while chunk < k.chunks:
+                for lane in range(32):
+                    vec = chunk * k.vecs + lane
+                    written.append(vec)
+                    adds.setdefault(vec, [])
+                    for r in range(kc.FEW_ROUNDS):
+                        if r and not splits > r * kc.FEW:
+                            continue
+                        for s in range(kc.FEW):  # `_few_loads` then `_few_add`
+                            if vec < d // 4 and r * kc.FEW + s < splits:
+                                loads.append(r * kc.FEW + s)
+                            lanes.add(r * kc.FEW + s)  # shuffle_sync(w, s0 + s)
+                            if r * kc.FEW + s < splits:
+                                adds[vec].append(r * kc.FEW + s)
+                chunk += spread * kc.WARPS
+    return k, loads, adds, lanes, written
+
+
+@pytest.mark.parametrize("splits", [0, 1, 7, 8, 9, 15, 16])
+@pytest.mark.parametrize("spread", [1, 2, 3, 4])
+def test_few_rounds_stay_within_the_row(splits, spread):
+    """D 512's few-splits path (rows of at most FEW x FEW_ROUNDS splits, 2026-12-04
+    next/mla-combine3): every load a split < splits; every column vector written once, its
+    splits added once each in split order (the warp form's order); every lane a shuffle reads
+    and every split whose LSE a lane reads below 32 (lane s < splits holds split s's weight)."""
+    assert kc.FEW * kc.FEW_ROUNDS <= 32  # lane s holds split s's LSE / weight
+    k, loads, adds, lanes, written = _few_schedule(512, splits, spread)
+    assert k.chunks >= kc.WARPS  # the path's condition at D 512
+    assert all(0 <= s < splits for s in loads)
+    assert max(lanes) < 32
+    assert sorted(written) == list(range(512 // 4))  # each 16-byte column vector once
+    for vec, order in adds.items():
+        assert order == list(range(splits)), vec
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", HEAD_DIMS)
 @pytest.mark.parametrize("splits", [1, 2, 7, 128, 300])
@@ -113,7 +174,11 @@ def test_compiled_combine(case):
     SHFL.BFLY (three warp reductions: the max, the last split with keys (2026-12-04: the O loop
     stops there), the sum). D 512 (2026-12-04, next/combine-few): the few-splits path beside it,
     FEW more 16-byte loads (every split's vector in flight), its two warp reductions (10 more
-    SHFL.BFLY) and FEW SHFL.IDX (each split's weight from its lane), still no local memory."""
+    SHFL.BFLY) and FEW SHFL.IDX (each split's weight from its lane), still no local memory.
+    (2026-12-04, next/mla-combine3) the few path's first FEW loads issued beside its LSE's,
+    before its reductions, and a second round of FEW for rows of 9-16 splits: 53 -> 64
+    registers at D 512 (the 32 values live across the shuffles; 8 CTAs an SM still), FEW more
+    16-byte loads and FEW more SHFL.IDX, the same barriers."""
     from forgekernel.runtime.resources import find_tool
 
     if find_tool("cuobjdump") is None:
@@ -121,11 +186,56 @@ def test_compiled_combine(case):
     res, sass = _compiled(*_specs()[case])
     ops = Counter(_OP.findall(sass))
     few = case == 0  # MLA's D 512: chunks >= WARPS
-    assert res["spill_bytes"] == 0 and res["registers"] <= 64
-    assert ops["LDG.E.128"] == 2 * kc.UNROLL + (kc.FEW if few else 0)
+    held = case == 1  # D 64: one column chunk, `_hold`'s HELD loads (2026-12-04: 56 -> 78)
+    assert res["spill_bytes"] == 0 and res["registers"] <= (80 if held else 64)
+    assert ops["LDG.E.128"] == (
+        2 * kc.UNROLL + (kc.FEW * kc.FEW_ROUNDS if few else 0) + (kc.HELD if held else 0)
+    )
     assert ops["SHFL.BFLY"] == 15 + (10 if few else 0)
-    assert ops["SHFL.IDX"] == (kc.FEW if few else 0)
+    assert ops["SHFL.IDX"] == (kc.FEW * kc.FEW_ROUNDS if few else 0)
     assert not any(op.startswith(("LDL", "STL")) for op in ops)
+    if few:  # (2026-12-04, next/mla-combine3) every split's vector issued before the shuffles
+        assert _loads_beside_the_lse(_OP.findall(sass)) == kc.FEW
+
+
+def _loads_beside_the_lse(ops: list[str]) -> int:
+    """The few-splits path's 16-byte loads issued in the stretch that also issues its LSE's load
+    (a scalar LDG.E), from the path's start (the last EXIT or barrier before its first SHFL.IDX:
+    the CTA path's code lies before it) to its first shuffle: FEW where the first round goes out
+    with the LSE (before 2026-12-04 20:40 none: the O loads waited for the weights' shuffles)."""
+    first_idx = ops.index("SHFL.IDX")
+    start = max(i for i in range(first_idx) if ops[i] == "EXIT" or ops[i].startswith("BAR"))
+    end = next(i for i in range(start, first_idx + 1) if ops[i].startswith("SHFL"))
+    window = ops[start:end]
+    return window.count("LDG.E.128") if "LDG.E" in window else 0
+
+
+@pytest.mark.parametrize("ramp", ["", "serial"])
+def test_held_rows_load_before_the_reductions(ramp):
+    """bf16 D 128 (the b1 plans' combine): the HELD 16-byte loads of partial O issue after the
+    PDL wait and before the first barrier (the LSE reductions'), not behind them; no spill,
+    78 registers or fewer (6 CTAs an SM). The candidate ramp "serial" (the bench's variant
+    serial_ramp) is the walk alone: no 16-byte load before the first barrier, 54 registers.
+    The trigger of the next pass (PREEXIT) before the wait where held, after it serial."""
+    from forgekernel.kernels.attention.paged.sm90 import SPEC as PAGED
+    from forgekernel.kernels.attention.paged.sm90 import params_for as paged_params
+    from forgekernel.kernels.attention.paged.sm90 import serial_ramp_key
+    from forgekernel.runtime.resources import find_tool
+
+    if find_tool("cuobjdump") is None:
+        pytest.skip("cuobjdump not found")
+    params = paged_params("combine", "bfloat16", 128)
+    res, sass = _compiled(PAGED, serial_ramp_key(params) if ramp else params)
+    lines = [x for x in sass.splitlines() if _OP.search(x)]
+    wait = next(i for i, x in enumerate(lines) if "ACQBULK" in x)
+    bar = next(i for i, x in enumerate(lines) if "BAR.SYNC" in x)
+    early = sum("LDG.E.128" in x for x in lines[wait:bar])
+    assert early == (0 if ramp else kc.HELD)
+    assert not any("LDG" in x for x in lines[:wait])
+    # the next pass scheduled before the wait where held (after it in the serial build)
+    trigger = next(i for i, x in enumerate(lines) if "PREEXIT" in x)
+    assert (trigger > wait) if ramp else (trigger < wait)
+    assert res["spill_bytes"] == 0 and res["registers"] <= (64 if ramp else 78)
 
 
 @pytest.mark.parametrize("d", [128, 512])
@@ -157,8 +267,9 @@ def test_compiled_warp_form(d):
 def test_takes_warps():
     from forgekernel.kernels.attention.paged.sm90 import combine_form as cf
 
-    assert cf.takes_warps(2048, 512) and cf.takes_warps(1024, 128)
-    assert not cf.takes_warps(1023, 512) and not cf.takes_warps(4096, 64)
+    assert cf.takes_warps(4096, 512) and cf.takes_warps(1024, 128)
+    assert not cf.takes_warps(4095, 512) and not cf.takes_warps(2048, 512)
+    assert not cf.takes_warps(1023, 128) and not cf.takes_warps(4096, 64)
     with cf.combine_form("cta"):
         assert not cf.takes_warps(4096, 512) and cf.forced() == "cta"
     with cf.combine_form("warps"):

@@ -91,21 +91,132 @@ def test_page_ahead_schedule(page_size, sk, per, split, stages):
     assert all(0 <= p < len(table) for p in reads)
 
 
+EARLY = [(16384, 16384, 30, 256), (65536, 65536, 30, 256), (4096, 131072, 4, 256),
+         (4096, 4096, 1, 4096), (65, 4096, 1, 4096), (700, 4096, 8, 256), (33, 64, 2, 256),
+         (0, 64, 2, 256), (300, 300, 3, 256), (1000, 1024, 8, 256)]  # fmt: skip
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 48])
+@pytest.mark.parametrize(("sk", "width", "splits", "per_split"), EARLY)
+@pytest.mark.parametrize("stages", [3, 4])
+def test_early_ids_schedule(page_size, sk, width, splits, per_split, stages):
+    """The 16-bit pass's prologue since 2026-12-04 (`PagedDecodeSm90.early_ids`) replayed: the
+    first STAGES tiles' ids of the split the table's width gives (`_guess_ids`: per_w =
+    max(per_split, ceil(width / splits)), tokens clamped to t1_w - 1, nothing read where the
+    split is empty), issued with the length's read, kept where the sequence's own split is that
+    one (per and t1 equal), else read again, all STAGES tiles at once; then the loop as
+    `test_page_ahead_schedule`'s. Every tile's copies get their own tokens' pages (never a
+    table entry past the sequence: those hold garbage here), and every read is inside the
+    table. The b1 bench cases (a table as wide as the sequence) keep the guess on every split."""
+    tile, rows = config.TILE, 8
+    pages = -(-width // page_size)
+    table = [100 + p if p * page_size < sk else -1 for p in range(pages)]  # -1: garbage
+    kept_all = True
+    for split in range(splits):
+        per_w = max(per_split, -(-width // splits))
+        t0_w, t1_w = split * per_w, min(split * per_w + per_w, width)
+        per = max(per_split, -(-sk // splits))
+        t0, t1 = split * per, min(split * per + per, sk)
+        tiles = -(-max(t1 - t0, 0) // tile)
+        kept = per == per_w and t1 == t1_w
+        kept_all &= kept or tiles == 0
+        for r in (0, 3, 7):
+            ids = {}
+            for s in range(stages):
+                if t0_w < t1_w:
+                    tokens = [min(t0_w + s * tile + r + 8 * m, t1_w - 1) for m in range(rows)]
+                    assert all(0 <= t < width for t in tokens)
+                    ids[s] = [table[t // page_size] for t in tokens]
+            if not kept:
+                for s in range(stages):
+                    if s < tiles:
+                        tokens = [min(t0 + s * tile + r + 8 * m, t1 - 1) for m in range(rows)]
+                        assert all(0 <= t < sk for t in tokens)
+                        ids[s] = [table[t // page_size] for t in tokens]
+            copies = {s: ids[s] for s in range(stages - 1) if s < tiles}
+            # `_prefetch_guess`: the rows of the guessed split's first STAGES - 1 tiles, ids
+            # clamped into the cache; kept, they are the first copies' rows
+            prefetched = {table[t // page_size]
+                          for t in range(t0_w, min(t0_w + (stages - 1) * tile, t1_w))}  # fmt: skip
+            if kept:
+                assert {p for s in copies for p in copies[s]} <= prefetched
+            ahead = ids.get(stages - 1)
+            for i in range(tiles):
+                nxt = i + stages - 1
+                if nxt < tiles:
+                    copies[nxt] = ahead
+                    first = t0 + (nxt + 1) * tile
+                    ahead = [table[min(first + r + 8 * m, t1 - 1) // page_size]
+                             for m in range(rows)]  # fmt: skip
+            assert sorted(copies) == list(range(tiles))
+            for n, got in copies.items():
+                want = [table[min(t0 + n * tile + r + 8 * m, t1 - 1) // page_size]
+                        for m in range(rows)]  # fmt: skip
+                assert got == want and -1 not in got, (split, n, r)
+    if sk == width and per_split <= -(-width // splits):
+        assert kept_all  # a sequence that fills its table: no split reads its ids twice
+
+
+@pytest.mark.parametrize("ramp", ["", "serial"])
+def test_early_ids_in_the_sass(ramp):
+    """bf16 D 128, 4 heads (the b1 / b4 / b64 bench cases' pass): after the wait the length's
+    load, then the STAGES x 8 guessed page-table loads, all before the length's first use,
+    `after`'s VIMNMX (made to depend on a guessed load: left alone, ptxas put the length's
+    first use after two of them and the warp waited there), before the first cp.async copy;
+    before the wait the five L2 prefetches; 254 registers, no local memory. The candidate ramp
+    "serial" (the bench's variant serial_ramp) prefetches nothing."""
+    from forgekernel.kernels.attention.paged.sm90 import serial_ramp_key
+
+    if find_tool("cuobjdump") is None:
+        pytest.skip("cuobjdump not found")
+    params = config.params_for("partial", "bfloat16", 128, 4)
+    found = build(SPEC, serial_ramp_key(params) if ramp else params)
+    ins = [t.strip() for _, t in _INS.findall(found.sass)]
+    assert found.resources["spill_bytes"] == 0 and found.resources["registers"] <= 255
+    assert not any(t.split()[0].startswith(("LDL", "STL")) for t in ins)
+    copy = next(i for i, t in enumerate(ins) if "LDGSTS" in t)
+    wait = next(i for i, t in enumerate(ins) if "ACQBULK" in t)
+    loads = [i for i, t in enumerate(ins) if re.search(r"\bLDG\.E\b", t) and i > wait]
+    prefetches = [i for i, t in enumerate(ins) if "CCTL.E.PF2" in t]
+    if ramp:
+        assert not prefetches
+        return
+    # before the wait (`_prefetch_guess`): the length's line, two lines each of K and V
+    assert len(prefetches) == 5 and max(prefetches) < wait
+    # `after`: the length's register through max(length, last id | 0x80000000), its first use
+    length = re.search(r"LDG\.E (R\d+),", ins[loads[0]]).group(1)
+    first_use = next(
+        i for i in range(loads[0] + 1, len(ins)) if re.search(rf"\b{length}\b", ins[i])
+    )
+    assert re.match(rf"VIMNMX {length}, {length}, R\d+, !PT", ins[first_use])
+    early = [i for i in loads if i < first_use]
+    assert len(early) == 1 + config.STAGES[128] * 8 and first_use < copy
+
+
 def test_candidates_are_standard_leaves_with_one_knob():
     """The candidate params: the bf16 D 128 standard leaves with page_ids "inline" (compile.py:
     `PagedDecodeSm90(page_ahead=False)`, the 18:47 pass), one per standard leaf. The
     speculative leaves (2 / 4 query tokens) with merge "rows" (`merge_rows`, the launcher's
     default on them since 2026-12-04 04:39) are standard builds beside the same leaves without
     it (the bench's variant `merge_elems`, the chunked-prefill decode rows). The builds without
-    PDL of the variant `no_pdl` (`no_pdl_params`, tests/test_pdl.py) are the others."""
-    from forgekernel.kernels.attention.paged.sm90 import merge_rows_params, no_pdl_params
+    PDL of the variant `no_pdl` (`no_pdl_params`, tests/test_pdl.py) and the serial ramp of the
+    variant `serial_ramp` (`serial_ramp_params`: ramp "serial") are the others."""
+    from forgekernel.kernels.attention.paged.sm90 import (
+        merge_rows_params,
+        no_pdl_params,
+        serial_ramp_params,
+    )
 
     standard = set(SPEC.standard_params())
     cands = SPEC.candidate_params()
     assert cands and len(set(cands)) == len(cands) and not standard & set(cands)
-    assert set(no_pdl_params()) <= set(cands)
+    assert set(no_pdl_params()) <= set(cands) and set(serial_ramp_params()) <= set(cands)
+    for c in serial_ramp_params():  # a standard leaf with the one knob ramp "serial"
+        d = dict(c)
+        assert d.pop("ramp") == "serial" and tuple(sorted(d.items())) in standard
     inline = set()
-    for c in (c for c in cands if c not in no_pdl_params()):
+    others = set(no_pdl_params()) | set(serial_ramp_params())
+    for c in (c for c in cands if c not in others):
         d = dict(c)
         assert d.pop("page_ids") == "inline"
         assert (d["dtype"], d["head_dim"]) == ("bfloat16", 128)
@@ -346,3 +457,31 @@ def test_merge_rows_compiles_within_the_residency(heads, qtokens):
 def _compile_sass_mufu(sass: str) -> int:
     return sum(1 for _, t in _INS.findall(sass) if re.sub(r"^@!?U?P\w+\s+", "", t.strip())
                .startswith("MUFU"))  # fmt: skip
+
+
+@pytest.mark.parametrize("name", suite.SERIAL_RAMP_CASES)
+def test_serial_ramp_variant_takes_prebuilt_keys(monkeypatch, name):
+    """The bench's variant `serial_ramp` on its cases (all in the suite, the variant listed):
+    inside `launch.serial_ramp()` the plans launch the standard keys with ramp "serial" (the
+    width plan's and, for the step's schedule, the ranges pass and combine; a warp-form
+    combine, which holds no rows, stays standard), each a prebuilt candidate."""
+    from forgekernel.kernels.attention.paged.sm90 import launch, serial_ramp_key
+
+    monkeypatch.setattr(launch, "num_sms", lambda index: 132)
+    monkeypatch.setattr(launch, "get_kernel", lambda spec, params: params)
+    case = next(c for c in suite.BENCH_CASES if c.name == name)
+    assert "serial_ramp" in suite.variants(case)
+    b, n = case.params["b"], case.params["lens"][0]
+    bf16 = torch.bfloat16
+    standard, cands = set(SPEC.standard_params()), set(SPEC.candidate_params())
+    for scheduled in (False, True):
+        plain = launch._plan(bf16, bf16, b, 32, 8, 128, n, 1, 0, False, None, None, scheduled)
+        serial = launch._plan(bf16, bf16, b, 32, 8, 128, n, 1, 0, False, None, None, scheduled,
+                              True)  # fmt: skip
+        for key, ramp in zip(plain[:2], serial[:2]):
+            if key is None:
+                assert ramp is None
+                continue
+            assert key in standard and ramp in cands | standard
+            warps = dict(key).get("form") == "warps"
+            assert ramp == (key if warps else serial_ramp_key(key))

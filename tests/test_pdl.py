@@ -162,7 +162,16 @@ def test_wait_precedes_every_global_access(compiled, name):
     joined = "\n".join(lines)
     assert len(re.findall(r"\bACQBULK\b", joined)) == 1
     assert len(re.findall(r"\bPREEXIT\b", joined)) == 1
-    assert _first(lines, r"\bACQBULK\b") < _first(lines, GLOBAL)
+    wait = _first(lines, r"\bACQBULK\b")
+    if name == "paged_pass":
+        # the documented exception (decode.py `_prefetch_guess`): before the wait one page-table
+        # load whose value addresses L2 prefetches only (CCTL.E.PF2: the length's line, K's and
+        # V's two lines of the thread's token), no other global access
+        before = [x for x in lines[:wait] if re.search(GLOBAL, x)]
+        assert len(before) == 1 and re.match(r"LDG\.E\s", before[0])
+        assert sum("CCTL.E.PF2" in x for x in lines[:wait]) == 5
+    else:
+        assert wait < _first(lines, GLOBAL)
     off, off_lines = compiled(spec, pdl.key(params, False))
     assert not re.search(r"\b(ACQBULK|PREEXIT)\b", "\n".join(off_lines))
     assert res["spill_bytes"] == off["spill_bytes"] == 0

@@ -19,6 +19,7 @@ from forgekernel.ops.conv import (
 )
 from forgekernel.ops.dsa import dsa_sparse_attention, dsa_sparse_attention_rows
 from forgekernel.ops.dsa_bwd import dsa_sparse_attention_backward
+from forgekernel.ops.dsa_fused import dsa_fused_prefill
 from forgekernel.ops.dsa_indexer import dsa_indexer, dsa_indexer_paged, dsa_topk_indexer_flashinfer
 from forgekernel.ops.dsa_indexer_bwd import dsa_indexer_backward
 from forgekernel.ops.dsa_recompute import dsa_score_recompute
@@ -51,6 +52,7 @@ __all__ = [
     "conv3d",
     "conv3d_dgrad",
     "conv3d_wgrad",
+    "dsa_fused_prefill",
     "dsa_indexer",
     "dsa_indexer_backward",
     "dsa_indexer_paged",

@@ -3,12 +3,14 @@ FlashAttention layout), GQA decode and speculative decoding / MTP (up to 4 query
 sequence), 16-bit or FP8 (e4m3) caches, FlashInfer's CSR page lists (kernels:
 kernels/attention/paged/sm90).
 
-Chunked prefill (more than 4 query tokens in some sequence) splits the batch on the device:
-the sequences of up to 4 query tokens (decode rows beside the chunks) run the decode kernel,
-the others the attention forward's paged mode (kernels/attention/fwd/sm90, page_box > 0), each
-kernel skipping the other's sequences, both writing their rows of the same out and lse
-(`_split_prefill`); under `prefill_form("packed")` / `("packed_views")` (candidates) the paged
-mode alone runs the whole batch, GQA-packed, in one launch (FA4's form). The paged mode reads
+Chunked prefill (more than 4 query tokens in some sequence) runs the whole batch, decode rows
+beside the chunks included, in one launch of the attention forward's paged mode
+(kernels/attention/fwd/sm90, page_box > 0) on GQA-packed views of q, out and lse (FA4's form,
+no copy: `prefill_form("packed_views")`, the default where the G = Hq / Hkv query heads a kv
+head have a packed compile, `launch.view_group`: G 1, 2, 4, 8, 16). Other G, and
+`prefill_form("split")`, split the batch on the device: the sequences of up to 4 query tokens
+run the decode kernel, the others the paged mode, each kernel skipping the other's sequences,
+both writing their rows of the same out and lse (`_split_prefill`). The paged mode reads
 the pages in place, one TMA box per page of a key tile, for 16-bit caches whose page size it
 covers (a multiple of 8 rows that divides the key tile or that the tile divides: 8 to 128 and
 beyond, `launch.paged_box`). The rest, FP8 caches
@@ -45,6 +47,7 @@ from forgekernel.ops._validate import (
 )
 from forgekernel.ops.attention_varlen import attention_varlen as _attention_varlen
 from forgekernel.runtime.device import on_device
+from forgekernel.runtime.plans import overriding
 from forgekernel.runtime.scratch import scratch
 
 INDEX = (torch.int32,)
@@ -388,7 +391,7 @@ def attention_paged(
     D) packed by cu_seqlens_q int32 (batch + 1,) with max_seqlen_q (a host int) at least the
     longest, each sequence's queries its last tokens (causal: bottom-right), out (total_q, Hq,
     D), LSE (Hq, total_q); up to 4 query tokens per sequence run the decode kernel, more the
-    forward's paged mode (or the gather path: module docstring).
+    forward's paged mode (the whole batch, or split: module docstring; or the gather path).
     GQA: query head h reads KV head h // (Hq / Hkv). An FP8 (e4m3) cache holds K / k_scale and
     V / v_scale: each scale a float (per tensor) or a float32 tensor (Hkv,) (per KV head).
     out / lse: buffers of the outputs' shapes (out in q's dtype, lse fp32) written in place
@@ -454,9 +457,10 @@ def attention_paged(
 
 def _prefill(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, causal, scale, out,
              traced, lse=None):  # fmt: skip
-    """Chunked prefill on the decode kernel and the forward's paged mode (`_split_prefill`), or
-    on the paged mode alone (`prefill_form("packed")`): the caches read in place (rows
-    contiguous and 16-byte aligned, outer strides multiples of 16 elements, the decode's)."""
+    """Chunked prefill on the forward's paged mode alone (the packed form) or on the decode
+    kernel and the paged mode (`_split_prefill`): `_run_prefill`. The caches read in place
+    (rows contiguous and 16-byte aligned, outer strides multiples of 16 elements, the
+    decode's)."""
     if traced:
         o, fresh = torch.ops.forgekernel.attention_paged_prefill(
             q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, scale, causal
@@ -479,40 +483,39 @@ def decode_lengths(seqlens_k: torch.Tensor, cu_seqlens_q: torch.Tensor) -> torch
     return seqlens_k.masked_fill(q_lens > MAX_QUERY_TOKENS, 0)
 
 
-# How a chunked-prefill batch on the paged mode runs (`prefill_form`): "split" (the default:
-# `_split_prefill`), "packed" (one GQA-packed launch of the whole batch) or "packed_views" (the
-# same without the pack / unpack copies where G divides the tile's rows).
-PREFILL_FORMS = ("split", "packed", "packed_views")
-_prefill_form = ["split"]
+# How a chunked-prefill batch on the paged mode runs (`prefill_form`): "packed_views" (the
+# default: one launch of the whole batch on GQA-packed views, where `launch.view_group` has a
+# compile for the batch's G, else the split) or "split" (`_split_prefill`). H200 2026-12-04
+# 20:10, time / split on the five prefill bench cases (bf16 D 128 causal, G 4 and 8): graph
+# 0.976, 1.013, 0.965, 0.947, 0.907 (median 0.965), eager flushed 0.989, 1.023, 1.021, 0.938,
+# 0.869; the packed form with copies 1.02-1.09 graph (dropped). docs/attention/PAGED_NOTES.md.
+PREFILL_FORMS = ("packed_views", "split")
+_prefill_form = ["packed_views"]
 
 
 @contextmanager
 def prefill_form(form: str) -> Iterator[None]:
     """The chunked-prefill calls inside (16-bit caches on the paged mode) run as `form`:
-    "split" (`_split_prefill`: the decode kernel on the sequences of up to MAX_QUERY_TOKENS
-    query tokens, then the forward's paged mode on the others) or "packed" (the forward's
-    paged mode alone on the whole batch, GQA-packed: `launch.attention_paged_fwd(packed=
-    True)`, FA4's form; no decode part, no slot glue) or "packed_views" (the same launch on
-    views of q, out and lse instead of packed copies: views=True, candidate). The bench's
-    `packed` / `packed_views` variants; not yet the default (docs/attention/PAGED_NOTES.md,
-    "The whole chunked-prefill batch in one launch")."""
+    "packed_views" (the default: the forward's paged mode alone on the whole batch, the G query
+    heads a kv head read as G rows a token through views of q / out / lse,
+    `launch.attention_paged_fwd(packed=True)`, FA4's form; no decode part, no slot glue, no
+    copy; the split where the batch's G has no packed compile, `launch.view_group`) or "split"
+    (`_split_prefill`: the decode kernel on the sequences of up to MAX_QUERY_TOKENS query
+    tokens, then the forward's paged mode on the others; the bench's `split` variant)."""
     if form not in PREFILL_FORMS:
         raise ValueError(f"prefill form must be one of {PREFILL_FORMS}, got {form!r}")
-    before, _prefill_form[0] = _prefill_form[0], form
-    try:
+    with overriding(_prefill_form, form):
         yield
-    finally:
-        _prefill_form[0] = before
 
 
 def _run_prefill(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, scale, causal, o,
                  lse):  # fmt: skip
-    """A chunked-prefill batch into o / lse in the `prefill_form` in force."""
-    form = _prefill_form[0]
-    if form != "split":
+    """A chunked-prefill batch into o / lse in the `prefill_form` in force: packed where the
+    batch's G has a packed compile (`launch.view_group`), else split."""
+    packed = _prefill_form[0] == "packed_views"
+    if packed and fwd_sm90.view_group(q.shape[1] // k.shape[2], q.shape[2]):
         fwd_sm90.attention_paged_fwd(q, k, v, o, lse, page_table, seqlens_k, cu_seqlens_q,
-                                     max_seqlen_q, scale, causal, packed=True,
-                                     views=form == "packed_views")  # fmt: skip
+                                     max_seqlen_q, scale, causal, packed=True)  # fmt: skip
     else:
         _split_prefill(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_q, scale,
                        causal, o, lse)  # fmt: skip

@@ -18,8 +18,11 @@ gives out 0 and lse -inf. No topk_length (pad with -1 instead).
 
 Attention sink (attn_sink (H,) fp32, optional): a per-head logit in the softmax denominator
 only, out * exp(lse) / (exp(lse) + exp(sink[h])), lse unchanged (the KV-only LSE: FlashMLA's
-statement, cuDNN's backward input). INTERIM: applied after the kernel in fp32 torch (one
-elementwise pass over out; the kernel's epilogue will fold it).
+statement, cuDNN's backward input). A plan of one split (every prefill, DSA from 128 tokens at
+16 heads) applies it in the kernel's epilogue (the direct pass's `sink` compile: O x 1 / sum x
+sigmoid(lse - sink) in fp32, rounded once); a plan of several splits (few tokens) applies it
+after the combine in fp32 torch (`apply_sink`, one elementwise pass over out: the shared
+combine, which paged decode uses too, stays as it is).
 
 Differentiable (ops/dsa_bwd.py registers the backward of the custom op, issue 22) in q_nope,
 q_pe, the 16-bit caches (or the combined cache they view) and attn_sink, through out and lse:
@@ -139,17 +142,17 @@ def _outputs(q_nope, out):
 def _forward(q_nope, q_pe, ckv, kpe, sparse_indices, scale, out, ckv_scale=None,
              attn_sink=None):  # fmt: skip
     o, lse = _outputs(q_nope, out)
-    mla_sm90.dsa_sparse_attention(q_nope, q_pe, ckv, kpe, sparse_indices, scale, o, lse,
-                                  ckv_scale)  # fmt: skip
-    if attn_sink is not None:
-        apply_sink(o, lse, attn_sink)
+    sink = None if attn_sink is None else attn_sink.detach().contiguous()
+    if not mla_sm90.dsa_sparse_attention(q_nope, q_pe, ckv, kpe, sparse_indices, scale, o, lse,
+                                         ckv_scale, sink):  # fmt: skip
+        apply_sink(o, lse, sink)  # a split plan: after the combine
     return o, lse
 
 
 def apply_sink(o: torch.Tensor, lse: torch.Tensor, attn_sink: torch.Tensor) -> None:
-    """INTERIM (the kernel's epilogue will fold it): o *= exp(lse) / (exp(lse) + exp(sink)) =
-    sigmoid(lse - sink) in fp32, rounded once, in place; a row of lse -inf stays 0 (its
-    sigmoid is NaN against a -inf sink)."""
+    """The sink of a split plan (the direct pass applies it in its epilogue): o *= exp(lse) /
+    (exp(lse) + exp(sink)) = sigmoid(lse - sink) in fp32, rounded once, in place; a row of lse
+    -inf stays 0 (its sigmoid is NaN against a -inf sink)."""
     w = torch.sigmoid(lse - attn_sink.float()[None, :])
     w = torch.where(torch.isneginf(lse), 0.0, w)
     o.copy_(o.float() * w[..., None])

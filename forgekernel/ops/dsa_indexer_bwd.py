@@ -21,17 +21,24 @@ id is padding (no K row read, no gradient). grad_loss: a one-element fp32 tensor
 dtypes (cuDNN's d_index_q, d_weights, d_index_k); d_k rows no slot names are 0. Unlike cuDNN,
 target is not overwritten.
 
-INTERIM PATH: the closed form in fp32 torch (`reference.dsa_indexer_bwd.
-dsa_indexer_kl_backward_ref`, chunked rows), correct, not fast; the kernel (notes: "Backward
-kernel plan") replaces `_backward_interim` and nothing else.
+THE KERNEL (kernels/attention/dsa_indexer_bwd/sm90; docs/attention/DSA_INDEXER_NOTES.md
+"Backward kernel, built"): dq, dw and an fp32 dK accumulator in one launch (G from target /
+predict in its prologue), then dK cast to k's dtype in torch. It takes bf16 inputs (cuDNN's
+contract) with 64 heads x 128, top-k <= 2048, both index forms, 3-D or 4-D. Everything else, or
+FORGEKERNEL_DSA_INDEXER_BWD_KERNEL=0, takes the INTERIM PATH: the closed form in fp32 torch
+(`reference.dsa_indexer_bwd.dsa_indexer_kl_backward_ref`, chunked rows), correct, not fast:
+fp16 (its dS, rounded to fp16 for the GEMMs, underflows at the usual grad_loss 1 / (B S_q):
+kernels/.../config.py DTYPES), fp32 inputs, other head counts or widths, top-k > 2048.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
+from forgekernel.kernels.attention.dsa_indexer_bwd.sm90 import launch as kernel_launch
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import (
     check_bool,
@@ -46,6 +53,15 @@ FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 F32 = (torch.float32,)
 INDEX = (torch.int32,)
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# "0": the interim path everywhere; unset or "1": the kernel where it takes the inputs.
+KERNEL_ENV = "FORGEKERNEL_DSA_INDEXER_BWD_KERNEL"
+
+
+def kernel_selected() -> bool:
+    env = os.environ.get(KERNEL_ENV, "")
+    if env not in ("", "0", "1"):
+        raise ValueError(f"{KERNEL_ENV} must be '0' or '1', got {env!r}")
+    return env != "0"
 
 
 def _validate(q, weights, k, target, predict, idx, grad_loss) -> bool:
@@ -105,6 +121,23 @@ def _backward_interim(q, weights, k, target, predict, idx, grad_loss, sm_scale, 
             dk.to(k.dtype).view(k.shape))  # fmt: skip
 
 
+def _backward_kernel(q, weights, k, target, predict, idx, grad_loss, sm_scale, loss_coeff,
+                     indices_global) -> Grads | None:  # fmt: skip
+    """The kernel (module docstring), None where `launch.unsupported` declines the inputs or
+    FORGEKERNEL_DSA_INDEXER_BWD_KERNEL=0; dK cast to k's dtype in torch."""
+    if not kernel_selected() or kernel_launch.unsupported(q, k, idx) is not None:
+        return None
+    dq, dw, dk = kernel_launch.dsa_indexer_bwd(q, weights, k, target, predict, idx, grad_loss,
+                                               sm_scale, loss_coeff, indices_global)  # fmt: skip
+    return dq, dw, dk.to(k.dtype)
+
+
+def _backward(*args) -> Grads:
+    """The kernel where it takes the inputs, else the interim path."""
+    grads = _backward_kernel(*args)
+    return _backward_interim(*args) if grads is None else grads
+
+
 @torch.library.custom_op("forgekernel::dsa_indexer_backward", mutates_args=())
 def _backward_op(
     q: torch.Tensor,
@@ -118,8 +151,8 @@ def _backward_op(
     loss_coeff: float,
     indices_global: bool,
 ) -> Grads:
-    return _backward_interim(q, weights, k, target, predict, topk_indices, grad_loss, sm_scale,
-                             loss_coeff, indices_global)  # fmt: skip
+    return _backward(q, weights, k, target, predict, topk_indices, grad_loss, sm_scale,
+                     loss_coeff, indices_global)  # fmt: skip
 
 
 @_backward_op.register_fake
@@ -161,4 +194,4 @@ def dsa_indexer_backward(
             indices_global)  # fmt: skip
     if _traced(q, weights, k, target, predict, topk_indices, grad_loss):
         return torch.ops.forgekernel.dsa_indexer_backward(*args)
-    return _backward_interim(*args)
+    return _backward(*args)

@@ -343,12 +343,12 @@ def _flat_rows(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def _forward(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, scale, max_seqlen_q,
-             causal, out, ckv_scale=None, lse=None, work=None):  # fmt: skip
+             causal, out, ckv_scale=None, lse=None, work=None, rows_cu=None):  # fmt: skip
     """The kernels on validated arguments: the decode form becomes the kernel's (rows, H, D) by
-    views; s_q > 1 runs as the packed form (cu_seqlens_q = 0, s_q, 2 s_q, ...), its LSE rows
-    transposed into (batch, H, s_q) after. ckv_scale: FlashMLA's FP8 views. out / lse: the
-    caller's (written in place: no allocation, no copy) or None. work: a schedule's (list, row
-    ranges)."""
+    views; s_q > 1 runs as the packed form (cu_seqlens_q = 0, s_q, 2 s_q, ...: rows_cu, the
+    schedule's, else made here), its LSE rows transposed into (batch, H, s_q) after. ckv_scale:
+    FlashMLA's FP8 views. out / lse: the caller's (written in place: no allocation, no copy) or
+    None. work: a schedule's (list, row ranges)."""
     o, lse = _outputs(q_nope, cu_seqlens_q, out, lse)
     launch = mla_sm90.mla_decode
     if cu_seqlens_q is not None:
@@ -363,7 +363,9 @@ def _forward(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, scale,
     o_rows = _flat_rows(o)
     target = o_rows if o_rows is not None else o.new_empty((b * s_q, hq, d))
     lse_rows = lse.new_empty((b * s_q, hq))
-    cu = torch.arange(0, (b + 1) * s_q, s_q, dtype=torch.int32, device=q_nope.device)
+    cu = rows_cu
+    if cu is None:  # (a kernel launch of its own: the schedule's is made once a step)
+        cu = torch.arange(0, (b + 1) * s_q, s_q, dtype=torch.int32, device=q_nope.device)
     launch(q_nope.reshape(b * s_q, hq, d), q_pe.reshape(b * s_q, hq, D_ROPE), ckv, kpe,
            page_table, seqlens_k, scale, target, lse_rows, cu, s_q, causal, ckv_scale,
            work)  # fmt: skip
@@ -392,6 +394,9 @@ class MlaDecodeSchedule:
     packed: bool
     causal: bool
     dtype: torch.dtype
+    # the decode form's rows as the packed form's (0, s_q, 2 s_q, ..., int32 (batch + 1,)) where
+    # s_q > 1: made with the list, so that a call does not launch a torch.arange of its own
+    rows_cu: torch.Tensor | None = None
 
 
 def _schedule_problem(schedule: object) -> tuple:
@@ -498,7 +503,7 @@ def mla_decode_schedule(
         work, rows = mla_sm90.make_schedule(seqlens_k, num_heads, page_table.shape[1], page_size,
                                       dtype, cu, mq, bool(causal))  # fmt: skip
     return MlaDecodeSchedule(work, rows, b, num_heads, page_table.shape[1], page_size, mq, packed,
-                             bool(causal), dtype)  # fmt: skip
+                             bool(causal), dtype, None if packed else cu)  # fmt: skip
 
 
 @torch.library.custom_op("forgekernel::mla_decode", mutates_args=())
@@ -639,8 +644,9 @@ def _attend(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, softmax_s
         o, lse = into_buffers(o, fresh, out, lse)
     else:
         check_caches_in_place(ckv, kpe, fp8, combined)  # (a data pointer: real tensors only)
+        rows_cu = None if schedule is None else schedule.rows_cu
         o, lse = _forward(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, scale,
-                          mq, bool(causal), out, fp8, lse, work)  # fmt: skip
+                          mq, bool(causal), out, fp8, lse, work, rows_cu)  # fmt: skip
     return (o, lse) if return_lse else o
 
 

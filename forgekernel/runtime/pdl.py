@@ -18,6 +18,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from forgekernel.runtime.plans import overriding
 from forgekernel.runtime.spec import Params
 
 # `off()`'s False while inside it, else None (the environment decides): in the launchers' plan keys
@@ -44,11 +45,8 @@ def forced() -> bool | None:
 @contextmanager
 def off() -> Iterator[None]:
     """The calls inside build their plans without PDL (keyed apart from the default ones)."""
-    before, _forced[0] = _forced[0], False
-    try:
+    with overriding(_forced, False):
         yield
-    finally:
-        _forced[0] = before
 
 
 def key(params: Params, on: bool) -> Params:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -22,3 +23,15 @@ class PlanCache(dict):
                 self.clear()
             plan = self[key] = build(*key)
         return plan
+
+
+@contextmanager
+def overriding(slot: list, value: Any) -> Iterator[None]:
+    """slot[0] is `value` inside, what it was after: the launchers' and ops' overrides of a
+    plan choice (a one-item list their plan builders read, and their plans' keys: the bench's
+    launcher-only variants)."""
+    before, slot[0] = slot[0], value
+    try:
+        yield
+    finally:
+        slot[0] = before

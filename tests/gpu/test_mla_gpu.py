@@ -916,3 +916,40 @@ def test_pdl_scheduled_chain_is_the_serialized_chain():
         q0,
         prologue=lambda: op.mla_decode_schedule(seq, hq, table, page_size=64),
     )
+
+
+@pytest.mark.parametrize("scheduled", [False, True])
+@pytest.mark.parametrize(
+    ("b", "hq", "n", "s_q"),
+    [
+        (64, 16, 4096, 1),
+        (16, 128, 4096, 1),
+        (64, 16, 4096, 2),
+        (48, 16, 8128, 1),
+        (8, 16, 16384, 1),
+    ],
+)
+def test_combine_forms_agree_below_the_warp_bound(b, hq, n, s_q, scheduled):
+    """The bench's combine cases that moved to the CTA form (combine_form.FEW_FORM_UNITS, D 512:
+    1024-2048 rows x heads, 2-4 splits a row; the mixed batch's rows of a few items; b8 x 16k's
+    16 splits, the few path's second round): its few-splits path gives the warp form's bits
+    (tests/gpu/test_paged_gpu.py `test_few_path_is_the_warp_form_bit_for_bit`), through the
+    plain and the scheduled calls, the MTP decode form's rows from its schedule (rows_cu); both
+    the reference's."""
+    combine_form = importlib.import_module("forgekernel.kernels.attention.paged.sm90.combine_form")
+    lens = list(range(100, b * 170, 170)) if b == 48 else [n] * b
+    qn, qp, ckv, kpe, table, seq = _problem(b, hq, 64, lens, s_q, True, torch.bfloat16)
+    schedule = None
+    if scheduled:
+        schedule = op.mla_decode_schedule(seq, hq, table, page_size=64, s_q=s_q)
+        assert schedule.work.shape[0] > 1 and (schedule.rows_cu is not None) == (s_q > 1)
+    got = []
+    for form in ("cta", "warps"):
+        with combine_form.combine_form(form):
+            got.append(op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE,
+                                     return_lse=True, schedule=schedule))  # fmt: skip
+    (out, lse), (warp, warp_lse) = got
+    assert torch.equal(out, warp) and torch.equal(lse, warp_lse)
+    want, want_lse = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
+    low, _ = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE, upcast=False)
+    _check(out, lse, want, want_lse, low)

@@ -277,20 +277,10 @@ PREFILL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(
-    "case", PREFILL_CASES, ids=lambda c: f"h{c[0]}_{c[1]}_d{c[2]}_p{c[3]}_q{max(c[4])}"
-)
-def test_paged_prefill_matches_the_reference(monkeypatch, case, dtype, causal):
-    hq, hkv, d, ps, q_lens, k_lens, combined = case
-    q, k, v, table, seq, cu = _prefill_problem(hq, hkv, d, ps, q_lens, k_lens, dtype, combined,
-                                               seed=len(q_lens) + ps)  # fmt: skip
-    looked_up = record_kernel_lookups(monkeypatch)
-    out = torch.full_like(q, float("nan"))
-    _, lse = op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu, max_seqlen_q=max(q_lens),
-                                causal=causal, return_lse=True, out=out)  # fmt: skip
-    assert [p["page_box"] for p in looked_up] == [fwd_launch.paged_box(ps, d)]  # the paged mode
+def check_prefill(out, lse, q, k, v, table, seq, cu, causal, combined):
+    """A chunked-prefill call's out / lse against the fp32 reference: O within 2x the
+    low-precision error + 1e-3, the LSE to 1e-3 where finite, -inf (never NaN; O 0) exactly
+    where no key is seen."""
     kk, vv = (k[:, 0], k[:, 1]) if combined else (k, v)
     args = (q, kk, vv, table, seq)
     want, want_lse = paged_attention_ref(*args, cu_seqlens_q=cu, causal=causal)
@@ -299,22 +289,58 @@ def test_paged_prefill_matches_the_reference(monkeypatch, case, dtype, causal):
     assert torch.isfinite(out).all()
     assert float((out.float() - want).abs().max()) <= bound
     finite = torch.isfinite(want_lse)
-    assert torch.equal(finite, torch.isfinite(lse))
+    assert torch.equal(finite, torch.isfinite(lse)) and not lse.isnan().any()
     assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
     assert not out[~finite.T].any()
 
 
-def test_prefill_decode_slots_replay_in_a_graph_and_compile():
-    """The decode rows on the split plan over the compact slots (`ops.attention_paged.
-    _decode_part`: device index ops, no host read): a CUDA graph captured on one batch replays
-    on new queries, lengths and query splits (the same shapes) as the eager call gives them,
-    and torch.compile (the registered op) matches eager. The batch: a 12k-key decode row
-    (its plan: several splits), a sequence without queries, one of 3 tokens last."""
-    q_lens, k_lens = [300, 1, 0, 2000, 1, 3], [800, 12345, 5000, 3000, 78, 40]
-    q, k, v, table, seq, cu = _prefill_problem(32, 8, 128, 64, q_lens, k_lens, torch.bfloat16,
-                                               False, seed=3)  # fmt: skip
-    k, v = k.nan_to_num(), v.nan_to_num()
-    assert op.paged_sm90.packed_splits(q, k, table, len(q_lens), op.MAX_QUERY_TOKENS) > 1
+@pytest.mark.parametrize("form", op.PREFILL_FORMS)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "case", PREFILL_CASES, ids=lambda c: f"h{c[0]}_{c[1]}_d{c[2]}_p{c[3]}_q{max(c[4])}"
+)
+def test_paged_prefill_matches_the_reference(monkeypatch, case, dtype, causal, form):
+    """Both prefill forms (the packed default, on views where the batch's G has a compile,
+    else the split; the split): one lookup of the paged mode, the reference's numbers."""
+    hq, hkv, d, ps, q_lens, k_lens, combined = case
+    q, k, v, table, seq, cu = _prefill_problem(hq, hkv, d, ps, q_lens, k_lens, dtype, combined,
+                                               seed=len(q_lens) + ps)  # fmt: skip
+    looked_up = record_kernel_lookups(monkeypatch)
+    out = torch.full_like(q, float("nan"))
+    with op.prefill_form(form):
+        _, lse = op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu,
+                                    max_seqlen_q=max(q_lens), causal=causal, return_lse=True,
+                                    out=out)  # fmt: skip
+    assert [p["page_box"] for p in looked_up] == [fwd_launch.paged_box(ps, d)]  # the paged mode
+    packed = form == "packed_views" and fwd_launch.view_group(hq // hkv, d) > 0
+    assert [p.get("view_group", 0) for p in looked_up] == [hq // hkv if packed else 0]
+    check_prefill(out, lse, q, k, v, table, seq, cu, causal, combined)
+
+
+@pytest.fixture
+def split_form():
+    """The op's chunked prefill in its split form (the default: the packed form)."""
+    with op.prefill_form("split"):
+        yield
+
+
+GRAPH_Q_LENS, GRAPH_K_LENS = [300, 1, 0, 2000, 1, 3], [800, 12345, 5000, 3000, 78, 40]
+
+
+def graph_problem():
+    """The graph tests' batch: a 12k-key decode row, a sequence without queries, one of 3
+    tokens last (NaN-free caches)."""
+    q, k, v, table, seq, cu = _prefill_problem(32, 8, 128, 64, GRAPH_Q_LENS, GRAPH_K_LENS,
+                                               torch.bfloat16, False, seed=3)  # fmt: skip
+    return q, k.nan_to_num(), v.nan_to_num(), table, seq, cu
+
+
+def check_graph_replay_and_compile(q, k, v, table, seq, cu):
+    """A chunked-prefill call (in the prefill form in force) captured in a CUDA graph on one
+    batch replays on new queries, lengths and query splits of the same shapes as the eager
+    call gives them (NaN-poisoned outputs), near the reference; torch.compile (the registered
+    op) matches eager."""
 
     def call(out, lse):
         return op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu, max_seqlen_q=2000,
@@ -322,7 +348,7 @@ def test_prefill_decode_slots_replay_in_a_graph_and_compile():
 
     out, lse = torch.empty_like(q), torch.empty(q.shape[1], q.shape[0], device="cuda")
     call(out, lse)  # plans and compiles outside the capture
-    want, want_lse = paged_attention_ref(q, k, v, table, seq, cu_seqlens_q=cu)
+    want, _ = paged_attention_ref(q, k, v, table, seq, cu_seqlens_q=cu)
     assert float((out.float() - want).abs().max()) < 2e-2
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -347,6 +373,16 @@ def test_prefill_decode_slots_replay_in_a_graph_and_compile():
     )  # fmt: skip
     got = compiled(q, k, v, table, seq, cu)
     assert float((got.float() - eager.float()).abs().max()) < 1e-2
+
+
+@pytest.mark.usefixtures("split_form")
+def test_prefill_decode_slots_replay_in_a_graph_and_compile():
+    """The decode rows (split form) on the split plan over the compact slots (`ops.attention_paged.
+    _decode_part`: device index ops, no host read): `check_graph_replay_and_compile` on a batch
+    whose 12k-key decode row takes several splits."""
+    q, k, v, table, seq, cu = graph_problem()
+    assert op.paged_sm90.packed_splits(q, k, table, len(GRAPH_Q_LENS), op.MAX_QUERY_TOKENS) > 1
+    check_graph_replay_and_compile(q, k, v, table, seq, cu)
 
 
 def test_paged_prefill_agrees_with_the_gather_path():
@@ -377,7 +413,8 @@ def _merge_ref(op: torch.Tensor, lp: torch.Tensor) -> tuple[torch.Tensor, torch.
 @pytest.mark.parametrize("form", ["cta", "warps"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [64, 128, 256, 512])
-@pytest.mark.parametrize("splits", [1, 2, 7, 8, 9, 128, 300])  # 8 | 9: combine.FEW's bound
+# 8 | 9: a second round of the few path, 16 | 17: its bound (combine.FEW x FEW_ROUNDS)
+@pytest.mark.parametrize("splits", [1, 2, 7, 8, 9, 16, 17, 128, 300])
 @pytest.mark.parametrize("rows, heads", [(1, 16), (3, 100), (40, 32)])
 def test_combine_kernel_matches_the_merge(rows, heads, splits, d, dtype, form):
     """The combine alone (D 512 under mla_decode's key, the others attention_paged's): 1 .. 300
@@ -420,6 +457,42 @@ def test_combine_kernel_matches_the_merge(rows, heads, splits, d, dtype, form):
     if splits == 1:
         ok = lp[0] > -math.inf
         assert torch.equal(out[ok], op[0][ok].to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("splits", [1, 2, 4, 7, 8, 9, 13, 16])
+@pytest.mark.parametrize("rows, heads", [(1, 16), (3, 100), (40, 32), (64, 64)])
+def test_few_path_is_the_warp_form_bit_for_bit(rows, heads, splits, dtype):
+    """D 512 (MLA's, DSA's) at most combine.FEW x FEW_ROUNDS splits: the CTA form's few-splits
+    path (its first round of O loads issued beside the LSE's, a second round past FEW splits,
+    2026-12-04 next/mla-combine3) and the warp form add the same
+    splits in the same order and reduce the weights by the same shuffles: the same bits, out and
+    LSE, on rows x heads of 16, 300, 1280 and 4096 (a row's chunks over 4, 3, 1 and 1 CTAs), with
+    splits of no keys (NaN partial rows) and a (row, head) of none; both against the merge."""
+    from forgekernel.kernels.attention.mla.sm90 import SPEC as MLA_SPEC
+    from forgekernel.kernels.attention.mla.sm90 import params_for as mla_params
+    from forgekernel.runtime.cache import get_kernel
+
+    name = "bfloat16" if dtype == torch.bfloat16 else "float16"
+    g = torch.Generator(device="cuda").manual_seed(splits + rows)
+    op = torch.randn(splits, rows, heads, 512, device="cuda", generator=g)
+    lp = torch.randn(splits, rows, heads, device="cuda", generator=g) * 12.0
+    lp[1::3, 0] = -math.inf
+    lp[:, -1, -1] = -math.inf
+    op[lp == -math.inf] = math.nan
+    got = []
+    for warps in (False, True):
+        combine = get_kernel(MLA_SPEC, mla_params("combine", name, warps=warps))
+        out = torch.full((rows, heads, 512), math.nan, device="cuda", dtype=dtype)
+        lse = torch.full((heads, rows), math.nan, device="cuda").t()
+        combine(op, lp, out, lse)
+        got.append((out, lse))
+    (cta, cta_lse), (warp, warp_lse) = got
+    assert torch.equal(cta, warp) and torch.equal(cta_lse, warp_lse)
+    want, _ = _merge_ref(op, lp)
+    assert not cta.isnan().any() and lse[-1, -1] == -math.inf
+    err = float((cta.double() - want).abs().max())
+    assert err <= 2**-7 * float(want.abs().max()) + 1e-5, err
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -665,3 +738,43 @@ def test_one_item_sequences_are_the_width_plan_bit_for_bit(d):
     if not bool((rows[:, 1] == 1).all()):
         pytest.skip("the list split a sequence of this batch: not the one-item case")
     assert torch.equal(out, plain_out) and torch.equal(lse, plain_lse)
+
+
+RAMP_CASES = [  # the b1 bench case's shape, a ragged batch behind a wide table, a few splits
+    (1, 32, 8, 128, 16, [16384], None),
+    SCHEDULE_CASES[1],
+    SCHEDULE_CASES[0],
+    (4, 32, 8, 128, 16, [32768, 32768, 32768, 32767], None),
+    (3, 8, 8, 64, 16, [5, 0, 513], 4096),
+]
+
+
+@pytest.mark.parametrize("case", RAMP_CASES, ids=lambda c: f"b{c[0]}_d{c[3]}_L{max(c[5])}")
+@pytest.mark.parametrize("scheduled", [False, True])
+def test_serial_ramp_is_the_same_bits(case, scheduled):
+    """`launch.serial_ramp()` (the bench's variant: the pass's page ids read after the length,
+    no L2 prefetch before the PDL wait, the CTA combine's rows loaded after its reductions)
+    gives the default call's bits: the early reads move when bytes arrive, not what is added
+    (the held combine adds each group's splits in the walk's order, + 0 past the last with
+    keys). NaN in every stale slot, -1 past each sequence's pages (the guess's clamped
+    prefetches, its ids kept only for a split of the sequence's own); the reference too."""
+    from forgekernel.kernels.attention.paged.sm90 import launch
+
+    b, hq, hkv, d, ps, _, _ = case
+    q, k, v, table, seq = _schedule_problem(case, torch.bfloat16, 5)
+    kw = {}
+    if scheduled:
+        kw["schedule"] = op.attention_paged_schedule(seq, table, num_heads=hq, num_kv_heads=hkv,
+                                                     head_dim=d, page_size=ps)  # fmt: skip
+    outs = []
+    for serial in (False, True):
+        out = torch.full_like(q, float("nan"))
+        if serial:
+            with launch.serial_ramp():
+                _, lse = op.attention_paged(q, k, v, table, seq, return_lse=True, out=out, **kw)
+        else:
+            _, lse = op.attention_paged(q, k, v, table, seq, return_lse=True, out=out, **kw)
+        outs.append((out, lse))
+    _check_against_reference(q, k, v, table, seq, *outs[0])
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.equal(outs[0][1], outs[1][1])

@@ -1,12 +1,13 @@
-"""The chunked-prefill batch in one GQA-packed launch of the forward's paged mode
-(`ops.attention_paged.prefill_form("packed")`: `launch.attention_paged_fwd(packed=True)`) on
-the GPU against the fp32 reference: decode rows of 1-4 query tokens beside chunks, page sizes
-8 to 256, D 64 / 128 / 256, GQA 1 / 3 / 4 / 8, sequences without queries or keys, more queries
-than keys, NaN in every cache slot no sequence owns (`test_paged_gpu._prefill_problem`),
-NaN-poisoned out and lse, both dtypes and masks; the zero-copy form ("packed_views", bf16); the
-split form on the same batch; a CUDA graph of the packed call replayed on new lengths;
-torch.compile. The CPU replay of the same path:
-tests/test_attention_paged_packed.py."""
+"""The chunked-prefill batch in one GQA-packed launch of the forward's paged mode on views of q /
+out / lse (the op's default since 2026-12-04, `ops.attention_paged.prefill_form("packed_views")`:
+`launch.attention_paged_fwd(packed=True)`, the `view_group` compiles) on the GPU against the
+fp32 reference: decode rows of 1-4 query tokens beside chunks, page sizes 8 to 256, D 64 / 128
+/ 256, every G of config.VIEW_GROUPS (1, 2, 4, 8, 16) and G without a compile (3, 6, 12: the
+split), sequences without queries or keys, more queries than keys, NaN in every cache slot no
+sequence owns (`test_paged_gpu._prefill_problem`), NaN-poisoned out and lse, both dtypes and
+masks, every key looked up standard (no compile at call time); the split form on the same
+batch; a CUDA graph of the packed call replayed on new lengths; torch.compile. The CPU replay
+of the same path: tests/test_attention_paged_packed.py."""
 
 from __future__ import annotations
 
@@ -14,10 +15,17 @@ import importlib
 
 import pytest
 import torch
-from test_paged_gpu import _prefill_problem, record_kernel_lookups  # tests/gpu is on the path
+from test_paged_gpu import (  # tests/gpu is on the path
+    _prefill_problem,
+    check_graph_replay_and_compile,
+    check_prefill,
+    graph_problem,
+    record_kernel_lookups,
+)
 
+from forgekernel.kernels.attention.fwd.sm90 import SPEC
 from forgekernel.kernels.attention.fwd.sm90 import launch as fwd_launch
-from forgekernel.reference.paged_attention import paged_attention_ref
+from forgekernel.kernels.attention.fwd.sm90.config import PAGED_HEAD_DIMS, VIEW_GROUPS
 
 pytestmark = pytest.mark.gpu
 op = importlib.import_module("forgekernel.ops.attention_paged")
@@ -37,20 +45,31 @@ PACKED_CASES = [
 ]
 
 
-def _check(out, lse, q, k, v, table, seq, cu, causal, combined):
-    """out / lse against the fp32 reference: O within 2x the low-precision error + 1e-3,
-    the LSE to 1e-3 where finite, -inf (and O 0) exactly where no key is seen."""
-    kk, vv = (k[:, 0], k[:, 1]) if combined else (k, v)
-    args = (q, kk, vv, table, seq)
-    want, want_lse = paged_attention_ref(*args, cu_seqlens_q=cu, causal=causal)
-    low, _ = paged_attention_ref(*args, cu_seqlens_q=cu, causal=causal, upcast=False)
-    bound = 2 * float((low.float() - want).abs().max()) + 1e-3
-    assert torch.isfinite(out).all()
-    assert float((out.float() - want).abs().max()) <= bound
-    finite = torch.isfinite(want_lse)
-    assert torch.equal(finite, torch.isfinite(lse)) and not lse.isnan().any()
-    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
-    assert not out[~finite.T].any()
+STANDARD = set(SPEC.standard_params())
+
+
+def _run_default(monkeypatch, case, dtype, causal, seed):
+    """The op in its default form on `case`, checked against the reference: the packed
+    compile of the case's G where it has one (one launch, no decode part), else the split (the
+    decode part, then the split's compile); every key looked up standard."""
+    hq, hkv, d, ps, q_lens, k_lens, combined = case
+    q, k, v, table, seq, cu = _prefill_problem(hq, hkv, d, ps, q_lens, k_lens, dtype, combined,
+                                               seed=seed)  # fmt: skip
+    looked_up = record_kernel_lookups(monkeypatch)
+    decode, real = [], op.paged_sm90.paged_decode
+    monkeypatch.setattr(op.paged_sm90, "paged_decode",
+                        lambda *a, **kw: decode.append(a) or real(*a, **kw))  # fmt: skip
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((hq, q.shape[0]), float("nan"), device="cuda")
+    op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu, max_seqlen_q=max(q_lens),
+                       causal=causal, return_lse=True, out=out, lse=lse)  # fmt: skip
+    group = fwd_launch.view_group(hq // hkv, d)
+    assert [(p["page_box"], p.get("view_group", 0)) for p in looked_up] == [
+        (fwd_launch.paged_box(ps, d), group)
+    ]
+    assert all(tuple(sorted(p.items())) in STANDARD for p in looked_up)
+    assert bool(decode) == (not group)  # packed: one launch; split: the decode part first
+    check_prefill(out, lse, q, k, v, table, seq, cu, causal, combined)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -59,107 +78,52 @@ def _check(out, lse, q, k, v, table, seq, cu, causal, combined):
     "case", PACKED_CASES, ids=lambda c: f"h{c[0]}_{c[1]}_d{c[2]}_p{c[3]}_q{sum(c[4])}"
 )
 def test_packed_prefill_matches_the_reference(monkeypatch, case, dtype, causal):
-    hq, hkv, d, ps, q_lens, k_lens, combined = case
-    q, k, v, table, seq, cu = _prefill_problem(hq, hkv, d, ps, q_lens, k_lens, dtype, combined,
-                                               seed=len(q_lens) + ps + 100)  # fmt: skip
-    looked_up = record_kernel_lookups(monkeypatch)
-    decode = []
-    monkeypatch.setattr(op.paged_sm90, "paged_decode", lambda *a, **kw: decode.append(a))
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full((hq, q.shape[0]), float("nan"), device="cuda")
-    with op.prefill_form("packed"):
-        op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu, max_seqlen_q=max(q_lens),
-                           causal=causal, return_lse=True, out=out, lse=lse)  # fmt: skip
-    assert [(p["page_box"], p.get("packed")) for p in looked_up] == [
-        (fwd_launch.paged_box(ps, d), True)
-    ]
-    assert decode == []  # one launch: no decode part
-    _check(out, lse, q, k, v, table, seq, cu, causal, combined)
+    _run_default(monkeypatch, case, dtype, causal, seed=len(case[4]) + case[3] + 100)
 
 
-@pytest.mark.parametrize(
-    "case", PACKED_CASES, ids=lambda c: f"h{c[0]}_{c[1]}_d{c[2]}_p{c[3]}_q{sum(c[4])}"
-)
-def test_packed_views_match_the_reference(monkeypatch, case):
-    """prefill_form("packed_views"): the `view_group` compile (TMA boxes of (G, tile_m / G)
-    tokens on q / out seen as packed rows, lse likewise) where G divides the tile's rows, the
-    copy form elsewhere (G 3 at D 128). bf16, causal: the views do not depend on the mask, and
-    these compiles are not prebuilt (candidates only for the bench's cases): each case compiles
-    its own on first use."""
-    causal = True
-    hq, hkv, d, ps, q_lens, k_lens, combined = case
-    q, k, v, table, seq, cu = _prefill_problem(hq, hkv, d, ps, q_lens, k_lens, torch.bfloat16,
-                                               combined, seed=len(q_lens) + ps + 200)  # fmt: skip
-    looked_up = record_kernel_lookups(monkeypatch)
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full((hq, q.shape[0]), float("nan"), device="cuda")
-    with op.prefill_form("packed_views"):
-        op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu, max_seqlen_q=max(q_lens),
-                           causal=causal, return_lse=True, out=out, lse=lse)  # fmt: skip
-    group = fwd_launch.view_group(hq // hkv, d)
-    assert [p.get("view_group", 0) for p in looked_up] == [group]
-    _check(out, lse, q, k, v, table, seq, cu, causal, combined)
+# Every standard packed compile's G at each paged head dim, pages 8 to 128 (boxes 8 to the
+# tile), and G without a compile (the split): 3 and 12 everywhere, 6 at D 64 (it divides the
+# 192-row tile but has no compile). One batch shape: decode rows of 1, 4 and 2 tokens, a
+# sequence without queries, a 150-token chunk (2400 packed rows at G 16), more queries than
+# keys.
+COVER_Q, COVER_K = [1, 4, 0, 150, 2, 37], [700, 129, 9, 300, 2, 30]
+COVER_GROUPS = (*VIEW_GROUPS, 3, 6, 12)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("page", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("group", COVER_GROUPS)
+@pytest.mark.parametrize("d", PAGED_HEAD_DIMS)
+def test_every_standard_packed_compile(monkeypatch, d, group, page, dtype, causal):
+    """The newly standard `view_group` compiles (D 64 / 128 / 256, both dtypes and masks, G 1
+    / 2 / 4 / 8 / 16, boxes 8 to the tile) against the reference; G 3 / 6 / 12 through the
+    split."""
+    if group == 6 and d != 64:
+        pytest.skip("G 6: the D 64 case (a divisor of its 192-row tile without a compile)")
+    hkv = 4 if group == 1 else 2
+    case = (hkv * group, hkv, d, page, COVER_Q, COVER_K, page == 32)  # page 32: combined view
+    _run_default(monkeypatch, case, dtype, causal, seed=d + group + page)
 
 
 def test_packed_and_split_forms_agree():
     """The forms on one batch (decode rows over the split plan's compact slots at the split,
-    packed tiles in the others, copied or through views): the same attention, to rounding;
-    the views form bit for bit the copy form (the same kernel math on the same rows)."""
+    packed tiles on views in the default): the same attention, to rounding."""
     q_lens, k_lens = [300, 1, 0, 2000, 1, 3, 4], [800, 12345, 5000, 3000, 78, 40, 2]
     q, k, v, table, seq, cu = _prefill_problem(32, 8, 128, 64, q_lens, k_lens, torch.bfloat16,
                                                False, seed=7)  # fmt: skip
-    split, split_lse = op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu,
-                                          max_seqlen_q=2000, return_lse=True)  # fmt: skip
-    got = {}
-    for form in ("packed", "packed_views"):
-        with op.prefill_form(form):
-            packed, packed_lse = op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu,
-                                                    max_seqlen_q=2000, return_lse=True)  # fmt: skip
-        assert float((packed.float() - split.float()).abs().max()) < 2e-2, form
-        finite = torch.isfinite(split_lse)
-        assert torch.equal(finite, torch.isfinite(packed_lse)), form
-        assert float((packed_lse[finite] - split_lse[finite]).abs().max()) < 1e-3, form
-        got[form] = (packed, packed_lse)
-    assert torch.equal(got["packed"][0], got["packed_views"][0])
-    assert torch.equal(got["packed"][1], got["packed_views"][1])
+    with op.prefill_form("split"):
+        split, split_lse = op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu,
+                                              max_seqlen_q=2000, return_lse=True)  # fmt: skip
+    packed, packed_lse = op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu,
+                                            max_seqlen_q=2000, return_lse=True)  # fmt: skip
+    assert float((packed.float() - split.float()).abs().max()) < 2e-2
+    finite = torch.isfinite(split_lse)
+    assert torch.equal(finite, torch.isfinite(packed_lse))
+    assert float((packed_lse[finite] - split_lse[finite]).abs().max()) < 1e-3
 
 
 def test_packed_prefill_replays_in_a_graph_and_compiles():
-    """The packed call has no host read: a CUDA graph captured on one batch replays on new
-    queries, lengths and query splits of the same shapes as the eager call gives them; the
-    registered op under torch.compile matches eager."""
-    q_lens, k_lens = [300, 1, 0, 2000, 1, 3], [800, 12345, 5000, 3000, 78, 40]
-    q, k, v, table, seq, cu = _prefill_problem(32, 8, 128, 64, q_lens, k_lens, torch.bfloat16,
-                                               False, seed=3)  # fmt: skip
-    k, v = k.nan_to_num(), v.nan_to_num()
-
-    def call(out, lse):
-        with op.prefill_form("packed"):
-            return op.attention_paged(q, k, v, table, seq, cu_seqlens_q=cu, max_seqlen_q=2000,
-                                      out=out, lse=lse, return_lse=True)  # fmt: skip
-
-    out, lse = torch.empty_like(q), torch.empty(q.shape[1], q.shape[0], device="cuda")
-    call(out, lse)  # plans and compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call(out, lse)
-    q.copy_(torch.randn_like(q))
-    cu.copy_(torch.tensor([0, 300, 301, 301, 2300, 2302, 2305], dtype=torch.int32))
-    seq.copy_(torch.tensor([800, 9000, 5000, 3000, 78, 40], dtype=torch.int32))
-    out.fill_(float("nan"))
-    lse.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    eager, eager_lse = torch.empty_like(out), torch.empty_like(lse)
-    call(eager, eager_lse)
-    assert torch.equal(out, eager) and torch.equal(lse, eager_lse)
-    want, _ = paged_attention_ref(q, k, v, table, seq, cu_seqlens_q=cu)
-    assert float((out.float() - want).abs().max()) < 2e-2
-    compiled = torch.compile(
-        lambda q, k, v, t, s, c: op.attention_paged(q, k, v, t, s, cu_seqlens_q=c,
-                                                    max_seqlen_q=2000),
-        fullgraph=True,
-    )  # fmt: skip
-    with op.prefill_form("packed"):
-        got = compiled(q, k, v, table, seq, cu)
-    assert float((got.float() - eager.float()).abs().max()) < 1e-2
+    """The packed call (the default form: views, no copy, G 4) has no host read:
+    `check_graph_replay_and_compile` on the split test's batch."""
+    check_graph_replay_and_compile(*graph_problem())

@@ -14,7 +14,10 @@ from forgekernel.bench.suite import OpSuite
 # Suites whose kernels have not yet passed a GPU check (docs/PENDING.md): registered only where
 # FORGEKERNEL_PENDING_SUITES is set (a device run that checks and benches them first), so that
 # tests/test_ledger_gate.py does not ask CI for a ledger that no GPU has written yet.
-PENDING_SUITE_MODULES: dict[str, str] = {}
+PENDING_SUITE_MODULES: dict[str, str] = {
+    # issue 22: the fused DSA prefill (q RoPE + sparse MQA with sink + out RoPE + FP8 cast)
+    "dsa_fused_prefill": "forgekernel.bench.suites.dsa_fused_prefill",
+}
 SUITE_MODULES = {
     "gemm": "forgekernel.bench.suites.gemm",
     "attention": "forgekernel.bench.suites.attention",
@@ -46,7 +49,8 @@ SUITE_MODULES = {
     "dsa_recompute": "forgekernel.bench.suites.dsa_recompute",  # issue 22: the score recompute
     # issue 20: Kimi Delta Attention backward (the interim fp32 torch path until its kernel)
     "kda_bwd": "forgekernel.bench.suites.kda_bwd",
-    # issue 22: the indexer's training backward (the interim fp32 torch path until its kernel)
+    # issue 22: the indexer's training backward, its kernel (built on the CPU 2026-12-04; held:
+    # the ledger gate waits for its first GPU check)
     "dsa_indexer_bwd": "forgekernel.bench.suites.dsa_indexer_bwd",
     # issue 22: DSA sparse attention backward, the v1 kernel (checked on the H200 2026-12-03)
     "dsa_sparse_bwd": "forgekernel.bench.suites.dsa_sparse_bwd",

@@ -1,4 +1,5 @@
-"""DSA indexer backward suite (issue 22; pending: the interim fp32 torch path until its kernel):
+"""DSA indexer backward suite (issue 22; its kernel kernels/attention/dsa_indexer_bwd/sm90, built
+on the CPU 2026-12-04, pending its first device run):
 `forgekernel.ops.dsa_indexer.dsa_indexer_backward` (ops/dsa_indexer_bwd.py has the math: the
 clipped-KL gradient G = g - p sum(g) at the selected slots, then dw = sum_i G relu(s), dq, dk
 through the ReLU-gated 64-head x 128 indexer), against reference/dsa_indexer_bwd.py in fp64.
@@ -43,11 +44,13 @@ GRAD_NAMES = ("d_q", "d_weights", "d_k")
 
 
 def kernel_sources() -> list[Path]:
-    """The interim backward's modules (the ledger key until the kernel exists)."""
+    """The kernel's sources, its launcher and the op's modules (the ledger key)."""
+    import forgekernel.kernels.attention.dsa_indexer_bwd.sm90.launch as launch
     import forgekernel.ops.dsa_indexer_bwd as op
     import forgekernel.reference.dsa_indexer_bwd as ref
+    from forgekernel.kernels.attention.dsa_indexer_bwd.sm90 import SPEC
 
-    return [Path(m.__file__) for m in (op, ref)]
+    return [*SPEC.sources, *(Path(m.__file__) for m in (launch, op, ref))]
 
 
 def _case(tokens, ctx, *, topk=TOPK, batch=1, pad="end", group="", tag="") -> Case:
@@ -144,6 +147,37 @@ def run_ours(inputs: Inputs, out: tuple | None) -> tuple:
     for o, g in zip(out, grads):
         o.copy_(g)
     return out
+
+
+def _launcher_variant(**flags):
+    """A candidate build of the kernel (launch.py flags: staged, pair) with the op's dK cast,
+    timed by `bench` beside the op after its own verification (docs/attention/
+    DSA_INDEXER_NOTES.md "Backward kernel, built": the candidates)."""
+
+    def run(inputs: Inputs, out: tuple | None) -> tuple:
+        from forgekernel.kernels.attention.dsa_indexer_bwd.sm90 import launch
+
+        i = inputs
+        args = (i[n] for n in ("q", "w", "k", "target", "predict", "idx", "grad_loss"))
+        dq, dw, dk = launch.dsa_indexer_bwd(*args, SM_SCALE, LOSS_COEFF, False, **flags)
+        grads = (dq, dw, dk.to(i["k"].dtype))
+        if out is None:
+            return grads
+        for o, g in zip(out, grads):
+            o.copy_(g)
+        return out
+
+    return run
+
+
+def variants(case: Case) -> dict[str, Any]:
+    """Every case: the candidates staged (dK through the dead stage, whole 256-byte rows), pair
+    (two CTAs an SM) and both, beside the op's standard build."""
+    return {
+        "staged": _launcher_variant(staged=True),
+        "pair": _launcher_variant(pair=True),
+        "pair_staged": _launcher_variant(pair=True, staged=True),
+    }
 
 
 def _flat(inputs: Inputs):
@@ -250,6 +284,7 @@ def suite() -> OpSuite:
     return OpSuite(
         name="dsa_indexer_bwd",
         kernel_sources=kernel_sources(),
+        leaf="kernels/attention/dsa_indexer_bwd/sm90",
         dtypes=(torch.bfloat16,),
         check_cases=CHECK_CASES,
         bench_cases=BENCH_CASES,
@@ -264,4 +299,5 @@ def suite() -> OpSuite:
         bench_dtypes=(torch.bfloat16,),
         sanitize_cases=CHECK_CASES[:3],
         judge=judge,
+        variants=variants,
     )

@@ -509,25 +509,27 @@ def run_plain(inputs: Inputs, out):
     return run_ours(inputs, out, plain=True)
 
 
-# The cases whose combine takes the warp form (combine_form.py: rows x heads >= 1024), timed
-# with the CTA form (variant `combine_cta`): b16-h128 ran 49.0 -> 55.8 us when the CTA form
-# replaced the per-row loop (2026-12-03 18:45), b64-h16 88.1 -> 92.4. Predicted (time / ours):
-# 1.08-1.14 at b16-h128, 1.03-1.06 at b64-h16 and b16-h128 x 8k.
-COMBINE_CASES = ("b16-h128-p64-L4096", "b16-h128-p64-L8192", "b64-h16-p64-L4096")
+# The cases whose combine the rule moved from the warp form to the CTA form's few-splits path
+# (combine_form.FEW_FORM_UNITS at D 512: 1024-4095 rows x heads; 2026-12-04 next/mla-combine3),
+# timed with the warp form (variant `combine_warps`): combine_cta / ours was 0.973 at b64-h16,
+# 0.996 / 0.995 at b16-h128 (20:21, before the few path's loads went out beside the LSE's).
+# Predicted (time / ours): 1.02-1.05 at b64-h16 x 4k and MTP 2, 1.00-1.02 at b16-h128.
+COMBINE_CASES = ("b16-h128-p64-L4096", "b16-h128-p64-L8192", "b64-h16-p64-L4096",
+                 "b64-h16-p64-L4096-sq2")  # fmt: skip
 
 
-def run_combine_cta(inputs: Inputs, out):
-    """Ours with the combine's CTA form where the rule takes the warp form."""
+def run_combine_warps(inputs: Inputs, out):
+    """Ours with the combine's warp form where the rule takes the CTA form."""
     from forgekernel.kernels.attention.paged.sm90.combine_form import combine_form
 
-    with combine_form("cta"):
+    with combine_form("warps"):
         return run_ours(inputs, out)
 
 
 def variants(case: Case) -> dict[str, Any]:
     """The launcher-only plan candidates of `case` (CANDIDATES, on the plain call), the `plain`
     call (PLAIN_CASES), NO_PDL_CASES' kernels without PDL (`run_no_pdl`) and COMBINE_CASES'
-    combine in its CTA form (`run_combine_cta`): variant time / our time decides their
+    combine in its warp form (`run_combine_warps`): variant time / our time decides their
     adoption. (Measured and dropped: the `pair` form, 2.4-8.8% slower on every
     128-head case, 2026-12-03 16:40; the `ostore` store, a variant until 14:25, is the standard:
     MLA_NOTES.md.)"""
@@ -538,7 +540,7 @@ def variants(case: Case) -> dict[str, Any]:
     if case.name in NO_PDL_CASES:
         found["no_pdl"] = run_no_pdl
     if case.name in COMBINE_CASES:
-        found["combine_cta"] = run_combine_cta
+        found["combine_warps"] = run_combine_warps
     return found
 
 

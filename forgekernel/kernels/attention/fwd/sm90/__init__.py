@@ -14,11 +14,11 @@ cu_seqlens_q, cu_seqlens_k, softmax_scale_log2, max_seqlen_q, 1, num_ctas, None)
 seqlens_k, softmax_scale_log2, max_seqlen_q, 1, num_ctas, page_table) with caches (pages,
 page_size, Hkv, D / Dv) (page_box = min(page_size, tile_n), page_size a multiple of tile_n
 when it is not below it: `config.page_box_for`), seqlens_k int32 (B,), page_table
-int32 (B, max_pages), the rest as varlen; packed (params packed=True, paged only): q, o
-(Tq * G, Hkv, D) and lse (Hkv, Tq * G) GQA-packed by the launcher, cu_seqlens_q * G,
-max_seqlen_q * G, qgroup G, every sequence run (none left to the paged decode); zero-copy
-(params view_group=G too, candidate): q, o (Tq, Hkv, G, D) and lse (Hkv, G, Tq), views of the
-caller's (Tq, Hq, D) / (Hq, Tq) (no pack copy). Dynamic
+int32 (B, max_pages), the rest as varlen; packed (params packed=True with view_group=G,
+paged only; G in config.VIEW_GROUPS dividing tile_m): q, o (Tq, Hkv, G, D) and lse (Hkv, G,
+Tq), views of the caller's (Tq, Hq, D) / (Hq, Tq) that the kernel reads as GQA-packed rows
+(row t * G + g of kv head h: query head h * G + g of token t; no copy), cu_seqlens_q * G,
+max_seqlen_q * G, qgroup G, every sequence run (none left to the paged decode). Dynamic
 tiles (params dynamic=True: the D = 128 varlen default, not paged): the last argument is a
 zeroed int32 (1,) tile counter instead of None, num_ctas one a SM. The stream is the TVM-FFI
 environment stream.
@@ -34,6 +34,7 @@ from forgekernel.kernels.attention.fwd.sm90.config import (
     HEAD_DIMS,
     PAGE_BOXES,
     PAGED_HEAD_DIMS,
+    VIEW_GROUPS,
     AttnConfig,
     default_config,
     params_for,
@@ -61,33 +62,30 @@ def _standard_params() -> list[Params]:
 def _paged_params() -> list[Params]:
     """The paged op's prefill kernels: its head dims, both masks, a box per page size 8 to
     128 (boxes up to the tile: a 128-row page under 64-key tiles loads as 64-row boxes), each
-    as the split's (the decode rows skipped) and the packed form's (the whole batch, GQA
-    packed: `launch.attention_paged_fwd(packed=True)`)."""
-    return [
-        params_for(dtype, d, d, causal, varlen=True, page_box=box, packed=packed)
-        for packed in (False, True)
-        for dtype in DTYPES
-        for d in PAGED_HEAD_DIMS
-        for causal in (False, True)
-        for box in PAGE_BOXES
-        if box <= default_config(d, d, paged=True).tile_n
-    ]
+    as the split's (the decode rows skipped) and the packed form's for every G of VIEW_GROUPS
+    dividing the tile's rows (the whole batch GQA-packed on views of q / o / lse:
+    `launch.attention_paged_fwd(packed=True)`, the chunked-prefill default)."""
+    found = []
+    for dtype in DTYPES:
+        for d in PAGED_HEAD_DIMS:
+            cfg = default_config(d, d, paged=True)
+            groups = [0] + [g for g in VIEW_GROUPS if cfg.tile_m % g == 0]
+            boxes = [b for b in PAGE_BOXES if b <= cfg.tile_n]
+            for causal in (False, True):
+                for box in boxes:
+                    for g in groups:
+                        key = params_for(dtype, d, d, causal, varlen=True, page_box=box,
+                                         packed=g > 0, view_group=g)  # fmt: skip
+                        found.append(key)
+    return found
 
 
 def _candidate_params() -> list[Params]:
     """The static deal of the D = 128 varlen launch (its default before the tile counter),
     bf16 causal: the bench's `static` variant (docs/attention/NOTES.md, "Measured 2026-12-04
-    00:40-00:50"); the zero-copy packed paged form of the bench's prefill cases (bf16 D 128
-    causal, pages 16 and 64, G 4 and 8): the `packed_views` variant."""
+    00:40-00:50")."""
     static = replace(default_config(128, 128, varlen=True), dynamic=False)
-    views = [
-        params_for(
-            "bfloat16", 128, 128, True, varlen=True, page_box=box, packed=True, view_group=group
-        )  # fmt: skip
-        for box in (16, 64)
-        for group in (4, 8)
-    ]
-    return [params_for("bfloat16", 128, 128, True, static, varlen=True), *views]
+    return [params_for("bfloat16", 128, 128, True, static, varlen=True)]
 
 
 SPEC = KernelSpec(

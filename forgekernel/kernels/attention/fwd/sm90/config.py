@@ -139,10 +139,18 @@ PAGED_HEAD_DIMS = (64, 128, 256)
 PAGE_BOXES = (8, 16, 32, 64, 128)
 # The paged mode runs the sequences of at least this many query tokens; those of fewer (decode
 # rows beside the chunks of a chunked-prefill batch, speculative tokens) are the paged decode
-# kernel's, whose limit is 4 (ops.attention_paged runs it first): the mode's tiles skip them,
-# leaving their rows of O and LSE as they are. The packed compiles (params `packed`: the whole
-# batch GQA-packed in one launch, `launch.attention_paged_fwd(packed=True)`) skip none.
+# kernel's, whose limit is 4 (ops.attention_paged's split form runs it first): the mode's tiles
+# skip them, leaving their rows of O and LSE as they are. The packed compiles (params `packed`
+# with `view_group`: the whole batch GQA-packed in one launch on views of q / o / lse,
+# `launch.attention_paged_fwd(packed=True)`) skip none.
 PAGED_MIN_SEQLEN_Q = 5
+# The query heads a kv head (G) the packed paged form is built for, where G divides the tile's
+# rows (`launch.view_group`). G is baked in: the kernel's TMA views tile the packed rows ((G,
+# Tq)) in boxes of (G, tile_m / G) tokens, and the DSL's TMA atom needs that box static (a
+# sym_int G fails in make_tiled_tma_atom: "expected ... the CTA V-map to be static", CPU
+# 2026-12-04). Other G (3, 5, 6, 7, 12, 32, ...) run the split form, never a compile outside
+# the standard set.
+VIEW_GROUPS = (1, 2, 4, 8, 16)
 
 
 # The grid of a static-deal varlen launch, in CTAs a SM (one runs on an SM at a time: the consumers
@@ -215,11 +223,12 @@ def params_for(
 ) -> tuple:
     """The compile key's baked-in part, as a sorted tuple of (name, value). page_box > 0: K
     and V from a paged cache, one TMA box of page_box rows per page of a tile (varlen
-    queries; `page_box_for`). packed (paged only): the tiles skip no sequence (the launcher
-    packs every sequence's GQA group into rows, decode rows included: no PAGED_MIN_SEQLEN_Q);
+    queries; `page_box_for`). packed (paged only, with view_group): the tiles skip no sequence
+    (every sequence's GQA group as rows, decode rows included: no PAGED_MIN_SEQLEN_Q);
     a key only when on, so every other key (and its cache entry and SASS) is as before.
-    view_group G > 0 (packed only, G dividing tile_m): the zero-copy packed form, q / o / lse
-    read and written in place through views of G query heads a kv head (candidate)."""
+    view_group G > 0 (packed only, G dividing tile_m): q / o / lse read and written in place
+    through views of G query heads a kv head (the packed form has no other: its compiles are
+    packed with a view_group, VIEW_GROUPS standard)."""
     cfg = cfg or default_config(head_dim, head_dim_v, paged=page_box > 0, varlen=varlen)
     if cfg.dynamic and page_box:
         raise ValueError("dynamic tiles are not for the paged mode (its own walk)")
@@ -238,6 +247,8 @@ def params_for(
         del key["dynamic"]
     if view_group and (not packed or cfg.tile_m % view_group):
         raise ValueError(f"view_group {view_group}: packed only, dividing tile_m ({cfg.tile_m})")
+    if packed and not view_group:  # the copy form: measured slower, dropped (PAGED_NOTES.md)
+        raise ValueError("packed needs a view_group (the packed form runs on views)")
     if packed:
         key["packed"] = True
     if view_group:

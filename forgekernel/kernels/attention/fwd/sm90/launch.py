@@ -13,6 +13,7 @@ import torch
 from forgekernel.kernels.attention.fwd.sm90 import SPEC
 from forgekernel.kernels.attention.fwd.sm90.config import (
     PAGED_MIN_SEQLEN_Q,
+    VIEW_GROUPS,
     AttnConfig,
     default_config,
     default_ctas_per_sm,
@@ -54,17 +55,6 @@ def unpack_gqa(o: torch.Tensor, lse: torch.Tensor, group: int) -> tuple[torch.Te
     return o, lse
 
 
-def unpack_gqa_into(
-    op: torch.Tensor, lsep: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, group: int
-) -> None:
-    """The packed varlen outputs op (Tq * G, Hkv, Dv) and lsep (Hkv, Tq * G) written into the
-    caller's o (Tq, Hkv * G, Dv) and lse (Hkv * G, Tq), any views: row t * G + g of kv head h
-    is query head h * G + g of token t (one strided copy each, no intermediate)."""
-    tq, hkv = o.shape[0], op.shape[1]
-    o.unflatten(1, (hkv, group)).copy_(op.view(tq, group, hkv, -1).transpose(1, 2))
-    lse.unflatten(0, (hkv, group)).copy_(lsep.view(hkv, tq, group).transpose(1, 2))
-
-
 def _kernel(
     dtype: torch.dtype, head_dim: int, head_dim_v: int, causal: bool, varlen: bool, box: int,
     device_index: int | None, packed: bool = False, view_group: int = 0,
@@ -72,8 +62,8 @@ def _kernel(
     """(the compiled function of the head dims' analytical default, the device's SM count,
     the default's CTAs a SM, whether it takes a tile counter): a plan, built once per key
     (params_for's dataclass walk cost 4.4 us per call on the CPU, the kernel lookup and the SM
-    count 1-2 more). packed: the paged mode's packed compile (no sequence skipped); view_group
-    G: its zero-copy form for G query heads a kv head."""
+    count 1-2 more). packed with view_group G: the paged mode's packed compile (no sequence
+    skipped) on views of G query heads a kv head."""
     cfg = default_config(head_dim, head_dim_v, paged=box > 0, varlen=varlen)
     params = params_for(dtype_name(dtype), head_dim, head_dim_v, causal, cfg, varlen=varlen,
                         page_box=box, packed=packed, view_group=view_group)  # fmt: skip
@@ -245,7 +235,6 @@ def attention_paged_fwd(
     softmax_scale: float,
     causal: bool,
     packed: bool = False,
-    views: bool = False,
 ) -> None:
     """o (Tq, Hq, D) and lse (Hq, Tq) fp32, any views, for validated packed q (Tq, Hq, D)
     against 16-bit caches (num_pages, page_size, Hkv, D) read in place (rows contiguous and
@@ -254,12 +243,12 @@ def attention_paged_fwd(
     cu_seqlens_q int32 (B + 1,), all on q's device. Causal: bottom-right aligned to each
     sequence's key length. Sequences of fewer than PAGED_MIN_SEQLEN_Q query tokens are
     skipped (the paged decode's: their rows of o and lse are left as they are). packed: the
-    whole batch, none skipped, in one launch of the packed compile on GQA-packed rows
-    (`_paged_packed`); views (with packed, candidate): the rows read and written in place
-    through views where G divides the tile's rows (`view_group`), else copied."""
+    whole batch, none skipped, in one launch of the packed compile on GQA-packed views of q, o
+    and lse (`_paged_packed`); only where `view_group(Hq / Hkv, D)` > 0 (else ValueError: the
+    op runs the split there)."""
     if packed:
         _paged_packed(q, k_cache, v_cache, o, lse, page_table, seqlens_k, cu_seqlens_q,
-                      max_seqlen_q, softmax_scale, causal, views)  # fmt: skip
+                      max_seqlen_q, softmax_scale, causal)  # fmt: skip
         return
     if o.numel() == 0 or max_seqlen_q < PAGED_MIN_SEQLEN_Q:
         return
@@ -283,55 +272,39 @@ def attention_paged_fwd(
 
 @functools.cache
 def view_group(group: int, head_dim: int) -> int:
-    """The zero-copy packed form's G for `group` query heads a kv head at `head_dim` (the
-    paged default's tiles): G itself where it divides the tile's rows (a TMA box of (G,
-    tile_m / G) tokens' rows), else 0 (the copy form: G 3, 5, 6, ...)."""
-    return group if default_config(head_dim, head_dim, paged=True).tile_m % group == 0 else 0
+    """The packed form's G for `group` query heads a kv head at `head_dim` (the paged
+    default's tiles): G itself where it is one of config.VIEW_GROUPS (the standard compiles)
+    and divides the tile's rows (a TMA box of (G, tile_m / G) tokens' rows), else 0 (the op
+    runs the split form: G 3, 5, 6, 7, 12, 32, ...)."""
+    tile_m = default_config(head_dim, head_dim, paged=True).tile_m
+    return group if group in VIEW_GROUPS and tile_m % group == 0 else 0
 
 
 def _paged_packed(q, k_cache, v_cache, o, lse, page_table, seqlens_k, cu_seqlens_q,
-                  max_seqlen_q: int, softmax_scale: float, causal: bool,
-                  views: bool = False) -> None:  # fmt: skip
+                  max_seqlen_q: int, softmax_scale: float, causal: bool) -> None:  # fmt: skip
     """`attention_paged_fwd(packed=True)`: every sequence of the batch (decode rows, chunks)
     in one launch, FA4's form of a chunked-prefill batch. The G = Hq / Hkv query heads of a kv
-    head become G rows per token of one head (q copied to (Tq * G, Hkv, D), `pack_gqa_q`), so a
-    decode row of n tokens is a tile of n * G rows a kv head that streams its keys once for
-    the group; each sequence's offsets and the longest length scale by G, the kernel's causal
-    mask reads row r as token r // G (qgroup = G: each sequence's bottom-right offset is
-    seqlen_k - rows // G), and O and the LSE come back through `unpack_gqa_into`. Rows past
-    cu_seqlens_q[-1] (outside every sequence: an invalid input) get unspecified values.
-    views (`_paged_views`): no copies where G divides the tile's rows."""
+    head become G rows per token of one head without a copy: q and o handed over as their
+    (Tq, Hkv, G, D) views and lse as its (Hkv, G, Tq) view, which the `view_group` compile
+    sees as the packed rows ((G, Tq)) they hold (`views.grouped_rows_as_sdhb`), so a decode
+    row of n tokens is a tile of n * G rows a kv head that streams its keys once for the group;
+    each sequence's offsets and the longest length scale by G, the kernel's causal mask reads
+    row r as token r // G (qgroup = G: each sequence's bottom-right offset is seqlen_k - rows
+    // G); o and lse in place where TMA can write them (else through a buffer copied back).
+    Rows past cu_seqlens_q[-1] (outside every sequence: an invalid input) get unspecified
+    values. (The form with pack / unpack copies, for any G, measured slower than the split
+    everywhere and was dropped: docs/attention/PAGED_NOTES.md.)"""
     tq, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    group = view_group(hq // hkv, d)
+    if not group:
+        raise ValueError(f"no packed compile for G = {hq // hkv} at D = {d} (view_group)")
     if o.numel() == 0 or max_seqlen_q == 0:
         return
     if k_cache.shape[0] == 0:  # no pages: every length is 0, every row sees no key
         _no_keys(o, lse)
         return
-    group = hq // k_cache.shape[2]
     box = paged_box(k_cache.shape[1], d)
-    if views and view_group(group, d):
-        _paged_views(q, k_cache, v_cache, o, lse, page_table, seqlens_k, cu_seqlens_q,
-                     max_seqlen_q, softmax_scale, causal, group, box)  # fmt: skip
-        return
-    qp = pack_gqa_q(q[None], group)[0]  # a fresh compact copy: TMA-ready
-    op = qp.new_empty(qp.shape)
-    lsep = qp.new_empty(qp.shape[1], qp.shape[0], dtype=torch.float32)
-    table = page_table if page_table.stride(-1) == 1 else page_table.contiguous()
-    cu_p, lens = cu_seqlens_q * group, seqlens_k.contiguous()
-    fn, ctas, _, _ = _plan(q.dtype, d, d, causal, True, q.device, box, packed=True)
-    with on_device(q.device):
-        fn(qp, k_cache, v_cache, op, lsep, cu_p, lens, softmax_scale * LOG2E,
-           max_seqlen_q * group, group, ctas, table)  # fmt: skip
-    unpack_gqa_into(op, lsep, o, lse, group)
-
-
-def _paged_views(q, k_cache, v_cache, o, lse, page_table, seqlens_k, cu_seqlens_q,
-                 max_seqlen_q, softmax_scale, causal, group, box) -> None:  # fmt: skip
-    """The packed form without copies (the `view_group` compile, candidate): q and o handed
-    over as their (Tq, Hkv, G, D) views and lse as its (Hkv, G, Tq) view, which the kernel sees
-    as the packed rows ((G, Tq)) they hold (`views.grouped_rows_as_sdhb`); o and lse in place
-    where TMA can write them (else through a buffer copied back)."""
-    d, hkv = q.shape[-1], k_cache.shape[2]
     qv = as_tma_ready(q).unflatten(1, (hkv, group))
     o_dst = tma_target(o)
     lse_dst = lse if lse.stride(-1) == 1 else torch.empty(lse.shape, device=lse.device)

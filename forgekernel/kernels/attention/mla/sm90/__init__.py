@@ -22,6 +22,7 @@ from pathlib import Path
 from forgekernel.kernels.attention.mla.sm90.config import (
     DTYPES,
     FP8_DTYPE,
+    FUSED_HEADS,
     HEADS,
     OSTORE_BLOCKS,
     QTOKENS,
@@ -72,7 +73,28 @@ def _standard_params() -> list[Params]:
         for h, qt in OSTORE_BLOCKS
     ]
     combine = [params_for("combine", d, warps=w) for d in DTYPES for w in (False, True)]
-    return partial + direct + sparse + ostore + combine + _schedule_params()
+    return partial + direct + sparse + ostore + combine + _schedule_params() + _dsa_params()
+
+
+def _dsa_params() -> list[Params]:
+    """The sparse direct pass's sink form (`sink`: every block and cache of the sparse direct
+    forms) and the fused DSA prefill's (`fused`: the blocks of SPARSE_HQ and of 64 heads
+    (FUSED_HEADS: 16 / 64 / 128 heads), with and without a sink, fp32 [cos | sin] caches, int32
+    and int64 positions, over 16-bit kv in both dtypes and over FlashMLA's FP8 cache with bf16
+    q (`fp8` too: keys of their own, the 16-bit ones unchanged); a cache in q's dtype or NeoX
+    pairs compile at their first call)."""
+    passes = [(d, False) for d in DTYPES] + [(FP8_DTYPE, True)]
+    sink = [params_for("sparse", d, h, fp8=fp8, direct=True, sink=True) for d, fp8 in passes
+            for h in sparse_heads()]  # fmt: skip
+    fused = [
+        params_for("sparse", d, h, fp8=fp8, direct=True, sink=s, fused=True, rope="float32",
+                   positions=p)  # fmt: skip
+        for d, fp8 in passes
+        for h in FUSED_HEADS
+        for s in (False, True)
+        for p in ("int32", "int64")
+    ]
+    return sink + fused
 
 
 def _schedule_params() -> list[Params]:

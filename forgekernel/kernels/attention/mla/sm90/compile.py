@@ -98,29 +98,64 @@ def _caches(dtype, fp8: bool, pages, page_size) -> tuple:
     )
 
 
-def _sparse(dtype, heads: int, fp8: bool, opts: str, direct: bool = False):
+def _sparse(dtype, params: dict, opts: str):
+    heads, fp8 = params["heads"], params.get("fp8", False)
+    direct, sink, fused = (params.get(k, False) for k in ("direct", "sink", "fused"))
     tokens, hq = cute.sym_int32(), cute.sym_int32()
     pages, page_size = cute.sym_int32(), cute.sym_int32()
     top_k = make_fake_tensor(
         cutlass.Int32, (tokens, cute.sym_int32()), stride=(cute.sym_int64(), 1), assumed_align=4
     )
+    kernel = MlaDecodeSm90(heads, sparse=True, fp8=fp8, direct=direct, sink=sink, fused=fused,
+                           neox=params.get("neox", False))  # fmt: skip
+    # seqlens_k's slot: the sink (H,) fp32 or None (the lists' width is every token's keys)
+    seq = make_fake_tensor(cutlass.Float32, (hq,), stride=(1,), assumed_align=4) if sink else None
+    if fused:  # decode.py's fused slots (`_fused_args`)
+        q, caches, outs, positions = _fused_args(dtype, params, tokens, hq, pages, page_size)
+    else:
+        q = (
+            fake.rowmajor(dtype, (tokens, hq, D_LATENT)),
+            fake.rowmajor(dtype, (tokens, hq, D_ROPE)),
+        )
+        caches = _caches(dtype, fp8, pages, page_size)
+        outs = _outputs(dtype, tokens, hq) if direct else _partials()
+        positions = None  # cu_seqlens_q: one query token per CTA
     return cute.compile(
-        MlaDecodeSm90(heads, sparse=True, fp8=fp8, direct=direct),
-        fake.rowmajor(dtype, (tokens, hq, D_LATENT)),
-        fake.rowmajor(dtype, (tokens, hq, D_ROPE)),
-        *_caches(dtype, fp8, pages, page_size),
+        kernel,
+        *q,
+        *caches,
         top_k,
-        None,  # seqlens_k: the lists' width is every token's key count
-        *(_outputs(dtype, tokens, hq) if direct else _partials()),
+        seq,
+        *outs,
         cutlass.Float32(1.0),
         cutlass.Int32(1),
         cutlass.Int32(1),
-        None,  # cu_seqlens_q: one query token per CTA
+        positions,
         cutlass.Int32(0),  # causal: unused
         cutlass.Int32(1),  # q_blocks: unused
         fake.stream(),
         options=opts,
     )
+
+
+def _fused_args(dtype, params: dict, tokens, hq, pages, page_size) -> tuple:
+    """The fused form's arguments in the sparse pass's slots (decode.py `__call__`): (q whole
+    (tokens, Hq, 576) and the [cos | sin] cache (positions, 64)), the caches with out_scale fp32
+    (tokens, Hq, 16) in the scales' slot (an `fp8` key's caches: the FP8 rows' uint8 latent and
+    bf16 RoPE views, their scales viewed in the pass from the latent's rows), (out_fp8 as uint8
+    (tokens, Hq, 512) rows 2-byte aligned, lse), the positions (tokens,)."""
+    q = fake.rowmajor(dtype, (tokens, hq, D_LATENT + D_ROPE))
+    rope_dtype = cutlass.Float32 if params["rope"] == "float32" else dtype
+    cos_sin = fake.rowmajor(rope_dtype, (cute.sym_int32(), D_ROPE), divisibility=1, align=4)
+    latent, kpe, _ = _caches(dtype, params.get("fp8", False), pages, page_size)
+    scales = fake.rowmajor(cutlass.Float32, (tokens, hq, D_LATENT // 32), divisibility=1, align=4)
+    out = fake.rowmajor(cutlass.Uint8, (tokens, hq, D_LATENT), divisibility=2, align=2)
+    _, lse = _outputs(dtype, tokens, hq)
+    pos_dtype = cutlass.Int32 if params["positions"] == "int32" else cutlass.Int64
+    align = 4 if params["positions"] == "int32" else 8
+    positions = make_fake_tensor(pos_dtype, (tokens,), stride=(cute.sym_int64(),),
+                                 assumed_align=align)  # fmt: skip
+    return (q, cos_sin), (latent, kpe, scales), (out, lse), positions
 
 
 def _work_list() -> cute.Tensor:
@@ -164,7 +199,7 @@ def compile_mla(params: dict, arch: str = "sm_90a", extra_options: str = ""):
                         params.get("form") == "warps")  # fmt: skip
     fp8 = params.get("fp8", False)
     if params["kind"] == "sparse":
-        return _sparse(dtype, params["heads"], fp8, opts, params.get("direct", False))
+        return _sparse(dtype, params, opts)
     qtokens = params.get("qtokens", 1)
     b, hq = cute.sym_int32(), cute.sym_int32()
     rows = cute.sym_int32() if qtokens > 1 else b  # total_q packed by cu_seqlens_q, else B

@@ -45,6 +45,8 @@ FP8_CHUNK = 16  # e4m3 bytes per global load
 E4M3_TO_BF16_EXPONENT = 120  # bf16's exponent bias 127 less e4m3's 7
 FP8_DTYPE = "bfloat16"  # an FP8 cache's queries (e4m3 x a power-of-two scale is exact in bf16)
 SPARSE_HQ = (16, 128)  # DeepSeek-V3.2's query heads per GPU at TP8 and TP1 (the prebuilt DSA)
+# The fused DSA prefill's prebuilt head blocks (heads_per_cta of 16, 64 and 128 heads)
+FUSED_HEADS = (16, 64)
 # The direct form (compile key `direct`): a plan of one split writes O in q's dtype and the
 # natural LSE itself, no partials and no combine. The paged passes' (seesaw.py; decode.py's over
 # pages of partial tiles and FP8 caches) prebuilt for the head blocks of DeepSeek's 128 heads
@@ -156,6 +158,11 @@ def params_for(
     worklist: bool = False,
     ranges: bool = False,
     warps: bool = False,
+    sink: bool = False,
+    fused: bool = False,
+    rope: str | None = None,
+    positions: str | None = None,
+    neox: bool = False,
 ) -> tuple:
     """Compile key: kind "partial" (one split of `heads` query heads x `qtokens` tokens, fp32
     out; qtokens > 1 the packed form with cu_seqlens_q), "sparse" (DSA: one split of one query
@@ -176,7 +183,14 @@ def params_for(
     packed form). ranges (a decode step's schedule, `launch.make_schedule`): the list's
     item-indexed form: the scheduler's (kind "worklist") per over the whole batch, items unit
     by unit and each row's item range; the pass (worklist only) writing its partial at its
-    item; the combine (`PagedCombineRangesSm90`) reducing a row's item range."""
+    item; the combine (`PagedCombineRangesSm90`) reducing a row's item range.
+    sink (the sparse direct pass): out x sigmoid(lse - attn_sink[h]) in the epilogue. fused
+    (the sparse direct pass, 16-bit or with fp8 over FlashMLA's FP8 cache, bf16 q; the fused
+    DSA prefill): q_pe rotated at the token's
+    position before the scores, the output's RoPE columns rotated back, out cast to e4m3 per
+    32 channels with UE8M0 scales; rope the [cos | sin] cache's dtype ("float32" or dtype),
+    positions theirs ("int32" / "int64"), neox the half-split pairs. Each keyed only when on:
+    the other kernels' keys (and SASS) are those before them."""
     if kind == "combine":  # the paged leaf's key at head dim 512 (warps: its warp form)
         keys = {"kind": kind, "dtype": dtype, "head_dim": D_LATENT}
         keys |= {"ranges": True} if ranges else {}
@@ -201,6 +215,14 @@ def params_for(
         raise ValueError("the work list is a form of the seesaw (tma) partial pass")
     if ranges and not worklist:
         raise ValueError("ranges is a form of the work list's pass")
+    if (sink or fused) and not (kind == "sparse" and direct):
+        raise ValueError("sink and fused are forms of the sparse direct pass")
+    if fused != (rope is not None and positions is not None):
+        raise ValueError("the fused form takes rope and positions dtypes, and only it")
+    if fused and (rope not in ("float32", dtype) or positions not in ("int32", "int64")):
+        raise ValueError(f"rope float32 or {dtype}, positions int32 or int64: {rope} {positions}")
+    if neox and not fused:
+        raise ValueError("neox is a form of the fused pass")
     if kind == "sparse" and qtokens != 1:
         raise ValueError(f"sparse attention takes one query token per CTA, got {qtokens}")
     keys = {"kind": kind, "dtype": dtype, "heads": heads}
@@ -220,4 +242,10 @@ def params_for(
         keys["worklist"] = True
     if ranges:
         keys["ranges"] = True
+    if sink:
+        keys["sink"] = True
+    if fused:
+        keys |= {"fused": True, "rope": rope, "positions": positions}
+    if neox:
+        keys["neox"] = True
     return tuple(sorted(keys.items()))

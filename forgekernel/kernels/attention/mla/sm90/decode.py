@@ -50,6 +50,17 @@ list names (mPT (tokens, topk) int32, entries page * page_size + slot, -1 paddin
 not to a sequence's pages: a CTA's keys are that list's split, loaded by index (-1 reads row 0,
 masked), grid x over the tokens (one query token per CTA, so `qtokens` is 1).
 
+`sink` (sparse direct form): the epilogue scales a row's O by sigmoid(lse - attn_sink[h]) (the
+sink in the softmax denominator only) before its one rounding; the LSE stays the keys' own.
+`fused` (sparse direct form, 16-bit or with `fp8` over FlashMLA's FP8 cache; the fused DSA
+prefill, issue 22): q_pe rotated in shared memory at the token's position before the first
+scores (`_rope_query`), and the epilogue (`_write_fused`, fused.py's arithmetic) rotates O's
+last 64 columns back (the conjugate) in fp32 registers and casts O to e4m3 per 32 columns with
+UE8M0 scales (a group's amax over a quad's registers). Over the FP8 cache the mainloop is the
+fp8 pass's as it is (the cache's scales viewed from its latent view's rows, the scales' slot
+carrying out_scale). Both keyed only when on: the other compiles' SASS is unchanged
+(MLA_NOTES.md, "The fused DSA prefill", "The fused DSA prefill over the FP8 cache").
+
 docs/attention/MLA_NOTES.md has the earlier versions' figures (mma.sync; both warpgroups on S
 along the keys)."""
 
@@ -67,6 +78,7 @@ from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 from cutlass.tensor_utils import LayoutEnum
 
 from forgekernel.kernels.attention.mla.sm90 import fp8 as fp8_cache
+from forgekernel.kernels.attention.mla.sm90 import fused as fused_math
 from forgekernel.kernels.attention.mla.sm90.config import (
     D_LATENT,
     D_ROPE,
@@ -120,6 +132,9 @@ class MlaDecodeSm90:
         sparse: bool = False,
         fp8: bool = False,
         direct: bool = False,
+        sink: bool = False,
+        fused: bool = False,
+        neox: bool = False,
     ):
         if heads * qtokens > ROWS:
             raise ValueError(f"heads x query tokens must be <= {ROWS}, got {heads} x {qtokens}")
@@ -131,6 +146,13 @@ class MlaDecodeSm90:
         self.sparse = sparse
         self.fp8 = fp8
         self.direct = direct  # a plan of one split: out and lse written here (module docstring)
+        if (sink or fused) and not (sparse and direct):
+            raise ValueError("the sink and the fused form are forms of the sparse direct pass")
+        if neox and not fused:
+            raise ValueError("neox (half-split RoPE pairs) is a form of the fused pass")
+        self.sink = sink  # out rows x sigmoid(lse - sink[h]) in the epilogue (module docstring)
+        self.fused = fused  # query RoPE, output RoPE and the FP8 cast (module docstring)
+        self.neox = neox
 
     def _setup(self, dtype):
         k_major = OperandMajorMode.K
@@ -183,7 +205,36 @@ class MlaDecodeSm90:
         tokens (`qtokens` each: chunked prefill; grid x = batch x q_blocks), else 1. sparse:
         mPT the top-k lists (rows, topk), mSeq None, mCuQ None, causal and q_blocks unused.
         Direct form: mOp (rows, Hq, 512) in q's dtype (rows of 512 contiguous), mLp fp32 (rows,
-        Hq) natural log (any strides), one split (per_split covers every key)."""
+        Hq) natural log (any strides), one split (per_split covers every key).
+        Sink (sparse direct): mSeq carries attn_sink fp32 (Hq,). Fused (sparse direct): mQn the
+        whole q (tokens, Hq, 576) (rows 16-byte aligned: its q_pe view starts 1 KB in), mQp
+        the [cos | sin] cache (positions, 64) fp32 or q's dtype, mCuQ the positions int32 /
+        int64 (tokens,), mScale out_scale fp32 (tokens, Hq, 16), mOp out_fp8 as uint8 (tokens,
+        Hq, 512), mLp the natural LSE (the slots the sparse 16-bit pass leaves None); fused
+        over an FP8 cache (fp8 too): mCkv / mKpe its latent / RoPE views as the fp8 pass's, its
+        scales' view made here from the latent's (fp8.py `row_scales`: the same rows, 512
+        bytes in), out_scale taking their slot."""
+        mSink = mCS = mPos = mOsc = None
+        if const_expr(self.sink):
+            mSink, mSeq = mSeq, None  # the sparse pass has no seqlens_k: its slot has the sink
+            if const_expr(mSink is None or mSink.element_type != Float32):
+                raise TypeError("the sink form takes attn_sink fp32 (Hq,) in seqlens_k's slot")
+        if const_expr(self.fused):
+            q, mCS, mPos, mOsc = mQn, mQp, mCuQ, mScale
+            mScale = mCuQ = None
+            if const_expr(self.fp8):  # the cache's scales: bytes 512 .. 527 of its rows
+                mScale = fp8_cache.row_scales(mCkv)
+            rows = (q.shape[0], q.shape[1])
+            mQn = cute.make_tensor(q.iterator, cute.make_layout((*rows, D_LATENT), stride=q.stride))
+            mQp = cute.make_tensor(
+                q.iterator + D_LATENT, cute.make_layout((*rows, D_ROPE), stride=q.stride)
+            )
+            if const_expr(mOp.element_type != cutlass.Uint8 or mOsc.element_type != Float32):
+                raise TypeError("the fused form writes out_fp8 as uint8 and out_scale fp32")
+            if const_expr(mCS.element_type not in (Float32, q.element_type)):
+                raise TypeError("cos_sin_cache is fp32 or q's dtype")
+            if const_expr(mPos.element_type not in (Int32, cutlass.Int64)):
+                raise TypeError("positions are int32 or int64")
         dtype = mQn.element_type
         if const_expr(self.fp8):
             if const_expr(not (dtype == mQp.element_type == mKpe.element_type == cutlass.BFloat16)):
@@ -198,7 +249,7 @@ class MlaDecodeSm90:
             raise ValueError("cu_seqlens_q comes with qtokens > 1, and only then")
         if const_expr(self.sparse != (mSeq is None)):
             raise ValueError("seqlens_k comes with the paged form, and only then")
-        if const_expr(self.direct and mOp.element_type != dtype):
+        if const_expr(self.direct and not self.fused and mOp.element_type != dtype):
             raise TypeError("the direct form writes O in q's dtype")
         units = mQn.shape[0] if const_expr(self.sparse) else mSeq.shape[0] * q_blocks
         self._setup(dtype)
@@ -230,7 +281,7 @@ class MlaDecodeSm90:
         self.kernel(
             mQn, mQp, mCkv, mKpe, mScale, mPT, mSeq, mOp, mLp, scale_log2, per_split, page_size,
             mCuQ, causal, q_blocks, self.mma_s, self.mma_o, self.mma_o_rs, self.lay_kl,
-            self.lay_kr, self.lay_ql, self.lay_qr, self.lay_p,
+            self.lay_kr, self.lay_ql, self.lay_qr, self.lay_p, mSink, mCS, mPos, mOsc,
         ).launch(
             # units on x (up to 2^31 - 1: prefill blocks, DSA tokens), splits on z (<= a wave);
             # neighbouring CTAs are neighbouring query blocks of a sequence (shared keys in L2)
@@ -265,6 +316,10 @@ class MlaDecodeSm90:
         lay_ql: cute.ComposedLayout,
         lay_qr: cute.ComposedLayout,
         lay_p: cute.ComposedLayout,
+        mSink: cute.Tensor | None,
+        mCS: cute.Tensor | None,
+        mPos: cute.Tensor | None,
+        mOsc: cute.Tensor | None,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         unit, head_block, split = cute.arch.block_idx()
@@ -325,6 +380,10 @@ class MlaDecodeSm90:
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_view_async_shared()  # cp.async writes, then WGMMA reads
         cute.arch.sync_threads()
+        if const_expr(self.fused):  # q_pe rotated in place (every thread's rows landed)
+            self._rope_query(sQr[None, None, 0], mCS, mPos[q_off], tidx)
+            cute.arch.fence_view_async_shared()  # st.shared, then WGMMA reads
+            cute.arch.sync_threads()
 
         wg_o = mma_o.get_slice(wg * THREADS_PER_WG)
         tOrP = wg_o.make_fragment_A(wg_o.partition_A(sP))[None, None, None, 0]
@@ -376,10 +435,12 @@ class MlaDecodeSm90:
         for r in cutlass.range_constexpr(2):
             row_max[r] = sRed[1, o_crd[r, 0][0]]
             row_sum[r] = sRed[2, o_crd[r, 0][0]]
-        self._write_split(
-            (mOp, mLp), acc_o, row_max, row_sum, scale_log2, o_crd,
-            (split, q_off, sq, head0, wg, tidx),
-        )  # fmt: skip
+        at = (split, q_off, sq, head0, wg, tidx)
+        if const_expr(self.fused):
+            self._write_fused((mOp, mLp, mOsc, mSink), acc_o, row_max, row_sum, scale_log2,
+                              o_crd, at, (mCS, mPos[q_off]))  # fmt: skip
+        else:
+            self._write_split((mOp, mLp), acc_o, row_max, row_sum, scale_log2, o_crd, at, mSink)
 
     @cute.jit
     def _softmax_wg(self, smem, o_ops, mma_s, mma_o_rs, bars, stats, at):
@@ -765,11 +826,13 @@ class MlaDecodeSm90:
             fp8_cache.store_chunk(raw[None, j], mult, sK[r, None], chunk)
 
     @cute.jit
-    def _write_split(self, outs, acc_o, row_max, row_sum, scale_log2, o_crd, at):
+    def _write_split(self, outs, acc_o, row_max, row_sum, scale_log2, o_crd, at, mSink=None):
         """This thread's columns of the split's O / sum and, from warpgroup 0, the rows' LSE
         (log2); 0 and -inf where the split saw no key. Rows past G or of tokens past sq are
         not written. Direct form: O rounded to q's dtype into out, the LSE natural (the
-        combine's one-split result: its fp32 O_0 x 1 / 1, its log2 LSE x ln 2)."""
+        combine's one-split result: its fp32 O_0 x 1 / 1, its log2 LSE x ln 2). mSink (the
+        sink form, direct): O x 1 / sum x sigmoid(lse - sink[head]) before the rounding, the
+        LSE without the sink (a row that saw no key stays 0 / -inf)."""
         mOp, mLp = outs
         split, q_off, sq, head0, wg, tidx = at
         o = rows_cols(acc_o)
@@ -784,6 +847,8 @@ class MlaDecodeSm90:
                 if row_sum[r] > 0.0:
                     inv = 1.0 / row_sum[r]
                     lse = row_max[r] * scale_log2 + cute.math.log2(row_sum[r], fastmath=True)
+                    if const_expr(mSink is not None):
+                        inv = inv * fused_math.sink_weight(lse, mSink[head0 + row % self.h])
                 head = head0 + row % self.h
                 if const_expr(self.direct):
                     for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
@@ -796,3 +861,105 @@ class MlaDecodeSm90:
                         mOp[split, q_off + token, head, o_crd[r, c][1]] = o[r, c] * inv
                     if wg == 0 and tidx % 4 == 0:
                         mLp[split, q_off + token, head] = lse
+
+    @cute.jit
+    def _rope_query(self, sQr, mCS, pos, tidx):
+        """Fused: q_pe's rows in shared memory (64 x 64, q's dtype, after every thread's
+        cp.async landed) rotated by +angle at `pos` (every row is of the CTA's one token) in
+        fp32, rounded back to q's dtype: y0 = x0 cos - x1 sin, y1 = x0 sin + x1 cos over the
+        pairs (2i, 2i + 1) (neox: (i, i + 32)), cos_i = cache[pos, i], sin_i = cache[pos, 32
+        + i]. Thread t: row t // 4, pairs 8 (t % 4) .. + 7; rows past G (zeros) skipped."""
+        row = tidx // 4
+        if row < self.g:
+            for k in cutlass.range_constexpr(D_ROPE // 8):
+                i = (tidx % 4) * (D_ROPE // 8) + k
+                c0, c1 = 2 * i, 2 * i + 1
+                if const_expr(self.neox):
+                    c0, c1 = i, i + D_ROPE // 2
+                cs = mCS[pos, i].to(Float32)
+                sn = mCS[pos, D_ROPE // 2 + i].to(Float32)
+                x0 = sQr[row, c0].to(Float32)
+                x1 = sQr[row, c1].to(Float32)
+                sQr[row, c0] = (x0 * cs - x1 * sn).to(sQr.element_type)
+                sQr[row, c1] = (x0 * sn + x1 * cs).to(sQr.element_type)
+
+    @cute.jit
+    def _write_fused(self, outs, acc_o, row_max, row_sum, scale_log2, o_crd, at, rope):
+        """Fused epilogue (direct form, one split): per row of this thread, O x 1 / sum (x the
+        sink weight), the output's RoPE columns 448 .. 511 rotated by -angle in fp32, then the
+        e4m3 cast per group of 32 columns with its UE8M0 scale (fused.py), the LSE natural.
+
+        Fragment (rows_cols of acc_o, this warpgroup's 256 columns; printed on the CPU,
+        tests/test_dsa_fused_prefill_compile.py pins it): thread lane l of warp w holds rows
+        16 (w % 4) + l // 4 (+ 8 for r = 1) and, at c = 2 j + e (j < 32, e < 2), column
+        256 wg + 8 j + 2 (l % 4) + e. So a pair (2i, 2i + 1) is (c, c + 1) of one thread, a
+        NeoX pair (i, i + 32) is (c, c + 8), warpgroup 1's c >= 48 are the RoPE columns (448 +
+        8 (j - 24) + ...), and group g of 32 columns is c in [8 g', 8 g' + 8) (g' = g % 8)
+        of the four lanes of a quad: its amax is the thread's 8 values' then two butterfly
+        shuffles (warp_reduction_max over 4 lanes). Each pair goes out as one 16-bit store of
+        two e4m3 bytes; the quad's lane 0 writes the group's scale."""
+        mOp, mLp, mOsc, mSink = outs
+        mCS, pos = rope
+        _, q_off, sq, head0, wg, tidx = at
+        o = rows_cols(acc_o)
+        cols = cute.size(o, mode=[1])
+        first_rope = cols - D_ROPE // 4  # warpgroup 1's c of columns 448 ..
+        pairs = D_ROPE // 8  # RoPE pairs a thread holds (interleaved or half-split)
+        cs = cute.make_rmem_tensor(pairs, Float32)
+        sn = cute.make_rmem_tensor(pairs, Float32)
+        if wg == 1:
+            for k in cutlass.range_constexpr(pairs):
+                c = first_rope + (2 * k if const_expr(not self.neox) else k)
+                i = o_crd[0, c][1] - fused_math.ROPE_OUT_FIRST
+                if const_expr(not self.neox):
+                    i = i // 2
+                cs[k] = mCS[pos, i].to(Float32)
+                sn[k] = mCS[pos, D_ROPE // 2 + i].to(Float32)
+        v = cute.make_rmem_tensor(cols, Float32)
+        for r in cutlass.range_constexpr(2):
+            # every row computed (rows past G: zero queries, finite), only the stores guarded:
+            # the quad shuffles need every lane of the warp (G < 8 splits a warp's rows)
+            row = opaque_i32(o_crd[r, 0][0])  # (as _write_split)
+            token = row // self.h
+            head = head0 + row % self.h
+            inv = Float32(0.0)
+            lse = -Float32.inf
+            if row_sum[r] > 0.0:
+                inv = 1.0 / row_sum[r]
+                lse = row_max[r] * scale_log2 + cute.math.log2(row_sum[r], fastmath=True)
+                if const_expr(mSink is not None):
+                    inv = inv * fused_math.sink_weight(lse, mSink[head])
+            for c in cutlass.range_constexpr(cols):
+                v[c] = o[r, c] * inv
+            if wg == 1:  # conjugate: y0 = x0 cos + x1 sin, y1 = x1 cos - x0 sin
+                for k in cutlass.range_constexpr(pairs):
+                    c0 = first_rope + 2 * k
+                    c1 = c0 + 1
+                    if const_expr(self.neox):
+                        c0 = first_rope + k
+                        c1 = c0 + 8
+                    x0, x1 = v[c0], v[c1]
+                    v[c0] = x0 * cs[k] + x1 * sn[k]
+                    v[c1] = x1 * cs[k] - x0 * sn[k]
+            out_row = mOp[cutlass.min(q_off + token, mOp.shape[0] - 1), head, None]
+            pairs_ptr = cute.make_ptr(cutlass.Uint16, out_row.iterator.toint(),
+                                      cute.AddressSpace.gmem, assumed_align=2)  # fmt: skip
+            out_pairs = cute.make_tensor(pairs_ptr, cute.make_layout(D_LATENT // 2))
+            for g in cutlass.range_constexpr(cols // 8):
+                amax = Float32(0.0)
+                for k in cutlass.range_constexpr(8):
+                    amax = cute.arch.fmax(amax, cute.math.absf(v[8 * g + k]))
+                amax = cute.arch.warp_reduction_max(amax, threads_in_group=4)
+                scale = fused_math.ue8m0_scale(amax)
+                mult = fused_math.pow2_inverse(scale)
+                if row < self.g and token < sq:
+                    for k in cutlass.range_constexpr(0, 8, 2):
+                        c = 8 * g + k
+                        word = fused_math.e4m3x2(v[c] * mult, v[c + 1] * mult)
+                        out_pairs[o_crd[r, c][1] // 2] = word.to(cutlass.Uint16)
+                    if tidx % 4 == 0:
+                        group = o_crd[r, 8 * g][1] // fused_math.FP8_GROUP
+                        mOsc[q_off + token, head, group] = scale
+            if row < self.g and token < sq:
+                if wg == 0 and tidx % 4 == 0:
+                    mLp[q_off + token, head] = lse * LN2

@@ -44,6 +44,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from forgekernel.kernels.attention.mla.sm90.config import (
+    D_LATENT,
     E4M3_TO_BF16_EXPONENT,
     FP8_CHUNK,
     FP8_ROW_BYTES,
@@ -114,6 +115,18 @@ def load_chunk(row: cute.Tensor, chunk, raw: cute.Tensor):
                         assumed_align=16)  # fmt: skip
     src = cute.make_tensor(ptr + chunk * FP8_CHUNK, cute.make_layout(FP8_CHUNK))
     cute.autovec_copy(src, raw)
+
+
+def row_scales(latent: cute.Tensor) -> cute.Tensor:
+    """The fp32 scales (P, ps, 4) of FlashMLA's FP8 rows from their latent view `latent`
+    (uint8 (P, ps, 512), strides in bytes, multiples of 16: ops.mla `fp8_cache_views`): bytes
+    [512, 528) of the same rows, strides / 4 (host side, at the launch). The fused pass's FP8
+    form (decode.py), whose scales' slot carries out_scale."""
+    stride = latent.stride
+    ptr = cute.recast_ptr(latent.iterator + D_LATENT, dtype=Float32)
+    shape = (latent.shape[0], latent.shape[1], D_LATENT // FP8_SCALE_COLUMNS)
+    lay = cute.make_layout(shape, stride=(stride[0] // 4, stride[1] // 4, 1))
+    return cute.make_tensor(ptr, lay)
 
 
 @cute.jit

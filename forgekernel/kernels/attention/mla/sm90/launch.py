@@ -74,7 +74,7 @@ from forgekernel.kernels.common.sm90.constants import LOG2E
 from forgekernel.runtime import pdl
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms, on_device
-from forgekernel.runtime.plans import PlanCache
+from forgekernel.runtime.plans import PlanCache, overriding
 from forgekernel.runtime.scratch import scratch, scratches
 
 _plans = PlanCache()
@@ -139,11 +139,8 @@ def plan_form(
         raise ValueError(f"heads must be one of {config.HEADS}, got {heads}")
     if per_tiles is not None and per_tiles < 1:
         raise ValueError(f"per_tiles must be >= 1, got {per_tiles}")
-    before, _plan_form[0] = _plan_form[0], (per_tiles, heads, worklist, direct)
-    try:
+    with overriding(_plan_form, (per_tiles, heads, worklist, direct)):
         yield
-    finally:
-        _plan_form[0] = before
 
 
 def _heads(hq: int, qtokens: int, form) -> int:
@@ -187,7 +184,7 @@ def sparse_split_plan(
 
 def _plan(
     kind, dtype, units, hq, max_tokens, qtokens, device_index, fp8, page_size, form=None,
-    forced=None, narrow=False,
+    forced=None, narrow=False, sink=False,
 ):  # fmt: skip
     """(pass kernel, combine kernel or None, splits, keys per split (the pass's per_split: of
     a split plan the least keys a split takes), ostore, work list or None): kind "partial"
@@ -206,7 +203,9 @@ def _plan(
     table's width in tiles), the
     pass its `worklist` compile, splits the width plan's (the list's bound: schedule.py); form
     SCHEDULED (a schedule's call): the scheduler, the pass and the combine in their `ranges`
-    compiles. forced: `forced_key()`, in the key only (`pdl.enabled()` decides the seesaw,
+    compiles. sink (kind "sparse"): a direct plan takes the pass's `sink` compile (the caller
+    passes attn_sink in seqlens_k's slot); other plans ignore it (the caller applies the sink
+    after the combine). forced: `forced_key()`, in the key only (`pdl.enabled()` decides the seesaw,
     scheduling and combine kernels' compile keys, `pdl.key`; `combine_form.takes_warps` the
     combine's form over units x qtokens rows x Hq)."""
     name = dtype_name(dtype)
@@ -228,7 +227,7 @@ def _plan(
         # (decode.py's passes have no PDL build: their key as the partial pass's)
         ostore = tma and not narrow and config.runs_ostore(heads, qtokens) and ostore_enabled()
         params = config.params_for(kind, name, heads, qtokens, fp8, tma, direct=True,
-                                   ostore=ostore)  # fmt: skip
+                                   ostore=ostore, sink=sink)  # fmt: skip
         return get_kernel(SPEC, pdl.key(params, on or not tma)), None, splits, per, ostore, None
     if kind == "partial" and (form is None or form[0] is None):
         # the passes spread each unit's own keys over the splits (decode.py, seesaw.py), at
@@ -441,30 +440,98 @@ def dsa_sparse_attention(
     out: torch.Tensor,
     lse: torch.Tensor,
     ckv_scale: torch.Tensor | None = None,
-) -> None:
+    attn_sink: torch.Tensor | None = None,
+) -> bool:
     """out (tokens, Hq, 512) in q's dtype (rows of 512 contiguous) and lse (tokens, Hq) fp32
     (natural log; any strides) of DSA: q_nope (tokens, Hq, 512), q_pe (tokens, Hq, 64); caches
     as `mla_decode`'s; sparse_indices int32 (tokens, topk), entries page * page_size + slot,
     negative = padding. Split s covers list positions [s * per, (s + 1) * per) of every token;
     the plan depends on shapes only (no device read). topk 0: every row 0 / -inf. FP8
-    (ckv_scale given): the module docstring, q bf16."""
+    (ckv_scale given): the module docstring, q bf16. attn_sink (Hq,) fp32 contiguous or None:
+    a direct plan's pass applies it (its `sink` compile). Returns whether out has the sink in
+    (False: a sink with a split plan, which the caller applies after the combine)."""
     tokens, hq, _ = q_nope.shape
     topk = sparse_indices.shape[1]
     if tokens == 0 or hq == 0:
-        return
-    if topk == 0:
+        return True
+    if topk == 0:  # every row 0 whatever the sink
         out.zero_()
         lse.fill_(float("-inf"))
-        return
+        return True
     device = q_nope.device
+    sink = attn_sink is not None
     key = ("sparse", q_nope.dtype, tokens, hq, topk, 1, device.index, ckv_scale is not None, 1,
-           _plan_form[0], forced_key())  # fmt: skip
+           _plan_form[0], forced_key(), False, sink)  # fmt: skip
     partial, combine, splits, per, _, _ = _plans.get_or_build(key, _plan)
     with on_device(device):
-        # the direct form (combine None, a plan of one split) writes out and lse itself
+        # the direct form (combine None, a plan of one split) writes out and lse itself, and
+        # takes a sink in seqlens_k's slot
         outs = (out, lse) if combine is None else _partials(splits, tokens, hq, device)
         partial(as_tma_ready(q_nope), as_tma_ready(q_pe), ckv_cache, kpe_cache, ckv_scale,
-                sparse_indices.contiguous(), None, *outs, softmax_scale * LOG2E, per,
-                ckv_cache.shape[1], None, 0, 1)  # fmt: skip
+                sparse_indices.contiguous(), attn_sink if combine is None else None, *outs,
+                softmax_scale * LOG2E, per, ckv_cache.shape[1], None, 0, 1)  # fmt: skip
         if combine is not None:
             combine(*outs, out, lse)
+    return combine is None or not sink
+
+
+def _fused_plan(_, dtype, hq, rope, positions, sink, neox, device_index, fp8=False):
+    """(A plan key's builder.) The fused DSA prefill's pass (decode.py's sparse direct pass,
+    `fused` compile; `fp8` too over FlashMLA's FP8 cache) for Hq heads: `config.heads_per_cta`'s
+    block, always one split (the fused epilogue needs a row's whole O: no split plan, whatever
+    `sparse_split_plan` would give)."""
+    heads = config.heads_per_cta(hq)
+    params = config.params_for("sparse", dtype_name(dtype), heads, fp8=fp8, direct=True,
+                               sink=sink, fused=True, rope=dtype_name(rope),
+                               positions=dtype_name(positions), neox=neox)  # fmt: skip
+    return get_kernel(SPEC, params)
+
+
+def dsa_fused_prefill(
+    q: torch.Tensor,
+    ckv_cache: torch.Tensor,
+    kpe_cache: torch.Tensor,
+    sparse_indices: torch.Tensor,
+    softmax_scale: float,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    out_fp8: torch.Tensor,
+    out_scale: torch.Tensor,
+    lse: torch.Tensor,
+    attn_sink: torch.Tensor | None = None,
+    neox: bool = False,
+    fp8: bool = False,
+) -> None:
+    """The fused DSA prefill (`forgekernel.ops.dsa_fused.dsa_fused_prefill` validates): q
+    (tokens, Hq, 576) whole rows (16-byte aligned), the combined cache's two views ckv_cache
+    (num_pages, page_size, 512) / kpe_cache (num_pages, page_size, 64) in q's dtype (fp8:
+    FlashMLA's FP8 cache's uint8 latent and bf16 RoPE views, `ops.mla.fp8_cache_views`', q
+    bf16; the pass views the scales from the latent's rows, 512 bytes in),
+    sparse_indices int32 (tokens, topk) slots, cos_sin_cache (positions, 64) fp32 or q's
+    dtype, positions int32 / int64 (tokens,), attn_sink fp32 (Hq,) or None -> out_fp8
+    (tokens, Hq, 512) float8_e4m3fn (rows 2-byte aligned, written as uint8), out_scale fp32
+    (tokens, Hq, 16), lse fp32 (tokens, Hq) natural log. One launch of one split (the pass's
+    grid: tokens x head blocks); topk 0: every row 0 with the floor's scale, LSE -inf, no
+    launch. No device read."""
+    tokens, hq, _ = q.shape
+    if tokens == 0 or hq == 0:
+        return
+    if sparse_indices.shape[1] == 0:  # what the pass writes for a row that saw no key
+        out_fp8.view(torch.uint8).zero_()
+        out_scale.fill_(FP8_FLOOR_SCALE)
+        lse.fill_(float("-inf"))
+        return
+    device = q.device
+    key = ("fused", q.dtype, hq, cos_sin_cache.dtype, positions.dtype, attn_sink is not None,
+           neox, device.index, fp8)  # fmt: skip
+    kernel = _plans.get_or_build(key, _fused_plan)
+    with on_device(device):
+        kernel(as_tma_ready(q), cos_sin_cache, ckv_cache, kpe_cache, out_scale,
+               sparse_indices.contiguous(), attn_sink, out_fp8.view(torch.uint8), lse,
+               softmax_scale * LOG2E, sparse_indices.shape[1], ckv_cache.shape[1], positions, 0,
+               1)  # fmt: skip
+
+
+# the e4m3 scale of a row that saw no key: max(0, 1e-4) / 448 rounded up to a power of two
+# (reference.dsa `quantize_fp8_groups`: 2.23e-7 -> 2^-22)
+FP8_FLOOR_SCALE = 2.0**-22

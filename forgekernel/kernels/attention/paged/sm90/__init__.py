@@ -70,15 +70,36 @@ def _candidate_params() -> list[Params]:
     """The 18:47 partial pass (page ids read beside the copies: compile.py's page_ids
     "inline", `PagedDecodeSm90(page_ahead=False)`) for the bf16 D 128 leaves the decode, spec
     and mixed bench cases run, which scripts/paged_spec_probe.py times against the standard
-    ones (`forgekernel build --candidates --only attention_paged_decode_sm90`); and the builds
-    without PDL of the bench's variant `no_pdl` (`no_pdl_params`)."""
+    ones (`forgekernel build --candidates --only attention_paged_decode_sm90`); the builds
+    without PDL of the bench's variant `no_pdl` (`no_pdl_params`); the serial ramp of the
+    variant `serial_ramp` (`serial_ramp_params`)."""
     inline = [
         tuple(sorted((*params_for("partial", "bfloat16", 128, h, "", qt), ("page_ids", "inline"))))
         for qt in QTOKENS
         for h in HEADS
         if h * qt <= row_cap(128)
     ]
-    return inline + no_pdl_params()
+    return inline + no_pdl_params() + serial_ramp_params()
+
+
+def serial_ramp_params() -> list[Params]:
+    """The kernels of the bench's variant `serial_ramp` (Llama-3 8B's GQA 4 at bf16, D 128, one
+    query token: the pass and the CTA combine, plain and ranges) built as before the early page
+    ids and the held partial rows (compile key ramp "serial", compile.py; PAGED_NOTES.md
+    "Small-batch decode")."""
+    heads = heads_for(4, 1, 128)
+    kernels = [
+        params_for(kind, "bfloat16", 128, heads, ranges=ranges)
+        for kind in ("partial", "combine")
+        for ranges in (False, True)  # the width plan's, the step schedule's
+    ]
+    return [serial_ramp_key(p) for p in kernels]
+
+
+def serial_ramp_key(params: Params) -> Params:
+    """A pass's or CTA combine's compile key built as before the early page ids and the held
+    partial rows."""
+    return tuple(sorted((*params, ("ramp", "serial"))))
 
 
 def no_pdl_params() -> list[Params]:
@@ -121,4 +142,4 @@ SPEC = KernelSpec(
     representative=lambda: params_for("partial", "bfloat16", 128, 4),
 )
 
-__all__ = ["SPEC", "params_for"]
+__all__ = ["SPEC", "params_for", "serial_ramp_key"]

@@ -85,10 +85,21 @@ def write_split(
 # b16-h128: 2048 CTAs, one a row, the LSE pass not repeated 4 times). SPLIT_CAP splits'
 # weights fit in shared memory at once; more go a chunk at a time.
 COLS = 128
-UNROLL = 4  # 54 registers at D 512, 61 at D 64 / 128 (8: 86 at D 512, 5 CTAs an SM)
-# A row of at most FEW splits at D >= WARPS x COLS (MLA's 512) takes `_few`: each warp its own
-# column chunks over every split, the weights by shuffles, no shared memory, no barrier
+# 54 registers at D 512 (64 with `_few`'s early loads), 61 at D 64 / 128 (8: 86 at D 512)
+UNROLL = 4
+# A row of at most FEW x FEW_ROUNDS splits at D >= WARPS x COLS (MLA's 512) takes `_few`: each
+# warp its own column chunks over every split, FEW splits' 16-byte vectors in flight a round, the
+# weights by shuffles, no shared memory, no barrier (16 splits: the schedule's rows at b8-h16 x
+# 16k, the ragged batch's long rows, b1 x 4k's plan, which took the CTA path's three block
+# reductions and its barriers)
 FEW = 8
+FEW_ROUNDS = 2
+
+# A row of at most HELD x groups splits at D 64 / 128 (one column chunk) takes `_hold`: each
+# group's partial rows (HELD 16-byte vectors a thread) loaded right after the PDL wait, beside
+# the LSEs, not behind the three reductions: the b1 plans' 30 (16-bit) and 45 (FP8) splits
+# at D 128 (4 groups), 96 at D 64 (8 groups)
+HELD = 12
 SPLIT_CAP = 256
 WAVE_CTAS = NUM_SMS_H100_H200 * 8  # 8 CTAs an SM at <= 64 registers x 128 threads
 
@@ -148,11 +159,14 @@ class PagedCombineSm90:
     views and indices set up, it waits for the pass before its first read of the LSEs, then
     lets its own dependent (the next call's pass) be scheduled."""
 
-    def __init__(self, head_dim: int, pdl: bool = True):
+    def __init__(self, head_dim: int, pdl: bool = True, held: bool = True):
         self.d = head_dim
         self.pdl = pdl
         self.singles = False  # PagedCombineRangesSm90's
         self.cols = min(head_dim, COLS)
+        # `_hold`'s loads where a row's splits fit (one column chunk only); False: the
+        # partial rows loaded after the reductions (the paged leaf's candidate ramp "serial")
+        self.held = held
         self.chunks = head_dim // self.cols
         self.vecs = self.cols // 4  # a group's threads: one 16-byte vector of a split each
         self.groups = THREADS // self.vecs
@@ -215,8 +229,17 @@ class PagedCombineSm90:
         splits = mLp.shape[0]
         gL = mLp[None, b, head]
         gO = mOp[None, b, head, None]
+        # held (the paged leaf's D 64 / 128): the next pass scheduled before this combine's
+        # wait, so that its CTAs take the slots the pass's exit frees and run their pre-wait L2
+        # prefetches (decode.py `_prefetch_guess`) under the pass's tail and this combine. No
+        # slot is taken from a CTA not yet started: this grid is scheduled once the pass's last
+        # wave is resident, the next pass once all of this grid is (common/sm90/pdl.py, 2)
+        early = self.held and self.chunks == 1
+        if const_expr(early):
+            pdl.launch_dependents(self.pdl)
         pdl.wait(self.pdl)  # the partials, out / lse and the rows: the pass's, or earlier calls'
-        pdl.launch_dependents(self.pdl)
+        if const_expr(not early):
+            pdl.launch_dependents(self.pdl)
         if const_expr(mRows is not None):
             item0, splits, token = mRows[b, 0], Int32(mRows[b, 1]), mRows[b, 2]
             if const_expr(self.singles):
@@ -226,9 +249,17 @@ class PagedCombineSm90:
             gO = cute.domain_offset((item0, 0), mOp[None, token, head, None])
 
         if const_expr(self.chunks >= WARPS):
-            if splits <= FEW:  # the row's count, the same for the whole CTA
+            if splits <= FEW * FEW_ROUNDS:  # the row's count, the same for the whole CTA
                 self._few(gL, gO, mO, mLSE, b, head, splits, tidx)
                 _nvvm.exit()  # its stores issued; no barrier below is reached by any thread
+
+        held, hold = None, Int32(0)
+        if const_expr(self.held and self.chunks == 1):
+            held = cute.make_rmem_tensor((4, HELD), Float32)
+            if splits <= HELD * self.groups:  # the row's count: uniform over the CTA
+                hold = Int32(1)
+                g = tidx // self.vecs
+                self._hold(gO, splits, g, tidx - g * self.vecs, held)
 
         top = -Float32.inf
         last = Float32(-1.0)  # the last split that saw a key (exact in fp32 below 2^24)
@@ -263,16 +294,14 @@ class PagedCombineSm90:
             acc = cute.make_rmem_tensor(4, Float32)
             acc.fill(0.0)
             if total > 0.0:  # uniform over the CTA: no split saw a key, nothing to read
-                for c0 in cutlass.range(0, used, SPLIT_CAP):
-                    n = cutlass.min(used - c0, SPLIT_CAP)
-                    # sW holds splits [0, SPLIT_CAP)'s weights until a later chunk's replace them
-                    if c0 > 0 or (chunk != first and used > SPLIT_CAP):
-                        cute.arch.sync_threads()  # every thread done with the last weights
-                        for s in cutlass.range(tidx, n, THREADS):
-                            sW[s] = _weight(gL[c0 + s], top)
-                        cute.arch.sync_threads()
-                    where = (gO, sW, c0, n)
-                    self._accumulate(acc, where, group, chunk * self.vecs + vec)
+                walk = (gO, gL, sW, top, used, chunk, first)
+                if const_expr(held is None):
+                    self._walk(acc, walk, group, vec, tidx)
+                else:
+                    if hold != 0:
+                        self._add_held(acc, held, sW, splits, group)
+                    else:
+                        self._walk(acc, walk, group, vec, tidx)
             cute.autovec_copy(acc, cute.local_tile(sAcc[None, group], (4,), (vec,)))
             cute.arch.sync_threads()
             if tidx < self.cols:
@@ -292,49 +321,116 @@ class PagedCombineSm90:
 
     @cute.jit
     def _few(self, gL, gO, mO, mLSE, b, head, splits, tidx):
-        """Row b's combine where it has at most FEW splits (D >= WARPS x COLS): lane s < splits
-        reads split s's LSE, each warp reduces the max and the weights' sum by shuffles (every
-        warp alike: 4 x FEW floats of reads), then walks its column chunks (chunk first + warp x
-        spread, stepping spread x WARPS) with every split's 16-byte vector in flight at once,
-        acc += w_s O_s in split order, w_s from lane s (a split of weight 0 adds 0: its row is
-        not trusted, selected out); out = acc / sum, 0 and LSE -inf where no split saw a key.
-        One split: 0 + 1 x O_0, LSE lse_0 x ln 2 (the direct forms' bits)."""
+        """Row b's combine where it has at most FEW x FEW_ROUNDS splits (D >= WARPS x COLS): each
+        warp's first column chunk (chunk first + warp x spread) of splits 0 .. FEW - 1 is loaded
+        first, every such split's 16-byte vector in flight at once, beside lane s < splits' read
+        of split s's LSE (the weights are not needed to issue the loads: one round trip to L2
+        where the LSE's and then O's were two in a row); each warp then reduces the max and the
+        weights' sum by shuffles (every warp alike) and adds acc += w_s O_s in split order, w_s
+        from lane s (a split of weight 0 adds 0: its row is not trusted, selected out), splits
+        FEW .. 2 FEW - 1 loaded after the first round's sums where the row has them; stepping
+        spread x WARPS chunks (at MLA's D 512 a warp has one chunk); out = acc / sum, 0 and LSE
+        -inf where no split saw a key. The sums in split order: the warp form's bits. One split:
+        0 + 1 x O_0, LSE lse_0 x ln 2 (the direct forms' bits)."""
         lane = tidx % 32
         warp = cute.arch.make_warp_uniform(tidx // 32)
         _, _, first = cute.arch.block_idx()
         _, _, spread = cute.arch.grid_dim()
+        vals = cute.make_rmem_tensor((4, FEW), Float32)
+        chunk = first + warp * spread
+        self._few_loads(gO, 0, splits, chunk * self.vecs + lane, vals)
         lse = -Float32.inf
         if lane < splits:
             lse = gL[lane]
         top = cute.arch.warp_reduction(lse, cute.arch.fmax)
         w = _weight(lse, top)
         total = cute.arch.warp_reduction(w, lambda x, y: x + y)
-        vals = cute.make_rmem_tensor((4, FEW), Float32)
         acc = cute.make_rmem_tensor(4, Float32)
         outs = cute.make_rmem_tensor(4, mO.element_type)
-        for chunk in cutlass.range(first + warp * spread, self.chunks, spread * WARPS):
+        while chunk < self.chunks:
             vec = chunk * self.vecs + lane
-            vals.fill(0.0)
-            for s in cutlass.range_constexpr(FEW):
-                if s < splits:
-                    cute.autovec_copy(cute.local_tile(gO[s, None], (4,), (vec,)), vals[None, s])
             acc.fill(0.0)
-            for s in cutlass.range_constexpr(FEW):
-                ws = cute.arch.shuffle_sync(w, s)
-                for j in cutlass.range_constexpr(4):
-                    o = cutlass.select_(ws > 0.0, vals[j, s], Float32(0.0))
-                    acc[j] = acc[j] + ws * o
+            self._few_add(acc, vals, w, 0)
+            for r in cutlass.range_constexpr(1, FEW_ROUNDS):
+                if splits > r * FEW:  # the row's count: uniform over the warp
+                    self._few_loads(gO, r * FEW, splits, vec, vals)
+                    self._few_add(acc, vals, w, r * FEW)
             for j in cutlass.range_constexpr(4):
                 out = Float32(0.0)
                 if total > 0.0:
                     out = acc[j] / total
                 outs[j] = out.to(mO.element_type)
             cute.autovec_copy(outs, cute.local_tile(mO[b, head, None], (4,), (vec,)))
+            chunk += spread * WARPS
+            if const_expr(self.chunks > WARPS):  # D 512: every warp's only chunk was the first
+                self._few_loads(gO, 0, splits, chunk * self.vecs + lane, vals)
         if tidx == 0 and first == 0:
             out_lse = -Float32.inf
             if total > 0.0:
                 out_lse = (top + cute.math.log2(total, fastmath=True)) * LN2
             mLSE[b, head] = out_lse
+
+    @cute.jit
+    def _few_loads(self, gO, s0, splits, vec, vals):
+        """vals[:, s] = split s0 + s's 16-byte vector `vec` of the row, s0 + s < splits, where
+        the vector is inside the row (a warp past its last chunk loads nothing); 0 elsewhere."""
+        vals.fill(0.0)
+        if vec < self.d // 4:
+            for s in cutlass.range_constexpr(FEW):
+                if s0 + s < splits:
+                    cute.autovec_copy(
+                        cute.local_tile(gO[s0 + s, None], (4,), (vec,)), vals[None, s]
+                    )
+
+    @cute.jit
+    def _few_add(self, acc, vals, w, s0):
+        """acc += w_s O_s over splits s0 .. s0 + FEW - 1 in order (vals[:, s - s0] = O_s), w_s
+        from lane s; a split of weight 0 adds 0 whatever its row holds."""
+        for s in cutlass.range_constexpr(FEW):
+            ws = cute.arch.shuffle_sync(w, s0 + s)
+            for j in cutlass.range_constexpr(4):
+                o = cutlass.select_(ws > 0.0, vals[j, s], Float32(0.0))
+                acc[j] = acc[j] + ws * o
+
+    @cute.jit
+    def _walk(self, acc, walk, group, vec, tidx):
+        """acc += w_s O_s over the group's splits up to the last with keys, loaded as it goes
+        (`_accumulate`), SPLIT_CAP splits' weights at a time."""
+        gO, gL, sW, top, used, chunk, first = walk
+        for c0 in cutlass.range(0, used, SPLIT_CAP):
+            n = cutlass.min(used - c0, SPLIT_CAP)
+            # sW holds splits [0, SPLIT_CAP)'s weights until a later chunk's replace them
+            if c0 > 0 or (chunk != first and used > SPLIT_CAP):
+                cute.arch.sync_threads()  # every thread done with the last weights
+                for s in cutlass.range(tidx, n, THREADS):
+                    sW[s] = _weight(gL[c0 + s], top)
+                cute.arch.sync_threads()
+            self._accumulate(acc, (gO, sW, c0, n), group, chunk * self.vecs + vec)
+
+    @cute.jit
+    def _hold(self, gO, splits, group, vec, held):
+        """This thread's 16-byte vector of the group's splits group, group + groups, ... (at
+        most HELD of them, the row's splits <= HELD x groups) into held, all loads issued
+        before any use; past the row's splits nothing is read."""
+        for k in cutlass.range_constexpr(HELD):
+            s = k * self.groups + group
+            if s < splits:
+                cute.autovec_copy(cute.local_tile(gO[s, None], (4,), (vec,)), held[None, k])
+
+    @cute.jit
+    def _add_held(self, acc, held, sW, splits, group):
+        """acc += w_s O_s over `_hold`'s splits in split order (`_accumulate`'s sums): the
+        weights from shared memory, a split of weight 0 (no keys: its row may be stale, even
+        NaN) or past the row's splits adding 0."""
+        for k in cutlass.range_constexpr(HELD):
+            s = k * self.groups + group
+            if s < splits:
+                w = sW[s]
+                for j in cutlass.range_constexpr(4):
+                    o = held[j, k]
+                    if w == 0.0:
+                        o = Float32(0.0)
+                    acc[j] = acc[j] + w * o
 
     @cute.jit
     def _accumulate(self, acc, where, group, vec):
@@ -388,9 +484,11 @@ class _RangesForm:
     """What the two forms' ranges classes share: the call with mRows (PagedCombineRangesSm90's
     docstring) and `singles`, mixed in before the form's class."""
 
-    def __init__(self, head_dim: int, pdl: bool = True, singles: bool = False):
+    def __init__(self, head_dim: int, pdl: bool = True, singles: bool = False,
+                 held: bool = True):  # fmt: skip
         super().__init__(head_dim, pdl)
         self.singles = singles
+        self.held = held  # the CTA form's (`PagedCombineSm90`); the warp form has no such path
 
     @cute.jit
     def __call__(

@@ -12,9 +12,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from forgekernel.runtime import pdl
+from forgekernel.runtime.plans import overriding
 
 WARPS_FORM_UNITS = 1024  # rows x heads: 8 warps an SM's worth over 132 SMs
 WARP_COLS = 128  # columns a warp covers with one 16-byte vector a lane
+# Head dims of the CTA form's few-splits path (combine.py `_few`: D >= WARPS x COLS, MLA's and
+# DSA's 512) take the warp form from FEW_FORM_UNITS: with that path the CTA form ran faster
+# than the warp form below 2048-4096 units at 2-8 splits (scripts/probe_combine_forms.py, H200
+# 2026-12-04 17:22) and the bench's combine_cta / ours was 0.973 at b64-h16-L4096 (1024 units),
+# 0.996 / 0.995 at b16-h128 L4096 / L8192 (2048; 20:21); at 32+ splits it wins at any count
+FEW_PATH_DIM = 512
+FEW_FORM_UNITS = 4096
 
 # combine_form's override ("cta" / "warps"), None: `takes_warps`' rule; read when a problem's
 # plan is built and in the plans' keys (the launchers' `forced`)
@@ -27,11 +35,8 @@ def combine_form(form: str | None) -> Iterator[None]:
     applies (the warp form: head dims that are multiples of 128): the bench's variants."""
     if form not in (None, "cta", "warps"):
         raise ValueError(f"form must be 'cta', 'warps' or None, got {form!r}")
-    before, _forced[0] = _forced[0], form
-    try:
+    with overriding(_forced, form):
         yield
-    finally:
-        _forced[0] = before
 
 
 def forced() -> str | None:
@@ -45,7 +50,7 @@ def takes_warps(units: int, head_dim: int) -> bool:
         return False
     if _forced[0] is not None:
         return _forced[0] == "warps"
-    return units >= WARPS_FORM_UNITS
+    return units >= (FEW_FORM_UNITS if head_dim >= FEW_PATH_DIM else WARPS_FORM_UNITS)
 
 
 def forced_key() -> tuple:

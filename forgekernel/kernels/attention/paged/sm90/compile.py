@@ -47,6 +47,10 @@ def compile_paged(params: dict, arch: str = "sm_90a", extra_options: str = ""):
         return o, make_fake_tensor(cutlass.Float32, (rows, hq), stride=lse_strides, assumed_align=4)
 
     on = params.get("pdl") != "off"  # the key runtime/pdl.py gives a build without PDL
+    # ramp "serial" (candidates: the bench's variant serial_ramp): the pass's page ids read
+    # after the sequence length, tile by tile, and the CTA combine's partial rows loaded after
+    # its reductions, as before 2026-12-04 20:40 (PAGED_NOTES.md "Small-batch decode")
+    early = params.get("ramp") != "serial"
     ranges = params.get("ranges", False)
     if params["kind"] == "combine":
         o, lse = final(b)
@@ -55,7 +59,7 @@ def compile_paged(params: dict, arch: str = "sm_90a", extra_options: str = ""):
             # a one-item sequence's row the pass's own (decode.py, `singles`)
             form = PagedCombineWarpsRangesSm90 if warps else PagedCombineRangesSm90
             return cute.compile(
-                form(d, on, singles=True),
+                form(d, on, singles=True, held=early),
                 partials_o(),
                 _dense(cutlass.Float32, 3),
                 o,
@@ -65,7 +69,7 @@ def compile_paged(params: dict, arch: str = "sm_90a", extra_options: str = ""):
                 options=opts,
             )
         return cute.compile(
-            (PagedCombineWarpsSm90 if warps else PagedCombineSm90)(d, on),
+            PagedCombineWarpsSm90(d, on) if warps else PagedCombineSm90(d, on, held=early),
             partials_o(),
             _dense(cutlass.Float32, 3),
             o,
@@ -94,6 +98,7 @@ def compile_paged(params: dict, arch: str = "sm_90a", extra_options: str = ""):
             params.get("merge") == "rows",
             on,
             ranges,
+            early,
         ),
         q,
         k,

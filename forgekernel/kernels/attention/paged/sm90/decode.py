@@ -24,7 +24,14 @@ merge; P V in f16. The per-KV-head K scale (per-tensor scales come as (Hkv,) ten
 the exponent's scale, V's multiplies O at the end, so dequantization costs nothing per element.
 
 Memory-bound: the MMAs are a few per 512 bytes of K and V; what matters is bytes in flight
-(STAGES - 1 tiles per CTA, 2 CTAs per SM at D = 128: `config.RESIDENT`)."""
+(STAGES - 1 tiles per CTA, 2 CTAs per SM at D = 128: `config.RESIDENT`).
+
+The ramp (`early_ids`, the leaves that read page ids ahead; PAGED_NOTES.md "Small-batch decode:
+the ramp and the combine"): before the PDL wait each thread prefetches into L2 the K and V rows
+of one token of the first tiles of the split the table's width gives (`_prefetch_guess`: page
+ids read before the wait address prefetches only); after it the first STAGES tiles' page ids of
+that split are read beside the sequence length (`_guess_ids`) and kept where the sequence's own
+split is that one, else read again, all at once."""
 
 from __future__ import annotations
 
@@ -32,8 +39,10 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
 from cutlass._mlir.dialects import nvvm as _nvvm
 from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from forgekernel.kernels.attention.mla.sm90.schedule import HEADER as WORK_HEADER
 from forgekernel.kernels.attention.paged.sm90 import fp8
@@ -65,12 +74,73 @@ KEYS = TILE // WARPS  # keys per warp per tile: one K = 16 step of P V
 V_COLS = 32  # O's columns a piece of P V with 32 rows (`_pv_in_pieces`)
 
 
+LINE = 128  # bytes of an L2 prefetch (`prefetch_l2`)
+
+
+@dsl_user_op
+def prefetch_l2(ptr, *, loc=None, ip=None) -> None:
+    """The 128-byte line at global address `ptr` into L2, no register or shared memory
+    written (`_prefetch_guess`). Per thread: the bulk form (cp.async.bulk.prefetch.L2, its
+    operands uniform registers) became a loop over the warp's distinct addresses in SASS."""
+    llvm.inline_asm(
+        None,
+        [ptr.llvm_ptr],
+        "prefetch.global.L2 [$0];",
+        "l",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def after(value, dep, *, loc=None, ip=None) -> Int32:
+    """`value` as a result of `dep` too: max.s32(value, dep | 0x80000000), that is value
+    itself where value >= 0 (dep | 0x80000000 is negative whatever dep is) and still negative
+    where it is negative (a bad length keeps giving no keys), so that ptxas issues every use
+    of it after dep's load: left alone it put the sequence length's first use among
+    `_guess_ids`' reads, and the warp's wait on the length before the rest of them (SASS
+    2026-12-04)."""
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Int32(value).ir_value(loc=loc, ip=ip), Int32(dep).ir_value(loc=loc, ip=ip)],
+            "{\n.reg .b32 t;\nor.b32 t, $2, 0x80000000;\nmax.s32 $0, $1, t;\n}",
+            "=r,r,r",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
+def load_pinned(ptr, ok, *, loc=None, ip=None) -> Int32:
+    """One int32 from global memory where `ok` != 0 (else 0, nothing read), as predicated
+    inline PTX with side effects: no branch, and LLVM neither sinks it into the branch that
+    uses it nor drops it (`_guess_ids`' reads, which must issue before the sequence's length
+    is used; as plain loads under an `if` they were sunk past it, SASS 2026-12-04)."""
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [ptr.llvm_ptr, Int32(ok).ir_value(loc=loc, ip=ip)],
+            "{\n.reg .pred p;\nsetp.ne.s32 p, $2, 0;\nmov.b32 $0, 0;\n"
+            "@p ld.global.b32 $0, [$1];\n}",
+            "=r,l,r",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
 class PagedDecodeSm90:
     """The partial pass on tensor cores; see the module docstring."""
 
     def __init__(
         self, head_dim: int, heads: int, qtokens: int = 1, fp8: bool = False,
         page_ahead: bool = True, merge_rows: bool = False, pdl: bool = True, ranges: bool = False,
+        early_ids: bool = True,
     ):  # fmt: skip
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim must be 64, 128 or 256, got {head_dim}")
@@ -93,6 +163,14 @@ class PagedDecodeSm90:
         self.page_ahead = (
             page_ahead and not fp8 and (head_dim == 128 or (head_dim == 64 and self.rows == ROWS))
         )
+        # the page ids of the first STAGES tiles read together before the first copy, and (not
+        # ranges) issued with the seqlens read, from the split the page table's width would
+        # give (`_guess_ids`), kept where the sequence's own split is that one: the ramp's
+        # chain seqlens -> page table -> K / V loses its middle DRAM latency where a
+        # sequence fills its table (the b1 cases); and (not ranges) that split's first rows
+        # prefetched into L2 before the PDL wait (`_prefetch_guess`). False (compile key ramp
+        # "serial"): read after the seqlens, tile by tile, nothing prefetched
+        self.early_ids = early_ids and self.page_ahead
         # the warps' merge with each row's weights computed once (`_write_rows`), a candidate
         # (compile key merge "rows") of the 16-bit D 128 leaves (G x D a multiple of THREADS);
         # False: `combine.write_split`, per element
@@ -236,6 +314,12 @@ class PagedDecodeSm90:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         split, head_block, b = cute.arch.block_idx()
+        if const_expr(self.early_ids and not self.ranges):
+            # the one global access before the wait: page ids that address L2 prefetches only
+            if tidx == 0:  # the length's line: its read after the wait hits L2
+                prefetch_l2(mSeq.iterator + b)
+            self._prefetch_guess(mK, mV, mPT, (b, split, head_block), per_split, page_size, group,
+                                 tidx)  # fmt: skip
         pdl.wait(self.pdl)  # before the first global access (its prologue reads mCuQ, mSeq)
         pdl.launch_dependents(self.pdl)
         item = split
@@ -265,6 +349,13 @@ class PagedDecodeSm90:
         dtype = mQ.element_type
 
         sk = mSeq[b]
+        ids, guess = None, None
+        if const_expr(self.early_ids):
+            ids = [cute.make_rmem_tensor(self.page_rows, Int32) for _ in range(self.stages)]
+            if const_expr(not self.ranges):
+                guess = self._guess_ids(mK, mPT, b, split, per_split, page_size, tidx, ids)
+                # sk's uses after the guessed reads' issue, not among them (`after`)
+                sk = after(sk, ids[self.stages - 1][self.page_rows - 1])
         # the sequence's own keys over the grid's splits, at least per_split a split: not the
         # table's width over them (a table sized for the longest context a server admits would
         # leave a short sequence's keys in its first split); ranges: the list's keys per split
@@ -274,6 +365,11 @@ class PagedDecodeSm90:
         t0 = split * per
         t1 = cutlass.min(t0 + per, sk)
         tiles = cute.ceil_div(cutlass.max(t1 - t0, 0), TILE)
+        kept = Int32(0)  # the guessed ids are this split's (uniform over the CTA)
+        if const_expr(guess is not None):
+            if per == guess[0]:
+                if t1 == guess[1]:
+                    kept = Int32(1)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared)
         sQ = storage.q.get_tensor(swizzled_rows(self.rows, self.d))
@@ -295,13 +391,24 @@ class PagedDecodeSm90:
                 pages = cute.fast_divmod_create_divisor_v2(page_size)
         thr_g = gcopy.get_slice(tidx)
         kv = (mK, mV, sK, sV, mPT, b, kvh, pages)
+        first_ids = [None] * self.stages
+        if const_expr(self.early_ids):
+            first_ids = ids
+            # the first STAGES tiles' page ids, all in flight before the first copy waits on
+            # one, unless the guess read them already
+            if kept == 0:
+                for s in cutlass.range_constexpr(self.stages):
+                    if s < tiles:
+                        self._page_ids(kv, thr_g, t0 + s * TILE, t1, ids[s])
         for s in cutlass.range_constexpr(self.stages - 1):
             if s < tiles:
-                self._load_tile(kv, gcopy, thr_g, t0 + s * TILE, t1, s)
+                self._load_tile(kv, gcopy, thr_g, t0 + s * TILE, t1, s, first_ids[s])
             cute.arch.cp_async_commit_group()
         # the page ids of the next tile to load, read a loop iteration ahead of its copies
         page_ids = None
-        if const_expr(self.page_ahead):
+        if const_expr(self.early_ids):
+            page_ids = ids[self.stages - 1]
+        elif const_expr(self.page_ahead):
             page_ids = cute.make_rmem_tensor(self._rows_per_thread(thr_g), Int32)
             if self.stages - 1 < tiles:
                 self._page_ids(kv, thr_g, t0 + (self.stages - 1) * TILE, t1, page_ids)
@@ -539,8 +646,69 @@ class PagedDecodeSm90:
         over THREADS threads, one chunk column per thread: 8 at D 128)."""
         return cute.size(thr_g.partition_D(cute.make_identity_tensor((TILE, self.d))), mode=[1])
 
+    @property
+    def page_rows(self) -> int:
+        """The K / V tile rows a thread copies on a 16-bit cache (`_rows_per_thread`)."""
+        return TILE * self.d // 8 // THREADS
+
     @cute.jit
-    def _page_ids(self, kv, thr_g, first, t1, page_ids):
+    def _prefetch_guess(self, mK, mV, mPT, where, per_split, page_size, group, tidx):
+        """Before the PDL wait: the K and V rows of the first STAGES - 1 tiles of the split the
+        table's width gives (`_guess_ids`' split) into L2, one token a thread (two at D 64),
+        so that the HBM streams this call's first tiles while the kernel before it (a
+        previous call's combine, ~3 us at b1 x 16k with its handoffs) still runs.
+
+        An exception to common/sm90/pdl.py's rule 1, and why it is safe: the page ids read
+        here (the page table may still be written by an earlier kernel) address prefetches
+        only, never a value this kernel computes with: every read that counts is made again
+        after the wait. A stale or garbage id is clamped into the cache (0 .. pages - 1): the
+        prefetch reads some page of it, in bounds, and L2 is the device's point of coherence,
+        so a prefetched line never hides a later write. Without PDL (no wait) it runs first
+        all the same."""
+        b, split, head_block = where
+        width = mPT.shape[1] * page_size
+        per = cutlass.max(per_split, cute.ceil_div(width, cute.arch.grid_dim()[0]))
+        t0 = split * per
+        t1 = cutlass.min(t0 + per, width)
+        kvh = head_block * self.h // group
+        tokens = (self.stages - 1) * TILE
+        lines = self.d * mK.element_type.width // 8 // LINE  # a row's: 2 at D 128, 16-bit
+        for j in cutlass.range_constexpr(cute.ceil_div(tokens, THREADS)):
+            i = tidx + j * THREADS
+            token = t0 + i
+            if i < tokens and token < t1:
+                page = token // page_size
+                pid = mPT[b, page]
+                if pid >= 0 and pid < mK.shape[0]:
+                    slot = token - page * page_size
+                    for cache in (mK, mV):
+                        row = cache[pid, slot, kvh, None].iterator
+                        for n in cutlass.range_constexpr(lines):
+                            prefetch_l2(row + n * (LINE * 8 // mK.element_type.width))
+
+    @cute.jit
+    def _guess_ids(self, mK, mPT, b, split, per_split, page_size, tidx, ids):
+        """The page ids of the first STAGES tiles of split `split` as the page table's width
+        would cut it (per the launcher's per_split or width / splits, the kernel's own `per`
+        where the sequence fills its table) into `ids`, issued before the sequence's length
+        arrives; returns (that per, that t1) for the caller's check. Every token read is below
+        the width (an empty guess reads nothing): in bounds whatever the length."""
+        width = mPT.shape[1] * page_size
+        per = cutlass.max(per_split, cute.ceil_div(width, cute.arch.grid_dim()[0]))
+        t0 = split * per
+        t1 = cutlass.min(t0 + per, width)
+        thr_g = tiled_row_copy(mK.element_type, self.d, THREADS).get_slice(tidx)
+        pages = cute.fast_divmod_create_divisor_v2(page_size)
+        table = (None, None, None, None, mPT, b, None, pages)  # `_page_ids`' kv, what it reads
+        ok = Int32(0)  # an empty guess (a split past the width): nothing read
+        if t0 < t1:
+            ok = Int32(1)
+        for s in cutlass.range_constexpr(self.stages):
+            self._page_ids(table, thr_g, t0 + s * TILE, t1, ids[s], pinned=ok)
+        return per, t1
+
+    @cute.jit
+    def _page_ids(self, kv, thr_g, first, t1, page_ids, pinned=None):
         """The page ids of this thread's rows of the tile at key `first` (tokens clamped to
         t1 - 1, as `_load_tile` clamps them: always a page of the sequence) into page_ids,
         registers read by the tile's `_load_tile` one loop iteration later: the page-table
@@ -551,7 +719,10 @@ class PagedDecodeSm90:
         for m in cutlass.range_constexpr(cute.size(crd, mode=[1])):
             token = cutlass.min(first + crd[0, m, 0][0], t1 - 1)
             page, _ = divmod(token, pages)
-            page_ids[m] = mPT[b, page]
+            if const_expr(pinned is not None):
+                page_ids[m] = load_pinned(mPT[b, None].iterator + page, pinned)
+            else:
+                page_ids[m] = mPT[b, page]
 
     @cute.jit
     def _load_tile(self, kv, gcopy, thr_g, first, t1, stage, page_ids=None):

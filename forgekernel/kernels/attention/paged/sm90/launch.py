@@ -15,34 +15,59 @@ split, no combine, is not taken: a batch whose rows fill the GPU pays the combin
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from forgekernel.kernels.attention.mla.sm90 import SPEC as MLA_SPEC
 from forgekernel.kernels.attention.mla.sm90 import params_for as mla_params
 from forgekernel.kernels.attention.mla.sm90 import schedule as mla_schedule
-from forgekernel.kernels.attention.paged.sm90 import SPEC, combine_form, config, merge_rows
+from forgekernel.kernels.attention.paged.sm90 import (
+    SPEC,
+    combine_form,
+    config,
+    merge_rows,
+    serial_ramp_key,
+)
 from forgekernel.kernels.attention.paged.sm90.combine_form import forced_key
 from forgekernel.kernels.attention.paged.sm90.rows import heads_for
 from forgekernel.kernels.common.sm90.constants import LOG2E
 from forgekernel.runtime import pdl
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms, on_device
-from forgekernel.runtime.plans import PlanCache
+from forgekernel.runtime.plans import PlanCache, overriding
 from forgekernel.runtime.scratch import scratch
 
 _plans = PlanCache()
+# `serial_ramp()`'s True while inside it (in the plans' keys)
+_serial: list[bool] = [False]
 
 
-def _combine(name: str, d: int, on: bool, units: int, ranges: bool = False):
+@contextmanager
+def serial_ramp() -> Iterator[None]:
+    """The calls inside take the pass and CTA combine built as before the early page ids and
+    the held partial rows (compile key ramp "serial", `sm90.serial_ramp_key`): the bench's
+    variant `serial_ramp`, its kernels `sm90.serial_ramp_params` (PAGED_NOTES.md "Small-batch
+    decode")."""
+    with overriding(_serial, True):
+        yield
+
+
+def _combine(name: str, d: int, on: bool, units: int, ranges: bool = False,
+             serial: bool = False):  # fmt: skip
     """The combine kernel for `units` (rows x heads, a bound): its warp form where
-    `combine_form.takes_warps` says, else its CTA form (both called alike)."""
+    `combine_form.takes_warps` says, else its CTA form (both called alike); serial: the CTA
+    form's `serial_ramp_key` build."""
     warps = combine_form.takes_warps(units, d)
     params = config.params_for("combine", name, d, ranges=ranges, warps=warps)
+    if serial and not warps:
+        params = serial_ramp_key(params)
     return get_kernel(SPEC, pdl.key(params, on))
 
 
 def _plan(dtype, kv_dtype, batch, hq, hkv, d, max_tokens, qtokens, device_index, one_split,
-          merge=None, forced=None, scheduled=False):  # fmt: skip
+          merge=None, forced=None, scheduled=False, serial=False):  # fmt: skip
     """(partial kernel, combine kernel or None, splits, the pass's per_split: the least
     tokens a split takes, or with one split the table's width). One split: the
     partial pass writes out and lse itself, and no combine runs. The kernels are looked up
@@ -51,7 +76,8 @@ def _plan(dtype, kv_dtype, batch, hq, hkv, d, max_tokens, qtokens, device_index,
     speculative leaves, else ""), "rows" the warps' merge weights computed once a row, "" the
     per-element merge. forced: `forced_key()`, in the key only (`pdl.enabled()` decides).
     scheduled (a call with a step's schedule): the ranges pass and combine, splits None (the
-    list's), per 0 (the list's keys per split)."""
+    list's), per 0 (the list's keys per split). serial (`serial_ramp`): the pass and the CTA
+    combine built with compile key ramp "serial"."""
     name = dtype_name(dtype)
     kv = "float8_e4m3fn" if kv_dtype == torch.float8_e4m3fn else ""
     heads = heads_for(hq // hkv, qtokens, d, kv)
@@ -65,15 +91,16 @@ def _plan(dtype, kv_dtype, batch, hq, hkv, d, max_tokens, qtokens, device_index,
     if merge is None:
         merge = "rows" if merge_rows(name, d, kv, qtokens) else ""
     on = pdl.enabled()
+    ramp = serial_ramp_key if serial else (lambda p: p)
     if scheduled:
-        params = config.params_for("partial", name, d, heads, ranges=True)
+        params = ramp(config.params_for("partial", name, d, heads, ranges=True))
         partial = get_kernel(SPEC, pdl.key(params, on))
-        return partial, _combine(name, d, on, batch * hq, ranges=True), None, 0
+        return partial, _combine(name, d, on, batch * hq, True, serial), None, 0
     params = merge_params(config.params_for("partial", name, d, heads, kv, qtokens), merge)
-    partial = get_kernel(SPEC, pdl.key(params, on))
+    partial = get_kernel(SPEC, pdl.key(ramp(params), on))
     combine = None
     if splits > 1:
-        combine = _combine(name, d, on, batch * qtokens * hq)
+        combine = _combine(name, d, on, batch * qtokens * hq, serial=serial)
         # the pass spreads each sequence's own keys over the splits, at least this many a
         # split: the width's per would leave a short sequence in a table sized for a long
         # context (a serving engine's captured graph) in one split
@@ -143,7 +170,7 @@ def _plan_for(q, k_cache, page_table, batch, packed, max_seqlen_q, one_split, me
     _, page_size, hkv, _ = k_cache.shape
     _, hq, d = q.shape
     key = (q.dtype, k_cache.dtype, batch, hq, hkv, d, page_table.shape[1] * page_size, qtokens,
-           q.device.index, one_split, merge, forced_key())  # fmt: skip
+           q.device.index, one_split, merge, forced_key(), False, _serial[0])  # fmt: skip
     return _plans.get_or_build(key, _plan)
 
 
@@ -226,7 +253,7 @@ def _ranged(q, k_cache, v_cache, page_table, seqlens_k, softmax_scale, out, lse,
     _, page_size, hkv, _ = k_cache.shape
     device = q.device
     key = (q.dtype, k_cache.dtype, seqlens_k.shape[0], hq, hkv, d, 0, 1, device.index, False,
-           None, forced_key(), True)  # fmt: skip
+           None, forced_key(), True, _serial[0])  # fmt: skip
     partial, combine, _, _ = _plans.get_or_build(key, _plan)
     items = work.shape[0] - mla_schedule.HEADER
     with on_device(device):
