@@ -274,10 +274,12 @@ def test_swapped_stream_k_plans_the_kernels_problem(cpu_kernel, m, n, k):
 
 
 def test_the_swap_is_nk_only_and_picked_for_a_few_hundred_tokens(cpu_kernel):
-    from forgekernel.kernels.gemm.dense.sm90.config import SWAP, SWAP_80, SWAP_MAX_M
+    from forgekernel.kernels.gemm.dense.sm90.config import SWAP, SWAP_80, SWAP_MAX_M, TALL_72
 
     with pytest.raises(ValueError, match="B 'nk' only"):
         forgekernel.gemm(bf16(300, 64), bf16(64, 256), b_layout="kn", config=SWAP_80)
+    with pytest.raises(ValueError, match="B 'nk' only"):  # B's 80-row ring is K-major
+        forgekernel.gemm(bf16(300, 64), bf16(64, 256), b_layout="kn", config=TALL_72)
     assert choose_config(300, 28672, 4096, 132) in SWAP
     assert choose_config(300, 28672, 4096, 132, b_kn=True) not in SWAP
     assert gemm_sm90.config_for(torch.bfloat16, True, 300, 28672, 4096, 132) not in SWAP

@@ -18,6 +18,7 @@ from forgekernel.kernels.gemm.fp8.sm90 import launch as fp8_sm90
 from forgekernel.kernels.gemm.fp8.sm90.config import (
     DECODE,
     LARGE,
+    LARGE_MCAST_A,
     MID,
     SKINNY,
     STANDARD_CONFIGS,
@@ -266,15 +267,18 @@ def test_mn_major_copy_and_what_is_taken_as_is(m, kb):
 
 
 def test_mn_major_compile_key_and_tag():
-    """Off, the knob is in no compile key (every existing key, record and ledger stays valid)
-    and in no standard configuration; on, it keys and tags the config (`_mn`)."""
+    """Off, the knob is in no compile key (every existing key, record and ledger stays valid);
+    on, it keys and tags the config (`_mn`). LARGE_MCAST_A takes it (measured 2026-12-05), no
+    other standard configuration."""
     for cfg in STANDARD_CONFIGS:
-        assert not cfg.scale_mn_major and "scale_mn_major" not in cfg.key()
+        on = cfg == LARGE_MCAST_A
+        assert cfg.scale_mn_major == on and ("scale_mn_major" in cfg.key()) == on
     mn = dataclasses.replace(LARGE, scale_mn_major=True)
     assert mn.key()["scale_mn_major"] is True and mn.tag() == LARGE.tag() + "_mn"
     assert params_for("bfloat16", mn) != params_for("bfloat16", LARGE)
     assert GemmConfig.from_params(dict(params_for("bfloat16", mn))) == mn
-    assert all("scale_mn_major" not in dict(p) for p in SPEC.standard_params())
+    keyed = [p for p in SPEC.standard_params() if "scale_mn_major" in dict(p)]
+    assert len(keyed) == 2 and all(dict(p)["cluster_n"] == 2 for p in keyed)  # bf16 / fp16
 
 
 @pytest.mark.parametrize(

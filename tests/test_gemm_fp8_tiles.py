@@ -74,7 +74,8 @@ def test_tiled_128_row_tiles_take_six_stages_beside_a_3_deep_epilogue():
         assert ring_stages(dataclasses.replace(cfg, epi_stages=4), 1, 2, scales) == 5
     assert STREAM.epi_stages == 4 and ring_stages(STREAM, 1, 2, scales) == 5
     # the grouped layout takes the dense tile's ring (18:47), walked in bands of 8 (12-03 06:21)
-    assert GROUPED == dataclasses.replace(LARGE_MCAST_A, swizzle=8)
+    # (its scales K-major as measured; LARGE_MCAST_A reads them M-major since 2026-12-05)
+    assert GROUPED == dataclasses.replace(LARGE_MCAST_A, swizzle=8, scale_mn_major=False)
     assert LARGE_MCAST_A.swizzle == 1  # the dense tiles still walk M first
 
 
@@ -112,9 +113,12 @@ def test_script_configs(script, m, n, k):
     assert {c.scale_ahead for c in configs if c.tile_m == 128 and not c.stream_k} == {2}
     assert {c for c in STANDARD_CONFIGS if c.scale_ahead != 1} == {LARGE, LARGE_MCAST_A}
     # and reading A's scales M-major (the standards as they are otherwise): nothing else does
-    mn = {c for c in configs if c.scale_mn_major}
-    assert mn == {dataclasses.replace(c, scale_mn_major=True) for c in (LARGE, LARGE_MCAST_A)}
-    assert not any(c.scale_mn_major for c in STANDARD_CONFIGS)
+    # (LARGE_MCAST_A reads them M-major since 2026-12-05: its twin is the K-major one)
+    flipped = {
+        dataclasses.replace(c, scale_mn_major=not c.scale_mn_major) for c in (LARGE, LARGE_MCAST_A)
+    }
+    assert flipped <= set(configs)
+    assert {c for c in STANDARD_CONFIGS if c.scale_mn_major} == {LARGE_MCAST_A}
     # the chooser's pick also given M-major scales, where it is a tiled 128-row tile
     given = script.given_mn_major(m, n, k)
     pick = choose_config(m, n, k)
@@ -128,11 +132,12 @@ def test_scale_ahead_keys_and_tags():
     """A config loading the scales one k-tile ahead has no `scale_ahead` in its compile key (the
     keys, records and ledgers from before the knob stay valid); two ahead (the tiled standards
     since 18:47) keys and tags it."""
-    f1 = dataclasses.replace(LARGE_MCAST_A, scale_ahead=1)
-    assert "scale_ahead" not in f1.key() and LARGE_MCAST_A.key()["scale_ahead"] == 2
-    assert LARGE_MCAST_A.tag() == f1.tag() + "_f2"
-    assert params_for("bfloat16", f1) != params_for("bfloat16", LARGE_MCAST_A)
-    assert GemmConfig.from_params(dict(params_for("bfloat16", LARGE_MCAST_A))) == LARGE_MCAST_A
+    f1 = dataclasses.replace(LARGE, scale_ahead=1)
+    assert "scale_ahead" not in f1.key() and LARGE.key()["scale_ahead"] == 2
+    assert LARGE.tag() == f1.tag() + "_f2" and LARGE_MCAST_A.tag().endswith("_f2_mn")
+    assert params_for("bfloat16", f1) != params_for("bfloat16", LARGE)
+    for cfg in (LARGE, LARGE_MCAST_A):
+        assert GemmConfig.from_params(dict(params_for("bfloat16", cfg))) == cfg
 
 
 def test_script_rows_on_cpu(script, monkeypatch):

@@ -32,7 +32,7 @@ def allocated(cfg, elem_bytes: int = 2, c_bytes: int = 2, scaled: bool = False) 
     a_rows = cfg.a_rows or cfg.tile_m
     end = stages * 2 * 8 + 2 * 4  # ab_barriers (Int64), split_last (Int32)
     end = _up(end) + (a_rows * stages + cfg.tile_m - a_rows) * row  # sA: the compact ring
-    end = _up(end) + cfg.tile_n * row * stages  # sB
+    end = _up(end) + (cfg.tile_n + cfg.tile_n % 16) * row * stages  # sB: whole 16-row pairs
     end = _up(end) + cfg.epi_stages * cfg.tile_m * cfg.epi_n * c_bytes  # sC
     end += 4 * (cfg.tile_m * stages if scaled else 1)  # sSF (one Float32 unscaled)
     return _up(end)

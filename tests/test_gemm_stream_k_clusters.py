@@ -335,6 +335,9 @@ def test_the_suite_checks_every_prefill_walk():
         (config.TALL_80, True),  # three consumer warpgroups (setmaxnreg 152)
         (config.SWAP_80, False),  # the swap: C M-major, 64 x 16 boxes
         (config.SWAP_TALL_80, False),  # the swap on three consumer warpgroups
+        # 72 columns: B's ring of 80 rows, 8-column sub-tiles (stmatrix x2; swapped, plain)
+        (config.TALL_72, False),
+        (config.SWAP_TALL_72, False),
         (SWAP_STREAMED_144, False),  # swapped stream K (forced only)
         # the 256-token candidates (config.py CASE_CANDIDATES; bf16 "nk" as built)
         (config.SMALL_C12, False),
@@ -358,7 +361,10 @@ def test_prefill_configs_compile_without_spills(cfg, b_kn, tmp_path):
     sass = info["sass"]
     assert info["spill_bytes"] == 0 and sass.get("LDL", 0) == sass.get("STL", 0) == 0
     assert sass["HGMMA"] == 12 and info["registers"] == {64: 232, 128: 168, 192: 128}[cfg.tile_m]
-    if cfg.swap:
+    if cfg.epi_n == 8:
+        # one tile_m x 8 box a sub-tile, either C major (kernel.py `_setup`)
+        assert sass["UTMASTG"] == sass["STSM"] == cfg.tile_n // cfg.epi_n
+    elif cfg.swap:
         # the M-major C in whole 64-row boxes, one per 64 rows of each (tile_m, epi_n)
         # sub-tile (by 8-element boxes of a 16-column atom it was 8 a sub-tile and band)
         assert sass["UTMASTG"] == cfg.tile_m // 64 * (cfg.tile_n // cfg.epi_n)

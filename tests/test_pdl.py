@@ -188,3 +188,141 @@ def test_the_scheduling_kernel_waits_before_its_first_store(compiled, ranges):
     assert len([x for x in lines if re.search(r"\bACQBULK\b", x)]) == 1
     assert _first(lines, r"\bACQBULK\b") < _first(lines, GLOBAL)
     assert res["spill_bytes"] == 0
+
+
+# ---------------------------------------------------------------- the GEMM family
+
+
+def _gemm_family() -> dict:
+    """One standard build of each kernel of the dense GEMM's family (the dense GEMM, B N-major,
+    192-row tiles, stream K, the swap, FP8 tiled / 8-row decode tiles / grouped / stream K, the
+    masked FP8 GEMM, the weight gradient's rectangles, im2col and reduce split) and of the
+    convolutions' forward (im2col, rectangles, the split with its flags and the bias, the
+    strided data gradient's) and fused data gradient (unsplit and split): all launched with
+    PDL. Each picked by what it must have (the first standard build that has it), so that no
+    two names are one build."""
+    from forgekernel.kernels.conv.sm90 import DGRAD_SPEC, WGRAD_SPEC
+    from forgekernel.kernels.conv.sm90 import SPEC as CONV_SPEC
+    from forgekernel.kernels.gemm.dense.sm90 import MASKED_SPEC
+    from forgekernel.kernels.gemm.dense.sm90 import SPEC as GEMM_SPEC
+    from forgekernel.kernels.gemm.fp8.sm90 import SPEC as FP8_SPEC
+
+    plain = {"stream_k": False, "swap": False, "grouped": False, "split": False}
+    want = {
+        "gemm": (GEMM_SPEC, plain),
+        "gemm_stream_k": (GEMM_SPEC, {"stream_k": True}),
+        "gemm_swap": (GEMM_SPEC, {"swap": True}),
+        "gemm_kn": (GEMM_SPEC, {**plain, "b_kn": True}),
+        "gemm_192": (GEMM_SPEC, {**plain, "tile_m": 192}),
+        "fp8": (FP8_SPEC, plain),
+        "fp8_stream_k": (FP8_SPEC, {"stream_k": True}),
+        "fp8_rows": (FP8_SPEC, {**plain, "a_rows": 8}),
+        "fp8_grouped": (FP8_SPEC, {"grouped": True}),
+        "masked": (MASKED_SPEC, {}),
+        "wgrad": (WGRAD_SPEC, {"rect": 8, "reduce": False}),
+        "wgrad_im2col": (WGRAD_SPEC, {"rect": 0}),
+        "wgrad_reduce": (WGRAD_SPEC, {"reduce": True}),
+        "conv_fwd": (CONV_SPEC, {"rect": 0, "split": False, "bias": False, "dgrad": False}),
+        "conv_fwd_rect": (CONV_SPEC, {"rect": 8, "split": False, "bias": False, "dgrad": False}),
+        "conv_fwd_split_bias": (CONV_SPEC, {"rect": 8, "split": True, "bias": True}),
+        "conv_fwd_dgrad_split": (CONV_SPEC, {"rect": 0, "split": True, "dgrad": True}),
+        "dgrad": (DGRAD_SPEC, {"split": False}),
+        "dgrad_split": (DGRAD_SPEC, {"split": True}),
+    }
+    found = {}
+    for name, (spec, has) in want.items():
+        found[name] = (
+            spec,
+            next(
+                p
+                for p in spec.standard_params()
+                if all(dict(p).get(k, False) == v for k, v in has.items())
+            ),
+        )
+    return found
+
+
+GEMM_FAMILY = _gemm_family()
+
+# cubins.GLOBAL and what it leaves out: ATOMG (sm_90's global atomics: the split flags' and
+# stream K's arrivals) and generic loads, stores and atomics (LD, ST, ATOM on a generic address)
+ANY_GLOBAL = re.compile(rf"{GLOBAL.pattern}|\b(ATOMG|LD|ST)\b")
+
+
+@pytest.mark.parametrize("name", sorted(GEMM_FAMILY))
+def test_gemm_family_waits_before_every_global_access(compiled, name):
+    """As the decode kernels (above): one ACQBULK before the first global access, one PREEXIT;
+    the pdl 'off' build has neither, the same registers and otherwise the same SASS counts."""
+    spec, params = GEMM_FAMILY[name]
+    assert "pdl" not in dict(params)  # the standard builds are the PDL ones
+    res, lines = compiled(spec, params)
+    joined = "\n".join(lines)
+    assert len(re.findall(r"\bACQBULK\b", joined)) == 1
+    assert len(re.findall(r"\bPREEXIT\b", joined)) == 1
+    assert _first(lines, r"\bACQBULK\b") < _first(lines, ANY_GLOBAL)
+    off, off_lines = compiled(spec, pdl.key(params, False))
+    assert not re.search(r"\b(ACQBULK|PREEXIT)\b", "\n".join(off_lines))
+    assert res["spill_bytes"] == off["spill_bytes"] == 0
+    assert res["registers"] == off["registers"]
+    assert {k: v for k, v in res["sass"].items()} == off["sass"]
+
+
+def test_gemm_family_plans_are_keyed_by_the_switch(monkeypatch):
+    """The launchers look their kernels up with pdl.key: the standard key by default, the
+    pdl 'off' one inside `pdl.off()`, in plans kept apart (`pdl.forced()` in the plan keys)."""
+    from forgekernel.kernels.conv.sm90 import launch as conv
+    from forgekernel.kernels.gemm.dense.sm90 import launch as dense
+    from forgekernel.kernels.gemm.fp8.sm90 import launch as fp8
+    from forgekernel.ops import conv as op
+
+    monkeypatch.delenv("FORGEKERNEL_PDL", raising=False)
+    for mod in (dense, fp8, conv):
+        monkeypatch.setattr(mod, "get_kernel", lambda spec, params: params)
+        monkeypatch.setattr(mod, "num_sms", lambda index: 132)
+    on = dense._choose(torch.bfloat16, False, 64, 8192, 8192, 0, None, None)[0]
+    with pdl.off():
+        off = dense._choose(torch.bfloat16, False, 64, 8192, 8192, 0, None, False)[0]
+    assert "pdl" not in dict(on) and off == pdl.key(on, False)
+    on = fp8._plan(torch.bfloat16, 4096, 7168, 2048, 0, None)[0]
+    with pdl.off():
+        off = fp8._plan(torch.bfloat16, 4096, 7168, 2048, 0, None, False)[0]
+    assert "pdl" not in dict(on) and off == pdl.key(on, False)
+    on = fp8._grouped_plan(None, torch.bfloat16, 0, None)[0]
+    with pdl.off():
+        off = fp8._grouped_plan(None, torch.bfloat16, 0, None, False)[0]
+    assert "pdl" not in dict(on) and off == pdl.key(on, False)
+    on = conv._wgrad_plan(torch.bfloat16, 512, 2048, 1, (8, 25), 0, None)[0]
+    with pdl.off():
+        off = conv._wgrad_plan(torch.bfloat16, 512, 2048, 1, (8, 25), 0, None)[0]
+    assert "pdl" not in dict(on) and off == pdl.key(on, False)
+    # the forward's (n32-c512-7x7-k512-3x3) and the fused data gradient's (n8-c640-32x32-k640-
+    # 3x3-s2) plans, as the suites' no_pdl cases build them
+    fwd = (torch.bfloat16, False, 32 * 7 * 7, 512, 512, 9, 0, None, False, (32, 1, 7, 7), True)
+    on = conv._choose(*fwd, False)[0]
+    with pdl.off():
+        off = conv._choose(*fwd, False, pdl.forced())[0]
+    assert "pdl" not in dict(on) and off == pdl.key(on, False)
+    g = op._geometry_of((2, 2), (1, 1), (1, 1), (1, 1), (3, 3))
+    fused = conv.fused_dgrad(g, (1, 32, 32), (1, 16, 16))
+    args = (torch.bfloat16, (8, 1, 32, 32), 640, 640, fused, fused.walk, 0, None)
+    on = conv._choose_fused(*args)[0]
+    with pdl.off():
+        off = conv._choose_fused(*args, pdl.forced())[0]
+    assert "pdl" not in dict(on) and off == pdl.key(on, False)
+
+
+def test_gemm_family_bench_variants():
+    from forgekernel.bench.suites import (
+        conv_dgrad,
+        conv_fwd,
+        conv_layers,
+        conv_wgrad,
+        gemm,
+        gemm_fp8,
+    )
+
+    for suite in (gemm, gemm_fp8, conv_wgrad, conv_fwd, conv_dgrad):
+        cases = [c for c in suite.BENCH_CASES if c.name in suite.NO_PDL_CASES]
+        assert len(cases) == len(suite.NO_PDL_CASES)
+        run = getattr(suite, "run_no_pdl", conv_layers.run_no_pdl)
+        assert all(suite.variants(c)["no_pdl"] is run for c in cases)

@@ -15,7 +15,7 @@ import torch
 
 from forgekernel.kernels.gemm.dense.sm90 import SPEC, GemmConfig, choose_config
 from forgekernel.kernels.gemm.dense.sm90 import launch as gemm_sm90
-from forgekernel.kernels.gemm.dense.sm90.config import CANDIDATES, STANDARD_CONFIGS
+from forgekernel.kernels.gemm.dense.sm90.config import CANDIDATES, STANDARD_CONFIGS, takes_kn
 from forgekernel.ops._dispatch import plain, tracing, wants_grad
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import (
@@ -158,9 +158,8 @@ def tune_gemm(
     default) interleaved on fresh random inputs, record the winner for later `gemm` calls,
     and return it. Configurations that are not prebuilt compile first (needs the DSL)."""
     b_kn = b_layout == "kn"
-    configs = tuple(
-        c for c in configs or STANDARD_CONFIGS + CANDIDATES if c.fits(m) and not (c.swap and b_kn)
-    )
+    every = configs or STANDARD_CONFIGS + CANDIDATES
+    configs = tuple(c for c in every if c.fits(m) and (takes_kn(c) or not b_kn))
     elems = m * k + n * k + m * n
     sets = [
         (

@@ -1,13 +1,16 @@
 """Programmatic dependent launch, the host side (the device convention: kernels/common/sm90/pdl.py).
 
-The decode ops' launchers build their kernels with PDL (launched with the programmatic-stream-
-serialization attribute, `griddepcontrol.wait` before their first global access) unless
+The decode ops' launchers, and those of the GEMM family (dense, FP8, masked) and the
+convolutions (forward, fused data gradient, weight gradient), build their kernels with PDL
+(launched with the programmatic-stream-serialization attribute, `griddepcontrol.wait` before
+their first global access) unless
 FORGEKERNEL_PDL=0, read when a problem's plan is first built, or inside `off()` (the bench's
 variant `no_pdl`: both in one process, their plans keyed apart by `forced()`). The compile key
 of a kernel built without it carries ("pdl", "off") (`key`); the PDL builds keep the key they
-had, so the standard builds are the PDL ones. Without PDL only the bench variant's kernels are
-prebuilt (`build --candidates`: the leaves' `no_pdl_params`); FORGEKERNEL_PDL=0 elsewhere
-compiles its kernels at first call (the DSL needed)."""
+had, so the standard builds are the PDL ones. Without PDL only the decode bench variant's
+kernels are prebuilt (`build --candidates`: the leaves' `no_pdl_params`); FORGEKERNEL_PDL=0
+elsewhere (the GEMM family and the convolutions included) compiles its kernels at first call
+(the DSL needed)."""
 
 from __future__ import annotations
 
@@ -50,3 +53,9 @@ def key(params: Params, on: bool) -> Params:
     """A PDL-capable kernel's compile key: `params` as they are with PDL (`on`), with ("pdl",
     "off") added without it."""
     return params if on else tuple(sorted((*params, ("pdl", "off"))))
+
+
+def built_on(params: dict) -> bool:
+    """Whether a compile key (as a dict) builds its kernel for PDL: every key but the ones
+    `key` marks ("pdl", "off")."""
+    return params.get("pdl") != "off"

@@ -3,7 +3,8 @@ docs/gemm/NOTES.md "256 tokens: candidates") forced through the op before the be
 each on its bench case and on an awkward shape of the same kind (M and N off the tiles, an odd
 count of tile columns, K no multiple of 64), bf16, B "nk", against the fp64 reference with the
 suite's tolerance, every element written (NaN-poisoned out) and bitwise the same on a second
-call. New here: 128x128 over a 1x2 cluster (in no pick before) and SMALL walked N-first."""
+call. New here: 128x128 over a 1x2 cluster (in no pick before) and SMALL walked N-first; the
+80-column tiles the 72-column picks replace, and 64x112 a8 on three decode cases."""
 
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ SUITE = gemm_suite.suite()
 # per bench case, a smaller one whose edges the candidates cut differently
 AWKWARD = {
     (256, 8192, 8192): (255, 8200, 4104),  # 65 tile columns: a 1x2 cluster's second CTA past N
+    (3000, 576, 7168): (3001, 584, 1000),  # 8 tile columns of 80, the last moved back
+    (129, 10240, 8192): (131, 10248, 4104),  # 54 weight tiles, the last moved back
+    # 64x112 a8 decode: N off the 112-column tiles (an odd count: a 1x2 cluster's CTA past N)
+    (4, 28672, 4096): (5, 28680, 1000),
+    (4, 37888, 3584): (7, 37896, 3592),
+    (1, 24576, 4096): (1, 24584, 4104),
 }
 CASES = [
     pytest.param(cfg, *shape, id=f"{kind}-{'x'.join(map(str, shape))}")

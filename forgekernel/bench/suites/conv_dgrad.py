@@ -154,7 +154,17 @@ def variants(case: Case) -> dict[str, Any]:
     tables = (CANDIDATES, PARK, WORST)
     plans = {k: v for t in tables for k, v in t.get(case.name, {}).items()} if dgrad else {}
     runs = {name: functools.partial(run_plan, plan) for name, plan in plans.items()}
+    if case.name in NO_PDL_CASES:
+        runs["no_pdl"] = L.run_no_pdl
     return {**runs, **L.gemm_variants(case)}
+
+
+# the short stride-2 data gradients timed without PDL too (`no_pdl`, conv_layers.run_no_pdl)
+NO_PDL_CASES = (
+    "n32-c1024-14x14-k2048-1x1-s2",
+    "n8-c640-32x32-k640-3x3-s2",
+    "n32-c384-14x14-k768-2x2-s2",
+)
 
 
 def run_plan(plan, inputs, out):

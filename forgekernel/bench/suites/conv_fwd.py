@@ -87,7 +87,13 @@ def variants(case: Case) -> dict[str, Any]:
         # ours was (conv NOTES, "next/conv-small2 measured and not adopted"); launcher / ours
         # near 1.00 puts that bias in the variants' timing slot, near 0.95 in the op layer
         runs["launcher"] = functools.partial(run_plan, None)
+    if case.name in NO_PDL_CASES:
+        runs["no_pdl"] = L.run_no_pdl
     return {**L.stem_variants(case), **L.gemm_variants(case), **runs}
+
+
+# short forward convolutions timed without PDL too (`no_pdl`, conv_layers.run_no_pdl)
+NO_PDL_CASES = ("n32-c512-7x7-k512-3x3", "n2-c512-4x32x32-k512-1x3x3")
 
 
 def run_plan(plan, inputs, out):

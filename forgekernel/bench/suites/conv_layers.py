@@ -180,6 +180,16 @@ def run_ours(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
     return fn(inputs["dy"], inputs["x"], (p["k"], p["c"], *p["kernel"]), **g, out=out)
 
 
+def run_no_pdl(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
+    """Ours with its kernels built and launched without programmatic dependent launch
+    (runtime/pdl.py `off`; compiled on first use): the suites' `no_pdl` variant, ours / this
+    time is what PDL saves (docs/gemm/NOTES.md "Programmatic dependent launch")."""
+    from forgekernel.runtime import pdl
+
+    with pdl.off():
+        return run_ours(inputs, out)
+
+
 def stem_variants(case: Case) -> dict[str, Any]:
     """On the cases the stem fold takes (kernels/conv/sm90/stem.py `fits`: 2-D, C <= 8, stride
     2, several taps; ResNet's C = 3 7x7), which the launcher runs as the stride-1 R' x 1

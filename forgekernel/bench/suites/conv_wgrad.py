@@ -53,12 +53,24 @@ def variants(case: Case) -> dict[str, Any]:
     stem = L.stem_variants(case)
     if stem:
         return stem
+    found = {"no_pdl": L.run_no_pdl} if case.name in NO_PDL_CASES else {}
     p = case.params
     m = p["n"] * math.prod(L.output_spatial(p))
     one = all(v == 1 for v in (*p["kernel"], *p["stride"])) and not any(p["padding"])
     if p["op"] != "wgrad" or not one or m % 8 or p["c"] % 8 or p["k"] % 8:
-        return {}
-    return one_by_one_variants(p["k"], p["c"], _one_plane_k_tiles(p))
+        return found
+    return {**one_by_one_variants(p["k"], p["c"], _one_plane_k_tiles(p)), **found}
+
+
+# The short weight gradients timed without programmatic dependent launch too (variant
+# `no_pdl`: ours / this time is what PDL saves, docs/gemm/NOTES.md "Programmatic dependent
+# launch"): three resnet 1x1s of 9-17 us and a 3x3 of 30 us.
+NO_PDL_CASES = (
+    "n32-c512-7x7-k2048-1x1",
+    "n32-c1024-14x14-k512-1x1",
+    "n32-c128-28x28-k512-1x1",
+    "n32-c64-56x56-k64-3x3",
+)
 
 
 def one_by_one_variants(k: int, c: int, k_tiles: int) -> dict[str, Any]:

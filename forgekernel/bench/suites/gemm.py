@@ -8,6 +8,7 @@ import torch
 
 from forgekernel.bench.suite import Case, Inputs, OpSuite
 from forgekernel.kernels.gemm.dense.sm90 import SPEC
+from forgekernel.runtime import pdl
 
 
 def _case(
@@ -258,12 +259,13 @@ SANITIZE_CASES = (
     _case(16, 520, 1032),
     _case(64, 4096, 1024),
     _case(640, 1024, 1032),  # 128x80 swapped (was 128x112's, 128x128's)
-    _case(929, 80, 128),  # 192x80: N one tile (128x128 c2x1, N under a tile, before the refit)
+    _case(929, 80, 128),  # 192x72: N in two tiles (192x80's before the 72-column tiles)
     _case(1868, 4184, 520),  # 128x128 c2x1
     _case(2000, 1400, 520, "kn"),
     _case(33, 264, 520),
     _case(100, 264, 1000, "kn"),
-    _case(255, 136, 72),
+    _case(255, 136, 72),  # 192x72 (was 128x128 c1x1's)
+    _case(255, 8256, 520),  # 128x128 c1x1: 2 x 65 tiles
     _case(1000, 1000, 1032, "kn"),  # 128x112
     _case(1500, 2504, 520),
     _case(129, 10248, 520, "kn"),  # 128x160 (was 192x80's, MID's)
@@ -282,7 +284,7 @@ SANITIZE_CASES = (
     _case(1000, 6720, 168, "kn"),
     _case(1120, 3672, 160, "kn"),
     _case(344, 11960, 520),
-    # the swapped tiles (SWAP_CASES): 128x208, 192x80
+    # the swapped tiles (SWAP_CASES): 128x208, 192x72 (192x80 at 129x11120x136 above)
     _case(777, 4104, 520),
     _case(129, 10248, 520),
 )
@@ -347,7 +349,8 @@ def variants(case: Case) -> dict[str, Any]:
     tile on B "nk" up to `SWAP_MAX_M` rows), and on the cases that list them the candidates
     no group holds (config.py `CASE_CANDIDATES`, B "nk"), forced through the op: variant time
     / our time says whether the choice paid (docs/gemm/NOTES.md "Mid-size M", "One-wave
-    tiles", "The swap", "256 tokens: candidates"). None for decode and skinny M."""
+    tiles", "The swap", "256 tokens: candidates"). Decode and skinny M: only the listed
+    candidates."""
     from forgekernel.kernels.gemm.dense.sm90.config import (
         CASE_CANDIDATES,
         choose_config,
@@ -357,17 +360,38 @@ def variants(case: Case) -> dict[str, Any]:
     p = case.params
     m, n, k = p["m"], p["n"], p["k"]
     b_kn = p["b_layout"] == "kn"
-    if m <= 128:
-        return {}
     chosen = choose_config(m, n, k, b_kn=b_kn)
-    configs = prefill_rivals(m, n, k, b_kn=b_kn)
+    configs = prefill_rivals(m, n, k, b_kn=b_kn) if m > 128 else {}
     if not b_kn:
         configs.update(CASE_CANDIDATES.get((m, n, k), {}))
-    return {
+    found = {
         kind: (lambda inputs, out, cfg=cfg: _forced(inputs, out, cfg))
         for kind, cfg in configs.items()
         if cfg != chosen
     }
+    if case.name in NO_PDL_CASES:
+        found["no_pdl"] = run_no_pdl
+    return found
+
+
+# The short calls timed without programmatic dependent launch too (variant `no_pdl`: ours /
+# this time is what PDL saves, docs/gemm/NOTES.md "Programmatic dependent launch"): decode
+# weights from 12 to 55 us, the 129-token ragged case, a small prefill.
+NO_PDL_CASES = (
+    "1x4096x4096",
+    "16x5120x8192",
+    "64x8192x8192",
+    "4x28672x4096",
+    "129x10240x8192",
+    "512x3584x3584",
+)
+
+
+def run_no_pdl(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
+    """Ours with its kernel built and launched without PDL (runtime/pdl.py `off`; compiled on
+    first use)."""
+    with pdl.off():
+        return run_ours(inputs, out)
 
 
 def _forced(inputs: Inputs, out: torch.Tensor | None, cfg) -> torch.Tensor:

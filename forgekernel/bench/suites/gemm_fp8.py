@@ -14,6 +14,7 @@ import torch
 
 from forgekernel.bench.suite import Case, Inputs, OpSuite
 from forgekernel.kernels.gemm.fp8.sm90 import SPEC
+from forgekernel.runtime import pdl
 
 E4M3_MAX = 448.0
 
@@ -116,6 +117,21 @@ def run_ours(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
         inputs["a"], inputs["b"], inputs["sa"], inputs["sb"], out_dtype=inputs["out_dtype"],
         out=out,
     )  # fmt: skip
+
+
+# The short calls timed without programmatic dependent launch too (variant `no_pdl`, as the
+# dense GEMM's: docs/gemm/NOTES.md "Programmatic dependent launch").
+NO_PDL_CASES = ("1x7168x16384", "16x7168x2048", "64x4096x7168", "1x10240x5120")
+
+
+def variants(case: Case) -> dict[str, Any]:
+    return {"no_pdl": run_no_pdl} if case.name in NO_PDL_CASES else {}
+
+
+def run_no_pdl(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
+    """Ours with its kernel built and launched without PDL (compiled on first use)."""
+    with pdl.off():
+        return run_ours(inputs, out)
 
 
 def reference(inputs: Inputs) -> torch.Tensor:
@@ -243,6 +259,7 @@ def suite() -> OpSuite:
         atol=1e-2,
         bench_dtypes=(torch.bfloat16,),
         sanitize_cases=SANITIZE_CASES,
+        variants=variants,
     )
 
 

@@ -44,7 +44,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
-from forgekernel.kernels.common.sm90 import splitk
+from forgekernel.kernels.common.sm90 import pdl, splitk
 from forgekernel.kernels.common.sm90.barriers import named_barrier
 from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
 from forgekernel.kernels.common.sm90.pipeline import (
@@ -64,8 +64,8 @@ CHUNK_BITS = 128  # one st.global.v4 of the row-addressed epilogue
 class ConvDgradSm90(ConvFpropSm90):
     """Persistent, warp-specialized fused data gradient; see the module docstring."""
 
-    def __init__(self, config: ConvConfig):
-        super().__init__(config, bias=False, dgrad=True)
+    def __init__(self, config: ConvConfig, pdl: bool = True):
+        super().__init__(config, bias=False, dgrad=True, pdl=pdl)
         if config.epi_stages < 2:
             raise ValueError("the row-addressed epilogue alternates two buffers or more")
 
@@ -156,6 +156,7 @@ class ConvDgradSm90(ConvFpropSm90):
             cluster=(*self.cluster_shape_mn, 1),
             min_blocks_per_mp=1,
             stream=stream,
+            use_pdl=self.pdl,
         )
 
     # ---------------------------------------------------------------- device code
@@ -202,6 +203,9 @@ class ConvDgradSm90(ConvFpropSm90):
         acc = cute.make_rmem_tensor(thr_mma.partition_C(tile).shape, self.acc_dtype)
 
         init_wait(self.cluster_shape_mn)
+        # PDL: nothing above touched global memory (the GEMM's module docstring)
+        pdl.wait(self.pdl)
+        pdl.launch_dependents(self.pdl)
 
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)

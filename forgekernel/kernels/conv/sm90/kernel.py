@@ -80,7 +80,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from forgekernel.kernels.common.sm90 import splitk
+from forgekernel.kernels.common.sm90 import pdl, splitk
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY, THREADS_PER_WG
 from forgekernel.kernels.common.sm90.pipeline import (
@@ -140,7 +140,14 @@ class Bar(IntEnum):
 class ConvFpropSm90:
     """Persistent, warp-specialized im2col-TMA + WGMMA convolution; see the module docstring."""
 
-    def __init__(self, config: ConvConfig, bias: bool = False, dgrad: bool = False, rect: int = 0):
+    def __init__(
+        self,
+        config: ConvConfig,
+        bias: bool = False,
+        dgrad: bool = False,
+        rect: int = 0,
+        pdl: bool = True,
+    ):
         if config.tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {config.tile_m}")
         if config.tile_n not in (64, 128, 256):
@@ -158,6 +165,8 @@ class ConvFpropSm90:
         self.cfg = config
         self.bias = bias
         self.dgrad = dgrad
+        # launched as a programmatic dependent (the GEMM's module docstring, "pdl")
+        self.pdl = pdl
         self.acc_dtype = cutlass.Float32
         self.cluster_shape_mn = (config.cluster_m, config.cluster_n)
         # Two consumer warpgroups split a 128-row tile: one alone would hold a 128x256 fp32
@@ -325,6 +334,7 @@ class ConvFpropSm90:
             cluster=(*self.cluster_shape_mn, 1),
             min_blocks_per_mp=1,
             stream=stream,
+            use_pdl=self.pdl,
         )
 
     def _operands(self, mX, mW, taps, geometry):
@@ -451,6 +461,9 @@ class ConvFpropSm90:
         acc = cute.make_rmem_tensor(thr_mma.partition_C(tile_mn).shape, self.acc_dtype)
 
         init_wait(self.cluster_shape_mn)
+        # PDL: nothing above touched global memory (the GEMM's module docstring)
+        pdl.wait(self.pdl)
+        pdl.launch_dependents(self.pdl)
 
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)

@@ -93,6 +93,7 @@ from forgekernel.kernels.conv.sm90.wgrad_config import (
 )
 from forgekernel.kernels.gemm.dense.sm90 import launch as gemm_launch
 from forgekernel.kernels.gemm.dense.sm90.launch import stream_k_workspace
+from forgekernel.runtime import pdl
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms, on_device, tma_ready
 from forgekernel.runtime.plans import PlanCache
@@ -103,7 +104,9 @@ def _round_up(x: int) -> int:
     return -(-x // CHANNEL_ALIGN) * CHANNEL_ALIGN
 
 
-def _choose(dtype, bias, m, k, c, taps, device_index, config, dgrad, pixels, rows, strided):
+def _choose(
+    dtype, bias, m, k, c, taps, device_index, config, dgrad, pixels, rows, strided, _pdl=None
+):
     """(the compiled function, clusters of the persistent grid, the SplitPlan) of one launch.
     `config`: None (chosen), a ConvConfig (a split one cut into FORCED_PARTS parts; at stride
     1 on rectangles of `rect_width`) or a SplitPlan (its own walk). `pixels`: (N, Z, P, Q) of a
@@ -135,7 +138,11 @@ def _choose(dtype, bias, m, k, c, taps, device_index, config, dgrad, pixels, row
     cfg = plan.config
     params = params_for(dtype_name(dtype), bias, cfg, dgrad=dgrad, rect=plan.rect)
     # one CTA per SM (the pipeline takes nearly all shared memory)
-    return get_kernel(SPEC, params), sms // (cfg.cluster_m * cfg.cluster_n), plan
+    return (
+        get_kernel(SPEC, pdl.key(params, pdl.enabled())),
+        sms // (cfg.cluster_m * cfg.cluster_n),
+        plan,
+    )
 
 
 FORCED_PARTS = 3  # a split configuration asked for by name cuts its reduction this many ways
@@ -334,7 +341,9 @@ def _launch(x, w, bias, y, geometry: Geometry, config, dgrad: bool, rect_1x1: bo
     rows = pixels is None or y.is_contiguous()
     device = x.device
     key = (x.dtype, bias is not None, m, kp, cp, t * r * s, device.index, config, dgrad)
-    fn, max_clusters, plan = _plans.get_or_build((*key, pixels, rows, strided), _choose)
+    fn, max_clusters, plan = _plans.get_or_build(
+        (*key, pixels, rows, strided, pdl.forced()), _choose
+    )
     if plan.rect:  # y (N, Z, P, Q, K), any TMA-ready view
         in_place = kp == k and tma_ready(y)
         y2 = y if in_place else y.new_empty(*y.shape[:4], kp)
@@ -496,7 +505,7 @@ def _fused(dy, w, dx, fused: FusedDgrad, config) -> None:
     dx2 = dx if in_place else dx.new_empty(*dx.shape[:4], cp)
     device = dy.device
     fn, max_clusters, plan, args = _plans.get_or_build(
-        (dy.dtype, tuple(dx.shape[:4]), kp, cp, fused, walk, device.index, config),
+        (dy.dtype, tuple(dx.shape[:4]), kp, cp, fused, walk, device.index, config, pdl.forced()),
         _choose_fused,
     )
     work = flags = None
@@ -508,7 +517,7 @@ def _fused(dy, w, dx, fused: FusedDgrad, config) -> None:
         dx.copy_(dx2[..., :c])
 
 
-def _choose_fused(dtype, dx_ndhw, kp, cp, fused: FusedDgrad, walk, device_index, config):
+def _choose_fused(dtype, dx_ndhw, kp, cp, fused: FusedDgrad, walk, device_index, config, _pdl=None):
     """(the compiled function, clusters of the persistent grid, the FusedPlan, the geometry
     arguments) of one fused launch. `config`: None (chosen), a forward ConvConfig (its fused
     variant, a split one cut into FORCED_PARTS parts per phase) or a FusedPlan (its tile and
@@ -530,7 +539,9 @@ def _choose_fused(dtype, dx_ndhw, kp, cp, fused: FusedDgrad, walk, device_index,
         plan = fused_plan(cfg, m, cp, k_tiles, max(per, 1))
         if plan.split and not cfg.split:
             raise ValueError(f"{cfg.tag()} does not split, but {per} k-tiles a part does")
-    fn = get_kernel(DGRAD_SPEC, fused_params(dtype_name(dtype), plan.config))
+    fn = get_kernel(
+        DGRAD_SPEC, pdl.key(fused_params(dtype_name(dtype), plan.config), pdl.enabled())
+    )
     cfg = plan.config
     return fn, sms // (cfg.cluster_m * cfg.cluster_n), plan, fused.kernel_args(walk)
 
@@ -579,7 +590,7 @@ def takes_reduce(k: int, c: int, k_tiles: int, sms: int) -> WgradPlan | None:
 
 
 def _wgrad_plan(
-    dtype, k, c, taps, walk, device_index, plan, reduce=False, auto=False
+    dtype, k, c, taps, walk, device_index, plan, reduce=False, auto=False, _pdl_forced=None
 ) -> tuple[object, WgradPlan]:
     """(the compiled function, the WgradPlan) of one problem: looked up once, not per call.
     `walk`: (the compile key's rect, pixel k-tiles); `reduce` (no plan given, the rectangles'
@@ -602,7 +613,7 @@ def _wgrad_plan(
         reduced = getattr(plan, "reduce", False) and splits > 1
         plan = WgradPlan(plan.config, plan.per_split, splits, tiles, reduce=reduced)
     params = wgrad_params(dtype_name(dtype), plan.config, rect, plan.reduce and plan.parts > 1)
-    return get_kernel(WGRAD_SPEC, params), plan
+    return get_kernel(WGRAD_SPEC, pdl.key(params, pdl.enabled())), plan
 
 
 def wgrad(
@@ -701,7 +712,8 @@ def _wgrad_launch(dy, x, dw, geometry: Geometry, plan, reduce=False, auto=True) 
     dw2 = dw if in_place else dw.new_empty(kp, t, r, s, cp)
     auto = auto and one_by_one and plan is None and not torch.are_deterministic_algorithms_enabled()
     fn, plan = _wgrad_plans.get_or_build(
-        (dy.dtype, kp, cp, t * r * s, walk, device.index, plan, reduce, auto), _wgrad_plan
+        (dy.dtype, kp, cp, t * r * s, walk, device.index, plan, reduce, auto, pdl.forced()),
+        _wgrad_plan,
     )
     reduced = plan.reduce and plan.parts > 1
     work, flags = stream_k_workspace(device, plan.tiles, 4 if reduced else plan.workspace_floats)

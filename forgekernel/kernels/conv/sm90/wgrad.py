@@ -74,7 +74,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from forgekernel.kernels.common.sm90 import splitk, splitk_reduce
+from forgekernel.kernels.common.sm90 import pdl, splitk, splitk_reduce
 from forgekernel.kernels.common.sm90.atomics import atom_add_acq_rel_gpu
 from forgekernel.kernels.common.sm90.barriers import named_barrier
 from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
@@ -105,7 +105,7 @@ SUM_AHEAD = 128
 class ConvWgradSm90(GemmSm90):
     """The weight gradient on the dense GEMM's kernel; see the module docstring."""
 
-    def __init__(self, config: GemmConfig, rect: int = 0, reduce: bool = False):
+    def __init__(self, config: GemmConfig, rect: int = 0, reduce: bool = False, pdl: bool = True):
         if config.cluster_m not in (1, 2) or config.cluster_n != 1:
             raise ValueError("the weight gradient's clusters are 1x1 or 2x1 (B multicast)")
         if config.stream_k or config.a_rows:
@@ -114,7 +114,7 @@ class ConvWgradSm90(GemmSm90):
             raise ValueError(f"tile_n must be a multiple of {BOX_CHANNELS}, got {config.tile_n}")
         if rect and (rect not in RECT_WIDTHS):
             raise ValueError(f"rect must be 0 (im2col) or one of {RECT_WIDTHS}, got {rect}")
-        super().__init__(config)
+        super().__init__(config, pdl=pdl)  # PDL as the GEMM's (its wait: `wgrad_kernel`)
         self.boxes = config.tile_n // BOX_CHANNELS  # B boxes per stage
         # stride 1: k-tiles are rectangles of (rect along Q, 64 / rect along P) output pixels of
         # one (image, plane), A and B through tiled TMAs; 0: im2col (any stride)
@@ -288,6 +288,7 @@ class ConvWgradSm90(GemmSm90):
             cluster=(cfg.cluster_m, 1, 1),
             min_blocks_per_mp=1,
             stream=stream,
+            use_pdl=self.pdl,
         )
 
     # ---------------------------------------------------------------- device code
@@ -351,6 +352,9 @@ class ConvWgradSm90(GemmSm90):
         acc = cute.make_rmem_tensor(thr_mma.partition_C(gC[None, None, 0, 0]).shape, self.acc_dtype)
 
         init_wait(cluster)
+        # PDL: nothing above touched global memory (the GEMM's module docstring)
+        pdl.wait(self.pdl)
+        pdl.launch_dependents(self.pdl)
 
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)

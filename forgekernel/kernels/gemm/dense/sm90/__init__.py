@@ -14,6 +14,7 @@ from forgekernel.kernels.gemm.dense.sm90.config import (
     GemmConfig,
     choose_config,
     params_for,
+    takes_kn,
 )
 from forgekernel.runtime.spec import KernelSpec, Params
 
@@ -30,7 +31,7 @@ def _standard_params() -> list[Params]:
         for dtype in DTYPES
         for b_kn in (False, True)
         for cfg in STANDARD_CONFIGS
-        if not (cfg.swap and b_kn)  # the swap takes B "nk" only (config.py `SWAP`)
+        if not b_kn or takes_kn(cfg)  # the swap and TALL_72 take B "nk" only
     ]
 
 

@@ -10,6 +10,7 @@ from cutlass.cute.runtime import make_fake_tensor
 from forgekernel.kernels.common.sm90 import fake
 from forgekernel.kernels.gemm.dense.sm90.kernel import GemmSm90
 from forgekernel.kernels.gemm.dense.sm90.tile import GemmConfig
+from forgekernel.runtime.pdl import built_on
 
 
 def compile_gemm(params: dict, arch: str = "sm_90a", extra_options: str = ""):
@@ -37,7 +38,7 @@ def compile_gemm(params: dict, arch: str = "sm_90a", extra_options: str = ""):
         a = fake.rowmajor(dtype, (m, k))
         b = fake.rowmajor(dtype, (k, n) if params["b_kn"] else (n, k))
         c = fake.rowmajor(dtype, (m, n))
-    gemm = GemmSm90(cfg, b_kn=params["b_kn"])
+    gemm = GemmSm90(cfg, b_kn=params["b_kn"], pdl=built_on(params))
     if cfg.stream_k:
         work = make_fake_tensor(cutlass.Float32, (cute.sym_int32(),), stride=(1,), assumed_align=16)
         flags = fake.offsets()
@@ -79,9 +80,9 @@ def compile_gemm_fp8_masked(params: dict, arch: str = "sm_90a", extra_options: s
         stride = (cute.sym_int64(), cute.sym_int64(), cute.sym_int64())
         return make_fake_tensor(cutlass.Float32, shape, stride=stride, assumed_align=4)
 
-    cfg = GemmConfig.from_params({k_: v for k_, v in params.items() if k_ != "out"})
+    cfg = GemmConfig.from_params({k_: v for k_, v in params.items() if k_ not in ("out", "pdl")})
     return cute.compile(
-        GemmSm90(cfg, masked=True),
+        GemmSm90(cfg, masked=True, pdl=built_on(params)),
         batched(fp8, m, k, 16),
         batched(fp8, n, k, 16),
         batched(fake.dtype_of(params["out"]), m, n, 8),

@@ -77,7 +77,12 @@ FIT_144 = GemmConfig(tile_n=144, epi_n=16)
 FIT_112 = GemmConfig(tile_n=112, epi_n=16, stages=6)
 TALL_80 = GemmConfig(tile_m=192, tile_n=80, cluster_m=1, cluster_n=2, epi_n=16)
 TALL_96 = GemmConfig(tile_m=192, tile_n=96, cluster_m=1, cluster_n=2)
-FIT = (FIT_224, FIT_160, FIT_144, FIT_112, TALL_80, TALL_96)
+# 192x72 (docs/gemm/NOTES.md "72 columns"): 576 = 8 x 72 columns (3000x576x7168: TALL_80's 128
+# CTAs computed 640 of 576 columns, 0.92x cuBLAS), 129 tokens in 2 x 72 swapped (SWAP_TALL_72
+# below; 2 x 80 read 31 dead columns, 0.88x), cuBLAS's own 192x72 there. B's ring loads 80 rows
+# for the 72 (kernel.py `_setup`), so B "nk" and cluster_m 1 only; 8-column epilogue sub-tiles.
+TALL_72 = GemmConfig(tile_m=192, tile_n=72, cluster_m=1, cluster_n=2, epi_n=8)
+FIT = (FIT_224, FIT_160, FIT_144, FIT_112, TALL_80, TALL_96, TALL_72)
 # The swap (docs/gemm/NOTES.md "The swap"): C^T = B A^T for a few hundred tokens, the weight's N
 # rows as the kernel's M and the tokens as WGMMA's N, so tokens cost 16 rows at a time, not 64
 # or 128 (300 rows: 3 x 80 + 60; 777: 4 x 208 - 55); the weight's tile multicast over a 1x2
@@ -93,7 +98,8 @@ SWAP_208 = GemmConfig(
     tile_n=208, cluster_m=1, cluster_n=2, epi_n=16, swap=True, stages=4, raster_along_m=False
 )
 SWAP_TALL_80 = dataclasses.replace(TALL_80, swap=True, raster_along_m=False)
-SWAP = (SWAP_80, SWAP_208, SWAP_TALL_80)
+SWAP_TALL_72 = dataclasses.replace(TALL_72, swap=True, raster_along_m=False)
+SWAP = (SWAP_80, SWAP_208, SWAP_TALL_80, SWAP_TALL_72)
 SWAP_MAX_M = 1024
 PREFILL = (LARGE, WIDE, SQUARE, SMALL, MID, *FIT, *SWAP)
 PREFILL_STREAM = (LARGE_STREAM, WIDE_STREAM)
@@ -108,9 +114,17 @@ STANDARD_CONFIGS = (
     *DECODE_STREAM,
     MID,
     *PREFILL_STREAM,
-    *FIT,
-    *SWAP,  # "nk" only (__init__.py `_standard_params`)
+    *FIT,  # TALL_72 "nk" only (__init__.py `_standard_params`)
+    *SWAP,  # "nk" only
 )
+
+
+def takes_kn(cfg: GemmConfig) -> bool:
+    """Whether `cfg` runs on a B "kn" (N-major) weight: not swapped, tile_n a multiple of 16
+    (B's ring past one is K-major only, kernel.py `_setup`)."""
+    return not cfg.swap and cfg.tile_n % 16 == 0
+
+
 # Tile rate relative to LARGE with every SM busy (8192^3 class shapes, H200): WIDE and SQUARE
 # from the sweeps of 2026-11-30, SMALL from 256x8192x8192 (one round of 128 tiles, 57.7 us on
 # 2026-12-02); MID from the bench's variants of 2026-12-02 07:00 (0.67-0.78 over 129x10240x8192,
@@ -137,6 +151,10 @@ _EFFICIENCY.update({SWAP_80: 0.842, SWAP_TALL_80: 0.856})
 # way: 512x3584x3584 and 4096x4096x4096 (FIT_112 0.872 / 0.843, 0.974 / 0.872 graph / eager;
 # the intensity rule had 0.916), 777x4096x14336 (SWAP_208 0.934 / 0.943; assumed 0.932).
 _EFFICIENCY.update({FIT_112: 0.889, SWAP_208: 0.938})
+# ASSUMED until timed (docs/gemm/NOTES.md "72 columns"): the 80-column tiles' measured rates x the
+# intensity rule's ratio of 72 to 80 columns (0.892 / 0.905): TALL_80 0.942 -> 0.928, SWAP_TALL_80
+# 0.856 -> 0.843.
+_EFFICIENCY.update({TALL_72: 0.91, SWAP_TALL_72: 0.826})
 # Decode 64x112 (a8): 4x28672x4096 in two even rounds of 256 tiles (64 columns: 3.4 rounds):
 # 60.1 -> 56.9 us graph, 71.3 -> 68.6 eager on 2026-12-02 18:47; a candidate until the decode
 # chooser weighs widths (`decode_time` cannot tell them apart). Measured there and dropped
@@ -162,6 +180,15 @@ SMALL_C12 = GemmConfig(tile_n=128, cluster_m=1, cluster_n=2)
 SMALL_N = dataclasses.replace(SMALL, raster_along_m=False)
 CASE_CANDIDATES: dict[tuple[int, int, int], dict[str, GemmConfig]] = {
     (256, 8192, 8192): {"square": SQUARE, "small_c12": SMALL_C12, "small_n": SMALL_N},
+    # the 80-column picks the 72-column tiles replace, timed beside them (NOTES "72 columns")
+    (3000, 576, 7168): {"tall80": TALL_80},
+    (129, 10240, 8192): {"swaptall80": SWAP_TALL_80},
+    # decode: 64x112 a8 where 64 columns leave a part-filled last round (4x28672x4096: 3.4
+    # rounds against 1.94; 5% faster in the probe of 2026-12-02 18:47, `DECODE_112` above;
+    # 4x37888x3584 4.5 against 2.6, 1x24576x4096 2.9 against 1.7): timed for a width rule
+    (4, 28672, 4096): {"n112": DECODE_112},
+    (4, 37888, 3584): {"n112": DECODE_112},
+    (1, 24576, 4096): {"n112": DECODE_112},
 }
 # Their rates (`prefill_time`) are ASSUMED until timed: SMALL's (the same tile; neither clusters
 # nor the walk are in the model).
@@ -321,7 +348,8 @@ def prefill_rivals(
     of the swapped tiles (`SWAP`; rates measured 2026-12-02 13:49 but FIT_112's and
     SWAP_208's). The bench times the ones not chosen beside the chosen (suite variants)."""
     measured = (SMALL,) if m <= 256 else (LARGE, WIDE, SQUARE)
-    groups = (("tile", measured), ("challenger", (MID, *PREFILL_STREAM)), ("fit", FIT))
+    fit = FIT if not b_kn else tuple(c for c in FIT if takes_kn(c))
+    groups = (("tile", measured), ("challenger", (MID, *PREFILL_STREAM)), ("fit", fit))
     if swap_applies(m, n, b_kn):
         groups += (("swap", SWAP),)
     return {

@@ -82,6 +82,14 @@ clamped to the expert's last counted row. A tile of tile_m counted rows is store
 epilogue ring and TMA; any other from registers, its rows past the count skipped (each
 thread's two-column bf16 pairs, one predicate per row): rows past a count are never written.
 
+Programmatic dependent launch (`pdl`, on in every standard build: kernels/common/sm90/pdl.py
+has the contract, runtime/pdl.py the switch and the keys): launched with the programmatic-
+stream-serialization attribute, every thread waits (`griddepcontrol.wait`) after the barrier
+setup and before its role starts, i.e. before any global access (the tensor-map prefetch and
+the shared-memory setup run under the previous kernel's tail), and triggers its dependents
+there: the next launch's CTAs take the SMs this grid's CTAs leave and run their own setup
+while its last tiles finish. Built with pdl "off", the kernel as it was.
+
 Constraints: A (M, K) K-major; B (N, K) K-major ("nk") or (K, N) N-major ("kn"); C (M, N)
 row-major, or M-major (the launcher's swap, C^T = B A^T: C the transpose of a row-major
 output, written in 64 x epi_n boxes); every leading stride a multiple of 8 elements (16 bytes,
@@ -106,7 +114,7 @@ from cutlass.cute.nvgpu import OperandMajorMode
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from forgekernel.kernels.common.sm90 import splitk
+from forgekernel.kernels.common.sm90 import pdl, splitk
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
 from forgekernel.kernels.common.sm90.constants import REGISTERS_PER_SM, THREADS_PER_WG, WARP_SIZE
 from forgekernel.kernels.common.sm90.pipeline import (
@@ -128,15 +136,20 @@ class Bar(IntEnum):
 class GemmSm90:
     """Persistent, warp-specialized TMA + WGMMA GEMM; see the module docstring."""
 
-    def __init__(self, config: GemmConfig, b_kn: bool = False, masked: bool = False):
+    def __init__(
+        self, config: GemmConfig, b_kn: bool = False, masked: bool = False, pdl: bool = True
+    ):
         if config.tile_m not in (64, 128, 192):
             raise ValueError(f"tile_m must be 64, 128 or 192, got {config.tile_m}")
-        if config.tile_n % 16 or not 16 <= config.tile_n <= 256:
-            raise ValueError(f"tile_n must be a multiple of 16 up to 256, got {config.tile_n}")
+        if config.tile_n % 8 or not 16 <= config.tile_n <= 256:
+            raise ValueError(f"tile_n must be a multiple of 8 from 16 to 256, got {config.tile_n}")
+        if config.tile_n % 16 and (b_kn or masked or config.cluster_m > 1):
+            # B's ring takes tile_n + 8 rows (`_setup`): K-major only, its box not split
+            raise ValueError("tile_n past a multiple of 16 takes B 'nk', unmasked, cluster_m 1")
         if config.tile_k not in (64, 128):
             raise ValueError(f"tile_k must be 64 (16-bit) or 128 (8-bit), got {config.tile_k}")
-        if config.tile_n % config.epi_n or config.epi_n not in (16, 32, 64):
-            raise ValueError(f"epi_n must be 16, 32 or 64 and divide tile_n, got {config.epi_n}")
+        if config.tile_n % config.epi_n or config.epi_n not in (8, 16, 32, 64):
+            raise ValueError(f"epi_n must be 8, 16, 32 or 64 and divide tile_n, got {config.epi_n}")
         if config.cluster_m * config.cluster_n > 4:
             raise ValueError("a cluster holds at most 4 CTAs here")
         if config.a_rows and (config.a_rows % 8 or config.a_rows > config.tile_m):
@@ -145,6 +158,7 @@ class GemmSm90:
             raise ValueError("the masked layout runs without clusters or stream K")
         self.cfg = config
         self.b_kn = b_kn
+        self.pdl = pdl  # launched as a programmatic dependent (module docstring)
         # The masked grouped layout (module docstring): operands (rows, cols, experts).
         self.masked = masked
         self.scaled = False  # block-scaled FP8: set from the scales by __call__
@@ -214,7 +228,11 @@ class GemmSm90:
                 ),
             ),
         )
-        self.sB_layout = staged(self.b_major, self.b_dtype, cfg.tile_n, self.stages)
+        # B's ring in whole 16-row pairs of swizzle atoms: a TMA box of an odd count of 8-row
+        # atoms does not build (the DSL aborts at tile_n 24, 40, 56, 72, 104), so a 72-column
+        # tile loads 80 rows (8 of them the next tile's or zero-filled) and WGMMA reads 72.
+        self.b_rows = cfg.tile_n + cfg.tile_n % 16
+        self.sB_layout = staged(self.b_major, self.b_dtype, self.b_rows, self.stages)
         # The atom spans C's contiguous mode: epi_n columns of a row-major C; tile_m rows of an
         # M-major C (the swap), whose atoms of one 64-row band lie next to each other along N,
         # so that a sub-tile is tile_m / 64 whole 64 x epi_n TMA boxes (an atom sized by
@@ -225,7 +243,21 @@ class GemmSm90:
             sm90_utils.get_smem_layout_atom(self.c_major, self.c_dtype, contiguous),
             self.c_dtype,
         )
+        if cutlass.const_expr(self.c_major.is_m_major_c() and cfg.epi_n % 16):
+            # one 8-column atom along N: a swizzled one does not build as a TMA box (as B's
+            # odd atom counts, above), so the sub-tile is plain, one tile_m x 8 box
+            c_atom = cute.make_composed_layout(
+                cute.make_swizzle(0, 4, 3),
+                0,
+                cute.make_layout((cfg.tile_m, cfg.epi_n), stride=(1, cfg.tile_m)),
+            )
         self.sC_layout = cute.tile_to_shape(c_atom, (*self.epi_tile, cfg.epi_stages), order=c_order)
+
+    def _first_rows(self, ring: cute.ComposedLayout, rows: int) -> cute.ComposedLayout:
+        """The first `rows` rows of each stage of a K-major ring, at the ring's offsets."""
+        held, k, stages = (cute.size(ring.outer, mode=[i]) for i in range(3))
+        view = cute.make_layout((rows, k, stages), stride=(1, held, held * k))
+        return cute.make_composed_layout(ring.inner, 0, cute.composition(ring.outer, view))
 
     def _compact_ring(self, ring: cute.ComposedLayout) -> cute.ComposedLayout:
         """A's ring with its stages a_rows rows apart instead of tile_m. WGMMA reads tile_m
@@ -320,7 +352,7 @@ class GemmSm90:
             g2s_mc if self.mcast_b > 1 else g2s,
             mB,
             cute.slice_(self.sB_layout, (None, None, 0)),
-            (self.cfg.tile_n, self.cfg.tile_k),
+            (self.b_rows, self.cfg.tile_k),
             num_multicast=self.mcast_b,
         )
         tma_c, tma_mC = cute.nvgpu.cpasync.make_tiled_tma_atom(
@@ -389,6 +421,7 @@ class GemmSm90:
             cluster=(*self.cluster_shape_mn, 1),
             min_blocks_per_mp=1,
             stream=stream,
+            use_pdl=self.pdl,
         )
 
     def _stream_grid(self, schedule, k, per_cta, wave):
@@ -446,7 +479,7 @@ class GemmSm90:
         a_mask = a_mask if self.mcast_a > 1 else 0
         b_mask = b_mask if self.mcast_b > 1 else 0
 
-        stage_bytes = (self.a_rows + self.cfg.tile_n) * self.cfg.tile_k * self.a_dtype.width // 8
+        stage_bytes = (self.a_rows + self.b_rows) * self.cfg.tile_k * self.a_dtype.width // 8
 
         storage = SmemAllocator().allocate(self.shared_storage)
         # Each consumer warp releases a stage to every CTA that multicast into it.
@@ -515,10 +548,16 @@ class GemmSm90:
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         thr_mma = tiled_mma.get_slice((wg_idx - 1) * THREADS_PER_WG)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        sB_mma = sB
+        if cutlass.const_expr(self.b_rows != self.cfg.tile_n):
+            sB_mma = smem_tensor(storage.sB, self._first_rows(sB_layout, self.cfg.tile_n))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB_mma))
         acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape[:3], self.acc_dtype)
 
         init_wait(self.cluster_shape_mn)
+        # PDL: nothing above touched global memory (module docstring)
+        pdl.wait(self.pdl)
+        pdl.launch_dependents(self.pdl)
 
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -728,11 +767,19 @@ class GemmSm90:
             gA = cute.local_tile(
                 cute.domain_offset((row0, 0), mA), (self.a_rows, self.cfg.tile_k), (tile_m, None)
             )
-            gB = cute.local_tile(
-                cute.domain_offset((col0, 0), mB),
-                (self.cfg.tile_n, self.cfg.tile_k),
-                (tile_n, None),
-            )
+            if cutlass.const_expr(self.b_rows == self.cfg.tile_n):
+                gB = cute.local_tile(
+                    cute.domain_offset((col0, 0), mB),
+                    (self.cfg.tile_n, self.cfg.tile_k),
+                    (tile_n, None),
+                )
+            else:
+                # b_rows rows from the tile's first (`_setup`)
+                gB = cute.local_tile(
+                    cute.domain_offset((col0 + tile_n * self.cfg.tile_n, 0), mB),
+                    (self.b_rows, self.cfg.tile_k),
+                    (0, None),
+                )
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_a, a_rank, a_ctas, sA, cute.group_modes(gA, 0, 2)
         )
@@ -816,14 +863,16 @@ class GemmSm90:
         read = consumer_state(self.stages)
         release = consumer_state(self.stages)
 
-        # Epilogue: registers -> stmatrix -> swizzled smem ring -> TMA store.
-        r2s_atom = sm90_utils.sm90_get_smem_store_op(
-            self.c_major, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype
-        )
+        # Epilogue: registers -> stmatrix -> swizzled smem ring -> TMA store. A warp's stmatrix
+        # x4 writes 16 rows x 16 columns; an 8-column sub-tile (epi_n 8: tiles 8 past a multiple
+        # of 16, 192x72) takes x2, 16 x 8.
         stm_atom = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_major.is_m_major_c(), 4), self.c_dtype
+            cute.nvgpu.warp.StMatrix8x8x16bOp(
+                self.c_major.is_m_major_c(), 4 if self.cfg.epi_n % 16 == 0 else 2
+            ),
+            self.c_dtype,
         )
-        r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma))
+        r2s = cute.make_tiled_copy_S(stm_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma))
         thr_r2s = r2s.get_slice(tidx - THREADS_PER_WG)
         tRS_sC = thr_r2s.partition_D(sC)
         tRS_acc = r2s.retile(acc)
@@ -1032,46 +1081,50 @@ class GemmSm90:
         128x128 block, staged with the k-tile by the producer). The fragments alternate
         (k-tiles 2i in the first, 2i + 1 in the second): k-tile j is issued, then j - 1 is
         waited for (`wait_group(1)`: j stays in flight on the tensor pipe), its stage released
-        and its fragment promoted. Returns the states (see `_mainloop`)."""
+        and its fragment promoted. A k-tile's stage is released by the index it was read from
+        (`read`'s, warp-uniform), not by a second state walked around the ring: every k-tile
+        read here is released here, so `release` comes back as `read` (the states the caller
+        hands on: see `_mainloop`)."""
         tiled_mma, tCrA, tCrB, acc, (frags, r0, r1, sSF) = mma
         first, second = frags
-        src = (sSF, r0, r1)
+        # this thread's rows of the staged ring, hoisted out of the loop: one LDS address
+        # register, a k-tile's stage an offset (r1 = r0 + 8: an immediate)
+        src = (cute.domain_offset((r0, 0), sSF), r1 - r0)
         acc.fill(0.0)
-        # Each step's calls on `read`, `release` and `tiled_mma` (ACCUMULATE cleared: the first
-        # WGMMA of a k-tile overwrites its fragment) stay in the loop's and branches' own
-        # bodies: the DSL carries objects mutated there out of the region in place.
+        # Each step's calls on `read` and `tiled_mma` (ACCUMULATE cleared: the first WGMMA of a
+        # k-tile overwrites its fragment) stay in the loop's and branches' own bodies: the DSL
+        # carries objects mutated there out of the region in place.
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
         even = self._issue_scaled(tiled_mma, (tCrA, tCrB), first, ab_pipe, read, src)
+        even_stage = read.index
         read.advance()
         for _ in range((count - 1) // 2):
             # into `second`; the k-tile before is promoted from `first`
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
             odd = self._issue_scaled(tiled_mma, (tCrA, tCrB), second, ab_pipe, read, src)
+            odd_stage = read.index
             read.advance()
-            self._retire(1, ab_pipe, release)
-            release.advance()
+            self._retire(1, ab_pipe, even_stage)
             self._promote(acc, first, even)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
             even = self._issue_scaled(tiled_mma, (tCrA, tCrB), first, ab_pipe, read, src)
+            even_stage = read.index
             read.advance()
-            self._retire(1, ab_pipe, release)
-            release.advance()
+            self._retire(1, ab_pipe, odd_stage)
             self._promote(acc, second, odd)
         if count % 2 == 0:
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
             odd = self._issue_scaled(tiled_mma, (tCrA, tCrB), second, ab_pipe, read, src)
+            odd_stage = read.index
             read.advance()
-            self._retire(1, ab_pipe, release)
-            release.advance()
+            self._retire(1, ab_pipe, even_stage)
             self._promote(acc, first, even)
-            self._retire(0, ab_pipe, release)
-            release.advance()
+            self._retire(0, ab_pipe, odd_stage)
             self._promote(acc, second, odd)
         else:
-            self._retire(0, ab_pipe, release)
-            release.advance()
+            self._retire(0, ab_pipe, even_stage)
             self._promote(acc, first, even)
-        return read, release, tiled_mma
+        return read, read.clone(), tiled_mma
 
     @cute.jit
     def _issue_scaled(self, tiled_mma, operands, frag, ab_pipe, read, src):
@@ -1092,26 +1145,29 @@ class GemmSm90:
         return scales
 
     @cute.jit
-    def _retire(self, pending, ab_pipe, release):
-        """Wait until at most `pending` WGMMA groups are in flight, then release the stage of
-        the oldest k-tile still held: every thread arrives on its CTA's empty barrier, so that
+    def _retire(self, pending, ab_pipe, stage):
+        """Wait until at most `pending` WGMMA groups are in flight, then release ring stage
+        `stage` (the oldest k-tile's): every thread arrives on its CTA's empty barrier, so that
         each one's reads of the stage's scales (`_scales`) are released by its own arrive
         (racecheck follows only the arriving thread's accesses: the toolkit's one lane a warp
         left 18,432 WAR reports on the staged scales, H200 2026-12-02 15:48); with a cluster,
         also the toolkit's one lane a warp on each CTA that multicast into the stage."""
         cute.nvgpu.warpgroup.wait_group(pending)
-        cute.arch.mbarrier_arrive(ab_pipe.consumer_get_barrier(release))
+        empty = ab_pipe.sync_object_empty
+        cute.arch.mbarrier_arrive(empty.get_barrier(stage))
         if cutlass.const_expr(self._clustered()):
-            ab_pipe.consumer_release(release)
+            if ab_pipe.is_signaling_thread:
+                empty.arrive(stage, ab_pipe.consumer_mask)
 
     def _clustered(self) -> bool:
         return self.cfg.cluster_m * self.cfg.cluster_n > 1
 
     @cute.jit
     def _scales(self, src, stage):
-        """The scales of this thread's two rows (A's x B's) staged in ring stage `stage`."""
-        sSF, r0, r1 = src
-        return sSF[r0, stage], sSF[r1, stage]
+        """The scales of this thread's two rows (A's x B's) staged in ring stage `stage`; `src`:
+        the ring seen from the thread's first row, and the second row's offset from it."""
+        sRows, r1 = src
+        return sRows[0, stage], sRows[r1, stage]
 
     @cute.jit
     def _promote(self, acc, frag, scales):

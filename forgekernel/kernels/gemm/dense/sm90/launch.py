@@ -22,8 +22,9 @@ from forgekernel.kernels.gemm.dense.sm90.config import (
     choose_config,
     params_for,
     split_for,
+    takes_kn,
 )
-from forgekernel.runtime import tuning
+from forgekernel.runtime import pdl, tuning
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import (
     as_tma_ready,
@@ -55,7 +56,8 @@ def config_for(
 
 
 class _Plans(PlanCache):
-    """(dtype, b_kn, M, N, K, device index, forced config) -> (the compiled function,
+    """(dtype, b_kn, M, N, K, device index, forced config, `pdl.forced()`) -> (the compiled
+    function (a PDL build unless runtime/pdl.py says otherwise when the plan is built),
     max_clusters, stream K: (k-iterations per CTA, output tiles, workspace floats) or None,
     whether the operands are swapped: `kernel_operands`):
     one kernel lookup per problem.
@@ -73,13 +75,15 @@ class _Plans(PlanCache):
         return self.get_or_build(key, _choose)
 
 
-def _choose(dtype, b_kn, m, n, k, device_index, config) -> tuple[object, int, tuple | None, bool]:
+def _choose(
+    dtype, b_kn, m, n, k, device_index, config, _pdl_forced=None
+) -> tuple[object, int, tuple | None, bool]:
     sms = num_sms(device_index)
     cfg = config or config_for(dtype, b_kn, m, n, k, sms)
     if not cfg.fits(m):
         raise ValueError(f"GEMM config {cfg.tag()} loads {cfg.a_rows} rows of A: M = {m} is more")
-    if cfg.swap and b_kn:
-        raise ValueError(f"GEMM config {cfg.tag()} swaps the operands: B 'nk' only")
+    if b_kn and not takes_kn(cfg):
+        raise ValueError(f"GEMM config {cfg.tag()} (swapped or 8 past 16 columns): B 'nk' only")
     split = None
     if cfg.stream_k:
         # The problem as the kernel sees it (N and K padded up to multiples of 8 where they are
@@ -91,7 +95,7 @@ def _choose(dtype, b_kn, m, n, k, device_index, config) -> tuple[object, int, tu
         split = (plan.per, plan.tiles, 2 * plan.ctas * cfg.tile_m * cfg.tile_n)
     # One CTA per SM (the pipeline takes nearly all shared memory).
     max_clusters = sms // (cfg.cluster_m * cfg.cluster_n)
-    kernel = get_kernel(SPEC, params_for(dtype_name(dtype), b_kn, cfg))
+    kernel = get_kernel(SPEC, pdl.key(params_for(dtype_name(dtype), b_kn, cfg), pdl.enabled()))
     return kernel, max_clusters, split, cfg.swap
 
 
@@ -121,7 +125,9 @@ def gemm(
         out.zero_()
         return
     # The configuration of the problem as asked (a tuning record for an odd N or K applies).
-    fn, max_clusters, split, swap = _plans.plan((a.dtype, b_kn, m, n, k, a.device.index, config))
+    fn, max_clusters, split, swap = _plans.plan(
+        (a.dtype, b_kn, m, n, k, a.device.index, config, pdl.forced())
+    )
     if n % ALIGN or k % ALIGN:
         a, b, c = padded_operands(a, b, out, b_kn)
     else:
@@ -217,7 +223,8 @@ def gemm_fp8_masked(
     if max_m == 0 or experts == 0:
         return
     cfg = masked_config.choose_config(expected_m)
-    fn = get_kernel(MASKED_SPEC, masked_config.params_for(dtype_name(out.dtype), cfg))
+    params = masked_config.params_for(dtype_name(out.dtype), cfg)
+    fn = get_kernel(MASKED_SPEC, pdl.key(params, pdl.enabled()))
     with on_device(a.device):
         fn(
             _batched(as_tma_ready(a)),

@@ -90,10 +90,10 @@ def ring_stages(
 ) -> int:
     """AB stages that fit in shared memory (the kernel's `stages` when cfg.stages is 0): A's
     ring holds a_rows rows a stage plus tile_m - a_rows once after the last (kernel.py
-    `_compact_ring`), B's tile_n, and `scale_bytes` of block scales (FP8: tile_m fp32); 1 KB
-    for the barriers, the epilogue ring besides."""
+    `_compact_ring`), B's tile_n rounded up to 16 rows (kernel.py `_setup`), and `scale_bytes`
+    of block scales (FP8: tile_m fp32); 1 KB for the barriers, the epilogue ring besides."""
     row = cfg.tile_k * elem_bytes
     a_rows = cfg.a_rows or cfg.tile_m
     epilogue = cfg.epi_stages * cfg.tile_m * cfg.epi_n * c_bytes
     free = SMEM_CAPACITY - 1024 - epilogue - (cfg.tile_m - a_rows) * row
-    return free // ((a_rows + cfg.tile_n) * row + scale_bytes)
+    return free // ((a_rows + cfg.tile_n + cfg.tile_n % 16) * row + scale_bytes)

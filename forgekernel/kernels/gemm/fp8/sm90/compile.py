@@ -12,6 +12,7 @@ from cutlass.cute.runtime import make_fake_tensor
 from forgekernel.kernels.common.sm90 import fake
 from forgekernel.kernels.gemm.dense.sm90.kernel import GemmSm90
 from forgekernel.kernels.gemm.dense.sm90.tile import GemmConfig
+from forgekernel.runtime.pdl import built_on
 
 
 def compile_gemm_fp8(params: dict, arch: str = "sm_90a", extra_options: str = ""):
@@ -37,7 +38,7 @@ def compile_gemm_fp8(params: dict, arch: str = "sm_90a", extra_options: str = ""
         return make_fake_tensor(cutlass.Float32, shape, stride=stride, assumed_align=16)
 
     cfg = GemmConfig.from_params(
-        {k_: v for k_, v in params.items() if k_ not in ("out", "grouped")}
+        {k_: v for k_, v in params.items() if k_ not in ("out", "grouped", "pdl")}
     )
     if cfg.stream_k:
         work = make_fake_tensor(cutlass.Float32, (cute.sym_int32(),), stride=(1,), assumed_align=16)
@@ -45,7 +46,7 @@ def compile_gemm_fp8(params: dict, arch: str = "sm_90a", extra_options: str = ""
     else:
         work = flags = None
     return cute.compile(
-        GemmSm90(cfg),
+        GemmSm90(cfg, pdl=built_on(params)),
         a,
         b,
         c,

@@ -47,7 +47,11 @@ DECODE = tuple(dataclasses.replace(SKINNY, a_rows=r) for r in A_ROWS)
 # against LARGE's 0.73 / 0.68x, 1% ahead at 8192^3, even at M = 2048-8192 otherwise.
 # Measured and dropped: 64-column epilogue sub-tiles two deep (never ahead by more than 1%);
 # 128x192 tiles (0.44-0.80x DeepGEMM, behind 128x128 on every shape; docs/gemm/NOTES.md).
-LARGE_MCAST_A = dataclasses.replace(LARGE, cluster_m=1, cluster_n=2)
+# A's scales read M-major on this tile (`scale_mn_major`; K-major callers' scales transposed by
+# the launcher): measured 2026-12-05 02:42 (scripts/fp8_tiles.py, docs/gemm/NOTES.md "The scales
+# four ahead and M-major"): 8192^3 1.2195 -> 1.0880 ms, 16384x7168x18432 -3.5 %, the rest within
+# 0.3 %; on LARGE's 2x1 tile neutral to 3 % slower (K = 2048), so LARGE keeps K-major.
+LARGE_MCAST_A = dataclasses.replace(LARGE, cluster_m=1, cluster_n=2, scale_mn_major=True)
 LARGE_M_MCAST_A = 8192
 # Stream K (the kernel's `stream_k`: every tile's k-tiles cut evenly over one wave of CTAs,
 # partials parked after promotion) for problems whose tiles would leave most SMs idle: the
@@ -78,7 +82,7 @@ STANDARD_CONFIGS = (LARGE, MID, SKINNY, *DECODE, LARGE_MCAST_A, *STREAM_DECODE, 
 # worst 1.021x (E8:4096x4096x7168); eager median 0.938x, worst 1.003x. Bands of 6 (DeepGEMM's 8
 # blocks of 192 columns) measured and dropped: graph median 0.966x, worst 1.024x; eager 0.954x.
 # docs/gemm/NOTES.md "Measured 2026-12-03 06:21 (H200): band8 adopted".
-GROUPED = dataclasses.replace(LARGE_MCAST_A, swizzle=8)
+GROUPED = dataclasses.replace(LARGE_MCAST_A, swizzle=8, scale_mn_major=False)  # as measured
 
 
 def params_for(out_dtype: str, cfg: GemmConfig, grouped: bool = False) -> tuple:

@@ -15,6 +15,7 @@ from forgekernel.kernels.gemm.fp8.sm90.config import (
     choose_config,
     params_for,
 )
+from forgekernel.runtime import pdl
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms, on_device, tma_target
 from forgekernel.runtime.plans import PlanCache
@@ -47,12 +48,13 @@ def _choose(out_dtype, m, n, k, device_index, config) -> tuple[tuple, int, tuple
     return params_for(dtype_name(out_dtype), cfg), sms // (cfg.cluster_m * cfg.cluster_n), split
 
 
-def _plan(out_dtype, m, n, k, device_index, config) -> tuple:
+def _plan(out_dtype, m, n, k, device_index, config, _pdl_forced=None) -> tuple:
     """`_choose`'s plan with its kernel looked up, once per problem (a compile-cache lookup
-    per call before), and whether it reads A's scales M-major."""
+    per call before), and whether it reads A's scales M-major. The kernel: its PDL build
+    unless runtime/pdl.py says otherwise when the plan is built (`pdl.forced()` in the key)."""
     params, max_clusters, split = _choose(out_dtype, m, n, k, device_index, config)
     mn_major = dict(params).get("scale_mn_major", False)
-    return get_kernel(SPEC, params), max_clusters, split, mn_major
+    return get_kernel(SPEC, pdl.key(params, pdl.enabled())), max_clusters, split, mn_major
 
 
 def takes_mn_major(scale_a: torch.Tensor) -> bool:
@@ -117,7 +119,7 @@ def gemm_fp8(
         return
     n8 = -(-n // 8) * 8
     fn, max_clusters, split, mn_major = _plans.get_or_build(
-        (out.dtype, m, n8, k, a.device.index, config), _plan
+        (out.dtype, m, n8, k, a.device.index, config, pdl.forced()), _plan
     )
     c = out.new_empty(m, n8) if n % 8 else tma_target(out)
     work = flags = None
@@ -134,12 +136,13 @@ def gemm_fp8(
         out.copy_(c if c.shape[1] == n else c[:, :n])
 
 
-def _grouped_plan(_, out_dtype, device_index, config) -> tuple:
+def _grouped_plan(_, out_dtype, device_index, config, _pdl_forced=None) -> tuple:
     """(the grouped kernel, max clusters, whether it reads A's scales M-major): one config
     (GROUPED, or the one forced), looked up once per output dtype and device (params_for, the
     compile-cache lookup and the SM count cost ~6 us a call on the CPU)."""
     cfg = config or GROUPED
-    fn = get_kernel(SPEC, params_for(dtype_name(out_dtype), cfg, grouped=True))
+    params = params_for(dtype_name(out_dtype), cfg, grouped=True)
+    fn = get_kernel(SPEC, pdl.key(params, pdl.enabled()))
     return fn, num_sms(device_index) // (cfg.cluster_m * cfg.cluster_n), cfg.scale_mn_major
 
 
@@ -164,7 +167,7 @@ def gemm_fp8_grouped(
     if m == 0 or n == 0:
         return
     fn, clusters, mn_major = _plans.get_or_build(
-        ("grouped", out.dtype, a.device.index, config), _grouped_plan
+        ("grouped", out.dtype, a.device.index, config, pdl.forced()), _grouped_plan
     )
     flat_b = b.reshape(e * n, k)
     flat_sb = scale_b.reshape(e * scale_b.shape[1], scale_b.shape[2])
