@@ -8,12 +8,27 @@ state, the offsets) and nothing the kernel produced, and calls
 and the initial state (grouped value heads: dq, dk summed over the value heads that share a
 q / k head; l2norm's backward included; k_last: the state gradients in FlashInfer's layout).
 
-INTERIM PATH: the backward op runs `reference.delta_rule_bwd.gated_delta_rule_chunked_backward`
-in fp32 on the GPU with torch ops (`_backward_interim`: recompute of the chunk states, the
-reverse state recurrence as one batched GEMM step per chunk, every chunk's gradients batched;
+INTERIM PATH (the default): the backward op runs
+`reference.delta_rule_bwd.gated_delta_rule_chunked_backward` in fp32 on the GPU with torch ops
+(`_backward_interim`: recompute of the chunk states, the reverse state recurrence as one
+batched GEMM step per chunk, every chunk's gradients batched;
 it reads the offsets on the host, one sync a call: a CUDA-graph capture is refused before any
 work, `ops._dispatch.refuse_capture`). Correct, not fast: a backward kernel replaces
-`_backward_interim` and nothing else (docs/linear_attention/NOTES.md "Backward").
+`_backward_interim` and nothing else (docs/linear_attention/NOTES.md "Backward"). Python
+loops over chunk steps: ~14.7 ms a call at 1 x 2048 h16 hv32 on the H200.
+
+KERNEL PATH (opt-in, `FORGEKERNEL_GDN_BWD_KERNEL=1`; default OFF until its GPU check passes:
+tests/gpu/test_gdn_bwd_kernel_path_gpu.py, NOTES.md "Backward on kernel 1"): `_backward_kernel`
+runs both sequential recurrences on kernel 1 (kernels/linear_attention/gdn_bwd_state/sm90,
+`gdn_bwd_state`): the forward's chunk states h and U = u - W h (the kernel's recurrence fed
+transposed inputs, `reference.gdn_bwd_state.forward_state_tiles`), then the reverse recurrence
+(dU, dh, the initial state's gradient); everything else is batched torch over every chunk at
+once (no loop over chunks, no host read of the offsets, capturable): the chunk factors, the
+16-bit tiles, pass 3's gradients and the WY transpose in fp32 (the reference's own
+`_output_grads` / `_wy_grads`), scale, l2norm, the group sum. Equal-length sequences only
+(the kernel's (B, T, HV, D) tiles): the explicit backward without cu_seqlens, or one sequence;
+varlen with N > 1 sequences keeps the interim path (autograd's offsets do not say whether the
+lengths are equal without a host read), as do T = 0 and 32-bit inputs.
 
 Eager calls take the custom op when autograd records them (the dispatcher's ~30 us are nothing
 beside this backward); under torch.compile the backward graph records the backward custom op,
@@ -23,13 +38,30 @@ callers with their own autograd and for the suite's backward timing.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from forgekernel.ops import gated_delta_rule_chunked as fwd
 from forgekernel.ops._dispatch import refuse_capture
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import check_cuda, check_shaped
-from forgekernel.reference.delta_rule_bwd import gated_delta_rule_chunked_backward
+from forgekernel.reference.delta_rule_bwd import (
+    TOKEN_HEADS_PER_PASS,
+    _l2norm,
+    _l2norm_backward,
+    _output_grads,
+    _wy_grads,
+    gated_delta_rule_chunked_backward,
+)
+from forgekernel.reference.gdn_bwd_state import (
+    CHUNK,
+    chunk_factors,
+    forward_state_tiles,
+    forward_states,
+    to_chunks,
+    to_tokens,
+)
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 NOT_CAPTURABLE = (
@@ -58,6 +90,88 @@ def _backward_interim(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, 
     return (*flat, dh0)
 
 
+KERNEL_SWITCH = "FORGEKERNEL_GDN_BWD_KERNEL"
+TILE_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _state_recurrence(do, pt, ke, qe, w, e_last, d_final_state):
+    """Kernel 1 (dh variant): (dU (B, T, HV, V), dh = dS^T per chunk end (B, NC, HV, V, K),
+    dS at the start (B, HV, K, V)), fp32. The CPU tests put the tile emulation here."""
+    from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.launch import gdn_bwd_state
+
+    return gdn_bwd_state(do, pt, ke, qe, w, e_last, d_final_state)
+
+
+def _kernel_path(q, v, batch: int) -> bool:
+    """The switch is on and the call fits kernel 1: equal lengths known on the host (`batch`
+    sequences; 0: unknown), 16-bit, at least one token."""
+    return (os.environ.get(KERNEL_SWITCH) == "1" and batch > 0 and q.shape[0] > 0
+            and q.dtype in TILE_DTYPES and v.shape[1] > 0)  # fmt: skip
+
+
+def _chunk_pass(qs, ks, v, g, beta, do, h0, dht):
+    """Value heads of one pass, everything per value head: qs (scaled), ks (B, T, HV, K), v, do
+    (B, T, HV, V), g, beta (B, T, HV) fp32 except do (16-bit); h0, dht (B, HV, K, V) fp32 or
+    None -> (dqs, dks (B, T, HV, K), dv, dg, dbeta, dh0) fp32."""
+    t, dtype = qs.shape[1], do.dtype
+    f = chunk_factors(qs, ks, v, g, beta)  # (B, NC, HV, C, ...) fp32, every chunk at once
+    nc = f.w.shape[1]
+    fw = forward_state_tiles(f, dtype)
+    du_fw, dh_fw, _ = _state_recurrence(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")),
+                                        fw["e_last"], h0)  # fmt: skip
+    h, big_u = forward_states(du_fw, dh_fw)
+    do_c = to_chunks(do, nc)
+    tiles = (to_tokens(x.to(dtype)) for x in (f.p.transpose(-1, -2), f.ke, f.qe, f.w))
+    du_t, dh_t, dh0 = _state_recurrence(to_tokens(do_c), *tiles,
+                                        f.e_last[..., 0].contiguous(), dht)  # fmt: skip
+    d_u = du_t.unflatten(1, (nc, CHUNK)).transpose(2, 3)
+    dh = dh_t.transpose(-1, -2)  # dS (K, V) at every chunk's end
+    dq, dk, dw, d_g = _output_grads(f, do_c.float(), h, dh, big_u, d_u)
+    dk_wy, dv, dbeta, dg_wy = _wy_grads(f, dw, d_u)
+    dg = (d_g + dg_wy).flip(-1).cumsum(-1).flip(-1)  # G = cumsum(g) within the chunk
+    grads = (to_tokens(x)[:, :t] for x in (dq, dk + dk_wy, dv, dg, dbeta))
+    return (*grads, dh0)
+
+
+def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, k_last, l2norm,
+                     batch) -> Grads:  # fmt: skip
+    """The backward on kernel 1 (see the module docstring): flat tensors as
+    `_backward_interim`'s holding `batch` sequences of equal length. Grouped heads: q / k
+    (normalized, scaled) repeated to the value heads before the factors (kernel 1 and every
+    factor are per value head), dq / dk summed over each group of HV / H value heads after;
+    value heads in passes of TOKEN_HEADS_PER_PASS token-heads (two kernel launches a pass) to
+    bound the fp32 temporaries (~1 MB a chunk and value head)."""
+    b, h, hv = batch, q.shape[1], v.shape[1]
+    t, group = q.shape[0] // b, hv // h
+
+    def seq(x):
+        return x.reshape(b, t, *x.shape[1:])
+
+    qf, kf = seq(q).float(), seq(k).float()
+    qn, q_norm = _l2norm(qf) if l2norm else (qf, None)
+    kn, k_norm = _l2norm(kf) if l2norm else (kf, None)
+    v_side = [seq(v).float(), seq(g).float(), seq(beta).float(), seq(do)]
+    h0 = _to_kv(initial_state, k_last)
+    dht = _to_kv(d_final, k_last)
+    step = max(1, TOKEN_HEADS_PER_PASS // max(1, b * t * group))
+    parts = []
+    for first in range(0, h, step):  # passes over heads, not chunks
+        qh, vh = slice(first, first + step), slice(first * group, (first + step) * group)
+        qs = (qn[:, :, qh] * scale).repeat_interleave(group, dim=2)
+        ks = kn[:, :, qh].repeat_interleave(group, dim=2)
+        states = (None if x is None else x[:, vh].float().contiguous() for x in (h0, dht))
+        parts.append(_chunk_pass(qs, ks, *(x[:, :, vh] for x in v_side), *states))
+    dqs, dks, dv, dg, dbeta, dh0 = (torch.cat(x, dim=1 if i == 5 else 2)
+                                    for i, x in enumerate(zip(*parts)))  # fmt: skip
+    dqn = dqs.unflatten(2, (h, group)).sum(3) * scale
+    dkn = dks.unflatten(2, (h, group)).sum(3)
+    dq = _l2norm_backward(qn, q_norm, dqn) if l2norm else dqn
+    dk = _l2norm_backward(kn, k_norm, dkn) if l2norm else dkn
+    flat = (x.flatten(0, 1).to(like.dtype) for x, like in zip((dq, dk, dv, dg, dbeta),
+                                                                (q, k, v, g, beta)))  # fmt: skip
+    return (*flat, _to_kv(dh0, k_last).contiguous())
+
+
 def _empty_grads(q, k, v, g, beta, cu_seqlens, k_last) -> Grads:
     n = cu_seqlens.shape[0] - 1
     shape = fwd._state_shape(n, v.shape[1], q.shape[2], v.shape[2], k_last)
@@ -79,23 +193,37 @@ def _chunked_bwd_op(
     scale: float,
     k_last: bool,
     l2norm: bool,
+    batch: int = 0,
 ) -> Grads:
+    return _backward_eager(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale,
+                           k_last, l2norm, batch)  # fmt: skip
+
+
+@_chunked_bwd_op.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, k_last, l2norm,
+      batch=0):  # fmt: skip
+    return _empty_grads(q, k, v, g, beta, cu_seqlens, k_last)
+
+
+def _backward_eager(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, k_last,
+                    l2norm, batch) -> Grads:  # fmt: skip
+    """`batch` > 0: the offsets are `batch` equal lengths (known on the host), the kernel path
+    may take the call; else (or with the switch off) the interim path."""
+    if _kernel_path(q, v, batch):
+        return _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, k_last,
+                                l2norm, batch)  # fmt: skip
     return _backward_interim(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale,
                              k_last, l2norm)  # fmt: skip
 
 
-@_chunked_bwd_op.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, k_last, l2norm):
-    return _empty_grads(q, k, v, g, beta, cu_seqlens, k_last)
-
-
 def _backward(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, k_last,
-              l2norm) -> Grads:  # fmt: skip
-    """Eager: the interim path directly; traced: the custom op."""
-    args = (q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, k_last, l2norm)
+              l2norm, batch=0) -> Grads:  # fmt: skip
+    """Eager: the path directly; traced: the custom op."""
+    args = (q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, k_last, l2norm,
+            batch)  # fmt: skip
     if _traced(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final):
         return torch.ops.forgekernel.gated_delta_rule_chunked_bwd(*args)
-    return _backward_interim(*args)
+    return _backward_eager(*args)
 
 
 # ---- autograd of the forward op --------------------------------------------------------------
@@ -111,7 +239,9 @@ def _setup(ctx, inputs, output) -> None:
 def _grad(ctx, do, d_final):
     q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
     do = torch.zeros_like(v) if do is None else do
-    grads = _backward(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, *ctx.flags)
+    batch = 1 if cu_seqlens.shape[0] == 2 else 0  # one sequence: its length is T
+    grads = _backward(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, *ctx.flags,
+                      batch)  # fmt: skip
     dh0 = grads[5] if ctx.has_state else None
     return (*grads[:5], dh0, None, None, None, None)
 
@@ -155,12 +285,13 @@ def gated_delta_rule_backward(
     if d_final_state is not None:
         check_shaped("d_final_state", d_final_state, state_shape, fwd.F32)
     check_cuda("q", q)
+    batch = b if cu_seqlens is None else int(n == 1)  # equal lengths known on the host
     if cu_seqlens is None:
         cu_seqlens = torch.arange(b + 1, dtype=torch.int32, device=q.device) * t
     scale = float(dk**-0.5 if scale is None else scale)
     flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta, do)]
     grads = _backward(*flat[:5], initial_state, cu_seqlens.to(torch.int32), flat[5],
-                      d_final_state, scale, k_last, use_qk_l2norm_in_kernel)  # fmt: skip
+                      d_final_state, scale, k_last, use_qk_l2norm_in_kernel, batch)  # fmt: skip
     shaped = (x.reshape(b, t, *x.shape[1:]) for x in grads[:5])
     return (*shaped, grads[5])
 

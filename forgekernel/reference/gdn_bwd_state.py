@@ -112,3 +112,63 @@ def reverse_state_pass(
         dke = chunks(u) @ dh.transpose(-1, -2)  # pass 3's d(k e^(G_C - G))
         return du, layout.scatter(dke, b * t).reshape(b, t, hv, dk), dh0
     return du, _per_chunk(dh, b).transpose(-1, -2), dh0
+
+
+# ---- batched forms (no chunk layout, no loop): the op's kernel path (ops/gated_delta_rule_bwd)
+
+
+def to_chunks(x: torch.Tensor, nc: int) -> torch.Tensor:
+    """(B, T, HV, ...) -> (B, NC, HV, C, ...), zero rows past T (the reference's padding)."""
+    b, t = x.shape[:2]
+    padded = x.new_zeros(b, nc * CHUNK, *x.shape[2:])
+    padded[:, :t] = x
+    return padded.unflatten(1, (nc, CHUNK)).transpose(2, 3)
+
+
+def to_tokens(x: torch.Tensor) -> torch.Tensor:
+    """(B, NC, HV, C, ...) -> (B, NC C, HV, ...), contiguous (the kernel's token-major tiles)."""
+    return x.transpose(2, 3).flatten(1, 2).contiguous()
+
+
+def chunk_factors(q, k, v, g, beta) -> _Factors:
+    """reference/delta_rule_bwd.py's `_Factors` of every chunk of B equal-length sequences at
+    once: q (scaled, normalized), k (B, T, HV, K), v (B, T, HV, V), g, beta (B, T, HV) ->
+    pieces shaped (B, NC, HV, C, ...) (the class broadcasts over leading dimensions)."""
+    nc = -(-q.shape[1] // CHUNK)
+    return _Factors(*(to_chunks(x, nc) for x in (q, k, v, g, beta)))
+
+
+def batched_state_pass_factors(q, k, v, g, beta, *, scale=None, dtype=torch.float32):
+    """`state_pass_factors` without the chunk layout's gathers: the same dict, same layouts."""
+    b, t, _, dk = q.shape
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    f = chunk_factors(q * _scale(scale, dk), k, v, g, beta)
+    shaped = {name: to_tokens(x)[:, :t]
+              for name, x in (("pt", f.p.transpose(-1, -2)), ("ke", f.ke), ("qe", f.qe),
+                              ("w", f.w))}  # fmt: skip
+    shaped["e_last"] = f.e_last[..., 0].contiguous()
+    return shaped
+
+
+def forward_state_tiles(f: _Factors, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Kernel 1's inputs that make its reverse recurrence run the FORWARD one (pass 1: the
+    state h at every chunk's start and U = u - W h). The kernel computes, chunk by chunk from
+    the last, X = P' Y + K' Z and Z <- e Z + Q'^T Y - W'^T X; with Y = u, P' = I, K' = -W,
+    Q' = 0, W' = -Ke and the chunks in reverse order (chunk NC - 1 - j in slot j) that is
+    U = u - W S, S <- e^(G_C) S + Ke^T U from the first chunk, Z starting at the initial
+    state (its d_final_state input). Outputs: dU = U, dh[slot] = S^T at chunk NC - 1 - slot's
+    start, dh0 = the final state. Token-major (B, NC C, HV, ...) in `dtype`, e_last fp32."""
+    b, nc, hv, c, dk = f.w.shape
+    eye = torch.eye(c, dtype=dtype, device=f.w.device).expand(b, nc, hv, c, c)
+    tiles = {"do": f.u, "pt": eye, "ke": -f.w, "qe": torch.zeros_like(f.w), "w": -f.ke}
+    out = {n: to_tokens(x.flip(1).to(dtype)) for n, x in tiles.items()}
+    out["e_last"] = f.e_last[..., 0].flip(1).float().contiguous()
+    return out
+
+
+def forward_states(du: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel 1's outputs on `forward_state_tiles` -> (h (B, NC, HV, K, V) the state at every
+    chunk's start, U (B, NC, HV, C, V)), chunks back in order."""
+    nc = dh.shape[1]
+    u = du.unflatten(1, (nc, CHUNK)).transpose(2, 3).flip(1)
+    return dh.flip(1).transpose(-1, -2), u

@@ -1,0 +1,269 @@
+"""The Gated DeltaNet backward's kernel path (ops/gated_delta_rule_bwd.py `_backward_kernel`,
+`FORGEKERNEL_GDN_BWD_KERNEL=1`) on the CPU, kernel 1 replaced by the tile emulation of
+tests/test_gdn_bwd_state.py (`tile_model`: token-major tiles, transposed state, zero tail, the
+register operands rounded to the tiles' dtype): the batched factor helpers against their
+chunk-layout forms (reference/gdn_bwd_state.py), the kernel fed the forward's recurrence
+(`forward_state_tiles`) against the reference's pass 1, the whole path against the interim
+backward to fp32 tolerance (32-bit tiles: nothing rounded) on awkward sizes, and the op with
+the switch on (bf16 tiles rounded) against autograd through the fp64 recurrence. The GPU twin:
+tests/gpu/test_gdn_bwd_kernel_path_gpu.py."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_gdn_bwd_state import tile_model
+
+import forgekernel
+from forgekernel.reference.delta_rule_bwd import _Factors, _states
+from forgekernel.reference.gdn_bwd_state import (
+    _layout,
+    _per_chunk,
+    batched_state_pass_factors,
+    chunk_factors,
+    corrected_values,
+    forward_state_tiles,
+    forward_states,
+    reverse_state_pass,
+    state_pass_factors,
+)
+
+bwd = importlib.import_module("forgekernel.ops.gated_delta_rule_bwd")
+fwd = importlib.import_module("forgekernel.ops.gated_delta_rule_chunked")
+TILES = ("pt", "ke", "qe", "w")
+
+
+def _inputs(b, t, h, hv=None, dk=16, dv=8, seed=0, dtype=torch.float64):
+    hv = hv or h
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=dtype)
+
+    q, k = rnd(b, t, h, dk), F.normalize(rnd(b, t, h, dk), dim=-1)
+    v, do = rnd(b, t, hv, dv), rnd(b, t, hv, dv)
+    g, beta = F.logsigmoid(rnd(b, t, hv) + 2.0), torch.sigmoid(rnd(b, t, hv))
+    return q, k, v, g, beta, do, rnd(b, hv, dk, dv) * 0.5, rnd(b, hv, dk, dv) * 0.5
+
+
+def emulated_kernel(calls=None):
+    """kernel 1's stand-in: the tile emulation in fp64, the register operands rounded to the
+    tiles' dtype where it is 16-bit, fp32 outputs (the launcher's)."""
+
+    def run(do, pt, ke, qe, w, e_last, dht):
+        for x in (do, pt, ke, qe, w):
+            assert x.is_contiguous() and x.dtype == do.dtype and x.shape[:3] == do.shape[:3]
+        assert e_last.dtype == torch.float32 and e_last.shape == (do.shape[0], -(-do.shape[1]
+                                                                  // 64), do.shape[2])  # fmt: skip
+        if calls is not None:
+            calls.append(do.dtype)
+        low = do.dtype in (torch.float16, torch.bfloat16)
+
+        def rounding(x):
+            return x.to(do.dtype).to(x.dtype) if low else x
+
+        factors = {n: x.double() for n, x in zip(TILES, (pt, ke, qe, w))}
+        factors["e_last"] = e_last.double()
+        dst = None if dht is None else dht.double()
+        return tuple(x.float() for x in tile_model(factors, do.double(), dst, rounding))
+
+    return run
+
+
+@pytest.mark.parametrize("t", [1, 63, 64, 65, 200])
+@pytest.mark.parametrize("b", [1, 3])
+def test_batched_factors_match_the_layout_forms(t, b):
+    q, k, v, g, beta, *_ = _inputs(b, t, 2)
+    got = batched_state_pass_factors(q, k, v, g, beta, scale=0.3, dtype=torch.float64)
+    want = state_pass_factors(q, k, v, g, beta, scale=0.3, dtype=torch.float64)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("t", [1, 63, 64, 65, 200])
+@pytest.mark.parametrize("b", [1, 3])
+@pytest.mark.parametrize("with_h0", [False, True])
+def test_forward_recurrence_on_the_reverse_kernel(t, b, with_h0):
+    """Kernel 1's model (`reverse_state_pass`) and its tile emulation fed `forward_state_tiles`
+    give the forward's chunk states h and U = u - W h (reference pass 1, `_states`; U also
+    against `corrected_values`) and the final state (to e^(G_C)'s fp32 rounding)."""
+    q, k, v, g, beta, _, h0, _ = _inputs(b, t, 2)
+    h0 = h0 if with_h0 else None
+    f = chunk_factors(q * 0.25, k, v, g, beta)
+    tiles = forward_state_tiles(f, torch.float64)
+    factors = {n: tiles[n] for n in (*TILES, "e_last")}
+    layout = _layout(b, t, q.device)
+    flat = [x.reshape(b * t, *x.shape[2:]) for x in (q * 0.25, k, v, g, beta)]
+    fl = _Factors(*(layout.gather(x) for x in flat))
+    start = torch.zeros(b, 2, 16, 8, dtype=torch.float64) if h0 is None else h0
+    h_ref, u_ref = _states(fl, start, layout.steps)
+    h_ref = _per_chunk(h_ref, b)
+    u_tok = corrected_values(q, k, v, g, beta, h0, scale=0.25, dtype=torch.float64)
+    for run in (lambda: reverse_state_pass(factors, tiles["do"], h0),
+                lambda: emulated_kernel()(tiles["do"], *(tiles[n] for n in TILES),
+                                          tiles["e_last"].float(), h0)):  # fmt: skip
+        du, dh, final = run()
+        h, big_u = forward_states(du, dh)
+        tol = 1e-5  # e^(G_C) goes to the kernel in fp32
+        torch.testing.assert_close(h.to(h_ref.dtype), h_ref, rtol=tol, atol=tol)
+        got_u = big_u.transpose(2, 3).flatten(1, 2)[:, :t].to(u_tok.dtype)
+        torch.testing.assert_close(got_u, u_tok, rtol=tol, atol=tol)
+        s_end = f.e_last[:, -1, :, :, None] * h[:, -1] + f.ke[:, -1].transpose(-1, -2) @ (
+            big_u[:, -1].to(f.ke.dtype))
+        torch.testing.assert_close(final.to(s_end.dtype), s_end, rtol=tol, atol=tol)
+
+
+CASES = [
+    # (b, t, h, hv, l2norm, with_h0, with_dht)
+    (1, 1, 2, 2, False, False, False),
+    (2, 63, 2, 4, True, True, True),
+    (3, 64, 1, 2, False, True, False),
+    (1, 65, 2, 2, True, False, True),
+    (2, 200, 2, 4, False, True, True),
+    (3, 65, 2, 2, False, False, True),
+    (1, 200, 1, 1, True, True, False),
+    (2, 1, 1, 2, True, True, True),
+]
+
+
+@pytest.mark.parametrize(("b", "t", "h", "hv", "l2norm", "with_h0", "with_dht"), CASES)
+@pytest.mark.parametrize("k_last", [False, True])
+def test_kernel_path_equals_the_interim_path(monkeypatch, b, t, h, hv, l2norm, with_h0,
+                                              with_dht, k_last):  # fmt: skip
+    """fp32 inputs (so fp32 tiles, nothing rounded): `_backward_kernel` is the interim
+    backward to fp32 tolerance, every gradient, grouped heads, both state layouts."""
+    monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel())
+    q, k, v, g, beta, do, h0, dht = _inputs(b, t, h, hv, dk=32, dv=16, seed=t + b,
+                                           dtype=torch.float32)  # fmt: skip
+    if l2norm:
+        q, k = q * 3.0, k * 2.0
+    h0 = h0 if with_h0 else None
+    dht = dht if with_dht else None
+    if k_last:
+        h0, dht = (None if x is None else x.transpose(-1, -2).contiguous() for x in (h0, dht))
+    flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta, do)]
+    cu = torch.arange(b + 1, dtype=torch.int32) * t
+    want = bwd._backward_interim(*flat[:5], h0, cu, flat[5], dht, 0.2, k_last, l2norm)
+    got = bwd._backward_kernel(*flat[:5], h0, flat[5], dht, 0.2, k_last, l2norm, b)
+    for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+        assert a.shape == r.shape and a.dtype == r.dtype, name
+        err = float((a - r).abs().max())
+        assert err <= 1e-4 * float(r.abs().max()) + 1e-6, (name, err, float(r.abs().max()))
+
+
+def test_head_passes_are_the_one_pass(monkeypatch):
+    """Value heads in several passes (the memory bound) give the one pass's gradients."""
+    monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel())
+    q, k, v, g, beta, do, h0, dht = _inputs(2, 70, 4, 8, dk=16, dv=8, dtype=torch.float32)
+    flat = [x.reshape(140, *x.shape[2:]) for x in (q, k, v, g, beta, do)]
+    one = bwd._backward_kernel(*flat[:5], h0, flat[5], dht, 0.2, False, True, 2)
+    monkeypatch.setattr(bwd, "TOKEN_HEADS_PER_PASS", 140 * 2)  # one q head (2 value heads)
+    split = bwd._backward_kernel(*flat[:5], h0, flat[5], dht, 0.2, False, True, 2)
+    for a, r in zip(split, one):
+        torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-6)
+
+
+# ---- the op with the switch on (bf16, the forward launcher stubbed as tests/test_gdn_bwd_op)
+
+
+@pytest.fixture
+def kernel_path(monkeypatch):
+    calls = []
+    monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
+    monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel(calls))
+    monkeypatch.setattr(bwd, "check_cuda", lambda name, t: None)
+    return calls
+
+
+def _bf16_problem(b, t, h, hv, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, t, h, 128, generator=gen).bfloat16()
+    k = (torch.randn(b, t, h, 128, generator=gen) * 2.0).bfloat16()
+    v = torch.randn(b, t, hv, 128, generator=gen).bfloat16()
+    g = -torch.rand(b, t, hv, generator=gen)
+    beta = torch.rand(b, t, hv, generator=gen)
+    do = torch.randn(b, t, hv, 128, generator=gen).bfloat16()
+    h0 = torch.randn(b, hv, 128, 128, generator=gen) * 0.1
+    dht = torch.randn(b, hv, 128, 128, generator=gen) * 0.1
+    return q, k, v, g, beta, do, h0, dht
+
+
+@pytest.mark.parametrize(("b", "t", "h", "hv"), [(2, 65, 1, 2), (1, 130, 2, 2)])
+def test_explicit_backward_on_the_kernel_path(kernel_path, b, t, h, hv):
+    """`gated_delta_rule_backward` with the switch on takes the kernel path (two launches:
+    the forward states, the reverse pass) and matches autograd through the fp64 recurrence
+    within 2e-2 of each gradient's max (bf16 tiles, the emulation's bf16 operands)."""
+    from test_gdn_bwd_op import _fp64_grads
+
+    q, k, v, g, beta, do, h0, dht = _bf16_problem(b, t, h, hv, seed=t)
+    got = forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, initial_state=h0,
+                                                d_final_state=dht,
+                                                use_qk_l2norm_in_kernel=True)  # fmt: skip
+    assert kernel_path == [torch.bfloat16, torch.bfloat16]
+    want = _fp64_grads([q, k, v, g, beta, h0], None, do, dht, l2norm=True, with_state=True)
+    for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+        err = float((a.double() - r).abs().max())
+        assert err <= 2e-2 * float(r.abs().max()), (name, err, float(r.abs().max()))
+
+
+def test_varlen_keeps_the_interim_path(kernel_path, monkeypatch):
+    """Several sequences behind cu_seqlens: lengths unknown on the host, the interim path; one
+    sequence behind cu_seqlens: the kernel path."""
+    seen = []
+    interim = bwd._backward_interim
+    monkeypatch.setattr(bwd, "_backward_interim", lambda *a: seen.append(1) or interim(*a))
+    q, k, v, g, beta, do, h0, _ = _bf16_problem(1, 70, 1, 2)
+    cu = torch.tensor([0, 30, 70], dtype=torch.int32)
+    forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, initial_state=h0[:1].expand(
+        2, -1, -1, -1).contiguous(), cu_seqlens=cu)  # fmt: skip
+    assert seen == [1] and kernel_path == []
+    forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, initial_state=h0[:1],
+                                          cu_seqlens=cu[[0, 2]])  # fmt: skip
+    assert seen == [1] and len(kernel_path) == 2
+
+
+def test_switch_off_is_the_interim_path(kernel_path, monkeypatch):
+    monkeypatch.delenv(bwd.KERNEL_SWITCH)
+    q, k, v, g, beta, do, *_ = _bf16_problem(1, 10, 1, 1)
+    forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do)
+    assert kernel_path == []
+
+
+def test_autograd_one_sequence_on_the_kernel_path(kernel_path, monkeypatch):
+    """Autograd through `gated_delta_rule` (the forward launcher stubbed): one sequence takes
+    the kernel path, B = 2 (offsets of equal lengths the op cannot see) the interim one."""
+    from test_gdn_bwd_op import _fp64_grads
+
+    _stub_forward(monkeypatch)
+    for b, launches in ((1, 2), (2, 0)):
+        kernel_path.clear()
+        q, k, v, g, beta, do, h0, _ = _bf16_problem(b, 70, 1, 2, seed=b)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+        o, _ = forgekernel.gated_delta_rule(*leaves[:5], initial_state=leaves[5],
+                                            use_qk_l2norm_in_kernel=True)  # fmt: skip
+        got = torch.autograd.grad((o.float() * do.float()).sum(), leaves)
+        assert len(kernel_path) == launches
+        want = _fp64_grads([q, k, v, g, beta, h0], None, do, None, l2norm=True,
+                           with_state=True)  # fmt: skip
+        for a, r in zip(got, want):
+            assert float((a.double() - r).abs().max()) <= 2e-2 * float(r.abs().max())
+
+
+def _stub_forward(monkeypatch):
+    """tests/test_gdn_bwd_op.py's forward stub: the fp32 chunked reference as the launcher."""
+    from forgekernel.reference.delta_rule import gated_delta_rule_chunked
+
+    def launch(q, k, v, g, beta, initial_state, cu_seqlens, scale, k_last, l2norm, out=None):
+        o, final = gated_delta_rule_chunked(
+            *(x.unsqueeze(0) for x in (q, k, v, g, beta)), scale=scale,
+            initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens,
+            use_qk_l2norm=l2norm,
+        )  # fmt: skip
+        return o[0].to(q.dtype).contiguous(), final.contiguous()
+
+    monkeypatch.setattr(fwd, "_launch", launch)
+    monkeypatch.setattr(fwd, "check_cuda", lambda name, t: None)
