@@ -210,20 +210,50 @@ def test_explicit_backward_on_the_kernel_path(kernel_path, b, t, h, hv):
         assert err <= 2e-2 * float(r.abs().max()), (name, err, float(r.abs().max()))
 
 
-def test_varlen_keeps_the_interim_path(kernel_path, monkeypatch):
-    """Several sequences behind cu_seqlens: lengths unknown on the host, the interim path; one
-    sequence behind cu_seqlens: the kernel path."""
+@pytest.mark.parametrize(("lens", "h0_too"), [([1, 63, 0, 64, 65, 130], True),
+                                             ([70, 70, 70], False), ([3, 129, 7], True)])
+def test_varlen_padded_equals_the_interim_path(monkeypatch, lens, h0_too):
+    """Several sequences behind cu_seqlens: padded to the longest on the kernel path (fp32
+    tiles, exact emulation) equals the interim path, empty sequences included."""
+    monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
+    monkeypatch.setattr(bwd, "TILE_DTYPES", (torch.float32,))
+    calls = []
+    monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel(calls))
+    n, t = len(lens), sum(lens)
+    q, k, v, g, beta, do, *_ = _inputs(1, t, 2, 4, dk=32, dv=16, seed=n, dtype=torch.float32)
+    _, _, _, _, _, _, h0, dht = _inputs(n, 1, 2, 4, dk=32, dv=16, seed=9, dtype=torch.float32)
+    flat = [x[0] for x in (q, k, v, g, beta, do)]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    h0 = h0 if h0_too else None
+    want = bwd._backward_interim(*flat[:5], h0, cu, flat[5], dht, 0.2, False, True)
+    got = bwd._backward_eager(*flat[:5], h0, cu, flat[5], dht, 0.2, False, True, 0)
+    assert len(calls) == 2
+    for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+        assert a.shape == r.shape, name
+        err = float((a - r).abs().max())
+        assert err <= 1e-4 * float(r.abs().max()) + 1e-6, (name, err, float(r.abs().max()))
+
+
+def test_varlen_routing(kernel_path, monkeypatch):
+    """Varlen reads the offsets (kernel path, padded); one long sequence among many short
+    ones (padding > PAD_WASTE_LIMIT x) keeps the interim path; one sequence: no host read."""
     seen = []
     interim = bwd._backward_interim
     monkeypatch.setattr(bwd, "_backward_interim", lambda *a: seen.append(1) or interim(*a))
-    q, k, v, g, beta, do, h0, _ = _bf16_problem(1, 70, 1, 2)
-    cu = torch.tensor([0, 30, 70], dtype=torch.int32)
-    forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, initial_state=h0[:1].expand(
-        2, -1, -1, -1).contiguous(), cu_seqlens=cu)  # fmt: skip
-    assert seen == [1] and kernel_path == []
+    q, k, v, g, beta, do, h0, _ = _bf16_problem(1, 610, 1, 2)
+    for lens, kernel in (([300, 310], True), ([600] + [1] * 10, False)):
+        kernel_path.clear()
+        seen.clear()
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, cu_seqlens=cu,
+                                              use_qk_l2norm_in_kernel=True)  # fmt: skip
+        assert (len(kernel_path), seen) == ((2, []) if kernel else (0, [1]))
+    kernel_path.clear()
+    cu = torch.tensor([0, 610], dtype=torch.int32)
+    monkeypatch.setattr(bwd, "_backward_varlen", lambda *a: pytest.fail("host read"))
     forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, initial_state=h0[:1],
-                                          cu_seqlens=cu[[0, 2]])  # fmt: skip
-    assert seen == [1] and len(kernel_path) == 2
+                                          cu_seqlens=cu)  # fmt: skip
+    assert len(kernel_path) == 2
 
 
 def test_switch_off_is_the_interim_path(kernel_path, monkeypatch):
@@ -235,11 +265,12 @@ def test_switch_off_is_the_interim_path(kernel_path, monkeypatch):
 
 def test_autograd_one_sequence_on_the_kernel_path(kernel_path, monkeypatch):
     """Autograd through `gated_delta_rule` (the forward launcher stubbed): one sequence takes
-    the kernel path, B = 2 (offsets of equal lengths the op cannot see) the interim one."""
+    the kernel path with no host read, B = 2 too (the offsets read on the host: equal
+    lengths, a reshape)."""
     from test_gdn_bwd_op import _fp64_grads
 
     _stub_forward(monkeypatch)
-    for b, launches in ((1, 2), (2, 0)):
+    for b, launches in ((1, 2), (2, 2)):
         kernel_path.clear()
         q, k, v, g, beta, do, h0, _ = _bf16_problem(b, 70, 1, 2, seed=b)
         leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]

@@ -23,12 +23,13 @@ runs both sequential recurrences on kernel 1 (kernels/linear_attention/gdn_bwd_s
 `gdn_bwd_state`): the forward's chunk states h and U = u - W h (the kernel's recurrence fed
 transposed inputs, `reference.gdn_bwd_state.forward_state_tiles`), then the reverse recurrence
 (dU, dh, the initial state's gradient); everything else is batched torch over every chunk at
-once (no loop over chunks, no host read of the offsets, capturable): the chunk factors, the
-16-bit tiles, pass 3's gradients and the WY transpose in fp32 (the reference's own
-`_output_grads` / `_wy_grads`), scale, l2norm, the group sum. Equal-length sequences only
-(the kernel's (B, T, HV, D) tiles): the explicit backward without cu_seqlens, or one sequence;
-varlen with N > 1 sequences keeps the interim path (autograd's offsets do not say whether the
-lengths are equal without a host read), as do T = 0 and 32-bit inputs.
+once (no loop over chunks): the chunk factors, the 16-bit tiles, pass 3's gradients and the WY
+transpose in fp32 (the reference's own `_output_grads` / `_wy_grads`), scale, l2norm, the
+group sum. Kernel 1 takes equal-length sequences ((B, T, HV, D) tiles): the explicit backward
+without cu_seqlens and one sequence run with no host read (CUDA-graph capturable); several
+sequences behind cu_seqlens (autograd's offsets do not say whether the lengths are equal) read
+the offsets on the host (one sync, as the interim path) and are padded to the longest
+(`_backward_varlen`; above PAD_WASTE_LIMIT x padding, T = 0 or 32-bit inputs: the interim).
 
 Eager calls take the custom op when autograd records them (the dispatcher's ~30 us are nothing
 beside this backward); under torch.compile the backward graph records the backward custom op,
@@ -102,10 +103,16 @@ def _state_recurrence(do, pt, ke, qe, w, e_last, d_final_state):
     return gdn_bwd_state(do, pt, ke, qe, w, e_last, d_final_state)
 
 
-def _kernel_path(q, v, batch: int) -> bool:
-    """The switch is on and the call fits kernel 1: equal lengths known on the host (`batch`
-    sequences; 0: unknown), 16-bit, at least one token."""
-    return (os.environ.get(KERNEL_SWITCH) == "1" and batch > 0 and q.shape[0] > 0
+PAD_WASTE_LIMIT = 4  # varlen: padded chunks / real chunks above which the interim path runs
+NOT_CAPTURABLE_VARLEN = (
+    "gated_delta_rule's backward on kernel 1 reads varlen offsets on the host (the padding to "
+    "equal lengths, one sync a call; equal-length calls without cu_seqlens have none)"
+)
+
+
+def _kernel_path(q, v) -> bool:
+    """The switch is on and the call fits kernel 1: 16-bit, at least one token and head."""
+    return (os.environ.get(KERNEL_SWITCH) == "1" and q.shape[0] > 0
             and q.dtype in TILE_DTYPES and v.shape[1] > 0)  # fmt: skip
 
 
@@ -172,6 +179,42 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, k_last
     return (*flat, _to_kv(dh0, k_last).contiguous())
 
 
+def _backward_varlen(q, k, v, g, beta, initial_state, do, d_final, scale, k_last, l2norm,
+                     cu_seqlens) -> Grads | None:  # fmt: skip
+    """Varlen on the kernel path: the offsets read on the host (one sync, as the interim
+    path's; a CUDA-graph capture is refused first), every sequence zero-padded at its end to
+    the longest's length (the reference's tail padding: zero rows change neither the state nor
+    a real gradient) and the result gathered back; equal lengths are a reshape. None (the
+    interim path) when no token or when the padded chunks exceed PAD_WASTE_LIMIT times the real
+    ones (one long sequence among short ones: packing several short sequences into one kernel
+    row is not built)."""
+    refuse_capture(NOT_CAPTURABLE_VARLEN, q)
+    edges = [int(e) for e in cu_seqlens.tolist()]
+    lens = [z - a for a, z in zip(edges[:-1], edges[1:])]
+    n, t = len(lens), max(lens)
+    rest = (d_final, scale, k_last, l2norm, n)
+    if t == 0:
+        return None
+    if all(x == t for x in lens):
+        return _backward_kernel(q, k, v, g, beta, initial_state, do, *rest)
+    real = sum(-(-x // CHUNK) for x in lens)
+    if n * -(-t // CHUNK) > PAD_WASTE_LIMIT * real:
+        return None
+    pos = torch.arange(t)
+    valid = (pos < torch.tensor(lens).unsqueeze(1)).flatten()
+    rows = (torch.tensor(edges[:-1]).unsqueeze(1) + pos).flatten()[valid].to(q.device)
+    slots = valid.nonzero()[:, 0].to(q.device)  # padded row of each token, in token order
+
+    def pad(x):
+        out = x.new_zeros(n * t, *x.shape[1:])
+        out[slots] = x[rows]
+        return out
+
+    padded = (pad(x) for x in (q, k, v, g, beta))
+    grads = _backward_kernel(*padded, initial_state, pad(do), *rest)
+    return (*(x[slots] for x in grads[:5]), grads[5])
+
+
 def _empty_grads(q, k, v, g, beta, cu_seqlens, k_last) -> Grads:
     n = cu_seqlens.shape[0] - 1
     shape = fwd._state_shape(n, v.shape[1], q.shape[2], v.shape[2], k_last)
@@ -207,11 +250,15 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, k_last, l
 
 def _backward_eager(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, k_last,
                     l2norm, batch) -> Grads:  # fmt: skip
-    """`batch` > 0: the offsets are `batch` equal lengths (known on the host), the kernel path
-    may take the call; else (or with the switch off) the interim path."""
-    if _kernel_path(q, v, batch):
-        return _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, k_last,
-                                l2norm, batch)  # fmt: skip
+    """With the switch on: `batch` > 0 (the offsets are `batch` equal lengths, known on the
+    host): the kernel path, no sync; else the offsets read on the host and the kernel path on
+    the sequences padded to equal length (`_backward_varlen`). The interim path otherwise."""
+    if _kernel_path(q, v):
+        args = (q, k, v, g, beta, initial_state, do, d_final, scale, k_last, l2norm)
+        grads = (_backward_kernel(*args, batch) if batch > 0
+                 else _backward_varlen(*args, cu_seqlens))  # fmt: skip
+        if grads is not None:
+            return grads
     return _backward_interim(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale,
                              k_last, l2norm)  # fmt: skip
 
