@@ -1,0 +1,206 @@
+"""The Gated DeltaNet backward on kernel 1 (`FORGEKERNEL_GDN_BWD_KERNEL=1`,
+ops/gated_delta_rule_bwd.py `_backward_kernel`: both recurrences on the kernel, the rest batched
+torch) on the GPU: against the fp64 chunked backward (reference/delta_rule_bwd.py, itself checked
+against autograd) on the same 16-bit inputs and against the interim path, kernel outputs
+NaN-poisoned before every launch (a row the kernel leaves unwritten fails); bf16 and fp16;
+T = 1, 63, 64, 65, 200, 1000; B 1-3; H = HV and HV = 2H; with / without initial state and
+final-state gradient; l2norm on / off; both state layouts; varlen through cu_seqlens (padded,
+empty sequences); autograd through the forward kernel; a CUDA-graph capture of the equal-length
+path; the 4 x 8192 h16 hv32 time printed (`-s`: the path, the kernel's two launches, peak
+memory), in both the equal-length and the suite's varlen form.
+
+Tolerance: each gradient within 2e-2 of its reference's largest entry (the suite's rule): the
+kernel's tiles and its register operands are 16-bit (tests/test_gdn_bwd_state.py's emulation:
+~1.4e-3 of max on dU); the interim path is fp32 throughout. CPU twin: tests/
+test_gdn_bwd_kernel_path.py (the kernel replaced by the tile emulation)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import forgekernel
+from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.launch import (
+    empty_outputs,
+    gdn_bwd_state,
+)
+from forgekernel.reference.delta_rule_bwd import gated_delta_rule_chunked_backward
+from forgekernel.runtime.timing import median, time_ms
+
+pytestmark = pytest.mark.gpu
+bwd = importlib.import_module("forgekernel.ops.gated_delta_rule_bwd")
+NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+TOL = 2e-2
+
+
+def _poisoned_kernel(calls):
+    def run(do, pt, ke, qe, w, e_last, dht):
+        out = tuple(x.fill_(float("nan")) for x in empty_outputs(do, ke.shape[-1]))
+        calls.append(tuple(do.shape))
+        return gdn_bwd_state(do, pt, ke, qe, w, e_last, dht, out=out)
+
+    return run
+
+
+@pytest.fixture
+def kernel_path(monkeypatch):
+    calls = []
+    monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
+    monkeypatch.setattr(bwd, "_state_recurrence", _poisoned_kernel(calls))
+    return calls
+
+
+def _problem(b, t, h, hv, dtype, *, seed=0, l2norm=False):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen)
+
+    q = rnd(b, t, h, 128).to(dtype)
+    k = rnd(b, t, h, 128)
+    k = (k * 2.0 if l2norm else F.normalize(k, dim=-1)).to(dtype)
+    v = rnd(b, t, hv, 128).to(dtype)
+    g = F.logsigmoid(rnd(b, t, hv) + 2.0)
+    beta = torch.sigmoid(rnd(b, t, hv))
+    do = rnd(b, t, hv, 128).to(dtype)
+    return q, k, v, g, beta, do, rnd(b, hv, 128, 128) * 0.1, rnd(b, hv, 128, 128) * 0.1
+
+
+def _close(name, got, want):
+    assert got.shape == want.shape, name
+    assert torch.isfinite(got).all(), f"{name}: NaN / inf (an unwritten kernel row?)"
+    if want.numel() == 0:
+        return
+    err = float((got.double() - want.double()).abs().max())
+    assert err <= TOL * float(want.abs().max()) + 1e-5, (name, err, float(want.abs().max()))
+
+
+def _run(inputs, *, h0, dht, l2norm, k_last, cu=None):
+    q, k, v, g, beta, do = inputs
+    states = [None if x is None else (x.transpose(-1, -2).contiguous() if k_last else x)
+              for x in (h0, dht)]  # fmt: skip
+    return forgekernel.gated_delta_rule_backward(
+        q, k, v, g, beta, do, initial_state=states[0], d_final_state=states[1], cu_seqlens=cu,
+        use_qk_l2norm_in_kernel=l2norm, k_last=k_last,
+    )  # fmt: skip
+
+
+def _reference(inputs, *, h0, dht, l2norm, cu=None):
+    return gated_delta_rule_chunked_backward(*inputs, initial_state=h0, d_final_state=dht,
+                                             cu_seqlens=cu, use_qk_l2norm=l2norm,
+                                             dtype=torch.float64)  # fmt: skip
+
+
+def _check(kernel_path, monkeypatch, inputs, *, h0, dht, l2norm=False, k_last=False, cu=None):
+    got = _run(inputs, h0=h0, dht=dht, l2norm=l2norm, k_last=k_last, cu=cu)
+    assert len(kernel_path) == 2, "the kernel path was not taken"
+    want = _reference(inputs, h0=h0, dht=dht, l2norm=l2norm, cu=cu)
+    monkeypatch.delenv(bwd.KERNEL_SWITCH)
+    interim = _run(inputs, h0=h0, dht=dht, l2norm=l2norm, k_last=k_last, cu=cu)
+    for name, a, r, i in zip(NAMES, got, want, interim):
+        if name == "dh0" and k_last:
+            a, i = a.transpose(-1, -2), i.transpose(-1, -2)
+        _close(name, a, r)
+        _close(name + " vs interim", a, i.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t", [1, 63, 64, 65, 200, 1000])
+@pytest.mark.parametrize(
+    ("b", "h", "hv", "l2norm", "with_h0", "with_dht", "k_last"),
+    [
+        (1, 2, 2, False, True, True, False),
+        (2, 2, 4, True, False, True, True),
+        (3, 1, 2, True, True, False, False),
+        (2, 4, 4, False, False, False, False),
+    ],
+)
+def test_matches_the_fp64_backward_and_the_interim(kernel_path, monkeypatch, dtype, t, b, h,
+                                                   hv, l2norm, with_h0, with_dht,
+                                                   k_last):  # fmt: skip
+    q, k, v, g, beta, do, h0, dht = _problem(b, t, h, hv, dtype, seed=t + b, l2norm=l2norm)
+    _check(kernel_path, monkeypatch, (q, k, v, g, beta, do), h0=h0 if with_h0 else None,
+           dht=dht if with_dht else None, l2norm=l2norm, k_last=k_last)  # fmt: skip
+
+
+@pytest.mark.parametrize("lens", [[1, 63, 0, 64, 65, 130], [300, 300, 300], [1000, 700]])
+def test_varlen_padded(kernel_path, monkeypatch, lens):
+    n, total = len(lens), sum(lens)
+    q, k, v, g, beta, do, *_ = _problem(1, total, 2, 4, torch.bfloat16, seed=n, l2norm=True)
+    *_, h0, dht = _problem(n, 1, 2, 4, torch.bfloat16, seed=99)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda").int()
+    _check(kernel_path, monkeypatch, (q, k, v, g, beta, do), h0=h0, dht=dht, l2norm=True,
+           cu=cu)  # fmt: skip
+
+
+@pytest.mark.parametrize("b", [1, 2])
+def test_autograd_through_the_forward_kernel(kernel_path, b):
+    """gated_delta_rule's autograd (the forward on its kernel) with the switch on: the kernel
+    path (one sequence: no host read; B = 2: the offsets read, equal lengths) against the fp64
+    backward on the same inputs."""
+    q, k, v, g, beta, do, h0, dht = _problem(b, 333, 2, 4, torch.bfloat16, seed=b, l2norm=True)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+    o, final = forgekernel.gated_delta_rule(*leaves[:5], initial_state=leaves[5],
+                                            output_final_state=True,
+                                            use_qk_l2norm_in_kernel=True)  # fmt: skip
+    grads = torch.autograd.grad((o.float() * do.float()).sum() + (final * dht).sum(), leaves)
+    assert len(kernel_path) == 2
+    want = _reference((q, k, v, g, beta, do), h0=h0, dht=dht, l2norm=True)
+    for name, a, r in zip(NAMES, grads, want):
+        _close(name, a, r)
+
+
+def test_cuda_graph_capture(kernel_path):
+    """The equal-length kernel path has no host read: it captures, and a replay on new inputs
+    (copied into the captured ones) equals an eager call."""
+    q, k, v, g, beta, do, h0, dht = _problem(2, 200, 2, 4, torch.bfloat16, seed=11)
+    args = [q, k, v, g, beta, do]
+    kw = {"initial_state": h0, "d_final_state": dht}
+
+    def call():
+        return forgekernel.gated_delta_rule_backward(*args, **kw)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()  # compile and warm the allocator outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    fresh = _problem(2, 200, 2, 4, torch.bfloat16, seed=12)
+    for x, y in zip(args, fresh[:6]):
+        x.copy_(y)
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, a, r in zip(NAMES, captured, call()):
+        torch.testing.assert_close(a, r, rtol=1e-3, atol=1e-3, msg=name)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_time_at_bench_size(kernel_path, monkeypatch, varlen):
+    """4 x 8192 tokens, H 16, HV 32 (the gdn_bwd suite's batch case; `varlen`: its B = 1 +
+    cu_seqlens form): the path's time, the two kernel launches' time, peak memory (printed;
+    the prediction: NOTES.md "Backward on kernel 1"), gradients finite."""
+    q, k, v, g, beta, do, h0, dht = _problem(4, 8192, 16, 32, torch.bfloat16, seed=13)
+    args, kw = [q, k, v, g, beta, do], {"initial_state": h0, "d_final_state": dht}
+    if varlen:
+        args = [x.flatten(0, 1).unsqueeze(0) for x in args]
+        kw["cu_seqlens"] = torch.arange(5, device="cuda", dtype=torch.int32) * 8192
+    grads = forgekernel.gated_delta_rule_backward(*args, **kw)
+    for name, x in zip(NAMES, grads):
+        assert torch.isfinite(x).all(), name
+    torch.cuda.reset_peak_memory_stats()
+    ms = median(time_ms(lambda: forgekernel.gated_delta_rule_backward(*args, **kw), reps=10))
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    kernel_args = []
+    monkeypatch.setattr(bwd, "_state_recurrence",
+                        lambda *a: kernel_args.append(a) or gdn_bwd_state(*a))  # fmt: skip
+    forgekernel.gated_delta_rule_backward(*args, **kw)
+    launches = [median(time_ms(lambda a=a: gdn_bwd_state(*a), reps=10)) for a in kernel_args]
+    form = "varlen" if varlen else "B = 4"
+    print(f"\nGDN backward on kernel 1, 4 x 8192 h16 hv32 bf16 ({form}): {ms:.2f} ms a call, "
+          f"kernel 1 {' + '.join(f'{x:.3f}' for x in launches)} ms, peak {peak:.1f} GiB")
