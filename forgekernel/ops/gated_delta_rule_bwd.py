@@ -48,7 +48,6 @@ from forgekernel.ops._dispatch import refuse_capture
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import check_cuda, check_shaped
 from forgekernel.reference.delta_rule_bwd import (
-    TOKEN_HEADS_PER_PASS,
     _l2norm,
     _l2norm_backward,
     _output_grads,
@@ -92,6 +91,10 @@ def _backward_interim(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, 
 
 
 KERNEL_SWITCH = "FORGEKERNEL_GDN_BWD_KERNEL"
+# Token x value heads of one pass of the kernel path: its fp32 temporaries are ~56 KB a
+# token-head allocated over the pass (CPU profile at K = V = 128), ~59 GB at 2^20, not all live
+# at once (4 x 8192 HV 32 is one pass; 8 x 32768 HV 32 eight).
+TOKEN_HEADS_PER_PASS = 2**20
 TILE_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -147,7 +150,7 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, k_last
     (normalized, scaled) repeated to the value heads before the factors (kernel 1 and every
     factor are per value head), dq / dk summed over each group of HV / H value heads after;
     value heads in passes of TOKEN_HEADS_PER_PASS token-heads (two kernel launches a pass) to
-    bound the fp32 temporaries (~1 MB a chunk and value head)."""
+    bound the fp32 temporaries."""
     b, h, hv = batch, q.shape[1], v.shape[1]
     t, group = q.shape[0] // b, hv // h
 
