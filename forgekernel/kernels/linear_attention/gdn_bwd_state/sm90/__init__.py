@@ -1,7 +1,9 @@
 """Gated DeltaNet backward, kernel 1: the reverse state recurrence over chunks, sm_90a.
 DSL-free declaration; the kernel is `reverse_state.py`, the launcher `launch.py`, the CPU
-model `forgekernel.reference.gdn_bwd_state`. Not wired into the op yet (its backward is the
-interim torch path of `forgekernel.ops.gated_delta_rule_bwd`)."""
+model `forgekernel.reference.gdn_bwd_state`. Wired into the op's backward behind
+`FORGEKERNEL_GDN_BWD_KERNEL=1` (`forgekernel.ops.gated_delta_rule_bwd._backward_kernel`: two
+launches, the forward's chunk states by the same recurrence fed transposed inputs, then the
+reverse pass); the default is still the interim torch path until the GPU check passes."""
 
 from __future__ import annotations
 
