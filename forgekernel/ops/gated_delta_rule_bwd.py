@@ -129,7 +129,8 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht):
     fw = forward_state_tiles(f, dtype)
     du_fw, dh_fw, _ = _state_recurrence(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")),
                                         fw["e_last"], h0)  # fmt: skip
-    h, big_u = forward_states(du_fw, dh_fw)
+    h, big_u = forward_states(du_fw, dh_fw)  # copies (the chunks flipped back)
+    del fw, du_fw, dh_fw  # the peak: free launch 1's tiles and outputs before launch 2's
     do_c = to_chunks(do, nc)
     tiles = (to_tokens(x.to(dtype)) for x in (f.p.transpose(-1, -2), f.ke, f.qe, f.w))
     du_t, dh_t, dh0 = _state_recurrence(to_tokens(do_c), *tiles,
