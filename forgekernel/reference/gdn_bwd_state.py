@@ -2,7 +2,9 @@
 gdn_bwd_state/sm90): its inputs, the chunk factors of reference/delta_rule_bwd.py in the
 kernel's token-major layouts, and its outputs, pass 2 of that reference (the reverse state
 recurrence). Fixed length only (B sequences of T tokens) and H = HV, as the kernel's first
-version."""
+version. The batched forms at the end (`to_chunks`, `chunk_factors`,
+`batched_state_pass_factors`, `forward_state_tiles`, `forward_states`: no chunk layout, no
+loop) are what the op's kernel path (ops/gated_delta_rule_bwd.py `_backward_kernel`) runs."""
 
 from __future__ import annotations
 
