@@ -264,12 +264,12 @@ def test_switch_off_is_the_interim_path(kernel_path, monkeypatch):
 
 
 def test_autograd_one_sequence_on_the_kernel_path(kernel_path, monkeypatch):
-    """Autograd through `gated_delta_rule` (the forward launcher stubbed): one sequence takes
-    the kernel path with no host read, B = 2 too (the offsets read on the host: equal
-    lengths, a reshape)."""
+    """Autograd through `gated_delta_rule` (the forward launcher stubbed): one sequence and
+    B = 2 (offsets the wrapper made: `equal_lengths`) take the kernel path with no host read."""
     from test_gdn_bwd_op import _fp64_grads
 
     _stub_forward(monkeypatch)
+    monkeypatch.setattr(bwd, "_backward_varlen", lambda *a: pytest.fail("host read"))
     for b, launches in ((1, 2), (2, 2)):
         kernel_path.clear()
         q, k, v, g, beta, do, h0, _ = _bf16_problem(b, 70, 1, 2, seed=b)
@@ -298,3 +298,24 @@ def _stub_forward(monkeypatch):
 
     monkeypatch.setattr(fwd, "_launch", launch)
     monkeypatch.setattr(fwd, "check_cuda", lambda name, t: None)
+
+
+def test_equal_lengths_registry(monkeypatch):
+    """The wrapper notes the offsets it makes for autograd (not a caller's, not without grad);
+    the entry leaves with the tensor."""
+    _stub_forward(monkeypatch)
+    q, k, v, g, beta, *_ = _bf16_problem(3, 20, 1, 1)
+    seen = []
+    monkeypatch.setattr(fwd, "_note_equal_lengths", lambda o, b: seen.append((o, b)))
+    forgekernel.gated_delta_rule(q, k, v, g, beta)
+    assert seen == []
+    forgekernel.gated_delta_rule(q, k, v, g.requires_grad_(), beta)
+    (offsets, b), = seen
+    assert b == 3 and offsets.tolist() == [0, 20, 40, 60]
+    monkeypatch.undo()
+    made = torch.arange(4, dtype=torch.int32) * 20
+    fwd._note_equal_lengths(made, 3)
+    assert fwd.equal_lengths(made) == 3 and fwd.equal_lengths(made.clone()) == 0
+    key = id(made)
+    del made
+    assert key not in fwd._EQUAL_LENGTHS

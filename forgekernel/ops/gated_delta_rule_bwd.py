@@ -26,9 +26,10 @@ transposed inputs, `reference.gdn_bwd_state.forward_state_tiles`), then the reve
 once (no loop over chunks): the chunk factors, the 16-bit tiles, pass 3's gradients and the WY
 transpose in fp32 (the reference's own `_output_grads` / `_wy_grads`), scale, l2norm, the
 group sum. Kernel 1 takes equal-length sequences ((B, T, HV, D) tiles): the explicit backward
-without cu_seqlens and one sequence run with no host read (CUDA-graph capturable); several
-sequences behind cu_seqlens (autograd's offsets do not say whether the lengths are equal) read
-the offsets on the host (one sync, as the interim path) and are padded to the longest
+without cu_seqlens, autograd of `gated_delta_rule` without cu_seqlens (the offsets it made are
+known equal: `gated_delta_rule_chunked.equal_lengths`) and one sequence run with no host read
+(CUDA-graph capturable); several sequences behind a caller's cu_seqlens read the offsets on
+the host (one sync, as the interim path) and are padded to the longest
 (`_backward_varlen`; above PAD_WASTE_LIMIT x padding, T = 0 or 32-bit inputs: the interim).
 
 Eager calls take the custom op when autograd records them (the dispatcher's ~30 us are nothing
@@ -285,14 +286,15 @@ def _setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
     ctx.flags = (scale, k_last, l2norm)
     ctx.has_state = initial_state is not None
+    n = cu_seqlens.shape[0] - 1  # one sequence, or offsets the wrapper made for B equal lengths
+    ctx.batch = 1 if n == 1 else fwd.equal_lengths(cu_seqlens)
 
 
 def _grad(ctx, do, d_final):
     q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
     do = torch.zeros_like(v) if do is None else do
-    batch = 1 if cu_seqlens.shape[0] == 2 else 0  # one sequence: its length is T
     grads = _backward(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, *ctx.flags,
-                      batch)  # fmt: skip
+                      ctx.batch)  # fmt: skip
     dh0 = grads[5] if ctx.has_state else None
     return (*grads[:5], dh0, None, None, None, None)
 
