@@ -1,0 +1,399 @@
+"""Gated DeltaNet backward, kernel 2: the chunk-parallel output-side gradients for Hopper
+(sm_90a). TMA + WGMMA, one CTA per (chunk, value head, sequence), every chunk at once
+(reference/delta_rule_bwd.py `_output_grads`, pass 3's state and output side).
+
+Per chunk of C = 64 tokens (q scaled, G the within-chunk cumulative log decay, S0 = h the
+state at the chunk's start (K, V), dS = dh the state gradient at its end, U the forward's
+corrected values, dU from kernel 1):
+
+    dqe = dO h^T                 (C x K x V)   SS, both K-major
+    S   = dO U^T                 (C x C x V)   SS, both K-major
+    dPD = S o D                  D_ij = e^(G_i - G_j), j <= i, rows past T zero (registers)
+    dq  = dqe e^G + dPD k        (C x K x C)   A = dPD from registers, B = k MN-major
+    dke = U dh^T                 (C x K x V)   SS, both K-major
+    dk  = dke e^(G_C - G) + dPD^T q            (C x K x C)   A = dPD^T from shared memory
+                                               (transposed stmatrix), B = q MN-major
+    dw  = -dU h^T                (C x K x V)   SS, both K-major
+    dg  = dq.q - dk.k  per row   (the row / column sums of dPD o QK^T and the e^G, e^(G_C - G)
+                                  factors' log-derivatives, folded: see the docstring of
+                                  `reference.gdn_bwd_chunk`)
+    te  = dke.(k e^(G_C - G)) per row   (its chunk sum enters dG at the chunk's last token)
+
+FIRST VERSION (2026-12-04), `_output_grads` only: the WY half (`_wy_grads`: the transposed
+triangular solve, dA, dbeta, its dG) stays in torch, as does the e^(G_C) (dh . h) term of the
+last token's dG; h and dh arrive as 16-bit (K, V) tiles converted in torch.
+
+Warp roles (2 warpgroups, 256 threads): warpgroup 0, warp 0: the seven TMA boxes of the chunk
+(one barrier, no ring: one chunk a CTA); warpgroup 1: every product, 64 token rows.
+
+Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligned outer strides
+(TMA); G fp32 (B, T, HV) unit last stride; the fp32 outputs unit last strides.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from forgekernel.kernels.common.sm90 import softmax
+from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
+from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG, WARP_SIZE
+from forgekernel.kernels.common.sm90.layout import (
+    acc_to_operand_a,
+    rows_cols,
+    select,
+    transposed,
+)
+from forgekernel.kernels.common.sm90.mma import gemm
+from forgekernel.kernels.common.sm90.pipeline import (
+    consumer_state,
+    init_arrive,
+    init_wait,
+    producer_state,
+    smem_tensor,
+    tma_pipeline,
+)
+from forgekernel.kernels.common.sm90.ptx import opaque_tid_x
+from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.config import CHUNK, THREADS
+
+PRODUCER_WARP = 0
+QUAD = 4
+BAR_MATH = FIRST_FREE  # the math warpgroup: dPD^T in shared memory before its WGMMA
+
+
+def _tdhb(t: cute.Tensor) -> cute.Tensor:
+    """(B, T, H, D) as (T, D, H, B): the TMA view, the chunk's tokens and columns leading."""
+    return select(t, [1, 3, 2, 0])
+
+
+def _kvchb(t: cute.Tensor) -> cute.Tensor:
+    """(B, NC, H, K, V) as (K, V, NC, H, B)."""
+    return select(t, [3, 4, 1, 2, 0])
+
+
+class GdnBwdChunkSm90:
+    """One CTA per (chunk, value head, sequence): `_output_grads` of the chunk; see the module
+    docstring."""
+
+    def __init__(self, k: int, v: int):
+        if (k, v) != (128, 128):
+            raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
+        self.k, self.v = k, v
+
+    def _setup(self):
+        dt = self.dtype
+        k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
+        rmem = warpgroup.OperandSource.RMEM
+        # dqe, dke, dw: (C, K) reduced over V, both operands K-major in shared memory
+        self.mma_w = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, k_major, Float32, (1, 1, 1), (CHUNK, self.k)
+        )
+        # S = dO U^T: (C, C) reduced over V
+        self.mma_s = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, k_major, Float32, (1, 1, 1), (CHUNK, CHUNK)
+        )
+        # dq += dPD k: A from registers, B k's transposed (MN-major) view
+        self.mma_q = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, mn_major, Float32, (1, 1, 1), (CHUNK, self.k), a_source=rmem
+        )
+        # dk += dPD^T q: A from shared memory (K-major), B q's transposed view
+        self.mma_k = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, mn_major, Float32, (1, 1, 1), (CHUNK, self.k)
+        )
+        row = LayoutEnum.ROW_MAJOR
+        self.sT_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, self.v), dt, 1)
+        self.sH_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, self.k, self.v), dt, 1)
+        self.sP_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, CHUNK), dt, 1)
+
+    @cute.jit
+    def __call__(
+        self,
+        mDO: cute.Tensor,
+        mU: cute.Tensor,
+        mDU: cute.Tensor,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mH: cute.Tensor,
+        mDH: cute.Tensor,
+        mG: cute.Tensor,
+        mDQ: cute.Tensor,
+        mDK: cute.Tensor,
+        mDW: cute.Tensor,
+        mDG: cute.Tensor,
+        mTE: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        """mDO, mU, mDU (B, T, HV, V), mQ (scaled), mK (B, T, HV, K), mH, mDH (B, NC, HV, K, V)
+        16-bit; mG fp32 (B, T, HV); outputs fp32: mDQ, mDK, mDW (B, T, HV, K), mDG, mTE
+        (B, T, HV)."""
+        self.dtype = mDO.element_type
+        for t in (mU, mDU, mQ, mK, mH, mDH):
+            if const_expr(t.element_type != self.dtype):
+                raise TypeError(f"the 16-bit tiles must share one dtype, got {t.element_type}")
+        self._setup()
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        sT_tile = cute.slice_(self.sT_layout, (None, None, 0))
+        sH_tile = cute.slice_(self.sH_layout, (None, None, 0))
+        tmas = []
+        for m, d in ((mDO, self.v), (mU, self.v), (mDU, self.v), (mQ, self.k), (mK, self.k)):
+            tmas.append(cpasync.make_tiled_tma_atom(g2s, _tdhb(m), sT_tile, (CHUNK, d)))
+        for m in (mH, mDH):
+            tmas.append(cpasync.make_tiled_tma_atom(g2s, _kvchb(m), sH_tile, (self.k, self.v)))
+        self.tx_bytes = 5 * cute.size_in_bytes(self.dtype, sT_tile) + 2 * cute.size_in_bytes(
+            self.dtype, sH_tile
+        )
+        t_elems = cute.cosize(self.sT_layout)
+        h_elems = cute.cosize(self.sH_layout)
+
+        @cute.struct
+        class SharedStorage:
+            barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            sDO: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sU: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sDU: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sH: cute.struct.Align[cute.struct.MemRange[self.dtype, h_elems], 1024]
+            sDH: cute.struct.Align[cute.struct.MemRange[self.dtype, h_elems], 1024]
+            sP: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(self.sP_layout)], 1024
+            ]
+
+        self.shared_storage = SharedStorage
+        atoms_and_views = [x for atom_view in tmas for x in atom_view]
+        nc = (mDO.shape[1] + CHUNK - 1) // CHUNK
+        self.kernel(
+            *atoms_and_views, mG, mDQ, mDK, mDW, mDG, mTE, self.mma_w, self.mma_s, self.mma_q,
+            self.mma_k, self.sT_layout, self.sH_layout, self.sP_layout,
+        ).launch(  # fmt: skip
+            grid=(nc, mDO.shape[2], mDO.shape[0]),
+            block=[THREADS, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_do: cute.CopyAtom,
+        mDO4: cute.Tensor,
+        tma_u: cute.CopyAtom,
+        mU4: cute.Tensor,
+        tma_du: cute.CopyAtom,
+        mDU4: cute.Tensor,
+        tma_q: cute.CopyAtom,
+        mQ4: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        mK4: cute.Tensor,
+        tma_h: cute.CopyAtom,
+        mH5: cute.Tensor,
+        tma_dh: cute.CopyAtom,
+        mDH5: cute.Tensor,
+        mG: cute.Tensor,
+        mDQ: cute.Tensor,
+        mDK: cute.Tensor,
+        mDW: cute.Tensor,
+        mDG: cute.Tensor,
+        mTE: cute.Tensor,
+        mma_w: cute.TiledMma,
+        mma_s: cute.TiledMma,
+        mma_q: cute.TiledMma,
+        mma_k: cute.TiledMma,
+        sT_layout: cute.ComposedLayout,
+        sH_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        atoms = (tma_do, tma_u, tma_du, tma_q, tma_k, tma_h, tma_dh)
+        if warp_idx == PRODUCER_WARP:
+            for atom in atoms:
+                cpasync.prefetch_descriptor(atom)
+        storage = SmemAllocator().allocate(self.shared_storage)
+        ring = tma_pipeline(storage.barriers, 1, self.tx_bytes, THREADS_PER_WG // WARP_SIZE)
+        init_arrive()
+        sDO = smem_tensor(storage.sDO, sT_layout)
+        sU = smem_tensor(storage.sU, sT_layout)
+        sDU = smem_tensor(storage.sDU, sT_layout)
+        sQ = smem_tensor(storage.sQ, sT_layout)
+        sK = smem_tensor(storage.sK, sT_layout)
+        sH = smem_tensor(storage.sH, sH_layout)
+        sDH = smem_tensor(storage.sDH, sH_layout)
+        sP = smem_tensor(storage.sP, sP_layout)
+        init_wait()
+
+        c, hv, b = cute.arch.block_idx()
+        seqlen = mDO4.shape[0]
+        wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
+        if wg == 0:
+            if warp_idx == PRODUCER_WARP:
+                one = cute.make_layout(1)
+                st = producer_state(1)
+                ring.producer_acquire(st)
+                bar = ring.producer_get_barrier(st)
+                for atom, m, s, d in ((tma_do, mDO4, sDO, self.v), (tma_u, mU4, sU, self.v),
+                                      (tma_du, mDU4, sDU, self.v), (tma_q, mQ4, sQ, self.k),
+                                      (tma_k, mK4, sK, self.k)):  # fmt: skip
+                    g = cute.local_tile(m[None, None, hv, b], (CHUNK, d), (c, 0))
+                    ts, tg = cpasync.tma_partition(
+                        atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
+                    )
+                    cute.copy(atom, tg, ts[(None, 0)], tma_bar_ptr=bar)
+                for atom, m, s in ((tma_h, mH5, sH), (tma_dh, mDH5, sDH)):
+                    g = cute.local_tile(m[None, None, c, hv, b], (self.k, self.v), (0, 0))
+                    ts, tg = cpasync.tma_partition(
+                        atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
+                    )
+                    cute.copy(atom, tg, ts[(None, 0)], tma_bar_ptr=bar)
+        else:
+            self._math(
+                tidx - THREADS_PER_WG, mma_w, mma_s, mma_q, mma_k, sDO, sU, sDU, sQ, sK, sH,
+                sDH, sP, mG, mDQ, mDK, mDW, mDG, mTE, ring, c, hv, b, seqlen,
+            )  # fmt: skip
+
+    @cute.jit
+    def _math(
+        self, mtid, mma_w, mma_s, mma_q, mma_k, sDO, sU, sDU, sQ, sK, sH, sDH, sP, mG, mDQ,
+        mDK, mDW, mDG, mTE, ring, c, hv, b, seqlen,
+    ):  # fmt: skip
+        wg_w = mma_w.get_slice(0)
+        wg_s = mma_s.get_slice(0)
+        wg_q = mma_q.get_slice(0)
+        wg_k = mma_k.get_slice(0)
+        tArDO = wg_w.make_fragment_A(wg_w.partition_A(sDO))
+        tArU = wg_w.make_fragment_A(wg_w.partition_A(sU))
+        tArDU = wg_w.make_fragment_A(wg_w.partition_A(sDU))
+        tBrH = wg_w.make_fragment_B(wg_w.partition_B(sH))
+        tBrDH = wg_w.make_fragment_B(wg_w.partition_B(sDH))
+        tSrDO = wg_s.make_fragment_A(wg_s.partition_A(sDO))
+        tSrU = wg_s.make_fragment_B(wg_s.partition_B(sU))
+        tQrP = wg_q.make_fragment_A(wg_q.partition_shape_A((CHUNK, CHUNK)))
+        tQrK = wg_q.make_fragment_B(wg_q.partition_B(transposed(sK)))
+        tKrP = wg_k.make_fragment_A(wg_k.partition_A(sP))
+        tKrQ = wg_k.make_fragment_B(wg_k.partition_B(transposed(sQ)))
+        math = named_barrier(BAR_MATH, THREADS_PER_WG)
+        st = consumer_state(1)
+        ring.consumer_wait(st)
+
+        acc_q = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
+        acc_s = cute.make_rmem_tensor(wg_s.partition_shape_C((CHUNK, CHUNK)), Float32)
+        gemm(mma_w, acc_q, tArDO[None, None, None, 0], tBrH[None, None, None, 0], True, -1)
+        gemm(mma_s, acc_s, tSrDO[None, None, None, 0], tSrU[None, None, None, 0], True, 0)
+        tid = opaque_tid_x() % THREADS_PER_WG
+        t0s, row_s, col_s = softmax.acc_coords(mma_s, tid, (CHUNK, CHUNK))
+        t0, row_w, _ = softmax.acc_coords(mma_w, tid, (CHUNK, self.k))
+        first = c * CHUNK
+        last = cutlass.min(first + CHUNK, seqlen) - 1
+        g_last = mG[b, last, hv]
+        s = rows_cols(acc_s)
+        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+            i = row_s + t0s[r, 0][0]
+            g_i = Float32(0.0)
+            if first + i < seqlen:
+                g_i = mG[b, first + i, hv]
+            for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                col = col_s + t0s[0, j][1]
+                d = Float32(0.0)
+                if col <= i and first + i < seqlen:
+                    d = cute.math.exp(g_i - mG[b, first + col, hv], fastmath=True)
+                s[r, j] = s[r, j] * d
+        self._store_pt(acc_s, mma_s, sP)  # dPD^T for dk's product
+        acc_to_operand_a(acc_s, tQrP)
+        e_g, e_end = self._row_decays(mG, t0, row_w, first, seqlen, b, hv, g_last)
+        qa = rows_cols(acc_q)
+        for r in cutlass.range_constexpr(cute.size(qa, mode=[0])):
+            for j in cutlass.range_constexpr(cute.size(qa, mode=[1])):
+                qa[r, j] = qa[r, j] * e_g[r]
+        gemm(mma_q, acc_q, tQrP, tQrK[None, None, None, 0], False, 0)
+        dg = self._row_dots(acc_q, mma_w, sQ, tid)
+        self._store_rows(acc_q, mma_w, mDQ, tid, b, hv, c, seqlen)
+
+        acc_k = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
+        gemm(mma_w, acc_k, tArU[None, None, None, 0], tBrDH[None, None, None, 0], True, 0)
+        ka = rows_cols(acc_k)
+        for r in cutlass.range_constexpr(cute.size(ka, mode=[0])):
+            for j in cutlass.range_constexpr(cute.size(ka, mode=[1])):
+                ka[r, j] = ka[r, j] * e_end[r]
+        te = self._row_dots(acc_k, mma_w, sK, tid)
+        math.arrive_and_wait()  # every thread's dPD^T in shared memory
+        gemm(mma_k, acc_k, tKrP[None, None, None, 0], tKrQ[None, None, None, 0], False, 0)
+        dk_k = self._row_dots(acc_k, mma_w, sK, tid)
+        self._store_rows(acc_k, mma_w, mDK, tid, b, hv, c, seqlen)
+        for r in cutlass.range_constexpr(2):
+            dg[r] = dg[r] - dk_k[r]
+        self._store_vec(dg, t0, row_w, tid, mDG, b, hv, first, seqlen)
+        self._store_vec(te, t0, row_w, tid, mTE, b, hv, first, seqlen)
+
+        gemm(mma_w, acc_k, tArDU[None, None, None, 0], tBrH[None, None, None, 0], True, 0)
+        acc_k.store(-acc_k.load())
+        self._store_rows(acc_k, mma_w, mDW, tid, b, hv, c, seqlen)
+        ring.consumer_release(st)
+
+    @cute.jit
+    def _row_decays(self, mG, t0, row_w, first, seqlen, b, hv, g_last):
+        """e^G and e^(G_C - G) of this thread's two rows (zero past T)."""
+        e_g = [Float32(0.0), Float32(0.0)]
+        e_end = [Float32(0.0), Float32(0.0)]
+        for r in cutlass.range_constexpr(2):
+            i = first + row_w + t0[r, 0][0]
+            if i < seqlen:
+                g_i = mG[b, i, hv]
+                e_g[r] = cute.math.exp(g_i, fastmath=True)
+                e_end[r] = cute.math.exp(g_last - g_i, fastmath=True)
+        return e_g, e_end
+
+    @cute.jit
+    def _row_dots(self, acc, mma, s_tile, tid):
+        """Row dots of the (C, K) accumulator with the 16-bit (C, K) tile `s_tile` in shared
+        memory (read in the accumulator's own partition), summed over the quad."""
+        x = cute.make_rmem_tensor(acc.shape, Float32)
+        x.store(mma.get_slice(tid).partition_C(s_tile[None, None, 0]).load().to(Float32))
+        a, xv = rows_cols(acc), rows_cols(x)
+        out = [Float32(0.0), Float32(0.0)]
+        for r in cutlass.range_constexpr(2):
+            part = Float32(0.0)
+            for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
+                part = part + a[r, j] * xv[r, j]
+            out[r] = cute.arch.warp_reduction_sum(part, threads_in_group=QUAD)
+        return out
+
+    @cute.jit
+    def _store_pt(self, acc_s, mma_s, sP):
+        """dPD (rows i, columns j), 16-bit, into sP as dPD^T (j, i) K-major by the transposed
+        stmatrix, fenced for the WGMMAs (async proxy)."""
+        tid = opaque_tid_x() % THREADS_PER_WG
+        r2s = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(True, 4), self.dtype), mma_s
+        )
+        thr = r2s.get_slice(tid)
+        r_p = cute.make_rmem_tensor(acc_s.shape, self.dtype)
+        r_p.store(acc_s.load().to(self.dtype))
+        cute.copy(r2s, thr.retile(r_p), thr.partition_D(transposed(sP[None, None, 0])))
+        cute.arch.fence_view_async_shared()
+
+    @cute.jit
+    def _store_rows(self, acc, mma, mOut, tid, b, hv, c, seqlen):
+        """A (C, K) accumulator to out[b, tokens of chunk c, hv, :], the rows inside T."""
+        t0, row_base, _ = softmax.acc_coords(mma, tid, (CHUNK, self.k))
+        tile = cute.local_tile(mOut[b, None, hv, None], (CHUNK, self.k), (c, 0))
+        g = rows_cols(mma.get_slice(tid).partition_C(tile))
+        a = rows_cols(acc)
+        for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
+            if c * CHUNK + row_base + t0[r, 0][0] < seqlen:
+                for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
+                    g[r, j] = a[r, j]
+
+    @cute.jit
+    def _store_vec(self, vals, t0, row_w, tid, mOut, b, hv, first, seqlen):
+        """One value a row (quad-reduced) to out[b, token, hv], by the quad's first thread."""
+        if tid % QUAD == 0:
+            for r in cutlass.range_constexpr(2):
+                i = first + row_w + t0[r, 0][0]
+                if i < seqlen:
+                    mOut[b, i, hv] = vals[r]

@@ -1,0 +1,41 @@
+"""Compile the Gated DeltaNet backward's kernel 2 (chunk-parallel output-side gradients) against
+fake tensors: B, T, HV, the chunk count and every outer stride dynamic; K, V and the dtype baked
+in. The 16-bit tiles: unit last strides, the others multiples of 8 elements, 16-byte aligned
+(TMA); G fp32 (B, T, HV) unit last stride; the fp32 outputs unit last strides."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+
+from forgekernel.kernels.common.sm90 import fake
+from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.chunk_grads import GdnBwdChunkSm90
+
+
+def kernel_for(params: dict) -> GdnBwdChunkSm90:
+    return GdnBwdChunkSm90(params["k"], params["v"])
+
+
+def compile_gdn_bwd_chunk(params: dict, arch: str = "sm_90a", extra_options: str = "", kernel=None):
+    """kernel: a `kernel_for(params)` object to compile (its shared_storage is set by the
+    compile: the tests read its size), or None for a fresh one."""
+    dtype = fake.dtype_of(params["dtype"])
+    kd, vd = params["k"], params["v"]
+    b, t, hv, nc = (cute.sym_int32() for _ in range(4))
+    f32 = cutlass.Float32
+    kernel = kernel_for(params) if kernel is None else kernel
+
+    def tok(d):
+        return fake.rowmajor(dtype, (b, t, hv, d))
+
+    return cute.compile(
+        kernel,
+        tok(vd), tok(vd), tok(vd), tok(kd), tok(kd),
+        fake.rowmajor(dtype, (b, nc, hv, kd, vd)),
+        fake.rowmajor(dtype, (b, nc, hv, kd, vd)),
+        fake.rowmajor(f32, (b, t, hv), divisibility=1, align=4),
+        *(fake.rowmajor(f32, (b, t, hv, kd), divisibility=4) for _ in range(3)),
+        *(fake.rowmajor(f32, (b, t, hv), divisibility=1, align=4) for _ in range(2)),
+        fake.stream(),
+        options=fake.options(arch, extra_options),
+    )  # fmt: skip

@@ -1,0 +1,31 @@
+"""Gated DeltaNet backward kernel 2 (the chunk-parallel output-side gradients) configurations
+and fixed geometry (DSL-free: the launcher and the tests read it)."""
+
+from __future__ import annotations
+
+from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
+
+DTYPES = ("float16", "bfloat16")
+HEAD_DIMS = ((128, 128),)  # (K, V)
+CHUNK = 64  # tokens per chunk (one CTA), the M of every product: one math warpgroup
+THREADS = 2 * THREADS_PER_WG  # warpgroup 0: the TMA warp; warpgroup 1: every product
+# the tiles of one chunk: dO, U, dU (C, V), q (scaled), k (C, K), h, dh (K, V)
+TOKEN_TILES = ("do", "u", "du", "q", "k")
+STATE_TILES = ("h", "dh")
+
+
+def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2) -> int:
+    """Shared memory of one CTA (the kernel's SharedStorage, alignment padding included): the
+    five token tiles, the two states, dPD^T (C, C) 16-bit, one barrier pair."""
+    tokens = CHUNK * (3 * v + 2 * k) * elem_bytes
+    return tokens + 2 * k * v * elem_bytes + CHUNK * CHUNK * elem_bytes + 16 + 9 * 1024
+
+
+def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128)) -> tuple:
+    """Compile key: the 16-bit dtype of the tiles and (K, V)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
+    if tuple(head_dims) not in HEAD_DIMS:
+        raise ValueError(f"(K, V) must be one of {HEAD_DIMS}, got {tuple(head_dims)}")
+    k, v = head_dims
+    return tuple(sorted({"dtype": dtype, "k": k, "v": v}.items()))
