@@ -1,0 +1,92 @@
+"""The CPU model of the Gated DeltaNet backward's kernel 2 (kernels/linear_attention/
+gdn_bwd_chunk/sm90): its inputs (token-major tiles built from the chunk tensors the op's kernel
+path holds), the kernel's per-chunk products as it forms them (`chunk_grads_model`, the tile
+emulation: batched over every (sequence, chunk, head), dPD rounded to the tiles' dtype before
+its two products as the kernel's 16-bit operands are), and the torch finish that turns its
+outputs into reference/delta_rule_bwd.py `_output_grads`' (dq, dk, dw, dG).
+
+dG folded: `_output_grads`' dG of row i is
+
+    (dqe o qe)_i. + rowsum(dPD o QK^T)_i - colsum(dPD o QK^T)_i - to_end_i,
+    to_end_i = (dke o ke)_i.
+
+With dq = dqe e^G + dPD k and dk = dPD^T q + dke e^(G_C - G): (dq . q)_i = (dqe o qe)_i. +
+rowsum(dPD o QK^T)_i and (dk . k)_i = colsum(dPD o QK^T)_i + to_end_i, so dG_i = dq_i . q_i -
+dk_i . k_i, two row dots of the kernel's own outputs (QK^T never formed). The last position of
+each chunk also takes sum_i to_end_i + e^(G_C) (dh . h) (torch: te's chunk sum, (dh . h) from
+the fp32 states the op holds).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from forgekernel.reference.gdn_bwd_state import CHUNK, to_chunks, to_tokens
+
+
+def chunk_grad_tiles(qs, ks, do, big_u, d_u, h, dh, g, dtype) -> tuple[torch.Tensor, ...]:
+    """Kernel 2's inputs: qs (scaled), ks (B, T, HV, K), do (B, T, HV, V) token-major; big_u,
+    d_u (B, NC, HV, C, V) and h, dh (B, NC, HV, K, V) chunked, any dtype; g (B, T, HV) ->
+    (do, u, du (B, T, HV, V), q, k (B, T, HV, K), h, dh (B, NC, HV, K, V)) in `dtype`,
+    contiguous, and G (B, T, HV) fp32 (fp64 for fp64 g), the within-chunk cumulative log
+    decay."""
+    t, nc = qs.shape[1], h.shape[1]
+
+    def tok(x):
+        return to_tokens(x.to(dtype))[:, :t].contiguous()
+
+    def tile(x):
+        return x.to(dtype).contiguous()
+
+    wide = g.to(torch.promote_types(g.dtype, torch.float32))  # fp64 stays (the exact checks)
+    big_g = to_tokens(to_chunks(wide, nc).cumsum(-1))[:, :t].contiguous()
+    return (tile(do), tok(big_u), tok(d_u), tile(qs), tile(ks), tile(h), tile(dh), big_g)
+
+
+def chunk_grads_model(do, u, du, q, k, h, dh, big_g, rounding=None):
+    """The kernel's outputs from its inputs (`chunk_grad_tiles`' layouts), every chunk at once:
+    (dq, dk, dw (B, T, HV, K), dg (the row dots dq.q - dk.k), te (to_end) (B, T, HV)) in the
+    inputs' float dtype (fp64 for the checks). `rounding`: the kernel's rounding of dPD to the
+    tiles' 16-bit dtype before its two products (None: none)."""
+    t = do.shape[1]
+    nc = h.shape[1]
+    f = h.dtype if h.dtype in (torch.float32, torch.float64) else torch.float32
+    do_c, u_c, du_c, q_c, k_c = (to_chunks(x.to(f), nc) for x in (do, u, du, q, k))
+    h, dh = h.to(f), dh.to(f)
+    gc = to_chunks(big_g.to(f), nc)  # zero past T
+    valid = to_chunks(torch.ones_like(big_g, dtype=torch.bool), nc)
+    g_last = _chunk_last(big_g.to(f), nc)  # G at each chunk's last token inside T
+    e_g = torch.where(valid, gc.exp(), 0)
+    e_end = torch.where(valid, (g_last.unsqueeze(-1) - gc).exp(), 0)
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=do.device).tril()
+    mask = causal & valid.unsqueeze(-1)
+    diff = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(~mask, 0)
+    decay = torch.where(mask, diff.exp(), 0)
+    dpd = (do_c @ u_c.transpose(-1, -2)) * decay
+    if rounding is not None:
+        dpd = rounding(dpd)
+    dq = (do_c @ h.transpose(-1, -2)) * e_g.unsqueeze(-1) + dpd @ k_c
+    dke = (u_c @ dh.transpose(-1, -2)) * e_end.unsqueeze(-1)
+    te = (dke * k_c).sum(-1)
+    dk = dke + dpd.transpose(-1, -2) @ q_c
+    dg = (dq * q_c).sum(-1) - (dk * k_c).sum(-1)
+    dw = -(du_c @ h.transpose(-1, -2))
+    return (*(to_tokens(x)[:, :t] for x in (dq, dk, dw, dg, te)),)
+
+
+def _chunk_last(big_g: torch.Tensor, nc: int) -> torch.Tensor:
+    """(B, T, HV) -> (B, NC, HV): G at each chunk's last token inside T."""
+    t = big_g.shape[1]
+    last = torch.clamp(torch.arange(nc, device=big_g.device) * CHUNK + CHUNK - 1, max=t - 1)
+    return big_g[:, last]
+
+
+def finish_output_grads(dg, te, dw, h, dh, e_last):
+    """The kernel's outputs -> `_output_grads`' dw (B, NC, HV, C, K) and dG (B, NC, HV, C):
+    dg and te (B, T, HV), dw (B, T, HV, K); h, dh (B, NC, HV, K, V) and e_last (B, NC, HV, 1)
+    in the op's float dtype."""
+    nc = h.shape[1]
+    d_g = to_chunks(dg, nc)
+    last = to_chunks(te, nc).sum(-1) + e_last[..., 0] * (dh * h).sum((-1, -2))
+    d_g[..., -1] += last
+    return to_chunks(dw, nc), d_g
