@@ -1,12 +1,13 @@
 """The Gated DeltaNet backward's kernel path (ops/gated_delta_rule_bwd.py `_backward_kernel`,
 `FORGEKERNEL_GDN_BWD_KERNEL=1`) on the CPU, kernel 1 replaced by the tile emulation of
 tests/test_gdn_bwd_state.py (`tile_model`: token-major tiles, transposed state, zero tail, the
-register operands rounded to the tiles' dtype): the batched factor helpers against their
-chunk-layout forms (reference/gdn_bwd_state.py), the kernel fed the forward's recurrence
-(`forward_state_tiles`) against the reference's pass 1, the whole path against the interim
-backward to fp32 tolerance (32-bit tiles: nothing rounded) on awkward sizes, and the op with
-the switch on (bf16 tiles rounded) against autograd through the fp64 recurrence. The GPU twin:
-tests/gpu/test_gdn_bwd_kernel_path_gpu.py."""
+register operands rounded to the tiles' dtype) and kernel 2 by its tile emulation
+(`reference.gdn_bwd_chunk.chunk_grads_model`, dPD rounded likewise): the batched factor helpers
+against their chunk-layout forms (reference/gdn_bwd_state.py), the kernel fed the forward's
+recurrence (`forward_state_tiles`) against the reference's pass 1, the whole path against the
+interim backward to fp32 tolerance (32-bit tiles: nothing rounded) on awkward sizes, and the op
+with the switch on (bf16 tiles rounded) against autograd through the fp64 recurrence. The GPU
+twin: tests/gpu/test_gdn_bwd_kernel_path_gpu.py."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from test_gdn_bwd_state import tile_model
 
 import forgekernel
 from forgekernel.reference.delta_rule_bwd import _Factors, _states
+from forgekernel.reference.gdn_bwd_chunk import chunk_grads_model
 from forgekernel.reference.gdn_bwd_state import (
     _layout,
     _per_chunk,
@@ -71,6 +73,34 @@ def emulated_kernel(calls=None):
         return tuple(x.float() for x in tile_model(factors, do.double(), dst, rounding))
 
     return run
+
+
+def emulated_chunk_kernel(calls=None):
+    """kernel 2's stand-in: its tile emulation (`chunk_grads_model`) in fp64, dPD rounded to
+    the tiles' dtype where it is 16-bit, fp32 outputs (the launcher's)."""
+
+    def run(do, u, du, q, k, h, dh, big_g):
+        for x in (do, u, du, q, k, h, dh):
+            assert x.is_contiguous() and x.dtype == do.dtype
+        assert big_g.dtype == torch.float32 and big_g.shape == do.shape[:3]
+        nc = -(-do.shape[1] // 64)
+        assert h.shape == dh.shape == (do.shape[0], nc, do.shape[2], q.shape[-1], do.shape[-1])
+        if calls is not None:
+            calls.append(do.dtype)
+        low = do.dtype in (torch.float16, torch.bfloat16)
+
+        def rounding(x):
+            return x.to(do.dtype).to(x.dtype)
+
+        wide = (x.double() for x in (do, u, du, q, k, h, dh, big_g))
+        return tuple(x.float() for x in chunk_grads_model(*wide, rounding if low else None))
+
+    return run
+
+
+def _both_emulated(monkeypatch, calls=None, chunk_calls=None):
+    monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel(calls))
+    monkeypatch.setattr(bwd, "_chunk_grads", emulated_chunk_kernel(chunk_calls))
 
 
 @pytest.mark.parametrize("t", [1, 63, 64, 65, 200])
@@ -136,7 +166,7 @@ def test_kernel_path_equals_the_interim_path(monkeypatch, b, t, h, hv, l2norm, w
                                               with_dht, k_last):  # fmt: skip
     """fp32 inputs (so fp32 tiles, nothing rounded): `_backward_kernel` is the interim
     backward to fp32 tolerance, every gradient, grouped heads, both state layouts."""
-    monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel())
+    _both_emulated(monkeypatch)
     q, k, v, g, beta, do, h0, dht = _inputs(b, t, h, hv, dk=32, dv=16, seed=t + b,
                                            dtype=torch.float32)  # fmt: skip
     if l2norm:
@@ -157,7 +187,7 @@ def test_kernel_path_equals_the_interim_path(monkeypatch, b, t, h, hv, l2norm, w
 
 def test_head_passes_are_the_one_pass(monkeypatch):
     """Value heads in several passes (the memory bound) give the one pass's gradients."""
-    monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel())
+    _both_emulated(monkeypatch)
     q, k, v, g, beta, do, h0, dht = _inputs(2, 70, 4, 8, dk=16, dv=8, dtype=torch.float32)
     flat = [x.reshape(140, *x.shape[2:]) for x in (q, k, v, g, beta, do)]
     one = bwd._backward_kernel(*flat[:5], h0, flat[5], dht, 0.2, False, True, 2)
@@ -174,9 +204,13 @@ def test_head_passes_are_the_one_pass(monkeypatch):
 def kernel_path(monkeypatch):
     calls = []
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
-    monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel(calls))
+    _both_emulated(monkeypatch, calls, CHUNK_CALLS)
+    CHUNK_CALLS.clear()
     monkeypatch.setattr(bwd, "check_cuda", lambda name, t: None)
     return calls
+
+
+CHUNK_CALLS: list = []  # kernel 2's launches under the kernel_path fixture (their dtypes)
 
 
 def _bf16_problem(b, t, h, hv, seed=0):
@@ -203,7 +237,7 @@ def test_explicit_backward_on_the_kernel_path(kernel_path, b, t, h, hv):
     got = forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, initial_state=h0,
                                                 d_final_state=dht,
                                                 use_qk_l2norm_in_kernel=True)  # fmt: skip
-    assert kernel_path == [torch.bfloat16, torch.bfloat16]
+    assert kernel_path == [torch.bfloat16, torch.bfloat16] and CHUNK_CALLS == [torch.bfloat16]
     want = _fp64_grads([q, k, v, g, beta, h0], None, do, dht, l2norm=True, with_state=True)
     for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
         err = float((a.double() - r).abs().max())
@@ -217,8 +251,8 @@ def test_varlen_padded_equals_the_interim_path(monkeypatch, lens, h0_too):
     tiles, exact emulation) equals the interim path, empty sequences included."""
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
     monkeypatch.setattr(bwd, "TILE_DTYPES", (torch.float32,))
-    calls = []
-    monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel(calls))
+    calls, chunk_calls = [], []
+    _both_emulated(monkeypatch, calls, chunk_calls)
     n, t = len(lens), sum(lens)
     q, k, v, g, beta, do, *_ = _inputs(1, t, 2, 4, dk=32, dv=16, seed=n, dtype=torch.float32)
     _, _, _, _, _, _, h0, dht = _inputs(n, 1, 2, 4, dk=32, dv=16, seed=9, dtype=torch.float32)
@@ -227,7 +261,7 @@ def test_varlen_padded_equals_the_interim_path(monkeypatch, lens, h0_too):
     h0 = h0 if h0_too else None
     want = bwd._backward_interim(*flat[:5], h0, cu, flat[5], dht, 0.2, False, True)
     got = bwd._backward_eager(*flat[:5], h0, cu, flat[5], dht, 0.2, False, True, 0)
-    assert len(calls) == 2
+    assert len(calls) == 2 and len(chunk_calls) == 1
     for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
         assert a.shape == r.shape, name
         err = float((a - r).abs().max())

@@ -22,11 +22,13 @@ tests/gpu/test_gdn_bwd_kernel_path_gpu.py, NOTES.md "Backward on kernel 1"): `_b
 runs both sequential recurrences on kernel 1 (kernels/linear_attention/gdn_bwd_state/sm90,
 `gdn_bwd_state`): the forward's chunk states h and U = u - W h (the kernel's recurrence fed
 transposed inputs, `reference.gdn_bwd_state.forward_state_tiles`), then the reverse recurrence
-(dU, dh, the initial state's gradient); everything else is batched torch over every chunk at
-once (no loop over chunks): the chunk factors, the 16-bit tiles, pass 3's gradients and the WY
-transpose in fp32 (the reference's own `_output_grads` / `_wy_grads`), scale, l2norm, the
-group sum. Kernel 1 takes equal-length sequences ((B, T, HV, D) tiles): the explicit backward
-without cu_seqlens, autograd of `gated_delta_rule` without cu_seqlens (the offsets it made are
+(dU, dh, the initial state's gradient); pass 3's output side (`_output_grads`: dq, dk, dw,
+dG's rows) on kernel 2 (kernels/linear_attention/gdn_bwd_chunk/sm90, `gdn_bwd_chunk`, every
+chunk at once, `reference.gdn_bwd_chunk` its model); everything else is batched torch over
+every chunk at once (no loop over chunks): the chunk factors, the 16-bit tiles, the WY
+transpose in fp32 (the reference's own `_wy_grads`), scale, l2norm, the group sum. Both
+kernels take equal-length sequences ((B, T, HV, D) tiles): the explicit backward without
+cu_seqlens, autograd of `gated_delta_rule` without cu_seqlens (the offsets it made are
 known equal: `gated_delta_rule_chunked.equal_lengths`) and one sequence run with no host read
 (CUDA-graph capturable); several sequences behind a caller's cu_seqlens read the offsets on
 the host (one sync, as the interim path) and are padded to the longest
@@ -51,10 +53,10 @@ from forgekernel.ops._validate import check_cuda, check_shaped
 from forgekernel.reference.delta_rule_bwd import (
     _l2norm,
     _l2norm_backward,
-    _output_grads,
     _wy_grads,
     gated_delta_rule_chunked_backward,
 )
+from forgekernel.reference.gdn_bwd_chunk import chunk_grad_tiles, finish_output_grads
 from forgekernel.reference.gdn_bwd_state import (
     CHUNK,
     chunk_factors,
@@ -107,6 +109,15 @@ def _state_recurrence(do, pt, ke, qe, w, e_last, d_final_state):
     return gdn_bwd_state(do, pt, ke, qe, w, e_last, d_final_state)
 
 
+def _chunk_grads(do, u, du, q, k, h, dh, big_g):
+    """Kernel 2 (`_output_grads` on WGMMA, every chunk at once): (dq, dk, dw (B, T, HV, K),
+    dg, te (B, T, HV)) fp32 from `chunk_grad_tiles`' inputs. The CPU tests put the tile
+    emulation here."""
+    from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.launch import gdn_bwd_chunk
+
+    return gdn_bwd_chunk(do, u, du, q, k, h, dh, big_g)
+
+
 PAD_WASTE_LIMIT = 4  # varlen: padded chunks / real chunks above which the interim path runs
 NOT_CAPTURABLE_VARLEN = (
     "gated_delta_rule's backward on kernel 1 reads varlen offsets on the host (the padding to "
@@ -138,11 +149,16 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht):
                                         f.e_last[..., 0].contiguous(), dht)  # fmt: skip
     d_u = du_t.unflatten(1, (nc, CHUNK)).transpose(2, 3)
     dh = dh_t.transpose(-1, -2)  # dS (K, V) at every chunk's end
-    dq, dk, dw, d_g = _output_grads(f, do_c.float(), h, dh, big_u, d_u)
-    dk_wy, dv, dbeta, dg_wy = _wy_grads(f, dw, d_u)
+    del do_c
+    tiles = chunk_grad_tiles(qs, ks, do, big_u, d_u, h, dh, g, dtype)
+    dq, dk, dw, dg_rows, te = _chunk_grads(*tiles)  # kernel 2: `_output_grads`
+    del tiles, big_u
+    dw, d_g = finish_output_grads(dg_rows, te, dw, h, dh, f.e_last)
+    del h, dh, dg_rows, te
+    dk_wy, dv, dbeta, dg_wy = _wy_grads(f, dw, d_u)  # the WY half: torch
     dg = (d_g + dg_wy).flip(-1).cumsum(-1).flip(-1)  # G = cumsum(g) within the chunk
-    grads = (to_tokens(x)[:, :t] for x in (dq, dk + dk_wy, dv, dg, dbeta))
-    return (*grads, dh0)
+    dk_wy, dv, dg, dbeta = (to_tokens(x)[:, :t] for x in (dk_wy, dv, dg, dbeta))
+    return dq, dk + dk_wy, dv, dg, dbeta, dh0
 
 
 def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, k_last, l2norm,
