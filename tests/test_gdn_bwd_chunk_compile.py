@@ -1,0 +1,83 @@
+"""The Gated DeltaNet backward's kernel 2 (chunk-parallel output-side gradients) compiled for
+sm_90a on the CPU (the DSL compiles, ptxas assembles, cuobjdump reads the cubin): 256 threads,
+168 registers, nothing spilled; 156,672 bytes of shared memory (within config's bound); per
+CTA the WGMMAs dO h^T, U dh^T, -dU h^T (8 x 64x128x16 each), dO U^T (8 x 64x64x16), dPD k and
+dPD^T q (4 x 64x128x16 each, B transposed), six commit groups; seven TMA tiles (five token
+tiles, two states: fourteen 64-column halves); dPD^T by four transposed stmatrix a thread;
+three quad row dots (twelve shuffles)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY  # noqa: E402
+from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90 import config  # noqa: E402
+from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.compile import (  # noqa: E402
+    compile_gdn_bwd_chunk,
+    kernel_for,
+)
+from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_instructions, sass_text  # noqa: E402
+
+if find_tool("cuobjdump") is None:
+    pytest.skip("cuobjdump not found", allow_module_level=True)
+
+REGISTERS = 168  # the compiled figure (2026-12-04): a rise is a regression to look at
+SMEM = 156672
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    cache = {}
+
+    def get(dtype):
+        if dtype not in cache:
+            params = dict(config.params_for(dtype))
+            kernel = kernel_for(params)
+            with tempfile.TemporaryDirectory() as d:
+                fn = compile_gdn_bwd_chunk(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
+                                           kernel=kernel)  # fmt: skip
+                cubin = fn.artifacts.CUBIN
+                if isinstance(cubin, bytes):
+                    Path(d, "k.cubin").write_bytes(cubin)
+                    cubin = Path(d, "k.cubin")
+                res = inspect_cubin(cubin)
+                sass = sass_text(cubin)
+            cache[dtype] = res, sass_instructions(sass), kernel.shared_storage.size_in_bytes()
+        return cache[dtype]
+
+    return get
+
+
+@pytest.mark.parametrize("dtype", config.DTYPES)
+def test_registers_and_no_spills(compiled, dtype):
+    res, instrs, _ = compiled(dtype)
+    assert res["registers"] <= min(REGISTERS, 65536 // config.THREADS)
+    assert res["spill_bytes"] == 0
+    assert not [op for op, _ in instrs if op.startswith(("LDL", "STL"))]
+
+
+@pytest.mark.parametrize("dtype", config.DTYPES)
+def test_shared_memory_fits(compiled, dtype):
+    res, _, smem = compiled(dtype)
+    assert smem == SMEM <= config.smem_bytes() <= SMEM_CAPACITY
+    assert smem + res["smem_bytes"] <= SMEM_CAPACITY
+
+
+@pytest.mark.parametrize("dtype", config.DTYPES)
+def test_wgmmas_and_tma(compiled, dtype):
+    _, instrs, _ = compiled(dtype)
+    ops = [op for op, _ in instrs]
+    shapes = [(op, a) for op, a in instrs if op.startswith("HGMMA")]
+    assert sum(op.startswith("HGMMA.64x64x16") for op, _ in shapes) == 8
+    wide = [a for op, a in shapes if op.startswith("HGMMA.64x128x16")]
+    assert len(wide) == 3 * 8 + 2 * 4
+    assert sum("tnspB" in a for a in wide) == 2 * 4  # dPD k, dPD^T q: B transposed
+    assert sum("gsb0" in a for _, a in shapes) == 6  # one commit group a product
+    assert ops.count("UTMALDG.4D") == 10 and ops.count("UTMALDG.5D") == 4
+    assert ops.count("STSM.16.MT88.4") == 4
+    assert ops.count("SHFL.BFLY") == 12
