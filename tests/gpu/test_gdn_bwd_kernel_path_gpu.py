@@ -1,13 +1,14 @@
-"""The Gated DeltaNet backward on kernel 1 (`FORGEKERNEL_GDN_BWD_KERNEL=1`,
-ops/gated_delta_rule_bwd.py `_backward_kernel`: both recurrences on the kernel, the rest batched
-torch) on the GPU: against the fp64 chunked backward (reference/delta_rule_bwd.py, itself checked
-against autograd) on the same 16-bit inputs and against the interim path, kernel outputs
-NaN-poisoned before every launch (a row the kernel leaves unwritten fails); bf16 and fp16;
-T = 1, 63, 64, 65, 200, 1000; B 1-3; H = HV and HV = 2H; with / without initial state and
-final-state gradient; l2norm on / off; both state layouts; varlen through cu_seqlens (padded,
-empty sequences); autograd through the forward kernel; a CUDA-graph capture of the equal-length
-path; the 4 x 8192 h16 hv32 time printed (`-s`: the path, the kernel's two launches, peak
-memory), in both the equal-length and the suite's varlen form.
+"""The Gated DeltaNet backward on kernels 1 and 2 (`FORGEKERNEL_GDN_BWD_KERNEL=1`,
+ops/gated_delta_rule_bwd.py `_backward_kernel`: both recurrences on kernel 1, pass 3's output
+side on kernel 2, the rest batched torch) on the GPU: against the fp64 chunked backward
+(reference/delta_rule_bwd.py, itself checked against autograd) on the same 16-bit inputs and
+against the interim path, kernel outputs NaN-poisoned before every launch (a row the kernel
+leaves unwritten fails); bf16 and fp16; T = 1, 63, 64, 65, 200, 1000; B 1-3; H = HV and HV = 2H;
+with / without initial state and final-state gradient; l2norm on / off; both state layouts;
+varlen through cu_seqlens (padded, empty sequences); autograd through the forward kernel; a
+CUDA-graph capture of the equal-length path; the 4 x 8192 h16 hv32 time printed (`-s`: the path,
+the kernel's two launches, peak memory; kernel 2's launch), in both the equal-length and the
+suite's varlen form.
 
 Tolerance: each gradient within 2e-2 of its reference's largest entry (the suite's rule): the
 kernel's tiles and its register operands are 16-bit (tests/test_gdn_bwd_state.py's emulation:
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import forgekernel
+from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90 import launch as chunk_launch
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.launch import (
     empty_outputs,
     gdn_bwd_state,
@@ -45,11 +47,24 @@ def _poisoned_kernel(calls):
     return run
 
 
+def _poisoned_chunk_kernel(calls):
+    """Kernel 2 with its outputs NaN-poisoned first; its calls recorded as ("k2", shape)."""
+
+    def run(do, u, du, q, k, h, dh, big_g):
+        out = tuple(x.fill_(float("nan")) for x in chunk_launch.empty_outputs(do, q.shape[-1]))
+        calls.append(("k2", tuple(do.shape)))
+        return chunk_launch.gdn_bwd_chunk(do, u, du, q, k, h, dh, big_g, out=out)
+
+    return run
+
+
 @pytest.fixture
 def kernel_path(monkeypatch):
+    """Kernel launches of the path: kernel 1's twice, kernel 2's once a pass."""
     calls = []
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
     monkeypatch.setattr(bwd, "_state_recurrence", _poisoned_kernel(calls))
+    monkeypatch.setattr(bwd, "_chunk_grads", _poisoned_chunk_kernel(calls))
     return calls
 
 
@@ -96,7 +111,7 @@ def _reference(inputs, *, h0, dht, l2norm, cu=None):
 
 def _check(kernel_path, monkeypatch, inputs, *, h0, dht, l2norm=False, k_last=False, cu=None):
     got = _run(inputs, h0=h0, dht=dht, l2norm=l2norm, k_last=k_last, cu=cu)
-    assert len(kernel_path) == 2, "the kernel path was not taken"
+    assert len(kernel_path) == 3, "the kernel path was not taken"
     want = _reference(inputs, h0=h0, dht=dht, l2norm=l2norm, cu=cu)
     monkeypatch.delenv(bwd.KERNEL_SWITCH)
     interim = _run(inputs, h0=h0, dht=dht, l2norm=l2norm, k_last=k_last, cu=cu)
@@ -148,7 +163,7 @@ def test_autograd_through_the_forward_kernel(kernel_path, monkeypatch, b):
                                             output_final_state=True,
                                             use_qk_l2norm_in_kernel=True)  # fmt: skip
     grads = torch.autograd.grad((o.float() * do.float()).sum() + (final * dht).sum(), leaves)
-    assert len(kernel_path) == 2
+    assert len(kernel_path) == 3
     want = _reference((q, k, v, g, beta, do), h0=h0, dht=dht, l2norm=True)
     for name, a, r in zip(NAMES, grads, want):
         _close(name, a, r)
@@ -197,11 +212,16 @@ def test_time_at_bench_size(kernel_path, monkeypatch, varlen):
     torch.cuda.reset_peak_memory_stats()
     ms = median(time_ms(lambda: forgekernel.gated_delta_rule_backward(*args, **kw), reps=10))
     peak = torch.cuda.max_memory_allocated() / 2**30
-    kernel_args = []
+    kernel_args, chunk_args = [], []
     monkeypatch.setattr(bwd, "_state_recurrence",
                         lambda *a: kernel_args.append(a) or gdn_bwd_state(*a))  # fmt: skip
+    k2 = chunk_launch.gdn_bwd_chunk
+    monkeypatch.setattr(bwd, "_chunk_grads", lambda *a: chunk_args.append(a) or k2(*a))
     forgekernel.gated_delta_rule_backward(*args, **kw)
     launches = [median(time_ms(lambda a=a: gdn_bwd_state(*a), reps=10)) for a in kernel_args]
+    chunk = [median(time_ms(lambda a=a: chunk_launch.gdn_bwd_chunk(*a), reps=10))
+             for a in chunk_args]  # fmt: skip
     form = "varlen" if varlen else "B = 4"
-    print(f"\nGDN backward on kernel 1, 4 x 8192 h16 hv32 bf16 ({form}): {ms:.2f} ms a call, "
-          f"kernel 1 {' + '.join(f'{x:.3f}' for x in launches)} ms, peak {peak:.1f} GiB")
+    print(f"\nGDN backward on kernels 1 + 2, 4 x 8192 h16 hv32 bf16 ({form}): {ms:.2f} ms a "
+          f"call, kernel 1 {' + '.join(f'{x:.3f}' for x in launches)} ms, kernel 2 "
+          f"{' + '.join(f'{x:.3f}' for x in chunk)} ms, peak {peak:.1f} GiB")
