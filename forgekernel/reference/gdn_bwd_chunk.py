@@ -74,6 +74,74 @@ def chunk_grads_model(do, u, du, q, k, h, dh, big_g, rounding=None):
     return (*(to_tokens(x)[:, :t] for x in (dq, dk, dw, dg, te)),)
 
 
+def wy_tiles(f, v, beta, dtype) -> tuple[torch.Tensor, ...]:
+    """The WY variant's extra inputs from the chunk factors `f` ((B, NC, HV, C, ...)), v
+    (B, T, HV, V), beta (B, T, HV): (tt (B, T, HV, C): row j of a chunk holds column j of
+    T = L^-1, w (B, T, HV, K), u (B, T, HV, V), v in `dtype`; beta fp32 (fp64 for fp64))."""
+    t = v.shape[1]
+    c = f.lower.shape[-1]
+    eye = torch.eye(c, dtype=f.lower.dtype, device=f.lower.device)
+    inverse = torch.linalg.solve_triangular(f.lower, eye, upper=False, unitriangular=True)
+
+    def tok(x):
+        return to_tokens(x.to(dtype))[:, :t].contiguous()
+
+    wide = beta.to(torch.promote_types(beta.dtype, torch.float32)).contiguous()
+    return (tok(inverse.transpose(-1, -2)), tok(f.w), tok(f.u), v.to(dtype).contiguous(), wide)
+
+
+def wy_grads_model(outputs, du, k, h, big_g, tt, w, uw, v, beta, dw_rounding=None,
+                   rounding=None):
+    """The WY variant's outputs from `chunk_grads_model`'s (dq, dk, dw, dg, te) and the
+    extra inputs (`wy_tiles`' layouts): (dq, dk, dg, te (dk, dg with the WY half's terms), dv
+    (B, T, HV, V), dbeta (B, T, HV)), as the kernel forms them: dw rounded to the tiles' dtype
+    (`dw_rounding`, a shared-memory operand), dkb, dvb and M rounded (`rounding`, register A
+    operands) before their products."""
+    dq, dk, dw, dg, te = outputs
+    t, nc = du.shape[1], h.shape[1]
+    f = dw.dtype
+    def ident(x):
+        return x
+
+    dw_r = (dw_rounding or ident)(dw)
+    rnd = rounding or ident
+    du_c, k_c, w_c, uw_c, v_c, dw_c, tt_c = (to_chunks(x.to(f), nc)
+                                             for x in (du, k, w, uw, v, dw_r, tt))  # fmt: skip
+    gc = to_chunks(big_g.to(f), nc)
+    beta_c = to_chunks(beta.to(f), nc)  # zero past T
+    valid = to_chunks(torch.ones_like(big_g, dtype=torch.bool), nc)
+    e_g = torch.where(valid, gc.exp(), 0)
+    dkb, dvb = tt_c @ dw_c, tt_c @ du_c
+    dv = beta_c.unsqueeze(-1) * dvb
+    x = (dkb * k_c).sum(-1)
+    dbeta = (dvb * v_c).sum(-1) + e_g * x
+    da = rnd(dkb) @ w_c.transpose(-1, -2) + rnd(dvb) @ uw_c.transpose(-1, -2)
+    strict = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=du.device).tril(-1)
+    mask = strict & valid.unsqueeze(-1)
+    diff = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(~mask, 0)
+    dae = -da * torch.where(mask, diff.exp(), 0)
+    rkk = (dae * (k_c @ k_c.transpose(-1, -2))).sum(-1)
+    m = beta_c.unsqueeze(-1) * dae
+    dk2 = (beta_c * e_g).unsqueeze(-1) * dkb + rnd(m) @ k_c
+    before = (dk2 * k_c).sum(-1)
+    dk2 = dk2 + rnd(m).transpose(-1, -2) @ k_c
+    after = (dk2 * k_c).sum(-1)
+    dbeta = dbeta + rkk
+    dg2 = beta_c * e_g * x + beta_c * rkk - (after - before)
+    dk = dk + to_tokens(dk2)[:, :t]
+    dg = dg + to_tokens(dg2)[:, :t]
+    return dq, dk, dg, te, to_tokens(dv)[:, :t], to_tokens(dbeta)[:, :t]
+
+
+def finish_wy(dg, te, h, dh, e_last):
+    """The WY variant's outputs -> the full dG (B, NC, HV, C) before the reverse cumsum: dg
+    (B, T, HV) plus the last position's term (`finish_output_grads`')."""
+    nc = h.shape[1]
+    d_g = to_chunks(dg, nc)
+    d_g[..., -1] += to_chunks(te, nc).sum(-1) + e_last[..., 0] * (dh * h).sum((-1, -2))
+    return d_g
+
+
 def _chunk_last(big_g: torch.Tensor, nc: int) -> torch.Tensor:
     """(B, T, HV) -> (B, NC, HV): G at each chunk's last token inside T."""
     t = big_g.shape[1]

@@ -22,7 +22,7 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    return [params_for(dtype) for dtype in DTYPES]
+    return [params_for(dtype, wy=wy) for dtype in DTYPES for wy in (False, True)]
 
 
 SPEC = KernelSpec(

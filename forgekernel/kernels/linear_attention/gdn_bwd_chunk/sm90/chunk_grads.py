@@ -81,10 +81,11 @@ class GdnBwdChunkSm90:
     """One CTA per (chunk, value head, sequence): `_output_grads` of the chunk; see the module
     docstring."""
 
-    def __init__(self, k: int, v: int):
+    def __init__(self, k: int, v: int, *, wy: bool = False):
         if (k, v) != (128, 128):
             raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
         self.k, self.v = k, v
+        self.wy = wy
 
     def _setup(self):
         dt = self.dtype
@@ -105,6 +106,10 @@ class GdnBwdChunkSm90:
         # dk += dPD^T q: A from shared memory (K-major), B q's transposed view
         self.mma_k = sm90_utils.make_trivial_tiled_mma(
             dt, dt, k_major, mn_major, Float32, (1, 1, 1), (CHUNK, self.k)
+        )
+        # dA = -(dkb w^T + dvb u^T): (C, C) reduced over K / V, A from registers
+        self.mma_da = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, k_major, Float32, (1, 1, 1), (CHUNK, CHUNK), a_source=rmem
         )
         row = LayoutEnum.ROW_MAJOR
         self.sT_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, self.v), dt, 1)
@@ -127,11 +132,21 @@ class GdnBwdChunkSm90:
         mDW: cute.Tensor,
         mDG: cute.Tensor,
         mTE: cute.Tensor,
+        mTt: cute.Tensor | None,
+        mW: cute.Tensor | None,
+        mUw: cute.Tensor | None,
+        mV: cute.Tensor | None,
+        mBeta: cute.Tensor | None,
+        mDV: cute.Tensor | None,
+        mDB: cute.Tensor | None,
         stream: cuda.CUstream,
     ):
         """mDO, mU, mDU (B, T, HV, V), mQ (scaled), mK (B, T, HV, K), mH, mDH (B, NC, HV, K, V)
         16-bit; mG fp32 (B, T, HV); outputs fp32: mDQ, mDK, mDW (B, T, HV, K), mDG, mTE
-        (B, T, HV)."""
+        (B, T, HV). With wy: mTt (B, T, HV, C) (row j of a chunk: column j of T = L^-1), mW
+        (B, T, HV, K), mUw, mV (B, T, HV, V) 16-bit, mBeta fp32 (B, T, HV); outputs mDV fp32
+        (B, T, HV, V), mDB (B, T, HV); mDW None (dw stays on chip), mDK and mDG take the WY
+        half's terms too. Without wy: all of these None."""
         self.dtype = mDO.element_type
         for t in (mU, mDU, mQ, mK, mH, mDH):
             if const_expr(t.element_type != self.dtype):
@@ -145,15 +160,29 @@ class GdnBwdChunkSm90:
             tmas.append(cpasync.make_tiled_tma_atom(g2s, _tdhb(m), sT_tile, (CHUNK, d)))
         for m in (mH, mDH):
             tmas.append(cpasync.make_tiled_tma_atom(g2s, _kvchb(m), sH_tile, (self.k, self.v)))
+        sP_tile = cute.slice_(self.sP_layout, (None, None, 0))
         self.tx_bytes = 5 * cute.size_in_bytes(self.dtype, sT_tile) + 2 * cute.size_in_bytes(
             self.dtype, sH_tile
         )
+        if const_expr(self.wy):
+            tmas.append(cpasync.make_tiled_tma_atom(g2s, _tdhb(mTt), sP_tile, (CHUNK, CHUNK)))
+            for m, d in ((mW, self.k), (mUw, self.v)):
+                tmas.append(cpasync.make_tiled_tma_atom(g2s, _tdhb(m), sT_tile, (CHUNK, d)))
+            self.tx_bytes = self.tx_bytes + 2 * cute.size_in_bytes(
+                self.dtype, sT_tile
+            ) + cute.size_in_bytes(self.dtype, sP_tile)
+        else:
+            tmas += [(None, None)] * 3
         t_elems = cute.cosize(self.sT_layout)
         h_elems = cute.cosize(self.sH_layout)
+        p_elems = cute.cosize(self.sP_layout)
+        w_t = t_elems if const_expr(self.wy) else 0
+        w_p = p_elems if const_expr(self.wy) else 0
 
         @cute.struct
         class SharedStorage:
             barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            sG: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
             sDO: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
             sU: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
             sDU: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
@@ -161,16 +190,20 @@ class GdnBwdChunkSm90:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
             sH: cute.struct.Align[cute.struct.MemRange[self.dtype, h_elems], 1024]
             sDH: cute.struct.Align[cute.struct.MemRange[self.dtype, h_elems], 1024]
-            sP: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(self.sP_layout)], 1024
-            ]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
+            sTt: cute.struct.Align[cute.struct.MemRange[self.dtype, w_p], 1024]
+            sW: cute.struct.Align[cute.struct.MemRange[self.dtype, w_t], 1024]
+            sUw: cute.struct.Align[cute.struct.MemRange[self.dtype, w_t], 1024]
+            sDW: cute.struct.Align[cute.struct.MemRange[self.dtype, w_t], 1024]
+            sM: cute.struct.Align[cute.struct.MemRange[self.dtype, w_p], 1024]
 
         self.shared_storage = SharedStorage
         atoms_and_views = [x for atom_view in tmas for x in atom_view]
         nc = (mDO.shape[1] + CHUNK - 1) // CHUNK
         self.kernel(
-            *atoms_and_views, mG, mDQ, mDK, mDW, mDG, mTE, self.mma_w, self.mma_s, self.mma_q,
-            self.mma_k, self.sT_layout, self.sH_layout, self.sP_layout,
+            *atoms_and_views, mG, mDQ, mDK, mDW, mDG, mTE, mV, mBeta, mDV, mDB, self.mma_w,
+            self.mma_s, self.mma_q, self.mma_k, self.mma_da, self.sT_layout, self.sH_layout,
+            self.sP_layout,
         ).launch(  # fmt: skip
             grid=(nc, mDO.shape[2], mDO.shape[0]),
             block=[THREADS, 1, 1],
@@ -195,16 +228,27 @@ class GdnBwdChunkSm90:
         mH5: cute.Tensor,
         tma_dh: cute.CopyAtom,
         mDH5: cute.Tensor,
+        tma_tt: cute.CopyAtom | None,
+        mTt4: cute.Tensor | None,
+        tma_w: cute.CopyAtom | None,
+        mW4: cute.Tensor | None,
+        tma_uw: cute.CopyAtom | None,
+        mUw4: cute.Tensor | None,
         mG: cute.Tensor,
         mDQ: cute.Tensor,
         mDK: cute.Tensor,
-        mDW: cute.Tensor,
+        mDW: cute.Tensor | None,
         mDG: cute.Tensor,
         mTE: cute.Tensor,
+        mV: cute.Tensor | None,
+        mBeta: cute.Tensor | None,
+        mDV: cute.Tensor | None,
+        mDB: cute.Tensor | None,
         mma_w: cute.TiledMma,
         mma_s: cute.TiledMma,
         mma_q: cute.TiledMma,
         mma_k: cute.TiledMma,
+        mma_da: cute.TiledMma,
         sT_layout: cute.ComposedLayout,
         sH_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout,
@@ -212,6 +256,8 @@ class GdnBwdChunkSm90:
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         atoms = (tma_do, tma_u, tma_du, tma_q, tma_k, tma_h, tma_dh)
+        if const_expr(self.wy):
+            atoms = atoms + (tma_tt, tma_w, tma_uw)
         if warp_idx == PRODUCER_WARP:
             for atom in atoms:
                 cpasync.prefetch_descriptor(atom)
@@ -226,6 +272,12 @@ class GdnBwdChunkSm90:
         sH = smem_tensor(storage.sH, sH_layout)
         sDH = smem_tensor(storage.sDH, sH_layout)
         sP = smem_tensor(storage.sP, sP_layout)
+        sG = storage.sG.get_tensor(cute.make_layout(CHUNK))
+        wy_smem = None
+        if const_expr(self.wy):
+            wy_smem = (smem_tensor(storage.sTt, sP_layout), smem_tensor(storage.sW, sT_layout),
+                       smem_tensor(storage.sUw, sT_layout), smem_tensor(storage.sDW, sT_layout),
+                       smem_tensor(storage.sM, sP_layout))  # fmt: skip
         init_wait()
 
         c, hv, b = cute.arch.block_idx()
@@ -237,9 +289,14 @@ class GdnBwdChunkSm90:
                 st = producer_state(1)
                 ring.producer_acquire(st)
                 bar = ring.producer_get_barrier(st)
-                for atom, m, s, d in ((tma_do, mDO4, sDO, self.v), (tma_u, mU4, sU, self.v),
-                                      (tma_du, mDU4, sDU, self.v), (tma_q, mQ4, sQ, self.k),
-                                      (tma_k, mK4, sK, self.k)):  # fmt: skip
+                tiles = ((tma_do, mDO4, sDO, self.v), (tma_u, mU4, sU, self.v),
+                         (tma_du, mDU4, sDU, self.v), (tma_q, mQ4, sQ, self.k),
+                         (tma_k, mK4, sK, self.k))  # fmt: skip
+                if const_expr(self.wy):
+                    tiles = tiles + ((tma_tt, mTt4, wy_smem[0], CHUNK),
+                                     (tma_w, mW4, wy_smem[1], self.k),
+                                     (tma_uw, mUw4, wy_smem[2], self.v))  # fmt: skip
+                for atom, m, s, d in tiles:
                     g = cute.local_tile(m[None, None, hv, b], (CHUNK, d), (c, 0))
                     ts, tg = cpasync.tma_partition(
                         atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
@@ -253,14 +310,14 @@ class GdnBwdChunkSm90:
                     cute.copy(atom, tg, ts[(None, 0)], tma_bar_ptr=bar)
         else:
             self._math(
-                tidx - THREADS_PER_WG, mma_w, mma_s, mma_q, mma_k, sDO, sU, sDU, sQ, sK, sH,
-                sDH, sP, mG, mDQ, mDK, mDW, mDG, mTE, ring, c, hv, b, seqlen,
+                mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sDU, sQ, sK, sH, sDH, sP, wy_smem,
+                sG, mG, mDQ, mDK, mDW, mDG, mTE, mV, mBeta, mDV, mDB, ring, c, hv, b, seqlen,
             )  # fmt: skip
 
     @cute.jit
     def _math(
-        self, mtid, mma_w, mma_s, mma_q, mma_k, sDO, sU, sDU, sQ, sK, sH, sDH, sP, mG, mDQ,
-        mDK, mDW, mDG, mTE, ring, c, hv, b, seqlen,
+        self, mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sDU, sQ, sK, sH, sDH, sP, wy_smem,
+        sG, mG, mDQ, mDK, mDW, mDG, mTE, mV, mBeta, mDV, mDB, ring, c, hv, b, seqlen,
     ):  # fmt: skip
         wg_w = mma_w.get_slice(0)
         wg_s = mma_s.get_slice(0)
@@ -278,6 +335,14 @@ class GdnBwdChunkSm90:
         tKrP = wg_k.make_fragment_A(wg_k.partition_A(sP))
         tKrQ = wg_k.make_fragment_B(wg_k.partition_B(transposed(sQ)))
         math = named_barrier(BAR_MATH, THREADS_PER_WG)
+        first = c * CHUNK
+        gtid = opaque_tid_x() % THREADS_PER_WG
+        if gtid < CHUNK:  # the chunk's G in shared memory (the decay loops' column reads)
+            g_t = Float32(0.0)
+            if first + gtid < seqlen:
+                g_t = mG[b, first + gtid, hv]
+            sG[gtid] = g_t
+        math.arrive_and_wait()
         st = consumer_state(1)
         ring.consumer_wait(st)
 
@@ -288,20 +353,17 @@ class GdnBwdChunkSm90:
         tid = opaque_tid_x() % THREADS_PER_WG
         t0s, row_s, col_s = softmax.acc_coords(mma_s, tid, (CHUNK, CHUNK))
         t0, row_w, _ = softmax.acc_coords(mma_w, tid, (CHUNK, self.k))
-        first = c * CHUNK
         last = cutlass.min(first + CHUNK, seqlen) - 1
-        g_last = mG[b, last, hv]
+        g_last = sG[last - first]
         s = rows_cols(acc_s)
         for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
             i = row_s + t0s[r, 0][0]
-            g_i = Float32(0.0)
-            if first + i < seqlen:
-                g_i = mG[b, first + i, hv]
+            g_i = sG[i]
             for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
                 col = col_s + t0s[0, j][1]
                 d = Float32(0.0)
                 if col <= i and first + i < seqlen:
-                    d = cute.math.exp(g_i - mG[b, first + col, hv], fastmath=True)
+                    d = cute.math.exp(g_i - sG[col], fastmath=True)
                 s[r, j] = s[r, j] * d
         self._store_pt(acc_s, mma_s, sP)  # dPD^T for dk's product
         acc_to_operand_a(acc_s, tQrP)
@@ -332,8 +394,110 @@ class GdnBwdChunkSm90:
 
         gemm(mma_w, acc_k, tArDU[None, None, None, 0], tBrH[None, None, None, 0], True, 0)
         acc_k.store(-acc_k.load())
-        self._store_rows(acc_k, mma_w, mDW, tid, b, hv, c, seqlen)
+        if const_expr(self.wy):
+            self._store_tile(acc_k, mma_w, wy_smem[3], False)  # dw, 16-bit, for T^T dw
+            math.arrive_and_wait()
+            self._wy(mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, wy_smem, sG, mDK, mDG, mV,
+                     mBeta, mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c)  # fmt: skip
+        else:
+            self._store_rows(acc_k, mma_w, mDW, tid, b, hv, c, seqlen)
         ring.consumer_release(st)
+
+    @cute.jit
+    def _wy(self, mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, wy_smem, sG, mDK, mDG, mV,
+            mBeta, mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c):  # fmt: skip
+        """The WY half (reference `_wy_grads`) from dw in shared memory: [dkb dvb] = T^T [dw du],
+        dv = beta dvb, dA = -(dkb w^T + dvb u^T) strictly lower, dAe = dA o D, M = beta dAe,
+        dk += beta e^G dkb + M k + M^T k, dbeta = dvb.v + e^G dkb.k + rowsum(dAe o KK^T), dG +=
+        beta e^G dkb.k + rowsum(M o KK^T) - colsum(M o KK^T) (the column sums as (M^T k).k)."""
+        sTt, sW, sUw, sDW, sM = wy_smem
+        tid = opaque_tid_x() % THREADS_PER_WG
+        wg_k = mma_k.get_slice(0)
+        wg_s = mma_s.get_slice(0)
+        wg_q = mma_q.get_slice(0)
+        wg_da = mma_da.get_slice(0)
+        tArT = wg_k.make_fragment_A(wg_k.partition_A(sTt))
+        tBrDW = wg_k.make_fragment_B(wg_k.partition_B(transposed(sDW)))
+        tBrDU = wg_k.make_fragment_B(wg_k.partition_B(transposed(sDU)))
+        shape = wg_k.partition_shape_C((CHUNK, self.k))
+        beta = [Float32(0.0), Float32(0.0)]
+        for r in cutlass.range_constexpr(2):
+            i = first + row_w + t0[r, 0][0]
+            if i < seqlen:
+                beta[r] = mBeta[b, i, hv]
+        # dvb = T^T du: dv = beta dvb out, dvb.v, dvb as dA's 16-bit A operand
+        acc_v = cute.make_rmem_tensor(shape, Float32)
+        gemm(mma_k, acc_v, tArT[None, None, None, 0], tBrDU[None, None, None, 0], True, 0)
+        tDArV = wg_da.make_fragment_A(wg_da.partition_shape_A((CHUNK, self.v)))
+        acc_to_operand_a(acc_v, tDArV)
+        tBrW = wg_da.make_fragment_B(wg_da.partition_B(sW))
+        tBrUw = wg_da.make_fragment_B(wg_da.partition_B(sUw))
+        acc_a = cute.make_rmem_tensor(wg_s.partition_shape_C((CHUNK, CHUNK)), Float32)
+        gemm(mma_da, acc_a, tDArV, tBrUw[None, None, None, 0], True, -1)
+        dbeta = self._row_dots_global(acc_v, mma_k, mV, tid, b, hv, c, seqlen)
+        va = rows_cols(acc_v)
+        for r in cutlass.range_constexpr(2):
+            for j in cutlass.range_constexpr(cute.size(va, mode=[1])):
+                va[r, j] = va[r, j] * beta[r]
+        self._store_rows(acc_v, mma_k, mDV, tid, b, hv, c, seqlen)
+        # dkb = T^T dw: dA's other A operand, then dk's accumulator (beta e^G dkb)
+        acc_b = cute.make_rmem_tensor(shape, Float32)
+        gemm(mma_k, acc_b, tArT[None, None, None, 0], tBrDW[None, None, None, 0], True, 0)
+        tDArB = wg_da.make_fragment_A(wg_da.partition_shape_A((CHUNK, self.k)))
+        acc_to_operand_a(acc_b, tDArB)
+        gemm(mma_da, acc_a, tDArB, tBrW[None, None, None, 0], False, -1)
+        x = self._row_dots(acc_b, mma_k, sK, tid)  # dkb.k
+        ba = rows_cols(acc_b)
+        for r in cutlass.range_constexpr(2):
+            dbeta[r] = dbeta[r] + e_g[r] * x[r]
+            for j in cutlass.range_constexpr(cute.size(ba, mode=[1])):
+                ba[r, j] = ba[r, j] * (beta[r] * e_g[r])
+        warpgroup.wait_group(0)
+        tSrK = wg_s.make_fragment_A(wg_s.partition_A(sK))
+        tSrKb = wg_s.make_fragment_B(wg_s.partition_B(sK))
+        acc_kk = cute.make_rmem_tensor(wg_s.partition_shape_C((CHUNK, CHUNK)), Float32)
+        gemm(mma_s, acc_kk, tSrK[None, None, None, 0], tSrKb[None, None, None, 0], True, 0)
+        # dA strictly lower, D, rows inside T; rowsum(dAe o KK^T); M = beta dAe
+        t0s, row_s, col_s = softmax.acc_coords(mma_s, tid, (CHUNK, CHUNK))
+        s, kk = rows_cols(acc_a), rows_cols(acc_kk)
+        rkk = [Float32(0.0), Float32(0.0)]
+        rmk = [Float32(0.0), Float32(0.0)]
+        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+            i = row_s + t0s[r, 0][0]
+            g_i = sG[i]
+            beta_i = Float32(0.0)
+            if first + i < seqlen:
+                beta_i = mBeta[b, first + i, hv]
+            part = Float32(0.0)
+            for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                col = col_s + t0s[0, j][1]
+                d = Float32(0.0)
+                if col < i and first + i < seqlen:
+                    d = -cute.math.exp(g_i - sG[col], fastmath=True)
+                s[r, j] = s[r, j] * d
+                part = part + s[r, j] * kk[r, j]
+            rkk[r] = cute.arch.warp_reduction_sum(part, threads_in_group=QUAD)
+            rmk[r] = beta_i * rkk[r]
+            for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                s[r, j] = s[r, j] * beta_i
+        self._store_tile(acc_a, mma_s, sM, True)  # M^T for M^T k
+        tQrM = wg_q.make_fragment_A(wg_q.partition_shape_A((CHUNK, CHUNK)))
+        acc_to_operand_a(acc_a, tQrM)
+        tQrK = wg_q.make_fragment_B(wg_q.partition_B(transposed(sK)))
+        gemm(mma_q, acc_b, tQrM, tQrK[None, None, None, 0], False, 0)
+        before = self._row_dots(acc_b, mma_k, sK, tid)
+        math.arrive_and_wait()  # every thread's M^T in shared memory
+        tKrM = wg_k.make_fragment_A(wg_k.partition_A(sM))
+        tKrK = wg_k.make_fragment_B(wg_k.partition_B(transposed(sK)))
+        gemm(mma_k, acc_b, tKrM[None, None, None, 0], tKrK[None, None, None, 0], False, 0)
+        after = self._row_dots(acc_b, mma_k, sK, tid)
+        dg = [Float32(0.0), Float32(0.0)]
+        for r in cutlass.range_constexpr(2):
+            dbeta[r] = dbeta[r] + rkk[r]
+            dg[r] = beta[r] * e_g[r] * x[r] + rmk[r] - (after[r] - before[r])
+        self._add_rows(acc_b, mma_k, mDK, tid, b, hv, c, seqlen)
+        self._store_vec(dbeta, t0, row_w, tid, mDB, b, hv, first, seqlen)
+        self._add_vec(dg, t0, row_w, tid, mDG, b, hv, first, seqlen)
 
     @cute.jit
     def _row_decays(self, mG, t0, row_w, first, seqlen, b, hv, g_last):
@@ -365,17 +529,65 @@ class GdnBwdChunkSm90:
 
     @cute.jit
     def _store_pt(self, acc_s, mma_s, sP):
-        """dPD (rows i, columns j), 16-bit, into sP as dPD^T (j, i) K-major by the transposed
-        stmatrix, fenced for the WGMMAs (async proxy)."""
+        """dPD (rows i, columns j), 16-bit, into sP as dPD^T (j, i) K-major."""
+        self._store_tile(acc_s, mma_s, sP, True)
+
+    @cute.jit
+    def _store_tile(self, acc, mma, s_tile, transpose: cutlass.Constexpr[bool]):
+        """An accumulator (rows i, columns j), 16-bit, into the K-major tile s_tile: as (j, i)
+        by the transposed stmatrix (`transpose`) or as (i, j), fenced for the WGMMAs (async
+        proxy)."""
         tid = opaque_tid_x() % THREADS_PER_WG
         r2s = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(True, 4), self.dtype), mma_s
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose, 4), self.dtype), mma
         )
         thr = r2s.get_slice(tid)
-        r_p = cute.make_rmem_tensor(acc_s.shape, self.dtype)
-        r_p.store(acc_s.load().to(self.dtype))
-        cute.copy(r2s, thr.retile(r_p), thr.partition_D(transposed(sP[None, None, 0])))
+        r_p = cute.make_rmem_tensor(acc.shape, self.dtype)
+        r_p.store(acc.load().to(self.dtype))
+        dst = s_tile[None, None, 0]
+        if const_expr(transpose):
+            dst = transposed(dst)
+        cute.copy(r2s, thr.retile(r_p), thr.partition_D(dst))
         cute.arch.fence_view_async_shared()
+
+    @cute.jit
+    def _row_dots_global(self, acc, mma, mX, tid, b, hv, c, seqlen):
+        """Row dots of the (C, D) accumulator with x[b, tokens of chunk c, hv, :] (16-bit,
+        global, the rows inside T), summed over the quad."""
+        t0, row_base, _ = softmax.acc_coords(mma, tid, (CHUNK, self.v))
+        tile = cute.local_tile(mX[b, None, hv, None], (CHUNK, self.v), (c, 0))
+        g = rows_cols(mma.get_slice(tid).partition_C(tile))
+        a = rows_cols(acc)
+        out = [Float32(0.0), Float32(0.0)]
+        for r in cutlass.range_constexpr(2):
+            part = Float32(0.0)
+            if c * CHUNK + row_base + t0[r, 0][0] < seqlen:
+                for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
+                    part = part + a[r, j] * Float32(g[r, j])
+            out[r] = cute.arch.warp_reduction_sum(part, threads_in_group=QUAD)
+        return out
+
+    @cute.jit
+    def _add_rows(self, acc, mma, mOut, tid, b, hv, c, seqlen):
+        """out[b, tokens of chunk c, hv, :] += a (C, K) accumulator, the rows inside T (this
+        thread's own earlier stores: `_store_rows` with the same partition)."""
+        t0, row_base, _ = softmax.acc_coords(mma, tid, (CHUNK, self.k))
+        tile = cute.local_tile(mOut[b, None, hv, None], (CHUNK, self.k), (c, 0))
+        g = rows_cols(mma.get_slice(tid).partition_C(tile))
+        a = rows_cols(acc)
+        for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
+            if c * CHUNK + row_base + t0[r, 0][0] < seqlen:
+                for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
+                    g[r, j] = g[r, j] + a[r, j]
+
+    @cute.jit
+    def _add_vec(self, vals, t0, row_w, tid, mOut, b, hv, first, seqlen):
+        """out[b, token, hv] += one value a row, by the quad's first thread (`_store_vec`'s)."""
+        if tid % QUAD == 0:
+            for r in cutlass.range_constexpr(2):
+                i = first + row_w + t0[r, 0][0]
+                if i < seqlen:
+                    mOut[b, i, hv] = mOut[b, i, hv] + vals[r]
 
     @cute.jit
     def _store_rows(self, acc, mma, mOut, tid, b, hv, c, seqlen):

@@ -1,7 +1,8 @@
-"""Compile the Gated DeltaNet backward's kernel 2 (chunk-parallel output-side gradients) against
-fake tensors: B, T, HV, the chunk count and every outer stride dynamic; K, V and the dtype baked
-in. The 16-bit tiles: unit last strides, the others multiples of 8 elements, 16-byte aligned
-(TMA); G fp32 (B, T, HV) unit last stride; the fp32 outputs unit last strides."""
+"""Compile the Gated DeltaNet backward's kernel 2 (chunk-parallel pass 3) against fake tensors:
+B, T, HV, the chunk count and every outer stride dynamic; K, V, the dtype and whether the WY half
+runs too (`wy`) baked in. The 16-bit tiles: unit last strides, the others multiples of 8
+elements, 16-byte aligned (TMA); G, beta fp32 (B, T, HV) unit last stride; the fp32 outputs unit
+last strides."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.chunk_grads import 
 
 
 def kernel_for(params: dict) -> GdnBwdChunkSm90:
-    return GdnBwdChunkSm90(params["k"], params["v"])
+    return GdnBwdChunkSm90(params["k"], params["v"], wy=params["wy"])
 
 
 def compile_gdn_bwd_chunk(params: dict, arch: str = "sm_90a", extra_options: str = "", kernel=None):
@@ -24,18 +25,27 @@ def compile_gdn_bwd_chunk(params: dict, arch: str = "sm_90a", extra_options: str
     b, t, hv, nc = (cute.sym_int32() for _ in range(4))
     f32 = cutlass.Float32
     kernel = kernel_for(params) if kernel is None else kernel
+    wy = params["wy"]
 
     def tok(d):
         return fake.rowmajor(dtype, (b, t, hv, d))
+
+    def vec():
+        return fake.rowmajor(f32, (b, t, hv), divisibility=1, align=4)
 
     return cute.compile(
         kernel,
         tok(vd), tok(vd), tok(vd), tok(kd), tok(kd),
         fake.rowmajor(dtype, (b, nc, hv, kd, vd)),
         fake.rowmajor(dtype, (b, nc, hv, kd, vd)),
-        fake.rowmajor(f32, (b, t, hv), divisibility=1, align=4),
-        *(fake.rowmajor(f32, (b, t, hv, kd), divisibility=4) for _ in range(3)),
-        *(fake.rowmajor(f32, (b, t, hv), divisibility=1, align=4) for _ in range(2)),
+        vec(),
+        fake.rowmajor(f32, (b, t, hv, kd), divisibility=4),
+        fake.rowmajor(f32, (b, t, hv, kd), divisibility=4),
+        None if wy else fake.rowmajor(f32, (b, t, hv, kd), divisibility=4),
+        vec(),
+        vec(),
+        *((tok(64), tok(kd), tok(vd), tok(vd), vec(), fake.rowmajor(f32, (b, t, hv, vd),
+          divisibility=4), vec()) if wy else (None,) * 7),
         fake.stream(),
         options=fake.options(arch, extra_options),
     )  # fmt: skip

@@ -14,18 +14,21 @@ TOKEN_TILES = ("do", "u", "du", "q", "k")
 STATE_TILES = ("h", "dh")
 
 
-def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2) -> int:
+def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2, wy: bool = False) -> int:
     """Shared memory of one CTA (the kernel's SharedStorage, alignment padding included): the
-    five token tiles, the two states, dPD^T (C, C) 16-bit, one barrier pair."""
+    five token tiles, the two states, dPD^T (C, C) 16-bit, one barrier pair; with `wy` also
+    T^T, M^T (C, C), w, u (C, K / V) and dw (C, K)."""
     tokens = CHUNK * (3 * v + 2 * k) * elem_bytes
-    return tokens + 2 * k * v * elem_bytes + CHUNK * CHUNK * elem_bytes + 16 + 9 * 1024
+    extra = (2 * CHUNK * CHUNK + CHUNK * (2 * k + v)) * elem_bytes if wy else 0
+    return tokens + 2 * k * v * elem_bytes + CHUNK * CHUNK * elem_bytes + extra + 16 + 14 * 1024
 
 
-def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128)) -> tuple:
-    """Compile key: the 16-bit dtype of the tiles and (K, V)."""
+def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128), *, wy: bool = False) -> tuple:
+    """Compile key: the 16-bit dtype of the tiles, (K, V) and `wy`: the WY half (`_wy_grads`)
+    in the kernel too (dw stays on chip; dv, dbeta out) or `_output_grads` only (dw out)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     if tuple(head_dims) not in HEAD_DIMS:
         raise ValueError(f"(K, V) must be one of {HEAD_DIMS}, got {tuple(head_dims)}")
     k, v = head_dims
-    return tuple(sorted({"dtype": dtype, "k": k, "v": v}.items()))
+    return tuple(sorted({"dtype": dtype, "k": k, "v": v, "wy": wy}.items()))
