@@ -20,7 +20,7 @@ from test_gdn_bwd_state import tile_model
 
 import forgekernel
 from forgekernel.reference.delta_rule_bwd import _Factors, _states
-from forgekernel.reference.gdn_bwd_chunk import chunk_grads_model
+from forgekernel.reference.gdn_bwd_chunk import chunk_grads_model, wy_grads_model
 from forgekernel.reference.gdn_bwd_state import (
     _layout,
     _per_chunk,
@@ -98,9 +98,33 @@ def emulated_chunk_kernel(calls=None):
     return run
 
 
+def emulated_chunk_wy_kernel(calls=None):
+    """kernel 2's WY variant's stand-in: `chunk_grads_model` then `wy_grads_model` in fp64,
+    dPD, dw, dkb, dvb and M rounded to the tiles' dtype where it is 16-bit, fp32 outputs."""
+    first = emulated_chunk_kernel(calls)
+
+    def run(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta):
+        for x in (tt, w, uw, v):
+            assert x.is_contiguous() and x.dtype == do.dtype and x.shape[:3] == do.shape[:3]
+        assert beta.dtype == torch.float32 and beta.shape == do.shape[:3]
+        assert tt.shape[-1] == 64 and w.shape[-1] == q.shape[-1] and uw.shape == v.shape
+        low = do.dtype in (torch.float16, torch.bfloat16)
+
+        def rounding(x):
+            return x.to(do.dtype).to(x.dtype)
+
+        r = rounding if low else None
+        outs = [x.double() for x in first(do, u, du, q, k, h, dh, big_g)]
+        wide = (x.double() for x in (du, k, h, big_g, tt, w, uw, v, beta))
+        return tuple(x.float() for x in wy_grads_model(outs, *wide, r, r))
+
+    return run
+
+
 def _both_emulated(monkeypatch, calls=None, chunk_calls=None):
     monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel(calls))
     monkeypatch.setattr(bwd, "_chunk_grads", emulated_chunk_kernel(chunk_calls))
+    monkeypatch.setattr(bwd, "_chunk_grads_wy", emulated_chunk_wy_kernel(chunk_calls))
 
 
 @pytest.mark.parametrize("t", [1, 63, 64, 65, 200])
@@ -162,11 +186,14 @@ CASES = [
 
 @pytest.mark.parametrize(("b", "t", "h", "hv", "l2norm", "with_h0", "with_dht"), CASES)
 @pytest.mark.parametrize("k_last", [False, True])
+@pytest.mark.parametrize("wy", [True, False])
 def test_kernel_path_equals_the_interim_path(monkeypatch, b, t, h, hv, l2norm, with_h0,
-                                              with_dht, k_last):  # fmt: skip
+                                              with_dht, k_last, wy):  # fmt: skip
     """fp32 inputs (so fp32 tiles, nothing rounded): `_backward_kernel` is the interim
-    backward to fp32 tolerance, every gradient, grouped heads, both state layouts."""
+    backward to fp32 tolerance, every gradient, grouped heads, both state layouts; kernel 2 as
+    all of pass 3 (`wy`) or `_output_grads` only (the WY half in torch)."""
     _both_emulated(monkeypatch)
+    monkeypatch.setattr(bwd, "WY_IN_KERNEL", wy)
     q, k, v, g, beta, do, h0, dht = _inputs(b, t, h, hv, dk=32, dv=16, seed=t + b,
                                            dtype=torch.float32)  # fmt: skip
     if l2norm:

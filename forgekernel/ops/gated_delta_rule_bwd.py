@@ -22,11 +22,12 @@ tests/gpu/test_gdn_bwd_kernel_path_gpu.py, NOTES.md "Backward on kernel 1"): `_b
 runs both sequential recurrences on kernel 1 (kernels/linear_attention/gdn_bwd_state/sm90,
 `gdn_bwd_state`): the forward's chunk states h and U = u - W h (the kernel's recurrence fed
 transposed inputs, `reference.gdn_bwd_state.forward_state_tiles`), then the reverse recurrence
-(dU, dh, the initial state's gradient); pass 3's output side (`_output_grads`: dq, dk, dw,
-dG's rows) on kernel 2 (kernels/linear_attention/gdn_bwd_chunk/sm90, `gdn_bwd_chunk`, every
-chunk at once, `reference.gdn_bwd_chunk` its model); everything else is batched torch over
-every chunk at once (no loop over chunks): the chunk factors, the 16-bit tiles, the WY
-transpose in fp32 (the reference's own `_wy_grads`), scale, l2norm, the group sum. Both
+(dU, dh, the initial state's gradient); pass 3 (the reference's `_output_grads` and
+`_wy_grads`: dq, dk, dv, dbeta, dG's rows) on kernel 2 (kernels/linear_attention/gdn_bwd_chunk/
+sm90, every chunk at once, `reference.gdn_bwd_chunk` its model; WY_IN_KERNEL = False: its
+`_output_grads` variant and `_wy_grads` in torch); everything else is batched torch over every
+chunk at once (no loop over chunks): the chunk factors and T = L^-1, the 16-bit tiles, the
+last position's dG term and the reverse cumsum, scale, l2norm, the group sum. Both
 kernels take equal-length sequences ((B, T, HV, D) tiles): the explicit backward without
 cu_seqlens, autograd of `gated_delta_rule` without cu_seqlens (the offsets it made are
 known equal: `gated_delta_rule_chunked.equal_lengths`) and one sequence run with no host read
@@ -56,7 +57,12 @@ from forgekernel.reference.delta_rule_bwd import (
     _wy_grads,
     gated_delta_rule_chunked_backward,
 )
-from forgekernel.reference.gdn_bwd_chunk import chunk_grad_tiles, finish_output_grads
+from forgekernel.reference.gdn_bwd_chunk import (
+    chunk_grad_tiles,
+    finish_output_grads,
+    finish_wy,
+    wy_tiles,
+)
 from forgekernel.reference.gdn_bwd_state import (
     CHUNK,
     chunk_factors,
@@ -118,6 +124,19 @@ def _chunk_grads(do, u, du, q, k, h, dh, big_g):
     return gdn_bwd_chunk(do, u, du, q, k, h, dh, big_g)
 
 
+# Kernel 2 runs all of pass 3 (its WY variant, `_chunk_grads_wy`); False: `_output_grads` only
+# (`_chunk_grads`), the WY half in torch (`_wy_grads`).
+WY_IN_KERNEL = True
+
+
+def _chunk_grads_wy(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta):
+    """Kernel 2, WY variant (all of pass 3): (dq, dk (B, T, HV, K), dg, te (B, T, HV), dv
+    (B, T, HV, V), dbeta (B, T, HV)) fp32. The CPU tests put the tile emulation here."""
+    from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.launch import gdn_bwd_chunk_wy
+
+    return gdn_bwd_chunk_wy(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta)
+
+
 PAD_WASTE_LIMIT = 4  # varlen: padded chunks / real chunks above which the interim path runs
 NOT_CAPTURABLE_VARLEN = (
     "gated_delta_rule's backward on kernel 1 reads varlen offsets on the host (the padding to "
@@ -151,6 +170,12 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht):
     dh = dh_t.transpose(-1, -2)  # dS (K, V) at every chunk's end
     del do_c
     tiles = chunk_grad_tiles(qs, ks, do, big_u, d_u, h, dh, g, dtype)
+    if WY_IN_KERNEL:  # kernel 2: all of pass 3
+        dq, dk, dg_rows, te, dv, dbeta = _chunk_grads_wy(*tiles, *wy_tiles(f, v, beta, dtype))
+        del tiles, big_u
+        d_g = finish_wy(dg_rows, te, h, dh, f.e_last)
+        dg = to_tokens(d_g.flip(-1).cumsum(-1).flip(-1))[:, :t]
+        return dq, dk, dv, dg, dbeta, dh0
     dq, dk, dw, dg_rows, te = _chunk_grads(*tiles)  # kernel 2: `_output_grads`
     del tiles, big_u
     dw, d_g = finish_output_grads(dg_rows, te, dw, h, dh, f.e_last)

@@ -73,5 +73,75 @@ def gdn_bwd_chunk(
     fn = get_kernel(SPEC, params_for(dtype_name(do.dtype), (q.shape[-1], do.shape[-1])))
     tiles = [as_tma_ready(x) for x in (do, u, du, q, k, h, dh)]
     with on_device(do.device):
-        fn(*tiles, big_g.contiguous(), *outs)
+        fn(*tiles, big_g.contiguous(), *outs, *(None,) * 7)
+    return outs
+
+
+WyOutputs = tuple[torch.Tensor, ...]
+
+
+def check_wy_inputs(do, q, tt, w, uw, v, beta) -> None:
+    """The WY variant's extra inputs, else ValueError / TypeError."""
+    b, t, hv, vd = do.shape
+    kd = q.shape[-1]
+    want = {"tt": (b, t, hv, CHUNK), "w": (b, t, hv, kd), "uw": (b, t, hv, vd),
+            "v": (b, t, hv, vd)}  # fmt: skip
+    for name, x in zip(want, (tt, w, uw, v)):
+        if tuple(x.shape) != want[name]:
+            raise ValueError(f"{name} must be {want[name]}, got {tuple(x.shape)}")
+        if x.dtype != do.dtype:
+            raise TypeError(f"{name} must be {do.dtype} (do's dtype), got {x.dtype}")
+    if tuple(beta.shape) != (b, t, hv) or beta.dtype != torch.float32:
+        raise ValueError(f"beta must be float32 {(b, t, hv)}, got {beta.dtype} "
+                         f"{tuple(beta.shape)}")  # fmt: skip
+
+
+def empty_wy_outputs(do: torch.Tensor, k: int) -> WyOutputs:
+    """(dq, dk (B, T, HV, K), dg, te (B, T, HV), dv (B, T, HV, V), dbeta (B, T, HV)) fp32."""
+    b, t, hv, v = do.shape
+    f32 = {"dtype": torch.float32, "device": do.device}
+    return (torch.empty(b, t, hv, k, **f32), torch.empty(b, t, hv, k, **f32),
+            torch.empty(b, t, hv, **f32), torch.empty(b, t, hv, **f32),
+            torch.empty(b, t, hv, v, **f32), torch.empty(b, t, hv, **f32))  # fmt: skip
+
+
+def gdn_bwd_chunk_wy(
+    do: torch.Tensor,
+    u: torch.Tensor,
+    du: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    h: torch.Tensor,
+    dh: torch.Tensor,
+    big_g: torch.Tensor,
+    tt: torch.Tensor,
+    w: torch.Tensor,
+    uw: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    out: WyOutputs | None = None,
+) -> WyOutputs:
+    """All of pass 3 per chunk: `gdn_bwd_chunk`'s products, then the WY half from dw on chip
+    ([dkb dvb] = T^T [dw du], dv = beta dvb, dA, M = beta (dA o D), dk += beta e^G dkb + M k +
+    M^T k, dbeta, dG's WY rows). Extra inputs: tt (B, T, HV, 64) (row j of a chunk: column j
+    of T = L^-1), w (B, T, HV, K), uw (B, T, HV, V) (the forward's w, u), v (B, T, HV, V) in
+    do's dtype; beta (B, T, HV) fp32. Returns (dq, dk, dg (row sums before the last position's
+    term), te, dv, dbeta) fp32, into `out` (contiguous) when given."""
+    b, t, hv, _ = check_inputs(do, u, du, q, k, h, dh, big_g)
+    check_wy_inputs(do, q, tt, w, uw, v, beta)
+    outs = empty_wy_outputs(do, q.shape[-1]) if out is None else out
+    for x in outs:
+        if not x.is_contiguous() or x.dtype != torch.float32:
+            raise ValueError("out must be contiguous float32 tensors")
+    if b * hv * t == 0:
+        return outs
+    params = params_for(dtype_name(do.dtype), (q.shape[-1], do.shape[-1]), wy=True)
+    fn = get_kernel(SPEC, params)
+    tiles = [as_tma_ready(x) for x in (do, u, du, q, k, h, dh)]
+    extra = [as_tma_ready(x) for x in (tt, w, uw)]
+    dq, dk, dg, te, dv, dbeta = outs
+    with on_device(do.device):
+        fn(*tiles, big_g.contiguous(), dq, dk, None, dg, te, *extra, v.contiguous(),
+           beta.contiguous(), dv, dbeta)  # fmt: skip
     return outs
