@@ -16,11 +16,12 @@ STATE_TILES = ("h", "dh")
 
 def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2, wy: bool = False) -> int:
     """Shared memory of one CTA (the kernel's SharedStorage, alignment padding included): the
-    five token tiles, the two states, dPD^T (C, C) 16-bit, one barrier pair; with `wy` also
+    five token tiles, the two states, dPD^T (C, C) 16-bit, one barrier pair, G; with `wy` also
     T^T, M^T (C, C), w, u (C, K / V) and dw (C, K)."""
     tokens = CHUNK * (3 * v + 2 * k) * elem_bytes
     extra = (2 * CHUNK * CHUNK + CHUNK * (2 * k + v)) * elem_bytes if wy else 0
-    return tokens + 2 * k * v * elem_bytes + CHUNK * CHUNK * elem_bytes + extra + 16 + 14 * 1024
+    head = 16 + CHUNK * 4  # the barrier pair and G (fp32), before the 1024-aligned tiles
+    return tokens + 2 * k * v * elem_bytes + CHUNK * CHUNK * elem_bytes + extra + head + 1024
 
 
 def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128), *, wy: bool = False) -> tuple:
