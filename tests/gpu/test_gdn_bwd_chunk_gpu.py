@@ -1,5 +1,6 @@
-"""The Gated DeltaNet backward's kernel 2 (kernels/linear_attention/gdn_bwd_chunk/sm90: pass 3's
-output side, one CTA per (chunk, value head, sequence), issue 20) on the GPU: against its model
+"""The Gated DeltaNet backward's kernel 2 (kernels/linear_attention/gdn_bwd_chunk/sm90: pass 3,
+one CTA per (chunk, value head, sequence), issue 20; both variants: `_output_grads` only and
+all of pass 3, `wy`) on the GPU: against its model
 (`reference.gdn_bwd_chunk.chunk_grads_model` in fp64 on the same 16-bit tiles, dPD rounded as
 the kernel's register operand) and, through the torch finish, against reference/
 delta_rule_bwd.py `_output_grads` in fp64 (the batched torch pass 3 it replaces); outputs
@@ -20,13 +21,18 @@ import torch.nn.functional as F
 
 from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.launch import (
     empty_outputs,
+    empty_wy_outputs,
     gdn_bwd_chunk,
+    gdn_bwd_chunk_wy,
 )
-from forgekernel.reference.delta_rule_bwd import _output_grads
+from forgekernel.reference.delta_rule_bwd import _output_grads, _wy_grads
 from forgekernel.reference.gdn_bwd_chunk import (
     chunk_grad_tiles,
     chunk_grads_model,
     finish_output_grads,
+    finish_wy,
+    wy_grads_model,
+    wy_tiles,
 )
 from forgekernel.reference.gdn_bwd_state import chunk_factors, to_chunks, to_tokens
 from forgekernel.runtime.timing import median, time_ms
@@ -91,6 +97,40 @@ def test_matches_the_model_and_output_grads(dtype, t, b, hv):
         _close(name + " vs _output_grads", a, r, 2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t", [1, 63, 64, 65, 200, 1000])
+@pytest.mark.parametrize(("b", "hv"), [(1, 1), (2, 3)])
+def test_wy_matches_the_model_and_pass_3(dtype, t, b, hv):
+    """The WY variant (all of pass 3) against its model (`wy_grads_model` after
+    `chunk_grads_model`, the same roundings) and against `_output_grads` + `_wy_grads`."""
+    f, do_c, h, dh, big_u, d_u, tiles = _problem(b, t, hv, dtype, seed=t + b)
+    v, beta = to_tokens(f.v)[:, :t], to_tokens(f.beta.unsqueeze(-1))[:, :t, :, 0]
+    extra = list(wy_tiles(f, v, beta, dtype))
+    extra[-1] = extra[-1].float()
+    out = tuple(x.fill_(float("nan")) for x in empty_wy_outputs(tiles[0], 128))
+    got = gdn_bwd_chunk_wy(*tiles, *extra, out=out)
+
+    def rounding(x):
+        return x.to(dtype).to(x.dtype)
+
+    wide = [x.double() for x in tiles]
+    first = chunk_grads_model(*wide, rounding)
+    model = wy_grads_model(first, wide[2], wide[4], wide[5], wide[7],
+                           *(x.double() for x in extra), rounding, rounding)  # fmt: skip
+    for name, a, r in zip(("dq", "dk", "dg", "te", "dv", "dbeta"), got, model):
+        _close(name, a, r, 1e-2)
+    dq_r, dk_r, dw_r, dg_r = _output_grads(f, do_c, h, dh, big_u, d_u)
+    dk_wy, dv_r, dbeta_r, dg_wy = _wy_grads(f, dw_r, d_u)
+    want = {"dq": to_tokens(dq_r)[:, :t], "dk": to_tokens(dk_r + dk_wy)[:, :t],
+            "dv": to_tokens(dv_r)[:, :t], "dbeta": to_tokens(dbeta_r)[:, :t]}  # fmt: skip
+    for name, a in zip(("dq", "dk"), got[:2]):
+        _close(name + " vs pass 3", a, want[name], 2e-2)
+    _close("dv vs pass 3", got[4], want["dv"], 2e-2)
+    _close("dbeta vs pass 3", got[5], want["dbeta"], 2e-2)
+    d_g = finish_wy(got[2].double(), got[3].double(), h, dh, f.e_last)
+    _close("dG vs pass 3", d_g, dg_r + dg_wy, 2e-2)
+
+
 def test_misaligned_inputs():
     """Strided (non-contiguous) token tiles go through the launcher's TMA-ready copies."""
     _, _, _, _, _, _, tiles = _problem(2, 130, 2, torch.bfloat16, seed=5)
@@ -119,5 +159,16 @@ def test_time_at_bench_size():
         assert torch.isfinite(x).all(), name
     ms = median(time_ms(lambda: gdn_bwd_chunk(*tiles, out=out), reps=20))
     moved = sum(x.numel() * x.element_size() for x in (*tiles, *out)) / 1e9
-    print(f"\nGDN backward kernel 2, 4 x 8192 hv32 bf16: {ms:.3f} ms a launch, "
+    print(f"\nGDN backward kernel 2 (_output_grads), 4 x 8192 hv32 bf16: {ms:.3f} ms a "
+          f"launch, {moved:.2f} GB moved, {moved / ms * 1e3:.0f} GB/s")
+    extra = [rnd(b, t, hv, 64, scale=0.3), rnd(b, t, hv, 128, scale=0.1),
+             rnd(b, t, hv, 128), rnd(b, t, hv, 128),
+             torch.rand(b, t, hv, device="cuda", generator=gen)]  # fmt: skip
+    wy_out = empty_wy_outputs(tiles[0], 128)
+    gdn_bwd_chunk_wy(*tiles, *extra, out=wy_out)
+    for name, x in zip(("dq", "dk", "dg", "te", "dv", "dbeta"), wy_out):
+        assert torch.isfinite(x).all(), name
+    ms = median(time_ms(lambda: gdn_bwd_chunk_wy(*tiles, *extra, out=wy_out), reps=20))
+    moved = sum(x.numel() * x.element_size() for x in (*tiles, *extra, *wy_out)) / 1e9
+    print(f"GDN backward kernel 2 (all of pass 3), 4 x 8192 hv32 bf16: {ms:.3f} ms a launch, "
           f"{moved:.2f} GB moved, {moved / ms * 1e3:.0f} GB/s")

@@ -58,13 +58,27 @@ def _poisoned_chunk_kernel(calls):
     return run
 
 
+def _poisoned_chunk_wy_kernel(calls):
+    """Kernel 2's WY variant with its outputs NaN-poisoned first; calls as ("k2wy", shape)."""
+
+    def run(do, u, du, q, k, h, dh, big_g, *wy):
+        out = tuple(x.fill_(float("nan"))
+                    for x in chunk_launch.empty_wy_outputs(do, q.shape[-1]))  # fmt: skip
+        calls.append(("k2wy", tuple(do.shape)))
+        return chunk_launch.gdn_bwd_chunk_wy(do, u, du, q, k, h, dh, big_g, *wy, out=out)
+
+    return run
+
+
 @pytest.fixture
 def kernel_path(monkeypatch):
-    """Kernel launches of the path: kernel 1's twice, kernel 2's once a pass."""
+    """Kernel launches of the path: kernel 1's twice, kernel 2's once a pass (its WY variant
+    unless bwd.WY_IN_KERNEL is off)."""
     calls = []
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
     monkeypatch.setattr(bwd, "_state_recurrence", _poisoned_kernel(calls))
     monkeypatch.setattr(bwd, "_chunk_grads", _poisoned_chunk_kernel(calls))
+    monkeypatch.setattr(bwd, "_chunk_grads_wy", _poisoned_chunk_wy_kernel(calls))
     return calls
 
 
@@ -141,6 +155,15 @@ def test_matches_the_fp64_backward_and_the_interim(kernel_path, monkeypatch, dty
            dht=dht if with_dht else None, l2norm=l2norm, k_last=k_last)  # fmt: skip
 
 
+@pytest.mark.parametrize("t", [65, 1000])
+def test_output_grads_variant(kernel_path, monkeypatch, t):
+    """WY_IN_KERNEL off: kernel 2's `_output_grads` variant, the WY half in torch."""
+    monkeypatch.setattr(bwd, "WY_IN_KERNEL", False)
+    q, k, v, g, beta, do, h0, dht = _problem(2, t, 2, 4, torch.bfloat16, seed=t, l2norm=True)
+    _check(kernel_path, monkeypatch, (q, k, v, g, beta, do), h0=h0, dht=dht, l2norm=True)
+    assert kernel_path[-1][0] == "k2"
+
+
 @pytest.mark.parametrize("lens", [[1, 63, 0, 64, 65, 130], [300, 300, 300], [1000, 700]])
 def test_varlen_padded(kernel_path, monkeypatch, lens):
     n, total = len(lens), sum(lens)
@@ -215,11 +238,11 @@ def test_time_at_bench_size(kernel_path, monkeypatch, varlen):
     kernel_args, chunk_args = [], []
     monkeypatch.setattr(bwd, "_state_recurrence",
                         lambda *a: kernel_args.append(a) or gdn_bwd_state(*a))  # fmt: skip
-    k2 = chunk_launch.gdn_bwd_chunk
-    monkeypatch.setattr(bwd, "_chunk_grads", lambda *a: chunk_args.append(a) or k2(*a))
+    k2 = chunk_launch.gdn_bwd_chunk_wy
+    monkeypatch.setattr(bwd, "_chunk_grads_wy", lambda *a: chunk_args.append(a) or k2(*a))
     forgekernel.gated_delta_rule_backward(*args, **kw)
     launches = [median(time_ms(lambda a=a: gdn_bwd_state(*a), reps=10)) for a in kernel_args]
-    chunk = [median(time_ms(lambda a=a: chunk_launch.gdn_bwd_chunk(*a), reps=10))
+    chunk = [median(time_ms(lambda a=a: k2(*a), reps=10))
              for a in chunk_args]  # fmt: skip
     form = "varlen" if varlen else "B = 4"
     print(f"\nGDN backward on kernels 1 + 2, 4 x 8192 h16 hv32 bf16 ({form}): {ms:.2f} ms a "
