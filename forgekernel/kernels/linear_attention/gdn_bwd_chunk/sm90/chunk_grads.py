@@ -1,6 +1,6 @@
-"""Gated DeltaNet backward, kernel 2: the chunk-parallel output-side gradients for Hopper
-(sm_90a). TMA + WGMMA, one CTA per (chunk, value head, sequence), every chunk at once
-(reference/delta_rule_bwd.py `_output_grads`, pass 3's state and output side).
+"""Gated DeltaNet backward, kernel 2: pass 3 (the chunk-parallel gradients) for Hopper (sm_90a).
+TMA + WGMMA, one CTA per (chunk, value head, sequence), every chunk at once
+(reference/delta_rule_bwd.py `_output_grads` and, with `wy`, `_wy_grads`).
 
 Per chunk of C = 64 tokens (q scaled, G the within-chunk cumulative log decay, S0 = h the
 state at the chunk's start (K, V), dS = dh the state gradient at its end, U the forward's
@@ -19,15 +19,26 @@ corrected values, dU from kernel 1):
                                   `reference.gdn_bwd_chunk`)
     te  = dke.(k e^(G_C - G)) per row   (its chunk sum enters dG at the chunk's last token)
 
-FIRST VERSION (2026-12-04), `_output_grads` only: the WY half (`_wy_grads`: the transposed
-triangular solve, dA, dbeta, its dG) stays in torch, as does the e^(G_C) (dh . h) term of the
-last token's dG; h and dh arrive as 16-bit (K, V) tiles converted in torch.
+and with `wy` the WY half from dw (16-bit in shared memory; T = L^-1 an input tile, `_wy`):
 
-Warp roles (2 warpgroups, 256 threads): warpgroup 0, warp 0: the seven TMA boxes of the chunk
-(one barrier, no ring: one chunk a CTA); warpgroup 1: every product, 64 token rows.
+    [dkb dvb] = T^T [dw du]      (C x K x C) twice, A = T^T, B MN-major
+    dv  = beta dvb;  dA = -(dkb w^T + dvb u^T)  (C x C x K) twice, A from registers
+    dAe = dA o D (j < i), M = beta dAe;  K K^T  (C x C x K)
+    dk += beta e^G dkb + M k + M^T k            (C x K x C) twice
+    dbeta = dvb.v + e^G dkb.k + rowsum(dAe o KK^T)
+    dg += beta e^G dkb.k + rowsum(M o KK^T) - (M^T k).k
+
+Left to torch (`reference.gdn_bwd_chunk.finish_output_grads` / `finish_wy`): the last token's
+extra dG term (te's chunk sum + e^(G_C) <dh, h>), the reverse cumsum; without `wy` the WY half.
+h and dh arrive as 16-bit (K, V) tiles converted in torch.
+
+Warp roles (2 warpgroups, 256 threads): warpgroup 0, warp 0: the TMA boxes of the chunk (7, 10
+with `wy`; one barrier, no ring: one chunk a CTA); warpgroup 1: every product, 64 token rows.
+Registers: 167 without `wy`, 255 with (no spill: G staged in shared memory, dvb's products
+before dkb's).
 
 Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligned outer strides
-(TMA); G fp32 (B, T, HV) unit last stride; the fp32 outputs unit last strides.
+(TMA); G, beta fp32 (B, T, HV) unit last stride; the fp32 outputs unit last strides.
 """
 
 from __future__ import annotations
