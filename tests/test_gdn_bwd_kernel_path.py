@@ -20,7 +20,7 @@ from test_gdn_bwd_state import tile_model
 
 import forgekernel
 from forgekernel.reference.delta_rule_bwd import _Factors, _states
-from forgekernel.reference.gdn_bwd_chunk import chunk_grads_model, wy_grads_model
+from forgekernel.reference.gdn_bwd_chunk import chunk_grads_model, kernel_dg, wy_grads_model
 from forgekernel.reference.gdn_bwd_state import (
     _layout,
     _per_chunk,
@@ -76,10 +76,11 @@ def emulated_kernel(calls=None):
 
 
 def emulated_chunk_kernel(calls=None):
-    """kernel 2's stand-in: its tile emulation (`chunk_grads_model`) in fp64, dPD rounded to
-    the tiles' dtype where it is 16-bit, fp32 outputs (the launcher's)."""
+    """kernel 2's stand-in: its tile emulation (`chunk_grads_model`, `kernel_dg`) in fp64, dPD
+    rounded to the tiles' dtype where it is 16-bit, fp32 outputs (the launcher's: dq, dk, dw,
+    dG); raw: the model's (dq, dk, dw, dg rows, te) in fp64 (the WY variant's first half)."""
 
-    def run(do, u, du, q, k, h, dh, big_g):
+    def run(do, u, du, q, k, h, dh, big_g, raw=False):
         for x in (do, u, du, q, k, h, dh):
             assert x.is_contiguous() and x.dtype == do.dtype
         assert big_g.dtype == torch.float32 and big_g.shape == do.shape[:3]
@@ -92,8 +93,11 @@ def emulated_chunk_kernel(calls=None):
         def rounding(x):
             return x.to(do.dtype).to(x.dtype)
 
-        wide = (x.double() for x in (do, u, du, q, k, h, dh, big_g))
-        return tuple(x.float() for x in chunk_grads_model(*wide, rounding if low else None))
+        wide = [x.double() for x in (do, u, du, q, k, h, dh, big_g)]
+        dq, dk, dw, dg, te = chunk_grads_model(*wide, rounding if low else None)
+        if raw:
+            return dq, dk, dw, dg, te
+        return tuple(x.float() for x in (dq, dk, dw, kernel_dg(dg, te, *wide[5:])))
 
     return run
 
@@ -114,9 +118,11 @@ def emulated_chunk_wy_kernel(calls=None):
             return x.to(do.dtype).to(x.dtype)
 
         r = rounding if low else None
-        outs = [x.double() for x in first(do, u, du, q, k, h, dh, big_g)]
-        wide = (x.double() for x in (du, k, h, big_g, tt, w, uw, v, beta))
-        return tuple(x.float() for x in wy_grads_model(outs, *wide, r, r))
+        outs = first(do, u, du, q, k, h, dh, big_g, raw=True)
+        wide = [x.double() for x in (du, k, h, big_g, tt, w, uw, v, beta)]
+        dq, dk, dg, te, dv, dbeta = wy_grads_model(outs, *wide, r, r)
+        dg = kernel_dg(dg, te, h.double(), dh.double(), big_g.double())
+        return tuple(x.float() for x in (dq, dk, dg, dv, dbeta))
 
     return run
 

@@ -23,11 +23,11 @@ runs both sequential recurrences on kernel 1 (kernels/linear_attention/gdn_bwd_s
 `gdn_bwd_state`): the forward's chunk states h and U = u - W h (the kernel's recurrence fed
 transposed inputs, `reference.gdn_bwd_state.forward_state_tiles`), then the reverse recurrence
 (dU, dh, the initial state's gradient); pass 3 (the reference's `_output_grads` and
-`_wy_grads`: dq, dk, dv, dbeta, dG's rows) on kernel 2 (kernels/linear_attention/gdn_bwd_chunk/
-sm90, every chunk at once, `reference.gdn_bwd_chunk` its model; WY_IN_KERNEL = False: its
-`_output_grads` variant and `_wy_grads` in torch); everything else is batched torch over every
-chunk at once (no loop over chunks): the chunk factors and T = L^-1, the 16-bit tiles, the
-last position's dG term and the reverse cumsum, scale, l2norm, the group sum. Both
+`_wy_grads`: dq, dk, dv, dbeta and dG, its reverse cumsum within the chunk included) on
+kernel 2 (kernels/linear_attention/gdn_bwd_chunk/sm90, every chunk at once,
+`reference.gdn_bwd_chunk` its model; WY_IN_KERNEL = False: its `_output_grads` variant and
+`_wy_grads` in torch); everything else is batched torch over every chunk at once (no loop over
+chunks): the chunk factors and T = L^-1, the 16-bit tiles, scale, l2norm, the group sum. Both
 kernels take equal-length sequences ((B, T, HV, D) tiles): the explicit backward without
 cu_seqlens, autograd of `gated_delta_rule` without cu_seqlens (the offsets it made are
 known equal: `gated_delta_rule_chunked.equal_lengths`) and one sequence run with no host read
@@ -57,12 +57,7 @@ from forgekernel.reference.delta_rule_bwd import (
     _wy_grads,
     gated_delta_rule_chunked_backward,
 )
-from forgekernel.reference.gdn_bwd_chunk import (
-    chunk_grad_tiles,
-    finish_output_grads,
-    finish_wy,
-    wy_tiles,
-)
+from forgekernel.reference.gdn_bwd_chunk import chunk_grad_tiles, wy_tiles
 from forgekernel.reference.gdn_bwd_state import (
     CHUNK,
     chunk_factors,
@@ -117,8 +112,8 @@ def _state_recurrence(do, pt, ke, qe, w, e_last, d_final_state):
 
 def _chunk_grads(do, u, du, q, k, h, dh, big_g):
     """Kernel 2 (`_output_grads` on WGMMA, every chunk at once): (dq, dk, dw (B, T, HV, K),
-    dg, te (B, T, HV)) fp32 from `chunk_grad_tiles`' inputs. The CPU tests put the tile
-    emulation here."""
+    dG (B, T, HV), reverse-cumsummed within the chunk) fp32 from `chunk_grad_tiles`' inputs.
+    The CPU tests put the tile emulation here."""
     from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.launch import gdn_bwd_chunk
 
     return gdn_bwd_chunk(do, u, du, q, k, h, dh, big_g)
@@ -130,8 +125,9 @@ WY_IN_KERNEL = True
 
 
 def _chunk_grads_wy(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta):
-    """Kernel 2, WY variant (all of pass 3): (dq, dk (B, T, HV, K), dg, te (B, T, HV), dv
-    (B, T, HV, V), dbeta (B, T, HV)) fp32. The CPU tests put the tile emulation here."""
+    """Kernel 2, WY variant (all of pass 3): (dq, dk (B, T, HV, K), dG (B, T, HV, the reverse
+    cumsum done), dv (B, T, HV, V), dbeta (B, T, HV)) fp32. The CPU tests put the tile
+    emulation here."""
     from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.launch import gdn_bwd_chunk_wy
 
     return gdn_bwd_chunk_wy(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta)
@@ -170,20 +166,16 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht):
     dh = dh_t.transpose(-1, -2)  # dS (K, V) at every chunk's end
     del do_c
     tiles = chunk_grad_tiles(qs, ks, do, big_u, d_u, h, dh, g, dtype)
+    del big_u, h, dh  # kernel 2 reads the 16-bit tiles
     if WY_IN_KERNEL:  # kernel 2: all of pass 3
-        dq, dk, dg_rows, te, dv, dbeta = _chunk_grads_wy(*tiles, *wy_tiles(f, v, beta, dtype))
-        del tiles, big_u
-        d_g = finish_wy(dg_rows, te, h, dh, f.e_last)
-        dg = to_tokens(d_g.flip(-1).cumsum(-1).flip(-1))[:, :t]
+        dq, dk, dg, dv, dbeta = _chunk_grads_wy(*tiles, *wy_tiles(f, v, beta, dtype))
         return dq, dk, dv, dg, dbeta, dh0
-    dq, dk, dw, dg_rows, te = _chunk_grads(*tiles)  # kernel 2: `_output_grads`
-    del tiles, big_u
-    dw, d_g = finish_output_grads(dg_rows, te, dw, h, dh, f.e_last)
-    del h, dh, dg_rows, te
-    dk_wy, dv, dbeta, dg_wy = _wy_grads(f, dw, d_u)  # the WY half: torch
-    dg = (d_g + dg_wy).flip(-1).cumsum(-1).flip(-1)  # G = cumsum(g) within the chunk
-    dk_wy, dv, dg, dbeta = (to_tokens(x)[:, :t] for x in (dk_wy, dv, dg, dbeta))
-    return dq, dk + dk_wy, dv, dg, dbeta, dh0
+    dq, dk, dw, dg = _chunk_grads(*tiles)  # kernel 2: `_output_grads`
+    del tiles
+    dk_wy, dv, dbeta, dg_wy = _wy_grads(f, to_chunks(dw, nc), d_u)  # the WY half: torch
+    dg_wy = dg_wy.flip(-1).cumsum(-1).flip(-1)  # G = cumsum(g) within the chunk
+    dk_wy, dv, dg_wy, dbeta = (to_tokens(x)[:, :t] for x in (dk_wy, dv, dg_wy, dbeta))
+    return dq, dk + dk_wy, dv, dg + dg_wy, dbeta, dh0
 
 
 def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, k_last, l2norm,

@@ -2,8 +2,8 @@
 gdn_bwd_chunk/sm90): its inputs (token-major tiles built from the chunk tensors the op's kernel
 path holds), the kernel's per-chunk products as it forms them (`chunk_grads_model`, the tile
 emulation: batched over every (sequence, chunk, head), dPD rounded to the tiles' dtype before
-its two products as the kernel's 16-bit operands are), and the torch finish that turns its
-outputs into reference/delta_rule_bwd.py `_output_grads`' (dq, dk, dw, dG).
+its two products as the kernel's 16-bit operands are; `wy_grads_model` its WY half), and its
+dG finish (`kernel_dg`: the last position's term and the reverse cumsum within the chunk).
 
 dG folded: `_output_grads`' dG of row i is
 
@@ -13,8 +13,8 @@ dG folded: `_output_grads`' dG of row i is
 With dq = dqe e^G + dPD k and dk = dPD^T q + dke e^(G_C - G): (dq . q)_i = (dqe o qe)_i. +
 rowsum(dPD o QK^T)_i and (dk . k)_i = colsum(dPD o QK^T)_i + to_end_i, so dG_i = dq_i . q_i -
 dk_i . k_i, two row dots of the kernel's own outputs (QK^T never formed). The last position of
-each chunk also takes sum_i to_end_i + e^(G_C) (dh . h) (torch: te's chunk sum, (dh . h) from
-the fp32 states the op holds).
+each chunk also takes sum_i to_end_i + e^(G_C) (dh . h) (the kernel's finish warps: te's
+chunk sum, (dh . h) from its 16-bit state tiles), then dG is reverse-cumsummed within the chunk.
 """
 
 from __future__ import annotations
@@ -133,13 +133,18 @@ def wy_grads_model(outputs, du, k, h, big_g, tt, w, uw, v, beta, dw_rounding=Non
     return dq, dk, dg, te, to_tokens(dv)[:, :t], to_tokens(dbeta)[:, :t]
 
 
-def finish_wy(dg, te, h, dh, e_last):
-    """The WY variant's outputs -> the full dG (B, NC, HV, C) before the reverse cumsum: dg
-    (B, T, HV) plus the last position's term (`finish_output_grads`')."""
-    nc = h.shape[1]
-    d_g = to_chunks(dg, nc)
-    d_g[..., -1] += to_chunks(te, nc).sum(-1) + e_last[..., 0] * (dh * h).sum((-1, -2))
-    return d_g
+def kernel_dg(dg, te, h, dh, big_g):
+    """The kernel's dG finish (its warps 1, 2): per chunk, the last position's term sum(te) +
+    e^(G_C) <dh, h> (h, dh as the kernel reads them: its 16-bit tiles) and the reverse
+    cumulative sum of the rows dg (B, T, HV) -> dG (B, T, HV) (G = cumsum(g) within the
+    chunk; the last position's term reaches every row, the padded ones carry nothing else)."""
+    t, nc = dg.shape[1], h.shape[1]
+    f = dg.dtype
+    d = to_chunks(dg, nc)
+    g_last = _chunk_last(big_g.to(f), nc)
+    last = to_chunks(te, nc).sum(-1) + g_last.exp() * (dh.to(f) * h.to(f)).sum((-1, -2))
+    cum = d.flip(-1).cumsum(-1).flip(-1) + last.unsqueeze(-1)
+    return to_tokens(cum)[:, :t]
 
 
 def _chunk_last(big_g: torch.Tensor, nc: int) -> torch.Tensor:
@@ -147,14 +152,3 @@ def _chunk_last(big_g: torch.Tensor, nc: int) -> torch.Tensor:
     t = big_g.shape[1]
     last = torch.clamp(torch.arange(nc, device=big_g.device) * CHUNK + CHUNK - 1, max=t - 1)
     return big_g[:, last]
-
-
-def finish_output_grads(dg, te, dw, h, dh, e_last):
-    """The kernel's outputs -> `_output_grads`' dw (B, NC, HV, C, K) and dG (B, NC, HV, C):
-    dg and te (B, T, HV), dw (B, T, HV, K); h, dh (B, NC, HV, K, V) and e_last (B, NC, HV, 1)
-    in the op's float dtype."""
-    nc = h.shape[1]
-    d_g = to_chunks(dg, nc)
-    last = to_chunks(te, nc).sum(-1) + e_last[..., 0] * (dh * h).sum((-1, -2))
-    d_g[..., -1] += last
-    return to_chunks(dw, nc), d_g

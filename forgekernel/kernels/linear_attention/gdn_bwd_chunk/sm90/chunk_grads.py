@@ -76,6 +76,10 @@ from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.config import CHUNK
 PRODUCER_WARP = 0
 QUAD = 4
 BAR_MATH = FIRST_FREE  # the math warpgroup: dPD^T in shared memory before its WGMMA
+BAR_FINISH = FIRST_FREE + 1  # math warpgroup (arrives) -> finish warps: the rows stashed
+BAR_FINISH_WARPS = FIRST_FREE + 2  # the finish warps: <dh, h>'s partials
+FINISH_WARPS = 2  # warps 1, 2 of warpgroup 0 (idle otherwise): dG's finish, one token a thread
+FINISH_THREADS = FINISH_WARPS * WARP_SIZE
 
 
 def _tdhb(t: cute.Tensor) -> cute.Tensor:
@@ -142,7 +146,6 @@ class GdnBwdChunkSm90:
         mDK: cute.Tensor,
         mDW: cute.Tensor,
         mDG: cute.Tensor,
-        mTE: cute.Tensor,
         mTt: cute.Tensor | None,
         mW: cute.Tensor | None,
         mUw: cute.Tensor | None,
@@ -153,11 +156,11 @@ class GdnBwdChunkSm90:
         stream: cuda.CUstream,
     ):
         """mDO, mU, mDU (B, T, HV, V), mQ (scaled), mK (B, T, HV, K), mH, mDH (B, NC, HV, K, V)
-        16-bit; mG fp32 (B, T, HV); outputs fp32: mDQ, mDK, mDW (B, T, HV, K), mDG, mTE
-        (B, T, HV). With wy: mTt (B, T, HV, C) (row j of a chunk: column j of T = L^-1), mW
-        (B, T, HV, K), mUw, mV (B, T, HV, V) 16-bit, mBeta fp32 (B, T, HV); outputs mDV fp32
-        (B, T, HV, V), mDB (B, T, HV); mDW None (dw stays on chip), mDK and mDG take the WY
-        half's terms too. Without wy: all of these None."""
+        16-bit; mG fp32 (B, T, HV); outputs fp32: mDQ, mDK, mDW (B, T, HV, K), mDG (B, T, HV:
+        dG, the reverse cumsum within the chunk done). With wy: mTt (B, T, HV, C) (row j of a
+        chunk: column j of T = L^-1), mW (B, T, HV, K), mUw, mV (B, T, HV, V) 16-bit, mBeta
+        fp32 (B, T, HV); outputs mDV fp32 (B, T, HV, V), mDB (B, T, HV); mDW None (dw stays on
+        chip), mDK and mDG take the WY half's terms too. Without wy: all of these None."""
         self.dtype = mDO.element_type
         for t in (mU, mDU, mQ, mK, mH, mDH):
             if const_expr(t.element_type != self.dtype):
@@ -194,6 +197,7 @@ class GdnBwdChunkSm90:
         class SharedStorage:
             barriers: cute.struct.MemRange[cutlass.Int64, 2]
             sG: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
+            sRed: cute.struct.Align[cute.struct.MemRange[Float32, 2 * CHUNK + 4], 16]
             sDO: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
             sU: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
             sDU: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
@@ -212,7 +216,7 @@ class GdnBwdChunkSm90:
         atoms_and_views = [x for atom_view in tmas for x in atom_view]
         nc = (mDO.shape[1] + CHUNK - 1) // CHUNK
         self.kernel(
-            *atoms_and_views, mG, mDQ, mDK, mDW, mDG, mTE, mV, mBeta, mDV, mDB, self.mma_w,
+            *atoms_and_views, mG, mDQ, mDK, mDW, mDG, mV, mBeta, mDV, mDB, self.mma_w,
             self.mma_s, self.mma_q, self.mma_k, self.mma_da, self.sT_layout, self.sH_layout,
             self.sP_layout,
         ).launch(  # fmt: skip
@@ -250,7 +254,6 @@ class GdnBwdChunkSm90:
         mDK: cute.Tensor,
         mDW: cute.Tensor | None,
         mDG: cute.Tensor,
-        mTE: cute.Tensor,
         mV: cute.Tensor | None,
         mBeta: cute.Tensor | None,
         mDV: cute.Tensor | None,
@@ -284,6 +287,7 @@ class GdnBwdChunkSm90:
         sDH = smem_tensor(storage.sDH, sH_layout)
         sP = smem_tensor(storage.sP, sP_layout)
         sG = storage.sG.get_tensor(cute.make_layout(CHUNK))
+        sRed = storage.sRed.get_tensor(cute.make_layout(2 * CHUNK + 4))
         wy_smem = None
         if const_expr(self.wy):
             wy_smem = (smem_tensor(storage.sTt, sP_layout), smem_tensor(storage.sW, sT_layout),
@@ -319,16 +323,18 @@ class GdnBwdChunkSm90:
                         atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
                     )
                     cute.copy(atom, tg, ts[(None, 0)], tma_bar_ptr=bar)
+            elif warp_idx <= FINISH_WARPS:
+                self._finish_dg(sH, sDH, sRed, sG, mDG, b, hv, c, seqlen)
         else:
             self._math(
                 mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sDU, sQ, sK, sH, sDH, sP, wy_smem,
-                sG, mG, mDQ, mDK, mDW, mDG, mTE, mV, mBeta, mDV, mDB, ring, c, hv, b, seqlen,
+                sG, sRed, mG, mDQ, mDK, mDW, mDG, mV, mBeta, mDV, mDB, ring, c, hv, b, seqlen,
             )  # fmt: skip
 
     @cute.jit
     def _math(
         self, mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sDU, sQ, sK, sH, sDH, sP, wy_smem,
-        sG, mG, mDQ, mDK, mDW, mDG, mTE, mV, mBeta, mDV, mDB, ring, c, hv, b, seqlen,
+        sG, sRed, mG, mDQ, mDK, mDW, mDG, mV, mBeta, mDV, mDB, ring, c, hv, b, seqlen,
     ):  # fmt: skip
         wg_w = mma_w.get_slice(0)
         wg_s = mma_s.get_slice(0)
@@ -400,22 +406,64 @@ class GdnBwdChunkSm90:
         self._store_rows(acc_k, mma_w, mDK, tid, b, hv, c, seqlen)
         for r in cutlass.range_constexpr(2):
             dg[r] = dg[r] - dk_k[r]
-        self._store_vec(dg, t0, row_w, tid, mDG, b, hv, first, seqlen)
-        self._store_vec(te, t0, row_w, tid, mTE, b, hv, first, seqlen)
+        self._stash_rows(dg, te, sRed, t0, row_w, tid, first, seqlen)  # frees them for the WY
 
         gemm(mma_w, acc_k, tArDU[None, None, None, 0], tBrH[None, None, None, 0], True, 0)
         acc_k.store(-acc_k.load())
         if const_expr(self.wy):
             self._store_tile(acc_k, mma_w, wy_smem[3], False)  # dw, 16-bit, for T^T dw
             math.arrive_and_wait()
-            self._wy(mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, wy_smem, sG, mDK, mDG, mV,
+            self._wy(mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, wy_smem, sG, sRed, mDK, mV,
                      mBeta, mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c)  # fmt: skip
         else:
             self._store_rows(acc_k, mma_w, mDW, tid, b, hv, c, seqlen)
+        named_barrier(BAR_FINISH, THREADS_PER_WG + FINISH_THREADS).arrive()  # rows stashed
         ring.consumer_release(st)
 
     @cute.jit
-    def _wy(self, mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, wy_smem, sG, mDK, mDG, mV,
+    def _stash_rows(self, dg, te, sRed, t0, row_w, tid, first, seqlen):
+        """The rows' dg and te into shared memory (sRed[0, C), [C, 2C)) by the quads' first
+        threads, zero past T."""
+        if tid % QUAD == 0:
+            for r in cutlass.range_constexpr(2):
+                i = row_w + t0[r, 0][0]
+                row_dg, row_te = Float32(0.0), Float32(0.0)
+                if first + i < seqlen:
+                    row_dg, row_te = dg[r], te[r]
+                sRed[i] = row_dg
+                sRed[CHUNK + i] = row_te
+
+    @cute.jit
+    def _finish_dg(self, sH, sDH, sRed, sG, mDG, b, hv, c, seqlen):
+        """Warps 1, 2 of warpgroup 0, once the math warpgroup has stashed the rows: dG of every
+        token of the chunk (one a thread): the rows' dg, the last position's term sum(te) +
+        e^(G_C) <dh, h> (the 16-bit state tiles, two columns a thread), and the reverse
+        cumulative sum within the chunk (G = cumsum(g)). Off the math warpgroup: at 255
+        registers there, this tail spilled."""
+        named_barrier(BAR_FINISH, THREADS_PER_WG + FINISH_THREADS).arrive_and_wait()
+        tid = opaque_tid_x() - WARP_SIZE
+        first = c * CHUNK
+        hh, dd = sH[None, None, 0], sDH[None, None, 0]
+        part = Float32(0.0)
+        for r in cutlass.range(self.k, unroll=8):
+            part = part + Float32(hh[r, tid]) * Float32(dd[r, tid])
+            part = part + Float32(hh[r, tid + CHUNK]) * Float32(dd[r, tid + CHUNK])
+        part = cute.arch.warp_reduction_sum(part)
+        if tid % WARP_SIZE == 0:
+            sRed[2 * CHUNK + tid // WARP_SIZE] = part
+        named_barrier(BAR_FINISH_WARPS, FINISH_THREADS).arrive_and_wait()
+        dhh = sRed[2 * CHUNK] + sRed[2 * CHUNK + 1]
+        g_last = sG[cutlass.min(first + CHUNK, seqlen) - 1 - first]
+        acc = cute.math.exp(g_last, fastmath=True) * dhh
+        for j in cutlass.range(CHUNK, unroll=8):
+            acc = acc + sRed[CHUNK + j]
+            if j >= tid:
+                acc = acc + sRed[j]
+        if first + tid < seqlen:
+            mDG[b, first + tid, hv] = acc
+
+    @cute.jit
+    def _wy(self, mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, wy_smem, sG, sRed, mDK, mV,
             mBeta, mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c):  # fmt: skip
         """The WY half (reference `_wy_grads`) from dw in shared memory: [dkb dvb] = T^T [dw du],
         dv = beta dvb, dA = -(dkb w^T + dvb u^T) strictly lower, dAe = dA o D, M = beta dAe,
@@ -508,7 +556,11 @@ class GdnBwdChunkSm90:
             dg[r] = beta[r] * e_g[r] * x[r] + rmk[r] - (after[r] - before[r])
         self._add_rows(acc_b, mma_k, mDK, tid, b, hv, c, seqlen)
         self._store_vec(dbeta, t0, row_w, tid, mDB, b, hv, first, seqlen)
-        self._add_vec(dg, t0, row_w, tid, mDG, b, hv, first, seqlen)
+        if tid % QUAD == 0:  # dG's WY rows onto this thread's own stash (`_stash_rows`)
+            for r in cutlass.range_constexpr(2):
+                i = row_w + t0[r, 0][0]
+                if first + i < seqlen:
+                    sRed[i] = sRed[i] + dg[r]
 
     @cute.jit
     def _row_decays(self, mG, t0, row_w, first, seqlen, b, hv, g_last):
@@ -590,15 +642,6 @@ class GdnBwdChunkSm90:
             if c * CHUNK + row_base + t0[r, 0][0] < seqlen:
                 for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
                     g[r, j] = g[r, j] + a[r, j]
-
-    @cute.jit
-    def _add_vec(self, vals, t0, row_w, tid, mOut, b, hv, first, seqlen):
-        """out[b, token, hv] += one value a row, by the quad's first thread (`_store_vec`'s)."""
-        if tid % QUAD == 0:
-            for r in cutlass.range_constexpr(2):
-                i = first + row_w + t0[r, 0][0]
-                if i < seqlen:
-                    mOut[b, i, hv] = mOut[b, i, hv] + vals[r]
 
     @cute.jit
     def _store_rows(self, acc, mma, mOut, tid, b, hv, c, seqlen):

@@ -43,7 +43,6 @@ def compile_gdn_bwd_chunk(params: dict, arch: str = "sm_90a", extra_options: str
         fake.rowmajor(f32, (b, t, hv, kd), divisibility=4),
         None if wy else fake.rowmajor(f32, (b, t, hv, kd), divisibility=4),
         vec(),
-        vec(),
         *((tok(64), tok(kd), tok(vd), tok(vd), vec(), fake.rowmajor(f32, (b, t, hv, vd),
           divisibility=4), vec()) if wy else (None,) * 7),
         fake.stream(),

@@ -11,7 +11,7 @@ from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.config import CHUNK
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, on_device
 
-Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def check_inputs(do, u, du, q, k, h, dh, big_g) -> tuple[int, int, int, int]:
@@ -38,11 +38,11 @@ def check_inputs(do, u, du, q, k, h, dh, big_g) -> tuple[int, int, int, int]:
 
 
 def empty_outputs(do: torch.Tensor, k: int) -> Outputs:
-    """(dq, dk, dw (B, T, HV, K), dg, te (B, T, HV)) fp32, uninitialized."""
+    """(dq, dk, dw (B, T, HV, K), dg (B, T, HV)) fp32, uninitialized."""
     b, t, hv, _ = do.shape
     f32 = {"dtype": torch.float32, "device": do.device}
     return (*(torch.empty(b, t, hv, k, **f32) for _ in range(3)),
-            *(torch.empty(b, t, hv, **f32) for _ in range(2)))  # fmt: skip
+            torch.empty(b, t, hv, **f32))  # fmt: skip
 
 
 def gdn_bwd_chunk(
@@ -58,11 +58,12 @@ def gdn_bwd_chunk(
     out: Outputs | None = None,
 ) -> Outputs:
     """Per chunk of 64 tokens (every chunk at once): dq = (dO h^T) e^G + dPD k, dk = (U dh^T)
-    e^(G_C - G) + dPD^T q, dw = -dU h^T, dPD = (dO U^T) o D, dg = dq.q - dk.k and te =
-    (U dh^T).(k e^(G_C - G)) per token. do, u, du (B, T, HV, V), q (scaled), k (B, T, HV, K),
-    h, dh (B, NC, HV, K, V: the state at each chunk's start, its gradient at the chunk's end)
-    in one 16-bit dtype; big_g (B, T, HV) fp32 the within-chunk cumulative log decay. Returns
-    (dq, dk, dw, dg, te) fp32, written into `out` (contiguous) when given."""
+    e^(G_C - G) + dPD^T q, dw = -dU h^T, dPD = (dO U^T) o D, and dg, `_output_grads`' dG after
+    the reverse cumsum within the chunk (rows dq.q - dk.k, the last position's te sum + e^(G_C)
+    <dh, h>, te = (U dh^T).(k e^(G_C - G))). do, u, du (B, T, HV, V), q (scaled), k (B, T, HV,
+    K), h, dh (B, NC, HV, K, V: the state at each chunk's start, its gradient at the chunk's
+    end) in one 16-bit dtype; big_g (B, T, HV) fp32 the within-chunk cumulative log decay.
+    Returns (dq, dk, dw, dg) fp32, written into `out` (contiguous) when given."""
     b, t, hv, _ = check_inputs(do, u, du, q, k, h, dh, big_g)
     outs = empty_outputs(do, q.shape[-1]) if out is None else out
     for x in outs:
@@ -97,12 +98,12 @@ def check_wy_inputs(do, q, tt, w, uw, v, beta) -> None:
 
 
 def empty_wy_outputs(do: torch.Tensor, k: int) -> WyOutputs:
-    """(dq, dk (B, T, HV, K), dg, te (B, T, HV), dv (B, T, HV, V), dbeta (B, T, HV)) fp32."""
+    """(dq, dk (B, T, HV, K), dg (B, T, HV), dv (B, T, HV, V), dbeta (B, T, HV)) fp32."""
     b, t, hv, v = do.shape
     f32 = {"dtype": torch.float32, "device": do.device}
     return (torch.empty(b, t, hv, k, **f32), torch.empty(b, t, hv, k, **f32),
-            torch.empty(b, t, hv, **f32), torch.empty(b, t, hv, **f32),
-            torch.empty(b, t, hv, v, **f32), torch.empty(b, t, hv, **f32))  # fmt: skip
+            torch.empty(b, t, hv, **f32), torch.empty(b, t, hv, v, **f32),
+            torch.empty(b, t, hv, **f32))  # fmt: skip
 
 
 def gdn_bwd_chunk_wy(
@@ -126,8 +127,8 @@ def gdn_bwd_chunk_wy(
     ([dkb dvb] = T^T [dw du], dv = beta dvb, dA, M = beta (dA o D), dk += beta e^G dkb + M k +
     M^T k, dbeta, dG's WY rows). Extra inputs: tt (B, T, HV, 64) (row j of a chunk: column j
     of T = L^-1), w (B, T, HV, K), uw (B, T, HV, V) (the forward's w, u), v (B, T, HV, V) in
-    do's dtype; beta (B, T, HV) fp32. Returns (dq, dk, dg (row sums before the last position's
-    term), te, dv, dbeta) fp32, into `out` (contiguous) when given."""
+    do's dtype; beta (B, T, HV) fp32. Returns (dq, dk, dg (pass 3's dG, the reverse cumsum
+    within the chunk done), dv, dbeta) fp32, into `out` (contiguous) when given."""
     b, t, hv, _ = check_inputs(do, u, du, q, k, h, dh, big_g)
     check_wy_inputs(do, q, tt, w, uw, v, beta)
     outs = empty_wy_outputs(do, q.shape[-1]) if out is None else out
@@ -140,8 +141,8 @@ def gdn_bwd_chunk_wy(
     fn = get_kernel(SPEC, params)
     tiles = [as_tma_ready(x) for x in (do, u, du, q, k, h, dh)]
     extra = [as_tma_ready(x) for x in (tt, w, uw)]
-    dq, dk, dg, te, dv, dbeta = outs
+    dq, dk, dg, dv, dbeta = outs
     with on_device(do.device):
-        fn(*tiles, big_g.contiguous(), dq, dk, None, dg, te, *extra, v.contiguous(),
+        fn(*tiles, big_g.contiguous(), dq, dk, None, dg, *extra, v.contiguous(),
            beta.contiguous(), dv, dbeta)  # fmt: skip
     return outs
