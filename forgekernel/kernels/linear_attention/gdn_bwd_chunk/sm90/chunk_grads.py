@@ -28,14 +28,15 @@ and with `wy` the WY half from dw (16-bit in shared memory; T = L^-1 an input ti
     dbeta = dvb.v + e^G dkb.k + rowsum(dAe o KK^T)
     dg += beta e^G dkb.k + rowsum(M o KK^T) - (M^T k).k
 
-Left to torch (`reference.gdn_bwd_chunk.finish_output_grads` / `finish_wy`): the last token's
-extra dG term (te's chunk sum + e^(G_C) <dh, h>), the reverse cumsum; without `wy` the WY half.
-h and dh arrive as 16-bit (K, V) tiles converted in torch.
+then dG finished (`_finish_dg`): the last token's extra term (te's chunk sum + e^(G_C) <dh, h>,
+the 16-bit state tiles) and the reverse cumsum within the chunk. Without `wy` the WY half is
+torch's. h and dh arrive as 16-bit (K, V) tiles converted in torch.
 
 Warp roles (2 warpgroups, 256 threads): warpgroup 0, warp 0: the TMA boxes of the chunk (7, 10
-with `wy`; one barrier, no ring: one chunk a CTA); warpgroup 1: every product, 64 token rows.
-Registers: 167 without `wy`, 255 with (no spill: G staged in shared memory, dvb's products
-before dkb's).
+with `wy`; one barrier, no ring: one chunk a CTA); warps 1, 2: dG's finish, after the math
+warpgroup's rows (named barrier BAR_FINISH); warpgroup 1: every product, 64 token rows.
+Registers: 168 without `wy`, 255 with (no spill: G staged in shared memory, dvb's products
+before dkb's, the dG finish off the math warpgroup).
 
 Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligned outer strides
 (TMA); G, beta fp32 (B, T, HV) unit last stride; the fp32 outputs unit last strides.
