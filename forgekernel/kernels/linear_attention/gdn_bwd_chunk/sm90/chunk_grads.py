@@ -325,7 +325,7 @@ class GdnBwdChunkSm90:
                     )
                     cute.copy(atom, tg, ts[(None, 0)], tma_bar_ptr=bar)
             elif warp_idx <= FINISH_WARPS:
-                self._finish_dg(sH, sDH, sRed, sG, mDG, b, hv, c, seqlen)
+                self._finish_dg(sH, sDH, sRed, sG, mDG, ring, b, hv, c, seqlen)
         else:
             self._math(
                 mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sDU, sQ, sK, sH, sDH, sP, wy_smem,
@@ -435,13 +435,14 @@ class GdnBwdChunkSm90:
                 sRed[CHUNK + i] = row_te
 
     @cute.jit
-    def _finish_dg(self, sH, sDH, sRed, sG, mDG, b, hv, c, seqlen):
+    def _finish_dg(self, sH, sDH, sRed, sG, mDG, ring, b, hv, c, seqlen):
         """Warps 1, 2 of warpgroup 0, once the math warpgroup has stashed the rows: dG of every
         token of the chunk (one a thread): the rows' dg, the last position's term sum(te) +
         e^(G_C) <dh, h> (the 16-bit state tiles, two columns a thread), and the reverse
         cumulative sum within the chunk (G = cumsum(g)). Off the math warpgroup: at 255
         registers there, this tail spilled."""
         named_barrier(BAR_FINISH, THREADS_PER_WG + FINISH_THREADS).arrive_and_wait()
+        ring.consumer_wait(consumer_state(1))  # the TMA'd states, seen by these warps too
         tid = opaque_tid_x() - WARP_SIZE
         first = c * CHUNK
         hh, dd = sH[None, None, 0], sDH[None, None, 0]
