@@ -95,9 +95,11 @@ def _backward_interim(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, 
 
 
 KERNEL_SWITCH = "FORGEKERNEL_GDN_BWD_KERNEL"
-# Token x value heads of one pass of the kernel path: its fp32 temporaries are ~56 KB a
-# token-head allocated over the pass, ~25 KB live at the peak (CPU profile and resident set at
-# K = V = 128): ~26 GB at 2^20 (4 x 8192 HV 32 is one pass; 8 x 32768 HV 32 eight).
+# Token x value heads of one pass of the kernel path: its temporaries were ~56 KB a token-head
+# allocated over the pass, ~25 KB live at the peak with pass 3 in torch (CPU profile and
+# resident set at K = V = 128): ~26 GB at 2^20 (4 x 8192 HV 32 is one pass; 8 x 32768 HV 32
+# eight). With pass 3 on kernel 2: ~33 KB a token-head written (dispatch count), peak not
+# re-measured (at most the old one).
 TOKEN_HEADS_PER_PASS = 2**20
 TILE_DTYPES = (torch.float16, torch.bfloat16)
 
