@@ -16,6 +16,7 @@ from forgekernel.reference.gdn_bwd_factors import (
     factor_tiles,
     factors_model,
     for_kernel2,
+    forward_launch_tiles,
     rounding_to,
 )
 from forgekernel.reference.gdn_bwd_state import (
@@ -109,6 +110,12 @@ def test_layouts_are_what_kernels_1_and_2_read(t):
     fw = forward_state_tiles(chunk_factors(qs, ks, v, g, beta), torch.float64)
     for name, key in (("fw_u", "do"), ("fw_w", "ke"), ("fw_ke", "w")):
         torch.testing.assert_close(got[name], fw[key], rtol=1e-10, atol=1e-12)
+    launch = forward_launch_tiles(got)
+    assert tuple(launch) == ("do", "pt", "ke", "qe", "w", "e_last")
+    for name in launch:
+        want = fw[name].float() if name == "e_last" else fw[name]
+        torch.testing.assert_close(launch[name], want, rtol=1e-6, atol=1e-12)
+        assert launch[name].is_contiguous(), name
     nc = -(-t // CHUNK)
     wide_g = torch.zeros(b, nc * CHUNK, hv, dtype=torch.float64)
     wide_g[:, :t] = g

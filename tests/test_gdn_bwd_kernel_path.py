@@ -2,7 +2,8 @@
 `FORGEKERNEL_GDN_BWD_KERNEL=1`) on the CPU, kernel 1 replaced by the tile emulation of
 tests/test_gdn_bwd_state.py (`tile_model`: token-major tiles, transposed state, zero tail, the
 register operands rounded to the tiles' dtype) and kernel 2 by its tile emulation
-(`reference.gdn_bwd_chunk.chunk_grads_model`, dPD rounded likewise): the batched factor helpers
+(`reference.gdn_bwd_chunk.chunk_grads_model`, dPD rounded likewise) and kernel 0 by its
+(`reference.gdn_bwd_factors.factors_model`, T diag(.) rounded likewise): the batched factor helpers
 against their chunk-layout forms (reference/gdn_bwd_state.py), the kernel fed the forward's
 recurrence (`forward_state_tiles`) against the reference's pass 1, the whole path against the
 interim backward to fp32 tolerance (32-bit tiles: nothing rounded) on awkward sizes, and the op
@@ -21,6 +22,7 @@ from test_gdn_bwd_state import tile_model
 import forgekernel
 from forgekernel.reference.delta_rule_bwd import _Factors, _states
 from forgekernel.reference.gdn_bwd_chunk import chunk_grads_model, kernel_dg, wy_grads_model
+from forgekernel.reference.gdn_bwd_factors import factors_model, rounding_to
 from forgekernel.reference.gdn_bwd_state import (
     _layout,
     _per_chunk,
@@ -108,8 +110,8 @@ def emulated_chunk_wy_kernel(calls=None):
     first = emulated_chunk_kernel(calls)
 
     def run(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta):
-        for x in (tt, w, uw, v):
-            assert x.is_contiguous() and x.dtype == do.dtype and x.shape[:3] == do.shape[:3]
+        for x in (tt, w, uw, v):  # kernel 0's outputs cut to T tokens: strided views (TMA)
+            assert x.stride(-1) == 1 and x.dtype == do.dtype and x.shape[:3] == do.shape[:3]
         assert beta.dtype == torch.float32 and beta.shape == do.shape[:3]
         assert tt.shape[-1] == 64 and w.shape[-1] == q.shape[-1] and uw.shape == v.shape
         low = do.dtype in (torch.float16, torch.bfloat16)
@@ -127,7 +129,27 @@ def emulated_chunk_wy_kernel(calls=None):
     return run
 
 
-def _both_emulated(monkeypatch, calls=None, chunk_calls=None):
+def emulated_factors_kernel(calls=None):
+    """kernel 0's stand-in: its tile emulation (`factors_model`) in fp64 from the kernel's
+    inputs, T diag(.) rounded to the tiles' dtype where it is 16-bit, the outputs in the
+    launcher's dtypes (tiles in q's dtype, e_last and G fp32)."""
+
+    def run(q, k, v, g, beta):
+        assert q.dtype == k.dtype == v.dtype and q.shape == k.shape and q.shape[:2] == v.shape[:2]
+        assert g.shape == beta.shape == v.shape[:3]
+        if calls is not None:
+            calls.append(q.dtype)
+        low = q.dtype in (torch.float16, torch.bfloat16)
+        wide = [x.double() for x in (q, k, v, g, beta)]
+        out = factors_model(*wide, q.dtype, rounding_to(q.dtype) if low else None)
+        out["e_last"], out["big_g"] = out["e_last"].float(), out["big_g"].float()
+        return out
+
+    return run
+
+
+def _both_emulated(monkeypatch, calls=None, chunk_calls=None, factor_calls=None):
+    monkeypatch.setattr(bwd, "_factors", emulated_factors_kernel(factor_calls))
     monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel(calls))
     monkeypatch.setattr(bwd, "_chunk_grads", emulated_chunk_kernel(chunk_calls))
     monkeypatch.setattr(bwd, "_chunk_grads_wy", emulated_chunk_wy_kernel(chunk_calls))
@@ -173,7 +195,8 @@ def test_forward_recurrence_on_the_reverse_kernel(t, b, with_h0):
         got_u = big_u.transpose(2, 3).flatten(1, 2)[:, :t].to(u_tok.dtype)
         torch.testing.assert_close(got_u, u_tok, rtol=tol, atol=tol)
         s_end = f.e_last[:, -1, :, :, None] * h[:, -1] + f.ke[:, -1].transpose(-1, -2) @ (
-            big_u[:, -1].to(f.ke.dtype))
+            big_u[:, -1].to(f.ke.dtype)
+        )
         torch.testing.assert_close(final.to(s_end.dtype), s_end, rtol=tol, atol=tol)
 
 
@@ -218,6 +241,27 @@ def test_kernel_path_equals_the_interim_path(monkeypatch, b, t, h, hv, l2norm, w
         assert err <= 1e-4 * float(r.abs().max()) + 1e-6, (name, err, float(r.abs().max()))
 
 
+@pytest.mark.parametrize(("b", "t", "h", "hv", "l2norm", "with_h0", "with_dht"), CASES[:4])
+def test_factors_on_kernel_0_are_the_torch_factors(monkeypatch, b, t, h, hv, l2norm, with_h0,
+                                                   with_dht):  # fmt: skip
+    """Kernel 0 (emulated) forms the factors once a pass; the path's gradients are the torch
+    factors' (FACTORS_IN_KERNEL = False, kernel 0 never called) to fp32 tolerance."""
+    q, k, v, g, beta, do, h0, dht = _inputs(b, t, h, hv, dk=32, dv=16, seed=t + 7,
+                                           dtype=torch.float32)  # fmt: skip
+    flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta, do)]
+    args = (h0 if with_h0 else None, flat[5], dht if with_dht else None, 0.2, False, l2norm, b)
+    grads = {}
+    for on in (True, False):
+        calls = []
+        _both_emulated(monkeypatch, factor_calls=calls)
+        monkeypatch.setattr(bwd, "FACTORS_IN_KERNEL", on)
+        grads[on] = bwd._backward_kernel(*flat[:5], *args)
+        assert calls == ([torch.float32] if on else [])
+    for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads[True], grads[False]):
+        err = float((a - r).abs().max())
+        assert err <= 1e-5 * float(r.abs().max()) + 1e-7, (name, err)
+
+
 def test_head_passes_are_the_one_pass(monkeypatch):
     """Value heads in several passes (the memory bound) give the one pass's gradients."""
     _both_emulated(monkeypatch)
@@ -237,13 +281,15 @@ def test_head_passes_are_the_one_pass(monkeypatch):
 def kernel_path(monkeypatch):
     calls = []
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
-    _both_emulated(monkeypatch, calls, CHUNK_CALLS)
+    _both_emulated(monkeypatch, calls, CHUNK_CALLS, FACTOR_CALLS)
     CHUNK_CALLS.clear()
+    FACTOR_CALLS.clear()
     monkeypatch.setattr(bwd, "check_cuda", lambda name, t: None)
     return calls
 
 
 CHUNK_CALLS: list = []  # kernel 2's launches under the kernel_path fixture (their dtypes)
+FACTOR_CALLS: list = []  # kernel 0's, likewise
 
 
 def _bf16_problem(b, t, h, hv, seed=0):
@@ -271,14 +317,17 @@ def test_explicit_backward_on_the_kernel_path(kernel_path, b, t, h, hv):
                                                 d_final_state=dht,
                                                 use_qk_l2norm_in_kernel=True)  # fmt: skip
     assert kernel_path == [torch.bfloat16, torch.bfloat16] and CHUNK_CALLS == [torch.bfloat16]
+    assert FACTOR_CALLS == [torch.bfloat16]
     want = _fp64_grads([q, k, v, g, beta, h0], None, do, dht, l2norm=True, with_state=True)
     for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
         err = float((a.double() - r).abs().max())
         assert err <= 2e-2 * float(r.abs().max()), (name, err, float(r.abs().max()))
 
 
-@pytest.mark.parametrize(("lens", "h0_too"), [([1, 63, 0, 64, 65, 130], True),
-                                             ([70, 70, 70], False), ([3, 129, 7], True)])
+@pytest.mark.parametrize(
+    ("lens", "h0_too"),
+    [([1, 63, 0, 64, 65, 130], True), ([70, 70, 70], False), ([3, 129, 7], True)],
+)
 def test_varlen_padded_equals_the_interim_path(monkeypatch, lens, h0_too):
     """Several sequences behind cu_seqlens: padded to the longest on the kernel path (fp32
     tiles, exact emulation) equals the interim path, empty sequences included."""
@@ -377,7 +426,7 @@ def test_equal_lengths_registry(monkeypatch):
     forgekernel.gated_delta_rule(q, k, v, g, beta)
     assert seen == []
     forgekernel.gated_delta_rule(q, k, v, g.requires_grad_(), beta)
-    (offsets, b), = seen
+    ((offsets, b),) = seen
     assert b == 3 and offsets.tolist() == [0, 20, 40, 60]
     monkeypatch.undo()
     made = torch.arange(4, dtype=torch.int32) * 20

@@ -26,8 +26,11 @@ transposed inputs, `reference.gdn_bwd_state.forward_state_tiles`), then the reve
 `_wy_grads`: dq, dk, dv, dbeta and dG, its reverse cumsum within the chunk included) on
 kernel 2 (kernels/linear_attention/gdn_bwd_chunk/sm90, every chunk at once,
 `reference.gdn_bwd_chunk` its model; WY_IN_KERNEL = False: its `_output_grads` variant and
-`_wy_grads` in torch); everything else is batched torch over every chunk at once (no loop over
-chunks): the chunk factors and T = L^-1, the 16-bit tiles, scale, l2norm, the group sum. Both
+`_wy_grads` in torch); the chunk factors (A, T = L^-1, W, u, P, the decays, in the 16-bit
+layouts the other two read) on kernel 0 (kernels/linear_attention/gdn_bwd_factors/sm90,
+`reference.gdn_bwd_factors` its model; FACTORS_IN_KERNEL = False, or WY_IN_KERNEL = False: the
+batched torch `_Factors` pass); everything else is batched torch over every chunk at once (no
+loop over chunks): scale, l2norm, the 16-bit q / k / v and the states, the group sum. The
 kernels take equal-length sequences ((B, T, HV, D) tiles): the explicit backward without
 cu_seqlens, autograd of `gated_delta_rule` without cu_seqlens (the offsets it made are
 known equal: `gated_delta_rule_chunked.equal_lengths`) and one sequence run with no host read
@@ -58,6 +61,7 @@ from forgekernel.reference.delta_rule_bwd import (
     gated_delta_rule_chunked_backward,
 )
 from forgekernel.reference.gdn_bwd_chunk import chunk_grad_tiles, wy_tiles
+from forgekernel.reference.gdn_bwd_factors import for_kernel2, forward_launch_tiles
 from forgekernel.reference.gdn_bwd_state import (
     CHUNK,
     chunk_factors,
@@ -148,27 +152,62 @@ def _kernel_path(q, v) -> bool:
             and q.dtype in TILE_DTYPES and v.shape[1] > 0)  # fmt: skip
 
 
+def _factors(q, k, v, g, beta):
+    """Kernel 0: the chunk factors of every (chunk, value head) at once (`reference.
+    gdn_bwd_factors.NAMES`' dict: the tiles kernel 1's two launches and kernel 2 read) from q
+    (scaled, normalized), k (B, T, H, K), v (B, T, HV, V) 16-bit, g, beta (B, T, HV) fp32. The
+    CPU tests put the tile emulation here."""
+    from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90.launch import gdn_bwd_factors
+
+    return gdn_bwd_factors(q, k, v, g, beta)
+
+
+# Kernel 0 forms the chunk factors (with kernel 2's WY variant, which reads its T^T, w, u);
+# False: the batched torch `_Factors` pass and its 16-bit conversions (the fallback).
+FACTORS_IN_KERNEL = True
+
+
+def _torch_factor_tiles(qs, ks, v, g, beta, dtype):
+    """The factors by the batched torch pass: (kernel 1's forward launch's tiles, its reverse
+    launch's (pt, ke, qe, w), e_last, the `_Factors` themselves)."""
+    f = chunk_factors(qs, ks, v, g, beta)  # (B, NC, HV, C, ...) fp32, every chunk at once
+    rev = tuple(to_tokens(x.to(dtype)) for x in (f.p.transpose(-1, -2), f.ke, f.qe, f.w))
+    return forward_state_tiles(f, dtype), rev, f.e_last[..., 0].contiguous(), f
+
+
 def _chunk_pass(qs, ks, v, g, beta, do, h0, dht):
     """Value heads of one pass, everything per value head: qs (scaled), ks (B, T, HV, K), v, do
     (B, T, HV, V), g, beta (B, T, HV) fp32 except do (16-bit); h0, dht (B, HV, K, V) fp32 or
     None -> (dqs, dks (B, T, HV, K), dv, dg, dbeta, dh0) fp32."""
     t, dtype = qs.shape[1], do.dtype
-    f = chunk_factors(qs, ks, v, g, beta)  # (B, NC, HV, C, ...) fp32, every chunk at once
-    nc = f.w.shape[1]
-    fw = forward_state_tiles(f, dtype)
+    nc = -(-t // CHUNK)
+    on_device = FACTORS_IN_KERNEL and WY_IN_KERNEL
+    if on_device:  # kernel 0: the factors from the 16-bit tiles kernel 2 reads too
+        qs, ks, v16 = (x.to(dtype) for x in (qs, ks, v))
+        out = _factors(qs, ks, v16, g, beta)
+        fw = forward_launch_tiles(out)
+        rev, e_last = tuple(out[n] for n in ("pt", "ke", "qe", "w")), out["e_last"]
+    else:
+        fw, rev, e_last, f = _torch_factor_tiles(qs, ks, v, g, beta, dtype)
     du_fw, dh_fw, _ = _state_recurrence(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")),
                                         fw["e_last"], h0)  # fmt: skip
     h, big_u = forward_states(du_fw, dh_fw)  # copies (the chunks flipped back)
     del fw, du_fw, dh_fw  # the peak: free launch 1's tiles and outputs before launch 2's
     do_c = to_chunks(do, nc)
-    tiles = (to_tokens(x.to(dtype)) for x in (f.p.transpose(-1, -2), f.ke, f.qe, f.w))
-    du_t, dh_t, dh0 = _state_recurrence(to_tokens(do_c), *tiles,
-                                        f.e_last[..., 0].contiguous(), dht)  # fmt: skip
+    du_t, dh_t, dh0 = _state_recurrence(to_tokens(do_c), *rev, e_last, dht)
+    del rev
     d_u = du_t.unflatten(1, (nc, CHUNK)).transpose(2, 3)
     dh = dh_t.transpose(-1, -2)  # dS (K, V) at every chunk's end
     del do_c
     tiles = chunk_grad_tiles(qs, ks, do, big_u, d_u, h, dh, g, dtype)
     del big_u, h, dh  # kernel 2 reads the 16-bit tiles
+    if on_device:  # kernel 2, all of pass 3, on kernel 0's T^T, w, u and G
+        k2 = for_kernel2(out, t)
+        tiles = (*tiles[:-1], k2["big_g"])
+        wide = beta.to(torch.promote_types(beta.dtype, torch.float32)).contiguous()
+        wy = (k2["tt"], k2["w"], k2["u"], v16.contiguous(), wide)
+        dq, dk, dg, dv, dbeta = _chunk_grads_wy(*tiles, *wy)
+        return dq, dk, dv, dg, dbeta, dh0
     if WY_IN_KERNEL:  # kernel 2: all of pass 3
         dq, dk, dg, dv, dbeta = _chunk_grads_wy(*tiles, *wy_tiles(f, v, beta, dtype))
         return dq, dk, dv, dg, dbeta, dh0
