@@ -65,15 +65,25 @@ def gdn_bwd_factors(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
+    *,
+    out: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per chunk of 64 tokens and value head (every chunk at once): A = beta_i k_i.k_j
     e^(G_i - G_j) (j < i), T = (I + A)^-1 (the forward's tf32 blocked inverse), W = T diag(beta
     e^G) K, u = T diag(beta) V, P = (Q K^T) o e^(G_i - G_j) (j <= i), Ke = K e^(G_C - G),
     Qe = Q e^G, e^(G_C) and G = cumsum g within the chunk. q (scaled, normalized), k (B, T, H,
     K), v (B, T, HV, V) in one 16-bit dtype (value head hv reads q / k head hv // (HV / H));
-    g, beta (B, T, HV) fp32 or that dtype. Returns `reference.gdn_bwd_factors.NAMES`' dict."""
+    g, beta (B, T, HV) fp32 or that dtype. Returns `reference.gdn_bwd_factors.NAMES`' dict
+    (`empty_outputs`' shapes), written into `out` (contiguous, those shapes) when given."""
     b, t, h, hv = check_inputs(q, k, v, g, beta)
     outs = empty_outputs(q, v)
+    if out is not None:
+        for name, x in outs.items():
+            y = out[name]
+            if y.shape != x.shape or y.dtype != x.dtype or not y.is_contiguous():
+                raise ValueError(f"out[{name!r}] must be contiguous {x.dtype} "
+                                 f"{tuple(x.shape)}")  # fmt: skip
+        outs = {n: out[n] for n in outs}
     if b * hv * t == 0:
         return outs
     fn = get_kernel(SPEC, params_for(dtype_name(q.dtype), (q.shape[-1], v.shape[-1])))
