@@ -1,14 +1,15 @@
-"""The Gated DeltaNet backward on kernels 1 and 2 (`FORGEKERNEL_GDN_BWD_KERNEL=1`,
-ops/gated_delta_rule_bwd.py `_backward_kernel`: both recurrences on kernel 1, pass 3's output
-side on kernel 2, the rest batched torch) on the GPU: against the fp64 chunked backward
+"""The Gated DeltaNet backward on kernels 0, 1 and 2 (`FORGEKERNEL_GDN_BWD_KERNEL=1`,
+ops/gated_delta_rule_bwd.py `_backward_kernel`: the chunk factors on kernel 0, both recurrences
+on kernel 1, pass 3 on kernel 2, the rest batched torch; FACTORS_IN_KERNEL off: the torch
+factors) on the GPU: against the fp64 chunked backward
 (reference/delta_rule_bwd.py, itself checked against autograd) on the same 16-bit inputs and
 against the interim path, kernel outputs NaN-poisoned before every launch (a row the kernel
 leaves unwritten fails); bf16 and fp16; T = 1, 63, 64, 65, 200, 1000; B 1-3; H = HV and HV = 2H;
 with / without initial state and final-state gradient; l2norm on / off; both state layouts;
 varlen through cu_seqlens (padded, empty sequences); autograd through the forward kernel; a
 CUDA-graph capture of the equal-length path; the 4 x 8192 h16 hv32 time printed (`-s`: the path,
-the kernel's two launches, peak memory; kernel 2's launch), in both the equal-length and the
-suite's varlen form.
+the kernel's two launches, peak memory; kernel 2's launch, kernel 0's), in both the
+equal-length and the suite's varlen form.
 
 Tolerance: each gradient within 2e-2 of its reference's largest entry (the suite's rule): the
 kernel's tiles and its register operands are 16-bit (tests/test_gdn_bwd_state.py's emulation:
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 
 import forgekernel
 from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90 import launch as chunk_launch
+from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90 import launch as factors_launch
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.launch import (
     empty_outputs,
     gdn_bwd_state,
@@ -70,12 +72,32 @@ def _poisoned_chunk_wy_kernel(calls):
     return run
 
 
+def _poisoned_factors_kernel(calls):
+    """Kernel 0 with its outputs NaN-poisoned first; calls as ("k0", v's shape)."""
+
+    def run(q, k, v, g, beta):
+        out = factors_launch.empty_outputs(q, v)
+        for x in out.values():
+            x.fill_(float("nan"))
+        calls.append(("k0", tuple(v.shape)))
+        return factors_launch.gdn_bwd_factors(q, k, v, g, beta, out=out)
+
+    return run
+
+
+def _launches() -> int:
+    """Launches a pass: kernel 0's (when on), kernel 1's two, kernel 2's."""
+    return 3 + (bwd.FACTORS_IN_KERNEL and bwd.WY_IN_KERNEL)
+
+
 @pytest.fixture
 def kernel_path(monkeypatch):
-    """Kernel launches of the path: kernel 1's twice, kernel 2's once a pass (its WY variant
-    unless bwd.WY_IN_KERNEL is off)."""
+    """Kernel launches of the path: kernel 0's once a pass (unless bwd.FACTORS_IN_KERNEL or
+    bwd.WY_IN_KERNEL is off), kernel 1's twice, kernel 2's once (its WY variant unless
+    bwd.WY_IN_KERNEL is off)."""
     calls = []
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
+    monkeypatch.setattr(bwd, "_factors", _poisoned_factors_kernel(calls))
     monkeypatch.setattr(bwd, "_state_recurrence", _poisoned_kernel(calls))
     monkeypatch.setattr(bwd, "_chunk_grads", _poisoned_chunk_kernel(calls))
     monkeypatch.setattr(bwd, "_chunk_grads_wy", _poisoned_chunk_wy_kernel(calls))
@@ -125,7 +147,7 @@ def _reference(inputs, *, h0, dht, l2norm, cu=None):
 
 def _check(kernel_path, monkeypatch, inputs, *, h0, dht, l2norm=False, k_last=False, cu=None):
     got = _run(inputs, h0=h0, dht=dht, l2norm=l2norm, k_last=k_last, cu=cu)
-    assert len(kernel_path) == 3, "the kernel path was not taken"
+    assert len(kernel_path) == _launches(), "the kernel path was not taken"
     want = _reference(inputs, h0=h0, dht=dht, l2norm=l2norm, cu=cu)
     monkeypatch.delenv(bwd.KERNEL_SWITCH)
     interim = _run(inputs, h0=h0, dht=dht, l2norm=l2norm, k_last=k_last, cu=cu)
@@ -161,7 +183,16 @@ def test_output_grads_variant(kernel_path, monkeypatch, t):
     monkeypatch.setattr(bwd, "WY_IN_KERNEL", False)
     q, k, v, g, beta, do, h0, dht = _problem(2, t, 2, 4, torch.bfloat16, seed=t, l2norm=True)
     _check(kernel_path, monkeypatch, (q, k, v, g, beta, do), h0=h0, dht=dht, l2norm=True)
-    assert kernel_path[-1][0] == "k2"
+    assert kernel_path[-1][0] == "k2" and "k0" not in [c[0] for c in kernel_path]
+
+
+@pytest.mark.parametrize("t", [65, 1000])
+def test_torch_factors_fallback(kernel_path, monkeypatch, t):
+    """FACTORS_IN_KERNEL off: the torch `_Factors` pass feeds kernels 1 and 2, no kernel 0."""
+    monkeypatch.setattr(bwd, "FACTORS_IN_KERNEL", False)
+    q, k, v, g, beta, do, h0, dht = _problem(2, t, 2, 4, torch.bfloat16, seed=t, l2norm=True)
+    _check(kernel_path, monkeypatch, (q, k, v, g, beta, do), h0=h0, dht=dht, l2norm=True)
+    assert "k0" not in [c[0] for c in kernel_path]
 
 
 @pytest.mark.parametrize("lens", [[1, 63, 0, 64, 65, 130], [300, 300, 300], [1000, 700]])
@@ -186,7 +217,7 @@ def test_autograd_through_the_forward_kernel(kernel_path, monkeypatch, b):
                                             output_final_state=True,
                                             use_qk_l2norm_in_kernel=True)  # fmt: skip
     grads = torch.autograd.grad((o.float() * do.float()).sum() + (final * dht).sum(), leaves)
-    assert len(kernel_path) == 3
+    assert len(kernel_path) == _launches()
     want = _reference((q, k, v, g, beta, do), h0=h0, dht=dht, l2norm=True)
     for name, a, r in zip(NAMES, grads, want):
         _close(name, a, r)
@@ -222,8 +253,8 @@ def test_cuda_graph_capture(kernel_path):
 @pytest.mark.parametrize("varlen", [False, True])
 def test_time_at_bench_size(kernel_path, monkeypatch, varlen):
     """4 x 8192 tokens, H 16, HV 32 (the gdn_bwd suite's batch case; `varlen`: its B = 1 +
-    cu_seqlens form): the path's time, the two kernel launches' time, peak memory (printed;
-    the prediction: NOTES.md "Backward on kernel 1"), gradients finite."""
+    cu_seqlens form): the path's time, the kernel launches' times, peak memory (printed;
+    the prediction: NOTES.md "Backward kernel 0"), gradients finite."""
     q, k, v, g, beta, do, h0, dht = _problem(4, 8192, 16, 32, torch.bfloat16, seed=13)
     args, kw = [q, k, v, g, beta, do], {"initial_state": h0, "d_final_state": dht}
     if varlen:
@@ -235,7 +266,9 @@ def test_time_at_bench_size(kernel_path, monkeypatch, varlen):
     torch.cuda.reset_peak_memory_stats()
     ms = median(time_ms(lambda: forgekernel.gated_delta_rule_backward(*args, **kw), reps=10))
     peak = torch.cuda.max_memory_allocated() / 2**30
-    kernel_args, chunk_args = [], []
+    kernel_args, chunk_args, factor_args = [], [], []
+    k0 = factors_launch.gdn_bwd_factors
+    monkeypatch.setattr(bwd, "_factors", lambda *a: factor_args.append(a) or k0(*a))
     monkeypatch.setattr(bwd, "_state_recurrence",
                         lambda *a: kernel_args.append(a) or gdn_bwd_state(*a))  # fmt: skip
     k2 = chunk_launch.gdn_bwd_chunk_wy
@@ -244,7 +277,9 @@ def test_time_at_bench_size(kernel_path, monkeypatch, varlen):
     launches = [median(time_ms(lambda a=a: gdn_bwd_state(*a), reps=10)) for a in kernel_args]
     chunk = [median(time_ms(lambda a=a: k2(*a), reps=10))
              for a in chunk_args]  # fmt: skip
+    factors = [median(time_ms(lambda a=a: k0(*a), reps=10)) for a in factor_args]
     form = "varlen" if varlen else "B = 4"
-    print(f"\nGDN backward on kernels 1 + 2, 4 x 8192 h16 hv32 bf16 ({form}): {ms:.2f} ms a "
+    print(f"\nGDN backward on kernels 0-2, 4 x 8192 h16 hv32 bf16 ({form}): {ms:.2f} ms a "
           f"call, kernel 1 {' + '.join(f'{x:.3f}' for x in launches)} ms, kernel 2 "
-          f"{' + '.join(f'{x:.3f}' for x in chunk)} ms, peak {peak:.1f} GiB")
+          f"{' + '.join(f'{x:.3f}' for x in chunk)} ms, kernel 0 "
+          f"{' + '.join(f'{x:.3f}' for x in factors)} ms, peak {peak:.1f} GiB")  # fmt: skip
