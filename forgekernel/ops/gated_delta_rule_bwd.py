@@ -102,8 +102,8 @@ KERNEL_SWITCH = "FORGEKERNEL_GDN_BWD_KERNEL"
 # Token x value heads of one pass of the kernel path: its temporaries were ~56 KB a token-head
 # allocated over the pass, ~25 KB live at the peak with pass 3 in torch (CPU profile and
 # resident set at K = V = 128): ~26 GB at 2^20 (4 x 8192 HV 32 is one pass; 8 x 32768 HV 32
-# eight). With pass 3 on kernel 2: ~33 KB a token-head written (dispatch count), peak not
-# re-measured (at most the old one).
+# eight). With pass 3 on kernel 2: ~33 KB a token-head written (dispatch count), with the
+# factors on kernel 0 too ~14 KB; peak not re-measured (at most the old one).
 TOKEN_HEADS_PER_PASS = 2**20
 TILE_DTYPES = (torch.float16, torch.bfloat16)
 
