@@ -186,7 +186,11 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht):
         qs, ks, v16 = (x.to(dtype) for x in (qs, ks, v))
         out = _factors(qs, ks, v16, g, beta)
         fw = forward_launch_tiles(out)
-        rev, e_last = tuple(out[n] for n in ("pt", "ke", "qe", "w")), out["e_last"]
+        # `out` keeps only what kernel 2 reads: the others go with `fw`, `rev` (the peak)
+        for name in ("fw_u", "fw_w", "fw_ke"):
+            del out[name]
+        rev = (*(out.pop(n) for n in ("pt", "ke", "qe")), out["w"])
+        e_last = out["e_last"]
     else:
         fw, rev, e_last, f = _torch_factor_tiles(qs, ks, v, g, beta, dtype)
     du_fw, dh_fw, _ = _state_recurrence(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")),
