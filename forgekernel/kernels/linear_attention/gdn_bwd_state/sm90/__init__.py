@@ -22,12 +22,19 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    return [
+    gdn = [
         params_for(dtype, d_final_state=d, dke=dke)
         for dtype in DTYPES
         for d in (False, True)
         for dke in (False, True)
     ]
+    # Kimi Delta Attention's per-key-channel e^(G_C): the dh variant its backward runs
+    kda = [
+        params_for(dtype, d_final_state=d, channel_decay=True)
+        for dtype in DTYPES
+        for d in (False, True)
+    ]
+    return gdn + kda
 
 
 SPEC = KernelSpec(
