@@ -214,6 +214,21 @@ def test_explicit_backward_on_the_kernel_path(kernel_path, monkeypatch, b, t, h,
         _close(name, a, r, 2e-2)
 
 
+def test_equal_varlen_equals_the_batch(kernel_path):
+    """B equal sequences behind cu_seqlens (B = 1 + offsets: the suite's batch form) give the
+    (B, T) call's gradients."""
+    (q, k, v, g, beta, h0), do, dht = _bf16_problem(2, 70, 1, 2, seed=4)
+    kw = {"initial_state": h0, "d_final_state": dht, "use_qk_l2norm_in_kernel": True}
+    batch = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, **kw)
+    flat = [x.flatten(0, 1).unsqueeze(0) for x in (q, k, v, g, beta, do)]
+    cu = torch.tensor([0, 70, 140], dtype=torch.int32)
+    varlen = bwd.kimi_delta_attention_backward(*flat, cu_seqlens=cu, **kw)
+    assert len(kernel_path) == 4
+    for name, a, r in zip(NAMES, varlen, batch):
+        assert torch.isfinite(r).all(), name
+        torch.testing.assert_close(a.reshape(r.shape), r, rtol=0, atol=0, msg=name)
+
+
 @pytest.mark.parametrize("b", [1, 2])
 def test_autograd_on_the_kernel_path(kernel_path, monkeypatch, b):
     """Autograd of `kimi_delta_attention` without cu_seqlens (B = 1, and B = 2: the offsets the
@@ -233,8 +248,9 @@ def test_autograd_on_the_kernel_path(kernel_path, monkeypatch, b):
 
 
 def test_routing_to_the_interim_path(kernel_path, monkeypatch):
-    """Several sequences behind cu_seqlens, the switch off, and head dims other than kernel
-    1's take the interim path; its gradients are the ones returned."""
+    """Unequal sequences behind cu_seqlens, the switch off, and head dims other than kernel
+    1's take the interim path; equal ones behind cu_seqlens (the offsets read on the host)
+    and one sequence take the kernel path."""
     seen = []
     interim = bwd._backward_interim
     monkeypatch.setattr(bwd, "_backward_interim", lambda *a: seen.append(1) or interim(*a))
@@ -246,9 +262,12 @@ def test_routing_to_the_interim_path(kernel_path, monkeypatch):
     one = torch.tensor([0, 130], dtype=torch.int32)  # one sequence: the kernel path
     bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, initial_state=h0[:1], cu_seqlens=one)
     assert seen == [1] and kernel_path == [torch.bfloat16, torch.bfloat16]
+    equal = torch.tensor([0, 65, 130], dtype=torch.int32)  # read on the host: equal lengths
+    bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, initial_state=h0, cu_seqlens=equal)
+    assert seen == [1] and len(kernel_path) == 4
     monkeypatch.delenv(bwd.KERNEL_SWITCH)
     bwd.kimi_delta_attention_backward(q, k, v, g, beta, do)
-    assert seen == [1, 1] and len(kernel_path) == 2
+    assert seen == [1, 1] and len(kernel_path) == 4
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
     assert bwd._kernel_path(q.flatten(0, 1), v.flatten(0, 1))
     assert not bwd._kernel_path(q.flatten(0, 1)[..., :64], v.flatten(0, 1))  # (K, V) (64, 128)

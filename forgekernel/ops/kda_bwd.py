@@ -30,7 +30,9 @@ kernel 2 for KDA is not built), scale, l2norm, the group sum. Equal lengths know
 (the explicit backward without cu_seqlens, one sequence, autograd of a call without cu_seqlens:
 the forward notes its offsets in Gated DeltaNet's registry,
 `gated_delta_rule_chunked.equal_lengths`) run with no host read (CUDA-graph capturable);
-several sequences behind a caller's cu_seqlens stay on the interim path (`_backward_eager`).
+several sequences behind a caller's cu_seqlens have their offsets read on the host (one sync,
+as the interim path's): equal lengths take the kernel path, unequal ones the interim path
+(`_backward_eager`).
 
 `kimi_delta_attention_backward` is the same backward for callers with their own autograd and
 for the suite's backward timing.
@@ -202,16 +204,33 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, l2norm, b
     return _empty_grads(q, k, v, g, beta, cu_seqlens)
 
 
+NOT_CAPTURABLE_VARLEN = (
+    "kimi_delta_attention's backward on kernel 1 reads varlen offsets on the host (are the "
+    "lengths equal? one sync a call; equal-length calls without cu_seqlens have none)"
+)
+
+
+def _equal_lengths_on_host(q, cu_seqlens) -> int:
+    """N when the N sequences behind cu_seqlens all have one nonzero length, else 0: read on
+    the host (one sync, as the interim path's; a CUDA-graph capture is refused first)."""
+    refuse_capture(NOT_CAPTURABLE_VARLEN, q)
+    edges = cu_seqlens.tolist()
+    lens = {z - a for a, z in zip(edges[:-1], edges[1:])}
+    return len(edges) - 1 if len(lens) == 1 and lens.pop() > 0 else 0
+
+
 def _backward_eager(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, l2norm,
                     batch) -> Grads:  # fmt: skip
-    """With the switch on and `batch` > 0 (the offsets are `batch` equal lengths, known on the
-    host): the kernel path, no sync. Otherwise the interim path, varlen included: kernel 1
-    takes equal-length (B, T, HV, D) tiles, and unequal sequences would need their offsets
-    read on the host and the sequences padded to the longest (Gated DeltaNet's
-    `_backward_varlen`), not wired here yet; the interim path reads them anyway."""
-    if batch > 0 and _kernel_path(q, v):
-        return _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm,
-                                batch)  # fmt: skip
+    """With the switch on: `batch` > 0 (the offsets are `batch` equal lengths, known on the
+    host): the kernel path, no sync; else the offsets read on the host and, when the lengths
+    are equal (the suite's batch cases: B = 1 + cu_seqlens), the kernel path. Unequal lengths
+    take the interim path: kernel 1 reads equal-length (B, T, HV, D) tiles, and the padding to
+    the longest sequence that Gated DeltaNet's `_backward_varlen` does is not wired here."""
+    if _kernel_path(q, v):
+        batch = batch if batch > 0 else _equal_lengths_on_host(q, cu_seqlens)
+        if batch > 0:
+            return _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale,
+                                    l2norm, batch)  # fmt: skip
     return _backward_interim(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale,
                              l2norm)  # fmt: skip
 

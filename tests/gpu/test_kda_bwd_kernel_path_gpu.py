@@ -9,9 +9,10 @@ fp64 chunked backward (reference/kda_bwd.py, itself checked against autograd) on
 16-bit inputs and against the interim path, kernel outputs NaN-poisoned before every launch;
 bf16 and fp16; T = 1, 63, 64, 65, 200, 1000; B 1-3; H = HV and HV = 2H; with / without initial
 state and final-state gradient; l2norm on / off; g per channel in [-1, 0] and [-5, -4];
-autograd through the forward kernels (no host read); a CUDA-graph capture; the 4 x 8192 H16
-HV16 / HV32 times printed (`-s`: the path, kernel 1's two launches, the interim path, peak
-memory; the prediction: NOTES.md "KDA backward on kernel 1").
+equal lengths behind cu_seqlens (the suite's batch form); autograd through the forward
+kernels (no host read); a CUDA-graph capture; the 4 x 8192 H16 HV16 / HV32 times printed
+(`-s`: the path, kernel 1's two launches, the interim path, peak memory; the prediction:
+NOTES.md "KDA backward on kernel 1").
 
 Tolerance: the kernel alone within 1e-2 of each output's max (tests/test_gdn_bwd_state.py's
 rounded emulation of the channel variant stays within it at T = 1000, K = V = 128); the path
@@ -172,6 +173,21 @@ def test_matches_the_fp64_backward_and_the_interim(kernel_path, monkeypatch, dty
                                              decay=decay)  # fmt: skip
     _check(kernel_path, monkeypatch, (q, k, v, g, beta, do), h0=h0 if with_h0 else None,
            dht=dht if with_dht else None, l2norm=l2norm)  # fmt: skip
+
+
+def test_equal_varlen_is_the_batch(kernel_path):
+    """The suite's batch form (B = 1 + cu_seqlens of equal lengths, the offsets read on the
+    host) takes the kernel path and gives the (B, T) call's gradients bitwise."""
+    q, k, v, g, beta, do, h0, dht = _problem(3, 200, 2, 4, torch.bfloat16, seed=21, l2norm=True)
+    kw = {"initial_state": h0, "d_final_state": dht, "use_qk_l2norm_in_kernel": True}
+    batch = forgekernel.kimi_delta_attention_backward(q, k, v, g, beta, do, **kw)
+    flat = [x.flatten(0, 1).unsqueeze(0) for x in (q, k, v, g, beta, do)]
+    cu = torch.arange(4, dtype=torch.int32, device="cuda") * 200
+    varlen = forgekernel.kimi_delta_attention_backward(*flat, cu_seqlens=cu, **kw)
+    assert len(kernel_path) == 4
+    for name, a, r in zip(NAMES, varlen, batch):
+        assert torch.isfinite(r).all(), name
+        torch.testing.assert_close(a.reshape(r.shape), r, rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("b", [1, 2])
