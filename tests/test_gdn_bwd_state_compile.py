@@ -109,7 +109,9 @@ def test_channel_decay_resources(compiled, name):
     from shared memory (scalar kernel: no fp32 LDS)."""
     res, instrs, smem = compiled(name)
     scalar_res, scalar_instrs, scalar_smem = compiled(name.removesuffix("_channel"))
-    assert res["registers"] == scalar_res["registers"] == 168
+    assert res["registers"] == scalar_res["registers"]
+    if dsl_toolchain() == "cu13":
+        assert res["registers"] == 168
     assert smem == scalar_smem + 2 * 128 * 4
     lds64 = sum(op == "LDS.64" for op, _ in instrs)
     assert sum(op == "LDS.64" for op, _ in scalar_instrs) == 0
