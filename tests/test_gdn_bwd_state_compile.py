@@ -5,7 +5,10 @@ memory within config's bound; per chunk and state warpgroup the WGMMAs dS^T Ke^T
 64x64x16), dO^T P (4), dO^T Qe and -dU^T W (4 x 64x128x16 each, B transposed), four commit
 groups; five TMA boxes a chunk (nine 64-column halves). The dke variant adds U's box (two
 halves), dS^T into shared memory by 8 transposed stmatrix a thread, and dke = U dS^T (8 x
-64x64x16, both operands in shared memory, one more group)."""
+64x64x16, both operands in shared memory, one more group). The `channel_decay` variant (Kimi
+Delta Attention's per-key-channel e^(G_C)) adds one (1, K) fp32 box a chunk (a tenth TMA load)
+and reads each thread's 32 columns of it from shared memory (16 LDS.64 under cu13's ptxas),
+with the same registers, groups and no spill."""
 
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("cutlass")
+
+from dsl_toolchain import dsl_toolchain  # noqa: E402
 
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY, THREADS_PER_WG  # noqa: E402
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import config  # noqa: E402
@@ -29,7 +34,12 @@ if find_tool("cuobjdump") is None:
 
 CONFIGS = {"bf16": ("bfloat16", False, False), "bf16_dht": ("bfloat16", True, False),
            "fp16_dht": ("float16", True, False), "bf16_dke": ("bfloat16", False, True),
-           "fp16_dht_dke": ("float16", True, True)}  # fmt: skip
+           "fp16_dht_dke": ("float16", True, True), "bf16_channel": ("bfloat16", False, False),
+           "fp16_dht_channel": ("float16", True, False)}  # fmt: skip
+
+
+def _channel(name: str) -> bool:
+    return name.endswith("_channel")
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +49,8 @@ def compiled():
     def get(name):
         if name not in cache:
             dtype, dht, dke = CONFIGS[name]
-            params = dict(config.params_for(dtype, d_final_state=dht, dke=dke))
+            params = dict(config.params_for(dtype, d_final_state=dht, dke=dke,
+                                            channel_decay=_channel(name)))  # fmt: skip
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_gdn_bwd_state(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -71,7 +82,8 @@ def test_registers_and_no_spills(compiled, name):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_shared_memory_fits(compiled, name):
     res, _, smem = compiled(name)
-    assert smem <= config.smem_bytes(dke=CONFIGS[name][2]) <= SMEM_CAPACITY
+    assert smem <= config.smem_bytes(dke=CONFIGS[name][2], channel_decay=_channel(name))
+    assert config.smem_bytes(dke=CONFIGS[name][2], channel_decay=_channel(name)) <= SMEM_CAPACITY
     assert smem + res["smem_bytes"] <= SMEM_CAPACITY
 
 
@@ -85,6 +97,25 @@ def test_wgmmas_and_tma(compiled, name):
     wide = [a for op, a in shapes if op.startswith("HGMMA.64x128x16")]
     assert len(wide) == 8 and all("tnspB" in a for a in wide)
     assert sum("gsb0" in a for _, a in shapes) == 4 + dke  # one commit group a product
-    # dO, Ke, Qe, W (and U): two 64-column halves; P^T one
-    assert ops.count("UTMALDG.4D") == 9 + 2 * dke
+    # dO, Ke, Qe, W (and U): two 64-column halves; P^T one; e^(G_C) (1, K) one
+    assert ops.count("UTMALDG.4D") == 9 + 2 * dke + _channel(name)
     assert ops.count("STSM.16.MT88.4") == 8 * dke
+
+
+@pytest.mark.parametrize("name", ["bf16_channel", "fp16_dht_channel"])
+def test_channel_decay_resources(compiled, name):
+    """The per-channel decay costs no register and no spill (168 at launch as the scalar
+    kernel) and 1 KB of shared memory (a (K,) fp32 vector a ring stage); its columns are read
+    from shared memory (scalar kernel: no fp32 LDS)."""
+    res, instrs, smem = compiled(name)
+    scalar_res, scalar_instrs, scalar_smem = compiled(name.removesuffix("_channel"))
+    assert res["registers"] == scalar_res["registers"]
+    if dsl_toolchain() == "cu13":
+        assert res["registers"] == 168
+    assert smem == scalar_smem + 2 * 128 * 4
+    lds64 = sum(op == "LDS.64" for op, _ in instrs)
+    assert sum(op == "LDS.64" for op, _ in scalar_instrs) == 0
+    if dsl_toolchain() == "cu13":
+        assert lds64 == 16  # 32 columns a thread, two adjacent ones a load
+    else:
+        assert lds64 > 0

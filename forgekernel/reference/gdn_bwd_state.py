@@ -4,7 +4,10 @@ kernel's token-major layouts, and its outputs, pass 2 of that reference (the rev
 recurrence). Fixed length only (B sequences of T tokens) and H = HV, as the kernel's first
 version. The batched forms at the end (`to_chunks`, `chunk_factors`,
 `batched_state_pass_factors`, `forward_state_tiles`, `forward_states`: no chunk layout, no
-loop) are what the op's kernel path (ops/gated_delta_rule_bwd.py `_backward_kernel`) runs."""
+loop) are what the op's kernel path (ops/gated_delta_rule_bwd.py `_backward_kernel`) runs;
+given Kimi Delta Attention's factors (`reference.kda_bwd._Factors`, `factors=`) they give
+KDA's tiles, e^(G_C) then per key channel (B, NC, HV, K) (the kernel's `channel_decay`
+variant; ops/kda_bwd.py `_backward_kernel`)."""
 
 from __future__ import annotations
 
@@ -88,7 +91,8 @@ def reverse_state_pass(
     d_final_state: torch.Tensor | None,
     u: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """reference/delta_rule_bwd.py's pass 2 on the kernel's inputs (in their dtype): (dU (B, T,
+    """reference/delta_rule_bwd.py's pass 2 on the kernel's inputs (in their dtype; e^(G_C)
+    (B, NC, HV) or per key channel (B, NC, HV, K), reference/kda_bwd.py's): (dU (B, T,
     HV, V), dh = dS^T at every chunk's end (B, NC, HV, V, K) or, given U (B, T, HV, V), dke =
     U dh^T per token (B, T, HV, K) as pass 3 forms it, the initial state's gradient (B, HV, K,
     V)), the kernel's outputs."""
@@ -100,10 +104,12 @@ def reverse_state_pass(
     def chunks(x):
         return layout.gather(x.reshape(b * t, hv, -1).to(dtype))
 
+    e_last = factors["e_last"]  # (B, NC, HV) or per key channel (B, NC, HV, K)
+    e_last = e_last.unsqueeze(-1) if e_last.dim() == 3 else e_last
     f = SimpleNamespace(
         p=chunks(factors["pt"]).transpose(-1, -2), ke=chunks(factors["ke"]),
         qe=chunks(factors["qe"]), w=chunks(factors["w"]),
-        e_last=factors["e_last"].transpose(0, 1).reshape(-1, hv, 1).to(dtype),
+        e_last=e_last.transpose(0, 1).flatten(0, 1).to(dtype),
     )  # fmt: skip
     f.q = f.ke  # _reverse_states counts chunks by len(f.q)
     dht = do.new_zeros(b, hv, dk, dv, dtype=dtype) if d_final_state is None else d_final_state
@@ -132,23 +138,34 @@ def to_tokens(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(2, 3).flatten(1, 2).contiguous()
 
 
-def chunk_factors(q, k, v, g, beta) -> _Factors:
-    """reference/delta_rule_bwd.py's `_Factors` of every chunk of B equal-length sequences at
-    once: q (scaled, normalized), k (B, T, HV, K), v (B, T, HV, V), g, beta (B, T, HV) ->
-    pieces shaped (B, NC, HV, C, ...) (the class broadcasts over leading dimensions)."""
+def chunk_factors(q, k, v, g, beta, factors=_Factors):
+    """reference/delta_rule_bwd.py's `_Factors` (or `factors`: reference/kda_bwd.py's, g
+    (B, T, HV, K)) of every chunk of B equal-length sequences at once: q (scaled, normalized),
+    k (B, T, HV, K), v (B, T, HV, V), g, beta (B, T, HV) -> pieces shaped (B, NC, HV, C, ...)
+    (the classes broadcast over leading dimensions)."""
     nc = -(-q.shape[1] // CHUNK)
-    return _Factors(*(to_chunks(x, nc) for x in (q, k, v, g, beta)))
+    return factors(*(to_chunks(x, nc) for x in (q, k, v, g, beta)))
 
 
-def batched_state_pass_factors(q, k, v, g, beta, *, scale=None, dtype=torch.float32):
-    """`state_pass_factors` without the chunk layout's gathers: the same dict, same layouts."""
+def chunk_decay(f) -> torch.Tensor:
+    """e^(G_C) as kernel 1 reads it: (B, NC, HV) from Gated DeltaNet's factors (e_last (..., 1),
+    e_g (..., C)), (B, NC, HV, K) from Kimi Delta Attention's (e_last (..., K), e_g (..., C,
+    K))."""
+    per_channel = f.e_g.dim() == f.k.dim()
+    return (f.e_last if per_channel else f.e_last[..., 0]).contiguous()
+
+
+def batched_state_pass_factors(q, k, v, g, beta, *, scale=None, dtype=torch.float32,
+                               factors=_Factors):  # fmt: skip
+    """`state_pass_factors` without the chunk layout's gathers: the same dict, same layouts
+    (`factors`: as `chunk_factors`; KDA's e_last is (B, NC, HV, K))."""
     b, t, _, dk = q.shape
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
-    f = chunk_factors(q * _scale(scale, dk), k, v, g, beta)
+    f = chunk_factors(q * _scale(scale, dk), k, v, g, beta, factors)
     shaped = {name: to_tokens(x)[:, :t]
               for name, x in (("pt", f.p.transpose(-1, -2)), ("ke", f.ke), ("qe", f.qe),
                               ("w", f.w))}  # fmt: skip
-    shaped["e_last"] = f.e_last[..., 0].contiguous()
+    shaped["e_last"] = chunk_decay(f)
     return shaped
 
 
@@ -159,12 +176,13 @@ def forward_state_tiles(f: _Factors, dtype: torch.dtype) -> dict[str, torch.Tens
     Q' = 0, W' = -Ke and the chunks in reverse order (chunk NC - 1 - j in slot j) that is
     U = u - W S, S <- e^(G_C) S + Ke^T U from the first chunk, Z starting at the initial
     state (its d_final_state input). Outputs: dU = U, dh[slot] = S^T at chunk NC - 1 - slot's
-    start, dh0 = the final state. Token-major (B, NC C, HV, ...) in `dtype`, e_last fp32."""
+    start, dh0 = the final state. Token-major (B, NC C, HV, ...) in `dtype`, e_last fp32 (per
+    key channel from KDA's factors: S <- diag(e^(G_C)) S + Ke^T U)."""
     b, nc, hv, c, dk = f.w.shape
     eye = torch.eye(c, dtype=dtype, device=f.w.device).expand(b, nc, hv, c, c)
     tiles = {"do": f.u, "pt": eye, "ke": -f.w, "qe": torch.zeros_like(f.w), "w": -f.ke}
     out = {n: to_tokens(x.flip(1).to(dtype)) for n, x in tiles.items()}
-    out["e_last"] = f.e_last[..., 0].flip(1).float().contiguous()
+    out["e_last"] = chunk_decay(f).flip(1).float().contiguous()
     return out
 
 

@@ -3,7 +3,9 @@ DSL-free declaration; the kernel is `reverse_state.py`, the launcher `launch.py`
 model `forgekernel.reference.gdn_bwd_state`. Wired into the op's backward behind
 `FORGEKERNEL_GDN_BWD_KERNEL=1` (`forgekernel.ops.gated_delta_rule_bwd._backward_kernel`: two
 launches, the forward's chunk states by the same recurrence fed transposed inputs, then the
-reverse pass); the default is still the interim torch path until the GPU check passes."""
+reverse pass); the default is still the interim torch path until the GPU check passes.
+Variant `channel_decay` (e^(G_C) per key channel): Kimi Delta Attention's backward
+(`forgekernel.ops.kda_bwd._backward_kernel`, behind `FORGEKERNEL_KDA_BWD_KERNEL=1`)."""
 
 from __future__ import annotations
 
@@ -22,12 +24,19 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    return [
+    gdn = [
         params_for(dtype, d_final_state=d, dke=dke)
         for dtype in DTYPES
         for d in (False, True)
         for dke in (False, True)
     ]
+    # Kimi Delta Attention's per-key-channel e^(G_C): the dh variant its backward runs
+    kda = [
+        params_for(dtype, d_final_state=d, channel_decay=True)
+        for dtype in DTYPES
+        for d in (False, True)
+    ]
+    return gdn + kda
 
 
 SPEC = KernelSpec(

@@ -1,8 +1,9 @@
 """Compile the Gated DeltaNet backward's reverse state recurrence against fake tensors: B, T, HV,
 the chunk count and every outer stride dynamic; K, V, the dtype, the final-state gradient and
 whether dke replaces dh baked in. The 16-bit tiles: unit last strides, the others multiples of
-8 elements, 16-byte aligned (TMA); e^(G_C) fp32 (B, NC, HV) unit last stride; the fp32 outputs
-and the final-state gradient: unit last strides, others multiples of 4."""
+8 elements, 16-byte aligned (TMA); e^(G_C) fp32 (B, NC, HV) unit last stride (channel_decay:
+(B, NC, HV, K), TMA-ready: outer strides multiples of 4, 16-byte aligned); the fp32 outputs and
+the final-state gradient: unit last strides, others multiples of 4."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.reverse_state impor
 
 def kernel_for(params: dict) -> GdnBwdStateSm90:
     return GdnBwdStateSm90(
-        params["k"], params["v"], d_final_state=params["d_final_state"], dke=params["dke"]
-    )
+        params["k"], params["v"], d_final_state=params["d_final_state"], dke=params["dke"],
+        channel_decay=params.get("channel_decay", False),
+    )  # fmt: skip
 
 
 def compile_gdn_bwd_state(params: dict, arch: str = "sm_90a", extra_options: str = "", kernel=None):
@@ -34,9 +36,12 @@ def compile_gdn_bwd_state(params: dict, arch: str = "sm_90a", extra_options: str
     def state():
         return fake.rowmajor(f32, (b, hv, kd, vd), divisibility=4)
 
-    e_last = make_fake_tensor(
-        f32, (b, nc, hv), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4
-    )
+    if params.get("channel_decay", False):
+        e_last = fake.rowmajor(f32, (b, nc, hv, kd), divisibility=4)
+    else:
+        e_last = make_fake_tensor(
+            f32, (b, nc, hv), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4
+        )
     return cute.compile(
         kernel,
         fake.rowmajor(dtype, (b, t, hv, vd)),

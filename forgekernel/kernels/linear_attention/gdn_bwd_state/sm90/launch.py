@@ -14,9 +14,7 @@ from forgekernel.runtime.device import as_tma_ready, dtype_name, on_device
 Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def check_inputs(
-    do, pt, ke, qe, w, e_last, d_final_state, u=None
-) -> tuple[int, int, int, int]:
+def check_inputs(do, pt, ke, qe, w, e_last, d_final_state, u=None) -> tuple[int, int, int, int]:
     """(B, T, HV, NC) of a valid call, else ValueError / TypeError saying what is off."""
     if do.dim() != 4:
         raise ValueError(f"do must be (B, T, HV, V), got {tuple(do.shape)}")
@@ -33,8 +31,9 @@ def check_inputs(
         if x.dtype != do.dtype:
             raise TypeError(f"{name} must be {do.dtype} (do's dtype), got {x.dtype}")
     params_for(dtype_name(do.dtype), (k, v))  # K, V supported
-    if tuple(e_last.shape) != (b, nc, hv) or e_last.dtype != torch.float32:
-        raise ValueError(f"e_last must be float32 {(b, nc, hv)}, got {e_last.dtype} "
+    if tuple(e_last.shape) not in ((b, nc, hv), (b, nc, hv, k)) or e_last.dtype != torch.float32:
+        raise ValueError(f"e_last must be float32 {(b, nc, hv)} (one decay a chunk) or "
+                         f"{(b, nc, hv, k)} (one a key channel), got {e_last.dtype} "
                          f"{tuple(e_last.shape)}")  # fmt: skip
     if d_final_state is not None and (
         tuple(d_final_state.shape) != (b, hv, k, v) or d_final_state.dtype != torch.float32
@@ -69,8 +68,10 @@ def gdn_bwd_state(
     """The reverse recurrence dU = P^T dO + Ke dS, dS <- e^(G_C) dS + Qe^T dO - W^T dU over the
     chunks of each (sequence, value head), last first, dS from d_final_state (or zero).
     do (B, T, HV, V), pt (B, T, HV, 64), ke, qe, w (B, T, HV, K) in one 16-bit dtype; e_last
-    (B, NC, HV) fp32; d_final_state (B, HV, K, V) fp32 or None; u (B, T, HV, V) 16-bit (the
-    forward's corrected values U = u - W S0) or None. Returns (dU (B, T, HV, V), the state side:
+    fp32 (B, NC, HV) (Gated DeltaNet) or (B, NC, HV, K) (Kimi Delta Attention: dS <-
+    diag(e^(G_C)) dS + ..., the `channel_decay` kernel); d_final_state (B, HV, K, V) fp32 or
+    None; u (B, T, HV, V) 16-bit (the forward's corrected values U = u - W S0) or None.
+    Returns (dU (B, T, HV, V), the state side:
     without u dh = dS^T at every chunk's end (B, NC, HV, V, K), with u dke = U dS^T per token
     (B, T, HV, K) (dS the gradient at the token's chunk end; dh then never reaches HBM), the
     initial state's gradient (B, HV, K, V)), fp32, written into `out` (contiguous) when
@@ -86,13 +87,16 @@ def gdn_bwd_state(
     if t == 0:
         dh0.copy_(d_final_state) if d_final_state is not None else dh0.zero_()
         return du, side, dh0
+    channel_decay = e_last.dim() == 4
     params = params_for(dtype_name(do.dtype), (ke.shape[-1], do.shape[-1]),
-                        d_final_state=d_final_state is not None, dke=dke)  # fmt: skip
+                        d_final_state=d_final_state is not None, dke=dke,
+                        channel_decay=channel_decay)  # fmt: skip
     fn = get_kernel(SPEC, params)
     tiles = [as_tma_ready(x) for x in (do, pt, ke, qe, w)]
     tiles.append(as_tma_ready(u) if dke else None)
     dht = None if d_final_state is None else d_final_state.contiguous()
     dh, dke_out = (None, side) if dke else (side, None)
     with on_device(do.device):
-        fn(*tiles, e_last.contiguous(), dht, du, dh, dke_out, dh0)
+        el = as_tma_ready(e_last) if channel_decay else e_last.contiguous()
+        fn(*tiles, el, dht, du, dh, dke_out, dh0)
     return du, side, dh0

@@ -35,8 +35,15 @@ Warp roles (3 warpgroups, 384 threads, setmaxnreg split in config.py):
 - warpgroups 1, 2 (state): value rows [64 w, 64 w + 64) of dS^T; the products above; dU^T and
   dS^T to global memory.
 
+Variant `channel_decay` (compile flag; Kimi Delta Attention, 2026-12-05): e^(G_C) is a (K,)
+vector per chunk, dS <- diag(e^(G_C)) dS + ..., i.e. dS^T's column k scales by e^(G_C)_k. The
+vector (B, NC, HV, K) fp32 rides the ring as a sixth TMA box (1, K) (512 B a stage) and each
+thread reads its accumulator fragment's columns from shared memory (as the KDA forward's
+`recurrence.py` decays S^T); every other factor tile carries its per-channel decays already.
+
 Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligned token strides
-(TMA); e^(G_C) and the states fp32, unit last strides.
+(TMA); e^(G_C) and the states fp32, unit last strides (channel_decay: e^(G_C) 16-byte aligned
+outer strides, TMA).
 """
 
 from __future__ import annotations
@@ -100,12 +107,15 @@ class GdnBwdStateSm90:
     """Warp-specialized reverse state recurrence of the Gated DeltaNet backward; see the module
     docstring."""
 
-    def __init__(self, k: int, v: int, *, d_final_state: bool, dke: bool = False):
+    def __init__(
+        self, k: int, v: int, *, d_final_state: bool, dke: bool = False, channel_decay: bool = False
+    ):
         if (k, v) != (128, 128):
             raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
         self.k, self.v = k, v
         self.d_final_state = d_final_state
         self.dke = dke
+        self.channel_decay = channel_decay
 
     def _setup(self):
         dt = self.dtype
@@ -128,6 +138,8 @@ class GdnBwdStateSm90:
         self.sS_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, self.k, self.v), dt, 1)
         self.sD_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, self.k), dt, STAGES)
         self.sP_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, CHUNK), dt, STAGES)
+        # e^(G_C) (1, K) fp32 a stage (channel_decay)
+        self.sE_layout = cute.make_layout((1, self.k, STAGES), stride=(self.k, 1, self.k))
 
     @cute.jit
     def __call__(
@@ -147,9 +159,9 @@ class GdnBwdStateSm90:
         stream: cuda.CUstream,
     ):
         """mDO (B, T, HV, V), mPT (B, T, HV, C), mKe, mQe, mW (B, T, HV, K) 16-bit; mEl fp32
-        (B, NC, HV); mDht (or None) and mDh0 fp32 (B, HV, K, V); mDU fp32 (B, T, HV, V). With
-        dke: mU (B, T, HV, V) 16-bit, mDke fp32 (B, T, HV, K), mDh None; else mU and mDke None,
-        mDh fp32 (B, NC, HV, V, K)."""
+        (B, NC, HV), with channel_decay (B, NC, HV, K); mDht (or None) and mDh0 fp32 (B, HV,
+        K, V); mDU fp32 (B, T, HV, V). With dke: mU (B, T, HV, V) 16-bit, mDke fp32 (B, T, HV,
+        K), mDh None; else mU and mDke None, mDh fp32 (B, NC, HV, V, K)."""
         self.dtype = mDO.element_type
         for t in (mPT, mKe, mQe, mW) + ((mU,) if const_expr(self.dke) else ()):
             if const_expr(t.element_type != self.dtype):
@@ -170,6 +182,15 @@ class GdnBwdStateSm90:
         self.tx_bytes = d_tiles * cute.size_in_bytes(self.dtype, sD_tile) + cute.size_in_bytes(
             self.dtype, sP_tile
         )
+        e_elems = 0
+        if const_expr(self.channel_decay):
+            e_tile = cute.slice_(self.sE_layout, (None, None, 0))
+            tmas.append(cpasync.make_tiled_tma_atom(g2s, _tdhb(mEl), e_tile, (1, self.k)))
+            self.tx_bytes += cute.size_in_bytes(Float32, e_tile)
+            e_elems = cute.cosize(self.sE_layout)
+            mEl = None  # read through the ring, not from global memory
+        else:
+            tmas.append((None, None))
         u_elems = cute.cosize(self.sD_layout) if const_expr(self.dke) else 0
         s_elems = cute.cosize(self.sS_layout) if const_expr(self.dke) else 0
 
@@ -193,12 +214,25 @@ class GdnBwdStateSm90:
             ]
             sU: cute.struct.Align[cute.struct.MemRange[self.dtype, u_elems], 1024]
             sS: cute.struct.Align[cute.struct.MemRange[self.dtype, s_elems], 1024]
+            sE: cute.struct.Align[cute.struct.MemRange[Float32, e_elems], 128]
 
         self.shared_storage = SharedStorage
         atoms_and_views = [x for atom_view in tmas for x in atom_view]
         self.kernel(
-            *atoms_and_views, mEl, mDht, mDU, mDh, mDke, mDh0, self.mma_ks, self.mma_st,
-            self.mma_dke, self.sD_layout, self.sP_layout, self.sS_layout,
+            *atoms_and_views,
+            mEl,
+            mDht,
+            mDU,
+            mDh,
+            mDke,
+            mDh0,
+            self.mma_ks,
+            self.mma_st,
+            self.mma_dke,
+            self.sD_layout,
+            self.sP_layout,
+            self.sS_layout,
+            self.sE_layout,
         ).launch(  # fmt: skip
             grid=(mDO.shape[2], mDO.shape[0], 1),
             block=[THREADS, 1, 1],
@@ -221,7 +255,9 @@ class GdnBwdStateSm90:
         mW4: cute.Tensor,
         tma_u: cute.CopyAtom | None,
         mU4: cute.Tensor | None,
-        mEl: cute.Tensor,
+        tma_e: cute.CopyAtom | None,
+        mE4: cute.Tensor | None,
+        mEl: cute.Tensor | None,
         mDht: cute.Tensor | None,
         mDU: cute.Tensor,
         mDh: cute.Tensor | None,
@@ -233,12 +269,15 @@ class GdnBwdStateSm90:
         sD_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout,
         sS_layout: cute.ComposedLayout,
+        sE_layout: cute.Layout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         atoms = (tma_do, tma_pt, tma_ke, tma_qe, tma_w)
         if const_expr(self.dke):
             atoms = atoms + (tma_u,)
+        if const_expr(self.channel_decay):
+            atoms = atoms + (tma_e,)
         if warp_idx == PRODUCER_WARP:
             for atom in atoms:
                 cpasync.prefetch_descriptor(atom)
@@ -252,10 +291,12 @@ class GdnBwdStateSm90:
         sKe = smem_tensor(storage.sKe, sD_layout)
         sQe = smem_tensor(storage.sQe, sD_layout)
         sW = smem_tensor(storage.sW, sD_layout)
-        sU, sS = None, None
+        sU, sS, sE = None, None, None
         if const_expr(self.dke):
             sU = smem_tensor(storage.sU, sD_layout)
             sS = smem_tensor(storage.sS, sS_layout)
+        if const_expr(self.channel_decay):
+            sE = storage.sE.get_tensor(sE_layout)
         init_wait()
 
         hv, b, _ = cute.arch.block_idx()
@@ -265,26 +306,30 @@ class GdnBwdStateSm90:
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == PRODUCER_WARP:
-                srcs = ((mDO4, sDO, self.v), (mPT4, sPT, CHUNK), (mKe4, sKe, self.k),
-                        (mQe4, sQe, self.k), (mW4, sW, self.k))  # fmt: skip
+                srcs = ((mDO4, sDO, (CHUNK, self.v)), (mPT4, sPT, (CHUNK, CHUNK)),
+                        (mKe4, sKe, (CHUNK, self.k)), (mQe4, sQe, (CHUNK, self.k)),
+                        (mW4, sW, (CHUNK, self.k)))  # fmt: skip
                 if const_expr(self.dke):
-                    srcs = srcs + ((mU4, sU, self.v),)
+                    srcs = srcs + ((mU4, sU, (CHUNK, self.v)),)
+                if const_expr(self.channel_decay):
+                    srcs = srcs + ((mE4, sE, (1, self.k)),)  # row c: chunk c's e^(G_C)
                 self._produce(atoms, srcs, ring, hv, b, nchunks)
         else:
             cute.arch.setmaxregister_increase(STATE_REGS)
             self._state(
                 wg - 1, tidx - wg * THREADS_PER_WG, mma_ks, mma_st, mma_dke, sDO, sPT, sKe, sQe,
-                sW, sU, sS, mEl, mDht, mDU, mDh, mDke, mDh0, ring, hv, b, seqlen, nchunks,
+                sW, sU, sS, sE, mEl, mDht, mDU, mDh, mDke, mDh0, ring, hv, b, seqlen, nchunks,
             )  # fmt: skip
 
     @cute.jit
     def _produce(self, atoms, srcs, ring, hv, b, nchunks):
         """TMA: per chunk, last first, one (C, D) box of each tile (head hv, sequence b) into
-        the ring; boxes past T are zero-filled."""
+        the ring (and the (1, K) box of e^(G_C) with channel_decay); boxes past T are
+        zero-filled."""
         one = cute.make_layout(1)
         loads = []
-        for atom, (m, s, d) in zip(atoms, srcs):
-            g = cute.local_tile(m[None, None, hv, b], (CHUNK, d), (None, 0))
+        for atom, (m, s, box) in zip(atoms, srcs):
+            g = cute.local_tile(m[None, None, hv, b], box, (None, 0))
             ts, tg = cpasync.tma_partition(
                 atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
             )
@@ -300,7 +345,7 @@ class GdnBwdStateSm90:
 
     @cute.jit
     def _state(
-        self, w, stid, mma_ks, mma_st, mma_dke, sDO, sPT, sKe, sQe, sW, sU, sS, mEl, mDht,
+        self, w, stid, mma_ks, mma_st, mma_dke, sDO, sPT, sKe, sQe, sW, sU, sS, sE, mEl, mDht,
         mDU, mDh, mDke, mDh0, ring, hv, b, seqlen, nchunks,
     ):  # fmt: skip
         thr_st = mma_st.get_slice(stid)
@@ -334,9 +379,7 @@ class GdnBwdStateSm90:
             acc_to_operand_a(acc_ds, tDSrDS)
             gemm(mma_ks, acc_du, tDSrDS, tBrKe[None, None, None, st.index], True, -1)
             if const_expr(self.dke):
-                acc_dke = cute.make_rmem_tensor(
-                    wg_dke.partition_shape_C((CHUNK, ROWS)), Float32
-                )
+                acc_dke = cute.make_rmem_tensor(wg_dke.partition_shape_C((CHUNK, ROWS)), Float32)
                 both.arrive_and_wait()  # the other warpgroup's previous dke has read sS
                 self._store_ds(acc_ds, mma_st, sS, w)
                 both.arrive_and_wait()
@@ -352,7 +395,10 @@ class GdnBwdStateSm90:
             if const_expr(not self.dke):
                 self._state_io(mDh[b, c, hv, None, None], acc_ds, thr_st, w, False, False)
             warpgroup.wait_group(0)
-            acc_ds.store(acc_ds.load() * mEl[b, c, hv])
+            if const_expr(self.channel_decay):
+                self._decay_columns(acc_ds, mma_st, sE, st.index)
+            else:
+                acc_ds.store(acc_ds.load() * mEl[b, c, hv])
             gemm(mma_st, acc_ds, tDOrDO, tBrQe[None, None, None, st.index], False, -1)
             r_neg = cute.make_rmem_tensor(acc_shape, Float32)
             r_neg.store(-acc_du.load())
@@ -365,6 +411,18 @@ class GdnBwdStateSm90:
             ring.consumer_release(st)
             st.advance()
         self._state_io(mDh0[b, hv, None, None], acc_ds, thr_st, w, False, True)
+
+    @cute.jit
+    def _decay_columns(self, acc_ds, mma_st, sE, s):
+        """dS^T <- dS^T diag(e^(G_C)): column j (key channel j) of the accumulator times
+        e^(G_C)_j, read from ring stage s."""
+        tid = opaque_tid_x() % THREADS_PER_WG
+        t0, _, col_base = softmax.acc_coords(mma_st, tid, (ROWS, self.k))
+        a = rows_cols(acc_ds)
+        for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
+            e = sE[0, col_base + t0[0, j][1], s]
+            for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
+                a[r, j] = a[r, j] * e
 
     @cute.jit
     def _store_du(self, acc_du, mma_ks, mDU, tid, w, hv, b, c, seqlen):
