@@ -328,3 +328,28 @@ def test_custom_op_fake_under_make_fx():
         f = lambda *x: op_module.gemm_fp8_grouped(*x) * 2  # noqa: E731
         graph = str(make_fx(f, tracing_mode="fake")(*_fake_inputs()).graph)
     assert "forgekernel.gemm_fp8_grouped" in graph
+
+
+def test_suite_f4_variant_forces_the_scales_four_ahead(monkeypatch):
+    """`f4` (one case a group) runs the leaf's launcher with GROUPED's scales four k-tiles
+    ahead; the other cases time no variant."""
+    import forgekernel.kernels.gemm.fp8.sm90.launch as leaf
+    from forgekernel.kernels.gemm.fp8.sm90.config import GROUPED
+
+    timed = [c for c in suite_module.BENCH_CASES if suite_module.variants(c)]
+    assert len(timed) == 6 and len({c.group for c in timed}) == 5
+    seen = {}
+
+    def fake(a, b, sa, sb, idx, out, config=None):
+        seen["config"] = config
+        out.fill_(1)
+
+    monkeypatch.setattr(leaf, "gemm_fp8_grouped", fake)
+    case = suite_module._case(3, 256, 256, counts=(0, 5, 128), tail=128)
+    inputs = suite_module.make_inputs(
+        case, torch.bfloat16, torch.device("cpu"), torch.Generator().manual_seed(0)
+    )
+    out = suite_module.variants(timed[0])["f4"](inputs, None)
+    assert seen["config"] == dataclasses.replace(GROUPED, scale_ahead=4)
+    padding = inputs["padding"]
+    assert (out[padding] == 0).all() and out.sum() == out.numel() - padding.numel() * out.shape[1]

@@ -502,7 +502,7 @@ def _consumer_releases(sass: str) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize(
-    "which", ["large", "stream_decode", "mcast_a_mn", "grouped"]
+    "which", ["large", "large_ahead4", "stream_decode", "mcast_a_mn", "grouped"]
 )
 def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_path):
     """Compiled for sm_90a: no spills, and the schedule the mainloop asks for survives ptxas:
@@ -519,6 +519,8 @@ def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_pa
     scripts/fp8_tiles.py) within the producer's 40 registers, the consumers' SASS schedule kept
     (asserted: a `large_ahead2` case, LARGE with scale_ahead=2, was this same build once LARGE
     took it).
+    `large_ahead4`: the `_f4` candidate (scales four k-tiles ahead, scripts/fp8_tiles.py) fits
+    the same 40 registers with the same consumers' schedule.
     `mcast_a_mn`: the candidate reading A's scales M-major (`scale_mn_major`): per k-tile one
     LDG.E.128 a lane for A's and one LDG.E for B's (4 + 1 LDG.E K-major), one STS.128 staging
     them, the consumers' schedule kept. `grouped`: the grouped layout's standard (GROUPED, walked
@@ -537,6 +539,7 @@ def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_pa
         pytest.skip("cuobjdump/nvdisasm not installed")
     cfg, out = {
         "large": (LARGE, "bfloat16"),
+        "large_ahead4": (dataclasses.replace(LARGE_MCAST_A, scale_ahead=4), "bfloat16"),
         "stream_decode": (STREAM_DECODE[0], "float16"),
         "mcast_a_mn": (dataclasses.replace(LARGE_MCAST_A, scale_mn_major=True), "bfloat16"),
         "grouped": (GROUPED, "bfloat16"),

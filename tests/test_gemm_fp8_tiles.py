@@ -34,7 +34,7 @@ from forgekernel.kernels.gemm.fp8.sm90.config import (
 from forgekernel.reference.gemm import gemm_fp8_ref
 
 PREFILL_CANDIDATES = (LARGE_MCAST_A, STREAM)
-F1 = dataclasses.replace(LARGE, scale_ahead=1)  # the scales one k-tile ahead (before 18:47)
+F4 = dataclasses.replace(LARGE, scale_ahead=4)  # the `_f4` candidate: the scales four k-tiles ahead
 
 
 @pytest.fixture(scope="module")
@@ -109,10 +109,10 @@ def test_script_configs(script, m, n, k):
     assert (MID in configs) == (m <= script.SMALL_TILES_UP_TO)
     # the other epilogue depth (decided at 15:48) no longer timed
     assert {c.epi_stages for c in configs if c.tile_m == 128 and not c.stream_k} == {3}
-    # the tiled 128-row tiles with the scales loaded one k-tile ahead (the standards: two)
-    ahead = {c for c in configs if c.scale_ahead == 1 and c.tile_m == 128 and not c.stream_k}
-    ahead -= {c for c in STANDARD_CONFIGS}
-    assert ahead == {dataclasses.replace(c, scale_ahead=1) for c in (LARGE, LARGE_MCAST_A)}
+    # the tiled 128-row tiles with the scales loaded four k-tiles ahead (the standards: two)
+    ahead = {c for c in configs if c.scale_ahead == 4}
+    assert script.AHEAD_CANDIDATE == 4
+    assert ahead == {dataclasses.replace(c, scale_ahead=4) for c in (LARGE, LARGE_MCAST_A)}
     assert {c for c in STANDARD_CONFIGS if c.scale_ahead != 1} == {LARGE, LARGE_MCAST_A}
     # and reading A's scales M-major (the standards as they are otherwise): nothing else does
     mn = {c for c in configs if c.scale_mn_major}
@@ -172,7 +172,7 @@ def test_script_rows_on_cpu(script, monkeypatch):
     by_config = {r["config"]: r for r in rows}
     assert by_config[choose_config(300, 264, 384).tag()]["chosen"]
     mn = dataclasses.replace(choose_config(300, 264, 384), scale_mn_major=True)
-    for tag in (*(c.tag() for c in (*PREFILL_CANDIDATES, MID, STREAM_DECODE[-1], F1, mn)),
+    for tag in (*(c.tag() for c in (*PREFILL_CANDIDATES, MID, STREAM_DECODE[-1], F4, mn)),
                 mn.tag() + "+sa_mn"):  # fmt: skip
         row = by_config[tag]
         assert row["status"] == "ok" and row["ratio"] == 2.0 and row["max_err"] <= row["bound"]

@@ -35,6 +35,7 @@ Comparators, each on the same inputs:
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -214,11 +215,10 @@ def low_precision(inputs: Inputs) -> torch.Tensor:
     return (_reference(inputs) if o is None else o).to(inputs["q"].dtype)
 
 
-def _fla():
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except ImportError:
-        return None
+def fla_form(chunk_gated_delta_rule) -> Callable[[Inputs], torch.Tensor]:
+    """fn(inputs) -> o for a `chunk_gated_delta_rule` of fla's signature (fla's, FlashQLA's):
+    the input sets share one cu_seqlens tensor (fla_varlen), since both memoize their chunk
+    tables by its identity (4 entries)."""
 
     def run(inputs: Inputs):
         i = inputs
@@ -229,6 +229,14 @@ def _fla():
         return o
 
     return run
+
+
+def _fla():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return fla_form(chunk_gated_delta_rule)
 
 
 def _flashinfer():
@@ -276,18 +284,9 @@ def flashqla_forward():
         from flash_qla import chunk_gated_delta_rule
     except Exception:  # not installed, or TileLang / its tvm-ffi fails to load
         return None
-
-    def run(inputs: Inputs):
-        # FlashQLA memoizes its CP context and chunk tables by the identity of cu_seqlens, 4
-        # entries (flash_qla.utils.tensor_cache, fla's): one shared tensor, as fla's (fla_varlen)
-        i = inputs
-        cu = fla_varlen.shared_offsets(i)
-        o, _ = fla_varlen.call(chunk_gated_delta_rule, cu, i["q"], i["k"], i["v"], i["g"],
-                               i["beta"], initial_state=i["state"], output_final_state=True,
-                               cu_seqlens=cu)  # fmt: skip
-        return o
-
-    return run
+    # FlashQLA memoizes its CP context and chunk tables by the identity of cu_seqlens, 4 entries
+    # (flash_qla.utils.tensor_cache, fla's): fla's form, one shared tensor
+    return fla_form(chunk_gated_delta_rule)
 
 
 def flashqla_sidecar(runner: str, keys: tuple[str, ...]) -> Sidecar:

@@ -13,13 +13,17 @@ so the check compares every row and still catches an unwritten real row.
 
 Comparator: DeepGEMM's `m_grouped_fp8_gemm_nt_contiguous` on the same inputs (A's scales made
 M-major and TMA-aligned once per input set, outside the timing; bf16 out only) where `deep_gemm`
-is installed. No variants: measured and dropped (docs/gemm/NOTES.md), "wide" (the 128x192 tile)
-and "band6" (the tiles walked in bands of 6 cluster columns; bands of 8, "band8", became the
-standard walk on 2026-12-03, the M-first walk before it).
+is installed. Variant `f4` (one case a group, F4_TIMED): the standard tile with its scales
+loaded four k-tiles ahead instead of two (docs/gemm/NOTES.md "Is the producer still the
+floor?"), through the leaf's launcher with the config forced (compiled on first use). Measured
+and dropped (docs/gemm/NOTES.md): "wide" (the 128x192 tile) and "band6" (the tiles walked in
+bands of 6 cluster columns; bands of 8, "band8", became the standard walk on 2026-12-03, the
+M-first walk before it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -225,6 +229,29 @@ def _deepgemm():
     return run
 
 
+# One case a group for the `f4` variant (the bench's time grows by a sixth, not double).
+F4_TIMED = frozenset(
+    (BENCH_CASES[2].name, BENCH_CASES[5].name, BENCH_CASES[7].name, BENCH_CASES[10].name,
+     BENCH_CASES[13].name, BENCH_CASES[17].name)
+)  # fmt: skip
+
+
+def variants(case: Case) -> dict[str, Any]:
+    return {"f4": run_f4} if case.name in F4_TIMED else {}
+
+
+def run_f4(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
+    """Ours with the standard grouped tile loading its scales four k-tiles ahead."""
+    from forgekernel.kernels.gemm.fp8.sm90.config import GROUPED
+    from forgekernel.kernels.gemm.fp8.sm90.launch import gemm_fp8_grouped
+
+    out = alloc_out(inputs) if out is None else out
+    cfg = dataclasses.replace(GROUPED, scale_ahead=4)
+    a, b, sa, sb, idx = (inputs[x] for x in ("a", "b", "sa", "sb", "m_indices"))
+    gemm_fp8_grouped(a, b, sa, sb, idx, out, config=cfg)
+    return _zero_padding(inputs, out)
+
+
 def comparators() -> dict[str, Any]:
     if not torch.cuda.is_available():
         return {"deepgemm": None}
@@ -266,4 +293,5 @@ def suite() -> OpSuite:
         atol=1e-2,
         bench_dtypes=(torch.bfloat16,),
         sanitize_cases=SANITIZE_CASES,
+        variants=variants,
     )
