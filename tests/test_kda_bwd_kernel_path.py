@@ -1,7 +1,9 @@
-"""Kimi Delta Attention's backward on kernel 1 (ops/kda_bwd.py `_backward_kernel`,
+"""Kimi Delta Attention's backward on kernels 1 and 2 (ops/kda_bwd.py `_backward_kernel`,
 `FORGEKERNEL_KDA_BWD_KERNEL=1`) on the CPU, kernel 1 replaced by the tile emulation of
 tests/test_gdn_bwd_state.py (`tile_model`: token-major tiles, transposed state, zero tail,
-dS^T's columns scaled per key channel, the register operands rounded to the tiles' dtype): the
+dS^T's columns scaled per key channel, the register operands rounded to the tiles' dtype) and
+kernel 2 (`CHUNK_IN_KERNEL`) by `reference.kda_bwd_chunk.chunk_grads_model` (its on-chip block
+operands rounded to bf16 for 16-bit tiles; CHUNK_IN_KERNEL = False: pass 3 in torch): the
 kernel fed KDA's forward recurrence (`forward_state_tiles` on the sub-chunked factors) against
 reference/kda_bwd.py's pass 1, the whole path against the interim backward to fp32 tolerance
 (32-bit tiles: nothing rounded) on awkward sizes and strong per-channel decays (g in [-5, -4]
@@ -31,6 +33,7 @@ from forgekernel.reference.gdn_bwd_state import (
     forward_states,
 )
 from forgekernel.reference.kda_bwd import _Factors, _states
+from forgekernel.reference.kda_bwd_chunk import chunk_grads_model
 
 bwd = importlib.import_module("forgekernel.ops.kda_bwd")
 op = importlib.import_module("forgekernel.ops.kda_chunked")
@@ -59,6 +62,29 @@ def emulated_kernel(calls=None):
         factors["e_last"] = e_last.double()
         dst = None if dht is None else dht.double()
         return tuple(x.float() for x in tile_model(factors, do.double(), dst, rounding))
+
+    return run
+
+
+def emulated_chunk_kernel(calls=None):
+    """kernel 2's stand-in: `chunk_grads_model` in fp64 on the launcher's inputs (checked as the
+    launcher checks them), the block operands rounded to bf16 for 16-bit tiles, fp32 outputs."""
+
+    def run(do, u, du, q, k, h, dh, big_g):
+        b, t, hv = do.shape[:3]
+        for x in (do, u, du, q, k, h, dh):
+            assert x.is_contiguous() and x.dtype == do.dtype
+        assert big_g.dtype == torch.float32 and big_g.shape == (b, t, hv, q.shape[-1])
+        assert h.shape == dh.shape == (b, -(-t // CHUNK), hv, q.shape[-1], do.shape[-1])
+        if calls is not None:
+            calls.append(do.dtype)
+        low = do.dtype in (torch.float16, torch.bfloat16)
+
+        def rounding(x):
+            return x.to(torch.bfloat16).to(x.dtype)
+
+        tiles = (x.double() for x in (do, u, du, q, k, h, dh, big_g))
+        return tuple(x.float() for x in chunk_grads_model(*tiles, rounding if low else None))
 
     return run
 
@@ -144,15 +170,20 @@ def _close(name, got, want, tol):
         (1, 200, 2, 2, False, False, False, True),
     ],
 )
+@pytest.mark.parametrize("chunk_in_kernel", [True, False])
 def test_kernel_path_equals_the_interim_path(monkeypatch, b, t, h, hv, l2norm, with_h0,
-                                             with_dht, strong):  # fmt: skip
-    """fp32 tiles and the exact emulation: every gradient within 1e-4 of its max of the
-    interim path's (T = 1, 63, 64, 65, 200; grouped heads; l2norm; g in [-5, -4] a step)."""
-    calls = []
+                                             with_dht, strong, chunk_in_kernel):  # fmt: skip
+    """fp32 tiles and the exact emulations: every gradient within 1e-4 of its max of the
+    interim path's (T = 1, 63, 64, 65, 200; grouped heads; l2norm; g in [-5, -4] a step), pass
+    3's output side on kernel 2 or in torch."""
+    calls, chunk_calls = [], []
     monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel(calls))
+    monkeypatch.setattr(bwd, "_chunk_grads", emulated_chunk_kernel(chunk_calls))
+    monkeypatch.setattr(bwd, "CHUNK_IN_KERNEL", chunk_in_kernel)
     got, want = _interim_and_kernel(b, t, h, hv, l2norm=l2norm, with_h0=with_h0,
                                     with_dht=with_dht, strong=strong, seed=t)  # fmt: skip
     assert calls == [torch.float32, torch.float32]  # the forward states, the reverse pass
+    assert chunk_calls == [torch.float32] * chunk_in_kernel
     for name, a, r in zip(NAMES, got, want):
         _close(name, a, r, 1e-4)
 
@@ -160,6 +191,8 @@ def test_kernel_path_equals_the_interim_path(monkeypatch, b, t, h, hv, l2norm, w
 def test_head_passes_are_the_one_pass(monkeypatch):
     """Value heads in passes (one q head's group a pass) give the one pass's gradients."""
     monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel())
+    chunk_calls = []
+    monkeypatch.setattr(bwd, "_chunk_grads", emulated_chunk_kernel(chunk_calls))
     one, _ = _interim_and_kernel(2, 70, 2, 4, l2norm=True, with_h0=True, with_dht=True,
                                  strong=False)  # fmt: skip
     monkeypatch.setattr(bwd, "TOKEN_HEADS_PER_PASS", 140 * 2)
@@ -167,7 +200,7 @@ def test_head_passes_are_the_one_pass(monkeypatch):
     monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel(calls))
     passes, _ = _interim_and_kernel(2, 70, 2, 4, l2norm=True, with_h0=True, with_dht=True,
                                     strong=False)  # fmt: skip
-    assert len(calls) == 4
+    assert len(calls) == 4 and len(chunk_calls) == 1 + 2  # kernel 2 once a pass
     for name, a, r in zip(NAMES, passes, one):
         torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-6, msg=name)
 
@@ -181,6 +214,7 @@ def kernel_path(monkeypatch, request):
     calls = []
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
     monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel(calls))
+    monkeypatch.setattr(bwd, "_chunk_grads", emulated_chunk_kernel())
     return calls
 
 
@@ -273,3 +307,23 @@ def test_routing_to_the_interim_path(kernel_path, monkeypatch):
     assert not bwd._kernel_path(q.flatten(0, 1)[..., :64], v.flatten(0, 1))  # (K, V) (64, 128)
     assert not bwd._kernel_path(q.flatten(0, 1).float(), v.flatten(0, 1))  # 32-bit
     assert not bwd._kernel_path(q.flatten(0, 1)[:0], v.flatten(0, 1)[:0])  # T = 0
+
+
+@pytest.mark.parametrize("decay", [(-5.0, 0.0), (-5.0, -4.0)])
+def test_kernel_2_on_the_path_and_its_fallback(kernel_path, monkeypatch, decay):
+    """bf16 with the switch on: kernel 2 (emulated, bf16 block operands) once, fed the tiles'
+    dtype; CHUNK_IN_KERNEL = False runs pass 3 in torch instead; both within 2e-2 of autograd
+    through the fp64 recurrence, and within 1e-2 of each other."""
+    (q, k, v, g, beta, h0), do, dht = _bf16_problem(2, 130, 1, 2, decay=decay, seed=9)
+    kw = {"initial_state": h0, "d_final_state": dht, "use_qk_l2norm_in_kernel": True}
+    chunk_calls = []
+    monkeypatch.setattr(bwd, "_chunk_grads", emulated_chunk_kernel(chunk_calls))
+    on_chip = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, **kw)
+    assert chunk_calls == [torch.bfloat16]
+    monkeypatch.setattr(bwd, "CHUNK_IN_KERNEL", False)
+    in_torch = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, **kw)
+    assert chunk_calls == [torch.bfloat16]
+    want = _fp64_grads([q, k, v, g, beta, h0], None, do, dht, l2norm=True)
+    for name, a, b, r in zip(NAMES, on_chip, in_torch, want):
+        _close(name, a, r, 2e-2)
+        _close(name, a, b, 1e-2)

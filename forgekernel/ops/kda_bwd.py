@@ -25,8 +25,10 @@ gdn_bwd_state/sm90, its `channel_decay` variant: e^(G_C) per key channel) as GDN
 `reference.gdn_bwd_state.forward_state_tiles`), then the reverse recurrence (dU, dh, the initial
 state's gradient); everything else is batched torch over every chunk at once: the sub-chunked
 factors (reference/kda_bwd.py's `_Factors`: no e^(-G), g down to about -5 a step), the 16-bit
-tiles, pass 3 with KDA's per-channel dG (reference/kda_bwd.py's `_output_grads`, `_wy_grads`:
-kernel 2 for KDA is not built), scale, l2norm, the group sum. Equal lengths known on the host
+tiles, pass 3's output side on kernel 2 (kernels/linear_attention/kda_bwd_chunk/sm90,
+`reference.kda_bwd_chunk` its model: `_output_grads` with KDA's per-channel dG finished on
+chip; CHUNK_IN_KERNEL = False: reference/kda_bwd.py's `_output_grads` in torch, the fallback),
+the WY half (`_wy_grads`) in torch, scale, l2norm, the group sum. Equal lengths known on the host
 (the explicit backward without cu_seqlens, one sequence, autograd of a call without cu_seqlens:
 the forward notes its offsets in Gated DeltaNet's registry,
 `gated_delta_rule_chunked.equal_lengths`) run with no host read (CUDA-graph capturable);
@@ -67,6 +69,7 @@ from forgekernel.reference.kda_bwd import (
     _wy_grads,
     kimi_delta_attention_chunked_backward,
 )
+from forgekernel.reference.kda_bwd_chunk import chunk_grad_tiles
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 NOT_CAPTURABLE = (
@@ -102,6 +105,21 @@ def _state_recurrence(do, pt, ke, qe, w, e_last, d_final_state):
     return gdn_bwd_state(do, pt, ke, qe, w, e_last, d_final_state)
 
 
+# Pass 3's output side (`_output_grads`) on kernel 2 (kernels/linear_attention/kda_bwd_chunk/sm90)
+# on the kernel path; False: batched torch (the fallback if kernel 2 misbehaves on the GPU). The
+# WY half (`_wy_grads`) is torch either way.
+CHUNK_IN_KERNEL = True
+
+
+def _chunk_grads(do, u, du, q, k, h, dh, big_g):
+    """Kernel 2 (`_output_grads` on WGMMA, every chunk at once): (dq, dk, dw, dG (B, T, HV, K),
+    dG reverse-cumsummed within the chunk) fp32 from `chunk_grad_tiles`' inputs. The CPU tests
+    put the tile emulation here."""
+    from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.launch import kda_bwd_chunk
+
+    return kda_bwd_chunk(do, u, du, q, k, h, dh, big_g)
+
+
 def _kernel_path(q, v) -> bool:
     """The switch is on and the call fits kernel 1: 16-bit, (K, V) = (128, 128), at least one
     token and head."""
@@ -128,6 +146,16 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht):
     d_u = du_t.unflatten(1, (nc, CHUNK)).transpose(2, 3)
     dh = dh_t.transpose(-1, -2)  # dS (K, V) at every chunk's end
     del du_t
+    if CHUNK_IN_KERNEL:  # kernel 2: `_output_grads`, dG reverse-cumsummed within the chunk
+        tiles = chunk_grad_tiles(qs, ks, do, big_u, d_u, h, dh, g, dtype)
+        del h, dh, big_u, do_c
+        dq, dk, dw, dg = _chunk_grads(*tiles)
+        del tiles
+        dk_wy, dv, dbeta, dg_wy = _wy_grads(f, to_chunks(dw, nc), d_u)
+        dg_wy = dg_wy.flip(-2).cumsum(-2).flip(-2)  # the cumsum is linear: added after
+        wy = (to_tokens(x)[:, :t] for x in (dk_wy, dv, dg_wy, dbeta))
+        dk_wy, dv, dg_wy, dbeta = wy
+        return dq, dk + dk_wy, dv, dg + dg_wy, dbeta, dh0
     dq, dk, dw, d_g = _output_grads(f, do_c.float(), h, dh, big_u, d_u)
     del h, dh, big_u, do_c
     dk_wy, dv, dbeta, dg_wy = _wy_grads(f, dw, d_u)
