@@ -1,6 +1,8 @@
-"""Kimi Delta Attention's backward on kernel 1 (`FORGEKERNEL_KDA_BWD_KERNEL=1`, ops/kda_bwd.py
-`_backward_kernel`: both recurrences on Gated DeltaNet's kernel 1 in its `channel_decay`
-variant, e^(G_C) per key channel; the factors and pass 3 batched torch) on the GPU.
+"""Kimi Delta Attention's backward on kernels 1 and 2 (`FORGEKERNEL_KDA_BWD_KERNEL=1`,
+ops/kda_bwd.py `_backward_kernel`: both recurrences on Gated DeltaNet's kernel 1 in its
+`channel_decay` variant, e^(G_C) per key channel; pass 3's output side on KDA's kernel 2
+(`CHUNK_IN_KERNEL`, its outputs NaN-poisoned too); the factors and the WY half batched torch)
+on the GPU; `CHUNK_IN_KERNEL = False` (pass 3 in torch) against it.
 
 First the kernel alone (the `channel_decay` variant against its fp64 model,
 reference/gdn_bwd_state.py's `reverse_state_pass`, on the same 16-bit sub-chunked KDA factors;
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 
 import forgekernel
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import launch
+from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90 import launch as chunk_launch
 from forgekernel.reference.gdn_bwd_state import batched_state_pass_factors, reverse_state_pass
 from forgekernel.reference.kda_bwd import _Factors, kimi_delta_attention_chunked_backward
 from forgekernel.runtime.timing import median, time_ms
@@ -123,12 +126,27 @@ def _poisoned_kernel(calls):
     return run
 
 
+def _poisoned_chunk_kernel(calls):
+    """Kernel 2 with NaN-poisoned outputs (an entry it leaves unwritten reaches the gradients)."""
+
+    def run(do, u, du, q, k, h, dh, big_g):
+        out = tuple(x.fill_(float("nan")) for x in chunk_launch.empty_outputs(do, q.shape[-1]))
+        calls.append(tuple(do.shape))
+        return chunk_launch.kda_bwd_chunk(do, u, du, q, k, h, dh, big_g, out=out)
+
+    return run
+
+
 @pytest.fixture
 def kernel_path(monkeypatch):
-    """Kernel 1's launches of the path (twice a pass), outputs NaN-poisoned first."""
+    """Kernel 1's launches of the path (twice a pass), outputs NaN-poisoned first; kernel 2's
+    (once a pass) likewise, counted in `bwd.chunk_calls`."""
     calls = []
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
     monkeypatch.setattr(bwd, "_state_recurrence", _poisoned_kernel(calls))
+    chunk_calls = []
+    monkeypatch.setattr(bwd, "_chunk_grads", _poisoned_chunk_kernel(chunk_calls))
+    monkeypatch.setattr(bwd, "chunk_calls", chunk_calls, raising=False)
     return calls
 
 
@@ -147,6 +165,7 @@ def _reference(inputs, *, h0, dht, l2norm):
 def _check(kernel_path, monkeypatch, inputs, *, h0, dht, l2norm=False):
     got = _run(inputs, h0=h0, dht=dht, l2norm=l2norm)
     assert len(kernel_path) == 2, "the kernel path was not taken"
+    assert len(bwd.chunk_calls) == 1, "kernel 2 was not launched"
     want = _reference(inputs, h0=h0, dht=dht, l2norm=l2norm)
     monkeypatch.delenv(bwd.KERNEL_SWITCH)
     interim = _run(inputs, h0=h0, dht=dht, l2norm=l2norm)
@@ -173,6 +192,25 @@ def test_matches_the_fp64_backward_and_the_interim(kernel_path, monkeypatch, dty
                                              decay=decay)  # fmt: skip
     _check(kernel_path, monkeypatch, (q, k, v, g, beta, do), h0=h0 if with_h0 else None,
            dht=dht if with_dht else None, l2norm=l2norm)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("decay", [(-5.0, 0.0), (-5.0, -4.0)])
+def test_kernel_2_against_its_fallback(kernel_path, monkeypatch, dtype, decay):
+    """Pass 3's output side on kernel 2 and in torch (`CHUNK_IN_KERNEL = False`): both within
+    2e-2 of the fp64 backward, within 1e-2 of each other."""
+    q, k, v, g, beta, do, h0, dht = _problem(2, 333, 2, 4, dtype, seed=31, l2norm=True,
+                                             decay=decay)  # fmt: skip
+    inputs = (q, k, v, g, beta, do)
+    on_chip = _run(inputs, h0=h0, dht=dht, l2norm=True)
+    assert len(bwd.chunk_calls) == 1
+    monkeypatch.setattr(bwd, "CHUNK_IN_KERNEL", False)
+    in_torch = _run(inputs, h0=h0, dht=dht, l2norm=True)
+    assert len(bwd.chunk_calls) == 1 and len(kernel_path) == 4
+    want = _reference(inputs, h0=h0, dht=dht, l2norm=True)
+    for name, a, b, r in zip(NAMES, on_chip, in_torch, want):
+        _close(name, a, r)
+        _close(name + " vs torch pass 3", a, b.double(), KERNEL_TOL)
 
 
 def test_equal_varlen_is_the_batch(kernel_path):
@@ -257,9 +295,19 @@ def test_time_at_bench_size(kernel_path, monkeypatch, hv):
     launches = [median(time_ms(lambda a=a: launch.gdn_bwd_state(*a), reps=10))
                 for a in kernel_args]  # fmt: skip
     kernel_args.clear()
+    k2_launch = chunk_launch.kda_bwd_chunk
+    monkeypatch.setattr(bwd, "_chunk_grads", lambda *a: kernel_args.append(a) or k2_launch(*a))
+    forgekernel.kimi_delta_attention_backward(*args, **kw)
+    k2 = [median(time_ms(lambda a=a: chunk_launch.kda_bwd_chunk(*a), reps=10))
+          for a in kernel_args]  # fmt: skip
+    kernel_args.clear()
+    monkeypatch.setattr(bwd, "CHUNK_IN_KERNEL", False)
+    torch_p3 = median(time_ms(lambda: forgekernel.kimi_delta_attention_backward(*args, **kw),
+                              reps=3))  # fmt: skip
     monkeypatch.delenv(bwd.KERNEL_SWITCH)
     interim = median(time_ms(lambda: forgekernel.kimi_delta_attention_backward(*args, **kw),
                              reps=3))  # fmt: skip
-    print(f"\nKDA backward on kernel 1, 4 x 8192 h16 hv{hv} bf16: {ms:.2f} ms a call (interim "
-          f"{interim:.2f} ms), kernel 1 {' + '.join(f'{x:.3f}' for x in launches)} ms, peak "
-          f"{peak:.1f} GiB")  # fmt: skip
+    print(f"\nKDA backward on kernels 1 + 2, 4 x 8192 h16 hv{hv} bf16: {ms:.2f} ms a call "
+          f"(pass 3 in torch {torch_p3:.2f} ms, interim {interim:.2f} ms), kernel 1 "
+          f"{' + '.join(f'{x:.3f}' for x in launches)} ms, kernel 2 "
+          f"{' + '.join(f'{x:.3f}' for x in k2)} ms, peak {peak:.1f} GiB")  # fmt: skip
