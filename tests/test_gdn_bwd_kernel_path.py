@@ -31,6 +31,7 @@ from forgekernel.reference.gdn_bwd_state import (
     corrected_values,
     forward_state_tiles,
     forward_states,
+    out16_forms,
     reverse_state_pass,
     state_pass_factors,
 )
@@ -57,9 +58,11 @@ def emulated_kernel(calls=None):
     """kernel 1's stand-in: the tile emulation in fp64, the register operands rounded to the
     tiles' dtype where it is 16-bit, fp32 outputs (the launcher's)."""
 
-    def run(do, pt, ke, qe, w, e_last, dht):
+    def run(do, pt, ke, qe, w, e_last, dht, out16=False, chunk_order=False):
+        # strided views allowed (TMA reads them in place): head slices, kernel 0's tiles cut to T
         for x in (do, pt, ke, qe, w):
-            assert x.is_contiguous() and x.dtype == do.dtype and x.shape[:3] == do.shape[:3]
+            assert x.stride(-1) == 1 and x.dtype == do.dtype and x.shape[:3] == do.shape[:3]
+        assert out16 or not chunk_order
         assert e_last.dtype == torch.float32 and e_last.shape == (do.shape[0], -(-do.shape[1]
                                                                   // 64), do.shape[2])  # fmt: skip
         if calls is not None:
@@ -72,7 +75,10 @@ def emulated_kernel(calls=None):
         factors = {n: x.double() for n, x in zip(TILES, (pt, ke, qe, w))}
         factors["e_last"] = e_last.double()
         dst = None if dht is None else dht.double()
-        return tuple(x.float() for x in tile_model(factors, do.double(), dst, rounding))
+        du, dh, dh0 = (x.float() for x in tile_model(factors, do.double(), dst, rounding))
+        if out16:  # the kernel's 16-bit forms (fp32 where the test runs fp32 tiles)
+            du, dh = out16_forms(du, dh, do.dtype, chunk_order)
+        return du, dh, dh0
 
     return run
 
@@ -83,8 +89,8 @@ def emulated_chunk_kernel(calls=None):
     dG); raw: the model's (dq, dk, dw, dg rows, te) in fp64 (the WY variant's first half)."""
 
     def run(do, u, du, q, k, h, dh, big_g, raw=False):
-        for x in (do, u, du, q, k, h, dh):
-            assert x.is_contiguous() and x.dtype == do.dtype
+        for x in (do, u, du, q, k, h, dh):  # strided views allowed (TMA)
+            assert x.stride(-1) == 1 and x.dtype == do.dtype
         assert big_g.dtype == torch.float32 and big_g.shape == do.shape[:3]
         nc = -(-do.shape[1] // 64)
         assert h.shape == dh.shape == (do.shape[0], nc, do.shape[2], q.shape[-1], do.shape[-1])

@@ -54,6 +54,7 @@ from forgekernel.ops import gated_delta_rule_chunked as fwd
 from forgekernel.ops._dispatch import refuse_capture
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import check_cuda, check_shaped
+from forgekernel.reference.delta_rule import L2NORM_EPS
 from forgekernel.reference.delta_rule_bwd import (
     _l2norm,
     _l2norm_backward,
@@ -108,12 +109,20 @@ TOKEN_HEADS_PER_PASS = 2**20
 TILE_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _state_recurrence(do, pt, ke, qe, w, e_last, d_final_state):
+def _state_recurrence(do, pt, ke, qe, w, e_last, d_final_state, **flags):
     """Kernel 1 (dh variant): (dU (B, T, HV, V), dh = dS^T per chunk end (B, NC, HV, V, K),
-    dS at the start (B, HV, K, V)), fp32. The CPU tests put the tile emulation here."""
+    dS at the start (B, HV, K, V)), fp32; `flags` out16 / chunk_order: dU and dS (B, NC, HV,
+    K, V) in 16 bits, kernel 2's forms (`reference.gdn_bwd_state.out16_forms`). The CPU tests
+    put the tile emulation here."""
     from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.launch import gdn_bwd_state
 
-    return gdn_bwd_state(do, pt, ke, qe, w, e_last, d_final_state)
+    return gdn_bwd_state(do, pt, ke, qe, w, e_last, d_final_state, **flags)
+
+
+# Kernel 1 writes U, h (forward launch, in chunk order) and dU, dS (reverse launch) in kernel 2's
+# 16-bit forms (`out16`), with kernel 0 and kernel 2's WY variant on the path; False: fp32 out,
+# torch flips, transposes and converts them (3.5 KB a token-head written, the fallback).
+STATES16 = True
 
 
 def _chunk_grads(do, u, du, q, k, h, dh, big_g):
@@ -175,13 +184,22 @@ def _torch_factor_tiles(qs, ks, v, g, beta, dtype):
     return forward_state_tiles(f, dtype), rev, f.e_last[..., 0].contiguous(), f
 
 
+def _on_device() -> bool:
+    """Kernel 0 forms the factors and kernel 2 runs all of pass 3 (the path's default)."""
+    return FACTORS_IN_KERNEL and WY_IN_KERNEL
+
+
 def _chunk_pass(qs, ks, v, g, beta, do, h0, dht):
     """Value heads of one pass, everything per value head: qs (scaled), ks (B, T, HV, K), v, do
-    (B, T, HV, V), g, beta (B, T, HV) fp32 except do (16-bit); h0, dht (B, HV, K, V) fp32 or
-    None -> (dqs, dks (B, T, HV, K), dv, dg, dbeta, dh0) fp32."""
+    (B, T, HV, V), g, beta (B, T, HV); h0, dht (B, HV, K, V) fp32 or None -> (dqs, dks (B, T,
+    HV, K), dv, dg, dbeta, dh0) fp32. On the device path (`_on_device`) qs, ks, v, do come in
+    do's 16-bit dtype (strided head slices allowed: TMA reads them in place), else fp32 but
+    do."""
     t, dtype = qs.shape[1], do.dtype
     nc = -(-t // CHUNK)
-    on_device = FACTORS_IN_KERNEL and WY_IN_KERNEL
+    on_device = _on_device()
+    if on_device and STATES16:
+        return _device_pass(qs, ks, v, g, beta, do, h0, dht)
     if on_device:  # kernel 0: the factors from the 16-bit tiles kernel 2 reads too
         qs, ks, v16 = (x.to(dtype) for x in (qs, ks, v))
         out = _factors(qs, ks, v16, g, beta)
@@ -223,6 +241,90 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht):
     return dq, dk + dk_wy, dv, dg + dg_wy, dbeta, dh0
 
 
+def _device_pass(qs, ks, v, g, beta, do, h0, dht):
+    """`_chunk_pass` with every kernel writing what the next reads (kernel 1 `out16`): kernel
+    0's tiles, kernel 1's forward launch -> U, h (16-bit, chunk order), its reverse launch on
+    kernel 0's tiles cut to T -> dU, dS (16-bit), kernel 2 on those. No torch op but the
+    identity / zero tiles of the forward launch."""
+    t = qs.shape[1]
+    out = _factors(qs, ks, v, g, beta)
+    fw = forward_launch_tiles(out)
+    for name in ("fw_u", "fw_w", "fw_ke"):  # the peak: `fw` holds them now
+        del out[name]
+    u16, h16, _ = _state_recurrence(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")),
+                                    fw["e_last"], h0, out16=True, chunk_order=True)  # fmt: skip
+    del fw
+    rev = tuple(out.pop(n)[:, :t] for n in ("pt", "ke", "qe")) + (out["w"][:, :t],)
+    du16, dh16, dh0 = _state_recurrence(do, *rev, out["e_last"], dht, out16=True)
+    del rev
+    k2 = for_kernel2(out, t)
+    wide = beta.to(torch.promote_types(beta.dtype, torch.float32))
+    tiles = (do, u16[:, :t], du16, qs, ks, h16, dh16, k2["big_g"])
+    dq, dk, dg, dv, dbeta = _chunk_grads_wy(*tiles, k2["tt"], k2["w"], k2["u"], v, wide)
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+def _inv_norm(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., D) fp32 -> (1 / ||x||, ||x||^2) (..., 1) with l2norm's eps inside the root, the
+    squares summed by a matmul (no (..., D) temporary)."""
+    sq = (x.unsqueeze(-2) @ x.unsqueeze(-1)).squeeze(-1) + L2NORM_EPS
+    return sq.rsqrt(), sq
+
+
+def _normalized(x, scale, l2norm, dtype):
+    """The device path's q / k side (B, T, H, D): (x scale / ||x|| in `dtype`, what its backward
+    needs: (x fp32, scale / ||x||, ||x||^2) or None without l2norm). One fp32 copy, one 16-bit
+    write (the fp32 one-pass form wrote 3-4 fp32 temporaries)."""
+    if not l2norm:
+        return (x * scale).to(dtype) if scale != 1.0 else x.to(dtype), None
+    xf = x.float()
+    inv, sq = _inv_norm(xf)
+    r = inv * scale
+    return torch.mul(xf, r, out=torch.empty(xf.shape, dtype=dtype, device=x.device)), (xf, r, sq)
+
+
+def _normalized_backward(dsum, saved, scale, dtype):
+    """The gradient of x from that of x scale / ||x|| (dsum (B, T, H, D) fp32, summed over the
+    value heads; overwritten): scale / ||x|| (dsum - x (x . dsum) / ||x||^2) (l2norm) or
+    scale dsum, written once in `dtype`."""
+    out = torch.empty(dsum.shape, dtype=dtype, device=dsum.device)
+    if saved is None:
+        return torch.mul(dsum, scale, out=out)
+    xf, r, sq = saved
+    c = (xf.unsqueeze(-2) @ dsum.unsqueeze(-1)).squeeze(-1) / sq
+    return torch.mul(dsum.addcmul_(xf, c, value=-1), r, out=out)
+
+
+def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b) -> Grads:
+    """`_backward_kernel` on the device path with 16-bit kernel-1 outputs: q / k normalized,
+    scaled and converted at H heads (`_normalized`), repeated to the value heads in 16 bits,
+    v and do passed as they are (strided head slices), the group sum and l2norm's backward in
+    two fp32 writes and one 16-bit one (`_normalized_backward`), one pass: no concatenation."""
+    h, hv, dtype = q.shape[1], v.shape[1], do.dtype
+    t, group = q.shape[0] // b, hv // h
+
+    def seq(x):
+        return x.reshape(b, t, *x.shape[1:])
+
+    qs, q_saved = _normalized(seq(q), scale, l2norm, dtype)
+    ks, k_saved = _normalized(seq(k), 1.0, l2norm, dtype)
+    v_side = [seq(v).to(dtype), seq(g).float(), seq(beta), seq(do)]
+    step = max(1, TOKEN_HEADS_PER_PASS // max(1, b * t * group))
+    parts = []
+    for first in range(0, h, step):  # passes over heads, not chunks
+        qh, vh = slice(first, first + step), slice(first * group, (first + step) * group)
+        rep = (x[:, :, qh].repeat_interleave(group, dim=2) for x in (qs, ks))
+        states = (None if x is None else x[:, vh].float().contiguous() for x in (h0, dht))
+        parts.append(_chunk_pass(*rep, *(x[:, :, vh] for x in v_side), *states))
+    grads = parts[0] if len(parts) == 1 else [torch.cat(x, dim=1 if i == 5 else 2)
+                                              for i, x in enumerate(zip(*parts))]  # fmt: skip
+    dqs, dks, dv, dg, dbeta, dh0 = grads
+    dq = _normalized_backward(dqs.unflatten(2, (h, group)).sum(3), q_saved, scale, q.dtype)
+    dk = _normalized_backward(dks.unflatten(2, (h, group)).sum(3), k_saved, 1.0, k.dtype)
+    rest = (x.flatten(0, 1).to(like.dtype) for x, like in zip((dv, dg, dbeta), (v, g, beta)))
+    return (dq.flatten(0, 1), dk.flatten(0, 1), *rest, dh0)
+
+
 def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, k_last, l2norm,
                      batch) -> Grads:  # fmt: skip
     """The backward on kernel 1 (see the module docstring): flat tensors as
@@ -233,6 +335,11 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, k_last
     bound the fp32 temporaries."""
     b, h, hv = batch, q.shape[1], v.shape[1]
     t, group = q.shape[0] // b, hv // h
+    h0 = _to_kv(initial_state, k_last)
+    dht = _to_kv(d_final, k_last)
+    if _on_device() and STATES16:
+        grads = _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b)
+        return (*grads[:5], _to_kv(grads[5], k_last).contiguous())
 
     def seq(x):
         return x.reshape(b, t, *x.shape[1:])
@@ -241,8 +348,6 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, k_last
     qn, q_norm = _l2norm(qf) if l2norm else (qf, None)
     kn, k_norm = _l2norm(kf) if l2norm else (kf, None)
     v_side = [seq(v).float(), seq(g).float(), seq(beta).float(), seq(do)]
-    h0 = _to_kv(initial_state, k_last)
-    dht = _to_kv(d_final, k_last)
     step = max(1, TOKEN_HEADS_PER_PASS // max(1, b * t * group))
     parts = []
     for first in range(0, h, step):  # passes over heads, not chunks

@@ -36,7 +36,15 @@ def _standard_params() -> list[Params]:
         for dtype in DTYPES
         for d in (False, True)
     ]
-    return gdn + kda
+    # the op's kernel path: both launches write kernel 2's 16-bit h / dh, U / dU (out16); the
+    # forward launch in chunk order
+    out16 = [
+        params_for(dtype, d_final_state=d, out16=True, chunk_order=order)
+        for dtype in DTYPES
+        for d in (False, True)
+        for order in (False, True)
+    ]
+    return gdn + kda + out16
 
 
 SPEC = KernelSpec(

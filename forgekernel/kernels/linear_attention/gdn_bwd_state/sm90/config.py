@@ -48,19 +48,30 @@ def params_for(
     d_final_state: bool = False,
     dke: bool = False,
     channel_decay: bool = False,
+    out16: bool = False,
+    chunk_order: bool = False,
 ) -> tuple:
     """Compile key: the 16-bit dtype of the tiles, (K, V), whether a final-state gradient is
     read (without one, dS starts from zero), and the state-side output: dke = U dS^T per token
     (`dke`: U read, dS through shared memory, no dh written) or dh = dS^T per chunk (fp32 to
     HBM, 1 KB a token and head: the first form, what the later passes of the reference read).
     `channel_decay` (Kimi Delta Attention: e^(G_C) a (K,) vector per chunk, (B, NC, HV, K),
-    scaling dS^T's columns) is in the key only when set: Gated DeltaNet's keys are unchanged."""
+    scaling dS^T's columns) is in the key only when set: Gated DeltaNet's keys are unchanged.
+    `out16` (dU and dS (K, V) a chunk in the tiles' 16-bit dtype, kernel 2's forms; not with
+    dke) and `chunk_order` (those outputs at chunk NC - 1 - c: the forward launch's chunk order;
+    needs out16) likewise only when set."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     if tuple(head_dims) not in HEAD_DIMS:
         raise ValueError(f"(K, V) must be one of {HEAD_DIMS}, got {tuple(head_dims)}")
+    if out16 and dke:
+        raise ValueError("out16 writes dh in 16 bits: not with dke")
+    if chunk_order and not out16:
+        raise ValueError("chunk_order needs out16")
     k, v = head_dims
     key = {"dtype": dtype, "k": k, "v": v, "d_final_state": d_final_state, "dke": dke}
-    if channel_decay:
-        key["channel_decay"] = True
+    for name, on in (("channel_decay", channel_decay), ("out16", out16),
+                     ("chunk_order", chunk_order)):  # fmt: skip
+        if on:
+            key[name] = True
     return tuple(sorted(key.items()))

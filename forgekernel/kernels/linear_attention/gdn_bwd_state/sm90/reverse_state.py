@@ -41,6 +41,14 @@ vector (B, NC, HV, K) fp32 rides the ring as a sixth TMA box (1, K) (512 B a sta
 thread reads its accumulator fragment's columns from shared memory (as the KDA forward's
 `recurrence.py` decays S^T); every other factor tile carries its per-channel decays already.
 
+Variant `out16` (compile flag; 2026-12-05): dU and the per-chunk state in kernel 2's 16-bit
+forms instead of fp32: dU (B, T, HV, V) in the tiles' dtype and dS itself (not dS^T) at every
+chunk's end (B, NC, HV, K, V), each thread's fragment converted in registers and stored through
+the transposed view (the torch conversions and transposes of 1.5 KB a token-head of fp32 go).
+With `chunk_order` too (the forward launch, whose chunks arrive reversed: slot c is chunk
+NC - 1 - c) both land at chunk NC - 1 - c, i.e. in the forward's chunk order, so h and U need
+no flip. Neither flag is in Gated DeltaNet's or KDA's standard keys unless set.
+
 Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligned token strides
 (TMA); e^(G_C) and the states fp32, unit last strides (channel_decay: e^(G_C) 16-byte aligned
 outer strides, TMA).
@@ -63,6 +71,7 @@ from forgekernel.kernels.common.sm90 import softmax
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
 from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG, WARP_SIZE
 from forgekernel.kernels.common.sm90.layout import (
+    acc_as_operand_a,
     acc_to_operand_a,
     rows_cols,
     select,
@@ -108,14 +117,28 @@ class GdnBwdStateSm90:
     docstring."""
 
     def __init__(
-        self, k: int, v: int, *, d_final_state: bool, dke: bool = False, channel_decay: bool = False
+        self,
+        k: int,
+        v: int,
+        *,
+        d_final_state: bool,
+        dke: bool = False,
+        channel_decay: bool = False,
+        out16: bool = False,
+        chunk_order: bool = False,
     ):
         if (k, v) != (128, 128):
             raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
+        if out16 and dke:
+            raise ValueError("out16 writes dh: not with dke")
+        if chunk_order and not out16:
+            raise ValueError("chunk_order needs out16")
         self.k, self.v = k, v
         self.d_final_state = d_final_state
         self.dke = dke
         self.channel_decay = channel_decay
+        self.out16 = out16
+        self.chunk_order = chunk_order
 
     def _setup(self):
         dt = self.dtype
@@ -160,12 +183,17 @@ class GdnBwdStateSm90:
     ):
         """mDO (B, T, HV, V), mPT (B, T, HV, C), mKe, mQe, mW (B, T, HV, K) 16-bit; mEl fp32
         (B, NC, HV), with channel_decay (B, NC, HV, K); mDht (or None) and mDh0 fp32 (B, HV,
-        K, V); mDU fp32 (B, T, HV, V). With dke: mU (B, T, HV, V) 16-bit, mDke fp32 (B, T, HV,
-        K), mDh None; else mU and mDke None, mDh fp32 (B, NC, HV, V, K)."""
+        K, V); mDU fp32 (B, T, HV, V) (out16: 16-bit). With dke: mU (B, T, HV, V) 16-bit,
+        mDke fp32 (B, T, HV, K), mDh None; else mU and mDke None, mDh fp32 (B, NC, HV, V, K)
+        (out16: 16-bit (B, NC, HV, K, V))."""
         self.dtype = mDO.element_type
         for t in (mPT, mKe, mQe, mW) + ((mU,) if const_expr(self.dke) else ()):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"the 16-bit tiles must share one dtype, got {t.element_type}")
+        if const_expr(self.out16):
+            for t in (mDU, mDh):
+                if const_expr(t.element_type != self.dtype):
+                    raise TypeError(f"out16: dU, dh in the tiles' dtype, got {t.element_type}")
         self._setup()
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         sD_tile = cute.slice_(self.sD_layout, (None, None, 0))
@@ -374,9 +402,12 @@ class GdnBwdStateSm90:
         st = consumer_state(STAGES)
         for i in cutlass.range(nchunks, unroll=1):
             c = nchunks - 1 - i
+            co = i if const_expr(self.chunk_order) else c  # the outputs' chunk
             acc_du = cute.make_rmem_tensor(acc_shape, Float32)
             ring.consumer_wait(st)
             acc_to_operand_a(acc_ds, tDSrDS)
+            if const_expr(self.out16):  # dS, 16-bit: the A operand's registers, no 2nd copy
+                self._store_state16(tDSrDS, thr_st, mDh[b, co, hv, None, None], w)
             gemm(mma_ks, acc_du, tDSrDS, tBrKe[None, None, None, st.index], True, -1)
             if const_expr(self.dke):
                 acc_dke = cute.make_rmem_tensor(wg_dke.partition_shape_C((CHUNK, ROWS)), Float32)
@@ -392,7 +423,7 @@ class GdnBwdStateSm90:
             r_do.store(mma_ks.get_slice(tid).partition_C(dot).load().to(Float32))
             acc_to_operand_a(r_do, tDOrDO)
             gemm(mma_ks, acc_du, tDOrDO, tBrPT[None, None, None, st.index], False, -1)
-            if const_expr(not self.dke):
+            if const_expr(not self.dke and not self.out16):
                 self._state_io(mDh[b, c, hv, None, None], acc_ds, thr_st, w, False, False)
             warpgroup.wait_group(0)
             if const_expr(self.channel_decay):
@@ -404,7 +435,7 @@ class GdnBwdStateSm90:
             r_neg.store(-acc_du.load())
             acc_to_operand_a(r_neg, tDUrDU)
             gemm(mma_st, acc_ds, tDUrDU, tBrW[None, None, None, st.index], False, -1)
-            self._store_du(acc_du, mma_ks, mDU, tid, w, hv, b, c, seqlen)
+            self._store_du(acc_du, mma_ks, mDU, tid, w, hv, b, co, seqlen)
             if const_expr(self.dke):
                 self._store_dke(acc_dke, mma_dke, mDke, tid, w, hv, b, c, seqlen)
             warpgroup.wait_group(0)
@@ -426,7 +457,8 @@ class GdnBwdStateSm90:
 
     @cute.jit
     def _store_du(self, acc_du, mma_ks, mDU, tid, w, hv, b, c, seqlen):
-        """dU^T to dU[b, tokens of chunk c, hv, value rows of w], the rows inside T."""
+        """dU^T to dU[b, tokens of chunk c, hv, value rows of w], the rows inside T (out16:
+        each element converted to the tiles' dtype)."""
         coords = softmax.acc_coords(mma_ks, tid, (ROWS, CHUNK))
         t0, _, col_base = coords
         dst_t = transposed(mDU[b, None, hv, None])  # (V, T)
@@ -436,7 +468,10 @@ class GdnBwdStateSm90:
         for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
             if c * CHUNK + col_base + t0[0, j][1] < seqlen:
                 for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
-                    g[r, j] = a[r, j]
+                    if const_expr(self.out16):  # element by element: no 16-bit copy held
+                        g[r, j] = a[r, j].to(self.dtype)
+                    else:
+                        g[r, j] = a[r, j]
 
     @cute.jit
     def _store_ds(self, acc_ds, mma_st, sS, w):
@@ -465,6 +500,16 @@ class GdnBwdStateSm90:
             if c * CHUNK + row_base + t0[r, 0][0] < seqlen:
                 for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
                     g[r, j] = a[r, j]
+
+    @cute.jit
+    def _store_state16(self, tDSrDS, thr_st, head, w):
+        """out16: value rows [64 w, 64 w + 64) of dS^T from the 16-bit A operand the next
+        product reads (`acc_to_operand_a`'s rounding of the accumulator) to `head` (K, V)
+        transposed: the global partition seen in the operand's register order."""
+        part = thr_st.partition_C(cute.local_tile(transposed(head), (ROWS, self.k), (w, 0)))
+        g = acc_as_operand_a(part)
+        for e in cutlass.range_constexpr(cute.size(g)):
+            g[e] = tDSrDS[e]
 
     @cute.jit
     def _state_io(
