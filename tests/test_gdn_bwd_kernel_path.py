@@ -58,15 +58,22 @@ def emulated_kernel(calls=None):
     """kernel 1's stand-in: the tile emulation in fp64, the register operands rounded to the
     tiles' dtype where it is 16-bit, fp32 outputs (the launcher's)."""
 
-    def run(do, pt, ke, qe, w, e_last, dht, out16=False, chunk_order=False):
+    def run(do, pt, ke, qe, w, e_last, dht, out16=False, forward=False):
+        assert out16 or not forward
+        assert (pt is None and qe is None) == forward  # the forward variant builds I and 0 in
+        if forward:
+            b, rows, hv, _ = do.shape
+            eye = torch.eye(64, dtype=do.dtype).view(1, 1, 64, 1, 64)
+            pt = eye.expand(b, rows // 64, 64, hv, 64).reshape(b, rows, hv, 64)
+            qe = torch.zeros_like(ke)
+        if calls is not None:
+            calls.append(do.dtype)
+            FLAGS.append((out16, forward))
         # strided views allowed (TMA reads them in place): head slices, kernel 0's tiles cut to T
         for x in (do, pt, ke, qe, w):
             assert x.stride(-1) == 1 and x.dtype == do.dtype and x.shape[:3] == do.shape[:3]
-        assert out16 or not chunk_order
         assert e_last.dtype == torch.float32 and e_last.shape == (do.shape[0], -(-do.shape[1]
                                                                   // 64), do.shape[2])  # fmt: skip
-        if calls is not None:
-            calls.append(do.dtype)
         low = do.dtype in (torch.float16, torch.bfloat16)
 
         def rounding(x):
@@ -77,7 +84,7 @@ def emulated_kernel(calls=None):
         dst = None if dht is None else dht.double()
         du, dh, dh0 = (x.float() for x in tile_model(factors, do.double(), dst, rounding))
         if out16:  # the kernel's 16-bit forms (fp32 where the test runs fp32 tiles)
-            du, dh = out16_forms(du, dh, do.dtype, chunk_order)
+            du, dh = out16_forms(du, dh, do.dtype, forward)
         return du, dh, dh0
 
     return run
@@ -268,6 +275,53 @@ def test_factors_on_kernel_0_are_the_torch_factors(monkeypatch, b, t, h, hv, l2n
         assert err <= 1e-5 * float(r.abs().max()) + 1e-7, (name, err)
 
 
+@pytest.mark.parametrize(("b", "t", "h", "hv", "l2norm", "with_h0", "with_dht"), CASES[:4])
+def test_states16_are_the_fp32_states(monkeypatch, b, t, h, hv, l2norm, with_h0, with_dht):
+    """Kernel 1 writing kernel 2's forms (`out16`; the forward launch with I and 0 built in,
+    `forward`) and the 16-bit glue (`_backward_device`) give the fp32-out path's gradients
+    (STATES16 = False: torch flips, transposes and converts) to fp32 tolerance (32-bit tiles:
+    nothing rounded); the launches carry the flags."""
+    q, k, v, g, beta, do, h0, dht = _inputs(b, t, h, hv, dk=32, dv=16, seed=t + 11,
+                                           dtype=torch.float32)  # fmt: skip
+    flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta, do)]
+    args = (h0 if with_h0 else None, flat[5], dht if with_dht else None, 0.2, False, l2norm, b)
+    grads = {}
+    for on in (True, False):
+        FLAGS.clear()
+        _both_emulated(monkeypatch, calls=[])
+        monkeypatch.setattr(bwd, "STATES16", on)
+        grads[on] = bwd._backward_kernel(*flat[:5], *args)
+        assert FLAGS == ([(True, True), (True, False)] if on else [(False, False)] * 2)
+    for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads[True], grads[False]):
+        assert a.shape == r.shape and a.dtype == r.dtype, name
+        err = float((a - r).abs().max())
+        assert err <= 1e-5 * float(r.abs().max()) + 1e-7, (name, err)
+
+
+@pytest.mark.parametrize("t", [1, 63, 64, 65, 200])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_out16_forms(t, dtype):
+    """`out16_forms`: dU converted, dS = dh^T; with `forward` (on the forward launch's outputs)
+    exactly `forward_states`' h and U back in token order, converted."""
+    gen = torch.Generator().manual_seed(t)
+    nc = -(-t // 64)
+    du = torch.randn(2, nc * 64, 3, 8, generator=gen, dtype=torch.float64)
+    dh = torch.randn(2, nc, 3, 8, 16, generator=gen, dtype=torch.float64)
+    u16, ds16 = out16_forms(du[:, :t], dh, dtype)
+    assert u16.dtype == ds16.dtype == dtype and ds16.shape == (2, nc, 3, 16, 8)
+    assert torch.equal(u16, du[:, :t].to(dtype))
+    assert torch.equal(ds16, dh.transpose(-1, -2).to(dtype))
+    u_f, h_f = out16_forms(du, dh, dtype, forward=True)
+    h, big_u = forward_states(du, dh)
+    assert torch.equal(h_f, h.to(dtype))
+    assert torch.equal(u_f, big_u.transpose(2, 3).flatten(1, 2).to(dtype))
+    u_t, _ = out16_forms(du[:, :t], dh, dtype, forward=True)  # T rows: the padding's zeros
+    padded = du.clone()
+    padded[:, t:] = 0
+    want = out16_forms(padded, dh, dtype, forward=True)[0][:, :t]
+    assert torch.equal(u_t, want)
+
+
 def test_head_passes_are_the_one_pass(monkeypatch):
     """Value heads in several passes (the memory bound) give the one pass's gradients."""
     _both_emulated(monkeypatch)
@@ -290,11 +344,13 @@ def kernel_path(monkeypatch):
     _both_emulated(monkeypatch, calls, CHUNK_CALLS, FACTOR_CALLS)
     CHUNK_CALLS.clear()
     FACTOR_CALLS.clear()
+    FLAGS.clear()
     monkeypatch.setattr(bwd, "check_cuda", lambda name, t: None)
     return calls
 
 
 CHUNK_CALLS: list = []  # kernel 2's launches under the kernel_path fixture (their dtypes)
+FLAGS: list = []  # kernel 1's (out16, forward) a launch, whenever its emulation records calls
 FACTOR_CALLS: list = []  # kernel 0's, likewise
 
 
@@ -324,6 +380,7 @@ def test_explicit_backward_on_the_kernel_path(kernel_path, b, t, h, hv):
                                                 use_qk_l2norm_in_kernel=True)  # fmt: skip
     assert kernel_path == [torch.bfloat16, torch.bfloat16] and CHUNK_CALLS == [torch.bfloat16]
     assert FACTOR_CALLS == [torch.bfloat16]
+    assert FLAGS == [(True, True), (True, False)]  # 16-bit outputs; the forward variant first
     want = _fp64_grads([q, k, v, g, beta, h0], None, do, dht, l2norm=True, with_state=True)
     for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
         err = float((a.double() - r).abs().max())

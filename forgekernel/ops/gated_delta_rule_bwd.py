@@ -111,17 +111,18 @@ TILE_DTYPES = (torch.float16, torch.bfloat16)
 
 def _state_recurrence(do, pt, ke, qe, w, e_last, d_final_state, **flags):
     """Kernel 1 (dh variant): (dU (B, T, HV, V), dh = dS^T per chunk end (B, NC, HV, V, K),
-    dS at the start (B, HV, K, V)), fp32; `flags` out16 / chunk_order: dU and dS (B, NC, HV,
-    K, V) in 16 bits, kernel 2's forms (`reference.gdn_bwd_state.out16_forms`). The CPU tests
-    put the tile emulation here."""
+    dS at the start (B, HV, K, V)), fp32; `flags` out16 / forward: dU and dS (B, NC, HV, K, V)
+    in 16 bits, kernel 2's forms (`reference.gdn_bwd_state.out16_forms`; forward: pt, qe None,
+    I and 0 built in, outputs in chunk order). The CPU tests put the tile emulation here."""
     from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.launch import gdn_bwd_state
 
     return gdn_bwd_state(do, pt, ke, qe, w, e_last, d_final_state, **flags)
 
 
-# Kernel 1 writes U, h (forward launch, in chunk order) and dU, dS (reverse launch) in kernel 2's
-# 16-bit forms (`out16`), with kernel 0 and kernel 2's WY variant on the path; False: fp32 out,
-# torch flips, transposes and converts them (3.5 KB a token-head written, the fallback).
+# Kernel 1 writes U, h (forward launch, `forward`: I and 0 built in, chunk order) and dU, dS
+# (reverse launch) in kernel 2's 16-bit forms (`out16`), with kernel 0 and kernel 2's WY variant
+# on the path; False: fp32 out, torch flips, transposes, converts (the fallback; ~4.9 KB a
+# token-head more written, NOTES "GDN backward: the torch glue").
 STATES16 = True
 
 
@@ -244,15 +245,15 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht):
 def _device_pass(qs, ks, v, g, beta, do, h0, dht):
     """`_chunk_pass` with every kernel writing what the next reads (kernel 1 `out16`): kernel
     0's tiles, kernel 1's forward launch -> U, h (16-bit, chunk order), its reverse launch on
-    kernel 0's tiles cut to T -> dU, dS (16-bit), kernel 2 on those. No torch op but the
-    identity / zero tiles of the forward launch."""
+    kernel 0's tiles cut to T -> dU, dS (16-bit), kernel 2 on those. No torch op between the
+    kernels (views only; the forward launch builds its I and 0 tiles in)."""
     t = qs.shape[1]
     out = _factors(qs, ks, v, g, beta)
-    fw = forward_launch_tiles(out)
+    fw = forward_launch_tiles(out, identity=False)
     for name in ("fw_u", "fw_w", "fw_ke"):  # the peak: `fw` holds them now
         del out[name]
     u16, h16, _ = _state_recurrence(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")),
-                                    fw["e_last"], h0, out16=True, chunk_order=True)  # fmt: skip
+                                    fw["e_last"], h0, out16=True, forward=True)  # fmt: skip
     del fw
     rev = tuple(out.pop(n)[:, :t] for n in ("pt", "ke", "qe")) + (out["w"][:, :t],)
     du16, dh16, dh0 = _state_recurrence(do, *rev, out["e_last"], dht, out16=True)

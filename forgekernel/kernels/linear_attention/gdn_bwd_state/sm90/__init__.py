@@ -37,12 +37,12 @@ def _standard_params() -> list[Params]:
         for d in (False, True)
     ]
     # the op's kernel path: both launches write kernel 2's 16-bit h / dh, U / dU (out16); the
-    # forward launch in chunk order
+    # forward launch with P^T = I, Qe = 0 built in, in chunk order (forward)
     out16 = [
-        params_for(dtype, d_final_state=d, out16=True, chunk_order=order)
+        params_for(dtype, d_final_state=d, out16=True, forward=fw)
         for dtype in DTYPES
         for d in (False, True)
-        for order in (False, True)
+        for fw in (False, True)
     ]
     return gdn + kda + out16
 

@@ -21,7 +21,7 @@ def kernel_for(params: dict) -> GdnBwdStateSm90:
     return GdnBwdStateSm90(
         params["k"], params["v"], d_final_state=params["d_final_state"], dke=params["dke"],
         channel_decay=params.get("channel_decay", False), out16=params.get("out16", False),
-        chunk_order=params.get("chunk_order", False),
+        forward=params.get("forward", False),
     )  # fmt: skip
 
 
@@ -55,12 +55,13 @@ def compile_gdn_bwd_state(params: dict, arch: str = "sm_90a", extra_options: str
         e_last = make_fake_tensor(
             f32, (b, nc, hv), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4
         )
+    fw = params.get("forward", False)  # P^T and Qe not passed (I and 0 built in)
     return cute.compile(
         kernel,
         fake.rowmajor(dtype, (b, t, hv, vd)),
-        fake.rowmajor(dtype, (b, t, hv, CHUNK)),
+        None if fw else fake.rowmajor(dtype, (b, t, hv, CHUNK)),
         fake.rowmajor(dtype, (b, t, hv, kd)),
-        fake.rowmajor(dtype, (b, t, hv, kd)),
+        None if fw else fake.rowmajor(dtype, (b, t, hv, kd)),
         fake.rowmajor(dtype, (b, t, hv, kd)),
         fake.rowmajor(dtype, (b, t, hv, vd)) if dke else None,
         e_last,

@@ -26,6 +26,8 @@ def check_inputs(do, pt, ke, qe, w, e_last, d_final_state, u=None) -> tuple[int,
     want = {"pt": (b, t, hv, CHUNK), "ke": (b, t, hv, k), "qe": (b, t, hv, k), "w": (b, t, hv, k),
             "u": (b, t, hv, v)}  # fmt: skip
     for name, x in zip(want, (pt, ke, qe, w, do if u is None else u)):
+        if x is None and name in ("pt", "qe"):  # the forward launch: I and 0 built in
+            continue
         if tuple(x.shape) != want[name]:
             raise ValueError(f"{name} must be {want[name]}, got {tuple(x.shape)}")
         if x.dtype != do.dtype:
@@ -69,7 +71,7 @@ def gdn_bwd_state(
     *,
     out: Outputs | None = None,
     out16: bool = False,
-    chunk_order: bool = False,
+    forward: bool = False,
 ) -> Outputs:
     """The reverse recurrence dU = P^T dO + Ke dS, dS <- e^(G_C) dS + Qe^T dO - W^T dU over the
     chunks of each (sequence, value head), last first, dS from d_final_state (or zero).
@@ -82,13 +84,16 @@ def gdn_bwd_state(
     (B, T, HV, K) (dS the gradient at the token's chunk end; dh then never reaches HBM), the
     initial state's gradient (B, HV, K, V)), fp32, written into `out` (contiguous) when
     given. `out16` (without u): dU and the state side in do's dtype, the state side as dS
-    itself (B, NC, HV, K, V) (kernel 2's forms); `chunk_order` (with out16): dU's rows and dh of
-    the chunk processed c-th from the start land at chunk NC - 1 - c (the forward launch, whose
-    inputs come chunks reversed: its U and h in the forward's chunk order)."""
+    itself (B, NC, HV, K, V) (kernel 2's forms); `forward` (with out16; the op's forward
+    launch, `reference.gdn_bwd_state.forward_state_tiles`): pt and qe None, P^T = I and Qe = 0
+    built into the kernel, and dU's rows and dh of the chunk processed c-th from the start land
+    at chunk c (its inputs come chunks reversed: U and h in the forward's chunk order)."""
     b, t, hv, nc = check_inputs(do, pt, ke, qe, w, e_last, d_final_state, u)
     dke = u is not None
-    if (out16 and dke) or (chunk_order and not out16):
-        raise ValueError("out16 excludes u (dke); chunk_order needs out16")
+    if (out16 and dke) or (forward and not out16):
+        raise ValueError("out16 excludes u (dke); forward needs out16")
+    if (pt is None or qe is None) != forward:
+        raise ValueError("pt and qe are None exactly when forward (I and 0 built in)")
     du, side, dh0 = empty_outputs(do, ke.shape[-1], dke, out16) if out is None else out
     want = (do.dtype, do.dtype, torch.float32) if out16 else (torch.float32,) * 3
     for x, dt in zip((du, side, dh0), want):
@@ -103,9 +108,9 @@ def gdn_bwd_state(
     params = params_for(dtype_name(do.dtype), (ke.shape[-1], do.shape[-1]),
                         d_final_state=d_final_state is not None, dke=dke,
                         channel_decay=channel_decay, out16=out16,
-                        chunk_order=chunk_order)  # fmt: skip
+                        forward=forward)  # fmt: skip
     fn = get_kernel(SPEC, params)
-    tiles = [as_tma_ready(x) for x in (do, pt, ke, qe, w)]
+    tiles = [None if x is None else as_tma_ready(x) for x in (do, pt, ke, qe, w)]
     tiles.append(as_tma_ready(u) if dke else None)
     dht = None if d_final_state is None else d_final_state.contiguous()
     dh, dke_out = (None, side) if dke else (side, None)
