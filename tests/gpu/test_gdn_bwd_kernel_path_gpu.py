@@ -38,13 +38,18 @@ pytestmark = pytest.mark.gpu
 bwd = importlib.import_module("forgekernel.ops.gated_delta_rule_bwd")
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 TOL = 2e-2
+FLAGS: list = []  # kernel 1's (out16, forward) a launch
 
 
 def _poisoned_kernel(calls):
-    def run(do, pt, ke, qe, w, e_last, dht):
-        out = tuple(x.fill_(float("nan")) for x in empty_outputs(do, ke.shape[-1]))
+    """Kernel 1 with its outputs (fp32, or 16-bit with out16) NaN-poisoned first."""
+
+    def run(do, pt, ke, qe, w, e_last, dht, **flags):
+        out16 = flags.get("out16", False)
+        out = tuple(x.fill_(float("nan")) for x in empty_outputs(do, ke.shape[-1], out16=out16))
         calls.append(tuple(do.shape))
-        return gdn_bwd_state(do, pt, ke, qe, w, e_last, dht, out=out)
+        FLAGS.append((out16, flags.get("forward", False)))
+        return gdn_bwd_state(do, pt, ke, qe, w, e_last, dht, out=out, **flags)
 
     return run
 
@@ -96,6 +101,7 @@ def kernel_path(monkeypatch):
     bwd.WY_IN_KERNEL is off), kernel 1's twice, kernel 2's once (its WY variant unless
     bwd.WY_IN_KERNEL is off)."""
     calls = []
+    FLAGS.clear()
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
     monkeypatch.setattr(bwd, "_factors", _poisoned_factors_kernel(calls))
     monkeypatch.setattr(bwd, "_state_recurrence", _poisoned_kernel(calls))
@@ -195,6 +201,21 @@ def test_torch_factors_fallback(kernel_path, monkeypatch, t):
     assert "k0" not in [c[0] for c in kernel_path]
 
 
+@pytest.mark.parametrize("t", [65, 1000])
+def test_fp32_states_fallback(kernel_path, monkeypatch, t):
+    """STATES16 off: kernel 1 writes fp32 (no out16 / forward), torch converts for kernel 2;
+    on (the default): 16-bit outputs, the forward launch with I and 0 built in."""
+    q, k, v, g, beta, do, h0, dht = _problem(2, t, 2, 4, torch.bfloat16, seed=t, l2norm=True)
+    _check(kernel_path, monkeypatch, (q, k, v, g, beta, do), h0=h0, dht=dht, l2norm=True)
+    assert FLAGS == [(True, True), (True, False)]
+    FLAGS.clear()
+    kernel_path.clear()
+    monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
+    monkeypatch.setattr(bwd, "STATES16", False)
+    _check(kernel_path, monkeypatch, (q, k, v, g, beta, do), h0=h0, dht=dht, l2norm=True)
+    assert FLAGS == [(False, False), (False, False)]
+
+
 @pytest.mark.parametrize("lens", [[1, 63, 0, 64, 65, 130], [300, 300, 300], [1000, 700]])
 def test_varlen_padded(kernel_path, monkeypatch, lens):
     n, total = len(lens), sum(lens)
@@ -269,12 +290,17 @@ def test_time_at_bench_size(kernel_path, monkeypatch, varlen):
     kernel_args, chunk_args, factor_args = [], [], []
     k0 = factors_launch.gdn_bwd_factors
     monkeypatch.setattr(bwd, "_factors", lambda *a: factor_args.append(a) or k0(*a))
-    monkeypatch.setattr(bwd, "_state_recurrence",
-                        lambda *a: kernel_args.append(a) or gdn_bwd_state(*a))  # fmt: skip
+
+    def k1(*a, **kw):
+        kernel_args.append((a, kw))
+        return gdn_bwd_state(*a, **kw)
+
+    monkeypatch.setattr(bwd, "_state_recurrence", k1)
     k2 = chunk_launch.gdn_bwd_chunk_wy
     monkeypatch.setattr(bwd, "_chunk_grads_wy", lambda *a: chunk_args.append(a) or k2(*a))
     forgekernel.gated_delta_rule_backward(*args, **kw)
-    launches = [median(time_ms(lambda a=a: gdn_bwd_state(*a), reps=10)) for a in kernel_args]
+    launches = [median(time_ms(lambda a=a, kw=kw: gdn_bwd_state(*a, **kw), reps=10))
+                for a, kw in kernel_args]  # fmt: skip
     chunk = [median(time_ms(lambda a=a: k2(*a), reps=10))
              for a in chunk_args]  # fmt: skip
     factors = [median(time_ms(lambda a=a: k0(*a), reps=10)) for a in factor_args]
