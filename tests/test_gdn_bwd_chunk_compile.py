@@ -39,9 +39,9 @@ CONFIGS = [(dtype, wy) for dtype in config.DTYPES for wy in (False, True)]
 def compiled():
     cache = {}
 
-    def get(dtype, wy):
-        if (dtype, wy) not in cache:
-            params = dict(config.params_for(dtype, wy=wy))
+    def get(dtype, wy, grouped=False):
+        if (dtype, wy, grouped) not in cache:
+            params = dict(config.params_for(dtype, wy=wy, grouped=grouped))
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_gdn_bwd_chunk(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -52,9 +52,9 @@ def compiled():
                     cubin = Path(d, "k.cubin")
                 res = inspect_cubin(cubin)
                 sass = sass_text(cubin)
-            cache[dtype, wy] = (res, sass_instructions(sass),
-                                kernel.shared_storage.size_in_bytes())  # fmt: skip
-        return cache[dtype, wy]
+            cache[dtype, wy, grouped] = (res, sass_instructions(sass),
+                                         kernel.shared_storage.size_in_bytes())  # fmt: skip
+        return cache[dtype, wy, grouped]
 
     return get
 
@@ -89,3 +89,19 @@ def test_wgmmas_and_tma(compiled, dtype, wy):
     assert ops.count("STSM.16.MT88.4") == 4 + 4 * wy
     assert ops.count("STSM.16.M88.4") == 8 * wy
     assert ops.count("SHFL.BFLY") == 17 + 20 * wy
+
+
+@pytest.mark.parametrize("dtype", config.DTYPES)
+def test_grouped_wy_resources(compiled, dtype):
+    """`grouped` (q, k read at head hv // (HV / H), the op's path): the WY variant's registers,
+    shared memory, products and loads unchanged, no spill; only the producer's head index
+    differs (one integer division a CTA: a MUFU.RCP more)."""
+    res, instrs, smem = compiled(dtype, True, True)
+    base_res, base_instrs, base_smem = compiled(dtype, True)
+    assert res["spill_bytes"] == 0
+    assert not [op for op, _ in instrs if op.startswith(("LDL", "STL"))]
+    assert res["registers"] == base_res["registers"] and smem == base_smem == SMEM[True]
+    assert res["registers"] <= REGISTERS[True]
+    for prefix in ("HGMMA", "UTMALDG", "STSM", "SHFL", "STG", "MUFU.EX2"):
+        got = sorted(op for op, _ in instrs if op.startswith(prefix))
+        assert got == sorted(op for op, _ in base_instrs if op.startswith(prefix)), prefix

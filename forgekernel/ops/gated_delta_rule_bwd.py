@@ -193,9 +193,9 @@ def _on_device() -> bool:
 def _chunk_pass(qs, ks, v, g, beta, do, h0, dht):
     """Value heads of one pass, everything per value head: qs (scaled), ks (B, T, HV, K), v, do
     (B, T, HV, V), g, beta (B, T, HV); h0, dht (B, HV, K, V) fp32 or None -> (dqs, dks (B, T,
-    HV, K), dv, dg, dbeta, dh0) fp32. On the device path (`_on_device`) qs, ks, v, do come in
-    do's 16-bit dtype (strided head slices allowed: TMA reads them in place), else fp32 but
-    do."""
+    HV, K), dv, dg, dbeta, dh0) fp32. On the 16-bit device path (`_device_pass`) qs, ks, v, do
+    come in do's 16-bit dtype, qs / ks at the pass's H / HV q heads (strided head slices
+    allowed: TMA reads them in place), else fp32 but do, qs / ks repeated to HV."""
     t, dtype = qs.shape[1], do.dtype
     nc = -(-t // CHUNK)
     on_device = _on_device()
@@ -298,8 +298,9 @@ def _normalized_backward(dsum, saved, scale, dtype):
 
 def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b) -> Grads:
     """`_backward_kernel` on the device path with 16-bit kernel-1 outputs: q / k normalized,
-    scaled and converted at H heads (`_normalized`), repeated to the value heads in 16 bits,
-    v and do passed as they are (strided head slices), the group sum and l2norm's backward in
+    scaled and converted at H heads (`_normalized`), read there by kernels 0 and 2 (value head
+    hv: head hv // (HV / H); no repeated copy), v and do passed as they are (strided head
+    slices), the group sum and l2norm's backward in
     two fp32 writes and one 16-bit one (`_normalized_backward`), one pass: no concatenation."""
     h, hv, dtype = q.shape[1], v.shape[1], do.dtype
     t, group = q.shape[0] // b, hv // h
@@ -314,9 +315,10 @@ def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b) -> Grads:
     parts = []
     for first in range(0, h, step):  # passes over heads, not chunks
         qh, vh = slice(first, first + step), slice(first * group, (first + step) * group)
-        rep = (x[:, :, qh].repeat_interleave(group, dim=2) for x in (qs, ks))
+        # q / k at their own heads: kernels 0 and 2 read head hv // (HV / H) (`grouped`)
         states = (None if x is None else x[:, vh].float().contiguous() for x in (h0, dht))
-        parts.append(_chunk_pass(*rep, *(x[:, :, vh] for x in v_side), *states))
+        parts.append(_chunk_pass(qs[:, :, qh], ks[:, :, qh], *(x[:, :, vh] for x in v_side),
+                                 *states))  # fmt: skip
     grads = parts[0] if len(parts) == 1 else [torch.cat(x, dim=1 if i == 5 else 2)
                                               for i, x in enumerate(zip(*parts))]  # fmt: skip
     dqs, dks, dv, dg, dbeta, dh0 = grads

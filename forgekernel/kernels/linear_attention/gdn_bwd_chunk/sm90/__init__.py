@@ -22,7 +22,9 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    return [params_for(dtype, wy=wy) for dtype in DTYPES for wy in (False, True)]
+    standard = [params_for(dtype, wy=wy) for dtype in DTYPES for wy in (False, True)]
+    # the op's path: the WY variant reading q / k at their own H heads (grouped value heads)
+    return standard + [params_for(dtype, wy=True, grouped=True) for dtype in DTYPES]
 
 
 SPEC = KernelSpec(
