@@ -1,9 +1,9 @@
 """The bytes the torch glue of the Gated DeltaNet backward's kernel path writes
-(ops/gated_delta_rule_bwd.py `_backward_kernel`), counted on the CPU with the three kernels
-(0: factors, 1: state recurrence x 2, 2: chunk gradients) replaced by stubs that allocate their
-outputs uncounted: every aten op's newly written output bytes (views and plain allocations
-write none), attributed to the source line in forgekernel that called it, per token-head
-(token x value head).
+(ops/gated_delta_rule_bwd.py `_backward_kernel`), counted on the CPU with the kernels (0:
+factors, 1: state recurrence x 2, 2: chunk gradients, the q / k epilogue x 2) replaced by stubs
+that allocate their outputs uncounted: every aten op's newly written output bytes (views and
+plain allocations write none), attributed to the source line in forgekernel that called it, per
+token-head (token x value head).
 
     python3 scripts/gdn_bwd_glue_bytes.py            # 1 x 2048, H 2, HV 4, bf16, l2norm
     python3 scripts/gdn_bwd_glue_bytes.py --t 1000 --no-l2norm
@@ -104,9 +104,20 @@ def stub_kernels():
         z = torch.zeros
         return z(b, t, hv, dk), z(b, t, hv, dk), z(b, t, hv), z(b, t, hv, dv), z(b, t, hv)
 
-    names = ("_factors", "_state_recurrence", "_chunk_grads_wy")
-    saved = {n: getattr(bwd, n) for n in names}
-    for n, fn in zip(names, (factors, state, chunk_wy)):
+    def state16(do, pt, ke, qe, w, e_last, dht, out16=False, forward=False):
+        if not out16:
+            return state(do, pt, ke, qe, w, e_last, dht)
+        b, t, hv, dv = do.shape
+        nc = -(-t // 64)
+        return (do.new_zeros(b, t, hv, dv), do.new_zeros(b, nc, hv, ke.shape[-1], dv),
+                torch.zeros(b, hv, ke.shape[-1], dv))  # fmt: skip
+
+    def qk(dxs, x, scale, l2norm):
+        return torch.zeros_like(x)
+
+    names = ("_factors", "_state_recurrence", "_chunk_grads_wy", "_qk_grads")
+    saved = {n: getattr(bwd, n) for n in names if hasattr(bwd, n)}
+    for n, fn in zip(names, (factors, state16, chunk_wy, qk)):
         setattr(bwd, n, _quiet(fn))
     try:
         yield bwd

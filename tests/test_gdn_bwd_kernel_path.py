@@ -23,6 +23,7 @@ import forgekernel
 from forgekernel.reference.delta_rule_bwd import _Factors, _states
 from forgekernel.reference.gdn_bwd_chunk import chunk_grads_model, kernel_dg, wy_grads_model
 from forgekernel.reference.gdn_bwd_factors import factors_model, rounding_to
+from forgekernel.reference.gdn_bwd_norm import qk_grad_model
 from forgekernel.reference.gdn_bwd_state import (
     _layout,
     _per_chunk,
@@ -161,7 +162,22 @@ def emulated_factors_kernel(calls=None):
     return run
 
 
-def _both_emulated(monkeypatch, calls=None, chunk_calls=None, factor_calls=None):
+def emulated_norm_kernel(calls=None):
+    """The q / k epilogue's stand-in: its model (`qk_grad_model`) in fp64, the output in x's
+    dtype; calls recorded as (x's heads, dxs's heads, l2norm)."""
+
+    def run(dxs, x, scale, l2norm):
+        assert dxs.dtype == torch.float32 and dxs.shape[:2] == x.shape[:2]
+        assert dxs.shape[2] % x.shape[2] == 0
+        if calls is not None:
+            calls.append((x.shape[2], dxs.shape[2], l2norm))
+        return qk_grad_model(dxs.double(), x.double(), scale, l2norm, x.dtype)
+
+    return run
+
+
+def _both_emulated(monkeypatch, calls=None, chunk_calls=None, factor_calls=None, norm_calls=None):
+    monkeypatch.setattr(bwd, "_qk_grads", emulated_norm_kernel(norm_calls))
     monkeypatch.setattr(bwd, "_factors", emulated_factors_kernel(factor_calls))
     monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel(calls))
     monkeypatch.setattr(bwd, "_chunk_grads", emulated_chunk_kernel(chunk_calls))
@@ -292,6 +308,28 @@ def test_states16_are_the_fp32_states(monkeypatch, b, t, h, hv, l2norm, with_h0,
         monkeypatch.setattr(bwd, "STATES16", on)
         grads[on] = bwd._backward_kernel(*flat[:5], *args)
         assert FLAGS == ([(True, True), (True, False)] if on else [(False, False)] * 2)
+    for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads[True], grads[False]):
+        assert a.shape == r.shape and a.dtype == r.dtype, name
+        err = float((a - r).abs().max())
+        assert err <= 1e-5 * float(r.abs().max()) + 1e-7, (name, err)
+
+
+@pytest.mark.parametrize(("b", "t", "h", "hv", "l2norm", "with_h0", "with_dht"), CASES[:4])
+def test_norm_epilogue_is_the_torch_one(monkeypatch, b, t, h, hv, l2norm, with_h0, with_dht):
+    """The q / k epilogue (emulated: `qk_grad_model`) once for q, once for k, at H heads from
+    HV, gives the torch group sum and l2norm backward's gradients (NORM_IN_KERNEL off) to fp32
+    tolerance."""
+    q, k, v, g, beta, do, h0, dht = _inputs(b, t, h, hv, dk=32, dv=16, seed=t + 13,
+                                           dtype=torch.float32)  # fmt: skip
+    flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta, do)]
+    args = (h0 if with_h0 else None, flat[5], dht if with_dht else None, 0.2, False, l2norm, b)
+    grads = {}
+    for on in (True, False):
+        calls = []
+        _both_emulated(monkeypatch, norm_calls=calls)
+        monkeypatch.setattr(bwd, "NORM_IN_KERNEL", on)
+        grads[on] = bwd._backward_kernel(*flat[:5], *args)
+        assert calls == ([(h, hv, l2norm)] * 2 if on else [])
     for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads[True], grads[False]):
         assert a.shape == r.shape and a.dtype == r.dtype, name
         err = float((a - r).abs().max())

@@ -265,51 +265,59 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht):
     return dq, dk, dv, dg, dbeta, dh0
 
 
-def _inv_norm(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (..., D) fp32 -> (1 / ||x||, ||x||^2) (..., 1) with l2norm's eps inside the root, the
-    squares summed by a matmul (no (..., D) temporary)."""
-    sq = (x.unsqueeze(-2) @ x.unsqueeze(-1)).squeeze(-1) + L2NORM_EPS
-    return sq.rsqrt(), sq
-
-
 def _normalized(x, scale, l2norm, dtype):
-    """The device path's q / k side (B, T, H, D): (x scale / ||x|| in `dtype`, what its backward
-    needs: (x fp32, scale / ||x||, ||x||^2) or None without l2norm). One fp32 copy, one 16-bit
-    write (the fp32 one-pass form wrote 3-4 fp32 temporaries)."""
+    """The device path's q / k side (B, T, H, D) -> x scale / sqrt(x.x + eps) (l2norm) or x
+    scale, written once in `dtype` (the norm reduced in fp32 from x as it is: no fp32 copy;
+    the backward recomputes it from x)."""
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
     if not l2norm:
-        return (x * scale).to(dtype) if scale != 1.0 else x.to(dtype), None
-    xf = x.float()
-    inv, sq = _inv_norm(xf)
-    r = inv * scale
-    return torch.mul(xf, r, out=torch.empty(xf.shape, dtype=dtype, device=x.device)), (xf, r, sq)
+        return torch.mul(x, scale, out=out)
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+    return torch.mul(x, (norm.square() + L2NORM_EPS).rsqrt() * scale, out=out)
 
 
-def _normalized_backward(dsum, saved, scale, dtype):
-    """The gradient of x from that of x scale / ||x|| (dsum (B, T, H, D) fp32, summed over the
-    value heads; overwritten): scale / ||x|| (dsum - x (x . dsum) / ||x||^2) (l2norm) or
-    scale dsum, written once in `dtype`."""
-    out = torch.empty(dsum.shape, dtype=dtype, device=dsum.device)
-    if saved is None:
+def _qk_grads(dxs, x, scale, l2norm):
+    """The q / k epilogue (kernels/linear_attention/gdn_bwd_norm/sm90): dxs (B, T, HV, K) fp32
+    (kernel 2's dq or dk) -> the gradient of the op's input x (B, T, H, K) in x's dtype (group
+    sum, l2norm's backward, scale). The CPU tests put the model here."""
+    from forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90.launch import gdn_bwd_norm
+
+    return gdn_bwd_norm(dxs, x, scale, l2norm)
+
+
+# The group sum and l2norm's backward on the epilogue kernel (`_qk_grads`); False: torch
+# (`_normalized_backward`, ~1.75 KB a token-head more written).
+NORM_IN_KERNEL = True
+
+
+def _normalized_backward(dxs, x, scale, l2norm):
+    """`_qk_grads` in torch: the group sum, then scale / ||x|| (d - x (x . d) / ||x||^2)
+    (l2norm) or scale d, in x's dtype (the fallback)."""
+    h = x.shape[2]
+    dsum = dxs.unflatten(2, (h, dxs.shape[2] // h)).sum(3)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if not l2norm:
         return torch.mul(dsum, scale, out=out)
-    xf, r, sq = saved
+    xf = x.float()
+    sq = (xf.unsqueeze(-2) @ xf.unsqueeze(-1)).squeeze(-1) + L2NORM_EPS
     c = (xf.unsqueeze(-2) @ dsum.unsqueeze(-1)).squeeze(-1) / sq
-    return torch.mul(dsum.addcmul_(xf, c, value=-1), r, out=out)
+    return torch.mul(dsum.addcmul_(xf, c, value=-1), sq.rsqrt() * scale, out=out)
 
 
 def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b) -> Grads:
     """`_backward_kernel` on the device path with 16-bit kernel-1 outputs: q / k normalized,
     scaled and converted at H heads (`_normalized`), read there by kernels 0 and 2 (value head
     hv: head hv // (HV / H); no repeated copy), v and do passed as they are (strided head
-    slices), the group sum and l2norm's backward in
-    two fp32 writes and one 16-bit one (`_normalized_backward`), one pass: no concatenation."""
+    slices), the group sum, l2norm's backward and the scale on the epilogue kernel
+    (`_qk_grads`; NORM_IN_KERNEL False: torch), one pass: no concatenation."""
     h, hv, dtype = q.shape[1], v.shape[1], do.dtype
     t, group = q.shape[0] // b, hv // h
 
     def seq(x):
         return x.reshape(b, t, *x.shape[1:])
 
-    qs, q_saved = _normalized(seq(q), scale, l2norm, dtype)
-    ks, k_saved = _normalized(seq(k), 1.0, l2norm, dtype)
+    qs = _normalized(seq(q), scale, l2norm, dtype)
+    ks = _normalized(seq(k), 1.0, l2norm, dtype)
     v_side = [seq(v).to(dtype), seq(g).float(), seq(beta), seq(do)]
     step = max(1, TOKEN_HEADS_PER_PASS // max(1, b * t * group))
     parts = []
@@ -322,8 +330,9 @@ def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b) -> Grads:
     grads = parts[0] if len(parts) == 1 else [torch.cat(x, dim=1 if i == 5 else 2)
                                               for i, x in enumerate(zip(*parts))]  # fmt: skip
     dqs, dks, dv, dg, dbeta, dh0 = grads
-    dq = _normalized_backward(dqs.unflatten(2, (h, group)).sum(3), q_saved, scale, q.dtype)
-    dk = _normalized_backward(dks.unflatten(2, (h, group)).sum(3), k_saved, 1.0, k.dtype)
+    epilogue = _qk_grads if NORM_IN_KERNEL else _normalized_backward
+    dq = epilogue(dqs, seq(q), scale, l2norm)
+    dk = epilogue(dks, seq(k), 1.0, l2norm)
     rest = (x.flatten(0, 1).to(like.dtype) for x, like in zip((dv, dg, dbeta), (v, g, beta)))
     return (dq.flatten(0, 1), dk.flatten(0, 1), *rest, dh0)
 
