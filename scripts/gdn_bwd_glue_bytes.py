@@ -98,11 +98,12 @@ def stub_kernels():
         return (torch.zeros(b, t, hv, dv), torch.zeros(b, nc, hv, dv, ke.shape[-1]),
                 torch.zeros(b, hv, ke.shape[-1], dv))  # fmt: skip
 
-    def chunk_wy(do, u, du, q, k, h, dh, big_g, *rest, **kw):
+    def chunk_wy(do, u, du, q, k, h, dh, big_g, *rest, dv16=False):
         b, t, hv, dv = do.shape
         dk = q.shape[-1]
         z = torch.zeros
-        return z(b, t, hv, dk), z(b, t, hv, dk), z(b, t, hv), z(b, t, hv, dv), z(b, t, hv)
+        dv_out = do.new_zeros(b, t, hv, dv) if dv16 else z(b, t, hv, dv)
+        return z(b, t, hv, dk), z(b, t, hv, dk), z(b, t, hv), dv_out, z(b, t, hv)
 
     def state16(do, pt, ke, qe, w, e_last, dht, out16=False, forward=False):
         if not out16:

@@ -159,6 +159,15 @@ def test_launcher_checks():
         check_inputs(x16, x16, x16, two, two, st, st, big_g)
     tt = torch.zeros(b, t, hv, 64, dtype=torch.bfloat16)
     check_wy_inputs(x16, x16, tt, x16, x16, x16, big_g)
+    from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90 import config
+    from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.launch import empty_wy_outputs
+
+    assert empty_wy_outputs(x16, 128, dv16=True)[3].dtype == torch.bfloat16
+    assert empty_wy_outputs(x16, 128)[3].dtype == torch.float32
+    assert dict(config.params_for("bfloat16", wy=True)) == {"dtype": "bfloat16", "k": 128,
+                                                             "v": 128, "wy": True}  # fmt: skip
+    with pytest.raises(ValueError, match="dv16 needs wy"):
+        config.params_for("bfloat16", dv16=True)
     with pytest.raises(ValueError):
         check_wy_inputs(x16, x16, x16, x16, x16, x16, big_g)  # T^T tile 128 wide
     with pytest.raises(TypeError):

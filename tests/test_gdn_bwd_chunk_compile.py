@@ -39,9 +39,9 @@ CONFIGS = [(dtype, wy) for dtype in config.DTYPES for wy in (False, True)]
 def compiled():
     cache = {}
 
-    def get(dtype, wy, grouped=False):
-        if (dtype, wy, grouped) not in cache:
-            params = dict(config.params_for(dtype, wy=wy, grouped=grouped))
+    def get(dtype, wy, grouped=False, dv16=False):
+        if (dtype, wy, grouped, dv16) not in cache:
+            params = dict(config.params_for(dtype, wy=wy, grouped=grouped, dv16=dv16))
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_gdn_bwd_chunk(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -52,9 +52,9 @@ def compiled():
                     cubin = Path(d, "k.cubin")
                 res = inspect_cubin(cubin)
                 sass = sass_text(cubin)
-            cache[dtype, wy, grouped] = (res, sass_instructions(sass),
-                                         kernel.shared_storage.size_in_bytes())  # fmt: skip
-        return cache[dtype, wy, grouped]
+            cache[dtype, wy, grouped, dv16] = (res, sass_instructions(sass),
+                                               kernel.shared_storage.size_in_bytes())  # fmt: skip
+        return cache[dtype, wy, grouped, dv16]
 
     return get
 
@@ -105,3 +105,20 @@ def test_grouped_wy_resources(compiled, dtype):
     for prefix in ("HGMMA", "UTMALDG", "STSM", "SHFL", "STG", "MUFU.EX2"):
         got = sorted(op for op, _ in instrs if op.startswith(prefix))
         assert got == sorted(op for op, _ in base_instrs if op.startswith(prefix)), prefix
+
+
+@pytest.mark.parametrize("dtype", config.DTYPES)
+def test_dv16_resources(compiled, dtype):
+    """`dv16` with `grouped` (the op's key): the WY variant's registers and shared memory, no
+    spill; dv's 32 fp32 pair stores (STG.E.64) become 32 packed 16-bit pair stores (STG.E)."""
+    res, instrs, smem = compiled(dtype, True, True, True)
+    base_res, base_instrs, _ = compiled(dtype, True, True)
+    assert res["spill_bytes"] == 0
+    assert not [op for op, _ in instrs if op.startswith(("LDL", "STL"))]
+    assert res["registers"] == base_res["registers"] and smem == SMEM[True]
+    ops, base_ops = [op for op, _ in instrs], [op for op, _ in base_instrs]
+    assert ops.count("STG.E.64") == base_ops.count("STG.E.64") - 32
+    assert ops.count("STG.E") == base_ops.count("STG.E") + 32
+    for prefix in ("HGMMA", "UTMALDG", "STSM", "SHFL"):
+        got = sorted(op for op in ops if op.startswith(prefix))
+        assert got == sorted(op for op in base_ops if op.startswith(prefix)), prefix

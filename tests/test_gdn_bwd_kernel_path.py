@@ -123,7 +123,7 @@ def emulated_chunk_wy_kernel(calls=None):
     dPD, dw, dkb, dvb and M rounded to the tiles' dtype where it is 16-bit, fp32 outputs."""
     first = emulated_chunk_kernel(calls)
 
-    def run(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta):
+    def run(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, dv16=False):
         for x in (tt, w, uw, v):  # kernel 0's outputs cut to T tokens: strided views (TMA)
             assert x.stride(-1) == 1 and x.dtype == do.dtype and x.shape[:3] == do.shape[:3]
         assert beta.dtype == torch.float32 and beta.shape == do.shape[:3]
@@ -138,7 +138,11 @@ def emulated_chunk_wy_kernel(calls=None):
         wide = [x.double() for x in (du, k, h, big_g, tt, w, uw, v, beta)]
         dq, dk, dg, te, dv, dbeta = wy_grads_model(outs, *wide, r, r)
         dg = kernel_dg(dg, te, h.double(), dh.double(), big_g.double())
-        return tuple(x.float() for x in (dq, dk, dg, dv, dbeta))
+        dq, dk, dg, dv, dbeta = (x.float() for x in (dq, dk, dg, dv, dbeta))
+        if dv16:  # the kernel's 16-bit dv
+            DV16.append(do.dtype)
+            dv = dv.to(do.dtype)
+        return dq, dk, dg, dv, dbeta
 
     return run
 
@@ -383,12 +387,14 @@ def kernel_path(monkeypatch):
     CHUNK_CALLS.clear()
     FACTOR_CALLS.clear()
     FLAGS.clear()
+    DV16.clear()
     monkeypatch.setattr(bwd, "check_cuda", lambda name, t: None)
     return calls
 
 
 CHUNK_CALLS: list = []  # kernel 2's launches under the kernel_path fixture (their dtypes)
 FLAGS: list = []  # kernel 1's (out16, forward) a launch, whenever its emulation records calls
+DV16: list = []  # kernel 2's dv16 launches (their dtypes)
 FACTOR_CALLS: list = []  # kernel 0's, likewise
 
 
@@ -419,6 +425,7 @@ def test_explicit_backward_on_the_kernel_path(kernel_path, b, t, h, hv):
     assert kernel_path == [torch.bfloat16, torch.bfloat16] and CHUNK_CALLS == [torch.bfloat16]
     assert FACTOR_CALLS == [torch.bfloat16]
     assert FLAGS == [(True, True), (True, False)]  # 16-bit outputs; the forward variant first
+    assert DV16 == [torch.bfloat16]  # dv in 16 bits from kernel 2
     want = _fp64_grads([q, k, v, g, beta, h0], None, do, dht, l2norm=True, with_state=True)
     for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
         err = float((a.double() - r).abs().max())

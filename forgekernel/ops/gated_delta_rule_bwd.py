@@ -146,13 +146,13 @@ def _chunk_grads(do, u, du, q, k, h, dh, big_g):
 WY_IN_KERNEL = True
 
 
-def _chunk_grads_wy(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta):
+def _chunk_grads_wy(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, **flags):
     """Kernel 2, WY variant (all of pass 3): (dq, dk (B, T, HV, K), dG (B, T, HV, the reverse
-    cumsum done), dv (B, T, HV, V), dbeta (B, T, HV)) fp32. The CPU tests put the tile
-    emulation here."""
+    cumsum done), dv (B, T, HV, V), dbeta (B, T, HV)) fp32 (`flags` dv16: dv in do's dtype).
+    The CPU tests put the tile emulation here."""
     from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.launch import gdn_bwd_chunk_wy
 
-    return gdn_bwd_chunk_wy(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta)
+    return gdn_bwd_chunk_wy(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, **flags)
 
 
 PAD_WASTE_LIMIT = 4  # varlen: padded chunks / real chunks above which the interim path runs
@@ -267,7 +267,8 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht):
     k2 = for_kernel2(out, t)
     wide = beta.to(torch.promote_types(beta.dtype, torch.float32))
     tiles = (do, u16[:, :t], du16, qs, ks, h16, dh16, k2["big_g"])
-    dq, dk, dg, dv, dbeta = _chunk_grads_wy(*tiles, k2["tt"], k2["w"], k2["u"], v, wide)
+    dq, dk, dg, dv, dbeta = _chunk_grads_wy(*tiles, k2["tt"], k2["w"], k2["u"], v, wide,
+                                            dv16=True)  # fmt: skip
     return dq, dk, dv, dg, dbeta, dh0
 
 

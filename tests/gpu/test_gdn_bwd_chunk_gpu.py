@@ -55,9 +55,9 @@ def _problem(b, t, hv, dtype, seed=0, group=1):
     return f, do, to_chunks(do, nc), h, dh, big_u, d_u, qs, ks, g, v, beta
 
 
-def _launch(p, dtype, wy, strided=False, group=1):
+def _launch(p, dtype, wy, strided=False, group=1, dv16=False):
     """The kernel on `_problem` p's tiles in `dtype`, outputs NaN-poisoned first; `group`: q, k
-    passed at their HV / group heads (the `grouped` key)."""
+    passed at their HV / group heads (the `grouped` key); `dv16`: dv in `dtype`."""
     f, do, _, h, dh, big_u, d_u, qs, ks, g, v, beta = p
     tiles = list(chunk_grad_tiles(qs, ks, do, big_u, d_u, h, dh, g, dtype))
     tiles[-1] = tiles[-1].float()
@@ -70,8 +70,8 @@ def _launch(p, dtype, wy, strided=False, group=1):
         return gdn_bwd_chunk(*tiles, out=out)
     extra = list(wy_tiles(f, v, beta, dtype))
     extra[-1] = extra[-1].float()
-    out = tuple(x.fill_(float("nan")) for x in empty_wy_outputs(tiles[0], 128))
-    return gdn_bwd_chunk_wy(*tiles, *extra, out=out)
+    out = tuple(x.fill_(float("nan")) for x in empty_wy_outputs(tiles[0], 128, dv16))
+    return gdn_bwd_chunk_wy(*tiles, *extra, out=out, dv16=dv16)
 
 
 def _close(name, got, want, tol):
@@ -104,6 +104,20 @@ def test_grouped_heads(wy, t):
     p = _problem(2, t, 4, torch.bfloat16, seed=t, group=2)
     for name, a, r in zip(NAMES[wy], _launch(p, torch.bfloat16, wy, group=2),
                           _launch(p, torch.bfloat16, wy)):  # fmt: skip
+        torch.testing.assert_close(a, r, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("t", [1, 65, 1000])
+@pytest.mark.parametrize("group", [1, 2])
+def test_dv16(t, group):
+    """`dv16` (the op's path, with `grouped` too): dv written in 16 bits is the fp32 call's dv
+    rounded once; the other outputs are the fp32 call's exactly."""
+    p = _problem(2, t, 4, torch.bfloat16, seed=t + group, group=group)
+    got = _launch(p, torch.bfloat16, True, group=group, dv16=True)
+    want = _launch(p, torch.bfloat16, True, group=group)
+    assert got[3].dtype == torch.bfloat16
+    for i, (name, a, r) in enumerate(zip(NAMES[True], got, want)):
+        r = r.to(torch.bfloat16) if i == 3 else r
         torch.testing.assert_close(a, r, rtol=0, atol=0, msg=name)
 
 

@@ -70,11 +70,12 @@ def _poisoned_chunk_kernel(calls):
 def _poisoned_chunk_wy_kernel(calls):
     """Kernel 2's WY variant with its outputs NaN-poisoned first; calls as ("k2wy", shape)."""
 
-    def run(do, u, du, q, k, h, dh, big_g, *wy):
+    def run(do, u, du, q, k, h, dh, big_g, *wy, dv16=False):
         out = tuple(x.fill_(float("nan"))
-                    for x in chunk_launch.empty_wy_outputs(do, q.shape[-1]))  # fmt: skip
+                    for x in chunk_launch.empty_wy_outputs(do, q.shape[-1], dv16))  # fmt: skip
         calls.append(("k2wy", tuple(do.shape)))
-        return chunk_launch.gdn_bwd_chunk_wy(do, u, du, q, k, h, dh, big_g, *wy, out=out)
+        return chunk_launch.gdn_bwd_chunk_wy(do, u, du, q, k, h, dh, big_g, *wy, out=out,
+                                             dv16=dv16)  # fmt: skip
 
     return run
 
@@ -326,12 +327,13 @@ def test_time_at_bench_size(kernel_path, monkeypatch, varlen):
 
     monkeypatch.setattr(bwd, "_state_recurrence", k1)
     k2 = chunk_launch.gdn_bwd_chunk_wy
-    monkeypatch.setattr(bwd, "_chunk_grads_wy", lambda *a: chunk_args.append(a) or k2(*a))
+    monkeypatch.setattr(bwd, "_chunk_grads_wy",
+                        lambda *a, **kw: chunk_args.append((a, kw)) or k2(*a, **kw))  # fmt: skip
     forgekernel.gated_delta_rule_backward(*args, **kw)
     launches = [median(time_ms(lambda a=a, kw=kw: gdn_bwd_state(*a, **kw), reps=10))
                 for a, kw in kernel_args]  # fmt: skip
-    chunk = [median(time_ms(lambda a=a: k2(*a), reps=10))
-             for a in chunk_args]  # fmt: skip
+    chunk = [median(time_ms(lambda a=a, kw=kw: k2(*a, **kw), reps=10))
+             for a, kw in chunk_args]  # fmt: skip
     factors = [median(time_ms(lambda a=a: k0(*a), reps=10)) for a in factor_args]
     norms = [median(time_ms(lambda a=a: kn(*a), reps=10)) for a in norm_args]
     form = "varlen" if varlen else "B = 4"

@@ -659,7 +659,10 @@ class GdnBwdChunkSm90:
         for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
             if c * CHUNK + row_base + t0[r, 0][0] < seqlen:
                 for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
-                    g[r, j] = a[r, j]
+                    if const_expr(mOut.element_type != Float32):  # dv16: dv in 16 bits
+                        g[r, j] = a[r, j].to(mOut.element_type)
+                    else:
+                        g[r, j] = a[r, j]
 
     @cute.jit
     def _store_vec(self, vals, t0, row_w, tid, mOut, b, hv, first, seqlen):

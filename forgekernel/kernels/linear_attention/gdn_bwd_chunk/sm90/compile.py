@@ -51,8 +51,9 @@ def compile_gdn_bwd_chunk(params: dict, arch: str = "sm_90a", extra_options: str
         fake.rowmajor(f32, (b, t, hv, kd), divisibility=4),
         None if wy else fake.rowmajor(f32, (b, t, hv, kd), divisibility=4),
         vec(),
-        *((tok(64), tok(kd), tok(vd), tok(vd), vec(), fake.rowmajor(f32, (b, t, hv, vd),
-          divisibility=4), vec()) if wy else (None,) * 7),
+        *((tok(64), tok(kd), tok(vd), tok(vd), vec(),
+           fake.rowmajor(dtype if params.get("dv16", False) else f32, (b, t, hv, vd),
+                         divisibility=4), vec()) if wy else (None,) * 7),
         fake.stream(),
         options=fake.options(arch, extra_options),
     )  # fmt: skip

@@ -102,13 +102,14 @@ def check_wy_inputs(do, q, tt, w, uw, v, beta) -> None:
                          f"{tuple(beta.shape)}")  # fmt: skip
 
 
-def empty_wy_outputs(do: torch.Tensor, k: int) -> WyOutputs:
-    """(dq, dk (B, T, HV, K), dg (B, T, HV), dv (B, T, HV, V), dbeta (B, T, HV)) fp32."""
+def empty_wy_outputs(do: torch.Tensor, k: int, dv16: bool = False) -> WyOutputs:
+    """(dq, dk (B, T, HV, K), dg (B, T, HV), dv (B, T, HV, V), dbeta (B, T, HV)) fp32 (`dv16`:
+    dv in do's dtype)."""
     b, t, hv, v = do.shape
     f32 = {"dtype": torch.float32, "device": do.device}
+    dv = torch.empty(b, t, hv, v, dtype=do.dtype if dv16 else torch.float32, device=do.device)
     return (torch.empty(b, t, hv, k, **f32), torch.empty(b, t, hv, k, **f32),
-            torch.empty(b, t, hv, **f32), torch.empty(b, t, hv, v, **f32),
-            torch.empty(b, t, hv, **f32))  # fmt: skip
+            torch.empty(b, t, hv, **f32), dv, torch.empty(b, t, hv, **f32))  # fmt: skip
 
 
 def gdn_bwd_chunk_wy(
@@ -127,23 +128,27 @@ def gdn_bwd_chunk_wy(
     beta: torch.Tensor,
     *,
     out: WyOutputs | None = None,
+    dv16: bool = False,
 ) -> WyOutputs:
     """All of pass 3 per chunk: `gdn_bwd_chunk`'s products, then the WY half from dw on chip
     ([dkb dvb] = T^T [dw du], dv = beta dvb, dA, M = beta (dA o D), dk += beta e^G dkb + M k +
     M^T k, dbeta, dG's WY rows). Extra inputs: tt (B, T, HV, 64) (row j of a chunk: column j
     of T = L^-1), w (B, T, HV, K), uw (B, T, HV, V) (the forward's w, u), v (B, T, HV, V) in
     do's dtype; beta (B, T, HV) fp32. Returns (dq, dk, dg (pass 3's dG, the reverse cumsum
-    within the chunk done), dv, dbeta) fp32, into `out` (contiguous) when given."""
+    within the chunk done), dv, dbeta) fp32 (`dv16`: dv in do's dtype), into `out` (contiguous)
+    when given."""
     b, t, hv, _ = check_inputs(do, u, du, q, k, h, dh, big_g)
     check_wy_inputs(do, q, tt, w, uw, v, beta)
-    outs = empty_wy_outputs(do, q.shape[-1]) if out is None else out
-    for x in outs:
-        if not x.is_contiguous() or x.dtype != torch.float32:
-            raise ValueError("out must be contiguous float32 tensors")
+    outs = empty_wy_outputs(do, q.shape[-1], dv16) if out is None else out
+    want = [torch.float32] * 5
+    want[3] = do.dtype if dv16 else torch.float32
+    for x, dt in zip(outs, want):
+        if not x.is_contiguous() or x.dtype != dt:
+            raise ValueError(f"out must be contiguous tensors of dtypes {want}")
     if b * hv * t == 0:
         return outs
     params = params_for(dtype_name(do.dtype), (q.shape[-1], do.shape[-1]), wy=True,
-                        grouped=q.shape[2] != hv)  # fmt: skip
+                        grouped=q.shape[2] != hv, dv16=dv16)  # fmt: skip
     fn = get_kernel(SPEC, params)
     tiles = [as_tma_ready(x) for x in (do, u, du, q, k, h, dh)]
     extra = [as_tma_ready(x) for x in (tt, w, uw)]
