@@ -34,8 +34,9 @@ defaults): kernel 1 writes U, h and dU, dS in kernel 2's 16-bit forms (`out16`; 
 launch the `forward` variant: P^T = I, Qe = 0 built in, outputs in chunk order), kernel 2 reads
 q, k at their H heads (`grouped`), and the q / k epilogue kernel (kernels/linear_attention/
 gdn_bwd_norm/sm90, `reference.gdn_bwd_norm` its model) does the group sum over the value heads,
-l2norm's backward and the scale: torch is left with q, k normalized and scaled into 16 bits and
-dv's cast (~0.5 KB a token-head written; NOTES.md "GDN backward: the torch glue"). The kernels
+l2norm's backward and the scale, kernel 2 writes dv in 16 bits (`dv16`): torch is left with q,
+k normalized and scaled into 16 bits (~0.27 KB a token-head written; NOTES.md "GDN backward:
+the torch glue"). The kernels
 take equal-length sequences ((B, T, HV, D) tiles): the explicit backward without
 cu_seqlens, autograd of `gated_delta_rule` without cu_seqlens (the offsets it made are
 known equal: `gated_delta_rule_chunked.equal_lengths`) and one sequence run with no host read
@@ -109,7 +110,7 @@ KERNEL_SWITCH = "FORGEKERNEL_GDN_BWD_KERNEL"
 # allocated over the pass, ~25 KB live at the peak with pass 3 in torch (CPU profile and
 # resident set at K = V = 128): ~26 GB at 2^20 (4 x 8192 HV 32 is one pass; 8 x 32768 HV 32
 # eight). With pass 3 on kernel 2: ~33 KB a token-head written (dispatch count), with the
-# factors on kernel 0 too ~14 KB, with kernel 1's 16-bit outputs and the q / k epilogue ~0.5 KB
+# factors on kernel 0 too ~14 KB, with kernel 1's 16-bit outputs and the q / k epilogue ~0.3 KB
 # (scripts/gdn_bwd_glue_bytes.py); peak not re-measured (at most the old one).
 TOKEN_HEADS_PER_PASS = 2**20
 TILE_DTYPES = (torch.float16, torch.bfloat16)
