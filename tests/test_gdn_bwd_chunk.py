@@ -104,6 +104,32 @@ def test_emulation_rounded(t, dtype, wy):
         assert err <= 2e-2 * float(r.abs().max()), (name, err, float(r.abs().max()))
 
 
+@pytest.mark.parametrize("t", [1, 65, 200])
+def test_grouped_heads_are_the_repeated_ones(t):
+    """q, k at H < HV heads (the kernel's `grouped` key): the model reads head hv // (HV / H),
+    exactly the HV-repeated tensors' result (both halves)."""
+    gen = torch.Generator().manual_seed(t)
+    b, h, hv, nc = 2, 2, 6, -(-t // 64)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    do, u, du = rnd(b, t, hv, 8), rnd(b, t, hv, 8), rnd(b, t, hv, 8)
+    q, k = rnd(b, t, h, 16), rnd(b, t, h, 16)
+    st, dst = rnd(b, nc, hv, 16, 8), rnd(b, nc, hv, 16, 8)
+    big_g = -torch.rand(b, t, hv, generator=gen, dtype=torch.float64).cumsum(1) * 0.1
+    qr, kr = (x.repeat_interleave(hv // h, dim=2) for x in (q, k))
+    grouped = chunk_grads_model(do, u, du, q, k, st, dst, big_g)
+    repeated = chunk_grads_model(do, u, du, qr, kr, st, dst, big_g)
+    for a, r in zip(grouped, repeated):
+        assert torch.equal(a, r)
+    tt, w, uw, v = rnd(b, t, hv, 64), rnd(b, t, hv, 16), rnd(b, t, hv, 8), rnd(b, t, hv, 8)
+    beta = torch.rand(b, t, hv, generator=gen, dtype=torch.float64)
+    for a, r in zip(wy_grads_model(grouped, du, k, st, big_g, tt, w, uw, v, beta),
+                    wy_grads_model(repeated, du, kr, st, big_g, tt, w, uw, v, beta)):  # fmt: skip
+        assert torch.equal(a, r)
+
+
 def test_launcher_checks():
     from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.launch import (
         check_inputs,
@@ -124,8 +150,24 @@ def test_launcher_checks():
     with pytest.raises(ValueError):
         small = torch.zeros(b, t, hv, 64, dtype=torch.bfloat16)
         check_inputs(x16, x16, x16, small, small, st, st, big_g)
+    one = torch.zeros(b, t, 1, 128, dtype=torch.bfloat16)  # grouped: H = 1 divides HV = 3
+    assert check_inputs(x16, x16, x16, one, one, st, st, big_g) == (b, t, hv, nc)
+    with pytest.raises(ValueError, match="k must be"):
+        check_inputs(x16, x16, x16, one, x16, st, st, big_g)
+    with pytest.raises(ValueError, match="q must be"):
+        two = torch.zeros(b, t, 2, 128, dtype=torch.bfloat16)  # 2 does not divide 3
+        check_inputs(x16, x16, x16, two, two, st, st, big_g)
     tt = torch.zeros(b, t, hv, 64, dtype=torch.bfloat16)
     check_wy_inputs(x16, x16, tt, x16, x16, x16, big_g)
+    from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90 import config
+    from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.launch import empty_wy_outputs
+
+    assert empty_wy_outputs(x16, 128, dv16=True)[3].dtype == torch.bfloat16
+    assert empty_wy_outputs(x16, 128)[3].dtype == torch.float32
+    assert dict(config.params_for("bfloat16", wy=True)) == {"dtype": "bfloat16", "k": 128,
+                                                             "v": 128, "wy": True}  # fmt: skip
+    with pytest.raises(ValueError, match="dv16 needs wy"):
+        config.params_for("bfloat16", dv16=True)
     with pytest.raises(ValueError):
         check_wy_inputs(x16, x16, x16, x16, x16, x16, big_g)  # T^T tile 128 wide
     with pytest.raises(TypeError):

@@ -19,6 +19,8 @@ import pytest
 
 pytest.importorskip("cutlass")
 
+from dsl_toolchain import dsl_toolchain  # noqa: E402
+
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY  # noqa: E402
 from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90 import config  # noqa: E402
 from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.compile import (  # noqa: E402
@@ -39,9 +41,9 @@ CONFIGS = [(dtype, wy) for dtype in config.DTYPES for wy in (False, True)]
 def compiled():
     cache = {}
 
-    def get(dtype, wy):
-        if (dtype, wy) not in cache:
-            params = dict(config.params_for(dtype, wy=wy))
+    def get(dtype, wy, grouped=False, dv16=False):
+        if (dtype, wy, grouped, dv16) not in cache:
+            params = dict(config.params_for(dtype, wy=wy, grouped=grouped, dv16=dv16))
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_gdn_bwd_chunk(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -52,9 +54,9 @@ def compiled():
                     cubin = Path(d, "k.cubin")
                 res = inspect_cubin(cubin)
                 sass = sass_text(cubin)
-            cache[dtype, wy] = (res, sass_instructions(sass),
-                                kernel.shared_storage.size_in_bytes())  # fmt: skip
-        return cache[dtype, wy]
+            cache[dtype, wy, grouped, dv16] = (res, sass_instructions(sass),
+                                               kernel.shared_storage.size_in_bytes())  # fmt: skip
+        return cache[dtype, wy, grouped, dv16]
 
     return get
 
@@ -89,3 +91,38 @@ def test_wgmmas_and_tma(compiled, dtype, wy):
     assert ops.count("STSM.16.MT88.4") == 4 + 4 * wy
     assert ops.count("STSM.16.M88.4") == 8 * wy
     assert ops.count("SHFL.BFLY") == 17 + 20 * wy
+
+
+@pytest.mark.parametrize("dtype", config.DTYPES)
+def test_grouped_wy_resources(compiled, dtype):
+    """`grouped` (q, k read at head hv // (HV / H), the op's path): the WY variant's registers,
+    shared memory, products and loads unchanged, no spill; only the producer's head index
+    differs (one integer division a CTA: a MUFU.RCP more)."""
+    res, instrs, smem = compiled(dtype, True, True)
+    base_res, base_instrs, base_smem = compiled(dtype, True)
+    assert res["spill_bytes"] == 0
+    assert not [op for op, _ in instrs if op.startswith(("LDL", "STL"))]
+    assert res["registers"] == base_res["registers"] and smem == base_smem == SMEM[True]
+    assert res["registers"] <= REGISTERS[True]
+    for prefix in ("HGMMA", "UTMALDG", "STSM", "SHFL", "STG", "MUFU.EX2"):
+        got = sorted(op for op, _ in instrs if op.startswith(prefix))
+        assert got == sorted(op for op, _ in base_instrs if op.startswith(prefix)), prefix
+
+
+@pytest.mark.parametrize("dtype", config.DTYPES)
+def test_dv16_resources(compiled, dtype):
+    """`dv16` with `grouped` (the op's key): the WY variant's registers and shared memory, no
+    spill; dv's 32 fp32 pair stores (STG.E.64) become 32 packed 16-bit pair stores (STG.E)."""
+    res, instrs, smem = compiled(dtype, True, True, True)
+    base_res, base_instrs, _ = compiled(dtype, True, True)
+    assert res["spill_bytes"] == 0
+    assert not [op for op, _ in instrs if op.startswith(("LDL", "STL"))]
+    assert res["registers"] == base_res["registers"] and smem == SMEM[True]
+    ops, base_ops = [op for op, _ in instrs], [op for op, _ in base_instrs]
+    assert ops.count("STG.E.64") < base_ops.count("STG.E.64")
+    if dsl_toolchain() == "cu13":
+        assert ops.count("STG.E.64") == base_ops.count("STG.E.64") - 32
+        assert ops.count("STG.E") == base_ops.count("STG.E") + 32
+    for prefix in ("HGMMA", "UTMALDG", "STSM", "SHFL"):
+        got = sorted(op for op in ops if op.startswith(prefix))
+        assert got == sorted(op for op in base_ops if op.startswith(prefix)), prefix

@@ -23,6 +23,7 @@ import forgekernel
 from forgekernel.reference.delta_rule_bwd import _Factors, _states
 from forgekernel.reference.gdn_bwd_chunk import chunk_grads_model, kernel_dg, wy_grads_model
 from forgekernel.reference.gdn_bwd_factors import factors_model, rounding_to
+from forgekernel.reference.gdn_bwd_norm import qk_grad_model
 from forgekernel.reference.gdn_bwd_state import (
     _layout,
     _per_chunk,
@@ -31,6 +32,7 @@ from forgekernel.reference.gdn_bwd_state import (
     corrected_values,
     forward_state_tiles,
     forward_states,
+    out16_forms,
     reverse_state_pass,
     state_pass_factors,
 )
@@ -57,13 +59,22 @@ def emulated_kernel(calls=None):
     """kernel 1's stand-in: the tile emulation in fp64, the register operands rounded to the
     tiles' dtype where it is 16-bit, fp32 outputs (the launcher's)."""
 
-    def run(do, pt, ke, qe, w, e_last, dht):
-        for x in (do, pt, ke, qe, w):
-            assert x.is_contiguous() and x.dtype == do.dtype and x.shape[:3] == do.shape[:3]
-        assert e_last.dtype == torch.float32 and e_last.shape == (do.shape[0], -(-do.shape[1]
-                                                                  // 64), do.shape[2])  # fmt: skip
+    def run(do, pt, ke, qe, w, e_last, dht, out16=False, forward=False):
+        assert out16 or not forward
+        assert (pt is None and qe is None) == forward  # the forward variant builds I and 0 in
+        if forward:
+            b, rows, hv, _ = do.shape
+            eye = torch.eye(64, dtype=do.dtype).view(1, 1, 64, 1, 64)
+            pt = eye.expand(b, rows // 64, 64, hv, 64).reshape(b, rows, hv, 64)
+            qe = torch.zeros_like(ke)
         if calls is not None:
             calls.append(do.dtype)
+            FLAGS.append((out16, forward))
+        # strided views allowed (TMA reads them in place): head slices, kernel 0's tiles cut to T
+        for x in (do, pt, ke, qe, w):
+            assert x.stride(-1) == 1 and x.dtype == do.dtype and x.shape[:3] == do.shape[:3]
+        assert e_last.dtype == torch.float32 and e_last.shape == (do.shape[0], -(-do.shape[1]
+                                                                  // 64), do.shape[2])  # fmt: skip
         low = do.dtype in (torch.float16, torch.bfloat16)
 
         def rounding(x):
@@ -72,7 +83,10 @@ def emulated_kernel(calls=None):
         factors = {n: x.double() for n, x in zip(TILES, (pt, ke, qe, w))}
         factors["e_last"] = e_last.double()
         dst = None if dht is None else dht.double()
-        return tuple(x.float() for x in tile_model(factors, do.double(), dst, rounding))
+        du, dh, dh0 = (x.float() for x in tile_model(factors, do.double(), dst, rounding))
+        if out16:  # the kernel's 16-bit forms (fp32 where the test runs fp32 tiles)
+            du, dh = out16_forms(du, dh, do.dtype, forward)
+        return du, dh, dh0
 
     return run
 
@@ -83,8 +97,8 @@ def emulated_chunk_kernel(calls=None):
     dG); raw: the model's (dq, dk, dw, dg rows, te) in fp64 (the WY variant's first half)."""
 
     def run(do, u, du, q, k, h, dh, big_g, raw=False):
-        for x in (do, u, du, q, k, h, dh):
-            assert x.is_contiguous() and x.dtype == do.dtype
+        for x in (do, u, du, q, k, h, dh):  # strided views allowed (TMA)
+            assert x.stride(-1) == 1 and x.dtype == do.dtype
         assert big_g.dtype == torch.float32 and big_g.shape == do.shape[:3]
         nc = -(-do.shape[1] // 64)
         assert h.shape == dh.shape == (do.shape[0], nc, do.shape[2], q.shape[-1], do.shape[-1])
@@ -109,7 +123,7 @@ def emulated_chunk_wy_kernel(calls=None):
     dPD, dw, dkb, dvb and M rounded to the tiles' dtype where it is 16-bit, fp32 outputs."""
     first = emulated_chunk_kernel(calls)
 
-    def run(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta):
+    def run(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, dv16=False):
         for x in (tt, w, uw, v):  # kernel 0's outputs cut to T tokens: strided views (TMA)
             assert x.stride(-1) == 1 and x.dtype == do.dtype and x.shape[:3] == do.shape[:3]
         assert beta.dtype == torch.float32 and beta.shape == do.shape[:3]
@@ -124,7 +138,11 @@ def emulated_chunk_wy_kernel(calls=None):
         wide = [x.double() for x in (du, k, h, big_g, tt, w, uw, v, beta)]
         dq, dk, dg, te, dv, dbeta = wy_grads_model(outs, *wide, r, r)
         dg = kernel_dg(dg, te, h.double(), dh.double(), big_g.double())
-        return tuple(x.float() for x in (dq, dk, dg, dv, dbeta))
+        dq, dk, dg, dv, dbeta = (x.float() for x in (dq, dk, dg, dv, dbeta))
+        if dv16:  # the kernel's 16-bit dv
+            DV16.append(do.dtype)
+            dv = dv.to(do.dtype)
+        return dq, dk, dg, dv, dbeta
 
     return run
 
@@ -148,7 +166,22 @@ def emulated_factors_kernel(calls=None):
     return run
 
 
-def _both_emulated(monkeypatch, calls=None, chunk_calls=None, factor_calls=None):
+def emulated_norm_kernel(calls=None):
+    """The q / k epilogue's stand-in: its model (`qk_grad_model`) in fp64, the output in x's
+    dtype; calls recorded as (x's heads, dxs's heads, l2norm)."""
+
+    def run(dxs, x, scale, l2norm):
+        assert dxs.dtype == torch.float32 and dxs.shape[:2] == x.shape[:2]
+        assert dxs.shape[2] % x.shape[2] == 0
+        if calls is not None:
+            calls.append((x.shape[2], dxs.shape[2], l2norm))
+        return qk_grad_model(dxs.double(), x.double(), scale, l2norm, x.dtype)
+
+    return run
+
+
+def _both_emulated(monkeypatch, calls=None, chunk_calls=None, factor_calls=None, norm_calls=None):
+    monkeypatch.setattr(bwd, "_qk_grads", emulated_norm_kernel(norm_calls))
     monkeypatch.setattr(bwd, "_factors", emulated_factors_kernel(factor_calls))
     monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel(calls))
     monkeypatch.setattr(bwd, "_chunk_grads", emulated_chunk_kernel(chunk_calls))
@@ -262,6 +295,75 @@ def test_factors_on_kernel_0_are_the_torch_factors(monkeypatch, b, t, h, hv, l2n
         assert err <= 1e-5 * float(r.abs().max()) + 1e-7, (name, err)
 
 
+@pytest.mark.parametrize(("b", "t", "h", "hv", "l2norm", "with_h0", "with_dht"), CASES[:4])
+def test_states16_are_the_fp32_states(monkeypatch, b, t, h, hv, l2norm, with_h0, with_dht):
+    """Kernel 1 writing kernel 2's forms (`out16`; the forward launch with I and 0 built in,
+    `forward`) and the 16-bit glue (`_backward_device`) give the fp32-out path's gradients
+    (STATES16 = False: torch flips, transposes and converts) to fp32 tolerance (32-bit tiles:
+    nothing rounded); the launches carry the flags."""
+    q, k, v, g, beta, do, h0, dht = _inputs(b, t, h, hv, dk=32, dv=16, seed=t + 11,
+                                           dtype=torch.float32)  # fmt: skip
+    flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta, do)]
+    args = (h0 if with_h0 else None, flat[5], dht if with_dht else None, 0.2, False, l2norm, b)
+    grads = {}
+    for on in (True, False):
+        FLAGS.clear()
+        _both_emulated(monkeypatch, calls=[])
+        monkeypatch.setattr(bwd, "STATES16", on)
+        grads[on] = bwd._backward_kernel(*flat[:5], *args)
+        assert FLAGS == ([(True, True), (True, False)] if on else [(False, False)] * 2)
+    for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads[True], grads[False]):
+        assert a.shape == r.shape and a.dtype == r.dtype, name
+        err = float((a - r).abs().max())
+        assert err <= 1e-5 * float(r.abs().max()) + 1e-7, (name, err)
+
+
+@pytest.mark.parametrize(("b", "t", "h", "hv", "l2norm", "with_h0", "with_dht"), CASES[:4])
+def test_norm_epilogue_is_the_torch_one(monkeypatch, b, t, h, hv, l2norm, with_h0, with_dht):
+    """The q / k epilogue (emulated: `qk_grad_model`) once for q, once for k, at H heads from
+    HV, gives the torch group sum and l2norm backward's gradients (NORM_IN_KERNEL off) to fp32
+    tolerance."""
+    q, k, v, g, beta, do, h0, dht = _inputs(b, t, h, hv, dk=32, dv=16, seed=t + 13,
+                                           dtype=torch.float32)  # fmt: skip
+    flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta, do)]
+    args = (h0 if with_h0 else None, flat[5], dht if with_dht else None, 0.2, False, l2norm, b)
+    grads = {}
+    for on in (True, False):
+        calls = []
+        _both_emulated(monkeypatch, norm_calls=calls)
+        monkeypatch.setattr(bwd, "NORM_IN_KERNEL", on)
+        grads[on] = bwd._backward_kernel(*flat[:5], *args)
+        assert calls == ([(h, hv, l2norm)] * 2 if on else [])
+    for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads[True], grads[False]):
+        assert a.shape == r.shape and a.dtype == r.dtype, name
+        err = float((a - r).abs().max())
+        assert err <= 1e-5 * float(r.abs().max()) + 1e-7, (name, err)
+
+
+@pytest.mark.parametrize("t", [1, 63, 64, 65, 200])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_out16_forms(t, dtype):
+    """`out16_forms`: dU converted, dS = dh^T; with `forward` (on the forward launch's outputs)
+    exactly `forward_states`' h and U back in token order, converted."""
+    gen = torch.Generator().manual_seed(t)
+    nc = -(-t // 64)
+    du = torch.randn(2, nc * 64, 3, 8, generator=gen, dtype=torch.float64)
+    dh = torch.randn(2, nc, 3, 8, 16, generator=gen, dtype=torch.float64)
+    u16, ds16 = out16_forms(du[:, :t], dh, dtype)
+    assert u16.dtype == ds16.dtype == dtype and ds16.shape == (2, nc, 3, 16, 8)
+    assert torch.equal(u16, du[:, :t].to(dtype))
+    assert torch.equal(ds16, dh.transpose(-1, -2).to(dtype))
+    u_f, h_f = out16_forms(du, dh, dtype, forward=True)
+    h, big_u = forward_states(du, dh)
+    assert torch.equal(h_f, h.to(dtype))
+    assert torch.equal(u_f, big_u.transpose(2, 3).flatten(1, 2).to(dtype))
+    u_t, _ = out16_forms(du[:, :t], dh, dtype, forward=True)  # T rows: the padding's zeros
+    padded = du.clone()
+    padded[:, t:] = 0
+    want = out16_forms(padded, dh, dtype, forward=True)[0][:, :t]
+    assert torch.equal(u_t, want)
+
+
 def test_head_passes_are_the_one_pass(monkeypatch):
     """Value heads in several passes (the memory bound) give the one pass's gradients."""
     _both_emulated(monkeypatch)
@@ -284,11 +386,15 @@ def kernel_path(monkeypatch):
     _both_emulated(monkeypatch, calls, CHUNK_CALLS, FACTOR_CALLS)
     CHUNK_CALLS.clear()
     FACTOR_CALLS.clear()
+    FLAGS.clear()
+    DV16.clear()
     monkeypatch.setattr(bwd, "check_cuda", lambda name, t: None)
     return calls
 
 
 CHUNK_CALLS: list = []  # kernel 2's launches under the kernel_path fixture (their dtypes)
+FLAGS: list = []  # kernel 1's (out16, forward) a launch, whenever its emulation records calls
+DV16: list = []  # kernel 2's dv16 launches (their dtypes)
 FACTOR_CALLS: list = []  # kernel 0's, likewise
 
 
@@ -318,6 +424,8 @@ def test_explicit_backward_on_the_kernel_path(kernel_path, b, t, h, hv):
                                                 use_qk_l2norm_in_kernel=True)  # fmt: skip
     assert kernel_path == [torch.bfloat16, torch.bfloat16] and CHUNK_CALLS == [torch.bfloat16]
     assert FACTOR_CALLS == [torch.bfloat16]
+    assert FLAGS == [(True, True), (True, False)]  # 16-bit outputs; the forward variant first
+    assert DV16 == [torch.bfloat16]  # dv in 16 bits from kernel 2
     want = _fp64_grads([q, k, v, g, beta, h0], None, do, dht, l2norm=True, with_state=True)
     for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
         err = float((a.double() - r).abs().max())

@@ -189,6 +189,42 @@ def test_launcher_passes_the_compiled_signature(monkeypatch, dke, with_dht):
         assert got is ref or (got is not None and ref is not None and torch.equal(got, ref))
 
 
+@pytest.mark.parametrize("forward", [False, True])
+@pytest.mark.parametrize("with_dht", [False, True])
+def test_launcher_out16_signature(monkeypatch, forward, with_dht):
+    """`out16` (and `forward`): dU (B, T, HV, V) and dS (B, NC, HV, K, V) in do's dtype, dh0
+    fp32, the key naming the flags (and nothing new without them), pt and qe None with
+    `forward` (I and 0 built in); the flags' combinations checked."""
+    calls = []
+    monkeypatch.setattr(launch, "get_kernel",
+                        lambda spec, params: lambda *a: calls.append((params, a)))  # fmt: skip
+    do, pt, ke, qe, w, e_last = _bf16_inputs(2, 130, 3)
+    dht = torch.zeros(2, 3, 128, 128) if with_dht else None
+    tiles = (None, ke, None, w) if forward else (pt, ke, qe, w)
+    du, ds, dh0 = launch.gdn_bwd_state(do, *tiles, e_last, dht, out16=True, forward=forward)
+    ((params, args),) = calls
+    want_key = {"dtype": "bfloat16", "k": 128, "v": 128, "d_final_state": with_dht,
+                "dke": False, "out16": True}  # fmt: skip
+    if forward:
+        want_key["forward"] = True
+    assert dict(params) == want_key
+    assert du.dtype == ds.dtype == torch.bfloat16 and dh0.dtype == torch.float32
+    assert du.shape == (2, 130, 3, 128) and ds.shape == (2, 3, 3, 128, 128)
+    want = (do, *tiles, None, e_last, dht, du, ds, None, dh0)
+    assert len(args) == len(want)
+    for got, ref in zip(args, want):
+        assert got is ref or (got is not None and ref is not None and torch.equal(got, ref))
+    with pytest.raises(ValueError, match="forward needs out16"):
+        launch.gdn_bwd_state(do, None, ke, None, w, e_last, forward=True)
+    with pytest.raises(ValueError, match="out16 excludes u"):
+        launch.gdn_bwd_state(do, pt, ke, qe, w, e_last, None, do, out16=True)
+    with pytest.raises(ValueError, match="exactly when forward"):
+        launch.gdn_bwd_state(do, pt, ke, qe, w, e_last, out16=True, forward=True)
+    with pytest.raises(ValueError, match="contiguous tensors of dtypes"):
+        fp32 = launch.empty_outputs(do, 128)
+        launch.gdn_bwd_state(do, pt, ke, qe, w, e_last, out16=True, out=fp32)
+
+
 # ---- per key channel (Kimi Delta Attention: the `channel_decay` variant) ----------------------
 
 

@@ -119,3 +119,75 @@ def test_channel_decay_resources(compiled, name):
         assert lds64 == 16  # 32 columns a thread, two adjacent ones a load
     else:
         assert lds64 > 0
+
+
+# ---- out16 / forward (the op's kernel path: kernel 2's 16-bit forms; the forward launch) ------
+
+OUT16 = {
+    "bf16_out16": ("bfloat16", False, False),
+    "fp16_dht_out16": ("float16", True, False),
+    "bf16_dht_fwd": ("bfloat16", True, True),
+    "fp16_fwd": ("float16", False, True),
+}
+
+
+@pytest.fixture(scope="module")
+def compiled16():
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            dtype, dht, forward = OUT16[name]
+            params = dict(config.params_for(dtype, d_final_state=dht, out16=True,
+                                            forward=forward))  # fmt: skip
+            kernel = kernel_for(params)
+            with tempfile.TemporaryDirectory() as d:
+                fn = compile_gdn_bwd_state(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
+                                           kernel=kernel)  # fmt: skip
+                cubin = fn.artifacts.CUBIN
+                if isinstance(cubin, bytes):
+                    Path(d, "k.cubin").write_bytes(cubin)
+                    cubin = Path(d, "k.cubin")
+                res = inspect_cubin(cubin)
+                sass = sass_text(cubin)
+            cache[name] = res, sass_instructions(sass), kernel.shared_storage.size_in_bytes()
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(OUT16))
+def test_out16_resources(compiled16, name):
+    """16-bit dU and dS (K, V) a chunk: the dh variant's registers (168 at launch under cu13),
+    setmaxnreg split and shared memory, no spill (the 16-bit dS tile's static (K, V) strides
+    keep the 2-byte stores' offsets immediate: dynamic ones spilled 8 bytes without a final
+    state); dS stored from the 16-bit A operand's registers (no second conversion): 64 2-byte
+    stores of dS and 32 of dU a thread and chunk, fp32 stores only for dh0 (64). `forward`:
+    P^T and Qe neither loaded nor multiplied (6 TMA loads, 8 + 4 HGMMA in 2 groups, dO^T added
+    by 32 more FADD), 48 KB less shared memory."""
+    res, instrs, smem = compiled16(name)
+    forward = OUT16[name][2]
+    ops = [op for op, _ in instrs]
+    assert res["spill_bytes"] == 0 and not [op for op in ops if op.startswith(("LDL", "STL"))]
+    assert res["registers"] <= 65536 // config.THREADS
+    if dsl_toolchain() == "cu13":
+        assert res["registers"] == 168
+    maxreg = [int(a.split(",")[-1], 16) for op, a in instrs if op.startswith("USETMAXREG")]
+    assert sorted(maxreg) == [config.PRODUCER_REGS, config.STATE_REGS]
+    assert smem <= config.smem_bytes(forward=forward) <= SMEM_CAPACITY
+    assert smem + res["smem_bytes"] <= SMEM_CAPACITY
+    assert (smem == 99_328) if forward else (smem == 148_480)
+    assert not [op for op in ops if op.startswith("STG.E.64")]  # no fp32 dh pairs
+    if dsl_toolchain() == "cu13":  # cu12's ptxas may pack the stores differently
+        assert ops.count("STG.E.U16") == 96 and ops.count("STG.E") == 64
+    else:
+        assert ops.count("STG.E.U16") > 0
+    shapes = [(op, a) for op, a in instrs if op.startswith("HGMMA")]
+    assert sum(op.startswith("HGMMA.64x64x16") for op, _ in shapes) == (8 if forward else 12)
+    wide = [a for op, a in shapes if op.startswith("HGMMA.64x128x16")]
+    assert len(wide) == (4 if forward else 8) and all("tnspB" in a for a in wide)
+    assert sum("gsb0" in a for _, a in shapes) == (2 if forward else 4)
+    assert ops.count("UTMALDG.4D") == (6 if forward else 9)
+    plain = compiled16("bf16_out16" if name.startswith("bf16") else "fp16_dht_out16")[1]
+    if forward and dsl_toolchain() == "cu13":
+        assert ops.count("FADD") == [op for op, _ in plain].count("FADD") + 32

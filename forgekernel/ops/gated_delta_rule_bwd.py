@@ -29,9 +29,15 @@ kernel 2 (kernels/linear_attention/gdn_bwd_chunk/sm90, every chunk at once,
 `_wy_grads` in torch); the chunk factors (A, T = L^-1, W, u, P, the decays, in the 16-bit
 layouts the other two read) on kernel 0 (kernels/linear_attention/gdn_bwd_factors/sm90,
 `reference.gdn_bwd_factors` its model; FACTORS_IN_KERNEL = False, or WY_IN_KERNEL = False: the
-batched torch `_Factors` pass); everything else is batched torch over every chunk at once (no
-loop over chunks): scale, l2norm, the 16-bit q / k / v and the states, the group sum. The
-kernels take equal-length sequences ((B, T, HV, D) tiles): the explicit backward without
+batched torch `_Factors` pass); with both of those on, STATES16 and NORM_IN_KERNEL (the
+defaults): kernel 1 writes U, h and dU, dS in kernel 2's 16-bit forms (`out16`; its forward
+launch the `forward` variant: P^T = I, Qe = 0 built in, outputs in chunk order), kernel 2 reads
+q, k at their H heads (`grouped`), and the q / k epilogue kernel (kernels/linear_attention/
+gdn_bwd_norm/sm90, `reference.gdn_bwd_norm` its model) does the group sum over the value heads,
+l2norm's backward and the scale, kernel 2 writes dv in 16 bits (`dv16`): torch is left with q,
+k normalized and scaled into 16 bits (~0.27 KB a token-head written; NOTES.md "GDN backward:
+the torch glue"). The kernels
+take equal-length sequences ((B, T, HV, D) tiles): the explicit backward without
 cu_seqlens, autograd of `gated_delta_rule` without cu_seqlens (the offsets it made are
 known equal: `gated_delta_rule_chunked.equal_lengths`) and one sequence run with no host read
 (CUDA-graph capturable); several sequences behind a caller's cu_seqlens read the offsets on
@@ -54,6 +60,7 @@ from forgekernel.ops import gated_delta_rule_chunked as fwd
 from forgekernel.ops._dispatch import refuse_capture
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import check_cuda, check_shaped
+from forgekernel.reference.delta_rule import L2NORM_EPS
 from forgekernel.reference.delta_rule_bwd import (
     _l2norm,
     _l2norm_backward,
@@ -103,17 +110,27 @@ KERNEL_SWITCH = "FORGEKERNEL_GDN_BWD_KERNEL"
 # allocated over the pass, ~25 KB live at the peak with pass 3 in torch (CPU profile and
 # resident set at K = V = 128): ~26 GB at 2^20 (4 x 8192 HV 32 is one pass; 8 x 32768 HV 32
 # eight). With pass 3 on kernel 2: ~33 KB a token-head written (dispatch count), with the
-# factors on kernel 0 too ~14 KB; peak not re-measured (at most the old one).
+# factors on kernel 0 too ~14 KB, with kernel 1's 16-bit outputs and the q / k epilogue ~0.3 KB
+# (scripts/gdn_bwd_glue_bytes.py); peak not re-measured (at most the old one).
 TOKEN_HEADS_PER_PASS = 2**20
 TILE_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _state_recurrence(do, pt, ke, qe, w, e_last, d_final_state):
+def _state_recurrence(do, pt, ke, qe, w, e_last, d_final_state, **flags):
     """Kernel 1 (dh variant): (dU (B, T, HV, V), dh = dS^T per chunk end (B, NC, HV, V, K),
-    dS at the start (B, HV, K, V)), fp32. The CPU tests put the tile emulation here."""
+    dS at the start (B, HV, K, V)), fp32; `flags` out16 / forward: dU and dS (B, NC, HV, K, V)
+    in 16 bits, kernel 2's forms (`reference.gdn_bwd_state.out16_forms`; forward: pt, qe None,
+    I and 0 built in, outputs in chunk order). The CPU tests put the tile emulation here."""
     from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.launch import gdn_bwd_state
 
-    return gdn_bwd_state(do, pt, ke, qe, w, e_last, d_final_state)
+    return gdn_bwd_state(do, pt, ke, qe, w, e_last, d_final_state, **flags)
+
+
+# Kernel 1 writes U, h (forward launch, `forward`: I and 0 built in, chunk order) and dU, dS
+# (reverse launch) in kernel 2's 16-bit forms (`out16`), with kernel 0 and kernel 2's WY variant
+# on the path; False: fp32 out, torch flips, transposes, converts (the fallback; ~4.9 KB a
+# token-head more written, NOTES "GDN backward: the torch glue").
+STATES16 = True
 
 
 def _chunk_grads(do, u, du, q, k, h, dh, big_g):
@@ -130,13 +147,13 @@ def _chunk_grads(do, u, du, q, k, h, dh, big_g):
 WY_IN_KERNEL = True
 
 
-def _chunk_grads_wy(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta):
+def _chunk_grads_wy(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, **flags):
     """Kernel 2, WY variant (all of pass 3): (dq, dk (B, T, HV, K), dG (B, T, HV, the reverse
-    cumsum done), dv (B, T, HV, V), dbeta (B, T, HV)) fp32. The CPU tests put the tile
-    emulation here."""
+    cumsum done), dv (B, T, HV, V), dbeta (B, T, HV)) fp32 (`flags` dv16: dv in do's dtype).
+    The CPU tests put the tile emulation here."""
     from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.launch import gdn_bwd_chunk_wy
 
-    return gdn_bwd_chunk_wy(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta)
+    return gdn_bwd_chunk_wy(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, **flags)
 
 
 PAD_WASTE_LIMIT = 4  # varlen: padded chunks / real chunks above which the interim path runs
@@ -175,13 +192,22 @@ def _torch_factor_tiles(qs, ks, v, g, beta, dtype):
     return forward_state_tiles(f, dtype), rev, f.e_last[..., 0].contiguous(), f
 
 
+def _on_device() -> bool:
+    """Kernel 0 forms the factors and kernel 2 runs all of pass 3 (the path's default)."""
+    return FACTORS_IN_KERNEL and WY_IN_KERNEL
+
+
 def _chunk_pass(qs, ks, v, g, beta, do, h0, dht):
     """Value heads of one pass, everything per value head: qs (scaled), ks (B, T, HV, K), v, do
-    (B, T, HV, V), g, beta (B, T, HV) fp32 except do (16-bit); h0, dht (B, HV, K, V) fp32 or
-    None -> (dqs, dks (B, T, HV, K), dv, dg, dbeta, dh0) fp32."""
+    (B, T, HV, V), g, beta (B, T, HV); h0, dht (B, HV, K, V) fp32 or None -> (dqs, dks (B, T,
+    HV, K), dv, dg, dbeta, dh0) fp32. On the 16-bit device path (`_device_pass`) qs, ks, v, do
+    come in do's 16-bit dtype, qs / ks at the pass's H / HV q heads (strided head slices
+    allowed: TMA reads them in place), else fp32 but do, qs / ks repeated to HV."""
     t, dtype = qs.shape[1], do.dtype
     nc = -(-t // CHUNK)
-    on_device = FACTORS_IN_KERNEL and WY_IN_KERNEL
+    on_device = _on_device()
+    if on_device and STATES16:
+        return _device_pass(qs, ks, v, g, beta, do, h0, dht)
     if on_device:  # kernel 0: the factors from the 16-bit tiles kernel 2 reads too
         qs, ks, v16 = (x.to(dtype) for x in (qs, ks, v))
         out = _factors(qs, ks, v16, g, beta)
@@ -223,6 +249,102 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht):
     return dq, dk + dk_wy, dv, dg + dg_wy, dbeta, dh0
 
 
+def _device_pass(qs, ks, v, g, beta, do, h0, dht):
+    """`_chunk_pass` with every kernel writing what the next reads (kernel 1 `out16`): kernel
+    0's tiles, kernel 1's forward launch -> U, h (16-bit, chunk order), its reverse launch on
+    kernel 0's tiles cut to T -> dU, dS (16-bit), kernel 2 on those. No torch op between the
+    kernels (views only; the forward launch builds its I and 0 tiles in)."""
+    t = qs.shape[1]
+    out = _factors(qs, ks, v, g, beta)
+    fw = forward_launch_tiles(out, identity=False)
+    for name in ("fw_u", "fw_w", "fw_ke"):  # the peak: `fw` holds them now
+        del out[name]
+    u16, h16, _ = _state_recurrence(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")),
+                                    fw["e_last"], h0, out16=True, forward=True)  # fmt: skip
+    del fw
+    rev = tuple(out.pop(n)[:, :t] for n in ("pt", "ke", "qe")) + (out["w"][:, :t],)
+    du16, dh16, dh0 = _state_recurrence(do, *rev, out["e_last"], dht, out16=True)
+    del rev
+    k2 = for_kernel2(out, t)
+    wide = beta.to(torch.promote_types(beta.dtype, torch.float32))
+    tiles = (do, u16[:, :t], du16, qs, ks, h16, dh16, k2["big_g"])
+    dq, dk, dg, dv, dbeta = _chunk_grads_wy(*tiles, k2["tt"], k2["w"], k2["u"], v, wide,
+                                            dv16=True)  # fmt: skip
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+def _normalized(x, scale, l2norm, dtype):
+    """The device path's q / k side (B, T, H, D) -> x scale / sqrt(x.x + eps) (l2norm) or x
+    scale, written once in `dtype` (the norm reduced in fp32 from x as it is: no fp32 copy;
+    the backward recomputes it from x)."""
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    if not l2norm:
+        return torch.mul(x, scale, out=out)
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+    return torch.mul(x, (norm.square() + L2NORM_EPS).rsqrt() * scale, out=out)
+
+
+def _qk_grads(dxs, x, scale, l2norm):
+    """The q / k epilogue (kernels/linear_attention/gdn_bwd_norm/sm90): dxs (B, T, HV, K) fp32
+    (kernel 2's dq or dk) -> the gradient of the op's input x (B, T, H, K) in x's dtype (group
+    sum, l2norm's backward, scale). The CPU tests put the model here."""
+    from forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90.launch import gdn_bwd_norm
+
+    return gdn_bwd_norm(dxs, x, scale, l2norm)
+
+
+# The group sum and l2norm's backward on the epilogue kernel (`_qk_grads`); False: torch
+# (`_normalized_backward`, ~1.75 KB a token-head more written).
+NORM_IN_KERNEL = True
+
+
+def _normalized_backward(dxs, x, scale, l2norm):
+    """`_qk_grads` in torch: the group sum, then scale / ||x|| (d - x (x . d) / ||x||^2)
+    (l2norm) or scale d, in x's dtype (the fallback)."""
+    h = x.shape[2]
+    dsum = dxs.unflatten(2, (h, dxs.shape[2] // h)).sum(3)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if not l2norm:
+        return torch.mul(dsum, scale, out=out)
+    xf = x.float()
+    sq = (xf.unsqueeze(-2) @ xf.unsqueeze(-1)).squeeze(-1) + L2NORM_EPS
+    c = (xf.unsqueeze(-2) @ dsum.unsqueeze(-1)).squeeze(-1) / sq
+    return torch.mul(dsum.addcmul_(xf, c, value=-1), sq.rsqrt() * scale, out=out)
+
+
+def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b) -> Grads:
+    """`_backward_kernel` on the device path with 16-bit kernel-1 outputs: q / k normalized,
+    scaled and converted at H heads (`_normalized`), read there by kernels 0 and 2 (value head
+    hv: head hv // (HV / H); no repeated copy), v and do passed as they are (strided head
+    slices), the group sum, l2norm's backward and the scale on the epilogue kernel
+    (`_qk_grads`; NORM_IN_KERNEL False: torch), one pass: no concatenation."""
+    h, hv, dtype = q.shape[1], v.shape[1], do.dtype
+    t, group = q.shape[0] // b, hv // h
+
+    def seq(x):
+        return x.reshape(b, t, *x.shape[1:])
+
+    qs = _normalized(seq(q), scale, l2norm, dtype)
+    ks = _normalized(seq(k), 1.0, l2norm, dtype)
+    v_side = [seq(v).to(dtype), seq(g).float(), seq(beta), seq(do)]
+    step = max(1, TOKEN_HEADS_PER_PASS // max(1, b * t * group))
+    parts = []
+    for first in range(0, h, step):  # passes over heads, not chunks
+        qh, vh = slice(first, first + step), slice(first * group, (first + step) * group)
+        # q / k at their own heads: kernels 0 and 2 read head hv // (HV / H) (`grouped`)
+        states = (None if x is None else x[:, vh].float().contiguous() for x in (h0, dht))
+        parts.append(_chunk_pass(qs[:, :, qh], ks[:, :, qh], *(x[:, :, vh] for x in v_side),
+                                 *states))  # fmt: skip
+    grads = parts[0] if len(parts) == 1 else [torch.cat(x, dim=1 if i == 5 else 2)
+                                              for i, x in enumerate(zip(*parts))]  # fmt: skip
+    dqs, dks, dv, dg, dbeta, dh0 = grads
+    epilogue = _qk_grads if NORM_IN_KERNEL else _normalized_backward
+    dq = epilogue(dqs, seq(q), scale, l2norm)
+    dk = epilogue(dks, seq(k), 1.0, l2norm)
+    rest = (x.flatten(0, 1).to(like.dtype) for x, like in zip((dv, dg, dbeta), (v, g, beta)))
+    return (dq.flatten(0, 1), dk.flatten(0, 1), *rest, dh0)
+
+
 def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, k_last, l2norm,
                      batch) -> Grads:  # fmt: skip
     """The backward on kernel 1 (see the module docstring): flat tensors as
@@ -233,6 +355,11 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, k_last
     bound the fp32 temporaries."""
     b, h, hv = batch, q.shape[1], v.shape[1]
     t, group = q.shape[0] // b, hv // h
+    h0 = _to_kv(initial_state, k_last)
+    dht = _to_kv(d_final, k_last)
+    if _on_device() and STATES16:
+        grads = _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b)
+        return (*grads[:5], _to_kv(grads[5], k_last).contiguous())
 
     def seq(x):
         return x.reshape(b, t, *x.shape[1:])
@@ -241,8 +368,6 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, k_last
     qn, q_norm = _l2norm(qf) if l2norm else (qf, None)
     kn, k_norm = _l2norm(kf) if l2norm else (kf, None)
     v_side = [seq(v).float(), seq(g).float(), seq(beta).float(), seq(do)]
-    h0 = _to_kv(initial_state, k_last)
-    dht = _to_kv(d_final, k_last)
     step = max(1, TOKEN_HEADS_PER_PASS // max(1, b * t * group))
     parts = []
     for first in range(0, h, step):  # passes over heads, not chunks

@@ -47,9 +47,11 @@ def chunk_grads_model(do, u, du, q, k, h, dh, big_g, rounding=None):
     """The kernel's outputs from its inputs (`chunk_grad_tiles`' layouts), every chunk at once:
     (dq, dk, dw (B, T, HV, K), dg (the row dots dq.q - dk.k), te (to_end) (B, T, HV)) in the
     inputs' float dtype (fp64 for the checks). `rounding`: the kernel's rounding of dPD to the
-    tiles' 16-bit dtype before its two products (None: none)."""
+    tiles' 16-bit dtype before its two products (None: none). q, k may hold H < HV heads (the
+    `grouped` key): value head hv reads head hv // (HV / H)."""
     t = do.shape[1]
     nc = h.shape[1]
+    q, k = (_to_value_heads(x, do.shape[2]) for x in (q, k))
     f = h.dtype if h.dtype in (torch.float32, torch.float64) else torch.float32
     do_c, u_c, du_c, q_c, k_c = (to_chunks(x.to(f), nc) for x in (do, u, du, q, k))
     h, dh = h.to(f), dh.to(f)
@@ -99,6 +101,7 @@ def wy_grads_model(outputs, du, k, h, big_g, tt, w, uw, v, beta, dw_rounding=Non
     operands) before their products."""
     dq, dk, dw, dg, te = outputs
     t, nc = du.shape[1], h.shape[1]
+    k = _to_value_heads(k, du.shape[2])
     f = dw.dtype
     def ident(x):
         return x
@@ -145,6 +148,11 @@ def kernel_dg(dg, te, h, dh, big_g):
     last = to_chunks(te, nc).sum(-1) + g_last.exp() * (dh.to(f) * h.to(f)).sum((-1, -2))
     cum = d.flip(-1).cumsum(-1).flip(-1) + last.unsqueeze(-1)
     return to_tokens(cum)[:, :t]
+
+
+def _to_value_heads(x: torch.Tensor, hv: int) -> torch.Tensor:
+    """q or k (B, T, H, K) -> (B, T, HV, K): head hv // (HV / H) for value head hv."""
+    return x if x.shape[2] == hv else x.repeat_interleave(hv // x.shape[2], dim=2)
 
 
 def _chunk_last(big_g: torch.Tensor, nc: int) -> torch.Tensor:

@@ -114,11 +114,18 @@ def for_kernel2(tiles: dict[str, torch.Tensor], t: int) -> dict[str, torch.Tenso
     return {n: tiles[n][:, :t] for n in ("w", "u", "tt", "big_g")}
 
 
-def forward_launch_tiles(tiles: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def forward_launch_tiles(
+    tiles: dict[str, torch.Tensor], identity: bool = True
+) -> dict[str, torch.Tensor]:
     """Kernel 1's forward launch's inputs from the outputs (`forward_state_tiles`' dict): do =
     fw_u, pt = I, ke = fw_w, qe = 0, w = fw_ke (token-major, chunks reversed), e_last reversed
-    (fp32). The identity and zero tiles are the only ones made here."""
+    (fp32). The identity and zero tiles are the only ones made here; `identity` False: pt and
+    qe None (kernel 1's `forward` variant builds them in)."""
     fw_u = tiles["fw_u"]
+    if not identity:
+        out = {"do": fw_u, "pt": None, "ke": tiles["fw_w"], "qe": None, "w": tiles["fw_ke"]}
+        out["e_last"] = tiles["e_last"].flip(1).float().contiguous()
+        return out
     b, rows, hv, _ = fw_u.shape
     eye = torch.eye(CHUNK, dtype=fw_u.dtype, device=fw_u.device).view(1, 1, CHUNK, 1, CHUNK)
     eye = eye.expand(b, rows // CHUNK, CHUNK, hv, CHUNK).contiguous().view(b, rows, hv, CHUNK)

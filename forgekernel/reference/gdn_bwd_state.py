@@ -192,3 +192,19 @@ def forward_states(du: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, to
     nc = dh.shape[1]
     u = du.unflatten(1, (nc, CHUNK)).transpose(2, 3).flip(1)
     return dh.flip(1).transpose(-1, -2), u
+
+
+def out16_forms(
+    du: torch.Tensor, dh: torch.Tensor, dtype: torch.dtype, forward: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel 1's `out16` outputs from its fp32 ones (dU (B, T, HV, V), dh = dS^T (B, NC, HV, V,
+    K)): (dU, dS (B, NC, HV, K, V)) in `dtype`, kernel 2's forms (dS rounded once, as the
+    kernel stores the 16-bit A operand it feeds the next product). `forward` (the forward
+    launch, chunks arriving reversed): the outputs of the chunk the kernel processes c-th (slot
+    NC - 1 - c) land at chunk c, i.e. both flipped over the chunks (dU's rows past T: the zero
+    padding); on `forward_state_tiles` that is U and h (`forward_states`) in 16 bits."""
+    t, nc = du.shape[1], dh.shape[1]
+    ds, du = dh.transpose(-1, -2).to(dtype), du.to(dtype)
+    if forward:
+        ds, du = ds.flip(1), to_tokens(to_chunks(du, nc).flip(1))[:, :t]
+    return du.contiguous(), ds.contiguous()

@@ -32,15 +32,20 @@ from forgekernel.runtime.timing import median, time_ms
 pytestmark = pytest.mark.gpu
 
 
-def _problem(b, t, hv, dtype, seed=0):
+def _problem(b, t, hv, dtype, seed=0, group=1):
     """`test_gdn_bwd_chunk.problem`'s tuple on the GPU at K = V = 128 (fp64), do rounded to
-    `dtype` (the kernel path's do is 16-bit)."""
+    `dtype` (the kernel path's do is 16-bit); `group`: q, k shared by each `group` value heads
+    (HV / group heads repeated)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
     def rnd(*shape):
         return torch.randn(*shape, device="cuda", generator=gen, dtype=torch.float64)
 
-    qs, ks = rnd(b, t, hv, 128) * 128**-0.5, F.normalize(rnd(b, t, hv, 128), dim=-1)
+    qs, ks = (
+        rnd(b, t, hv // group, 128) * 128**-0.5,
+        F.normalize(rnd(b, t, hv // group, 128), dim=-1),
+    )
+    qs, ks = (x.repeat_interleave(group, dim=2) for x in (qs, ks))
     v, do = rnd(b, t, hv, 128), rnd(b, t, hv, 128).to(dtype).double()
     g, beta = F.logsigmoid(rnd(b, t, hv) + 2.0), torch.sigmoid(rnd(b, t, hv))
     f = chunk_factors(qs, ks, v, g, beta)
@@ -50,11 +55,14 @@ def _problem(b, t, hv, dtype, seed=0):
     return f, do, to_chunks(do, nc), h, dh, big_u, d_u, qs, ks, g, v, beta
 
 
-def _launch(p, dtype, wy, strided=False):
-    """The kernel on `_problem` p's tiles in `dtype`, outputs NaN-poisoned first."""
+def _launch(p, dtype, wy, strided=False, group=1, dv16=False):
+    """The kernel on `_problem` p's tiles in `dtype`, outputs NaN-poisoned first; `group`: q, k
+    passed at their HV / group heads (the `grouped` key); `dv16`: dv in `dtype`."""
     f, do, _, h, dh, big_u, d_u, qs, ks, g, v, beta = p
     tiles = list(chunk_grad_tiles(qs, ks, do, big_u, d_u, h, dh, g, dtype))
     tiles[-1] = tiles[-1].float()
+    if group > 1:
+        tiles[3:5] = [x[:, :, ::group].contiguous() for x in tiles[3:5]]
     if strided:  # token tiles as every other 128-column half of a wider buffer
         tiles[:5] = [torch.cat([x, x], dim=-1)[..., : x.shape[-1]] for x in tiles[:5]]
     if not wy:
@@ -62,8 +70,8 @@ def _launch(p, dtype, wy, strided=False):
         return gdn_bwd_chunk(*tiles, out=out)
     extra = list(wy_tiles(f, v, beta, dtype))
     extra[-1] = extra[-1].float()
-    out = tuple(x.fill_(float("nan")) for x in empty_wy_outputs(tiles[0], 128))
-    return gdn_bwd_chunk_wy(*tiles, *extra, out=out)
+    out = tuple(x.fill_(float("nan")) for x in empty_wy_outputs(tiles[0], 128, dv16))
+    return gdn_bwd_chunk_wy(*tiles, *extra, out=out, dv16=dv16)
 
 
 def _close(name, got, want, tol):
@@ -86,6 +94,31 @@ def test_matches_the_model_and_pass_3(wy, dtype, t, b, hv):
         _close(name, a, r, 1e-2)
     for name, a, r in zip(NAMES[wy], got, reference(p, wy)):
         _close(name + " vs pass 3", a, r, 2e-2)
+
+
+@pytest.mark.parametrize("wy", [True, False])
+@pytest.mark.parametrize("t", [65, 1000])
+def test_grouped_heads(wy, t):
+    """q, k at H = HV / 2 heads (the `grouped` key, value head hv reading hv // 2): exactly the
+    call on the HV-repeated tiles."""
+    p = _problem(2, t, 4, torch.bfloat16, seed=t, group=2)
+    for name, a, r in zip(NAMES[wy], _launch(p, torch.bfloat16, wy, group=2),
+                          _launch(p, torch.bfloat16, wy)):  # fmt: skip
+        torch.testing.assert_close(a, r, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("t", [1, 65, 1000])
+@pytest.mark.parametrize("group", [1, 2])
+def test_dv16(t, group):
+    """`dv16` (the op's path, with `grouped` too): dv written in 16 bits is the fp32 call's dv
+    rounded once; the other outputs are the fp32 call's exactly."""
+    p = _problem(2, t, 4, torch.bfloat16, seed=t + group, group=group)
+    got = _launch(p, torch.bfloat16, True, group=group, dv16=True)
+    want = _launch(p, torch.bfloat16, True, group=group)
+    assert got[3].dtype == torch.bfloat16
+    for i, (name, a, r) in enumerate(zip(NAMES[True], got, want)):
+        r = r.to(torch.bfloat16) if i == 3 else r
+        torch.testing.assert_close(a, r, rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("wy", [True, False])
@@ -114,8 +147,10 @@ def test_time_at_bench_size():
     extra = [rnd(b, t, hv, 64, scale=0.3), rnd(b, t, hv, 128, scale=0.1),
              rnd(b, t, hv, 128), rnd(b, t, hv, 128),
              torch.rand(b, t, hv, device="cuda", generator=gen)]  # fmt: skip
-    runs = (("_output_grads", gdn_bwd_chunk, [], empty_outputs(tiles[0], 128)),
-            ("all of pass 3", gdn_bwd_chunk_wy, extra, empty_wy_outputs(tiles[0], 128)))
+    runs = (
+        ("_output_grads", gdn_bwd_chunk, [], empty_outputs(tiles[0], 128)),
+        ("all of pass 3", gdn_bwd_chunk_wy, extra, empty_wy_outputs(tiles[0], 128)),
+    )
     for form, fn, more, out in runs:
         fn(*tiles, *more, out=out)
         for x in out:
@@ -123,5 +158,7 @@ def test_time_at_bench_size():
         ms = median(time_ms(lambda fn=fn, more=more, out=out: fn(*tiles, *more, out=out),
                             reps=20))  # fmt: skip
         moved = sum(x.numel() * x.element_size() for x in (*tiles, *more, *out)) / 1e9
-        print(f"\nGDN backward kernel 2 ({form}), 4 x 8192 hv32 bf16: {ms:.3f} ms a launch, "
-              f"{moved:.2f} GB moved, {moved / ms * 1e3:.0f} GB/s")
+        print(
+            f"\nGDN backward kernel 2 ({form}), 4 x 8192 hv32 bf16: {ms:.3f} ms a launch, "
+            f"{moved:.2f} GB moved, {moved / ms * 1e3:.0f} GB/s"
+        )

@@ -8,7 +8,8 @@ leaves unwritten fails); bf16 and fp16; T = 1, 63, 64, 65, 200, 1000; B 1-3; H =
 with / without initial state and final-state gradient; l2norm on / off; both state layouts;
 varlen through cu_seqlens (padded, empty sequences); autograd through the forward kernel; a
 CUDA-graph capture of the equal-length path; the 4 x 8192 h16 hv32 time printed (`-s`: the path,
-the kernel's two launches, peak memory; kernel 2's launch, kernel 0's), in both the
+the kernel's two launches, peak memory; kernel 2's launch, kernel 0's, the q / k epilogue's
+two), in both the
 equal-length and the suite's varlen form.
 
 Tolerance: each gradient within 2e-2 of its reference's largest entry (the suite's rule): the
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 import forgekernel
 from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90 import launch as chunk_launch
 from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90 import launch as factors_launch
+from forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90 import launch as norm_launch
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.launch import (
     empty_outputs,
     gdn_bwd_state,
@@ -38,13 +40,18 @@ pytestmark = pytest.mark.gpu
 bwd = importlib.import_module("forgekernel.ops.gated_delta_rule_bwd")
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 TOL = 2e-2
+FLAGS: list = []  # kernel 1's (out16, forward) a launch
 
 
 def _poisoned_kernel(calls):
-    def run(do, pt, ke, qe, w, e_last, dht):
-        out = tuple(x.fill_(float("nan")) for x in empty_outputs(do, ke.shape[-1]))
+    """Kernel 1 with its outputs (fp32, or 16-bit with out16) NaN-poisoned first."""
+
+    def run(do, pt, ke, qe, w, e_last, dht, **flags):
+        out16 = flags.get("out16", False)
+        out = tuple(x.fill_(float("nan")) for x in empty_outputs(do, ke.shape[-1], out16=out16))
         calls.append(tuple(do.shape))
-        return gdn_bwd_state(do, pt, ke, qe, w, e_last, dht, out=out)
+        FLAGS.append((out16, flags.get("forward", False)))
+        return gdn_bwd_state(do, pt, ke, qe, w, e_last, dht, out=out, **flags)
 
     return run
 
@@ -63,11 +70,12 @@ def _poisoned_chunk_kernel(calls):
 def _poisoned_chunk_wy_kernel(calls):
     """Kernel 2's WY variant with its outputs NaN-poisoned first; calls as ("k2wy", shape)."""
 
-    def run(do, u, du, q, k, h, dh, big_g, *wy):
+    def run(do, u, du, q, k, h, dh, big_g, *wy, dv16=False):
         out = tuple(x.fill_(float("nan"))
-                    for x in chunk_launch.empty_wy_outputs(do, q.shape[-1]))  # fmt: skip
+                    for x in chunk_launch.empty_wy_outputs(do, q.shape[-1], dv16))  # fmt: skip
         calls.append(("k2wy", tuple(do.shape)))
-        return chunk_launch.gdn_bwd_chunk_wy(do, u, du, q, k, h, dh, big_g, *wy, out=out)
+        return chunk_launch.gdn_bwd_chunk_wy(do, u, du, q, k, h, dh, big_g, *wy, out=out,
+                                             dv16=dv16)  # fmt: skip
 
     return run
 
@@ -85,9 +93,22 @@ def _poisoned_factors_kernel(calls):
     return run
 
 
+def _poisoned_norm_kernel(calls):
+    """The q / k epilogue with its output NaN-poisoned first; calls as ("qk", x's shape)."""
+
+    def run(dxs, x, scale, l2norm):
+        out = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
+        calls.append(("qk", tuple(x.shape)))
+        return norm_launch.gdn_bwd_norm(dxs, x, scale, l2norm, out=out)
+
+    return run
+
+
 def _launches() -> int:
-    """Launches a pass: kernel 0's (when on), kernel 1's two, kernel 2's."""
-    return 3 + (bwd.FACTORS_IN_KERNEL and bwd.WY_IN_KERNEL)
+    """Launches of a one-pass call: kernel 0's (when on), kernel 1's two, kernel 2's, and the
+    q / k epilogue's two on the 16-bit device path (STATES16, NORM_IN_KERNEL)."""
+    on_device = bwd.FACTORS_IN_KERNEL and bwd.WY_IN_KERNEL
+    return 3 + on_device + 2 * (on_device and bwd.STATES16 and bwd.NORM_IN_KERNEL)
 
 
 @pytest.fixture
@@ -96,11 +117,13 @@ def kernel_path(monkeypatch):
     bwd.WY_IN_KERNEL is off), kernel 1's twice, kernel 2's once (its WY variant unless
     bwd.WY_IN_KERNEL is off)."""
     calls = []
+    FLAGS.clear()
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
     monkeypatch.setattr(bwd, "_factors", _poisoned_factors_kernel(calls))
     monkeypatch.setattr(bwd, "_state_recurrence", _poisoned_kernel(calls))
     monkeypatch.setattr(bwd, "_chunk_grads", _poisoned_chunk_kernel(calls))
     monkeypatch.setattr(bwd, "_chunk_grads_wy", _poisoned_chunk_wy_kernel(calls))
+    monkeypatch.setattr(bwd, "_qk_grads", _poisoned_norm_kernel(calls))
     return calls
 
 
@@ -195,6 +218,32 @@ def test_torch_factors_fallback(kernel_path, monkeypatch, t):
     assert "k0" not in [c[0] for c in kernel_path]
 
 
+@pytest.mark.parametrize("t", [65, 1000])
+def test_fp32_states_fallback(kernel_path, monkeypatch, t):
+    """STATES16 off: kernel 1 writes fp32 (no out16 / forward), torch converts for kernel 2,
+    torch's l2norm backward; on (the default): 16-bit outputs, the forward launch with I and 0
+    built in, the q / k epilogue."""
+    q, k, v, g, beta, do, h0, dht = _problem(2, t, 2, 4, torch.bfloat16, seed=t, l2norm=True)
+    _check(kernel_path, monkeypatch, (q, k, v, g, beta, do), h0=h0, dht=dht, l2norm=True)
+    assert FLAGS == [(True, True), (True, False)]
+    FLAGS.clear()
+    kernel_path.clear()
+    monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
+    monkeypatch.setattr(bwd, "STATES16", False)
+    _check(kernel_path, monkeypatch, (q, k, v, g, beta, do), h0=h0, dht=dht, l2norm=True)
+    assert FLAGS == [(False, False), (False, False)]
+    assert "qk" not in [c[0] for c in kernel_path]
+
+
+@pytest.mark.parametrize("t", [65, 1000])
+def test_torch_norm_fallback(kernel_path, monkeypatch, t):
+    """NORM_IN_KERNEL off: the group sum and l2norm's backward in torch, no epilogue launch."""
+    monkeypatch.setattr(bwd, "NORM_IN_KERNEL", False)
+    q, k, v, g, beta, do, h0, dht = _problem(2, t, 2, 4, torch.bfloat16, seed=t, l2norm=True)
+    _check(kernel_path, monkeypatch, (q, k, v, g, beta, do), h0=h0, dht=dht, l2norm=True)
+    assert "qk" not in [c[0] for c in kernel_path]
+
+
 @pytest.mark.parametrize("lens", [[1, 63, 0, 64, 65, 130], [300, 300, 300], [1000, 700]])
 def test_varlen_padded(kernel_path, monkeypatch, lens):
     n, total = len(lens), sum(lens)
@@ -266,20 +315,30 @@ def test_time_at_bench_size(kernel_path, monkeypatch, varlen):
     torch.cuda.reset_peak_memory_stats()
     ms = median(time_ms(lambda: forgekernel.gated_delta_rule_backward(*args, **kw), reps=10))
     peak = torch.cuda.max_memory_allocated() / 2**30
-    kernel_args, chunk_args, factor_args = [], [], []
+    kernel_args, chunk_args, factor_args, norm_args = [], [], [], []
+    kn = norm_launch.gdn_bwd_norm
+    monkeypatch.setattr(bwd, "_qk_grads", lambda *a: norm_args.append(a) or kn(*a))
     k0 = factors_launch.gdn_bwd_factors
     monkeypatch.setattr(bwd, "_factors", lambda *a: factor_args.append(a) or k0(*a))
-    monkeypatch.setattr(bwd, "_state_recurrence",
-                        lambda *a: kernel_args.append(a) or gdn_bwd_state(*a))  # fmt: skip
+
+    def k1(*a, **kw):
+        kernel_args.append((a, kw))
+        return gdn_bwd_state(*a, **kw)
+
+    monkeypatch.setattr(bwd, "_state_recurrence", k1)
     k2 = chunk_launch.gdn_bwd_chunk_wy
-    monkeypatch.setattr(bwd, "_chunk_grads_wy", lambda *a: chunk_args.append(a) or k2(*a))
+    monkeypatch.setattr(bwd, "_chunk_grads_wy",
+                        lambda *a, **kw: chunk_args.append((a, kw)) or k2(*a, **kw))  # fmt: skip
     forgekernel.gated_delta_rule_backward(*args, **kw)
-    launches = [median(time_ms(lambda a=a: gdn_bwd_state(*a), reps=10)) for a in kernel_args]
-    chunk = [median(time_ms(lambda a=a: k2(*a), reps=10))
-             for a in chunk_args]  # fmt: skip
+    launches = [median(time_ms(lambda a=a, kw=kw: gdn_bwd_state(*a, **kw), reps=10))
+                for a, kw in kernel_args]  # fmt: skip
+    chunk = [median(time_ms(lambda a=a, kw=kw: k2(*a, **kw), reps=10))
+             for a, kw in chunk_args]  # fmt: skip
     factors = [median(time_ms(lambda a=a: k0(*a), reps=10)) for a in factor_args]
+    norms = [median(time_ms(lambda a=a: kn(*a), reps=10)) for a in norm_args]
     form = "varlen" if varlen else "B = 4"
     print(f"\nGDN backward on kernels 0-2, 4 x 8192 h16 hv32 bf16 ({form}): {ms:.2f} ms a "
           f"call, kernel 1 {' + '.join(f'{x:.3f}' for x in launches)} ms, kernel 2 "
           f"{' + '.join(f'{x:.3f}' for x in chunk)} ms, kernel 0 "
-          f"{' + '.join(f'{x:.3f}' for x in factors)} ms, peak {peak:.1f} GiB")  # fmt: skip
+          f"{' + '.join(f'{x:.3f}' for x in factors)} ms, q / k epilogue "
+          f"{' + '.join(f'{x:.3f}' for x in norms)} ms, peak {peak:.1f} GiB")  # fmt: skip

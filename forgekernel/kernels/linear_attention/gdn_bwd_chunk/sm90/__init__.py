@@ -22,7 +22,12 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    return [params_for(dtype, wy=wy) for dtype in DTYPES for wy in (False, True)]
+    standard = [params_for(dtype, wy=wy) for dtype in DTYPES for wy in (False, True)]
+    # the op's path: the WY variant with dv in 16 bits, reading q / k at their own H heads when
+    # value heads are grouped (H < HV)
+    return standard + [
+        params_for(dtype, wy=True, grouped=g, dv16=True) for dtype in DTYPES for g in (False, True)
+    ]
 
 
 SPEC = KernelSpec(

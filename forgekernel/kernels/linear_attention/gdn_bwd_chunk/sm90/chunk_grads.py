@@ -97,11 +97,12 @@ class GdnBwdChunkSm90:
     """One CTA per (chunk, value head, sequence): `_output_grads` of the chunk; see the module
     docstring."""
 
-    def __init__(self, k: int, v: int, *, wy: bool = False):
+    def __init__(self, k: int, v: int, *, wy: bool = False, grouped: bool = False):
         if (k, v) != (128, 128):
             raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
         self.k, self.v = k, v
         self.wy = wy
+        self.grouped = grouped
 
     def _setup(self):
         dt = self.dtype
@@ -305,15 +306,18 @@ class GdnBwdChunkSm90:
                 st = producer_state(1)
                 ring.producer_acquire(st)
                 bar = ring.producer_get_barrier(st)
-                tiles = ((tma_do, mDO4, sDO, self.v), (tma_u, mU4, sU, self.v),
-                         (tma_du, mDU4, sDU, self.v), (tma_q, mQ4, sQ, self.k),
-                         (tma_k, mK4, sK, self.k))  # fmt: skip
+                hq = hv  # q / k head: hv // (HV / H) when grouped
+                if const_expr(self.grouped):
+                    hq = hv // (mDO4.shape[2] // mQ4.shape[2])
+                tiles = ((tma_do, mDO4, sDO, self.v, hv), (tma_u, mU4, sU, self.v, hv),
+                         (tma_du, mDU4, sDU, self.v, hv), (tma_q, mQ4, sQ, self.k, hq),
+                         (tma_k, mK4, sK, self.k, hq))  # fmt: skip
                 if const_expr(self.wy):
-                    tiles = tiles + ((tma_tt, mTt4, wy_smem[0], CHUNK),
-                                     (tma_w, mW4, wy_smem[1], self.k),
-                                     (tma_uw, mUw4, wy_smem[2], self.v))  # fmt: skip
-                for atom, m, s, d in tiles:
-                    g = cute.local_tile(m[None, None, hv, b], (CHUNK, d), (c, 0))
+                    tiles = tiles + ((tma_tt, mTt4, wy_smem[0], CHUNK, hv),
+                                     (tma_w, mW4, wy_smem[1], self.k, hv),
+                                     (tma_uw, mUw4, wy_smem[2], self.v, hv))  # fmt: skip
+                for atom, m, s, d, head in tiles:
+                    g = cute.local_tile(m[None, None, head, b], (CHUNK, d), (c, 0))
                     ts, tg = cpasync.tma_partition(
                         atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
                     )
@@ -655,7 +659,10 @@ class GdnBwdChunkSm90:
         for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
             if c * CHUNK + row_base + t0[r, 0][0] < seqlen:
                 for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
-                    g[r, j] = a[r, j]
+                    if const_expr(mOut.element_type != Float32):  # dv16: dv in 16 bits
+                        g[r, j] = a[r, j].to(mOut.element_type)
+                    else:
+                        g[r, j] = a[r, j]
 
     @cute.jit
     def _store_vec(self, vals, t0, row_w, tid, mOut, b, hv, first, seqlen):

@@ -24,12 +24,29 @@ def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2, wy: bool = False
     return tokens + 2 * k * v * elem_bytes + CHUNK * CHUNK * elem_bytes + extra + head + 1024
 
 
-def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128), *, wy: bool = False) -> tuple:
+def params_for(
+    dtype: str,
+    head_dims: tuple[int, int] = (128, 128),
+    *,
+    wy: bool = False,
+    grouped: bool = False,
+    dv16: bool = False,
+) -> tuple:
     """Compile key: the 16-bit dtype of the tiles, (K, V) and `wy`: the WY half (`_wy_grads`)
-    in the kernel too (dw stays on chip; dv, dbeta out) or `_output_grads` only (dw out)."""
+    in the kernel too (dw stays on chip; dv, dbeta out) or `_output_grads` only (dw out);
+    `grouped` (in the key only when set): q, k (B, T, H, K) with H < HV, value head hv reading
+    q / k head hv // (HV / H) (no HV-repeated copies); `dv16` (wy only, in the key only when
+    set): dv written in the tiles' 16-bit dtype (the op's cast to v's dtype moved in)."""
+    if dv16 and not wy:
+        raise ValueError("dv16 needs wy (dv is the WY half's output)")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     if tuple(head_dims) not in HEAD_DIMS:
         raise ValueError(f"(K, V) must be one of {HEAD_DIMS}, got {tuple(head_dims)}")
     k, v = head_dims
-    return tuple(sorted({"dtype": dtype, "k": k, "v": v, "wy": wy}.items()))
+    key = {"dtype": dtype, "k": k, "v": v, "wy": wy}
+    if grouped:
+        key["grouped"] = True
+    if dv16:
+        key["dv16"] = True
+    return tuple(sorted(key.items()))
