@@ -534,7 +534,7 @@ def unit_per(per: int, kv_end: int, splits: int) -> int:
 
 def seesaw_partial(qn, qp, ckv, kpe, ckv_scale, pt, seq, op_, lp, scale_log2, per, page_size,
                    cu, causal, q_blocks, *, heads, qtokens, direct=False,
-                   listed=False):  # fmt: skip
+                   listed=False, gather=False):  # fmt: skip
     """The seesaw pass (seesaw.py) with the partial pass's arguments (test_mla_decode's
     `_partial`): CTA (sequence x query block, head block, split) reads its split's tiles as
     whole 64-row boxes of one page each (the launcher's contract: per and page_size multiples
@@ -543,11 +543,14 @@ def seesaw_partial(qn, qp, ckv, kpe, ckv_scale, pt, seq, op_, lp, scale_log2, pe
     op_ / lp the op's out (rows, Hq, 512) in q's dtype and natural LSE (rows, Hq), written as
     `_write_split` does (O rounded to out's dtype, log2 LSE x ln 2). A split takes the unit's
     own keys over the splits in whole tiles, at least `per` (the work list's form, `listed`:
-    exactly `per`, the list's keys per split)."""
+    exactly `per`, the list's keys per split). gather (the `gather` form, any page size): each
+    tile's 64 rows gathered one by one, key min(t0 + 64 j + row, t1 - 1) (`_gather_rows`: no
+    page-table entry past the split is read), then as above (masked in S, zeroed as V past the
+    sequence)."""
     splits = 1 if direct else op_.shape[0]
     if direct:
         assert op_.dtype == qn.dtype and lp.dtype == torch.float32
-    assert ckv_scale is None and per % TILE == 0 and page_size % TILE == 0
+    assert ckv_scale is None and per % TILE == 0 and (gather or page_size % TILE == 0)
     _, hq, _ = qn.shape
     rows = [(i, h) for i in range(qtokens) for h in range(heads)]
     for b, blk in ((b, blk) for b in range(seq.shape[0]) for blk in range(q_blocks)):
@@ -578,12 +581,19 @@ def seesaw_partial(qn, qp, ckv, kpe, ckv_scale, pt, seq, op_, lp, scale_log2, pe
                 keys, values, index = [], [], []
                 for j in range(tiles):
                     first = t0 + j * TILE
-                    page = first // page_size
-                    assert page < -(-sk // page_size), (b, s, j, sk)  # a page of the sequence
-                    slots = torch.arange(first - page * page_size, first - page * page_size + TILE)
-                    row = pt[b, page].long()
-                    k = torch.cat([ckv[row, slots], kpe[row, slots]], -1).double()
                     pos = torch.arange(first, first + TILE)
+                    if gather:
+                        token = pos.clamp(max=t1 - 1)
+                        index = token // page_size
+                        assert int(index.max()) < -(-sk // page_size), (b, s, j, sk)
+                        row, slots = pt[b, index].long(), token % page_size
+                    else:
+                        page = first // page_size
+                        assert page < -(-sk // page_size), (b, s, j, sk)  # a page of the seq.
+                        start = first - page * page_size
+                        slots = torch.arange(start, start + TILE)
+                        row = pt[b, page].long()
+                    k = torch.cat([ckv[row, slots], kpe[row, slots]], -1).double()
                     keys.append(k)
                     values.append(torch.where((pos < sk)[:, None], k[:, :LATENT], 0.0))
                     index.append(pos)
