@@ -584,9 +584,9 @@ def seesaw_partial(qn, qp, ckv, kpe, ckv_scale, pt, seq, op_, lp, scale_log2, pe
                     pos = torch.arange(first, first + TILE)
                     if gather:
                         token = pos.clamp(max=t1 - 1)
-                        index = token // page_size
-                        assert int(index.max()) < -(-sk // page_size), (b, s, j, sk)
-                        row, slots = pt[b, index].long(), token % page_size
+                        held = token // page_size  # the table's entries read
+                        assert int(held.max()) < -(-sk // page_size), (b, s, j, sk)
+                        row, slots = pt[b, held].long(), token % page_size
                     else:
                         page = first // page_size
                         assert page < -(-sk // page_size), (b, s, j, sk)  # a page of the seq.

@@ -417,9 +417,16 @@ def test_mbarriers_are_armed_and_initialized_once():
     inits = _enclosing(cls.kernel, "mbarrier_init")
     assert len(inits) == 2 and all(withs == ["cute.arch.elect_one()"] for _, withs in inits)
     assert all(ms.warp_collective(_reaches(t), seesaw.THREADS) == [0] for t, _ in inits)
-    # K's boxes and Q's count one arrival; the pair form's releases one from each CTA
+    # K's boxes and Q's count one arrival (the gather form's K chunks one per thread of the
+    # gathering warpgroup: `_gather_chunks`); the pair form's releases one from each CTA
     counts = [ast.unparse(init.args[1]) for init in _calls(cls.kernel, "mbarrier_init")]
-    assert counts == ["1", "PAIR"]
+    assert counts == ["self._chunk_arrivals(i)", "PAIR"]
+    chunks = seesaw.STAGES * seesaw.CHUNKS
+    tma, gather = cls(16), cls(16, gather=True)
+    assert [tma._chunk_arrivals(i) for i in range(chunks + 1)] == [1] * (chunks + 1)
+    assert [gather._chunk_arrivals(i) for i in range(chunks + 1)] == [THREADS_PER_WG] * chunks + [1]
+    ((tests, withs),) = _enclosing(cls._gather_chunks, "cp_async_mbarrier_arrive_noinc")
+    assert not tests and not withs  # every thread of the warpgroup, once a chunk
     assert len(_calls(cls.kernel, "mbarrier_init_fence")) == 1
 
 
