@@ -807,9 +807,10 @@ class MlaSeesawSm90:
     def _gather_rows(self, kv, tile):
         """This thread's rows of tile `tile` (GATHER_ROWS of them): (pages, slots) int32, the
         cache row of key min(t0 + 64 tile + row, t1 - 1): rows past the split read its last
-        key (finite; masked in S, and zeroed as V past the sequence by `_zero_stale`), so no
-        page-table entry past the split is read or dereferenced. Read a pair ahead of the
-        refill (as `_page`) so that the table's latency is off the copies' path."""
+        key (finite, a key of the sequence: masked in S, P = 0 times it is 0, so nothing is
+        zeroed, `_zero_stale`), and no page-table entry past the split is read or
+        dereferenced. Read a pair ahead of the refill (as `_page`) so that the table's latency
+        is off the copies' path."""
         pages = cute.make_rmem_tensor(GATHER_ROWS, Int32)
         slots = cute.make_rmem_tensor(GATHER_ROWS, Int32)
         for m in cutlass.range_constexpr(GATHER_ROWS):
@@ -895,9 +896,9 @@ class MlaSeesawSm90:
         if const_expr(more):
             nxt_a = self._page(kv, a + 2)
             nxt_c = self._page(kv, cutlass.min(a + 3, st.tiles - 1))
-        if const_expr(not has_c):  # a is the last tile
+        if const_expr(not has_c and not self.gather):  # a is the last tile
             self._zero_stale(ops, st, 0, a, Bar.WG0)
-        if const_expr(has_c and not more):  # c is the last tile (warpgroup 1 zeroes it)
+        if const_expr(has_c and not more and not self.gather):  # c is (warpgroup 1 zeroes it)
             self._match_stale(st, a + 1, Bar.WG0)
         corr, part = self._softmax(ops, st, a, 0, not more)
         named_barrier(Bar.SCALE0, THREADS).arrive()
@@ -952,9 +953,9 @@ class MlaSeesawSm90:
             nxt_a = self._page(kv, a + 2)
         if const_expr(more_c):
             nxt_c = self._page(kv, c + 2)
-        if const_expr(has_c and not more_a):  # c is the last tile
+        if const_expr(has_c and not more_a and not self.gather):  # c is the last tile
             self._zero_stale(ops, st, 1, c, Bar.WG1)
-        if const_expr(not has_c):  # a is the last tile (warpgroup 0 zeroes it)
+        if const_expr(not has_c and not self.gather):  # a is (warpgroup 0 zeroes it)
             self._match_stale(st, a, Bar.WG1)
         named_barrier(Bar.SCALE0, THREADS).arrive_and_wait()
         corr, part = self._softmax(ops, st, c, 1, not more_c)  # (no tile c: all masked, corr 1)
@@ -1060,7 +1061,9 @@ class MlaSeesawSm90:
         """Rows of `tile` (in buffer `buf`) past the sequence's end hold stale cache slots:
         their latent columns are zeroed (P V would multiply them by P = 0) by this warpgroup,
         which scored the tile; fenced and synced before its own P V (the other warpgroup's
-        comes after a barrier this one arrives at later)."""
+        comes after a barrier this one arrives at later). (Not in the gather form: its rows
+        past the split repeat the split's last key, finite, and no stale slot is read; so
+        neither this barrier nor `_match_stale`'s.)"""
         valid = st.sk - (st.t0 + tile * TILE)
         s_k = st.sKl  # (a local: stores in a branch)
         vec = 128 // s_k.element_type.width  # elements per 16-byte chunk
