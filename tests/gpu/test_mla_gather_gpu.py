@@ -117,8 +117,12 @@ def test_gather_direct_form_is_the_combine_of_one_split(case, dtype, monkeypatch
     want, want_lse = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
     low, _ = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE, upcast=False)
     monkeypatch.setenv("FORGEKERNEL_MLA_GATHER", "1")
+    keys = _recorded_keys(launch, monkeypatch)
     _direct_is_the_split(launch, monkeypatch, (qn, qp, ckv, kpe, table, seq),
                          (want, want_lse, low), dtype)  # fmt: skip
+    partials = [k for k in keys if k["kind"] == "partial"]
+    assert len(partials) == 2 and all(k.get("gather", False) for k in partials)
+    assert partials[0].get("ostore", False) == (hq == 128)  # (out's rows 16-byte aligned)
 
 
 def test_gather_is_off_by_default(monkeypatch):

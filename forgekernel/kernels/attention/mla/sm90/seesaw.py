@@ -55,7 +55,19 @@ thread before); warpgroup 0 stores the rows' LSE in log2 units (-inf where the s
 the paged decode's partial format, merged by its combine. The direct form (`direct`, a
 plan of one split: the grid's one split covers every key) writes instead the final O, rounded to
 q's dtype, and the natural LSE (log2 x ln 2) into the op's outputs: what the combine makes of one
-split (weight exp2(0) = 1, sum 1), bit for bit, with no fp32 partials and no combine launch."""
+split (weight exp2(0) = 1, sum 1), bit for bit, with no fp32 partials and no combine launch.
+
+The gather form (`gather`, candidate: FORGEKERNEL_MLA_GATHER=1) takes pages that are not whole
+tiles (page sizes 1, 16, ...): the same schedule, barriers and buffers, but each chunk's 64 rows
+are gathered by the warpgroup that would issue its TMA box, all 128 threads (8 a row, 16 bytes
+each, 4 rows a thread; `_gather_chunks`), cp.async into the slots the box fills (the same
+swizzled layout), each thread closing a chunk with cp.async.mbarrier.arrive.noinc on its
+mbarrier (128 arrivals); tiles 0 and 1 by warpgroups 0 and 1. A row's page and slot come from
+the page table a pair ahead (`_gather_rows`, as `_page`), the key clamped to the split's last:
+no entry past the split is read, rows past it repeat a real key (masked, P = 0: nothing to
+zero, so no `_zero_stale` / `_match_stale`). cp.async writes are the generic proxy's: every
+mbarrier wait, and the P V of the tile the other warpgroup waited on, is followed by a proxy
+fence before the WGMMA (`_gathered_fence`). MLA_NOTES.md, "The seesaw over gathered rows"."""
 
 from __future__ import annotations
 
