@@ -13,9 +13,10 @@
 - The page table: 4 loads a thread a tile (`_gather_rows`: one (page, slot) per gathered row),
   read a pair ahead as `_page`'s; no stale-row zeroing (no WG1 barrier).
 - Warp-collective instructions reached by converged warps (no BRA.DIV / WARPSYNC.COLLECTIVE), no
-  setmaxnreg, no spills; registers at the cap (cu13 ptxas 254 at 16 x 1 and 64 x 1 direct
-  `ostore`; cu12's 252 at 16 x 1 on this machine's cu12 libraries, 2026-12-05), the TMA form's
-  230. The TMA form's SASS is unchanged (tests/test_mla_seesaw_compile.py)."""
+  setmaxnreg, no spills; registers near the cap: 254 at 16 x 1 and at 64 x 1 direct `ostore`
+  with cu13's ptxas and with cu12's (the cu12 libraries of this machine's venv, loaded by hand,
+  2026-12-05; the same opcode counts), the TMA form's 230. The TMA form's SASS is unchanged
+  (tests/test_mla_seesaw_compile.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ from collections import Counter
 
 import pytest
 from cubins import build
-from dsl_toolchain import dsl_toolchain
 
 pytest.importorskip("cutlass")
 
@@ -37,8 +37,7 @@ if find_tool("cuobjdump") is None:
     pytest.skip("cuobjdump not found", allow_module_level=True)
 
 _OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
-# (cu13 registers, cu12 registers) where measured; the cap otherwise
-REGISTERS = {("bfloat16", 16, 1, False): (254, 252), ("float16", 64, 1, True): (254, None)}
+REGISTERS = 254  # both keys, both toolchains (cu13, and cu12's ptxas on this machine)
 
 
 @pytest.fixture(
@@ -100,12 +99,9 @@ def test_page_table_reads_and_no_stale_zeroing(compiled):
 
 
 def test_resources(compiled):
-    res, ops, _, key = compiled
+    res, ops, _, _ = compiled
     assert res["spill_bytes"] == 0 and ops["LDL"] == ops["STL"] == 0
-    assert res["registers"] <= 255
-    cu13, cu12 = REGISTERS[key]
-    want = cu13 if dsl_toolchain() == "cu13" else cu12
-    if want is not None:
-        assert res["registers"] == want
-    tma = build(SPEC, params_for("partial", "bfloat16", 16, tma=True)).resources
-    assert res["smem_bytes"] == tma["smem_bytes"]  # (the same Shared struct)
+    assert res["registers"] == REGISTERS
+    # the cubin's shared memory as the TMA form's (1024, both toolchains: the same Shared
+    # struct, allocated at launch)
+    assert res["smem_bytes"] == 1024
