@@ -1124,7 +1124,7 @@ def test_suite_candidates_are_bench_cases():
         plain = {"plain"} if name in mla_decode.PLAIN_CASES else set()
         no_pdl = {"no_pdl"} if name in mla_decode.NO_PDL_CASES else set()
         cta = {"combine_warps"} if name in mla_decode.COMBINE_CASES else set()
-        gather = {"gather"} if name in mla_decode.GATHER_CASES else set()
+        gather = {"gather", "gather_unfenced"} if name in mla_decode.GATHER_CASES else set()
         assert got == set(mla_decode.CANDIDATES.get(name, {})) | plain | no_pdl | cta | gather
         if gather:
             assert case.params["page"] == 1 and case.params["cache"] == "split"

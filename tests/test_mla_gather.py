@@ -69,9 +69,28 @@ def test_gather_keys_and_what_they_exclude(monkeypatch):
         params_for("partial", "bfloat16", 16, gather=True)  # not the seesaw pass
     with pytest.raises(ValueError, match="gather"):
         params_for("partial", "bfloat16", 16, tma=True, worklist=True, gather=True)
+    with pytest.raises(ValueError, match="unfenced"):
+        params_for("partial", "bfloat16", 16, tma=True, unfenced=True)  # not the gather form
+    with pytest.raises(ValueError, match="gather must be"):
+        with mla_launch.plan_form(gather="fenced"):
+            pass
     with pytest.raises(ValueError, match="FORGEKERNEL_MLA_GATHER"):
         monkeypatch.setenv("FORGEKERNEL_MLA_GATHER", "yes")
-        mla_launch.gather_enabled()
+        mla_launch.gather_mode()
+
+
+@pytest.mark.parametrize("on", ["env", "form"])
+def test_the_unfenced_diagnostic_build(monkeypatch, on):
+    """FORGEKERNEL_MLA_GATHER=unfenced or plan_form(gather="unfenced"): the gather form's key
+    with `unfenced` (partial and direct); whole-tile pages keep the TMA form."""
+    env = {"FORGEKERNEL_MLA_GATHER": "unfenced"} if on == "env" else {}
+    form = (None, None, False, True, "unfenced") if on == "form" else None
+    key = _key(monkeypatch, 1, env=env, form=form)
+    assert key == dict(params_for("partial", "bfloat16", 16, tma=True, gather=True,
+                                  unfenced=True))  # fmt: skip
+    direct = _key(monkeypatch, 16, hq=128, lens=(100,) * 132, env=env, form=form)
+    assert direct.get("unfenced", False) and direct.get("direct", False)
+    assert "unfenced" not in _key(monkeypatch, 64, env=env, form=form)
 
 
 def test_gather_keys_are_candidates_only():
@@ -81,10 +100,13 @@ def test_gather_keys_are_candidates_only():
     assert not any(dict(p).get("gather", False) for p in standard)
     keys = gather_params()
     assert set(keys) <= set(SPEC.candidate_params())
-    assert not set(keys) & set(standard) and len(set(keys)) == len(keys) == 20
+    assert not set(keys) & set(standard) and len(set(keys)) == len(keys) == 22
     for dtype in ("bfloat16", "float16"):
         for heads, qt in ((16, 1), (64, 1), (16, 2), (32, 2)):
             assert params_for("partial", dtype, heads, qt, tma=True, gather=True) in keys
+    for heads in (16, 64):  # the bench's page-1 blocks, the diagnostic build
+        assert params_for("partial", "bfloat16", heads, tma=True, gather=True,
+                          unfenced=True) in keys  # fmt: skip
 
 
 GATHER_CASES = [

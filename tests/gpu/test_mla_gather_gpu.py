@@ -135,3 +135,28 @@ def test_gather_is_off_by_default(monkeypatch):
     launch._plans.clear()
     partial = [k for k in keys if k["kind"] == "partial"][-1]
     assert not partial.get("tma", False) and not partial.get("gather", False)
+
+
+UNFENCED_CASES = [c for c in GATHER_CASES if c[2] == 1 and c[4] == 1 and max(c[3]) >= 2000]
+
+
+@pytest.mark.parametrize("case", UNFENCED_CASES, ids=_ids)
+def test_unfenced_build_is_the_fenced_form_bit_for_bit(case, monkeypatch):
+    """The `unfenced` diagnostic build (FORGEKERNEL_MLA_GATHER=unfenced: no proxy fence after
+    the chunk waits; prebuilt at bf16 16 x 1 and 64 x 1 partial, the plans of these cases)
+    against the fenced form on the same inputs: the same bits, or the fences matter."""
+    b, hq, ps, lens, s_q, combined = case
+    inputs = _problem(b, hq, ps, lens, s_q, combined, torch.bfloat16)
+    _poison_stale(inputs[2], inputs[3], inputs[4], lens, ps)
+    keys = _recorded_keys(launch, monkeypatch)
+    results = []
+    for mode in ("1", "unfenced"):
+        monkeypatch.setenv("FORGEKERNEL_MLA_GATHER", mode)
+        launch._plans.clear()
+        results.append(_call(inputs, torch.bfloat16))
+        partial = [k for k in keys if k["kind"] == "partial"][-1]
+        assert partial.get("unfenced", False) == (mode == "unfenced")
+        assert not partial.get("direct", False)
+    launch._plans.clear()
+    (out, lse), (out_u, lse_u) = results
+    assert torch.equal(out, out_u) and torch.equal(lse, lse_u)

@@ -530,7 +530,8 @@ def run_combine_warps(inputs: Inputs, out):
 # launch.plan_form(gather=True); candidate keys: sm90 `_candidate_params`), against decode.py's
 # role-split pass that serves them by default: predicted (time / ours) ~0.60 at b16-h128
 # (the page-64 seesaw's 0.0475 ms there against ours 0.0838) and ~0.80 at b64-h16 (MLA_NOTES.md,
-# "The seesaw over gathered rows (CPU only, 2026-12-05)")
+# "The seesaw over gathered rows (CPU only, 2026-12-05)"); `gather_unfenced` its diagnostic build
+# without the proxy fences after the chunk waits (gather / gather_unfenced: the fences' cost)
 GATHER_CASES = ("b64-h16-p1-L4096-split", "b16-h128-p1-L4096-split")
 
 
@@ -552,6 +553,7 @@ def variants(case: Case) -> dict[str, Any]:
         found["combine_warps"] = run_combine_warps
     if case.name in GATHER_CASES:
         found["gather"] = functools.partial(run_plan, {"gather": True})
+        found["gather_unfenced"] = functools.partial(run_plan, {"gather": "unfenced"})
     return found
 
 

@@ -130,7 +130,8 @@ GATHER_BLOCKS = ((16, 1), (64, 1), (16, 2), (32, 2))
 
 
 def gather_params() -> list[Params]:
-    """The gather form's candidate keys (`build --candidates`)."""
+    """The gather form's candidate keys (`build --candidates`), and its `unfenced` diagnostic
+    builds at the bench's page-1 blocks (bf16 16 x 1 and 64 x 1 partial)."""
     keys = [
         params_for("partial", dtype, h, qt, tma=True, direct=direct, gather=True)
         for dtype in DTYPES
@@ -141,6 +142,9 @@ def gather_params() -> list[Params]:
         params_for("partial", dtype, h, qt, tma=True, direct=True, ostore=True, gather=True)
         for dtype in DTYPES
         for h, qt in OSTORE_BLOCKS
+    ]
+    keys += [
+        params_for("partial", "bfloat16", h, tma=True, gather=True, unfenced=True) for h in (16, 64)
     ]
     return keys
 

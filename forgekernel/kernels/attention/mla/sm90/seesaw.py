@@ -155,7 +155,7 @@ class MlaSeesawSm90:
     def __init__(
         self, heads: int, qtokens: int = 1, direct: bool = False, pair: bool = False,
         ostore: bool = False, worklist: bool = False, ranges: bool = False, pdl: bool = True,
-        gather: bool = False,
+        gather: bool = False, fenced: bool = True,
     ):  # fmt: skip
         if heads * qtokens > ROWS:
             raise ValueError(f"heads x query tokens must be <= {ROWS}, got {heads} x {qtokens}")
@@ -200,6 +200,11 @@ class MlaSeesawSm90:
         if gather and (pair or worklist):
             raise ValueError("the gather form takes no pair and no work list")
         self.gather = gather
+        # fenced False (the gather form's diagnostic build, compile key `unfenced`): no proxy
+        # fence after the chunk waits (`_gathered_fence`), the A/B of the fences' cost
+        if not fenced and not gather:
+            raise ValueError("unfenced is a form of the gather pass")
+        self.fenced = fenced
 
     def _setup(self, dtype):
         k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
@@ -854,8 +859,9 @@ class MlaSeesawSm90:
     def _gathered_fence(self):
         """Gather: cp.async writes are the generic proxy's and WGMMA reads the async proxy's: a
         proxy fence after the acquire (the chunk's mbarrier wait, or the named barrier behind
-        the other warpgroup's wait) and before the WGMMA that reads the rows. TMA: none."""
-        if const_expr(self.gather):
+        the other warpgroup's wait) and before the WGMMA that reads the rows. TMA: none; nor
+        the `unfenced` diagnostic build (not a form to serve: the fences' cost, measured)."""
+        if const_expr(self.gather and self.fenced):
             cute.arch.fence_view_async_shared()
 
     def _bar(self, ops, buf, chunk):
