@@ -162,6 +162,7 @@ RUN_FIRST = (
     "test_build_sm90.py",  # 43, two compile processes of its own
     "test_mla_ostore.py",  # 39
     "test_attention_build.py",  # 38
+    "test_mla_gather_compile.py",  # ~34 (estimated, 2026-12-05: two MLA compiles, ~17 s each)
     "test_gemm_fp8_mainloop.py",  # 33
     "test_dsa_sparse_bwd_kernel_compile.py",  # 26
     "test_paged_spec.py",  # 25

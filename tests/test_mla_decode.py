@@ -229,8 +229,9 @@ def test_launcher_takes_the_direct_form_for_one_split(monkeypatch, key, direct):
         assert splits == 1 and per >= tokens
         kernel, combine, splits, _, _, _ = mla_launch._plan(
             kind, torch.bfloat16, units, hq, tokens, qtokens, 0, fp8, ps,
-            form=(None, None, False, False),
-        )  # plan_form(direct=False)
+            form=(None, None, False, False, False),
+        )  # fmt: skip
+        # (plan_form(direct=False))
         assert "direct" not in kernel and combine["kind"] == "combine" and splits == 1
         monkeypatch.setenv("FORGEKERNEL_MLA_DIRECT", "0")
         kernel, combine, splits, _, _, _ = mla_launch._plan(
@@ -514,6 +515,8 @@ def cpu_kernels(monkeypatch):
             assert (args[4] is not None) == fp8 and (args[2].dtype == torch.uint8) == fp8
             calls.append((p, args[9:12], args[12] is not None))
             kw = {"heads": p["heads"], "qtokens": p.get("qtokens", 1)}
+            if p.get("gather", False):
+                kw["gather"] = True
             if p.get("direct", False):
                 assert args[7].dtype == args[0].dtype and args[8].dtype == torch.float32
                 assert not p.get("ostore", False) or mla_launch._wide_rows(args[7])
@@ -1110,17 +1113,22 @@ def test_plan_form_rejects_blocks_that_do_not_fit(cpu_kernels):
 def test_suite_candidates_are_bench_cases():
     """CANDIDATES, PLAIN_CASES (the `plain` variant: the call without the step's schedule) and
     NO_PDL_CASES (the variant `no_pdl`, tests/test_pdl.py) name bench cases of the seesaw pass
-    (16-bit, page 64); every other case has no variant (the `pair` one is gone)."""
+    (16-bit, page 64); GATHER_CASES (the variant `gather`) the 16-bit page-1 cases; every other
+    case has no variant (the `pair` one is gone)."""
     names = {c.name: c for c in mla_decode.BENCH_CASES}
     assert set(mla_decode.CANDIDATES) | set(mla_decode.PLAIN_CASES) <= set(names)
     assert set(mla_decode.NO_PDL_CASES) | set(mla_decode.COMBINE_CASES) <= set(names)
+    assert set(mla_decode.GATHER_CASES) <= set(names)
     for name, case in names.items():
         got = set(mla_decode.variants(case))
         plain = {"plain"} if name in mla_decode.PLAIN_CASES else set()
         no_pdl = {"no_pdl"} if name in mla_decode.NO_PDL_CASES else set()
         cta = {"combine_warps"} if name in mla_decode.COMBINE_CASES else set()
-        assert got == set(mla_decode.CANDIDATES.get(name, {})) | plain | no_pdl | cta, name
-        if got:
+        gather = {"gather", "gather_unfenced"} if name in mla_decode.GATHER_CASES else set()
+        assert got == set(mla_decode.CANDIDATES.get(name, {})) | plain | no_pdl | cta | gather
+        if gather:
+            assert case.params["page"] == 1 and case.params["cache"] == "split"
+        elif got:
             assert case.params["page"] % TILE == 0 and case.params["cache"] == "combined"
 
 

@@ -526,10 +526,20 @@ def run_combine_warps(inputs: Inputs, out):
         return run_ours(inputs, out)
 
 
+# FlashInfer-Bench's page-1 cases timed on the seesaw pass's `gather` form (variant `gather`,
+# launch.plan_form(gather=True); candidate keys: sm90 `_candidate_params`), against decode.py's
+# role-split pass that serves them by default: predicted (time / ours) ~0.60 at b16-h128
+# (the page-64 seesaw's 0.0475 ms there against ours 0.0838) and ~0.80 at b64-h16 (MLA_NOTES.md,
+# "The seesaw over gathered rows (CPU only, 2026-12-05)"); `gather_unfenced` its diagnostic build
+# without the proxy fences after the chunk waits (gather / gather_unfenced: the fences' cost)
+GATHER_CASES = ("b64-h16-p1-L4096-split", "b16-h128-p1-L4096-split")
+
+
 def variants(case: Case) -> dict[str, Any]:
     """The launcher-only plan candidates of `case` (CANDIDATES, on the plain call), the `plain`
     call (PLAIN_CASES), NO_PDL_CASES' kernels without PDL (`run_no_pdl`) and COMBINE_CASES'
-    combine in its warp form (`run_combine_warps`): variant time / our time decides their
+    combine in its warp form (`run_combine_warps`), GATHER_CASES on the seesaw pass's `gather`
+    form (`run_plan`, candidate): variant time / our time decides their
     adoption. (Measured and dropped: the `pair` form, 2.4-8.8% slower on every
     128-head case, 2026-12-03 16:40; the `ostore` store, a variant until 14:25, is the standard:
     MLA_NOTES.md.)"""
@@ -541,6 +551,9 @@ def variants(case: Case) -> dict[str, Any]:
         found["no_pdl"] = run_no_pdl
     if case.name in COMBINE_CASES:
         found["combine_warps"] = run_combine_warps
+    if case.name in GATHER_CASES:
+        found["gather"] = functools.partial(run_plan, {"gather": True})
+        found["gather_unfenced"] = functools.partial(run_plan, {"gather": "unfenced"})
     return found
 
 

@@ -13,7 +13,9 @@ FORGEKERNEL_MLA_OSTORE=0 keeps the scalar stores). (`pair` keys, the head blocks
 clusters of 2 sharing each tile's loads by TMA multicast, still compile but are neither prebuilt
 nor launched: measured 2.4-8.8% slower, MLA_NOTES.md.) `worklist` keys (candidates): the seesaw
 partial pass reading its (unit, split) from the device-side work list that kind "worklist", the
-scheduling kernel (worklist.py; schedule.py its reference), writes."""
+scheduling kernel (worklist.py; schedule.py its reference), writes. `gather` keys (candidates,
+FORGEKERNEL_MLA_GATHER=1): the seesaw pass over 16-bit pages that are not whole tiles (1, 16),
+each chunk's rows gathered by cp.async onto the chunk mbarriers (seesaw.py)."""
 
 from __future__ import annotations
 
@@ -87,8 +89,9 @@ def _dsa_params() -> list[Params]:
     sink = [params_for("sparse", d, h, fp8=fp8, direct=True, sink=True) for d, fp8 in passes
             for h in sparse_heads()]  # fmt: skip
     fused = [
-        params_for("sparse", d, h, fp8=fp8, direct=True, sink=s, fused=True, rope="float32",
-                   positions=p)  # fmt: skip
+        params_for(
+            "sparse", d, h, fp8=fp8, direct=True, sink=s, fused=True, rope="float32", positions=p
+        )  # fmt: skip
         for d, fp8 in passes
         for h in FUSED_HEADS
         for s in (False, True)
@@ -120,16 +123,43 @@ def _schedule_params() -> list[Params]:
 WORKLIST_BLOCKS = ((16, 1), (64, 1), (16, 2), (32, 2), (16, 4))
 
 
+# The seesaw pass's gather form (candidate, FORGEKERNEL_MLA_GATHER=1): the GPU tests' and the
+# bench's page-1 / page-16 blocks (16 / 128 heads, MTP 2), partial and direct (a plan of one
+# split), the 128-head blocks' direct form also with the `ostore` store
+GATHER_BLOCKS = ((16, 1), (64, 1), (16, 2), (32, 2))
+
+
+def gather_params() -> list[Params]:
+    """The gather form's candidate keys (`build --candidates`), and its `unfenced` diagnostic
+    builds at the bench's page-1 blocks (bf16 16 x 1 and 64 x 1 partial)."""
+    keys = [
+        params_for("partial", dtype, h, qt, tma=True, direct=direct, gather=True)
+        for dtype in DTYPES
+        for h, qt in GATHER_BLOCKS
+        for direct in (False, True)
+    ]
+    keys += [
+        params_for("partial", dtype, h, qt, tma=True, direct=True, ostore=True, gather=True)
+        for dtype in DTYPES
+        for h, qt in OSTORE_BLOCKS
+    ]
+    keys += [
+        params_for("partial", "bfloat16", h, tma=True, gather=True, unfenced=True) for h in (16, 64)
+    ]
+    return keys
+
+
 def _candidate_params() -> list[Params]:
-    """The per-call work list's pass and scheduling kernels (`build --candidates`), and the
-    builds without PDL of the bench's variant `no_pdl` (`no_pdl_params`)."""
+    """The per-call work list's pass and scheduling kernels (`build --candidates`), the
+    builds without PDL of the bench's variant `no_pdl` (`no_pdl_params`) and the seesaw pass's
+    gather form (`gather_params`)."""
     passes = [
         params_for("partial", dtype, h, qt, tma=True, worklist=True)
         for dtype in DTYPES
         for h, qt in WORKLIST_BLOCKS
     ]
     lists = [params_for("worklist", "bfloat16", qtokens=qt) for qt in QTOKENS]
-    return passes + lists + no_pdl_params()
+    return passes + lists + no_pdl_params() + gather_params()
 
 
 def no_pdl_params() -> list[Params]:

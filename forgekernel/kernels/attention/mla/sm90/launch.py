@@ -8,6 +8,13 @@ pass's sparse mode): torch only (no DSL), the partial pass and the paged leaf's 
 16-bit paged caches whose page size is a multiple of TILE run the seesaw pass (`tma` compile keys,
 seesaw.py); FORGEKERNEL_MLA_SCHEDULE=roles (read when a problem's plan is first built) keeps them
 on decode.py's role-split pass, the design the seesaw replaces, for side-by-side timing.
+FORGEKERNEL_MLA_GATHER=1 (candidate, read when a problem's plan is first built) or
+`plan_form(gather=True)`: 16-bit caches of other page sizes (1, 16) run the seesaw pass too, in its
+`gather` form (each chunk's rows gathered by cp.async onto the chunk mbarriers: MLA_NOTES.md, "The
+seesaw over gathered rows"), without the work list (no list is made for them); off by default,
+decode.py's role-split pass serves them. FORGEKERNEL_MLA_GATHER=unfenced /
+`plan_form(gather="unfenced")`: its diagnostic build without the proxy fences after the chunk
+waits (the fences' cost, timed; not a form to serve).
 
 A plan of one split (`config.runs_direct`: every (sequence, head block) in one CTA; the
 serving batches of 128+ head blocks, short sequences; DSA from 128 tokens at 16 heads, 64 at
@@ -80,7 +87,7 @@ from forgekernel.runtime.scratch import scratch, scratches
 _plans = PlanCache()
 # `plan_form`'s (tiles per split or None, heads per CTA or None, work list, direct form), else
 # None (in plan keys)
-_plan_form: list[tuple[int | None, int | None, bool, bool] | None] = [None]
+_plan_form: list[tuple[int | None, int | None, bool, bool, bool | str] | None] = [None]
 
 
 def _flag(env: str, default: str) -> bool:
@@ -111,6 +118,19 @@ def worklist_enabled() -> bool:
     return _flag("FORGEKERNEL_MLA_WORKLIST", "0")
 
 
+GATHER_MODES = {"0": None, "1": "fenced", "unfenced": "unfenced"}
+
+
+def gather_mode() -> str | None:
+    """Whether 16-bit caches whose pages are not whole tiles run the seesaw pass's `gather` form
+    (candidate: FORGEKERNEL_MLA_GATHER=1, "fenced"; "unfenced" its diagnostic build without the
+    proxy fences; "0", the default: None), read when a problem's plan is first built."""
+    flag = os.environ.get("FORGEKERNEL_MLA_GATHER", "0")
+    if flag not in GATHER_MODES:
+        raise ValueError(f"FORGEKERNEL_MLA_GATHER must be '0', '1' or 'unfenced', got {flag!r}")
+    return GATHER_MODES[flag]
+
+
 def ostore_enabled() -> bool:
     """Direct plans of the OSTORE_BLOCKS take the `ostore` compile where out's rows are 16-byte
     aligned (unless FORGEKERNEL_MLA_OSTORE=0)."""
@@ -123,6 +143,7 @@ def plan_form(
     heads: int | None = None,
     worklist: bool = False,
     direct: bool = True,
+    gather: bool | str = False,
 ) -> Iterator[None]:
     """The calls inside take `per_tiles` tiles per split (seesaw plans: 16-bit caches of
     whole-tile pages; DSA's sparse plans: TILE top-k positions a tile) and / or `heads` query
@@ -132,14 +153,18 @@ def plan_form(
     plans of more than one split take the device-side work list (as FORGEKERNEL_MLA_WORKLIST=1;
     not with per_tiles: the list sizes its splits itself). direct False: a plan of one split
     keeps the partial pass and the combine (as FORGEKERNEL_MLA_DIRECT=0, keyed apart: the
-    bench's A/B of the direct forms in one process)."""
+    bench's A/B of the direct forms in one process). gather: 16-bit caches whose pages are not
+    whole tiles take the seesaw pass's `gather` form (True, as FORGEKERNEL_MLA_GATHER=1;
+    "unfenced" its diagnostic build)."""
+    if gather not in (False, True, "unfenced"):
+        raise ValueError(f"gather must be False, True or 'unfenced', got {gather!r}")
     if worklist and per_tiles is not None:
         raise ValueError("the work list sizes its splits itself: no per_tiles with worklist")
     if heads is not None and heads not in config.HEADS:
         raise ValueError(f"heads must be one of {config.HEADS}, got {heads}")
     if per_tiles is not None and per_tiles < 1:
         raise ValueError(f"per_tiles must be >= 1, got {per_tiles}")
-    with overriding(_plan_form, (per_tiles, heads, worklist, direct)):
+    with overriding(_plan_form, (per_tiles, heads, worklist, direct, gather)):
         yield
 
 
@@ -212,6 +237,11 @@ def _plan(
     on = pdl.enabled()
     heads = _heads(hq, qtokens, form)
     tma = kind == "partial" and not fp8 and page_size % config.TILE == 0 and seesaw_enabled()
+    # the gather form (candidate): the seesaw over pages that are not whole tiles
+    mode = gather_mode() if form is None else form[4] or gather_mode()
+    gather = kind == "partial" and not fp8 and not tma and seesaw_enabled() and bool(mode)
+    unfenced = gather and mode == "unfenced"
+    tma = tma or gather
     if (tma or kind == "sparse") and form is not None and form[0] is not None:
         tiles = max(1, -(-max_tokens // config.TILE))
         per_tiles = min(form[0], tiles)
@@ -227,7 +257,8 @@ def _plan(
         # (decode.py's passes have no PDL build: their key as the partial pass's)
         ostore = tma and not narrow and config.runs_ostore(heads, qtokens) and ostore_enabled()
         params = config.params_for(kind, name, heads, qtokens, fp8, tma, direct=True,
-                                   ostore=ostore, sink=sink)  # fmt: skip
+                                   ostore=ostore, sink=sink, gather=gather,
+                                   unfenced=unfenced)  # fmt: skip
         return get_kernel(SPEC, pdl.key(params, on or not tma)), None, splits, per, ostore, None
     if kind == "partial" and (form is None or form[0] is None):
         # the passes spread each unit's own keys over the splits (decode.py, seesaw.py), at
@@ -235,7 +266,7 @@ def _plan(
         # sized for a long context (a serving engine's captured graph) in one split
         per = min(per, config.MIN_TOKENS_PER_SPLIT)
     wanted = worklist_enabled() if form is None else form[2] or worklist_enabled()
-    if tma and splits > 1 and wanted and (form is None or form[0] is None):
+    if tma and not gather and splits > 1 and wanted and (form is None or form[0] is None):
         sms = num_sms(device_index)
         tiles = max(1, -(-max_tokens // config.TILE))
         fewest = min(tiles, max(1, config.MIN_TOKENS_PER_SPLIT // config.TILE))
@@ -249,7 +280,8 @@ def _plan(
         worklist = (sched, hq // heads, fewest, sms * config.RESIDENT, tiles)
         return partial, combine, splits, per, False, worklist
     combine = _combine(name, on, units * qtokens * hq)
-    params = config.params_for(kind, name, heads, qtokens, fp8, tma)
+    params = config.params_for(kind, name, heads, qtokens, fp8, tma, gather=gather,
+                               unfenced=unfenced)  # fmt: skip
     partial = get_kernel(SPEC, pdl.key(params, on or not tma))  # decode.py's: no PDL build
     return partial, combine, splits, per, False, None
 
@@ -279,7 +311,7 @@ def _schedule(worklist, seq, cu, causal, units, q_blocks, splits, outs) -> torch
 # the plan form of a call that brings a schedule (`make_schedule`): the work list's ranges form
 # (items with their own partials, no bound from the width plan's splits), keyed apart
 RANGES = "ranges"
-SCHEDULED = (None, None, RANGES, True)
+SCHEDULED = (None, None, RANGES, True, False)
 
 
 def schedule_key(dtype, batch, hq, max_tokens, max_seqlen_q, packed, device_index, page_size):
