@@ -43,7 +43,9 @@ def compile_gemm_fp4_grouped(params: dict, arch: str = "sm_90a", extra_options: 
         assumed_align=4,
     )
     return cute.compile(
-        GemmFp4GroupedSm90(params["tokens"], contiguous=contiguous),
+        GemmFp4GroupedSm90(
+            params["tokens"], contiguous=contiguous, staged_sa=bool(params.get("staged_sa"))
+        ),
         batched(cutlass.Float8E4M3FN, m, k, 16, batches),
         batched(cutlass.Uint8, n, half_k, 16),
         exps,

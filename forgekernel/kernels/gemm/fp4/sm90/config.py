@@ -47,15 +47,27 @@ def expected_for(tokens: int) -> int:
 
 
 def stage_bytes(tokens: int) -> int:
-    """One pipeline stage: the packed weight tile, its exponent words, the tokens' e4m3 rows."""
+    """One pipeline stage's TMA bytes: the packed weight tile, its exponent words, the tokens'
+    e4m3 rows (the full barrier's expect-tx)."""
     return TILE_W * TILE_K // 2 + 4 * TILE_W + tokens * TILE_K
 
 
-def params_for(out_dtype: str, tokens: int, contiguous: bool = False) -> tuple:
+def ring_bytes(tokens: int, staged_sa: bool = False) -> int:
+    """One stage's shared memory: its TMA bytes and, with `staged_sa`, the tokens' fp32
+    activation scales of its k-tile (cp.async by the producer lanes, `kernel.py`)."""
+    return stage_bytes(tokens) + (4 * tokens if staged_sa else 0)
+
+
+def params_for(
+    out_dtype: str, tokens: int, contiguous: bool = False, staged_sa: bool = False
+) -> tuple:
     """The compile key's baked-in part: the output dtype, the tokens per tile and, for the
-    contiguous layout, contiguous=True (absent for the masked one)."""
+    contiguous layout, contiguous=True (absent for the masked one); `staged_sa` (opt-in,
+    keyed only when on) stages the activation scales in the ring (docs/gemm/NOTES.md "FP4 at
+    16-96 tokens")."""
     tiles = CONTIGUOUS_STANDARD_TOKENS if contiguous else TOKENS
     if tokens not in tiles:
         raise ValueError(f"tokens per tile must be one of {tiles}, got {tokens}")
     layout = (("contiguous", True),) if contiguous else ()
-    return (("out", out_dtype), ("tokens", tokens), *layout)
+    staged = (("staged_sa", True),) if staged_sa else ()
+    return (("out", out_dtype), ("tokens", tokens), *layout, *staged)
