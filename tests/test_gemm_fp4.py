@@ -373,6 +373,111 @@ def _assert_warp_collectives_converged(cubin) -> None:
     assert sass.count("WARPGROUP.ARRIVE") == 4 and sass.count("WARPGROUP.DEPBAR") == 5
 
 
+# ---------------------------------------------------------------- staged_sa (opt-in)
+def test_staged_sa_is_keyed_only_when_on():
+    """The opt-in form's key field exists only when on: every standard key (and so every
+    ledger row and standard cubin) is the one before it."""
+    from forgekernel.kernels.gemm.fp4.sm90 import SPEC
+
+    assert config.params_for("bfloat16", 32) == (("out", "bfloat16"), ("tokens", 32))
+    assert config.params_for("bfloat16", 32, staged_sa=True) == (
+        ("out", "bfloat16"), ("tokens", 32), ("staged_sa", True),
+    )  # fmt: skip
+    assert config.params_for("float16", 16, contiguous=True, staged_sa=True)[2:] == (
+        ("contiguous", True), ("staged_sa", True),
+    )  # fmt: skip
+    assert not any("staged_sa" in dict(p) for p in SPEC.standard_params())
+    for h in config.TOKENS:
+        assert config.ring_bytes(h) == config.stage_bytes(h)
+        assert config.ring_bytes(h, staged_sa=True) == config.stage_bytes(h) + 4 * h
+
+
+def _schedule(sass: str) -> str:
+    """The consumers' schedule in SASS: A = WARPGROUP.ARRIVE, Q = QGMMA, Dn = WARPGROUP.DEPBAR
+    .LE gsb0, n, Fk = k FFMAs (runs merged across a stage release), G = a global load (LDG,
+    not LDGSTS); other instructions left out."""
+    import re
+
+    out = []
+    for line in sass.splitlines():
+        match = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?(\S+)(.*?);", line)
+        if not match:
+            continue
+        op = match.group(1)
+        if op.startswith("QGMMA"):
+            out.append("Q")
+        elif op == "WARPGROUP.ARRIVE":
+            out.append("A")
+        elif op == "WARPGROUP.DEPBAR.LE":
+            out.append("D" + match.group(2).strip()[-1])
+        elif op == "FFMA":
+            out.append("F")
+        elif op.startswith("LDG") and not op.startswith("LDGSTS"):
+            out.append("G")
+    return re.sub(r"F+", lambda m: f"F{len(m.group())}", "".join(out))
+
+
+def _predicates(sass: str, prefix: str) -> list[str]:
+    """The predicate ("" when none) of each instruction whose opcode starts with `prefix`."""
+    import re
+
+    found = []
+    for line in sass.splitlines():
+        match = re.search(r"/\*[0-9a-f]{4}\*/\s+(@!?U?P\w+\s+)?(\S+)", line)
+        if match and match.group(2).startswith(prefix):
+            found.append((match.group(1) or "").strip())
+    return found
+
+
+def _producer_max_register(sass: str) -> int:
+    """The highest R register the code between setmaxnreg's DEALLOC (the producer's 40) and
+    the consumers' TRY_ALLOC names."""
+    import re
+
+    body = sass.split("SETMAXREG.DEALLOC", 1)[1].split("SETMAXREG.TRY_ALLOC", 1)[0]
+    return max(int(r) for r in re.findall(r"\bR(\d+)\b", body))
+
+
+@pytest.mark.parametrize("tokens", [16, 32, 64])
+def test_staged_sa_takes_the_scales_off_the_consumers_path(tokens, tmp_path):
+    """Compiled for sm_90a with `staged_sa`: no spills, 168 registers at entry, the producer
+    inside its 40; per k-tile the producer lanes' ceil(h / 32) LDGSTS (4 bytes: one token's
+    scale each) then each lane's unpredicated ARRIVES.LDGSTSBAR on the stage's full barrier;
+    the consumers' mainloop with no global load at all (the standard's h / 4 LDG a k-tile and
+    thread held every other promotion for their round trip: docs/gemm/NOTES.md "FP4 at 16-96
+    tokens"), its batches kept in flight as the standard's (issue, issue, then per k-tile wait
+    for one, promote h / 2 FFMAs, issue), each consumer thread releasing its stage itself."""
+    pytest.importorskip("cutlass")
+    from dsl_toolchain import dsl_toolchain
+
+    from forgekernel.kernels.gemm.fp4.sm90 import SPEC
+    from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text
+
+    if find_tool("nvdisasm") is None:
+        pytest.skip("cuobjdump/nvdisasm not installed")
+    params = config.params_for("bfloat16", tokens, staged_sa=True)
+    compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {tmp_path}")
+    info = inspect_cubin(compiled.artifacts.CUBIN)
+    assert info["spill_bytes"] == 0 and info["sass"].get("LDL", 0) == 0
+    assert info["registers"] == 168
+    _assert_warp_collectives_converged(compiled.artifacts.CUBIN)
+    sass = sass_text(compiled.artifacts.CUBIN)
+    assert _producer_max_register(sass) < 40
+    arrivals = _predicates(sass, "ARRIVES.LDGSTSBAR")
+    copies = _predicates(sass, "LDGSTS")
+    assert arrivals and set(arrivals) == {""}
+    assert len(copies) == len(arrivals) * -(-tokens // 32)
+    releases = _predicates(sass, "SYNCS.ARRIVE.TRANS64.A")  # ART0 (cu12) / A1T0 (cu13)
+    assert releases and set(releases) == {""}
+    seq = _schedule(sass)
+    body = seq[seq.index("A") : seq.rindex("D0") + 2]
+    assert "G" not in body
+    f = f"F{tokens // 2}"
+    assert body == "AQQQQ" + f"AQQQQD1{f}" * 3 + f"D0{f}D0"
+    if dsl_toolchain() == "cu13":  # the walks' loads of the counts only (6 LDG.E in all)
+        assert seq.count("G") == 6
+
+
 @pytest.mark.parametrize("tokens", [8, 32])
 def test_tiled_mma_fragments_are_the_maps_the_kernel_assumes(tokens):
     """The DSL's own partition of the (A from registers) tiled MMA, traced on the host: A

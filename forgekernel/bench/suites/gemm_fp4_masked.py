@@ -16,7 +16,10 @@ sgl-deep-gemm 0.1.4.post1); "deepgemm_fp4", the same call on the packed FP4 weig
 DeepGEMM's message. The comparators' weights are made once per input set, outside the timing.
 Bytes: the packed weights and words of experts with tokens, the tokens' rows of A and their
 scales, the counts and the tokens' output rows (the weight stream's TB/s against the copy
-bandwidth: the bar's 85%). Variants "tokens8" ... "tokens64": every other tile forced.
+bandwidth: the bar's 85%). Variants "tokens8" ... "tokens64": every other tile forced;
+"staged" / "staged64" on the 8-, 32- and 96-token cases: the chosen tile / the 64-token tile
+in the opt-in form that stages the tokens' activation scales in the ring (`staged_sa`,
+docs/gemm/NOTES.md "FP4 at 16-96 tokens").
 """
 
 from __future__ import annotations
@@ -141,14 +144,43 @@ def run_ours(inputs: Inputs, out: tuple | None) -> tuple[torch.Tensor, ...]:
     return _run(inputs, out, inputs["expected_m"])
 
 
+# The bench cases (mean tokens an expert) that also time the staged form (`staged_sa`)
+STAGED_TIMED = (8, 32, 96)
+
+
 def variants(case: Case) -> dict[str, Any]:
-    """Every other tile than the chooser's (expected_m forced to one that picks it)."""
+    """Every other tile than the chooser's (expected_m forced to one that picks it); on the
+    STAGED_TIMED cases the chosen tile and the 64-token tile with `staged_sa`."""
     chosen = choose_tokens(expected_rows(case.params))
-    return {
+    out = {
         f"tokens{h}": (lambda inputs, out, h=h: _run(inputs, out, expected_for(h)))
         for h in TOKENS
         if h != chosen
     }
+    if case.params.get("tokens") in STAGED_TIMED:
+        out["staged"] = lambda inputs, o, h=chosen: _run_staged(inputs, o, h)
+        if chosen != 64:
+            out["staged64"] = lambda inputs, o: _run_staged(inputs, o, 64)
+    return out
+
+
+def _run_staged(inputs: Inputs, out: tuple | None, tokens: int) -> tuple[torch.Tensor, ...]:
+    """Ours on `tokens` per tile with the activation scales staged in the ring (the op's
+    launch with the opt-in key)."""
+    from forgekernel.kernels.gemm.fp4.sm90.launch import gemm_fp4_masked
+    from forgekernel.ops.gemm_fp4_grouped_masked import weight_words
+    from forgekernel.runtime.device import copy_back, tma_target
+
+    out = alloc_out(inputs) if out is None else out
+    full = full_output(out)
+    target = tma_target(full, keep=True)
+    a, b, sa, sb, masked_m = _args(inputs)
+    gemm_fp4_masked(
+        a, b.view(torch.uint8), weight_words(sb), sa, masked_m, inputs["expected_m"], target,
+        tokens=tokens, staged_sa=True,
+    )  # fmt: skip
+    copy_back((full,), (target,))
+    return out
 
 
 def reference(inputs: Inputs) -> tuple[torch.Tensor, ...]:

@@ -212,13 +212,14 @@ class GemmFp4GroupedSm90:
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
         storage = SmemAllocator().allocate(self.shared_storage)
         if cutlass.const_expr(self.staged_sa):
-            # a full barrier also takes each producer lane's cp.async arrival (`_stage_sa`)
+            # a full barrier also takes each producer lane's cp.async arrival (`_stage_sa`), an
+            # empty one every consumer thread's (`_retire`)
             ab_pipe = pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.barriers.data_ptr(),
                 num_stages=self.stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + WARP_SIZE),
                 consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, self.num_mma_threads // 32
+                    pipeline.Agent.Thread, self.num_mma_threads
                 ),
                 tx_count=stage_bytes(self.h),
                 defer_sync=True,
@@ -457,9 +458,15 @@ class GemmFp4GroupedSm90:
     @cute.jit
     def _retire(self, pending, ab_pipe, release):
         """Wait until at most `pending` WGMMA groups are in flight, then release the stage of
-        the oldest k-tile still held."""
+        the oldest k-tile still held (`staged_sa`: every consumer thread arrives, each one's
+        reads of the staged scales released by its own arrive, as racecheck follows them; the
+        FP8 kernel's staged scales, docs/gemm/NOTES.md "Racecheck's WAR on the staged
+        scales")."""
         warpgroup.wait_group(pending)
-        ab_pipe.consumer_release(release)
+        if cutlass.const_expr(self.staged_sa):
+            cute.arch.mbarrier_arrive(ab_pipe.consumer_get_barrier(release))
+        else:
+            ab_pipe.consumer_release(release)
 
     @cute.jit
     def _promote(self, acc, frag, scales):
