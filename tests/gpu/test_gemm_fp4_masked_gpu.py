@@ -170,3 +170,41 @@ def test_fp8_weight_gemm_agrees_on_the_same_problem():
     torch.cuda.synchronize()
     rel = (ours.float() - theirs.float()).norm() / theirs.float().norm()
     assert float(rel) < 5e-2
+
+
+# ---------------------------------------------------------------- staged_sa (opt-in)
+@pytest.mark.parametrize(
+    "case, dtype",
+    [pytest.param(c, d, id=f"{c.name}-{dtype_name(d)}") for c in CASES for d in SUITE.dtypes],
+)
+def test_staged_sa_matches_the_reference(case, dtype):
+    """The opt-in form (the tokens' activation scales staged in the ring by the producer
+    lanes' cp.async) on the chooser's tile of every check and sanitize case."""
+    from forgekernel.kernels.gemm.fp4.sm90.config import choose_tokens
+
+    inputs = _inputs(case, dtype, seed=0)
+    h = choose_tokens(inputs["expected_m"])
+    _, cmps = verify(SUITE, inputs, CUDA, run=lambda i, o: suite_module._run_staged(i, o, h))
+    assert all(c.ok for c in cmps), [c.message for c in cmps]
+
+
+@pytest.mark.parametrize("tokens", [8, 16, 32, 64])
+def test_staged_sa_gives_the_standard_bits_and_leaves_other_rows(tokens):
+    """Same products, same promotion order: the staged form's every counted value equals the
+    standard's bit for bit (every tile; experts above the tile, an empty one, a count of
+    max_m), and rows past the counts keep their sentinel."""
+    case = suite_module._case(4, 384, 2048, counts=(130, 0, 7, 136), max_m=136)
+    inputs = _inputs(case, seed=9)
+    a, b = inputs["a"], inputs["b"]
+    outs = []
+    for run in (suite_module._run, suite_module._run_staged):
+        out = torch.full((*a.shape[:2], b.shape[1]), SENTINEL, dtype=torch.bfloat16, device=CUDA)
+        views = tuple(out[e, :c] for e, c in enumerate(inputs["counts"]))
+        if run is suite_module._run:
+            run(inputs, views, suite_module.expected_for(tokens))
+        else:
+            run(inputs, views, tokens)
+        outs.append(out)
+    torch.cuda.synchronize()
+    _check(inputs, outs[1], inputs["counts"])
+    assert torch.equal(outs[0], outs[1])
