@@ -59,15 +59,21 @@ def ring_bytes(tokens: int, staged_sa: bool = False) -> int:
 
 
 def params_for(
-    out_dtype: str, tokens: int, contiguous: bool = False, staged_sa: bool = False
+    out_dtype: str,
+    tokens: int,
+    contiguous: bool = False,
+    staged_sa: bool = False,
+    converter: bool = False,
 ) -> tuple:
     """The compile key's baked-in part: the output dtype, the tokens per tile and, for the
-    contiguous layout, contiguous=True (absent for the masked one); `staged_sa` (opt-in,
-    keyed only when on) stages the activation scales in the ring (docs/gemm/NOTES.md "FP4 at
-    16-96 tokens")."""
+    contiguous layout, contiguous=True (absent for the masked one). Opt-in forms, each keyed
+    only when on (docs/gemm/NOTES.md "FP4 at 16-96 tokens"): `staged_sa` stages the tokens'
+    activation scales in the ring; `converter` (which stages them too) widens in a converter
+    warpgroup and runs the MMAs with A from shared memory (`convert.py`)."""
     tiles = CONTIGUOUS_STANDARD_TOKENS if contiguous else TOKENS
     if tokens not in tiles:
         raise ValueError(f"tokens per tile must be one of {tiles}, got {tokens}")
     layout = (("contiguous", True),) if contiguous else ()
-    staged = (("staged_sa", True),) if staged_sa else ()
-    return (("out", out_dtype), ("tokens", tokens), *layout, *staged)
+    staged = (("staged_sa", True),) if staged_sa and not converter else ()
+    convert = (("converter", True),) if converter else ()
+    return (("out", out_dtype), ("tokens", tokens), *layout, *staged, *convert)
