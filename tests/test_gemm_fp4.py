@@ -80,6 +80,32 @@ def test_widening_is_exact_for_every_code_and_shift(shift):
     assert W.SHIFT_MAX == 6 and 6 * 2.0**W.SHIFT_MAX < 448
 
 
+def widen8(word: int, tab: tuple[int, int, int]) -> tuple[int, int]:
+    """widen.py `widen8` (the converter's): one mask, one shift, both halves."""
+    t0, t1, keep = tab
+    sel, up = word & keep, (word << 4) & U32
+    lo = prmt(t0, t1, sel) | (prmt(up, word, W.SIGN_SELECT) & 0x80808080)
+    hi = prmt(t0, t1, sel >> 16) | (prmt(up, word, W.SIGN_SELECT_HI) & 0x80808080)
+    return lo, hi
+
+
+@pytest.mark.parametrize("shift", [-12, -6, -5, -1, 0, 3, 6])
+def test_widen8_gives_widen4s_bytes_for_both_halves(shift):
+    """The converter's eight-code widening (keep KEEP8 or 0 from `fold(..., eight=True)`)
+    equals `widen4` on the word's low and high 16 bits: the standard's e4m3 bytes, so the
+    converter form multiplies the same values."""
+    s = 100
+    t0, t1, keep = table(s + shift, s)
+    tab8 = (t0, t1, W.KEEP8 if keep else 0)
+    gen = torch.Generator().manual_seed(shift + 20)
+    highs = torch.randint(0, 1 << 16, (64,), generator=gen).tolist() + [0, 0x8888, 0xFFFF]
+    for low in range(0, 1 << 16, 97):
+        for high in highs[low % 7 :: 7]:
+            word = (high << 16) | low
+            assert widen8(word, tab8) == (widen4(low, (t0, t1, keep)), widen4(high, (t0, t1, keep)))
+    assert W.KEEP8 == W.KEEP | W.KEEP << 16 and W.SIGN_SELECT_HI == W.SIGN_SELECT + 0x2222
+
+
 def fold(word: int) -> tuple[float, list[tuple[int, int, int]], list[int]]:
     exps = [(word >> (8 * i)) & 0xFF for i in range(4)]
     s = max(max(exps) - W.HEADROOM, 1)
@@ -476,6 +502,85 @@ def test_staged_sa_takes_the_scales_off_the_consumers_path(tokens, tmp_path):
     assert body == "AQQQQ" + f"AQQQQD1{f}" * 3 + f"D0{f}D0"
     if dsl_toolchain() == "cu13":  # the walks' loads of the counts only (6 LDG.E in all)
         assert seq.count("G") == 6
+
+
+# ---------------------------------------------------------------- converter (opt-in)
+def test_converter_is_keyed_only_when_on():
+    from forgekernel.kernels.gemm.fp4.sm90 import SPEC
+
+    assert config.params_for("bfloat16", 96, converter=True) == (
+        ("out", "bfloat16"), ("tokens", 96), ("converter", True),
+    )  # fmt: skip
+    # the converter stages the scales itself: one field, whatever staged_sa says
+    assert config.params_for("bfloat16", 32, staged_sa=True, converter=True)[-1] == (
+        "converter", True,
+    )  # fmt: skip
+    with pytest.raises(ValueError):
+        config.params_for("bfloat16", 96)
+    assert not any("converter" in dict(p) for p in SPEC.standard_params())
+
+
+def _region_max_registers(sass: str) -> dict[str, int]:
+    """The highest R register each role's code names: the producer (from setmaxnreg's DEALLOC
+    to 40 up to the next setmaxnreg), the MMA warpgroups (TRY_ALLOC to their EXIT), the
+    converter (DEALLOC to 56 to its EXIT)."""
+    import re
+
+    lines = [ln.split(";")[0] for ln in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", ln)]
+    out = {}
+    for name, key in (("producer", "DEALLOC.CTAPOOL 0x28"), ("mma", "TRY_ALLOC"),
+                      ("converter", "DEALLOC.CTAPOOL 0x38")):  # fmt: skip
+        first = next(i for i, ln in enumerate(lines) if key in ln)
+        regs = set()
+        for ln in lines[first:]:
+            if name == "producer" and "SETMAXREG" in ln and key not in ln:
+                break
+            regs |= {int(r) for r in re.findall(r"\bR(\d+)\b", ln)}
+            if re.search(r"\*/\s+EXIT", ln):
+                break
+        out[name] = max(regs)
+    return out
+
+
+@pytest.mark.parametrize("tokens", [16, 32, 64, 96])
+def test_converter_compiles_with_the_widening_out_of_the_mma_warpgroups(tokens, tmp_path):
+    """Compiled for sm_90a with `converter`: 4 warpgroups (128 registers at entry; setmaxnreg
+    40 / 56 / 208 each within its own: producer, converter, MMA), 0 spills; 16 QGMMA with A
+    from shared memory (a descriptor, no A registers), the standard's batch schedule with no
+    global load in the MMA loop; the converter's k-tile 4 LDS.128 of packed codes, 8 STS.128
+    of e4m3 rows, the proxy fence; every lane's cp.async arrival, every thread's release."""
+    pytest.importorskip("cutlass")
+    import re
+
+    from forgekernel.kernels.gemm.fp4.sm90 import SPEC
+    from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text
+
+    if find_tool("nvdisasm") is None:
+        pytest.skip("cuobjdump/nvdisasm not installed")
+    params = config.params_for("bfloat16", tokens, converter=True)
+    compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {tmp_path}")
+    info = inspect_cubin(compiled.artifacts.CUBIN)
+    assert info["spill_bytes"] == 0 and info["sass"].get("LDL", 0) == 0
+    assert info["registers"] == 128
+    sass = sass_text(compiled.artifacts.CUBIN)
+    assert [m for m in re.findall(r"USETMAXREG\.(\S+)\.CTAPOOL (?:UP0, )?(0x[0-9a-f]+)", sass)] == [
+        ("DEALLOC", "0x28"), ("TRY_ALLOC", "0xd0"), ("DEALLOC", "0x38"),
+    ]  # fmt: skip
+    regs = _region_max_registers(sass)
+    assert regs["producer"] < 40 and regs["converter"] < 56 and regs["mma"] < 208, regs
+    qgmma = re.findall(r"QGMMA\.64x(\d+)x32\.F32\.E4M3\.E4M3 R\d+, (\S+)", sass)
+    assert len(qgmma) == 16 and all(n == str(tokens) and a.startswith("gdesc") for n, a in qgmma)
+    assert "BRA.DIV" not in sass and "WARPSYNC" not in sass
+    assert sass.count("WARPGROUP.ARRIVE") == 4 and sass.count("WARPGROUP.DEPBAR") == 5
+    assert sass.count("LDS.128") == 4 and sass.count("STS.128") == 8
+    assert sass.count("MEMBAR.ALL.CTA ;") == 1  # the converter's fence.proxy.async
+    assert info["sass"]["FFMA"] == 5 * tokens // 2  # 5 promotion sites
+    seq = _schedule(sass)
+    body = seq[seq.index("A") : seq.rindex("D0") + 2]
+    assert "G" not in body
+    assert re.sub(r"F\d+", "F", body) == "AQQQQ" + "AQQQQD1F" * 3 + "D0FD0"
+    assert set(_predicates(sass, "ARRIVES.LDGSTSBAR")) == {""}
+    assert set(_predicates(sass, "SYNCS.ARRIVE.TRANS64.A")) == {""}
 
 
 @pytest.mark.parametrize("tokens", [8, 32])

@@ -17,9 +17,11 @@ DeepGEMM's message. The comparators' weights are made once per input set, outsid
 Bytes: the packed weights and words of experts with tokens, the tokens' rows of A and their
 scales, the counts and the tokens' output rows (the weight stream's TB/s against the copy
 bandwidth: the bar's 85%). Variants "tokens8" ... "tokens64": every other tile forced;
-"staged" / "staged64" on the 8-, 32- and 96-token cases: the chosen tile / the 64-token tile
-in the opt-in form that stages the tokens' activation scales in the ring (`staged_sa`,
-docs/gemm/NOTES.md "FP4 at 16-96 tokens").
+"convert" on every bench case: the chosen tile in the opt-in converter form (`converter`: a
+warpgroup widens, the MMAs read A from shared memory); on the 8-, 32- and 96-token cases also
+"staged" / "staged64" (the chosen / the 64-token tile with `staged_sa`: the activation scales
+staged in the ring), "convert64", and on the 96-token ones "convert96" (docs/gemm/NOTES.md
+"FP4 at 16-96 tokens").
 """
 
 from __future__ import annotations
@@ -144,29 +146,39 @@ def run_ours(inputs: Inputs, out: tuple | None) -> tuple[torch.Tensor, ...]:
     return _run(inputs, out, inputs["expected_m"])
 
 
-# The bench cases (mean tokens an expert) that also time the staged form (`staged_sa`)
+# The bench cases (mean tokens an expert) that also time the opt-in forms on other tiles
 STAGED_TIMED = (8, 32, 96)
 
 
 def variants(case: Case) -> dict[str, Any]:
-    """Every other tile than the chooser's (expected_m forced to one that picks it); on the
-    STAGED_TIMED cases the chosen tile and the 64-token tile with `staged_sa`."""
+    """Every other tile than the chooser's (expected_m forced to one that picks it); the
+    chosen tile in the converter form; on the STAGED_TIMED cases the chosen and the 64-token
+    tile with `staged_sa` and the 64- (and at 96 the 96-) token tile in the converter form."""
     chosen = choose_tokens(expected_rows(case.params))
     out = {
         f"tokens{h}": (lambda inputs, out, h=h: _run(inputs, out, expected_for(h)))
         for h in TOKENS
         if h != chosen
     }
-    if case.params.get("tokens") in STAGED_TIMED:
+    out["convert"] = lambda inputs, o, h=chosen: _run_staged(inputs, o, h, converter=True)
+    mean = case.params.get("tokens")
+    if mean in STAGED_TIMED:
         out["staged"] = lambda inputs, o, h=chosen: _run_staged(inputs, o, h)
+        wider = [64, 96] if mean == 96 else [64]
+        for h in wider:
+            if h != chosen:
+                out[f"convert{h}"] = lambda inputs, o, h=h: _run_staged(inputs, o, h, True)
         if chosen != 64:
             out["staged64"] = lambda inputs, o: _run_staged(inputs, o, 64)
     return out
 
 
-def _run_staged(inputs: Inputs, out: tuple | None, tokens: int) -> tuple[torch.Tensor, ...]:
-    """Ours on `tokens` per tile with the activation scales staged in the ring (the op's
-    launch with the opt-in key)."""
+def _run_staged(
+    inputs: Inputs, out: tuple | None, tokens: int, converter: bool = False
+) -> tuple[torch.Tensor, ...]:
+    """Ours on `tokens` per tile in an opt-in form: the activation scales staged in the ring,
+    and with `converter` the widening in a converter warpgroup (the op's launch with the opt-in
+    key)."""
     from forgekernel.kernels.gemm.fp4.sm90.launch import gemm_fp4_masked
     from forgekernel.ops.gemm_fp4_grouped_masked import weight_words
     from forgekernel.runtime.device import copy_back, tma_target
@@ -177,7 +189,7 @@ def _run_staged(inputs: Inputs, out: tuple | None, tokens: int) -> tuple[torch.T
     a, b, sa, sb, masked_m = _args(inputs)
     gemm_fp4_masked(
         a, b.view(torch.uint8), weight_words(sb), sa, masked_m, inputs["expected_m"], target,
-        tokens=tokens, staged_sa=True,
+        tokens=tokens, staged_sa=True, converter=converter,
     )  # fmt: skip
     copy_back((full,), (target,))
     return out

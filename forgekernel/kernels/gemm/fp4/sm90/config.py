@@ -11,6 +11,10 @@ TILE_W = 128  # weight rows per tile (N): two warpgroups of WGMMA's M = 64
 TILE_K = 128  # one k-tile: one fp32 promotion, four 1x32 scale sub-blocks (one per k32 WGMMA)
 SUB_K = 32  # the weights' scale granularity along K (UE8M0 per 1x32, DeepGEMM's recipe_b)
 STANDARD_TOKENS = TOKENS
+# The converter form (`convert.py`, opt-in) also takes 96 tokens a tile: no A register sets,
+# the MMA warpgroups' 208 registers hold three 48-register fragments (compiled 2026-12-05:
+# 0 spills, R201 the highest; the standard form spills 168 bytes at 96)
+CONVERTER_TOKENS = (*TOKENS, 96)
 # The contiguous layout has no expected_m: each expert's 128-row segment is cut into tiles of
 # this many tokens unless the caller passes a hint (tiles of padding rows only are skipped).
 CONTIGUOUS_TOKENS = 32
@@ -71,6 +75,8 @@ def params_for(
     activation scales in the ring; `converter` (which stages them too) widens in a converter
     warpgroup and runs the MMAs with A from shared memory (`convert.py`)."""
     tiles = CONTIGUOUS_STANDARD_TOKENS if contiguous else TOKENS
+    if converter and not contiguous:
+        tiles = CONVERTER_TOKENS
     if tokens not in tiles:
         raise ValueError(f"tokens per tile must be one of {tiles}, got {tokens}")
     layout = (("contiguous", True),) if contiguous else ()

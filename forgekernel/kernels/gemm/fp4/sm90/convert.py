@@ -38,7 +38,13 @@ from forgekernel.kernels.common.sm90.pipeline import (
     producer_state,
     smem_tensor,
 )
-from forgekernel.kernels.gemm.fp4.sm90.config import TILE_K, TILE_W, ring_bytes, stage_bytes
+from forgekernel.kernels.gemm.fp4.sm90.config import (
+    CONVERTER_TOKENS,
+    TILE_K,
+    TILE_W,
+    ring_bytes,
+    stage_bytes,
+)
 from forgekernel.kernels.gemm.fp4.sm90.kernel import (
     K_STEPS,
     PACKED_ROW,
@@ -51,12 +57,14 @@ WIDE_SLOTS = 3  # widened buffers: the converter runs up to two k-tiles ahead of
 WIDE_BYTES = TILE_W * TILE_K + 4 * TILE_W  # e4m3 rows + the rows' fp32 k-tile scales
 CHUNK = 16  # bytes a shared-memory vector access
 PRODUCER_REGS = 40
-CONVERTER_REGS = 104
-MMA_REGS = 184  # 40 + 104 + 2 x 184 = 512 a thread of each warpgroup: 64 K registers
+CONVERTER_REGS = 56
+MMA_REGS = 208  # 40 + 56 + 2 x 208 = 512 a thread of each warpgroup: 64 K registers
 
 
 class GemmFp4ConvertSm90(GemmFp4GroupedSm90):
     """See the module docstring. `tokens`: h, the tokens per tile (WGMMA's N)."""
+
+    TILES = CONVERTER_TOKENS
 
     def __init__(self, tokens: int, stages: int = 0, contiguous: bool = False):
         super().__init__(tokens, 2, contiguous, staged_sa=True)

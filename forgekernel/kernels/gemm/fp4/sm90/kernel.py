@@ -73,11 +73,13 @@ K_STEPS = TILE_K // 32  # WGMMA k32 steps per k-tile = scale sub-blocks per k-ti
 class GemmFp4GroupedSm90:
     """See the module docstring. `tokens`: h, the tokens per tile (WGMMA's N)."""
 
+    TILES = TOKENS  # the tokens per tile this form compiles
+
     def __init__(
         self, tokens: int, stages: int = 0, contiguous: bool = False, staged_sa: bool = False
     ):
-        if tokens not in TOKENS:
-            raise ValueError(f"tokens per tile must be one of {TOKENS}, got {tokens}")
+        if tokens not in self.TILES:
+            raise ValueError(f"tokens per tile must be one of {self.TILES}, got {tokens}")
         self.h = tokens
         # the contiguous layout (`contiguous.py`): A (M, K, 1), C (M, N, 1), sa (M, K/128, 1)
         # and mCount the rows' experts m_indices (M,) instead of the counts

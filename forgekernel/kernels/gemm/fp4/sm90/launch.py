@@ -61,20 +61,24 @@ def gemm_fp4_masked(
     out: torch.Tensor,
     tokens: int | None = None,
     staged_sa: bool = False,
+    converter: bool = False,
 ) -> None:
     """out[e, t] = (a[e, t] x scale_a[e, t]) @ dequant(b[e], words[e])^T for t < masked_m[e];
     the other rows of out are not written. a (E, max_m, K) float8_e4m3fn, b (E, N, K/2) int8
     or uint8 (packed e2m1), words (E, N, K/128) int32 N-major (`scale_words_ready`), scale_a
     (E, max_m, K/128) fp32 any strides, masked_m int32 (E,) contiguous, out (E, max_m, N)
     16-bit TMA-ready. `tokens`: force the tokens per tile (tuning), else by `expected_m`;
-    `staged_sa`: the opt-in form staging the activation scales in the ring (tuning, the
-    bench's `staged*` variants; docs/gemm/NOTES.md "FP4 at 16-96 tokens")."""
+    `staged_sa` / `converter`: the opt-in forms staging the activation scales in the ring /
+    widening in a converter warpgroup (tuning, the bench's `staged*` / `convert*` variants;
+    docs/gemm/NOTES.md "FP4 at 16-96 tokens")."""
     experts, max_m, _ = a.shape
     n = b.shape[1]
     if max_m == 0 or experts == 0:
         return
     h = tokens or choose_tokens(expected_m)
-    fn = get_kernel(SPEC, params_for(dtype_name(out.dtype), h, staged_sa=staged_sa))
+    fn = get_kernel(
+        SPEC, params_for(dtype_name(out.dtype), h, staged_sa=staged_sa, converter=converter)
+    )
     tiles = experts * -(-max_m // h) * (n // TILE_W)  # the walk's upper bound
     ctas = max(1, min(num_sms(a.device.index), tiles))
     with on_device(a.device):
