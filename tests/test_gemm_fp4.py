@@ -629,7 +629,15 @@ def test_suite_is_registered_and_its_cases_are_valid():
     weights = 32 * 4096 * 7168 // 2 + 32 * 4096 * 56 * 4
     assert mod.nbytes(suite.bench_cases[0], torch.bfloat16) > weights * 0.99
     assert dsv3["n"] == 4096 and dsv3["k"] == 7168
-    assert set(mod.variants(suite.check_cases[0])) == {"tokens16", "tokens32", "tokens64"}
+    assert set(mod.variants(suite.check_cases[0])) == {
+        "tokens16", "tokens32", "tokens64", "convert",
+    }  # fmt: skip
+    by_mean = {c.params["tokens"]: c for c in suite.bench_cases}
+    assert set(mod.variants(by_mean[96])) == {
+        "tokens8", "tokens16", "tokens32", "convert", "staged", "convert96",
+    }  # fmt: skip
+    assert {"staged", "staged64", "convert64"} <= set(mod.variants(by_mean[32]))
+    assert set(mod.variants(by_mean[2])) == {"tokens16", "tokens32", "tokens64", "convert"}
 
 
 def test_suite_inputs_reference_and_fp8_weights_on_the_host():
