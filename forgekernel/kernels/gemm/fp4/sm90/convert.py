@@ -229,14 +229,21 @@ class GemmFp4ConvertSm90(GemmFp4GroupedSm90):
                 ab_pipe.consumer_wait(read)
                 wide_pipe.producer_acquire(put)
                 stage, slot = read.index, put.index
-                scale, tabs = fold(sE[row, 0, stage], eight=True)
-                sRow[row, slot] = scale
                 packed = sW[row, None, stage]
                 wide = sA[row, None, slot]
+                # every load first: ptxas keeps a later LDS behind an earlier STS (it cannot
+                # tell the buffers apart), so loads interleaved with the stores would each wait
+                # a shared-memory round trip (640 model cycles a k-tile alone, sub-block by
+                # sub-block)
+                raws = []
                 for q in cutlass.range_constexpr(K_STEPS):
                     raw = cute.make_rmem_tensor(CHUNK, cutlass.Uint8)
                     cute.autovec_copy(cute.local_tile(packed, (CHUNK,), (q,)), raw)
-                    words = cute.recast_tensor(raw, Int32)
+                    raws.append(raw)
+                scale, tabs = fold(sE[row, 0, stage], eight=True)
+                sRow[row, slot] = scale
+                for q in cutlass.range_constexpr(K_STEPS):
+                    words = cute.recast_tensor(raws[q], Int32)
                     for half in cutlass.range_constexpr(2):
                         out = cute.make_rmem_tensor(4, Int32)
                         for i in cutlass.range_constexpr(2):
