@@ -829,3 +829,35 @@ def test_shared_memory_budget(tokens):
     used = up(used, 1024) + 128 * tokens * s
     assert s >= 12 and used + 1024 + 1024 <= SMEM_CAPACITY
     assert s == {8: 23, 16: 21, 32: 17, 64: 13}[tokens]
+
+
+@pytest.mark.parametrize("tokens", config.CONVERTER_TOKENS)
+def test_shared_memory_budget_of_the_opt_in_forms(tokens):
+    """As above for the opt-in forms' storage: `staged_sa` adds the tokens' scales (4h bytes a
+    stage, 128-byte aligned after the words); the converter also its barriers and WIDE_SLOTS
+    widened buffers (128 x 128 e4m3 bytes, 1024-aligned) with their rows' k-tile scales."""
+    pytest.importorskip("cutlass")
+    from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY
+    from forgekernel.kernels.gemm.fp4.sm90.convert import WIDE_SLOTS, GemmFp4ConvertSm90
+    from forgekernel.kernels.gemm.fp4.sm90.kernel import GemmFp4GroupedSm90
+
+    def up(x, a):
+        return -(-x // a) * a
+
+    if tokens in config.TOKENS:
+        s = GemmFp4GroupedSm90(tokens, staged_sa=True).stages
+        used = up(16 * s, 1024) + 8192 * s
+        used = up(used, 128) + 512 * s
+        used = up(used, 128) + 4 * tokens * s
+        used = up(used, 1024) + 128 * tokens * s
+        assert used + 1024 + 1024 <= SMEM_CAPACITY
+        assert s == GemmFp4GroupedSm90(tokens).stages  # the scales cost no stage
+    s = GemmFp4ConvertSm90(tokens).stages
+    used = up(16 * s + 16 * WIDE_SLOTS, 1024) + 8192 * s
+    used = up(used, 128) + 512 * s
+    used = up(used, 128) + 4 * tokens * s
+    used = up(used, 128) + 4 * 128 * WIDE_SLOTS
+    used = up(used, 1024) + 128 * tokens * s
+    used = up(used, 1024) + 128 * 128 * WIDE_SLOTS
+    assert used + 1024 + 1024 <= SMEM_CAPACITY
+    assert s == {8: 18, 16: 16, 32: 13, 64: 10, 96: 8}[tokens]
