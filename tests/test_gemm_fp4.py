@@ -517,6 +517,13 @@ def test_converter_is_keyed_only_when_on():
     )  # fmt: skip
     with pytest.raises(ValueError):
         config.params_for("bfloat16", 96)
+    assert config.params_for("bfloat16", 64, converter=2)[2:] == (
+        ("converter", True), ("converters", 2),
+    )  # fmt: skip
+    with pytest.raises(ValueError):
+        config.params_for("bfloat16", 96, converter=2)  # 160 MMA registers: at most 64
+    with pytest.raises(ValueError):
+        config.params_for("bfloat16", 32, converter=3)
     assert not any("converter" in dict(p) for p in SPEC.standard_params())
 
 
@@ -542,13 +549,19 @@ def _region_max_registers(sass: str) -> dict[str, int]:
     return out
 
 
-@pytest.mark.parametrize("tokens", [16, 32, 64, 96])
-def test_converter_compiles_with_the_widening_out_of_the_mma_warpgroups(tokens, tmp_path):
+@pytest.mark.parametrize(
+    "tokens, converters", [(16, 1), (32, 1), (64, 1), (96, 1), (32, 2), (64, 2)]
+)
+def test_converter_compiles_with_the_widening_out_of_the_mma_warpgroups(
+    tokens, converters, tmp_path
+):
     """Compiled for sm_90a with `converter`: 4 warpgroups (128 registers at entry; setmaxnreg
-    40 / 56 / 208 each within its own: producer, converter, MMA), 0 spills; 16 QGMMA with A
-    from shared memory (a descriptor, no A registers), the standard's batch schedule with no
-    global load in the MMA loop; the converter's k-tile 4 LDS.128 of packed codes, 8 STS.128
-    of e4m3 rows, the proxy fence; every lane's cp.async arrival, every thread's release."""
+    40 / 56 / 208: producer, converter, MMA, each role within its own) or with two converter
+    warpgroups 5 (96 at entry; 40 / 56 / 160), 0 spills; 16 QGMMA with A from shared memory
+    (a descriptor, no A registers), the standard's batch schedule with no global load in the
+    MMA loop; a converter's k-tile its packed chunks loaded before any store (LDS.128), its
+    e4m3 rows stored by STS.128 (one store shared by the two converters' paths: 7), one proxy
+    fence; every lane's cp.async arrival, every thread's release."""
     pytest.importorskip("cutlass")
     import re
 
@@ -557,22 +570,32 @@ def test_converter_compiles_with_the_widening_out_of_the_mma_warpgroups(tokens, 
 
     if find_tool("nvdisasm") is None:
         pytest.skip("cuobjdump/nvdisasm not installed")
-    params = config.params_for("bfloat16", tokens, converter=True)
+    params = config.params_for("bfloat16", tokens, converter=converters)
     compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {tmp_path}")
     info = inspect_cubin(compiled.artifacts.CUBIN)
     assert info["spill_bytes"] == 0 and info["sass"].get("LDL", 0) == 0
-    assert info["registers"] == 128
+    mma_regs = {1: 208, 2: 160}[converters]
+    assert info["registers"] == {1: 128, 2: 96}[converters]
     sass = sass_text(compiled.artifacts.CUBIN)
-    assert [m for m in re.findall(r"USETMAXREG\.(\S+)\.CTAPOOL (?:UP0, )?(0x[0-9a-f]+)", sass)] == [
-        ("DEALLOC", "0x28"), ("TRY_ALLOC", "0xd0"), ("DEALLOC", "0x38"),
+    assert sorted(re.findall(r"USETMAXREG\.(\S+)\.CTAPOOL (?:UP0, )?(0x[0-9a-f]+)", sass)) == [
+        ("DEALLOC", "0x28"), ("DEALLOC", "0x38"), ("TRY_ALLOC", hex(mma_regs)),
     ]  # fmt: skip
     regs = _region_max_registers(sass)
-    assert regs["producer"] < 40 and regs["converter"] < 56 and regs["mma"] < 208, regs
+    assert regs["producer"] < 40 and regs["converter"] < 56 and regs["mma"] < mma_regs, regs
     qgmma = re.findall(r"QGMMA\.64x(\d+)x32\.F32\.E4M3\.E4M3 R\d+, (\S+)", sass)
     assert len(qgmma) == 16 and all(n == str(tokens) and a.startswith("gdesc") for n, a in qgmma)
     assert "BRA.DIV" not in sass and "WARPSYNC" not in sass
     assert sass.count("WARPGROUP.ARRIVE") == 4 and sass.count("WARPGROUP.DEPBAR") == 5
-    assert sass.count("LDS.128") == 4 and sass.count("STS.128") == 8
+    assert sass.count("LDS.128") == 4 and sass.count("STS.128") == {1: 8, 2: 7}[converters]
+    loads = [ln for ln in sass.splitlines() if "LDS.128" in ln or "STS.128" in ln]
+    # each path's loads before its stores: L L L L S x8 (one converter), L L S S S L L S S S S
+    assert (
+        "".join("L" if "LDS" in ln else "S" for ln in loads)
+        == {
+            1: "LLLL" + "S" * 8,
+            2: "LLSSSLLSSSS",
+        }[converters]
+    )
     assert sass.count("MEMBAR.ALL.CTA ;") == 1  # the converter's fence.proxy.async
     assert info["sass"]["FFMA"] == 5 * tokens // 2  # 5 promotion sites
     seq = _schedule(sass)
@@ -634,9 +657,9 @@ def test_suite_is_registered_and_its_cases_are_valid():
     }  # fmt: skip
     by_mean = {c.params["tokens"]: c for c in suite.bench_cases}
     assert set(mod.variants(by_mean[96])) == {
-        "tokens8", "tokens16", "tokens32", "convert", "staged", "convert96",
+        "tokens8", "tokens16", "tokens32", "convert", "staged", "convert2", "convert96",
     }  # fmt: skip
-    assert {"staged", "staged64", "convert64"} <= set(mod.variants(by_mean[32]))
+    assert {"staged", "staged64", "convert2", "convert64"} <= set(mod.variants(by_mean[32]))
     assert set(mod.variants(by_mean[2])) == {"tokens16", "tokens32", "tokens64", "convert"}
 
 

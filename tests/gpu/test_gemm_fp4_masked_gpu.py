@@ -173,7 +173,7 @@ def test_fp8_weight_gemm_agrees_on_the_same_problem():
 
 
 # ---------------------------------------------------------------- the opt-in forms
-FORMS = {"staged": False, "converter": True}  # `_run_staged`'s converter flag
+FORMS = {"staged": False, "converter": 1, "converter2": 2}  # `_run_staged`'s converter
 
 
 @pytest.mark.parametrize("form", FORMS)

@@ -20,8 +20,8 @@ bandwidth: the bar's 85%). Variants "tokens8" ... "tokens64": every other tile f
 "convert" on every bench case: the chosen tile in the opt-in converter form (`converter`: a
 warpgroup widens, the MMAs read A from shared memory); on the 8-, 32- and 96-token cases also
 "staged" / "staged64" (the chosen / the 64-token tile with `staged_sa`: the activation scales
-staged in the ring), "convert64", and on the 96-token ones "convert96" (docs/gemm/NOTES.md
-"FP4 at 16-96 tokens").
+staged in the ring), "convert2" (the chosen tile, two converter warpgroups), "convert64", and
+on the 96-token ones "convert96" (docs/gemm/NOTES.md "FP4 at 16-96 tokens").
 """
 
 from __future__ import annotations
@@ -164,6 +164,7 @@ def variants(case: Case) -> dict[str, Any]:
     mean = case.params.get("tokens")
     if mean in STAGED_TIMED:
         out["staged"] = lambda inputs, o, h=chosen: _run_staged(inputs, o, h)
+        out["convert2"] = lambda inputs, o, h=chosen: _run_staged(inputs, o, h, converter=2)
         wider = [64, 96] if mean == 96 else [64]
         for h in wider:
             if h != chosen:
@@ -174,11 +175,11 @@ def variants(case: Case) -> dict[str, Any]:
 
 
 def _run_staged(
-    inputs: Inputs, out: tuple | None, tokens: int, converter: bool = False
+    inputs: Inputs, out: tuple | None, tokens: int, converter: bool | int = False
 ) -> tuple[torch.Tensor, ...]:
     """Ours on `tokens` per tile in an opt-in form: the activation scales staged in the ring,
-    and with `converter` the widening in a converter warpgroup (the op's launch with the opt-in
-    key)."""
+    and with `converter` (1 or 2) the widening in that many converter warpgroups (the op's
+    launch with the opt-in key)."""
     from forgekernel.kernels.gemm.fp4.sm90.launch import gemm_fp4_masked
     from forgekernel.ops.gemm_fp4_grouped_masked import weight_words
     from forgekernel.runtime.device import copy_back, tma_target

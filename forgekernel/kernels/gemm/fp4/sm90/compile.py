@@ -44,7 +44,8 @@ def compile_gemm_fp4_grouped(params: dict, arch: str = "sm_90a", extra_options: 
         assumed_align=4,
     )
     if params.get("converter"):
-        kernel = GemmFp4ConvertSm90(params["tokens"], contiguous=contiguous)
+        converters = params.get("converters", 1)
+        kernel = GemmFp4ConvertSm90(params["tokens"], contiguous=contiguous, converters=converters)
     else:
         staged = bool(params.get("staged_sa"))
         kernel = GemmFp4GroupedSm90(params["tokens"], contiguous=contiguous, staged_sa=staged)

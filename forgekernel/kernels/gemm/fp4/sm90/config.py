@@ -67,19 +67,24 @@ def params_for(
     tokens: int,
     contiguous: bool = False,
     staged_sa: bool = False,
-    converter: bool = False,
+    converter: bool | int = False,
 ) -> tuple:
     """The compile key's baked-in part: the output dtype, the tokens per tile and, for the
     contiguous layout, contiguous=True (absent for the masked one). Opt-in forms, each keyed
     only when on (docs/gemm/NOTES.md "FP4 at 16-96 tokens"): `staged_sa` stages the tokens'
     activation scales in the ring; `converter` (which stages them too) widens in a converter
-    warpgroup and runs the MMAs with A from shared memory (`convert.py`)."""
+    warpgroup and runs the MMAs with A from shared memory (`convert.py`); converter=2 with two
+    converter warpgroups (keyed ("converters", 2) besides; at most 64 tokens)."""
     tiles = CONTIGUOUS_STANDARD_TOKENS if contiguous else TOKENS
     if converter and not contiguous:
-        tiles = CONVERTER_TOKENS
+        tiles = CONVERTER_TOKENS if converter == 1 else TOKENS
     if tokens not in tiles:
         raise ValueError(f"tokens per tile must be one of {tiles}, got {tokens}")
     layout = (("contiguous", True),) if contiguous else ()
     staged = (("staged_sa", True),) if staged_sa and not converter else ()
     convert = (("converter", True),) if converter else ()
+    if converter and converter != 1:
+        if converter != 2:
+            raise ValueError(f"1 or 2 converter warpgroups, got {converter}")
+        convert = (*convert, ("converters", 2))
     return (("out", out_dtype), ("tokens", tokens), *layout, *staged, *convert)

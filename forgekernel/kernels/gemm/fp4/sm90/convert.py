@@ -13,10 +13,12 @@ with A from that buffer (SS), B the tokens as before, and promote exactly as the
 (same products, same order; the rows' k-tile scales come through shared memory from the fold).
 
 Warp roles: warpgroup 0 warp 0 the TMA producer (setmaxnreg 40; the tokens' activation scales
-staged by its lanes as `staged_sa`), warpgroup 1 the converter (CONVERTER_REGS), warpgroups 2,
-3 the MMA warpgroups (MMA_REGS). Rings: the TMA ring (full: 1 + 32 arrivals and the bytes;
-empty: the converter's 128 threads and the MMA warpgroups' 256), the widened ring of
-WIDE_SLOTS buffers (full: the converter's 128 threads; empty: the MMA's 256).
+staged by its lanes as `staged_sa`), warpgroups 1 .. C the converters (C = `converters`, 1 or
+2: with 2, converter c widens sub-blocks 2c, 2c + 1 of each row, two converter warps a
+scheduler hiding each other's latency), then the two MMA warpgroups (REGS[C] gives the three
+roles' setmaxnreg). Rings: the TMA ring (full: 1 + 32 arrivals and the bytes; empty: the
+converters' threads and the MMA warpgroups' 256), the widened ring of WIDE_SLOTS buffers (full:
+the converters' threads; empty: the MMA's 256).
 """
 
 from __future__ import annotations
@@ -56,9 +58,11 @@ from forgekernel.kernels.gemm.fp4.sm90.widen import fold, widen8
 WIDE_SLOTS = 3  # widened buffers: the converter runs up to two k-tiles ahead of the MMA retire
 WIDE_BYTES = TILE_W * TILE_K + 4 * TILE_W  # e4m3 rows + the rows' fp32 k-tile scales
 CHUNK = 16  # bytes a shared-memory vector access
-PRODUCER_REGS = 40
-CONVERTER_REGS = 56
-MMA_REGS = 208  # 40 + 56 + 2 x 208 = 512 a thread of each warpgroup: 64 K registers
+# (producer, converter, MMA) setmaxnreg by the number of converter warpgroups: 4 warpgroups
+# start at 128 registers a thread (40 + 56 + 2 x 208 = 4 x 128), 5 at 96 (40 + 2 x 40 + 2 x 176
+# = 472 <= 5 x 96; the converters' highest register R48 / R30-odd, the MMA's R201 at h = 96,
+# R186 at 64 when given 208)
+REGS = {1: (40, 56, 208), 2: (40, 56, 160)}
 
 
 class GemmFp4ConvertSm90(GemmFp4GroupedSm90):
@@ -66,11 +70,13 @@ class GemmFp4ConvertSm90(GemmFp4GroupedSm90):
 
     TILES = CONVERTER_TOKENS
 
-    def __init__(self, tokens: int, stages: int = 0, contiguous: bool = False):
+    def __init__(self, tokens: int, stages: int = 0, contiguous: bool = False, converters: int = 1):
         super().__init__(tokens, 2, contiguous, staged_sa=True)
-        self.threads_per_cta = (2 + self.num_mma_wg) * THREADS_PER_WG
-        self.producer_regs = PRODUCER_REGS
-        self.consumer_regs = MMA_REGS
+        if converters not in REGS or (converters > 1 and tokens > 64):
+            raise ValueError(f"{converters} converter warpgroups at {tokens} tokens a tile")
+        self.converters = converters
+        self.threads_per_cta = (1 + converters + self.num_mma_wg) * THREADS_PER_WG
+        self.producer_regs, self.converter_regs, self.consumer_regs = REGS[converters]
         room = SMEM_CAPACITY - SMEM_RESERVE - WIDE_SLOTS * WIDE_BYTES
         fit = room // ring_bytes(tokens, True)
         self.stages = stages or fit
@@ -155,7 +161,7 @@ class GemmFp4ConvertSm90(GemmFp4GroupedSm90):
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + WARP_SIZE),
             consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, THREADS_PER_WG + self.num_mma_threads
+                pipeline.Agent.Thread, self.converters * THREADS_PER_WG + self.num_mma_threads
             ),
             tx_count=stage_bytes(self.h),
             defer_sync=True,
@@ -163,7 +169,9 @@ class GemmFp4ConvertSm90(GemmFp4GroupedSm90):
         wide_pipe = pipeline.PipelineAsync.create(
             barrier_storage=storage.wide_barriers.data_ptr(),
             num_stages=WIDE_SLOTS,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS_PER_WG),
+            producer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.converters * THREADS_PER_WG
+            ),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
             defer_sync=True,
         )
@@ -181,21 +189,24 @@ class GemmFp4ConvertSm90(GemmFp4GroupedSm90):
 
         wg_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         init_wait()
+        mma_wg = 1 + self.converters  # the first MMA warpgroup
         if wg_idx == 0:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self._produce(
                     (load_w, load_e, load_b), (sW, sE, sB), ab_pipe, walk_args, k_tiles,
                     (sSA, mSFA),
                 )  # fmt: skip
-        elif wg_idx == 1:
-            cute.arch.setmaxregister_decrease(CONVERTER_REGS)
+        elif wg_idx < mma_wg:
+            cute.arch.setmaxregister_decrease(self.converter_regs)
             pipes = (ab_pipe, wide_pipe)
-            self._convert((sW, sE, sA, sRow), pipes, walk_args, k_tiles, tidx - THREADS_PER_WG)
+            c = tidx - THREADS_PER_WG
+            who = (c % THREADS_PER_WG, cute.arch.make_warp_uniform(c // THREADS_PER_WG))
+            self._convert((sW, sE, sA, sRow), pipes, walk_args, k_tiles, who)
         else:
-            cute.arch.setmaxregister_increase(MMA_REGS)
-            t = tidx - 2 * THREADS_PER_WG
-            thr_mma = tiled_mma.get_slice((wg_idx - 2) * THREADS_PER_WG)
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            t = tidx - mma_wg * THREADS_PER_WG
+            thr_mma = tiled_mma.get_slice((wg_idx - mma_wg) * THREADS_PER_WG)
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
             acc_shape = thr_mma.partition_shape_C((TILE_W, self.h))
@@ -209,17 +220,19 @@ class GemmFp4ConvertSm90(GemmFp4GroupedSm90):
             )  # fmt: skip
 
     @cute.jit
-    def _convert(self, smem, pipes, walk_args, k_tiles, row):
-        """The converter warpgroup, thread `row` (0 .. 127): for every k-tile of every tile, its
-        row's exponent word folded (the k-tile scale into sRow, the four sub-blocks' tables),
-        its 64 packed bytes (sub-block q: the 16-byte chunk q, at chunk q ^ ((row >> 1) & 3)
-        of the 64B swizzle) widened by `widen8` eight codes at a time (`widen4`'s bytes of the
-        low, then the high 16 bits of each word: K in order) into the widened buffer's row
-        (sub-block q: chunks 2q, 2q + 1 of the 128B swizzle, through the layout), then the
-        async-proxy fence, the buffer's full arrival and the stage's release (each thread its
-        own)."""
+    def _convert(self, smem, pipes, walk_args, k_tiles, who):
+        """Converter warpgroup `part`'s thread `row` (`who` = (row 0 .. 127, part)): for every
+        k-tile of every tile, its row's exponent word folded (the k-tile scale into sRow, by
+        part 0; the sub-blocks' tables), its packed bytes of its 4 / C sub-blocks (sub-block q:
+        the 16-byte chunk q, at chunk q ^ ((row >> 1) & 3) of the 64B swizzle) widened by
+        `widen8` eight codes at a time (`widen4`'s bytes of the low, then the high 16 bits of
+        each word: K in order) into the widened buffer's row (sub-block q: chunks 2q, 2q + 1 of
+        the 128B swizzle, through the layout), then the async-proxy fence, the buffer's full
+        arrival and the stage's release (each thread its own)."""
         sW, sE, sA, sRow = smem
         ab_pipe, wide_pipe = pipes
+        row, part = who
+        blocks = K_STEPS // self.converters  # sub-blocks a converter thread widens
         read = consumer_state(self.stages)
         put = producer_state(WIDE_SLOTS)
         walk = self._walk(walk_args)
@@ -231,31 +244,42 @@ class GemmFp4ConvertSm90(GemmFp4GroupedSm90):
                 stage, slot = read.index, put.index
                 packed = sW[row, None, stage]
                 wide = sA[row, None, slot]
-                # every load first: ptxas keeps a later LDS behind an earlier STS (it cannot
-                # tell the buffers apart), so loads interleaved with the stores would each wait
-                # a shared-memory round trip (640 model cycles a k-tile alone, sub-block by
-                # sub-block)
-                raws = []
-                for q in cutlass.range_constexpr(K_STEPS):
-                    raw = cute.make_rmem_tensor(CHUNK, cutlass.Uint8)
-                    cute.autovec_copy(cute.local_tile(packed, (CHUNK,), (q,)), raw)
-                    raws.append(raw)
                 scale, tabs = fold(sE[row, 0, stage], eight=True)
-                sRow[row, slot] = scale
-                for q in cutlass.range_constexpr(K_STEPS):
-                    words = cute.recast_tensor(raws[q], Int32)
-                    for half in cutlass.range_constexpr(2):
-                        out = cute.make_rmem_tensor(4, Int32)
-                        for i in cutlass.range_constexpr(2):
-                            out[2 * i], out[2 * i + 1] = widen8(words[2 * half + i], tabs[q])
-                        dst = cute.local_tile(wide, (CHUNK,), (2 * q + half,))
-                        cute.autovec_copy(cute.recast_tensor(out, cutlass.Float8E4M3FN), dst)
+                if cutlass.const_expr(self.converters == 1):
+                    sRow[row, slot] = scale
+                    self._widen_row(packed, wide, tabs, tuple(range(K_STEPS)))
+                else:  # `part` is warpgroup-uniform: no divergence
+                    if part == 0:
+                        sRow[row, slot] = scale
+                        self._widen_row(packed, wide, tabs, tuple(range(blocks)))
+                    else:
+                        self._widen_row(packed, wide, tabs, tuple(range(blocks, K_STEPS)))
                 cute.arch.fence_view_async_shared()  # st.shared, then WGMMA reads
                 wide_pipe.producer_commit(put)
                 cute.arch.mbarrier_arrive(ab_pipe.consumer_get_barrier(read))
                 read.advance()
                 put.advance()
             work, expert, before, rows = walk.next(work, expert, before, rows)
+
+    @cute.jit
+    def _widen_row(self, packed, wide, tabs, blocks):
+        """Sub-blocks `blocks` (static) of one row: its packed chunks all loaded first (ptxas
+        keeps a later LDS behind an earlier STS, it cannot tell the buffers apart: loads
+        interleaved with the stores each wait a shared-memory round trip, 640 model cycles a
+        k-tile against 527), then widened (`widen8`) and stored, two 16-byte chunks each."""
+        raws = []
+        for q in blocks:
+            raw = cute.make_rmem_tensor(CHUNK, cutlass.Uint8)
+            cute.autovec_copy(cute.local_tile(packed, (CHUNK,), (q,)), raw)
+            raws.append(raw)
+        for j, q in enumerate(blocks):
+            words = cute.recast_tensor(raws[j], Int32)
+            for half in cutlass.range_constexpr(2):
+                out = cute.make_rmem_tensor(4, Int32)
+                for i in cutlass.range_constexpr(2):
+                    out[2 * i], out[2 * i + 1] = widen8(words[2 * half + i], tabs[q])
+                dst = cute.local_tile(wide, (CHUNK,), (2 * q + half,))
+                cute.autovec_copy(cute.recast_tensor(out, cutlass.Float8E4M3FN), dst)
 
     @cute.jit
     def _consume_ss(self, mma, smem, pipes, out, walk_args, k_tiles, who):

@@ -61,7 +61,7 @@ def gemm_fp4_masked(
     out: torch.Tensor,
     tokens: int | None = None,
     staged_sa: bool = False,
-    converter: bool = False,
+    converter: bool | int = False,
 ) -> None:
     """out[e, t] = (a[e, t] x scale_a[e, t]) @ dequant(b[e], words[e])^T for t < masked_m[e];
     the other rows of out are not written. a (E, max_m, K) float8_e4m3fn, b (E, N, K/2) int8
