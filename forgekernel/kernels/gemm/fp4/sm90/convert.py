@@ -202,7 +202,9 @@ class GemmFp4ConvertSm90(GemmFp4GroupedSm90):
             pipes = (ab_pipe, wide_pipe)
             c = tidx - THREADS_PER_WG
             who = (c % THREADS_PER_WG, cute.arch.make_warp_uniform(c // THREADS_PER_WG))
-            self._convert((sW, sE, sA, sRow), pipes, walk_args, k_tiles, who)
+            bases = (storage.sW.data_ptr(), storage.sA.data_ptr())
+            rings = (bases, (sW_layout, sA_layout), sE, sRow)
+            self._convert(rings, pipes, walk_args, k_tiles, who)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             t = tidx - mma_wg * THREADS_PER_WG
@@ -229,10 +231,16 @@ class GemmFp4ConvertSm90(GemmFp4GroupedSm90):
         each word: K in order) into the widened buffer's row (sub-block q: chunks 2q, 2q + 1 of
         the 128B swizzle, through the layout), then the async-proxy fence, the buffer's full
         arrival and the stage's release (each thread its own)."""
-        sW, sE, sA, sRow = smem
+        (w_base, a_base), (sW_layout, sA_layout), sE, sRow = smem
         ab_pipe, wide_pipe = pipes
         row, part = who
         blocks = K_STEPS // self.converters  # sub-blocks a converter thread widens
+        # the row's chunks' swizzled byte offsets in stage / buffer 0, once: a stage (buffer)
+        # lies a multiple of the swizzle's 512 (1024)-byte period further, so its offsets are
+        # these plus its base (tests/test_gemm_fp4.py checks the layouts), and the loop adds
+        # only that base (the per-k-tile swizzle arithmetic cost ~35 integer instructions)
+        w_offs = tuple(cute.crd2idx((row, CHUNK * q, 0), sW_layout) for q in range(K_STEPS))
+        a_offs = tuple(cute.crd2idx((row, CHUNK * c, 0), sA_layout) for c in range(2 * K_STEPS))
         read = consumer_state(self.stages)
         put = producer_state(WIDE_SLOTS)
         walk = self._walk(walk_args)
@@ -242,8 +250,8 @@ class GemmFp4ConvertSm90(GemmFp4GroupedSm90):
                 ab_pipe.consumer_wait(read)
                 wide_pipe.producer_acquire(put)
                 stage, slot = read.index, put.index
-                packed = sW[row, None, stage]
-                wide = sA[row, None, slot]
+                packed = (w_base + stage * (TILE_W * PACKED_ROW), w_offs)
+                wide = (a_base + slot * (TILE_W * TILE_K), a_offs)
                 scale, tabs = fold(sE[row, 0, stage], eight=True)
                 if cutlass.const_expr(self.converters == 1):
                     sRow[row, slot] = scale
@@ -263,23 +271,29 @@ class GemmFp4ConvertSm90(GemmFp4GroupedSm90):
 
     @cute.jit
     def _widen_row(self, packed, wide, tabs, blocks):
-        """Sub-blocks `blocks` (static) of one row: its packed chunks all loaded first (ptxas
+        """Sub-blocks `blocks` (static) of one row (`packed` / `wide`: the stage's / buffer's
+        base and the row's chunk offsets): its packed chunks all loaded first (ptxas
         keeps a later LDS behind an earlier STS, it cannot tell the buffers apart: loads
         interleaved with the stores each wait a shared-memory round trip, 640 model cycles a
         k-tile against 527), then widened (`widen8`) and stored, two 16-byte chunks each."""
+        (w_stage, w_offs), (a_slot, a_offs) = packed, wide
         raws = []
         for q in blocks:
-            raw = cute.make_rmem_tensor(CHUNK, cutlass.Uint8)
-            cute.autovec_copy(cute.local_tile(packed, (CHUNK,), (q,)), raw)
-            raws.append(raw)
+            src = cute.make_ptr(
+                Int32, (w_stage + w_offs[q]).toint(), cute.AddressSpace.smem, assumed_align=CHUNK
+            )
+            raws.append(cute.make_tensor(src, cute.make_layout(4)).load())
         for j, q in enumerate(blocks):
-            words = cute.recast_tensor(raws[j], Int32)
+            words = raws[j]
             for half in cutlass.range_constexpr(2):
                 out = cute.make_rmem_tensor(4, Int32)
                 for i in cutlass.range_constexpr(2):
                     out[2 * i], out[2 * i + 1] = widen8(words[2 * half + i], tabs[q])
-                dst = cute.local_tile(wide, (CHUNK,), (2 * q + half,))
-                cute.autovec_copy(cute.recast_tensor(out, cutlass.Float8E4M3FN), dst)
+                c = 2 * q + half
+                dst = cute.make_ptr(
+                    Int32, (a_slot + a_offs[c]).toint(), cute.AddressSpace.smem, assumed_align=CHUNK
+                )
+                cute.make_tensor(dst, cute.make_layout(4)).store(out.load())
 
     @cute.jit
     def _consume_ss(self, mma, smem, pipes, out, walk_args, k_tiles, who):
