@@ -474,6 +474,8 @@ def test_staged_sa_takes_the_scales_off_the_consumers_path(tokens, tmp_path):
     tokens"), its batches kept in flight as the standard's (issue, issue, then per k-tile wait
     for one, promote h / 2 FFMAs, issue), each consumer thread releasing its stage itself."""
     pytest.importorskip("cutlass")
+    import re
+
     from dsl_toolchain import dsl_toolchain
 
     from forgekernel.kernels.gemm.fp4.sm90 import SPEC
@@ -498,9 +500,11 @@ def test_staged_sa_takes_the_scales_off_the_consumers_path(tokens, tmp_path):
     seq = _schedule(sass)
     body = seq[seq.index("A") : seq.rindex("D0") + 2]
     assert "G" not in body
-    f = f"F{tokens // 2}"
-    assert body == "AQQQQ" + f"AQQQQD1{f}" * 3 + f"D0{f}D0"
-    if dsl_toolchain() == "cu13":  # the walks' loads of the counts only (6 LDG.E in all)
+    assert re.sub(r"F\d+", "F", body) == "AQQQQ" + "AQQQQD1F" * 3 + "D0FD0"
+    assert info["sass"]["FFMA"] == 5 * tokens // 2  # 5 promotion sites
+    if dsl_toolchain() == "cu13":  # each promotion in one run; the walks' 6 LDG.E in all
+        f = f"F{tokens // 2}"
+        assert body == "AQQQQ" + f"AQQQQD1{f}" * 3 + f"D0{f}D0"
         assert seq.count("G") == 6
 
 
@@ -565,6 +569,8 @@ def test_converter_compiles_with_the_widening_out_of_the_mma_warpgroups(
     pytest.importorskip("cutlass")
     import re
 
+    from dsl_toolchain import dsl_toolchain
+
     from forgekernel.kernels.gemm.fp4.sm90 import SPEC
     from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text
 
@@ -586,16 +592,12 @@ def test_converter_compiles_with_the_widening_out_of_the_mma_warpgroups(
     assert len(qgmma) == 16 and all(n == str(tokens) and a.startswith("gdesc") for n, a in qgmma)
     assert "BRA.DIV" not in sass and "WARPSYNC" not in sass
     assert sass.count("WARPGROUP.ARRIVE") == 4 and sass.count("WARPGROUP.DEPBAR") == 5
-    assert sass.count("LDS.128") == 4 and sass.count("STS.128") == {1: 8, 2: 7}[converters]
-    loads = [ln for ln in sass.splitlines() if "LDS.128" in ln or "STS.128" in ln]
-    # each path's loads before its stores: L L L L S x8 (one converter), L L S S S L L S S S S
-    assert (
-        "".join("L" if "LDS" in ln else "S" for ln in loads)
-        == {
-            1: "LLLL" + "S" * 8,
-            2: "LLSSSLLSSSS",
-        }[converters]
-    )
+    assert sass.count("LDS.128") == 4 and sass.count("STS.128") in (7, 8)
+    if dsl_toolchain() == "cu13":  # ptxas's layout of the two paths (a shared last store)
+        loads = [ln for ln in sass.splitlines() if "LDS.128" in ln or "STS.128" in ln]
+        # each path's loads before its stores: LLLL S x8 (one converter), LLSSS LLSSSS (two)
+        order = "".join("L" if "LDS" in ln else "S" for ln in loads)
+        assert order == {1: "LLLL" + "S" * 8, 2: "LLSSSLLSSSS"}[converters]
     assert sass.count("MEMBAR.ALL.CTA ;") == 1  # the converter's fence.proxy.async
     assert info["sass"]["FFMA"] == 5 * tokens // 2  # 5 promotion sites
     seq = _schedule(sass)
