@@ -786,7 +786,7 @@ def test_contiguous_suite_on_the_host():
     for r, lo in zip(ref, low):
         if r.numel():
             assert torch.allclose(lo.float(), r, rtol=0.05, atol=0.05 * r.abs().max().item())
-    assert set(mod.variants(case)) == {"tokens8", "tokens16"}
+    assert set(mod.variants(case)) == {"tokens8", "tokens16", "staged", "convert"}
 
 
 def test_launcher_views_meet_the_compiled_assumptions():
@@ -889,3 +889,24 @@ def test_shared_memory_budget_of_the_opt_in_forms(tokens):
     used = up(used, 1024) + 128 * 128 * WIDE_SLOTS
     assert used + 1024 + 1024 <= SMEM_CAPACITY
     assert s == {8: 18, 16: 16, 32: 13, 64: 10, 96: 8}[tokens]
+
+
+@pytest.mark.parametrize("form", [{"staged_sa": True}, {"converter": 1}, {"converter": 2}])
+def test_contiguous_opt_in_forms_compile_without_spills(form, tmp_path):
+    """The contiguous layout's default tile (32 tokens) in each opt-in form: 0 spills, 16
+    QGMMA, no divergent fallbacks, the MMA loop free of global loads."""
+    pytest.importorskip("cutlass")
+    from forgekernel.kernels.gemm.fp4.sm90 import SPEC
+    from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text
+
+    if find_tool("nvdisasm") is None:
+        pytest.skip("cuobjdump/nvdisasm not installed")
+    params = config.params_for("bfloat16", 32, contiguous=True, **form)
+    compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {tmp_path}")
+    info = inspect_cubin(compiled.artifacts.CUBIN)
+    assert info["spill_bytes"] == 0 and info["sass"].get("LDL", 0) == 0
+    assert info["sass"]["QGMMA"] == 16
+    sass = sass_text(compiled.artifacts.CUBIN)
+    assert "BRA.DIV" not in sass and "WARPSYNC" not in sass
+    seq = _schedule(sass)
+    assert "G" not in seq[seq.index("A") : seq.rindex("D0") + 2]
