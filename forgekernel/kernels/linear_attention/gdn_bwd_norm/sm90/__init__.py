@@ -30,6 +30,7 @@ SPEC = KernelSpec(
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
+    mma=False,  # a per-row norm and its gradient: no HGMMA in its SASS
 )
 
 __all__ = ["SPEC", "params_for"]
