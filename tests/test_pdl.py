@@ -326,3 +326,118 @@ def test_gemm_family_bench_variants():
         assert len(cases) == len(suite.NO_PDL_CASES)
         run = getattr(suite, "run_no_pdl", conv_layers.run_no_pdl)
         assert all(suite.variants(c)["no_pdl"] is run for c in cases)
+
+
+# ---------------------------------------------------------------- the late trigger (opt-in)
+
+
+def test_late_switch_and_keys(monkeypatch):
+    """`pdl.late()`: PDL on whatever the environment says, the trigger "late", plans keyed
+    apart; its key adds ("pdl", "late"), the standard (top) key is the params as they are."""
+    monkeypatch.setenv("FORGEKERNEL_PDL", "0")
+    assert pdl.trigger() == "top"
+    with pdl.late():
+        assert pdl.enabled() and pdl.forced() == "late" and pdl.trigger() == "late"
+        with pdl.off():
+            assert not pdl.enabled() and pdl.trigger() == "top"
+    assert not pdl.enabled() and pdl.forced() is None
+    params = paged_params("combine", "bfloat16", 128)
+    assert pdl.key(params, True, "top") is params
+    late = pdl.key(params, True, "late")
+    assert dict(late) == {**dict(params), "pdl": "late"} and list(late) == sorted(late)
+    assert pdl.key(params, False, "late") == pdl.key(params, False)
+    assert pdl.built_on(dict(late)) and pdl.trigger_of(dict(late)) == "late"
+    assert pdl.trigger_of(dict(params)) == "top" and not pdl.built_on(dict(pdl.key(params, False)))
+    with pytest.raises(ValueError, match="trigger"):
+        pdl.key(params, True, "bottom")
+
+
+def test_gemm_plans_take_the_late_key_inside_late(monkeypatch):
+    """The dense and FP8 launchers: the late key inside `pdl.late()`, the standard key as it
+    was outside (no "pdl" component: the standard builds' keys unchanged); none of the GEMM
+    family's standard or candidate builds is a late one (opt-in, compiled at first use)."""
+    from forgekernel.kernels.gemm.dense.sm90 import MASKED_SPEC
+    from forgekernel.kernels.gemm.dense.sm90 import SPEC as GEMM_SPEC
+    from forgekernel.kernels.gemm.dense.sm90 import launch as dense
+    from forgekernel.kernels.gemm.dense.sm90.config import choose_config, params_for
+    from forgekernel.kernels.gemm.fp8.sm90 import SPEC as FP8_SPEC
+    from forgekernel.kernels.gemm.fp8.sm90 import launch as fp8
+
+    monkeypatch.delenv("FORGEKERNEL_PDL", raising=False)
+    for mod in (dense, fp8):
+        monkeypatch.setattr(mod, "get_kernel", lambda spec, params: params)
+        monkeypatch.setattr(mod, "num_sms", lambda index: 132)
+    on = dense._choose(torch.bfloat16, False, 16, 5120, 8192, 0, None, None)[0]
+    assert on == params_for("bfloat16", False, choose_config(16, 5120, 8192, 132))
+    with pdl.late():
+        late = dense._choose(torch.bfloat16, False, 16, 5120, 8192, 0, None, pdl.forced())[0]
+    assert late == pdl.key(on, True, "late")
+    on = fp8._plan(torch.bfloat16, 1, 10240, 5120, 0, None)[0]
+    with pdl.late():
+        late = fp8._plan(torch.bfloat16, 1, 10240, 5120, 0, None, pdl.forced())[0]
+    assert "pdl" not in dict(on) and late == pdl.key(on, True, "late")
+    for spec in (GEMM_SPEC, FP8_SPEC, MASKED_SPEC):
+        params = [*spec.standard_params(), *(spec.candidate_params() or [])]
+        assert not any(dict(p).get("pdl") == "late" for p in params)
+
+
+def _decode_builds() -> dict:
+    """The builds of the partial-wave losses (docs/gemm/NOTES.md "Measured 2026-12-05 04:10"):
+    the dense decode tile of 16x5120x8192 (64x64 c1x2, a_rows 16), FP8's of 1x10240x5120 (64x128
+    c1x2, a_rows 8); and a stream-K build and two consumer warpgroups (128x256 c2x1)."""
+    from forgekernel.kernels.gemm.dense.sm90 import SPEC as GEMM_SPEC
+    from forgekernel.kernels.gemm.dense.sm90.config import choose_config, params_for
+    from forgekernel.kernels.gemm.fp8.sm90 import SPEC as FP8_SPEC
+    from forgekernel.kernels.gemm.fp8.sm90.config import choose_config as fp8_config
+    from forgekernel.kernels.gemm.fp8.sm90.config import params_for as fp8_params
+
+    return {
+        "gemm_decode": (GEMM_SPEC, params_for("bfloat16", False, choose_config(16, 5120, 8192))),
+        "fp8_decode": (FP8_SPEC, fp8_params("bfloat16", fp8_config(1, 10240, 5120))),
+        "gemm_stream_k": GEMM_FAMILY["gemm_stream_k"],
+        "gemm": GEMM_FAMILY["gemm"],
+    }
+
+
+LATE_BUILDS = _decode_builds()
+GMMA = re.compile(r"\b[HQ]GMMA\b")  # 16-bit and FP8 WGMMA
+
+
+@pytest.mark.parametrize("name", sorted(LATE_BUILDS))
+def test_the_late_trigger_follows_the_last_mainloop(compiled, name):
+    """The late build: one ACQBULK, still before the first global access; one PREEXIT, after
+    the last WGMMA and its wait and before the epilogue's first TMA store after it; registers,
+    spills and the SASS counts of the standard (top) build, whose PREEXIT follows its ACQBULK."""
+    spec, params = LATE_BUILDS[name]
+    top, top_lines = compiled(spec, params)
+    res, lines = compiled(spec, pdl.key(params, True, "late"))
+    joined = "\n".join(lines)
+    assert len(re.findall(r"\bACQBULK\b", joined)) == 1
+    assert len(re.findall(r"\bPREEXIT\b", joined)) == 1
+    assert _first(lines, r"\bACQBULK\b") < _first(lines, ANY_GLOBAL)
+    trigger = _first(lines, r"\bPREEXIT\b")
+    last_gmma = max(i for i, x in enumerate(lines) if GMMA.search(x))
+    assert last_gmma < trigger
+    assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", "\n".join(lines[last_gmma:trigger]))
+    assert any(re.search(r"\bUTMASTG\b", x) for x in lines[trigger:])
+    assert _first(top_lines, r"\bACQBULK\b") < _first(top_lines, r"\bPREEXIT\b")
+    assert _first(top_lines, r"\bPREEXIT\b") < _first(top_lines, GMMA)
+    assert res["spill_bytes"] == top["spill_bytes"] == 0
+    assert res["registers"] == top["registers"]
+    assert res["sass"] == top["sass"]
+
+
+def test_the_late_trigger_takes_a_pdl_build_of_the_tiled_or_stream_k_walk():
+    pytest.importorskip("cutlass")
+    from forgekernel.kernels.gemm.dense.sm90.kernel import GemmSm90
+    from forgekernel.kernels.gemm.dense.sm90.tile import GemmConfig
+
+    cfg = GemmConfig(tile_m=64, tile_n=64, cluster_m=1)
+    assert GemmSm90(cfg, trigger="late").late_trigger
+    assert not GemmSm90(cfg).late_trigger
+    with pytest.raises(ValueError, match="late trigger"):
+        GemmSm90(cfg, masked=True, trigger="late")
+    with pytest.raises(ValueError, match="late trigger"):
+        GemmSm90(cfg, pdl=False, trigger="late")
+    with pytest.raises(ValueError, match="trigger must be"):
+        GemmSm90(cfg, trigger="exit")

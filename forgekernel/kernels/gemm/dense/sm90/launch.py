@@ -57,7 +57,8 @@ def config_for(
 
 class _Plans(PlanCache):
     """(dtype, b_kn, M, N, K, device index, forced config, `pdl.forced()`) -> (the compiled
-    function (a PDL build unless runtime/pdl.py says otherwise when the plan is built),
+    function (a PDL build unless runtime/pdl.py says otherwise when the plan is built; its
+    trigger late inside `pdl.late()`),
     max_clusters, stream K: (k-iterations per CTA, output tiles, workspace floats) or None,
     whether the operands are swapped: `kernel_operands`):
     one kernel lookup per problem.
@@ -95,7 +96,8 @@ def _choose(
         split = (plan.per, plan.tiles, 2 * plan.ctas * cfg.tile_m * cfg.tile_n)
     # One CTA per SM (the pipeline takes nearly all shared memory).
     max_clusters = sms // (cfg.cluster_m * cfg.cluster_n)
-    kernel = get_kernel(SPEC, pdl.key(params_for(dtype_name(dtype), b_kn, cfg), pdl.enabled()))
+    params = params_for(dtype_name(dtype), b_kn, cfg)
+    kernel = get_kernel(SPEC, pdl.key(params, pdl.enabled(), pdl.trigger()))
     return kernel, max_clusters, split, cfg.swap
 
 

@@ -51,10 +51,12 @@ def _choose(out_dtype, m, n, k, device_index, config) -> tuple[tuple, int, tuple
 def _plan(out_dtype, m, n, k, device_index, config, _pdl_forced=None) -> tuple:
     """`_choose`'s plan with its kernel looked up, once per problem (a compile-cache lookup
     per call before), and whether it reads A's scales M-major. The kernel: its PDL build
-    unless runtime/pdl.py says otherwise when the plan is built (`pdl.forced()` in the key)."""
+    unless runtime/pdl.py says otherwise when the plan is built (`pdl.forced()` in the key; the
+    trigger late inside `pdl.late()`)."""
     params, max_clusters, split = _choose(out_dtype, m, n, k, device_index, config)
     mn_major = dict(params).get("scale_mn_major", False)
-    return get_kernel(SPEC, pdl.key(params, pdl.enabled())), max_clusters, split, mn_major
+    fn = get_kernel(SPEC, pdl.key(params, pdl.enabled(), pdl.trigger()))
+    return fn, max_clusters, split, mn_major
 
 
 def takes_mn_major(scale_a: torch.Tensor) -> bool:
