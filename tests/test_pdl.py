@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 from cubins import GLOBAL, sass_builder
+from script_modules import load_script  # tests/ is on the path
 
 from forgekernel.kernels.attention.mla.sm90 import SPEC as MLA_SPEC
 from forgekernel.kernels.attention.mla.sm90.config import params_for as mla_params
@@ -441,3 +442,67 @@ def test_the_late_trigger_takes_a_pdl_build_of_the_tiled_or_stream_k_walk():
         GemmSm90(cfg, pdl=False, trigger="late")
     with pytest.raises(ValueError, match="trigger must be"):
         GemmSm90(cfg, trigger="exit")
+
+
+# ---------------------------------------------------------------- scripts/pdl_wave_probe.py
+
+
+def test_the_wave_probe_plan():
+    """The probe's sweeps: the decode configs of 16x5120x8192 and FP8's 1x10240x5120, forced,
+    over one wave of 40 to 132 CTAs; per config three builds (the standard key, pdl "off",
+    pdl "late"): six compiles in all."""
+    probe = load_script("pdl_wave_probe")
+    dense, fp8 = probe.sweeps(132)
+    assert dense["config"].tag() == "64x64_c1x2_s13_e4x32_w1m_a16"
+    assert fp8["config"].tag() == "64x128_c1x2_s0_e4x32_w1m_a8"
+    for s, tiles in ((dense, probe.DENSE_TILES), (fp8, probe.FP8_TILES)):
+        assert [probe.ctas(s["config"], s["m"], n, 132) for n in s["n"]] == list(tiles)
+        top, off, late = (s["keys"][f] for f in probe.FORMS)
+        assert "pdl" not in dict(top) and s["spec"].standard_params().count(top) == 1
+        assert off == pdl.key(top, False) and late == pdl.key(top, True, "late")
+    assert (16, 8192, 2560, 8448) == (dense["m"], dense["k"], dense["n"][0], dense["n"][-1])
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_the_wave_probe_checks_and_times_each_form(monkeypatch, which):
+    """`measure` on the CPU, the launchers replaced by the references (each call recording the
+    PDL state it ran under) and the timer by a stand-in: each form's call runs inside its own
+    switch, its output is checked, and both methods time the three forms."""
+    from forgekernel.bench import methods
+    from forgekernel.kernels.gemm.dense.sm90 import launch as dense
+    from forgekernel.kernels.gemm.fp8.sm90 import launch as fp8
+    from forgekernel.reference.gemm import gemm_fp8_ref, gemm_ref
+    from forgekernel.runtime.timing import Samples
+
+    states = []
+
+    def dense_gemm(a, b, out, b_kn, config):
+        states.append((pdl.forced(), config))
+        out.copy_(gemm_ref(a, b))
+
+    def fp8_gemm(a, b, sa, sb, out, config):
+        states.append((pdl.forced(), config))
+        out.copy_(gemm_fp8_ref(a, b, sa, sb))
+
+    timed = []
+
+    def time_method(method, fns, sets, **kw):
+        timed.append((method, tuple(fns), len(sets)))
+        for fn in fns.values():
+            fn(*sets[0])
+        return {f: Samples([0.02], method=method) for f in fns}
+
+    monkeypatch.setattr(dense, "gemm", dense_gemm)
+    monkeypatch.setattr(fp8, "gemm_fp8", fp8_gemm)
+    monkeypatch.setattr(methods, "time_method", time_method)
+    probe = load_script("pdl_wave_probe")
+    s = {**probe.sweeps(132)[which], "k": 256}
+    n = 7 * s["config"].tile_n
+    row = probe.measure(s, n, 132, device="cpu")
+    assert row["same"] and row["err"] < 1e-2 and row["ctas"] == 8  # 7 tiles: 4 clusters
+    assert [m for m, _, _ in timed] == ["graph", "eager"]
+    assert all(forms == probe.FORMS for _, forms, _ in timed)
+    assert row["graph"] == {f: 20.0 for f in probe.FORMS}
+    assert {c for _, c in states} == {s["config"]}
+    assert [f for f, _ in states[:3]] == [None, False, "late"]  # the check: top, off, late
+    assert "20.0" in probe.line(row)
