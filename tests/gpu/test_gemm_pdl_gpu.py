@@ -8,10 +8,11 @@ a write of the output or of stream K's / the split's flags and partials (one scr
 call of a stream) before its griddepcontrol.wait would show here. The weight gradient has no
 chain of one shape (its split with the reduce sums atomically: not bit for bit either); its
 wait is checked in the SASS only (tests/test_pdl.py). The builds without PDL compile on first
-use (no prebuilt ones: about 5 kernels, the DSL needed)."""
+use (no prebuilt ones: about 5 kernels, the DSL needed), the late-trigger builds too (2)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import pytest
@@ -38,6 +39,24 @@ def test_gemm_chain_is_the_serialized_chain(m, k, config):
     w = torch.randn(k, k, **rand) / k**0.5  # keeps the chain's values near 1
     x0 = torch.randn(m, k, **rand)
     assert_pdl_chain_is_serialized(lambda x, out, _: gemm_op.gemm(x, w, out=out, config=config), x0)
+
+
+@pytest.mark.parametrize("m, k, config", GEMMS[:2])
+def test_late_trigger_chain_is_the_serialized_chain(m, k, config):
+    """The opt-in late trigger (`pdl.late()`: launch_dependents after each CTA's last
+    mainloop, docs/gemm/NOTES.md "PDL's trigger and the partial wave"), tiled and stream K;
+    the serialized chain runs inside `pdl.off()`, the off builds."""
+    pdl = importlib.import_module("forgekernel.runtime.pdl")
+    g = torch.Generator(device="cuda").manual_seed(8)
+    rand = {"device": "cuda", "dtype": torch.bfloat16, "generator": g}
+    w = torch.randn(k, k, **rand) / k**0.5
+    x0 = torch.randn(m, k, **rand)
+
+    def call(x, out, _):
+        with pdl.late() if pdl.enabled() else contextlib.nullcontext():
+            gemm_op.gemm(x, w, out=out, config=config)
+
+    assert_pdl_chain_is_serialized(call, x0)
 
 
 CONVS = [  # (N, C = K, H = W): 3x3, padding 1, stride 1 (the forward kernel, split or not)
