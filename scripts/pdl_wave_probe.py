@@ -207,6 +207,35 @@ def line(row: dict) -> str:
     )
 
 
+def verdict(rows: list[dict]) -> str:
+    """What the sweep's graph times adopt (docs/gemm/NOTES.md "PDL's trigger and the partial
+    wave", rules 1-4): the band is the CTAs where top loses to off by more than 2 %."""
+    rows = [r for r in rows if "graph" in r]
+    if not rows:
+        return "no timed rows"
+
+    def ratio(r, a, b):
+        return r["graph"][a] / r["graph"][b]  # > 1: b faster
+
+    band = [r for r in rows if ratio(r, "off", "top") < 0.98]
+    where = f"band {[r['ctas'] for r in band]} CTAs"
+    eager = [r["ctas"] for r in rows if any(abs(r["eager"][f] / r["eager"]["top"] - 1) > 0.03
+                                            for f in FORMS)]  # fmt: skip
+    note = f"; eager differs by > 3 % at {eager} CTAs: a code difference, look" if eager else ""
+    if not any(72 <= r["ctas"] <= 88 for r in band):
+        return f"4 (no loss at 72-88 CTAs): nothing; {where}{note}"
+    if all(ratio(r, "off", "late") >= 0.99 for r in band):
+        rest = [r for r in rows if r not in band]
+        if all(ratio(r, "top", "late") >= 0.99 for r in rest) and all(
+            ratio(r, "off", "late") >= 0.99 for r in rows
+        ):
+            return f"1: the late trigger everywhere; {where}{note}"
+        return f"2: a per-problem trigger, late in the {where}{note}"
+    if all(0.95 <= ratio(r, "top", "late") <= 1.05 for r in band if 72 <= r["ctas"] <= 88):
+        return f"3: a per-problem switch, PDL off in the {where}{note}"
+    return f"none of 1-4 (late fixes part of the band): read the table; {where}{note}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="print the plan only")
@@ -246,6 +275,10 @@ def main() -> None:
                 print(line(row), flush=True)
             out.write_text(json.dumps(result, indent=1))
             torch.cuda.empty_cache()
+        sweep["verdict"] = verdict(sweep["rows"])
+        out.write_text(json.dumps(result, indent=1))
+    for sweep in result["sweeps"]:
+        print(f"{sweep['dtype']}: rule {sweep['verdict']}")
     print(f"wrote {out} ({time.perf_counter() - START:.0f} s)")
 
 

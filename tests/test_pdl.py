@@ -506,3 +506,28 @@ def test_the_wave_probe_checks_and_times_each_form(monkeypatch, which):
     assert {c for _, c in states} == {s["config"]}
     assert [f for f, _ in states[:3]] == [None, False, "late"]  # the check: top, off, late
     assert "20.0" in probe.line(row)
+
+
+def _rows(times: dict) -> list[dict]:
+    """Probe rows from {CTAs: (top, off, late) graph us}, eager all alike."""
+    eager = dict.fromkeys(("top", "off", "late"), 30.0)
+    return [
+        {"ctas": c, "graph": dict(zip(("top", "off", "late"), t)), "eager": eager}
+        for c, t in times.items()
+    ]
+
+
+@pytest.mark.parametrize(
+    "times, rule",
+    [
+        ({64: (20, 21, 20.1), 80: (29, 22, 21.5), 128: (30, 31, 30)}, "1:"),
+        ({64: (20, 21, 20.6), 80: (29, 22, 21.5), 128: (30, 31, 30)}, "2:"),
+        ({64: (20, 21, 20.6), 80: (29, 22, 28.5), 128: (30, 31, 30)}, "3:"),
+        ({64: (20, 21, 20.6), 80: (22, 22, 22), 128: (30, 31, 30)}, "4 "),
+        ({64: (20, 21, 20.6), 80: (29, 22, 25), 128: (30, 31, 30)}, "none"),
+    ],
+)
+def test_the_wave_probe_verdict(times, rule):
+    """The probe's last lines name the NOTES' rule its graph times adopt."""
+    probe = load_script("pdl_wave_probe")
+    assert probe.verdict(_rows(times)).startswith(rule)
