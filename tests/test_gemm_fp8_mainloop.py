@@ -33,6 +33,7 @@ cute = pytest.importorskip("cutlass.cute")
 
 from cutlass import Float32, Int32  # noqa: E402
 from cutlass.cute.runtime import from_dlpack  # noqa: E402
+from dsl_toolchain import dsl_toolchain  # noqa: E402  (tests/ is on the path)
 
 ISSUE, RETIRE, PROMOTE, DONE = 1, 2, 3, 4
 STAGES = 4  # the ring of the host replay: units of up to 7 k-tiles wrap it
@@ -593,6 +594,8 @@ def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_pa
     clustered = cfg.cluster_m * cfg.cluster_n > 1
     # (`_f4`: ptxas schedules the same trip in 229, two uniform moves more, 2026-12-05)
     extra = 2 if cfg.scale_ahead == 4 else 0
+    # cu12's ptxas (a plain install, CI) schedules the same trip in 1-2 more (228 / 216)
+    extra += 2 if dsl_toolchain() == "cu12" else 0
     assert len(trip) <= (227 if clustered else 214) + extra, len(trip)
     releases = _consumer_releases(sass)
     local = [r for r in releases if r[1] == "local"]

@@ -259,12 +259,12 @@ SANITIZE_CASES = (
     _case(16, 520, 1032),
     _case(64, 4096, 1024),
     _case(640, 1024, 1032),  # 128x80 swapped (was 128x112's, 128x128's)
-    _case(929, 80, 128),  # 192x72: N in two tiles (192x80's before the 72-column tiles)
+    _case(929, 144, 128),  # 192x72: N in two tiles (72 divides N: `prefill_rivals`)
     _case(1868, 4184, 520),  # 128x128 c2x1
     _case(2000, 1400, 520, "kn"),
     _case(33, 264, 520),
     _case(100, 264, 1000, "kn"),
-    _case(255, 136, 72),  # 192x72 (was 128x128 c1x1's)
+    _case(255, 136, 72),  # 128x128 c1x1 (192x72 while it was offered where 72 does not divide N)
     _case(255, 8256, 520),  # 128x128 c1x1: 2 x 65 tiles
     _case(1000, 1000, 1032, "kn"),  # 128x112
     _case(1500, 2504, 520),
