@@ -16,7 +16,14 @@ Where the trigger (`launch_dependents`) sits is a compile option of the dense an
 kernel (GemmSm90, `TRIGGERS`): "top", every standard build (after the wait, before the role
 split), or "late", opt-in (after each CTA's last mainloop; key ("pdl", "late"), built at first
 use): inside `late()` their launchers (dense `_choose`, FP8 `_plan`) build that form, every other
-launcher its standard one (docs/gemm/NOTES.md "PDL's trigger and the partial wave")."""
+launcher its standard one (docs/gemm/NOTES.md "PDL's trigger and the partial wave").
+
+The partial-wave rule (`PARTIAL_WAVE`, docs/gemm/NOTES.md "Adopting a partial-wave rule"): those
+two launchers count the CTAs of the grid they launch and take `form(ctas, sms)`: "top", "late" or
+"off" for a grid in the rule's band. With a rule adopted, the band forms of every standard config
+the band can reach are standard builds (the specs' `standard_params`, through `band_form` and
+`reaches`); with none (`PARTIAL_WAVE` None, the default) every grid is "top" and the standard
+builds are today's."""
 
 from __future__ import annotations
 
@@ -32,6 +39,14 @@ from forgekernel.runtime.spec import Params
 _forced: list[bool | str | None] = [None]
 # where a PDL build issues launch_dependents (kernels/gemm/dense/sm90/kernel.py `trigger`)
 TRIGGERS = ("top", "late")
+FORMS = (*TRIGGERS, "off")
+# The adopted partial-wave rule: None (every grid "top": rule 4, today's), or (form, low, high):
+# the dense and FP8 GEMMs' grids of low < CTAs <= high on a `BAND_SMS`-SM chip (scaled to the
+# chip's SMs) built in `form`: ("late", 66, 104) is the NOTES' rule 2, ("off", 66, 104) rule 3
+# (the upper edge the probe's); ("late", 0, BAND_SMS) the late trigger on every grid (rule 1
+# without the kernel's default moved: every config's late build standard).
+PARTIAL_WAVE: tuple[str, int, int] | None = None
+BAND_SMS = 132  # the H200 / H100 SXM, where the band was measured
 
 
 def enabled() -> bool:
@@ -93,3 +108,44 @@ def trigger_of(params: dict) -> str:
     """Where a compile key (as a dict) builds its kernel's trigger: "late" for ("pdl", "late"),
     else "top" (a build without PDL has none)."""
     return "late" if params.get("pdl") == "late" else "top"
+
+
+def form_for(ctas: int, sms: int) -> str:
+    """The rule's form of a grid of `ctas` CTAs on `sms` SMs: `PARTIAL_WAVE`'s form where
+    low < ctas <= high (the edges scaled from `BAND_SMS` SMs to `sms`, in integers), else
+    "top"."""
+    if PARTIAL_WAVE is None:
+        return "top"
+    form_, low, high = PARTIAL_WAVE
+    if form_ not in FORMS[1:]:
+        raise ValueError(f"PARTIAL_WAVE's form must be 'late' or 'off', got {form_!r}")
+    inside = low * sms < ctas * BAND_SMS <= high * sms
+    return form_ if inside else "top"
+
+
+def form(ctas: int, sms: int) -> str:
+    """The form of a dense or FP8 GEMM kernel built now for a grid of `ctas` CTAs on `sms`
+    SMs: "off" where PDL is (`enabled()` False: FORGEKERNEL_PDL=0, `off()`), "late" inside
+    `late()`, else the rule's (`form_for`)."""
+    if not enabled():
+        return "off"
+    return "late" if _forced[0] == "late" else form_for(ctas, sms)
+
+
+def key_for(params: Params, form_: str) -> Params:
+    """`key` of a kernel built in `form_` ("top", "late" or "off")."""
+    if form_ not in FORMS:
+        raise ValueError(f"PDL form must be one of {FORMS}, got {form_!r}")
+    return key(params, form_ != "off", "top" if form_ == "off" else form_)
+
+
+def band_form() -> str | None:
+    """The adopted rule's form ("late" or "off"), None without a rule: what the specs' standard
+    builds add for the configs whose grids the band `reaches`."""
+    return PARTIAL_WAVE[0] if PARTIAL_WAVE else None
+
+
+def reaches(fewest: int, most: int, step: int, sms: int = BAND_SMS) -> bool:
+    """Whether a kernel launched on fewest, fewest + step, ..., most CTAs (its cluster's size
+    the step) has a grid that the rule builds in its band form on `sms` SMs."""
+    return any(form_for(c, sms) != "top" for c in range(fewest, most + 1, step))
