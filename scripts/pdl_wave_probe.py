@@ -39,10 +39,11 @@ GRAPH_REPS, EAGER_REPS = 20, 60
 
 
 def form_context(form: str) -> contextlib.AbstractContextManager:
-    """What a call of `form` runs inside (its plans are keyed apart: runtime/pdl.py)."""
+    """What a call of `form` runs inside (its plans are keyed apart: runtime/pdl.py; "top"
+    inside `pdl.top()`, the trigger at the top whatever partial-wave rule is adopted)."""
     from forgekernel.runtime import pdl
 
-    return {"top": contextlib.nullcontext, "off": pdl.off, "late": pdl.late}[form]()
+    return {"top": pdl.top, "off": pdl.off, "late": pdl.late}[form]()
 
 
 def sweeps(sms: int) -> list[dict]:

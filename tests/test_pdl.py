@@ -504,7 +504,7 @@ def test_the_wave_probe_checks_and_times_each_form(monkeypatch, which):
     assert all(forms == probe.FORMS for _, forms, _ in timed)
     assert row["graph"] == {f: 20.0 for f in probe.FORMS}
     assert {c for _, c in states} == {s["config"]}
-    assert [f for f, _ in states[:3]] == [None, False, "late"]  # the check: top, off, late
+    assert [f for f, _ in states[:3]] == ["top", False, "late"]  # the check: top, off, late
     assert "20.0" in probe.line(row)
 
 

@@ -75,17 +75,25 @@ def test_the_band_edges(monkeypatch, form):
 
 
 def test_the_switches_override_the_rule(monkeypatch):
-    """FORGEKERNEL_PDL=0 and `off()`: "off" on every grid; `late()`: "late" on every grid."""
+    """FORGEKERNEL_PDL=0 and `off()`: "off" on every grid; `late()` and `top()`: theirs on
+    every grid, PDL on whatever the environment says."""
     monkeypatch.delenv("FORGEKERNEL_PDL", raising=False)
     monkeypatch.setattr(pdl, "PARTIAL_WAVE", OFF_BAND)
     assert [pdl.form(c, 132) for c in (64, 80, 128)] == ["top", "off", "top"]
     with pdl.late():
         assert {pdl.form(c, 132) for c in (64, 80, 128)} == {"late"}
+    with pdl.top():
+        assert {pdl.form(c, 132) for c in (64, 80, 128)} == {"top"} and pdl.forced() == "top"
+        assert pdl.trigger() == "top"
+        with pdl.off():
+            assert pdl.form(80, 132) == "off"
     monkeypatch.setattr(pdl, "PARTIAL_WAVE", LATE_BAND)
     with pdl.off():
         assert {pdl.form(c, 132) for c in (64, 80, 128)} == {"off"}
     monkeypatch.setenv("FORGEKERNEL_PDL", "0")
     assert {pdl.form(c, 132) for c in (64, 80, 128)} == {"off"}
+    with pdl.top():
+        assert pdl.enabled() and pdl.form(80, 132) == "top"
 
 
 def test_key_for_each_form():
@@ -169,9 +177,12 @@ def test_the_plans_key_the_switches_apart(keys_only, monkeypatch):
         off = planned()[0]
     with pdl.late():
         late = planned()[0]
-    assert planned()[0] is ran and len(dense._plans) == 3
+    with pdl.top():
+        top_ = planned()[0]
+    assert planned()[0] is ran and len(dense._plans) == 4
     top = params_for("bfloat16", False, choose_config(16, 5120, 8192, 132))
     assert ran == off == pdl.key(top, False) and late == pdl.key(top, True, "late")
+    assert top_ == top
     dense.clear_plans()
 
 

@@ -15,8 +15,9 @@ elsewhere (the GEMM family and the convolutions included) compiles its kernels a
 Where the trigger (`launch_dependents`) sits is a compile option of the dense and FP8 GEMMs'
 kernel (GemmSm90, `TRIGGERS`): "top", every standard build (after the wait, before the role
 split), or "late", opt-in (after each CTA's last mainloop; key ("pdl", "late"), built at first
-use): inside `late()` their launchers (dense `_choose`, FP8 `_plan`) build that form, every other
-launcher its standard one (docs/gemm/NOTES.md "PDL's trigger and the partial wave").
+use unless a rule below makes it standard): inside `late()` their launchers (dense `_choose`, FP8
+`_plan`) build that form, every other launcher its standard one (docs/gemm/NOTES.md "PDL's
+trigger and the partial wave"); inside `top()` they build the top form whatever the rule.
 
 The partial-wave rule (`PARTIAL_WAVE`, docs/gemm/NOTES.md "Adopting a partial-wave rule"): those
 two launchers count the CTAs of the grid they launch and take `form(ctas, sms)`: "top", "late" or
@@ -34,8 +35,8 @@ from contextlib import contextmanager
 from forgekernel.runtime.plans import overriding
 from forgekernel.runtime.spec import Params
 
-# `off()`'s False or `late()`'s "late" while inside it, else None (the environment decides): in
-# the launchers' plan keys
+# `off()`'s False, `late()`'s "late" or `top()`'s "top" while inside it, else None (the
+# environment and the partial-wave rule decide): in the launchers' plan keys
 _forced: list[bool | str | None] = [None]
 # where a PDL build issues launch_dependents (kernels/gemm/dense/sm90/kernel.py `trigger`)
 TRIGGERS = ("top", "late")
@@ -51,7 +52,7 @@ BAND_SMS = 132  # the H200 / H100 SXM, where the band was measured
 
 def enabled() -> bool:
     """Whether plans built now launch their kernels with PDL: False inside `off()`, True
-    inside `late()`, else FORGEKERNEL_PDL ("0" or "1", default "1")."""
+    inside `late()` and `top()`, else FORGEKERNEL_PDL ("0" or "1", default "1")."""
     if _forced[0] is not None:
         return _forced[0] is not False
     flag = os.environ.get("FORGEKERNEL_PDL", "1")
@@ -61,8 +62,8 @@ def enabled() -> bool:
 
 
 def forced() -> bool | str | None:
-    """`off()`'s or `late()`'s state, for plan keys (a dict lookup a call; the environment is
-    read by `enabled` only when a plan is built)."""
+    """`off()`'s, `late()`'s or `top()`'s state, for plan keys (a dict lookup a call; the
+    environment is read by `enabled` only when a plan is built)."""
     return _forced[0]
 
 
@@ -70,6 +71,15 @@ def forced() -> bool | str | None:
 def off() -> Iterator[None]:
     """The calls inside build their plans without PDL (keyed apart from the default ones)."""
     with overriding(_forced, False):
+        yield
+
+
+@contextmanager
+def top() -> Iterator[None]:
+    """The calls inside build their plans with PDL and the trigger at the top on every grid,
+    whatever the partial-wave rule says (keyed apart): the probe's "top" form once a rule is
+    adopted (scripts/pdl_wave_probe.py)."""
+    with overriding(_forced, "top"):
         yield
 
 
@@ -125,11 +135,11 @@ def form_for(ctas: int, sms: int) -> str:
 
 def form(ctas: int, sms: int) -> str:
     """The form of a dense or FP8 GEMM kernel built now for a grid of `ctas` CTAs on `sms`
-    SMs: "off" where PDL is (`enabled()` False: FORGEKERNEL_PDL=0, `off()`), "late" inside
-    `late()`, else the rule's (`form_for`)."""
+    SMs: "off" where PDL is off (`enabled()` False: FORGEKERNEL_PDL=0, `off()`), "late"
+    inside `late()`, "top" inside `top()`, else the rule's (`form_for`)."""
     if not enabled():
         return "off"
-    return "late" if _forced[0] == "late" else form_for(ctas, sms)
+    return _forced[0] if _forced[0] in TRIGGERS else form_for(ctas, sms)
 
 
 def key_for(params: Params, form_: str) -> Params:
