@@ -27,6 +27,7 @@ from forgekernel.runtime.build import build_tasks
 
 LATE_BAND, OFF_BAND = ("late", 66, 104), ("off", 66, 104)
 RULES = {"none": None, "late": LATE_BAND, "off": OFF_BAND, "late_all": ("late", 0, 132)}
+RULES["shipped"] = pdl.PARTIAL_WAVE  # the rule adopted in runtime/pdl.py (None until adopted)
 
 
 @pytest.fixture(params=sorted(RULES))
