@@ -156,6 +156,7 @@ def variants(case: Case) -> dict[str, Any]:
     runs = {name: functools.partial(run_plan, plan) for name, plan in plans.items()}
     if case.name in NO_PDL_CASES:
         runs["no_pdl"] = L.run_no_pdl
+        runs["pdl_late"] = L.run_pdl_late
     return {**runs, **L.gemm_variants(case)}
 
 

@@ -89,6 +89,7 @@ def variants(case: Case) -> dict[str, Any]:
         runs["launcher"] = functools.partial(run_plan, None)
     if case.name in NO_PDL_CASES:
         runs["no_pdl"] = L.run_no_pdl
+        runs["pdl_late"] = L.run_pdl_late
     return {**L.stem_variants(case), **L.gemm_variants(case), **runs}
 
 
