@@ -574,9 +574,11 @@ def test_conv_plans_take_the_late_key_inside_late(monkeypatch):
         assert not any(dict(p).get("pdl") == "late" for p in params)
 
 
-# the builds the late trigger's SASS test reads: a forward on rectangles, the fused data
-# gradient, the weight gradient's plain (rectangles; its split parks at run time) and reduce
-CONV_LATE = ("conv_fwd_rect", "dgrad", "wgrad", "wgrad_reduce")
+# the late builds the SASS test reads: every convolution of GEMM_FAMILY (forward im2col,
+# rectangles, split with bias, the data-gradient mode split; fused data gradient unsplit and
+# split; weight gradient rectangles and im2col, whose splits park at run time, and reduce):
+# ~1 s a compile, their top builds shared with the family's test
+CONV_LATE = tuple(sorted(n for n, (s, _) in GEMM_FAMILY.items() if s.name.startswith("conv")))
 # a global store of any kind: the epilogues' TMA stores and st.global, the split's parked parts
 # and flags (STG, ATOMG), the reduce split's bulk reduce (UBLKRED); as the instruction itself,
 # optionally predicated (not the mbarrier arrives' SYNCS.ARRIVE.TRANS64.RED)

@@ -13,10 +13,12 @@ elsewhere (the GEMM family and the convolutions included) compiles its kernels a
 (the DSL needed).
 
 Where the trigger (`launch_dependents`) sits is a compile option of the dense and FP8 GEMMs'
-kernel (GemmSm90, `TRIGGERS`): "top", every standard build (after the wait, before the role
-split), or "late", opt-in (after each CTA's last mainloop; key ("pdl", "late"), built at first
-use): inside `late()` their launchers (dense `_choose`, FP8 `_plan`) build that form, every other
-launcher its standard one (docs/gemm/NOTES.md "PDL's trigger and the partial wave")."""
+kernel (GemmSm90, `TRIGGERS`) and of the convolutions' (forward, fused data gradient, weight
+gradient): "top", every standard build (after the wait, before the role split), or "late",
+opt-in (after each CTA's last mainloop; key ("pdl", "late"), built at first use): inside
+`late()` their launchers (dense `_choose`, FP8 `_plan`, conv `_choose`, `_choose_fused`,
+`_wgrad_plan`) build that form, every other launcher its standard one (docs/gemm/NOTES.md "PDL's
+trigger and the partial wave", docs/conv/NOTES.md "The late trigger")."""
 
 from __future__ import annotations
 
@@ -61,7 +63,8 @@ def off() -> Iterator[None]:
 @contextmanager
 def late() -> Iterator[None]:
     """The calls inside build their plans with PDL and, where the kernel takes it (the GEMMs'
-    launchers pass `trigger()` to `key`), the trigger after the mainloop (keyed apart)."""
+    and the convolutions' launchers pass `trigger()` to `key`), the trigger after the mainloop
+    (keyed apart)."""
     with overriding(_forced, "late"):
         yield
 

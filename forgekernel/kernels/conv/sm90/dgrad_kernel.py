@@ -31,6 +31,8 @@ stmatrix staging it runs; see its docstring):
   batch and channels past C skipped. No scratch buffer and no copy.
 - split: unit (row u of the M axis, N tile n) parks in workspace slot n x units_m + u; its
   tile's parts lie slot_tiles rows apart; the flag is the tile's (slot, M tile, N tile).
+- the late trigger (`trigger` "late"): after the CTA's last unit's mainloop, or in its place for
+  a unit of no tap.
 
 Constraints: the forward kernel's (tile_k 64, C and K multiples of 8, 16-byte aligned rows),
 padding of the walk >= 0 (the launcher crops dY), dX (N, D, H, W, C) any view with 16-byte

@@ -43,6 +43,12 @@ Geometry (padding below / above, stride, dilation, per D, H, W) arrives as run-t
 only the TMA descriptor depends on it, so one compiled kernel serves every layer. The filter
 extents come from W's shape.
 
+PDL (`pdl`, as the dense GEMM's, kernels/gemm/dense/sm90/kernel.py): every thread waits after
+the barrier setup; `trigger` "top" (every standard build) issues launch_dependents there too,
+"late" (opt-in, key ("pdl", "late")) has the consumer warpgroups issue it once their CTA's last
+unit's mainloop is done (its WGMMAs waited for), before that unit's park or epilogue: a CTA's
+first issue counts, and one that never issues it counts at its exit.
+
 Split over the reduction (`per_split` k-tiles per part, a run-time value; one part: the whole
 reduction): a problem of few output tiles (3x3 on 7 x 7 maps, 1x1 with a long C: a third of the
 chip busy) cuts each tile's k-tiles into parts, scheduled as tiles of their own (the static

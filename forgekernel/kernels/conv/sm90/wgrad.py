@@ -57,7 +57,9 @@ are then padded to even: a CTA past K loads zero rows of A, stores nothing and p
 of a tile nobody stores.
 
 Warp roles, pipelines and registers are the GEMM's (producer warp 0 of warpgroup 0, setmaxnreg
-40; tile_m / 64 consumer warpgroups, 232). One tile per CTA.
+40; tile_m / 64 consumer warpgroups, 232). One tile per CTA. PDL as the GEMM's; its late
+trigger (`trigger` "late") right after the CTA's one mainloop, before the part is parked or
+reduced (a part that is not its tile's last then exits) or the tile stored.
 
 Constraints: C and K multiples of 8, 16-byte aligned bases (the launcher pads); tile_n a
 multiple of 64; dY (M, K) row-major with M = N x Z x P x Q in the im2col walk's order.
