@@ -327,6 +327,10 @@ def test_gemm_family_bench_variants():
         assert len(cases) == len(suite.NO_PDL_CASES)
         run = getattr(suite, "run_no_pdl", conv_layers.run_no_pdl)
         assert all(suite.variants(c)["no_pdl"] is run for c in cases)
+        # the convolutions' late trigger beside it, on the same cases and no others
+        late = [c for c in suite.BENCH_CASES if "pdl_late" in suite.variants(c)]
+        assert late == (cases if suite in (conv_wgrad, conv_fwd, conv_dgrad) else [])
+        assert all(suite.variants(c)["pdl_late"] is conv_layers.run_pdl_late for c in late)
 
 
 # ---------------------------------------------------------------- the late trigger (opt-in)
@@ -531,3 +535,102 @@ def test_the_wave_probe_verdict(times, rule):
     """The probe's last lines name the NOTES' rule its graph times adopt."""
     probe = load_script("pdl_wave_probe")
     assert probe.verdict(_rows(times)).startswith(rule)
+
+
+# ---------------------------------------------------------------- the convolutions' late trigger
+
+
+def test_conv_plans_take_the_late_key_inside_late(monkeypatch):
+    """The convolutions' launchers (forward `_choose`, fused data gradient `_choose_fused`,
+    weight gradient `_wgrad_plan`): the late key inside `pdl.late()`, the standard key as it
+    was outside; none of their standard or candidate builds is a late one."""
+    from forgekernel.kernels.conv.sm90 import DGRAD_SPEC, WGRAD_SPEC
+    from forgekernel.kernels.conv.sm90 import SPEC as CONV_SPEC
+    from forgekernel.kernels.conv.sm90 import launch as conv
+    from forgekernel.ops import conv as op
+
+    monkeypatch.delenv("FORGEKERNEL_PDL", raising=False)
+    monkeypatch.setattr(conv, "get_kernel", lambda spec, params: params)
+    monkeypatch.setattr(conv, "num_sms", lambda index: 132)
+    # the 98-CTA forward of 04:10 (n32-c256-14x14-k256-3x3), its fused data gradient's shape
+    # at stride 2 and a resnet 1x1 weight gradient
+    fwd = (torch.bfloat16, False, 32 * 14 * 14, 256, 256, 9, 0, None, False, (32, 1, 14, 14), True)
+    g = op._geometry_of((2, 2), (1, 1), (1, 1), (1, 1), (3, 3))
+    fused = conv.fused_dgrad(g, (1, 28, 28), (1, 14, 14))
+    dgrad = (torch.bfloat16, (32, 1, 28, 28), 256, 256, fused, fused.walk, 0, None)
+    wgrad = (torch.bfloat16, 512, 2048, 1, (8, 25), 0, None)
+    plans = (
+        lambda forced: conv._choose(*fwd, False, forced)[0],
+        lambda forced: conv._choose_fused(*dgrad, forced)[0],
+        lambda forced: conv._wgrad_plan(*wgrad, _pdl_forced=forced)[0],
+    )
+    for plan in plans:
+        on = plan(None)
+        with pdl.late():
+            late = plan(pdl.forced())
+        assert "pdl" not in dict(on) and late == pdl.key(on, True, "late")
+    for spec in (CONV_SPEC, DGRAD_SPEC, WGRAD_SPEC):
+        params = [*spec.standard_params(), *(spec.candidate_params() or [])]
+        assert not any(dict(p).get("pdl") == "late" for p in params)
+
+
+# the late builds the SASS test reads: every convolution of GEMM_FAMILY (forward im2col,
+# rectangles, split with bias, the data-gradient mode split; fused data gradient unsplit and
+# split; weight gradient rectangles and im2col, whose splits park at run time, and reduce):
+# ~1 s a compile, their top builds shared with the family's test
+CONV_LATE = tuple(sorted(n for n, (s, _) in GEMM_FAMILY.items() if s.name.startswith("conv")))
+# a global store of any kind: the epilogues' TMA stores and st.global, the split's parked parts
+# and flags (STG, ATOMG), the reduce split's bulk reduce (UBLKRED); as the instruction itself,
+# optionally predicated (not the mbarrier arrives' SYNCS.ARRIVE.TRANS64.RED)
+STORE = re.compile(r"^(@!?U?P\w+\s+)?(STG|UTMASTG|UBLKRED|RED|ATOMG|ATOM|ST)\b")
+
+
+@pytest.mark.parametrize("name", CONV_LATE)
+def test_the_conv_late_trigger_follows_the_last_mainloop(compiled, name):
+    """The convolutions' late builds: one ACQBULK, before the first global access; one PREEXIT
+    (the consumers' one issue site: after the last unit's mainloop in the persistent forward
+    and data gradient, after the one mainloop in the weight gradient), after the last WGMMA and
+    its wait and before the first global store of any kind anywhere in the kernel (epilogue,
+    parked part, flag, bulk reduce); the top build's registers, spills and SASS counts."""
+    spec, params = GEMM_FAMILY[name]
+    top, top_lines = compiled(spec, params)
+    res, lines = compiled(spec, pdl.key(params, True, "late"))
+    joined = "\n".join(lines)
+    assert len(re.findall(r"\bACQBULK\b", joined)) == 1
+    assert len(re.findall(r"\bPREEXIT\b", joined)) == 1
+    assert _first(lines, r"\bACQBULK\b") < _first(lines, ANY_GLOBAL)
+    trigger = _first(lines, r"\bPREEXIT\b")
+    last_gmma = max(i for i, x in enumerate(lines) if GMMA.search(x))
+    assert last_gmma < trigger < _first(lines, STORE)
+    assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", "\n".join(lines[last_gmma:trigger]))
+    assert _first(top_lines, r"\bACQBULK\b") < _first(top_lines, r"\bPREEXIT\b")
+    assert _first(top_lines, r"\bPREEXIT\b") < _first(top_lines, GMMA)
+    assert res["spill_bytes"] == top["spill_bytes"] == 0
+    assert res["registers"] == top["registers"]
+    assert res["sass"] == top["sass"]
+
+
+def test_the_conv_late_trigger_takes_a_pdl_build():
+    pytest.importorskip("cutlass")
+    from forgekernel.kernels.conv.sm90.config import ConvConfig
+    from forgekernel.kernels.conv.sm90.dgrad_kernel import ConvDgradSm90
+    from forgekernel.kernels.conv.sm90.kernel import ConvFpropSm90
+    from forgekernel.kernels.conv.sm90.wgrad import ConvWgradSm90
+    from forgekernel.kernels.gemm.dense.sm90.tile import GemmConfig
+
+    cfg = ConvConfig(tile_m=128, tile_n=128)
+    assert ConvFpropSm90(cfg, trigger="late").late_trigger
+    assert ConvDgradSm90(cfg, trigger="late").late_trigger
+    assert not ConvFpropSm90(cfg).late_trigger and not ConvDgradSm90(cfg).late_trigger
+    gemm = GemmConfig(tile_m=128, tile_n=128, cluster_m=1)
+    assert ConvWgradSm90(gemm, 8, trigger="late").late_trigger
+    assert not ConvWgradSm90(gemm, 8).late_trigger
+    for make in (
+        lambda t, on: ConvFpropSm90(cfg, pdl=on, trigger=t),
+        lambda t, on: ConvDgradSm90(cfg, pdl=on, trigger=t),
+        lambda t, on: ConvWgradSm90(gemm, 8, pdl=on, trigger=t),
+    ):
+        with pytest.raises(ValueError, match="late trigger"):
+            make("late", False)
+        with pytest.raises(ValueError, match="trigger must be"):
+            make("exit", True)

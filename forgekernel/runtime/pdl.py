@@ -13,18 +13,21 @@ elsewhere (the GEMM family and the convolutions included) compiles its kernels a
 (the DSL needed).
 
 Where the trigger (`launch_dependents`) sits is a compile option of the dense and FP8 GEMMs'
-kernel (GemmSm90, `TRIGGERS`): "top", every standard build (after the wait, before the role
-split), or "late", opt-in (after each CTA's last mainloop; key ("pdl", "late"), built at first
-use unless a rule below makes it standard): inside `late()` their launchers (dense `_choose`, FP8
-`_plan`) build that form, every other launcher its standard one (docs/gemm/NOTES.md "PDL's
-trigger and the partial wave"); inside `top()` they build the top form whatever the rule.
+kernel (GemmSm90, `TRIGGERS`) and of the convolutions' (forward, fused data gradient, weight
+gradient): "top", every standard build (after the wait, before the role split), or "late",
+opt-in (after each CTA's last mainloop; key ("pdl", "late"), built at first use unless a rule
+below makes it standard): inside `late()` their launchers (dense `_choose`, FP8 `_plan`, conv
+`_choose`, `_choose_fused`, `_wgrad_plan`) build that form, every other launcher its standard
+one (docs/gemm/NOTES.md "PDL's trigger and the partial wave", docs/conv/NOTES.md "The late
+trigger"); inside `top()` they build the top form whatever the rule.
 
-The partial-wave rule (`PARTIAL_WAVE`, docs/gemm/NOTES.md "Adopting a partial-wave rule"): those
-two launchers count the CTAs of the grid they launch and take `form(ctas, sms)`: "top", "late" or
-"off" for a grid in the rule's band. With a rule adopted, the band forms of every standard config
-the band can reach are standard builds (the specs' `standard_params`, through `band_form` and
-`reaches`); with none (`PARTIAL_WAVE` None, the default) every grid is "top" and the standard
-builds are today's."""
+The partial-wave rule (`PARTIAL_WAVE`, docs/gemm/NOTES.md "Adopting a partial-wave rule"): the
+dense and FP8 launchers count the CTAs of the grid they launch and take `form(ctas, sms)`: "top",
+"late" or "off" for a grid in the rule's band. With a rule adopted, the band forms of every
+standard config the band can reach are standard builds (the specs' `standard_params`, through
+`band_form` and `reaches`); with none (`PARTIAL_WAVE` None, the default) every grid is "top" and
+the standard builds are today's. The convolutions take no rule (their own kernels' losses need
+the late trigger in the kernel)."""
 
 from __future__ import annotations
 
@@ -86,7 +89,8 @@ def top() -> Iterator[None]:
 @contextmanager
 def late() -> Iterator[None]:
     """The calls inside build their plans with PDL and, where the kernel takes it (the GEMMs'
-    launchers pass `trigger()` to `key`), the trigger after the mainloop (keyed apart)."""
+    and the convolutions' launchers pass `trigger()` to `key`), the trigger after the mainloop
+    (keyed apart)."""
     with overriding(_forced, "late"):
         yield
 
