@@ -111,6 +111,7 @@ def test_the_variants_sit_on_their_cases_only():
                 "was",
                 "launcher",
                 "no_pdl",
+                "pdl_late",
             }
             assert got == set(table.get(case.name, {})), case.name
     assert {(s, c, v) for s, c, v in ALL} == {

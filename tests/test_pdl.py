@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 from cubins import GLOBAL, sass_builder
+from script_modules import load_script  # tests/ is on the path
 
 from forgekernel.kernels.attention.mla.sm90 import SPEC as MLA_SPEC
 from forgekernel.kernels.attention.mla.sm90.config import params_for as mla_params
@@ -326,3 +327,310 @@ def test_gemm_family_bench_variants():
         assert len(cases) == len(suite.NO_PDL_CASES)
         run = getattr(suite, "run_no_pdl", conv_layers.run_no_pdl)
         assert all(suite.variants(c)["no_pdl"] is run for c in cases)
+        # the convolutions' late trigger beside it, on the same cases and no others
+        late = [c for c in suite.BENCH_CASES if "pdl_late" in suite.variants(c)]
+        assert late == (cases if suite in (conv_wgrad, conv_fwd, conv_dgrad) else [])
+        assert all(suite.variants(c)["pdl_late"] is conv_layers.run_pdl_late for c in late)
+
+
+# ---------------------------------------------------------------- the late trigger (opt-in)
+
+
+def test_late_switch_and_keys(monkeypatch):
+    """`pdl.late()`: PDL on whatever the environment says, the trigger "late", plans keyed
+    apart; its key adds ("pdl", "late"), the standard (top) key is the params as they are."""
+    monkeypatch.setenv("FORGEKERNEL_PDL", "0")
+    assert pdl.trigger() == "top"
+    with pdl.late():
+        assert pdl.enabled() and pdl.forced() == "late" and pdl.trigger() == "late"
+        with pdl.off():
+            assert not pdl.enabled() and pdl.trigger() == "top"
+    assert not pdl.enabled() and pdl.forced() is None
+    params = paged_params("combine", "bfloat16", 128)
+    assert pdl.key(params, True, "top") is params
+    late = pdl.key(params, True, "late")
+    assert dict(late) == {**dict(params), "pdl": "late"} and list(late) == sorted(late)
+    assert pdl.key(params, False, "late") == pdl.key(params, False)
+    assert pdl.built_on(dict(late)) and pdl.trigger_of(dict(late)) == "late"
+    assert pdl.trigger_of(dict(params)) == "top" and not pdl.built_on(dict(pdl.key(params, False)))
+    with pytest.raises(ValueError, match="trigger"):
+        pdl.key(params, True, "bottom")
+
+
+def test_gemm_plans_take_the_late_key_inside_late(monkeypatch):
+    """The dense and FP8 launchers: the late key inside `pdl.late()`, the standard key as it
+    was outside (no "pdl" component: the standard builds' keys unchanged); none of the GEMM
+    family's standard or candidate builds is a late one (opt-in, compiled at first use)."""
+    from forgekernel.kernels.gemm.dense.sm90 import MASKED_SPEC
+    from forgekernel.kernels.gemm.dense.sm90 import SPEC as GEMM_SPEC
+    from forgekernel.kernels.gemm.dense.sm90 import launch as dense
+    from forgekernel.kernels.gemm.dense.sm90.config import choose_config, params_for
+    from forgekernel.kernels.gemm.fp8.sm90 import SPEC as FP8_SPEC
+    from forgekernel.kernels.gemm.fp8.sm90 import launch as fp8
+
+    monkeypatch.delenv("FORGEKERNEL_PDL", raising=False)
+    for mod in (dense, fp8):
+        monkeypatch.setattr(mod, "get_kernel", lambda spec, params: params)
+        monkeypatch.setattr(mod, "num_sms", lambda index: 132)
+    on = dense._choose(torch.bfloat16, False, 16, 5120, 8192, 0, None, None)[0]
+    assert on == params_for("bfloat16", False, choose_config(16, 5120, 8192, 132))
+    with pdl.late():
+        late = dense._choose(torch.bfloat16, False, 16, 5120, 8192, 0, None, pdl.forced())[0]
+    assert late == pdl.key(on, True, "late")
+    on = fp8._plan(torch.bfloat16, 1, 10240, 5120, 0, None)[0]
+    with pdl.late():
+        late = fp8._plan(torch.bfloat16, 1, 10240, 5120, 0, None, pdl.forced())[0]
+    assert "pdl" not in dict(on) and late == pdl.key(on, True, "late")
+    for spec in (GEMM_SPEC, FP8_SPEC, MASKED_SPEC):
+        params = [*spec.standard_params(), *(spec.candidate_params() or [])]
+        assert not any(dict(p).get("pdl") == "late" for p in params)
+
+
+def _decode_builds() -> dict:
+    """The builds of the partial-wave losses (docs/gemm/NOTES.md "Measured 2026-12-05 04:10"):
+    the dense decode tile of 16x5120x8192 (64x64 c1x2, a_rows 16), FP8's of 1x10240x5120 (64x128
+    c1x2, a_rows 8); and a stream-K build and two consumer warpgroups (128x256 c2x1)."""
+    from forgekernel.kernels.gemm.dense.sm90 import SPEC as GEMM_SPEC
+    from forgekernel.kernels.gemm.dense.sm90.config import choose_config, params_for
+    from forgekernel.kernels.gemm.fp8.sm90 import SPEC as FP8_SPEC
+    from forgekernel.kernels.gemm.fp8.sm90.config import choose_config as fp8_config
+    from forgekernel.kernels.gemm.fp8.sm90.config import params_for as fp8_params
+
+    return {
+        "gemm_decode": (GEMM_SPEC, params_for("bfloat16", False, choose_config(16, 5120, 8192))),
+        "fp8_decode": (FP8_SPEC, fp8_params("bfloat16", fp8_config(1, 10240, 5120))),
+        "gemm_stream_k": GEMM_FAMILY["gemm_stream_k"],
+        "gemm": GEMM_FAMILY["gemm"],
+    }
+
+
+LATE_BUILDS = _decode_builds()
+GMMA = re.compile(r"\b[HQ]GMMA\b")  # 16-bit and FP8 WGMMA
+
+
+@pytest.mark.parametrize("name", sorted(LATE_BUILDS))
+def test_the_late_trigger_follows_the_last_mainloop(compiled, name):
+    """The late build: one ACQBULK, still before the first global access; one PREEXIT, after
+    the last WGMMA and its wait and before the epilogue's first TMA store after it; registers,
+    spills and the SASS counts of the standard (top) build, whose PREEXIT follows its ACQBULK."""
+    spec, params = LATE_BUILDS[name]
+    top, top_lines = compiled(spec, params)
+    res, lines = compiled(spec, pdl.key(params, True, "late"))
+    joined = "\n".join(lines)
+    assert len(re.findall(r"\bACQBULK\b", joined)) == 1
+    assert len(re.findall(r"\bPREEXIT\b", joined)) == 1
+    assert _first(lines, r"\bACQBULK\b") < _first(lines, ANY_GLOBAL)
+    trigger = _first(lines, r"\bPREEXIT\b")
+    last_gmma = max(i for i, x in enumerate(lines) if GMMA.search(x))
+    assert last_gmma < trigger
+    assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", "\n".join(lines[last_gmma:trigger]))
+    assert any(re.search(r"\bUTMASTG\b", x) for x in lines[trigger:])
+    assert _first(top_lines, r"\bACQBULK\b") < _first(top_lines, r"\bPREEXIT\b")
+    assert _first(top_lines, r"\bPREEXIT\b") < _first(top_lines, GMMA)
+    assert res["spill_bytes"] == top["spill_bytes"] == 0
+    assert res["registers"] == top["registers"]
+    assert res["sass"] == top["sass"]
+
+
+def test_the_late_trigger_takes_a_pdl_build_of_the_tiled_or_stream_k_walk():
+    pytest.importorskip("cutlass")
+    from forgekernel.kernels.gemm.dense.sm90.kernel import GemmSm90
+    from forgekernel.kernels.gemm.dense.sm90.tile import GemmConfig
+
+    cfg = GemmConfig(tile_m=64, tile_n=64, cluster_m=1)
+    assert GemmSm90(cfg, trigger="late").late_trigger
+    assert not GemmSm90(cfg).late_trigger
+    with pytest.raises(ValueError, match="late trigger"):
+        GemmSm90(cfg, masked=True, trigger="late")
+    with pytest.raises(ValueError, match="late trigger"):
+        GemmSm90(cfg, pdl=False, trigger="late")
+    with pytest.raises(ValueError, match="trigger must be"):
+        GemmSm90(cfg, trigger="exit")
+
+
+# ---------------------------------------------------------------- scripts/pdl_wave_probe.py
+
+
+def test_the_wave_probe_plan():
+    """The probe's sweeps: the decode configs of 16x5120x8192 and FP8's 1x10240x5120, forced,
+    over one wave of 40 to 132 CTAs; per config three builds (the standard key, pdl "off",
+    pdl "late"): six compiles in all."""
+    probe = load_script("pdl_wave_probe")
+    dense, fp8 = probe.sweeps(132)
+    assert dense["config"].tag() == "64x64_c1x2_s13_e4x32_w1m_a16"
+    assert fp8["config"].tag() == "64x128_c1x2_s0_e4x32_w1m_a8"
+    for s, tiles in ((dense, probe.DENSE_TILES), (fp8, probe.FP8_TILES)):
+        assert [probe.ctas(s["config"], s["m"], n, 132) for n in s["n"]] == list(tiles)
+        top, off, late = (s["keys"][f] for f in probe.FORMS)
+        assert "pdl" not in dict(top) and s["spec"].standard_params().count(top) == 1
+        assert off == pdl.key(top, False) and late == pdl.key(top, True, "late")
+    assert (16, 8192, 2560, 8448) == (dense["m"], dense["k"], dense["n"][0], dense["n"][-1])
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_the_wave_probe_checks_and_times_each_form(monkeypatch, which):
+    """`measure` on the CPU, the launchers replaced by the references (each call recording the
+    PDL state it ran under) and the timer by a stand-in: each form's call runs inside its own
+    switch, its output is checked, and both methods time the three forms."""
+    from forgekernel.bench import methods
+    from forgekernel.kernels.gemm.dense.sm90 import launch as dense
+    from forgekernel.kernels.gemm.fp8.sm90 import launch as fp8
+    from forgekernel.reference.gemm import gemm_fp8_ref, gemm_ref
+    from forgekernel.runtime.timing import Samples
+
+    states = []
+
+    def dense_gemm(a, b, out, b_kn, config):
+        states.append((pdl.forced(), config))
+        out.copy_(gemm_ref(a, b))
+
+    def fp8_gemm(a, b, sa, sb, out, config):
+        states.append((pdl.forced(), config))
+        out.copy_(gemm_fp8_ref(a, b, sa, sb))
+
+    timed = []
+
+    def time_method(method, fns, sets, **kw):
+        timed.append((method, tuple(fns), len(sets)))
+        for fn in fns.values():
+            fn(*sets[0])
+        return {f: Samples([0.02], method=method) for f in fns}
+
+    monkeypatch.setattr(dense, "gemm", dense_gemm)
+    monkeypatch.setattr(fp8, "gemm_fp8", fp8_gemm)
+    monkeypatch.setattr(methods, "time_method", time_method)
+    probe = load_script("pdl_wave_probe")
+    s = {**probe.sweeps(132)[which], "k": 256}
+    n = 7 * s["config"].tile_n
+    row = probe.measure(s, n, 132, device="cpu")
+    assert row["same"] and row["err"] < 1e-2 and row["ctas"] == 8  # 7 tiles: 4 clusters
+    assert [m for m, _, _ in timed] == ["graph", "eager"]
+    assert all(forms == probe.FORMS for _, forms, _ in timed)
+    assert row["graph"] == {f: 20.0 for f in probe.FORMS}
+    assert {c for _, c in states} == {s["config"]}
+    assert [f for f, _ in states[:3]] == ["top", False, "late"]  # the check: top, off, late
+    assert "20.0" in probe.line(row)
+
+
+def _rows(times: dict) -> list[dict]:
+    """Probe rows from {CTAs: (top, off, late) graph us}, eager all alike."""
+    eager = dict.fromkeys(("top", "off", "late"), 30.0)
+    return [
+        {"ctas": c, "graph": dict(zip(("top", "off", "late"), t)), "eager": eager}
+        for c, t in times.items()
+    ]
+
+
+@pytest.mark.parametrize(
+    "times, rule",
+    [
+        ({64: (20, 21, 20.1), 80: (29, 22, 21.5), 128: (30, 31, 30)}, "1:"),
+        ({64: (20, 21, 20.6), 80: (29, 22, 21.5), 128: (30, 31, 30)}, "2:"),
+        ({64: (20, 21, 20.6), 80: (29, 22, 28.5), 128: (30, 31, 30)}, "3:"),
+        ({64: (20, 21, 20.6), 80: (22, 22, 22), 128: (30, 31, 30)}, "4 "),
+        ({64: (20, 21, 20.6), 80: (29, 22, 25), 128: (30, 31, 30)}, "none"),
+    ],
+)
+def test_the_wave_probe_verdict(times, rule):
+    """The probe's last lines name the NOTES' rule its graph times adopt."""
+    probe = load_script("pdl_wave_probe")
+    assert probe.verdict(_rows(times)).startswith(rule)
+
+
+# ---------------------------------------------------------------- the convolutions' late trigger
+
+
+def test_conv_plans_take_the_late_key_inside_late(monkeypatch):
+    """The convolutions' launchers (forward `_choose`, fused data gradient `_choose_fused`,
+    weight gradient `_wgrad_plan`): the late key inside `pdl.late()`, the standard key as it
+    was outside; none of their standard or candidate builds is a late one."""
+    from forgekernel.kernels.conv.sm90 import DGRAD_SPEC, WGRAD_SPEC
+    from forgekernel.kernels.conv.sm90 import SPEC as CONV_SPEC
+    from forgekernel.kernels.conv.sm90 import launch as conv
+    from forgekernel.ops import conv as op
+
+    monkeypatch.delenv("FORGEKERNEL_PDL", raising=False)
+    monkeypatch.setattr(conv, "get_kernel", lambda spec, params: params)
+    monkeypatch.setattr(conv, "num_sms", lambda index: 132)
+    # the 98-CTA forward of 04:10 (n32-c256-14x14-k256-3x3), its fused data gradient's shape
+    # at stride 2 and a resnet 1x1 weight gradient
+    fwd = (torch.bfloat16, False, 32 * 14 * 14, 256, 256, 9, 0, None, False, (32, 1, 14, 14), True)
+    g = op._geometry_of((2, 2), (1, 1), (1, 1), (1, 1), (3, 3))
+    fused = conv.fused_dgrad(g, (1, 28, 28), (1, 14, 14))
+    dgrad = (torch.bfloat16, (32, 1, 28, 28), 256, 256, fused, fused.walk, 0, None)
+    wgrad = (torch.bfloat16, 512, 2048, 1, (8, 25), 0, None)
+    plans = (
+        lambda forced: conv._choose(*fwd, False, forced)[0],
+        lambda forced: conv._choose_fused(*dgrad, forced)[0],
+        lambda forced: conv._wgrad_plan(*wgrad, _pdl_forced=forced)[0],
+    )
+    for plan in plans:
+        on = plan(None)
+        with pdl.late():
+            late = plan(pdl.forced())
+        assert "pdl" not in dict(on) and late == pdl.key(on, True, "late")
+    for spec in (CONV_SPEC, DGRAD_SPEC, WGRAD_SPEC):
+        params = [*spec.standard_params(), *(spec.candidate_params() or [])]
+        assert not any(dict(p).get("pdl") == "late" for p in params)
+
+
+# the late builds the SASS test reads: every convolution of GEMM_FAMILY (forward im2col,
+# rectangles, split with bias, the data-gradient mode split; fused data gradient unsplit and
+# split; weight gradient rectangles and im2col, whose splits park at run time, and reduce):
+# ~1 s a compile, their top builds shared with the family's test
+CONV_LATE = tuple(sorted(n for n, (s, _) in GEMM_FAMILY.items() if s.name.startswith("conv")))
+# a global store of any kind: the epilogues' TMA stores and st.global, the split's parked parts
+# and flags (STG, ATOMG), the reduce split's bulk reduce (UBLKRED); as the instruction itself,
+# optionally predicated (not the mbarrier arrives' SYNCS.ARRIVE.TRANS64.RED)
+STORE = re.compile(r"^(@!?U?P\w+\s+)?(STG|UTMASTG|UBLKRED|RED|ATOMG|ATOM|ST)\b")
+
+
+@pytest.mark.parametrize("name", CONV_LATE)
+def test_the_conv_late_trigger_follows_the_last_mainloop(compiled, name):
+    """The convolutions' late builds: one ACQBULK, before the first global access; one PREEXIT
+    (the consumers' one issue site: after the last unit's mainloop in the persistent forward
+    and data gradient, after the one mainloop in the weight gradient), after the last WGMMA and
+    its wait and before the first global store of any kind anywhere in the kernel (epilogue,
+    parked part, flag, bulk reduce); the top build's registers, spills and SASS counts."""
+    spec, params = GEMM_FAMILY[name]
+    top, top_lines = compiled(spec, params)
+    res, lines = compiled(spec, pdl.key(params, True, "late"))
+    joined = "\n".join(lines)
+    assert len(re.findall(r"\bACQBULK\b", joined)) == 1
+    assert len(re.findall(r"\bPREEXIT\b", joined)) == 1
+    assert _first(lines, r"\bACQBULK\b") < _first(lines, ANY_GLOBAL)
+    trigger = _first(lines, r"\bPREEXIT\b")
+    last_gmma = max(i for i, x in enumerate(lines) if GMMA.search(x))
+    assert last_gmma < trigger < _first(lines, STORE)
+    assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", "\n".join(lines[last_gmma:trigger]))
+    assert _first(top_lines, r"\bACQBULK\b") < _first(top_lines, r"\bPREEXIT\b")
+    assert _first(top_lines, r"\bPREEXIT\b") < _first(top_lines, GMMA)
+    assert res["spill_bytes"] == top["spill_bytes"] == 0
+    assert res["registers"] == top["registers"]
+    assert res["sass"] == top["sass"]
+
+
+def test_the_conv_late_trigger_takes_a_pdl_build():
+    pytest.importorskip("cutlass")
+    from forgekernel.kernels.conv.sm90.config import ConvConfig
+    from forgekernel.kernels.conv.sm90.dgrad_kernel import ConvDgradSm90
+    from forgekernel.kernels.conv.sm90.kernel import ConvFpropSm90
+    from forgekernel.kernels.conv.sm90.wgrad import ConvWgradSm90
+    from forgekernel.kernels.gemm.dense.sm90.tile import GemmConfig
+
+    cfg = ConvConfig(tile_m=128, tile_n=128)
+    assert ConvFpropSm90(cfg, trigger="late").late_trigger
+    assert ConvDgradSm90(cfg, trigger="late").late_trigger
+    assert not ConvFpropSm90(cfg).late_trigger and not ConvDgradSm90(cfg).late_trigger
+    gemm = GemmConfig(tile_m=128, tile_n=128, cluster_m=1)
+    assert ConvWgradSm90(gemm, 8, trigger="late").late_trigger
+    assert not ConvWgradSm90(gemm, 8).late_trigger
+    for make in (
+        lambda t, on: ConvFpropSm90(cfg, pdl=on, trigger=t),
+        lambda t, on: ConvDgradSm90(cfg, pdl=on, trigger=t),
+        lambda t, on: ConvWgradSm90(gemm, 8, pdl=on, trigger=t),
+    ):
+        with pytest.raises(ValueError, match="late trigger"):
+            make("late", False)
+        with pytest.raises(ValueError, match="trigger must be"):
+            make("exit", True)

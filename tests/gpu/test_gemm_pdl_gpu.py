@@ -8,10 +8,12 @@ a write of the output or of stream K's / the split's flags and partials (one scr
 call of a stream) before its griddepcontrol.wait would show here. The weight gradient has no
 chain of one shape (its split with the reduce sums atomically: not bit for bit either); its
 wait is checked in the SASS only (tests/test_pdl.py). The builds without PDL compile on first
-use (no prebuilt ones: about 5 kernels, the DSL needed)."""
+use (no prebuilt ones: about 5 kernels, the DSL needed), the late-trigger builds too (2, and 3
+for the convolutions' chains)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import pytest
@@ -40,21 +42,54 @@ def test_gemm_chain_is_the_serialized_chain(m, k, config):
     assert_pdl_chain_is_serialized(lambda x, out, _: gemm_op.gemm(x, w, out=out, config=config), x0)
 
 
+@pytest.mark.parametrize("m, k, config", GEMMS[:2])
+def test_late_trigger_chain_is_the_serialized_chain(m, k, config):
+    """The opt-in late trigger (`pdl.late()`: launch_dependents after each CTA's last
+    mainloop, docs/gemm/NOTES.md "PDL's trigger and the partial wave"), tiled and stream K;
+    the serialized chain runs inside `pdl.off()`, the off builds."""
+    pdl = importlib.import_module("forgekernel.runtime.pdl")
+    g = torch.Generator(device="cuda").manual_seed(8)
+    rand = {"device": "cuda", "dtype": torch.bfloat16, "generator": g}
+    w = torch.randn(k, k, **rand) / k**0.5
+    x0 = torch.randn(m, k, **rand)
+
+    def call(x, out, _):
+        with pdl.late() if pdl.enabled() else contextlib.nullcontext():
+            gemm_op.gemm(x, w, out=out, config=config)
+
+    assert_pdl_chain_is_serialized(call, x0)
+
+
 CONVS = [  # (N, C = K, H = W): 3x3, padding 1, stride 1 (the forward kernel, split or not)
     (32, 512, 7),  # the suite's n32-c512-7x7-k512-3x3 (a no_pdl case)
 ]
 
 
+def _late(late: bool):
+    """Inside `pdl.late()` where `late` and PDL is on (the serialized chain runs inside
+    `pdl.off()`: its off builds), else nothing."""
+    pdl = importlib.import_module("forgekernel.runtime.pdl")
+    return pdl.late() if late and pdl.enabled() else contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["top", "late"])
 @pytest.mark.parametrize("n, c, hw", CONVS)
-def test_conv_forward_chain_is_the_serialized_chain(n, c, hw):
+def test_conv_forward_chain_is_the_serialized_chain(n, c, hw, late):
+    """Late: the convolutions' opt-in late trigger (docs/conv/NOTES.md "The late trigger")."""
     g = torch.Generator(device="cuda").manual_seed(6)
     rand = {"device": "cuda", "dtype": torch.bfloat16, "generator": g}
     w = torch.randn(c, c, 3, 3, **rand) / (9 * c) ** 0.5
     x0 = torch.randn(n, c, hw, hw, **rand).to(memory_format=torch.channels_last)
-    assert_pdl_chain_is_serialized(lambda x, out, _: conv_op.conv2d(x, w, padding=1, out=out), x0)
+
+    def call(x, out, _):
+        with _late(late):
+            conv_op.conv2d(x, w, padding=1, out=out)
+
+    assert_pdl_chain_is_serialized(call, x0)
 
 
-def test_strided_dgrad_then_forward_chain_is_the_serialized_chain():
+@pytest.mark.parametrize("late", [False, True], ids=["top", "late"])
+def test_strided_dgrad_then_forward_chain_is_the_serialized_chain(late):
     """Each call: the fused data gradient (stride 2, 3x3, the suite's n8-c640-32x32-k640-3x3-s2
     shape) into one buffer every call shares, then the stride-2 forward of it back to dy's
     shape: the data gradient of call i + 1 overwrites what the forward of call i reads."""
@@ -68,7 +103,8 @@ def test_strided_dgrad_then_forward_chain_is_the_serialized_chain():
     x_shape = (n, c, 32, 32)
 
     def call(dy, out, _):
-        conv_op.conv2d_dgrad(dy, w, x_shape, stride=2, padding=1, out=dx)
-        conv_op.conv2d(dx, w, stride=2, padding=1, out=out)
+        with _late(late):
+            conv_op.conv2d_dgrad(dy, w, x_shape, stride=2, padding=1, out=dx)
+            conv_op.conv2d(dx, w, stride=2, padding=1, out=out)
 
     assert_pdl_chain_is_serialized(call, dy0)

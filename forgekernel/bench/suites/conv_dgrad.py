@@ -156,6 +156,7 @@ def variants(case: Case) -> dict[str, Any]:
     runs = {name: functools.partial(run_plan, plan) for name, plan in plans.items()}
     if case.name in NO_PDL_CASES:
         runs["no_pdl"] = L.run_no_pdl
+        runs["pdl_late"] = L.run_pdl_late
     return {**runs, **L.gemm_variants(case)}
 
 
@@ -164,6 +165,7 @@ NO_PDL_CASES = (
     "n32-c1024-14x14-k2048-1x1-s2",
     "n8-c640-32x32-k640-3x3-s2",
     "n32-c384-14x14-k768-2x2-s2",
+    "n32-c256-14x14-k256-3x3",  # 98 CTAs: 8.8 % slower with PDL at the top (2026-12-05 04:2x)
 )
 
 

@@ -190,6 +190,16 @@ def run_no_pdl(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
         return run_ours(inputs, out)
 
 
+def run_pdl_late(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
+    """Ours with its kernels' PDL trigger after each CTA's last mainloop (runtime/pdl.py
+    `late`; compiled on first use): the suites' `pdl_late` variant, beside `no_pdl` (docs/conv/
+    NOTES.md "The late trigger")."""
+    from forgekernel.runtime import pdl
+
+    with pdl.late():
+        return run_ours(inputs, out)
+
+
 def stem_variants(case: Case) -> dict[str, Any]:
     """On the cases the stem fold takes (kernels/conv/sm90/stem.py `fits`: 2-D, C <= 8, stride
     2, several taps; ResNet's C = 3 7x7), which the launcher runs as the stride-1 R' x 1

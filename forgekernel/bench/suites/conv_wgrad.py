@@ -53,7 +53,9 @@ def variants(case: Case) -> dict[str, Any]:
     stem = L.stem_variants(case)
     if stem:
         return stem
-    found = {"no_pdl": L.run_no_pdl} if case.name in NO_PDL_CASES else {}
+    found = {}
+    if case.name in NO_PDL_CASES:
+        found = {"no_pdl": L.run_no_pdl, "pdl_late": L.run_pdl_late}
     p = case.params
     m = p["n"] * math.prod(L.output_spatial(p))
     one = all(v == 1 for v in (*p["kernel"], *p["stride"])) and not any(p["padding"])

@@ -23,7 +23,10 @@ built with `pdl` on:
    exit. Called at the top of a pass (after its `wait`): the dependent cannot start before every
    CTA of the pass has executed it, i.e. before the pass's last wave is resident, so the
    dependent's CTAs take only SM slots the pass no longer needs and block in their `wait`
-   without issuing.
+   without issuing. A CTA's first call counts (later ones, by any thread of it, do nothing),
+   so one role may issue it alone: the GEMM's and the convolutions' opt-in late trigger
+   (kernels/gemm/dense/sm90/kernel.py `trigger`) is their consumer warpgroups' after their
+   last mainloop.
 3. Both compile away with `on` False (the compile key's pdl "off": `runtime/pdl.py`): that build
    is the kernel as it was before PDL, launched without the attribute.
 

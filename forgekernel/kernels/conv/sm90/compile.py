@@ -17,7 +17,7 @@ from cutlass.cute.runtime import make_fake_tensor
 from forgekernel.kernels.common.sm90 import fake
 from forgekernel.kernels.conv.sm90.config import CHANNEL_ALIGN, ConvConfig
 from forgekernel.kernels.conv.sm90.kernel import ConvFpropSm90
-from forgekernel.runtime.pdl import built_on
+from forgekernel.runtime.pdl import built_on, trigger_of
 
 
 def compile_conv_fprop(params: dict, arch: str = "sm_90a", extra_options: str = ""):
@@ -36,7 +36,14 @@ def compile_conv_fprop(params: dict, arch: str = "sm_90a", extra_options: str = 
     y = fake.rowmajor(dtype, tuple(cute.sym_int32() for _ in range(4 if rect else 1)) + (k,))
     bias = make_fake_tensor(dtype, (k,), stride=(1,), assumed_align=16) if params["bias"] else None
     cfg = ConvConfig.from_params(params)
-    kernel = ConvFpropSm90(cfg, bias=params["bias"], dgrad=dgrad, rect=rect, pdl=built_on(params))
+    kernel = ConvFpropSm90(
+        cfg,
+        bias=params["bias"],
+        dgrad=dgrad,
+        rect=rect,
+        pdl=built_on(params),
+        trigger=trigger_of(params),
+    )
     work = flags = None
     if cfg.split:
         work = make_fake_tensor(cutlass.Float32, (cute.sym_int32(),), stride=(1,), assumed_align=16)

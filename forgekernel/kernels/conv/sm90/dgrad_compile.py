@@ -16,7 +16,7 @@ from cutlass.cute.runtime import make_fake_tensor
 from forgekernel.kernels.common.sm90 import fake
 from forgekernel.kernels.conv.sm90.config import CHANNEL_ALIGN, ConvConfig
 from forgekernel.kernels.conv.sm90.dgrad_kernel import ConvDgradSm90
-from forgekernel.runtime.pdl import built_on
+from forgekernel.runtime.pdl import built_on, trigger_of
 
 
 def compile_conv_dgrad(params: dict, arch: str = "sm_90a", extra_options: str = ""):
@@ -35,7 +35,7 @@ def compile_conv_dgrad(params: dict, arch: str = "sm_90a", extra_options: str = 
         flags = fake.offsets()
     geometry = [cutlass.Int32(0)] * 6 + [cutlass.Int32(1)] * 7
     return cute.compile(
-        ConvDgradSm90(cfg, pdl=built_on(params)),
+        ConvDgradSm90(cfg, pdl=built_on(params), trigger=trigger_of(params)),
         dy,
         w,
         dx,

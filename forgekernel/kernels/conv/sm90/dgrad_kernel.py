@@ -31,6 +31,8 @@ stmatrix staging it runs; see its docstring):
   batch and channels past C skipped. No scratch buffer and no copy.
 - split: unit (row u of the M axis, N tile n) parks in workspace slot n x units_m + u; its
   tile's parts lie slot_tiles rows apart; the flag is the tile's (slot, M tile, N tile).
+- the late trigger (`trigger` "late"): after the CTA's last unit's mainloop, or in its place for
+  a unit of no tap.
 
 Constraints: the forward kernel's (tile_k 64, C and K multiples of 8, 16-byte aligned rows),
 padding of the walk >= 0 (the launcher crops dY), dX (N, D, H, W, C) any view with 16-byte
@@ -64,8 +66,8 @@ CHUNK_BITS = 128  # one st.global.v4 of the row-addressed epilogue
 class ConvDgradSm90(ConvFpropSm90):
     """Persistent, warp-specialized fused data gradient; see the module docstring."""
 
-    def __init__(self, config: ConvConfig, pdl: bool = True):
-        super().__init__(config, bias=False, dgrad=True, pdl=pdl)
+    def __init__(self, config: ConvConfig, pdl: bool = True, trigger: str = "top"):
+        super().__init__(config, bias=False, dgrad=True, pdl=pdl, trigger=trigger)
         if config.epi_stages < 2:
             raise ValueError("the row-addressed epilogue alternates two buffers or more")
 
@@ -205,7 +207,7 @@ class ConvDgradSm90(ConvFpropSm90):
         init_wait(self.cluster_shape_mn)
         # PDL: nothing above touched global memory (the GEMM's module docstring)
         pdl.wait(self.pdl)
-        pdl.launch_dependents(self.pdl)
+        pdl.launch_dependents(self.pdl and not self.late_trigger)
 
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -300,6 +302,10 @@ class ConvDgradSm90(ConvFpropSm90):
                 read, release, tiled_mma = self._mainloop(
                     count, tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release
                 )
+            if cutlass.const_expr(self.late_trigger):
+                # the CTA's last unit (`sched.valid`), its mainloop done or none (no tap)
+                if work >= schedule.blocks:
+                    pdl.launch_dependents(True)
             last = cutlass.Boolean(True)
             if cutlass.const_expr(self.cfg.split):
                 if parts > 1:

@@ -43,6 +43,12 @@ Geometry (padding below / above, stride, dilation, per D, H, W) arrives as run-t
 only the TMA descriptor depends on it, so one compiled kernel serves every layer. The filter
 extents come from W's shape.
 
+PDL (`pdl`, as the dense GEMM's, kernels/gemm/dense/sm90/kernel.py): every thread waits after
+the barrier setup; `trigger` "top" (every standard build) issues launch_dependents there too,
+"late" (opt-in, key ("pdl", "late")) has the consumer warpgroups issue it once their CTA's last
+unit's mainloop is done (its WGMMAs waited for), before that unit's park or epilogue: a CTA's
+first issue counts, and one that never issues it counts at its exit.
+
 Split over the reduction (`per_split` k-tiles per part, a run-time value; one part: the whole
 reduction): a problem of few output tiles (3x3 on 7 x 7 maps, 1x1 with a long C: a third of the
 chip busy) cuts each tile's k-tiles into parts, scheduled as tiles of their own (the static
@@ -147,6 +153,7 @@ class ConvFpropSm90:
         dgrad: bool = False,
         rect: int = 0,
         pdl: bool = True,
+        trigger: str = "top",
     ):
         if config.tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {config.tile_m}")
@@ -162,11 +169,18 @@ class ConvFpropSm90:
             raise ValueError("a split reduction runs without im2col multicast (cluster_n = 1)")
         if dgrad and bias:
             raise ValueError("the data-gradient mode takes no bias")
+        if trigger not in ("top", "late"):
+            raise ValueError(f"trigger must be 'top' or 'late', got {trigger!r}")
+        if trigger == "late" and not pdl:
+            raise ValueError("the late trigger: a PDL build")
         self.cfg = config
         self.bias = bias
         self.dgrad = dgrad
         # launched as a programmatic dependent (the GEMM's module docstring, "pdl")
         self.pdl = pdl
+        # launch_dependents at the top (every standard build) or by the consumer warpgroups
+        # after the CTA's last mainloop (module docstring, "PDL")
+        self.late_trigger = pdl and trigger == "late"
         self.acc_dtype = cutlass.Float32
         self.cluster_shape_mn = (config.cluster_m, config.cluster_n)
         # Two consumer warpgroups split a 128-row tile: one alone would hold a 128x256 fp32
@@ -463,7 +477,7 @@ class ConvFpropSm90:
         init_wait(self.cluster_shape_mn)
         # PDL: nothing above touched global memory (the GEMM's module docstring)
         pdl.wait(self.pdl)
-        pdl.launch_dependents(self.pdl)
+        pdl.launch_dependents(self.pdl and not self.late_trigger)
 
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -687,6 +701,9 @@ class ConvFpropSm90:
             read, release, tiled_mma = self._mainloop(
                 self._unit(tile_ns, units)[3], tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release
             )
+            if cutlass.const_expr(self.late_trigger):
+                if work >= schedule.blocks:  # the CTA's last unit (`sched.valid`)
+                    pdl.launch_dependents(True)
             tile_n, part, _, _ = self._unit(tile_ns, units)
             last = cutlass.Boolean(True)
             if cutlass.const_expr(self.cfg.split):

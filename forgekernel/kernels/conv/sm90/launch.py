@@ -139,7 +139,7 @@ def _choose(
     params = params_for(dtype_name(dtype), bias, cfg, dgrad=dgrad, rect=plan.rect)
     # one CTA per SM (the pipeline takes nearly all shared memory)
     return (
-        get_kernel(SPEC, pdl.key(params, pdl.enabled())),
+        get_kernel(SPEC, pdl.key(params, pdl.enabled(), pdl.trigger())),
         sms // (cfg.cluster_m * cfg.cluster_n),
         plan,
     )
@@ -539,9 +539,8 @@ def _choose_fused(dtype, dx_ndhw, kp, cp, fused: FusedDgrad, walk, device_index,
         plan = fused_plan(cfg, m, cp, k_tiles, max(per, 1))
         if plan.split and not cfg.split:
             raise ValueError(f"{cfg.tag()} does not split, but {per} k-tiles a part does")
-    fn = get_kernel(
-        DGRAD_SPEC, pdl.key(fused_params(dtype_name(dtype), plan.config), pdl.enabled())
-    )
+    params = fused_params(dtype_name(dtype), plan.config)
+    fn = get_kernel(DGRAD_SPEC, pdl.key(params, pdl.enabled(), pdl.trigger()))
     cfg = plan.config
     return fn, sms // (cfg.cluster_m * cfg.cluster_n), plan, fused.kernel_args(walk)
 
@@ -613,7 +612,7 @@ def _wgrad_plan(
         reduced = getattr(plan, "reduce", False) and splits > 1
         plan = WgradPlan(plan.config, plan.per_split, splits, tiles, reduce=reduced)
     params = wgrad_params(dtype_name(dtype), plan.config, rect, plan.reduce and plan.parts > 1)
-    return get_kernel(WGRAD_SPEC, pdl.key(params, pdl.enabled())), plan
+    return get_kernel(WGRAD_SPEC, pdl.key(params, pdl.enabled(), pdl.trigger())), plan
 
 
 def wgrad(

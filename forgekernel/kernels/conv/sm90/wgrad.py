@@ -57,7 +57,9 @@ are then padded to even: a CTA past K loads zero rows of A, stores nothing and p
 of a tile nobody stores.
 
 Warp roles, pipelines and registers are the GEMM's (producer warp 0 of warpgroup 0, setmaxnreg
-40; tile_m / 64 consumer warpgroups, 232). One tile per CTA.
+40; tile_m / 64 consumer warpgroups, 232). One tile per CTA. PDL as the GEMM's; its late
+trigger (`trigger` "late") right after the CTA's one mainloop, before the part is parked or
+reduced (a part that is not its tile's last then exits) or the tile stored.
 
 Constraints: C and K multiples of 8, 16-byte aligned bases (the launcher pads); tile_n a
 multiple of 64; dY (M, K) row-major with M = N x Z x P x Q in the im2col walk's order.
@@ -105,7 +107,14 @@ SUM_AHEAD = 128
 class ConvWgradSm90(GemmSm90):
     """The weight gradient on the dense GEMM's kernel; see the module docstring."""
 
-    def __init__(self, config: GemmConfig, rect: int = 0, reduce: bool = False, pdl: bool = True):
+    def __init__(
+        self,
+        config: GemmConfig,
+        rect: int = 0,
+        reduce: bool = False,
+        pdl: bool = True,
+        trigger: str = "top",
+    ):
         if config.cluster_m not in (1, 2) or config.cluster_n != 1:
             raise ValueError("the weight gradient's clusters are 1x1 or 2x1 (B multicast)")
         if config.stream_k or config.a_rows:
@@ -114,7 +123,8 @@ class ConvWgradSm90(GemmSm90):
             raise ValueError(f"tile_n must be a multiple of {BOX_CHANNELS}, got {config.tile_n}")
         if rect and (rect not in RECT_WIDTHS):
             raise ValueError(f"rect must be 0 (im2col) or one of {RECT_WIDTHS}, got {rect}")
-        super().__init__(config, pdl=pdl)  # PDL as the GEMM's (its wait: `wgrad_kernel`)
+        # PDL and its trigger as the GEMM's (the wait and the trigger: `wgrad_kernel`)
+        super().__init__(config, pdl=pdl, trigger=trigger)
         self.boxes = config.tile_n // BOX_CHANNELS  # B boxes per stage
         # stride 1: k-tiles are rectangles of (rect along Q, 64 / rect along P) output pixels of
         # one (image, plane), A and B through tiled TMAs; 0: im2col (any stride)
@@ -354,7 +364,7 @@ class ConvWgradSm90(GemmSm90):
         init_wait(cluster)
         # PDL: nothing above touched global memory (the GEMM's module docstring)
         pdl.wait(self.pdl)
-        pdl.launch_dependents(self.pdl)
+        pdl.launch_dependents(self.pdl and not self.late_trigger)
 
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -407,6 +417,9 @@ class ConvWgradSm90(GemmSm90):
             read, release, tiled_mma = self._mainloop(
                 self._unit(walk)[3], tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release
             )
+            # late trigger: the CTA's one mainloop done, before its part is parked or reduced
+            # (a split CTA that is not its tile's last exits after that) or its tile stored
+            pdl.launch_dependents(self.late_trigger)
             # the unit's indices again: read after the mainloop, not kept live through it
             tile_m, tile_n, _, _ = self._unit(walk)
             tile, split, _ = cute.arch.block_idx()

@@ -17,7 +17,7 @@ from forgekernel.kernels.common.sm90 import fake
 from forgekernel.kernels.conv.sm90.config import CHANNEL_ALIGN
 from forgekernel.kernels.conv.sm90.wgrad import ConvWgradSm90
 from forgekernel.kernels.gemm.dense.sm90.tile import GemmConfig
-from forgekernel.runtime.pdl import built_on
+from forgekernel.runtime.pdl import built_on, trigger_of
 
 
 def compile_conv_wgrad(params: dict, arch: str = "sm_90a", extra_options: str = ""):
@@ -32,7 +32,11 @@ def compile_conv_wgrad(params: dict, arch: str = "sm_90a", extra_options: str = 
     dw = fake.rowmajor(dtype, (k,) + tuple(cute.sym_int32() for _ in range(3)) + (c,))
     work = make_fake_tensor(cutlass.Float32, (cute.sym_int32(),), stride=(1,), assumed_align=16)
     kernel = ConvWgradSm90(
-        GemmConfig.from_params(params), rect, params.get("reduce", False), pdl=built_on(params)
+        GemmConfig.from_params(params),
+        rect,
+        params.get("reduce", False),
+        pdl=built_on(params),
+        trigger=trigger_of(params),
     )
     geometry = [cutlass.Int32(0)] * 6 + [cutlass.Int32(1)] * 6
     return cute.compile(

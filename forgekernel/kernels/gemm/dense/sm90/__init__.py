@@ -10,12 +10,16 @@ from forgekernel.kernels.gemm.dense.sm90 import masked_config
 from forgekernel.kernels.gemm.dense.sm90.config import (
     CANDIDATES,
     DTYPES,
+    NUM_SMS_H100_H200,
     STANDARD_CONFIGS,
     GemmConfig,
     choose_config,
+    fewest_ctas,
+    max_ctas,
     params_for,
     takes_kn,
 )
+from forgekernel.runtime import pdl
 from forgekernel.runtime.spec import KernelSpec, Params
 
 
@@ -26,13 +30,34 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    return [
-        params_for(dtype, b_kn, cfg)
+    """Every standard config for each dtype and B layout (the PDL builds, trigger at the top),
+    and with a partial-wave rule adopted (runtime/pdl.py `PARTIAL_WAVE`) the rule's form of
+    each one whose grids the band reaches (`band_configs`)."""
+    builds = [
+        (dtype, b_kn, cfg)
         for dtype in DTYPES
         for b_kn in (False, True)
         for cfg in STANDARD_CONFIGS
         if not b_kn or takes_kn(cfg)  # the swap and TALL_72 take B "nk" only
     ]
+    top = [params_for(*b) for b in builds]
+    form = pdl.band_form()
+    if form is None:
+        return top
+    band = band_configs()
+    return top + [pdl.key_for(params_for(*b), form) for b in builds if b[2] in band]
+
+
+def band_configs(num_sms: int = NUM_SMS_H100_H200) -> tuple[GemmConfig, ...]:
+    """The standard configs whose grids on a `num_sms`-SM chip the partial-wave rule's band
+    reaches: the chooser launches each on one cluster (`fewest_ctas`) up to a whole wave, so
+    every one whose cluster size steps into the band (docs/gemm/NOTES.md "Adopting a
+    partial-wave rule": a sweep of 152k problems found 25 of the 27 chosen on a band grid)."""
+    return tuple(
+        cfg
+        for cfg in STANDARD_CONFIGS
+        if pdl.reaches(fewest_ctas(cfg), max_ctas(cfg, num_sms), fewest_ctas(cfg), num_sms)
+    )
 
 
 def _candidate_params() -> list[Params]:

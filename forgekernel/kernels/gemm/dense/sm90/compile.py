@@ -10,7 +10,7 @@ from cutlass.cute.runtime import make_fake_tensor
 from forgekernel.kernels.common.sm90 import fake
 from forgekernel.kernels.gemm.dense.sm90.kernel import GemmSm90
 from forgekernel.kernels.gemm.dense.sm90.tile import GemmConfig
-from forgekernel.runtime.pdl import built_on
+from forgekernel.runtime.pdl import built_on, trigger_of
 
 
 def compile_gemm(params: dict, arch: str = "sm_90a", extra_options: str = ""):
@@ -38,7 +38,7 @@ def compile_gemm(params: dict, arch: str = "sm_90a", extra_options: str = ""):
         a = fake.rowmajor(dtype, (m, k))
         b = fake.rowmajor(dtype, (k, n) if params["b_kn"] else (n, k))
         c = fake.rowmajor(dtype, (m, n))
-    gemm = GemmSm90(cfg, b_kn=params["b_kn"], pdl=built_on(params))
+    gemm = GemmSm90(cfg, b_kn=params["b_kn"], pdl=built_on(params), trigger=trigger_of(params))
     if cfg.stream_k:
         work = make_fake_tensor(cutlass.Float32, (cute.sym_int32(),), stride=(1,), assumed_align=16)
         flags = fake.offsets()

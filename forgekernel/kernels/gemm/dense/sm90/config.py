@@ -219,6 +219,18 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def fewest_ctas(cfg: GemmConfig) -> int:
+    """The fewest CTAs the chooser launches `cfg` on: one cluster (any config's grid is a
+    whole number of clusters; a problem of one block takes one)."""
+    return cfg.cluster_m * cfg.cluster_n
+
+
+def max_ctas(cfg: GemmConfig, num_sms: int = NUM_SMS_H100_H200) -> int:
+    """The most: a whole wave of clusters (the launchers' max_clusters)."""
+    size = cfg.cluster_m * cfg.cluster_n
+    return num_sms // size * size
+
+
 def stream_plan(
     cfg: GemmConfig,
     m: int,

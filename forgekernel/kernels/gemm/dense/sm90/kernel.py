@@ -88,7 +88,12 @@ stream-serialization attribute, every thread waits (`griddepcontrol.wait`) after
 setup and before its role starts, i.e. before any global access (the tensor-map prefetch and
 the shared-memory setup run under the previous kernel's tail), and triggers its dependents
 there: the next launch's CTAs take the SMs this grid's CTAs leave and run their own setup
-while its last tiles finish. Built with pdl "off", the kernel as it was.
+while its last tiles finish. Built with pdl "off", the kernel as it was. `trigger` "late"
+(opt-in, key ("pdl", "late"); the tiled and stream-K walks): the trigger moves to the consumer
+warpgroups once their CTA's last unit's mainloop is done (its WGMMAs waited for), before that
+tile's epilogue, as CUTLASS's sm90 kernels place it: the dependent's CTAs are scheduled only
+once every CTA of this grid is in its last epilogue (a CTA's first launch_dependents counts, the
+PTX ISA's griddepcontrol: the producer warp never issues one). The wait stays at the top.
 
 Constraints: A (M, K) K-major; B (N, K) K-major ("nk") or (K, N) N-major ("kn"); C (M, N)
 row-major, or M-major (the launcher's swap, C^T = B A^T: C the transpose of a row-major
@@ -137,7 +142,12 @@ class GemmSm90:
     """Persistent, warp-specialized TMA + WGMMA GEMM; see the module docstring."""
 
     def __init__(
-        self, config: GemmConfig, b_kn: bool = False, masked: bool = False, pdl: bool = True
+        self,
+        config: GemmConfig,
+        b_kn: bool = False,
+        masked: bool = False,
+        pdl: bool = True,
+        trigger: str = "top",
     ):
         if config.tile_m not in (64, 128, 192):
             raise ValueError(f"tile_m must be 64, 128 or 192, got {config.tile_m}")
@@ -156,9 +166,16 @@ class GemmSm90:
             raise ValueError(f"a_rows must be a multiple of 8 up to tile_m, got {config.a_rows}")
         if masked and (config.cluster_m * config.cluster_n != 1 or config.stream_k):
             raise ValueError("the masked layout runs without clusters or stream K")
+        if trigger not in ("top", "late"):
+            raise ValueError(f"trigger must be 'top' or 'late', got {trigger!r}")
+        if trigger == "late" and (masked or not pdl):
+            raise ValueError("the late trigger: a PDL build of the tiled or stream-K walk")
         self.cfg = config
         self.b_kn = b_kn
         self.pdl = pdl  # launched as a programmatic dependent (module docstring)
+        # where launch_dependents is issued: at the top (every standard build) or after the
+        # CTA's last mainloop (module docstring)
+        self.late_trigger = pdl and trigger == "late"
         # The masked grouped layout (module docstring): operands (rows, cols, experts).
         self.masked = masked
         self.scaled = False  # block-scaled FP8: set from the scales by __call__
@@ -557,7 +574,7 @@ class GemmSm90:
         init_wait(self.cluster_shape_mn)
         # PDL: nothing above touched global memory (module docstring)
         pdl.wait(self.pdl)
-        pdl.launch_dependents(self.pdl)
+        pdl.launch_dependents(self.pdl and not self.late_trigger)
 
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -898,6 +915,9 @@ class GemmSm90:
                 read, release, tiled_mma = self._unit_mainloop(
                     count, (tiled_mma, *mma[1:]), ab_pipe, read, release
                 )
+                if cutlass.const_expr(self.late_trigger):
+                    if work >= streamk[4] and it >= end:  # the CTA's last unit
+                        pdl.launch_dependents(True)
                 last = cutlass.Boolean(True)
                 if parts > 1:
                     # a CTA whose tile lies past M or N (its cluster's block over the edge)
@@ -926,6 +946,9 @@ class GemmSm90:
                     read, release, tiled_mma = self._mainloop(
                         streamk[1], tiled_mma, tCrA, tCrB, acc, ab_pipe, read, release
                     )
+                if cutlass.const_expr(self.late_trigger):
+                    if work >= schedule.blocks:  # the CTA's last tile (`sched.valid`)
+                        pdl.launch_dependents(True)
                 gC_tile = self._c_tile(c_src, tile_m, tile_n)
                 self._epilogue(gC_tile, tma_c, sC, epi, warp_idx, tiles_done)
                 tiles_done += 1

@@ -24,6 +24,7 @@ from forgekernel.kernels.gemm.dense.sm90.config import (
     split_for,
     takes_kn,
 )
+from forgekernel.kernels.gemm.dense.sm90.plan import grid_ctas
 from forgekernel.runtime import pdl, tuning
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import (
@@ -57,7 +58,9 @@ def config_for(
 
 class _Plans(PlanCache):
     """(dtype, b_kn, M, N, K, device index, forced config, `pdl.forced()`) -> (the compiled
-    function (a PDL build unless runtime/pdl.py says otherwise when the plan is built),
+    function (a PDL build unless runtime/pdl.py says otherwise when the plan is built; its
+    trigger late inside `pdl.late()`; the partial-wave rule's form for its grid otherwise:
+    `pdl.form`),
     max_clusters, stream K: (k-iterations per CTA, output tiles, workspace floats) or None,
     whether the operands are swapped: `kernel_operands`):
     one kernel lookup per problem.
@@ -84,18 +87,20 @@ def _choose(
         raise ValueError(f"GEMM config {cfg.tag()} loads {cfg.a_rows} rows of A: M = {m} is more")
     if b_kn and not takes_kn(cfg):
         raise ValueError(f"GEMM config {cfg.tag()} (swapped or 8 past 16 columns): B 'nk' only")
+    # The problem as the kernel sees it (N and K padded up to multiples of 8 where they are
+    # not; swapped: the weight's N rows as its M, the tokens as its N): its grid. Stream K: the
+    # kernel derives the grid and the data-parallel blocks from per and max_clusters, and
+    # indexes the flags and the workspace by its own tiles and CTAs.
+    km, kn, kp = (_round_up(n), m, _round_up(k)) if cfg.swap else (m, _round_up(n), _round_up(k))
     split = None
     if cfg.stream_k:
-        # The problem as the kernel sees it (N and K padded up to multiples of 8 where they are
-        # not; swapped: the weight's N rows as its M, the tokens as its N); the kernel derives
-        # the grid and the data-parallel blocks from per and max_clusters, and indexes the
-        # flags and the workspace by its own tiles and CTAs.
-        km, kn = (_round_up(n), m) if cfg.swap else (m, _round_up(n))
-        plan = split_for(cfg, km, kn, _round_up(k), sms)
+        plan = split_for(cfg, km, kn, kp, sms)
         split = (plan.per, plan.tiles, 2 * plan.ctas * cfg.tile_m * cfg.tile_n)
     # One CTA per SM (the pipeline takes nearly all shared memory).
     max_clusters = sms // (cfg.cluster_m * cfg.cluster_n)
-    kernel = get_kernel(SPEC, pdl.key(params_for(dtype_name(dtype), b_kn, cfg), pdl.enabled()))
+    params = params_for(dtype_name(dtype), b_kn, cfg)
+    ctas = grid_ctas(cfg, km, kn, kp, sms, split[0] if split else 0)
+    kernel = get_kernel(SPEC, pdl.key_for(params, pdl.form(ctas, sms)))
     return kernel, max_clusters, split, cfg.swap
 
 

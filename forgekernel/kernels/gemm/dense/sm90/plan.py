@@ -113,6 +113,19 @@ def stream_grid(blocks: int, k_tiles: int, wave: int, per: int) -> int:
     return max(_ceil((blocks - dp * wave) * k_tiles, per), wave * min(dp, 1))
 
 
+def grid_ctas(cfg, m: int, n: int, k: int, num_sms: int, per: int = 0) -> int:
+    """CTAs of the kernel's grid as the launchers launch it on the (M, N, K) it sees (N and K
+    padded, swapped where `cfg.swap`), `num_sms // cluster size` clusters at most (their
+    max_clusters): tiled, one cluster a block up to that (StaticSchedule.grid); stream K
+    (`per` k-iterations a cluster, the launcher's), `stream_grid` (GemmSm90._stream_grid)."""
+    size = cfg.cluster_m * cfg.cluster_n
+    wave = num_sms // size
+    blocks = grid_blocks(cfg, m, n)[2]
+    if cfg.stream_k:
+        return stream_grid(blocks, _ceil(k, cfg.tile_k), wave, per) * size
+    return min(blocks, wave) * size
+
+
 # Prefill time model (module docstring). _SM_TFLOPS: LARGE's rate per SM with all 132 busy
 # (5.12-5.31 over the multi-round LARGE cases of 2026-12-02); _IDLE_BOOST: a round with a
 # fraction f of the SMs idle runs 1 + _IDLE_BOOST f faster (4096x576x7168 at 96 busy +5%,

@@ -12,7 +12,7 @@ from cutlass.cute.runtime import make_fake_tensor
 from forgekernel.kernels.common.sm90 import fake
 from forgekernel.kernels.gemm.dense.sm90.kernel import GemmSm90
 from forgekernel.kernels.gemm.dense.sm90.tile import GemmConfig
-from forgekernel.runtime.pdl import built_on
+from forgekernel.runtime.pdl import built_on, trigger_of
 
 
 def compile_gemm_fp8(params: dict, arch: str = "sm_90a", extra_options: str = ""):
@@ -46,7 +46,7 @@ def compile_gemm_fp8(params: dict, arch: str = "sm_90a", extra_options: str = ""
     else:
         work = flags = None
     return cute.compile(
-        GemmSm90(cfg, pdl=built_on(params)),
+        GemmSm90(cfg, pdl=built_on(params), trigger=trigger_of(params)),
         a,
         b,
         c,

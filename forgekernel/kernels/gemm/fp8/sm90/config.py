@@ -112,6 +112,17 @@ def streamed_config(m: int) -> GemmConfig:
     return STREAM
 
 
+def fewest_ctas(cfg: GemmConfig, num_sms: int = NUM_SMS_H100_H200) -> int:
+    """The fewest CTAs the chooser launches `cfg` on: one cluster, but LARGE_MCAST_A, taken
+    for M >= LARGE_M_MCAST_A only (that many rows in tile rows of its clusters, up to a whole
+    wave)."""
+    size = cfg.cluster_m * cfg.cluster_n
+    if cfg != LARGE_MCAST_A:
+        return size
+    rows = _ceil(_ceil(LARGE_M_MCAST_A, cfg.tile_m), cfg.cluster_m)
+    return min(rows, num_sms // size) * size
+
+
 def busy_ctas(cfg: GemmConfig, m: int, n: int, num_sms: int = NUM_SMS_H100_H200) -> int:
     """CTAs a data-parallel configuration keeps busy in its first wave: the output tiles in
     whole clusters, at most one per SM."""

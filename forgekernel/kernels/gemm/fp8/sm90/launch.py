@@ -8,6 +8,7 @@ import torch
 
 from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig, stream_plan
 from forgekernel.kernels.gemm.dense.sm90.launch import stream_k_workspace
+from forgekernel.kernels.gemm.dense.sm90.plan import grid_ctas
 from forgekernel.kernels.gemm.fp8.sm90 import SPEC
 from forgekernel.kernels.gemm.fp8.sm90.config import (
     GROUPED,
@@ -31,9 +32,10 @@ def clear_plans() -> None:
     _plans.clear()
 
 
-def _choose(out_dtype, m, n, k, device_index, config) -> tuple[tuple, int, tuple | None]:
+def _choose(out_dtype, m, n, k, device_index, config) -> tuple[tuple, int, tuple | None, str]:
     """(compile params, max clusters, stream K: (k-tiles per CTA, tiles, workspace floats) or
-    None) for an (M, N, K) problem whose C has N columns (a multiple of 8)."""
+    None, the PDL form of its grid: `pdl.form`) for an (M, N, K) problem whose C has N columns
+    (a multiple of 8)."""
     sms = num_sms(device_index)
     cfg = config or choose_config(m, n, k, sms)
     if not cfg.fits(m):
@@ -44,17 +46,21 @@ def _choose(out_dtype, m, n, k, device_index, config) -> tuple[tuple, int, tuple
     if cfg.stream_k:
         per, ctas, tiles = stream_plan(cfg, m, n, k, sms, STREAM_MIN_K)
         split = (per, tiles, 2 * ctas * cfg.tile_m * cfg.tile_n)
+    ctas = grid_ctas(cfg, m, n, k, sms, split[0] if split else 0)
     # One CTA per SM (the pipeline takes nearly all shared memory).
-    return params_for(dtype_name(out_dtype), cfg), sms // (cfg.cluster_m * cfg.cluster_n), split
+    max_clusters = sms // (cfg.cluster_m * cfg.cluster_n)
+    return params_for(dtype_name(out_dtype), cfg), max_clusters, split, pdl.form(ctas, sms)
 
 
 def _plan(out_dtype, m, n, k, device_index, config, _pdl_forced=None) -> tuple:
     """`_choose`'s plan with its kernel looked up, once per problem (a compile-cache lookup
     per call before), and whether it reads A's scales M-major. The kernel: its PDL build
-    unless runtime/pdl.py says otherwise when the plan is built (`pdl.forced()` in the key)."""
-    params, max_clusters, split = _choose(out_dtype, m, n, k, device_index, config)
+    unless runtime/pdl.py says otherwise when the plan is built (`pdl.forced()` in the key; the
+    trigger late inside `pdl.late()`; the partial-wave rule's form for its grid otherwise)."""
+    params, max_clusters, split, form = _choose(out_dtype, m, n, k, device_index, config)
     mn_major = dict(params).get("scale_mn_major", False)
-    return get_kernel(SPEC, pdl.key(params, pdl.enabled())), max_clusters, split, mn_major
+    fn = get_kernel(SPEC, pdl.key_for(params, form))
+    return fn, max_clusters, split, mn_major
 
 
 def takes_mn_major(scale_a: torch.Tensor) -> bool:
