@@ -41,15 +41,13 @@ MAX_SEGMENTS = 16  # the scan's serial batched products (P - 2), a few us each
 
 def segments_for(sequences: int, value_heads: int, tokens: int, sms: int) -> int:
     """Segments per sequence: 1 (the direct launch) unless N HV <= SMs / 8 and the sequences
-    are long; then the largest power of 2, at most MAX_SEGMENTS, with N P HV <= SMs (one wave
-    of unsplit CTAs: 2 N P HV > SMs, so `v_split_for` keeps each pass unsplit)."""
+    are long; then the most, at most MAX_SEGMENTS, whose passes fill one wave: a pass runs
+    N P - 1 segments (`_segmented`), (N P - 1) HV <= SMs unsplit CTAs (2 x that > SMs, so
+    `v_split_for` keeps them unsplit: at 128 CTAs an unsplit chunk is cheaper per head)."""
     heads = sequences * value_heads
     if heads * SEGMENT_HEADS_DIV > sms or tokens < SEGMENT_MIN_TOKENS * sequences:
         return 1
-    parts = 2
-    while 2 * parts * heads <= sms and parts < MAX_SEGMENTS:
-        parts *= 2
-    return parts
+    return max(1, min(MAX_SEGMENTS, (sms // value_heads + 1) // sequences))
 
 
 def _sms(device: torch.device) -> int:
@@ -131,41 +129,43 @@ def _segment_offsets(cu_seqlens: torch.Tensor, parts: int) -> torch.Tensor:
 def _segmented(
     q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, parts, *, k_last, l2norm
 ):
-    """Each sequence cut into `parts` segments run in parallel (N P HV CTAs instead of N HV):
-    the state recurrence is affine in the state, S_end = M S_start + L per segment (M the
-    segment's K x K transition: decays and I - beta k k^T; with K = V it is a state itself), so
-    A: the kernel over the segments from zero (segment 0 from the initial state) gives L;
-    B: the kernel from SEGMENT_SCALE x I gives c M + L, M = (B - A) / c; a scan over the
-    segments (P - 1 batched 128^3 products) gives each segment's starting state; C: the kernel
-    from those states writes o and the final state. Passes A and B write o too (discarded: C
-    overwrites every row). Three passes of work for P times the CTAs: pays where the direct
-    launch leaves most SMs idle (`segments_for`; docs/linear_attention/NOTES.md)."""
+    """Each sequence cut into `parts` segments run in parallel (up to N P HV CTAs instead of
+    N HV): the recurrence is affine in the state, S_end = M S_start + L per segment (M the
+    segment's K x K transition: decays and I - beta k k^T; with K = V it is a state itself).
+    Segments in flat order i = n P + p, each pass a contiguous run of them:
+    A (0 .. NP - 2): from zero (segment (n, 0) from the initial state): L, and segment 0's o;
+    B (1 .. NP - 2): from SEGMENT_SCALE x I: c M + L, so M = (B - A) / c;
+    the scan: S_(p + 1) = M_p S_p + L_p (P - 2 batched 128^3 products), S_1 = A's (n, 0);
+    C (1 .. NP - 1): from those starts: o (every row but segment 0's) and the final states.
+    A and B write o too (C overwrites it). Three passes' work for P times the CTAs: pays where
+    the direct launch leaves most SMs idle (`segments_for`; docs/linear_attention/NOTES.md)."""
     n, hv = final_state.shape[:2]
     dk, dv = q.shape[-1], v.shape[-1]
     if dk != dv:
         raise ValueError(f"the segmented path needs K = V (M is K x K as a state), got {dk}, {dv}")
     q, k, v = (_aligned(x) for x in (q, k, v))  # once, not in each pass
     cu = _segment_offsets(cu_seqlens, parts)
-    shape = (n, parts, *final_state.shape[1:])
-    flat = (n * parts, *final_state.shape[1:])
-    zero = torch.zeros(shape, dtype=torch.float32, device=q.device)
-    if initial_state is not None:
-        zero[:, 0] = initial_state
-    eye = torch.eye(dk, dtype=torch.float32, device=q.device) * SEGMENT_SCALE
+    total = n * parts
+    flat = (total, *final_state.shape[1:])
     run = dict(k_last=k_last, l2norm=l2norm, v_split=None)
-    local = torch.empty(flat, dtype=torch.float32, device=q.device)
-    _direct(q, k, v, g, beta, zero.view(flat), cu, out, local, scale, **run)
-    shifted = torch.empty_like(local)
-    _direct(q, k, v, g, beta, eye.expand(flat).contiguous(), cu, out, shifted, scale, **run)
-    local, shifted = local.view(shape), shifted.view(shape)
-    trans = (shifted - local) * (1.0 / SEGMENT_SCALE)  # M ((K, V) layout) or M^T (k_last)
-    starts = zero  # segment 0's start: the initial state (or zeros), already there
+    starts = torch.zeros(flat, dtype=torch.float32, device=q.device)
+    if initial_state is not None:
+        starts[::parts] = initial_state
+    local = torch.empty_like(starts)
+    _direct(q, k, v, g, beta, starts[:-1], cu[:-1], out, local[:-1], scale, **run)
+    shifted = torch.empty_like(starts)
+    if total > 2:
+        eye = torch.eye(dk, dtype=torch.float32, device=q.device) * SEGMENT_SCALE
+        init = eye.expand(total - 2, *final_state.shape[1:]).contiguous()
+        _direct(q, k, v, g, beta, init, cu[1:-1], out, shifted[1:-1], scale, **run)
+    shape = (n, parts, *final_state.shape[1:])
+    local, shifted, by_seq = local.view(shape), shifted.view(shape), starts.view(shape)
     s = local[:, 0]
     for p in range(1, parts):
-        starts[:, p] = s
-        if p + 1 < parts:  # k_last holds S^T: S^T_end = S^T_start M^T + L^T
-            step = s @ trans[:, p] if k_last else trans[:, p] @ s
-            s = step + local[:, p]
-    last = torch.empty(flat, dtype=torch.float32, device=q.device)
-    _direct(q, k, v, g, beta, starts.view(flat), cu, out, last, scale, **run)
+        by_seq[:, p] = s
+        if p + 1 < parts:  # M ((K, V) layout) or M^T (k_last: S^T_end = S^T_start M^T + L^T)
+            trans = (shifted[:, p] - local[:, p]) * (1.0 / SEGMENT_SCALE)
+            s = (s @ trans if k_last else trans @ s) + local[:, p]
+    last = torch.empty_like(starts)
+    _direct(q, k, v, g, beta, starts[1:], cu[1:], out, last[1:], scale, **run)
     final_state.copy_(last.view(shape)[:, -1])
