@@ -45,7 +45,7 @@ def test_variants_force_the_other_v_split(cpu_kernel):  # noqa: F811
     split CTAs), and the direct launch beside the segmented one (or 4 segments where the
     launcher might have segmented); each variant is the kernel so forced, as the check sees it."""
     by_name = {c.name: c for c in gdn_prefill.BENCH_CASES}
-    assert set(gdn_prefill.variants(by_name["1x65536-h16-hv32"])) == {"v_split_1", "segments_4"}
+    assert set(gdn_prefill.variants(by_name["1x65536-h16-hv32"])) == {"v_split_1", "segments_5"}
     assert set(gdn_prefill.variants(by_name["1x131072-h16-hv16"])) == {"segments_1"}
     assert set(gdn_prefill.variants(by_name["4x8192-h16-hv32"])) == {"v_split_2"}
     assert set(gdn_prefill.variants(by_name["1x4096-h16-hv32"])) == {"v_split_1"}

@@ -184,9 +184,9 @@ def variants(case: Case) -> dict[str, Any]:
     """The other V split beside the launcher's choice, where the problem has at most two waves
     of split CTAs: whether a split CTA's chunk costs under half an unsplit one's (its two aux
     warpgroups) decides where the split pays (config.v_split_for). Few long sequences: the
-    direct launch beside the segmented one where the launcher segments (`segments_1`), and 4
-    segments where it does not but might (N HV <= SMs / 4: the model's falsifier,
-    launch.segments_for)."""
+    direct launch beside the segmented one where the launcher segments (`segments_1`), and the
+    segments that would fill one wave where it does not but might (N HV <= SMs / 4: 5 at
+    1 x hv32, the model's break-even, launch.segments_for)."""
     from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import v_split_for
     from forgekernel.kernels.linear_attention.gdn_prefill.sm90.launch import segments_for
 
@@ -196,7 +196,8 @@ def variants(case: Case) -> dict[str, Any]:
     if segments_for(n, hv, sum(lens), H200_SMS) > 1:
         return {"segments_1": _run_forced(segments=1)}
     if 4 * n * hv <= H200_SMS and sum(lens) >= 16384 * n:
-        out["segments_4"] = _run_forced(segments=4)
+        parts = (H200_SMS // hv + 1) // n
+        out[f"segments_{parts}"] = _run_forced(segments=parts)
     if v_split_for(n, hv, H200_SMS) == 2:
         out["v_split_1"] = _run_forced(v_split=1)
     elif 2 * n * hv <= 2 * H200_SMS:
