@@ -365,7 +365,7 @@ def test_segments_match_the_recurrence(cpu_kernel, lens, parts, with_state, k_la
     theirs = None if init is None else (init.transpose(-1, -2).contiguous() if k_last else init)
     got = {}
     for p in (1, parts):
-        o = torch.empty_like(v[0])
+        o = torch.empty(v[0].numel() + 1, dtype=v.dtype)[1:].view(v[0].shape)  # misaligned
         final = torch.empty(n, 4, 128, 128)
         prefill_launch.gdn_prefill(q[0], k[0], v[0], g[0], beta[0], theirs, cu, o, final,
                                    128**-0.5, k_last=k_last, l2norm=False,

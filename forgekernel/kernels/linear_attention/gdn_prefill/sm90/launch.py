@@ -144,6 +144,8 @@ def _segmented(
     if dk != dv:
         raise ValueError(f"the segmented path needs K = V (M is K x K as a state), got {dk}, {dv}")
     q, k, v = (_aligned(x) for x in (q, k, v))  # once, not in each pass
+    # one o buffer for all passes: _direct's own copy-back would also copy the rows C skips
+    dst = out if out.data_ptr() % ALIGN == 0 else torch.empty_like(out)
     cu = _segment_offsets(cu_seqlens, parts)
     runs = [cu[:-1], cu[1:-1].clone(), cu[1:].clone()]  # A, B, C; own bases (aligned like cu)
     total = n * parts
@@ -153,12 +155,12 @@ def _segmented(
     if initial_state is not None:
         starts[::parts] = initial_state
     local = torch.empty_like(starts)
-    _direct(q, k, v, g, beta, starts[:-1], runs[0], out, local[:-1], scale, **run)
+    _direct(q, k, v, g, beta, starts[:-1], runs[0], dst, local[:-1], scale, **run)
     shifted = torch.empty_like(starts)
     if total > 2:
         eye = torch.eye(dk, dtype=torch.float32, device=q.device) * SEGMENT_SCALE
         init = eye.expand(total - 2, *final_state.shape[1:]).contiguous()
-        _direct(q, k, v, g, beta, init, runs[1], out, shifted[1:-1], scale, **run)
+        _direct(q, k, v, g, beta, init, runs[1], dst, shifted[1:-1], scale, **run)
     shape = (n, parts, *final_state.shape[1:])
     local, shifted, by_seq = local.view(shape), shifted.view(shape), starts.view(shape)
     s = local[:, 0]
@@ -168,5 +170,7 @@ def _segmented(
             trans = (shifted[:, p] - local[:, p]) * (1.0 / SEGMENT_SCALE)
             s = (s @ trans if k_last else trans @ s) + local[:, p]
     last = torch.empty_like(starts)
-    _direct(q, k, v, g, beta, starts[1:], runs[2], out, last[1:], scale, **run)
+    _direct(q, k, v, g, beta, starts[1:], runs[2], dst, last[1:], scale, **run)
     final_state.copy_(last.view(shape)[:, -1])
+    if dst is not out:
+        out.copy_(dst)
