@@ -42,9 +42,11 @@ def test_registered_since_its_first_gpu_check():
 @pytest.mark.parametrize("cpu_kernel", [1], indirect=True)  # the test forces each split itself
 def test_variants_force_the_other_v_split(cpu_kernel):  # noqa: F811
     """The bench times the other V split beside the launcher's choice (at most two waves of
-    split CTAs); each variant is the kernel with that split, as the check sees it."""
+    split CTAs), and the direct launch beside the segmented one (or 4 segments where the
+    launcher might have segmented); each variant is the kernel so forced, as the check sees it."""
     by_name = {c.name: c for c in gdn_prefill.BENCH_CASES}
-    assert set(gdn_prefill.variants(by_name["1x65536-h16-hv32"])) == {"v_split_1"}
+    assert set(gdn_prefill.variants(by_name["1x65536-h16-hv32"])) == {"v_split_1", "segments_5"}
+    assert set(gdn_prefill.variants(by_name["1x131072-h16-hv16"])) == {"segments_1"}
     assert set(gdn_prefill.variants(by_name["4x8192-h16-hv32"])) == {"v_split_2"}
     assert set(gdn_prefill.variants(by_name["1x4096-h16-hv32"])) == {"v_split_1"}
     assert gdn_prefill.variants(by_name["mix64-t32768-h16-hv32"]) == {}
@@ -55,9 +57,14 @@ def test_variants_force_the_other_v_split(cpu_kernel):  # noqa: F811
     want = suite.reference(inputs)
     for split in (1, 2):
         out = gdn_prefill.alloc_out(inputs)
-        got = gdn_prefill._run_v_split(split)(inputs, out)
+        got = gdn_prefill._run_forced(v_split=split)(inputs, out)
         assert got is out and float((got.float() - want).abs().max()) < 2e-2
         assert cpu_kernel[-1]["v_split"] == split
+    calls = len(cpu_kernel)
+    out = gdn_prefill.alloc_out(inputs)
+    got = gdn_prefill._run_forced(segments=4)(inputs, out)
+    assert got is out and float((got.float() - want).abs().max()) < 2e-2
+    assert len(cpu_kernel) == calls + 3  # passes A, B, C
 
 
 @pytest.mark.parametrize("module", ["gdn_prefill", "kda_prefill"])
