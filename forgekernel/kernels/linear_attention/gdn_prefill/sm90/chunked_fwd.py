@@ -96,6 +96,7 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     state_wgs,
     threads,
 )
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.gates import chunk_gates
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import (
     GATE_WARP,
     PRODUCER_WARP,
@@ -401,20 +402,7 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
         st = producer_state(STAGES)
         ld = consumer_state(QK_STAGES)
         for c in cutlass.range(nchunks, unroll=1):
-            t0 = c * CHUNK + 2 * lane
-            vals = []
-            for e in cutlass.range_constexpr(2):
-                t = cutlass.min(t0 + e, seqlen - 1)  # in bounds; masked below
-                inside = t0 + e < seqlen
-                g = cutlass.select_(inside, Float32(mG[bos + t, hv]), Float32(0.0))
-                b = cutlass.select_(inside, Float32(mBeta[bos + t, hv]), Float32(0.0))
-                vals.append((g, b))
-            pair = vals[0][0] + vals[1][0]
-            incl = pair
-            for i in cutlass.range_constexpr(5):
-                up = cute.arch.shuffle_sync_up(incl, 1 << i)
-                incl = cutlass.select_(lane >= (1 << i), incl + up, incl)
-            before = incl - pair
+            before, incl, vals = chunk_gates(mG, mBeta, hv, bos, seqlen, c, lane)
             gate_pipe.producer_acquire(st)
             sG[2 * lane, st.index] = (before + vals[0][0]) * LOG2E
             sG[2 * lane + 1, st.index] = incl * LOG2E
