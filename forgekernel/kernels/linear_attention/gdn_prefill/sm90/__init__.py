@@ -12,6 +12,7 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     HEAD_DIMS,
     V_SPLITS,
     params_for,
+    t_pre_params_for,
 )
 from forgekernel.runtime.spec import KernelSpec, Params
 
@@ -34,12 +35,43 @@ def _standard_params() -> list[Params]:
     ]
 
 
+def _compile_t_pre(params: Params, extra_options: str = ""):
+    from forgekernel.kernels.linear_attention.gdn_prefill.sm90.compile import compile_gdn_t_pre
+
+    return compile_gdn_t_pre(dict(params), "sm_90a", extra_options)
+
+
+def _t_pre_candidates() -> list[Params]:
+    """The chunked kernel's `t_pre` form (bench variant `t_pre`, not yet the launcher's
+    default): the suite's configurations (bf16, fla's state layout, no l2norm), state or not,
+    unsplit and split."""
+    return [
+        params_for("bfloat16", k_last=False, l2norm=False, initial_state=init, v_split=split,
+                   t_pre=True)  # fmt: skip
+        for init in (False, True)
+        for split in V_SPLITS
+    ]
+
+
 SPEC = KernelSpec(
     name="gdn_prefill_sm90",
     arch="sm_90a",
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
+    candidate_params=_t_pre_candidates,
 )
 
-__all__ = ["SPEC", "params_for"]
+# T diag(beta) of every (chunk, value head) at once (`t_pre.py`), read by the t_pre form above.
+T_PRE_SPEC = KernelSpec(
+    name="gdn_t_pre_sm90",
+    arch="sm_90a",
+    directory=Path(__file__).parent,
+    compile=_compile_t_pre,
+    standard_params=lambda: [
+        t_pre_params_for(dtype, l2norm=l2) for dtype in DTYPES for l2 in (False, True)
+    ],
+)
+SPECS = (SPEC, T_PRE_SPEC)
+
+__all__ = ["SPEC", "SPECS", "T_PRE_SPEC", "params_for", "t_pre_params_for"]
