@@ -79,6 +79,7 @@ from forgekernel.kernels.common.sm90.pipeline import (
     smem_tensor,
     tma_pipeline,
 )
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.aux_p import AuxP
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.aux_wy import AuxWy
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     AUX_REGS,
@@ -87,12 +88,14 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     PRODUCER_REGS,
     QK_STAGES,
     ROWS_PER_STATE_WG,
+    SCRATCH_STUB,
     STAGES,
     STATE_REGS,
     V_STAGES,
     W_STRIDE,
     X_STRIDE,
     aux_wgs,
+    first_slot,
     state_wgs,
     threads,
 )
@@ -100,6 +103,7 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.gates import chunk_ga
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import (
     GATE_WARP,
     PRODUCER_WARP,
+    T_WARP,
     gate_warp_witnesses_qk,
     qk_consumer_warps,
     v_consumer_warps,
@@ -119,11 +123,15 @@ def _async_ring(barriers, producers: int, consumers: int) -> pipeline.PipelineAs
     )
 
 
-class GdnChunkedFwdSm90(AuxWy, StateWg):
-    """Warp-specialized chunked Gated DeltaNet forward; see the module docstring."""
+class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
+    """Warp-specialized chunked Gated DeltaNet forward; see the module docstring. t_pre: the
+    form that reads T diag(beta) of every chunk from the precompute (`t_pre.py`): the producer
+    warp loads it by TMA into the T ring (the state warpgroups wait for it at U^T and release it
+    after), the aux warpgroup forms only P and the tables (`aux_p.py`)."""
 
     def __init__(
         self, k: int, v: int, *, k_last: bool, l2norm: bool, initial_state: bool, v_split: int = 1,
+        t_pre: bool = False,
     ):  # fmt: skip
         if (k, v) != (128, 128):
             raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
@@ -132,6 +140,7 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
         self.l2norm = l2norm
         self.initial_state = initial_state
         self.v_split = v_split
+        self.t_pre = t_pre
         self.state_wgs = state_wgs(v, v_split)
         self.aux_wgs = aux_wgs(v_split)
         self.v_cols = self.state_wgs * ROWS_PER_STATE_WG  # value columns of one CTA
@@ -183,10 +192,12 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
         mO: cute.Tensor,
         mFinal: cute.Tensor,
         scale: Float32,
+        mTpre: cute.Tensor | None,
         stream: cuda.CUstream,
     ):
         """mQ, mK (T, H, K); mV, mO (T, HV, V); mG, mBeta fp32 (T, HV); mCu int32 (N + 1,);
-        mInit (or None) and mFinal fp32 (N, HV, K, V), or (N, HV, V, K) with k_last."""
+        mInit (or None) and mFinal fp32 (N, HV, K, V), or (N, HV, V, K) with k_last; mTpre
+        (t_pre only, else None): T diag(beta) (slots x C, HV, C) in q's dtype (`t_pre.py`)."""
         self.dtype = mQ.element_type
         for t in (mK, mV, mO):
             if const_expr(t.element_type != self.dtype):
@@ -201,6 +212,17 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV4, sV_tile, (CHUNK, self.v_cols))
         self.qk_bytes = 2 * cute.size_in_bytes(self.dtype, sQK_tile)
         self.v_bytes = cute.size_in_bytes(self.dtype, sV_tile)
+        tma_t, tma_mT = None, None
+        w_words = self.aux_wgs * CHUNK * W_STRIDE
+        x_words = self.aux_wgs * 2 * BLOCK * X_STRIDE
+        t_barriers = 0
+        if const_expr(self.t_pre):
+            sT_tile = cute.slice_(self.sPT_layout, (None, None, 0))
+            tma_t, tma_mT = cpasync.make_tiled_tma_atom(g2s, packed_as_sdhb(mTpre), sT_tile,
+                                                        (CHUNK, CHUNK))  # fmt: skip
+            self.t_bytes = cute.size_in_bytes(self.dtype, sT_tile)
+            w_words = x_words = SCRATCH_STUB  # no inverse here
+            t_barriers = 2 * STAGES
 
         @cute.struct
         class SharedStorage:
@@ -212,12 +234,8 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
             sBeta: cute.struct.Align[cute.struct.MemRange[Float32, STAGES * CHUNK], 16]
             sTab: cute.struct.Align[cute.struct.MemRange[Float32, STAGES * 4 * CHUNK], 16]
             sNorm: cute.struct.Align[cute.struct.MemRange[Float32, STAGES * 3 * CHUNK], 16]
-            sW: cute.struct.Align[
-                cute.struct.MemRange[Float32, self.aux_wgs * CHUNK * W_STRIDE], 16
-            ]
-            sX: cute.struct.Align[
-                cute.struct.MemRange[Float32, self.aux_wgs * 2 * BLOCK * X_STRIDE], 16
-            ]
+            sW: cute.struct.Align[cute.struct.MemRange[Float32, w_words], 16]
+            sX: cute.struct.Align[cute.struct.MemRange[Float32, x_words], 16]
             sQ: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(self.sQK_layout)], 1024
             ]
@@ -236,6 +254,7 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
             sO: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(self.sO_layout)], 1024
             ]
+            t_ring: cute.struct.MemRange[cutlass.Int64, t_barriers]  # t_pre: the T ring's
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -259,6 +278,8 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
             self.sV_layout,
             self.sPT_layout,
             self.sO_layout,
+            tma_t,
+            tma_mT,
         ).launch(  # fmt: skip
             grid=(mV.shape[1] * self.v_split, mCu.shape[0] - 1, 1),
             block=[self.threads, 1, 1],
@@ -290,12 +311,16 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
         sV_layout: cute.ComposedLayout,
         sPT_layout: cute.ComposedLayout,
         sO_layout: cute.ComposedLayout,
+        tma_t: cute.CopyAtom | None,
+        mT4: cute.Tensor | None,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == PRODUCER_WARP:
             for atom in (tma_q, tma_k, tma_v):
                 cpasync.prefetch_descriptor(atom)
+            if const_expr(self.t_pre):
+                cpasync.prefetch_descriptor(tma_t)
         storage = SmemAllocator().allocate(self.shared_storage)
         wgs = self.state_wgs
         qk_pipe = tma_pipeline(
@@ -304,6 +329,9 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
         v_pipe = tma_pipeline(storage.v_barriers, V_STAGES, self.v_bytes, v_consumer_warps(wgs))
         gate_pipe = _async_ring(storage.gate_barriers, WARP_SIZE, THREADS_PER_WG)
         aux_pipe = _async_ring(storage.aux_barriers, THREADS_PER_WG, wgs * THREADS_PER_WG)
+        t_pipe = None
+        if const_expr(self.t_pre):
+            t_pipe = tma_pipeline(storage.t_ring, STAGES, self.t_bytes, v_consumer_warps(wgs))
         init_arrive()
         sQ = smem_tensor(storage.sQ, sQK_layout)
         sK = smem_tensor(storage.sK, sQK_layout)
@@ -336,6 +364,9 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
                 )  # fmt: skip
             elif warp_idx == GATE_WARP:
                 self._gates(mG, mBeta, sG, sBeta, gate_pipe, qk_pipe, hv, bos, seqlen, nchunks)
+            if const_expr(self.t_pre):
+                if warp_idx == T_WARP:
+                    self._produce_t(tma_t, mT4, sT, t_pipe, hv, first_slot(bos, n), nchunks)
         elif wg == 1 if const_expr(self.aux_wgs == 1) else wg <= self.aux_wgs:
             cute.arch.setmaxregister_decrease(AUX_REGS)
             a = 0  # aux warpgroup a takes chunks a, a + aux_wgs, ...
@@ -344,17 +375,23 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
                 a = wg - 1
                 sW_a = cute.make_tensor(sW.iterator + a * (CHUNK * W_STRIDE), sW.layout)
                 sX_a = cute.make_tensor(sX.iterator + a * (2 * BLOCK * X_STRIDE), sX.layout)
-            self._aux(
-                mma_aux, sQ, sK, sP, sT, sG, sBeta, sTab, sNorm, sW_a, sX_a,
-                qk_pipe, gate_pipe, aux_pipe, scale, nchunks, a,
-            )  # fmt: skip
+            if const_expr(self.t_pre):
+                self._aux_p(
+                    mma_aux, sQ, sK, sP, sG, sBeta, sTab, sNorm, qk_pipe, gate_pipe, aux_pipe,
+                    scale, nchunks, a,
+                )  # fmt: skip
+            else:
+                self._aux(
+                    mma_aux, sQ, sK, sP, sT, sG, sBeta, sTab, sNorm, sW_a, sX_a,
+                    qk_pipe, gate_pipe, aux_pipe, scale, nchunks, a,
+                )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(STATE_REGS)
             first = 1 + self.aux_wgs  # the first state warpgroup
             self._state(
                 wg - first, tidx - (wg * THREADS_PER_WG), mma_ks, mma_st, sQ, sK, sV, sP, sT,
                 sTab, sO, mInit, mFinal, mO, qk_pipe, v_pipe, aux_pipe, hv, part, n, bos,
-                seqlen, nchunks,
+                seqlen, nchunks, t_pipe,
             )  # fmt: skip
 
     # ---------------------------------------------------------------- producer warps
@@ -391,6 +428,22 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
             cute.copy(atom, tg[(None, c)], ts[(None, vs.index)],
                       tma_bar_ptr=v_pipe.producer_get_barrier(vs))  # fmt: skip
             vs.advance()
+
+    @cute.jit
+    def _produce_t(self, tma_t, mT4, sT, t_pipe, hv, slot0, nchunks):
+        """t_pre: per chunk c the (C, C) T diag(beta) tile of slot slot0 + c, head hv, into the T
+        ring: warp T_WARP's own loop (in the producer warp's, its waits for the state
+        warpgroups' releases would hold back the q / k / v loads they wait for)."""
+        g = cute.local_tile(mT4[None, None, hv, 0], (CHUNK, CHUNK), (None, 0))
+        ts, tg = cpasync.tma_partition(
+            tma_t, 0, cute.make_layout(1), cute.group_modes(sT, 0, 2), cute.group_modes(g, 0, 2)
+        )
+        st = producer_state(STAGES)
+        for c in cutlass.range(nchunks, unroll=1):
+            t_pipe.producer_acquire(st)
+            cute.copy(tma_t, tg[(None, slot0 + c)], ts[(None, st.index)],
+                      tma_bar_ptr=t_pipe.producer_get_barrier(st))  # fmt: skip
+            st.advance()
 
     @cute.jit
     def _gates(self, mG, mBeta, sG, sBeta, gate_pipe, qk_pipe, hv, bos, seqlen, nchunks):

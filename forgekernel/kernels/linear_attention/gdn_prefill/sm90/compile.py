@@ -20,6 +20,7 @@ def kernel_for(params: dict) -> GdnChunkedFwdSm90:
     return GdnChunkedFwdSm90(
         params["k"], params["v"], k_last=params["k_last"], l2norm=params["l2norm"],
         initial_state=params["initial_state"], v_split=params.get("v_split", 1),
+        t_pre=params.get("t_pre", False),
     )  # fmt: skip
 
 
@@ -48,6 +49,7 @@ def compile_gdn_prefill(params: dict, arch: str = "sm_90a", extra_options: str =
         fake.rowmajor(dtype, (t, hv, vd)),
         fake.rowmajor(f32, state_shape, divisibility=4),
         cutlass.Float32(1.0),
+        fake.rowmajor(dtype, (cute.sym_int32(), hv, CHUNK)) if params.get("t_pre") else None,
         fake.stream(),
         options=fake.options(arch, extra_options),
     )

@@ -23,6 +23,7 @@ def aux_barrier_id(a):
 
 PRODUCER_WARP = 0  # warpgroup 0: TMA loads
 GATE_WARP = 1  # warpgroup 0: g, beta and the chunk's cumulative decay
+T_WARP = 2  # warpgroup 0, the `t_pre` form only: TMA loads of the precomputed T diag(beta)
 
 
 def gate_warp_witnesses_qk(aux_wgs: int) -> bool:

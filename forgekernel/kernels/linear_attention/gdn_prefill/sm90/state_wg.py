@@ -49,8 +49,10 @@ class StateWg:
     @cute.jit
     def _state(
         self, w, stid, mma_ks, mma_st, sQ, sK, sV, sP, sT, sTab, sO, mInit, mFinal, mO,
-        qk_pipe, v_pipe, aux_pipe, hv, part, n, bos, seqlen, nchunks,
+        qk_pipe, v_pipe, aux_pipe, hv, part, n, bos, seqlen, nchunks, t_pipe=None,
     ):  # fmt: skip
+        """t_pipe: the T ring of the `t_pre` form (T diag(beta) loaded by TMA: waited for just
+        before U^T, released once U^T is complete), or None (T from the aux ring's stage)."""
         blk = value_row_block(part, w, self.state_wgs)  # this warpgroup's 64 rows of S^T
         thr_st = mma_st.get_slice(stid)
         acc_st = cute.make_rmem_tensor(thr_st.partition_shape_C((ROWS, self.k)), Float32)
@@ -78,6 +80,7 @@ class StateWg:
         ld = consumer_state(QK_STAGES)
         vs = consumer_state(V_STAGES)
         ax = consumer_state(STAGES)
+        ts = consumer_state(STAGES) if const_expr(t_pipe is not None) else None
         for c in cutlass.range(nchunks, unroll=1):
             acc_x = cute.make_rmem_tensor(acc_shape, Float32)
             acc_o = cute.make_rmem_tensor(acc_shape, Float32)
@@ -97,7 +100,12 @@ class StateWg:
             self._correct(acc_x, acc_o, r_v, coords, sTab, ax.index)
             v_pipe.consumer_release(vs)  # v consumed: its stage may load chunk c + 2
             acc_to_operand_a(acc_x, tXrX)
-            gemm(mma_ks, acc_u, tXrX, tBrT[None, None, None, ax.index], True, 0)
+            if const_expr(t_pipe is None):
+                gemm(mma_ks, acc_u, tXrX, tBrT[None, None, None, ax.index], True, 0)
+            else:
+                t_pipe.consumer_wait(ts)
+                gemm(mma_ks, acc_u, tXrX, tBrT[None, None, None, ts.index], True, 0)
+                t_pipe.consumer_release(ts)
             acc_to_operand_a(acc_u, tUrU)
             gemm(mma_ks, acc_o, tUrU, tBrP[None, None, None, ax.index], False, -1)
             self._scale_by_table(acc_u, coords, sTab, 2, ax.index)
@@ -110,6 +118,8 @@ class StateWg:
             ld.advance()
             vs.advance()
             ax.advance()
+            if const_expr(t_pipe is not None):
+                ts.advance()
         self._state_io(mFinal, acc_st, thr_st, n, hv, blk, False)
 
     @cute.jit
