@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from forgekernel.kernels.linear_attention.gdn_prefill.sm90 import SPEC
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90 import SPEC, T_PRE_SPEC
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     CHUNK,
     params_for,
+    t_pre_params_for,
+    t_slots,
     v_split_for,
 )
 from forgekernel.runtime.cache import get_kernel
@@ -71,6 +73,7 @@ def gdn_prefill(
     l2norm: bool,
     v_split: int | None = None,
     segments: int | None = None,
+    t_pre: bool = False,
 ) -> None:
     """Varlen form: q, k (T, H, K), v (T, HV, V) 16-bit, g (log decay) and beta fp32 (T, HV),
     cu_seqlens int32 (N + 1,); initial_state (N, HV, K, V) fp32, or (N, HV, V, K) with k_last,
@@ -79,7 +82,9 @@ def gdn_prefill(
     of N x HV <= SMs / 2 CTAs split each state's value rows over two CTAs (`v_split_for`; or
     as `v_split` says: the bench's variants time both on a case). Problems of N x HV <= SMs / 8
     long sequences cut each sequence into `segments_for` pieces run in parallel
-    (`_segmented`; `segments` forces a count, 1 the direct launch)."""
+    (`_segmented`; `segments` forces a count, 1 the direct launch). t_pre: T diag(beta) of
+    every chunk by the precompute kernel first, read by the chunked kernel's `t_pre` form (the
+    bench's variant `t_pre`; not the default until measured)."""
     if final_state.shape[0] == 0:
         return
     if q.shape[0] == 0:  # every sequence empty: no TMA descriptor over zero tokens
@@ -89,27 +94,47 @@ def gdn_prefill(
     parts = segments or segments_for(n, hv, q.shape[0], _sms(q.device))
     if parts > 1:
         _segmented(q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, parts,
-                   k_last=k_last, l2norm=l2norm)  # fmt: skip
+                   k_last=k_last, l2norm=l2norm, t_pre=t_pre)  # fmt: skip
         return
     _direct(q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale,
-            k_last=k_last, l2norm=l2norm, v_split=v_split)  # fmt: skip
+            k_last=k_last, l2norm=l2norm, v_split=v_split, t_pre=t_pre)  # fmt: skip
+
+
+def t_diag_beta(
+    k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor, *,
+    l2norm: bool,
+) -> torch.Tensor:  # fmt: skip
+    """T diag(beta) of every (chunk, value head) by the precompute kernel (`t_pre.py`):
+    (slots x C, HV, C) in k's dtype, chunk c of sequence n at slot bos_n // C + n + c
+    (`config.first_slot`; the slots between sequences left unwritten). k (T, H, K) 16-bit,
+    g and beta fp32 (T, HV), cu_seqlens int32 (N + 1,)."""
+    hv = g.shape[1]
+    slots = t_slots(k.shape[0], cu_seqlens.shape[0] - 1)
+    t = torch.empty(slots * CHUNK, hv, CHUNK, dtype=k.dtype, device=k.device)
+    fn = get_kernel(T_PRE_SPEC, t_pre_params_for(dtype_name(k.dtype), k.shape[-1], l2norm=l2norm))
+    with on_device(k.device):
+        fn(_aligned(k), g, beta, cu_seqlens, t)
+    return t
 
 
 def _direct(
-    q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, *, k_last, l2norm, v_split
-):
-    """One launch: a CTA (or a V split's CTAs) per sequence and value head."""
+    q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, *, k_last, l2norm, v_split,
+    t_pre=False,
+):  # fmt: skip
+    """One launch: a CTA (or a V split's CTAs) per sequence and value head (t_pre: after the
+    T precompute's)."""
     split = v_split or v_split_for(final_state.shape[0], v.shape[1], _sms(q.device))
     params = params_for(
         dtype_name(q.dtype), (q.shape[-1], v.shape[-1]), k_last=k_last, l2norm=l2norm,
-        initial_state=initial_state is not None, v_split=split,
+        initial_state=initial_state is not None, v_split=split, t_pre=t_pre,
     )  # fmt: skip
     fn = get_kernel(SPEC, params)
     q, k, v = (_aligned(x) for x in (q, k, v))
     init = None if initial_state is None else _aligned(initial_state)
     dst = out if out.data_ptr() % ALIGN == 0 else torch.empty_like(out)
+    tb = t_diag_beta(k, g, beta, cu_seqlens, l2norm=l2norm) if t_pre else None
     with on_device(q.device):
-        fn(q, k, v, g, beta, init, cu_seqlens, dst, final_state, scale)
+        fn(q, k, v, g, beta, init, cu_seqlens, dst, final_state, scale, tb)
     if dst is not out:
         out.copy_(dst)
 
@@ -127,8 +152,9 @@ def _segment_offsets(cu_seqlens: torch.Tensor, parts: int) -> torch.Tensor:
 
 
 def _segmented(
-    q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, parts, *, k_last, l2norm
-):
+    q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, parts, *, k_last, l2norm,
+    t_pre=False,
+):  # fmt: skip
     """Each sequence cut into `parts` segments run in parallel (up to N P HV CTAs instead of
     N HV): the recurrence is affine in the state, S_end = M S_start + L per segment (M the
     segment's K x K transition: decays and I - beta k k^T; with K = V it is a state itself).
@@ -150,7 +176,7 @@ def _segmented(
     runs = [cu[:-1], cu[1:-1].clone(), cu[1:].clone()]  # A, B, C; own bases (aligned like cu)
     total = n * parts
     flat = (total, *final_state.shape[1:])
-    run = dict(k_last=k_last, l2norm=l2norm, v_split=None)
+    run = dict(k_last=k_last, l2norm=l2norm, v_split=None, t_pre=t_pre)  # t_pre: T per pass
     starts = torch.zeros(flat, dtype=torch.float32, device=q.device)
     if initial_state is not None:
         starts[::parts] = initial_state
