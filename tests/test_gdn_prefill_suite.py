@@ -45,11 +45,13 @@ def test_variants_force_the_other_v_split(cpu_kernel):  # noqa: F811
     split CTAs), and the direct launch beside the segmented one (or 4 segments where the
     launcher might have segmented); each variant is the kernel so forced, as the check sees it."""
     by_name = {c.name: c for c in gdn_prefill.BENCH_CASES}
-    assert set(gdn_prefill.variants(by_name["1x65536-h16-hv32"])) == {"v_split_1", "segments_5"}
+    t_pre = "t_pre"  # everywhere the launcher does not segment
+    assert set(gdn_prefill.variants(by_name["1x65536-h16-hv32"])) == {"v_split_1", "segments_5",
+                                                                       t_pre}  # fmt: skip
     assert set(gdn_prefill.variants(by_name["1x131072-h16-hv16"])) == {"segments_1"}
-    assert set(gdn_prefill.variants(by_name["4x8192-h16-hv32"])) == {"v_split_2"}
-    assert set(gdn_prefill.variants(by_name["1x4096-h16-hv32"])) == {"v_split_1"}
-    assert gdn_prefill.variants(by_name["mix64-t32768-h16-hv32"]) == {}
+    assert set(gdn_prefill.variants(by_name["4x8192-h16-hv32"])) == {"v_split_2", t_pre}
+    assert set(gdn_prefill.variants(by_name["1x4096-h16-hv32"])) == {"v_split_1", t_pre}
+    assert set(gdn_prefill.variants(by_name["mix64-t32768-h16-hv32"])) == {t_pre}
     suite = gdn_prefill.suite()
     case = gdn_prefill.CHECK_CASES[0]
     inputs = suite.make_inputs(case, torch.bfloat16, torch.device("cpu"),
@@ -65,6 +67,10 @@ def test_variants_force_the_other_v_split(cpu_kernel):  # noqa: F811
     got = gdn_prefill._run_forced(segments=4)(inputs, out)
     assert got is out and float((got.float() - want).abs().max()) < 2e-2
     assert len(cpu_kernel) == calls + 3  # passes A, B, C
+    standard = gdn_prefill._run_forced()(inputs, gdn_prefill.alloc_out(inputs))
+    got = gdn_prefill._run_forced(t_pre=True)(inputs, gdn_prefill.alloc_out(inputs))
+    assert torch.equal(got, standard)  # the replay's T is the aux's, bit for bit
+    assert cpu_kernel[-2]["t_pre"] and set(cpu_kernel[-1]) == {"dtype", "k", "l2norm"}
 
 
 @pytest.mark.parametrize("module", ["gdn_prefill", "kda_prefill"])

@@ -173,8 +173,9 @@ H200_SMS = 132
 
 def _run_forced(**forced):
     """Ours through the launcher with a choice forced: `v_split` (1: one CTA per sequence and
-    head; 2: two, each with 64 value rows of the state and two aux warpgroups) or `segments`
-    (1: the direct launch; P: each sequence cut into P segments, three passes)."""
+    head; 2: two, each with 64 value rows of the state and two aux warpgroups), `segments`
+    (1: the direct launch; P: each sequence cut into P segments, three passes) or `t_pre` (T
+    diag(beta) by the precompute kernel, read by the chunked kernel's t_pre form)."""
 
     def run(inputs: Inputs, out):
         launch = importlib.import_module(
@@ -197,7 +198,9 @@ def variants(case: Case) -> dict[str, Any]:
     warpgroups) decides where the split pays (config.v_split_for). Few long sequences: the
     direct launch beside the segmented one where the launcher segments (`segments_1`), and the
     segments that would fill one wave where it does not but might (N HV <= SMs / 4: 5 at
-    1 x hv32, the model's break-even, launch.segments_for)."""
+    1 x hv32, the model's break-even, launch.segments_for). `t_pre` (T precomputed, the
+    launcher's other choices its own) wherever the launcher does not segment (segmented, each
+    of the three passes would precompute T again)."""
     from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import v_split_for
     from forgekernel.kernels.linear_attention.gdn_prefill.sm90.launch import segments_for
 
@@ -206,6 +209,7 @@ def variants(case: Case) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if segments_for(n, hv, sum(lens), H200_SMS) > 1:
         return {"segments_1": _run_forced(segments=1)}
+    out["t_pre"] = _run_forced(t_pre=True)
     if 4 * n * hv <= H200_SMS and sum(lens) >= 16384 * n:
         parts = (H200_SMS // hv + 1) // n
         out[f"segments_{parts}"] = _run_forced(segments=parts)
