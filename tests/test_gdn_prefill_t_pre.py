@@ -216,8 +216,10 @@ def test_t_pre_path_is_the_standard_bit_for_bit(
     name = replay_dtype(dtype)
     key = dict(params_for(name, k_last=k_last, l2norm=l2norm, initial_state=init,
                           v_split=v_split, t_pre=True))  # fmt: skip
-    assert cpu_kernels[1:] == [(SPEC.name, key),
-                               (T_PRE_SPEC.name, dict(t_pre_params_for(name, l2norm=l2norm)))]
+    assert cpu_kernels[1:] == [
+        (SPEC.name, key),
+        (T_PRE_SPEC.name, dict(t_pre_params_for(name, l2norm=l2norm))),
+    ]
     assert "t_pre" not in cpu_kernels[0][1]  # the standard key names no t_pre
     (buf,) = cpu_kernels.buffers
     assert buf.shape == (t_slots(sum(lens), len(lens)) * CHUNK, hv, CHUNK) and buf.dtype == dtype

@@ -46,8 +46,9 @@ def _t_pre_candidates() -> list[Params]:
     default): the suite's configurations (bf16, fla's state layout, no l2norm), state or not,
     unsplit and split."""
     return [
-        params_for("bfloat16", k_last=False, l2norm=False, initial_state=init, v_split=split,
-                   t_pre=True)  # fmt: skip
+        params_for(
+            "bfloat16", k_last=False, l2norm=False, initial_state=init, v_split=split, t_pre=True
+        )  # fmt: skip
         for init in (False, True)
         for split in V_SPLITS
     ]

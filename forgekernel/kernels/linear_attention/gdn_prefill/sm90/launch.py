@@ -102,15 +102,19 @@ def gdn_prefill(
 
 def t_diag_beta(
     k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor, *,
-    l2norm: bool,
+    l2norm: bool, out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """T diag(beta) of every (chunk, value head) by the precompute kernel (`t_pre.py`):
     (slots x C, HV, C) in k's dtype, chunk c of sequence n at slot bos_n // C + n + c
     (`config.first_slot`; the slots between sequences left unwritten). k (T, H, K) 16-bit,
-    g and beta fp32 (T, HV), cu_seqlens int32 (N + 1,)."""
+    g and beta fp32 (T, HV), cu_seqlens int32 (N + 1,); out: the buffer (contiguous, 16-byte
+    aligned), or None for a fresh one."""
     hv = g.shape[1]
     slots = t_slots(k.shape[0], cu_seqlens.shape[0] - 1)
-    t = torch.empty(slots * CHUNK, hv, CHUNK, dtype=k.dtype, device=k.device)
+    shape = (slots * CHUNK, hv, CHUNK)
+    t = torch.empty(shape, dtype=k.dtype, device=k.device) if out is None else out
+    if t.shape != shape or t.dtype != k.dtype:
+        raise ValueError(f"out must be {shape} {k.dtype}, got {tuple(t.shape)} {t.dtype}")
     fn = get_kernel(T_PRE_SPEC, t_pre_params_for(dtype_name(k.dtype), k.shape[-1], l2norm=l2norm))
     with on_device(k.device):
         fn(_aligned(k), g, beta, cu_seqlens, t)
@@ -118,8 +122,8 @@ def t_diag_beta(
 
 
 def _direct(
-    q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, *, k_last, l2norm, v_split,
-    t_pre=False,
+    q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, *, k_last, l2norm,
+    v_split, t_pre=False,
 ):  # fmt: skip
     """One launch: a CTA (or a V split's CTAs) per sequence and value head (t_pre: after the
     T precompute's)."""

@@ -146,7 +146,15 @@ class GdnTPreSm90(AuxWy):
 
         self.shared_storage = SharedStorage
         self.kernel(
-            tma_k, tma_mK, tma_t, tma_mT, mG, mBeta, mCu, self.mma_aux, self.sK_layout,
+            tma_k,
+            tma_mK,
+            tma_t,
+            tma_mT,
+            mG,
+            mBeta,
+            mCu,
+            self.mma_aux,
+            self.sK_layout,
             self.sT_layout,
         ).launch(  # fmt: skip
             grid=(mT.shape[0] // CHUNK, mT.shape[1], 1),
