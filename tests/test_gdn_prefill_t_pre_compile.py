@@ -1,7 +1,7 @@
 """T precomputed, compiled for sm_90a on the CPU (cuobjdump reads the cubins):
 
 - the precompute (`t_pre.py`, gdn_t_pre_sm90), bf16 / fp16, l2norm or not: 128 threads, no
-  spills, at most 128 registers and 1/4 of the SM's shared memory (four CTAs an SM: its CTAs
+  spills, registers and shared memory for five CTAs an SM (T diag(beta) over the k tile; its CTAs
   are short and latency-bound, a load, the aux chain, a store); K K^T one WGMMA group (8 x
   64x64x16), the inverse's 28 tf32 HMMA, T diag(beta) by 4 stmatrix a thread, the k box (two
   64-column halves) in and one 64 x 64 TMA store out;
@@ -46,7 +46,7 @@ if find_tool("cuobjdump") is None:
     pytest.skip("cuobjdump not found", allow_module_level=True)
 
 SM_SHARED = 233472  # bytes of shared memory an H100 / H200 SM holds (228 KB)
-CTAS_PER_SM = 4  # the precompute's target occupancy
+CTAS_PER_SM = 5  # the precompute's target occupancy (T over the k tile: 42 KB a CTA)
 
 PRE = {"bf16": ("bfloat16", False), "fp16_l2norm": ("float16", True)}
 FORMS = {

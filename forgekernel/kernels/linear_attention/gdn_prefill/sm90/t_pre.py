@@ -20,8 +20,9 @@ rows past the end have beta = 0, their rows and columns of T diag(beta) are 0.
 
 Grid: (T // C + N slots, HV); a CTA finds its sequence by a binary search of cu_seqlens on
 bos_n // C + n (strictly increasing); slots between sequences exit at once. One warpgroup a CTA
-(128 threads): warp 0 issues the TMA load, then the gate scan; all four the products, the
-inverse (its warp roles as in the aux) and the stores; thread 0 the TMA store.
+(128 threads, 42 KB of shared memory: five CTAs an SM): warp 0 issues the TMA load, then the
+gate scan; all four the products, the inverse (its warp roles as in the aux) and the stores
+(T diag(beta) over the k tile, read by then); thread 0 the TMA store.
 
 Constraints: K = 128, 16-bit k (unit last stride, 16-byte aligned token stride), g, beta fp32
 (T, HV), the T buffer (slots x C, HV, C) 16-bit, 16-byte aligned.
@@ -137,11 +138,10 @@ class GdnTPreSm90(AuxWy):
             sNorm: cute.struct.Align[cute.struct.MemRange[Float32, 3 * CHUNK], 16]
             sW: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * W_STRIDE], 16]
             sX: cute.struct.Align[cute.struct.MemRange[Float32, 2 * BLOCK * X_STRIDE], 16]
+            # T diag(beta) overwrites the k tile (8 of its 16 KB) once K K^T is waited for: 42
+            # KB a CTA, five an SM (with its own 8 KB: four)
             sK: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(self.sK_layout)], 1024
-            ]
-            sT: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(self.sT_layout)], 1024
             ]
 
         self.shared_storage = SharedStorage
@@ -191,7 +191,7 @@ class GdnTPreSm90(AuxWy):
             ring = tma_pipeline(storage.barriers, 1, self.k_bytes, THREADS // WARP_SIZE)
             init_arrive()
             sK = smem_tensor(storage.sK, sK_layout)
-            sT = smem_tensor(storage.sT, sT_layout)
+            sT = smem_tensor(storage.sK, sT_layout)  # aliases k (SharedStorage says why)
             sG = storage.sG.get_tensor(cute.make_layout((CHUNK, 1)))
             sBeta = storage.sBeta.get_tensor(cute.make_layout((CHUNK, 1)))
             sNorm = storage.sNorm.get_tensor(cute.make_layout((CHUNK, 3, 1)))
@@ -253,7 +253,7 @@ class GdnTPreSm90(AuxWy):
                 self._k_norm(sK[None, None, 0], atid % CHUNK, sG, sNorm, 0)
             bar.arrive_and_wait()  # the norms too
         coords = softmax.acc_coords(mma_aux, atid, (CHUNK, CHUNK))
-        warpgroup.wait_group(0)
+        warpgroup.wait_group(0)  # K K^T has read the k tile: sT may overwrite it from here
         self._decay_mask(acc, coords, sG, sBeta, sNorm, 0, Float32(1.0), True)
         tWsW = mma_aux.get_slice(atid).partition_C(sW)
         tWsW.store(acc.load())
