@@ -1,6 +1,7 @@
 """Chunked Gated DeltaNet forward (prefill), sm_90a. DSL-free declaration; the kernel is
 `chunked_fwd.py` (TMA + WGMMA, 64-token chunks, the state on chip; its warpgroups in
-`aux_wy.py`, `inverse.py`, `inverse_mma.py`, `state_wg.py`); the op is
+`aux_wy.py`, `inverse.py`, `inverse_mma.py`, `state_wg.py`; its `t_pre` form's aux in
+`aux_p.py`); `t_pre.py` precomputes T diag(beta) of every chunk for that form; the op is
 `forgekernel.ops.gated_delta_rule_chunked.gated_delta_rule`."""
 
 from __future__ import annotations

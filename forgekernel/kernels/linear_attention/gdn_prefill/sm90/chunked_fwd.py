@@ -48,6 +48,13 @@ warps; 3 deep, so that the aux warpgroup loads and works up to two chunks ahead)
 the state warps), `gate` (gate warp -> aux), `aux` (aux -> state warpgroups; the aux takes its
 stage only to write P, T and the tables, after the inverse). Named barriers: `Bar`.
 
+The `t_pre` form (compile key t_pre; the launcher's `t_pre=True`, the bench's variant): T
+diag(beta) of every chunk comes from the precompute kernel (`t_pre.py`, one CTA per chunk and
+value head, all at once) through a T ring (warpgroup 0's warp 2 loads the (C, C) tile of slot
+bos // C + n + c by TMA; the state warpgroups wait for it just before U^T and release it once
+U^T is complete); the aux warpgroup (`aux_p.py`) forms only Q K^T, P and the tables (its loop
+644 SASS instructions against 1846, bf16), and the inverse's scratch is gone.
+
 Ragged edges: a chunk that runs past its sequence loads the next sequence's rows (or TMA's
 zero fill past T): their g and beta are 0 (so G2 is flat and those rows of L, T - I and U
 vanish, and their columns are above every valid row's diagonal), and their O rows are not
