@@ -132,9 +132,10 @@ def _async_ring(barriers, producers: int, consumers: int) -> pipeline.PipelineAs
 
 class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
     """Warp-specialized chunked Gated DeltaNet forward; see the module docstring. t_pre: the
-    form that reads T diag(beta) of every chunk from the precompute (`t_pre.py`): the producer
-    warp loads it by TMA into the T ring (the state warpgroups wait for it at U^T and release it
-    after), the aux warpgroup forms only P and the tables (`aux_p.py`)."""
+    form that reads T diag(beta) of every chunk from the precompute (`t_pre.py`): warp T_WARP
+    of warpgroup 0 loads it by TMA into the T ring (the state warpgroups wait for it at U^T and
+    release it after), the aux warpgroup forms only P and the tables (`aux_p.py`); the inverse's
+    scratch fields shrink to stubs (their views unused)."""
 
     def __init__(
         self, k: int, v: int, *, k_last: bool, l2norm: bool, initial_state: bool, v_split: int = 1,
