@@ -45,10 +45,10 @@ def test_variants_force_the_other_v_split(cpu_kernel):  # noqa: F811
     split CTAs), and the direct launch beside the segmented one (or 4 segments where the
     launcher might have segmented); each variant is the kernel so forced, as the check sees it."""
     by_name = {c.name: c for c in gdn_prefill.BENCH_CASES}
-    t_pre = "t_pre"  # everywhere the launcher does not segment
+    t_pre = "t_pre"  # on every case
     assert set(gdn_prefill.variants(by_name["1x65536-h16-hv32"])) == {"v_split_1", "segments_5",
                                                                        t_pre}  # fmt: skip
-    assert set(gdn_prefill.variants(by_name["1x131072-h16-hv16"])) == {"segments_1"}
+    assert set(gdn_prefill.variants(by_name["1x131072-h16-hv16"])) == {"segments_1", t_pre}
     assert set(gdn_prefill.variants(by_name["4x8192-h16-hv32"])) == {"v_split_2", t_pre}
     assert set(gdn_prefill.variants(by_name["1x4096-h16-hv32"])) == {"v_split_1", t_pre}
     assert set(gdn_prefill.variants(by_name["mix64-t32768-h16-hv32"])) == {t_pre}

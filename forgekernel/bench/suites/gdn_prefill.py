@@ -199,17 +199,17 @@ def variants(case: Case) -> dict[str, Any]:
     direct launch beside the segmented one where the launcher segments (`segments_1`), and the
     segments that would fill one wave where it does not but might (N HV <= SMs / 4: 5 at
     1 x hv32, the model's break-even, launch.segments_for). `t_pre` (T precomputed, the
-    launcher's other choices its own) wherever the launcher does not segment (segmented, each
-    of the three passes would precompute T again)."""
+    launcher's other choices its own) on every case (segmented, each of the three passes
+    precomputes T again for its own offsets: an upper bound there)."""
     from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import v_split_for
     from forgekernel.kernels.linear_attention.gdn_prefill.sm90.launch import segments_for
 
     lens, hv = case.params["lens"], case.params["hv"]
     n = len(lens)
     out: dict[str, Any] = {}
-    if segments_for(n, hv, sum(lens), H200_SMS) > 1:
-        return {"segments_1": _run_forced(segments=1)}
     out["t_pre"] = _run_forced(t_pre=True)
+    if segments_for(n, hv, sum(lens), H200_SMS) > 1:
+        return {**out, "segments_1": _run_forced(segments=1)}
     if 4 * n * hv <= H200_SMS and sum(lens) >= 16384 * n:
         parts = (H200_SMS // hv + 1) // n
         out[f"segments_{parts}"] = _run_forced(segments=parts)
