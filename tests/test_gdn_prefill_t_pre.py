@@ -244,17 +244,22 @@ def test_t_pre_tail_chunk_ignores_the_next_sequence(cpu_kernels):
     assert torch.equal(o[:70], o_big[:70]) and torch.equal(s[:1], s_big[:1])
 
 
-def test_t_pre_through_segments(cpu_kernels):
-    """With segments (few long sequences) each pass computes its own T (its own offsets) and
-    the result is the standard segmented path's."""
-    inputs = _inputs([300], 1, 2, seed=8)
+@pytest.mark.parametrize(("lens", "parts"), [([300], 3), ([200, 1, 333], 4), ([130, 64], 2)])
+def test_t_pre_through_segments(cpu_kernels, lens, parts):
+    """With segments (few long sequences) T is computed once over all N P segments and each
+    pass reads it from its first segment's slot on: the standard segmented path's result bit
+    for bit (its own T formed per pass), every slot a pass reads written (NaN elsewhere)."""
+    inputs = _inputs(lens, 1, 2, seed=8)
     q, k, v, g, beta, state, cu = inputs
     outs = {}
     for t_pre in (False, True):
         out = torch.empty_like(v)
-        final = torch.empty(1, 2, 128, 128)
+        final = torch.empty(len(lens), 2, 128, 128)
         prefill_launch.gdn_prefill(q, k, v, g, beta, state, cu, out, final, 128**-0.5,
-                                   k_last=False, l2norm=False, segments=3, t_pre=t_pre)  # fmt: skip
+                                   k_last=False, l2norm=False, segments=parts,
+                                   t_pre=t_pre)  # fmt: skip
         outs[t_pre] = (out, final)
     assert torch.equal(outs[True][0], outs[False][0]) and torch.equal(outs[True][1], outs[False][1])
-    assert sum(name == T_PRE_SPEC.name for name, _ in cpu_kernels) == 3
+    assert sum(name == T_PRE_SPEC.name for name, _ in cpu_kernels) == 1
+    (buf,) = cpu_kernels.buffers
+    assert buf.shape[0] == t_slots(sum(lens), len(lens) * parts) * CHUNK

@@ -7,7 +7,8 @@ same operands, `test_t_pre_is_bitwise_the_standard`; if only that test fails, T 
 last bits between the kernels and the first test's tolerances decide) on varlen with empty,
 single-token and partial sequences, grouped value heads, l2norm, both state layouts, with and
 without an initial state, V split 1 and 2, fp16 and bf16; many sequences (the precompute's
-binary search over cu_seqlens); the suite's shapes with the times printed (-s); a CUDA graph.
+binary search over cu_seqlens); segments (T once for the three passes); the suite's shapes
+with the times printed (-s); a CUDA graph.
 CPU counterparts: tests/test_gdn_prefill_t_pre.py (replay), test_gdn_prefill_t_pre_compile.py."""
 
 from __future__ import annotations
@@ -184,6 +185,29 @@ def test_suite_shapes(lens, h, hv, with_state):
     print(f"\nt_pre {len(lens)}x{lens[0]} h{h} hv{hv} state={with_state}: standard {std:.4f} ms, "
           f"t_pre {tpre:.4f} ms ({tpre / std:.3f}x), precompute {pre:.4f} ms, "
           f"bitwise {torch.equal(o_t, o_std)}")  # fmt: skip
+
+
+@pytest.mark.parametrize(("lens", "parts"), [([4096], 4), ([2000, 70, 3000], 3)])
+def test_t_pre_segments(lens, parts):
+    """Segments (the launcher's path for few long sequences): T once over all segments, each
+    pass reading it from its first segment's slot; the standard segmented path's result (bitwise
+    expected), the recurrence's to the standard tolerances."""
+    q, k, v, g, beta, state, cu = _inputs(lens, 2, 4, torch.bfloat16, seed=8)
+    got = {}
+    for t_pre in (False, True):
+        out = torch.full_like(v, float("nan"))
+        final = torch.full((len(lens), 4, 128, 128), float("nan"), device="cuda")
+        prefill_launch.gdn_prefill(q, k, v, g, beta, state, cu, out, final, SCALE, k_last=False,
+                                   l2norm=False, segments=parts, t_pre=t_pre)  # fmt: skip
+        got[t_pre] = (out, final)
+    want_o, want_s = gated_delta_rule_recurrent(
+        q[None], k[None], v[None], g[None], beta[None], scale=SCALE, initial_state=state,
+        output_final_state=True, cu_seqlens=cu.long(),
+    )  # fmt: skip
+    _close(got[True][0], want_o[0], 2e-2)
+    _close(got[True][1], want_s, STATE_TOL[torch.bfloat16])
+    _close(got[True][0], got[False][0], 1e-2)
+    print(f"\nt_pre segments {lens} x{parts}: bitwise {torch.equal(got[True][0], got[False][0])}")
 
 
 def test_t_pre_in_a_cuda_graph():

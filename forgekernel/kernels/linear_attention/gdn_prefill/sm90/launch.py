@@ -123,10 +123,10 @@ def t_diag_beta(
 
 def _direct(
     q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, *, k_last, l2norm,
-    v_split, t_pre=False,
+    v_split, t_pre=False, t_buf=None,
 ):  # fmt: skip
     """One launch: a CTA (or a V split's CTAs) per sequence and value head (t_pre: after the
-    T precompute's)."""
+    T precompute's, or on t_buf, T of these sequences at their `first_slot`s)."""
     split = v_split or v_split_for(final_state.shape[0], v.shape[1], _sms(q.device))
     params = params_for(
         dtype_name(q.dtype), (q.shape[-1], v.shape[-1]), k_last=k_last, l2norm=l2norm,
@@ -136,7 +136,9 @@ def _direct(
     q, k, v = (_aligned(x) for x in (q, k, v))
     init = None if initial_state is None else _aligned(initial_state)
     dst = out if out.data_ptr() % ALIGN == 0 else torch.empty_like(out)
-    tb = t_diag_beta(k, g, beta, cu_seqlens, l2norm=l2norm) if t_pre else None
+    tb = t_buf
+    if t_pre and tb is None:
+        tb = t_diag_beta(k, g, beta, cu_seqlens, l2norm=l2norm)
     with on_device(q.device):
         fn(q, k, v, g, beta, init, cu_seqlens, dst, final_state, scale, tb)
     if dst is not out:
@@ -168,7 +170,10 @@ def _segmented(
     the scan: S_(p + 1) = M_p S_p + L_p (P - 2 batched 128^3 products), S_1 = A's (n, 0);
     C (1 .. NP - 1): from those starts: o (every row but segment 0's) and the final states.
     A and B write o too (C overwrites it). Three passes' work for P times the CTAs: pays where
-    the direct launch leaves most SMs idle (`segments_for`; docs/linear_attention/NOTES.md)."""
+    the direct launch leaves most SMs idle (`segments_for`; docs/linear_attention/NOTES.md).
+    t_pre: T once, over all N P segments (whole chunks of the sequences: the same tiles); a
+    pass whose run starts at segment r reads it from slot r on (its run-local index j = i - r
+    puts segment i's chunk c at slot first_slot(bos_i, i) - r + c)."""
     n, hv = final_state.shape[:2]
     dk, dv = q.shape[-1], v.shape[-1]
     if dk != dv:
@@ -180,17 +185,24 @@ def _segmented(
     runs = [cu[:-1], cu[1:-1].clone(), cu[1:].clone()]  # A, B, C; own bases (aligned like cu)
     total = n * parts
     flat = (total, *final_state.shape[1:])
-    run = dict(k_last=k_last, l2norm=l2norm, v_split=None, t_pre=t_pre)  # t_pre: T per pass
+    run = dict(k_last=k_last, l2norm=l2norm, v_split=None, t_pre=t_pre)
+    t_all = t_diag_beta(k, g, beta, cu, l2norm=l2norm) if t_pre else None
+
+    def from_segment(r):  # T as a pass starting at segment r indexes it
+        return None if t_all is None else t_all[CHUNK * r :]
+
     starts = torch.zeros(flat, dtype=torch.float32, device=q.device)
     if initial_state is not None:
         starts[::parts] = initial_state
     local = torch.empty_like(starts)
-    _direct(q, k, v, g, beta, starts[:-1], runs[0], dst, local[:-1], scale, **run)
+    _direct(q, k, v, g, beta, starts[:-1], runs[0], dst, local[:-1], scale, **run,
+            t_buf=from_segment(0))  # fmt: skip
     shifted = torch.empty_like(starts)
     if total > 2:
         eye = torch.eye(dk, dtype=torch.float32, device=q.device) * SEGMENT_SCALE
         init = eye.expand(total - 2, *final_state.shape[1:]).contiguous()
-        _direct(q, k, v, g, beta, init, runs[1], dst, shifted[1:-1], scale, **run)
+        _direct(q, k, v, g, beta, init, runs[1], dst, shifted[1:-1], scale, **run,
+                t_buf=from_segment(1))  # fmt: skip
     shape = (n, parts, *final_state.shape[1:])
     local, shifted, by_seq = local.view(shape), shifted.view(shape), starts.view(shape)
     s = local[:, 0]
@@ -200,7 +212,8 @@ def _segmented(
             trans = (shifted[:, p] - local[:, p]) * (1.0 / SEGMENT_SCALE)
             s = (s @ trans if k_last else trans @ s) + local[:, p]
     last = torch.empty_like(starts)
-    _direct(q, k, v, g, beta, starts[1:], runs[2], dst, last[1:], scale, **run)
+    _direct(q, k, v, g, beta, starts[1:], runs[2], dst, last[1:], scale, **run,
+            t_buf=from_segment(1))  # fmt: skip
     final_state.copy_(last.view(shape)[:, -1])
     if dst is not out:
         out.copy_(dst)
