@@ -252,14 +252,58 @@ GRID_TIMED = {
 }
 
 
+# 192/128 against FA4's schedule (docs/attention/NOTES.md, "192/128 against FA4's schedule"):
+# `kahead` loads K a key block ahead of V (AttnConfig.k_ahead: FA4's and FA3's load order),
+# `wave0` puts the tile order in L2 sections at every size (AttnConfig.wave_kv_mib = 0: FA4's
+# rule; of these cases only b8 s2048 runs in the global order by default, HBM-bound), and
+# `wave0_kahead` both, each on the head dims' default config otherwise. Their bf16 causal
+# kernels are SPEC.candidate_params.
+CONFIG_CANDIDATES: dict[str, dict[str, dict[str, Any]]] = {
+    "d192": {
+        "kahead": {"k_ahead": True},
+        "wave0_kahead": {"k_ahead": True, "wave_kv_mib": 0},
+    },
+    "d192-global": {
+        "wave0": {"wave_kv_mib": 0},
+        "kahead": {"k_ahead": True},
+        "wave0_kahead": {"k_ahead": True, "wave_kv_mib": 0},
+    },
+}
+CONFIG_TIMED = {
+    "b2-hq128-hkv128-s8192-d192-dv128-causal": "d192",
+    "b8-hq128-hkv128-s2048-d192-dv128-causal": "d192-global",
+    "b1-hq128-hkv128-s16384-d192-dv128-causal": "d192",
+    "b1-hq128-hkv128-sq2048-sk16384-d192-dv128-causal": "d192",
+}
+
+
 def variants(case: Case) -> dict[str, Any]:
-    """The GRID_CANDIDATES of a GRID_TIMED case's kind."""
+    """The GRID_CANDIDATES of a GRID_TIMED case's kind, the CONFIG_CANDIDATES of a
+    CONFIG_TIMED one's."""
     kind = GRID_TIMED.get(case.name)
-    if kind is None:
-        return {}
-    return {
-        name: functools.partial(run_grid, **knobs) for name, knobs in GRID_CANDIDATES[kind].items()
-    }
+    if kind is not None:
+        grids = GRID_CANDIDATES[kind]
+        return {name: functools.partial(run_grid, **knobs) for name, knobs in grids.items()}
+    kind = CONFIG_TIMED.get(case.name)
+    if kind is not None:
+        configs = CONFIG_CANDIDATES[kind]
+        return {name: functools.partial(run_config, **knobs) for name, knobs in configs.items()}
+    return {}
+
+
+def run_config(inputs: Inputs, out: tuple | None, **knobs: Any) -> tuple:
+    """Ours (fixed length) through the leaf's launcher with the head dims' default config, the
+    AttnConfig fields in `knobs` replaced, on the default grid; validated inputs (the
+    suite's) into `out`."""
+    from forgekernel.kernels.attention.fwd.sm90.config import default_config
+    from forgekernel.kernels.attention.fwd.sm90.launch import attention_fwd
+
+    o, lse = out if out is not None else alloc_out(inputs)
+    q, v, causal, scale = inputs["q"], inputs["v"], inputs["causal"], inputs["softmax_scale"]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    cfg = dataclasses.replace(default_config(q.shape[-1], v.shape[-1]), **knobs)
+    attention_fwd(q, inputs["k"], v, o, lse, scale, causal, config=cfg)
+    return o, lse
 
 
 def run_grid(inputs: Inputs, out: tuple | None, ctas_per_sm: int = 1, dynamic: int = 0) -> tuple:
