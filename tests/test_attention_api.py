@@ -142,6 +142,7 @@ def packed_ref(qp, k, v, causal, scale, group):
 
 
 DYNAMIC: list[bool] = []  # cpu_kernel's launches: whether each ran a dynamic-tiles kernel
+KEYS: list[dict] = []  # cpu_kernel's launches: each one's compile key
 
 
 @pytest.fixture
@@ -151,6 +152,7 @@ def cpu_kernel(monkeypatch):
     stride) and records (scale, qgroup, num_ctas, max_seqlen_q) per launch."""
     calls = []
     DYNAMIC.clear()
+    KEYS.clear()
 
     def get_kernel(spec, params):
         p = dict(params)
@@ -163,6 +165,7 @@ def cpu_kernel(monkeypatch):
             else:
                 assert page_table is None
             DYNAMIC.append(bool(p.get("dynamic")))
+            KEYS.append(p)
             scale = scale_log2 / LOG2E
             if p["varlen"]:
                 assert qgroup == 1
@@ -282,6 +285,40 @@ def test_bench_grid_variants_pass_their_grid(cpu_kernel):
     assert DYNAMIC == [True] + [bool(k.get("dynamic")) for k in knobs.values()]
     assert set(suite.GRID_TIMED.values()) == {"varlen"}
     assert suite.variants(suite.CHECK_CASES[0]) == {}
+
+
+def test_bench_config_variants_pass_their_config(cpu_kernel):
+    """The suite's CONFIG_CANDIDATES (192/128 against FA4's schedule) reach the kernel as the
+    default config with their knobs set (the candidate keys, SPEC.candidate_params), on the
+    default grid, and write what the default launch writes; only the 192/128 cases carry
+    them, b8 s2048 (the one in the global tile order) also `wave0` alone."""
+    from forgekernel.bench.suites import attention as suite
+    from forgekernel.kernels.attention.fwd.sm90 import SPEC
+
+    q, k, v = qkv(b=1, sq=130, sk=300, hq=4, hkv=4, d=192, dv=128)
+    inputs = {"q": q, "k": k, "v": v, "causal": True, "softmax_scale": None}
+    want = suite.run_ours(inputs, None)
+    candidates = {tuple(sorted(dict(p).items())) for p in SPEC.candidate_params()}
+    for case in suite.BENCH_CASES:
+        runs = suite.variants(case)
+        kind = suite.CONFIG_TIMED.get(case.name)
+        if kind is None:
+            assert not runs or case.name in suite.GRID_TIMED
+            continue
+        assert case.params["d"] == 192 and case.params["dv"] == 128 and case.params["causal"]
+        knobs = suite.CONFIG_CANDIDATES[kind]
+        assert set(runs) == set(knobs) and ("wave0" in runs) == (case.params["sq"] == 2048 ==
+                                                                 case.params["sk"])  # fmt: skip
+        for name, run in runs.items():
+            KEYS.clear()
+            got = run(inputs, None)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=0, atol=0)
+            (key,) = KEYS
+            assert {n: key[n] for n in knobs[name]} == knobs[name]
+            assert tuple(sorted(key.items())) in candidates
+    assert [c[2] for c in cpu_kernel] == [132] * len(cpu_kernel)
+    assert len(suite.CONFIG_TIMED) == 4
 
 
 def test_forward_only_calls_keep_no_autograd_state(cpu_kernel):
