@@ -290,14 +290,12 @@ def test_bench_grid_variants_pass_their_grid(cpu_kernel):
 def test_bench_config_variants_pass_their_config(cpu_kernel):
     """The suite's CONFIG_CANDIDATES (192/128 against FA4's schedule) reach the kernel as the
     default config with their knobs set (the candidate keys, SPEC.candidate_params), on the
-    default grid, and write what the default launch writes; only the 192/128 cases carry
-    them, b8 s2048 (the one in the global tile order) also `wave0` alone."""
+    default grid, and write what the default launch writes; the 192/128 cases carry them, b8
+    s2048 (the one in the global tile order) also `wave0` alone, as do the two D = 128 MHA
+    controls."""
     from forgekernel.bench.suites import attention as suite
     from forgekernel.kernels.attention.fwd.sm90 import SPEC
 
-    q, k, v = qkv(b=1, sq=130, sk=300, hq=4, hkv=4, d=192, dv=128)
-    inputs = {"q": q, "k": k, "v": v, "causal": True, "softmax_scale": None}
-    want = suite.run_ours(inputs, None)
     candidates = {tuple(sorted(dict(p).items())) for p in SPEC.candidate_params()}
     for case in suite.BENCH_CASES:
         runs = suite.variants(case)
@@ -305,10 +303,16 @@ def test_bench_config_variants_pass_their_config(cpu_kernel):
         if kind is None:
             assert not runs or case.name in suite.GRID_TIMED
             continue
-        assert case.params["d"] == 192 and case.params["dv"] == 128 and case.params["causal"]
+        p = case.params
+        q, k, v = qkv(b=1, sq=130, sk=300, hq=4, hkv=4, d=p["d"], dv=p["dv"])
+        inputs = {"q": q, "k": k, "v": v, "causal": p["causal"], "softmax_scale": None}
+        want = suite.run_ours(inputs, None)
         knobs = suite.CONFIG_CANDIDATES[kind]
-        assert set(runs) == set(knobs) and ("wave0" in runs) == (case.params["sq"] == 2048 ==
-                                                                 case.params["sk"])  # fmt: skip
+        if p["d"] == 192:
+            assert p["dv"] == 128 and p["causal"] and set(runs) == set(knobs)
+            assert ("wave0" in runs) == (p["sq"] == 2048 == p["sk"])
+        else:  # the D = 128 controls: MHA in the global order
+            assert p["hq"] == p["hkv"] and set(runs) == {"wave0"}
         for name, run in runs.items():
             KEYS.clear()
             got = run(inputs, None)
@@ -318,7 +322,8 @@ def test_bench_config_variants_pass_their_config(cpu_kernel):
             assert {n: key[n] for n in knobs[name]} == knobs[name]
             assert tuple(sorted(key.items())) in candidates
     assert [c[2] for c in cpu_kernel] == [132] * len(cpu_kernel)
-    assert len(suite.CONFIG_TIMED) == 4
+    assert len(suite.CONFIG_TIMED) == 6
+    assert set(suite.CONFIG_TIMED) <= {c.name for c in suite.BENCH_CASES}
 
 
 def test_forward_only_calls_keep_no_autograd_state(cpu_kernel):

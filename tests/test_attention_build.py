@@ -171,7 +171,7 @@ def test_dynamic_is_a_key_only_when_on():
     assert not any(default_config(d, dv, varlen=True).dynamic for d, dv in HEAD_DIMS
                    if (d, dv) != (128, 128))  # fmt: skip
     # the static deal it replaced: the bench's `static` variant
-    (static,) = [dict(p) for p in SPEC.candidate_params() if dict(p)["head_dim"] == 128]
+    (static,) = [dict(p) for p in SPEC.candidate_params() if dict(p)["varlen"]]
     assert static["varlen"] and "dynamic" not in static
     key = dict(params_for("bfloat16", 128, 128, True, dyn, varlen=True))
     assert key["dynamic"] and AttnConfig.from_params(key) == dyn
@@ -188,6 +188,10 @@ def test_d192_schedule_candidates_are_keys_only_when_on():
     knobs = ("k_ahead", "wave_kv_mib")
     assert not any(k in dict(p) for p in SPEC.standard_params() for k in knobs)
     d192 = [dict(p) for p in SPEC.candidate_params() if dict(p)["head_dim"] == 192]
+    wave0 = [dict(p) for p in SPEC.candidate_params() if "wave_kv_mib" in dict(p)
+             and dict(p)["head_dim"] == 128]  # fmt: skip
+    assert sorted(p["causal"] for p in wave0) == [False, True]
+    assert all(p["wave_kv_mib"] == 0 and not p["varlen"] for p in wave0)
     assert [{k: p[k] for k in knobs if k in p} for p in d192] == list(D192_CANDIDATES)
     base = default_config(192, 128)
     for p in d192:

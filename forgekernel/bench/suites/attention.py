@@ -256,7 +256,9 @@ GRID_TIMED = {
 # `kahead` loads K a key block ahead of V (AttnConfig.k_ahead: FA4's and FA3's load order),
 # `wave0` puts the tile order in L2 sections at every size (AttnConfig.wave_kv_mib = 0: FA4's
 # rule; of these cases only b8 s2048 runs in the global order by default, HBM-bound), and
-# `wave0_kahead` both, each on the head dims' default config otherwise. Their bf16 causal
+# `wave0_kahead` both, each on the head dims' default config otherwise; `wave0` on the two
+# D = 128 MHA cases that run in the global order near the HBM bound as well (controls of the
+# same mechanism: 4.0-4.2 TB/s of K / V re-read a tile each, H200 2026-12-05). Their bf16
 # kernels are SPEC.candidate_params.
 CONFIG_CANDIDATES: dict[str, dict[str, dict[str, Any]]] = {
     "d192": {
@@ -268,8 +270,11 @@ CONFIG_CANDIDATES: dict[str, dict[str, dict[str, Any]]] = {
         "kahead": {"k_ahead": True},
         "wave0_kahead": {"k_ahead": True, "wave_kv_mib": 0},
     },
+    "d128-global": {"wave0": {"wave_kv_mib": 0}},
 }
 CONFIG_TIMED = {
+    "b8-hq32-hkv32-s2048-d128": "d128-global",
+    "b16-hq32-hkv32-s1024-d128-causal": "d128-global",
     "b2-hq128-hkv128-s8192-d192-dv128-causal": "d192",
     "b8-hq128-hkv128-s2048-d192-dv128-causal": "d192-global",
     "b1-hq128-hkv128-s16384-d192-dv128-causal": "d192",
