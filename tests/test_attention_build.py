@@ -183,21 +183,26 @@ def test_dynamic_is_a_key_only_when_on():
 
 def test_d192_schedule_candidates_are_keys_only_when_on():
     """k_ahead and wave_kv_mib (docs/attention/NOTES.md, "192/128 against FA4's schedule") are
-    in no standard key (their defaults), in the three 192/128 candidate keys (bf16 causal,
-    fixed length) as set, and round-trip through the key; paged refuses k_ahead."""
-    knobs = ("k_ahead", "wave_kv_mib")
-    assert not any(k in dict(p) for p in SPEC.standard_params() for k in knobs)
+    in no standard key (their defaults), in the 192/128 candidate keys (bf16 causal, fixed
+    length) as set, and round-trip through the key; paged refuses k_ahead. D = 128 has
+    wave_kv_mib 0 candidates (both masks: the bench's controls)."""
+    assert not any(k in dict(p) for p in SPEC.standard_params() for k in ("k_ahead", "wave_kv_mib"))
+
+    def knobs_of(p: dict) -> dict:
+        set_ = {k: p[k] for k in ("k_ahead", "wave_kv_mib") if k in p}
+        return set_ | ({"o_direct": True} if p["o_direct"] else {})
+
     d192 = [dict(p) for p in SPEC.candidate_params() if dict(p)["head_dim"] == 192]
+    assert [knobs_of(p) for p in d192] == list(D192_CANDIDATES)
     wave0 = [dict(p) for p in SPEC.candidate_params() if "wave_kv_mib" in dict(p)
              and dict(p)["head_dim"] == 128]  # fmt: skip
     assert sorted(p["causal"] for p in wave0) == [False, True]
-    assert all(p["wave_kv_mib"] == 0 and not p["varlen"] for p in wave0)
-    assert [{k: p[k] for k in knobs if k in p} for p in d192] == list(D192_CANDIDATES)
+    assert all(knobs_of(p) == {"wave_kv_mib": 0} and not p["varlen"] for p in wave0)
     base = default_config(192, 128)
     for p in d192:
         assert p["dtype"] == "bfloat16" and p["causal"] and not p["varlen"]
         cfg = AttnConfig.from_params(p)
-        assert cfg == replace(base, **{k: p[k] for k in knobs if k in p})
+        assert cfg == replace(base, **knobs_of(p))
         assert dict(params_for("bfloat16", 192, 128, True, cfg)) == p
     assert replace(base, k_ahead=True, wave_kv_mib=0).tag() == base.tag() + "_kahead_wave0"
     with pytest.raises(ValueError, match="k_ahead"):
@@ -207,10 +212,10 @@ def test_d192_schedule_candidates_are_keys_only_when_on():
 @pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
 def test_d192_schedule_candidates_build_as_the_standard(tmp_path):
     """The candidates change the producer's load order (k_ahead: K of the next block before V
-    of the current, one more TMA issue site) and the section threshold (wave_kv_mib: one
-    compare's constant), not the consumers: 168 registers, no local memory, and the
-    consumers' WGMMA, MUFU and wait counts of the standard 192/128 build (CPU 2026-12-05:
-    unmasked step 503 instructions in both)."""
+    of the current, one more TMA issue site), the section threshold (wave_kv_mib: one
+    compare's constant) and the epilogue (o_direct), not the mainloop: 168 registers, no
+    local memory, and the WGMMA, MUFU and wait counts of the standard 192/128 build (CPU
+    2026-12-05: unmasked step 503 instructions in each)."""
     std_rec, std = _build_with_sass(params_for("bfloat16", 192, 128, True), tmp_path)
     for params in (p for p in SPEC.candidate_params() if dict(p)["head_dim"] == 192):
         rec, sass = _build_with_sass(params, tmp_path)
