@@ -310,7 +310,7 @@ def test_bench_config_variants_pass_their_config(cpu_kernel):
         knobs = suite.CONFIG_CANDIDATES[kind]
         if p["d"] == 192:
             assert p["dv"] == 128 and p["causal"] and set(runs) == set(knobs)
-            assert ("wave0" in runs) == (p["sq"] == 2048 == p["sk"])
+            assert ("wave0" in runs) == (p["sq"] == 2048 == p["sk"])  # the global-order one
         else:  # the D = 128 controls: MHA in the global order
             assert p["hq"] == p["hkv"] and set(runs) == {"wave0"}
         for name, run in runs.items():
@@ -320,6 +320,7 @@ def test_bench_config_variants_pass_their_config(cpu_kernel):
                 torch.testing.assert_close(g, w, rtol=0, atol=0)
             (key,) = KEYS
             assert {n: key[n] for n in knobs[name]} == knobs[name]
+            assert DYNAMIC[-1] == bool(knobs[name].get("dynamic"))  # the counter passed
             assert tuple(sorted(key.items())) in candidates
     assert [c[2] for c in cpu_kernel] == [132] * len(cpu_kernel)
     assert len(suite.CONFIG_TIMED) == 6

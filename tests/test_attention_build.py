@@ -184,16 +184,18 @@ def test_dynamic_is_a_key_only_when_on():
 def test_d192_schedule_candidates_are_keys_only_when_on():
     """k_ahead and wave_kv_mib (docs/attention/NOTES.md, "192/128 against FA4's schedule") are
     in no standard key (their defaults), in the 192/128 candidate keys (bf16 causal, fixed
-    length) as set, and round-trip through the key; paged refuses k_ahead. D = 128 has
-    wave_kv_mib 0 candidates (both masks: the bench's controls)."""
+    length; with the tile counter and O from registers) as set, and round-trip through the
+    key; paged refuses k_ahead. D = 128 has wave_kv_mib 0 candidates (both masks: the bench's
+    controls)."""
     assert not any(k in dict(p) for p in SPEC.standard_params() for k in ("k_ahead", "wave_kv_mib"))
 
     def knobs_of(p: dict) -> dict:
-        set_ = {k: p[k] for k in ("k_ahead", "wave_kv_mib") if k in p}
+        set_ = {k: p[k] for k in ("k_ahead", "dynamic", "wave_kv_mib") if k in p}
         return set_ | ({"o_direct": True} if p["o_direct"] else {})
 
     d192 = [dict(p) for p in SPEC.candidate_params() if dict(p)["head_dim"] == 192]
     assert [knobs_of(p) for p in d192] == list(D192_CANDIDATES)
+    assert len(d192) == 7
     wave0 = [dict(p) for p in SPEC.candidate_params() if "wave_kv_mib" in dict(p)
              and dict(p)["head_dim"] == 128]  # fmt: skip
     assert sorted(p["causal"] for p in wave0) == [False, True]

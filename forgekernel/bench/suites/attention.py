@@ -254,24 +254,26 @@ GRID_TIMED = {
 
 # 192/128 against FA4's schedule (docs/attention/NOTES.md, "192/128 against FA4's schedule"):
 # `kahead` loads K a key block ahead of V (AttnConfig.k_ahead: FA4's and FA3's load order),
-# `wave0` puts the tile order in L2 sections at every size (AttnConfig.wave_kv_mib = 0: FA4's
-# rule; of these cases only b8 s2048 runs in the global order by default, HBM-bound), and
-# `wave0_kahead` both, and at b8 s2048 (8.5 key blocks a tile) `wave0_odirect` (O stored
-# from registers: the next tile's Q no longer waits for O's TMA store out of Q's buffer), each
-# on the head dims' default config otherwise; `wave0` on the two
-# D = 128 MHA cases that run in the global order near the HBM bound as well (controls of the
-# same mechanism: 4.0-4.2 TB/s of K / V re-read a tile each, H200 2026-12-05). Their bf16
-# kernels are SPEC.candidate_params.
+# `dyn` takes the tiles from a counter (AttnConfig.dynamic: FA3's dynamic persistent deal; FA4
+# gets the hardware's, one CTA a tile), so that a section's tiles run together and its K / V is
+# read from L2; `wave0` puts the tile order in L2 sections at every size (AttnConfig.wave_kv_mib
+# = 0: FA4's rule; of these cases only b8 s2048 runs in the global order by default,
+# HBM-bound), there with each of the others and with `odirect` (O stored from registers: the
+# next tile's Q no longer waits for O's TMA store out of Q's buffer, 8.5 key blocks a tile);
+# `wave0` on the two D = 128 MHA cases that run in the global order near the HBM bound as well
+# (controls of the mechanism: 4.0-4.2 TB/s of K / V re-read a tile each, H200 2026-12-05). Each
+# on the head dims' default config otherwise; the bf16 kernels are SPEC.candidate_params.
 CONFIG_CANDIDATES: dict[str, dict[str, dict[str, Any]]] = {
     "d192": {
         "kahead": {"k_ahead": True},
-        "wave0_kahead": {"k_ahead": True, "wave_kv_mib": 0},
+        "dyn": {"dynamic": True},
+        "dyn_kahead": {"dynamic": True, "k_ahead": True},
     },
     "d192-global": {
         "wave0": {"wave_kv_mib": 0},
-        "kahead": {"k_ahead": True},
         "wave0_kahead": {"k_ahead": True, "wave_kv_mib": 0},
-        "wave0_odirect": {"wave_kv_mib": 0, "o_direct": True},
+        "wave0_dyn": {"dynamic": True, "wave_kv_mib": 0},
+        "wave0_odirect": {"o_direct": True, "wave_kv_mib": 0},
     },
     "d128-global": {"wave0": {"wave_kv_mib": 0}},
 }

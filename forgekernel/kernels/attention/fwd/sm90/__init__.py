@@ -80,15 +80,19 @@ def _paged_params() -> list[Params]:
     return found
 
 
-# 192/128 against FA4's schedule (docs/attention/NOTES.md): K a block ahead of V, L2
-# sections at every size, both, sections with O stored from registers; the bench's
-# CONFIG_CANDIDATES (bf16 causal, fixed length),
-# and L2 sections at every size for D = 128 (bf16, fixed length, both masks: the controls).
+# 192/128 against FA4's schedule (docs/attention/NOTES.md): K a block ahead of V, the tile
+# counter (FA3's dynamic persistent deal), both; L2 sections at every size alone and with each
+# of those and with O stored from registers; the bench's CONFIG_CANDIDATES (bf16 causal, fixed
+# length), and L2 sections at every size for D = 128 (bf16, fixed length, both masks: the
+# controls).
 D192_CANDIDATES = (
     {"k_ahead": True},
+    {"dynamic": True},
+    {"dynamic": True, "k_ahead": True},
     {"wave_kv_mib": 0},
     {"k_ahead": True, "wave_kv_mib": 0},
-    {"wave_kv_mib": 0, "o_direct": True},
+    {"dynamic": True, "wave_kv_mib": 0},
+    {"o_direct": True, "wave_kv_mib": 0},
 )
 
 
