@@ -55,7 +55,11 @@ class AttnConfig:
     the page-table slot (not with paged; snake ignored) and launches one CTA a SM. On for the
     D = 128 varlen default (`_VARLEN_DEFAULTS`): H200 2026-12-04 00:46, 0.935 of the static
     deal's time (4 CTAs a SM) on chunked prefill, 0.963 / 0.989 on the two dense varlen
-    cases; fixed length lost (0.984 / 1.011), so it stays off there.
+    cases; fixed length lost (0.984 / 1.011, GQA D = 128), so it stays off there. Candidate
+    for 192/128 fixed length (CPU only, 2026-12-05): MHA tiles in L2 sections read their K / V
+    from L2 only if a section's tiles run together, which the static deal does not keep (an
+    LRU model: 5-40 GB from HBM at s8192 / s16384 against 1.3-2.2 with the counter;
+    docs/attention/NOTES.md, "192/128 against FA4's schedule").
 
     k_ahead: the producer loads K of the next key block before V of the current one (FA4's
     and FA3's order with the S / P V overlap: K of block n_max - 1, then Q, then (K_{n-1},
