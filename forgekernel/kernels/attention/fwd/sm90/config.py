@@ -65,10 +65,10 @@ class AttnConfig:
     and FA3's order with the S / P V overlap: K of block n_max - 1, then Q, then (K_{n-1},
     V_n) pairs, V of the last block last), instead of K and V of one block together after Q's
     turn. The consumers need K one step before V (S_j and P_{j-1} V_{j-1} issue together), so
-    this doubles K's lead over its S GEMM (about two steps instead of one: K's stage frees as
-    soon as its S is done, V's only when its P V is), and Q no longer queues behind the first
-    V. Not with paged. Candidate (192/128, CPU only, 2026-12-05): docs/attention/NOTES.md,
-    "192/128 against FA4's schedule".
+    K's lead over its S GEMM grows from about 1.5 steps to 2 (K's stage frees as soon as its
+    S is done, V's only when its P V is, and ours issues K behind the V before it), and Q no
+    longer queues behind the first V. Not with paged. Candidate (192/128, CPU only,
+    2026-12-05): docs/attention/NOTES.md, "192/128 against FA4's schedule".
 
     wave_kv_mib: the tile order goes in L2 sections when one wave of longest-first tiles
     would read more K and V than this (`scheduler.longest_first`, WAVE_KV_LIMIT_KIB = 320

@@ -642,8 +642,8 @@ class AttentionFwdSm90:
         """`k_ahead`'s order of one tile's loads: K of block n_block_max - 1, Q, then K of each
         next block before V of the one before it, V of block 0 last (Q alone when no block is
         visible). K's stages free as soon as their S GEMM is done, V's only once their P V is:
-        issued first, K waits on neither V's stage nor the P V, about two steps ahead of its S
-        GEMM instead of one. Each pipeline still fills its stages in the consumers' order.
+        issued first, K waits on neither V's stage nor the P V: about two steps ahead of its S
+        GEMM instead of about 1.5. Each pipeline still fills its stages in the consumers' order.
         q_load: as `_load_blocks`'; q_state: Q's (the caller advances it). Returns the K/V
         pipeline state."""
         tma_q, tQgQ, tQsQ, q_pipe, m_block = q_load
