@@ -142,6 +142,7 @@ def packed_ref(qp, k, v, causal, scale, group):
 
 
 DYNAMIC: list[bool] = []  # cpu_kernel's launches: whether each ran a dynamic-tiles kernel
+KEYS: list[dict] = []  # cpu_kernel's launches: each one's compile key
 
 
 @pytest.fixture
@@ -151,6 +152,7 @@ def cpu_kernel(monkeypatch):
     stride) and records (scale, qgroup, num_ctas, max_seqlen_q) per launch."""
     calls = []
     DYNAMIC.clear()
+    KEYS.clear()
 
     def get_kernel(spec, params):
         p = dict(params)
@@ -163,6 +165,7 @@ def cpu_kernel(monkeypatch):
             else:
                 assert page_table is None
             DYNAMIC.append(bool(p.get("dynamic")))
+            KEYS.append(p)
             scale = scale_log2 / LOG2E
             if p["varlen"]:
                 assert qgroup == 1
@@ -282,6 +285,46 @@ def test_bench_grid_variants_pass_their_grid(cpu_kernel):
     assert DYNAMIC == [True] + [bool(k.get("dynamic")) for k in knobs.values()]
     assert set(suite.GRID_TIMED.values()) == {"varlen"}
     assert suite.variants(suite.CHECK_CASES[0]) == {}
+
+
+def test_bench_config_variants_pass_their_config(cpu_kernel):
+    """The suite's CONFIG_CANDIDATES (192/128 against FA4's schedule) reach the kernel as the
+    default config with their knobs set (the candidate keys, SPEC.candidate_params), on the
+    default grid, and write what the default launch writes; the 192/128 cases carry them, b8
+    s2048 (the one in the global tile order) also `wave0` alone, as do the two D = 128 MHA
+    controls."""
+    from forgekernel.bench.suites import attention as suite
+    from forgekernel.kernels.attention.fwd.sm90 import SPEC
+
+    candidates = {tuple(sorted(dict(p).items())) for p in SPEC.candidate_params()}
+    for case in suite.BENCH_CASES:
+        runs = suite.variants(case)
+        kind = suite.CONFIG_TIMED.get(case.name)
+        if kind is None:
+            assert not runs or case.name in suite.GRID_TIMED
+            continue
+        p = case.params
+        q, k, v = qkv(b=1, sq=130, sk=300, hq=4, hkv=4, d=p["d"], dv=p["dv"])
+        inputs = {"q": q, "k": k, "v": v, "causal": p["causal"], "softmax_scale": None}
+        want = suite.run_ours(inputs, None)
+        knobs = suite.CONFIG_CANDIDATES[kind]
+        if p["d"] == 192:
+            assert p["dv"] == 128 and p["causal"] and set(runs) == set(knobs)
+            assert ("wave0" in runs) == (p["sq"] == 2048 == p["sk"])  # the global-order one
+        else:  # the D = 128 controls: MHA in the global order
+            assert p["hq"] == p["hkv"] and set(runs) == {"wave0"}
+        for name, run in runs.items():
+            KEYS.clear()
+            got = run(inputs, None)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=0, atol=0)
+            (key,) = KEYS
+            assert {n: key[n] for n in knobs[name]} == knobs[name]
+            assert DYNAMIC[-1] == bool(knobs[name].get("dynamic"))  # the counter passed
+            assert tuple(sorted(key.items())) in candidates
+    assert [c[2] for c in cpu_kernel] == [132] * len(cpu_kernel)
+    assert len(suite.CONFIG_TIMED) == 6
+    assert set(suite.CONFIG_TIMED) <= {c.name for c in suite.BENCH_CASES}
 
 
 def test_forward_only_calls_keep_no_autograd_state(cpu_kernel):

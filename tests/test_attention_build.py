@@ -3,6 +3,7 @@ configuration, exports a loadable-shaped .so, and (when cuobjdump/nvdisasm are i
 `dev` extra) uses HGMMA and TMA with no local memory."""
 
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ pytest.importorskip("cutlass")
 
 from dsl_toolchain import dsl_toolchain  # noqa: E402  (tests/ is on the path)
 
-from forgekernel.kernels.attention.fwd.sm90 import SPEC  # noqa: E402
+from forgekernel.kernels.attention.fwd.sm90 import D192_CANDIDATES, SPEC  # noqa: E402
 from forgekernel.kernels.attention.fwd.sm90.config import (  # noqa: E402
     HEAD_DIMS,
     SMEM_CAPACITY,
@@ -170,7 +171,7 @@ def test_dynamic_is_a_key_only_when_on():
     assert not any(default_config(d, dv, varlen=True).dynamic for d, dv in HEAD_DIMS
                    if (d, dv) != (128, 128))  # fmt: skip
     # the static deal it replaced: the bench's `static` variant
-    (static,) = [dict(p) for p in SPEC.candidate_params() if not dict(p)["page_box"]]
+    (static,) = [dict(p) for p in SPEC.candidate_params() if dict(p)["varlen"]]
     assert static["varlen"] and "dynamic" not in static
     key = dict(params_for("bfloat16", 128, 128, True, dyn, varlen=True))
     assert key["dynamic"] and AttnConfig.from_params(key) == dyn
@@ -178,6 +179,55 @@ def test_dynamic_is_a_key_only_when_on():
     assert AttnConfig.from_params(std) == default_config(128, 128) and dyn.tag().endswith("_dyn")
     with pytest.raises(ValueError, match="paged"):
         params_for("bfloat16", 128, 128, True, dyn, varlen=True, page_box=16)
+
+
+def test_d192_schedule_candidates_are_keys_only_when_on():
+    """k_ahead and wave_kv_mib (docs/attention/NOTES.md, "192/128 against FA4's schedule") are
+    in no standard key (their defaults), in the 192/128 candidate keys (bf16 causal, fixed
+    length; with the tile counter and O from registers) as set, and round-trip through the
+    key; paged refuses k_ahead. D = 128 has wave_kv_mib 0 candidates (both masks: the bench's
+    controls)."""
+    assert not any(k in dict(p) for p in SPEC.standard_params() for k in ("k_ahead", "wave_kv_mib"))
+
+    def knobs_of(p: dict) -> dict:
+        set_ = {k: p[k] for k in ("k_ahead", "dynamic", "wave_kv_mib") if k in p}
+        return set_ | ({"o_direct": True} if p["o_direct"] else {})
+
+    d192 = [dict(p) for p in SPEC.candidate_params() if dict(p)["head_dim"] == 192]
+    assert [knobs_of(p) for p in d192] == list(D192_CANDIDATES)
+    assert len(d192) == 7
+    wave0 = [dict(p) for p in SPEC.candidate_params() if "wave_kv_mib" in dict(p)
+             and dict(p)["head_dim"] == 128]  # fmt: skip
+    assert sorted(p["causal"] for p in wave0) == [False, True]
+    assert all(knobs_of(p) == {"wave_kv_mib": 0} and not p["varlen"] for p in wave0)
+    base = default_config(192, 128)
+    for p in d192:
+        assert p["dtype"] == "bfloat16" and p["causal"] and not p["varlen"]
+        cfg = AttnConfig.from_params(p)
+        assert cfg == replace(base, **knobs_of(p))
+        assert dict(params_for("bfloat16", 192, 128, True, cfg)) == p
+    assert replace(base, k_ahead=True, wave_kv_mib=0).tag() == base.tag() + "_kahead_wave0"
+    with pytest.raises(ValueError, match="k_ahead"):
+        params_for("bfloat16", 128, 128, True, AttnConfig(k_ahead=True), varlen=True, page_box=16)
+
+
+@pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
+def test_d192_schedule_candidates_build_as_the_standard(tmp_path):
+    """The candidates change the producer's load order (k_ahead: K of the next block before V
+    of the current, one more TMA issue site), the section threshold (wave_kv_mib: one
+    compare's constant) and the epilogue (o_direct), not the mainloop: 168 registers, no
+    local memory, and the WGMMA, MUFU and wait counts of the standard 192/128 build (CPU
+    2026-12-05: unmasked step 503 instructions in each)."""
+    std_rec, std = _build_with_sass(params_for("bfloat16", 192, 128, True), tmp_path)
+    for params in (p for p in SPEC.candidate_params() if dict(p)["head_dim"] == 192):
+        rec, sass = _build_with_sass(params, tmp_path)
+        assert rec["registers"] == std_rec["registers"] and rec["spill_bytes"] == 0, params
+        assert rec["sass"].get("LDL", 0) == 0 and rec["sass"].get("STL", 0) == 0, params
+        for op in ("HGMMA", "MUFU.EX2", "WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR", "F2FP"):
+            assert sass.count(op) == std.count(op), (params, op)
+        assert "BRA.U.ANY" not in sass, params
+        if dict(params).get("k_ahead"):
+            assert rec["sass"]["UTMALDG"] > std_rec["sass"]["UTMALDG"], params
 
 
 def test_unsupported_head_dims_are_refused():

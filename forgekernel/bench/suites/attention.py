@@ -252,14 +252,68 @@ GRID_TIMED = {
 }
 
 
+# 192/128 against FA4's schedule (docs/attention/NOTES.md, "192/128 against FA4's schedule"):
+# `kahead` loads K a key block ahead of V (AttnConfig.k_ahead: FA4's and FA3's load order),
+# `dyn` takes the tiles from a counter (AttnConfig.dynamic: FA3's dynamic persistent deal; FA4
+# gets the hardware's, one CTA a tile), so that a section's tiles run together and its K / V is
+# read from L2; `wave0` puts the tile order in L2 sections at every size (AttnConfig.wave_kv_mib
+# = 0: FA4's rule; of these cases only b8 s2048 runs in the global order by default,
+# HBM-bound), there with each of the others and with `odirect` (O stored from registers: the
+# next tile's Q no longer waits for O's TMA store out of Q's buffer, 8.5 key blocks a tile);
+# `wave0` on the two D = 128 MHA cases that run in the global order near the HBM bound as well
+# (controls of the mechanism: 4.0-4.2 TB/s of K / V re-read a tile each, H200 2026-12-05). Each
+# on the head dims' default config otherwise; the bf16 kernels are SPEC.candidate_params.
+CONFIG_CANDIDATES: dict[str, dict[str, dict[str, Any]]] = {
+    "d192": {
+        "kahead": {"k_ahead": True},
+        "dyn": {"dynamic": True},
+        "dyn_kahead": {"dynamic": True, "k_ahead": True},
+    },
+    "d192-global": {
+        "wave0": {"wave_kv_mib": 0},
+        "wave0_kahead": {"k_ahead": True, "wave_kv_mib": 0},
+        "wave0_dyn": {"dynamic": True, "wave_kv_mib": 0},
+        "wave0_odirect": {"o_direct": True, "wave_kv_mib": 0},
+    },
+    "d128-global": {"wave0": {"wave_kv_mib": 0}},
+}
+CONFIG_TIMED = {
+    "b8-hq32-hkv32-s2048-d128": "d128-global",
+    "b16-hq32-hkv32-s1024-d128-causal": "d128-global",
+    "b2-hq128-hkv128-s8192-d192-dv128-causal": "d192",
+    "b8-hq128-hkv128-s2048-d192-dv128-causal": "d192-global",
+    "b1-hq128-hkv128-s16384-d192-dv128-causal": "d192",
+    "b1-hq128-hkv128-sq2048-sk16384-d192-dv128-causal": "d192",
+}
+
+
 def variants(case: Case) -> dict[str, Any]:
-    """The GRID_CANDIDATES of a GRID_TIMED case's kind."""
+    """The GRID_CANDIDATES of a GRID_TIMED case's kind, the CONFIG_CANDIDATES of a
+    CONFIG_TIMED one's."""
     kind = GRID_TIMED.get(case.name)
-    if kind is None:
-        return {}
-    return {
-        name: functools.partial(run_grid, **knobs) for name, knobs in GRID_CANDIDATES[kind].items()
-    }
+    if kind is not None:
+        grids = GRID_CANDIDATES[kind]
+        return {name: functools.partial(run_grid, **knobs) for name, knobs in grids.items()}
+    kind = CONFIG_TIMED.get(case.name)
+    if kind is not None:
+        configs = CONFIG_CANDIDATES[kind]
+        return {name: functools.partial(run_config, **knobs) for name, knobs in configs.items()}
+    return {}
+
+
+def run_config(inputs: Inputs, out: tuple | None, **knobs: Any) -> tuple:
+    """Ours (fixed length) through the leaf's launcher with the head dims' default config, the
+    AttnConfig fields in `knobs` replaced, on the default grid; validated inputs (the
+    suite's) into `out`."""
+    from forgekernel.kernels.attention.fwd.sm90.config import default_config
+    from forgekernel.kernels.attention.fwd.sm90.launch import attention_fwd
+
+    o, lse = out if out is not None else alloc_out(inputs)
+    q, v, causal, scale = inputs["q"], inputs["v"], inputs["causal"], inputs["softmax_scale"]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    cfg = dataclasses.replace(default_config(q.shape[-1], v.shape[-1]), **knobs)
+    attention_fwd(q, inputs["k"], v, o, lse, scale, causal, config=cfg)
+    return o, lse
 
 
 def run_grid(inputs: Inputs, out: tuple | None, ctas_per_sm: int = 1, dynamic: int = 0) -> tuple:

@@ -80,12 +80,35 @@ def _paged_params() -> list[Params]:
     return found
 
 
+# 192/128 against FA4's schedule (docs/attention/NOTES.md): K a block ahead of V, the tile
+# counter (FA3's dynamic persistent deal), both; L2 sections at every size alone and with each
+# of those and with O stored from registers; the bench's CONFIG_CANDIDATES (bf16 causal, fixed
+# length), and L2 sections at every size for D = 128 (bf16, fixed length, both masks: the
+# controls).
+D192_CANDIDATES = (
+    {"k_ahead": True},
+    {"dynamic": True},
+    {"dynamic": True, "k_ahead": True},
+    {"wave_kv_mib": 0},
+    {"k_ahead": True, "wave_kv_mib": 0},
+    {"dynamic": True, "wave_kv_mib": 0},
+    {"o_direct": True, "wave_kv_mib": 0},
+)
+
+
 def _candidate_params() -> list[Params]:
     """The static deal of the D = 128 varlen launch (its default before the tile counter),
     bf16 causal: the bench's `static` variant (docs/attention/NOTES.md, "Measured 2026-12-04
-    00:40-00:50")."""
+    00:40-00:50"); the 192/128 schedule candidates (D192_CANDIDATES); D = 128 in L2 sections
+    at every size."""
     static = replace(default_config(128, 128, varlen=True), dynamic=False)
-    return [params_for("bfloat16", 128, 128, True, static, varlen=True)]
+    d192 = [replace(default_config(192, 128), **knobs) for knobs in D192_CANDIDATES]
+    wave0 = replace(default_config(128, 128), wave_kv_mib=0)
+    return (
+        [params_for("bfloat16", 128, 128, True, static, varlen=True)]
+        + [params_for("bfloat16", 192, 128, True, cfg) for cfg in d192]
+        + [params_for("bfloat16", 128, 128, causal, wave0) for causal in (True, False)]
+    )
 
 
 SPEC = KernelSpec(

@@ -55,7 +55,27 @@ class AttnConfig:
     the page-table slot (not with paged; snake ignored) and launches one CTA a SM. On for the
     D = 128 varlen default (`_VARLEN_DEFAULTS`): H200 2026-12-04 00:46, 0.935 of the static
     deal's time (4 CTAs a SM) on chunked prefill, 0.963 / 0.989 on the two dense varlen
-    cases; fixed length lost (0.984 / 1.011), so it stays off there.
+    cases; fixed length lost (0.984 / 1.011, GQA D = 128), so it stays off there. Candidate
+    for 192/128 fixed length (CPU only, 2026-12-05): MHA tiles in L2 sections read their K / V
+    from L2 only if a section's tiles run together, which the static deal does not keep (an
+    LRU model: 5-40 GB from HBM at s8192 / s16384 against 1.3-2.2 with the counter;
+    docs/attention/NOTES.md, "192/128 against FA4's schedule").
+
+    k_ahead: the producer loads K of the next key block before V of the current one (FA4's
+    and FA3's order with the S / P V overlap: K of block n_max - 1, then Q, then (K_{n-1},
+    V_n) pairs, V of the last block last), instead of K and V of one block together after Q's
+    turn. The consumers need K one step before V (S_j and P_{j-1} V_{j-1} issue together), so
+    K's lead over its S GEMM grows from about 1.5 steps to 2 (K's stage frees as soon as its
+    S is done, V's only when its P V is, and ours issues K behind the V before it), and Q no
+    longer queues behind the first V. Not with paged. Candidate (192/128, CPU only,
+    2026-12-05): docs/attention/NOTES.md, "192/128 against FA4's schedule".
+
+    wave_kv_mib: the tile order goes in L2 sections when one wave of longest-first tiles
+    would read more K and V than this (`scheduler.longest_first`, WAVE_KV_LIMIT_KIB = 320
+    MiB); 0: always in sections (FA4's and FA3's rule). 192/128 b8 hq128 s2048 (a 166 MiB
+    wave: the global order) reads every K / V block from HBM once per tile (12.7 GB in 3.13
+    ms, 4.1 TB/s on the H200: memory-bound, 0.854 of FA4, which sections 32 heads there).
+    Candidate, as k_ahead.
 
     Variants measured and dropped from the kernel are listed in docs/attention/NOTES.md."""
 
@@ -67,21 +87,27 @@ class AttnConfig:
     o_direct: bool = False
     l2_kv_mib: int = 24
     dynamic: bool = False
+    k_ahead: bool = False
+    wave_kv_mib: int = 320
 
     def tag(self) -> str:
         """Short name for tables: 128x128_s2 (plus _early without the late rescale, _snake
         with the snake order, _odirect with O stored from registers, _secN with N MiB L2
-        sections, _dyn with the tile counter)."""
+        sections, _dyn with the tile counter, _kahead with K loaded a block ahead of V, _waveN
+        with sections past an N MiB wave)."""
         tag = f"{self.tile_m}x{self.tile_n}_s{self.stages}"
         tag = tag if self.late_rescale else tag + "_early"
         tag = tag + "_snake" if self.snake else tag
         tag = tag + "_odirect" if self.o_direct else tag
         tag = tag if self.l2_kv_mib == 24 else tag + f"_sec{self.l2_kv_mib}"
-        return tag + "_dyn" if self.dynamic else tag
+        tag = tag + "_dyn" if self.dynamic else tag
+        tag = tag + "_kahead" if self.k_ahead else tag
+        return tag if self.wave_kv_mib == 320 else tag + f"_wave{self.wave_kv_mib}"
 
     @classmethod
     def from_params(cls, params: dict) -> AttnConfig:
-        """The config of a compile key (`params_for`; a key without `dynamic`: off)."""
+        """The config of a compile key (`params_for`; a knob absent from the key: its
+        default)."""
         return cls(**{f.name: params[f.name] for f in fields(cls) if f.name in params})
 
 
@@ -243,8 +269,13 @@ def params_for(
         "page_box": int(page_box),
         **asdict(cfg),
     }
-    if not cfg.dynamic:  # the keys (and cache entries) of every config before the knob
-        del key["dynamic"]
+    # The keys (and cache entries) of every config before these knobs: each is in a key only
+    # when it is not its default.
+    for name, off in (("dynamic", False), ("k_ahead", False), ("wave_kv_mib", 320)):
+        if key[name] == off:
+            del key[name]
+    if cfg.k_ahead and page_box:
+        raise ValueError("k_ahead is not for the paged mode (its page boxes)")
     if view_group and (not packed or cfg.tile_m % view_group):
         raise ValueError(f"view_group {view_group}: packed only, dividing tile_m ({cfg.tile_m})")
     if packed and not view_group:  # the copy form: measured slower, dropped (PAGED_NOTES.md)
