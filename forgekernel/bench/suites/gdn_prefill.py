@@ -199,8 +199,8 @@ def variants(case: Case) -> dict[str, Any]:
     direct launch beside the segmented one where the launcher segments (`segments_1`), and the
     segments that would fill one wave where it does not but might (N HV <= SMs / 4: 5 at
     1 x hv32, the model's break-even, launch.segments_for). `t_pre` (T precomputed, the
-    launcher's other choices its own) on every case (segmented, each of the three passes
-    precomputes T again for its own offsets: an upper bound there)."""
+    launcher's other choices its own) on every case (segmented: T precomputed once for all
+    three passes, each reading its own view)."""
     from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import v_split_for
     from forgekernel.kernels.linear_attention.gdn_prefill.sm90.launch import segments_for
 

@@ -115,6 +115,8 @@ def t_diag_beta(
     t = torch.empty(shape, dtype=k.dtype, device=k.device) if out is None else out
     if t.shape != shape or t.dtype != k.dtype:
         raise ValueError(f"out must be {shape} {k.dtype}, got {tuple(t.shape)} {t.dtype}")
+    if not t.is_contiguous() or t.data_ptr() % 16:
+        raise ValueError("out must be contiguous and 16-byte aligned (the TMA store's buffer)")
     fn = get_kernel(T_PRE_SPEC, t_pre_params_for(dtype_name(k.dtype), k.shape[-1], l2norm=l2norm))
     with on_device(k.device):
         fn(_aligned(k), g, beta, cu_seqlens, t)
