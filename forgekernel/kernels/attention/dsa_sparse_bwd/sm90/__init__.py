@@ -18,8 +18,13 @@ from forgekernel.runtime.spec import KernelSpec, Params
 
 
 def _compile(params: Params, extra_options: str = ""):
-    from forgekernel.kernels.attention.dsa_sparse_bwd.sm90.compile import compile_sparse_bwd
+    from forgekernel.kernels.attention.dsa_sparse_bwd.sm90.compile import (
+        compile_h64,
+        compile_sparse_bwd,
+    )
 
+    if "h64" in dict(params):  # the bench variant h64 (kernel_h64.py)
+        return compile_h64(dict(params), "sm_90a", extra_options)
     return compile_sparse_bwd(dict(params), "sm_90a", extra_options)
 
 
