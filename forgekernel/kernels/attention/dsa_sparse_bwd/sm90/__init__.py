@@ -10,7 +10,9 @@ from pathlib import Path
 from forgekernel.kernels.attention.dsa_sparse_bwd.sm90.config import (
     BLOCKS,
     DTYPES,
+    H64_PARTS,
     params_for,
+    params_h64,
     standard_red4s,
     standard_xchg,
 )
@@ -59,13 +61,22 @@ def _candidate_params() -> list[Params]:
     ]
 
 
+def _h64_params() -> list[Params]:
+    """The bench variant h64's builds (kernel_h64.py), both dtypes (the GPU tests take fp16
+    too), and its kv part without reductions (the probe's split)."""
+    return [
+        *(params_h64(d, part) for d in DTYPES for part in H64_PARTS),
+        params_h64("bfloat16", "kv", reduce=False),
+    ]
+
+
 SPEC = KernelSpec(
     name="dsa_sparse_bwd_sm90",
     arch="sm_90a",
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
-    candidate_params=_candidate_params,
+    candidate_params=lambda: [*_candidate_params(), *_h64_params()],
     representative=lambda: params_for("bfloat16", 16, xchg=True, red4s=True),
 )
 
