@@ -35,10 +35,13 @@ def test_params_h64():
         config.params_h64("bfloat16", "dkv")
     with pytest.raises(ValueError, match="kv part only"):
         config.params_h64("bfloat16", "dq", reduce=False)
+    with pytest.raises(ValueError, match="kv part only"):
+        config.params_h64("bfloat16", "dq", shfl4=False)
+    assert dict(config.params_h64("bfloat16", "kv", shfl4=False))["v2"] is True
     with pytest.raises(ValueError, match="dtype"):
         config.params_h64("float32", "kv")
     cands = [p for p in SPEC.candidate_params() if "h64" in dict(p)]
-    assert len(cands) == len(set(cands)) == 5
+    assert len(cands) == len(set(cands)) == 6
     assert {(dict(p)["dtype"], dict(p)["h64"]) for p in cands} == {
         (d, part) for d in config.DTYPES for part in config.H64_PARTS}  # fmt: skip
     assert not {dict(p).get("h64") for p in SPEC.standard_params()} - {None}

@@ -207,19 +207,25 @@ def test_fragment_coordinates_the_kernel_assumes():
         assert kv[i][0] == 1 + 8 * ((i // 2) % 2) and kv[i + 1] == (kv[i][0], kv[i][1] + 1)
 
 
-@pytest.mark.parametrize("dtype", config.DTYPES)
-def test_h64_kv_kernel(dtype):
+@pytest.mark.parametrize("dtype,shfl4", [(d, True) for d in config.DTYPES]
+                         + [("bfloat16", False)])  # fmt: skip
+def test_h64_kv_kernel(dtype, shfl4):
     """The h64 kv part (kernel_h64.py): no spills under 56 / 224; S^T (36) in the first consumer
     warpgroup, dP^T (32) in the second, dkv blocks with K = 64 heads (4 k-steps each: 36 / 32),
-    all m64n64k16; the fragments' 144 red.global.add.v2 (80 / 64); dS into the workspace by 16
+    all m64n64k16; dkv by 72 red.global.add.v4.f32 after 144 butterfly shuffles (shfl4, 8 / 16 a
+    block) or the fragments' 144 red.global.add.v2 (80 / 64); dS into the workspace by 16
     32-bit stores (8 a warpgroup); q / dO / rows by cp.async (36 + 32 + 36); four named
     barriers a consumer path plus the start's sync; the waits per group of MMAs."""
-    res, ops = _compiled(config.params_h64(dtype, "kv"))
+    res, ops = _compiled(config.params_h64(dtype, "kv", shfl4=shfl4))
     assert res["spill_bytes"] == 0 and ops["LDL"] == ops["STL"] == 0
     assert res["registers"] <= 65536 // config.THREADS
     assert ops["HGMMA"] == 36 + 32 + 4 * (9 + 8) == 136
-    assert ops["HGMMA"] == len(re.findall(r"HGMMA\.64x64x16\.F32", _sass_of(dtype, "kv")))
-    assert ops["RED_V2"] == ops["REDG"] == 144 and ops["RED_V4"] == 0
+    assert ops["HGMMA"] == len(re.findall(r"HGMMA\.64x64x16\.F32", _sass_of(dtype, "kv", shfl4)))
+    if shfl4:
+        assert ops["RED_V4"] == ops["REDG"] == 72 and ops["RED_V2"] == 0
+        assert ops["SHFL"] == 144
+    else:
+        assert ops["RED_V2"] == ops["REDG"] == 144 and ops["RED_V4"] == ops["SHFL"] == 0
     assert ops["STG"] == 16
     assert ops["LDGSTS"] == 9 * 4 + 8 * 4 + 9 * 4
     assert ops["BAR"] == 2 * 4 + 1
@@ -242,18 +248,19 @@ def test_h64_dq_kernel(dtype):
 _SASS: dict = {}
 
 
-def _sass_of(dtype, part) -> str:
+def _sass_of(dtype, part, shfl4=True) -> str:
     """The SASS text of an h64 build (compiled once a session)."""
-    if (dtype, part) not in _SASS:
+    if (dtype, part, shfl4) not in _SASS:
+        params = config.params_h64(dtype, part, shfl4=shfl4)
         with tempfile.TemporaryDirectory() as d:
-            compiled = SPEC.compile(config.params_h64(dtype, part), f"--keep-cubin --dump-dir {d}")
+            compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {d}")
             cubin = compiled.artifacts.CUBIN
             if isinstance(cubin, bytes):
                 path = Path(d) / "k.cubin"
                 path.write_bytes(cubin)
                 cubin = str(path)
-            _SASS[dtype, part] = sass_text(cubin)
-    return _SASS[dtype, part]
+            _SASS[dtype, part, shfl4] = sass_text(cubin)
+    return _SASS[dtype, part, shfl4]
 
 
 def test_h64_fragment_coordinates():
@@ -292,3 +299,57 @@ def test_h64_fragment_coordinates():
         assert all(r == r0 + 8 * ((e // 2) % 2) for e, (r, _) in enumerate(sdp))
         assert all(sdp[2 * j + 1] == (sdp[2 * j][0], sdp[2 * j][1] + 1) for j in range(16))
         assert [kv[2 * h][0] for h in range(2)] == [r0, r0 + 8]
+
+
+def _frag(lane: int, e: int) -> tuple[int, int]:
+    """(row, column) of raw element e of lane's m64n64 accumulator in warp 0 (the WGMMA
+    fragment: rows lane // 4 + 8 ((e // 2) % 2), columns 8 (e // 4) + 2 (lane % 4) + e % 2)."""
+    return lane // 4 + 8 * ((e // 2) % 2), 8 * (e // 4) + 2 * (lane % 4) + e % 2
+
+
+def test_h64_shfl4_covers_every_element_once():
+    """kernel_h64.py `_reduce_shfl4` replayed on one warp's dkv fragment: after the butterfly
+    exchange each lane's four floats a (row half, group pair) are four adjacent columns of one
+    row starting at the column the kernel computes (a multiple of 4), holding the accumulator's
+    values there, and the warp's quads cover its 16 rows x 64 columns once. The fragment rule
+    `_frag` checked against the DSL's partition on four lanes (a probe of all 32 exhausts the
+    DSL's memory)."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.cute.nvgpu import OperandMajorMode
+
+    seen = {}
+
+    @cute.jit
+    def probe():
+        kv = sm90_utils.make_trivial_tiled_mma(
+            cutlass.BFloat16, cutlass.BFloat16, OperandMajorMode.K, OperandMajorMode.MN,
+            cutlass.Float32, (1, 1, 1), (config.TILE, config.CHUNK))  # fmt: skip
+        for lane in (0, 1, 6, 31):
+            crd = kv.get_slice(lane).partition_C(
+                cute.make_identity_tensor((config.TILE, config.CHUNK)))  # fmt: skip
+            seen[lane] = [crd[i] for i in range(cute.size(crd))]
+
+    cute.compile(probe)
+    for lane, crd in seen.items():
+        assert crd == [_frag(lane, e) for e in range(32)]
+    covered = []
+    for lane in range(32):
+        odd = lane % 2 == 1
+        acc = [_frag(lane, e) for e in range(32)]  # each element's value is its coordinate
+        partner = [_frag(lane ^ 1, e) for e in range(32)]
+        for h in range(2):
+            for g in range(4):
+                ev, od = 8 * g + 2 * h, 8 * g + 4 + 2 * h
+                # what the partner sends (its parity's choice): the odd lane its even group's
+                # pair, the even lane its odd group's
+                got = [partner[od + x] if odd else partner[ev + x] for x in range(2)]
+                keep = [acc[od + x] if odd else acc[ev + x] for x in range(2)]
+                quad = got + keep if odd else keep + got
+                col = acc[od][1] - 2 if odd else acc[ev][1]
+                row = acc[ev][0]
+                assert col % 4 == 0
+                assert quad == [(row, col + x) for x in range(4)]
+                covered += quad
+    assert sorted(covered) == sorted((r, c) for r in range(16) for c in range(64))

@@ -63,10 +63,11 @@ def _candidate_params() -> list[Params]:
 
 def _h64_params() -> list[Params]:
     """The bench variant h64's builds (kernel_h64.py), both dtypes (the GPU tests take fp16
-    too), and its kv part without reductions (the probe's split)."""
+    too), and for the probe its kv part without reductions and with the v2 reductions."""
     return [
         *(params_h64(d, part) for d in DTYPES for part in H64_PARTS),
         params_h64("bfloat16", "kv", reduce=False),
+        params_h64("bfloat16", "kv", shfl4=False),
     ]
 
 

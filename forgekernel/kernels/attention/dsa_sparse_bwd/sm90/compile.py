@@ -78,7 +78,7 @@ def compile_h64(params: dict, arch: str = "sm_90a", extra_options: str = ""):
         for _ in range(2)
     ]
     return cute.compile(
-        DsaSparseBwdKvSm90(not params.get("noreduce", False)),
+        DsaSparseBwdKvSm90(not params.get("noreduce", False), not params.get("v2", False)),
         fake.rowmajor(dtype, (tokens, heads, WIDTH)),
         kv,
         fake.rowmajor(dtype, (tokens, heads, D_V)),

@@ -201,9 +201,11 @@ def h64_workspace_rows(topk: int) -> int:
     return -(-topk // TILE) * TILE
 
 
-def params_h64(dtype: str, part: str, reduce: bool = True) -> tuple:
+def params_h64(dtype: str, part: str, reduce: bool = True, shfl4: bool = True) -> tuple:
     """Compile key of an h64 kernel: dtype and part (`kv` or `dq`); reduce False (kv only): the
-    timing probe's build whose dkv reductions never run."""
+    timing probe's build whose dkv reductions never run; shfl4 (kv only): dkv by
+    red.global.add.v4.f32 after a butterfly shuffle (the variant's form), False: kernel.py's
+    fragments' red.global.add.v2 (the probe's comparison)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if part not in H64_PARTS:
@@ -213,4 +215,8 @@ def params_h64(dtype: str, part: str, reduce: bool = True) -> tuple:
         if part != "kv":
             raise ValueError("reduce=False applies to the kv part only")
         keys["noreduce"] = True
+    if not shfl4:
+        if part != "kv":
+            raise ValueError("shfl4=False applies to the kv part only")
+        keys["v2"] = True
     return tuple(sorted(keys.items()))

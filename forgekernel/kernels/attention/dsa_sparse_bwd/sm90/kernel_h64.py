@@ -12,9 +12,9 @@ dq out of the tile loop into a second kernel:
   (no dq^T MMA here), so the gather of tile i + 1 runs under the rest of tile i. Then kernel.py's
   xchg exchange (FREE, XCHG, XREAD over P^T / dS^T's bytes), P^T / dS^T of the own half of the
   heads into shared memory, and dS also into the workspace mWs[token, position, head] (16-bit,
-  two heads a 32-bit store), then the dkv blocks (config.DKV_BLOCKS split, K = the 64 heads)
-  with the fragments' red.global.add.v2 (no room for red4s's staging: the stage is refilled
-  under them).
+  two heads a 32-bit store), then the dkv blocks (config.DKV_BLOCKS split, K = the 64 heads),
+  added by red.global.add.v4.f32 after one butterfly shuffle a float (`_reduce_shfl4`; no room
+  for red4s's staging: the stage is refilled under them), or kernel.py's v2 (key `v2`).
 
 `DsaSparseBwdDqSm90` (part `dq`), grid (tokens, H / 64), 512 threads:
 - warpgroup 0 gathers the rows again into two stages, with the tile's dS (64 positions x 64
@@ -124,10 +124,12 @@ def _load_block(m3, a, b0, c0, n_rows: cutlass.Constexpr[int], dst, k0,
 
 class DsaSparseBwdKvSm90:
     """Part `kv` (module docstring). reduce False: the timing probe's build (the reductions'
-    guard never true, dkv stays 0)."""
+    guard never true, dkv stays 0); shfl4 True: the dkv blocks added by red.global.add.v4.f32
+    after one butterfly shuffle a float (`_reduce_shfl4`), False: kernel.py's v2 form."""
 
-    def __init__(self, reduce: bool = True):
+    def __init__(self, reduce: bool = True, shfl4: bool = True):
         self.reduce = reduce
+        self.shfl4 = shfl4
 
     def _setup(self, dt):
         k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
@@ -356,9 +358,45 @@ class DsaSparseBwdKvSm90:
             if const_expr(c < VCHUNK):
                 gemm(mma_kv, acc, tKP[None, None, None, 0], tKdO[None, None, None, c], False, 2)
             if const_expr(j > 0):
-                self._reduce_v2(kv_accs[(j - 1) % 2], kv_crd, rids, mdKV, blocks[j - 1])
+                self._reduce(kv_accs[(j - 1) % 2], kv_crd, rids, mdKV, blocks[j - 1])
         warpgroup.wait_group(0)
-        self._reduce_v2(kv_accs[(len(blocks) - 1) % 2], kv_crd, rids, mdKV, blocks[-1])
+        self._reduce(kv_accs[(len(blocks) - 1) % 2], kv_crd, rids, mdKV, blocks[-1])
+
+    @cute.jit
+    def _reduce(self, acc, kv_crd, rids, mdKV, c: cutlass.Constexpr[int]):
+        if const_expr(self.shfl4):
+            self._reduce_shfl4(acc, kv_crd, rids, mdKV, c)
+        else:
+            self._reduce_v2(acc, kv_crd, rids, mdKV, c)
+
+    @cute.jit
+    def _reduce_shfl4(self, acc, kv_crd, rids, mdKV, c: cutlass.Constexpr[int]):
+        """dkv[row, 64 c ..] += the block, four columns a red.global.add.v4.f32 (half v2's
+        instructions, two sectors a row line instead of one, no shared memory): lanes l and
+        l ^ 1 hold columns 8 v + 2 (l % 4) .. + 1 of each 8-column group v (raw pairs 4 v + 2 h,
+        row half h); for each pair of groups (2 g, 2 g + 1) the even lane keeps its group-2g pair
+        and takes its partner's (columns + 2, + 3), the odd lane keeps its group-(2g + 1) pair
+        behind its partner's: one butterfly shuffle a float, 16 a block."""
+        lane = cute.arch.lane_idx()
+        odd = (lane % 2) == 1
+        for h in cutlass.range_constexpr(2):
+            quads = cute.make_rmem_tensor((4, 4), Float32)
+            for g in cutlass.range_constexpr(4):
+                ev, od = 8 * g + 2 * h, 8 * g + 4 + 2 * h
+                for x in cutlass.range_constexpr(2):
+                    send = Float32(cutlass.select_(odd, acc[ev + x], acc[od + x]))
+                    keep = Float32(cutlass.select_(odd, acc[od + x], acc[ev + x]))
+                    got = cute.arch.shuffle_sync_bfly(send, offset=1)
+                    quads[x, g] = Float32(cutlass.select_(odd, got, keep))
+                    quads[2 + x, g] = Float32(cutlass.select_(odd, keep, got))
+            ok = rids[h] >= 0 if const_expr(self.reduce) else rids[h] == -2  # ids are >= -1
+            if ok:
+                row = mdKV[rids[h], None]
+                for g in cutlass.range_constexpr(4):
+                    ev, od = 8 * g + 2 * h, 8 * g + 4 + 2 * h
+                    col = Int32(cutlass.select_(odd, kv_crd[od][1] - 2, kv_crd[ev][1]))
+                    cute.arch.red(row.iterator + (c * CHUNK + col), quads[None, g].load(),
+                                  op="add", dtype=Float32, sem="relaxed", scope="gpu")  # fmt: skip
 
     @cute.jit
     def _reduce_v2(self, acc, kv_crd, rids, mdKV, c: cutlass.Constexpr[int]):
