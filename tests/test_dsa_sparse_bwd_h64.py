@@ -172,7 +172,10 @@ def test_h64_launcher_rejects_and_keys(monkeypatch):
     assert launch.h64_unsupported(q) is None
     lse = torch.zeros(q.shape[:2])
     launch.dsa_sparse_bwd(q, kv, dout, dout, lse, None, None, idx, 0.1, h64=True, reduce=False)
+    launch.dsa_sparse_bwd(q, kv, dout, dout, lse, None, None, idx, 0.1, h64=True, h64_v2=True)
     keys = [tuple(sorted(c[0].items())) for c in calls]
     assert keys == [config.params_h64("bfloat16", "kv", reduce=False),
+                    config.params_h64("bfloat16", "dq"),
+                    config.params_h64("bfloat16", "kv", shfl4=False),
                     config.params_h64("bfloat16", "dq")]  # fmt: skip
     assert set(keys) <= set(SPEC.candidate_params())

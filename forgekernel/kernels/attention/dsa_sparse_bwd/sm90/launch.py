@@ -83,6 +83,7 @@ def dsa_sparse_bwd(
     red4s: bool | None = None,
     pre: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     h64: bool = False,
+    h64_v2: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq (tokens, H, 576) in q's dtype, dkv (slots, 576) fp32, d_sink (H,) fp32): q
     (tokens, H, 576), kv (slots, 576) in one 16-bit dtype, dout / out (tokens, H, 512), lse /
@@ -100,7 +101,8 @@ def dsa_sparse_bwd(
     preprocess kernel, kernels/attention/dsa_sparse_bwd_pre/sm90), None: `preprocess` here
     (torch). h64 True (H a multiple of 64; xchg / red4s ignored): the bench variant `h64`
     (kernel_h64.py: 64 heads a CTA, dkv and a dS workspace, then dq = dS K in a second
-    kernel). `unsupported` must be None for these inputs."""
+    kernel; h64_v2 True: its kv part with the fragments' red.global.add.v2, the probe's
+    comparison). `unsupported` must be None for these inputs."""
     lse2, delta, d_sink = preprocess(out, dout, lse, dlse, attn_sink) if pre is None else pre
     tokens, heads, _ = q.shape
     if dq is None:
@@ -110,7 +112,7 @@ def dsa_sparse_bwd(
         return dq.zero_(), dkv, d_sink
     idx = topk_indices if topk_indices.stride(-1) == 1 else topk_indices.contiguous()
     if h64:
-        _launch_h64(q, kv, dout, lse2, delta, idx, dq, dkv, softmax_scale, reduce)
+        _launch_h64(q, kv, dout, lse2, delta, idx, dq, dkv, softmax_scale, reduce, not h64_v2)
         return dq, dkv, d_sink
     block = config.block_heads(heads)
     if xchg is None:
@@ -132,7 +134,9 @@ def h64_unsupported(q: torch.Tensor) -> str | None:
     return None
 
 
-def _launch_h64(q, kv, dout, lse2, delta, idx, dq, dkv, softmax_scale: float, reduce: bool):
+def _launch_h64(
+    q, kv, dout, lse2, delta, idx, dq, dkv, softmax_scale: float, reduce: bool, shfl4: bool
+):
     """The two h64 kernels: `kv` (dkv into the accumulator, dS into a (tokens, whole tiles, H)
     workspace in q's dtype), then `dq` (dq = dS K, every element of dq written)."""
     why = h64_unsupported(q)
@@ -142,7 +146,7 @@ def _launch_h64(q, kv, dout, lse2, delta, idx, dq, dkv, softmax_scale: float, re
     rows = config.h64_workspace_rows(idx.shape[1])
     ws = torch.empty(tokens, rows, heads, dtype=q.dtype, device=q.device)
     name = dtype_name(q.dtype)
-    kv_kernel = get_kernel(SPEC, config.params_h64(name, "kv", reduce))
+    kv_kernel = get_kernel(SPEC, config.params_h64(name, "kv", reduce, shfl4))
     dq_kernel = get_kernel(SPEC, config.params_h64(name, "dq"))
     with on_device(q.device):
         kv_kernel(as_tma_ready(q), as_tma_ready(kv), as_tma_ready(dout), lse2, delta, idx, ws,
