@@ -236,13 +236,16 @@ def test_h64_kv_kernel(dtype, shfl4):
 def test_h64_dq_kernel(dtype):
     """The h64 dq part: three consumer warpgroups at setmaxnreg 152 (512 threads: 128 registers
     at launch), no spills with 96 accumulator registers; 3 x 3 dq^T blocks of 4 k-steps (36
-    m64n64k16); the rows and the dS block by cp.async (36 + 4); no reductions."""
+    m64n64k16); the rows and the dS block by cp.async (36 + 4); no reductions; the producer at
+    lag 1 (one cp.async group left in flight before signalling the previous tile)."""
     res, ops = _compiled(config.params_h64(dtype, "dq"))
     assert res["spill_bytes"] == 0 and ops["LDL"] == ops["STL"] == 0
     assert res["registers"] <= 65536 // config.H64_DQ_THREADS
     assert ops["HGMMA"] == 36
     assert ops["LDGSTS"] == 9 * 4 + 4
     assert ops["REDG"] == 0
+    sass = _sass_of(dtype, "dq")
+    assert sass.count("DEPBAR.LE SB0, 0x1 ") == 1 and sass.count("DEPBAR.LE SB0, 0x0 ") == 1
 
 
 _SASS: dict = {}
