@@ -66,7 +66,8 @@ def _h64_dq_part(q, kv, idx):
     rows = config.h64_workspace_rows(idx.shape[1])
     ws = torch.randn(q.shape[0], rows, q.shape[1], device=q.device).to(q.dtype)
     dq = torch.empty_like(q)
-    kernel = get_kernel(SPEC, config.params_h64("bfloat16", "dq"))
+    dq_heads = config.h64_dq_heads(q.shape[1])
+    kernel = get_kernel(SPEC, config.params_h64("bfloat16", "dq", dq_heads=dq_heads))
     return lambda: kernel(kv, idx, ws, dq)
 
 

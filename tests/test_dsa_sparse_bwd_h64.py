@@ -41,9 +41,15 @@ def test_params_h64():
     with pytest.raises(ValueError, match="dtype"):
         config.params_h64("float32", "kv")
     cands = [p for p in SPEC.candidate_params() if "h64" in dict(p)]
-    assert len(cands) == len(set(cands)) == 6
-    assert {(dict(p)["dtype"], dict(p)["h64"]) for p in cands} == {
-        (d, part) for d in config.DTYPES for part in config.H64_PARTS}  # fmt: skip
+    assert len(cands) == len(set(cands)) == 8
+    assert dict(config.params_h64("bfloat16", "dq", dq_heads=128))["dq_heads"] == 128
+    with pytest.raises(ValueError, match="dq_heads"):
+        config.params_h64("bfloat16", "kv", dq_heads=128)
+    with pytest.raises(ValueError, match="dq_heads"):
+        config.params_h64("bfloat16", "dq", dq_heads=96)
+    assert {(dict(p)["dtype"], dict(p)["h64"], dict(p).get("dq_heads", 64)) for p in cands} == {
+        *((d, part, 64) for d in config.DTYPES for part in config.H64_PARTS),
+        *((d, "dq", 128) for d in config.DTYPES)}  # fmt: skip
     assert not {dict(p).get("h64") for p in SPEC.standard_params()} - {None}
 
 
@@ -56,12 +62,16 @@ def test_h64_budgets():
     assert config.h64_kv_bytes() == 73728 + 65536 + 73728 + 16384 + 1024 <= SMEM_CAPACITY
     assert config.h64_kv_bytes() + config.stage_bytes() > SMEM_CAPACITY
     assert config.h64_dq_bytes() == 2 * (73728 + 8192) + 1024 <= SMEM_CAPACITY
+    assert config.h64_dq_bytes(128) == 2 * (24576 + 16384) + 1024
     assert (config.PRODUCER_REGS * THREADS_PER_WG
             + config.H64_DQ_CONSUMER_REGS * config.H64_DQ_CONSUMERS * THREADS_PER_WG
             <= REGISTERS_PER_SM)  # fmt: skip
-    acc = TILE * config.CHUNK // THREADS_PER_WG  # fp32 a thread a 64 x 64 block
-    assert max(len(b) for b in config.H64_DQ_BLOCKS) * acc == 96
-    assert sorted(b for bl in config.H64_DQ_BLOCKS for b in bl) == list(range(config.NCHUNK))
+    for heads, regs in ((64, 96), (128, 64)):  # fp32 accumulators a consumer thread
+        per_wg = config.H64_DQ_CHUNKS_PER_WG[heads]
+        assert per_wg * config.CHUNK * heads // THREADS_PER_WG == regs
+        # the column groups of one head block tile the nine 64-column blocks
+        assert config.NCHUNK % config.h64_dq_chunks(heads) == 0
+    assert [config.h64_dq_heads(h) for h in (64, 128, 192, 256)] == [64, 128, 64, 128]
     assert config.H64_DQ_THREADS == 512
     assert [config.h64_workspace_rows(k) for k in (1, 64, 65, 100, 2048)] == [64, 64, 128, 128,
                                                                                2048]  # fmt: skip
@@ -143,8 +153,9 @@ def test_h64_launches_replayed_give_the_reference(monkeypatch, dtype, heads, top
     dq = torch.full_like(q, float("nan"))
     got = launch.dsa_sparse_bwd(q, kv, dout, out, lse, dlse, sink, idx, scale, dq=dq, h64=True)
     # two launches, kv then dq, on one workspace of whole tiles
-    assert [c[0] for c in calls] == [dict(config.params_h64(dtype_name(dtype), part))
-                                     for part in ("kv", "dq")]  # fmt: skip
+    name = dtype_name(dtype)
+    assert [c[0] for c in calls] == [dict(config.params_h64(name, "kv")), dict(
+        config.params_h64(name, "dq", dq_heads=config.h64_dq_heads(heads)))]  # fmt: skip
     ws = calls[0][1][6]
     assert ws is calls[1][1][2]
     assert ws.shape == (tokens, config.h64_workspace_rows(topk), heads) and ws.dtype == dtype

@@ -233,6 +233,20 @@ def test_h64_kv_kernel(dtype, shfl4):
 
 
 @pytest.mark.parametrize("dtype", config.DTYPES)
+def test_h64_dq_kernel_128(dtype):
+    """The h64 dq part at 128 heads a CTA (one 192-column group): one dq^T block a consumer
+    warpgroup at m64n128 (3 x 4 k-steps), the group's three row chunks (3 x 4 cp.async) and the
+    dS block 128 heads wide (8), no spills."""
+    res, ops = _compiled(config.params_h64(dtype, "dq", dq_heads=128))
+    assert res["spill_bytes"] == 0 and ops["LDL"] == ops["STL"] == 0
+    assert res["registers"] <= 65536 // config.H64_DQ_THREADS
+    sass = _sass_of(dtype, "dq", dq_heads=128)
+    assert ops["HGMMA"] == 12 == len(re.findall(r"HGMMA\.64x128x16\.F32", sass))
+    assert ops["LDGSTS"] == 3 * 4 + 8
+    assert sass.count("DEPBAR.LE SB0, 0x1 ") == 1
+
+
+@pytest.mark.parametrize("dtype", config.DTYPES)
 def test_h64_dq_kernel(dtype):
     """The h64 dq part: three consumer warpgroups at setmaxnreg 152 (512 threads: 128 registers
     at launch), no spills with 96 accumulator registers; 3 x 3 dq^T blocks of 4 k-steps (36
@@ -251,10 +265,10 @@ def test_h64_dq_kernel(dtype):
 _SASS: dict = {}
 
 
-def _sass_of(dtype, part, shfl4=True) -> str:
+def _sass_of(dtype, part, shfl4=True, dq_heads=64) -> str:
     """The SASS text of an h64 build (compiled once a session)."""
-    if (dtype, part, shfl4) not in _SASS:
-        params = config.params_h64(dtype, part, shfl4=shfl4)
+    if (dtype, part, shfl4, dq_heads) not in _SASS:
+        params = config.params_h64(dtype, part, shfl4=shfl4, dq_heads=dq_heads)
         with tempfile.TemporaryDirectory() as d:
             compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {d}")
             cubin = compiled.artifacts.CUBIN
@@ -262,8 +276,8 @@ def _sass_of(dtype, part, shfl4=True) -> str:
                 path = Path(d) / "k.cubin"
                 path.write_bytes(cubin)
                 cubin = str(path)
-            _SASS[dtype, part, shfl4] = sass_text(cubin)
-    return _SASS[dtype, part, shfl4]
+            _SASS[dtype, part, shfl4, dq_heads] = sass_text(cubin)
+    return _SASS[dtype, part, shfl4, dq_heads]
 
 
 def test_h64_fragment_coordinates():

@@ -66,6 +66,7 @@ def _h64_params() -> list[Params]:
     too), and for the probe its kv part without reductions and with the v2 reductions."""
     return [
         *(params_h64(d, part) for d in DTYPES for part in H64_PARTS),
+        *(params_h64(d, "dq", dq_heads=128) for d in DTYPES),
         params_h64("bfloat16", "kv", reduce=False),
         params_h64("bfloat16", "kv", shfl4=False),
     ]

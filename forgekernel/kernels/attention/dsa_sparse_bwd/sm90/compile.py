@@ -64,7 +64,7 @@ def compile_h64(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     kv = fake.rowmajor(dtype, (slots, WIDTH))
     if params["h64"] == "dq":
         return cute.compile(
-            DsaSparseBwdDqSm90(),
+            DsaSparseBwdDqSm90(params.get("dq_heads", 64)),
             kv,
             idx,
             ws,

@@ -16,12 +16,16 @@ dq out of the tile loop into a second kernel:
   added by red.global.add.v4.f32 after one butterfly shuffle a float (`_reduce_shfl4`; no room
   for red4s's staging: the stage is refilled under them), or kernel.py's v2 (key `v2`).
 
-`DsaSparseBwdDqSm90` (part `dq`), grid (tokens, H / 64), 512 threads:
-- warpgroup 0 gathers the rows again into two stages, with the tile's dS (64 positions x 64
-  heads, 128 bytes a row of the workspace) beside them, two tiles in flight (lag 1);
-- warpgroups 1 .. 3 (setmaxnreg 152): dq^T blocks config.H64_DQ_BLOCKS[w] (three 64-column
-  blocks each) += K_b^T dS^T (m64 n64 k64, both operands MN-major views), in registers over the
-  tiles (96 a thread); empty[stage] after their wait; dq stored at the end.
+`DsaSparseBwdDqSm90` (part `dq`), grid (tokens, H / 64), 512 threads
+  (at H a multiple of 128: grid (tokens, H / 128 x 3), 128 heads and one 192-column group a
+  CTA, so that the rows are gathered once a token, not twice)
+- warpgroup 0 gathers the rows again (the CTA's column blocks) into two stages, with the
+  tile's dS (64 positions x 64 / 128 heads of the workspace) beside them, two tiles in flight
+  (lag 1);
+- warpgroups 1 .. 3 (setmaxnreg 152): dq^T of three 64-column blocks each at 64 heads (m64
+  n64, 96 registers a thread) or one at 128 heads (m64 n128, 64 registers) += K_b^T dS^T (k64,
+  both operands MN-major views), in registers over the tiles; empty[stage] after their wait;
+  dq stored at the end.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from forgekernel.kernels.attention.dsa_sparse_bwd.sm90.config import (
     D_V,
     DKV_BLOCKS,
     H64_BLOCK,
-    H64_DQ_BLOCKS,
+    H64_DQ_CHUNKS_PER_WG,
     H64_DQ_CONSUMER_REGS,
     H64_DQ_CONSUMERS,
     H64_DQ_STAGES,
@@ -77,8 +81,10 @@ class Bar(IntEnum):
 
 
 @cute.jit
-def _gather_tile(mKV, mIdx, token, i, sKV, k0, sRows, gcopy, tid):
-    """Tile i's 64 listed rows of `token` into sKV[:, :, k0 .. k0 + NCHUNK], cp.async by
+def _gather_tile(mKV, mIdx, token, i, sKV, k0, sRows, gcopy, tid,
+                 n_chunks: cutlass.Constexpr[int] = NCHUNK, c0=0):  # fmt: skip
+    """Tile i's 64 listed rows of `token`, column blocks c0 .. c0 + n_chunks, into sKV[:, :, k0
+    .. k0 + n_chunks], cp.async by
     the 128 producer threads (8 a row, 4 rows a thread); invalid entries (position >= topk, -1,
     outside [0, slots)) zero-filled (a stale or never-written row would put 0 x NaN into an
     MMA) and, if sRows is given, their id -1 there. Not committed."""
@@ -96,12 +102,12 @@ def _gather_tile(mKV, mIdx, token, i, sKV, k0, sRows, gcopy, tid):
         if const_expr(sRows is not None):
             if crd[0, m, 0][1] == 0:
                 sRows[r] = rows[m]
-    for k in cutlass.range_constexpr(NCHUNK):
+    for k in cutlass.range_constexpr(n_chunks):
         d = thr.partition_D(sKV[None, None, k0 + k])
         for m in cutlass.range_constexpr(per_thread):
             if rows[m] >= 0:
                 row = mKV[rows[m], None]
-                seg = cute.make_tensor(row.iterator + k * CHUNK, cute.make_layout(CHUNK))
+                seg = cute.make_tensor(row.iterator + (c0 + k) * CHUNK, cute.make_layout(CHUNK))
                 copy_row_async(gcopy, seg, CHUNK, d[None, m, None], crd[None, m, None])
             else:
                 d[None, m, None].fill(0.0)
@@ -412,19 +418,31 @@ class DsaSparseBwdKvSm90:
 
 
 class DsaSparseBwdDqSm90:
-    """Part `dq` (module docstring): dq = dS K of 64 heads a CTA."""
+    """Part `dq` (module docstring): dq = dS K of `heads` (64 or 128) heads a CTA. 64: the CTA
+    takes all nine 64-column blocks, three a consumer warpgroup (m64 n64); 128: one of three
+    column groups (config.h64_dq_groups), one block a warpgroup at m64 n128, so that at H 128
+    the rows are gathered once a token (three CTAs of 192 columns) instead of twice (two of 64
+    heads), for the workspace read three times (16 KB a tile a CTA)."""
+
+    def __init__(self, heads: int = B):
+        self.heads = heads
+        self.per_wg = H64_DQ_CHUNKS_PER_WG[heads]  # column blocks a consumer warpgroup
+        self.group = self.per_wg * H64_DQ_CONSUMERS  # column blocks a CTA (9 or 3)
+        self.groups = NCHUNK // self.group
 
     def _setup(self, dt):
         mn_major = OperandMajorMode.MN
-        # dq^T block (64 columns x 64 heads) += K_b^T dS^T: both operands MN-major views
+        # dq^T block (64 columns x heads) += K_b^T dS^T: both operands MN-major views
         self.mma_dq = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, mn_major, mn_major, Float32, (1, 1, 1), (CHUNK, B)
+            dt, dt, mn_major, mn_major, Float32, (1, 1, 1), (CHUNK, self.heads)
         )
         row = LayoutEnum.ROW_MAJOR
         self.lay_kv = sm90_utils.make_smem_layout_a(
-            row, (TILE, B, CHUNK), dt, NCHUNK * H64_DQ_STAGES
+            row, (TILE, B, CHUNK), dt, self.group * H64_DQ_STAGES
         )
-        self.lay_ds = sm90_utils.make_smem_layout_a(row, (TILE, CHUNK, B), dt, H64_DQ_STAGES)
+        self.lay_ds = sm90_utils.make_smem_layout_a(
+            row, (TILE, CHUNK, self.heads), dt, H64_DQ_STAGES
+        )
 
     @cute.jit
     def __call__(
@@ -436,7 +454,8 @@ class DsaSparseBwdDqSm90:
         stream: cuda.CUstream,
     ):
         """mKV (slots, 576), mIdx int32 (tokens, topk), mWs (tokens, >= TILE x tiles, H) the kv
-        part's dS (rows 16-byte aligned), mdQ (tokens, H, 576) row-major; one 16-bit dtype."""
+        part's dS (rows 16-byte aligned), mdQ (tokens, H, 576) row-major; one 16-bit dtype; H a
+        multiple of `heads`."""
         dt = mKV.element_type
         if const_expr(mWs.element_type != dt or mdQ.element_type != dt):
             raise TypeError("kv, the dS workspace and dq must share one 16-bit dtype")
@@ -450,7 +469,7 @@ class DsaSparseBwdDqSm90:
             ds: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.lay_ds)], 1024]
 
         self.shared = Shared
-        grid = (mdQ.shape[0], mdQ.shape[1] // B, 1)
+        grid = (mdQ.shape[0], mdQ.shape[1] // self.heads * self.groups, 1)
         self.kernel(mKV, mIdx, mWs, mdQ, self.mma_dq, self.lay_kv, self.lay_ds).launch(
             grid=grid, block=[H64_DQ_THREADS, 1, 1], min_blocks_per_mp=1, stream=stream
         )
@@ -467,10 +486,11 @@ class DsaSparseBwdDqSm90:
         lay_ds: cute.ComposedLayout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        token, hblk, _ = cute.arch.block_idx()
+        token, y, _ = cute.arch.block_idx()
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         tiles = cute.ceil_div(mIdx.shape[1], TILE)
-        where = (token, hblk * B, tiles)
+        # (token, first head, tiles, first column block of the CTA's group)
+        where = (token, (y // self.groups) * self.heads, tiles, (y % self.groups) * self.group)
         storage = SmemAllocator().allocate(self.shared)
         sKV = smem_tensor(storage.kv, lay_kv)
         sdS = smem_tensor(storage.ds, lay_ds)
@@ -497,17 +517,20 @@ class DsaSparseBwdDqSm90:
 
     @cute.jit
     def _produce(self, mKV, mIdx, mWs, sKV, sdS, full, empty, where, tid):
-        """Warpgroup 0: tile i's rows and its dS block (positions 64 i .., heads h0 ..) into stage
-        i % STAGES, lag 1: tile i's copies are issued before tile i - 1 is waited for and
-        signalled, so two tiles are in flight (the part is gather-bound: ~3,600 clk of L2
-        traffic a tile against ~1,150 of MMAs) and no tile waits on the next one's issue."""
-        token, h0, tiles = where
+        """Warpgroup 0: tile i's rows (the group's column blocks) and its dS block (positions
+        64 i .., heads h0 ..) into stage i % STAGES, lag 1: tile i's copies are issued before
+        tile i - 1 is waited for and signalled, so two tiles are in flight (the part is
+        gather-bound: ~3,600 clk of L2 traffic a tile against ~1,150 of MMAs at 64 heads) and
+        no tile waits on the next one's issue."""
+        token, h0, tiles, c0 = where
         gcopy = tiled_row_copy(mKV.element_type, CHUNK, THREADS_PER_WG)
+        dcopy = tiled_row_copy(mKV.element_type, self.heads, THREADS_PER_WG)
         for i in cutlass.range(tiles, unroll=1):
             s = i % H64_DQ_STAGES
             cute.arch.mbarrier_wait(empty + s, ((i // H64_DQ_STAGES) & 1) ^ 1)
-            _gather_tile(mKV, mIdx, token, i, sKV, s * NCHUNK, None, gcopy, tid)
-            _load_block(mWs, token, i * TILE, h0, TILE, sdS, s, 1, gcopy, tid)
+            _gather_tile(mKV, mIdx, token, i, sKV, s * self.group, None, gcopy, tid,
+                         self.group, c0)  # fmt: skip
+            _load_wide(mWs, token, i * TILE, h0, self.heads, sdS[None, None, s], dcopy, tid)
             cute.arch.cp_async_commit_group()
             if i > 0:
                 cute.arch.cp_async_wait_group(1)  # this thread's copies of tile i - 1
@@ -520,28 +543,44 @@ class DsaSparseBwdDqSm90:
     @cute.jit
     def _consume(self, mdQ, sKV, sdS, full, empty, mma_dq, where, ltid,
                  w: cutlass.Constexpr[int]):  # fmt: skip
-        """Consumer warpgroup w: dq^T blocks H64_DQ_BLOCKS[w] over every tile, then stored."""
-        token, h0, tiles = where
+        """Consumer warpgroup w: dq^T of the group's column blocks w x per_wg .. over every
+        tile, then stored."""
+        token, h0, tiles, c0 = where
         t_dq = mma_dq.get_slice(ltid)
         tQK = t_dq.make_fragment_A(t_dq.partition_A(transposed(sKV)))
         tQdS = t_dq.make_fragment_B(t_dq.partition_B(transposed(sdS)))
-        dq_accs = [cute.make_rmem_tensor(t_dq.partition_shape_C((CHUNK, B)), Float32)
-                   for _ in H64_DQ_BLOCKS[w]]  # fmt: skip
+        dq_accs = [cute.make_rmem_tensor(t_dq.partition_shape_C((CHUNK, self.heads)), Float32)
+                   for _ in range(self.per_wg)]  # fmt: skip
         for acc in dq_accs:
             acc.fill(0.0)
         for i in cutlass.range(tiles, unroll=1):
             s = i % H64_DQ_STAGES
             cute.arch.mbarrier_wait(full + s, (i // H64_DQ_STAGES) & 1)
-            for j, b in enumerate(H64_DQ_BLOCKS[w]):
-                gemm(mma_dq, dq_accs[j], tQK[None, None, None, s * NCHUNK + b],
-                     tQdS[None, None, None, s], False, -1)  # fmt: skip
+            for j in cutlass.range_constexpr(self.per_wg):
+                k = s * self.group + w * self.per_wg + j  # the stage's column block
+                gemm(mma_dq, dq_accs[j], tQK[None, None, None, k], tQdS[None, None, None, s],
+                     False, -1)  # fmt: skip
             warpgroup.wait_group(0)
             cute.arch.mbarrier_arrive(empty + s)
-        crd = t_dq.partition_C(cute.make_identity_tensor((CHUNK, B)))
-        for j, b in enumerate(H64_DQ_BLOCKS[w]):
+        crd = t_dq.partition_C(cute.make_identity_tensor((CHUNK, self.heads)))
+        for j in cutlass.range_constexpr(self.per_wg):
+            col0 = (c0 + w * self.per_wg + j) * CHUNK
             for e in cutlass.range_constexpr(cute.size(dq_accs[j])):
                 col, head = crd[e]
-                mdQ[token, h0 + head, b * CHUNK + col] = dq_accs[j][e].to(mdQ.element_type)
+                mdQ[token, h0 + head, col0 + col] = dq_accs[j][e].to(mdQ.element_type)
+
+
+@cute.jit
+def _load_wide(m3, a, b0, c0, width: cutlass.Constexpr[int], dst, gcopy, tid):
+    """Rows b0 .. b0 + TILE of m3[a], columns c0 .. c0 + width, into dst ((TILE, width), any
+    swizzled layout), cp.async by a `width`-wide tiled copy; not committed."""
+    thr = gcopy.get_slice(tid)
+    crd = thr.partition_S(cute.make_identity_tensor((TILE, width)))
+    d = thr.partition_D(dst)
+    for m in cutlass.range_constexpr(cute.size(d, mode=[1])):
+        row = m3[a, b0 + crd[0, m, 0][0], None]
+        seg = cute.make_tensor(row.iterator + c0, cute.make_layout(width))
+        copy_row_async(gcopy, seg, width, d[None, m, None], crd[None, m, None])
 
 
 __all__ = ["DsaSparseBwdDqSm90", "DsaSparseBwdKvSm90"]

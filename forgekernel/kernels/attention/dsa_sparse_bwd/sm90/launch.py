@@ -147,7 +147,7 @@ def _launch_h64(
     ws = torch.empty(tokens, rows, heads, dtype=q.dtype, device=q.device)
     name = dtype_name(q.dtype)
     kv_kernel = get_kernel(SPEC, config.params_h64(name, "kv", reduce, shfl4))
-    dq_kernel = get_kernel(SPEC, config.params_h64(name, "dq"))
+    dq_kernel = get_kernel(SPEC, config.params_h64(name, "dq", dq_heads=config.h64_dq_heads(heads)))
     with on_device(q.device):
         kv_kernel(as_tma_ready(q), as_tma_ready(kv), as_tma_ready(dout), lse2, delta, idx, ws,
                   dkv, softmax_scale * LOG2E, softmax_scale)  # fmt: skip
