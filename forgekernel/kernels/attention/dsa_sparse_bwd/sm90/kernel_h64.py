@@ -84,10 +84,9 @@ class Bar(IntEnum):
 def _gather_tile(mKV, mIdx, token, i, sKV, k0, sRows, gcopy, tid,
                  n_chunks: cutlass.Constexpr[int] = NCHUNK, c0=0):  # fmt: skip
     """Tile i's 64 listed rows of `token`, column blocks c0 .. c0 + n_chunks, into sKV[:, :, k0
-    .. k0 + n_chunks], cp.async by
-    the 128 producer threads (8 a row, 4 rows a thread); invalid entries (position >= topk, -1,
-    outside [0, slots)) zero-filled (a stale or never-written row would put 0 x NaN into an
-    MMA) and, if sRows is given, their id -1 there. Not committed."""
+    .. k0 + n_chunks], cp.async by the 128 producer threads (8 a row, 4 rows a thread); invalid
+    entries (position >= topk, -1, outside [0, slots)) zero-filled (a stale or never-written row
+    would put 0 x NaN into an MMA) and, if sRows is given, their id -1 there. Not committed."""
     thr = gcopy.get_slice(tid)
     crd = thr.partition_S(cute.make_identity_tensor((TILE, CHUNK)))
     per_thread = cute.size(crd, mode=[1])
@@ -114,17 +113,16 @@ def _gather_tile(mKV, mIdx, token, i, sKV, k0, sRows, gcopy, tid,
 
 
 @cute.jit
-def _load_block(m3, a, b0, c0, n_rows: cutlass.Constexpr[int], dst, k0,
-                n_chunks: cutlass.Constexpr[int], gcopy, tid):  # fmt: skip
-    """Rows b0 .. b0 + n_rows of m3[a], columns c0 + 64 k .. for k < n_chunks, into dst[:, :,
-    k0 + k] ((n_rows, CHUNK) tiles), cp.async; not committed."""
+def _load_heads(m3, token, h0, dst, n_chunks: cutlass.Constexpr[int], gcopy, tid):
+    """Rows h0 .. h0 + 64 of m3[token] (q or dO), chunk k (columns 64 k ..) into dst[:, :, k]
+    for k < n_chunks, cp.async; not committed."""
     thr = gcopy.get_slice(tid)
-    crd = thr.partition_S(cute.make_identity_tensor((n_rows, CHUNK)))
+    crd = thr.partition_S(cute.make_identity_tensor((B, CHUNK)))
     for k in cutlass.range_constexpr(n_chunks):
-        d = thr.partition_D(dst[None, None, k0 + k])
+        d = thr.partition_D(dst[None, None, k])
         for m in cutlass.range_constexpr(cute.size(d, mode=[1])):
-            row = m3[a, b0 + crd[0, m, 0][0], None]
-            seg = cute.make_tensor(row.iterator + (c0 + k * CHUNK), cute.make_layout(CHUNK))
+            row = m3[token, h0 + crd[0, m, 0][0], None]
+            seg = cute.make_tensor(row.iterator + k * CHUNK, cute.make_layout(CHUNK))
             copy_row_async(gcopy, seg, CHUNK, d[None, m, None], crd[None, m, None])
 
 
@@ -260,8 +258,8 @@ class DsaSparseBwdKvSm90:
         token, h0, tiles = where
         sKV, sQ, sdO, _, _, sRows, _ = sm
         gcopy = tiled_row_copy(mQ.element_type, CHUNK, THREADS_PER_WG)
-        _load_block(mQ, token, h0, 0, B, sQ, 0, NCHUNK, gcopy, tid)
-        _load_block(mdO, token, h0, 0, B, sdO, 0, VCHUNK, gcopy, tid)
+        _load_heads(mQ, token, h0, sQ, NCHUNK, gcopy, tid)
+        _load_heads(mdO, token, h0, sdO, VCHUNK, gcopy, tid)
         cute.arch.cp_async_commit_group()  # the oldest group: done when tile 0's is
         for i in cutlass.range(tiles, unroll=1):
             cute.arch.mbarrier_wait(empty, (i & 1) ^ 1)
