@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("cutlass")
 
 from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import SPEC, config  # noqa: E402
+from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY  # noqa: E402
 from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text  # noqa: E402
 
 if find_tool("cuobjdump") is None:
@@ -218,6 +219,8 @@ def test_h64_kv_kernel(dtype, shfl4):
     barriers a consumer path plus the start's sync; the waits per group of MMAs."""
     res, ops = _compiled(config.params_h64(dtype, "kv", shfl4=shfl4))
     assert res["spill_bytes"] == 0 and ops["LDL"] == ops["STL"] == 0
+    # the shared-memory plan and the cubin's static bytes within the block's 227 KB
+    assert res["smem_bytes"] + config.h64_kv_bytes() <= SMEM_CAPACITY
     assert res["registers"] <= 65536 // config.THREADS
     assert ops["HGMMA"] == 36 + 32 + 4 * (9 + 8) == 136
     assert ops["HGMMA"] == len(re.findall(r"HGMMA\.64x64x16\.F32", _sass_of(dtype, "kv", shfl4)))
