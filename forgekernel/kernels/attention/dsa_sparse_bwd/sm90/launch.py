@@ -103,6 +103,8 @@ def dsa_sparse_bwd(
     (kernel_h64.py: 64 heads a CTA, dkv and a dS workspace, then dq = dS K in a second
     kernel; h64_v2 True: its kv part with the fragments' red.global.add.v2, the probe's
     comparison). `unsupported` must be None for these inputs."""
+    if h64 and h64_unsupported(q) is not None:
+        raise ValueError(h64_unsupported(q))
     lse2, delta, d_sink = preprocess(out, dout, lse, dlse, attn_sink) if pre is None else pre
     tokens, heads, _ = q.shape
     if dq is None:
@@ -139,9 +141,6 @@ def _launch_h64(
 ):
     """The two h64 kernels: `kv` (dkv into the accumulator, dS into a (tokens, whole tiles, H)
     workspace in q's dtype), then `dq` (dq = dS K, every element of dq written)."""
-    why = h64_unsupported(q)
-    if why is not None:
-        raise ValueError(why)
     tokens, heads, _ = q.shape
     rows = config.h64_workspace_rows(idx.shape[1])
     ws = torch.empty(tokens, rows, heads, dtype=q.dtype, device=q.device)
