@@ -5,8 +5,8 @@ the kernels' stated contracts (`kv`: dkv and dS of every position of whole tiles
 (tokens, rows, H) workspace, 0 past topk and at invalid entries; `dq`: dq = dS K over the
 workspace's rows), against the fp64 reference on awkward sizes: 64 / 128 heads, topk not a
 multiple of 64, -1 and past-the-cache entries, a row without entries, a sink and a loss on the
-LSE. The kernels' numbers on a GPU: tests/gpu/test_dsa_sparse_bwd_h64_gpu.py; their SASS:
-tests/test_dsa_sparse_bwd_kernel_compile.py."""
+LSE. The kernels' numbers on a GPU: tests/gpu/test_dsa_sparse_bwd_kernel_gpu.py -k h64; their
+SASS: tests/test_dsa_sparse_bwd_kernel_compile.py."""
 
 from __future__ import annotations
 

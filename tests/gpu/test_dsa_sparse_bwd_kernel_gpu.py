@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import launch
+from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import config, launch
 from forgekernel.reference.dsa import dsa_sparse_attention_bwd_ref, dsa_sparse_attention_ref
 
 pytestmark = pytest.mark.gpu
@@ -100,6 +100,9 @@ H64_CASES = [  # tokens, heads, topk, slots, sink, dlse
     (64, 64, 2048, 16384, True, False),  # the suite's t4096-h64-kv16384-k2048, 64 tokens
     (32, 64, 512, 65536, True, False),  # t16384-h64-kv65536-k512
     (64, 128, 2048, 8192, True, False),  # t4096-h128-kv8192-k2048
+    (3, 256, 100, 500, True, True),  # the dq part's second 128-head block (grid.y >= 3)
+    (3, 192, 130, 500, False, True),  # the dq part at 64 heads, three head blocks
+    (3, 64, 20, 100, True, False),  # topk < 64: one partial tile
 ]
 
 
@@ -108,7 +111,10 @@ H64_CASES = [  # tokens, heads, topk, slots, sink, dlse
 def test_h64_matches_fp64(dtype, tokens, heads, topk, slots, sink, dlse):
     if dtype is torch.float16 and tokens > 7:
         pytest.skip("fp16 on the small cases")
-    _check(dtype, tokens, heads, topk, slots, sink, dlse, h64=True)
+    # the dS workspace poisoned: a cell the kv part leaves unwritten turns dq non-finite
+    rows = config.h64_workspace_rows(topk)
+    ws = torch.full((tokens, rows, heads), float("nan"), dtype=dtype, device="cuda")
+    _check(dtype, tokens, heads, topk, slots, sink, dlse, h64=True, h64_ws=ws)
 
 
 def _check(dtype, tokens, heads, topk, slots, sink, dlse, **forms):

@@ -167,8 +167,8 @@ class DsaSparseBwdKvSm90:
         stream: cuda.CUstream,
     ):
         """kernel.py's operands, with mWs (tokens, >= TILE x tiles, H) in q's dtype, unit head
-        stride and even outer strides (dS, written for every position of every tile) in place of
-        dq; H a multiple of 64."""
+        stride and outer strides multiples of 8 elements (the dq part's 16-byte cp.async; dS,
+        written for every position of every tile) in place of dq; H a multiple of 64."""
         dt = mQ.element_type
         if const_expr(mKV.element_type != dt or mdO.element_type != dt or mWs.element_type != dt):
             raise TypeError("q, kv, dO and the dS workspace must share one 16-bit dtype")

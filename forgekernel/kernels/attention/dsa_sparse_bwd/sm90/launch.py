@@ -84,6 +84,7 @@ def dsa_sparse_bwd(
     pre: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     h64: bool = False,
     h64_v2: bool = False,
+    h64_ws: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq (tokens, H, 576) in q's dtype, dkv (slots, 576) fp32, d_sink (H,) fp32): q
     (tokens, H, 576), kv (slots, 576) in one 16-bit dtype, dout / out (tokens, H, 512), lse /
@@ -102,7 +103,10 @@ def dsa_sparse_bwd(
     (torch). h64 True (H a multiple of 64; xchg / red4s ignored): the bench variant `h64`
     (kernel_h64.py: 64 heads a CTA, dkv and a dS workspace, then dq = dS K in a second
     kernel; h64_v2 True: its kv part with the fragments' red.global.add.v2, the probe's
-    comparison). `unsupported` must be None for these inputs."""
+    comparison; h64_ws: the dS workspace to use, contiguous (tokens,
+    `config.h64_workspace_rows(topk)`, H) in q's dtype, None: a fresh one; the GPU tests poison
+    it with NaN so that a cell the kv part leaves unwritten shows in dq). `unsupported` must be
+    None for these inputs."""
     if h64 and h64_unsupported(q) is not None:
         raise ValueError(h64_unsupported(q))
     lse2, delta, d_sink = preprocess(out, dout, lse, dlse, attn_sink) if pre is None else pre
@@ -114,7 +118,9 @@ def dsa_sparse_bwd(
         return dq.zero_(), dkv, d_sink
     idx = topk_indices if topk_indices.stride(-1) == 1 else topk_indices.contiguous()
     if h64:
-        _launch_h64(q, kv, dout, lse2, delta, idx, dq, dkv, softmax_scale, reduce, not h64_v2)
+        _launch_h64(
+            q, kv, dout, lse2, delta, idx, dq, dkv, softmax_scale, reduce, not h64_v2, h64_ws
+        )
         return dq, dkv, d_sink
     block = config.block_heads(heads)
     if xchg is None:
@@ -137,13 +143,19 @@ def h64_unsupported(q: torch.Tensor) -> str | None:
 
 
 def _launch_h64(
-    q, kv, dout, lse2, delta, idx, dq, dkv, softmax_scale: float, reduce: bool, shfl4: bool
-):
+    q, kv, dout, lse2, delta, idx, dq, dkv, softmax_scale: float, reduce: bool, shfl4: bool,
+    ws: torch.Tensor | None = None,
+):  # fmt: skip
     """The two h64 kernels: `kv` (dkv into the accumulator, dS into a (tokens, whole tiles, H)
     workspace in q's dtype), then `dq` (dq = dS K, every element of dq written)."""
     tokens, heads, _ = q.shape
     rows = config.h64_workspace_rows(idx.shape[1])
-    ws = torch.empty(tokens, rows, heads, dtype=q.dtype, device=q.device)
+    shape = (tokens, rows, heads)
+    if ws is None:
+        ws = torch.empty(shape, dtype=q.dtype, device=q.device)
+    elif tuple(ws.shape) != shape or ws.dtype != q.dtype or not ws.is_contiguous():
+        raise ValueError(f"h64_ws must be a contiguous {shape} {q.dtype} tensor, got "
+                         f"{tuple(ws.shape)} {ws.dtype}")  # fmt: skip
     name = dtype_name(q.dtype)
     kv_kernel = get_kernel(SPEC, config.params_h64(name, "kv", reduce, shfl4))
     dq_kernel = get_kernel(SPEC, config.params_h64(name, "dq", dq_heads=config.h64_dq_heads(heads)))
