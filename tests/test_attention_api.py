@@ -314,7 +314,8 @@ def test_bench_config_variants_pass_their_config(cpu_kernel):
             assert ("wave0" in runs) == (p["sq"] == 2048 == p["sk"])  # the global-order one
         else:  # MHA / GQA 2 in the global order (the L2 model's flagged cases)
             assert p["hq"] <= 2 * p["hkv"] and set(runs) == set(knobs)
-            assert set(runs) == ({"wave0", "wave0_dyn"} if p["causal"] else {"wave0"})
+            full = {"wave0", "wave0_sec12"} if p["d"] == 128 else {"wave0"}
+            assert set(runs) == ({"wave0", "wave0_dyn"} if p["causal"] else full)
         for name, run in runs.items():
             KEYS.clear()
             got = run(inputs, None)

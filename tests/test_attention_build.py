@@ -201,7 +201,8 @@ def test_d192_schedule_candidates_are_keys_only_when_on():
     assert [knobs_of(p) for p in d192] == list(D192_CANDIDATES)
     assert len(d192) == 7
     wave0 = [dict(p) for p in SPEC.candidate_params() if "wave_kv_mib" in dict(p)
-             and dict(p)["head_dim"] == 128 and "dynamic" not in dict(p)]  # fmt: skip
+             and dict(p)["head_dim"] == 128 and "dynamic" not in dict(p)
+             and dict(p)["l2_kv_mib"] == 24]  # fmt: skip
     assert sorted(p["causal"] for p in wave0) == [False, True]
     assert all(knobs_of(p) == {"wave_kv_mib": 0} and not p["varlen"] for p in wave0)
     base = default_config(192, 128)
@@ -228,8 +229,9 @@ def test_l2_candidates_are_keys_only_when_on():
         assert key not in standard and dict(key) in cands, (d, causal, knobs)
         assert dict(key)["wave_kv_mib"] == 0 and not dict(key)["varlen"]
         assert dict(key).get("dynamic", False) == knobs.get("dynamic", False)
+        assert dict(key)["l2_kv_mib"] == knobs.get("l2_kv_mib", default_config(d, d).l2_kv_mib)
         assert AttnConfig.from_params(dict(key)) == cfg
-    assert len(L2_CANDIDATES) == 10
+    assert len(L2_CANDIDATES) == 11
     assert len(cands) == len({tuple(sorted(p.items())) for p in cands})  # no key twice
 
 

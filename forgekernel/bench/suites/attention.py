@@ -265,8 +265,9 @@ GRID_TIMED = {
 # tile of an MHA or GQA-2 wave; scripts/attn_l2_model.py) take `wave0` and, causal,
 # `wave0_dyn` (sections with the counter: the static deal scatters a section's tiles, and
 # its long-to-short saw unbalances it); the two D = 128 MHA cases among them were the controls
-# of 2026-12-05. Each on the head dims' default config otherwise; the bf16 kernels are
-# SPEC.candidate_params (D192_CANDIDATES, L2_CANDIDATES).
+# of 2026-12-05 (the non-causal one also in 12 MiB sections: `wave0_sec12`). Each on the head
+# dims' default config otherwise; the bf16 kernels are SPEC.candidate_params (D192_CANDIDATES,
+# L2_CANDIDATES).
 CONFIG_CANDIDATES: dict[str, dict[str, dict[str, Any]]] = {
     "d192": {
         "kahead": {"k_ahead": True},
@@ -280,13 +281,17 @@ CONFIG_CANDIDATES: dict[str, dict[str, dict[str, Any]]] = {
         "wave0_odirect": {"o_direct": True, "wave_kv_mib": 0},
     },
     "global-full": {"wave0": {"wave_kv_mib": 0}},
+    "global-full-d128": {
+        "wave0": {"wave_kv_mib": 0},
+        "wave0_sec12": {"l2_kv_mib": 12, "wave_kv_mib": 0},
+    },
     "global-causal": {
         "wave0": {"wave_kv_mib": 0},
         "wave0_dyn": {"dynamic": True, "wave_kv_mib": 0},
     },
 }
 CONFIG_TIMED = {
-    "b8-hq32-hkv32-s2048-d128": "global-full",
+    "b8-hq32-hkv32-s2048-d128": "global-full-d128",
     "b16-hq32-hkv32-s1024-d128-causal": "global-causal",
     "b2-hq128-hkv128-s8192-d192-dv128-causal": "d192",
     "b8-hq128-hkv128-s2048-d192-dv128-causal": "d192-global",

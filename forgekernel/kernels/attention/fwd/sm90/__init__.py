@@ -99,11 +99,14 @@ D192_CANDIDATES = (
 # The L2 model over the whole forward suite (docs/attention/NOTES.md, "The L2 model over every
 # forward class"): the MHA / GQA-2 cases at D = 64, 96, 256 that the global tile order keeps
 # near the HBM bound, in L2 sections at every size (`wave_kv_mib` 0) and, causal, with the tile
-# counter as well (a section's tiles together); D = 128 causal with both (the b16 s1024 control).
-# (head_dim, causal, knobs), bf16, fixed length, on the head dim's default config otherwise.
+# counter as well (a section's tiles together); D = 128 causal with both (the b16 s1024 control),
+# non-causal in sections of 12 MiB (24 MiB sections of the b8 s2048 control: at the edge of the
+# 25 MiB that one L2 half holds). (head_dim, causal, knobs), bf16, fixed length, on the head
+# dim's default config otherwise.
 L2_CANDIDATES = (
     *((d, causal, {"wave_kv_mib": 0}) for d in (64, 96, 256) for causal in (True, False)),
     *((d, True, {"dynamic": True, "wave_kv_mib": 0}) for d in (64, 96, 128, 256)),
+    (128, False, {"l2_kv_mib": 12, "wave_kv_mib": 0}),
 )
 
 
