@@ -265,7 +265,10 @@ GRID_TIMED = {
 # tile of an MHA or GQA-2 wave; scripts/attn_l2_model.py) take `wave0` and, causal,
 # `wave0_dyn` (sections with the counter: the static deal scatters a section's tiles, and
 # its long-to-short saw unbalances it); the two D = 128 MHA cases among them were the controls
-# of 2026-12-05 (the non-causal one also in 12 MiB sections: `wave0_sec12`). Each on the head
+# of 2026-12-05 (the non-causal one also in 12 MiB sections: `wave0_sec12`). Three long GQA
+# D = 128 cases far from the bound but with 9-13x the compulsory K / V bytes from HBM in the
+# model (0.96-0.99 of FA4) take them as the energy controls: at the 700 W cap the backward's
+# DRAM traffic cost time at equal cycles (BWD_NOTES.md "GQA at long sequences"). Each on the head
 # dims' default config otherwise; the bf16 kernels are SPEC.candidate_params (D192_CANDIDATES,
 # L2_CANDIDATES).
 CONFIG_CANDIDATES: dict[str, dict[str, dict[str, Any]]] = {
@@ -304,6 +307,9 @@ CONFIG_TIMED = {
     "b4-hq16-hkv16-s4096-d256-causal": "global-causal",
     "b8-hq16-hkv8-s2048-d256-causal": "global-causal",
     "b16-hq8-hkv4-s1024-d256": "global-full",
+    "b4-hq32-hkv8-s8192-d128": "global-full",
+    "b1-hq32-hkv8-s32768-d128": "global-full",
+    "b1-hq32-hkv8-s32768-d128-causal": "global-causal",
 }
 
 
