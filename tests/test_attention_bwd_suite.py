@@ -376,6 +376,15 @@ def test_chunked_candidates_are_timed_on_the_chunked_gqa_case():
         cfg = choose_config(p["d"], p["dv"], False, p["b"], p["sk"], p["hq"], p["hkv"], 132)
         assert cfg.l2_swizzle == 8 and cfg.walk_order == 2  # what the candidates replace
     assert all(k["l2_swizzle"] == 2 for k in suite_module.CHUNKED_CANDIDATES.values())
+    # their kernels are the main kernel's candidate keys (built ahead with --candidates)
+    from forgekernel.kernels.attention.bwd.sm90 import SPEC_MAIN
+    from forgekernel.kernels.attention.bwd.sm90.config import default_config, main_params
+
+    keys = [main_params("bfloat16", 128, 128, True, False,
+                        dataclasses.replace(default_config(128, 128), **knobs))
+            for knobs in suite_module.CHUNKED_CANDIDATES.values()]  # fmt: skip
+    assert keys == SPEC_MAIN.candidate_params()
+    assert not set(keys) & set(SPEC_MAIN.standard_params())
 
 
 def test_gqa16_candidate_runs_the_launcher_with_its_config(monkeypatch):
