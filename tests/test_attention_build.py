@@ -195,11 +195,13 @@ def test_d192_schedule_candidates_are_keys_only_when_on():
 
     def knobs_of(p: dict) -> dict:
         set_ = {k: p[k] for k in ("k_ahead", "dynamic", "wave_kv_mib") if k in p}
+        default_mib = default_config(p["head_dim"], p["head_dim_v"]).l2_kv_mib
+        set_ |= {"l2_kv_mib": p["l2_kv_mib"]} if p["l2_kv_mib"] != default_mib else {}
         return set_ | ({"o_direct": True} if p["o_direct"] else {})
 
     d192 = [dict(p) for p in SPEC.candidate_params() if dict(p)["head_dim"] == 192]
     assert [knobs_of(p) for p in d192] == list(D192_CANDIDATES)
-    assert len(d192) == 7
+    assert len(d192) == 8
     wave0 = [dict(p) for p in SPEC.candidate_params() if "wave_kv_mib" in dict(p)
              and dict(p)["head_dim"] == 128 and "dynamic" not in dict(p)
              and dict(p)["l2_kv_mib"] == 24]  # fmt: skip

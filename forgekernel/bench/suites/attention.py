@@ -276,6 +276,7 @@ CONFIG_CANDIDATES: dict[str, dict[str, dict[str, Any]]] = {
         "kahead": {"k_ahead": True},
         "dyn": {"dynamic": True},
         "dyn_kahead": {"dynamic": True, "k_ahead": True},
+        "dyn_sec12": {"dynamic": True, "l2_kv_mib": 12},
     },
     "d192-global": {
         "wave0": {"wave_kv_mib": 0},

@@ -93,6 +93,10 @@ D192_CANDIDATES = (
     {"k_ahead": True, "wave_kv_mib": 0},
     {"dynamic": True, "wave_kv_mib": 0},
     {"o_direct": True, "wave_kv_mib": 0},
+    # the counter in 12 MiB sections (one or two heads): the L2 model over the suite gives it the
+    # chunked case's fewest bytes (1.6 GB against 2.0-2.7 at 40 MiB; NOTES.md "The L2 model over
+    # every forward class")
+    {"dynamic": True, "l2_kv_mib": 12},
 )
 
 
