@@ -1,17 +1,21 @@
 """L2-reuse model of the sm90 attention forward's tile order and deal (CPU only).
 
-Fixed length, causal, 128 x 128 tiles. The tiles go in the kernel's longest-first order
-(`scheduler.longest_first`: the row block slowest over every head and batch, or batch by batch
-in L2 sections of `section` query heads, the row block slowest within a section); a deal runs
-them on 132 CTAs: `static` (CTA c takes tiles c, c + 132, ...: ours) or `greedy` (each tile in
-order to the CTA that frees first: FA4's one CTA a tile under the hardware's dispatch, FA3's
-and `AttnConfig.dynamic`'s tile counter). A CTA reads its tile's key blocks last to first, one
-a step, steps of equal time, tile_cost steps between tiles. Every K + V block read goes
-through an LRU cache of `l2_mib`; the misses are the K / V bytes read from HBM.
+The tiles go in the kernel's longest-first order (`scheduler.longest_first`: the row block
+slowest over every head and batch, or batch by batch in L2 sections of `section` query heads, the
+row block slowest within a section; varlen: the row block slowest over (sequence, head)), at the
+head dims' tile sizes, causal (bottom-right) or not; a deal runs them on 132 CTAs: `static` (CTA
+c takes tiles c, c + 132, ...: ours) or `greedy` (each tile in order to the CTA that frees first:
+FA4's one CTA a tile under the hardware's dispatch, FA3's and `AttnConfig.dynamic`'s tile
+counter). A CTA reads its tile's key blocks last to first, one a step, steps of equal time,
+tile_cost steps between tiles. Every K + V block read goes through an LRU cache of `l2_mib`; the
+misses are the K / V bytes read from HBM.
 
-    python scripts/attn_l2_model.py
+    python scripts/attn_l2_model.py                 the 192/128 cases of the first round
+    python scripts/attn_l2_model.py suite [names]   every bench case (default config and the
+                                                    candidates) against the report's times
 
-docs/attention/NOTES.md, "192/128 against FA4's schedule".
+docs/attention/NOTES.md, "192/128 against FA4's schedule" and "The L2 model over every forward
+class".
 """
 
 from __future__ import annotations
