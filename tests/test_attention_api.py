@@ -291,8 +291,9 @@ def test_bench_config_variants_pass_their_config(cpu_kernel):
     """The suite's CONFIG_CANDIDATES (192/128 against FA4's schedule) reach the kernel as the
     default config with their knobs set (the candidate keys, SPEC.candidate_params), on the
     default grid, and write what the default launch writes; the 192/128 cases carry them, b8
-    s2048 (the one in the global tile order) also `wave0` alone, as do the two D = 128 MHA
-    controls."""
+    s2048 (the one in the global tile order) also `wave0` alone; the other head dims' cases
+    the L2 model flags (the global order near the HBM bound) `wave0`, causal ones `wave0_dyn`
+    too."""
     from forgekernel.bench.suites import attention as suite
     from forgekernel.kernels.attention.fwd.sm90 import SPEC
 
@@ -311,8 +312,11 @@ def test_bench_config_variants_pass_their_config(cpu_kernel):
         if p["d"] == 192:
             assert p["dv"] == 128 and p["causal"] and set(runs) == set(knobs)
             assert ("wave0" in runs) == (p["sq"] == 2048 == p["sk"])  # the global-order one
-        else:  # the D = 128 controls: MHA in the global order
-            assert p["hq"] == p["hkv"] and set(runs) == {"wave0"}
+        else:  # the global order near the HBM bound, or far above the compulsory bytes
+            assert set(runs) == set(knobs)
+            sec12 = (p["d"], p["sq"], p["hq"]) == (128, 2048, p["hkv"])  # the MHA control
+            full = {"wave0", "wave0_sec12"} if sec12 else {"wave0"}
+            assert set(runs) == ({"wave0", "wave0_dyn"} if p["causal"] else full)
         for name, run in runs.items():
             KEYS.clear()
             got = run(inputs, None)
@@ -323,7 +327,7 @@ def test_bench_config_variants_pass_their_config(cpu_kernel):
             assert DYNAMIC[-1] == bool(knobs[name].get("dynamic"))  # the counter passed
             assert tuple(sorted(key.items())) in candidates
     assert [c[2] for c in cpu_kernel] == [132] * len(cpu_kernel)
-    assert len(suite.CONFIG_TIMED) == 6
+    assert len(suite.CONFIG_TIMED) == 16
     assert set(suite.CONFIG_TIMED) <= {c.name for c in suite.BENCH_CASES}
 
 

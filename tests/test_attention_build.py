@@ -12,7 +12,11 @@ pytest.importorskip("cutlass")
 
 from dsl_toolchain import dsl_toolchain  # noqa: E402  (tests/ is on the path)
 
-from forgekernel.kernels.attention.fwd.sm90 import D192_CANDIDATES, SPEC  # noqa: E402
+from forgekernel.kernels.attention.fwd.sm90 import (  # noqa: E402
+    D192_CANDIDATES,
+    L2_CANDIDATES,
+    SPEC,
+)
 from forgekernel.kernels.attention.fwd.sm90.config import (  # noqa: E402
     HEAD_DIMS,
     SMEM_CAPACITY,
@@ -191,13 +195,16 @@ def test_d192_schedule_candidates_are_keys_only_when_on():
 
     def knobs_of(p: dict) -> dict:
         set_ = {k: p[k] for k in ("k_ahead", "dynamic", "wave_kv_mib") if k in p}
+        default_mib = default_config(p["head_dim"], p["head_dim_v"]).l2_kv_mib
+        set_ |= {"l2_kv_mib": p["l2_kv_mib"]} if p["l2_kv_mib"] != default_mib else {}
         return set_ | ({"o_direct": True} if p["o_direct"] else {})
 
     d192 = [dict(p) for p in SPEC.candidate_params() if dict(p)["head_dim"] == 192]
     assert [knobs_of(p) for p in d192] == list(D192_CANDIDATES)
-    assert len(d192) == 7
+    assert len(d192) == 8
     wave0 = [dict(p) for p in SPEC.candidate_params() if "wave_kv_mib" in dict(p)
-             and dict(p)["head_dim"] == 128]  # fmt: skip
+             and dict(p)["head_dim"] == 128 and "dynamic" not in dict(p)
+             and dict(p)["l2_kv_mib"] == 24]  # fmt: skip
     assert sorted(p["causal"] for p in wave0) == [False, True]
     assert all(knobs_of(p) == {"wave_kv_mib": 0} and not p["varlen"] for p in wave0)
     base = default_config(192, 128)
@@ -209,6 +216,44 @@ def test_d192_schedule_candidates_are_keys_only_when_on():
     assert replace(base, k_ahead=True, wave_kv_mib=0).tag() == base.tag() + "_kahead_wave0"
     with pytest.raises(ValueError, match="k_ahead"):
         params_for("bfloat16", 128, 128, True, AttnConfig(k_ahead=True), varlen=True, page_box=16)
+
+
+def test_l2_candidates_are_keys_only_when_on():
+    """The other head dims' L2 candidates (L2_CANDIDATES: sections at every size, causal with
+    the tile counter too; docs/attention/NOTES.md, "The L2 model over every forward class"):
+    bf16 fixed-length keys of the head dim's default config with exactly those knobs set, none
+    a standard key."""
+    standard = set(SPEC.standard_params())
+    cands = [dict(p) for p in SPEC.candidate_params()]
+    for d, causal, knobs in L2_CANDIDATES:
+        cfg = replace(default_config(d, d), **knobs)
+        key = params_for("bfloat16", d, d, causal, cfg)
+        assert key not in standard and dict(key) in cands, (d, causal, knobs)
+        assert dict(key)["wave_kv_mib"] == 0 and not dict(key)["varlen"]
+        assert dict(key).get("dynamic", False) == knobs.get("dynamic", False)
+        assert dict(key)["l2_kv_mib"] == knobs.get("l2_kv_mib", default_config(d, d).l2_kv_mib)
+        assert AttnConfig.from_params(dict(key)) == cfg
+    assert len(L2_CANDIDATES) == 11
+    assert len(cands) == len({tuple(sorted(p.items())) for p in cands})  # no key twice
+
+
+@pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
+def test_l2_candidates_build_as_the_standard(tmp_path):
+    """Sections at every size change one compare's constant; the counter adds one atomic and
+    the tile ring (as at D = 128 varlen): each L2 candidate keeps its standard build's
+    registers, no local memory, and its WGMMA / MUFU counts."""
+    standard = {}
+    for d, causal, knobs in L2_CANDIDATES:
+        if (d, causal) not in standard:
+            standard[d, causal] = _build_with_sass(params_for("bfloat16", d, d, causal), tmp_path)
+        std_rec, std = standard[d, causal]
+        cfg = replace(default_config(d, d), **knobs)
+        rec, sass = _build_with_sass(params_for("bfloat16", d, d, causal, cfg), tmp_path)
+        assert rec["registers"] == std_rec["registers"] and rec["spill_bytes"] == 0, (d, knobs)
+        assert rec["sass"].get("LDL", 0) == 0 and rec["sass"].get("STL", 0) == 0, (d, knobs)
+        for op in ("HGMMA", "MUFU.EX2"):
+            assert sass.count(op) == std.count(op), (d, causal, knobs, op)
+        assert sass.count("ATOMG.E.ADD") == (1 if knobs.get("dynamic") else 0), (d, knobs)
 
 
 @pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")

@@ -17,7 +17,7 @@ import torch
 
 from forgekernel.bench.check import poison, verify
 from forgekernel.bench.suites import attention as suite_module
-from forgekernel.kernels.attention.fwd.sm90 import D192_CANDIDATES
+from forgekernel.kernels.attention.fwd.sm90 import D192_CANDIDATES, L2_CANDIDATES
 
 pytestmark = pytest.mark.gpu
 
@@ -44,6 +44,40 @@ def test_candidate_matches_the_reference_and_the_default(knobs, shape, dtype, ca
     case = suite_module._case(b, hq, hq, sq, 192, causal, sk=sk, dv=128)
     gen = torch.Generator(device="cuda").manual_seed(sum(shape))
     inputs = SUITE.make_inputs(case, dtype, torch.device("cuda"), gen)
+
+    def run(inputs, out):
+        return suite_module.run_config(inputs, out, **knobs)
+
+    _, cmps = verify(SUITE, inputs, torch.device("cuda"), run=run)
+    assert all(c.ok for c in cmps), [c.message for c in cmps]
+    first, again = (run(inputs, poison(SUITE.alloc_out(inputs))) for _ in range(2))
+    default = suite_module.run_config(inputs, poison(SUITE.alloc_out(inputs)))
+    torch.cuda.synchronize()
+    assert not first[0].isnan().any() and not first[1].isnan().any()
+    for got, again_, want in zip(first, again, default):
+        assert torch.equal(got, again_) and torch.equal(got, want)
+
+
+# The other head dims' L2 candidates (L2_CANDIDATES: sections at every size, with the counter or
+# 12 MiB sections; docs/attention/NOTES.md "The L2 model over every forward class"), bf16, on
+# the shapes above but the first and GQA 4 on the off-tile one: only the tile order and the deal
+# move, so the output is the default config's, bit for bit.
+L2_SHAPES = [(2, 4, 1000, 1003, 1), (2, 8, 1000, 1003, 4), (1, 8, 300, 2100, 1),
+             (1, 4, 700, 250, 1), (2, 16, 2048, 2048, 1)]  # fmt: skip
+L2_CASES = [
+    pytest.param(d, causal, knobs, shape, id=f"d{d}-{'causal' if causal else 'full'}-"
+                 f"{'-'.join(knobs)}-{'x'.join(map(str, shape))}")
+    for d, causal, knobs in L2_CANDIDATES
+    for shape in L2_SHAPES
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("d", "causal", "knobs", "shape"), L2_CASES)
+def test_l2_candidate_matches_the_reference_and_the_default(d, causal, knobs, shape):
+    b, hq, sq, sk, group = shape
+    case = suite_module._case(b, hq, hq // group, sq, d, causal, sk=sk)
+    gen = torch.Generator(device="cuda").manual_seed(sum(shape) + d)
+    inputs = SUITE.make_inputs(case, torch.bfloat16, torch.device("cuda"), gen)
 
     def run(inputs, out):
         return suite_module.run_config(inputs, out, **knobs)

@@ -259,15 +259,24 @@ GRID_TIMED = {
 # read from L2; `wave0` puts the tile order in L2 sections at every size (AttnConfig.wave_kv_mib
 # = 0: FA4's rule; of these cases only b8 s2048 runs in the global order by default,
 # HBM-bound), there with each of the others and with `odirect` (O stored from registers: the
-# next tile's Q no longer waits for O's TMA store out of Q's buffer, 8.5 key blocks a tile);
-# `wave0` on the two D = 128 MHA cases that run in the global order near the HBM bound as well
-# (controls of the mechanism: 4.0-4.2 TB/s of K / V re-read a tile each, H200 2026-12-05). Each
-# on the head dims' default config otherwise; the bf16 kernels are SPEC.candidate_params.
+# next tile's Q no longer waits for O's TMA store out of Q's buffer, 8.5 key blocks a tile).
+# The other head dims (docs/attention/NOTES.md, "The L2 model over every forward class"): the
+# cases the global order keeps within ~0.5x of the HBM bound (K / V re-read from HBM by every
+# tile of an MHA or GQA-2 wave; scripts/attn_l2_model.py) take `wave0` and, causal,
+# `wave0_dyn` (sections with the counter: the static deal scatters a section's tiles, and
+# its long-to-short saw unbalances it); the two D = 128 MHA cases among them were the controls
+# of 2026-12-05 (the non-causal one also in 12 MiB sections: `wave0_sec12`). Three long GQA
+# D = 128 cases far from the bound but with 9-13x the compulsory K / V bytes from HBM in the
+# model (0.96-0.99 of FA4) take them as the energy controls: at the 700 W cap the backward's
+# DRAM traffic cost time at equal cycles (BWD_NOTES.md "GQA at long sequences"). Each on the head
+# dims' default config otherwise; the bf16 kernels are SPEC.candidate_params (D192_CANDIDATES,
+# L2_CANDIDATES).
 CONFIG_CANDIDATES: dict[str, dict[str, dict[str, Any]]] = {
     "d192": {
         "kahead": {"k_ahead": True},
         "dyn": {"dynamic": True},
         "dyn_kahead": {"dynamic": True, "k_ahead": True},
+        "dyn_sec12": {"dynamic": True, "l2_kv_mib": 12},
     },
     "d192-global": {
         "wave0": {"wave_kv_mib": 0},
@@ -275,15 +284,33 @@ CONFIG_CANDIDATES: dict[str, dict[str, dict[str, Any]]] = {
         "wave0_dyn": {"dynamic": True, "wave_kv_mib": 0},
         "wave0_odirect": {"o_direct": True, "wave_kv_mib": 0},
     },
-    "d128-global": {"wave0": {"wave_kv_mib": 0}},
+    "global-full": {"wave0": {"wave_kv_mib": 0}},
+    "global-full-d128": {
+        "wave0": {"wave_kv_mib": 0},
+        "wave0_sec12": {"l2_kv_mib": 12, "wave_kv_mib": 0},
+    },
+    "global-causal": {
+        "wave0": {"wave_kv_mib": 0},
+        "wave0_dyn": {"dynamic": True, "wave_kv_mib": 0},
+    },
 }
 CONFIG_TIMED = {
-    "b8-hq32-hkv32-s2048-d128": "d128-global",
-    "b16-hq32-hkv32-s1024-d128-causal": "d128-global",
+    "b8-hq32-hkv32-s2048-d128": "global-full-d128",
+    "b16-hq32-hkv32-s1024-d128-causal": "global-causal",
     "b2-hq128-hkv128-s8192-d192-dv128-causal": "d192",
     "b8-hq128-hkv128-s2048-d192-dv128-causal": "d192-global",
     "b1-hq128-hkv128-s16384-d192-dv128-causal": "d192",
     "b1-hq128-hkv128-sq2048-sk16384-d192-dv128-causal": "d192",
+    "b8-hq32-hkv32-s4096-d64-causal": "global-causal",
+    "b32-hq16-hkv16-s512-d64": "global-full",
+    "b8-hq32-hkv32-s2048-d96-causal": "global-causal",
+    "b16-hq32-hkv32-s1024-d96": "global-full",
+    "b4-hq16-hkv16-s4096-d256-causal": "global-causal",
+    "b8-hq16-hkv8-s2048-d256-causal": "global-causal",
+    "b16-hq8-hkv4-s1024-d256": "global-full",
+    "b4-hq32-hkv8-s8192-d128": "global-full",
+    "b1-hq32-hkv8-s32768-d128": "global-full",
+    "b1-hq32-hkv8-s32768-d128-causal": "global-causal",
 }
 
 

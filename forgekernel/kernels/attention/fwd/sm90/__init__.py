@@ -93,6 +93,24 @@ D192_CANDIDATES = (
     {"k_ahead": True, "wave_kv_mib": 0},
     {"dynamic": True, "wave_kv_mib": 0},
     {"o_direct": True, "wave_kv_mib": 0},
+    # the counter in 12 MiB sections (one or two heads): the L2 model over the suite gives it the
+    # chunked case's fewest bytes (1.6 GB against 2.0-2.7 at 40 MiB; NOTES.md "The L2 model over
+    # every forward class")
+    {"dynamic": True, "l2_kv_mib": 12},
+)
+
+
+# The L2 model over the whole forward suite (docs/attention/NOTES.md, "The L2 model over every
+# forward class"): the MHA / GQA-2 cases at D = 64, 96, 256 that the global tile order keeps
+# near the HBM bound, in L2 sections at every size (`wave_kv_mib` 0) and, causal, with the tile
+# counter as well (a section's tiles together); D = 128 causal with both (the b16 s1024 control),
+# non-causal in sections of 12 MiB (24 MiB sections of the b8 s2048 control: at the edge of the
+# 25 MiB that one L2 half holds). (head_dim, causal, knobs), bf16, fixed length, on the head
+# dim's default config otherwise.
+L2_CANDIDATES = (
+    *((d, causal, {"wave_kv_mib": 0}) for d in (64, 96, 256) for causal in (True, False)),
+    *((d, True, {"dynamic": True, "wave_kv_mib": 0}) for d in (64, 96, 128, 256)),
+    (128, False, {"l2_kv_mib": 12, "wave_kv_mib": 0}),
 )
 
 
@@ -100,7 +118,7 @@ def _candidate_params() -> list[Params]:
     """The static deal of the D = 128 varlen launch (its default before the tile counter),
     bf16 causal: the bench's `static` variant (docs/attention/NOTES.md, "Measured 2026-12-04
     00:40-00:50"); the 192/128 schedule candidates (D192_CANDIDATES); D = 128 in L2 sections
-    at every size."""
+    at every size; the other head dims' L2 candidates (L2_CANDIDATES)."""
     static = replace(default_config(128, 128, varlen=True), dynamic=False)
     d192 = [replace(default_config(192, 128), **knobs) for knobs in D192_CANDIDATES]
     wave0 = replace(default_config(128, 128), wave_kv_mib=0)
@@ -108,6 +126,10 @@ def _candidate_params() -> list[Params]:
         [params_for("bfloat16", 128, 128, True, static, varlen=True)]
         + [params_for("bfloat16", 192, 128, True, cfg) for cfg in d192]
         + [params_for("bfloat16", 128, 128, causal, wave0) for causal in (True, False)]
+        + [
+            params_for("bfloat16", d, d, causal, replace(default_config(d, d), **knobs))
+            for d, causal, knobs in L2_CANDIDATES
+        ]
     )
 
 
@@ -120,4 +142,4 @@ SPEC = KernelSpec(
     candidate_params=_candidate_params,
 )
 
-__all__ = ["SPEC", "AttnConfig", "default_config", "params_for"]
+__all__ = ["SPEC", "AttnConfig", "L2_CANDIDATES", "default_config", "params_for"]

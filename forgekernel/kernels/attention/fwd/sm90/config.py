@@ -72,9 +72,10 @@ class AttnConfig:
 
     wave_kv_mib: the tile order goes in L2 sections when one wave of longest-first tiles
     would read more K and V than this (`scheduler.longest_first`, WAVE_KV_LIMIT_KIB = 320
-    MiB); 0: always in sections (FA4's and FA3's rule). 192/128 b8 hq128 s2048 (a 166 MiB
-    wave: the global order) reads every K / V block from HBM once per tile (12.7 GB in 3.13
-    ms, 4.1 TB/s on the H200: memory-bound, 0.854 of FA4, which sections 32 heads there).
+    MiB); 0: in sections whenever a head's K and V reach 1 KiB (always on real shapes: FA4's
+    and FA3's rule). 192/128 b8 hq128 s2048 (a 166 MiB wave: the global order) reads every
+    K / V block from HBM once per tile (12.7 GB in 3.13 ms, 4.1 TB/s on the H200:
+    memory-bound, 0.854 of FA4, which sections 32 heads there).
     Candidate, as k_ahead.
 
     Variants measured and dropped from the kernel are listed in docs/attention/NOTES.md."""

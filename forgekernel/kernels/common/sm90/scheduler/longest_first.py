@@ -63,7 +63,7 @@ class LongestFirst:
     query tokens are not valid (another kernel's rows); l2_kv_budget: the K and V bytes of
     one L2 section (L2_KV_BUDGET; FA4 sections 8 heads, up to 50 MB); wave_kv_limit_kib: the
     wave footprint above which fixed-length tiles go in sections (WAVE_KV_LIMIT_KIB; 0:
-    always, FA4's rule)."""
+    whenever a head's K and V reach 1 KiB, i.e. always on real shapes: FA4's rule)."""
 
     def __init__(
         self, tile_m: int, causal: bool, varlen: bool, kv_row_bytes: int, paged: bool = False,
