@@ -154,6 +154,45 @@ def run_ours(inputs: Inputs, out):
     return o
 
 
+H200_SMS = 132
+
+
+def _segments(case: Case) -> int:
+    """The segment count of GDN's rule (`gdn_prefill.sm90.launch.segments_for`: N HV <= SMs / 8
+    and sequences averaging >= 16384 tokens; then the most segments whose passes fill a wave)."""
+    from forgekernel.kernels.linear_attention.gdn_prefill.sm90.launch import segments_for
+
+    lens = case.params["lens"]
+    return segments_for(len(lens), case.params["hv"], sum(lens), H200_SMS)
+
+
+def _run_segments(parts: int):
+    """Ours through the launcher with the recurrence over `parts` segments a sequence (opt-in,
+    `launch.kda_prefill(segments=)`: three recurrence passes and a scan, the first pass once)."""
+
+    def run(inputs: Inputs, out):
+        launch = importlib.import_module(
+            "forgekernel.kernels.linear_attention.kda_prefill.sm90.launch"
+        )
+        i = inputs
+        n, hv = len(i["cu_seqlens"]) - 1, i["v"].shape[2]
+        final = torch.empty(n, hv, HEAD, HEAD, dtype=torch.float32, device=i["v"].device)
+        launch.kda_prefill(i["q"][0], i["k"][0], i["v"][0], i["g"][0], i["beta"][0], i["state"],
+                           i["cu_seqlens"], out[0], final, HEAD**-0.5, l2norm=False,
+                           segments=parts)  # fmt: skip
+        return out
+
+    return run
+
+
+def variants(case: Case) -> dict[str, Any]:
+    """Few long sequences (1 x 32768, 1 x 131072 at hv16): the recurrence over segments
+    (`segments_<P>`), its direct launch being ours (docs/linear_attention/NOTES.md, "cuDNN's
+    kda_hopper_cuda forward, read against ours")."""
+    parts = _segments(case)
+    return {f"segments_{parts}": _run_segments(parts)} if parts > 1 else {}
+
+
 def _reference(inputs: Inputs) -> torch.Tensor:
     """The fp64 output."""
     from forgekernel.reference.delta_rule import kimi_delta_attention_recurrent
@@ -245,4 +284,5 @@ def suite() -> OpSuite:
         atol=1e-2,
         bench_dtypes=(torch.bfloat16,),
         sanitize_cases=SANITIZE_CASES,
+        variants=variants,
     )
