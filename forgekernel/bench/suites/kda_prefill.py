@@ -166,9 +166,17 @@ def _segments(case: Case) -> int:
     return segments_for(len(lens), case.params["hv"], sum(lens), H200_SMS)
 
 
-def _run_segments(parts: int):
+def _pieces(case: Case) -> int:
+    """Pieces a sequence for one wave of unsplit recurrence CTAs (SMs // (N HV)), where the
+    launcher's recurrence has few CTAs (the V split's 2 N HV <= SMs); else 1."""
+    n, hv = len(case.params["lens"]), case.params["hv"]
+    return H200_SMS // (n * hv) if 2 * n * hv <= H200_SMS else 1
+
+
+def _run_segments(parts: int, kind: str = "segments"):
     """Ours through the launcher with the recurrence over `parts` segments a sequence (opt-in,
-    `launch.kda_prefill(segments=)`: three recurrence passes and a scan, the first pass once)."""
+    `launch.kda_prefill(segments=)`: three recurrence passes and a scan, the first pass once),
+    or (kind "pieces") over `parts` pieces after warm-up chunks, one pass (`pieces=`)."""
 
     def run(inputs: Inputs, out):
         launch = importlib.import_module(
@@ -179,18 +187,25 @@ def _run_segments(parts: int):
         final = torch.empty(n, hv, HEAD, HEAD, dtype=torch.float32, device=i["v"].device)
         launch.kda_prefill(i["q"][0], i["k"][0], i["v"][0], i["g"][0], i["beta"][0], i["state"],
                            i["cu_seqlens"], out[0], final, HEAD**-0.5, l2norm=False,
-                           segments=parts)  # fmt: skip
+                           **{kind: parts})  # fmt: skip
         return out
 
     return run
 
 
 def variants(case: Case) -> dict[str, Any]:
-    """Few long sequences (1 x 32768, 1 x 131072 at hv16): the recurrence over segments
-    (`segments_<P>`), its direct launch being ours (docs/linear_attention/NOTES.md, "cuDNN's
-    kda_hopper_cuda forward, read against ours")."""
+    """Few long sequences (1 x 32768, 1 x 131072 at hv16): the recurrence over exact segments
+    (`segments_<P>`); few sequences (N HV <= SMs / 2: the singles, 4 x 8192 hv16): pieces after
+    warm-up chunks (`pieces_<P>`, cuDNN's sequence parallelism). Ours is the direct launch
+    (docs/linear_attention/NOTES.md, "cuDNN's kda_hopper_cuda forward, read against ours")."""
+    out: dict[str, Any] = {}
     parts = _segments(case)
-    return {f"segments_{parts}": _run_segments(parts)} if parts > 1 else {}
+    if parts > 1:
+        out[f"segments_{parts}"] = _run_segments(parts)
+    parts = _pieces(case)
+    if parts > 1:
+        out[f"pieces_{parts}"] = _run_segments(parts, "pieces")
+    return out
 
 
 def _reference(inputs: Inputs) -> torch.Tensor:
