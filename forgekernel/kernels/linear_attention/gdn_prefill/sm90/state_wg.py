@@ -95,8 +95,7 @@ class StateWg:
             tid = opaque_tid_x() % THREADS_PER_WG
             coords = softmax.acc_coords(mma_ks, tid, (ROWS, CHUNK))
             vt = cute.local_tile(sVt[None, None, vs.index], (ROWS, CHUNK), (w, 0))
-            r_v = cute.make_rmem_tensor(acc_shape, Float32)
-            r_v.store(mma_ks.get_slice(tid).partition_C(vt).load().to(Float32))
+            r_v = self._load_vt(mma_ks, vt, tid, acc_shape, t_pipe is not None)
             self._correct(acc_x, acc_o, r_v, coords, sTab, ax.index)
             v_pipe.consumer_release(vs)  # v consumed: its stage may load chunk c + 2
             acc_to_operand_a(acc_x, tXrX)
@@ -121,6 +120,27 @@ class StateWg:
             if const_expr(t_pipe is not None):
                 ts.advance()
         self._state_io(mFinal, acc_st, thr_st, n, hv, blk, False)
+
+    @cute.jit
+    def _load_vt(self, mma_ks, vt, tid, acc_shape, ldsm: cutlass.Constexpr[bool]):
+        """This warpgroup's V^T (64 value rows, C tokens) in the accumulator layout, fp32.
+        ldsm (the `t_pre` form): 4 transposed ldmatrix a thread (the v tile is token-major, so
+        the accumulator's column pairs are two tokens: 16-bit loads by element otherwise, 32
+        LDS.U16 a thread and their addresses, ~100 cycles of a state warp's chain a chunk by
+        scripts/sass_warp_model.py); the same values either way."""
+        r_v = cute.make_rmem_tensor(acc_shape, Float32)
+        if const_expr(ldsm):
+            s2r = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(True, 4), self.dtype),
+                mma_ks,
+            )
+            thr = s2r.get_slice(tid)
+            r_v16 = cute.make_rmem_tensor(acc_shape, self.dtype)
+            cute.copy(s2r, thr.partition_S(vt), thr.retile(r_v16))
+            r_v.store(r_v16.load().to(Float32))
+        else:
+            r_v.store(mma_ks.get_slice(tid).partition_C(vt).load().to(Float32))
+        return r_v
 
     @cute.jit
     def _correct(self, acc_x, acc_o, r_v, coords, sTab, s):
