@@ -88,6 +88,8 @@ def smem_bytes(
         scratch = 2 * SCRATCH_STUB * 4
     tables = (2 * STAGES * CHUNK + STAGES * 4 * CHUNK + STAGES * 3 * CHUNK) * 4
     barriers = 2 * (QK_STAGES + V_STAGES + (3 if t_pre else 2) * STAGES) * 8
+    if t_pre:
+        barriers += o_ring_barriers(wgs) * 8
     return tiles + aux + out + scratch + tables + barriers + 1024 * 4
 
 
@@ -97,6 +99,12 @@ def smem_bytes(
 # and need no table: both kernels compute them from cu_seqlens; T // C + N slots in all, the
 # ones between sequences unwritten and unread.
 SCRATCH_STUB = 4  # fp32 words of the t_pre form's unused inverse scratch fields
+
+
+def o_ring_barriers(wgs: int) -> int:
+    """The t_pre form's O hand-off (state warpgroup -> the O store warp): a full and an empty
+    mbarrier for each of a state warpgroup's two O tiles."""
+    return 2 * 2 * wgs
 
 
 def first_slot(bos, n):

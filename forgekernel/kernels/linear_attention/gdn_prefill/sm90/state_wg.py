@@ -22,9 +22,10 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, const_expr
+from cutlass.cute.nvgpu import cpasync
 
 from forgekernel.kernels.common.sm90 import softmax
-from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
+from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG, WARP_SIZE
 from forgekernel.kernels.common.sm90.layout import acc_to_operand_a, rows_cols, transposed
 from forgekernel.kernels.common.sm90.mma import gemm
 from forgekernel.kernels.common.sm90.pipeline import consumer_state
@@ -49,10 +50,12 @@ class StateWg:
     @cute.jit
     def _state(
         self, w, stid, mma_ks, mma_st, sQ, sK, sV, sP, sT, sTab, sO, mInit, mFinal, mO,
-        qk_pipe, v_pipe, aux_pipe, hv, part, n, bos, seqlen, nchunks, t_pipe=None,
+        qk_pipe, v_pipe, aux_pipe, hv, part, n, bos, seqlen, nchunks, t_pipe=None, o_ring=None,
     ):  # fmt: skip
         """t_pipe: the T ring of the `t_pre` form (T diag(beta) loaded by TMA: waited for just
-        before U^T, released once U^T is complete), or None (T from the aux ring's stage)."""
+        before U^T, released once U^T is complete), or None (T from the aux ring's stage).
+        o_ring: the `t_pre` form's O hand-off, (full, empty) mbarrier pointers (`_hand_o`), or
+        None (the rows stored by this warpgroup, `_store_o`)."""
         blk = value_row_block(part, w, self.state_wgs)  # this warpgroup's 64 rows of S^T
         thr_st = mma_st.get_slice(stid)
         acc_st = cute.make_rmem_tensor(thr_st.partition_shape_C((ROWS, self.k)), Float32)
@@ -113,7 +116,10 @@ class StateWg:
             gemm(mma_st, acc_st, tUrUd, tBrKt[None, None, None, ld.index], False, 0)
             qk_pipe.consumer_release(ld)
             aux_pipe.consumer_release(ax)
-            self._store_o(acc_o, mma_ks, sO, mO, out_bar, w, blk, tid, hv, bos, c, seqlen)
+            if const_expr(o_ring is None):
+                self._store_o(acc_o, mma_ks, sO, mO, out_bar, w, blk, tid, hv, bos, c, seqlen)
+            else:
+                self._hand_o(acc_o, mma_ks, sO, o_ring, w, tid, c)
             ld.advance()
             vs.advance()
             ax.advance()
@@ -182,16 +188,84 @@ class StateWg:
         cute.copy(r2s, thr_r2s.retile(r_o), thr_r2s.partition_D(transposed(sO[None, None, buf])))
         out_bar.arrive_and_wait()
         valid = cutlass.min(seqlen - c * CHUNK, CHUNK)
-        tile = sO[None, None, buf]
+        self._copy_o_rows(sO[None, None, buf], mO, stid, THREADS_PER_WG, valid, hv,
+                          bos + c * CHUNK, blk)  # fmt: skip
+
+    @cute.jit
+    def _hand_o(self, acc_o, mma_ks, sO, o_ring, w, stid, c):
+        """t_pre: O^T -> 16 bits -> this warpgroup's O tile c % 2 (as `_store_o`), handed to the
+        O warp (`_drain_o`) by an mbarrier: no named barrier, no LDS / STG and no global
+        addresses on the state chain (~0.5 k cycles of a state warp's ~1.7 k a chunk alone, by
+        scripts/sass_warp_model.py). The tile's previous use (chunk c - 2) is waited for
+        first: its empty phase completes once the O warp has read it."""
+        full, empty = o_ring
+        buf = 2 * w + c % 2
+        cute.arch.mbarrier_wait(empty + buf, (c // 2) % 2 ^ 1)
+        r_o = cute.make_rmem_tensor(acc_o.shape, self.dtype)
+        r_o.store(acc_o.load().to(self.dtype))
+        r2s = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(True, 4), self.dtype), mma_ks
+        )
+        thr_r2s = r2s.get_slice(stid)
+        cute.copy(r2s, thr_r2s.retile(r_o), thr_r2s.partition_D(transposed(sO[None, None, buf])))
+        cute.arch.fence_proxy("async.shared", space="cta")  # the TMA store reads it
+        cute.arch.mbarrier_arrive(full + buf)
+
+    @cute.jit
+    def _drain_o(self, tma_o, mO4, mO, sO, o_ring, hv, part, bos, seqlen, nchunks):
+        """t_pre, warp O_WARP: per chunk and state warpgroup, its O tile -> global memory. A
+        whole chunk by one TMA store (64 tokens x 64 value columns); the tail chunk by the
+        warp's 16-byte copies of the rows inside the sequence (a box would write the next
+        sequence's rows, which another CTA owns). The tile is released once read."""
+        full, empty = o_ring
+        lane = cute.arch.lane_idx()
+        one = cute.make_layout(1)
+        g = cute.local_tile(
+            cute.domain_offset((bos, 0), mO4[None, None, hv, 0]), (CHUNK, ROWS), (None, None)
+        )
+        ts, tg = cpasync.tma_partition(
+            tma_o, 0, one, cute.group_modes(sO, 0, 2), cute.group_modes(g, 0, 2)
+        )
+        for c in cutlass.range(nchunks, unroll=1):
+            valid = cutlass.min(seqlen - c * CHUNK, CHUNK)
+            for w in cutlass.range_constexpr(self.state_wgs):
+                buf = 2 * w + c % 2
+                blk = value_row_block(part, w, self.state_wgs)
+                cute.arch.mbarrier_wait(full + buf, (c // 2) % 2)
+                if valid == CHUNK:
+                    cute.copy(tma_o, ts[(None, buf)], tg[(None, c, blk)])
+                    cute.arch.cp_async_bulk_commit_group()
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                else:
+                    self._copy_o_rows(sO[None, None, buf], mO, lane, WARP_SIZE, valid, hv,
+                                      bos + c * CHUNK, blk, True)  # fmt: skip
+                cute.arch.mbarrier_arrive(empty + buf)
+        cute.arch.cp_async_bulk_wait_group(0)
+
+    @cute.jit
+    def _copy_o_rows(self, tile, mO, tid, nthreads: cutlass.Constexpr[int], valid, hv, row0,
+                     blk, rolled: cutlass.Constexpr[bool] = False):  # fmt: skip
+        """Rows < valid of an O tile to o rows row0 .., value columns 64 blk ..: 16 bytes a
+        thread and copy, `nthreads` threads. rolled: a loop, not unrolled (the O warp's 24
+        registers: unrolled, its 16 rows' addresses are hoisted and spill)."""
+        steps = CHUNK * (ROWS // VEC) // nthreads
+        if const_expr(rolled):
+            for k in cutlass.range(steps, unroll=1):
+                self._copy_o_row(tile, mO, tid, nthreads, k, valid, hv, row0, blk)
+        else:
+            for k in cutlass.range_constexpr(steps):
+                self._copy_o_row(tile, mO, tid, nthreads, k, valid, hv, row0, blk)
+
+    @cute.jit
+    def _copy_o_row(self, tile, mO, tid, nthreads: cutlass.Constexpr[int], k, valid, hv, row0,
+                    blk):  # fmt: skip
         per_row = ROWS // VEC
-        for k in cutlass.range_constexpr(CHUNK * per_row // THREADS_PER_WG):
-            row = stid // per_row + k * (THREADS_PER_WG // per_row)
-            col = stid % per_row
-            if row < valid:
-                src = cute.local_tile(tile[row, None], (VEC,), (col,))
-                dst_row = mO[bos + c * CHUNK + row, hv, None]
-                dst = cute.local_tile(dst_row, (VEC,), (blk * per_row + col,))
-                dst.store(src.load())
+        row = tid // per_row + k * (nthreads // per_row)
+        col = tid % per_row
+        if row < valid:
+            src = cute.local_tile(tile[row, None], (VEC,), (col,))
+            dst = cute.local_tile(mO[row0 + row, hv, None], (VEC,), (blk * per_row + col,))
+            dst.store(src.load())
 
     @cute.jit
     def _state_io(self, mS, acc_st, thr_st, n, hv, blk, load: cutlass.Constexpr[bool]):
