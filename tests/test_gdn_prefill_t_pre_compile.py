@@ -28,6 +28,8 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.compile import (  # n
     kernel_for,
 )
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import (  # noqa: E402
+    O_EMPTY_ARRIVALS,
+    O_FULL_ARRIVALS,
     qk_consumer_warps,
     v_consumer_warps,
 )
@@ -177,5 +179,23 @@ def test_form_ring_arrive_counts(built, name):
         + [32] * stages + [wg] * stages
         + [wg] * stages + [wgs * wg] * stages
         + [1] * stages + [v_consumer_warps(wgs)] * stages
+        + [O_FULL_ARRIVALS] * 2 * wgs + [O_EMPTY_ARRIVALS] * 2 * wgs
     )  # fmt: skip
     assert _mbarrier_init_counts(ptx) == want
+    assert config.o_ring_barriers(wgs) == 4 * wgs
+
+
+@pytest.mark.parametrize("name", list(FORMS))
+def test_form_state_chain(built, name):
+    """The state warps' chunk chain off the tensor pipe (NOTES, "The t_pre form's state
+    chain"): V^T by 4 transposed ldmatrix a thread (no 16-bit LDS), O by 4 transposed
+    stmatrix and an mbarrier hand-off (no named barrier, no LDS.128 / STG: the O warp stores
+    it, one TMA box a chunk and state warpgroup)."""
+    _, instrs, _, _ = built("form", name)
+    ops = _ops(instrs)
+    assert ops.count("LDSM.16.MT88.4") == 4  # V^T
+    assert not [op for op in ops if op.startswith("LDS.U16")]
+    assert ops.count("UTMASTG.3D") == _wgs(name)  # the O warp's, one per state warpgroup
+    named = [a for op, a in instrs if op == "BAR.SYNC.DEFER_BLOCKING" and "0x80" in a]
+    assert len(named) == (1 if FORMS[name].get("l2norm") else 0)  # the aux's, l2norm only
+    assert ops.count("STG.E.128") == _wgs(name)  # the O warp's tail rows (a rolled loop)
