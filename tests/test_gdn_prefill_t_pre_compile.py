@@ -62,6 +62,8 @@ FORMS = {
     },  # fmt: skip
 }
 
+STATE_LDS = {"bf16_state_lds": {"dtype": "bfloat16", "state_lds": True}}  # the bench's A/B
+
 
 def _build(compile_fn, params, kernel):
     with tempfile.TemporaryDirectory() as d:
@@ -88,7 +90,7 @@ def built():
                 kernel = GdnTPreSm90(128, l2norm=l2)
                 cache[kind, name] = _build(compile_gdn_t_pre, params, kernel)
             else:
-                kw = dict(FORMS[name])
+                kw = dict(FORMS[name] if name in FORMS else STATE_LDS[name])
                 params = dict(config.params_for(kw.pop("dtype"), **kw, t_pre=True))
                 cache[kind, name] = _build(compile_gdn_prefill, params, kernel_for(params))
         return cache[kind, name]
@@ -199,3 +201,17 @@ def test_form_state_chain(built, name):
     named = [a for op, a in instrs if op == "BAR.SYNC.DEFER_BLOCKING" and "0x80" in a]
     assert len(named) == (1 if FORMS[name].get("l2norm") else 0)  # the aux's, l2norm only
     assert ops.count("STG.E.128") == _wgs(name)  # the O warp's tail rows (a rolled loop)
+
+
+@pytest.mark.parametrize("name", list(STATE_LDS))
+def test_state_lds_form_keeps_the_previous_chain(built, name):
+    """Key field state_lds: next/gdn-tpre's t_pre state chain (V^T by 32 LDS.U16 a thread, O
+    by the state warps' named barrier, LDS.128 and STG; no O warp, no O ring), the baseline of
+    the bench's `t_pre_state_lds` (its SASS was byte-identical to next/gdn-tpre's t_pre form
+    when built, 2026-12-05)."""
+    res, instrs, _, ptx = built("form", name)
+    ops = _ops(instrs)
+    assert res["spill_bytes"] == 0
+    assert ops.count("LDS.U16") == 32 and "LDSM.16.MT88.4" not in ops
+    assert "UTMASTG.3D" not in ops and ops.count("STG.E.128") == 4
+    assert O_FULL_ARRIVALS not in _mbarrier_init_counts(ptx)[-4:]

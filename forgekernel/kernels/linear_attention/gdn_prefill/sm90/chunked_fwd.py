@@ -53,7 +53,13 @@ diag(beta) of every chunk comes from the precompute kernel (`t_pre.py`, one CTA 
 value head, all at once) through a T ring (warpgroup 0's warp 2 loads the (C, C) tile of slot
 bos // C + n + c by TMA; the state warpgroups wait for it just before U^T and release it once
 U^T is complete); the aux warpgroup (`aux_p.py`) forms only Q K^T, P and the tables (its loop
-644 SASS instructions against 1846, bf16), and the inverse's scratch is gone.
+644 SASS instructions against 1846, bf16), and the inverse's scratch is gone. Its state chain is
+shorter (state loop 754 -> 506 SASS instructions a warp, bf16): V^T by transposed ldmatrix,
+the thread-dependent views hoisted, and O handed by an mbarrier ring (full: the state
+warpgroup's 128 threads after stmatrix and a proxy fence; empty: the O warp's 32 lanes once
+read) to warpgroup 0's warp 3 (`roles.O_WARP`), which stores whole chunks by one TMA box and
+the tail chunk's rows by 16-byte copies. Key field state_lds keeps next/gdn-tpre's state chain
+(the bench's A/B, `t_pre_state_lds`).
 
 Ragged edges: a chunk that runs past its sequence loads the next sequence's rows (or TMA's
 zero fill past T): their g and beta are 0 (so G2 is flat and those rows of L, T - I and U
@@ -143,7 +149,7 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
 
     def __init__(
         self, k: int, v: int, *, k_last: bool, l2norm: bool, initial_state: bool, v_split: int = 1,
-        t_pre: bool = False,
+        t_pre: bool = False, state_lds: bool = False,
     ):  # fmt: skip
         if (k, v) != (128, 128):
             raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
@@ -153,6 +159,7 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
         self.initial_state = initial_state
         self.v_split = v_split
         self.t_pre = t_pre
+        self.o_warp = t_pre and not state_lds  # O by warp O_WARP's TMA stores, V^T by ldmatrix
         self.state_wgs = state_wgs(v, v_split)
         self.aux_wgs = aux_wgs(v_split)
         self.v_cols = self.state_wgs * ROWS_PER_STATE_WG  # value columns of one CTA
@@ -236,6 +243,7 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
             self.t_bytes = cute.size_in_bytes(self.dtype, sT_tile)
             w_words = x_words = SCRATCH_STUB  # no inverse here
             t_barriers = 2 * STAGES
+        if const_expr(self.o_warp):
             sO_tile = cute.slice_(self.sO_layout, (None, None, 0))
             tma_o, mO4 = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(),
                                                      packed_as_sdhb(mO), sO_tile,
@@ -344,6 +352,7 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
                 cpasync.prefetch_descriptor(atom)
             if const_expr(self.t_pre):
                 cpasync.prefetch_descriptor(tma_t)
+            if const_expr(self.o_warp):
                 cpasync.prefetch_descriptor(tma_o)
         storage = SmemAllocator().allocate(self.shared_storage)
         wgs = self.state_wgs
@@ -356,6 +365,7 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
         t_pipe, o_ring = None, None
         if const_expr(self.t_pre):
             t_pipe = tma_pipeline(storage.t_ring, STAGES, self.t_bytes, v_consumer_warps(wgs))
+        if const_expr(self.o_warp):
             o_full = storage.o_ring.data_ptr()
             o_ring = (o_full, o_full + 2 * wgs)  # full[2 w + c % 2], empty[..]
             if warp_idx == 0:
@@ -399,7 +409,8 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
             if const_expr(self.t_pre):
                 if warp_idx == T_WARP:
                     self._produce_t(tma_t, mT4, sT, t_pipe, hv, first_slot(bos, n), nchunks)
-                elif warp_idx == O_WARP:
+            if const_expr(self.o_warp):
+                if warp_idx == O_WARP:
                     self._drain_o(tma_o, mO4, mO, sO, o_ring, hv, part, bos, seqlen, nchunks)
         elif wg == 1 if const_expr(self.aux_wgs == 1) else wg <= self.aux_wgs:
             cute.arch.setmaxregister_decrease(AUX_REGS)

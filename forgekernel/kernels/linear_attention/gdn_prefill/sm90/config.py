@@ -132,6 +132,7 @@ def params_for(
     initial_state: bool = False,
     v_split: int = 1,
     t_pre: bool = False,
+    state_lds: bool = False,
 ) -> tuple:
     """Compile key: the q / k / v dtype, (K, V), the state's layout (k_last: (N, HV, V, K),
     FlashInfer's; else (N, HV, K, V), fla's), the q / k l2norm in the kernel, whether an
@@ -140,7 +141,9 @@ def params_for(
     (sequence, head), against the 64 KB per 128 tokens the inputs read, it is not worth a
     variant. t_pre: the form that reads T diag(beta) from the precompute (`t_pre.py`) instead
     of forming it in the aux warpgroup; named in the key only when on (the standard keys, and
-    so their cache entries, unchanged)."""
+    so their cache entries, unchanged). state_lds (t_pre only): the state chain of next/gdn-tpre
+    (V^T by 16-bit loads, O stored by the state warps), kept as the bench's A/B of the t_pre
+    form's O warp and ldmatrix V^T; named only when on."""
     if v_split not in V_SPLITS:
         raise ValueError(f"v_split must be one of {V_SPLITS}, got {v_split}")
     k, v = head_dims
@@ -148,4 +151,6 @@ def params_for(
            "initial_state": initial_state, "v_split": v_split}  # fmt: skip
     if t_pre:
         key["t_pre"] = True
+        if state_lds:
+            key["state_lds"] = True
     return tuple(sorted(key.items()))

@@ -66,7 +66,7 @@ class StateWg:
         # Operand descriptors are warpgroup-uniform; thread-dependent views (V^T and stmatrix
         # addresses, coordinates) are rebuilt each chunk from a threadIdx the compiler may not
         # hoist (hoisted, they are live registers across the loop: spills at 192). The t_pre
-        # form hoists them: without the O rows' global addresses they fit (0 spills at 192;
+        # form (o_warp) hoists them: without the O rows' global addresses they fit (0 spills at 192;
         # its state loop 562 -> 506 SASS instructions, bf16). More registers for the state
         # (aux 80, state 200) bought 3 instructions more: the split stays 24 / 104 / 192.
         wg_ks = mma_ks.get_slice(0)
@@ -99,11 +99,11 @@ class StateWg:
             v_pipe.consumer_wait(vs)
             cute.nvgpu.warpgroup.wait_group(0)
             tid = stid
-            if const_expr(t_pipe is None):
+            if const_expr(not self.o_warp):
                 tid = opaque_tid_x() % THREADS_PER_WG
             coords = softmax.acc_coords(mma_ks, tid, (ROWS, CHUNK))
             vt = cute.local_tile(sVt[None, None, vs.index], (ROWS, CHUNK), (w, 0))
-            r_v = self._load_vt(mma_ks, vt, tid, acc_shape, t_pipe is not None)
+            r_v = self._load_vt(mma_ks, vt, tid, acc_shape, self.o_warp)
             self._correct(acc_x, acc_o, r_v, coords, sTab, ax.index)
             v_pipe.consumer_release(vs)  # v consumed: its stage may load chunk c + 2
             acc_to_operand_a(acc_x, tXrX)
@@ -135,10 +135,10 @@ class StateWg:
     @cute.jit
     def _load_vt(self, mma_ks, vt, tid, acc_shape, ldsm: cutlass.Constexpr[bool]):
         """This warpgroup's V^T (64 value rows, C tokens) in the accumulator layout, fp32.
-        ldsm (the `t_pre` form): 4 transposed ldmatrix a thread (the v tile is token-major, so
-        the accumulator's column pairs are two tokens: 16-bit loads by element otherwise, 32
-        LDS.U16 a thread and their addresses, ~100 cycles of a state warp's chain a chunk by
-        scripts/sass_warp_model.py); the same values either way."""
+        ldsm (the `t_pre` form's, `o_warp`): 4 transposed ldmatrix a thread (the v tile is
+        token-major, so the accumulator's column pairs are two tokens: 16-bit loads by element
+        otherwise, 32 LDS.U16 a thread and their addresses, ~150 cycles of a state warp's chain
+        a chunk by scripts/sass_warp_model.py); the same values either way."""
         r_v = cute.make_rmem_tensor(acc_shape, Float32)
         if const_expr(ldsm):
             s2r = cute.make_tiled_copy_C(
