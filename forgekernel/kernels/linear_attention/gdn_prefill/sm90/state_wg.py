@@ -238,14 +238,16 @@ class StateWg:
                 blk = value_row_block(part, w, self.state_wgs)
                 cute.arch.mbarrier_wait(full + buf, (c // 2) % 2)
                 if valid == CHUNK:
-                    cute.copy(tma_o, ts[(None, buf)], tg[(None, c, blk)])
-                    cute.arch.cp_async_bulk_commit_group()
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    if lane == 0:  # one thread (the DSL elects none for a TMA store)
+                        cute.copy(tma_o, ts[(None, buf)], tg[(None, c, blk)])
+                        cute.arch.cp_async_bulk_commit_group()
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
                 else:
                     self._copy_o_rows(sO[None, None, buf], mO, lane, WARP_SIZE, valid, hv,
                                       bos + c * CHUNK, blk, True)  # fmt: skip
-                cute.arch.mbarrier_arrive(empty + buf)
-        cute.arch.cp_async_bulk_wait_group(0)
+                cute.arch.mbarrier_arrive(empty + buf)  # lane 0's only after its read wait
+        if lane == 0:
+            cute.arch.cp_async_bulk_wait_group(0)
 
     @cute.jit
     def _copy_o_rows(self, tile, mO, tid, nthreads: cutlass.Constexpr[int], valid, hv, row0,
