@@ -8,7 +8,10 @@
 - the chunked kernel's `t_pre` form: the standard split (24 / 104 / 192, no spills), less
   shared memory than the standard (no inverse scratch), the aux warpgroup's WGMMAs Q K^T only
   (8; the state's 24 + 4 unchanged), no HMMA, P the only stmatrix of the aux, one more TMA box
-  a chunk (T), the T ring's barriers (one expect-tx, then the state warps' releases)."""
+  a chunk (T), the T ring's barriers (one expect-tx, then the state warps' releases); its
+  state chain (V^T by ldmatrix.trans, O handed to the O warp's TMA store: the O ring's
+  barriers, no named barrier, LDS.U16 or state-side STG) and the `state_lds` key's, which keeps
+  next/gdn-tpre's."""
 
 from __future__ import annotations
 
