@@ -14,6 +14,9 @@ accumulator for the whole sequence, b = `config.value_row_block(part, w, state w
 
 then O^T -> 16 bits -> transposed stmatrix into this warpgroup's O tile (token-major, two
 alternating) -> the rows inside the sequence to global memory, 16 bytes a thread and copy.
+The `t_pre` form (`o_warp`: its key without state_lds) reads V^T by transposed ldmatrix and
+hands the O tile to warpgroup 0's O warp through an mbarrier pair a tile (`_hand_o`,
+`_drain_o`: a TMA store a whole chunk), its thread-dependent views hoisted out of the loop.
 """
 
 from __future__ import annotations
