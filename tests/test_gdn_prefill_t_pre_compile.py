@@ -8,7 +8,10 @@
 - the chunked kernel's `t_pre` form: the standard split (24 / 104 / 192, no spills), less
   shared memory than the standard (no inverse scratch), the aux warpgroup's WGMMAs Q K^T only
   (8; the state's 24 + 4 unchanged), no HMMA, P the only stmatrix of the aux, one more TMA box
-  a chunk (T), the T ring's barriers (one expect-tx, then the state warps' releases)."""
+  a chunk (T), the T ring's barriers (one expect-tx, then the state warps' releases); its
+  state chain (V^T by ldmatrix.trans, O handed to the O warp's TMA store: the O ring's
+  barriers, no named barrier, LDS.U16 or state-side STG) and the `state_lds` key's, which keeps
+  next/gdn-tpre's."""
 
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.compile import (  # n
     kernel_for,
 )
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import (  # noqa: E402
+    O_EMPTY_ARRIVALS,
+    O_FULL_ARRIVALS,
     qk_consumer_warps,
     v_consumer_warps,
 )
@@ -60,6 +65,8 @@ FORMS = {
     },  # fmt: skip
 }
 
+STATE_LDS = {"bf16_state_lds": {"dtype": "bfloat16", "state_lds": True}}  # the bench's A/B
+
 
 def _build(compile_fn, params, kernel):
     with tempfile.TemporaryDirectory() as d:
@@ -86,7 +93,7 @@ def built():
                 kernel = GdnTPreSm90(128, l2norm=l2)
                 cache[kind, name] = _build(compile_gdn_t_pre, params, kernel)
             else:
-                kw = dict(FORMS[name])
+                kw = dict(FORMS[name] if name in FORMS else STATE_LDS[name])
                 params = dict(config.params_for(kw.pop("dtype"), **kw, t_pre=True))
                 cache[kind, name] = _build(compile_gdn_prefill, params, kernel_for(params))
         return cache[kind, name]
@@ -177,5 +184,37 @@ def test_form_ring_arrive_counts(built, name):
         + [32] * stages + [wg] * stages
         + [wg] * stages + [wgs * wg] * stages
         + [1] * stages + [v_consumer_warps(wgs)] * stages
+        + [O_FULL_ARRIVALS] * 2 * wgs + [O_EMPTY_ARRIVALS] * 2 * wgs
     )  # fmt: skip
     assert _mbarrier_init_counts(ptx) == want
+    assert config.o_ring_barriers(wgs) == 4 * wgs
+
+
+@pytest.mark.parametrize("name", list(FORMS))
+def test_form_state_chain(built, name):
+    """The state warps' chunk chain off the tensor pipe (NOTES, "The t_pre form's state
+    chain"): V^T by 4 transposed ldmatrix a thread (no 16-bit LDS), O by 4 transposed
+    stmatrix and an mbarrier hand-off (no named barrier, no LDS.128 / STG: the O warp stores
+    it, one TMA box a chunk and state warpgroup)."""
+    _, instrs, _, _ = built("form", name)
+    ops = _ops(instrs)
+    assert ops.count("LDSM.16.MT88.4") == 4  # V^T
+    assert not [op for op in ops if op.startswith("LDS.U16")]
+    assert ops.count("UTMASTG.3D") == _wgs(name)  # the O warp's, one per state warpgroup
+    named = [a for op, a in instrs if op == "BAR.SYNC.DEFER_BLOCKING" and "0x80" in a]
+    assert len(named) == (1 if FORMS[name].get("l2norm") else 0)  # the aux's, l2norm only
+    assert ops.count("STG.E.128") == _wgs(name)  # the O warp's tail rows (a rolled loop)
+
+
+@pytest.mark.parametrize("name", list(STATE_LDS))
+def test_state_lds_form_keeps_the_previous_chain(built, name):
+    """Key field state_lds: next/gdn-tpre's t_pre state chain (V^T by 32 LDS.U16 a thread, O
+    by the state warps' named barrier, LDS.128 and STG; no O warp, no O ring), the baseline of
+    the bench's `t_pre_state_lds` (its SASS was byte-identical to next/gdn-tpre's t_pre form
+    when built, 2026-12-05)."""
+    res, instrs, _, ptx = built("form", name)
+    ops = _ops(instrs)
+    assert res["spill_bytes"] == 0
+    assert ops.count("LDS.U16") == 32 and "LDSM.16.MT88.4" not in ops
+    assert "UTMASTG.3D" not in ops and ops.count("STG.E.128") == 4
+    assert O_FULL_ARRIVALS not in _mbarrier_init_counts(ptx)[-4:]

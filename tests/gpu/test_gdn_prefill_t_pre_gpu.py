@@ -7,8 +7,8 @@ same operands, `test_t_pre_is_bitwise_the_standard`; if only that test fails, T 
 last bits between the kernels and the first test's tolerances decide) on varlen with empty,
 single-token and partial sequences, grouped value heads, l2norm, both state layouts, with and
 without an initial state, V split 1 and 2, fp16 and bf16; many sequences (the precompute's
-binary search over cu_seqlens); segments (T once for the three passes); the suite's shapes
-with the times printed (-s); a CUDA graph.
+binary search over cu_seqlens); the O ring's whole and tail chunks; segments (T once for the
+three passes); the suite's shapes with the times printed (-s); a CUDA graph.
 CPU counterparts: tests/test_gdn_prefill_t_pre.py (replay), test_gdn_prefill_t_pre_compile.py."""
 
 from __future__ import annotations
@@ -136,6 +136,21 @@ def test_t_pre_is_bitwise_the_standard(v_split, lens, h, hv, k_last, l2norm, wit
     kw = dict(k_last=k_last, l2norm=l2norm, with_state=with_state, v_split=v_split)
     o_std, s_std = _run(inputs, t_pre=False, **kw)
     o_t, s_t = _run(inputs, t_pre=True, **kw)
+    assert torch.equal(o_t, o_std) and torch.equal(s_t, s_std)
+
+
+@pytest.mark.parametrize("v_split", [1, 2])
+@pytest.mark.parametrize("lens", [[64, 128, 1, 640, 63, 192], [4096], [65, 0, 127]])
+def test_o_ring_whole_and_tail_chunks(v_split, lens):
+    """The t_pre form's O path (the state warps hand each tile to the O warp by an mbarrier
+    ring; whole chunks by one TMA box, the tail chunk's rows by the warp's 16-byte copies):
+    sequences ending on a chunk boundary (the last chunk a TMA box) beside partial ones (a box
+    there would write the next sequence's rows), 64 chunks (the two tiles' parities wrap 32
+    times); every row written (o NaN-poisoned) and bit for bit the standard path's."""
+    inputs = _inputs(lens, 2, 4, torch.bfloat16, seed=9)
+    o_std, s_std = _run(inputs, t_pre=False, v_split=v_split)
+    o_t, s_t = _run(inputs, t_pre=True, v_split=v_split)
+    assert not o_t.isnan().any()
     assert torch.equal(o_t, o_std) and torch.equal(s_t, s_std)
 
 

@@ -169,6 +169,9 @@ def _reference(inputs: Inputs) -> torch.Tensor:
 
 
 H200_SMS = 132
+# the t_pre form's state chain against next/gdn-tpre's (variant t_pre_state_lds): an unsplit
+# case (two state warpgroups) and a split one (one)
+STATE_CHAIN_AB = ("4x8192-h16-hv32", "1x4096-h16-hv32")
 
 
 def _run_forced(**forced):
@@ -200,7 +203,8 @@ def variants(case: Case) -> dict[str, Any]:
     segments that would fill one wave where it does not but might (N HV <= SMs / 4: 5 at
     1 x hv32, the model's break-even, launch.segments_for). `t_pre` (T precomputed, the
     launcher's other choices its own) on every case (segmented: T precomputed once for all
-    three passes, each reading its own view)."""
+    three passes, each reading its own view). `t_pre_state_lds` on STATE_CHAIN_AB: the t_pre
+    form with next/gdn-tpre's state chain, the A/B of its O warp and ldmatrix V^T."""
     from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import v_split_for
     from forgekernel.kernels.linear_attention.gdn_prefill.sm90.launch import segments_for
 
@@ -208,6 +212,8 @@ def variants(case: Case) -> dict[str, Any]:
     n = len(lens)
     out: dict[str, Any] = {}
     out["t_pre"] = _run_forced(t_pre=True)
+    if case.name in STATE_CHAIN_AB:
+        out["t_pre_state_lds"] = _run_forced(t_pre=True, state_lds=True)
     if segments_for(n, hv, sum(lens), H200_SMS) > 1:
         return {**out, "segments_1": _run_forced(segments=1)}
     if 4 * n * hv <= H200_SMS and sum(lens) >= 16384 * n:

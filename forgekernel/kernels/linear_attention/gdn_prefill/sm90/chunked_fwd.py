@@ -53,7 +53,13 @@ diag(beta) of every chunk comes from the precompute kernel (`t_pre.py`, one CTA 
 value head, all at once) through a T ring (warpgroup 0's warp 2 loads the (C, C) tile of slot
 bos // C + n + c by TMA; the state warpgroups wait for it just before U^T and release it once
 U^T is complete); the aux warpgroup (`aux_p.py`) forms only Q K^T, P and the tables (its loop
-644 SASS instructions against 1846, bf16), and the inverse's scratch is gone.
+644 SASS instructions against 1846, bf16), and the inverse's scratch is gone. Its state chain is
+shorter (state loop 754 -> 506 SASS instructions a warp, bf16): V^T by transposed ldmatrix,
+the thread-dependent views hoisted, and O handed by an mbarrier ring (full: the state
+warpgroup's 128 threads after stmatrix and a proxy fence; empty: the O warp's 32 lanes once
+read) to warpgroup 0's warp 3 (`roles.O_WARP`), which stores whole chunks by one TMA box and
+the tail chunk's rows by 16-byte copies. Key field state_lds keeps next/gdn-tpre's state chain
+(the bench's A/B, `t_pre_state_lds`).
 
 Ragged edges: a chunk that runs past its sequence loads the next sequence's rows (or TMA's
 zero fill past T): their g and beta are 0 (so G2 is flat and those rows of L, T - I and U
@@ -103,12 +109,16 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     X_STRIDE,
     aux_wgs,
     first_slot,
+    o_ring_barriers,
     state_wgs,
     threads,
 )
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.gates import chunk_gates
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import (
     GATE_WARP,
+    O_EMPTY_ARRIVALS,
+    O_FULL_ARRIVALS,
+    O_WARP,
     PRODUCER_WARP,
     T_WARP,
     gate_warp_witnesses_qk,
@@ -139,7 +149,7 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
 
     def __init__(
         self, k: int, v: int, *, k_last: bool, l2norm: bool, initial_state: bool, v_split: int = 1,
-        t_pre: bool = False,
+        t_pre: bool = False, state_lds: bool = False,
     ):  # fmt: skip
         if (k, v) != (128, 128):
             raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
@@ -149,6 +159,7 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
         self.initial_state = initial_state
         self.v_split = v_split
         self.t_pre = t_pre
+        self.o_warp = t_pre and not state_lds  # O by warp O_WARP's TMA stores, V^T by ldmatrix
         self.state_wgs = state_wgs(v, v_split)
         self.aux_wgs = aux_wgs(v_split)
         self.v_cols = self.state_wgs * ROWS_PER_STATE_WG  # value columns of one CTA
@@ -220,10 +231,11 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV4, sV_tile, (CHUNK, self.v_cols))
         self.qk_bytes = 2 * cute.size_in_bytes(self.dtype, sQK_tile)
         self.v_bytes = cute.size_in_bytes(self.dtype, sV_tile)
-        tma_t, tma_mT = None, None
+        tma_t, tma_mT, tma_o, mO4 = None, None, None, None
         w_words = self.aux_wgs * CHUNK * W_STRIDE
         x_words = self.aux_wgs * 2 * BLOCK * X_STRIDE
         t_barriers = 0
+        o_barriers = 0
         if const_expr(self.t_pre):
             sT_tile = cute.slice_(self.sPT_layout, (None, None, 0))
             tma_t, tma_mT = cpasync.make_tiled_tma_atom(g2s, packed_as_sdhb(mTpre), sT_tile,
@@ -231,6 +243,12 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
             self.t_bytes = cute.size_in_bytes(self.dtype, sT_tile)
             w_words = x_words = SCRATCH_STUB  # no inverse here
             t_barriers = 2 * STAGES
+        if const_expr(self.o_warp):
+            sO_tile = cute.slice_(self.sO_layout, (None, None, 0))
+            tma_o, mO4 = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(),
+                                                     packed_as_sdhb(mO), sO_tile,
+                                                     (CHUNK, ROWS_PER_STATE_WG))  # fmt: skip
+            o_barriers = o_ring_barriers(self.state_wgs)
 
         @cute.struct
         class SharedStorage:
@@ -263,6 +281,7 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
                 cute.struct.MemRange[self.dtype, cute.cosize(self.sO_layout)], 1024
             ]
             t_ring: cute.struct.MemRange[cutlass.Int64, t_barriers]  # t_pre: the T ring's
+            o_ring: cute.struct.MemRange[cutlass.Int64, o_barriers]  # t_pre: O full, empty
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -288,6 +307,8 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
             self.sO_layout,
             tma_t,
             tma_mT,
+            tma_o,
+            mO4,
         ).launch(  # fmt: skip
             grid=(mV.shape[1] * self.v_split, mCu.shape[0] - 1, 1),
             block=[self.threads, 1, 1],
@@ -321,6 +342,8 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
         sO_layout: cute.ComposedLayout,
         tma_t: cute.CopyAtom | None,
         mT4: cute.Tensor | None,
+        tma_o: cute.CopyAtom | None,
+        mO4: cute.Tensor | None,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -329,6 +352,8 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
                 cpasync.prefetch_descriptor(atom)
             if const_expr(self.t_pre):
                 cpasync.prefetch_descriptor(tma_t)
+            if const_expr(self.o_warp):
+                cpasync.prefetch_descriptor(tma_o)
         storage = SmemAllocator().allocate(self.shared_storage)
         wgs = self.state_wgs
         qk_pipe = tma_pipeline(
@@ -337,9 +362,18 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
         v_pipe = tma_pipeline(storage.v_barriers, V_STAGES, self.v_bytes, v_consumer_warps(wgs))
         gate_pipe = _async_ring(storage.gate_barriers, WARP_SIZE, THREADS_PER_WG)
         aux_pipe = _async_ring(storage.aux_barriers, THREADS_PER_WG, wgs * THREADS_PER_WG)
-        t_pipe = None
+        t_pipe, o_ring = None, None
         if const_expr(self.t_pre):
             t_pipe = tma_pipeline(storage.t_ring, STAGES, self.t_bytes, v_consumer_warps(wgs))
+        if const_expr(self.o_warp):
+            o_full = storage.o_ring.data_ptr()
+            o_ring = (o_full, o_full + 2 * wgs)  # full[2 w + c % 2], empty[..]
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    for i in cutlass.range_constexpr(2 * wgs):
+                        cute.arch.mbarrier_init(o_ring[0] + i, O_FULL_ARRIVALS)
+                    for i in cutlass.range_constexpr(2 * wgs):
+                        cute.arch.mbarrier_init(o_ring[1] + i, O_EMPTY_ARRIVALS)
         init_arrive()
         sQ = smem_tensor(storage.sQ, sQK_layout)
         sK = smem_tensor(storage.sK, sQK_layout)
@@ -375,6 +409,9 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
             if const_expr(self.t_pre):
                 if warp_idx == T_WARP:
                     self._produce_t(tma_t, mT4, sT, t_pipe, hv, first_slot(bos, n), nchunks)
+            if const_expr(self.o_warp):
+                if warp_idx == O_WARP:
+                    self._drain_o(tma_o, mO4, mO, sO, o_ring, hv, part, bos, seqlen, nchunks)
         elif wg == 1 if const_expr(self.aux_wgs == 1) else wg <= self.aux_wgs:
             cute.arch.setmaxregister_decrease(AUX_REGS)
             a = 0  # aux warpgroup a takes chunks a, a + aux_wgs, ...
@@ -399,7 +436,7 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
             self._state(
                 wg - first, tidx - (wg * THREADS_PER_WG), mma_ks, mma_st, sQ, sK, sV, sP, sT,
                 sTab, sO, mInit, mFinal, mO, qk_pipe, v_pipe, aux_pipe, hv, part, n, bos,
-                seqlen, nchunks, t_pipe,
+                seqlen, nchunks, t_pipe, o_ring,
             )  # fmt: skip
 
     # ---------------------------------------------------------------- producer warps

@@ -88,6 +88,8 @@ def smem_bytes(
         scratch = 2 * SCRATCH_STUB * 4
     tables = (2 * STAGES * CHUNK + STAGES * 4 * CHUNK + STAGES * 3 * CHUNK) * 4
     barriers = 2 * (QK_STAGES + V_STAGES + (3 if t_pre else 2) * STAGES) * 8
+    if t_pre:
+        barriers += o_ring_barriers(wgs) * 8
     return tiles + aux + out + scratch + tables + barriers + 1024 * 4
 
 
@@ -97,6 +99,12 @@ def smem_bytes(
 # and need no table: both kernels compute them from cu_seqlens; T // C + N slots in all, the
 # ones between sequences unwritten and unread.
 SCRATCH_STUB = 4  # fp32 words of the t_pre form's unused inverse scratch fields
+
+
+def o_ring_barriers(wgs: int) -> int:
+    """The t_pre form's O hand-off (state warpgroup -> the O store warp): a full and an empty
+    mbarrier for each of a state warpgroup's two O tiles."""
+    return 2 * 2 * wgs
 
 
 def first_slot(bos, n):
@@ -124,6 +132,7 @@ def params_for(
     initial_state: bool = False,
     v_split: int = 1,
     t_pre: bool = False,
+    state_lds: bool = False,
 ) -> tuple:
     """Compile key: the q / k / v dtype, (K, V), the state's layout (k_last: (N, HV, V, K),
     FlashInfer's; else (N, HV, K, V), fla's), the q / k l2norm in the kernel, whether an
@@ -132,7 +141,9 @@ def params_for(
     (sequence, head), against the 64 KB per 128 tokens the inputs read, it is not worth a
     variant. t_pre: the form that reads T diag(beta) from the precompute (`t_pre.py`) instead
     of forming it in the aux warpgroup; named in the key only when on (the standard keys, and
-    so their cache entries, unchanged)."""
+    so their cache entries, unchanged). state_lds (t_pre only): the state chain of next/gdn-tpre
+    (V^T by 16-bit loads, O stored by the state warps), kept as the bench's A/B of the t_pre
+    form's O warp and ldmatrix V^T; named only when on."""
     if v_split not in V_SPLITS:
         raise ValueError(f"v_split must be one of {V_SPLITS}, got {v_split}")
     k, v = head_dims
@@ -140,4 +151,6 @@ def params_for(
            "initial_state": initial_state, "v_split": v_split}  # fmt: skip
     if t_pre:
         key["t_pre"] = True
+        if state_lds:
+            key["state_lds"] = True
     return tuple(sorted(key.items()))

@@ -74,6 +74,7 @@ def gdn_prefill(
     v_split: int | None = None,
     segments: int | None = None,
     t_pre: bool = False,
+    state_lds: bool = False,
 ) -> None:
     """Varlen form: q, k (T, H, K), v (T, HV, V) 16-bit, g (log decay) and beta fp32 (T, HV),
     cu_seqlens int32 (N + 1,); initial_state (N, HV, K, V) fp32, or (N, HV, V, K) with k_last,
@@ -84,7 +85,8 @@ def gdn_prefill(
     long sequences cut each sequence into `segments_for` pieces run in parallel
     (`_segmented`; `segments` forces a count, 1 the direct launch). t_pre: T diag(beta) of
     every chunk by the precompute kernel first, read by the chunked kernel's `t_pre` form (the
-    bench's variant `t_pre`; not the default until measured)."""
+    bench's variant `t_pre`; not the default until measured); state_lds (with t_pre): that form
+    with next/gdn-tpre's state chain (the bench's A/B `t_pre_state_lds`)."""
     if final_state.shape[0] == 0:
         return
     if q.shape[0] == 0:  # every sequence empty: no TMA descriptor over zero tokens
@@ -94,10 +96,11 @@ def gdn_prefill(
     parts = segments or segments_for(n, hv, q.shape[0], _sms(q.device))
     if parts > 1:
         _segmented(q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, parts,
-                   k_last=k_last, l2norm=l2norm, t_pre=t_pre)  # fmt: skip
+                   k_last=k_last, l2norm=l2norm, t_pre=t_pre, state_lds=state_lds)  # fmt: skip
         return
     _direct(q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale,
-            k_last=k_last, l2norm=l2norm, v_split=v_split, t_pre=t_pre)  # fmt: skip
+            k_last=k_last, l2norm=l2norm, v_split=v_split, t_pre=t_pre,
+            state_lds=state_lds)  # fmt: skip
 
 
 def t_diag_beta(
@@ -125,7 +128,7 @@ def t_diag_beta(
 
 def _direct(
     q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, *, k_last, l2norm,
-    v_split, t_pre=False, t_buf=None,
+    v_split, t_pre=False, t_buf=None, state_lds=False,
 ):  # fmt: skip
     """One launch: a CTA (or a V split's CTAs) per sequence and value head (t_pre: after the
     T precompute's, or on t_buf, T of these sequences at their `first_slot`s)."""
@@ -133,6 +136,7 @@ def _direct(
     params = params_for(
         dtype_name(q.dtype), (q.shape[-1], v.shape[-1]), k_last=k_last, l2norm=l2norm,
         initial_state=initial_state is not None, v_split=split, t_pre=t_pre,
+        state_lds=state_lds,
     )  # fmt: skip
     fn = get_kernel(SPEC, params)
     q, k, v = (_aligned(x) for x in (q, k, v))
@@ -161,7 +165,7 @@ def _segment_offsets(cu_seqlens: torch.Tensor, parts: int) -> torch.Tensor:
 
 def _segmented(
     q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, parts, *, k_last, l2norm,
-    t_pre=False,
+    t_pre=False, state_lds=False,
 ):  # fmt: skip
     """Each sequence cut into `parts` segments run in parallel (up to N P HV CTAs instead of
     N HV): the recurrence is affine in the state, S_end = M S_start + L per segment (M the
@@ -187,7 +191,7 @@ def _segmented(
     runs = [cu[:-1], cu[1:-1].clone(), cu[1:].clone()]  # A, B, C; own bases (aligned like cu)
     total = n * parts
     flat = (total, *final_state.shape[1:])
-    run = dict(k_last=k_last, l2norm=l2norm, v_split=None, t_pre=t_pre)
+    run = dict(k_last=k_last, l2norm=l2norm, v_split=None, t_pre=t_pre, state_lds=state_lds)
     t_all = t_diag_beta(k, g, beta, cu, l2norm=l2norm) if t_pre else None
 
     def from_segment(r):  # T as a pass starting at segment r indexes it
