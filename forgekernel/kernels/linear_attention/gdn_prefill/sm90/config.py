@@ -146,6 +146,8 @@ def params_for(
     form's O warp and ldmatrix V^T; named only when on."""
     if v_split not in V_SPLITS:
         raise ValueError(f"v_split must be one of {V_SPLITS}, got {v_split}")
+    if state_lds and not t_pre:
+        raise ValueError("state_lds is a form of t_pre (the standard form has no O warp)")
     k, v = head_dims
     key = {"dtype": dtype, "k": k, "v": v, "k_last": k_last, "l2norm": l2norm,
            "initial_state": initial_state, "v_split": v_split}  # fmt: skip
