@@ -633,7 +633,9 @@ def _prefill_by_gather(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_
             q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32) if lse is None else lse,
         )
     o, lse = _attention_varlen(
-        q, packed(k, ks), packed(v, vs), cu_seqlens_q, cu_k.int(), max_seqlen_q, width,
+        # max(width, 1): a table of no columns still packs one (zero) key row, and the
+        # forward reads no max_seqlen_k (the varlen checks want >= 1 wherever k has a row)
+        q, packed(k, ks), packed(v, vs), cu_seqlens_q, cu_k.int(), max_seqlen_q, max(width, 1),
         causal=causal, softmax_scale=scale, return_lse=True, out=o_out,
     )  # fmt: skip
     return o, lse
