@@ -160,6 +160,23 @@ def test_bad_arguments(change, err, match):
                                  args["state"])  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "err", "match"),
+    [
+        ({"scale": float("inf")}, ValueError, "scale must be finite and >= 0"),
+        ({"scale": "0.1"}, TypeError, "scale must be a float or None"),
+        ({"use_qk_l2norm": "yes"}, TypeError, "use_qk_l2norm must be a bool"),
+        ({"k_last": 1}, TypeError, "k_last must be a bool"),
+    ],
+)
+def test_bad_scalars(cpu_kernel, kwargs, err, match):
+    q, k, v, g, beta, state = _inputs(2, 1, 2, 4, False, False)
+    before = state.clone()
+    with pytest.raises(err, match=match):
+        op.gated_delta_rule_step(q, k, v, g, beta, state, **kwargs)
+    assert torch.equal(state, before)
+
+
 def _flashinfer_inputs(b, t, pool=None, seed=1):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(b, t, 4, 128, generator=gen).to(torch.bfloat16)

@@ -57,6 +57,13 @@ def check_bool(name: str, value: object) -> None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
+def check_bools(**flags: object) -> None:
+    """`check_bool` of each keyword: a string or an int otherwise reached a custom op's schema,
+    or was read by its truthiness."""
+    for name, value in flags.items():
+        check_bool(name, value)
+
+
 def check_scale(name: str, value: object, default: float) -> float:
     """A softmax / query scale: None gives `default`; else a real number (not a bool),
     finite and >= 0, as a float."""

@@ -11,7 +11,14 @@ import torch
 from forgekernel.kernels.linear_attention.gdn_decode.sm90 import launch as gdn_sm90
 from forgekernel.kernels.linear_attention.gdn_decode.sm90.config import HEAD_DIMS, MAX_TOKENS
 from forgekernel.ops._dispatch import traced as _traced
-from forgekernel.ops._validate import check_cuda, check_same_device, check_shaped, check_tensor
+from forgekernel.ops._validate import (
+    check_bools,
+    check_cuda,
+    check_same_device,
+    check_scale,
+    check_shaped,
+    check_tensor,
+)
 
 F32 = (torch.float32,)
 
@@ -119,7 +126,8 @@ def gated_delta_rule_step(
         if not out.is_contiguous():
             raise ValueError("out must be contiguous")
     args = (q, k, v, g, beta)
-    scale = float(dk**-0.5 if scale is None else scale)
+    check_bools(use_qk_l2norm=use_qk_l2norm, k_last=k_last)
+    scale = check_scale("scale", scale, dk**-0.5)
     if _traced(*args, state, rows, intermediate_states, out):
         a_log, dt_bias = _gates if _gates is not None else (None, None)
         o = torch.ops.forgekernel.gated_delta_rule_step(
