@@ -551,6 +551,19 @@ def test_float_scales_are_made_once():
     assert op_module._scale_tensor("k_scale", 0.5, 8, "cpu") is not a
 
 
+def test_float_scales_of_a_traced_call_are_not_cached():
+    """The 2026-12-05 audit: a traced call (fake tensors: torch.compile, make_fx) cached its
+    fake (Hkv,) scale, which the next eager call of that scale then took."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    op_module._CONSTANT_SCALES.clear()
+    with FakeTensorMode():
+        fake = op_module._scale_tensor("k_scale", 0.625, 4, "cpu")
+    assert isinstance(fake, FakeTensor) and not op_module._CONSTANT_SCALES
+    real = op_module._scale_tensor("k_scale", 0.625, 4, "cpu")
+    assert not isinstance(real, FakeTensor) and torch.all(real == 0.625)
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_two_row_blocks_fragments(d):
     """The 32-row pass's register facts, traced through the DSL's mma.sync m16n8k16 partitions

@@ -90,8 +90,9 @@ _CONSTANT_SCALES: dict[tuple, torch.Tensor] = {}
 def _constant_scale(value: float, hkv: int, device: torch.device) -> torch.Tensor:
     """A python-float scale as fp32 (Hkv,), made once per (value, Hkv, device) so that a decode
     step does not launch a fill per call; made afresh (a captured fill) inside a CUDA-graph
-    capture, whose allocations must not outlive their graph in a cache."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    capture, whose allocations must not outlive their graph in a cache, and in a traced call,
+    whose tensor is fake (cached, the 2026-12-05 audit found it handed to later eager calls)."""
+    if tracing() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return torch.full((hkv,), value, dtype=torch.float32, device=device)
     key = (value, hkv, device)
     t = _CONSTANT_SCALES.get(key)
