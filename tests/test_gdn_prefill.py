@@ -276,6 +276,9 @@ def _bad(change):
         (lambda a, kw: kw.update(use_qk_l2norm_in_kernel=1), TypeError,
          "use_qk_l2norm_in_kernel must be a bool"),
         (lambda a, kw: kw.update(k_last=None), TypeError, "k_last must be a bool"),
+        (lambda a, kw: kw.update(out=torch.empty(1, 9, 4, 128, device="meta",
+                                                 dtype=torch.bfloat16)), ValueError,
+         "out is on meta but q is on cpu"),
     ],
 )  # fmt: skip
 def test_bad_arguments(cpu_kernel, change, err, match):

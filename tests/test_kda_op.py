@@ -193,6 +193,8 @@ def test_bad_arguments_are_named(change, message):
         ({"scale": [0.1]}, TypeError, "scale must be a float or None"),
         ({"output_final_state": "no"}, TypeError, "output_final_state must be a bool"),
         ({"use_qk_l2norm": 1}, TypeError, "use_qk_l2norm_in_kernel must be a bool"),
+        ({"out": torch.empty(1, 8, 2, 128, device="meta", dtype=torch.bfloat16)}, ValueError,
+         "out is on meta but q is on cpu"),
     ],
 )
 def test_bad_scalars_are_named(cpu_kernel, kwargs, err, message):

@@ -119,12 +119,14 @@ def gated_delta_rule_step(
         want = (state.shape[0], t, hv, *tail)
         check_shaped("intermediate_states", intermediate_states, want, F32)
     check_cuda("q", q)
-    check_same_device(q=q, k=k, v=v, g=g, beta=beta, state=state,
-                      **({} if rows is None else {"state_indices": rows}))  # fmt: skip
+    extra = {n: x for n, x in (("state_indices", rows), ("intermediate_states",
+             intermediate_states)) if x is not None}  # fmt: skip
+    check_same_device(q=q, k=k, v=v, g=g, beta=beta, state=state, **extra)
     if out is not None:
         check_shaped("out", out, (b, t, hv, dv), (q.dtype,))
         if not out.is_contiguous():
             raise ValueError("out must be contiguous")
+        check_same_device(q=q, out=out)
     args = (q, k, v, g, beta)
     check_bools(use_qk_l2norm=use_qk_l2norm, k_last=k_last)
     scale = check_scale("scale", scale, dk**-0.5)

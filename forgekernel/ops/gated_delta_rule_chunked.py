@@ -160,6 +160,7 @@ def gated_delta_rule(
         check_shaped("out", out, (b, t, hv, dv), (q.dtype,))
         if not out.is_contiguous():
             raise ValueError("out must be contiguous")
+        check_same_device(q=q, out=out)
     scale = check_scale("scale", scale, dk**-0.5)
     if cu_seqlens is None:
         cu_seqlens = torch.arange(b + 1, dtype=torch.int32, device=q.device) * t  # T = 0 too

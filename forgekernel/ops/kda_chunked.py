@@ -179,6 +179,7 @@ def kimi_delta_attention(
         check_shaped("out", out, tuple(v.shape), (q.dtype,))
         if not out.is_contiguous():
             raise ValueError("out must be contiguous")
+        check_same_device(q=q, out=out)
     scale = check_scale("scale", scale, q.shape[3] ** -0.5)
     flat_out = None if out is None else out.view(-1, *out.shape[2:])
     o, final = _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens,
