@@ -335,6 +335,7 @@ def test_bad_arguments(kwargs, err, match):
         ({"causal": 1}, TypeError, "causal must be a bool"),
         ({"k_scale": 0.5}, ValueError, "k_scale / v_scale dequantize an FP8 cache"),
         ({"v_scale": torch.ones(2)}, ValueError, "this cache is torch.bfloat16"),
+        ({"k_scale": 1.0, "v_scale": 2}, ValueError, "k_scale / v_scale dequantize"),
     ],
 )
 def test_bad_scalars_raise_before_any_kernel(cpu_kernels, kwargs, err, match):
@@ -345,6 +346,15 @@ def test_bad_scalars_raise_before_any_kernel(cpu_kernels, kwargs, err, match):
     with pytest.raises(err, match=match):
         op_module.attention_paged(q, k, v, pt, seq, **kwargs)
     assert not cpu_kernels
+
+
+def test_unit_scales_on_a_16_bit_cache_run(cpu_kernels):
+    """k_scale = v_scale = 1.0 on a 16-bit cache (what a serving engine's layer passes by
+    default) changes nothing: accepted, the result the unscaled call's."""
+    q, k, v, pt, seq = _problem(3, 8, 2, 64, 16, [37, 0, 100])
+    want = op_module.attention_paged(q, k, v, pt, seq)
+    got = op_module.attention_paged(q, k, v, pt, seq, k_scale=1.0, v_scale=1)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize(

@@ -87,6 +87,13 @@ def _scale_tensor(name: str, scale, hkv: int, device) -> torch.Tensor:
 _CONSTANT_SCALES: dict[tuple, torch.Tensor] = {}
 
 
+def _unit_scale(value: object) -> bool:
+    """None or the python number 1.0: a scale that leaves a 16-bit cache's result unchanged."""
+    return value is None or (
+        isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value) == 1.0
+    )
+
+
 def _constant_scale(value: float, hkv: int, device: torch.device) -> torch.Tensor:
     """A python-float scale as fp32 (Hkv,), made once per (value, Hkv, device) so that a decode
     step does not launch a fill per call; made afresh (a captured fill) inside a CUDA-graph
@@ -432,9 +439,10 @@ def attention_paged(
     if k.dtype == torch.float8_e4m3fn:
         ks = _scale_tensor("k_scale", k_scale, k.shape[2], q.device)
         vs = _scale_tensor("v_scale", v_scale, k.shape[2], q.device)
-    elif k_scale is not None or v_scale is not None:
+    elif not (_unit_scale(k_scale) and _unit_scale(v_scale)):
         # FlashInfer applies k_scale / v_scale to any cache (the reference does too): ignored
-        # here they would change the result silently.
+        # here they would change the result silently. 1.0 changes nothing (serving engines
+        # pass their layers' unit scales with 16-bit caches): accepted.
         raise ValueError(
             f"k_scale / v_scale dequantize an FP8 cache; this cache is {k.dtype} (fold a scale"
             " into softmax_scale, or scale the output)"
