@@ -118,6 +118,8 @@ I32 = torch.int32
         (with_(P, max_q=4), ValueError, "max_seqlen_q = 4 is less than the longest sequence (5)"),
         (with_(P, max_k=4.0), TypeError, "max_seqlen_k must be an int"),
         (with_(P, max_k=-1), ValueError, "max_seqlen_k must be >= 0"),
+        (with_(P, max_q=0), ValueError, "max_seqlen_q = 0 but q holds 8 tokens"),
+        (with_(P, max_k=0), ValueError, "max_seqlen_k = 0 but k holds 8 tokens"),
         (with_(P, q=bf16(8, 4, 80)), ValueError, "head_dim = 80"),
         (with_(P, q=bf16(8, 3, 64)), ValueError, "Hq = 3 (q) must be a multiple"),
         (with_(P, q=bf16(1, 8, 4, 64)), ValueError, "q must be 3-D"),

@@ -326,6 +326,63 @@ def test_bad_arguments(kwargs, err, match):
                                   args["seqlens_k"], **extra)  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "err", "match"),
+    [
+        ({"softmax_scale": float("nan")}, ValueError, "softmax_scale must be finite and >= 0"),
+        ({"softmax_scale": -0.1}, ValueError, "softmax_scale must be finite and >= 0"),
+        ({"softmax_scale": "0.1"}, TypeError, "softmax_scale must be a float or None"),
+        ({"causal": 1}, TypeError, "causal must be a bool"),
+        ({"k_scale": 0.5}, ValueError, "k_scale / v_scale dequantize an FP8 cache"),
+        ({"v_scale": torch.ones(2)}, ValueError, "this cache is torch.bfloat16"),
+        ({"k_scale": 1.0, "v_scale": 2}, ValueError, "k_scale / v_scale dequantize"),
+    ],
+)
+def test_bad_scalars_raise_before_any_kernel(cpu_kernels, kwargs, err, match):
+    """The audit of 2026-12-05: a NaN / negative / string scale reached the kernel (or float()'s
+    message), and k_scale / v_scale on a 16-bit cache were ignored where the reference (and
+    FlashInfer) apply them."""
+    q, k, v, pt, seq = _problem(3, 8, 2, 64, 16, [37, 0, 100])
+    with pytest.raises(err, match=match):
+        op_module.attention_paged(q, k, v, pt, seq, **kwargs)
+    assert not cpu_kernels
+
+
+def test_unit_scales_on_a_16_bit_cache_run(cpu_kernels):
+    """k_scale = v_scale = 1.0 on a 16-bit cache (what a serving engine's layer passes by
+    default) changes nothing: accepted, the result the unscaled call's."""
+    q, k, v, pt, seq = _problem(3, 8, 2, 64, 16, [37, 0, 100])
+    want = op_module.attention_paged(q, k, v, pt, seq)
+    got = op_module.attention_paged(q, k, v, pt, seq, k_scale=1.0, v_scale=1)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    ("change", "err", "match"),
+    [
+        (lambda c: c.update(indptr=c["indptr"].long()), TypeError, "kv_indptr must have dtype"),
+        (lambda c: c.update(indices=c["indices"].float()), TypeError, "kv_indices must have"),
+        (lambda c: c.update(indptr=c["indptr"][None]), ValueError, "kv_indptr must be 1-D"),
+        (lambda c: c.update(last=c["last"][:2]), ValueError, "kv_last_page_len must have shape"),
+        (lambda c: c.update(max_pages=7.0), TypeError, "max_pages must be an int"),
+        (lambda c: c.update(max_pages=-1), ValueError, "max_pages must be >= 0"),
+    ],
+)
+def test_csr_lists_are_checked_without_validate(cpu_kernels, change, err, match):
+    """The lists' dtypes, ranks and lengths cost no device read: checked on every call (a
+    float or 2-D kv_indptr was cast or sliced into a wrong page table before)."""
+    from forgekernel.reference.flashinfer_paged import page_table_to_csr
+
+    q, k, v, pt, seq = _problem(3, 8, 2, 64, 16, [37, 0, 100])
+    indptr, indices, last = page_table_to_csr(pt, seq, 16)
+    c = {"indptr": indptr, "indices": indices, "last": last, "max_pages": pt.shape[1]}
+    change(c)
+    with pytest.raises(err, match=match):
+        op_module.attention_paged_csr(q, k, v, c["indptr"], c["indices"], c["last"],
+                                      max_pages=c["max_pages"])  # fmt: skip
+    assert not cpu_kernels
+
+
 @pytest.mark.parametrize("hq", [8, 16, 32])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize(("q_lens", "k_lens"), [([1, 3, 2], [40, 3, 70]), ([4, 4], [4, 130]),
@@ -502,6 +559,19 @@ def test_float_scales_are_made_once():
     b = op_module._scale_tensor("k_scale", 0.75, 8, "cpu")
     assert a is b and a.shape == (8,) and torch.all(a == 0.75)
     assert op_module._scale_tensor("k_scale", 0.5, 8, "cpu") is not a
+
+
+def test_float_scales_of_a_traced_call_are_not_cached():
+    """The 2026-12-05 audit: a traced call (fake tensors: torch.compile, make_fx) cached its
+    fake (Hkv,) scale, which the next eager call of that scale then took."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    op_module._CONSTANT_SCALES.clear()
+    with FakeTensorMode():
+        fake = op_module._scale_tensor("k_scale", 0.625, 4, "cpu")
+    assert isinstance(fake, FakeTensor) and not op_module._CONSTANT_SCALES
+    real = op_module._scale_tensor("k_scale", 0.625, 4, "cpu")
+    assert not isinstance(real, FakeTensor) and torch.all(real == 0.625)
 
 
 @pytest.mark.parametrize("d", [64, 128])

@@ -457,6 +457,23 @@ def test_cuda_kv_rows_and_grad(monkeypatch):
         forgekernel.dsa_fused_prefill(*_args(q=q)[0].values())
 
 
+def test_out_rows_checked_on_the_eager_path_only(monkeypatch):
+    """An eager call's out is written in place (rows contiguous, e4m3 pairs aligned); a traced
+    call copies into out, and reads no fake data pointer (the 2026-12-05 audit: torch warned of
+    the read on every traced call with out=, an error to come)."""
+    import warnings
+
+    monkeypatch.setattr(op, "check_cuda", lambda name, t: None)
+    odd = torch.zeros(2, 16, 513, dtype=torch.uint8).view(E4M3)[..., 1:]
+    with pytest.raises(ValueError, match="out's rows must be contiguous and 2-byte aligned"):
+        forgekernel.dsa_fused_prefill(*_args()[0].values(), out=odd)
+    with FakeTensorMode(), warnings.catch_warnings():  # (the copy into out: a CUDA torch's)
+        warnings.simplefilter("error")
+        q, kv, idx, _, cache, pos = _fake_inputs()
+        op._validate(q, kv, idx, cache, pos, None, ROPE,
+                     torch.empty(5, 16, 512, device="cuda", dtype=E4M3), None)  # fmt: skip
+
+
 def _fake_inputs():
     cuda = {"device": "cuda", "dtype": torch.bfloat16}
     return (torch.empty(5, 16, WIDTH, **cuda), torch.empty(40, WIDTH, **cuda),

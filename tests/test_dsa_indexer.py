@@ -358,6 +358,20 @@ def test_paged_validation_names_the_argument(change, error, match):
         op.dsa_indexer_paged(*change(_paged_inputs("cpu")))
 
 
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (lambda a: (a[0].float(),) + a[1:], TypeError, "q_index_fp8 must have dtype"),
+        (lambda a: a[:1] + (a[1][:, :32],) + a[2:], ValueError, "k_index_cache_fp8 must be"),
+        (lambda a: a, ValueError, "q_index_fp8 must be a CUDA tensor"),
+    ],
+)
+def test_flashinfer_adapter_names_its_own_arguments(change, error, match):
+    """The 2026-12-05 audit: the adapter's errors named q and k_cache, dsa_indexer_paged's."""
+    with pytest.raises(error, match=match):
+        op.dsa_topk_indexer_flashinfer(*change(_paged_inputs("cpu")))
+
+
 def test_prefill_validation_names_the_argument():
     q, k, ks, w = _prefill_inputs("cpu")
     with pytest.raises(ValueError, match="k_scale must have shape"):

@@ -160,3 +160,32 @@ def test_op_errors_name_the_argument():
         dsa_score_recompute(q[None], kv, lse[None], idx[None], SCALE)
     with pytest.raises(ValueError, match="CUDA"):
         dsa_score_recompute(q, kv, lse, idx, SCALE)
+
+
+def _recompute_inputs(batched=False):
+    lead = (3, 5) if batched else (5,)
+    cuda = {"device": "cuda"}
+    q = torch.empty(*lead, 16, 576, dtype=torch.bfloat16, **cuda)
+    kv = torch.empty(*lead[:-1], 40, 576, dtype=torch.bfloat16, **cuda)
+    lse = torch.empty(*lead, 16, **cuda)
+    return q, kv, lse, torch.empty(*lead, 24, dtype=torch.int32, **cuda)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_traced_call_records_its_op(batched):
+    """torch.compile / make_fx (the 2026-12-05 audit: the op had no custom op, so a traced call
+    reached the launcher, compiling and launching on fake tensors): the fake implementation
+    gives the target's shape (out= takes a copy of it: a copy_ a CPU-only torch cannot fake)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from forgekernel.ops.dsa_recompute import dsa_score_recompute
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q, kv, lse, idx = _recompute_inputs(batched)
+        got = dsa_score_recompute(q, kv, lse, idx, SCALE)
+        assert got.shape == idx.shape and got.dtype == torch.float32
+        graph = make_fx(lambda *x: dsa_score_recompute(*x, SCALE) * 2, tracing_mode="fake")(
+            *_recompute_inputs(batched)
+        ).graph
+    assert "forgekernel.dsa_score_recompute" in str(graph)

@@ -182,6 +182,16 @@ def test_rows_form_is_views_onto_the_op(cpu_forward, monkeypatch, sink):
         forgekernel.dsa_sparse_attention_rows(q[..., :LATENT], kv, idx, SCALE)
     with pytest.raises(TypeError, match="kv must have dtype"):
         forgekernel.dsa_sparse_attention_rows(q, kv.half(), idx, SCALE)
+    # the 2026-12-05 audit: these named sparse_indices / q_nope, arguments of the other form
+    with pytest.raises(TypeError, match="topk_indices must have dtype"):
+        forgekernel.dsa_sparse_attention_rows(q, kv, idx.long(), SCALE)
+    with pytest.raises(ValueError, match=r"topk_indices must be \(S, topk\) with S = "):
+        forgekernel.dsa_sparse_attention_rows(q, kv, idx[1:], SCALE)
+    with pytest.raises(ValueError, match="topk_indices is on meta but q is on cpu"):
+        forgekernel.dsa_sparse_attention_rows(q, kv, idx.to("meta"), SCALE)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="q must be a CUDA tensor"):
+        forgekernel.dsa_sparse_attention_rows(q, kv, idx, SCALE)
 
 
 def test_sink_in_the_forward_is_flashmla_statement(cpu_forward):

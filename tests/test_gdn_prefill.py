@@ -270,6 +270,17 @@ def _bad(change):
          "initial_state must have shape"),
         (lambda a, kw: kw.update(initial_state=kw["initial_state"].half()), TypeError,
          "initial_state must have dtype"),
+        # the 2026-12-05 audit: float() took any scale, the flags reached the custom op's schema
+        (lambda a, kw: kw.update(scale=float("nan")), ValueError, "scale must be finite"),
+        (lambda a, kw: kw.update(scale="0.1"), TypeError, "scale must be a float or None"),
+        (lambda a, kw: kw.update(output_final_state="yes"), TypeError,
+         "output_final_state must be a bool"),
+        (lambda a, kw: kw.update(use_qk_l2norm_in_kernel=1), TypeError,
+         "use_qk_l2norm_in_kernel must be a bool"),
+        (lambda a, kw: kw.update(k_last=None), TypeError, "k_last must be a bool"),
+        (lambda a, kw: kw.update(out=torch.empty(1, 9, 4, 128, device="meta",
+                                                 dtype=torch.bfloat16)), ValueError,
+         "out is on meta but q is on cpu"),
     ],
 )  # fmt: skip
 def test_bad_arguments(cpu_kernel, change, err, match):

@@ -160,6 +160,34 @@ def test_bad_arguments(change, err, match):
                                  args["state"])  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "err", "match"),
+    [
+        ({"scale": float("inf")}, ValueError, "scale must be finite and >= 0"),
+        ({"scale": "0.1"}, TypeError, "scale must be a float or None"),
+        ({"use_qk_l2norm": "yes"}, TypeError, "use_qk_l2norm must be a bool"),
+        ({"k_last": 1}, TypeError, "k_last must be a bool"),
+    ],
+)
+def test_bad_scalars(cpu_kernel, kwargs, err, match):
+    """The 2026-12-05 audit: scales and flags reached float() or the custom op's schema."""
+    q, k, v, g, beta, state = _inputs(2, 1, 2, 4, False, False)
+    before = state.clone()
+    with pytest.raises(err, match=match):
+        op.gated_delta_rule_step(q, k, v, g, beta, state, **kwargs)
+    assert torch.equal(state, before)
+
+
+def test_buffers_elsewhere_raise(cpu_kernel):
+    """The 2026-12-05 audit: out and intermediate_states were not device-checked."""
+    q, k, v, g, beta, state = _inputs(2, 1, 2, 4, False, False)
+    with pytest.raises(ValueError, match="out is on meta but q is on cpu"):
+        op.gated_delta_rule_step(q, k, v, g, beta, state, out=torch.empty_like(v, device="meta"))
+    inter = torch.empty(2, 1, 4, 128, 128, device="meta")
+    with pytest.raises(ValueError, match="intermediate_states is on meta"):
+        op.gated_delta_rule_step(q, k, v, g, beta, state, intermediate_states=inter)
+
+
 def _flashinfer_inputs(b, t, pool=None, seed=1):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(b, t, 4, 128, generator=gen).to(torch.bfloat16)

@@ -299,6 +299,22 @@ def test_n_major_words_in_place_or_copied():
     assert n_major(nm).data_ptr() == nm.data_ptr()
 
 
+@pytest.mark.parametrize(
+    ("w", "error", "match"),
+    [
+        (torch.zeros(128, 128, dtype=torch.int32), TypeError, "w must be a floating tensor"),
+        (torch.zeros(128), TypeError, r"w must be a floating tensor \(\.\.\., N, K\)"),
+        ([[0.0] * 128], TypeError, "got list"),
+        (torch.zeros(4, 100), ValueError, "K must be a multiple of 128"),
+    ],
+)
+def test_quantize_names_bad_weights(w, error, match):
+    """The 2026-12-05 audit: integer weights were quantized as they were, a 1-D one failed in
+    the shape unpacking."""
+    with pytest.raises(error, match=match):
+        quantize_fp4_weights(w)
+
+
 def test_word_readers_take_n_major_words_at_k128():
     """K = 128: one word per row, and N-major words (the kernel's layout, the suites' inputs:
     an (E, K/128, N) buffer transposed) have stride N on their size-1 K/128 dim, which

@@ -186,6 +186,24 @@ def test_bad_arguments_are_named(change, message):
         _call(x, initial_state=x["state"])
 
 
+@pytest.mark.parametrize(
+    "kwargs, err, message",
+    [
+        ({"scale": float("nan")}, ValueError, "scale must be finite"),
+        ({"scale": [0.1]}, TypeError, "scale must be a float or None"),
+        ({"output_final_state": "no"}, TypeError, "output_final_state must be a bool"),
+        ({"use_qk_l2norm": 1}, TypeError, "use_qk_l2norm_in_kernel must be a bool"),
+        ({"out": torch.empty(1, 8, 2, 128, device="meta", dtype=torch.bfloat16)}, ValueError,
+         "out is on meta but q is on cpu"),
+    ],
+)
+def test_bad_scalars_are_named(cpu_kernel, kwargs, err, message):
+    x = make(b=1, t=8)
+    with pytest.raises(err, match=message):
+        _call(x, **kwargs)
+    assert cpu_kernel == []
+
+
 def test_bad_offsets_and_head_dims():
     x = make(b=2, t=8)
     with pytest.raises(ValueError, match="B = 1"):

@@ -982,6 +982,11 @@ def _args(**change):
         ({"out": torch.zeros(2, 1, 16, 512)}, TypeError, "out must have dtype"),
         ({"lse": torch.zeros(2, 16, 1, dtype=torch.bfloat16)}, TypeError, "lse must have dtype"),
         ({"lse": torch.zeros(2, 1, 16)}, ValueError, r"lse must have shape \(2, 16, 1\)"),
+        # the 2026-12-05 audit: causal was read by truthiness, int() took 2.5 as 2
+        ({"causal": "no"}, TypeError, "causal must be a bool"),
+        ({"q_nope": torch.zeros(3, 16, 512).bfloat16(), "q_pe": torch.zeros(3, 16, 64).bfloat16(),
+          "cu_seqlens_q": torch.tensor([0, 1, 3], dtype=torch.int32), "max_seqlen_q": 2.5},
+         TypeError, "max_seqlen_q must be an int"),
     ],
 )  # fmt: skip
 def test_bad_arguments(monkeypatch, change, err, match):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
+from numbers import Real
 
 import torch
 
@@ -53,6 +55,25 @@ def check_cuda(name: str, t: torch.Tensor) -> None:
 def check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def check_bools(**flags: object) -> None:
+    """`check_bool` of each keyword: a string or an int otherwise reached a custom op's schema,
+    or was read by its truthiness."""
+    for name, value in flags.items():
+        check_bool(name, value)
+
+
+def check_scale(name: str, value: object, default: float) -> float:
+    """A softmax / query scale: None gives `default`; else a real number (not a bool),
+    finite and >= 0, as a float."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a float or None, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be finite and >= 0, got {value}")
+    return float(value)
 
 
 def one_of_two_names(name: str, value: object, alias: str, alias_value: object, default: object):

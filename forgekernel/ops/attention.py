@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import math
-from numbers import Real
 
 import torch
 
@@ -34,6 +32,7 @@ from forgekernel.ops._validate import (
     check_cuda,
     check_same_device,
     check_same_dtype,
+    check_scale,
     check_shaped,
     check_tensor,
     on_one_device,
@@ -71,13 +70,7 @@ def _check_flags(causal: object, softmax_scale: object, head_dim: int) -> float:
     """The softmax scale to use (default 1/sqrt(head_dim))."""
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if softmax_scale is None:
-        return head_dim**-0.5
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, Real):
-        raise TypeError(f"softmax_scale must be a float or None, got {softmax_scale!r}")
-    if not math.isfinite(softmax_scale) or softmax_scale < 0:
-        raise ValueError(f"softmax_scale must be finite and >= 0, got {softmax_scale}")
-    return float(softmax_scale)
+    return check_scale("softmax_scale", softmax_scale, head_dim**-0.5)
 
 
 def out_shapes(q: torch.Tensor, v: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:

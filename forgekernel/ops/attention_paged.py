@@ -34,12 +34,14 @@ from forgekernel.ops._dispatch import into_buffers, plain, refuse_capture, traci
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import (
     FLOAT16_TYPES,
+    check_bool,
     check_cuda,
     check_offsets,
     check_page_values,
     check_rows_in_place,
     check_same_device,
     check_same_dtype,
+    check_scale,
     check_schedule_problem,
     check_shaped,
     check_tensor,
@@ -85,11 +87,19 @@ def _scale_tensor(name: str, scale, hkv: int, device) -> torch.Tensor:
 _CONSTANT_SCALES: dict[tuple, torch.Tensor] = {}
 
 
+def _unit_scale(value: object) -> bool:
+    """None or the python number 1.0: a scale that leaves a 16-bit cache's result unchanged."""
+    return value is None or (
+        isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value) == 1.0
+    )
+
+
 def _constant_scale(value: float, hkv: int, device: torch.device) -> torch.Tensor:
     """A python-float scale as fp32 (Hkv,), made once per (value, Hkv, device) so that a decode
     step does not launch a fill per call; made afresh (a captured fill) inside a CUDA-graph
-    capture, whose allocations must not outlive their graph in a cache."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    capture, whose allocations must not outlive their graph in a cache, and in a traced call,
+    whose tensor is fake (cached, the 2026-12-05 audit found it handed to later eager calls)."""
+    if tracing() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return torch.full((hkv,), value, dtype=torch.float32, device=device)
     key = (value, hkv, device)
     t = _CONSTANT_SCALES.get(key)
@@ -423,11 +433,20 @@ def attention_paged(
         )  # fmt: skip
         lse.copy_(fresh)
         return (o, lse) if return_lse else o
-    scale = float(softmax_scale) if softmax_scale is not None else d**-0.5
+    check_bool("causal", causal)
+    scale = check_scale("softmax_scale", softmax_scale, d**-0.5)
     ks = vs = None
     if k.dtype == torch.float8_e4m3fn:
         ks = _scale_tensor("k_scale", k_scale, k.shape[2], q.device)
         vs = _scale_tensor("v_scale", v_scale, k.shape[2], q.device)
+    elif not (_unit_scale(k_scale) and _unit_scale(v_scale)):
+        # FlashInfer applies k_scale / v_scale to any cache (the reference does too): ignored
+        # here they would change the result silently. 1.0 changes nothing (serving engines
+        # pass their layers' unit scales with 16-bit caches): accepted.
+        raise ValueError(
+            f"k_scale / v_scale dequantize an FP8 cache; this cache is {k.dtype} (fold a scale"
+            " into softmax_scale, or scale the output)"
+        )
     mq = 1 if max_seqlen_q is None else int(max_seqlen_q)
     scheduled = _schedule_tensors(schedule, q, k, page_table, cu_seqlens_q)
     if mq > MAX_QUERY_TOKENS:
@@ -633,7 +652,9 @@ def _prefill_by_gather(q, k, v, page_table, seqlens_k, cu_seqlens_q, max_seqlen_
             q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32) if lse is None else lse,
         )
     o, lse = _attention_varlen(
-        q, packed(k, ks), packed(v, vs), cu_seqlens_q, cu_k.int(), max_seqlen_q, width,
+        # max(width, 1): a table of no columns still packs one (zero) key row, and the
+        # forward reads no max_seqlen_k (the varlen checks want >= 1 wherever k has a row)
+        q, packed(k, ks), packed(v, vs), cu_seqlens_q, cu_k.int(), max_seqlen_q, max(width, 1),
         causal=causal, softmax_scale=scale, return_lse=True, out=o_out,
     )  # fmt: skip
     return o, lse
@@ -690,7 +711,8 @@ def attention_paged_csr(
     log2 e). validate=True (a sync, as `attention_paged`'s) first checks the lists: kv_indptr
     from 0, non-decreasing, within kv_indices; no sequence above max_pages pages; its pages
     within [0, num_pages); kv_last_page_len within [1, page_size] for a non-empty sequence."""
-    k = k_cache if v_cache is not None else k_cache[:, 0]
+    k = k_cache if v_cache is not None else _split_cache(k_cache, None)[0]
+    _check_csr_lists(kv_indptr, kv_indices, kv_last_page_len, max_pages)
     if validate and not _traced(q, k, kv_indptr, kv_indices, kv_last_page_len):
         _check_csr(kv_indptr, kv_indices, kv_last_page_len, k.shape[0], k.shape[1], max_pages)
     table, seqlens = csr_page_table(kv_indptr, kv_indices, kv_last_page_len, k.shape[1], max_pages)
@@ -701,13 +723,24 @@ def attention_paged_csr(
     )  # fmt: skip
 
 
-def _check_csr(kv_indptr, kv_indices, kv_last_page_len, num_pages, page_size, max_pages):
-    """attention_paged_csr(validate=True): the page lists' values, read back on the host."""
-    refuse_capture("attention_paged_csr(validate=True) reads its page lists back", kv_indices)
+def _check_csr_lists(kv_indptr, kv_indices, kv_last_page_len, max_pages) -> None:
+    """Every call: the page lists' dtypes, ranks and lengths and max_pages (no value read;
+    a float or 2-D list was otherwise cast or sliced into a wrong table)."""
     check_tensor("kv_indptr", kv_indptr, ndim=1, dtypes=INDEX, cuda=False)
+    if kv_indptr.shape[0] < 1:
+        raise ValueError("kv_indptr must hold batch + 1 >= 1 offsets, got 0")
     check_tensor("kv_indices", kv_indices, ndim=1, dtypes=INDEX, cuda=False)
     if kv_last_page_len is not None:
         check_shaped("kv_last_page_len", kv_last_page_len, (kv_indptr.shape[0] - 1,), INDEX)
+    if isinstance(max_pages, bool) or not isinstance(max_pages, numbers.Integral):
+        raise TypeError(f"max_pages must be an int, got {max_pages!r}")
+    if max_pages < 0:
+        raise ValueError(f"max_pages must be >= 0, got {max_pages}")
+
+
+def _check_csr(kv_indptr, kv_indices, kv_last_page_len, num_pages, page_size, max_pages):
+    """attention_paged_csr(validate=True): the page lists' values, read back on the host."""
+    refuse_capture("attention_paged_csr(validate=True) reads its page lists back", kv_indices)
     check_offsets("kv_indptr", kv_indptr, kv_indices.numel(), "kv_indices' length", exact=False)
     indptr = kv_indptr.long().cpu()
     counts = indptr[1:] - indptr[:-1]

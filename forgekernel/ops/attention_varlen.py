@@ -15,11 +15,15 @@ from forgekernel.ops._validate import check_bool, check_cuda, check_same_device,
 from forgekernel.ops.attention import _autograd_of_fwd, _check_flags, _check_out, _check_qkv
 
 
-def _check_max_seqlen(name: str, value: object) -> None:
+def _check_max_seqlen(name: str, value: object, tokens: int, owner: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r}")
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
+    # 0 with tokens: the launcher would return at once and leave o unwritten (device offsets
+    # are not read, so nothing else would catch it).
+    if value == 0 and tokens > 0:
+        raise ValueError(f"{name} = 0 but {owner} holds {tokens} tokens: it must be >= 1")
 
 
 def _check_offsets(name: str, cu: torch.Tensor, total: int, owner: str, max_name: str, mx: int):
@@ -48,8 +52,8 @@ def _check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
             f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries but cu_seqlens_k has "
             f"{cu_seqlens_k.shape[0]}; both must be batch + 1"
         )
-    _check_max_seqlen("max_seqlen_q", max_seqlen_q)
-    _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    _check_max_seqlen("max_seqlen_q", max_seqlen_q, q.shape[0], "q")
+    _check_max_seqlen("max_seqlen_k", max_seqlen_k, k.shape[0], "k")
     for name, cu, total, owner, max_name, mx in (
         ("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q", "max_seqlen_q", max_seqlen_q),
         ("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k, v", "max_seqlen_k", max_seqlen_k),

@@ -267,6 +267,16 @@ def dsa_sparse_attention_rows(
             f"q and kv must be (S, H, {width}) and (S_kv, {width}), got {tuple(q.shape)} and"
             f" {tuple(kv.shape)}"
         )
+    # Checked under this form's names (the 2026-12-05 audit: q's device and the index errors
+    # named q_nope and sparse_indices, arguments this call does not have).
+    check_tensor("topk_indices", topk_indices, ndim=2, dtypes=INDEX, cuda=False)
+    if topk_indices.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"topk_indices must be (S, topk) with S = {q.shape[0]} (q's rows), got"
+            f" {tuple(topk_indices.shape)}"
+        )
+    check_cuda("q", q)
+    check_same_device(q=q, kv=kv, topk_indices=topk_indices)
     q_nope, q_pe = q.split_with_sizes((D_LATENT, D_ROPE), -1)
     return dsa_sparse_attention(q_nope, q_pe, kv.view(kv.shape[0], 1, 1, width), None,
                                 topk_indices, softmax_scale=softmax_scale, attn_sink=attn_sink,

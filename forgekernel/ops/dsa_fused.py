@@ -149,11 +149,6 @@ def _validate(q, kv, topk_indices, cos_sin_cache, positions, attn_sink, rope_dim
         check_sink(attn_sink, q)
     if out is not None:
         check_shaped("out", out, (tokens, hq, D_LATENT), (FP8,))
-        if out.stride(-1) != 1 or out.data_ptr() % 2 or any(s % 2 for s in out.stride()[:-1]):
-            raise ValueError(
-                f"out's rows must be contiguous and 2-byte aligned (e4m3 pairs), strides"
-                f" {tuple(out.stride())}"
-            )
     if out_scale is not None:
         check_shaped("out_scale", out_scale, (tokens, hq, D_LATENT // FP8_GROUP),
                      (torch.float32,))  # fmt: skip
@@ -164,6 +159,16 @@ def _validate(q, kv, topk_indices, cos_sin_cache, positions, attn_sink, rope_dim
              if v is not None}  # fmt: skip
     check_same_device(q=q, kv=kv, topk_indices=topk_indices, cos_sin_cache=cos_sin_cache,
                       positions=positions, **extra)  # fmt: skip
+
+
+def _check_out_rows(out: torch.Tensor) -> None:
+    """An eager call's out, which the kernel writes in place (a traced call copies into any
+    view; reading a fake tensor's data pointer is an error to come in torch)."""
+    if out.stride(-1) != 1 or out.data_ptr() % 2 or any(s % 2 for s in out.stride()[:-1]):
+        raise ValueError(
+            f"out's rows must be contiguous and 2-byte aligned (e4m3 pairs), strides"
+            f" {tuple(out.stride())}"
+        )
 
 
 def _outputs(q, out=None, out_scale=None):
@@ -265,6 +270,8 @@ def dsa_fused_prefill(
             out_scale.copy_(s)
             s = out_scale
     else:
+        if out is not None:
+            _check_out_rows(out)
         check_caches_in_place(*_kv_views(kv), combined=True)
         o, s, lse = _forward(q, kv, topk_indices, scale, cos_sin_cache, positions, attn_sink,
                              neox, out, out_scale)  # fmt: skip

@@ -201,26 +201,28 @@ def dsa_indexer(
 # ---------------------------------------------------------------- decode (paged cache)
 
 
-def _validate_paged(q, cache, weights, seq_lens, table, out, topk) -> int:
-    """next_n, after the checks."""
+def _validate_paged(q, cache, weights, seq_lens, table, out, topk,
+                    names=("q", "k_cache")) -> int:  # fmt: skip
+    """next_n, after the checks; names: q's and the cache's in the caller's signature."""
+    q_name, cache_name = names
     if isinstance(q, torch.Tensor) and q.dim() == 3:
         q = q.unsqueeze(1)
-    check_tensor("q", q, ndim=4, dtypes=FP8, cuda=False)
+    check_tensor(q_name, q, ndim=4, dtypes=FP8, cuda=False)
     b, next_n = q.shape[:2]
     if q.shape[2:] != (HEADS, HEAD_DIM) or next_n not in QTOKENS:
-        raise ValueError(f"q must be (B, {HEADS}, {HEAD_DIM}) or (B, next_n, {HEADS}, "
+        raise ValueError(f"{q_name} must be (B, {HEADS}, {HEAD_DIM}) or (B, next_n, {HEADS}, "
                          f"{HEAD_DIM}) with next_n in {QTOKENS}, got {tuple(q.shape)}")  # fmt: skip
     if not isinstance(weights, torch.Tensor) or weights.numel() != b * next_n * HEADS:
         got = tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights)
         raise ValueError(f"weights must hold (B x next_n, {HEADS}) = {(b * next_n, HEADS)}, "
                          f"got {got}")  # fmt: skip
     check_tensor("weights", weights, ndim=weights.dim(), dtypes=F32, cuda=False)
-    check_tensor("k_cache", cache, ndim=4, dtypes=CACHE_DTYPES, cuda=False)
+    check_tensor(cache_name, cache, ndim=4, dtypes=CACHE_DTYPES, cuda=False)
     if cache.shape[1:] != (PAGE, 1, HEAD_DIM + 4) or cache.shape[0] == 0:
-        raise ValueError(f"k_cache must be deep_gemm's (num_pages >= 1, {PAGE}, 1, "
+        raise ValueError(f"{cache_name} must be deep_gemm's (num_pages >= 1, {PAGE}, 1, "
                          f"{HEAD_DIM + 4}), got {tuple(cache.shape)}")  # fmt: skip
     if cache.stride()[1:] != ((HEAD_DIM + 4), HEAD_DIM + 4, 1) or cache.stride(0) % 16:
-        raise ValueError(f"k_cache pages must be packed rows, 16-byte strided: strides "
+        raise ValueError(f"{cache_name} pages must be packed rows, 16-byte strided: strides "
                          f"{tuple(cache.stride())}")  # fmt: skip
     check_shaped("seq_lens", seq_lens, (b,), INDEX)
     check_tensor("block_table", table, ndim=2, dtypes=INDEX, cuda=False)
@@ -232,9 +234,9 @@ def _validate_paged(q, cache, weights, seq_lens, table, out, topk) -> int:
         raise ValueError(f"block_table's {table.shape[1]} pages exceed {MAX_KEYS} keys a row")
     if out is not None:
         check_shaped("out", out, (b * next_n, topk), INDEX)
-    check_cuda("q", q)
+    check_cuda(q_name, q)
     extra = {} if out is None else {"out": out}
-    check_same_device(q=q, k_cache=cache, weights=weights, seq_lens=seq_lens,
+    check_same_device(**{q_name: q, cache_name: cache}, weights=weights, seq_lens=seq_lens,
                       block_table=table, **extra)  # fmt: skip
     return next_n
 
@@ -281,15 +283,21 @@ def dsa_indexer_paged(
 ) -> torch.Tensor:
     """Top-k cache slots int32 (B x next_n, topk) per query row (module docstring: decode
     layouts), -1 padded, ascending position. out: written in place when given."""
+    return _indexer_paged(q, k_cache, weights, seq_lens, block_table, topk, out)
+
+
+def _indexer_paged(q, k_cache, weights, seq_lens, block_table, topk, out,
+                   names=("q", "k_cache")):  # fmt: skip
+    """`dsa_indexer_paged`, its errors naming q and the cache as `names` (an adapter's)."""
     topk = _check_topk(topk)
-    next_n = _validate_paged(q, k_cache, weights, seq_lens, block_table, out, topk)
+    next_n = _validate_paged(q, k_cache, weights, seq_lens, block_table, out, topk, names)
     if _traced(q, k_cache, weights, seq_lens, block_table, out):
         result = torch.ops.forgekernel.dsa_indexer_paged(
             q, k_cache, weights, seq_lens, block_table, next_n, topk
         )
     else:
         if k_cache.data_ptr() % 16:  # TMA reads the pages in place
-            raise ValueError("k_cache must be 16-byte aligned")
+            raise ValueError(f"{names[1]} must be 16-byte aligned")
         result = _run_paged(q, k_cache, weights, seq_lens, block_table, next_n, topk)
     return result if out is None else out.copy_(result)
 
@@ -307,5 +315,5 @@ def dsa_topk_indexer_flashinfer(
     max_pages) -> (topk_indices int32 (B, 2048),): slots page * 64 + offset, -1 padded, in
     ascending position (theirs: by descending score; the definition's selection is
     order-free)."""
-    return (dsa_indexer_paged(q_index_fp8, k_index_cache_fp8, weights, seq_lens, block_table,
-                              topk=TOPK),)  # fmt: skip
+    return (_indexer_paged(q_index_fp8, k_index_cache_fp8, weights, seq_lens, block_table, TOPK,
+                           None, names=("q_index_fp8", "k_index_cache_fp8")),)  # fmt: skip

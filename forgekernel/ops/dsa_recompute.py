@@ -31,6 +31,7 @@ import torch
 
 from forgekernel.kernels.attention.dsa_recompute.sm90 import launch
 from forgekernel.kernels.attention.dsa_recompute.sm90.config import HEADS, WIDTH
+from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import (
     check_bool,
     check_cuda,
@@ -78,6 +79,31 @@ def _validate(q, kv, lse, topk_indices, topk_length, out) -> bool:
     return batched
 
 
+@torch.library.custom_op("forgekernel::dsa_score_recompute", mutates_args=())
+def _recompute_op(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    lse: torch.Tensor,
+    topk_indices: torch.Tensor,
+    topk_length: torch.Tensor | None,
+    softmax_scale: float,
+    s_q: int,
+    s_kv: int,
+    indices_global: bool,
+) -> torch.Tensor:
+    """The traced call (torch.compile, fake tensors): the flat (tokens, ...) operands; the
+    eager call launches directly (no dispatcher)."""
+    out = torch.empty(topk_indices.shape, dtype=torch.float32, device=q.device)
+    launch.dsa_score_recompute(q, kv, lse, topk_indices, topk_length, out, softmax_scale, s_q,
+                               s_kv, indices_global)  # fmt: skip
+    return out
+
+
+@_recompute_op.register_fake
+def _(q, kv, lse, topk_indices, topk_length, softmax_scale, s_q, s_kv, indices_global):
+    return topk_indices.new_empty(topk_indices.shape, dtype=torch.float32)
+
+
 def dsa_score_recompute(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -106,6 +132,11 @@ def dsa_score_recompute(
     lse2 = lse.reshape(tokens, heads)
     idx2 = topk_indices.reshape(tokens, topk)
     len2 = None if topk_length is None else topk_length.reshape(tokens)
+    if _traced(q, kv, lse, topk_indices, topk_length, out):  # the 2026-12-05 audit: no op
+        fresh = torch.ops.forgekernel.dsa_score_recompute(
+            q2, kv2, lse2, idx2, len2, scale, s_q, s_kv, indices_global
+        ).view(topk_indices.shape)
+        return fresh if out is None else out.copy_(fresh)
     target = out
     if target is None:
         target = torch.empty(topk_indices.shape, dtype=torch.float32, device=q.device)

@@ -52,6 +52,9 @@ def unpack_scale_words(words: torch.Tensor) -> torch.Tensor:
 def quantize_fp4_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w (..., N, K) floating, K a multiple of 128 -> (packed int8 (..., N, K/2), int32 UE8M0
     words (..., N, K/128) N-major), the module's recipe."""
+    if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.dim() < 2:
+        got = f"{w.dtype} {tuple(w.shape)}" if isinstance(w, torch.Tensor) else type(w).__name__
+        raise TypeError(f"w must be a floating tensor (..., N, K), got {got}")
     *lead, n, k = w.shape
     if k % 128:
         raise ValueError(f"K must be a multiple of 128 (four 1x32 scales per word), got {k}")

@@ -11,7 +11,14 @@ import torch
 from forgekernel.kernels.linear_attention.gdn_decode.sm90 import launch as gdn_sm90
 from forgekernel.kernels.linear_attention.gdn_decode.sm90.config import HEAD_DIMS, MAX_TOKENS
 from forgekernel.ops._dispatch import traced as _traced
-from forgekernel.ops._validate import check_cuda, check_same_device, check_shaped, check_tensor
+from forgekernel.ops._validate import (
+    check_bools,
+    check_cuda,
+    check_same_device,
+    check_scale,
+    check_shaped,
+    check_tensor,
+)
 
 F32 = (torch.float32,)
 
@@ -112,14 +119,17 @@ def gated_delta_rule_step(
         want = (state.shape[0], t, hv, *tail)
         check_shaped("intermediate_states", intermediate_states, want, F32)
     check_cuda("q", q)
-    check_same_device(q=q, k=k, v=v, g=g, beta=beta, state=state,
-                      **({} if rows is None else {"state_indices": rows}))  # fmt: skip
+    extra = {n: x for n, x in (("state_indices", rows), ("intermediate_states",
+             intermediate_states)) if x is not None}  # fmt: skip
+    check_same_device(q=q, k=k, v=v, g=g, beta=beta, state=state, **extra)
     if out is not None:
         check_shaped("out", out, (b, t, hv, dv), (q.dtype,))
         if not out.is_contiguous():
             raise ValueError("out must be contiguous")
+        check_same_device(q=q, out=out)
     args = (q, k, v, g, beta)
-    scale = float(dk**-0.5 if scale is None else scale)
+    check_bools(use_qk_l2norm=use_qk_l2norm, k_last=k_last)
+    scale = check_scale("scale", scale, dk**-0.5)
     if _traced(*args, state, rows, intermediate_states, out):
         a_log, dt_bias = _gates if _gates is not None else (None, None)
         o = torch.ops.forgekernel.gated_delta_rule_step(

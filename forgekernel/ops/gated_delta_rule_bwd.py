@@ -59,7 +59,13 @@ import torch
 from forgekernel.ops import gated_delta_rule_chunked as fwd
 from forgekernel.ops._dispatch import refuse_capture
 from forgekernel.ops._dispatch import traced as _traced
-from forgekernel.ops._validate import check_cuda, check_shaped
+from forgekernel.ops._validate import (
+    check_bools,
+    check_cuda,
+    check_same_device,
+    check_scale,
+    check_shaped,
+)
 from forgekernel.reference.delta_rule import L2NORM_EPS
 from forgekernel.reference.delta_rule_bwd import (
     _l2norm,
@@ -530,6 +536,7 @@ def gated_delta_rule_backward(
     initial state's layout) or None. Arguments as `gated_delta_rule`'s; the gradients come
     back shaped and typed as their inputs, d_initial_state fp32 (N, HV, ...) (the zero
     state's when initial_state is None)."""
+    check_bools(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, k_last=k_last)
     b, t, _, hv, dk, dv = fwd._check_heads(q, k, v)
     check_shaped("g", g, (b, t, hv), fwd.F32)
     check_shaped("beta", beta, (b, t, hv), (torch.float32, q.dtype))
@@ -541,10 +548,14 @@ def gated_delta_rule_backward(
     if d_final_state is not None:
         check_shaped("d_final_state", d_final_state, state_shape, fwd.F32)
     check_cuda("q", q)
+    others = {"initial_state": initial_state, "d_final_state": d_final_state,
+              "cu_seqlens": cu_seqlens}  # fmt: skip
+    check_same_device(q=q, k=k, v=v, g=g, beta=beta, do=do,
+                      **{name: x for name, x in others.items() if x is not None})  # fmt: skip
     batch = b if cu_seqlens is None else int(n == 1)  # equal lengths known on the host
     if cu_seqlens is None:
         cu_seqlens = torch.arange(b + 1, dtype=torch.int32, device=q.device) * t
-    scale = float(dk**-0.5 if scale is None else scale)
+    scale = check_scale("scale", scale, dk**-0.5)
     flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta, do)]
     grads = _backward(*flat[:5], initial_state, cu_seqlens.to(torch.int32), flat[5],
                       d_final_state, scale, k_last, use_qk_l2norm_in_kernel, batch)  # fmt: skip

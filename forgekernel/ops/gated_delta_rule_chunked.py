@@ -29,8 +29,10 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import HEAD_DI
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._dispatch import wants_grad
 from forgekernel.ops._validate import (
+    check_bools,
     check_cuda,
     check_same_device,
+    check_scale,
     check_shaped,
     check_tensor,
     one_of_two_names,
@@ -160,6 +162,8 @@ def gated_delta_rule(
     use_qk_l2norm_in_kernel = one_of_two_names(
         "use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel, "use_qk_l2norm", use_qk_l2norm, False
     )
+    check_bools(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, k_last=k_last,
+                output_final_state=output_final_state)  # fmt: skip
     b, t, h, hv, dk, dv = _check_heads(q, k, v)
     check_shaped("g", g, (b, t, hv), F32)
     check_shaped("beta", beta, (b, t, hv), (torch.float32, q.dtype))
@@ -176,7 +180,8 @@ def gated_delta_rule(
         check_shaped("out", out, (b, t, hv, dv), (q.dtype,))
         if not out.is_contiguous():
             raise ValueError("out must be contiguous")
-    scale = float(dk**-0.5 if scale is None else scale)
+        check_same_device(q=q, out=out)
+    scale = check_scale("scale", scale, dk**-0.5)
     equal = cu_seqlens is None
     if cu_seqlens is None:
         cu_seqlens = torch.arange(b + 1, dtype=torch.int32, device=q.device) * t  # T = 0 too

@@ -51,7 +51,13 @@ from forgekernel.ops import gated_delta_rule_chunked as gdn_fwd
 from forgekernel.ops import kda_chunked as fwd
 from forgekernel.ops._dispatch import refuse_capture
 from forgekernel.ops._dispatch import traced as _traced
-from forgekernel.ops._validate import check_cuda, check_shaped
+from forgekernel.ops._validate import (
+    check_bools,
+    check_cuda,
+    check_same_device,
+    check_scale,
+    check_shaped,
+)
 from forgekernel.reference.delta_rule_bwd import _l2norm, _l2norm_backward
 from forgekernel.reference.gdn_bwd_state import (
     CHUNK,
@@ -317,6 +323,7 @@ def kimi_delta_attention_backward(
     ...)` given do (B, T, HV, V) in q's dtype and d_final_state (N, HV, K, V) fp32 or None.
     Arguments as `kimi_delta_attention`'s; the gradients come back shaped and typed as their
     inputs, d_initial_state fp32 (N, HV, K, V) (the zero state's when initial_state is None)."""
+    check_bools(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     fwd._validate(q, k, v, g, beta, initial_state, cu_seqlens, device_check=False)
     b, t, hv, dv = v.shape
     check_shaped("do", do, (b, t, hv, dv), (q.dtype,))
@@ -324,10 +331,12 @@ def kimi_delta_attention_backward(
     if d_final_state is not None:
         check_shaped("d_final_state", d_final_state, (n, hv, q.shape[3], dv), fwd.F32)
     check_cuda("q", q)
+    extra = {} if d_final_state is None else {"d_final_state": d_final_state}
+    check_same_device(q=q, do=do, **extra)
     batch = b if cu_seqlens is None else int(n == 1)  # equal lengths known on the host
     if cu_seqlens is None:
         cu_seqlens = torch.arange(b + 1, dtype=torch.int32, device=q.device) * t
-    scale = float(q.shape[3] ** -0.5 if scale is None else scale)
+    scale = check_scale("scale", scale, q.shape[3] ** -0.5)
     flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta, do)]
     grads = _backward(*flat[:5], initial_state, cu_seqlens.to(torch.int32), flat[5],
                       d_final_state, scale, use_qk_l2norm_in_kernel, batch)  # fmt: skip

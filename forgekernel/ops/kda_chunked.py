@@ -33,8 +33,10 @@ from forgekernel.ops import gated_delta_rule_chunked as gdn_fwd
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._dispatch import wants_grad
 from forgekernel.ops._validate import (
+    check_bools,
     check_cuda,
     check_same_device,
+    check_scale,
     check_shaped,
     check_tensor,
     one_of_two_names,
@@ -176,12 +178,15 @@ def kimi_delta_attention(
     use_qk_l2norm_in_kernel = one_of_two_names(
         "use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel, "use_qk_l2norm", use_qk_l2norm, False
     )
+    check_bools(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                output_final_state=output_final_state)  # fmt: skip
     _validate(q, k, v, g, beta, initial_state, cu_seqlens)
     if out is not None:
         check_shaped("out", out, tuple(v.shape), (q.dtype,))
         if not out.is_contiguous():
             raise ValueError("out must be contiguous")
-    scale = float(q.shape[3] ** -0.5 if scale is None else scale)
+        check_same_device(q=q, out=out)
+    scale = check_scale("scale", scale, q.shape[3] ** -0.5)
     flat_out = None if out is None else out.view(-1, *out.shape[2:])
     o, final = _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens,
                         use_qk_l2norm_in_kernel, flat_out)  # fmt: skip

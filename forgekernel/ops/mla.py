@@ -52,6 +52,7 @@ from forgekernel.ops._dispatch import into_buffers, plain, tracing
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import (
     FLOAT16_TYPES,
+    check_bool,
     check_cuda,
     check_rows_in_place,
     check_same_device,
@@ -619,6 +620,11 @@ def _attend(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens_k, softmax_s
     else:
         _validate(*args)
         traced = _traced(q_nope, q_pe, ckv, kpe, page_table, seqlens_k, cu_seqlens_q, out, lse)
+    check_bool("causal", causal)
+    if cu_seqlens_q is not None and (
+        isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, numbers.Integral)
+    ):  # int() took 2.5 as 2
+        raise TypeError(f"max_seqlen_q must be an int, got {max_seqlen_q!r}")
     mq = q_nope.shape[1] if cu_seqlens_q is None else int(max_seqlen_q)
     if mq < 1 or (max_tokens is not None and mq > max_tokens):
         bound = "" if max_tokens is None else f"..{max_tokens} (mla_prefill takes more)"

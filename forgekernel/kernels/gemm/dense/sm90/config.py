@@ -81,7 +81,7 @@ TALL_96 = GemmConfig(tile_m=192, tile_n=96, cluster_m=1, cluster_n=2)
 # CTAs computed 640 of 576 columns, 0.92x cuBLAS), 129 tokens in 2 x 72 swapped (SWAP_TALL_72
 # below; 2 x 80 read 31 dead columns, 0.88x), cuBLAS's own 192x72 there. B's ring loads 80 rows
 # for the 72 (kernel.py `_setup`), so B "nk" and cluster_m 1 only; 8-column epilogue sub-tiles.
-# Only where 72 divides N (`prefill_rivals`): on 6272x256x1024 (conv_fwd's c1024 -> k256 1x1 as
+# Only where 72 divides N (`fits_n`): on 6272x256x1024 (conv_fwd's c1024 -> k256 1x1 as
 # a GEMM) it computed 288 of 256 columns in one wave and ran 10.4 us against 128x128 c2x1's 8.9
 # (2026-12-05 04:2x; the rate model weighs the waste, not the short K's 8-column epilogue).
 TALL_72 = GemmConfig(tile_m=192, tile_n=72, cluster_m=1, cluster_n=2, epi_n=8)
@@ -126,6 +126,13 @@ def takes_kn(cfg: GemmConfig) -> bool:
     """Whether `cfg` runs on a B "kn" (N-major) weight: not swapped, tile_n a multiple of 16
     (B's ring past one is K-major only, kernel.py `_setup`)."""
     return not cfg.swap and cfg.tile_n % 16 == 0
+
+
+def fits_n(cfg: GemmConfig, n: int) -> bool:
+    """Whether `cfg` is a candidate for N: a tile whose B ring loads past tile_n (tile_n not a
+    multiple of 16: TALL_72's ring loads 80 rows, kernel.py `_setup`) only where tile_n divides
+    N, so that no tile of it computes dead columns (TALL_72 comment)."""
+    return cfg.swap or cfg.tile_n % 16 == 0 or n % cfg.tile_n == 0
 
 
 # Tile rate relative to LARGE with every SM busy (8192^3 class shapes, H200): WIDE and SQUARE
@@ -363,7 +370,7 @@ def prefill_rivals(
     of the swapped tiles (`SWAP`; rates measured 2026-12-02 13:49 but FIT_112's and
     SWAP_208's). The bench times the ones not chosen beside the chosen (suite variants)."""
     measured = (SMALL,) if m <= 256 else (LARGE, WIDE, SQUARE)
-    fit = tuple(c for c in FIT if (not b_kn or takes_kn(c)) and (c is not TALL_72 or n % 72 == 0))
+    fit = tuple(c for c in FIT if (not b_kn or takes_kn(c)) and fits_n(c, n))
     groups = (("tile", measured), ("challenger", (MID, *PREFILL_STREAM)), ("fit", fit))
     if swap_applies(m, n, b_kn):
         groups += (("swap", SWAP),)
