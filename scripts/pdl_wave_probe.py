@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 START = time.perf_counter()
-DEADLINE_S = 85.0
+DEADLINE_S = float(os.environ.get("PROBE_DEADLINE", "85"))  # PROBE_T - 15 or so
 # N = tile_n x tiles: the grid's CTAs (one tile row, one wave); the losses of 2026-12-05 04:10
 # were at 72-80 CTAs, the gains at <= 64 and ~128
 DENSE_TILES = (40, 48, 56, 64, 66, 68, 72, 76, 80, 88, 96, 104, 112, 120, 128, 132)
