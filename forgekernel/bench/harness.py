@@ -618,6 +618,7 @@ def run_bench(
         if not variant_cases:
             data = bench_section(records, timing.methods, host, suite_copy)
             data["device_check"] = {"before": before, "after": after}
+            data["comparator_versions"] = ledger.comparator_versions()
             path = ledger.write_section(
                 suite, "bench", data, arch=arch, results_dir=results_dir, env=env
             )
