@@ -8,8 +8,9 @@ alike.
 
 Per sweep (dense bf16, FP8): verdict 1 -> ("late", 0, 132); 2 -> ("late", 66, H) with H the last
 CTAs where top/late > 1.01; 3 -> ("off", 66, H) with H the last CTAs where off/top < 0.98; 4 ->
-None. The two sweeps agree, or one says 4 and the other's rule is taken (the band's form is never
-slower than top there by the probe's own rows), else None (read the table)."""
+None. Both 1: late everywhere; 1 and 2: the band (66, the 2's H]; both 2 or both 3: the band up
+to the larger H; one says 4: the other's rule (the band's form is never slower than top there by
+the probe's own rows); late against off, or a verdict none of 1-4: None (read the table)."""
 
 from __future__ import annotations
 
@@ -23,13 +24,14 @@ LINE = re.compile(r"^PARTIAL_WAVE: tuple\[str, int, int\] \| None = .*$", re.M)
 
 
 def rule_of(sweep: dict) -> tuple[str, int, int] | None | str:
+    """A sweep's rule: (form, low, H), low 0 for verdict 1 (late everywhere; H kept for a
+    combination with a band); None for 4; "unknown" otherwise."""
     verdict = sweep.get("verdict", "")
     rows = [r for r in sweep["rows"] if "graph" in r]
     g = lambda r, a, b: r["graph"][a] / r["graph"][b]  # noqa: E731
-    if verdict.startswith("1:"):
-        return ("late", 0, 132)
-    if verdict.startswith("2:"):
-        return ("late", 66, max([r["ctas"] for r in rows if g(r, "top", "late") > 1.01] or [104]))
+    if verdict.startswith(("1:", "2:")):
+        high = max([r["ctas"] for r in rows if g(r, "top", "late") > 1.01] or [104])
+        return ("late", 0 if verdict.startswith("1:") else 66, high)
     if verdict.startswith("3:"):
         return ("off", 66, max([r["ctas"] for r in rows if g(r, "off", "top") < 0.98] or [104]))
     if verdict.startswith("4 "):
@@ -50,8 +52,12 @@ def main() -> None:
         bands = [r for r in known if r is not None]
         if not bands:
             rule = None
+        elif all(b[1] == 0 for b in bands):  # low 0: verdict 1, late everywhere
+            rule = ("late", 0, 132)
         elif all(b[0] == bands[0][0] for b in bands):
-            rule = (bands[0][0], min(b[1] for b in bands), max(b[2] for b in bands))
+            # late everywhere in one sweep, in a band in the other: the band, up to the last
+            # CTAs where either sweep's top loses to late (outside it the band sweep's top wins)
+            rule = (bands[0][0], 66, max(b[2] for b in bands))
         else:
             rule = None
     shown = "None" if rule is None else f'("{rule[0]}", {rule[1]}, {rule[2]})'
