@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from forgekernel.bench import ledger
 from forgekernel.runtime.hashing import source_hash
 
@@ -240,7 +242,7 @@ def test_take_keeps_an_earlier_calls_sections_on_the_same_sources(tmp_path, sour
 def test_comparator_pins_are_the_bench_extras():
     """One list of comparator versions: the pyproject's `bench` extra pins exactly
     COMPARATOR_PINS but sgl-flash-mla (its metadata asks a newer torch: installed --no-deps)."""
-    import tomllib
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11 (the package allows 3.10)
 
     from forgekernel.bench.ledger import COMPARATOR_PINS, comparator_versions, repo_root
 

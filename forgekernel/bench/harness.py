@@ -580,6 +580,7 @@ def run_bench(
     device = torch.device(device) if device else torch.device("cuda", torch.cuda.current_device())
     arch = arch or resolve_arch()
     env = ledger.environment()
+    versions = ledger.comparator_versions()
     all_records: list[dict[str, Any]] = []
     copy: dict[str, Any] | None = None
     for suite in suites:
@@ -618,7 +619,7 @@ def run_bench(
         if not variant_cases:
             data = bench_section(records, timing.methods, host, suite_copy)
             data["device_check"] = {"before": before, "after": after}
-            data["comparator_versions"] = ledger.comparator_versions()
+            data["comparator_versions"] = versions
             path = ledger.write_section(
                 suite, "bench", data, arch=arch, results_dir=results_dir, env=env
             )

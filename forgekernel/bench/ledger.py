@@ -93,12 +93,9 @@ COMPARATOR_PINS = {
 def comparator_versions() -> dict[str, str]:
     """The installed comparator distributions (COMPARATOR_PINS' names and triton) with their
     versions, and torch's cuDNN; a comparator not installed is absent (its cases say missing)."""
-    found = {}
-    for name in (*COMPARATOR_PINS, "triton"):
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
+    from forgekernel.bench.sidecar import installed_versions
+
+    found = installed_versions((*COMPARATOR_PINS, "triton"))
     if torch.backends.cudnn.is_available():
         found["cudnn"] = str(torch.backends.cudnn.version())
     return found
