@@ -49,7 +49,7 @@ FORMS = (*TRIGGERS, "off")
 # chip's SMs) built in `form`: ("late", 66, 104) is the NOTES' rule 2, ("off", 66, 104) rule 3
 # (the upper edge the probe's); ("late", 0, BAND_SMS) the late trigger on every grid (rule 1
 # without the kernel's default moved: every config's late build standard).
-PARTIAL_WAVE: tuple[str, int, int] | None = None
+PARTIAL_WAVE: tuple[str, int, int] | None = ("late", 66, 112)
 BAND_SMS = 132  # the H200 / H100 SXM, where the band was measured
 
 
