@@ -360,7 +360,8 @@ def test_late_switch_and_keys(monkeypatch):
 def test_gemm_plans_take_the_late_key_inside_late(monkeypatch):
     """The dense and FP8 launchers: the late key inside `pdl.late()`, the standard key as it
     was outside (no "pdl" component: the standard builds' keys unchanged); none of the GEMM
-    family's standard or candidate builds is a late one (opt-in, compiled at first use)."""
+    family's standard or candidate builds is a late one (opt-in, compiled at first use). With no
+    partial-wave rule: the adopted one's keys and band builds are tests/test_pdl_band.py's."""
     from forgekernel.kernels.gemm.dense.sm90 import MASKED_SPEC
     from forgekernel.kernels.gemm.dense.sm90 import SPEC as GEMM_SPEC
     from forgekernel.kernels.gemm.dense.sm90 import launch as dense
@@ -369,6 +370,7 @@ def test_gemm_plans_take_the_late_key_inside_late(monkeypatch):
     from forgekernel.kernels.gemm.fp8.sm90 import launch as fp8
 
     monkeypatch.delenv("FORGEKERNEL_PDL", raising=False)
+    monkeypatch.setattr(pdl, "PARTIAL_WAVE", None)
     for mod in (dense, fp8):
         monkeypatch.setattr(mod, "get_kernel", lambda spec, params: params)
         monkeypatch.setattr(mod, "num_sms", lambda index: 132)
