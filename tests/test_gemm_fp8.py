@@ -319,3 +319,89 @@ def test_mn_major_is_refused_where_a_lane_holds_no_whole_vector():
     cfg = GemmConfig(tile_m=192, tile_n=128, tile_k=128, cluster_m=1, scale_mn_major=True)
     with pytest.raises(ValueError, match="scale_mn_major"):
         compile_gemm_fp8(dict(params_for("bfloat16", cfg)))
+
+
+# ------------------------------------------------- narrow full-K tiles (a candidate)
+
+NARROW_LOSERS = {  # case: the model's pick (docs/gemm/NOTES.md "Narrow full-K FP8 tiles")
+    (512, 576, 7168): (48, 0),
+    (128, 1536, 7168): (32, 0),
+    (16, 7168, 2048): (64, 16),
+    (64, 4096, 7168): (32, 0),
+    (1, 10240, 5120): (80, 8),
+    (64, 36864, 7168): (96, 0),
+}
+
+
+def test_narrow_keys_only_the_candidate_and_is_never_chosen():
+    """The narrow full-K tiles (`config.narrow`) are a candidate: no standard build takes a
+    tile_n other than 128, the chooser never picks one, and a narrow key differs from the
+    64-row standard's by the tile's width, cluster and epilogue sub-tile only."""
+    from forgekernel.kernels.gemm.dense.sm90 import MASKED_SPEC
+    from forgekernel.kernels.gemm.fp8.sm90.config import NARROW_WIDTHS, narrow, narrow_config
+
+    for params in map(dict, [*SPEC.standard_params(), *MASKED_SPEC.standard_params()]):
+        assert params["tile_n"] == 128
+    for m in (1, 16, 64, 100, 128, 129, 512, 1000, 4096):
+        for n, k in ((7168, 2048), (36864, 7168), (576, 7168), (1536, 7168), (10240, 5120)):
+            assert choose_config(m, n, k).tile_n == 128
+    for (m, n, k), (width, rows) in NARROW_LOSERS.items():
+        cfg = narrow(m, n, k)
+        assert (cfg.tile_m, cfg.tile_n, cfg.a_rows, cfg.stream_k) == (64, width, rows, False)
+        assert cfg.tile_n % cfg.epi_n == 0 and cfg.cluster_m * cfg.cluster_n == 1
+        assert cfg.fits(m)
+    for width in NARROW_WIDTHS:
+        cfg = narrow_config(64, width)
+        base, new = dict(params_for("bfloat16", SKINNY)), dict(params_for("bfloat16", cfg))
+        moved = {key for key in base.keys() | new.keys() if base.get(key) != new.get(key)}
+        assert moved <= {"tile_n", "cluster_n", "epi_n"}, moved
+        assert GemmConfig.from_params(new) == cfg
+
+
+def test_narrow_model_against_the_measured_rows():
+    """`narrow_time` on the rows it is fitted to or must reproduce (H200 graph, 2026-12-05):
+    MID's 40.8 us on 128x7168x16384 (two 64-row tile rows a block, as the model's 64-row tiles),
+    the decode tile's 15.8 us without PDL on 1x10240x5120 (80 full-K tiles: the weight's
+    bandwidth), SKINNY's 72.2 us on 64x36864x7168 within 10 %."""
+    from forgekernel.kernels.gemm.fp8.sm90.config import narrow_time
+
+    assert narrow_time(MID, 128, 7168, 16384) == pytest.approx(40.8, rel=0.02)
+    assert narrow_time(DECODE[0], 1, 10240, 5120) == pytest.approx(15.8, rel=0.06)
+    assert narrow_time(SKINNY, 64, 36864, 7168) == pytest.approx(72.2, rel=0.1)
+
+
+@pytest.mark.parametrize("width", [32, 48, 80, 96, 112])
+def test_narrow_tiles_compile_without_spills(width, tmp_path):
+    """Compiled for sm_90a: 0 spill / stack / local; the straddling widths load four staged
+    products a k-tile (LDS) where the others load two, and the promotion's FFMA count is the
+    fragment's (tile_n / 2 a k-tile and fragment)."""
+    pytest.importorskip("cutlass")
+    from forgekernel.kernels.gemm.fp8.sm90.config import narrow_config
+    from forgekernel.runtime.resources import find_tool, inspect_cubin
+
+    if find_tool("nvdisasm") is None:
+        pytest.skip("cuobjdump/nvdisasm not installed")
+    cfg = narrow_config(16 if width == 80 else 64, width)
+    compiled = SPEC.compile(params_for("bfloat16", cfg), f"--keep-cubin --dump-dir {tmp_path}")
+    info = inspect_cubin(compiled.artifacts.CUBIN)
+    assert info["spill_bytes"] == 0 and info["sass"].get("LDL", 0) == 0
+    assert info["sass"]["LDS"] == (16 if 128 % width else 8)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "match"),
+    [
+        (GemmConfig(tile_m=64, tile_n=48, tile_k=128, cluster_m=1, epi_n=16, stream_k=True),
+         "two blocks of B's scales"),
+        (GemmConfig(tile_m=64, tile_n=80, tile_k=128, cluster_m=1, epi_n=16, stream_k=True),
+         "two blocks of B's scales"),
+    ],
+)  # fmt: skip
+def test_straddling_tiles_are_refused_off_the_tiled_walk(cfg, match):
+    """A tile over two blocks of B's scales takes the tiled walk: stream K raises while
+    tracing (the grouped layouts too)."""
+    pytest.importorskip("cutlass")
+    from forgekernel.kernels.gemm.fp8.sm90.compile import compile_gemm_fp8
+
+    with pytest.raises(ValueError, match=match):
+        compile_gemm_fp8(dict(params_for("bfloat16", cfg)))

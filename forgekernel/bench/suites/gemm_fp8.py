@@ -124,14 +124,41 @@ def run_ours(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
 NO_PDL_CASES = ("1x7168x16384", "16x7168x2048", "64x4096x7168", "1x10240x5120")
 
 
+# The mid / decode losers timed with the model's narrow full-K tile too (variant `narrow`: 64
+# rows, 32-112 columns, one CTA a tile over the whole K where the chooser streams K;
+# config.py `narrow`, docs/gemm/NOTES.md "Narrow full-K FP8 tiles"; compiled on first use).
+NARROW_CASES = (
+    "512x576x7168", "128x1536x7168", "16x7168x2048", "64x4096x7168", "1x10240x5120",
+    "64x36864x7168",
+)  # fmt: skip
+
+
 def variants(case: Case) -> dict[str, Any]:
-    return {"no_pdl": run_no_pdl} if case.name in NO_PDL_CASES else {}
+    found: dict[str, Any] = {}
+    if case.name in NO_PDL_CASES:
+        found["no_pdl"] = run_no_pdl
+    if case.name in NARROW_CASES:
+        found["narrow"] = run_narrow
+    return found
 
 
 def run_no_pdl(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
     """Ours with its kernel built and launched without PDL (compiled on first use)."""
     with pdl.off():
         return run_ours(inputs, out)
+
+
+def run_narrow(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
+    """Ours with the model's narrow full-K tile (`config.narrow`) forced through the leaf's
+    launcher (N of these cases is a multiple of 8: out is C)."""
+    from forgekernel.kernels.gemm.fp8.sm90.config import narrow
+    from forgekernel.kernels.gemm.fp8.sm90.launch import gemm_fp8
+
+    a, b = inputs["a"], inputs["b"]
+    out = alloc_out(inputs) if out is None else out
+    cfg = narrow(a.shape[0], b.shape[0], a.shape[1])
+    gemm_fp8(a, b, inputs["sa"], inputs["sb"], out, config=cfg)
+    return out
 
 
 def reference(inputs: Inputs) -> torch.Tensor:

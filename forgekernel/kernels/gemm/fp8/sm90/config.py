@@ -70,6 +70,55 @@ STREAM_MIN_K = 8
 STANDARD_CONFIGS = (LARGE, MID, SKINNY, *DECODE, LARGE_MCAST_A, *STREAM_DECODE, STREAM)
 
 
+# Narrow full-K tiles (a candidate, never prebuilt nor chosen; docs/gemm/NOTES.md "Narrow
+# full-K FP8 tiles"): DeepGEMM's mid / decode blocks (64x32, 64x48, 64x64, 64x80, ... over the
+# whole K, one CTA a tile) where the chooser streams K over few 64x128 / 128x128 tiles and parks
+# fp32 partials. Widths not dividing 128 straddle two blocks of B's scales (kernel.py selects
+# one per 8-column group). The model (`narrow_time`, us): T0 + each round of tiles at the
+# slower of its k-tiles' latency, (c0 + tile_m tile_n / 32 tensor cycles) at 1.75 GHz, and the
+# round's weight bytes (once a column) at the chip's 4.1 TB/s; c0 = 270 cycles fitted on the
+# one measured 64-row full-K row (128x7168x16384, MID: 128 k-tiles in 40.8 us graph, H200
+# 2026-12-05 04:20). T0 = 2.3 us and 4.1 TB/s are the decode model's (dense config.py).
+NARROW_WIDTHS = (32, 48, 64, 80, 96, 112)
+NARROW_C0 = 270
+NARROW_T0_US = 2.3
+NARROW_GHZ = 1.75
+NARROW_CHIP_MB_PER_US = 4.1
+
+
+def narrow_config(m: int, tile_n: int) -> GemmConfig:
+    """The 64-row full-K tile of `tile_n` columns for M rows: A's box as the decode tiles take
+    it (8 / 16 / 32 rows), no cluster, an epilogue sub-tile dividing tile_n."""
+    rows = next((r for r in A_ROWS if m <= r), 0)
+    return GemmConfig(
+        tile_m=64, tile_n=tile_n, tile_k=128, cluster_m=1, a_rows=rows,
+        epi_n=32 if tile_n % 32 == 0 else 16,
+    )  # fmt: skip
+
+
+def narrow_time(cfg: GemmConfig, m: int, n: int, k: int, c0: float = NARROW_C0,
+                num_sms: int = NUM_SMS_H100_H200) -> float:  # fmt: skip
+    """Predicted us of a full-K tile on (M, N, K) (the model above)."""
+    tiles_m = _ceil(m, cfg.tile_m)
+    tiles = tiles_m * _ceil(n, cfg.tile_n)
+    latency = (c0 + cfg.tile_m * cfg.tile_n / 32) / (NARROW_GHZ * 1e3)
+    per_tile = _ceil(k, 128) * latency
+    t, left = NARROW_T0_US, tiles
+    while left:
+        busy = min(left, num_sms)
+        # the tiles of one column share its weight (walked M first: the L2 serves the rest)
+        columns = max(busy / tiles_m, 1)
+        t += max(per_tile, columns * cfg.tile_n * k / 1e6 / NARROW_CHIP_MB_PER_US)
+        left -= busy
+    return t
+
+
+def narrow(m: int, n: int, k: int) -> GemmConfig:
+    """The model's best narrow full-K tile on (M, N, K) (the bench's `narrow` variant)."""
+    cands = [narrow_config(m, w) for w in NARROW_WIDTHS]
+    return min(cands, key=lambda c: narrow_time(c, m, n, k))
+
+
 # The grouped (MoE, contiguous) layout: B holds every expert's (N, K) and each 128-row tile of
 # A one expert's rows, so B is never multicast across tile rows (A over a 1x2 cluster). The dense
 # tile's ring since 18:47 (6 stages beside a 3-deep epilogue, the scales two k-tiles ahead):
