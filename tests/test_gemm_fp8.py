@@ -405,3 +405,33 @@ def test_straddling_tiles_are_refused_off_the_tiled_walk(cfg, match):
 
     with pytest.raises(ValueError, match=match):
         compile_gemm_fp8(dict(params_for("bfloat16", cfg)))
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(16, 1000, 384), (130, 576, 896)])
+def test_suite_narrow_variant_forces_the_candidate(monkeypatch, m, n, k):
+    """The gemm_fp8 suite's `narrow` variant, on the six mid / decode losers only, runs
+    `config.narrow`'s tile through the launcher (a stand-in kernel computing the reference)."""
+    from forgekernel.kernels.gemm.fp8.sm90.config import narrow
+
+    seen = []
+
+    def get_kernel(spec, params):
+        seen.append(dict(params))
+
+        def fn(a, b, c, work, flags, per, sa, sb, group, clusters):
+            c[:, : b.shape[0]].copy_(gemm_fp8_ref(a, b, sa, sb).to(c.dtype))
+
+        return fn
+
+    monkeypatch.setattr(fp8_sm90, "get_kernel", get_kernel)
+    monkeypatch.setattr(fp8_sm90, "_plans", type(fp8_sm90._plans)())  # plans hold kernels
+    monkeypatch.setattr(fp8_sm90, "num_sms", lambda device: 132)
+    timed = {c.name for c in suite_module.BENCH_CASES if "narrow" in suite_module.variants(c)}
+    assert timed == set(suite_module.NARROW_CASES) and len(timed) == 6
+    assert {tuple(map(int, name.split("x"))) for name in timed} == set(NARROW_LOSERS)
+    a, b, sa, sb = _operands(m, n, k)
+    inputs = {"a": a, "b": b, "sa": sa, "sb": sb, "out_dtype": torch.bfloat16}
+    out = suite_module.run_narrow(inputs, None)
+    assert torch.equal(out, gemm_fp8_ref(a, b, sa, sb).to(torch.bfloat16))
+    want = narrow(m, n, k)
+    assert GemmConfig.from_params(seen[-1]) == want and not want.stream_k

@@ -1,0 +1,80 @@
+"""The narrow full-K FP8 candidates (64 rows, 32-112 columns, one CTA a tile over the whole K;
+`config.narrow_config`, docs/gemm/NOTES.md "Narrow full-K FP8 tiles"; JIT-compiled: not
+prebuilt) on an sm90 GPU, forced through the launcher: against the fp64 reference into a
+NaN-poisoned out on awkward shapes (M and N off the tile, N off 8 through the launcher's
+scratch, K odd multiples of 128, tiles over two blocks of B's scales: 48 / 80 / 96 / 112
+columns), with B's scales graded by powers of two per 128-column block (a column promoted with
+its neighbour block's scale is off by 2x), bit for bit against the 128-column full-K tile (the
+same WGMMA k-steps and promotions per output element), and the bench's `narrow` variant on
+the six cases it is timed on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forgekernel.bench.check import verify
+from forgekernel.bench.suites import gemm_fp8 as fp8_suite_module
+from forgekernel.kernels.gemm.fp8.sm90 import launch
+from forgekernel.kernels.gemm.fp8.sm90.config import NARROW_WIDTHS, narrow_config, tiled_config
+
+pytestmark = pytest.mark.gpu
+
+CUDA = torch.device("cuda")
+FP8 = fp8_suite_module.suite()
+SHAPES = (
+    (200, 1000, 21 * 128),  # M off the tile, N off every width, K / 128 odd
+    (1, 300, 5 * 128),  # one row (A's 8-row box), N inside three blocks
+    (64, 4100, 3 * 128),  # N off 8 (the launcher's scratch), a straddling last tile
+    (130, 576, 7 * 128),  # two tile rows and 2 rows, DeepSeek's kv_a width
+    (16, 7168, 2048),  # a bench case (16-row box), even K
+)
+
+
+def _inputs(m, n, k, seed):
+    gen = torch.Generator(device=CUDA).manual_seed(seed)
+    return FP8.make_inputs(fp8_suite_module._case(m, n, k), torch.bfloat16, CUDA, gen)
+
+
+def _forced(cfg):
+    def run(inputs, out):
+        launch.gemm_fp8(inputs["a"], inputs["b"], inputs["sa"], inputs["sb"], out, config=cfg)
+        return out
+
+    return run
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("width", NARROW_WIDTHS)
+def test_narrow_matches_the_reference_and_the_128_column_tile(width, shape):
+    m, n, k = shape
+    inputs = _inputs(m, n, k, seed=width + k // 128)
+    cfg = narrow_config(m, width)
+    out, cmps = verify(FP8, inputs, CUDA, run=_forced(cfg))
+    assert all(c.ok for c in cmps), [c.message for c in cmps]
+    standard = _forced(tiled_config(m))(inputs, FP8.alloc_out(inputs))
+    torch.cuda.synchronize()
+    assert torch.equal(out, standard)
+
+
+@pytest.mark.parametrize("width", [48, 80, 96, 112, 32])
+def test_narrow_promotes_each_column_with_its_own_block(width):
+    """B's scales times 2^b for its 128-column block b, A's unchanged (exact): a column
+    promoted with the other block's scale (a group selected on the wrong side of the boundary,
+    or the tile's first block for all) is off by 2x."""
+    m, n, k = 96, 1024, 9 * 128
+    inputs = _inputs(m, n, k, seed=width)
+    blocks = inputs["sb"].shape[0]
+    grade = 2.0 ** torch.arange(blocks, device=CUDA, dtype=torch.float32)[:, None]
+    inputs["sb"] = (inputs["sb"] * grade).contiguous()
+    _, cmps = verify(FP8, inputs, CUDA, run=_forced(narrow_config(m, width)))
+    assert all(c.ok for c in cmps), [c.message for c in cmps]
+
+
+@pytest.mark.parametrize("name", fp8_suite_module.NARROW_CASES)
+def test_the_bench_variant_matches_the_reference(name):
+    """The `narrow` variant (`config.narrow`'s pick) on each case it is timed on."""
+    m, n, k = map(int, name.split("x"))
+    inputs = _inputs(m, n, k, seed=1)
+    _, cmps = verify(FP8, inputs, CUDA, run=fp8_suite_module.run_narrow)
+    assert all(c.ok for c in cmps), [c.message for c in cmps]
