@@ -429,9 +429,13 @@ def test_suite_narrow_variant_forces_the_candidate(monkeypatch, m, n, k):
     timed = {c.name for c in suite_module.BENCH_CASES if "narrow" in suite_module.variants(c)}
     assert timed == set(suite_module.NARROW_CASES) and len(timed) == 6
     assert {tuple(map(int, name.split("x"))) for name in timed} == set(NARROW_LOSERS)
+    even = {c.name for c in suite_module.BENCH_CASES if "narrow_even" in suite_module.variants(c)}
+    assert even == {"512x576x7168", "1x10240x5120", "64x36864x7168"}  # the straddling picks
     a, b, sa, sb = _operands(m, n, k)
     inputs = {"a": a, "b": b, "sa": sa, "sb": sb, "out_dtype": torch.bfloat16}
     out = suite_module.run_narrow(inputs, None)
     assert torch.equal(out, gemm_fp8_ref(a, b, sa, sb).to(torch.bfloat16))
     want = narrow(m, n, k)
     assert GemmConfig.from_params(seen[-1]) == want and not want.stream_k
+    suite_module.run_narrow_even(inputs, None)
+    assert GemmConfig.from_params(seen[-1]) == narrow(m, n, k, (32, 64))

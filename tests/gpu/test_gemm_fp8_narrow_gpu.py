@@ -5,8 +5,8 @@ NaN-poisoned out on awkward shapes (M and N off the tile, N off 8 through the la
 scratch, K odd multiples of 128, tiles over two blocks of B's scales: 48 / 80 / 96 / 112
 columns), with B's scales graded by powers of two per 128-column block (a column promoted with
 its neighbour block's scale is off by 2x), bit for bit against the 128-column full-K tile (the
-same WGMMA k-steps and promotions per output element), and the bench's `narrow` variant on
-the six cases it is timed on."""
+same WGMMA k-steps and promotions per output element), and the bench's `narrow` /
+`narrow_even` variants on the cases they are timed on."""
 
 from __future__ import annotations
 
@@ -71,10 +71,15 @@ def test_narrow_promotes_each_column_with_its_own_block(width):
     assert all(c.ok for c in cmps), [c.message for c in cmps]
 
 
+@pytest.mark.parametrize("variant", ["narrow", "narrow_even"])
 @pytest.mark.parametrize("name", fp8_suite_module.NARROW_CASES)
-def test_the_bench_variant_matches_the_reference(name):
-    """The `narrow` variant (`config.narrow`'s pick) on each case it is timed on."""
-    m, n, k = map(int, name.split("x"))
-    inputs = _inputs(m, n, k, seed=1)
-    _, cmps = verify(FP8, inputs, CUDA, run=fp8_suite_module.run_narrow)
+def test_the_bench_variants_match_the_reference(name, variant):
+    """The `narrow` and `narrow_even` variants (`config.narrow`'s picks) on each case they are
+    timed on."""
+    case = next(c for c in fp8_suite_module.BENCH_CASES if c.name == name)
+    run = fp8_suite_module.variants(case).get(variant)
+    if run is None:
+        pytest.skip(f"{variant} is not timed on {name}")
+    inputs = _inputs(*map(int, name.split("x")), seed=1)
+    _, cmps = verify(FP8, inputs, CUDA, run=run)
     assert all(c.ok for c in cmps), [c.message for c in cmps]

@@ -14,6 +14,7 @@ import torch
 
 from forgekernel.bench.suite import Case, Inputs, OpSuite
 from forgekernel.kernels.gemm.fp8.sm90 import SPEC
+from forgekernel.kernels.gemm.fp8.sm90.config import NARROW_WIDTHS, narrow
 from forgekernel.runtime import pdl
 
 E4M3_MAX = 448.0
@@ -127,6 +128,7 @@ NO_PDL_CASES = ("1x7168x16384", "16x7168x2048", "64x4096x7168", "1x10240x5120")
 # The mid / decode losers timed with the model's narrow full-K tile too (variant `narrow`: 64
 # rows, 32-112 columns, one CTA a tile over the whole K where the chooser streams K;
 # config.py `narrow`, docs/gemm/NOTES.md "Narrow full-K FP8 tiles"; compiled on first use).
+EVEN_WIDTHS = tuple(w for w in NARROW_WIDTHS if 128 % w == 0)
 NARROW_CASES = (
     "512x576x7168", "128x1536x7168", "16x7168x2048", "64x4096x7168", "1x10240x5120",
     "64x36864x7168",
@@ -139,6 +141,10 @@ def variants(case: Case) -> dict[str, Any]:
         found["no_pdl"] = run_no_pdl
     if case.name in NARROW_CASES:
         found["narrow"] = run_narrow
+        p = case.params
+        if narrow(p["m"], p["n"], p["k"]).tile_n not in EVEN_WIDTHS:
+            # the straddling pick's cost against the best width that never straddles
+            found["narrow_even"] = run_narrow_even
     return found
 
 
@@ -148,17 +154,21 @@ def run_no_pdl(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
         return run_ours(inputs, out)
 
 
-def run_narrow(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
-    """Ours with the model's narrow full-K tile (`config.narrow`) forced through the leaf's
-    launcher (N of these cases is a multiple of 8: out is C)."""
-    from forgekernel.kernels.gemm.fp8.sm90.config import narrow
+def run_narrow(inputs: Inputs, out: torch.Tensor | None, widths=NARROW_WIDTHS) -> torch.Tensor:
+    """Ours with the model's narrow full-K tile of `widths` (`config.narrow`) forced through
+    the leaf's launcher (N of these cases is a multiple of 8: out is C)."""
     from forgekernel.kernels.gemm.fp8.sm90.launch import gemm_fp8
 
     a, b = inputs["a"], inputs["b"]
     out = alloc_out(inputs) if out is None else out
-    cfg = narrow(a.shape[0], b.shape[0], a.shape[1])
+    cfg = narrow(a.shape[0], b.shape[0], a.shape[1], widths)
     gemm_fp8(a, b, inputs["sa"], inputs["sb"], out, config=cfg)
     return out
+
+
+def run_narrow_even(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
+    """`run_narrow` of the widths dividing 128 (one block of B's scales a tile)."""
+    return run_narrow(inputs, out, EVEN_WIDTHS)
 
 
 def reference(inputs: Inputs) -> torch.Tensor:

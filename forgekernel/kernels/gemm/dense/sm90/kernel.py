@@ -343,7 +343,7 @@ class GemmSm90:
         if cutlass.const_expr(self.scaled and self.cfg.tile_n > 128):
             raise ValueError(
                 f"block-scaled FP8 takes tile_n <= 128 (three tile_n / 2 fp32 fragments per "
-                f"thread, one block of B's scales per tile), got {self.cfg.tile_n}"
+                f"thread), got {self.cfg.tile_n}"
             )
         if cutlass.const_expr(
             self.n_blocks == 2 and (self.cfg.stream_k or self.masked or mGroup is not None)

@@ -113,9 +113,11 @@ def narrow_time(cfg: GemmConfig, m: int, n: int, k: int, c0: float = NARROW_C0,
     return t
 
 
-def narrow(m: int, n: int, k: int) -> GemmConfig:
-    """The model's best narrow full-K tile on (M, N, K) (the bench's `narrow` variant)."""
-    cands = [narrow_config(m, w) for w in NARROW_WIDTHS]
+def narrow(m: int, n: int, k: int, widths: tuple[int, ...] = NARROW_WIDTHS) -> GemmConfig:
+    """The model's best narrow full-K tile of `widths` on (M, N, K) (the bench's `narrow`
+    variant; `narrow_even` of the widths dividing 128, which never straddle two scale
+    blocks)."""
+    cands = [narrow_config(m, w) for w in widths]
     return min(cands, key=lambda c: narrow_time(c, m, n, k))
 
 
