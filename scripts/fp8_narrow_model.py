@@ -14,10 +14,10 @@ from forgekernel.kernels.gemm.fp8.sm90.config import (
     NARROW_T0_US,
     NARROW_WIDTHS,
     STREAM_MIN_K,
-    choose_config,
     narrow,
     narrow_config,
     narrow_time,
+    wide_config,
 )
 
 SMS = 132
@@ -37,8 +37,9 @@ def _ceil(a: int, b: int) -> int:
 
 
 def plan(m: int, n: int, k: int, measured: float) -> str:
-    """The chooser's plan: tiles, CTAs, k-tiles a CTA, parts a tile and parked fp32 bytes."""
-    cfg = choose_config(m, n, k)
+    """The plan narrow was measured against (`wide_config`): tiles, CTAs, k-tiles a CTA, parts a
+    tile and parked fp32 bytes."""
+    cfg = wide_config(m, n, k)  # the plan narrow was measured against (the chooser before it)
     k_tiles, tiles = _ceil(k, 128), _ceil(m, cfg.tile_m) * _ceil(n, cfg.tile_n)
     if not cfg.stream_k:
         return f"{cfg.tag()}: {tiles} tiles, {min(tiles, SMS)} CTAs, {k_tiles} k-tiles a CTA"

@@ -20,6 +20,7 @@ from forgekernel.kernels.gemm.fp8.sm90.config import (
     LARGE,
     LARGE_MCAST_A,
     MID,
+    NARROW_WIDTHS,
     SKINNY,
     STANDARD_CONFIGS,
     STREAM,
@@ -29,6 +30,7 @@ from forgekernel.kernels.gemm.fp8.sm90.config import (
     choose_config,
     params_for,
     tiled_config,
+    wide_config,
 )
 from forgekernel.reference.gemm import gemm_fp8_ref
 
@@ -63,10 +65,11 @@ def test_config_by_m(m, want):
      (200, 7168, 128, LARGE)],
 )  # fmt: skip
 def test_stream_k_where_the_tiles_leave_most_sms_idle(m, n, k, want):
-    """Stream K when the tiled configuration keeps at most half of the 132 SMs busy and the
+    """The 128-column plan (`wide_config`: the chooser before narrow, the bench's `was`):
+    stream K when the tiled configuration keeps at most half of the 132 SMs busy and the
     plan spreads the k-tiles over at least twice as many; not for short K (33x1001x512: 8 tiles
     of 4 k-tiles) nor for tiles that fill more than half the chip (1x10240x5120: 80)."""
-    cfg = choose_config(m, n, k)
+    cfg = wide_config(m, n, k)
     assert cfg == want and cfg.fits(m)
     if cfg.stream_k:
         busy = busy_ctas(tiled_config(m), m, n)
@@ -77,8 +80,12 @@ def test_stream_k_where_the_tiles_leave_most_sms_idle(m, n, k, want):
 def test_standard_kernels_cover_both_outputs():
     params = [dict(p) for p in SPEC.standard_params()]
     assert {p["out"] for p in params} == {"bfloat16", "float16"}
-    # three tile_n / 2 fp32 fragments per thread (the two alternating ones and the accumulator)
-    assert all(p["tile_k"] == 128 and p["tile_n"] == 128 for p in params)
+    # three tile_n / 2 fp32 fragments per thread (the two alternating ones and the accumulator):
+    # 128 columns, or a narrow full-K tile's (64 rows, tiled, no cluster)
+    assert all(p["tile_k"] == 128 for p in params)
+    narrow = [p for p in params if p["tile_n"] != 128]
+    assert {p["tile_n"] for p in narrow} == set(NARROW_WIDTHS)
+    assert all(p["tile_m"] == 64 and not p["stream_k"] and p["cluster_n"] == 1 for p in narrow)
     assert all(not p["stream_k"] or p["cluster_m"] * p["cluster_n"] == 1 for p in params)
 
 
@@ -189,10 +196,12 @@ def test_fp8_stream_k_walk(m, n, k):
     """The FP8 stream-K plans the chooser makes (128 of K per k-tile, parts of at least
     STREAM_MIN_K k-tiles): the kernel's walk (mirrored in test_gemm_stream_k) covers every
     k-tile of every tile once; each unit's k-tiles [k0, k0 + count) are what its scaled
-    mainloop promotes (tests/test_gemm_fp8_mainloop.py runs mid-K units)."""
+    mainloop promotes (tests/test_gemm_fp8_mainloop.py runs mid-K units). Since narrow, the
+    chooser's stream K is M > 512's; these the 128-column plans (`wide_config`, the bench's
+    `was` on the suite's cases)."""
     from test_gemm_stream_k import check_walk
 
-    cfg = choose_config(m, n, k)
+    cfg = wide_config(m, n, k)
     assert cfg.stream_k
     check_walk(cfg, m, n, k, 132, STREAM_MIN_K)
 
@@ -219,17 +228,24 @@ def test_fp8_tiles_are_at_most_128_columns():
 def test_sanitize_cases_refill_the_ring_with_and_without_a_cluster():
     """racecheck judges a stage's release (the consumers' arrivals, kernel.py `_retire`) only
     where a CTA refills a stage: among the sanitize cases, one whose CTAs run more k-tiles than
-    their ring holds for stream K without a cluster, the 128-row tile over a 2x1 cluster and the
-    decode box over a 1x2 one."""
-    refilled = set()
+    their ring holds for stream K without a cluster, the 128-row tile over a 2x1 cluster, the
+    decode box over a 1x2 one and a narrow tile over two blocks of B's scales (its ring's two
+    products a row and stage); and the sanitize cases take every kind of configuration the
+    chooser picks: narrow (A's 8 / 16 / 32-row box, the whole 64; straddling and not), decode
+    a8, skinny, mid, large, stream K."""
+    refilled, picked = set(), set()
     for case in suite_module.SANITIZE_CASES:
         m, n, k = (case.params[x] for x in "mnk")
-        cfg = choose_config(m, n, k)
-        stages = ring_stages(cfg, 1, 2, cfg.tile_m * 4)
+        cfg = choose_config(m, -(-n // 8) * 8, k)
+        picked.add(cfg if cfg.tile_n == 128 else ("narrow", cfg.a_rows, 128 % cfg.tile_n != 0))
+        stages = ring_stages(cfg, 1, 2, cfg.tile_m * 4 * (1 + (128 % cfg.tile_n != 0)))
         per_cta = stream_plan(cfg, m, n, k, 132, STREAM_MIN_K)[0] if cfg.stream_k else k // 128
         if per_cta > stages:
-            refilled.add((cfg.tile_m, cfg.cluster_m, cfg.cluster_n, cfg.stream_k))
-    assert {(128, 1, 1, True), (128, 2, 1, False), (64, 1, 2, False)} <= refilled
+            refilled.add((cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.stream_k))
+    assert {(128, 128, 1, 1, True), (128, 128, 2, 1, False), (64, 128, 1, 2, False)} <= refilled
+    assert any(t[:2] == (64, 96) for t in refilled)
+    narrow = {("narrow", r, False) for r in (8, 16, 32, 0)} | {("narrow", r, True) for r in (0, 8)}
+    assert narrow | {DECODE[0], SKINNY, MID, LARGE, STREAM} <= picked
 
 
 # ---------------------------------------------------------------- A's scales M-major
@@ -321,7 +337,7 @@ def test_mn_major_is_refused_where_a_lane_holds_no_whole_vector():
         compile_gemm_fp8(dict(params_for("bfloat16", cfg)))
 
 
-# ------------------------------------------------- narrow full-K tiles (a candidate)
+# ------------------------------------------------- narrow full-K tiles (adopted)
 
 NARROW_LOSERS = {  # case: the model's pick (docs/gemm/NOTES.md "Narrow full-K FP8 tiles")
     (512, 576, 7168): (48, 0),
@@ -333,29 +349,112 @@ NARROW_LOSERS = {  # case: the model's pick (docs/gemm/NOTES.md "Narrow full-K F
 }
 
 
-def test_narrow_keys_only_the_candidate_and_is_never_chosen():
-    """The narrow full-K tiles (`config.narrow`) are a candidate: no standard build takes a
-    tile_n other than 128, the chooser never picks one, and a narrow key differs from the
-    64-row standard's by the tile's width, cluster and epilogue sub-tile only."""
+def test_narrow_keys_are_standard_builds():
+    """Every narrow full-K tile the chooser may pick (`NARROW_CONFIGS`: A's 8 / 16 / 32-row box
+    or the whole 64, each of the six widths) is a standard build for both outputs, in the top
+    form and the partial-wave band's (its grids: 1 CTA to a whole wave); a narrow key differs
+    from the 64-row standard's by the tile's width, A's box, cluster and epilogue sub-tile only;
+    the masked builds stay 128 columns wide."""
     from forgekernel.kernels.gemm.dense.sm90 import MASKED_SPEC
-    from forgekernel.kernels.gemm.fp8.sm90.config import NARROW_WIDTHS, narrow, narrow_config
+    from forgekernel.kernels.gemm.fp8.sm90 import band_configs
+    from forgekernel.kernels.gemm.fp8.sm90.config import NARROW_CONFIGS, narrow, narrow_config
+    from forgekernel.runtime import pdl
 
-    for params in map(dict, [*SPEC.standard_params(), *MASKED_SPEC.standard_params()]):
+    for params in map(dict, MASKED_SPEC.standard_params()):
         assert params["tile_n"] == 128
-    for m in (1, 16, 64, 100, 128, 129, 512, 1000, 4096):
-        for n, k in ((7168, 2048), (36864, 7168), (576, 7168), (1536, 7168), (10240, 5120)):
-            assert choose_config(m, n, k).tile_n == 128
+    standard = set(SPEC.standard_params())
+    assert len(NARROW_CONFIGS) == len(set(NARROW_CONFIGS)) == 24
+    assert set(NARROW_CONFIGS) <= set(band_configs())
+    for cfg in NARROW_CONFIGS:
+        for out in ("bfloat16", "float16"):
+            assert params_for(out, cfg) in standard
+            assert pdl.key_for(params_for(out, cfg), pdl.band_form() or "top") in standard
     for (m, n, k), (width, rows) in NARROW_LOSERS.items():
         cfg = narrow(m, n, k)
         assert (cfg.tile_m, cfg.tile_n, cfg.a_rows, cfg.stream_k) == (64, width, rows, False)
         assert cfg.tile_n % cfg.epi_n == 0 and cfg.cluster_m * cfg.cluster_n == 1
-        assert cfg.fits(m)
+        assert cfg.fits(m) and cfg in NARROW_CONFIGS
     for width in NARROW_WIDTHS:
         cfg = narrow_config(64, width)
         base, new = dict(params_for("bfloat16", SKINNY)), dict(params_for("bfloat16", cfg))
         moved = {key for key in base.keys() | new.keys() if base.get(key) != new.get(key)}
         assert moved <= {"tile_n", "cluster_n", "epi_n"}, moved
         assert GemmConfig.from_params(new) == cfg
+
+
+# (M, N, K): (narrow / the plan before it, H100 graph 2026-12-05 14:41; the 128-column tiles'
+# first-wave CTAs on 132 SMs)
+NARROW_MEASURED = {
+    (16, 7168, 2048): (0.718, 56),
+    (1, 10240, 5120): (0.880, 80),
+    (64, 4096, 7168): (0.927, 32),
+    (128, 1536, 7168): (0.821, 24),
+    (512, 576, 7168): (0.734, 20),
+    (64, 36864, 7168): (0.964, 132),  # 288 tiles: the 128-column plan kept
+}
+
+
+@pytest.mark.parametrize(("m", "n", "k"), list(NARROW_MEASURED))
+def test_narrow_adopted_on_the_measured_cases(m, n, k):
+    """The chooser takes `narrow`'s tile on the five measured cases whose 128-column tiles keep
+    fewer than every SM busy (narrow 0.72-0.93 of the plan before), and keeps the 128-column
+    plan on 64x36864x7168 (every SM busy; narrow 0.964 there, not taken)."""
+    from forgekernel.kernels.gemm.fp8.sm90.config import narrow, takes_narrow
+
+    _, busy = NARROW_MEASURED[(m, n, k)]
+    assert busy_ctas(tiled_config(m), m, n) == busy
+    cfg = choose_config(m, n, k)
+    if busy < 132:
+        assert takes_narrow(m, n) and cfg == narrow(m, n, k) != wide_config(m, n, k)
+        assert cfg.tile_n == NARROW_LOSERS[(m, n, k)][0]
+    else:
+        assert not takes_narrow(m, n) and cfg == wide_config(m, n, k) == SKINNY
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "want"),
+    [
+        # every SM busy (132 CTAs) is the edge: fewer takes narrow, 132 does not (decode and
+        # skinny tiles in 1x2 clusters: 131 tiles keep 66 clusters, 132 CTAs, busy)
+        (1, 130 * 128, True), (1, 131 * 128, False), (1, 132 * 128, False),
+        (64, 130 * 128, True), (64, 131 * 128 - 127, False), (64, 132 * 128, False),
+        (128, 65 * 128, True), (128, 66 * 128, False),  # MID: 2x1 clusters of 64 rows
+        (512, 16 * 128, True), (512, 33 * 128, False),  # LARGE: 4 tile rows, 2x1 clusters
+        (512, 32 * 128, True), (512, 576, True),
+        # M past NARROW_MAX_M: the 128-column plan whatever the tiles
+        (513, 576, False), (513, 128, False), (1000, 3000, False),
+    ],
+)  # fmt: skip
+def test_narrow_rule_edges(m, n, want):
+    """`takes_narrow` at its edges: busy == num_sms (not taken), one CTA fewer (taken); M = 512
+    (taken) and 513 (not). In the class the chooser's pick is `narrow`'s (never stream K, no
+    cluster, a tile over M's rows), outside it `wide_config`'s; on fewer SMs the edge moves."""
+    from forgekernel.kernels.gemm.fp8.sm90.config import narrow, takes_narrow
+
+    k = 7168
+    assert takes_narrow(m, n) == want
+    busy = busy_ctas(tiled_config(m), m, n)
+    assert (m <= 512 and busy < 132) == want
+    cfg = choose_config(m, n, k)
+    if want:
+        assert cfg == narrow(m, n, k) and not cfg.stream_k and cfg.fits(m)
+    else:
+        assert cfg == wide_config(m, n, k)
+    # a chip of 114 SMs (H100 PCIe): the class is counted against its SMs
+    assert takes_narrow(m, n, 114) == (m <= 512 and busy_ctas(tiled_config(m), m, n, 114) < 114)
+
+
+def test_narrow_picks_are_prebuilt_across_the_class():
+    """Over a sweep of the class (M 1-512, N up to a whole wave of 128-column tiles, K 128 to
+    28672) every pick is one of `NARROW_CONFIGS`: a standard build, no compile at first call."""
+    from forgekernel.kernels.gemm.fp8.sm90.config import NARROW_CONFIGS, takes_narrow
+
+    built = set(NARROW_CONFIGS)
+    for m in (1, 5, 8, 9, 16, 17, 32, 33, 64, 65, 100, 128, 129, 256, 384, 512):
+        for n in (8, 136, 576, 1000, 1536, 4096, 7168, 10240, 16640):
+            for k in (128, 1024, 2048, 7168, 16384, 28672):
+                if takes_narrow(m, n):
+                    assert choose_config(m, n, k) in built, (m, n, k)
 
 
 def test_narrow_model_against_the_measured_rows():
@@ -407,16 +506,18 @@ def test_straddling_tiles_are_refused_off_the_tiled_walk(cfg, match):
         compile_gemm_fp8(dict(params_for("bfloat16", cfg)))
 
 
-@pytest.mark.parametrize(("m", "n", "k"), [(16, 1000, 384), (130, 576, 896)])
-def test_suite_narrow_variant_forces_the_candidate(monkeypatch, m, n, k):
-    """The gemm_fp8 suite's `narrow` variant, on the six mid / decode losers only, runs
-    `config.narrow`'s tile through the launcher (a stand-in kernel computing the reference)."""
+@pytest.mark.parametrize(("m", "n", "k"), [(16, 1000, 384), (130, 576, 896), (600, 256, 3072)])
+def test_suite_variants_force_their_plans(monkeypatch, m, n, k):
+    """The gemm_fp8 suite's variants: `was` (the plan before narrow, `wide_config`) on every
+    bench case whose plan the rule moved, `narrow` where its pick is not ours (64x36864x7168),
+    `narrow_even` where ours or `narrow` straddles; each runs its config through the launcher
+    (a stand-in kernel computing the reference), keyed as a standard build."""
     from forgekernel.kernels.gemm.fp8.sm90.config import narrow
 
     seen = []
 
     def get_kernel(spec, params):
-        seen.append(dict(params))
+        seen.append(params)
 
         def fn(a, b, c, work, flags, per, sa, sb, group, clusters):
             c[:, : b.shape[0]].copy_(gemm_fp8_ref(a, b, sa, sb).to(c.dtype))
@@ -426,16 +527,27 @@ def test_suite_narrow_variant_forces_the_candidate(monkeypatch, m, n, k):
     monkeypatch.setattr(fp8_sm90, "get_kernel", get_kernel)
     monkeypatch.setattr(fp8_sm90, "_plans", type(fp8_sm90._plans)())  # plans hold kernels
     monkeypatch.setattr(fp8_sm90, "num_sms", lambda device: 132)
-    timed = {c.name for c in suite_module.BENCH_CASES if "narrow" in suite_module.variants(c)}
-    assert timed == set(suite_module.NARROW_CASES) and len(timed) == 6
-    assert {tuple(map(int, name.split("x"))) for name in timed} == set(NARROW_LOSERS)
-    even = {c.name for c in suite_module.BENCH_CASES if "narrow_even" in suite_module.variants(c)}
-    assert even == {"512x576x7168", "1x10240x5120", "64x36864x7168"}  # the straddling picks
+
+    def timed(variant):
+        return {c.name for c in suite_module.BENCH_CASES if variant in suite_module.variants(c)}
+
+    moved = {"1x7168x16384", "16x7168x2048", "64x4096x7168", "1x10240x5120", "128x7168x16384",
+             "128x1536x7168", "512x576x7168"}  # fmt: skip
+    assert timed("was") == moved
+    assert timed("narrow") == {"64x36864x7168"}
+    # the straddling picks (ours on four, `narrow` on 64x36864x7168)
+    assert timed("narrow_even") == {"512x576x7168", "1x10240x5120", "64x36864x7168",
+                                    "128x7168x16384"}  # fmt: skip
     a, b, sa, sb = _operands(m, n, k)
     inputs = {"a": a, "b": b, "sa": sa, "sb": sb, "out_dtype": torch.bfloat16}
-    out = suite_module.run_narrow(inputs, None)
-    assert torch.equal(out, gemm_fp8_ref(a, b, sa, sb).to(torch.bfloat16))
-    want = narrow(m, n, k)
-    assert GemmConfig.from_params(seen[-1]) == want and not want.stream_k
-    suite_module.run_narrow_even(inputs, None)
-    assert GemmConfig.from_params(seen[-1]) == narrow(m, n, k, (32, 64))
+    standard = set(SPEC.standard_params())
+    for run, want in (
+        (suite_module.run_was, wide_config(m, n, k)),
+        (suite_module.run_narrow, narrow(m, n, k)),
+        (suite_module.run_narrow_even, narrow(m, n, k, (32, 64))),
+    ):
+        out = run(inputs, None)
+        assert torch.equal(out, gemm_fp8_ref(a, b, sa, sb).to(torch.bfloat16))
+        key = dict(seen[-1])
+        key.pop("pdl", None)
+        assert GemmConfig.from_params(key) == want and seen[-1] in standard

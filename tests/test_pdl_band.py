@@ -111,7 +111,11 @@ def test_key_for_each_form():
 
 # (M, N, K) -> the grid's CTAs on 132 SMs (docs/gemm/NOTES.md "Measured 2026-12-05 04:10")
 DENSE_GRIDS = {(16, 5120, 8192): 80, (1, 4096, 4096): 64, (64, 8192, 8192): 128}
-FP8_GRIDS = {(1, 10240, 5120): 80}
+# FP8 since narrow (docs/gemm/NOTES.md "Narrow adopted"): one CTA a narrow full-K tile,
+# 1x10240x5120's 64x80 128 (its 128-column tiles' 80 before), 16x7168x2048's 64x64 112 and
+# 128x1536x7168's 64x32 96 (in the band), 64x36864x7168's 64x128 a whole wave
+FP8_GRIDS = {(1, 10240, 5120): 128, (16, 7168, 2048): 112, (128, 1536, 7168): 96,
+             (64, 36864, 7168): 132}  # fmt: skip
 
 
 def test_the_grids_are_the_kernels(keys_only):
@@ -137,7 +141,7 @@ def test_stream_k_grid_is_the_kernels():
         assert cfg.stream_k, (m, n, k)
         plan = split_for(cfg, m, n, k, 132)
         assert grid_ctas(cfg, m, n, k, 132, plan.per) == plan.ctas
-    cfg = fp8_config.choose_config(1, 576, 7168, 132)
+    cfg = fp8_config.wide_config(1, 576, 7168, 132)  # narrow's since 2026-12-05: the plan before
     per, ctas, _ = stream_plan(cfg, 1, 576, 7168, 132, fp8_config.STREAM_MIN_K)
     assert cfg.stream_k and grid_ctas(cfg, 1, 576, 7168, 132, per) == ctas
 
@@ -202,9 +206,13 @@ def _today_dense() -> list:
 
 
 def _today_fp8() -> list:
+    """The FP8 spec's standard params without a rule: the 128-column configs, the grouped one,
+    the narrow full-K tiles the chooser picks (since 2026-12-05, `NARROW_CONFIGS`)."""
     outs = fp8_config.OUT_DTYPES
     dense_ = [fp8_config.params_for(o, c) for o in outs for c in fp8_config.STANDARD_CONFIGS]
-    return dense_ + [fp8_config.params_for(o, fp8_config.GROUPED, True) for o in outs]
+    grouped = [fp8_config.params_for(o, fp8_config.GROUPED, True) for o in outs]
+    narrow = [fp8_config.params_for(o, c) for o in outs for c in fp8_config.NARROW_CONFIGS]
+    return dense_ + grouped + narrow
 
 
 def test_without_a_rule_the_standard_builds_are_todays(monkeypatch):
@@ -212,27 +220,30 @@ def test_without_a_rule_the_standard_builds_are_todays(monkeypatch):
     assert GEMM_SPEC.standard_params() == _today_dense()
     assert FP8_SPEC.standard_params() == _today_fp8()
     tasks = build_tasks("sm_90a", only=[GEMM_SPEC.name, FP8_SPEC.name])
-    assert len(tasks) == len(_today_dense()) + len(_today_fp8()) == 98 + 26
+    # FP8: 26 before narrow, + 24 narrow tiles x 2 outputs (2026-12-05)
+    assert len(tasks) == len(_today_dense()) + len(_today_fp8()) == 98 + 74
 
 
 @pytest.mark.parametrize(
     "name, dense_count, fp8_count",
-    [("late", 196, 48), ("off", 196, 48), ("late_all", 196, 50)],
+    [("late", 196, 144), ("off", 196, 144), ("late_all", 196, 146)],
 )
 def test_a_rule_adds_the_band_forms(monkeypatch, name, dense_count, fp8_count):
     """The band's form of every config the band reaches: all dense ones (one cluster up to a
     whole wave), all FP8 ones but LARGE_MCAST_A (M >= 8192: 128 CTAs at least) in a band up
-    to 104; the standard builds first, unchanged."""
+    to 104, the 24 narrow full-K tiles among them (one CTA a tile: 1 up to a whole wave; FP8
+    48 -> 144 builds with narrow, 2026-12-05); the standard builds first, unchanged."""
     form = RULES[name][0]
     monkeypatch.setattr(pdl, "PARTIAL_WAVE", RULES[name])
     dense_, fp8_ = GEMM_SPEC.standard_params(), FP8_SPEC.standard_params()
-    assert dense_[:98] == _today_dense() and fp8_[:26] == _today_fp8()
+    assert dense_[:98] == _today_dense() and fp8_[:74] == _today_fp8()
     assert dense_[98:] == [pdl.key_for(p, form) for p in _today_dense()]
     assert len(set(dense_)) == len(dense_) == dense_count
     assert len(set(fp8_)) == len(fp8_) == fp8_count
     assert band_configs() == STANDARD_CONFIGS
     mcast = fp8_config.LARGE_MCAST_A
     assert (mcast in fp8_band_configs()) == (name == "late_all")
+    assert set(fp8_config.NARROW_CONFIGS) <= set(fp8_band_configs())
     assert fp8_config.fewest_ctas(mcast) == 128
     tasks = build_tasks("sm_90a", only=[GEMM_SPEC.name, FP8_SPEC.name])
     assert len(tasks) == dense_count + fp8_count

@@ -1,12 +1,14 @@
-"""The narrow full-K FP8 candidates (64 rows, 32-112 columns, one CTA a tile over the whole K;
-`config.narrow_config`, docs/gemm/NOTES.md "Narrow full-K FP8 tiles"; JIT-compiled: not
-prebuilt) on an sm90 GPU, forced through the launcher: against the fp64 reference into a
+"""The narrow full-K FP8 tiles (64 rows, 32-112 columns, one CTA a tile over the whole K;
+`config.narrow_config`, docs/gemm/NOTES.md "Narrow full-K FP8 tiles"; the chooser's pick where
+M <= 512 and the 128-column tiles leave SMs idle since 2026-12-05, "Narrow adopted": standard
+builds) on an sm90 GPU, forced through the launcher: against the fp64 reference into a
 NaN-poisoned out on awkward shapes (M and N off the tile, N off 8 through the launcher's
 scratch, K odd multiples of 128, tiles over two blocks of B's scales: 48 / 80 / 96 / 112
 columns), with B's scales graded by powers of two per 128-column block (a column promoted with
 its neighbour block's scale is off by 2x), bit for bit against the 128-column full-K tile (the
-same WGMMA k-steps and promotions per output element), and the bench's `narrow` /
-`narrow_even` variants on the cases they are timed on."""
+same WGMMA k-steps and promotions per output element), the bench's `narrow` / `narrow_even` /
+`was` variants on the cases they are timed on, and the op's own pick (`gemm_fp8`, no config) on
+the rule's edges."""
 
 from __future__ import annotations
 
@@ -71,15 +73,40 @@ def test_narrow_promotes_each_column_with_its_own_block(width):
     assert all(c.ok for c in cmps), [c.message for c in cmps]
 
 
-@pytest.mark.parametrize("variant", ["narrow", "narrow_even"])
-@pytest.mark.parametrize("name", fp8_suite_module.NARROW_CASES)
+MOVED_CASES = ("1x7168x16384", "128x7168x16384")  # the rule moved them too (not yet measured)
+
+
+@pytest.mark.parametrize("variant", ["narrow", "narrow_even", "was"])
+@pytest.mark.parametrize("name", fp8_suite_module.NARROW_CASES + MOVED_CASES)
 def test_the_bench_variants_match_the_reference(name, variant):
-    """The `narrow` and `narrow_even` variants (`config.narrow`'s picks) on each case they are
-    timed on."""
+    """The `narrow`, `narrow_even` and `was` variants on each case they are timed on."""
     case = next(c for c in fp8_suite_module.BENCH_CASES if c.name == name)
     run = fp8_suite_module.variants(case).get(variant)
     if run is None:
         pytest.skip(f"{variant} is not timed on {name}")
     inputs = _inputs(*map(int, name.split("x")), seed=1)
+    _, cmps = verify(FP8, inputs, CUDA, run=run)
+    assert all(c.ok for c in cmps), [c.message for c in cmps]
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 130 * 128, 1024), (1, 131 * 128, 1024), (512, 32 * 128 + 8, 7 * 128),
+     (513, 576, 7 * 128), (77, 1000, 3 * 128), (300, 2056, 5 * 128)],
+    ids=lambda s: "x".join(map(str, s)),
+)  # fmt: skip
+def test_the_ops_pick_matches_the_reference(shape):
+    """`forgekernel.gemm_fp8` with its own plan (`choose_config`: narrow inside the class, the
+    128-column plan at its edges: 131 decode tiles keep every SM busy, M = 513) against the
+    reference into a NaN-poisoned out."""
+    from forgekernel.ops.gemm_fp8 import gemm_fp8
+
+    m, n, k = shape
+    inputs = _inputs(m, n, k, seed=m + n)
+
+    def run(inputs, out):
+        return gemm_fp8(inputs["a"], inputs["b"], inputs["sa"], inputs["sb"],
+                        out_dtype=inputs["out_dtype"], out=out)  # fmt: skip
+
     _, cmps = verify(FP8, inputs, CUDA, run=run)
     assert all(c.ok for c in cmps), [c.message for c in cmps]

@@ -14,7 +14,12 @@ import torch
 
 from forgekernel.bench.suite import Case, Inputs, OpSuite
 from forgekernel.kernels.gemm.fp8.sm90 import SPEC
-from forgekernel.kernels.gemm.fp8.sm90.config import NARROW_WIDTHS, narrow
+from forgekernel.kernels.gemm.fp8.sm90.config import (
+    NARROW_WIDTHS,
+    choose_config,
+    narrow,
+    wide_config,
+)
 from forgekernel.runtime import pdl
 
 E4M3_MAX = 448.0
@@ -62,12 +67,20 @@ CHECK_CASES = (
     # odd k-tiles; N 92 past and off 8 (cases kept from the 128x256 tile, measured and dropped)
     _case(2000, 5000, 640),
     _case(1500, 4700, 1024),
+    # the 128-column tiles where M <= 512 fills every SM (decode a16 and mid past the narrow
+    # class's edge; N off 8) and stream K above M = 512
+    _case(16, 16900, 384),
+    _case(100, 8448, 1024),
+    _case(513, 576, 7168),
 )
-# compute-sanitizer: every standard configuration the chooser takes (decode a8 / a16 / a32,
-# skinny, mid, large; stream K with the 64-row a8 box and with 128x128
-# tiles), and CTAs that refill their ring's stages (racecheck sees a stage's release only there:
-# 150x256x3072 stream K without a cluster, 8 k-tiles a CTA on 5 stages; 1100x1024x1280 LARGE
-# over 2x1, 10 on 6; 8x9216x4096 decode a8 over 1x2, 32 on 11).
+# compute-sanitizer: every kind of configuration the chooser takes: the narrow full-K tiles
+# (M <= 512 where the 128-column tiles leave SMs idle: 64x32 with A's 8 / 16 / 32-row box and
+# the whole 64, 64x48 and 64x96 over two blocks of B's scales), and the 128-column ones where
+# their tiles fill the SMs or M > 512 (decode a8 over 1x2, skinny, mid, large; stream K with
+# 128x128 tiles), and CTAs that refill their ring's stages (racecheck sees a stage's release
+# only there: 600x256x3072 stream K without a cluster, 8 k-tiles a CTA on 5 stages;
+# 1100x1024x1280 LARGE over 2x1, 10 on 6; 8x16896x2048 decode a8 over 1x2, 16 on 11;
+# 8x9216x4096 narrow 64x96 a8, 32 k-tiles a CTA).
 SANITIZE_CASES = (
     _case(1, 256, 256),
     _case(12, 264, 384),
@@ -80,6 +93,10 @@ SANITIZE_CASES = (
     _case(1100, 2200, 256),
     _case(1100, 1024, 1280),
     _case(8, 9216, 4096),
+    _case(8, 16896, 2048),
+    _case(40, 16896, 512),
+    _case(100, 8448, 256),
+    _case(600, 256, 3072),
 )
 
 
@@ -125,9 +142,13 @@ def run_ours(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
 NO_PDL_CASES = ("1x7168x16384", "16x7168x2048", "64x4096x7168", "1x10240x5120")
 
 
-# The mid / decode losers timed with the model's narrow full-K tile too (variant `narrow`: 64
-# rows, 32-112 columns, one CTA a tile over the whole K where the chooser streams K;
-# config.py `narrow`, docs/gemm/NOTES.md "Narrow full-K FP8 tiles"; compiled on first use).
+# The six mid / decode cases narrow was measured on (H100, 2026-12-05 14:41; docs/gemm/NOTES.md
+# "Narrow adopted"): five are ours' narrow tile now (config.py `takes_narrow`); 64x36864x7168
+# (288 tiles of 64x128: every SM busy) keeps the 128-column plan and times `narrow` beside it.
+# Where the rule moved the plan, `was` times the plan before it (`config.wide_config`: the
+# 128-column tiles or stream K) beside ours: the one bench call shows new against old.
+# `narrow_even`: the best width dividing 128 where the pick straddles two blocks of B's scales
+# (the straddling selection's cost). Every variant's kernel is a standard build.
 EVEN_WIDTHS = tuple(w for w in NARROW_WIDTHS if 128 % w == 0)
 NARROW_CASES = (
     "512x576x7168", "128x1536x7168", "16x7168x2048", "64x4096x7168", "1x10240x5120",
@@ -139,13 +160,33 @@ def variants(case: Case) -> dict[str, Any]:
     found: dict[str, Any] = {}
     if case.name in NO_PDL_CASES:
         found["no_pdl"] = run_no_pdl
-    if case.name in NARROW_CASES:
+    m, n, k = (case.params[x] for x in "mnk")
+    ours, was = choose_config(m, n, k), wide_config(m, n, k)
+    if ours != was:
+        found["was"] = run_was
+    pick = narrow(m, n, k)
+    if case.name in NARROW_CASES and pick != ours:
         found["narrow"] = run_narrow
-        p = case.params
-        if narrow(p["m"], p["n"], p["k"]).tile_n not in EVEN_WIDTHS:
-            # the straddling pick's cost against the best width that never straddles
-            found["narrow_even"] = run_narrow_even
+    if (case.name in NARROW_CASES or pick == ours) and pick.tile_n not in EVEN_WIDTHS:
+        # the straddling pick's cost against the best width that never straddles
+        found["narrow_even"] = run_narrow_even
     return found
+
+
+def _run_config(inputs: Inputs, out: torch.Tensor | None, cfg) -> torch.Tensor:
+    """Ours with `cfg` forced through the leaf's launcher (its PDL form the grid's, as ours;
+    N of the bench cases is a multiple of 8: out is C)."""
+    from forgekernel.kernels.gemm.fp8.sm90.launch import gemm_fp8
+
+    out = alloc_out(inputs) if out is None else out
+    gemm_fp8(inputs["a"], inputs["b"], inputs["sa"], inputs["sb"], out, config=cfg)
+    return out
+
+
+def run_was(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
+    """The chooser's plan before narrow (`config.wide_config`)."""
+    a, b = inputs["a"], inputs["b"]
+    return _run_config(inputs, out, wide_config(a.shape[0], b.shape[0], a.shape[1]))
 
 
 def run_no_pdl(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
@@ -155,15 +196,9 @@ def run_no_pdl(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
 
 
 def run_narrow(inputs: Inputs, out: torch.Tensor | None, widths=NARROW_WIDTHS) -> torch.Tensor:
-    """Ours with the model's narrow full-K tile of `widths` (`config.narrow`) forced through
-    the leaf's launcher (N of these cases is a multiple of 8: out is C)."""
-    from forgekernel.kernels.gemm.fp8.sm90.launch import gemm_fp8
-
+    """Ours with the model's narrow full-K tile of `widths` (`config.narrow`) forced."""
     a, b = inputs["a"], inputs["b"]
-    out = alloc_out(inputs) if out is None else out
-    cfg = narrow(a.shape[0], b.shape[0], a.shape[1], widths)
-    gemm_fp8(a, b, inputs["sa"], inputs["sb"], out, config=cfg)
-    return out
+    return _run_config(inputs, out, narrow(a.shape[0], b.shape[0], a.shape[1], widths))
 
 
 def run_narrow_even(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:

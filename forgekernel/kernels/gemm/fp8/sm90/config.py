@@ -70,15 +70,16 @@ STREAM_MIN_K = 8
 STANDARD_CONFIGS = (LARGE, MID, SKINNY, *DECODE, LARGE_MCAST_A, *STREAM_DECODE, STREAM)
 
 
-# Narrow full-K tiles (a candidate, never prebuilt nor chosen; docs/gemm/NOTES.md "Narrow
-# full-K FP8 tiles"): DeepGEMM's mid / decode blocks (64x32, 64x48, 64x64, 64x80, ... over the
-# whole K, one CTA a tile) where the chooser streams K over few 64x128 / 128x128 tiles and parks
-# fp32 partials. Widths not dividing 128 straddle two blocks of B's scales (kernel.py selects
-# one per 8-column group). The model (`narrow_time`, us): T0 + each round of tiles at the
-# slower of its k-tiles' latency, (c0 + tile_m tile_n / 32 tensor cycles) at 1.75 GHz, and the
-# round's weight bytes (once a column) at the chip's 4.1 TB/s; c0 = 270 cycles fitted on the
-# one measured 64-row full-K row (128x7168x16384, MID: 128 k-tiles in 40.8 us graph, H200
-# 2026-12-05 04:20). T0 = 2.3 us and 4.1 TB/s are the decode model's (dense config.py).
+# Narrow full-K tiles (docs/gemm/NOTES.md "Narrow full-K FP8 tiles", "Narrow adopted"):
+# DeepGEMM's mid / decode blocks (64x32, 64x48, 64x64, 64x80, ... over the whole K, one CTA a
+# tile) where the 128-column tiles leave SMs idle (the chooser streamed K over few 64x128 /
+# 128x128 tiles and parked fp32 partials, or ran a partial wave of them). Widths not dividing
+# 128 straddle two blocks of B's scales (kernel.py selects one per 8-column group). The model
+# (`narrow_time`, us): T0 + each round of tiles at the slower of its k-tiles' latency, (c0 +
+# tile_m tile_n / 32 tensor cycles) at 1.75 GHz, and the round's weight bytes (once a column)
+# at the chip's 4.1 TB/s; c0 = 270 cycles fitted on the one measured 64-row full-K row
+# (128x7168x16384, MID: 128 k-tiles in 40.8 us graph, H200 2026-12-05 04:20). T0 = 2.3 us and
+# 4.1 TB/s are the decode model's (dense config.py).
 NARROW_WIDTHS = (32, 48, 64, 80, 96, 112)
 NARROW_C0 = 270
 NARROW_T0_US = 2.3
@@ -113,12 +114,22 @@ def narrow_time(cfg: GemmConfig, m: int, n: int, k: int, c0: float = NARROW_C0,
     return t
 
 
-def narrow(m: int, n: int, k: int, widths: tuple[int, ...] = NARROW_WIDTHS) -> GemmConfig:
-    """The model's best narrow full-K tile of `widths` on (M, N, K) (the bench's `narrow`
-    variant; `narrow_even` of the widths dividing 128, which never straddle two scale
-    blocks)."""
+def narrow(
+    m: int, n: int, k: int, widths: tuple[int, ...] = NARROW_WIDTHS,
+    num_sms: int = NUM_SMS_H100_H200,
+) -> GemmConfig:  # fmt: skip
+    """The model's best narrow full-K tile of `widths` on (M, N, K) (`choose_config`'s pick in
+    `takes_narrow`'s class; the bench's `narrow_even` of the widths dividing 128, which never
+    straddle two scale blocks)."""
     cands = [narrow_config(m, w) for w in widths]
-    return min(cands, key=lambda c: narrow_time(c, m, n, k))
+    return min(cands, key=lambda c: narrow_time(c, m, n, k, num_sms=num_sms))
+
+
+# Every narrow tile `narrow` can pick (A's box of 8 / 16 / 32 rows or the whole 64, each width:
+# all 24 are picked somewhere in `takes_narrow`'s class): standard builds beside
+# STANDARD_CONFIGS (the spec's `standard_params`, with their partial-wave band form: one CTA a
+# tile, grids of 1 to a whole wave), so the chooser's pick never compiles at first call.
+NARROW_CONFIGS = tuple(narrow_config(r or 64, w) for r in (*A_ROWS, 0) for w in NARROW_WIDTHS)
 
 
 # The grouped (MoE, contiguous) layout: B holds every expert's (N, K) and each 128-row tile of
@@ -182,10 +193,36 @@ def busy_ctas(cfg: GemmConfig, m: int, n: int, num_sms: int = NUM_SMS_H100_H200)
     return min(clusters, num_sms // (cm * cn)) * cm * cn
 
 
+# Narrow adopted (H100, 2026-12-05 14:41, CUDA-graph replays; docs/gemm/NOTES.md "Measured
+# 2026-12-05 14:41" and "Narrow adopted"): `narrow`'s pick / the chooser's plan before it
+# (`wide_config`), < 1 narrow faster: 16x7168x2048 0.718, 1x10240x5120 0.880, 64x4096x7168
+# 0.927, 128x1536x7168 0.821, 512x576x7168 0.734 (the 128-column tiles 56, 80, 32, 24 and 20
+# CTAs: stream K or a partial wave), and 64x36864x7168 0.964 (288 tiles: every SM busy; the
+# wide plan kept there, a 3.6 % gain not taken outside the measured class). Narrow won on all
+# six; its GPU tests passed 44 of 44. The class: M <= NARROW_MAX_M (the largest measured M)
+# and the 128-column data-parallel tiles keeping fewer than every SM busy in their first wave.
+NARROW_MAX_M = 512
+
+
+def takes_narrow(m: int, n: int, num_sms: int = NUM_SMS_H100_H200) -> bool:
+    """Whether `choose_config` takes `narrow`'s full-K tile on (M, N): M <= NARROW_MAX_M and
+    the 128-column tiles (`tiled_config`) of fewer CTAs than SMs in their first wave."""
+    return m <= NARROW_MAX_M and busy_ctas(tiled_config(m), m, n, num_sms) < num_sms
+
+
 def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> GemmConfig:
-    """By M (`tiled_config`), unless its tiles keep at most half the SMs busy and stream K
-    would spread the work over at least twice as many (the few-tile mid shapes: 512x576x7168
-    has 20 tiles of 128x128, 128x1536x7168 24 of 64x128; decode against a short weight)."""
+    """`narrow`'s full-K tile in `takes_narrow`'s class (the measured mid / decode shapes whose
+    128-column tiles leave SMs idle), else `wide_config`'s."""
+    if takes_narrow(m, n, num_sms):
+        return narrow(m, n, k, num_sms=num_sms)
+    return wide_config(m, n, k, num_sms)
+
+
+def wide_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> GemmConfig:
+    """The 128-column plan (the chooser before narrow, the bench's `was`): by M
+    (`tiled_config`), unless its tiles keep at most half the SMs busy and stream K would spread
+    the work over at least twice as many (the few-tile mid shapes: 512x576x7168 has 20 tiles of
+    128x128, 128x1536x7168 24 of 64x128; decode against a short weight)."""
     tiled = tiled_config(m)
     busy = busy_ctas(tiled, m, n, num_sms)
     if 2 * busy <= num_sms:
