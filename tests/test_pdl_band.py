@@ -276,6 +276,34 @@ def test_every_suite_case_is_prebuilt(keys_only, rule):
     assert forms == ({"top"} if rule is None else {"top", rule[0]} if rule[1] else {rule[0]})
 
 
+def test_every_fp8_bench_variant_is_prebuilt(keys_only, rule):
+    """Under each rule the plans of the gemm_fp8 suite's `was`, `narrow` and `narrow_even`
+    variants (a config forced through the launcher, keyed in its grid's form as ours) are
+    standard builds, both 16-bit dtypes; the narrow picks of ours too, in the band's form where
+    their grid lies in it (16x7168x2048's 64x64: 112 CTAs)."""
+    from forgekernel.bench.suites import gemm_fp8
+
+    forced = {
+        "was": fp8_config.wide_config,
+        "narrow": fp8_config.narrow,
+        "narrow_even": lambda m, n, k: fp8_config.narrow(m, n, k, gemm_fp8.EVEN_WIDTHS),
+    }
+    built, keys = set(FP8_SPEC.standard_params()), set()
+    for case in gemm_fp8.BENCH_CASES:
+        m, n, k = (case.params[x] for x in "mnk")
+        for name in gemm_fp8.variants(case).keys() & forced.keys():
+            for dtype in (torch.bfloat16, torch.float16):
+                fp8.clear_plans()
+                cfg = forced[name](m, n, k)
+                keys.add(fp8._plan(dtype, m, -(-n // 8) * 8, k, 0, cfg, pdl.forced())[0])
+    assert keys and keys <= built
+    fp8.clear_plans()
+    narrow_key = _fp8_key(16, 7168, 2048)
+    assert dict(narrow_key)["tile_n"] == 64 and narrow_key in built
+    want = rule[0] if rule and rule[1] < 112 <= rule[2] else "top"
+    assert dict(narrow_key).get("pdl", "top") == want
+
+
 def test_without_a_rule_the_keys_are_todays(keys_only, monkeypatch):
     """No rule: every suite case keyed as before (the chooser's params, no "pdl" part)."""
     from forgekernel.bench.suites import gemm, gemm_fp8
