@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import sys
 
-from forgekernel.kernels.gemm.dense.sm90.config import stream_plan
+from forgekernel.kernels.gemm.dense.sm90.config import _ceil, stream_plan
+from forgekernel.kernels.gemm.dense.sm90.tile import straddles
 from forgekernel.kernels.gemm.fp8.sm90.config import (
     NARROW_C0,
     NARROW_GHZ,
@@ -30,10 +31,6 @@ CASES = {
     (1, 10240, 5120): (20.0, 17.5),
     (64, 36864, 7168): (72.2, 69.8),
 }
-
-
-def _ceil(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def plan(m: int, n: int, k: int, measured: float) -> str:
@@ -67,7 +64,7 @@ def main(c0: float = NARROW_C0) -> None:
             cta_kb = _ceil(k, 128) * (rows + w) * 128 / 1024
             t = narrow_time(cfg, m, n, k, c0)
             mark = " <- narrow" if cfg == best else ""
-            cross = "" if 128 % w == 0 else " (straddles)"
+            cross = " (straddles)" if straddles(w) else ""
             print(f"  64x{w}{cross}: {tiles} tiles, {tiles / SMS:.2f} rounds, {_ceil(k, 128)} "
                   f"k-tiles, {cta_kb:.0f} KB a CTA: {t:.1f} us = {t / ours:.2f}x ours, "
                   f"DeepGEMM / it {dg / t:.3f}{mark}")  # fmt: skip

@@ -12,7 +12,7 @@ import torch
 
 from forgekernel.bench.suites import gemm_fp8 as suite_module
 from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig, stream_plan
-from forgekernel.kernels.gemm.dense.sm90.tile import ring_stages
+from forgekernel.kernels.gemm.dense.sm90.tile import ring_stages, straddles
 from forgekernel.kernels.gemm.fp8.sm90 import SPEC
 from forgekernel.kernels.gemm.fp8.sm90 import launch as fp8_sm90
 from forgekernel.kernels.gemm.fp8.sm90.config import (
@@ -196,9 +196,9 @@ def test_fp8_stream_k_walk(m, n, k):
     """The FP8 stream-K plans the chooser makes (128 of K per k-tile, parts of at least
     STREAM_MIN_K k-tiles): the kernel's walk (mirrored in test_gemm_stream_k) covers every
     k-tile of every tile once; each unit's k-tiles [k0, k0 + count) are what its scaled
-    mainloop promotes (tests/test_gemm_fp8_mainloop.py runs mid-K units). Since narrow, the
-    chooser's stream K is M > 512's; these the 128-column plans (`wide_config`, the bench's
-    `was` on the suite's cases)."""
+    mainloop promotes (tests/test_gemm_fp8_mainloop.py runs mid-K units). The 128-column plans
+    (`wide_config`): the chooser's where narrow is not taken (129x264x7168, 3x256x4096,
+    150x256x3072, 1x576x7168: too few narrow tiles), the bench's `was` on the suite's cases."""
     from test_gemm_stream_k import check_walk
 
     cfg = wide_config(m, n, k)
@@ -237,8 +237,8 @@ def test_sanitize_cases_refill_the_ring_with_and_without_a_cluster():
     for case in suite_module.SANITIZE_CASES:
         m, n, k = (case.params[x] for x in "mnk")
         cfg = choose_config(m, -(-n // 8) * 8, k)
-        picked.add(cfg if cfg.tile_n == 128 else ("narrow", cfg.a_rows, 128 % cfg.tile_n != 0))
-        stages = ring_stages(cfg, 1, 2, cfg.tile_m * 4 * (1 + (128 % cfg.tile_n != 0)))
+        picked.add(cfg if cfg.tile_n == 128 else ("narrow", cfg.a_rows, straddles(cfg.tile_n)))
+        stages = ring_stages(cfg, 1, 2, cfg.tile_m * 4 * (1 + straddles(cfg.tile_n)))
         per_cta = stream_plan(cfg, m, n, k, 132, STREAM_MIN_K)[0] if cfg.stream_k else k // 128
         if per_cta > stages:
             refilled.add((cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.stream_k))
@@ -383,78 +383,125 @@ def test_narrow_keys_are_standard_builds():
 
 
 # (M, N, K): (narrow / the plan before it, H100 graph 2026-12-05 14:41; the 128-column tiles'
-# first-wave CTAs on 132 SMs)
+# first-wave CTAs on 132 SMs; the narrow pick's tiles = CTAs)
 NARROW_MEASURED = {
-    (16, 7168, 2048): (0.718, 56),
-    (1, 10240, 5120): (0.880, 80),
-    (64, 4096, 7168): (0.927, 32),
-    (128, 1536, 7168): (0.821, 24),
-    (512, 576, 7168): (0.734, 20),
-    (64, 36864, 7168): (0.964, 132),  # 288 tiles: the 128-column plan kept
+    (16, 7168, 2048): (0.718, 56, 112),
+    (1, 10240, 5120): (0.880, 80, 128),
+    (64, 4096, 7168): (0.927, 32, 128),
+    (128, 1536, 7168): (0.821, 24, 96),
+    (512, 576, 7168): (0.734, 20, 96),
+    (64, 36864, 7168): (0.964, 132, 384),  # 288 tiles: the 128-column plan kept
 }
 
 
 @pytest.mark.parametrize(("m", "n", "k"), list(NARROW_MEASURED))
 def test_narrow_adopted_on_the_measured_cases(m, n, k):
     """The chooser takes `narrow`'s tile on the five measured cases whose 128-column tiles keep
-    fewer than every SM busy (narrow 0.72-0.93 of the plan before), and keeps the 128-column
-    plan on 64x36864x7168 (every SM busy; narrow 0.964 there, not taken)."""
-    from forgekernel.kernels.gemm.fp8.sm90.config import narrow, takes_narrow
+    fewer than every SM busy and whose narrow grid is one round of 96-128 CTAs (narrow 0.72-0.93
+    of the plan before), and keeps the 128-column plan on 64x36864x7168 (every SM busy, narrow
+    three rounds; 0.964 there, not taken)."""
+    from forgekernel.kernels.gemm.fp8.sm90.config import narrow, narrow_tiles, takes_narrow
 
-    _, busy = NARROW_MEASURED[(m, n, k)]
+    _, busy, tiles = NARROW_MEASURED[(m, n, k)]
     assert busy_ctas(tiled_config(m), m, n) == busy
+    assert narrow_tiles(narrow(m, n, k), m, n) == tiles
     cfg = choose_config(m, n, k)
     if busy < 132:
-        assert takes_narrow(m, n) and cfg == narrow(m, n, k) != wide_config(m, n, k)
+        assert takes_narrow(m, n, k) and cfg == narrow(m, n, k) != wide_config(m, n, k)
         assert cfg.tile_n == NARROW_LOSERS[(m, n, k)][0]
     else:
-        assert not takes_narrow(m, n) and cfg == wide_config(m, n, k) == SKINNY
+        assert not takes_narrow(m, n, k) and cfg == wide_config(m, n, k) == SKINNY
+
+
+# (M, N, K): the model's verdict, narrow us against the plan it would replace (`narrow_time`
+# for the full-K tiles; dense config.py `decode_time` / the 14:31 ledger for stream K)
+NARROW_MODEL_LOSES = {
+    # MID one round (128 CTAs, 19.1 us) against narrow's 256 tiles of 64x64 in two (27.8 us)
+    (128, 8192, 7168): "two rounds",
+    (96, 8192, 5120): "two rounds",
+    # decode: 116 busy CTAs of 64x128 a8 against 232 tiles of 64x64 (two rounds)
+    (1, 14848, 7168): "two rounds",
+    # stream K (~4.7 us, 56 k-tile parts over a wave) against 18 / 8 CTAs x 56 k-tiles (13.0 us)
+    (1, 576, 7168): "few CTAs",
+    (1, 256, 7168): "few CTAs",
+}
+
+
+@pytest.mark.parametrize(("m", "n", "k"), list(NARROW_MODEL_LOSES))
+def test_narrow_not_taken_where_its_model_loses(m, n, k):
+    """Where the 128-column plan leaves SMs idle but `narrow`'s own model puts its pick behind
+    (its grid two rounds, or a few CTAs each streaming the whole K where stream K spreads it
+    over a wave), the chooser keeps the plan before: the class is the measured one (one round of
+    at least half the SMs), not every shape with idle SMs."""
+    from forgekernel.kernels.gemm.fp8.sm90.config import (
+        narrow,
+        narrow_tiles,
+        narrow_time,
+        takes_narrow,
+    )
+
+    pick, before = narrow(m, n, k), wide_config(m, n, k)
+    tiles = narrow_tiles(pick, m, n)
+    assert busy_ctas(tiled_config(m), m, n) < 132  # SMs idle: the class before
+    assert not takes_narrow(m, n, k) and choose_config(m, n, k) == before
+    if NARROW_MODEL_LOSES[(m, n, k)] == "two rounds":
+        assert tiles > 132 and not before.stream_k
+        # the model: the tiled plan's one round (its tiles as full-K 64-row ones) is faster
+        one_round = narrow_time(before, m, n, k)
+        assert narrow_time(pick, m, n, k) > one_round
+    else:
+        assert tiles < 66 and before.stream_k
+        assert narrow_time(pick, m, n, k) > 2 * 4.7  # against stream K's ~4.7 us
 
 
 @pytest.mark.parametrize(
-    ("m", "n", "want"),
+    ("m", "n", "k", "want"),
     [
-        # every SM busy (132 CTAs) is the edge: fewer takes narrow, 132 does not (decode and
-        # skinny tiles in 1x2 clusters: 131 tiles keep 66 clusters, 132 CTAs, busy)
-        (1, 130 * 128, True), (1, 131 * 128, False), (1, 132 * 128, False),
-        (64, 130 * 128, True), (64, 131 * 128 - 127, False), (64, 132 * 128, False),
-        (128, 65 * 128, True), (128, 66 * 128, False),  # MID: 2x1 clusters of 64 rows
-        (512, 16 * 128, True), (512, 33 * 128, False),  # LARGE: 4 tile rows, 2x1 clusters
-        (512, 32 * 128, True), (512, 576, True),
-        # M past NARROW_MAX_M: the 128-column plan whatever the tiles
-        (513, 576, False), (513, 128, False), (1000, 3000, False),
+        # the narrow grid one round of at least half the SMs: 66 tiles of 64x32 taken, 65 not;
+        # 132 taken; past one round (the model's pick then 64x64: 260 tiles) not
+        (1, 2088, 1024, True), (1, 2056, 1024, False), (1, 4200, 1024, True),
+        (64, 2088, 7168, True), (64, 2056, 7168, False),
+        (128, 1032, 7168, True), (128, 2088, 7168, True),
+        (1, 130 * 128, 1024, False),
+        # the 128-column tiles keeping every SM busy (decode tiles in 1x2 clusters: 131 tiles
+        # keep 66 clusters, 132 CTAs)
+        (1, 131 * 128, 1024, False), (64, 132 * 128, 7168, False),
+        # MID one round of 128 CTAs, narrow two (the model: 27.8 against 19.1 us)
+        (128, 8192, 7168, False), (128, 65 * 128, 7168, False),
+        # M = 512 taken, 513 not (the 128-column plan whatever the tiles)
+        (512, 576, 7168, True), (512, 576, 1024, True), (513, 576, 7168, False),
+        (513, 128, 7168, False), (1000, 3000, 4096, False),
     ],
 )  # fmt: skip
-def test_narrow_rule_edges(m, n, want):
-    """`takes_narrow` at its edges: busy == num_sms (not taken), one CTA fewer (taken); M = 512
-    (taken) and 513 (not). In the class the chooser's pick is `narrow`'s (never stream K, no
-    cluster, a tile over M's rows), outside it `wide_config`'s; on fewer SMs the edge moves."""
+def test_narrow_rule_edges(m, n, k, want):
+    """`takes_narrow` at its edges (the pick's tiles at half the SMs and at a whole round, the
+    128-column tiles at a whole wave, M = 512 / 513); in the class the chooser's pick is
+    `narrow`'s (never stream K, no cluster, a tile over M's rows), outside it `wide_config`'s."""
     from forgekernel.kernels.gemm.fp8.sm90.config import narrow, takes_narrow
 
-    k = 7168
-    assert takes_narrow(m, n) == want
-    busy = busy_ctas(tiled_config(m), m, n)
-    assert (m <= 512 and busy < 132) == want
+    assert takes_narrow(m, n, k) == want
     cfg = choose_config(m, n, k)
     if want:
         assert cfg == narrow(m, n, k) and not cfg.stream_k and cfg.fits(m)
     else:
         assert cfg == wide_config(m, n, k)
-    # a chip of 114 SMs (H100 PCIe): the class is counted against its SMs
-    assert takes_narrow(m, n, 114) == (m <= 512 and busy_ctas(tiled_config(m), m, n, 114) < 114)
 
 
-def test_narrow_picks_are_prebuilt_across_the_class():
-    """Over a sweep of the class (M 1-512, N up to a whole wave of 128-column tiles, K 128 to
-    28672) every pick is one of `NARROW_CONFIGS`: a standard build, no compile at first call."""
-    from forgekernel.kernels.gemm.fp8.sm90.config import NARROW_CONFIGS, takes_narrow
+def test_narrow_rule_counts_the_chips_sms():
+    """On another chip the round and the busy CTAs are its own: 114 SMs (H100 PCIe) move the
+    66-tile edge to 57; on an odd count (133) a 1x2-cluster tile's most is 132 CTAs
+    (`max_ctas`), so 132 busy CTAs are a whole wave there (`busy < num_sms` never was)."""
+    from forgekernel.kernels.gemm.dense.sm90.config import max_ctas
+    from forgekernel.kernels.gemm.fp8.sm90.config import narrow, narrow_tiles, takes_narrow
 
-    built = set(NARROW_CONFIGS)
-    for m in (1, 5, 8, 9, 16, 17, 32, 33, 64, 65, 100, 128, 129, 256, 384, 512):
-        for n in (8, 136, 576, 1000, 1536, 4096, 7168, 10240, 16640):
-            for k in (128, 1024, 2048, 7168, 16384, 28672):
-                if takes_narrow(m, n):
-                    assert choose_config(m, n, k) in built, (m, n, k)
+    # 57 tiles of 64x32 on 114 SMs taken, 56 not; on 132 SMs neither
+    for n, want in ((57 * 32, True), (56 * 32, False)):
+        assert narrow_tiles(narrow(1, n, 1024, num_sms=114), 1, n) == n // 32
+        assert takes_narrow(1, n, 1024, 114) == want
+        assert not takes_narrow(1, n, 1024)
+    n = 131 * 128  # 66 clusters of 1x2: 132 CTAs, the most on 133 SMs
+    assert busy_ctas(DECODE[0], 1, n, 133) == max_ctas(DECODE[0], 133) == 132
+    assert not takes_narrow(1, n, 1024, 133)
 
 
 def test_narrow_model_against_the_measured_rows():
@@ -484,7 +531,7 @@ def test_narrow_tiles_compile_without_spills(width, tmp_path):
     compiled = SPEC.compile(params_for("bfloat16", cfg), f"--keep-cubin --dump-dir {tmp_path}")
     info = inspect_cubin(compiled.artifacts.CUBIN)
     assert info["spill_bytes"] == 0 and info["sass"].get("LDL", 0) == 0
-    assert info["sass"]["LDS"] == (16 if 128 % width else 8)
+    assert info["sass"]["LDS"] == (16 if straddles(width) else 8)
 
 
 @pytest.mark.parametrize(

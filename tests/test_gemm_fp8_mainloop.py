@@ -26,6 +26,7 @@ import torch
 
 from forgekernel.bench.suites import gemm_fp8 as suite_module
 from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
+from forgekernel.kernels.gemm.dense.sm90.tile import straddles
 from forgekernel.reference.gemm import gemm_fp8_ref
 
 cutlass = pytest.importorskip("cutlass")
@@ -124,7 +125,7 @@ def _run_tile(cfg, a, b, sa, sb, tile, k0, count, lead=None):
     log = torch.zeros(threads, 4 * (count + lead_count) + 12, 4, dtype=torch.int32)
     gemm = _host_gemm(cfg)
     # a tile_n not dividing 128 may straddle two blocks of B's scales (set by __call__)
-    gemm.n_blocks = 2 if 128 % cfg.tile_n else 1
+    gemm.n_blocks = 2 if straddles(cfg.tile_n) else 1
     fp8 = cutlass.Float8E4M3FN
     k_major = LayoutEnum.ROW_MAJOR.sm90_mma_major_mode()
 
@@ -641,11 +642,11 @@ def test_narrow_tiles_keep_the_schedule(m, width, tmp_path):
     step = f"AQQQQD1F{width // 2}"
     assert _mainloop_sequence(sass) == "AQQQQ" + step * 3 + f"D0F{width // 2}" * 2
     assert _wgmma_violations(sass, width // 2) == []
-    straddles = 128 % width != 0
+    two = straddles(width)
     arrivals = _producer_arrivals(sass)
-    assert arrivals and all(a == ("", 4 if straddles else 2) for a in arrivals), arrivals
+    assert arrivals and all(a == ("", 4 if two else 2) for a in arrivals), arrivals
     ops = [op for op, _ in _consumer_loop(sass)]
     assert ops.count("FFMA") == width and sum(op.startswith("QGMMA") for op in ops) == 8
-    assert ops.count("LDS") == (8 if straddles else 4), ops
+    assert ops.count("LDS") == (8 if two else 4), ops
     fsel = ops.count("FSEL")
-    assert (0 < fsel <= width // 2) if straddles else fsel == 0, ops
+    assert (0 < fsel <= width // 2) if two else fsel == 0, ops

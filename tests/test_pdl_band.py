@@ -18,6 +18,7 @@ from forgekernel.kernels.gemm.dense.sm90.config import (
     params_for,
     takes_kn,
 )
+from forgekernel.kernels.gemm.dense.sm90.tile import GemmConfig
 from forgekernel.kernels.gemm.fp8.sm90 import SPEC as FP8_SPEC
 from forgekernel.kernels.gemm.fp8.sm90 import band_configs as fp8_band_configs
 from forgekernel.kernels.gemm.fp8.sm90 import config as fp8_config
@@ -141,7 +142,7 @@ def test_stream_k_grid_is_the_kernels():
         assert cfg.stream_k, (m, n, k)
         plan = split_for(cfg, m, n, k, 132)
         assert grid_ctas(cfg, m, n, k, 132, plan.per) == plan.ctas
-    cfg = fp8_config.wide_config(1, 576, 7168, 132)  # narrow's since 2026-12-05: the plan before
+    cfg = fp8_config.choose_config(1, 576, 7168, 132)  # narrow's 18 CTAs: too few to take
     per, ctas, _ = stream_plan(cfg, 1, 576, 7168, 132, fp8_config.STREAM_MIN_K)
     assert cfg.stream_k and grid_ctas(cfg, 1, 576, 7168, 132, per) == ctas
 
@@ -302,6 +303,35 @@ def test_every_fp8_bench_variant_is_prebuilt(keys_only, rule):
     assert dict(narrow_key)["tile_n"] == 64 and narrow_key in built
     want = rule[0] if rule and rule[1] < 112 <= rule[2] else "top"
     assert dict(narrow_key).get("pdl", "top") == want
+
+
+# A sweep of the narrow class (M 1-512, N 576 to two waves of 128-column tiles, K 128-28672):
+# N values reaching each width (the model's 64x32 ... 64x112 picks) with each A box
+NARROW_SWEEP_M = (1, 5, 8, 9, 16, 17, 32, 33, 64, 65, 100, 128, 129, 256, 384, 512)
+NARROW_SWEEP_N = (576, 1032, 1536, 2088, 3072, 4096, 4272, 6352, 7168, 7912, 8536, 9056, 10240,
+                  14848, 16640)  # fmt: skip
+NARROW_SWEEP_K = (128, 1024, 2048, 7168, 16384, 28672)
+
+
+def test_the_narrow_class_is_prebuilt(keys_only, rule):
+    """Over a sweep of the narrow class, every plan the launcher makes (`_plan`, keys only: the
+    chooser's config in its grid's PDL form) is a standard build under each rule, both 16-bit
+    outputs; the sweep reaches every one of `NARROW_CONFIGS` (each is picked somewhere)."""
+    built, picked = set(FP8_SPEC.standard_params()), set()
+    for m in NARROW_SWEEP_M:
+        for n in NARROW_SWEEP_N:
+            for k in NARROW_SWEEP_K:
+                if not fp8_config.takes_narrow(m, n, k, 132):
+                    continue
+                cfg = fp8_config.choose_config(m, n, k, 132)
+                picked.add(cfg)
+                for dtype in (torch.bfloat16, torch.float16):
+                    fp8.clear_plans()
+                    key = fp8._plan(dtype, m, n, k, 0, None, pdl.forced())[0]
+                    assert key in built, (m, n, k, key)
+                    params = {x: v for x, v in key if x not in ("pdl", "out")}
+                    assert GemmConfig.from_params(params) == cfg
+    assert picked == set(fp8_config.NARROW_CONFIGS)
 
 
 def test_without_a_rule_the_keys_are_todays(keys_only, monkeypatch):

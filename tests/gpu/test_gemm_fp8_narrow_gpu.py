@@ -1,14 +1,14 @@
 """The narrow full-K FP8 tiles (64 rows, 32-112 columns, one CTA a tile over the whole K;
 `config.narrow_config`, docs/gemm/NOTES.md "Narrow full-K FP8 tiles"; the chooser's pick where
-M <= 512 and the 128-column tiles leave SMs idle since 2026-12-05, "Narrow adopted": standard
-builds) on an sm90 GPU, forced through the launcher: against the fp64 reference into a
-NaN-poisoned out on awkward shapes (M and N off the tile, N off 8 through the launcher's
-scratch, K odd multiples of 128, tiles over two blocks of B's scales: 48 / 80 / 96 / 112
-columns), with B's scales graded by powers of two per 128-column block (a column promoted with
-its neighbour block's scale is off by 2x), bit for bit against the 128-column full-K tile (the
-same WGMMA k-steps and promotions per output element), the bench's `narrow` / `narrow_even` /
-`was` variants on the cases they are timed on, and the op's own pick (`gemm_fp8`, no config) on
-the rule's edges."""
+M <= 512, the 128-column tiles leave SMs idle and the pick's grid is one round of at least half
+the SMs since 2026-12-05, "Narrow adopted": standard builds) on an sm90 GPU, forced through
+the launcher: against the fp64 reference into a NaN-poisoned out on awkward shapes (M and N
+off the tile, N off 8 through the launcher's scratch, K odd multiples of 128, tiles over two
+blocks of B's scales: 48 / 80 / 96 / 112 columns), with B's scales graded by powers of two per
+128-column block (a column promoted with its neighbour block's scale is off by 2x), bit for bit
+against the 128-column full-K tile (the same WGMMA k-steps and promotions per output element),
+the bench's `narrow` / `narrow_even` / `was` variants on the cases they are timed on, and the
+op's own pick (`gemm_fp8`, no config) on the rule's edges."""
 
 from __future__ import annotations
 
@@ -91,14 +91,18 @@ def test_the_bench_variants_match_the_reference(name, variant):
 
 @pytest.mark.parametrize(
     "shape",
-    [(1, 130 * 128, 1024), (1, 131 * 128, 1024), (512, 32 * 128 + 8, 7 * 128),
-     (513, 576, 7 * 128), (77, 1000, 3 * 128), (300, 2056, 5 * 128)],
+    [(1, 2088, 1024), (1, 2056, 1024), (1, 4200, 1024), (1, 130 * 128, 1024),
+     (1, 131 * 128, 1024), (128, 8192, 1024), (512, 576, 1024), (512, 32 * 128 + 8, 7 * 128),
+     (513, 576, 7 * 128), (77, 1000, 3 * 128), (300, 2056, 5 * 128), (1, 576, 7168)],
     ids=lambda s: "x".join(map(str, s)),
 )  # fmt: skip
 def test_the_ops_pick_matches_the_reference(shape):
-    """`forgekernel.gemm_fp8` with its own plan (`choose_config`: narrow inside the class, the
-    128-column plan at its edges: 131 decode tiles keep every SM busy, M = 513) against the
-    reference into a NaN-poisoned out."""
+    """`forgekernel.gemm_fp8` with its own plan (`choose_config`) against the reference into a
+    NaN-poisoned out, on the rule's edges (tests/test_gemm_fp8.py `test_narrow_rule_edges`):
+    narrow where its grid is one round of 66 (1x2088) to 132 (1x4200) tiles, 512x576 and
+    300x2056's 64x80 (130); the 128-column plan at 65 tiles (1x2056), past one round (1x16640:
+    260 tiles of 64x64; 128x8192: MID's one round of 128), with every SM busy (1x16768,
+    512x4104), at M = 513, on few tiles (77x1000: 64; 1x576x7168: stream K)."""
     from forgekernel.ops.gemm_fp8 import gemm_fp8
 
     m, n, k = shape

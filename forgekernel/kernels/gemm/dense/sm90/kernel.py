@@ -106,8 +106,9 @@ output, written in 64 x epi_n boxes); every leading stride a multiple of 8 eleme
 TMA) and base addresses 16-byte aligned. M, N, K are dynamic; ragged edges are handled by TMA
 bounds (zero-filled loads, clipped stores); K > 0. tile_m in {64, 128, 192} (W = 1, 2, 3
 consumer warpgroups; setmaxnreg gives them 232 registers a thread up to W = 2, 152 at 3),
-tile_n a multiple of 16 up to 256 (FP8: up to 128), epi_n 16, 32 or 64 dividing tile_n, tile_k =
-64 (FP8: 128).
+tile_n a multiple of 8 from 16 to 256 (one off a multiple of 16: B "nk", unmasked, cluster_m 1;
+FP8: up to 128, a width not dividing 128 over two blocks of B's scales, tile.py `straddles`),
+epi_n 8, 16, 32 or 64 dividing tile_n, tile_k = 64 (FP8: 128).
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ from forgekernel.kernels.common.sm90.pipeline import (
 )
 from forgekernel.kernels.common.sm90.scheduler.static import StaticSchedule, StaticScheduler
 from forgekernel.kernels.gemm.dense.sm90.masked import MaskedWalk
-from forgekernel.kernels.gemm.dense.sm90.tile import GemmConfig, ring_stages
+from forgekernel.kernels.gemm.dense.sm90.tile import GemmConfig, ring_stages, straddles
 
 
 class Bar(IntEnum):
@@ -337,7 +338,7 @@ class GemmSm90:
         self.b_major = LayoutEnum.from_tensor(mB)
         self.c_major = LayoutEnum.from_tensor(mC)
         self.scaled = mSFA is not None
-        self.n_blocks = 2 if self.scaled and 128 % self.cfg.tile_n else 1
+        self.n_blocks = 2 if self.scaled and straddles(self.cfg.tile_n) else 1
         if cutlass.const_expr(self.cfg.tile_k * self.a_dtype.width != 128 * 8):
             raise ValueError(f"tile_k = {self.cfg.tile_k} is not 128 bytes of {self.a_dtype}")
         if cutlass.const_expr(self.scaled and self.cfg.tile_n > 128):

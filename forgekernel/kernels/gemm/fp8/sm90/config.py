@@ -7,8 +7,12 @@ from __future__ import annotations
 import dataclasses
 
 from forgekernel.kernels.gemm.dense.sm90.config import (
+    _CHIP_MB_PER_US,
+    _START_US,
     NUM_SMS_H100_H200,
     GemmConfig,
+    _ceil,
+    max_ctas,
     stream_plan,
 )
 
@@ -74,17 +78,18 @@ STANDARD_CONFIGS = (LARGE, MID, SKINNY, *DECODE, LARGE_MCAST_A, *STREAM_DECODE, 
 # DeepGEMM's mid / decode blocks (64x32, 64x48, 64x64, 64x80, ... over the whole K, one CTA a
 # tile) where the 128-column tiles leave SMs idle (the chooser streamed K over few 64x128 /
 # 128x128 tiles and parked fp32 partials, or ran a partial wave of them). Widths not dividing
-# 128 straddle two blocks of B's scales (kernel.py selects one per 8-column group). The model
+# 128 straddle two blocks of B's scales (tile.py `straddles`; kernel.py selects one per 8-column
+# group). The model
 # (`narrow_time`, us): T0 + each round of tiles at the slower of its k-tiles' latency, (c0 +
 # tile_m tile_n / 32 tensor cycles) at 1.75 GHz, and the round's weight bytes (once a column)
 # at the chip's 4.1 TB/s; c0 = 270 cycles fitted on the one measured 64-row full-K row
 # (128x7168x16384, MID: 128 k-tiles in 40.8 us graph, H200 2026-12-05 04:20). T0 = 2.3 us and
-# 4.1 TB/s are the decode model's (dense config.py).
+# 4.1 TB/s are the decode model's (dense config.py `_START_US`, `_CHIP_MB_PER_US`).
 NARROW_WIDTHS = (32, 48, 64, 80, 96, 112)
 NARROW_C0 = 270
-NARROW_T0_US = 2.3
+NARROW_T0_US = _START_US
 NARROW_GHZ = 1.75
-NARROW_CHIP_MB_PER_US = 4.1
+NARROW_CHIP_MB_PER_US = _CHIP_MB_PER_US
 
 
 def narrow_config(m: int, tile_n: int) -> GemmConfig:
@@ -154,10 +159,6 @@ def params_for(out_dtype: str, cfg: GemmConfig, grouped: bool = False) -> tuple:
     return tuple(sorted(key.items()))
 
 
-def _ceil(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def tiled_config(m: int) -> GemmConfig:
     """The 128-column data-parallel configuration for M rows (one CTA per output tile)."""
     if m <= 64:
@@ -196,24 +197,44 @@ def busy_ctas(cfg: GemmConfig, m: int, n: int, num_sms: int = NUM_SMS_H100_H200)
 # Narrow adopted (H100, 2026-12-05 14:41, CUDA-graph replays; docs/gemm/NOTES.md "Measured
 # 2026-12-05 14:41" and "Narrow adopted"): `narrow`'s pick / the chooser's plan before it
 # (`wide_config`), < 1 narrow faster: 16x7168x2048 0.718, 1x10240x5120 0.880, 64x4096x7168
-# 0.927, 128x1536x7168 0.821, 512x576x7168 0.734 (the 128-column tiles 56, 80, 32, 24 and 20
-# CTAs: stream K or a partial wave), and 64x36864x7168 0.964 (288 tiles: every SM busy; the
-# wide plan kept there, a 3.6 % gain not taken outside the measured class). Narrow won on all
-# six; its GPU tests passed 44 of 44. The class: M <= NARROW_MAX_M (the largest measured M)
-# and the 128-column data-parallel tiles keeping fewer than every SM busy in their first wave.
+# 0.927, 128x1536x7168 0.821, 512x576x7168 0.734: the 128-column tiles keeping 56, 80, 32, 24
+# and 20 CTAs busy (stream K or a partial wave), the narrow picks one round of 112, 128, 128, 96
+# and 96 CTAs. 64x36864x7168 0.964 (288 tiles of 64x128: every SM busy; narrow's 384 tiles three
+# rounds): the wide plan kept, a 3.6 % gain not taken outside the measured class. The class is
+# what was measured, not what the model merely prefers (it is optimistic where narrow runs two
+# rounds or few CTAs: 128x8192x7168's 256 tiles of 64x64 model 27.8 us against MID's 19.1;
+# 1x576x7168's 18 CTAs 13.0 against stream K's ~4.7): M <= NARROW_MAX_M (the largest measured
+# M), the 128-column data-parallel tiles keeping fewer CTAs busy than their config's most on
+# the chip (`max_ctas`: whole clusters), and the pick's grid one round of at least half the SMs
+# (num_sms // 2) and of more CTAs than the 128-column tiles keep busy.
 NARROW_MAX_M = 512
 
 
-def takes_narrow(m: int, n: int, num_sms: int = NUM_SMS_H100_H200) -> bool:
-    """Whether `choose_config` takes `narrow`'s full-K tile on (M, N): M <= NARROW_MAX_M and
-    the 128-column tiles (`tiled_config`) of fewer CTAs than SMs in their first wave."""
-    return m <= NARROW_MAX_M and busy_ctas(tiled_config(m), m, n, num_sms) < num_sms
+def narrow_tiles(cfg: GemmConfig, m: int, n: int) -> int:
+    """The tiles (= CTAs, one a tile, no cluster) of a narrow full-K tile on (M, N)."""
+    return _ceil(m, cfg.tile_m) * _ceil(n, cfg.tile_n)
+
+
+def takes_narrow(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> bool:
+    """Whether `choose_config` takes `narrow`'s full-K tile on (M, N, K): M <= NARROW_MAX_M,
+    the 128-column tiles (`tiled_config`) keeping fewer CTAs busy in their first wave than
+    their config's most (`max_ctas`), and `narrow`'s pick one round of tiles, at least half the
+    SMs and more than those busy CTAs (`num_sms // 2 <= tiles <= num_sms`, `tiles > busy`)."""
+    if m > NARROW_MAX_M:
+        return False
+    tiled = tiled_config(m)
+    busy = busy_ctas(tiled, m, n, num_sms)
+    if busy >= max_ctas(tiled, num_sms):
+        return False
+    tiles = narrow_tiles(narrow(m, n, k, num_sms=num_sms), m, n)
+    return num_sms // 2 <= tiles <= num_sms and tiles > busy
 
 
 def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> GemmConfig:
     """`narrow`'s full-K tile in `takes_narrow`'s class (the measured mid / decode shapes whose
-    128-column tiles leave SMs idle), else `wide_config`'s."""
-    if takes_narrow(m, n, num_sms):
+    128-column tiles leave SMs idle and whose narrow grid is one round of at least half the
+    SMs), else `wide_config`'s."""
+    if takes_narrow(m, n, k, num_sms):
         return narrow(m, n, k, num_sms=num_sms)
     return wide_config(m, n, k, num_sms)
 
