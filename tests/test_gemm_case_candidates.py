@@ -27,7 +27,7 @@ from forgekernel.kernels.gemm.dense.sm90.config import (
 )
 from forgekernel.kernels.gemm.dense.sm90.plan import grid_blocks
 
-# the chooser's picks: SQUARE on 256x8192x8192 since 2026-12-05 (config.py CASE_CANDIDATES), the
+# the chooser's picks: SQUARE on 256x8192x8192 since 2026-12-05 (config.py prefill_rivals), the
 # 72-column tiles that replace the 80-column picks of 3000x576x7168 and 129x10240x8192, which
 # are timed beside them (NOTES "72 columns")
 PICKS = {(256, 8192, 8192): SQUARE, (3000, 576, 7168): TALL_72, (129, 10240, 8192): SWAP_TALL_72}
@@ -110,7 +110,7 @@ def test_the_model_on_the_candidates():
     """What the model says (NOTES "256 tokens: candidates"): SQUARE 1% faster than SMALL (its
     0.93 against 0.92), the other two SMALL's time (clusters and walks are not in it); none
     `_CHALLENGER_MARGIN` faster than the pick on the model alone (SQUARE is the pick by
-    measurement: config.py CASE_CANDIDATES' comment)."""
+    measurement: config.py prefill_rivals' comment)."""
     mnk = (256, 8192, 8192)
     assert prefill_time(SMALL, *mnk) == pytest.approx(57.8, abs=0.05)
     assert prefill_time(SQUARE, *mnk) == pytest.approx(57.2, abs=0.05)

@@ -102,7 +102,7 @@ def _shapes():
 @pytest.mark.parametrize(("m", "n", "k"), [s for s in _shapes() if s[0] > 128])
 def test_the_measured_tile_stays_unless_a_challenger_wins_by_the_margin(m, n, k):
     rivals = prefill_rivals(m, n, k, SMS)
-    # up to 256 rows SQUARE since 2026-12-05 (measured; config.py CASE_CANDIDATES' comment)
+    # up to 256 rows SQUARE since 2026-12-05 (measured; config.py prefill_rivals' comment)
     assert rivals["tile"] == (SQUARE if m <= 256 else earlier_rule(m, n, k))
     assert rivals["challenger"] in (MID, *config.PREFILL_STREAM) and rivals["fit"] in FIT
     assert ("swap" in rivals) == config.swap_applies(m, n, False)  # B "nk"
@@ -157,7 +157,7 @@ def test_the_fit_tiles_take_the_measured_efficiency_and_are_built():
         (512, 3584, 3584, FIT_112),  # 4 x 32 = 128 tiles: 23.8 vs SQUARE 25.9 us (24.2)
         (5000, 6144, 4096, WIDE),  # LARGE_STREAM 0.6% faster by the model: under the margin
         (8192, 8192, 8192, LARGE),  # 1706.5 vs LARGE_STREAM 1683.2 us: under the margin
-        (256, 8192, 8192, SQUARE),  # measured: config.py CASE_CANDIDATES' comment
+        (256, 8192, 8192, SQUARE),  # measured: config.py prefill_rivals' comment
     ],
 )
 def test_issue_17_cases(m, n, k, want):
