@@ -176,7 +176,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         eager_reps=args.eager_reps,
         host_calls=args.host_calls,
     )
-    run_bench(suites, results_dir=args.results_dir, report_dir=report_dir, arch=arch, timing=timing)
+    names = tuple(n for n in (args.variants or "").split(",") if n)
+    run_bench(suites, results_dir=args.results_dir, report_dir=report_dir, arch=arch, timing=timing,
+              variant_cases=args.variant_cases or bool(names), variant_names=names)  # fmt: skip
     return 0
 
 
@@ -301,6 +303,18 @@ def build_parser() -> argparse.ArgumentParser:
         "L2; eager = eager launches, L2 flushed before each, each launch timed alone",
     )
     p.add_argument("--reps", type=int, default=30, help="graph: timed samples per candidate")
+    p.add_argument(
+        "--variant-cases",
+        action="store_true",
+        help="only the cases that carry variants of ours (candidates), beside ours and the "
+        "comparators: a partial suite, so no ledger section; reports as <op>-variants.*",
+    )
+    p.add_argument(
+        "--variants",
+        default=None,
+        metavar="NAME,...",
+        help="--variant-cases with only these variants of ours (the cases carrying one of them)",
+    )
     p.add_argument(
         "--eager-reps",
         type=int,

@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 START = time.perf_counter()
-DEADLINE_S = 85.0
+DEADLINE_S = float(os.environ.get("PROBE_DEADLINE", "85"))  # PROBE_T - 15 or so
 # N = tile_n x tiles: the grid's CTAs (one tile row, one wave); the losses of 2026-12-05 04:10
 # were at 72-80 CTAs, the gains at <= 64 and ~128
 DENSE_TILES = (40, 48, 56, 64, 66, 68, 72, 76, 80, 88, 96, 104, 112, 120, 128, 132)
@@ -52,11 +52,13 @@ def sweeps(sms: int) -> list[dict]:
     from forgekernel.kernels.gemm.dense.sm90 import SPEC as DENSE
     from forgekernel.kernels.gemm.dense.sm90.config import choose_config, params_for
     from forgekernel.kernels.gemm.fp8.sm90 import SPEC as FP8
-    from forgekernel.kernels.gemm.fp8.sm90.config import choose_config as fp8_config
     from forgekernel.kernels.gemm.fp8.sm90.config import params_for as fp8_params
+    from forgekernel.kernels.gemm.fp8.sm90.config import wide_config as fp8_config
     from forgekernel.runtime import pdl
 
     dense = choose_config(16, 5120, 8192, sms)
+    # FP8's 128-column decode tile, as probed (the chooser takes a narrow full-K tile on
+    # 1x10240x5120 since 2026-12-05: `wide_config` is its plan before)
     fp8 = fp8_config(1, 10240, 5120, sms)
     found = [
         ("bf16", DENSE, dense, params_for("bfloat16", False, dense), 16, 8192, DENSE_TILES),

@@ -26,6 +26,7 @@ import torch
 
 from forgekernel.bench.suites import gemm_fp8 as suite_module
 from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
+from forgekernel.kernels.gemm.dense.sm90.tile import straddles
 from forgekernel.reference.gemm import gemm_fp8_ref
 
 cutlass = pytest.importorskip("cutlass")
@@ -123,6 +124,8 @@ def _run_tile(cfg, a, b, sa, sb, tile, k0, count, lead=None):
     lead_k0, lead_count = lead or (0, 0)
     log = torch.zeros(threads, 4 * (count + lead_count) + 12, 4, dtype=torch.int32)
     gemm = _host_gemm(cfg)
+    # a tile_n not dividing 128 may straddle two blocks of B's scales (set by __call__)
+    gemm.n_blocks = 2 if straddles(cfg.tile_n) else 1
     fp8 = cutlass.Float8E4M3FN
     k_major = LayoutEnum.ROW_MAJOR.sm90_mma_major_mode()
 
@@ -158,18 +161,21 @@ def _run_tile(cfg, a, b, sa, sb, tile, k0, count, lead=None):
             staged = gemm._tile_scales((mSFA, mSFB, sSF), tm * cfg.tile_m, tn, m, blocks)
             gemm.host = (products, coords, thread_log, staged)
             read, release = consumer_state(STAGES), consumer_state(STAGES)
+            scaled = (frags, r0, r1, sSF)
+            if cutlass.const_expr(gemm.n_blocks == 2):  # as `_consume` hands it on
+                scaled = (*scaled, gemm._second_block_group(tn))
             if lead_count > 0:
-                mma = (tiled_mma, None, None, acc, (frags, r0, r1, sSF))
+                mma = (tiled_mma, None, None, acc, scaled)
                 read, release, tiled_mma = unit(lead_k0, lead_count, mma, read, release,
                                                 thread_log)  # fmt: skip
-            mma = (tiled_mma, None, None, acc, (frags, r0, r1, sSF))
+            mma = (tiled_mma, None, None, acc, scaled)
             unit(k0, count, mma, read, release, thread_log)
             for i in cutlass.range_constexpr(cute.size(acc)):
                 row, col = coords[i]
                 out[row, col] = acc[i]
 
     # the ring's staged scales (NaN where nothing was staged: a stale read shows)
-    staged = torch.full((cfg.tile_m, STAGES), float("nan"))
+    staged = torch.full((cfg.tile_m, STAGES * gemm.n_blocks), float("nan"))
     run(from_dlpack(products), from_dlpack(sa), from_dlpack(sb), from_dlpack(staged),
         from_dlpack(out),
         from_dlpack(log), m, k0, count, tm, tn, lead_k0, lead_count)  # fmt: skip
@@ -265,13 +271,22 @@ def _operands(m, n, k, seed):
         (64, 128, (64, 128, 128), (0, 0), 0, 1),  # one k-tile
         (64, 128, (64, 256, 6 * 128), (0, 1), 1, 5),  # two loop trips, odd tail
         (64, 64, (64, 192, 3 * 128), (0, 1), 0, 3),  # a 64-column tile in a block's 2nd half
+        (64, 32, (64, 200, 2 * 128), (0, 5), 0, 2),  # 32 columns: a block's last quarter
+        # narrow tiles over two blocks of B's scales (columns 96..143: groups 4, 5 on block 1)
+        (64, 48, (64, 576, 3 * 128), (0, 2), 0, 3),
+        (128, 48, (200, 300, 3 * 128), (1, 2), 0, 3),  # two warpgroups, M past the tile
+        (64, 80, (16, 140, 5 * 128), (0, 1), 0, 5),  # 80..159 over N = 140: block 1 partial
+        (64, 96, (64, 400, 2 * 128), (0, 3), 0, 2),  # 288..383: inside block 2, no group moves
+        (64, 112, (64, 260, 4 * 128), (0, 2), 1, 3),  # 224..335, N = 260: block 2 the last
+        (64, 48, (64, 150, 1 * 128), (0, 3), 0, 1),  # 144..191 past N's last block: clamped
     ],
 )  # fmt: skip
 def test_mainloop_on_the_host_matches_the_reference(host_dsl, tile_m, tile_n, shape, tile, k0,
                                                     count):  # fmt: skip
     m, n, k = shape
     a, b, sa, sb = _operands(m, n, k, seed=tile_m + tile_n + k0 + count)
-    cfg = GemmConfig(tile_m=tile_m, tile_n=tile_n, tile_k=128, cluster_m=1)
+    epi_n = 32 if tile_n % 32 == 0 else 16  # dividing tile_n
+    cfg = GemmConfig(tile_m=tile_m, tile_n=tile_n, tile_k=128, cluster_m=1, epi_n=epi_n)
     out, log = _run_tile(cfg, a, b, sa, sb, tile, k0, count)
     keep = slice(k0 * 128, (k0 + count) * 128)
     want = gemm_fp8_ref(a[:, keep], b[:, keep], sa[:, k0 : k0 + count], sb[:, k0 : k0 + count])
@@ -430,14 +445,14 @@ def _instructions(sass: str) -> list[tuple[str, str]]:
 LOCAL_RELEASE = ("SYNCS.ARRIVE.TRANS64.ART0", "SYNCS.ARRIVE.TRANS64.A1T0")
 
 
-def _wgmma_violations(sass: str) -> list[str]:
+def _wgmma_violations(sass: str, frag_regs: int = 64) -> list[str]:
     """Read in address order (the loop body and both tails in their layout: a linear scan,
     blind only across the back edge and between the tails): an instruction reading or writing
     a register of a QGMMA batch still in flight (committed with gsb0, not yet retired by a
     WARPGROUP.DEPBAR.LE that leaves fewer groups), and a stage's release (the consumers'
     local SYNCS.ARRIVE.TRANS64.ART0) not preceded by a wait of its own (releases never
     outnumber waits: the producer may overwrite a stage only once the WGMMAs reading it
-    completed)."""
+    completed). `frag_regs`: a fragment's registers a thread (tile_n / 2)."""
     groups: list[set[int]] = []  # committed, in flight, oldest first
     batch: set[int] = set()
     waits = releases = 0
@@ -445,7 +460,7 @@ def _wgmma_violations(sass: str) -> list[str]:
     for op, args in _instructions(sass):
         if op.startswith("QGMMA"):
             first = int(re.match(r"R(\d+)", args).group(1))
-            regs = set(range(first, first + 64))  # 64x128 fp32: 64 registers a thread
+            regs = set(range(first, first + frag_regs))  # 64x128 fp32: 64 registers a thread
             if any(regs & g for g in groups):
                 found.append(f"QGMMA onto a batch in flight: {args}")
             batch |= regs
@@ -602,3 +617,36 @@ def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_pa
     peers = [r for r in releases if r[1] == "peer"]
     assert local and all(r == ("", "local") for r in local), releases
     assert len(peers) == (len(local) if clustered else 0), releases
+
+
+@pytest.mark.parametrize(("m", "width"), [(64, 32), (64, 48), (1, 80), (64, 112)])
+def test_narrow_tiles_keep_the_schedule(m, width, tmp_path):
+    """The narrow full-K candidates (`config.narrow_config`; docs/gemm/NOTES.md "Narrow full-K
+    FP8 tiles") compiled for sm_90a: no spills, the standard's schedule with tile_n / 2 FFMAs a
+    promotion (a batch in flight through each), no in-flight register touched (`frag_regs`
+    tile_n / 2). Straddling widths (48, 80, 112): the producer stores two products a row (4
+    STS a lane before its arrive where 2 do), the consumers load four (8 LDS a trip of two
+    k-tiles where 4 do) and select per 8-column group (at most one FSEL a group and row)."""
+    from forgekernel.kernels.gemm.fp8.sm90 import SPEC
+    from forgekernel.kernels.gemm.fp8.sm90.config import narrow_config, params_for
+    from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text
+
+    if find_tool("nvdisasm") is None:
+        pytest.skip("cuobjdump/nvdisasm not installed")
+    cfg = narrow_config(m, width)
+    compiled = SPEC.compile(params_for("bfloat16", cfg), f"--keep-cubin --dump-dir {tmp_path}")
+    cubin = compiled.artifacts.CUBIN
+    info = inspect_cubin(cubin)
+    assert info["spill_bytes"] == 0 and info["sass"].get("LDL", 0) == 0
+    sass = sass_text(cubin)
+    step = f"AQQQQD1F{width // 2}"
+    assert _mainloop_sequence(sass) == "AQQQQ" + step * 3 + f"D0F{width // 2}" * 2
+    assert _wgmma_violations(sass, width // 2) == []
+    two = straddles(width)
+    arrivals = _producer_arrivals(sass)
+    assert arrivals and all(a == ("", 4 if two else 2) for a in arrivals), arrivals
+    ops = [op for op, _ in _consumer_loop(sass)]
+    assert ops.count("FFMA") == width and sum(op.startswith("QGMMA") for op in ops) == 8
+    assert ops.count("LDS") == (8 if two else 4), ops
+    fsel = ops.count("FSEL")
+    assert (0 < fsel <= width // 2) if two else fsel == 0, ops

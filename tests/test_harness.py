@@ -444,3 +444,51 @@ def test_what_a_comparator_ran_is_recorded(tmp_path, sources, fake_suite, fake_t
     assert records[0]["eager"]["comparators"]["good"]["ran"] == rows["good"]["ran"]
     out = capsys.readouterr().out
     assert f"good: ran {rows['good']['ran']} (" in out
+
+
+def test_variant_cases_time_only_the_candidates_and_leave_the_ledger(
+    tmp_path, sources, fake_suite, fake_timer
+):
+    """`bench --variant-cases`: the cases with variants of ours alone (ours, the verified
+    variants and the comparators, as in a full run), no ledger section (a partial suite),
+    no host record, the reports under <op>-variants."""
+    suite = fake_suite(
+        sources, comparators=_comparators, variants=_variants, dtypes=(torch.bfloat16,)
+    )
+    records = harness.run_bench(
+        [suite], results_dir=tmp_path / "res", report_dir=tmp_path / "rep", arch="sm_90a",
+        device="cpu", variant_cases=True,
+    )  # fmt: skip
+    assert [r["case"] for r in records] == ["7x24x40"]
+    assert records[0]["variants"]["det"]["time_ratio"] == pytest.approx(1.5)
+    assert records[0]["comparators"]["good"]["ratio"] == pytest.approx(2.0)
+    assert not (tmp_path / "res").exists()
+    assert [c for c in fake_timer if c[0] == "host"] == []
+    assert (tmp_path / "rep" / "fake-variants.md").exists()
+    assert not (tmp_path / "rep" / "fake.md").exists()
+
+
+def test_variant_cases_skip_a_suite_without_candidates(tmp_path, sources, fake_suite, fake_timer):
+    records = harness.run_bench(
+        [fake_suite(sources)], results_dir=tmp_path / "res", report_dir=tmp_path / "rep",
+        arch="sm_90a", device="cpu", variant_cases=True,
+    )  # fmt: skip
+    assert records == [] and not (tmp_path / "rep").exists()
+
+
+def test_named_variants_time_only_those(tmp_path, sources, fake_suite, fake_timer):
+    """`bench --variants det`: the cases carrying `det`, and `det` alone of ours' variants."""
+    suite = fake_suite(
+        sources, comparators=_comparators, variants=_variants, dtypes=(torch.bfloat16,)
+    )
+    records = harness.run_bench(
+        [suite], results_dir=tmp_path / "res", report_dir=tmp_path / "rep", arch="sm_90a",
+        device="cpu", variant_cases=True, variant_names=("det",),
+    )  # fmt: skip
+    assert [r["case"] for r in records] == ["7x24x40"]
+    assert set(records[0]["variants"]) == {"det"}  # `bad` neither verified nor timed
+    none = harness.run_bench(
+        [suite], results_dir=tmp_path / "res", report_dir=tmp_path / "rep2", arch="sm_90a",
+        device="cpu", variant_cases=True, variant_names=("absent",),
+    )  # fmt: skip
+    assert none == []

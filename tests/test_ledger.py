@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from forgekernel.bench import ledger
 from forgekernel.runtime.hashing import source_hash
 
@@ -235,3 +237,20 @@ def test_take_keeps_an_earlier_calls_sections_on_the_same_sources(tmp_path, sour
     src = ledger.ledger_path(second, "sm_90a", suite.name)
     ledger.take(src, dst)
     assert "check" not in json.loads(dst.read_text()) and dst.read_bytes() == src.read_bytes()
+
+
+def test_comparator_pins_are_the_bench_extras():
+    """One list of comparator versions: the pyproject's `bench` extra pins exactly
+    COMPARATOR_PINS but sgl-flash-mla (its metadata asks a newer torch: installed --no-deps)."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11 (the package allows 3.10)
+
+    from forgekernel.bench.ledger import COMPARATOR_PINS, comparator_versions, repo_root
+
+    extra = tomllib.loads((repo_root() / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]["bench"]
+    pins = dict(spec.split("==") for spec in extra if "==" in spec)
+    assert pins == {k: v for k, v in COMPARATOR_PINS.items() if k != "sgl-flash-mla"}
+    found = comparator_versions()
+    assert set(found) <= {*COMPARATOR_PINS, "triton", "cudnn"}
+    assert all(isinstance(v, str) and v for v in found.values())

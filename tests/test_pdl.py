@@ -360,7 +360,8 @@ def test_late_switch_and_keys(monkeypatch):
 def test_gemm_plans_take_the_late_key_inside_late(monkeypatch):
     """The dense and FP8 launchers: the late key inside `pdl.late()`, the standard key as it
     was outside (no "pdl" component: the standard builds' keys unchanged); none of the GEMM
-    family's standard or candidate builds is a late one (opt-in, compiled at first use)."""
+    family's standard or candidate builds is a late one (opt-in, compiled at first use). With no
+    partial-wave rule: the adopted one's keys and band builds are tests/test_pdl_band.py's."""
     from forgekernel.kernels.gemm.dense.sm90 import MASKED_SPEC
     from forgekernel.kernels.gemm.dense.sm90 import SPEC as GEMM_SPEC
     from forgekernel.kernels.gemm.dense.sm90 import launch as dense
@@ -369,6 +370,7 @@ def test_gemm_plans_take_the_late_key_inside_late(monkeypatch):
     from forgekernel.kernels.gemm.fp8.sm90 import launch as fp8
 
     monkeypatch.delenv("FORGEKERNEL_PDL", raising=False)
+    monkeypatch.setattr(pdl, "PARTIAL_WAVE", None)
     for mod in (dense, fp8):
         monkeypatch.setattr(mod, "get_kernel", lambda spec, params: params)
         monkeypatch.setattr(mod, "num_sms", lambda index: 132)
@@ -389,12 +391,13 @@ def test_gemm_plans_take_the_late_key_inside_late(monkeypatch):
 def _decode_builds() -> dict:
     """The builds of the partial-wave losses (docs/gemm/NOTES.md "Measured 2026-12-05 04:10"):
     the dense decode tile of 16x5120x8192 (64x64 c1x2, a_rows 16), FP8's of 1x10240x5120 (64x128
-    c1x2, a_rows 8); and a stream-K build and two consumer warpgroups (128x256 c2x1)."""
+    c1x2, a_rows 8: the plan before narrow, `wide_config`); and a stream-K build and two
+    consumer warpgroups (128x256 c2x1)."""
     from forgekernel.kernels.gemm.dense.sm90 import SPEC as GEMM_SPEC
     from forgekernel.kernels.gemm.dense.sm90.config import choose_config, params_for
     from forgekernel.kernels.gemm.fp8.sm90 import SPEC as FP8_SPEC
-    from forgekernel.kernels.gemm.fp8.sm90.config import choose_config as fp8_config
     from forgekernel.kernels.gemm.fp8.sm90.config import params_for as fp8_params
+    from forgekernel.kernels.gemm.fp8.sm90.config import wide_config as fp8_config
 
     return {
         "gemm_decode": (GEMM_SPEC, params_for("bfloat16", False, choose_config(16, 5120, 8192))),

@@ -18,6 +18,7 @@ from forgekernel.kernels.gemm.dense.sm90.config import (
     params_for,
     takes_kn,
 )
+from forgekernel.kernels.gemm.dense.sm90.tile import GemmConfig
 from forgekernel.kernels.gemm.fp8.sm90 import SPEC as FP8_SPEC
 from forgekernel.kernels.gemm.fp8.sm90 import band_configs as fp8_band_configs
 from forgekernel.kernels.gemm.fp8.sm90 import config as fp8_config
@@ -111,7 +112,11 @@ def test_key_for_each_form():
 
 # (M, N, K) -> the grid's CTAs on 132 SMs (docs/gemm/NOTES.md "Measured 2026-12-05 04:10")
 DENSE_GRIDS = {(16, 5120, 8192): 80, (1, 4096, 4096): 64, (64, 8192, 8192): 128}
-FP8_GRIDS = {(1, 10240, 5120): 80}
+# FP8 since narrow (docs/gemm/NOTES.md "Narrow adopted"): one CTA a narrow full-K tile,
+# 1x10240x5120's 64x80 128 (its 128-column tiles' 80 before), 16x7168x2048's 64x64 112 and
+# 128x1536x7168's 64x32 96 (in the band), 64x36864x7168's 64x128 a whole wave
+FP8_GRIDS = {(1, 10240, 5120): 128, (16, 7168, 2048): 112, (128, 1536, 7168): 96,
+             (64, 36864, 7168): 132}  # fmt: skip
 
 
 def test_the_grids_are_the_kernels(keys_only):
@@ -137,7 +142,7 @@ def test_stream_k_grid_is_the_kernels():
         assert cfg.stream_k, (m, n, k)
         plan = split_for(cfg, m, n, k, 132)
         assert grid_ctas(cfg, m, n, k, 132, plan.per) == plan.ctas
-    cfg = fp8_config.choose_config(1, 576, 7168, 132)
+    cfg = fp8_config.choose_config(1, 576, 7168, 132)  # narrow's 18 CTAs: too few to take
     per, ctas, _ = stream_plan(cfg, 1, 576, 7168, 132, fp8_config.STREAM_MIN_K)
     assert cfg.stream_k and grid_ctas(cfg, 1, 576, 7168, 132, per) == ctas
 
@@ -202,9 +207,13 @@ def _today_dense() -> list:
 
 
 def _today_fp8() -> list:
+    """The FP8 spec's standard params without a rule: the 128-column configs, the grouped one,
+    the narrow full-K tiles the chooser picks (since 2026-12-05, `NARROW_CONFIGS`)."""
     outs = fp8_config.OUT_DTYPES
     dense_ = [fp8_config.params_for(o, c) for o in outs for c in fp8_config.STANDARD_CONFIGS]
-    return dense_ + [fp8_config.params_for(o, fp8_config.GROUPED, True) for o in outs]
+    grouped = [fp8_config.params_for(o, fp8_config.GROUPED, True) for o in outs]
+    narrow = [fp8_config.params_for(o, c) for o in outs for c in fp8_config.NARROW_CONFIGS]
+    return dense_ + grouped + narrow
 
 
 def test_without_a_rule_the_standard_builds_are_todays(monkeypatch):
@@ -212,27 +221,30 @@ def test_without_a_rule_the_standard_builds_are_todays(monkeypatch):
     assert GEMM_SPEC.standard_params() == _today_dense()
     assert FP8_SPEC.standard_params() == _today_fp8()
     tasks = build_tasks("sm_90a", only=[GEMM_SPEC.name, FP8_SPEC.name])
-    assert len(tasks) == len(_today_dense()) + len(_today_fp8()) == 98 + 26
+    # FP8: 26 before narrow, + 24 narrow tiles x 2 outputs (2026-12-05)
+    assert len(tasks) == len(_today_dense()) + len(_today_fp8()) == 98 + 74
 
 
 @pytest.mark.parametrize(
     "name, dense_count, fp8_count",
-    [("late", 196, 48), ("off", 196, 48), ("late_all", 196, 50)],
+    [("late", 196, 144), ("off", 196, 144), ("late_all", 196, 146)],
 )
 def test_a_rule_adds_the_band_forms(monkeypatch, name, dense_count, fp8_count):
     """The band's form of every config the band reaches: all dense ones (one cluster up to a
     whole wave), all FP8 ones but LARGE_MCAST_A (M >= 8192: 128 CTAs at least) in a band up
-    to 104; the standard builds first, unchanged."""
+    to 104, the 24 narrow full-K tiles among them (one CTA a tile: 1 up to a whole wave; FP8
+    48 -> 144 builds with narrow, 2026-12-05); the standard builds first, unchanged."""
     form = RULES[name][0]
     monkeypatch.setattr(pdl, "PARTIAL_WAVE", RULES[name])
     dense_, fp8_ = GEMM_SPEC.standard_params(), FP8_SPEC.standard_params()
-    assert dense_[:98] == _today_dense() and fp8_[:26] == _today_fp8()
+    assert dense_[:98] == _today_dense() and fp8_[:74] == _today_fp8()
     assert dense_[98:] == [pdl.key_for(p, form) for p in _today_dense()]
     assert len(set(dense_)) == len(dense_) == dense_count
     assert len(set(fp8_)) == len(fp8_) == fp8_count
     assert band_configs() == STANDARD_CONFIGS
     mcast = fp8_config.LARGE_MCAST_A
     assert (mcast in fp8_band_configs()) == (name == "late_all")
+    assert set(fp8_config.NARROW_CONFIGS) <= set(fp8_band_configs())
     assert fp8_config.fewest_ctas(mcast) == 128
     tasks = build_tasks("sm_90a", only=[GEMM_SPEC.name, FP8_SPEC.name])
     assert len(tasks) == dense_count + fp8_count
@@ -263,6 +275,63 @@ def test_every_suite_case_is_prebuilt(keys_only, rule):
     assert fp8_keys <= set(FP8_SPEC.standard_params())
     forms = {dict(k).get("pdl", "top") for k in dense_keys | fp8_keys}
     assert forms == ({"top"} if rule is None else {"top", rule[0]} if rule[1] else {rule[0]})
+
+
+def test_every_fp8_bench_variant_is_prebuilt(keys_only, rule):
+    """Under each rule the plans of the gemm_fp8 suite's `was`, `narrow` and `narrow_even`
+    variants (a config forced through the launcher, keyed in its grid's form as ours) are
+    standard builds, both 16-bit dtypes; the narrow picks of ours too, in the band's form where
+    their grid lies in it (16x7168x2048's 64x64: 112 CTAs)."""
+    from forgekernel.bench.suites import gemm_fp8
+
+    forced = {
+        "was": fp8_config.wide_config,
+        "narrow": fp8_config.narrow,
+        "narrow_even": lambda m, n, k: fp8_config.narrow(m, n, k, gemm_fp8.EVEN_WIDTHS),
+    }
+    built, keys = set(FP8_SPEC.standard_params()), set()
+    for case in gemm_fp8.BENCH_CASES:
+        m, n, k = (case.params[x] for x in "mnk")
+        for name in gemm_fp8.variants(case).keys() & forced.keys():
+            for dtype in (torch.bfloat16, torch.float16):
+                fp8.clear_plans()
+                cfg = forced[name](m, n, k)
+                keys.add(fp8._plan(dtype, m, -(-n // 8) * 8, k, 0, cfg, pdl.forced())[0])
+    assert keys and keys <= built
+    fp8.clear_plans()
+    narrow_key = _fp8_key(16, 7168, 2048)
+    assert dict(narrow_key)["tile_n"] == 64 and narrow_key in built
+    want = rule[0] if rule and rule[1] < 112 <= rule[2] else "top"
+    assert dict(narrow_key).get("pdl", "top") == want
+
+
+# A sweep of the narrow class (M 1-512, N 576 to two waves of 128-column tiles, K 128-28672):
+# N values reaching each width (the model's 64x32 ... 64x112 picks) with each A box
+NARROW_SWEEP_M = (1, 5, 8, 9, 16, 17, 32, 33, 64, 65, 100, 128, 129, 256, 384, 512)
+NARROW_SWEEP_N = (576, 1032, 1536, 2088, 3072, 4096, 4272, 6352, 7168, 7912, 8536, 9056, 10240,
+                  14848, 16640)  # fmt: skip
+NARROW_SWEEP_K = (128, 1024, 2048, 7168, 16384, 28672)
+
+
+def test_the_narrow_class_is_prebuilt(keys_only, rule):
+    """Over a sweep of the narrow class, every plan the launcher makes (`_plan`, keys only: the
+    chooser's config in its grid's PDL form) is a standard build under each rule, both 16-bit
+    outputs; the sweep reaches every one of `NARROW_CONFIGS` (each is picked somewhere)."""
+    built, picked = set(FP8_SPEC.standard_params()), set()
+    for m in NARROW_SWEEP_M:
+        for n in NARROW_SWEEP_N:
+            for k in NARROW_SWEEP_K:
+                if not fp8_config.takes_narrow(m, n, k, 132):
+                    continue
+                cfg = fp8_config.choose_config(m, n, k, 132)
+                picked.add(cfg)
+                for dtype in (torch.bfloat16, torch.float16):
+                    fp8.clear_plans()
+                    key = fp8._plan(dtype, m, n, k, 0, None, pdl.forced())[0]
+                    assert key in built, (m, n, k, key)
+                    params = {x: v for x, v in key if x not in ("pdl", "out")}
+                    assert GemmConfig.from_params(params) == cfg
+    assert picked == set(fp8_config.NARROW_CONFIGS)
 
 
 def test_without_a_rule_the_keys_are_todays(keys_only, monkeypatch):

@@ -260,15 +260,22 @@ def test_every_operator_has_sanitize_cases():
 
 def test_gemm_sanitize_cases_reach_every_standard_configuration():
     from forgekernel.bench.suites.gemm import SANITIZE_CASES
-    from forgekernel.kernels.gemm.dense.sm90.config import MID, STANDARD_CONFIGS, choose_config
+    from forgekernel.kernels.gemm.dense.sm90.config import (
+        MID,
+        SMALL,
+        STANDARD_CONFIGS,
+        choose_config,
+    )
 
     chosen = {
         choose_config(*(c.params[x] for x in "mnk"), b_kn=c.params["b_layout"] == "kn")
         for c in SANITIZE_CASES
     }
     # MID: built, but the chooser takes the 192-row FIT tiles where it took MID (their rate
-    # assumed, docs/gemm/NOTES.md); tests/gpu/test_gemm_prefill_stream_gpu.py forces it
-    assert chosen == set(STANDARD_CONFIGS) - {MID}
+    # assumed, docs/gemm/NOTES.md); tests/gpu/test_gemm_prefill_stream_gpu.py forces it. SMALL:
+    # built, timed beside SQUARE as the bench's `small` (SQUARE took 128 < M <= 256, NOTES "256
+    # rows"); tests/gpu/test_gemm_case_candidates_gpu.py forces it
+    assert chosen == set(STANDARD_CONFIGS) - {MID, SMALL}
     assert {c.params["b_layout"] for c in SANITIZE_CASES} == {"nk", "kn"}
     assert all(c.params["n"] % 8 == 0 and c.params["k"] % 8 == 0 for c in SANITIZE_CASES)
 

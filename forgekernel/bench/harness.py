@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -548,6 +548,16 @@ def _progress(i: int, n: int, suite: OpSuite, rec: dict) -> str:
     return " ".join([text, *times, _wall(rec.get("seconds", {}))]).rstrip()
 
 
+def _only_variants(suite: OpSuite, names: Sequence[str]) -> OpSuite:
+    """The suite with only the named variants of ours (`bench --variants`)."""
+    every = suite.variants_for
+
+    def chosen(case: Case) -> dict[str, Runner]:
+        return {n: run for n, run in every(case).items() if n in names}
+
+    return replace(suite, variants=chosen)
+
+
 def run_bench(
     suites: Iterable[OpSuite],
     *,
@@ -557,12 +567,20 @@ def run_bench(
     seed: int = 0,
     device: str | torch.device | None = None,
     timing: BenchTiming | None = None,
+    variant_cases: bool = False,
+    variant_names: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
-    """Bench every suite's cases; writes the ledger's bench section and the reports."""
+    """Bench every suite's cases; writes the ledger's bench section and the reports.
+
+    variant_cases: only the cases that carry variants of ours (the candidates a measure-only
+    device call decides), ours, the variants and the comparators timed as always; a partial
+    suite, so no ledger section and no host record: the reports go to `<op>-variants.*`.
+    variant_names: with variant_cases, only these variants (the cases carrying one of them)."""
     timing = timing or BenchTiming()
     device = torch.device(device) if device else torch.device("cuda", torch.cuda.current_device())
     arch = arch or resolve_arch()
     env = ledger.environment()
+    versions = ledger.comparator_versions()
     all_records: list[dict[str, Any]] = []
     copy: dict[str, Any] | None = None
     for suite in suites:
@@ -572,8 +590,16 @@ def run_bench(
             print(f"{_copy_line(copy)} {_wall(copy['seconds'])}", flush=True)
         suite_copy = copy if suite.memory_bound else None
         comps, missing = resolve_comparators(suite)
-        host = _suite_host(suite, comps, missing, seed, device, timing)
-        jobs = [(c, d) for c in suite.bench_cases for d in suite.dtypes_for_bench()]
+        cases = suite.bench_cases
+        if variant_cases:
+            if variant_names:
+                suite = _only_variants(suite, variant_names)
+            cases = [c for c in cases if suite.variants_for(c)]
+            if not cases:
+                print(f"{suite.name}: no case carries a variant of ours: nothing to time")
+                continue
+        host = None if variant_cases else _suite_host(suite, comps, missing, seed, device, timing)
+        jobs = [(c, d) for c in cases for d in suite.dtypes_for_bench()]
         records = []
         for i, (case, dtype) in enumerate(jobs):
             rec = bench_case(
@@ -589,15 +615,19 @@ def run_bench(
             print(_progress(i, len(jobs), suite, rec), flush=True)
             records.append(rec)
         sidecar.close_all()  # a live child would be "another process on the GPU" below
-        data = bench_section(records, timing.methods, host, suite_copy)
-        data["device_check"] = {"before": before, "after": _device_check(suite, "after")}
-        path = ledger.write_section(
-            suite, "bench", data, arch=arch, results_dir=results_dir, env=env
-        )
+        after = _device_check(suite, "after")
+        if not variant_cases:
+            data = bench_section(records, timing.methods, host, suite_copy)
+            data["device_check"] = {"before": before, "after": after}
+            data["comparator_versions"] = versions
+            path = ledger.write_section(
+                suite, "bench", data, arch=arch, results_dir=results_dir, env=env
+            )
+            print(f"ledger: {path}")
+        name = f"{suite.name}-variants" if variant_cases else suite.name
         paths = report.write_reports(
-            suite.name, records, Path(report_dir), {**env, "arch": arch}, host, suite_copy
+            name, records, Path(report_dir), {**env, "arch": arch}, host, suite_copy
         )
-        print(f"ledger: {path}")
         print("reports: " + ", ".join(str(p) for p in paths.values()))
         table = report.console_table(records, host, suite_copy)
         print(f"\n{suite.name} ({env['gpu']})\n{table}\n")

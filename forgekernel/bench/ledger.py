@@ -10,11 +10,12 @@ The bench section (`forgekernel.bench.harness.bench_section`): "cases" (the reco
 `forgekernel.bench.report`), "timing" (the methods timed: "graph", "eager"), "methods" ({method:
 {median_ratio, min_ratio, group_median_ratio: {comparator: {group: ratio}}, variant_ratio}}),
 "host" (host microseconds per eager call: case, dtype, calls, rounds, status, us_per_call,
-rounds_us, missing), for memory-bound suites "device_copy" (`harness.device_copy`: the copy's
-GB/s per method) and per method "copy_fraction" ({name: {median, min, cases}}: GB/s / the
-copy's; sections written before it hold neither), and, from the graph method, "median_ratio",
-"min_ratio" and "variant_ratio" at the top level, where the README table reads them
-(sections written before the eager method hold only these).
+rounds_us, missing), "comparator_versions" (`comparator_versions`: the comparators installed),
+for memory-bound suites "device_copy" (`harness.device_copy`: the copy's GB/s per method) and
+per method "copy_fraction" ({name: {median, min, cases}}: GB/s / the copy's; sections written
+before it hold neither), and, from the graph method, "median_ratio", "min_ratio" and
+"variant_ratio" at the top level, where the README table reads them (sections written before
+the eager method hold only these).
 """
 
 from __future__ import annotations
@@ -71,6 +72,33 @@ def dsl_version() -> str:
         except (OSError, ValueError, KeyError, TypeError):
             pass
     return "unknown"
+
+
+# The comparators' distributions at the versions the bench sections ran with (the pyproject's
+# `bench` extra pins the same, less sgl-flash-mla: its 1.0.0 declares torch >= 2.14.1 and ran on
+# 2.11, so it goes in with --no-deps; README "Comparators"). cuBLAS, cuBLASLt and cuDNN come
+# with torch. Each bench section records what was installed (`comparator_versions`).
+COMPARATOR_PINS = {
+    "flash-attn-4": "4.0.0b36",
+    "quack-kernels": "0.6.5",
+    "flash-linear-attention": "0.6.0",
+    "fla-core": "0.6.0",
+    "sgl-deep-gemm": "0.1.4.post1",
+    "flashinfer-python": "0.7.2.post1",
+    "nvidia-cudnn-frontend": "1.32.0",
+    "sgl-flash-mla": "1.0.0",
+}
+
+
+def comparator_versions() -> dict[str, str]:
+    """The installed comparator distributions (COMPARATOR_PINS' names and triton) with their
+    versions, and torch's cuDNN; a comparator not installed is absent (its cases say missing)."""
+    from forgekernel.bench.sidecar import installed_versions
+
+    found = installed_versions((*COMPARATOR_PINS, "triton"))
+    if torch.backends.cudnn.is_available():
+        found["cudnn"] = str(torch.backends.cudnn.version())
+    return found
 
 
 def driver_version() -> str:

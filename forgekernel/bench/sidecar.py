@@ -333,9 +333,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _versions() -> dict[str, str]:
+def installed_versions(names: Sequence[str] = VERSIONS) -> dict[str, str]:
+    """{distribution: version} of those of `names` installed here (the child's record;
+    ledger.comparator_versions in the parent)."""
     found = {}
-    for name in VERSIONS:
+    for name in names:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             found[name] = importlib.metadata.version(name)
     return found
@@ -391,7 +393,8 @@ def child(job_dir: Path) -> None:
         return
     outs = outs if isinstance(outs, (tuple, list)) else (outs,)
     torch.save(tuple(t.detach() if torch.is_tensor(t) else t for t in outs), job_dir / OUTPUTS)
-    _write(job_dir / RESULT, {"methods": _timed(job, comp, inputs), "versions": _versions()})
+    result = {"methods": _timed(job, comp, inputs), "versions": installed_versions()}
+    _write(job_dir / RESULT, result)
 
 
 def serve() -> None:

@@ -48,8 +48,10 @@ FORMS = (*TRIGGERS, "off")
 # the dense and FP8 GEMMs' grids of low < CTAs <= high on a `BAND_SMS`-SM chip (scaled to the
 # chip's SMs) built in `form`: ("late", 66, 104) is the NOTES' rule 2, ("off", 66, 104) rule 3
 # (the upper edge the probe's); ("late", 0, BAND_SMS) the late trigger on every grid (rule 1
-# without the kernel's default moved: every config's late build standard).
-PARTIAL_WAVE: tuple[str, int, int] | None = None
+# without the kernel's default moved: every config's late build standard). Adopted: rule 2 up
+# to 112 CTAs, the wave probe's verdict for bf16 and FP8 on the H100 2026-12-05 14:24
+# (scripts/pdl_apply_rule.py; docs/gemm/NOTES.md "Measured 2026-12-05 14:23-14:44").
+PARTIAL_WAVE: tuple[str, int, int] | None = ("late", 66, 112)
 BAND_SMS = 132  # the H200 / H100 SXM, where the band was measured
 
 

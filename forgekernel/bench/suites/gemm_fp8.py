@@ -8,12 +8,21 @@ DeepGEMM's `fp8_gemm_nt` where `deep_gemm` is installed."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
 from forgekernel.bench.suite import Case, Inputs, OpSuite
+from forgekernel.kernels.gemm.dense.sm90.config import NUM_SMS_H100_H200
+from forgekernel.kernels.gemm.dense.sm90.tile import GemmConfig, straddles
 from forgekernel.kernels.gemm.fp8.sm90 import SPEC
+from forgekernel.kernels.gemm.fp8.sm90.config import (
+    NARROW_WIDTHS,
+    choose_config,
+    narrow,
+    wide_config,
+)
 from forgekernel.runtime import pdl
 
 E4M3_MAX = 448.0
@@ -61,12 +70,21 @@ CHECK_CASES = (
     # odd k-tiles; N 92 past and off 8 (cases kept from the 128x256 tile, measured and dropped)
     _case(2000, 5000, 640),
     _case(1500, 4700, 1024),
+    # the 128-column tiles where M <= 512 fills every SM (decode a16 and mid past the narrow
+    # class's edge; N off 8) and stream K above M = 512
+    _case(16, 16900, 384),
+    _case(100, 8448, 1024),
+    _case(513, 576, 7168),
 )
-# compute-sanitizer: every standard configuration the chooser takes (decode a8 / a16 / a32,
-# skinny, mid, large; stream K with the 64-row a8 box and with 128x128
-# tiles), and CTAs that refill their ring's stages (racecheck sees a stage's release only there:
-# 150x256x3072 stream K without a cluster, 8 k-tiles a CTA on 5 stages; 1100x1024x1280 LARGE
-# over 2x1, 10 on 6; 8x9216x4096 decode a8 over 1x2, 32 on 11).
+# compute-sanitizer: every kind of configuration the chooser takes: the narrow full-K tiles
+# (M <= 512 where the 128-column tiles leave SMs idle and the pick is one round of at least 66
+# CTAs: 64x32 with A's 8 / 16 / 32-row box and the whole 64, 64x48 and 64x96 over two blocks of
+# B's scales), and the 128-column ones where their tiles fill the SMs, leave narrow too few or
+# too many tiles, or M > 512 (decode a8 / a16 / a32 over 1x2, skinny, mid, large; stream K with
+# 64x128 a8 and 128x128 tiles), and CTAs that refill their ring's stages (racecheck sees a
+# stage's release only there: 600x256x3072 stream K without a cluster, 8 k-tiles a CTA on 5 stages;
+# 1100x1024x1280 LARGE over 2x1, 10 on 6; 8x16896x2048 decode a8 over 1x2, 16 on 11;
+# 8x9216x4096 narrow 64x96 a8, 32 k-tiles a CTA).
 SANITIZE_CASES = (
     _case(1, 256, 256),
     _case(12, 264, 384),
@@ -79,6 +97,14 @@ SANITIZE_CASES = (
     _case(1100, 2200, 256),
     _case(1100, 1024, 1280),
     _case(8, 9216, 4096),
+    _case(8, 16896, 2048),
+    _case(40, 16896, 512),
+    _case(100, 8448, 256),
+    _case(600, 256, 3072),
+    _case(1, 3001, 256),
+    _case(12, 4000, 384),
+    _case(20, 3072, 512),
+    _case(40, 4104, 256),
 )
 
 
@@ -124,14 +150,93 @@ def run_ours(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
 NO_PDL_CASES = ("1x7168x16384", "16x7168x2048", "64x4096x7168", "1x10240x5120")
 
 
+# The six mid / decode cases narrow was measured on (H100, 2026-12-05 14:41; docs/gemm/NOTES.md
+# "Narrow adopted"): five are ours' narrow tile now (config.py `takes_narrow`: narrow grids of
+# one round of 96-128 CTAs); 64x36864x7168 (288 tiles of 64x128: every SM busy) keeps the
+# 128-column plan and times `narrow` beside it. Where the rule moved the plan, `was` times the
+# plan before it (`config.wide_config`: the 128-column tiles or stream K) beside ours: the one
+# bench call shows new against old. `narrow_even`: the best width dividing 128 where the pick
+# straddles two blocks of B's scales (the straddling selection's cost). Every variant's kernel
+# is a standard build; each plans as ours does (the device's SMs, N rounded up to 8).
+EVEN_WIDTHS = tuple(w for w in NARROW_WIDTHS if not straddles(w))
+NARROW_CASES = (
+    "512x576x7168", "128x1536x7168", "16x7168x2048", "64x4096x7168", "1x10240x5120",
+    "64x36864x7168",
+)  # fmt: skip
+
+
+def _num_sms(device_index: int | None) -> int:
+    """The SMs ours plans for (the launcher's `num_sms`; the current GPU's for None), 132 (H100
+    SXM, H200) without a GPU."""
+    from forgekernel.kernels.gemm.fp8.sm90 import launch
+
+    if device_index is None and not torch.cuda.is_available():
+        return NUM_SMS_H100_H200
+    return launch.num_sms(device_index)
+
+
+@functools.cache
+def _forced_config(variant: str, m: int, n8: int, k: int, device_index: int | None) -> GemmConfig:
+    """The config a variant forces on (M, N rounded up to 8, K) on the device, as ours plans
+    (once per shape: the timed calls look it up)."""
+    sms = _num_sms(device_index)
+    if variant == "was":
+        return wide_config(m, n8, k, sms)
+    if variant == "narrow_even":
+        return narrow(m, n8, k, EVEN_WIDTHS, sms)
+    return narrow(m, n8, k, NARROW_WIDTHS, sms)
+
+
 def variants(case: Case) -> dict[str, Any]:
-    return {"no_pdl": run_no_pdl} if case.name in NO_PDL_CASES else {}
+    found: dict[str, Any] = {}
+    if case.name in NO_PDL_CASES:
+        found["no_pdl"] = run_no_pdl
+    m, n, k = (case.params[x] for x in "mnk")
+    n8, sms = -(-n // 8) * 8, _num_sms(None)
+    ours, was = choose_config(m, n8, k, sms), _forced_config("was", m, n8, k, None)
+    if ours != was:
+        found["was"] = run_was
+    pick = _forced_config("narrow", m, n8, k, None)
+    if case.name in NARROW_CASES and pick != ours:
+        found["narrow"] = run_narrow
+    if (case.name in NARROW_CASES or pick == ours) and straddles(pick.tile_n):
+        # the straddling pick's cost against the best width that never straddles
+        found["narrow_even"] = run_narrow_even
+    return found
+
+
+def _run_forced(variant: str, inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
+    """Ours with the variant's config (`_forced_config`) forced through the leaf's launcher (its
+    PDL form the grid's, as ours; N off 8 through its scratch, as ours)."""
+    from forgekernel.kernels.gemm.fp8.sm90.launch import gemm_fp8
+
+    a, b = inputs["a"], inputs["b"]
+    m, k = a.shape
+    cfg = _forced_config(variant, m, -(-b.shape[0] // 8) * 8, k, a.device.index)
+    out = alloc_out(inputs) if out is None else out
+    gemm_fp8(a, b, inputs["sa"], inputs["sb"], out, config=cfg)
+    return out
+
+
+def run_was(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
+    """The chooser's plan before narrow (`config.wide_config`)."""
+    return _run_forced("was", inputs, out)
 
 
 def run_no_pdl(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
     """Ours with its kernel built and launched without PDL (compiled on first use)."""
     with pdl.off():
         return run_ours(inputs, out)
+
+
+def run_narrow(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
+    """Ours with the model's narrow full-K tile (`config.narrow`) forced."""
+    return _run_forced("narrow", inputs, out)
+
+
+def run_narrow_even(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
+    """`run_narrow` of the widths dividing 128 (one block of B's scales a tile)."""
+    return _run_forced("narrow_even", inputs, out)
 
 
 def reference(inputs: Inputs) -> torch.Tensor:

@@ -188,8 +188,9 @@ DECODE_112 = GemmConfig(tile_m=64, tile_n=112, cluster_m=1, cluster_n=2, epi_n=1
 # the two readers of a weight tile 64 CTAs apart in launch order instead of adjacent.
 SMALL_C12 = GemmConfig(tile_n=128, cluster_m=1, cluster_n=2)
 SMALL_N = dataclasses.replace(SMALL, raster_along_m=False)
+# 256 rows: SMALL, the pick before SQUARE (`prefill_rivals`), timed beside it as `small`.
 CASE_CANDIDATES: dict[tuple[int, int, int], dict[str, GemmConfig]] = {
-    (256, 8192, 8192): {"square": SQUARE, "small_c12": SMALL_C12, "small_n": SMALL_N},
+    (256, 8192, 8192): {"small": SMALL, "small_c12": SMALL_C12, "small_n": SMALL_N},
     # the 80-column picks the 72-column tiles replace, timed beside them (NOTES "72 columns")
     (3000, 576, 7168): {"tall80": TALL_80},
     (129, 10240, 8192): {"swaptall80": SWAP_TALL_80},
@@ -363,13 +364,19 @@ def prefill_rivals(
     m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200, b_kn: bool = False
 ) -> dict[str, GemmConfig]:
     """The prefill configurations `prefill_config` weighs on (M > 128, N, K), each the
-    fastest of its kind by `prefill_time`: "tile", of the measured tiles as before (SMALL up
-    to 256 rows; above, LARGE, WIDE or SQUARE: the rounds of tiles and useful area the earlier
-    occupancy x utilization x efficiency rule weighed), "challenger", of MID and the stream-K
-    tiles, "fit", of the tiles sized for one wave (`FIT`), and where `swap_applies`, "swap",
-    of the swapped tiles (`SWAP`; rates measured 2026-12-02 13:49 but FIT_112's and
-    SWAP_208's). The bench times the ones not chosen beside the chosen (suite variants)."""
-    measured = (SMALL,) if m <= 256 else (LARGE, WIDE, SQUARE)
+    fastest of its kind by `prefill_time`: "tile", of the measured tiles (SQUARE up to 256
+    rows, measured: the comment below; above, LARGE, WIDE or SQUARE: the rounds of
+    tiles and useful area the earlier occupancy x utilization x efficiency rule weighed),
+    "challenger", of MID and the stream-K tiles, "fit", of the tiles sized for one wave
+    (`FIT`), and where `swap_applies`, "swap", of the swapped tiles (`SWAP`; rates measured
+    2026-12-02 13:49 but FIT_112's and SWAP_208's). The bench times the ones not chosen beside
+    the chosen (suite variants)."""
+    # 128 < M <= 256: SQUARE, no longer SMALL. On 256x8192x8192 SQUARE / SMALL time 0.997 graph
+    # and 0.839 eager on the H200 (2026-12-05 04:10), 0.850 graph and 0.913 eager on the H100
+    # (14:29): never slower, SMALL reading the weight twice where SQUARE multicasts it to both
+    # token rows. A sweep of 768 points (M 129-256, N 576-57344, K 512-14336) moves SMALL's 24
+    # picks to SQUARE and nothing else (docs/gemm/NOTES.md "256 rows").
+    measured = (SQUARE,) if m <= 256 else (LARGE, WIDE, SQUARE)
     fit = tuple(c for c in FIT if (not b_kn or takes_kn(c)) and fits_n(c, n))
     groups = (("tile", measured), ("challenger", (MID, *PREFILL_STREAM)), ("fit", fit))
     if swap_applies(m, n, b_kn):

@@ -67,9 +67,14 @@ contract: a lane's tile_m / 32 rows in one vector load). Two per-k-tile
 fragments alternate: k-tile j's WGMMAs are issued before k-tile j - 1's fragment is waited for
 and promoted, so every warpgroup keeps one WGMMA batch queued on the tensor pipe through its
 promotion FFMAs (with one fragment the pipe idled through them: wait, promote, issue). Three
-tile_n / 2 fp32 fragments per thread: tile_n <= 128 (a tile inside one block of B's scales; its
-N edge is not moved back, the blocks stay aligned). B "nk" only (8-bit WGMMA operands are
-K-major). Stream K as above (each unit's promoted fp32 partial is what is parked and summed).
+tile_n / 2 fp32 fragments per thread: tile_n <= 128 (its N edge is not moved back, the blocks
+stay aligned). A tile_n dividing 128 keeps a tile inside one block of B's scales; any other
+(48, 80, 96, 112: docs/gemm/NOTES.md "Narrow full-K FP8 tiles") may straddle two, so the
+producer stages two products a row and k-tile (A's x each block's of B, the second block
+clamped to N's last) and the promotion picks one per 8-column group: groups from 128 - the
+tile's first column mod 128 on take the second (a per-tile bound, warp-uniform; the tiled walk
+only). B "nk" only (8-bit WGMMA operands are K-major). Stream K as above (each unit's promoted
+fp32 partial is what is parked and summed).
 
 Masked grouped layout (`masked=True`, the `gemm_fp8_masked_sm90` kernel: MoE decode, DeepGEMM's
 masked layout), FP8 only, no clusters: A (max_m, K, E), B (N, K, E), C (max_m, N, E) and the
@@ -101,8 +106,9 @@ output, written in 64 x epi_n boxes); every leading stride a multiple of 8 eleme
 TMA) and base addresses 16-byte aligned. M, N, K are dynamic; ragged edges are handled by TMA
 bounds (zero-filled loads, clipped stores); K > 0. tile_m in {64, 128, 192} (W = 1, 2, 3
 consumer warpgroups; setmaxnreg gives them 232 registers a thread up to W = 2, 152 at 3),
-tile_n a multiple of 16 up to 256 (FP8: 64, 128), epi_n 16, 32 or 64 dividing tile_n, tile_k =
-64 (FP8: 128).
+tile_n a multiple of 8 from 16 to 256 (one off a multiple of 16: B "nk", unmasked, cluster_m 1;
+FP8: up to 128, a width not dividing 128 over two blocks of B's scales, tile.py `straddles`),
+epi_n 8, 16, 32 or 64 dividing tile_n, tile_k = 64 (FP8: 128).
 """
 
 from __future__ import annotations
@@ -131,7 +137,7 @@ from forgekernel.kernels.common.sm90.pipeline import (
 )
 from forgekernel.kernels.common.sm90.scheduler.static import StaticSchedule, StaticScheduler
 from forgekernel.kernels.gemm.dense.sm90.masked import MaskedWalk
-from forgekernel.kernels.gemm.dense.sm90.tile import GemmConfig, ring_stages
+from forgekernel.kernels.gemm.dense.sm90.tile import GemmConfig, ring_stages, straddles
 
 
 class Bar(IntEnum):
@@ -179,6 +185,9 @@ class GemmSm90:
         # The masked grouped layout (module docstring): operands (rows, cols, experts).
         self.masked = masked
         self.scaled = False  # block-scaled FP8: set from the scales by __call__
+        # FP8: B's 128-column scale blocks a tile may touch: 2 where tile_n does not divide 128
+        # (the straddling tiles, module docstring), set by __call__; 1 otherwise
+        self.n_blocks = 1
         self.acc_dtype = cutlass.Float32
         self.cluster_shape_mn = (config.cluster_m, config.cluster_n)
         # Two consumer warpgroups split the M rows of a 128-row tile: one alone would hold a
@@ -213,8 +222,9 @@ class GemmSm90:
 
         self.a_rows = cfg.a_rows or cfg.tile_m
         # A's stages lie a_rows rows apart (`_compact_ring`)
-        # FP8: each stage also holds its k-tile's tile_m row scales (`_stage_scales`)
-        scale_bytes = cfg.tile_m * 4 if self.scaled else 0
+        # FP8: each stage also holds its k-tile's tile_m row scales a block of B's
+        # (`_stage_scales`)
+        scale_bytes = cfg.tile_m * 4 * self.n_blocks if self.scaled else 0
         fit = ring_stages(cfg, self.a_dtype.width // 8, self.c_dtype.width // 8, scale_bytes)
         self.stages = cfg.stages or fit
         if self.stages > fit or self.stages < 2:
@@ -328,12 +338,20 @@ class GemmSm90:
         self.b_major = LayoutEnum.from_tensor(mB)
         self.c_major = LayoutEnum.from_tensor(mC)
         self.scaled = mSFA is not None
+        self.n_blocks = 2 if self.scaled and straddles(self.cfg.tile_n) else 1
         if cutlass.const_expr(self.cfg.tile_k * self.a_dtype.width != 128 * 8):
             raise ValueError(f"tile_k = {self.cfg.tile_k} is not 128 bytes of {self.a_dtype}")
         if cutlass.const_expr(self.scaled and self.cfg.tile_n > 128):
             raise ValueError(
                 f"block-scaled FP8 takes tile_n <= 128 (three tile_n / 2 fp32 fragments per "
-                f"thread, one block of B's scales per tile), got {self.cfg.tile_n}"
+                f"thread), got {self.cfg.tile_n}"
+            )
+        if cutlass.const_expr(
+            self.n_blocks == 2 and (self.cfg.stream_k or self.masked or mGroup is not None)
+        ):
+            raise ValueError(
+                f"FP8 tile_n {self.cfg.tile_n} (a tile over two blocks of B's scales) takes the "
+                "tiled walk, not stream K or the grouped layouts"
             )
         if cutlass.const_expr(
             self.cfg.scale_ahead != 1 and not (self.scaled and self.cfg.scale_ahead > 1)
@@ -405,9 +423,9 @@ class GemmSm90:
             sC: cute.struct.Align[
                 cute.struct.MemRange[self.c_dtype, cute.cosize(self.sC_layout)], 1024
             ]
-            # FP8: (tile_m, stages) products of A's row scales and B's block scale
+            # FP8: (tile_m, stages x n_blocks) products of A's row scales and B's block scale
             sSF: cute.struct.MemRange[
-                cutlass.Float32, self.cfg.tile_m * self.stages if self.scaled else 1
+                cutlass.Float32, self.cfg.tile_m * self.stages * self.n_blocks if self.scaled else 1
             ]
 
         self.shared_storage = SharedStorage
@@ -526,7 +544,10 @@ class GemmSm90:
         sA = smem_tensor(storage.sA, sA_layout)
         sB = smem_tensor(storage.sB, sB_layout)
         sC = smem_tensor(storage.sC, sC_layout)
-        sSF = storage.sSF.get_tensor(cute.make_layout((self.cfg.tile_m, self.stages)))
+        # stage s's products in column s (straddling tiles: B's block h in column 2 s + h)
+        sSF = storage.sSF.get_tensor(
+            cute.make_layout((self.cfg.tile_m, self.stages * self.n_blocks))
+        )
 
         # (bM, bK, tiles_m, tiles_k), (bM, bN, tiles_m, tiles_n)
         tiled_a, tiled_c = mA, mC
@@ -700,24 +721,30 @@ class GemmSm90:
     @cute.jit
     def _tile_scales(self, scales, first_row, tile_n, rows_end, blocks):
         """What the producer stages for a tile at `first_row`, column tile `tile_n`: (mSFA,
-        mSFB, the ring, first row, last row to read, B's block). Rows past `rows_end` (M, or
-        the masked tile's counted rows) read the last one: never stored. A tile past N (a
-        cluster's CTA past N) reads B's last block `blocks[1]`: never stored."""
+        mSFB, the ring, first row, last row to read, B's block; a straddling tile also the next
+        block, clamped to the last). Rows past `rows_end` (M, or the masked tile's counted rows)
+        read the last one: never stored. A tile past N (a cluster's CTA past N) reads B's last
+        block `blocks[1]`: never stored."""
         mSFA, mSFB, sSF = scales
         blk = cutlass.min(blocks[0] + tile_n * self.cfg.tile_n // 128, blocks[1])
-        return mSFA, mSFB, sSF, first_row, rows_end - 1, blk
+        src = (mSFA, mSFB, sSF, first_row, rows_end - 1, blk)
+        if cutlass.const_expr(self.n_blocks == 2):
+            src = (*src, cutlass.min(blk + 1, blocks[1]))
+        return src
 
     @cute.jit
     def _fetch_scales(self, src, kt, lane):
         """k-tile kt's scales for producer lane `lane`: A's of tile rows lane + 32 i, then the
         tile's block of B's (registers, stored `cfg.scale_ahead` k-tiles later by
-        `_stage_scales`)."""
-        mSFA, mSFB, _, first_row, last_row, blk = src
+        `_stage_scales`; a straddling tile's two blocks)."""
+        mSFA, mSFB, _, first_row, last_row, blk = src[:6]
         rows = range(self.cfg.tile_m // 32)  # static
         if cutlass.const_expr(self.cfg.scale_mn_major):
             sa = self._fetch_mn_major(mSFA, first_row, last_row, kt, lane)
         else:
             sa = tuple(mSFA[cutlass.min(first_row + lane + 32 * i, last_row), kt] for i in rows)
+        if cutlass.const_expr(self.n_blocks == 2):
+            return (*sa, mSFB[blk, kt], mSFB[src[6], kt])
         return (*sa, mSFB[blk, kt])
 
     @cute.jit
@@ -739,7 +766,19 @@ class GemmSm90:
     @cute.jit
     def _stage_scales(self, fetched, sSF, stage, lane):
         """The k-tile's row scales into the ring's `stage`: A's row scale x B's block scale
-        (`_promote` multiplies by one number a row)."""
+        (`_promote` multiplies by one number a row; a straddling tile's by one of two, block h
+        in column 2 stage + h)."""
+        if cutlass.const_expr(self.n_blocks == 2):
+            for h in cutlass.range_constexpr(2):
+                sa = (*fetched[:-2], fetched[len(fetched) - 2 + h])
+                self._stage_products(sa, sSF, 2 * stage + h, lane)
+        else:
+            self._stage_products(fetched, sSF, stage, lane)
+
+    @cute.jit
+    def _stage_products(self, fetched, sSF, stage, lane):
+        """A's row scales (`fetched` but its last) x B's block scale (its last) into column
+        `stage` of the ring."""
         sb = fetched[-1]
         if cutlass.const_expr(self.cfg.scale_mn_major):
             # lane l holds rows v l .. v l + v - 1 (`_fetch_mn_major`)
@@ -807,7 +846,7 @@ class GemmSm90:
         # FP8: the scales of the next `scale_ahead` k-tiles in registers, k-tile kt's first
         # (flat: `width` values a k-tile; past the unit's last k-tile its last one again)
         ahead = self.cfg.scale_ahead
-        width = self.cfg.tile_m // 32 + 1
+        width = self.cfg.tile_m // 32 + self.n_blocks
         fetched = None
         if cutlass.const_expr(scales is not None):
             fetched = self._fetch_scales(scales, k0, lane)
@@ -937,7 +976,13 @@ class GemmSm90:
             while sched.valid(work):
                 tile_m, tile_n = sched.tile(work)
                 work = sched.next(work)
-                if cutlass.const_expr(self.scaled):
+                if cutlass.const_expr(self.n_blocks == 2):
+                    # a straddling tile: its first 8-column group on B's second block
+                    scaled = (*mma[4], self._second_block_group(tile_n))
+                    read, release, tiled_mma = self._mainloop_scaled(
+                        streamk[1], (tiled_mma, *mma[1:4], scaled), ab_pipe, read, release
+                    )
+                elif cutlass.const_expr(self.scaled):
                     # the loop's own tiled_mma (the helper mutates it: not the one in `mma`)
                     read, release, tiled_mma = self._mainloop_scaled(
                         streamk[1], (tiled_mma, *mma[1:]), ab_pipe, read, release
@@ -1108,11 +1153,15 @@ class GemmSm90:
         (`read`'s, warp-uniform), not by a second state walked around the ring: every k-tile
         read here is released here, so `release` comes back as `read` (the states the caller
         hands on: see `_mainloop`)."""
-        tiled_mma, tCrA, tCrB, acc, (frags, r0, r1, sSF) = mma
+        tiled_mma, tCrA, tCrB, acc, scaled = mma
+        frags, r0, r1, sSF = scaled[:4]
         first, second = frags
         # this thread's rows of the staged ring, hoisted out of the loop: one LDS address
-        # register, a k-tile's stage an offset (r1 = r0 + 8: an immediate)
+        # register, a k-tile's stage an offset (r1 = r0 + 8: an immediate); a straddling tile
+        # also its first 8-column group on B's second block (`_consume`)
         src = (cute.domain_offset((r0, 0), sSF), r1 - r0)
+        if cutlass.const_expr(self.n_blocks == 2):
+            src = (*src, scaled[4])
         acc.fill(0.0)
         # Each step's calls on `read` and `tiled_mma` (ACCUMULATE cleared: the first WGMMA of a
         # k-tile overwrites its fragment) stay in the loop's and branches' own bodies: the DSL
@@ -1182,23 +1231,47 @@ class GemmSm90:
             if ab_pipe.is_signaling_thread:
                 empty.arrive(stage, ab_pipe.consumer_mask)
 
+    @cute.jit
+    def _second_block_group(self, tile_n):
+        """The first 8-column group of column tile `tile_n` in the next 128-column block of B's
+        scales (tile_n / 8 or more: none; the N edge is not moved back for FP8)."""
+        col0 = tile_n * self.cfg.tile_n
+        return (128 - col0 % 128) // 8
+
     def _clustered(self) -> bool:
         return self.cfg.cluster_m * self.cfg.cluster_n > 1
 
     @cute.jit
     def _scales(self, src, stage):
         """The scales of this thread's two rows (A's x B's) staged in ring stage `stage`; `src`:
-        the ring seen from the thread's first row, and the second row's offset from it."""
+        the ring seen from the thread's first row, and the second row's offset from it. A
+        straddling tile: both rows' products with each block, and the first group on the second
+        block (`_promote`)."""
+        if cutlass.const_expr(self.n_blocks == 2):
+            sRows, r1, second = src
+            lo, hi = sRows[0, 2 * stage], sRows[r1, 2 * stage]
+            return lo, hi, sRows[0, 2 * stage + 1], sRows[r1, 2 * stage + 1], second
         sRows, r1 = src
         return sRows[0, stage], sRows[r1, stage]
 
     @cute.jit
     def _promote(self, acc, frag, scales):
-        """acc += frag x the scales: values 4g + 0/1 sit on row r0, 4g + 2/3 on r0 + 8."""
-        lo, hi = scales
-        for g in cutlass.range_constexpr(cute.size(acc) // 4):
-            for j in cutlass.range_constexpr(4):
-                acc[4 * g + j] = acc[4 * g + j] + frag[4 * g + j] * (hi if j // 2 else lo)
+        """acc += frag x the scales: values 4g + 0/1 sit on row r0, 4g + 2/3 on r0 + 8, all
+        four in the tile's 8-column group g (a straddling tile: groups from `second` on take
+        B's second block, DeepGEMM's per-group selection)."""
+        if cutlass.const_expr(self.n_blocks == 2):
+            lo0, hi0, lo1, hi1, second = scales
+            for g in cutlass.range_constexpr(cute.size(acc) // 4):
+                on = second <= g
+                lo = cutlass.Float32(cutlass.select_(on, lo1, lo0))
+                hi = cutlass.Float32(cutlass.select_(on, hi1, hi0))
+                for j in cutlass.range_constexpr(4):
+                    acc[4 * g + j] = acc[4 * g + j] + frag[4 * g + j] * (hi if j // 2 else lo)
+        else:
+            lo, hi = scales
+            for g in cutlass.range_constexpr(cute.size(acc) // 4):
+                for j in cutlass.range_constexpr(4):
+                    acc[4 * g + j] = acc[4 * g + j] + frag[4 * g + j] * (hi if j // 2 else lo)
 
     def _thread_coords(self, tiled_mma, thread):
         """(row, column) in the tile of each accumulator value of consumer thread `thread`

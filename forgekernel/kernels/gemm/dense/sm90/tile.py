@@ -85,6 +85,13 @@ class GemmConfig:
         return cls.from_params(record)
 
 
+def straddles(tile_n: int) -> bool:
+    """Whether a block-scaled (FP8) tile of `tile_n` columns may cover two 128-column blocks of
+    B's scales: tile_n not dividing 128 (48, 80, 96, 112; kernel.py stages both blocks' products
+    and selects one per 8-column group); a width dividing 128 keeps every tile in one block."""
+    return 128 % tile_n != 0
+
+
 def ring_stages(
     cfg: GemmConfig, elem_bytes: int = 2, c_bytes: int = 2, scale_bytes: int = 0
 ) -> int:

@@ -8,6 +8,7 @@ from pathlib import Path
 from forgekernel.kernels.gemm.dense.sm90.config import NUM_SMS_H100_H200, GemmConfig, max_ctas
 from forgekernel.kernels.gemm.fp8.sm90.config import (
     GROUPED,
+    NARROW_CONFIGS,
     OUT_DTYPES,
     STANDARD_CONFIGS,
     fewest_ctas,
@@ -24,29 +25,34 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    """Every standard config for each output dtype, the grouped one (the PDL builds, trigger at
-    the top), and with a partial-wave rule adopted (runtime/pdl.py `PARTIAL_WAVE`) the rule's
-    form of each dense one whose grids the band reaches (`band_configs`; the grouped plan is
-    not per problem: always "top")."""
+    """Every standard config for each output dtype, the grouped one, the narrow full-K tiles
+    the chooser may pick (`NARROW_CONFIGS`) (the PDL builds, trigger at the top), and with a
+    partial-wave rule adopted (runtime/pdl.py `PARTIAL_WAVE`) the rule's form of each dense one
+    whose grids the band reaches (`band_configs`; the grouped plan is not per problem: always
+    "top")."""
     dense = [params_for(out, cfg) for out in OUT_DTYPES for cfg in STANDARD_CONFIGS]
     grouped = [params_for(out, GROUPED, True) for out in OUT_DTYPES]
+    narrow = [params_for(out, cfg) for out in OUT_DTYPES for cfg in NARROW_CONFIGS]
     form = pdl.band_form()
     if form is None:
-        return dense + grouped
+        return dense + grouped + narrow
     band = [pdl.key_for(params_for(out, cfg), form) for out in OUT_DTYPES for cfg in band_configs()]
-    return dense + grouped + band
+    return dense + grouped + narrow + band
 
 
 def band_configs(num_sms: int = NUM_SMS_H100_H200) -> tuple[GemmConfig, ...]:
-    """The standard configs whose grids on a `num_sms`-SM chip the partial-wave rule's band
-    reaches, between their `fewest_ctas` and a whole wave (LARGE_MCAST_A: M >= 8192 rows
-    launch at least 128 CTAs, above a band of at most 104)."""
-    step = [c.cluster_m * c.cluster_n for c in STANDARD_CONFIGS]
+    """The standard and narrow configs whose grids on a `num_sms`-SM chip the partial-wave
+    rule's band reaches, between their `fewest_ctas` and a whole wave (LARGE_MCAST_A: M >= 8192
+    rows launch at least 128 CTAs, above a band of at most 112; a narrow tile: 1 CTA up)."""
+    every = (*STANDARD_CONFIGS, *NARROW_CONFIGS)
     return tuple(
         cfg
-        for cfg, size in zip(STANDARD_CONFIGS, step, strict=True)
-        if pdl.reaches(fewest_ctas(cfg, num_sms), max_ctas(cfg, num_sms), size, num_sms)
-    )
+        for cfg in every
+        if pdl.reaches(
+            fewest_ctas(cfg, num_sms), max_ctas(cfg, num_sms), cfg.cluster_m * cfg.cluster_n,
+            num_sms,
+        )
+    )  # fmt: skip
 
 
 SPEC = KernelSpec(

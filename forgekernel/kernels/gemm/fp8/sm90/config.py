@@ -7,8 +7,12 @@ from __future__ import annotations
 import dataclasses
 
 from forgekernel.kernels.gemm.dense.sm90.config import (
+    _CHIP_MB_PER_US,
+    _START_US,
     NUM_SMS_H100_H200,
     GemmConfig,
+    _ceil,
+    max_ctas,
     stream_plan,
 )
 
@@ -70,6 +74,69 @@ STREAM_MIN_K = 8
 STANDARD_CONFIGS = (LARGE, MID, SKINNY, *DECODE, LARGE_MCAST_A, *STREAM_DECODE, STREAM)
 
 
+# Narrow full-K tiles (docs/gemm/NOTES.md "Narrow full-K FP8 tiles", "Narrow adopted"):
+# DeepGEMM's mid / decode blocks (64x32, 64x48, 64x64, 64x80, ... over the whole K, one CTA a
+# tile) where the 128-column tiles leave SMs idle (the chooser streamed K over few 64x128 /
+# 128x128 tiles and parked fp32 partials, or ran a partial wave of them). Widths not dividing
+# 128 straddle two blocks of B's scales (tile.py `straddles`; kernel.py selects one per 8-column
+# group). The model
+# (`narrow_time`, us): T0 + each round of tiles at the slower of its k-tiles' latency, (c0 +
+# tile_m tile_n / 32 tensor cycles) at 1.75 GHz, and the round's weight bytes (once a column)
+# at the chip's 4.1 TB/s; c0 = 270 cycles fitted on the one measured 64-row full-K row
+# (128x7168x16384, MID: 128 k-tiles in 40.8 us graph, H200 2026-12-05 04:20). T0 = 2.3 us and
+# 4.1 TB/s are the decode model's (dense config.py `_START_US`, `_CHIP_MB_PER_US`).
+NARROW_WIDTHS = (32, 48, 64, 80, 96, 112)
+NARROW_C0 = 270
+NARROW_T0_US = _START_US
+NARROW_GHZ = 1.75
+NARROW_CHIP_MB_PER_US = _CHIP_MB_PER_US
+
+
+def narrow_config(m: int, tile_n: int) -> GemmConfig:
+    """The 64-row full-K tile of `tile_n` columns for M rows: A's box as the decode tiles take
+    it (8 / 16 / 32 rows), no cluster, an epilogue sub-tile dividing tile_n."""
+    rows = next((r for r in A_ROWS if m <= r), 0)
+    return GemmConfig(
+        tile_m=64, tile_n=tile_n, tile_k=128, cluster_m=1, a_rows=rows,
+        epi_n=32 if tile_n % 32 == 0 else 16,
+    )  # fmt: skip
+
+
+def narrow_time(cfg: GemmConfig, m: int, n: int, k: int, c0: float = NARROW_C0,
+                num_sms: int = NUM_SMS_H100_H200) -> float:  # fmt: skip
+    """Predicted us of a full-K tile on (M, N, K) (the model above)."""
+    tiles_m = _ceil(m, cfg.tile_m)
+    tiles = tiles_m * _ceil(n, cfg.tile_n)
+    latency = (c0 + cfg.tile_m * cfg.tile_n / 32) / (NARROW_GHZ * 1e3)
+    per_tile = _ceil(k, 128) * latency
+    t, left = NARROW_T0_US, tiles
+    while left:
+        busy = min(left, num_sms)
+        # the tiles of one column share its weight (walked M first: the L2 serves the rest)
+        columns = max(busy / tiles_m, 1)
+        t += max(per_tile, columns * cfg.tile_n * k / 1e6 / NARROW_CHIP_MB_PER_US)
+        left -= busy
+    return t
+
+
+def narrow(
+    m: int, n: int, k: int, widths: tuple[int, ...] = NARROW_WIDTHS,
+    num_sms: int = NUM_SMS_H100_H200,
+) -> GemmConfig:  # fmt: skip
+    """The model's best narrow full-K tile of `widths` on (M, N, K) (`choose_config`'s pick in
+    `takes_narrow`'s class; the bench's `narrow_even` of the widths dividing 128, which never
+    straddle two scale blocks)."""
+    cands = [narrow_config(m, w) for w in widths]
+    return min(cands, key=lambda c: narrow_time(c, m, n, k, num_sms=num_sms))
+
+
+# Every narrow tile `narrow` can pick (A's box of 8 / 16 / 32 rows or the whole 64, each width:
+# all 24 are picked somewhere in `takes_narrow`'s class): standard builds beside
+# STANDARD_CONFIGS (the spec's `standard_params`, with their partial-wave band form: one CTA a
+# tile, grids of 1 to a whole wave), so the chooser's pick never compiles at first call.
+NARROW_CONFIGS = tuple(narrow_config(r or 64, w) for r in (*A_ROWS, 0) for w in NARROW_WIDTHS)
+
+
 # The grouped (MoE, contiguous) layout: B holds every expert's (N, K) and each 128-row tile of
 # A one expert's rows, so B is never multicast across tile rows (A over a 1x2 cluster). The dense
 # tile's ring since 18:47 (6 stages beside a 3-deep epilogue, the scales two k-tiles ahead):
@@ -90,10 +157,6 @@ def params_for(out_dtype: str, cfg: GemmConfig, grouped: bool = False) -> tuple:
     grouped layout, grouped=True (absent otherwise: older keys stay valid)."""
     key = {"out": out_dtype, **cfg.key(), **({"grouped": True} if grouped else {})}
     return tuple(sorted(key.items()))
-
-
-def _ceil(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def tiled_config(m: int) -> GemmConfig:
@@ -131,10 +194,56 @@ def busy_ctas(cfg: GemmConfig, m: int, n: int, num_sms: int = NUM_SMS_H100_H200)
     return min(clusters, num_sms // (cm * cn)) * cm * cn
 
 
+# Narrow adopted (H100, 2026-12-05 14:41, CUDA-graph replays; docs/gemm/NOTES.md "Measured
+# 2026-12-05 14:41" and "Narrow adopted"): `narrow`'s pick / the chooser's plan before it
+# (`wide_config`), < 1 narrow faster: 16x7168x2048 0.718, 1x10240x5120 0.880, 64x4096x7168
+# 0.927, 128x1536x7168 0.821, 512x576x7168 0.734: the 128-column tiles keeping 56, 80, 32, 24
+# and 20 CTAs busy (stream K or a partial wave), the narrow picks one round of 112, 128, 128, 96
+# and 96 CTAs. 64x36864x7168 0.964 (288 tiles of 64x128: every SM busy; narrow's 384 tiles three
+# rounds): the wide plan kept, a 3.6 % gain not taken outside the measured class. The class is
+# what was measured, not what the model merely prefers (it is optimistic where narrow runs two
+# rounds or few CTAs: 128x8192x7168's 256 tiles of 64x64 model 27.8 us against MID's 19.1;
+# 1x576x7168's 18 CTAs 13.0 against stream K's ~4.7): M <= NARROW_MAX_M (the largest measured
+# M), the 128-column data-parallel tiles keeping fewer CTAs busy than their config's most on
+# the chip (`max_ctas`: whole clusters), and the pick's grid one round of at least half the SMs
+# (num_sms // 2) and of more CTAs than the 128-column tiles keep busy.
+NARROW_MAX_M = 512
+
+
+def narrow_tiles(cfg: GemmConfig, m: int, n: int) -> int:
+    """The tiles (= CTAs, one a tile, no cluster) of a narrow full-K tile on (M, N)."""
+    return _ceil(m, cfg.tile_m) * _ceil(n, cfg.tile_n)
+
+
+def takes_narrow(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> bool:
+    """Whether `choose_config` takes `narrow`'s full-K tile on (M, N, K): M <= NARROW_MAX_M,
+    the 128-column tiles (`tiled_config`) keeping fewer CTAs busy in their first wave than
+    their config's most (`max_ctas`), and `narrow`'s pick one round of tiles, at least half the
+    SMs and more than those busy CTAs (`num_sms // 2 <= tiles <= num_sms`, `tiles > busy`)."""
+    if m > NARROW_MAX_M:
+        return False
+    tiled = tiled_config(m)
+    busy = busy_ctas(tiled, m, n, num_sms)
+    if busy >= max_ctas(tiled, num_sms):
+        return False
+    tiles = narrow_tiles(narrow(m, n, k, num_sms=num_sms), m, n)
+    return num_sms // 2 <= tiles <= num_sms and tiles > busy
+
+
 def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> GemmConfig:
-    """By M (`tiled_config`), unless its tiles keep at most half the SMs busy and stream K
-    would spread the work over at least twice as many (the few-tile mid shapes: 512x576x7168
-    has 20 tiles of 128x128, 128x1536x7168 24 of 64x128; decode against a short weight)."""
+    """`narrow`'s full-K tile in `takes_narrow`'s class (the measured mid / decode shapes whose
+    128-column tiles leave SMs idle and whose narrow grid is one round of at least half the
+    SMs), else `wide_config`'s."""
+    if takes_narrow(m, n, k, num_sms):
+        return narrow(m, n, k, num_sms=num_sms)
+    return wide_config(m, n, k, num_sms)
+
+
+def wide_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> GemmConfig:
+    """The 128-column plan (the chooser before narrow, the bench's `was`): by M
+    (`tiled_config`), unless its tiles keep at most half the SMs busy and stream K would spread
+    the work over at least twice as many (the few-tile mid shapes: 512x576x7168 has 20 tiles of
+    128x128, 128x1536x7168 24 of 64x128; decode against a short weight)."""
     tiled = tiled_config(m)
     busy = busy_ctas(tiled, m, n, num_sms)
     if 2 * busy <= num_sms:
