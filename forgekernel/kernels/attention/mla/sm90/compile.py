@@ -107,7 +107,8 @@ def _sparse(dtype, params: dict, opts: str):
         cutlass.Int32, (tokens, cute.sym_int32()), stride=(cute.sym_int64(), 1), assumed_align=4
     )
     kernel = MlaDecodeSm90(heads, sparse=True, fp8=fp8, direct=direct, sink=sink, fused=fused,
-                           neox=params.get("neox", False))  # fmt: skip
+                           neox=params.get("neox", False),
+                           lean=params.get("lean", False))  # fmt: skip
     # seqlens_k's slot: the sink (H,) fp32 or None (the lists' width is every token's keys)
     seq = make_fake_tensor(cutlass.Float32, (hq,), stride=(1,), assumed_align=4) if sink else None
     if fused:  # decode.py's fused slots (`_fused_args`)

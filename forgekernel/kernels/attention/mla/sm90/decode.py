@@ -135,6 +135,7 @@ class MlaDecodeSm90:
         sink: bool = False,
         fused: bool = False,
         neox: bool = False,
+        lean: bool = False,
     ):
         if heads * qtokens > ROWS:
             raise ValueError(f"heads x query tokens must be <= {ROWS}, got {heads} x {qtokens}")
@@ -153,6 +154,9 @@ class MlaDecodeSm90:
         self.sink = sink  # out rows x sigmoid(lse - sink[h]) in the epilogue (module docstring)
         self.fused = fused  # query RoPE, output RoPE and the FP8 cast (module docstring)
         self.neox = neox
+        if lean and not (sparse and fp8):
+            raise ValueError("lean is a form of the sparse pass over an FP8 cache")
+        self.lean = lean  # the issue first, per-thread L2 prefetches behind it (`_load_wg_staged`)
 
     def _setup(self, dtype):
         k_major = OperandMajorMode.K
@@ -582,9 +586,15 @@ class MlaDecodeSm90:
         if 1 < tiles:
             self._issue_fp8(kv, staged, sValid, t0 + TILE, t1, 1, tid1)
         cute.arch.cp_async_commit_group()
-        self._prefetch_fp8(kv, t0 + STAGES * TILE, t1, tid1)  # tile 2 into L2
+        if const_expr(self.lean):
+            ahead = self._lean_entry(kv, t0 + STAGES * TILE, t1, tid1)
+            self._prefetch_lines(kv, ahead, t0 + STAGES * TILE, t1, tid1, div)  # tile 2 into L2
+        else:
+            self._prefetch_fp8(kv, t0 + STAGES * TILE, t1, tid1)  # tile 2 into L2
         for i in cutlass.range(tiles, unroll=1):
             stage = i % STAGES
+            if const_expr(self.lean):  # the next prefetch's list entry, a turn before its use
+                ahead = self._lean_entry(kv, t0 + (i + STAGES + 1) * TILE, t1, tid1)
             p_ready.arrive_and_wait()
             for r in cutlass.range_constexpr(2):
                 corr[r] = sRed[0, o_crd[r, 0][0]]
@@ -601,10 +611,13 @@ class MlaDecodeSm90:
                 p_free.arrive()
             stage_free.arrive_and_wait()  # both warpgroups are done with this stage
             nxt = i + STAGES
-            self._prefetch_fp8(kv, t0 + (nxt + 1) * TILE, t1, tid1)  # a turn ahead, into L2
+            if const_expr(not self.lean):
+                self._prefetch_fp8(kv, t0 + (nxt + 1) * TILE, t1, tid1)  # a turn ahead, into L2
             if nxt < tiles:
                 self._issue_fp8(kv, staged, sValid, t0 + nxt * TILE, t1, stage, tid1)
             cute.arch.cp_async_commit_group()
+            if const_expr(self.lean):  # behind the issue, which waits on nothing of it
+                self._prefetch_lines(kv, ahead, t0 + (nxt + 1) * TILE, t1, tid1, div)
 
     @cute.jit
     def _issue_fp8(self, kv, staged, sValid, first, t1, stage, tid):
@@ -616,7 +629,8 @@ class MlaDecodeSm90:
         mCkv, mPT, b = kv[0], kv[8], kv[9]
         mScale = kv[11][0]
         sRaw, sScl, div = staged
-        self._load_tile(kv, first, t1, stage, False)
+        if const_expr(not self.lean):
+            self._load_tile(kv, first, t1, stage, False)
         atom = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Uint8,
             num_bits_per_copy=FP8_CHUNK * 8,
@@ -632,6 +646,8 @@ class MlaDecodeSm90:
                                      cute.AddressSpace.gmem, assumed_align=FP8_CHUNK)  # fmt: skip
                 src = cute.make_tensor(rptr, cute.make_layout((FP8_CHUNK, FP8_CHUNKS_PER_ROW)))
                 cute.copy(atom, src[None, c], sRaw[None, c % 8, r, c // 8, stage])
+        if const_expr(self.lean):  # the latent's bytes first, the RoPE rows (by `div`) after
+            self._load_tile(kv, first, t1, stage, False, div)
         if tid < TILE:
             token = cutlass.min(first + tid, t1 - 1)
             page, slot = self._cache_row_by(mPT, b, token, div)
@@ -714,10 +730,11 @@ class MlaDecodeSm90:
             sValid[tid // 32, stage] = bits
 
     @cute.jit
-    def _load_tile(self, kv, first, t1, stage, latent: cutlass.Constexpr[bool] = True):
+    def _load_tile(self, kv, first, t1, stage, latent: cutlass.Constexpr[bool] = True, div=None):
         """Keys first .. first + TILE - 1 (clamped to t1 - 1: finite, masked later), latent and
         RoPE columns, into pipeline stage `stage` (fp8: the latent by `_load_latent_fp8` unless
-        `latent` is False, the RoPE columns cp.async as 16-bit ones)."""
+        `latent` is False, the RoPE columns cp.async as 16-bit ones; `div`, the `lean` form's:
+        a sparse row's page / slot by that fast divisor of page_size)."""
         mCkv, mKpe, sKl, sKr, copy_lat, copy_rope, thr_lat, thr_rope, mPT, b, page_size, f8 = kv
         async_parts = [(mKpe, sKr, copy_rope, thr_rope, D_ROPE)]
         if const_expr(not self.fp8):
@@ -730,8 +747,12 @@ class MlaDecodeSm90:
                 if const_expr(self.sparse):
                     listed = mPT[b, token]
                     entry = cutlass.max(listed, 0)
-                    page = entry // page_size
-                    row = mX[page, entry - page * page_size, None]
+                    if const_expr(div is not None):
+                        page, slot = divmod(entry, div)
+                        row = mX[page, slot, None]
+                    else:
+                        page = entry // page_size
+                        row = mX[page, entry - page * page_size, None]
                     if listed >= 0:
                         copy_row_async(gcopy, row, width, tXsX[None, m, None], crd[None, m, None])
                     else:  # -1 padding: zeros, not a cache row (P = 0 times NaN would be NaN)
@@ -756,6 +777,26 @@ class MlaDecodeSm90:
                 token = cutlass.min(first + tid1, t1 - 1)
                 page, slot = self._cache_row(mPT, b, token, page_size)
                 fp8_cache.prefetch_row_l2(mCkv[page, slot, None])
+
+    @cute.jit
+    def _lean_entry(self, kv, first, t1, tid1):
+        """`lean`: the list entry of row tid1 // 2 of the tile at `first` (clamped into the
+        split; -1 where the tile is past it), which `_prefetch_lines` takes a turn later: loaded
+        at the top of warpgroup 1's turn, its miss under the turn."""
+        mPT, b = kv[8], kv[9]
+        entry = Int32(-1)
+        if first < t1:
+            entry = mPT[b, cutlass.min(first + tid1 // 2, t1 - 1)]
+        return entry
+
+    @cute.jit
+    def _prefetch_lines(self, kv, entry, first, t1, tid1, div):
+        """`lean`: the rows of the tile at `first` (if any) into L2, row tid1 // 2 by threads
+        tid1 and tid1 ^ 1, three 128-byte lines each (fp8.py `prefetch_lines_l2`; -1 padding
+        prefetches row 0, as `_prefetch_fp8`)."""
+        if first < t1:
+            page, slot = divmod(cutlass.max(entry, 0), div)
+            fp8_cache.prefetch_lines_l2(kv[0][page, slot, None], tid1 % 2)
 
     @cute.jit
     def _cache_row(self, mPT, b, token, page_size):
