@@ -117,9 +117,7 @@ def prefetch_lines_l2(row: cute.Tensor, half, *, loc=None, ip=None) -> None:
     llvm.inline_asm(
         None,
         [start.llvm_ptr],
-        "prefetch.global.L2 [$0];\n"
-        "prefetch.global.L2 [$0+128];\n"
-        "prefetch.global.L2 [$0+256];",
+        "prefetch.global.L2 [$0];\nprefetch.global.L2 [$0+128];\nprefetch.global.L2 [$0+256];",
         "l",
         has_side_effects=True,
         is_align_stack=False,

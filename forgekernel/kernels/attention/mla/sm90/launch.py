@@ -26,7 +26,10 @@ side-by-side timing and the GPU tests' comparison (the same bits).
 
 FP8 caches' bytes go by cp.async into their own stage and are dequantized there in place a turn
 later (decode.py; 0.873-0.943x the register form's time on dsa_sparse's FP8 cases, H200
-2026-12-03 06:21, which was then dropped: MLA_NOTES.md).
+2026-12-03 06:21, which was then dropped: MLA_NOTES.md). FORGEKERNEL_MLA_LEAN=1 (candidate, read
+when a problem's plan is first built) or `plan_form(lean=True)`: DSA's sparse pass over an FP8
+cache takes its `lean` compile (the tile's issue first after the stage's release, the L2
+prefetch by per-thread lines behind it: MLA_NOTES.md, "DSA FP8: the issue's chain").
 
 `plan_form` fixes a plan's tiles per split and / or heads per CTA for the calls inside, or keeps
 a one-split plan off the direct form (keyed apart): launcher-only candidates, timed by the
@@ -87,7 +90,7 @@ from forgekernel.runtime.scratch import scratch, scratches
 _plans = PlanCache()
 # `plan_form`'s (tiles per split or None, heads per CTA or None, work list, direct form), else
 # None (in plan keys)
-_plan_form: list[tuple[int | None, int | None, bool, bool, bool | str] | None] = [None]
+_plan_form: list[tuple[int | None, int | None, bool, bool, bool | str, bool] | None] = [None]
 
 
 def _flag(env: str, default: str) -> bool:
@@ -131,6 +134,19 @@ def gather_mode() -> str | None:
     return GATHER_MODES[flag]
 
 
+def lean_enabled() -> bool:
+    """DSA's sparse pass over an FP8 cache takes its `lean` compile (candidate, only with
+    FORGEKERNEL_MLA_LEAN=1, read when a problem's plan is first built)."""
+    return _flag("FORGEKERNEL_MLA_LEAN", "0")
+
+
+def _lean(kind: str, fp8: bool, form) -> bool:
+    """Whether a plan takes the `lean` compile: the sparse pass over an FP8 cache with
+    `plan_form(lean=True)` or FORGEKERNEL_MLA_LEAN=1 (SCHEDULED, a paged form, has no 6th field)."""
+    wanted = form is not None and len(form) > 5 and form[5]
+    return kind == "sparse" and fp8 and (wanted or lean_enabled())
+
+
 def ostore_enabled() -> bool:
     """Direct plans of the OSTORE_BLOCKS take the `ostore` compile where out's rows are 16-byte
     aligned (unless FORGEKERNEL_MLA_OSTORE=0)."""
@@ -144,6 +160,7 @@ def plan_form(
     worklist: bool = False,
     direct: bool = True,
     gather: bool | str = False,
+    lean: bool = False,
 ) -> Iterator[None]:
     """The calls inside take `per_tiles` tiles per split (seesaw plans: 16-bit caches of
     whole-tile pages; DSA's sparse plans: TILE top-k positions a tile) and / or `heads` query
@@ -155,7 +172,8 @@ def plan_form(
     keeps the partial pass and the combine (as FORGEKERNEL_MLA_DIRECT=0, keyed apart: the
     bench's A/B of the direct forms in one process). gather: 16-bit caches whose pages are not
     whole tiles take the seesaw pass's `gather` form (True, as FORGEKERNEL_MLA_GATHER=1;
-    "unfenced" its diagnostic build)."""
+    "unfenced" its diagnostic build). lean: DSA's sparse pass over an FP8 cache takes its
+    `lean` compile (as FORGEKERNEL_MLA_LEAN=1; other calls ignore it)."""
     if gather not in (False, True, "unfenced"):
         raise ValueError(f"gather must be False, True or 'unfenced', got {gather!r}")
     if worklist and per_tiles is not None:
@@ -164,7 +182,7 @@ def plan_form(
         raise ValueError(f"heads must be one of {config.HEADS}, got {heads}")
     if per_tiles is not None and per_tiles < 1:
         raise ValueError(f"per_tiles must be >= 1, got {per_tiles}")
-    with overriding(_plan_form, (per_tiles, heads, worklist, direct, gather)):
+    with overriding(_plan_form, (per_tiles, heads, worklist, direct, gather, lean)):
         yield
 
 
@@ -258,7 +276,7 @@ def _plan(
         ostore = tma and not narrow and config.runs_ostore(heads, qtokens) and ostore_enabled()
         params = config.params_for(kind, name, heads, qtokens, fp8, tma, direct=True,
                                    ostore=ostore, sink=sink, gather=gather,
-                                   unfenced=unfenced)  # fmt: skip
+                                   unfenced=unfenced, lean=_lean(kind, fp8, form))  # fmt: skip
         return get_kernel(SPEC, pdl.key(params, on or not tma)), None, splits, per, ostore, None
     if kind == "partial" and (form is None or form[0] is None):
         # the passes spread each unit's own keys over the splits (decode.py, seesaw.py), at
@@ -281,7 +299,7 @@ def _plan(
         return partial, combine, splits, per, False, worklist
     combine = _combine(name, on, units * qtokens * hq)
     params = config.params_for(kind, name, heads, qtokens, fp8, tma, gather=gather,
-                               unfenced=unfenced)  # fmt: skip
+                               unfenced=unfenced, lean=_lean(kind, fp8, form))  # fmt: skip
     partial = get_kernel(SPEC, pdl.key(params, on or not tma))  # decode.py's: no PDL build
     return partial, combine, splits, per, False, None
 
