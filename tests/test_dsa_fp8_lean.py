@@ -43,10 +43,16 @@ def test_lean_is_keyed_only_when_on():
             params_for(kind, FP8_DTYPE, 16, lean=True, **kwargs)
     assert not any(dict(p).get("lean") for p in SPEC.standard_params())
     candidates = [p for p in SPEC.candidate_params() if dict(p).get("lean")]
-    assert sorted(candidates) == sorted(lean_params())
-    assert {(dict(p)["heads"], dict(p).get("direct", False)) for p in candidates} == {
-        (16, False), (16, True), (64, False), (64, True)
+    assert set(candidates) == set(lean_params()) and len(candidates) == len(lean_params())
+    assert {(dict(p)["heads"], dict(p).get("direct", False), dict(p)["lean"])
+            for p in candidates} == {
+        (h, d, lean) for h in (16, 64) for d in (False, True) for lean in (True, "far")
     }  # fmt: skip
+    far = params_for("sparse", FP8_DTYPE, 16, fp8=True, lean="far")
+    assert dict(far)["lean"] == "far" and far != params_for("sparse", FP8_DTYPE, 16, fp8=True,
+                                                             lean=True)  # fmt: skip
+    with pytest.raises(ValueError, match="lean must be"):
+        params_for("sparse", FP8_DTYPE, 16, fp8=True, lean="near")
 
 
 def test_lean_needs_the_sparse_fp8_pass():
@@ -55,6 +61,10 @@ def test_lean_needs_the_sparse_fp8_pass():
     assert mla_launch._lean("sparse", True, (None, None, False, True, False, True))
     assert not mla_launch._lean("sparse", True, mla_launch.SCHEDULED)  # five fields
     assert not mla_launch._lean("sparse", True, None)
+    assert mla_launch._lean("sparse", True, (None, None, False, True, False, "far")) == "far"
+    with pytest.raises(ValueError, match="lean must be"):
+        with mla_launch.plan_form(lean="near"):
+            pass
 
 
 def _fp8_problem(tokens, hq, page_size, valid, topk, pad, seed=0):
@@ -76,8 +86,9 @@ LEAN_CASES = [
 ]
 
 
+@pytest.mark.parametrize("lean", [True, "far"])
 @pytest.mark.parametrize("case", LEAN_CASES, ids=lambda c: f"t{c[0]}-h{c[1]}-p{c[2]}-k{c[4]}")
-def test_plan_form_takes_the_lean_compile(sparse_kernels, case):
+def test_plan_form_takes_the_lean_compile(sparse_kernels, case, lean):
     """plan_form(lean=True): every FP8 sparse call (split plans and one-split plans, direct or
     not) takes its plan's key with `lean`, keyed apart from the standard plan in one process
     (the call after it is the standard's again); the replayed result is the reference's and
@@ -86,7 +97,7 @@ def test_plan_form_takes_the_lean_compile(sparse_kernels, case):
     out = torch.full((case[0], case[1], LATENT), float("nan"), dtype=qn.dtype)
     base, base_lse = op.dsa_sparse_attention(qn, qp, packed, None, idx, softmax_scale=SCALE,
                                              return_lse=True)  # fmt: skip
-    with mla_launch.plan_form(lean=True):
+    with mla_launch.plan_form(lean=lean):
         got, lse = op.dsa_sparse_attention(qn, qp, packed, None, idx, softmax_scale=SCALE,
                                            out=out, return_lse=True)  # fmt: skip
     again, _ = op.dsa_sparse_attention(qn, qp, packed, None, idx, softmax_scale=SCALE,
@@ -98,8 +109,8 @@ def test_plan_form_takes_the_lean_compile(sparse_kernels, case):
     keys = [p for p, _ in sparse_kernels]
     n = len(keys) // 3
     assert all(not k.get("lean") for k in keys[:n] + keys[2 * n :])
-    assert all(k.get("lean") and k["fp8"] for k in keys[n : 2 * n])
-    assert [dict(k, lean=True) for k in keys[:n]] == keys[n : 2 * n]
+    assert all(k.get("lean") == lean and k["fp8"] for k in keys[n : 2 * n])
+    assert [dict(k, lean=lean) for k in keys[:n]] == keys[n : 2 * n]
 
 
 def test_environment_switch(sparse_kernels, monkeypatch):
@@ -110,7 +121,10 @@ def test_environment_switch(sparse_kernels, monkeypatch):
     op.dsa_sparse_attention(qn, qp, packed, None, idx, softmax_scale=SCALE)
     qn16, qp16, ckv, kpe, idx16 = _problem(3, 16, 16, [3, 50, 0], 64)
     op.dsa_sparse_attention(qn16, qp16, ckv, kpe, idx16, softmax_scale=SCALE)
-    assert [p.get("lean", False) for p, _ in sparse_kernels] == [True, False]
+    mla_launch._plans.clear()
+    monkeypatch.setenv("FORGEKERNEL_MLA_LEAN", "far")
+    op.dsa_sparse_attention(qn, qp, packed, None, idx, softmax_scale=SCALE)
+    assert [p.get("lean", False) for p, _ in sparse_kernels] == [True, False, "far"]
     mla_launch._plans.clear()
     monkeypatch.setenv("FORGEKERNEL_MLA_LEAN", "yes")
     with pytest.raises(ValueError, match="FORGEKERNEL_MLA_LEAN"):
@@ -126,6 +140,9 @@ def test_bench_variants():
         "t128-h16-p64-k2048-L32768-fp8", "t64-h128-p64-k2048-L8192-fp8",
     }  # fmt: skip
     assert all(suite.PLAN_FORMS[n]["lean"] == {"lean": True} for n in named)
+    far = {name for name, forms in suite.PLAN_FORMS.items() if "lean_far" in forms}
+    assert far == named - {"t1-h16-p64-k2048-L32768-fp8"}
+    assert all(suite.PLAN_FORMS[n]["lean_far"] == {"lean": "far"} for n in far)
 
 
 # ---------------------------------------------------------------- SASS
@@ -150,8 +167,10 @@ def _after_stage_free(lines):
     return [text for _, text in lines[start:end]]
 
 
-@pytest.mark.parametrize(("heads", "direct"), [(16, True), (64, True), (16, False)])
-def test_lean_sass(heads, direct):
+@pytest.mark.parametrize(("heads", "direct", "lean"),
+                         [(16, True, True), (64, True, True), (16, False, True),
+                          (16, True, "far")])  # fmt: skip
+def test_lean_sass(heads, direct, lean):
     """The lean compile beside the standard one: the same WGMMAs, barriers, cp.async, shared
     memory traffic and dequantization; the bulk prefetch's waterfall (UBLKPF in a BRA.U.ANY
     loop, 32 trips a turn on warps 4, 5) replaced by 3 line prefetches a thread (CCTL.E.PF2)
@@ -165,7 +184,7 @@ def test_lean_sass(heads, direct):
     base = params_for("sparse", FP8_DTYPE, heads, fp8=True, direct=direct)
     res0, ops0, lines0 = _sass(base)
     res, ops, lines = _sass(params_for("sparse", FP8_DTYPE, heads, fp8=True, direct=direct,
-                                       lean=True))  # fmt: skip
+                                       lean=lean))  # fmt: skip
     assert res["spill_bytes"] == res0["spill_bytes"] == 0 and ops["STL"] == ops["LDL"] == 0
     assert res0["registers"] <= res["registers"] <= res0["registers"] + 4
     assert res["smem_bytes"] == res0["smem_bytes"]
@@ -175,7 +194,8 @@ def test_lean_sass(heads, direct):
     for name in same:
         assert ops[name] == ops0[name], name
     assert ops0["UBLKPF.L2"] == 2 and ops0["BRA.U.ANY"] >= 2  # the standard's waterfall
-    assert ops["UBLKPF.L2"] == 0 and ops["BRA.U.ANY"] == 0 and ops["CCTL.E.PF2"] == 6
+    sites = 3 if lean == "far" else 2  # the prologue's (tiles 2 [, 3]) and the loop's
+    assert ops["UBLKPF.L2"] == 0 and ops["BRA.U.ANY"] == 0 and ops["CCTL.E.PF2"] == 3 * sites
     seg0, seg = _after_stage_free(lines0), _after_stage_free(lines)
     assert any(t.startswith("UBLKPF") for t in seg0) and any("MUFU.RCP" in t for t in seg0)
     assert not any(t.startswith(("UBLKPF", "CCTL", "MUFU")) or "BRA.U" in t for t in seg)
@@ -186,5 +206,6 @@ def test_lean_sass(heads, direct):
     texts = [t for _, t in lines]
     commits = [i for i, t in enumerate(texts) if t == "LDGDEPBAR"]
     prefetches = [i for i, t in enumerate(texts) if t.startswith("CCTL.E.PF2")]
-    assert len(commits) == 3 and commits[1] < min(prefetches[:3]) < commits[2] < prefetches[3]
+    assert len(commits) == 3 and commits[1] < prefetches[0]
+    assert max(prefetches[:-3]) < commits[2] < min(prefetches[-3:])
     assert ops["MUFU.RCP"] < ops0["MUFU.RCP"]  # the RoPE rows and the prefetch's divisions

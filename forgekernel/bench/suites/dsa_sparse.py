@@ -213,9 +213,10 @@ def run_ours(inputs: Inputs, out):
 # + the combine (plan_form(direct=False)), the A/B of the sparse pass's direct form (MLA_NOTES,
 # "The direct form of decode.py's pass"). lean (candidate: the sparse FP8 pass's `lean` compile,
 # plan_form(lean=True)): the two weakest cases against FlashMLA, the median's case, and t1 as the
-# control (one tile a split: the loop's issue never runs; predicted ~1.00x): MLA_NOTES, "DSA FP8:
-# the issue's chain".
+# control (one tile a split: the loop's issue never runs; predicted ~1.00x); lean_far its
+# prefetch two tiles ahead: MLA_NOTES, "DSA FP8: the issue's chain".
 LEAN = {"lean": True}
+LEAN_FAR = {"lean": "far"}
 PLAN_FORMS = {
     "t1-h16-p64-k2048-L32768-fp8": {
         "per2": {"per_tiles": 2},
@@ -223,13 +224,18 @@ PLAN_FORMS = {
         "lean": LEAN,
     },
     "t16-h16-p64-k2048-L32768-fp8": {"per2": {"per_tiles": 2}},
-    "t64-h16-p64-k2048-L32768-fp8": {"lean": LEAN},
+    "t64-h16-p64-k2048-L32768-fp8": {"lean": LEAN, "lean_far": LEAN_FAR},
     "t128-h16-p64-k2048-L32768-fp8": {
         "per16": {"per_tiles": 16},
         "split1": {"direct": False},
         "lean": LEAN,
+        "lean_far": LEAN_FAR,
     },
-    "t64-h128-p64-k2048-L8192-fp8": {"split1": {"direct": False}, "lean": LEAN},
+    "t64-h128-p64-k2048-L8192-fp8": {
+        "split1": {"direct": False},
+        "lean": LEAN,
+        "lean_far": LEAN_FAR,
+    },
 }
 
 

@@ -156,9 +156,11 @@ LEAN_HEADS = (16, 64)
 
 
 def lean_params() -> list[Params]:
-    """The `lean` form's candidate keys (`build --candidates`)."""
+    """The `lean` form's candidate keys (`build --candidates`): its prefetch one tile ahead
+    (True) and two ("far")."""
     return [
-        params_for("sparse", FP8_DTYPE, h, fp8=True, direct=direct, lean=True)
+        params_for("sparse", FP8_DTYPE, h, fp8=True, direct=direct, lean=lean)
+        for lean in (True, "far")
         for h in LEAN_HEADS
         for direct in (False, True)
     ]

@@ -165,7 +165,7 @@ def params_for(
     neox: bool = False,
     gather: bool = False,
     unfenced: bool = False,
-    lean: bool = False,
+    lean: bool | str = False,
 ) -> tuple:
     """Compile key: kind "partial" (one split of `heads` query heads x `qtokens` tokens, fp32
     out; qtokens > 1 the packed form with cu_seqlens_q), "sparse" (DSA: one split of one query
@@ -193,7 +193,8 @@ def params_for(
     lean (candidate; the sparse pass over an FP8 cache): warpgroup 1's issue of a tile's bytes
     first after the stage's release, the L2 prefetch of the tile after it by per-thread line
     prefetches behind it (its list entry loaded a turn early), the RoPE rows' page / slot by
-    the fast divisor (decode.py `_load_wg_staged`; MLA_NOTES.md, "DSA FP8: the issue's chain").
+    the fast divisor (decode.py `_load_wg_staged`; MLA_NOTES.md, "DSA FP8: the issue's chain");
+    "far": the same with the prefetch two tiles ahead of the issue instead of one.
     sink (the sparse direct pass): out x sigmoid(lse - attn_sink[h]) in the epilogue. fused
     (the sparse direct pass, 16-bit or with fp8 over FlashMLA's FP8 cache, bf16 q; the fused
     DSA prefill): q_pe rotated at the token's
@@ -229,6 +230,8 @@ def params_for(
         raise ValueError("gather is a form of the seesaw (tma) pass, without pair or work list")
     if unfenced and not gather:
         raise ValueError("unfenced is a form of the gather pass")
+    if lean not in (False, True, "far"):
+        raise ValueError(f"lean must be False, True or 'far', got {lean!r}")
     if lean and not (kind == "sparse" and fp8):
         raise ValueError("lean is a form of the sparse pass over an FP8 cache")
     if (sink or fused) and not (kind == "sparse" and direct):
@@ -263,7 +266,7 @@ def params_for(
     if unfenced:
         keys["unfenced"] = True
     if lean:
-        keys["lean"] = True
+        keys["lean"] = lean
     if sink:
         keys["sink"] = True
     if fused:

@@ -135,7 +135,7 @@ class MlaDecodeSm90:
         sink: bool = False,
         fused: bool = False,
         neox: bool = False,
-        lean: bool = False,
+        lean: bool | str = False,
     ):
         if heads * qtokens > ROWS:
             raise ValueError(f"heads x query tokens must be <= {ROWS}, got {heads} x {qtokens}")
@@ -154,9 +154,13 @@ class MlaDecodeSm90:
         self.sink = sink  # out rows x sigmoid(lse - sink[h]) in the epilogue (module docstring)
         self.fused = fused  # query RoPE, output RoPE and the FP8 cast (module docstring)
         self.neox = neox
+        if lean not in (False, True, "far"):
+            raise ValueError(f"lean must be False, True or 'far', got {lean!r}")
         if lean and not (sparse and fp8):
             raise ValueError("lean is a form of the sparse pass over an FP8 cache")
-        self.lean = lean  # the issue first, per-thread L2 prefetches behind it (`_load_wg_staged`)
+        self.lean = bool(lean)  # the issue first, per-thread L2 prefetches behind it
+        # tiles the `lean` prefetch runs ahead of the issue: 1 (as the bulk prefetch), "far" 2
+        self.ahead = 2 if lean == "far" else 1
 
     def _setup(self, dtype):
         k_major = OperandMajorMode.K
@@ -586,15 +590,16 @@ class MlaDecodeSm90:
         if 1 < tiles:
             self._issue_fp8(kv, staged, sValid, t0 + TILE, t1, 1, tid1)
         cute.arch.cp_async_commit_group()
-        if const_expr(self.lean):
-            ahead = self._lean_entry(kv, t0 + STAGES * TILE, t1, tid1)
-            self._prefetch_lines(kv, ahead, t0 + STAGES * TILE, t1, tid1, div)  # tile 2 into L2
+        if const_expr(self.lean):  # tile 2 (and 3: "far") into L2
+            for d in cutlass.range_constexpr(self.ahead):
+                ahead = self._lean_entry(kv, t0 + (STAGES + d) * TILE, t1, tid1)
+                self._prefetch_lines(kv, ahead, t0 + (STAGES + d) * TILE, t1, tid1, div)
         else:
             self._prefetch_fp8(kv, t0 + STAGES * TILE, t1, tid1)  # tile 2 into L2
         for i in cutlass.range(tiles, unroll=1):
             stage = i % STAGES
             if const_expr(self.lean):  # the next prefetch's list entry, a turn before its use
-                ahead = self._lean_entry(kv, t0 + (i + STAGES + 1) * TILE, t1, tid1)
+                ahead = self._lean_entry(kv, t0 + (i + STAGES + self.ahead) * TILE, t1, tid1)
             p_ready.arrive_and_wait()
             for r in cutlass.range_constexpr(2):
                 corr[r] = sRed[0, o_crd[r, 0][0]]
@@ -617,7 +622,7 @@ class MlaDecodeSm90:
                 self._issue_fp8(kv, staged, sValid, t0 + nxt * TILE, t1, stage, tid1)
             cute.arch.cp_async_commit_group()
             if const_expr(self.lean):  # behind the issue, which waits on nothing of it
-                self._prefetch_lines(kv, ahead, t0 + (nxt + 1) * TILE, t1, tid1, div)
+                self._prefetch_lines(kv, ahead, t0 + (nxt + self.ahead) * TILE, t1, tid1, div)
 
     @cute.jit
     def _issue_fp8(self, kv, staged, sValid, first, t1, stage, tid):

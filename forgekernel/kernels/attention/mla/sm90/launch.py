@@ -29,7 +29,8 @@ later (decode.py; 0.873-0.943x the register form's time on dsa_sparse's FP8 case
 2026-12-03 06:21, which was then dropped: MLA_NOTES.md). FORGEKERNEL_MLA_LEAN=1 (candidate, read
 when a problem's plan is first built) or `plan_form(lean=True)`: DSA's sparse pass over an FP8
 cache takes its `lean` compile (the tile's issue first after the stage's release, the L2
-prefetch by per-thread lines behind it: MLA_NOTES.md, "DSA FP8: the issue's chain").
+prefetch by per-thread lines behind it: MLA_NOTES.md, "DSA FP8: the issue's chain"); "far" (the
+variable's value or plan_form's) the same with the prefetch two tiles ahead.
 
 `plan_form` fixes a plan's tiles per split and / or heads per CTA for the calls inside, or keeps
 a one-split plan off the direct form (keyed apart): launcher-only candidates, timed by the
@@ -134,17 +135,27 @@ def gather_mode() -> str | None:
     return GATHER_MODES[flag]
 
 
-def lean_enabled() -> bool:
-    """DSA's sparse pass over an FP8 cache takes its `lean` compile (candidate, only with
-    FORGEKERNEL_MLA_LEAN=1, read when a problem's plan is first built)."""
-    return _flag("FORGEKERNEL_MLA_LEAN", "0")
+LEAN_MODES = {"0": False, "1": True, "far": "far"}
 
 
-def _lean(kind: str, fp8: bool, form) -> bool:
-    """Whether a plan takes the `lean` compile: the sparse pass over an FP8 cache with
-    `plan_form(lean=True)` or FORGEKERNEL_MLA_LEAN=1 (SCHEDULED, a paged form, has no 6th field)."""
-    wanted = form is not None and len(form) > 5 and form[5]
-    return kind == "sparse" and fp8 and (wanted or lean_enabled())
+def lean_mode() -> bool | str:
+    """Whether DSA's sparse pass over an FP8 cache takes its `lean` compile (candidate:
+    FORGEKERNEL_MLA_LEAN=1, or "far" its prefetch two tiles ahead; "0", the default: False),
+    read when a problem's plan is first built."""
+    flag = os.environ.get("FORGEKERNEL_MLA_LEAN", "0")
+    if flag not in LEAN_MODES:
+        raise ValueError(f"FORGEKERNEL_MLA_LEAN must be '0', '1' or 'far', got {flag!r}")
+    return LEAN_MODES[flag]
+
+
+def _lean(kind: str, fp8: bool, form) -> bool | str:
+    """The `lean` compile key's value of a plan (False: the standard compile): the sparse pass
+    over an FP8 cache with `plan_form(lean=...)` or FORGEKERNEL_MLA_LEAN (SCHEDULED, a paged
+    form, has no 6th field)."""
+    if not (kind == "sparse" and fp8):
+        return False
+    wanted = form[5] if form is not None and len(form) > 5 else False
+    return wanted or lean_mode()
 
 
 def ostore_enabled() -> bool:
@@ -160,7 +171,7 @@ def plan_form(
     worklist: bool = False,
     direct: bool = True,
     gather: bool | str = False,
-    lean: bool = False,
+    lean: bool | str = False,
 ) -> Iterator[None]:
     """The calls inside take `per_tiles` tiles per split (seesaw plans: 16-bit caches of
     whole-tile pages; DSA's sparse plans: TILE top-k positions a tile) and / or `heads` query
@@ -173,7 +184,10 @@ def plan_form(
     bench's A/B of the direct forms in one process). gather: 16-bit caches whose pages are not
     whole tiles take the seesaw pass's `gather` form (True, as FORGEKERNEL_MLA_GATHER=1;
     "unfenced" its diagnostic build). lean: DSA's sparse pass over an FP8 cache takes its
-    `lean` compile (as FORGEKERNEL_MLA_LEAN=1; other calls ignore it)."""
+    `lean` compile (as FORGEKERNEL_MLA_LEAN=1; "far": its prefetch two tiles ahead; other calls
+    ignore it)."""
+    if lean not in (False, True, "far"):
+        raise ValueError(f"lean must be False, True or 'far', got {lean!r}")
     if gather not in (False, True, "unfenced"):
         raise ValueError(f"gather must be False, True or 'unfenced', got {gather!r}")
     if worklist and per_tiles is not None:
