@@ -46,11 +46,12 @@ def test_lean_is_keyed_only_when_on():
     assert set(candidates) == set(lean_params()) and len(candidates) == len(lean_params())
     assert {(dict(p)["heads"], dict(p).get("direct", False), dict(p)["lean"])
             for p in candidates} == {
-        (h, d, lean) for h in (16, 64) for d in (False, True) for lean in (True, "far")
+        (h, d, lean) for h in (16, 64) for d in (False, True) for lean in (True, 2)
     }  # fmt: skip
+    assert sorted(candidates)  # one value type a key: the keys sort
     far = params_for("sparse", FP8_DTYPE, 16, fp8=True, lean="far")
-    assert dict(far)["lean"] == "far" and far != params_for("sparse", FP8_DTYPE, 16, fp8=True,
-                                                             lean=True)  # fmt: skip
+    assert dict(far)["lean"] == 2 and far != params_for("sparse", FP8_DTYPE, 16, fp8=True,
+                                                         lean=True)  # fmt: skip
     with pytest.raises(ValueError, match="lean must be"):
         params_for("sparse", FP8_DTYPE, 16, fp8=True, lean="near")
 
@@ -109,8 +110,9 @@ def test_plan_form_takes_the_lean_compile(sparse_kernels, case, lean):
     keys = [p for p, _ in sparse_kernels]
     n = len(keys) // 3
     assert all(not k.get("lean") for k in keys[:n] + keys[2 * n :])
-    assert all(k.get("lean") == lean and k["fp8"] for k in keys[n : 2 * n])
-    assert [dict(k, lean=lean) for k in keys[:n]] == keys[n : 2 * n]
+    value = 2 if lean == "far" else True
+    assert all(k.get("lean") == value and k["fp8"] for k in keys[n : 2 * n])
+    assert [dict(k, lean=value) for k in keys[:n]] == keys[n : 2 * n]
 
 
 def test_environment_switch(sparse_kernels, monkeypatch):
@@ -124,7 +126,7 @@ def test_environment_switch(sparse_kernels, monkeypatch):
     mla_launch._plans.clear()
     monkeypatch.setenv("FORGEKERNEL_MLA_LEAN", "far")
     op.dsa_sparse_attention(qn, qp, packed, None, idx, softmax_scale=SCALE)
-    assert [p.get("lean", False) for p, _ in sparse_kernels] == [True, False, "far"]
+    assert [p.get("lean", False) for p, _ in sparse_kernels] == [True, False, 2]
     mla_launch._plans.clear()
     monkeypatch.setenv("FORGEKERNEL_MLA_LEAN", "yes")
     with pytest.raises(ValueError, match="FORGEKERNEL_MLA_LEAN"):

@@ -194,7 +194,7 @@ def params_for(
     first after the stage's release, the L2 prefetch of the tile after it by per-thread line
     prefetches behind it (its list entry loaded a turn early), the RoPE rows' page / slot by
     the fast divisor (decode.py `_load_wg_staged`; MLA_NOTES.md, "DSA FP8: the issue's chain");
-    "far": the same with the prefetch two tiles ahead of the issue instead of one.
+    "far": the same with the prefetch two tiles ahead of the issue instead of one (keyed 2).
     sink (the sparse direct pass): out x sigmoid(lse - attn_sink[h]) in the epilogue. fused
     (the sparse direct pass, 16-bit or with fp8 over FlashMLA's FP8 cache, bf16 q; the fused
     DSA prefill): q_pe rotated at the token's
@@ -265,8 +265,8 @@ def params_for(
         keys["gather"] = True
     if unfenced:
         keys["unfenced"] = True
-    if lean:
-        keys["lean"] = lean
+    if lean:  # the prefetch's distance in tiles (an int: keys sort among themselves)
+        keys["lean"] = 2 if lean == "far" else True
     if sink:
         keys["sink"] = True
     if fused:

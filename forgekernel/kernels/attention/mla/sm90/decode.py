@@ -135,7 +135,7 @@ class MlaDecodeSm90:
         sink: bool = False,
         fused: bool = False,
         neox: bool = False,
-        lean: bool | str = False,
+        lean: bool | int = False,
     ):
         if heads * qtokens > ROWS:
             raise ValueError(f"heads x query tokens must be <= {ROWS}, got {heads} x {qtokens}")
@@ -154,13 +154,13 @@ class MlaDecodeSm90:
         self.sink = sink  # out rows x sigmoid(lse - sink[h]) in the epilogue (module docstring)
         self.fused = fused  # query RoPE, output RoPE and the FP8 cast (module docstring)
         self.neox = neox
-        if lean not in (False, True, "far"):
-            raise ValueError(f"lean must be False, True or 'far', got {lean!r}")
+        if lean not in (False, True, 2):
+            raise ValueError(f"lean must be False, True or 2 (its key's values), got {lean!r}")
         if lean and not (sparse and fp8):
             raise ValueError("lean is a form of the sparse pass over an FP8 cache")
         self.lean = bool(lean)  # the issue first, per-thread L2 prefetches behind it
         # tiles the `lean` prefetch runs ahead of the issue: 1 (as the bulk prefetch), "far" 2
-        self.ahead = 2 if lean == "far" else 1
+        self.ahead = 2 if lean == 2 else 1
 
     def _setup(self, dtype):
         k_major = OperandMajorMode.K
