@@ -45,6 +45,13 @@ memory. (It replaced warpgroup 1 loading every tile's e4m3 into registers, which
 three memory round trips a tile; this form took 0.873-0.943x its time on dsa_sparse's FP8
 cases, H200 2026-12-03 06:21: MLA_NOTES.md.)
 
+`lean` (candidate; the sparse pass over an FP8 cache): warpgroup 1 issues a tile's bytes first
+after the stage's release (its rows' entries in one batch, the RoPE rows by the fast divisor),
+and prefetches the rows of the tile after it (two after: "far", keyed 2) into L2 behind the
+commit by three 128-byte line prefetches a thread, its list entry loaded at the top of the turn;
+the standard form's bulk prefetch (a per-warp loop over distinct rows, before the issue) goes.
+Only loads move (MLA_NOTES.md, "DSA FP8: the two gaps to FlashMLA, and the issue's chain").
+
 `sparse` (DeepSeek sparse attention, DSA): query token t attends to the cache rows its top-k
 list names (mPT (tokens, topk) int32, entries page * page_size + slot, -1 padding, anywhere),
 not to a sequence's pages: a CTA's keys are that list's split, loaded by index (-1 reads row 0,
