@@ -117,6 +117,10 @@ FP8_HALF = FP8_CHUNKS_PER_ROW // 2  # a half row: 16 threads, 256 bytes
 # `staged_raw_offset`), dequantized in place a turn later (`_dequant_stage_fp8`)
 FP8_STAGE_BYTES = 2 * fp8_cache.STAGED_RAW_BASE  # a stage of the 16-bit latent tile
 FP8_SCALES = 4  # per row
+# `wide`: the staged O's row stride, 8 elements (16 bytes) of padding (the 8 rows of a warp's
+# 32-bit stores 4 banks apart; rows 16-byte aligned for the LDS.128), as seesaw.py's O16_STRIDE
+O16_STRIDE = D_LATENT + 8
+OSTORE_VEC = 8  # 16-bit elements a thread moves per 16-byte vector (LDS.128 / STG.E.128)
 
 
 class Bar(IntEnum):
@@ -143,6 +147,7 @@ class MlaDecodeSm90:
         fused: bool = False,
         neox: bool = False,
         lean: bool | int = False,
+        wide: bool = False,
     ):
         if heads * qtokens > ROWS:
             raise ValueError(f"heads x query tokens must be <= {ROWS}, got {heads} x {qtokens}")
@@ -168,6 +173,9 @@ class MlaDecodeSm90:
         self.lean = bool(lean)  # the issue first, per-thread L2 prefetches behind it
         # tiles the `lean` prefetch runs ahead of the issue: 1 (as the bulk prefetch), "far" 2
         self.ahead = 2 if lean == 2 else 1
+        if wide and not (sparse and direct and not fused):
+            raise ValueError("wide is a form of the sparse direct pass (not the fused one)")
+        self.wide = wide  # O staged over the K stages, 16-byte stores (`_send_wide`)
 
     def _setup(self, dtype):
         k_major = OperandMajorMode.K
@@ -456,6 +464,19 @@ class MlaDecodeSm90:
                               o_crd, at, (mCS, mPos[q_off]))  # fmt: skip
         else:
             self._write_split((mOp, mLp), acc_o, row_max, row_sum, scale_log2, o_crd, at, mSink)
+        if const_expr(self.wide):
+            # every WGMMA on the K stages retired (each warpgroup's wait_group 0) and every
+            # cp.async into them waited before the __syncthreads above: generic stores may
+            # overwrite them
+            sO = cute.make_tensor(
+                cute.recast_ptr(storage.kl.data_ptr(), dtype=mOp.element_type),
+                cute.make_layout((ROWS, D_LATENT), stride=(O16_STRIDE, 1)),
+            )
+            tOrO = cute.make_rmem_tensor_like(acc_o, mOp.element_type)
+            tOrO.store(acc_o.load().to(mOp.element_type))  # normalized in `_write_split`
+            cute.autovec_copy(tOrO, mma_o.get_slice(tidx).partition_C(sO))
+            cute.arch.sync_threads()  # every row staged before any thread reads one
+            self._send_wide(mOp, sO, q_off, head0, tidx)
 
     @cute.jit
     def _softmax_wg(self, smem, o_ops, mma_s, mma_o_rs, bars, stats, at):
@@ -903,10 +924,14 @@ class MlaDecodeSm90:
                     if const_expr(mSink is not None):
                         inv = inv * fused_math.sink_weight(lse, mSink[head0 + row % self.h])
                 head = head0 + row % self.h
-                if const_expr(self.direct):
+                if const_expr(self.wide):  # normalized in place, staged by the caller
+                    for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+                        o[r, c] = o[r, c] * inv
+                if const_expr(self.direct and not self.wide):
                     for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
                         value = (o[r, c] * inv).to(mOp.element_type)
                         mOp[q_off + token, head, o_crd[r, c][1]] = value
+                if const_expr(self.direct):
                     if wg == 0 and tidx % 4 == 0:
                         mLp[q_off + token, head] = lse * LN2
                 else:
@@ -914,6 +939,24 @@ class MlaDecodeSm90:
                         mOp[split, q_off + token, head, o_crd[r, c][1]] = o[r, c] * inv
                     if wg == 0 and tidx % 4 == 0:
                         mLp[split, q_off + token, head] = lse
+
+    @cute.jit
+    def _send_wide(self, mOp, sO, q_off, head0, tidx):
+        """`wide` (after the __syncthreads that follows the staging): 16-byte vectors i = tidx
+        + k x THREADS of the staged rows, row i // 64, columns 8 (i % 64) .. + 7 (a warp: half
+        a row, 512 contiguous bytes), to out[q_off, head0 + r] for the rows r < G (one query
+        token a CTA); out's rows 16-byte aligned (the compile's)."""
+        per_row = D_LATENT // OSTORE_VEC
+        for k in cutlass.range_constexpr(ROWS * per_row // THREADS):
+            i = tidx + k * THREADS
+            r = i // per_row
+            if r < self.g:
+                dst = mOp[q_off, head0 + r, None]
+                col = i % per_row
+                cute.autovec_copy(
+                    cute.local_tile(sO[r, None], (OSTORE_VEC,), (col,)),
+                    cute.local_tile(dst, (OSTORE_VEC,), (col,)),
+                )
 
     @cute.jit
     def _rope_query(self, sQr, mCS, pos, tidx):
