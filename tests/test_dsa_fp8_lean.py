@@ -1,10 +1,13 @@
 """DSA's sparse pass over FlashMLA's FP8 cache in its `lean` form (candidate; decode.py
-`_load_wg_staged`, MLA_NOTES.md "DSA FP8: the issue's chain") on the CPU: its compile keys (keyed
-only when on, candidates only), the launcher's pick (plan_form(lean=True), FORGEKERNEL_MLA_LEAN=1;
-16-bit caches and the paged forms ignore it) through the replay of the sparse pass against
-reference.dsa, the bench's variants, and its SASS beside the standard compile's (cu13 ptxas,
-sm_90a): the same WGMMAs, barriers and copies, no bulk-prefetch waterfall, the tile's loads
-issued before any prefetch, no spills. The GPU's checks: tests/gpu/test_dsa_fp8_lean_gpu.py."""
+`_load_wg_staged`, MLA_NOTES.md "DSA FP8: the two gaps to FlashMLA, and the issue's chain") on
+the CPU: its compile keys (keyed only when on, candidates only), the launcher's pick
+(plan_form(lean=True), FORGEKERNEL_MLA_LEAN=1; 16-bit caches and the paged forms ignore it)
+through the replay of the sparse pass against reference.dsa, the bench's variants, and its SASS
+beside the standard compile's (cu13 ptxas, sm_90a): the same WGMMAs, barriers and copies, no
+bulk-prefetch waterfall, the tile's loads issued before any prefetch, no spills. The same for the
+sparse direct pass's `wide` form (O staged, 16-byte stores; plan_form(wide=True), the scalar
+form where out's rows are not 16-byte aligned). The GPU's checks:
+tests/gpu/test_dsa_fp8_lean_gpu.py."""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from test_dsa_sparse import sparse_kernels as sparse_kernels  # noqa: F401  (the
 from test_mla_decode import _fp8_cache
 
 from forgekernel.bench.suites import dsa_sparse as suite
-from forgekernel.kernels.attention.mla.sm90 import SPEC, lean_params
+from forgekernel.kernels.attention.mla.sm90 import SPEC, lean_params, wide_params
 from forgekernel.kernels.attention.mla.sm90 import launch as mla_launch
 from forgekernel.kernels.attention.mla.sm90.config import FP8_DTYPE, params_for
 from forgekernel.kernels.attention.mla.sm90.decode import Bar
@@ -42,7 +45,8 @@ def test_lean_is_keyed_only_when_on():
         with pytest.raises(ValueError, match="lean"):
             params_for(kind, FP8_DTYPE, 16, lean=True, **kwargs)
     assert not any(dict(p).get("lean") for p in SPEC.standard_params())
-    candidates = [p for p in SPEC.candidate_params() if dict(p).get("lean")]
+    candidates = [p for p in SPEC.candidate_params()
+                  if dict(p).get("lean") and not dict(p).get("wide")]  # fmt: skip
     assert set(candidates) == set(lean_params()) and len(candidates) == len(lean_params())
     assert {(dict(p)["heads"], dict(p).get("direct", False), dict(p)["lean"])
             for p in candidates} == {
@@ -211,3 +215,99 @@ def test_lean_sass(heads, direct, lean):
     assert len(commits) == 3 and commits[1] < prefetches[0]
     assert max(prefetches[:-3]) < commits[2] < min(prefetches[-3:])
     assert ops["MUFU.RCP"] < ops0["MUFU.RCP"]  # the RoPE rows and the prefetch's divisions
+
+
+# ---------------------------------------------------------------- wide
+
+
+def test_wide_keys():
+    base = params_for("sparse", FP8_DTYPE, 64, fp8=True, direct=True)
+    assert dict(params_for("sparse", FP8_DTYPE, 64, fp8=True, direct=True, wide=True)) == dict(
+        base
+    ) | {"wide": True}
+    for kwargs in ({"direct": False}, {"direct": True, "fused": True, "rope": "float32",
+                                       "positions": "int32"}):  # fmt: skip
+        with pytest.raises(ValueError, match="wide"):
+            params_for("sparse", FP8_DTYPE, 16, fp8=True, wide=True, **kwargs)
+    with pytest.raises(ValueError, match="wide"):
+        params_for("partial", "bfloat16", 16, direct=True, wide=True)
+    assert not any(dict(p).get("wide") for p in SPEC.standard_params())
+    wide = [p for p in SPEC.candidate_params() if dict(p).get("wide")]
+    assert set(wide) == set(wide_params()) and len(wide) == 4
+    with pytest.raises(ValueError, match="wide must be"):
+        with mla_launch.plan_form(wide="yes"):
+            pass
+
+
+@pytest.mark.parametrize("case", [LEAN_CASES[3], LEAN_CASES[4]], ids=["t128-h16", "t64-h128"])
+@pytest.mark.parametrize("lean", [False, True])
+def test_plan_form_takes_the_wide_compile(sparse_kernels, case, lean):
+    """plan_form(wide=True) on one-split plans: the direct key with `wide` (and `lean`), the
+    reference's result, the standard's bits (the replay's direct form: the same rounding of the
+    same fp32 products); an out whose rows are not 16-byte aligned takes the scalar direct form
+    (keyed apart: `narrow`); split plans ignore it."""
+    qn, qp, packed, idx = _fp8_problem(*case)
+    tokens, hq = case[0], case[1]
+    base, base_lse = op.dsa_sparse_attention(qn, qp, packed, None, idx, softmax_scale=SCALE,
+                                             return_lse=True)  # fmt: skip
+    out = torch.full((tokens, hq, LATENT), float("nan"), dtype=qn.dtype)
+    odd = torch.full((tokens, hq, LATENT + 1), float("nan"), dtype=qn.dtype)[..., 1:]
+    with mla_launch.plan_form(wide=True, lean=lean):
+        got, lse = op.dsa_sparse_attention(qn, qp, packed, None, idx, softmax_scale=SCALE,
+                                           out=out, return_lse=True)  # fmt: skip
+        narrow, _ = op.dsa_sparse_attention(qn, qp, packed, None, idx, softmax_scale=SCALE,
+                                            out=odd, return_lse=True)  # fmt: skip
+    want, want_lse = _fp8_want(qn, qp, packed, idx)
+    _assert_close(got, lse, want, want_lse, atol=2e-2 + float(want.abs().max()) * 2**-8)
+    assert torch.equal(got, base) and torch.equal(lse, base_lse) and torch.equal(narrow, base)
+    standard, wide, scalar = (p for p, _ in sparse_kernels)
+    assert standard["direct"] and "wide" not in standard and "lean" not in standard
+    assert wide == dict(standard, wide=True, **({"lean": True} if lean else {}))
+    assert scalar == dict(standard, **({"lean": True} if lean else {}))
+
+
+def test_wide_ignores_split_plans(sparse_kernels):
+    qn, qp, packed, idx = _fp8_problem(*LEAN_CASES[0])  # 32 splits of one tile
+    with mla_launch.plan_form(wide=True):
+        op.dsa_sparse_attention(qn, qp, packed, None, idx, softmax_scale=SCALE)
+    ((params, _),) = sparse_kernels
+    assert "wide" not in params and "direct" not in params
+
+
+def test_wide_bench_variants():
+    named = {name for name, forms in suite.PLAN_FORMS.items() if "wide" in forms}
+    assert named == {"t128-h16-p64-k2048-L32768-fp8", "t64-h128-p64-k2048-L8192-fp8"}
+    for name in named:
+        assert suite.PLAN_FORMS[name]["wide"] == {"wide": True}
+        assert suite.PLAN_FORMS[name]["lean_wide"] == {"lean": True, "wide": True}
+
+
+@pytest.mark.parametrize(
+    ("heads", "dtype", "fp8"),
+    [(64, FP8_DTYPE, True), (16, FP8_DTYPE, True), (64, "float16", False)],
+)
+def test_wide_sass(heads, dtype, fp8):
+    """The wide compile beside the standard direct one: the epilogue's 128 scalar 16-bit stores
+    a thread become 16 STG.E.128 at 64 heads, 4 at 16 (rows past G: none; after the staging's
+    32-bit shared stores and as many LDS.128), the
+    LSE's two STG.E stay; the mainloop's WGMMAs, barriers (one __syncthreads more), copies and
+    dequantization unchanged; registers within 4 of the standard's, no spills, the same dynamic
+    shared memory (the staging lies over the K stages)."""
+    from forgekernel.runtime.resources import find_tool
+
+    if find_tool("cuobjdump") is None:
+        pytest.skip("cuobjdump not found")
+    base = params_for("sparse", dtype, heads, fp8=fp8, direct=True)
+    res0, ops0, _ = _sass(base)
+    res, ops, _ = _sass(params_for("sparse", dtype, heads, fp8=fp8, direct=True, wide=True))
+    assert res["spill_bytes"] == res0["spill_bytes"] == 0 and ops["STL"] == ops["LDL"] == 0
+    assert res["registers"] <= res0["registers"] + 4 and res["smem_bytes"] == res0["smem_bytes"]
+    assert ops0["STG.E.U16"] == 128 and ops["STG.E.U16"] == 0
+    vectors = heads * (LATENT // 8) // 256  # a thread's 16-byte vectors of the G rows
+    assert ops["STG.E.128"] == vectors and ops["STG.E"] == ops0["STG.E"] == 2
+    assert ops["LDS.128"] == ops0["LDS.128"] + vectors
+    assert ops["BAR.SYNC.DEFER_BLOCKING"] == ops0["BAR.SYNC.DEFER_BLOCKING"] + 1
+    same = ("HGMMA.64", "WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR.LE", "BAR.ARV",
+            "LDGSTS.E.BYPASS.128", "STSM.16.M88.4", "LDGDEPBAR", "HMUL2.BF16_V2")  # fmt: skip
+    for name in same:
+        assert ops[name] == ops0[name], name

@@ -5,7 +5,10 @@ token, rows of -1 only, page size 1, 24 heads in blocks of 8, the bench's three 
 length) against the fp32 reference on the dequantized latent (the suite's criterion), with
 NaN-poisoned outputs; bit for bit the standard compile's out and LSE (the form moves loads and
 prefetches, not arithmetic); -1 padding never reading a cache row (a page of NaN bytes in front);
-a CUDA graph replayed on new lists."""
+a CUDA graph replayed on new lists. The sparse direct pass's `wide` form (plan_form(wide=True):
+O staged in shared memory, 16-byte stores), alone and with `lean`: one-split plans at 16 / 64 / 8
+heads a CTA, FP8 and 16-bit caches, a sink, bit for bit the scalar direct form, and the scalar
+form taken for an out whose rows are not 16-byte aligned."""
 
 from __future__ import annotations
 
@@ -108,3 +111,53 @@ def test_lean_in_a_cuda_graph():
     low, _ = dsa_sparse.low_precision(inputs)
     bound = 2 * float((low.float() - want).abs().max()) + 1e-3
     assert float((out.float() - want).abs().max()) <= bound
+
+
+# the sparse direct pass's `wide` form (plan_form(wide=True)): one-split plans, FP8 and 16-bit,
+# 16 / 64 / 8 heads a CTA
+WIDE = [
+    (_case(128, 16, 64, 4096, cache="fp8"), torch.bfloat16),
+    (_case(64, 128, 64, 4096, pad="scattered", cache="fp8"), torch.bfloat16),
+    (_case(64, 128, 64, 4096), torch.float16),
+    (_case(128, 16, 1, 3000, cache="split"), torch.bfloat16),
+    (_case(512, 24, 64, 4096, prefill=True, pad="scattered", cache="fp8"), torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("lean", [False, True])
+@pytest.mark.parametrize(("case", "dtype"), WIDE, ids=lambda c: getattr(c, "name", str(c)))
+def test_wide_is_the_direct_form_bit_for_bit(case, dtype, lean):
+    """O staged and stored by 16-byte vectors: the reference's result (NaN-poisoned out) and
+    the scalar direct form's bits; an out whose rows are 2 bytes off 16 takes the scalar form
+    (the same bits)."""
+    if lean and case.params["cache"] != "fp8":
+        pytest.skip("lean: FP8 caches only")
+    inputs = _inputs(case, dtype, seed=3)
+    base = _run(inputs)
+    with launch.plan_form(wide=True, lean=lean):
+        out, lse = _run(inputs)
+        q = inputs["q"]
+        odd = torch.full((*q.shape[:2], 513), float("nan"), device="cuda", dtype=q.dtype)[..., 1:]
+        op.dsa_sparse_attention(q[..., :512], q[..., 512:], inputs["ckv"], inputs["kpe"],
+                                inputs["idx"], softmax_scale=SCALE, out=odd)  # fmt: skip
+    _check(inputs, out, lse)
+    assert torch.equal(out, base[0]) and torch.equal(lse, base[1])
+    assert torch.equal(odd, base[0])
+
+
+def test_wide_with_a_sink():
+    """The sink form's wide compile (compiled at the call): the scalar sink form's bits."""
+    inputs = _inputs(_case(128, 16, 64, 4096, cache="fp8"), torch.bfloat16, seed=5)
+    q = inputs["q"]
+    sink = torch.randn(16, device="cuda", dtype=torch.float32)
+
+    def call():
+        out = torch.full((*q.shape[:2], 512), float("nan"), device="cuda", dtype=q.dtype)
+        op.dsa_sparse_attention(q[..., :512], q[..., 512:], inputs["ckv"], None, inputs["idx"],
+                                softmax_scale=SCALE, attn_sink=sink, out=out)  # fmt: skip
+        return out
+
+    base = call()
+    with launch.plan_form(wide=True):
+        out = call()
+    assert torch.isfinite(out).all() and torch.equal(out, base)

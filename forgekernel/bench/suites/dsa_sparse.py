@@ -214,9 +214,13 @@ def run_ours(inputs: Inputs, out):
 # "The direct form of decode.py's pass"). lean (candidate: the sparse FP8 pass's `lean` compile,
 # plan_form(lean=True)): the two weakest cases against FlashMLA, the median's case, and t1 as the
 # control (one tile a split: the loop's issue never runs; predicted ~1.00x); lean_far its
-# prefetch two tiles ahead: MLA_NOTES, "DSA FP8: the issue's chain".
+# prefetch two tiles ahead: MLA_NOTES, "DSA FP8: the issue's chain". wide (candidate,
+# plan_form(wide=True)): the one-split plans' O staged and stored by 16-byte vectors, alone and
+# with lean (lean_wide).
 LEAN = {"lean": True}
 LEAN_FAR = {"lean": "far"}
+WIDE = {"wide": True}
+LEAN_WIDE = {"lean": True, "wide": True}
 PLAN_FORMS = {
     "t1-h16-p64-k2048-L32768-fp8": {
         "per2": {"per_tiles": 2},
@@ -230,11 +234,15 @@ PLAN_FORMS = {
         "split1": {"direct": False},
         "lean": LEAN,
         "lean_far": LEAN_FAR,
+        "wide": WIDE,
+        "lean_wide": LEAN_WIDE,
     },
     "t64-h128-p64-k2048-L8192-fp8": {
         "split1": {"direct": False},
         "lean": LEAN,
         "lean_far": LEAN_FAR,
+        "wide": WIDE,
+        "lean_wide": LEAN_WIDE,
     },
 }
 

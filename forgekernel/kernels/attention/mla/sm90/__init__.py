@@ -166,17 +166,28 @@ def lean_params() -> list[Params]:
     ]
 
 
+def wide_params() -> list[Params]:
+    """The sparse direct pass's `wide` form (candidate, `plan_form(wide=True)`): the bench's
+    one-split FP8 blocks (t128-h16: 16 heads, t64-h128: 64), alone and with `lean`."""
+    return [
+        params_for("sparse", FP8_DTYPE, h, fp8=True, direct=True, lean=lean, wide=True)
+        for h in LEAN_HEADS
+        for lean in (False, True)
+    ]
+
+
 def _candidate_params() -> list[Params]:
     """The per-call work list's pass and scheduling kernels (`build --candidates`), the
     builds without PDL of the bench's variant `no_pdl` (`no_pdl_params`), the seesaw pass's
-    gather form (`gather_params`) and DSA's FP8 `lean` form (`lean_params`)."""
+    gather form (`gather_params`) and DSA's FP8 `lean` and `wide` forms (`lean_params`,
+    `wide_params`)."""
     passes = [
         params_for("partial", dtype, h, qt, tma=True, worklist=True)
         for dtype in DTYPES
         for h, qt in WORKLIST_BLOCKS
     ]
     lists = [params_for("worklist", "bfloat16", qtokens=qt) for qt in QTOKENS]
-    return passes + lists + no_pdl_params() + gather_params() + lean_params()
+    return passes + lists + no_pdl_params() + gather_params() + lean_params() + wide_params()
 
 
 def no_pdl_params() -> list[Params]:
