@@ -211,12 +211,39 @@ def run_ours(inputs: Inputs, out):
 # 16 tokens 8 splits (per2: 1.121x), 128 tokens one split (per16, two: 1.038x). MLA_NOTES
 # "DSA's plan forms". split1: the one-split plans of t128-h16 and t64-h128 on the partial pass
 # + the combine (plan_form(direct=False)), the A/B of the sparse pass's direct form (MLA_NOTES,
-# "The direct form of decode.py's pass").
+# "The direct form of decode.py's pass"). lean (candidate: the sparse FP8 pass's `lean` compile,
+# plan_form(lean=True)): the two weakest cases against FlashMLA, the median's case, and t1 as the
+# control (one tile a split: the loop's issue never runs; predicted ~1.00x); lean_far its
+# prefetch two tiles ahead: MLA_NOTES, "DSA FP8: the issue's chain". wide (candidate,
+# plan_form(wide=True)): the one-split plans' O staged and stored by 16-byte vectors, alone and
+# with lean (lean_wide).
+LEAN = {"lean": True}
+LEAN_FAR = {"lean": "far"}
+WIDE = {"wide": True}
+LEAN_WIDE = {"lean": True, "wide": True}
 PLAN_FORMS = {
-    "t1-h16-p64-k2048-L32768-fp8": {"per2": {"per_tiles": 2}, "per4": {"per_tiles": 4}},
+    "t1-h16-p64-k2048-L32768-fp8": {
+        "per2": {"per_tiles": 2},
+        "per4": {"per_tiles": 4},
+        "lean": LEAN,
+    },
     "t16-h16-p64-k2048-L32768-fp8": {"per2": {"per_tiles": 2}},
-    "t128-h16-p64-k2048-L32768-fp8": {"per16": {"per_tiles": 16}, "split1": {"direct": False}},
-    "t64-h128-p64-k2048-L8192-fp8": {"split1": {"direct": False}},
+    "t64-h16-p64-k2048-L32768-fp8": {"lean": LEAN, "lean_far": LEAN_FAR},
+    "t128-h16-p64-k2048-L32768-fp8": {
+        "per16": {"per_tiles": 16},
+        "split1": {"direct": False},
+        "lean": LEAN,
+        "lean_far": LEAN_FAR,
+        "wide": WIDE,
+        "lean_wide": LEAN_WIDE,
+    },
+    "t64-h128-p64-k2048-L8192-fp8": {
+        "split1": {"direct": False},
+        "lean": LEAN,
+        "lean_far": LEAN_FAR,
+        "wide": WIDE,
+        "lean_wide": LEAN_WIDE,
+    },
 }
 
 

@@ -149,17 +149,45 @@ def gather_params() -> list[Params]:
     return keys
 
 
+# DSA's sparse pass over an FP8 cache in its `lean` form (candidate, FORGEKERNEL_MLA_LEAN=1): the
+# bench's FP8 blocks (16 heads a CTA: t1 .. t128 at 16 heads; 64: t64-h128), partial (split plans)
+# and direct (one split)
+LEAN_HEADS = (16, 64)
+
+
+def lean_params() -> list[Params]:
+    """The `lean` form's candidate keys (`build --candidates`): its prefetch one tile ahead
+    (True) and two ("far")."""
+    return [
+        params_for("sparse", FP8_DTYPE, h, fp8=True, direct=direct, lean=lean)
+        for lean in (True, "far")
+        for h in LEAN_HEADS
+        for direct in (False, True)
+    ]
+
+
+def wide_params() -> list[Params]:
+    """The sparse direct pass's `wide` form (candidate, `plan_form(wide=True)`): the bench's
+    one-split FP8 blocks (t128-h16: 16 heads, t64-h128: 64), alone and with `lean`."""
+    return [
+        params_for("sparse", FP8_DTYPE, h, fp8=True, direct=True, lean=lean, wide=True)
+        for h in LEAN_HEADS
+        for lean in (False, True)
+    ]
+
+
 def _candidate_params() -> list[Params]:
     """The per-call work list's pass and scheduling kernels (`build --candidates`), the
-    builds without PDL of the bench's variant `no_pdl` (`no_pdl_params`) and the seesaw pass's
-    gather form (`gather_params`)."""
+    builds without PDL of the bench's variant `no_pdl` (`no_pdl_params`), the seesaw pass's
+    gather form (`gather_params`) and DSA's FP8 `lean` and `wide` forms (`lean_params`,
+    `wide_params`)."""
     passes = [
         params_for("partial", dtype, h, qt, tma=True, worklist=True)
         for dtype in DTYPES
         for h, qt in WORKLIST_BLOCKS
     ]
     lists = [params_for("worklist", "bfloat16", qtokens=qt) for qt in QTOKENS]
-    return passes + lists + no_pdl_params() + gather_params()
+    return passes + lists + no_pdl_params() + gather_params() + lean_params() + wide_params()
 
 
 def no_pdl_params() -> list[Params]:

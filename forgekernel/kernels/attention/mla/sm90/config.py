@@ -165,6 +165,8 @@ def params_for(
     neox: bool = False,
     gather: bool = False,
     unfenced: bool = False,
+    lean: bool | str = False,
+    wide: bool = False,
 ) -> tuple:
     """Compile key: kind "partial" (one split of `heads` query heads x `qtokens` tokens, fp32
     out; qtokens > 1 the packed form with cu_seqlens_q), "sparse" (DSA: one split of one query
@@ -189,6 +191,14 @@ def params_for(
     gather (candidate; tma only, no pair or work list): the seesaw pass over pages that are not
     whole tiles (page_size % TILE != 0), each chunk's rows gathered by cp.async (seesaw.py);
     unfenced (gather only): its diagnostic build without the proxy fences after the chunk waits.
+    lean (candidate; the sparse pass over an FP8 cache): warpgroup 1's issue of a tile's bytes
+    first after the stage's release, the L2 prefetch of the tile after it by per-thread line
+    prefetches behind it (its list entry loaded a turn early), the RoPE rows' page / slot by
+    the fast divisor (decode.py `_load_wg_staged`; MLA_NOTES.md, "DSA FP8: the issue's chain");
+    "far": the same with the prefetch two tiles ahead of the issue instead of one (keyed 2).
+    wide (candidate; the sparse direct pass, not fused): O in q's dtype staged in shared memory
+    over the K stages and stored by 16-byte vectors (the seesaw's `ostore`, for decode.py's
+    pass; out's rows 16-byte aligned: the compile assumes it).
     sink (the sparse direct pass): out x sigmoid(lse - attn_sink[h]) in the epilogue. fused
     (the sparse direct pass, 16-bit or with fp8 over FlashMLA's FP8 cache, bf16 q; the fused
     DSA prefill): q_pe rotated at the token's
@@ -224,6 +234,12 @@ def params_for(
         raise ValueError("gather is a form of the seesaw (tma) pass, without pair or work list")
     if unfenced and not gather:
         raise ValueError("unfenced is a form of the gather pass")
+    if wide and not (kind == "sparse" and direct and not fused):
+        raise ValueError("wide is a form of the sparse direct pass (not the fused one)")
+    if lean not in (False, True, "far"):
+        raise ValueError(f"lean must be False, True or 'far', got {lean!r}")
+    if lean and not (kind == "sparse" and fp8):
+        raise ValueError("lean is a form of the sparse pass over an FP8 cache")
     if (sink or fused) and not (kind == "sparse" and direct):
         raise ValueError("sink and fused are forms of the sparse direct pass")
     if fused != (rope is not None and positions is not None):
@@ -255,6 +271,10 @@ def params_for(
         keys["gather"] = True
     if unfenced:
         keys["unfenced"] = True
+    if lean:  # the prefetch's distance in tiles (an int: keys sort among themselves)
+        keys["lean"] = 2 if lean == "far" else True
+    if wide:
+        keys["wide"] = True
     if sink:
         keys["sink"] = True
     if fused:

@@ -26,7 +26,11 @@ side-by-side timing and the GPU tests' comparison (the same bits).
 
 FP8 caches' bytes go by cp.async into their own stage and are dequantized there in place a turn
 later (decode.py; 0.873-0.943x the register form's time on dsa_sparse's FP8 cases, H200
-2026-12-03 06:21, which was then dropped: MLA_NOTES.md).
+2026-12-03 06:21, which was then dropped: MLA_NOTES.md). FORGEKERNEL_MLA_LEAN=1 (candidate, read
+when a problem's plan is first built) or `plan_form(lean=True)`: DSA's sparse pass over an FP8
+cache takes its `lean` compile (the tile's issue first after the stage's release, the L2
+prefetch by per-thread lines behind it: MLA_NOTES.md, "DSA FP8: the issue's chain"); "far" (the
+variable's value or plan_form's) the same with the prefetch two tiles ahead.
 
 `plan_form` fixes a plan's tiles per split and / or heads per CTA for the calls inside, or keeps
 a one-split plan off the direct form (keyed apart): launcher-only candidates, timed by the
@@ -85,9 +89,10 @@ from forgekernel.runtime.plans import PlanCache, overriding
 from forgekernel.runtime.scratch import scratch, scratches
 
 _plans = PlanCache()
-# `plan_form`'s (tiles per split or None, heads per CTA or None, work list, direct form), else
-# None (in plan keys)
-_plan_form: list[tuple[int | None, int | None, bool, bool, bool | str] | None] = [None]
+# `plan_form`'s (tiles per split or None, heads per CTA or None, work list, direct form, gather,
+# lean, wide), else None (in plan keys)
+_Form = tuple[int | None, int | None, bool, bool, bool | str, bool | str, bool]
+_plan_form: list[_Form | None] = [None]
 
 
 def _flag(env: str, default: str) -> bool:
@@ -131,6 +136,36 @@ def gather_mode() -> str | None:
     return GATHER_MODES[flag]
 
 
+LEAN_MODES = {"0": False, "1": True, "far": "far"}
+
+
+def lean_mode() -> bool | str:
+    """Whether DSA's sparse pass over an FP8 cache takes its `lean` compile (candidate:
+    FORGEKERNEL_MLA_LEAN=1, or "far" its prefetch two tiles ahead; "0", the default: False),
+    read when a problem's plan is first built."""
+    flag = os.environ.get("FORGEKERNEL_MLA_LEAN", "0")
+    if flag not in LEAN_MODES:
+        raise ValueError(f"FORGEKERNEL_MLA_LEAN must be '0', '1' or 'far', got {flag!r}")
+    return LEAN_MODES[flag]
+
+
+def _lean(kind: str, fp8: bool, form) -> bool | str:
+    """The `lean` compile key's value of a plan (False: the standard compile): the sparse pass
+    over an FP8 cache with `plan_form(lean=...)` or FORGEKERNEL_MLA_LEAN (SCHEDULED, a paged
+    form, has no 6th field)."""
+    if not (kind == "sparse" and fp8):
+        return False
+    wanted = form[5] if form is not None and len(form) > 5 else False
+    return wanted or lean_mode()
+
+
+def _wide(kind: str, form) -> bool:
+    """Whether a direct plan takes the `wide` compile (candidate, `plan_form(wide=True)`): the
+    sparse pass's O staged and stored by 16-byte vectors (out's rows 16-byte aligned: the caller
+    checks, `_wide_rows`)."""
+    return kind == "sparse" and form is not None and len(form) > 6 and form[6]
+
+
 def ostore_enabled() -> bool:
     """Direct plans of the OSTORE_BLOCKS take the `ostore` compile where out's rows are 16-byte
     aligned (unless FORGEKERNEL_MLA_OSTORE=0)."""
@@ -144,6 +179,8 @@ def plan_form(
     worklist: bool = False,
     direct: bool = True,
     gather: bool | str = False,
+    lean: bool | str = False,
+    wide: bool = False,
 ) -> Iterator[None]:
     """The calls inside take `per_tiles` tiles per split (seesaw plans: 16-bit caches of
     whole-tile pages; DSA's sparse plans: TILE top-k positions a tile) and / or `heads` query
@@ -155,7 +192,14 @@ def plan_form(
     keeps the partial pass and the combine (as FORGEKERNEL_MLA_DIRECT=0, keyed apart: the
     bench's A/B of the direct forms in one process). gather: 16-bit caches whose pages are not
     whole tiles take the seesaw pass's `gather` form (True, as FORGEKERNEL_MLA_GATHER=1;
-    "unfenced" its diagnostic build)."""
+    "unfenced" its diagnostic build). lean: DSA's sparse pass over an FP8 cache takes its
+    `lean` compile (as FORGEKERNEL_MLA_LEAN=1; "far": its prefetch two tiles ahead; other calls
+    ignore it). wide: DSA's sparse direct plans take the `wide` compile (O staged in shared
+    memory, 16-byte stores) where out's rows are 16-byte aligned (the scalar stores elsewhere)."""
+    if lean not in (False, True, "far"):
+        raise ValueError(f"lean must be False, True or 'far', got {lean!r}")
+    if wide not in (False, True):
+        raise ValueError(f"wide must be False or True, got {wide!r}")
     if gather not in (False, True, "unfenced"):
         raise ValueError(f"gather must be False, True or 'unfenced', got {gather!r}")
     if worklist and per_tiles is not None:
@@ -164,7 +208,7 @@ def plan_form(
         raise ValueError(f"heads must be one of {config.HEADS}, got {heads}")
     if per_tiles is not None and per_tiles < 1:
         raise ValueError(f"per_tiles must be >= 1, got {per_tiles}")
-    with overriding(_plan_form, (per_tiles, heads, worklist, direct, gather)):
+    with overriding(_plan_form, (per_tiles, heads, worklist, direct, gather, lean, wide)):
         yield
 
 
@@ -256,10 +300,13 @@ def _plan(
     if config.runs_direct(splits, heads, qtokens, kind == "sparse") and direct:
         # (decode.py's passes have no PDL build: their key as the partial pass's)
         ostore = tma and not narrow and config.runs_ostore(heads, qtokens) and ostore_enabled()
+        wide = not narrow and _wide(kind, form)
         params = config.params_for(kind, name, heads, qtokens, fp8, tma, direct=True,
                                    ostore=ostore, sink=sink, gather=gather,
-                                   unfenced=unfenced)  # fmt: skip
-        return get_kernel(SPEC, pdl.key(params, on or not tma)), None, splits, per, ostore, None
+                                   unfenced=unfenced, lean=_lean(kind, fp8, form),
+                                   wide=wide)  # fmt: skip
+        kernel = get_kernel(SPEC, pdl.key(params, on or not tma))
+        return kernel, None, splits, per, ostore or wide, None
     if kind == "partial" and (form is None or form[0] is None):
         # the passes spread each unit's own keys over the splits (decode.py, seesaw.py), at
         # least this many a split: the width's per would leave a short sequence in a table
@@ -281,7 +328,7 @@ def _plan(
         return partial, combine, splits, per, False, worklist
     combine = _combine(name, on, units * qtokens * hq)
     params = config.params_for(kind, name, heads, qtokens, fp8, tma, gather=gather,
-                               unfenced=unfenced)  # fmt: skip
+                               unfenced=unfenced, lean=_lean(kind, fp8, form))  # fmt: skip
     partial = get_kernel(SPEC, pdl.key(params, on or not tma))  # decode.py's: no PDL build
     return partial, combine, splits, per, False, None
 
@@ -494,7 +541,10 @@ def dsa_sparse_attention(
     sink = attn_sink is not None
     key = ("sparse", q_nope.dtype, tokens, hq, topk, 1, device.index, ckv_scale is not None, 1,
            _plan_form[0], forced_key(), False, sink)  # fmt: skip
-    partial, combine, splits, per, _, _ = _plans.get_or_build(key, _plan)
+    plan = _plans.get_or_build(key, _plan)
+    if plan[4] and not _wide_rows(out):  # the `wide` compile's 16-byte stores: not this out
+        plan = _plans.get_or_build((*key[:11], True, sink), _plan)
+    partial, combine, splits, per, _, _ = plan
     with on_device(device):
         # the direct form (combine None, a plan of one split) writes out and lse itself, and
         # takes a sink in seqlens_k's slot
