@@ -56,10 +56,18 @@ SMALL = ConvConfig(tile_n=128)
 NARROW = ConvConfig(tile_n=64)
 BASE_CONFIGS = (SQUARE, LARGE, SMALL, NARROW)
 STANDARD_CONFIGS = BASE_CONFIGS + tuple(replace(c, split=True) for c in BASE_CONFIGS)
+# The K = 128 conv3d layers' candidate (docs/conv/NOTES.md, "256 x 128 for the K = 128 conv3d
+# layers"): SQUARE's output channels on twice its rows, so that a ring stage carries 128x256's
+# 1024 tensor cycles (two m64 atoms a consumer warpgroup) and the per-stage cost is paid half as
+# often per FLOP; the epilogue ring 2 deep (2 x 16 KB, 128x256's bytes) leaves 4 AB stages of
+# 48 KB. Opt-in: conv_fwd's bench variant `m256`, the GPU tests' every-tile checks (through
+# CANDIDATES); not in BASE_CONFIGS, never chosen, not among the standard builds.
+TALL = ConvConfig(tile_m=256, tile_n=128, cluster_m=2, epi_stages=2)
 CANDIDATES = (
     ConvConfig(tile_n=256),
     ConvConfig(tile_m=64, tile_n=128),
     ConvConfig(tile_n=128, cluster_n=2),
+    TALL,
 )
 # Tile efficiency relative to LARGE at full occupancy (the GEMM's H200 figures, 8192^3 class).
 _EFFICIENCY = {LARGE: 1.0, SQUARE: 0.93, SMALL: 0.9, NARROW: 0.8}
