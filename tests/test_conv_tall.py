@@ -56,7 +56,9 @@ def test_the_tall_tile_is_a_candidate_only():
     assert all(dict(p)["tile_m"] <= 128 for p in SPEC.standard_params())
 
 
-@pytest.mark.parametrize("n, z, p, q", [(1, 1, 64, 64), (2, 3, 17, 9), (1, 2, 33, 40), (1, 1, 1, 1)])
+@pytest.mark.parametrize(
+    "n, z, p, q", [(1, 1, 64, 64), (2, 3, 17, 9), (1, 2, 33, 40), (1, 1, 1, 1)]
+)
 @pytest.mark.parametrize("rq", [8, 16])
 def test_256_pixel_rectangles_cover_every_output_pixel_once(n, z, p, q, rq):
     seen = torch.zeros(n, z, p, q, dtype=torch.int64)
