@@ -145,7 +145,8 @@ def test_the_tall_tile_through_the_launcher_is_torchs_convolution(model_kernel, 
 
 
 def test_the_bench_variants_sit_on_their_cases():
-    """`m256` on the three K = 128 conv3d cases, `epi64` on the four 128x256 ones below 1.07x,
+    """`m256` / `m256e64` on the three K = 128 conv3d cases, `epi64` on the four 128x256 ones
+    below 1.07x,
     each with the `launcher` control; nowhere else; the real problems' plans as the NOTES
     section counts them (1024 tiles of 256x128 on rectangles 8 wide; the launcher's own
     128x256 plan but for the epilogue)."""
@@ -154,7 +155,7 @@ def test_the_bench_variants_sit_on_their_cases():
     for case in conv_fwd.BENCH_CASES:
         runs = conv_fwd.variants(case)
         want = set(conv_fwd.CONV3D_CANDIDATES.get(case.name, {}))
-        assert ({"m256", "epi64"} & set(runs)) == want, case.name
+        assert ({"m256", "m256e64", "epi64"} & set(runs)) == want, case.name
         if want:
             assert "launcher" in runs
     bf = torch.bfloat16
@@ -171,8 +172,9 @@ def test_the_bench_variants_sit_on_their_cases():
             plan = launch._choose(bf, False, m, p["k"], p["c"], taps, None, given, False,
                                   pixels, True, False)[2]  # fmt: skip
             assert plan.parts == 1 and plan.rect == 8 == chosen.rect
-            if variant == "m256":
-                assert chosen.config == SQUARE and plan.config == TALL
+            if variant.startswith("m256"):
+                assert chosen.config == SQUARE
+                assert replace(plan.config, epi_n=32, epi_stages=2) == TALL
                 assert plan.tiles == m // 256 and plan.per_split == taps * p["c"] // 64
             else:
                 assert chosen.config == LARGE and plan.config.epi_n == 64
@@ -202,7 +204,7 @@ CHECKED = {
     "128x64": NARROW,
     "64x128": CANDIDATES[1],
     "256x128": TALL,
-    "256x128-epi64": replace(TALL, epi_n=64),
+    "256x128-epi64": replace(TALL, epi_n=64, epi_stages=1),
     "128x256-epi64": replace(LARGE, epi_n=64, epi_stages=2),
 }
 
@@ -277,13 +279,18 @@ def _build(params, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(
     "params",
-    [params_for("bfloat16", True, TALL, rect=8), params_for("float16", False, TALL)],
-    ids=["256x128-bias-r8", "256x128-im2col"],
+    [
+        params_for("bfloat16", True, TALL, rect=8),
+        params_for("float16", False, TALL),
+        params_for("bfloat16", False, replace(TALL, epi_n=64, epi_stages=1), rect=8),
+    ],
+    ids=["256x128-bias-r8", "256x128-im2col", "256x128-epi64-r8"],
 )
 def test_the_tall_builds_have_no_spills_and_fit(params, tmp_path, monkeypatch):
     """168 registers at entry (setmaxnreg 40 / 232: two consumer warpgroups, as every standard
     build), no local memory, 4 AB stages of 48 KB and a 2 x 16 KB epilogue ring in shared
-    memory, twice SQUARE's HGMMA.64x128x16 a k-tile (two m64 atoms a warpgroup)."""
+    memory (1 x 32 KB with 256 x 64 sub-tiles), twice SQUARE's HGMMA.64x128x16 a k-tile (two
+    m64 atoms a warpgroup)."""
     from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY
 
     sass, found, kernel = _build(params, tmp_path, monkeypatch)

@@ -1,6 +1,7 @@
 """The conv3d forward candidates of docs/conv/NOTES.md "256 x 128 for the K = 128 conv3d layers"
 on the GPU against the fp64 reference: config.TALL (256x128 c2x1, two m64 atoms a consumer
-warpgroup; bench variant `m256`) and 128x256 c2x1 with a 64-column epilogue (`epi64`), on
+warpgroup; bench variant `m256`; `m256e64` with 256 x 64 epilogue sub-tiles) and 128x256 c2x1
+with a 64-column epilogue (`epi64`), on
 awkward 3-D problems (odd T / H / W, padding, dilation, stride 2, C and K off the tile, bias),
 into a channel slice of a NaN-poisoned wider buffer, on each walk the launcher gives them
 (rectangles at stride 1, the im2col walk otherwise); then on a suite-like K = 128 layer at
@@ -24,7 +25,7 @@ from forgekernel.reference.conv import conv_ref
 pytestmark = pytest.mark.gpu
 op = importlib.import_module("forgekernel.ops.conv")
 EPI64 = replace(LARGE, epi_n=64, epi_stages=2)
-CONFIGS = {"m256": TALL, "epi64": EPI64}
+CONFIGS = {"m256": TALL, "m256e64": replace(TALL, epi_n=64, epi_stages=1), "epi64": EPI64}
 
 
 def rnd(*shape, gen=None):
@@ -68,7 +69,12 @@ def test_candidate_on_awkward_3d_problems(name, shape):
 
 @pytest.mark.parametrize(
     "name, c, k, f",
-    [("m256", 128, 128, (3, 3, 3)), ("m256", 128, 128, (1, 3, 3)), ("epi64", 128, 256, (3, 3, 3))],
+    [
+        ("m256", 128, 128, (3, 3, 3)),
+        ("m256", 128, 128, (1, 3, 3)),
+        ("m256e64", 128, 128, (3, 3, 3)),
+        ("epi64", 128, 256, (3, 3, 3)),
+    ],
 )
 def test_candidate_equals_the_standard_plan_on_a_suite_layer(name, c, k, f):
     """n1 x 4 x 64 x 64 (the suite's planes, 4 output planes): the launcher's own plan and the

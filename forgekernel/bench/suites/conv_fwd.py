@@ -79,12 +79,17 @@ CANDIDATES = {"n32-c512-7x7-k512-3x3": M1568, "n32-c512-14x14-k512-3x3-s2": M156
 # The conv3d cases below 1.07x cuDNN on 2026-12-05 04:26 (docs/conv/NOTES.md, "256 x 128 for the
 # K = 128 conv3d layers"): `m256`, the K = 128 layers on config.TALL (256x128 c2x1, rectangles
 # 8 x 32: 1024 tiles, 8 rounds of 54 / 18 k-tiles, a stage 1024 tensor cycles) instead of
-# SQUARE's 128x128 (2048 tiles, 16 rounds, 512); `epi64`, the 128x256 c2x1 layers' own plan
-# with the epilogue in 4 sub-tiles of 128 x 64 (a 2-deep ring of 16 KB: the same bytes, 4 AB
-# stages) instead of 8 of 128 x 32 (half the named-barrier rounds a tile). Both unsplit on
-# rectangles 8 wide, as the launcher's plan; variant / `launcher` <= 0.96 in both timings
-# adopts (the section's rule).
-M256 = {"m256": L.split_plan(TALL, 0, 8)}
+# SQUARE's 128x128 (2048 tiles, 16 rounds, 512), and `m256e64` with its epilogue in 2 sub-tiles
+# of 256 x 64 through a 1-deep ring of 32 KB (4 AB stages still); `epi64`, the 128x256 c2x1
+# layers' own plan with the epilogue in 4 sub-tiles of 128 x 64 (a 2-deep ring of 16 KB: the
+# same bytes, 4 AB stages) instead of 8 of 128 x 32. The 64-column sub-tiles store each output
+# pixel's channels as one 128-byte row instead of two 64-byte ones, with half the named-barrier
+# rounds a tile. All unsplit on rectangles 8 wide, as the launcher's plan; variant / `launcher`
+# <= 0.96 in both timings adopts (the section's rule).
+M256 = {
+    "m256": L.split_plan(TALL, 0, 8),
+    "m256e64": L.split_plan(replace(TALL, epi_n=64, epi_stages=1), 0, 8),
+}
 EPI64 = {"epi64": L.split_plan(replace(LARGE, epi_n=64, epi_stages=2), 0, 8)}
 CONV3D_CANDIDATES = {
     "n4-c128-16x64x64-k128-3x3x3": M256,
