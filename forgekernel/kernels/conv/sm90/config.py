@@ -116,12 +116,17 @@ K_TILE = 64  # the reduction's k-tile (channels of a tap; pixels for the weight 
 
 
 def params_for(
-    dtype: str, bias: bool, cfg: ConvConfig, dgrad: bool = False, rect: int = 0
-) -> tuple:
+    dtype: str, bias: bool, cfg: ConvConfig, dgrad: bool = False, rect: int = 0,
+    overlap: bool = False,
+) -> tuple:  # fmt: skip
     """The compile key's baked-in part, as a sorted tuple of (name, value); `dgrad`: the
     data-gradient mode (kernel.py: W read N-major, taps reversed; no bias); `rect`: the
-    stride-1 output rectangles' width (0: the im2col walk; geometry.RECT_WIDTHS)."""
+    stride-1 output rectangles' width (0: the im2col walk; geometry.RECT_WIDTHS); `overlap`
+    (opt-in, in the key only when set): each tile's epilogue during the next tile's mainloop
+    (kernel.py `_consume_overlap`)."""
     key = {"dtype": dtype, "bias": bias, "dgrad": dgrad, "rect": rect, **asdict(cfg)}
+    if overlap:
+        key["overlap"] = True
     return tuple(sorted(key.items()))
 
 
@@ -140,6 +145,7 @@ class SplitPlan:
     parts: int
     tiles: int
     rect: int = 0  # the forward's stride-1 output rectangles' width (0: the im2col walk)
+    overlap: bool = False  # each tile's epilogue during the next's mainloop (opt-in builds)
 
     @property
     def workspace_floats(self) -> int:
