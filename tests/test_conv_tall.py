@@ -145,8 +145,8 @@ def test_the_tall_tile_through_the_launcher_is_torchs_convolution(model_kernel, 
 
 
 def test_the_bench_variants_sit_on_their_cases():
-    """`m256` / `m256e64` on the three K = 128 conv3d cases, `epi64` on the four 128x256 ones
-    below 1.07x,
+    """`m256` / `m256e64` / `ovl` on the three K = 128 conv3d cases, `epi64` on the four
+    128x256 ones below 1.07x,
     each with the `launcher` control; nowhere else; the real problems' plans as the NOTES
     section counts them (1024 tiles of 256x128 on rectangles 8 wide; the launcher's own
     128x256 plan but for the epilogue)."""
@@ -155,7 +155,7 @@ def test_the_bench_variants_sit_on_their_cases():
     for case in conv_fwd.BENCH_CASES:
         runs = conv_fwd.variants(case)
         want = set(conv_fwd.CONV3D_CANDIDATES.get(case.name, {}))
-        assert ({"m256", "m256e64", "epi64"} & set(runs)) == want, case.name
+        assert ({"m256", "m256e64", "ovl", "epi64"} & set(runs)) == want, case.name
         if want:
             assert "launcher" in runs
     bf = torch.bfloat16
@@ -172,7 +172,10 @@ def test_the_bench_variants_sit_on_their_cases():
             plan = launch._choose(bf, False, m, p["k"], p["c"], taps, None, given, False,
                                   pixels, True, False)[2]  # fmt: skip
             assert plan.parts == 1 and plan.rect == 8 == chosen.rect
-            if variant.startswith("m256"):
+            assert plan.overlap == (variant == "ovl")
+            if variant == "ovl":
+                assert chosen.config == SQUARE == plan.config and plan.tiles == chosen.tiles
+            elif variant.startswith("m256"):
                 assert chosen.config == SQUARE
                 assert replace(plan.config, epi_n=32, epi_stages=2) == TALL
                 assert plan.tiles == m // 256 and plan.per_split == taps * p["c"] // 64
@@ -187,14 +190,71 @@ def test_the_kernel_refuses_what_the_tall_tile_is_not_built_for():
     from forgekernel.kernels.conv.sm90.kernel import ConvFpropSm90
 
     assert ConvFpropSm90(TALL).num_mma_wg == 2
+    assert ConvFpropSm90(SQUARE, overlap=True).overlap
     for cfg, kw in (
         (replace(TALL, split=True), {}),
         (TALL, {"dgrad": True}),
         (replace(TALL, tile_n=256), {}),
         (replace(TALL, tile_m=192), {}),
+        (TALL, {"overlap": True}),  # two 128-register accumulators
+        (LARGE, {"overlap": True}),
+        (replace(SQUARE, split=True), {"overlap": True}),
+        (SQUARE, {"overlap": True, "dgrad": True}),
+        (SQUARE, {"overlap": True, "trigger": "late"}),
     ):
         with pytest.raises(ValueError):
             ConvFpropSm90(cfg, **kw)
+
+
+def test_the_overlap_key_only_when_set():
+    """("overlap", True) joins the compile key only when asked for: every other key, standard
+    or candidate, is the one it was."""
+    plain = params_for("bfloat16", True, SQUARE, rect=8)
+    assert "overlap" not in dict(plain)
+    assert params_for("bfloat16", True, SQUARE, rect=8, overlap=False) == plain
+    assert dict(params_for("bfloat16", True, SQUARE, rect=8, overlap=True)) == {
+        **dict(plain),
+        "overlap": True,
+    }
+    assert all("overlap" not in dict(p) for p in SPEC.standard_params())
+    assert not SplitPlan(SQUARE, 1, 1, 1).overlap
+
+
+@pytest.mark.parametrize("case", range(len(CASES) - 1))
+def test_the_overlap_plan_through_the_launcher_is_torchs_convolution(model_kernel, case):
+    """SQUARE with the overlapped epilogue (the kernel's model computes what the kernel is
+    built to: the same tiles and k-tiles; the overlap reorders only when each tile is stored):
+    the launcher asks for the overlap key, the output is torch's; a plan of too few k-tiles (the
+    epilogue rides on k-tiles 1 .. tile_n / epi_n of the next tile), a split or a data gradient
+    with it is refused."""
+    n, c, k, size, g = CASES[case]
+    torch.manual_seed(case)
+    x = torch.randn(n, c, *size, dtype=F64)
+    w = torch.randn(k, c, *g.filter, dtype=F64)
+    bias = torch.randn(k, dtype=F64)
+    want = _cl5(_torch_conv(x, w, bias, g))
+    rect = rect_width(*want.shape[2:4], 128) if g.stride == (1, 1, 1) else 0
+    wide = torch.full((*want.shape[:4], k + 8), float("nan"), dtype=F64)
+    plan = SplitPlan(SQUARE, 1, 0, 0, rect, overlap=True)
+    launch.fprop(_cl5(x), _cl5(w), bias, wide[..., :k], g, plan)
+    assert torch.allclose(wide[..., :k], want, rtol=1e-6, atol=1e-5)
+    assert bool(wide[..., k:].isnan().all())
+    key = model_kernel[-1]
+    assert key["overlap"] and key["tile_m"] == 128 and key["rect"] == rect
+
+
+def test_the_overlap_refuses_short_reductions_and_splits(model_kernel):
+    x = torch.randn(1, 8, 3, 5, 5, dtype=F64)
+    g = _geometry((1, 1, 1), (0, 0, 0))
+    y = torch.empty(1, 3, 5, 5, 16, dtype=F64)
+    w = torch.randn(16, 8, 1, 1, 1, dtype=F64)
+    with pytest.raises(ValueError, match="overlap"):  # one k-tile a tile
+        launch.fprop(_cl5(x), _cl5(w), None, y, g, SplitPlan(SQUARE, 1, 0, 0, 0, overlap=True))
+    g = _geometry((3, 3, 3), (1, 1, 1))
+    w = torch.randn(16, 8, 3, 3, 3, dtype=F64)
+    split = SplitPlan(replace(SQUARE, split=True), 9, 0, 0, 8, overlap=True)
+    with pytest.raises(ValueError, match="overlap"):
+        launch.fprop(_cl5(x), _cl5(w), None, y, g, split)
 
 
 # ---------------------------------------------------------------- on the DSL (CPU)
@@ -275,6 +335,28 @@ def _build(params, tmp_path, monkeypatch):
     if found["registers"] is None or find_tool("nvdisasm") is None:
         pytest.skip("cuobjdump / nvdisasm not installed")
     return sass_text(path), found, made[-1]
+
+
+def test_the_overlap_build_keeps_one_batch_in_flight_under_the_epilogue(tmp_path, monkeypatch):
+    """SQUARE rect 8 with bias and the overlap: 168 registers, no spills; two mainloop sites
+    (one an accumulator, 48 HGMMA in all), each ending in the kernel's only two full waits
+    (`DEPBAR.LE gsb0, 0x0`): every epilogue sub-tile of the tile before sits after a wait
+    that leaves the next k-tile's batch in flight (`0x1`). A WGMMA under a branch, or an
+    accumulator written while the other's WGMMAs run, had ptxas wait after every batch."""
+    params = params_for("bfloat16", True, SQUARE, rect=8, overlap=True)
+    sass, found, kernel = _build(params, tmp_path, monkeypatch)
+    assert kernel.overlap and found["spill_bytes"] == 0 and found["registers"] == 168
+    assert not re.search(r"\b(LDL|STL)\b", sass)
+    assert len(re.findall(r"HGMMA\.64x128x16\.F32", sass)) == 48
+    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") == 2
+    # the stmatrix of each overlapped sub-tile: the last wait before it leaves one batch
+    ops = re.findall(r"(HGMMA|WARPGROUP\.DEPBAR\.LE gsb0, 0x[01]|STSM)", sass)
+    overlapped = 0
+    for i, op in enumerate(ops):
+        if op == "STSM" and ops[i - 1] != "STSM":
+            waits = [o for o in ops[:i] if o.startswith("WARPGROUP")]
+            overlapped += waits[-1].endswith("0x1")
+    assert overlapped == 8  # 4 sub-tiles in each of the two sites; the drain's after 0x0
 
 
 @pytest.mark.parametrize(
