@@ -835,6 +835,7 @@ class ConvFpropSm90:
         mBias, cols = store[4], store[5]
         k_blocks = cute.size(tCrA, mode=[2])
         subs = self.cfg.tile_n // self.cfg.epi_n
+        where = (self._tile_at(prev_m, store[3]), prev_n)
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
         cute.nvgpu.warpgroup.fence()
         for j in cutlass.range_constexpr(subs + 1):
@@ -855,7 +856,7 @@ class ConvFpropSm90:
                 # the first batch (no wait yet) ptxas put a DEPBAR 0 before the conversions
                 if has_prev:
                     buf = (tiles_done * subs + j - 1) % self.cfg.epi_stages
-                    self._epi_sub(j - 1, tRS_p, (prev_m, prev_n), epi, store, buf)
+                    self._epi_sub(j - 1, tRS_p, where, epi, store, buf)
         for _ in range(subs + 1, k_tiles):
             ab_pipe.consumer_wait(read)
             for kb in cutlass.range_constexpr(k_blocks):
@@ -883,18 +884,28 @@ class ConvFpropSm90:
         """The CTA's last tile: every epilogue sub-tile (its bias added after its mainloop),
         nothing to overlap."""
         subs = self.cfg.tile_n // self.cfg.epi_n
+        where = (self._tile_at(where[0], store[3]), where[1])
         for e in cutlass.range_constexpr(subs):
             self._epi_sub(
                 e, tRS_acc, where, epi, store, (tiles_done * subs + e) % self.cfg.epi_stages
             )
 
     @cute.jit
+    def _tile_at(self, tile_m, rects):
+        """M tile `tile_m` as `_epi_sub` takes it: its rectangle's corner (n, z, p0, q0), or the
+        im2col walk's tile index (once a tile, not per sub-tile)."""
+        at = tile_m
+        if cutlass.const_expr(self.rect):
+            at = self._rect(tile_m, rects)
+        return at
+
+    @cute.jit
     def _epi_sub(self, e: int, tRS_acc, where, epi, store, buf):
-        """Epilogue sub-tile e of the tile at `where` (M tile, N tile) from the retiled
-        accumulator `tRS_acc`: converted, stmatrix into ring buffer `buf`, TMA-stored (either
-        walk's Y) by the first consumer warp."""
+        """Epilogue sub-tile e of the tile at `where` (`_tile_at` of its M tile, N tile) from
+        the retiled accumulator `tRS_acc`: converted, stmatrix into ring buffer `buf`,
+        TMA-stored (either walk's Y) by the first consumer warp."""
         r2s, tRS_sC, _, tRS_rAcc, tRS_rC, store_pipe, epi_barrier = epi
-        gC, tma_c, sC, rects, _, _, warp_idx = store
+        gC, tma_c, sC, _, _, _, warp_idx = store
         frag = cute.size(tRS_rAcc)
         for v in cutlass.range_constexpr(frag):
             tRS_rAcc[v] = tRS_acc[sub_tile_value(e, v, tRS_rAcc.shape, cute.size(tRS_acc))]
@@ -905,7 +916,7 @@ class ConvFpropSm90:
         if warp_idx == THREADS_PER_WG // 32:
             tile_m, tile_n = where
             if cutlass.const_expr(self.rect):
-                n, z, p0, q0 = self._rect(tile_m, rects)
+                n, z, p0, q0 = tile_m
                 origin = ((q0, p0, z, n), tile_n * self.cfg.tile_n + e * self.cfg.epi_n)
                 gSub = cute.local_tile(
                     cute.domain_offset(origin, gC), (self.rect_shape, self.cfg.epi_n), (0, 0)
