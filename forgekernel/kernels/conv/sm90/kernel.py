@@ -49,6 +49,11 @@ the barrier setup; `trigger` "top" (every standard build) issues launch_dependen
 unit's mainloop is done (its WGMMAs waited for), before that unit's park or epilogue: a CTA's
 first issue counts, and one that never issues it counts at its exit.
 
+Overlapped epilogue (`overlap`, opt-in; compile key ("overlap", True); tile_m x tile_n <= 128
+x 128, unsplit forward): the CTA's tiles alternate between two accumulators and each tile's
+epilogue sub-tiles are stored one after each of the next tile's k-tiles 1 .. tile_n / epi_n,
+its WGMMA batch in flight (`_consume_overlap`; the launcher asks more k-tiles than that).
+
 Split over the reduction (`per_split` k-tiles per part, a run-time value; one part: the whole
 reduction): a problem of few output tiles (3x3 on 7 x 7 maps, 1x1 with a long C: a third of the
 chip busy) cuts each tile's k-tiles into parts, scheduled as tiles of their own (the static
