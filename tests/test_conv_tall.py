@@ -198,6 +198,7 @@ def test_the_kernel_refuses_what_the_tall_tile_is_not_built_for():
         (replace(TALL, tile_m=192), {}),
         (TALL, {"overlap": True}),  # two 128-register accumulators
         (LARGE, {"overlap": True}),
+        (replace(LARGE, tile_m=64), {"overlap": True}),  # 64x256: two 128-register ones too
         (replace(SQUARE, split=True), {"overlap": True}),
         (SQUARE, {"overlap": True, "dgrad": True}),
         (SQUARE, {"overlap": True, "trigger": "late"}),

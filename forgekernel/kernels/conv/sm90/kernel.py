@@ -49,8 +49,8 @@ the barrier setup; `trigger` "top" (every standard build) issues launch_dependen
 unit's mainloop is done (its WGMMAs waited for), before that unit's park or epilogue: a CTA's
 first issue counts, and one that never issues it counts at its exit.
 
-Overlapped epilogue (`overlap`, opt-in; compile key ("overlap", True); tile_m x tile_n <= 128
-x 128, unsplit forward): the CTA's tiles alternate between two accumulators and each tile's
+Overlapped epilogue (`overlap`, opt-in; compile key ("overlap", True); tile_m and tile_n <=
+128, unsplit forward): the CTA's tiles alternate between two accumulators and each tile's
 epilogue sub-tiles are stored one after each of the next tile's k-tiles 1 .. tile_n / epi_n,
 its WGMMA batch in flight (`_consume_overlap`; the launcher asks more k-tiles than that).
 
@@ -175,9 +175,10 @@ class ConvFpropSm90:
         trigger: str = "top",
         overlap: bool = False,
     ):
-        if overlap and (config.tile_m * config.tile_n > 128 * 128 or config.split or dgrad):
-            # two accumulators: 2 x 64 fp32 a thread at 128x128; not with the split's park
-            raise ValueError("overlap: tile_m x tile_n <= 128 x 128, unsplit, forward only")
+        if overlap and (max(config.tile_m, config.tile_n) > 128 or config.split or dgrad):
+            # two accumulators: 2 x 64 fp32 a thread at 128x128 (tile_n / 2 a thread at tile_m
+            # 64 or 128: 64x256 would hold 2 x 128 and spill); not with the split's park
+            raise ValueError("overlap: tile_m and tile_n <= 128, unsplit, forward only")
         if overlap and trigger == "late":
             raise ValueError("overlap: the top trigger (its last mainloop is not marked)")
         if config.tile_m not in (64, 128, 256):
