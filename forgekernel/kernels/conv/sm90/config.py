@@ -56,10 +56,18 @@ SMALL = ConvConfig(tile_n=128)
 NARROW = ConvConfig(tile_n=64)
 BASE_CONFIGS = (SQUARE, LARGE, SMALL, NARROW)
 STANDARD_CONFIGS = BASE_CONFIGS + tuple(replace(c, split=True) for c in BASE_CONFIGS)
+# The K = 128 conv3d layers' candidate (docs/conv/NOTES.md, "256 x 128 for the K = 128 conv3d
+# layers"): SQUARE's output channels on twice its rows, so that a ring stage carries 128x256's
+# 1024 tensor cycles (two m64 atoms a consumer warpgroup) and the per-stage cost is paid half as
+# often per FLOP; the epilogue ring 2 deep (2 x 16 KB, 128x256's bytes) leaves 4 AB stages of
+# 48 KB. Opt-in: conv_fwd's bench variant `m256`, the GPU tests' every-tile checks (through
+# CANDIDATES); not in BASE_CONFIGS, never chosen, not among the standard builds.
+TALL = ConvConfig(tile_m=256, tile_n=128, cluster_m=2, epi_stages=2)
 CANDIDATES = (
     ConvConfig(tile_n=256),
     ConvConfig(tile_m=64, tile_n=128),
     ConvConfig(tile_n=128, cluster_n=2),
+    TALL,
 )
 # Tile efficiency relative to LARGE at full occupancy (the GEMM's H200 figures, 8192^3 class).
 _EFFICIENCY = {LARGE: 1.0, SQUARE: 0.93, SMALL: 0.9, NARROW: 0.8}
@@ -108,12 +116,17 @@ K_TILE = 64  # the reduction's k-tile (channels of a tap; pixels for the weight 
 
 
 def params_for(
-    dtype: str, bias: bool, cfg: ConvConfig, dgrad: bool = False, rect: int = 0
-) -> tuple:
+    dtype: str, bias: bool, cfg: ConvConfig, dgrad: bool = False, rect: int = 0,
+    overlap: bool = False,
+) -> tuple:  # fmt: skip
     """The compile key's baked-in part, as a sorted tuple of (name, value); `dgrad`: the
     data-gradient mode (kernel.py: W read N-major, taps reversed; no bias); `rect`: the
-    stride-1 output rectangles' width (0: the im2col walk; geometry.RECT_WIDTHS)."""
+    stride-1 output rectangles' width (0: the im2col walk; geometry.RECT_WIDTHS); `overlap`
+    (opt-in, in the key only when set): each tile's epilogue during the next tile's mainloop
+    (kernel.py `_consume_overlap`)."""
     key = {"dtype": dtype, "bias": bias, "dgrad": dgrad, "rect": rect, **asdict(cfg)}
+    if overlap:
+        key["overlap"] = True
     return tuple(sorted(key.items()))
 
 
@@ -132,6 +145,7 @@ class SplitPlan:
     parts: int
     tiles: int
     rect: int = 0  # the forward's stride-1 output rectangles' width (0: the im2col walk)
+    overlap: bool = False  # each tile's epilogue during the next's mainloop (opt-in builds)
 
     @property
     def workspace_floats(self) -> int:

@@ -31,8 +31,8 @@ Loads:
 - B (filter W (K, T, R, S, C) seen as (K, (C, S, R, T))): tiled TMA, box tile_n x tile_k.
 
 Warp roles and pipelines are the dense GEMM's (kernels/gemm/dense/sm90/kernel.py): warpgroup 0
-is the producer (one warp issues TMA; setmaxnreg 40), warpgroups 1..tile_m/64 are WGMMA
-consumers splitting the tile's rows (setmaxnreg 232). The AB ring is a `PipelineTmaAsync`
+is the producer (one warp issues TMA; setmaxnreg 40), warpgroups 1..min(tile_m, 128)/64 are
+WGMMA consumers splitting the tile's rows (setmaxnreg 232). The AB ring is a `PipelineTmaAsync`
 `stages` deep; the epilogue converts (tile_m, epi_n) sub-tiles (bias added in fp32 first),
 writes them with `stmatrix` into the epilogue ring and TMA-stores them into Y seen as (M, K).
 Persistent over the static tile schedule (kernels/common/sm90/scheduler/static.py); a cluster
@@ -48,6 +48,11 @@ the barrier setup; `trigger` "top" (every standard build) issues launch_dependen
 "late" (opt-in, key ("pdl", "late")) has the consumer warpgroups issue it once their CTA's last
 unit's mainloop is done (its WGMMAs waited for), before that unit's park or epilogue: a CTA's
 first issue counts, and one that never issues it counts at its exit.
+
+Overlapped epilogue (`overlap`, opt-in; compile key ("overlap", True); tile_m and tile_n <=
+128, unsplit forward): the CTA's tiles alternate between two accumulators and each tile's
+epilogue sub-tiles are stored one after each of the next tile's k-tiles 1 .. tile_n / epi_n,
+its WGMMA batch in flight (`_consume_overlap`; the launcher asks more k-tiles than that).
 
 Split over the reduction (`per_split` k-tiles per part, a run-time value; one part: the whole
 reduction): a problem of few output tiles (3x3 on 7 x 7 maps, 1x1 with a long C: a third of the
@@ -69,7 +74,8 @@ crop of the input); X (N, D, H, W, C), W (K, T, R, S, C) and Y (M, K) with C and
 (16-byte rows) and 16-byte aligned bases; Y compact (M = N x Z x P x Q rows of K) on the im2col
 walk, any TMA-ready (N, Z, P, Q, K) view on the rectangles; tile_k = 64
 (a last channel block that C does not fill is zero-filled); M and K ragged edges are clipped
-by the TMA store. tile_m in {64, 128}, tile_n in {64, 128, 256}.
+by the TMA store. tile_m in {64, 128, 256} (256: tile_n <= 128, unsplit, forward only; two
+consumer warpgroups of 128 rows each), tile_n in {64, 128, 256}.
 """
 
 from __future__ import annotations
@@ -139,6 +145,19 @@ def at_pixel(tile, qpzn):
     )
 
 
+def sub_tile_value(e: int, v: int, shape, total: int) -> int:
+    """The accumulator's (retiled, flat) value that is value v of epilogue sub-tile e, whose
+    fragment has `shape` (copy values, M repeats, N) and the accumulator `total` values. The
+    accumulator runs (every sub-tile's copy values, N then sub-tile; M repeats): one repeat
+    (a 128-row tile) takes sub-tile e's values at e x their count, e x frag + v; a 256-row
+    tile's second repeat (rows 128+) lies a whole repeat further. Trace-time ints; checked
+    against the copy's coordinates by tests/test_conv_tall.py."""
+    copy, repeats = cute.size(shape, mode=[0]), cute.size(shape, mode=[1])
+    frag = cute.size(shape)
+    m, n = v // copy % repeats, v // (copy * repeats)
+    return m * (total // repeats) + e * (frag // repeats) + n * copy + v % copy
+
+
 class Bar(IntEnum):
     EPILOGUE = FIRST_FREE  # the consumer threads around each epilogue sub-tile's TMA store
 
@@ -154,11 +173,22 @@ class ConvFpropSm90:
         rect: int = 0,
         pdl: bool = True,
         trigger: str = "top",
+        overlap: bool = False,
     ):
-        if config.tile_m not in (64, 128):
-            raise ValueError(f"tile_m must be 64 or 128, got {config.tile_m}")
+        if overlap and (max(config.tile_m, config.tile_n) > 128 or config.split or dgrad):
+            # two accumulators: 2 x 64 fp32 a thread at 128x128 (tile_n / 2 a thread at tile_m
+            # 64 or 128: 64x256 would hold 2 x 128 and spill); not with the split's park
+            raise ValueError("overlap: tile_m and tile_n <= 128, unsplit, forward only")
+        if overlap and trigger == "late":
+            raise ValueError("overlap: the top trigger (its last mainloop is not marked)")
+        if config.tile_m not in (64, 128, 256):
+            raise ValueError(f"tile_m must be 64, 128 or 256, got {config.tile_m}")
         if config.tile_n not in (64, 128, 256):
             raise ValueError(f"tile_n must be 64/128/256, got {config.tile_n}")
+        if config.tile_m == 256 and (config.tile_n > 128 or config.split or dgrad):
+            # 256 x 256 would hold 256 fp32 accumulators a thread (spills); the split and the
+            # data-gradient mode are not built with 256 rows (the candidate is the forward's)
+            raise ValueError("tile_m 256: tile_n <= 128, unsplit, forward only")
         if config.tile_k != 64:
             raise ValueError(f"tile_k must be 64 (128 bytes of 16 bits), got {config.tile_k}")
         if config.tile_n % config.epi_n or config.epi_n not in (32, 64):
@@ -184,8 +214,11 @@ class ConvFpropSm90:
         self.acc_dtype = cutlass.Float32
         self.cluster_shape_mn = (config.cluster_m, config.cluster_n)
         # Two consumer warpgroups split a 128-row tile: one alone would hold a 128x256 fp32
-        # accumulator in 256 registers per thread and spill (as in the GEMM).
-        self.atom_layout_mnk = (config.tile_m // 64, 1, 1)
+        # accumulator in 256 registers per thread and spill (as in the GEMM). A 256-row tile
+        # keeps the two, each two m64 atoms (rows 0-63 / 128-191 and 64-127 / 192-255: the
+        # tiled MMA's 128 rows repeated, MMA_M = 2), 128 accumulators a thread as 128x256's
+        # (docs/conv/NOTES.md, "256 x 128 for the K = 128 conv3d layers").
+        self.atom_layout_mnk = (min(config.tile_m, 128) // 64, 1, 1)
         self.num_mma_wg = math.prod(self.atom_layout_mnk)
         self.num_mma_threads = self.num_mma_wg * THREADS_PER_WG
         self.threads_per_cta = (1 + self.num_mma_wg) * THREADS_PER_WG
@@ -199,6 +232,10 @@ class ConvFpropSm90:
         # (image, plane) (Q, P, Z, N extents), A a tiled box of X at the tap's offset; 0: im2col
         self.rect = rect
         self.rect_shape = rect_shape(config.tile_m, rect) if rect else None
+        # each tile's epilogue run during the next tile's first k-tiles, from a second
+        # accumulator (`_consume_overlap`; docs/conv/NOTES.md, "256 x 128 for the K = 128 conv3d
+        # layers"); off in every standard build
+        self.overlap = overlap
 
     # ---------------------------------------------------------------- host-side setup
     def _setup(self, dtype):
@@ -496,7 +533,10 @@ class ConvFpropSm90:
             mma = (tiled_mma, tCrA, tCrB, acc)
             split = (*split_io, storage.split_last.get_tensor(cute.make_layout(2)), parts)
             out = (sC, gC, tma_c, mBias, tiles_mn[0], rects)
-            self._consume(tidx, warp_idx, mma, ab_pipe, out, schedule, (units, split))
+            if cutlass.const_expr(self.overlap):
+                self._consume_overlap(tidx, warp_idx, mma, ab_pipe, out, schedule, units)
+            else:
+                self._consume(tidx, warp_idx, mma, ab_pipe, out, schedule, (units, split))
 
     def _ring(self, cta_layout_mnk):
         """Device side, every thread: (this CTA's coordinate in its cluster, the A and B
@@ -729,14 +769,184 @@ class ConvFpropSm90:
                 tiles_done += 1
         store_pipe.producer_tail()
 
+    @cute.jit
+    def _consume_overlap(self, tidx, warp_idx, mma, ab_pipe, out, schedule, units):
+        """`_consume` (unsplit) with each tile's epilogue run during the next tile's first
+        tile_n / epi_n + 1 k-tiles (its bias added right after its own mainloop): the CTA's
+        tiles alternate between two accumulators, the tile before's read while WGMMA fills
+        the other. The last tile's epilogue runs after its mainloop."""
+        tiled_mma, tCrA, tCrB, acc_a = mma
+        sC, gC, tma_c, mBias, _, rects = out
+        acc_b = cute.make_rmem_tensor(acc_a.shape, self.acc_dtype)
+        acc_b.fill(0.0)
+        epi_barrier = named_barrier(Bar.EPILOGUE, self.num_mma_threads)
+        read = consumer_state(self.stages)
+        release = consumer_state(self.stages)
+        r2s, tRS_sC, tRS_a, tRS_rAcc, tRS_rC = self._staging(tidx, tiled_mma, sC, acc_a)
+        tRS_b = r2s.retile(acc_b)
+        store_pipe = pipeline.PipelineTmaStore.create(
+            num_stages=self.cfg.epi_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
+        )
+        epi = (r2s, tRS_sC, None, tRS_rAcc, tRS_rC, store_pipe, epi_barrier)
+        own = tiled_mma.get_slice(tidx - THREADS_PER_WG)
+        cols = own.partition_C(cute.make_identity_tensor((self.cfg.tile_m, self.cfg.tile_n)))
+        store = (gC, tma_c, sC, rects, mBias, cols, warp_idx)
+        tiles_done = cutlass.Int32(0)
+        has_prev = cutlass.Boolean(False)
+        prev_in_b = cutlass.Boolean(False)  # whose accumulator the pending tile is in
+        prev_m = cutlass.Int32(0)
+        prev_n = cutlass.Int32(0)
+        sched = StaticScheduler(schedule)
+        work = sched.first()
+        while sched.valid(work):
+            tile_m, tile_ns = sched.tile(work)
+            work = sched.next(work)
+            tile_n, _, _, count = self._unit(tile_ns, units)
+            read, release, tiled_mma, tiles_done = self._mainloop_overlap(
+                count, tile_n, (tiled_mma, tCrA, tCrB, acc_a), ab_pipe, (read, release),
+                (acc_b, tRS_b, has_prev, prev_m, prev_n), epi, store, tiles_done,
+            )  # fmt: skip
+            has_prev = cutlass.Boolean(True)
+            prev_in_b = cutlass.Boolean(False)
+            prev_m, prev_n = tile_m, tile_n
+            if sched.valid(work):
+                tile_m, tile_ns = sched.tile(work)
+                work = sched.next(work)
+                tile_n, _, _, count = self._unit(tile_ns, units)
+                read, release, tiled_mma, tiles_done = self._mainloop_overlap(
+                    count, tile_n, (tiled_mma, tCrA, tCrB, acc_b), ab_pipe, (read, release),
+                    (acc_a, tRS_a, has_prev, prev_m, prev_n), epi, store, tiles_done,
+                )  # fmt: skip
+                prev_in_b = cutlass.Boolean(True)
+                prev_m, prev_n = tile_m, tile_n
+        if has_prev:
+            if prev_in_b:
+                self._drain(acc_b, tRS_b, (prev_m, prev_n), epi, store, tiles_done)
+            else:
+                self._drain(acc_a, tRS_a, (prev_m, prev_n), epi, store, tiles_done)
+        store_pipe.producer_tail()
+
+    @cute.jit
+    def _mainloop_overlap(
+        self, k_tiles, tile_n, mma, ab_pipe, states, prev, epi, store, tiles_done
+    ):
+        """`_mainloop` into mma's accumulator (then its bias, N tile `tile_n`), with the
+        previous tile's epilogue sub-tiles (`prev`: its accumulator, retiled, whether there is
+        one, its M and N tile) one after each of k-tiles 1 .. tile_n / epi_n (k_tiles >
+        tile_n / epi_n). Returns the states and the tiles stored so far."""
+        tiled_mma, tCrA, tCrB, acc = mma
+        read, release = states
+        acc_p, tRS_p, has_prev, prev_m, prev_n = prev
+        mBias, cols = store[4], store[5]
+        k_blocks = cute.size(tCrA, mode=[2])
+        subs = self.cfg.tile_n // self.cfg.epi_n
+        where = (self._tile_at(prev_m, store[3]), prev_n)
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+        cute.nvgpu.warpgroup.fence()
+        for j in cutlass.range_constexpr(subs + 1):
+            # unconditional (the launcher asks k_tiles > subs): a WGMMA issued under a branch
+            # has ptxas serialize every WGMMA of the kernel (DEPBAR 0 after each)
+            ab_pipe.consumer_wait(read)
+            for kb in cutlass.range_constexpr(k_blocks):
+                crd = (None, None, kb, read.index)
+                cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            cute.nvgpu.warpgroup.commit_group()
+            read.advance()
+            if cutlass.const_expr(j > 0):
+                cute.nvgpu.warpgroup.wait_group(1)
+                ab_pipe.consumer_release(release)
+                release.advance()
+                # sub-tile j - 1 after k-tile j's issue and k-tile j - 1's wait: right after
+                # the first batch (no wait yet) ptxas put a DEPBAR 0 before the conversions
+                if has_prev:
+                    buf = (tiles_done * subs + j - 1) % self.cfg.epi_stages
+                    self._epi_sub(j - 1, tRS_p, where, epi, store, buf)
+        for _ in range(subs + 1, k_tiles):
+            ab_pipe.consumer_wait(read)
+            for kb in cutlass.range_constexpr(k_blocks):
+                crd = (None, None, kb, read.index)
+                cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            cute.nvgpu.warpgroup.commit_group()
+            read.advance()
+            cute.nvgpu.warpgroup.wait_group(1)
+            ab_pipe.consumer_release(release)
+            release.advance()
+        cute.nvgpu.warpgroup.wait_group(0)
+        ab_pipe.consumer_release(release)
+        release.advance()
+        if cutlass.const_expr(self.bias):
+            # here, with no WGMMA in flight: an accumulator written while the other one's
+            # WGMMAs run has ptxas wait for them all first (DEPBAR 0 before the adds)
+            self._add_bias(acc, cols, mBias, tile_n)
+        if has_prev:
+            tiles_done += 1
+        return read, release, tiled_mma, tiles_done
+
+    @cute.jit
+    def _drain(self, acc, tRS_acc, where, epi, store, tiles_done):
+        """The CTA's last tile: every epilogue sub-tile (its bias added after its mainloop),
+        nothing to overlap."""
+        subs = self.cfg.tile_n // self.cfg.epi_n
+        where = (self._tile_at(where[0], store[3]), where[1])
+        for e in cutlass.range_constexpr(subs):
+            self._epi_sub(
+                e, tRS_acc, where, epi, store, (tiles_done * subs + e) % self.cfg.epi_stages
+            )
+
+    @cute.jit
+    def _tile_at(self, tile_m, rects):
+        """M tile `tile_m` as `_epi_sub` takes it: its rectangle's corner (n, z, p0, q0), or the
+        im2col walk's tile index (once a tile, not per sub-tile)."""
+        at = tile_m
+        if cutlass.const_expr(self.rect):
+            at = self._rect(tile_m, rects)
+        return at
+
+    @cute.jit
+    def _epi_sub(self, e: int, tRS_acc, where, epi, store, buf):
+        """Epilogue sub-tile e of the tile at `where` (`_tile_at` of its M tile, N tile) from
+        the retiled accumulator `tRS_acc`: converted, stmatrix into ring buffer `buf`,
+        TMA-stored (either walk's Y) by the first consumer warp."""
+        r2s, tRS_sC, _, tRS_rAcc, tRS_rC, store_pipe, epi_barrier = epi
+        gC, tma_c, sC, _, _, _, warp_idx = store
+        frag = cute.size(tRS_rAcc)
+        for v in cutlass.range_constexpr(frag):
+            tRS_rAcc[v] = tRS_acc[sub_tile_value(e, v, tRS_rAcc.shape, cute.size(tRS_acc))]
+        tRS_rC.store(tRS_rAcc.load().to(self.dtype))
+        cute.copy(r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        epi_barrier.arrive_and_wait()
+        if warp_idx == THREADS_PER_WG // 32:
+            tile_m, tile_n = where
+            if cutlass.const_expr(self.rect):
+                n, z, p0, q0 = tile_m
+                origin = ((q0, p0, z, n), tile_n * self.cfg.tile_n + e * self.cfg.epi_n)
+                gSub = cute.local_tile(
+                    cute.domain_offset(origin, gC), (self.rect_shape, self.cfg.epi_n), (0, 0)
+                )
+                bSG_sC, bSG_gC = cpasync.tma_partition(
+                    tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
+                    cute.group_modes(gSub, 0, 2),
+                )  # fmt: skip
+                cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC)
+            else:
+                gC_t = cute.zipped_divide(gC[(None, None, tile_m, tile_n)], self.epi_tile)
+                bSG_sC, bSG_gC = cpasync.tma_partition(
+                    tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_t
+                )
+                epi_grid = cute.make_layout(gC_t.shape[1], stride=(gC_t.shape[1][1], 1))
+                cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, epi_grid.get_hier_coord(e))])
+            store_pipe.producer_commit()
+            store_pipe.producer_acquire()
+        epi_barrier.arrive_and_wait()
+
     def _staging(self, tidx, tiled_mma, sC, acc):
         """The epilogue's stmatrix path: (the copy, this thread's epilogue-ring partition, the
         accumulator retiled to it, fp32 and 16-bit fragments of one sub-tile)."""
-        r2s_atom = sm90_utils.sm90_get_smem_store_op(
-            self.major, elem_ty_d=self.dtype, elem_ty_acc=self.acc_dtype
-        )
-        stm_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype)
-        r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma))
+        r2s = self._r2s(tiled_mma)
         thr_r2s = r2s.get_slice(tidx - THREADS_PER_WG)
         tRS_sC = thr_r2s.partition_D(sC)
         tRS_acc = r2s.retile(acc)
@@ -745,13 +955,21 @@ class ConvFpropSm90:
         tRS_rC = cute.make_rmem_tensor(rC_shape, self.dtype)
         return r2s, tRS_sC, tRS_acc, tRS_rAcc, tRS_rC
 
+    def _r2s(self, tiled_mma):
+        """The epilogue's stmatrix copy of the accumulator into a (tile_m, epi_n) sub-tile."""
+        r2s_atom = sm90_utils.sm90_get_smem_store_op(
+            self.major, elem_ty_d=self.dtype, elem_ty_acc=self.acc_dtype
+        )
+        stm_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype)
+        return cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma))
+
     def _stage(self, epi, e: int, buf):
         """Sub-tile e of the accumulator, converted, into epilogue-ring buffer `buf` (stmatrix;
         generic-proxy writes)."""
         r2s, tRS_sC, tRS_acc, tRS_rAcc, tRS_rC = epi[:5]
         frag = cute.size(tRS_rAcc)
         for v in range(frag):  # unrolled at trace time (a plain method: no preprocessor)
-            tRS_rAcc[v] = tRS_acc[e * frag + v]
+            tRS_rAcc[v] = tRS_acc[sub_tile_value(e, v, tRS_rAcc.shape, cute.size(tRS_acc))]
         tRS_rC.store(tRS_rAcc.load().to(self.dtype))
         cute.copy(r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
 

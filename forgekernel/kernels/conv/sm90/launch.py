@@ -125,6 +125,7 @@ def _choose(
         if rect and pixels is None:
             raise ValueError("a plan of output rectangles for a strided or dgrad launch")
         given = config.per_split if isinstance(config, SplitPlan) else None
+        overlap = isinstance(config, SplitPlan) and config.overlap
         config = config.config if isinstance(config, SplitPlan) else config
         k_tiles = -(-c // K_TILE) * taps
         per = k_tiles
@@ -134,9 +135,17 @@ def _choose(
         # are sized by them (a plan made for another problem, e.g. one SplitPlan for every
         # phase of a data gradient, would have the kernel write past its workspace)
         tiles = split_tiles(config, m, k, pixels, rect)
-        plan = SplitPlan(config, per, -(-k_tiles // per), tiles, rect)
+        plan = SplitPlan(config, per, -(-k_tiles // per), tiles, rect, overlap)
     cfg = plan.config
-    params = params_for(dtype_name(dtype), bias, cfg, dgrad=dgrad, rect=plan.rect)
+    if plan.overlap and (plan.parts > 1 or plan.per_split <= cfg.tile_n // cfg.epi_n or dgrad):
+        # kernel.py `_mainloop_overlap`: a tile's epilogue sub-tiles ride on the next tile's
+        # k-tiles 1 .. tile_n / epi_n, issued unconditionally
+        raise ValueError(
+            f"overlap: an unsplit forward of more than {cfg.tile_n // cfg.epi_n} k-tiles a tile"
+        )
+    params = params_for(
+        dtype_name(dtype), bias, cfg, dgrad=dgrad, rect=plan.rect, overlap=plan.overlap
+    )
     # one CTA per SM (the pipeline takes nearly all shared memory)
     return (
         get_kernel(SPEC, pdl.key(params, pdl.enabled(), pdl.trigger())),
