@@ -81,9 +81,9 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm as _llvm
 from cutlass._mlir.dialects import nvvm as _nvvm
-from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cute.nvgpu.warp import LdMatrix8x8x16bOp, StMatrix8x8x16bOp
+from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
 from forgekernel.kernels.attention.mla.sm90.config import (
@@ -1322,4 +1322,5 @@ def _dsmem_f32(ptr, rank, *, loc=None, ip=None):
     """The fp32 at shared-memory pointer `ptr`'s address in cluster CTA `rank`'s shared memory:
     mapa, then an LLVM load from the shared::cluster address space (ld.shared::cluster.f32)."""
     remote = cute.arch.map_dsmem_ptr(ptr, rank, loc=loc, ip=ip)
-    return Float32(_llvm.load(Float32.mlir_type, remote.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip))
+    address = remote.to_llvm_ptr(loc=loc, ip=ip)
+    return Float32(_llvm.load(Float32.mlir_type, address, loc=loc, ip=ip))
