@@ -86,8 +86,8 @@ def test_creduce_is_the_combine_bit_for_bit(case, dtype, monkeypatch):
     keys = _recorded_keys(launch, monkeypatch)
     out, lse = _call(inputs, dtype, True)
     out_s, lse_s = _call(inputs, dtype, False)
-    assert keys[0].get("creduce") and "creduce" not in keys[1]
-    assert [k["kind"] for k in keys[1:]] == ["partial", "combine"]
+    assert keys[0].get("creduce") and not any("creduce" in k for k in keys[1:])
+    assert sorted(k["kind"] for k in keys[1:]) == ["combine", "partial"]
     assert torch.equal(out, out_s)
     assert torch.equal(lse, lse_s)
 
@@ -123,5 +123,5 @@ def test_creduce_is_off_by_default(monkeypatch):
     op.mla_decode(*inputs, softmax_scale=SCALE)
     torch.cuda.synchronize()
     launch._plans.clear()
-    assert [k["kind"] for k in keys] == ["partial", "combine"]
-    assert "creduce" not in keys[0]
+    assert sorted(k["kind"] for k in keys) == ["combine", "partial"]
+    assert not any("creduce" in k for k in keys)

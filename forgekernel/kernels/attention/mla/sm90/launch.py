@@ -68,7 +68,12 @@ SCHEDULED, keyed apart; no scheduling kernel in the call): no bound from the wid
 `ranges` compile writing its partial at its item ((items, qtokens, Hq, 512) scratch), the
 combine's `ranges` compile reducing each query row's item range. Taken where the width plan
 splits (a plan of one split keeps its direct form; the list is then empty). MLA_NOTES.md, "A
-decode step's schedule, built"."""
+decode step's schedule, built".
+
+`plan_form(creduce=True)` or FORGEKERNEL_MLA_CREDUCE=1 (candidate, read when a problem's plan is
+first built): a seesaw plan of 2, 4 or 8 splits (config.CREDUCE_SIZES) runs the pass's `creduce`
+compile, each unit's splits one cluster reducing them over its shared memory into out and lse: one
+launch, no partials, no combine (MLA_NOTES.md, "The mid cases' fixed cost")."""
 
 from __future__ import annotations
 

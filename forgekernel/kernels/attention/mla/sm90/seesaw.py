@@ -67,7 +67,14 @@ the page table a pair ahead (`_gather_rows`, as `_page`), the key clamped to the
 no entry past the split is read, rows past it repeat a real key (masked, P = 0: nothing to
 zero, so no `_zero_stale` / `_match_stale`). cp.async writes are the generic proxy's: every
 mbarrier wait, and the P V of the tile the other warpgroup waited on, is followed by a proxy
-fence before the WGMMA (`_gathered_fence`). MLA_NOTES.md, "The seesaw over gathered rows"."""
+fence before the WGMMA (`_gathered_fence`). MLA_NOTES.md, "The seesaw over gathered rows".
+
+The creduce form (`creduce` = S of 2, 4, 8; candidate: launch.plan_form(creduce=True)) launches a
+plan of S splits as clusters of S CTAs along grid z (one unit's splits): each CTA stages its
+normalized O and log2 LSE in its own shared memory, and after the cluster's barrier CTA r reduces
+columns r x 512 / S .. of every row over the peers' shared memory (`_reduce_cluster`: the
+combine's arithmetic) into the op's out and natural LSE: no fp32 partials, no combine launch.
+MLA_NOTES.md, "The mid cases' fixed cost, and the splits reduced in a cluster"."""
 
 from __future__ import annotations
 
