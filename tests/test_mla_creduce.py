@@ -8,6 +8,7 @@ and NaN stale slots, the reduction's order, the bench variant, and the compile's
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections import Counter
 
@@ -18,7 +19,7 @@ from test_mla_decode import SCALE, _assert_close, _problem, cpu_kernels  # noqa:
 
 from forgekernel import ops as op
 from forgekernel.bench.suites import mla_decode as suite
-from forgekernel.kernels.attention.mla.sm90 import SPEC, creduce_params, params_for
+from forgekernel.kernels.attention.mla.sm90 import SPEC, creduce_params, params_for, seesaw
 from forgekernel.kernels.attention.mla.sm90 import launch as mla_launch
 from forgekernel.kernels.attention.mla.sm90.config import CREDUCE_SIZES, RESIDENT, tile_split_plan
 from forgekernel.reference.mla import mla_decode_ref
@@ -153,13 +154,22 @@ def test_bench_variant():
         assert case.params["page"] == 64 and case.params["cache"] == "combined"
 
 
+def test_head_blocks_from_out():
+    """The CTA's unit and head block take Hq from out's mode 1 (rows, Hq, 512) in the creduce
+    form as in the direct one, not mode 2 (512: the partials' Hq), which would put every CTA of
+    a 16-head call past Hq (heads 16 .. 511: out-of-bounds stores)."""
+    src = inspect.getsource(seesaw.MlaSeesawSm90.kernel)
+    assert "hq = mOp.shape[1] if const_expr(self.direct or self.creduce) else mOp.shape[2]" in src
+    assert "self._block(hq)" in src
+
+
 _OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
 
 
 def test_compile_resources():
     """bf16 16 x 1, 8 splits: the cluster's two barriers, 8 x (1 + 4) DSMEM loads a thread, the
     op's out by 4 16-bit stores and one LSE store, no bulk copy of partial rows; the main loop's
-    WGMMAs and TMA loads as the partial pass's; no spill (238 registers, cu13)."""
+    WGMMAs and TMA loads as the partial pass's; no spill (240 registers, cu13)."""
     cubins = pytest.importorskip("cubins")
     from forgekernel.runtime.resources import find_tool
 

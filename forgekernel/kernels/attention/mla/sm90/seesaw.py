@@ -386,7 +386,9 @@ class MlaSeesawSm90:
         if const_expr(self.worklist):  # (a CTA past the list's items has left here)
             unit, head_block, split, per_split, item = self._item(mWork, mOp.shape[2])
         else:
-            unit, head_block, split = self._block(mOp.shape[1] if self.direct else mOp.shape[2])
+            # (Hq: out's mode 1 in the direct and creduce forms, the partials' mode 2)
+            hq = mOp.shape[1] if const_expr(self.direct or self.creduce) else mOp.shape[2]
+            unit, head_block, split = self._block(hq)
         head0 = head_block * self.h
         b, q_off, sq, sk, kv_end = self._unit(mSeq, mCuQ, causal, q_blocks, unit)
         per = per_split
