@@ -633,49 +633,6 @@ def seesaw_partial(qn, qp, ckv, kpe, ckv_scale, pt, seq, op_, lp, scale_log2, pe
                         lp[s, q_off + i, h0 + h] = lse[r]
 
 
-def butterfly_order(values: list):
-    """The weight sum of seesaw.py `_reduce_cluster` (the combine's warp butterfly: lanes
-    0 .. n - 1 hold the values, the rest 0; offsets 16 .. 1), in that order."""
-    lanes = list(values) + [None] * (32 - len(values))
-    offset = 16
-    while offset:
-        lanes = [
-            a if b is None else b if a is None else a + b
-            for a, b in ((lanes[i], lanes[i ^ offset]) for i in range(32))
-        ]
-        offset //= 2
-    return lanes[0]
-
-
-def seesaw_creduce(qn, qp, ckv, kpe, ckv_scale, pt, seq, out, lse, scale_log2, per, page_size,
-                   cu, causal, q_blocks, *, heads, qtokens, splits):  # fmt: skip
-    """The `creduce` form (seesaw.py `_reduce_cluster`): the partial pass's `splits` splits of
-    every unit (`seesaw_partial` into NaN-filled fp32 partials, as the CTAs stage them in shared
-    memory), then each row reduced as the cluster does, in fp32: top = max of the splits' log2
-    LSEs, w_s = 2^(lse_s - top) (0 where top is -inf), the weights' sum in the butterfly's order,
-    acc += w_s O_s in split order (a weight-0 split adds 0), out = acc / sum in q's dtype (0 where
-    no split saw a key), lse (top + log2 sum) x ln 2 (-inf). Rows no query owns stay as they
-    were (out NaN-poisoned by the tests: the kernel writes only its rows)."""
-    rows, hq, _ = qn.shape
-    op_ = torch.full((splits, rows, hq, LATENT), float("nan"), dtype=torch.float32)
-    lp = torch.full((splits, rows, hq), float("nan"), dtype=torch.float32)
-    seesaw_partial(qn, qp, ckv, kpe, ckv_scale, pt, seq, op_, lp, scale_log2, per, page_size,
-                   cu, causal, q_blocks, heads=heads, qtokens=qtokens)  # fmt: skip
-    owned = ~torch.isnan(lp[0])  # the rows some CTA wrote (every split writes each of them)
-    assert bool((owned == ~torch.isnan(lp).any(0)).all())
-    top = lp.max(0).values
-    w = torch.where(top > -math.inf, torch.exp2(lp - top), torch.zeros(()))
-    total = butterfly_order([w[s] for s in range(splits)])
-    acc = torch.zeros(rows, hq, LATENT, dtype=torch.float32)
-    for s in range(splits):
-        acc = acc + w[s][..., None] * torch.where((w[s] > 0)[..., None], op_[s], 0.0)
-    o = torch.where((total > 0)[..., None], acc / torch.where(total > 0, total, 1.0)[..., None],
-                    0.0)  # fmt: skip
-    got = torch.where(total > 0, (top + torch.log2(total)) * LN2_FP32, -math.inf)
-    out[owned] = o[owned].to(out.dtype)
-    lse[owned] = got[owned]
-
-
 # ---------------------------------------------------------------- the persistent, balanced schedule
 
 MIN_PART_TILES = MIN_TOKENS_PER_SPLIT // TILE  # P's floor: the tile plan's shortest split

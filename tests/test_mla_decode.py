@@ -18,7 +18,7 @@ import math
 
 import pytest
 import torch
-from mla_seesaw import seesaw_creduce, seesaw_partial, unit_per
+from mla_seesaw import seesaw_partial, unit_per
 from split_combine import combine_splits
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -517,10 +517,7 @@ def cpu_kernels(monkeypatch):
             kw = {"heads": p["heads"], "qtokens": p.get("qtokens", 1)}
             if p.get("gather", False):
                 kw["gather"] = True
-            if p.get("creduce", 0):  # out and lse written by the cluster's reduction
-                assert args[7].dtype == args[0].dtype and args[8].dtype == torch.float32
-                seesaw_creduce(*args, **kw, splits=p["creduce"])
-            elif p.get("direct", False):
+            if p.get("direct", False):
                 assert args[7].dtype == args[0].dtype and args[8].dtype == torch.float32
                 assert not p.get("ostore", False) or mla_launch._wide_rows(args[7])
                 if p.get("tma", False):
@@ -1126,16 +1123,14 @@ def test_suite_candidates_are_bench_cases():
     names = {c.name: c for c in mla_decode.BENCH_CASES}
     assert set(mla_decode.CANDIDATES) | set(mla_decode.PLAIN_CASES) <= set(names)
     assert set(mla_decode.NO_PDL_CASES) | set(mla_decode.COMBINE_CASES) <= set(names)
-    assert set(mla_decode.GATHER_CASES) | set(mla_decode.CREDUCE_CASES) <= set(names)
+    assert set(mla_decode.GATHER_CASES) <= set(names)
     for name, case in names.items():
         got = set(mla_decode.variants(case))
         plain = {"plain"} if name in mla_decode.PLAIN_CASES else set()
         no_pdl = {"no_pdl"} if name in mla_decode.NO_PDL_CASES else set()
         cta = {"combine_warps"} if name in mla_decode.COMBINE_CASES else set()
         gather = {"gather", "gather_unfenced"} if name in mla_decode.GATHER_CASES else set()
-        creduce = {"creduce"} if name in mla_decode.CREDUCE_CASES else set()
-        assert got == (set(mla_decode.CANDIDATES.get(name, {})) | plain | no_pdl | cta | gather
-                       | creduce)  # fmt: skip
+        assert got == set(mla_decode.CANDIDATES.get(name, {})) | plain | no_pdl | cta | gather
         if gather:
             assert case.params["page"] == 1 and case.params["cache"] == "split"
         elif got:

@@ -485,7 +485,7 @@ def _grid_and_block():
         return type("NS", (), kw)
 
     def grid_of(b, q_blocks, hq, heads, splits, direct=False):
-        kernel = ns(direct=direct, worklist=False, creduce=0)
+        kernel = ns(direct=direct, worklist=False)
         kernel._splits = lambda m: seesaw.MlaSeesawSm90._splits(kernel, m)
         out = ns(shape=(b * q_blocks, hq) if direct else (splits,))
         env = {
@@ -624,8 +624,7 @@ def test_direct_epilogue_is_the_kernels():
     0's quad leaders; the partial form's LSE store as before, its O staged (below). The ostore
     form (tests/test_mla_ostore.py) normalizes in place as the partial and stores no O here."""
     src = inspect.getsource(seesaw.MlaSeesawSm90._write_split)
-    # (the creduce form keeps its LSE in shared memory: no partial store there)
-    direct, partial = src.split("else:\n                    if const_expr(not self.creduce):")
+    direct, partial = src.split("else:\n                    if wg == 0")
     assert "if const_expr(self.direct):" in direct
     assert "value = (o[r, c] * inv).to(mOp.element_type)" in direct
     assert "mOp[q_off + token, head, wg * COLS + o_crd[r, c][1]] = value" in direct
@@ -719,7 +718,7 @@ def test_partial_epilogue_is_the_kernels():
     warpgroup's half by the P V fragment, the proxy fence and __syncthreads before warp 0's
     elected lane sends; `_send_split`'s loop and its bulk group, waited until read."""
     src = inspect.getsource(seesaw.MlaSeesawSm90.kernel)
-    staged = src[src.index("if const_expr(not self.direct and not self.creduce):") :]
+    staged = src[src.index("if const_expr(not self.direct):") :]
     order = [
         "cute.recast_ptr(storage.kl.data_ptr(), dtype=Float32)",
         "cute.make_layout((ROWS, D_LATENT), stride=(O_STRIDE, 1))",

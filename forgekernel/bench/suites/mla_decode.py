@@ -535,23 +535,11 @@ def run_combine_warps(inputs: Inputs, out):
 GATHER_CASES = ("b64-h16-p1-L4096-split", "b16-h128-p1-L4096-split")
 
 
-# The uniform 16-head plans of 2, 4 or 8 splits (and b16-h128's 4) with each unit's splits as one
-# cluster reducing them over its shared memory (variant `creduce`, launch.plan_form(creduce=True)
-# on the call without a schedule; candidate keys: sm90 `creduce_params`): no fp32 partials, no
-# combine launch. Predicted (time / ours, MLA_NOTES.md "The mid cases' fixed cost"): 0.89-0.93
-# at b16 x 4k and b32 x 2k, 0.93-0.96 at b16 x 8k, 0.96-0.99 at b64 (2 splits) and MTP 2,
-# 0.93-0.97 at b16-h128; falsifier: >= 1.00 anywhere.
-CREDUCE_CASES = ("b16-h16-p64-L4096", "b16-h16-p64-L8192", "b32-h16-p64-L2048",
-                 "b64-h16-p64-L4096", "b64-h16-p64-L8192", "b64-h16-p64-L4096-sq2",
-                 "b16-h128-p64-L4096")  # fmt: skip
-
-
 def variants(case: Case) -> dict[str, Any]:
     """The launcher-only plan candidates of `case` (CANDIDATES, on the plain call), the `plain`
     call (PLAIN_CASES), NO_PDL_CASES' kernels without PDL (`run_no_pdl`) and COMBINE_CASES'
     combine in its warp form (`run_combine_warps`), GATHER_CASES on the seesaw pass's `gather`
-    form (`run_plan`, candidate), CREDUCE_CASES' splits reduced in a cluster (`run_plan`,
-    candidate): variant time / our time decides their
+    form (`run_plan`, candidate): variant time / our time decides their
     adoption. (Measured and dropped: the `pair` form, 2.4-8.8% slower on every
     128-head case, 2026-12-03 16:40; the `ostore` store, a variant until 14:25, is the standard:
     MLA_NOTES.md.)"""
@@ -566,8 +554,6 @@ def variants(case: Case) -> dict[str, Any]:
     if case.name in GATHER_CASES:
         found["gather"] = functools.partial(run_plan, {"gather": True})
         found["gather_unfenced"] = functools.partial(run_plan, {"gather": "unfenced"})
-    if case.name in CREDUCE_CASES:
-        found["creduce"] = functools.partial(run_plan, {"creduce": True})
     return found
 
 

@@ -176,34 +176,18 @@ def wide_params() -> list[Params]:
     ]
 
 
-# The cluster-reduced split plans (candidate, `creduce`: seesaw.py `_reduce_cluster`): the bench's
-# uniform 16-head plans (b16 x 4k / 8k: 8 splits, b32 x 2k: 4, b64 x 4k / 8k and MTP 2: 2) and
-# the 128-head b16 plan (4 splits of 64-head blocks), both dtypes: (heads, qtokens, splits)
-CREDUCE_BLOCKS = ((16, 1, 8), (16, 1, 4), (16, 1, 2), (16, 2, 2), (64, 1, 4))
-
-
-def creduce_params() -> list[Params]:
-    """The `creduce` form's candidate keys (`build --candidates`)."""
-    return [
-        params_for("partial", dtype, h, qt, tma=True, creduce=splits)
-        for dtype in DTYPES
-        for h, qt, splits in CREDUCE_BLOCKS
-    ]
-
-
 def _candidate_params() -> list[Params]:
     """The per-call work list's pass and scheduling kernels (`build --candidates`), the
     builds without PDL of the bench's variant `no_pdl` (`no_pdl_params`), the seesaw pass's
-    gather form (`gather_params`), DSA's FP8 `lean` and `wide` forms (`lean_params`,
-    `wide_params`) and the cluster-reduced split plans (`creduce_params`)."""
+    gather form (`gather_params`) and DSA's FP8 `lean` and `wide` forms (`lean_params`,
+    `wide_params`)."""
     passes = [
         params_for("partial", dtype, h, qt, tma=True, worklist=True)
         for dtype in DTYPES
         for h, qt in WORKLIST_BLOCKS
     ]
     lists = [params_for("worklist", "bfloat16", qtokens=qt) for qt in QTOKENS]
-    return (passes + lists + no_pdl_params() + gather_params() + lean_params() + wide_params()
-            + creduce_params())  # fmt: skip
+    return passes + lists + no_pdl_params() + gather_params() + lean_params() + wide_params()
 
 
 def no_pdl_params() -> list[Params]:

@@ -219,7 +219,6 @@ def compile_mla(params: dict, arch: str = "sm_90a", extra_options: str = ""):
             pdl,
             params.get("gather", False),
             not params.get("unfenced", False),
-            params.get("creduce", 0),
         )
     else:
         kernel = MlaDecodeSm90(params["heads"], qtokens, fp8=fp8, direct=direct)
@@ -230,7 +229,7 @@ def compile_mla(params: dict, arch: str = "sm_90a", extra_options: str = ""):
         caches = (*caches[:2], _work_list())
     page_table = _dense(cutlass.Int32, 2)
     seqlens_k = make_fake_tensor(cutlass.Int32, (b,), stride=(1,))  # the batch
-    if direct or params.get("creduce", 0):  # the op's out and natural LSE
+    if direct:
         outs = _outputs(dtype, rows, hq, params.get("ostore", False))
     else:
         outs = _partials()

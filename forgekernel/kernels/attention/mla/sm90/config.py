@@ -72,9 +72,6 @@ def runs_pair(hq: int, heads: int, qtokens: int, tma: bool) -> bool:
 # epilogue's cost (64 rows of O a CTA); their direct plans' default where out's rows are 16-byte
 # aligned (0.888-0.948x the scalar stores' time, H200 2026-12-03 14:25: "ostore adopted").
 OSTORE_BLOCKS = ((64, 1), (32, 2))
-# creduce (candidate): the split counts a plan may run as one cluster a unit (portable clusters
-# hold at most 8 CTAs; one CTA an SM, so a cluster takes that many SMs of one GPC)
-CREDUCE_SIZES = (2, 4, 8)
 
 
 def runs_ostore(heads: int, qtokens: int) -> bool:
@@ -170,7 +167,6 @@ def params_for(
     unfenced: bool = False,
     lean: bool | str = False,
     wide: bool = False,
-    creduce: int = 0,
 ) -> tuple:
     """Compile key: kind "partial" (one split of `heads` query heads x `qtokens` tokens, fp32
     out; qtokens > 1 the packed form with cu_seqlens_q), "sparse" (DSA: one split of one query
@@ -203,10 +199,6 @@ def params_for(
     wide (candidate; the sparse direct pass, not fused): O in q's dtype staged in shared memory
     over the K stages and stored by 16-byte vectors (the seesaw's `ostore`, for decode.py's
     pass; out's rows 16-byte aligned: the compile assumes it).
-    creduce (candidate; tma partial only, no direct, pair, work list or gather): a plan of
-    `creduce` (2, 4 or 8) splits run as one cluster a unit, the splits reduced over the
-    cluster's shared memory into the op's out and natural LSE (seesaw.py `_reduce_cluster`): no
-    partials, no combine.
     sink (the sparse direct pass): out x sigmoid(lse - attn_sink[h]) in the epilogue. fused
     (the sparse direct pass, 16-bit or with fp8 over FlashMLA's FP8 cache, bf16 q; the fused
     DSA prefill): q_pe rotated at the token's
@@ -242,9 +234,6 @@ def params_for(
         raise ValueError("gather is a form of the seesaw (tma) pass, without pair or work list")
     if unfenced and not gather:
         raise ValueError("unfenced is a form of the gather pass")
-    if creduce and (creduce not in CREDUCE_SIZES or not tma or direct or pair or worklist
-                    or gather):  # fmt: skip
-        raise ValueError(f"creduce is a cluster size {CREDUCE_SIZES} of the seesaw partial pass")
     if wide and not (kind == "sparse" and direct and not fused):
         raise ValueError("wide is a form of the sparse direct pass (not the fused one)")
     if lean not in (False, True, "far"):
@@ -286,8 +275,6 @@ def params_for(
         keys["lean"] = 2 if lean == "far" else True
     if wide:
         keys["wide"] = True
-    if creduce:
-        keys["creduce"] = creduce
     if sink:
         keys["sink"] = True
     if fused:

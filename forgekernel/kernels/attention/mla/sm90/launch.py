@@ -68,12 +68,7 @@ SCHEDULED, keyed apart; no scheduling kernel in the call): no bound from the wid
 `ranges` compile writing its partial at its item ((items, qtokens, Hq, 512) scratch), the
 combine's `ranges` compile reducing each query row's item range. Taken where the width plan
 splits (a plan of one split keeps its direct form; the list is then empty). MLA_NOTES.md, "A
-decode step's schedule, built".
-
-`plan_form(creduce=True)` or FORGEKERNEL_MLA_CREDUCE=1 (candidate, read when a problem's plan is
-first built): a seesaw plan of 2, 4 or 8 splits (config.CREDUCE_SIZES) runs the pass's `creduce`
-compile, each unit's splits one cluster reducing them over its shared memory into out and lse: one
-launch, no partials, no combine (MLA_NOTES.md, "The mid cases' fixed cost")."""
+decode step's schedule, built"."""
 
 from __future__ import annotations
 
@@ -95,8 +90,8 @@ from forgekernel.runtime.scratch import scratch, scratches
 
 _plans = PlanCache()
 # `plan_form`'s (tiles per split or None, heads per CTA or None, work list, direct form, gather,
-# lean, wide, creduce), else None (in plan keys)
-_Form = tuple[int | None, int | None, bool, bool, bool | str, bool | str, bool, bool]
+# lean, wide), else None (in plan keys)
+_Form = tuple[int | None, int | None, bool, bool, bool | str, bool | str, bool]
 _plan_form: list[_Form | None] = [None]
 
 
@@ -171,21 +166,6 @@ def _wide(kind: str, form) -> bool:
     return kind == "sparse" and form is not None and len(form) > 6 and form[6]
 
 
-def creduce_enabled() -> bool:
-    """Seesaw plans of 2, 4 or 8 splits run each unit's splits as one cluster reducing them
-    over its shared memory (candidate: FORGEKERNEL_MLA_CREDUCE=1, read when a problem's plan is
-    first built; the default "0" keeps the partials and the combine)."""
-    return _flag("FORGEKERNEL_MLA_CREDUCE", "0")
-
-
-def _creduce(form) -> bool:
-    """Whether a plan asks for the `creduce` form: `plan_form(creduce=True)` or the switch
-    (SCHEDULED, a paged form, has no 8th field: a decode step's schedule keeps its items)."""
-    if form is not None and len(form) <= 7:
-        return False
-    return bool(form is not None and form[7]) or creduce_enabled()
-
-
 def ostore_enabled() -> bool:
     """Direct plans of the OSTORE_BLOCKS take the `ostore` compile where out's rows are 16-byte
     aligned (unless FORGEKERNEL_MLA_OSTORE=0)."""
@@ -201,7 +181,6 @@ def plan_form(
     gather: bool | str = False,
     lean: bool | str = False,
     wide: bool = False,
-    creduce: bool = False,
 ) -> Iterator[None]:
     """The calls inside take `per_tiles` tiles per split (seesaw plans: 16-bit caches of
     whole-tile pages; DSA's sparse plans: TILE top-k positions a tile) and / or `heads` query
@@ -216,18 +195,11 @@ def plan_form(
     "unfenced" its diagnostic build). lean: DSA's sparse pass over an FP8 cache takes its
     `lean` compile (as FORGEKERNEL_MLA_LEAN=1; "far": its prefetch two tiles ahead; other calls
     ignore it). wide: DSA's sparse direct plans take the `wide` compile (O staged in shared
-    memory, 16-byte stores) where out's rows are 16-byte aligned (the scalar stores elsewhere).
-    creduce (candidate): seesaw plans of 2, 4 or 8 splits (config.CREDUCE_SIZES) run each unit's
-    splits as one cluster, reduced over its shared memory into out and lse (as
-    FORGEKERNEL_MLA_CREDUCE=1): no partials, no combine launch."""
+    memory, 16-byte stores) where out's rows are 16-byte aligned (the scalar stores elsewhere)."""
     if lean not in (False, True, "far"):
         raise ValueError(f"lean must be False, True or 'far', got {lean!r}")
     if wide not in (False, True):
         raise ValueError(f"wide must be False or True, got {wide!r}")
-    if creduce not in (False, True):
-        raise ValueError(f"creduce must be False or True, got {creduce!r}")
-    if creduce and worklist:
-        raise ValueError("creduce takes the width plan's splits: no worklist with creduce")
     if gather not in (False, True, "unfenced"):
         raise ValueError(f"gather must be False, True or 'unfenced', got {gather!r}")
     if worklist and per_tiles is not None:
@@ -236,8 +208,7 @@ def plan_form(
         raise ValueError(f"heads must be one of {config.HEADS}, got {heads}")
     if per_tiles is not None and per_tiles < 1:
         raise ValueError(f"per_tiles must be >= 1, got {per_tiles}")
-    form = (per_tiles, heads, worklist, direct, gather, lean, wide, creduce)
-    with overriding(_plan_form, form):
+    with overriding(_plan_form, (per_tiles, heads, worklist, direct, gather, lean, wide)):
         yield
 
 
@@ -341,10 +312,6 @@ def _plan(
         # least this many a split: the width's per would leave a short sequence in a table
         # sized for a long context (a serving engine's captured graph) in one split
         per = min(per, config.MIN_TOKENS_PER_SPLIT)
-    if tma and not gather and splits in config.CREDUCE_SIZES and _creduce(form):
-        # (candidate) a unit's splits as one cluster: out and lse written by the pass
-        params = config.params_for(kind, name, heads, qtokens, tma=True, creduce=splits)
-        return get_kernel(SPEC, pdl.key(params, on)), None, splits, per, False, None
     wanted = worklist_enabled() if form is None else form[2] or worklist_enabled()
     if tma and not gather and splits > 1 and wanted and (form is None or form[0] is None):
         sms = num_sms(device_index)

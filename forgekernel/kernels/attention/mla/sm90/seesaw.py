@@ -67,14 +67,7 @@ the page table a pair ahead (`_gather_rows`, as `_page`), the key clamped to the
 no entry past the split is read, rows past it repeat a real key (masked, P = 0: nothing to
 zero, so no `_zero_stale` / `_match_stale`). cp.async writes are the generic proxy's: every
 mbarrier wait, and the P V of the tile the other warpgroup waited on, is followed by a proxy
-fence before the WGMMA (`_gathered_fence`). MLA_NOTES.md, "The seesaw over gathered rows".
-
-The creduce form (`creduce` = S of 2, 4, 8; candidate: launch.plan_form(creduce=True)) launches a
-plan of S splits as clusters of S CTAs along grid z (one unit's splits): each CTA stages its
-normalized O and log2 LSE in its own shared memory, and after the cluster's barrier CTA r reduces
-columns r x 512 / S .. of every row over the peers' shared memory (`_reduce_cluster`: the
-combine's arithmetic) into the op's out and natural LSE: no fp32 partials, no combine launch.
-MLA_NOTES.md, "The mid cases' fixed cost, and the splits reduced in a cluster"."""
+fence before the WGMMA (`_gathered_fence`). MLA_NOTES.md, "The seesaw over gathered rows"."""
 
 from __future__ import annotations
 
@@ -86,15 +79,12 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass._mlir.dialects import llvm as _llvm
 from cutlass._mlir.dialects import nvvm as _nvvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cute.nvgpu.warp import LdMatrix8x8x16bOp, StMatrix8x8x16bOp
-from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
 from forgekernel.kernels.attention.mla.sm90.config import (
-    CREDUCE_SIZES,
     D_LATENT,
     D_ROPE,
     ROWS,
@@ -104,7 +94,6 @@ from forgekernel.kernels.attention.mla.sm90.config import (
 )
 from forgekernel.kernels.attention.mla.sm90.schedule import HEADER as WORK_HEADER
 from forgekernel.kernels.attention.mla.sm90.units import unit_bounds
-from forgekernel.kernels.attention.paged.sm90.combine import _weight
 from forgekernel.kernels.common.sm90 import pdl
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
 from forgekernel.kernels.common.sm90.constants import LN2, THREADS_PER_WG, WARP_SIZE
@@ -145,8 +134,6 @@ O16_STRIDE = D_LATENT + 8
 OSTORE_VEC = 8  # 16-bit elements a thread moves per 16-byte vector (LDS.128 / STG.E.128)
 # gather: rows of a chunk each thread of the gathering warpgroup copies (16 bytes of each)
 GATHER_ROWS = TILE * CHUNK * 2 // 16 // THREADS_PER_WG
-# creduce: the columns a thread reduces at a time (of a peer's staged row)
-REDUCE_VEC = 4
 
 
 class Bar(IntEnum):
@@ -168,7 +155,7 @@ class MlaSeesawSm90:
     def __init__(
         self, heads: int, qtokens: int = 1, direct: bool = False, pair: bool = False,
         ostore: bool = False, worklist: bool = False, ranges: bool = False, pdl: bool = True,
-        gather: bool = False, fenced: bool = True, creduce: int = 0,
+        gather: bool = False, fenced: bool = True,
     ):  # fmt: skip
         if heads * qtokens > ROWS:
             raise ValueError(f"heads x query tokens must be <= {ROWS}, got {heads} x {qtokens}")
@@ -218,17 +205,6 @@ class MlaSeesawSm90:
         if not fenced and not gather:
             raise ValueError("unfenced is a form of the gather pass")
         self.fenced = fenced
-        # creduce (candidate): the plan's `creduce` splits of a unit as one cluster along grid
-        # z, each CTA staging its normalized O and LSE in shared memory; after the cluster's
-        # barrier CTA r reduces columns r x 512 / creduce .. of every row over the peers' shared
-        # memory (`_reduce_cluster`) into the op's out and natural LSE: no fp32 partials in
-        # global memory, no combine launch (MLA_NOTES.md, "The mid cases' fixed cost")
-        if creduce and (creduce not in CREDUCE_SIZES or direct or pair or worklist or gather):
-            raise ValueError(
-                f"creduce is a cluster size of {CREDUCE_SIZES} of the plain partial pass, got "
-                f"{creduce}"
-            )
-        self.creduce = creduce
 
     def _setup(self, dtype):
         k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
@@ -298,8 +274,8 @@ class MlaSeesawSm90:
             raise ValueError("the seesaw pass reads 16-bit caches (FP8: decode.MlaDecodeSm90)")
         if const_expr((mCuQ is None) != (self.qt == 1)):
             raise ValueError("cu_seqlens_q comes with qtokens > 1, and only then")
-        if const_expr((self.direct or self.creduce) and mOp.element_type != dtype):
-            raise TypeError("the direct and creduce forms write O in q's dtype")
+        if const_expr(self.direct and mOp.element_type != dtype):
+            raise TypeError("the direct form writes O in q's dtype")
         self._setup(dtype)
         # TMA boxes of 64 rows x 64 columns over (rows of a page, columns, pages)
         g2s = cpasync.CopyBulkTensorTileG2SOp()
@@ -386,9 +362,7 @@ class MlaSeesawSm90:
         if const_expr(self.worklist):  # (a CTA past the list's items has left here)
             unit, head_block, split, per_split, item = self._item(mWork, mOp.shape[2])
         else:
-            # (Hq: out's mode 1 in the direct and creduce forms, the partials' mode 2)
-            hq = mOp.shape[1] if const_expr(self.direct or self.creduce) else mOp.shape[2]
-            unit, head_block, split = self._block(hq)
+            unit, head_block, split = self._block(mOp.shape[1] if self.direct else mOp.shape[2])
         head0 = head_block * self.h
         b, q_off, sq, sk, kv_end = self._unit(mSeq, mCuQ, causal, q_blocks, unit)
         per = per_split
@@ -533,29 +507,10 @@ class MlaSeesawSm90:
         w_split, w_off = split, q_off  # where this CTA's partial rows go
         if const_expr(self.ranges):
             w_split, w_off = item, 0
-        outs = (mOp, mLp)
-        if const_expr(self.creduce):  # the rows' log2 LSE for the peers: sScale's first column
-            outs = (mOp, mLp, sScale)
         self._write_split(
-            outs, acc_o, row_max, row_sum, o_crd, (w_split, w_off, sq, head0, wg, tid)
+            (mOp, mLp), acc_o, row_max, row_sum, o_crd, (w_split, w_off, sq, head0, wg, tid)
         )
-        if const_expr(self.creduce):
-            # every WGMMA and TMA load of the K buffers retired (as below); the staged rows
-            # and LSEs released to the cluster by its barrier, read by the peers after it; the
-            # second barrier keeps this CTA's shared memory until every peer has read it
-            sO = cute.make_tensor(
-                cute.recast_ptr(storage.kl.data_ptr(), dtype=Float32),
-                cute.make_layout((ROWS, D_LATENT), stride=(O_STRIDE, 1)),
-            )
-            cute.autovec_copy(acc_o, thr_pv.partition_C(cute.local_tile(sO, (ROWS, COLS), (0, wg))))
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-            self._reduce_cluster(
-                (mOp, mLp), (sO.iterator, storage.scale.data_ptr()), (q_off, sq, head0), tidx
-            )
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-        if const_expr(not self.direct and not self.creduce):
+        if const_expr(not self.direct):
             # every WGMMA (wait_group 0 in each warpgroup's last pair) and TMA load (each box
             # waited on by its scorer) of the K buffers retired before the __syncthreads above
             sO = cute.make_tensor(
@@ -593,9 +548,7 @@ class MlaSeesawSm90:
 
     def _cluster(self) -> dict:
         """The launch's cluster argument: pair, two CTAs adjacent in grid x (one unit's head
-        blocks, `_block`); creduce, a unit's splits (grid z)."""
-        if self.creduce:
-            return {"cluster": [1, 1, self.creduce]}
+        blocks, `_block`)."""
         return {"cluster": [PAIR, 1, 1]} if self.pair else {}
 
     def _releases(self) -> int:
@@ -613,10 +566,7 @@ class MlaSeesawSm90:
             cute.arch.sync_threads()
 
     def _splits(self, mOp):
-        """The grid's splits: the partials' leading mode; one in the direct form; the
-        cluster's size in the creduce form."""
-        if const_expr(self.creduce):
-            return self.creduce
+        """The grid's splits: the partials' leading mode; one in the direct form."""
         return 1 if self.direct else mOp.shape[0]
 
     def _grid(self, units, blocks, mOp, mWork):
@@ -1179,7 +1129,7 @@ class MlaSeesawSm90:
         this thread's columns of O normalized in place (0 where the split saw no key, LSE
         -inf), staged and sent by the caller (`_send_split`). Rows past G or of tokens past sq
         are not written. Direct form: O in q's dtype stored here, the LSE natural."""
-        mOp, mLp = outs[0], outs[1]
+        mOp, mLp = outs
         split, q_off, sq, head0, wg, tid = at
         o = rows_cols(acc_o)
         for r in cutlass.range_constexpr(2):
@@ -1194,9 +1144,6 @@ class MlaSeesawSm90:
             if const_expr(not self.direct or self.ostore):  # every row, in place (staged)
                 for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
                     o[r, c] = o[r, c] * inv
-            if const_expr(self.creduce):  # every row's, staged for the cluster
-                if wg == 0 and tid % 4 == 0:
-                    outs[2][row, 0] = lse
             if self._written(row, token, sq):
                 head = head0 + row % self.pitch
                 if const_expr(self.direct):
@@ -1208,62 +1155,8 @@ class MlaSeesawSm90:
                     if wg == 0 and tid % 4 == 0:
                         mLp[q_off + token, head] = lse * LN2
                 else:
-                    if const_expr(not self.creduce):
-                        if wg == 0 and tid % 4 == 0:
-                            mLp[split, q_off + token, head] = lse
-
-    @cute.jit
-    def _reduce_cluster(self, outs, staged, at, tidx):
-        """creduce, every thread after the cluster's barrier: CTA r of the unit's cluster takes
-        columns r x C .. r x C + C - 1 (C = 512 / creduce) of the rows r < G of tokens < sq
-        (`_written`), REDUCE_VEC columns a thread at a time: each peer s's log2 LSE of the row
-        and its staged, normalized O (one DSMEM load each, all in flight), then the combine's
-        arithmetic (paged/sm90/combine.py `_few`): top = max, w_s = 2^(lse_s - top) (0 for a
-        split of no keys), acc += w_s O_s in split order (a weight-0 split adds 0), the sum of
-        the weights in the warp butterfly's order, out = acc / sum in q's dtype (0 where no
-        split saw a key); CTA 0 writes the natural LSE (top + log2 sum) x ln 2 (-inf)."""
-        mOp, mLp = outs
-        q_off, sq, head0 = at
-        s_o, s_lse = staged
-        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        cols = D_LATENT // self.creduce
-        per_row = cols // REDUCE_VEC
-        lse = cute.make_rmem_tensor(self.creduce, Float32)
-        w = cute.make_rmem_tensor(self.creduce, Float32)
-        vals = cute.make_rmem_tensor((REDUCE_VEC, self.creduce), Float32)
-        acc = cute.make_rmem_tensor(REDUCE_VEC, Float32)
-        for k in cutlass.range_constexpr(-(-self.g * per_row // THREADS)):
-            i = tidx + k * THREADS
-            r = i // per_row
-            token = r // self.pitch
-            if self._written(r, token, sq):
-                col = rank * cols + (i % per_row) * REDUCE_VEC
-                for s in cutlass.range_constexpr(self.creduce):
-                    lse[s] = _dsmem_f32(s_lse + r, s)
-                    for j in cutlass.range_constexpr(REDUCE_VEC):
-                        vals[j, s] = _dsmem_f32(s_o + (r * O_STRIDE + col + j), s)
-                top = lse[0]
-                for s in cutlass.range_constexpr(1, self.creduce):
-                    top = cute.arch.fmax(top, lse[s])
-                for s in cutlass.range_constexpr(self.creduce):
-                    w[s] = _weight(lse[s], top)
-                total = _butterfly_sum([w[s] for s in range(self.creduce)])
-                acc.fill(0.0)
-                for s in cutlass.range_constexpr(self.creduce):
-                    for j in cutlass.range_constexpr(REDUCE_VEC):
-                        o = cutlass.select_(w[s] > 0.0, vals[j, s], Float32(0.0))
-                        acc[j] = acc[j] + w[s] * o
-                head = head0 + r % self.pitch
-                for j in cutlass.range_constexpr(REDUCE_VEC):
-                    out = Float32(0.0)
-                    if total > 0.0:
-                        out = acc[j] / total
-                    mOp[q_off + token, head, col + j] = out.to(mOp.element_type)
-                if rank == 0 and i % per_row == 0:
-                    out_lse = -Float32.inf
-                    if total > 0.0:
-                        out_lse = (top + cute.math.log2(total, fastmath=True)) * LN2
-                    mLp[q_off + token, head] = out_lse
+                    if wg == 0 and tid % 4 == 0:
+                        mLp[split, q_off + token, head] = lse
 
     @cute.jit
     def _written(self, row, token, sq):
@@ -1309,27 +1202,3 @@ class MlaSeesawSm90:
                 cute.copy(bulk, sO[r, None], cute.make_tensor(row, cute.make_layout(D_LATENT)))
         cute.arch.cp_async_bulk_commit_group()
         cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-
-def _butterfly_sum(values: list):
-    """The sum a warp's xor butterfly (cute.arch.warp_reduction: offsets 16 .. 1) leaves in
-    lane 0 when lanes 0 .. n - 1 hold `values` and the others 0 (x + 0 is x exactly): the
-    combine's weight sum, bit for bit, without the shuffles."""
-    lanes = list(values) + [None] * (WARP_SIZE - len(values))
-    offset = WARP_SIZE // 2
-    while offset > 0:
-        nxt = []
-        for lane in range(WARP_SIZE):
-            a, b = lanes[lane], lanes[lane ^ offset]
-            nxt.append(a if b is None else b if a is None else a + b)
-        lanes, offset = nxt, offset // 2
-    return lanes[0]
-
-
-@dsl_user_op
-def _dsmem_f32(ptr, rank, *, loc=None, ip=None):
-    """The fp32 at shared-memory pointer `ptr`'s address in cluster CTA `rank`'s shared memory:
-    mapa, then an LLVM load from the shared::cluster address space (ld.shared::cluster.f32)."""
-    remote = cute.arch.map_dsmem_ptr(ptr, rank, loc=loc, ip=ip)
-    address = remote.to_llvm_ptr(loc=loc, ip=ip)
-    return Float32(_llvm.load(Float32.mlir_type, address, loc=loc, ip=ip))
