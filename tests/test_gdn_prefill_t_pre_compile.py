@@ -240,6 +240,36 @@ def test_form_v_released_after_u(built, name):
     assert "WARPGROUP.DEPBAR.LE" in between and any(op.startswith("HGMMA") for op in between)
 
 
+def _arrives_behind_loads(instrs) -> list[str]:
+    """The mbarrier arrives (SYNCS.ARRIVE ... A1T0) issued while a shared-memory load's
+    destination registers are still unread, straight-line (a branch, barrier, MEMBAR or
+    WARPGROUP.DEPBAR starts afresh): such an arrive may release a stage before the load has
+    read it, unless the SM orders the two."""
+    widths = {"LDSM.16.MT88.4": 4, "LDSM.16.M88.4": 4, "LDS.128": 4, "LDS.64": 2}
+    pending, found = set(), []
+    for op, args in instrs:
+        if op.startswith(("MEMBAR", "BAR.", "WARPGROUP.DEPBAR", "EXIT", "BRA")):
+            pending.clear()
+            continue
+        pending -= {int(r) for r in re.findall(r"\bR(\d+)\b", args.partition(",")[2] or args)}
+        if op == "SYNCS.ARRIVE.TRANS64.A1T0" and pending:
+            found.append(args.strip())
+        if op.startswith("LDS"):
+            first = int(re.match(r"\s*R(\d+)", args).group(1))
+            pending |= set(range(first, first + widths.get(op, 1)))
+    return found
+
+
+@pytest.mark.parametrize("name", [*FORMS, *STATE_LDS])
+def test_form_no_arrive_behind_shared_loads(built, name):
+    """No mbarrier arrive of the t_pre forms is issued with a shared-memory load unread (before
+    the fix: the v stage's release, behind 3 V^T LDSM / LDS.U16; NOTES, "t_pre failed on the
+    H100"). The standard form's v release has only the tables' loads of the aux stage behind
+    it, released later."""
+    _, instrs, _, _ = built("form", name)
+    assert _arrives_behind_loads(instrs) == []
+
+
 @pytest.mark.parametrize("name", list(STATE_LDS))
 def test_state_lds_form_keeps_the_previous_chain(built, name):
     """Key field state_lds: next/gdn-tpre's t_pre state chain (V^T by 32 LDS.U16 a thread, O
