@@ -139,6 +139,18 @@ def test_precompute_products_and_copies(built, name):
     assert _mbarrier_init_counts(ptx) == [1, THREADS // 32]
 
 
+@pytest.mark.parametrize("name", list(PRE))
+def test_precompute_store_completes_before_exit(built, name):
+    """T is the chunked kernel's input: the store waited for whole (`cp.async.bulk.wait_group
+    0`, whose SASS adds CCTL.IVALL to the read wait's DEPBAR), not only its shared-memory read,
+    before the CTA exits (NOTES, "t_pre failed on the H100")."""
+    _, instrs, _, ptx = built("pre", name)
+    assert "cp.async.bulk.wait_group 0;" in " ".join(ptx.split())
+    assert "cp.async.bulk.wait_group.read" not in ptx
+    tail = _ops(instrs)[_ops(instrs).index("UTMASTG.3D") :]
+    assert tail.index("DEPBAR.LE") < tail.index("CCTL.IVALL") < tail.index("EXIT")
+
+
 # ------------------------------------------------------------------------ the t_pre form
 
 
@@ -204,6 +216,58 @@ def test_form_state_chain(built, name):
     named = [a for op, a in instrs if op == "BAR.SYNC.DEFER_BLOCKING" and "0x80" in a]
     assert len(named) == (1 if FORMS[name].get("l2norm") else 0)  # the aux's, l2norm only
     assert ops.count("STG.E.128") == _wgs(name)  # the O warp's tail rows (a rolled loop)
+
+
+V_EMPTY = 2 * config.QK_STAGES * 8 + config.V_STAGES * 8  # byte offset of the v ring's empties
+
+
+@pytest.mark.parametrize("name", [*FORMS, *STATE_LDS])
+def test_form_v_released_after_u(built, name):
+    """The state warps release their v stage only once U^T, built from the V^T registers, has
+    completed: released after `_correct` (before the fix) ptxas issued the arrive with 3 of the
+    4 LDSM (3 of 32 LDS.U16 with state_lds) in flight (NOTES, "t_pre failed on the H100"). In
+    SASS: the lane-0 arrive on a v empty barrier comes after a WARPGROUP.DEPBAR that follows
+    the last V^T load."""
+    _, instrs, _, _ = built("form", name)
+    loads = ("LDSM.16.MT88.4", "LDS.U16")
+    last_ldsm = max(i for i, (op, _) in enumerate(instrs) if op in loads)
+    releases = [
+        i for i, (op, a) in enumerate(instrs)
+        if op == "SYNCS.ARRIVE.TRANS64.A1T0" and a.rstrip().endswith(f"+{V_EMPTY:#x}], RZ")
+    ]  # fmt: skip
+    assert len(releases) == 1 and releases[0] > last_ldsm
+    between = [op for op, _ in instrs[last_ldsm : releases[0]]]
+    assert "WARPGROUP.DEPBAR.LE" in between and any(op.startswith("HGMMA") for op in between)
+
+
+def _arrives_behind_loads(instrs) -> list[str]:
+    """The mbarrier arrives (SYNCS.ARRIVE ... A1T0) issued while a shared-memory load's
+    destination registers are still unread, straight-line (a branch, barrier, MEMBAR or
+    WARPGROUP.DEPBAR starts afresh): such an arrive may release a stage before the load has
+    read it, unless the SM orders the two."""
+    widths = {"LDSM.16.MT88.4": 4, "LDSM.16.M88.4": 4, "LDS.128": 4, "LDS.64": 2}
+    pending, found = set(), []
+    for op, args in instrs:
+        if op.startswith(("MEMBAR", "BAR.", "WARPGROUP.DEPBAR", "EXIT", "BRA")):
+            pending.clear()
+            continue
+        pending -= {int(r) for r in re.findall(r"\bR(\d+)\b", args.partition(",")[2] or args)}
+        if op == "SYNCS.ARRIVE.TRANS64.A1T0" and pending:
+            found.append(args.strip())
+        if op.startswith("LDS"):
+            first = int(re.match(r"\s*R(\d+)", args).group(1))
+            pending |= set(range(first, first + widths.get(op, 1)))
+    return found
+
+
+@pytest.mark.parametrize("name", [*FORMS, *STATE_LDS])
+def test_form_no_arrive_behind_shared_loads(built, name):
+    """No mbarrier arrive of the t_pre forms is issued with a shared-memory load unread (before
+    the fix: the v stage's release, behind 3 V^T LDSM / LDS.U16; NOTES, "t_pre failed on the
+    H100"). The standard form's v release has only the tables' loads of the aux stage behind
+    it, released later."""
+    _, instrs, _, _ = built("form", name)
+    assert _arrives_behind_loads(instrs) == []
 
 
 @pytest.mark.parametrize("name", list(STATE_LDS))

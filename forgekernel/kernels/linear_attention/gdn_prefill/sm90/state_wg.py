@@ -17,6 +17,8 @@ alternating) -> the rows inside the sequence to global memory, 16 bytes a thread
 The `t_pre` form (`o_warp`: its key without state_lds) reads V^T by transposed ldmatrix and
 hands the O tile to warpgroup 0's O warp through an mbarrier pair a tile (`_hand_o`,
 `_drain_o`: a TMA store a whole chunk), its thread-dependent views hoisted out of the loop.
+Both t_pre forms (the T ring's) release the v stage after U^T, once every V^T load has been
+read, not after the corrections (NOTES, "t_pre failed on the H100").
 """
 
 from __future__ import annotations
@@ -108,7 +110,8 @@ class StateWg:
             vt = cute.local_tile(sVt[None, None, vs.index], (ROWS, CHUNK), (w, 0))
             r_v = self._load_vt(mma_ks, vt, tid, acc_shape, self.o_warp)
             self._correct(acc_x, acc_o, r_v, coords, sTab, ax.index)
-            v_pipe.consumer_release(vs)  # v consumed: its stage may load chunk c + 2
+            if const_expr(t_pipe is None):
+                v_pipe.consumer_release(vs)  # v consumed: its stage may load chunk c + 2
             acc_to_operand_a(acc_x, tXrX)
             if const_expr(t_pipe is None):
                 gemm(mma_ks, acc_u, tXrX, tBrT[None, None, None, ax.index], True, 0)
@@ -116,6 +119,13 @@ class StateWg:
                 t_pipe.consumer_wait(ts)
                 gemm(mma_ks, acc_u, tXrX, tBrT[None, None, None, ts.index], True, 0)
                 t_pipe.consumer_release(ts)
+                # v released once U^T, built from V^T, has completed: released after _correct,
+                # ptxas hoisted the arrive over the T ring's wait to right behind the V^T loads
+                # (3 of 4 LDSM, or 3 of 32 LDS.U16 with state_lds, still in flight), leaving
+                # their reads' order against the producer's next box into the stage to the
+                # hardware (NOTES, "t_pre failed on the H100"; the standard form reads them all
+                # first). The stage is needed again two chunks on.
+                v_pipe.consumer_release(vs)
             acc_to_operand_a(acc_u, tUrU)
             gemm(mma_ks, acc_o, tUrU, tBrP[None, None, None, ax.index], False, -1)
             self._scale_by_table(acc_u, coords, sTab, 2, ax.index)

@@ -22,7 +22,8 @@ Grid: (T // C + N slots, HV); a CTA finds its sequence by a binary search of cu_
 bos_n // C + n (strictly increasing); slots between sequences exit at once. One warpgroup a CTA
 (128 threads, 42 KB of shared memory: five CTAs an SM): warp 0 issues the TMA load, then the
 gate scan; all four the products, the inverse (its warp roles as in the aux) and the stores
-(T diag(beta) over the k tile, read by then); thread 0 the TMA store.
+(T diag(beta) over the k tile, read by then); thread 0 the TMA store, waited for whole before
+the CTA exits (not only its shared-memory read).
 
 Constraints: K = 128, 16-bit k (unit last stride, 16-byte aligned token stride), g, beta fp32
 (T, HV), the T buffer (slots x C, HV, C) 16-bit, 16-byte aligned.
@@ -218,7 +219,10 @@ class GdnTPreSm90(AuxWy):
                 )  # fmt: skip
                 cute.copy(tma_t, ts[(None, 0)], tg)
                 cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                # the whole store, not its read (.read): T is the chunked kernel's input; at
+                # exit the read wait left its visibility to the grid's completion (a PDL
+                # launch of the chunked kernel would not wait for it). SASS: + CCTL.IVALL
+                cute.arch.cp_async_bulk_wait_group(0)
 
     @cute.jit
     def _load_k(self, tma_k, mK4, sK, ring, head, bos, c):
