@@ -1,13 +1,14 @@
-"""DSA's sparse pass over FlashMLA's FP8 cache in its `lean` form, the default at 16 and 64 heads
-a CTA, and its direct pass's `wide` form with it at 64 (decode.py `_load_wg_staged`,
-`_send_wide`; MLA_NOTES.md "lean and lean_wide adopted") on the CPU: the rule's edges
-(config.takes_lean / takes_wide, launch._lean / _wide), the prebuilt keys (standard: the adopted
-forms; candidates: the form before at the bench's blocks, `was`, and wide at 16 heads), the
-launcher's pick through the replay of the sparse pass against reference.dsa (the default, bit
-for bit the form before under plan_form(lean=False) and FORGEKERNEL_MLA_LEAN=0; the scalar form
-for an out whose rows are not 16-byte aligned), the bench's variants and check cases, and the
-SASS of both forms beside the form before's (cu13 ptxas, sm_90a). The GPU's checks:
-tests/gpu/test_dsa_fp8_lean_gpu.py."""
+"""DSA's sparse pass over FlashMLA's FP8 cache in its `lean` form, the default at 16 heads a CTA
+(split and one-split plans) and on 64-head one-split plans, and its direct pass's `wide` form
+with it at 64 (decode.py `_load_wg_staged`, `_send_wide`; MLA_NOTES.md "lean and lean_wide
+adopted") on the CPU: the rule's edges (config.takes_lean / takes_wide, launch._lean / _wide),
+the prebuilt keys (standard: the adopted forms; candidates: the form before at the bench's
+blocks, `was`, wide at 16 heads and wide without lean), the launcher's pick through the replay
+of the sparse pass against reference.dsa (the keys of the default, of plan_form(lean=False) and
+FORGEKERNEL_MLA_LEAN=0, and of the scalar form for an out whose rows are not 16-byte aligned;
+the replay runs every form alike, so its results being equal says nothing of the forms' bits:
+tests/gpu/test_dsa_fp8_lean_gpu.py checks those), the bench's variants and check cases, and the
+SASS of both forms beside the form before's (cu13 ptxas, sm_90a)."""
 
 from __future__ import annotations
 
@@ -44,10 +45,11 @@ from forgekernel.kernels.attention.mla.sm90.decode import Bar
 
 
 def test_the_rule_is_the_measured_blocks():
-    """lean at the blocks the H100 measured (16: t1 .. t128-h16; 64: t64-h128), wide with it at
-    64 only (16: a tie); the blocks of 1-8 (and 32, never a sparse block of SPARSE_HQ) keep the
-    form before."""
-    assert [h for h in HEADS if takes_lean(h)] == [16, 64]
+    """lean on the plans the H100 measured (16 heads a CTA: t1 .. t64-h16 split, t128-h16 one
+    split; 64: t64-h128, one split only), wide with it at 64 only (16: a tie); the blocks of 1-8
+    (and 32, never a sparse block of SPARSE_HQ) keep the form before, as 64-head split plans."""
+    assert [h for h in HEADS if takes_lean(h, direct=True)] == [16, 64]
+    assert [h for h in HEADS if takes_lean(h, direct=False)] == [16]
     assert [h for h in HEADS if takes_wide(h)] == [64]
 
 
@@ -58,30 +60,35 @@ def _form(lean=None, wide=None):
 
 @pytest.mark.parametrize("heads", HEADS)
 def test_lean_and_wide_edges(heads, monkeypatch):
-    """`_lean` / `_wide`: by default the sparse FP8 pass at 16 / 64 heads (wide: 64), never a
-    16-bit cache, a paged pass or SCHEDULED's five fields; plan_form's lean False the form
-    before (no wide either), True any block; wide True / False over the rule;
-    FORGEKERNEL_MLA_LEAN=0 the form before."""
-    lean, wide = heads in (16, 64), heads == 64
+    """`_lean` / `_wide`: by default the sparse FP8 pass at 16 heads (split and direct) and on
+    64-head direct plans (wide: 64, direct), never a 16-bit cache, a paged pass or SCHEDULED's
+    five fields; plan_form's lean False the form before (no wide either), True any block and
+    plan; wide True / False over the rule; FORGEKERNEL_MLA_LEAN=0 the form before."""
+    wide = heads == 64
+    for direct in (False, True):
+        lean = heads == 16 or (heads == 64 and direct)
+        for form in (None, _form()):
+            assert mla_launch._lean("sparse", True, heads, form, direct) == lean
+        assert not mla_launch._lean("sparse", False, heads, None, direct)
+        assert not mla_launch._lean("partial", True, heads, None, direct)
+        assert not mla_launch._lean("sparse", True, heads, _form(lean=False), direct)
+        assert mla_launch._lean("sparse", True, heads, _form(lean=True), direct)
+        assert mla_launch._lean("sparse", True, heads, mla_launch.SCHEDULED, direct) == lean
     for form in (None, _form()):
-        assert mla_launch._lean("sparse", True, heads, form) == lean
         assert mla_launch._wide("sparse", True, heads, form) == wide
-    assert not mla_launch._lean("sparse", False, heads, None)
     assert not mla_launch._wide("sparse", False, heads, None)  # 16-bit: not measured
-    assert not mla_launch._lean("partial", True, heads, None)
     assert not mla_launch._wide("partial", True, heads, _form(wide=True))
-    assert not mla_launch._lean("sparse", True, heads, _form(lean=False))
     assert not mla_launch._wide("sparse", True, heads, _form(lean=False))
-    assert mla_launch._lean("sparse", True, heads, _form(lean=True))
     assert mla_launch._wide("sparse", True, heads, _form(lean=True)) == wide
     assert mla_launch._wide("sparse", True, heads, _form(wide=True))
+    assert mla_launch._wide("sparse", True, heads, _form(lean=False, wide=True))
     assert mla_launch._wide("sparse", False, heads, _form(wide=True))  # opt-in, 16-bit too
     assert not mla_launch._wide("sparse", True, heads, _form(wide=False))
-    assert mla_launch._lean("sparse", True, heads, mla_launch.SCHEDULED) == lean
     monkeypatch.setenv("FORGEKERNEL_MLA_LEAN", "0")
-    assert not mla_launch._lean("sparse", True, heads, None)
+    for direct in (False, True):
+        assert not mla_launch._lean("sparse", True, heads, None, direct)
+        assert mla_launch._lean("sparse", True, heads, _form(lean=True), direct)  # plan_form wins
     assert not mla_launch._wide("sparse", True, heads, None)
-    assert mla_launch._lean("sparse", True, heads, _form(lean=True))  # plan_form wins
 
 
 def test_plan_form_and_key_values():
@@ -104,15 +111,20 @@ def test_plan_form_and_key_values():
 
 
 def test_the_adopted_forms_are_prebuilt():
-    """Standard: over an FP8 cache every 16- and 64-head sparse key lean (partial, direct, the
-    sink's), the 64-head direct ones also wide beside the scalar ones (other outs); the blocks
-    of 1-8 and every 16-bit key as before. Candidates: the form before at the bench's blocks
-    (`was`, not standard), wide at 16 heads; no distance-2 key anywhere."""
+    """Standard: over an FP8 cache every 16-head sparse key lean (partial, direct, the sink's)
+    and every 64-head direct one (the sink's too), those also wide beside the scalar ones
+    (other outs); the 64-head partial pass, the blocks of 1-8 and every 16-bit key as before.
+    Candidates: the form before at the bench's blocks (`was`, not standard), wide at 16 heads,
+    wide without lean at the bench's direct blocks (plan_form(lean=False, wide=True)); no
+    distance-2 key anywhere."""
     standard = [dict(p) for p in SPEC.standard_params()]
     sparse = [p for p in standard if p["kind"] == "sparse" and not p.get("fused")]
     for p in sparse:
-        assert p.get("lean", False) == (p.get("fp8", False) and p["heads"] in (16, 64)), p
+        measured = p["heads"] == 16 or (p["heads"] == 64 and p.get("direct", False))
+        assert p.get("lean", False) == (p.get("fp8", False) and measured), p
         assert p.get("wide", False) <= (p.get("lean", False) and p["heads"] == 64), p
+    plain = params_for("sparse", FP8_DTYPE, 64, fp8=True)  # the 64-head partial pass: standard
+    assert plain in SPEC.standard_params() and dict(plain, lean=True) not in standard
     fp8 = {(p["heads"], p.get("direct", False), p.get("sink", False), p.get("wide", False))
            for p in sparse if p.get("fp8")}  # fmt: skip
     assert fp8 == {(h, d, s, False) for h in sparse_heads() for d in (False, True)
@@ -128,8 +140,10 @@ def test_the_adopted_forms_are_prebuilt():
     }  # fmt: skip
     assert not any(dict(p).get("lean") for p in was_params())
     assert [dict(p) for p in wide_params()] == [
-        dict(params_for("sparse", FP8_DTYPE, 16, fp8=True, direct=True, lean=True, wide=True))
-    ]
+        dict(params_for("sparse", FP8_DTYPE, 16, fp8=True, direct=True, lean=True, wide=True)),
+        *(dict(params_for("sparse", FP8_DTYPE, h, fp8=True, direct=True, wide=True))
+          for h in (16, 64)),
+    ]  # fmt: skip
     assert not any(dict(p).get("lean") == 2 for p in SPEC.candidate_params())
     assert sorted(SPEC.standard_params()) and sorted(SPEC.candidate_params())  # keys sort
 
@@ -141,8 +155,9 @@ def _fp8_problem(tokens, hq, page_size, valid, topk, pad, seed=0):
     return qn, qp, packed, idx
 
 
-# (tokens, hq, page size, valid, topk, pad): split plans (1, 3, 5 tokens), one-split plans
-# (128 tokens at 16 heads, 64 at 128), 24 heads (blocks of 8, compiled at the call)
+# (tokens, hq, page size, valid, topk, pad): split plans (1, 3 tokens at 16 heads; 5 at 128: a
+# 64-head split plan, the form before), one-split plans (128 tokens at 16 heads, 64 at 128), 24
+# heads (blocks of 8, compiled at the call)
 LEAN_CASES = [
     (1, 16, 64, [2048], 2048, "end"),
     (3, 16, 1, [64, 0, 17], 64, "scattered"),
@@ -155,11 +170,13 @@ LEAN_CASES = [
 
 @pytest.mark.parametrize("case", LEAN_CASES, ids=lambda c: f"t{c[0]}-h{c[1]}-p{c[2]}-k{c[4]}")
 def test_the_default_beside_the_form_before(sparse_kernels, case):
-    """Every FP8 sparse call takes its plan's key with `lean` at 16 / 64 heads (split and
-    one-split plans; the 64-head direct one `wide` too), none at 8 (24 heads); under
-    plan_form(lean=False) (the bench's `was`, keyed apart in one process) the same key without
-    either, the default's again after; the replayed result is the reference's, and both forms'
-    bits are the same (the forms move loads and stores, not arithmetic)."""
+    """Every FP8 sparse call takes its plan's key with `lean` at 16 heads (split and one-split
+    plans) and on 64-head one-split plans (`wide` too), none on 64-head split plans or at 8 (24
+    heads); under plan_form(lean=False) (the bench's `was`, keyed apart in one process) the
+    same key without either, the default's again after; the replayed result is the
+    reference's. The replay ignores `lean` and `wide` (it runs the form before's arithmetic for
+    every key), so its equal results here check the plumbing, not the forms' bits: the GPU
+    test (test_dsa_fp8_lean_gpu.py) compares those."""
     qn, qp, packed, idx = _fp8_problem(*case)
     out = torch.full((case[0], case[1], LATENT), float("nan"), dtype=qn.dtype)
     got, lse = op.dsa_sparse_attention(qn, qp, packed, None, idx, softmax_scale=SCALE, out=out,
@@ -177,10 +194,11 @@ def test_the_default_beside_the_form_before(sparse_kernels, case):
     n = len(keys) // 3
     ours, before = keys[:n], keys[n : 2 * n]
     assert keys[2 * n :] == ours and all(k["fp8"] for k in keys)
-    heads = ours[0]["heads"]
+    heads, direct = ours[0]["heads"], ours[0].get("direct", False)
     assert all(not k.get("lean") and not k.get("wide") for k in before)
-    wide = heads == 64 and ours[0].get("direct", False)
-    assert ours == [dict(k, **({"lean": True} if heads in (16, 64) else {}),
+    lean = heads == 16 or (heads == 64 and direct)
+    wide = heads == 64 and direct
+    assert ours == [dict(k, **({"lean": True} if lean else {}),
                          **({"wide": True} if wide else {})) for k in before]  # fmt: skip
 
 
@@ -233,14 +251,16 @@ def _planned(case, monkeypatch) -> list[dict]:
 
 
 def test_check_and_sanitize_cases_run_the_adopted_compiles(monkeypatch):
-    """The suite's FP8 check cases reach the lean compiles at 16 and 64 heads, partial and
-    direct, and the 64-head lean + wide direct one; the sanitize cases all four."""
-    want = {(16, False, False), (16, True, False), (64, False, False), (64, True, True)}
+    """The suite's FP8 check cases reach the lean compiles at 16 heads, partial and direct, and
+    the 64-head lean + wide direct one (and the 64-head partial pass in the form before); the
+    sanitize cases all four."""
+    want = {(16, False, True, False), (16, True, True, False), (64, False, False, False),
+            (64, True, True, True)}  # fmt: skip
 
     def reached(cases):
         keys = [_planned(c, monkeypatch) for c in cases if suite.fp8(c)]
-        assert all(k["lean"] for k in keys)
-        return {(k["heads"], k.get("direct", False), k.get("wide", False)) for k in keys}
+        return {(k["heads"], k.get("direct", False), k.get("lean", False), k.get("wide", False))
+                for k in keys}  # fmt: skip
 
     assert reached(suite.CHECK_CASES) == want
     assert reached(suite.SANITIZE_CASES) == want
@@ -316,9 +336,10 @@ def test_lean_sass(heads, direct):
 @pytest.mark.parametrize("case", [LEAN_CASES[3], LEAN_CASES[4]], ids=["t128-h16", "t64-h128"])
 def test_the_wide_pick_and_its_scalar_fallback(sparse_kernels, case):
     """One-split plans: at 64 heads the default (at 16 plan_form(wide=True)) takes the lean
-    direct key with `wide`, the reference's result and the form before's bits; an out whose
-    rows are not 16-byte aligned takes the lean scalar direct form (keyed apart: `narrow`), the
-    same bits."""
+    direct key with `wide`, the reference's result; an out whose rows are not 16-byte aligned
+    takes the lean scalar direct form (keyed apart: `narrow`). The replay runs every key alike,
+    so the equal results here check the plumbing, not the forms' bits (the GPU test's
+    `wide` checks compare those)."""
     qn, qp, packed, idx = _fp8_problem(*case)
     tokens, hq = case[0], case[1]
     with mla_launch.plan_form(lean=False):
@@ -337,6 +358,24 @@ def test_the_wide_pick_and_its_scalar_fallback(sparse_kernels, case):
     before, wide, scalar = (p for p, _ in sparse_kernels)
     assert before["direct"] and "wide" not in before and "lean" not in before
     assert wide == dict(before, lean=True, wide=True) and scalar == dict(before, lean=True)
+
+
+@pytest.mark.parametrize("case", [LEAN_CASES[3], LEAN_CASES[4]], ids=["t128-h16", "t64-h128"])
+def test_wide_with_lean_off_is_prebuilt(sparse_kernels, case, monkeypatch):
+    """plan_form(wide=True) with lean off (plan_form(lean=False), FORGEKERNEL_MLA_LEAN=0) on the
+    bench's one-split blocks takes `wide` without `lean`: a candidate key (`wide_params`, built by
+    `build --candidates`), not a compile at the call."""
+    qn, qp, packed, idx = _fp8_problem(*case)
+    with mla_launch.plan_form(lean=False, wide=True):
+        op.dsa_sparse_attention(qn, qp, packed, None, idx, softmax_scale=SCALE)
+    mla_launch._plans.clear()
+    monkeypatch.setenv("FORGEKERNEL_MLA_LEAN", "0")
+    with mla_launch.plan_form(wide=True):
+        op.dsa_sparse_attention(qn, qp, packed, None, idx, softmax_scale=SCALE)
+    want = dict(params_for("sparse", FP8_DTYPE, min(case[1], 64), fp8=True, direct=True,
+                           wide=True))  # fmt: skip
+    assert [p for p, _ in sparse_kernels] == [want, want]
+    assert tuple(sorted(want.items())) in SPEC.candidate_params()
 
 
 def test_wide_ignores_split_plans(sparse_kernels):

@@ -1,6 +1,7 @@
 """DSA's sparse pass over FlashMLA's FP8 cache in its adopted forms (MLA_NOTES.md "lean and
-lean_wide adopted"): `lean` (compile key `lean`) the default at 16 and 64 heads a CTA, `wide` with
-it on 64-head direct plans; `launch.plan_form(lean=False)` / FORGEKERNEL_MLA_LEAN=0 the form
+lean_wide adopted"): `lean` (compile key `lean`) the default at 16 heads a CTA (split and
+one-split plans) and on 64-head one-split plans (64-head split plans: the form before), `wide`
+with it on 64-head direct plans; `launch.plan_form(lean=False)` / FORGEKERNEL_MLA_LEAN=0 the form
 before (the bench's `was`). On the GPU: every FP8 case of test_dsa_gpu.py and awkward ones (topk 1
 and 65, one token, rows of -1 only, page size 1, 24 heads in blocks of 8, the bench's three
 shapes cut in length) against the fp32 reference on the dequantized latent (the suite's

@@ -121,7 +121,8 @@ CHECK_CASES = (
     _case(3, 128, 16, (40, 0, 64), topk=64, pad="scattered", cache="fp8"),
 )
 # every compiled variant at 16 (h16, h128) heads, both cache forms, both paddings, empty rows;
-# the fp8 (lean) compiles at 16 heads per CTA (direct, split) and 64 (split, direct with wide)
+# the fp8 compiles at 16 heads per CTA (lean: direct, split) and 64 (split: the form before;
+# direct: lean with wide)
 SANITIZE_CASES = (CHECK_CASES[1], CHECK_CASES[3], CHECK_CASES[5], CHECK_CASES[9], CHECK_CASES[10],
                   CHECK_CASES[11], CHECK_CASES[13])  # fmt: skip
 

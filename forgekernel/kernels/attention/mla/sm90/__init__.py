@@ -16,10 +16,10 @@ partial pass reading its (unit, split) from the device-side work list that kind 
 scheduling kernel (worklist.py; schedule.py its reference), writes. `gather` keys (candidates,
 FORGEKERNEL_MLA_GATHER=1): the seesaw pass over 16-bit pages that are not whole tiles (1, 16),
 each chunk's rows gathered by cp.async onto the chunk mbarriers (seesaw.py). `lean` keys: DSA's
-sparse pass over an FP8 cache at 16 and 64 heads a CTA (the tile's issue first after the stage's
-release, per-thread L2 prefetches), `wide` keys its 64-head direct plans' O by 16-byte stores
-with it: the defaults there (FORGEKERNEL_MLA_LEAN=0 the form before, `was_params` its keys at the
-bench's blocks)."""
+sparse pass over an FP8 cache at 16 heads a CTA (split and one-split plans) and 64 (one-split
+plans: the direct pass) (the tile's issue first after the stage's release, per-thread L2
+prefetches), `wide` keys its 64-head direct plans' O by 16-byte stores with it: the defaults
+there (FORGEKERNEL_MLA_LEAN=0 the form before, `was_params` its keys at the bench's blocks)."""
 
 from __future__ import annotations
 
@@ -88,11 +88,11 @@ def _standard_params() -> list[Params]:
 def sparse_keys(
     dtype: str, heads: int, fp8: bool, direct: bool, sink: bool = False
 ) -> list[Params]:
-    """The prebuilt compiles of DSA's sparse pass at one block: over an FP8 cache at
-    `takes_lean`'s blocks (16, 64 heads) the `lean` form, its direct plans at `takes_wide`'s (64)
-    also `wide` (out's rows 16-byte aligned) beside the scalar stores (other outs); elsewhere
-    the plain form."""
-    lean = fp8 and takes_lean(heads)
+    """The prebuilt compiles of DSA's sparse pass at one block: over an FP8 cache where
+    `takes_lean` (16 heads, split and direct; 64 direct) the `lean` form, its direct plans at
+    `takes_wide`'s blocks (64) also `wide` (out's rows 16-byte aligned) beside the scalar stores
+    (other outs); elsewhere (the 64-head partial pass too) the plain form."""
+    lean = fp8 and takes_lean(heads, direct)
     keys = [params_for("sparse", dtype, heads, fp8=fp8, direct=direct, sink=sink, lean=lean)]
     if lean and direct and takes_wide(heads):
         keys.append(params_for("sparse", dtype, heads, fp8=True, direct=True, sink=sink,
@@ -184,15 +184,23 @@ def was_params() -> list[Params]:
 
 def wide_params() -> list[Params]:
     """The lean direct pass's `wide` form at 16 heads a CTA (not taken by default: a tie there,
-    0.991), `plan_form(wide=True)`'s key at t128-h16 (the bench's variant `wide`)."""
-    return [params_for("sparse", FP8_DTYPE, 16, fp8=True, direct=True, lean=True, wide=True)]
+    0.991), `plan_form(wide=True)`'s key at t128-h16 (the bench's variant `wide`); and `wide`
+    without `lean` at the bench's direct blocks (16, 64), plan_form(wide=True)'s key with lean
+    off (plan_form(lean=False) or FORGEKERNEL_MLA_LEAN=0), prebuilt rather than compiled at
+    the call."""
+    lean_wide = [params_for("sparse", FP8_DTYPE, 16, fp8=True, direct=True, lean=True, wide=True)]
+    return lean_wide + [
+        params_for("sparse", FP8_DTYPE, h, fp8=True, direct=True, wide=True)
+        for h, direct in WAS_BLOCKS
+        if direct
+    ]
 
 
 def _candidate_params() -> list[Params]:
     """The per-call work list's pass and scheduling kernels (`build --candidates`), the
     builds without PDL of the bench's variant `no_pdl` (`no_pdl_params`), the seesaw pass's
     gather form (`gather_params`), DSA's FP8 form before `lean` (`was_params`) and its `wide`
-    form at 16 heads (`wide_params`)."""
+    forms not taken by default (`wide_params`)."""
     passes = [
         params_for("partial", dtype, h, qt, tma=True, worklist=True)
         for dtype in DTYPES

@@ -81,22 +81,26 @@ def runs_ostore(heads: int, qtokens: int) -> bool:
 
 # DSA's sparse pass over an FP8 cache in its `lean` form (compile key `lean`; decode.py: the
 # tile's issue first after the stage's release, per-thread L2 line prefetches behind it): the
-# default at the head blocks measured, 16 and 64 heads a CTA, split and one-split plans (H100
-# 2026-12-05 16:44, lean / the form before: t64-h16 0.809, t128-h16 0.783, t64-h128 0.866, the
-# t1 control 1.001; MLA_NOTES.md "lean and lean_wide adopted"), with or without a sink (a factor
-# in the epilogue: the loop is the same). The blocks of 1-8 heads keep the form before until a
-# case measures them.
-LEAN_HEADS = (16, 64)
+# default on the plans measured (H100 2026-12-05 16:44, lean / the form before: t64-h16 0.809
+# (16 heads, 2 splits: the partial pass), t128-h16 0.783 (16, direct), t64-h128 0.866 (64,
+# direct), the t1 control 1.001 (16, 32 splits); MLA_NOTES.md "lean and lean_wide adopted"),
+# with or without a sink (a factor in the epilogue: the loop is the same). At 16 heads a CTA
+# split and one-split plans (LEAN_SPLIT_HEADS); at 64 one-split (direct) plans only
+# (LEAN_DIRECT_HEADS: no 64-head split plan was timed). The blocks of 1-8 heads keep the form
+# before until a case measures them.
+LEAN_SPLIT_HEADS = (16,)
+LEAN_DIRECT_HEADS = (16, 64)
 # With it, the sparse FP8 direct pass's `wide` form (O staged over the K stages, 16-byte stores)
 # at 64 heads a CTA: lean_wide / the form before 0.776 at t64-h128 (wide alone 0.901); at 16
 # heads a tie (wide 0.991, lean_wide 0.775 against lean's 0.783), so the scalar stores stay there
 WIDE_HEADS = (64,)
 
 
-def takes_lean(heads: int) -> bool:
+def takes_lean(heads: int, direct: bool) -> bool:
     """Whether DSA's sparse pass over an FP8 cache with `heads` heads a CTA takes the `lean`
-    compile by default (the measured blocks, LEAN_HEADS)."""
-    return heads in LEAN_HEADS
+    compile by default: a one-split plan's direct pass (`direct`) at LEAN_DIRECT_HEADS, a split
+    plan's partial pass at LEAN_SPLIT_HEADS (the plans measured)."""
+    return heads in (LEAN_DIRECT_HEADS if direct else LEAN_SPLIT_HEADS)
 
 
 def takes_wide(heads: int) -> bool:
@@ -217,7 +221,7 @@ def params_for(
     gather (candidate; tma only, no pair or work list): the seesaw pass over pages that are not
     whole tiles (page_size % TILE != 0), each chunk's rows gathered by cp.async (seesaw.py);
     unfenced (gather only): its diagnostic build without the proxy fences after the chunk waits.
-    lean (the sparse pass over an FP8 cache; the default at `takes_lean`'s blocks): warpgroup
+    lean (the sparse pass over an FP8 cache; the default where `takes_lean`): warpgroup
     1's issue of a tile's bytes first after the stage's release, the L2 prefetch of the tile
     after it by per-thread line prefetches behind it (its list entry loaded a turn early), the
     RoPE rows' page / slot by the fast divisor (decode.py `_load_wg_staged`; MLA_NOTES.md, "DSA

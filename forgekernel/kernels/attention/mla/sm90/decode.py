@@ -45,7 +45,7 @@ memory. (It replaced warpgroup 1 loading every tile's e4m3 into registers, which
 three memory round trips a tile; this form took 0.873-0.943x its time on dsa_sparse's FP8
 cases, H200 2026-12-03 06:21: MLA_NOTES.md.)
 
-`lean` (the sparse pass over an FP8 cache; the launcher's default at config.LEAN_HEADS):
+`lean` (the sparse pass over an FP8 cache; the launcher's default where config.takes_lean):
 warpgroup 1 issues a tile's bytes first after the stage's release (its rows' entries in one
 batch, the RoPE rows by the fast divisor), and prefetches the rows of the tile after it into L2
 behind the commit by three 128-byte line prefetches a thread, its list entry loaded at the top

@@ -27,8 +27,9 @@ side-by-side timing and the GPU tests' comparison (the same bits).
 FP8 caches' bytes go by cp.async into their own stage and are dequantized there in place a turn
 later (decode.py; 0.873-0.943x the register form's time on dsa_sparse's FP8 cases, H200
 2026-12-03 06:21, which was then dropped: MLA_NOTES.md). DSA's sparse pass over an FP8 cache
-takes its `lean` compile at config.LEAN_HEADS (16 and 64 heads a CTA: the tile's issue first
-after the stage's release, the L2 prefetch by per-thread lines behind it), and its direct plans
+takes its `lean` compile (the tile's issue first after the stage's release, the L2 prefetch by
+per-thread lines behind it) on the plans measured, `config.takes_lean`: 16 heads a CTA split and
+one-split, 64 one-split (direct) only; and its direct plans
 at config.WIDE_HEADS (64) the `wide` compile with it (O staged, 16-byte stores) where out's rows
 are 16-byte aligned (the scalar stores elsewhere): 0.78-0.87x the form before's time, 0.776x at
 t64-h128 with wide (H100 2026-12-05; MLA_NOTES.md, "lean and lean_wide adopted").
@@ -141,9 +142,9 @@ def gather_mode() -> str | None:
 
 
 def lean_enabled() -> bool:
-    """DSA's sparse FP8 plans take the adopted forms, `lean` at config.LEAN_HEADS and `wide` with
-    it at config.WIDE_HEADS' direct plans (unless FORGEKERNEL_MLA_LEAN=0: the form before), read
-    when a problem's plan is first built."""
+    """DSA's sparse FP8 plans take the adopted forms, `lean` where `config.takes_lean` and `wide`
+    with it at config.WIDE_HEADS' direct plans (unless FORGEKERNEL_MLA_LEAN=0: the form before),
+    read when a problem's plan is first built."""
     return _flag("FORGEKERNEL_MLA_LEAN", "1")
 
 
@@ -153,27 +154,32 @@ def _form_field(form, i: int) -> bool | None:
     return form[i] if form is not None and len(form) > i else None
 
 
-def _lean(kind: str, fp8: bool, heads: int, form) -> bool:
-    """Whether a plan's pass is the `lean` compile: the sparse pass over an FP8 cache at
-    `config.takes_lean`'s blocks (unless FORGEKERNEL_MLA_LEAN=0), or as `plan_form(lean=...)`
-    says (True: any block, compiled at the call off LEAN_HEADS; False: the form before)."""
+def _lean(kind: str, fp8: bool, heads: int, form, direct: bool) -> bool:
+    """Whether a plan's pass is the `lean` compile: the sparse pass over an FP8 cache where
+    `config.takes_lean` (its blocks; `direct`: a one-split plan's direct pass, else a split
+    plan's partial pass; unless FORGEKERNEL_MLA_LEAN=0), or as `plan_form(lean=...)` says (True:
+    any block and plan, compiled at the call off the prebuilt ones; False: the form before)."""
     if not (kind == "sparse" and fp8):
         return False
     wanted = _form_field(form, 5)
-    return wanted if wanted is not None else lean_enabled() and config.takes_lean(heads)
+    if wanted is not None:
+        return wanted
+    return lean_enabled() and config.takes_lean(heads, direct)
 
 
 def _wide(kind: str, fp8: bool, heads: int, form) -> bool:
     """Whether a sparse direct plan takes the `wide` compile (O staged, 16-byte stores; out's
     rows 16-byte aligned: the caller checks, `_wide_rows`): with `lean` over an FP8 cache at
     `config.takes_wide`'s blocks, or as `plan_form(wide=...)` says (True: any sparse direct plan,
-    16-bit caches too)."""
+    16-bit caches too; over an FP8 cache with lean off, FORGEKERNEL_MLA_LEAN=0 or
+    plan_form(lean=False), the wide key without lean: a candidate at the bench's direct blocks,
+    `wide_params`)."""
     if kind != "sparse":
         return False
     wanted = _form_field(form, 6)
     if wanted is not None:
         return wanted
-    return _lean(kind, fp8, heads, form) and config.takes_wide(heads)
+    return _lean(kind, fp8, heads, form, True) and config.takes_wide(heads)
 
 
 def ostore_enabled() -> bool:
@@ -315,7 +321,7 @@ def _plan(
         wide = not narrow and _wide(kind, fp8, heads, form)
         params = config.params_for(kind, name, heads, qtokens, fp8, tma, direct=True,
                                    ostore=ostore, sink=sink, gather=gather,
-                                   unfenced=unfenced, lean=_lean(kind, fp8, heads, form),
+                                   unfenced=unfenced, lean=_lean(kind, fp8, heads, form, True),
                                    wide=wide)  # fmt: skip
         kernel = get_kernel(SPEC, pdl.key(params, on or not tma))
         return kernel, None, splits, per, ostore or wide, None
@@ -340,7 +346,8 @@ def _plan(
         return partial, combine, splits, per, False, worklist
     combine = _combine(name, on, units * qtokens * hq)
     params = config.params_for(kind, name, heads, qtokens, fp8, tma, gather=gather,
-                               unfenced=unfenced, lean=_lean(kind, fp8, heads, form))  # fmt: skip
+                               unfenced=unfenced,
+                               lean=_lean(kind, fp8, heads, form, False))  # fmt: skip
     partial = get_kernel(SPEC, pdl.key(params, on or not tma))  # decode.py's: no PDL build
     return partial, combine, splits, per, False, None
 
