@@ -15,7 +15,11 @@ nor launched: measured 2.4-8.8% slower, MLA_NOTES.md.) `worklist` keys (candidat
 partial pass reading its (unit, split) from the device-side work list that kind "worklist", the
 scheduling kernel (worklist.py; schedule.py its reference), writes. `gather` keys (candidates,
 FORGEKERNEL_MLA_GATHER=1): the seesaw pass over 16-bit pages that are not whole tiles (1, 16),
-each chunk's rows gathered by cp.async onto the chunk mbarriers (seesaw.py)."""
+each chunk's rows gathered by cp.async onto the chunk mbarriers (seesaw.py). `lean` keys: DSA's
+sparse pass over an FP8 cache at 16 heads a CTA (split and one-split plans) and 64 (one-split
+plans: the direct pass) (the tile's issue first after the stage's release, per-thread L2
+prefetches), `wide` keys its 64-head direct plans' O by 16-byte stores with it: the defaults
+there (FORGEKERNEL_MLA_LEAN=0 the form before, `was_params` its keys at the bench's blocks)."""
 
 from __future__ import annotations
 
@@ -33,6 +37,8 @@ from forgekernel.kernels.attention.mla.sm90.config import (
     heads_per_cta,
     params_for,
     sparse_heads,
+    takes_lean,
+    takes_wide,
 )
 from forgekernel.runtime import pdl
 from forgekernel.runtime.spec import KernelSpec, Params
@@ -48,7 +54,7 @@ def _standard_params() -> list[Params]:
     """Every 16-bit partial pass (seesaw.py's for whole-tile pages, decode.py's for the others),
     the same heads x tokens over FlashMLA's FP8 cache (bf16 queries), each of these passes'
     direct form for the served head blocks (`config.direct_blocks`), the sparse passes and
-    their direct forms, and the combines."""
+    their direct forms (`sparse_keys`), and the combines."""
     passes = [(d, False, tma) for d in DTYPES for tma in (True, False)] + [(FP8_DTYPE, True, False)]
     partial = [
         params_for("partial", dtype, h, qt, fp8, tma)
@@ -63,11 +69,12 @@ def _standard_params() -> list[Params]:
         for h, qt in direct_blocks()
     ]
     sparse = [
-        params_for("sparse", d, h, fp8=fp8, direct=direct)
+        key
         for d, fp8, tma in passes
         if not tma
         for h in sparse_heads()
         for direct in (False, True)
+        for key in sparse_keys(d, h, fp8, direct)
     ]
     ostore = [
         params_for("partial", dtype, h, qt, tma=True, direct=True, ostore=True)
@@ -78,6 +85,21 @@ def _standard_params() -> list[Params]:
     return partial + direct + sparse + ostore + combine + _schedule_params() + _dsa_params()
 
 
+def sparse_keys(
+    dtype: str, heads: int, fp8: bool, direct: bool, sink: bool = False
+) -> list[Params]:
+    """The prebuilt compiles of DSA's sparse pass at one block: over an FP8 cache where
+    `takes_lean` (16 heads, split and direct; 64 direct) the `lean` form, its direct plans at
+    `takes_wide`'s blocks (64) also `wide` (out's rows 16-byte aligned) beside the scalar stores
+    (other outs); elsewhere (the 64-head partial pass too) the plain form."""
+    lean = fp8 and takes_lean(heads, direct)
+    keys = [params_for("sparse", dtype, heads, fp8=fp8, direct=direct, sink=sink, lean=lean)]
+    if lean and direct and takes_wide(heads):
+        keys.append(params_for("sparse", dtype, heads, fp8=True, direct=True, sink=sink,
+                               lean=True, wide=True))  # fmt: skip
+    return keys
+
+
 def _dsa_params() -> list[Params]:
     """The sparse direct pass's sink form (`sink`: every block and cache of the sparse direct
     forms) and the fused DSA prefill's (`fused`: the blocks of SPARSE_HQ and of 64 heads
@@ -86,8 +108,8 @@ def _dsa_params() -> list[Params]:
     q (`fp8` too: keys of their own, the 16-bit ones unchanged); a cache in q's dtype or NeoX
     pairs compile at their first call)."""
     passes = [(d, False) for d in DTYPES] + [(FP8_DTYPE, True)]
-    sink = [params_for("sparse", d, h, fp8=fp8, direct=True, sink=True) for d, fp8 in passes
-            for h in sparse_heads()]  # fmt: skip
+    sink = [key for d, fp8 in passes for h in sparse_heads()
+            for key in sparse_keys(d, h, fp8, True, sink=True)]  # fmt: skip
     fused = [
         params_for(
             "sparse", d, h, fp8=fp8, direct=True, sink=s, fused=True, rope="float32", positions=p
@@ -149,45 +171,43 @@ def gather_params() -> list[Params]:
     return keys
 
 
-# DSA's sparse pass over an FP8 cache in its `lean` form (candidate, FORGEKERNEL_MLA_LEAN=1): the
-# bench's FP8 blocks (16 heads a CTA: t1 .. t128 at 16 heads; 64: t64-h128), partial (split plans)
-# and direct (one split)
-LEAN_HEADS = (16, 64)
+# The blocks the dsa_sparse bench's FP8 cases run (16 heads a CTA: t1 .. t64 split, t128 one
+# split; 64: t64-h128, one split), (heads, direct)
+WAS_BLOCKS = ((16, False), (16, True), (64, True))
 
 
-def lean_params() -> list[Params]:
-    """The `lean` form's candidate keys (`build --candidates`): its prefetch one tile ahead
-    (True) and two ("far")."""
-    return [
-        params_for("sparse", FP8_DTYPE, h, fp8=True, direct=direct, lean=lean)
-        for lean in (True, "far")
-        for h in LEAN_HEADS
-        for direct in (False, True)
-    ]
+def was_params() -> list[Params]:
+    """The form before `lean` / `wide` at the bench's FP8 blocks (`build --candidates`): the
+    bench's variant `was`, `plan_form(lean=False)`."""
+    return [params_for("sparse", FP8_DTYPE, h, fp8=True, direct=d) for h, d in WAS_BLOCKS]
 
 
 def wide_params() -> list[Params]:
-    """The sparse direct pass's `wide` form (candidate, `plan_form(wide=True)`): the bench's
-    one-split FP8 blocks (t128-h16: 16 heads, t64-h128: 64), alone and with `lean`."""
-    return [
-        params_for("sparse", FP8_DTYPE, h, fp8=True, direct=True, lean=lean, wide=True)
-        for h in LEAN_HEADS
-        for lean in (False, True)
+    """The lean direct pass's `wide` form at 16 heads a CTA (not taken by default: a tie there,
+    0.991), `plan_form(wide=True)`'s key at t128-h16 (the bench's variant `wide`); and `wide`
+    without `lean` at the bench's direct blocks (16, 64), plan_form(wide=True)'s key with lean
+    off (plan_form(lean=False) or FORGEKERNEL_MLA_LEAN=0), prebuilt rather than compiled at
+    the call."""
+    lean_wide = [params_for("sparse", FP8_DTYPE, 16, fp8=True, direct=True, lean=True, wide=True)]
+    return lean_wide + [
+        params_for("sparse", FP8_DTYPE, h, fp8=True, direct=True, wide=True)
+        for h, direct in WAS_BLOCKS
+        if direct
     ]
 
 
 def _candidate_params() -> list[Params]:
     """The per-call work list's pass and scheduling kernels (`build --candidates`), the
     builds without PDL of the bench's variant `no_pdl` (`no_pdl_params`), the seesaw pass's
-    gather form (`gather_params`) and DSA's FP8 `lean` and `wide` forms (`lean_params`,
-    `wide_params`)."""
+    gather form (`gather_params`), DSA's FP8 form before `lean` (`was_params`) and its `wide`
+    forms not taken by default (`wide_params`)."""
     passes = [
         params_for("partial", dtype, h, qt, tma=True, worklist=True)
         for dtype in DTYPES
         for h, qt in WORKLIST_BLOCKS
     ]
     lists = [params_for("worklist", "bfloat16", qtokens=qt) for qt in QTOKENS]
-    return passes + lists + no_pdl_params() + gather_params() + lean_params() + wide_params()
+    return passes + lists + no_pdl_params() + gather_params() + was_params() + wide_params()
 
 
 def no_pdl_params() -> list[Params]:

@@ -45,12 +45,21 @@ memory. (It replaced warpgroup 1 loading every tile's e4m3 into registers, which
 three memory round trips a tile; this form took 0.873-0.943x its time on dsa_sparse's FP8
 cases, H200 2026-12-03 06:21: MLA_NOTES.md.)
 
-`lean` (candidate; the sparse pass over an FP8 cache): warpgroup 1 issues a tile's bytes first
-after the stage's release (its rows' entries in one batch, the RoPE rows by the fast divisor),
-and prefetches the rows of the tile after it (two after: "far", keyed 2) into L2 behind the
-commit by three 128-byte line prefetches a thread, its list entry loaded at the top of the turn;
-the standard form's bulk prefetch (a per-warp loop over distinct rows, before the issue) goes.
-Only loads move (MLA_NOTES.md, "DSA FP8: the two gaps to FlashMLA, and the issue's chain").
+`lean` (the sparse pass over an FP8 cache; the launcher's default where config.takes_lean):
+warpgroup 1 issues a tile's bytes first after the stage's release (its rows' entries in one
+batch, the RoPE rows by the fast divisor), and prefetches the rows of the tile after it into L2
+behind the commit by three 128-byte line prefetches a thread, its list entry loaded at the top
+of the turn; the bulk prefetch of the form before (a per-warp loop over distinct rows, before
+the issue) goes. Only loads move (MLA_NOTES.md, "DSA FP8: the two gaps to FlashMLA, and the
+issue's chain"; 0.78-0.87x the form before's time, H100 2026-12-05: "lean and lean_wide
+adopted"). Its prefetch two tiles ahead ("far") was measured a split (1.025 / 0.978 / 0.997 of
+lean) and dropped.
+
+`wide` (the sparse direct pass, not fused; the launcher's default with `lean` at
+config.WIDE_HEADS, 64 heads a CTA, where out's rows are 16-byte aligned): `_write_split`
+normalizes O in place, the epilogue stages it in q's dtype over the retired K stages and sends
+16-byte vectors (`_send_wide`) instead of 128 scalar 16-bit stores a thread (lean_wide 0.776x
+the form before's time at t64-h128, H100 2026-12-05; a tie at 16 heads).
 
 `sparse` (DeepSeek sparse attention, DSA): query token t attends to the cache rows its top-k
 list names (mPT (tokens, topk) int32, entries page * page_size + slot, -1 padding, anywhere),
@@ -146,7 +155,7 @@ class MlaDecodeSm90:
         sink: bool = False,
         fused: bool = False,
         neox: bool = False,
-        lean: bool | int = False,
+        lean: bool = False,
         wide: bool = False,
     ):
         if heads * qtokens > ROWS:
@@ -166,13 +175,9 @@ class MlaDecodeSm90:
         self.sink = sink  # out rows x sigmoid(lse - sink[h]) in the epilogue (module docstring)
         self.fused = fused  # query RoPE, output RoPE and the FP8 cast (module docstring)
         self.neox = neox
-        if lean not in (False, True, 2):
-            raise ValueError(f"lean must be False, True or 2 (its key's values), got {lean!r}")
         if lean and not (sparse and fp8):
             raise ValueError("lean is a form of the sparse pass over an FP8 cache")
-        self.lean = bool(lean)  # the issue first, per-thread L2 prefetches behind it
-        # tiles the `lean` prefetch runs ahead of the issue: 1 (as the bulk prefetch), "far" 2
-        self.ahead = 2 if lean == 2 else 1
+        self.lean = lean  # the issue first, per-thread L2 prefetches behind it
         if wide and not (sparse and direct and not fused):
             raise ValueError("wide is a form of the sparse direct pass (not the fused one)")
         self.wide = wide  # O staged over the K stages, 16-byte stores (`_send_wide`)
@@ -618,16 +623,15 @@ class MlaDecodeSm90:
         if 1 < tiles:
             self._issue_fp8(kv, staged, sValid, t0 + TILE, t1, 1, tid1)
         cute.arch.cp_async_commit_group()
-        if const_expr(self.lean):  # tile 2 (and 3: "far") into L2
-            for d in cutlass.range_constexpr(self.ahead):
-                ahead = self._lean_entry(kv, t0 + (STAGES + d) * TILE, t1, tid1)
-                self._prefetch_lines(kv, ahead, t0 + (STAGES + d) * TILE, t1, tid1, div)
+        if const_expr(self.lean):  # tile 2 into L2
+            ahead = self._lean_entry(kv, t0 + STAGES * TILE, t1, tid1)
+            self._prefetch_lines(kv, ahead, t0 + STAGES * TILE, t1, tid1, div)
         else:
             self._prefetch_fp8(kv, t0 + STAGES * TILE, t1, tid1)  # tile 2 into L2
         for i in cutlass.range(tiles, unroll=1):
             stage = i % STAGES
             if const_expr(self.lean):  # the next prefetch's list entry, a turn before its use
-                ahead = self._lean_entry(kv, t0 + (i + STAGES + self.ahead) * TILE, t1, tid1)
+                ahead = self._lean_entry(kv, t0 + (i + STAGES + 1) * TILE, t1, tid1)
             p_ready.arrive_and_wait()
             for r in cutlass.range_constexpr(2):
                 corr[r] = sRed[0, o_crd[r, 0][0]]
@@ -650,7 +654,7 @@ class MlaDecodeSm90:
                 self._issue_fp8(kv, staged, sValid, t0 + nxt * TILE, t1, stage, tid1)
             cute.arch.cp_async_commit_group()
             if const_expr(self.lean):  # behind the issue, which waits on nothing of it
-                self._prefetch_lines(kv, ahead, t0 + (nxt + self.ahead) * TILE, t1, tid1, div)
+                self._prefetch_lines(kv, ahead, t0 + (nxt + 1) * TILE, t1, tid1, div)
 
     @cute.jit
     def _issue_fp8(self, kv, staged, sValid, first, t1, stage, tid):

@@ -26,11 +26,16 @@ side-by-side timing and the GPU tests' comparison (the same bits).
 
 FP8 caches' bytes go by cp.async into their own stage and are dequantized there in place a turn
 later (decode.py; 0.873-0.943x the register form's time on dsa_sparse's FP8 cases, H200
-2026-12-03 06:21, which was then dropped: MLA_NOTES.md). FORGEKERNEL_MLA_LEAN=1 (candidate, read
-when a problem's plan is first built) or `plan_form(lean=True)`: DSA's sparse pass over an FP8
-cache takes its `lean` compile (the tile's issue first after the stage's release, the L2
-prefetch by per-thread lines behind it: MLA_NOTES.md, "DSA FP8: the issue's chain"); "far" (the
-variable's value or plan_form's) the same with the prefetch two tiles ahead.
+2026-12-03 06:21, which was then dropped: MLA_NOTES.md). DSA's sparse pass over an FP8 cache
+takes its `lean` compile (the tile's issue first after the stage's release, the L2 prefetch by
+per-thread lines behind it) on the plans measured, `config.takes_lean`: 16 heads a CTA split and
+one-split, 64 one-split (direct) only; and its direct plans
+at config.WIDE_HEADS (64) the `wide` compile with it (O staged, 16-byte stores) where out's rows
+are 16-byte aligned (the scalar stores elsewhere): 0.78-0.87x the form before's time, 0.776x at
+t64-h128 with wide (H100 2026-12-05; MLA_NOTES.md, "lean and lean_wide adopted").
+FORGEKERNEL_MLA_LEAN=0 (read when a problem's plan is first built) or `plan_form(lean=False)`
+keeps the form before (neither), for side-by-side timing (the bench's `was`) and the GPU tests'
+comparison (the same bits).
 
 `plan_form` fixes a plan's tiles per split and / or heads per CTA for the calls inside, or keeps
 a one-split plan off the direct form (keyed apart): launcher-only candidates, timed by the
@@ -91,7 +96,7 @@ from forgekernel.runtime.scratch import scratch, scratches
 _plans = PlanCache()
 # `plan_form`'s (tiles per split or None, heads per CTA or None, work list, direct form, gather,
 # lean, wide), else None (in plan keys)
-_Form = tuple[int | None, int | None, bool, bool, bool | str, bool | str, bool]
+_Form = tuple[int | None, int | None, bool, bool, bool | str, bool | None, bool | None]
 _plan_form: list[_Form | None] = [None]
 
 
@@ -136,34 +141,45 @@ def gather_mode() -> str | None:
     return GATHER_MODES[flag]
 
 
-LEAN_MODES = {"0": False, "1": True, "far": "far"}
-
-
-def lean_mode() -> bool | str:
-    """Whether DSA's sparse pass over an FP8 cache takes its `lean` compile (candidate:
-    FORGEKERNEL_MLA_LEAN=1, or "far" its prefetch two tiles ahead; "0", the default: False),
+def lean_enabled() -> bool:
+    """DSA's sparse FP8 plans take the adopted forms, `lean` where `config.takes_lean` and `wide`
+    with it at config.WIDE_HEADS' direct plans (unless FORGEKERNEL_MLA_LEAN=0: the form before),
     read when a problem's plan is first built."""
-    flag = os.environ.get("FORGEKERNEL_MLA_LEAN", "0")
-    if flag not in LEAN_MODES:
-        raise ValueError(f"FORGEKERNEL_MLA_LEAN must be '0', '1' or 'far', got {flag!r}")
-    return LEAN_MODES[flag]
+    return _flag("FORGEKERNEL_MLA_LEAN", "1")
 
 
-def _lean(kind: str, fp8: bool, form) -> bool | str:
-    """The `lean` compile key's value of a plan (False: the standard compile): the sparse pass
-    over an FP8 cache with `plan_form(lean=...)` or FORGEKERNEL_MLA_LEAN (SCHEDULED, a paged
-    form, has no 6th field)."""
+def _form_field(form, i: int) -> bool | None:
+    """`plan_form`'s field i, None where it is unset (no form; SCHEDULED, a paged form, has
+    five fields)."""
+    return form[i] if form is not None and len(form) > i else None
+
+
+def _lean(kind: str, fp8: bool, heads: int, form, direct: bool) -> bool:
+    """Whether a plan's pass is the `lean` compile: the sparse pass over an FP8 cache where
+    `config.takes_lean` (its blocks; `direct`: a one-split plan's direct pass, else a split
+    plan's partial pass; unless FORGEKERNEL_MLA_LEAN=0), or as `plan_form(lean=...)` says (True:
+    any block and plan, compiled at the call off the prebuilt ones; False: the form before)."""
     if not (kind == "sparse" and fp8):
         return False
-    wanted = form[5] if form is not None and len(form) > 5 else False
-    return wanted or lean_mode()
+    wanted = _form_field(form, 5)
+    if wanted is not None:
+        return wanted
+    return lean_enabled() and config.takes_lean(heads, direct)
 
 
-def _wide(kind: str, form) -> bool:
-    """Whether a direct plan takes the `wide` compile (candidate, `plan_form(wide=True)`): the
-    sparse pass's O staged and stored by 16-byte vectors (out's rows 16-byte aligned: the caller
-    checks, `_wide_rows`)."""
-    return kind == "sparse" and form is not None and len(form) > 6 and form[6]
+def _wide(kind: str, fp8: bool, heads: int, form) -> bool:
+    """Whether a sparse direct plan takes the `wide` compile (O staged, 16-byte stores; out's
+    rows 16-byte aligned: the caller checks, `_wide_rows`): with `lean` over an FP8 cache at
+    `config.takes_wide`'s blocks, or as `plan_form(wide=...)` says (True: any sparse direct plan,
+    16-bit caches too; over an FP8 cache with lean off, FORGEKERNEL_MLA_LEAN=0 or
+    plan_form(lean=False), the wide key without lean: a candidate at the bench's direct blocks,
+    `wide_params`)."""
+    if kind != "sparse":
+        return False
+    wanted = _form_field(form, 6)
+    if wanted is not None:
+        return wanted
+    return _lean(kind, fp8, heads, form, True) and config.takes_wide(heads)
 
 
 def ostore_enabled() -> bool:
@@ -179,8 +195,8 @@ def plan_form(
     worklist: bool = False,
     direct: bool = True,
     gather: bool | str = False,
-    lean: bool | str = False,
-    wide: bool = False,
+    lean: bool | None = None,
+    wide: bool | None = None,
 ) -> Iterator[None]:
     """The calls inside take `per_tiles` tiles per split (seesaw plans: 16-bit caches of
     whole-tile pages; DSA's sparse plans: TILE top-k positions a tile) and / or `heads` query
@@ -192,14 +208,16 @@ def plan_form(
     keeps the partial pass and the combine (as FORGEKERNEL_MLA_DIRECT=0, keyed apart: the
     bench's A/B of the direct forms in one process). gather: 16-bit caches whose pages are not
     whole tiles take the seesaw pass's `gather` form (True, as FORGEKERNEL_MLA_GATHER=1;
-    "unfenced" its diagnostic build). lean: DSA's sparse pass over an FP8 cache takes its
-    `lean` compile (as FORGEKERNEL_MLA_LEAN=1; "far": its prefetch two tiles ahead; other calls
-    ignore it). wide: DSA's sparse direct plans take the `wide` compile (O staged in shared
-    memory, 16-byte stores) where out's rows are 16-byte aligned (the scalar stores elsewhere)."""
-    if lean not in (False, True, "far"):
-        raise ValueError(f"lean must be False, True or 'far', got {lean!r}")
-    if wide not in (False, True):
-        raise ValueError(f"wide must be False or True, got {wide!r}")
+    "unfenced" its diagnostic build). lean (None: the default, `_lean`): DSA's sparse pass over
+    an FP8 cache takes its `lean` compile at every block (True) or at none (False: the form
+    before, as FORGEKERNEL_MLA_LEAN=0, with no `wide` unless asked; the bench's `was`); other
+    calls ignore it. wide (None: the default, `_wide`): DSA's sparse direct plans take the
+    `wide` compile (O staged in shared memory, 16-byte stores) where out's rows are 16-byte
+    aligned (the scalar stores elsewhere; True), or never (False)."""
+    if lean not in (None, False, True):
+        raise ValueError(f"lean must be None, False or True, got {lean!r}")
+    if wide not in (None, False, True):
+        raise ValueError(f"wide must be None, False or True, got {wide!r}")
     if gather not in (False, True, "unfenced"):
         raise ValueError(f"gather must be False, True or 'unfenced', got {gather!r}")
     if worklist and per_tiles is not None:
@@ -300,10 +318,10 @@ def _plan(
     if config.runs_direct(splits, heads, qtokens, kind == "sparse") and direct:
         # (decode.py's passes have no PDL build: their key as the partial pass's)
         ostore = tma and not narrow and config.runs_ostore(heads, qtokens) and ostore_enabled()
-        wide = not narrow and _wide(kind, form)
+        wide = not narrow and _wide(kind, fp8, heads, form)
         params = config.params_for(kind, name, heads, qtokens, fp8, tma, direct=True,
                                    ostore=ostore, sink=sink, gather=gather,
-                                   unfenced=unfenced, lean=_lean(kind, fp8, form),
+                                   unfenced=unfenced, lean=_lean(kind, fp8, heads, form, True),
                                    wide=wide)  # fmt: skip
         kernel = get_kernel(SPEC, pdl.key(params, on or not tma))
         return kernel, None, splits, per, ostore or wide, None
@@ -328,7 +346,8 @@ def _plan(
         return partial, combine, splits, per, False, worklist
     combine = _combine(name, on, units * qtokens * hq)
     params = config.params_for(kind, name, heads, qtokens, fp8, tma, gather=gather,
-                               unfenced=unfenced, lean=_lean(kind, fp8, form))  # fmt: skip
+                               unfenced=unfenced,
+                               lean=_lean(kind, fp8, heads, form, False))  # fmt: skip
     partial = get_kernel(SPEC, pdl.key(params, on or not tma))  # decode.py's: no PDL build
     return partial, combine, splits, per, False, None
 
