@@ -471,8 +471,10 @@ ROLES_DIRECT_CASES = [  # (b, hq, page, lens, s_q, fp8): decode.py's pass on pla
 def test_roles_direct_form_is_the_combine_of_one_split(case, monkeypatch):
     """decode.py's paged pass (pages of partial tiles, FlashMLA's FP8 cache) in its direct form
     on plans of one split, NaN-poisoned out: the reference, and bit for bit its partial form +
-    the combine of the same plan (FORGEKERNEL_MLA_DIRECT=0)."""
+    the combine of the same plan (FORGEKERNEL_MLA_DIRECT=0). (16-bit page 1 takes the seesaw's
+    gather form by default: FORGEKERNEL_MLA_GATHER=0 keeps it on decode.py's pass here.)"""
     launch = importlib.import_module("forgekernel.kernels.attention.mla.sm90.launch")
+    monkeypatch.setenv("FORGEKERNEL_MLA_GATHER", "0")
     b, hq, ps, lens, s_q, fp8 = case
     dtype = torch.bfloat16
     if fp8:

@@ -164,7 +164,6 @@ def params_for(
     positions: str | None = None,
     neox: bool = False,
     gather: bool = False,
-    unfenced: bool = False,
 ) -> tuple:
     """Compile key: kind "partial" (one split of `heads` query heads x `qtokens` tokens, fp32
     out; qtokens > 1 the packed form with cu_seqlens_q), "sparse" (DSA: one split of one query
@@ -186,9 +185,9 @@ def params_for(
     item-indexed form: the scheduler's (kind "worklist") per over the whole batch, items unit
     by unit and each row's item range; the pass (worklist only) writing its partial at its
     item; the combine (`PagedCombineRangesSm90`) reducing a row's item range.
-    gather (candidate; tma only, no pair or work list): the seesaw pass over pages that are not
-    whole tiles (page_size % TILE != 0), each chunk's rows gathered by cp.async (seesaw.py);
-    unfenced (gather only): its diagnostic build without the proxy fences after the chunk waits.
+    gather (tma only, no pair or work list): the seesaw pass over pages that are not whole
+    tiles (page_size % TILE != 0; the launcher's default at page size 1), each chunk's rows
+    gathered by cp.async (seesaw.py).
     sink (the sparse direct pass): out x sigmoid(lse - attn_sink[h]) in the epilogue. fused
     (the sparse direct pass, 16-bit or with fp8 over FlashMLA's FP8 cache, bf16 q; the fused
     DSA prefill): q_pe rotated at the token's
@@ -222,8 +221,6 @@ def params_for(
         raise ValueError("ranges is a form of the work list's pass")
     if gather and (not tma or pair or worklist):
         raise ValueError("gather is a form of the seesaw (tma) pass, without pair or work list")
-    if unfenced and not gather:
-        raise ValueError("unfenced is a form of the gather pass")
     if (sink or fused) and not (kind == "sparse" and direct):
         raise ValueError("sink and fused are forms of the sparse direct pass")
     if fused != (rope is not None and positions is not None):
@@ -253,8 +250,6 @@ def params_for(
         keys["ranges"] = True
     if gather:
         keys["gather"] = True
-    if unfenced:
-        keys["unfenced"] = True
     if sink:
         keys["sink"] = True
     if fused:

@@ -8,13 +8,15 @@ pass's sparse mode): torch only (no DSL), the partial pass and the paged leaf's 
 16-bit paged caches whose page size is a multiple of TILE run the seesaw pass (`tma` compile keys,
 seesaw.py); FORGEKERNEL_MLA_SCHEDULE=roles (read when a problem's plan is first built) keeps them
 on decode.py's role-split pass, the design the seesaw replaces, for side-by-side timing.
-FORGEKERNEL_MLA_GATHER=1 (candidate, read when a problem's plan is first built) or
-`plan_form(gather=True)`: 16-bit caches of other page sizes (1, 16) run the seesaw pass too, in its
-`gather` form (each chunk's rows gathered by cp.async onto the chunk mbarriers: MLA_NOTES.md, "The
-seesaw over gathered rows"), without the work list (no list is made for them); off by default,
-decode.py's role-split pass serves them. FORGEKERNEL_MLA_GATHER=unfenced /
-`plan_form(gather="unfenced")`: its diagnostic build without the proxy fences after the chunk
-waits (the fences' cost, timed; not a form to serve).
+16-bit caches of page size 1 (`GATHER_PAGES`: SGLang's FlashInfer MLA backend's, FlashInfer-Bench's
+page-1 cases) run the seesaw pass too, in its `gather` form (each chunk's rows gathered by cp.async
+onto the chunk mbarriers, a proxy fence after each wait: MLA_NOTES.md, "The seesaw over gathered
+rows", "gather adopted"; 0.959 / 0.640 of decode.py's role-split pass's time at b64-h16 / b16-h128
+x 4k, H100 2026-12-05 16:44), without the work list (no list is made for them). Other page sizes
+off the tile (16, 32, ...; not measured) keep decode.py's role-split pass unless
+FORGEKERNEL_MLA_GATHER=1 or `plan_form(gather=True)`; FORGEKERNEL_MLA_GATHER=0 or
+`plan_form(gather=False)` keeps page 1 on decode.py's pass too (read when a problem's plan is
+first built; the bench's `was`). FP8 caches keep decode.py's pass at every page size.
 
 A plan of one split (`config.runs_direct`: every (sequence, head block) in one CTA; the
 serving batches of 128+ head blocks, short sequences; DSA from 128 tokens at 16 heads, 64 at
@@ -85,9 +87,9 @@ from forgekernel.runtime.plans import PlanCache, overriding
 from forgekernel.runtime.scratch import scratch, scratches
 
 _plans = PlanCache()
-# `plan_form`'s (tiles per split or None, heads per CTA or None, work list, direct form), else
-# None (in plan keys)
-_plan_form: list[tuple[int | None, int | None, bool, bool, bool | str] | None] = [None]
+# `plan_form`'s (tiles per split or None, heads per CTA or None, work list, direct form, gather
+# form or None), else None (in plan keys)
+_plan_form: list[tuple[int | None, int | None, bool, bool, bool | None] | None] = [None]
 
 
 def _flag(env: str, default: str) -> bool:
@@ -118,17 +120,28 @@ def worklist_enabled() -> bool:
     return _flag("FORGEKERNEL_MLA_WORKLIST", "0")
 
 
-GATHER_MODES = {"0": None, "1": "fenced", "unfenced": "unfenced"}
+# page sizes whose 16-bit caches take the seesaw pass's gather form by default: the measured ones
+# (MLA_NOTES.md, "gather adopted"); FORGEKERNEL_MLA_GATHER / plan_form(gather=) override
+GATHER_PAGES = (1,)
+GATHER_MODES = {"0": False, "1": True}
 
 
-def gather_mode() -> str | None:
-    """Whether 16-bit caches whose pages are not whole tiles run the seesaw pass's `gather` form
-    (candidate: FORGEKERNEL_MLA_GATHER=1, "fenced"; "unfenced" its diagnostic build without the
-    proxy fences; "0", the default: None), read when a problem's plan is first built."""
-    flag = os.environ.get("FORGEKERNEL_MLA_GATHER", "0")
+def gather_mode() -> bool | None:
+    """FORGEKERNEL_MLA_GATHER, read when a problem's plan is first built: "1" every 16-bit page
+    size off the tile takes the seesaw pass's `gather` form, "0" none does (decode.py's pass);
+    unset None: `GATHER_PAGES` do."""
+    flag = os.environ.get("FORGEKERNEL_MLA_GATHER")
+    if flag is None:
+        return None
     if flag not in GATHER_MODES:
-        raise ValueError(f"FORGEKERNEL_MLA_GATHER must be '0', '1' or 'unfenced', got {flag!r}")
+        raise ValueError(f"FORGEKERNEL_MLA_GATHER must be '0' or '1', got {flag!r}")
     return GATHER_MODES[flag]
+
+
+def takes_gather(page_size: int, wanted: bool | None) -> bool:
+    """Whether a 16-bit cache of `page_size` (not a multiple of TILE) takes the gather form:
+    `wanted` (plan_form's, else FORGEKERNEL_MLA_GATHER's), else the rule, `GATHER_PAGES`."""
+    return page_size in GATHER_PAGES if wanted is None else wanted
 
 
 def ostore_enabled() -> bool:
@@ -143,7 +156,7 @@ def plan_form(
     heads: int | None = None,
     worklist: bool = False,
     direct: bool = True,
-    gather: bool | str = False,
+    gather: bool | None = None,
 ) -> Iterator[None]:
     """The calls inside take `per_tiles` tiles per split (seesaw plans: 16-bit caches of
     whole-tile pages; DSA's sparse plans: TILE top-k positions a tile) and / or `heads` query
@@ -154,10 +167,11 @@ def plan_form(
     not with per_tiles: the list sizes its splits itself). direct False: a plan of one split
     keeps the partial pass and the combine (as FORGEKERNEL_MLA_DIRECT=0, keyed apart: the
     bench's A/B of the direct forms in one process). gather: 16-bit caches whose pages are not
-    whole tiles take the seesaw pass's `gather` form (True, as FORGEKERNEL_MLA_GATHER=1;
-    "unfenced" its diagnostic build)."""
-    if gather not in (False, True, "unfenced"):
-        raise ValueError(f"gather must be False, True or 'unfenced', got {gather!r}")
+    whole tiles take the seesaw pass's `gather` form at every such page size (True, as
+    FORGEKERNEL_MLA_GATHER=1) or at none (False, decode.py's pass: the bench's `was`); None
+    the environment's, else the rule's (`takes_gather`)."""
+    if gather not in (None, False, True):
+        raise ValueError(f"gather must be None, False or True, got {gather!r}")
     if worklist and per_tiles is not None:
         raise ValueError("the work list sizes its splits itself: no per_tiles with worklist")
     if heads is not None and heads not in config.HEADS:
@@ -237,10 +251,10 @@ def _plan(
     on = pdl.enabled()
     heads = _heads(hq, qtokens, form)
     tma = kind == "partial" and not fp8 and page_size % config.TILE == 0 and seesaw_enabled()
-    # the gather form (candidate): the seesaw over pages that are not whole tiles
-    mode = gather_mode() if form is None else form[4] or gather_mode()
-    gather = kind == "partial" and not fp8 and not tma and seesaw_enabled() and bool(mode)
-    unfenced = gather and mode == "unfenced"
+    # the gather form: the seesaw over pages that are not whole tiles (page 1 by the rule)
+    asked = gather_mode() if form is None or form[4] is None else form[4]
+    gather = kind == "partial" and not fp8 and not tma and seesaw_enabled()
+    gather = gather and takes_gather(page_size, asked)
     tma = tma or gather
     if (tma or kind == "sparse") and form is not None and form[0] is not None:
         tiles = max(1, -(-max_tokens // config.TILE))
@@ -257,8 +271,7 @@ def _plan(
         # (decode.py's passes have no PDL build: their key as the partial pass's)
         ostore = tma and not narrow and config.runs_ostore(heads, qtokens) and ostore_enabled()
         params = config.params_for(kind, name, heads, qtokens, fp8, tma, direct=True,
-                                   ostore=ostore, sink=sink, gather=gather,
-                                   unfenced=unfenced)  # fmt: skip
+                                   ostore=ostore, sink=sink, gather=gather)  # fmt: skip
         return get_kernel(SPEC, pdl.key(params, on or not tma)), None, splits, per, ostore, None
     if kind == "partial" and (form is None or form[0] is None):
         # the passes spread each unit's own keys over the splits (decode.py, seesaw.py), at
@@ -280,8 +293,7 @@ def _plan(
         worklist = (sched, hq // heads, fewest, sms * config.RESIDENT, tiles)
         return partial, combine, splits, per, False, worklist
     combine = _combine(name, on, units * qtokens * hq)
-    params = config.params_for(kind, name, heads, qtokens, fp8, tma, gather=gather,
-                               unfenced=unfenced)  # fmt: skip
+    params = config.params_for(kind, name, heads, qtokens, fp8, tma, gather=gather)
     partial = get_kernel(SPEC, pdl.key(params, on or not tma))  # decode.py's: no PDL build
     return partial, combine, splits, per, False, None
 
@@ -311,7 +323,7 @@ def _schedule(worklist, seq, cu, causal, units, q_blocks, splits, outs) -> torch
 # the plan form of a call that brings a schedule (`make_schedule`): the work list's ranges form
 # (items with their own partials, no bound from the width plan's splits), keyed apart
 RANGES = "ranges"
-SCHEDULED = (None, None, RANGES, True, False)
+SCHEDULED = (None, None, RANGES, True, None)
 
 
 def schedule_key(dtype, batch, hq, max_tokens, max_seqlen_q, packed, device_index, page_size):
