@@ -9,6 +9,7 @@ thread -> (row, 16 bytes) map, `_gather_rows`' clamp) replayed on the host."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import pytest
@@ -20,6 +21,8 @@ from forgekernel.kernels.attention.mla.sm90 import SPEC, gather_params
 from forgekernel.kernels.attention.mla.sm90 import launch as mla_launch
 from forgekernel.kernels.attention.mla.sm90.config import TILE, params_for
 from forgekernel.reference.mla import mla_decode_ref
+from forgekernel.runtime import pdl
+from forgekernel.runtime.pdl import built_on
 
 op = importlib.import_module("forgekernel.ops.mla")
 cpu_kernels = decode_tests.cpu_kernels  # the launcher's kernels replayed (test_mla_decode)
@@ -107,33 +110,66 @@ def test_gather_keys_and_what_they_exclude(monkeypatch):
         with pytest.raises(ValueError, match="gather must be"):
             with mla_launch.plan_form(gather=dropped):
                 pass
-    for flag in ("yes", "unfenced"):
-        monkeypatch.setenv("FORGEKERNEL_MLA_GATHER", flag)
-        with pytest.raises(ValueError, match="FORGEKERNEL_MLA_GATHER"):
-            mla_launch.gather_mode()
+    monkeypatch.setenv("FORGEKERNEL_MLA_GATHER", "yes")
+    with pytest.raises(ValueError, match="FORGEKERNEL_MLA_GATHER must be '0' or '1'"):
+        mla_launch.gather_mode()
+    monkeypatch.setenv("FORGEKERNEL_MLA_GATHER", "unfenced")  # valid until 2026-12-05
+    with pytest.raises(ValueError, match="unfenced was removed on 2026-12-05; use 0 or 1"):
+        mla_launch.gather_mode()
 
 
+PDL_OFF = {
+    "on": (contextlib.nullcontext, {}),
+    "env0": (contextlib.nullcontext, {"FORGEKERNEL_PDL": "0"}),
+    "off": (pdl.off, {}),
+}
+
+
+@pytest.mark.parametrize("pdl_state", list(PDL_OFF))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_every_page1_plan_takes_a_prebuilt_key(monkeypatch, dtype):
+def test_every_page1_plan_takes_a_prebuilt_key(monkeypatch, dtype, pdl_state):
     """The rule's class is prebuilt: whatever block, query tokens, split count or direct form a
     16-bit page-1 plan picks (1-128 heads, MTP 1-4 and prefill blocks, one split to many), its
-    key is a standard one (`forgekernel build`: no JIT stall on a first call)."""
+    pass's key is a standard one (`forgekernel build`: no JIT stall on a first call). With PDL
+    (the default) the gather form's; without (FORGEKERNEL_PDL=0, `pdl.off()`) decode.py's, as
+    before the rule (the gather keys are PDL builds only; a combine without PDL is a `pdl: off`
+    key as at every page size, runtime/pdl.py)."""
     monkeypatch.setattr(mla_launch, "get_kernel", lambda spec, p: p)
     monkeypatch.setattr(mla_launch, "num_sms", lambda device: 132)
+    context, env = PDL_OFF[pdl_state]
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    on = pdl_state == "on"
     standard = set(SPEC.standard_params())
     seen = set()
-    for hq in (1, 2, 4, 8, 16, 32, 64, 128):
-        for qtokens in (1, 2, 4):
-            for units, width in ((1, 65536), (2, 300), (16, 4096), (132, 100), (600, 40)):
-                for narrow in (False, True):
-                    kernel, combine, *_ = mla_launch._plan(
-                        "partial", dtype, units, hq, width, qtokens, 0, False, 1, narrow=narrow
-                    )  # fmt: skip
-                    assert dict(kernel)["gather"] and kernel in standard, (hq, qtokens, units)
-                    assert combine is None or combine in standard
-                    seen.add(kernel)
+    with context():
+        for hq in (1, 2, 4, 8, 16, 32, 64, 128):
+            for qtokens in (1, 2, 4):
+                for units, width in ((1, 65536), (2, 300), (16, 4096), (132, 100), (600, 40)):
+                    for narrow in (False, True):
+                        kernel, combine, *_ = mla_launch._plan(
+                            "partial", dtype, units, hq, width, qtokens, 0, False, 1,
+                            narrow=narrow,
+                        )  # fmt: skip
+                        where = (hq, qtokens, units)
+                        assert kernel in standard, where
+                        assert dict(kernel).get("gather", False) == on, where
+                        assert dict(kernel).get("tma", False) == on, where
+                        if on:
+                            assert combine is None or combine in standard
+                        else:
+                            assert combine is None or dict(combine)["pdl"] == "off"
+                        seen.add(kernel)
+        # forced, gather is taken without PDL too (its `pdl: off` key compiles at the first call)
+        for form in ((None, None, False, True, True), None):
+            if form is None:
+                monkeypatch.setenv("FORGEKERNEL_MLA_GATHER", "1")
+            kernel, *_ = mla_launch._plan(
+                "partial", dtype, 16, 16, 4096, 1, 0, False, 1, form=form
+            )  # fmt: skip
+            assert dict(kernel)["gather"] and built_on(dict(kernel)) == on
     assert {dict(k).get("direct", False) for k in seen} == {False, True}
-    assert any(dict(k).get("ostore", False) for k in seen)
+    assert any(dict(k).get("ostore", False) for k in seen) == on
 
 
 def test_gather_keys_are_standard():

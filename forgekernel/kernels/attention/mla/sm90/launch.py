@@ -16,7 +16,10 @@ x 4k, H100 2026-12-05 16:44), without the work list (no list is made for them). 
 off the tile (16, 32, ...; not measured) keep decode.py's role-split pass unless
 FORGEKERNEL_MLA_GATHER=1 or `plan_form(gather=True)`; FORGEKERNEL_MLA_GATHER=0 or
 `plan_form(gather=False)` keeps page 1 on decode.py's pass too (read when a problem's plan is
-first built; the bench's `was`). FP8 caches keep decode.py's pass at every page size.
+first built; the bench's `was`). Without PDL (FORGEKERNEL_PDL=0, `pdl.off()`) the rule keeps
+page 1 on decode.py's pass as well (its keys prebuilt; the gather keys are PDL builds only),
+unless the switch or plan_form asks for gather. FP8 caches keep decode.py's pass at every page
+size.
 
 A plan of one split (`config.runs_direct`: every (sequence, head block) in one CTA; the
 serving batches of 128+ head blocks, short sequences; DSA from 128 tokens at 16 heads, 64 at
@@ -129,19 +132,28 @@ GATHER_MODES = {"0": False, "1": True}
 def gather_mode() -> bool | None:
     """FORGEKERNEL_MLA_GATHER, read when a problem's plan is first built: "1" every 16-bit page
     size off the tile takes the seesaw pass's `gather` form, "0" none does (decode.py's pass);
-    unset None: `GATHER_PAGES` do."""
+    unset None: `GATHER_PAGES` do (with PDL, `takes_gather`)."""
     flag = os.environ.get("FORGEKERNEL_MLA_GATHER")
     if flag is None:
         return None
+    if flag == "unfenced":  # valid until 2026-12-05: say so rather than only what is valid
+        raise ValueError(
+            "FORGEKERNEL_MLA_GATHER=unfenced was removed on 2026-12-05; use 0 or 1 (the build "
+            "without the proxy fences was dropped: MLA_NOTES.md, 'gather adopted')"
+        )
     if flag not in GATHER_MODES:
         raise ValueError(f"FORGEKERNEL_MLA_GATHER must be '0' or '1', got {flag!r}")
     return GATHER_MODES[flag]
 
 
-def takes_gather(page_size: int, wanted: bool | None) -> bool:
+def takes_gather(page_size: int, wanted: bool | None, on: bool = True) -> bool:
     """Whether a 16-bit cache of `page_size` (not a multiple of TILE) takes the gather form:
-    `wanted` (plan_form's, else FORGEKERNEL_MLA_GATHER's), else the rule, `GATHER_PAGES`."""
-    return page_size in GATHER_PAGES if wanted is None else wanted
+    `wanted` (plan_form's, else FORGEKERNEL_MLA_GATHER's), else the rule: `GATHER_PAGES` with
+    PDL on (`on`). Without PDL the rule keeps decode.py's pass, whose keys are prebuilt: the
+    gather keys are built with PDL only (a `pdl: off` one would compile at the first call)."""
+    if wanted is not None:
+        return wanted
+    return on and page_size in GATHER_PAGES
 
 
 def ostore_enabled() -> bool:
@@ -254,7 +266,7 @@ def _plan(
     # the gather form: the seesaw over pages that are not whole tiles (page 1 by the rule)
     asked = gather_mode() if form is None or form[4] is None else form[4]
     gather = kind == "partial" and not fp8 and not tma and seesaw_enabled()
-    gather = gather and takes_gather(page_size, asked)
+    gather = gather and takes_gather(page_size, asked, on)
     tma = tma or gather
     if (tma or kind == "sparse") and form is not None and form[0] is not None:
         tiles = max(1, -(-max_tokens // config.TILE))
