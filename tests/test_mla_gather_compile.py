@@ -1,5 +1,6 @@
-"""The MLA seesaw pass's gather form (candidate; seesaw.py `gather`) compiled for sm_90a on the CPU
-(the DSL compiles, ptxas assembles, cuobjdump reads the cubin): what its design takes for granted.
+"""The MLA seesaw pass's gather form (seesaw.py `gather`; standard at 16-bit page 1) compiled for
+sm_90a on the CPU (the DSL compiles, ptxas assembles, cuobjdump reads the cubin): what its design
+takes for granted.
 
 - K arrives by cp.async only: 128 LDGSTS.E.BYPASS.128 (16-byte, L1-bypassing: tiles 0 and 1 in
   the prologue, 9 chunks x 4 rows a thread, 36; the steady pairs' refills, warpgroup 0's two
@@ -105,29 +106,3 @@ def test_resources(compiled):
     # the cubin's shared memory as the TMA form's (1024, both toolchains: the same Shared
     # struct, allocated at launch)
     assert res["smem_bytes"] == 1024
-
-
-def test_the_unfenced_diagnostic_build():
-    """The `unfenced` build (the fences' A/B; the pattern of CUTLASS's sm90 cp.async + GMMA
-    collective, FA3's non-TMA paged KV and FlashInfer's sm90 MLA, which wait on the
-    cp.async mbarrier and issue the MMA with no proxy fence): the same loads and arrivals, no
-    fence between a chunk wait and its WGMMAs (36 of the 37 waits: Q's is followed by the
-    prologue's ldmatrix, then fenced stores), 8 fences left (P's stores, Q's zero rows, the
-    staged O), and ptxas's predicated-off `LDS RZ` padding beside the MEMBAR gone with them."""
-    params = params_for("partial", "bfloat16", 16, tma=True, gather=True, unfenced=True)
-    found = build(SPEC, params)
-    ops = Counter(_OP.findall(found.sass))
-    assert ops["LDGSTS.E.BYPASS.128"] == 128 and ops["ARRIVES.LDGSTSBAR.64.ARVCNT"] == 32
-    assert found.ptx.count("fence.proxy.async.shared::cta") == 8
-    assert ops["MEMBAR.ALL.CTA"] == 8
-    unfenced, pending = 0, False
-    for line in found.ptx.splitlines():
-        if "mbarrier.try_wait" in line:
-            pending = True
-        elif "fence.proxy.async.shared::cta" in line:
-            pending = False
-        elif "wgmma.mma_async" in line and pending:
-            unfenced, pending = unfenced + 1, False
-    assert unfenced == 36
-    res = found.resources
-    assert res["spill_bytes"] == 0 and res["registers"] == REGISTERS

@@ -1,11 +1,13 @@
-"""The MLA seesaw pass's gather form (candidate, FORGEKERNEL_MLA_GATHER=1; seesaw.py, MLA_NOTES.md
-"The seesaw over gathered rows") on the GPU: pages of 1 and 16 rows, 16 and 128 heads, s_q 1 and
-2, ragged lengths with 0 and 1 keys, FlashInfer's split caches and FlashMLA's combined one, NaN
-in every stale page slot and in out before the call, against the fp64 reference (2x the same
-math in the input dtype + 1e-3), and bit for bit against the page-64 seesaw (TMA boxes) on the
-same keys laid out in 64-row pages (the same plan: the table's width gives the same tiles; the
-same arithmetic on the same keys, the stale rows masked and zeroed in both). The direct form
-(a plan of one split) bit for bit its partial form + the combine."""
+"""The MLA seesaw pass's gather form (seesaw.py, MLA_NOTES.md "The seesaw over gathered rows",
+"gather adopted": the default at page size 1, FORGEKERNEL_MLA_GATHER=1 at the other page sizes
+off the tile) on the GPU: pages of 1 and 16 rows, 16 and 128 heads, s_q 1 and 2, ragged lengths
+with 0 and 1 keys, FlashInfer's split caches and FlashMLA's combined one, NaN in every stale page
+slot and in out before the call, against the fp64 reference (2x the same math in the input dtype
++ 1e-3), and bit for bit against the page-64 seesaw (TMA boxes) on the same keys laid out in
+64-row pages (the same plan: the table's width gives the same tiles; the same arithmetic on the
+same keys, the stale rows masked and zeroed in both). The direct form (a plan of one split) bit
+for bit its partial form + the combine. The rule: page 1 takes the form unasked, page 16 does
+not, FORGEKERNEL_MLA_GATHER=0 keeps page 1 on decode.py's pass (the bench's `was`)."""
 
 from __future__ import annotations
 
@@ -83,7 +85,9 @@ def test_gather_matches_the_reference_and_the_page64_seesaw(case, dtype, monkeyp
     want, want_lse = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
     low, _ = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE, upcast=False)
     keys = _recorded_keys(launch, monkeypatch)
-    monkeypatch.setenv("FORGEKERNEL_MLA_GATHER", "1")
+    monkeypatch.delenv("FORGEKERNEL_MLA_GATHER", raising=False)
+    if ps != 1:  # page 1 by the rule, the others by the switch
+        monkeypatch.setenv("FORGEKERNEL_MLA_GATHER", "1")
     launch._plans.clear()
     out, lse = _call((qn, qp, ckv, kpe, table, seq), dtype)
     partial = [k for k in keys if k["kind"] == "partial"][-1]
@@ -125,38 +129,24 @@ def test_gather_direct_form_is_the_combine_of_one_split(case, dtype, monkeypatch
     assert partials[0].get("ostore", False) == (hq == 128)  # (out's rows 16-byte aligned)
 
 
-def test_gather_is_off_by_default(monkeypatch):
-    """Without FORGEKERNEL_MLA_GATHER a page-1 cache runs decode.py's role-split pass."""
+@pytest.mark.parametrize(("ps", "flag"), [(1, None), (1, "0"), (16, None), (16, "0")])
+def test_the_rule_page1_only_and_the_plan_before(ps, flag, monkeypatch):
+    """Unasked, page 1 runs the gather form and page 16 decode.py's role-split pass;
+    FORGEKERNEL_MLA_GATHER=0 keeps page 1 on decode.py's pass (the plan before, the bench's
+    `was`); each against the reference."""
     monkeypatch.delenv("FORGEKERNEL_MLA_GATHER", raising=False)
-    qn, qp, ckv, kpe, table, seq = _problem(2, 16, 1, [5, 300], 1, False, torch.bfloat16)
+    if flag is not None:
+        monkeypatch.setenv("FORGEKERNEL_MLA_GATHER", flag)
+    lens = [5, 0, 300, 1]
+    qn, qp, ckv, kpe, table, seq = _problem(4, 16, ps, lens, 1, False, torch.bfloat16)
+    _poison_stale(ckv, kpe, table, lens, ps)
+    want, want_lse = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE)
+    low, _ = mla_decode_ref(qn, qp, ckv, kpe, table, seq, SCALE, upcast=False)
     keys = _recorded_keys(launch, monkeypatch)
     launch._plans.clear()
-    _call((qn, qp, ckv, kpe, table, seq), torch.bfloat16)
+    out, lse = _call((qn, qp, ckv, kpe, table, seq), torch.bfloat16)
     launch._plans.clear()
     partial = [k for k in keys if k["kind"] == "partial"][-1]
-    assert not partial.get("tma", False) and not partial.get("gather", False)
-
-
-UNFENCED_CASES = [c for c in GATHER_CASES if c[2] == 1 and c[4] == 1 and max(c[3]) >= 2000]
-
-
-@pytest.mark.parametrize("case", UNFENCED_CASES, ids=_ids)
-def test_unfenced_build_is_the_fenced_form_bit_for_bit(case, monkeypatch):
-    """The `unfenced` diagnostic build (FORGEKERNEL_MLA_GATHER=unfenced: no proxy fence after
-    the chunk waits; prebuilt at bf16 16 x 1 and 64 x 1 partial, the plans of these cases)
-    against the fenced form on the same inputs: the same bits, or the fences matter."""
-    b, hq, ps, lens, s_q, combined = case
-    inputs = _problem(b, hq, ps, lens, s_q, combined, torch.bfloat16)
-    _poison_stale(inputs[2], inputs[3], inputs[4], lens, ps)
-    keys = _recorded_keys(launch, monkeypatch)
-    results = []
-    for mode in ("1", "unfenced"):
-        monkeypatch.setenv("FORGEKERNEL_MLA_GATHER", mode)
-        launch._plans.clear()
-        results.append(_call(inputs, torch.bfloat16))
-        partial = [k for k in keys if k["kind"] == "partial"][-1]
-        assert partial.get("unfenced", False) == (mode == "unfenced")
-        assert not partial.get("direct", False)
-    launch._plans.clear()
-    (out, lse), (out_u, lse_u) = results
-    assert torch.equal(out, out_u) and torch.equal(lse, lse_u)
+    gather = ps == 1 and flag is None
+    assert partial.get("gather", False) == gather and partial.get("tma", False) == gather
+    _check(out, lse, want, want_lse, low)

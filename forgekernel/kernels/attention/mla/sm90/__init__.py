@@ -13,9 +13,10 @@ FORGEKERNEL_MLA_OSTORE=0 keeps the scalar stores). (`pair` keys, the head blocks
 clusters of 2 sharing each tile's loads by TMA multicast, still compile but are neither prebuilt
 nor launched: measured 2.4-8.8% slower, MLA_NOTES.md.) `worklist` keys (candidates): the seesaw
 partial pass reading its (unit, split) from the device-side work list that kind "worklist", the
-scheduling kernel (worklist.py; schedule.py its reference), writes. `gather` keys (candidates,
-FORGEKERNEL_MLA_GATHER=1): the seesaw pass over 16-bit pages that are not whole tiles (1, 16),
-each chunk's rows gathered by cp.async onto the chunk mbarriers (seesaw.py). `lean` keys: DSA's
+scheduling kernel (worklist.py; schedule.py its reference), writes. `gather` keys: the seesaw
+pass over 16-bit pages that are not whole tiles, each chunk's rows gathered by cp.async onto the
+chunk mbarriers (seesaw.py); the launcher's default at page size 1 (prebuilt),
+FORGEKERNEL_MLA_GATHER=1 at the other page sizes off the tile. `lean` keys: DSA's
 sparse pass over an FP8 cache at 16 heads a CTA (split and one-split plans) and 64 (one-split
 plans: the direct pass) (the tile's issue first after the stage's release, per-thread L2
 prefetches), `wide` keys its 64-head direct plans' O by 16-byte stores with it: the defaults
@@ -51,7 +52,8 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    """Every 16-bit partial pass (seesaw.py's for whole-tile pages, decode.py's for the others),
+    """Every 16-bit partial pass (seesaw.py's for whole-tile pages and, in its gather form, page
+    size 1; decode.py's for the others),
     the same heads x tokens over FlashMLA's FP8 cache (bf16 queries), each of these passes'
     direct form for the served head blocks (`config.direct_blocks`), the sparse passes and
     their direct forms (`sparse_keys`), and the combines."""
@@ -82,7 +84,8 @@ def _standard_params() -> list[Params]:
         for h, qt in OSTORE_BLOCKS
     ]
     combine = [params_for("combine", d, warps=w) for d in DTYPES for w in (False, True)]
-    return partial + direct + sparse + ostore + combine + _schedule_params() + _dsa_params()
+    return (partial + direct + sparse + ostore + gather_params() + combine + _schedule_params()
+            + _dsa_params())  # fmt: skip
 
 
 def sparse_keys(
@@ -145,30 +148,29 @@ def _schedule_params() -> list[Params]:
 WORKLIST_BLOCKS = ((16, 1), (64, 1), (16, 2), (32, 2), (16, 4))
 
 
-# The seesaw pass's gather form (candidate, FORGEKERNEL_MLA_GATHER=1): the GPU tests' and the
-# bench's page-1 / page-16 blocks (16 / 128 heads, MTP 2), partial and direct (a plan of one
-# split), the 128-head blocks' direct form also with the `ostore` store
-GATHER_BLOCKS = ((16, 1), (64, 1), (16, 2), (32, 2))
-
-
 def gather_params() -> list[Params]:
-    """The gather form's candidate keys (`build --candidates`), and its `unfenced` diagnostic
-    builds at the bench's page-1 blocks (bf16 16 x 1 and 64 x 1 partial)."""
-    keys = [
-        params_for("partial", dtype, h, qt, tma=True, direct=direct, gather=True)
+    """The seesaw pass's gather form (16-bit pages off the tile; the launcher's default at page
+    size 1, `launch.GATHER_PAGES`): the seesaw keys' blocks with `gather`: every partial block,
+    the direct blocks (`config.direct_blocks`), the `ostore` direct ones (OSTORE_BLOCKS), both
+    dtypes (any of them can get a page-1 plan: prebuilt, a first call compiles nothing)."""
+    partial = [
+        params_for("partial", dtype, h, qt, tma=True, gather=True)
         for dtype in DTYPES
-        for h, qt in GATHER_BLOCKS
-        for direct in (False, True)
+        for qt in QTOKENS
+        for h in HEADS
+        if h * qt <= ROWS
     ]
-    keys += [
+    direct = [
+        params_for("partial", dtype, h, qt, tma=True, direct=True, gather=True)
+        for dtype in DTYPES
+        for h, qt in direct_blocks()
+    ]
+    ostore = [
         params_for("partial", dtype, h, qt, tma=True, direct=True, ostore=True, gather=True)
         for dtype in DTYPES
         for h, qt in OSTORE_BLOCKS
     ]
-    keys += [
-        params_for("partial", "bfloat16", h, tma=True, gather=True, unfenced=True) for h in (16, 64)
-    ]
-    return keys
+    return partial + direct + ostore
 
 
 # The blocks the dsa_sparse bench's FP8 cases run (16 heads a CTA: t1 .. t64 split, t128 one
@@ -198,16 +200,15 @@ def wide_params() -> list[Params]:
 
 def _candidate_params() -> list[Params]:
     """The per-call work list's pass and scheduling kernels (`build --candidates`), the
-    builds without PDL of the bench's variant `no_pdl` (`no_pdl_params`), the seesaw pass's
-    gather form (`gather_params`), DSA's FP8 form before `lean` (`was_params`) and its `wide`
-    forms not taken by default (`wide_params`)."""
+    builds without PDL of the bench's variant `no_pdl` (`no_pdl_params`), DSA's FP8 form before
+    `lean` (`was_params`) and its `wide` forms not taken by default (`wide_params`)."""
     passes = [
         params_for("partial", dtype, h, qt, tma=True, worklist=True)
         for dtype in DTYPES
         for h, qt in WORKLIST_BLOCKS
     ]
     lists = [params_for("worklist", "bfloat16", qtokens=qt) for qt in QTOKENS]
-    return passes + lists + no_pdl_params() + gather_params() + was_params() + wide_params()
+    return passes + lists + no_pdl_params() + was_params() + wide_params()
 
 
 def no_pdl_params() -> list[Params]:

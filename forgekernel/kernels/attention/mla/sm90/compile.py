@@ -218,7 +218,6 @@ def compile_mla(params: dict, arch: str = "sm_90a", extra_options: str = ""):
             params.get("ranges", False),
             pdl,
             params.get("gather", False),
-            not params.get("unfenced", False),
         )
     else:
         kernel = MlaDecodeSm90(params["heads"], qtokens, fp8=fp8, direct=direct)

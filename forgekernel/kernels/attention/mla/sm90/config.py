@@ -194,7 +194,6 @@ def params_for(
     positions: str | None = None,
     neox: bool = False,
     gather: bool = False,
-    unfenced: bool = False,
     lean: bool = False,
     wide: bool = False,
 ) -> tuple:
@@ -218,9 +217,9 @@ def params_for(
     item-indexed form: the scheduler's (kind "worklist") per over the whole batch, items unit
     by unit and each row's item range; the pass (worklist only) writing its partial at its
     item; the combine (`PagedCombineRangesSm90`) reducing a row's item range.
-    gather (candidate; tma only, no pair or work list): the seesaw pass over pages that are not
-    whole tiles (page_size % TILE != 0), each chunk's rows gathered by cp.async (seesaw.py);
-    unfenced (gather only): its diagnostic build without the proxy fences after the chunk waits.
+    gather (tma only, no pair or work list): the seesaw pass over pages that are not whole
+    tiles (page_size % TILE != 0; the launcher's default at page size 1), each chunk's rows
+    gathered by cp.async (seesaw.py).
     lean (the sparse pass over an FP8 cache; the default where `takes_lean`): warpgroup
     1's issue of a tile's bytes first after the stage's release, the L2 prefetch of the tile
     after it by per-thread line prefetches behind it (its list entry loaded a turn early), the
@@ -262,8 +261,6 @@ def params_for(
         raise ValueError("ranges is a form of the work list's pass")
     if gather and (not tma or pair or worklist):
         raise ValueError("gather is a form of the seesaw (tma) pass, without pair or work list")
-    if unfenced and not gather:
-        raise ValueError("unfenced is a form of the gather pass")
     if wide and not (kind == "sparse" and direct and not fused):
         raise ValueError("wide is a form of the sparse direct pass (not the fused one)")
     if lean not in (False, True):
@@ -299,8 +296,6 @@ def params_for(
         keys["ranges"] = True
     if gather:
         keys["gather"] = True
-    if unfenced:
-        keys["unfenced"] = True
     if lean:
         keys["lean"] = True
     if wide:

@@ -8,13 +8,18 @@ pass's sparse mode): torch only (no DSL), the partial pass and the paged leaf's 
 16-bit paged caches whose page size is a multiple of TILE run the seesaw pass (`tma` compile keys,
 seesaw.py); FORGEKERNEL_MLA_SCHEDULE=roles (read when a problem's plan is first built) keeps them
 on decode.py's role-split pass, the design the seesaw replaces, for side-by-side timing.
-FORGEKERNEL_MLA_GATHER=1 (candidate, read when a problem's plan is first built) or
-`plan_form(gather=True)`: 16-bit caches of other page sizes (1, 16) run the seesaw pass too, in its
-`gather` form (each chunk's rows gathered by cp.async onto the chunk mbarriers: MLA_NOTES.md, "The
-seesaw over gathered rows"), without the work list (no list is made for them); off by default,
-decode.py's role-split pass serves them. FORGEKERNEL_MLA_GATHER=unfenced /
-`plan_form(gather="unfenced")`: its diagnostic build without the proxy fences after the chunk
-waits (the fences' cost, timed; not a form to serve).
+16-bit caches of page size 1 (`GATHER_PAGES`: SGLang's FlashInfer MLA backend's, FlashInfer-Bench's
+page-1 cases) run the seesaw pass too, in its `gather` form (each chunk's rows gathered by cp.async
+onto the chunk mbarriers, a proxy fence after each wait: MLA_NOTES.md, "The seesaw over gathered
+rows", "gather adopted"; 0.959 / 0.640 of decode.py's role-split pass's time at b64-h16 / b16-h128
+x 4k, H100 2026-12-05 16:44), without the work list (no list is made for them). Other page sizes
+off the tile (16, 32, ...; not measured) keep decode.py's role-split pass unless
+FORGEKERNEL_MLA_GATHER=1 or `plan_form(gather=True)`; FORGEKERNEL_MLA_GATHER=0 or
+`plan_form(gather=False)` keeps page 1 on decode.py's pass too (read when a problem's plan is
+first built; the bench's `was`). Without PDL (FORGEKERNEL_PDL=0, `pdl.off()`) the rule keeps
+page 1 on decode.py's pass as well (its keys prebuilt; the gather keys are PDL builds only),
+unless the switch or plan_form asks for gather. FP8 caches keep decode.py's pass at every page
+size.
 
 A plan of one split (`config.runs_direct`: every (sequence, head block) in one CTA; the
 serving batches of 128+ head blocks, short sequences; DSA from 128 tokens at 16 heads, 64 at
@@ -94,9 +99,9 @@ from forgekernel.runtime.plans import PlanCache, overriding
 from forgekernel.runtime.scratch import scratch, scratches
 
 _plans = PlanCache()
-# `plan_form`'s (tiles per split or None, heads per CTA or None, work list, direct form, gather,
-# lean, wide), else None (in plan keys)
-_Form = tuple[int | None, int | None, bool, bool, bool | str, bool | None, bool | None]
+# `plan_form`'s (tiles per split or None, heads per CTA or None, work list, direct form, gather
+# form or None, lean, wide), else None (in plan keys)
+_Form = tuple[int | None, int | None, bool, bool, bool | None, bool | None, bool | None]
 _plan_form: list[_Form | None] = [None]
 
 
@@ -128,16 +133,26 @@ def worklist_enabled() -> bool:
     return _flag("FORGEKERNEL_MLA_WORKLIST", "0")
 
 
-GATHER_MODES = {"0": None, "1": "fenced", "unfenced": "unfenced"}
+# page sizes whose 16-bit caches take the seesaw pass's gather form by default: the measured ones
+# (MLA_NOTES.md, "gather adopted"); FORGEKERNEL_MLA_GATHER / plan_form(gather=) override
+GATHER_PAGES = (1,)
+GATHER_MODES = {"0": False, "1": True}
 
 
-def gather_mode() -> str | None:
-    """Whether 16-bit caches whose pages are not whole tiles run the seesaw pass's `gather` form
-    (candidate: FORGEKERNEL_MLA_GATHER=1, "fenced"; "unfenced" its diagnostic build without the
-    proxy fences; "0", the default: None), read when a problem's plan is first built."""
-    flag = os.environ.get("FORGEKERNEL_MLA_GATHER", "0")
+def gather_mode() -> bool | None:
+    """FORGEKERNEL_MLA_GATHER, read when a problem's plan is first built: "1" every 16-bit page
+    size off the tile takes the seesaw pass's `gather` form, "0" none does (decode.py's pass);
+    unset None: `GATHER_PAGES` do (with PDL, `takes_gather`)."""
+    flag = os.environ.get("FORGEKERNEL_MLA_GATHER")
+    if flag is None:
+        return None
+    if flag == "unfenced":  # valid until 2026-12-05: say so rather than only what is valid
+        raise ValueError(
+            "FORGEKERNEL_MLA_GATHER=unfenced was removed on 2026-12-05; use 0 or 1 (the build "
+            "without the proxy fences was dropped: MLA_NOTES.md, 'gather adopted')"
+        )
     if flag not in GATHER_MODES:
-        raise ValueError(f"FORGEKERNEL_MLA_GATHER must be '0', '1' or 'unfenced', got {flag!r}")
+        raise ValueError(f"FORGEKERNEL_MLA_GATHER must be '0' or '1', got {flag!r}")
     return GATHER_MODES[flag]
 
 
@@ -182,6 +197,16 @@ def _wide(kind: str, fp8: bool, heads: int, form) -> bool:
     return _lean(kind, fp8, heads, form, True) and config.takes_wide(heads)
 
 
+def takes_gather(page_size: int, wanted: bool | None, on: bool = True) -> bool:
+    """Whether a 16-bit cache of `page_size` (not a multiple of TILE) takes the gather form:
+    `wanted` (plan_form's, else FORGEKERNEL_MLA_GATHER's), else the rule: `GATHER_PAGES` with
+    PDL on (`on`). Without PDL the rule keeps decode.py's pass, whose keys are prebuilt: the
+    gather keys are built with PDL only (a `pdl: off` one would compile at the first call)."""
+    if wanted is not None:
+        return wanted
+    return on and page_size in GATHER_PAGES
+
+
 def ostore_enabled() -> bool:
     """Direct plans of the OSTORE_BLOCKS take the `ostore` compile where out's rows are 16-byte
     aligned (unless FORGEKERNEL_MLA_OSTORE=0)."""
@@ -194,7 +219,7 @@ def plan_form(
     heads: int | None = None,
     worklist: bool = False,
     direct: bool = True,
-    gather: bool | str = False,
+    gather: bool | None = None,
     lean: bool | None = None,
     wide: bool | None = None,
 ) -> Iterator[None]:
@@ -207,19 +232,20 @@ def plan_form(
     not with per_tiles: the list sizes its splits itself). direct False: a plan of one split
     keeps the partial pass and the combine (as FORGEKERNEL_MLA_DIRECT=0, keyed apart: the
     bench's A/B of the direct forms in one process). gather: 16-bit caches whose pages are not
-    whole tiles take the seesaw pass's `gather` form (True, as FORGEKERNEL_MLA_GATHER=1;
-    "unfenced" its diagnostic build). lean (None: the default, `_lean`): DSA's sparse pass over
-    an FP8 cache takes its `lean` compile at every block (True) or at none (False: the form
-    before, as FORGEKERNEL_MLA_LEAN=0, with no `wide` unless asked; the bench's `was`); other
-    calls ignore it. wide (None: the default, `_wide`): DSA's sparse direct plans take the
-    `wide` compile (O staged in shared memory, 16-byte stores) where out's rows are 16-byte
-    aligned (the scalar stores elsewhere; True), or never (False)."""
+    whole tiles take the seesaw pass's `gather` form at every such page size (True, as
+    FORGEKERNEL_MLA_GATHER=1) or at none (False, decode.py's pass: the bench's `was`); None
+    the environment's, else the rule's (`takes_gather`). lean (None: the default, `_lean`):
+    DSA's sparse pass over an FP8 cache takes its `lean` compile at every block (True) or at
+    none (False: the form before, as FORGEKERNEL_MLA_LEAN=0, with no `wide` unless asked; the
+    bench's `was`); other calls ignore it. wide (None: the default, `_wide`): DSA's sparse direct
+    plans take the `wide` compile (O staged in shared memory, 16-byte stores) where out's rows
+    are 16-byte aligned (the scalar stores elsewhere; True), or never (False)."""
     if lean not in (None, False, True):
         raise ValueError(f"lean must be None, False or True, got {lean!r}")
     if wide not in (None, False, True):
         raise ValueError(f"wide must be None, False or True, got {wide!r}")
-    if gather not in (False, True, "unfenced"):
-        raise ValueError(f"gather must be False, True or 'unfenced', got {gather!r}")
+    if gather not in (None, False, True):
+        raise ValueError(f"gather must be None, False or True, got {gather!r}")
     if worklist and per_tiles is not None:
         raise ValueError("the work list sizes its splits itself: no per_tiles with worklist")
     if heads is not None and heads not in config.HEADS:
@@ -299,10 +325,10 @@ def _plan(
     on = pdl.enabled()
     heads = _heads(hq, qtokens, form)
     tma = kind == "partial" and not fp8 and page_size % config.TILE == 0 and seesaw_enabled()
-    # the gather form (candidate): the seesaw over pages that are not whole tiles
-    mode = gather_mode() if form is None else form[4] or gather_mode()
-    gather = kind == "partial" and not fp8 and not tma and seesaw_enabled() and bool(mode)
-    unfenced = gather and mode == "unfenced"
+    # the gather form: the seesaw over pages that are not whole tiles (page 1 by the rule)
+    asked = gather_mode() if form is None or form[4] is None else form[4]
+    gather = kind == "partial" and not fp8 and not tma and seesaw_enabled()
+    gather = gather and takes_gather(page_size, asked, on)
     tma = tma or gather
     if (tma or kind == "sparse") and form is not None and form[0] is not None:
         tiles = max(1, -(-max_tokens // config.TILE))
@@ -321,7 +347,6 @@ def _plan(
         wide = not narrow and _wide(kind, fp8, heads, form)
         params = config.params_for(kind, name, heads, qtokens, fp8, tma, direct=True,
                                    ostore=ostore, sink=sink, gather=gather,
-                                   unfenced=unfenced, lean=_lean(kind, fp8, heads, form, True),
                                    wide=wide)  # fmt: skip
         kernel = get_kernel(SPEC, pdl.key(params, on or not tma))
         return kernel, None, splits, per, ostore or wide, None
@@ -346,7 +371,6 @@ def _plan(
         return partial, combine, splits, per, False, worklist
     combine = _combine(name, on, units * qtokens * hq)
     params = config.params_for(kind, name, heads, qtokens, fp8, tma, gather=gather,
-                               unfenced=unfenced,
                                lean=_lean(kind, fp8, heads, form, False))  # fmt: skip
     partial = get_kernel(SPEC, pdl.key(params, on or not tma))  # decode.py's: no PDL build
     return partial, combine, splits, per, False, None
@@ -377,7 +401,7 @@ def _schedule(worklist, seq, cu, causal, units, q_blocks, splits, outs) -> torch
 # the plan form of a call that brings a schedule (`make_schedule`): the work list's ranges form
 # (items with their own partials, no bound from the width plan's splits), keyed apart
 RANGES = "ranges"
-SCHEDULED = (None, None, RANGES, True, False)
+SCHEDULED = (None, None, RANGES, True, None)
 
 
 def schedule_key(dtype, batch, hq, max_tokens, max_seqlen_q, packed, device_index, page_size):

@@ -57,11 +57,12 @@ plan of one split: the grid's one split covers every key) writes instead the fin
 q's dtype, and the natural LSE (log2 x ln 2) into the op's outputs: what the combine makes of one
 split (weight exp2(0) = 1, sum 1), bit for bit, with no fp32 partials and no combine launch.
 
-The gather form (`gather`, candidate: FORGEKERNEL_MLA_GATHER=1) takes pages that are not whole
-tiles (page sizes 1, 16, ...): the same schedule, barriers and buffers, but each chunk's 64 rows
-are gathered by the warpgroup that would issue its TMA box, all 128 threads (8 a row, 16 bytes
-each, 4 rows a thread; `_gather_chunks`), cp.async into the slots the box fills (the same
-swizzled layout), each thread closing a chunk with cp.async.mbarrier.arrive.noinc on its
+The gather form (`gather`; the launcher's default at page size 1, FORGEKERNEL_MLA_GATHER=1 at
+every other page size off the tile) takes pages that are not whole tiles (page sizes 1, 16,
+...): the same schedule, barriers and buffers, but each chunk's 64 rows are gathered by the
+warpgroup that would issue its TMA box, all 128 threads (8 a row, 16 bytes each, 4 rows a
+thread; `_gather_chunks`), cp.async into the slots the box fills (the same swizzled layout),
+each thread closing a chunk with cp.async.mbarrier.arrive.noinc on its
 mbarrier (128 arrivals); tiles 0 and 1 by warpgroups 0 and 1. A row's page and slot come from
 the page table a pair ahead (`_gather_rows`, as `_page`), the key clamped to the split's last:
 no entry past the split is read, rows past it repeat a real key (masked, P = 0: nothing to
@@ -155,7 +156,7 @@ class MlaSeesawSm90:
     def __init__(
         self, heads: int, qtokens: int = 1, direct: bool = False, pair: bool = False,
         ostore: bool = False, worklist: bool = False, ranges: bool = False, pdl: bool = True,
-        gather: bool = False, fenced: bool = True,
+        gather: bool = False,
     ):  # fmt: skip
         if heads * qtokens > ROWS:
             raise ValueError(f"heads x query tokens must be <= {ROWS}, got {heads} x {qtokens}")
@@ -193,18 +194,13 @@ class MlaSeesawSm90:
         if ranges and not worklist:
             raise ValueError("ranges is a form of the work list's pass")
         self.ranges = ranges
-        # gather (candidate): pages that are not whole tiles (page_size % TILE != 0: 1, 16):
+        # gather: pages that are not whole tiles (page_size % TILE != 0: 1 by default, 16, ...):
         # each chunk's 64 rows gathered by the refilling warpgroup's 128 threads, cp.async of
         # 16 bytes into the swizzled slots the TMA box fills, on the same chunk mbarriers (128
         # arrivals each, cp.async.mbarrier.arrive.noinc); `_gather_chunks`
         if gather and (pair or worklist):
             raise ValueError("the gather form takes no pair and no work list")
         self.gather = gather
-        # fenced False (the gather form's diagnostic build, compile key `unfenced`): no proxy
-        # fence after the chunk waits (`_gathered_fence`), the A/B of the fences' cost
-        if not fenced and not gather:
-            raise ValueError("unfenced is a form of the gather pass")
-        self.fenced = fenced
 
     def _setup(self, dtype):
         k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
@@ -859,9 +855,10 @@ class MlaSeesawSm90:
     def _gathered_fence(self):
         """Gather: cp.async writes are the generic proxy's and WGMMA reads the async proxy's: a
         proxy fence after the acquire (the chunk's mbarrier wait, or the named barrier behind
-        the other warpgroup's wait) and before the WGMMA that reads the rows. TMA: none; nor
-        the `unfenced` diagnostic build (not a form to serve: the fences' cost, measured)."""
-        if const_expr(self.gather and self.fenced):
+        the other warpgroup's wait) and before the WGMMA that reads the rows. TMA: none. (The
+        build without these fences timed 0.995 / 0.983 of this one on the page-1 cases, a tie,
+        H100 2026-12-05: dropped, MLA_NOTES.md "gather adopted".)"""
+        if const_expr(self.gather):
             cute.arch.fence_view_async_shared()
 
     def _bar(self, ops, buf, chunk):
