@@ -6,8 +6,9 @@ the im2col walk otherwise), on all SMs and on 6 (every CTA several tiles); then 
 takes it by itself (`config.takes_tall`) on the moved suite layers and one unmeasured member of
 the class (C = 64), where it must equal `was` (the plan before: 128x128 c2x1 on rectangles 8
 wide) bit for bit (the same k-tile order and HGMMA k-steps per output element: only the tile's
-shape differs), and next to the class's edges, where the launcher keeps 128x128. Criterion:
-test_conv_gpu.py's (our error <= 2 x PyTorch's in bf16 + 1e-3)."""
+shape differs), in bf16 and fp16, the compile key the launcher fetched recorded (tile_m 256);
+and next to the class's edges, where the launcher keeps 128x128. Criterion: test_conv_gpu.py's
+(our error <= 2 x PyTorch's in the input dtype + 1e-3)."""
 
 from __future__ import annotations
 
@@ -21,14 +22,15 @@ from forgekernel.kernels.conv.sm90 import launch
 from forgekernel.kernels.conv.sm90.config import SQUARE, TALL, SplitPlan, choose_plan
 from forgekernel.kernels.conv.sm90.geometry import rect_width
 from forgekernel.reference.conv import conv_ref
+from forgekernel.runtime.device import dtype_name
 
 pytestmark = pytest.mark.gpu
 op = importlib.import_module("forgekernel.ops.conv")
 WAS = SplitPlan(SQUARE, 1, 0, 0, 8)  # the bench's `was` (the launcher recounts the rest)
 
 
-def rnd(*shape, gen=None):
-    return torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)
+def rnd(*shape, gen=None, dtype=torch.bfloat16):
+    return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
 
 
 def assert_good(ours, want, low):
@@ -83,11 +85,30 @@ def test_tall_on_awkward_3d_problems(shape, sms):
     assert bool(wide[:, k:].isnan().all())
 
 
-def _ours_and_was(n, c, k, size, f):
+@pytest.fixture
+def fetched(monkeypatch):
+    """The forward compile keys the launcher fetches (`launch.get_kernel` wrapped), as dicts;
+    the plans forgotten first (each holds the function it fetched)."""
+    keys = []
+    get_kernel = launch.get_kernel
+
+    def recording(spec, params):
+        if spec is launch.SPEC:
+            keys.append(dict(params))
+        return get_kernel(spec, params)
+
+    launch.clear_plans()
+    monkeypatch.setattr(launch, "get_kernel", recording)
+    yield keys
+    launch.clear_plans()
+
+
+def _ours_and_was(n, c, k, size, f, fetched, dtype=torch.bfloat16):
     """The launcher's own plan (None) and `was` on x (n, c, *size), w (k, c, *f), padding "same",
-    no bias: both outputs checked, returned."""
+    no bias: both outputs checked, returned, with the compile key the launcher fetched for its
+    own plan."""
     g = torch.Generator(device="cuda").manual_seed(7)
-    x, w = rnd(n, c, *size, gen=g), rnd(k, c, *f, gen=g)
+    x, w = rnd(n, c, *size, gen=g, dtype=dtype), rnd(k, c, *f, gen=g, dtype=dtype)
     pad = tuple(v // 2 for v in f)
     want = conv_ref(x, w, None, padding=pad)
     low = F.conv3d(x, w, None, padding=pad)
@@ -95,10 +116,14 @@ def _ours_and_was(n, c, k, size, f):
     outs = []
     for plan in (None, WAS):
         y = torch.full_like(low, float("nan")).contiguous(memory_format=torch.channels_last_3d)
+        fetched.clear()
         launch.fprop(op._as5d(x), op._as5d(w), None, op._view5d(y), geometry, plan)
         assert_good(y, want, low)
         outs.append(y)
-    return outs
+        if plan is None:
+            assert len(fetched) == 1, fetched  # one kernel, looked up once for the problem
+            key = fetched[0]
+    return (*outs, key)
 
 
 def _takes_tall(n, c, k, size, f, sms):
@@ -118,11 +143,15 @@ def _takes_tall(n, c, k, size, f, sms):
     ],
     ids=["n4-c128-3x3x3", "n1-c128-3x3x3", "n1-c128-1x3x3", "n1-c64-3x3x3"],
 )
-def test_the_launchers_tall_equals_was_on_the_class(n, c, k, size, f):
-    """The device's own SM count (the rule's rounds are the device's)."""
-    launch.clear_plans()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_the_launchers_tall_equals_was_on_the_class(n, c, k, size, f, dtype, fetched):
+    """The device's own SM count (the rule's rounds are the device's); the key the launcher
+    fetched is TALL's (256x128 on rectangles 8 wide, forward, the input dtype), not only the
+    chooser's pick."""
     assert _takes_tall(n, c, k, size, f, None)
-    ours, was = _ours_and_was(n, c, k, size, f)
+    ours, was, key = _ours_and_was(n, c, k, size, f, fetched, dtype)
+    assert (key["tile_m"], key["tile_n"], key["rect"], key["dgrad"]) == (256, 128, 8, False)
+    assert key["dtype"] == dtype_name(dtype)
     assert torch.equal(ours, was)
 
 
@@ -136,9 +165,9 @@ def test_the_launchers_tall_equals_was_on_the_class(n, c, k, size, f):
     ],
     ids=["m-below", "k136", "zero-fill", "9-k-tiles"],
 )
-def test_the_launcher_keeps_128x128_next_to_the_class(n, c, k, size, f):
-    """Outside the class by one bound each: the launcher's own plan (not TALL) and `was`, both
-    checked."""
-    launch.clear_plans()
+def test_the_launcher_keeps_128x128_next_to_the_class(n, c, k, size, f, fetched):
+    """Outside the class by one bound each: the launcher's own plan (not TALL: the key it
+    fetched is not 256 rows) and `was`, both checked."""
     assert not _takes_tall(n, c, k, size, f, None)
-    _ours_and_was(n, c, k, size, f)
+    key = _ours_and_was(n, c, k, size, f, fetched)[2]
+    assert key["tile_m"] != 256

@@ -286,7 +286,8 @@ def choose_plan(
     pixels=None,
     im2col: bool = True,
     strided: bool = False,
-    forward: bool = False,
+    *,
+    forward: bool,
 ):
     """The forward (or data-gradient phase) launch for M output pixels, N output channels, C
     input channels and `taps` filter taps: the standard tile, walk and split of the least
@@ -298,9 +299,11 @@ def choose_plan(
     offered with pixels where `im2col` is False (the launcher: an output the im2col walk's
     (M, K) rows would write through a scratch buffer and a copy, e.g. a strided data
     gradient's phase into its strided view of dx). `strided` (no pixels): a strided forward,
-    its rows at STRIDED_ROWS_128; without (a user's 1x1) at IM2COL_ROWS_128. `forward` (not a
-    data-gradient phase): TALL replaces SQUARE unsplit on rectangles TALL_RECT wide where
-    `takes_tall` (outside `plan_cost`: the measured class, no fitted term)."""
+    its rows at STRIDED_ROWS_128; without (a user's 1x1) at IM2COL_ROWS_128. `forward`
+    (keyword, required: a forward caller that left it out would silently get the plan before
+    TALL): True for a forward, False for a data-gradient phase; on, TALL replaces SQUARE
+    unsplit on rectangles TALL_RECT wide where `takes_tall` (outside `plan_cost`: the measured
+    class, no fitted term)."""
     k_tiles = _ceil(c, K_TILE) * taps
     walks = (0,) + (RECT_WIDTHS if pixels is not None else ())
     if pixels is not None and not im2col:
@@ -327,8 +330,8 @@ def choose_plan(
 
 
 def choose_config(m: int, n: int, c: int, num_sms: int = NUM_SMS_H100_H200, taps: int = 1):
-    """The configuration `choose_plan` picks (the im2col walk)."""
-    return choose_plan(m, n, c, taps, num_sms).config
+    """The configuration `choose_plan` picks for a forward (the im2col walk)."""
+    return choose_plan(m, n, c, taps, num_sms, forward=True).config
 
 
 def occupancy(cfg: ConvConfig, m: int, n: int, num_sms: int) -> float:
