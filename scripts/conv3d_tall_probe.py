@@ -1,14 +1,13 @@
-"""The conv3d forward cases below 1.07x cuDNN (2026-12-05 04:26) against their candidates
-(docs/conv/NOTES.md, "256 x 128 for the K = 128 conv3d layers"; bench/suites/conv_fwd.py
-`CONV3D_CANDIDATES`): per case, cuDNN, the launcher's own plan and each candidate plan (`m256`,
-`m256e64` on the K = 128 layers, `epi64` on the 128x256 ones), each output checked against
-cuDNN's first, then timed interleaved (runtime/timing.py: graph replays, each sample after an
-untimed replay of its own candidate).
+"""The K = 128 conv3d forward cases the 256x128 tile took (docs/conv/NOTES.md, "256 x 128
+adopted"; bench/suites/conv_fwd.py `CONV3D_WAS`): per case, cuDNN, the launcher's own plan
+(config.TALL there) and `was` (the plan before: 128x128 c2x1 on rectangles 8 wide), each output
+checked against cuDNN's first, then timed interleaved (runtime/timing.py: graph replays, each
+sample after an untimed replay of its own plan).
 
     python3 scripts/conv3d_tall_probe.py [CASE ...]    (default: every case of the table)
 
-Prints ms, TF/s, cudnn / this and this / launcher per row; a candidate adopts where this /
-launcher <= 0.96 here and in the bench (`forgekernel bench conv_fwd`, variant / launcher).
+Prints ms, TF/s, cudnn / this and this / launcher per row; the adoption holds where `was` /
+launcher >= 1.0 here and in the bench (`forgekernel bench conv_fwd`).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from forgekernel.bench.suites import conv_layers as L  # noqa: E402
-from forgekernel.bench.suites.conv_fwd import BENCH_CASES, CONV3D_CANDIDATES  # noqa: E402
+from forgekernel.bench.suites.conv_fwd import BENCH_CASES, CONV3D_WAS  # noqa: E402
 from forgekernel.kernels.conv.sm90 import launch  # noqa: E402
 from forgekernel.ops import conv as op  # noqa: E402
 from forgekernel.runtime.timing import median, time_interleaved  # noqa: E402
@@ -30,7 +29,7 @@ from forgekernel.runtime.timing import median, time_interleaved  # noqa: E402
 
 def main(names: list[str]) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
-    wanted = names or list(CONV3D_CANDIDATES)
+    wanted = names or list(CONV3D_WAS)
     for case in BENCH_CASES:
         if case.name not in wanted:
             continue
@@ -40,7 +39,7 @@ def main(names: list[str]) -> None:
         g = op._geometry(len(p["spatial"]), p["kernel"], p["stride"], p["padding"], p["dilation"])
         ref = L.cudnn(inputs).float()
         fns = {"cudnn": functools.partial(L.cudnn, inputs)}
-        for name, plan in {"launcher": None, **CONV3D_CANDIDATES[case.name]}.items():
+        for name, plan in {"launcher": None, **CONV3D_WAS[case.name]}.items():
             y = L.alloc_out(inputs)
             y.fill_(float("nan"))
             fn = functools.partial(launch.fprop, x5, w5, inputs.get("bias"), op._view5d(y), g, plan)

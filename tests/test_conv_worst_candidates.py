@@ -113,9 +113,7 @@ def test_the_variants_sit_on_their_cases_only():
                 "no_pdl",
                 "pdl_late",
             }
-            # conv_fwd's conv3d candidates (tests/test_conv_tall.py) sit beside these
-            other = conv_fwd.CONV3D_CANDIDATES if suite is conv_fwd else {}
-            assert got == set(table.get(case.name, {})) | set(other.get(case.name, {})), case.name
+            assert got == set(table.get(case.name, {})), case.name
     assert {(s, c, v) for s, c, v in ALL} == {
         (s, c, v) for (s, c), vs in PLANS.items() for v in vs if v is not None
     }

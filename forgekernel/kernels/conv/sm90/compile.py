@@ -43,7 +43,6 @@ def compile_conv_fprop(params: dict, arch: str = "sm_90a", extra_options: str = 
         rect=rect,
         pdl=built_on(params),
         trigger=trigger_of(params),
-        overlap=params.get("overlap", False),
     )
     work = flags = None
     if cfg.split:

@@ -49,11 +49,6 @@ the barrier setup; `trigger` "top" (every standard build) issues launch_dependen
 unit's mainloop is done (its WGMMAs waited for), before that unit's park or epilogue: a CTA's
 first issue counts, and one that never issues it counts at its exit.
 
-Overlapped epilogue (`overlap`, opt-in; compile key ("overlap", True); tile_m and tile_n <=
-128, unsplit forward): the CTA's tiles alternate between two accumulators and each tile's
-epilogue sub-tiles are stored one after each of the next tile's k-tiles 1 .. tile_n / epi_n,
-its WGMMA batch in flight (`_consume_overlap`; the launcher asks more k-tiles than that).
-
 Split over the reduction (`per_split` k-tiles per part, a run-time value; one part: the whole
 reduction): a problem of few output tiles (3x3 on 7 x 7 maps, 1x1 with a long C: a third of the
 chip busy) cuts each tile's k-tiles into parts, scheduled as tiles of their own (the static
@@ -173,21 +168,14 @@ class ConvFpropSm90:
         rect: int = 0,
         pdl: bool = True,
         trigger: str = "top",
-        overlap: bool = False,
     ):
-        if overlap and (max(config.tile_m, config.tile_n) > 128 or config.split or dgrad):
-            # two accumulators: 2 x 64 fp32 a thread at 128x128 (tile_n / 2 a thread at tile_m
-            # 64 or 128: 64x256 would hold 2 x 128 and spill); not with the split's park
-            raise ValueError("overlap: tile_m and tile_n <= 128, unsplit, forward only")
-        if overlap and trigger == "late":
-            raise ValueError("overlap: the top trigger (its last mainloop is not marked)")
         if config.tile_m not in (64, 128, 256):
             raise ValueError(f"tile_m must be 64, 128 or 256, got {config.tile_m}")
         if config.tile_n not in (64, 128, 256):
             raise ValueError(f"tile_n must be 64/128/256, got {config.tile_n}")
         if config.tile_m == 256 and (config.tile_n > 128 or config.split or dgrad):
             # 256 x 256 would hold 256 fp32 accumulators a thread (spills); the split and the
-            # data-gradient mode are not built with 256 rows (the candidate is the forward's)
+            # data-gradient mode are not built with 256 rows (the tile is the forward's)
             raise ValueError("tile_m 256: tile_n <= 128, unsplit, forward only")
         if config.tile_k != 64:
             raise ValueError(f"tile_k must be 64 (128 bytes of 16 bits), got {config.tile_k}")
@@ -232,10 +220,6 @@ class ConvFpropSm90:
         # (image, plane) (Q, P, Z, N extents), A a tiled box of X at the tap's offset; 0: im2col
         self.rect = rect
         self.rect_shape = rect_shape(config.tile_m, rect) if rect else None
-        # each tile's epilogue run during the next tile's first k-tiles, from a second
-        # accumulator (`_consume_overlap`; docs/conv/NOTES.md, "256 x 128 for the K = 128 conv3d
-        # layers"); off in every standard build
-        self.overlap = overlap
 
     # ---------------------------------------------------------------- host-side setup
     def _setup(self, dtype):
@@ -533,10 +517,7 @@ class ConvFpropSm90:
             mma = (tiled_mma, tCrA, tCrB, acc)
             split = (*split_io, storage.split_last.get_tensor(cute.make_layout(2)), parts)
             out = (sC, gC, tma_c, mBias, tiles_mn[0], rects)
-            if cutlass.const_expr(self.overlap):
-                self._consume_overlap(tidx, warp_idx, mma, ab_pipe, out, schedule, units)
-            else:
-                self._consume(tidx, warp_idx, mma, ab_pipe, out, schedule, (units, split))
+            self._consume(tidx, warp_idx, mma, ab_pipe, out, schedule, (units, split))
 
     def _ring(self, cta_layout_mnk):
         """Device side, every thread: (this CTA's coordinate in its cluster, the A and B
@@ -768,180 +749,6 @@ class ConvFpropSm90:
                     self._epilogue(gC_tile, tma_c, sC, epi, warp_idx, tiles_done)
                 tiles_done += 1
         store_pipe.producer_tail()
-
-    @cute.jit
-    def _consume_overlap(self, tidx, warp_idx, mma, ab_pipe, out, schedule, units):
-        """`_consume` (unsplit) with each tile's epilogue run during the next tile's first
-        tile_n / epi_n + 1 k-tiles (its bias added right after its own mainloop): the CTA's
-        tiles alternate between two accumulators, the tile before's read while WGMMA fills
-        the other. The last tile's epilogue runs after its mainloop."""
-        tiled_mma, tCrA, tCrB, acc_a = mma
-        sC, gC, tma_c, mBias, _, rects = out
-        acc_b = cute.make_rmem_tensor(acc_a.shape, self.acc_dtype)
-        acc_b.fill(0.0)
-        epi_barrier = named_barrier(Bar.EPILOGUE, self.num_mma_threads)
-        read = consumer_state(self.stages)
-        release = consumer_state(self.stages)
-        r2s, tRS_sC, tRS_a, tRS_rAcc, tRS_rC = self._staging(tidx, tiled_mma, sC, acc_a)
-        tRS_b = r2s.retile(acc_b)
-        store_pipe = pipeline.PipelineTmaStore.create(
-            num_stages=self.cfg.epi_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
-        )
-        epi = (r2s, tRS_sC, None, tRS_rAcc, tRS_rC, store_pipe, epi_barrier)
-        own = tiled_mma.get_slice(tidx - THREADS_PER_WG)
-        cols = own.partition_C(cute.make_identity_tensor((self.cfg.tile_m, self.cfg.tile_n)))
-        store = (gC, tma_c, sC, rects, mBias, cols, warp_idx)
-        tiles_done = cutlass.Int32(0)
-        has_prev = cutlass.Boolean(False)
-        prev_in_b = cutlass.Boolean(False)  # whose accumulator the pending tile is in
-        prev_m = cutlass.Int32(0)
-        prev_n = cutlass.Int32(0)
-        sched = StaticScheduler(schedule)
-        work = sched.first()
-        while sched.valid(work):
-            tile_m, tile_ns = sched.tile(work)
-            work = sched.next(work)
-            tile_n, _, _, count = self._unit(tile_ns, units)
-            read, release, tiled_mma, tiles_done = self._mainloop_overlap(
-                count, tile_n, (tiled_mma, tCrA, tCrB, acc_a), ab_pipe, (read, release),
-                (acc_b, tRS_b, has_prev, prev_m, prev_n), epi, store, tiles_done,
-            )  # fmt: skip
-            has_prev = cutlass.Boolean(True)
-            prev_in_b = cutlass.Boolean(False)
-            prev_m, prev_n = tile_m, tile_n
-            if sched.valid(work):
-                tile_m, tile_ns = sched.tile(work)
-                work = sched.next(work)
-                tile_n, _, _, count = self._unit(tile_ns, units)
-                read, release, tiled_mma, tiles_done = self._mainloop_overlap(
-                    count, tile_n, (tiled_mma, tCrA, tCrB, acc_b), ab_pipe, (read, release),
-                    (acc_a, tRS_a, has_prev, prev_m, prev_n), epi, store, tiles_done,
-                )  # fmt: skip
-                prev_in_b = cutlass.Boolean(True)
-                prev_m, prev_n = tile_m, tile_n
-        if has_prev:
-            if prev_in_b:
-                self._drain(acc_b, tRS_b, (prev_m, prev_n), epi, store, tiles_done)
-            else:
-                self._drain(acc_a, tRS_a, (prev_m, prev_n), epi, store, tiles_done)
-        store_pipe.producer_tail()
-
-    @cute.jit
-    def _mainloop_overlap(
-        self, k_tiles, tile_n, mma, ab_pipe, states, prev, epi, store, tiles_done
-    ):
-        """`_mainloop` into mma's accumulator (then its bias, N tile `tile_n`), with the
-        previous tile's epilogue sub-tiles (`prev`: its accumulator, retiled, whether there is
-        one, its M and N tile) one after each of k-tiles 1 .. tile_n / epi_n (k_tiles >
-        tile_n / epi_n). Returns the states and the tiles stored so far."""
-        tiled_mma, tCrA, tCrB, acc = mma
-        read, release = states
-        acc_p, tRS_p, has_prev, prev_m, prev_n = prev
-        mBias, cols = store[4], store[5]
-        k_blocks = cute.size(tCrA, mode=[2])
-        subs = self.cfg.tile_n // self.cfg.epi_n
-        where = (self._tile_at(prev_m, store[3]), prev_n)
-        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-        cute.nvgpu.warpgroup.fence()
-        for j in cutlass.range_constexpr(subs + 1):
-            # unconditional (the launcher asks k_tiles > subs): a WGMMA issued under a branch
-            # has ptxas serialize every WGMMA of the kernel (DEPBAR 0 after each)
-            ab_pipe.consumer_wait(read)
-            for kb in cutlass.range_constexpr(k_blocks):
-                crd = (None, None, kb, read.index)
-                cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            cute.nvgpu.warpgroup.commit_group()
-            read.advance()
-            if cutlass.const_expr(j > 0):
-                cute.nvgpu.warpgroup.wait_group(1)
-                ab_pipe.consumer_release(release)
-                release.advance()
-                # sub-tile j - 1 after k-tile j's issue and k-tile j - 1's wait: right after
-                # the first batch (no wait yet) ptxas put a DEPBAR 0 before the conversions
-                if has_prev:
-                    buf = (tiles_done * subs + j - 1) % self.cfg.epi_stages
-                    self._epi_sub(j - 1, tRS_p, where, epi, store, buf)
-        for _ in range(subs + 1, k_tiles):
-            ab_pipe.consumer_wait(read)
-            for kb in cutlass.range_constexpr(k_blocks):
-                crd = (None, None, kb, read.index)
-                cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            cute.nvgpu.warpgroup.commit_group()
-            read.advance()
-            cute.nvgpu.warpgroup.wait_group(1)
-            ab_pipe.consumer_release(release)
-            release.advance()
-        cute.nvgpu.warpgroup.wait_group(0)
-        ab_pipe.consumer_release(release)
-        release.advance()
-        if cutlass.const_expr(self.bias):
-            # here, with no WGMMA in flight: an accumulator written while the other one's
-            # WGMMAs run has ptxas wait for them all first (DEPBAR 0 before the adds)
-            self._add_bias(acc, cols, mBias, tile_n)
-        if has_prev:
-            tiles_done += 1
-        return read, release, tiled_mma, tiles_done
-
-    @cute.jit
-    def _drain(self, acc, tRS_acc, where, epi, store, tiles_done):
-        """The CTA's last tile: every epilogue sub-tile (its bias added after its mainloop),
-        nothing to overlap."""
-        subs = self.cfg.tile_n // self.cfg.epi_n
-        where = (self._tile_at(where[0], store[3]), where[1])
-        for e in cutlass.range_constexpr(subs):
-            self._epi_sub(
-                e, tRS_acc, where, epi, store, (tiles_done * subs + e) % self.cfg.epi_stages
-            )
-
-    @cute.jit
-    def _tile_at(self, tile_m, rects):
-        """M tile `tile_m` as `_epi_sub` takes it: its rectangle's corner (n, z, p0, q0), or the
-        im2col walk's tile index (once a tile, not per sub-tile)."""
-        at = tile_m
-        if cutlass.const_expr(self.rect):
-            at = self._rect(tile_m, rects)
-        return at
-
-    @cute.jit
-    def _epi_sub(self, e: int, tRS_acc, where, epi, store, buf):
-        """Epilogue sub-tile e of the tile at `where` (`_tile_at` of its M tile, N tile) from
-        the retiled accumulator `tRS_acc`: converted, stmatrix into ring buffer `buf`,
-        TMA-stored (either walk's Y) by the first consumer warp."""
-        r2s, tRS_sC, _, tRS_rAcc, tRS_rC, store_pipe, epi_barrier = epi
-        gC, tma_c, sC, _, _, _, warp_idx = store
-        frag = cute.size(tRS_rAcc)
-        for v in cutlass.range_constexpr(frag):
-            tRS_rAcc[v] = tRS_acc[sub_tile_value(e, v, tRS_rAcc.shape, cute.size(tRS_acc))]
-        tRS_rC.store(tRS_rAcc.load().to(self.dtype))
-        cute.copy(r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
-        cute.arch.fence_proxy("async.shared", space="cta")
-        epi_barrier.arrive_and_wait()
-        if warp_idx == THREADS_PER_WG // 32:
-            tile_m, tile_n = where
-            if cutlass.const_expr(self.rect):
-                n, z, p0, q0 = tile_m
-                origin = ((q0, p0, z, n), tile_n * self.cfg.tile_n + e * self.cfg.epi_n)
-                gSub = cute.local_tile(
-                    cute.domain_offset(origin, gC), (self.rect_shape, self.cfg.epi_n), (0, 0)
-                )
-                bSG_sC, bSG_gC = cpasync.tma_partition(
-                    tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
-                    cute.group_modes(gSub, 0, 2),
-                )  # fmt: skip
-                cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC)
-            else:
-                gC_t = cute.zipped_divide(gC[(None, None, tile_m, tile_n)], self.epi_tile)
-                bSG_sC, bSG_gC = cpasync.tma_partition(
-                    tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_t
-                )
-                epi_grid = cute.make_layout(gC_t.shape[1], stride=(gC_t.shape[1][1], 1))
-                cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, epi_grid.get_hier_coord(e))])
-            store_pipe.producer_commit()
-            store_pipe.producer_acquire()
-        epi_barrier.arrive_and_wait()
 
     def _staging(self, tidx, tiled_mma, sC, acc):
         """The epilogue's stmatrix path: (the copy, this thread's epilogue-ring partition, the

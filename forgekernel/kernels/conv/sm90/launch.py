@@ -4,7 +4,8 @@ views: x (N, D, H, W, C), w (K, T, R, S, C), y (N, Z, P, Q, K) (a 2-D convolutio
 T = 1).
 
 - `fprop`: one launch of the forward kernel, its tile and split (the reduction cut into parts
-  for problems of few tiles) from `config.choose_plan`. At stride 1 the output tiles may be
+  for problems of few tiles) from `config.choose_plan` (the K = 128 conv3d layers' 256x128
+  tile where `config.takes_tall`). At stride 1 the output tiles may be
   rectangles (`geometry.rect_width`), but a 1x1 filter's walk im2col rows unless the caller
   asks for rectangles (`_launch`'s `rect_1x1`; the H200's 1x1 layers lost up to half their rate
   on rectangles: docs/conv/NOTES.md, "Measured: rectangles"). C or K not a multiple of 8
@@ -117,7 +118,9 @@ def _choose(
     launch."""
     sms = num_sms(device_index) if device_index is not None else NUM_SMS_H100_H200
     if config is None:
-        plan = choose_plan(m, k, c, taps, sms, pixels, im2col=rows, strided=strided)
+        plan = choose_plan(
+            m, k, c, taps, sms, pixels, im2col=rows, strided=strided, forward=not dgrad
+        )
     else:
         rect = config.rect if isinstance(config, SplitPlan) else 0
         if pixels is not None and not isinstance(config, SplitPlan):
@@ -125,7 +128,6 @@ def _choose(
         if rect and pixels is None:
             raise ValueError("a plan of output rectangles for a strided or dgrad launch")
         given = config.per_split if isinstance(config, SplitPlan) else None
-        overlap = isinstance(config, SplitPlan) and config.overlap
         config = config.config if isinstance(config, SplitPlan) else config
         k_tiles = -(-c // K_TILE) * taps
         per = k_tiles
@@ -135,17 +137,9 @@ def _choose(
         # are sized by them (a plan made for another problem, e.g. one SplitPlan for every
         # phase of a data gradient, would have the kernel write past its workspace)
         tiles = split_tiles(config, m, k, pixels, rect)
-        plan = SplitPlan(config, per, -(-k_tiles // per), tiles, rect, overlap)
+        plan = SplitPlan(config, per, -(-k_tiles // per), tiles, rect)
     cfg = plan.config
-    if plan.overlap and (plan.parts > 1 or plan.per_split <= cfg.tile_n // cfg.epi_n or dgrad):
-        # kernel.py `_mainloop_overlap`: a tile's epilogue sub-tiles ride on the next tile's
-        # k-tiles 1 .. tile_n / epi_n, issued unconditionally
-        raise ValueError(
-            f"overlap: an unsplit forward of more than {cfg.tile_n // cfg.epi_n} k-tiles a tile"
-        )
-    params = params_for(
-        dtype_name(dtype), bias, cfg, dgrad=dgrad, rect=plan.rect, overlap=plan.overlap
-    )
+    params = params_for(dtype_name(dtype), bias, cfg, dgrad=dgrad, rect=plan.rect)
     # one CTA per SM (the pipeline takes nearly all shared memory)
     return (
         get_kernel(SPEC, pdl.key(params, pdl.enabled(), pdl.trigger())),
