@@ -39,14 +39,19 @@ def test_each_rule_takes_its_measured_cases_and_stops_at_their_edges(i):
         assert _rule(i, *shape) == i, shape
     g = max(rule.groups)
     hkv = 8
-    b = -(-rule.min_kv_heads // hkv)  # the fewest batches reaching min_kv_heads
+    assert rule.min_kv_heads % hkv == 0  # so b x 8 meets the minimum exactly
+    b = rule.min_kv_heads // hkv  # the fewest batches reaching min_kv_heads
     assert _rule(i, b, lo, lo, g * hkv, hkv) == i  # the class's smallest corner
     assert _rule(i, b, hi, hi, g * hkv, hkv) == i
+    assert _rule(i, b - 1, lo, lo, g * hkv, hkv) == 0  # one batch short of min_kv_heads
     assert _rule(i, b, lo - 1, lo - 1, g * hkv, hkv) == 0  # shorter than measured
     assert _rule(i, b, hi + 1, hi + 1, g * hkv, hkv) == 0  # longer
-    assert _rule(i, b, lo, lo - 1, g * hkv, hkv) == 0  # Sq > Sk: never measured
-    assert _rule(i, 1, lo, lo, g * hkv, rule.min_kv_heads - 1) == 0  # fewer kv heads
-    assert _rule(i, b, lo, lo, g * hkv, hkv, causal=not rule.causal) != i  # the other mask
+    if lo < hi:  # Sq > Sk, both lengths inside [lo, hi]: never measured
+        assert _rule(i, b, hi - 1, hi, g * hkv, hkv) == i
+        assert _rule(i, b, hi, hi - 1, g * hkv, hkv) == 0
+    # the other mask: no rule of it covers this corner (the D = 96 / 256 pairs differ in
+    # length), so a rule that ignored the mask would answer here
+    assert _rule(i, b, lo, lo, g * hkv, hkv, causal=not rule.causal) == 0
     for other in (3, 4, 8):  # a GQA ratio not measured in the class
         if other not in rule.groups:
             assert _rule(i, b * other, lo, lo, other * hkv, hkv) == 0, other
@@ -72,16 +77,28 @@ def test_the_other_mask_has_its_own_rule_or_none():
     assert fixed_rule(128, 128, True, 1, 32768, 32768, 32, 8) == 0  # the GQA-4 control
 
 
-def test_the_rules_move_exactly_the_bench_cases_that_show_was():
-    """Of the suite's fixed-length cases (bench, check, sanitize), the rules move the measured
-    bench cases only, and each of those carries `was` (the plan before)."""
-    moved = set()
-    for case in (*suite.BENCH_CASES, *suite.CHECK_CASES, *suite.SANITIZE_CASES):
+def _moved(cases) -> dict[str, int]:
+    """The fixed-length cases a rule moves: name -> rule."""
+    moved = {}
+    for case in cases:
         p = case.params
-        if p.get("varlen"):
-            continue
-        if fixed_rule(p["d"], p["dv"], p["causal"], p["b"], p["sq"], p["sk"], p["hq"], p["hkv"]):
-            moved.add(case.name)
+        if not p.get("varlen"):
+            rule = fixed_rule(p["d"], p["dv"], p["causal"], p["b"], p["sq"], p["sk"], p["hq"],
+                              p["hkv"])  # fmt: skip
+            if rule:
+                moved[case.name] = rule
+    return moved
+
+
+def test_the_rules_move_exactly_the_bench_cases_that_show_was():
+    """Of the suite's bench cases, the rules move the measured ones only, and each of those
+    carries `was` (the plan before); of the check and sanitize cases, RULE_CASE only (rule 7 at
+    its class's smallest batch x kv heads), so `check` and the sanitizers run a rule's config."""
+    moved = set(_moved(suite.BENCH_CASES))
     shown = {n for n, kind in suite.CONFIG_TIMED.items() if "was" in suite.CONFIG_CANDIDATES[kind]}
     assert moved == shown and len(moved) == sum(len(v) for v in MEASURED.values()) == 11
     assert suite.CONFIG_CANDIDATES["moved"] == {"was": {}}
+    rule_case = {suite.RULE_CASE.name: 7}
+    assert _moved(suite.CHECK_CASES) == _moved(suite.SANITIZE_CASES) == rule_case
+    p = suite.RULE_CASE.params
+    assert p["b"] * p["hkv"] == FIXED_RULES[6].min_kv_heads  # the class's fewest

@@ -129,6 +129,10 @@ CLASS_BENCH_CASES = (
     _varlen_case(*_chunked_lengths(8, seed=3), hq=32, hkv=8, tag="chunk256to2048", group="varlen"),
 )
 BENCH_CASES = LEGACY_BENCH_CASES + CLASS_BENCH_CASES
+# The cheapest problem inside a fixed-length rule's class (config.FIXED_RULES rule 7: D = 64
+# non-causal MHA, Sq = Sk = 512, batch x kv heads at its minimum 512; 34 GFLOP), so `check` and
+# the sanitizers run a rule's config (L2 sections) through the op; the other cases keep defaults.
+RULE_CASE = _case(2, 256, 256, 512, 64, causal=False)
 # Every supported head dim and GQA ratios 1, 4, 16 at small sizes, then awkward lengths: a
 # single token, lengths off every tile size, Sq < Sk (decode-like) and Sq > Sk, whose first
 # Sq - Sk rows see no key under the causal mask (O = 0, LSE = -inf); short queries with GQA
@@ -180,6 +184,7 @@ CHECK_CASES = (
     _case(1, 16, 16, 256, 192, dv=128, sk=2048, group="d192-128"),
     _case(1, 8, 2, 512, 128, sk=4096, group="chunked"),
     _varlen_case((128, 300, 64), (1024, 2048, 700), hq=8, hkv=2, group="varlen"),
+    RULE_CASE,
 )
 # compute-sanitizer (`forgekernel check --sanitize`) and tests/gpu/: every head-dim pair at small
 # odd sizes, GQA (packed short queries at 17 tokens), causal and not, Sq > Sk (rows that see no
@@ -194,6 +199,7 @@ SANITIZE_CASES = (
     _case(1, 4, 1, 100, 192, dv=128, sk=1003),
     _varlen_case((1, 17, 300, 0, 129), hq=4, hkv=1),
     _varlen_case((200, 33), (17, 40), hq=2, hkv=1, d=192, dv=128, causal=False),
+    RULE_CASE,
 )
 
 
