@@ -18,18 +18,22 @@ from forgekernel.kernels.attention.fwd.sm90 import (  # noqa: E402
     SPEC,
 )
 from forgekernel.kernels.attention.fwd.sm90.config import (  # noqa: E402
+    FIXED_RULES,
     HEAD_DIMS,
     SMEM_CAPACITY,
     AttnConfig,
     default_config,
     params_for,
+    rule_config,
+    rule_params,
     smem_bytes,
 )
 from forgekernel.runtime.cache import compile_to  # noqa: E402
 from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text  # noqa: E402
 
-# tests/test_build_sm90.py builds every standard kernel; here the bf16 fixed-length ones get
-# the attention-specific SASS checks (TMA loads and store), keeping CI's compile time down.
+# tests/test_build_sm90.py builds every standard kernel; here the bf16 fixed-length ones (each
+# head-dim pair's default, then each FIXED_RULES config) get the attention-specific SASS checks
+# (TMA loads and store), keeping CI's compile time down.
 SAMPLE = [
     p for p in SPEC.standard_params() if dict(p)["dtype"] == "bfloat16" and not dict(p)["varlen"]
 ]
@@ -58,7 +62,7 @@ def test_standard_configs_cover_dtypes_head_dims_and_masks():
 
 
 def test_every_sampled_config_builds(records):
-    assert len(records) == len(SAMPLE) == len(HEAD_DIMS) * 2
+    assert len(records) == len(SAMPLE) == len(HEAD_DIMS) * 2 + len(FIXED_RULES)
     for rec in records:
         so = Path(rec["path"])
         assert so.is_file() and so.read_bytes()[:4] == b"\x7fELF"
@@ -129,21 +133,21 @@ def test_packed_paged_mode_builds_as_the_split_one(tmp_path, d, box, group):
 
 # Variants off by default (docs/attention/NOTES.md, "D=256 and 192/128 after split_softmax"):
 # D=256 is where an epilogue detail once took the whole kernel off the uniform datapath (a
-# branch around o_direct's row stores: 72 R2UR a step, every producer TMA in a per-lane loop).
+# branch around the dropped o_direct's row stores: 72 R2UR a step, every producer TMA in a
+# per-lane loop).
 VARIANT_SAMPLE = [
-    params_for("bfloat16", 256, 256, True, AttnConfig(tile_n=64, snake=True, o_direct=True)),
+    params_for("bfloat16", 256, 256, True, AttnConfig(tile_n=64, snake=True)),
 ]
 
 
 @pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
-def test_snake_and_direct_o_build_on_the_uniform_datapath(tmp_path):
+def test_snake_builds_on_the_uniform_datapath(tmp_path):
     for params in VARIANT_SAMPLE:
         rec, sass = _build_with_sass(params, tmp_path)
         assert rec["spill_bytes"] == 0 and rec["hgmma"], params
         assert rec["sass"].get("LDL", 0) == 0 and rec["sass"].get("STL", 0) == 0, params
         # 14 R2UR outside the loops here, as in the standard build (15); the branching one had 388.
         assert "BRA.U.ANY" not in sass and sass.count("R2UR") < 32, params
-        assert rec["sass"].get("UTMASTG", 0) == 0, params  # O from registers: no TMA store
 
 
 @pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
@@ -164,12 +168,18 @@ def test_dynamic_tiles_build_with_one_atomic_and_no_spills(tmp_path):
 
 def test_dynamic_is_a_key_only_when_on():
     """The standard keys (and cache entries) are those of before the knob but D = 128 varlen's
-    (the tile counter its default since 2026-12-04); paged refuses it."""
+    (the tile counter its default since 2026-12-04) and the fixed-length rules' that take the
+    counter (2026-12-05: 192/128, D = 256 and D = 128 causal); paged refuses it."""
     dyn = AttnConfig(dynamic=True)
     on = [dict(p) for p in SPEC.standard_params() if "dynamic" in dict(p)]
-    assert on and all(p["dynamic"] and p["varlen"] and not p["page_box"] for p in on)
-    assert {(p["head_dim"], p["head_dim_v"]) for p in on} == {(128, 128)}
-    assert len(on) == 4  # both dtypes, both masks
+    assert all(p["dynamic"] and not p["page_box"] for p in on)
+    varlen = [p for p in on if p["varlen"]]
+    assert {(p["head_dim"], p["head_dim_v"]) for p in varlen} == {(128, 128)}
+    assert len(varlen) == 4  # both dtypes, both masks
+    fixed = [p for p in on if not p["varlen"]]
+    assert {(p["head_dim"], p["head_dim_v"], p["causal"]) for p in fixed} == {
+        (192, 128, True), (256, 256, True), (128, 128, True)}  # fmt: skip
+    assert len(fixed) == 6 and all(p["wave_kv_mib"] == 0 for p in fixed)
     assert default_config(128, 128, varlen=True) == dyn
     assert not default_config(128, 128, paged=True, varlen=True).dynamic
     assert not any(default_config(d, dv, varlen=True).dynamic for d, dv in HEAD_DIMS
@@ -186,22 +196,26 @@ def test_dynamic_is_a_key_only_when_on():
 
 
 def test_d192_schedule_candidates_are_keys_only_when_on():
-    """k_ahead and wave_kv_mib (docs/attention/NOTES.md, "192/128 against FA4's schedule") are
-    in no standard key (their defaults), in the 192/128 candidate keys (bf16 causal, fixed
-    length; with the tile counter and O from registers) as set, and round-trip through the
-    key; paged refuses k_ahead. D = 128 has wave_kv_mib 0 candidates (both masks: the bench's
-    controls)."""
-    assert not any(k in dict(p) for p in SPEC.standard_params() for k in ("k_ahead", "wave_kv_mib"))
+    """k_ahead (docs/attention/NOTES.md, "192/128 against FA4's schedule") is in no standard
+    key (its default), wave_kv_mib only in the fixed-length rules' (FIXED_RULES); both are in
+    the open 192/128 candidate keys (bf16 causal, fixed length, with the tile counter) as set
+    and round-trip through the key; paged refuses k_ahead. D = 128 has wave_kv_mib 0
+    candidates (both masks: the bench's undecided non-causal case and causal control)."""
+    rules = {rule_params(dtype, i) for dtype in ("bfloat16", "float16")
+             for i in range(1, len(FIXED_RULES) + 1)}  # fmt: skip
+    for p in SPEC.standard_params():
+        assert "k_ahead" not in dict(p)
+        assert ("wave_kv_mib" in dict(p)) == (p in rules), p
 
     def knobs_of(p: dict) -> dict:
         set_ = {k: p[k] for k in ("k_ahead", "dynamic", "wave_kv_mib") if k in p}
         default_mib = default_config(p["head_dim"], p["head_dim_v"]).l2_kv_mib
-        set_ |= {"l2_kv_mib": p["l2_kv_mib"]} if p["l2_kv_mib"] != default_mib else {}
-        return set_ | ({"o_direct": True} if p["o_direct"] else {})
+        return set_ | ({"l2_kv_mib": p["l2_kv_mib"]} if p["l2_kv_mib"] != default_mib else {})
 
     d192 = [dict(p) for p in SPEC.candidate_params() if dict(p)["head_dim"] == 192]
     assert [knobs_of(p) for p in d192] == list(D192_CANDIDATES)
-    assert len(d192) == 8
+    assert len(d192) == 2
+    assert not any("o_direct" in dict(p) for p in SPEC.candidate_params())  # dropped 2026-12-05
     wave0 = [dict(p) for p in SPEC.candidate_params() if "wave_kv_mib" in dict(p)
              and dict(p)["head_dim"] == 128 and "dynamic" not in dict(p)
              and dict(p)["l2_kv_mib"] == 24]  # fmt: skip
@@ -219,10 +233,10 @@ def test_d192_schedule_candidates_are_keys_only_when_on():
 
 
 def test_l2_candidates_are_keys_only_when_on():
-    """The other head dims' L2 candidates (L2_CANDIDATES: sections at every size, causal with
-    the tile counter too; docs/attention/NOTES.md, "The L2 model over every forward class"):
-    bf16 fixed-length keys of the head dim's default config with exactly those knobs set, none
-    a standard key."""
+    """The L2 candidates still open (L2_CANDIDATES: D = 64 causal in sections, alone and with
+    the tile counter; D = 128 non-causal in 12 MiB sections; docs/attention/NOTES.md, "192/128
+    and the L2 rules adopted"): bf16 fixed-length keys of the head dim's default config with
+    exactly those knobs set, none a standard key."""
     standard = set(SPEC.standard_params())
     cands = [dict(p) for p in SPEC.candidate_params()]
     for d, causal, knobs in L2_CANDIDATES:
@@ -233,7 +247,7 @@ def test_l2_candidates_are_keys_only_when_on():
         assert dict(key).get("dynamic", False) == knobs.get("dynamic", False)
         assert dict(key)["l2_kv_mib"] == knobs.get("l2_kv_mib", default_config(d, d).l2_kv_mib)
         assert AttnConfig.from_params(dict(key)) == cfg
-    assert len(L2_CANDIDATES) == 11
+    assert len(L2_CANDIDATES) == 3
     assert len(cands) == len({tuple(sorted(p.items())) for p in cands})  # no key twice
 
 
@@ -256,13 +270,47 @@ def test_l2_candidates_build_as_the_standard(tmp_path):
         assert sass.count("ATOMG.E.ADD") == (1 if knobs.get("dynamic") else 0), (d, knobs)
 
 
+def test_fixed_rules_are_standard_builds_of_their_head_dims_default():
+    """Each FIXED_RULES config (docs/attention/NOTES.md, "192/128 and the L2 rules adopted") is
+    its head dims' default with the rule's knobs (sections at every size; the tile counter
+    where the rule takes it), a standard key in both dtypes for its mask only (fixed length),
+    and the default it replaced (the bench's `was`) stays standard."""
+    standard = set(SPEC.standard_params())
+    for i, rule in enumerate(FIXED_RULES, 1):
+        d, dv = rule.head_dims
+        cfg = rule_config(d, dv, i)
+        assert cfg == replace(default_config(d, dv), **dict(rule.knobs)) != default_config(d, dv)
+        assert cfg.wave_kv_mib == 0 and dict(rule.knobs).keys() <= {"dynamic", "wave_kv_mib"}
+        for dtype in ("bfloat16", "float16"):
+            key = rule_params(dtype, i)
+            assert key in standard and AttnConfig.from_params(dict(key)) == cfg
+            assert dict(key)["causal"] == rule.causal and not dict(key)["varlen"]
+            assert params_for(dtype, d, dv, rule.causal) in standard  # `was`
+    assert rule_config(128, 128, 0) == default_config(128, 128)
+
+
+@pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
+def test_fixed_rules_build_as_their_default(records):
+    """Sections at every size change one compare's constant, the counter adds one atomic and
+    the tile ring: each rule's build (CPU, 2026-12-05) keeps its default's registers, no local
+    memory, and its HGMMA and TMA counts."""
+    by_key = {tuple(sorted(rec["params"].items())): rec for rec in records}
+    for i, rule in enumerate(FIXED_RULES, 1):
+        d, dv = rule.head_dims
+        rec = by_key[tuple(sorted(dict(rule_params("bfloat16", i)).items()))]
+        std = by_key[tuple(sorted(dict(params_for("bfloat16", d, dv, rule.causal)).items()))]
+        assert rec["registers"] == std["registers"] and rec["spill_bytes"] == 0, rule
+        for op in ("HGMMA", "UTMALDG", "UTMASTG", "LDL", "STL"):
+            assert rec["sass"].get(op, 0) == std["sass"].get(op, 0), (rule, op)
+
+
 @pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
 def test_d192_schedule_candidates_build_as_the_standard(tmp_path):
     """The candidates change the producer's load order (k_ahead: K of the next block before V
-    of the current, one more TMA issue site), the section threshold (wave_kv_mib: one
-    compare's constant) and the epilogue (o_direct), not the mainloop: 168 registers, no
-    local memory, and the WGMMA, MUFU and wait counts of the standard 192/128 build (CPU
-    2026-12-05: unmasked step 503 instructions in each)."""
+    of the current, one more TMA issue site), the deal (the tile counter) and the section
+    size, not the mainloop: 168 registers, no local memory, and the WGMMA, MUFU and wait
+    counts of the standard 192/128 build (CPU 2026-12-05: unmasked step 503 instructions in
+    each)."""
     std_rec, std = _build_with_sass(params_for("bfloat16", 192, 128, True), tmp_path)
     for params in (p for p in SPEC.candidate_params() if dict(p)["head_dim"] == 192):
         rec, sass = _build_with_sass(params, tmp_path)

@@ -1,14 +1,14 @@
-"""The 192/128 schedule candidates (the suite's CONFIG_CANDIDATES, docs/attention/NOTES.md
-"192/128 against FA4's schedule"), forced through the launcher before the bench times them:
-`k_ahead` changes the producer's load order (K of the next key block before V of the current,
-Q right after the first K), `dynamic` the deal (a tile counter), `wave_kv_mib=0` the tile order
-(L2 sections at every size), `o_direct` (with it) the epilogue. Each on awkward shapes: one key
-block (n_block_max 1: the order's first K and last V are the same block), lengths off the
-128-row tiles, Sq < Sk (chunked), Sq > Sk (rows that see no key, tiles with no key block: Q
-alone), several tiles a CTA (the load order across the tile boundary: 132 CTAs, 2 x 16 x 16
-tiles); against the suite's reference and tolerance, every element written (NaN-poisoned
-out), bitwise the same on a second call and as the default config's output (same tiles, same
-math: only the load order, the deal, the tile order and the store path move)."""
+"""The open 192/128 schedule candidates (D192_CANDIDATES, the suite's CONFIG_CANDIDATES;
+docs/attention/NOTES.md "192/128 against FA4's schedule", "192/128 and the L2 rules adopted"),
+forced through the launcher before the bench times them: `k_ahead` changes the producer's
+load order (K of the next key block before V of the current, Q right after the first K) on top
+of `dynamic` (the deal: a tile counter), `l2_kv_mib` 12 the section size. Each on awkward
+shapes: one key block (n_block_max 1: the order's first K and last V are the same block),
+lengths off the 128-row tiles, Sq < Sk (chunked), Sq > Sk (rows that see no key, tiles with no
+key block: Q alone), several tiles a CTA (the load order across the tile boundary: 132 CTAs,
+2 x 16 x 16 tiles); against the suite's reference and tolerance, every element written
+(NaN-poisoned out), bitwise the same on a second call and as the default config's output (same
+tiles, same math: only the load order, the deal and the tile order move)."""
 
 from __future__ import annotations
 
@@ -58,8 +58,9 @@ def test_candidate_matches_the_reference_and_the_default(knobs, shape, dtype, ca
         assert torch.equal(got, again_) and torch.equal(got, want)
 
 
-# The other head dims' L2 candidates (L2_CANDIDATES: sections at every size, with the counter or
-# 12 MiB sections; docs/attention/NOTES.md "The L2 model over every forward class"), bf16, on
+# The L2 candidates still open (L2_CANDIDATES: D = 64 causal in sections, alone and with the
+# counter; D = 128 non-causal in 12 MiB sections; the adopted ones are
+# test_attention_fixed_rules_gpu.py's), bf16, on
 # the shapes above but the first and GQA 4 on the off-tile one: only the tile order and the deal
 # move, so the output is the default config's, bit for bit.
 L2_SHAPES = [(2, 4, 1000, 1003, 1), (2, 8, 1000, 1003, 4), (1, 8, 300, 2100, 1),

@@ -29,8 +29,7 @@ Warp roles (one CTA = 1 + tile_m / 64 warpgroups):
   or Q's when shared memory is short) -> one TMA store of the (tile_m, Dv) tile, left in
   flight under the next tile; the LSE from the thread holding column 0 of each row. A varlen
   tile that ends inside its sequence is written from registers row by row (a TMA box would
-  spill into the next sequence); with `o_direct` (AttnConfig) every tile is, and Q's buffer
-  frees before the epilogue.
+  spill into the next sequence).
 
 Pipelines (TMA producer -> consumer, mbarrier full / empty, released by one arrival per
 consumer warp): `q` (1 stage: it frees when the consumers are done with the previous tile's
@@ -162,9 +161,6 @@ class AttentionFwdSm90:
         self.stages = config.stages
         self.num_wg = config.tile_m // 64
         self.own_o = separate_o(config, head_dim, head_dim_v)
-        # O from registers straight to global memory (see AttnConfig): Q's buffer frees at
-        # the end of the mainloop even where O would have shared it.
-        self.o_direct = config.o_direct
         self.threads_per_cta = (1 + self.num_wg) * THREADS_PER_WG
         self.num_mma_threads = self.num_wg * THREADS_PER_WG
         # Registers per thread, multiples of 8: producer 24 and consumers 240 with two consumer
@@ -801,7 +797,7 @@ class AttentionFwdSm90:
                         kv, m0, (seqlen_q, qgroup), seqlen_k, n_block_max, n_unmasked, *step_args
                     )
                 row_lse = softmax.finalize(acc_O, row_max, row_sum, scale_log2)
-                if const_expr(self.own_o or self.o_direct):
+                if const_expr(self.own_o):
                     # Every QK^T of this tile is done (the last P V was waited on): the
                     # producer may load the next tile's Q during this epilogue.
                     q_pipe.consumer_release(q_state)
@@ -809,7 +805,7 @@ class AttentionFwdSm90:
                     tidx, warp_idx, mma_pv, acc_O, sO, tma_o, mO_tma, mO, epilogue,
                     m_block, head, batch, q_off, seqlen_q,
                 )  # fmt: skip
-                if const_expr(not self.own_o and not self.o_direct):
+                if const_expr(not self.own_o):
                     # O was read out of Q's buffer (the storing thread waited): Q may reload.
                     epilogue.arrive_and_wait()
                     q_pipe.consumer_release(q_state)
@@ -1005,91 +1001,61 @@ class AttentionFwdSm90:
     ):  # fmt: skip
         """O (fp32 registers) -> input dtype -> `stmatrix` into sO -> one TMA store (rows past
         Sq clipped). A varlen tile that ends inside its sequence's last row block is written
-        from registers instead, row by row (a TMA box would spill into the next sequence);
-        with `o_direct` every tile is (`_store_o_rows`)."""
+        from registers instead, row by row (a TMA box would spill into the next sequence)."""
         rO = cute.make_rmem_tensor(acc_O.shape, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         m0 = m_block * self.tile_m
         partial = False
         if const_expr(self.varlen):
             partial = m0 + self.tile_m > seqlen_q
-        if const_expr(self.o_direct):
-            self._store_o_rows(mma_pv, rO, mO, m_block, head, batch, q_off, seqlen_q)
+        if partial:
+            gO = cute.local_tile(
+                cute.domain_offset((q_off, 0), mO[None, None, head, batch]),
+                (self.tile_m, self.head_dim_v),
+                (m_block, 0),
+            )
+            thr = mma_pv.get_slice(tidx)
+            tOgO = thr.partition_C(gO)
+            tOcO = thr.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v)))
+            for i in cutlass.range_constexpr(cute.size(rO)):
+                if m0 + tOcO[i][0] < seqlen_q:
+                    tOgO[i] = rO[i]
         else:
-            if partial:
+            r2s = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype),
+                mma_pv,
+            )
+            thr_r2s = r2s.get_slice(tidx)
+            sO_tile = sO[None, None, 0]
+            storer = warp_idx == STORER_WARP
+            if storer:
+                # The previous tile's store must have read sO (own buffer), and
+                # (shared buffer) every warpgroup's last QK^T must be done with sQ.
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            epilogue.arrive_and_wait()
+            cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO_tile))
+            # stmatrix writes are generic-proxy; the TMA store reads through the async proxy.
+            cute.arch.fence_view_async_shared()
+            epilogue.arrive_and_wait()
+            if storer:
                 gO = cute.local_tile(
-                    cute.domain_offset((q_off, 0), mO[None, None, head, batch]),
+                    cute.domain_offset((q_off, 0), mO_tma[None, None, head, batch])
+                    if const_expr(self.varlen)
+                    else mO_tma[None, None, head, batch],
                     (self.tile_m, self.head_dim_v),
-                    (m_block, 0),
+                    (None, 0),
                 )
-                thr = mma_pv.get_slice(tidx)
-                tOgO = thr.partition_C(gO)
-                tOcO = thr.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v)))
-                for i in cutlass.range_constexpr(cute.size(rO)):
-                    if m0 + tOcO[i][0] < seqlen_q:
-                        tOgO[i] = rO[i]
-            else:
-                r2s = cute.make_tiled_copy_C(
-                    cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype),
-                    mma_pv,
+                tOsO, tOgO = cpasync.tma_partition(
+                    tma_o,
+                    0,
+                    cute.make_layout(1),
+                    cute.group_modes(sO, 0, 2),
+                    cute.group_modes(gO, 0, 2),
                 )
-                thr_r2s = r2s.get_slice(tidx)
-                sO_tile = sO[None, None, 0]
-                storer = warp_idx == STORER_WARP
-                if storer:
-                    # The previous tile's store must have read sO (own buffer), and
-                    # (shared buffer) every warpgroup's last QK^T must be done with sQ.
+                cute.copy(tma_o, tOsO[(None, 0)], tOgO[(None, m_block)])
+                cute.arch.cp_async_bulk_commit_group()
+                if const_expr(not self.own_o):
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
-                epilogue.arrive_and_wait()
-                cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO_tile))
-                # stmatrix writes are generic-proxy; the TMA store reads through the async proxy.
-                cute.arch.fence_view_async_shared()
-                epilogue.arrive_and_wait()
-                if storer:
-                    gO = cute.local_tile(
-                        cute.domain_offset((q_off, 0), mO_tma[None, None, head, batch])
-                        if const_expr(self.varlen)
-                        else mO_tma[None, None, head, batch],
-                        (self.tile_m, self.head_dim_v),
-                        (None, 0),
-                    )
-                    tOsO, tOgO = cpasync.tma_partition(
-                        tma_o,
-                        0,
-                        cute.make_layout(1),
-                        cute.group_modes(sO, 0, 2),
-                        cute.group_modes(gO, 0, 2),
-                    )
-                    cute.copy(tma_o, tOsO[(None, 0)], tOgO[(None, m_block)])
-                    cute.arch.cp_async_bulk_commit_group()
-                    if const_expr(not self.own_o):
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    @cute.jit
-    def _store_o_rows(self, mma_pv, rO, mO, m_block, head, batch, q_off, seqlen_q):
-        """`o_direct`: O (16-bit registers) straight to global memory, each pair of adjacent
-        columns of the thread's rows below Sq one predicated 32-bit store, no shared memory.
-        (One branch around each row's stores instead moved D=256's kernel off the uniform
-        datapath: 72 R2UR a step, every producer TMA in a per-lane loop. The thread index is
-        read here, as in `_clear_stale_v`.)"""
-        tidx = cute.arch.thread_idx()[0] - THREADS_PER_WG
-        m0 = m_block * self.tile_m
-        gO = cute.local_tile(
-            cute.domain_offset((q_off, 0), mO[None, None, head, batch]),
-            (self.tile_m, self.head_dim_v),
-            (m_block, 0),
-        )
-        thr = mma_pv.get_slice(tidx)
-        # ((1, rows), (2, pairs)): a pair is 2 adjacent columns (`rows_cols`).
-        rO_rc = rows_cols(rO)
-        rOp = cute.logical_divide(rO_rc, (1, 2))
-        tOgO = cute.logical_divide(rows_cols(thr.partition_C(gO)), (1, 2))
-        tOcO = rows_cols(thr.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
-        for r in cutlass.range_constexpr(cute.size(rO_rc, mode=[0])):
-            row_ok = m0 + tOcO[r, 0][0] < seqlen_q
-            for j in cutlass.range_constexpr(cute.size(rO_rc, mode=[1]) // 2):
-                if row_ok:
-                    cute.autovec_copy(rOp[(0, r), (None, j)], tOgO[(0, r), (None, j)])
 
     @cute.jit
     def _store_lse(self, tidx, mma_pv, row_lse, mLSE, m0, head, batch, q_off, seqlen_q):
