@@ -347,7 +347,7 @@ def _plan(
         wide = not narrow and _wide(kind, fp8, heads, form)
         params = config.params_for(kind, name, heads, qtokens, fp8, tma, direct=True,
                                    ostore=ostore, sink=sink, gather=gather,
-                                   wide=wide)  # fmt: skip
+                                   lean=_lean(kind, fp8, heads, form, True), wide=wide)  # fmt: skip
         kernel = get_kernel(SPEC, pdl.key(params, on or not tma))
         return kernel, None, splits, per, ostore or wide, None
     if kind == "partial" and (form is None or form[0] is None):
