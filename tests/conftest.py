@@ -158,15 +158,19 @@ RUN_FIRST = (
     "test_mla_seesaw_compile.py",
     "test_pdl.py",
     "test_paged_schedule.py",
-    "test_conv_compile.py",  # 55
-    "test_build_sm90.py",  # 43, two compile processes of its own
+    "test_attention_build.py",  # 89 (2026-12-05 18:37, next/integration34, idle machine)
+    "test_conv_compile.py",  # 60
+    "test_build_sm90.py",  # 59, two compile processes of its own
+    "test_gemm_fp8_mainloop.py",  # 54
+    "test_dsa_fused_prefill_compile.py",  # 49
+    "test_dsa_sparse_bwd_kernel_compile.py",  # ~48 (65 before its h64 builds compiled once)
+    "test_dsa_fp8_lean.py",  # 46
     "test_mla_ostore.py",  # 39
-    "test_attention_build.py",  # 38
-    "test_mla_gather_compile.py",  # ~34 (estimated, 2026-12-05: two MLA compiles, ~17 s each)
-    "test_gemm_fp8_mainloop.py",  # 33
-    "test_dsa_sparse_bwd_kernel_compile.py",  # 26
+    "test_gdn_bwd_chunk_compile.py",  # 29
+    "test_conv_tall.py",  # ~25 (125 before its thread sample)
     "test_paged_spec.py",  # 25
     "test_mla_worklist.py",  # 20
+    "test_mla_gather_compile.py",  # 19
     "test_mla_seesaw_compile.py",  # 18
     "test_gemm_stream_k_clusters.py",  # 14
     "test_gdn_prefill_compile.py",  # 13

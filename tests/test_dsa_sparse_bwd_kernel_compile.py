@@ -27,16 +27,27 @@ if find_tool("cuobjdump") is None:
 _OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9x.]+)?)")
 
 
+_BUILT: dict = {}
+
+
+def _build(params) -> tuple[dict, str]:
+    """inspect_cubin's resources and the SASS text of one build, compiled once a process (the
+    h64 tests read both: compiling twice took ~18 s of CI's CPU)."""
+    if params not in _BUILT:
+        with tempfile.TemporaryDirectory() as d:
+            compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {d}")
+            cubin = compiled.artifacts.CUBIN
+            if isinstance(cubin, bytes):
+                path = Path(d) / "k.cubin"
+                path.write_bytes(cubin)
+                cubin = str(path)
+            _BUILT[params] = (inspect_cubin(cubin), sass_text(cubin))
+    res, sass = _BUILT[params]
+    return dict(res), sass
+
+
 def _compiled(params) -> tuple[dict, Counter]:
-    with tempfile.TemporaryDirectory() as d:
-        compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {d}")
-        cubin = compiled.artifacts.CUBIN
-        if isinstance(cubin, bytes):
-            path = Path(d) / "k.cubin"
-            path.write_bytes(cubin)
-            cubin = str(path)
-        res = inspect_cubin(cubin)
-        sass = sass_text(cubin)
+    res, sass = _build(params)
     ops = Counter(op.split(".")[0] for op in _OP.findall(sass))
     ops["RED_V2"] = sass.count("REDG.E.ADD.F32x2")
     ops["DEPBAR0"] = sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0")
@@ -265,22 +276,9 @@ def test_h64_dq_kernel(dtype):
     assert sass.count("DEPBAR.LE SB0, 0x1 ") == 1 and sass.count("DEPBAR.LE SB0, 0x0 ") == 1
 
 
-_SASS: dict = {}
-
-
 def _sass_of(dtype, part, shfl4=True, dq_heads=64) -> str:
-    """The SASS text of an h64 build (compiled once a session)."""
-    if (dtype, part, shfl4, dq_heads) not in _SASS:
-        params = config.params_h64(dtype, part, shfl4=shfl4, dq_heads=dq_heads)
-        with tempfile.TemporaryDirectory() as d:
-            compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {d}")
-            cubin = compiled.artifacts.CUBIN
-            if isinstance(cubin, bytes):
-                path = Path(d) / "k.cubin"
-                path.write_bytes(cubin)
-                cubin = str(path)
-            _SASS[dtype, part, shfl4, dq_heads] = sass_text(cubin)
-    return _SASS[dtype, part, shfl4, dq_heads]
+    """The SASS text of an h64 build (`_build`'s, compiled once a process)."""
+    return _build(config.params_h64(dtype, part, shfl4=shfl4, dq_heads=dq_heads))[1]
 
 
 def test_h64_fragment_coordinates():
