@@ -15,6 +15,7 @@ from forgekernel.kernels.gemm.dense.sm90.config import (
     max_ctas,
     stream_plan,
 )
+from forgekernel.kernels.gemm.dense.sm90.plan import grid_blocks
 
 OUT_DTYPES = ("bfloat16", "float16")
 # 128x128 with B multicast over a 2x1 cluster for M > 128; 64x128 with B shared by the two row
@@ -212,31 +213,36 @@ NARROW_MAX_M = 512
 
 def narrow_tiles(cfg: GemmConfig, m: int, n: int) -> int:
     """The tiles (= CTAs, one a tile, no cluster) of a narrow full-K tile on (M, N)."""
-    return _ceil(m, cfg.tile_m) * _ceil(n, cfg.tile_n)
+    return grid_blocks(cfg, m, n)[2]
 
 
-def takes_narrow(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> bool:
-    """Whether `choose_config` takes `narrow`'s full-K tile on (M, N, K): M <= NARROW_MAX_M,
-    the 128-column tiles (`tiled_config`) keeping fewer CTAs busy in their first wave than
-    their config's most (`max_ctas`), and `narrow`'s pick one round of tiles, at least half the
-    SMs and more than those busy CTAs (`num_sms // 2 <= tiles <= num_sms`, `tiles > busy`)."""
+def narrow_pick(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> GemmConfig | None:
+    """`narrow`'s full-K tile on (M, N, K) where the chooser takes it, else None: M <=
+    NARROW_MAX_M, the 128-column tiles (`tiled_config`) keeping fewer CTAs busy in their first
+    wave than their config's most (`max_ctas`), and `narrow`'s pick one round of tiles, at least
+    half the SMs and more than those busy CTAs (`num_sms // 2 <= tiles <= num_sms`, `tiles >
+    busy`)."""
     if m > NARROW_MAX_M:
-        return False
+        return None
     tiled = tiled_config(m)
     busy = busy_ctas(tiled, m, n, num_sms)
     if busy >= max_ctas(tiled, num_sms):
-        return False
-    tiles = narrow_tiles(narrow(m, n, k, num_sms=num_sms), m, n)
-    return num_sms // 2 <= tiles <= num_sms and tiles > busy
+        return None
+    pick = narrow(m, n, k, num_sms=num_sms)
+    tiles = narrow_tiles(pick, m, n)
+    return pick if num_sms // 2 <= tiles <= num_sms and tiles > busy else None
+
+
+def takes_narrow(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> bool:
+    """Whether `choose_config` takes `narrow`'s full-K tile on (M, N, K) (`narrow_pick`)."""
+    return narrow_pick(m, n, k, num_sms) is not None
 
 
 def choose_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> GemmConfig:
-    """`narrow`'s full-K tile in `takes_narrow`'s class (the measured mid / decode shapes whose
+    """`narrow_pick`'s full-K tile in its class (the measured mid / decode shapes whose
     128-column tiles leave SMs idle and whose narrow grid is one round of at least half the
     SMs), else `wide_config`'s."""
-    if takes_narrow(m, n, k, num_sms):
-        return narrow(m, n, k, num_sms=num_sms)
-    return wide_config(m, n, k, num_sms)
+    return narrow_pick(m, n, k, num_sms) or wide_config(m, n, k, num_sms)
 
 
 def wide_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> GemmConfig:
