@@ -288,19 +288,18 @@ def test_time_at_bench_size(kernel_path, monkeypatch, hv):
     torch.cuda.reset_peak_memory_stats()
     ms = median(time_ms(lambda: forgekernel.kimi_delta_attention_backward(*args, **kw), reps=5))
     peak = torch.cuda.max_memory_allocated() / 2**30
-    kernel_args = []
+    # one list a kernel: the kernel 1 patch stays while kernel 2's arguments are taken
+    state_args, chunk_args = [], []
     monkeypatch.setattr(bwd, "_state_recurrence",
-                        lambda *a: kernel_args.append(a) or launch.gdn_bwd_state(*a))  # fmt: skip
+                        lambda *a: state_args.append(a) or launch.gdn_bwd_state(*a))  # fmt: skip
     forgekernel.kimi_delta_attention_backward(*args, **kw)
     launches = [median(time_ms(lambda a=a: launch.gdn_bwd_state(*a), reps=10))
-                for a in kernel_args]  # fmt: skip
-    kernel_args.clear()
+                for a in state_args]  # fmt: skip
     k2_launch = chunk_launch.kda_bwd_chunk
-    monkeypatch.setattr(bwd, "_chunk_grads", lambda *a: kernel_args.append(a) or k2_launch(*a))
+    monkeypatch.setattr(bwd, "_chunk_grads", lambda *a: chunk_args.append(a) or k2_launch(*a))
     forgekernel.kimi_delta_attention_backward(*args, **kw)
     k2 = [median(time_ms(lambda a=a: chunk_launch.kda_bwd_chunk(*a), reps=10))
-          for a in kernel_args]  # fmt: skip
-    kernel_args.clear()
+          for a in chunk_args]  # fmt: skip
     monkeypatch.setattr(bwd, "CHUNK_IN_KERNEL", False)
     torch_p3 = median(time_ms(lambda: forgekernel.kimi_delta_attention_backward(*args, **kw),
                               reps=3))  # fmt: skip

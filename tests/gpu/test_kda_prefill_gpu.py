@@ -142,7 +142,7 @@ def test_kernel_equals_its_replay(split):
     for fn in (get_kernel(SPEC, params),
                replay.kernel({"initial_state": True})):  # fmt: skip
         o, s = torch.zeros_like(v), torch.empty_like(h0)
-        fn(*args, o, s)
+        fn(*args, o, s, None)  # mWarm: the warm-up form off (its key's `warmup`)
         torch.cuda.synchronize()
         outs.append((o, s))
     (o, s), (o_r, s_r) = outs
