@@ -407,23 +407,36 @@ def test_wide_sass(heads, dtype, fp8):
     """The wide compile beside the standard direct one: the epilogue's 128 scalar 16-bit stores
     a thread become 16 STG.E.128 at 64 heads, 4 at 16 (rows past G: none; after the staging's
     32-bit shared stores and as many LDS.128), the
-    LSE's two STG.E stay; the mainloop's WGMMAs, barriers (one __syncthreads more), copies and
-    dequantization unchanged; registers within 4 of the standard's, no spills, the same dynamic
-    shared memory (the staging lies over the K stages)."""
+    LSE's two STG.E stay; the mainloop's WGMMAs, barriers, copies and dequantization
+    unchanged; the staging and the send parted by each warpgroup's own O_STAGED wait (BAR.SYNC
+    0x6 / 0x7, 0x80, once each, after the last __syncthreads: the same __syncthreads as the
+    standard's, none between the staging and the send; every LDS.128 of the send after both);
+    registers within 4 of the standard's, no spills, the same dynamic shared memory (the
+    staging lies over the K stages)."""
     from forgekernel.runtime.resources import find_tool
 
     if find_tool("cuobjdump") is None:
         pytest.skip("cuobjdump not found")
     base = params_for("sparse", dtype, heads, fp8=fp8, direct=True)
-    res0, ops0, _ = _sass(base)
-    res, ops, _ = _sass(params_for("sparse", dtype, heads, fp8=fp8, direct=True, wide=True))
+    res0, ops0, lines0 = _sass(base)
+    res, ops, lines = _sass(params_for("sparse", dtype, heads, fp8=fp8, direct=True, wide=True))
     assert res["spill_bytes"] == res0["spill_bytes"] == 0 and ops["STL"] == ops["LDL"] == 0
     assert res["registers"] <= res0["registers"] + 4 and res["smem_bytes"] == res0["smem_bytes"]
     assert ops0["STG.E.U16"] == 128 and ops["STG.E.U16"] == 0
     vectors = heads * (LATENT // 8) // 256  # a thread's 16-byte vectors of the G rows
     assert ops["STG.E.128"] == vectors and ops["STG.E"] == ops0["STG.E"] == 2
     assert ops["LDS.128"] == ops0["LDS.128"] + vectors
-    assert ops["BAR.SYNC.DEFER_BLOCKING"] == ops0["BAR.SYNC.DEFER_BLOCKING"] + 1
+    assert ops["BAR.SYNC.DEFER_BLOCKING"] == ops0["BAR.SYNC.DEFER_BLOCKING"] + 2
+    texts = [t for _, t in lines]
+    sync0 = [i for i, t in enumerate(texts) if t.endswith("BAR.SYNC.DEFER_BLOCKING 0x0")]
+    assert len(sync0) == sum(t.endswith("BAR.SYNC.DEFER_BLOCKING 0x0") for _, t in lines0)
+    staged = [[i for i, t in enumerate(texts)
+               if t.endswith(f"BAR.SYNC.DEFER_BLOCKING {hex(Bar.O_STAGED + w)}, 0x80")]
+              for w in range(2)]  # fmt: skip
+    assert all(len(at) == 1 for at in staged), staged
+    waits = [at[0] for at in staged]
+    sends = [i for i, t in enumerate(texts) if "LDS.128 " in t][-vectors:]
+    assert max(sync0) < min(waits) and max(waits) < min(sends)
     same = ("HGMMA.64", "WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR.LE", "BAR.ARV",
             "LDGSTS.E.BYPASS.128", "STSM.16.M88.4", "LDGDEPBAR", "HMUL2.BF16_V2")  # fmt: skip
     for name in same:
