@@ -607,11 +607,16 @@ def test_conv_plans_take_the_late_key_inside_late(monkeypatch):
         assert not any(dict(p).get("pdl") == "late" for p in params)
 
 
-# the late builds the SASS test reads: every convolution of GEMM_FAMILY (forward im2col,
-# rectangles, split with bias, the data-gradient mode split; fused data gradient unsplit and
-# split; weight gradient rectangles and im2col, whose splits park at run time, and reduce):
-# ~1 s a compile, their top builds shared with the family's test
-CONV_LATE = tuple(sorted(n for n, (s, _) in GEMM_FAMILY.items() if s.name.startswith("conv")))
+# the late builds the SASS test reads: one a kernel class and split form, the split's (~1.5 s
+# a compile on CI's CPU; their top builds shared with the family's test). The trigger is one
+# site a class (conv/sm90 kernel.py and dgrad_kernel.py: after the CTA's last unit's mainloop;
+# wgrad.py: after its one mainloop), ahead of the `split` branch: the split builds, whose
+# parked parts, flags and bulk reduce are stores the unsplit ones lack, prove the order for
+# those too (the forward's im2col / rectangle / data-gradient mode and the weight gradient's
+# im2col change the mainloop's loads, not where it ends): forward split with bias, fused data
+# gradient split, weight gradient rectangles (their splits park at run time) and reduce; 4
+# late compiles, not 9
+CONV_LATE = ("conv_fwd_split_bias", "dgrad_split", "wgrad", "wgrad_reduce")
 # a global store of any kind: the epilogues' TMA stores and st.global, the split's parked parts
 # and flags (STG, ATOMG), the reduce split's bulk reduce (UBLKRED); as the instruction itself,
 # optionally predicated (not the mbarrier arrives' SYNCS.ARRIVE.TRANS64.RED)
