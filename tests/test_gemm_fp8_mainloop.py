@@ -104,6 +104,11 @@ def _run_tile(cfg, a, b, sa, sb, tile, k0, count, lead=None):
     tile (tile_m, tile_n) of C = (a x sa) @ (b x sb)^T, assembled into a (tile_m, tile_n) fp32
     tile, and each thread's event log. `lead`: (k0, count) of a unit run first on the same
     tile, its states handed on (as a stream-K CTA runs its units); its acc is dropped."""
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.tensor_utils import LayoutEnum
+
+    from forgekernel.kernels.common.sm90.pipeline import consumer_state
+
     m, k = a.shape
     n = b.shape[0]
     tm, tn = tile
@@ -118,44 +123,9 @@ def _run_tile(cfg, a, b, sa, sb, tile, k0, count, lead=None):
     out = torch.full((cfg.tile_m, cfg.tile_n), float("nan"))
     lead_k0, lead_count = lead or (0, 0)
     log = torch.zeros(threads, 4 * (count + lead_count) + 12, 4, dtype=torch.int32)
-    n_blocks = 2 if straddles(cfg.tile_n) else 1
-    # the ring's staged scales (NaN where nothing was staged: a stale read shows)
-    staged = torch.full((cfg.tile_m, STAGES * n_blocks), float("nan"))
-    # every size and stride dynamic but the unit stride: A's scales along M with
-    # `scale_mn_major`, the others' last
-    sa_unit = 0 if cfg.scale_mn_major else 1
-    args = (
-        _dynamic(products, 2), _dynamic(sa, sa_unit), _dynamic(sb, 1), from_dlpack(staged),
-        from_dlpack(out), _dynamic(log, 2), m, k0, count, tm, tn, lead_k0, lead_count,
-    )  # fmt: skip
-    if cfg not in _HOST_RUNS:
-        _HOST_RUNS[cfg] = cute.compile(_host_run(cfg, threads, n_blocks), *args)
-    _HOST_RUNS[cfg](*args)
-    return out, log
-
-
-def _dynamic(t: torch.Tensor, unit: int):
-    return from_dlpack(t).mark_layout_dynamic(leading_dim=unit)
-
-
-# config -> the replay's `run` compiled: traced and compiled once a process a config, run on
-# each replay's operands, tiles and units (their sizes and strides dynamic, as the kernel's
-# compile has the scales': fp8/sm90/compile.py). 22 replays over 11 configs: 11 traces and
-# compiles, not 22 (these tests 54 s -> 44 s alone on the 2-core machine).
-_HOST_RUNS: dict = {}
-
-
-def _host_run(cfg: GemmConfig, threads: int, n_blocks: int):
-    """The replay of one config: `run(products, sa, sb, staged, out, log, m, k0, count, tm, tn,
-    lead_k0, lead_count)`, a `cute.jit` function over the host GemmSm90 (`_host_gemm`)."""
-    import cutlass.utils.hopper_helpers as sm90_utils
-    from cutlass.tensor_utils import LayoutEnum
-
-    from forgekernel.kernels.common.sm90.pipeline import consumer_state
-
     gemm = _host_gemm(cfg)
     # a tile_n not dividing 128 may straddle two blocks of B's scales (set by __call__)
-    gemm.n_blocks = n_blocks
+    gemm.n_blocks = 2 if straddles(cfg.tile_n) else 1
     fp8 = cutlass.Float8E4M3FN
     k_major = LayoutEnum.ROW_MAJOR.sm90_mma_major_mode()
 
@@ -204,7 +174,12 @@ def _host_run(cfg: GemmConfig, threads: int, n_blocks: int):
                 row, col = coords[i]
                 out[row, col] = acc[i]
 
-    return run
+    # the ring's staged scales (NaN where nothing was staged: a stale read shows)
+    staged = torch.full((cfg.tile_m, STAGES * gemm.n_blocks), float("nan"))
+    run(from_dlpack(products), from_dlpack(sa), from_dlpack(sb), from_dlpack(staged),
+        from_dlpack(out),
+        from_dlpack(log), m, k0, count, tm, tn, lead_k0, lead_count)  # fmt: skip
+    return out, log
 
 
 def _events(log_row: torch.Tensor) -> list[tuple[int, int, int, int]]:
