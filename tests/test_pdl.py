@@ -2,7 +2,9 @@
 switch and the compile keys on the host, the plans of the bench's `no_pdl` cases, and from the
 SASS of the standard builds (CPU, sm_90a) that each PDL kernel executes griddepcontrol.wait
 (ACQBULK) before its first global access and launch_dependents (PREEXIT) once, with the
-registers and the rest of the kernel of the build without PDL."""
+registers and the rest of the kernel of the build without PDL. CI compiles one kernel of each
+SASS test (the paged pass, the dense GEMM's stream K, the convolution forward's split): the
+others are marked `slow` (tests/sweeps.py) and run before landing a kernel change."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 import torch
 from cubins import GLOBAL, sass_builder
 from script_modules import load_script  # tests/ is on the path
+from sweeps import slow_past
 
 from forgekernel.kernels.attention.mla.sm90 import SPEC as MLA_SPEC
 from forgekernel.kernels.attention.mla.sm90.config import params_for as mla_params
@@ -160,7 +163,7 @@ def _first(lines, pattern) -> int:
 DECODE_OFF = ("paged_pass", "paged_combine", "mla_seesaw", "mla_combine", "mla_ranges_combine")
 
 
-@pytest.mark.parametrize("name", KERNELS)
+@pytest.mark.parametrize("name", slow_past(KERNELS))
 def test_wait_precedes_every_global_access(compiled, name):
     """The standard (PDL) build: one ACQBULK (griddepcontrol.wait), before the first global
     load, store or TMA, and one PREEXIT (launch_dependents); the build without PDL (DECODE_OFF)
@@ -192,7 +195,7 @@ def test_wait_precedes_every_global_access(compiled, name):
     assert res["sass"] == off["sass"]
 
 
-@pytest.mark.parametrize("ranges", [False, True])
+@pytest.mark.parametrize("ranges", slow_past([False, True]))
 def test_the_scheduling_kernel_waits_before_its_first_store(compiled, ranges):
     """The work list's kernel fills the partial LSEs first (ranges: writes the list and the row
     ranges a previous step's calls may still read): its wait precedes that store."""
@@ -276,7 +279,7 @@ GEMM_FAMILY_OFF = (
 )  # fmt: skip
 
 
-@pytest.mark.parametrize("name", sorted(GEMM_FAMILY))
+@pytest.mark.parametrize("name", slow_past(sorted(GEMM_FAMILY), keep="gemm_stream_k"))
 def test_gemm_family_waits_before_every_global_access(compiled, name):
     """As the decode kernels (above): one ACQBULK before the first global access, one PREEXIT,
     no spills; the pdl 'off' build (GEMM_FAMILY_OFF) has neither, the same registers and
@@ -441,7 +444,7 @@ LATE_BUILDS = _decode_builds()
 GMMA = re.compile(r"\b[HQ]GMMA\b")  # 16-bit and FP8 WGMMA
 
 
-@pytest.mark.parametrize("name", sorted(LATE_BUILDS))
+@pytest.mark.parametrize("name", slow_past(sorted(LATE_BUILDS), keep="gemm_stream_k"))
 def test_the_late_trigger_follows_the_last_mainloop(compiled, name):
     """The late build: one ACQBULK, still before the first global access; one PREEXIT, after
     the last WGMMA and its wait and before the epilogue's first TMA store after it; registers,
@@ -623,7 +626,7 @@ CONV_LATE = ("conv_fwd_split_bias", "dgrad_split", "wgrad", "wgrad_reduce")
 STORE = re.compile(r"^(@!?U?P\w+\s+)?(STG|UTMASTG|UBLKRED|RED|ATOMG|ATOM|ST)\b")
 
 
-@pytest.mark.parametrize("name", CONV_LATE)
+@pytest.mark.parametrize("name", slow_past(CONV_LATE))
 def test_the_conv_late_trigger_follows_the_last_mainloop(compiled, name):
     """The convolutions' late builds: one ACQBULK, before the first global access; one PREEXIT
     (the consumers' one issue site: after the last unit's mainloop in the persistent forward
