@@ -1,6 +1,10 @@
 """The attention forward builds for sm_90a on a machine with no GPU in every standard
 configuration, exports a loadable-shaped .so, and (when cuobjdump/nvdisasm are installed: the
-`dev` extra) uses HGMMA and TMA with no local memory."""
+`dev` extra) uses HGMMA and TMA with no local memory.
+
+CI builds one configuration (or compared pair) of each build test: the bf16 D = 128 causal
+default, with its FIXED_RULES rule; the first of each other list. The others are marked `slow`
+(tests/sweeps.py) and run before landing a kernel change."""
 
 import tempfile
 from dataclasses import replace
@@ -11,6 +15,7 @@ import pytest
 pytest.importorskip("cutlass")
 
 from dsl_toolchain import dsl_toolchain  # noqa: E402  (tests/ is on the path)
+from sweeps import slow_past  # noqa: E402
 
 from forgekernel.kernels.attention.fwd.sm90 import (  # noqa: E402
     D192_CANDIDATES,
@@ -33,16 +38,19 @@ from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text  #
 
 # tests/test_build_sm90.py builds every standard kernel; here the bf16 fixed-length ones (each
 # head-dim pair's default, then each FIXED_RULES config) get the attention-specific SASS checks
-# (TMA loads and store), keeping CI's compile time down.
+# (TMA loads and store), keeping CI's compile time down: CI builds D = 128 causal (the default
+# the D = 128 causal rule replaced: its pair in test_fixed_rules_build_as_their_default), the
+# others are `slow`.
 SAMPLE = [
     p for p in SPEC.standard_params() if dict(p)["dtype"] == "bfloat16" and not dict(p)["varlen"]
 ]
+SAMPLE_KEEP = params_for("bfloat16", 128, 128, True)
 
 
-@pytest.fixture(scope="module")
-def records(tmp_path_factory):
-    out = tmp_path_factory.mktemp("kernels")
-    return [_build_with_sass(params, out)[0] for params in SAMPLE]
+def _id(params) -> str:
+    p = dict(params)
+    knobs = "".join(f"-{k}{p[k]}" for k in ("dynamic", "wave_kv_mib") if k in p)
+    return f"d{p['head_dim']}x{p['head_dim_v']}-{'causal' if p['causal'] else 'full'}{knobs}"
 
 
 def test_standard_configs_cover_dtypes_head_dims_and_masks():
@@ -53,22 +61,20 @@ def test_standard_configs_cover_dtypes_head_dims_and_masks():
     assert len(keys) == 2 * len(HEAD_DIMS) * 2 * 2
     for d, dv in HEAD_DIMS:
         assert smem_bytes(default_config(d, dv), d, dv) <= SMEM_CAPACITY
+    assert len(SAMPLE) == len(HEAD_DIMS) * 2 + len(FIXED_RULES) and SAMPLE_KEEP in SAMPLE
 
 
-def test_every_sampled_config_builds(records):
-    assert len(records) == len(SAMPLE) == len(HEAD_DIMS) * 2 + len(FIXED_RULES)
-    for rec in records:
-        so = Path(rec["path"])
-        assert so.is_file() and so.read_bytes()[:4] == b"\x7fELF"
-
-
-@pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
-def test_sass_uses_hgmma_tma_and_no_local_memory(records):
-    for rec in records:
-        assert rec["hgmma"], rec["params"]
-        assert rec["sass"].get("UTMALDG", 0) > 0 and rec["sass"].get("UTMASTG", 0) > 0
-        assert rec["spill_bytes"] == 0, rec["params"]
-        assert rec["sass"].get("LDL", 0) == 0 and rec["sass"].get("STL", 0) == 0, rec["params"]
+@pytest.mark.parametrize("params", slow_past(SAMPLE, keep=SAMPLE_KEEP), ids=_id)
+def test_sampled_config_builds_with_hgmma_tma_and_no_local_memory(params, tmp_path):
+    rec, _ = _build_with_sass(params, tmp_path)
+    so = Path(rec["path"])
+    assert so.is_file() and so.read_bytes()[:4] == b"\x7fELF"
+    if find_tool("nvdisasm") is None:
+        pytest.skip("cuobjdump/nvdisasm not installed")
+    assert rec["hgmma"], rec["params"]
+    assert rec["sass"].get("UTMALDG", 0) > 0 and rec["sass"].get("UTMASTG", 0) > 0
+    assert rec["spill_bytes"] == 0, rec["params"]
+    assert rec["sass"].get("LDL", 0) == 0 and rec["sass"].get("STL", 0) == 0, rec["params"]
 
 
 _BUILT: dict = {}
@@ -98,17 +104,17 @@ PAGED_SAMPLE = [
 
 
 @pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
-def test_paged_mode_builds_with_uniform_tma_issue_and_no_spills(tmp_path):
-    for params in PAGED_SAMPLE:
-        rec, sass = _build_with_sass(params, tmp_path)
-        assert rec["spill_bytes"] == 0 and rec["hgmma"], params
-        assert rec["sass"].get("LDL", 0) == 0 and rec["sass"].get("STL", 0) == 0, params
-        assert rec["sass"]["UTMALDG"] > 0 and rec["sass"]["STS"] > 0, params  # boxes, clearing
-        assert "BRA.U.ANY" not in sass, params  # no TMA issued in a per-lane loop
+@pytest.mark.parametrize("params", slow_past(PAGED_SAMPLE), ids=lambda p: f"d{dict(p)['head_dim']}")
+def test_paged_mode_builds_with_uniform_tma_issue_and_no_spills(tmp_path, params):
+    rec, sass = _build_with_sass(params, tmp_path)
+    assert rec["spill_bytes"] == 0 and rec["hgmma"], params
+    assert rec["sass"].get("LDL", 0) == 0 and rec["sass"].get("STL", 0) == 0, params
+    assert rec["sass"]["UTMALDG"] > 0 and rec["sass"]["STS"] > 0, params  # boxes, clearing
+    assert "BRA.U.ANY" not in sass, params  # no TMA issued in a per-lane loop
 
 
 @pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
-@pytest.mark.parametrize(("d", "box", "group"), [(128, 16, 4), (64, 8, 16)])
+@pytest.mark.parametrize(("d", "box", "group"), slow_past([(128, 16, 4), (64, 8, 16)], unpack=True))
 def test_packed_paged_mode_builds_as_the_split_one(tmp_path, d, box, group):
     """The packed compile (params packed with view_group G: no sequence skipped, a warpgroup
     with no row in its tile's sequence running `_idle_blocks` instead of the mainloop, q / o /
@@ -258,22 +264,22 @@ def test_l2_candidates_are_keys_only_when_on():
 
 
 @pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
-def test_l2_candidates_build_as_the_standard(tmp_path):
+@pytest.mark.parametrize(
+    "candidate", slow_past(L2_CANDIDATES), ids=lambda c: "-".join((f"d{c[0]}", str(c[1]), *c[2]))
+)
+def test_l2_candidates_build_as_the_standard(tmp_path, candidate):
     """Sections at every size change one compare's constant; the counter adds one atomic and
     the tile ring (as at D = 128 varlen): each L2 candidate keeps its standard build's
     registers, no local memory, and its WGMMA / MUFU counts."""
-    standard = {}
-    for d, causal, knobs in L2_CANDIDATES:
-        if (d, causal) not in standard:
-            standard[d, causal] = _build_with_sass(params_for("bfloat16", d, d, causal), tmp_path)
-        std_rec, std = standard[d, causal]
-        cfg = replace(default_config(d, d), **knobs)
-        rec, sass = _build_with_sass(params_for("bfloat16", d, d, causal, cfg), tmp_path)
-        assert rec["registers"] == std_rec["registers"] and rec["spill_bytes"] == 0, (d, knobs)
-        assert rec["sass"].get("LDL", 0) == 0 and rec["sass"].get("STL", 0) == 0, (d, knobs)
-        for op in ("HGMMA", "MUFU.EX2"):
-            assert sass.count(op) == std.count(op), (d, causal, knobs, op)
-        assert sass.count("ATOMG.E.ADD") == (1 if knobs.get("dynamic") else 0), (d, knobs)
+    d, causal, knobs = candidate
+    std_rec, std = _build_with_sass(params_for("bfloat16", d, d, causal), tmp_path)
+    cfg = replace(default_config(d, d), **knobs)
+    rec, sass = _build_with_sass(params_for("bfloat16", d, d, causal, cfg), tmp_path)
+    assert rec["registers"] == std_rec["registers"] and rec["spill_bytes"] == 0, (d, knobs)
+    assert rec["sass"].get("LDL", 0) == 0 and rec["sass"].get("STL", 0) == 0, (d, knobs)
+    for op in ("HGMMA", "MUFU.EX2"):
+        assert sass.count(op) == std.count(op), (d, causal, knobs, op)
+    assert sass.count("ATOMG.E.ADD") == (1 if knobs.get("dynamic") else 0), (d, knobs)
 
 
 def test_fixed_rules_are_standard_builds_of_their_head_dims_default():
@@ -298,38 +304,51 @@ def test_fixed_rules_are_standard_builds_of_their_head_dims_default():
     assert not standard & set(SPEC.candidate_params())
 
 
+# CI compares the D = 128 causal rule's build with SAMPLE_KEEP (its default, built once)
+RULE_KEEP = next(
+    i for i, r in enumerate(FIXED_RULES, 1) if (*r.head_dims, r.causal) == (128, 128, True)
+)
+
+
 @pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
-def test_fixed_rules_build_as_their_default(records):
+@pytest.mark.parametrize("i", slow_past(range(1, len(FIXED_RULES) + 1), keep=RULE_KEEP))
+def test_fixed_rules_build_as_their_default(tmp_path, i):
     """Sections at every size change one compare's constant, the counter adds one atomic and
     the tile ring: each rule's build (CPU, 2026-12-05) keeps its default's registers, no local
     memory, and its HGMMA and TMA counts."""
-    by_key = {tuple(sorted(rec["params"].items())): rec for rec in records}
-    for i, rule in enumerate(FIXED_RULES, 1):
-        d, dv = rule.head_dims
-        rec = by_key[tuple(sorted(dict(rule_params("bfloat16", i)).items()))]
-        std = by_key[tuple(sorted(dict(params_for("bfloat16", d, dv, rule.causal)).items()))]
-        assert rec["registers"] == std["registers"] and rec["spill_bytes"] == 0, rule
-        for op in ("HGMMA", "UTMALDG", "UTMASTG", "LDL", "STL"):
-            assert rec["sass"].get(op, 0) == std["sass"].get(op, 0), (rule, op)
+    rule = FIXED_RULES[i - 1]
+    d, dv = rule.head_dims
+    rec = _build_with_sass(rule_params("bfloat16", i), tmp_path)[0]
+    std = _build_with_sass(params_for("bfloat16", d, dv, rule.causal), tmp_path)[0]
+    assert rec["registers"] == std["registers"] and rec["spill_bytes"] == 0, rule
+    for op in ("HGMMA", "UTMALDG", "UTMASTG", "LDL", "STL"):
+        assert rec["sass"].get(op, 0) == std["sass"].get(op, 0), (rule, op)
+
+
+D192_BUILDS = [p for p in SPEC.candidate_params() if dict(p)["head_dim"] == 192]
 
 
 @pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
-def test_d192_schedule_candidates_build_as_the_standard(tmp_path):
+@pytest.mark.parametrize(
+    "params",
+    slow_past(D192_BUILDS),
+    ids=lambda p: "-".join(k for k in ("k_ahead", "dynamic", "wave_kv_mib") if k in dict(p)),
+)
+def test_d192_schedule_candidates_build_as_the_standard(tmp_path, params):
     """The candidates change the producer's load order (k_ahead: K of the next block before V
     of the current, one more TMA issue site), the deal (the tile counter) and the section
     size, not the mainloop: 168 registers, no local memory, and the WGMMA, MUFU and wait
     counts of the standard 192/128 build (CPU 2026-12-05: unmasked step 503 instructions in
     each)."""
     std_rec, std = _build_with_sass(params_for("bfloat16", 192, 128, True), tmp_path)
-    for params in (p for p in SPEC.candidate_params() if dict(p)["head_dim"] == 192):
-        rec, sass = _build_with_sass(params, tmp_path)
-        assert rec["registers"] == std_rec["registers"] and rec["spill_bytes"] == 0, params
-        assert rec["sass"].get("LDL", 0) == 0 and rec["sass"].get("STL", 0) == 0, params
-        for op in ("HGMMA", "MUFU.EX2", "WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR", "F2FP"):
-            assert sass.count(op) == std.count(op), (params, op)
-        assert "BRA.U.ANY" not in sass, params
-        if dict(params).get("k_ahead"):
-            assert rec["sass"]["UTMALDG"] > std_rec["sass"]["UTMALDG"], params
+    rec, sass = _build_with_sass(params, tmp_path)
+    assert rec["registers"] == std_rec["registers"] and rec["spill_bytes"] == 0, params
+    assert rec["sass"].get("LDL", 0) == 0 and rec["sass"].get("STL", 0) == 0, params
+    for op in ("HGMMA", "MUFU.EX2", "WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR", "F2FP"):
+        assert sass.count(op) == std.count(op), (params, op)
+    assert "BRA.U.ANY" not in sass, params
+    if dict(params).get("k_ahead"):
+        assert rec["sass"]["UTMALDG"] > std_rec["sass"]["UTMALDG"], params
 
 
 def test_unsupported_head_dims_are_refused():

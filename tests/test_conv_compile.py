@@ -13,7 +13,10 @@ Weight gradient (every standard tile, each pixel walk): A = dY^T through a tiled
 im2col boxes (or, the stride-1 rectangles, A and B both 5-D tiled boxes), both read transposed
 by WGMMA (`.tnspA.tnspB`), the split's flag counted with a global atomic; the reduce split
 (every reduce tile, 8-wide rectangles) adds each part with one bulk reduce (UBLKRED) and its
-last part loads, zeroes and stores the tile's one slot."""
+last part loads, zeroes and stores the tile's one slot.
+
+CI builds each test's first configuration (the forward's representative); the others are
+marked `slow` (tests/sweeps.py): they run before landing a kernel change."""
 
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ import pytest
 
 pytest.importorskip("cutlass")
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+from sweeps import slow_past  # noqa: E402  (tests/ is on the path)
 
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY  # noqa: E402
 from forgekernel.kernels.conv.sm90 import (  # noqa: E402
@@ -79,13 +84,15 @@ def _no_spills_and_fits(sass, found, kernel):
 
 @pytest.mark.parametrize(
     "params",
-    [
-        SPEC.representative_params(),
-        params_for("float16", False, LARGE),
-        params_for("bfloat16", False, SQUARE, dgrad=True),
-        params_for("bfloat16", True, replace(LARGE, split=True)),
-        params_for("float16", False, replace(NARROW, split=True), dgrad=True),
-    ],
+    slow_past(
+        [
+            SPEC.representative_params(),
+            params_for("float16", False, LARGE),
+            params_for("bfloat16", False, SQUARE, dgrad=True),
+            params_for("bfloat16", True, replace(LARGE, split=True)),
+            params_for("float16", False, replace(NARROW, split=True), dgrad=True),
+        ]
+    ),
     ids=["representative", "128x256", "dgrad", "128x256-split-bias", "dgrad-128x64-split"],
 )
 def test_forward_builds_with_im2col_tma_hgmma_and_no_spills(params, tmp_path, monkeypatch):
@@ -103,14 +110,16 @@ def test_forward_builds_with_im2col_tma_hgmma_and_no_spills(params, tmp_path, mo
 
 @pytest.mark.parametrize(
     "params",
-    [
-        params_for("bfloat16", True, SQUARE, rect=8),
-        params_for("float16", False, LARGE, rect=16),
-        params_for("bfloat16", True, replace(LARGE, split=True), rect=8),
-        params_for("bfloat16", False, replace(NARROW, split=True), rect=16),
-        params_for("bfloat16", False, SQUARE, dgrad=True, rect=8),
-        params_for("float16", False, replace(LARGE, split=True), dgrad=True, rect=16),
-    ],
+    slow_past(
+        [
+            params_for("bfloat16", True, SQUARE, rect=8),
+            params_for("float16", False, LARGE, rect=16),
+            params_for("bfloat16", True, replace(LARGE, split=True), rect=8),
+            params_for("bfloat16", False, replace(NARROW, split=True), rect=16),
+            params_for("bfloat16", False, SQUARE, dgrad=True, rect=8),
+            params_for("float16", False, replace(LARGE, split=True), dgrad=True, rect=16),
+        ]
+    ),
     ids=[
         "128x128c2x1-bias-r8",
         "128x256-r16",
@@ -133,7 +142,7 @@ def test_forward_rectangles_build_tiled_5d_and_no_spills(params, tmp_path, monke
     print(dict(params)["rect"], kernel.cfg.tag(), found)
 
 
-@pytest.mark.parametrize("cfg", FUSED_CONFIGS, ids=lambda c: c.tag())
+@pytest.mark.parametrize("cfg", slow_past(FUSED_CONFIGS), ids=lambda c: c.tag())
 def test_fused_dgrad_builds_every_tile_without_spills(cfg, tmp_path, monkeypatch):
     params = fused_params("bfloat16", cfg)
     sass, found, kernel = _build(
@@ -156,7 +165,7 @@ assert {rect for _, rect in WGRAD_BUILDS} == set(WGRAD_RECTS)
 
 
 @pytest.mark.parametrize(
-    ("cfg", "rect"), WGRAD_BUILDS,
+    ("cfg", "rect"), slow_past(WGRAD_BUILDS, unpack=True),
     ids=[f"{c.tile_m}x{c.tile_n}c{c.cluster_m}-{r}" for c, r in WGRAD_BUILDS],
 )  # fmt: skip
 def test_wgrad_builds_every_tile_without_spills(cfg, rect, tmp_path, monkeypatch):
@@ -175,7 +184,9 @@ def test_wgrad_builds_every_tile_without_spills(cfg, rect, tmp_path, monkeypatch
     assert "UTMASTG" in sass and re.search(r"\bATOMG?\.E\.ADD", sass)
 
 
-@pytest.mark.parametrize("cfg", WGRAD_REDUCE_CONFIGS, ids=lambda c: f"{c.tile_m}x{c.tile_n}")
+@pytest.mark.parametrize(
+    "cfg", slow_past(WGRAD_REDUCE_CONFIGS), ids=lambda c: f"{c.tile_m}x{c.tile_n}"
+)
 def test_wgrad_reduce_builds_every_tile_without_spills(cfg, tmp_path, monkeypatch):
     params = wgrad_params("bfloat16", cfg, 8, reduce=True)
     sass, found, kernel = _build(

@@ -4,7 +4,8 @@ the setmaxnreg split, the WGMMAs of both consumer warpgroups' tiles (S^T / dP^T 
 columns, dq^T blocks over 64 rows, dkv blocks over BLOCK heads), the gather by cp.async, the dkv
 reductions (red4s: `red.global.add.v4.f32` from the staging in the stage; v2:
 `red.global.add.v2.f32` from the fragments) and the WGMMAs pipelined (not serialized one by
-one)."""
+one). CI builds each kernel test's first configuration; the other blocks, dtypes and forms are
+marked `slow` (tests/sweeps.py): they run before landing a kernel change."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("cutlass")
+
+from sweeps import slow_past  # noqa: E402  (tests/ is on the path)
 
 from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import SPEC, config  # noqa: E402
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY  # noqa: E402
@@ -66,15 +69,17 @@ def _compiled(params) -> tuple[dict, Counter]:
     return res, ops
 
 
-@pytest.mark.parametrize("xchg", [False, True])
-@pytest.mark.parametrize("block", config.BLOCKS)
+@pytest.mark.parametrize(
+    ("block", "xchg"),
+    slow_past([(b, x) for b in config.BLOCKS for x in (False, True)], unpack=True),
+)
 def test_sparse_bwd_kernel(block, xchg):
     """The fragments' red.global.add.v2 (both blocks' form before red4s; the candidate v2;
     under xchg the form measured at 00:37)."""
     _check_kernel(block, xchg)
 
 
-@pytest.mark.parametrize("block", config.BLOCKS)
+@pytest.mark.parametrize("block", slow_past(config.BLOCKS))
 def test_sparse_bwd_kernel_red4s(block):
     """The candidate red4s (the standard form before xchg4s): the dkv blocks staged (144
     STS.64 a thread loop), read back (72 LDS.128) into 72 REDG.E.ADD.F32x4, no v2, the staging
@@ -84,7 +89,9 @@ def test_sparse_bwd_kernel_red4s(block):
     _check_kernel(block, False, red4s=True)
 
 
-@pytest.mark.parametrize("block,reduce", [(16, True), (32, True), (32, False)])
+@pytest.mark.parametrize(
+    "block,reduce", slow_past([(16, True), (32, True), (32, False)], unpack=True)
+)
 def test_sparse_bwd_kernel_xchg4s(block, reduce):
     """The standard form xchg4s (red4s under xchg; config.py's RED4S_OFFSET comment): xchg's WGMMAs
     (S^T in one warpgroup, dP^T in the other) and exchange (scalar stores: no STS.64 of its
@@ -219,8 +226,10 @@ def test_fragment_coordinates_the_kernel_assumes():
         assert kv[i][0] == 1 + 8 * ((i // 2) % 2) and kv[i + 1] == (kv[i][0], kv[i][1] + 1)
 
 
-@pytest.mark.parametrize("dtype,shfl4", [(d, True) for d in config.DTYPES]
-                         + [("bfloat16", False)])  # fmt: skip
+H64_KV = [(d, True) for d in config.DTYPES] + [("bfloat16", False)]
+
+
+@pytest.mark.parametrize("dtype,shfl4", slow_past(H64_KV, unpack=True))
 def test_h64_kv_kernel(dtype, shfl4):
     """The h64 kv part (kernel_h64.py): no spills under 56 / 224; S^T (36) in the first consumer
     warpgroup, dP^T (32) in the second, dkv blocks with K = 64 heads (4 k-steps each: 36 / 32),
@@ -246,7 +255,7 @@ def test_h64_kv_kernel(dtype, shfl4):
     assert ops["DEPBAR0"] <= 8
 
 
-@pytest.mark.parametrize("dtype", config.DTYPES)
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
 def test_h64_dq_kernel_128(dtype):
     """The h64 dq part at 128 heads a CTA (one 192-column group): one dq^T block a consumer
     warpgroup at m64n128 (3 x 4 k-steps), the group's three row chunks (3 x 4 cp.async) and the
@@ -260,7 +269,7 @@ def test_h64_dq_kernel_128(dtype):
     assert sass.count("DEPBAR.LE SB0, 0x1 ") == 1
 
 
-@pytest.mark.parametrize("dtype", config.DTYPES)
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
 def test_h64_dq_kernel(dtype):
     """The h64 dq part: three consumer warpgroups at setmaxnreg 152 (512 threads: 128 registers
     at launch), no spills with 96 accumulator registers; 3 x 3 dq^T blocks of 4 k-steps (36
